@@ -1,0 +1,1407 @@
+"""notesvc: a self-hosted notes server with an HTTP JSON API, in one file.
+
+Run it:   python notesvc.py            (serves ./data on http://0.0.0.0:3000)
+Help:     python notesvc.py --help
+Embed:    notesvc.create_app(load_config(...)) is a WSGI application.
+
+Outline (``grep -n '^# ==' notesvc.py``):
+  Settings        the option table, the loader, the frozen Config
+  Errors          ApiError, the envelope, the one renderer of every failure
+  Helpers         clock, ids, atomic writes, host validation, JSON bodies
+  Notes           path rules, the note record, the store, trash, locks
+  State and auth  state.json, keys, lockout
+  HTTP            middleware, handlers per endpoint group, route table, create_app
+  CLI             parser, cmd_* functions, main()
+"""
+
+from __future__ import annotations
+
+__version__ = "0.1.0"
+
+import argparse
+import contextlib
+import dataclasses
+import datetime as dt
+import hashlib
+import hmac
+import ipaddress
+import json
+import logging
+import os
+import platform
+import re
+import secrets
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+import uuid
+from collections import deque
+from collections.abc import Iterable, Mapping
+from pathlib import Path
+from typing import Any, Callable
+
+import bottle
+
+try:  # file locks: POSIX only; on other systems the single-process rule is advisory
+    import fcntl
+except ImportError:  # pragma: no cover - Windows
+    fcntl = None
+
+log = logging.getLogger("notesvc")
+
+API = "/api/v1"
+KEY_PREFIX = "nsk_"
+KEY_HEADER = "X-Service-Key"
+
+
+# == Settings =================================================================
+
+
+class ConfigError(Exception):
+    """A bad option or value; the CLI prints it as one line and exits 2."""
+
+
+def _text(raw: str) -> str:
+    return raw.strip()
+
+
+def _port(raw: str) -> int:
+    if not raw.strip().isdigit() or not 0 <= int(raw) <= 65535:
+        raise ValueError(f"{raw!r} is not a port number (1-65535, or 0 for any free port)")
+    return int(raw)
+
+
+def _int_range(lo: int, hi: int) -> Callable[[str], int]:
+    def parse(raw: str) -> int:
+        try:
+            value = int(raw.strip())
+        except ValueError:
+            raise ValueError(f"{raw!r} is not a whole number") from None
+        if not lo <= value <= hi:
+            raise ValueError(f"{value} is outside {lo}..{hi}")
+        return value
+
+    return parse
+
+
+def _seconds(raw: str) -> float:
+    try:
+        value = float(raw.strip())
+    except ValueError:
+        raise ValueError(f"{raw!r} is not a number of seconds") from None
+    if not 0 < value <= 3600:
+        raise ValueError(f"{value} is outside 0..3600 seconds")
+    return value
+
+
+def _bool(raw: str) -> bool:
+    word = raw.strip().lower()
+    if word in ("1", "true", "yes", "on"):
+        return True
+    if word in ("0", "false", "no", "off", ""):
+        return False
+    raise ValueError(f"{raw!r} is not true or false")
+
+
+def _choice(*values: str) -> Callable[[str], str]:
+    def parse(raw: str) -> str:
+        word = raw.strip().lower()
+        if word not in values:
+            raise ValueError(f"{raw!r} is not one of {', '.join(values)}")
+        return word
+
+    return parse
+
+
+def _url(raw: str) -> str:
+    raw = raw.strip().rstrip("/")
+    if not raw:
+        return ""
+    parts = urllib.parse.urlsplit(raw)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError(f"{raw!r} is not an http(s) URL")
+    return raw
+
+
+def _origins(raw: str) -> tuple:
+    origins = tuple(o.strip().rstrip("/") for o in raw.split(",") if o.strip())
+    for origin in origins:
+        if origin != "*":
+            _url(origin)
+    return origins
+
+
+def _path(raw: str) -> Path:
+    return Path(raw.strip() or ".").expanduser()
+
+
+def _log_level(raw: str) -> str:
+    return _choice("debug", "info", "warning", "error")(raw).upper()
+
+
+@dataclasses.dataclass(frozen=True)
+class Setting:
+    name: str  # attribute of Config
+    env: str  # environment variable
+    flag: str  # command-line flag, "" when there is none
+    default: str  # as text, parsed like any other value
+    parse: Callable[[str], Any]
+    help: str
+
+
+SETTINGS = (
+    Setting("host", "SERVICE_HOST", "--host", "0.0.0.0", _text, "bind host"),
+    Setting("port", "SERVICE_PORT", "--port", "3000", _port, "listening port"),
+    Setting("root", "SERVICE_NOTES_ROOT", "--root", "./data", _path, "notes root"),
+    Setting(
+        "auth_mode",
+        "SERVICE_AUTH_MODE",
+        "--auth-mode",
+        "api-key",
+        _choice("api-key", "none", "jwt"),
+        "api-key, none (development only) or jwt",
+    ),
+    Setting("jwt_secret", "SERVICE_JWT_SECRET", "", "", str, "HS256 secret for jwt mode"),
+    Setting("cors", "SERVICE_CORS_ORIGINS", "--cors", "", _origins, "allowed CORS origins"),
+    Setting("public_url", "SERVICE_PUBLIC_URL", "--public-url", "", _url, "canonical URL"),
+    Setting("trust_proxy", "SERVICE_TRUST_PROXY", "", "false", _bool, "trust X-Forwarded-*"),
+    Setting(
+        "setup_local_only",
+        "SERVICE_SETUP_LOCAL_ONLY",
+        "",
+        "false",
+        _bool,
+        "show the key in the setup payload only to loopback clients",
+    ),
+    Setting(
+        "pairing",
+        "SERVICE_PAIRING_MODE",
+        "--pairing",
+        "relay",
+        _choice("relay", "open-port"),
+        "relay or open-port",
+    ),
+    Setting("relay_url", "SERVICE_RELAY_URL", "--relay-url", "", _url, "relay address"),
+    Setting("client_url", "SERVICE_CLIENT_URL", "", "", _url, "links.connect.hosted base"),
+    Setting("test_client_url", "SERVICE_TEST_CLIENT_URL", "", "", _url, "links.connect.testHosted"),
+    Setting("agent_provider", "SERVICE_AGENT_PROVIDER", "", "local", _text, "agent provider"),
+    Setting("agent_base_url", "SERVICE_AGENT_BASE_URL", "", "", _url, "OpenAI-compatible URL"),
+    Setting("agent_model", "SERVICE_AGENT_MODEL", "", "", _text, "model name"),
+    Setting("agent_api_key", "SERVICE_AGENT_API_KEY", "", "", _text, "model API key"),
+    Setting("agent_timeout", "SERVICE_AGENT_TIMEOUT", "", "60", _seconds, "model time-out (s)"),
+    Setting(
+        "telegram_api_base",
+        "SERVICE_TELEGRAM_API_BASE",
+        "",
+        "https://api.telegram.org",
+        _url,
+        "Telegram Bot API base",
+    ),
+    Setting(
+        "whatsapp_api_base",
+        "SERVICE_WHATSAPP_API_BASE",
+        "",
+        "https://graph.facebook.com/v21.0",
+        _url,
+        "WhatsApp Cloud API base",
+    ),
+    Setting(
+        "max_body_bytes",
+        "SERVICE_MAX_BODY_BYTES",
+        "",
+        "1048576",
+        _int_range(1024, 1 << 30),
+        "largest request body (bytes)",
+    ),
+    Setting(
+        "rescan_seconds",
+        "SERVICE_RESCAN_SECONDS",
+        "",
+        "5",
+        _int_range(0, 86400),
+        "external-edit rescan interval (0 = off)",
+    ),
+    Setting("plugins_dir", "SERVICE_PLUGINS_DIR", "", "", _text, "third-party plugins folder"),
+    Setting("threads", "SERVICE_THREADS", "", "8", _int_range(1, 256), "waitress threads"),
+    Setting("log_level", "SERVICE_LOG_LEVEL", "--log-level", "info", _log_level, "log level"),
+)
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+    host: str = "0.0.0.0"
+    port: int = 3000
+    root: Path = Path("./data")
+    auth_mode: str = "api-key"
+    jwt_secret: str = ""
+    cors: tuple = ()
+    public_url: str = ""
+    trust_proxy: bool = False
+    setup_local_only: bool = False
+    pairing: str = "relay"
+    relay_url: str = ""
+    client_url: str = ""
+    test_client_url: str = ""
+    agent_provider: str = "local"
+    agent_base_url: str = ""
+    agent_model: str = ""
+    agent_api_key: str = ""
+    agent_timeout: float = 60.0
+    telegram_api_base: str = "https://api.telegram.org"
+    whatsapp_api_base: str = "https://graph.facebook.com/v21.0"
+    max_body_bytes: int = 1048576
+    rescan_seconds: int = 5
+    plugins_dir: str = ""
+    threads: int = 8
+    log_level: str = "INFO"
+
+    @property
+    def state_dir(self) -> Path:
+        return self.root / ".notesvc"
+
+    @property
+    def notes_dir(self) -> Path:
+        return self.root / "notes"
+
+
+def load_config(env: Mapping[str, str] | None = None, **flags: Any) -> Config:
+    """Return the Config for these flags and environment (flag > variable > default).
+
+    Raises ConfigError naming the option and the bad value.
+    """
+    env = os.environ if env is None else env
+    values = {}
+    for s in SETTINGS:
+        if flags.get(s.name) is not None:
+            raw, source = str(flags[s.name]), s.flag or s.name
+        elif env.get(s.env) is not None:
+            raw, source = env[s.env], s.env
+        else:
+            raw, source = s.default, s.env
+        try:
+            values[s.name] = s.parse(raw)
+        except ValueError as e:
+            raise ConfigError(f"{source}: {e}") from None
+    if values["auth_mode"] == "jwt" and len(values["jwt_secret"].encode()) < 32:
+        raise ConfigError("SERVICE_JWT_SECRET: jwt mode needs a secret of at least 32 bytes")
+    values["root"] = values["root"].resolve()
+    return Config(**values)
+
+
+# == Errors and envelope ======================================================
+
+STATUS_CODES = {
+    400: "VALIDATION_ERROR",
+    401: "UNAUTHORIZED",
+    403: "FORBIDDEN",
+    404: "NOT_FOUND",
+    405: "METHOD_NOT_ALLOWED",
+    409: "CONFLICT",
+    412: "PRECONDITION_FAILED",
+    413: "PAYLOAD_TOO_LARGE",
+    415: "UNSUPPORTED_MEDIA_TYPE",
+    429: "RATE_LIMITED",
+    500: "INTERNAL_ERROR",
+    502: "UPSTREAM_ERROR",
+    503: "AGENT_DISABLED",
+    504: "UPSTREAM_TIMEOUT",
+}
+
+# Endpoints that SPEC.md replaced: asking for them names the replacement.
+REPLACED = {
+    ("POST", f"{API}/folders"): f"POST {API}/folders does not exist; "
+    f"folders follow from note paths, read them with GET {API}/folders/tree/:path",
+    ("GET", f"{API}/agent/tools"): f"GET {API}/agent/tools was replaced by GET {API}/agent/status",
+}
+
+
+class ApiError(bottle.HTTPError):
+    """An HTTP error that renders as the JSON error envelope."""
+
+    def __init__(self, status: int, code: str, message: str, headers: dict | None = None):
+        super().__init__(status, message, **(headers or {}))
+        self.code = code
+        self.message = message
+
+
+def bad_request(message: str) -> ApiError:
+    return ApiError(400, "VALIDATION_ERROR", message)
+
+
+def not_found(message: str) -> ApiError:
+    return ApiError(404, "NOT_FOUND", message)
+
+
+def to_json(obj: Any) -> bytes:
+    return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
+
+
+def json_body(obj: Any) -> bytes:
+    """Return obj as a JSON response body and set the JSON content type."""
+    bottle.response.content_type = "application/json; charset=utf-8"
+    return to_json(obj)
+
+
+def render_error(err: bottle.HTTPError) -> bytes:
+    """Render every failure, Bottle's own 404/405/500 included, as the error envelope."""
+    status = err.status_code
+    env = bottle.request.environ
+    if isinstance(err, ApiError):
+        code, message = err.code, err.message
+    else:
+        code = STATUS_CODES.get(status, "ERROR" if status >= 500 else "BAD_REQUEST")
+        method, path = env.get("REQUEST_METHOD", "GET"), env.get("PATH_INFO", "")
+        if status == 404:
+            message = REPLACED.get((method, path)) or f"no route for {method} {path}"
+        elif status == 405:
+            allowed = err.headers.get("Allow", "")
+            message = f"{method} is not allowed on {path}; allowed: {allowed}"
+        elif status >= 500:
+            message = f"internal error; request id {env.get('notesvc.request_id', '-')}"
+        else:
+            message = str(err.body or bottle.HTTP_CODES.get(status, "error"))
+    return json_body({"success": False, "error": {"code": code, "message": message}})
+
+
+# == Helpers ==================================================================
+
+
+def utcnow() -> dt.datetime:
+    return dt.datetime.now(dt.timezone.utc)
+
+
+def iso(ts: dt.datetime | float) -> str:
+    """Return an ISO 8601 UTC timestamp ending in Z (milliseconds)."""
+    if not isinstance(ts, dt.datetime):
+        ts = dt.datetime.fromtimestamp(ts, dt.timezone.utc)
+    return ts.strftime("%Y-%m-%dT%H:%M:%S.") + f"{ts.microsecond // 1000:03d}Z"
+
+
+def new_key() -> str:
+    return KEY_PREFIX + secrets.token_urlsafe(32)
+
+
+def key_hash(key: str) -> str:
+    return hashlib.sha256(key.encode("utf-8", "surrogateescape")).hexdigest()
+
+
+def redact(secret: str, keep: int = 4) -> str:
+    """Return a secret shown as its prefix (for keys) and last characters only."""
+    if not secret:
+        return ""
+    prefix = KEY_PREFIX if secret.startswith(KEY_PREFIX) else ""
+    return f"{prefix}…{secret[-keep:]}" if len(secret) > keep + len(prefix) + 4 else "…"
+
+
+def new_relay_code() -> str:
+    alphabet = "ABCDEFGHJKMNPQRSTVWXYZ23456789"
+    chars = [secrets.choice(alphabet) for _ in range(12)]
+    return "-".join("".join(chars[i : i + 4]) for i in (0, 4, 8))
+
+
+def fsync_dir(folder: Path) -> None:
+    """Make a rename inside folder durable (no-op where folders cannot be opened)."""
+    try:
+        fd = os.open(folder, os.O_RDONLY)
+    except OSError:  # pragma: no cover - Windows
+        return
+    try:
+        os.fsync(fd)
+    except OSError:  # pragma: no cover
+        pass
+    finally:
+        os.close(fd)
+
+
+_UMASK = os.umask(0)
+os.umask(_UMASK)
+
+
+def atomic_write(path: Path, data: bytes, mode: int | None = None) -> None:
+    """Write data to path so that a crash leaves either the old or the new content.
+
+    Temp file in the same folder, flush, fsync, os.replace, fsync the folder.
+    """
+    folder = path.parent
+    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".part", dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+            f.flush()
+            os.fsync(f.fileno())
+        if mode is None:
+            try:
+                mode = os.stat(path).st_mode & 0o777
+            except FileNotFoundError:
+                mode = 0o666 & ~_UMASK
+        os.chmod(tmp, mode)
+        os.replace(tmp, path)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(tmp)
+        raise
+    fsync_dir(folder)
+
+
+@contextlib.contextmanager
+def file_lock(path: Path, blocking: bool = True):
+    """Hold an exclusive advisory lock on path (created if missing) for the block."""
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    try:
+        if fcntl is not None:
+            fcntl.flock(fd, fcntl.LOCK_EX | (0 if blocking else fcntl.LOCK_NB))
+        yield fd
+    finally:
+        os.close(fd)  # closing the descriptor releases the lock
+
+
+_HOST_RE = re.compile(
+    r"^(?:\[[0-9A-Fa-f:.]+\]|[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?"
+    r"(?:\.[A-Za-z0-9](?:[A-Za-z0-9-]{0,61}[A-Za-z0-9])?)*)(?::(\d{1,5}))?$"
+)
+
+
+def valid_host(value: str) -> bool:
+    """Return whether value is a plain host[:port] (no user info, path or junk)."""
+    m = _HOST_RE.match(value or "")
+    if not m or len(value) > 261:
+        return False
+    if value.startswith("["):
+        try:
+            ipaddress.IPv6Address(value[1 : value.index("]")])
+        except ValueError:
+            return False
+    return m.group(1) is None or 0 < int(m.group(1)) <= 65535
+
+
+def is_loopback(addr: str) -> bool:
+    try:
+        return ipaddress.ip_address(addr.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def read_json(max_bytes: int, required: bool = True) -> dict:
+    """Return the request's JSON object body.
+
+    Raises 415 for another media type, 413 over max_bytes, 400 for anything
+    that is not one UTF-8 JSON object. An absent body is {} when not required.
+    """
+    req = bottle.request
+    length = req.content_length  # -1 when unknown (chunked)
+    chunked = "chunked" in req.environ.get("HTTP_TRANSFER_ENCODING", "").lower()
+    if length <= 0 and not chunked:
+        if required:
+            raise bad_request("a JSON object body is required")
+        return {}
+    ctype = req.content_type.split(";")[0].strip().lower()
+    if ctype != "application/json":
+        raise ApiError(
+            415,
+            "UNSUPPORTED_MEDIA_TYPE",
+            "send the body as JSON with Content-Type: application/json",
+        )
+    if length > max_bytes:
+        raise ApiError(413, "PAYLOAD_TOO_LARGE", f"the body is over {max_bytes} bytes")
+    raw = req.body.read(max_bytes + 1)
+    if len(raw) > max_bytes:
+        raise ApiError(413, "PAYLOAD_TOO_LARGE", f"the body is over {max_bytes} bytes")
+    if not raw.strip():
+        if required:
+            raise bad_request("a JSON object body is required")
+        return {}
+    try:
+        body = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+    except UnicodeDecodeError:
+        raise bad_request("the body is not valid UTF-8") from None
+    except (ValueError, RecursionError) as e:
+        raise bad_request(f"the body is not valid JSON: {str(e)[:120]}") from None
+    if not isinstance(body, dict):
+        raise bad_request("the body must be a JSON object")
+    return body
+
+
+def _no_constant(name: str) -> None:
+    raise ValueError(f"{name} is not allowed in JSON")
+
+
+def field(body: dict, name: str, kind: type = str, required: bool = True, max_len: int = 0):
+    """Return body[name] checked for type (and length for strings); 400 otherwise."""
+    if name not in body or body[name] is None:
+        if required:
+            raise bad_request(f"'{name}' is required")
+        return None
+    value = body[name]
+    if not isinstance(value, kind) or (kind is int and isinstance(value, bool)):
+        raise bad_request(f"'{name}' must be a {_TYPE_NAMES.get(kind, kind.__name__)}")
+    if max_len and isinstance(value, str) and len(value) > max_len:
+        raise bad_request(f"'{name}' is longer than {max_len} characters")
+    return value
+
+
+_TYPE_NAMES = {str: "string", int: "whole number", bool: "boolean", dict: "object", list: "list"}
+
+
+def query_int(name: str, default: int, lo: int, hi: int) -> int:
+    """Return an integer query parameter within lo..hi; 400 otherwise."""
+    raw = bottle.request.query.get(name)
+    if raw is None or raw == "":
+        return default
+    if not re.fullmatch(r"-?\d{1,9}", raw) or not lo <= int(raw) <= hi:
+        raise bad_request(f"'{name}' must be a whole number from {lo} to {hi}")
+    return int(raw)
+
+
+# == State and auth ===========================================================
+
+
+class StateError(Exception):
+    """The state file exists but cannot be used (start-up stops with its message)."""
+
+
+class StateStore:
+    """state.json: server id, key (hash), setup state, clients, relay code, channels.
+
+    Every change goes through update(): it takes a file lock, re-reads the file,
+    applies the change and writes it back atomically, so a `rotate-key` run by
+    another process is never overwritten with an older copy. Reads notice a file
+    changed by another process through its (mtime, size, inode) signature.
+    """
+
+    def __init__(self, folder: Path):
+        self.folder = folder
+        self.path = folder / "state.json"
+        self._lock = threading.RLock()
+        self._data: dict = {}
+        self._sig: tuple | None = None
+        folder.mkdir(parents=True, exist_ok=True)
+        with contextlib.suppress(OSError):
+            os.chmod(folder, 0o700)
+        self.update(self._initialise)
+
+    @staticmethod
+    def _initialise(data: dict) -> None:
+        if data.get("serverId"):
+            return
+        key, now = new_key(), iso(utcnow())
+        data.update(
+            version=1,
+            serverId=secrets.token_hex(8),
+            createdAt=now,
+            apiKey=key,
+            keyHash=key_hash(key),
+            keyHint=key[-4:],
+            keyCreatedAt=now,
+            setupComplete=False,
+            linkedClients=[],
+            relayCode=new_relay_code(),
+        )
+
+    def _signature(self) -> tuple | None:
+        try:
+            st = os.stat(self.path)
+        except FileNotFoundError:
+            return None
+        return (st.st_mtime_ns, st.st_size, st.st_ino)
+
+    def _load(self) -> None:
+        sig = self._signature()
+        if sig == self._sig and self._data:
+            return
+        if sig is None:
+            self._data, self._sig = {}, None
+            return
+        try:
+            data = json.loads(self.path.read_text("utf-8"))
+        except (OSError, ValueError) as e:
+            raise StateError(f"{self.path} cannot be read ({e}); restore it or move it away") from e
+        if not isinstance(data, dict):
+            raise StateError(f"{self.path} does not hold a JSON object; restore it or move it away")
+        self._data, self._sig = data, sig
+
+    def read(self) -> dict:
+        """Return the current state (do not mutate it; use update)."""
+        with self._lock:
+            self._load()
+            return self._data
+
+    def update(self, change: Callable[[dict], Any]) -> Any:
+        """Apply change(data) to the freshest state, write it atomically, return its result."""
+        with self._lock, file_lock(self.folder / "state.lock"):
+            self._sig = None
+            self._load()
+            data = json.loads(json.dumps(self._data))  # a copy: a failed change leaves no trace
+            result = change(data)
+            atomic_write(self.path, json.dumps(data, indent=2).encode("utf-8"), mode=0o600)
+            self._data, self._sig = data, self._signature()
+            return result
+
+
+def rotate_key(data: dict) -> str:
+    """Give the state a new key and relay code; return the key (shown once)."""
+    key = new_key()
+    data.update(
+        keyHash=key_hash(key),
+        keyHint=key[-4:],
+        keyCreatedAt=iso(utcnow()),
+        relayCode=new_relay_code(),
+    )
+    if data.get("setupComplete"):
+        data.pop("apiKey", None)
+    else:
+        data["apiKey"] = key
+    return key
+
+
+class Lockout:
+    """Failed credentials per client address: `limit` in `window` s lock it out for `window` s."""
+
+    def __init__(self, limit: int = 10, window: float = 60.0, clock=time.monotonic):
+        self.limit, self.window, self.clock = limit, window, clock
+        self._fails: dict[str, deque] = {}
+        self._until: dict[str, float] = {}
+        self._lock = threading.Lock()
+
+    def retry_after(self, addr: str) -> int:
+        """Return the seconds addr must still wait, 0 when it is not locked out."""
+        with self._lock:
+            until = self._until.get(addr, 0.0)
+            left = until - self.clock()
+            if left <= 0:
+                self._until.pop(addr, None)
+                return 0
+            return max(1, int(left + 0.999))
+
+    def fail(self, addr: str) -> None:
+        now = self.clock()
+        with self._lock:
+            if len(self._fails) > 10000:  # bound memory under a spray of addresses
+                self._prune(now)
+            q = self._fails.setdefault(addr, deque())
+            q.append(now)
+            while q and q[0] <= now - self.window:
+                q.popleft()
+            if len(q) >= self.limit:
+                self._until[addr] = now + self.window
+                q.clear()
+
+    def _prune(self, now: float) -> None:
+        for addr in [a for a, q in self._fails.items() if not q or q[-1] <= now - self.window]:
+            del self._fails[addr]
+
+
+# == HTTP =====================================================================
+
+
+class Service:
+    """Everything one running app shares across its threads."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.started = time.time()
+        config.notes_dir.mkdir(parents=True, exist_ok=True)
+        self.state = StateStore(config.state_dir)
+        self.lockout = Lockout()
+
+    # -- request context ------------------------------------------------------
+
+    def client_addr(self, environ: dict) -> str:
+        """Return the client's address (the proxy's last hop when the proxy is trusted)."""
+        addr = environ.get("REMOTE_ADDR", "")
+        forwarded = environ.get("HTTP_X_FORWARDED_FOR", "")
+        if self.config.trust_proxy and forwarded:
+            addr = forwarded.split(",")[-1].strip()
+        return addr
+
+    def base_url(self, environ: dict) -> str:
+        """Return the canonical base URL: the configured one, else from the request."""
+        if self.config.public_url:
+            return self.config.public_url
+        scheme = environ.get("wsgi.url_scheme", "http")
+        host = environ.get("HTTP_HOST", "")
+        if self.config.trust_proxy:
+            proto = environ.get("HTTP_X_FORWARDED_PROTO", "").split(",")[0].strip().lower()
+            if proto in ("http", "https"):
+                scheme = proto
+            fwd_host = environ.get("HTTP_X_FORWARDED_HOST", "").split(",")[0].strip()
+            if valid_host(fwd_host):
+                host = fwd_host
+        if not valid_host(host):
+            bind = self.config.host
+            bind = "127.0.0.1" if bind in ("0.0.0.0", "::", "") else bind
+            bind = f"[{bind}]" if ":" in bind else bind
+            host = f"{bind}:{environ.get('SERVER_PORT') or self.config.port}"
+        return f"{scheme}://{host}"
+
+    def relay_url(self, environ: dict) -> str:
+        return self.config.relay_url or self.base_url(environ)
+
+    # -- authentication -------------------------------------------------------
+
+    def key_matches(self, key: str | None) -> bool:
+        """Return whether key is the current API key (constant-time on the hashes)."""
+        stored = self.state.read().get("keyHash", "")
+        return bool(key) and hmac.compare_digest(key_hash(key), stored)
+
+    def authenticate(self, environ: dict) -> None:
+        """Let a protected request through or raise 401 / 429."""
+        if self.config.auth_mode == "none":
+            return
+        addr = self.client_addr(environ)
+        self.check_lockout(addr)
+        if self.key_matches(environ.get("HTTP_X_SERVICE_KEY")):
+            return
+        self.lockout.fail(addr)
+        raise ApiError(
+            401, "UNAUTHORIZED", f"missing or wrong {KEY_HEADER} header; see GET {API}/system/setup"
+        )
+
+    def check_lockout(self, addr: str) -> None:
+        wait = self.lockout.retry_after(addr)
+        if wait:
+            raise ApiError(
+                429,
+                "RATE_LIMITED",
+                f"too many failed credentials from this address; retry in {wait} s",
+                {"Retry-After": str(wait)},
+            )
+
+    # -- facts shared by several endpoints ------------------------------------
+
+    def uptime(self) -> float:
+        return round(time.time() - self.started, 3)
+
+    def note_stats(self) -> tuple:
+        """Return (note count, total bytes) of the notes folder."""
+        count = size = 0
+        for folder, dirs, files in os.walk(self.config.notes_dir):
+            dirs[:] = [d for d in dirs if not d.startswith(".")]
+            for name in files:
+                if name.endswith(".md") and not name.startswith("."):
+                    count += 1
+                    with contextlib.suppress(OSError):
+                        size += os.stat(os.path.join(folder, name)).st_size
+        return count, size
+
+
+# -- system ---------------------------------------------------------------------
+
+
+def get_health(svc: Service) -> dict:
+    return {"status": "ok", "version": __version__, "uptimeSeconds": svc.uptime()}
+
+
+def get_setup(svc: Service) -> dict:
+    env, cfg, st = bottle.request.environ, svc.config, svc.state.read()
+    url, relay = svc.base_url(env), svc.relay_url(env)
+    server_id, code, complete = st["serverId"], st["relayCode"], bool(st.get("setupComplete"))
+    show_key = not complete and (not cfg.setup_local_only or is_loopback(svc.client_addr(env)))
+    key = st.get("apiKey", "") if show_key else KEY_PREFIX + "…" + st.get("keyHint", "")
+    direct, relayed = f"{url}{API}", f"{relay}/r/{server_id}{API}"
+    client = cfg.client_url or f"{url}/"
+    test_client = cfg.test_client_url or f"{url}/"
+    payload = {
+        "serverId": server_id,
+        "apiKey": key,
+        "setupComplete": complete,
+        "version": __version__,
+        "auth": {
+            "method": cfg.auth_mode,
+            "header": KEY_HEADER,
+            "note": f"Send the key in the {KEY_HEADER} header on every protected endpoint."
+            + ("" if cfg.auth_mode != "none" else " Auth is off (development only)."),
+        },
+        "pairing": {"mode": cfg.pairing, "relayCode": code, "relayUrl": relay},
+        "server": {
+            "url": url,
+            "port": _server_port(env, cfg),
+            "host": cfg.host,
+            "cors": list(cfg.cors),
+        },
+        "links": {
+            "setupApi": f"{direct}/system/setup",
+            "health": f"{direct}/health",
+            "apiBase": relayed if cfg.pairing == "relay" else direct,
+            "directApiBase": direct,
+            "relayApiBase": relayed,
+            "connect": {
+                "testHosted": _with_query(test_client, relayCode=code),
+                "hosted": _with_query(client, relayCode=code),
+                "localDevUi": _with_query(f"{url}/", relayCode=code, relayUrl=relay),
+            },
+        },
+    }
+    if not complete:
+        payload["instructions"] = [
+            "Copy apiKey: it is shown here only until setup completes"
+            + (" (and only to this machine)." if cfg.setup_local_only else "."),
+            "Open links.connect.hosted (or testHosted) on your device: it fills in this server.",
+            f"If prefill is unavailable, paste links.apiBase and the key into your client "
+            f"(header {KEY_HEADER}).",
+            f"Finish with POST {direct}/auth/link and the key in {KEY_HEADER}; "
+            "the key is redacted here from then on.",
+        ]
+    return payload
+
+
+def _server_port(env: dict, cfg: Config) -> int:
+    port = env.get("SERVER_PORT", "")
+    return int(port) if str(port).isdigit() and cfg.port == 0 else cfg.port
+
+
+def _with_query(url: str, **params: str) -> str:
+    sep = "&" if "?" in url else "?"
+    return url + sep + urllib.parse.urlencode(params)
+
+
+def get_info(svc: Service) -> dict:
+    count, size = svc.note_stats()
+    return {
+        "version": __version__,
+        "serverId": svc.state.read()["serverId"],
+        "uptimeSeconds": svc.uptime(),
+        "startedAt": iso(svc.started),
+        "python": platform.python_version(),
+        "platform": platform.platform(terse=True),
+        "notes": {"count": count, "bytes": size},
+        "index": {"documents": 0, "terms": 0},
+    }
+
+
+def get_config(svc: Service) -> dict:
+    cfg = svc.config
+    return {
+        "server": {
+            "host": cfg.host,
+            "port": cfg.port,
+            "cors": list(cfg.cors),
+            "publicUrl": cfg.public_url,
+            "trustProxy": cfg.trust_proxy,
+            "maxBodyBytes": cfg.max_body_bytes,
+            "threads": cfg.threads,
+        },
+        "auth": {
+            "mode": cfg.auth_mode,
+            "header": KEY_HEADER,
+            "setupLocalOnly": cfg.setup_local_only,
+            "lockout": {"failures": svc.lockout.limit, "windowSeconds": svc.lockout.window},
+        },
+        "connection": {
+            "pairingMode": cfg.pairing,
+            "relayUrl": cfg.relay_url or "(this server)",
+            "clientUrl": cfg.client_url or "(built-in client)",
+            "testClientUrl": cfg.test_client_url or "(built-in client)",
+        },
+        "agent": {
+            "provider": cfg.agent_provider,
+            "baseUrl": _strip_userinfo(cfg.agent_base_url),
+            "model": cfg.agent_model,
+            "timeoutSeconds": cfg.agent_timeout,
+            "apiKeySet": bool(cfg.agent_api_key),
+        },
+        "search": {"engine": "notesvc-bm25", "maxQueryLength": 512},
+        "sync": {"rescanSeconds": cfg.rescan_seconds, "notesRoot": "notes/"},
+        "plugins": {"dir": cfg.plugins_dir or ".notesvc/plugins"},
+    }
+
+
+def _strip_userinfo(url: str) -> str:
+    parts = urllib.parse.urlsplit(url)
+    if not parts.username and not parts.password:
+        return url
+    host = parts.hostname or ""
+    netloc = host + (f":{parts.port}" if parts.port else "")
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+
+
+# -- auth / linking ---------------------------------------------------------------
+
+
+def verify_key(svc: Service) -> dict:
+    st = svc.state.read()
+    return {"valid": True, "serverId": st["serverId"], "setupComplete": bool(st["setupComplete"])}
+
+
+def link_client(svc: Service) -> dict:
+    body = read_json(svc.config.max_body_bytes, required=False)
+    name = field(body, "clientName", str, required=False, max_len=100) or "unnamed client"
+    name = "".join(ch for ch in name if ch.isprintable()).strip() or "unnamed client"
+    now = iso(utcnow())
+    addr = svc.client_addr(bottle.request.environ)
+
+    def change(data: dict) -> str:
+        data["setupComplete"] = True
+        data.pop("apiKey", None)
+        clients = data.setdefault("linkedClients", [])
+        clients.append({"name": name, "linkedAt": now, "address": addr})
+        del clients[:-50]
+        return data["serverId"]
+
+    server_id = svc.state.update(change)
+    log.info("client %r linked from %s; setup complete", name, addr)
+    return {"linked": True, "setupComplete": True, "serverId": server_id, "linkedAt": now}
+
+
+def rotate_api_key(svc: Service) -> dict:
+    key = svc.state.update(rotate_key)
+    st = svc.state.read()
+    log.info("API key rotated through the API; the old key stops working now")
+    return {"apiKey": key, "relayCode": st["relayCode"], "rotatedAt": st["keyCreatedAt"]}
+
+
+# -- relay pairing (this server as its own relay) -------------------------------------
+
+
+def pair_relay_code(svc: Service, code: str) -> dict:
+    st = svc.state.read()
+    if not hmac.compare_digest(code.upper().encode(), st["relayCode"].encode()):
+        raise not_found("no server is paired under this relay code")
+    relay = svc.relay_url(bottle.request.environ)
+    return {"serverId": st["serverId"], "relayApiBase": f"{relay}/r/{st['serverId']}{API}"}
+
+
+# -- pages ------------------------------------------------------------------------------
+
+LANDING_PAGE = """<!doctype html><meta charset="utf-8"><title>notesvc</title>
+<style>body{font:16px/1.5 system-ui,sans-serif;max-width:40em;margin:3em auto;padding:0 1em}
+code{background:#eee;padding:0 .2em}</style>
+<h1>notesvc %s</h1>
+<p>This notes server is running. Its JSON API lives under <code>/api/v1</code>.</p>
+<ul><li><a href="/api/v1/system/setup">Setup payload</a> (the key, until setup completes)</li>
+<li><a href="/api/v1/openapi.json">OpenAPI document</a></li>
+<li><a href="/api/v1/health">Health</a></li></ul>
+<p>Link a client with <code>POST /api/v1/auth/link</code> and the key in the
+<code>X-Service-Key</code> header.</p>
+"""
+
+
+def get_landing(svc: Service):
+    bottle.response.content_type = "text/html; charset=utf-8"
+    return LANDING_PAGE % __version__
+
+
+# -- route table --------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    method: str
+    path: str  # a Bottle rule; under /api/v1 unless `api` is False
+    handler: Callable
+    public: bool = False
+    summary: str = ""
+    body: dict | None = None  # JSON schema of the request body (OpenAPI)
+    status: int = 200
+    api: bool = True
+    tag: str = "system"
+
+    @property
+    def rule(self) -> str:
+        return (API if self.api else "") + self.path
+
+
+def get_openapi(svc: Service):
+    bottle.response.content_type = "application/json; charset=utf-8"
+    return to_json(openapi_document(svc.routes, svc.base_url(bottle.request.environ)))
+
+
+def _obj(required: Iterable[str] = (), **props: dict) -> dict:
+    return {"type": "object", "required": list(required), "properties": props}
+
+
+_STR = {"type": "string"}
+
+ROUTES = (
+    Route("GET", "/health", get_health, public=True, summary="Liveness and version"),
+    Route("GET", "/system/setup", get_setup, public=True, summary="Setup and pairing payload"),
+    Route("GET", "/system/info", get_info, summary="Version, uptime, note counts"),
+    Route("GET", "/system/config", get_config, summary="Non-secret runtime configuration"),
+    Route("GET", "/openapi.json", get_openapi, public=True, summary="This document"),
+    Route("POST", "/auth/verify", verify_key, summary="Check a key", tag="auth"),
+    Route(
+        "POST",
+        "/auth/link",
+        link_client,
+        summary="Link a client; completes setup",
+        body=_obj(clientName={"type": "string", "maxLength": 100}),
+        tag="auth",
+    ),
+    Route("POST", "/auth/rotate", rotate_api_key, summary="New key, shown once", tag="auth"),
+    Route("GET", "/relay/v1/pair/<code>", pair_relay_code, public=True, api=False, tag="relay"),
+    Route("GET", "/", get_landing, public=True, api=False, tag="pages"),
+)
+
+
+def openapi_path(rule: str) -> str:
+    """Return a Bottle rule as an OpenAPI path: <name> and <name:path> become {name}."""
+    return re.sub(r"<(\w+)(?::[^>]*)?>", r"{\1}", rule)
+
+
+def openapi_document(routes: Iterable[Route], server_url: str) -> dict:
+    """Return the OpenAPI 3.1 document of every /api/v1 route in the table."""
+    envelope_ok = _obj(["success", "data"], success={"const": True}, data={"type": "object"})
+    envelope_err = _obj(
+        ["success", "error"],
+        success={"const": False},
+        error=_obj(["code", "message"], code=_STR, message=_STR),
+    )
+    paths: dict = {}
+    for r in routes:
+        if not r.api:
+            continue
+        op: dict = {
+            "operationId": r.handler.__name__,
+            "summary": r.summary or r.handler.__name__.replace("_", " "),
+            "tags": [r.tag],
+            "responses": {
+                str(r.status): {"description": "success", "content": _json_content("Success")},
+                "default": {"description": "error envelope", "content": _json_content("Error")},
+            },
+        }
+        if r.path == "/openapi.json":
+            op["responses"] = {"200": {"description": "OpenAPI document"}}
+        if r.public:
+            op["security"] = []
+        params = re.findall(r"<(\w+)(?::[^>]*)?>", r.path)
+        if params:
+            op["parameters"] = [
+                {"name": p, "in": "path", "required": True, "schema": _STR} for p in params
+            ]
+        if r.body is not None:
+            op["requestBody"] = {
+                "required": bool(r.body.get("required")),
+                "content": {"application/json": {"schema": r.body}},
+            }
+        paths.setdefault(openapi_path(r.rule), {})[r.method.lower()] = op
+    return {
+        "openapi": "3.1.0",
+        "info": {"title": "notesvc", "version": __version__},
+        "servers": [{"url": server_url}],
+        "paths": paths,
+        "components": {
+            "schemas": {"Success": envelope_ok, "Error": envelope_err},
+            "securitySchemes": {
+                "apiKey": {"type": "apiKey", "in": "header", "name": KEY_HEADER},
+                "bearerJwt": {"type": "http", "scheme": "bearer", "bearerFormat": "JWT"},
+            },
+        },
+        "security": [{"apiKey": []}, {"bearerJwt": []}],
+    }
+
+
+def _json_content(schema: str) -> dict:
+    return {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}}
+
+
+# -- the application ------------------------------------------------------------------
+
+
+def _callback(svc: Service, route: Route) -> Callable:
+    """Wrap a handler: authenticate, call, put dicts in the envelope, hide crashes."""
+
+    def callback(**kwargs):
+        if not route.public:
+            svc.authenticate(bottle.request.environ)
+        try:
+            result = route.handler(svc, **kwargs)
+        except bottle.HTTPResponse:
+            raise
+        except Exception:
+            rid = bottle.request.environ.get("notesvc.request_id", "-")
+            log.exception("request %s failed in %s", rid, route.handler.__name__)
+            raise ApiError(500, "INTERNAL_ERROR", f"internal error; request id {rid}") from None
+        if isinstance(result, dict):
+            if route.status != 200 and bottle.response.status_code == 200:
+                bottle.response.status = route.status
+            return json_body({"success": True, "data": result})
+        return result
+
+    callback.__name__ = route.handler.__name__
+    return callback
+
+
+_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{8,64}$")
+CORS_HEADERS = "X-Service-Key, Content-Type, Authorization, If-Match"
+CORS_EXPOSE = "ETag, Location, X-Request-Id, Retry-After"
+CORS_METHODS = "GET, POST, PUT, PATCH, DELETE, OPTIONS"
+
+
+class NotesApp:
+    """The WSGI application: request ids, CORS, the self-relay prefix, then Bottle."""
+
+    def __init__(self, service: Service, routes: Iterable[Route]):
+        self.service = service
+        self.bottle = bottle.Bottle(catchall=True)
+        self.bottle.default_error_handler = render_error
+        service.routes = tuple(routes)
+        for r in service.routes:
+            self.bottle.route(r.rule, r.method, _callback(service, r))
+
+    def _cors_origin(self, origin: str) -> str:
+        allowed = self.service.config.cors
+        if not origin or not allowed:
+            return ""
+        if "*" in allowed:
+            return "*"
+        return origin if origin.rstrip("/") in allowed else ""
+
+    def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
+        started = time.perf_counter()
+        rid = environ.get("HTTP_X_REQUEST_ID", "")
+        rid = rid if _REQUEST_ID_RE.match(rid) else uuid.uuid4().hex[:16]
+        environ["notesvc.request_id"] = rid
+        method = environ.get("REQUEST_METHOD", "GET")
+        cors = self._cors_origin(environ.get("HTTP_ORIGIN", ""))
+        path = environ.get("PATH_INFO", "")
+        status_seen = []
+
+        def respond(status: str, headers: list, exc_info=None):
+            status_seen.append(status)
+            headers.append(("X-Request-Id", rid))
+            headers.append(("X-Content-Type-Options", "nosniff"))
+            if path.startswith(API) or path.startswith("/r/"):
+                headers.append(("Cache-Control", "no-store"))
+            if cors:
+                headers.append(("Access-Control-Allow-Origin", cors))
+                headers.append(("Access-Control-Expose-Headers", CORS_EXPOSE))
+                headers.append(("Vary", "Origin"))
+            return start_response(status, headers, exc_info)
+
+        try:
+            body = self._dispatch(environ, respond, method, cors)
+        finally:
+            if log.isEnabledFor(logging.INFO):
+                log.info(
+                    "%s %s %s %.1fms %s",
+                    method,
+                    path,
+                    (status_seen or ["-"])[0].split(" ")[0],
+                    (time.perf_counter() - started) * 1000,
+                    rid,
+                )
+        return body
+
+    def _dispatch(self, environ: dict, respond: Callable, method: str, cors: str):
+        if method == "OPTIONS" and cors and environ.get("HTTP_ACCESS_CONTROL_REQUEST_METHOD"):
+            respond(
+                "204 No Content",
+                [
+                    ("Access-Control-Allow-Methods", CORS_METHODS),
+                    ("Access-Control-Allow-Headers", CORS_HEADERS),
+                    ("Access-Control-Max-Age", "600"),
+                ],
+            )
+            return [b""]
+        try:
+            path = environ.get("PATH_INFO", "").encode("latin-1").decode("utf-8")
+        except UnicodeError:
+            return _plain_error(respond, 400, "VALIDATION_ERROR", "the URL path is not UTF-8")
+        m = re.match(r"^/r/([^/]+)(/.*)?$", path)
+        if m:
+            if m.group(1) != self.service.state.read()["serverId"]:
+                return _plain_error(respond, 404, "NOT_FOUND", "no such server on this relay")
+            inner = m.group(2) or "/"
+            environ["SCRIPT_NAME"] = environ.get("SCRIPT_NAME", "") + f"/r/{m.group(1)}"
+            environ["PATH_INFO"] = inner.encode("utf-8").decode("latin-1")
+        return self.bottle(environ, respond)
+
+
+def _plain_error(respond: Callable, status: int, code: str, message: str) -> list:
+    body = to_json({"success": False, "error": {"code": code, "message": message}})
+    respond(
+        f"{status} {bottle.HTTP_CODES.get(status, 'Error')}",
+        [("Content-Type", "application/json; charset=utf-8"), ("Content-Length", str(len(body)))],
+    )
+    return [body]
+
+
+def create_app(config: Config | None = None) -> NotesApp:
+    """Return the WSGI application for config (the environment's when None)."""
+    config = config or load_config()
+    return NotesApp(Service(config), ROUTES)
+
+
+def __getattr__(name: str):
+    # `notesvc.app`: built on first use, so importing the module touches no files.
+    if name == "app":
+        globals()["app"] = create_app()
+        return globals()["app"]
+    raise AttributeError(name)
+
+
+# == CLI ======================================================================
+
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message: str):  # one clear line, exit 2
+        self.exit(2, f"notesvc: error: {message} (see --help)\n")
+
+
+def build_parser() -> argparse.ArgumentParser:
+    env_only = "\n".join(
+        f"  {s.env:<28} {s.help} (default: {s.default or '-'})" for s in SETTINGS if not s.flag
+    )
+    parser = _Parser(
+        prog="notesvc",
+        description="A self-hosted notes server with an HTTP JSON API.",
+        epilog="Environment variables without a flag:\n" + env_only,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"notesvc {__version__}")
+
+    def add_flags(p: argparse.ArgumentParser, default: Any) -> None:
+        for s in SETTINGS:
+            if s.flag:
+                p.add_argument(
+                    s.flag,
+                    dest=s.name,
+                    metavar=s.name.upper(),
+                    default=default,
+                    help=f"{s.help} (env {s.env}, default {s.default or '-'})",
+                )
+
+    add_flags(parser, None)
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for name, text in (
+        ("serve", "serve the API (the default)"),
+        ("rotate-key", "print a new API key; the old one stops working (works while serving)"),
+    ):
+        add_flags(sub.add_parser(name, help=text, description=text), argparse.SUPPRESS)
+    return parser
+
+
+def take_process_lock(config: Config) -> int:
+    """Return a descriptor holding the notes root's lock; ConfigError if another holds it."""
+    config.state_dir.mkdir(parents=True, exist_ok=True)
+    path = config.state_dir / "notesvc.lock"
+    fd = os.open(path, os.O_RDWR | os.O_CREAT, 0o600)
+    if fcntl is not None:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            other = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+            os.close(fd)
+            raise ConfigError(
+                f"another notesvc (pid {other}) is already serving {config.root}"
+            ) from None
+    os.ftruncate(fd, 0)
+    os.pwrite(fd, str(os.getpid()).encode(), 0)
+    return fd
+
+
+def make_server(app: Callable, config: Config):
+    """Return a server bound to host:port: waitress, else wsgiref with a warning."""
+    try:
+        import waitress.server
+    except ImportError:
+        from socketserver import ThreadingMixIn
+        from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+        class ThreadingServer(ThreadingMixIn, WSGIServer):
+            daemon_threads = True
+
+        class QuietHandler(WSGIRequestHandler):
+            def log_message(self, *args):  # our middleware logs requests
+                pass
+
+        log.warning("waitress is not installed; using wsgiref (slower): pip install waitress")
+        server = make_server(
+            config.host, config.port, app, ThreadingServer, handler_class=QuietHandler
+        )
+        server.effective_port = server.server_port
+        server.run = server.serve_forever
+        server.close = server.shutdown
+        return server
+    return waitress.server.create_server(
+        app,
+        host=config.host,
+        port=config.port,
+        threads=config.threads,
+        max_request_body_size=config.max_body_bytes + 65536,
+        ident="notesvc",
+    )
+
+
+def print_banner(config: Config, state: dict, port: int) -> None:
+    host = config.host if config.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+    host = f"[{host}]" if ":" in host else host
+    url = config.public_url or f"http://{host}:{port}"
+    lines = [
+        f"notesvc {__version__} serving {config.notes_dir}",
+        f"  listening on http://{host}:{port} (bind {config.host or '*'}:{port})",
+        f"  API:    {url}{API}",
+        f"  setup:  {url}{API}/system/setup",
+    ]
+    if config.host in ("0.0.0.0", "::", ""):
+        lines.append(f"  from other devices: http://{platform.node() or 'this-host'}:{port}")
+    if state.get("setupComplete"):
+        lines.append("  setup complete; lost the key? run: python notesvc.py rotate-key")
+    else:
+        lines.append(f"  key:    {state.get('apiKey', '')}  (shown until setup completes)")
+        lines.append(f"  link:   curl -X POST -H '{KEY_HEADER}: <key>' {url}{API}/auth/link")
+    print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+def cmd_serve(config: Config) -> int:
+    lock_fd = take_process_lock(config)
+    try:
+        app = create_app(config)
+        try:
+            server = make_server(app, config)
+        except OSError as e:
+            raise ConfigError(f"cannot listen on {config.host}:{config.port}: {e.strerror}") from e
+        import signal
+
+        def stop(*_):
+            raise KeyboardInterrupt
+
+        signal.signal(signal.SIGTERM, stop)  # systemd's stop: shut down cleanly, exit 0
+        print_banner(config, app.service.state.read(), server.effective_port)
+        try:
+            server.run()
+        except KeyboardInterrupt:
+            log.info("stopping")
+        finally:
+            with contextlib.suppress(Exception):
+                server.close()
+    finally:
+        os.close(lock_fd)
+    return 0
+
+
+def cmd_rotate_key(config: Config) -> int:
+    key = StateStore(config.state_dir).update(rotate_key)
+    print(key)
+    print(
+        "The old key stopped working; a running notesvc picks this one up at once.",
+        file=sys.stderr,
+    )
+    return 0
+
+
+COMMANDS = {"serve": cmd_serve, "rotate-key": cmd_rotate_key}
+
+
+def main(argv: list | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    flags = {s.name: getattr(args, s.name, None) for s in SETTINGS}
+    try:
+        config = load_config(**flags)
+        logging.basicConfig(
+            level=config.log_level,
+            format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+            stream=sys.stderr,
+        )
+        return COMMANDS[args.command or "serve"](config)
+    except (ConfigError, StateError) as e:
+        print(f"notesvc: error: {e}", file=sys.stderr)
+        return 2
+    except OSError as e:
+        print(f"notesvc: error: {e.strerror or e}: {getattr(e, 'filename', '')}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())
