@@ -31,10 +31,12 @@ import os
 import platform
 import re
 import secrets
+import stat
 import sys
 import tempfile
 import threading
 import time
+import unicodedata
 import urllib.parse
 import uuid
 from collections import deque
@@ -554,6 +556,373 @@ def query_int(name: str, default: int, lo: int, hi: int) -> int:
     return int(raw)
 
 
+# == Notes ====================================================================
+
+NOTES = "notes"
+MAX_PATH_CHARS = 512
+MAX_SEGMENT_BYTES = 255
+_FORBIDDEN = set('\\:*?"<>|')
+
+
+def _check_segments(path: str, what: str) -> list:
+    """Return the segments of a relative path, or raise 400 naming the broken rule."""
+    if not isinstance(path, str) or not path:
+        raise bad_request(f"the {what} path is empty")
+    if len(path) > MAX_PATH_CHARS:
+        raise bad_request(f"the {what} path is longer than {MAX_PATH_CHARS} characters")
+    try:
+        path.encode("utf-8")
+    except UnicodeEncodeError:
+        raise bad_request(f"the {what} path is not valid Unicode") from None
+    if any(ord(ch) < 32 or 0x7F <= ord(ch) < 0xA0 for ch in path):
+        raise bad_request(f"the {what} path holds a control character")
+    if "\\" in path:
+        raise bad_request(f"the {what} path holds a backslash; separate folders with /")
+    if path.startswith("/"):
+        raise bad_request(f"the {what} path must be relative, starting with {NOTES}/")
+    segments = path.split("/")
+    if segments[0] != NOTES:
+        raise bad_request(f"the {what} path must start with {NOTES}/")
+    for seg in segments[1:]:
+        if not seg:
+            raise bad_request(f"the {what} path has an empty segment (// or a trailing /)")
+        if seg in (".", ".."):
+            raise bad_request(f"the {what} path may not contain '.' or '..' segments")
+        if seg.startswith("."):
+            raise bad_request(f"the {what} path may not contain hidden segments (starting '.')")
+        if len(seg.encode("utf-8")) > MAX_SEGMENT_BYTES:
+            raise bad_request(f"a segment of the {what} path is over {MAX_SEGMENT_BYTES} bytes")
+        bad = sorted(set(seg) & _FORBIDDEN)
+        if bad:
+            raise bad_request(f"the {what} path holds a forbidden character: {' '.join(bad)}")
+    return segments
+
+
+def note_path(raw: Any) -> str:
+    """Return a note path checked against every rule, NFC-normalised; 400 otherwise.
+
+    >>> note_path("notes/Ideas/cafe\u0301.md")
+    'notes/Ideas/café.md'
+    """
+    if not isinstance(raw, str):
+        raise bad_request("the note path must be a string")
+    path = unicodedata.normalize("NFC", raw)
+    segments = _check_segments(path, "note")
+    if len(segments) < 2 or not path.endswith(".md") or segments[-1] == ".md":
+        raise bad_request(f"the note path must look like {NOTES}/<name>.md")
+    return path
+
+
+def folder_path(raw: Any) -> str:
+    """Return a folder path (`notes` or `notes/...`), NFC-normalised; 400 otherwise."""
+    if not isinstance(raw, str):
+        raise bad_request("the folder path must be a string")
+    path = unicodedata.normalize("NFC", raw).rstrip("/")
+    _check_segments(path, "folder")
+    return path
+
+
+def make_etag(data: bytes) -> str:
+    return '"' + hashlib.sha256(data).hexdigest()[:32] + '"'
+
+
+def note_title(text: str, path: str) -> str:
+    """Return the first `# ` heading of a note, else its file name without .md."""
+    m = re.search(r"^#[ \t]+(.+?)[ \t#]*$", text, re.M)
+    if m:
+        return m.group(1).strip()[:200]
+    return path.rsplit("/", 1)[-1][:-3]
+
+
+def _sort_key(name: str) -> tuple:
+    return (name.casefold(), name)
+
+
+class NoteStore:
+    """Markdown files under <root>/notes: the source of truth, read from disk every time.
+
+    Writes are atomic (see atomic_write). A note's writes are serialised by a striped
+    lock, so an If-Match check and the write it guards happen as one step; creating,
+    moving and deleting also hold the tree lock, so folders are never pruned under a
+    writer that is about to fill them.
+    """
+
+    STRIPES = 64
+
+    def __init__(self, root: Path, trash: Path):
+        self.root = root.resolve()  # <root>/notes
+        self.base = self.root.parent
+        self.trash = trash
+        self._tree = threading.RLock()
+        self._stripes = [threading.RLock() for _ in range(self.STRIPES)]
+        self.listeners: list = []  # called as listener(event, path, detail) after a change
+
+    # -- paths and locks -------------------------------------------------------------
+
+    def file_of(self, path: str) -> Path:
+        """Return the file for a checked note/folder path; 400 when it leads outside."""
+        target = self.base / path
+        real = os.path.realpath(target)
+        if real != str(self.root) and not real.startswith(str(self.root) + os.sep):
+            raise bad_request("the path resolves outside the notes folder (symbolic link?)")
+        return target
+
+    @contextlib.contextmanager
+    def locked(self, *paths: str, tree: bool = False):
+        stripes = sorted({hash(p) % self.STRIPES for p in paths})
+        with contextlib.ExitStack() as stack:
+            if tree:
+                stack.enter_context(self._tree)
+            for i in stripes:
+                stack.enter_context(self._stripes[i])
+            yield
+
+    def _notify(self, event: str, path: str, detail: Any = None) -> None:
+        for listener in list(self.listeners):
+            try:
+                listener(event, path, detail)
+            except Exception:
+                log.exception("listener %r failed on %s %s", listener, event, path)
+
+    # -- reading ------------------------------------------------------------------
+
+    def _read(self, path: str) -> tuple:
+        """Return (bytes, stat) of a note; 404 when there is none."""
+        target = self.file_of(path)
+        try:
+            with open(target, "rb") as f:
+                st = os.fstat(f.fileno())
+                if not stat.S_ISREG(st.st_mode):
+                    raise FileNotFoundError(path)
+                return f.read(), st
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise not_found(f"no note at {path}") from None
+
+    @staticmethod
+    def decode(path: str, data: bytes) -> str:
+        try:
+            return data.decode("utf-8")
+        except UnicodeDecodeError:
+            raise ApiError(
+                409,
+                "CONFLICT",
+                f"{path} is not valid UTF-8 on disk; fix its encoding with another editor",
+            ) from None
+
+    @staticmethod
+    def record(path: str, data: bytes, st: os.stat_result, content: bool = True) -> dict:
+        text = data.decode("utf-8", "replace")
+        rec = {
+            "path": path,
+            "title": note_title(text, path),
+            "size": len(data),
+            "modified": iso(st.st_mtime_ns / 1e9),
+            "etag": make_etag(data),
+        }
+        if content:
+            rec["content"] = text
+        return rec
+
+    def get(self, path: str) -> dict:
+        data, st = self._read(path)
+        self.decode(path, data)
+        return self.record(path, data, st)
+
+    def exists(self, path: str) -> bool:
+        return os.path.isfile(self.file_of(path))
+
+    def walk(self, folder: str = NOTES) -> list:
+        """Return every note path under a folder path, sorted (hidden and links skipped)."""
+        start = self.base / folder
+        found: list = []
+        stack = [(str(start), folder)]
+        while stack:
+            real, rel = stack.pop()
+            try:
+                entries = list(os.scandir(real))
+            except (FileNotFoundError, NotADirectoryError, PermissionError):
+                continue
+            for e in entries:
+                if e.name.startswith(".") or e.is_symlink():
+                    continue
+                if e.is_dir():
+                    stack.append((e.path, f"{rel}/{e.name}"))
+                elif e.name.endswith(".md") and len(e.name) > 3:
+                    found.append(f"{rel}/{e.name}")
+        found.sort()
+        return found
+
+    def list_page(self, folder: str, limit: int, offset: int) -> dict:
+        if folder != NOTES and not os.path.isdir(self.file_of(folder)):
+            raise not_found(f"no folder at {folder}")
+        paths = self.walk(folder)
+        page = []
+        for path in paths[offset : offset + limit]:
+            try:
+                data, st = self._read(path)
+            except ApiError:  # removed between the walk and the read
+                continue
+            page.append(self.record(path, data, st, content=False))
+        return {"notes": page, "total": len(paths), "limit": limit, "offset": offset}
+
+    def tree(self, folder: str = NOTES) -> dict:
+        """Return the folder node: folders first, then notes, each by name."""
+        target = self.file_of(folder)
+        if not target.is_dir():
+            raise not_found(f"no folder at {folder}")
+        return self._node(str(target), folder)
+
+    def _node(self, real: str, rel: str) -> dict:
+        folders, notes = [], []
+        try:
+            entries = list(os.scandir(real))
+        except (FileNotFoundError, NotADirectoryError, PermissionError):
+            entries = []
+        for e in entries:
+            if e.name.startswith(".") or e.is_symlink():
+                continue
+            if e.is_dir():
+                folders.append(e)
+            elif e.name.endswith(".md") and len(e.name) > 3:
+                notes.append(e)
+        children = [
+            self._node(e.path, f"{rel}/{e.name}")
+            for e in sorted(folders, key=lambda e: _sort_key(e.name))
+        ]
+        for e in sorted(notes, key=lambda e: _sort_key(e.name)):
+            try:
+                st = e.stat()
+            except OSError:
+                continue
+            children.append(
+                {
+                    "name": e.name,
+                    "path": f"{rel}/{e.name}",
+                    "type": "note",
+                    "size": st.st_size,
+                    "modified": iso(st.st_mtime_ns / 1e9),
+                }
+            )
+        name = rel.rsplit("/", 1)[-1]
+        return {"name": name, "path": rel, "type": "folder", "children": children}
+
+    # -- writing ------------------------------------------------------------------
+
+    @staticmethod
+    def encode(content: str) -> bytes:
+        try:
+            return content.encode("utf-8")
+        except UnicodeEncodeError:
+            raise bad_request("'content' holds text that is not valid Unicode") from None
+
+    @staticmethod
+    def check_match(if_match: str | None, data: bytes | None) -> None:
+        """Raise 412 unless If-Match (absent, `*`, or a list of ETags) matches data."""
+        if if_match is None:
+            return
+        tags = [t.strip() for t in if_match.split(",") if t.strip()]
+        if data is not None and "*" in tags:
+            return
+        current = make_etag(data) if data is not None else None
+        wanted = {t if t.startswith('"') else f'"{t}"' for t in tags}
+        if current is None or current not in wanted:
+            raise ApiError(
+                412,
+                "PRECONDITION_FAILED",
+                "the note changed since you read it (If-Match does not match its ETag); "
+                "read it again and retry",
+            )
+
+    def create(self, path: str, content: str) -> dict:
+        data = self.encode(content)
+        with self.locked(path, tree=True):
+            target = self.file_of(path)
+            if os.path.lexists(target):
+                raise ApiError(409, "CONFLICT", f"a note already exists at {path}; use PUT")
+            self._make_parents(target)
+            atomic_write(target, data)
+            rec = self.record(path, data, os.stat(target))
+        self._notify("saved", path, content)
+        return rec
+
+    def _make_parents(self, target: Path) -> None:
+        parent = target.parent
+        try:
+            parent.mkdir(parents=True, exist_ok=True)
+        except (FileExistsError, NotADirectoryError):
+            raise ApiError(
+                409, "CONFLICT", "a file stands where a folder of this path should be"
+            ) from None
+        self.file_of(str(target.relative_to(self.base)))  # re-check containment
+
+    def update(self, path: str, content: str, if_match: str | None = None) -> dict:
+        data = self.encode(content)
+        with self.locked(path):
+            old, _ = self._read(path)
+            self.check_match(if_match, old)
+            target = self.file_of(path)
+            atomic_write(target, data)
+            rec = self.record(path, data, os.stat(target))
+        self._notify("saved", path, content)
+        return rec
+
+    def move(self, path: str, new: str, if_match: str | None = None) -> dict:
+        with self.locked(path, new, tree=True):
+            data, _ = self._read(path)
+            self.check_match(if_match, data)
+            self.decode(path, data)
+            if new == path:
+                return {**self.record(path, data, os.stat(self.file_of(path))), "from": path}
+            src, dst = self.file_of(path), self.file_of(new)
+            if os.path.lexists(dst):
+                raise ApiError(409, "CONFLICT", f"a note already exists at {new}")
+            self._make_parents(dst)
+            os.replace(src, dst)
+            fsync_dir(dst.parent)
+            fsync_dir(src.parent)
+            self._prune(src.parent)
+            rec = self.record(new, data, os.stat(dst))
+        self._notify("moved", path, new)
+        return {**rec, "from": path}
+
+    def delete(self, path: str, if_match: str | None = None) -> dict:
+        with self.locked(path, tree=True):
+            data, _ = self._read(path)
+            self.check_match(if_match, data)
+            src = self.file_of(path)
+            stamp = utcnow().strftime("%Y%m%dT%H%M%S.%fZ")
+            dst = self.trash / stamp / path
+            dst.parent.mkdir(parents=True, exist_ok=True)
+            os.replace(src, dst)
+            fsync_dir(dst.parent)
+            fsync_dir(src.parent)
+            self._prune(src.parent)
+        self._notify("deleted", path)
+        return {"path": path, "deleted": True, "trash": f".notesvc/trash/{stamp}/{path}"}
+
+    def _prune(self, folder: Path) -> None:
+        """Remove folder and its parents while they are empty (never notes/ itself)."""
+        folder = Path(os.path.abspath(folder))
+        while folder != self.root and self.root in folder.parents:
+            try:
+                folder.rmdir()
+            except OSError:
+                return
+            folder = folder.parent
+
+    def sweep_temp_files(self) -> int:
+        """Remove temp files a crash left behind; return how many."""
+        removed = 0
+        for folder, dirs, files in os.walk(self.root):
+            dirs[:] = [d for d in dirs if not d.startswith(".")]
+            for name in files:
+                if name.startswith(".tmp-") and name.endswith(".part"):
+                    with contextlib.suppress(OSError):
+                        os.unlink(os.path.join(folder, name))
+                        removed += 1
+        return removed
+
+
 # == State and auth ===========================================================
 
 
@@ -704,6 +1073,10 @@ class Service:
         config.notes_dir.mkdir(parents=True, exist_ok=True)
         self.state = StateStore(config.state_dir)
         self.lockout = Lockout()
+        self.notes = NoteStore(config.notes_dir, config.state_dir / "trash")
+        swept = self.notes.sweep_temp_files()
+        if swept:
+            log.info("removed %d temp files left by an interrupted write", swept)
 
     # -- request context ------------------------------------------------------
 
@@ -775,15 +1148,12 @@ class Service:
 
     def note_stats(self) -> tuple:
         """Return (note count, total bytes) of the notes folder."""
-        count = size = 0
-        for folder, dirs, files in os.walk(self.config.notes_dir):
-            dirs[:] = [d for d in dirs if not d.startswith(".")]
-            for name in files:
-                if name.endswith(".md") and not name.startswith("."):
-                    count += 1
-                    with contextlib.suppress(OSError):
-                        size += os.stat(os.path.join(folder, name)).st_size
-        return count, size
+        paths = self.notes.walk()
+        size = 0
+        for path in paths:
+            with contextlib.suppress(OSError):
+                size += os.stat(self.notes.base / path).st_size
+        return len(paths), size
 
 
 # -- system ---------------------------------------------------------------------
@@ -951,6 +1321,74 @@ def rotate_api_key(svc: Service) -> dict:
     return {"apiKey": key, "relayCode": st["relayCode"], "rotatedAt": st["keyCreatedAt"]}
 
 
+# -- notes ---------------------------------------------------------------------------
+
+
+def _if_match() -> str | None:
+    return bottle.request.get_header("If-Match")
+
+
+def _note_response(rec: dict) -> dict:
+    bottle.response.set_header("ETag", rec["etag"])
+    return rec
+
+
+def create_note(svc: Service) -> dict:
+    body = read_json(svc.config.max_body_bytes)
+    path = note_path(field(body, "path"))
+    content = field(body, "content")
+    rec = svc.notes.create(path, content)
+    script = bottle.request.environ.get("SCRIPT_NAME", "")
+    location = f"{script}{API}/notes/{urllib.parse.quote(path, safe='')}"
+    bottle.response.status = 201
+    bottle.response.set_header("Location", location)
+    return _note_response(rec)
+
+
+def list_notes(svc: Service) -> dict:
+    folder = folder_path(bottle.request.query.get("folder") or NOTES)
+    limit = query_int("limit", 100, 1, 1000)
+    offset = query_int("offset", 0, 0, 10**9)
+    return svc.notes.list_page(folder, limit, offset)
+
+
+def get_note(svc: Service, path: str) -> dict:
+    return _note_response(svc.notes.get(note_path(path)))
+
+
+def update_note(svc: Service, path: str) -> dict:
+    path = note_path(path)
+    body = read_json(svc.config.max_body_bytes)
+    content = field(body, "content")
+    if body.get("path") is not None and note_path(field(body, "path")) != path:
+        raise bad_request(
+            f"PUT changes content only; to move or rename use PATCH {API}/notes/:path/move"
+        )
+    return _note_response(svc.notes.update(path, content, _if_match()))
+
+
+def move_note(svc: Service, path: str) -> dict:
+    path = note_path(path)
+    body = read_json(svc.config.max_body_bytes)
+    new = note_path(field(body, "path"))
+    return _note_response(svc.notes.move(path, new, _if_match()))
+
+
+def delete_note(svc: Service, path: str) -> dict:
+    return svc.notes.delete(note_path(path), _if_match())
+
+
+# -- folders ---------------------------------------------------------------------------
+
+
+def get_tree(svc: Service) -> dict:
+    return svc.notes.tree()
+
+
+def get_subtree(svc: Service, path: str) -> dict:
+    return svc.notes.tree(folder_path(path))
+
+
 # -- relay pairing (this server as its own relay) -------------------------------------
 
 
@@ -1029,6 +1467,36 @@ ROUTES = (
         tag="auth",
     ),
     Route("POST", "/auth/rotate", rotate_api_key, summary="New key, shown once", tag="auth"),
+    Route(
+        "POST",
+        "/notes",
+        create_note,
+        summary="Create a note (409 if it exists)",
+        body=_obj(["path", "content"], path=_STR, content=_STR),
+        status=201,
+        tag="notes",
+    ),
+    Route("GET", "/notes", list_notes, summary="List notes by path", tag="notes"),
+    Route("GET", "/notes/<path:path>", get_note, summary="Read a note", tag="notes"),
+    Route(
+        "PUT",
+        "/notes/<path:path>",
+        update_note,
+        summary="Replace a note's content (If-Match honoured)",
+        body=_obj(["content"], content=_STR, path=_STR),
+        tag="notes",
+    ),
+    Route(
+        "PATCH",
+        "/notes/<path:path>/move",
+        move_note,
+        summary="Move or rename a note; never overwrites",
+        body=_obj(["path"], path=_STR, updateLinks={"type": "boolean"}),
+        tag="notes",
+    ),
+    Route("DELETE", "/notes/<path:path>", delete_note, summary="Move to trash", tag="notes"),
+    Route("GET", "/folders/tree", get_tree, summary="Folder tree from the root", tag="folders"),
+    Route("GET", "/folders/tree/<path:path>", get_subtree, summary="Subtree", tag="folders"),
     Route("GET", "/relay/v1/pair/<code>", pair_relay_code, public=True, api=False, tag="relay"),
     Route("GET", "/", get_landing, public=True, api=False, tag="pages"),
 )
@@ -1135,6 +1603,8 @@ class NotesApp:
         self.service = service
         self.bottle = bottle.Bottle(catchall=True)
         self.bottle.default_error_handler = render_error
+        # Bottle's `path` filter stops at a newline; let the path rules name that instead.
+        self.bottle.router.add_filter("path", lambda conf: (r"[\s\S]+?", None, None))
         service.routes = tuple(routes)
         for r in service.routes:
             self.bottle.route(r.rule, r.method, _callback(service, r))

@@ -10,6 +10,7 @@ import stat
 import subprocess
 import sys
 import threading
+import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -840,3 +841,549 @@ class TestDocs:
         blocks = re.findall(r"```sh\n(.*?)```", readme, re.S)
         assert blocks[0].strip() == "pip install . && python notesvc.py"
         assert blocks[1].strip() == "pip install '.[test]' && pytest"
+
+
+# -- notes ---------------------------------------------------------------------------
+
+
+def note_url(path: str) -> str:
+    return f"{API}/notes/" + urllib.parse.quote(path, safe="")
+
+
+def put_note(client, path: str, content: str = "text"):
+    return client.post_json(f"{API}/notes", {"path": path, "content": content}, status=201)
+
+
+class TestNotes:
+    def test_create_returns_201_record_location_and_etag(self, client, root):
+        resp = put_note(client, "notes/ideas/new.md", "# Big idea\n\nbody")
+        rec = data(resp)
+        assert rec["path"] == "notes/ideas/new.md"
+        assert rec["title"] == "Big idea"
+        assert rec["content"] == "# Big idea\n\nbody"
+        assert rec["size"] == len(b"# Big idea\n\nbody")
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", rec["modified"])
+        assert resp.headers["ETag"] == rec["etag"]
+        assert resp.headers["Location"] == note_url("notes/ideas/new.md")
+        assert (root / "notes" / "ideas" / "new.md").read_text() == "# Big idea\n\nbody"
+
+    def test_title_falls_back_to_file_name(self, client):
+        assert data(put_note(client, "notes/plain.md", "no heading"))["title"] == "plain"
+
+    def test_create_onto_existing_is_409_and_keeps_content(self, client, root):
+        put_note(client, "notes/a.md", "first")
+        resp = client.post_json(
+            f"{API}/notes", {"path": "notes/a.md", "content": "second"}, status=409
+        )
+        assert_error(resp, 409, "CONFLICT")
+        assert (root / "notes" / "a.md").read_text() == "first"
+
+    @pytest.mark.parametrize(
+        "body",
+        [
+            {"content": "x"},
+            {"path": "notes/a.md"},
+            {"path": 5, "content": "x"},
+            {"path": "notes/a.md", "content": 5},
+            {"path": "notes/a.md", "content": ["x"]},
+            {"path": None, "content": "x"},
+        ],
+    )
+    def test_create_with_missing_or_ill_typed_field_is_400(self, client, body):
+        assert_error(client.post_json(f"{API}/notes", body, status=400), 400, "VALIDATION_ERROR")
+
+    def test_lone_surrogate_content_is_400(self, client):
+        raw = '{"path": "notes/s.md", "content": "\\ud800"}'
+        resp = client.post(f"{API}/notes", raw, content_type="application/json", status=400)
+        assert_error(resp, 400, "VALIDATION_ERROR")
+
+    def test_unicode_paths_are_nfc_normalised(self, client):
+        nfd = "notes/cafe\u0301.md"
+        rec = data(put_note(client, nfd, "☕ Grüße"))
+        assert rec["path"] == "notes/caf\u00e9.md"
+        assert data(client.get(note_url("notes/caf\u00e9.md")))["content"] == "☕ Grüße"
+        assert data(client.get(note_url(nfd)))["path"] == "notes/caf\u00e9.md"
+
+    def test_get_accepts_encoded_and_plain_slashes(self, client):
+        put_note(client, "notes/a/b/c.md", "deep")
+        assert data(client.get(note_url("notes/a/b/c.md")))["content"] == "deep"
+        assert data(client.get(f"{API}/notes/notes/a/b/c.md"))["content"] == "deep"
+
+    def test_get_missing_is_404(self, client):
+        assert_error(client.get(note_url("notes/none.md"), status=404), 404, "NOT_FOUND")
+
+    def test_get_sets_etag(self, client):
+        etag = data(put_note(client, "notes/e.md"))["etag"]
+        assert client.get(note_url("notes/e.md")).headers["ETag"] == etag
+
+    def test_list_sorted_paged_without_content(self, client):
+        for name in ["c", "a", "b/z", "b/y", "d"]:
+            put_note(client, f"notes/{name}.md", name)
+        d = data(client.get(f"{API}/notes"))
+        assert [n["path"] for n in d["notes"]] == [
+            "notes/a.md",
+            "notes/b/y.md",
+            "notes/b/z.md",
+            "notes/c.md",
+            "notes/d.md",
+        ]
+        assert d["total"] == 5
+        assert (d["limit"], d["offset"]) == (100, 0)
+        assert all("content" not in n for n in d["notes"])
+        assert set(d["notes"][0]) == {"path", "title", "size", "modified", "etag"}
+        page = data(client.get(f"{API}/notes?limit=2&offset=1"))
+        assert [n["path"] for n in page["notes"]] == ["notes/b/y.md", "notes/b/z.md"]
+        assert page["total"] == 5
+        sub = data(client.get(f"{API}/notes?folder=notes/b"))
+        assert [n["path"] for n in sub["notes"]] == ["notes/b/y.md", "notes/b/z.md"]
+
+    @pytest.mark.parametrize(
+        "query",
+        ["limit=0", "limit=1001", "limit=abc", "offset=-1", "folder=../x", "folder=other"],
+    )
+    def test_list_bad_parameters_are_400(self, client, query):
+        resp = client.get(f"{API}/notes?{query}", status=400)
+        assert_error(resp, 400, "VALIDATION_ERROR")
+
+    def test_list_missing_folder_is_404(self, client):
+        assert_error(client.get(f"{API}/notes?folder=notes/nope", status=404), 404, "NOT_FOUND")
+
+    def test_update_replaces_content(self, client, root):
+        put_note(client, "notes/u.md", "old")
+        resp = client.put_json(note_url("notes/u.md"), {"content": "# New\nnew"})
+        rec = data(resp)
+        assert rec["content"] == "# New\nnew"
+        assert rec["title"] == "New"
+        assert resp.headers["ETag"] == rec["etag"]
+        assert (root / "notes" / "u.md").read_text() == "# New\nnew"
+
+    def test_update_missing_is_404_not_upsert(self, client, root):
+        resp = client.put_json(note_url("notes/ghost.md"), {"content": "x"}, status=404)
+        assert_error(resp, 404, "NOT_FOUND")
+        assert not (root / "notes" / "ghost.md").exists()
+
+    def test_update_with_other_path_points_at_move(self, client):
+        put_note(client, "notes/p.md")
+        resp = client.put_json(
+            note_url("notes/p.md"), {"content": "x", "path": "notes/q.md"}, status=400
+        )
+        assert "/move" in assert_error(resp, 400, "VALIDATION_ERROR")["message"]
+        client.put_json(note_url("notes/p.md"), {"content": "x", "path": "notes/p.md"})
+
+    def test_update_without_content_is_400(self, client):
+        put_note(client, "notes/p.md")
+        resp = client.put_json(note_url("notes/p.md"), {"text": "x"}, status=400)
+        assert_error(resp, 400, "VALIDATION_ERROR")
+
+    def test_move_returns_record_with_from_and_prunes_folders(self, client, root):
+        put_note(client, "notes/old/deep/m.md", "moving")
+        rec = data(
+            client.patch_json(
+                note_url("notes/old/deep/m.md") + "/move", {"path": "notes/new/m2.md"}
+            )
+        )
+        assert rec["path"] == "notes/new/m2.md"
+        assert rec["from"] == "notes/old/deep/m.md"
+        assert rec["content"] == "moving"
+        assert (root / "notes" / "new" / "m2.md").read_text() == "moving"
+        assert not (root / "notes" / "old").exists()
+        assert (root / "notes").is_dir()
+
+    def test_move_missing_is_404(self, client):
+        resp = client.patch_json(
+            note_url("notes/none.md") + "/move", {"path": "notes/x.md"}, status=404
+        )
+        assert_error(resp, 404, "NOT_FOUND")
+
+    def test_move_never_overwrites(self, client, root):
+        put_note(client, "notes/a.md", "A")
+        put_note(client, "notes/b.md", "B")
+        resp = client.patch_json(
+            note_url("notes/a.md") + "/move", {"path": "notes/b.md"}, status=409
+        )
+        assert_error(resp, 409, "CONFLICT")
+        assert (root / "notes" / "a.md").read_text() == "A"
+        assert (root / "notes" / "b.md").read_text() == "B"
+
+    @pytest.mark.parametrize("body", [{}, {"path": 3}, {"path": "notes/../x.md"}])
+    def test_move_bad_body_is_400(self, client, body):
+        put_note(client, "notes/a.md")
+        resp = client.patch_json(note_url("notes/a.md") + "/move", body, status=400)
+        assert_error(resp, 400, "VALIDATION_ERROR")
+
+    def test_delete_moves_to_trash_and_prunes(self, client, root):
+        put_note(client, "notes/gone/soon.md", "keep me somewhere")
+        d = data(client.delete(note_url("notes/gone/soon.md")))
+        assert d["path"] == "notes/gone/soon.md"
+        assert d["deleted"] is True
+        assert not (root / "notes" / "gone").exists()
+        trashed = list((root / ".notesvc" / "trash").glob("*/notes/gone/soon.md"))
+        assert len(trashed) == 1
+        assert trashed[0].read_text() == "keep me somewhere"
+        assert re.fullmatch(r"\d{8}T\d{6}\.\d{6}Z", trashed[0].parents[2].name)
+        client.get(note_url("notes/gone/soon.md"), status=404)
+        assert_error(client.delete(note_url("notes/gone/soon.md"), status=404), 404, "NOT_FOUND")
+
+    def test_delete_twice_keeps_both_versions_in_trash(self, client, root):
+        for text in ("one", "two"):
+            put_note(client, "notes/t.md", text)
+            client.delete(note_url("notes/t.md"))
+        trashed = sorted(p.read_text() for p in (root / ".notesvc" / "trash").rglob("t.md"))
+        assert trashed == ["one", "two"]
+
+    def test_invalid_utf8_on_disk_is_a_clear_error(self, client, root):
+        (root / "notes" / "bin.md").write_bytes(b"caf\xe9")
+        resp = client.get(note_url("notes/bin.md"), status=409)
+        assert "UTF-8" in assert_error(resp, 409, "CONFLICT")["message"]
+        listed = data(client.get(f"{API}/notes"))["notes"]
+        assert [n["path"] for n in listed] == ["notes/bin.md"]
+        client.put_json(note_url("notes/bin.md"), {"content": "café"})  # fixing it works
+        assert data(client.get(note_url("notes/bin.md")))["content"] == "café"
+
+    def test_external_edits_are_seen_at_once(self, client, root):
+        put_note(client, "notes/ext.md", "ours")
+        (root / "notes" / "ext.md").write_text("# Theirs\nchanged by vim")
+        (root / "notes" / "added").mkdir()
+        (root / "notes" / "added" / "new.md").write_text("from syncthing")
+        assert data(client.get(note_url("notes/ext.md")))["title"] == "Theirs"
+        paths = [n["path"] for n in data(client.get(f"{API}/notes"))["notes"]]
+        assert paths == ["notes/added/new.md", "notes/ext.md"]
+        tree = data(client.get(f"{API}/folders/tree"))
+        assert [c["name"] for c in tree["children"]] == ["added", "ext.md"]
+        (root / "notes" / "ext.md").unlink()
+        client.get(note_url("notes/ext.md"), status=404)
+        assert data(client.get(f"{API}/notes"))["total"] == 1
+
+
+class TestIfMatch:
+    def test_put_with_matching_etag_succeeds_and_stale_is_412(self, client):
+        etag = data(put_note(client, "notes/m.md", "v1"))["etag"]
+        new = client.put_json(note_url("notes/m.md"), {"content": "v2"}, headers={"If-Match": etag})
+        resp = client.put_json(
+            note_url("notes/m.md"), {"content": "v3"}, headers={"If-Match": etag}, status=412
+        )
+        assert_error(resp, 412, "PRECONDITION_FAILED")
+        assert data(client.get(note_url("notes/m.md")))["content"] == "v2"
+        client.put_json(
+            note_url("notes/m.md"), {"content": "v3"}, headers={"If-Match": new.headers["ETag"]}
+        )
+
+    def test_star_and_lists_and_unquoted(self, client):
+        etag = data(put_note(client, "notes/m.md", "v1"))["etag"]
+        client.put_json(note_url("notes/m.md"), {"content": "v2"}, headers={"If-Match": "*"})
+        etag = client.get(note_url("notes/m.md")).headers["ETag"]
+        client.put_json(
+            note_url("notes/m.md"), {"content": "v3"}, headers={"If-Match": f'"nope", {etag}'}
+        )
+        etag = client.get(note_url("notes/m.md")).headers["ETag"]
+        client.put_json(
+            note_url("notes/m.md"), {"content": "v4"}, headers={"If-Match": etag.strip('"')}
+        )
+
+    def test_move_and_delete_honour_if_match(self, client, root):
+        put_note(client, "notes/m.md", "v1")
+        stale = '"0000"'
+        resp = client.patch_json(
+            note_url("notes/m.md") + "/move",
+            {"path": "notes/n.md"},
+            headers={"If-Match": stale},
+            status=412,
+        )
+        assert_error(resp, 412, "PRECONDITION_FAILED")
+        assert_error(
+            client.delete(note_url("notes/m.md"), headers={"If-Match": stale}, status=412),
+            412,
+            "PRECONDITION_FAILED",
+        )
+        assert (root / "notes" / "m.md").exists()
+        etag = client.get(note_url("notes/m.md")).headers["ETag"]
+        client.patch_json(
+            note_url("notes/m.md") + "/move", {"path": "notes/n.md"}, headers={"If-Match": etag}
+        )
+        client.delete(note_url("notes/n.md"), headers={"If-Match": etag})
+
+    def test_two_writers_with_same_etag_exactly_one_wins(self, client):
+        etag = data(put_note(client, "notes/race.md", "start"))["etag"]
+        barrier = threading.Barrier(2)
+        results = []
+
+        def writer(text):
+            app = webtest.TestApp(client.app, extra_environ=client.extra_environ)
+            barrier.wait()
+            resp = app.put_json(
+                note_url("notes/race.md"),
+                {"content": text},
+                headers={"If-Match": etag},
+                expect_errors=True,
+            )
+            results.append((resp.status_int, text))
+
+        threads = [threading.Thread(target=writer, args=(t,)) for t in ("left", "right")]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert sorted(s for s, _ in results) == [200, 412]
+        winner = next(text for s, text in results if s == 200)
+        assert data(client.get(note_url("notes/race.md")))["content"] == winner
+
+
+HOSTILE_PATHS = [
+    ("../etc/passwd.md", "start with notes/"),
+    ("notes/../../etc/passwd.md", "'..'"),
+    ("notes/a/../../x.md", "'..'"),
+    ("notes/./x.md", "'.'"),
+    ("/etc/passwd.md", "relative"),
+    ("/notes/x.md", "relative"),
+    ("notes\\..\\x.md", "backslash"),
+    ("notes/a\\b.md", "backslash"),
+    ("notes/x\x00.md", "control"),
+    ("notes/x\n.md", "control"),
+    ("notes/.hidden.md", "hidden"),
+    ("notes/.git/config.md", "hidden"),
+    ("notes/.md", "hidden"),
+    ("notes//x.md", "empty segment"),
+    ("notes/x.txt", ".md"),
+    ("notes", ".md"),
+    ("notes/", "empty segment"),
+    ("other/x.md", "start with notes/"),
+    ("x.md", "start with notes/"),
+    ("notes/a:b.md", "forbidden"),
+    ("notes/a*b.md", "forbidden"),
+    ("notes/a?b.md", "forbidden"),
+    ('notes/a"b.md', "forbidden"),
+    ("notes/a<b>.md", "forbidden"),
+    ("notes/a|b.md", "forbidden"),
+    ("notes/" + "x" * 256 + ".md", "255 bytes"),
+    ("notes/" + "é" * 130 + ".md", "255 bytes"),
+    ("notes/" + "/".join(["abcdefgh"] * 60) + ".md", "512"),
+    ("", "empty"),
+]
+
+
+class TestHostilePaths:
+    @pytest.mark.parametrize(("path", "rule"), HOSTILE_PATHS)
+    def test_body_path_is_refused_naming_the_rule(self, client, root, path, rule):
+        resp = client.post_json(f"{API}/notes", {"path": path, "content": "x"}, status=400)
+        assert rule in assert_error(resp, 400, "VALIDATION_ERROR")["message"]
+        assert not (root / "etc").exists()
+
+    @pytest.mark.parametrize(("path", "rule"), [p for p in HOSTILE_PATHS if "\x00" not in p[0]])
+    def test_url_path_is_refused(self, client, path, rule):
+        resp = client.get(
+            f"{API}/notes/" + urllib.parse.quote(path, safe=""), status="*", expect_errors=True
+        )
+        # An empty or bare path is no note route at all; everything else is a 400.
+        assert resp.status_int in (400, 404) if path in ("", "notes/") else resp.status_int == 400
+        assert resp.json["success"] is False
+
+    @pytest.mark.parametrize(
+        "raw",
+        [
+            "/api/v1/notes/notes%2F%2E%2E%2F%2E%2E%2Fsecret.md",
+            "/api/v1/notes/notes%2F..%2Fsecret.md",
+            "/api/v1/notes/notes/%2e%2e/secret.md",
+            "/api/v1/notes/%2Fetc%2Fpasswd",
+            "/api/v1/notes/notes%5C..%5Csecret.md",
+            "/api/v1/notes/notes%2Fa%00.md",
+        ],
+    )
+    def test_encoded_traversal_in_url_is_400(self, client, raw):
+        assert_error(client.get(raw, status=400), 400, "VALIDATION_ERROR")
+
+    def test_symlink_escape_is_refused(self, client, root, tmp_path):
+        outside = tmp_path / "outside"
+        outside.mkdir()
+        (outside / "secret.md").write_text("top secret")
+        os.symlink(outside, root / "notes" / "link")
+        os.symlink(outside / "secret.md", root / "notes" / "file.md")
+        for path in ("notes/link/secret.md", "notes/file.md"):
+            resp = client.get(note_url(path), status=400)
+            assert "outside" in assert_error(resp, 400, "VALIDATION_ERROR")["message"]
+            assert "top secret" not in resp.text
+        resp = client.post_json(
+            f"{API}/notes", {"path": "notes/link/new.md", "content": "x"}, status=400
+        )
+        assert_error(resp, 400, "VALIDATION_ERROR")
+        assert sorted(os.listdir(outside)) == ["secret.md"]
+        resp = client.put_json(note_url("notes/file.md"), {"content": "pwned"}, status=400)
+        assert (outside / "secret.md").read_text() == "top secret"
+        listed = data(client.get(f"{API}/notes"))
+        assert listed["total"] == 0  # links are not followed in listings
+        assert "secret" not in client.get(f"{API}/folders/tree").text
+
+    def test_move_target_is_checked_too(self, client, root, tmp_path):
+        put_note(client, "notes/a.md")
+        outside = tmp_path / "outside"
+        outside.mkdir()
+        os.symlink(outside, root / "notes" / "link")
+        for target in ("../a.md", "notes/../a.md", "notes/link/a.md"):
+            resp = client.patch_json(note_url("notes/a.md") + "/move", {"path": target}, status=400)
+            assert_error(resp, 400, "VALIDATION_ERROR")
+        assert os.listdir(outside) == []
+
+    def test_file_standing_where_a_folder_should_be_is_409(self, client):
+        put_note(client, "notes/a.md")
+        (client.app.service.notes.root / "plain").write_text("file")
+        resp = client.post_json(
+            f"{API}/notes", {"path": "notes/plain/x.md", "content": "x"}, status=409
+        )
+        assert_error(resp, 409, "CONFLICT")
+
+
+# -- folders ----------------------------------------------------------------------------
+
+
+class TestFolders:
+    def test_tree_nests_folders_first_then_notes_by_name(self, client, root):
+        for path in ["notes/b.md", "notes/A.md", "notes/zeta/x.md", "notes/alpha/y/z.md"]:
+            put_note(client, path, "t")
+        (root / "notes" / ".hidden").mkdir()
+        (root / "notes" / ".hidden" / "h.md").write_text("h")
+        (root / "notes" / ".dot.md").write_text("h")
+        (root / "notes" / "image.png").write_bytes(b"\x89PNG")
+        (root / "notes" / "empty").mkdir()
+        tree = data(client.get(f"{API}/folders/tree"))
+        assert (tree["name"], tree["path"], tree["type"]) == ("notes", "notes", "folder")
+        assert [(c["name"], c["type"]) for c in tree["children"]] == [
+            ("alpha", "folder"),
+            ("empty", "folder"),
+            ("zeta", "folder"),
+            ("A.md", "note"),
+            ("b.md", "note"),
+        ]
+        alpha = tree["children"][0]
+        assert alpha["path"] == "notes/alpha"
+        assert alpha["children"][0]["children"][0] == {
+            "name": "z.md",
+            "path": "notes/alpha/y/z.md",
+            "type": "note",
+            "size": 1,
+            "modified": alpha["children"][0]["children"][0]["modified"],
+        }
+
+    def test_subtree(self, client):
+        put_note(client, "notes/p/q/r.md")
+        for url in (f"{API}/folders/tree/notes%2Fp", f"{API}/folders/tree/notes/p"):
+            node = data(client.get(url))
+            assert node["path"] == "notes/p"
+            assert node["children"][0]["path"] == "notes/p/q"
+        assert data(client.get(f"{API}/folders/tree/notes"))["path"] == "notes"
+
+    def test_missing_folder_is_404_and_note_is_not_a_folder(self, client):
+        put_note(client, "notes/n.md")
+        assert_error(client.get(f"{API}/folders/tree/notes%2Fnope", status=404), 404, "NOT_FOUND")
+        client.get(f"{API}/folders/tree/notes%2Fn.md", status=404)
+
+    @pytest.mark.parametrize(
+        "path", ["..%2Fetc", "notes%2F..%2F..", "%2Fetc", "other", "notes%2F.git"]
+    )
+    def test_bad_folder_path_is_400(self, client, path):
+        resp = client.get(f"{API}/folders/tree/{path}", status=400)
+        assert_error(resp, 400, "VALIDATION_ERROR")
+
+    def test_post_folders_does_not_exist(self, client):
+        resp = client.post_json(f"{API}/folders", {"path": "notes/x"}, status=404)
+        assert "/folders/tree" in assert_error(resp, 404, "NOT_FOUND")["message"]
+
+    def test_large_tree_is_fast_enough(self, client, root):
+        # A smoke check of scale, not a benchmark (bench/bench_notes.py measures).
+        for f in range(50):
+            folder = root / "notes" / f"f{f:03d}"
+            folder.mkdir()
+            for n in range(20):
+                (folder / f"n{n:03d}.md").write_text("x")
+        tree = data(client.get(f"{API}/folders/tree"))
+        assert sum(len(c["children"]) for c in tree["children"]) == 1000
+        assert data(client.get(f"{API}/notes?limit=1000"))["total"] == 1000
+
+
+class TestServerNotes:
+    def test_concurrent_if_match_increments_lose_nothing(self, tmp_path):
+        with running(tmp_path, "--auth-mode", "none") as server:
+            status, _, _ = server.request(
+                "POST", f"{API}/notes", {"path": "notes/counter.md", "content": "0"}
+            )
+            assert status == 201
+            url = note_url("notes/counter.md")
+            conflicts = []
+            errors = []
+
+            def client():
+                done = 0
+                while done < 20:
+                    status, headers, body = server.request("GET", url)
+                    if status != 200:
+                        errors.append(status)
+                        return
+                    value = int(body["data"]["content"])
+                    status, _, _ = server.request(
+                        "PUT", url, {"content": str(value + 1)}, {"If-Match": headers["ETag"]}
+                    )
+                    if status == 200:
+                        done += 1
+                    elif status == 412:
+                        conflicts.append(1)
+                    else:
+                        errors.append(status)
+                        return
+
+            threads = [threading.Thread(target=client) for _ in range(6)]
+            for t in threads:
+                t.start()
+            for t in threads:
+                t.join(120)
+            assert errors == []
+            _, _, body = server.request("GET", url)
+            assert body["data"]["content"] == "120"
+
+    def test_sigkill_mid_write_leaves_every_note_whole(self, tmp_path):
+        server = Server(tmp_path, "--auth-mode", "none")
+        sent: dict = {}
+        try:
+            for i in range(20):
+                content = f"note {i} version 0\n" + "." * 1000 + f"\nend {i} 0\n"
+                sent[f"notes/n{i:02d}.md"] = {content}
+                server.request(
+                    "POST", f"{API}/notes", {"path": f"notes/n{i:02d}.md", "content": content}
+                )
+            stop = threading.Event()
+
+            def writer(w):
+                v = 0
+                while not stop.is_set():
+                    v += 1
+                    i = (v * 7 + w) % 20
+                    path = f"notes/n{i:02d}.md"
+                    # Large, varied sizes make torn writes visible if they could happen.
+                    content = (
+                        f"note {i} version {w}-{v}\n"
+                        + "x" * (20000 + (v % 7) * 9000)
+                        + f"\nend {i} {w}-{v}\n"
+                    )
+                    sent[path].add(content)
+                    try:
+                        server.request("PUT", note_url(path), {"content": content})
+                    except OSError:
+                        return
+
+            threads = [threading.Thread(target=writer, args=(w,)) for w in range(4)]
+            for t in threads:
+                t.start()
+            time.sleep(1.5)
+            server.proc.kill()
+            server.proc.wait()
+            stop.set()
+            for t in threads:
+                t.join(30)
+        finally:
+            server.stop()
+        notes = tmp_path / "notes"
+        for path, versions in sent.items():
+            content = (tmp_path / path).read_text()
+            assert content in versions, f"{path} holds a torn or foreign version"
+        # A restart sweeps temp files a crash left behind and lists exactly the 20 notes.
+        with running(tmp_path, "--auth-mode", "none") as again:
+            _, _, body = again.request("GET", f"{API}/notes")
+            assert body["data"]["total"] == 20
+        assert [p for p in notes.iterdir() if p.name.startswith(".tmp-")] == []
