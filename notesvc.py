@@ -19,15 +19,24 @@ from __future__ import annotations
 __version__ = "0.1.0"
 
 import argparse
+import array
+import bisect
+import collections
 import contextlib
 import dataclasses
 import datetime as dt
+import functools
 import hashlib
+import heapq
 import hmac
 import ipaddress
+import itertools
 import json
 import logging
+import math
+import operator
 import os
+import pickle
 import platform
 import re
 import secrets
@@ -421,8 +430,9 @@ _UMASK = os.umask(0)
 os.umask(_UMASK)
 
 
-def atomic_write(path: Path, data: bytes, mode: int | None = None) -> None:
-    """Write data to path so that a crash leaves either the old or the new content.
+def atomic_write(path: Path, data: bytes | Callable, mode: int | None = None) -> None:
+    """Write data (bytes, or a function writing to a file) to path so that a crash leaves
+    either the old or the new content.
 
     Temp file in the same folder, flush, fsync, os.replace, fsync the folder.
     """
@@ -430,7 +440,10 @@ def atomic_write(path: Path, data: bytes, mode: int | None = None) -> None:
     fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".part", dir=folder)
     try:
         with os.fdopen(fd, "wb") as f:
-            f.write(data)
+            if callable(data):
+                data(f)
+            else:
+                f.write(data)
             f.flush()
             os.fsync(f.fileno())
         if mode is None:
@@ -546,6 +559,17 @@ def field(body: dict, name: str, kind: type = str, required: bool = True, max_le
 _TYPE_NAMES = {str: "string", int: "whole number", bool: "boolean", dict: "object", list: "list"}
 
 
+def query_str(name: str, default: str = "") -> str:
+    """Return a query parameter decoded as UTF-8; 400 when it is not UTF-8."""
+    raw = bottle.request.query.get(name)
+    if raw is None:
+        return default
+    try:
+        return raw.encode("latin-1").decode("utf-8")
+    except UnicodeError:
+        raise bad_request(f"'{name}' is not valid UTF-8") from None
+
+
 def query_int(name: str, default: int, lo: int, hi: int) -> int:
     """Return an integer query parameter within lo..hi; 400 otherwise."""
     raw = bottle.request.query.get(name)
@@ -655,7 +679,9 @@ class NoteStore:
         self.trash = trash
         self._tree = threading.RLock()
         self._stripes = [threading.RLock() for _ in range(self.STRIPES)]
-        self.listeners: list = []  # called as listener(event, path, detail) after a change
+        # listener(event, path, detail), called under the note's lock after each change:
+        # ("saved", path, (content, stat)), ("moved", old, (new, stat)), ("deleted", path, None)
+        self.listeners: list = []
 
     # -- paths and locks -------------------------------------------------------------
 
@@ -686,9 +712,12 @@ class NoteStore:
 
     # -- reading ------------------------------------------------------------------
 
-    def _read(self, path: str) -> tuple:
-        """Return (bytes, stat) of a note; 404 when there is none."""
-        target = self.file_of(path)
+    def _read(self, path: str, trusted: bool = False) -> tuple:
+        """Return (bytes, stat) of a note; 404 when there is none.
+
+        `trusted` paths come from our own scan, which never follows links.
+        """
+        target = self.base / path if trusted else self.file_of(path)
         try:
             with open(target, "rb") as f:
                 st = os.fstat(f.fileno())
@@ -731,11 +760,9 @@ class NoteStore:
     def exists(self, path: str) -> bool:
         return os.path.isfile(self.file_of(path))
 
-    def walk(self, folder: str = NOTES) -> list:
-        """Return every note path under a folder path, sorted (hidden and links skipped)."""
-        start = self.base / folder
-        found: list = []
-        stack = [(str(start), folder)]
+    def _entries(self, folder: str = NOTES):
+        """Yield (note path, DirEntry) under a folder path (hidden entries and links skipped)."""
+        stack = [(str(self.base / folder), folder)]
         while stack:
             real, rel = stack.pop()
             try:
@@ -748,9 +775,26 @@ class NoteStore:
                 if e.is_dir():
                     stack.append((e.path, f"{rel}/{e.name}"))
                 elif e.name.endswith(".md") and len(e.name) > 3:
-                    found.append(f"{rel}/{e.name}")
-        found.sort()
-        return found
+                    yield f"{rel}/{e.name}", e
+
+    def walk(self, folder: str = NOTES) -> list:
+        """Return every note path under a folder path, sorted."""
+        return sorted(path for path, _ in self._entries(folder))
+
+    def scan(self) -> dict:
+        """Return {note path: (size, mtime_ns)} for every note (the rescan's view)."""
+        out = {}
+        for path, e in self._entries():
+            try:
+                st = e.stat()
+            except OSError:
+                continue
+            out[path] = (st.st_size, st.st_mtime_ns)
+        return out
+
+    def read_raw(self, path: str) -> tuple:
+        """Return (bytes, stat) of a note found by scan() (404 when gone), for the indexer."""
+        return self._read(path, trusted=True)
 
     def list_page(self, folder: str, limit: int, offset: int) -> dict:
         if folder != NOTES and not os.path.isdir(self.file_of(folder)):
@@ -841,9 +885,9 @@ class NoteStore:
                 raise ApiError(409, "CONFLICT", f"a note already exists at {path}; use PUT")
             self._make_parents(target)
             atomic_write(target, data)
-            rec = self.record(path, data, os.stat(target))
-        self._notify("saved", path, content)
-        return rec
+            st = os.stat(target)
+            self._notify("saved", path, (content, st))
+            return self.record(path, data, st)
 
     def _make_parents(self, target: Path) -> None:
         parent = target.parent
@@ -862,9 +906,9 @@ class NoteStore:
             self.check_match(if_match, old)
             target = self.file_of(path)
             atomic_write(target, data)
-            rec = self.record(path, data, os.stat(target))
-        self._notify("saved", path, content)
-        return rec
+            st = os.stat(target)
+            self._notify("saved", path, (content, st))
+            return self.record(path, data, st)
 
     def move(self, path: str, new: str, if_match: str | None = None) -> dict:
         with self.locked(path, new, tree=True):
@@ -881,9 +925,9 @@ class NoteStore:
             fsync_dir(dst.parent)
             fsync_dir(src.parent)
             self._prune(src.parent)
-            rec = self.record(new, data, os.stat(dst))
-        self._notify("moved", path, new)
-        return {**rec, "from": path}
+            st = os.stat(dst)
+            self._notify("moved", path, (new, st))
+            return {**self.record(new, data, st), "from": path}
 
     def delete(self, path: str, if_match: str | None = None) -> dict:
         with self.locked(path, tree=True):
@@ -897,7 +941,7 @@ class NoteStore:
             fsync_dir(dst.parent)
             fsync_dir(src.parent)
             self._prune(src.parent)
-        self._notify("deleted", path)
+            self._notify("deleted", path)
         return {"path": path, "deleted": True, "trash": f".notesvc/trash/{stamp}/{path}"}
 
     def _prune(self, folder: Path) -> None:
@@ -921,6 +965,705 @@ class NoteStore:
                         os.unlink(os.path.join(folder, name))
                         removed += 1
         return removed
+
+
+# == Search ===================================================================
+#
+# An inverted index of the notes, kept in memory and persisted as a cache.
+# Per term: a sorted array of document ids and an array of BM25 term-frequency
+# impacts (float32), for the body and, separately, the title. Per document: its
+# text (for snippets) and its stems as one " a b c " string (phrase checks and
+# snippet positions run as C-speed substring searches on it).
+
+K1, B = 1.2, 0.75  # BM25 saturation and length normalisation (Lucene's defaults)
+TITLE_WEIGHT = 2.0  # a title hit counts twice a body hit
+INDEX_FORMAT = ("notesvc-index", 2, K1, B, TITLE_WEIGHT, "stem-1")
+MAX_QUERY_CHARS = 512
+MAX_PREFIX_TERMS = 64  # expansions of one prefix* (most frequent first)
+SNIPPET_CHARS = 240
+
+_WORD_RE = re.compile(r"\w+")
+_ASCII_WORD_RE = re.compile(r"\w+", re.ASCII)  # the same tokens on ASCII text, faster
+_MARKS_RE = re.compile("[\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe2f]")
+_NOT_PLURAL = frozenset(
+    [
+        "news",
+        "always",
+        "perhaps",
+        "does",
+        "goes",
+        "series",
+        "species",
+        "physics",
+        "politics",
+        "mathematics",
+        "economics",
+        "ethics",
+        "lens",
+        "chaos",
+        "canvas",
+        "atlas",
+        "alias",
+        "bias",
+        "gas",
+    ]
+)
+
+
+def fold(text: str) -> str:
+    """Return text with case and accents folded.
+
+    >>> fold("Crème BRÛLÉE Straße")
+    'creme brulee strasse'
+    """
+    text = text.casefold()
+    if not text.isascii():
+        text = _MARKS_RE.sub("", unicodedata.normalize("NFKD", text))
+    return text
+
+
+def _measure(word: str) -> int:
+    """Porter's m: the number of vowel-consonant sequences in word."""
+    form = "".join(
+        "v" if ch in "aeiou" or (ch == "y" and i > 0) else "c" for i, ch in enumerate(word)
+    )
+    return form.replace("vc", "|").count("|") if form else 0
+
+
+def _ends_cvc(word: str) -> bool:
+    return (
+        len(word) >= 3
+        and word[-1] not in "aeiouwxy"
+        and word[-2] in "aeiouy"
+        and word[-3] not in "aeiou"
+    )
+
+
+def stem(word: str) -> str:
+    """Return a light English stem: plurals and -ing/-ed folded, little else.
+
+    >>> [stem(w) for w in ["running", "runs", "keys", "cities", "pies", "pi", "making", "news"]]
+    ['run', 'run', 'key', 'city', 'pie', 'pi', 'make', 'news']
+    """
+    if len(word) <= 3 or not word.isalpha() or not word.isascii() or word in _NOT_PLURAL:
+        return word
+    if word.endswith("s"):
+        if word.endswith("ies"):
+            word = word[:-1] if len(word) == 4 else word[:-3] + "y"
+        elif word.endswith(("sses", "xes", "zzes", "ches", "shes")):
+            word = word[:-2]
+        elif not word.endswith(("ss", "us", "is")):
+            word = word[:-1]
+    if word.endswith("eed"):
+        return word[:-1] if _measure(word[:-3]) > 0 else word
+    for suffix in ("ing", "ed"):
+        base = word[: -len(suffix)]
+        if word.endswith(suffix) and len(base) >= 2 and any(c in "aeiouy" for c in base):
+            if len(base) >= 4 and base[-1] == base[-2] and base[-1] not in "aeioulsz":
+                return base[:-1]  # running -> run, stopped -> stop
+            if (_measure(base) == 1 and _ends_cvc(base)) or (
+                len(base) == 2 and base[0] in "aeiou" and base[1] not in "aeiouy"
+            ):
+                return base + "e"  # making -> make, used -> use
+            return base
+    return word
+
+
+def tokenize(text: str) -> list:
+    """Return the stems of text, in order.
+
+    >>> tokenize("Running shoes & the spare KEYS, café")
+    ['run', 'shoe', 'the', 'spare', 'key', 'cafe']
+    """
+    return [stem(w) for w in _WORD_RE.findall(fold(text))]
+
+
+def bm25_idf(n_docs: int, df: int) -> float:
+    """Lucene's always-positive inverse document frequency."""
+    return math.log(1.0 + (n_docs - df + 0.5) / (df + 0.5))
+
+
+def bm25_tf(tf: float, dl: float, avgdl: float) -> float:
+    """BM25's saturated, length-normalised term frequency (the per-posting impact).
+
+    tf: occurrences of the term in the field; dl: the field's length in tokens;
+    avgdl: the average length of that field over all documents.
+    """
+    return tf * (K1 + 1.0) / (tf + K1 * (1.0 - B + B * dl / max(avgdl, 1.0)))
+
+
+Doc = collections.namedtuple("Doc", "path size mtime title text toks title_toks")
+
+
+class Query:
+    """A parsed query: clauses that must all match, each a list of alternatives (OR).
+
+    An alternative is ("word", stem), ("phrase", [stems]) or ("prefix", folded text).
+    """
+
+    def __init__(self, text: str):
+        self.text = text
+        self.clauses: list = []
+        self.excludes: list = []
+        self._parse(text)
+
+    def _parse(self, text: str) -> None:
+        if not text.strip():
+            raise bad_request("'q' is required: give one or more words to search for")
+        if len(text) > MAX_QUERY_CHARS:
+            raise bad_request(f"the query is longer than {MAX_QUERY_CHARS} characters")
+        if text.count('"') % 2:
+            raise bad_request('the query has an unbalanced quote: close the " or remove it')
+        items = re.findall(r'(-?)"([^"]*)"|(\S+)', text)
+        pending_or = False
+        for neg, phrase, word in items:
+            if word == "OR":
+                if not self.clauses or pending_or:
+                    raise bad_request("OR needs a word on each side, as in: cats OR dogs")
+                pending_or = True
+                continue
+            negative = bool(neg) or (word.startswith("-") and len(word) > 1)
+            raw = phrase if not word else word.lstrip("-") if negative else word
+            alt = self._alternative(raw, quoted=not word)
+            if alt is None:
+                continue
+            if negative:
+                if pending_or:
+                    raise bad_request("an -exclusion cannot be part of an OR")
+                self.excludes.append(alt)
+            elif pending_or:
+                self.clauses[-1].append(alt)
+                pending_or = False
+            else:
+                self.clauses.append([alt])
+        if pending_or:
+            raise bad_request("OR needs a word on each side, as in: cats OR dogs")
+        if not self.clauses:
+            if self.excludes:
+                raise bad_request("the query only excludes: add a word to search for")
+            raise bad_request("the query has no searchable words (letters or digits)")
+
+    @staticmethod
+    def _alternative(raw: str, quoted: bool):
+        if not quoted and raw.endswith("*"):
+            prefix = fold(raw.rstrip("*"))
+            if len(prefix) < 2 or not _WORD_RE.fullmatch(prefix):
+                raise bad_request("a prefix* needs at least 2 letters or digits before the *")
+            return ("prefix", prefix)
+        stems = tokenize(raw)
+        if not stems:
+            return None
+        return ("word", stems[0]) if len(stems) == 1 else ("phrase", stems)
+
+
+class SearchIndex:
+    """The in-memory inverted index; thread-safe; persisted with save() / load().
+
+    Every distinct stem gets a term character (U+0100 upward). A document's stems are
+    kept as a string of those characters, one per token, so a phrase check is a
+    substring search and a match's position is its token index.
+    """
+
+    def __init__(self):
+        self._lock = threading.RLock()
+        self.docs: list = []  # Doc or None, by id
+        self.ids: dict = {}  # path -> id
+        self.free: list = []  # ids to reuse
+        self.body: dict = {}  # term char -> (array of ids, array of impacts)
+        self.title: dict = {}
+        self.terms: list = []  # stems, by term number
+        self.term_chars: dict = {}  # stem -> term char
+        self.surfaces: dict = {}  # folded word -> term char (also the prefix* vocabulary)
+        self._sorted: list = []  # sorted surfaces, rebuilt when stale
+        self._sorted_stale = False
+        self.body_len = 0  # total tokens over all docs, for the averages
+        self.title_len = 0
+        self.avg_used = (1.0, 1.0)  # the averages the stored impacts were computed with
+        self.generation = 0  # bumps on every change
+        self._touched: dict = {}  # path -> generation of its last change
+
+    # -- building -------------------------------------------------------------------
+
+    def _term_char(self, term: str) -> str:
+        ch = self.term_chars.get(term)
+        if ch is None:
+            ch = _term_char_of(len(self.terms))
+            if ch == _OVERFLOW:
+                return ch
+            self.term_chars[term] = ch
+            self.terms.append(term)
+        return ch
+
+    def _encode(self, text: str) -> str:
+        """Return the term characters of text's tokens, in order."""
+        text = fold(text)
+        words = (_ASCII_WORD_RE if text.isascii() else _WORD_RE).findall(text)
+        chars = self.surfaces
+        try:
+            return "".join(map(chars.__getitem__, words))
+        except KeyError:  # new words: give them term chars, then encode again
+            for w in set(words).difference(chars):
+                chars[w] = self._term_char(stem(w))
+            self._sorted_stale = True
+            return "".join(map(chars.__getitem__, words))
+
+    def _analyse(self, path: str, text: str, size: int, mtime: int) -> Doc:
+        text = unicodedata.normalize("NFC", text)
+        title = note_title(text, path)
+        return Doc(path, size, mtime, title, text, self._encode(text), self._encode(title))
+
+    def add(self, path: str, text: str, size: int, mtime: int) -> None:
+        """Index (or re-index) one note."""
+        with self._lock:
+            self._insert(self._analyse(path, text, size, mtime))
+            self._maybe_renormalise(threshold=0.2)
+
+    def _insert(self, doc: Doc) -> None:
+        old = self.ids.get(doc.path)
+        fresh = False
+        if old is not None:
+            self._unpost(old)
+            d = old
+        elif self.free:
+            d = self.free.pop()
+        else:
+            d, fresh = len(self.docs), True  # larger than every id in every posting list
+            self.docs.append(None)
+        self.ids[doc.path] = d
+        self.docs[d] = doc
+        self._post(d, doc, fresh)
+        self.generation += 1
+        self._touched[doc.path] = self.generation
+
+    def _post(self, d: int, doc: Doc, fresh: bool) -> None:
+        """Add a document's postings; `fresh` ids go at the end of every list (C-level maps)."""
+        avg_b, avg_t = self.avg_used
+        for table, toks, avg in ((self.body, doc.toks, avg_b), (self.title, doc.title_toks, avg_t)):
+            dl = len(toks)
+            if table is self.body:
+                self.body_len += dl
+            else:
+                self.title_len += dl
+            counts = collections.Counter(toks)
+            counts.pop(_OVERFLOW, None)
+            if not counts:
+                continue
+            terms, tfs = list(counts), list(counts.values())
+            by_tf = {tf: bm25_tf(tf, dl, avg) for tf in set(tfs)}
+            impacts = list(map(by_tf.__getitem__, tfs))
+            entries = list(map(table.get, terms))
+            if None in entries:
+                for i, entry in enumerate(entries):
+                    if entry is None:
+                        entries[i] = table[terms[i]] = (array.array("i"), array.array("f"))
+            if fresh:
+                collections.deque(map(_APPEND, map(_FIRST, entries), itertools.repeat(d)), 0)
+                collections.deque(map(_APPEND, map(_SECOND, entries), impacts), 0)
+                continue
+            for (ids, imps), impact in zip(entries, impacts):
+                i = bisect.bisect_left(ids, d)
+                ids.insert(i, d)
+                imps.insert(i, impact)
+
+    def _unpost(self, d: int) -> None:
+        doc = self.docs[d]
+        for table, toks in ((self.body, doc.toks), (self.title, doc.title_toks)):
+            if table is self.body:
+                self.body_len -= len(toks)
+            else:
+                self.title_len -= len(toks)
+            for term in set(toks):
+                entry = table.get(term)
+                if entry is None:
+                    continue
+                ids, imps = entry
+                i = bisect.bisect_left(ids, d)
+                if i < len(ids) and ids[i] == d:
+                    del ids[i]
+                    del imps[i]
+                if not ids:
+                    del table[term]
+
+    def remove(self, path: str) -> bool:
+        with self._lock:
+            d = self.ids.pop(path, None)
+            if d is None:
+                return False
+            self._unpost(d)
+            self.docs[d] = None
+            self.free.append(d)
+            self.generation += 1
+            self._touched[path] = self.generation
+            return True
+
+    def move(self, old: str, new: str, size: int, mtime: int) -> None:
+        with self._lock:
+            d = self.ids.get(old)
+            if d is None:
+                return
+            text = self.docs[d].text
+            self.remove(old)
+            self.add(new, text, size, mtime)
+
+    def bulk_add(self, docs: list, since: int) -> int:
+        """Index many (path, text, size, mtime) at once; skip paths changed after `since`."""
+        with self._lock:
+            analysed = [self._analyse(*item) for item in docs]
+            fresh = [doc for doc in analysed if self._touched.get(doc.path, -1) <= since]
+            if fresh and not self.ids:  # compute impacts with the right averages at once
+                n = len(fresh)
+                self.avg_used = (
+                    max(sum(len(d.toks) for d in fresh) / n, 1.0),
+                    max(sum(len(d.title_toks) for d in fresh) / n, 1.0),
+                )
+            for doc in fresh:
+                self._insert(doc)
+            self._maybe_renormalise(threshold=0.05)
+            return len(fresh)
+
+    def averages(self) -> tuple:
+        n = max(len(self.ids), 1)
+        return (self.body_len / n or 1.0, self.title_len / n or 1.0)
+
+    def _maybe_renormalise(self, threshold: float) -> None:
+        """Recompute every impact once the average field lengths drift past threshold.
+
+        Impacts are computed with the averages of their time; BM25 wants today's. Small
+        drift changes scores by less than the drift, so the (full) recomputation waits.
+        """
+        now = self.averages()
+        drift = max(abs(a - b) / b for a, b in zip(now, self.avg_used))
+        if drift <= threshold or not self.ids:
+            return
+        self.avg_used = now
+        self.body, self.title = {}, {}
+        self.body_len = self.title_len = 0
+        for d, doc in enumerate(self.docs):
+            if doc is not None:
+                self._post(d, doc, fresh=True)  # ascending ids: appending keeps lists sorted
+
+    # -- state -------------------------------------------------------------------------
+
+    def signature(self) -> dict:
+        """Return {path: (size, mtime_ns)} of what is indexed."""
+        with self._lock:
+            return {p: (self.docs[d].size, self.docs[d].mtime) for p, d in self.ids.items()}
+
+    def stats(self) -> dict:
+        with self._lock:
+            return {"documents": len(self.ids), "terms": len(self.body)}
+
+    # -- searching -----------------------------------------------------------------------
+
+    def _expand(self, prefix: str) -> list:
+        """Return up to MAX_PREFIX_TERMS terms of words starting with prefix, commonest first."""
+        if self._sorted_stale:
+            self._sorted = sorted(self.surfaces)
+            self._sorted_stale = False
+        words, surfaces = self._sorted, self.surfaces
+        i = bisect.bisect_left(words, prefix)
+        found = set()
+        while i < len(words) and words[i].startswith(prefix) and len(found) < 16 * MAX_PREFIX_TERMS:
+            found.add(surfaces[words[i]])
+            i += 1
+        terms = [t for t in found if t in self.body or t in self.title]
+        terms.sort(key=lambda t: -len(self.body.get(t, ((),))[0]))
+        return terms[:MAX_PREFIX_TERMS]
+
+    def _components(self, term: str) -> list:
+        """Return the scoring components of a term char: (weight * idf, ids, impacts)."""
+        n = len(self.ids)
+        out = []
+        for table, weight in ((self.body, 1.0), (self.title, TITLE_WEIGHT)):
+            entry = table.get(term)
+            if entry:
+                out.append((weight * bm25_idf(n, len(entry[0])), entry[0], entry[1]))
+        return out
+
+    def _chars(self, stems: list) -> str:
+        """Return the term chars of stems, or "" when one of them is not in the index."""
+        chars = [self.term_chars.get(s) for s in stems]
+        return "" if None in chars else "".join(chars)
+
+    def _alt_docs(self, alt: tuple) -> tuple:
+        """Return (set of matching ids, scoring components) for one alternative."""
+        kind = alt[0]
+        if kind == "prefix":
+            comps = [c for term in self._expand(alt[1]) for c in self._components(term)]
+            return _union_ids(comps), comps
+        needle = self._chars([alt[1]] if kind == "word" else alt[1])
+        if not needle:
+            return set(), []
+        if kind == "word":
+            comps = self._components(needle)
+            return _union_ids(comps), comps
+        comps_by_term = [self._components(t) for t in needle]
+        if not all(comps_by_term):
+            return set(), []
+        # Candidates: the rarest term's documents; the phrase check is a substring search.
+        rarest = min(comps_by_term, key=lambda comps: sum(len(c[1]) for c in comps))
+        docs = self.docs
+        found = {d for d in _union_ids(rarest) if needle in docs[d][5] or needle in docs[d][6]}
+        return found, [c for comps in comps_by_term for c in comps]
+
+    def search(self, query: Query, folder: str = "", limit: int = 20, offset: int = 0) -> tuple:
+        """Return (total, [(path, title, score, snippet)]) best first."""
+        with self._lock:
+            k = offset + limit
+            clauses = query.clauses
+            single = len(clauses) == 1 and len(clauses[0]) == 1 and clauses[0][0][0] == "word"
+            if single and not query.excludes and not folder:
+                total, ranked = self._top_single(self.term_chars.get(clauses[0][0][1]), k)
+            else:
+                total, ranked = self._top_general(query, folder, k)
+            needles = self._needles(query)
+            results = []
+            for d, score in ranked[offset:]:
+                doc = self.docs[d]
+                snippet = _snippet(doc.text, doc.toks, needles)
+                results.append((doc.path, doc.title, round(score, 4), snippet))
+            return total, results
+
+    def _needles(self, query: Query) -> list:
+        """Return the query's term strings, phrases and rarest words first (for snippets)."""
+        needles = []
+        for alt in (a for clause in query.clauses for a in clause):
+            if alt[0] != "prefix":
+                chars = self._chars([alt[1]] if alt[0] == "word" else alt[1])
+                if chars:
+                    needles.append(chars)
+            else:
+                needles += self._expand(alt[1])[:8]
+
+        def rarity(needle):
+            return (-len(needle), len(self.body.get(needle[0], ((),))[0]))
+
+        return sorted(set(needles), key=rarity)
+
+    def _top_single(self, term: str | None, k: int) -> tuple:
+        body = self.body.get(term) if term else None
+        title = self.title.get(term) if term else None
+        if not body and not title:
+            return 0, []
+        n = len(self.ids)
+        scores: dict = {}
+        total = 0
+        if body:
+            ids, imps = body
+            w = bm25_idf(n, len(ids))
+            total = len(ids)
+            extra = len(title[0]) if title else 0
+            for i in heapq.nlargest(k + extra, range(len(ids)), key=imps.__getitem__):
+                scores[ids[i]] = w * imps[i]
+        if title:
+            ids, imps = title
+            w = TITLE_WEIGHT * bm25_idf(n, len(ids))
+            body_comp = (bm25_idf(n, len(body[0])), *body) if body else None
+            for d, imp in zip(ids, imps):
+                base = scores.get(d)
+                if base is None:
+                    base = _impact_of(body_comp, d) if body_comp else None
+                    if base is None:
+                        total += 1
+                        base = 0.0
+                scores[d] = base + w * imp
+        return total, heapq.nlargest(k, scores.items(), key=_SCORE)
+
+    def _top_general(self, query: Query, folder: str, k: int) -> tuple:
+        matched = []
+        for clause in query.clauses:
+            ids: set = set()
+            comps: list = []
+            for alt in clause:
+                alt_ids, alt_comps = self._alt_docs(alt)
+                ids |= alt_ids
+                comps += alt_comps
+            matched.append((ids, comps))
+        matched.sort(key=lambda m: len(m[0]))
+        candidates = matched[0][0].intersection(*(m[0] for m in matched[1:]))
+        for alt in query.excludes:
+            if candidates:
+                candidates -= self._alt_docs(alt)[0]
+        if folder and candidates:
+            prefix = folder.rstrip("/") + "/"
+            docs = self.docs
+            candidates = {d for d in candidates if docs[d][0].startswith(prefix)}
+        if not candidates:
+            return 0, []
+        scores = dict.fromkeys(candidates, 0.0)
+        for _, comps in matched:
+            for comp in comps:
+                weight, ids, imps = comp
+                if len(ids) > 4 * len(candidates):
+                    for d in candidates:
+                        imp = _impact_of(comp, d)
+                        if imp is not None:
+                            scores[d] += imp
+                else:
+                    for d, imp in zip(ids, imps):
+                        if d in scores:
+                            scores[d] += weight * imp
+        return len(candidates), heapq.nlargest(k, scores.items(), key=_SCORE)
+
+    # -- persistence ---------------------------------------------------------------------
+
+    def save(self, path: Path) -> None:
+        """Write the index to path atomically: a pickle of plain data, then raw arrays.
+
+        Streamed to the file, so saving builds no large temporary objects.
+        """
+
+        def write(f) -> None:
+            meta = {
+                "format": INDEX_FORMAT,
+                "docs": [tuple(doc) if doc else None for doc in self.docs],
+                "avg_used": self.avg_used,
+                "terms": self.terms,
+                "surfaces": self.surfaces,
+                "tables": [
+                    (
+                        "".join(table),
+                        array.array("i", map(len, map(_FIRST, table.values()))).tobytes(),
+                    )
+                    for table in (self.body, self.title)
+                ],
+            }
+            pickle.dump(meta, f, protocol=pickle.HIGHEST_PROTOCOL)
+            for table in (self.body, self.title):
+                for ids, imps in table.values():
+                    ids.tofile(f)
+                    imps.tofile(f)
+
+        with self._lock:
+            atomic_write(path, write, mode=0o600)
+
+    @classmethod
+    def load(cls, path: Path) -> SearchIndex:
+        """Return the index stored at path; ValueError when it is missing, old or corrupt."""
+        try:
+            with open(path, "rb") as f:
+                meta = _PlainUnpickler(f).load()
+                if not isinstance(meta, dict) or meta.get("format") != INDEX_FORMAT:
+                    raise ValueError("an index cache of another format")
+                index = cls()
+                for terms, raw_lengths in meta["tables"]:
+                    lengths = array.array("i")
+                    lengths.frombytes(raw_lengths)
+                    if len(terms) != len(lengths):
+                        raise ValueError("postings table header does not add up")
+                    table = {}
+                    for term, n in zip(terms, lengths):
+                        ids, imps = array.array("i"), array.array("f")
+                        ids.fromfile(f, n)  # EOFError when the file was cut short
+                        imps.fromfile(f, n)
+                        table[term] = (ids, imps)
+                    if index.body:
+                        index.title = table
+                    else:
+                        index.body = table
+                if f.read(1):
+                    raise ValueError("trailing bytes")
+            for d, item in enumerate(meta["docs"]):
+                doc = Doc(*item) if item else None
+                index.docs.append(doc)
+                if doc is None:
+                    index.free.append(d)
+                else:
+                    index.ids[doc.path] = d
+                    index.body_len += len(doc.toks)
+                    index.title_len += len(doc.title_toks)
+            index.terms = list(meta["terms"])
+            index.term_chars = {t: _term_char_of(i) for i, t in enumerate(index.terms)}
+            index.surfaces = dict(meta["surfaces"])
+            index.avg_used = tuple(meta["avg_used"])
+            index._sorted_stale = True
+            return index
+        except FileNotFoundError:
+            raise ValueError("no index cache") from None
+        except Exception as e:  # a cache is never trusted: any damage means a rebuild
+            raise ValueError(f"unusable index cache ({type(e).__name__}: {e})") from None
+
+
+class _PlainUnpickler(pickle.Unpickler):
+    """Unpickles plain data only: no class or function can be named by the file."""
+
+    def find_class(self, module, name):
+        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in an index cache")
+
+
+def _SCORE(item):
+    return item[1]
+
+
+def _union_ids(comps: list) -> set:
+    ids: set = set()
+    for _, arr, _ in comps:
+        ids.update(arr)
+    return ids
+
+
+def _impact_of(comp: tuple, d: int):
+    """Return weight * impact of doc d in a component, or None when d is not in it."""
+    weight, ids, imps = comp
+    i = bisect.bisect_left(ids, d)
+    if i < len(ids) and ids[i] == d:
+        return weight * imps[i]
+    return None
+
+
+_OVERFLOW = "\xff"  # the term char of stems past the last code point (not indexed)
+_APPEND = array.array.append
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
+
+
+def _term_char_of(n: int) -> str:
+    """Return the term char of term number n (U+0100 upward, surrogates skipped)."""
+    cp = 0x100 + n
+    if cp >= 0xD800:
+        cp += 0x800
+    return chr(cp) if cp <= 0x10FFFF else _OVERFLOW
+
+
+@functools.lru_cache(maxsize=256)
+def _skip_tokens(n: int, ascii_only: bool) -> re.Pattern:
+    return re.compile(r"\W*(?:\w+\W+){" + str(n) + "}", re.ASCII if ascii_only else 0)
+
+
+def _token_offset(text: str, k: int) -> int | None:
+    """Return where token k (0-based) of text starts, skipping tokens in C-level steps."""
+    pos, ascii_only = 0, text.isascii()
+    while k > 0:
+        n = min(k, 100)
+        m = _skip_tokens(n, ascii_only).match(text, pos)
+        if m is None:
+            return None
+        pos, k = m.end(), k - n
+    m = _WORD_RE.search(text, pos)
+    return m.start() if m else None
+
+
+def _snippet(text: str, toks: str, needles: list) -> str:
+    """Return up to SNIPPET_CHARS of the body around the first match of the best needle."""
+    index = -1
+    for needle in needles:
+        index = toks.find(needle)
+        if index >= 0:
+            break
+    start = 0
+    at = _token_offset(text, index) if index > 0 else None
+    if at is not None:
+        start = max(0, at - 60)
+        while start > 0 and not text[start - 1].isspace() and at - start < 90:
+            start -= 1
+    end = start + SNIPPET_CHARS + 40
+    window = " ".join(text[start:end].split())
+    lead = "…" if start > 0 else ""
+    room = SNIPPET_CHARS - len(lead)
+    if len(window) > room or end < len(text):
+        cut = window[: room - 1]
+        cut = cut.rsplit(" ", 1)[0] if " " in cut[20:] else cut
+        return lead + cut + "…"
+    return lead + window
 
 
 # == State and auth ===========================================================
@@ -1077,6 +1820,120 @@ class Service:
         swept = self.notes.sweep_temp_files()
         if swept:
             log.info("removed %d temp files left by an interrupted write", swept)
+        self.index_path = config.state_dir / "index.cache"
+        self.index = self._open_index()
+        self._saved_generation = self.index.generation if self.index.ids else -1
+        self._saved_at = 0.0
+        self._save_lock = threading.Lock()
+        self.notes.listeners.append(self._on_note_event)
+        self.last_sync = self.sync_index()
+        # The cache is for the next start; writing it need not delay this one.
+        self._first_save = threading.Thread(target=self.save_index, name="notesvc-save")
+        self._first_save.daemon = True
+        self._first_save.start()
+        self._stop = threading.Event()
+        self._rescanner = None
+        if config.rescan_seconds:
+            self._rescanner = threading.Thread(
+                target=self._rescan_loop, name="notesvc-rescan", daemon=True
+            )
+            self._rescanner.start()
+
+    # -- the search index ---------------------------------------------------------
+
+    def _open_index(self) -> SearchIndex:
+        try:
+            index = SearchIndex.load(self.index_path)
+            log.info("index cache loaded: %d notes", len(index.ids))
+            return index
+        except ValueError as e:
+            if self.index_path.exists():
+                log.warning("%s: discarded, rebuilding the index", e)
+                with contextlib.suppress(OSError):
+                    self.index_path.unlink()
+            return SearchIndex()
+
+    def _on_note_event(self, event: str, path: str, detail: Any) -> None:
+        if event == "saved":
+            content, st = detail
+            self.index.add(path, content, st.st_size, st.st_mtime_ns)
+        elif event == "moved":
+            new, st = detail
+            self.index.move(path, new, st.st_size, st.st_mtime_ns)
+        elif event == "deleted":
+            self.index.remove(path)
+
+    def sync_index(self) -> dict:
+        """Bring the index in line with the files: re-read what changed, drop what is gone."""
+        started = time.perf_counter()
+        on_disk = self.notes.scan()
+        indexed = self.index.signature()
+        removed = [p for p in indexed if p not in on_disk]
+        changed = [p for p, sig in on_disk.items() if indexed.get(p) != sig]
+        for path in removed:
+            with self.notes.locked(path):
+                if not self.notes.exists(path):
+                    self.index.remove(path)
+        if len(changed) > 50:
+            self._bulk_index(changed)
+        else:
+            for path in changed:
+                with self.notes.locked(path):  # no API write can slip in between
+                    try:
+                        data, st = self.notes.read_raw(path)
+                    except ApiError:
+                        continue
+                    text = data.decode("utf-8", "replace")
+                    self.index.add(path, text, st.st_size, st.st_mtime_ns)
+        took = time.perf_counter() - started
+        if changed or removed:
+            log.info("index: %d notes read, %d removed in %.2f s", len(changed), len(removed), took)
+        return {"read": len(changed), "removed": len(removed), "seconds": round(took, 3)}
+
+    def _bulk_index(self, paths: list) -> None:
+        since = self.index.generation
+        items, last_log = [], time.monotonic()
+        for i, path in enumerate(paths, 1):
+            try:
+                data, st = self.notes.read_raw(path)
+            except ApiError:
+                continue
+            items.append((path, data.decode("utf-8", "replace"), st.st_size, st.st_mtime_ns))
+            if time.monotonic() - last_log > 2:
+                log.info("indexing: read %d of %d notes", i, len(paths))
+                last_log = time.monotonic()
+        self.index.bulk_add(items, since)
+
+    def save_index(self, force: bool = False) -> bool:
+        """Persist the index when it changed since the last save."""
+        with self._save_lock:
+            if self.index.generation == self._saved_generation and not force:
+                return False
+            generation = self.index.generation
+            try:
+                self.index.save(self.index_path)
+            except OSError as e:
+                log.warning("could not save the index cache: %s", e)
+                return False
+            self._saved_generation, self._saved_at = generation, time.monotonic()
+            return True
+
+    def _rescan_loop(self) -> None:
+        while not self._stop.wait(self.config.rescan_seconds):
+            try:
+                self.last_sync = self.sync_index()
+                if time.monotonic() - self._saved_at > 60:
+                    self.save_index()
+            except Exception:
+                log.exception("rescan failed; trying again in %s s", self.config.rescan_seconds)
+
+    def close(self) -> None:
+        """Stop background work and persist the index."""
+        self._stop.set()
+        if self._rescanner is not None:
+            self._rescanner.join(30)
+        self._first_save.join()
+        self.save_index()
 
     # -- request context ------------------------------------------------------
 
@@ -1236,7 +2093,7 @@ def get_info(svc: Service) -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(terse=True),
         "notes": {"count": count, "bytes": size},
-        "index": {"documents": 0, "terms": 0},
+        "index": {**svc.index.stats(), "lastSync": svc.last_sync},
     }
 
 
@@ -1346,7 +2203,7 @@ def create_note(svc: Service) -> dict:
 
 
 def list_notes(svc: Service) -> dict:
-    folder = folder_path(bottle.request.query.get("folder") or NOTES)
+    folder = folder_path(query_str("folder") or NOTES)
     limit = query_int("limit", 100, 1, 1000)
     offset = query_int("offset", 0, 0, 10**9)
     return svc.notes.list_page(folder, limit, offset)
@@ -1387,6 +2244,30 @@ def get_tree(svc: Service) -> dict:
 
 def get_subtree(svc: Service, path: str) -> dict:
     return svc.notes.tree(folder_path(path))
+
+
+# -- search --------------------------------------------------------------------------------
+
+
+def search_notes(svc: Service) -> dict:
+    started = time.perf_counter()
+    query = Query(query_str("q"))
+    folder = query_str("folder")
+    if folder:
+        folder = folder_path(folder)
+        folder = "" if folder == NOTES else folder
+    limit = query_int("limit", 20, 1, 100)
+    offset = query_int("offset", 0, 0, 10000)
+    total, hits = svc.index.search(query, folder, limit, offset)
+    results = [{"path": p, "title": t, "score": sc, "snippet": sn} for p, t, sc, sn in hits]
+    return {
+        "query": query.text,
+        "total": total,
+        "limit": limit,
+        "offset": offset,
+        "results": results,
+        "tookMs": round((time.perf_counter() - started) * 1000, 3),
+    }
 
 
 # -- relay pairing (this server as its own relay) -------------------------------------
@@ -1431,6 +2312,7 @@ class Route:
     public: bool = False
     summary: str = ""
     body: dict | None = None  # JSON schema of the request body (OpenAPI)
+    params: dict | None = None  # query parameters: name -> JSON schema (OpenAPI)
     status: int = 200
     api: bool = True
     tag: str = "system"
@@ -1450,6 +2332,7 @@ def _obj(required: Iterable[str] = (), **props: dict) -> dict:
 
 
 _STR = {"type": "string"}
+_INT = {"type": "integer"}
 
 ROUTES = (
     Route("GET", "/health", get_health, public=True, summary="Liveness and version"),
@@ -1476,7 +2359,14 @@ ROUTES = (
         status=201,
         tag="notes",
     ),
-    Route("GET", "/notes", list_notes, summary="List notes by path", tag="notes"),
+    Route(
+        "GET",
+        "/notes",
+        list_notes,
+        summary="List notes by path",
+        params={"folder": _STR, "limit": _INT, "offset": _INT},
+        tag="notes",
+    ),
     Route("GET", "/notes/<path:path>", get_note, summary="Read a note", tag="notes"),
     Route(
         "PUT",
@@ -1495,6 +2385,14 @@ ROUTES = (
         tag="notes",
     ),
     Route("DELETE", "/notes/<path:path>", delete_note, summary="Move to trash", tag="notes"),
+    Route(
+        "GET",
+        "/search",
+        search_notes,
+        summary='Full-text search (BM25): words, "phrases", prefix*, -exclude, OR',
+        params={"q": _STR, "limit": _INT, "offset": _INT, "folder": _STR},
+        tag="search",
+    ),
     Route("GET", "/folders/tree", get_tree, summary="Folder tree from the root", tag="folders"),
     Route("GET", "/folders/tree/<path:path>", get_subtree, summary="Subtree", tag="folders"),
     Route("GET", "/relay/v1/pair/<code>", pair_relay_code, public=True, api=False, tag="relay"),
@@ -1532,11 +2430,16 @@ def openapi_document(routes: Iterable[Route], server_url: str) -> dict:
             op["responses"] = {"200": {"description": "OpenAPI document"}}
         if r.public:
             op["security"] = []
-        params = re.findall(r"<(\w+)(?::[^>]*)?>", r.path)
+        params = [
+            {"name": p, "in": "path", "required": True, "schema": _STR}
+            for p in re.findall(r"<(\w+)(?::[^>]*)?>", r.path)
+        ]
+        params += [
+            {"name": n, "in": "query", "required": n == "q", "schema": schema}
+            for n, schema in (r.params or {}).items()
+        ]
         if params:
-            op["parameters"] = [
-                {"name": p, "in": "path", "required": True, "schema": _STR} for p in params
-            ]
+            op["parameters"] = params
         if r.body is not None:
             op["requestBody"] = {
                 "required": bool(r.body.get("required")),
@@ -1836,6 +2739,7 @@ def cmd_serve(config: Config) -> int:
         finally:
             with contextlib.suppress(Exception):
                 server.close()
+            app.service.close()
     finally:
         os.close(lock_fd)
     return 0

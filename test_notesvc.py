@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import http.client
 import json
 import os
 import re
@@ -1364,8 +1365,8 @@ class TestServerNotes:
                     sent[path].add(content)
                     try:
                         server.request("PUT", note_url(path), {"content": content})
-                    except OSError:
-                        return
+                    except (OSError, http.client.HTTPException, ValueError):
+                        return  # the server was killed under this request
 
             threads = [threading.Thread(target=writer, args=(w,)) for w in range(4)]
             for t in threads:
@@ -1387,3 +1388,322 @@ class TestServerNotes:
             _, _, body = again.request("GET", f"{API}/notes")
             assert body["data"]["total"] == 20
         assert [p for p in notes.iterdir() if p.name.startswith(".tmp-")] == []
+
+
+# -- search ------------------------------------------------------------------------------
+
+
+def search(client, q: str, status: int = 200, **params) -> dict:
+    resp = client.get(f"{API}/search", {"q": q, **params}, status=status)
+    return resp.json["data"] if status == 200 else resp
+
+
+def hits(client, q: str, **params) -> list:
+    return [r["path"] for r in search(client, q, **params)["results"]]
+
+
+class TestTokenizer:
+    def test_doctests(self):
+        import doctest
+
+        result = doctest.testmod(notesvc)
+        assert result.attempted >= 4
+        assert result.failed == 0
+
+    @pytest.mark.parametrize(
+        ("a", "b"),
+        [
+            ("run", "running"),
+            ("runs", "run"),
+            ("keys", "key"),
+            ("cities", "city"),
+            ("boxes", "box"),
+            ("notes", "note"),
+            ("making", "make"),
+            ("stopped", "stop"),
+            ("Café", "cafe"),
+            ("ÉCOLE", "ecole"),
+            ("Straße", "strasse"),
+        ],
+    )
+    def test_forms_that_fold_together(self, a, b):
+        assert notesvc.tokenize(a) == notesvc.tokenize(b)
+
+    @pytest.mark.parametrize(
+        ("a", "b"), [("pies", "pi"), ("news", "new"), ("need", "ne"), ("this", "thi")]
+    )
+    def test_unrelated_words_stay_apart(self, a, b):
+        assert notesvc.tokenize(a) != notesvc.tokenize(b)
+
+    def test_bm25_idf_is_positive_and_falls_with_df(self):
+        assert notesvc.bm25_idf(10, 10) > 0
+        assert notesvc.bm25_idf(10, 1) > notesvc.bm25_idf(10, 5)
+
+
+class TestSearch:
+    @pytest.fixture
+    def corpus(self, client):
+        notes = {
+            "notes/keys.md": "# Household\n\nSpare keys are under the blue flowerpot. "
+            "The car key is in the kitchen drawer.",
+            "notes/run.md": "# Running log\n\nI went running today. Runs are fun.",
+            "notes/pie.md": "# Recipes\n\nApple pies need cinnamon. Crème brûlée too.",
+            "notes/pi.md": "# Math\n\nThe number pi is about 3.14159.",
+            "notes/work/meeting.md": "# Meeting notes\n\nThe quick brown fox and the e-mail "
+            "migration.",
+            "notes/work/todo.md": "# Todo\n\nBuy a blue flowerpot. Call the plumber.",
+        }
+        for path, text in notes.items():
+            put_note(client, path, text)
+        return client
+
+    def test_response_shape(self, corpus):
+        d = search(corpus, "flowerpot", limit=5)
+        assert set(d) == {"query", "total", "limit", "offset", "results", "tookMs"}
+        assert (d["query"], d["total"], d["limit"], d["offset"]) == ("flowerpot", 2, 5, 0)
+        assert set(d["results"][0]) == {"path", "title", "score", "snippet"}
+        assert d["results"][0]["score"] >= d["results"][1]["score"] > 0
+        assert d["tookMs"] >= 0
+
+    def test_words_must_all_match(self, corpus):
+        assert hits(corpus, "blue flowerpot spare") == ["notes/keys.md"]
+        assert sorted(hits(corpus, "blue flowerpot")) == ["notes/keys.md", "notes/work/todo.md"]
+        assert hits(corpus, "blue unicorn") == []
+
+    def test_phrase(self, corpus):
+        assert hits(corpus, '"quick brown"') == ["notes/work/meeting.md"]
+        assert hits(corpus, '"brown quick"') == []
+        assert hits(corpus, '"blue flowerpot" spare') == ["notes/keys.md"]
+
+    def test_prefix(self, corpus):
+        assert hits(corpus, "flowerp*") != []
+        assert hits(corpus, "meet*") == ["notes/work/meeting.md"]
+        assert hits(corpus, "zzq*") == []
+
+    def test_exclude(self, corpus):
+        assert hits(corpus, "flowerpot -spare") == ["notes/work/todo.md"]
+        assert hits(corpus, 'flowerpot -"car key"') == ["notes/work/todo.md"]
+
+    def test_or(self, corpus):
+        assert sorted(hits(corpus, "pi OR cinnamon")) == ["notes/pi.md", "notes/pie.md"]
+        assert hits(corpus, "blue plumber OR spare") != []
+        assert sorted(hits(corpus, "flowerpot plumber OR keys")) == [
+            "notes/keys.md",
+            "notes/work/todo.md",
+        ]
+
+    def test_folder_filter(self, corpus):
+        assert hits(corpus, "flowerpot", folder="notes/work") == ["notes/work/todo.md"]
+        assert sorted(hits(corpus, "the", folder="notes/work")) == [
+            "notes/work/meeting.md",
+            "notes/work/todo.md",
+        ]
+        assert_error(search(corpus, "x", 400, folder="../etc"), 400, "VALIDATION_ERROR")
+
+    def test_case_accents_and_plurals_fold(self, corpus):
+        assert hits(corpus, "CREME BRULEE") == ["notes/pie.md"]
+        assert hits(corpus, "crème") == ["notes/pie.md"]
+        assert hits(corpus, "key") == ["notes/keys.md"]
+        assert hits(corpus, "run") == ["notes/run.md"]
+        assert hits(corpus, "pies") == ["notes/pie.md"]
+        assert hits(corpus, "pi") == ["notes/pi.md"]
+
+    def test_words_with_punctuation_are_phrases(self, corpus):
+        assert hits(corpus, "e-mail") == ["notes/work/meeting.md"]
+
+    def test_limit_and_offset(self, corpus):
+        everything = hits(corpus, "the", limit=100)
+        assert len(everything) == 4
+        assert hits(corpus, "the", limit=2) == everything[:2]
+        assert hits(corpus, "the", limit=2, offset=2) == everything[2:]
+        assert search(corpus, "the", limit=1)["total"] == 4
+
+    def test_snippet_is_short_and_around_the_match(self, client):
+        words = " ".join(f"filler{i}" for i in range(300))
+        put_note(client, "notes/long.md", f"# Long\n\n{words} the needle is here {words}")
+        result = search(client, "needle")["results"][0]
+        assert "needle" in result["snippet"]
+        assert len(result["snippet"]) <= 240
+        assert result["snippet"].startswith("…")
+
+    @pytest.mark.parametrize(
+        ("q", "says"),
+        [
+            ('"unbalanced', "quote"),
+            ("-only -exclusions", "only excludes"),
+            ("x" * 513, "longer than 512"),
+            ("", "required"),
+            ("a*", "prefix"),
+            ("OR cats", "OR"),
+            ("cats OR", "OR"),
+            ("!!! ???", "no searchable words"),
+        ],
+    )
+    def test_malformed_query_is_400_saying_what_to_fix(self, client, q, says):
+        err = assert_error(search(client, q, 400), 400, "VALIDATION_ERROR")
+        assert says in err["message"]
+
+    def test_missing_q_and_bad_paging_are_400(self, client):
+        assert_error(client.get(f"{API}/search", status=400), 400, "VALIDATION_ERROR")
+        for params in ({"limit": 0}, {"limit": 101}, {"offset": -1}, {"limit": "x"}):
+            resp = client.get(f"{API}/search", {"q": "a", **params}, status=400)
+            assert_error(resp, 400, "VALIDATION_ERROR")
+
+    def test_unicode_query(self, corpus):
+        put_note(corpus, "notes/ru.md", "# Заметка\n\nКлючи под горшком.")
+        assert hits(corpus, "ключи") == ["notes/ru.md"]
+        assert hits(corpus, "Заметка") == ["notes/ru.md"]
+
+
+class TestRanking:
+    def test_title_beats_body(self, client):
+        put_note(client, "notes/a.md", "# Lighthouse\n\nsome other words here")
+        put_note(client, "notes/b.md", "# Other\n\nsome lighthouse words here")
+        assert hits(client, "lighthouse") == ["notes/a.md", "notes/b.md"]
+
+    def test_rarer_term_beats_common(self, client):
+        put_note(client, "notes/a.md", "alpha zebra")
+        put_note(client, "notes/b.md", "alpha common")
+        put_note(client, "notes/c.md", "common words")
+        put_note(client, "notes/d.md", "common things")
+        assert hits(client, "zebra OR common")[0] == "notes/a.md"
+
+    def test_shorter_doc_beats_longer_at_equal_tf(self, client):
+        put_note(client, "notes/short.md", "pelican and two words")
+        put_note(client, "notes/long.md", "pelican " + "filler " * 60)
+        assert hits(client, "pelican") == ["notes/short.md", "notes/long.md"]
+
+    def test_more_occurrences_rank_higher(self, client):
+        put_note(client, "notes/one.md", "otter a b c d e f")
+        put_note(client, "notes/three.md", "otter otter otter d e f g")
+        assert hits(client, "otter")[0] == "notes/three.md"
+
+
+class TestSearchIndexLive:
+    def test_index_follows_create_update_move_delete(self, client):
+        put_note(client, "notes/a.md", "walrus")
+        assert hits(client, "walrus") == ["notes/a.md"]
+        client.put_json(note_url("notes/a.md"), {"content": "narwhal"})
+        assert hits(client, "walrus") == []
+        assert hits(client, "narwhal") == ["notes/a.md"]
+        client.patch_json(note_url("notes/a.md") + "/move", {"path": "notes/b/c.md"})
+        assert hits(client, "narwhal") == ["notes/b/c.md"]
+        client.delete(note_url("notes/b/c.md"))
+        assert hits(client, "narwhal") == []
+        assert search(client, "narwhal")["total"] == 0
+
+    def test_external_edit_found_after_rescan(self, client, root):
+        put_note(client, "notes/a.md", "before")
+        (root / "notes" / "a.md").write_text("after the edit")
+        (root / "notes" / "new.md").write_text("brand new capybara")
+        (root / "notes" / "sub").mkdir()
+        (root / "notes" / "sub" / "x.md").write_text("capybara too")
+        svc = client.app.service
+        stats = svc.sync_index()
+        assert stats["read"] == 3
+        assert hits(client, "before") == []
+        assert hits(client, "edit") == ["notes/a.md"]
+        assert sorted(hits(client, "capybara")) == ["notes/new.md", "notes/sub/x.md"]
+        (root / "notes" / "new.md").unlink()
+        assert svc.sync_index()["removed"] == 1
+        assert hits(client, "capybara") == ["notes/sub/x.md"]
+        assert svc.sync_index() == {**svc.sync_index(), "read": 0, "removed": 0}
+
+    def test_restart_reads_only_what_changed(self, make_app, root):
+        app = with_key(make_app())
+        for i in range(30):
+            put_note(app, f"notes/n{i}.md", f"note number {i} mongoose")
+        app.app.service.close()  # saves the cache
+        (root / "notes" / "n3.md").write_text("changed while stopped: wombat")
+        (root / "notes" / "n4.md").unlink()
+        again = with_key(make_app())
+        assert again.app.service.last_sync["read"] == 1
+        assert again.app.service.last_sync["removed"] == 1
+        assert hits(again, "wombat") == ["notes/n3.md"]
+        assert search(again, "mongoose")["total"] == 28
+
+    @pytest.mark.parametrize(
+        "damage",
+        [b"garbage", b"", "truncate", "foreign-pickle"],
+    )
+    def test_corrupt_cache_is_rebuilt(self, make_app, root, damage, caplog):
+        app = with_key(make_app())
+        put_note(app, "notes/a.md", "ocelot")
+        app.app.service.close()
+        cache = root / ".notesvc" / "index.cache"
+        if damage == "truncate":
+            cache.write_bytes(cache.read_bytes()[:-10])
+        elif damage == "foreign-pickle":
+            import pickle
+
+            class Evil:
+                def __reduce__(self):
+                    return (os.system, ("touch " + str(root / "pwned"),))
+
+            cache.write_bytes(pickle.dumps(Evil()))
+        else:
+            cache.write_bytes(damage)
+        again = with_key(make_app())
+        assert hits(again, "ocelot") == ["notes/a.md"]
+        assert again.app.service.last_sync["read"] == 1
+        assert not (root / "pwned").exists()
+
+    def test_system_info_reports_the_index(self, client):
+        put_note(client, "notes/a.md", "hello world")
+        info = data(client.get(f"{API}/system/info"))
+        assert info["index"]["documents"] == 1
+        assert info["index"]["terms"] >= 2
+
+
+class TestServerSearch:
+    def test_concurrent_searches_during_writes_never_error(self, tmp_path):
+        with running(tmp_path, "--auth-mode", "none") as server:
+            for i in range(20):
+                server.request(
+                    "POST", f"{API}/notes", {"path": f"notes/n{i}.md", "content": f"seed {i} heron"}
+                )
+            stop = threading.Event()
+            bad = []
+
+            def writer(w):
+                v = 0
+                while not stop.is_set():
+                    v += 1
+                    path = f"notes/n{(v + w) % 20}.md"
+                    status, _, _ = server.request(
+                        "PUT", note_url(path), {"content": f"heron {w} {v} kingfisher"}
+                    )
+                    if status != 200:
+                        bad.append(("PUT", status))
+
+            def searcher():
+                while not stop.is_set():
+                    for q in ("heron", "kingfisher", '"heron 1"', "her*", "heron -seed"):
+                        status, _, body = server.request(
+                            "GET", f"{API}/search?" + urllib.parse.urlencode({"q": q})
+                        )
+                        if status != 200 or not body["success"]:
+                            bad.append(("GET", status))
+
+            threads = [threading.Thread(target=writer, args=(w,)) for w in range(3)]
+            threads += [threading.Thread(target=searcher) for _ in range(3)]
+            for t in threads:
+                t.start()
+            time.sleep(2)
+            stop.set()
+            for t in threads:
+                t.join(30)
+            assert bad == []
+            _, _, body = server.request("GET", f"{API}/search?q=heron")
+            assert body["data"]["total"] == 20
+
+    def test_background_rescan_picks_up_external_files(self, tmp_path):
+        with running(tmp_path, "--auth-mode", "none", env={"SERVICE_RESCAN_SECONDS": "1"}) as s:
+            (tmp_path / "notes" / "dropped.md").write_text("synced by syncthing: axolotl")
+            deadline = time.monotonic() + 10
+            found = []
+            while time.monotonic() < deadline and not found:
+                time.sleep(0.3)
+                _, _, body = s.request("GET", f"{API}/search?q=axolotl")
+                found = body["data"]["results"]
+            assert [r["path"] for r in found] == ["notes/dropped.md"]
