@@ -29,6 +29,7 @@ import functools
 import hashlib
 import heapq
 import hmac
+import http.client
 import ipaddress
 import itertools
 import json
@@ -40,13 +41,16 @@ import pickle
 import platform
 import re
 import secrets
+import socket
 import stat
 import sys
 import tempfile
 import threading
 import time
 import unicodedata
+import urllib.error
 import urllib.parse
+import urllib.request
 import uuid
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -910,6 +914,24 @@ class NoteStore:
             self._notify("saved", path, (content, st))
             return self.record(path, data, st)
 
+    def append(self, path: str, line: str, heading: str) -> dict:
+        """Append a line to a note, creating it with a heading when missing (one atomic write)."""
+        with self.locked(path, tree=True):
+            target = self.file_of(path)
+            try:
+                old = self.decode(path, self._read(path)[0])
+            except ApiError as e:
+                if e.status_code != 404:
+                    raise
+                old = f"# {heading}\n\n"
+                self._make_parents(target)
+            content = old + ("" if old.endswith("\n") else "\n") + line + "\n"
+            data = self.encode(content)
+            atomic_write(target, data)
+            st = os.stat(target)
+            self._notify("saved", path, (content, st))
+            return self.record(path, data, st)
+
     def move(self, path: str, new: str, if_match: str | None = None) -> dict:
         with self.locked(path, new, tree=True):
             data, _ = self._read(path)
@@ -1400,10 +1422,16 @@ class SearchIndex:
         comps_by_term = [self._components(t) for t in needle]
         if not all(comps_by_term):
             return set(), []
-        # Candidates: the rarest term's documents; the phrase check is a substring search.
-        rarest = min(comps_by_term, key=lambda comps: sum(len(c[1]) for c in comps))
-        docs = self.docs
-        found = {d for d in _union_ids(rarest) if needle in docs[d][5] or needle in docs[d][6]}
+        # Candidates: the rarest term's documents; the phrase check is a substring search,
+        # run as a C-level pipeline over the body strings (and over the few titles).
+        body_ids = min((self.body.get(t, ((),))[0] for t in needle), key=len)
+        title_ids = min((self.title.get(t, ((),))[0] for t in needle), key=len)
+        found = set()
+        for ids, field in ((body_ids, _TOKS), (title_ids, _TITLE_TOKS)):
+            strings = map(field, map(self.docs.__getitem__, ids))
+            found.update(
+                itertools.compress(ids, map(operator.contains, strings, itertools.repeat(needle)))
+            )
         return found, [c for comps in comps_by_term for c in comps]
 
     def search(self, query: Query, folder: str = "", limit: int = 20, offset: int = 0) -> tuple:
@@ -1439,6 +1467,24 @@ class SearchIndex:
             return (-len(needle), len(self.body.get(needle[0], ((),))[0]))
 
         return sorted(set(needles), key=rarity)
+
+    def search_any(self, terms: list, limit: int) -> list:
+        """Return the top (id, score) of notes holding any of terms (natural-language search).
+
+        A term in more than half the notes carries no weight, like a stopword.
+        """
+        with self._lock:
+            n = len(self.ids)
+            scores: dict = collections.defaultdict(float)
+            for term in terms:
+                for table, weight in ((self.body, 1.0), (self.title, TITLE_WEIGHT)):
+                    entry = table.get(term)
+                    if not entry or (n >= 20 and len(entry[0]) > n // 2):
+                        continue
+                    w = weight * bm25_idf(n, len(entry[0]))
+                    for d, imp in zip(*entry):
+                        scores[d] += w * imp
+            return heapq.nlargest(limit, scores.items(), key=_SCORE)
 
     def _top_single(self, term: str | None, k: int) -> tuple:
         body = self.body.get(term) if term else None
@@ -1614,6 +1660,7 @@ def _impact_of(comp: tuple, d: int):
 _OVERFLOW = "\xff"  # the term char of stems past the last code point (not indexed)
 _APPEND = array.array.append
 _FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
+_TOKS, _TITLE_TOKS = operator.attrgetter("toks"), operator.attrgetter("title_toks")
 
 
 def _term_char_of(n: int) -> str:
@@ -1804,6 +1851,395 @@ class Lockout:
             del self._fails[addr]
 
 
+# == Providers ================================================================
+#
+# Agents answer questions from the notes; channels carry messages in and replies
+# out. Both are registries of small records filled by decorators, so a plugin adds
+# one exactly the way the built-ins are added.
+
+STOPWORDS = frozenset(
+    """a about am an and any are as at be been but by can could did do does doing for from
+    get got had has have having he her here hers him his how i if in into is it its just
+    me my mine no nor not now of off on once only or our ours out over own please put
+    said same she should so some such than that the their theirs them then there these
+    they this those to too under until up very was we were what when where which while
+    who whom why will with would you your yours""".split()
+)
+CONTEXT_BUDGET = 12000  # characters of notes an upstream model is given
+REPLY_LIMIT = 4000  # characters of a reply sent through a messaging channel
+
+
+class UpstreamError(Exception):
+    """An outbound call failed; `timeout` tells a time-out from any other failure."""
+
+    def __init__(self, message: str, timeout: bool = False):
+        super().__init__(message)
+        self.timeout = timeout
+
+    def api_error(self, what: str) -> ApiError:
+        if self.timeout:
+            return ApiError(504, "UPSTREAM_TIMEOUT", f"{what} did not answer in time: {self}")
+        return ApiError(502, "UPSTREAM_ERROR", f"{what} failed: {self}")
+
+
+def post_json(url: str, body: dict, headers: dict | None = None, timeout: float = 30) -> dict:
+    """POST body as JSON and return the JSON answer; UpstreamError on any failure.
+
+    Messages never include the URL (it may carry a bot token) or the headers.
+    """
+    data = json.dumps(body).encode()
+    req = urllib.request.Request(
+        url, data, {"Content-Type": "application/json", **(headers or {})}, method="POST"
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=timeout) as resp:
+            raw = resp.read(4 << 20)
+    except urllib.error.HTTPError as e:
+        e.close()  # it holds the response (and its socket) open
+        raise UpstreamError(f"HTTP {e.code}") from None
+    except urllib.error.URLError as e:
+        timed_out = isinstance(e.reason, (socket.timeout, TimeoutError))
+        raise UpstreamError(
+            str(getattr(e.reason, "strerror", None) or e.reason), timed_out
+        ) from None
+    except (socket.timeout, TimeoutError):
+        raise UpstreamError("timed out", timeout=True) from None
+    except (OSError, http.client.HTTPException) as e:
+        raise UpstreamError(type(e).__name__) from None
+    try:
+        answer = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise UpstreamError("the answer was not JSON") from None
+    if not isinstance(answer, dict):
+        raise UpstreamError("the answer was not a JSON object")
+    return answer
+
+
+# -- retrieval ---------------------------------------------------------------------
+
+
+def question_terms(index: SearchIndex, question: str) -> list:
+    """Return the index terms of a natural-language question (stopwords dropped)."""
+    words = [w for w in _WORD_RE.findall(fold(question)) if w not in STOPWORDS]
+    chars = (index.term_chars.get(stem(w)) for w in dict.fromkeys(words))
+    return [c for c in chars if c]
+
+
+_SENTENCE_RE = re.compile(r"(?<=[.!?])\s+|\n+")
+
+
+def best_passages(index: SearchIndex, text: str, terms: list, keep: int = 2) -> list:
+    """Return up to `keep` sentences of text that hold the most (and rarest) query terms."""
+    n = max(len(index.ids), 1)
+    weight = {t: bm25_idf(n, len(index.body.get(t, ((),))[0])) for t in terms}
+    scored = []
+    for i, sentence in enumerate(_SENTENCE_RE.split(text)):
+        sentence = sentence.strip().lstrip("#").strip()
+        if not sentence:
+            continue
+        words = set(_WORD_RE.findall(fold(sentence)))
+        present = {index.surfaces.get(w) for w in words} & weight.keys()
+        if present:
+            scored.append((-sum(weight[t] for t in present), i, sentence))
+    scored.sort()
+    return [_clip(s, 400) for _, _, s in scored[:keep]]
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 1].rsplit(" ", 1)[0] + "…"
+
+
+def retrieve(svc: Service, question: str, note: str | None, limit: int = 3) -> list:
+    """Return [(path, title, [passages])]: the note asked about first, then the best hits."""
+    index = svc.index
+    with index._lock:
+        terms = question_terms(index, question)
+        found = []
+        if note:
+            rec = svc.notes.get(note)
+            passages = best_passages(index, rec["content"], terms) or [
+                _clip(" ".join(rec["content"].split()), 600)
+            ]
+            found.append((note, rec["title"], passages))
+        for d, _ in index.search_any(terms, limit):
+            doc = index.docs[d]
+            if doc.path != note:
+                found.append((doc.path, doc.title, best_passages(index, doc.text, terms)))
+        return found
+
+
+# -- agent providers ------------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class AgentProvider:
+    name: str
+    answer: Callable  # (svc, question, found) -> (reply, model); raises UpstreamError
+    model: Callable  # (config) -> the model name reported by /agent/status
+    enabled: bool = True
+    description: str = ""
+
+
+AGENT_PROVIDERS: dict = {}
+
+
+def agent_provider(name: str, model: Callable, enabled: bool = True, description: str = ""):
+    """Register an agent provider function under name."""
+
+    def register(fn: Callable) -> Callable:
+        AGENT_PROVIDERS[name] = AgentProvider(name, fn, model, enabled, description)
+        return fn
+
+    return register
+
+
+@agent_provider(
+    "local",
+    model=lambda cfg: "notesvc-local",
+    description="offline: quotes the best-matching passages of your notes",
+)
+def answer_locally(svc: Service, question: str, found: list) -> tuple:
+    quoted = [(path, p) for path, _, passages in found for p in passages[:2]]
+    if not quoted:
+        return f"Nothing in your notes matches “{_clip(question, 80)}”.", "notesvc-local"
+    lines = ["From your notes:"]
+    lines += [f"• {passage} — {path}" for path, passage in quoted[:6]]
+    return "\n".join(lines), "notesvc-local"
+
+
+SYSTEM_PROMPT = (
+    "You answer questions about the user's personal notes. Use only the notes below; "
+    "name the note path you took an answer from; if the notes do not say, say so."
+)
+
+
+def model_context(found: list, budget: int = CONTEXT_BUDGET) -> str:
+    """Return the notes for an upstream model, trimmed to the character budget."""
+    parts, used = [], 0
+    for path, title, passages in found:
+        block = f"## {path} ({title})\n" + "\n".join(f"- {p}" for p in passages)
+        if used + len(block) > budget:
+            block = block[: max(0, budget - used)]
+        if block:
+            parts.append(block)
+            used += len(block)
+    return "\n\n".join(parts) or "(no note matched the question)"
+
+
+@agent_provider(
+    "openai",
+    model=lambda cfg: cfg.agent_model,
+    description="any OpenAI-compatible /chat/completions (Ollama, llama.cpp, vLLM, OpenAI)",
+)
+def answer_with_model(svc: Service, question: str, found: list) -> tuple:
+    cfg = svc.config
+    headers = {"Authorization": f"Bearer {cfg.agent_api_key}"} if cfg.agent_api_key else {}
+    body = {
+        "model": cfg.agent_model,
+        "messages": [
+            {"role": "system", "content": f"{SYSTEM_PROMPT}\n\n{model_context(found)}"},
+            {"role": "user", "content": question},
+        ],
+        "temperature": 0.2,
+        "stream": False,
+    }
+    answer = post_json(f"{cfg.agent_base_url}/chat/completions", body, headers, cfg.agent_timeout)
+    try:
+        reply = answer["choices"][0]["message"]["content"]
+    except (KeyError, IndexError, TypeError):
+        raise UpstreamError("the answer had no choices[0].message.content") from None
+    if not isinstance(reply, str):
+        raise UpstreamError("the answer's content was not text")
+    return reply.strip(), str(answer.get("model") or cfg.agent_model)
+
+
+@agent_provider("none", model=lambda cfg: "", enabled=False, description="agent switched off")
+def answer_nothing(svc: Service, question: str, found: list) -> tuple:
+    raise ApiError(503, "AGENT_DISABLED", "the agent is off (SERVICE_AGENT_PROVIDER=none)")
+
+
+def ask_agent(svc: Service, question: str, note: str | None = None) -> dict:
+    """Return the agent's {reply, provider, model, sources} for a question."""
+    provider = AGENT_PROVIDERS[svc.config.agent_provider]
+    if not provider.enabled:
+        raise ApiError(503, "AGENT_DISABLED", "the agent is off (SERVICE_AGENT_PROVIDER=none)")
+    found = retrieve(svc, question, note)
+    try:
+        reply, model = provider.answer(svc, question, found)
+    except UpstreamError as e:
+        raise e.api_error("the model endpoint") from None
+    sources = [{"path": path, "title": title} for path, title, _ in found]
+    return {"reply": reply, "provider": provider.name, "model": model, "sources": sources}
+
+
+# -- channel providers ----------------------------------------------------------------
+
+
+@dataclasses.dataclass(frozen=True)
+class ConfigField:
+    name: str
+    kind: str  # "string" or "list"
+    required: bool = False
+    secret: bool = False
+    help: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class ChannelProvider:
+    name: str
+    fields: tuple  # ConfigField
+    parse: Callable  # (payload) -> [(sender, text)]; text None for an update without text
+    send: Callable | None  # (svc, config, sender, text) -> None; raises UpstreamError
+    allow: str = ""  # the config field holding the sender allowlist
+    description: str = ""
+
+
+CHANNEL_PROVIDERS: dict = {}
+
+
+def channel_provider(name: str, fields: tuple, allow: str = "", description: str = ""):
+    """Register a channel provider: the decorated function parses inbound updates."""
+
+    def register(parse: Callable) -> Callable:
+        CHANNEL_PROVIDERS[name] = ChannelProvider(name, fields, parse, None, allow, description)
+        return parse
+
+    return register
+
+
+def channel_sender(name: str):
+    """Register the function that sends replies through channel provider `name`."""
+
+    def register(send: Callable) -> Callable:
+        CHANNEL_PROVIDERS[name] = dataclasses.replace(CHANNEL_PROVIDERS[name], send=send)
+        return send
+
+    return register
+
+
+def validate_channel_config(provider: ChannelProvider, config: Any) -> dict:
+    """Return config checked against the provider's fields; 400 naming what is wrong."""
+    if not isinstance(config, dict):
+        raise bad_request("'config' must be an object")
+    known = {f.name: f for f in provider.fields}
+    unknown = sorted(set(config) - set(known))
+    if unknown:
+        raise bad_request(f"unknown config field(s) for {provider.name}: {', '.join(unknown)}")
+    out = {}
+    for f in provider.fields:
+        value = config.get(f.name)
+        if value is None or value == "" or value == []:
+            if f.required:
+                raise bad_request(f"config.{f.name} is required for {provider.name}")
+            out[f.name] = [] if f.kind == "list" else ""
+            continue
+        if f.kind == "list":
+            if not isinstance(value, list) or not all(
+                isinstance(v, (str, int)) and not isinstance(v, bool) for v in value
+            ):
+                raise bad_request(f"config.{f.name} must be a list of ids")
+            out[f.name] = [str(v).strip() for v in value][:1000]
+        else:
+            if not isinstance(value, str) or len(value) > 512 or not value.isprintable():
+                raise bad_request(f"config.{f.name} must be a short single-line string")
+            out[f.name] = value.strip()
+    return out
+
+
+@channel_provider(
+    "telegram",
+    (
+        ConfigField("botToken", "string", True, True, "the token BotFather gave you"),
+        ConfigField("allowedChatIds", "list", help="chat ids that may talk to the bot"),
+    ),
+    allow="allowedChatIds",
+    description="a Telegram bot (Bot API webhook + sendMessage)",
+)
+def parse_telegram(update: dict) -> list:
+    msg = update.get("message") or update.get("edited_message") or update.get("channel_post")
+    if not isinstance(msg, dict) or not isinstance(msg.get("chat"), dict):
+        return []
+    text = msg.get("text")
+    return [(str(msg["chat"].get("id", "")), text if isinstance(text, str) else None)]
+
+
+@channel_sender("telegram")
+def send_telegram(svc: Service, config: dict, chat_id: str, text: str) -> None:
+    base = svc.config.telegram_api_base
+    url = f"{base}/bot{config['botToken']}/sendMessage"
+    answer = post_json(url, {"chat_id": chat_id, "text": text[:REPLY_LIMIT]}, timeout=15)
+    if answer.get("ok") is not True:
+        raise UpstreamError(f"Telegram refused: {str(answer.get('description'))[:100]}")
+
+
+@channel_provider(
+    "whatsapp",
+    (
+        ConfigField("accessToken", "string", True, True, "Cloud API access token"),
+        ConfigField("phoneNumberId", "string", True, help="the sending phone number id"),
+        ConfigField("verifyToken", "string", True, True, "what Meta sends to verify the hook"),
+        ConfigField("allowedNumbers", "list", help="phone numbers (wa_id) that may write"),
+    ),
+    allow="allowedNumbers",
+    description="WhatsApp Cloud API (webhook + /messages)",
+)
+def parse_whatsapp(payload: dict) -> list:
+    out = []
+    for entry in _dicts(payload.get("entry")):
+        for change in _dicts(entry.get("changes")):
+            value = change.get("value")
+            if not isinstance(value, dict):
+                continue
+            for msg in _dicts(value.get("messages")):
+                body = (
+                    msg.get("text", {}).get("body") if isinstance(msg.get("text"), dict) else None
+                )
+                text = body if msg.get("type") == "text" and isinstance(body, str) else None
+                out.append((str(msg.get("from", "")), text))
+    return out
+
+
+def _dicts(value: Any) -> list:
+    return [v for v in value if isinstance(v, dict)] if isinstance(value, list) else []
+
+
+@channel_sender("whatsapp")
+def send_whatsapp(svc: Service, config: dict, number: str, text: str) -> None:
+    url = f"{svc.config.whatsapp_api_base}/{config['phoneNumberId']}/messages"
+    body = {
+        "messaging_product": "whatsapp",
+        "recipient_type": "individual",
+        "to": number,
+        "type": "text",
+        "text": {"body": text[:REPLY_LIMIT]},
+    }
+    answer = post_json(url, body, {"Authorization": f"Bearer {config['accessToken']}"}, 15)
+    if not answer.get("messages"):
+        raise UpstreamError("WhatsApp did not accept the message")
+
+
+@channel_provider(
+    "web",
+    (ConfigField("allowedSenders", "list", help="sender names that may write (empty: any)"),),
+    allow="allowedSenders",
+    description="a web page or script: POST {text, sender}; the reply comes back inline",
+)
+def parse_web(payload: dict) -> list:
+    text = payload.get("text")
+    sender = payload.get("sender", "web")
+    return [(str(sender)[:100], text if isinstance(text, str) else None)]
+
+
+def redact_channel(channel: dict) -> dict:
+    """Return a channel record with its secret and secret config fields redacted."""
+    provider = CHANNEL_PROVIDERS.get(channel["provider"])
+    secret_fields = {f.name for f in provider.fields if f.secret} if provider else set()
+    config = {
+        k: (redact(v) if k in secret_fields and v else v) for k, v in channel["config"].items()
+    }
+    return {**channel, "secret": redact(channel["secret"]), "config": config}
+
+
 # == HTTP =====================================================================
 
 
@@ -1813,8 +2249,10 @@ class Service:
     def __init__(self, config: Config):
         self.config = config
         self.started = time.time()
+        check_agent_config(config)
         config.notes_dir.mkdir(parents=True, exist_ok=True)
         self.state = StateStore(config.state_dir)
+        self.query_secret_seen_at = 0.0  # last webhook call that carried ?secret=
         self.lockout = Lockout()
         self.notes = NoteStore(config.notes_dir, config.state_dir / "trash")
         swept = self.notes.sweep_temp_files()
@@ -2011,6 +2449,22 @@ class Service:
             with contextlib.suppress(OSError):
                 size += os.stat(self.notes.base / path).st_size
         return len(paths), size
+
+
+def check_agent_config(config: Config) -> None:
+    """Raise ConfigError when the agent provider is unknown or lacks what it needs."""
+    if config.agent_provider not in AGENT_PROVIDERS:
+        names = ", ".join(sorted(AGENT_PROVIDERS))
+        raise ConfigError(
+            f"SERVICE_AGENT_PROVIDER: {config.agent_provider!r} is not one of {names}"
+        )
+    if config.agent_provider == "openai":
+        for env, value in (
+            ("SERVICE_AGENT_BASE_URL", config.agent_base_url),
+            ("SERVICE_AGENT_MODEL", config.agent_model),
+        ):
+            if not value:
+                raise ConfigError(f"{env}: required by the openai agent provider")
 
 
 # -- system ---------------------------------------------------------------------
@@ -2270,6 +2724,212 @@ def search_notes(svc: Service) -> dict:
     }
 
 
+# -- agent ---------------------------------------------------------------------------------
+
+CHANNEL_NAMES = ("telegram", "whatsapp", "web")
+
+
+def agent_chat(svc: Service) -> dict:
+    body = read_json(svc.config.max_body_bytes)
+    message = field(body, "message", max_len=8000)
+    if not message.strip():
+        raise bad_request("'message' must not be empty")
+    note = body.get("notePath")
+    if note is not None:
+        note = note_path(field(body, "notePath"))
+        if not svc.notes.exists(note):
+            raise not_found(f"no note at {note}")
+    channel = field(body, "channel", required=False)
+    if channel is not None and channel not in CHANNEL_NAMES:
+        raise bad_request(f"'channel' must be one of {', '.join(CHANNEL_NAMES)}")
+    return ask_agent(svc, message, note)
+
+
+def agent_status(svc: Service) -> dict:
+    provider = AGENT_PROVIDERS[svc.config.agent_provider]
+    return {
+        "enabled": provider.enabled,
+        "provider": provider.name,
+        "model": provider.model(svc.config),
+    }
+
+
+# -- channels ----------------------------------------------------------------------------------
+
+
+def list_channel_providers(svc: Service) -> dict:
+    return {
+        "providers": [
+            {
+                "name": p.name,
+                "description": p.description,
+                "fields": [dataclasses.asdict(f) for f in p.fields],
+                "allowlistField": p.allow,
+                "webhookPath": f"{API}/channels/webhook/{p.name}",
+            }
+            for p in CHANNEL_PROVIDERS.values()
+        ]
+    }
+
+
+def _channels(svc: Service) -> list:
+    return svc.state.read().get("channels", [])
+
+
+def list_channels(svc: Service) -> dict:
+    return {"channels": [redact_channel(c) for c in _channels(svc)]}
+
+
+def create_channel(svc: Service) -> dict:
+    body = read_json(svc.config.max_body_bytes)
+    name = field(body, "provider")
+    provider = CHANNEL_PROVIDERS.get(name)
+    if provider is None:
+        raise bad_request(f"'provider' must be one of {', '.join(CHANNEL_PROVIDERS)}")
+    config = validate_channel_config(provider, body.get("config", {}))
+    title = field(body, "name", required=False, max_len=100) or f"{name} channel"
+    base = svc.config.public_url or svc.base_url(bottle.request.environ)
+    channel = {
+        "id": "ch_" + secrets.token_hex(6),
+        "provider": name,
+        "name": "".join(ch for ch in title if ch.isprintable()),
+        "enabled": True,
+        "createdAt": iso(utcnow()),
+        "webhookUrl": f"{base}{API}/channels/webhook/{name}",
+        "secret": secrets.token_urlsafe(24),
+        "config": config,
+    }
+    svc.state.update(lambda data: data.setdefault("channels", []).append(channel))
+    log.info("channel %s (%s) created", channel["id"], name)
+    bottle.response.status = 201
+    return channel
+
+
+def _change_channel(svc: Service, channel_id: str, change: Callable) -> dict:
+    def apply(data: dict) -> dict:
+        for i, channel in enumerate(data.get("channels", [])):
+            if channel["id"] == channel_id:
+                return change(data["channels"], i)
+        raise not_found(f"no channel {channel_id}")
+
+    return svc.state.update(apply)
+
+
+def toggle_channel(svc: Service, channel_id: str) -> dict:
+    def flip(channels: list, i: int) -> dict:
+        channels[i]["enabled"] = not channels[i]["enabled"]
+        return channels[i]
+
+    return redact_channel(_change_channel(svc, channel_id, flip))
+
+
+def delete_channel(svc: Service, channel_id: str) -> dict:
+    _change_channel(svc, channel_id, lambda channels, i: channels.pop(i))
+    return {"id": channel_id, "deleted": True}
+
+
+def _match_secret(candidates: list, key: str, presented: str) -> dict | None:
+    """Return the candidate whose `key` equals presented; every candidate is compared."""
+    found = None
+    for item in candidates:
+        expected = str(item.get(key) or "")
+        if expected and hmac.compare_digest(expected.encode(), presented.encode()):
+            found = item
+    return found
+
+
+def receive_webhook(svc: Service, provider: str) -> dict:
+    prov = CHANNEL_PROVIDERS.get(provider)
+    if prov is None:
+        raise not_found(f"no channel provider {provider!r}")
+    env = bottle.request.environ
+    addr = svc.client_addr(env)
+    svc.check_lockout(addr)
+    presented = env.get("HTTP_X_SERVICE_CHANNEL_SECRET") or env.get(
+        "HTTP_X_TELEGRAM_BOT_API_SECRET_TOKEN", ""
+    )
+    if not presented and query_str("secret"):
+        presented = query_str("secret")
+        svc.query_secret_seen_at = time.time()
+    mine = [c for c in _channels(svc) if c["provider"] == provider]
+    channel = _match_secret(mine, "secret", presented) if presented else None
+    if channel is None:
+        svc.lockout.fail(addr)
+        raise ApiError(401, "UNAUTHORIZED", "missing or wrong channel secret")
+    if not channel["enabled"]:
+        raise ApiError(403, "CHANNEL_DISABLED", f"channel {channel['id']} is switched off")
+    messages = [(s, t) for s, t in prov.parse(read_json(svc.config.max_body_bytes)) if t]
+    if not messages:
+        return {"handled": False, "reason": "the update holds no text message"}
+    allowed = channel["config"].get(prov.allow) if prov.allow else None
+    results = []
+    for sender, text in messages[:5]:
+        if allowed and sender not in allowed:
+            log.warning("channel %s: sender not on the allowlist, ignored", channel["id"])
+            results.append({"handled": False, "reason": "sender not allowed"})
+            continue
+        reply = run_command(svc, text.strip())
+        if prov.send is None:
+            results.append({"handled": True, "reply": reply, "delivered": True})
+            continue
+        try:
+            prov.send(svc, channel["config"], sender, reply)
+            delivered = True
+        except UpstreamError as e:
+            log.warning("channel %s: delivering the reply failed: %s", channel["id"], e)
+            delivered = False
+        results.append({"handled": True, "delivered": delivered})
+    if len(results) == 1:
+        return results[0]
+    return {"handled": any(r["handled"] for r in results), "results": results}
+
+
+_COMMAND_RE = re.compile(r"^/(save|search)(?:@\w+)?(?:\s+(.*))?$", re.S)
+
+
+def run_command(svc: Service, text: str) -> str:
+    """Return the reply to a channel message: /save, /search, or a question for the agent."""
+    m = _COMMAND_RE.match(text)
+    command, arg = (m.group(1), (m.group(2) or "").strip()) if m else (None, text)
+    if command == "save":
+        if not arg:
+            return "Usage: /save <text to keep>"
+        now = dt.datetime.now()
+        path = f"{NOTES}/inbox/{now:%Y-%m-%d}.md"
+        svc.notes.append(path, f"- {now:%H:%M} {arg}", f"Inbox {now:%Y-%m-%d}")
+        return f"Saved to {path}."
+    if command == "search":
+        try:
+            total, hits = svc.index.search(Query(arg), "", 5, 0)
+        except ApiError as e:
+            return f"Search: {e.message}"
+        if not total:
+            return f"No note matches “{_clip(arg, 80)}”."
+        lines = [f"{total} note{'s' if total != 1 else ''} match; the best:"]
+        lines += [f"• {title} — {path}" for path, title, _, _ in hits]
+        return "\n".join(lines)
+    try:
+        return ask_agent(svc, arg)["reply"]
+    except ApiError as e:
+        if e.code == "AGENT_DISABLED":
+            return "The agent is off on this server; try /search <words>."
+        return f"The agent could not answer ({e.message}); try /search <words>."
+
+
+def verify_whatsapp_webhook(svc: Service):
+    """Answer Meta's subscription check with hub.challenge when hub.verify_token matches."""
+    addr = svc.client_addr(bottle.request.environ)
+    svc.check_lockout(addr)
+    mode, token = query_str("hub.mode"), query_str("hub.verify_token")
+    challenge = query_str("hub.challenge")
+    mine = [c["config"] for c in _channels(svc) if c["provider"] == "whatsapp" and c["enabled"]]
+    if mode != "subscribe" or not token or not _match_secret(mine, "verifyToken", token):
+        svc.lockout.fail(addr)
+        raise ApiError(403, "FORBIDDEN", "hub.verify_token does not match a WhatsApp channel")
+    bottle.response.content_type = "text/plain; charset=utf-8"
+    return challenge[:200]
+
+
 # -- relay pairing (this server as its own relay) -------------------------------------
 
 
@@ -2393,6 +3053,63 @@ ROUTES = (
         params={"q": _STR, "limit": _INT, "offset": _INT, "folder": _STR},
         tag="search",
     ),
+    Route(
+        "POST",
+        "/agent/chat",
+        agent_chat,
+        summary="Ask the agent about your notes",
+        body=_obj(
+            ["message"],
+            message={"type": "string", "minLength": 1, "maxLength": 8000},
+            notePath=_STR,
+            channel={"enum": list(CHANNEL_NAMES)},
+        ),
+        tag="agent",
+    ),
+    Route("GET", "/agent/status", agent_status, summary="Agent provider and model", tag="agent"),
+    Route(
+        "GET",
+        "/channels/providers",
+        list_channel_providers,
+        summary="Channel providers and their config fields",
+        tag="channels",
+    ),
+    Route("GET", "/channels", list_channels, summary="Channels (secrets redacted)", tag="channels"),
+    Route(
+        "POST",
+        "/channels",
+        create_channel,
+        summary="Create a channel (the only answer showing its secret)",
+        body=_obj(["provider"], provider=_STR, name=_STR, config={"type": "object"}),
+        status=201,
+        tag="channels",
+    ),
+    Route(
+        "POST",
+        "/channels/webhook/<provider>",
+        receive_webhook,
+        public=True,
+        summary="Inbound messages (shared secret in X-Service-Channel-Secret or ?secret=)",
+        body={"type": "object"},
+        tag="channels",
+    ),
+    Route(
+        "GET",
+        "/channels/webhook/whatsapp",
+        verify_whatsapp_webhook,
+        public=True,
+        summary="Meta's webhook verification (hub.challenge)",
+        params={"hub.mode": _STR, "hub.verify_token": _STR, "hub.challenge": _STR},
+        tag="channels",
+    ),
+    Route(
+        "POST",
+        "/channels/<channel_id>/toggle",
+        toggle_channel,
+        summary="Switch on/off",
+        tag="channels",
+    ),
+    Route("DELETE", "/channels/<channel_id>", delete_channel, summary="Remove", tag="channels"),
     Route("GET", "/folders/tree", get_tree, summary="Folder tree from the root", tag="folders"),
     Route("GET", "/folders/tree/<path:path>", get_subtree, summary="Subtree", tag="folders"),
     Route("GET", "/relay/v1/pair/<code>", pair_relay_code, public=True, api=False, tag="relay"),

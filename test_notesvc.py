@@ -4,9 +4,11 @@ from __future__ import annotations
 
 import contextlib
 import http.client
+import http.server
 import json
 import os
 import re
+import socket
 import stat
 import subprocess
 import sys
@@ -501,8 +503,10 @@ class TestAuth:
 
     def test_public_routes_need_no_key(self, anon):
         for route in anon.app.service.routes:
-            if route.public and "<" not in route.rule:
-                assert anon.request(route.rule, method=route.method).status_int == 200
+            if route.public:
+                resp = anon.request(sample_url(route), method=route.method, expect_errors=True)
+                assert resp.status_int != 401, route.rule
+        assert anon.get(f"{API}/health").status_int == 200
 
     def test_verify_returns_identity(self, client):
         d = data(client.post(f"{API}/auth/verify"))
@@ -1707,3 +1711,622 @@ class TestServerSearch:
                 _, _, body = s.request("GET", f"{API}/search?q=axolotl")
                 found = body["data"]["results"]
             assert [r["path"] for r in found] == ["notes/dropped.md"]
+
+
+# -- agent and channels: loopback stand-ins for the outside services -------------------------
+
+
+class FakeUpstream:
+    """A loopback HTTP server speaking the OpenAI chat-completions, Telegram Bot API and
+    WhatsApp Cloud API formats, recording every request it receives."""
+
+    def __init__(self):
+        self.requests: list = []
+        self.status = 200
+        self.delay = 0.0
+        self.reply = "The spare keys are under the blue flowerpot (notes/home/keys.md)."
+        self.raw = None  # bytes to answer instead of the usual JSON
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                length = int(self.headers.get("Content-Length", 0))
+                body = json.loads(self.rfile.read(length) or b"null")
+                fake.requests.append(
+                    {"path": self.path, "headers": dict(self.headers), "json": body}
+                )
+                time.sleep(fake.delay)
+                payload = (
+                    fake.raw
+                    if fake.raw is not None
+                    else json.dumps(fake.answer(self.path, body)).encode()
+                )
+                self.send_response(fake.status)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                with contextlib.suppress(OSError):
+                    self.wfile.write(payload)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+        ).start()
+
+    def answer(self, path: str, body: dict) -> dict:
+        if path.endswith("/chat/completions"):
+            return {
+                "id": "chatcmpl-1",
+                "object": "chat.completion",
+                "created": 1700000000,
+                "model": body["model"] + "-served",
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": self.reply},
+                        "finish_reason": "stop",
+                    }
+                ],
+                "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
+            }
+        if "/sendMessage" in path:
+            return {
+                "ok": True,
+                "result": {"message_id": 7, "chat": {"id": body["chat_id"]}, "text": body["text"]},
+            }
+        if path.endswith("/messages"):
+            return {
+                "messaging_product": "whatsapp",
+                "contacts": [{"input": body["to"], "wa_id": body["to"]}],
+                "messages": [{"id": "wamid.HBgLMTY1MDM4Nzk0MzkVAgARGBI3"}],
+            }
+        return {"error": "unknown path"}
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def upstream():
+    fake = FakeUpstream()
+    yield fake
+    fake.close()
+
+
+def closed_port_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}/v1"
+
+
+KEYS_NOTE = (
+    "# Keys\n\nThe car key hangs by the door. Spare keys are under the blue flowerpot.\n"
+    "Ask Anna if they are gone."
+)
+
+
+def seed_notes(client):
+    put_note(client, "notes/home/keys.md", KEYS_NOTE)
+    put_note(client, "notes/garden.md", "# Garden\n\nPlant tomatoes in May. Water them daily.")
+    put_note(client, "notes/work.md", "# Work\n\nThe meeting is on Tuesday at ten.")
+
+
+def telegram_update(text, chat_id=42, **extra):
+    message = {
+        "message_id": 11,
+        "from": {"id": chat_id, "is_bot": False, "first_name": "Ada", "language_code": "en"},
+        "chat": {"id": chat_id, "first_name": "Ada", "type": "private"},
+        "date": 1763731200,
+        **extra,
+    }
+    if text is not None:
+        message["text"] = text
+    return {"update_id": 100001, "message": message}
+
+
+def whatsapp_update(text, number="15551234567"):
+    message = {"from": number, "id": "wamid.ID", "timestamp": "1763731200"}
+    if text is None:
+        message.update(type="image", image={"id": "img", "mime_type": "image/jpeg"})
+    else:
+        message.update(type="text", text={"body": text})
+    return {
+        "object": "whatsapp_business_account",
+        "entry": [
+            {
+                "id": "102290129340398",
+                "changes": [
+                    {
+                        "value": {
+                            "messaging_product": "whatsapp",
+                            "metadata": {
+                                "display_phone_number": "15550783881",
+                                "phone_number_id": "106540352242922",
+                            },
+                            "contacts": [{"profile": {"name": "Ada"}, "wa_id": number}],
+                            "messages": [message],
+                        },
+                        "field": "messages",
+                    }
+                ],
+            }
+        ],
+    }
+
+
+def web_update(text, sender="page"):
+    return {"text": text, "sender": sender} if text is not None else {"sender": sender}
+
+
+UPDATES = {"telegram": telegram_update, "whatsapp": whatsapp_update, "web": web_update}
+MINIMAL_CONFIG = {
+    "telegram": {"botToken": "123456:ABC-telegram-token"},
+    "whatsapp": {
+        "accessToken": "EAAG-whatsapp-token",
+        "phoneNumberId": "106540352242922",
+        "verifyToken": "verify-me-please",
+    },
+    "web": {},
+}
+
+
+class TestAgent:
+    @pytest.fixture
+    def app(self, make_app, upstream):
+        def make(**env):
+            env.setdefault("SERVICE_TELEGRAM_API_BASE", upstream.url)
+            env.setdefault("SERVICE_WHATSAPP_API_BASE", upstream.url + "/v21.0")
+            client = with_key(make_app(**env))
+            if not client.app.service.notes.exists("notes/home/keys.md"):
+                seed_notes(client)
+            return client
+
+        return make
+
+    def test_status_local(self, app):
+        assert data(app().get(f"{API}/agent/status")) == {
+            "enabled": True,
+            "provider": "local",
+            "model": "notesvc-local",
+        }
+
+    def test_local_answers_a_natural_question_from_the_notes(self, app):
+        d = data(app().post_json(f"{API}/agent/chat", {"message": "where are the spare keys?"}))
+        assert d["provider"] == "local"
+        assert "Spare keys are under the blue flowerpot." in d["reply"]
+        assert "notes/home/keys.md" in d["reply"]
+        assert d["sources"][0] == {"path": "notes/home/keys.md", "title": "Keys"}
+
+    def test_local_is_deterministic(self, app):
+        client = app()
+        replies = {
+            data(client.post_json(f"{API}/agent/chat", {"message": "when do I water tomatoes"}))[
+                "reply"
+            ]
+            for _ in range(3)
+        }
+        assert len(replies) == 1
+        assert "Water them daily." in replies.pop()
+
+    def test_local_says_honestly_when_nothing_matches(self, app):
+        d = data(app().post_json(f"{API}/agent/chat", {"message": "where is the submarine?"}))
+        assert d["reply"].startswith("Nothing in your notes matches")
+        assert d["sources"] == []
+
+    def test_note_path_is_quoted_first(self, app):
+        d = data(
+            app().post_json(
+                f"{API}/agent/chat", {"message": "what about tomatoes", "notePath": "notes/work.md"}
+            )
+        )
+        assert d["sources"][0]["path"] == "notes/work.md"
+        assert "notes/garden.md" in [s["path"] for s in d["sources"]]
+
+    @pytest.mark.parametrize(
+        ("body", "status"),
+        [
+            ({}, 400),
+            ({"message": ""}, 400),
+            ({"message": "   "}, 400),
+            ({"message": "x" * 8001}, 400),
+            ({"message": 5}, 400),
+            ({"message": "hi", "channel": "fax"}, 400),
+            ({"message": "hi", "notePath": "../etc/passwd"}, 400),
+            ({"message": "hi", "notePath": 7}, 400),
+            ({"message": "hi", "notePath": "notes/missing.md"}, 404),
+        ],
+    )
+    def test_chat_validation(self, app, body, status):
+        resp = app().post_json(f"{API}/agent/chat", body, status=status)
+        assert_error(resp, status, "VALIDATION_ERROR" if status == 400 else "NOT_FOUND")
+
+    def test_message_of_8000_chars_and_channel_are_accepted(self, app):
+        client = app()
+        client.post_json(f"{API}/agent/chat", {"message": "k" * 8000, "channel": "web"})
+
+    def test_none_provider(self, app):
+        client = app(SERVICE_AGENT_PROVIDER="none")
+        assert data(client.get(f"{API}/agent/status"))["enabled"] is False
+        resp = client.post_json(f"{API}/agent/chat", {"message": "hi"}, status=503)
+        assert_error(resp, 503, "AGENT_DISABLED")
+
+    def test_openai_gets_the_notes_and_the_question(self, app, upstream):
+        client = app(
+            SERVICE_AGENT_PROVIDER="openai",
+            SERVICE_AGENT_BASE_URL=upstream.url + "/v1",
+            SERVICE_AGENT_MODEL="llama3.2",
+            SERVICE_AGENT_API_KEY="sk-test-agent-key",
+        )
+        status = data(client.get(f"{API}/agent/status"))
+        assert status == {"enabled": True, "provider": "openai", "model": "llama3.2"}
+        d = data(client.post_json(f"{API}/agent/chat", {"message": "where are the spare keys?"}))
+        assert d["reply"] == upstream.reply
+        assert d["provider"] == "openai"
+        assert d["model"] == "llama3.2-served"
+        assert d["sources"][0]["path"] == "notes/home/keys.md"
+        sent = upstream.requests[-1]
+        assert sent["path"] == "/v1/chat/completions"
+        assert sent["headers"]["Authorization"] == "Bearer sk-test-agent-key"
+        assert sent["json"]["model"] == "llama3.2"
+        system, user = sent["json"]["messages"]
+        assert system["role"] == "system"
+        assert "Spare keys are under the blue flowerpot." in system["content"]
+        assert "notes/home/keys.md" in system["content"]
+        assert user == {"role": "user", "content": "where are the spare keys?"}
+
+    def test_openai_without_key_sends_no_authorization(self, app, upstream):
+        client = app(
+            SERVICE_AGENT_PROVIDER="openai",
+            SERVICE_AGENT_BASE_URL=upstream.url + "/v1",
+            SERVICE_AGENT_MODEL="m",
+        )
+        client.post_json(f"{API}/agent/chat", {"message": "hi", "notePath": "notes/work.md"})
+        sent = upstream.requests[-1]
+        assert "Authorization" not in sent["headers"]
+        assert "The meeting is on Tuesday at ten." in sent["json"]["messages"][0]["content"]
+
+    def test_openai_context_is_trimmed_to_the_budget(self, app, upstream):
+        client = app(
+            SERVICE_AGENT_PROVIDER="openai",
+            SERVICE_AGENT_BASE_URL=upstream.url + "/v1",
+            SERVICE_AGENT_MODEL="m",
+        )
+        put_note(client, "notes/huge.md", "# Huge\n\n" + "giraffe facts. " * 20000)
+        client.post_json(f"{API}/agent/chat", {"message": "giraffe", "notePath": "notes/huge.md"})
+        system = upstream.requests[-1]["json"]["messages"][0]["content"]
+        assert len(system) < notesvc.CONTEXT_BUDGET + 1000
+
+    @pytest.mark.parametrize(
+        ("setup", "status", "code"),
+        [
+            ("http500", 502, "UPSTREAM_ERROR"),
+            ("not-json", 502, "UPSTREAM_ERROR"),
+            ("no-choices", 502, "UPSTREAM_ERROR"),
+            ("unreachable", 502, "UPSTREAM_ERROR"),
+            ("slow", 504, "UPSTREAM_TIMEOUT"),
+        ],
+    )
+    def test_openai_failures(self, app, upstream, setup, status, code):
+        base = upstream.url + "/v1"
+        if setup == "http500":
+            upstream.status = 500
+        elif setup == "not-json":
+            upstream.raw = b"<html>oops</html>"
+        elif setup == "no-choices":
+            upstream.raw = b'{"object": "chat.completion", "choices": []}'
+        elif setup == "unreachable":
+            base = closed_port_url()
+        elif setup == "slow":
+            upstream.delay = 3
+        client = app(
+            SERVICE_AGENT_PROVIDER="openai",
+            SERVICE_AGENT_BASE_URL=base,
+            SERVICE_AGENT_MODEL="m",
+            SERVICE_AGENT_API_KEY="sk-never-shown",
+            SERVICE_AGENT_TIMEOUT="0.5",
+        )
+        started = time.monotonic()
+        resp = client.post_json(f"{API}/agent/chat", {"message": "keys"}, status=status)
+        assert time.monotonic() - started < 2.5
+        assert_error(resp, status, code)
+        assert "sk-never-shown" not in resp.text
+
+    @pytest.mark.parametrize(
+        ("env", "names"),
+        [
+            ({"SERVICE_AGENT_PROVIDER": "skynet"}, "SERVICE_AGENT_PROVIDER"),
+            ({"SERVICE_AGENT_PROVIDER": "openai", "SERVICE_AGENT_MODEL": "m"}, "BASE_URL"),
+            (
+                {"SERVICE_AGENT_PROVIDER": "openai", "SERVICE_AGENT_BASE_URL": "http://x/v1"},
+                "SERVICE_AGENT_MODEL",
+            ),
+        ],
+    )
+    def test_bad_agent_config_stops_startup(self, root, env, names):
+        with pytest.raises(notesvc.ConfigError, match=names):
+            notesvc.create_app(notesvc.load_config(env=make_env(root, **env)))
+
+    def test_every_agent_provider_answers(self, app, upstream):
+        for name, provider in notesvc.AGENT_PROVIDERS.items():
+            client = app(
+                SERVICE_AGENT_PROVIDER=name,
+                SERVICE_AGENT_BASE_URL=upstream.url + "/v1",
+                SERVICE_AGENT_MODEL="m",
+            )
+            status = data(client.get(f"{API}/agent/status"))
+            assert status["provider"] == name
+            assert status["enabled"] is provider.enabled
+            resp = client.post_json(
+                f"{API}/agent/chat", {"message": "spare keys"}, expect_errors=True
+            )
+            if provider.enabled:
+                assert data(resp)["reply"]
+            else:
+                assert_error(resp, 503, "AGENT_DISABLED")
+
+
+class TestChannels:
+    @pytest.fixture
+    def client(self, make_app, upstream):
+        client = with_key(
+            make_app(
+                SERVICE_TELEGRAM_API_BASE=upstream.url,
+                SERVICE_WHATSAPP_API_BASE=upstream.url + "/v21.0",
+            )
+        )
+        seed_notes(client)
+        return client
+
+    def create(self, client, provider, **config):
+        body = {"provider": provider, "config": {**MINIMAL_CONFIG[provider], **config}}
+        return data(client.post_json(f"{API}/channels", body, status=201))
+
+    def hook(self, client, provider, payload, secret, status=200, how="header"):
+        url = f"{API}/channels/webhook/{provider}"
+        headers = {}
+        if how == "header":
+            headers["X-Service-Channel-Secret"] = secret
+        elif how == "telegram":
+            headers["X-Telegram-Bot-Api-Secret-Token"] = secret
+        else:
+            url += "?" + urllib.parse.urlencode({"secret": secret})
+        anon = webtest.TestApp(client.app)
+        return anon.post_json(url, payload, headers=headers, status=status)
+
+    def test_providers_list_their_config_fields(self, client):
+        providers = data(client.get(f"{API}/channels/providers"))["providers"]
+        assert [p["name"] for p in providers] == list(notesvc.CHANNEL_PROVIDERS)
+        telegram = next(p for p in providers if p["name"] == "telegram")
+        fields = {f["name"]: f for f in telegram["fields"]}
+        assert fields["botToken"]["required"] is True
+        assert fields["botToken"]["secret"] is True
+        assert "allowedChatIds" in fields
+        whatsapp = next(p for p in providers if p["name"] == "whatsapp")
+        assert {"accessToken", "phoneNumberId", "verifyToken", "allowedNumbers"} <= {
+            f["name"] for f in whatsapp["fields"]
+        }
+
+    def test_create_shows_secrets_once_and_lists_redact(self, client, root):
+        ch = self.create(client, "telegram", allowedChatIds=[42])
+        assert set(ch) == {
+            "id",
+            "provider",
+            "name",
+            "enabled",
+            "createdAt",
+            "webhookUrl",
+            "secret",
+            "config",
+        }
+        assert ch["config"]["botToken"] == "123456:ABC-telegram-token"
+        assert ch["config"]["allowedChatIds"] == ["42"]
+        assert ch["webhookUrl"].endswith("/api/v1/channels/webhook/telegram")
+        assert len(ch["secret"]) >= 32
+        listed = data(client.get(f"{API}/channels"))["channels"]
+        text = json.dumps(listed)
+        assert ch["secret"] not in text
+        assert "ABC-telegram-token" not in text
+        assert listed[0]["config"]["botToken"].startswith("…")
+        state = root / ".notesvc" / "state.json"
+        assert stat.S_IMODE(os.stat(state).st_mode) == 0o600
+
+    def test_channels_survive_a_restart(self, client, make_app):
+        ch = self.create(client, "web")
+        again = with_key(make_app())
+        assert [c["id"] for c in data(again.get(f"{API}/channels"))["channels"]] == [ch["id"]]
+
+    @pytest.mark.parametrize(
+        "body",
+        [
+            {"provider": "carrier-pigeon", "config": {}},
+            {"config": {}},
+            {"provider": "telegram", "config": {}},
+            {"provider": "telegram", "config": {"botToken": 5}},
+            {"provider": "telegram", "config": {"botToken": "t", "allowedChatIds": "42"}},
+            {"provider": "telegram", "config": {"botToken": "t", "extra": 1}},
+            {"provider": "telegram", "config": "token"},
+            {"provider": "whatsapp", "config": {"accessToken": "a"}},
+            {"provider": "web", "name": "x" * 101},
+        ],
+    )
+    def test_create_validation(self, client, body):
+        resp = client.post_json(f"{API}/channels", body, status=400)
+        assert_error(resp, 400, "VALIDATION_ERROR")
+
+    def test_toggle_and_delete(self, client):
+        ch = self.create(client, "web")
+        off = data(client.post(f"{API}/channels/{ch['id']}/toggle"))
+        assert off["enabled"] is False
+        assert ch["secret"] not in json.dumps(off)
+        assert data(client.post(f"{API}/channels/{ch['id']}/toggle"))["enabled"] is True
+        assert data(client.delete(f"{API}/channels/{ch['id']}")) == {
+            "id": ch["id"],
+            "deleted": True,
+        }
+        assert data(client.get(f"{API}/channels"))["channels"] == []
+        for method, url in (
+            ("POST", f"{API}/channels/{ch['id']}/toggle"),
+            ("DELETE", f"{API}/channels/{ch['id']}"),
+        ):
+            resp = client.request(url, method=method, status=404)
+            assert_error(resp, 404, "NOT_FOUND")
+
+    def test_webhook_errors(self, client):
+        ch = self.create(client, "web")
+        assert_error(
+            self.hook(client, "pigeon", web_update("hi"), ch["secret"], 404), 404, "NOT_FOUND"
+        )
+        assert_error(self.hook(client, "web", web_update("hi"), "wrong", 401), 401, "UNAUTHORIZED")
+        assert_error(self.hook(client, "web", web_update("hi"), "", 401), 401, "UNAUTHORIZED")
+        # A secret of another provider's channel is wrong here.
+        tg = self.create(client, "telegram")
+        self.hook(client, "web", web_update("hi"), tg["secret"], 401)
+        client.post(f"{API}/channels/{ch['id']}/toggle")
+        resp = self.hook(client, "web", web_update("hi"), ch["secret"], 403)
+        assert_error(resp, 403, "CHANNEL_DISABLED")
+
+    def test_webhook_failures_count_toward_lockout(self, client):
+        self.create(client, "web")
+        for _ in range(10):
+            self.hook(client, "web", web_update("hi"), "wrong", 401)
+        resp = self.hook(client, "web", web_update("hi"), "wrong", 429)
+        assert_error(resp, 429, "RATE_LIMITED")
+
+    def test_telegram_save_writes_inbox_and_replies(self, client, upstream, root):
+        ch = self.create(client, "telegram", allowedChatIds=[42])
+        resp = self.hook(
+            client, "telegram", telegram_update("/save buy milk"), ch["secret"], how="telegram"
+        )
+        assert data(resp) == {"handled": True, "delivered": True}
+        inbox = list((root / "notes" / "inbox").glob("*.md"))
+        assert len(inbox) == 1
+        text = inbox[0].read_text()
+        assert re.search(r"^- \d\d:\d\d buy milk$", text, re.M)
+        assert text.startswith("# Inbox ")
+        sent = upstream.requests[-1]
+        assert sent["path"] == "/bot123456:ABC-telegram-token/sendMessage"
+        assert sent["json"]["chat_id"] == "42"
+        assert "Saved to notes/inbox/" in sent["json"]["text"]
+        # A second /save appends to the same note; the index follows.
+        self.hook(client, "telegram", telegram_update("/save@my_bot call mum"), ch["secret"])
+        assert "call mum" in inbox[0].read_text()
+        assert "buy milk" in inbox[0].read_text()
+        assert hits(client, "milk") == [str(inbox[0].relative_to(root))]
+
+    def test_telegram_question_reaches_the_agent_and_the_chat(self, client, upstream):
+        ch = self.create(client, "telegram")
+        self.hook(
+            client, "telegram", telegram_update("where did I put the spare keys?"), ch["secret"]
+        )
+        reply = upstream.requests[-1]["json"]["text"]
+        assert "Spare keys are under the blue flowerpot." in reply
+
+    def test_search_command(self, client, upstream):
+        ch = self.create(client, "telegram")
+        self.hook(client, "telegram", telegram_update("/search tomatoes"), ch["secret"])
+        reply = upstream.requests[-1]["json"]["text"]
+        assert "Garden — notes/garden.md" in reply
+        self.hook(client, "telegram", telegram_update('/search "open'), ch["secret"])
+        assert "quote" in upstream.requests[-1]["json"]["text"]
+
+    def test_update_without_text_is_not_handled(self, client, upstream):
+        ch = self.create(client, "telegram")
+        sticker = telegram_update(None, sticker={"file_id": "x", "emoji": "👍"})
+        assert data(self.hook(client, "telegram", sticker, ch["secret"]))["handled"] is False
+        assert (
+            data(self.hook(client, "telegram", {"update_id": 5}, ch["secret"]))["handled"] is False
+        )
+        assert upstream.requests == []
+
+    def test_sender_outside_allowlist_learns_nothing(self, client, upstream):
+        ch = self.create(client, "telegram", allowedChatIds=["42"])
+        resp = self.hook(
+            client, "telegram", telegram_update("spare keys", chat_id=666), ch["secret"]
+        )
+        assert data(resp) == {"handled": False, "reason": "sender not allowed"}
+        assert "flowerpot" not in resp.text
+        assert upstream.requests == []
+
+    def test_failed_delivery_is_200_delivered_false(self, client, upstream, caplog):
+        ch = self.create(client, "telegram")
+        upstream.status = 500
+        resp = self.hook(client, "telegram", telegram_update("keys"), ch["secret"])
+        assert data(resp) == {"handled": True, "delivered": False}
+        assert any("delivering the reply failed" in r.getMessage() for r in caplog.records)
+
+    def test_whatsapp_round_trip_and_verification(self, client, upstream):
+        ch = self.create(client, "whatsapp", allowedNumbers=["15551234567"])
+        resp = self.hook(
+            client,
+            "whatsapp",
+            whatsapp_update("where are the spare keys"),
+            ch["secret"],
+            how="query",
+        )
+        assert data(resp) == {"handled": True, "delivered": True}
+        sent = upstream.requests[-1]
+        assert sent["path"] == "/v21.0/106540352242922/messages"
+        assert sent["headers"]["Authorization"] == "Bearer EAAG-whatsapp-token"
+        assert sent["json"]["to"] == "15551234567"
+        assert sent["json"]["messaging_product"] == "whatsapp"
+        assert "flowerpot" in sent["json"]["text"]["body"]
+        assert client.app.service.query_secret_seen_at > 0
+        anon = webtest.TestApp(client.app)
+        ok = anon.get(
+            f"{API}/channels/webhook/whatsapp",
+            {
+                "hub.mode": "subscribe",
+                "hub.verify_token": "verify-me-please",
+                "hub.challenge": "1158201444",
+            },
+        )
+        assert ok.text == "1158201444"
+        bad = anon.get(
+            f"{API}/channels/webhook/whatsapp",
+            {"hub.mode": "subscribe", "hub.verify_token": "nope", "hub.challenge": "1"},
+            status=403,
+        )
+        assert_error(bad, 403, "FORBIDDEN")
+        image = whatsapp_update(None)
+        assert data(self.hook(client, "whatsapp", image, ch["secret"]))["handled"] is False
+
+    def test_web_replies_inline(self, client, upstream):
+        ch = self.create(client, "web")
+        d = data(self.hook(client, "web", web_update("when do I plant tomatoes?"), ch["secret"]))
+        assert d["handled"] is True
+        assert "Plant tomatoes in May." in d["reply"]
+        assert upstream.requests == []
+
+    def test_every_channel_provider_handles_a_text_update(self, client, upstream):
+        for name in notesvc.CHANNEL_PROVIDERS:
+            ch = self.create(client, name)
+            resp = self.hook(client, name, UPDATES[name]("/search tomatoes"), ch["secret"])
+            assert data(resp)["handled"] is True
+            empty = self.hook(client, name, UPDATES[name](None), ch["secret"])
+            assert data(empty)["handled"] is False
+
+    def test_no_secret_in_any_log_line(self, client, upstream, caplog):
+        caplog.set_level("DEBUG", logger="notesvc")
+        tg = self.create(client, "telegram")
+        wa = self.create(client, "whatsapp")
+        self.hook(client, "telegram", telegram_update("keys"), tg["secret"])
+        self.hook(client, "whatsapp", whatsapp_update("keys"), wa["secret"], how="query")
+        upstream.status = 500
+        self.hook(client, "telegram", telegram_update("keys"), tg["secret"])
+        logged = "\n".join(r.getMessage() for r in caplog.records)
+        for secret in (
+            tg["secret"],
+            wa["secret"],
+            "ABC-telegram-token",
+            "EAAG-whatsapp-token",
+            "verify-me-please",
+            key_of(client),
+        ):
+            assert secret not in logged
