@@ -1934,15 +1934,19 @@ def best_passages(index: SearchIndex, text: str, terms: list, keep: int = 2) -> 
     weight = {t: bm25_idf(n, len(index.body.get(t, ((),))[0])) for t in terms}
     scored = []
     for i, sentence in enumerate(_SENTENCE_RE.split(text)):
-        sentence = sentence.strip().lstrip("#").strip()
+        sentence = sentence.strip()
+        heading = sentence.startswith("#")  # quoted only when no sentence matches
+        sentence = sentence.lstrip("#").strip()
         if not sentence:
             continue
         words = set(_WORD_RE.findall(fold(sentence)))
         present = {index.surfaces.get(w) for w in words} & weight.keys()
         if present:
-            scored.append((-sum(weight[t] for t in present), i, sentence))
+            scored.append((heading, -sum(weight[t] for t in present), i, sentence))
     scored.sort()
-    return [_clip(s, 400) for _, _, s in scored[:keep]]
+    if scored and not scored[0][0]:
+        scored = [item for item in scored if not item[0]]
+    return [_clip(item[3], 400) for item in scored[:keep]]
 
 
 def _clip(text: str, limit: int) -> str:
