@@ -20,6 +20,7 @@ __version__ = "0.1.0"
 
 import argparse
 import array
+import base64
 import bisect
 import collections
 import contextlib
@@ -30,6 +31,7 @@ import hashlib
 import heapq
 import hmac
 import http.client
+import importlib.util
 import ipaddress
 import itertools
 import json
@@ -39,6 +41,7 @@ import operator
 import os
 import pickle
 import platform
+import posixpath
 import re
 import secrets
 import socket
@@ -686,6 +689,10 @@ class NoteStore:
         # listener(event, path, detail), called under the note's lock after each change:
         # ("saved", path, (content, stat)), ("moved", old, (new, stat)), ("deleted", path, None)
         self.listeners: list = []
+        # after(event, path, detail): the same events, once the note locks are released
+        # (plugin hooks run there, free to write other notes).
+        self.after: list = []
+        self._local = threading.local()
 
     # -- paths and locks -------------------------------------------------------------
 
@@ -699,16 +706,35 @@ class NoteStore:
 
     @contextlib.contextmanager
     def locked(self, *paths: str, tree: bool = False):
+        """Hold the locks of these note paths (and the tree lock); nests in one thread.
+
+        When the outermost lock is released, the `after` listeners get the changes made.
+        """
         stripes = sorted({hash(p) % self.STRIPES for p in paths})
-        with contextlib.ExitStack() as stack:
-            if tree:
-                stack.enter_context(self._tree)
-            for i in stripes:
-                stack.enter_context(self._stripes[i])
-            yield
+        local = self._local
+        local.depth = getattr(local, "depth", 0) + 1
+        try:
+            with contextlib.ExitStack() as stack:
+                if tree:
+                    stack.enter_context(self._tree)
+                for i in stripes:
+                    stack.enter_context(self._stripes[i])
+                yield
+        finally:
+            local.depth -= 1
+        if local.depth == 0 and getattr(local, "pending", None):
+            pending, local.pending = local.pending, []
+            for event in pending:
+                self._call(self.after, *event)
 
     def _notify(self, event: str, path: str, detail: Any = None) -> None:
-        for listener in list(self.listeners):
+        self._call(self.listeners, event, path, detail)
+        if self.after:
+            self._local.__dict__.setdefault("pending", []).append((event, path, detail))
+
+    @staticmethod
+    def _call(listeners: list, event: str, path: str, detail: Any) -> None:
+        for listener in list(listeners):
             try:
                 listener(event, path, detail)
             except Exception:
@@ -931,6 +957,20 @@ class NoteStore:
             st = os.stat(target)
             self._notify("saved", path, (content, st))
             return self.record(path, data, st)
+
+    def rewrite(self, path: str, change: Callable) -> bool:
+        """Apply change(text) -> text to a note under its lock; return whether it changed."""
+        with self.locked(path):
+            data, _ = self._read(path)
+            text = self.decode(path, data)
+            new = change(text)
+            if new == text:
+                return False
+            raw = self.encode(new)
+            target = self.file_of(path)
+            atomic_write(target, raw)
+            self._notify("saved", path, (new, os.stat(target)))
+            return True
 
     def move(self, path: str, new: str, if_match: str | None = None) -> dict:
         with self.locked(path, new, tree=True):
@@ -1814,6 +1854,65 @@ def rotate_key(data: dict) -> str:
     return key
 
 
+JWT_LEEWAY = 30  # seconds of clock skew allowed on exp / nbf
+JWT_LIFETIME = 3600
+
+
+def _b64url(data: bytes) -> str:
+    return base64.urlsafe_b64encode(data).rstrip(b"=").decode("ascii")
+
+
+def _b64url_decode(text: str) -> bytes:
+    if not re.fullmatch(r"[A-Za-z0-9_-]*", text):
+        raise ValueError("not base64url")
+    return base64.urlsafe_b64decode(text + "=" * (-len(text) % 4))
+
+
+def jwt_encode(claims: dict, secret: str) -> str:
+    """Return an HS256 JSON Web Token for claims."""
+    header = _b64url(json.dumps({"alg": "HS256", "typ": "JWT"}, separators=(",", ":")).encode())
+    payload = _b64url(json.dumps(claims, separators=(",", ":")).encode())
+    signing_input = f"{header}.{payload}".encode()
+    signature = hmac.new(secret.encode(), signing_input, hashlib.sha256).digest()
+    return f"{header}.{payload}.{_b64url(signature)}"
+
+
+def jwt_decode(token: str, secret: str, now: float | None = None) -> dict:
+    """Return a token's claims; ValueError saying why when it is not a valid HS256 JWT.
+
+    Only HS256 is accepted (`none`, HS512, RS256 ... are refused before any check), the
+    signature is compared in constant time, and exp / nbf allow JWT_LEEWAY seconds.
+    """
+    parts = token.split(".")
+    if len(parts) != 3:
+        raise ValueError("not a JWT")
+    try:
+        header = json.loads(_b64url_decode(parts[0]))
+        signature = _b64url_decode(parts[2])
+    except (ValueError, UnicodeDecodeError):
+        raise ValueError("malformed JWT") from None
+    if not isinstance(header, dict) or header.get("alg") != "HS256":
+        raise ValueError("only HS256 tokens are accepted")
+    expected = hmac.new(secret.encode(), f"{parts[0]}.{parts[1]}".encode(), hashlib.sha256)
+    if not hmac.compare_digest(expected.digest(), signature):
+        raise ValueError("bad signature")
+    try:
+        claims = json.loads(_b64url_decode(parts[1]))
+    except (ValueError, UnicodeDecodeError):
+        raise ValueError("malformed claims") from None
+    if not isinstance(claims, dict):
+        raise ValueError("malformed claims")
+    now = time.time() if now is None else now
+    for name in ("exp", "nbf"):
+        if name in claims and not isinstance(claims[name], (int, float)):
+            raise ValueError(f"{name} is not a number")
+    if "exp" not in claims or claims["exp"] + JWT_LEEWAY < now:
+        raise ValueError("expired")
+    if claims.get("nbf", 0) - JWT_LEEWAY > now:
+        raise ValueError("not valid yet")
+    return claims
+
+
 class Lockout:
     """Failed credentials per client address: `limit` in `window` s lock it out for `window` s."""
 
@@ -2244,6 +2343,335 @@ def redact_channel(channel: dict) -> dict:
     return {**channel, "secret": redact(channel["secret"]), "config": config}
 
 
+# == Plugins ==================================================================
+#
+# A plugin is a small record: hooks called after notes change, routes under
+# /api/v1/plugins/<name>/..., and (through the registries above) agent or channel
+# providers. The built-ins register exactly like a third-party file does.
+
+HOOKS = ("note_saved", "note_moved", "note_deleted")
+# note_saved(svc, path, content)    after a note is created, updated or appended to
+# note_moved(svc, old_path, new_path)
+# note_deleted(svc, path)
+PLUGIN_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,31}$")
+
+
+@dataclasses.dataclass(frozen=True)
+class PluginRoute:
+    method: str
+    path: str  # a Bottle rule below /api/v1/plugins/<name>; "" is the plugin's own page
+    handler: Callable  # (svc, **url_args) -> dict
+    summary: str = ""
+
+
+@dataclasses.dataclass(frozen=True)
+class Plugin:
+    name: str
+    version: str = "1.0.0"
+    description: str = ""
+    hooks: dict = dataclasses.field(default_factory=dict)  # hook name -> function
+    routes: tuple = ()  # PluginRoute
+    builtin: bool = False
+    error: str | None = None  # why it could not be loaded
+
+
+BUILTIN_PLUGINS: dict = {}
+
+
+def builtin_plugin(plugin: Plugin) -> Plugin:
+    BUILTIN_PLUGINS[plugin.name] = dataclasses.replace(plugin, builtin=True)
+    return plugin
+
+
+def load_plugins(folder: Path) -> dict:
+    """Return the third-party plugins of folder (*.py, each defining PLUGIN), by name.
+
+    A file that fails to load, or defines no valid PLUGIN, is listed with its error.
+    """
+    found: dict = {}
+    if not folder.is_dir():
+        return found
+    for path in sorted(folder.glob("*.py")):
+        name = path.stem.lower().replace("_", "-")
+        try:
+            spec = importlib.util.spec_from_file_location(f"notesvc_plugin_{path.stem}", path)
+            module = importlib.util.module_from_spec(spec)
+            spec.loader.exec_module(module)
+            plugin = getattr(module, "PLUGIN", None)
+            if not isinstance(plugin, Plugin):
+                raise TypeError("the file defines no PLUGIN = notesvc.Plugin(...)")
+            if not PLUGIN_NAME_RE.match(plugin.name):
+                raise ValueError(f"plugin name {plugin.name!r} is not lower-case-with-dashes")
+            if plugin.name in BUILTIN_PLUGINS or plugin.name in found:
+                raise ValueError(f"a plugin named {plugin.name!r} exists already")
+            unknown = set(plugin.hooks) - set(HOOKS)
+            if unknown:
+                raise ValueError(f"unknown hook(s): {', '.join(sorted(unknown))}")
+            found[plugin.name] = dataclasses.replace(plugin, builtin=False, error=None)
+            log.info("plugin %s %s loaded from %s", plugin.name, plugin.version, path.name)
+        except Exception as e:
+            log.exception("plugin file %s failed to load", path.name)
+            found[name] = Plugin(name=name, builtin=False, error=f"{type(e).__name__}: {e}")
+    return found
+
+
+# -- links ---------------------------------------------------------------------------------
+
+_WIKILINK_RE = re.compile(r"\[\[([^\[\]|#\n]+)((?:#[^\[\]|\n]*)?(?:\|[^\[\]\n]*)?)\]\]")
+_MDLINK_RE = re.compile(
+    r"(\[[^\]\n]*\]\()(<[^>\n]+\.md>|[^)\s<>]+\.md)((?:#[^)\s]*)?(?:\s+\"[^\"\n]*\")?\))"
+)
+
+
+class LinkResolver:
+    """Resolves [[wikilinks]] (by name or path) and Markdown links to note paths."""
+
+    def __init__(self, paths: Iterable[str]):
+        self.paths = {p.casefold(): p for p in paths}
+        self.names: dict = {}
+        for p in sorted(self.paths.values()):
+            self.names.setdefault(p.rsplit("/", 1)[-1][:-3].casefold(), p)
+
+    def wikilink(self, target: str) -> str | None:
+        t = target.strip()
+        if t.casefold().endswith(".md"):
+            t = t[:-3]
+        if "/" in t:
+            t = t if t.startswith(f"{NOTES}/") else f"{NOTES}/{t.lstrip('/')}"
+            return self.paths.get(f"{t}.md".casefold())
+        return self.names.get(t.casefold())
+
+    def mdlink(self, href: str, source: str) -> str | None:
+        href = urllib.parse.unquote(href.strip("<>"))
+        if "://" in href or href.startswith("mailto:"):
+            return None
+        if href.startswith("/"):
+            href = href.lstrip("/")
+            candidate = href if href.startswith(f"{NOTES}/") else f"{NOTES}/{href}"
+        else:
+            candidate = posixpath.normpath(posixpath.join(posixpath.dirname(source), href))
+        return self.paths.get(candidate.casefold())
+
+    def links(self, text: str, source: str) -> set:
+        """Return the note paths a note's text links to."""
+        out = {self.wikilink(m.group(1)) for m in _WIKILINK_RE.finditer(text)}
+        out |= {self.mdlink(m.group(2), source) for m in _MDLINK_RE.finditer(text)}
+        out.discard(None)
+        out.discard(source)
+        return out
+
+
+def link_graph(svc: Service) -> dict:
+    """Return {note path: set of notes linking to it}, cached until the index changes."""
+    index = svc.index
+    with index._lock:
+        cached = svc.plugin_cache.get("links")
+        if cached and cached[0] == index.generation:
+            return cached[1]
+        resolver = LinkResolver(index.ids)
+        graph: dict = collections.defaultdict(set)
+        for path, d in index.ids.items():
+            text = index.docs[d].text
+            if "[[" in text or ".md" in text:
+                for target in resolver.links(text, path):
+                    graph[target].add(path)
+        svc.plugin_cache["links"] = (index.generation, graph)
+        return graph
+
+
+def rewrite_links(
+    text: str,
+    source: str,
+    old: str,
+    new: str,
+    resolver: LinkResolver,
+    moved_from: str | None = None,
+) -> str:
+    """Return text with its links to `old` pointing at `new` (in the style they were written).
+
+    `moved_from`: the note itself moved from there, so its relative links are rebased.
+    """
+
+    def wiki(m: re.Match) -> str:
+        target = m.group(1)
+        if resolver.wikilink(target) != old:
+            return m.group(0)
+        t = target.strip()
+        if "/" not in t:
+            replacement = new.rsplit("/", 1)[-1][:-3]
+        else:
+            replacement = new if t.startswith(f"{NOTES}/") else new[len(NOTES) + 1 :]
+            if not t.casefold().endswith(".md"):
+                replacement = replacement[:-3]
+        return f"[[{replacement}{m.group(2)}]]"
+
+    def markdown(m: re.Match) -> str:
+        href = m.group(2)
+        base = moved_from or source
+        target = resolver.mdlink(href, base)
+        if target is None or (target != old and not moved_from):
+            return m.group(0)
+        target = new if target == old else target
+        bare = href.strip("<>")
+        if bare.startswith("/"):
+            replacement = "/" + (
+                target if bare.lstrip("/").startswith(f"{NOTES}/") else target[len(NOTES) + 1 :]
+            )
+        else:
+            replacement = posixpath.relpath(target, posixpath.dirname(source))
+        if "%" in bare or " " not in replacement:
+            replacement = urllib.parse.quote(replacement, safe="/")
+        if href.startswith("<"):
+            replacement = f"<{urllib.parse.unquote(replacement)}>"
+        return f"{m.group(1)}{replacement}{m.group(3)}"
+
+    return _MDLINK_RE.sub(markdown, _WIKILINK_RE.sub(wiki, text))
+
+
+def update_links(svc: Service, old: str, new: str, linking: set) -> list:
+    """Rewrite the links to `old` in each linking note (one atomic write each)."""
+    resolver = LinkResolver([*svc.index.ids, old])
+    changed = []
+    for source in sorted(linking | {new}):
+        moved_from = old if source == new else None
+
+        def change(text: str, source=source, moved_from=moved_from) -> str:
+            return rewrite_links(text, source, old, new, resolver, moved_from)
+
+        try:
+            if svc.notes.rewrite(source, change):
+                changed.append(source)
+        except ApiError as e:  # a linking note vanished or is not UTF-8: leave it be
+            log.warning("links in %s not updated: %s", source, e.message)
+    return changed
+
+
+# -- built-in plugins -----------------------------------------------------------------------
+
+
+def get_backlinks(svc: Service, path: str) -> dict:
+    path = note_path(path)
+    if not svc.notes.exists(path):
+        raise not_found(f"no note at {path}")
+    sources = sorted(link_graph(svc).get(path, ()))
+    index = svc.index
+    with index._lock:
+        titled = [
+            {"path": p, "title": index.docs[index.ids[p]].title} for p in sources if p in index.ids
+        ]
+    return {"path": path, "backlinks": titled}
+
+
+builtin_plugin(
+    Plugin(
+        "backlinks",
+        description="notes that link to a note, by [[wikilink]] or Markdown link",
+        routes=(PluginRoute("GET", "/<path:path>", get_backlinks, "Notes linking to a note"),),
+    )
+)
+
+_FENCE_RE = re.compile(r"^(```|~~~)[^\n]*\n.*?^\1[^\n]*$", re.M | re.S)
+_CODE_SPAN_RE = re.compile(r"`[^`\n]*`")
+_TAG_RE = re.compile(r"(?<![\w#&/\[])#((?:\d*[^\W\d_])[\w/-]*)")
+_FRONT_MATTER_RE = re.compile(r"\A---[ \t]*\n(.*?)\n---[ \t]*(?:\n|\Z)", re.S)
+
+
+def note_tags(text: str) -> set:
+    """Return a note's tags: #tags outside code, and front matter `tags:`, lower-cased.
+
+    >>> sorted(note_tags("---\\ntags: [Work, home]\\n---\\n# Title #todo\\n#idea `#code` x#no #42"))
+    ['home', 'idea', 'todo', 'work']
+    """
+    tags = set()
+    fm = _FRONT_MATTER_RE.match(text)
+    if fm:
+        text = text[fm.end() :]
+        lines = fm.group(1).splitlines()
+        for i, line in enumerate(lines):
+            m = re.match(r"^tags:\s*(.*)$", line)
+            if not m:
+                continue
+            value = m.group(1).strip()
+            if value:
+                tags |= {t.strip(" '\"#") for t in value.strip("[]").split(",")}
+            for item in lines[i + 1 :]:
+                m = re.match(r"^\s*-\s*(.+)$", item)
+                if not m:
+                    break
+                tags.add(m.group(1).strip(" '\"#"))
+    body = _CODE_SPAN_RE.sub(" ", _FENCE_RE.sub(" ", text))
+    tags |= {m.group(1).rstrip("/-") for m in _TAG_RE.finditer(body)}
+    return {t.lower() for t in tags if t}
+
+
+def tag_map(svc: Service) -> dict:
+    """Return {tag: sorted note paths}, cached until the index changes."""
+    index = svc.index
+    with index._lock:
+        cached = svc.plugin_cache.get("tags")
+        if cached and cached[0] == index.generation:
+            return cached[1]
+        tags: dict = collections.defaultdict(list)
+        for path in sorted(index.ids):
+            text = index.docs[index.ids[path]].text
+            if "#" in text or text.startswith("---"):
+                for tag in note_tags(text):
+                    tags[tag].append(path)
+        svc.plugin_cache["tags"] = (index.generation, tags)
+        return tags
+
+
+def list_tags(svc: Service) -> dict:
+    tags = tag_map(svc)
+    return {"tags": [{"tag": t, "count": len(tags[t])} for t in sorted(tags)]}
+
+
+def get_tag(svc: Service, tag: str) -> dict:
+    tag = tag.lstrip("#").lower()
+    paths = tag_map(svc).get(tag)
+    if not paths:
+        raise not_found(f"no note is tagged #{tag}")
+    index = svc.index
+    with index._lock:
+        notes = [{"path": p, "title": index.docs[index.ids[p]].title} for p in paths]
+    return {"tag": tag, "notes": notes}
+
+
+builtin_plugin(
+    Plugin(
+        "tags",
+        description="#tags outside code and front-matter tags:",
+        routes=(
+            PluginRoute("GET", "", list_tags, "All tags with their counts"),
+            PluginRoute("GET", "/<tag:path>", get_tag, "Notes with a tag"),
+        ),
+    )
+)
+
+
+def daily_today(svc: Service) -> dict:
+    today = dt.date.today()
+    path = f"{NOTES}/daily/{today:%Y-%m-%d}.md"
+    try:
+        rec = svc.notes.create(path, f"# {today:%A, %d %B %Y}\n\n")
+        bottle.response.status = 201
+    except ApiError as e:
+        if e.code != "CONFLICT":
+            raise
+        rec = svc.notes.get(path)
+    bottle.response.set_header("ETag", rec["etag"])
+    return rec
+
+
+builtin_plugin(
+    Plugin(
+        "daily",
+        description="a note per day: notes/daily/YYYY-MM-DD.md",
+        routes=(PluginRoute("POST", "/today", daily_today, "Today's note, created if missing"),),
+    )
+)
+
+
 # == HTTP =====================================================================
 
 
@@ -2253,6 +2681,9 @@ class Service:
     def __init__(self, config: Config):
         self.config = config
         self.started = time.time()
+        self.plugins = {**BUILTIN_PLUGINS, **load_plugins(plugins_dir(config))}
+        self.plugin_errors: dict = {}  # name -> the last error a hook raised
+        self.plugin_cache: dict = {}  # what built-in plugins derive from the index
         check_agent_config(config)
         config.notes_dir.mkdir(parents=True, exist_ok=True)
         self.state = StateStore(config.state_dir)
@@ -2268,6 +2699,7 @@ class Service:
         self._saved_at = 0.0
         self._save_lock = threading.Lock()
         self.notes.listeners.append(self._on_note_event)
+        self.notes.after.append(self._run_hooks)
         self.last_sync = self.sync_index()
         # The cache is for the next start; writing it need not delay this one.
         self._first_save = threading.Thread(target=self.save_index, name="notesvc-save")
@@ -2304,6 +2736,26 @@ class Service:
             self.index.move(path, new, st.st_size, st.st_mtime_ns)
         elif event == "deleted":
             self.index.remove(path)
+
+    # -- plugins ----------------------------------------------------------------
+
+    def plugin_enabled(self, name: str) -> bool:
+        plugin = self.plugins.get(name)
+        switches = self.state.read().get("plugins", {})
+        return plugin is not None and plugin.error is None and switches.get(name, True)
+
+    def _run_hooks(self, event: str, path: str, detail: Any) -> None:
+        hook = {"saved": "note_saved", "moved": "note_moved", "deleted": "note_deleted"}[event]
+        args = {"saved": lambda: (path, detail[0]), "moved": lambda: (path, detail[0])}
+        for plugin in self.plugins.values():
+            fn = plugin.hooks.get(hook)
+            if fn is None or not self.plugin_enabled(plugin.name):
+                continue
+            try:
+                fn(self, *args.get(event, lambda: (path,))())
+            except Exception as e:  # a plugin's failure is its own: log it, list it, go on
+                log.exception("plugin %s failed in %s for %s", plugin.name, hook, path)
+                self.plugin_errors[plugin.name] = f"{hook}: {type(e).__name__}: {e}"[:300]
 
     def sync_index(self) -> dict:
         """Bring the index in line with the files: re-read what changed, drop what is gone."""
@@ -2425,10 +2877,24 @@ class Service:
         self.check_lockout(addr)
         if self.key_matches(environ.get("HTTP_X_SERVICE_KEY")):
             return
+        if self.config.auth_mode == "jwt" and self.token_valid(environ):
+            return
         self.lockout.fail(addr)
         raise ApiError(
             401, "UNAUTHORIZED", f"missing or wrong {KEY_HEADER} header; see GET {API}/system/setup"
         )
+
+    def token_valid(self, environ: dict) -> bool:
+        """Return whether the request carries a valid bearer JWT for the current key."""
+        auth = environ.get("HTTP_AUTHORIZATION", "")
+        if not auth.lower().startswith("bearer "):
+            return False
+        try:
+            claims = jwt_decode(auth[7:].strip(), self.config.jwt_secret)
+        except ValueError:
+            return False
+        kid = self.state.read().get("keyHash", "")[:16]
+        return hmac.compare_digest(str(claims.get("kid", "")).encode(), kid.encode())
 
     def check_lockout(self, addr: str) -> None:
         wait = self.lockout.retry_after(addr)
@@ -2453,6 +2919,14 @@ class Service:
             with contextlib.suppress(OSError):
                 size += os.stat(self.notes.base / path).st_size
         return len(paths), size
+
+
+def plugins_dir(config: Config) -> Path:
+    return (
+        Path(config.plugins_dir).expanduser()
+        if config.plugins_dir
+        else (config.state_dir / "plugins")
+    )
 
 
 def check_agent_config(config: Config) -> None:
@@ -2629,6 +3103,27 @@ def link_client(svc: Service) -> dict:
     return {"linked": True, "setupComplete": True, "serverId": server_id, "linkedAt": now}
 
 
+def issue_token(svc: Service) -> dict:
+    if svc.config.auth_mode != "jwt":
+        raise ApiError(403, "FORBIDDEN", "tokens are issued only with SERVICE_AUTH_MODE=jwt")
+    st, now = svc.state.read(), int(time.time())
+    claims = {
+        "iss": f"notesvc:{st['serverId']}",
+        "sub": "owner",
+        "iat": now,
+        "nbf": now,
+        "exp": now + JWT_LIFETIME,
+        "jti": secrets.token_hex(8),
+        "kid": st["keyHash"][:16],  # rotating the key retires every token issued before
+    }
+    return {
+        "token": jwt_encode(claims, svc.config.jwt_secret),
+        "tokenType": "Bearer",
+        "expiresIn": JWT_LIFETIME,
+        "expiresAt": iso(claims["exp"]),
+    }
+
+
 def rotate_api_key(svc: Service) -> dict:
     key = svc.state.update(rotate_key)
     st = svc.state.read()
@@ -2686,7 +3181,14 @@ def move_note(svc: Service, path: str) -> dict:
     path = note_path(path)
     body = read_json(svc.config.max_body_bytes)
     new = note_path(field(body, "path"))
-    return _note_response(svc.notes.move(path, new, _if_match()))
+    relink = field(body, "updateLinks", bool, required=False)
+    linking = set(link_graph(svc).get(path, ())) if relink else set()
+    rec = svc.notes.move(path, new, _if_match())
+    if relink and new != path:
+        rec["linksUpdated"] = update_links(svc, path, new, linking - {path})
+        if new in rec["linksUpdated"]:  # the note's own relative links were rebased
+            rec = {**svc.notes.get(new), "from": path, "linksUpdated": rec["linksUpdated"]}
+    return _note_response(rec)
 
 
 def delete_note(svc: Service, path: str) -> dict:
@@ -2934,6 +3436,79 @@ def verify_whatsapp_webhook(svc: Service):
     return challenge[:200]
 
 
+# -- plugins -------------------------------------------------------------------------------
+
+
+def plugin_info(svc: Service, plugin: Plugin) -> dict:
+    return {
+        "name": plugin.name,
+        "version": plugin.version,
+        "description": plugin.description,
+        "enabled": svc.plugin_enabled(plugin.name),
+        "builtin": plugin.builtin,
+        "error": plugin.error or svc.plugin_errors.get(plugin.name),
+        "hooks": sorted(plugin.hooks),
+        "routes": [f"{r.method} {API}/plugins/{plugin.name}{r.path}" for r in plugin.routes],
+    }
+
+
+def _plugin(svc: Service, name: str) -> Plugin:
+    plugin = svc.plugins.get(name)
+    if plugin is None:
+        raise not_found(f"no plugin {name!r}")
+    return plugin
+
+
+def list_plugins(svc: Service) -> dict:
+    return {"plugins": [plugin_info(svc, p) for p in svc.plugins.values()]}
+
+
+def get_plugin(svc: Service, name: str) -> dict:
+    """The plugin's record; a plugin's own page (route "") adds its data when it is on."""
+    plugin = _plugin(svc, name)
+    info = plugin_info(svc, plugin)
+    page = next((r for r in plugin.routes if r.method == "GET" and r.path == ""), None)
+    if page and info["enabled"]:
+        info.update(page.handler(svc))
+    return info
+
+
+def toggle_plugin(svc: Service, name: str) -> dict:
+    plugin = _plugin(svc, name)
+    if plugin.error and plugin.name not in svc.plugin_errors:
+        raise ApiError(409, "CONFLICT", f"plugin {name} did not load: {plugin.error}")
+    enabled = not svc.plugin_enabled(name)
+    svc.state.update(lambda data: data.setdefault("plugins", {}).__setitem__(name, enabled))
+    svc.plugin_errors.pop(name, None)
+    return plugin_info(svc, plugin)
+
+
+def plugin_routes(plugins: Iterable[Plugin]) -> list:
+    """Return the Routes of the plugins' own endpoints, each refusing while it is off."""
+    routes = []
+    for plugin in plugins:
+        for r in plugin.routes:
+            if r.method == "GET" and r.path == "":
+                continue  # served by get_plugin
+
+            def guarded(svc: Service, _name=plugin.name, _handler=r.handler, **kwargs):
+                if not svc.plugin_enabled(_name):
+                    raise ApiError(403, "PLUGIN_DISABLED", f"plugin {_name} is switched off")
+                return _handler(svc, **kwargs)
+
+            guarded.__name__ = f"{plugin.name}_{r.handler.__name__}".replace("-", "_")
+            routes.append(
+                Route(
+                    r.method,
+                    f"/plugins/{plugin.name}{r.path}",
+                    guarded,
+                    summary=r.summary,
+                    tag="plugins",
+                )
+            )
+    return routes
+
+
 # -- relay pairing (this server as its own relay) -------------------------------------
 
 
@@ -3014,6 +3589,7 @@ ROUTES = (
         tag="auth",
     ),
     Route("POST", "/auth/rotate", rotate_api_key, summary="New key, shown once", tag="auth"),
+    Route("POST", "/auth/token", issue_token, summary="A one-hour JWT (jwt mode)", tag="auth"),
     Route(
         "POST",
         "/notes",
@@ -3114,6 +3690,9 @@ ROUTES = (
         tag="channels",
     ),
     Route("DELETE", "/channels/<channel_id>", delete_channel, summary="Remove", tag="channels"),
+    Route("GET", "/plugins", list_plugins, summary="Plugins", tag="plugins"),
+    Route("GET", "/plugins/<name>", get_plugin, summary="One plugin (and its page)", tag="plugins"),
+    Route("POST", "/plugins/<name>/toggle", toggle_plugin, summary="Switch on/off", tag="plugins"),
     Route("GET", "/folders/tree", get_tree, summary="Folder tree from the root", tag="folders"),
     Route("GET", "/folders/tree/<path:path>", get_subtree, summary="Subtree", tag="folders"),
     Route("GET", "/relay/v1/pair/<code>", pair_relay_code, public=True, api=False, tag="relay"),
@@ -3314,7 +3893,8 @@ def _plain_error(respond: Callable, status: int, code: str, message: str) -> lis
 def create_app(config: Config | None = None) -> NotesApp:
     """Return the WSGI application for config (the environment's when None)."""
     config = config or load_config()
-    return NotesApp(Service(config), ROUTES)
+    service = Service(config)
+    return NotesApp(service, ROUTES + tuple(plugin_routes(service.plugins.values())))
 
 
 def __getattr__(name: str):
@@ -3452,8 +4032,8 @@ def cmd_serve(config: Config) -> int:
             raise KeyboardInterrupt
 
         signal.signal(signal.SIGTERM, stop)  # systemd's stop: shut down cleanly, exit 0
-        print_banner(config, app.service.state.read(), server.effective_port)
         try:
+            print_banner(config, app.service.state.read(), server.effective_port)
             server.run()
         except KeyboardInterrupt:
             log.info("stopping")
@@ -3499,4 +4079,5 @@ def main(argv: list | None = None) -> int:
 
 
 if __name__ == "__main__":
+    sys.modules.setdefault("notesvc", sys.modules[__name__])  # plugins `import notesvc`
     sys.exit(main())
