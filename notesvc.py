@@ -310,6 +310,24 @@ def load_config(env: Mapping[str, str] | None = None, **flags: Any) -> Config:
 
 # == Errors and envelope ======================================================
 
+ERROR_CODES = (  # every error.code the API answers with
+    "VALIDATION_ERROR",
+    "UNAUTHORIZED",
+    "FORBIDDEN",
+    "CHANNEL_DISABLED",
+    "PLUGIN_DISABLED",
+    "NOT_FOUND",
+    "METHOD_NOT_ALLOWED",
+    "CONFLICT",
+    "PRECONDITION_FAILED",
+    "PAYLOAD_TOO_LARGE",
+    "UNSUPPORTED_MEDIA_TYPE",
+    "RATE_LIMITED",
+    "INTERNAL_ERROR",
+    "UPSTREAM_ERROR",
+    "UPSTREAM_TIMEOUT",
+    "AGENT_DISABLED",
+)
 STATUS_CODES = {
     400: "VALIDATION_ERROR",
     401: "UNAUTHORIZED",
@@ -369,7 +387,7 @@ def render_error(err: bottle.HTTPError) -> bytes:
     if isinstance(err, ApiError):
         code, message = err.code, err.message
     else:
-        code = STATUS_CODES.get(status, "ERROR" if status >= 500 else "BAD_REQUEST")
+        code = STATUS_CODES.get(status, "INTERNAL_ERROR" if status >= 500 else "VALIDATION_ERROR")
         method, path = env.get("REQUEST_METHOD", "GET"), env.get("PATH_INFO", "")
         if status == 404:
             message = REPLACED.get((method, path)) or f"no route for {method} {path}"
@@ -2362,6 +2380,7 @@ class PluginRoute:
     path: str  # a Bottle rule below /api/v1/plugins/<name>; "" is the plugin's own page
     handler: Callable  # (svc, **url_args) -> dict
     summary: str = ""
+    status: int = 200  # documented success status (200 is always documented too)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2667,18 +2686,390 @@ builtin_plugin(
     Plugin(
         "daily",
         description="a note per day: notes/daily/YYYY-MM-DD.md",
-        routes=(PluginRoute("POST", "/today", daily_today, "Today's note, created if missing"),),
+        routes=(
+            PluginRoute("POST", "/today", daily_today, "Today's note, created if missing", 201),
+        ),
     )
 )
+
+
+# == Security audit ===========================================================
+#
+# Each check is a small function of the service returning findings; the score is
+# 100 - 40 per critical - 20 per high - 10 per medium - 3 per low, never below 0.
+
+SEVERITIES = ("critical", "high", "medium", "low", "info")
+SEVERITY_COST = {"critical": 40, "high": 20, "medium": 10, "low": 3, "info": 0}
+KEY_MAX_AGE_DAYS = 180
+QUERY_SECRET_WINDOW = 7 * 86400  # "seen recently"
+
+AUDIT_CHECKS: dict = {}
+
+
+def audit_check(fn: Callable) -> Callable:
+    """Register a check: fn(svc) -> list of findings."""
+    AUDIT_CHECKS[fn.__name__.removeprefix("check_")] = fn
+    return fn
+
+
+def finding(id: str, severity: str, title: str, detail: str, recommendation: str) -> dict:
+    return {
+        "id": id,
+        "severity": severity,
+        "title": title,
+        "detail": detail,
+        "recommendation": recommendation,
+    }
+
+
+def _reachable_beyond_loopback(cfg: Config) -> bool:
+    return not is_loopback(cfg.host) and cfg.host != "localhost"
+
+
+def _off_loopback_http(url: str) -> bool:
+    parts = urllib.parse.urlsplit(url)
+    host = parts.hostname or ""
+    return parts.scheme == "http" and host != "localhost" and not is_loopback(host)
+
+
+def _mode_of(path: Path) -> int | None:
+    try:
+        return stat.S_IMODE(os.stat(path).st_mode)
+    except OSError:
+        return None
+
+
+@audit_check
+def check_auth_off(svc: Service) -> list:
+    if svc.config.auth_mode != "none":
+        return []
+    return [
+        finding(
+            "auth-off",
+            "critical",
+            "Authentication is off",
+            "SERVICE_AUTH_MODE=none: anyone who reaches the port reads and changes every note.",
+            "Set SERVICE_AUTH_MODE=api-key (the default).",
+        )
+    ]
+
+
+@audit_check
+def check_setup_exposed(svc: Service) -> list:
+    cfg, st = svc.config, svc.state.read()
+    if st.get("setupComplete") or cfg.auth_mode == "none":
+        return []
+    if not _reachable_beyond_loopback(cfg):
+        return [
+            finding(
+                "setup-incomplete",
+                "low",
+                "Setup is not complete",
+                "The key is shown by GET /system/setup until a client links; the "
+                "service listens on loopback only.",
+                "Link a client: POST /api/v1/auth/link with the key.",
+            )
+        ]
+    if cfg.setup_local_only:
+        return [
+            finding(
+                "setup-incomplete",
+                "medium",
+                "Setup is not complete",
+                f"Reachable on {cfg.host}; the key is shown only to loopback clients "
+                "(SERVICE_SETUP_LOCAL_ONLY), but a proxy on this machine would count "
+                "as loopback.",
+                "Link a client now: POST /api/v1/auth/link with the key.",
+            )
+        ]
+    return [
+        finding(
+            "setup-exposed",
+            "critical",
+            "The API key is publicly readable",
+            f"Setup is incomplete and the service listens on {cfg.host}: anyone who "
+            "reaches it can read the key from GET /api/v1/system/setup.",
+            "Link a client now (POST /api/v1/auth/link), or set "
+            "SERVICE_SETUP_LOCAL_ONLY=true, or bind to 127.0.0.1 until linked.",
+        )
+    ]
+
+
+@audit_check
+def check_cors_wildcard(svc: Service) -> list:
+    if "*" not in svc.config.cors:
+        return []
+    return [
+        finding(
+            "cors-wildcard",
+            "high",
+            "CORS allows every origin",
+            "SERVICE_CORS_ORIGINS contains *: any web page a user opens may call the "
+            "API from their browser.",
+            "List the exact origins of your clients in SERVICE_CORS_ORIGINS.",
+        )
+    ]
+
+
+def _entropy_bits_per_char(text: str) -> float:
+    counts = collections.Counter(text)
+    return -sum(c / len(text) * math.log2(c / len(text)) for c in counts.values()) if text else 0
+
+
+@audit_check
+def check_jwt_secret(svc: Service) -> list:
+    cfg = svc.config
+    if cfg.auth_mode != "jwt":
+        return []
+    secret = cfg.jwt_secret
+    if len(secret.encode()) < 32 or _entropy_bits_per_char(secret) < 3.5:
+        return [
+            finding(
+                "jwt-secret-weak",
+                "high",
+                "The JWT secret is weak",
+                f"SERVICE_JWT_SECRET is {len(secret.encode())} bytes with "
+                f"{_entropy_bits_per_char(secret):.1f} bits of entropy per character; a "
+                "guessable secret lets anyone mint tokens.",
+                "Use 32+ random bytes: python -c 'import secrets; "
+                "print(secrets.token_urlsafe(48))'.",
+            )
+        ]
+    return [
+        finding(
+            "jwt-mode",
+            "info",
+            "JWT mode is on",
+            "Bearer tokens (HS256, one hour) and the API key are both accepted.",
+            "Keep SERVICE_JWT_SECRET out of shell history and logs.",
+        )
+    ]
+
+
+@audit_check
+def check_state_private(svc: Service) -> list:
+    out = []
+    folder = svc.config.state_dir
+    for path, what in ((folder, "state folder"), (folder / "state.json", "state file")):
+        mode = _mode_of(path)
+        if mode is not None and mode & 0o077:
+            out.append(
+                finding(
+                    f"state-readable-{'dir' if path == folder else 'file'}",
+                    "high",
+                    f"The {what} is open to other users",
+                    f"{path.name} has mode {mode:o}; it holds the key hash and channel tokens.",
+                    f"chmod {'700' if path == folder else '600'} {path}",
+                )
+            )
+    return out
+
+
+@audit_check
+def check_notes_folder(svc: Service) -> list:
+    mode = _mode_of(svc.config.notes_dir)
+    if mode is None:
+        return []
+    if mode & 0o002:
+        return [
+            finding(
+                "notes-writable",
+                "high",
+                "Other users can write the notes folder",
+                f"notes/ has mode {mode:o}: any local user can change or plant notes.",
+                f"chmod o-w {svc.config.notes_dir}",
+            )
+        ]
+    if mode & 0o004:
+        return [
+            finding(
+                "notes-readable",
+                "low",
+                "Other users can read the notes folder",
+                f"notes/ has mode {mode:o}.",
+                f"chmod o-rx {svc.config.notes_dir} (or run with UMask=0077)",
+            )
+        ]
+    return []
+
+
+@audit_check
+def check_plugins(svc: Service) -> list:
+    out = []
+    folder = plugins_dir(svc.config)
+    mode = _mode_of(folder)
+    if mode is not None and mode & 0o022:
+        out.append(
+            finding(
+                "plugins-writable",
+                "high",
+                "Others can write the plugins folder",
+                f"{folder.name}/ has mode {mode:o}: a file dropped there runs as "
+                "this service at the next start.",
+                f"chmod go-w {folder}",
+            )
+        )
+    for plugin in svc.plugins.values():
+        if not plugin.builtin:
+            out.append(
+                finding(
+                    f"plugin-{plugin.name}",
+                    "medium" if not plugin.error else "low",
+                    f"Third-party plugin {plugin.name} is "
+                    + ("loaded" if not plugin.error else "present (failed to load)"),
+                    "Plugins run with the service's full rights over every note.",
+                    "Keep only plugins you have read; switch off the others "
+                    f"(POST /api/v1/plugins/{plugin.name}/toggle).",
+                )
+            )
+    return out
+
+
+@audit_check
+def check_channel_allowlists(svc: Service) -> list:
+    out = []
+    for channel in svc.state.read().get("channels", []):
+        provider = CHANNEL_PROVIDERS.get(channel["provider"])
+        if (
+            provider
+            and provider.allow
+            and channel["enabled"]
+            and not channel["config"].get(provider.allow)
+        ):
+            severity = "medium" if channel["provider"] == "web" else "high"
+            out.append(
+                finding(
+                    f"channel-open-{channel['id']}",
+                    severity,
+                    f"Channel {channel['name']} has no allowlist",
+                    f"Anyone who can message this {channel['provider']} channel "
+                    "can ask the agent about your notes and /save into them.",
+                    f"Set config.{provider.allow} (recreate the channel with it).",
+                )
+            )
+    return out
+
+
+@audit_check
+def check_query_secrets(svc: Service) -> list:
+    seen = svc.query_secret_seen_at
+    if not seen or time.time() - seen > QUERY_SECRET_WINDOW:
+        return []
+    return [
+        finding(
+            "secret-in-query",
+            "low",
+            "A webhook secret came in a query string",
+            f"Last at {iso(seen)}. URLs end up in proxy and access logs.",
+            "Send X-Service-Channel-Secret (Telegram: secret_token) where the provider "
+            "allows; WhatsApp cannot, so keep that proxy's logs private.",
+        )
+    ]
+
+
+@audit_check
+def check_plain_http_upstreams(svc: Service) -> list:
+    cfg, out = svc.config, []
+    if cfg.relay_url and _off_loopback_http(cfg.relay_url):
+        out.append(
+            finding(
+                "relay-plain-http",
+                "medium",
+                "The relay is plain HTTP",
+                "Requests, notes and the key cross the network unencrypted.",
+                "Serve the relay over HTTPS and set SERVICE_RELAY_URL=https://...",
+            )
+        )
+    if cfg.agent_provider == "openai" and _off_loopback_http(cfg.agent_base_url):
+        severity = "high" if cfg.agent_api_key else "medium"
+        out.append(
+            finding(
+                "model-plain-http",
+                severity,
+                "The model endpoint is plain HTTP",
+                "Questions and note passages (and the model key) travel unencrypted.",
+                "Use an https:// SERVICE_AGENT_BASE_URL or a model on this machine.",
+            )
+        )
+    return out
+
+
+@audit_check
+def check_key_age(svc: Service) -> list:
+    created = svc.state.read().get("keyCreatedAt", "")
+    try:
+        when = dt.datetime.strptime(created, "%Y-%m-%dT%H:%M:%S.%fZ").replace(
+            tzinfo=dt.timezone.utc
+        )
+    except ValueError:
+        return []
+    days = (utcnow() - when).days
+    if days <= KEY_MAX_AGE_DAYS:
+        return []
+    return [
+        finding(
+            "key-old",
+            "medium",
+            "The API key is old",
+            f"The key is {days} days old (more than {KEY_MAX_AGE_DAYS}).",
+            "Rotate it: POST /api/v1/auth/rotate or python notesvc.py rotate-key.",
+        )
+    ]
+
+
+@audit_check
+def check_plain_http_bind(svc: Service) -> list:
+    cfg = svc.config
+    if cfg.host not in ("0.0.0.0", "::", "") or cfg.trust_proxy:
+        return []
+    if cfg.public_url.startswith("https://"):
+        return []
+    return [
+        finding(
+            "plain-http-all-interfaces",
+            "medium",
+            "Listening on every interface without TLS",
+            f"Bound to {cfg.host or '*'}:{cfg.port} in plain HTTP with no trusted proxy: "
+            "the key and notes cross the network in clear.",
+            "Put a TLS proxy in front (SERVICE_TRUST_PROXY=true, SERVICE_PUBLIC_URL="
+            "https://...) or bind to 127.0.0.1 and use the relay.",
+        )
+    ]
+
+
+def run_audit(svc: Service) -> dict:
+    """Return {score, findings (most severe first), summary, checkedAt}."""
+    findings = []
+    for name, check in AUDIT_CHECKS.items():
+        try:
+            findings += check(svc)
+        except Exception as e:  # a broken check must not hide the others
+            log.exception("audit check %s failed", name)
+            findings.append(
+                finding(
+                    f"check-{name}",
+                    "info",
+                    f"Check {name} failed",
+                    f"{type(e).__name__}",
+                    "Report this as a bug.",
+                )
+            )
+    findings.sort(key=lambda f: SEVERITIES.index(f["severity"]))
+    summary = {s: sum(f["severity"] == s for f in findings) for s in SEVERITIES}
+    score = max(0, 100 - sum(SEVERITY_COST[f["severity"]] for f in findings))
+    return {"score": score, "findings": findings, "summary": summary, "checkedAt": iso(utcnow())}
 
 
 # == HTTP =====================================================================
 
 
 class Service:
-    """Everything one running app shares across its threads."""
+    """Everything one running app shares across its threads.
 
-    def __init__(self, config: Config):
+    `indexed=False` (the `audit` command) skips the search index and background work.
+    """
+
+    def __init__(self, config: Config, indexed: bool = True):
         self.config = config
         self.started = time.time()
         self.plugins = {**BUILTIN_PLUGINS, **load_plugins(plugins_dir(config))}
@@ -2694,6 +3085,12 @@ class Service:
         if swept:
             log.info("removed %d temp files left by an interrupted write", swept)
         self.index_path = config.state_dir / "index.cache"
+        self._stop = threading.Event()
+        self._rescanner = self._first_save = None
+        self.last_sync: dict = {}
+        if not indexed:
+            self.index = SearchIndex()
+            return
         self.index = self._open_index()
         self._saved_generation = self.index.generation if self.index.ids else -1
         self._saved_at = 0.0
@@ -2705,8 +3102,6 @@ class Service:
         self._first_save = threading.Thread(target=self.save_index, name="notesvc-save")
         self._first_save.daemon = True
         self._first_save.start()
-        self._stop = threading.Event()
-        self._rescanner = None
         if config.rescan_seconds:
             self._rescanner = threading.Thread(
                 target=self._rescan_loop, name="notesvc-rescan", daemon=True
@@ -2826,8 +3221,9 @@ class Service:
         self._stop.set()
         if self._rescanner is not None:
             self._rescanner.join(30)
-        self._first_save.join()
-        self.save_index()
+        if self._first_save is not None:
+            self._first_save.join()
+            self.save_index()
 
     # -- request context ------------------------------------------------------
 
@@ -3503,10 +3899,97 @@ def plugin_routes(plugins: Iterable[Plugin]) -> list:
                     f"/plugins/{plugin.name}{r.path}",
                     guarded,
                     summary=r.summary,
+                    status=r.status,
                     tag="plugins",
                 )
             )
     return routes
+
+
+# -- security ------------------------------------------------------------------------------
+
+
+def security_audit(svc: Service) -> dict:
+    return run_audit(svc)
+
+
+def security_config(svc: Service) -> dict:
+    cfg, st = svc.config, svc.state.read()
+    channels = st.get("channels", [])
+    created = st.get("keyCreatedAt", "")
+    try:
+        born = dt.datetime.strptime(created, "%Y-%m-%dT%H:%M:%S.%fZ")
+        age = (utcnow().replace(tzinfo=None) - born).days
+    except ValueError:
+        age = None
+    return {
+        "auth": {
+            "mode": cfg.auth_mode,
+            "header": KEY_HEADER,
+            "jwt": {"enabled": cfg.auth_mode == "jwt", "tokenLifetimeSeconds": JWT_LIFETIME},
+            "keyCreatedAt": created,
+            "keyAgeDays": age,
+            "keyComparison": "constant-time (SHA-256 digests, hmac.compare_digest)",
+        },
+        "setup": {
+            "complete": bool(st.get("setupComplete")),
+            "localOnly": cfg.setup_local_only,
+            "linkedClients": len(st.get("linkedClients", [])),
+        },
+        "network": {
+            "bindHost": cfg.host,
+            "port": cfg.port,
+            "publicUrl": cfg.public_url,
+            "trustProxy": cfg.trust_proxy,
+            "cors": list(cfg.cors),
+            "pairingMode": cfg.pairing,
+        },
+        "limits": {
+            "maxBodyBytes": cfg.max_body_bytes,
+            "lockout": {
+                "failures": svc.lockout.limit,
+                "windowSeconds": svc.lockout.window,
+                "lockSeconds": svc.lockout.window,
+            },
+            "maxQueryChars": MAX_QUERY_CHARS,
+            "maxMessageChars": 8000,
+        },
+        "channels": {
+            "count": len(channels),
+            "enabled": sum(bool(c["enabled"]) for c in channels),
+            "withoutAllowlist": sum(
+                1
+                for c in channels
+                if CHANNEL_PROVIDERS.get(c["provider"])
+                and not c["config"].get(CHANNEL_PROVIDERS[c["provider"]].allow)
+            ),
+        },
+        "plugins": {
+            "count": len(svc.plugins),
+            "thirdParty": sum(not p.builtin for p in svc.plugins.values()),
+            "enabled": sum(svc.plugin_enabled(n) for n in svc.plugins),
+        },
+        "agent": {
+            "provider": cfg.agent_provider,
+            "endpoint": _strip_userinfo(cfg.agent_base_url),
+            "apiKeySet": bool(cfg.agent_api_key),
+        },
+    }
+
+
+def security_recommendations(svc: Service) -> dict:
+    return {
+        "recommendations": [
+            {
+                "id": f["id"],
+                "severity": f["severity"],
+                "title": f["title"],
+                "action": f["recommendation"],
+            }
+            for f in run_audit(svc)["findings"]
+            if f["severity"] != "info"
+        ]
+    }
 
 
 # -- relay pairing (this server as its own relay) -------------------------------------
@@ -3552,9 +4035,11 @@ class Route:
     summary: str = ""
     body: dict | None = None  # JSON schema of the request body (OpenAPI)
     params: dict | None = None  # query parameters: name -> JSON schema (OpenAPI)
-    status: int = 200
+    status: int = 200  # the documented success status (handlers set it themselves)
     api: bool = True
     tag: str = "system"
+    media: str = "application/json"  # of the success answer
+    enveloped: bool = True  # False: the answer is the document itself (OpenAPI, a challenge)
 
     @property
     def rule(self) -> str:
@@ -3572,13 +4057,26 @@ def _obj(required: Iterable[str] = (), **props: dict) -> dict:
 
 _STR = {"type": "string"}
 _INT = {"type": "integer"}
+_NOTE_PATH = {  # the gist of note_path(); the server checks the full rules
+    "type": "string",
+    "maxLength": MAX_PATH_CHARS,
+    "pattern": r'^notes(/[^/\\:*?"<>|.][^/\\:*?"<>|]*)+\.md$',
+    "examples": ["notes/ideas/garden.md"],
+}
 
 ROUTES = (
     Route("GET", "/health", get_health, public=True, summary="Liveness and version"),
     Route("GET", "/system/setup", get_setup, public=True, summary="Setup and pairing payload"),
     Route("GET", "/system/info", get_info, summary="Version, uptime, note counts"),
     Route("GET", "/system/config", get_config, summary="Non-secret runtime configuration"),
-    Route("GET", "/openapi.json", get_openapi, public=True, summary="This document"),
+    Route(
+        "GET",
+        "/openapi.json",
+        get_openapi,
+        public=True,
+        summary="This document",
+        enveloped=False,
+    ),
     Route("POST", "/auth/verify", verify_key, summary="Check a key", tag="auth"),
     Route(
         "POST",
@@ -3595,7 +4093,7 @@ ROUTES = (
         "/notes",
         create_note,
         summary="Create a note (409 if it exists)",
-        body=_obj(["path", "content"], path=_STR, content=_STR),
+        body=_obj(["path", "content"], path=_NOTE_PATH, content=_STR),
         status=201,
         tag="notes",
     ),
@@ -3613,7 +4111,7 @@ ROUTES = (
         "/notes/<path:path>",
         update_note,
         summary="Replace a note's content (If-Match honoured)",
-        body=_obj(["content"], content=_STR, path=_STR),
+        body=_obj(["content"], content=_STR, path=_NOTE_PATH),
         tag="notes",
     ),
     Route(
@@ -3621,7 +4119,7 @@ ROUTES = (
         "/notes/<path:path>/move",
         move_note,
         summary="Move or rename a note; never overwrites",
-        body=_obj(["path"], path=_STR, updateLinks={"type": "boolean"}),
+        body=_obj(["path"], path=_NOTE_PATH, updateLinks={"type": "boolean"}),
         tag="notes",
     ),
     Route("DELETE", "/notes/<path:path>", delete_note, summary="Move to trash", tag="notes"),
@@ -3681,6 +4179,8 @@ ROUTES = (
         summary="Meta's webhook verification (hub.challenge)",
         params={"hub.mode": _STR, "hub.verify_token": _STR, "hub.challenge": _STR},
         tag="channels",
+        media="text/plain",
+        enveloped=False,
     ),
     Route(
         "POST",
@@ -3693,6 +4193,15 @@ ROUTES = (
     Route("GET", "/plugins", list_plugins, summary="Plugins", tag="plugins"),
     Route("GET", "/plugins/<name>", get_plugin, summary="One plugin (and its page)", tag="plugins"),
     Route("POST", "/plugins/<name>/toggle", toggle_plugin, summary="Switch on/off", tag="plugins"),
+    Route("GET", "/security/audit", security_audit, summary="Scored audit", tag="security"),
+    Route("GET", "/security/config", security_config, summary="Settings in force", tag="security"),
+    Route(
+        "GET",
+        "/security/recommendations",
+        security_recommendations,
+        summary="What to fix, most severe first",
+        tag="security",
+    ),
     Route("GET", "/folders/tree", get_tree, summary="Folder tree from the root", tag="folders"),
     Route("GET", "/folders/tree/<path:path>", get_subtree, summary="Subtree", tag="folders"),
     Route("GET", "/relay/v1/pair/<code>", pair_relay_code, public=True, api=False, tag="relay"),
@@ -3711,23 +4220,33 @@ def openapi_document(routes: Iterable[Route], server_url: str) -> dict:
     envelope_err = _obj(
         ["success", "error"],
         success={"const": False},
-        error=_obj(["code", "message"], code=_STR, message=_STR),
+        error=_obj(["code", "message"], code={"enum": list(ERROR_CODES)}, message=_STR),
     )
     paths: dict = {}
     for r in routes:
         if not r.api:
             continue
+        success = (
+            _json_content("Success")
+            if r.enveloped
+            else {r.media: {"schema": {"type": "object" if "json" in r.media else "string"}}}
+        )
         op: dict = {
             "operationId": r.handler.__name__,
             "summary": r.summary or r.handler.__name__.replace("_", " "),
             "tags": [r.tag],
             "responses": {
-                str(r.status): {"description": "success", "content": _json_content("Success")},
-                "default": {"description": "error envelope", "content": _json_content("Error")},
+                **{
+                    str(code): {"description": "success", "content": success}
+                    for code in sorted({200, r.status})
+                },
+                "default": {
+                    "description": "the error envelope: 400, 401, 403, 404, 405, 409, 412, "
+                    "413, 415, 429, 500, 502, 503 or 504",
+                    "content": _json_content("Error"),
+                },
             },
         }
-        if r.path == "/openapi.json":
-            op["responses"] = {"200": {"description": "OpenAPI document"}}
         if r.public:
             op["security"] = []
         params = [
@@ -3748,7 +4267,13 @@ def openapi_document(routes: Iterable[Route], server_url: str) -> dict:
         paths.setdefault(openapi_path(r.rule), {})[r.method.lower()] = op
     return {
         "openapi": "3.1.0",
-        "info": {"title": "notesvc", "version": __version__},
+        "info": {
+            "title": "notesvc",
+            "version": __version__,
+            "description": "A self-hosted notes server. Every answer is the envelope "
+            '{"success": true, "data": {...}} or {"success": false, "error": {code, message}}; '
+            "note paths in URLs are percent-encoded with / as %2F.",
+        },
         "servers": [{"url": server_url}],
         "paths": paths,
         "components": {
@@ -3784,8 +4309,6 @@ def _callback(svc: Service, route: Route) -> Callable:
             log.exception("request %s failed in %s", rid, route.handler.__name__)
             raise ApiError(500, "INTERNAL_ERROR", f"internal error; request id {rid}") from None
         if isinstance(result, dict):
-            if route.status != 200 and bottle.response.status_code == 200:
-                bottle.response.status = route.status
             return json_body({"success": True, "data": result})
         return result
 
@@ -3941,6 +4464,7 @@ def build_parser() -> argparse.ArgumentParser:
     for name, text in (
         ("serve", "serve the API (the default)"),
         ("rotate-key", "print a new API key; the old one stops working (works while serving)"),
+        ("audit", "print the security audit; exit 1 on a critical finding"),
     ):
         add_flags(sub.add_parser(name, help=text, description=text), argparse.SUPPRESS)
     return parser
@@ -4056,7 +4580,23 @@ def cmd_rotate_key(config: Config) -> int:
     return 0
 
 
-COMMANDS = {"serve": cmd_serve, "rotate-key": cmd_rotate_key}
+def cmd_audit(config: Config) -> int:
+    """Print the security audit; exit 1 when a critical finding exists (for cron / CI)."""
+    report = run_audit(Service(config, indexed=False))
+    marks = {"critical": "!!", "high": "! ", "medium": "- ", "low": ". ", "info": "  "}
+    print(f"notesvc {__version__} security audit of {config.root}")
+    print(
+        f"score {report['score']}/100  "
+        + "  ".join(f"{k} {v}" for k, v in report["summary"].items())
+    )
+    for f in report["findings"]:
+        print(f"\n{marks[f['severity']]} [{f['severity']}] {f['title']} ({f['id']})")
+        print(f"     {f['detail']}")
+        print(f"     fix: {f['recommendation']}")
+    return 1 if report["summary"]["critical"] else 0
+
+
+COMMANDS = {"serve": cmd_serve, "rotate-key": cmd_rotate_key, "audit": cmd_audit}
 
 
 def main(argv: list | None = None) -> int:
