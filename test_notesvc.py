@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import http.client
 import http.server
@@ -100,8 +101,8 @@ def sample_url(route: notesvc.Route) -> str:
 class Server:
     """A real `python notesvc.py` process on a free loopback port."""
 
-    def __init__(self, root: Path, *args: str, env: dict | None = None):
-        cmd = [sys.executable, NOTESVC, *args, "--host", "127.0.0.1", "--port", "0"]
+    def __init__(self, root: Path, *args: str, env: dict | None = None, port: int = 0):
+        cmd = [sys.executable, NOTESVC, *args, "--host", "127.0.0.1", "--port", str(port)]
         cmd += ["--root", str(root)]
         full_env = {**os.environ, "SERVICE_RESCAN_SECONDS": "0", **(env or {})}
         self.proc = subprocess.Popen(
@@ -151,8 +152,8 @@ class Server:
 
 
 @contextlib.contextmanager
-def running(root: Path, *args: str, env: dict | None = None):
-    server = Server(root, *args, env=env)
+def running(root: Path, *args: str, env: dict | None = None, port: int = 0):
+    server = Server(root, *args, env=env, port=port)
     try:
         yield server
     finally:
@@ -2857,3 +2858,207 @@ class TestSchemathesis:
             check()
             tested += 1
         assert tested >= 20
+
+
+# -- relay -------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate, timeout: float = 15.0, step: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(step)
+    raise AssertionError("condition not met in time")
+
+
+def relay_servers(relay: Server) -> int:
+    try:
+        return relay.request("GET", "/health")[2]["data"]["servers"]
+    except OSError:
+        return 0
+
+
+class TestRelay:
+    @pytest.fixture
+    def pair(self, tmp_path):
+        """A real relay and a real server registered with it; yields (relay, server, ids)."""
+        relay = Server(tmp_path / "relay", "relay", env={"SERVICE_RELAY_TIMEOUT": "3"})
+        server = Server(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url})
+        try:
+            wait_for(lambda: relay_servers(relay) == 1)
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            yield relay, server, setup
+        finally:
+            server.stop()
+            relay.stop()
+
+    def via(self, relay, setup, method, path, body=None, key=None, headers=None):
+        hdrs = {"X-Service-Key": setup["apiKey"] if key is None else key, **(headers or {})}
+        return relay.request(method, f"/r/{setup['serverId']}{API}{path}", body, hdrs)
+
+    def test_read_write_and_errors_through_the_relay(self, pair):
+        relay, server, setup = pair
+        assert setup["links"]["relayApiBase"] == f"{relay.url}/r/{setup['serverId']}/api/v1"
+        text = '# Über\n\nUnicode ✓ 🗝️ «ключи» \u00a0and \\ back\\slashes "quotes"\n'
+        status, headers, body = self.via(
+            relay, setup, "POST", "/notes", {"path": "notes/relay/ü.md", "content": text}
+        )
+        assert status == 201
+        assert headers["ETag"] == body["data"]["etag"]
+        assert headers["Location"].endswith("/api/v1/notes/notes%2Frelay%2F%C3%BC.md")
+        status, headers, body = self.via(relay, setup, "GET", "/notes/notes%2Frelay%2F%C3%BC.md")
+        assert status == 200
+        assert body["data"]["content"] == text
+        assert server.url and (Path(server.proc.args[-1]) / "notes/relay/ü.md").read_text() == text
+        status, _, body = self.via(relay, setup, "GET", "/system/info", key="nsk_wrong")
+        assert status == 401
+        assert body["error"]["code"] == "UNAUTHORIZED"
+        status, _, body = self.via(relay, setup, "GET", "/notes/notes%2Fnope.md")
+        assert status == 404
+        assert body["error"]["code"] == "NOT_FOUND"
+        status, _, body = self.via(relay, setup, "GET", "/system/info")
+        assert body["data"]["relay"]["state"] == "connected"
+
+    def test_raw_bytes_pass_unchanged(self, pair):
+        relay, _, setup = pair
+        req = urllib.request.Request(
+            f"{relay.url}/r/{setup['serverId']}{API}/notes",
+            b'{"path": "notes/x.md", "content": "\xff\xfe"}',
+            {"Content-Type": "application/json", "X-Service-Key": setup["apiKey"]},
+            method="POST",
+        )
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=10)
+        assert err.value.code == 400
+        assert "UTF-8" in json.loads(err.value.read())["error"]["message"]
+        err.value.close()
+
+    def test_pair_lookup(self, pair):
+        relay, _, setup = pair
+        status, _, body = relay.request("GET", f"/relay/v1/pair/{setup['pairing']['relayCode']}")
+        assert status == 200
+        assert body["data"] == {
+            "serverId": setup["serverId"],
+            "relayApiBase": f"{relay.url}/r/{setup['serverId']}/api/v1",
+        }
+        assert relay.request("GET", "/relay/v1/pair/AAAA-BBBB-CCCC")[0] == 404
+
+    def test_rotating_the_key_re_registers_the_new_code(self, pair):
+        relay, _, setup = pair
+        status, _, body = self.via(relay, setup, "POST", "/auth/rotate")
+        assert status == 200
+        code = body["data"]["relayCode"]
+        wait_for(lambda: relay.request("GET", f"/relay/v1/pair/{code}")[0] == 200)
+        assert relay.request("GET", f"/relay/v1/pair/{setup['pairing']['relayCode']}")[0] == 404
+
+    def test_server_stopping_gives_504(self, pair):
+        relay, server, setup = pair
+        server.stop()
+        started = time.monotonic()
+        status, _, body = self.via(relay, setup, "GET", "/health")
+        assert status == 504
+        assert body["error"]["code"] == "UPSTREAM_TIMEOUT"
+        assert time.monotonic() - started < 10
+
+    def test_unknown_server_is_504_and_relay_serves_nothing_else(self, pair):
+        relay = pair[0]
+        assert relay.request("GET", f"/r/nobody{API}/health")[0] == 504
+        assert relay.request("GET", f"{API}/system/setup")[0] == 404
+        assert relay.request("GET", "/")[0] == 404
+
+    def test_relay_restart_server_reconnects(self, tmp_path):
+        port = free_port()
+        relay = Server(tmp_path / "relay", "relay", port=port)
+        server = Server(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url})
+        try:
+            wait_for(lambda: relay_servers(relay) == 1)
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            relay.stop()
+            relay = Server(tmp_path / "relay", "relay", port=port)
+            wait_for(lambda: relay_servers(relay) == 1, timeout=40)
+            status, _, body = self.via(relay, setup, "GET", "/health")
+            assert status == 200
+            assert body["data"]["status"] == "ok"
+        finally:
+            server.stop()
+            relay.stop()
+
+    def test_queue_limit_and_tokens(self, tmp_path):
+        env = {"SERVICE_RELAY_MAX_QUEUE": "2", "SERVICE_RELAY_TIMEOUT": "2"}
+        with running(tmp_path, "relay", env=env) as relay:
+            for sid, token in (("server-a", "a" * 32), ("server-b", "b" * 32)):
+                status, _, _ = relay.request(
+                    "POST",
+                    "/relay/v1/register",
+                    {"serverId": sid, "relayCode": sid, "token": token},
+                )
+                assert status == 200
+            # Another server's token never polls this queue, nor takes the id over.
+            assert (
+                relay.request(
+                    "GET", "/relay/v1/poll/server-b", headers={"X-Relay-Token": "a" * 32}
+                )[0]
+                == 401
+            )
+            assert (
+                relay.request(
+                    "POST",
+                    "/relay/v1/register",
+                    {"serverId": "server-b", "relayCode": "x", "token": "a" * 32},
+                )[0]
+                == 403
+            )
+            results = []
+
+            def client():
+                results.append(relay.request("GET", f"/r/server-a{API}/health")[0])
+
+            threads = [threading.Thread(target=client) for _ in range(2)]
+            for t in threads:
+                t.start()
+            time.sleep(0.5)  # both requests are queued now
+            status, _, body = relay.request("GET", f"/r/server-a{API}/health")
+            assert status == 429
+            assert body["error"]["code"] == "RATE_LIMITED"
+            for t in threads:
+                t.join(10)
+            assert results == [504, 504]
+            # The server picks up what is queued, with its own token.
+            t = threading.Thread(target=client)
+            t.start()
+            status, _, body = wait_for(
+                lambda: (
+                    (
+                        r := relay.request(
+                            "GET", "/relay/v1/poll/server-a", headers={"X-Relay-Token": "a" * 32}
+                        )
+                    )
+                    and r[0] == 200
+                    and r
+                )
+            )
+            request = body["data"]
+            assert request["method"] == "GET"
+            assert request["path"] == "/api/v1/health"
+            reply = {
+                "status": 200,
+                "headers": [["Content-Type", "application/json"]],
+                "body": base64.b64encode(b'{"success":true,"data":{"relayed":1}}').decode(),
+            }
+            status, _, _ = relay.request(
+                "POST",
+                f"/relay/v1/reply/server-a/{request['id']}",
+                reply,
+                {"X-Relay-Token": "a" * 32},
+            )
+            assert status == 200
+            t.join(10)
+            assert results[-1] == 200
