@@ -4049,24 +4049,251 @@ def pair_relay_code(svc: Service, code: str) -> dict:
     return {"serverId": st["serverId"], "relayApiBase": f"{relay}/r/{st['serverId']}{API}"}
 
 
-# -- pages ------------------------------------------------------------------------------
+# -- the built-in web client (GET /) ----------------------------------------------------
+# One self-contained page: inline CSS and JS (allowed by their hashes in the CSP), no
+# CDN, no build step. It uses only the public API. Data goes in as text nodes only.
 
-LANDING_PAGE = """<!doctype html><meta charset="utf-8"><title>notesvc</title>
-<style>body{font:16px/1.5 system-ui,sans-serif;max-width:40em;margin:3em auto;padding:0 1em}
-code{background:#eee;padding:0 .2em}</style>
-<h1>notesvc %s</h1>
-<p>This notes server is running. Its JSON API lives under <code>/api/v1</code>.</p>
-<ul><li><a href="/api/v1/system/setup">Setup payload</a> (the key, until setup completes)</li>
-<li><a href="/api/v1/openapi.json">OpenAPI document</a></li>
-<li><a href="/api/v1/health">Health</a></li></ul>
-<p>Link a client with <code>POST /api/v1/auth/link</code> and the key in the
-<code>X-Service-Key</code> header.</p>
+WEB_CSS = """
+*{box-sizing:border-box}
+body{margin:0;font:15px/1.45 system-ui,sans-serif;color:#222;background:#fafafa}
+header{display:flex;gap:.5em;align-items:center;padding:.5em 1em;background:#234;color:#fff}
+header h1{font-size:1.1em;margin:0 1em 0 0}header input{flex:1;max-width:28em}
+input,textarea,button{font:inherit;padding:.35em .5em;border:1px solid #bbb;border-radius:4px}
+button{background:#fff;cursor:pointer}button:hover{background:#eef}
+main{display:grid;grid-template-columns:18em 1fr 20em;height:calc(100vh - 3em)}
+nav,aside{overflow:auto;padding:.5em;border-right:1px solid #ddd;background:#fff}
+aside{border-left:1px solid #ddd;border-right:0;display:flex;flex-direction:column}
+section{display:flex;flex-direction:column;padding:.5em;gap:.5em;min-width:0}
+ul{list-style:none;margin:0;padding-left:1em}nav>ul{padding-left:0}
+li span{cursor:pointer}li span:hover{text-decoration:underline}.dir>span{font-weight:600}
+#editor{flex:1;width:100%;font-family:ui-monospace,monospace;resize:none}
+.row{display:flex;gap:.4em;align-items:center;flex-wrap:wrap}.row input{flex:1;min-width:8em}
+#status{color:#555;min-height:1.4em}#conflict{background:#fee;border:1px solid #c66;padding:.5em}
+.hidden{display:none!important}mark{background:#ff6}
+#results div{padding:.3em 0;border-bottom:1px solid #eee;cursor:pointer}
+#results small{color:#666;display:block}#chat-log{flex:1;overflow:auto;white-space:pre-wrap}
+#chat-log p{margin:.3em 0}.me{color:#234;font-weight:600}#login{max-width:30em;margin:3em auto}
+#login input{width:100%;margin:.5em 0}.err{color:#b00}
+"""
+
+WEB_JS = r"""
+"use strict";
+const $ = (id) => document.getElementById(id);
+const S = window.sessionStorage;
+let base = S.getItem("notesvc.base") || "", key = S.getItem("notesvc.key") || "";
+let current = null, etag = null;
+
+function el(tag, text, cls) { const e = document.createElement(tag);
+  if (text !== undefined) e.textContent = text; if (cls) e.className = cls; return e; }
+function show(id, on) { $(id).classList.toggle("hidden", !on); }
+function status(text, bad) {
+  $("status").textContent = text; $("status").className = bad ? "err" : ""; }
+const enc = (p) => encodeURIComponent(p);
+
+async function api(method, path, body, headers) {
+  const h = Object.assign({"X-Service-Key": key}, headers || {});
+  if (body !== undefined) h["Content-Type"] = "application/json";
+  const r = await fetch(base + path, {method, headers: h,
+    body: body === undefined ? undefined : JSON.stringify(body)});
+  let j = null; try { j = await r.json(); } catch (e) { /* not JSON */ }
+  return {status: r.status, ok: r.ok, data: j && j.data, error: j && j.error,
+          etag: r.headers.get("ETag")};
+}
+
+async function resolveBase() {
+  const q = new URLSearchParams(location.search);
+  const code = q.get("relayCode");
+  const relay = (q.get("relayUrl") || location.origin).replace(/\/$/, "");
+  if (!code) return location.origin + "/api/v1";
+  const r = await fetch(relay + "/relay/v1/pair/" + enc(code));
+  const j = await r.json();
+  if (!r.ok) throw new Error(j.error ? j.error.message : "pairing failed");
+  return j.data.relayApiBase;
+}
+
+async function connect() {
+  $("login-msg").textContent = "";
+  try {
+    key = $("key").value.trim() || key;
+    base = base || await resolveBase();
+    const r = await api("POST", "/auth/verify");
+    if (!r.ok) {
+      $("login-msg").textContent = r.error ? r.error.message : "cannot connect"; return; }
+    S.setItem("notesvc.base", base); S.setItem("notesvc.key", key);
+    if (!r.data.setupComplete) await api("POST", "/auth/link", {clientName: "web client"});
+    show("login", false); show("app", true); await loadTree();
+  } catch (e) { $("login-msg").textContent = String(e.message || e); base = ""; }
+}
+
+function renderNode(node) {
+  const li = el("li", undefined, node.type === "folder" ? "dir" : "note");
+  const label = el("span", node.name);
+  li.appendChild(label);
+  if (node.type === "folder") {
+    const ul = el("ul");
+    (node.children || []).forEach((c) => ul.appendChild(renderNode(c)));
+    li.appendChild(ul);
+    label.onclick = () => ul.classList.toggle("hidden");
+  } else { label.onclick = () => openNote(node.path); label.dataset.path = node.path; }
+  return li;
+}
+
+async function loadTree() {
+  const r = await api("GET", "/folders/tree");
+  const tree = $("tree"); tree.textContent = "";
+  if (!r.ok) { tree.textContent = r.error.message; return; }
+  const ul = el("ul"); (r.data.children || []).forEach((c) => ul.appendChild(renderNode(c)));
+  tree.appendChild(ul);
+}
+
+async function openNote(path) {
+  const r = await api("GET", "/notes/" + enc(path));
+  if (!r.ok) { status(r.error.message, true); return; }
+  current = r.data.path; etag = r.data.etag;
+  $("editor").value = r.data.content; $("path").textContent = current;
+  $("move-path").value = current; show("conflict", false); show("note", true);
+  status("Opened " + current);
+}
+
+async function save(force) {
+  if (!current) return;
+  const r = await api("PUT", "/notes/" + enc(current), {content: $("editor").value},
+                      force ? {} : {"If-Match": etag});
+  if (r.status === 412) {
+    show("conflict", true); status("Not saved: changed elsewhere", true); return; }
+  if (!r.ok) { status(r.error.message, true); return; }
+  etag = r.data.etag; show("conflict", false); status("Saved " + current);
+}
+
+async function createNote() {
+  let path = $("new-path").value.trim();
+  if (!path) return;
+  if (!path.startsWith("notes/")) path = "notes/" + path;
+  if (!path.endsWith(".md")) path += ".md";
+  const title = path.split("/").pop().replace(/\.md$/, "");
+  const r = await api("POST", "/notes", {path, content: "# " + title + "\n\n"});
+  if (!r.ok) { status(r.error.message, true); return; }
+  $("new-path").value = ""; await loadTree(); await openNote(r.data.path);
+}
+
+async function moveNote() {
+  const to = $("move-path").value.trim();
+  if (!current || !to || to === current) return;
+  const r = await api("PATCH", "/notes/" + enc(current) + "/move", {path: to, updateLinks: true},
+                      {"If-Match": etag});
+  if (!r.ok) { status(r.error.message, true); return; }
+  await loadTree(); await openNote(r.data.path); status("Moved to " + r.data.path);
+}
+
+async function deleteNote() {
+  if (!current || !window.confirm("Move " + current + " to the trash?")) return;
+  const r = await api("DELETE", "/notes/" + enc(current), undefined, {"If-Match": etag});
+  if (!r.ok) { status(r.error.message, true); return; }
+  status("Deleted " + current + " (kept in the trash)"); current = null; show("note", false);
+  await loadTree();
+}
+
+function highlight(text, words) {
+  const frag = document.createDocumentFragment();
+  const terms = words.filter((w) => w.length > 1)
+    .map((w) => w.replace(/[.*+?^${}()|[\]\\]/g, "\\$&"));
+  if (!terms.length) { frag.appendChild(document.createTextNode(text)); return frag; }
+  const re = new RegExp("(" + terms.join("|") + ")", "gi");
+  text.split(re).forEach((part, i) =>
+    frag.appendChild(i % 2 ? el("mark", part) : document.createTextNode(part)));
+  return frag;
+}
+
+async function search() {
+  const q = $("search").value.trim(), box = $("results");
+  box.textContent = "";
+  if (!q) return;
+  const r = await api("GET", "/search?q=" + enc(q) + "&limit=20");
+  if (!r.ok) { box.appendChild(el("p", r.error.message, "err")); return; }
+  const words = q.replace(/["*()-]/g, " ").split(/\s+/).filter((w) => w && w !== "OR");
+  box.appendChild(el("p", r.data.total + " found in " + r.data.tookMs + " ms"));
+  r.data.results.forEach((hit) => {
+    const d = el("div"); d.appendChild(highlight(hit.title, words));
+    const s = el("small"); s.appendChild(highlight(hit.snippet, words)); d.appendChild(s);
+    d.appendChild(el("small", hit.path)); d.onclick = () => openNote(hit.path); box.appendChild(d);
+  });
+}
+
+async function chat() {
+  const msg = $("chat-input").value.trim();
+  if (!msg) return;
+  const log = $("chat-log");
+  log.appendChild(el("p", msg, "me")); $("chat-input").value = "";
+  const body = {message: msg, channel: "web"};
+  if (current) body.notePath = current;
+  const r = await api("POST", "/agent/chat", body);
+  log.appendChild(el("p", r.ok ? r.data.reply : r.error.message, r.ok ? "" : "err"));
+  log.scrollTop = log.scrollHeight;
+}
+
+$("connect").onclick = connect;
+$("key").onkeydown = (e) => { if (e.key === "Enter") connect(); };
+$("create").onclick = createNote;
+$("save").onclick = () => save(false);
+$("overwrite").onclick = () => save(true);
+$("reload").onclick = () => openNote(current);
+$("move").onclick = moveNote;
+$("delete").onclick = deleteNote;
+$("search").onkeydown = (e) => { if (e.key === "Enter") search(); };
+$("chat-send").onclick = chat;
+$("chat-input").onkeydown = (e) => { if (e.key === "Enter") chat(); };
+$("logout").onclick = () => { S.clear(); location.reload(); };
+document.addEventListener("keydown", (e) => {
+  if ((e.ctrlKey || e.metaKey) && e.key === "s") { e.preventDefault(); save(false); } });
+if (key && base) connect();
+"""
+
+WEB_PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>notesvc</title><style>{css}</style></head><body>
+<div id="login"><h1>notesvc</h1>
+<p>Paste the API key from the setup payload (or the server's start-up banner).</p>
+<input id="key" type="password" autocomplete="off" placeholder="nsk_...">
+<button id="connect">Connect</button><p id="login-msg" class="err"></p></div>
+<div id="app" class="hidden">
+<header><h1>notesvc</h1>
+<input id="search" type="search" placeholder="Search: words, &quot;phrase&quot;, pre*, -not, OR">
+<button id="logout">Log out</button></header>
+<main><nav><div class="row"><input id="new-path" placeholder="notes/folder/new.md">
+<button id="create">New</button></div><div id="tree"></div><div id="results"></div></nav>
+<section><div id="note" class="hidden"><div class="row"><strong id="path"></strong></div>
+<div id="conflict" class="hidden">This note changed elsewhere &mdash; reload or overwrite?
+<button id="reload">Reload</button> <button id="overwrite">Overwrite</button></div>
+<div class="row"><button id="save">Save</button><input id="move-path">
+<button id="move">Move</button>
+<button id="delete">Delete</button></div></div>
+<textarea id="editor" spellcheck="false"></textarea><div id="status"></div></section>
+<aside><strong>Ask your notes</strong><div id="chat-log"></div>
+<div class="row"><input id="chat-input" placeholder="Where are the spare keys?">
+<button id="chat-send">Ask</button></div></aside></main></div>
+<script>{js}</script></body></html>
 """
 
 
-def get_landing(svc: Service):
+def _csp_hash(text: str) -> str:
+    return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
+
+
+WEB_CSP = (
+    "default-src 'none'; "
+    f"script-src {_csp_hash(WEB_JS)}; style-src {_csp_hash(WEB_CSS)}; "
+    "connect-src 'self' http: https:; img-src 'self' data:; base-uri 'none'; "
+    "form-action 'none'; frame-ancestors 'none'"
+)
+
+
+def get_web_client(svc: Service):
     bottle.response.content_type = "text/html; charset=utf-8"
-    return LANDING_PAGE % __version__
+    bottle.response.set_header("Content-Security-Policy", WEB_CSP)
+    bottle.response.set_header("Referrer-Policy", "no-referrer")
+    bottle.response.set_header("X-Frame-Options", "DENY")
+    return WEB_PAGE.replace("{css}", WEB_CSS).replace("{js}", WEB_JS)
 
 
 # -- route table --------------------------------------------------------------------
@@ -4251,7 +4478,7 @@ ROUTES = (
     Route("GET", "/folders/tree", get_tree, summary="Folder tree from the root", tag="folders"),
     Route("GET", "/folders/tree/<path:path>", get_subtree, summary="Subtree", tag="folders"),
     Route("GET", "/relay/v1/pair/<code>", pair_relay_code, public=True, api=False, tag="relay"),
-    Route("GET", "/", get_landing, public=True, api=False, tag="pages"),
+    Route("GET", "/", get_web_client, public=True, api=False, tag="pages", media="text/html"),
 )
 
 

@@ -2917,7 +2917,8 @@ class TestRelay:
         status, headers, body = self.via(relay, setup, "GET", "/notes/notes%2Frelay%2F%C3%BC.md")
         assert status == 200
         assert body["data"]["content"] == text
-        assert server.url and (Path(server.proc.args[-1]) / "notes/relay/ü.md").read_text() == text
+        on_disk = Path(server.proc.args[-1]) / "notes/relay/ü.md"
+        assert on_disk.read_text() == text
         status, _, body = self.via(relay, setup, "GET", "/system/info", key="nsk_wrong")
         assert status == 401
         assert body["error"]["code"] == "UNAUTHORIZED"
