@@ -4143,7 +4143,7 @@ async function loadTree() {
   const tree = $("tree"); tree.textContent = "";
   if (!r.ok) { tree.textContent = r.error.message; return; }
   const ul = el("ul"); (r.data.children || []).forEach((c) => ul.appendChild(renderNode(c)));
-  tree.appendChild(ul);
+  tree.appendChild(r.data.children.length ? ul : el("p", "No notes yet: create one above."));
 }
 
 async function openNote(path) {
@@ -4251,7 +4251,7 @@ if (key && base) connect();
 WEB_PAGE = """<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
-<title>notesvc</title><style>{css}</style></head><body>
+<title>notesvc</title><link rel="icon" href="data:,"><style>{css}</style></head><body>
 <div id="login"><h1>notesvc</h1>
 <p>Paste the API key from the setup payload (or the server's start-up banner).</p>
 <input id="key" type="password" autocomplete="off" placeholder="nsk_...">

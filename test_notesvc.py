@@ -9,6 +9,7 @@ import http.server
 import json
 import os
 import re
+import shutil
 import socket
 import stat
 import subprocess
@@ -3063,3 +3064,94 @@ class TestRelay:
             assert status == 200
             t.join(10)
             assert results[-1] == 200
+
+
+# -- the built-in web client, in a real browser ------------------------------------------------
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+class TestWebClient:
+    def test_page_is_small_self_contained_and_locked_down(self, anon):
+        resp = anon.get("/")
+        assert resp.content_type == "text/html"
+        assert len(resp.body) < 40_000
+        csp = resp.headers["Content-Security-Policy"]
+        assert "default-src 'none'" in csp
+        assert "unsafe-inline" not in csp
+        assert "script-src 'sha256-" in csp
+        assert "<script src" not in resp.text
+        assert "http" not in re.sub(r"https?://[^\"' ]*(?=[\"' ])", "", resp.text).split(
+            "<script>"
+        )[0].split("<style>")[0].lower().replace("http-equiv", "")
+
+    def test_browser_round_trip(self, tmp_path):
+        sync_api = pytest.importorskip("playwright.sync_api")
+        if not CHROMIUM:
+            pytest.skip("no Chromium on this machine")
+        with running(tmp_path) as server, sync_api.sync_playwright() as pw:
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            key = setup["apiKey"]
+            link = setup["links"]["connect"]["hosted"]
+            assert "relayCode=" in link
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            try:
+                page = browser.new_page()
+                errors = []
+                page.on("console", lambda m: m.type == "error" and errors.append(m.text))
+                page.goto(link)
+                page.fill("#key", key)
+                page.click("#connect")
+                page.wait_for_selector("#app", state="visible")
+                assert "No notes yet" in page.inner_text("#tree")
+                # Create a note.
+                page.fill("#new-path", "web/hello")
+                page.click("#create")
+                expect = sync_api.expect
+                expect(page.locator("#path")).to_have_text("notes/web/hello.md")
+                page.fill("#editor", "# Hello web\n\nThe kumquat jar is in the pantry.")
+                page.click("#save")
+                expect(page.locator("#status")).to_have_text(re.compile("^Saved"))
+                # Find it by search, with the match highlighted.
+                page.fill("#search", "kumquat")
+                page.press("#search", "Enter")
+                page.wait_for_selector("#results mark")
+                assert "notes/web/hello.md" in page.inner_text("#results")
+                assert page.inner_text("#results mark").lower() == "kumquat"
+                # Edit it again.
+                page.fill("#editor", "# Hello web\n\nThe kumquat jar moved to the shelf.")
+                page.click("#save")
+                expect(page.locator("#status")).to_have_text(re.compile("^Saved"))
+                on_disk = tmp_path / "notes" / "web" / "hello.md"
+                assert "shelf" in on_disk.read_text()
+                # Someone else edits it; our next save meets the conflict.
+                on_disk.write_text("# Hello web\n\nChanged in vim.")
+                page.fill("#editor", "# Hello web\n\nMy browser edit.")
+                page.click("#save")
+                page.wait_for_selector("#conflict", state="visible")
+                assert "changed elsewhere" in page.inner_text("#conflict")
+                assert on_disk.read_text() == "# Hello web\n\nChanged in vim."
+                page.click("#overwrite")
+                page.wait_for_selector("#conflict", state="hidden")
+                assert on_disk.read_text() == "# Hello web\n\nMy browser edit."
+                # Ask the agent.
+                page.fill("#chat-input", "what about my browser edit?")
+                page.click("#chat-send")
+                expect(page.locator("#chat-log p")).to_have_count(2)
+                assert "notes/web/hello.md" in page.inner_text("#chat-log")
+                # The browser logs every non-2xx fetch; the 412 above was the point.
+                assert [e for e in errors if "status of 412" not in e] == []
+                # The page linked this browser: setup is complete now.
+                _, _, body = server.request("GET", f"{API}/system/setup")
+                assert body["data"]["setupComplete"] is True
+            finally:
+                browser.close()
