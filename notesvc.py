@@ -4,13 +4,19 @@ Run it:   python notesvc.py            (serves ./data on http://0.0.0.0:3000)
 Help:     python notesvc.py --help
 Embed:    notesvc.create_app(load_config(...)) is a WSGI application.
 
-Outline (``grep -n '^# ==' notesvc.py``):
+Outline (``grep -n '^# ==' notesvc.py``), in the order the data flows:
   Settings        the option table, the loader, the frozen Config
   Errors          ApiError, the envelope, the one renderer of every failure
   Helpers         clock, ids, atomic writes, host validation, JSON bodies
   Notes           path rules, the note record, the store, trash, locks
-  State and auth  state.json, keys, lockout
-  HTTP            middleware, handlers per endpoint group, route table, create_app
+  Search          tokenizer, BM25, the inverted index, its cache
+  State and auth  state.json, keys, JWT, lockout
+  Providers       AGENT_PROVIDERS and CHANNEL_PROVIDERS (registries of small functions)
+  Plugins         the Plugin record, loading, the built-ins (backlinks, tags, daily)
+  Security audit  AUDIT_CHECKS and the score
+  Relay           RelayHub / RelayApp (`notesvc relay`) and the server's RelayClient
+  HTTP            Service, handlers per endpoint group, the web client, the route
+                  table, OpenAPI, NotesApp (middleware) and create_app
   CLI             parser, cmd_* functions, main()
 """
 
@@ -3114,6 +3120,410 @@ def run_audit(svc: Service) -> dict:
     return {"score": score, "findings": findings, "summary": summary, "checkedAt": iso(utcnow())}
 
 
+# == Relay ====================================================================
+#
+# A relay lets a server behind NAT be reached without an open port. The server
+# registers and keeps a long-poll open; the relay queues each client request for
+# it and hands the reply back unchanged. The relay keeps no notes and no keys: the
+# X-Service-Key header passes through untouched and the server checks it.
+#
+#   server -> POST {relay}/relay/v1/register          {serverId, relayCode, token}
+#   server -> GET  {relay}/relay/v1/poll/<serverId>    X-Relay-Token; 200 a request, 204 none
+#   server -> POST {relay}/relay/v1/reply/<serverId>/<requestId>   {status, headers, body}
+#   client -> ANY  {relay}/r/<serverId>/api/v1/...     queued, answered or 504
+#   client -> GET  {relay}/relay/v1/pair/<relayCode>   {serverId, relayApiBase}
+
+RELAY_POLL_WAIT = 25.0  # seconds a poll is held open
+RELAY_EXPIRY = 90.0  # a server not polling for this long is offline
+HOP_BY_HOP = frozenset(
+    "connection keep-alive proxy-authenticate proxy-authorization te trailers "
+    "transfer-encoding upgrade host content-length".split()
+)
+
+
+@dataclasses.dataclass
+class _RelayServer:
+    token_hash: str
+    relay_code: str
+    cond: threading.Condition
+    queue: deque = dataclasses.field(default_factory=deque)
+    waiting: dict = dataclasses.field(default_factory=dict)  # request id -> [Event, reply]
+    last_seen: float = 0.0
+
+
+class RelayHub:
+    """The relay's memory: registered servers, their queues, and clients waiting."""
+
+    def __init__(self, max_servers: int = 1000, max_queue: int = 32, timeout: float = 30.0):
+        self.max_servers, self.max_queue, self.timeout = max_servers, max_queue, timeout
+        self._lock = threading.Lock()
+        self.servers: dict = {}
+        self.closed = False
+
+    def close(self) -> None:
+        """Wake every long-poll and waiting client (the relay is stopping)."""
+        with self._lock:
+            self.closed = True
+            for slot in self.servers.values():
+                slot.cond.notify_all()
+                for waiter in slot.waiting.values():
+                    waiter[0].set()
+
+    def _expire(self, now: float) -> None:
+        for sid in [s for s, v in self.servers.items() if now - v.last_seen > RELAY_EXPIRY]:
+            slot = self.servers.pop(sid)
+            for waiter in slot.waiting.values():
+                waiter[0].set()  # their clients get a 504 now, not after the time-out
+
+    def register(self, server_id: str, relay_code: str, token: str) -> None:
+        now = time.monotonic()
+        token_hash = key_hash(token)
+        with self._lock:
+            self._expire(now)
+            slot = self.servers.get(server_id)
+            if slot is not None:
+                if not hmac.compare_digest(slot.token_hash, token_hash):
+                    raise ApiError(403, "FORBIDDEN", "this server id is registered by another")
+                slot.relay_code, slot.last_seen = relay_code, now
+                return
+            if len(self.servers) >= self.max_servers:
+                raise ApiError(
+                    429,
+                    "RATE_LIMITED",
+                    "the relay holds its maximum of servers",
+                    {"Retry-After": "60"},
+                )
+            self.servers[server_id] = _RelayServer(
+                token_hash, relay_code, threading.Condition(self._lock), last_seen=now
+            )
+
+    def _slot(self, server_id: str, token: str) -> _RelayServer:
+        slot = self.servers.get(server_id)
+        if slot is None or not hmac.compare_digest(slot.token_hash, key_hash(token)):
+            raise ApiError(401, "UNAUTHORIZED", "not registered here (or a wrong relay token)")
+        return slot
+
+    def poll(self, server_id: str, token: str, wait: float = RELAY_POLL_WAIT) -> dict | None:
+        """Return the next request queued for a server, waiting up to `wait` seconds."""
+        deadline = time.monotonic() + wait
+        with self._lock:
+            slot = self._slot(server_id, token)
+            while True:
+                slot.last_seen = time.monotonic()
+                if slot.queue:
+                    return slot.queue.popleft()
+                left = deadline - time.monotonic()
+                if left <= 0 or self.closed or self.servers.get(server_id) is not slot:
+                    return None
+                slot.cond.wait(min(left, 5.0))
+
+    def reply(self, server_id: str, token: str, request_id: str, answer: dict) -> None:
+        with self._lock:
+            slot = self._slot(server_id, token)
+            waiter = slot.waiting.get(request_id)
+            if waiter is None:
+                raise not_found("no client is waiting for that request (timed out?)")
+            waiter[1] = answer
+            waiter[0].set()
+
+    def forward(self, server_id: str, request: dict) -> dict:
+        """Queue a client's request for its server and return the server's answer."""
+        request_id = secrets.token_hex(8)
+        event = threading.Event()
+        with self._lock:
+            self._expire(time.monotonic())
+            slot = self.servers.get(server_id)
+            if slot is None:
+                raise ApiError(
+                    504, "UPSTREAM_TIMEOUT", "that server is not connected to this relay"
+                )
+            if len(slot.queue) >= self.max_queue:
+                raise ApiError(
+                    429,
+                    "RATE_LIMITED",
+                    "too many requests queued for that server",
+                    {"Retry-After": "5"},
+                )
+            slot.waiting[request_id] = waiter = [event, None]
+            slot.queue.append({**request, "id": request_id})
+            slot.cond.notify()
+        try:
+            event.wait(self.timeout)
+        finally:
+            with self._lock:  # an unanswered request leaves the queue with its client
+                slot.waiting.pop(request_id, None)
+                if any(r["id"] == request_id for r in slot.queue):
+                    slot.queue = deque(r for r in slot.queue if r["id"] != request_id)
+        if waiter[1] is None:
+            raise ApiError(504, "UPSTREAM_TIMEOUT", "the server did not answer through the relay")
+        return waiter[1]
+
+    def pair(self, relay_code: str) -> str:
+        with self._lock:
+            for sid, slot in self.servers.items():
+                if hmac.compare_digest(slot.relay_code.encode(), relay_code.upper().encode()):
+                    return sid
+        raise not_found("no server is paired under this relay code")
+
+
+def _b64(data: bytes) -> str:
+    return base64.b64encode(data).decode("ascii")
+
+
+def _unb64(text: Any) -> bytes:
+    if not isinstance(text, str):
+        raise bad_request("body must be base64 text")
+    try:
+        return base64.b64decode(text, validate=True)
+    except ValueError:
+        raise bad_request("body is not valid base64") from None
+
+
+class RelayApp:
+    """The WSGI app of `notesvc relay`: /relay/v1/*, /r/<serverId>/api/v1/*, /health."""
+
+    def __init__(self, config: Config):
+        self.config, self.started = config, time.time()
+        self.hub = RelayHub(config.relay_max_servers, config.relay_max_queue, config.relay_timeout)
+        app = self.bottle = bottle.Bottle(catchall=True)
+        app.default_error_handler = render_error
+        app.router.add_filter("path", lambda conf: (r"[\s\S]*?", None, None))
+        app.route("/health", "GET", self.health)
+        app.route("/relay/v1/register", "POST", self.register)
+        app.route("/relay/v1/poll/<server_id>", "GET", self.poll)
+        app.route("/relay/v1/reply/<server_id>/<request_id>", "POST", self.reply)
+        app.route("/relay/v1/pair/<code>", "GET", self.pair)
+        methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
+        app.route("/r/<server_id>/api/v1<rest:path>", methods, self.forward)
+
+    def __call__(self, environ: dict, start_response: Callable):
+        return self.bottle(environ, start_response)
+
+    def _token(self) -> str:
+        return bottle.request.get_header("X-Relay-Token", "")
+
+    def health(self):
+        return json_body(
+            {
+                "success": True,
+                "data": {
+                    "status": "ok",
+                    "role": "relay",
+                    "version": __version__,
+                    "uptimeSeconds": round(time.time() - self.started, 3),
+                    "servers": len(self.hub.servers),
+                },
+            }
+        )
+
+    def register(self):
+        body = read_json(4096)
+        server_id = field(body, "serverId", max_len=64)
+        code = field(body, "relayCode", max_len=64)
+        token = field(body, "token", max_len=256)
+        if not re.fullmatch(r"[A-Za-z0-9_-]{4,64}", server_id) or len(token) < 16:
+            raise bad_request("serverId must be 4-64 letters/digits, token 16+ characters")
+        self.hub.register(server_id, code.upper(), token)
+        return json_body({"success": True, "data": {"registered": True, "serverId": server_id}})
+
+    def poll(self, server_id: str):
+        request = self.hub.poll(server_id, self._token())
+        if request is None:
+            bottle.response.status = 204
+            return b""
+        return json_body({"success": True, "data": request})
+
+    def reply(self, server_id: str, request_id: str):
+        body = read_json(self.config.max_body_bytes * 2 + 65536)
+        status = field(body, "status", int)
+        headers = field(body, "headers", list)
+        answer = {"status": status, "headers": headers, "body": _unb64(body.get("body", ""))}
+        self.hub.reply(server_id, self._token(), request_id, answer)
+        return json_body({"success": True, "data": {"delivered": True}})
+
+    def pair(self, code: str):
+        server_id = self.hub.pair(code)
+        base = base_url_of(self.config, bottle.request.environ)
+        return json_body(
+            {
+                "success": True,
+                "data": {"serverId": server_id, "relayApiBase": f"{base}/r/{server_id}{API}"},
+            }
+        )
+
+    def forward(self, server_id: str, rest: str):
+        req = bottle.request
+        if req.content_length > self.config.max_body_bytes:
+            raise ApiError(413, "PAYLOAD_TOO_LARGE", "the body is too large for this relay")
+        body = req.body.read(self.config.max_body_bytes + 1)
+        if len(body) > self.config.max_body_bytes:
+            raise ApiError(413, "PAYLOAD_TOO_LARGE", "the body is too large for this relay")
+        headers = [(k, v) for k, v in req.headers.items() if k.lower() not in HOP_BY_HOP]
+        answer = self.hub.forward(
+            server_id,
+            {
+                "method": req.method,
+                "path": API + rest,
+                "query": req.environ.get("QUERY_STRING", ""),
+                "headers": headers,
+                "body": _b64(body),
+                "client": req.environ.get("REMOTE_ADDR", ""),
+                "scheme": req.environ.get("wsgi.url_scheme", "http"),
+                "host": req.get_header("Host", ""),
+            },
+        )
+        status = answer["status"]
+        bottle.response.status = status
+        for name, value in answer["headers"]:
+            if isinstance(name, str) and name.lower() not in HOP_BY_HOP:
+                bottle.response.add_header(name, str(value))
+        return answer["body"]
+
+
+class RelayClient:
+    """The server side: register at SERVICE_RELAY_URL, long-poll, answer in-process."""
+
+    def __init__(self, app: NotesApp):
+        self.app, self.svc = app, app.service
+        self.url = self.svc.config.relay_url
+        self.state, self.error, self.since = "connecting", None, iso(utcnow())
+        self._stop = threading.Event()
+        self._registered_code = None
+        self._workers = concurrent.futures.ThreadPoolExecutor(4, "notesvc-relay-worker")
+        self._thread = threading.Thread(target=self._run, name="notesvc-relay", daemon=True)
+
+    def start(self) -> RelayClient:
+        self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        self._stop.set()
+        self._workers.shutdown(wait=False)
+
+    def status(self) -> dict:
+        return {"url": self.url, "state": self.state, "since": self.since, "lastError": self.error}
+
+    def _set(self, state: str, error: str | None = None) -> None:
+        if state != self.state:
+            self.state, self.since = state, iso(utcnow())
+        self.error = error
+
+    def _token(self) -> str:
+        token = self.svc.state.read().get("relayToken")
+        if not token:
+            token = secrets.token_urlsafe(32)
+            self.svc.state.update(lambda data: data.setdefault("relayToken", token))
+            token = self.svc.state.read()["relayToken"]
+        return token
+
+    def register(self) -> None:
+        st = self.svc.state.read()
+        post_json(
+            f"{self.url}/relay/v1/register",
+            {"serverId": st["serverId"], "relayCode": st["relayCode"], "token": self._token()},
+            timeout=15,
+        )
+        self._registered_code = st["relayCode"]
+
+    def _run(self) -> None:
+        backoff = 1.0
+        while not self._stop.is_set():
+            try:
+                self.register()
+                self._set("connected")
+                backoff = 1.0
+                log.info("relay: connected to %s", self.url)
+                while not self._stop.is_set():
+                    if self.svc.state.read()["relayCode"] != self._registered_code:
+                        self.register()  # the key (and with it the relay code) was rotated
+                    request = self._poll()
+                    if request is not None:
+                        self._workers.submit(self._serve, request)
+            except Exception as e:  # relay down or restarted: try again, more slowly
+                reason = str(e) if isinstance(e, UpstreamError) else type(e).__name__
+                self._set("error" if self.state != "connecting" else "connecting", reason)
+                log.warning("relay %s: %s; retrying in %.0f s", self.url, reason, backoff)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 30.0)
+
+    def _poll(self) -> dict | None:
+        sid = self.svc.state.read()["serverId"]
+        req = urllib.request.Request(
+            f"{self.url}/relay/v1/poll/{sid}", headers={"X-Relay-Token": self._token()}
+        )
+        try:
+            with urllib.request.urlopen(req, timeout=RELAY_POLL_WAIT + 15) as resp:
+                if resp.status == 204:
+                    return None
+                return json.loads(resp.read())["data"]
+        except urllib.error.HTTPError as e:
+            e.close()
+            raise UpstreamError(f"poll answered HTTP {e.code}") from None
+        except (urllib.error.URLError, OSError) as e:
+            raise UpstreamError(f"poll failed: {getattr(e, 'reason', e)}") from None
+
+    def _serve(self, request: dict) -> None:
+        try:
+            status, headers, body = self._dispatch(request)
+            sid = self.svc.state.read()["serverId"]
+            req = urllib.request.Request(
+                f"{self.url}/relay/v1/reply/{sid}/{request['id']}",
+                to_json({"status": status, "headers": headers, "body": _b64(body)}),
+                {"Content-Type": "application/json", "X-Relay-Token": self._token()},
+                method="POST",
+            )
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                resp.read()
+        except Exception as e:  # the client will get a 504 from the relay
+            log.warning(
+                "relay: answering request %s failed: %s", request.get("id"), type(e).__name__
+            )
+
+    def _dispatch(self, request: dict) -> tuple:
+        """Run one relayed request through the app in-process; return (status, headers, body)."""
+        body = base64.b64decode(request.get("body", ""))
+        sid = self.svc.state.read()["serverId"]
+        environ = {
+            "REQUEST_METHOD": request["method"],
+            "SCRIPT_NAME": f"/r/{sid}",
+            "PATH_INFO": request["path"].encode("utf-8").decode("latin-1"),
+            "QUERY_STRING": request.get("query", ""),
+            "SERVER_NAME": "relay",
+            "SERVER_PORT": "443" if request.get("scheme") == "https" else "80",
+            "SERVER_PROTOCOL": "HTTP/1.1",
+            "REMOTE_ADDR": request.get("client", ""),  # the lockout counts per real client
+            "wsgi.version": (1, 0),
+            "wsgi.url_scheme": request.get("scheme", "http"),
+            "wsgi.input": io.BytesIO(body),
+            "wsgi.errors": sys.stderr,
+            "wsgi.multithread": True,
+            "wsgi.multiprocess": False,
+            "wsgi.run_once": False,
+            "CONTENT_LENGTH": str(len(body)),
+            "notesvc.relayed": True,
+        }
+        for name, value in request.get("headers", []):
+            key = name.upper().replace("-", "_")
+            if key == "CONTENT_TYPE":
+                environ["CONTENT_TYPE"] = value
+            elif key not in ("CONTENT_LENGTH",):
+                environ[f"HTTP_{key}"] = value
+        if request.get("host"):
+            environ["HTTP_HOST"] = request["host"]
+        seen: dict = {}
+
+        def start_response(status, headers, exc_info=None):
+            seen["status"], seen["headers"] = int(status.split()[0]), headers
+
+        chunks = self.app(environ, start_response)
+        try:
+            data = b"".join(chunks)
+        finally:
+            if hasattr(chunks, "close"):
+                chunks.close()
+        return seen["status"], [list(h) for h in seen["headers"]], data
+
+
 # == HTTP =====================================================================
 
 
@@ -4699,410 +5109,6 @@ def __getattr__(name: str):
         globals()["app"] = create_app()
         return globals()["app"]
     raise AttributeError(name)
-
-
-# == Relay ====================================================================
-#
-# A relay lets a server behind NAT be reached without an open port. The server
-# registers and keeps a long-poll open; the relay queues each client request for
-# it and hands the reply back unchanged. The relay keeps no notes and no keys: the
-# X-Service-Key header passes through untouched and the server checks it.
-#
-#   server -> POST {relay}/relay/v1/register          {serverId, relayCode, token}
-#   server -> GET  {relay}/relay/v1/poll/<serverId>    X-Relay-Token; 200 a request, 204 none
-#   server -> POST {relay}/relay/v1/reply/<serverId>/<requestId>   {status, headers, body}
-#   client -> ANY  {relay}/r/<serverId>/api/v1/...     queued, answered or 504
-#   client -> GET  {relay}/relay/v1/pair/<relayCode>   {serverId, relayApiBase}
-
-RELAY_POLL_WAIT = 25.0  # seconds a poll is held open
-RELAY_EXPIRY = 90.0  # a server not polling for this long is offline
-HOP_BY_HOP = frozenset(
-    "connection keep-alive proxy-authenticate proxy-authorization te trailers "
-    "transfer-encoding upgrade host content-length".split()
-)
-
-
-@dataclasses.dataclass
-class _RelayServer:
-    token_hash: str
-    relay_code: str
-    cond: threading.Condition
-    queue: deque = dataclasses.field(default_factory=deque)
-    waiting: dict = dataclasses.field(default_factory=dict)  # request id -> [Event, reply]
-    last_seen: float = 0.0
-
-
-class RelayHub:
-    """The relay's memory: registered servers, their queues, and clients waiting."""
-
-    def __init__(self, max_servers: int = 1000, max_queue: int = 32, timeout: float = 30.0):
-        self.max_servers, self.max_queue, self.timeout = max_servers, max_queue, timeout
-        self._lock = threading.Lock()
-        self.servers: dict = {}
-        self.closed = False
-
-    def close(self) -> None:
-        """Wake every long-poll and waiting client (the relay is stopping)."""
-        with self._lock:
-            self.closed = True
-            for slot in self.servers.values():
-                slot.cond.notify_all()
-                for waiter in slot.waiting.values():
-                    waiter[0].set()
-
-    def _expire(self, now: float) -> None:
-        for sid in [s for s, v in self.servers.items() if now - v.last_seen > RELAY_EXPIRY]:
-            slot = self.servers.pop(sid)
-            for waiter in slot.waiting.values():
-                waiter[0].set()  # their clients get a 504 now, not after the time-out
-
-    def register(self, server_id: str, relay_code: str, token: str) -> None:
-        now = time.monotonic()
-        token_hash = key_hash(token)
-        with self._lock:
-            self._expire(now)
-            slot = self.servers.get(server_id)
-            if slot is not None:
-                if not hmac.compare_digest(slot.token_hash, token_hash):
-                    raise ApiError(403, "FORBIDDEN", "this server id is registered by another")
-                slot.relay_code, slot.last_seen = relay_code, now
-                return
-            if len(self.servers) >= self.max_servers:
-                raise ApiError(
-                    429,
-                    "RATE_LIMITED",
-                    "the relay holds its maximum of servers",
-                    {"Retry-After": "60"},
-                )
-            self.servers[server_id] = _RelayServer(
-                token_hash, relay_code, threading.Condition(self._lock), last_seen=now
-            )
-
-    def _slot(self, server_id: str, token: str) -> _RelayServer:
-        slot = self.servers.get(server_id)
-        if slot is None or not hmac.compare_digest(slot.token_hash, key_hash(token)):
-            raise ApiError(401, "UNAUTHORIZED", "not registered here (or a wrong relay token)")
-        return slot
-
-    def poll(self, server_id: str, token: str, wait: float = RELAY_POLL_WAIT) -> dict | None:
-        """Return the next request queued for a server, waiting up to `wait` seconds."""
-        deadline = time.monotonic() + wait
-        with self._lock:
-            slot = self._slot(server_id, token)
-            while True:
-                slot.last_seen = time.monotonic()
-                if slot.queue:
-                    return slot.queue.popleft()
-                left = deadline - time.monotonic()
-                if left <= 0 or self.closed or self.servers.get(server_id) is not slot:
-                    return None
-                slot.cond.wait(min(left, 5.0))
-
-    def reply(self, server_id: str, token: str, request_id: str, answer: dict) -> None:
-        with self._lock:
-            slot = self._slot(server_id, token)
-            waiter = slot.waiting.get(request_id)
-            if waiter is None:
-                raise not_found("no client is waiting for that request (timed out?)")
-            waiter[1] = answer
-            waiter[0].set()
-
-    def forward(self, server_id: str, request: dict) -> dict:
-        """Queue a client's request for its server and return the server's answer."""
-        request_id = secrets.token_hex(8)
-        event = threading.Event()
-        with self._lock:
-            self._expire(time.monotonic())
-            slot = self.servers.get(server_id)
-            if slot is None:
-                raise ApiError(
-                    504, "UPSTREAM_TIMEOUT", "that server is not connected to this relay"
-                )
-            if len(slot.queue) >= self.max_queue:
-                raise ApiError(
-                    429,
-                    "RATE_LIMITED",
-                    "too many requests queued for that server",
-                    {"Retry-After": "5"},
-                )
-            slot.waiting[request_id] = waiter = [event, None]
-            slot.queue.append({**request, "id": request_id})
-            slot.cond.notify()
-        try:
-            event.wait(self.timeout)
-        finally:
-            with self._lock:  # an unanswered request leaves the queue with its client
-                slot.waiting.pop(request_id, None)
-                if any(r["id"] == request_id for r in slot.queue):
-                    slot.queue = deque(r for r in slot.queue if r["id"] != request_id)
-        if waiter[1] is None:
-            raise ApiError(504, "UPSTREAM_TIMEOUT", "the server did not answer through the relay")
-        return waiter[1]
-
-    def pair(self, relay_code: str) -> str:
-        with self._lock:
-            for sid, slot in self.servers.items():
-                if hmac.compare_digest(slot.relay_code.encode(), relay_code.upper().encode()):
-                    return sid
-        raise not_found("no server is paired under this relay code")
-
-
-def _b64(data: bytes) -> str:
-    return base64.b64encode(data).decode("ascii")
-
-
-def _unb64(text: Any) -> bytes:
-    if not isinstance(text, str):
-        raise bad_request("body must be base64 text")
-    try:
-        return base64.b64decode(text, validate=True)
-    except ValueError:
-        raise bad_request("body is not valid base64") from None
-
-
-class RelayApp:
-    """The WSGI app of `notesvc relay`: /relay/v1/*, /r/<serverId>/api/v1/*, /health."""
-
-    def __init__(self, config: Config):
-        self.config, self.started = config, time.time()
-        self.hub = RelayHub(config.relay_max_servers, config.relay_max_queue, config.relay_timeout)
-        app = self.bottle = bottle.Bottle(catchall=True)
-        app.default_error_handler = render_error
-        app.router.add_filter("path", lambda conf: (r"[\s\S]*?", None, None))
-        app.route("/health", "GET", self.health)
-        app.route("/relay/v1/register", "POST", self.register)
-        app.route("/relay/v1/poll/<server_id>", "GET", self.poll)
-        app.route("/relay/v1/reply/<server_id>/<request_id>", "POST", self.reply)
-        app.route("/relay/v1/pair/<code>", "GET", self.pair)
-        methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
-        app.route("/r/<server_id>/api/v1<rest:path>", methods, self.forward)
-
-    def __call__(self, environ: dict, start_response: Callable):
-        return self.bottle(environ, start_response)
-
-    def _token(self) -> str:
-        return bottle.request.get_header("X-Relay-Token", "")
-
-    def health(self):
-        return json_body(
-            {
-                "success": True,
-                "data": {
-                    "status": "ok",
-                    "role": "relay",
-                    "version": __version__,
-                    "uptimeSeconds": round(time.time() - self.started, 3),
-                    "servers": len(self.hub.servers),
-                },
-            }
-        )
-
-    def register(self):
-        body = read_json(4096)
-        server_id = field(body, "serverId", max_len=64)
-        code = field(body, "relayCode", max_len=64)
-        token = field(body, "token", max_len=256)
-        if not re.fullmatch(r"[A-Za-z0-9_-]{4,64}", server_id) or len(token) < 16:
-            raise bad_request("serverId must be 4-64 letters/digits, token 16+ characters")
-        self.hub.register(server_id, code.upper(), token)
-        return json_body({"success": True, "data": {"registered": True, "serverId": server_id}})
-
-    def poll(self, server_id: str):
-        request = self.hub.poll(server_id, self._token())
-        if request is None:
-            bottle.response.status = 204
-            return b""
-        return json_body({"success": True, "data": request})
-
-    def reply(self, server_id: str, request_id: str):
-        body = read_json(self.config.max_body_bytes * 2 + 65536)
-        status = field(body, "status", int)
-        headers = field(body, "headers", list)
-        answer = {"status": status, "headers": headers, "body": _unb64(body.get("body", ""))}
-        self.hub.reply(server_id, self._token(), request_id, answer)
-        return json_body({"success": True, "data": {"delivered": True}})
-
-    def pair(self, code: str):
-        server_id = self.hub.pair(code)
-        base = base_url_of(self.config, bottle.request.environ)
-        return json_body(
-            {
-                "success": True,
-                "data": {"serverId": server_id, "relayApiBase": f"{base}/r/{server_id}{API}"},
-            }
-        )
-
-    def forward(self, server_id: str, rest: str):
-        req = bottle.request
-        if req.content_length > self.config.max_body_bytes:
-            raise ApiError(413, "PAYLOAD_TOO_LARGE", "the body is too large for this relay")
-        body = req.body.read(self.config.max_body_bytes + 1)
-        if len(body) > self.config.max_body_bytes:
-            raise ApiError(413, "PAYLOAD_TOO_LARGE", "the body is too large for this relay")
-        headers = [(k, v) for k, v in req.headers.items() if k.lower() not in HOP_BY_HOP]
-        answer = self.hub.forward(
-            server_id,
-            {
-                "method": req.method,
-                "path": API + rest,
-                "query": req.environ.get("QUERY_STRING", ""),
-                "headers": headers,
-                "body": _b64(body),
-                "client": req.environ.get("REMOTE_ADDR", ""),
-                "scheme": req.environ.get("wsgi.url_scheme", "http"),
-                "host": req.get_header("Host", ""),
-            },
-        )
-        status = answer["status"]
-        bottle.response.status = status
-        for name, value in answer["headers"]:
-            if isinstance(name, str) and name.lower() not in HOP_BY_HOP:
-                bottle.response.add_header(name, str(value))
-        return answer["body"]
-
-
-class RelayClient:
-    """The server side: register at SERVICE_RELAY_URL, long-poll, answer in-process."""
-
-    def __init__(self, app: NotesApp):
-        self.app, self.svc = app, app.service
-        self.url = self.svc.config.relay_url
-        self.state, self.error, self.since = "connecting", None, iso(utcnow())
-        self._stop = threading.Event()
-        self._registered_code = None
-        self._workers = concurrent.futures.ThreadPoolExecutor(4, "notesvc-relay-worker")
-        self._thread = threading.Thread(target=self._run, name="notesvc-relay", daemon=True)
-
-    def start(self) -> RelayClient:
-        self._thread.start()
-        return self
-
-    def stop(self) -> None:
-        self._stop.set()
-        self._workers.shutdown(wait=False)
-
-    def status(self) -> dict:
-        return {"url": self.url, "state": self.state, "since": self.since, "lastError": self.error}
-
-    def _set(self, state: str, error: str | None = None) -> None:
-        if state != self.state:
-            self.state, self.since = state, iso(utcnow())
-        self.error = error
-
-    def _token(self) -> str:
-        token = self.svc.state.read().get("relayToken")
-        if not token:
-            token = secrets.token_urlsafe(32)
-            self.svc.state.update(lambda data: data.setdefault("relayToken", token))
-            token = self.svc.state.read()["relayToken"]
-        return token
-
-    def register(self) -> None:
-        st = self.svc.state.read()
-        post_json(
-            f"{self.url}/relay/v1/register",
-            {"serverId": st["serverId"], "relayCode": st["relayCode"], "token": self._token()},
-            timeout=15,
-        )
-        self._registered_code = st["relayCode"]
-
-    def _run(self) -> None:
-        backoff = 1.0
-        while not self._stop.is_set():
-            try:
-                self.register()
-                self._set("connected")
-                backoff = 1.0
-                log.info("relay: connected to %s", self.url)
-                while not self._stop.is_set():
-                    if self.svc.state.read()["relayCode"] != self._registered_code:
-                        self.register()  # the key (and with it the relay code) was rotated
-                    request = self._poll()
-                    if request is not None:
-                        self._workers.submit(self._serve, request)
-            except Exception as e:  # relay down or restarted: try again, more slowly
-                reason = str(e) if isinstance(e, UpstreamError) else type(e).__name__
-                self._set("error" if self.state != "connecting" else "connecting", reason)
-                log.warning("relay %s: %s; retrying in %.0f s", self.url, reason, backoff)
-                self._stop.wait(backoff)
-                backoff = min(backoff * 2, 30.0)
-
-    def _poll(self) -> dict | None:
-        sid = self.svc.state.read()["serverId"]
-        req = urllib.request.Request(
-            f"{self.url}/relay/v1/poll/{sid}", headers={"X-Relay-Token": self._token()}
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=RELAY_POLL_WAIT + 15) as resp:
-                if resp.status == 204:
-                    return None
-                return json.loads(resp.read())["data"]
-        except urllib.error.HTTPError as e:
-            e.close()
-            raise UpstreamError(f"poll answered HTTP {e.code}") from None
-        except (urllib.error.URLError, OSError) as e:
-            raise UpstreamError(f"poll failed: {getattr(e, 'reason', e)}") from None
-
-    def _serve(self, request: dict) -> None:
-        try:
-            status, headers, body = self._dispatch(request)
-            sid = self.svc.state.read()["serverId"]
-            req = urllib.request.Request(
-                f"{self.url}/relay/v1/reply/{sid}/{request['id']}",
-                to_json({"status": status, "headers": headers, "body": _b64(body)}),
-                {"Content-Type": "application/json", "X-Relay-Token": self._token()},
-                method="POST",
-            )
-            with urllib.request.urlopen(req, timeout=30) as resp:
-                resp.read()
-        except Exception as e:  # the client will get a 504 from the relay
-            log.warning(
-                "relay: answering request %s failed: %s", request.get("id"), type(e).__name__
-            )
-
-    def _dispatch(self, request: dict) -> tuple:
-        """Run one relayed request through the app in-process; return (status, headers, body)."""
-        body = base64.b64decode(request.get("body", ""))
-        sid = self.svc.state.read()["serverId"]
-        environ = {
-            "REQUEST_METHOD": request["method"],
-            "SCRIPT_NAME": f"/r/{sid}",
-            "PATH_INFO": request["path"].encode("utf-8").decode("latin-1"),
-            "QUERY_STRING": request.get("query", ""),
-            "SERVER_NAME": "relay",
-            "SERVER_PORT": "443" if request.get("scheme") == "https" else "80",
-            "SERVER_PROTOCOL": "HTTP/1.1",
-            "REMOTE_ADDR": request.get("client", ""),  # the lockout counts per real client
-            "wsgi.version": (1, 0),
-            "wsgi.url_scheme": request.get("scheme", "http"),
-            "wsgi.input": io.BytesIO(body),
-            "wsgi.errors": sys.stderr,
-            "wsgi.multithread": True,
-            "wsgi.multiprocess": False,
-            "wsgi.run_once": False,
-            "CONTENT_LENGTH": str(len(body)),
-            "notesvc.relayed": True,
-        }
-        for name, value in request.get("headers", []):
-            key = name.upper().replace("-", "_")
-            if key == "CONTENT_TYPE":
-                environ["CONTENT_TYPE"] = value
-            elif key not in ("CONTENT_LENGTH",):
-                environ[f"HTTP_{key}"] = value
-        if request.get("host"):
-            environ["HTTP_HOST"] = request["host"]
-        seen: dict = {}
-
-        def start_response(status, headers, exc_info=None):
-            seen["status"], seen["headers"] = int(status.split()[0]), headers
-
-        chunks = self.app(environ, start_response)
-        try:
-            data = b"".join(chunks)
-        finally:
-            if hasattr(chunks, "close"):
-                chunks.close()
-        return seen["status"], [list(h) for h in seen["headers"]], data
 
 
 # == CLI ======================================================================
