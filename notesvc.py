@@ -4348,7 +4348,7 @@ def plugin_routes(plugins: Iterable[Plugin]) -> list:
                     raise ApiError(403, "PLUGIN_DISABLED", f"plugin {_name} is switched off")
                 return _handler(svc, **kwargs)
 
-            guarded.__name__ = f"{plugin.name}_{r.handler.__name__}".replace("-", "_")
+            guarded.__name__ = re.sub(r"\W+", "_", f"{plugin.name}_{r.handler.__name__}")
             routes.append(
                 Route(
                     r.method,

@@ -838,6 +838,17 @@ class TestServer:
 
 
 class TestDocs:
+    def test_readme_example_plugin_works(self, make_app, root):
+        readme = (HERE / "README.md").read_text()
+        code = re.search(r"```python\n(import notesvc\n.*?)```", readme, re.S).group(1)
+        assert len(code.strip().splitlines()) <= 10
+        (root / ".notesvc" / "plugins").mkdir(parents=True)
+        (root / ".notesvc" / "plugins" / "wordcount.py").write_text(code)
+        client = with_key(make_app())
+        put_note(client, "notes/a.md", "one two three")
+        put_note(client, "notes/b.md", "four five")
+        assert data(client.get(f"{API}/plugins/wordcount/totals")) == {"words": 5}
+
     def test_readme_documents_every_setting(self):
         readme = (HERE / "README.md").read_text()
         for s in notesvc.SETTINGS:
