@@ -29,7 +29,6 @@ import array
 import base64
 import bisect
 import collections
-import concurrent.futures
 import contextlib
 import dataclasses
 import datetime as dt
@@ -37,7 +36,6 @@ import functools
 import hashlib
 import heapq
 import hmac
-import http.client
 import importlib.util
 import io
 import ipaddress
@@ -59,9 +57,7 @@ import tempfile
 import threading
 import time
 import unicodedata
-import urllib.error
 import urllib.parse
-import urllib.request
 import uuid
 from collections import deque
 from collections.abc import Iterable, Mapping
@@ -2064,6 +2060,10 @@ def post_json(url: str, body: dict, headers: dict | None = None, timeout: float 
 
     Messages never include the URL (it may carry a bot token) or the headers.
     """
+    import http.client  # outbound calls only: kept off the start-up path
+    import urllib.error
+    import urllib.request
+
     data = json.dumps(body).encode()
     req = urllib.request.Request(
         url, data, {"Content-Type": "application/json", **(headers or {})}, method="POST"
@@ -3384,6 +3384,8 @@ class RelayClient:
     """The server side: register at SERVICE_RELAY_URL, long-poll, answer in-process."""
 
     def __init__(self, app: NotesApp):
+        import concurrent.futures
+
         self.app, self.svc = app, app.service
         self.url = self.svc.config.relay_url
         self.state, self.error, self.since = "connecting", None, iso(utcnow())
@@ -3447,6 +3449,9 @@ class RelayClient:
                 backoff = min(backoff * 2, 30.0)
 
     def _poll(self) -> dict | None:
+        import urllib.error
+        import urllib.request
+
         sid = self.svc.state.read()["serverId"]
         req = urllib.request.Request(
             f"{self.url}/relay/v1/poll/{sid}", headers={"X-Relay-Token": self._token()}
@@ -3463,6 +3468,8 @@ class RelayClient:
             raise UpstreamError(f"poll failed: {getattr(e, 'reason', e)}") from None
 
     def _serve(self, request: dict) -> None:
+        import urllib.request
+
         try:
             status, headers, body = self._dispatch(request)
             sid = self.svc.state.read()["serverId"]
