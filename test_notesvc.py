@@ -822,6 +822,55 @@ class TestServer:
             assert status == 200
             assert body["data"]["setupComplete"] is True
 
+    def test_falls_back_to_wsgiref_without_waitress(self, tmp_path):
+        code = (
+            "import sys, runpy; sys.modules['waitress'] = None;"
+            "sys.modules['waitress.server'] = None;"
+            "sys.argv = ['notesvc', '--host', '127.0.0.1', '--port', '0',"
+            f" '--root', {str(tmp_path)!r}];"
+            f"runpy.run_path({NOTESVC!r}, run_name='__main__')"
+        )
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code],
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, "SERVICE_RESCAN_SECONDS": "0"},
+        )
+        try:
+            lines = []
+            for line in proc.stderr:
+                lines.append(line)
+                m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
+                if m:
+                    break
+            assert any("waitress is not installed" in line for line in lines)
+            url = f"http://127.0.0.1:{m.group(1)}{API}/health"
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                assert json.loads(resp.read())["data"]["status"] == "ok"
+        finally:
+            proc.terminate()
+            proc.wait(10)
+            proc.stderr.close()
+
+    def test_module_app_is_built_on_first_use(self, tmp_path):
+        code = "import notesvc; print(type(notesvc.app).__name__, notesvc.app is notesvc.app)"
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            env={
+                **os.environ,
+                "PYTHONPATH": str(HERE),
+                "SERVICE_NOTES_ROOT": str(tmp_path),
+                "SERVICE_RESCAN_SECONDS": "0",
+            },
+            check=True,
+        )
+        assert out.stdout.split() == ["NotesApp", "True"]
+        assert (tmp_path / ".notesvc" / "state.json").exists()
+
     def test_second_process_on_same_root_refuses(self, tmp_path):
         with running(tmp_path):
             out = run_cli("--root", str(tmp_path), "--port", "0", "--host", "127.0.0.1")
