@@ -2863,6 +2863,26 @@ class TestPlugins:
             plugin_app.post(f"{API}/plugins/broken-import/toggle", status=409), 409, "CONFLICT"
         )
 
+    def test_plugin_can_bring_an_agent_provider(self, make_app, root):
+        plugins = root / ".notesvc" / "plugins"
+        plugins.mkdir(parents=True)
+        (plugins / "echo.py").write_text(
+            "import notesvc\n"
+            "@notesvc.agent_provider('echo', model=lambda cfg: 'parrot-1')\n"
+            "def echo(svc, question, found):\n"
+            "    return 'you asked: ' + question + ' (' + str(len(found)) + ' notes)', 'parrot-1'\n"
+            "PLUGIN = notesvc.Plugin(name='echo', description='repeats the question')\n"
+        )
+        try:
+            client = with_key(make_app(SERVICE_AGENT_PROVIDER="echo"))
+            put_note(client, "notes/a.md", "parrots talk")
+            assert data(client.get(f"{API}/agent/status"))["model"] == "parrot-1"
+            reply = data(client.post_json(f"{API}/agent/chat", {"message": "parrots?"}))
+            assert reply["reply"] == "you asked: parrots? (1 notes)"
+            assert reply["provider"] == "echo"
+        finally:
+            notesvc.AGENT_PROVIDERS.pop("echo", None)
+
     def test_plugin_routes_are_in_openapi(self, plugin_app):
         doc = plugin_app.get(f"{API}/openapi.json").json
         assert "/api/v1/plugins/hello/greeting" in doc["paths"]
