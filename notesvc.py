@@ -1598,7 +1598,7 @@ class SearchIndex:
                     w = weight * bm25_idf(n, len(entry[0]))
                     for d, imp in zip(*entry):
                         scores[d] += w * imp
-            return heapq.nlargest(limit, scores.items(), key=_SCORE)
+            return heapq.nlargest(limit, scores.items(), key=_SECOND)
 
     def _top_single(self, term: str | None, k: int) -> tuple:
         body = self.body.get(term) if term else None
@@ -1627,7 +1627,7 @@ class SearchIndex:
                         total += 1
                         base = 0.0
                 scores[d] = base + w * imp
-        return total, heapq.nlargest(k, scores.items(), key=_SCORE)
+        return total, heapq.nlargest(k, scores.items(), key=_SECOND)
 
     def _top_general(self, query: Query, folder: str, k: int) -> tuple:
         matched = []
@@ -1663,7 +1663,7 @@ class SearchIndex:
                     for d, imp in zip(ids, imps):
                         if d in scores:
                             scores[d] += weight * imp
-        return len(candidates), heapq.nlargest(k, scores.items(), key=_SCORE)
+        return len(candidates), heapq.nlargest(k, scores.items(), key=_SECOND)
 
     # -- persistence ---------------------------------------------------------------------
 
@@ -1749,10 +1749,6 @@ class _PlainUnpickler(pickle.Unpickler):
 
     def find_class(self, module, name):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in an index cache")
-
-
-def _SCORE(item):
-    return item[1]
 
 
 def _union_ids(comps: list) -> set:
@@ -2540,13 +2536,22 @@ class LinkResolver:
         return out
 
 
-def link_graph(svc: Service) -> dict:
-    """Return {note path: set of notes linking to it}, cached until the index changes."""
+def derived(svc: Service, name: str, build: Callable) -> Any:
+    """Return build(index), computed under the index lock and kept until the index changes."""
     index = svc.index
     with index._lock:
-        cached = svc.plugin_cache.get("links")
+        cached = svc.plugin_cache.get(name)
         if cached and cached[0] == index.generation:
             return cached[1]
+        value = build(index)
+        svc.plugin_cache[name] = (index.generation, value)
+        return value
+
+
+def link_graph(svc: Service) -> dict:
+    """Return {note path: set of notes linking to it}, cached until the index changes."""
+
+    def build(index: SearchIndex) -> dict:
         resolver = LinkResolver(index.ids)
         graph: dict = collections.defaultdict(set)
         for path, d in index.ids.items():
@@ -2554,8 +2559,9 @@ def link_graph(svc: Service) -> dict:
             if "[[" in text or ".md" in text:
                 for target in resolver.links(text, path):
                     graph[target].add(path)
-        svc.plugin_cache["links"] = (index.generation, graph)
         return graph
+
+    return derived(svc, "links", build)
 
 
 def rewrite_links(
@@ -2685,19 +2691,17 @@ def note_tags(text: str) -> set:
 
 def tag_map(svc: Service) -> dict:
     """Return {tag: sorted note paths}, cached until the index changes."""
-    index = svc.index
-    with index._lock:
-        cached = svc.plugin_cache.get("tags")
-        if cached and cached[0] == index.generation:
-            return cached[1]
+
+    def build(index: SearchIndex) -> dict:
         tags: dict = collections.defaultdict(list)
         for path in sorted(index.ids):
             text = index.docs[index.ids[path]].text
             if "#" in text or text.startswith("---"):
                 for tag in note_tags(text):
                     tags[tag].append(path)
-        svc.plugin_cache["tags"] = (index.generation, tags)
         return tags
+
+    return derived(svc, "tags", build)
 
 
 def list_tags(svc: Service) -> dict:
@@ -2780,6 +2784,15 @@ def finding(id: str, severity: str, title: str, detail: str, recommendation: str
         "detail": detail,
         "recommendation": recommendation,
     }
+
+
+def key_age_days(state: dict) -> int | None:
+    """Return how many days old the API key is (None when the state does not say)."""
+    try:
+        born = dt.datetime.strptime(state.get("keyCreatedAt", ""), "%Y-%m-%dT%H:%M:%S.%fZ")
+    except ValueError:
+        return None
+    return (utcnow() - born.replace(tzinfo=dt.timezone.utc)).days
 
 
 def _reachable_beyond_loopback(cfg: Config) -> bool:
@@ -3056,15 +3069,8 @@ def check_plain_http_upstreams(svc: Service) -> list:
 
 @audit_check
 def check_key_age(svc: Service) -> list:
-    created = svc.state.read().get("keyCreatedAt", "")
-    try:
-        when = dt.datetime.strptime(created, "%Y-%m-%dT%H:%M:%S.%fZ").replace(
-            tzinfo=dt.timezone.utc
-        )
-    except ValueError:
-        return []
-    days = (utcnow() - when).days
-    if days <= KEY_MAX_AGE_DAYS:
+    days = key_age_days(svc.state.read())
+    if days is None or days <= KEY_MAX_AGE_DAYS:
         return []
     return [
         finding(
@@ -3764,12 +3770,8 @@ class Service:
 
     def note_stats(self) -> tuple:
         """Return (note count, total bytes) of the notes folder."""
-        paths = self.notes.walk()
-        size = 0
-        for path in paths:
-            with contextlib.suppress(OSError):
-                size += os.stat(self.notes.base / path).st_size
-        return len(paths), size
+        sizes = self.notes.scan()
+        return len(sizes), sum(size for size, _ in sizes.values())
 
 
 def plugins_dir(config: Config) -> Path:
@@ -4379,19 +4381,13 @@ def security_audit(svc: Service) -> dict:
 def security_config(svc: Service) -> dict:
     cfg, st = svc.config, svc.state.read()
     channels = st.get("channels", [])
-    created = st.get("keyCreatedAt", "")
-    try:
-        born = dt.datetime.strptime(created, "%Y-%m-%dT%H:%M:%S.%fZ")
-        age = (utcnow().replace(tzinfo=None) - born).days
-    except ValueError:
-        age = None
     return {
         "auth": {
             "mode": cfg.auth_mode,
             "header": KEY_HEADER,
             "jwt": {"enabled": cfg.auth_mode == "jwt", "tokenLifetimeSeconds": JWT_LIFETIME},
-            "keyCreatedAt": created,
-            "keyAgeDays": age,
+            "keyCreatedAt": st.get("keyCreatedAt", ""),
+            "keyAgeDays": key_age_days(st),
             "keyComparison": "constant-time (SHA-256 digests, hmac.compare_digest)",
         },
         "setup": {
