@@ -14,7 +14,8 @@ Outline (``grep -n '^# ==' notesvc.py``), in the order the data flows:
   Providers       AGENT_PROVIDERS and CHANNEL_PROVIDERS (registries of small functions)
   Plugins         the Plugin record, loading, the built-ins (backlinks, tags, daily)
   Security audit  AUDIT_CHECKS and the score
-  Relay           RelayHub / RelayApp (`notesvc relay`) and the server's RelayClient
+  Relay           `notesvc relay` on asyncio (RelayHub, RelayServer) and the server's
+                  RelayClient
   HTTP            Service, handlers per endpoint group, the web client, the route
                   table, OpenAPI, NotesApp (middleware) and create_app
   CLI             parser, cmd_* functions, main()
@@ -26,6 +27,7 @@ __version__ = "0.1.0"
 
 import argparse
 import array
+import asyncio
 import base64
 import bisect
 import collections
@@ -271,6 +273,22 @@ SETTINGS = (
         _seconds,
         "relay role: seconds a client waits for its server",
     ),
+    Setting(
+        "relay_registrations_per_minute",
+        "SERVICE_RELAY_REGISTRATIONS_PER_MINUTE",
+        "",
+        "60",
+        _int_range(1, 100000),
+        "relay role: registrations accepted per client address and minute",
+    ),
+    Setting(
+        "relay_max_idle_per_address",
+        "SERVICE_RELAY_MAX_IDLE_PER_ADDRESS",
+        "",
+        "64",
+        _int_range(1, 100000),
+        "relay role: idle connections kept per client address (the oldest closed first)",
+    ),
     Setting("log_level", "SERVICE_LOG_LEVEL", "--log-level", "info", _log_level, "log level"),
 )
 
@@ -304,7 +322,10 @@ class Config:
     relay_max_servers: int = 1000
     relay_max_queue: int = 32
     relay_timeout: float = 30.0
+    relay_registrations_per_minute: int = 60
+    relay_max_idle_per_address: int = 64
     log_level: str = "INFO"
+    idle_timeout: float = 30.0  # TEMP: issue 10 adds the setting
 
     @property
     def state_dir(self) -> Path:
@@ -1826,6 +1847,16 @@ def _snippet(text: str, toks: str, needles: list) -> str:
 # == State and auth ===========================================================
 
 
+def relay_server_id(token: str) -> str:
+    """Return the server id a relay token certifies (CONTRACT 13).
+
+    >>> relay_server_id("x" * 43)
+    'w6p7juq57zv3akfa7qaw'
+    """
+    digest = hashlib.sha256(b"notesvc-relay-id:" + token.encode("utf-8")).digest()
+    return base64.b32encode(digest).decode("ascii").lower()[:20]
+
+
 class StateError(Exception):
     """The state file exists but cannot be used (start-up stops with its message)."""
 
@@ -1852,12 +1883,16 @@ class StateStore:
 
     @staticmethod
     def _initialise(data: dict) -> None:
-        if data.get("serverId"):
+        if not data.get("relayToken"):  # a new root, or a state file from 0.1
+            data["relayToken"] = secrets.token_urlsafe(32)
+            if data.get("serverId"):
+                log.warning("the server id changes once (it now derives from a relay token)")
+        data["serverId"] = relay_server_id(data["relayToken"])
+        if data.get("keyHash"):
             return
         key, now = new_key(), iso(utcnow())
         data.update(
             version=1,
-            serverId=secrets.token_hex(8),
             createdAt=now,
             apiKey=key,
             keyHash=key_hash(key),
@@ -3129,147 +3164,35 @@ def run_audit(svc: Service) -> dict:
 # == Relay ====================================================================
 #
 # A relay lets a server behind NAT be reached without an open port. The server
-# registers and keeps a long-poll open; the relay queues each client request for
-# it and hands the reply back unchanged. The relay keeps no notes and no keys: the
+# registers and keeps a long-poll open; the relay hands it each client request and
+# passes the reply back. The relay keeps no notes and no keys at rest: the
 # X-Service-Key header passes through untouched and the server checks it.
 #
-#   server -> POST {relay}/relay/v1/register          {serverId, relayCode, token}
-#   server -> GET  {relay}/relay/v1/poll/<serverId>    X-Relay-Token; 200 a request, 204 none
-#   server -> POST {relay}/relay/v1/reply/<serverId>/<requestId>   {status, headers, body}
-#   client -> ANY  {relay}/r/<serverId>/api/v1/...     queued, answered or 504
-#   client -> GET  {relay}/relay/v1/pair/<relayCode>   {serverId, relayApiBase}
+# `notesvc relay` runs on asyncio: an idle long-poll or a waiting client costs a
+# socket, not a thread. Every path names the key it can be routed by (a server id
+# or a relay code), so several relay processes scale out behind a load balancer
+# that hashes on it (deploy/nginx-relay.conf).
+#
+#   server -> POST {relay}/relay/v1/register/<serverId>   {token, relayCode}
+#   server -> GET  {relay}/relay/v1/poll/<serverId>       X-Relay-Token; 200 a request, 204 none
+#   server -> POST {relay}/relay/v1/reply/<serverId>/<id> X-Relay-Token; {status, headers, body}
+#   server -> POST {relay}/relay/v1/code/<relayCode>      {serverId, token}
+#   client -> GET  {relay}/relay/v1/pair/<relayCode>      {serverId, relayApiBase}
+#   client -> ANY  {relay}/r/<serverId>/api/v1/...        forwarded, answered or 504
+#   client -> GET  {relay}/  and /health                  the web client (the relay's copy)
 
 RELAY_POLL_WAIT = 25.0  # seconds a poll is held open
 RELAY_EXPIRY = 90.0  # a server not polling for this long is offline
+RELAY_CODE_TTL = 600.0  # seconds a relay code -> server id mapping is kept
+RELAY_MAX_HEAD = 16384  # bytes of request line and headers
+RELAY_ID_RE = re.compile(r"^[a-z2-7]{20}$")
+RELAY_CODE_RE = re.compile(r"^[A-Za-z0-9-]{1,64}$")
+_TOKEN_CHARS_RE = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
 HOP_BY_HOP = frozenset(
     "connection keep-alive proxy-authenticate proxy-authorization te trailers "
     "transfer-encoding upgrade host content-length".split()
 )
-
-
-@dataclasses.dataclass
-class _RelayServer:
-    token_hash: str
-    relay_code: str
-    cond: threading.Condition
-    queue: deque = dataclasses.field(default_factory=deque)
-    waiting: dict = dataclasses.field(default_factory=dict)  # request id -> [Event, reply]
-    last_seen: float = 0.0
-
-
-class RelayHub:
-    """The relay's memory: registered servers, their queues, and clients waiting."""
-
-    def __init__(self, max_servers: int = 1000, max_queue: int = 32, timeout: float = 30.0):
-        self.max_servers, self.max_queue, self.timeout = max_servers, max_queue, timeout
-        self._lock = threading.Lock()
-        self.servers: dict = {}
-        self.closed = False
-
-    def close(self) -> None:
-        """Wake every long-poll and waiting client (the relay is stopping)."""
-        with self._lock:
-            self.closed = True
-            for slot in self.servers.values():
-                slot.cond.notify_all()
-                for waiter in slot.waiting.values():
-                    waiter[0].set()
-
-    def _expire(self, now: float) -> None:
-        for sid in [s for s, v in self.servers.items() if now - v.last_seen > RELAY_EXPIRY]:
-            slot = self.servers.pop(sid)
-            for waiter in slot.waiting.values():
-                waiter[0].set()  # their clients get a 504 now, not after the time-out
-
-    def register(self, server_id: str, relay_code: str, token: str) -> None:
-        now = time.monotonic()
-        token_hash = key_hash(token)
-        with self._lock:
-            self._expire(now)
-            slot = self.servers.get(server_id)
-            if slot is not None:
-                if not hmac.compare_digest(slot.token_hash, token_hash):
-                    raise ApiError(403, "FORBIDDEN", "this server id is registered by another")
-                slot.relay_code, slot.last_seen = relay_code, now
-                return
-            if len(self.servers) >= self.max_servers:
-                raise ApiError(
-                    429,
-                    "RATE_LIMITED",
-                    "the relay holds its maximum of servers",
-                    {"Retry-After": "60"},
-                )
-            self.servers[server_id] = _RelayServer(
-                token_hash, relay_code, threading.Condition(self._lock), last_seen=now
-            )
-
-    def _slot(self, server_id: str, token: str) -> _RelayServer:
-        slot = self.servers.get(server_id)
-        if slot is None or not hmac.compare_digest(slot.token_hash, key_hash(token)):
-            raise ApiError(401, "UNAUTHORIZED", "not registered here (or a wrong relay token)")
-        return slot
-
-    def poll(self, server_id: str, token: str, wait: float = RELAY_POLL_WAIT) -> dict | None:
-        """Return the next request queued for a server, waiting up to `wait` seconds."""
-        deadline = time.monotonic() + wait
-        with self._lock:
-            slot = self._slot(server_id, token)
-            while True:
-                slot.last_seen = time.monotonic()
-                if slot.queue:
-                    return slot.queue.popleft()
-                left = deadline - time.monotonic()
-                if left <= 0 or self.closed or self.servers.get(server_id) is not slot:
-                    return None
-                slot.cond.wait(min(left, 5.0))
-
-    def reply(self, server_id: str, token: str, request_id: str, answer: dict) -> None:
-        with self._lock:
-            slot = self._slot(server_id, token)
-            waiter = slot.waiting.get(request_id)
-            if waiter is None:
-                raise not_found("no client is waiting for that request (timed out?)")
-            waiter[1] = answer
-            waiter[0].set()
-
-    def forward(self, server_id: str, request: dict) -> dict:
-        """Queue a client's request for its server and return the server's answer."""
-        request_id = secrets.token_hex(8)
-        event = threading.Event()
-        with self._lock:
-            self._expire(time.monotonic())
-            slot = self.servers.get(server_id)
-            if slot is None:
-                raise ApiError(
-                    504, "UPSTREAM_TIMEOUT", "that server is not connected to this relay"
-                )
-            if len(slot.queue) >= self.max_queue:
-                raise ApiError(
-                    429,
-                    "RATE_LIMITED",
-                    "too many requests queued for that server",
-                    {"Retry-After": "5"},
-                )
-            slot.waiting[request_id] = waiter = [event, None]
-            slot.queue.append({**request, "id": request_id})
-            slot.cond.notify()
-        try:
-            event.wait(self.timeout)
-        finally:
-            with self._lock:  # an unanswered request leaves the queue with its client
-                slot.waiting.pop(request_id, None)
-                if any(r["id"] == request_id for r in slot.queue):
-                    slot.queue = deque(r for r in slot.queue if r["id"] != request_id)
-        if waiter[1] is None:
-            raise ApiError(504, "UPSTREAM_TIMEOUT", "the server did not answer through the relay")
-        return waiter[1]
-
-    def pair(self, relay_code: str) -> str:
-        with self._lock:
-            for sid, slot in self.servers.items():
-                if hmac.compare_digest(slot.relay_code.encode(), relay_code.upper().encode()):
-                    return sid
-        raise not_found("no server is paired under this relay code")
+RELAY_ANSWER_CSP = "default-src 'none'; sandbox"
 
 
 def _b64(data: bytes) -> str:
@@ -3285,109 +3208,631 @@ def _unb64(text: Any) -> bytes:
         raise bad_request("body is not valid base64") from None
 
 
-class RelayApp:
-    """The WSGI app of `notesvc relay`: /relay/v1/*, /r/<serverId>/api/v1/*, /health."""
+# -- HTTP/1.1 on asyncio streams ----------------------------------------------
+
+
+@dataclasses.dataclass
+class RelayRequest:
+    method: str
+    path: str  # percent-decoded, as WSGI servers pass PATH_INFO
+    query: str
+    headers: list  # [(name, value)] as received
+    body: bytes
+    peer: str
+    keep_alive: bool
+
+    def header(self, name: str, default: str = "") -> str:
+        name = name.lower()
+        return next((v for k, v in self.headers if k.lower() == name), default)
+
+
+class _Refuse(Exception):
+    """A request the relay will not parse: answered with `status` and the connection closed."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+def parse_request_head(head: bytes, peer: str) -> tuple:
+    """Return (method, path, query, headers, keep_alive, content_length) of a request head.
+
+    Strict: one request line, CRLF lines, token field names, no obs-fold, at most one
+    Content-Length and no Transfer-Encoding (chunked bodies are refused, never guessed).
+    """
+    import email.parser
+    import http.client
+
+    try:
+        text = head.decode("latin-1")
+    except UnicodeDecodeError:  # pragma: no cover - latin-1 decodes every byte
+        raise _Refuse(400, "the request head is not text") from None
+    lines = text.split("\r\n")
+    if lines[-2:] != ["", ""]:
+        raise _Refuse(400, "the request head must end with an empty CRLF line")
+    lines = lines[:-2]
+    m = re.fullmatch(r"([A-Z]{1,16}) (/[!-~]*) HTTP/1\.([01])", lines[0])
+    if not m:
+        raise _Refuse(400, "malformed request line")
+    method, target, minor = m.groups()
+    for line in lines[1:]:
+        if line[:1] in (" ", "\t"):
+            raise _Refuse(400, "folded header lines (obs-fold) are not accepted")
+        name, sep, _ = line.partition(":")
+        if not sep or not _TOKEN_CHARS_RE.match(name):
+            raise _Refuse(400, "malformed header line")
+        if "\n" in line or "\r" in line:
+            raise _Refuse(400, "bare CR or LF in a header line")
+    msg = email.parser.Parser(_class=http.client.HTTPMessage).parsestr(
+        "\r\n".join(lines[1:]) + "\r\n\r\n"
+    )
+    headers = [(k, v.strip()) for k, v in msg.items()]
+    lengths = msg.get_all("Content-Length") or []
+    if msg.get_all("Transfer-Encoding"):
+        raise _Refuse(
+            411, "chunked or encoded request bodies are not accepted; send Content-Length"
+        )
+    if len(lengths) > 1:
+        raise _Refuse(400, "more than one Content-Length")
+    length = 0
+    if lengths:
+        if not re.fullmatch(r"\d{1,18}", lengths[0].strip()):
+            raise _Refuse(400, "Content-Length is not a whole number")
+        length = int(lengths[0].strip())
+    connection = (msg.get("Connection") or "").lower()
+    keep_alive = "close" not in connection if minor == "1" else "keep-alive" in connection
+    raw_path, _, query = target.partition("?")
+    try:
+        path = urllib.parse.unquote_to_bytes(raw_path).decode("utf-8")
+    except UnicodeDecodeError:
+        raise _Refuse(400, "the URL path is not UTF-8") from None
+    return method, path, query, headers, keep_alive, length
+
+
+def http_response(status: int, headers: list, body: bytes, keep_alive: bool) -> bytes:
+    """Return an HTTP/1.1 response (head and body) as bytes."""
+    reason = bottle.HTTP_CODES.get(status, "Status")
+    lines = [f"HTTP/1.1 {status} {reason}"]
+    lines += [f"{k}: {v}" for k, v in headers]
+    lines.append(f"Content-Length: {len(body)}")
+    lines.append("Connection: " + ("keep-alive" if keep_alive else "close"))
+    return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
+
+
+# -- the relay's memory ---------------------------------------------------------
+
+
+@dataclasses.dataclass
+class _RelayServer:
+    queue: deque = dataclasses.field(default_factory=deque)  # requests no poll has taken
+    pollers: deque = dataclasses.field(default_factory=deque)  # futures of waiting polls
+    waiting: dict = dataclasses.field(default_factory=dict)  # request id -> future of reply
+    last_seen: float = 0.0
+
+
+class RelayHub:
+    """Registered servers, their queued requests and waiting clients (one event loop)."""
+
+    def __init__(self, config: Config):
+        self.config = config
+        self.servers: dict = {}
+        self.codes: dict = {}  # relay code -> (server id, expires at)
+        self.code_of: dict = {}  # server id -> its latest relay code
+        self.registrations: dict = {}  # client address -> deque of times
+        self.closed = False
+
+    def close(self) -> None:
+        """Wake every long-poll and waiting client (the relay is stopping)."""
+        self.closed = True
+        for slot in self.servers.values():
+            for fut in [*slot.pollers, *slot.waiting.values()]:
+                if not fut.done():
+                    fut.set_result(None)
+
+    def _expire(self, now: float) -> None:
+        for sid in [s for s, v in self.servers.items() if now - v.last_seen > RELAY_EXPIRY]:
+            if not self.servers[sid].pollers:
+                self._drop(sid)
+        for code in [c for c, (_, until) in self.codes.items() if until < now]:
+            sid = self.codes.pop(code)[0]
+            if self.code_of.get(sid) == code:
+                del self.code_of[sid]
+
+    def _drop(self, sid: str) -> None:
+        slot = self.servers.pop(sid)
+        for fut in slot.waiting.values():  # their clients get a 504 now, not after a time-out
+            if not fut.done():
+                fut.set_result(None)
+
+    @staticmethod
+    def check_token(server_id: str, token: str) -> None:
+        if not token or not hmac.compare_digest(relay_server_id(token), server_id):
+            raise ApiError(403, "FORBIDDEN", "this relay token does not certify that server id")
+
+    def register(self, server_id: str, token: str, relay_code: str, addr: str) -> None:
+        now = time.monotonic()
+        self._rate_limit(addr, now)
+        self.check_token(server_id, token)
+        self._expire(now)
+        slot = self.servers.get(server_id)
+        if slot is None:
+            if len(self.servers) >= self.config.relay_max_servers:
+                raise ApiError(
+                    429,
+                    "RATE_LIMITED",
+                    "the relay holds its maximum of servers",
+                    {"Retry-After": "60"},
+                )
+            slot = self.servers[server_id] = _RelayServer()
+        slot.last_seen = now
+        if relay_code:
+            self._map_code(relay_code, server_id)
+
+    def _rate_limit(self, addr: str, now: float) -> None:
+        if len(self.registrations) > 10000:
+            for a in [a for a, q in self.registrations.items() if not q or q[-1] < now - 60]:
+                del self.registrations[a]
+        q = self.registrations.setdefault(addr, deque())
+        while q and q[0] <= now - 60:
+            q.popleft()
+        if len(q) >= self.config.relay_registrations_per_minute:
+            raise ApiError(
+                429,
+                "RATE_LIMITED",
+                "too many registrations from this address",
+                {"Retry-After": "60"},
+            )
+        q.append(now)
+
+    def set_code(self, relay_code: str, server_id: str, token: str) -> None:
+        self.check_token(server_id, token)
+        self._map_code(relay_code, server_id)
+
+    def _map_code(self, relay_code: str, server_id: str) -> None:
+        """Map a relay code to a server for RELAY_CODE_TTL; the server's old code goes."""
+        old = self.code_of.get(server_id)
+        if old and old != relay_code and self.codes.get(old, ("",))[0] == server_id:
+            del self.codes[old]
+        self.code_of[server_id] = relay_code
+        self.codes[relay_code] = (server_id, time.monotonic() + RELAY_CODE_TTL)
+
+    def pair(self, relay_code: str) -> str:
+        self._expire(time.monotonic())
+        entry = self.codes.get(relay_code.upper()) or self.codes.get(relay_code)
+        if entry is None:
+            raise not_found("no server is paired under this relay code")
+        return entry[0]
+
+    def _slot(self, server_id: str, token: str) -> _RelayServer:
+        self.check_token(server_id, token)
+        slot = self.servers.get(server_id)
+        if slot is None:
+            raise ApiError(401, "UNAUTHORIZED", "not registered here: register first")
+        return slot
+
+    async def poll(self, server_id: str, token: str, wait: float = RELAY_POLL_WAIT):
+        """Return the next request for a server, waiting up to `wait` seconds (None: none)."""
+        slot = self._slot(server_id, token)
+        slot.last_seen = time.monotonic()
+        while slot.queue:
+            request = slot.queue.popleft()
+            if request["id"] in slot.waiting:  # its client may have given up meanwhile
+                return request
+        if self.closed:
+            return None
+        fut = asyncio.get_running_loop().create_future()
+        slot.pollers.append(fut)
+        try:
+            return await asyncio.wait_for(fut, wait)
+        except asyncio.TimeoutError:
+            return None
+        finally:
+            slot.last_seen = time.monotonic()
+            with contextlib.suppress(ValueError):
+                slot.pollers.remove(fut)
+
+    def reply(self, server_id: str, token: str, request_id: str, answer: dict) -> None:
+        slot = self._slot(server_id, token)
+        fut = slot.waiting.get(request_id)
+        if fut is None or fut.done():
+            raise not_found("no client is waiting for that request (timed out?)")
+        fut.set_result(answer)
+
+    async def forward(self, server_id: str, request: dict) -> dict:
+        """Hand a client's request to its server and return the server's answer."""
+        self._expire(time.monotonic())
+        slot = self.servers.get(server_id)
+        if slot is None:
+            raise ApiError(504, "UPSTREAM_TIMEOUT", "that server is not connected to this relay")
+        request_id = secrets.token_hex(8)
+        request = {**request, "id": request_id}
+        loop = asyncio.get_running_loop()
+        slot.waiting[request_id] = answer = loop.create_future()
+        try:
+            while slot.pollers:  # a waiting poll takes it at once
+                poller = slot.pollers.popleft()
+                if not poller.done():
+                    poller.set_result(request)
+                    break
+            else:
+                if len(slot.queue) >= self.config.relay_max_queue:
+                    raise ApiError(
+                        429,
+                        "RATE_LIMITED",
+                        "too many requests queued for that server",
+                        {"Retry-After": "5"},
+                    )
+                slot.queue.append(request)
+            try:
+                result = await asyncio.wait_for(answer, self.config.relay_timeout)
+            except asyncio.TimeoutError:
+                result = None
+        finally:
+            slot.waiting.pop(request_id, None)
+            if request in slot.queue:  # an unanswered request leaves the queue with its client
+                slot.queue.remove(request)
+        if result is None:
+            raise ApiError(504, "UPSTREAM_TIMEOUT", "the server did not answer through the relay")
+        return result
+
+
+# -- the relay's connections and routes --------------------------------------------
+
+
+class _Conn:
+    """One client connection; `busy` while a request is in flight or a poll is held."""
+
+    __slots__ = ("busy", "opened", "peer", "writer")
+
+    def __init__(self, writer: asyncio.StreamWriter, peer: str):
+        self.writer, self.peer, self.busy, self.opened = writer, peer, False, time.monotonic()
+
+    def close(self) -> None:
+        with contextlib.suppress(Exception):
+            self.writer.close()
+
+
+class RelayServer:
+    """`notesvc relay`: the asyncio HTTP server, its routes and the hub."""
 
     def __init__(self, config: Config):
         self.config, self.started = config, time.time()
-        self.hub = RelayHub(config.relay_max_servers, config.relay_max_queue, config.relay_timeout)
-        app = self.bottle = bottle.Bottle(catchall=True)
-        app.default_error_handler = render_error
-        app.router.add_filter("path", lambda conf: (r"[\s\S]*?", None, None))
-        app.route("/health", "GET", self.health)
-        app.route("/relay/v1/register", "POST", self.register)
-        app.route("/relay/v1/poll/<server_id>", "GET", self.poll)
-        app.route("/relay/v1/reply/<server_id>/<request_id>", "POST", self.reply)
-        app.route("/relay/v1/pair/<code>", "GET", self.pair)
-        methods = ["GET", "POST", "PUT", "PATCH", "DELETE", "HEAD", "OPTIONS"]
-        app.route("/r/<server_id>/api/v1<rest:path>", methods, self.forward)
-
-    def __call__(self, environ: dict, start_response: Callable):
-        return self.bottle(environ, start_response)
-
-    def _token(self) -> str:
-        return bottle.request.get_header("X-Relay-Token", "")
-
-    def health(self):
-        return json_body(
-            {
-                "success": True,
-                "data": {
-                    "status": "ok",
-                    "role": "relay",
-                    "version": __version__,
-                    "uptimeSeconds": round(time.time() - self.started, 3),
-                    "servers": len(self.hub.servers),
-                },
-            }
+        self.hub = RelayHub(config)
+        self.by_addr: dict = {}  # peer address -> {conn: None} (insertion order: oldest first)
+        self.server: asyncio.AbstractServer | None = None
+        self.routes = (
+            ("GET", re.compile(r"^/health$"), self.health),
+            ("GET", re.compile(r"^/$"), self.web_client),
+            ("POST", re.compile(r"^/relay/v1/register/([^/]+)$"), self.register),
+            ("GET", re.compile(r"^/relay/v1/poll/([^/]+)$"), self.poll),
+            ("POST", re.compile(r"^/relay/v1/reply/([^/]+)/([^/]+)$"), self.reply),
+            ("POST", re.compile(r"^/relay/v1/code/([^/]+)$"), self.set_code),
+            ("GET", re.compile(r"^/relay/v1/pair/([^/]+)$"), self.pair),
+            ("*", re.compile(r"^/r/([^/]+)(/api/v1(?:/.*)?)$", re.S), self.forward),
         )
 
-    def register(self):
-        body = read_json(4096)
-        server_id = field(body, "serverId", max_len=64)
-        code = field(body, "relayCode", max_len=64)
+    # -- connections ---------------------------------------------------------------
+
+    async def start(self) -> int:
+        """Listen; return the port."""
+        self.server = await asyncio.start_server(
+            self._serve_connection,
+            self.config.host,
+            self.config.port,
+            limit=RELAY_MAX_HEAD,
+            backlog=1024,
+        )
+        return self.server.sockets[0].getsockname()[1]
+
+    def _admit(self, conn: _Conn) -> None:
+        """Track a connection; close the address's oldest idle one beyond the cap."""
+        conns = self.by_addr.setdefault(conn.peer, {})
+        idle = [c for c in conns if not c.busy]
+        for old in idle[: max(0, len(idle) + 1 - self.config.relay_max_idle_per_address)]:
+            old.close()
+            conns.pop(old, None)
+        conns[conn] = None
+
+    def _forget(self, conn: _Conn) -> None:
+        conns = self.by_addr.get(conn.peer)
+        if conns is not None:
+            conns.pop(conn, None)
+            if not conns:
+                del self.by_addr[conn.peer]
+
+    async def _serve_connection(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter):
+        peer = (writer.get_extra_info("peername") or ("?", 0))[0]
+        conn = _Conn(writer, peer)
+        self._admit(conn)
+        try:
+            while not self.hub.closed:
+                keep_alive = await self._serve_one(conn, reader, writer)
+                if not keep_alive:
+                    break
+        except (ConnectionError, asyncio.IncompleteReadError, asyncio.CancelledError):
+            pass
+        except Exception:
+            log.exception("relay: connection from %s failed", peer)
+        finally:
+            self._forget(conn)
+            conn.close()
+
+    async def _serve_one(self, conn: _Conn, reader, writer) -> bool:
+        timeout = self.config.idle_timeout
+        try:
+            head = await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), timeout)
+        except asyncio.TimeoutError:
+            return False
+        except asyncio.IncompleteReadError:
+            return False
+        except asyncio.LimitOverrunError:
+            await self._send(writer, *self._error(431, "the request head is too large"), False)
+            return False
+        conn.busy = True
+        try:
+            try:
+                method, path, query, headers, keep_alive, length = parse_request_head(
+                    head, conn.peer
+                )
+            except _Refuse as e:
+                await self._send(writer, *self._error(e.status, e.message), False)
+                return False
+            limit = self._body_limit(path)
+            if length > limit:
+                await self._send(
+                    writer,
+                    *self._error(413, f"the body is over this relay's limit of {limit} bytes"),
+                    False,
+                )
+                return False
+            try:
+                body = (
+                    await asyncio.wait_for(reader.readexactly(length), timeout) if length else b""
+                )
+            except asyncio.TimeoutError:
+                return False
+            request = RelayRequest(method, path, query, headers, body, conn.peer, keep_alive)
+            started = time.perf_counter()
+            status, out_headers, out_body = await self._route(request)
+            await self._send(writer, status, out_headers, out_body, keep_alive)
+            if log.isEnabledFor(logging.DEBUG):
+                log.debug(
+                    "relay %s %s %d %.1fms",
+                    method,
+                    _log_path(_private_path(path)),
+                    status,
+                    (time.perf_counter() - started) * 1000,
+                )
+            return keep_alive
+        finally:
+            conn.busy = False
+
+    async def _send(self, writer, status: int, headers: list, body: bytes, keep_alive: bool):
+        writer.write(http_response(status, headers, body, keep_alive))
+        await asyncio.wait_for(writer.drain(), self.config.idle_timeout)
+
+    def _body_limit(self, path: str) -> int:
+        """Return the largest body accepted on a path: replies carry base64 answers."""
+        if path.startswith("/relay/v1/reply/"):
+            return self.config.max_body_bytes * 2 + 65536
+        if path.startswith("/r/"):
+            return self.config.max_body_bytes
+        return 65536
+
+    @staticmethod
+    def _error(status: int, message: str, code: str = "", headers: dict | None = None) -> tuple:
+        code = code or STATUS_CODES.get(status, "VALIDATION_ERROR")
+        body = to_json({"success": False, "error": {"code": code, "message": message}})
+        out = [("Content-Type", "application/json; charset=utf-8"), *(headers or {}).items()]
+        return status, out, body
+
+    async def _route(self, req: RelayRequest) -> tuple:
+        allowed = []
+        for method, pattern, handler in self.routes:
+            m = pattern.match(req.path)
+            if not m:
+                continue
+            if method not in ("*", req.method) and not (method == "GET" and req.method == "HEAD"):
+                allowed.append(method)
+                continue
+            try:
+                result = handler(req, *m.groups())
+                if asyncio.iscoroutine(result):
+                    result = await result
+            except ApiError as e:
+                return self._error(e.status_code, e.message, e.code, dict(e.headers))
+            except Exception:
+                rid = uuid.uuid4().hex[:16]
+                log.exception("relay: request %s failed", rid)
+                return self._error(500, f"internal error; request id {rid}")
+            if isinstance(result, dict):
+                body = to_json({"success": True, "data": result})
+                return 200, [("Content-Type", "application/json; charset=utf-8")], body
+            return result
+        if allowed:
+            return self._error(
+                405,
+                f"{req.method} is not allowed on {req.path}",
+                headers={"Allow": ", ".join(allowed)},
+            )
+        return self._error(404, f"no route for {req.method} {_log_path(req.path)}")
+
+    def _json(self, req: RelayRequest, limit: int = 65536) -> dict:
+        ctype = req.header("Content-Type").split(";")[0].strip().lower()
+        if ctype != "application/json":
+            raise ApiError(
+                415, "UNSUPPORTED_MEDIA_TYPE", "send JSON with Content-Type: application/json"
+            )
+        try:
+            body = json.loads(req.body.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError, RecursionError):
+            raise bad_request("the body is not valid JSON") from None
+        if not isinstance(body, dict):
+            raise bad_request("the body must be a JSON object")
+        return body
+
+    def client_addr(self, req: RelayRequest) -> str:
+        """Return the client's address: the peer's, or the one a trusted proxy reports."""
+        environ = {"REMOTE_ADDR": req.peer}
+        forwarded = req.header("X-Forwarded-For")
+        if forwarded:
+            environ["HTTP_X_FORWARDED_FOR"] = forwarded
+        return client_addr_of(self.config, environ)
+
+    def base_url(self, req: RelayRequest) -> str:
+        environ = {
+            "wsgi.url_scheme": "http",
+            "HTTP_HOST": req.header("Host"),
+            "REMOTE_ADDR": req.peer,
+            "SERVER_PORT": str(self.config.port),
+        }
+        for name in ("X-Forwarded-Proto", "X-Forwarded-Host"):
+            if req.header(name):
+                environ["HTTP_" + name.upper().replace("-", "_")] = req.header(name)
+        return base_url_of(self.config, environ)
+
+    # -- routes ----------------------------------------------------------------------
+
+    def health(self, req: RelayRequest) -> dict:
+        return {
+            "status": "ok",
+            "role": "relay",
+            "version": __version__,
+            "uptimeSeconds": round(time.time() - self.started, 3),
+            "servers": len(self.hub.servers),
+            "queued": sum(len(slot.queue) for slot in self.hub.servers.values()),
+        }
+
+    def web_client(self, req: RelayRequest) -> tuple:
+        headers = [
+            ("Content-Type", "text/html; charset=utf-8"),
+            *web_client_headers().items(),
+        ]
+        return 200, headers, web_client_page().encode("utf-8")
+
+    def register(self, req: RelayRequest, server_id: str) -> dict:
+        body = self._json(req)
         token = field(body, "token", max_len=256)
-        if not re.fullmatch(r"[A-Za-z0-9_-]{4,64}", server_id) or len(token) < 16:
-            raise bad_request("serverId must be 4-64 letters/digits, token 16+ characters")
-        self.hub.register(server_id, code.upper(), token)
-        return json_body({"success": True, "data": {"registered": True, "serverId": server_id}})
+        code = field(body, "relayCode", required=False, max_len=64) or ""
+        if not RELAY_ID_RE.match(server_id):
+            raise bad_request("the server id must be 20 characters of a-z and 2-7")
+        if code and not RELAY_CODE_RE.match(code):
+            raise bad_request("a relay code is 1-64 letters, digits and dashes")
+        self.hub.register(server_id, token, code.upper(), self.client_addr(req))
+        return {"registered": True, "serverId": server_id}
 
-    def poll(self, server_id: str):
-        request = self.hub.poll(server_id, self._token())
+    async def poll(self, req: RelayRequest, server_id: str):
+        request = await self.hub.poll(server_id, req.header("X-Relay-Token"))
         if request is None:
-            bottle.response.status = 204
-            return b""
-        return json_body({"success": True, "data": request})
+            return 204, [], b""
+        return request
 
-    def reply(self, server_id: str, request_id: str):
-        body = read_json(self.config.max_body_bytes * 2 + 65536)
+    def reply(self, req: RelayRequest, server_id: str, request_id: str) -> dict:
+        body = self._json(req)
         status = field(body, "status", int)
         headers = field(body, "headers", list)
+        if not 100 <= status <= 599 or not all(
+            isinstance(h, list) and len(h) == 2 and all(isinstance(x, str) for x in h)
+            for h in headers
+        ):
+            raise bad_request("status must be an HTTP status and headers [name, value] pairs")
         answer = {"status": status, "headers": headers, "body": _unb64(body.get("body", ""))}
-        self.hub.reply(server_id, self._token(), request_id, answer)
-        return json_body({"success": True, "data": {"delivered": True}})
+        self.hub.reply(server_id, req.header("X-Relay-Token"), request_id, answer)
+        return {"delivered": True}
 
-    def pair(self, code: str):
+    def set_code(self, req: RelayRequest, code: str) -> dict:
+        body = self._json(req)
+        if not RELAY_CODE_RE.match(code):
+            raise bad_request("a relay code is 1-64 letters, digits and dashes")
+        server_id = field(body, "serverId", max_len=64)
+        self.hub.set_code(code.upper(), server_id, field(body, "token", max_len=256))
+        return {"relayCode": code.upper(), "serverId": server_id}
+
+    def pair(self, req: RelayRequest, code: str) -> dict:
         server_id = self.hub.pair(code)
-        base = base_url_of(self.config, bottle.request.environ)
-        return json_body(
-            {
-                "success": True,
-                "data": {"serverId": server_id, "relayApiBase": f"{base}/r/{server_id}{API}"},
-            }
-        )
+        return {"serverId": server_id, "relayApiBase": f"{self.base_url(req)}/r/{server_id}{API}"}
 
-    def forward(self, server_id: str, rest: str):
-        req = bottle.request
-        if req.content_length > self.config.max_body_bytes:
-            raise ApiError(413, "PAYLOAD_TOO_LARGE", "the body is too large for this relay")
-        body = req.body.read(self.config.max_body_bytes + 1)
-        if len(body) > self.config.max_body_bytes:
-            raise ApiError(413, "PAYLOAD_TOO_LARGE", "the body is too large for this relay")
-        headers = [(k, v) for k, v in req.headers.items() if k.lower() not in HOP_BY_HOP]
-        answer = self.hub.forward(
+    async def forward(self, req: RelayRequest, server_id: str, rest: str) -> tuple:
+        headers = [[k, v] for k, v in req.headers if k.lower() not in HOP_BY_HOP]
+        answer = await self.hub.forward(
             server_id,
             {
                 "method": req.method,
-                "path": API + rest,
-                "query": req.environ.get("QUERY_STRING", ""),
+                "path": rest,
+                "query": req.query,
                 "headers": headers,
-                "body": _b64(body),
-                "client": req.environ.get("REMOTE_ADDR", ""),
-                "scheme": req.environ.get("wsgi.url_scheme", "http"),
-                "host": req.get_header("Host", ""),
+                "body": _b64(req.body),
+                "client": self.client_addr(req),
+                "scheme": urllib.parse.urlsplit(self.base_url(req)).scheme,
+                "host": req.header("Host"),
             },
         )
-        status = answer["status"]
-        bottle.response.status = status
-        for name, value in answer["headers"]:
-            if isinstance(name, str) and name.lower() not in HOP_BY_HOP:
-                bottle.response.add_header(name, str(value))
-        return answer["body"]
+        return answer["status"], relay_answer_headers(rest, answer["headers"]), answer["body"]
+
+
+def client_addr_of(config: Config, environ: dict) -> str:  # TEMP: issue 10 merge replaces
+    return environ.get("REMOTE_ADDR", "")
+
+
+def web_client_page() -> str:  # TEMP
+    return WEB_PAGE.replace("{css}", WEB_CSS).replace("{js}", WEB_JS)
+
+
+def web_client_headers() -> dict:  # TEMP
+    return {
+        "Content-Security-Policy": WEB_CSP,
+        "Referrer-Policy": "no-referrer",
+        "X-Frame-Options": "DENY",
+    }
+
+
+def _log_path(path: str) -> str:  # TEMP
+    return path.encode("unicode_escape").decode("ascii")
+
+
+def relay_answer_headers(path: str, headers: list) -> list:
+    """Return a forwarded answer's headers as an API answer: JSON, nosniff, sandboxed.
+
+    A registered server cannot publish script or cookies on the relay's origin.
+    """
+    keep = []
+    ctype = "application/json; charset=utf-8"
+    for name, value in headers:
+        lower = name.lower()
+        if lower == "content-type":
+            if path.endswith("/openapi.json") and "json" in value.lower():
+                ctype = value
+            continue
+        if (
+            lower in HOP_BY_HOP
+            or lower in ("set-cookie", "content-security-policy", "x-content-type-options")
+            or lower.startswith("access-control-")
+            or not _TOKEN_CHARS_RE.match(name)
+            or "\r" in value
+            or "\n" in value
+        ):
+            continue
+        keep.append((name, value))
+    return [
+        ("Content-Type", ctype),
+        ("X-Content-Type-Options", "nosniff"),
+        ("Content-Security-Policy", RELAY_ANSWER_CSP),
+        *keep,
+    ]
+
+
+def _private_path(path: str) -> str:
+    """Return a path for the relay's log: the server id and what follows /api/v1 left out."""
+    m = re.match(r"^/r/[^/]+/api/v1(/[^/]*)?", path)
+    return f"/r/…/api/v1{m.group(1) or ''}…" if m else path
 
 
 class RelayClient:
-    """The server side: register at SERVICE_RELAY_URL, long-poll, answer in-process."""
+    """The server side: register at SERVICE_RELAY_URL, long-poll, answer in-process.
+
+    Polls run on one thread over a kept-alive connection; each request is answered by a
+    small worker pool, so a slow request never holds up the next poll.
+    """
 
     def __init__(self, app: NotesApp):
         import concurrent.futures
@@ -3397,6 +3842,8 @@ class RelayClient:
         self.state, self.error, self.since = "connecting", None, iso(utcnow())
         self._stop = threading.Event()
         self._registered_code = None
+        self._code_sent_at = 0.0
+        self._local = threading.local()
         self._workers = concurrent.futures.ThreadPoolExecutor(4, "notesvc-relay-worker")
         self._thread = threading.Thread(target=self._run, name="notesvc-relay", daemon=True)
 
@@ -3416,22 +3863,61 @@ class RelayClient:
             self.state, self.since = state, iso(utcnow())
         self.error = error
 
-    def _token(self) -> str:
-        token = self.svc.state.read().get("relayToken")
-        if not token:
-            token = secrets.token_urlsafe(32)
-            self.svc.state.update(lambda data: data.setdefault("relayToken", token))
-            token = self.svc.state.read()["relayToken"]
-        return token
+    # -- HTTP to the relay ----------------------------------------------------------
+
+    def _call(self, method: str, path: str, body: dict | None = None, timeout: float = 15):
+        """Return (status, parsed JSON or None) of one call to the relay (kept-alive per thread).
+
+        Raises UpstreamError when the relay cannot be reached.
+        """
+        import http.client
+
+        parts = urllib.parse.urlsplit(self.url)
+        conn = getattr(self._local, "conn", None)
+        if conn is None or conn.timeout != timeout:
+            kind = (
+                http.client.HTTPSConnection
+                if parts.scheme == "https"
+                else http.client.HTTPConnection
+            )
+            conn = self._local.conn = kind(parts.netloc, timeout=timeout)
+        st = self.svc.state.read()
+        headers = {"X-Relay-Token": st["relayToken"]}
+        payload = None
+        if body is not None:
+            payload = to_json(body)
+            headers["Content-Type"] = "application/json"
+        for attempt in (1, 2):  # a kept-alive connection the relay closed: once more, fresh
+            try:
+                conn.request(method, parts.path.rstrip("/") + path, payload, headers)
+                resp = conn.getresponse()
+                raw = resp.read()
+                break
+            except (OSError, http.client.HTTPException) as e:
+                conn.close()
+                if attempt == 2 or self._stop.is_set():
+                    reason = "timed out" if isinstance(e, (socket.timeout, TimeoutError)) else e
+                    raise UpstreamError(f"{method} {path.split('/')[3]}: {reason}") from None
+        try:
+            return resp.status, json.loads(raw) if raw else None
+        except ValueError:
+            return resp.status, None
 
     def register(self) -> None:
+        """Register this server (and its relay code); UpstreamError, or RelayRefused."""
         st = self.svc.state.read()
-        post_json(
-            f"{self.url}/relay/v1/register",
-            {"serverId": st["serverId"], "relayCode": st["relayCode"], "token": self._token()},
-            timeout=15,
+        sid, code = st["serverId"], st["relayCode"]
+        status, answer = self._call(
+            "POST", f"/relay/v1/register/{sid}", {"token": st["relayToken"], "relayCode": code}
         )
-        self._registered_code = st["relayCode"]
+        if status != 200:
+            raise RelayRefused(status, _relay_message(answer, status))
+        status, answer = self._call(
+            "POST", f"/relay/v1/code/{code}", {"serverId": sid, "token": st["relayToken"]}
+        )
+        if status != 200:
+            raise RelayRefused(status, _relay_message(answer, status))
+        self._registered_code, self._code_sent_at = code, time.monotonic()
 
     def _run(self) -> None:
         backoff = 1.0
@@ -3442,55 +3928,51 @@ class RelayClient:
                 backoff = 1.0
                 log.info("relay: connected to %s", self.url)
                 while not self._stop.is_set():
-                    if self.svc.state.read()["relayCode"] != self._registered_code:
+                    stale = time.monotonic() - self._code_sent_at > RELAY_CODE_TTL / 3
+                    if stale or self.svc.state.read()["relayCode"] != self._registered_code:
                         self.register()  # the key (and with it the relay code) was rotated
                     request = self._poll()
                     if request is not None:
                         self._workers.submit(self._serve, request)
-            except Exception as e:  # relay down or restarted: try again, more slowly
-                reason = str(e) if isinstance(e, UpstreamError) else type(e).__name__
-                self._set("error" if self.state != "connecting" else "connecting", reason)
-                log.warning("relay %s: %s; retrying in %.0f s", self.url, reason, backoff)
+            except RelayRefused as e:
+                self._set("refused", e.message)
+                log.warning("relay %s refused this server: %s", self.url, e.message)
+                self._stop.wait(max(backoff, 30.0 if e.status == 429 else 60.0))
+                backoff = min(backoff * 2, 300.0)
+            except UpstreamError as e:  # relay down or restarted: try again, more slowly
+                self._set("error" if self.state != "connecting" else "connecting", str(e))
+                log.warning("relay %s: %s; retrying in %.0f s", self.url, e, backoff)
+                self._stop.wait(backoff)
+                backoff = min(backoff * 2, 30.0)
+            except Exception as e:
+                self._set("error", type(e).__name__)
+                log.exception("relay %s: unexpected failure; retrying in %.0f s", self.url, backoff)
                 self._stop.wait(backoff)
                 backoff = min(backoff * 2, 30.0)
 
     def _poll(self) -> dict | None:
-        import urllib.error
-        import urllib.request
-
         sid = self.svc.state.read()["serverId"]
-        req = urllib.request.Request(
-            f"{self.url}/relay/v1/poll/{sid}", headers={"X-Relay-Token": self._token()}
-        )
-        try:
-            with urllib.request.urlopen(req, timeout=RELAY_POLL_WAIT + 15) as resp:
-                if resp.status == 204:
-                    return None
-                return json.loads(resp.read())["data"]
-        except urllib.error.HTTPError as e:
-            e.close()
-            raise UpstreamError(f"poll answered HTTP {e.code}") from None
-        except (urllib.error.URLError, OSError) as e:
-            raise UpstreamError(f"poll failed: {getattr(e, 'reason', e)}") from None
+        status, answer = self._call("GET", f"/relay/v1/poll/{sid}", timeout=RELAY_POLL_WAIT + 15)
+        if status == 204:
+            return None
+        if status == 200 and isinstance(answer, dict) and isinstance(answer.get("data"), dict):
+            return answer["data"]
+        if status in (401, 403):  # the relay forgot us (restart, expiry): register again
+            raise UpstreamError(f"poll answered HTTP {status}; registering again")
+        raise UpstreamError(f"poll answered HTTP {status}")
 
     def _serve(self, request: dict) -> None:
-        import urllib.request
-
         try:
             status, headers, body = self._dispatch(request)
             sid = self.svc.state.read()["serverId"]
-            req = urllib.request.Request(
-                f"{self.url}/relay/v1/reply/{sid}/{request['id']}",
-                to_json({"status": status, "headers": headers, "body": _b64(body)}),
-                {"Content-Type": "application/json", "X-Relay-Token": self._token()},
-                method="POST",
+            self._call(
+                "POST",
+                f"/relay/v1/reply/{sid}/{request['id']}",
+                {"status": status, "headers": headers, "body": _b64(body)},
+                timeout=30,
             )
-            with urllib.request.urlopen(req, timeout=30) as resp:
-                resp.read()
-        except Exception as e:  # the client will get a 504 from the relay
-            log.warning(
-                "relay: answering request %s failed: %s", request.get("id"), type(e).__name__
-            )
+        except Exception:  # the client gets a 504 from the relay; we log why
+            log.exception("relay: answering request %s failed", request.get("id"))
 
     def _dispatch(self, request: dict) -> tuple:
         """Run one relayed request through the app in-process; return (status, headers, body)."""
@@ -3519,7 +4001,12 @@ class RelayClient:
             key = name.upper().replace("-", "_")
             if key == "CONTENT_TYPE":
                 environ["CONTENT_TYPE"] = value
-            elif key not in ("CONTENT_LENGTH",):
+            elif key not in (
+                "CONTENT_LENGTH",
+                "X_FORWARDED_FOR",
+                "X_FORWARDED_PROTO",
+                "X_FORWARDED_HOST",
+            ):
                 environ[f"HTTP_{key}"] = value
         if request.get("host"):
             environ["HTTP_HOST"] = request["host"]
@@ -3535,6 +4022,21 @@ class RelayClient:
             if hasattr(chunks, "close"):
                 chunks.close()
         return seen["status"], [list(h) for h in seen["headers"]], data
+
+
+class RelayRefused(Exception):
+    """The relay answered a registration with a refusal (status and its message)."""
+
+    def __init__(self, status: int, message: str):
+        super().__init__(message)
+        self.status, self.message = status, message
+
+
+def _relay_message(answer: Any, status: int) -> str:
+    try:
+        return f"HTTP {status}: {answer['error']['message']}"[:300]
+    except (TypeError, KeyError):
+        return f"HTTP {status}"
 
 
 # == HTTP =====================================================================
@@ -3812,8 +4314,9 @@ def get_setup(svc: Service) -> dict:
     show_key = not complete and (not cfg.setup_local_only or is_loopback(svc.client_addr(env)))
     key = st.get("apiKey", "") if show_key else KEY_PREFIX + "…" + st.get("keyHint", "")
     direct, relayed = f"{url}{API}", f"{relay}/r/{server_id}{API}"
-    client = cfg.client_url or f"{url}/"
-    test_client = cfg.test_client_url or f"{url}/"
+    own_client = f"{relay}/" if cfg.pairing == "relay" else f"{url}/"
+    client = cfg.client_url or own_client
+    test_client = cfg.test_client_url or own_client
     payload = {
         "serverId": server_id,
         "apiKey": key,
@@ -3879,7 +4382,7 @@ def get_info(svc: Service) -> dict:
         "platform": platform.platform(terse=True),
         "notes": {"count": count, "bytes": size},
         "index": {**svc.index.stats(), "lastSync": svc.last_sync},
-        "relay": svc.relay_client.status()
+        "connection": svc.relay_client.status()
         if svc.relay_client
         else {
             "url": svc.config.relay_url or "(this server)",
@@ -5262,38 +5765,50 @@ def cmd_serve(config: Config) -> int:
 
 
 def cmd_relay(config: Config) -> int:
-    """Run a relay only: no notes, no keys, just forwarding."""
-    config = dataclasses.replace(config, threads=max(config.threads, 32))
-    app = RelayApp(config)
-    try:
-        server = make_server(app, config)
-    except OSError as e:
-        raise ConfigError(f"cannot listen on {config.host}:{config.port}: {e.strerror}") from e
+    """Run a relay only: no notes, no keys, just forwarding (asyncio, one thread)."""
     import signal
 
-    def stop(*_):
-        app.hub.close()  # wake the long-polls first: waitress waits for busy threads
-        raise KeyboardInterrupt
+    raise_open_files_limit()
+    relay = RelayServer(config)
 
-    signal.signal(signal.SIGTERM, stop)
-    signal.signal(signal.SIGINT, stop)
-    try:
+    async def run() -> None:
+        try:
+            port = await relay.start()
+        except OSError as e:
+            raise ConfigError(f"cannot listen on {config.host}:{config.port}: {e.strerror}") from e
         host = config.host if config.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
         print(
-            f"notesvc {__version__} relay\n  listening on http://{host}:{server.effective_port}"
-            f" (bind {config.host}:{server.effective_port})\n"
-            f"  servers register with SERVICE_RELAY_URL=http://<this host>:{server.effective_port}",
+            f"notesvc {__version__} relay\n  listening on http://{host}:{port}"
+            f" (bind {config.host}:{port})\n"
+            f"  servers register with SERVICE_RELAY_URL=http://<this host>:{port}\n"
+            f"  phones open http://<this host>:{port}/?relayCode=<the server's relay code>",
             file=sys.stderr,
             flush=True,
         )
-        server.run()
-    except KeyboardInterrupt:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, stop.set)
+        await stop.wait()
         log.info("relay stopping")
-    finally:
-        app.hub.close()
-        with contextlib.suppress(Exception):
-            server.close()
+        relay.hub.close()  # long-polls and waiting clients answer now
+        relay.server.close()
+        await asyncio.sleep(0.2)  # let those answers go out
+
+    asyncio.run(run())
     return 0
+
+
+def raise_open_files_limit() -> None:
+    """Raise this process's soft limit of open files to the hard limit (a relay holds many)."""
+    try:
+        import resource
+    except ImportError:  # pragma: no cover - Windows
+        return
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft < hard:
+        with contextlib.suppress(ValueError, OSError):
+            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def cmd_rotate_key(config: Config) -> int:

@@ -3007,7 +3007,7 @@ class TestRelay:
         assert status == 404
         assert body["error"]["code"] == "NOT_FOUND"
         status, _, body = self.via(relay, setup, "GET", "/system/info")
-        assert body["data"]["relay"]["state"] == "connected"
+        assert body["data"]["connection"]["state"] == "connected"
 
     def test_raw_bytes_pass_unchanged(self, pair):
         relay, _, setup = pair
@@ -3050,11 +3050,13 @@ class TestRelay:
         assert body["error"]["code"] == "UPSTREAM_TIMEOUT"
         assert time.monotonic() - started < 10
 
-    def test_unknown_server_is_504_and_relay_serves_nothing_else(self, pair):
+    def test_unknown_server_is_504_and_relay_serves_no_server_pages(self, pair):
         relay = pair[0]
-        assert relay.request("GET", f"/r/nobody{API}/health")[0] == 504
+        assert relay.request("GET", f"/r/{'a' * 20}{API}/health")[0] == 504
         assert relay.request("GET", f"{API}/system/setup")[0] == 404
-        assert relay.request("GET", "/")[0] == 404
+        status, _, body = relay.request("GET", "/r/x/notes")
+        assert status == 404
+        assert body["error"]["code"] == "NOT_FOUND"
 
     def test_relay_restart_server_reconnects(self, tmp_path):
         port = free_port()
@@ -3076,74 +3078,336 @@ class TestRelay:
     def test_queue_limit_and_tokens(self, tmp_path):
         env = {"SERVICE_RELAY_MAX_QUEUE": "2", "SERVICE_RELAY_TIMEOUT": "2"}
         with running(tmp_path, "relay", env=env) as relay:
-            for sid, token in (("server-a", "a" * 32), ("server-b", "b" * 32)):
-                status, _, _ = relay.request(
-                    "POST",
-                    "/relay/v1/register",
-                    {"serverId": sid, "relayCode": sid, "token": token},
-                )
-                assert status == 200
+            a, b = FakeRelayServer(relay), FakeRelayServer(relay)
+            assert a.register() == 200
+            assert b.register() == 200
             # Another server's token never polls this queue, nor takes the id over.
-            assert (
-                relay.request(
-                    "GET", "/relay/v1/poll/server-b", headers={"X-Relay-Token": "a" * 32}
-                )[0]
-                == 401
-            )
-            assert (
-                relay.request(
-                    "POST",
-                    "/relay/v1/register",
-                    {"serverId": "server-b", "relayCode": "x", "token": "a" * 32},
-                )[0]
-                == 403
-            )
+            assert a.poll(server_id=b.server_id)[0] == 403
+            assert a.register(server_id=b.server_id) == 403
             results = []
 
             def client():
-                results.append(relay.request("GET", f"/r/server-a{API}/health")[0])
+                results.append(relay.request("GET", f"/r/{a.server_id}{API}/health")[0])
 
             threads = [threading.Thread(target=client) for _ in range(2)]
             for t in threads:
                 t.start()
-            time.sleep(0.5)  # both requests are queued now
-            status, _, body = relay.request("GET", f"/r/server-a{API}/health")
+            wait_for(lambda: relay_queued(relay, a) == 2)
+            status, _, body = relay.request("GET", f"/r/{a.server_id}{API}/health")
             assert status == 429
             assert body["error"]["code"] == "RATE_LIMITED"
             for t in threads:
                 t.join(10)
             assert results == [504, 504]
-            # The server picks up what is queued, with its own token.
+            # The server picks up a request with its own token and answers it.
             t = threading.Thread(target=client)
             t.start()
-            status, _, body = wait_for(
-                lambda: (
-                    (
-                        r := relay.request(
-                            "GET", "/relay/v1/poll/server-a", headers={"X-Relay-Token": "a" * 32}
-                        )
-                    )
-                    and r[0] == 200
-                    and r
-                )
-            )
+            status, _, body = a.poll()
+            assert status == 200
             request = body["data"]
             assert request["method"] == "GET"
             assert request["path"] == "/api/v1/health"
-            reply = {
-                "status": 200,
-                "headers": [["Content-Type", "application/json"]],
-                "body": base64.b64encode(b'{"success":true,"data":{"relayed":1}}').decode(),
-            }
-            status, _, _ = relay.request(
-                "POST",
-                f"/relay/v1/reply/server-a/{request['id']}",
-                reply,
-                {"X-Relay-Token": "a" * 32},
-            )
-            assert status == 200
+            assert request["client"] == "127.0.0.1"
+            assert a.reply(request["id"], 200, [["Content-Type", "application/json"]], b"{}") == 200
             t.join(10)
             assert results[-1] == 200
+
+    def test_ids_cannot_be_hijacked_even_after_a_restart(self, tmp_path):
+        port = free_port()
+        relay = Server(tmp_path / "relay", "relay", port=port)
+        server = Server(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url})
+        try:
+            wait_for(lambda: relay_servers(relay) == 1)
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            victim = setup["serverId"]
+            thief = FakeRelayServer(relay)
+            assert thief.register(server_id=victim) == 403
+            assert thief.poll(server_id=victim)[0] == 403
+            relay.stop()  # the relay forgets everything; the id is still the victim's
+            relay = Server(tmp_path / "relay", "relay", port=port)
+            assert thief.register(server_id=victim) == 403
+            assert thief.poll(server_id=victim)[0] == 403
+            wait_for(lambda: relay_servers(relay) == 1, timeout=40)
+            hdrs = {"X-Service-Key": setup["apiKey"]}
+            assert relay.request("GET", f"/r/{victim}{API}/system/info", None, hdrs)[0] == 200
+        finally:
+            server.stop()
+            relay.stop()
+
+    def test_server_id_derives_from_the_relay_token(self, anon):
+        st = anon.app.service.state.read()
+        assert st["serverId"] == notesvc.relay_server_id(st["relayToken"])
+        assert re.fullmatch(r"[a-z2-7]{20}", st["serverId"])
+        assert st["relayToken"] not in anon.get(f"{API}/system/setup").text
+
+    def test_a_state_file_from_0_1_gets_a_token_and_a_derived_id(self, root, make_app):
+        (root / ".notesvc").mkdir(parents=True)
+        old = {
+            "version": 1,
+            "serverId": "0123456789abcdef",
+            "keyHash": notesvc.key_hash("nsk_old"),
+            "keyHint": "_old",
+            "setupComplete": True,
+            "linkedClients": [],
+            "relayCode": "ABCD-EFGH-JKMN",
+        }
+        (root / ".notesvc" / "state.json").write_text(json.dumps(old))
+        st = make_app().app.service.state.read()
+        assert st["serverId"] == notesvc.relay_server_id(st["relayToken"])
+        assert st["keyHash"] == old["keyHash"]  # the key survives
+        assert st["relayCode"] == old["relayCode"]
+
+    def test_registrations_are_rate_limited_per_address(self, tmp_path):
+        env = {"SERVICE_RELAY_REGISTRATIONS_PER_MINUTE": "5"}
+        with running(tmp_path, "relay", env=env) as relay:
+            fakes = [FakeRelayServer(relay) for _ in range(6)]
+            assert [f.register() for f in fakes] == [200] * 5 + [429]
+            other = FakeRelayServer(relay, source="127.0.0.2")
+            assert other.register() == 200  # another address has its own budget
+
+    def test_a_refused_server_says_so(self, tmp_path):
+        env = {"SERVICE_RELAY_MAX_SERVERS": "1"}
+        with running(tmp_path / "relay", "relay", env=env) as relay:
+            assert FakeRelayServer(relay).register() == 200  # the one slot is taken
+            with running(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url}) as server:
+                key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
+
+                def refused():
+                    info = server.request("GET", f"{API}/system/info", None, {"X-Service-Key": key})
+                    return info[2]["data"]["connection"]["state"] == "refused" and info
+
+                info = wait_for(refused)[2]["data"]["connection"]
+                assert "maximum" in info["lastError"]
+                wait_for(lambda: any("refused this server" in line for line in server.lines))
+
+    def test_two_hundred_long_polls_do_not_block_a_client(self, pair):
+        relay, _, setup = pair
+        fakes = [FakeRelayServer(relay, source=f"127.0.1.{i % 200 + 1}") for i in range(200)]
+        socks = []
+        try:
+            for fake in fakes:
+                assert fake.register() == 200
+                socks.append(fake.open_poll())
+            wait_for(lambda: relay_servers(relay) == 201)
+            started = time.monotonic()
+            status, _, _body = self.via(relay, setup, "GET", "/system/info")
+            took = time.monotonic() - started
+            assert status == 200
+            assert took < 1.0, f"{took:.2f} s with 200 polls held"
+        finally:
+            for s in socks:
+                s.close()
+
+    def test_a_note_of_the_largest_size_passes_both_ways(self, pair):
+        relay, server, setup = pair
+        limit = 1048576
+        prefix = '{"path": "notes/big.md", "content": "'
+        filler = 'Ünïcødé ✓ 🗝️ \\\\ \\" \\n'  # JSON-escaped text, many byte widths
+        room = limit - len((prefix + '"}').encode())
+        body = prefix + filler * (room // len(filler.encode()))
+        body += "x" * (limit - len((body + '"}').encode())) + '"}'
+        raw = body.encode()
+        assert len(raw) == limit
+        content = json.loads(raw)["content"]
+        req = urllib.request.Request(
+            f"{relay.url}/r/{setup['serverId']}{API}/notes",
+            raw,
+            {"Content-Type": "application/json", "X-Service-Key": setup["apiKey"]},
+            method="POST",
+        )
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            assert resp.status == 201
+            assert json.loads(resp.read())["data"]["size"] == len(content.encode())
+        assert (Path(server.proc.args[-1]) / "notes/big.md").read_text() == content
+        status, headers, got = self.via(relay, setup, "GET", "/notes/notes%2Fbig.md")
+        assert status == 200
+        assert got["data"]["content"] == content
+        assert headers["Content-Type"].startswith("application/json")
+
+    def test_an_over_limit_body_is_413_at_once(self, pair):
+        relay, _, setup = pair
+        with socket.create_connection(("127.0.0.1", relay.port), timeout=5) as s:
+            s.sendall(
+                f"PUT /r/{setup['serverId']}{API}/notes/notes%2Fx.md HTTP/1.1\r\n"
+                "Host: relay\r\nContent-Type: application/json\r\n"
+                "Content-Length: 1048577\r\n\r\n".encode()
+            )
+            started = time.monotonic()
+            answer = recv_all(s)
+        assert time.monotonic() - started < 1
+        assert answer.startswith(b"HTTP/1.1 413 ")
+        body = json.loads(answer.split(b"\r\n\r\n", 1)[1])
+        assert body["error"]["code"] == "PAYLOAD_TOO_LARGE"
+        assert "1048576" in body["error"]["message"]
+
+    def test_forwarded_answers_are_api_answers(self, tmp_path):
+        with running(tmp_path, "relay") as relay:
+            fake = FakeRelayServer(relay)
+            assert fake.register() == 200
+            out = []
+            t = threading.Thread(
+                target=lambda: out.append(relay_raw_get(relay, f"/r/{fake.server_id}{API}/x"))
+            )
+            t.start()
+            _status, _, body = fake.poll()
+            headers = [
+                ["Content-Type", "text/html"],
+                ["Set-Cookie", "session=evil; Path=/"],
+                ["Access-Control-Allow-Origin", "*"],
+                ["Content-Security-Policy", "script-src *"],
+                ["ETag", '"abc"'],
+            ]
+            page = b"<script>alert(document.cookie)</script>"
+            assert fake.reply(body["data"]["id"], 200, headers, page) == 200
+            t.join(10)
+        head, got = out[0]
+        assert head.startswith("HTTP/1.1 200 ")
+        lines = head.lower().split("\r\n")
+        assert "content-type: application/json; charset=utf-8" in lines
+        assert "x-content-type-options: nosniff" in lines
+        assert "content-security-policy: default-src 'none'; sandbox" in lines
+        assert 'etag: "abc"' in lines
+        assert not any(h.startswith(("set-cookie", "access-control-")) for h in lines)
+        assert got == page
+
+    @pytest.mark.parametrize(
+        ("head", "status"),
+        [
+            (b"POST /health HTTP/1.1\r\nHost: r\r\nTransfer-Encoding: chunked\r\n\r\n", 411),
+            (b"GET /health HTTP/1.1\r\nHost: r\r\nX-A: 1\r\n  folded\r\n\r\n", 400),
+            (b"POST /health HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 1\r\n\r\nx", 400),
+            (b"POST /health HTTP/1.1\r\nContent-Length: -1\r\n\r\n", 400),
+            (b"GET /health HTTP/1.1\r\nNo colon here\r\n\r\n", 400),
+            (b"GET health HTTP/1.1\r\n\r\n", 400),
+            (b"GET /health HTTP/2.0\r\n\r\n", 400),
+            (b"GET /health HTTP/1.1\r\nX-Big: " + b"a" * 20000 + b"\r\n\r\n", 431),
+        ],
+    )
+    def test_http_is_parsed_strictly(self, tmp_path, head, status):
+        with running(tmp_path, "relay") as relay:
+            with socket.create_connection(("127.0.0.1", relay.port), timeout=5) as s:
+                s.sendall(head)
+                answer = recv_all(s)
+            assert answer.startswith(f"HTTP/1.1 {status} ".encode())
+            assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["success"] is False
+            assert relay.request("GET", "/health")[0] == 200
+
+    def test_keep_alive_serves_several_requests_on_one_connection(self, tmp_path):
+        with running(tmp_path, "relay") as relay:
+            conn = http.client.HTTPConnection("127.0.0.1", relay.port, timeout=5)
+            for _ in range(3):
+                conn.request("GET", "/health")
+                resp = conn.getresponse()
+                assert resp.status == 200
+                assert json.loads(resp.read())["data"]["role"] == "relay"
+            conn.close()
+
+    def test_idle_connections_from_one_address_are_capped(self, tmp_path):
+        env = {"SERVICE_RELAY_MAX_IDLE_PER_ADDRESS": "16"}
+        with running(tmp_path, "relay", env=env) as relay:
+            socks = []
+            try:
+                for _ in range(60):
+                    s = socket.socket()
+                    s.settimeout(5)
+                    s.bind(("127.0.0.9", 0))
+                    s.connect(("127.0.0.1", relay.port))
+                    s.sendall(b"GET /hea")  # an incomplete request: slowloris
+                    socks.append(s)
+                started = time.monotonic()
+                assert relay.request("GET", "/health")[0] == 200
+                assert time.monotonic() - started < 1
+                closed = sum(recv_all(s) == b"" for s in socks[:40])
+                assert closed == 40  # the oldest went first
+            finally:
+                for s in socks:
+                    s.close()
+
+    def test_relay_serves_its_own_copy_of_the_web_client(self, pair):
+        relay, _server, setup = pair
+        with urllib.request.urlopen(relay.url + "/", timeout=10) as resp:
+            page = resp.read().decode()
+            csp = resp.headers["Content-Security-Policy"]
+        assert "<title>notesvc</title>" in page
+        assert "connect-src 'self'" in csp
+        assert setup["links"]["connect"]["hosted"] == (
+            f"{relay.url}/?relayCode={setup['pairing']['relayCode']}"
+        )
+
+
+class FakeRelayServer:
+    """A server as the relay sees it: its own token and id, raw relay protocol calls."""
+
+    def __init__(self, relay: Server, source: str = "127.0.0.1"):
+        self.relay, self.source = relay, source
+        self.token = base64.urlsafe_b64encode(os.urandom(32)).decode().rstrip("=")
+        self.server_id = notesvc.relay_server_id(self.token)
+
+    def call(self, method: str, path: str, body=None, token: str | None = None):
+        conn = http.client.HTTPConnection(
+            "127.0.0.1", self.relay.port, timeout=40, source_address=(self.source, 0)
+        )
+        try:
+            headers = {"X-Relay-Token": self.token if token is None else token}
+            payload = None
+            if body is not None:
+                payload = json.dumps(body).encode()
+                headers["Content-Type"] = "application/json"
+            conn.request(method, path, payload, headers)
+            resp = conn.getresponse()
+            raw = resp.read()
+            return resp.status, resp.headers, json.loads(raw) if raw else None
+        finally:
+            conn.close()
+
+    def register(self, server_id: str | None = None) -> int:
+        sid = server_id or self.server_id
+        body = {"token": self.token, "relayCode": "CODE-" + sid[:6].upper()}
+        return self.call("POST", f"/relay/v1/register/{sid}", body)[0]
+
+    def poll(self, server_id: str | None = None):
+        return self.call("GET", f"/relay/v1/poll/{server_id or self.server_id}")
+
+    def open_poll(self) -> socket.socket:
+        """Start a long-poll on a raw socket and leave it waiting."""
+        s = socket.socket()
+        s.settimeout(5)
+        s.bind((self.source, 0))
+        s.connect(("127.0.0.1", self.relay.port))
+        s.sendall(
+            f"GET /relay/v1/poll/{self.server_id} HTTP/1.1\r\nHost: relay\r\n"
+            f"X-Relay-Token: {self.token}\r\n\r\n".encode()
+        )
+        return s
+
+    def reply(self, request_id: str, status: int, headers: list, body: bytes) -> int:
+        answer = {"status": status, "headers": headers, "body": base64.b64encode(body).decode()}
+        return self.call("POST", f"/relay/v1/reply/{self.server_id}/{request_id}", answer)[0]
+
+
+def relay_queued(relay: Server, fake: FakeRelayServer) -> int:
+    return relay.request("GET", "/health")[2]["data"].get("queued", 0)
+
+
+def recv_all(s: socket.socket) -> bytes:
+    """Read until the peer closes (or 5 s pass); b'' when it closed at once."""
+    chunks = []
+    with contextlib.suppress(socket.timeout, ConnectionResetError):
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def relay_raw_get(relay: Server, path: str) -> tuple:
+    """GET on a raw socket; return (head as text, body bytes) exactly as the relay sent them."""
+    with socket.create_connection(("127.0.0.1", relay.port), timeout=10) as s:
+        s.sendall(f"GET {path} HTTP/1.1\r\nHost: relay\r\nConnection: close\r\n\r\n".encode())
+        raw = recv_all(s)
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return head.decode("latin-1"), body
 
 
 # -- the built-in web client, in a real browser ------------------------------------------------
