@@ -4487,13 +4487,22 @@ li span{cursor:pointer}li span:hover{text-decoration:underline}.dir>span{font-we
 #results small{color:#666;display:block}#chat-log{flex:1;overflow:auto;white-space:pre-wrap}
 #chat-log p{margin:.3em 0}.me{color:#234;font-weight:600}#login{max-width:30em;margin:3em auto}
 #login input{width:100%;margin:.5em 0}.err{color:#b00}
+@media (max-width:760px){main{grid-template-columns:minmax(0,1fr);height:auto}
+nav,aside{border:0;border-bottom:1px solid #ddd;max-height:45vh}#editor{min-height:50vh}
+#chat-log{min-height:4em}header input{min-width:0}}
 """
 
 WEB_JS = r"""
 "use strict";
 const $ = (id) => document.getElementById(id);
 const S = window.sessionStorage;
+// Requests, the key included, go only to the origin this page came from: a relayUrl in
+// the query string is ignored, and an API base on another origin is never used.
+function own(url) {
+  try { return new URL(url, location.href).origin === location.origin; }
+  catch (e) { return false; } }
 let base = S.getItem("notesvc.base") || "", key = S.getItem("notesvc.key") || "";
+if (!own(base)) base = "";
 let current = null, etag = null;
 
 function el(tag, text, cls) { const e = document.createElement(tag);
@@ -4504,9 +4513,10 @@ function status(text, bad) {
 const enc = (p) => encodeURIComponent(p);
 
 async function api(method, path, body, headers) {
+  if (!own(base + path)) throw new Error("refused: the API is not on this page's origin");
   const h = Object.assign({"X-Service-Key": key}, headers || {});
   if (body !== undefined) h["Content-Type"] = "application/json";
-  const r = await fetch(base + path, {method, headers: h,
+  const r = await fetch(base + path, {method, headers: h, mode: "same-origin",
     body: body === undefined ? undefined : JSON.stringify(body)});
   let j = null; try { j = await r.json(); } catch (e) { /* not JSON */ }
   return {status: r.status, ok: r.ok, data: j && j.data, error: j && j.error,
@@ -4514,14 +4524,16 @@ async function api(method, path, body, headers) {
 }
 
 async function resolveBase() {
-  const q = new URLSearchParams(location.search);
-  const code = q.get("relayCode");
-  const relay = (q.get("relayUrl") || location.origin).replace(/\/$/, "");
+  const code = new URLSearchParams(location.search).get("relayCode");
   if (!code) return location.origin + "/api/v1";
-  const r = await fetch(relay + "/relay/v1/pair/" + enc(code));
-  const j = await r.json();
-  if (!r.ok) throw new Error(j.error ? j.error.message : "pairing failed");
-  return j.data.relayApiBase;
+  const r = await fetch("/relay/v1/pair/" + enc(code), {mode: "same-origin"});
+  const j = await r.json().catch(() => ({}));
+  if (!r.ok || !j.data) throw new Error(j.error ? j.error.message : "pairing failed");
+  const given = String(j.data.relayApiBase || "").replace(/\/$/, "");
+  if (given && own(given)) return new URL(given, location.href).href.replace(/\/$/, "");
+  const id = String(j.data.serverId || "");  // the server's own relay prefix on this origin
+  if (!/^[A-Za-z0-9_-]{1,64}$/.test(id)) throw new Error("pairing failed");
+  return location.origin + "/r/" + id + "/api/v1";
 }
 
 async function connect() {
@@ -4696,7 +4708,7 @@ def _csp_hash(text: str) -> str:
 WEB_CSP = (
     "default-src 'none'; "
     f"script-src {_csp_hash(WEB_JS)}; style-src {_csp_hash(WEB_CSS)}; "
-    "connect-src 'self' http: https:; img-src 'self' data:; base-uri 'none'; "
+    "connect-src 'self'; img-src 'self' data:; base-uri 'none'; "
     "form-action 'none'; frame-ancestors 'none'"
 )
 

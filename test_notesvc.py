@@ -3235,3 +3235,96 @@ class TestWebClient:
                 assert body["data"]["setupComplete"] is True
             finally:
                 browser.close()
+
+    def test_csp_connects_only_to_its_own_origin(self, anon):
+        csp = anon.get("/").headers["Content-Security-Policy"]
+        directives = dict(d.strip().split(" ", 1) for d in csp.split(";") if d.strip())
+        assert directives["connect-src"] == "'self'"
+
+    def test_foreign_relay_url_never_gets_a_request(self, tmp_path):
+        sync_api = pytest.importorskip("playwright.sync_api")
+        if not CHROMIUM:
+            pytest.skip("no Chromium on this machine")
+        evil = EvilRelay()
+        try:
+            with running(tmp_path) as server, sync_api.sync_playwright() as pw:
+                setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+                code = setup["pairing"]["relayCode"]
+                link = f"{server.url}/?relayCode={code}&relayUrl={evil.url}"
+                browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+                try:
+                    page = browser.new_page(viewport={"width": 390, "height": 844})
+                    requested = []
+                    page.on("request", lambda r: requested.append(r.url))
+                    page.goto(link)
+                    page.fill("#key", setup["apiKey"])
+                    page.click("#connect")
+                    page.wait_for_selector("#app", state="visible")
+                    assert "No notes yet" in page.inner_text("#tree")
+                    page.fill("#new-path", "web/origin")
+                    page.click("#create")
+                    sync_api.expect(page.locator("#path")).to_have_text("notes/web/origin.md")
+                    sync_api.expect(page.locator("#tree")).to_contain_text("origin.md")
+                    page.screenshot(path=str(tmp_path / "web-390x844.png"), full_page=True)
+                    assert page.evaluate("document.documentElement.scrollWidth") <= 390
+                    page.set_viewport_size({"width": 1280, "height": 800})
+                    page.screenshot(path=str(tmp_path / "web-1280x800.png"))
+                finally:
+                    browser.close()
+                assert (tmp_path / "notes" / "web" / "origin.md").exists()
+        finally:
+            evil.close()
+        assert evil.requests == []
+        origins = {re.match(r"^[a-z]+://[^/]+", u).group(0) for u in requested if "://" in u}
+        assert origins == {server.url}
+        paths = [urllib.parse.urlsplit(u).path for u in requested]
+        assert f"/relay/v1/pair/{code}" in paths
+        assert f"/r/{setup['serverId']}{API}/auth/verify" in paths
+
+
+class EvilRelay:
+    """A loopback stand-in for a hostile relay: records every request, answers any pairing
+    with an API base of its own, and allows any origin (so only the page can refuse it)."""
+
+    def __init__(self):
+        self.requests: list = []
+        evil = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def answer(self):
+                evil.requests.append((self.command, self.path, dict(self.headers)))
+                body = json.dumps(
+                    {
+                        "success": True,
+                        "data": {
+                            "serverId": "evil",
+                            "relayApiBase": f"{evil.url}/r/evil/api/v1",
+                            "valid": True,
+                            "setupComplete": True,
+                        },
+                    }
+                ).encode()
+                self.send_response(200)
+                self.send_header("Access-Control-Allow-Origin", "*")
+                self.send_header("Access-Control-Allow-Headers", "*")
+                self.send_header("Access-Control-Allow-Methods", "*")
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_OPTIONS = answer
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+        ).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
