@@ -2203,6 +2203,25 @@ def model_context(found: list, budget: int = CONTEXT_BUDGET) -> str:
     return "\n\n".join(parts) or "(no note matched the question)"
 
 
+def agent_endpoint(base_url: str, path: str, api_key: str = "") -> tuple:
+    """Return (url, headers) for a call to path under an OpenAI-compatible base URL.
+
+    urllib cannot send a `user:pass@` from the URL, so userinfo becomes a Basic
+    credential (an API key, when set, wins as Bearer); a query string stays after the path.
+    """
+    parts = urllib.parse.urlsplit(base_url)
+    userinfo, _, hostport = parts.netloc.rpartition("@")
+    headers = {}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    elif userinfo:
+        user, _, password = userinfo.partition(":")
+        plain = f"{urllib.parse.unquote(user)}:{urllib.parse.unquote(password)}"
+        headers["Authorization"] = "Basic " + base64.b64encode(plain.encode()).decode()
+    full = parts._replace(netloc=hostport, path=parts.path.rstrip("/") + path, fragment="")
+    return urllib.parse.urlunsplit(full), headers
+
+
 @agent_provider(
     "openai",
     model=lambda cfg: cfg.agent_model,
@@ -2210,7 +2229,7 @@ def model_context(found: list, budget: int = CONTEXT_BUDGET) -> str:
 )
 def answer_with_model(svc: Service, question: str, found: list) -> tuple:
     cfg = svc.config
-    headers = {"Authorization": f"Bearer {cfg.agent_api_key}"} if cfg.agent_api_key else {}
+    url, headers = agent_endpoint(cfg.agent_base_url, "/chat/completions", cfg.agent_api_key)
     body = {
         "model": cfg.agent_model,
         "messages": [
@@ -2220,7 +2239,7 @@ def answer_with_model(svc: Service, question: str, found: list) -> tuple:
         "temperature": 0.2,
         "stream": False,
     }
-    answer = post_json(f"{cfg.agent_base_url}/chat/completions", body, headers, cfg.agent_timeout)
+    answer = post_json(url, body, headers, cfg.agent_timeout)
     try:
         reply = answer["choices"][0]["message"]["content"]
     except (KeyError, IndexError, TypeError):
@@ -3914,7 +3933,7 @@ def get_config(svc: Service) -> dict:
         },
         "agent": {
             "provider": cfg.agent_provider,
-            "baseUrl": _strip_userinfo(cfg.agent_base_url),
+            "baseUrl": _redact_url(cfg.agent_base_url),
             "model": cfg.agent_model,
             "timeoutSeconds": cfg.agent_timeout,
             "apiKeySet": bool(cfg.agent_api_key),
@@ -3925,13 +3944,16 @@ def get_config(svc: Service) -> dict:
     }
 
 
-def _strip_userinfo(url: str) -> str:
+def _redact_url(url: str) -> str:
+    """Return url for display: userinfo dropped, query values (which may be keys) hidden."""
     parts = urllib.parse.urlsplit(url)
-    if not parts.username and not parts.password:
-        return url
-    host = parts.hostname or ""
-    netloc = host + (f":{parts.port}" if parts.port else "")
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+    netloc = parts.netloc.rpartition("@")[2]
+    query = "&".join(
+        f"{pair.partition('=')[0]}=…" if "=" in pair else "…"
+        for pair in parts.query.split("&")
+        if pair
+    )
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=query, fragment=""))
 
 
 # -- auth / linking ---------------------------------------------------------------
@@ -4430,7 +4452,7 @@ def security_config(svc: Service) -> dict:
         },
         "agent": {
             "provider": cfg.agent_provider,
-            "endpoint": _strip_userinfo(cfg.agent_base_url),
+            "endpoint": _redact_url(cfg.agent_base_url),
             "apiKeySet": bool(cfg.agent_api_key),
         },
     }

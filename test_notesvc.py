@@ -1823,6 +1823,7 @@ class FakeUpstream:
         ).start()
 
     def answer(self, path: str, body: dict) -> dict:
+        path = path.split("?")[0]
         if path.endswith("/chat/completions"):
             return {
                 "id": "chatcmpl-1",
@@ -2134,6 +2135,47 @@ class TestAgent:
                 assert data(resp)["reply"]
             else:
                 assert_error(resp, 503, "AGENT_DISABLED")
+
+    def test_agent_url_userinfo_becomes_basic_and_secrets_stay_hidden(self, app, upstream):
+        port = upstream.url.rsplit(":", 1)[1]
+        client = app(
+            SERVICE_AGENT_PROVIDER="openai",
+            SERVICE_AGENT_BASE_URL=f"http://user:pa%40ss@127.0.0.1:{port}/v1?token=abc",
+            SERVICE_AGENT_MODEL="m",
+        )
+        d = data(client.post_json(f"{API}/agent/chat", {"message": "where are the spare keys?"}))
+        assert d["reply"] == upstream.reply
+        sent = upstream.requests[-1]
+        assert sent["path"] == "/v1/chat/completions?token=abc"
+        assert (
+            sent["headers"]["Authorization"] == "Basic " + base64.b64encode(b"user:pa@ss").decode()
+        )
+        shown = {
+            "system": data(client.get(f"{API}/system/config"))["agent"]["baseUrl"],
+            "security": data(client.get(f"{API}/security/config"))["agent"]["endpoint"],
+        }
+        for url in shown.values():
+            assert url == f"http://127.0.0.1:{port}/v1?token=…"
+            assert "pa" not in url
+            assert "abc" not in url
+        for path in ("/system/config", "/security/config"):
+            text = client.get(f"{API}{path}").text
+            assert "pa%40ss" not in text
+            assert "pa@ss" not in text
+            assert "abc" not in text
+
+    def test_agent_api_key_wins_over_url_userinfo(self, app, upstream):
+        port = upstream.url.rsplit(":", 1)[1]
+        client = app(
+            SERVICE_AGENT_PROVIDER="openai",
+            SERVICE_AGENT_BASE_URL=f"http://user:pass@127.0.0.1:{port}/v1/",
+            SERVICE_AGENT_MODEL="m",
+            SERVICE_AGENT_API_KEY="sk-wins",
+        )
+        client.post_json(f"{API}/agent/chat", {"message": "keys"})
+        sent = upstream.requests[-1]
+        assert sent["path"] == "/v1/chat/completions"
+        assert sent["headers"]["Authorization"] == "Bearer sk-wins"
 
 
 class TestChannels:
