@@ -2284,7 +2284,9 @@ class ConfigField:
 class ChannelProvider:
     name: str
     fields: tuple  # ConfigField
-    parse: Callable  # (payload) -> [(sender, text)]; text None for an update without text
+    # (payload) -> [(sender, text)] or [(sender, text, sender's display name)]; text None
+    # for an update without text. Plugins' 2-tuples keep working.
+    parse: Callable
     send: Callable | None  # (svc, config, sender, text) -> None; raises UpstreamError
     allow: str = ""  # the config field holding the sender allowlist
     description: str = ""
@@ -2356,7 +2358,15 @@ def parse_telegram(update: dict) -> list:
     if not isinstance(msg, dict) or not isinstance(msg.get("chat"), dict):
         return []
     text = msg.get("text")
-    return [(str(msg["chat"].get("id", "")), text if isinstance(text, str) else None)]
+    person = msg.get("from") if isinstance(msg.get("from"), dict) else msg["chat"]
+    name = person.get("first_name") or person.get("username") or msg["chat"].get("title") or ""
+    return [
+        (
+            str(msg["chat"].get("id", "")),
+            text if isinstance(text, str) else None,
+            name if isinstance(name, str) else "",
+        )
+    ]
 
 
 @channel_sender("telegram")
@@ -2386,12 +2396,19 @@ def parse_whatsapp(payload: dict) -> list:
             value = change.get("value")
             if not isinstance(value, dict):
                 continue
+            names = {
+                str(c.get("wa_id", "")): c["profile"].get("name")
+                for c in _dicts(value.get("contacts"))
+                if isinstance(c.get("profile"), dict)
+            }
             for msg in _dicts(value.get("messages")):
                 body = (
                     msg.get("text", {}).get("body") if isinstance(msg.get("text"), dict) else None
                 )
                 text = body if msg.get("type") == "text" and isinstance(body, str) else None
-                out.append((str(msg.get("from", "")), text))
+                sender = str(msg.get("from", ""))
+                name = names.get(sender)
+                out.append((sender, text, name if isinstance(name, str) else ""))
     return out
 
 
@@ -2433,7 +2450,8 @@ def redact_channel(channel: dict) -> dict:
     config = {
         k: (redact(v) if k in secret_fields and v else v) for k, v in channel["config"].items()
     }
-    return {**channel, "secret": redact(channel["secret"]), "config": config}
+    shown = {k: v for k, v in channel.items() if k != "refusedSenders"}  # GET /channels/:id
+    return {**shown, "secret": redact(channel["secret"]), "config": config}
 
 
 # == Plugins ==================================================================
@@ -4165,6 +4183,11 @@ def _channels(svc: Service) -> list:
     return svc.state.read().get("channels", [])
 
 
+def _printable(text: str, limit: int = 100) -> str:
+    """Return text without control characters, at most limit characters (names, log lines)."""
+    return "".join(ch for ch in str(text) if ch.isprintable())[:limit]
+
+
 def list_channels(svc: Service) -> dict:
     return {"channels": [redact_channel(c) for c in _channels(svc)]}
 
@@ -4177,11 +4200,14 @@ def create_channel(svc: Service) -> dict:
         raise bad_request(f"'provider' must be one of {', '.join(CHANNEL_PROVIDERS)}")
     config = validate_channel_config(provider, body.get("config", {}))
     title = field(body, "name", required=False, max_len=100) or f"{name} channel"
-    base = svc.config.public_url or svc.base_url(bottle.request.environ)
+    env = bottle.request.environ
+    # Through a relay (or this server's own /r/<id> prefix) the hook must go that way too.
+    relayed = env.get("notesvc.relayed") and svc.config.relay_url
+    base = (svc.config.relay_url if relayed else svc.base_url(env)) + env.get("SCRIPT_NAME", "")
     channel = {
         "id": "ch_" + secrets.token_hex(6),
         "provider": name,
-        "name": "".join(ch for ch in title if ch.isprintable()),
+        "name": _printable(title),
         "enabled": True,
         "createdAt": iso(utcnow()),
         "webhookUrl": f"{base}{API}/channels/webhook/{name}",
@@ -4202,6 +4228,43 @@ def _change_channel(svc: Service, channel_id: str, change: Callable) -> dict:
         raise not_found(f"no channel {channel_id}")
 
     return svc.state.update(apply)
+
+
+def get_channel(svc: Service, channel_id: str) -> dict:
+    """Return one channel, redacted, with the last senders its allowlist refused."""
+    for channel in _channels(svc):
+        if channel["id"] == channel_id:
+            return {**redact_channel(channel), "refusedSenders": channel.get("refusedSenders", [])}
+    raise not_found(f"no channel {channel_id}")
+
+
+def patch_channel(svc: Service, channel_id: str) -> dict:
+    """Merge {name?, config?} into a channel (validated as on create; the secret stays)."""
+    body = read_json(svc.config.max_body_bytes)
+    unknown = sorted(set(body) - {"name", "config"})
+    if unknown:
+        raise bad_request(f"unknown field(s): {', '.join(unknown)}; send name and/or config")
+    if not body:
+        raise bad_request("nothing to change: send name and/or config")
+    title = field(body, "name", required=False, max_len=100)
+    if title is not None and not _printable(title).strip():
+        raise bad_request("'name' must not be empty")
+    changes = field(body, "config", dict, required=False)
+
+    def merge(channels: list, i: int) -> dict:
+        channel = channels[i]
+        if changes is not None:
+            provider = CHANNEL_PROVIDERS.get(channel["provider"])
+            if provider is None:
+                raise bad_request(f"channel provider {channel['provider']!r} is not loaded")
+            channel["config"] = validate_channel_config(provider, {**channel["config"], **changes})
+        if title is not None:
+            channel["name"] = _printable(title)
+        return channel
+
+    channel = _change_channel(svc, channel_id, merge)
+    log.info("channel %s changed", channel_id)
+    return redact_channel(channel)
 
 
 def toggle_channel(svc: Service, channel_id: str) -> dict:
@@ -4227,6 +4290,29 @@ def _match_secret(candidates: list, key: str, presented: str) -> dict | None:
     return found
 
 
+REFUSED_KEPT = 10  # refused senders remembered per channel (GET /channels/:id)
+
+
+def refuse_sender(svc: Service, channel: dict, prov: ChannelProvider, sender, name) -> None:
+    """Log and remember a sender the allowlist refused (never the message text)."""
+    sender, name = _printable(sender), _printable(name or "")
+    log.info(
+        "channel %s: refused sender %s%s — add it to config.%s to allow",
+        channel["id"],
+        sender,
+        f" ({name})" if name else "",
+        prov.allow,
+    )
+    entry = {"sender": sender, "name": name, "at": iso(utcnow())}
+
+    def remember(channels: list, i: int) -> None:
+        kept = [r for r in channels[i].get("refusedSenders", []) if r.get("sender") != sender]
+        channels[i]["refusedSenders"] = [*kept, entry][-REFUSED_KEPT:]
+
+    with contextlib.suppress(ApiError):  # the channel was deleted meanwhile
+        _change_channel(svc, channel["id"], remember)
+
+
 def receive_webhook(svc: Service, provider: str) -> dict:
     prov = CHANNEL_PROVIDERS.get(provider)
     if prov is None:
@@ -4247,14 +4333,15 @@ def receive_webhook(svc: Service, provider: str) -> dict:
         raise ApiError(401, "UNAUTHORIZED", "missing or wrong channel secret")
     if not channel["enabled"]:
         raise ApiError(403, "CHANNEL_DISABLED", f"channel {channel['id']} is switched off")
-    messages = [(s, t) for s, t in prov.parse(read_json(svc.config.max_body_bytes)) if t]
+    parsed = prov.parse(read_json(svc.config.max_body_bytes))
+    messages = [(m[0], m[1], m[2] if len(m) > 2 else "") for m in parsed if m[1]]
     if not messages:
         return {"handled": False, "reason": "the update holds no text message"}
     allowed = channel["config"].get(prov.allow) if prov.allow else None
     results = []
-    for sender, text in messages[:5]:
+    for sender, text, name in messages[:5]:
         if allowed and sender not in allowed:
-            log.warning("channel %s: sender not on the allowlist, ignored", channel["id"])
+            refuse_sender(svc, channel, prov, sender, name)
             results.append({"handled": False, "reason": "sender not allowed"})
             continue
         reply = run_command(svc, text.strip())
@@ -4910,6 +4997,29 @@ ROUTES = (
         tag="channels",
     ),
     Route("DELETE", "/channels/<channel_id>", delete_channel, summary="Remove", tag="channels"),
+    Route(
+        "GET",
+        "/channels/<channel_id>",
+        get_channel,
+        summary="One channel (redacted) with the senders its allowlist refused lately",
+        tag="channels",
+    ),
+    Route(
+        "PATCH",
+        "/channels/<channel_id>",
+        patch_channel,
+        summary="Change a channel's name or config keys (validated as on create)",
+        body={
+            "type": "object",
+            "minProperties": 1,
+            "additionalProperties": False,
+            "properties": {
+                "name": {**_STR, "minLength": 1, "maxLength": 100},
+                "config": {"type": "object"},
+            },
+        },
+        tag="channels",
+    ),
     Route("GET", "/plugins", list_plugins, summary="Plugins", tag="plugins"),
     Route("GET", "/plugins/<name>", get_plugin, summary="One plugin (and its page)", tag="plugins"),
     Route("POST", "/plugins/<name>/toggle", toggle_plugin, summary="Switch on/off", tag="plugins"),

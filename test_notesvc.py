@@ -2437,6 +2437,197 @@ class TestChannels:
         ):
             assert secret not in logged
 
+    def test_webhook_url_through_the_relay_prefix_carries_it(self, client):
+        sid = client.app.service.state.read()["serverId"]
+        direct = self.create(client, "web")["webhookUrl"]
+        body = {"provider": "web", "config": {}}
+        ch = data(client.post_json(f"/r/{sid}{API}/channels", body, status=201))
+        assert ch["webhookUrl"] == direct.replace(API, f"/r/{sid}{API}")
+        assert ch["webhookUrl"].endswith(f"/r/{sid}/api/v1/channels/webhook/web")
+        hook = urllib.parse.urlsplit(ch["webhookUrl"]).path
+        anon = webtest.TestApp(client.app)
+        resp = anon.post_json(
+            hook,
+            web_update("when do I plant tomatoes?"),
+            headers={"X-Service-Channel-Secret": ch["secret"]},
+        )
+        assert "Plant tomatoes in May." in data(resp)["reply"]
+
+    def test_webhook_url_through_a_real_relay_carries_the_prefix(self, tmp_path):
+        relay = Server(tmp_path / "relay", "relay", env={"SERVICE_RELAY_TIMEOUT": "5"})
+        server = Server(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url})
+        try:
+            wait_for(lambda: relay_servers(relay) == 1)
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            prefix = f"/r/{setup['serverId']}{API}"
+            key = {"X-Service-Key": setup["apiKey"]}
+            body = {"provider": "web", "config": {}}
+            status, _, answer = relay.request("POST", f"{prefix}/channels", body, key)
+            assert status == 201
+            ch = answer["data"]
+            assert ch["webhookUrl"] == f"{relay.url}{prefix}/channels/webhook/web"
+            hook = ch["webhookUrl"][len(relay.url) :]
+            secret = {"X-Service-Channel-Secret": ch["secret"]}
+            status, _, answer = relay.request("POST", hook, web_update("hello"), secret)
+            assert status == 200
+            assert answer["data"]["handled"] is True
+        finally:
+            server.stop()
+            relay.stop()
+
+    def test_patch_merges_config_and_keeps_the_secret(self, client, upstream, root):
+        ch = self.create(client, "telegram", allowedChatIds=[42])
+        url = f"{API}/channels/{ch['id']}"
+        body = {"name": "Family bot", "config": {"allowedChatIds": [42, "7"]}}
+        changed = data(client.patch_json(url, body))
+        assert changed["name"] == "Family bot"
+        assert changed["config"]["allowedChatIds"] == ["42", "7"]
+        assert changed["config"]["botToken"].startswith("…")
+        assert changed["secret"] == notesvc.redact(ch["secret"])
+        assert ch["secret"] not in json.dumps(changed)
+        assert "ABC-telegram-token" not in json.dumps(changed)
+        assert set(changed) == set(ch)
+        stored = json.loads((root / ".notesvc" / "state.json").read_text())["channels"][0]
+        assert stored["secret"] == ch["secret"]
+        assert stored["config"]["botToken"] == "123456:ABC-telegram-token"
+        # The new sender gets through with the old secret; the name alone changes only it.
+        resp = self.hook(client, "telegram", telegram_update("keys", chat_id=7), ch["secret"])
+        assert data(resp) == {"handled": True, "delivered": True}
+        assert upstream.requests[-1]["path"] == "/bot123456:ABC-telegram-token/sendMessage"
+        again = data(client.patch_json(url, {"name": "Bot"}))
+        assert again["name"] == "Bot"
+        assert again["config"]["allowedChatIds"] == ["42", "7"]
+        assert data(client.get(url))["name"] == "Bot"
+
+    @pytest.mark.parametrize(
+        ("body", "status"),
+        [
+            ({}, 400),
+            ({"secret": "mine"}, 400),
+            ({"enabled": False}, 400),
+            ({"provider": "web"}, 400),
+            ({"config": {"extra": 1}}, 400),
+            ({"config": {"allowedChatIds": "42"}}, 400),
+            ({"config": {"allowedChatIds": [True]}}, 400),
+            ({"config": {"botToken": 5}}, 400),
+            ({"config": {"botToken": ""}}, 400),
+            ({"config": {"botToken": "line\nbreak"}}, 400),
+            ({"config": "token"}, 400),
+            ({"config": []}, 400),
+            ({"name": 5}, 400),
+            ({"name": ""}, 400),
+            ({"name": "x" * 101}, 400),
+            (b'{"name": "x"', 400),
+            (b"[1, 2]", 400),
+            (b"", 400),
+            pytest.param(b'{"name": "' + b"x" * 1_100_000 + b'"}', 413, id="huge-body"),
+        ],
+    )
+    def test_patch_validation(self, client, root, body, status):
+        ch = self.create(client, "telegram", allowedChatIds=[42])
+        url = f"{API}/channels/{ch['id']}"
+        state = root / ".notesvc" / "state.json"
+        before = json.loads(state.read_text())["channels"]
+        if isinstance(body, bytes):
+            resp = client.patch(url, body, content_type="application/json", status=status)
+        else:
+            resp = client.patch_json(url, body, status=status)
+        assert_error(resp, status, "VALIDATION_ERROR" if status == 400 else "PAYLOAD_TOO_LARGE")
+        assert json.loads(state.read_text())["channels"] == before
+        assert ch["secret"] not in resp.text
+
+    def test_patch_and_get_of_an_unknown_channel_are_404(self, client):
+        for resp in (
+            client.patch_json(f"{API}/channels/ch_nope", {"name": "x"}, status=404),
+            client.get(f"{API}/channels/ch_nope", status=404),
+        ):
+            assert_error(resp, 404, "NOT_FOUND")
+        resp = client.patch(f"{API}/channels/ch_nope", "x", content_type="text/plain", status=415)
+        assert_error(resp, 415, "UNSUPPORTED_MEDIA_TYPE")
+        anon = webtest.TestApp(client.app)
+        ch = self.create(client, "web")
+        for method in ("GET", "PATCH"):
+            resp = anon.request(f"{API}/channels/{ch['id']}", method=method, status=401)
+            assert_error(resp, 401, "UNAUTHORIZED")
+
+    def test_get_shows_refused_senders_and_the_log_names_them(self, client, upstream, caplog):
+        caplog.set_level("INFO", logger="notesvc")
+        ch = self.create(client, "telegram", allowedChatIds=[42])
+        url = f"{API}/channels/{ch['id']}"
+        fresh = data(client.get(url))
+        assert fresh["refusedSenders"] == []
+        assert fresh["secret"] == notesvc.redact(ch["secret"])
+        assert fresh["config"]["botToken"].startswith("…")
+        assert ch["secret"] not in json.dumps(fresh)
+        update = telegram_update("the secret diary text", chat_id=666)
+        update["message"]["from"]["first_name"] = "Mallory"
+        resp = self.hook(client, "telegram", update, ch["secret"])
+        assert data(resp) == {"handled": False, "reason": "sender not allowed"}
+        refused = data(client.get(url))["refusedSenders"]
+        assert [(r["sender"], r["name"]) for r in refused] == [("666", "Mallory")]
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z", refused[0]["at"])
+        logged = [r for r in caplog.records if "refused sender" in r.getMessage()]
+        assert [r.levelname for r in logged] == ["INFO"]
+        assert logged[0].getMessage() == (
+            f"channel {ch['id']}: refused sender 666 (Mallory) — "
+            "add it to config.allowedChatIds to allow"
+        )
+        everything = "\n".join(r.getMessage() for r in caplog.records)
+        assert "secret diary" not in everything
+        # Listings stay as they were; the refused senders survive a toggle and a PATCH.
+        assert "refusedSenders" not in data(client.get(f"{API}/channels"))["channels"][0]
+        client.post(f"{API}/channels/{ch['id']}/toggle")
+        client.post(f"{API}/channels/{ch['id']}/toggle")
+        client.patch_json(url, {"name": "renamed"})
+        assert data(client.get(url))["refusedSenders"] == refused
+        assert upstream.requests == []
+
+    def test_refused_senders_keep_the_last_ten_distinct(self, client):
+        ch = self.create(client, "telegram", allowedChatIds=[42])
+        for chat_id in [*range(1000, 1012), 1003]:
+            self.hook(client, "telegram", telegram_update("hi", chat_id=chat_id), ch["secret"])
+        refused = data(client.get(f"{API}/channels/{ch['id']}"))["refusedSenders"]
+        # 1000 and 1001 fell off; 1003 wrote again and moved to the end, once.
+        assert [r["sender"] for r in refused] == [str(i) for i in (1002, *range(1004, 1012), 1003)]
+
+    def test_whatsapp_refused_sender_has_the_contact_name(self, client, upstream):
+        ch = self.create(client, "whatsapp", allowedNumbers=["15551234567"])
+        self.hook(client, "whatsapp", whatsapp_update("hi", number="15550000000"), ch["secret"])
+        refused = data(client.get(f"{API}/channels/{ch['id']}"))["refusedSenders"]
+        assert [(r["sender"], r["name"]) for r in refused] == [("15550000000", "Ada")]
+        assert upstream.requests == []
+
+    def test_plugin_provider_parsing_pairs_still_works(self, make_app, root):
+        plugins = root / ".notesvc" / "plugins"
+        plugins.mkdir(parents=True)
+        (plugins / "pigeon.py").write_text(
+            "import notesvc\n"
+            "@notesvc.channel_provider('pigeon', (notesvc.ConfigField('allowedBirds', 'list'),),\n"
+            "                          allow='allowedBirds')\n"
+            "def parse(payload):\n"
+            "    return [(str(payload.get('bird', '')), payload.get('text'))]\n"
+            "PLUGIN = notesvc.Plugin(name='pigeon', description='carrier pigeons')\n"
+        )
+        try:
+            client = with_key(make_app())
+            body = {"provider": "pigeon", "config": {"allowedBirds": ["rex"]}}
+            ch = data(client.post_json(f"{API}/channels", body, status=201))
+            anon = webtest.TestApp(client.app)
+            hook = f"{API}/channels/webhook/pigeon"
+            secret = {"X-Service-Channel-Secret": ch["secret"]}
+            ok = data(anon.post_json(hook, {"bird": "rex", "text": "/save seed"}, headers=secret))
+            assert ok["handled"] is True
+            no = data(anon.post_json(hook, {"bird": "crow", "text": "hi"}, headers=secret))
+            assert no == {"handled": False, "reason": "sender not allowed"}
+            refused = data(client.get(f"{API}/channels/{ch['id']}"))["refusedSenders"]
+            assert [(r["sender"], r["name"]) for r in refused] == [("crow", "")]
+            changed = client.patch_json(
+                f"{API}/channels/{ch['id']}", {"config": {"allowedBirds": ["crow"]}}
+            )
+            assert data(changed)["config"]["allowedBirds"] == ["crow"]
+        finally:
+            notesvc.CHANNEL_PROVIDERS.pop("pigeon", None)
+
 
 # -- JWT ----------------------------------------------------------------------------------
 
