@@ -3514,6 +3514,35 @@ class TestWebClient:
         assert f"/relay/v1/pair/{code}" in paths
         assert f"/r/{setup['serverId']}{API}/auth/verify" in paths
 
+    def test_page_on_the_server_stays_there_when_the_relay_is_elsewhere(self, tmp_path):
+        sync_api = pytest.importorskip("playwright.sync_api")
+        if not CHROMIUM:
+            pytest.skip("no Chromium on this machine")
+        relay = Server(tmp_path / "relay", "relay")
+        server = Server(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url})
+        try:
+            wait_for(lambda: relay_servers(relay) == 1)
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            assert setup["links"]["relayApiBase"].startswith(relay.url)
+            with sync_api.sync_playwright() as pw:
+                browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+                try:
+                    page = browser.new_page()
+                    requested = []
+                    page.on("request", lambda r: requested.append(r.url))
+                    page.goto(f"{server.url}/?relayCode={setup['pairing']['relayCode']}")
+                    page.fill("#key", setup["apiKey"])
+                    page.click("#connect")
+                    page.wait_for_selector("#app", state="visible")
+                    assert "No notes yet" in page.inner_text("#tree")
+                finally:
+                    browser.close()
+        finally:
+            server.stop()
+            relay.stop()
+        assert {u.startswith(server.url + "/") for u in requested} == {True}
+        assert f"{server.url}/r/{setup['serverId']}{API}/folders/tree" in requested
+
 
 class EvilRelay:
     """A loopback stand-in for a hostile relay: records every request, answers any pairing
