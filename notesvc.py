@@ -1118,6 +1118,8 @@ MAX_QUERY_CHARS = 512
 MAX_PREFIX_TERMS = 64  # expansions of one prefix* (most frequent first)
 SNIPPET_CHARS = 240
 
+# -- text analysis ------------------------------------------------------------
+
 _WORD_RE = re.compile(r"\w+")
 _ASCII_WORD_RE = re.compile(r"\w+", re.ASCII)  # the same tokens on ASCII text, faster
 _MARKS_RE = re.compile("[\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe2f]")
@@ -1214,6 +1216,18 @@ def tokenize(text: str) -> list:
     return [stem(w) for w in _WORD_RE.findall(fold(text))]
 
 
+# -- BM25 ---------------------------------------------------------------------
+#
+# A note's score for a query is the sum, over the query's terms and the two fields
+# (body, title), of  bm25_weight(N, df, field) * bm25_tf(tf, dl, avgdl):
+#   N      notes in the index          df     notes whose field holds the term
+#   tf     the term's count in the field   dl     the field's length in tokens
+#   avgdl  the field's average length over all notes
+# The index stores bm25_tf per posting (its "impact"); the weight is computed per query.
+
+FIELD_WEIGHTS = {"body": 1.0, "title": TITLE_WEIGHT}
+
+
 def bm25_idf(n_docs: int, df: int) -> float:
     """Lucene's always-positive inverse document frequency."""
     return math.log(1.0 + (n_docs - df + 0.5) / (df + 0.5))
@@ -1228,7 +1242,12 @@ def bm25_tf(tf: float, dl: float, avgdl: float) -> float:
     return tf * (K1 + 1.0) / (tf + K1 * (1.0 - B + B * dl / max(avgdl, 1.0)))
 
 
-Doc = collections.namedtuple("Doc", "path size mtime title text toks title_toks")
+def bm25_weight(n_docs: int, df: int, field: str = "body") -> float:
+    """Return a term's weight in one field: the field's weight times the term's IDF."""
+    return FIELD_WEIGHTS[field] * bm25_idf(n_docs, df)
+
+
+# -- the query language -------------------------------------------------------
 
 
 class Query:
@@ -1290,6 +1309,87 @@ class Query:
         if not stems:
             return None
         return ("word", stems[0]) if len(stems) == 1 else ("phrase", stems)
+
+
+# -- snippets -----------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=256)
+def _skip_tokens(n: int, ascii_only: bool) -> re.Pattern:
+    return re.compile(r"\W*(?:\w+\W+){" + str(n) + "}", re.ASCII if ascii_only else 0)
+
+
+def _token_offset(text: str, k: int) -> int | None:
+    """Return where token k (0-based) of text starts, skipping tokens in C-level steps."""
+    pos, ascii_only = 0, text.isascii()
+    while k > 0:
+        n = min(k, 100)
+        m = _skip_tokens(n, ascii_only).match(text, pos)
+        if m is None:
+            return None
+        pos, k = m.end(), k - n
+    m = _WORD_RE.search(text, pos)
+    return m.start() if m else None
+
+
+def _snippet(text: str, toks: str, needles: list) -> str:
+    """Return up to SNIPPET_CHARS of the body around the first match of the best needle."""
+    index = -1
+    for needle in needles:
+        index = toks.find(needle)
+        if index >= 0:
+            break
+    start = 0
+    at = _token_offset(text, index) if index > 0 else None
+    if at is not None:
+        start = max(0, at - 60)
+        while start > 0 and not text[start - 1].isspace() and at - start < 90:
+            start -= 1
+    end = start + SNIPPET_CHARS + 40
+    window = " ".join(text[start:end].split())
+    lead = "…" if start > 0 else ""
+    room = SNIPPET_CHARS - len(lead)
+    if len(window) > room or end < len(text):
+        cut = window[: room - 1]
+        cut = cut.rsplit(" ", 1)[0] if " " in cut[20:] else cut
+        return lead + cut + "…"
+    return lead + window
+
+
+# -- the index ----------------------------------------------------------------
+
+Doc = collections.namedtuple("Doc", "path size mtime title text toks title_toks")
+
+
+_OVERFLOW = "\xff"  # the term char of stems past the last code point (not indexed)
+_APPEND = array.array.append
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
+_TOKS, _TITLE_TOKS = operator.attrgetter("toks"), operator.attrgetter("title_toks")
+_PTT = operator.attrgetter("path", "title", "text")
+
+
+def _term_char_of(n: int) -> str:
+    """Return the term char of term number n (U+0100 upward, surrogates skipped)."""
+    cp = 0x100 + n
+    if cp >= 0xD800:
+        cp += 0x800
+    return chr(cp) if cp <= 0x10FFFF else _OVERFLOW
+
+
+def _union_ids(comps: list) -> set:
+    ids: set = set()
+    for _, arr, _ in comps:
+        ids.update(arr)
+    return ids
+
+
+def _impact_of(comp: tuple, d: int):
+    """Return weight * impact of doc d in a component, or None when d is not in it."""
+    weight, ids, imps = comp
+    i = bisect.bisect_left(ids, d)
+    if i < len(ids) and ids[i] == d:
+        return weight * imps[i]
+    return None
 
 
 class SearchIndex:
@@ -1478,6 +1578,44 @@ class SearchIndex:
             if doc is not None:
                 self._post(d, doc, fresh=True)  # ascending ids: appending keeps lists sorted
 
+    def _fields(self) -> tuple:
+        return (("body", self.body), ("title", self.title))
+
+    # -- reading: what plugins and providers may ask (they never touch the lock) ---------
+
+    def title_of(self, path: str) -> str | None:
+        """Return the indexed title of a note, None when it is not indexed."""
+        with self._lock:
+            d = self.ids.get(path)
+            return None if d is None else self.docs[d].title
+
+    def paths(self) -> list:
+        """Return the indexed note paths."""
+        with self._lock:
+            return list(self.ids)
+
+    def documents(self) -> tuple:
+        """Return (generation, [(path, title, text)]): a snapshot to compute from unlocked."""
+        with self._lock:
+            return self.generation, [(d.path, d.title, d.text) for d in self.docs if d]
+
+    def terms_of_stems(self, stems: Iterable[str]) -> list:
+        """Return the term chars of the stems that are in the index."""
+        with self._lock:
+            chars = map(self.term_chars.get, stems)
+            return [c for c in chars if c]
+
+    def terms_of_words(self, words: Iterable[str]) -> set:
+        """Return the term chars of folded words that are in the index."""
+        with self._lock:
+            return {self.surfaces[w] for w in words if w in self.surfaces}
+
+    def body_idf(self, terms: Iterable[str]) -> dict:
+        """Return {term char: its IDF in note bodies}."""
+        with self._lock:
+            n = max(len(self.ids), 1)
+            return {t: bm25_idf(n, len(self.body.get(t, ((),))[0])) for t in terms}
+
     # -- state -------------------------------------------------------------------------
 
     def signature(self) -> dict:
@@ -1510,10 +1648,10 @@ class SearchIndex:
         """Return the scoring components of a term char: (weight * idf, ids, impacts)."""
         n = len(self.ids)
         out = []
-        for table, weight in ((self.body, 1.0), (self.title, TITLE_WEIGHT)):
+        for field, table in self._fields():
             entry = table.get(term)
             if entry:
-                out.append((weight * bm25_idf(n, len(entry[0])), entry[0], entry[1]))
+                out.append((bm25_weight(n, len(entry[0]), field), entry[0], entry[1]))
         return out
 
     def _chars(self, stems: list) -> str:
@@ -1583,7 +1721,7 @@ class SearchIndex:
         return sorted(set(needles), key=rarity)
 
     def search_any(self, terms: list, limit: int) -> list:
-        """Return the top (id, score) of notes holding any of terms (natural-language search).
+        """Return the top (path, title, text, score) of notes holding any of terms.
 
         A term in more than half the notes carries no weight, like a stopword.
         """
@@ -1591,14 +1729,15 @@ class SearchIndex:
             n = len(self.ids)
             scores: dict = collections.defaultdict(float)
             for term in terms:
-                for table, weight in ((self.body, 1.0), (self.title, TITLE_WEIGHT)):
+                for field, table in self._fields():
                     entry = table.get(term)
                     if not entry or (n >= 20 and len(entry[0]) > n // 2):
                         continue
-                    w = weight * bm25_idf(n, len(entry[0]))
+                    w = bm25_weight(n, len(entry[0]), field)
                     for d, imp in zip(*entry):
                         scores[d] += w * imp
-            return heapq.nlargest(limit, scores.items(), key=_SECOND)
+            top = heapq.nlargest(limit, scores.items(), key=_SECOND)
+            return [(*_PTT(self.docs[d]), score) for d, score in top]
 
     def _top_single(self, term: str | None, k: int) -> tuple:
         body = self.body.get(term) if term else None
@@ -1610,15 +1749,15 @@ class SearchIndex:
         total = 0
         if body:
             ids, imps = body
-            w = bm25_idf(n, len(ids))
+            w = bm25_weight(n, len(ids))
             total = len(ids)
             extra = len(title[0]) if title else 0
             for i in heapq.nlargest(k + extra, range(len(ids)), key=imps.__getitem__):
                 scores[ids[i]] = w * imps[i]
         if title:
             ids, imps = title
-            w = TITLE_WEIGHT * bm25_idf(n, len(ids))
-            body_comp = (bm25_idf(n, len(body[0])), *body) if body else None
+            w = bm25_weight(n, len(ids), "title")
+            body_comp = (bm25_weight(n, len(body[0])), *body) if body else None
             for d, imp in zip(ids, imps):
                 base = scores.get(d)
                 if base is None:
@@ -1667,81 +1806,8 @@ class SearchIndex:
 
     # -- persistence ---------------------------------------------------------------------
 
-    def save(self, path: Path) -> None:
-        """Write the index to path atomically: a pickle of plain data, then raw arrays.
 
-        Streamed to the file, so saving builds no large temporary objects.
-        """
-
-        def write(f) -> None:
-            meta = {
-                "format": INDEX_FORMAT,
-                "docs": [tuple(doc) if doc else None for doc in self.docs],
-                "avg_used": self.avg_used,
-                "terms": self.terms,
-                "surfaces": self.surfaces,
-                "tables": [
-                    (
-                        "".join(table),
-                        array.array("i", map(len, map(_FIRST, table.values()))).tobytes(),
-                    )
-                    for table in (self.body, self.title)
-                ],
-            }
-            pickle.dump(meta, f, protocol=pickle.HIGHEST_PROTOCOL)
-            for table in (self.body, self.title):
-                for ids, imps in table.values():
-                    ids.tofile(f)
-                    imps.tofile(f)
-
-        with self._lock:
-            atomic_write(path, write, mode=0o600)
-
-    @classmethod
-    def load(cls, path: Path) -> SearchIndex:
-        """Return the index stored at path; ValueError when it is missing, old or corrupt."""
-        try:
-            with open(path, "rb") as f:
-                meta = _PlainUnpickler(f).load()
-                if not isinstance(meta, dict) or meta.get("format") != INDEX_FORMAT:
-                    raise ValueError("an index cache of another format")
-                index = cls()
-                for terms, raw_lengths in meta["tables"]:
-                    lengths = array.array("i")
-                    lengths.frombytes(raw_lengths)
-                    if len(terms) != len(lengths):
-                        raise ValueError("postings table header does not add up")
-                    table = {}
-                    for term, n in zip(terms, lengths):
-                        ids, imps = array.array("i"), array.array("f")
-                        ids.fromfile(f, n)  # EOFError when the file was cut short
-                        imps.fromfile(f, n)
-                        table[term] = (ids, imps)
-                    if index.body:
-                        index.title = table
-                    else:
-                        index.body = table
-                if f.read(1):
-                    raise ValueError("trailing bytes")
-            for d, item in enumerate(meta["docs"]):
-                doc = Doc(*item) if item else None
-                index.docs.append(doc)
-                if doc is None:
-                    index.free.append(d)
-                else:
-                    index.ids[doc.path] = d
-                    index.body_len += len(doc.toks)
-                    index.title_len += len(doc.title_toks)
-            index.terms = list(meta["terms"])
-            index.term_chars = {t: _term_char_of(i) for i, t in enumerate(index.terms)}
-            index.surfaces = dict(meta["surfaces"])
-            index.avg_used = tuple(meta["avg_used"])
-            index._sorted_stale = True
-            return index
-        except FileNotFoundError:
-            raise ValueError("no index cache") from None
-        except Exception as e:  # a cache is never trusted: any damage means a rebuild
-            raise ValueError(f"unusable index cache ({type(e).__name__}: {e})") from None
+# -- persistence --------------------------------------------------------------
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -1751,76 +1817,81 @@ class _PlainUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in an index cache")
 
 
-def _union_ids(comps: list) -> set:
-    ids: set = set()
-    for _, arr, _ in comps:
-        ids.update(arr)
-    return ids
+def save_index(index: SearchIndex, path: Path) -> None:
+    """Write the index to path atomically: a pickle of plain data, then raw arrays.
+
+    Streamed to the file, so saving builds no large temporary objects.
+    """
+
+    def write(f) -> None:
+        meta = {
+            "format": INDEX_FORMAT,
+            "docs": [tuple(doc) if doc else None for doc in index.docs],
+            "avg_used": index.avg_used,
+            "terms": index.terms,
+            "surfaces": index.surfaces,
+            "tables": [
+                (
+                    "".join(table),
+                    array.array("i", map(len, map(_FIRST, table.values()))).tobytes(),
+                )
+                for table in (index.body, index.title)
+            ],
+        }
+        pickle.dump(meta, f, protocol=pickle.HIGHEST_PROTOCOL)
+        for table in (index.body, index.title):
+            for ids, imps in table.values():
+                ids.tofile(f)
+                imps.tofile(f)
+
+    with index._lock:
+        atomic_write(path, write, mode=0o600)
 
 
-def _impact_of(comp: tuple, d: int):
-    """Return weight * impact of doc d in a component, or None when d is not in it."""
-    weight, ids, imps = comp
-    i = bisect.bisect_left(ids, d)
-    if i < len(ids) and ids[i] == d:
-        return weight * imps[i]
-    return None
-
-
-_OVERFLOW = "\xff"  # the term char of stems past the last code point (not indexed)
-_APPEND = array.array.append
-_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
-_TOKS, _TITLE_TOKS = operator.attrgetter("toks"), operator.attrgetter("title_toks")
-
-
-def _term_char_of(n: int) -> str:
-    """Return the term char of term number n (U+0100 upward, surrogates skipped)."""
-    cp = 0x100 + n
-    if cp >= 0xD800:
-        cp += 0x800
-    return chr(cp) if cp <= 0x10FFFF else _OVERFLOW
-
-
-@functools.lru_cache(maxsize=256)
-def _skip_tokens(n: int, ascii_only: bool) -> re.Pattern:
-    return re.compile(r"\W*(?:\w+\W+){" + str(n) + "}", re.ASCII if ascii_only else 0)
-
-
-def _token_offset(text: str, k: int) -> int | None:
-    """Return where token k (0-based) of text starts, skipping tokens in C-level steps."""
-    pos, ascii_only = 0, text.isascii()
-    while k > 0:
-        n = min(k, 100)
-        m = _skip_tokens(n, ascii_only).match(text, pos)
-        if m is None:
-            return None
-        pos, k = m.end(), k - n
-    m = _WORD_RE.search(text, pos)
-    return m.start() if m else None
-
-
-def _snippet(text: str, toks: str, needles: list) -> str:
-    """Return up to SNIPPET_CHARS of the body around the first match of the best needle."""
-    index = -1
-    for needle in needles:
-        index = toks.find(needle)
-        if index >= 0:
-            break
-    start = 0
-    at = _token_offset(text, index) if index > 0 else None
-    if at is not None:
-        start = max(0, at - 60)
-        while start > 0 and not text[start - 1].isspace() and at - start < 90:
-            start -= 1
-    end = start + SNIPPET_CHARS + 40
-    window = " ".join(text[start:end].split())
-    lead = "…" if start > 0 else ""
-    room = SNIPPET_CHARS - len(lead)
-    if len(window) > room or end < len(text):
-        cut = window[: room - 1]
-        cut = cut.rsplit(" ", 1)[0] if " " in cut[20:] else cut
-        return lead + cut + "…"
-    return lead + window
+def load_index(path: Path) -> SearchIndex:
+    """Return the index stored at path; ValueError when it is missing, old or corrupt."""
+    try:
+        with open(path, "rb") as f:
+            meta = _PlainUnpickler(f).load()
+            if not isinstance(meta, dict) or meta.get("format") != INDEX_FORMAT:
+                raise ValueError("an index cache of another format")
+            index = SearchIndex()
+            for terms, raw_lengths in meta["tables"]:
+                lengths = array.array("i")
+                lengths.frombytes(raw_lengths)
+                if len(terms) != len(lengths):
+                    raise ValueError("postings table header does not add up")
+                table = {}
+                for term, n in zip(terms, lengths):
+                    ids, imps = array.array("i"), array.array("f")
+                    ids.fromfile(f, n)  # EOFError when the file was cut short
+                    imps.fromfile(f, n)
+                    table[term] = (ids, imps)
+                if index.body:
+                    index.title = table
+                else:
+                    index.body = table
+            if f.read(1):
+                raise ValueError("trailing bytes")
+        for d, item in enumerate(meta["docs"]):
+            doc = Doc(*item) if item else None
+            index.docs.append(doc)
+            if doc is None:
+                index.free.append(d)
+            else:
+                index.ids[doc.path] = d
+                index.body_len += len(doc.toks)
+                index.title_len += len(doc.title_toks)
+        index.terms = list(meta["terms"])
+        index.term_chars = {t: _term_char_of(i) for i, t in enumerate(index.terms)}
+        index.surfaces = dict(meta["surfaces"])
+        index.avg_used = tuple(meta["avg_used"])
+        index._sorted_stale = True
+        return index
+    except FileNotFoundError:
+        raise ValueError("no index cache") from None
+    except Exception as e:  # a cache is never trusted: any damage means a rebuild
+        raise ValueError(f"unusable index cache ({type(e).__name__}: {e})") from None
 
 
 # == State and auth ===========================================================
@@ -2094,8 +2165,7 @@ def post_json(url: str, body: dict, headers: dict | None = None, timeout: float 
 def question_terms(index: SearchIndex, question: str) -> list:
     """Return the index terms of a natural-language question (stopwords dropped)."""
     words = [w for w in _WORD_RE.findall(fold(question)) if w not in STOPWORDS]
-    chars = (index.term_chars.get(stem(w)) for w in dict.fromkeys(words))
-    return [c for c in chars if c]
+    return index.terms_of_stems(stem(w) for w in dict.fromkeys(words))
 
 
 _SENTENCE_RE = re.compile(r"(?<=[.!?])\s+|\n+")
@@ -2103,8 +2173,7 @@ _SENTENCE_RE = re.compile(r"(?<=[.!?])\s+|\n+")
 
 def best_passages(index: SearchIndex, text: str, terms: list, keep: int = 2) -> list:
     """Return up to `keep` sentences of text that hold the most (and rarest) query terms."""
-    n = max(len(index.ids), 1)
-    weight = {t: bm25_idf(n, len(index.body.get(t, ((),))[0])) for t in terms}
+    weight = index.body_idf(terms)
     scored = []
     for i, sentence in enumerate(_SENTENCE_RE.split(text)):
         sentence = sentence.strip()
@@ -2112,8 +2181,7 @@ def best_passages(index: SearchIndex, text: str, terms: list, keep: int = 2) -> 
         sentence = sentence.lstrip("#").strip()
         if not sentence:
             continue
-        words = set(_WORD_RE.findall(fold(sentence)))
-        present = {index.surfaces.get(w) for w in words} & weight.keys()
+        present = index.terms_of_words(set(_WORD_RE.findall(fold(sentence)))) & weight.keys()
         if present:
             scored.append((heading, -sum(weight[t] for t in present), i, sentence))
     scored.sort()
@@ -2129,20 +2197,18 @@ def _clip(text: str, limit: int) -> str:
 def retrieve(svc: Service, question: str, note: str | None, limit: int = 3) -> list:
     """Return [(path, title, [passages])]: the note asked about first, then the best hits."""
     index = svc.index
-    with index._lock:
-        terms = question_terms(index, question)
-        found = []
-        if note:
-            rec = svc.notes.get(note)
-            passages = best_passages(index, rec["content"], terms) or [
-                _clip(" ".join(rec["content"].split()), 600)
-            ]
-            found.append((note, rec["title"], passages))
-        for d, _ in index.search_any(terms, limit):
-            doc = index.docs[d]
-            if doc.path != note:
-                found.append((doc.path, doc.title, best_passages(index, doc.text, terms)))
-        return found
+    terms = question_terms(index, question)
+    found = []
+    if note:
+        rec = svc.notes.get(note)
+        passages = best_passages(index, rec["content"], terms) or [
+            _clip(" ".join(rec["content"].split()), 600)
+        ]
+        found.append((note, rec["title"], passages))
+    for path, title, text, _ in index.search_any(terms, limit):
+        if path != note:
+            found.append((path, title, best_passages(index, text, terms)))
+    return found
 
 
 # -- agent providers ------------------------------------------------------------------
@@ -3627,7 +3693,7 @@ class Service:
 
     def _open_index(self) -> SearchIndex:
         try:
-            index = SearchIndex.load(self.index_path)
+            index = load_index(self.index_path)
             log.info("index cache loaded: %d notes", len(index.ids))
             return index
         except ValueError as e:
@@ -3715,7 +3781,7 @@ class Service:
                 return False
             generation = self.index.generation
             try:
-                self.index.save(self.index_path)
+                save_index(self.index, self.index_path)
             except OSError as e:
                 log.warning("could not save the index cache: %s", e)
                 return False
