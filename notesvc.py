@@ -159,6 +159,27 @@ def _path(raw: str) -> Path:
     return Path(raw.strip() or ".").expanduser()
 
 
+LOOPBACK_NETS = ("127.0.0.0/8", "::1/128")
+
+
+def _proxies(raw: str) -> tuple:
+    """Parse SERVICE_TRUST_PROXY: false, true (a proxy on loopback) or proxy addresses."""
+    word = raw.strip().lower()
+    if word in ("0", "false", "no", "off", ""):
+        return ()
+    if word in ("1", "true", "yes", "on"):
+        return LOOPBACK_NETS
+    nets = []
+    for item in raw.split(","):
+        item = item.strip()
+        if item:
+            try:  # an address or a network (10.0.0.0/8); kept as text for the records
+                nets.append(str(ipaddress.ip_network(item.strip("[]"), strict=False)))
+            except ValueError:
+                raise ValueError(f"{item!r} is not true, false or a proxy's IP address") from None
+    return tuple(nets)
+
+
 def _log_level(raw: str) -> str:
     return _choice("debug", "info", "warning", "error")(raw).upper()
 
@@ -188,7 +209,14 @@ SETTINGS = (
     Setting("jwt_secret", "SERVICE_JWT_SECRET", "", "", str, "HS256 secret for jwt mode"),
     Setting("cors", "SERVICE_CORS_ORIGINS", "--cors", "", _origins, "allowed CORS origins"),
     Setting("public_url", "SERVICE_PUBLIC_URL", "--public-url", "", _url, "canonical URL"),
-    Setting("trust_proxy", "SERVICE_TRUST_PROXY", "", "false", _bool, "trust X-Forwarded-*"),
+    Setting(
+        "trust_proxy",
+        "SERVICE_TRUST_PROXY",
+        "",
+        "false",
+        _proxies,
+        "honour X-Forwarded-* from these proxies: true (loopback) or addresses",
+    ),
     Setting(
         "setup_local_only",
         "SERVICE_SETUP_LOCAL_ONLY",
@@ -248,6 +276,22 @@ SETTINGS = (
     Setting("plugins_dir", "SERVICE_PLUGINS_DIR", "", "", _text, "third-party plugins folder"),
     Setting("threads", "SERVICE_THREADS", "", "8", _int_range(1, 256), "waitress threads"),
     Setting(
+        "max_connections",
+        "SERVICE_MAX_CONNECTIONS",
+        "",
+        "500",
+        _int_range(16, 100000),
+        "open connections (at the cap the oldest idle one is closed)",
+    ),
+    Setting(
+        "idle_timeout",
+        "SERVICE_IDLE_TIMEOUT",
+        "",
+        "30",
+        _int_range(1, 3600),
+        "seconds an idle or incomplete connection is kept",
+    ),
+    Setting(
         "relay_max_servers",
         "SERVICE_RELAY_MAX_SERVERS",
         "",
@@ -284,7 +328,7 @@ class Config:
     jwt_secret: str = ""
     cors: tuple = ()
     public_url: str = ""
-    trust_proxy: bool = False
+    trust_proxy: tuple = ()  # networks of trusted proxies, as text
     setup_local_only: bool = False
     pairing: str = "relay"
     relay_url: str = ""
@@ -301,6 +345,8 @@ class Config:
     rescan_seconds: int = 5
     plugins_dir: str = ""
     threads: int = 8
+    max_connections: int = 500
+    idle_timeout: int = 30
     relay_max_servers: int = 1000
     relay_max_queue: int = 32
     relay_timeout: float = 30.0
@@ -554,23 +600,100 @@ def is_loopback(addr: str) -> bool:
         return False
 
 
+_UNPRINTABLE_RE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def log_safe(text: str, limit: int = 1024) -> str:
+    """Return text for one log line: control characters escaped (no forged lines), clipped."""
+    return _UNPRINTABLE_RE.sub(lambda m: ascii(m.group())[1:-1], text[:limit])
+
+
+def ip_of(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """Return the IP address in "1.2.3.4", "1.2.3.4:80", "::1" or "[::1]:80", else None."""
+    text = text.strip()
+    if text.startswith("[") and "]" in text:
+        text = text[1 : text.index("]")]
+    elif text.count(":") == 1:
+        text = text.split(":")[0]
+    try:
+        ip = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    return (ip.ipv4_mapped or ip) if ip.version == 6 else ip
+
+
+@functools.lru_cache(maxsize=16)
+def _networks(nets: tuple) -> tuple:
+    return tuple(ipaddress.ip_network(n) for n in nets)
+
+
+def is_trusted_proxy(config: Config, addr: str) -> bool:
+    ip = ip_of(addr)
+    return ip is not None and any(ip in net for net in _networks(config.trust_proxy))
+
+
+def behind_trusted_proxy(config: Config, environ: dict) -> bool:
+    """Return whether X-Forwarded-* count: the direct peer is a proxy the operator trusts.
+
+    Decided here rather than by the WSGI server, so it holds under any of them; a
+    request that came through the relay never counts (its headers are the client's).
+    """
+    return (
+        bool(config.trust_proxy)
+        and not environ.get("notesvc.relayed")
+        and is_trusted_proxy(config, environ.get("REMOTE_ADDR", ""))
+    )
+
+
+def client_address(config: Config, environ: dict) -> str:
+    """Return the client's address: the peer's, or the one a trusted proxy or the relay reports.
+
+    Behind trusted proxies it is the right-most X-Forwarded-For entry that is not itself
+    a trusted proxy (entries further left are whatever the client claimed). Relayed
+    clients are "relay:<addr>", so they never share a lockout bucket with loopback ones.
+    """
+    peer = environ.get("REMOTE_ADDR", "")
+    if environ.get("notesvc.relayed"):
+        return f"relay:{peer or '?'}"
+    if not behind_trusted_proxy(config, environ):
+        return peer
+    found = peer
+    for hop in reversed(environ.get("HTTP_X_FORWARDED_FOR", "").split(",")):
+        if not hop.strip():
+            continue
+        ip = ip_of(hop)
+        if ip is None:  # not written by a proxy we trust: stop at the last good hop
+            break
+        found = str(ip)
+        if not is_trusted_proxy(config, found):
+            break
+    return found
+
+
+def request_host(config: Config, environ: dict) -> str:
+    """Return the Host the client asked for (X-Forwarded-Host only from a trusted proxy)."""
+    if behind_trusted_proxy(config, environ):
+        forwarded = environ.get("HTTP_X_FORWARDED_HOST", "").split(",")[-1].strip()
+        if valid_host(forwarded):
+            return forwarded
+    return environ.get("HTTP_HOST", "")
+
+
 def base_url_of(config: Config, environ: dict) -> str:
     """Return the canonical base URL: the configured one, else from the request.
 
-    Forwarded headers count only with a trusted proxy; a Host that is not a plain
+    Forwarded headers count only from a trusted proxy; a Host that is not a plain
     host[:port] is ignored, so no client can plant a foreign link.
     """
     if config.public_url:
         return config.public_url
     scheme = environ.get("wsgi.url_scheme", "http")
-    host = environ.get("HTTP_HOST", "")
-    if config.trust_proxy:
-        proto = environ.get("HTTP_X_FORWARDED_PROTO", "").split(",")[0].strip().lower()
+    host = request_host(config, environ)
+    if behind_trusted_proxy(config, environ):
+        # the right-most value is the one our own proxy wrote
+        proto = environ.get("HTTP_X_FORWARDED_PROTO", "").split(",")[-1].strip().lower()
         if proto in ("http", "https"):
             scheme = proto
-        fwd_host = environ.get("HTTP_X_FORWARDED_HOST", "").split(",")[0].strip()
-        if valid_host(fwd_host):
-            host = fwd_host
     if not valid_host(host):
         bind = config.host
         bind = "127.0.0.1" if bind in ("0.0.0.0", "::", "") else bind
@@ -2086,6 +2209,11 @@ class Lockout:
                 self._until[addr] = now + self.window
                 q.clear()
 
+    def succeed(self, addr: str) -> None:
+        """Forget addr's failures: a right credential from it (a lockout still runs out)."""
+        with self._lock:
+            self._fails.pop(addr, None)
+
     def _prune(self, now: float) -> None:
         for addr in [a for a, q in self._fails.items() if not q or q[-1] <= now - self.window]:
             del self._fails[addr]
@@ -3476,7 +3604,7 @@ class RelayApp:
                 "query": req.environ.get("QUERY_STRING", ""),
                 "headers": headers,
                 "body": _b64(body),
-                "client": req.environ.get("REMOTE_ADDR", ""),
+                "client": client_address(self.config, req.environ),  # behind its own proxy too
                 "scheme": req.environ.get("wsgi.url_scheme", "http"),
                 "host": req.get_header("Host", ""),
             },
@@ -3809,12 +3937,8 @@ class Service:
     # -- request context ------------------------------------------------------
 
     def client_addr(self, environ: dict) -> str:
-        """Return the client's address (the proxy's last hop when the proxy is trusted)."""
-        addr = environ.get("REMOTE_ADDR", "")
-        forwarded = environ.get("HTTP_X_FORWARDED_FOR", "")
-        if self.config.trust_proxy and forwarded:
-            addr = forwarded.split(",")[-1].strip()
-        return addr
+        """Return the client's address (see client_address: proxies and the relay)."""
+        return client_address(self.config, environ)
 
     def base_url(self, environ: dict) -> str:
         return base_url_of(self.config, environ)
@@ -3829,17 +3953,35 @@ class Service:
         stored = self.state.read().get("keyHash", "")
         return bool(key) and hmac.compare_digest(key_hash(key), stored)
 
-    def authenticate(self, environ: dict) -> None:
-        """Let a protected request through or raise 401 / 429."""
+    def authenticate(self, environ: dict, key_only: bool = False) -> None:
+        """Let a protected request through or raise 401 / 403 / 429.
+
+        Only a credential that was presented and is wrong counts toward the lockout,
+        and a right one clears its address's failures; while an address is locked out,
+        every credential from it is 429, right or wrong (no oracle for a guesser).
+        key_only: the route needs the API key itself, a JWT gets 403.
+        """
         if self.config.auth_mode == "none":
             return
-        addr = self.client_addr(environ)
-        self.check_lockout(addr)
-        if self.key_matches(environ.get("HTTP_X_SERVICE_KEY")):
-            return
-        if self.config.auth_mode == "jwt" and self.token_valid(environ):
-            return
-        self.lockout.fail(addr)
+        key = environ.get("HTTP_X_SERVICE_KEY", "")
+        auth = environ.get("HTTP_AUTHORIZATION", "")
+        bearer = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        if key or bearer:
+            addr = self.client_addr(environ)
+            self.check_lockout(addr)
+            if self.key_matches(key):
+                self.lockout.succeed(addr)
+                return
+            if bearer and self.config.auth_mode == "jwt" and self.token_valid(environ):
+                self.lockout.succeed(addr)
+                if key_only:
+                    raise ApiError(
+                        403,
+                        "FORBIDDEN",
+                        f"this needs the API key itself ({KEY_HEADER}), not a token",
+                    )
+                return
+            self.lockout.fail(addr)
         raise ApiError(
             401, "UNAUTHORIZED", f"missing or wrong {KEY_HEADER} header; see GET {API}/system/setup"
         )
@@ -3908,11 +4050,36 @@ def get_health(svc: Service) -> dict:
     return {"status": "ok", "version": __version__, "uptimeSeconds": svc.uptime()}
 
 
+def names_this_machine(config: Config, host: str) -> bool:
+    """Return whether a Host header names this machine, not a name anyone could point here.
+
+    An IP literal, localhost, the host name (`name`, `name.local`) or SERVICE_PUBLIC_URL's
+    host: a page on rebind.attacker.example that resolves to 127.0.0.1 is none of them.
+    """
+    if not valid_host(host):
+        return False
+    name = host[1 : host.index("]")] if host.startswith("[") else host.rsplit(":", 1)[0]
+    name = name.lower().rstrip(".")
+    if ip_of(name) is not None or name == "localhost":
+        return True
+    names = {(urllib.parse.urlsplit(config.public_url).hostname or "").lower()} - {""}
+    for node in (socket.gethostname(), platform.node()):
+        node = node.lower().rstrip(".")
+        if node:
+            short = node.split(".")[0]
+            names |= {node, f"{node}.local", short, f"{short}.local"}
+    return name in names
+
+
 def get_setup(svc: Service) -> dict:
     env, cfg, st = bottle.request.environ, svc.config, svc.state.read()
     url, relay = svc.base_url(env), svc.relay_url(env)
     server_id, code, complete = st["serverId"], st["relayCode"], bool(st.get("setupComplete"))
-    show_key = not complete and (not cfg.setup_local_only or is_loopback(svc.client_addr(env)))
+    show_key = (
+        not complete
+        and names_this_machine(cfg, request_host(cfg, env))  # defeats DNS rebinding
+        and (not cfg.setup_local_only or is_loopback(svc.client_addr(env)))
+    )
     key = st.get("apiKey", "") if show_key else KEY_PREFIX + "…" + st.get("keyHint", "")
     direct, relayed = f"{url}{API}", f"{relay}/r/{server_id}{API}"
     client = cfg.client_url or f"{url}/"
@@ -3999,9 +4166,11 @@ def get_config(svc: Service) -> dict:
             "port": cfg.port,
             "cors": list(cfg.cors),
             "publicUrl": cfg.public_url,
-            "trustProxy": cfg.trust_proxy,
+            "trustProxy": list(cfg.trust_proxy),
             "maxBodyBytes": cfg.max_body_bytes,
             "threads": cfg.threads,
+            "maxConnections": cfg.max_connections,
+            "idleTimeoutSeconds": cfg.idle_timeout,
         },
         "auth": {
             "mode": cfg.auth_mode,
@@ -4385,18 +4554,21 @@ def receive_webhook(svc: Service, provider: str) -> dict:
         raise not_found(f"no channel provider {provider!r}")
     env = bottle.request.environ
     addr = svc.client_addr(env)
-    svc.check_lockout(addr)
     presented = env.get("HTTP_X_SERVICE_CHANNEL_SECRET") or env.get(
         "HTTP_X_TELEGRAM_BOT_API_SECRET_TOKEN", ""
     )
     if not presented and query_str("secret"):
         presented = query_str("secret")
         svc.query_secret_seen_at = time.time()
+    if presented:  # only a presented secret counts toward (or meets) the lockout
+        svc.check_lockout(addr)
     mine = [c for c in _channels(svc) if c["provider"] == provider]
     channel = _match_secret(mine, "secret", presented) if presented else None
     if channel is None:
-        svc.lockout.fail(addr)
+        if presented:
+            svc.lockout.fail(addr)
         raise ApiError(401, "UNAUTHORIZED", "missing or wrong channel secret")
+    svc.lockout.succeed(addr)
     if not channel["enabled"]:
         raise ApiError(403, "CHANNEL_DISABLED", f"channel {channel['id']} is switched off")
     parsed = prov.parse(read_json(svc.config.max_body_bytes))
@@ -4461,12 +4633,14 @@ def run_command(svc: Service, text: str) -> str:
 def verify_whatsapp_webhook(svc: Service):
     """Answer Meta's subscription check with hub.challenge when hub.verify_token matches."""
     addr = svc.client_addr(bottle.request.environ)
-    svc.check_lockout(addr)
     mode, token = query_str("hub.mode"), query_str("hub.verify_token")
+    if token:
+        svc.check_lockout(addr)
     challenge = query_str("hub.challenge")
     mine = [c["config"] for c in _channels(svc) if c["provider"] == "whatsapp" and c["enabled"]]
     if mode != "subscribe" or not token or not _match_secret(mine, "verifyToken", token):
-        svc.lockout.fail(addr)
+        if token:
+            svc.lockout.fail(addr)
         raise ApiError(403, "FORBIDDEN", "hub.verify_token does not match a WhatsApp channel")
     bottle.response.content_type = "text/plain; charset=utf-8"
     return challenge[:200]
@@ -4574,12 +4748,14 @@ def security_config(svc: Service) -> dict:
             "bindHost": cfg.host,
             "port": cfg.port,
             "publicUrl": cfg.public_url,
-            "trustProxy": cfg.trust_proxy,
+            "trustProxy": list(cfg.trust_proxy),
             "cors": list(cfg.cors),
             "pairingMode": cfg.pairing,
         },
         "limits": {
             "maxBodyBytes": cfg.max_body_bytes,
+            "maxConnections": cfg.max_connections,
+            "idleTimeoutSeconds": cfg.idle_timeout,
             "lockout": {
                 "failures": svc.lockout.limit,
                 "windowSeconds": svc.lockout.window,
@@ -4913,6 +5089,7 @@ class Route:
     tag: str = "system"
     media: str = "application/json"  # of the success answer
     enveloped: bool = True  # False: the answer is the document itself (OpenAPI, a challenge)
+    key_only: bool = False  # needs the API key itself: a JWT may not mint tokens or rotate
 
     @property
     def rule(self) -> str:
@@ -4959,8 +5136,22 @@ ROUTES = (
         body=_obj(clientName={"type": "string", "maxLength": 100}),
         tag="auth",
     ),
-    Route("POST", "/auth/rotate", rotate_api_key, summary="New key, shown once", tag="auth"),
-    Route("POST", "/auth/token", issue_token, summary="A one-hour JWT (jwt mode)", tag="auth"),
+    Route(
+        "POST",
+        "/auth/rotate",
+        rotate_api_key,
+        summary="New key, shown once",
+        tag="auth",
+        key_only=True,
+    ),
+    Route(
+        "POST",
+        "/auth/token",
+        issue_token,
+        summary="A one-hour JWT (jwt mode)",
+        tag="auth",
+        key_only=True,
+    ),
     Route(
         "POST",
         "/notes",
@@ -5145,6 +5336,8 @@ def openapi_document(routes: Iterable[Route], server_url: str) -> dict:
         }
         if r.public:
             op["security"] = []
+        elif r.key_only:
+            op["security"] = [{"apiKey": []}]
         params = [
             {"name": p, "in": "path", "required": True, "schema": _STR}
             for p in re.findall(r"<(\w+)(?::[^>]*)?>", r.path)
@@ -5195,7 +5388,7 @@ def _callback(svc: Service, route: Route) -> Callable:
 
     def callback(**kwargs):
         if not route.public:
-            svc.authenticate(bottle.request.environ)
+            svc.authenticate(bottle.request.environ, key_only=route.key_only)
         try:
             result = route.handler(svc, **kwargs)
         except bottle.HTTPResponse:
@@ -5262,13 +5455,23 @@ class NotesApp:
             return start_response(status, headers, exc_info)
 
         try:
-            body = self._dispatch(environ, respond, method, cors)
+            length = environ.get("CONTENT_LENGTH", "")
+            if length and not re.fullmatch(r"[0-9]+", length):  # servers that pass it through
+                body = _plain_error(
+                    respond, 400, "VALIDATION_ERROR", "Content-Length is not a number of bytes"
+                )
+            else:
+                body = self._dispatch(environ, respond, method, cors)
         finally:
             if log.isEnabledFor(logging.INFO):
+                try:  # WSGI hands the path over as latin-1; log the UTF-8 it was
+                    shown = path.encode("latin-1").decode("utf-8")
+                except UnicodeError:
+                    shown = path
                 log.info(
                     "%s %s %s %.1fms %s",
-                    method,
-                    path,
+                    log_safe(method, 32),
+                    log_safe(shown),
                     (status_seen or ["-"])[0].split(" ")[0],
                     (time.perf_counter() - started) * 1000,
                     rid,
@@ -5386,8 +5589,117 @@ def take_process_lock(config: Config) -> int:
     return fd
 
 
+class _EnvelopedError:
+    """One of waitress's own refusals (body too large, bad Content-Length) as our envelope."""
+
+    def __init__(self, error: Any, max_body: int):
+        self.code, self.body, self.max_body = error.code, str(error.body), max_body
+
+    def to_response(self, ident: str | None = None) -> tuple:  # waitress 2.x passes no ident
+        status = 400 if self.code == 501 else self.code  # 501: an unknown Transfer-Encoding
+        if status == 413:
+            message = f"the body is over {self.max_body} bytes (SERVICE_MAX_BODY_BYTES)"
+        elif status == 431:
+            message = "the request headers are too large"
+        elif "Content-Length" in self.body:
+            message = "Content-Length must be one whole number of bytes"
+        elif status < 500:
+            message = f"malformed HTTP request: {log_safe(self.body, 200)}"
+        else:
+            message = "internal error"
+        code = STATUS_CODES.get(status, "VALIDATION_ERROR" if status < 500 else "INTERNAL_ERROR")
+        body = to_json({"success": False, "error": {"code": code, "message": message}})
+        headers = [
+            ("Content-Type", "application/json; charset=utf-8"),
+            ("X-Request-Id", uuid.uuid4().hex[:16]),
+            ("X-Content-Type-Options", "nosniff"),
+            ("Cache-Control", "no-store"),
+        ]
+        return f"{status} {bottle.HTTP_CODES.get(status, 'Error')}", headers, body
+
+
+@functools.cache
+def _hardened(listener_class: type) -> type:
+    """Return a subclass of a waitress listener that keeps serving under a connection flood.
+
+    waitress stops accepting at `connection_limit` until a connection closes, so 100 idle
+    sockets kept everyone out for the 120 s channel time-out. This one, at the limit,
+    closes the connection idle the longest (no request in flight, nothing left to send)
+    and takes the new one; only when every connection is busy does it stop accepting.
+    Its channels answer waitress's own refusals in the JSON envelope.
+    """
+    import waitress.channel
+    import waitress.task
+
+    class JsonErrorTask(waitress.task.ErrorTask):
+        def execute(self):
+            limit = self.channel.server.adj.max_request_body_size - 1
+            self.request.error = _EnvelopedError(self.request.error, limit)
+            super().execute()
+
+    class Channel(waitress.channel.HTTPChannel):
+        error_task_class = JsonErrorTask
+
+    class Listener(listener_class):
+        channel_class = Channel
+        warned_at = 0.0
+
+        def _oldest_idle(self) -> Any:
+            idle = [
+                c
+                for c in list(self._map.values())
+                if isinstance(c, Channel) and not c.requests and not c.total_outbufs_len
+            ]
+            return min(idle, key=lambda c: c.last_activity, default=None)
+
+        def readable(self) -> bool:  # waitress's, less its stop at the limit (and its log)
+            now = time.time()
+            if now >= self.next_channel_cleanup:  # close connections idle too long
+                self.next_channel_cleanup = now + self.adj.cleanup_interval
+                self.maintenance(now)
+            if not self.accepting:
+                return False
+            return len(self._map) < self.adj.connection_limit or self._oldest_idle() is not None
+
+        def handle_accept(self) -> None:
+            if len(self._map) >= self.adj.connection_limit:
+                victim = self._oldest_idle()
+                if victim is not None:
+                    victim.handle_close()
+                now = time.monotonic()
+                if now - Listener.warned_at > 60:  # once a minute, not once a connection
+                    Listener.warned_at = now
+                    log.warning(
+                        "%d connections open (SERVICE_MAX_CONNECTIONS): closing the longest "
+                        "idle one for each new one",
+                        len(self._map),
+                    )
+            super().handle_accept()
+
+    return Listener
+
+
+def _raise_open_files_limit(wanted: int) -> None:
+    """Raise the soft limit on open files toward `wanted` (a Pi's default is 1024)."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and soft < wanted:
+            new = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    except (ImportError, ValueError, OSError):  # not Unix, or not allowed: keep the limit
+        pass
+
+
 def make_server(app: Callable, config: Config):
-    """Return a server bound to host:port: waitress, else wsgiref with a warning."""
+    """Return a server bound to host:port: waitress, else wsgiref with a warning.
+
+    waitress takes bodies up to SERVICE_MAX_BODY_BYTES (a relay: twice that, for the
+    base64 answers it carries) and refuses a larger declared Content-Length before
+    reading any body, in the JSON envelope. It passes X-Forwarded-* through: the app
+    decides whom to trust (client_address), under any WSGI server.
+    """
     try:
         import waitress.server
     except ImportError:
@@ -5409,14 +5721,45 @@ def make_server(app: Callable, config: Config):
         server.run = server.serve_forever
         server.close = server.shutdown
         return server
-    return waitress.server.create_server(
+    max_body = config.max_body_bytes
+    if isinstance(app, RelayApp):
+        max_body = config.max_body_bytes * 2 + 65536
+    _raise_open_files_limit(config.max_connections + 256)
+    sockets: dict = {}
+    server = waitress.server.create_server(
         app,
+        map=sockets,
         host=config.host,
         port=config.port,
         threads=config.threads,
-        max_request_body_size=config.max_body_bytes + 65536,
+        max_request_body_size=max_body + 1,  # waitress refuses a body of this size or more
+        connection_limit=config.max_connections,
+        channel_timeout=config.idle_timeout,
+        cleanup_interval=max(1, min(5, config.idle_timeout // 2)),
+        asyncore_use_poll=True,  # select() cannot watch descriptors past FD_SETSIZE (1024)
+        clear_untrusted_proxy_headers=False,  # waitress 3 strips X-Forwarded-* otherwise
         ident="notesvc",
     )
+    try:  # waitress internals, the same in 2.1 and 3.0; another version serves as it is
+        import waitress.channel
+        import waitress.task
+
+        channel, task = waitress.channel.HTTPChannel, waitress.task.ErrorTask
+        for cls, name in (
+            (waitress.server.BaseWSGIServer, "maintenance"),
+            (waitress.server.BaseWSGIServer, "next_channel_cleanup"),
+            (channel, "last_activity"),
+            (channel, "total_outbufs_len"),
+            (channel, "error_task_class"),
+            (task, "execute"),
+        ):
+            getattr(cls, name)
+        for listener in sockets.values():
+            if isinstance(listener, waitress.server.BaseWSGIServer):
+                listener.__class__ = _hardened(type(listener))
+    except (AttributeError, ImportError, TypeError) as e:
+        log.warning("this waitress differs (%s): no guard against connection floods", e)
+    return server
 
 
 def print_banner(config: Config, state: dict, port: int) -> None:

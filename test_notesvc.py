@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -448,8 +449,12 @@ class TestSetup:
         untrusted = data(make_app().get(f"{API}/system/setup", headers=headers))
         assert "notes.example" not in untrusted["server"]["url"]
         trusted_app = make_app(SERVICE_TRUST_PROXY="true")
-        trusted = data(trusted_app.get(f"{API}/system/setup", headers=headers))
+        proxy = {"REMOTE_ADDR": "127.0.0.1"}  # the peer is the (loopback) proxy
+        trusted = data(trusted_app.get(f"{API}/system/setup", headers=headers, extra_environ=proxy))
         assert trusted["server"]["url"] == "https://notes.example"
+        elsewhere = {"REMOTE_ADDR": "192.0.2.7"}  # trusted proxies only, not any peer
+        other = trusted_app.get(f"{API}/system/setup", headers=headers, extra_environ=elsewhere)
+        assert "notes.example" not in data(other)["server"]["url"]
 
     def test_public_url_wins(self, make_app):
         app = make_app(SERVICE_PUBLIC_URL="https://pi.example/")
@@ -481,6 +486,43 @@ class TestSetup:
         assert remote["apiKey"].startswith("nsk_…")
         local = data(app.get(f"{API}/system/setup", extra_environ={"REMOTE_ADDR": "127.0.0.1"}))
         assert local["apiKey"] == key
+
+    @pytest.mark.parametrize(
+        ("host", "shown"),
+        [
+            ("127.0.0.1:3000", True),
+            ("[::1]:3000", True),
+            ("192.168.1.20", True),
+            ("LocalHost:3000", True),
+            (socket.gethostname().upper(), True),
+            (f"{socket.gethostname()}.local:3000", True),
+            ("notes.example", True),  # SERVICE_PUBLIC_URL's host
+            ("rebind.attacker.example", False),
+            ("localhost.attacker.example", False),
+            (f"{socket.gethostname()}.attacker.example", False),
+            ("", False),
+        ],
+    )
+    def test_full_key_only_for_hosts_naming_this_machine(self, make_app, host, shown):
+        app = make_app(SERVICE_PUBLIC_URL="https://notes.example")
+        key = key_of(app)
+        p = data(app.get(f"{API}/system/setup", headers={"Host": host}))
+        assert (p["apiKey"] == key) is shown
+        if not shown:
+            assert p["apiKey"] == "nsk_…" + key[-4:]
+
+    def test_forwarded_host_counts_for_the_key_only_from_a_trusted_proxy(self, make_app):
+        app = make_app(SERVICE_TRUST_PROXY="true")
+        key = key_of(app)
+        rebind = {"Host": "127.0.0.1", "X-Forwarded-Host": "rebind.attacker.example"}
+        via_proxy = {"REMOTE_ADDR": "127.0.0.1"}
+        p = data(app.get(f"{API}/system/setup", headers=rebind, extra_environ=via_proxy))
+        assert p["apiKey"] != key  # the proxy was asked for the attacker's name
+        direct = {"REMOTE_ADDR": "192.0.2.7"}  # not a proxy: its X-Forwarded-Host is ignored
+        assert (
+            data(app.get(f"{API}/system/setup", headers=rebind, extra_environ=direct))["apiKey"]
+            == key
+        )
 
     def test_server_id_and_key_survive_restart(self, make_app, root):
         first = data(make_app().get(f"{API}/system/setup"))
@@ -560,6 +602,71 @@ class TestAuth:
         with_key(anon).post(f"{API}/auth/verify", status=429)
         # ... but only for that address.
         with_key(anon).post(f"{API}/auth/verify", extra_environ={"REMOTE_ADDR": "10.9.9.9"})
+
+    def test_requests_without_a_credential_never_count(self, anon):
+        for _ in range(15):
+            assert_error(anon.post(f"{API}/auth/verify", status=401), 401, "UNAUTHORIZED")
+        with_key(anon).post(f"{API}/auth/verify")
+
+    def test_success_clears_the_failures_of_its_address(self, anon):
+        wrong, right = with_key(anon, "nsk_wrong"), with_key(anon)
+        for _ in range(2):
+            for _ in range(9):
+                wrong.post(f"{API}/auth/verify", status=401)
+            right.post(f"{API}/auth/verify")
+        wrong.post(f"{API}/auth/verify", status=401)
+
+    def test_locked_out_address_gets_401_without_a_credential(self, anon):
+        for _ in range(10):
+            with_key(anon, "nsk_wrong").post(f"{API}/auth/verify", status=401)
+        assert_error(anon.post(f"{API}/auth/verify", status=401), 401, "UNAUTHORIZED")
+        resp = with_key(anon).post(f"{API}/auth/verify", status=429)
+        assert 1 <= int(resp.headers["Retry-After"]) <= 60
+
+    def test_relayed_clients_have_their_own_buckets(self, anon):
+        relayed = {"notesvc.relayed": True, "REMOTE_ADDR": ""}
+        for _ in range(10):
+            with_key(anon, "nsk_wrong").post(
+                f"{API}/auth/verify", status=401, extra_environ=relayed
+            )
+        with_key(anon).post(f"{API}/auth/verify", status=429, extra_environ=relayed)
+        with_key(anon).post(f"{API}/auth/verify")  # WebTest's own (empty) peer address
+        local = {"notesvc.relayed": True, "REMOTE_ADDR": "127.0.0.1"}
+        with_key(anon).post(f"{API}/auth/verify", extra_environ=local)
+        cfg = anon.app.service.config
+        assert notesvc.client_address(cfg, relayed) == "relay:?"
+        assert notesvc.client_address(cfg, local) == "relay:127.0.0.1"
+
+    @pytest.mark.parametrize(
+        ("peer", "forwarded", "client"),
+        [
+            ("10.0.0.2", "198.51.100.1, 203.0.113.4, 10.0.0.3", "203.0.113.4"),
+            ("10.0.0.2", "203.0.113.4:5555", "203.0.113.4"),
+            ("10.0.0.2", "10.0.0.9, 10.0.0.3", "10.0.0.9"),  # only proxies: the farthest
+            ("10.0.0.2", "", "10.0.0.2"),
+            ("10.0.0.2", "unknown", "10.0.0.2"),
+            ("10.0.0.2", "[2001:db8::7]:80", "2001:db8::7"),
+            ("192.0.2.1", "203.0.113.4", "192.0.2.1"),  # an untrusted peer's claim counts nothing
+        ],
+    )
+    def test_client_address_behind_trusted_proxies(self, peer, forwarded, client):
+        cfg = notesvc.load_config(env={"SERVICE_TRUST_PROXY": "10.0.0.0/8, ::1"})
+        assert cfg.trust_proxy == ("10.0.0.0/8", "::1/128")
+        environ = {"REMOTE_ADDR": peer, "HTTP_X_FORWARDED_FOR": forwarded}
+        assert notesvc.client_address(cfg, environ) == client
+
+    def test_trust_proxy_setting_forms(self, make_app):
+        load = notesvc.load_config
+        assert load(env={}).trust_proxy == ()
+        assert load(env={"SERVICE_TRUST_PROXY": "true"}).trust_proxy == ("127.0.0.0/8", "::1/128")
+        assert load(env={"SERVICE_TRUST_PROXY": "192.0.2.5"}).trust_proxy == ("192.0.2.5/32",)
+        app = with_key(make_app(SERVICE_TRUST_PROXY="true"))
+        assert data(app.get(f"{API}/system/config"))["server"]["trustProxy"] == [
+            "127.0.0.0/8",
+            "::1/128",
+        ]
+        network = data(app.get(f"{API}/security/config"))["network"]
+        assert network["trustProxy"] == ["127.0.0.0/8", "::1/128"]
 
     def test_lockout_window_and_expiry(self):
         now = [1000.0]
@@ -793,6 +900,353 @@ class TestCli:
         assert out.returncode == 2
         assert "state.json" in out.stderr
         assert "Traceback" not in out.stderr
+
+
+# -- the HTTP edge: proxies, lockout, connection floods, waitress's own answers ------------
+
+
+class ForwardingProxy:
+    """A reverse proxy on loopback that forwards like Caddy does.
+
+    It replaces X-Forwarded-For with the client it saw and sets X-Forwarded-Proto
+    (`https`: it stands for a TLS proxy) and X-Forwarded-Host (the Host it was asked for).
+    Loopback stands in for the internet: a client from 127.0.0.N is reported as
+    203.0.113.N. `source` is the proxy's own address toward the server.
+    """
+
+    def __init__(self, upstream: str, source: str = "127.0.0.1"):
+        target = urllib.parse.urlsplit(upstream)
+        hop = {"connection", "keep-alive", "transfer-encoding", "content-length", "date", "server"}
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def forward(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                headers = {
+                    k: v
+                    for k, v in self.headers.items()
+                    if k.lower() not in hop and not k.lower().startswith("x-forwarded-")
+                }
+                headers["X-Forwarded-For"] = "203.0.113." + self.client_address[0].split(".")[-1]
+                headers["X-Forwarded-Proto"] = "https"
+                headers["X-Forwarded-Host"] = self.headers.get("Host", "")
+                conn = http.client.HTTPConnection(
+                    target.hostname, target.port, timeout=10, source_address=(source, 0)
+                )
+                try:
+                    conn.request(self.command, self.path, body, headers)
+                    resp = conn.getresponse()
+                    payload = resp.read()
+                finally:
+                    conn.close()
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in hop:
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = forward
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self) -> ForwardingProxy:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(5)
+
+
+def call(base: str, method: str, path: str, headers: dict | None = None, source="127.0.0.1"):
+    """Return (status, parsed JSON body) for one request from a chosen loopback address."""
+    url = urllib.parse.urlsplit(base)
+    conn = http.client.HTTPConnection(
+        url.hostname, url.port, timeout=10, source_address=(source, 0)
+    )
+    try:
+        conn.request(method, path, headers=headers or {})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read() or b"null")
+    finally:
+        conn.close()
+
+
+def raw_http(port: int, request: bytes, timeout: float = 5.0) -> tuple:
+    """Send raw bytes; return (status, headers as a lower-cased dict, body bytes)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(request)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        headers = dict(
+            (k.strip().lower(), v.strip()) for k, v in (h.split(":", 1) for h in lines[1:])
+        )
+        while len(body) < int(headers.get("content-length", 0)):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            body += chunk
+    return int(lines[0].split()[1]), headers, body
+
+
+def hold_idle_connections(port: int, count: int) -> list:
+    """Open `count` connections that never finish a request (half send nothing at all)."""
+    socks = []
+    for i in range(count):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        socks.append(sock)
+        if i % 4 == 1:
+            sock.sendall(b"GET /api/v1/hea")  # an unfinished request line
+        elif i % 4 == 3:
+            sock.sendall(b"GET /api/v1/health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+    return socks
+
+
+def timed_health(port: int) -> tuple:
+    """Return (status, seconds) of one fresh GET /api/v1/health."""
+    started = time.monotonic()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.request("GET", f"{API}/health")
+        status = conn.getresponse().status
+    finally:
+        conn.close()
+    return status, time.monotonic() - started
+
+
+@pytest.fixture
+def many_files():
+    """Let this process hold a few hundred sockets."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < 2048:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(2048, hard), hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+class TestEdge:
+    @pytest.fixture(scope="class")
+    def small_bodies(self, tmp_path_factory):
+        """One real server taking bodies of at most 2048 bytes."""
+        root = tmp_path_factory.mktemp("small-bodies")
+        with running(root, env={"SERVICE_MAX_BODY_BYTES": "2048"}) as server:
+            yield server
+
+    def test_trusted_proxy_gives_https_links_real_clients_and_their_own_lockout(self, tmp_path):
+        env = {"SERVICE_TRUST_PROXY": "true", "SERVICE_SETUP_LOCAL_ONLY": "true"}
+        with running(tmp_path, env=env) as server, ForwardingProxy(server.url) as proxy:
+            setup = f"{API}/system/setup"
+            key = server.request("GET", setup)[2]["data"]["apiKey"]
+            assert re.fullmatch(r"nsk_[A-Za-z0-9_-]{43}", key)  # the owner, on this machine
+            status, body = call(proxy.url, "GET", setup, {"Host": "notes.example"}, "127.0.0.5")
+            assert status == 200
+            assert body["data"]["server"]["url"] == "https://notes.example"
+            assert body["data"]["links"]["directApiBase"] == "https://notes.example/api/v1"
+            # A remote client behind the proxy never sees the key (SERVICE_SETUP_LOCAL_ONLY).
+            remote = call(proxy.url, "GET", setup, source="127.0.0.5")[1]["data"]
+            assert remote["apiKey"] == "nsk_…" + key[-4:]
+            # One remote client's failures lock out that client only.
+            for _ in range(10):
+                status, _ = call(
+                    proxy.url, "POST", f"{API}/auth/verify", {"X-Service-Key": "nsk_x"}, "127.0.0.5"
+                )
+                assert status == 401
+            right = {"X-Service-Key": key}
+            assert call(proxy.url, "POST", f"{API}/auth/verify", right, "127.0.0.5")[0] == 429
+            assert call(proxy.url, "POST", f"{API}/auth/verify", right, "127.0.0.6")[0] == 200
+            assert server.request("POST", f"{API}/auth/verify", headers=right)[0] == 200
+
+    def test_forwarded_headers_from_an_untrusted_peer_are_ignored(self, tmp_path):
+        env = {"SERVICE_TRUST_PROXY": "127.0.0.2", "SERVICE_SETUP_LOCAL_ONLY": "true"}
+        with running(tmp_path, env=env) as server:
+            forged = {
+                "X-Forwarded-For": "203.0.113.9",
+                "X-Forwarded-Proto": "https",
+                "X-Forwarded-Host": "evil.example",
+            }
+            setup = server.request("GET", f"{API}/system/setup", headers=forged)[2]["data"]
+            assert setup["server"]["url"] == server.url  # 127.0.0.1 is not the named proxy
+            key = setup["apiKey"]
+            assert "…" not in key  # the client is the loopback peer, not 203.0.113.9
+            for i in range(10):  # forged addresses do not spread the failures
+                hdrs = {"X-Service-Key": "nsk_x", "X-Forwarded-For": f"203.0.113.{i}"}
+                assert server.request("POST", f"{API}/auth/verify", headers=hdrs)[0] == 401
+            hdrs = {"X-Service-Key": key, "X-Forwarded-For": "203.0.113.77"}
+            assert server.request("POST", f"{API}/auth/verify", headers=hdrs)[0] == 429
+            # The proxy the operator named is trusted.
+            with ForwardingProxy(server.url, source="127.0.0.2") as proxy:
+                _, body = call(
+                    proxy.url, "GET", f"{API}/system/setup", {"Host": "notes.example"}, "127.0.0.5"
+                )
+                assert body["data"]["server"]["url"] == "https://notes.example"
+                right = {"X-Service-Key": key}
+                assert call(proxy.url, "POST", f"{API}/auth/verify", right, "127.0.0.5")[0] == 200
+
+    def test_relayed_failures_never_lock_out_a_loopback_client(self, tmp_path):
+        relay = Server(tmp_path / "relay", "relay", env={"SERVICE_RELAY_TIMEOUT": "5"})
+        server = Server(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url})
+        try:
+            wait_for(lambda: relay_servers(relay) == 1)
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            verify = f"/r/{setup['serverId']}{API}/auth/verify"
+            for _ in range(10):
+                assert relay.request("POST", verify, headers={"X-Service-Key": "nsk_x"})[0] == 401
+            right = {"X-Service-Key": setup["apiKey"]}
+            assert relay.request("POST", verify, headers=right)[0] == 429  # that client is out
+            # ... but the owner on the server's own machine is not.
+            assert server.request("POST", f"{API}/auth/verify", headers=right)[0] == 200
+        finally:
+            server.stop()
+            relay.stop()
+
+    def test_rebinding_host_gets_the_key_redacted_from_the_real_server(self, tmp_path):
+        with running(tmp_path) as server:
+            key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
+            status, _, body = raw_http(
+                server.port,
+                b"GET /api/v1/system/setup HTTP/1.1\r\nHost: rebind.attacker.example\r\n"
+                b"Connection: close\r\n\r\n",
+            )
+            assert status == 200
+            payload = json.loads(body)["data"]
+            assert payload["apiKey"] == "nsk_…" + key[-4:]
+            assert key not in body.decode()
+
+    @pytest.mark.parametrize(
+        ("case", "headers", "body", "status", "code"),
+        [
+            ("huge", "Content-Length: 100000000000000000000\r\n", b"", 413, "PAYLOAD_TOO_LARGE"),
+            ("just over", "Content-Length: 2049\r\n", b"", 413, "PAYLOAD_TOO_LARGE"),
+            ("negative", "Content-Length: -1\r\n", b"", 400, "VALIDATION_ERROR"),
+            ("not a number", "Content-Length: ten\r\n", b"", 400, "VALIDATION_ERROR"),
+            (
+                "repeated",
+                "Content-Length: 2\r\nContent-Length: 2\r\n",
+                b"{}",
+                400,
+                "VALIDATION_ERROR",
+            ),
+            (
+                "chunked over",
+                "Transfer-Encoding: chunked\r\n",
+                b"bb8\r\n" + b"x" * 3000 + b"\r\n0\r\n\r\n",
+                413,
+                "PAYLOAD_TOO_LARGE",
+            ),
+        ],
+        ids=["huge", "just-over", "negative", "not-a-number", "repeated", "chunked-over"],
+    )
+    def test_waitress_refusals_are_json_envelopes(
+        self, small_bodies, case, headers, body, status, code
+    ):
+        server = small_bodies
+        request = (
+            f"POST {API}/notes HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Service-Key: nsk_x\r\n"
+            f"Content-Type: application/json\r\n{headers}\r\n"
+        ).encode() + body
+        got, resp_headers, resp_body = raw_http(server.port, request)
+        assert got == status, resp_body
+        assert resp_headers["content-type"] == "application/json; charset=utf-8"
+        error = json.loads(resp_body)["error"]
+        assert error["code"] == code
+        assert "waitress" not in resp_body.decode()
+        assert resp_headers["x-request-id"]
+
+    def test_body_of_the_largest_size_passes_chunked_and_plain(self, small_bodies):
+        server = small_bodies
+        key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
+        note = json.dumps({"path": "notes/big.md", "content": ""})
+        note = note.replace('""', '"' + "x" * (2048 - len(note)) + '"').encode()
+        assert len(note) == 2048
+        head = (
+            f"POST {API}/notes HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Service-Key: {key}\r\n"
+            "Content-Type: application/json\r\n"
+        )
+        request = f"{head}Content-Length: {len(note)}\r\n\r\n".encode() + note
+        assert raw_http(server.port, request)[0] == 201
+        small = b'{"path": "notes/chunked.md", "content": "hi"}'
+        chunked = f"{head}Transfer-Encoding: chunked\r\n\r\n".encode()
+        chunked += f"{len(small):x}\r\n".encode() + small + b"\r\n0\r\n\r\n"
+        assert raw_http(server.port, chunked)[0] == 201
+
+    def test_control_characters_in_the_path_are_escaped_in_the_log(self, tmp_path):
+        with running(tmp_path) as server:
+            status, _, _ = raw_http(
+                server.port,
+                b"GET /api/v1/x%0d%0aFORGED%20GET%20/ok%20200\x1b[2J HTTP/1.1\r\n"
+                b"Host: 127.0.0.1\r\nX-Request-Id: edge-log-test-01\r\nConnection: close\r\n\r\n",
+            )
+            assert status == 404
+            wait_for(lambda: any("edge-log-test-01" in line for line in server.lines))
+            forged = [line for line in server.lines if "FORGED" in line]
+            assert len(forged) == 1, forged
+            assert "edge-log-test-01" in forged[0]
+            assert "\\r\\nFORGED GET /ok 200\\x1b[2J" in forged[0]
+            assert "\x1b" not in "".join(server.lines)
+
+    def test_300_idle_connections_do_not_keep_the_owner_out(self, tmp_path, many_files):
+        with running(tmp_path) as server:
+            socks = []
+            try:
+                socks = hold_idle_connections(server.port, 300)
+                time.sleep(0.5)  # the server has taken them all in
+                status, seconds = timed_health(server.port)
+                assert status == 200
+                assert seconds < 1.0
+            finally:
+                for sock in socks:
+                    sock.close()
+
+    def test_a_flood_over_max_connections_closes_the_oldest_idle(self, tmp_path, many_files):
+        with running(tmp_path, env={"SERVICE_MAX_CONNECTIONS": "50"}) as server:
+            socks = []
+            try:
+                socks = hold_idle_connections(server.port, 80)
+                time.sleep(0.5)
+                status, seconds = timed_health(server.port)
+                assert status == 200
+                assert seconds < 1.0
+                # The server made room by closing the oldest idle connections.
+                closed = 0
+                for sock in socks:
+                    sock.settimeout(0.01)
+                    with contextlib.suppress(TimeoutError, socket.timeout):
+                        closed += sock.recv(1) == b""
+                assert closed >= 80 - 50
+                assert all(sock.recv(1) == b"" for sock in socks[:20]), "the oldest go first"
+            finally:
+                for sock in socks:
+                    sock.close()
+
+    def test_idle_connections_are_closed_after_the_idle_timeout(self, tmp_path):
+        with running(tmp_path, env={"SERVICE_IDLE_TIMEOUT": "1"}) as server:
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            try:
+                sock.sendall(b"GET /api/v1/health HTTP/1.1\r\n")
+                started = time.monotonic()
+                assert sock.recv(1) == b""  # closed by the server, not by our time-out
+                assert time.monotonic() - started < 4
+            finally:
+                sock.close()
 
 
 class TestServer:
@@ -2715,6 +3169,17 @@ class TestJwt:
             token = forge(claims)
             with_key(app).post(f"{API}/auth/rotate")
         assert_error(self.bearer(app, token, 401), 401, "UNAUTHORIZED")
+
+    def test_token_cannot_mint_tokens_or_rotate_the_key(self, app):
+        token = data(with_key(app).post(f"{API}/auth/token"))["token"]
+        bearer = {"Authorization": f"Bearer {token}"}
+        assert data(app.get(f"{API}/system/info", headers=bearer))["version"]
+        for path in ("/auth/token", "/auth/rotate"):
+            assert_error(app.post(f"{API}{path}", headers=bearer, status=403), 403, "FORBIDDEN")
+        assert data(self.bearer(app, token))["valid"] is True  # still the same key
+        key_only = {(r.method, r.path) for r in app.app.service.routes if r.key_only}
+        assert key_only == {("POST", "/auth/token"), ("POST", "/auth/rotate")}
+        assert data(with_key(app).post(f"{API}/auth/rotate"))["apiKey"]
 
     def test_leeway_of_30_seconds(self, app):
         now = int(time.time())
