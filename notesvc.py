@@ -14,9 +14,10 @@ Outline (``grep -n '^# ==' notesvc.py``), in the order the data flows:
   Providers       AGENT_PROVIDERS and CHANNEL_PROVIDERS (registries of small functions)
   Plugins         the Plugin record, loading, the built-ins (backlinks, tags, daily)
   Security audit  AUDIT_CHECKS and the score
+  Web client      the one self-contained page, served by servers and relays alike
   Relay           `notesvc relay` on asyncio (RelayHub, RelayServer) and the server's
                   RelayClient
-  HTTP            Service, handlers per endpoint group, the web client, the route
+  HTTP            Service, handlers per endpoint group, the route
                   table, OpenAPI, NotesApp (middleware) and create_app
   CLI             parser, cmd_* functions, main()
 """
@@ -161,6 +162,27 @@ def _path(raw: str) -> Path:
     return Path(raw.strip() or ".").expanduser()
 
 
+LOOPBACK_NETS = ("127.0.0.0/8", "::1/128")
+
+
+def _proxies(raw: str) -> tuple:
+    """Parse SERVICE_TRUST_PROXY: false, true (a proxy on loopback) or proxy addresses."""
+    word = raw.strip().lower()
+    if word in ("0", "false", "no", "off", ""):
+        return ()
+    if word in ("1", "true", "yes", "on"):
+        return LOOPBACK_NETS
+    nets = []
+    for item in raw.split(","):
+        item = item.strip()
+        if item:
+            try:  # an address or a network (10.0.0.0/8); kept as text for the records
+                nets.append(str(ipaddress.ip_network(item.strip("[]"), strict=False)))
+            except ValueError:
+                raise ValueError(f"{item!r} is not true, false or a proxy's IP address") from None
+    return tuple(nets)
+
+
 def _log_level(raw: str) -> str:
     return _choice("debug", "info", "warning", "error")(raw).upper()
 
@@ -190,7 +212,14 @@ SETTINGS = (
     Setting("jwt_secret", "SERVICE_JWT_SECRET", "", "", str, "HS256 secret for jwt mode"),
     Setting("cors", "SERVICE_CORS_ORIGINS", "--cors", "", _origins, "allowed CORS origins"),
     Setting("public_url", "SERVICE_PUBLIC_URL", "--public-url", "", _url, "canonical URL"),
-    Setting("trust_proxy", "SERVICE_TRUST_PROXY", "", "false", _bool, "trust X-Forwarded-*"),
+    Setting(
+        "trust_proxy",
+        "SERVICE_TRUST_PROXY",
+        "",
+        "false",
+        _proxies,
+        "honour X-Forwarded-* from these proxies: true (loopback) or addresses",
+    ),
     Setting(
         "setup_local_only",
         "SERVICE_SETUP_LOCAL_ONLY",
@@ -250,6 +279,22 @@ SETTINGS = (
     Setting("plugins_dir", "SERVICE_PLUGINS_DIR", "", "", _text, "third-party plugins folder"),
     Setting("threads", "SERVICE_THREADS", "", "8", _int_range(1, 256), "waitress threads"),
     Setting(
+        "max_connections",
+        "SERVICE_MAX_CONNECTIONS",
+        "",
+        "500",
+        _int_range(16, 100000),
+        "open connections (at the cap the oldest idle one is closed)",
+    ),
+    Setting(
+        "idle_timeout",
+        "SERVICE_IDLE_TIMEOUT",
+        "",
+        "30",
+        _int_range(1, 3600),
+        "seconds an idle or incomplete connection is kept",
+    ),
+    Setting(
         "relay_max_servers",
         "SERVICE_RELAY_MAX_SERVERS",
         "",
@@ -302,7 +347,7 @@ class Config:
     jwt_secret: str = ""
     cors: tuple = ()
     public_url: str = ""
-    trust_proxy: bool = False
+    trust_proxy: tuple = ()  # networks of trusted proxies, as text
     setup_local_only: bool = False
     pairing: str = "relay"
     relay_url: str = ""
@@ -319,13 +364,14 @@ class Config:
     rescan_seconds: int = 5
     plugins_dir: str = ""
     threads: int = 8
+    max_connections: int = 500
+    idle_timeout: int = 30
     relay_max_servers: int = 1000
     relay_max_queue: int = 32
     relay_timeout: float = 30.0
     relay_registrations_per_minute: int = 60
     relay_max_idle_per_address: int = 64
     log_level: str = "INFO"
-    idle_timeout: float = 30.0  # TEMP: issue 10 adds the setting
 
     @property
     def state_dir(self) -> Path:
@@ -575,23 +621,100 @@ def is_loopback(addr: str) -> bool:
         return False
 
 
+_UNPRINTABLE_RE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
+
+
+def log_safe(text: str, limit: int = 1024) -> str:
+    """Return text for one log line: control characters escaped (no forged lines), clipped."""
+    return _UNPRINTABLE_RE.sub(lambda m: ascii(m.group())[1:-1], text[:limit])
+
+
+def ip_of(text: str) -> ipaddress.IPv4Address | ipaddress.IPv6Address | None:
+    """Return the IP address in "1.2.3.4", "1.2.3.4:80", "::1" or "[::1]:80", else None."""
+    text = text.strip()
+    if text.startswith("[") and "]" in text:
+        text = text[1 : text.index("]")]
+    elif text.count(":") == 1:
+        text = text.split(":")[0]
+    try:
+        ip = ipaddress.ip_address(text)
+    except ValueError:
+        return None
+    return (ip.ipv4_mapped or ip) if ip.version == 6 else ip
+
+
+@functools.lru_cache(maxsize=16)
+def _networks(nets: tuple) -> tuple:
+    return tuple(ipaddress.ip_network(n) for n in nets)
+
+
+def is_trusted_proxy(config: Config, addr: str) -> bool:
+    ip = ip_of(addr)
+    return ip is not None and any(ip in net for net in _networks(config.trust_proxy))
+
+
+def behind_trusted_proxy(config: Config, environ: dict) -> bool:
+    """Return whether X-Forwarded-* count: the direct peer is a proxy the operator trusts.
+
+    Decided here rather than by the WSGI server, so it holds under any of them; a
+    request that came through the relay never counts (its headers are the client's).
+    """
+    return (
+        bool(config.trust_proxy)
+        and not environ.get("notesvc.relayed")
+        and is_trusted_proxy(config, environ.get("REMOTE_ADDR", ""))
+    )
+
+
+def client_address(config: Config, environ: dict) -> str:
+    """Return the client's address: the peer's, or the one a trusted proxy or the relay reports.
+
+    Behind trusted proxies it is the right-most X-Forwarded-For entry that is not itself
+    a trusted proxy (entries further left are whatever the client claimed). Relayed
+    clients are "relay:<addr>", so they never share a lockout bucket with loopback ones.
+    """
+    peer = environ.get("REMOTE_ADDR", "")
+    if environ.get("notesvc.relayed"):
+        return f"relay:{peer or '?'}"
+    if not behind_trusted_proxy(config, environ):
+        return peer
+    found = peer
+    for hop in reversed(environ.get("HTTP_X_FORWARDED_FOR", "").split(",")):
+        if not hop.strip():
+            continue
+        ip = ip_of(hop)
+        if ip is None:  # not written by a proxy we trust: stop at the last good hop
+            break
+        found = str(ip)
+        if not is_trusted_proxy(config, found):
+            break
+    return found
+
+
+def request_host(config: Config, environ: dict) -> str:
+    """Return the Host the client asked for (X-Forwarded-Host only from a trusted proxy)."""
+    if behind_trusted_proxy(config, environ):
+        forwarded = environ.get("HTTP_X_FORWARDED_HOST", "").split(",")[-1].strip()
+        if valid_host(forwarded):
+            return forwarded
+    return environ.get("HTTP_HOST", "")
+
+
 def base_url_of(config: Config, environ: dict) -> str:
     """Return the canonical base URL: the configured one, else from the request.
 
-    Forwarded headers count only with a trusted proxy; a Host that is not a plain
+    Forwarded headers count only from a trusted proxy; a Host that is not a plain
     host[:port] is ignored, so no client can plant a foreign link.
     """
     if config.public_url:
         return config.public_url
     scheme = environ.get("wsgi.url_scheme", "http")
-    host = environ.get("HTTP_HOST", "")
-    if config.trust_proxy:
-        proto = environ.get("HTTP_X_FORWARDED_PROTO", "").split(",")[0].strip().lower()
+    host = request_host(config, environ)
+    if behind_trusted_proxy(config, environ):
+        # the right-most value is the one our own proxy wrote
+        proto = environ.get("HTTP_X_FORWARDED_PROTO", "").split(",")[-1].strip().lower()
         if proto in ("http", "https"):
             scheme = proto
-        fwd_host = environ.get("HTTP_X_FORWARDED_HOST", "").split(",")[0].strip()
-        if valid_host(fwd_host):
-            host = fwd_host
     if not valid_host(host):
         bind = config.host
         bind = "127.0.0.1" if bind in ("0.0.0.0", "::", "") else bind
@@ -1139,6 +1262,8 @@ MAX_QUERY_CHARS = 512
 MAX_PREFIX_TERMS = 64  # expansions of one prefix* (most frequent first)
 SNIPPET_CHARS = 240
 
+# -- text analysis ------------------------------------------------------------
+
 _WORD_RE = re.compile(r"\w+")
 _ASCII_WORD_RE = re.compile(r"\w+", re.ASCII)  # the same tokens on ASCII text, faster
 _MARKS_RE = re.compile("[\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe2f]")
@@ -1235,6 +1360,18 @@ def tokenize(text: str) -> list:
     return [stem(w) for w in _WORD_RE.findall(fold(text))]
 
 
+# -- BM25 ---------------------------------------------------------------------
+#
+# A note's score for a query is the sum, over the query's terms and the two fields
+# (body, title), of  bm25_weight(N, df, field) * bm25_tf(tf, dl, avgdl):
+#   N      notes in the index          df     notes whose field holds the term
+#   tf     the term's count in the field   dl     the field's length in tokens
+#   avgdl  the field's average length over all notes
+# The index stores bm25_tf per posting (its "impact"); the weight is computed per query.
+
+FIELD_WEIGHTS = {"body": 1.0, "title": TITLE_WEIGHT}
+
+
 def bm25_idf(n_docs: int, df: int) -> float:
     """Lucene's always-positive inverse document frequency."""
     return math.log(1.0 + (n_docs - df + 0.5) / (df + 0.5))
@@ -1249,7 +1386,12 @@ def bm25_tf(tf: float, dl: float, avgdl: float) -> float:
     return tf * (K1 + 1.0) / (tf + K1 * (1.0 - B + B * dl / max(avgdl, 1.0)))
 
 
-Doc = collections.namedtuple("Doc", "path size mtime title text toks title_toks")
+def bm25_weight(n_docs: int, df: int, field: str = "body") -> float:
+    """Return a term's weight in one field: the field's weight times the term's IDF."""
+    return FIELD_WEIGHTS[field] * bm25_idf(n_docs, df)
+
+
+# -- the query language -------------------------------------------------------
 
 
 class Query:
@@ -1311,6 +1453,87 @@ class Query:
         if not stems:
             return None
         return ("word", stems[0]) if len(stems) == 1 else ("phrase", stems)
+
+
+# -- snippets -----------------------------------------------------------------
+
+
+@functools.lru_cache(maxsize=256)
+def _skip_tokens(n: int, ascii_only: bool) -> re.Pattern:
+    return re.compile(r"\W*(?:\w+\W+){" + str(n) + "}", re.ASCII if ascii_only else 0)
+
+
+def _token_offset(text: str, k: int) -> int | None:
+    """Return where token k (0-based) of text starts, skipping tokens in C-level steps."""
+    pos, ascii_only = 0, text.isascii()
+    while k > 0:
+        n = min(k, 100)
+        m = _skip_tokens(n, ascii_only).match(text, pos)
+        if m is None:
+            return None
+        pos, k = m.end(), k - n
+    m = _WORD_RE.search(text, pos)
+    return m.start() if m else None
+
+
+def _snippet(text: str, toks: str, needles: list) -> str:
+    """Return up to SNIPPET_CHARS of the body around the first match of the best needle."""
+    index = -1
+    for needle in needles:
+        index = toks.find(needle)
+        if index >= 0:
+            break
+    start = 0
+    at = _token_offset(text, index) if index > 0 else None
+    if at is not None:
+        start = max(0, at - 60)
+        while start > 0 and not text[start - 1].isspace() and at - start < 90:
+            start -= 1
+    end = start + SNIPPET_CHARS + 40
+    window = " ".join(text[start:end].split())
+    lead = "…" if start > 0 else ""
+    room = SNIPPET_CHARS - len(lead)
+    if len(window) > room or end < len(text):
+        cut = window[: room - 1]
+        cut = cut.rsplit(" ", 1)[0] if " " in cut[20:] else cut
+        return lead + cut + "…"
+    return lead + window
+
+
+# -- the index ----------------------------------------------------------------
+
+Doc = collections.namedtuple("Doc", "path size mtime title text toks title_toks")
+
+
+_OVERFLOW = "\xff"  # the term char of stems past the last code point (not indexed)
+_APPEND = array.array.append
+_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
+_TOKS, _TITLE_TOKS = operator.attrgetter("toks"), operator.attrgetter("title_toks")
+_PTT = operator.attrgetter("path", "title", "text")
+
+
+def _term_char_of(n: int) -> str:
+    """Return the term char of term number n (U+0100 upward, surrogates skipped)."""
+    cp = 0x100 + n
+    if cp >= 0xD800:
+        cp += 0x800
+    return chr(cp) if cp <= 0x10FFFF else _OVERFLOW
+
+
+def _union_ids(comps: list) -> set:
+    ids: set = set()
+    for _, arr, _ in comps:
+        ids.update(arr)
+    return ids
+
+
+def _impact_of(comp: tuple, d: int):
+    """Return weight * impact of doc d in a component, or None when d is not in it."""
+    weight, ids, imps = comp
+    i = bisect.bisect_left(ids, d)
+    if i < len(ids) and ids[i] == d:
+        return weight * imps[i]
+    return None
 
 
 class SearchIndex:
@@ -1499,6 +1722,44 @@ class SearchIndex:
             if doc is not None:
                 self._post(d, doc, fresh=True)  # ascending ids: appending keeps lists sorted
 
+    def _fields(self) -> tuple:
+        return (("body", self.body), ("title", self.title))
+
+    # -- reading: what plugins and providers may ask (they never touch the lock) ---------
+
+    def title_of(self, path: str) -> str | None:
+        """Return the indexed title of a note, None when it is not indexed."""
+        with self._lock:
+            d = self.ids.get(path)
+            return None if d is None else self.docs[d].title
+
+    def paths(self) -> list:
+        """Return the indexed note paths."""
+        with self._lock:
+            return list(self.ids)
+
+    def documents(self) -> tuple:
+        """Return (generation, [(path, title, text)]): a snapshot to compute from unlocked."""
+        with self._lock:
+            return self.generation, [(d.path, d.title, d.text) for d in self.docs if d]
+
+    def terms_of_stems(self, stems: Iterable[str]) -> list:
+        """Return the term chars of the stems that are in the index."""
+        with self._lock:
+            chars = map(self.term_chars.get, stems)
+            return [c for c in chars if c]
+
+    def terms_of_words(self, words: Iterable[str]) -> set:
+        """Return the term chars of folded words that are in the index."""
+        with self._lock:
+            return {self.surfaces[w] for w in words if w in self.surfaces}
+
+    def body_idf(self, terms: Iterable[str]) -> dict:
+        """Return {term char: its IDF in note bodies}."""
+        with self._lock:
+            n = max(len(self.ids), 1)
+            return {t: bm25_idf(n, len(self.body.get(t, ((),))[0])) for t in terms}
+
     # -- state -------------------------------------------------------------------------
 
     def signature(self) -> dict:
@@ -1531,10 +1792,10 @@ class SearchIndex:
         """Return the scoring components of a term char: (weight * idf, ids, impacts)."""
         n = len(self.ids)
         out = []
-        for table, weight in ((self.body, 1.0), (self.title, TITLE_WEIGHT)):
+        for field, table in self._fields():
             entry = table.get(term)
             if entry:
-                out.append((weight * bm25_idf(n, len(entry[0])), entry[0], entry[1]))
+                out.append((bm25_weight(n, len(entry[0]), field), entry[0], entry[1]))
         return out
 
     def _chars(self, stems: list) -> str:
@@ -1604,7 +1865,7 @@ class SearchIndex:
         return sorted(set(needles), key=rarity)
 
     def search_any(self, terms: list, limit: int) -> list:
-        """Return the top (id, score) of notes holding any of terms (natural-language search).
+        """Return the top (path, title, text, score) of notes holding any of terms.
 
         A term in more than half the notes carries no weight, like a stopword.
         """
@@ -1612,14 +1873,15 @@ class SearchIndex:
             n = len(self.ids)
             scores: dict = collections.defaultdict(float)
             for term in terms:
-                for table, weight in ((self.body, 1.0), (self.title, TITLE_WEIGHT)):
+                for field, table in self._fields():
                     entry = table.get(term)
                     if not entry or (n >= 20 and len(entry[0]) > n // 2):
                         continue
-                    w = weight * bm25_idf(n, len(entry[0]))
+                    w = bm25_weight(n, len(entry[0]), field)
                     for d, imp in zip(*entry):
                         scores[d] += w * imp
-            return heapq.nlargest(limit, scores.items(), key=_SECOND)
+            top = heapq.nlargest(limit, scores.items(), key=_SECOND)
+            return [(*_PTT(self.docs[d]), score) for d, score in top]
 
     def _top_single(self, term: str | None, k: int) -> tuple:
         body = self.body.get(term) if term else None
@@ -1631,15 +1893,15 @@ class SearchIndex:
         total = 0
         if body:
             ids, imps = body
-            w = bm25_idf(n, len(ids))
+            w = bm25_weight(n, len(ids))
             total = len(ids)
             extra = len(title[0]) if title else 0
             for i in heapq.nlargest(k + extra, range(len(ids)), key=imps.__getitem__):
                 scores[ids[i]] = w * imps[i]
         if title:
             ids, imps = title
-            w = TITLE_WEIGHT * bm25_idf(n, len(ids))
-            body_comp = (bm25_idf(n, len(body[0])), *body) if body else None
+            w = bm25_weight(n, len(ids), "title")
+            body_comp = (bm25_weight(n, len(body[0])), *body) if body else None
             for d, imp in zip(ids, imps):
                 base = scores.get(d)
                 if base is None:
@@ -1688,81 +1950,8 @@ class SearchIndex:
 
     # -- persistence ---------------------------------------------------------------------
 
-    def save(self, path: Path) -> None:
-        """Write the index to path atomically: a pickle of plain data, then raw arrays.
 
-        Streamed to the file, so saving builds no large temporary objects.
-        """
-
-        def write(f) -> None:
-            meta = {
-                "format": INDEX_FORMAT,
-                "docs": [tuple(doc) if doc else None for doc in self.docs],
-                "avg_used": self.avg_used,
-                "terms": self.terms,
-                "surfaces": self.surfaces,
-                "tables": [
-                    (
-                        "".join(table),
-                        array.array("i", map(len, map(_FIRST, table.values()))).tobytes(),
-                    )
-                    for table in (self.body, self.title)
-                ],
-            }
-            pickle.dump(meta, f, protocol=pickle.HIGHEST_PROTOCOL)
-            for table in (self.body, self.title):
-                for ids, imps in table.values():
-                    ids.tofile(f)
-                    imps.tofile(f)
-
-        with self._lock:
-            atomic_write(path, write, mode=0o600)
-
-    @classmethod
-    def load(cls, path: Path) -> SearchIndex:
-        """Return the index stored at path; ValueError when it is missing, old or corrupt."""
-        try:
-            with open(path, "rb") as f:
-                meta = _PlainUnpickler(f).load()
-                if not isinstance(meta, dict) or meta.get("format") != INDEX_FORMAT:
-                    raise ValueError("an index cache of another format")
-                index = cls()
-                for terms, raw_lengths in meta["tables"]:
-                    lengths = array.array("i")
-                    lengths.frombytes(raw_lengths)
-                    if len(terms) != len(lengths):
-                        raise ValueError("postings table header does not add up")
-                    table = {}
-                    for term, n in zip(terms, lengths):
-                        ids, imps = array.array("i"), array.array("f")
-                        ids.fromfile(f, n)  # EOFError when the file was cut short
-                        imps.fromfile(f, n)
-                        table[term] = (ids, imps)
-                    if index.body:
-                        index.title = table
-                    else:
-                        index.body = table
-                if f.read(1):
-                    raise ValueError("trailing bytes")
-            for d, item in enumerate(meta["docs"]):
-                doc = Doc(*item) if item else None
-                index.docs.append(doc)
-                if doc is None:
-                    index.free.append(d)
-                else:
-                    index.ids[doc.path] = d
-                    index.body_len += len(doc.toks)
-                    index.title_len += len(doc.title_toks)
-            index.terms = list(meta["terms"])
-            index.term_chars = {t: _term_char_of(i) for i, t in enumerate(index.terms)}
-            index.surfaces = dict(meta["surfaces"])
-            index.avg_used = tuple(meta["avg_used"])
-            index._sorted_stale = True
-            return index
-        except FileNotFoundError:
-            raise ValueError("no index cache") from None
-        except Exception as e:  # a cache is never trusted: any damage means a rebuild
-            raise ValueError(f"unusable index cache ({type(e).__name__}: {e})") from None
+# -- persistence --------------------------------------------------------------
 
 
 class _PlainUnpickler(pickle.Unpickler):
@@ -1772,76 +1961,81 @@ class _PlainUnpickler(pickle.Unpickler):
         raise pickle.UnpicklingError(f"{module}.{name} is not allowed in an index cache")
 
 
-def _union_ids(comps: list) -> set:
-    ids: set = set()
-    for _, arr, _ in comps:
-        ids.update(arr)
-    return ids
+def save_index(index: SearchIndex, path: Path) -> None:
+    """Write the index to path atomically: a pickle of plain data, then raw arrays.
+
+    Streamed to the file, so saving builds no large temporary objects.
+    """
+
+    def write(f) -> None:
+        meta = {
+            "format": INDEX_FORMAT,
+            "docs": [tuple(doc) if doc else None for doc in index.docs],
+            "avg_used": index.avg_used,
+            "terms": index.terms,
+            "surfaces": index.surfaces,
+            "tables": [
+                (
+                    "".join(table),
+                    array.array("i", map(len, map(_FIRST, table.values()))).tobytes(),
+                )
+                for table in (index.body, index.title)
+            ],
+        }
+        pickle.dump(meta, f, protocol=pickle.HIGHEST_PROTOCOL)
+        for table in (index.body, index.title):
+            for ids, imps in table.values():
+                ids.tofile(f)
+                imps.tofile(f)
+
+    with index._lock:
+        atomic_write(path, write, mode=0o600)
 
 
-def _impact_of(comp: tuple, d: int):
-    """Return weight * impact of doc d in a component, or None when d is not in it."""
-    weight, ids, imps = comp
-    i = bisect.bisect_left(ids, d)
-    if i < len(ids) and ids[i] == d:
-        return weight * imps[i]
-    return None
-
-
-_OVERFLOW = "\xff"  # the term char of stems past the last code point (not indexed)
-_APPEND = array.array.append
-_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
-_TOKS, _TITLE_TOKS = operator.attrgetter("toks"), operator.attrgetter("title_toks")
-
-
-def _term_char_of(n: int) -> str:
-    """Return the term char of term number n (U+0100 upward, surrogates skipped)."""
-    cp = 0x100 + n
-    if cp >= 0xD800:
-        cp += 0x800
-    return chr(cp) if cp <= 0x10FFFF else _OVERFLOW
-
-
-@functools.lru_cache(maxsize=256)
-def _skip_tokens(n: int, ascii_only: bool) -> re.Pattern:
-    return re.compile(r"\W*(?:\w+\W+){" + str(n) + "}", re.ASCII if ascii_only else 0)
-
-
-def _token_offset(text: str, k: int) -> int | None:
-    """Return where token k (0-based) of text starts, skipping tokens in C-level steps."""
-    pos, ascii_only = 0, text.isascii()
-    while k > 0:
-        n = min(k, 100)
-        m = _skip_tokens(n, ascii_only).match(text, pos)
-        if m is None:
-            return None
-        pos, k = m.end(), k - n
-    m = _WORD_RE.search(text, pos)
-    return m.start() if m else None
-
-
-def _snippet(text: str, toks: str, needles: list) -> str:
-    """Return up to SNIPPET_CHARS of the body around the first match of the best needle."""
-    index = -1
-    for needle in needles:
-        index = toks.find(needle)
-        if index >= 0:
-            break
-    start = 0
-    at = _token_offset(text, index) if index > 0 else None
-    if at is not None:
-        start = max(0, at - 60)
-        while start > 0 and not text[start - 1].isspace() and at - start < 90:
-            start -= 1
-    end = start + SNIPPET_CHARS + 40
-    window = " ".join(text[start:end].split())
-    lead = "…" if start > 0 else ""
-    room = SNIPPET_CHARS - len(lead)
-    if len(window) > room or end < len(text):
-        cut = window[: room - 1]
-        cut = cut.rsplit(" ", 1)[0] if " " in cut[20:] else cut
-        return lead + cut + "…"
-    return lead + window
+def load_index(path: Path) -> SearchIndex:
+    """Return the index stored at path; ValueError when it is missing, old or corrupt."""
+    try:
+        with open(path, "rb") as f:
+            meta = _PlainUnpickler(f).load()
+            if not isinstance(meta, dict) or meta.get("format") != INDEX_FORMAT:
+                raise ValueError("an index cache of another format")
+            index = SearchIndex()
+            for terms, raw_lengths in meta["tables"]:
+                lengths = array.array("i")
+                lengths.frombytes(raw_lengths)
+                if len(terms) != len(lengths):
+                    raise ValueError("postings table header does not add up")
+                table = {}
+                for term, n in zip(terms, lengths):
+                    ids, imps = array.array("i"), array.array("f")
+                    ids.fromfile(f, n)  # EOFError when the file was cut short
+                    imps.fromfile(f, n)
+                    table[term] = (ids, imps)
+                if index.body:
+                    index.title = table
+                else:
+                    index.body = table
+            if f.read(1):
+                raise ValueError("trailing bytes")
+        for d, item in enumerate(meta["docs"]):
+            doc = Doc(*item) if item else None
+            index.docs.append(doc)
+            if doc is None:
+                index.free.append(d)
+            else:
+                index.ids[doc.path] = d
+                index.body_len += len(doc.toks)
+                index.title_len += len(doc.title_toks)
+        index.terms = list(meta["terms"])
+        index.term_chars = {t: _term_char_of(i) for i, t in enumerate(index.terms)}
+        index.surfaces = dict(meta["surfaces"])
+        index.avg_used = tuple(meta["avg_used"])
+        index._sorted_stale = True
+        return index
+    except FileNotFoundError:
+        raise ValueError("no index cache") from None
+    except Exception as e:  # a cache is never trusted: any damage means a rebuild
+        raise ValueError(f"unusable index cache ({type(e).__name__}: {e})") from None
 
 
 # == State and auth ===========================================================
@@ -2050,6 +2244,11 @@ class Lockout:
                 self._until[addr] = now + self.window
                 q.clear()
 
+    def succeed(self, addr: str) -> None:
+        """Forget addr's failures: a right credential from it (a lockout still runs out)."""
+        with self._lock:
+            self._fails.pop(addr, None)
+
     def _prune(self, now: float) -> None:
         for addr in [a for a, q in self._fails.items() if not q or q[-1] <= now - self.window]:
             del self._fails[addr]
@@ -2129,8 +2328,7 @@ def post_json(url: str, body: dict, headers: dict | None = None, timeout: float 
 def question_terms(index: SearchIndex, question: str) -> list:
     """Return the index terms of a natural-language question (stopwords dropped)."""
     words = [w for w in _WORD_RE.findall(fold(question)) if w not in STOPWORDS]
-    chars = (index.term_chars.get(stem(w)) for w in dict.fromkeys(words))
-    return [c for c in chars if c]
+    return index.terms_of_stems(stem(w) for w in dict.fromkeys(words))
 
 
 _SENTENCE_RE = re.compile(r"(?<=[.!?])\s+|\n+")
@@ -2138,8 +2336,7 @@ _SENTENCE_RE = re.compile(r"(?<=[.!?])\s+|\n+")
 
 def best_passages(index: SearchIndex, text: str, terms: list, keep: int = 2) -> list:
     """Return up to `keep` sentences of text that hold the most (and rarest) query terms."""
-    n = max(len(index.ids), 1)
-    weight = {t: bm25_idf(n, len(index.body.get(t, ((),))[0])) for t in terms}
+    weight = index.body_idf(terms)
     scored = []
     for i, sentence in enumerate(_SENTENCE_RE.split(text)):
         sentence = sentence.strip()
@@ -2147,8 +2344,7 @@ def best_passages(index: SearchIndex, text: str, terms: list, keep: int = 2) -> 
         sentence = sentence.lstrip("#").strip()
         if not sentence:
             continue
-        words = set(_WORD_RE.findall(fold(sentence)))
-        present = {index.surfaces.get(w) for w in words} & weight.keys()
+        present = index.terms_of_words(set(_WORD_RE.findall(fold(sentence)))) & weight.keys()
         if present:
             scored.append((heading, -sum(weight[t] for t in present), i, sentence))
     scored.sort()
@@ -2164,20 +2360,18 @@ def _clip(text: str, limit: int) -> str:
 def retrieve(svc: Service, question: str, note: str | None, limit: int = 3) -> list:
     """Return [(path, title, [passages])]: the note asked about first, then the best hits."""
     index = svc.index
-    with index._lock:
-        terms = question_terms(index, question)
-        found = []
-        if note:
-            rec = svc.notes.get(note)
-            passages = best_passages(index, rec["content"], terms) or [
-                _clip(" ".join(rec["content"].split()), 600)
-            ]
-            found.append((note, rec["title"], passages))
-        for d, _ in index.search_any(terms, limit):
-            doc = index.docs[d]
-            if doc.path != note:
-                found.append((doc.path, doc.title, best_passages(index, doc.text, terms)))
-        return found
+    terms = question_terms(index, question)
+    found = []
+    if note:
+        rec = svc.notes.get(note)
+        passages = best_passages(index, rec["content"], terms) or [
+            _clip(" ".join(rec["content"].split()), 600)
+        ]
+        found.append((note, rec["title"], passages))
+    for path, title, text, _ in index.search_any(terms, limit):
+        if path != note:
+            found.append((path, title, best_passages(index, text, terms)))
+    return found
 
 
 # -- agent providers ------------------------------------------------------------------
@@ -2238,6 +2432,25 @@ def model_context(found: list, budget: int = CONTEXT_BUDGET) -> str:
     return "\n\n".join(parts) or "(no note matched the question)"
 
 
+def agent_endpoint(base_url: str, path: str, api_key: str = "") -> tuple:
+    """Return (url, headers) for a call to path under an OpenAI-compatible base URL.
+
+    urllib cannot send a `user:pass@` from the URL, so userinfo becomes a Basic
+    credential (an API key, when set, wins as Bearer); a query string stays after the path.
+    """
+    parts = urllib.parse.urlsplit(base_url)
+    userinfo, _, hostport = parts.netloc.rpartition("@")
+    headers = {}
+    if api_key:
+        headers["Authorization"] = f"Bearer {api_key}"
+    elif userinfo:
+        user, _, password = userinfo.partition(":")
+        plain = f"{urllib.parse.unquote(user)}:{urllib.parse.unquote(password)}"
+        headers["Authorization"] = "Basic " + base64.b64encode(plain.encode()).decode()
+    full = parts._replace(netloc=hostport, path=parts.path.rstrip("/") + path, fragment="")
+    return urllib.parse.urlunsplit(full), headers
+
+
 @agent_provider(
     "openai",
     model=lambda cfg: cfg.agent_model,
@@ -2245,7 +2458,7 @@ def model_context(found: list, budget: int = CONTEXT_BUDGET) -> str:
 )
 def answer_with_model(svc: Service, question: str, found: list) -> tuple:
     cfg = svc.config
-    headers = {"Authorization": f"Bearer {cfg.agent_api_key}"} if cfg.agent_api_key else {}
+    url, headers = agent_endpoint(cfg.agent_base_url, "/chat/completions", cfg.agent_api_key)
     body = {
         "model": cfg.agent_model,
         "messages": [
@@ -2255,7 +2468,7 @@ def answer_with_model(svc: Service, question: str, found: list) -> tuple:
         "temperature": 0.2,
         "stream": False,
     }
-    answer = post_json(f"{cfg.agent_base_url}/chat/completions", body, headers, cfg.agent_timeout)
+    answer = post_json(url, body, headers, cfg.agent_timeout)
     try:
         reply = answer["choices"][0]["message"]["content"]
     except (KeyError, IndexError, TypeError):
@@ -2300,7 +2513,9 @@ class ConfigField:
 class ChannelProvider:
     name: str
     fields: tuple  # ConfigField
-    parse: Callable  # (payload) -> [(sender, text)]; text None for an update without text
+    # (payload) -> [(sender, text)] or [(sender, text, sender's display name)]; text None
+    # for an update without text. Plugins' 2-tuples keep working.
+    parse: Callable
     send: Callable | None  # (svc, config, sender, text) -> None; raises UpstreamError
     allow: str = ""  # the config field holding the sender allowlist
     description: str = ""
@@ -2372,7 +2587,15 @@ def parse_telegram(update: dict) -> list:
     if not isinstance(msg, dict) or not isinstance(msg.get("chat"), dict):
         return []
     text = msg.get("text")
-    return [(str(msg["chat"].get("id", "")), text if isinstance(text, str) else None)]
+    person = msg.get("from") if isinstance(msg.get("from"), dict) else msg["chat"]
+    name = person.get("first_name") or person.get("username") or msg["chat"].get("title") or ""
+    return [
+        (
+            str(msg["chat"].get("id", "")),
+            text if isinstance(text, str) else None,
+            name if isinstance(name, str) else "",
+        )
+    ]
 
 
 @channel_sender("telegram")
@@ -2402,12 +2625,19 @@ def parse_whatsapp(payload: dict) -> list:
             value = change.get("value")
             if not isinstance(value, dict):
                 continue
+            names = {
+                str(c.get("wa_id", "")): c["profile"].get("name")
+                for c in _dicts(value.get("contacts"))
+                if isinstance(c.get("profile"), dict)
+            }
             for msg in _dicts(value.get("messages")):
                 body = (
                     msg.get("text", {}).get("body") if isinstance(msg.get("text"), dict) else None
                 )
                 text = body if msg.get("type") == "text" and isinstance(body, str) else None
-                out.append((str(msg.get("from", "")), text))
+                sender = str(msg.get("from", ""))
+                name = names.get(sender)
+                out.append((sender, text, name if isinstance(name, str) else ""))
     return out
 
 
@@ -2449,7 +2679,8 @@ def redact_channel(channel: dict) -> dict:
     config = {
         k: (redact(v) if k in secret_fields and v else v) for k, v in channel["config"].items()
     }
-    return {**channel, "secret": redact(channel["secret"]), "config": config}
+    shown = {k: v for k, v in channel.items() if k != "refusedSenders"}  # GET /channels/:id
+    return {**shown, "secret": redact(channel["secret"]), "config": config}
 
 
 # == Plugins ==================================================================
@@ -3103,6 +3334,25 @@ def check_plain_http_upstreams(svc: Service) -> list:
 
 
 @audit_check
+def check_relay_in_transit(svc: Service) -> list:
+    cfg = svc.config
+    host = urllib.parse.urlsplit(cfg.relay_url).hostname or ""
+    if cfg.pairing != "relay" or not cfg.relay_url or is_loopback(host) or host == "localhost":
+        return []
+    return [
+        finding(
+            "relay-sees-transit",
+            "info",
+            "Requests pass through a relay on another machine",
+            f"The relay at {host} stores nothing at rest, but TLS ends there: whoever runs it "
+            "could read the key and the notes in transit, and it learns addresses, server "
+            "ids, timing and sizes. Losing it costs availability only.",
+            "Run your own relay (python3 notesvc.py relay) or use one run by someone you trust.",
+        )
+    ]
+
+
+@audit_check
 def check_key_age(svc: Service) -> list:
     days = key_age_days(svc.state.read())
     if days is None or days <= KEY_MAX_AGE_DAYS:
@@ -3159,6 +3409,272 @@ def run_audit(svc: Service) -> dict:
     summary = {s: sum(f["severity"] == s for f in findings) for s in SEVERITIES}
     score = max(0, 100 - sum(SEVERITY_COST[f["severity"]] for f in findings))
     return {"score": score, "findings": findings, "summary": summary, "checkedAt": iso(utcnow())}
+
+
+# == Web client =================================================================
+#
+# One self-contained page: inline CSS and JS (allowed by their hashes in the CSP), no
+# CDN, no build step. It uses only the public API. Data goes in as text nodes only.
+
+WEB_CSS = """
+*{box-sizing:border-box}
+body{margin:0;font:15px/1.45 system-ui,sans-serif;color:#222;background:#fafafa}
+header{display:flex;gap:.5em;align-items:center;padding:.5em 1em;background:#234;color:#fff}
+header h1{font-size:1.1em;margin:0 1em 0 0}header input{flex:1;max-width:28em}
+input,textarea,button{font:inherit;padding:.35em .5em;border:1px solid #bbb;border-radius:4px}
+button{background:#fff;cursor:pointer}button:hover{background:#eef}
+main{display:grid;grid-template-columns:18em 1fr 20em;height:calc(100vh - 3em)}
+nav,aside{overflow:auto;padding:.5em;border-right:1px solid #ddd;background:#fff}
+aside{border-left:1px solid #ddd;border-right:0;display:flex;flex-direction:column}
+section{display:flex;flex-direction:column;padding:.5em;gap:.5em;min-width:0}
+ul{list-style:none;margin:0;padding-left:1em}nav>ul{padding-left:0}
+li span{cursor:pointer}li span:hover{text-decoration:underline}.dir>span{font-weight:600}
+#editor{flex:1;width:100%;font-family:ui-monospace,monospace;resize:none}
+.row{display:flex;gap:.4em;align-items:center;flex-wrap:wrap}.row input{flex:1;min-width:8em}
+#status{color:#555;min-height:1.4em}#conflict{background:#fee;border:1px solid #c66;padding:.5em}
+.hidden{display:none!important}mark{background:#ff6}
+#results div{padding:.3em 0;border-bottom:1px solid #eee;cursor:pointer}
+#results small{color:#666;display:block}#chat-log{flex:1;overflow:auto;white-space:pre-wrap}
+#chat-log p{margin:.3em 0}.me{color:#234;font-weight:600}#login{max-width:30em;margin:3em auto}
+#login input{width:100%;margin:.5em 0}.err{color:#b00}
+@media (max-width:760px){main{grid-template-columns:minmax(0,1fr);height:auto}
+nav,aside{border:0;border-bottom:1px solid #ddd;max-height:45vh}#editor{min-height:50vh}
+#chat-log{min-height:4em}header input{min-width:0}}
+"""
+
+WEB_JS = r"""
+"use strict";
+const $ = (id) => document.getElementById(id);
+const S = window.sessionStorage;
+// Requests, the key included, go only to the origin this page came from: a relayUrl in
+// the query string is ignored, and an API base on another origin is never used.
+function own(url) {
+  try { return new URL(url, location.href).origin === location.origin; }
+  catch (e) { return false; } }
+let base = S.getItem("notesvc.base") || "", key = S.getItem("notesvc.key") || "";
+if (!own(base)) base = "";
+let current = null, etag = null;
+
+function el(tag, text, cls) { const e = document.createElement(tag);
+  if (text !== undefined) e.textContent = text; if (cls) e.className = cls; return e; }
+function show(id, on) { $(id).classList.toggle("hidden", !on); }
+function status(text, bad) {
+  $("status").textContent = text; $("status").className = bad ? "err" : ""; }
+const enc = (p) => encodeURIComponent(p);
+
+async function api(method, path, body, headers) {
+  if (!own(base + path)) throw new Error("refused: the API is not on this page's origin");
+  const h = Object.assign({"X-Service-Key": key}, headers || {});
+  if (body !== undefined) h["Content-Type"] = "application/json";
+  const r = await fetch(base + path, {method, headers: h, mode: "same-origin",
+    body: body === undefined ? undefined : JSON.stringify(body)});
+  let j = null; try { j = await r.json(); } catch (e) { /* not JSON */ }
+  return {status: r.status, ok: r.ok, data: j && j.data, error: j && j.error,
+          etag: r.headers.get("ETag")};
+}
+
+async function resolveBase() {
+  const code = new URLSearchParams(location.search).get("relayCode");
+  if (!code) return location.origin + "/api/v1";
+  const r = await fetch("/relay/v1/pair/" + enc(code), {mode: "same-origin"});
+  const j = await r.json().catch(() => ({}));
+  if (!r.ok || !j.data) throw new Error(j.error ? j.error.message : "pairing failed");
+  const given = String(j.data.relayApiBase || "").replace(/\/$/, "");
+  if (given && own(given)) return new URL(given, location.href).href.replace(/\/$/, "");
+  const id = String(j.data.serverId || "");  // the server's own relay prefix on this origin
+  if (!/^[A-Za-z0-9_-]{1,64}$/.test(id)) throw new Error("pairing failed");
+  return location.origin + "/r/" + id + "/api/v1";
+}
+
+async function connect() {
+  $("login-msg").textContent = "";
+  try {
+    key = $("key").value.trim() || key;
+    base = base || await resolveBase();
+    const r = await api("POST", "/auth/verify");
+    if (!r.ok) {
+      $("login-msg").textContent = r.error ? r.error.message : "cannot connect"; return; }
+    S.setItem("notesvc.base", base); S.setItem("notesvc.key", key);
+    if (!r.data.setupComplete) await api("POST", "/auth/link", {clientName: "web client"});
+    show("login", false); show("app", true); await loadTree();
+  } catch (e) { $("login-msg").textContent = String(e.message || e); base = ""; }
+}
+
+function renderNode(node) {
+  const li = el("li", undefined, node.type === "folder" ? "dir" : "note");
+  const label = el("span", node.name);
+  li.appendChild(label);
+  if (node.type === "folder") {
+    const ul = el("ul");
+    (node.children || []).forEach((c) => ul.appendChild(renderNode(c)));
+    li.appendChild(ul);
+    label.onclick = () => ul.classList.toggle("hidden");
+  } else { label.onclick = () => openNote(node.path); label.dataset.path = node.path; }
+  return li;
+}
+
+async function loadTree() {
+  const r = await api("GET", "/folders/tree");
+  const tree = $("tree"); tree.textContent = "";
+  if (!r.ok) { tree.textContent = r.error.message; return; }
+  const ul = el("ul"); (r.data.children || []).forEach((c) => ul.appendChild(renderNode(c)));
+  tree.appendChild(r.data.children.length ? ul : el("p", "No notes yet: create one above."));
+}
+
+async function openNote(path) {
+  const r = await api("GET", "/notes/" + enc(path));
+  if (!r.ok) { status(r.error.message, true); return; }
+  current = r.data.path; etag = r.data.etag;
+  $("editor").value = r.data.content; $("path").textContent = current;
+  $("move-path").value = current; show("conflict", false); show("note", true);
+  status("Opened " + current);
+}
+
+async function save(force) {
+  if (!current) return;
+  const r = await api("PUT", "/notes/" + enc(current), {content: $("editor").value},
+                      force ? {} : {"If-Match": etag});
+  if (r.status === 412) {
+    show("conflict", true); status("Not saved: changed elsewhere", true); return; }
+  if (!r.ok) { status(r.error.message, true); return; }
+  etag = r.data.etag; show("conflict", false); status("Saved " + current);
+}
+
+async function createNote() {
+  let path = $("new-path").value.trim();
+  if (!path) return;
+  if (!path.startsWith("notes/")) path = "notes/" + path;
+  if (!path.endsWith(".md")) path += ".md";
+  const title = path.split("/").pop().replace(/\.md$/, "");
+  const r = await api("POST", "/notes", {path, content: "# " + title + "\n\n"});
+  if (!r.ok) { status(r.error.message, true); return; }
+  $("new-path").value = ""; await loadTree(); await openNote(r.data.path);
+}
+
+async function moveNote() {
+  const to = $("move-path").value.trim();
+  if (!current || !to || to === current) return;
+  const r = await api("PATCH", "/notes/" + enc(current) + "/move", {path: to, updateLinks: true},
+                      {"If-Match": etag});
+  if (!r.ok) { status(r.error.message, true); return; }
+  await loadTree(); await openNote(r.data.path); status("Moved to " + r.data.path);
+}
+
+async function deleteNote() {
+  if (!current || !window.confirm("Move " + current + " to the trash?")) return;
+  const r = await api("DELETE", "/notes/" + enc(current), undefined, {"If-Match": etag});
+  if (!r.ok) { status(r.error.message, true); return; }
+  status("Deleted " + current + " (kept in the trash)"); current = null; show("note", false);
+  await loadTree();
+}
+
+function highlight(text, words) {
+  const frag = document.createDocumentFragment();
+  const terms = words.filter((w) => w.length > 1)
+    .map((w) => w.replace(/[.*+?^${}()|[\]\\]/g, "\\$&"));
+  if (!terms.length) { frag.appendChild(document.createTextNode(text)); return frag; }
+  const re = new RegExp("(" + terms.join("|") + ")", "gi");
+  text.split(re).forEach((part, i) =>
+    frag.appendChild(i % 2 ? el("mark", part) : document.createTextNode(part)));
+  return frag;
+}
+
+async function search() {
+  const q = $("search").value.trim(), box = $("results");
+  box.textContent = "";
+  if (!q) return;
+  const r = await api("GET", "/search?q=" + enc(q) + "&limit=20");
+  if (!r.ok) { box.appendChild(el("p", r.error.message, "err")); return; }
+  const words = q.replace(/["*()-]/g, " ").split(/\s+/).filter((w) => w && w !== "OR");
+  box.appendChild(el("p", r.data.total + " found in " + r.data.tookMs + " ms"));
+  r.data.results.forEach((hit) => {
+    const d = el("div"); d.appendChild(highlight(hit.title, words));
+    const s = el("small"); s.appendChild(highlight(hit.snippet, words)); d.appendChild(s);
+    d.appendChild(el("small", hit.path)); d.onclick = () => openNote(hit.path); box.appendChild(d);
+  });
+}
+
+async function chat() {
+  const msg = $("chat-input").value.trim();
+  if (!msg) return;
+  const log = $("chat-log");
+  log.appendChild(el("p", msg, "me")); $("chat-input").value = "";
+  const body = {message: msg, channel: "web"};
+  if (current) body.notePath = current;
+  const r = await api("POST", "/agent/chat", body);
+  log.appendChild(el("p", r.ok ? r.data.reply : r.error.message, r.ok ? "" : "err"));
+  log.scrollTop = log.scrollHeight;
+}
+
+$("connect").onclick = connect;
+$("key").onkeydown = (e) => { if (e.key === "Enter") connect(); };
+$("create").onclick = createNote;
+$("save").onclick = () => save(false);
+$("overwrite").onclick = () => save(true);
+$("reload").onclick = () => openNote(current);
+$("move").onclick = moveNote;
+$("delete").onclick = deleteNote;
+$("search").onkeydown = (e) => { if (e.key === "Enter") search(); };
+$("chat-send").onclick = chat;
+$("chat-input").onkeydown = (e) => { if (e.key === "Enter") chat(); };
+$("logout").onclick = () => { S.clear(); location.reload(); };
+document.addEventListener("keydown", (e) => {
+  if ((e.ctrlKey || e.metaKey) && e.key === "s") { e.preventDefault(); save(false); } });
+if (key && base) connect();
+"""
+
+WEB_PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<title>notesvc</title><link rel="icon" href="data:,"><style>{css}</style></head><body>
+<div id="login"><h1>notesvc</h1>
+<p>Paste the API key from the setup payload (or the server's start-up banner).</p>
+<input id="key" type="password" autocomplete="off" placeholder="nsk_...">
+<button id="connect">Connect</button><p id="login-msg" class="err"></p></div>
+<div id="app" class="hidden">
+<header><h1>notesvc</h1>
+<input id="search" type="search" placeholder="Search: words, &quot;phrase&quot;, pre*, -not, OR">
+<button id="logout">Log out</button></header>
+<main><nav><div class="row"><input id="new-path" placeholder="notes/folder/new.md">
+<button id="create">New</button></div><div id="tree"></div><div id="results"></div></nav>
+<section><div id="note" class="hidden"><div class="row"><strong id="path"></strong></div>
+<div id="conflict" class="hidden">This note changed elsewhere &mdash; reload or overwrite?
+<button id="reload">Reload</button> <button id="overwrite">Overwrite</button></div>
+<div class="row"><button id="save">Save</button><input id="move-path">
+<button id="move">Move</button>
+<button id="delete">Delete</button></div></div>
+<textarea id="editor" spellcheck="false"></textarea><div id="status"></div></section>
+<aside><strong>Ask your notes</strong><div id="chat-log"></div>
+<div class="row"><input id="chat-input" placeholder="Where are the spare keys?">
+<button id="chat-send">Ask</button></div></aside></main></div>
+<script>{js}</script></body></html>
+"""
+
+
+def _csp_hash(text: str) -> str:
+    return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
+
+
+WEB_CSP = (
+    "default-src 'none'; "
+    f"script-src {_csp_hash(WEB_JS)}; style-src {_csp_hash(WEB_CSS)}; "
+    "connect-src 'self'; img-src 'self' data:; base-uri 'none'; "
+    "form-action 'none'; frame-ancestors 'none'"
+)
+
+
+def web_client_page() -> str:
+    """Return the page: the same bytes on a server and on a relay."""
+    return WEB_PAGE.replace("{css}", WEB_CSS).replace("{js}", WEB_JS)
+
+
+def web_client_headers() -> dict:
+    """Return the headers that lock the page down (its CSP allows only its own hashes)."""
+    return {
+        "Content-Security-Policy": WEB_CSP,
+        "Referrer-Policy": "no-referrer",
+        "X-Frame-Options": "DENY",
+    }
 
 
 # == Relay ====================================================================
@@ -3599,7 +4115,7 @@ class RelayServer:
                 log.debug(
                     "relay %s %s %d %.1fms",
                     method,
-                    _log_path(_private_path(path)),
+                    log_safe(_private_path(path)),
                     status,
                     (time.perf_counter() - started) * 1000,
                 )
@@ -3655,7 +4171,7 @@ class RelayServer:
                 f"{req.method} is not allowed on {req.path}",
                 headers={"Allow": ", ".join(allowed)},
             )
-        return self._error(404, f"no route for {req.method} {_log_path(req.path)}")
+        return self._error(404, f"no route for {req.method} {log_safe(req.path)}")
 
     def _json(self, req: RelayRequest, limit: int = 65536) -> dict:
         ctype = req.header("Content-Type").split(";")[0].strip().lower()
@@ -3677,7 +4193,7 @@ class RelayServer:
         forwarded = req.header("X-Forwarded-For")
         if forwarded:
             environ["HTTP_X_FORWARDED_FOR"] = forwarded
-        return client_addr_of(self.config, environ)
+        return client_address(self.config, environ)
 
     def base_url(self, req: RelayRequest) -> str:
         environ = {
@@ -3768,26 +4284,6 @@ class RelayServer:
             },
         )
         return answer["status"], relay_answer_headers(rest, answer["headers"]), answer["body"]
-
-
-def client_addr_of(config: Config, environ: dict) -> str:  # TEMP: issue 10 merge replaces
-    return environ.get("REMOTE_ADDR", "")
-
-
-def web_client_page() -> str:  # TEMP
-    return WEB_PAGE.replace("{css}", WEB_CSS).replace("{js}", WEB_JS)
-
-
-def web_client_headers() -> dict:  # TEMP
-    return {
-        "Content-Security-Policy": WEB_CSP,
-        "Referrer-Policy": "no-referrer",
-        "X-Frame-Options": "DENY",
-    }
-
-
-def _log_path(path: str) -> str:  # TEMP
-    return path.encode("unicode_escape").decode("ascii")
 
 
 def relay_answer_headers(path: str, headers: list) -> list:
@@ -4092,7 +4588,7 @@ class Service:
 
     def _open_index(self) -> SearchIndex:
         try:
-            index = SearchIndex.load(self.index_path)
+            index = load_index(self.index_path)
             log.info("index cache loaded: %d notes", len(index.ids))
             return index
         except ValueError as e:
@@ -4180,7 +4676,7 @@ class Service:
                 return False
             generation = self.index.generation
             try:
-                self.index.save(self.index_path)
+                save_index(self.index, self.index_path)
             except OSError as e:
                 log.warning("could not save the index cache: %s", e)
                 return False
@@ -4208,12 +4704,8 @@ class Service:
     # -- request context ------------------------------------------------------
 
     def client_addr(self, environ: dict) -> str:
-        """Return the client's address (the proxy's last hop when the proxy is trusted)."""
-        addr = environ.get("REMOTE_ADDR", "")
-        forwarded = environ.get("HTTP_X_FORWARDED_FOR", "")
-        if self.config.trust_proxy and forwarded:
-            addr = forwarded.split(",")[-1].strip()
-        return addr
+        """Return the client's address (see client_address: proxies and the relay)."""
+        return client_address(self.config, environ)
 
     def base_url(self, environ: dict) -> str:
         return base_url_of(self.config, environ)
@@ -4228,17 +4720,35 @@ class Service:
         stored = self.state.read().get("keyHash", "")
         return bool(key) and hmac.compare_digest(key_hash(key), stored)
 
-    def authenticate(self, environ: dict) -> None:
-        """Let a protected request through or raise 401 / 429."""
+    def authenticate(self, environ: dict, key_only: bool = False) -> None:
+        """Let a protected request through or raise 401 / 403 / 429.
+
+        Only a credential that was presented and is wrong counts toward the lockout,
+        and a right one clears its address's failures; while an address is locked out,
+        every credential from it is 429, right or wrong (no oracle for a guesser).
+        key_only: the route needs the API key itself, a JWT gets 403.
+        """
         if self.config.auth_mode == "none":
             return
-        addr = self.client_addr(environ)
-        self.check_lockout(addr)
-        if self.key_matches(environ.get("HTTP_X_SERVICE_KEY")):
-            return
-        if self.config.auth_mode == "jwt" and self.token_valid(environ):
-            return
-        self.lockout.fail(addr)
+        key = environ.get("HTTP_X_SERVICE_KEY", "")
+        auth = environ.get("HTTP_AUTHORIZATION", "")
+        bearer = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        if key or bearer:
+            addr = self.client_addr(environ)
+            self.check_lockout(addr)
+            if self.key_matches(key):
+                self.lockout.succeed(addr)
+                return
+            if bearer and self.config.auth_mode == "jwt" and self.token_valid(environ):
+                self.lockout.succeed(addr)
+                if key_only:
+                    raise ApiError(
+                        403,
+                        "FORBIDDEN",
+                        f"this needs the API key itself ({KEY_HEADER}), not a token",
+                    )
+                return
+            self.lockout.fail(addr)
         raise ApiError(
             401, "UNAUTHORIZED", f"missing or wrong {KEY_HEADER} header; see GET {API}/system/setup"
         )
@@ -4307,11 +4817,36 @@ def get_health(svc: Service) -> dict:
     return {"status": "ok", "version": __version__, "uptimeSeconds": svc.uptime()}
 
 
+def names_this_machine(config: Config, host: str) -> bool:
+    """Return whether a Host header names this machine, not a name anyone could point here.
+
+    An IP literal, localhost, the host name (`name`, `name.local`) or SERVICE_PUBLIC_URL's
+    host: a page on rebind.attacker.example that resolves to 127.0.0.1 is none of them.
+    """
+    if not valid_host(host):
+        return False
+    name = host[1 : host.index("]")] if host.startswith("[") else host.rsplit(":", 1)[0]
+    name = name.lower().rstrip(".")
+    if ip_of(name) is not None or name == "localhost":
+        return True
+    names = {(urllib.parse.urlsplit(config.public_url).hostname or "").lower()} - {""}
+    for node in (socket.gethostname(), platform.node()):
+        node = node.lower().rstrip(".")
+        if node:
+            short = node.split(".")[0]
+            names |= {node, f"{node}.local", short, f"{short}.local"}
+    return name in names
+
+
 def get_setup(svc: Service) -> dict:
     env, cfg, st = bottle.request.environ, svc.config, svc.state.read()
     url, relay = svc.base_url(env), svc.relay_url(env)
     server_id, code, complete = st["serverId"], st["relayCode"], bool(st.get("setupComplete"))
-    show_key = not complete and (not cfg.setup_local_only or is_loopback(svc.client_addr(env)))
+    show_key = (
+        not complete
+        and names_this_machine(cfg, request_host(cfg, env))  # defeats DNS rebinding
+        and (not cfg.setup_local_only or is_loopback(svc.client_addr(env)))
+    )
     key = st.get("apiKey", "") if show_key else KEY_PREFIX + "…" + st.get("keyHint", "")
     direct, relayed = f"{url}{API}", f"{relay}/r/{server_id}{API}"
     own_client = f"{relay}/" if cfg.pairing == "relay" else f"{url}/"
@@ -4399,9 +4934,11 @@ def get_config(svc: Service) -> dict:
             "port": cfg.port,
             "cors": list(cfg.cors),
             "publicUrl": cfg.public_url,
-            "trustProxy": cfg.trust_proxy,
+            "trustProxy": list(cfg.trust_proxy),
             "maxBodyBytes": cfg.max_body_bytes,
             "threads": cfg.threads,
+            "maxConnections": cfg.max_connections,
+            "idleTimeoutSeconds": cfg.idle_timeout,
         },
         "auth": {
             "mode": cfg.auth_mode,
@@ -4417,7 +4954,7 @@ def get_config(svc: Service) -> dict:
         },
         "agent": {
             "provider": cfg.agent_provider,
-            "baseUrl": _strip_userinfo(cfg.agent_base_url),
+            "baseUrl": _redact_url(cfg.agent_base_url),
             "model": cfg.agent_model,
             "timeoutSeconds": cfg.agent_timeout,
             "apiKeySet": bool(cfg.agent_api_key),
@@ -4428,13 +4965,16 @@ def get_config(svc: Service) -> dict:
     }
 
 
-def _strip_userinfo(url: str) -> str:
+def _redact_url(url: str) -> str:
+    """Return url for display: userinfo dropped, query values (which may be keys) hidden."""
     parts = urllib.parse.urlsplit(url)
-    if not parts.username and not parts.password:
-        return url
-    host = parts.hostname or ""
-    netloc = host + (f":{parts.port}" if parts.port else "")
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc))
+    netloc = parts.netloc.rpartition("@")[2]
+    query = "&".join(
+        f"{pair.partition('=')[0]}=…" if "=" in pair else "…"
+        for pair in parts.query.split("&")
+        if pair
+    )
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=query, fragment=""))
 
 
 # -- auth / linking ---------------------------------------------------------------
@@ -4646,6 +5186,11 @@ def _channels(svc: Service) -> list:
     return svc.state.read().get("channels", [])
 
 
+def _printable(text: str, limit: int = 100) -> str:
+    """Return text without control characters, at most limit characters (names, log lines)."""
+    return "".join(ch for ch in str(text) if ch.isprintable())[:limit]
+
+
 def list_channels(svc: Service) -> dict:
     return {"channels": [redact_channel(c) for c in _channels(svc)]}
 
@@ -4658,11 +5203,14 @@ def create_channel(svc: Service) -> dict:
         raise bad_request(f"'provider' must be one of {', '.join(CHANNEL_PROVIDERS)}")
     config = validate_channel_config(provider, body.get("config", {}))
     title = field(body, "name", required=False, max_len=100) or f"{name} channel"
-    base = svc.config.public_url or svc.base_url(bottle.request.environ)
+    env = bottle.request.environ
+    # Through a relay (or this server's own /r/<id> prefix) the hook must go that way too.
+    relayed = env.get("notesvc.relayed") and svc.config.relay_url
+    base = (svc.config.relay_url if relayed else svc.base_url(env)) + env.get("SCRIPT_NAME", "")
     channel = {
         "id": "ch_" + secrets.token_hex(6),
         "provider": name,
-        "name": "".join(ch for ch in title if ch.isprintable()),
+        "name": _printable(title),
         "enabled": True,
         "createdAt": iso(utcnow()),
         "webhookUrl": f"{base}{API}/channels/webhook/{name}",
@@ -4683,6 +5231,43 @@ def _change_channel(svc: Service, channel_id: str, change: Callable) -> dict:
         raise not_found(f"no channel {channel_id}")
 
     return svc.state.update(apply)
+
+
+def get_channel(svc: Service, channel_id: str) -> dict:
+    """Return one channel, redacted, with the last senders its allowlist refused."""
+    for channel in _channels(svc):
+        if channel["id"] == channel_id:
+            return {**redact_channel(channel), "refusedSenders": channel.get("refusedSenders", [])}
+    raise not_found(f"no channel {channel_id}")
+
+
+def patch_channel(svc: Service, channel_id: str) -> dict:
+    """Merge {name?, config?} into a channel (validated as on create; the secret stays)."""
+    body = read_json(svc.config.max_body_bytes)
+    unknown = sorted(set(body) - {"name", "config"})
+    if unknown:
+        raise bad_request(f"unknown field(s): {', '.join(unknown)}; send name and/or config")
+    if not body:
+        raise bad_request("nothing to change: send name and/or config")
+    title = field(body, "name", required=False, max_len=100)
+    if title is not None and not _printable(title).strip():
+        raise bad_request("'name' must not be empty")
+    changes = field(body, "config", dict, required=False)
+
+    def merge(channels: list, i: int) -> dict:
+        channel = channels[i]
+        if changes is not None:
+            provider = CHANNEL_PROVIDERS.get(channel["provider"])
+            if provider is None:
+                raise bad_request(f"channel provider {channel['provider']!r} is not loaded")
+            channel["config"] = validate_channel_config(provider, {**channel["config"], **changes})
+        if title is not None:
+            channel["name"] = _printable(title)
+        return channel
+
+    channel = _change_channel(svc, channel_id, merge)
+    log.info("channel %s changed", channel_id)
+    return redact_channel(channel)
 
 
 def toggle_channel(svc: Service, channel_id: str) -> dict:
@@ -4708,34 +5293,61 @@ def _match_secret(candidates: list, key: str, presented: str) -> dict | None:
     return found
 
 
+REFUSED_KEPT = 10  # refused senders remembered per channel (GET /channels/:id)
+
+
+def refuse_sender(svc: Service, channel: dict, prov: ChannelProvider, sender, name) -> None:
+    """Log and remember a sender the allowlist refused (never the message text)."""
+    sender, name = _printable(sender), _printable(name or "")
+    log.info(
+        "channel %s: refused sender %s%s — add it to config.%s to allow",
+        channel["id"],
+        sender,
+        f" ({name})" if name else "",
+        prov.allow,
+    )
+    entry = {"sender": sender, "name": name, "at": iso(utcnow())}
+
+    def remember(channels: list, i: int) -> None:
+        kept = [r for r in channels[i].get("refusedSenders", []) if r.get("sender") != sender]
+        channels[i]["refusedSenders"] = [*kept, entry][-REFUSED_KEPT:]
+
+    with contextlib.suppress(ApiError):  # the channel was deleted meanwhile
+        _change_channel(svc, channel["id"], remember)
+
+
 def receive_webhook(svc: Service, provider: str) -> dict:
     prov = CHANNEL_PROVIDERS.get(provider)
     if prov is None:
         raise not_found(f"no channel provider {provider!r}")
     env = bottle.request.environ
     addr = svc.client_addr(env)
-    svc.check_lockout(addr)
     presented = env.get("HTTP_X_SERVICE_CHANNEL_SECRET") or env.get(
         "HTTP_X_TELEGRAM_BOT_API_SECRET_TOKEN", ""
     )
     if not presented and query_str("secret"):
         presented = query_str("secret")
         svc.query_secret_seen_at = time.time()
+    if presented:  # only a presented secret counts toward (or meets) the lockout
+        svc.check_lockout(addr)
     mine = [c for c in _channels(svc) if c["provider"] == provider]
     channel = _match_secret(mine, "secret", presented) if presented else None
     if channel is None:
-        svc.lockout.fail(addr)
+        if presented:
+            svc.lockout.fail(addr)
         raise ApiError(401, "UNAUTHORIZED", "missing or wrong channel secret")
+    svc.lockout.succeed(addr)
     if not channel["enabled"]:
         raise ApiError(403, "CHANNEL_DISABLED", f"channel {channel['id']} is switched off")
-    messages = [(s, t) for s, t in prov.parse(read_json(svc.config.max_body_bytes)) if t]
+    parsed = prov.parse(read_json(svc.config.max_body_bytes))
+    messages = [(m[0], m[1], m[2] if len(m) > 2 else "") for m in parsed if m[1]]
     if not messages:
         return {"handled": False, "reason": "the update holds no text message"}
     allowed = channel["config"].get(prov.allow) if prov.allow else None
     results = []
-    for sender, text in messages[:5]:
+    for sender, text, name in messages[:5]:
         if allowed and sender not in allowed:
-            log.warning("channel %s: sender not on the allowlist, ignored", channel["id"])
+            refuse_sender(svc, channel, prov, sender, name)
             results.append({"handled": False, "reason": "sender not allowed"})
             continue
         reply = run_command(svc, text.strip())
@@ -4789,12 +5401,14 @@ def run_command(svc: Service, text: str) -> str:
 def verify_whatsapp_webhook(svc: Service):
     """Answer Meta's subscription check with hub.challenge when hub.verify_token matches."""
     addr = svc.client_addr(bottle.request.environ)
-    svc.check_lockout(addr)
     mode, token = query_str("hub.mode"), query_str("hub.verify_token")
+    if token:
+        svc.check_lockout(addr)
     challenge = query_str("hub.challenge")
     mine = [c["config"] for c in _channels(svc) if c["provider"] == "whatsapp" and c["enabled"]]
     if mode != "subscribe" or not token or not _match_secret(mine, "verifyToken", token):
-        svc.lockout.fail(addr)
+        if token:
+            svc.lockout.fail(addr)
         raise ApiError(403, "FORBIDDEN", "hub.verify_token does not match a WhatsApp channel")
     bottle.response.content_type = "text/plain; charset=utf-8"
     return challenge[:200]
@@ -4902,12 +5516,14 @@ def security_config(svc: Service) -> dict:
             "bindHost": cfg.host,
             "port": cfg.port,
             "publicUrl": cfg.public_url,
-            "trustProxy": cfg.trust_proxy,
+            "trustProxy": list(cfg.trust_proxy),
             "cors": list(cfg.cors),
             "pairingMode": cfg.pairing,
         },
         "limits": {
             "maxBodyBytes": cfg.max_body_bytes,
+            "maxConnections": cfg.max_connections,
+            "idleTimeoutSeconds": cfg.idle_timeout,
             "lockout": {
                 "failures": svc.lockout.limit,
                 "windowSeconds": svc.lockout.window,
@@ -4933,7 +5549,7 @@ def security_config(svc: Service) -> dict:
         },
         "agent": {
             "provider": cfg.agent_provider,
-            "endpoint": _strip_userinfo(cfg.agent_base_url),
+            "endpoint": _redact_url(cfg.agent_base_url),
             "apiKeySet": bool(cfg.agent_api_key),
         },
     }
@@ -4966,250 +5582,13 @@ def pair_relay_code(svc: Service, code: str) -> dict:
 
 
 # -- the built-in web client (GET /) ----------------------------------------------------
-# One self-contained page: inline CSS and JS (allowed by their hashes in the CSP), no
-# CDN, no build step. It uses only the public API. Data goes in as text nodes only.
-
-WEB_CSS = """
-*{box-sizing:border-box}
-body{margin:0;font:15px/1.45 system-ui,sans-serif;color:#222;background:#fafafa}
-header{display:flex;gap:.5em;align-items:center;padding:.5em 1em;background:#234;color:#fff}
-header h1{font-size:1.1em;margin:0 1em 0 0}header input{flex:1;max-width:28em}
-input,textarea,button{font:inherit;padding:.35em .5em;border:1px solid #bbb;border-radius:4px}
-button{background:#fff;cursor:pointer}button:hover{background:#eef}
-main{display:grid;grid-template-columns:18em 1fr 20em;height:calc(100vh - 3em)}
-nav,aside{overflow:auto;padding:.5em;border-right:1px solid #ddd;background:#fff}
-aside{border-left:1px solid #ddd;border-right:0;display:flex;flex-direction:column}
-section{display:flex;flex-direction:column;padding:.5em;gap:.5em;min-width:0}
-ul{list-style:none;margin:0;padding-left:1em}nav>ul{padding-left:0}
-li span{cursor:pointer}li span:hover{text-decoration:underline}.dir>span{font-weight:600}
-#editor{flex:1;width:100%;font-family:ui-monospace,monospace;resize:none}
-.row{display:flex;gap:.4em;align-items:center;flex-wrap:wrap}.row input{flex:1;min-width:8em}
-#status{color:#555;min-height:1.4em}#conflict{background:#fee;border:1px solid #c66;padding:.5em}
-.hidden{display:none!important}mark{background:#ff6}
-#results div{padding:.3em 0;border-bottom:1px solid #eee;cursor:pointer}
-#results small{color:#666;display:block}#chat-log{flex:1;overflow:auto;white-space:pre-wrap}
-#chat-log p{margin:.3em 0}.me{color:#234;font-weight:600}#login{max-width:30em;margin:3em auto}
-#login input{width:100%;margin:.5em 0}.err{color:#b00}
-"""
-
-WEB_JS = r"""
-"use strict";
-const $ = (id) => document.getElementById(id);
-const S = window.sessionStorage;
-let base = S.getItem("notesvc.base") || "", key = S.getItem("notesvc.key") || "";
-let current = null, etag = null;
-
-function el(tag, text, cls) { const e = document.createElement(tag);
-  if (text !== undefined) e.textContent = text; if (cls) e.className = cls; return e; }
-function show(id, on) { $(id).classList.toggle("hidden", !on); }
-function status(text, bad) {
-  $("status").textContent = text; $("status").className = bad ? "err" : ""; }
-const enc = (p) => encodeURIComponent(p);
-
-async function api(method, path, body, headers) {
-  const h = Object.assign({"X-Service-Key": key}, headers || {});
-  if (body !== undefined) h["Content-Type"] = "application/json";
-  const r = await fetch(base + path, {method, headers: h,
-    body: body === undefined ? undefined : JSON.stringify(body)});
-  let j = null; try { j = await r.json(); } catch (e) { /* not JSON */ }
-  return {status: r.status, ok: r.ok, data: j && j.data, error: j && j.error,
-          etag: r.headers.get("ETag")};
-}
-
-async function resolveBase() {
-  const q = new URLSearchParams(location.search);
-  const code = q.get("relayCode");
-  const relay = (q.get("relayUrl") || location.origin).replace(/\/$/, "");
-  if (!code) return location.origin + "/api/v1";
-  const r = await fetch(relay + "/relay/v1/pair/" + enc(code));
-  const j = await r.json();
-  if (!r.ok) throw new Error(j.error ? j.error.message : "pairing failed");
-  return j.data.relayApiBase;
-}
-
-async function connect() {
-  $("login-msg").textContent = "";
-  try {
-    key = $("key").value.trim() || key;
-    base = base || await resolveBase();
-    const r = await api("POST", "/auth/verify");
-    if (!r.ok) {
-      $("login-msg").textContent = r.error ? r.error.message : "cannot connect"; return; }
-    S.setItem("notesvc.base", base); S.setItem("notesvc.key", key);
-    if (!r.data.setupComplete) await api("POST", "/auth/link", {clientName: "web client"});
-    show("login", false); show("app", true); await loadTree();
-  } catch (e) { $("login-msg").textContent = String(e.message || e); base = ""; }
-}
-
-function renderNode(node) {
-  const li = el("li", undefined, node.type === "folder" ? "dir" : "note");
-  const label = el("span", node.name);
-  li.appendChild(label);
-  if (node.type === "folder") {
-    const ul = el("ul");
-    (node.children || []).forEach((c) => ul.appendChild(renderNode(c)));
-    li.appendChild(ul);
-    label.onclick = () => ul.classList.toggle("hidden");
-  } else { label.onclick = () => openNote(node.path); label.dataset.path = node.path; }
-  return li;
-}
-
-async function loadTree() {
-  const r = await api("GET", "/folders/tree");
-  const tree = $("tree"); tree.textContent = "";
-  if (!r.ok) { tree.textContent = r.error.message; return; }
-  const ul = el("ul"); (r.data.children || []).forEach((c) => ul.appendChild(renderNode(c)));
-  tree.appendChild(r.data.children.length ? ul : el("p", "No notes yet: create one above."));
-}
-
-async function openNote(path) {
-  const r = await api("GET", "/notes/" + enc(path));
-  if (!r.ok) { status(r.error.message, true); return; }
-  current = r.data.path; etag = r.data.etag;
-  $("editor").value = r.data.content; $("path").textContent = current;
-  $("move-path").value = current; show("conflict", false); show("note", true);
-  status("Opened " + current);
-}
-
-async function save(force) {
-  if (!current) return;
-  const r = await api("PUT", "/notes/" + enc(current), {content: $("editor").value},
-                      force ? {} : {"If-Match": etag});
-  if (r.status === 412) {
-    show("conflict", true); status("Not saved: changed elsewhere", true); return; }
-  if (!r.ok) { status(r.error.message, true); return; }
-  etag = r.data.etag; show("conflict", false); status("Saved " + current);
-}
-
-async function createNote() {
-  let path = $("new-path").value.trim();
-  if (!path) return;
-  if (!path.startsWith("notes/")) path = "notes/" + path;
-  if (!path.endsWith(".md")) path += ".md";
-  const title = path.split("/").pop().replace(/\.md$/, "");
-  const r = await api("POST", "/notes", {path, content: "# " + title + "\n\n"});
-  if (!r.ok) { status(r.error.message, true); return; }
-  $("new-path").value = ""; await loadTree(); await openNote(r.data.path);
-}
-
-async function moveNote() {
-  const to = $("move-path").value.trim();
-  if (!current || !to || to === current) return;
-  const r = await api("PATCH", "/notes/" + enc(current) + "/move", {path: to, updateLinks: true},
-                      {"If-Match": etag});
-  if (!r.ok) { status(r.error.message, true); return; }
-  await loadTree(); await openNote(r.data.path); status("Moved to " + r.data.path);
-}
-
-async function deleteNote() {
-  if (!current || !window.confirm("Move " + current + " to the trash?")) return;
-  const r = await api("DELETE", "/notes/" + enc(current), undefined, {"If-Match": etag});
-  if (!r.ok) { status(r.error.message, true); return; }
-  status("Deleted " + current + " (kept in the trash)"); current = null; show("note", false);
-  await loadTree();
-}
-
-function highlight(text, words) {
-  const frag = document.createDocumentFragment();
-  const terms = words.filter((w) => w.length > 1)
-    .map((w) => w.replace(/[.*+?^${}()|[\]\\]/g, "\\$&"));
-  if (!terms.length) { frag.appendChild(document.createTextNode(text)); return frag; }
-  const re = new RegExp("(" + terms.join("|") + ")", "gi");
-  text.split(re).forEach((part, i) =>
-    frag.appendChild(i % 2 ? el("mark", part) : document.createTextNode(part)));
-  return frag;
-}
-
-async function search() {
-  const q = $("search").value.trim(), box = $("results");
-  box.textContent = "";
-  if (!q) return;
-  const r = await api("GET", "/search?q=" + enc(q) + "&limit=20");
-  if (!r.ok) { box.appendChild(el("p", r.error.message, "err")); return; }
-  const words = q.replace(/["*()-]/g, " ").split(/\s+/).filter((w) => w && w !== "OR");
-  box.appendChild(el("p", r.data.total + " found in " + r.data.tookMs + " ms"));
-  r.data.results.forEach((hit) => {
-    const d = el("div"); d.appendChild(highlight(hit.title, words));
-    const s = el("small"); s.appendChild(highlight(hit.snippet, words)); d.appendChild(s);
-    d.appendChild(el("small", hit.path)); d.onclick = () => openNote(hit.path); box.appendChild(d);
-  });
-}
-
-async function chat() {
-  const msg = $("chat-input").value.trim();
-  if (!msg) return;
-  const log = $("chat-log");
-  log.appendChild(el("p", msg, "me")); $("chat-input").value = "";
-  const body = {message: msg, channel: "web"};
-  if (current) body.notePath = current;
-  const r = await api("POST", "/agent/chat", body);
-  log.appendChild(el("p", r.ok ? r.data.reply : r.error.message, r.ok ? "" : "err"));
-  log.scrollTop = log.scrollHeight;
-}
-
-$("connect").onclick = connect;
-$("key").onkeydown = (e) => { if (e.key === "Enter") connect(); };
-$("create").onclick = createNote;
-$("save").onclick = () => save(false);
-$("overwrite").onclick = () => save(true);
-$("reload").onclick = () => openNote(current);
-$("move").onclick = moveNote;
-$("delete").onclick = deleteNote;
-$("search").onkeydown = (e) => { if (e.key === "Enter") search(); };
-$("chat-send").onclick = chat;
-$("chat-input").onkeydown = (e) => { if (e.key === "Enter") chat(); };
-$("logout").onclick = () => { S.clear(); location.reload(); };
-document.addEventListener("keydown", (e) => {
-  if ((e.ctrlKey || e.metaKey) && e.key === "s") { e.preventDefault(); save(false); } });
-if (key && base) connect();
-"""
-
-WEB_PAGE = """<!doctype html>
-<html lang="en"><head><meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>notesvc</title><link rel="icon" href="data:,"><style>{css}</style></head><body>
-<div id="login"><h1>notesvc</h1>
-<p>Paste the API key from the setup payload (or the server's start-up banner).</p>
-<input id="key" type="password" autocomplete="off" placeholder="nsk_...">
-<button id="connect">Connect</button><p id="login-msg" class="err"></p></div>
-<div id="app" class="hidden">
-<header><h1>notesvc</h1>
-<input id="search" type="search" placeholder="Search: words, &quot;phrase&quot;, pre*, -not, OR">
-<button id="logout">Log out</button></header>
-<main><nav><div class="row"><input id="new-path" placeholder="notes/folder/new.md">
-<button id="create">New</button></div><div id="tree"></div><div id="results"></div></nav>
-<section><div id="note" class="hidden"><div class="row"><strong id="path"></strong></div>
-<div id="conflict" class="hidden">This note changed elsewhere &mdash; reload or overwrite?
-<button id="reload">Reload</button> <button id="overwrite">Overwrite</button></div>
-<div class="row"><button id="save">Save</button><input id="move-path">
-<button id="move">Move</button>
-<button id="delete">Delete</button></div></div>
-<textarea id="editor" spellcheck="false"></textarea><div id="status"></div></section>
-<aside><strong>Ask your notes</strong><div id="chat-log"></div>
-<div class="row"><input id="chat-input" placeholder="Where are the spare keys?">
-<button id="chat-send">Ask</button></div></aside></main></div>
-<script>{js}</script></body></html>
-"""
-
-
-def _csp_hash(text: str) -> str:
-    return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
-
-
-WEB_CSP = (
-    "default-src 'none'; "
-    f"script-src {_csp_hash(WEB_JS)}; style-src {_csp_hash(WEB_CSS)}; "
-    "connect-src 'self' http: https:; img-src 'self' data:; base-uri 'none'; "
-    "form-action 'none'; frame-ancestors 'none'"
-)
 
 
 def get_web_client(svc: Service):
     bottle.response.content_type = "text/html; charset=utf-8"
-    bottle.response.set_header("Content-Security-Policy", WEB_CSP)
-    bottle.response.set_header("Referrer-Policy", "no-referrer")
-    bottle.response.set_header("X-Frame-Options", "DENY")
-    return WEB_PAGE.replace("{css}", WEB_CSS).replace("{js}", WEB_JS)
+    for name, value in web_client_headers().items():
+        bottle.response.set_header(name, value)
+    return web_client_page()
 
 
 # -- route table --------------------------------------------------------------------
@@ -5229,6 +5608,7 @@ class Route:
     tag: str = "system"
     media: str = "application/json"  # of the success answer
     enveloped: bool = True  # False: the answer is the document itself (OpenAPI, a challenge)
+    key_only: bool = False  # needs the API key itself: a JWT may not mint tokens or rotate
 
     @property
     def rule(self) -> str:
@@ -5275,8 +5655,22 @@ ROUTES = (
         body=_obj(clientName={"type": "string", "maxLength": 100}),
         tag="auth",
     ),
-    Route("POST", "/auth/rotate", rotate_api_key, summary="New key, shown once", tag="auth"),
-    Route("POST", "/auth/token", issue_token, summary="A one-hour JWT (jwt mode)", tag="auth"),
+    Route(
+        "POST",
+        "/auth/rotate",
+        rotate_api_key,
+        summary="New key, shown once",
+        tag="auth",
+        key_only=True,
+    ),
+    Route(
+        "POST",
+        "/auth/token",
+        issue_token,
+        summary="A one-hour JWT (jwt mode)",
+        tag="auth",
+        key_only=True,
+    ),
     Route(
         "POST",
         "/notes",
@@ -5379,6 +5773,29 @@ ROUTES = (
         tag="channels",
     ),
     Route("DELETE", "/channels/<channel_id>", delete_channel, summary="Remove", tag="channels"),
+    Route(
+        "GET",
+        "/channels/<channel_id>",
+        get_channel,
+        summary="One channel (redacted) with the senders its allowlist refused lately",
+        tag="channels",
+    ),
+    Route(
+        "PATCH",
+        "/channels/<channel_id>",
+        patch_channel,
+        summary="Change a channel's name or config keys (validated as on create)",
+        body={
+            "type": "object",
+            "minProperties": 1,
+            "additionalProperties": False,
+            "properties": {
+                "name": {**_STR, "minLength": 1, "maxLength": 100},
+                "config": {"type": "object"},
+            },
+        },
+        tag="channels",
+    ),
     Route("GET", "/plugins", list_plugins, summary="Plugins", tag="plugins"),
     Route("GET", "/plugins/<name>", get_plugin, summary="One plugin (and its page)", tag="plugins"),
     Route("POST", "/plugins/<name>/toggle", toggle_plugin, summary="Switch on/off", tag="plugins"),
@@ -5438,6 +5855,8 @@ def openapi_document(routes: Iterable[Route], server_url: str) -> dict:
         }
         if r.public:
             op["security"] = []
+        elif r.key_only:
+            op["security"] = [{"apiKey": []}]
         params = [
             {"name": p, "in": "path", "required": True, "schema": _STR}
             for p in re.findall(r"<(\w+)(?::[^>]*)?>", r.path)
@@ -5488,7 +5907,7 @@ def _callback(svc: Service, route: Route) -> Callable:
 
     def callback(**kwargs):
         if not route.public:
-            svc.authenticate(bottle.request.environ)
+            svc.authenticate(bottle.request.environ, key_only=route.key_only)
         try:
             result = route.handler(svc, **kwargs)
         except bottle.HTTPResponse:
@@ -5555,13 +5974,23 @@ class NotesApp:
             return start_response(status, headers, exc_info)
 
         try:
-            body = self._dispatch(environ, respond, method, cors)
+            length = environ.get("CONTENT_LENGTH", "")
+            if length and not re.fullmatch(r"[0-9]+", length):  # servers that pass it through
+                body = _plain_error(
+                    respond, 400, "VALIDATION_ERROR", "Content-Length is not a number of bytes"
+                )
+            else:
+                body = self._dispatch(environ, respond, method, cors)
         finally:
             if log.isEnabledFor(logging.INFO):
+                try:  # WSGI hands the path over as latin-1; log the UTF-8 it was
+                    shown = path.encode("latin-1").decode("utf-8")
+                except UnicodeError:
+                    shown = path
                 log.info(
                     "%s %s %s %.1fms %s",
-                    method,
-                    path,
+                    log_safe(method, 32),
+                    log_safe(shown),
                     (status_seen or ["-"])[0].split(" ")[0],
                     (time.perf_counter() - started) * 1000,
                     rid,
@@ -5679,8 +6108,117 @@ def take_process_lock(config: Config) -> int:
     return fd
 
 
+class _EnvelopedError:
+    """One of waitress's own refusals (body too large, bad Content-Length) as our envelope."""
+
+    def __init__(self, error: Any, max_body: int):
+        self.code, self.body, self.max_body = error.code, str(error.body), max_body
+
+    def to_response(self, ident: str | None = None) -> tuple:  # waitress 2.x passes no ident
+        status = 400 if self.code == 501 else self.code  # 501: an unknown Transfer-Encoding
+        if status == 413:
+            message = f"the body is over {self.max_body} bytes (SERVICE_MAX_BODY_BYTES)"
+        elif status == 431:
+            message = "the request headers are too large"
+        elif "Content-Length" in self.body:
+            message = "Content-Length must be one whole number of bytes"
+        elif status < 500:
+            message = f"malformed HTTP request: {log_safe(self.body, 200)}"
+        else:
+            message = "internal error"
+        code = STATUS_CODES.get(status, "VALIDATION_ERROR" if status < 500 else "INTERNAL_ERROR")
+        body = to_json({"success": False, "error": {"code": code, "message": message}})
+        headers = [
+            ("Content-Type", "application/json; charset=utf-8"),
+            ("X-Request-Id", uuid.uuid4().hex[:16]),
+            ("X-Content-Type-Options", "nosniff"),
+            ("Cache-Control", "no-store"),
+        ]
+        return f"{status} {bottle.HTTP_CODES.get(status, 'Error')}", headers, body
+
+
+@functools.cache
+def _hardened(listener_class: type) -> type:
+    """Return a subclass of a waitress listener that keeps serving under a connection flood.
+
+    waitress stops accepting at `connection_limit` until a connection closes, so 100 idle
+    sockets kept everyone out for the 120 s channel time-out. This one, at the limit,
+    closes the connection idle the longest (no request in flight, nothing left to send)
+    and takes the new one; only when every connection is busy does it stop accepting.
+    Its channels answer waitress's own refusals in the JSON envelope.
+    """
+    import waitress.channel
+    import waitress.task
+
+    class JsonErrorTask(waitress.task.ErrorTask):
+        def execute(self):
+            limit = self.channel.server.adj.max_request_body_size - 1
+            self.request.error = _EnvelopedError(self.request.error, limit)
+            super().execute()
+
+    class Channel(waitress.channel.HTTPChannel):
+        error_task_class = JsonErrorTask
+
+    class Listener(listener_class):
+        channel_class = Channel
+        warned_at = 0.0
+
+        def _oldest_idle(self) -> Any:
+            idle = [
+                c
+                for c in list(self._map.values())
+                if isinstance(c, Channel) and not c.requests and not c.total_outbufs_len
+            ]
+            return min(idle, key=lambda c: c.last_activity, default=None)
+
+        def readable(self) -> bool:  # waitress's, less its stop at the limit (and its log)
+            now = time.time()
+            if now >= self.next_channel_cleanup:  # close connections idle too long
+                self.next_channel_cleanup = now + self.adj.cleanup_interval
+                self.maintenance(now)
+            if not self.accepting:
+                return False
+            return len(self._map) < self.adj.connection_limit or self._oldest_idle() is not None
+
+        def handle_accept(self) -> None:
+            if len(self._map) >= self.adj.connection_limit:
+                victim = self._oldest_idle()
+                if victim is not None:
+                    victim.handle_close()
+                now = time.monotonic()
+                if now - Listener.warned_at > 60:  # once a minute, not once a connection
+                    Listener.warned_at = now
+                    log.warning(
+                        "%d connections open (SERVICE_MAX_CONNECTIONS): closing the longest "
+                        "idle one for each new one",
+                        len(self._map),
+                    )
+            super().handle_accept()
+
+    return Listener
+
+
+def _raise_open_files_limit(wanted: int) -> None:
+    """Raise the soft limit on open files toward `wanted` (a Pi's default is 1024)."""
+    try:
+        import resource
+
+        soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+        if soft != resource.RLIM_INFINITY and soft < wanted:
+            new = wanted if hard == resource.RLIM_INFINITY else min(wanted, hard)
+            resource.setrlimit(resource.RLIMIT_NOFILE, (new, hard))
+    except (ImportError, ValueError, OSError):  # not Unix, or not allowed: keep the limit
+        pass
+
+
 def make_server(app: Callable, config: Config):
-    """Return a server bound to host:port: waitress, else wsgiref with a warning."""
+    """Return a server bound to host:port: waitress, else wsgiref with a warning.
+
+    waitress takes bodies up to SERVICE_MAX_BODY_BYTES (a relay: twice that, for the
+    base64 answers it carries) and refuses a larger declared Content-Length before
+    reading any body, in the JSON envelope. It passes X-Forwarded-* through: the app
+    decides whom to trust (client_address), under any WSGI server.
+    """
     try:
         import waitress.server
     except ImportError:
@@ -5702,14 +6240,43 @@ def make_server(app: Callable, config: Config):
         server.run = server.serve_forever
         server.close = server.shutdown
         return server
-    return waitress.server.create_server(
+    max_body = config.max_body_bytes
+    _raise_open_files_limit(config.max_connections + 256)
+    sockets: dict = {}
+    server = waitress.server.create_server(
         app,
+        map=sockets,
         host=config.host,
         port=config.port,
         threads=config.threads,
-        max_request_body_size=config.max_body_bytes + 65536,
+        max_request_body_size=max_body + 1,  # waitress refuses a body of this size or more
+        connection_limit=config.max_connections,
+        channel_timeout=config.idle_timeout,
+        cleanup_interval=max(1, min(5, config.idle_timeout // 2)),
+        asyncore_use_poll=True,  # select() cannot watch descriptors past FD_SETSIZE (1024)
+        clear_untrusted_proxy_headers=False,  # waitress 3 strips X-Forwarded-* otherwise
         ident="notesvc",
     )
+    try:  # waitress internals, the same in 2.1 and 3.0; another version serves as it is
+        import waitress.channel
+        import waitress.task
+
+        channel, task = waitress.channel.HTTPChannel, waitress.task.ErrorTask
+        for cls, name in (
+            (waitress.server.BaseWSGIServer, "maintenance"),
+            (waitress.server.BaseWSGIServer, "next_channel_cleanup"),
+            (channel, "last_activity"),
+            (channel, "total_outbufs_len"),
+            (channel, "error_task_class"),
+            (task, "execute"),
+        ):
+            getattr(cls, name)
+        for listener in sockets.values():
+            if isinstance(listener, waitress.server.BaseWSGIServer):
+                listener.__class__ = _hardened(type(listener))
+    except (AttributeError, ImportError, TypeError) as e:
+        log.warning("this waitress differs (%s): no guard against connection floods", e)
+    return server
 
 
 def print_banner(config: Config, state: dict, port: int) -> None:
@@ -5768,7 +6335,7 @@ def cmd_relay(config: Config) -> int:
     """Run a relay only: no notes, no keys, just forwarding (asyncio, one thread)."""
     import signal
 
-    raise_open_files_limit()
+    _raise_open_files_limit(1 << 20)  # a relay holds a socket per server and client
     relay = RelayServer(config)
 
     async def run() -> None:
@@ -5797,18 +6364,6 @@ def cmd_relay(config: Config) -> int:
 
     asyncio.run(run())
     return 0
-
-
-def raise_open_files_limit() -> None:
-    """Raise this process's soft limit of open files to the hard limit (a relay holds many)."""
-    try:
-        import resource
-    except ImportError:  # pragma: no cover - Windows
-        return
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft < hard:
-        with contextlib.suppress(ValueError, OSError):
-            resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
 
 
 def cmd_rotate_key(config: Config) -> int:

@@ -17,6 +17,7 @@ import sys
 import threading
 import time
 import urllib.error
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -448,8 +449,12 @@ class TestSetup:
         untrusted = data(make_app().get(f"{API}/system/setup", headers=headers))
         assert "notes.example" not in untrusted["server"]["url"]
         trusted_app = make_app(SERVICE_TRUST_PROXY="true")
-        trusted = data(trusted_app.get(f"{API}/system/setup", headers=headers))
+        proxy = {"REMOTE_ADDR": "127.0.0.1"}  # the peer is the (loopback) proxy
+        trusted = data(trusted_app.get(f"{API}/system/setup", headers=headers, extra_environ=proxy))
         assert trusted["server"]["url"] == "https://notes.example"
+        elsewhere = {"REMOTE_ADDR": "192.0.2.7"}  # trusted proxies only, not any peer
+        other = trusted_app.get(f"{API}/system/setup", headers=headers, extra_environ=elsewhere)
+        assert "notes.example" not in data(other)["server"]["url"]
 
     def test_public_url_wins(self, make_app):
         app = make_app(SERVICE_PUBLIC_URL="https://pi.example/")
@@ -481,6 +486,43 @@ class TestSetup:
         assert remote["apiKey"].startswith("nsk_…")
         local = data(app.get(f"{API}/system/setup", extra_environ={"REMOTE_ADDR": "127.0.0.1"}))
         assert local["apiKey"] == key
+
+    @pytest.mark.parametrize(
+        ("host", "shown"),
+        [
+            ("127.0.0.1:3000", True),
+            ("[::1]:3000", True),
+            ("192.168.1.20", True),
+            ("LocalHost:3000", True),
+            (socket.gethostname().upper(), True),
+            (f"{socket.gethostname()}.local:3000", True),
+            ("notes.example", True),  # SERVICE_PUBLIC_URL's host
+            ("rebind.attacker.example", False),
+            ("localhost.attacker.example", False),
+            (f"{socket.gethostname()}.attacker.example", False),
+            ("", False),
+        ],
+    )
+    def test_full_key_only_for_hosts_naming_this_machine(self, make_app, host, shown):
+        app = make_app(SERVICE_PUBLIC_URL="https://notes.example")
+        key = key_of(app)
+        p = data(app.get(f"{API}/system/setup", headers={"Host": host}))
+        assert (p["apiKey"] == key) is shown
+        if not shown:
+            assert p["apiKey"] == "nsk_…" + key[-4:]
+
+    def test_forwarded_host_counts_for_the_key_only_from_a_trusted_proxy(self, make_app):
+        app = make_app(SERVICE_TRUST_PROXY="true")
+        key = key_of(app)
+        rebind = {"Host": "127.0.0.1", "X-Forwarded-Host": "rebind.attacker.example"}
+        via_proxy = {"REMOTE_ADDR": "127.0.0.1"}
+        p = data(app.get(f"{API}/system/setup", headers=rebind, extra_environ=via_proxy))
+        assert p["apiKey"] != key  # the proxy was asked for the attacker's name
+        direct = {"REMOTE_ADDR": "192.0.2.7"}  # not a proxy: its X-Forwarded-Host is ignored
+        assert (
+            data(app.get(f"{API}/system/setup", headers=rebind, extra_environ=direct))["apiKey"]
+            == key
+        )
 
     def test_server_id_and_key_survive_restart(self, make_app, root):
         first = data(make_app().get(f"{API}/system/setup"))
@@ -560,6 +602,71 @@ class TestAuth:
         with_key(anon).post(f"{API}/auth/verify", status=429)
         # ... but only for that address.
         with_key(anon).post(f"{API}/auth/verify", extra_environ={"REMOTE_ADDR": "10.9.9.9"})
+
+    def test_requests_without_a_credential_never_count(self, anon):
+        for _ in range(15):
+            assert_error(anon.post(f"{API}/auth/verify", status=401), 401, "UNAUTHORIZED")
+        with_key(anon).post(f"{API}/auth/verify")
+
+    def test_success_clears_the_failures_of_its_address(self, anon):
+        wrong, right = with_key(anon, "nsk_wrong"), with_key(anon)
+        for _ in range(2):
+            for _ in range(9):
+                wrong.post(f"{API}/auth/verify", status=401)
+            right.post(f"{API}/auth/verify")
+        wrong.post(f"{API}/auth/verify", status=401)
+
+    def test_locked_out_address_gets_401_without_a_credential(self, anon):
+        for _ in range(10):
+            with_key(anon, "nsk_wrong").post(f"{API}/auth/verify", status=401)
+        assert_error(anon.post(f"{API}/auth/verify", status=401), 401, "UNAUTHORIZED")
+        resp = with_key(anon).post(f"{API}/auth/verify", status=429)
+        assert 1 <= int(resp.headers["Retry-After"]) <= 60
+
+    def test_relayed_clients_have_their_own_buckets(self, anon):
+        relayed = {"notesvc.relayed": True, "REMOTE_ADDR": ""}
+        for _ in range(10):
+            with_key(anon, "nsk_wrong").post(
+                f"{API}/auth/verify", status=401, extra_environ=relayed
+            )
+        with_key(anon).post(f"{API}/auth/verify", status=429, extra_environ=relayed)
+        with_key(anon).post(f"{API}/auth/verify")  # WebTest's own (empty) peer address
+        local = {"notesvc.relayed": True, "REMOTE_ADDR": "127.0.0.1"}
+        with_key(anon).post(f"{API}/auth/verify", extra_environ=local)
+        cfg = anon.app.service.config
+        assert notesvc.client_address(cfg, relayed) == "relay:?"
+        assert notesvc.client_address(cfg, local) == "relay:127.0.0.1"
+
+    @pytest.mark.parametrize(
+        ("peer", "forwarded", "client"),
+        [
+            ("10.0.0.2", "198.51.100.1, 203.0.113.4, 10.0.0.3", "203.0.113.4"),
+            ("10.0.0.2", "203.0.113.4:5555", "203.0.113.4"),
+            ("10.0.0.2", "10.0.0.9, 10.0.0.3", "10.0.0.9"),  # only proxies: the farthest
+            ("10.0.0.2", "", "10.0.0.2"),
+            ("10.0.0.2", "unknown", "10.0.0.2"),
+            ("10.0.0.2", "[2001:db8::7]:80", "2001:db8::7"),
+            ("192.0.2.1", "203.0.113.4", "192.0.2.1"),  # an untrusted peer's claim counts nothing
+        ],
+    )
+    def test_client_address_behind_trusted_proxies(self, peer, forwarded, client):
+        cfg = notesvc.load_config(env={"SERVICE_TRUST_PROXY": "10.0.0.0/8, ::1"})
+        assert cfg.trust_proxy == ("10.0.0.0/8", "::1/128")
+        environ = {"REMOTE_ADDR": peer, "HTTP_X_FORWARDED_FOR": forwarded}
+        assert notesvc.client_address(cfg, environ) == client
+
+    def test_trust_proxy_setting_forms(self, make_app):
+        load = notesvc.load_config
+        assert load(env={}).trust_proxy == ()
+        assert load(env={"SERVICE_TRUST_PROXY": "true"}).trust_proxy == ("127.0.0.0/8", "::1/128")
+        assert load(env={"SERVICE_TRUST_PROXY": "192.0.2.5"}).trust_proxy == ("192.0.2.5/32",)
+        app = with_key(make_app(SERVICE_TRUST_PROXY="true"))
+        assert data(app.get(f"{API}/system/config"))["server"]["trustProxy"] == [
+            "127.0.0.0/8",
+            "::1/128",
+        ]
+        network = data(app.get(f"{API}/security/config"))["network"]
+        assert network["trustProxy"] == ["127.0.0.0/8", "::1/128"]
 
     def test_lockout_window_and_expiry(self):
         now = [1000.0]
@@ -793,6 +900,353 @@ class TestCli:
         assert out.returncode == 2
         assert "state.json" in out.stderr
         assert "Traceback" not in out.stderr
+
+
+# -- the HTTP edge: proxies, lockout, connection floods, waitress's own answers ------------
+
+
+class ForwardingProxy:
+    """A reverse proxy on loopback that forwards like Caddy does.
+
+    It replaces X-Forwarded-For with the client it saw and sets X-Forwarded-Proto
+    (`https`: it stands for a TLS proxy) and X-Forwarded-Host (the Host it was asked for).
+    Loopback stands in for the internet: a client from 127.0.0.N is reported as
+    203.0.113.N. `source` is the proxy's own address toward the server.
+    """
+
+    def __init__(self, upstream: str, source: str = "127.0.0.1"):
+        target = urllib.parse.urlsplit(upstream)
+        hop = {"connection", "keep-alive", "transfer-encoding", "content-length", "date", "server"}
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def forward(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                headers = {
+                    k: v
+                    for k, v in self.headers.items()
+                    if k.lower() not in hop and not k.lower().startswith("x-forwarded-")
+                }
+                headers["X-Forwarded-For"] = "203.0.113." + self.client_address[0].split(".")[-1]
+                headers["X-Forwarded-Proto"] = "https"
+                headers["X-Forwarded-Host"] = self.headers.get("Host", "")
+                conn = http.client.HTTPConnection(
+                    target.hostname, target.port, timeout=10, source_address=(source, 0)
+                )
+                try:
+                    conn.request(self.command, self.path, body, headers)
+                    resp = conn.getresponse()
+                    payload = resp.read()
+                finally:
+                    conn.close()
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in hop:
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = forward
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self) -> ForwardingProxy:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(5)
+
+
+def call(base: str, method: str, path: str, headers: dict | None = None, source="127.0.0.1"):
+    """Return (status, parsed JSON body) for one request from a chosen loopback address."""
+    url = urllib.parse.urlsplit(base)
+    conn = http.client.HTTPConnection(
+        url.hostname, url.port, timeout=10, source_address=(source, 0)
+    )
+    try:
+        conn.request(method, path, headers=headers or {})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read() or b"null")
+    finally:
+        conn.close()
+
+
+def raw_http(port: int, request: bytes, timeout: float = 5.0) -> tuple:
+    """Send raw bytes; return (status, headers as a lower-cased dict, body bytes)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(request)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        headers = dict(
+            (k.strip().lower(), v.strip()) for k, v in (h.split(":", 1) for h in lines[1:])
+        )
+        while len(body) < int(headers.get("content-length", 0)):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            body += chunk
+    return int(lines[0].split()[1]), headers, body
+
+
+def hold_idle_connections(port: int, count: int) -> list:
+    """Open `count` connections that never finish a request (half send nothing at all)."""
+    socks = []
+    for i in range(count):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        socks.append(sock)
+        if i % 4 == 1:
+            sock.sendall(b"GET /api/v1/hea")  # an unfinished request line
+        elif i % 4 == 3:
+            sock.sendall(b"GET /api/v1/health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+    return socks
+
+
+def timed_health(port: int) -> tuple:
+    """Return (status, seconds) of one fresh GET /api/v1/health."""
+    started = time.monotonic()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.request("GET", f"{API}/health")
+        status = conn.getresponse().status
+    finally:
+        conn.close()
+    return status, time.monotonic() - started
+
+
+@pytest.fixture
+def many_files():
+    """Let this process hold a few hundred sockets."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < 2048:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(2048, hard), hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+class TestEdge:
+    @pytest.fixture(scope="class")
+    def small_bodies(self, tmp_path_factory):
+        """One real server taking bodies of at most 2048 bytes."""
+        root = tmp_path_factory.mktemp("small-bodies")
+        with running(root, env={"SERVICE_MAX_BODY_BYTES": "2048"}) as server:
+            yield server
+
+    def test_trusted_proxy_gives_https_links_real_clients_and_their_own_lockout(self, tmp_path):
+        env = {"SERVICE_TRUST_PROXY": "true", "SERVICE_SETUP_LOCAL_ONLY": "true"}
+        with running(tmp_path, env=env) as server, ForwardingProxy(server.url) as proxy:
+            setup = f"{API}/system/setup"
+            key = server.request("GET", setup)[2]["data"]["apiKey"]
+            assert re.fullmatch(r"nsk_[A-Za-z0-9_-]{43}", key)  # the owner, on this machine
+            status, body = call(proxy.url, "GET", setup, {"Host": "notes.example"}, "127.0.0.5")
+            assert status == 200
+            assert body["data"]["server"]["url"] == "https://notes.example"
+            assert body["data"]["links"]["directApiBase"] == "https://notes.example/api/v1"
+            # A remote client behind the proxy never sees the key (SERVICE_SETUP_LOCAL_ONLY).
+            remote = call(proxy.url, "GET", setup, source="127.0.0.5")[1]["data"]
+            assert remote["apiKey"] == "nsk_…" + key[-4:]
+            # One remote client's failures lock out that client only.
+            for _ in range(10):
+                status, _ = call(
+                    proxy.url, "POST", f"{API}/auth/verify", {"X-Service-Key": "nsk_x"}, "127.0.0.5"
+                )
+                assert status == 401
+            right = {"X-Service-Key": key}
+            assert call(proxy.url, "POST", f"{API}/auth/verify", right, "127.0.0.5")[0] == 429
+            assert call(proxy.url, "POST", f"{API}/auth/verify", right, "127.0.0.6")[0] == 200
+            assert server.request("POST", f"{API}/auth/verify", headers=right)[0] == 200
+
+    def test_forwarded_headers_from_an_untrusted_peer_are_ignored(self, tmp_path):
+        env = {"SERVICE_TRUST_PROXY": "127.0.0.2", "SERVICE_SETUP_LOCAL_ONLY": "true"}
+        with running(tmp_path, env=env) as server:
+            forged = {
+                "X-Forwarded-For": "203.0.113.9",
+                "X-Forwarded-Proto": "https",
+                "X-Forwarded-Host": "evil.example",
+            }
+            setup = server.request("GET", f"{API}/system/setup", headers=forged)[2]["data"]
+            assert setup["server"]["url"] == server.url  # 127.0.0.1 is not the named proxy
+            key = setup["apiKey"]
+            assert "…" not in key  # the client is the loopback peer, not 203.0.113.9
+            for i in range(10):  # forged addresses do not spread the failures
+                hdrs = {"X-Service-Key": "nsk_x", "X-Forwarded-For": f"203.0.113.{i}"}
+                assert server.request("POST", f"{API}/auth/verify", headers=hdrs)[0] == 401
+            hdrs = {"X-Service-Key": key, "X-Forwarded-For": "203.0.113.77"}
+            assert server.request("POST", f"{API}/auth/verify", headers=hdrs)[0] == 429
+            # The proxy the operator named is trusted.
+            with ForwardingProxy(server.url, source="127.0.0.2") as proxy:
+                _, body = call(
+                    proxy.url, "GET", f"{API}/system/setup", {"Host": "notes.example"}, "127.0.0.5"
+                )
+                assert body["data"]["server"]["url"] == "https://notes.example"
+                right = {"X-Service-Key": key}
+                assert call(proxy.url, "POST", f"{API}/auth/verify", right, "127.0.0.5")[0] == 200
+
+    def test_relayed_failures_never_lock_out_a_loopback_client(self, tmp_path):
+        relay = Server(tmp_path / "relay", "relay", env={"SERVICE_RELAY_TIMEOUT": "5"})
+        server = Server(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url})
+        try:
+            wait_for(lambda: relay_servers(relay) == 1)
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            verify = f"/r/{setup['serverId']}{API}/auth/verify"
+            for _ in range(10):
+                assert relay.request("POST", verify, headers={"X-Service-Key": "nsk_x"})[0] == 401
+            right = {"X-Service-Key": setup["apiKey"]}
+            assert relay.request("POST", verify, headers=right)[0] == 429  # that client is out
+            # ... but the owner on the server's own machine is not.
+            assert server.request("POST", f"{API}/auth/verify", headers=right)[0] == 200
+        finally:
+            server.stop()
+            relay.stop()
+
+    def test_rebinding_host_gets_the_key_redacted_from_the_real_server(self, tmp_path):
+        with running(tmp_path) as server:
+            key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
+            status, _, body = raw_http(
+                server.port,
+                b"GET /api/v1/system/setup HTTP/1.1\r\nHost: rebind.attacker.example\r\n"
+                b"Connection: close\r\n\r\n",
+            )
+            assert status == 200
+            payload = json.loads(body)["data"]
+            assert payload["apiKey"] == "nsk_…" + key[-4:]
+            assert key not in body.decode()
+
+    @pytest.mark.parametrize(
+        ("case", "headers", "body", "status", "code"),
+        [
+            ("huge", "Content-Length: 100000000000000000000\r\n", b"", 413, "PAYLOAD_TOO_LARGE"),
+            ("just over", "Content-Length: 2049\r\n", b"", 413, "PAYLOAD_TOO_LARGE"),
+            ("negative", "Content-Length: -1\r\n", b"", 400, "VALIDATION_ERROR"),
+            ("not a number", "Content-Length: ten\r\n", b"", 400, "VALIDATION_ERROR"),
+            (
+                "repeated",
+                "Content-Length: 2\r\nContent-Length: 2\r\n",
+                b"{}",
+                400,
+                "VALIDATION_ERROR",
+            ),
+            (
+                "chunked over",
+                "Transfer-Encoding: chunked\r\n",
+                b"bb8\r\n" + b"x" * 3000 + b"\r\n0\r\n\r\n",
+                413,
+                "PAYLOAD_TOO_LARGE",
+            ),
+        ],
+        ids=["huge", "just-over", "negative", "not-a-number", "repeated", "chunked-over"],
+    )
+    def test_waitress_refusals_are_json_envelopes(
+        self, small_bodies, case, headers, body, status, code
+    ):
+        server = small_bodies
+        request = (
+            f"POST {API}/notes HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Service-Key: nsk_x\r\n"
+            f"Content-Type: application/json\r\n{headers}\r\n"
+        ).encode() + body
+        got, resp_headers, resp_body = raw_http(server.port, request)
+        assert got == status, resp_body
+        assert resp_headers["content-type"] == "application/json; charset=utf-8"
+        error = json.loads(resp_body)["error"]
+        assert error["code"] == code
+        assert "waitress" not in resp_body.decode()
+        assert resp_headers["x-request-id"]
+
+    def test_body_of_the_largest_size_passes_chunked_and_plain(self, small_bodies):
+        server = small_bodies
+        key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
+        note = json.dumps({"path": "notes/big.md", "content": ""})
+        note = note.replace('""', '"' + "x" * (2048 - len(note)) + '"').encode()
+        assert len(note) == 2048
+        head = (
+            f"POST {API}/notes HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Service-Key: {key}\r\n"
+            "Content-Type: application/json\r\n"
+        )
+        request = f"{head}Content-Length: {len(note)}\r\n\r\n".encode() + note
+        assert raw_http(server.port, request)[0] == 201
+        small = b'{"path": "notes/chunked.md", "content": "hi"}'
+        chunked = f"{head}Transfer-Encoding: chunked\r\n\r\n".encode()
+        chunked += f"{len(small):x}\r\n".encode() + small + b"\r\n0\r\n\r\n"
+        assert raw_http(server.port, chunked)[0] == 201
+
+    def test_control_characters_in_the_path_are_escaped_in_the_log(self, tmp_path):
+        with running(tmp_path) as server:
+            status, _, _ = raw_http(
+                server.port,
+                b"GET /api/v1/x%0d%0aFORGED%20GET%20/ok%20200\x1b[2J HTTP/1.1\r\n"
+                b"Host: 127.0.0.1\r\nX-Request-Id: edge-log-test-01\r\nConnection: close\r\n\r\n",
+            )
+            assert status == 404
+            wait_for(lambda: any("edge-log-test-01" in line for line in server.lines))
+            forged = [line for line in server.lines if "FORGED" in line]
+            assert len(forged) == 1, forged
+            assert "edge-log-test-01" in forged[0]
+            assert "\\r\\nFORGED GET /ok 200\\x1b[2J" in forged[0]
+            assert "\x1b" not in "".join(server.lines)
+
+    def test_300_idle_connections_do_not_keep_the_owner_out(self, tmp_path, many_files):
+        with running(tmp_path) as server:
+            socks = []
+            try:
+                socks = hold_idle_connections(server.port, 300)
+                time.sleep(0.5)  # the server has taken them all in
+                status, seconds = timed_health(server.port)
+                assert status == 200
+                assert seconds < 1.0
+            finally:
+                for sock in socks:
+                    sock.close()
+
+    def test_a_flood_over_max_connections_closes_the_oldest_idle(self, tmp_path, many_files):
+        with running(tmp_path, env={"SERVICE_MAX_CONNECTIONS": "50"}) as server:
+            socks = []
+            try:
+                socks = hold_idle_connections(server.port, 80)
+                time.sleep(0.5)
+                status, seconds = timed_health(server.port)
+                assert status == 200
+                assert seconds < 1.0
+                # The server made room by closing the oldest idle connections.
+                closed = 0
+                for sock in socks:
+                    sock.settimeout(0.01)
+                    with contextlib.suppress(TimeoutError, socket.timeout):
+                        closed += sock.recv(1) == b""
+                assert closed >= 80 - 50
+                assert all(sock.recv(1) == b"" for sock in socks[:20]), "the oldest go first"
+            finally:
+                for sock in socks:
+                    sock.close()
+
+    def test_idle_connections_are_closed_after_the_idle_timeout(self, tmp_path):
+        with running(tmp_path, env={"SERVICE_IDLE_TIMEOUT": "1"}) as server:
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            try:
+                sock.sendall(b"GET /api/v1/health HTTP/1.1\r\n")
+                started = time.monotonic()
+                assert sock.recv(1) == b""  # closed by the server, not by our time-out
+                assert time.monotonic() - started < 4
+            finally:
+                sock.close()
 
 
 class TestServer:
@@ -1823,6 +2277,7 @@ class FakeUpstream:
         ).start()
 
     def answer(self, path: str, body: dict) -> dict:
+        path = path.split("?")[0]
         if path.endswith("/chat/completions"):
             return {
                 "id": "chatcmpl-1",
@@ -2135,6 +2590,47 @@ class TestAgent:
             else:
                 assert_error(resp, 503, "AGENT_DISABLED")
 
+    def test_agent_url_userinfo_becomes_basic_and_secrets_stay_hidden(self, app, upstream):
+        port = upstream.url.rsplit(":", 1)[1]
+        client = app(
+            SERVICE_AGENT_PROVIDER="openai",
+            SERVICE_AGENT_BASE_URL=f"http://user:pa%40ss@127.0.0.1:{port}/v1?token=abc",
+            SERVICE_AGENT_MODEL="m",
+        )
+        d = data(client.post_json(f"{API}/agent/chat", {"message": "where are the spare keys?"}))
+        assert d["reply"] == upstream.reply
+        sent = upstream.requests[-1]
+        assert sent["path"] == "/v1/chat/completions?token=abc"
+        assert (
+            sent["headers"]["Authorization"] == "Basic " + base64.b64encode(b"user:pa@ss").decode()
+        )
+        shown = {
+            "system": data(client.get(f"{API}/system/config"))["agent"]["baseUrl"],
+            "security": data(client.get(f"{API}/security/config"))["agent"]["endpoint"],
+        }
+        for url in shown.values():
+            assert url == f"http://127.0.0.1:{port}/v1?token=…"
+            assert "pa" not in url
+            assert "abc" not in url
+        for path in ("/system/config", "/security/config"):
+            text = client.get(f"{API}{path}").text
+            assert "pa%40ss" not in text
+            assert "pa@ss" not in text
+            assert "abc" not in text
+
+    def test_agent_api_key_wins_over_url_userinfo(self, app, upstream):
+        port = upstream.url.rsplit(":", 1)[1]
+        client = app(
+            SERVICE_AGENT_PROVIDER="openai",
+            SERVICE_AGENT_BASE_URL=f"http://user:pass@127.0.0.1:{port}/v1/",
+            SERVICE_AGENT_MODEL="m",
+            SERVICE_AGENT_API_KEY="sk-wins",
+        )
+        client.post_json(f"{API}/agent/chat", {"message": "keys"})
+        sent = upstream.requests[-1]
+        assert sent["path"] == "/v1/chat/completions"
+        assert sent["headers"]["Authorization"] == "Bearer sk-wins"
+
 
 class TestChannels:
     @pytest.fixture
@@ -2395,6 +2891,197 @@ class TestChannels:
         ):
             assert secret not in logged
 
+    def test_webhook_url_through_the_relay_prefix_carries_it(self, client):
+        sid = client.app.service.state.read()["serverId"]
+        direct = self.create(client, "web")["webhookUrl"]
+        body = {"provider": "web", "config": {}}
+        ch = data(client.post_json(f"/r/{sid}{API}/channels", body, status=201))
+        assert ch["webhookUrl"] == direct.replace(API, f"/r/{sid}{API}")
+        assert ch["webhookUrl"].endswith(f"/r/{sid}/api/v1/channels/webhook/web")
+        hook = urllib.parse.urlsplit(ch["webhookUrl"]).path
+        anon = webtest.TestApp(client.app)
+        resp = anon.post_json(
+            hook,
+            web_update("when do I plant tomatoes?"),
+            headers={"X-Service-Channel-Secret": ch["secret"]},
+        )
+        assert "Plant tomatoes in May." in data(resp)["reply"]
+
+    def test_webhook_url_through_a_real_relay_carries_the_prefix(self, tmp_path):
+        relay = Server(tmp_path / "relay", "relay", env={"SERVICE_RELAY_TIMEOUT": "5"})
+        server = Server(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url})
+        try:
+            wait_for(lambda: relay_servers(relay) == 1)
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            prefix = f"/r/{setup['serverId']}{API}"
+            key = {"X-Service-Key": setup["apiKey"]}
+            body = {"provider": "web", "config": {}}
+            status, _, answer = relay.request("POST", f"{prefix}/channels", body, key)
+            assert status == 201
+            ch = answer["data"]
+            assert ch["webhookUrl"] == f"{relay.url}{prefix}/channels/webhook/web"
+            hook = ch["webhookUrl"][len(relay.url) :]
+            secret = {"X-Service-Channel-Secret": ch["secret"]}
+            status, _, answer = relay.request("POST", hook, web_update("hello"), secret)
+            assert status == 200
+            assert answer["data"]["handled"] is True
+        finally:
+            server.stop()
+            relay.stop()
+
+    def test_patch_merges_config_and_keeps_the_secret(self, client, upstream, root):
+        ch = self.create(client, "telegram", allowedChatIds=[42])
+        url = f"{API}/channels/{ch['id']}"
+        body = {"name": "Family bot", "config": {"allowedChatIds": [42, "7"]}}
+        changed = data(client.patch_json(url, body))
+        assert changed["name"] == "Family bot"
+        assert changed["config"]["allowedChatIds"] == ["42", "7"]
+        assert changed["config"]["botToken"].startswith("…")
+        assert changed["secret"] == notesvc.redact(ch["secret"])
+        assert ch["secret"] not in json.dumps(changed)
+        assert "ABC-telegram-token" not in json.dumps(changed)
+        assert set(changed) == set(ch)
+        stored = json.loads((root / ".notesvc" / "state.json").read_text())["channels"][0]
+        assert stored["secret"] == ch["secret"]
+        assert stored["config"]["botToken"] == "123456:ABC-telegram-token"
+        # The new sender gets through with the old secret; the name alone changes only it.
+        resp = self.hook(client, "telegram", telegram_update("keys", chat_id=7), ch["secret"])
+        assert data(resp) == {"handled": True, "delivered": True}
+        assert upstream.requests[-1]["path"] == "/bot123456:ABC-telegram-token/sendMessage"
+        again = data(client.patch_json(url, {"name": "Bot"}))
+        assert again["name"] == "Bot"
+        assert again["config"]["allowedChatIds"] == ["42", "7"]
+        assert data(client.get(url))["name"] == "Bot"
+
+    @pytest.mark.parametrize(
+        ("body", "status"),
+        [
+            ({}, 400),
+            ({"secret": "mine"}, 400),
+            ({"enabled": False}, 400),
+            ({"provider": "web"}, 400),
+            ({"config": {"extra": 1}}, 400),
+            ({"config": {"allowedChatIds": "42"}}, 400),
+            ({"config": {"allowedChatIds": [True]}}, 400),
+            ({"config": {"botToken": 5}}, 400),
+            ({"config": {"botToken": ""}}, 400),
+            ({"config": {"botToken": "line\nbreak"}}, 400),
+            ({"config": "token"}, 400),
+            ({"config": []}, 400),
+            ({"name": 5}, 400),
+            ({"name": ""}, 400),
+            ({"name": "x" * 101}, 400),
+            (b'{"name": "x"', 400),
+            (b"[1, 2]", 400),
+            (b"", 400),
+            pytest.param(b'{"name": "' + b"x" * 1_100_000 + b'"}', 413, id="huge-body"),
+        ],
+    )
+    def test_patch_validation(self, client, root, body, status):
+        ch = self.create(client, "telegram", allowedChatIds=[42])
+        url = f"{API}/channels/{ch['id']}"
+        state = root / ".notesvc" / "state.json"
+        before = json.loads(state.read_text())["channels"]
+        if isinstance(body, bytes):
+            resp = client.patch(url, body, content_type="application/json", status=status)
+        else:
+            resp = client.patch_json(url, body, status=status)
+        assert_error(resp, status, "VALIDATION_ERROR" if status == 400 else "PAYLOAD_TOO_LARGE")
+        assert json.loads(state.read_text())["channels"] == before
+        assert ch["secret"] not in resp.text
+
+    def test_patch_and_get_of_an_unknown_channel_are_404(self, client):
+        for resp in (
+            client.patch_json(f"{API}/channels/ch_nope", {"name": "x"}, status=404),
+            client.get(f"{API}/channels/ch_nope", status=404),
+        ):
+            assert_error(resp, 404, "NOT_FOUND")
+        resp = client.patch(f"{API}/channels/ch_nope", "x", content_type="text/plain", status=415)
+        assert_error(resp, 415, "UNSUPPORTED_MEDIA_TYPE")
+        anon = webtest.TestApp(client.app)
+        ch = self.create(client, "web")
+        for method in ("GET", "PATCH"):
+            resp = anon.request(f"{API}/channels/{ch['id']}", method=method, status=401)
+            assert_error(resp, 401, "UNAUTHORIZED")
+
+    def test_get_shows_refused_senders_and_the_log_names_them(self, client, upstream, caplog):
+        caplog.set_level("INFO", logger="notesvc")
+        ch = self.create(client, "telegram", allowedChatIds=[42])
+        url = f"{API}/channels/{ch['id']}"
+        fresh = data(client.get(url))
+        assert fresh["refusedSenders"] == []
+        assert fresh["secret"] == notesvc.redact(ch["secret"])
+        assert fresh["config"]["botToken"].startswith("…")
+        assert ch["secret"] not in json.dumps(fresh)
+        update = telegram_update("the secret diary text", chat_id=666)
+        update["message"]["from"]["first_name"] = "Mallory"
+        resp = self.hook(client, "telegram", update, ch["secret"])
+        assert data(resp) == {"handled": False, "reason": "sender not allowed"}
+        refused = data(client.get(url))["refusedSenders"]
+        assert [(r["sender"], r["name"]) for r in refused] == [("666", "Mallory")]
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d(\.\d+)?Z", refused[0]["at"])
+        logged = [r for r in caplog.records if "refused sender" in r.getMessage()]
+        assert [r.levelname for r in logged] == ["INFO"]
+        assert logged[0].getMessage() == (
+            f"channel {ch['id']}: refused sender 666 (Mallory) — "
+            "add it to config.allowedChatIds to allow"
+        )
+        everything = "\n".join(r.getMessage() for r in caplog.records)
+        assert "secret diary" not in everything
+        # Listings stay as they were; the refused senders survive a toggle and a PATCH.
+        assert "refusedSenders" not in data(client.get(f"{API}/channels"))["channels"][0]
+        client.post(f"{API}/channels/{ch['id']}/toggle")
+        client.post(f"{API}/channels/{ch['id']}/toggle")
+        client.patch_json(url, {"name": "renamed"})
+        assert data(client.get(url))["refusedSenders"] == refused
+        assert upstream.requests == []
+
+    def test_refused_senders_keep_the_last_ten_distinct(self, client):
+        ch = self.create(client, "telegram", allowedChatIds=[42])
+        for chat_id in [*range(1000, 1012), 1003]:
+            self.hook(client, "telegram", telegram_update("hi", chat_id=chat_id), ch["secret"])
+        refused = data(client.get(f"{API}/channels/{ch['id']}"))["refusedSenders"]
+        # 1000 and 1001 fell off; 1003 wrote again and moved to the end, once.
+        assert [r["sender"] for r in refused] == [str(i) for i in (1002, *range(1004, 1012), 1003)]
+
+    def test_whatsapp_refused_sender_has_the_contact_name(self, client, upstream):
+        ch = self.create(client, "whatsapp", allowedNumbers=["15551234567"])
+        self.hook(client, "whatsapp", whatsapp_update("hi", number="15550000000"), ch["secret"])
+        refused = data(client.get(f"{API}/channels/{ch['id']}"))["refusedSenders"]
+        assert [(r["sender"], r["name"]) for r in refused] == [("15550000000", "Ada")]
+        assert upstream.requests == []
+
+    def test_plugin_provider_parsing_pairs_still_works(self, make_app, root):
+        plugins = root / ".notesvc" / "plugins"
+        plugins.mkdir(parents=True)
+        (plugins / "pigeon.py").write_text(
+            "import notesvc\n"
+            "@notesvc.channel_provider('pigeon', (notesvc.ConfigField('allowedBirds', 'list'),),\n"
+            "                          allow='allowedBirds')\n"
+            "def parse(payload):\n"
+            "    return [(str(payload.get('bird', '')), payload.get('text'))]\n"
+            "PLUGIN = notesvc.Plugin(name='pigeon', description='carrier pigeons')\n"
+        )
+        try:
+            client = with_key(make_app())
+            body = {"provider": "pigeon", "config": {"allowedBirds": ["rex"]}}
+            ch = data(client.post_json(f"{API}/channels", body, status=201))
+            anon = webtest.TestApp(client.app)
+            hook = f"{API}/channels/webhook/pigeon"
+            secret = {"X-Service-Channel-Secret": ch["secret"]}
+            ok = data(anon.post_json(hook, {"bird": "rex", "text": "/save seed"}, headers=secret))
+            assert ok["handled"] is True
+            no = data(anon.post_json(hook, {"bird": "crow", "text": "hi"}, headers=secret))
+            assert no == {"handled": False, "reason": "sender not allowed"}
+            refused = data(client.get(f"{API}/channels/{ch['id']}"))["refusedSenders"]
+            assert [(r["sender"], r["name"]) for r in refused] == [("crow", "")]
+            changed = client.patch_json(
+                f"{API}/channels/{ch['id']}", {"config": {"allowedBirds": ["crow"]}}
+            )
+            assert data(changed)["config"]["allowedBirds"] == ["crow"]
+        finally:
+            notesvc.CHANNEL_PROVIDERS.pop("pigeon", None)
+
 
 # -- JWT ----------------------------------------------------------------------------------
 
@@ -2482,6 +3169,17 @@ class TestJwt:
             token = forge(claims)
             with_key(app).post(f"{API}/auth/rotate")
         assert_error(self.bearer(app, token, 401), 401, "UNAUTHORIZED")
+
+    def test_token_cannot_mint_tokens_or_rotate_the_key(self, app):
+        token = data(with_key(app).post(f"{API}/auth/token"))["token"]
+        bearer = {"Authorization": f"Bearer {token}"}
+        assert data(app.get(f"{API}/system/info", headers=bearer))["version"]
+        for path in ("/auth/token", "/auth/rotate"):
+            assert_error(app.post(f"{API}{path}", headers=bearer, status=403), 403, "FORBIDDEN")
+        assert data(self.bearer(app, token))["valid"] is True  # still the same key
+        key_only = {(r.method, r.path) for r in app.app.service.routes if r.key_only}
+        assert key_only == {("POST", "/auth/token"), ("POST", "/auth/rotate")}
+        assert data(with_key(app).post(f"{API}/auth/rotate"))["apiKey"]
 
     def test_leeway_of_30_seconds(self, app):
         now = int(time.time())
@@ -3335,6 +4033,80 @@ class TestRelay:
         )
 
 
+NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
+
+
+@pytest.mark.skipif(not NGINX, reason="nginx is not installed (apt install nginx)")
+def test_two_relays_behind_nginx_share_the_servers(tmp_path):
+    """deploy/nginx-relay.conf: servers and clients spread over two relay processes."""
+    ports = [free_port(), free_port()]
+    front = free_port()
+    conf = (HERE / "deploy" / "nginx-relay.conf").read_text()
+    conf = conf.replace("127.0.0.1:8441", f"127.0.0.1:{ports[0]}")
+    conf = conf.replace("127.0.0.1:8442", f"127.0.0.1:{ports[1]}")
+    conf = re.sub(
+        r"    listen 443 ssl;\n.*?ssl_certificate_key [^\n]*\n",
+        f"    listen 127.0.0.1:{front};\n",
+        conf,
+        flags=re.S,
+    )
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "nginx.conf").write_text(
+        "daemon off; master_process off; pid nginx.pid; error_log logs/error.log warn;\n"
+        "events { worker_connections 1024; }\n"
+        "http { access_log off; client_body_temp_path tmp; proxy_temp_path tmp;\n" + conf + "\n}\n"
+    )
+    (tmp_path / "tmp").mkdir()
+    env = {"SERVICE_TRUST_PROXY": "true"}
+    relays = [Server(tmp_path / f"relay{i}", "relay", env=env, port=p) for i, p in enumerate(ports)]
+    nginx = subprocess.Popen(
+        [NGINX, "-p", str(tmp_path), "-c", "nginx.conf"], stderr=subprocess.PIPE, text=True
+    )
+    servers = []
+    try:
+        url = f"http://127.0.0.1:{front}"
+
+        def up() -> bool:
+            assert nginx.poll() is None, nginx.stderr.read()
+            with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as resp:
+                return resp.status == 200
+            return False
+
+        wait_for(up)
+        for i in range(10):  # until both relays hold a server (consistent hashing decides)
+            servers.append(Server(tmp_path / f"srv{i}", env={"SERVICE_RELAY_URL": url}))
+            held = len(servers)
+            wait_for(lambda held=held: sum(map(relay_servers, relays)) == held)
+            if len(servers) >= 2 and all(map(relay_servers, relays)):
+                break
+        assert all(map(relay_servers, relays)), "every server landed on one relay"
+        for n, server in enumerate(servers):
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            code = setup["pairing"]["relayCode"]
+            with urllib.request.urlopen(f"{url}/relay/v1/pair/{code}", timeout=10) as resp:
+                base = json.loads(resp.read())["data"]["relayApiBase"]
+            assert base == f"{url}/r/{setup['serverId']}/api/v1"
+            key = {"X-Service-Key": setup["apiKey"], "Content-Type": "application/json"}
+            note = json.dumps({"path": f"notes/n{n}.md", "content": f"# Note {n}"}).encode()
+            req = urllib.request.Request(f"{base}/notes", note, key, method="POST")
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                assert resp.status == 201
+            req = urllib.request.Request(f"{base}/notes/notes%2Fn{n}.md", headers=key)
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                assert json.loads(resp.read())["data"]["title"] == f"Note {n}"
+            req = urllib.request.Request(f"{base}/system/info", headers=key)
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                assert json.loads(resp.read())["data"]["connection"]["state"] == "connected"
+    finally:
+        for server in servers:
+            server.stop()
+        nginx.terminate()
+        nginx.wait(10)
+        nginx.stderr.close()
+        for relay in relays:
+            relay.stop()
+
+
 class FakeRelayServer:
     """A server as the relay sees it: its own token and id, raw relay protocol calls."""
 
@@ -3456,7 +4228,7 @@ class TestWebClient:
                 page.fill("#key", key)
                 page.click("#connect")
                 page.wait_for_selector("#app", state="visible")
-                assert "No notes yet" in page.inner_text("#tree")
+                sync_api.expect(page.locator("#tree")).to_contain_text("No notes yet")
                 # Create a note.
                 page.fill("#new-path", "web/hello")
                 page.click("#create")
@@ -3499,3 +4271,125 @@ class TestWebClient:
                 assert body["data"]["setupComplete"] is True
             finally:
                 browser.close()
+
+    def test_csp_connects_only_to_its_own_origin(self, anon):
+        csp = anon.get("/").headers["Content-Security-Policy"]
+        directives = dict(d.strip().split(" ", 1) for d in csp.split(";") if d.strip())
+        assert directives["connect-src"] == "'self'"
+
+    def test_foreign_relay_url_never_gets_a_request(self, tmp_path):
+        sync_api = pytest.importorskip("playwright.sync_api")
+        if not CHROMIUM:
+            pytest.skip("no Chromium on this machine")
+        evil = EvilRelay()
+        try:
+            with running(tmp_path) as server, sync_api.sync_playwright() as pw:
+                setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+                code = setup["pairing"]["relayCode"]
+                link = f"{server.url}/?relayCode={code}&relayUrl={evil.url}"
+                browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+                try:
+                    page = browser.new_page(viewport={"width": 390, "height": 844})
+                    requested = []
+                    page.on("request", lambda r: requested.append(r.url))
+                    page.goto(link)
+                    page.fill("#key", setup["apiKey"])
+                    page.click("#connect")
+                    page.wait_for_selector("#app", state="visible")
+                    sync_api.expect(page.locator("#tree")).to_contain_text("No notes yet")
+                    page.fill("#new-path", "web/origin")
+                    page.click("#create")
+                    sync_api.expect(page.locator("#path")).to_have_text("notes/web/origin.md")
+                    sync_api.expect(page.locator("#tree")).to_contain_text("origin.md")
+                    page.screenshot(path=str(tmp_path / "web-390x844.png"), full_page=True)
+                    assert page.evaluate("document.documentElement.scrollWidth") <= 390
+                    page.set_viewport_size({"width": 1280, "height": 800})
+                    page.screenshot(path=str(tmp_path / "web-1280x800.png"))
+                finally:
+                    browser.close()
+                assert (tmp_path / "notes" / "web" / "origin.md").exists()
+        finally:
+            evil.close()
+        assert evil.requests == []
+        origins = {re.match(r"^[a-z]+://[^/]+", u).group(0) for u in requested if "://" in u}
+        assert origins == {server.url}
+        paths = [urllib.parse.urlsplit(u).path for u in requested]
+        assert f"/relay/v1/pair/{code}" in paths
+        assert f"/r/{setup['serverId']}{API}/auth/verify" in paths
+
+    def test_page_on_the_server_stays_there_when_the_relay_is_elsewhere(self, tmp_path):
+        sync_api = pytest.importorskip("playwright.sync_api")
+        if not CHROMIUM:
+            pytest.skip("no Chromium on this machine")
+        relay = Server(tmp_path / "relay", "relay")
+        server = Server(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url})
+        try:
+            wait_for(lambda: relay_servers(relay) == 1)
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            assert setup["links"]["relayApiBase"].startswith(relay.url)
+            with sync_api.sync_playwright() as pw:
+                browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+                try:
+                    page = browser.new_page()
+                    requested = []
+                    page.on("request", lambda r: requested.append(r.url))
+                    page.goto(f"{server.url}/?relayCode={setup['pairing']['relayCode']}")
+                    page.fill("#key", setup["apiKey"])
+                    page.click("#connect")
+                    page.wait_for_selector("#app", state="visible")
+                    sync_api.expect(page.locator("#tree")).to_contain_text("No notes yet")
+                finally:
+                    browser.close()
+        finally:
+            server.stop()
+            relay.stop()
+        assert {u.startswith(server.url + "/") for u in requested} == {True}
+        assert f"{server.url}/r/{setup['serverId']}{API}/folders/tree" in requested
+
+
+class EvilRelay:
+    """A loopback stand-in for a hostile relay: records every request, answers any pairing
+    with an API base of its own, and allows any origin (so only the page can refuse it)."""
+
+    def __init__(self):
+        self.requests: list = []
+        evil = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def answer(self):
+                evil.requests.append((self.command, self.path, dict(self.headers)))
+                body = json.dumps(
+                    {
+                        "success": True,
+                        "data": {
+                            "serverId": "evil",
+                            "relayApiBase": f"{evil.url}/r/evil/api/v1",
+                            "valid": True,
+                            "setupComplete": True,
+                        },
+                    }
+                ).encode()
+                self.send_response(200)
+                self.send_header("Access-Control-Allow-Origin", "*")
+                self.send_header("Access-Control-Allow-Headers", "*")
+                self.send_header("Access-Control-Allow-Methods", "*")
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_OPTIONS = answer
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+        ).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
