@@ -4346,6 +4346,51 @@ class TestWebClient:
         assert {u.startswith(server.url + "/") for u in requested} == {True}
         assert f"{server.url}/r/{setup['serverId']}{API}/folders/tree" in requested
 
+    def test_phone_away_from_home_uses_the_relay_copy(self, tmp_path):
+        """The connect link opens the relay's own page, which talks to /r/<id> on its origin."""
+        sync_api = pytest.importorskip("playwright.sync_api")
+        if not CHROMIUM:
+            pytest.skip("no Chromium on this machine")
+        relay = Server(tmp_path / "relay", "relay")
+        server = Server(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url})
+        try:
+            wait_for(lambda: relay_servers(relay) == 1)
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            link = setup["links"]["connect"]["hosted"]
+            assert link.startswith(relay.url + "/?relayCode=")
+            with sync_api.sync_playwright() as pw:
+                browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+                try:
+                    page = browser.new_page(viewport={"width": 390, "height": 844})
+                    requested = []
+                    page.on("request", lambda r: requested.append(r.url))
+                    page.goto(link)
+                    page.fill("#key", setup["apiKey"])
+                    page.click("#connect")
+                    page.wait_for_selector("#app", state="visible")
+                    expect = sync_api.expect
+                    expect(page.locator("#tree")).to_contain_text("No notes yet")
+                    page.fill("#new-path", "away/keys")
+                    page.click("#create")
+                    expect(page.locator("#path")).to_have_text("notes/away/keys.md")
+                    page.fill("#editor", "# Keys\n\nThe spare kumquat key is under the mat.")
+                    page.click("#save")
+                    expect(page.locator("#status")).to_have_text(re.compile("^Saved"))
+                    page.fill("#search", "kumquat")
+                    page.press("#search", "Enter")
+                    page.wait_for_selector("#results mark")
+                    assert "notes/away/keys.md" in page.inner_text("#results")
+                    page.screenshot(path=str(tmp_path / "relay-phone.png"))
+                finally:
+                    browser.close()
+        finally:
+            server.stop()
+            relay.stop()
+        on_disk = tmp_path / "srv" / "notes" / "away" / "keys.md"
+        assert "kumquat" in on_disk.read_text()
+        assert {u.startswith(relay.url + "/") for u in requested} == {True}
+        assert f"{relay.url}/r/{setup['serverId']}{API}/folders/tree" in requested
+
 
 class EvilRelay:
     """A loopback stand-in for a hostile relay: records every request, answers any pairing

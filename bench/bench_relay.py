@@ -1,27 +1,42 @@
-"""Benchmark: request latency through a relay against direct, on loopback (not run by tests).
+"""Benchmark: the relay under many servers, against direct access (not run by the tests).
 
-    python bench/bench_relay.py --requests 300
+    python bench/bench_relay.py --servers 1000
+    python bench/bench_relay.py --servers 5000 --hold 60
+    python bench/bench_relay.py --servers 1000 --attackers 1000
 
-Starts a real relay (`notesvc.py relay`) and a real server registered with it, then times
-GET /api/v1/notes/:path and POST /api/v1/search-like reads both ways, one request at a time.
+Starts a real relay (`notesvc.py relay`), one real notesvc server registered with it, and
+N simulated servers: one asyncio process holding N long-polls (each from its own
+loopback source address, 50 per address) that answers its own share of the traffic.
+Then it measures, in one run:
+
+- latency of one client, request by request, direct to the real server and through the
+  relay (p50/p95/p99 and the added milliseconds);
+- requests/s through the relay with 16 concurrent clients spread over all the servers;
+- the relay's private memory (RssAnon) and CPU time, and every error;
+- with --attackers A: A idle connections from one address held open during the run;
+- with --hold S: the N servers stay connected S seconds while clients keep asking, and
+  any error counts.
 """
 
 from __future__ import annotations
 
 import argparse
+import asyncio
+import base64
 import json
 import os
 import re
-import statistics
+import secrets
 import subprocess
 import sys
 import tempfile
 import threading
 import time
-import urllib.request
 from pathlib import Path
 
-NOTESVC = str(Path(__file__).resolve().parent.parent / "notesvc.py")
+HERE = Path(__file__).resolve().parent
+NOTESVC = str(HERE.parent / "notesvc.py")
+sys.path.insert(0, str(HERE.parent))
 
 
 def start(*args: str, env: dict) -> tuple:
@@ -42,59 +57,297 @@ def start(*args: str, env: dict) -> tuple:
                 ready.set()
 
     threading.Thread(target=read, daemon=True).start()
-    ready.wait(20)
-    return proc, f"http://127.0.0.1:{port[0]}"
+    if not ready.wait(30):
+        raise SystemExit(f"{args} did not start")
+    return proc, port[0]
 
 
-def get(url: str, key: str) -> dict:
-    req = urllib.request.Request(url, headers={"X-Service-Key": key})
-    with urllib.request.urlopen(req, timeout=30) as resp:
-        return json.loads(resp.read())
+def proc_figures(pid: int) -> dict:
+    """Return RssAnon (MB) and CPU seconds of a process."""
+    status = Path(f"/proc/{pid}/status").read_text()
+    rss = int(re.search(r"RssAnon:\s+(\d+) kB", status).group(1)) / 1024
+    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    cpu = (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")
+    return {"rss_mb": round(rss, 1), "cpu_s": round(cpu, 2)}
+
+
+# -- a tiny HTTP/1.1 client on asyncio streams (keep-alive) -------------------------------
+
+
+async def http(reader, writer, method: str, path: str, body: bytes = b"", headers=None):
+    head = [f"{method} {path} HTTP/1.1", "Host: relay"]
+    head += [f"{k}: {v}" for k, v in (headers or {}).items()]
+    if body or method == "POST":
+        head.append(f"Content-Length: {len(body)}")
+    writer.write(("\r\n".join(head) + "\r\n\r\n").encode() + body)
+    await writer.drain()
+    status_line = await reader.readline()
+    status = int(status_line.split()[1])
+    length = 0
+    while True:
+        line = await reader.readline()
+        if line in (b"\r\n", b""):
+            break
+        name, _, value = line.decode("latin-1").partition(":")
+        if name.lower() == "content-length":
+            length = int(value)
+    data = await reader.readexactly(length) if length else b""
+    return status, data
+
+
+async def open_conn(port: int, source: str):
+    return await asyncio.open_connection("127.0.0.1", port, local_addr=(source, 0))
+
+
+# -- simulated servers (a subprocess: python bench_relay.py --simulate ...) --------------
+
+
+async def simulate(port: int, n: int, ready_file: str) -> None:
+    import notesvc
+
+    answer = base64.b64encode(b'{"success":true,"data":{"status":"ok","simulated":true}}')
+    reply_body_tail = b'","status":200,"headers":[["Content-Type","application/json"]]}'
+    ids = []
+    errors = 0
+
+    async def one(i: int) -> None:
+        nonlocal errors
+        token = secrets.token_urlsafe(32)
+        sid = notesvc.relay_server_id(token)
+        source = f"127.1.{i // 50 // 250}.{i // 50 % 250 + 1}"
+        reader, writer = await open_conn(port, source)
+        body = json.dumps({"token": token, "relayCode": f"SIM-{i}"}).encode()
+        hdrs = {"Content-Type": "application/json"}
+        for _ in range(20):
+            status, _ = await http(reader, writer, "POST", f"/relay/v1/register/{sid}", body, hdrs)
+            if status == 200:
+                break
+            await asyncio.sleep(1)
+        else:
+            errors += 1
+            return
+        ids.append(sid)
+        auth = {"X-Relay-Token": token}
+        reply_hdrs = {**auth, "Content-Type": "application/json"}
+        while True:
+            try:
+                status, data = await http(reader, writer, "GET", f"/relay/v1/poll/{sid}", b"", auth)
+                if status == 204:
+                    continue
+                if status != 200:
+                    errors += 1
+                    await asyncio.sleep(1)
+                    continue
+                rid = json.loads(data)["data"]["id"]
+                reply = b'{"body":"' + answer + reply_body_tail
+                await http(
+                    reader, writer, "POST", f"/relay/v1/reply/{sid}/{rid}", reply, reply_hdrs
+                )
+            except (OSError, asyncio.IncompleteReadError):
+                errors += 1
+                await asyncio.sleep(1)
+                reader, writer = await open_conn(port, source)
+
+    tasks = []
+    for i in range(n):
+        tasks.append(asyncio.create_task(one(i)))
+        if i % 200 == 199:
+            await asyncio.sleep(0.05)
+    while len(ids) + errors < n:
+        await asyncio.sleep(0.2)
+    Path(ready_file).write_text(json.dumps({"ids": ids, "errors": errors}))
+    await asyncio.gather(*tasks)
+
+
+# -- clients ------------------------------------------------------------------------------
+
+
+async def latency(port: int, path_of, count: int, key: str) -> list:
+    reader, writer = await open_conn(port, "127.0.0.1")
+    times, errors = [], 0
+    for i in range(count):
+        started = time.perf_counter()
+        status, _ = await http(reader, writer, "GET", path_of(i), b"", {"X-Service-Key": key})
+        times.append((time.perf_counter() - started) * 1000)
+        errors += status != 200
+    writer.close()
+    return times, errors
+
+
+async def load(port: int, paths: list, seconds: float, key: str, clients: int = 16) -> tuple:
+    done, errors, times = 0, 0, []
+    deadline = time.monotonic() + seconds
+
+    async def client(c: int) -> None:
+        nonlocal done, errors
+        reader, writer = await open_conn(port, f"127.0.2.{c + 1}")
+        i = c
+        while time.monotonic() < deadline:
+            started = time.perf_counter()
+            try:
+                status, _ = await http(
+                    reader, writer, "GET", paths[i % len(paths)], b"", {"X-Service-Key": key}
+                )
+            except (OSError, asyncio.IncompleteReadError):
+                errors += 1
+                reader, writer = await open_conn(port, f"127.0.2.{c + 1}")
+                continue
+            times.append((time.perf_counter() - started) * 1000)
+            done += 1
+            errors += status != 200
+            i += clients * 7 + 1
+        writer.close()
+
+    started = time.monotonic()
+    await asyncio.gather(*(client(c) for c in range(clients)))
+    return done / (time.monotonic() - started), errors, times
+
+
+def pct(values: list, p: float) -> float:
+    values = sorted(values)
+    return values[min(len(values) - 1, int(len(values) * p / 100))] if values else float("nan")
+
+
+async def attack(port: int, count: int) -> list:
+    """Open `count` idle connections from one address (an unfinished request each)."""
+    socks = []
+    for _ in range(count):
+        try:
+            _reader, writer = await open_conn(port, "127.0.3.1")
+            writer.write(b"GET /hea")
+            socks.append(writer)
+        except OSError:
+            break
+    return socks
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
-    ap.add_argument("--requests", type=int, default=300)
+    ap.add_argument("--servers", type=int, default=100, help="simulated servers")
+    ap.add_argument("--requests", type=int, default=500, help="sequential requests each way")
+    ap.add_argument("--seconds", type=float, default=10, help="length of the load phase")
+    ap.add_argument("--hold", type=float, default=0, help="keep the servers S seconds more")
+    ap.add_argument("--attackers", type=int, default=0, help="idle connections from one address")
+    ap.add_argument("--simulate", nargs=3, metavar=("PORT", "N", "READY"), help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.simulate:
+        port, n, ready = args.simulate
+        asyncio.run(simulate(int(port), int(n), ready))
+        return
+    import resource
+
+    _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     with tempfile.TemporaryDirectory() as tmp:
-        relay, relay_url = start("relay", env={})
-        server, direct = start(
+        relay_env = {
+            "SERVICE_RELAY_MAX_SERVERS": str(args.servers + 100),
+            "SERVICE_RELAY_TIMEOUT": "30",
+        }
+        relay, relay_port = start("relay", env=relay_env)
+        relay_url = f"http://127.0.0.1:{relay_port}"
+        server, direct_port = start(
             "--root", tmp, env={"SERVICE_RELAY_URL": relay_url, "SERVICE_RESCAN_SECONDS": "0"}
         )
+        sim = None
         try:
-            setup = get(f"{direct}/api/v1/system/setup", "")["data"]
+            import urllib.request
+
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{direct_port}/api/v1/system/setup", timeout=10
+            ) as resp:
+                setup = json.loads(resp.read())["data"]
             key, sid = setup["apiKey"], setup["serverId"]
-            while get(f"{relay_url}/health", "")["data"]["servers"] < 1:
-                time.sleep(0.1)
-            body = json.dumps({"path": "notes/bench.md", "content": "# Bench\n\n" + "x " * 500})
-            req = urllib.request.Request(
-                f"{direct}/api/v1/notes",
-                body.encode(),
-                {"X-Service-Key": key, "Content-Type": "application/json"},
+            idle = proc_figures(relay.pid)
+            ready = Path(tmp) / "ready.json"
+            started = time.monotonic()
+            sim = subprocess.Popen(
+                [
+                    sys.executable,
+                    __file__,
+                    "--simulate",
+                    str(relay_port),
+                    str(args.servers),
+                    str(ready),
+                ]
             )
-            urllib.request.urlopen(req, timeout=10).read()
-            rows = []
-            for name, base in (
-                ("direct", f"{direct}/api/v1"),
-                ("through relay", f"{relay_url}/r/{sid}/api/v1"),
-            ):
-                times = []
-                for i in range(args.requests + 20):
-                    t = time.perf_counter()
-                    get(f"{base}/notes/notes%2Fbench.md", key)
-                    if i >= 20:
-                        times.append((time.perf_counter() - t) * 1000)
-                times.sort()
-                rows.append((name, statistics.median(times), times[int(len(times) * 0.95)]))
-            print(f"{args.requests} sequential GET /notes/:path on loopback")
-            print(f"{'':<16} {'p50 ms':>8} {'p95 ms':>8} {'x direct':>9}")
-            for name, p50, p95 in rows:
-                print(f"{name:<16} {p50:>8.2f} {p95:>8.2f} {p50 / rows[0][1]:>9.2f}")
+            while not ready.exists():
+                time.sleep(0.2)
+                if sim.poll() is not None:
+                    raise SystemExit("the simulated servers stopped")
+            simulated = json.loads(ready.read_text())
+            connect_s = time.monotonic() - started
+            figures = asyncio.run(
+                measure(args, relay_port, direct_port, key, sid, simulated["ids"])
+            )
+            figures["relay_idle"] = idle
+            figures["connect_s"] = round(connect_s, 1)
+            figures["register_errors"] = simulated["errors"]
+            report(args, figures)
         finally:
-            server.terminate()
-            relay.terminate()
-            server.wait(10)
-            relay.wait(10)
+            for proc in (sim, server, relay):
+                if proc is not None and proc.poll() is None:
+                    proc.terminate()
+                    proc.wait(10)
+
+
+async def measure(args, relay_port: int, direct_port: int, key: str, sid: str, ids: list) -> dict:
+    out: dict = {}
+    attackers = await attack(relay_port, args.attackers) if args.attackers else []
+    out["attackers_open"] = len(attackers)
+    note = "/api/v1/health"
+    direct, e1 = await latency(direct_port, lambda i: note, args.requests, key)
+    relayed, e2 = await latency(relay_port, lambda i: f"/r/{sid}{note}", args.requests, key)
+    out["direct"] = direct
+    out["relayed"] = relayed
+    out["latency_errors"] = e1 + e2
+    paths = [f"/r/{s}/api/v1/health" for s in ids] + [f"/r/{sid}/api/v1/health"]
+    rps, errors, times = await load(relay_port, paths, args.seconds, key)
+    out["rps"], out["load_errors"], out["load_times"] = rps, errors, times
+    if args.hold:
+        _, hold_errors, _ = await load(relay_port, paths, args.hold, key, clients=2)
+        out["hold_errors"] = hold_errors
+    out["relay"] = proc_figures_of_port(relay_port)
+    for w in attackers:
+        w.close()
+    return out
+
+
+def proc_figures_of_port(port: int) -> dict:
+    for pid in os.listdir("/proc"):
+        if pid.isdigit():
+            try:
+                cmd = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            except OSError:
+                continue
+            if b"relay" in cmd and NOTESVC.encode() in cmd:
+                return proc_figures(int(pid))
+    return {}
+
+
+def report(args, f: dict) -> None:
+    d, r = f["direct"], f["relayed"]
+    print(
+        f"\nrelay with {args.servers} simulated servers + 1 real (connected in {f['connect_s']} s)"
+    )
+    print(f"{'':22}{'p50':>8}{'p95':>8}{'p99':>8}  ms")
+    for name, values in (("direct", d), ("through the relay", r)):
+        print(f"{name:22}{pct(values, 50):8.2f}{pct(values, 95):8.2f}{pct(values, 99):8.2f}")
+    added = [pct(r, p) - pct(d, p) for p in (50, 95, 99)]
+    print(f"{'added by the relay':22}{added[0]:8.2f}{added[1]:8.2f}{added[2]:8.2f}")
+    lt = f["load_times"]
+    print(
+        f"16 clients over all servers: {f['rps']:.0f} requests/s, "
+        f"p50 {pct(lt, 50):.1f} ms, p99 {pct(lt, 99):.1f} ms"
+    )
+    print(
+        f"relay RssAnon {f['relay'].get('rss_mb')} MB "
+        f"(idle before: {f['relay_idle']['rss_mb']} MB), CPU {f['relay'].get('cpu_s')} s"
+    )
+    if args.attackers:
+        print(f"attacker connections opened from one address: {f['attackers_open']}")
+    errors = f["latency_errors"] + f["load_errors"] + f["register_errors"] + f.get("hold_errors", 0)
+    held = f" (held {args.hold:.0f} s more)" if args.hold else ""
+    print(f"errors: {errors}{held}")
 
 
 if __name__ == "__main__":
