@@ -32,6 +32,7 @@ import collections
 import contextlib
 import dataclasses
 import datetime as dt
+import errno
 import functools
 import hashlib
 import heapq
@@ -404,6 +405,7 @@ ERROR_CODES = (  # every error.code the API answers with
     "UPSTREAM_ERROR",
     "UPSTREAM_TIMEOUT",
     "AGENT_DISABLED",
+    "INSUFFICIENT_STORAGE",
 )
 STATUS_CODES = {
     400: "VALIDATION_ERROR",
@@ -420,6 +422,7 @@ STATUS_CODES = {
     502: "UPSTREAM_ERROR",
     503: "AGENT_DISABLED",
     504: "UPSTREAM_TIMEOUT",
+    507: "INSUFFICIENT_STORAGE",
 }
 
 # Endpoints that SPEC.md replaced: asking for them names the replacement.
@@ -437,6 +440,21 @@ class ApiError(bottle.HTTPError):
         super().__init__(status, message, **(headers or {}))
         self.code = code
         self.message = message
+
+
+class DiskFull(ApiError, OSError):
+    """507: a write found the disk (or the owner's quota) full; raised by disk_writes().
+
+    Also an OSError, so code that treats a failed background write as a warning (the index
+    cache) goes on doing so.
+    """
+
+    def __init__(self, err: OSError):
+        super().__init__(507, "INSUFFICIENT_STORAGE", "the disk is full; nothing was changed")
+        self.errno, self.strerror, self.filename = err.errno, err.strerror, None
+
+    def __str__(self) -> str:
+        return f"{self.message} ({self.strerror})"
 
 
 def bad_request(message: str) -> ApiError:
@@ -532,14 +550,42 @@ _UMASK = os.umask(0)
 os.umask(_UMASK)
 
 
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)})
+
+
+@contextlib.contextmanager
+def disk_writes():
+    """Run a block of writes; a full disk or quota (ENOSPC, EDQUOT) becomes DiskFull (507).
+
+    The one place that translates it: atomic_write and the store's moves use it.
+    """
+    try:
+        yield
+    except DiskFull:
+        raise
+    except OSError as e:
+        if e.errno in DISK_FULL_ERRNOS:
+            raise DiskFull(e) from None
+        raise
+
+
+TEMP_PREFIX, TEMP_SUFFIX = ".tmp-", ".part"  # atomic_write's temp files
+
+
 def atomic_write(path: Path, data: bytes | Callable, mode: int | None = None) -> None:
     """Write data (bytes, or a function writing to a file) to path so that a crash leaves
     either the old or the new content.
 
-    Temp file in the same folder, flush, fsync, os.replace, fsync the folder.
+    Temp file in the same folder, flush, fsync, os.replace, fsync the folder. Raises
+    DiskFull (507) when the disk is full; the old content and no temp file remain.
     """
+    with disk_writes():
+        _atomic_write(path, data, mode)
+
+
+def _atomic_write(path: Path, data: bytes | Callable, mode: int | None) -> None:
     folder = path.parent
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".part", dir=folder)
+    fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX, dir=folder)
     try:
         with os.fdopen(fd, "wb") as f:
             if callable(data):
@@ -560,6 +606,20 @@ def atomic_write(path: Path, data: bytes | Callable, mode: int | None = None) ->
             os.unlink(tmp)
         raise
     fsync_dir(folder)
+
+
+def sweep_temp_files(folder: Path, skip_hidden: bool) -> int:
+    """Remove the temp files a crash left under folder (atomic_write's); return how many."""
+    removed = 0
+    for parent, dirs, files in os.walk(folder):
+        if skip_hidden:
+            dirs[:] = [d for d in dirs if not d.startswith(".")]
+        for name in files:
+            if name.startswith(TEMP_PREFIX) and name.endswith(TEMP_SUFFIX):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(parent, name))
+                    removed += 1
+    return removed
 
 
 @contextlib.contextmanager
@@ -779,7 +839,7 @@ def query_int(name: str, default: int, lo: int, hi: int) -> int:
     raw = bottle.request.query.get(name)
     if raw is None or raw == "":
         return default
-    if not re.fullmatch(r"-?\d{1,9}", raw) or not lo <= int(raw) <= hi:
+    if not re.fullmatch(r"-?\d{1,10}", raw) or not lo <= int(raw) <= hi:
         raise bad_request(f"'{name}' must be a whole number from {lo} to {hi}")
     return int(raw)
 
@@ -790,6 +850,12 @@ NOTES = "notes"
 MAX_PATH_CHARS = 512
 MAX_SEGMENT_BYTES = 255
 _FORBIDDEN = set('\\:*?"<>|')
+# Invisible characters that make a path read as another one (CONTRACT 6).
+_BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+_ZERO_WIDTH = frozenset("\u200b\u200c\u200d\u2060\ufeff")
+# Scans of a note's text for links, tags and passages read at most this much of it (in
+# characters), so one huge note cannot make every such scan slow; the scans are linear.
+MAX_SCAN_CHARS = 256 * 1024
 
 
 def _check_segments(path: str, what: str) -> list:
@@ -804,6 +870,14 @@ def _check_segments(path: str, what: str) -> list:
         raise bad_request(f"the {what} path is not valid Unicode") from None
     if any(ord(ch) < 32 or 0x7F <= ord(ch) < 0xA0 for ch in path):
         raise bad_request(f"the {what} path holds a control character")
+    if not _BIDI_CONTROLS.isdisjoint(path):
+        raise bad_request(
+            f"the {what} path holds a bidi control character (U+202A-202E, U+2066-2069)"
+        )
+    if not _ZERO_WIDTH.isdisjoint(path):
+        raise bad_request(
+            f"the {what} path holds a zero-width character (U+200B-200D, U+2060, U+FEFF)"
+        )
     if "\\" in path:
         raise bad_request(f"the {what} path holds a backslash; separate folders with /")
     if path.startswith("/"):
@@ -850,20 +924,104 @@ def folder_path(raw: Any) -> str:
     return path
 
 
+# The path rules as JSON Schema (OpenAPI). The patterns state every character rule; the
+# 255-byte segment rule, which JSON Schema cannot count, is stated safely in characters: up
+# to 255 ASCII characters, or up to 63 of any kind (4 bytes at most each). Characters whose
+# NFC form is longer are left out, so a path that matches is still within the limits once
+# normalised. What the patterns cannot say (symbolic links, paths that differ only in
+# normalisation) the server checks and the description says.
+_NFC_GROWS = (  # the characters whose NFC form is longer than they are (Unicode 13-15)
+    "\\u0344\\u0958-\\u095f\\u09dc\\u09dd\\u09df\\u0a33\\u0a36\\u0a59-\\u0a5b\\u0a5e\\u0b5c\\u0b5d"
+    "\\u0f43\\u0f4d\\u0f52\\u0f57\\u0f5c\\u0f69\\u0f73\\u0f75\\u0f76\\u0f78\\u0f81\\u0f93\\u0f9d"
+    "\\u0fa2\\u0fa7\\u0fac\\u0fb9\\u2adc\\ufa6c\\ufacf-\\ufad1\\ufad5-\\ufad7\\ufb1d\\ufb1f"
+    "\\ufb2a-\\ufb36\\ufb38-\\ufb3c\\ufb3e\\ufb40\\ufb41\\ufb43\\ufb44\\ufb46-\\ufb4e"
+    "\U0001d15e-\U0001d164\U0001d1bb-\U0001d1c0"
+)
+_SEG_NOT = (  # what no segment holds: controls, / and \ : * ? " < > |, bidi, zero-width
+    '\\x00-\\x1f\\x7f-\\x9f/\\\\:*?"<>|\\u202a-\\u202e\\u2066-\\u2069\\u200b-\\u200d\\u2060\\ufeff'
+    + _NFC_GROWS
+)
+_ASCII_CH, _ASCII_FIRST = r"[ !#-)+-.0-9;=@-\[\]-{}~]", r"[ !#-)+,\-0-9;=@-\[\]-{}~]"
+_ANY_CH, _ANY_FIRST = f"[^{_SEG_NOT}]", f"[^.{_SEG_NOT}]"
+
+
+def _segment(tail: int, in_url: bool = False) -> str:
+    """Return the pattern of one segment that leaves `tail` of its 255 bytes to a suffix.
+
+    `in_url`: the segment travels as a URL path parameter, where a client that does not
+    escape "%" as %25 would send another path; such patterns leave "%" out.
+    """
+    ascii_ch, ascii_first, any_ch, any_first = _ASCII_CH, _ASCII_FIRST, _ANY_CH, _ANY_FIRST
+    if in_url:
+        ascii_ch, ascii_first = (c.replace("#-)", "#$&-)") for c in (ascii_ch, ascii_first))
+        any_ch, any_first = (c.replace("[^", "[^%", 1) for c in (any_ch, any_first))
+    return (
+        f"(?:{ascii_first}{ascii_ch}{{0,{254 - tail}}}"
+        f"|{any_first}{any_ch}{{0,{62 - (tail + 3) // 4}}})"
+    )
+
+
+NOTE_PATH_SCHEMA = {
+    "type": "string",
+    "minLength": 9,
+    "maxLength": MAX_PATH_CHARS,
+    "pattern": f"^{NOTES}(?:/{_segment(0)})*/{_segment(3)}\\.md$",
+    "description": f"{NOTES}/<folders>/<name>.md: segments of at most {MAX_SEGMENT_BYTES} "
+    "UTF-8 bytes, not starting with '.', without control, bidi or zero-width characters "
+    'and without \\ : * ? " < > |; NFC-normalised; inside the notes folder',
+    "examples": ["notes/ideas/garden.md"],
+}
+FOLDER_PATH_SCHEMA = {
+    **NOTE_PATH_SCHEMA,
+    "minLength": 5,
+    "pattern": f"^{NOTES}(?:/{_segment(0)})*/?$",
+    "description": f"{NOTES} or {NOTES}/<folders>, segments as in note paths",
+    "examples": ["notes/ideas"],
+}
+# As URL path parameters (percent-encoded, "/" as %2F; a "%" of the name itself as %25).
+NOTE_PATH_PARAM = {
+    **NOTE_PATH_SCHEMA,
+    "pattern": f"^{NOTES}(?:/{_segment(0, True)})*/{_segment(3, True)}\\.md$",
+}
+FOLDER_PATH_PARAM = {**FOLDER_PATH_SCHEMA, "pattern": f"^{NOTES}(?:/{_segment(0, True)})*/?$"}
+
+
 def make_etag(data: bytes) -> str:
     return '"' + hashlib.sha256(data).hexdigest()[:32] + '"'
 
 
+_HEADING_RE = re.compile(r"^#[ \t]+([^ \t\n][^\n]*)", re.M)  # linear: no nested repeats
+
+
 def note_title(text: str, path: str) -> str:
-    """Return the first `# ` heading of a note, else its file name without .md."""
-    m = re.search(r"^#[ \t]+(.+?)[ \t#]*$", text, re.M)
+    """Return the first `# ` heading of a note (closing #s dropped), else its file name
+    without .md.
+
+    >>> note_title("#  Plans for May ##", "notes/x.md"), note_title("", "notes/a/b.md")
+    ('Plans for May', 'b')
+    """
+    m = _HEADING_RE.search(text)
     if m:
-        return m.group(1).strip()[:200]
+        heading = m.group(1)
+        return (heading[0] + heading[1:].rstrip(" \t#")).strip()[:200]
     return path.rsplit("/", 1)[-1][:-3]
 
 
 def _sort_key(name: str) -> tuple:
     return (name.casefold(), name)
+
+
+def _missing_folders(folder: Path, top: Path) -> list:
+    """Return folder and its parents below top that do not exist yet, deepest first."""
+    missing = []
+    while folder != top and top in folder.parents and not folder.exists():
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
+
+def _nfc(name: str) -> str:
+    return name if name.isascii() else unicodedata.normalize("NFC", name)
 
 
 class NoteStore:
@@ -895,11 +1053,35 @@ class NoteStore:
 
     def file_of(self, path: str) -> Path:
         """Return the file for a checked note/folder path; 400 when it leads outside."""
-        target = self.base / path
+        target = self.on_disk(path)
         real = os.path.realpath(target)
         if real != str(self.root) and not real.startswith(str(self.root) + os.sep):
             raise bad_request("the path resolves outside the notes folder (symbolic link?)")
         return target
+
+    def on_disk(self, path: str) -> Path:
+        """Return where an (NFC) path is on disk: segment by segment, a name that is not
+        there is matched to an entry that normalises to it (NFD names from macOS or
+        Syncthing), so such a note is read and written in place under its own name.
+        """
+        target = self.base / path
+        if path.isascii() or os.path.lexists(target):
+            return target
+        at = self.base
+        segments = path.split("/")
+        for i, seg in enumerate(segments):
+            step = at / seg
+            if not os.path.lexists(step):
+                try:
+                    names = sorted(os.listdir(at)) if not seg.isascii() else []
+                except OSError:
+                    names = []
+                same = [n for n in names if unicodedata.normalize("NFC", n) == seg]
+                if not same:
+                    return step.joinpath(*segments[i + 1 :])
+                step = at / same[0]
+            at = step
+        return at
 
     @contextlib.contextmanager
     def locked(self, *paths: str, tree: bool = False):
@@ -944,7 +1126,7 @@ class NoteStore:
 
         `trusted` paths come from our own scan, which never follows links.
         """
-        target = self.base / path if trusted else self.file_of(path)
+        target = self.on_disk(path) if trusted else self.file_of(path)
         try:
             with open(target, "rb") as f:
                 st = os.fstat(f.fileno())
@@ -988,8 +1170,11 @@ class NoteStore:
         return os.path.isfile(self.file_of(path))
 
     def _entries(self, folder: str = NOTES):
-        """Yield (note path, DirEntry) under a folder path (hidden entries and links skipped)."""
-        stack = [(str(self.base / folder), folder)]
+        """Yield (note path, DirEntry) under a folder path (hidden entries and links skipped).
+
+        Paths are NFC whatever the names on disk.
+        """
+        stack = [(str(self.on_disk(folder)), folder)]
         while stack:
             real, rel = stack.pop()
             try:
@@ -999,14 +1184,15 @@ class NoteStore:
             for e in entries:
                 if e.name.startswith(".") or e.is_symlink():
                     continue
+                name = _nfc(e.name)
                 if e.is_dir():
-                    stack.append((e.path, f"{rel}/{e.name}"))
-                elif e.name.endswith(".md") and len(e.name) > 3:
-                    yield f"{rel}/{e.name}", e
+                    stack.append((e.path, f"{rel}/{name}"))
+                elif name.endswith(".md") and len(name) > 3:
+                    yield f"{rel}/{name}", e
 
     def walk(self, folder: str = NOTES) -> list:
         """Return every note path under a folder path, sorted."""
-        return sorted(path for path, _ in self._entries(folder))
+        return sorted({path for path, _ in self._entries(folder)})
 
     def scan(self) -> dict:
         """Return {note path: (size, mtime_ns)} for every note (the rescan's view)."""
@@ -1057,18 +1243,18 @@ class NoteStore:
             elif e.name.endswith(".md") and len(e.name) > 3:
                 notes.append(e)
         children = [
-            self._node(e.path, f"{rel}/{e.name}")
-            for e in sorted(folders, key=lambda e: _sort_key(e.name))
+            self._node(e.path, f"{rel}/{_nfc(e.name)}")
+            for e in sorted(folders, key=lambda e: _sort_key(_nfc(e.name)))
         ]
-        for e in sorted(notes, key=lambda e: _sort_key(e.name)):
+        for e in sorted(notes, key=lambda e: _sort_key(_nfc(e.name))):
             try:
                 st = e.stat()
             except OSError:
                 continue
             children.append(
                 {
-                    "name": e.name,
-                    "path": f"{rel}/{e.name}",
+                    "name": _nfc(e.name),
+                    "path": f"{rel}/{_nfc(e.name)}",
                     "type": "note",
                     "size": st.st_size,
                     "modified": iso(st.st_mtime_ns / 1e9),
@@ -1110,21 +1296,33 @@ class NoteStore:
             target = self.file_of(path)
             if os.path.lexists(target):
                 raise ApiError(409, "CONFLICT", f"a note already exists at {path}; use PUT")
-            self._make_parents(target)
-            atomic_write(target, data)
+            with self._new_parents(target):
+                atomic_write(target, data)
             st = os.stat(target)
             self._notify("saved", path, (content, st))
             return self.record(path, data, st)
 
-    def _make_parents(self, target: Path) -> None:
+    @contextlib.contextmanager
+    def _new_parents(self, target: Path):
+        """Create the missing folders of target for the block; remove them again when the
+        block fails (a full disk changes nothing)."""
         parent = target.parent
+        missing = _missing_folders(parent, self.root)
         try:
-            parent.mkdir(parents=True, exist_ok=True)
-        except (FileExistsError, NotADirectoryError):
-            raise ApiError(
-                409, "CONFLICT", "a file stands where a folder of this path should be"
-            ) from None
-        self.file_of(str(target.relative_to(self.base)))  # re-check containment
+            with disk_writes():
+                try:
+                    parent.mkdir(parents=True, exist_ok=True)
+                except (FileExistsError, NotADirectoryError):
+                    raise ApiError(
+                        409, "CONFLICT", "a file stands where a folder of this path should be"
+                    ) from None
+            self.file_of(str(target.relative_to(self.base)))  # re-check containment
+            yield
+        except BaseException:
+            for folder in missing:  # deepest first
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+            raise
 
     def update(self, path: str, content: str, if_match: str | None = None) -> dict:
         data = self.encode(content)
@@ -1141,16 +1339,18 @@ class NoteStore:
         """Append a line to a note, creating it with a heading when missing (one atomic write)."""
         with self.locked(path, tree=True):
             target = self.file_of(path)
+            parents: Any = contextlib.nullcontext()
             try:
                 old = self.decode(path, self._read(path)[0])
             except ApiError as e:
                 if e.status_code != 404:
                     raise
                 old = f"# {heading}\n\n"
-                self._make_parents(target)
+                parents = self._new_parents(target)
             content = old + ("" if old.endswith("\n") else "\n") + line + "\n"
             data = self.encode(content)
-            atomic_write(target, data)
+            with parents:
+                atomic_write(target, data)
             st = os.stat(target)
             self._notify("saved", path, (content, st))
             return self.record(path, data, st)
@@ -1179,8 +1379,8 @@ class NoteStore:
             src, dst = self.file_of(path), self.file_of(new)
             if os.path.lexists(dst):
                 raise ApiError(409, "CONFLICT", f"a note already exists at {new}")
-            self._make_parents(dst)
-            os.replace(src, dst)
+            with self._new_parents(dst), disk_writes():
+                os.replace(src, dst)
             fsync_dir(dst.parent)
             fsync_dir(src.parent)
             self._prune(src.parent)
@@ -1195,8 +1395,16 @@ class NoteStore:
             src = self.file_of(path)
             stamp = utcnow().strftime("%Y%m%dT%H%M%S.%fZ")
             dst = self.trash / stamp / path
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(src, dst)
+            made = _missing_folders(dst.parent, self.trash.parent)
+            try:
+                with disk_writes():
+                    dst.parent.mkdir(parents=True, exist_ok=True)
+                    os.replace(src, dst)
+            except BaseException:
+                for folder in made:  # deepest first: leave the trash as it was
+                    with contextlib.suppress(OSError):
+                        folder.rmdir()
+                raise
             fsync_dir(dst.parent)
             fsync_dir(src.parent)
             self._prune(src.parent)
@@ -1214,16 +1422,12 @@ class NoteStore:
             folder = folder.parent
 
     def sweep_temp_files(self) -> int:
-        """Remove temp files a crash left behind; return how many."""
-        removed = 0
-        for folder, dirs, files in os.walk(self.root):
-            dirs[:] = [d for d in dirs if not d.startswith(".")]
-            for name in files:
-                if name.startswith(".tmp-") and name.endswith(".part"):
-                    with contextlib.suppress(OSError):
-                        os.unlink(os.path.join(folder, name))
-                        removed += 1
-        return removed
+        """Remove the temp files a crash left in the notes and in the state folder (its
+        trash and every subfolder); return how many."""
+        state = self.trash.parent
+        return sweep_temp_files(self.root, skip_hidden=True) + (
+            sweep_temp_files(state, skip_hidden=False) if state.is_dir() else 0
+        )
 
 
 # == Search ===================================================================
@@ -1722,22 +1926,12 @@ class SearchIndex:
         with self._lock:
             return self.generation, [(d.path, d.title, d.text) for d in self.docs if d]
 
-    def terms_of_stems(self, stems: Iterable[str]) -> list:
-        """Return the term chars of the stems that are in the index."""
-        with self._lock:
-            chars = map(self.term_chars.get, stems)
-            return [c for c in chars if c]
-
-    def terms_of_words(self, words: Iterable[str]) -> set:
-        """Return the term chars of folded words that are in the index."""
-        with self._lock:
-            return {self.surfaces[w] for w in words if w in self.surfaces}
-
-    def body_idf(self, terms: Iterable[str]) -> dict:
-        """Return {term char: its IDF in note bodies}."""
+    def stem_weights(self, stems: Iterable[str]) -> dict:
+        """Return {stem: its IDF in note bodies} for the stems that are in the index."""
         with self._lock:
             n = max(len(self.ids), 1)
-            return {t: bm25_idf(n, len(self.body.get(t, ((),))[0])) for t in terms}
+            chars = ((s, self.term_chars.get(s)) for s in stems)
+            return {s: bm25_idf(n, len(self.body.get(t, ((),))[0])) for s, t in chars if t}
 
     # -- state -------------------------------------------------------------------------
 
@@ -1843,13 +2037,14 @@ class SearchIndex:
 
         return sorted(set(needles), key=rarity)
 
-    def search_any(self, terms: list, limit: int) -> list:
-        """Return the top (path, title, text, score) of notes holding any of terms.
+    def search_any(self, stems: list, limit: int) -> list:
+        """Return the top (path, title, text, score) of notes holding any of the stems.
 
         A term in more than half the notes carries no weight, like a stopword.
         """
         with self._lock:
             n = len(self.ids)
+            terms = [t for t in map(self.term_chars.get, stems) if t]
             scores: dict = collections.defaultdict(float)
             for term in terms:
                 for field, table in self._fields():
@@ -2290,28 +2485,34 @@ def post_json(url: str, body: dict, headers: dict | None = None, timeout: float 
 # -- retrieval ---------------------------------------------------------------------
 
 
-def question_terms(index: SearchIndex, question: str) -> list:
-    """Return the index terms of a natural-language question (stopwords dropped)."""
+def question_stems(question: str) -> list:
+    """Return the stems of a natural-language question, stopwords dropped."""
     words = [w for w in _WORD_RE.findall(fold(question)) if w not in STOPWORDS]
-    return index.terms_of_stems(stem(w) for w in dict.fromkeys(words))
+    return [stem(w) for w in dict.fromkeys(words)]
 
 
 _SENTENCE_RE = re.compile(r"(?<=[.!?])\s+|\n+")
 
 
-def best_passages(index: SearchIndex, text: str, terms: list, keep: int = 2) -> list:
-    """Return up to `keep` sentences of text that hold the most (and rarest) query terms."""
-    weight = index.body_idf(terms)
+def best_passages(weights: dict, text: str, keep: int = 2) -> list:
+    """Return up to `keep` sentences of text that hold the most (and rarest) query terms.
+
+    weights: {stem: idf}. Needs no index (so no lock); reads the first MAX_SCAN_CHARS.
+    """
     scored = []
-    for i, sentence in enumerate(_SENTENCE_RE.split(text)):
+    stems: dict = {}  # word -> stem, each computed once
+    for i, sentence in enumerate(_SENTENCE_RE.split(text[:MAX_SCAN_CHARS])):
         sentence = sentence.strip()
         heading = sentence.startswith("#")  # quoted only when no sentence matches
         sentence = sentence.lstrip("#").strip()
         if not sentence:
             continue
-        present = index.terms_of_words(set(_WORD_RE.findall(fold(sentence)))) & weight.keys()
+        words = set(_WORD_RE.findall(fold(sentence)))
+        for w in words.difference(stems):
+            stems[w] = stem(w)
+        present = set(map(stems.__getitem__, words)) & weights.keys()
         if present:
-            scored.append((heading, -sum(weight[t] for t in present), i, sentence))
+            scored.append((heading, -sum(weights[t] for t in present), i, sentence))
     scored.sort()
     if scored and not scored[0][0]:
         scored = [item for item in scored if not item[0]]
@@ -2325,17 +2526,18 @@ def _clip(text: str, limit: int) -> str:
 def retrieve(svc: Service, question: str, note: str | None, limit: int = 3) -> list:
     """Return [(path, title, [passages])]: the note asked about first, then the best hits."""
     index = svc.index
-    terms = question_terms(index, question)
+    weights = index.stem_weights(question_stems(question))
+    hits = index.search_any(list(weights), limit)  # the passages are cut without the lock
     found = []
     if note:
         rec = svc.notes.get(note)
-        passages = best_passages(index, rec["content"], terms) or [
-            _clip(" ".join(rec["content"].split()), 600)
+        passages = best_passages(weights, rec["content"]) or [
+            _clip(" ".join(rec["content"][:MAX_SCAN_CHARS].split()), 600)
         ]
         found.append((note, rec["title"], passages))
-    for path, title, text, _ in index.search_any(terms, limit):
+    for path, title, text, _ in hits:
         if path != note:
-            found.append((path, title, best_passages(index, text, terms)))
+            found.append((path, title, best_passages(weights, text)))
     return found
 
 
@@ -2668,6 +2870,7 @@ class PluginRoute:
     handler: Callable  # (svc, **url_args) -> dict
     summary: str = ""
     status: int = 200  # documented success status (200 is always documented too)
+    params: dict | None = None  # JSON schemas of path/query parameters (OpenAPI), by name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2723,10 +2926,28 @@ def load_plugins(folder: Path) -> dict:
 
 # -- links ---------------------------------------------------------------------------------
 
+# Both patterns run in linear time: link text, targets and fragments stop at any bracket,
+# so the attempts started at different brackets never scan the same text (a run of `[`
+# fails at once at each one), and no repeat nests in another. Whether a Markdown link
+# points at a .md note is decided afterwards (_md_target), not by backtracking.
 _WIKILINK_RE = re.compile(r"\[\[([^\[\]|#\n]+)((?:#[^\[\]|\n]*)?(?:\|[^\[\]\n]*)?)\]\]")
 _MDLINK_RE = re.compile(
-    r"(\[[^\]\n]*\]\()(<[^>\n]+\.md>|[^)\s<>]+\.md)((?:#[^)\s]*)?(?:\s+\"[^\"\n]*\")?\))"
+    r"(\[[^\[\]\n]*\]\()(<[^<>\n]*>[^)\s<>\[\]]*|[^)\s<>\[\]]+)((?:\s+\"[^\"\n]*\")?\))"
 )
+
+
+def _md_target(href: str) -> str | None:
+    """Return the note part of a Markdown link's href (`<...>` kept), or None when it does not
+    point at a .md file; what follows it is a #fragment."""
+    if href.startswith("<"):
+        end = href.index(">") + 1
+        target, inner, rest = href[:end], href[1 : end - 1], href[end:]
+    else:
+        target, _, rest = href.partition("#")
+        inner, rest = target, href[len(target) :]
+    if rest and not rest.startswith("#"):
+        return None
+    return target if len(inner) > 3 and inner.endswith(".md") else None
 
 
 class LinkResolver:
@@ -2759,34 +2980,50 @@ class LinkResolver:
         return self.paths.get(candidate.casefold())
 
     def links(self, text: str, source: str) -> set:
-        """Return the note paths a note's text links to."""
+        """Return the note paths a note's text links to (in its first MAX_SCAN_CHARS)."""
+        text = text[:MAX_SCAN_CHARS]
         out = {self.wikilink(m.group(1)) for m in _WIKILINK_RE.finditer(text)}
-        out |= {self.mdlink(m.group(2), source) for m in _MDLINK_RE.finditer(text)}
+        targets = map(_md_target, (m.group(2) for m in _MDLINK_RE.finditer(text)))
+        out |= {self.mdlink(t, source) for t in targets if t}
         out.discard(None)
         out.discard(source)
         return out
 
 
+IndexSnapshot = collections.namedtuple("IndexSnapshot", "ids docs generation")
+IndexSnapshot.__doc__ = """The index's notes at one generation: ids {path: id}, docs [Doc]."""
+
+
 def derived(svc: Service, name: str, build: Callable) -> Any:
-    """Return build(index), computed under the index lock and kept until the index changes."""
+    """Return build(snapshot of the index), kept until the index changes.
+
+    Only taking the snapshot (references to the paths and texts) holds the index lock; the
+    build runs without it, so searches and writes never wait for a plugin's computation.
+    Builds take turns, so concurrent callers wait for one build instead of repeating it.
+    """
     index = svc.index
-    with index._lock:
-        cached = svc.plugin_cache.get(name)
-        if cached and cached[0] == index.generation:
-            return cached[1]
-        value = build(index)
-        svc.plugin_cache[name] = (index.generation, value)
+    cached = svc.plugin_cache.get(name)
+    if cached and cached[0] == index.generation:
+        return cached[1]
+    with svc.plugin_build_lock:
+        with index._lock:
+            cached = svc.plugin_cache.get(name)
+            if cached and cached[0] == index.generation:
+                return cached[1]
+            snap = IndexSnapshot(dict(index.ids), list(index.docs), index.generation)
+        value = build(snap)
+        svc.plugin_cache[name] = (snap.generation, value)
         return value
 
 
 def link_graph(svc: Service) -> dict:
     """Return {note path: set of notes linking to it}, cached until the index changes."""
 
-    def build(index: SearchIndex) -> dict:
+    def build(index: IndexSnapshot) -> dict:
         resolver = LinkResolver(index.ids)
         graph: dict = collections.defaultdict(set)
         for path, d in index.ids.items():
-            text = index.docs[d].text
+            text = index.docs[d].text[:MAX_SCAN_CHARS]
             if "[[" in text or ".md" in text:
                 for target in resolver.links(text, path):
                     graph[target].add(path)
@@ -2822,7 +3059,10 @@ def rewrite_links(
         return f"[[{replacement}{m.group(2)}]]"
 
     def markdown(m: re.Match) -> str:
-        href = m.group(2)
+        href = _md_target(m.group(2))
+        if href is None:
+            return m.group(0)
+        fragment = m.group(2)[len(href) :]
         base = moved_from or source
         target = resolver.mdlink(href, base)
         if target is None or (target != old and not moved_from):
@@ -2839,14 +3079,15 @@ def rewrite_links(
             replacement = urllib.parse.quote(replacement, safe="/")
         if href.startswith("<"):
             replacement = f"<{urllib.parse.unquote(replacement)}>"
-        return f"{m.group(1)}{replacement}{m.group(3)}"
+        return f"{m.group(1)}{replacement}{fragment}{m.group(3)}"
 
     return _MDLINK_RE.sub(markdown, _WIKILINK_RE.sub(wiki, text))
 
 
 def update_links(svc: Service, old: str, new: str, linking: set) -> list:
     """Rewrite the links to `old` in each linking note (one atomic write each)."""
-    resolver = LinkResolver([*svc.index.ids, old])
+    with svc.index._lock:
+        resolver = LinkResolver([*svc.index.ids, old])
     changed = []
     for source in sorted(linking | {new}):
         moved_from = old if source == new else None
@@ -2882,7 +3123,15 @@ builtin_plugin(
     Plugin(
         "backlinks",
         description="notes that link to a note, by [[wikilink]] or Markdown link",
-        routes=(PluginRoute("GET", "/<path:path>", get_backlinks, "Notes linking to a note"),),
+        routes=(
+            PluginRoute(
+                "GET",
+                "/<path:path>",
+                get_backlinks,
+                "Notes linking to a note",
+                params={"path": NOTE_PATH_PARAM},
+            ),
+        ),
     )
 )
 
@@ -2893,12 +3142,14 @@ _FRONT_MATTER_RE = re.compile(r"\A---[ \t]*\n(.*?)\n---[ \t]*(?:\n|\Z)", re.S)
 
 
 def note_tags(text: str) -> set:
-    """Return a note's tags: #tags outside code, and front matter `tags:`, lower-cased.
+    """Return a note's tags: #tags outside code, and front matter `tags:`, lower-cased (in
+    its first MAX_SCAN_CHARS; every pattern here runs in linear time).
 
     >>> sorted(note_tags("---\\ntags: [Work, home]\\n---\\n# Title #todo\\n#idea `#code` x#no #42"))
     ['home', 'idea', 'todo', 'work']
     """
     tags = set()
+    text = text[:MAX_SCAN_CHARS]
     fm = _FRONT_MATTER_RE.match(text)
     if fm:
         text = text[fm.end() :]
@@ -2923,7 +3174,7 @@ def note_tags(text: str) -> set:
 def tag_map(svc: Service) -> dict:
     """Return {tag: sorted note paths}, cached until the index changes."""
 
-    def build(index: SearchIndex) -> dict:
+    def build(index: IndexSnapshot) -> dict:
         tags: dict = collections.defaultdict(list)
         for path in sorted(index.ids):
             text = index.docs[index.ids[path]].text
@@ -3783,6 +4034,7 @@ class Service:
         self.plugins = {**BUILTIN_PLUGINS, **load_plugins(plugins_dir(config))}
         self.plugin_errors: dict = {}  # name -> the last error a hook raised
         self.plugin_cache: dict = {}  # what built-in plugins derive from the index
+        self.plugin_build_lock = threading.RLock()  # derived(): one build at a time
         check_agent_config(config)
         config.notes_dir.mkdir(parents=True, exist_ok=True)
         self.state = StateStore(config.state_dir)
@@ -4475,6 +4727,8 @@ def get_channel(svc: Service, channel_id: str) -> dict:
 
 def patch_channel(svc: Service, channel_id: str) -> dict:
     """Merge {name?, config?} into a channel (validated as on create; the secret stays)."""
+    if not any(c["id"] == channel_id for c in _channels(svc)):  # 404 before the body's 400
+        raise not_found(f"no channel {channel_id}")
     body = read_json(svc.config.max_body_bytes)
     unknown = sorted(set(body) - {"name", "config"})
     if unknown:
@@ -4714,6 +4968,7 @@ def plugin_routes(plugins: Iterable[Plugin]) -> list:
                     guarded,
                     summary=r.summary,
                     status=r.status,
+                    params=r.params,
                     tag="plugins",
                 )
             )
@@ -5106,13 +5361,39 @@ def _obj(required: Iterable[str] = (), **props: dict) -> dict:
 
 
 _STR = {"type": "string"}
-_INT = {"type": "integer"}
-_NOTE_PATH = {  # the gist of note_path(); the server checks the full rules
-    "type": "string",
-    "maxLength": MAX_PATH_CHARS,
-    "pattern": r'^notes(/[^/\\:*?"<>|.][^/\\:*?"<>|]*)+\.md$',
-    "examples": ["notes/ideas/garden.md"],
-}
+_NOTE_PATH, _FOLDER_PATH = NOTE_PATH_SCHEMA, FOLDER_PATH_SCHEMA
+
+
+def _int(lo: int, hi: int, default: int) -> dict:
+    return {"type": "integer", "minimum": lo, "maximum": hi, "default": default}
+
+
+def _channel_body() -> dict:
+    """Return the schema of a channel's create body: one shape per registered provider."""
+
+    def config(provider: ChannelProvider) -> dict:
+        props = {
+            f.name: {"type": "array", "items": {"type": ["string", "integer"]}, "maxItems": 1000}
+            if f.kind == "list"
+            # printable and single-line on the server; said here as printable ASCII
+            else {"type": "string", "minLength": int(f.required), "pattern": "^[ -~]{0,512}$"}
+            for f in provider.fields
+        }
+        required = [f.name for f in provider.fields if f.required]
+        return {**_obj(required, **props), "additionalProperties": False}
+
+    return {
+        "oneOf": [
+            _obj(
+                ["provider", "config"] if any(f.required for f in p.fields) else ["provider"],
+                provider={"const": name},
+                name={"type": "string", "maxLength": 100},
+                config=config(p),
+            )
+            for name, p in sorted(CHANNEL_PROVIDERS.items())
+        ]
+    }
+
 
 ROUTES = (
     Route("GET", "/health", get_health, public=True, summary="Liveness and version"),
@@ -5166,16 +5447,32 @@ ROUTES = (
         "/notes",
         list_notes,
         summary="List notes by path",
-        params={"folder": _STR, "limit": _INT, "offset": _INT},
+        params={"folder": _FOLDER_PATH, "limit": _int(1, 1000, 100), "offset": _int(0, 10**9, 0)},
         tag="notes",
     ),
-    Route("GET", "/notes/<path:path>", get_note, summary="Read a note", tag="notes"),
+    Route(
+        "GET",
+        "/notes/<path:path>",
+        get_note,
+        summary="Read a note",
+        params={"path": NOTE_PATH_PARAM},
+        tag="notes",
+    ),
     Route(
         "PUT",
         "/notes/<path:path>",
         update_note,
         summary="Replace a note's content (If-Match honoured)",
-        body=_obj(["content"], content=_STR, path=_NOTE_PATH),
+        body=_obj(
+            ["content"],
+            content=_STR,
+            path={
+                **_NOTE_PATH,
+                "description": "optional, and then the note's own path: PUT never moves "
+                "a note (PATCH .../move does)",
+            },
+        ),
+        params={"path": NOTE_PATH_PARAM},
         tag="notes",
     ),
     Route(
@@ -5184,15 +5481,34 @@ ROUTES = (
         move_note,
         summary="Move or rename a note; never overwrites",
         body=_obj(["path"], path=_NOTE_PATH, updateLinks={"type": "boolean"}),
+        params={"path": NOTE_PATH_PARAM},
         tag="notes",
     ),
-    Route("DELETE", "/notes/<path:path>", delete_note, summary="Move to trash", tag="notes"),
+    Route(
+        "DELETE",
+        "/notes/<path:path>",
+        delete_note,
+        summary="Move to trash",
+        params={"path": NOTE_PATH_PARAM},
+        tag="notes",
+    ),
     Route(
         "GET",
         "/search",
         search_notes,
         summary='Full-text search (BM25): words, "phrases", prefix*, -exclude, OR',
-        params={"q": _STR, "limit": _INT, "offset": _INT, "folder": _STR},
+        params={
+            "q": {
+                "type": "string",
+                "minLength": 1,
+                "maxLength": MAX_QUERY_CHARS,
+                "description": 'words (all must match), "exact phrase", prefix*, -word, '
+                "a OR b; at least one word of letters or digits to search for",
+            },
+            "limit": _int(1, 100, 20),
+            "offset": _int(0, 10000, 0),
+            "folder": _FOLDER_PATH,
+        },
         tag="search",
     ),
     Route(
@@ -5202,8 +5518,8 @@ ROUTES = (
         summary="Ask the agent about your notes",
         body=_obj(
             ["message"],
-            message={"type": "string", "minLength": 1, "maxLength": 8000},
-            notePath=_STR,
+            message={"type": "string", "minLength": 1, "maxLength": 8000, "pattern": r"\S"},
+            notePath=_NOTE_PATH,
             channel={"enum": list(CHANNEL_NAMES)},
         ),
         tag="agent",
@@ -5222,7 +5538,7 @@ ROUTES = (
         "/channels",
         create_channel,
         summary="Create a channel (the only answer showing its secret)",
-        body=_obj(["provider"], provider=_STR, name=_STR, config={"type": "object"}),
+        body=_channel_body,
         status=201,
         tag="channels",
     ),
@@ -5290,7 +5606,14 @@ ROUTES = (
         tag="security",
     ),
     Route("GET", "/folders/tree", get_tree, summary="Folder tree from the root", tag="folders"),
-    Route("GET", "/folders/tree/<path:path>", get_subtree, summary="Subtree", tag="folders"),
+    Route(
+        "GET",
+        "/folders/tree/<path:path>",
+        get_subtree,
+        summary="Subtree",
+        params={"path": FOLDER_PATH_PARAM},
+        tag="folders",
+    ),
     Route("GET", "/relay/v1/pair/<code>", pair_relay_code, public=True, api=False, tag="relay"),
     Route("GET", "/", get_web_client, public=True, api=False, tag="pages", media="text/html"),
 )
@@ -5299,6 +5622,9 @@ ROUTES = (
 def openapi_path(rule: str) -> str:
     """Return a Bottle rule as an OpenAPI path: <name> and <name:path> become {name}."""
     return re.sub(r"<(\w+)(?::[^>]*)?>", r"{\1}", rule)
+
+
+_SEGMENT = {"type": "string", "minLength": 1}  # a path parameter without its own schema
 
 
 def openapi_document(routes: Iterable[Route], server_url: str) -> dict:
@@ -5329,7 +5655,7 @@ def openapi_document(routes: Iterable[Route], server_url: str) -> dict:
                 },
                 "default": {
                     "description": "the error envelope: 400, 401, 403, 404, 405, 409, 412, "
-                    "413, 415, 429, 500, 502, 503 or 504",
+                    "413, 415, 429, 500, 502, 503, 504 or 507",
                     "content": _json_content("Error"),
                 },
             },
@@ -5338,20 +5664,26 @@ def openapi_document(routes: Iterable[Route], server_url: str) -> dict:
             op["security"] = []
         elif r.key_only:
             op["security"] = [{"apiKey": []}]
+        schemas = r.params or {}  # a name of the rule's is a path parameter, others query
+        in_path = re.findall(r"<(\w+)(?::[^>]*)?>", r.path)
         params = [
-            {"name": p, "in": "path", "required": True, "schema": _STR}
-            for p in re.findall(r"<(\w+)(?::[^>]*)?>", r.path)
+            {"name": p, "in": "path", "required": True, "schema": schemas.get(p, _SEGMENT)}
+            for p in in_path
         ]
         params += [
             {"name": n, "in": "query", "required": n == "q", "schema": schema}
-            for n, schema in (r.params or {}).items()
+            for n, schema in schemas.items()
+            if n not in in_path
         ]
         if params:
             op["parameters"] = params
-        if r.body is not None:
+        body = r.body() if callable(r.body) else r.body  # a function: built per document
+        if body is not None:
             op["requestBody"] = {
-                "required": bool(r.body.get("required")),
-                "content": {"application/json": {"schema": r.body}},
+                "required": bool(
+                    body.get("required") or body.get("oneOf") or body.get("minProperties")
+                ),
+                "content": {"application/json": {"schema": body}},
             }
         paths.setdefault(openapi_path(r.rule), {})[r.method.lower()] = op
     return {
