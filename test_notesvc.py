@@ -6,8 +6,10 @@ import base64
 import contextlib
 import http.client
 import http.server
+import io
 import json
 import os
+import platform
 import re
 import select
 import shutil
@@ -1161,11 +1163,54 @@ class TestDocs:
             if s.flag:
                 assert f"`{s.flag}`" in readme, s.flag
 
-    def test_readme_starts_with_the_two_commands(self):
+    def test_readme_starts_with_the_debian_command_then_the_venv_ones(self):
         readme = (HERE / "README.md").read_text()
         blocks = re.findall(r"```sh\n(.*?)```", readme, re.S)
-        assert blocks[0].strip() == "pip install . && python notesvc.py"
-        assert blocks[1].strip() == "pip install '.[test]' && pytest"
+        assert blocks[0].strip() == (
+            "sudo apt install python3-bottle python3-waitress && python3 notesvc.py"
+        )
+        assert blocks[1].strip() == (
+            "python3 -m venv .venv && .venv/bin/pip install . && .venv/bin/notesvc"
+        )
+        assert blocks[2].strip() == (
+            "python3 -m venv .venv && .venv/bin/pip install '.[test]' && .venv/bin/pytest"
+        )
+
+    def test_readme_banner_samples_match_the_real_banner(self, monkeypatch, capsys):
+        readme = (HERE / "README.md").read_text()
+        blocks = re.findall(r"\n   ```\n((?:   .*\n)+?)   ```", readme)
+        sample = next(b for b in blocks if " serving " in b).replace("\n   ", "\n")[3:]
+        key = re.search(r"nsk_[A-Za-z0-9_-]{43}", sample).group(0)
+        config = notesvc.load_config(env={"SERVICE_NOTES_ROOT": "/home/pi/data"})
+        state = {"setupComplete": False, "apiKey": key}
+        host = f"http://{platform.node() or 'this-host'}:3000"
+
+        class Terminal(io.StringIO):
+            def isatty(self) -> bool:
+                return True
+
+        terminal = Terminal()
+        monkeypatch.setattr(sys, "stderr", terminal)
+        notesvc.print_banner(config, state, 3000)
+        assert terminal.getvalue().replace(host, "http://raspberrypi:3000") == sample
+        monkeypatch.undo()
+        notesvc.print_banner(config, state, 3000)  # to pytest's capture: no terminal
+        journal = capsys.readouterr().err
+        assert key not in journal
+        key_line = next(line for line in journal.splitlines() if "key:" in line)
+        assert f"```\n   {key_line}\n   ```" in readme  # indented in a list item
+
+    def test_readme_lists_every_subcommand_and_the_proxy_example(self):
+        readme = (HERE / "README.md").read_text()
+        for command in notesvc.COMMANDS:
+            assert re.search(rf"^\| `{command}`", readme, re.M), command
+        caddyfile = (HERE / "deploy" / "Caddyfile").read_text()
+        assert "reverse_proxy 127.0.0.1:3000" in caddyfile
+        proxy = readme[readme.index("## Behind a reverse proxy") :]
+        assert "SERVICE_TRUST_PROXY=true" in proxy
+        assert "SERVICE_PUBLIC_URL=https://" in proxy
+        for kept in ("notes/", ".notesvc/state.json", ".notesvc/trash/", ".notesvc/effective.json"):
+            assert f"`{kept}`" in readme[readme.index("## Backup and restore") :], kept
 
 
 # -- notes ---------------------------------------------------------------------------
