@@ -5573,17 +5573,23 @@ def print_banner(config: Config, state: dict, port: int) -> None:
     if config.host in ("0.0.0.0", "::", ""):
         lines.append(f"  from other devices: http://{platform.node() or 'this-host'}:{port}")
     if state.get("setupComplete"):
-        lines.append("  setup complete; lost the key? run: python3 notesvc.py rotate-key")
+        lines.append(f"  setup complete; lost the key? run: {_self_command()} rotate-key")
     else:
         if _is_terminal(sys.stderr):
             lines.append(f"  key:    {state.get('apiKey', '')}  (shown until setup completes)")
         else:  # a journal or a log file keeps what it is given: no key there
             lines.append(
                 "  key:    not logged; open the setup URL on this machine, "
-                "or run: python3 notesvc.py rotate-key"
+                f"or run: {_self_command()} rotate-key"
             )
         lines.append(f"  link:   curl -X POST -H '{KEY_HEADER}: <key>' {url}{API}/auth/link")
     print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+def _self_command() -> str:
+    """Return how the owner runs this program: the `notesvc` entry point or the file."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    return argv0 if os.path.basename(argv0) == "notesvc" else "python3 notesvc.py"
 
 
 def _is_terminal(stream: Any) -> bool:
@@ -5683,10 +5689,9 @@ def cmd_rotate_key(config: Config) -> int:
     folder = os.stat(config.state_dir)
     euid = os.geteuid() if hasattr(os, "geteuid") else folder.st_uid
     name = _user_name(folder.st_uid)
-    prog = "python3 notesvc.py" if sys.argv[0].endswith(".py") else "notesvc"
     hint = (
         f"the state at {config.state_dir} belongs to {name}; run: "
-        f"sudo -u {name} {prog} rotate-key --root {config.root}"
+        f"sudo -u {name} {_self_command()} rotate-key --root {config.root}"
     )
     owner = None
     if euid != folder.st_uid:
