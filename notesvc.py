@@ -1884,14 +1884,25 @@ class StateStore:
     changed by another process through its (mtime, size, inode) signature.
     """
 
-    def __init__(self, folder: Path, owner: tuple | None = None):
+    def __init__(
+        self,
+        folder: Path,
+        owner: tuple | None = None,
+        create: bool = True,
+        readonly: bool = False,
+    ):
         self.folder = folder
         self.path = folder / "state.json"
         self.owner = owner  # (uid, gid) the files are written as (root acting for the owner)
-        self.readonly = False
+        self.readonly = readonly
         self._lock = threading.RLock()
         self._data: dict = {}
         self._sig: tuple | None = None
+        if not create:  # open what exists; create, chmod and write nothing
+            if not self.path.is_file():
+                raise StateError(f"no notesvc state at {folder}")
+            self._load()
+            return
         folder.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(OSError):
             os.chmod(folder, 0o700)
@@ -1899,19 +1910,12 @@ class StateStore:
 
     @classmethod
     def open_existing(cls, folder: Path, readonly: bool = False, owner: tuple | None = None):
-        """Return the store of an existing state, creating and writing nothing.
+        """Return the store of an existing state, creating and writing nothing on open.
 
         Raises StateError when the folder holds no state.json (or it cannot be read);
         a `readonly` store refuses update().
         """
-        store = cls.__new__(cls)
-        store.folder, store.path, store.owner = folder, folder / "state.json", owner
-        store.readonly = readonly
-        store._lock, store._data, store._sig = threading.RLock(), {}, None
-        if not store.path.is_file():
-            raise StateError(f"no notesvc state at {folder}")
-        store._load()
-        return store
+        return cls(folder, owner=owner, create=False, readonly=readonly)
 
     @staticmethod
     def _initialise(data: dict) -> None:
