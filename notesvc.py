@@ -65,7 +65,18 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Callable
 
-import bottle
+try:
+    import bottle
+except ImportError:  # `python3 notesvc.py` on a machine without bottle: one line, no traceback
+    if __name__ != "__main__":
+        raise
+    print(
+        "notesvc: error: the bottle package is missing; install it with "
+        "`sudo apt install python3-bottle python3-waitress` (Debian, Raspberry Pi OS) "
+        "or `pip install bottle waitress` in a virtual environment",
+        file=sys.stderr,
+    )
+    sys.exit(2)
 
 try:  # file locks: POSIX only; on other systems the single-process rule is advisory
     import fcntl
@@ -193,6 +204,7 @@ class Setting:
     default: str  # as text, parsed like any other value
     parse: Callable[[str], Any]
     help: str
+    commands: tuple = ()  # subcommands that read it; () = see setting_commands()
 
 
 SETTINGS = (
@@ -318,6 +330,39 @@ SETTINGS = (
     ),
     Setting("log_level", "SERVICE_LOG_LEVEL", "--log-level", "info", _log_level, "log level"),
 )
+
+# Which subcommands read a setting (each subcommand's --help lists only those). `audit`
+# reads what `serve` reads: it audits a server's configuration. A setting whose row names
+# no `commands` and is not listed here belongs to serve and audit, or, when its help
+# starts with "relay role:", to the relay alone.
+SERVER_COMMANDS = ("serve", "audit")
+_NETWORK_COMMANDS = ("serve", "audit", "relay")
+COMMANDS_OF_SETTING = {
+    "root": ("serve", "audit", "rotate-key"),
+    "log_level": ("serve", "audit", "rotate-key", "relay"),
+    **dict.fromkeys(
+        (
+            "host",
+            "port",
+            "public_url",
+            "trust_proxy",
+            "threads",
+            "max_body_bytes",
+            "max_connections",
+            "idle_timeout",
+        ),
+        _NETWORK_COMMANDS,
+    ),
+}
+
+
+def setting_commands(setting: Setting) -> tuple:
+    """Return the subcommands that read this setting."""
+    if setting.commands:
+        return setting.commands
+    if setting.name in COMMANDS_OF_SETTING:
+        return COMMANDS_OF_SETTING[setting.name]
+    return ("relay",) if setting.help.startswith("relay role:") else SERVER_COMMANDS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2228,16 +2273,38 @@ class StateStore:
     changed by another process through its (mtime, size, inode) signature.
     """
 
-    def __init__(self, folder: Path):
+    def __init__(
+        self,
+        folder: Path,
+        owner: tuple | None = None,
+        create: bool = True,
+        readonly: bool = False,
+    ):
         self.folder = folder
         self.path = folder / "state.json"
+        self.owner = owner  # (uid, gid) the files are written as (root acting for the owner)
+        self.readonly = readonly
         self._lock = threading.RLock()
         self._data: dict = {}
         self._sig: tuple | None = None
+        if not create:  # open what exists; create, chmod and write nothing
+            if not self.path.is_file():
+                raise StateError(f"no notesvc state at {folder}")
+            self._load()
+            return
         folder.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(OSError):
             os.chmod(folder, 0o700)
         self.update(self._initialise)
+
+    @classmethod
+    def open_existing(cls, folder: Path, readonly: bool = False, owner: tuple | None = None):
+        """Return the store of an existing state, creating and writing nothing on open.
+
+        Raises StateError when the folder holds no state.json (or it cannot be read);
+        a `readonly` store refuses update().
+        """
+        return cls(folder, owner=owner, create=False, readonly=readonly)
 
     @staticmethod
     def _initialise(data: dict) -> None:
@@ -2287,12 +2354,28 @@ class StateStore:
 
     def update(self, change: Callable[[dict], Any]) -> Any:
         """Apply change(data) to the freshest state, write it atomically, return its result."""
-        with self._lock, file_lock(self.folder / "state.lock"):
+        if self.readonly:
+            raise StateError(f"{self.path} was opened read-only")
+        lock_path = self.folder / "state.lock"
+        if self.owner:  # the lock file must stay usable by the service's own user
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                os.fchown(fd, *self.owner)
+            finally:
+                os.close(fd)
+        with self._lock, file_lock(lock_path):
             self._sig = None
             self._load()
             data = json.loads(json.dumps(self._data))  # a copy: a failed change leaves no trace
             result = change(data)
-            atomic_write(self.path, json.dumps(data, indent=2).encode("utf-8"), mode=0o600)
+            payload = json.dumps(data, indent=2).encode("utf-8")
+
+            def write(f) -> None:
+                if self.owner:  # chown before the rename: the service never sees it root-owned
+                    os.fchown(f.fileno(), *self.owner)
+                f.write(payload)
+
+            atomic_write(self.path, write, mode=0o600)
             self._data, self._sig = data, self._signature()
             return result
 
@@ -3371,20 +3454,34 @@ def _entropy_bits_per_char(text: str) -> float:
     return -sum(c / len(text) * math.log2(c / len(text)) for c in counts.values()) if text else 0
 
 
+def _secret_strength(svc: Service, name: str) -> tuple:
+    """Return (bytes, bits of entropy per character) of a secret setting.
+
+    The `audit` command auditing a running server reads them from the server's recorded
+    settings, which keep these figures and never the secret.
+    """
+    recorded = getattr(svc, "recorded_secrets", None)
+    if recorded is not None:
+        facts = recorded.get(name) or {}
+        return int(facts.get("bytes", 0)), float(facts.get("bitsPerChar", 0.0))
+    secret = getattr(svc.config, name)
+    return len(secret.encode()), _entropy_bits_per_char(secret)
+
+
 @audit_check
 def check_jwt_secret(svc: Service) -> list:
     cfg = svc.config
     if cfg.auth_mode != "jwt":
         return []
-    secret = cfg.jwt_secret
-    if len(secret.encode()) < 32 or _entropy_bits_per_char(secret) < 3.5:
+    size, bits = _secret_strength(svc, "jwt_secret")
+    if size < 32 or bits < 3.5:
         return [
             finding(
                 "jwt-secret-weak",
                 "high",
                 "The JWT secret is weak",
-                f"SERVICE_JWT_SECRET is {len(secret.encode())} bytes with "
-                f"{_entropy_bits_per_char(secret):.1f} bits of entropy per character; a "
+                f"SERVICE_JWT_SECRET is {size} bytes with "
+                f"{bits:.1f} bits of entropy per character; a "
                 "guessable secret lets anyone mint tokens.",
                 "Use 32+ random bytes: python -c 'import secrets; "
                 "print(secrets.token_urlsafe(48))'.",
@@ -3448,10 +3545,62 @@ def check_notes_folder(svc: Service) -> list:
     return []
 
 
+def _service_uid(svc: Service) -> int:
+    """Return the uid the audited service runs as (the CLI's audit says which it means)."""
+    uid = getattr(svc, "service_uid", None)
+    return uid if uid is not None else os.geteuid()
+
+
+def _plugin_path_findings(folder: Path, uid: int) -> list:
+    """Findings for the plugins folder's ancestors and owners (who could plant code).
+
+    A parent writable by others matters unless it has the sticky bit (like /tmp: others
+    cannot rename or remove what is ours); group write by group 0 (root) is fine. A folder
+    owned by another user than root or the service's own can be replaced by that user.
+    """
+    out, writable, owners = [], [], []
+    target = folder.resolve()
+    for path in (target, *target.parents):
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue  # not created yet: its parents decide who may create it
+        mode = stat.S_IMODE(st.st_mode)
+        open_write = mode & 0o002 or (mode & 0o020 and st.st_gid != 0)
+        if path != target and open_write and not mode & stat.S_ISVTX:
+            writable.append(f"{path} ({mode:o})")
+        if st.st_uid not in (0, uid):
+            owners.append(f"{path} (uid {st.st_uid})")
+    if writable:
+        out.append(
+            finding(
+                "plugins-parent-writable",
+                "high",
+                "Others can write a folder above the plugins folder",
+                f"{', '.join(writable)}: whoever can write there can replace the plugins "
+                "folder with their own, and its files run as this service at the next start.",
+                "chmod go-w (or chmod +t) each folder named",
+            )
+        )
+    if owners:
+        out.append(
+            finding(
+                "plugins-owner",
+                "high",
+                "The plugins folder or a folder above it belongs to another user",
+                f"{', '.join(owners)}: that user can plant code that runs as this service.",
+                "chown them to root or to the service's user",
+            )
+        )
+    return out
+
+
 @audit_check
 def check_plugins(svc: Service) -> list:
+    """Plugin files and the folders holding them, read from the disk: never imported here."""
     out = []
     folder = plugins_dir(svc.config)
+    uid = _service_uid(svc)
     mode = _mode_of(folder)
     if mode is not None and mode & 0o022:
         out.append(
@@ -3464,42 +3613,116 @@ def check_plugins(svc: Service) -> list:
                 f"chmod go-w {folder}",
             )
         )
-    for plugin in svc.plugins.values():
-        if not plugin.builtin:
+    out += _plugin_path_findings(folder, uid)
+    loaded = {p.name: p for p in svc.plugins.values() if not p.builtin}
+    files = sorted(folder.glob("*.py")) if folder.is_dir() else []
+    for path in files:
+        name = path.stem.lower().replace("_", "-")
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISLNK(st.st_mode):
             out.append(
                 finding(
-                    f"plugin-{plugin.name}",
-                    "medium" if not plugin.error else "low",
-                    f"Third-party plugin {plugin.name} is "
-                    + ("loaded" if not plugin.error else "present (failed to load)"),
-                    "Plugins run with the service's full rights over every note.",
-                    "Keep only plugins you have read; switch off the others "
-                    f"(POST /api/v1/plugins/{plugin.name}/toggle).",
+                    f"plugin-symlink-{name}",
+                    "high",
+                    f"Plugin file {path.name} is a symbolic link",
+                    "The code that runs is wherever the link points, outside the checks "
+                    "on the plugins folder.",
+                    f"Replace the link with a copy of the file you have read: {path}",
                 )
             )
+            with contextlib.suppress(OSError):
+                st = os.stat(path)
+        if st.st_mode & 0o022:
+            out.append(
+                finding(
+                    f"plugin-writable-{name}",
+                    "high",
+                    f"Others can write plugin file {path.name}",
+                    f"It has mode {stat.S_IMODE(st.st_mode):o}: anyone who can write it "
+                    "runs code as this service at the next start.",
+                    f"chmod go-w {path}",
+                )
+            )
+        if st.st_uid not in (0, uid):
+            out.append(
+                finding(
+                    f"plugin-owner-{name}",
+                    "high",
+                    f"Plugin file {path.name} belongs to another user",
+                    f"It belongs to uid {st.st_uid}, who can change the code this service runs.",
+                    f"chown it to root or to the service's user: {path}",
+                )
+            )
+        plugin = loaded.pop(name, None)
+        state = (
+            "present (failed to load)"
+            if plugin and plugin.error
+            else "loaded"
+            if plugin
+            else "present (listed by file name; the audit never runs plugin code)"
+        )
+        out.append(
+            finding(
+                f"plugin-{name}",
+                "low" if plugin and plugin.error else "medium",
+                f"Third-party plugin {path.name} is {state}",
+                "Plugins run at start with the service's full rights over every note.",
+                "Keep only plugins you have read; switch off the others "
+                f"(POST /api/v1/plugins/{name}/toggle) or remove the file.",
+            )
+        )
+    for plugin in loaded.values():  # loaded under another name than its file's
+        out.append(
+            finding(
+                f"plugin-{plugin.name}",
+                "medium" if not plugin.error else "low",
+                f"Third-party plugin {plugin.name} is "
+                + ("loaded" if not plugin.error else "present (failed to load)"),
+                "Plugins run at start with the service's full rights over every note.",
+                "Keep only plugins you have read; switch off the others "
+                f"(POST /api/v1/plugins/{plugin.name}/toggle).",
+            )
+        )
     return out
 
 
 @audit_check
 def check_channel_allowlists(svc: Service) -> list:
+    """Telegram/WhatsApp channels without an allowlist; every web channel (its secret is all).
+
+    A web channel's senders name themselves, so `allowedSenders` filters but never
+    authenticates: the channel secret is its only lock, whatever the allowlist says.
+    """
     out = []
     for channel in svc.state.read().get("channels", []):
         provider = CHANNEL_PROVIDERS.get(channel["provider"])
-        if (
-            provider
-            and provider.allow
-            and channel["enabled"]
-            and not channel["config"].get(provider.allow)
-        ):
-            severity = "medium" if channel["provider"] == "web" else "high"
+        if not provider or not channel["enabled"]:
+            continue
+        if channel["provider"] == "web":
+            out.append(
+                finding(
+                    f"channel-web-{channel['id']}",
+                    "info",
+                    f"Web channel {channel['name']} is guarded by its secret alone",
+                    "Anyone holding the channel secret can ask the agent about your notes "
+                    "and /save into them; allowedSenders only filters the sender names "
+                    "callers give themselves, so it is not authentication.",
+                    "Keep the channel secret as private as the API key; to change it, "
+                    "delete the channel and create it again.",
+                )
+            )
+        elif provider.allow and not channel["config"].get(provider.allow):
             out.append(
                 finding(
                     f"channel-open-{channel['id']}",
-                    severity,
+                    "high",
                     f"Channel {channel['name']} has no allowlist",
                     f"Anyone who can message this {channel['provider']} channel "
                     "can ask the agent about your notes and /save into them.",
-                    f"Set config.{provider.allow} (recreate the channel with it).",
+                    f"Set config.{provider.allow}: PATCH /api/v1/channels/{channel['id']}.",
                 )
             )
     return out
@@ -5867,21 +6090,28 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"notesvc: error: {message} (see --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    env_only = "\n".join(
-        f"  {s.env:<28} {s.help} (default: {s.default or '-'})" for s in SETTINGS if not s.flag
-    )
-    parser = _Parser(
-        prog="notesvc",
-        description="A self-hosted notes server with an HTTP JSON API.",
-        epilog="Environment variables without a flag:\n" + env_only,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--version", action="version", version=f"notesvc {__version__}")
+COMMAND_HELP = {
+    "serve": "serve the API (the default)",
+    "rotate-key": "print a new API key; the old one stops working (works while serving)",
+    "audit": "print the security audit of this root's server; exit 1 on a critical finding",
+    "relay": "run a relay only (serves /relay/v1/*, /r/<serverId>/api/v1/*, /health)",
+}
 
-    def add_flags(p: argparse.ArgumentParser, default: Any) -> None:
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the parser; each subcommand takes the flags of the settings it reads."""
+
+    def env_only(command: str | None) -> str:
+        rows = [
+            f"  {s.env:<28} {s.help} (default: {s.default or '-'})"
+            for s in SETTINGS
+            if not s.flag and (command is None or command in setting_commands(s))
+        ]
+        return "Environment variables without a flag:\n" + "\n".join(rows) if rows else ""
+
+    def add_flags(p: argparse.ArgumentParser, command: str | None, default: Any) -> None:
         for s in SETTINGS:
-            if s.flag:
+            if s.flag and (command is None or command in setting_commands(s)):
                 p.add_argument(
                     s.flag,
                     dest=s.name,
@@ -5890,15 +6120,24 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"{s.help} (env {s.env}, default {s.default or '-'})",
                 )
 
-    add_flags(parser, None)
+    parser = _Parser(
+        prog="notesvc",
+        description="A self-hosted notes server with an HTTP JSON API.",
+        epilog=env_only(None),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"notesvc {__version__}")
+    add_flags(parser, None, None)  # `notesvc --port 8080` serves; checked against the command
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, text in (
-        ("serve", "serve the API (the default)"),
-        ("rotate-key", "print a new API key; the old one stops working (works while serving)"),
-        ("audit", "print the security audit; exit 1 on a critical finding"),
-        ("relay", "run a relay only (serves /relay/v1/*, /r/<serverId>/api/v1/*, /health)"),
-    ):
-        add_flags(sub.add_parser(name, help=text, description=text), argparse.SUPPRESS)
+    for name, text in COMMAND_HELP.items():
+        p = sub.add_parser(
+            name,
+            help=text,
+            description=text,
+            epilog=env_only(name),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        add_flags(p, name, argparse.SUPPRESS)
     return parser
 
 
@@ -6024,6 +6263,122 @@ def _raise_open_files_limit(wanted: int) -> None:
         pass
 
 
+# -- the running server's effective settings ---------------------------------------------
+#
+# `serve` records its settings in <state>/effective.json (0600, atomic) once it listens,
+# so that `audit` run from cron or a shell audits what the server really uses, not what
+# that shell's environment says. Secrets are never written: only whether each is set and
+# the figures the audit judges it by (length, entropy per character).
+
+EFFECTIVE_FILE = "effective.json"
+_SECRET_NAME_RE = re.compile(r"(secret|api_key|token|password)$")
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (tuple, list, set, frozenset)):
+        return [_plain(v) for v in value]
+    return str(value)
+
+
+def _as_text(value: Any) -> str:
+    """Return a recorded value as the text its Setting parses back."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return ",".join(_as_text(v) for v in value)
+    return "" if value is None else str(value)
+
+
+def effective_record(config: Config, port: int) -> dict:
+    """Return the record of a serving process's settings (no secret in it)."""
+    settings, hidden = {}, {}
+    for s in SETTINGS:
+        value = getattr(config, s.name)
+        if _SECRET_NAME_RE.search(s.name):
+            text = str(value or "")
+            hidden[s.name] = {
+                "set": bool(text),
+                "bytes": len(text.encode()),
+                "bitsPerChar": max(0.0, _entropy_bits_per_char(text)),
+            }
+        else:
+            settings[s.name] = _plain(value)
+    settings["port"] = int(port)
+    return {
+        "pid": os.getpid(),
+        "uid": os.geteuid() if hasattr(os, "geteuid") else None,
+        "startedAt": iso(utcnow()),
+        "version": __version__,
+        "settings": settings,
+        "secrets": hidden,
+    }
+
+
+def config_from_record(record: dict, root: Path) -> Config:
+    """Return the Config a record describes, parsed and checked like any other settings."""
+    settings, hidden = record.get("settings") or {}, record.get("secrets") or {}
+    env = {}
+    for s in SETTINGS:
+        if s.name in hidden:  # a stand-in: the audit reads the recorded figures instead
+            facts = hidden[s.name] if isinstance(hidden[s.name], dict) else {}
+            env[s.env] = "*" * max(32, int(facts.get("bytes", 0))) if facts.get("set") else ""
+        elif s.name in settings:
+            env[s.env] = _as_text(settings[s.name])
+    env["SERVICE_NOTES_ROOT"] = str(root)
+    return load_config(env)
+
+
+def running_server(config: Config) -> tuple | None:
+    """Return (pid, effective record or None) while a server holds the root's lock.
+
+    Opens the lock file read-only and takes no lock it keeps: nothing is written.
+    """
+    if fcntl is None:
+        return None
+    try:
+        fd = os.open(config.state_dir / "notesvc.lock", os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        else:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return None
+    finally:
+        os.close(fd)
+    try:
+        record = json.loads((config.state_dir / EFFECTIVE_FILE).read_text("utf-8"))
+    except (OSError, ValueError):
+        record = None
+    if not isinstance(record, dict) or str(record.get("pid")) != pid:
+        record = None  # left by an earlier server, or this one has not written it yet
+    return pid, record
+
+
+class AuditView:
+    """What the audit checks read, opened without side effects.
+
+    The state is opened read-only; only the built-in plugins are known (check_plugins
+    lists third-party files from the disk and never imports them); nothing is created,
+    swept or written, so `audit` run as root leaves every file as it found it.
+    """
+
+    def __init__(self, config: Config, state: StateStore, service_uid: int, secrets=None):
+        self.config, self.state = config, state
+        self.plugins = dict(BUILTIN_PLUGINS)
+        self.plugin_errors: dict = {}
+        self.service_uid = service_uid
+        self.recorded_secrets = secrets  # the running server's figures, or None
+        self.query_secret_seen_at = 0.0  # known only inside the running server
+        self.relay_client = None
+        self.started = time.time()
+
+
 def make_server(app: Callable, config: Config):
     """Return a server bound to host:port: waitress, else wsgiref with a warning.
 
@@ -6107,11 +6462,30 @@ def print_banner(config: Config, state: dict, port: int) -> None:
     if config.host in ("0.0.0.0", "::", ""):
         lines.append(f"  from other devices: http://{platform.node() or 'this-host'}:{port}")
     if state.get("setupComplete"):
-        lines.append("  setup complete; lost the key? run: python notesvc.py rotate-key")
+        lines.append(f"  setup complete; lost the key? run: {_self_command()} rotate-key")
     else:
-        lines.append(f"  key:    {state.get('apiKey', '')}  (shown until setup completes)")
+        if _is_terminal(sys.stderr):
+            lines.append(f"  key:    {state.get('apiKey', '')}  (shown until setup completes)")
+        else:  # a journal or a log file keeps what it is given: no key there
+            lines.append(
+                "  key:    not logged; open the setup URL on this machine, "
+                f"or run: {_self_command()} rotate-key"
+            )
         lines.append(f"  link:   curl -X POST -H '{KEY_HEADER}: <key>' {url}{API}/auth/link")
     print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+def _self_command() -> str:
+    """Return how the owner runs this program: the `notesvc` entry point or the file."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    return argv0 if os.path.basename(argv0) == "notesvc" else "python3 notesvc.py"
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no stream, or a closed one
+        return False
 
 
 def cmd_serve(config: Config) -> int:
@@ -6130,12 +6504,17 @@ def cmd_serve(config: Config) -> int:
         signal.signal(signal.SIGTERM, stop)  # systemd's stop: shut down cleanly, exit 0
         if config.relay_url and config.pairing == "relay":
             app.service.relay_client = RelayClient(app).start()
+        effective = config.state_dir / EFFECTIVE_FILE
         try:
+            record = effective_record(config, server.effective_port)
+            atomic_write(effective, json.dumps(record, indent=2).encode("utf-8"), mode=0o600)
             print_banner(config, app.service.state.read(), server.effective_port)
             server.run()
         except KeyboardInterrupt:
             log.info("stopping")
         finally:
+            with contextlib.suppress(OSError):
+                effective.unlink()
             with contextlib.suppress(Exception):
                 server.close()
             if app.service.relay_client:
@@ -6181,8 +6560,37 @@ def cmd_relay(config: Config) -> int:
     return 0
 
 
+def _user_name(uid: int) -> str:
+    try:
+        import pwd
+
+        return pwd.getpwuid(uid).pw_name
+    except (ImportError, KeyError):
+        return f"#{uid}"  # sudo -u takes a numeric id this way
+
+
 def cmd_rotate_key(config: Config) -> int:
-    key = StateStore(config.state_dir).update(rotate_key)
+    """Print a new key; the state is written as the state folder's owner.
+
+    Root writes it as that owner (chown before the atomic rename); another user stops
+    with the sudo line to use, so the service never finds its state owned by someone else.
+    """
+    folder = os.stat(config.state_dir)
+    euid = os.geteuid() if hasattr(os, "geteuid") else folder.st_uid
+    name = _user_name(folder.st_uid)
+    hint = (
+        f"the state at {config.state_dir} belongs to {name}; run: "
+        f"sudo -u {name} {_self_command()} rotate-key --root {config.root}"
+    )
+    owner = None
+    if euid != folder.st_uid:
+        if euid != 0:
+            raise ConfigError(hint)
+        owner = (folder.st_uid, folder.st_gid)
+    try:
+        key = StateStore.open_existing(config.state_dir, owner=owner).update(rotate_key)
+    except PermissionError:
+        raise ConfigError(hint) from None
     print(key)
     print(
         "The old key stopped working; a running notesvc picks this one up at once.",
@@ -6192,10 +6600,45 @@ def cmd_rotate_key(config: Config) -> int:
 
 
 def cmd_audit(config: Config) -> int:
-    """Print the security audit; exit 1 when a critical finding exists (for cron / CI)."""
-    report = run_audit(Service(config, indexed=False))
+    """Print the security audit; exit 1 when a critical finding exists (for cron / CI).
+
+    Audits the running server's recorded settings while one holds the root's lock, else
+    this command's own; writes nothing and never imports plugin code.
+    """
+    state = StateStore.open_existing(config.state_dir, readonly=True)
+    service_uid, secrets_seen = os.stat(config.state_dir).st_uid, None
+    running = running_server(config)
+    if running and running[1]:
+        pid, record = running
+        try:
+            config = config_from_record(record, config.root)
+        except ConfigError as e:
+            subject = (
+                f"the running server (pid {pid}) recorded settings this version cannot "
+                f"read ({e}); auditing this command's own settings instead"
+            )
+        else:
+            subject = (
+                f"auditing the running server (pid {pid}, started {record.get('startedAt')})"
+                " with its effective settings"
+            )
+            secrets_seen = record.get("secrets") or {}
+            if isinstance(record.get("uid"), int):
+                service_uid = record["uid"]
+    elif running:
+        subject = (
+            f"a server (pid {running[0]}) holds this root but has recorded no settings yet; "
+            "auditing this command's own settings (flags and SERVICE_* variables)"
+        )
+    else:
+        subject = (
+            "no server is running on this root; auditing this command's own settings "
+            "(flags and SERVICE_* variables)"
+        )
+    report = run_audit(AuditView(config, state, service_uid, secrets_seen))
     marks = {"critical": "!!", "high": "! ", "medium": "- ", "low": ". ", "info": "  "}
     print(f"notesvc {__version__} security audit of {config.root}")
+    print(subject)
     print(
         f"score {report['score']}/100  "
         + "  ".join(f"{k} {v}" for k, v in report["summary"].items())
@@ -6213,19 +6656,32 @@ COMMANDS = {
     "audit": cmd_audit,
     "relay": cmd_relay,
 }
+CREATING_COMMANDS = ("serve", "relay")  # the others refuse a root without state
 
 
 def main(argv: list | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    flags = {s.name: getattr(args, s.name, None) for s in SETTINGS}
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    command = args.command or "serve"
+    reads = [s for s in SETTINGS if command in setting_commands(s)]
+    for s in SETTINGS:
+        if s not in reads and getattr(args, s.name, None) is not None:
+            parser.error(f"{s.flag} does not apply to {command}")
+    flags = {s.name: getattr(args, s.name, None) for s in reads}
+    env = {s.env: os.environ[s.env] for s in reads if s.env in os.environ}
     try:
-        config = load_config(**flags)
+        config = load_config(env, **flags)
         logging.basicConfig(
             level=config.log_level,
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
             stream=sys.stderr,
         )
-        return COMMANDS[args.command or "serve"](config)
+        if command not in CREATING_COMMANDS and not (config.state_dir / "state.json").is_file():
+            raise ConfigError(
+                f"no notesvc state at {config.state_dir} "
+                "(start the server there first, or check --root)"
+            )
+        return COMMANDS[command](config)
     except (ConfigError, StateError) as e:
         print(f"notesvc: error: {e}", file=sys.stderr)
         return 2

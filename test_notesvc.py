@@ -6,14 +6,18 @@ import base64
 import contextlib
 import http.client
 import http.server
+import io
 import json
 import os
+import platform
 import re
+import select
 import shutil
 import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.error
@@ -105,7 +109,7 @@ class Server:
 
     def __init__(self, root: Path, *args: str, env: dict | None = None, port: int = 0):
         cmd = [sys.executable, NOTESVC, *args, "--host", "127.0.0.1", "--port", str(port)]
-        cmd += ["--root", str(root)]
+        cmd += [] if args[:1] == ("relay",) else ["--root", str(root)]  # a relay has no root
         full_env = {**os.environ, "SERVICE_RESCAN_SECONDS": "0", **(env or {})}
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=full_env
@@ -1249,6 +1253,260 @@ class TestEdge:
                 sock.close()
 
 
+def make_state(root: Path) -> dict:
+    """Give root a notesvc state (state.json only, as a first start leaves it); return it."""
+    return notesvc.StateStore(root / ".notesvc").read()
+
+
+def tree_snapshot(root: Path) -> dict:
+    """Every path under root with what a write would change (mode, owner, mtime, size)."""
+    snap = {}
+    for path in [root, *sorted(root.rglob("*"))]:
+        st = os.lstat(path)
+        snap[str(path)] = (st.st_mode, st.st_uid, st.st_gid, st.st_mtime_ns, st.st_size)
+    return snap
+
+
+def system_python_with_bottle() -> str | None:
+    """Return /usr/bin/python3 when it imports bottle and waitress by itself (Debian's)."""
+    exe = "/usr/bin/python3"
+    if not os.path.exists(exe):
+        return None
+    probe = subprocess.run([exe, "-I", "-c", "import bottle, waitress"], capture_output=True)
+    return exe if probe.returncode == 0 else None
+
+
+MARKER_PLUGIN = """
+import pathlib
+pathlib.Path({marker!r}).write_text("plugin code ran")
+"""
+
+
+class TestCliSafety:
+    """Issue 10, items 6, 10, 11, 13: the CLI is safe as root, honest, and self-explaining."""
+
+    @pytest.mark.parametrize("command", ["audit", "rotate-key"])
+    def test_command_on_root_without_state_refuses_and_creates_nothing(self, tmp_path, command):
+        typo = tmp_path / "typo"
+        out = run_cli(command, "--root", str(typo))
+        assert out.returncode == 2
+        assert out.stderr.splitlines() == [
+            f"notesvc: error: no notesvc state at {typo}/.notesvc "
+            "(start the server there first, or check --root)"
+        ]
+        assert out.stdout == ""
+        assert not typo.exists()
+
+    def test_subcommand_help_lists_only_the_flags_it_reads(self):
+        flags = {s.flag for s in notesvc.SETTINGS if s.flag}
+        for command in notesvc.COMMANDS:
+            out = run_cli(command, "--help")
+            assert out.returncode == 0
+            shown = set(re.findall(r"(--[a-z-]+)", out.stdout)) & flags
+            expected = {
+                s.flag
+                for s in notesvc.SETTINGS
+                if s.flag and command in notesvc.setting_commands(s)
+            }
+            assert shown == expected, command
+        rotate = run_cli("rotate-key", "--help").stdout
+        assert set(re.findall(r"(--[a-z-]+)", rotate)) == {"--help", "--root", "--log-level"}
+        relay = run_cli("relay", "--help").stdout
+        for flag in ("--auth-mode", "--pairing", "--root", "--cors", "--relay-url"):
+            assert flag not in relay
+        assert "SERVICE_RELAY_TIMEOUT" in relay
+        assert "SERVICE_JWT_SECRET" not in relay
+
+    def test_flag_of_another_command_is_refused_in_one_line(self, tmp_path):
+        make_state(tmp_path)
+        out = run_cli("--pairing", "relay", "rotate-key", "--root", str(tmp_path))
+        assert out.returncode == 2
+        assert len(out.stderr.strip().splitlines()) == 1
+        assert "--pairing does not apply to rotate-key" in out.stderr
+
+    def test_rotate_key_ignores_variables_it_does_not_read(self, tmp_path):
+        make_state(tmp_path)
+        out = run_cli("rotate-key", "--root", str(tmp_path), env={"SERVICE_AUTH_MODE": "jwt"})
+        assert out.returncode == 0, out.stderr
+        assert re.fullmatch(r"nsk_[A-Za-z0-9_-]{43}", out.stdout.strip())
+
+    def test_audit_never_runs_plugin_code_and_writes_nothing(self, tmp_path):
+        root = tmp_path / "root"
+        make_state(root)
+        plugins = root / ".notesvc" / "plugins"
+        plugins.mkdir(mode=0o700)
+        marker = tmp_path / "ran.txt"
+        (plugins / "evil_one.py").write_text(MARKER_PLUGIN.format(marker=str(marker)))
+        if os.geteuid() == 0:  # the service's own user owns the state; cron runs as root
+            for path in [root, *root.rglob("*")]:
+                os.chown(path, 65534, 65534)
+        before = tree_snapshot(root)
+        out = run_cli("audit", "--root", str(root), env={"SERVICE_HOST": "127.0.0.1"})
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert not marker.exists()  # the plugin file was never executed
+        assert "evil_one.py" in out.stdout
+        assert "(plugin-evil-one)" in out.stdout
+        assert tree_snapshot(root) == before  # nothing created, rewritten or re-owned
+        assert "no server is running on this root" in out.stdout.splitlines()[1]
+
+    def test_audit_reads_the_running_servers_effective_settings(self, tmp_path):
+        secret = "Zq8vN3xR7tLp2Wc9Hs5Kd1Fg6Jm4Yb0Ue"
+        env = {"SERVICE_AUTH_MODE": "jwt", "SERVICE_JWT_SECRET": secret}
+        with running(tmp_path, "--cors", "*", env=env) as server:
+            record_path = tmp_path / ".notesvc" / "effective.json"
+            assert stat.S_IMODE(record_path.stat().st_mode) == 0o600
+            text = record_path.read_text()
+            assert secret not in text
+            record = json.loads(text)
+            assert record["pid"] == server.proc.pid
+            assert record["startedAt"].endswith("Z")
+            assert record["settings"]["cors"] == ["*"]
+            assert record["settings"]["port"] == server.port
+            assert record["secrets"]["jwt_secret"]["set"] is True
+            assert record["secrets"]["agent_api_key"]["set"] is False
+            assert "jwt_secret" not in record["settings"]
+            # The CLI's own environment says nothing of CORS or JWT: the record wins.
+            out = run_cli("audit", "--root", str(tmp_path))
+            lines = out.stdout.splitlines()
+            assert lines[1].startswith(
+                f"auditing the running server (pid {server.proc.pid}, started "
+            ), lines[:3]
+            assert lines[1].endswith("with its effective settings")
+            assert "(cors-wildcard)" in out.stdout
+            assert "(jwt-mode)" in out.stdout  # a strong secret, judged by recorded figures
+            assert "(jwt-secret-weak)" not in out.stdout
+            assert secret not in out.stdout
+        assert not record_path.exists()  # a clean stop takes the record away
+        out = run_cli("audit", "--root", str(tmp_path))
+        assert "no server is running on this root" in out.stdout.splitlines()[1]
+        assert "(cors-wildcard)" not in out.stdout
+
+    @pytest.mark.skipif(os.name != "posix" or os.geteuid() != 0, reason="needs root")
+    def test_rotate_key_as_root_writes_the_state_as_its_owner(self, tmp_path):
+        folder = tmp_path / ".notesvc"
+        make_state(tmp_path)
+        for path in [tmp_path, folder, *folder.iterdir()]:
+            os.chown(path, 65534, 65534)
+        out = run_cli("rotate-key", "--root", str(tmp_path))
+        assert out.returncode == 0, out.stderr
+        key = out.stdout.strip()
+        for name in ("state.json", "state.lock"):
+            st = (folder / name).stat()
+            assert (st.st_uid, st.st_gid) == (65534, 65534), name
+            assert stat.S_IMODE(st.st_mode) == 0o600
+        state = json.loads((folder / "state.json").read_text())
+        assert state["keyHash"] == notesvc.key_hash(key)
+        assert not list(folder.glob(".tmp-*"))
+
+    def test_rotate_key_as_another_user_names_sudo(self, tmp_path, monkeypatch, capsys):
+        make_state(tmp_path)
+        before = (tmp_path / ".notesvc" / "state.json").read_bytes()
+        owner = (tmp_path / ".notesvc").stat().st_uid
+        monkeypatch.setattr(os, "geteuid", lambda: owner + 4242)  # a user who is not root
+        assert notesvc.main(["rotate-key", "--root", str(tmp_path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1
+        assert re.search(r"run: sudo -u \S+ .*rotate-key --root ", err[0]), err
+        assert (tmp_path / ".notesvc" / "state.json").read_bytes() == before
+
+    @pytest.mark.skipif(os.name != "posix" or os.geteuid() != 0, reason="needs root")
+    def test_rotate_key_as_a_real_other_user_refuses(self, tmp_path):
+        python = system_python_with_bottle()
+        if python is None:
+            pytest.skip("needs Debian's python3-bottle under /usr/bin/python3")
+        root = Path(tempfile.mkdtemp(prefix="notesvc-other-", dir="/tmp"))
+        try:
+            os.chmod(root, 0o755)
+            make_state(root)
+            os.chmod(root / ".notesvc", 0o755)  # nobody may look, not write
+            os.chmod(root / ".notesvc" / "state.json", 0o644)
+            out = subprocess.run(
+                [python, "-I", NOTESVC, "rotate-key", "--root", str(root)],
+                capture_output=True,
+                text=True,
+                user=65534,
+                timeout=30,
+                cwd="/",
+            )
+            assert out.returncode == 2, out.stderr
+            assert out.stderr.strip().splitlines() == [
+                f"notesvc: error: the state at {root}/.notesvc belongs to root; run: "
+                f"sudo -u root python3 notesvc.py rotate-key --root {root}"
+            ]
+        finally:
+            shutil.rmtree(root)
+
+    def test_banner_without_a_terminal_shows_no_key(self, tmp_path):
+        with running(tmp_path) as server:
+            banner = "".join(server.lines)
+            _, _, body = server.request("GET", f"{API}/system/setup")
+            key = body["data"]["apiKey"]
+            assert key.startswith("nsk_")
+            assert "nsk_" not in banner
+            assert "open the setup URL on this machine" in banner
+            assert f"setup:  {server.url}{API}/system/setup" in banner
+
+    @pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
+    def test_banner_on_a_terminal_shows_the_key(self, tmp_path):
+        master, slave = os.openpty()
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                NOTESVC,
+                "--port",
+                "0",
+                "--host",
+                "127.0.0.1",
+                "--root",
+                str(tmp_path),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=slave,
+            env={**os.environ, "SERVICE_RESCAN_SECONDS": "0"},
+        )
+        os.close(slave)
+        try:
+            text, deadline = "", time.monotonic() + 20
+            while "link:" not in text and time.monotonic() < deadline:
+                ready, _, _ = select.select([master], [], [], 0.5)
+                if ready:
+                    text += os.read(master, 4096).decode(errors="replace")
+            port = re.search(r"listening on http://127\.0\.0\.1:(\d+)", text).group(1)
+            url = f"http://127.0.0.1:{port}{API}/system/setup"
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                key = json.loads(resp.read())["data"]["apiKey"]
+            assert f"key:    {key}" in text
+        finally:
+            proc.terminate()
+            proc.wait(10)
+            os.close(master)
+
+    def test_missing_bottle_prints_one_line_and_exits_2(self, tmp_path):
+        # -I -S: no user or site packages, so neither pip's nor Debian's bottle is found.
+        probe = subprocess.run([sys.executable, "-I", "-S", "-c", "import bottle"])
+        if probe.returncode == 0:
+            pytest.skip("bottle is importable without site-packages here")
+        out = subprocess.run(
+            [sys.executable, "-I", "-S", NOTESVC, "--root", str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert out.returncode == 2
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1, out.stderr
+        assert "sudo apt install python3-bottle python3-waitress" in lines[0]
+        assert "pip" in lines[0]
+        assert "Traceback" not in out.stderr
+        assert not (tmp_path / ".notesvc").exists()
+        # `import notesvc` (tests, plugins) still fails the ordinary way.
+        code = f"import sys; sys.path.insert(0, {str(HERE)!r}); import notesvc"
+        imp = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True)
+        assert imp.returncode == 1
+        assert b"ModuleNotFoundError" in imp.stderr
+
+
 class TestServer:
     def test_real_server_round_trip(self, tmp_path):
         with running(tmp_path) as server:
@@ -1256,7 +1514,7 @@ class TestServer:
             status, _, body = server.request("GET", f"{API}/system/setup")
             assert status == 200
             key = body["data"]["apiKey"]
-            assert key in banner  # the banner shows the key while setup is incomplete
+            assert key not in banner  # stderr is no terminal here: the key stays off the log
             assert f"{server.url}{API}/system/setup" in banner
             status, headers, body = server.request("POST", f"{API}/auth/verify")
             assert status == 401
@@ -1359,11 +1617,54 @@ class TestDocs:
             if s.flag:
                 assert f"`{s.flag}`" in readme, s.flag
 
-    def test_readme_starts_with_the_two_commands(self):
+    def test_readme_starts_with_the_debian_command_then_the_venv_ones(self):
         readme = (HERE / "README.md").read_text()
         blocks = re.findall(r"```sh\n(.*?)```", readme, re.S)
-        assert blocks[0].strip() == "pip install . && python notesvc.py"
-        assert blocks[1].strip() == "pip install '.[test]' && pytest"
+        assert blocks[0].strip() == (
+            "sudo apt install python3-bottle python3-waitress && python3 notesvc.py"
+        )
+        assert blocks[1].strip() == (
+            "python3 -m venv .venv && .venv/bin/pip install . && .venv/bin/notesvc"
+        )
+        assert blocks[2].strip() == (
+            "python3 -m venv .venv && .venv/bin/pip install '.[test]' && .venv/bin/pytest"
+        )
+
+    def test_readme_banner_samples_match_the_real_banner(self, monkeypatch, capsys):
+        readme = (HERE / "README.md").read_text()
+        blocks = re.findall(r"\n   ```\n((?:   .*\n)+?)   ```", readme)
+        sample = next(b for b in blocks if " serving " in b).replace("\n   ", "\n")[3:]
+        key = re.search(r"nsk_[A-Za-z0-9_-]{43}", sample).group(0)
+        config = notesvc.load_config(env={"SERVICE_NOTES_ROOT": "/home/pi/data"})
+        state = {"setupComplete": False, "apiKey": key}
+        host = f"http://{platform.node() or 'this-host'}:3000"
+
+        class Terminal(io.StringIO):
+            def isatty(self) -> bool:
+                return True
+
+        terminal = Terminal()
+        monkeypatch.setattr(sys, "stderr", terminal)
+        notesvc.print_banner(config, state, 3000)
+        assert terminal.getvalue().replace(host, "http://raspberrypi:3000") == sample
+        monkeypatch.undo()
+        notesvc.print_banner(config, state, 3000)  # to pytest's capture: no terminal
+        journal = capsys.readouterr().err
+        assert key not in journal
+        key_line = next(line for line in journal.splitlines() if "key:" in line)
+        assert f"```\n   {key_line}\n   ```" in readme  # indented in a list item
+
+    def test_readme_lists_every_subcommand_and_the_proxy_example(self):
+        readme = (HERE / "README.md").read_text()
+        for command in notesvc.COMMANDS:
+            assert re.search(rf"^\| `{command}`", readme, re.M), command
+        caddyfile = (HERE / "deploy" / "Caddyfile").read_text()
+        assert "reverse_proxy 127.0.0.1:3000" in caddyfile
+        proxy = readme[readme.index("## Behind a reverse proxy") :]
+        assert "SERVICE_TRUST_PROXY=true" in proxy
+        assert "SERVICE_PUBLIC_URL=https://" in proxy
+        for kept in ("notes/", ".notesvc/state.json", ".notesvc/trash/", ".notesvc/effective.json"):
+            assert f"`{kept}`" in readme[readme.index("## Backup and restore") :], kept
 
 
 # -- notes ---------------------------------------------------------------------------
@@ -3678,6 +3979,72 @@ class TestSecurity:
         (plugins / "hello.py").write_text(HELLO_PLUGIN)
         assert "plugin-hello" in ids(audit(make_app(SERVICE_HOST="127.0.0.1")))
 
+    def test_plugin_files_writable_symlinked_or_foreign_are_flagged(self, safe, root, tmp_path):
+        plugins = root / ".notesvc" / "plugins"
+        plugins.mkdir(mode=0o700)
+        (plugins / "open.py").write_text("x = 1\n")
+        os.chmod(plugins / "open.py", 0o666)
+        elsewhere = tmp_path / "elsewhere.py"
+        elsewhere.write_text("x = 1\n")
+        (plugins / "linked.py").symlink_to(elsewhere)
+        (plugins / "fine.py").write_text("x = 1\n")
+        os.chmod(plugins / "fine.py", 0o600)
+        if os.geteuid() == 0:
+            os.chown(plugins / "fine.py", 65534, 65534)
+        report = audit(safe)
+        found = {f["id"]: f["severity"] for f in report["findings"]}
+        assert found["plugin-writable-open"] == "high"
+        assert found["plugin-symlink-linked"] == "high"
+        assert "plugin-writable-fine" not in found
+        assert "plugin-symlink-fine" not in found
+        if os.geteuid() == 0:
+            assert found["plugin-owner-fine"] == "high"
+        # Files are listed by name even when they are no valid plugin.
+        assert {"plugin-open", "plugin-linked", "plugin-fine"} <= set(found)
+
+    def test_plugins_parent_writable_by_others_is_flagged_unless_sticky(self, make_app, tmp_path):
+        shared = tmp_path / "shared"
+        (shared / "plugins").mkdir(parents=True)
+        os.chmod(shared / "plugins", 0o700)
+        app = make_app(SERVICE_HOST="127.0.0.1", SERVICE_PLUGINS_DIR=str(shared / "plugins"))
+        os.chmod(shared, 0o777)
+        finding = {f["id"]: f for f in audit(app)["findings"]}["plugins-parent-writable"]
+        assert finding["severity"] == "high"
+        assert str(shared) in finding["detail"]
+        os.chmod(shared, 0o1777)  # like /tmp: others cannot replace what is ours
+        assert "plugins-parent-writable" not in ids(audit(app))
+        os.chmod(shared, 0o755)
+        assert "plugins-parent-writable" not in ids(audit(app))
+
+    @pytest.mark.skipif(os.name != "posix" or os.geteuid() != 0, reason="needs root")
+    def test_plugins_folder_owned_by_another_user_is_flagged(self, make_app, tmp_path):
+        owned = tmp_path / "owned"
+        (owned / "plugins").mkdir(parents=True)
+        app = make_app(SERVICE_HOST="127.0.0.1", SERVICE_PLUGINS_DIR=str(owned / "plugins"))
+        assert "plugins-owner" not in ids(audit(app))
+        os.chown(owned, 65534, 65534)
+        finding = {f["id"]: f for f in audit(app)["findings"]}["plugins-owner"]
+        assert finding["severity"] == "high"
+        assert f"{owned} (uid 65534)" in finding["detail"]
+
+    def test_web_channel_allowlist_is_not_counted_as_authentication(self, safe):
+        client = with_key(safe)
+        open_web = data(client.post_json(f"{API}/channels", {"provider": "web"}, status=201))
+        listed = data(
+            client.post_json(
+                f"{API}/channels",
+                {"provider": "web", "config": {"allowedSenders": ["kitchen"]}},
+                status=201,
+            )
+        )
+        report = audit(safe)
+        found = {f["id"]: f for f in report["findings"]}
+        for ch in (open_web, listed):  # the allowlist changes nothing: the secret is the lock
+            assert found[f"channel-web-{ch['id']}"]["severity"] == "info"
+            assert "not authentication" in found[f"channel-web-{ch['id']}"]["detail"]
+            assert f"channel-open-{ch['id']}" not in found
+        assert report["score"] == 100
+
     def test_every_audit_check_returns_findings_of_the_right_shape(self, make_app):
         svc = make_app(SERVICE_AUTH_MODE="none", SERVICE_CORS_ORIGINS="*").app.service
         for name, check in notesvc.AUDIT_CHECKS.items():
@@ -3713,7 +4080,9 @@ class TestSecurity:
         order = [notesvc.SEVERITIES.index(r["severity"]) for r in recs]
         assert order == sorted(order)
 
-    def test_audit_cli_exit_status(self, tmp_path):
+    def test_audit_cli_exit_status(self, tmp_path, make_app):
+        make_app(tmp_path / "a")
+        make_app(tmp_path / "b")
         bad = run_cli("audit", "--root", str(tmp_path / "a"), env={"SERVICE_HOST": "0.0.0.0"})
         assert bad.returncode == 1
         assert "[critical]" in bad.stdout
