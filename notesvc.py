@@ -35,6 +35,7 @@ import collections
 import contextlib
 import dataclasses
 import datetime as dt
+import errno
 import functools
 import hashlib
 import heapq
@@ -67,7 +68,18 @@ from collections.abc import Iterable, Mapping
 from pathlib import Path
 from typing import Any, Callable
 
-import bottle
+try:
+    import bottle
+except ImportError:  # `python3 notesvc.py` on a machine without bottle: one line, no traceback
+    if __name__ != "__main__":
+        raise
+    print(
+        "notesvc: error: the bottle package is missing; install it with "
+        "`sudo apt install python3-bottle python3-waitress` (Debian, Raspberry Pi OS) "
+        "or `pip install bottle waitress` in a virtual environment",
+        file=sys.stderr,
+    )
+    sys.exit(2)
 
 try:  # file locks: POSIX only; on other systems the single-process rule is advisory
     import fcntl
@@ -195,6 +207,7 @@ class Setting:
     default: str  # as text, parsed like any other value
     parse: Callable[[str], Any]
     help: str
+    commands: tuple = ()  # subcommands that read it; () = see setting_commands()
 
 
 SETTINGS = (
@@ -337,6 +350,39 @@ SETTINGS = (
     Setting("log_level", "SERVICE_LOG_LEVEL", "--log-level", "info", _log_level, "log level"),
 )
 
+# Which subcommands read a setting (each subcommand's --help lists only those). `audit`
+# reads what `serve` reads: it audits a server's configuration. A setting whose row names
+# no `commands` and is not listed here belongs to serve and audit, or, when its help
+# starts with "relay role:", to the relay alone.
+SERVER_COMMANDS = ("serve", "audit")
+_NETWORK_COMMANDS = ("serve", "audit", "relay")
+COMMANDS_OF_SETTING = {
+    "root": ("serve", "audit", "rotate-key"),
+    "log_level": ("serve", "audit", "rotate-key", "relay"),
+    **dict.fromkeys(
+        (
+            "host",
+            "port",
+            "public_url",
+            "trust_proxy",
+            "threads",
+            "max_body_bytes",
+            "max_connections",
+            "idle_timeout",
+        ),
+        _NETWORK_COMMANDS,
+    ),
+}
+
+
+def setting_commands(setting: Setting) -> tuple:
+    """Return the subcommands that read this setting."""
+    if setting.commands:
+        return setting.commands
+    if setting.name in COMMANDS_OF_SETTING:
+        return COMMANDS_OF_SETTING[setting.name]
+    return ("relay",) if setting.help.startswith("relay role:") else SERVER_COMMANDS
+
 
 @dataclasses.dataclass(frozen=True)
 class Config:
@@ -425,6 +471,7 @@ ERROR_CODES = (  # every error.code the API answers with
     "UPSTREAM_ERROR",
     "UPSTREAM_TIMEOUT",
     "AGENT_DISABLED",
+    "INSUFFICIENT_STORAGE",
 )
 STATUS_CODES = {
     400: "VALIDATION_ERROR",
@@ -441,6 +488,7 @@ STATUS_CODES = {
     502: "UPSTREAM_ERROR",
     503: "AGENT_DISABLED",
     504: "UPSTREAM_TIMEOUT",
+    507: "INSUFFICIENT_STORAGE",
 }
 
 # Endpoints that SPEC.md replaced: asking for them names the replacement.
@@ -458,6 +506,21 @@ class ApiError(bottle.HTTPError):
         super().__init__(status, message, **(headers or {}))
         self.code = code
         self.message = message
+
+
+class DiskFull(ApiError, OSError):
+    """507: a write found the disk (or the owner's quota) full; raised by disk_writes().
+
+    Also an OSError, so code that treats a failed background write as a warning (the index
+    cache) goes on doing so.
+    """
+
+    def __init__(self, err: OSError):
+        super().__init__(507, "INSUFFICIENT_STORAGE", "the disk is full; nothing was changed")
+        self.errno, self.strerror, self.filename = err.errno, err.strerror, None
+
+    def __str__(self) -> str:
+        return f"{self.message} ({self.strerror})"
 
 
 def bad_request(message: str) -> ApiError:
@@ -553,14 +616,42 @@ _UMASK = os.umask(0)
 os.umask(_UMASK)
 
 
+DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)})
+
+
+@contextlib.contextmanager
+def disk_writes():
+    """Run a block of writes; a full disk or quota (ENOSPC, EDQUOT) becomes DiskFull (507).
+
+    The one place that translates it: atomic_write and the store's moves use it.
+    """
+    try:
+        yield
+    except DiskFull:
+        raise
+    except OSError as e:
+        if e.errno in DISK_FULL_ERRNOS:
+            raise DiskFull(e) from None
+        raise
+
+
+TEMP_PREFIX, TEMP_SUFFIX = ".tmp-", ".part"  # atomic_write's temp files
+
+
 def atomic_write(path: Path, data: bytes | Callable, mode: int | None = None) -> None:
     """Write data (bytes, or a function writing to a file) to path so that a crash leaves
     either the old or the new content.
 
-    Temp file in the same folder, flush, fsync, os.replace, fsync the folder.
+    Temp file in the same folder, flush, fsync, os.replace, fsync the folder. Raises
+    DiskFull (507) when the disk is full; the old content and no temp file remain.
     """
+    with disk_writes():
+        _atomic_write(path, data, mode)
+
+
+def _atomic_write(path: Path, data: bytes | Callable, mode: int | None) -> None:
     folder = path.parent
-    fd, tmp = tempfile.mkstemp(prefix=".tmp-", suffix=".part", dir=folder)
+    fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX, dir=folder)
     try:
         with os.fdopen(fd, "wb") as f:
             if callable(data):
@@ -581,6 +672,20 @@ def atomic_write(path: Path, data: bytes | Callable, mode: int | None = None) ->
             os.unlink(tmp)
         raise
     fsync_dir(folder)
+
+
+def sweep_temp_files(folder: Path, skip_hidden: bool) -> int:
+    """Remove the temp files a crash left under folder (atomic_write's); return how many."""
+    removed = 0
+    for parent, dirs, files in os.walk(folder):
+        if skip_hidden:
+            dirs[:] = [d for d in dirs if not d.startswith(".")]
+        for name in files:
+            if name.startswith(TEMP_PREFIX) and name.endswith(TEMP_SUFFIX):
+                with contextlib.suppress(OSError):
+                    os.unlink(os.path.join(parent, name))
+                    removed += 1
+    return removed
 
 
 @contextlib.contextmanager
@@ -800,7 +905,7 @@ def query_int(name: str, default: int, lo: int, hi: int) -> int:
     raw = bottle.request.query.get(name)
     if raw is None or raw == "":
         return default
-    if not re.fullmatch(r"-?\d{1,9}", raw) or not lo <= int(raw) <= hi:
+    if not re.fullmatch(r"-?\d{1,10}", raw) or not lo <= int(raw) <= hi:
         raise bad_request(f"'{name}' must be a whole number from {lo} to {hi}")
     return int(raw)
 
@@ -811,6 +916,12 @@ NOTES = "notes"
 MAX_PATH_CHARS = 512
 MAX_SEGMENT_BYTES = 255
 _FORBIDDEN = set('\\:*?"<>|')
+# Invisible characters that make a path read as another one (CONTRACT 6).
+_BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+_ZERO_WIDTH = frozenset("\u200b\u200c\u200d\u2060\ufeff")
+# Scans of a note's text for links, tags and passages read at most this much of it (in
+# characters), so one huge note cannot make every such scan slow; the scans are linear.
+MAX_SCAN_CHARS = 256 * 1024
 
 
 def _check_segments(path: str, what: str) -> list:
@@ -825,6 +936,14 @@ def _check_segments(path: str, what: str) -> list:
         raise bad_request(f"the {what} path is not valid Unicode") from None
     if any(ord(ch) < 32 or 0x7F <= ord(ch) < 0xA0 for ch in path):
         raise bad_request(f"the {what} path holds a control character")
+    if not _BIDI_CONTROLS.isdisjoint(path):
+        raise bad_request(
+            f"the {what} path holds a bidi control character (U+202A-202E, U+2066-2069)"
+        )
+    if not _ZERO_WIDTH.isdisjoint(path):
+        raise bad_request(
+            f"the {what} path holds a zero-width character (U+200B-200D, U+2060, U+FEFF)"
+        )
     if "\\" in path:
         raise bad_request(f"the {what} path holds a backslash; separate folders with /")
     if path.startswith("/"):
@@ -871,20 +990,104 @@ def folder_path(raw: Any) -> str:
     return path
 
 
+# The path rules as JSON Schema (OpenAPI). The patterns state every character rule; the
+# 255-byte segment rule, which JSON Schema cannot count, is stated safely in characters: up
+# to 255 ASCII characters, or up to 63 of any kind (4 bytes at most each). Characters whose
+# NFC form is longer are left out, so a path that matches is still within the limits once
+# normalised. What the patterns cannot say (symbolic links, paths that differ only in
+# normalisation) the server checks and the description says.
+_NFC_GROWS = (  # the characters whose NFC form is longer than they are (Unicode 13-15)
+    "\\u0344\\u0958-\\u095f\\u09dc\\u09dd\\u09df\\u0a33\\u0a36\\u0a59-\\u0a5b\\u0a5e\\u0b5c\\u0b5d"
+    "\\u0f43\\u0f4d\\u0f52\\u0f57\\u0f5c\\u0f69\\u0f73\\u0f75\\u0f76\\u0f78\\u0f81\\u0f93\\u0f9d"
+    "\\u0fa2\\u0fa7\\u0fac\\u0fb9\\u2adc\\ufa6c\\ufacf-\\ufad1\\ufad5-\\ufad7\\ufb1d\\ufb1f"
+    "\\ufb2a-\\ufb36\\ufb38-\\ufb3c\\ufb3e\\ufb40\\ufb41\\ufb43\\ufb44\\ufb46-\\ufb4e"
+    "\U0001d15e-\U0001d164\U0001d1bb-\U0001d1c0"
+)
+_SEG_NOT = (  # what no segment holds: controls, / and \ : * ? " < > |, bidi, zero-width
+    '\\x00-\\x1f\\x7f-\\x9f/\\\\:*?"<>|\\u202a-\\u202e\\u2066-\\u2069\\u200b-\\u200d\\u2060\\ufeff'
+    + _NFC_GROWS
+)
+_ASCII_CH, _ASCII_FIRST = r"[ !#-)+-.0-9;=@-\[\]-{}~]", r"[ !#-)+,\-0-9;=@-\[\]-{}~]"
+_ANY_CH, _ANY_FIRST = f"[^{_SEG_NOT}]", f"[^.{_SEG_NOT}]"
+
+
+def _segment(tail: int, in_url: bool = False) -> str:
+    """Return the pattern of one segment that leaves `tail` of its 255 bytes to a suffix.
+
+    `in_url`: the segment travels as a URL path parameter, where a client that does not
+    escape "%" as %25 would send another path; such patterns leave "%" out.
+    """
+    ascii_ch, ascii_first, any_ch, any_first = _ASCII_CH, _ASCII_FIRST, _ANY_CH, _ANY_FIRST
+    if in_url:
+        ascii_ch, ascii_first = (c.replace("#-)", "#$&-)") for c in (ascii_ch, ascii_first))
+        any_ch, any_first = (c.replace("[^", "[^%", 1) for c in (any_ch, any_first))
+    return (
+        f"(?:{ascii_first}{ascii_ch}{{0,{254 - tail}}}"
+        f"|{any_first}{any_ch}{{0,{62 - (tail + 3) // 4}}})"
+    )
+
+
+NOTE_PATH_SCHEMA = {
+    "type": "string",
+    "minLength": 9,
+    "maxLength": MAX_PATH_CHARS,
+    "pattern": f"^{NOTES}(?:/{_segment(0)})*/{_segment(3)}\\.md$",
+    "description": f"{NOTES}/<folders>/<name>.md: segments of at most {MAX_SEGMENT_BYTES} "
+    "UTF-8 bytes, not starting with '.', without control, bidi or zero-width characters "
+    'and without \\ : * ? " < > |; NFC-normalised; inside the notes folder',
+    "examples": ["notes/ideas/garden.md"],
+}
+FOLDER_PATH_SCHEMA = {
+    **NOTE_PATH_SCHEMA,
+    "minLength": 5,
+    "pattern": f"^{NOTES}(?:/{_segment(0)})*/?$",
+    "description": f"{NOTES} or {NOTES}/<folders>, segments as in note paths",
+    "examples": ["notes/ideas"],
+}
+# As URL path parameters (percent-encoded, "/" as %2F; a "%" of the name itself as %25).
+NOTE_PATH_PARAM = {
+    **NOTE_PATH_SCHEMA,
+    "pattern": f"^{NOTES}(?:/{_segment(0, True)})*/{_segment(3, True)}\\.md$",
+}
+FOLDER_PATH_PARAM = {**FOLDER_PATH_SCHEMA, "pattern": f"^{NOTES}(?:/{_segment(0, True)})*/?$"}
+
+
 def make_etag(data: bytes) -> str:
     return '"' + hashlib.sha256(data).hexdigest()[:32] + '"'
 
 
+_HEADING_RE = re.compile(r"^#[ \t]+([^ \t\n][^\n]*)", re.M)  # linear: no nested repeats
+
+
 def note_title(text: str, path: str) -> str:
-    """Return the first `# ` heading of a note, else its file name without .md."""
-    m = re.search(r"^#[ \t]+(.+?)[ \t#]*$", text, re.M)
+    """Return the first `# ` heading of a note (closing #s dropped), else its file name
+    without .md.
+
+    >>> note_title("#  Plans for May ##", "notes/x.md"), note_title("", "notes/a/b.md")
+    ('Plans for May', 'b')
+    """
+    m = _HEADING_RE.search(text)
     if m:
-        return m.group(1).strip()[:200]
+        heading = m.group(1)
+        return (heading[0] + heading[1:].rstrip(" \t#")).strip()[:200]
     return path.rsplit("/", 1)[-1][:-3]
 
 
 def _sort_key(name: str) -> tuple:
     return (name.casefold(), name)
+
+
+def _missing_folders(folder: Path, top: Path) -> list:
+    """Return folder and its parents below top that do not exist yet, deepest first."""
+    missing = []
+    while folder != top and top in folder.parents and not folder.exists():
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
+
+def _nfc(name: str) -> str:
+    return name if name.isascii() else unicodedata.normalize("NFC", name)
 
 
 class NoteStore:
@@ -916,11 +1119,35 @@ class NoteStore:
 
     def file_of(self, path: str) -> Path:
         """Return the file for a checked note/folder path; 400 when it leads outside."""
-        target = self.base / path
+        target = self.on_disk(path)
         real = os.path.realpath(target)
         if real != str(self.root) and not real.startswith(str(self.root) + os.sep):
             raise bad_request("the path resolves outside the notes folder (symbolic link?)")
         return target
+
+    def on_disk(self, path: str) -> Path:
+        """Return where an (NFC) path is on disk: segment by segment, a name that is not
+        there is matched to an entry that normalises to it (NFD names from macOS or
+        Syncthing), so such a note is read and written in place under its own name.
+        """
+        target = self.base / path
+        if path.isascii() or os.path.lexists(target):
+            return target
+        at = self.base
+        segments = path.split("/")
+        for i, seg in enumerate(segments):
+            step = at / seg
+            if not os.path.lexists(step):
+                try:
+                    names = sorted(os.listdir(at)) if not seg.isascii() else []
+                except OSError:
+                    names = []
+                same = [n for n in names if unicodedata.normalize("NFC", n) == seg]
+                if not same:
+                    return step.joinpath(*segments[i + 1 :])
+                step = at / same[0]
+            at = step
+        return at
 
     @contextlib.contextmanager
     def locked(self, *paths: str, tree: bool = False):
@@ -965,7 +1192,7 @@ class NoteStore:
 
         `trusted` paths come from our own scan, which never follows links.
         """
-        target = self.base / path if trusted else self.file_of(path)
+        target = self.on_disk(path) if trusted else self.file_of(path)
         try:
             with open(target, "rb") as f:
                 st = os.fstat(f.fileno())
@@ -1009,8 +1236,11 @@ class NoteStore:
         return os.path.isfile(self.file_of(path))
 
     def _entries(self, folder: str = NOTES):
-        """Yield (note path, DirEntry) under a folder path (hidden entries and links skipped)."""
-        stack = [(str(self.base / folder), folder)]
+        """Yield (note path, DirEntry) under a folder path (hidden entries and links skipped).
+
+        Paths are NFC whatever the names on disk.
+        """
+        stack = [(str(self.on_disk(folder)), folder)]
         while stack:
             real, rel = stack.pop()
             try:
@@ -1020,14 +1250,15 @@ class NoteStore:
             for e in entries:
                 if e.name.startswith(".") or e.is_symlink():
                     continue
+                name = _nfc(e.name)
                 if e.is_dir():
-                    stack.append((e.path, f"{rel}/{e.name}"))
-                elif e.name.endswith(".md") and len(e.name) > 3:
-                    yield f"{rel}/{e.name}", e
+                    stack.append((e.path, f"{rel}/{name}"))
+                elif name.endswith(".md") and len(name) > 3:
+                    yield f"{rel}/{name}", e
 
     def walk(self, folder: str = NOTES) -> list:
         """Return every note path under a folder path, sorted."""
-        return sorted(path for path, _ in self._entries(folder))
+        return sorted({path for path, _ in self._entries(folder)})
 
     def scan(self) -> dict:
         """Return {note path: (size, mtime_ns)} for every note (the rescan's view)."""
@@ -1078,18 +1309,18 @@ class NoteStore:
             elif e.name.endswith(".md") and len(e.name) > 3:
                 notes.append(e)
         children = [
-            self._node(e.path, f"{rel}/{e.name}")
-            for e in sorted(folders, key=lambda e: _sort_key(e.name))
+            self._node(e.path, f"{rel}/{_nfc(e.name)}")
+            for e in sorted(folders, key=lambda e: _sort_key(_nfc(e.name)))
         ]
-        for e in sorted(notes, key=lambda e: _sort_key(e.name)):
+        for e in sorted(notes, key=lambda e: _sort_key(_nfc(e.name))):
             try:
                 st = e.stat()
             except OSError:
                 continue
             children.append(
                 {
-                    "name": e.name,
-                    "path": f"{rel}/{e.name}",
+                    "name": _nfc(e.name),
+                    "path": f"{rel}/{_nfc(e.name)}",
                     "type": "note",
                     "size": st.st_size,
                     "modified": iso(st.st_mtime_ns / 1e9),
@@ -1131,21 +1362,33 @@ class NoteStore:
             target = self.file_of(path)
             if os.path.lexists(target):
                 raise ApiError(409, "CONFLICT", f"a note already exists at {path}; use PUT")
-            self._make_parents(target)
-            atomic_write(target, data)
+            with self._new_parents(target):
+                atomic_write(target, data)
             st = os.stat(target)
             self._notify("saved", path, (content, st))
             return self.record(path, data, st)
 
-    def _make_parents(self, target: Path) -> None:
+    @contextlib.contextmanager
+    def _new_parents(self, target: Path):
+        """Create the missing folders of target for the block; remove them again when the
+        block fails (a full disk changes nothing)."""
         parent = target.parent
+        missing = _missing_folders(parent, self.root)
         try:
-            parent.mkdir(parents=True, exist_ok=True)
-        except (FileExistsError, NotADirectoryError):
-            raise ApiError(
-                409, "CONFLICT", "a file stands where a folder of this path should be"
-            ) from None
-        self.file_of(str(target.relative_to(self.base)))  # re-check containment
+            with disk_writes():
+                try:
+                    parent.mkdir(parents=True, exist_ok=True)
+                except (FileExistsError, NotADirectoryError):
+                    raise ApiError(
+                        409, "CONFLICT", "a file stands where a folder of this path should be"
+                    ) from None
+            self.file_of(str(target.relative_to(self.base)))  # re-check containment
+            yield
+        except BaseException:
+            for folder in missing:  # deepest first
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+            raise
 
     def update(self, path: str, content: str, if_match: str | None = None) -> dict:
         data = self.encode(content)
@@ -1162,16 +1405,18 @@ class NoteStore:
         """Append a line to a note, creating it with a heading when missing (one atomic write)."""
         with self.locked(path, tree=True):
             target = self.file_of(path)
+            parents: Any = contextlib.nullcontext()
             try:
                 old = self.decode(path, self._read(path)[0])
             except ApiError as e:
                 if e.status_code != 404:
                     raise
                 old = f"# {heading}\n\n"
-                self._make_parents(target)
+                parents = self._new_parents(target)
             content = old + ("" if old.endswith("\n") else "\n") + line + "\n"
             data = self.encode(content)
-            atomic_write(target, data)
+            with parents:
+                atomic_write(target, data)
             st = os.stat(target)
             self._notify("saved", path, (content, st))
             return self.record(path, data, st)
@@ -1200,8 +1445,8 @@ class NoteStore:
             src, dst = self.file_of(path), self.file_of(new)
             if os.path.lexists(dst):
                 raise ApiError(409, "CONFLICT", f"a note already exists at {new}")
-            self._make_parents(dst)
-            os.replace(src, dst)
+            with self._new_parents(dst), disk_writes():
+                os.replace(src, dst)
             fsync_dir(dst.parent)
             fsync_dir(src.parent)
             self._prune(src.parent)
@@ -1216,8 +1461,16 @@ class NoteStore:
             src = self.file_of(path)
             stamp = utcnow().strftime("%Y%m%dT%H%M%S.%fZ")
             dst = self.trash / stamp / path
-            dst.parent.mkdir(parents=True, exist_ok=True)
-            os.replace(src, dst)
+            made = _missing_folders(dst.parent, self.trash.parent)
+            try:
+                with disk_writes():
+                    dst.parent.mkdir(parents=True, exist_ok=True)
+                    os.replace(src, dst)
+            except BaseException:
+                for folder in made:  # deepest first: leave the trash as it was
+                    with contextlib.suppress(OSError):
+                        folder.rmdir()
+                raise
             fsync_dir(dst.parent)
             fsync_dir(src.parent)
             self._prune(src.parent)
@@ -1235,16 +1488,12 @@ class NoteStore:
             folder = folder.parent
 
     def sweep_temp_files(self) -> int:
-        """Remove temp files a crash left behind; return how many."""
-        removed = 0
-        for folder, dirs, files in os.walk(self.root):
-            dirs[:] = [d for d in dirs if not d.startswith(".")]
-            for name in files:
-                if name.startswith(".tmp-") and name.endswith(".part"):
-                    with contextlib.suppress(OSError):
-                        os.unlink(os.path.join(folder, name))
-                        removed += 1
-        return removed
+        """Remove the temp files a crash left in the notes and in the state folder (its
+        trash and every subfolder); return how many."""
+        state = self.trash.parent
+        return sweep_temp_files(self.root, skip_hidden=True) + (
+            sweep_temp_files(state, skip_hidden=False) if state.is_dir() else 0
+        )
 
 
 # == Search ===================================================================
@@ -1743,22 +1992,12 @@ class SearchIndex:
         with self._lock:
             return self.generation, [(d.path, d.title, d.text) for d in self.docs if d]
 
-    def terms_of_stems(self, stems: Iterable[str]) -> list:
-        """Return the term chars of the stems that are in the index."""
-        with self._lock:
-            chars = map(self.term_chars.get, stems)
-            return [c for c in chars if c]
-
-    def terms_of_words(self, words: Iterable[str]) -> set:
-        """Return the term chars of folded words that are in the index."""
-        with self._lock:
-            return {self.surfaces[w] for w in words if w in self.surfaces}
-
-    def body_idf(self, terms: Iterable[str]) -> dict:
-        """Return {term char: its IDF in note bodies}."""
+    def stem_weights(self, stems: Iterable[str]) -> dict:
+        """Return {stem: its IDF in note bodies} for the stems that are in the index."""
         with self._lock:
             n = max(len(self.ids), 1)
-            return {t: bm25_idf(n, len(self.body.get(t, ((),))[0])) for t in terms}
+            chars = ((s, self.term_chars.get(s)) for s in stems)
+            return {s: bm25_idf(n, len(self.body.get(t, ((),))[0])) for s, t in chars if t}
 
     # -- state -------------------------------------------------------------------------
 
@@ -1864,13 +2103,14 @@ class SearchIndex:
 
         return sorted(set(needles), key=rarity)
 
-    def search_any(self, terms: list, limit: int) -> list:
-        """Return the top (path, title, text, score) of notes holding any of terms.
+    def search_any(self, stems: list, limit: int) -> list:
+        """Return the top (path, title, text, score) of notes holding any of the stems.
 
         A term in more than half the notes carries no weight, like a stopword.
         """
         with self._lock:
             n = len(self.ids)
+            terms = [t for t in map(self.term_chars.get, stems) if t]
             scores: dict = collections.defaultdict(float)
             for term in terms:
                 for field, table in self._fields():
@@ -2064,16 +2304,38 @@ class StateStore:
     changed by another process through its (mtime, size, inode) signature.
     """
 
-    def __init__(self, folder: Path):
+    def __init__(
+        self,
+        folder: Path,
+        owner: tuple | None = None,
+        create: bool = True,
+        readonly: bool = False,
+    ):
         self.folder = folder
         self.path = folder / "state.json"
+        self.owner = owner  # (uid, gid) the files are written as (root acting for the owner)
+        self.readonly = readonly
         self._lock = threading.RLock()
         self._data: dict = {}
         self._sig: tuple | None = None
+        if not create:  # open what exists; create, chmod and write nothing
+            if not self.path.is_file():
+                raise StateError(f"no notesvc state at {folder}")
+            self._load()
+            return
         folder.mkdir(parents=True, exist_ok=True)
         with contextlib.suppress(OSError):
             os.chmod(folder, 0o700)
         self.update(self._initialise)
+
+    @classmethod
+    def open_existing(cls, folder: Path, readonly: bool = False, owner: tuple | None = None):
+        """Return the store of an existing state, creating and writing nothing on open.
+
+        Raises StateError when the folder holds no state.json (or it cannot be read);
+        a `readonly` store refuses update().
+        """
+        return cls(folder, owner=owner, create=False, readonly=readonly)
 
     @staticmethod
     def _initialise(data: dict) -> None:
@@ -2127,12 +2389,28 @@ class StateStore:
 
     def update(self, change: Callable[[dict], Any]) -> Any:
         """Apply change(data) to the freshest state, write it atomically, return its result."""
-        with self._lock, file_lock(self.folder / "state.lock"):
+        if self.readonly:
+            raise StateError(f"{self.path} was opened read-only")
+        lock_path = self.folder / "state.lock"
+        if self.owner:  # the lock file must stay usable by the service's own user
+            fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o600)
+            try:
+                os.fchown(fd, *self.owner)
+            finally:
+                os.close(fd)
+        with self._lock, file_lock(lock_path):
             self._sig = None
             self._load()
             data = json.loads(json.dumps(self._data))  # a copy: a failed change leaves no trace
             result = change(data)
-            atomic_write(self.path, json.dumps(data, indent=2).encode("utf-8"), mode=0o600)
+            payload = json.dumps(data, indent=2).encode("utf-8")
+
+            def write(f) -> None:
+                if self.owner:  # chown before the rename: the service never sees it root-owned
+                    os.fchown(f.fileno(), *self.owner)
+                f.write(payload)
+
+            atomic_write(self.path, write, mode=0o600)
             self._data, self._sig = data, self._signature()
             return result
 
@@ -2325,28 +2603,34 @@ def post_json(url: str, body: dict, headers: dict | None = None, timeout: float 
 # -- retrieval ---------------------------------------------------------------------
 
 
-def question_terms(index: SearchIndex, question: str) -> list:
-    """Return the index terms of a natural-language question (stopwords dropped)."""
+def question_stems(question: str) -> list:
+    """Return the stems of a natural-language question, stopwords dropped."""
     words = [w for w in _WORD_RE.findall(fold(question)) if w not in STOPWORDS]
-    return index.terms_of_stems(stem(w) for w in dict.fromkeys(words))
+    return [stem(w) for w in dict.fromkeys(words)]
 
 
 _SENTENCE_RE = re.compile(r"(?<=[.!?])\s+|\n+")
 
 
-def best_passages(index: SearchIndex, text: str, terms: list, keep: int = 2) -> list:
-    """Return up to `keep` sentences of text that hold the most (and rarest) query terms."""
-    weight = index.body_idf(terms)
+def best_passages(weights: dict, text: str, keep: int = 2) -> list:
+    """Return up to `keep` sentences of text that hold the most (and rarest) query terms.
+
+    weights: {stem: idf}. Needs no index (so no lock); reads the first MAX_SCAN_CHARS.
+    """
     scored = []
-    for i, sentence in enumerate(_SENTENCE_RE.split(text)):
+    stems: dict = {}  # word -> stem, each computed once
+    for i, sentence in enumerate(_SENTENCE_RE.split(text[:MAX_SCAN_CHARS])):
         sentence = sentence.strip()
         heading = sentence.startswith("#")  # quoted only when no sentence matches
         sentence = sentence.lstrip("#").strip()
         if not sentence:
             continue
-        present = index.terms_of_words(set(_WORD_RE.findall(fold(sentence)))) & weight.keys()
+        words = set(_WORD_RE.findall(fold(sentence)))
+        for w in words.difference(stems):
+            stems[w] = stem(w)
+        present = set(map(stems.__getitem__, words)) & weights.keys()
         if present:
-            scored.append((heading, -sum(weight[t] for t in present), i, sentence))
+            scored.append((heading, -sum(weights[t] for t in present), i, sentence))
     scored.sort()
     if scored and not scored[0][0]:
         scored = [item for item in scored if not item[0]]
@@ -2360,17 +2644,18 @@ def _clip(text: str, limit: int) -> str:
 def retrieve(svc: Service, question: str, note: str | None, limit: int = 3) -> list:
     """Return [(path, title, [passages])]: the note asked about first, then the best hits."""
     index = svc.index
-    terms = question_terms(index, question)
+    weights = index.stem_weights(question_stems(question))
+    hits = index.search_any(list(weights), limit)  # the passages are cut without the lock
     found = []
     if note:
         rec = svc.notes.get(note)
-        passages = best_passages(index, rec["content"], terms) or [
-            _clip(" ".join(rec["content"].split()), 600)
+        passages = best_passages(weights, rec["content"]) or [
+            _clip(" ".join(rec["content"][:MAX_SCAN_CHARS].split()), 600)
         ]
         found.append((note, rec["title"], passages))
-    for path, title, text, _ in index.search_any(terms, limit):
+    for path, title, text, _ in hits:
         if path != note:
-            found.append((path, title, best_passages(index, text, terms)))
+            found.append((path, title, best_passages(weights, text)))
     return found
 
 
@@ -2703,6 +2988,7 @@ class PluginRoute:
     handler: Callable  # (svc, **url_args) -> dict
     summary: str = ""
     status: int = 200  # documented success status (200 is always documented too)
+    params: dict | None = None  # JSON schemas of path/query parameters (OpenAPI), by name
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2758,10 +3044,28 @@ def load_plugins(folder: Path) -> dict:
 
 # -- links ---------------------------------------------------------------------------------
 
+# Both patterns run in linear time: link text, targets and fragments stop at any bracket,
+# so the attempts started at different brackets never scan the same text (a run of `[`
+# fails at once at each one), and no repeat nests in another. Whether a Markdown link
+# points at a .md note is decided afterwards (_md_target), not by backtracking.
 _WIKILINK_RE = re.compile(r"\[\[([^\[\]|#\n]+)((?:#[^\[\]|\n]*)?(?:\|[^\[\]\n]*)?)\]\]")
 _MDLINK_RE = re.compile(
-    r"(\[[^\]\n]*\]\()(<[^>\n]+\.md>|[^)\s<>]+\.md)((?:#[^)\s]*)?(?:\s+\"[^\"\n]*\")?\))"
+    r"(\[[^\[\]\n]*\]\()(<[^<>\n]*>[^)\s<>\[\]]*|[^)\s<>\[\]]+)((?:\s+\"[^\"\n]*\")?\))"
 )
+
+
+def _md_target(href: str) -> str | None:
+    """Return the note part of a Markdown link's href (`<...>` kept), or None when it does not
+    point at a .md file; what follows it is a #fragment."""
+    if href.startswith("<"):
+        end = href.index(">") + 1
+        target, inner, rest = href[:end], href[1 : end - 1], href[end:]
+    else:
+        target, _, rest = href.partition("#")
+        inner, rest = target, href[len(target) :]
+    if rest and not rest.startswith("#"):
+        return None
+    return target if len(inner) > 3 and inner.endswith(".md") else None
 
 
 class LinkResolver:
@@ -2794,34 +3098,50 @@ class LinkResolver:
         return self.paths.get(candidate.casefold())
 
     def links(self, text: str, source: str) -> set:
-        """Return the note paths a note's text links to."""
+        """Return the note paths a note's text links to (in its first MAX_SCAN_CHARS)."""
+        text = text[:MAX_SCAN_CHARS]
         out = {self.wikilink(m.group(1)) for m in _WIKILINK_RE.finditer(text)}
-        out |= {self.mdlink(m.group(2), source) for m in _MDLINK_RE.finditer(text)}
+        targets = map(_md_target, (m.group(2) for m in _MDLINK_RE.finditer(text)))
+        out |= {self.mdlink(t, source) for t in targets if t}
         out.discard(None)
         out.discard(source)
         return out
 
 
+IndexSnapshot = collections.namedtuple("IndexSnapshot", "ids docs generation")
+IndexSnapshot.__doc__ = """The index's notes at one generation: ids {path: id}, docs [Doc]."""
+
+
 def derived(svc: Service, name: str, build: Callable) -> Any:
-    """Return build(index), computed under the index lock and kept until the index changes."""
+    """Return build(snapshot of the index), kept until the index changes.
+
+    Only taking the snapshot (references to the paths and texts) holds the index lock; the
+    build runs without it, so searches and writes never wait for a plugin's computation.
+    Builds take turns, so concurrent callers wait for one build instead of repeating it.
+    """
     index = svc.index
-    with index._lock:
-        cached = svc.plugin_cache.get(name)
-        if cached and cached[0] == index.generation:
-            return cached[1]
-        value = build(index)
-        svc.plugin_cache[name] = (index.generation, value)
+    cached = svc.plugin_cache.get(name)
+    if cached and cached[0] == index.generation:
+        return cached[1]
+    with svc.plugin_build_lock:
+        with index._lock:
+            cached = svc.plugin_cache.get(name)
+            if cached and cached[0] == index.generation:
+                return cached[1]
+            snap = IndexSnapshot(dict(index.ids), list(index.docs), index.generation)
+        value = build(snap)
+        svc.plugin_cache[name] = (snap.generation, value)
         return value
 
 
 def link_graph(svc: Service) -> dict:
     """Return {note path: set of notes linking to it}, cached until the index changes."""
 
-    def build(index: SearchIndex) -> dict:
+    def build(index: IndexSnapshot) -> dict:
         resolver = LinkResolver(index.ids)
         graph: dict = collections.defaultdict(set)
         for path, d in index.ids.items():
-            text = index.docs[d].text
+            text = index.docs[d].text[:MAX_SCAN_CHARS]
             if "[[" in text or ".md" in text:
                 for target in resolver.links(text, path):
                     graph[target].add(path)
@@ -2857,7 +3177,10 @@ def rewrite_links(
         return f"[[{replacement}{m.group(2)}]]"
 
     def markdown(m: re.Match) -> str:
-        href = m.group(2)
+        href = _md_target(m.group(2))
+        if href is None:
+            return m.group(0)
+        fragment = m.group(2)[len(href) :]
         base = moved_from or source
         target = resolver.mdlink(href, base)
         if target is None or (target != old and not moved_from):
@@ -2874,14 +3197,15 @@ def rewrite_links(
             replacement = urllib.parse.quote(replacement, safe="/")
         if href.startswith("<"):
             replacement = f"<{urllib.parse.unquote(replacement)}>"
-        return f"{m.group(1)}{replacement}{m.group(3)}"
+        return f"{m.group(1)}{replacement}{fragment}{m.group(3)}"
 
     return _MDLINK_RE.sub(markdown, _WIKILINK_RE.sub(wiki, text))
 
 
 def update_links(svc: Service, old: str, new: str, linking: set) -> list:
     """Rewrite the links to `old` in each linking note (one atomic write each)."""
-    resolver = LinkResolver([*svc.index.ids, old])
+    with svc.index._lock:
+        resolver = LinkResolver([*svc.index.ids, old])
     changed = []
     for source in sorted(linking | {new}):
         moved_from = old if source == new else None
@@ -2917,7 +3241,15 @@ builtin_plugin(
     Plugin(
         "backlinks",
         description="notes that link to a note, by [[wikilink]] or Markdown link",
-        routes=(PluginRoute("GET", "/<path:path>", get_backlinks, "Notes linking to a note"),),
+        routes=(
+            PluginRoute(
+                "GET",
+                "/<path:path>",
+                get_backlinks,
+                "Notes linking to a note",
+                params={"path": NOTE_PATH_PARAM},
+            ),
+        ),
     )
 )
 
@@ -2928,12 +3260,14 @@ _FRONT_MATTER_RE = re.compile(r"\A---[ \t]*\n(.*?)\n---[ \t]*(?:\n|\Z)", re.S)
 
 
 def note_tags(text: str) -> set:
-    """Return a note's tags: #tags outside code, and front matter `tags:`, lower-cased.
+    """Return a note's tags: #tags outside code, and front matter `tags:`, lower-cased (in
+    its first MAX_SCAN_CHARS; every pattern here runs in linear time).
 
     >>> sorted(note_tags("---\\ntags: [Work, home]\\n---\\n# Title #todo\\n#idea `#code` x#no #42"))
     ['home', 'idea', 'todo', 'work']
     """
     tags = set()
+    text = text[:MAX_SCAN_CHARS]
     fm = _FRONT_MATTER_RE.match(text)
     if fm:
         text = text[fm.end() :]
@@ -2958,7 +3292,7 @@ def note_tags(text: str) -> set:
 def tag_map(svc: Service) -> dict:
     """Return {tag: sorted note paths}, cached until the index changes."""
 
-    def build(index: SearchIndex) -> dict:
+    def build(index: IndexSnapshot) -> dict:
         tags: dict = collections.defaultdict(list)
         for path in sorted(index.ids):
             text = index.docs[index.ids[path]].text
@@ -3155,20 +3489,34 @@ def _entropy_bits_per_char(text: str) -> float:
     return -sum(c / len(text) * math.log2(c / len(text)) for c in counts.values()) if text else 0
 
 
+def _secret_strength(svc: Service, name: str) -> tuple:
+    """Return (bytes, bits of entropy per character) of a secret setting.
+
+    The `audit` command auditing a running server reads them from the server's recorded
+    settings, which keep these figures and never the secret.
+    """
+    recorded = getattr(svc, "recorded_secrets", None)
+    if recorded is not None:
+        facts = recorded.get(name) or {}
+        return int(facts.get("bytes", 0)), float(facts.get("bitsPerChar", 0.0))
+    secret = getattr(svc.config, name)
+    return len(secret.encode()), _entropy_bits_per_char(secret)
+
+
 @audit_check
 def check_jwt_secret(svc: Service) -> list:
     cfg = svc.config
     if cfg.auth_mode != "jwt":
         return []
-    secret = cfg.jwt_secret
-    if len(secret.encode()) < 32 or _entropy_bits_per_char(secret) < 3.5:
+    size, bits = _secret_strength(svc, "jwt_secret")
+    if size < 32 or bits < 3.5:
         return [
             finding(
                 "jwt-secret-weak",
                 "high",
                 "The JWT secret is weak",
-                f"SERVICE_JWT_SECRET is {len(secret.encode())} bytes with "
-                f"{_entropy_bits_per_char(secret):.1f} bits of entropy per character; a "
+                f"SERVICE_JWT_SECRET is {size} bytes with "
+                f"{bits:.1f} bits of entropy per character; a "
                 "guessable secret lets anyone mint tokens.",
                 "Use 32+ random bytes: python -c 'import secrets; "
                 "print(secrets.token_urlsafe(48))'.",
@@ -3232,10 +3580,62 @@ def check_notes_folder(svc: Service) -> list:
     return []
 
 
+def _service_uid(svc: Service) -> int:
+    """Return the uid the audited service runs as (the CLI's audit says which it means)."""
+    uid = getattr(svc, "service_uid", None)
+    return uid if uid is not None else os.geteuid()
+
+
+def _plugin_path_findings(folder: Path, uid: int) -> list:
+    """Findings for the plugins folder's ancestors and owners (who could plant code).
+
+    A parent writable by others matters unless it has the sticky bit (like /tmp: others
+    cannot rename or remove what is ours); group write by group 0 (root) is fine. A folder
+    owned by another user than root or the service's own can be replaced by that user.
+    """
+    out, writable, owners = [], [], []
+    target = folder.resolve()
+    for path in (target, *target.parents):
+        try:
+            st = os.stat(path)
+        except OSError:
+            continue  # not created yet: its parents decide who may create it
+        mode = stat.S_IMODE(st.st_mode)
+        open_write = mode & 0o002 or (mode & 0o020 and st.st_gid != 0)
+        if path != target and open_write and not mode & stat.S_ISVTX:
+            writable.append(f"{path} ({mode:o})")
+        if st.st_uid not in (0, uid):
+            owners.append(f"{path} (uid {st.st_uid})")
+    if writable:
+        out.append(
+            finding(
+                "plugins-parent-writable",
+                "high",
+                "Others can write a folder above the plugins folder",
+                f"{', '.join(writable)}: whoever can write there can replace the plugins "
+                "folder with their own, and its files run as this service at the next start.",
+                "chmod go-w (or chmod +t) each folder named",
+            )
+        )
+    if owners:
+        out.append(
+            finding(
+                "plugins-owner",
+                "high",
+                "The plugins folder or a folder above it belongs to another user",
+                f"{', '.join(owners)}: that user can plant code that runs as this service.",
+                "chown them to root or to the service's user",
+            )
+        )
+    return out
+
+
 @audit_check
 def check_plugins(svc: Service) -> list:
+    """Plugin files and the folders holding them, read from the disk: never imported here."""
     out = []
     folder = plugins_dir(svc.config)
+    uid = _service_uid(svc)
     mode = _mode_of(folder)
     if mode is not None and mode & 0o022:
         out.append(
@@ -3248,42 +3648,116 @@ def check_plugins(svc: Service) -> list:
                 f"chmod go-w {folder}",
             )
         )
-    for plugin in svc.plugins.values():
-        if not plugin.builtin:
+    out += _plugin_path_findings(folder, uid)
+    loaded = {p.name: p for p in svc.plugins.values() if not p.builtin}
+    files = sorted(folder.glob("*.py")) if folder.is_dir() else []
+    for path in files:
+        name = path.stem.lower().replace("_", "-")
+        try:
+            st = os.lstat(path)
+        except OSError:
+            continue
+        if stat.S_ISLNK(st.st_mode):
             out.append(
                 finding(
-                    f"plugin-{plugin.name}",
-                    "medium" if not plugin.error else "low",
-                    f"Third-party plugin {plugin.name} is "
-                    + ("loaded" if not plugin.error else "present (failed to load)"),
-                    "Plugins run with the service's full rights over every note.",
-                    "Keep only plugins you have read; switch off the others "
-                    f"(POST /api/v1/plugins/{plugin.name}/toggle).",
+                    f"plugin-symlink-{name}",
+                    "high",
+                    f"Plugin file {path.name} is a symbolic link",
+                    "The code that runs is wherever the link points, outside the checks "
+                    "on the plugins folder.",
+                    f"Replace the link with a copy of the file you have read: {path}",
                 )
             )
+            with contextlib.suppress(OSError):
+                st = os.stat(path)
+        if st.st_mode & 0o022:
+            out.append(
+                finding(
+                    f"plugin-writable-{name}",
+                    "high",
+                    f"Others can write plugin file {path.name}",
+                    f"It has mode {stat.S_IMODE(st.st_mode):o}: anyone who can write it "
+                    "runs code as this service at the next start.",
+                    f"chmod go-w {path}",
+                )
+            )
+        if st.st_uid not in (0, uid):
+            out.append(
+                finding(
+                    f"plugin-owner-{name}",
+                    "high",
+                    f"Plugin file {path.name} belongs to another user",
+                    f"It belongs to uid {st.st_uid}, who can change the code this service runs.",
+                    f"chown it to root or to the service's user: {path}",
+                )
+            )
+        plugin = loaded.pop(name, None)
+        state = (
+            "present (failed to load)"
+            if plugin and plugin.error
+            else "loaded"
+            if plugin
+            else "present (listed by file name; the audit never runs plugin code)"
+        )
+        out.append(
+            finding(
+                f"plugin-{name}",
+                "low" if plugin and plugin.error else "medium",
+                f"Third-party plugin {path.name} is {state}",
+                "Plugins run at start with the service's full rights over every note.",
+                "Keep only plugins you have read; switch off the others "
+                f"(POST /api/v1/plugins/{name}/toggle) or remove the file.",
+            )
+        )
+    for plugin in loaded.values():  # loaded under another name than its file's
+        out.append(
+            finding(
+                f"plugin-{plugin.name}",
+                "medium" if not plugin.error else "low",
+                f"Third-party plugin {plugin.name} is "
+                + ("loaded" if not plugin.error else "present (failed to load)"),
+                "Plugins run at start with the service's full rights over every note.",
+                "Keep only plugins you have read; switch off the others "
+                f"(POST /api/v1/plugins/{plugin.name}/toggle).",
+            )
+        )
     return out
 
 
 @audit_check
 def check_channel_allowlists(svc: Service) -> list:
+    """Telegram/WhatsApp channels without an allowlist; every web channel (its secret is all).
+
+    A web channel's senders name themselves, so `allowedSenders` filters but never
+    authenticates: the channel secret is its only lock, whatever the allowlist says.
+    """
     out = []
     for channel in svc.state.read().get("channels", []):
         provider = CHANNEL_PROVIDERS.get(channel["provider"])
-        if (
-            provider
-            and provider.allow
-            and channel["enabled"]
-            and not channel["config"].get(provider.allow)
-        ):
-            severity = "medium" if channel["provider"] == "web" else "high"
+        if not provider or not channel["enabled"]:
+            continue
+        if channel["provider"] == "web":
+            out.append(
+                finding(
+                    f"channel-web-{channel['id']}",
+                    "info",
+                    f"Web channel {channel['name']} is guarded by its secret alone",
+                    "Anyone holding the channel secret can ask the agent about your notes "
+                    "and /save into them; allowedSenders only filters the sender names "
+                    "callers give themselves, so it is not authentication.",
+                    "Keep the channel secret as private as the API key; to change it, "
+                    "delete the channel and create it again.",
+                )
+            )
+        elif provider.allow and not channel["config"].get(provider.allow):
             out.append(
                 finding(
                     f"channel-open-{channel['id']}",
-                    severity,
+                    "high",
                     f"Channel {channel['name']} has no allowlist",
                     f"Anyone who can message this {channel['provider']} channel "
                     "can ask the agent about your notes and /save into them.",
-                    f"Set config.{provider.allow} (recreate the channel with it).",
+                    f"Set config.{provider.allow}: PATCH /api/v1/channels/{channel['id']}.",
                 )
             )
     return out
@@ -4550,6 +5024,7 @@ class Service:
         self.plugins = {**BUILTIN_PLUGINS, **load_plugins(plugins_dir(config))}
         self.plugin_errors: dict = {}  # name -> the last error a hook raised
         self.plugin_cache: dict = {}  # what built-in plugins derive from the index
+        self.plugin_build_lock = threading.RLock()  # derived(): one build at a time
         check_agent_config(config)
         config.notes_dir.mkdir(parents=True, exist_ok=True)
         self.state = StateStore(config.state_dir)
@@ -5243,6 +5718,8 @@ def get_channel(svc: Service, channel_id: str) -> dict:
 
 def patch_channel(svc: Service, channel_id: str) -> dict:
     """Merge {name?, config?} into a channel (validated as on create; the secret stays)."""
+    if not any(c["id"] == channel_id for c in _channels(svc)):  # 404 before the body's 400
+        raise not_found(f"no channel {channel_id}")
     body = read_json(svc.config.max_body_bytes)
     unknown = sorted(set(body) - {"name", "config"})
     if unknown:
@@ -5482,6 +5959,7 @@ def plugin_routes(plugins: Iterable[Plugin]) -> list:
                     guarded,
                     summary=r.summary,
                     status=r.status,
+                    params=r.params,
                     tag="plugins",
                 )
             )
@@ -5625,13 +6103,39 @@ def _obj(required: Iterable[str] = (), **props: dict) -> dict:
 
 
 _STR = {"type": "string"}
-_INT = {"type": "integer"}
-_NOTE_PATH = {  # the gist of note_path(); the server checks the full rules
-    "type": "string",
-    "maxLength": MAX_PATH_CHARS,
-    "pattern": r'^notes(/[^/\\:*?"<>|.][^/\\:*?"<>|]*)+\.md$',
-    "examples": ["notes/ideas/garden.md"],
-}
+_NOTE_PATH, _FOLDER_PATH = NOTE_PATH_SCHEMA, FOLDER_PATH_SCHEMA
+
+
+def _int(lo: int, hi: int, default: int) -> dict:
+    return {"type": "integer", "minimum": lo, "maximum": hi, "default": default}
+
+
+def _channel_body() -> dict:
+    """Return the schema of a channel's create body: one shape per registered provider."""
+
+    def config(provider: ChannelProvider) -> dict:
+        props = {
+            f.name: {"type": "array", "items": {"type": ["string", "integer"]}, "maxItems": 1000}
+            if f.kind == "list"
+            # printable and single-line on the server; said here as printable ASCII
+            else {"type": "string", "minLength": int(f.required), "pattern": "^[ -~]{0,512}$"}
+            for f in provider.fields
+        }
+        required = [f.name for f in provider.fields if f.required]
+        return {**_obj(required, **props), "additionalProperties": False}
+
+    return {
+        "oneOf": [
+            _obj(
+                ["provider", "config"] if any(f.required for f in p.fields) else ["provider"],
+                provider={"const": name},
+                name={"type": "string", "maxLength": 100},
+                config=config(p),
+            )
+            for name, p in sorted(CHANNEL_PROVIDERS.items())
+        ]
+    }
+
 
 ROUTES = (
     Route("GET", "/health", get_health, public=True, summary="Liveness and version"),
@@ -5685,16 +6189,32 @@ ROUTES = (
         "/notes",
         list_notes,
         summary="List notes by path",
-        params={"folder": _STR, "limit": _INT, "offset": _INT},
+        params={"folder": _FOLDER_PATH, "limit": _int(1, 1000, 100), "offset": _int(0, 10**9, 0)},
         tag="notes",
     ),
-    Route("GET", "/notes/<path:path>", get_note, summary="Read a note", tag="notes"),
+    Route(
+        "GET",
+        "/notes/<path:path>",
+        get_note,
+        summary="Read a note",
+        params={"path": NOTE_PATH_PARAM},
+        tag="notes",
+    ),
     Route(
         "PUT",
         "/notes/<path:path>",
         update_note,
         summary="Replace a note's content (If-Match honoured)",
-        body=_obj(["content"], content=_STR, path=_NOTE_PATH),
+        body=_obj(
+            ["content"],
+            content=_STR,
+            path={
+                **_NOTE_PATH,
+                "description": "optional, and then the note's own path: PUT never moves "
+                "a note (PATCH .../move does)",
+            },
+        ),
+        params={"path": NOTE_PATH_PARAM},
         tag="notes",
     ),
     Route(
@@ -5703,15 +6223,34 @@ ROUTES = (
         move_note,
         summary="Move or rename a note; never overwrites",
         body=_obj(["path"], path=_NOTE_PATH, updateLinks={"type": "boolean"}),
+        params={"path": NOTE_PATH_PARAM},
         tag="notes",
     ),
-    Route("DELETE", "/notes/<path:path>", delete_note, summary="Move to trash", tag="notes"),
+    Route(
+        "DELETE",
+        "/notes/<path:path>",
+        delete_note,
+        summary="Move to trash",
+        params={"path": NOTE_PATH_PARAM},
+        tag="notes",
+    ),
     Route(
         "GET",
         "/search",
         search_notes,
         summary='Full-text search (BM25): words, "phrases", prefix*, -exclude, OR',
-        params={"q": _STR, "limit": _INT, "offset": _INT, "folder": _STR},
+        params={
+            "q": {
+                "type": "string",
+                "minLength": 1,
+                "maxLength": MAX_QUERY_CHARS,
+                "description": 'words (all must match), "exact phrase", prefix*, -word, '
+                "a OR b; at least one word of letters or digits to search for",
+            },
+            "limit": _int(1, 100, 20),
+            "offset": _int(0, 10000, 0),
+            "folder": _FOLDER_PATH,
+        },
         tag="search",
     ),
     Route(
@@ -5721,8 +6260,8 @@ ROUTES = (
         summary="Ask the agent about your notes",
         body=_obj(
             ["message"],
-            message={"type": "string", "minLength": 1, "maxLength": 8000},
-            notePath=_STR,
+            message={"type": "string", "minLength": 1, "maxLength": 8000, "pattern": r"\S"},
+            notePath=_NOTE_PATH,
             channel={"enum": list(CHANNEL_NAMES)},
         ),
         tag="agent",
@@ -5741,7 +6280,7 @@ ROUTES = (
         "/channels",
         create_channel,
         summary="Create a channel (the only answer showing its secret)",
-        body=_obj(["provider"], provider=_STR, name=_STR, config={"type": "object"}),
+        body=_channel_body,
         status=201,
         tag="channels",
     ),
@@ -5809,7 +6348,14 @@ ROUTES = (
         tag="security",
     ),
     Route("GET", "/folders/tree", get_tree, summary="Folder tree from the root", tag="folders"),
-    Route("GET", "/folders/tree/<path:path>", get_subtree, summary="Subtree", tag="folders"),
+    Route(
+        "GET",
+        "/folders/tree/<path:path>",
+        get_subtree,
+        summary="Subtree",
+        params={"path": FOLDER_PATH_PARAM},
+        tag="folders",
+    ),
     Route("GET", "/relay/v1/pair/<code>", pair_relay_code, public=True, api=False, tag="relay"),
     Route("GET", "/", get_web_client, public=True, api=False, tag="pages", media="text/html"),
 )
@@ -5818,6 +6364,9 @@ ROUTES = (
 def openapi_path(rule: str) -> str:
     """Return a Bottle rule as an OpenAPI path: <name> and <name:path> become {name}."""
     return re.sub(r"<(\w+)(?::[^>]*)?>", r"{\1}", rule)
+
+
+_SEGMENT = {"type": "string", "minLength": 1}  # a path parameter without its own schema
 
 
 def openapi_document(routes: Iterable[Route], server_url: str) -> dict:
@@ -5848,7 +6397,7 @@ def openapi_document(routes: Iterable[Route], server_url: str) -> dict:
                 },
                 "default": {
                     "description": "the error envelope: 400, 401, 403, 404, 405, 409, 412, "
-                    "413, 415, 429, 500, 502, 503 or 504",
+                    "413, 415, 429, 500, 502, 503, 504 or 507",
                     "content": _json_content("Error"),
                 },
             },
@@ -5857,20 +6406,26 @@ def openapi_document(routes: Iterable[Route], server_url: str) -> dict:
             op["security"] = []
         elif r.key_only:
             op["security"] = [{"apiKey": []}]
+        schemas = r.params or {}  # a name of the rule's is a path parameter, others query
+        in_path = re.findall(r"<(\w+)(?::[^>]*)?>", r.path)
         params = [
-            {"name": p, "in": "path", "required": True, "schema": _STR}
-            for p in re.findall(r"<(\w+)(?::[^>]*)?>", r.path)
+            {"name": p, "in": "path", "required": True, "schema": schemas.get(p, _SEGMENT)}
+            for p in in_path
         ]
         params += [
             {"name": n, "in": "query", "required": n == "q", "schema": schema}
-            for n, schema in (r.params or {}).items()
+            for n, schema in schemas.items()
+            if n not in in_path
         ]
         if params:
             op["parameters"] = params
-        if r.body is not None:
+        body = r.body() if callable(r.body) else r.body  # a function: built per document
+        if body is not None:
             op["requestBody"] = {
-                "required": bool(r.body.get("required")),
-                "content": {"application/json": {"schema": r.body}},
+                "required": bool(
+                    body.get("required") or body.get("oneOf") or body.get("minProperties")
+                ),
+                "content": {"application/json": {"schema": body}},
             }
         paths.setdefault(openapi_path(r.rule), {})[r.method.lower()] = op
     return {
@@ -6054,21 +6609,28 @@ class _Parser(argparse.ArgumentParser):
         self.exit(2, f"notesvc: error: {message} (see --help)\n")
 
 
-def build_parser() -> argparse.ArgumentParser:
-    env_only = "\n".join(
-        f"  {s.env:<28} {s.help} (default: {s.default or '-'})" for s in SETTINGS if not s.flag
-    )
-    parser = _Parser(
-        prog="notesvc",
-        description="A self-hosted notes server with an HTTP JSON API.",
-        epilog="Environment variables without a flag:\n" + env_only,
-        formatter_class=argparse.RawDescriptionHelpFormatter,
-    )
-    parser.add_argument("--version", action="version", version=f"notesvc {__version__}")
+COMMAND_HELP = {
+    "serve": "serve the API (the default)",
+    "rotate-key": "print a new API key; the old one stops working (works while serving)",
+    "audit": "print the security audit of this root's server; exit 1 on a critical finding",
+    "relay": "run a relay only (serves /relay/v1/*, /r/<serverId>/api/v1/*, /health)",
+}
 
-    def add_flags(p: argparse.ArgumentParser, default: Any) -> None:
+
+def build_parser() -> argparse.ArgumentParser:
+    """Return the parser; each subcommand takes the flags of the settings it reads."""
+
+    def env_only(command: str | None) -> str:
+        rows = [
+            f"  {s.env:<28} {s.help} (default: {s.default or '-'})"
+            for s in SETTINGS
+            if not s.flag and (command is None or command in setting_commands(s))
+        ]
+        return "Environment variables without a flag:\n" + "\n".join(rows) if rows else ""
+
+    def add_flags(p: argparse.ArgumentParser, command: str | None, default: Any) -> None:
         for s in SETTINGS:
-            if s.flag:
+            if s.flag and (command is None or command in setting_commands(s)):
                 p.add_argument(
                     s.flag,
                     dest=s.name,
@@ -6077,15 +6639,24 @@ def build_parser() -> argparse.ArgumentParser:
                     help=f"{s.help} (env {s.env}, default {s.default or '-'})",
                 )
 
-    add_flags(parser, None)
+    parser = _Parser(
+        prog="notesvc",
+        description="A self-hosted notes server with an HTTP JSON API.",
+        epilog=env_only(None),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--version", action="version", version=f"notesvc {__version__}")
+    add_flags(parser, None, None)  # `notesvc --port 8080` serves; checked against the command
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    for name, text in (
-        ("serve", "serve the API (the default)"),
-        ("rotate-key", "print a new API key; the old one stops working (works while serving)"),
-        ("audit", "print the security audit; exit 1 on a critical finding"),
-        ("relay", "run a relay only (serves /relay/v1/*, /r/<serverId>/api/v1/*, /health)"),
-    ):
-        add_flags(sub.add_parser(name, help=text, description=text), argparse.SUPPRESS)
+    for name, text in COMMAND_HELP.items():
+        p = sub.add_parser(
+            name,
+            help=text,
+            description=text,
+            epilog=env_only(name),
+            formatter_class=argparse.RawDescriptionHelpFormatter,
+        )
+        add_flags(p, name, argparse.SUPPRESS)
     return parser
 
 
@@ -6211,6 +6782,122 @@ def _raise_open_files_limit(wanted: int) -> None:
         pass
 
 
+# -- the running server's effective settings ---------------------------------------------
+#
+# `serve` records its settings in <state>/effective.json (0600, atomic) once it listens,
+# so that `audit` run from cron or a shell audits what the server really uses, not what
+# that shell's environment says. Secrets are never written: only whether each is set and
+# the figures the audit judges it by (length, entropy per character).
+
+EFFECTIVE_FILE = "effective.json"
+_SECRET_NAME_RE = re.compile(r"(secret|api_key|token|password)$")
+
+
+def _plain(value: Any) -> Any:
+    if isinstance(value, (str, int, float, bool)) or value is None:
+        return value
+    if isinstance(value, (tuple, list, set, frozenset)):
+        return [_plain(v) for v in value]
+    return str(value)
+
+
+def _as_text(value: Any) -> str:
+    """Return a recorded value as the text its Setting parses back."""
+    if isinstance(value, bool):
+        return "true" if value else "false"
+    if isinstance(value, list):
+        return ",".join(_as_text(v) for v in value)
+    return "" if value is None else str(value)
+
+
+def effective_record(config: Config, port: int) -> dict:
+    """Return the record of a serving process's settings (no secret in it)."""
+    settings, hidden = {}, {}
+    for s in SETTINGS:
+        value = getattr(config, s.name)
+        if _SECRET_NAME_RE.search(s.name):
+            text = str(value or "")
+            hidden[s.name] = {
+                "set": bool(text),
+                "bytes": len(text.encode()),
+                "bitsPerChar": max(0.0, _entropy_bits_per_char(text)),
+            }
+        else:
+            settings[s.name] = _plain(value)
+    settings["port"] = int(port)
+    return {
+        "pid": os.getpid(),
+        "uid": os.geteuid() if hasattr(os, "geteuid") else None,
+        "startedAt": iso(utcnow()),
+        "version": __version__,
+        "settings": settings,
+        "secrets": hidden,
+    }
+
+
+def config_from_record(record: dict, root: Path) -> Config:
+    """Return the Config a record describes, parsed and checked like any other settings."""
+    settings, hidden = record.get("settings") or {}, record.get("secrets") or {}
+    env = {}
+    for s in SETTINGS:
+        if s.name in hidden:  # a stand-in: the audit reads the recorded figures instead
+            facts = hidden[s.name] if isinstance(hidden[s.name], dict) else {}
+            env[s.env] = "*" * max(32, int(facts.get("bytes", 0))) if facts.get("set") else ""
+        elif s.name in settings:
+            env[s.env] = _as_text(settings[s.name])
+    env["SERVICE_NOTES_ROOT"] = str(root)
+    return load_config(env)
+
+
+def running_server(config: Config) -> tuple | None:
+    """Return (pid, effective record or None) while a server holds the root's lock.
+
+    Opens the lock file read-only and takes no lock it keeps: nothing is written.
+    """
+    if fcntl is None:
+        return None
+    try:
+        fd = os.open(config.state_dir / "notesvc.lock", os.O_RDONLY)
+    except OSError:
+        return None
+    try:
+        try:
+            fcntl.flock(fd, fcntl.LOCK_SH | fcntl.LOCK_NB)
+        except OSError:
+            pid = os.pread(fd, 32, 0).decode(errors="replace").strip() or "?"
+        else:
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            return None
+    finally:
+        os.close(fd)
+    try:
+        record = json.loads((config.state_dir / EFFECTIVE_FILE).read_text("utf-8"))
+    except (OSError, ValueError):
+        record = None
+    if not isinstance(record, dict) or str(record.get("pid")) != pid:
+        record = None  # left by an earlier server, or this one has not written it yet
+    return pid, record
+
+
+class AuditView:
+    """What the audit checks read, opened without side effects.
+
+    The state is opened read-only; only the built-in plugins are known (check_plugins
+    lists third-party files from the disk and never imports them); nothing is created,
+    swept or written, so `audit` run as root leaves every file as it found it.
+    """
+
+    def __init__(self, config: Config, state: StateStore, service_uid: int, secrets=None):
+        self.config, self.state = config, state
+        self.plugins = dict(BUILTIN_PLUGINS)
+        self.plugin_errors: dict = {}
+        self.service_uid = service_uid
+        self.recorded_secrets = secrets  # the running server's figures, or None
+        self.query_secret_seen_at = 0.0  # known only inside the running server
+        self.relay_client = None
+        self.started = time.time()
+
+
 def make_server(app: Callable, config: Config):
     """Return a server bound to host:port: waitress, else wsgiref with a warning.
 
@@ -6292,11 +6979,30 @@ def print_banner(config: Config, state: dict, port: int) -> None:
     if config.host in ("0.0.0.0", "::", ""):
         lines.append(f"  from other devices: http://{platform.node() or 'this-host'}:{port}")
     if state.get("setupComplete"):
-        lines.append("  setup complete; lost the key? run: python notesvc.py rotate-key")
+        lines.append(f"  setup complete; lost the key? run: {_self_command()} rotate-key")
     else:
-        lines.append(f"  key:    {state.get('apiKey', '')}  (shown until setup completes)")
+        if _is_terminal(sys.stderr):
+            lines.append(f"  key:    {state.get('apiKey', '')}  (shown until setup completes)")
+        else:  # a journal or a log file keeps what it is given: no key there
+            lines.append(
+                "  key:    not logged; open the setup URL on this machine, "
+                f"or run: {_self_command()} rotate-key"
+            )
         lines.append(f"  link:   curl -X POST -H '{KEY_HEADER}: <key>' {url}{API}/auth/link")
     print("\n".join(lines), file=sys.stderr, flush=True)
+
+
+def _self_command() -> str:
+    """Return how the owner runs this program: the `notesvc` entry point or the file."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    return argv0 if os.path.basename(argv0) == "notesvc" else "python3 notesvc.py"
+
+
+def _is_terminal(stream: Any) -> bool:
+    try:
+        return stream.isatty()
+    except (AttributeError, ValueError):  # no stream, or a closed one
+        return False
 
 
 def cmd_serve(config: Config) -> int:
@@ -6315,12 +7021,17 @@ def cmd_serve(config: Config) -> int:
         signal.signal(signal.SIGTERM, stop)  # systemd's stop: shut down cleanly, exit 0
         if config.relay_url and config.pairing == "relay":
             app.service.relay_client = RelayClient(app).start()
+        effective = config.state_dir / EFFECTIVE_FILE
         try:
+            record = effective_record(config, server.effective_port)
+            atomic_write(effective, json.dumps(record, indent=2).encode("utf-8"), mode=0o600)
             print_banner(config, app.service.state.read(), server.effective_port)
             server.run()
         except KeyboardInterrupt:
             log.info("stopping")
         finally:
+            with contextlib.suppress(OSError):
+                effective.unlink()
             with contextlib.suppress(Exception):
                 server.close()
             if app.service.relay_client:
@@ -6366,8 +7077,37 @@ def cmd_relay(config: Config) -> int:
     return 0
 
 
+def _user_name(uid: int) -> str:
+    try:
+        import pwd
+
+        return pwd.getpwuid(uid).pw_name
+    except (ImportError, KeyError):
+        return f"#{uid}"  # sudo -u takes a numeric id this way
+
+
 def cmd_rotate_key(config: Config) -> int:
-    key = StateStore(config.state_dir).update(rotate_key)
+    """Print a new key; the state is written as the state folder's owner.
+
+    Root writes it as that owner (chown before the atomic rename); another user stops
+    with the sudo line to use, so the service never finds its state owned by someone else.
+    """
+    folder = os.stat(config.state_dir)
+    euid = os.geteuid() if hasattr(os, "geteuid") else folder.st_uid
+    name = _user_name(folder.st_uid)
+    hint = (
+        f"the state at {config.state_dir} belongs to {name}; run: "
+        f"sudo -u {name} {_self_command()} rotate-key --root {config.root}"
+    )
+    owner = None
+    if euid != folder.st_uid:
+        if euid != 0:
+            raise ConfigError(hint)
+        owner = (folder.st_uid, folder.st_gid)
+    try:
+        key = StateStore.open_existing(config.state_dir, owner=owner).update(rotate_key)
+    except PermissionError:
+        raise ConfigError(hint) from None
     print(key)
     print(
         "The old key stopped working; a running notesvc picks this one up at once.",
@@ -6377,10 +7117,45 @@ def cmd_rotate_key(config: Config) -> int:
 
 
 def cmd_audit(config: Config) -> int:
-    """Print the security audit; exit 1 when a critical finding exists (for cron / CI)."""
-    report = run_audit(Service(config, indexed=False))
+    """Print the security audit; exit 1 when a critical finding exists (for cron / CI).
+
+    Audits the running server's recorded settings while one holds the root's lock, else
+    this command's own; writes nothing and never imports plugin code.
+    """
+    state = StateStore.open_existing(config.state_dir, readonly=True)
+    service_uid, secrets_seen = os.stat(config.state_dir).st_uid, None
+    running = running_server(config)
+    if running and running[1]:
+        pid, record = running
+        try:
+            config = config_from_record(record, config.root)
+        except ConfigError as e:
+            subject = (
+                f"the running server (pid {pid}) recorded settings this version cannot "
+                f"read ({e}); auditing this command's own settings instead"
+            )
+        else:
+            subject = (
+                f"auditing the running server (pid {pid}, started {record.get('startedAt')})"
+                " with its effective settings"
+            )
+            secrets_seen = record.get("secrets") or {}
+            if isinstance(record.get("uid"), int):
+                service_uid = record["uid"]
+    elif running:
+        subject = (
+            f"a server (pid {running[0]}) holds this root but has recorded no settings yet; "
+            "auditing this command's own settings (flags and SERVICE_* variables)"
+        )
+    else:
+        subject = (
+            "no server is running on this root; auditing this command's own settings "
+            "(flags and SERVICE_* variables)"
+        )
+    report = run_audit(AuditView(config, state, service_uid, secrets_seen))
     marks = {"critical": "!!", "high": "! ", "medium": "- ", "low": ". ", "info": "  "}
     print(f"notesvc {__version__} security audit of {config.root}")
+    print(subject)
     print(
         f"score {report['score']}/100  "
         + "  ".join(f"{k} {v}" for k, v in report["summary"].items())
@@ -6398,19 +7173,32 @@ COMMANDS = {
     "audit": cmd_audit,
     "relay": cmd_relay,
 }
+CREATING_COMMANDS = ("serve", "relay")  # the others refuse a root without state
 
 
 def main(argv: list | None = None) -> int:
-    args = build_parser().parse_args(argv)
-    flags = {s.name: getattr(args, s.name, None) for s in SETTINGS}
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    command = args.command or "serve"
+    reads = [s for s in SETTINGS if command in setting_commands(s)]
+    for s in SETTINGS:
+        if s not in reads and getattr(args, s.name, None) is not None:
+            parser.error(f"{s.flag} does not apply to {command}")
+    flags = {s.name: getattr(args, s.name, None) for s in reads}
+    env = {s.env: os.environ[s.env] for s in reads if s.env in os.environ}
     try:
-        config = load_config(**flags)
+        config = load_config(env, **flags)
         logging.basicConfig(
             level=config.log_level,
             format="%(asctime)s %(levelname)s %(name)s: %(message)s",
             stream=sys.stderr,
         )
-        return COMMANDS[args.command or "serve"](config)
+        if command not in CREATING_COMMANDS and not (config.state_dir / "state.json").is_file():
+            raise ConfigError(
+                f"no notesvc state at {config.state_dir} "
+                "(start the server there first, or check --root)"
+            )
+        return COMMANDS[command](config)
     except (ConfigError, StateError) as e:
         print(f"notesvc: error: {e}", file=sys.stderr)
         return 2
