@@ -531,14 +531,28 @@ def not_found(message: str) -> ApiError:
     return ApiError(404, "NOT_FOUND", message)
 
 
+JSON_TYPE = "application/json; charset=utf-8"
+
+
 def to_json(obj: Any) -> bytes:
     return json.dumps(obj, ensure_ascii=False, separators=(",", ":")).encode("utf-8")
 
 
-def json_body(obj: Any) -> bytes:
-    """Return obj as a JSON response body and set the JSON content type."""
-    bottle.response.content_type = "application/json; charset=utf-8"
-    return to_json(obj)
+def success_body(data: Any) -> bytes:
+    """Return the success envelope {"success": true, "data": ...} as bytes."""
+    return to_json({"success": True, "data": data})
+
+
+def error_body(code: str, message: str, **extra: Any) -> bytes:
+    """Return the error envelope as bytes: every failure, wherever raised, is this."""
+    return to_json({"success": False, "error": {"code": code, "message": message, **extra}})
+
+
+def ok(data: Any, status: int = 200) -> bytes:
+    """Return the success envelope as the current response (status and JSON type set)."""
+    bottle.response.status = status
+    bottle.response.content_type = JSON_TYPE
+    return success_body(data)
 
 
 def render_error(err: bottle.HTTPError) -> bytes:
@@ -559,7 +573,8 @@ def render_error(err: bottle.HTTPError) -> bytes:
             message = f"internal error; request id {env.get('notesvc.request_id', '-')}"
         else:
             message = str(err.body or bottle.HTTP_CODES.get(status, "error"))
-    return json_body({"success": False, "error": {"code": code, "message": message}})
+    bottle.response.content_type = JSON_TYPE
+    return error_body(code, message, **getattr(err, "extra", {}))
 
 
 # == Helpers ==================================================================
@@ -3332,18 +3347,17 @@ builtin_plugin(
 )
 
 
-def daily_today(svc: Service) -> dict:
+def daily_today(svc: Service) -> bytes:
     today = dt.date.today()
     path = f"{NOTES}/daily/{today:%Y-%m-%d}.md"
     try:
-        rec = svc.notes.create(path, f"# {today:%A, %d %B %Y}\n\n")
-        bottle.response.status = 201
+        rec, status = svc.notes.create(path, f"# {today:%A, %d %B %Y}\n\n"), 201
     except ApiError as e:
         if e.code != "CONFLICT":
             raise
-        rec = svc.notes.get(path)
+        rec, status = svc.notes.get(path), 200  # it was there already: not created now
     bottle.response.set_header("ETag", rec["etag"])
-    return rec
+    return ok(rec, status)
 
 
 builtin_plugin(
@@ -4611,10 +4625,8 @@ class RelayServer:
 
     @staticmethod
     def _error(status: int, message: str, code: str = "", headers: dict | None = None) -> tuple:
-        code = code or STATUS_CODES.get(status, "VALIDATION_ERROR")
-        body = to_json({"success": False, "error": {"code": code, "message": message}})
-        out = [("Content-Type", "application/json; charset=utf-8"), *(headers or {}).items()]
-        return status, out, body
+        body = error_body(code or STATUS_CODES.get(status, "VALIDATION_ERROR"), message)
+        return status, [("Content-Type", JSON_TYPE), *(headers or {}).items()], body
 
     async def _route(self, req: RelayRequest) -> tuple:
         allowed = []
@@ -4636,8 +4648,7 @@ class RelayServer:
                 log.exception("relay: request %s failed", rid)
                 return self._error(500, f"internal error; request id {rid}")
             if isinstance(result, dict):
-                body = to_json({"success": True, "data": result})
-                return 200, [("Content-Type", "application/json; charset=utf-8")], body
+                return 200, [("Content-Type", JSON_TYPE)], success_body(result)
             return result
         if allowed:
             return self._error(
@@ -4766,7 +4777,7 @@ def relay_answer_headers(path: str, headers: list) -> list:
     A registered server cannot publish script or cookies on the relay's origin.
     """
     keep = []
-    ctype = "application/json; charset=utf-8"
+    ctype = JSON_TYPE
     for name, value in headers:
         lower = name.lower()
         if lower == "content-type":
@@ -5529,7 +5540,6 @@ def create_note(svc: Service) -> dict:
     rec = svc.notes.create(path, content)
     script = bottle.request.environ.get("SCRIPT_NAME", "")
     location = f"{script}{API}/notes/{urllib.parse.quote(path, safe='')}"
-    bottle.response.status = 201
     bottle.response.set_header("Location", location)
     return _note_response(rec)
 
@@ -5694,7 +5704,6 @@ def create_channel(svc: Service) -> dict:
     }
     svc.state.update(lambda data: data.setdefault("channels", []).append(channel))
     log.info("channel %s (%s) created", channel["id"], name)
-    bottle.response.status = 201
     return channel
 
 
@@ -6094,7 +6103,7 @@ class Route:
 
 
 def get_openapi(svc: Service):
-    bottle.response.content_type = "application/json; charset=utf-8"
+    bottle.response.content_type = JSON_TYPE
     return to_json(openapi_document(svc.routes, svc.base_url(bottle.request.environ)))
 
 
@@ -6472,7 +6481,7 @@ def _callback(svc: Service, route: Route) -> Callable:
             log.exception("request %s failed in %s", rid, route.handler.__name__)
             raise ApiError(500, "INTERNAL_ERROR", f"internal error; request id {rid}") from None
         if isinstance(result, dict):
-            return json_body({"success": True, "data": result})
+            return ok(result, route.status)
         return result
 
     callback.__name__ = route.handler.__name__
@@ -6578,10 +6587,10 @@ class NotesApp:
 
 
 def _plain_error(respond: Callable, status: int, code: str, message: str) -> list:
-    body = to_json({"success": False, "error": {"code": code, "message": message}})
+    body = error_body(code, message)
     respond(
         f"{status} {bottle.HTTP_CODES.get(status, 'Error')}",
-        [("Content-Type", "application/json; charset=utf-8"), ("Content-Length", str(len(body)))],
+        [("Content-Type", JSON_TYPE), ("Content-Length", str(len(body)))],
     )
     return [body]
 
@@ -6698,9 +6707,9 @@ class _EnvelopedError:
         else:
             message = "internal error"
         code = STATUS_CODES.get(status, "VALIDATION_ERROR" if status < 500 else "INTERNAL_ERROR")
-        body = to_json({"success": False, "error": {"code": code, "message": message}})
+        body = error_body(code, message)
         headers = [
-            ("Content-Type", "application/json; charset=utf-8"),
+            ("Content-Type", JSON_TYPE),
             ("X-Request-Id", uuid.uuid4().hex[:16]),
             ("X-Content-Type-Options", "nosniff"),
             ("Cache-Control", "no-store"),
