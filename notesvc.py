@@ -2563,6 +2563,28 @@ STOPWORDS = frozenset(
 )
 CONTEXT_BUDGET = 12000  # characters of notes an upstream model is given
 REPLY_LIMIT = 4000  # characters of a reply sent through a messaging channel
+MAX_MESSAGE_CHARS = 8000  # of a question to the agent
+
+# The built-in registries are filled by the decorators below. While a plugin file loads,
+# the same decorators fill that plugin's own registries instead (see load_plugins), so
+# each app sees the built-ins plus its own plugins' providers, never another app's.
+_COLLECTING = threading.local()
+
+
+def _registry(kind: str, builtin: dict) -> dict:
+    target = getattr(_COLLECTING, "registries", None)
+    return builtin if target is None else target.setdefault(kind, {})
+
+
+@contextlib.contextmanager
+def collecting_registrations():
+    """Within the block, provider decorators fill the yielded dict, not the built-ins."""
+    registries: dict = {}
+    _COLLECTING.registries = registries
+    try:
+        yield registries
+    finally:
+        _COLLECTING.registries = None
 
 
 class UpstreamError(Exception):
@@ -2677,23 +2699,34 @@ def retrieve(svc: Service, question: str, note: str | None, limit: int = 3) -> l
 # -- agent providers ------------------------------------------------------------------
 
 
+AnswerFn = Callable[[Any, str, list], tuple]  # (svc, question, found) -> (reply, model)
+
+
 @dataclasses.dataclass(frozen=True)
 class AgentProvider:
     name: str
-    answer: Callable  # (svc, question, found) -> (reply, model); raises UpstreamError
-    model: Callable  # (config) -> the model name reported by /agent/status
+    answer: AnswerFn  # raises UpstreamError when the model fails
+    model: Callable[[Config], str]  # the model name reported by /agent/status
     enabled: bool = True
     description: str = ""
+    requires: tuple = ()  # Config fields that must be set to use it (checked at start)
 
 
-AGENT_PROVIDERS: dict = {}
+AGENT_PROVIDERS: dict[str, AgentProvider] = {}
 
 
-def agent_provider(name: str, model: Callable, enabled: bool = True, description: str = ""):
+def agent_provider(
+    name: str,
+    model: Callable[[Config], str],
+    enabled: bool = True,
+    description: str = "",
+    requires: tuple = (),
+) -> Callable[[AnswerFn], AnswerFn]:
     """Register an agent provider function under name."""
 
-    def register(fn: Callable) -> Callable:
-        AGENT_PROVIDERS[name] = AgentProvider(name, fn, model, enabled, description)
+    def register(fn: AnswerFn) -> AnswerFn:
+        provider = AgentProvider(name, fn, model, enabled, description, requires)
+        _registry("agent", AGENT_PROVIDERS)[name] = provider
         return fn
 
     return register
@@ -2755,6 +2788,7 @@ def agent_endpoint(base_url: str, path: str, api_key: str = "") -> tuple:
     "openai",
     model=lambda cfg: cfg.agent_model,
     description="any OpenAI-compatible /chat/completions (Ollama, llama.cpp, vLLM, OpenAI)",
+    requires=("agent_base_url", "agent_model"),
 )
 def answer_with_model(svc: Service, question: str, found: list) -> tuple:
     cfg = svc.config
@@ -2785,7 +2819,7 @@ def answer_nothing(svc: Service, question: str, found: list) -> tuple:
 
 def ask_agent(svc: Service, question: str, note: str | None = None) -> dict:
     """Return the agent's {reply, provider, model, sources} for a question."""
-    provider = AGENT_PROVIDERS[svc.config.agent_provider]
+    provider = svc.agent_providers[svc.config.agent_provider]
     if not provider.enabled:
         raise ApiError(503, "AGENT_DISABLED", "the agent is off (SERVICE_AGENT_PROVIDER=none)")
     found = retrieve(svc, question, note)
@@ -2809,37 +2843,71 @@ class ConfigField:
     help: str = ""
 
 
+ParseFn = Callable[[dict], list]  # payload -> [(sender, text[, display name])]
+SendFn = Callable[[Any, dict, str, str], None]  # (svc, config, sender, text)
+
+
 @dataclasses.dataclass(frozen=True)
 class ChannelProvider:
     name: str
     fields: tuple  # ConfigField
     # (payload) -> [(sender, text)] or [(sender, text, sender's display name)]; text None
     # for an update without text. Plugins' 2-tuples keep working.
-    parse: Callable
-    send: Callable | None  # (svc, config, sender, text) -> None; raises UpstreamError
+    parse: ParseFn
+    send: SendFn | None  # raises UpstreamError
     allow: str = ""  # the config field holding the sender allowlist
     description: str = ""
+    secret_header: str = ""  # a header the provider itself sends the channel secret in
+    # GET /channels/webhook/<name>: the provider's subscription check, (svc) -> text
+    verify: Callable | None = None
+    verify_params: tuple = ()  # its query parameters (OpenAPI)
 
 
-CHANNEL_PROVIDERS: dict = {}
+CHANNEL_PROVIDERS: dict[str, ChannelProvider] = {}
 
 
-def channel_provider(name: str, fields: tuple, allow: str = "", description: str = ""):
+def channel_provider(
+    name: str,
+    fields: tuple,
+    allow: str = "",
+    description: str = "",
+    secret_header: str = "",
+) -> Callable[[ParseFn], ParseFn]:
     """Register a channel provider: the decorated function parses inbound updates."""
 
-    def register(parse: Callable) -> Callable:
-        CHANNEL_PROVIDERS[name] = ChannelProvider(name, fields, parse, None, allow, description)
+    def register(parse: ParseFn) -> ParseFn:
+        provider = ChannelProvider(name, fields, parse, None, allow, description, secret_header)
+        _registry("channel", CHANNEL_PROVIDERS)[name] = provider
         return parse
 
     return register
 
 
-def channel_sender(name: str):
+def _registered_channel(name: str) -> tuple:
+    registry = _registry("channel", CHANNEL_PROVIDERS)
+    if name not in registry:
+        raise KeyError(f"register channel provider {name!r} before its sender or check")
+    return registry, registry[name]
+
+
+def channel_sender(name: str) -> Callable[[SendFn], SendFn]:
     """Register the function that sends replies through channel provider `name`."""
 
-    def register(send: Callable) -> Callable:
-        CHANNEL_PROVIDERS[name] = dataclasses.replace(CHANNEL_PROVIDERS[name], send=send)
+    def register(send: SendFn) -> SendFn:
+        registry, provider = _registered_channel(name)
+        registry[name] = dataclasses.replace(provider, send=send)
         return send
+
+    return register
+
+
+def channel_verifier(name: str, params: tuple = ()) -> Callable:
+    """Register the provider's answer to GET /channels/webhook/<name> (a subscription check)."""
+
+    def register(verify: Callable) -> Callable:
+        registry, provider = _registered_channel(name)
+        registry[name] = dataclasses.replace(provider, verify=verify, verify_params=params)
+        return verify
 
     return register
 
@@ -2881,6 +2949,7 @@ def validate_channel_config(provider: ChannelProvider, config: Any) -> dict:
     ),
     allow="allowedChatIds",
     description="a Telegram bot (Bot API webhook + sendMessage)",
+    secret_header="X-Telegram-Bot-Api-Secret-Token",
 )
 def parse_telegram(update: dict) -> list:
     msg = update.get("message") or update.get("edited_message") or update.get("channel_post")
