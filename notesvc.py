@@ -11,13 +11,15 @@ Outline (``grep -n '^# ==' notesvc.py``), in the order the data flows:
   Notes           path rules, the note record, the store, trash, locks
   Search          tokenizer, BM25, the inverted index, its cache
   State and auth  state.json, keys, JWT, lockout
-  Providers       AGENT_PROVIDERS and CHANNEL_PROVIDERS (registries of small functions)
+  Service         the object every handler gets as `svc`: state, notes, index, registries
+  Providers       AGENT_PROVIDERS and CHANNEL_PROVIDERS (registries of small functions),
+                  the channel pipeline
   Plugins         the Plugin record, loading, the built-ins (backlinks, tags, daily)
   Security audit  AUDIT_CHECKS and the score
   Web client      the one self-contained page, served by servers and relays alike
   Relay           `notesvc relay` on asyncio (RelayHub, RelayServer) and the server's
                   RelayClient
-  HTTP            Service, handlers per endpoint group, the route
+  HTTP            handlers per endpoint group, the route
                   table, OpenAPI, NotesApp (middleware) and create_app
   CLI             parser, cmd_* functions, main()
 """
@@ -386,38 +388,41 @@ def setting_commands(setting: Setting) -> tuple:
 
 @dataclasses.dataclass(frozen=True)
 class Config:
-    host: str = "0.0.0.0"
-    port: int = 3000
-    root: Path = Path("./data")
-    auth_mode: str = "api-key"
-    jwt_secret: str = ""
-    cors: tuple = ()
-    public_url: str = ""
-    trust_proxy: tuple = ()  # networks of trusted proxies, as text
-    setup_local_only: bool = False
-    pairing: str = "relay"
-    relay_url: str = ""
-    client_url: str = ""
-    test_client_url: str = ""
-    agent_provider: str = "local"
-    agent_base_url: str = ""
-    agent_model: str = ""
-    agent_api_key: str = ""
-    agent_timeout: float = 60.0
-    telegram_api_base: str = "https://api.telegram.org"
-    whatsapp_api_base: str = "https://graph.facebook.com/v21.0"
-    max_body_bytes: int = 1048576
-    rescan_seconds: int = 5
-    plugins_dir: str = ""
-    threads: int = 8
-    max_connections: int = 500
-    idle_timeout: int = 30
-    relay_max_servers: int = 1000
-    relay_max_queue: int = 32
-    relay_timeout: float = 30.0
-    relay_registrations_per_minute: int = 60
-    relay_max_idle_per_address: int = 64
-    log_level: str = "INFO"
+    """The settings in force: built by load_config() from SETTINGS, whose defaults are the
+    only ones (no second copy here)."""
+
+    host: str
+    port: int
+    root: Path
+    auth_mode: str
+    jwt_secret: str
+    cors: tuple
+    public_url: str
+    trust_proxy: tuple
+    setup_local_only: bool
+    pairing: str
+    relay_url: str
+    client_url: str
+    test_client_url: str
+    agent_provider: str
+    agent_base_url: str
+    agent_model: str
+    agent_api_key: str
+    agent_timeout: float
+    telegram_api_base: str
+    whatsapp_api_base: str
+    max_body_bytes: int
+    rescan_seconds: int
+    plugins_dir: str
+    threads: int
+    max_connections: int
+    idle_timeout: int
+    relay_max_servers: int
+    relay_max_queue: int
+    relay_timeout: float
+    relay_registrations_per_minute: int
+    relay_max_idle_per_address: int
+    log_level: str
 
     @property
     def state_dir(self) -> Path:
@@ -2547,6 +2552,326 @@ class Lockout:
             del self._fails[addr]
 
 
+# == Service ==================================================================
+#
+# The one object every handler, provider, plugin and audit check gets as `svc`: the
+# configuration, the state, the notes, the index, the lockout and the app's own
+# registries (built-ins plus what its plugins brought). Built by create_app() (or, read
+# only, by the audit); its threads start in start().
+
+
+def plugins_dir(config: Config) -> Path:
+    """Return the folder third-party plugins are loaded from."""
+    return (
+        Path(config.plugins_dir).expanduser()
+        if config.plugins_dir
+        else config.state_dir / "plugins"
+    )
+
+
+def check_agent_config(config: Config, providers: Mapping[str, Any]) -> None:
+    """Raise ConfigError when the agent provider is unknown or lacks a setting it requires."""
+    provider = providers.get(config.agent_provider)
+    if provider is None:
+        names = ", ".join(sorted(providers))
+        raise ConfigError(
+            f"SERVICE_AGENT_PROVIDER: {config.agent_provider!r} is not one of {names}"
+        )
+    env_of = {s.name: s.env for s in SETTINGS}
+    for name in provider.requires:
+        if not getattr(config, name):
+            raise ConfigError(f"{env_of[name]}: required by the {provider.name} agent provider")
+
+
+def _rid() -> str:
+    """Return the current request's id (for log lines written below a handler)."""
+    try:
+        return bottle.request.environ.get("notesvc.request_id", "-")
+    except (AttributeError, RuntimeError, KeyError):
+        return "-"
+
+
+class Service:
+    """Everything one running app shares across its threads.
+
+    plugins: every plugin of this app, built-in and third-party (load_plugins);
+    agent_providers / channel_providers: the registries this app sees (built-ins plus its
+    plugins' own). `readonly` (the audit): the state is opened without writing, nothing is
+    created, swept, indexed or started.
+    """
+
+    def __init__(
+        self,
+        config: Config,
+        plugins: Mapping[str, Any],
+        agent_providers: Mapping[str, Any],
+        channel_providers: Mapping[str, Any],
+        readonly: bool = False,
+    ):
+        self.config = config
+        self.readonly = readonly
+        self.started = time.time()
+        self.plugins = dict(plugins)
+        self.agent_providers = dict(agent_providers)
+        self.channel_providers = dict(channel_providers)
+        self.plugin_errors: dict = {}  # name -> the last error a hook raised
+        self.plugin_cache: dict = {}  # what built-in plugins derive from the index
+        self.plugin_build_lock = threading.RLock()  # derived(): one build at a time
+        self.routes: tuple = ()  # the app's Route table (NotesApp sets it)
+        self.relay_client: Any = None  # a RelayClient while `serve` is connected to a relay
+        self.query_secret_seen_at = 0.0  # last webhook call that carried ?secret=
+        self.service_uid = os.geteuid() if hasattr(os, "geteuid") else -1  # the audit's
+        self.recorded_secrets: dict | None = None  # the audit: a running server's figures
+        self.lockout = Lockout()
+        self.last_sync: dict = {}
+        self.index_path = config.state_dir / "index.cache"
+        self.index = SearchIndex()
+        self._stop = threading.Event()
+        self._threads: list = []
+        self._resync: set = set()  # notes to re-index at the next rescan
+        self._saved_generation, self._saved_at = -1, 0.0
+        self._save_lock = threading.Lock()
+        check_agent_config(config, self.agent_providers)
+        if readonly:
+            self.state = StateStore.open_existing(config.state_dir, readonly=True)
+        else:
+            config.notes_dir.mkdir(parents=True, exist_ok=True)
+            self.state = StateStore(config.state_dir)
+        self.notes = NoteStore(config.notes_dir, config.state_dir / "trash")
+
+    def start(self) -> Service:
+        """Sweep crash leftovers, bring the index up to date, start the background work."""
+        if self.readonly or self._threads:
+            return self
+        swept = self.notes.sweep_temp_files()
+        if swept:
+            log.info("removed %d temp files left by an interrupted write", swept)
+        self.index = self._open_index()
+        self._saved_generation = self.index.generation if self.index.paths() else -1
+        self.notes.listeners.append(self._on_note_event)
+        self.notes.after.append(self._run_hooks)
+        self.last_sync = self.sync_index()
+        # The cache is for the next start; writing it need not delay this one.
+        self._spawn(self.save_index, "notesvc-save")
+        if self.config.rescan_seconds:
+            self._spawn(self._rescan_loop, "notesvc-rescan")
+        return self
+
+    def _spawn(self, target: Callable, name: str) -> None:
+        thread = threading.Thread(target=target, name=name, daemon=True)
+        self._threads.append(thread)
+        thread.start()
+
+    # -- the search index ---------------------------------------------------------
+
+    def _open_index(self) -> SearchIndex:
+        try:
+            index = load_index(self.index_path)
+            log.info("index cache loaded: %d notes", len(index.ids))
+            return index
+        except ValueError as e:
+            if self.index_path.exists():
+                log.warning("%s: discarded, rebuilding the index", e)
+                with contextlib.suppress(OSError):
+                    self.index_path.unlink()
+            return SearchIndex()
+
+    def _on_note_event(self, event: str, path: str, detail: Any) -> None:
+        try:
+            self._index_event(event, path, detail)
+        except Exception:  # the write happened; the index catches up at the next rescan
+            log.exception("request %s: indexing %s failed; the next rescan retries", _rid(), path)
+            self._resync.add(path)
+
+    def _index_event(self, event: str, path: str, detail: Any) -> None:
+        if event == "saved":
+            content, st = detail
+            self.index.add(path, content, st.st_size, st.st_mtime_ns)
+        elif event == "moved":
+            new, st = detail
+            self.index.move(path, new, st.st_size, st.st_mtime_ns)
+        elif event == "deleted":
+            self.index.remove(path)
+
+    # -- plugins ----------------------------------------------------------------
+
+    def plugin_enabled(self, name: str) -> bool:
+        plugin = self.plugins.get(name)
+        switches = self.state.read().get("plugins", {})
+        return plugin is not None and plugin.error is None and switches.get(name, True)
+
+    def _run_hooks(self, event: str, path: str, detail: Any) -> None:
+        hook = {"saved": "note_saved", "moved": "note_moved", "deleted": "note_deleted"}[event]
+        args = {"saved": lambda: (path, detail[0]), "moved": lambda: (path, detail[0])}
+        for plugin in self.plugins.values():
+            fn = plugin.hooks.get(hook)
+            if fn is None or not self.plugin_enabled(plugin.name):
+                continue
+            try:
+                fn(self, *args.get(event, lambda: (path,))())
+            except Exception as e:  # a plugin's failure is its own: log it, list it, go on
+                log.exception("plugin %s failed in %s for %s", plugin.name, hook, path)
+                self.plugin_errors[plugin.name] = f"{hook}: {type(e).__name__}: {e}"[:300]
+
+    def sync_index(self) -> dict:
+        """Bring the index in line with the files: re-read what changed, drop what is gone."""
+        started = time.perf_counter()
+        retry, self._resync = self._resync, set()  # notes whose indexing failed after a write
+        on_disk = self.notes.scan()
+        indexed = self.index.signature()
+        removed = [p for p in indexed if p not in on_disk]
+        changed = [p for p, sig in on_disk.items() if indexed.get(p) != sig or p in retry]
+        for path in removed:
+            with self.notes.locked(path):
+                if not self.notes.exists(path):
+                    self.index.remove(path)
+        if len(changed) > 50:
+            self._bulk_index(changed)
+        else:
+            for path in changed:
+                with self.notes.locked(path):  # no API write can slip in between
+                    try:
+                        data, st = self.notes.read_raw(path)
+                    except ApiError:
+                        continue
+                    text = data.decode("utf-8", "replace")
+                    self.index.add(path, text, st.st_size, st.st_mtime_ns)
+        took = time.perf_counter() - started
+        if changed or removed:
+            log.info("index: %d notes read, %d removed in %.2f s", len(changed), len(removed), took)
+        return {"read": len(changed), "removed": len(removed), "seconds": round(took, 3)}
+
+    def _bulk_index(self, paths: list) -> None:
+        since = self.index.generation
+        items, last_log = [], time.monotonic()
+        for i, path in enumerate(paths, 1):
+            try:
+                data, st = self.notes.read_raw(path)
+            except ApiError:
+                continue
+            items.append((path, data.decode("utf-8", "replace"), st.st_size, st.st_mtime_ns))
+            if time.monotonic() - last_log > 2:
+                log.info("indexing: read %d of %d notes", i, len(paths))
+                last_log = time.monotonic()
+        self.index.bulk_add(items, since)
+
+    def save_index(self, force: bool = False) -> bool:
+        """Persist the index when it changed since the last save."""
+        with self._save_lock:
+            if self.index.generation == self._saved_generation and not force:
+                return False
+            generation = self.index.generation
+            try:
+                save_index(self.index, self.index_path)
+            except OSError as e:
+                log.warning("could not save the index cache: %s", e)
+                return False
+            self._saved_generation, self._saved_at = generation, time.monotonic()
+            return True
+
+    def _rescan_loop(self) -> None:
+        while not self._stop.wait(self.config.rescan_seconds):
+            try:
+                self.last_sync = self.sync_index()
+                if time.monotonic() - self._saved_at > 60:
+                    self.save_index()
+            except Exception:
+                log.exception("rescan failed; trying again in %s s", self.config.rescan_seconds)
+
+    def close(self) -> None:
+        """Stop background work and persist the index (once; a read-only service has none)."""
+        self._stop.set()
+        for thread in self._threads:
+            thread.join(30)
+        if self._threads:
+            self._threads = []
+            self.save_index()
+
+    # -- request context ------------------------------------------------------
+
+    def client_addr(self, environ: dict) -> str:
+        """Return the client's address (see client_address: proxies and the relay)."""
+        return client_address(self.config, environ)
+
+    def base_url(self, environ: dict) -> str:
+        return base_url_of(self.config, environ)
+
+    def relay_url(self, environ: dict) -> str:
+        return self.config.relay_url or self.base_url(environ)
+
+    # -- authentication -------------------------------------------------------
+
+    def key_matches(self, key: str | None) -> bool:
+        """Return whether key is the current API key (constant-time on the hashes)."""
+        stored = self.state.read().get("keyHash", "")
+        return bool(key) and hmac.compare_digest(key_hash(key), stored)
+
+    def authenticate(self, environ: dict, key_only: bool = False) -> None:
+        """Let a protected request through or raise 401 / 403 / 429.
+
+        Only a credential that was presented and is wrong counts toward the lockout,
+        and a right one clears its address's failures; while an address is locked out,
+        every credential from it is 429, right or wrong (no oracle for a guesser).
+        key_only: the route needs the API key itself, a JWT gets 403.
+        """
+        if self.config.auth_mode == "none":
+            return
+        key = environ.get("HTTP_X_SERVICE_KEY", "")
+        auth = environ.get("HTTP_AUTHORIZATION", "")
+        bearer = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        if key or bearer:
+            addr = self.client_addr(environ)
+            self.check_lockout(addr)
+            if self.key_matches(key):
+                self.lockout.succeed(addr)
+                return
+            if bearer and self.config.auth_mode == "jwt" and self.token_valid(environ):
+                self.lockout.succeed(addr)
+                if key_only:
+                    raise ApiError(
+                        403,
+                        "FORBIDDEN",
+                        f"this needs the API key itself ({KEY_HEADER}), not a token",
+                    )
+                return
+            self.lockout.fail(addr)
+        raise ApiError(
+            401, "UNAUTHORIZED", f"missing or wrong {KEY_HEADER} header; see GET {API}/system/setup"
+        )
+
+    def token_valid(self, environ: dict) -> bool:
+        """Return whether the request carries a valid bearer JWT for the current key."""
+        auth = environ.get("HTTP_AUTHORIZATION", "")
+        if not auth.lower().startswith("bearer "):
+            return False
+        try:
+            claims = jwt_decode(auth[7:].strip(), self.config.jwt_secret)
+        except ValueError:
+            return False
+        kid = self.state.read().get("keyHash", "")[:16]
+        return hmac.compare_digest(str(claims.get("kid", "")).encode(), kid.encode())
+
+    def check_lockout(self, addr: str) -> None:
+        wait = self.lockout.retry_after(addr)
+        if wait:
+            raise ApiError(
+                429,
+                "RATE_LIMITED",
+                f"too many failed credentials from this address; retry in {wait} s",
+                {"Retry-After": str(wait)},
+            )
+
+    # -- facts shared by several endpoints ------------------------------------
+
+    def uptime(self) -> float:
+        return round(time.time() - self.started, 3)
+
+    def note_stats(self) -> tuple:
+        """Return (note count, total bytes) of the notes folder."""
+        sizes = self.notes.scan()
+        return len(sizes), sum(size for size, _ in sizes.values())
+
+
 # == Providers ================================================================
 #
 # Agents answer questions from the notes; channels carry messages in and replies
@@ -2843,6 +3168,8 @@ class ConfigField:
     help: str = ""
 
 
+MAX_CONFIG_CHARS = 512  # of one string in a channel's config
+
 ParseFn = Callable[[dict], list]  # payload -> [(sender, text[, display name])]
 SendFn = Callable[[Any, dict, str, str], None]  # (svc, config, sender, text)
 
@@ -2935,10 +3262,46 @@ def validate_channel_config(provider: ChannelProvider, config: Any) -> dict:
                 raise bad_request(f"config.{f.name} must be a list of ids")
             out[f.name] = [str(v).strip() for v in value][:1000]
         else:
-            if not isinstance(value, str) or len(value) > 512 or not value.isprintable():
+            if (
+                not isinstance(value, str)
+                or len(value) > MAX_CONFIG_CHARS
+                or not value.isprintable()
+            ):
                 raise bad_request(f"config.{f.name} must be a short single-line string")
             out[f.name] = value.strip()
     return out
+
+
+# -- channels' state: what providers and the pipeline share ---------------------------
+
+
+def _channels(svc: Service) -> list:
+    return svc.state.read().get("channels", [])
+
+
+def _printable(text: str, limit: int = 100) -> str:
+    """Return text without control characters, at most limit characters (names, log lines)."""
+    return "".join(ch for ch in str(text) if ch.isprintable())[:limit]
+
+
+def _change_channel(svc: Service, channel_id: str, change: Callable) -> dict:
+    def apply(data: dict) -> dict:
+        for i, channel in enumerate(data.get("channels", [])):
+            if channel["id"] == channel_id:
+                return change(data["channels"], i)
+        raise not_found(f"no channel {channel_id}")
+
+    return svc.state.update(apply)
+
+
+def _match_secret(candidates: list, key: str, presented: str) -> dict | None:
+    """Return the candidate whose `key` equals presented; every candidate is compared."""
+    found = None
+    for item in candidates:
+        expected = str(item.get(key) or "")
+        if expected and hmac.compare_digest(expected.encode(), presented.encode()):
+            found = item
+    return found
 
 
 @channel_provider(
@@ -2949,7 +3312,7 @@ def validate_channel_config(provider: ChannelProvider, config: Any) -> dict:
     ),
     allow="allowedChatIds",
     description="a Telegram bot (Bot API webhook + sendMessage)",
-    secret_header="X-Telegram-Bot-Api-Secret-Token",
+    secret_header="X-Telegram-Bot-Api-Secret-Token",  # noqa: S106 - a header name
 )
 def parse_telegram(update: dict) -> list:
     msg = update.get("message") or update.get("edited_message") or update.get("channel_post")
@@ -3029,6 +3392,23 @@ def send_whatsapp(svc: Service, config: dict, number: str, text: str) -> None:
         raise UpstreamError("WhatsApp did not accept the message")
 
 
+@channel_verifier("whatsapp", params=("hub.mode", "hub.verify_token", "hub.challenge"))
+def verify_whatsapp(svc: Service) -> str:
+    """Answer Meta's subscription check with hub.challenge when hub.verify_token matches."""
+    addr = svc.client_addr(bottle.request.environ)
+    mode, token = query_str("hub.mode"), query_str("hub.verify_token")
+    if token:
+        svc.check_lockout(addr)
+    challenge = query_str("hub.challenge")
+    mine = [c["config"] for c in _channels(svc) if c["provider"] == "whatsapp" and c["enabled"]]
+    if mode != "subscribe" or not token or not _match_secret(mine, "verifyToken", token):
+        if token:
+            svc.lockout.fail(addr)
+        raise ApiError(403, "FORBIDDEN", "hub.verify_token does not match a WhatsApp channel")
+    bottle.response.content_type = "text/plain; charset=utf-8"
+    return challenge[:200]
+
+
 @channel_provider(
     "web",
     (ConfigField("allowedSenders", "list", help="sender names that may write (empty: any)"),),
@@ -3041,15 +3421,137 @@ def parse_web(payload: dict) -> list:
     return [(str(sender)[:100], text if isinstance(text, str) else None)]
 
 
-def redact_channel(channel: dict) -> dict:
+def redact_channel(channel: dict, providers: Mapping[str, ChannelProvider]) -> dict:
     """Return a channel record with its secret and secret config fields redacted."""
-    provider = CHANNEL_PROVIDERS.get(channel["provider"])
+    provider = providers.get(channel["provider"])
     secret_fields = {f.name for f in provider.fields if f.secret} if provider else set()
     config = {
         k: (redact(v) if k in secret_fields and v else v) for k, v in channel["config"].items()
     }
     shown = {k: v for k, v in channel.items() if k != "refusedSenders"}  # GET /channels/:id
     return {**shown, "secret": redact(channel["secret"]), "config": config}
+
+
+# -- the channel pipeline: secret, lockout, parse, allowlist, command or agent, delivery --
+
+
+def channel_secret(svc: Service, provider: ChannelProvider, environ: dict) -> str:
+    """Return the channel secret a webhook call presents (header, the provider's, ?secret=)."""
+    presented = environ.get("HTTP_X_SERVICE_CHANNEL_SECRET", "")
+    if not presented and provider.secret_header:
+        presented = environ.get("HTTP_" + provider.secret_header.upper().replace("-", "_"), "")
+    if not presented and query_str("secret"):
+        presented = query_str("secret")
+        svc.query_secret_seen_at = time.time()  # the audit reports secrets in URLs
+    return presented
+
+
+def handle_channel_update(
+    svc: Service, prov: ChannelProvider, presented: str, addr: str, payload: Callable
+) -> dict:
+    """Run one inbound update through the pipeline; return what the webhook answers.
+
+    payload() reads the update's JSON only once the secret has been checked.
+    """
+    channel = _authenticate_channel(svc, prov, presented, addr)
+    parsed = prov.parse(payload())
+    messages = [(m[0], m[1], m[2] if len(m) > 2 else "") for m in parsed if m[1]]
+    if not messages:
+        return {"handled": False, "reason": "the update holds no text message"}
+    allowed = channel["config"].get(prov.allow) if prov.allow else None
+    results = []
+    for sender, text, name in messages[:5]:
+        if allowed and sender not in allowed:
+            refuse_sender(svc, channel, prov, sender, name)
+            results.append({"handled": False, "reason": "sender not allowed"})
+            continue
+        results.append(_deliver(svc, channel, prov, sender, run_command(svc, text.strip())))
+    if len(results) == 1:
+        return results[0]
+    return {"handled": any(r["handled"] for r in results), "results": results}
+
+
+def _authenticate_channel(svc: Service, prov: ChannelProvider, presented: str, addr: str):
+    """Return the enabled channel whose secret was presented; 401, 403 or 429 otherwise."""
+    if presented:  # only a presented secret counts toward (or meets) the lockout
+        svc.check_lockout(addr)
+    mine = [c for c in _channels(svc) if c["provider"] == prov.name]
+    channel = _match_secret(mine, "secret", presented) if presented else None
+    if channel is None:
+        if presented:
+            svc.lockout.fail(addr)
+        raise ApiError(401, "UNAUTHORIZED", "missing or wrong channel secret")
+    svc.lockout.succeed(addr)
+    if not channel["enabled"]:
+        raise ApiError(403, "CHANNEL_DISABLED", f"channel {channel['id']} is switched off")
+    return channel
+
+
+def _deliver(svc: Service, channel: dict, prov: ChannelProvider, sender: str, reply: str):
+    if prov.send is None:  # the reply goes back in the webhook's answer
+        return {"handled": True, "reply": reply, "delivered": True}
+    try:
+        prov.send(svc, channel["config"], sender, reply)
+        delivered = True
+    except UpstreamError as e:
+        log.warning("channel %s: delivering the reply failed: %s", channel["id"], e)
+        delivered = False
+    return {"handled": True, "delivered": delivered}
+
+
+REFUSED_KEPT = 10  # refused senders remembered per channel (GET /channels/:id)
+
+
+def refuse_sender(svc: Service, channel: dict, prov: ChannelProvider, sender, name) -> None:
+    """Log and remember a sender the allowlist refused (never the message text)."""
+    sender, name = _printable(sender), _printable(name or "")
+    log.info(
+        "channel %s: refused sender %s%s — add it to config.%s to allow",
+        channel["id"],
+        sender,
+        f" ({name})" if name else "",
+        prov.allow,
+    )
+    entry = {"sender": sender, "name": name, "at": iso(utcnow())}
+
+    def remember(channels: list, i: int) -> None:
+        kept = [r for r in channels[i].get("refusedSenders", []) if r.get("sender") != sender]
+        channels[i]["refusedSenders"] = [*kept, entry][-REFUSED_KEPT:]
+
+    with contextlib.suppress(ApiError):  # the channel was deleted meanwhile
+        _change_channel(svc, channel["id"], remember)
+
+
+_COMMAND_RE = re.compile(r"^/(save|search)(?:@\w+)?(?:\s+(.*))?$", re.S)
+
+
+def run_command(svc: Service, text: str) -> str:
+    """Return the reply to a channel message: /save, /search, or a question for the agent."""
+    m = _COMMAND_RE.match(text)
+    command, arg = (m.group(1), (m.group(2) or "").strip()) if m else (None, text)
+    if command == "save":
+        if not arg:
+            return "Usage: /save <text to keep>"
+        now = dt.datetime.now()
+        path = f"{NOTES}/inbox/{now:%Y-%m-%d}.md"
+        svc.notes.append(path, f"- {now:%H:%M} {arg}", f"Inbox {now:%Y-%m-%d}")
+        return f"Saved to {path}."
+    if command == "search":
+        try:
+            total, hits = svc.index.search(Query(arg), "", 5, 0)
+        except ApiError as e:
+            return f"Search: {e.message}"
+        if not total:
+            return f"No note matches “{_clip(arg, 80)}”."
+        lines = [f"{total} note{'s' if total != 1 else ''} match; the best:"]
+        lines += [f"• {title} — {path}" for path, title, _, _ in hits]
+        return "\n".join(lines)
+    try:
+        return ask_agent(svc, arg)["reply"]
+    except ApiError as e:
+        if e.code == "AGENT_DISABLED":
+            return "The agent is off on this server; try /search <words>."
+        return f"The agent could not answer ({e.message}); try /search <words>."
 
 
 # == Plugins ==================================================================
@@ -3084,46 +3586,78 @@ class Plugin:
     routes: tuple = ()  # PluginRoute
     builtin: bool = False
     error: str | None = None  # why it could not be loaded
+    # what the plugin's file registered with @agent_provider / @channel_provider (per app)
+    agent_providers: dict = dataclasses.field(default_factory=dict)
+    channel_providers: dict = dataclasses.field(default_factory=dict)
 
 
-BUILTIN_PLUGINS: dict = {}
+PLUGINS: dict[str, Plugin] = {}  # the built-ins, registered like any plugin file's PLUGIN
+
+
+def accept_plugin(plugin: Any, taken: Mapping[str, Plugin]) -> Plugin:
+    """Return a plugin record checked like every plugin (built-in or file); ValueError if not."""
+    if not isinstance(plugin, Plugin):
+        raise TypeError("the file defines no PLUGIN = notesvc.Plugin(...)")
+    if not PLUGIN_NAME_RE.match(plugin.name):
+        raise ValueError(f"plugin name {plugin.name!r} is not lower-case-with-dashes")
+    if plugin.name in taken:
+        raise ValueError(f"a plugin named {plugin.name!r} exists already")
+    unknown = set(plugin.hooks) - set(HOOKS)
+    if unknown:
+        raise ValueError(f"unknown hook(s): {', '.join(sorted(unknown))}")
+    return dataclasses.replace(plugin, error=None)
 
 
 def builtin_plugin(plugin: Plugin) -> Plugin:
-    BUILTIN_PLUGINS[plugin.name] = dataclasses.replace(plugin, builtin=True)
+    """Register a built-in plugin (datasette's DEFAULT_PLUGINS pattern)."""
+    PLUGINS[plugin.name] = accept_plugin(dataclasses.replace(plugin, builtin=True), PLUGINS)
     return plugin
 
 
-def load_plugins(folder: Path) -> dict:
-    """Return the third-party plugins of folder (*.py, each defining PLUGIN), by name.
+def load_plugins(folder: Path) -> dict[str, Plugin]:
+    """Return the built-in plugins and the third-party ones of folder (*.py, each defining
+    PLUGIN), by name. A file that fails to load is listed with its error.
 
-    A file that fails to load, or defines no valid PLUGIN, is listed with its error.
+    Providers a file registers with the decorators belong to its plugin alone.
     """
-    found: dict = {}
-    if not folder.is_dir():
-        return found
-    for path in sorted(folder.glob("*.py")):
+    found: dict = dict(PLUGINS)
+    for path in sorted(folder.glob("*.py")) if folder.is_dir() else ():
         name = path.stem.lower().replace("_", "-")
         try:
             spec = importlib.util.spec_from_file_location(f"notesvc_plugin_{path.stem}", path)
             module = importlib.util.module_from_spec(spec)
-            spec.loader.exec_module(module)
-            plugin = getattr(module, "PLUGIN", None)
-            if not isinstance(plugin, Plugin):
-                raise TypeError("the file defines no PLUGIN = notesvc.Plugin(...)")
-            if not PLUGIN_NAME_RE.match(plugin.name):
-                raise ValueError(f"plugin name {plugin.name!r} is not lower-case-with-dashes")
-            if plugin.name in BUILTIN_PLUGINS or plugin.name in found:
-                raise ValueError(f"a plugin named {plugin.name!r} exists already")
-            unknown = set(plugin.hooks) - set(HOOKS)
-            if unknown:
-                raise ValueError(f"unknown hook(s): {', '.join(sorted(unknown))}")
-            found[plugin.name] = dataclasses.replace(plugin, builtin=False, error=None)
+            with collecting_registrations() as registered:
+                spec.loader.exec_module(module)
+            plugin = accept_plugin(getattr(module, "PLUGIN", None), found)
+            found[plugin.name] = dataclasses.replace(
+                plugin,
+                builtin=False,
+                agent_providers=registered.get("agent", {}),
+                channel_providers=registered.get("channel", {}),
+            )
             log.info("plugin %s %s loaded from %s", plugin.name, plugin.version, path.name)
         except Exception as e:
             log.exception("plugin file %s failed to load", path.name)
             found[name] = Plugin(name=name, builtin=False, error=f"{type(e).__name__}: {e}")
     return found
+
+
+def build_service(config: Config, readonly: bool = False) -> Service:
+    """Return the Service of config with its plugins and their providers (not started).
+
+    readonly (the audit): the built-in plugins only, no plugin file is ever imported.
+    """
+    plugins = PLUGINS if readonly else load_plugins(plugins_dir(config))
+    return Service(config, plugins, *provider_registries(plugins), readonly=readonly)
+
+
+def provider_registries(plugins: Mapping[str, Plugin]) -> tuple:
+    """Return (agent providers, channel providers) of one app: built-ins, then its plugins'."""
+    agents, channels = dict(AGENT_PROVIDERS), dict(CHANNEL_PROVIDERS)
+    for plugin in plugins.values():
+        agents.update(plugin.agent_providers)
+        channels.update(plugin.channel_providers)
+    return agents, channels
 
 
 # -- links ---------------------------------------------------------------------------------
@@ -3816,7 +4350,7 @@ def check_channel_allowlists(svc: Service) -> list:
     """
     out = []
     for channel in svc.state.read().get("channels", []):
-        provider = CHANNEL_PROVIDERS.get(channel["provider"])
+        provider = svc.channel_providers.get(channel["provider"])
         if not provider or not channel["enabled"]:
             continue
         if channel["provider"] == "web":
@@ -5092,279 +5626,6 @@ def _relay_message(answer: Any, status: int) -> str:
 # == HTTP =====================================================================
 
 
-class Service:
-    """Everything one running app shares across its threads.
-
-    `indexed=False` (the `audit` command) skips the search index and background work.
-    """
-
-    def __init__(self, config: Config, indexed: bool = True):
-        self.config = config
-        self.started = time.time()
-        self.plugins = {**BUILTIN_PLUGINS, **load_plugins(plugins_dir(config))}
-        self.plugin_errors: dict = {}  # name -> the last error a hook raised
-        self.plugin_cache: dict = {}  # what built-in plugins derive from the index
-        self.plugin_build_lock = threading.RLock()  # derived(): one build at a time
-        check_agent_config(config)
-        config.notes_dir.mkdir(parents=True, exist_ok=True)
-        self.state = StateStore(config.state_dir)
-        self.query_secret_seen_at = 0.0  # last webhook call that carried ?secret=
-        self.relay_client = None  # a RelayClient while `serve` is connected to a relay
-        self.lockout = Lockout()
-        self.notes = NoteStore(config.notes_dir, config.state_dir / "trash")
-        swept = self.notes.sweep_temp_files()
-        if swept:
-            log.info("removed %d temp files left by an interrupted write", swept)
-        self.index_path = config.state_dir / "index.cache"
-        self._stop = threading.Event()
-        self._rescanner = self._first_save = None
-        self.last_sync: dict = {}
-        if not indexed:
-            self.index = SearchIndex()
-            return
-        self.index = self._open_index()
-        self._saved_generation = self.index.generation if self.index.ids else -1
-        self._saved_at = 0.0
-        self._save_lock = threading.Lock()
-        self.notes.listeners.append(self._on_note_event)
-        self.notes.after.append(self._run_hooks)
-        self.last_sync = self.sync_index()
-        # The cache is for the next start; writing it need not delay this one.
-        self._first_save = threading.Thread(target=self.save_index, name="notesvc-save")
-        self._first_save.daemon = True
-        self._first_save.start()
-        if config.rescan_seconds:
-            self._rescanner = threading.Thread(
-                target=self._rescan_loop, name="notesvc-rescan", daemon=True
-            )
-            self._rescanner.start()
-
-    # -- the search index ---------------------------------------------------------
-
-    def _open_index(self) -> SearchIndex:
-        try:
-            index = load_index(self.index_path)
-            log.info("index cache loaded: %d notes", len(index.ids))
-            return index
-        except ValueError as e:
-            if self.index_path.exists():
-                log.warning("%s: discarded, rebuilding the index", e)
-                with contextlib.suppress(OSError):
-                    self.index_path.unlink()
-            return SearchIndex()
-
-    def _on_note_event(self, event: str, path: str, detail: Any) -> None:
-        if event == "saved":
-            content, st = detail
-            self.index.add(path, content, st.st_size, st.st_mtime_ns)
-        elif event == "moved":
-            new, st = detail
-            self.index.move(path, new, st.st_size, st.st_mtime_ns)
-        elif event == "deleted":
-            self.index.remove(path)
-
-    # -- plugins ----------------------------------------------------------------
-
-    def plugin_enabled(self, name: str) -> bool:
-        plugin = self.plugins.get(name)
-        switches = self.state.read().get("plugins", {})
-        return plugin is not None and plugin.error is None and switches.get(name, True)
-
-    def _run_hooks(self, event: str, path: str, detail: Any) -> None:
-        hook = {"saved": "note_saved", "moved": "note_moved", "deleted": "note_deleted"}[event]
-        args = {"saved": lambda: (path, detail[0]), "moved": lambda: (path, detail[0])}
-        for plugin in self.plugins.values():
-            fn = plugin.hooks.get(hook)
-            if fn is None or not self.plugin_enabled(plugin.name):
-                continue
-            try:
-                fn(self, *args.get(event, lambda: (path,))())
-            except Exception as e:  # a plugin's failure is its own: log it, list it, go on
-                log.exception("plugin %s failed in %s for %s", plugin.name, hook, path)
-                self.plugin_errors[plugin.name] = f"{hook}: {type(e).__name__}: {e}"[:300]
-
-    def sync_index(self) -> dict:
-        """Bring the index in line with the files: re-read what changed, drop what is gone."""
-        started = time.perf_counter()
-        on_disk = self.notes.scan()
-        indexed = self.index.signature()
-        removed = [p for p in indexed if p not in on_disk]
-        changed = [p for p, sig in on_disk.items() if indexed.get(p) != sig]
-        for path in removed:
-            with self.notes.locked(path):
-                if not self.notes.exists(path):
-                    self.index.remove(path)
-        if len(changed) > 50:
-            self._bulk_index(changed)
-        else:
-            for path in changed:
-                with self.notes.locked(path):  # no API write can slip in between
-                    try:
-                        data, st = self.notes.read_raw(path)
-                    except ApiError:
-                        continue
-                    text = data.decode("utf-8", "replace")
-                    self.index.add(path, text, st.st_size, st.st_mtime_ns)
-        took = time.perf_counter() - started
-        if changed or removed:
-            log.info("index: %d notes read, %d removed in %.2f s", len(changed), len(removed), took)
-        return {"read": len(changed), "removed": len(removed), "seconds": round(took, 3)}
-
-    def _bulk_index(self, paths: list) -> None:
-        since = self.index.generation
-        items, last_log = [], time.monotonic()
-        for i, path in enumerate(paths, 1):
-            try:
-                data, st = self.notes.read_raw(path)
-            except ApiError:
-                continue
-            items.append((path, data.decode("utf-8", "replace"), st.st_size, st.st_mtime_ns))
-            if time.monotonic() - last_log > 2:
-                log.info("indexing: read %d of %d notes", i, len(paths))
-                last_log = time.monotonic()
-        self.index.bulk_add(items, since)
-
-    def save_index(self, force: bool = False) -> bool:
-        """Persist the index when it changed since the last save."""
-        with self._save_lock:
-            if self.index.generation == self._saved_generation and not force:
-                return False
-            generation = self.index.generation
-            try:
-                save_index(self.index, self.index_path)
-            except OSError as e:
-                log.warning("could not save the index cache: %s", e)
-                return False
-            self._saved_generation, self._saved_at = generation, time.monotonic()
-            return True
-
-    def _rescan_loop(self) -> None:
-        while not self._stop.wait(self.config.rescan_seconds):
-            try:
-                self.last_sync = self.sync_index()
-                if time.monotonic() - self._saved_at > 60:
-                    self.save_index()
-            except Exception:
-                log.exception("rescan failed; trying again in %s s", self.config.rescan_seconds)
-
-    def close(self) -> None:
-        """Stop background work and persist the index."""
-        self._stop.set()
-        if self._rescanner is not None:
-            self._rescanner.join(30)
-        if self._first_save is not None:
-            self._first_save.join()
-            self.save_index()
-
-    # -- request context ------------------------------------------------------
-
-    def client_addr(self, environ: dict) -> str:
-        """Return the client's address (see client_address: proxies and the relay)."""
-        return client_address(self.config, environ)
-
-    def base_url(self, environ: dict) -> str:
-        return base_url_of(self.config, environ)
-
-    def relay_url(self, environ: dict) -> str:
-        return self.config.relay_url or self.base_url(environ)
-
-    # -- authentication -------------------------------------------------------
-
-    def key_matches(self, key: str | None) -> bool:
-        """Return whether key is the current API key (constant-time on the hashes)."""
-        stored = self.state.read().get("keyHash", "")
-        return bool(key) and hmac.compare_digest(key_hash(key), stored)
-
-    def authenticate(self, environ: dict, key_only: bool = False) -> None:
-        """Let a protected request through or raise 401 / 403 / 429.
-
-        Only a credential that was presented and is wrong counts toward the lockout,
-        and a right one clears its address's failures; while an address is locked out,
-        every credential from it is 429, right or wrong (no oracle for a guesser).
-        key_only: the route needs the API key itself, a JWT gets 403.
-        """
-        if self.config.auth_mode == "none":
-            return
-        key = environ.get("HTTP_X_SERVICE_KEY", "")
-        auth = environ.get("HTTP_AUTHORIZATION", "")
-        bearer = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-        if key or bearer:
-            addr = self.client_addr(environ)
-            self.check_lockout(addr)
-            if self.key_matches(key):
-                self.lockout.succeed(addr)
-                return
-            if bearer and self.config.auth_mode == "jwt" and self.token_valid(environ):
-                self.lockout.succeed(addr)
-                if key_only:
-                    raise ApiError(
-                        403,
-                        "FORBIDDEN",
-                        f"this needs the API key itself ({KEY_HEADER}), not a token",
-                    )
-                return
-            self.lockout.fail(addr)
-        raise ApiError(
-            401, "UNAUTHORIZED", f"missing or wrong {KEY_HEADER} header; see GET {API}/system/setup"
-        )
-
-    def token_valid(self, environ: dict) -> bool:
-        """Return whether the request carries a valid bearer JWT for the current key."""
-        auth = environ.get("HTTP_AUTHORIZATION", "")
-        if not auth.lower().startswith("bearer "):
-            return False
-        try:
-            claims = jwt_decode(auth[7:].strip(), self.config.jwt_secret)
-        except ValueError:
-            return False
-        kid = self.state.read().get("keyHash", "")[:16]
-        return hmac.compare_digest(str(claims.get("kid", "")).encode(), kid.encode())
-
-    def check_lockout(self, addr: str) -> None:
-        wait = self.lockout.retry_after(addr)
-        if wait:
-            raise ApiError(
-                429,
-                "RATE_LIMITED",
-                f"too many failed credentials from this address; retry in {wait} s",
-                {"Retry-After": str(wait)},
-            )
-
-    # -- facts shared by several endpoints ------------------------------------
-
-    def uptime(self) -> float:
-        return round(time.time() - self.started, 3)
-
-    def note_stats(self) -> tuple:
-        """Return (note count, total bytes) of the notes folder."""
-        sizes = self.notes.scan()
-        return len(sizes), sum(size for size, _ in sizes.values())
-
-
-def plugins_dir(config: Config) -> Path:
-    return (
-        Path(config.plugins_dir).expanduser()
-        if config.plugins_dir
-        else (config.state_dir / "plugins")
-    )
-
-
-def check_agent_config(config: Config) -> None:
-    """Raise ConfigError when the agent provider is unknown or lacks what it needs."""
-    if config.agent_provider not in AGENT_PROVIDERS:
-        names = ", ".join(sorted(AGENT_PROVIDERS))
-        raise ConfigError(
-            f"SERVICE_AGENT_PROVIDER: {config.agent_provider!r} is not one of {names}"
-        )
-    if config.agent_provider == "openai":
-        for env, value in (
-            ("SERVICE_AGENT_BASE_URL", config.agent_base_url),
-            ("SERVICE_AGENT_MODEL", config.agent_model),
-        ):
-            if not value:
-                raise ConfigError(f"{env}: required by the openai agent provider")
-
-
 # -- system ---------------------------------------------------------------------
 
 
@@ -5481,45 +5742,6 @@ def get_info(svc: Service) -> dict:
     }
 
 
-def get_config(svc: Service) -> dict:
-    cfg = svc.config
-    return {
-        "server": {
-            "host": cfg.host,
-            "port": cfg.port,
-            "cors": list(cfg.cors),
-            "publicUrl": cfg.public_url,
-            "trustProxy": list(cfg.trust_proxy),
-            "maxBodyBytes": cfg.max_body_bytes,
-            "threads": cfg.threads,
-            "maxConnections": cfg.max_connections,
-            "idleTimeoutSeconds": cfg.idle_timeout,
-        },
-        "auth": {
-            "mode": cfg.auth_mode,
-            "header": KEY_HEADER,
-            "setupLocalOnly": cfg.setup_local_only,
-            "lockout": {"failures": svc.lockout.limit, "windowSeconds": svc.lockout.window},
-        },
-        "connection": {
-            "pairingMode": cfg.pairing,
-            "relayUrl": cfg.relay_url or "(this server)",
-            "clientUrl": cfg.client_url or "(built-in client)",
-            "testClientUrl": cfg.test_client_url or "(built-in client)",
-        },
-        "agent": {
-            "provider": cfg.agent_provider,
-            "baseUrl": _redact_url(cfg.agent_base_url),
-            "model": cfg.agent_model,
-            "timeoutSeconds": cfg.agent_timeout,
-            "apiKeySet": bool(cfg.agent_api_key),
-        },
-        "search": {"engine": "notesvc-bm25", "maxQueryLength": 512},
-        "sync": {"rescanSeconds": cfg.rescan_seconds, "notesRoot": "notes/"},
-        "plugins": {"dir": cfg.plugins_dir or ".notesvc/plugins"},
-    }
-
-
 def _redact_url(url: str) -> str:
     """Return url for display: userinfo dropped, query values (which may be keys) hidden."""
     parts = urllib.parse.urlsplit(url)
@@ -5530,6 +5752,70 @@ def _redact_url(url: str) -> str:
         if pair
     )
     return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=query, fragment=""))
+
+
+def _network_facts(cfg: Config) -> dict:
+    """The network settings /system/config and /security/config both report."""
+    return {
+        "port": cfg.port,
+        "publicUrl": cfg.public_url,
+        "trustProxy": list(cfg.trust_proxy),
+        "cors": list(cfg.cors),
+    }
+
+
+def _limit_facts(svc: Service) -> dict:
+    cfg = svc.config
+    return {
+        "maxBodyBytes": cfg.max_body_bytes,
+        "maxConnections": cfg.max_connections,
+        "idleTimeoutSeconds": cfg.idle_timeout,
+        "lockout": {
+            "failures": svc.lockout.limit,
+            "windowSeconds": svc.lockout.window,
+            "lockSeconds": svc.lockout.window,
+        },
+    }
+
+
+def _agent_facts(cfg: Config) -> dict:
+    return {
+        "provider": cfg.agent_provider,
+        "baseUrl": _redact_url(cfg.agent_base_url),
+        "apiKeySet": bool(cfg.agent_api_key),
+    }
+
+
+def get_config(svc: Service) -> dict:
+    cfg, limits = svc.config, _limit_facts(svc)
+    return {
+        "server": {
+            "host": cfg.host,
+            **_network_facts(cfg),
+            "threads": cfg.threads,
+            **{k: v for k, v in limits.items() if k != "lockout"},
+        },
+        "auth": {
+            "mode": cfg.auth_mode,
+            "header": KEY_HEADER,
+            "setupLocalOnly": cfg.setup_local_only,
+            "lockout": limits["lockout"],
+        },
+        "connection": {
+            "pairingMode": cfg.pairing,
+            "relayUrl": cfg.relay_url or "(this server)",
+            "clientUrl": cfg.client_url or "(built-in client)",
+            "testClientUrl": cfg.test_client_url or "(built-in client)",
+        },
+        "agent": {
+            **_agent_facts(cfg),
+            "model": cfg.agent_model,
+            "timeoutSeconds": cfg.agent_timeout,
+        },
+        "search": {"engine": "notesvc-bm25", "maxQueryLength": MAX_QUERY_CHARS},
+        "sync": {"rescanSeconds": cfg.rescan_seconds, "notesRoot": "notes/"},
+        "plugins": {"dir": cfg.plugins_dir or ".notesvc/plugins"},
+    }
 
 
 # -- auth / linking ---------------------------------------------------------------
@@ -5690,12 +5976,10 @@ def search_notes(svc: Service) -> dict:
 
 # -- agent ---------------------------------------------------------------------------------
 
-CHANNEL_NAMES = ("telegram", "whatsapp", "web")
-
 
 def agent_chat(svc: Service) -> dict:
     body = read_json(svc.config.max_body_bytes)
-    message = field(body, "message", max_len=8000)
+    message = field(body, "message", max_len=MAX_MESSAGE_CHARS)
     if not message.strip():
         raise bad_request("'message' must not be empty")
     note = body.get("notePath")
@@ -5704,13 +5988,13 @@ def agent_chat(svc: Service) -> dict:
         if not svc.notes.exists(note):
             raise not_found(f"no note at {note}")
     channel = field(body, "channel", required=False)
-    if channel is not None and channel not in CHANNEL_NAMES:
-        raise bad_request(f"'channel' must be one of {', '.join(CHANNEL_NAMES)}")
+    if channel is not None and channel not in svc.channel_providers:
+        raise bad_request(f"'channel' must be one of {', '.join(svc.channel_providers)}")
     return ask_agent(svc, message, note)
 
 
 def agent_status(svc: Service) -> dict:
-    provider = AGENT_PROVIDERS[svc.config.agent_provider]
+    provider = svc.agent_providers[svc.config.agent_provider]
     return {
         "enabled": provider.enabled,
         "provider": provider.name,
@@ -5731,30 +6015,21 @@ def list_channel_providers(svc: Service) -> dict:
                 "allowlistField": p.allow,
                 "webhookPath": f"{API}/channels/webhook/{p.name}",
             }
-            for p in CHANNEL_PROVIDERS.values()
+            for p in svc.channel_providers.values()
         ]
     }
 
 
-def _channels(svc: Service) -> list:
-    return svc.state.read().get("channels", [])
-
-
-def _printable(text: str, limit: int = 100) -> str:
-    """Return text without control characters, at most limit characters (names, log lines)."""
-    return "".join(ch for ch in str(text) if ch.isprintable())[:limit]
-
-
 def list_channels(svc: Service) -> dict:
-    return {"channels": [redact_channel(c) for c in _channels(svc)]}
+    return {"channels": [redact_channel(c, svc.channel_providers) for c in _channels(svc)]}
 
 
 def create_channel(svc: Service) -> dict:
     body = read_json(svc.config.max_body_bytes)
     name = field(body, "provider")
-    provider = CHANNEL_PROVIDERS.get(name)
+    provider = svc.channel_providers.get(name)
     if provider is None:
-        raise bad_request(f"'provider' must be one of {', '.join(CHANNEL_PROVIDERS)}")
+        raise bad_request(f"'provider' must be one of {', '.join(svc.channel_providers)}")
     config = validate_channel_config(provider, body.get("config", {}))
     title = field(body, "name", required=False, max_len=100) or f"{name} channel"
     env = bottle.request.environ
@@ -5776,21 +6051,12 @@ def create_channel(svc: Service) -> dict:
     return channel
 
 
-def _change_channel(svc: Service, channel_id: str, change: Callable) -> dict:
-    def apply(data: dict) -> dict:
-        for i, channel in enumerate(data.get("channels", [])):
-            if channel["id"] == channel_id:
-                return change(data["channels"], i)
-        raise not_found(f"no channel {channel_id}")
-
-    return svc.state.update(apply)
-
-
 def get_channel(svc: Service, channel_id: str) -> dict:
     """Return one channel, redacted, with the last senders its allowlist refused."""
     for channel in _channels(svc):
         if channel["id"] == channel_id:
-            return {**redact_channel(channel), "refusedSenders": channel.get("refusedSenders", [])}
+            refused = channel.get("refusedSenders", [])
+            return {**redact_channel(channel, svc.channel_providers), "refusedSenders": refused}
     raise not_found(f"no channel {channel_id}")
 
 
@@ -5812,7 +6078,7 @@ def patch_channel(svc: Service, channel_id: str) -> dict:
     def merge(channels: list, i: int) -> dict:
         channel = channels[i]
         if changes is not None:
-            provider = CHANNEL_PROVIDERS.get(channel["provider"])
+            provider = svc.channel_providers.get(channel["provider"])
             if provider is None:
                 raise bad_request(f"channel provider {channel['provider']!r} is not loaded")
             channel["config"] = validate_channel_config(provider, {**channel["config"], **changes})
@@ -5822,7 +6088,7 @@ def patch_channel(svc: Service, channel_id: str) -> dict:
 
     channel = _change_channel(svc, channel_id, merge)
     log.info("channel %s changed", channel_id)
-    return redact_channel(channel)
+    return redact_channel(channel, svc.channel_providers)
 
 
 def toggle_channel(svc: Service, channel_id: str) -> dict:
@@ -5830,7 +6096,7 @@ def toggle_channel(svc: Service, channel_id: str) -> dict:
         channels[i]["enabled"] = not channels[i]["enabled"]
         return channels[i]
 
-    return redact_channel(_change_channel(svc, channel_id, flip))
+    return redact_channel(_change_channel(svc, channel_id, flip), svc.channel_providers)
 
 
 def delete_channel(svc: Service, channel_id: str) -> dict:
@@ -5838,135 +6104,26 @@ def delete_channel(svc: Service, channel_id: str) -> dict:
     return {"id": channel_id, "deleted": True}
 
 
-def _match_secret(candidates: list, key: str, presented: str) -> dict | None:
-    """Return the candidate whose `key` equals presented; every candidate is compared."""
-    found = None
-    for item in candidates:
-        expected = str(item.get(key) or "")
-        if expected and hmac.compare_digest(expected.encode(), presented.encode()):
-            found = item
-    return found
-
-
-REFUSED_KEPT = 10  # refused senders remembered per channel (GET /channels/:id)
-
-
-def refuse_sender(svc: Service, channel: dict, prov: ChannelProvider, sender, name) -> None:
-    """Log and remember a sender the allowlist refused (never the message text)."""
-    sender, name = _printable(sender), _printable(name or "")
-    log.info(
-        "channel %s: refused sender %s%s — add it to config.%s to allow",
-        channel["id"],
-        sender,
-        f" ({name})" if name else "",
-        prov.allow,
-    )
-    entry = {"sender": sender, "name": name, "at": iso(utcnow())}
-
-    def remember(channels: list, i: int) -> None:
-        kept = [r for r in channels[i].get("refusedSenders", []) if r.get("sender") != sender]
-        channels[i]["refusedSenders"] = [*kept, entry][-REFUSED_KEPT:]
-
-    with contextlib.suppress(ApiError):  # the channel was deleted meanwhile
-        _change_channel(svc, channel["id"], remember)
-
-
 def receive_webhook(svc: Service, provider: str) -> dict:
-    prov = CHANNEL_PROVIDERS.get(provider)
+    prov = svc.channel_providers.get(provider)
     if prov is None:
         raise not_found(f"no channel provider {provider!r}")
     env = bottle.request.environ
-    addr = svc.client_addr(env)
-    presented = env.get("HTTP_X_SERVICE_CHANNEL_SECRET") or env.get(
-        "HTTP_X_TELEGRAM_BOT_API_SECRET_TOKEN", ""
+    return handle_channel_update(
+        svc,
+        prov,
+        channel_secret(svc, prov, env),
+        svc.client_addr(env),
+        lambda: read_json(svc.config.max_body_bytes),
     )
-    if not presented and query_str("secret"):
-        presented = query_str("secret")
-        svc.query_secret_seen_at = time.time()
-    if presented:  # only a presented secret counts toward (or meets) the lockout
-        svc.check_lockout(addr)
-    mine = [c for c in _channels(svc) if c["provider"] == provider]
-    channel = _match_secret(mine, "secret", presented) if presented else None
-    if channel is None:
-        if presented:
-            svc.lockout.fail(addr)
-        raise ApiError(401, "UNAUTHORIZED", "missing or wrong channel secret")
-    svc.lockout.succeed(addr)
-    if not channel["enabled"]:
-        raise ApiError(403, "CHANNEL_DISABLED", f"channel {channel['id']} is switched off")
-    parsed = prov.parse(read_json(svc.config.max_body_bytes))
-    messages = [(m[0], m[1], m[2] if len(m) > 2 else "") for m in parsed if m[1]]
-    if not messages:
-        return {"handled": False, "reason": "the update holds no text message"}
-    allowed = channel["config"].get(prov.allow) if prov.allow else None
-    results = []
-    for sender, text, name in messages[:5]:
-        if allowed and sender not in allowed:
-            refuse_sender(svc, channel, prov, sender, name)
-            results.append({"handled": False, "reason": "sender not allowed"})
-            continue
-        reply = run_command(svc, text.strip())
-        if prov.send is None:
-            results.append({"handled": True, "reply": reply, "delivered": True})
-            continue
-        try:
-            prov.send(svc, channel["config"], sender, reply)
-            delivered = True
-        except UpstreamError as e:
-            log.warning("channel %s: delivering the reply failed: %s", channel["id"], e)
-            delivered = False
-        results.append({"handled": True, "delivered": delivered})
-    if len(results) == 1:
-        return results[0]
-    return {"handled": any(r["handled"] for r in results), "results": results}
 
 
-_COMMAND_RE = re.compile(r"^/(save|search)(?:@\w+)?(?:\s+(.*))?$", re.S)
-
-
-def run_command(svc: Service, text: str) -> str:
-    """Return the reply to a channel message: /save, /search, or a question for the agent."""
-    m = _COMMAND_RE.match(text)
-    command, arg = (m.group(1), (m.group(2) or "").strip()) if m else (None, text)
-    if command == "save":
-        if not arg:
-            return "Usage: /save <text to keep>"
-        now = dt.datetime.now()
-        path = f"{NOTES}/inbox/{now:%Y-%m-%d}.md"
-        svc.notes.append(path, f"- {now:%H:%M} {arg}", f"Inbox {now:%Y-%m-%d}")
-        return f"Saved to {path}."
-    if command == "search":
-        try:
-            total, hits = svc.index.search(Query(arg), "", 5, 0)
-        except ApiError as e:
-            return f"Search: {e.message}"
-        if not total:
-            return f"No note matches “{_clip(arg, 80)}”."
-        lines = [f"{total} note{'s' if total != 1 else ''} match; the best:"]
-        lines += [f"• {title} — {path}" for path, title, _, _ in hits]
-        return "\n".join(lines)
-    try:
-        return ask_agent(svc, arg)["reply"]
-    except ApiError as e:
-        if e.code == "AGENT_DISABLED":
-            return "The agent is off on this server; try /search <words>."
-        return f"The agent could not answer ({e.message}); try /search <words>."
-
-
-def verify_whatsapp_webhook(svc: Service):
-    """Answer Meta's subscription check with hub.challenge when hub.verify_token matches."""
-    addr = svc.client_addr(bottle.request.environ)
-    mode, token = query_str("hub.mode"), query_str("hub.verify_token")
-    if token:
-        svc.check_lockout(addr)
-    challenge = query_str("hub.challenge")
-    mine = [c["config"] for c in _channels(svc) if c["provider"] == "whatsapp" and c["enabled"]]
-    if mode != "subscribe" or not token or not _match_secret(mine, "verifyToken", token):
-        if token:
-            svc.lockout.fail(addr)
-        raise ApiError(403, "FORBIDDEN", "hub.verify_token does not match a WhatsApp channel")
-    bottle.response.content_type = "text/plain; charset=utf-8"
-    return challenge[:200]
+def verify_webhook(svc: Service, provider: str):
+    """GET /channels/webhook/<provider>: the provider's own subscription check."""
+    prov = svc.channel_providers.get(provider)
+    if prov is None or prov.verify is None:
+        raise not_found(f"channel provider {provider!r} has no subscription check")
+    return prov.verify(svc)
 
 
 # -- plugins -------------------------------------------------------------------------------
@@ -6016,7 +6173,7 @@ def toggle_plugin(svc: Service, name: str) -> dict:
     return plugin_info(svc, plugin)
 
 
-def plugin_routes(plugins: Iterable[Plugin]) -> list:
+def plugin_routes(plugins: Iterable[Plugin]) -> tuple:
     """Return the Routes of the plugins' own endpoints, each refusing while it is off."""
     routes = []
     for plugin in plugins:
@@ -6041,7 +6198,7 @@ def plugin_routes(plugins: Iterable[Plugin]) -> list:
                     tag="plugins",
                 )
             )
-    return routes
+    return tuple(routes)
 
 
 # -- security ------------------------------------------------------------------------------
@@ -6068,25 +6225,11 @@ def security_config(svc: Service) -> dict:
             "localOnly": cfg.setup_local_only,
             "linkedClients": len(st.get("linkedClients", [])),
         },
-        "network": {
-            "bindHost": cfg.host,
-            "port": cfg.port,
-            "publicUrl": cfg.public_url,
-            "trustProxy": list(cfg.trust_proxy),
-            "cors": list(cfg.cors),
-            "pairingMode": cfg.pairing,
-        },
+        "network": {"bindHost": cfg.host, **_network_facts(cfg), "pairingMode": cfg.pairing},
         "limits": {
-            "maxBodyBytes": cfg.max_body_bytes,
-            "maxConnections": cfg.max_connections,
-            "idleTimeoutSeconds": cfg.idle_timeout,
-            "lockout": {
-                "failures": svc.lockout.limit,
-                "windowSeconds": svc.lockout.window,
-                "lockSeconds": svc.lockout.window,
-            },
+            **_limit_facts(svc),
             "maxQueryChars": MAX_QUERY_CHARS,
-            "maxMessageChars": 8000,
+            "maxMessageChars": MAX_MESSAGE_CHARS,
         },
         "channels": {
             "count": len(channels),
@@ -6094,8 +6237,8 @@ def security_config(svc: Service) -> dict:
             "withoutAllowlist": sum(
                 1
                 for c in channels
-                if CHANNEL_PROVIDERS.get(c["provider"])
-                and not c["config"].get(CHANNEL_PROVIDERS[c["provider"]].allow)
+                if c["provider"] in svc.channel_providers
+                and not c["config"].get(svc.channel_providers[c["provider"]].allow)
             ),
         },
         "plugins": {
@@ -6103,11 +6246,7 @@ def security_config(svc: Service) -> dict:
             "thirdParty": sum(not p.builtin for p in svc.plugins.values()),
             "enabled": sum(svc.plugin_enabled(n) for n in svc.plugins),
         },
-        "agent": {
-            "provider": cfg.agent_provider,
-            "endpoint": _redact_url(cfg.agent_base_url),
-            "apiKeySet": bool(cfg.agent_api_key),
-        },
+        "agent": _agent_facts(cfg),
     }
 
 
@@ -6173,7 +6312,7 @@ class Route:
 
 def get_openapi(svc: Service):
     bottle.response.content_type = JSON_TYPE
-    return to_json(openapi_document(svc.routes, svc.base_url(bottle.request.environ)))
+    return to_json(openapi_document(svc, svc.base_url(bottle.request.environ)))
 
 
 def _obj(required: Iterable[str] = (), **props: dict) -> dict:
@@ -6188,7 +6327,7 @@ def _int(lo: int, hi: int, default: int) -> dict:
     return {"type": "integer", "minimum": lo, "maximum": hi, "default": default}
 
 
-def _channel_body() -> dict:
+def _channel_body(svc: Service) -> dict:
     """Return the schema of a channel's create body: one shape per registered provider."""
 
     def config(provider: ChannelProvider) -> dict:
@@ -6196,7 +6335,11 @@ def _channel_body() -> dict:
             f.name: {"type": "array", "items": {"type": ["string", "integer"]}, "maxItems": 1000}
             if f.kind == "list"
             # printable and single-line on the server; said here as printable ASCII
-            else {"type": "string", "minLength": int(f.required), "pattern": "^[ -~]{0,512}$"}
+            else {
+                "type": "string",
+                "minLength": int(f.required),
+                "pattern": f"^[ -~]{{0,{MAX_CONFIG_CHARS}}}$",
+            }
             for f in provider.fields
         }
         required = [f.name for f in provider.fields if f.required]
@@ -6210,7 +6353,7 @@ def _channel_body() -> dict:
                 name={"type": "string", "maxLength": 100},
                 config=config(p),
             )
-            for name, p in sorted(CHANNEL_PROVIDERS.items())
+            for name, p in sorted(svc.channel_providers.items())
         ]
     }
 
@@ -6336,11 +6479,16 @@ ROUTES = (
         "/agent/chat",
         agent_chat,
         summary="Ask the agent about your notes",
-        body=_obj(
+        body=lambda svc: _obj(
             ["message"],
-            message={"type": "string", "minLength": 1, "maxLength": 8000, "pattern": r"\S"},
+            message={
+                "type": "string",
+                "minLength": 1,
+                "maxLength": MAX_MESSAGE_CHARS,
+                "pattern": r"\S",
+            },
             notePath=_NOTE_PATH,
-            channel={"enum": list(CHANNEL_NAMES)},
+            channel={"enum": sorted(svc.channel_providers)},  # this app's providers
         ),
         tag="agent",
     ),
@@ -6370,17 +6518,6 @@ ROUTES = (
         summary="Inbound messages (shared secret in X-Service-Channel-Secret or ?secret=)",
         body={"type": "object"},
         tag="channels",
-    ),
-    Route(
-        "GET",
-        "/channels/webhook/whatsapp",
-        verify_whatsapp_webhook,
-        public=True,
-        summary="Meta's webhook verification (hub.challenge)",
-        params={"hub.mode": _STR, "hub.verify_token": _STR, "hub.challenge": _STR},
-        tag="channels",
-        media="text/plain",
-        enveloped=False,
     ),
     Route(
         "POST",
@@ -6439,6 +6576,33 @@ ROUTES = (
 )
 
 
+def channel_routes(providers: Mapping[str, ChannelProvider]) -> tuple:
+    """Return GET /channels/webhook/<name> for each provider that declares a check."""
+    routes = []
+    for name, provider in providers.items():
+        if provider.verify is None:
+            continue
+
+        def verify(svc: Service, _name: str = name):
+            return verify_webhook(svc, _name)
+
+        verify.__name__ = re.sub(r"\W+", "_", f"verify_{name}_webhook")
+        routes.append(
+            Route(
+                "GET",
+                f"/channels/webhook/{name}",
+                verify,
+                public=True,
+                summary=f"{name}'s subscription check",
+                params=dict.fromkeys(provider.verify_params, _STR),
+                tag="channels",
+                media="text/plain",
+                enveloped=False,
+            )
+        )
+    return tuple(routes)
+
+
 def openapi_path(rule: str) -> str:
     """Return a Bottle rule as an OpenAPI path: <name> and <name:path> become {name}."""
     return re.sub(r"<(\w+)(?::[^>]*)?>", r"{\1}", rule)
@@ -6447,7 +6611,7 @@ def openapi_path(rule: str) -> str:
 _SEGMENT = {"type": "string", "minLength": 1}  # a path parameter without its own schema
 
 
-def openapi_document(routes: Iterable[Route], server_url: str) -> dict:
+def openapi_document(svc: Service, server_url: str) -> dict:
     """Return the OpenAPI 3.1 document of every /api/v1 route in the table."""
     envelope_ok = _obj(["success", "data"], success={"const": True}, data={"type": "object"})
     envelope_err = _obj(
@@ -6456,7 +6620,7 @@ def openapi_document(routes: Iterable[Route], server_url: str) -> dict:
         error=_obj(["code", "message"], code={"enum": list(ERROR_CODES)}, message=_STR),
     )
     paths: dict = {}
-    for r in routes:
+    for r in svc.routes:
         if not r.api:
             continue
         success = (
@@ -6497,7 +6661,7 @@ def openapi_document(routes: Iterable[Route], server_url: str) -> dict:
         ]
         if params:
             op["parameters"] = params
-        body = r.body() if callable(r.body) else r.body  # a function: built per document
+        body = r.body(svc) if callable(r.body) else r.body  # built per app and document
         if body is not None:
             op["requestBody"] = {
                 "required": bool(
@@ -6667,8 +6831,9 @@ def _plain_error(respond: Callable, status: int, code: str, message: str) -> lis
 def create_app(config: Config | None = None) -> NotesApp:
     """Return the WSGI application for config (the environment's when None)."""
     config = config or load_config()
-    service = Service(config)
-    return NotesApp(service, ROUTES + tuple(plugin_routes(service.plugins.values())))
+    service = build_service(config).start()
+    routes = ROUTES + channel_routes(service.channel_providers)
+    return NotesApp(service, routes + plugin_routes(service.plugins.values()))
 
 
 def __getattr__(name: str):
@@ -6957,25 +7122,6 @@ def running_server(config: Config) -> tuple | None:
     return pid, record
 
 
-class AuditView:
-    """What the audit checks read, opened without side effects.
-
-    The state is opened read-only; only the built-in plugins are known (check_plugins
-    lists third-party files from the disk and never imports them); nothing is created,
-    swept or written, so `audit` run as root leaves every file as it found it.
-    """
-
-    def __init__(self, config: Config, state: StateStore, service_uid: int, secrets=None):
-        self.config, self.state = config, state
-        self.plugins = dict(BUILTIN_PLUGINS)
-        self.plugin_errors: dict = {}
-        self.service_uid = service_uid
-        self.recorded_secrets = secrets  # the running server's figures, or None
-        self.query_secret_seen_at = 0.0  # known only inside the running server
-        self.relay_client = None
-        self.started = time.time()
-
-
 def make_server(app: Callable, config: Config):
     """Return a server bound to host:port: waitress, else wsgiref with a warning.
 
@@ -7200,7 +7346,7 @@ def cmd_audit(config: Config) -> int:
     Audits the running server's recorded settings while one holds the root's lock, else
     this command's own; writes nothing and never imports plugin code.
     """
-    state = StateStore.open_existing(config.state_dir, readonly=True)
+    StateStore.open_existing(config.state_dir, readonly=True)  # no state: one line, exit 2
     service_uid, secrets_seen = os.stat(config.state_dir).st_uid, None
     running = running_server(config)
     if running and running[1]:
@@ -7230,7 +7376,9 @@ def cmd_audit(config: Config) -> int:
             "no server is running on this root; auditing this command's own settings "
             "(flags and SERVICE_* variables)"
         )
-    report = run_audit(AuditView(config, state, service_uid, secrets_seen))
+    svc = build_service(config, readonly=True)  # imports no plugin, starts nothing
+    svc.service_uid, svc.recorded_secrets = service_uid, secrets_seen
+    report = run_audit(svc)
     marks = {"critical": "!!", "high": "! ", "medium": "- ", "low": ". ", "info": "  "}
     print(f"notesvc {__version__} security audit of {config.root}")
     print(subject)

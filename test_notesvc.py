@@ -258,7 +258,7 @@ class TestEnvelope:
     @pytest.fixture
     def app(self, root):
         cfg = notesvc.load_config(env=make_env(root, SERVICE_MAX_BODY_BYTES="2048"))
-        service = notesvc.Service(cfg)
+        service = notesvc.build_service(cfg).start()
         extra = (
             notesvc.Route("GET", "/boom", _boom),
             notesvc.Route("POST", "/echo", _echo),
@@ -3240,7 +3240,7 @@ class TestAgent:
         )
         shown = {
             "system": data(client.get(f"{API}/system/config"))["agent"]["baseUrl"],
-            "security": data(client.get(f"{API}/security/config"))["agent"]["endpoint"],
+            "security": data(client.get(f"{API}/security/config"))["agent"]["baseUrl"],
         }
         for url in shown.values():
             assert url == f"http://127.0.0.1:{port}/v1?token=…"
