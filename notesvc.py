@@ -2667,7 +2667,7 @@ class Service:
     def _open_index(self) -> SearchIndex:
         try:
             index = load_index(self.index_path)
-            log.info("index cache loaded: %d notes", len(index.ids))
+            log.info("index cache loaded: %d notes", len(index.paths()))
             return index
         except ValueError as e:
             if self.index_path.exists():
@@ -3726,40 +3726,34 @@ class LinkResolver:
         return out
 
 
-IndexSnapshot = collections.namedtuple("IndexSnapshot", "ids docs generation")
-IndexSnapshot.__doc__ = """The index's notes at one generation: ids {path: id}, docs [Doc]."""
-
-
 def derived(svc: Service, name: str, build: Callable) -> Any:
-    """Return build(snapshot of the index), kept until the index changes.
+    """Return build([(path, title, text)] of every indexed note), kept until the index changes.
 
-    Only taking the snapshot (references to the paths and texts) holds the index lock; the
-    build runs without it, so searches and writes never wait for a plugin's computation.
-    Builds take turns, so concurrent callers wait for one build instead of repeating it.
+    Only taking the snapshot holds the index lock (inside index.documents()); the build runs
+    without it, so searches and writes never wait for a plugin's computation. Builds take
+    turns, so concurrent callers wait for one build instead of repeating it.
     """
-    index = svc.index
     cached = svc.plugin_cache.get(name)
-    if cached and cached[0] == index.generation:
+    if cached and cached[0] == svc.index.generation:
         return cached[1]
     with svc.plugin_build_lock:
-        with index._lock:
-            cached = svc.plugin_cache.get(name)
-            if cached and cached[0] == index.generation:
-                return cached[1]
-            snap = IndexSnapshot(dict(index.ids), list(index.docs), index.generation)
-        value = build(snap)
-        svc.plugin_cache[name] = (snap.generation, value)
+        cached = svc.plugin_cache.get(name)
+        if cached and cached[0] == svc.index.generation:
+            return cached[1]
+        generation, notes = svc.index.documents()
+        value = build(notes)
+        svc.plugin_cache[name] = (generation, value)
         return value
 
 
 def link_graph(svc: Service) -> dict:
     """Return {note path: set of notes linking to it}, cached until the index changes."""
 
-    def build(index: IndexSnapshot) -> dict:
-        resolver = LinkResolver(index.ids)
+    def build(notes: list) -> dict:
+        resolver = LinkResolver(path for path, _, _ in notes)
         graph: dict = collections.defaultdict(set)
-        for path, d in index.ids.items():
-            text = index.docs[d].text[:MAX_SCAN_CHARS]
+        for path, _, text in notes:
+            text = text[:MAX_SCAN_CHARS]
             if "[[" in text or ".md" in text:
                 for target in resolver.links(text, path):
                     graph[target].add(path)
@@ -3822,8 +3816,7 @@ def rewrite_links(
 
 def update_links(svc: Service, old: str, new: str, linking: set) -> list:
     """Rewrite the links to `old` in each linking note (one atomic write each)."""
-    with svc.index._lock:
-        resolver = LinkResolver([*svc.index.ids, old])
+    resolver = LinkResolver([*svc.index.paths(), old])
     changed = []
     for source in sorted(linking | {new}):
         moved_from = old if source == new else None
@@ -3847,12 +3840,8 @@ def get_backlinks(svc: Service, path: str) -> dict:
     if not svc.notes.exists(path):
         raise not_found(f"no note at {path}")
     sources = sorted(link_graph(svc).get(path, ()))
-    index = svc.index
-    with index._lock:
-        titled = [
-            {"path": p, "title": index.docs[index.ids[p]].title} for p in sources if p in index.ids
-        ]
-    return {"path": path, "backlinks": titled}
+    titled = [{"path": p, "title": svc.index.title_of(p)} for p in sources]
+    return {"path": path, "backlinks": [t for t in titled if t["title"] is not None]}
 
 
 builtin_plugin(
@@ -3910,10 +3899,9 @@ def note_tags(text: str) -> set:
 def tag_map(svc: Service) -> dict:
     """Return {tag: sorted note paths}, cached until the index changes."""
 
-    def build(index: IndexSnapshot) -> dict:
+    def build(notes: list) -> dict:
         tags: dict = collections.defaultdict(list)
-        for path in sorted(index.ids):
-            text = index.docs[index.ids[path]].text
+        for path, _, text in sorted(notes):
             if "#" in text or text.startswith("---"):
                 for tag in note_tags(text):
                     tags[tag].append(path)
@@ -3932,10 +3920,8 @@ def get_tag(svc: Service, tag: str) -> dict:
     paths = tag_map(svc).get(tag)
     if not paths:
         raise not_found(f"no note is tagged #{tag}")
-    index = svc.index
-    with index._lock:
-        notes = [{"path": p, "title": index.docs[index.ids[p]].title} for p in paths]
-    return {"tag": tag, "notes": notes}
+    titled = [{"path": p, "title": svc.index.title_of(p)} for p in paths]
+    return {"tag": tag, "notes": [t for t in titled if t["title"] is not None]}
 
 
 builtin_plugin(

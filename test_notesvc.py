@@ -104,6 +104,12 @@ def sample_url(route: notesvc.Route) -> str:
     return re.sub(r"<(\w+)(?::[^>]*)?>", "x", url)
 
 
+def tmp_path_factory_root(root: Path) -> Path:
+    """Return a fresh notes root beside `root` (another app in the same test)."""
+    other = root.parent / f"other-{len(list(root.parent.glob('other-*')))}"
+    return other
+
+
 class Server:
     """A real `python notesvc.py` process on a free loopback port."""
 
@@ -1598,6 +1604,106 @@ class TestServer:
             server.stop()
 
 
+class TestStructure:
+    """The module's shape: sections in data-flow order, and what the Service owns."""
+
+    def test_no_section_uses_a_name_defined_in_a_later_one(self):
+        import ast
+        import bisect
+
+        src = Path(NOTESVC).read_text()
+        tree = ast.parse(src)
+        lines = src.splitlines()
+        banners = [i + 1 for i, line in enumerate(lines) if line.startswith("# == ")]
+
+        def section(lineno: int) -> int:
+            return bisect.bisect_right(banners, lineno)
+
+        defined: dict = {}
+        for node in tree.body:
+            names = []
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names = [node.name]
+            elif isinstance(node, ast.Assign):
+                names = [n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                names = [node.target.id]
+            for name in names:
+                defined.setdefault(name, section(node.lineno))
+
+        class Uses(ast.NodeVisitor):  # every name loaded, annotations left out
+            def __init__(self):
+                self.names: list = []
+
+            def visit_arg(self, node):
+                pass
+
+            def visit_FunctionDef(self, node):
+                for part in [*node.decorator_list, *node.args.defaults, *node.body]:
+                    self.visit(part)
+                for default in node.args.kw_defaults:
+                    if default is not None:
+                        self.visit(default)
+
+            visit_AsyncFunctionDef = visit_FunctionDef
+
+            def visit_AnnAssign(self, node):
+                if node.value is not None:
+                    self.visit(node.value)
+
+            def visit_Name(self, node):
+                if isinstance(node.ctx, ast.Load):
+                    self.names.append((node.lineno, node.id))
+
+        outline = [lines[b - 1][5:].strip(" =") for b in banners]
+        late = []
+        for node in tree.body:
+            uses = Uses()
+            uses.visit(node)
+            here = section(node.lineno)
+            late += [
+                f"line {line}: {name} (defined in {outline[defined[name] - 1]})"
+                for line, name in uses.names
+                if defined.get(name, 0) > here
+            ]
+        assert late == []
+        assert outline.index("Service") == outline.index("State and auth") + 1
+        assert outline.index("Web client") < outline.index("Relay") < outline.index("HTTP")
+
+    def test_service_declares_every_attribute_in_init(self, anon):
+        svc = anon.app.service
+        declared = set(vars(notesvc.build_service(svc.config, readonly=True)))
+        assert set(vars(svc)) <= declared
+
+    def test_a_failed_index_update_is_retried_by_the_next_rescan(self, make_app, caplog):
+        client = with_key(make_app())
+        svc = client.app.service
+
+        class FlakyIndex(notesvc.SearchIndex):  # the write happens; indexing it fails once
+            failed = False
+
+            def add(self, *args, **kwargs):
+                if not FlakyIndex.failed:
+                    FlakyIndex.failed = True
+                    raise RuntimeError("index full of gremlins")
+                return super().add(*args, **kwargs)
+
+        svc.index = FlakyIndex()
+        svc.sync_index()
+        caplog.set_level("ERROR", logger="notesvc")
+        rid = "gremlin-request-1"
+        client.post_json(
+            f"{API}/notes",
+            {"path": "notes/g.md", "content": "kumquat"},
+            headers={"X-Request-Id": rid},
+            status=201,
+        )
+        assert any(rid in r.getMessage() and "notes/g.md" in r.getMessage() for r in caplog.records)
+        assert search(client, "kumquat")["total"] == 0  # not indexed yet
+        svc.sync_index()  # what the rescan runs
+        assert search(client, "kumquat")["total"] == 1
+
+
 class TestDocs:
     def test_readme_example_plugin_works(self, make_app, root):
         readme = (HERE / "README.md").read_text()
@@ -2066,9 +2172,9 @@ SLOW_PLUGIN = """
 import time
 import notesvc
 
-def build(index):
+def build(notes):
     time.sleep(1.5)  # a plugin's slow computation over the notes
-    return len(index.ids)
+    return len(notes)
 
 def count(svc):
     return {"notes": notesvc.derived(svc, "slow-count", build)}
@@ -4274,15 +4380,18 @@ class TestPlugins:
             "    return 'you asked: ' + question + ' (' + str(len(found)) + ' notes)', 'parrot-1'\n"
             "PLUGIN = notesvc.Plugin(name='echo', description='repeats the question')\n"
         )
-        try:
-            client = with_key(make_app(SERVICE_AGENT_PROVIDER="echo"))
-            put_note(client, "notes/a.md", "parrots talk")
-            assert data(client.get(f"{API}/agent/status"))["model"] == "parrot-1"
-            reply = data(client.post_json(f"{API}/agent/chat", {"message": "parrots?"}))
-            assert reply["reply"] == "you asked: parrots? (1 notes)"
-            assert reply["provider"] == "echo"
-        finally:
-            notesvc.AGENT_PROVIDERS.pop("echo", None)
+        client = with_key(make_app(SERVICE_AGENT_PROVIDER="echo"))
+        put_note(client, "notes/a.md", "parrots talk")
+        assert data(client.get(f"{API}/agent/status"))["model"] == "parrot-1"
+        reply = data(client.post_json(f"{API}/agent/chat", {"message": "parrots?"}))
+        assert reply["reply"] == "you asked: parrots? (1 notes)"
+        assert reply["provider"] == "echo"
+        # The provider is this app's: the module-wide registry and another app never see it.
+        assert "echo" not in notesvc.AGENT_PROVIDERS
+        other = make_app(tmp_path_factory_root(root))
+        assert "echo" not in other.app.service.agent_providers
+        with pytest.raises(notesvc.ConfigError, match="SERVICE_AGENT_PROVIDER"):
+            make_app(tmp_path_factory_root(root), SERVICE_AGENT_PROVIDER="echo")
 
     def test_plugin_routes_are_in_openapi(self, plugin_app):
         doc = plugin_app.get(f"{API}/openapi.json").json
