@@ -1122,8 +1122,11 @@ class TestEdge:
                 assert relay.request("POST", verify, headers={"X-Service-Key": "nsk_x"})[0] == 401
             right = {"X-Service-Key": setup["apiKey"]}
             assert relay.request("POST", verify, headers=right)[0] == 429  # that client is out
-            # ... but the owner on the server's own machine is not.
+            # ... but the owner on the server's own machine is not,
             assert server.request("POST", f"{API}/auth/verify", headers=right)[0] == 200
+            # nor the owner reaching the relay from another address.
+            assert call(relay.url, "POST", verify, right, source="127.0.0.7")[0] == 200
+            assert call(relay.url, "POST", verify, right, source="127.0.0.1")[0] == 429
         finally:
             server.stop()
             relay.stop()
