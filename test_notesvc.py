@@ -652,6 +652,17 @@ class TestAuth:
         # ... but only for that address.
         with_key(anon).post(f"{API}/auth/verify", extra_environ={"REMOTE_ADDR": "10.9.9.9"})
 
+    def test_a_spray_of_addresses_keeps_the_lockout_small(self):
+        now = [0.0]
+        lockout = notesvc.Lockout(clock=lambda: now[0], tracked=100)
+        for i in range(1000):  # every address fresh, none ever stale
+            lockout.fail(f"10.0.{i // 250}.{i % 250}")
+            now[0] += 0.001
+        assert len(lockout._fails) <= 100
+        for _ in range(10):  # a real attacker is still locked out
+            lockout.fail("192.0.2.1")
+        assert lockout.retry_after("192.0.2.1") > 0
+
     def test_requests_without_a_credential_never_count(self, anon):
         for _ in range(15):
             assert_error(anon.post(f"{API}/auth/verify", status=401), 401, "UNAUTHORIZED")
