@@ -43,8 +43,18 @@ API = "/api/v1"
 # -- fixtures and helpers ---------------------------------------------------------
 
 
+# Outbound channel calls go nowhere unless a test points them at a stand-in: a closed
+# loopback port (a channel's poller then only retries, and never leaves this machine).
+NOWHERE = "http://127.0.0.1:1"
+
+
 def make_env(root: Path, **env: str) -> dict:
-    base = {"SERVICE_NOTES_ROOT": str(root), "SERVICE_RESCAN_SECONDS": "0"}
+    base = {
+        "SERVICE_NOTES_ROOT": str(root),
+        "SERVICE_RESCAN_SECONDS": "0",
+        "SERVICE_TELEGRAM_API_BASE": NOWHERE,
+        "SERVICE_WHATSAPP_API_BASE": NOWHERE,
+    }
     base.update(env)
     return base
 
@@ -3110,24 +3120,74 @@ class TestServerSearch:
 
 
 class FakeUpstream:
-    """A loopback HTTP server speaking the OpenAI chat-completions, Telegram Bot API and
-    WhatsApp Cloud API formats, recording every request it receives."""
+    """A loopback HTTP server speaking the OpenAI chat-completions and /audio/transcriptions,
+    Telegram Bot API and WhatsApp Cloud API formats.
+
+    `requests` records what it is sent (chat completions, sendMessage, WhatsApp messages,
+    transcriptions); the Bot API's own bookkeeping, which pollers call in the background
+    (getUpdates, setWebhook, deleteWebhook, getFile), goes to `bot_calls`, and GETs
+    (file and media downloads) to `downloads`. Telegram updates queued with push() are
+    handed out by getUpdates with Telegram's offset rules and long-poll time-out (held at
+    most `max_hold` seconds); setWebhook makes getUpdates answer 409 until deleteWebhook.
+    """
+
+    BOT_METHODS = ("getUpdates", "setWebhook", "deleteWebhook", "getFile", "getMe")
+    WHATSAPP_TOKEN = "EAAG-whatsapp-token"
 
     def __init__(self):
         self.requests: list = []
+        self.bot_calls: list = []
+        self.downloads: list = []
         self.status = 200
         self.delay = 0.0
         self.reply = "The spare keys are under the blue flowerpot (notes/home/keys.md)."
         self.raw = None  # bytes to answer instead of the usual JSON
+        self.updates: list = []  # queued Telegram updates (push)
+        self.next_update_id = 500000
+        self.max_hold = 1.0
+        self.polls = 0
+        self.poll_status = 200  # getUpdates answers this (e.g. 401: a revoked token)
+        self.webhook: dict | None = None
+        self.webhook_error = ""  # setWebhook refuses with this description
+        self.files: dict = {}  # Telegram file_id -> (file_path, bytes)
+        self.media: dict = {}  # WhatsApp media id -> (mime type, bytes)
+        self.transcript = "Remember to buy oat milk and call the plumber."
+        self.closed = False
+        self.cond = threading.Condition()
         fake = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
             def log_message(self, *args):
                 pass
 
+            def _send(self, status: int, payload: bytes, ctype: str = "application/json"):
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                with contextlib.suppress(OSError):
+                    self.wfile.write(payload)
+
             def do_POST(self):
                 length = int(self.headers.get("Content-Length", 0))
-                body = json.loads(self.rfile.read(length) or b"null")
+                raw = self.rfile.read(length)
+                path = self.path.split("?")[0]
+                method = path.rsplit("/", 1)[-1]
+                if path.endswith("/audio/transcriptions"):
+                    form = fake.parse_form(raw, self.headers.get("Content-Type", ""))
+                    fake.requests.append(
+                        {"path": self.path, "headers": dict(self.headers), "form": form}
+                    )
+                    if "file" not in form:
+                        return self._send(400, b'{"error": {"message": "no file"}}')
+                    return self._send(200, json.dumps({"text": fake.transcript}).encode())
+                body = json.loads(raw or b"null")
+                if path.startswith("/bot") and method in fake.BOT_METHODS:
+                    fake.bot_calls.append({"path": self.path, "json": body})
+                    status, answer = fake.bot_api(method, body)
+                    return self._send(status, json.dumps(answer).encode())
                 fake.requests.append(
                     {"path": self.path, "headers": dict(self.headers), "json": body}
                 )
@@ -3137,12 +3197,38 @@ class FakeUpstream:
                     if fake.raw is not None
                     else json.dumps(fake.answer(self.path, body)).encode()
                 )
-                self.send_response(fake.status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                with contextlib.suppress(OSError):
-                    self.wfile.write(payload)
+                self._send(fake.status, payload)
+
+            def do_GET(self):
+                path = urllib.parse.unquote(self.path.split("?")[0])
+                fake.downloads.append({"path": path, "headers": dict(self.headers)})
+                m = re.match(r"^/file/bot[^/]+/(.+)$", path)
+                if m:
+                    found = [data for p, data in fake.files.values() if p == m.group(1)]
+                    if not found:
+                        return self._send(404, b'{"ok": false, "description": "Not Found"}')
+                    return self._send(200, found[0], "application/octet-stream")
+                bearer = self.headers.get("Authorization") == f"Bearer {fake.WHATSAPP_TOKEN}"
+                m = re.match(r"^/v21\.0/([^/]+)$", path)
+                if m and m.group(1) in fake.media:
+                    if not bearer:
+                        return self._send(401, b'{"error": {"code": 190}}')
+                    mime, data = fake.media[m.group(1)]
+                    info = {
+                        "messaging_product": "whatsapp",
+                        "url": f"{fake.url}/whatsapp-media/{m.group(1)}?ext=1",
+                        "mime_type": mime,
+                        "file_size": len(data),
+                        "id": m.group(1),
+                    }
+                    return self._send(200, json.dumps(info).encode())
+                m = re.match(r"^/whatsapp-media/([^/]+)$", path)
+                if m and m.group(1) in fake.media:
+                    if not bearer:
+                        return self._send(401, b"")
+                    mime, data = fake.media[m.group(1)]
+                    return self._send(200, data, mime)
+                self._send(404, b'{"error": "unknown path"}')
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
@@ -3150,6 +3236,82 @@ class FakeUpstream:
         threading.Thread(
             target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
         ).start()
+
+    @staticmethod
+    def parse_form(raw: bytes, ctype: str) -> dict:
+        """Return {name: (filename, bytes)} of a multipart/form-data body."""
+        import email.parser
+        import email.policy
+
+        msg = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
+            f"Content-Type: {ctype}\r\n\r\n".encode() + raw
+        )
+        if not msg.is_multipart():
+            return {}
+        return {
+            part.get_param("name", header="content-disposition"): (
+                part.get_filename(),
+                part.get_payload(decode=True),
+            )
+            for part in msg.iter_parts()
+        }
+
+    def push(self, update: dict) -> int:
+        """Queue a Telegram update for getUpdates; return its update_id."""
+        with self.cond:
+            self.next_update_id += 1
+            self.updates.append({"update_id": self.next_update_id, **update})
+            self.cond.notify_all()
+            return self.next_update_id
+
+    def add_file(self, file_id: str, file_path: str, data: bytes) -> None:
+        self.files[file_id] = (file_path, data)
+
+    def bot_api(self, method: str, body: dict) -> tuple:
+        if method == "getUpdates":
+            if self.poll_status != 200:
+                answer = {"ok": False, "error_code": self.poll_status, "description": "Unauthorized"}
+                return self.poll_status, answer
+            if self.webhook is not None:
+                return 409, {
+                    "ok": False,
+                    "error_code": 409,
+                    "description": "Conflict: can't use getUpdates method while webhook is "
+                    "active; use deleteWebhook to delete the webhook first",
+                }
+            offset = body.get("offset", 0)
+            deadline = time.monotonic() + min(body.get("timeout", 0), self.max_hold)
+            with self.cond:
+                self.polls += 1
+                self.updates = [u for u in self.updates if u["update_id"] >= offset]
+                while not self.updates and not self.closed:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self.cond.wait(left)
+                return 200, {"ok": True, "result": list(self.updates[:100])}
+        if method == "setWebhook":
+            if self.webhook_error:
+                return 400, {"ok": False, "error_code": 400, "description": self.webhook_error}
+            self.webhook = body
+            return 200, {"ok": True, "result": True, "description": "Webhook was set"}
+        if method == "deleteWebhook":
+            self.webhook = None
+            return 200, {"ok": True, "result": True, "description": "Webhook was deleted"}
+        if method == "getFile":
+            found = self.files.get(body.get("file_id"))
+            if found is None:
+                return 400, {"ok": False, "error_code": 400, "description": "Bad Request: invalid file_id"}
+            return 200, {
+                "ok": True,
+                "result": {
+                    "file_id": body["file_id"],
+                    "file_unique_id": "u" + body["file_id"],
+                    "file_size": len(found[1]),
+                    "file_path": found[0],
+                },
+            }
+        return 200, {"ok": True, "result": {"id": 1, "is_bot": True, "username": "notes_bot"}}
 
     def answer(self, path: str, body: dict) -> dict:
         path = path.split("?")[0]
@@ -3181,7 +3343,21 @@ class FakeUpstream:
             }
         return {"error": "unknown path"}
 
+    def sent(self) -> list:
+        """Return the texts sent through sendMessage and WhatsApp /messages, in order."""
+        out = []
+        for r in self.requests:
+            body = r.get("json") or {}
+            if "/sendMessage" in r["path"]:
+                out.append(body["text"])
+            elif r["path"].endswith("/messages"):
+                out.append(body["text"]["body"])
+        return out
+
     def close(self):
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
         self.server.shutdown()
         self.server.server_close()
 
@@ -3227,8 +3403,8 @@ def telegram_update(text, chat_id=42, **extra):
 
 def whatsapp_update(text, number="15551234567"):
     message = {"from": number, "id": "wamid.ID", "timestamp": "1763731200"}
-    if text is None:
-        message.update(type="image", image={"id": "img", "mime_type": "image/jpeg"})
+    if text is None:  # no text and nothing to capture: a shared location
+        message.update(type="location", location={"latitude": 52.52, "longitude": 13.40})
     else:
         message.update(type="text", text={"body": text})
     return {
@@ -3633,21 +3809,21 @@ class TestChannels:
         resp = self.hook(client, "web", web_update("hi"), "wrong", 429)
         assert_error(resp, 429, "RATE_LIMITED")
 
-    def test_telegram_save_writes_inbox_and_replies(self, client, upstream, root):
+    def test_telegram_save_writes_the_daily_note_and_replies(self, client, upstream, root):
         ch = self.create(client, "telegram", allowedChatIds=[42])
         resp = self.hook(
             client, "telegram", telegram_update("/save buy milk"), ch["secret"], how="telegram"
         )
         assert data(resp) == {"handled": True, "delivered": True}
-        inbox = list((root / "notes" / "inbox").glob("*.md"))
+        inbox = list((root / "notes" / "daily").glob("*.md"))  # CONTRACT 20: the daily note
         assert len(inbox) == 1
         text = inbox[0].read_text()
         assert re.search(r"^- \d\d:\d\d buy milk$", text, re.M)
-        assert text.startswith("# Inbox ")
+        assert text.startswith("# " + notesvc.day_note(notesvc.dt.date.today())[1])
         sent = upstream.requests[-1]
         assert sent["path"] == "/bot123456:ABC-telegram-token/sendMessage"
         assert sent["json"]["chat_id"] == "42"
-        assert "Saved to notes/inbox/" in sent["json"]["text"]
+        assert "Saved to notes/daily/" in sent["json"]["text"]
         # A second /save appends to the same note; the index follows.
         self.hook(client, "telegram", telegram_update("/save@my_bot call mum"), ch["secret"])
         assert "call mum" in inbox[0].read_text()
@@ -4119,6 +4295,12 @@ def _webhook_secret_in_a_query_string(app, root: Path) -> None:
     assert data(webtest.TestApp(app.app).post_json(url, {"update_id": 1}))["handled"] is False
 
 
+def _whatsapp_channel_without_app_secret(app, root: Path) -> None:
+    config = {**MINIMAL_CONFIG["whatsapp"], "allowedNumbers": ["15551234567"]}
+    body = {"provider": "whatsapp", "config": config}
+    with_key(app).post_json(f"{API}/channels", body, status=201)
+
+
 def _an_old_key(app, root: Path) -> None:
     state_file = root / ".notesvc" / "state.json"
     state = json.loads(state_file.read_text())
@@ -4150,6 +4332,9 @@ FIRING_CONFIGURATIONS = {
     "plugins": Firing("plugin-planted", change=_a_plugin_file),
     "channel_allowlists": Firing(r"channel-open-\S+", change=_telegram_channel_without_allowlist),
     "query_secrets": Firing("secret-in-query", change=_webhook_secret_in_a_query_string),
+    "channel_signatures": Firing(
+        r"channel-unsigned-\S+", change=_whatsapp_channel_without_app_secret
+    ),
     "plain_http_upstreams": Firing(
         "relay-plain-http", {"SERVICE_RELAY_URL": "http://relay.example.org"}
     ),
@@ -4733,7 +4918,7 @@ class TestPluginHooks:
         )
         last = self.calls(client)[-1]
         assert last[0] == "note_saved"
-        assert last[1].startswith("notes/inbox/")
+        assert last[1].startswith("notes/daily/")  # CONTRACT 20: /save goes to the daily note
         assert "buy milk" in last[2]
         # A refused write calls nothing.
         before = self.calls(client)
