@@ -4793,7 +4793,8 @@ def _media_extension(media: dict) -> str | None:
 
 
 def _safe_stem(media: dict) -> str:
-    stem = (media.get("name") or "").rpartition(".")[0] or media.get("kind") or "file"
+    kind = {"image": "photo"}.get(media.get("kind", ""), media.get("kind"))
+    stem = (media.get("name") or "").rpartition(".")[0] or kind or "file"
     stem = re.sub(r"[^\w-]+", "-", unicodedata.normalize("NFC", stem)).strip("-_")
     return stem[:60] or "file"
 
@@ -5251,6 +5252,7 @@ class ReminderScheduler:
         self._fired: dict = {}  # id -> when it was sent (persisted)
         self._scheduled: dict = {}  # id -> due, known before it was due (persisted)
         self._tries: dict = {}  # id -> (tries, next try) while no channel took it
+        self._loaded = False
 
     def start(self) -> None:
         self._load()
@@ -5286,6 +5288,7 @@ class ReminderScheduler:
             saved = {}
         saved = saved if isinstance(saved, dict) else {}
         with self._data_lock:
+            self._loaded = True
             self._fired = dict(saved.get("fired") or {})
             self._scheduled = {
                 k: v
@@ -5304,6 +5307,8 @@ class ReminderScheduler:
 
     def _refresh(self) -> None:
         """Re-read the reminders of the notes when the index changed."""
+        if not self._loaded:
+            self._load()
         index = self.svc.index
         if index.generation == self._generation:
             return
@@ -5330,7 +5335,11 @@ class ReminderScheduler:
                         if self._scheduled.get(rid) != r["due"]:
                             self._scheduled[rid], changed = r["due"], True
                         wait = min(wait, r["due"] - now)
-                    elif rid in self._scheduled or r["due"] >= now - REMINDER_GRACE:
+                    elif (
+                        rid in self._scheduled
+                        or rid in self._tries
+                        or r["due"] >= now - REMINDER_GRACE
+                    ):
                         tries, retry_at = self._tries.get(rid, (0, 0.0))
                         if retry_at > now:
                             wait = min(wait, retry_at - now)

@@ -3846,7 +3846,7 @@ class FakeUpstream:
         """Queue a Telegram update for getUpdates; return its update_id."""
         with self.cond:
             self.next_update_id += 1
-            self.updates.append({"update_id": self.next_update_id, **update})
+            self.updates.append({**update, "update_id": self.next_update_id})
             self.cond.notify_all()
             return self.next_update_id
 
@@ -4728,6 +4728,662 @@ class TestChannels:
             assert data(changed)["config"]["allowedBirds"] == ["crow"]
         finally:
             notesvc.CHANNEL_PROVIDERS.pop("pigeon", None)
+
+
+# -- capture: photos, voice and files from the channels, commands, polling, reminders ----------
+
+OGG = b"OggS\x00\x02" + bytes(range(200))
+
+
+def photo_update(*sizes: tuple, caption: str | None = None, chat_id: int = 42) -> dict:
+    """A Telegram photo message: sizes are (file_id, width, height, file_size)."""
+    photo = [
+        {"file_id": f, "file_unique_id": f"u{f}", "width": w, "height": h, "file_size": n}
+        for f, w, h, n in sizes
+    ]
+    extra = {"caption": caption} if caption else {}
+    return telegram_update(None, chat_id, photo=photo, **extra)
+
+
+def today_note(client, folder: str = "notes/daily") -> Path:
+    day = notesvc.local_now(client.app.service).date()
+    return client.app.service.config.root / folder / f"{day:%Y-%m-%d}.md"
+
+
+def whatsapp_media(kind: str, media_id: str, number: str = "15551234567", **fields) -> dict:
+    update = whatsapp_update("x", number)
+    message = update["entry"][0]["changes"][0]["value"]["messages"][0]
+    del message["text"]
+    message.update(type=kind, **{kind: {"id": media_id, **fields}})
+    return update
+
+
+def whatsapp_signature(body: bytes, secret: str) -> str:
+    import hashlib
+    import hmac
+
+    return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+
+
+class TestCapture:
+    @pytest.fixture
+    def client(self, make_app, upstream):
+        return with_key(
+            make_app(
+                SERVICE_TELEGRAM_API_BASE=upstream.url,
+                SERVICE_WHATSAPP_API_BASE=upstream.url + "/v21.0",
+                SERVICE_TRANSCRIBE_URL=upstream.url + "/v1",
+                SERVICE_TRANSCRIBE_API_KEY="tr-key-123",
+            )
+        )
+
+    def create(self, client, provider="telegram", status=201, **config):
+        base = {**MINIMAL_CONFIG[provider]}
+        if provider == "telegram":
+            base.update(allowedChatIds=[42], mode="webhook")
+        elif provider == "whatsapp":
+            base.update(allowedNumbers=["15551234567"])
+        body = {"provider": provider, "config": {**base, **config}}
+        return data(client.post_json(f"{API}/channels", body, status=status))
+
+    def hook(self, client, provider, payload, secret, status=200, headers=None):
+        anon = webtest.TestApp(client.app)
+        headers = {"X-Service-Channel-Secret": secret, **(headers or {})} if secret else headers
+        return anon.post_json(
+            f"{API}/channels/webhook/{provider}", payload, headers=headers or {}, status=status
+        )
+
+    def test_a_photo_becomes_an_attachment_linked_from_the_daily_note(self, client, upstream):
+        ch = self.create(client)
+        upstream.add_file("ph-s", "photos/file_6.jpg", b"small")
+        upstream.add_file("ph-b", "photos/file_7.jpg", PNG)
+        update = photo_update(("ph-s", 90, 67, 5), ("ph-b", 1280, 960, len(PNG)), caption="Beach")
+        assert data(self.hook(client, "telegram", update, ch["secret"])) == {
+            "handled": True,
+            "delivered": True,
+        }
+        text = today_note(client).read_text()
+        m = re.search(
+            r"^- \d\d:\d\d !\[photo\]\(\.\./\.\./(attachments/inbox/\d{4}-\d\d-\d\d/"
+            r"\d{6}-photo\.jpg)\) Beach$",
+            text,
+            re.M,
+        )
+        assert m, text
+        assert text.startswith("# " + notesvc.day_note(notesvc.local_now(client.app.service))[1])
+        assert client.get(att_url(m.group(1))).body == PNG  # the largest size was fetched
+        files = [c["json"]["file_id"] for c in upstream.bot_calls if "/getFile" in c["path"]]
+        assert files == ["ph-b"]
+        assert (
+            upstream.downloads[-1]["path"] == "/file/bot123456:ABC-telegram-token/photos/file_7.jpg"
+        )
+        note = str(today_note(client).relative_to(client.app.service.config.root))
+        assert upstream.sent()[-1] == f"Saved the photo to {note}."
+        # The same photo again gets its own file, never overwriting the first.
+        self.hook(client, "telegram", update, ch["secret"])
+        assert len(re.findall(r"-photo(?:-2)?\.jpg", today_note(client).read_text())) == 2
+
+    def test_a_voice_message_is_transcribed_under_its_link(self, client, upstream):
+        ch = self.create(client)
+        upstream.add_file("vc1", "voice/file_3.oga", OGG)
+        voice = {"file_id": "vc1", "file_unique_id": "v", "duration": 4, "mime_type": "audio/ogg"}
+        self.hook(client, "telegram", telegram_update(None, voice=voice), ch["secret"])
+        text = today_note(client).read_text()
+        m = re.search(
+            r"^- \d\d:\d\d \[voice message\]\(\.\./\.\./(attachments/inbox/[^)]+-voice\.ogg)\)\n"
+            r"  > Remember to buy oat milk and call the plumber\.$",
+            text,
+            re.M,
+        )
+        assert m, text
+        assert client.get(att_url(m.group(1))).body == OGG
+        asked = next(r for r in upstream.requests if r["path"] == "/v1/audio/transcriptions")
+        assert asked["headers"]["Authorization"] == "Bearer tr-key-123"
+        assert asked["form"]["model"] == (None, b"whisper-1")
+        assert asked["form"]["file"][0].endswith("voice.ogg")
+        assert asked["form"]["file"][1] == OGG
+        assert "call the plumber" in upstream.sent()[-1]
+        assert hits(client, "plumber") == [
+            str(today_note(client).relative_to(client.app.service.config.root))
+        ]
+
+    def test_without_a_transcription_service_the_audio_is_kept_and_said_so(
+        self, make_app, upstream
+    ):
+        client = with_key(make_app(SERVICE_TELEGRAM_API_BASE=upstream.url))
+        ch = self.create(client)
+        upstream.add_file("au1", "music/file_1.mp3", b"ID3" + bytes(50))
+        audio = {"file_id": "au1", "mime_type": "audio/mpeg", "file_name": "Idea 1.mp3"}
+        self.hook(client, "telegram", telegram_update(None, audio=audio), ch["secret"])
+        text = today_note(client).read_text()
+        assert re.search(
+            r"\[Idea 1\.mp3\]\(\.\./\.\./attachments/inbox/[^)]+-Idea-1\.mp3\) \(not transcribed\)",
+            text,
+        ), text
+        assert "SERVICE_TRANSCRIBE_URL is not set" in upstream.sent()[-1]
+        assert not [r for r in upstream.requests if "transcriptions" in r["path"]]
+
+    def test_a_failed_transcription_keeps_the_audio(self, make_app, upstream, caplog):
+        client = with_key(
+            make_app(
+                SERVICE_TELEGRAM_API_BASE=upstream.url,
+                SERVICE_TRANSCRIBE_URL=NOWHERE + "/v1/audio/transcriptions",
+            )
+        )
+        ch = self.create(client)
+        upstream.add_file("vc2", "voice/file_4.oga", OGG)
+        voice = {"file_id": "vc2", "mime_type": "audio/ogg"}
+        self.hook(client, "telegram", telegram_update(None, voice=voice), ch["secret"])
+        text = today_note(client).read_text()
+        assert "(transcription failed: " in text
+        assert len(data(client.get(f"{API}/attachments"))["attachments"]) == 1
+        assert any("transcription failed" in r.getMessage() for r in caplog.records)
+
+    def test_files_of_other_types_or_over_the_limit_are_not_saved(self, make_app, upstream, root):
+        client = with_key(
+            make_app(SERVICE_TELEGRAM_API_BASE=upstream.url, SERVICE_MAX_ATTACHMENT_BYTES="4096")
+        )
+        ch = self.create(client)
+        exe = {"file_id": "d1", "file_name": "setup.exe", "mime_type": "application/x-msdownload"}
+        self.hook(client, "telegram", telegram_update(None, document=exe), ch["secret"])
+        assert "not accepted" in upstream.sent()[-1]
+        big = {
+            "file_id": "d2",
+            "file_name": "scan.pdf",
+            "mime_type": "application/pdf",
+            "file_size": 5000,
+        }
+        self.hook(client, "telegram", telegram_update(None, document=big), ch["secret"])
+        assert "over 4096 bytes" in upstream.sent()[-1]
+        assert not [c for c in upstream.bot_calls if "/getFile" in c["path"]]  # nothing fetched
+        # A size Telegram did not announce is enforced while downloading.
+        upstream.add_file("d3", "documents/file_9.pdf", b"%PDF" + b"x" * 5000)
+        quiet = {"file_id": "d3", "file_name": "quiet.pdf", "mime_type": "application/pdf"}
+        self.hook(client, "telegram", telegram_update(None, document=quiet), ch["secret"])
+        assert "over 4096 bytes" in upstream.sent()[-1]
+        assert not (root / "attachments").exists() or not list(
+            (root / "attachments").rglob("*.pdf")
+        )
+        assert leftovers(root) == []
+        assert not today_note(client).exists()  # nothing saved, nothing written
+        # A named document of an accepted type is kept under its own name.
+        upstream.add_file("d4", "documents/file_10.pdf", b"%PDF-1.7")
+        named = {
+            "file_id": "d4",
+            "file_name": "Tax return 2026.pdf",
+            "mime_type": "application/pdf",
+        }
+        self.hook(client, "telegram", telegram_update(None, document=named), ch["secret"])
+        assert "[Tax return 2026.pdf](../../attachments/inbox/" in today_note(client).read_text()
+
+    def test_whatsapp_image_and_voice_are_fetched_with_the_bearer_token(self, client, upstream):
+        ch = self.create(client, "whatsapp")
+        upstream.media["img-1"] = ("image/jpeg", PNG)
+        upstream.media["aud-1"] = ("audio/ogg; codecs=opus", OGG)
+        image = whatsapp_media("image", "img-1", mime_type="image/jpeg", caption="Receipt")
+        assert data(self.hook(client, "whatsapp", image, ch["secret"]))["handled"] is True
+        voice = whatsapp_media("audio", "aud-1", mime_type="audio/ogg; codecs=opus", voice=True)
+        self.hook(client, "whatsapp", voice, ch["secret"])
+        text = today_note(client).read_text()
+        assert re.search(
+            r"!\[photo\]\(\.\./\.\./attachments/inbox/[^)]+-photo\.jpg\) Receipt", text
+        )
+        assert re.search(
+            r"\[voice message\]\([^)]+-voice\.ogg\)\n  > Remember to buy oat milk", text
+        )
+        fetched = [
+            d for d in upstream.downloads if "whatsapp-media" in d["path"] or "/v21.0/" in d["path"]
+        ]
+        assert len(fetched) == 4
+        assert all(d["headers"]["Authorization"] == "Bearer EAAG-whatsapp-token" for d in fetched)
+        assert upstream.requests[-1]["json"]["to"] == "15551234567"
+        assert "Saved the photo" in upstream.sent()[-2]
+
+    def test_commands_and_save_to(self, client, upstream, root):
+        ch = self.create(client)
+
+        def say(text):
+            self.hook(client, "telegram", telegram_update(text), ch["secret"])
+            return upstream.sent()[-1]
+
+        assert "/save <text>" in say("/help")
+        assert "/save <text>" in say("/start")
+        assert "Unknown command /frobnicate" in say("/frobnicate now")
+        assert say("/save") == "Usage: /save <text to keep>"
+        assert say("/ask") == "Usage: /ask <question>"
+        assert say("/search") == "Usage: /search <words>"
+        assert say("/today").startswith("Nothing in notes/daily/")
+        say("/save first thought")
+        today = say("/today")
+        assert today.startswith("notes/daily/")
+        assert "first thought" in today
+        put_note(client, "notes/home/keys.md", KEYS_NOTE)
+        assert "flowerpot" in say("/ask where are the spare keys?")
+        # saveTo: /save and captures go to a note per day in that folder.
+        client.patch_json(f"{API}/channels/{ch['id']}", {"config": {"saveTo": "notes/journal"}})
+        assert say("/save second thought").startswith("Saved to notes/journal/")
+        assert "second thought" in today_note(client, "notes/journal").read_text()
+        assert "second thought" not in today_note(client).read_text()
+        assert "second thought" in say("/today")
+        upstream.add_file("ph", "photos/p.jpg", PNG)
+        self.hook(client, "telegram", photo_update(("ph", 10, 10, len(PNG))), ch["secret"])
+        assert "](../../attachments/inbox/" in today_note(client, "notes/journal").read_text()
+
+    @pytest.mark.parametrize(
+        "config",
+        [
+            {"mode": "carrier-pigeon"},
+            {"mode": 1},
+            {"notify": "yes"},
+            {"saveTo": "../etc"},
+            {"saveTo": "journal"},
+            {"saveTo": "notes/.hidden"},
+            {"saveTo": 5},
+            {"appSecret": "x"},  # a WhatsApp field
+        ],
+    )
+    def test_new_config_fields_are_validated(self, client, config):
+        resp = client.post_json(
+            f"{API}/channels",
+            {"provider": "telegram", "config": {**MINIMAL_CONFIG["telegram"], **config}},
+            status=400,
+        )
+        assert_error(resp, 400, "VALIDATION_ERROR")
+
+    def test_webhook_mode_sets_the_webhook_with_the_secret(self, client, upstream):
+        ch = self.create(client)
+        assert upstream.webhook == {
+            "url": ch["webhookUrl"],
+            "secret_token": ch["secret"],
+            "allowed_updates": ["message", "edited_message", "channel_post"],
+            "drop_pending_updates": False,
+        }
+        assert ch["status"]["ok"] is True
+        upstream.webhook = None
+        changed = data(
+            client.patch_json(f"{API}/channels/{ch['id']}", {"config": {"allowedChatIds": [42, 7]}})
+        )
+        assert upstream.webhook["secret_token"] == ch["secret"]  # PATCH sets it again
+        assert changed["status"]["ok"] is True
+
+    def test_a_refused_set_webhook_is_shown_not_failed(self, client, upstream, caplog):
+        upstream.webhook_error = (
+            "Bad Request: bad webhook: An HTTPS URL must be provided for webhook"
+        )
+        ch = self.create(client)  # still 201
+        assert ch["status"]["ok"] is False
+        assert "HTTPS URL must be provided" in ch["status"]["error"]
+        shown = data(client.get(f"{API}/channels/{ch['id']}"))
+        assert shown["status"] == ch["status"]
+        logged = "\n".join(r.getMessage() for r in caplog.records)
+        assert "HTTPS URL must be provided" in logged
+        for secret in (ch["secret"], "ABC-telegram-token"):
+            assert secret not in logged
+            assert secret not in json.dumps(shown)
+
+    def test_an_unreachable_telegram_is_shown_not_failed(self, make_app):
+        client = with_key(make_app())  # the Bot API base is a closed port
+        body = {"provider": "telegram", "config": {**MINIMAL_CONFIG["telegram"], "mode": "webhook"}}
+        ch = data(client.post_json(f"{API}/channels", body, status=201))
+        assert ch["status"]["ok"] is False
+        assert ch["status"]["error"]
+        assert "ABC-telegram-token" not in ch["status"]["error"]
+
+    def test_a_channel_stored_before_modes_stays_a_webhook(self, client, upstream, root):
+        ch = self.create(client)
+        state_file = root / ".notesvc" / "state.json"
+        state = json.loads(state_file.read_text())
+        for field in ("mode", "saveTo", "notify"):
+            del state["channels"][0]["config"][field]
+        state_file.write_text(json.dumps(state))
+        changed = data(client.patch_json(f"{API}/channels/{ch['id']}", {"name": "old bot"}))
+        assert "mode" not in changed["config"]  # a name change leaves the config alone
+        changed = data(
+            client.patch_json(f"{API}/channels/{ch['id']}", {"config": {"notify": True}})
+        )
+        assert changed["config"]["mode"] == "webhook"
+        assert client.app.service.pollers.running() == []
+
+    def test_whatsapp_with_an_app_secret_needs_meta_s_signature(self, client, upstream):
+        ch = self.create(client, "whatsapp", appSecret="meta-app-secret")
+        assert ch["config"]["appSecret"] == "meta-app-secret"
+        listed = data(client.get(f"{API}/channels/{ch['id']}"))
+        assert "meta-app-secret" not in json.dumps(listed)
+        body = json.dumps(whatsapp_update("/search tomatoes")).encode()
+        anon = webtest.TestApp(client.app)
+        url = f"{API}/channels/webhook/whatsapp"
+
+        def post(headers, status, query=""):
+            return anon.post(
+                url + query,
+                body,
+                headers={"Content-Type": "application/json", **headers},
+                status=status,
+            )
+
+        good = whatsapp_signature(body, "meta-app-secret")
+        # The signature alone authenticates: no secret in the URL needed.
+        assert data(post({"X-Hub-Signature-256": good}, 200))["handled"] is True
+        # With the secret, the signature is still required, and must be right.
+        assert_error(post({}, 401, f"?secret={ch['secret']}"), 401, "UNAUTHORIZED")
+        wrong = whatsapp_signature(body, "another-secret")
+        assert_error(
+            post({"X-Hub-Signature-256": wrong}, 401, f"?secret={ch['secret']}"),
+            401,
+            "UNAUTHORIZED",
+        )
+        assert (
+            data(post({"X-Hub-Signature-256": good}, 200, f"?secret={ch['secret']}"))["handled"]
+            is True
+        )
+        tampered = whatsapp_signature(body + b" ", "meta-app-secret")
+        assert_error(post({"X-Hub-Signature-256": tampered}, 401), 401, "UNAUTHORIZED")
+        assert_error(post({"X-Hub-Signature-256": "sha256=" + "0" * 64}, 401), 401, "UNAUTHORIZED")
+        # A channel without an app secret is not reached by a signature.
+        plain = self.create(client, "whatsapp", phoneNumberId="2")
+        assert plain["config"]["appSecret"] == ""
+        other = whatsapp_signature(body, "")
+        assert_error(post({"X-Hub-Signature-256": other}, 401), 401, "UNAUTHORIZED")
+        # Bad signatures count toward the lockout.
+        for _ in range(10):
+            post({"X-Hub-Signature-256": wrong}, [401, 429])
+        assert_error(post({"X-Hub-Signature-256": good}, 429), 429, "RATE_LIMITED")
+
+    def test_the_audit_flags_unsigned_whatsapp_and_query_secrets(self, client, upstream):
+        signed = self.create(client, "whatsapp", appSecret="meta-app-secret")
+        unsigned = self.create(client, "whatsapp", phoneNumberId="2")
+        found = {f["id"]: f["severity"] for f in audit(client)["findings"]}
+        assert found[f"channel-unsigned-{unsigned['id']}"] == "high"
+        assert f"channel-unsigned-{signed['id']}" not in found
+        anon = webtest.TestApp(client.app)
+        anon.post_json(
+            f"{API}/channels/webhook/whatsapp?secret={unsigned['secret']}", whatsapp_update("hi")
+        )
+        found = {f["id"]: f["severity"] for f in audit(client)["findings"]}
+        assert found["secret-in-query"] == "medium"
+
+
+class TestPolling:
+    @pytest.fixture
+    def client(self, make_app, upstream):
+        return with_key(make_app(SERVICE_TELEGRAM_API_BASE=upstream.url))
+
+    def create(self, client, **config):
+        body = {
+            "provider": "telegram",
+            "config": {**MINIMAL_CONFIG["telegram"], "allowedChatIds": [42], **config},
+        }
+        return data(client.post_json(f"{API}/channels", body, status=201))
+
+    def test_a_new_telegram_channel_polls_and_handles_updates(self, client, upstream, root):
+        ch = self.create(client)
+        assert ch["config"]["mode"] == "polling"  # the default for a new channel
+        assert upstream.webhook is None  # no setWebhook in polling mode
+        wait_for(lambda: client.app.service.pollers.running() == [ch["id"]])
+        first = upstream.push(telegram_update("/save from the bus"))
+        wait_for(
+            lambda: today_note(client).exists() and "from the bus" in today_note(client).read_text()
+        )
+        wait_for(lambda: upstream.sent())
+        assert upstream.sent()[-1].startswith("Saved to notes/daily/")
+        offsets = root / ".notesvc" / "channel-offsets.json"
+        wait_for(
+            lambda: offsets.exists() and json.loads(offsets.read_text()) == {ch["id"]: first + 1}
+        )
+        assert stat.S_IMODE(os.stat(offsets).st_mode) == 0o600
+        polls = [c["json"] for c in upstream.bot_calls if c["path"].endswith("/getUpdates")]
+        assert polls[0]["timeout"] == 25
+        assert polls[0]["allowed_updates"] == ["message", "edited_message", "channel_post"]
+        wait_for(
+            lambda: any(
+                c["json"].get("offset") == first + 1
+                for c in upstream.bot_calls
+                if c["path"].endswith("/getUpdates")
+            )
+        )
+        # A stranger's update is refused like a webhook's.
+        upstream.push(telegram_update("let me in", chat_id=666))
+        wait_for(lambda: data(client.get(f"{API}/channels/{ch['id']}"))["refusedSenders"])
+
+    def test_a_webhook_in_the_way_is_deleted(self, client, upstream):
+        upstream.webhook = {"url": "https://old.example/hook"}
+        upstream.push(telegram_update("/save after the webhook"))
+        self.create(client)
+        wait_for(lambda: today_note(client).exists())
+        assert upstream.webhook is None
+        assert any(c["path"].endswith("/deleteWebhook") for c in upstream.bot_calls)
+        assert [c["json"] for c in upstream.bot_calls if c["path"].endswith("/deleteWebhook")] == [
+            {"drop_pending_updates": False}
+        ]
+
+    def test_switching_off_or_deleting_stops_the_poller_at_once(self, client, upstream):
+        upstream.max_hold = 30  # a long poll is in flight when the channel stops
+        ch = self.create(client)
+        pollers = client.app.service.pollers
+        wait_for(lambda: pollers.running() == [ch["id"]] and upstream.polls)
+        started = time.monotonic()
+        client.post(f"{API}/channels/{ch['id']}/toggle")
+        wait_for(lambda: pollers.running() == [], timeout=5)
+        assert time.monotonic() - started < 2
+        upstream.push(telegram_update("/save while off"))
+        time.sleep(0.3)
+        assert not today_note(client).exists()
+        client.post(f"{API}/channels/{ch['id']}/toggle")  # on again: what waited arrives
+        wait_for(lambda: today_note(client).exists())
+        client.delete(f"{API}/channels/{ch['id']}")
+        wait_for(lambda: pollers.running() == [], timeout=5)
+        offsets = client.app.service.config.state_dir / "channel-offsets.json"
+        assert ch["id"] not in json.loads(offsets.read_text())
+        # Switching to webhook mode stops polling too, and sets the webhook.
+        ch = self.create(client)
+        wait_for(lambda: pollers.running() == [ch["id"]])
+        client.patch_json(f"{API}/channels/{ch['id']}", {"config": {"mode": "webhook"}})
+        wait_for(lambda: pollers.running() == [], timeout=5)
+        assert upstream.webhook["secret_token"] == ch["secret"]
+
+    def test_a_refused_token_is_shown_as_the_channel_status(self, client, upstream, caplog):
+        upstream.poll_status = 401
+        ch = self.create(client)
+        url = f"{API}/channels/{ch['id']}"
+        wait_for(lambda: "status" in data(client.get(url)))
+        status = data(client.get(url))["status"]
+        assert status["ok"] is False
+        assert "Unauthorized" in status["error"]
+        logged = "\n".join(r.getMessage() for r in caplog.records)
+        assert "ABC-telegram-token" not in logged + json.dumps(status)
+
+    def test_polling_delivers_each_update_once_across_a_restart(self, tmp_path, upstream):
+        env = {"SERVICE_TELEGRAM_API_BASE": upstream.url}
+        root = tmp_path / "root"
+        with running(root, "--auth-mode", "none", env=env) as server:
+            body = {
+                "provider": "telegram",
+                "config": {"botToken": "123456:ABC-telegram-token", "allowedChatIds": [42]},
+            }
+            status, _, _ = server.request("POST", f"{API}/channels", body)
+            assert status == 201
+            upstream.push(telegram_update("/save alpha"))
+            wait_for(lambda: len(upstream.sent()) == 1)
+        # While the server is down two more arrive; they wait at Telegram.
+        upstream.push(telegram_update("/save beta"))
+        upstream.push(telegram_update("/save gamma"))
+        with running(root, "--auth-mode", "none", env=env):
+            wait_for(lambda: len(upstream.sent()) == 3)
+            time.sleep(1.5)  # a poll or two more: nothing is handed over again
+        daily = next((root / "notes" / "daily").glob("*.md")).read_text()
+        for word in ("alpha", "beta", "gamma"):
+            assert len(re.findall(rf"^- \d\d:\d\d {word}$", daily, re.M)) == 1, daily
+        assert len(upstream.sent()) == 3
+
+
+class FakeClock:
+    """An injectable clock for the reminder scheduler."""
+
+    def __init__(self, when: float):
+        self.now = when
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def at(text: str, zone: str = "Europe/Paris") -> float:
+    return notesvc.timestamp_of(
+        notesvc.dt.datetime.strptime(text, "%Y-%m-%d %H:%M"), notesvc.time_zone(zone)
+    )
+
+
+class TestReminders:
+    @pytest.fixture
+    def client(self, make_app, upstream):
+        client = with_key(
+            make_app(SERVICE_TELEGRAM_API_BASE=upstream.url, SERVICE_TIMEZONE="Europe/Paris")
+        )
+        body = {
+            "provider": "telegram",
+            "config": {
+                **MINIMAL_CONFIG["telegram"],
+                "allowedChatIds": [42],
+                "mode": "webhook",
+                "notify": True,
+            },
+        }
+        client.post_json(f"{API}/channels", body, status=201)
+        return client
+
+    def scheduler(self, client, when: str):
+        """Give the app a scheduler on a clock the test sets (ticked by the test itself)."""
+        svc = client.app.service
+        svc.reminders.close()
+        svc.reminders = notesvc.ReminderScheduler(svc, clock=FakeClock(at(when)))
+        return svc.reminders
+
+    def reminders_sent(self, upstream) -> list:
+        return [t for t in upstream.sent() if t.startswith("⏰")]
+
+    def test_a_reminder_fires_once_at_its_time(self, client, upstream):
+        put_note(client, "notes/plans.md", "# Plans\n\n- dentist ⏰ 2031-01-06 09:00\n")
+        listed = data(client.get(f"{API}/reminders"))
+        assert listed["timeZone"] == "Europe/Paris"
+        assert listed["total"] == 1
+        (item,) = listed["reminders"]
+        assert item["path"] == "notes/plans.md"
+        assert item["title"] == "Plans"
+        assert item["line"] == "- dentist ⏰ 2031-01-06 09:00"
+        assert item["local"] == "2031-01-06 09:00"
+        assert item["due"] == "2031-01-06T08:00:00.000Z"  # Paris is UTC+1 in January
+        sched = self.scheduler(client, "2031-01-06 08:59")
+        assert 59 < sched.tick() <= 60
+        assert self.reminders_sent(upstream) == []
+        sched.clock.now = at("2031-01-06 09:00") + 1
+        sched.tick()
+        assert self.reminders_sent(upstream) == [
+            "⏰ Reminder (2031-01-06 09:00): Plans\n- dentist ⏰ 2031-01-06 09:00\nnotes/plans.md"
+        ]
+        assert upstream.requests[-1]["json"]["chat_id"] == "42"
+        sched.tick()
+        sched.clock.now += 3600
+        sched.tick()
+        assert len(self.reminders_sent(upstream)) == 1
+        assert data(client.get(f"{API}/reminders"))["total"] == 0
+        saved = client.app.service.config.state_dir / "reminders.json"
+        assert stat.S_IMODE(os.stat(saved).st_mode) == 0o600
+
+    def test_not_again_after_a_restart_and_a_missed_one_fires_late(
+        self, client, upstream, make_app, root
+    ):
+        put_note(
+            client,
+            "notes/plans.md",
+            "# Plans\n\n- dentist ⏰ 2031-01-06 09:00\n- call Ada ⏰ 2031-01-06 10:00\n",
+        )
+        sched = self.scheduler(client, "2031-01-06 09:00")
+        sched.tick()
+        assert len(self.reminders_sent(upstream)) == 1
+        client.app.service.close()  # the server goes down before 10:00
+        again = with_key(
+            make_app(SERVICE_TELEGRAM_API_BASE=upstream.url, SERVICE_TIMEZONE="Europe/Paris")
+        )
+        later = self.scheduler(again, "2031-01-06 10:30")
+        later.tick()
+        sent = self.reminders_sent(upstream)
+        assert len(sent) == 2  # the dentist not again; Ada late
+        assert sent[-1].startswith("⏰ Late reminder (2031-01-06 10:00): Plans\n- call Ada")
+
+    def test_one_written_after_its_time_is_not_sent(self, client, upstream):
+        put_note(client, "notes/log.md", "# Log\n\n- done ⏰ 2031-01-06 07:00\n")
+        sched = self.scheduler(client, "2031-01-06 09:00")
+        sched.tick()
+        assert self.reminders_sent(upstream) == []
+        sched.clock.now += 3600
+        sched.tick()
+        assert self.reminders_sent(upstream) == []
+
+    def test_editing_or_deleting_the_line_cancels_it(self, client, upstream):
+        put_note(client, "notes/a.md", "- a ⏰ 2031-01-06 09:00\n")
+        put_note(client, "notes/b.md", "- b ⏰ 2031-01-06 09:00\n")
+        sched = self.scheduler(client, "2031-01-06 08:00")
+        sched.tick()
+        client.put_json(note_url("notes/a.md"), {"content": "- a ⏰ 2031-01-06 11:00\n"})
+        client.delete(note_url("notes/b.md"))
+        sched.clock.now = at("2031-01-06 09:01")
+        sched.tick()
+        assert self.reminders_sent(upstream) == []
+        sched.clock.now = at("2031-01-06 11:00")
+        sched.tick()
+        assert len(self.reminders_sent(upstream)) == 1
+        assert "- a ⏰ 2031-01-06 11:00" in self.reminders_sent(upstream)[0]
+
+    def test_front_matter_and_only_notifying_channels(self, client, upstream):
+        body = {
+            "provider": "whatsapp",
+            "config": {**MINIMAL_CONFIG["whatsapp"], "allowedNumbers": ["15551234567"]},
+        }
+        client.post_json(f"{API}/channels", body, status=201)  # notify is off
+        put_note(
+            client, "notes/trip.md", "---\ntitle: Trip\nremind: 2031-01-06 12:30\n---\n# Trip\n"
+        )
+        put_note(client, "notes/bad.md", "- never ⏰ 2031-02-30 09:00 and ⏰ 2031-01-06 25:00\n")
+        assert [r["local"] for r in data(client.get(f"{API}/reminders"))["reminders"]] == [
+            "2031-01-06 12:30"
+        ]
+        sched = self.scheduler(client, "2031-01-06 12:30")
+        sched.tick()
+        (sent,) = self.reminders_sent(upstream)
+        assert "Trip\nremind: 2031-01-06 12:30\nnotes/trip.md" in sent
+        assert not any(r["path"].endswith("/messages") for r in upstream.requests)
+
+    def test_a_reminder_no_channel_takes_is_tried_again(self, client, upstream):
+        put_note(client, "notes/a.md", "- a ⏰ 2031-01-06 09:00\n")
+        upstream.status = 500
+        sched = self.scheduler(client, "2031-01-06 09:00")
+        assert sched.tick() == notesvc.REMINDER_RETRY
+        upstream.status = 200
+        sched.clock.now += 61
+        sched.tick()
+        assert len(self.reminders_sent(upstream)) == 2  # the failed try, then the good one
+        sched.clock.now += 61
+        sched.tick()
+        assert len(self.reminders_sent(upstream)) == 2
+
+    def test_the_running_scheduler_sends_a_reminder_due_now(self, make_app, upstream):
+        client = with_key(make_app(SERVICE_TELEGRAM_API_BASE=upstream.url))
+        body = {
+            "provider": "telegram",
+            "config": {
+                **MINIMAL_CONFIG["telegram"],
+                "allowedChatIds": [42],
+                "mode": "webhook",
+                "notify": True,
+            },
+        }
+        client.post_json(f"{API}/channels", body, status=201)
+        now = notesvc.local_now(client.app.service)
+        if now.second > 45:  # keep well inside the minute the reminder names
+            time.sleep(61 - now.second)
+            now = notesvc.local_now(client.app.service)
+        put_note(client, "notes/now.md", f"# Now\n\n- stretch ⏰ {now:%Y-%m-%d %H:%M}\n")
+        wait_for(lambda: self.reminders_sent(upstream), timeout=10)
+        assert "stretch" in self.reminders_sent(upstream)[0]
 
 
 # -- JWT ----------------------------------------------------------------------------------
