@@ -6821,6 +6821,163 @@ def relay_raw_get(relay: Server, path: str) -> tuple:
     return head.decode("latin-1"), body
 
 
+class TestRelayAttachments:
+    """Attachments through a relay: up to its body limit both ways, larger at once 413, and
+    a server's answer never becomes a page on the relay's origin."""
+
+    LIMIT = 65536
+
+    @pytest.fixture
+    def pair(self, tmp_path):
+        env = {"SERVICE_RELAY_TIMEOUT": "10", "SERVICE_MAX_BODY_BYTES": str(self.LIMIT)}
+        relay = Server(tmp_path / "relay", "relay", env=env)
+        server = Server(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url})
+        try:
+            wait_for(lambda: relay_servers(relay) == 1)
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            yield relay, server, setup, tmp_path / "srv"
+        finally:
+            server.stop()
+            relay.stop()
+
+    @staticmethod
+    def send(base: str, method: str, path: str, setup: dict, body=None, headers=None) -> tuple:
+        hdrs = {"X-Service-Key": setup["apiKey"], **(headers or {})}
+        req = urllib.request.Request(base + path, body, hdrs, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                return resp.status, resp.headers, resp.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.headers, e.read()
+
+    def test_an_attachment_of_the_relays_limit_passes_both_ways(self, pair):
+        relay, _, setup, root = pair
+        prefix = f"/r/{setup['serverId']}{API}"
+        image = (b"\x89PNG\r\n\x1a\n" + os.urandom(self.LIMIT))[: self.LIMIT]
+        url = prefix + att_url("attachments/big.png")[len(API) :]
+        status, _, body = self.send(
+            relay.url, "PUT", url, setup, image, {"Content-Type": "image/png"}
+        )
+        assert status == 201, body
+        assert (root / "attachments" / "big.png").read_bytes() == image
+        status, headers, got = self.send(relay.url, "GET", url, setup)
+        assert status == 200
+        assert got == image
+        assert headers["Content-Type"] == "image/png"  # its own type, for an <img> from a blob
+        assert headers["Content-Disposition"] == 'attachment; filename="big.png"'
+        assert headers["Content-Security-Policy"] == "default-src 'none'; sandbox"
+        assert headers["X-Content-Type-Options"] == "nosniff"
+        status, headers, got = self.send(
+            relay.url, "GET", url, setup, headers={"Range": "bytes=100-199"}
+        )
+        assert status == 206
+        assert got == image[100:200]
+        assert headers["Content-Range"] == f"bytes 100-199/{self.LIMIT}"
+        form, ctype = multipart(("path", "attachments/cam/a.jpg"), ("file", image[:60000], "a.jpg"))
+        status, _, body = self.send(
+            relay.url, "POST", prefix + "/attachments", setup, form, {"Content-Type": ctype}
+        )
+        assert status == 201, body
+        assert json.loads(body)["data"]["path"] == "attachments/cam/a.jpg"
+
+    def test_larger_ones_are_413_at_once_both_ways(self, pair):
+        relay, server, setup, _ = pair
+        prefix = f"/r/{setup['serverId']}{API}"
+        url = prefix + att_url("attachments/big.zip")[len(API) :]
+        with socket.create_connection(("127.0.0.1", relay.port), timeout=5) as s:
+            s.sendall(
+                f"PUT {url} HTTP/1.1\r\nHost: relay\r\nContent-Type: application/zip\r\n"
+                f"Content-Length: {self.LIMIT + 1}\r\n\r\n".encode()
+            )
+            started = time.monotonic()
+            answer = recv_all(s)
+        assert time.monotonic() - started < 1
+        assert answer.startswith(b"HTTP/1.1 413 ")
+        assert str(self.LIMIT) in json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["message"]
+        # One put on the server directly is too large to come back whole through the relay.
+        big = os.urandom(4 * self.LIMIT)
+        direct = att_url("attachments/big.zip")
+        status, _, _ = self.send(
+            server.url, "PUT", direct, setup, big, {"Content-Type": "application/zip"}
+        )
+        assert status == 201
+        started = time.monotonic()
+        status, headers, body = self.send(relay.url, "GET", url, setup)
+        assert time.monotonic() - started < 5  # not the relay's 10 s time-out
+        assert status == 413
+        error = json.loads(body)["error"]
+        assert error["code"] == "PAYLOAD_TOO_LARGE"
+        assert str(self.LIMIT) in error["message"]
+        assert "Range" in error["message"]
+        assert headers["Content-Type"].startswith("application/json")
+        status, _, got = self.send(
+            relay.url, "GET", url, setup, headers={"Range": f"bytes=0-{self.LIMIT // 2 - 1}"}
+        )
+        assert status == 206
+        assert got == big[: self.LIMIT // 2]
+
+    @pytest.mark.parametrize(
+        ("served", "shown"),
+        [
+            ("text/html; charset=utf-8", "application/octet-stream"),
+            ("image/svg+xml", "application/octet-stream"),
+            ("application/xhtml+xml", "application/octet-stream"),
+            ("image/png", "image/png"),
+            ("audio/ogg", "audio/ogg"),
+        ],
+    )
+    def test_a_server_cannot_publish_a_page_as_an_attachment(self, tmp_path, served, shown):
+        with running(tmp_path, "relay") as relay:
+            fake = FakeRelayServer(relay)
+            assert fake.register() == 200
+            out = []
+            path = f"/r/{fake.server_id}{API}/attachments/attachments%2Fx.html"
+            t = threading.Thread(target=lambda: out.append(relay_raw_get(relay, path)))
+            t.start()
+            _status, _, body = fake.poll()
+            headers = [
+                ["Content-Type", served],
+                ["Content-Disposition", "inline"],
+                ["Set-Cookie", "session=evil; Path=/"],
+                ["Content-Security-Policy", "script-src *"],
+                ["Refresh", "0; url=https://evil.example/"],
+                ["ETag", '"abc"'],
+            ]
+            page = b"<script>alert(document.cookie)</script>"
+            assert fake.reply(body["data"]["id"], 200, headers, page) == 200
+            t.join(10)
+        head, got = out[0]
+        lines = head.lower().split("\r\n")
+        assert f"content-type: {shown}" in lines
+        assert 'content-disposition: attachment; filename="x.html"' in lines
+        assert "content-security-policy: default-src 'none'; sandbox" in lines
+        assert "x-content-type-options: nosniff" in lines
+        assert 'etag: "abc"' in lines
+        assert not any(
+            h.startswith(("set-cookie", "refresh", "content-disposition: inline")) for h in lines
+        )
+        assert got == page
+
+    def test_relay_answer_headers_of_a_download_and_of_an_api_answer(self):
+        served = [["Content-Type", "image/jpeg"], ["Content-Disposition", 'inline; filename="a"']]
+        download = notesvc.relay_answer_headers(
+            "/api/v1/attachments/attachments/a b.jpg", served, True
+        )
+        assert ("Content-Type", "image/jpeg") in download
+        assert ("Content-Disposition", 'attachment; filename="a_b.jpg"') in download
+        answer = notesvc.relay_answer_headers("/api/v1/attachments/attachments/a.jpg", served)
+        assert ("Content-Type", notesvc.JSON_TYPE) in answer
+        assert not any(k == "Content-Disposition" for k, _ in answer)
+        assert notesvc.relayed_download("GET", "/api/v1/attachments/attachments/a.jpg", 206)
+        for args in (
+            ("GET", "/api/v1/attachments/attachments/a.jpg", 404),
+            ("PUT", "/api/v1/attachments/attachments/a.jpg", 201),
+            ("GET", "/api/v1/attachments", 200),
+            ("GET", "/api/v1/notes/x", 200),
+        ):
+            assert not notesvc.relayed_download(*args)
+
+
 # -- the built-in web client, in a real browser ------------------------------------------------
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
