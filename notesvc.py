@@ -7743,6 +7743,7 @@ def _limit_facts(svc: Service) -> dict:
     cfg = svc.config
     return {
         "maxBodyBytes": cfg.max_body_bytes,
+        "maxAttachmentBytes": cfg.max_attachment_bytes,
         "maxConnections": cfg.max_connections,
         "idleTimeoutSeconds": cfg.idle_timeout,
         "lockout": {
@@ -7790,6 +7791,13 @@ def get_config(svc: Service) -> dict:
         "search": {"engine": "notesvc-bm25", "maxQueryLength": MAX_QUERY_CHARS},
         "sync": {"rescanSeconds": cfg.rescan_seconds, "notesRoot": "notes/"},
         "plugins": {"dir": cfg.plugins_dir or ".notesvc/plugins"},
+        "capture": {
+            "transcribeUrl": _redact_url(cfg.transcribe_url),
+            "transcribeModel": cfg.transcribe_model,
+            "transcribeApiKeySet": bool(cfg.transcribe_api_key),
+            "timeZone": cfg.timezone or "system",
+            "attachmentsRoot": f"{ATTACHMENTS}/",
+        },
     }
 
 
