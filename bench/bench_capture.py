@@ -9,8 +9,8 @@ getUpdates open like Telegram does (up to the `timeout` the server asks for, 25 
   holds its text, for a channel in polling mode; the reference in the same run is the same
   update POSTed to the webhook of a channel in webhook mode (timed from the POST).
 - Idle CPU: the server's CPU time (all its threads, /proc/<pid>/task/*/schedstat) over
-  `--idle` seconds with the polling channel on; the reference is the same server over as long with the
-  channel switched off (no poller at all).
+  `--idle` seconds with the polling channel on; the reference is the same server over as
+  long with the channel switched off (no poller at all).
 """
 
 from __future__ import annotations
