@@ -4939,6 +4939,34 @@ class TestCapture:
         assert upstream.requests[-1]["json"]["to"] == "15551234567"
         assert "Saved the photo" in upstream.sent()[-2]
 
+    def test_hostile_file_names_and_media_urls_go_nowhere(self, client, upstream, root):
+        ch = self.create(client)
+        upstream.add_file("h1", "documents/../../etc/passwd", b"root:x:0:0")
+        doc = {"file_id": "h1", "file_name": "../../notes/evil.pdf", "mime_type": "application/pdf"}
+        self.hook(client, "telegram", telegram_update(None, document=doc), ch["secret"])
+        assert "not saved" in upstream.sent()[-1]  # Telegram's path with .. is not followed
+        upstream.add_file("h2", "documents/file_2.pdf", b"%PDF")
+        doc = {"file_id": "h2", "file_name": "../../notes/evil.pdf", "mime_type": "application/pdf"}
+        self.hook(client, "telegram", telegram_update(None, document=doc), ch["secret"])
+        saved = data(client.get(f"{API}/attachments"))["attachments"]
+        assert [a["path"].rsplit("/", 1)[-1][7:] for a in saved] == ["notes-evil.pdf"]
+        assert saved[0]["path"].startswith("attachments/inbox/")
+        assert not (root / "notes" / "evil.pdf").exists()
+        # A media URL on another plain-HTTP origin never gets the WhatsApp token.
+        wa = self.create(client, "whatsapp")
+        other = FakeUpstream()
+        try:
+            upstream.media["m1"] = ("image/jpeg", PNG)
+            original = upstream.url
+            upstream.url = other.url  # the Graph API answers with a URL elsewhere
+            image = whatsapp_media("image", "m1", mime_type="image/jpeg")
+            self.hook(client, "whatsapp", image, wa["secret"])
+            upstream.url = original
+            assert other.downloads == []
+            assert "not https" in upstream.sent()[-1]
+        finally:
+            other.close()
+
     def test_commands_and_save_to(self, client, upstream, root):
         ch = self.create(client)
 
