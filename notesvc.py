@@ -5277,7 +5277,7 @@ class ReminderScheduler:
             except Exception:
                 log.exception("reminders: a check failed; trying again in a minute")
                 wait = 60.0
-            self._wake.wait(max(0.05, min(wait, 60.0)))
+            self._wake.wait(max(0.05, min(wait, 30.0)))  # a rescan's edits: within 30 s
 
     # -- persistence ------------------------------------------------------------------
 
