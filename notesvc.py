@@ -4597,34 +4597,6 @@ def handle_channel_update(
     return process_update(svc, channel, prov, payload())
 
 
-def process_update(svc: Service, channel: dict, prov: ChannelProvider, update: dict) -> dict:
-    """Handle one authenticated update (from a webhook or a poller): parse, allowlist, then
-    a capture (photos, voice, files), a command or the agent, and deliver the reply."""
-    messages = []
-    for m in prov.parse(update):
-        text = m[1] if isinstance(m[1], str) else ""
-        media = list(m[3]) if len(m) > 3 and m[3] else []
-        if text or media:
-            messages.append((m[0], text, m[2] if len(m) > 2 else "", media))
-    if not messages:
-        return {"handled": False, "reason": "the update holds no text message"}
-    allowed = channel["config"].get(prov.allow) if prov.allow else None
-    results = []
-    for sender, text, name, media in messages[:5]:
-        if allowed and sender not in allowed:
-            refuse_sender(svc, channel, prov, sender, name)
-            results.append({"handled": False, "reason": "sender not allowed"})
-            continue
-        if media:
-            reply = capture_media(svc, channel, prov, media, text)
-        else:
-            reply = run_command(svc, text.strip(), channel)
-        results.append(_deliver(svc, channel, prov, sender, reply))
-    if len(results) == 1:
-        return results[0]
-    return {"handled": any(r["handled"] for r in results), "results": results}
-
-
 def _authenticate_channel(
     svc: Service,
     prov: ChannelProvider,
@@ -4708,6 +4680,92 @@ def refuse_sender(svc: Service, channel: dict, prov: ChannelProvider, sender, na
 
     with contextlib.suppress(ApiError):  # the channel was deleted meanwhile
         _change_channel(svc, channel["id"], remember)
+
+
+_COMMAND_RE = re.compile(r"^/([A-Za-z]\w{0,31})(?:@\w+)?(?:\s+(.*))?$", re.S)
+HELP_TEXT = (
+    "/save <text> — keep it in today's note\n"
+    "/search <words> — find notes\n"
+    "/ask <question> — ask the agent (any other text does the same)\n"
+    "/today — today's note\n"
+    "Send a photo, a voice message or a file to keep it in today's note; "
+    "a line with ⏰ YYYY-MM-DD HH:MM in any note reminds you then."
+)
+
+
+def run_command(svc: Service, text: str, channel: dict | None = None) -> str:
+    """Return the reply to a channel message: /save, /search, /ask, /today, /help, or a
+    question for the agent."""
+    m = _COMMAND_RE.match(text)
+    command, arg = (m.group(1).lower(), (m.group(2) or "").strip()) if m else (None, text)
+    channel = channel or {}
+    if command == "save":
+        if not arg:
+            return "Usage: /save <text to keep>"
+        now = local_now(svc)
+        path, heading = capture_note(svc, channel, now)
+        svc.notes.append(path, f"- {now:%H:%M} {arg}", heading)
+        return f"Saved to {path}."
+    if command == "search":
+        if not arg:
+            return "Usage: /search <words>"
+        try:
+            total, hits = svc.index.search(Query(arg), "", 5, 0)
+        except ApiError as e:
+            return f"Search: {e.message}"
+        if not total:
+            return f"No note matches “{_clip(arg, 80)}”."
+        lines = [f"{total} note{'s' if total != 1 else ''} match; the best:"]
+        lines += [f"• {title} — {path}" for path, title, _, _ in hits]
+        return "\n".join(lines)
+    if command == "today":
+        path, _ = capture_note(svc, channel, local_now(svc))
+        try:
+            content = svc.notes.get(path)["content"]
+        except ApiError:
+            return f"Nothing in {path} yet."
+        return _clip(f"{path}\n\n{content.strip()}", REPLY_LIMIT)
+    if command in ("help", "start"):
+        return HELP_TEXT
+    if command == "ask":
+        if not arg:
+            return "Usage: /ask <question>"
+    elif command is not None:
+        return f"Unknown command /{command}.\n{HELP_TEXT}"
+    try:
+        return ask_agent(svc, arg)["reply"]
+    except ApiError as e:
+        if e.code == "AGENT_DISABLED":
+            return "The agent is off on this server; try /search <words>."
+        return f"The agent could not answer ({e.message}); try /search <words>."
+
+
+def process_update(svc: Service, channel: dict, prov: ChannelProvider, update: dict) -> dict:
+    """Handle one authenticated update (from a webhook or a poller): parse, allowlist, then
+    a capture (photos, voice, files), a command or the agent, and deliver the reply."""
+    messages = []
+    for m in prov.parse(update):
+        text = m[1] if isinstance(m[1], str) else ""
+        media = list(m[3]) if len(m) > 3 and m[3] else []
+        if text or media:
+            messages.append((m[0], text, m[2] if len(m) > 2 else "", media))
+    if not messages:
+        return {"handled": False, "reason": "the update holds no text message"}
+    allowed = channel["config"].get(prov.allow) if prov.allow else None
+    results = []
+    for sender, text, name, media in messages[:5]:
+        if allowed and sender not in allowed:
+            refuse_sender(svc, channel, prov, sender, name)
+            results.append({"handled": False, "reason": "sender not allowed"})
+            continue
+        if media:
+            reply = capture_media(svc, channel, prov, media, text)
+        else:
+            reply = run_command(svc, text.strip(), channel)
+        results.append(_deliver(svc, channel, prov, sender, reply))
+    if len(results) == 1:
+        return results[0]
+    return {"handled": any(r["handled"] for r in results), "results": results}
 
 
 def set_channel_status(svc: Service, channel_id: str, ok: bool, error: str = "") -> dict | None:
@@ -4920,64 +4978,6 @@ def transcribe(svc: Service, path: str) -> str:
     if not isinstance(text, str):
         raise UpstreamError("the transcription answer had no text")
     return text.strip()
-
-
-_COMMAND_RE = re.compile(r"^/([A-Za-z]\w{0,31})(?:@\w+)?(?:\s+(.*))?$", re.S)
-HELP_TEXT = (
-    "/save <text> — keep it in today's note\n"
-    "/search <words> — find notes\n"
-    "/ask <question> — ask the agent (any other text does the same)\n"
-    "/today — today's note\n"
-    "Send a photo, a voice message or a file to keep it in today's note; "
-    "a line with ⏰ YYYY-MM-DD HH:MM in any note reminds you then."
-)
-
-
-def run_command(svc: Service, text: str, channel: dict | None = None) -> str:
-    """Return the reply to a channel message: /save, /search, /ask, /today, /help, or a
-    question for the agent."""
-    m = _COMMAND_RE.match(text)
-    command, arg = (m.group(1).lower(), (m.group(2) or "").strip()) if m else (None, text)
-    channel = channel or {}
-    if command == "save":
-        if not arg:
-            return "Usage: /save <text to keep>"
-        now = local_now(svc)
-        path, heading = capture_note(svc, channel, now)
-        svc.notes.append(path, f"- {now:%H:%M} {arg}", heading)
-        return f"Saved to {path}."
-    if command == "search":
-        if not arg:
-            return "Usage: /search <words>"
-        try:
-            total, hits = svc.index.search(Query(arg), "", 5, 0)
-        except ApiError as e:
-            return f"Search: {e.message}"
-        if not total:
-            return f"No note matches “{_clip(arg, 80)}”."
-        lines = [f"{total} note{'s' if total != 1 else ''} match; the best:"]
-        lines += [f"• {title} — {path}" for path, title, _, _ in hits]
-        return "\n".join(lines)
-    if command == "today":
-        path, _ = capture_note(svc, channel, local_now(svc))
-        try:
-            content = svc.notes.get(path)["content"]
-        except ApiError:
-            return f"Nothing in {path} yet."
-        return _clip(f"{path}\n\n{content.strip()}", REPLY_LIMIT)
-    if command in ("help", "start"):
-        return HELP_TEXT
-    if command == "ask":
-        if not arg:
-            return "Usage: /ask <question>"
-    elif command is not None:
-        return f"Unknown command /{command}.\n{HELP_TEXT}"
-    try:
-        return ask_agent(svc, arg)["reply"]
-    except ApiError as e:
-        if e.code == "AGENT_DISABLED":
-            return "The agent is off on this server; try /search <words>."
-        return f"The agent could not answer ({e.message}); try /search <words>."
 
 
 # -- polling: channels that fetch their own updates ------------------------------------
