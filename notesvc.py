@@ -4368,8 +4368,8 @@ def poll_telegram(svc: Service, config: dict, offset: int, wait: float, outbound
     try:
         updates = telegram_call(svc, config, "getUpdates", params, wait + 15, outbound)
     except TelegramError as e:
-        if e.code != 409:
-            raise
+        if e.code != 409 or "webhook" not in str(e).lower():
+            raise  # 409 "terminated by other getUpdates request": another poller, backoff
         log.info("telegram: a webhook was set for this bot; deleting it to poll instead")
         telegram_call(svc, config, "deleteWebhook", {"drop_pending_updates": False}, 15, outbound)
         return []
@@ -4913,7 +4913,8 @@ def _capture_one(svc: Service, channel: dict, prov: ChannelProvider, item, note,
     if rec["contentType"].startswith("image/"):
         entry = f"![{label}]({href})"
     else:
-        entry = f"[{_one_line(item.get('name') or label, 100).replace(']', ')')}]({href})"
+        text = _one_line(item.get("name") or label, 100).replace("[", "(").replace("]", ")")
+        entry = f"[{text}]({href})"
     transcript = None
     if item.get("kind") in ("voice", "audio") and svc.config.transcribe_url:
         try:
@@ -5041,9 +5042,10 @@ class ChannelPollers:
                 if cid not in self._pollers:
                     self._pollers[cid] = ChannelPoller(self, cid, prov, sig).start()
         known = {c["id"] for c in _channels(svc)}
-        if any(cid not in known for cid in self._read_offsets()):
-            with self._offsets_lock:
-                self._offsets = {k: v for k, v in self._read_offsets().items() if k in known}
+        with self._offsets_lock:  # a deleted channel's offset goes with it
+            offsets = self._read_offsets()
+            if any(cid not in known for cid in offsets):
+                self._offsets = {k: v for k, v in offsets.items() if k in known}
                 self._write_offsets()
 
     def running(self) -> list:

@@ -3733,6 +3733,7 @@ class FakeUpstream:
         self.max_hold = 1.0
         self.polls = 0
         self.poll_status = 200  # getUpdates answers this (e.g. 401: a revoked token)
+        self.poll_error = "Unauthorized"  # ... with this description
         self.webhook: dict | None = None
         self.webhook_error = ""  # setWebhook refuses with this description
         self.files: dict = {}  # Telegram file_id -> (file_path, bytes)
@@ -3859,7 +3860,7 @@ class FakeUpstream:
                 answer = {
                     "ok": False,
                     "error_code": self.poll_status,
-                    "description": "Unauthorized",
+                    "description": self.poll_error,
                 }
                 return self.poll_status, answer
             if self.webhook is not None:
@@ -5219,6 +5220,21 @@ class TestPolling:
         assert "Unauthorized" in status["error"]
         logged = "\n".join(r.getMessage() for r in caplog.records)
         assert "ABC-telegram-token" not in logged + json.dumps(status)
+
+    def test_another_poller_of_the_same_bot_is_not_fought(self, client, upstream):
+        upstream.poll_status = 409
+        upstream.poll_error = (
+            "Conflict: terminated by other getUpdates request; "
+            "make sure that only one bot instance is running"
+        )
+        ch = self.create(client)
+        url = f"{API}/channels/{ch['id']}"
+        wait_for(lambda: "status" in data(client.get(url)))
+        assert "only one bot instance" in data(client.get(url))["status"]["error"]
+        time.sleep(0.5)  # backing off: one or two tries, no deleteWebhook
+        polls = [c for c in upstream.bot_calls if c["path"].endswith("/getUpdates")]
+        assert len(polls) <= 2
+        assert not any(c["path"].endswith("/deleteWebhook") for c in upstream.bot_calls)
 
     def test_polling_delivers_each_update_once_across_a_restart(self, tmp_path, upstream):
         env = {"SERVICE_TELEGRAM_API_BASE": upstream.url}
