@@ -9046,8 +9046,10 @@ def _callback(svc: Service, route: Route) -> Callable:
 
 
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{8,64}$")
-CORS_HEADERS = "X-Service-Key, Content-Type, Authorization, If-Match"
-CORS_EXPOSE = "ETag, Location, X-Request-Id, Retry-After"
+CORS_HEADERS = (
+    "X-Service-Key, Content-Type, Authorization, If-Match, If-None-Match, Range, If-Range"
+)
+CORS_EXPOSE = "ETag, Location, X-Request-Id, Retry-After, Content-Range, Content-Disposition"
 CORS_METHODS = "GET, POST, PUT, PATCH, DELETE, OPTIONS"
 
 

@@ -3282,6 +3282,29 @@ class TestAttachments:
         with_key(make_app())
         assert leftovers(root) == []
 
+    def test_a_client_on_another_allowed_origin_may_ask_for_ranges(self, make_app):
+        app = make_app(SERVICE_CORS_ORIGINS="https://app.example")
+        pre = app.options(
+            att_url("attachments/a.mp4"),
+            headers={
+                "Origin": "https://app.example",
+                "Access-Control-Request-Method": "GET",
+                "Access-Control-Request-Headers": "range, if-none-match",
+            },
+            status=204,
+        )
+        allowed = pre.headers["Access-Control-Allow-Headers"]
+        assert "Range" in allowed
+        assert "If-None-Match" in allowed
+        client = with_key(app)
+        upload(client, "attachments/a.mp4")
+        got = client.get(
+            att_url("attachments/a.mp4"),
+            headers={"Origin": "https://app.example", "Range": "bytes=0-1"},
+            status=206,
+        )
+        assert "Content-Range" in got.headers["Access-Control-Expose-Headers"]
+
     def test_every_route_needs_the_key(self, anon):
         for method, url in (
             ("GET", f"{API}/attachments"),
