@@ -5432,6 +5432,23 @@ class TestReminders:
         sched.tick()
         assert len(self.reminders_sent(upstream)) == 2
 
+    def test_time_zone_setting_and_its_fallback(self, caplog, make_app):
+        assert notesvc.load_config({"SERVICE_TIMEZONE": "Asia/Tokyo"}).timezone == "Asia/Tokyo"
+        with pytest.raises(notesvc.ConfigError, match="SERVICE_TIMEZONE"):
+            notesvc.load_config({"SERVICE_TIMEZONE": "Mars/Olympus_Mons"})
+        # Where no time zone database knows a name, the system's local time is used, logged.
+        assert notesvc.time_zone("Nowhere/Else") is None
+        assert any("Nowhere/Else" in r.getMessage() for r in caplog.records)
+        assert notesvc.time_zone("UTC") is notesvc.dt.timezone.utc
+        client = with_key(
+            make_app(SERVICE_TIMEZONE="Asia/Tokyo", SERVICE_TRANSCRIBE_API_KEY="tr-secret-9")
+        )
+        config = data(client.get(f"{API}/system/config"))
+        assert config["capture"]["timeZone"] == "Asia/Tokyo"
+        assert config["capture"]["transcribeApiKeySet"] is True
+        assert "tr-secret-9" not in json.dumps(config)
+        assert config["server"]["maxAttachmentBytes"] == 20971520
+
     def test_the_running_scheduler_sends_a_reminder_due_now(self, make_app, upstream):
         client = with_key(make_app(SERVICE_TELEGRAM_API_BASE=upstream.url))
         body = {
