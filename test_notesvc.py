@@ -1188,14 +1188,15 @@ def many_files():
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-class TestEdge:
-    @pytest.fixture(scope="class")
-    def small_bodies(self, tmp_path_factory):
-        """One real server taking bodies of at most 2048 bytes."""
-        root = tmp_path_factory.mktemp("small-bodies")
-        with running(root, env={"SERVICE_MAX_BODY_BYTES": "2048"}) as server:
-            yield server
+@pytest.fixture(scope="class")
+def small_bodies(tmp_path_factory):
+    """One real server taking bodies of at most 2048 bytes (shared by a class's tests)."""
+    root = tmp_path_factory.mktemp("small-bodies")
+    with running(root, env={"SERVICE_MAX_BODY_BYTES": "2048"}) as server:
+        yield server
 
+
+class TestEdge:
     def test_trusted_proxy_gives_https_links_real_clients_and_their_own_lockout(self, tmp_path):
         env = {"SERVICE_TRUST_PROXY": "true", "SERVICE_SETUP_LOCAL_ONLY": "true"}
         with running(tmp_path, env=env) as server, ForwardingProxy(server.url) as proxy:
