@@ -3003,7 +3003,7 @@ def question_stems(question: str) -> list:
     return [stem(w) for w in dict.fromkeys(words)]
 
 
-_SENTENCE_RE = re.compile(r"(?<=[.!?])\s+|\n+")
+_SENTENCE_RE = re.compile(r"(?<=[.!?])\s+")
 # Markdown a quoted sentence leaves out; every pattern runs in linear time.
 _MD_LEAD_RE = re.compile(
     r"^(?:#{1,6}[ \t]+|>[ \t]*|(?:[-*+]|\d{1,9}[.)])[ \t]+(?:\[[ xX]\][ \t]+)?)+"
@@ -3035,10 +3035,7 @@ def best_passages(weights: dict, text: str, keep: int = 2) -> list:
     """
     scored = []
     stems: dict = {}  # word -> stem, each computed once
-    for i, sentence in enumerate(_SENTENCE_RE.split(text[:MAX_SCAN_CHARS])):
-        sentence = sentence.strip()
-        heading = sentence.startswith("#")  # quoted only when no sentence matches
-        sentence = plain_text(sentence)
+    for i, (heading, sentence) in enumerate(_sentences(text[:MAX_SCAN_CHARS])):
         if not sentence:
             continue
         words = set(_WORD_RE.findall(fold(sentence)))
@@ -3051,6 +3048,16 @@ def best_passages(weights: dict, text: str, keep: int = 2) -> list:
     if scored and not scored[0][0]:
         scored = [item for item in scored if not item[0]]
     return [_clip(item[3], 400) for item in scored[:keep]]
+
+
+def _sentences(text: str):
+    """Yield (in a heading?, plain sentence) for each sentence of a Markdown text; a line's
+    marks (heading, quote, list item) go before it is cut into sentences."""
+    for line in text.split("\n"):
+        line = line.strip()
+        heading = line.startswith("#")  # quoted only when no other sentence matches
+        for sentence in _SENTENCE_RE.split(_MD_LEAD_RE.sub("", line)):
+            yield heading, plain_text(sentence)
 
 
 def _clip(text: str, limit: int) -> str:
