@@ -6868,7 +6868,10 @@ def mcp_endpoint(svc: Service) -> bytes:
     try:
         message = _rpc_message(svc.config.max_body_bytes)
         stateless = _stateless_era(env, message)
-        request_id, method, params = _rpc_request(message)
+        request_id = message.get("id")  # answered with errors too, when it is a usable id
+        if not isinstance(request_id, (str, int)) or isinstance(request_id, bool):
+            request_id = None
+        method, params = _rpc_request(message, request_id)
         if method is None:  # a notification or a response: nothing to answer
             if stateless:
                 _check_version(env.get("HTTP_MCP_PROTOCOL_VERSION"), MCP_STATELESS_VERSIONS)
@@ -6921,17 +6924,14 @@ def _rpc_message(max_bytes: int) -> Any:
     return message
 
 
-def _rpc_request(message: dict) -> tuple:
-    """Return (id, method, params) of a request; method None for a notification or a
-    response (both are only acknowledged); -32600 / -32602 for a malformed message."""
-    request_id = message.get("id")
-    if not isinstance(request_id, (str, int)) or isinstance(request_id, bool):
-        request_id = None
+def _rpc_request(message: dict, request_id: Any) -> tuple:
+    """Return (method, params) of a request; method None for a notification or a response
+    (both are only acknowledged); -32600 / -32602 for a malformed message."""
     if message.get("jsonrpc") != "2.0":
         raise RpcError(INVALID_REQUEST, 'a JSON-RPC 2.0 message needs "jsonrpc": "2.0"')
     method = message.get("method")
     if method is None and "id" in message and ("result" in message or "error" in message):
-        return request_id, None, {}  # a response: this server never asks, so it is dropped
+        return None, {}  # a response: this server never asks, so it is dropped
     if not isinstance(method, str) or not method:
         raise RpcError(INVALID_REQUEST, "'method' must be a non-empty string")
     if "id" in message and request_id is None:
@@ -6939,7 +6939,7 @@ def _rpc_request(message: dict) -> tuple:
     params = message.get("params")
     if params is not None and not isinstance(params, dict):
         raise RpcError(INVALID_PARAMS, "'params' must be an object")
-    return request_id, method if "id" in message else None, params or {}
+    return method if "id" in message else None, params or {}
 
 
 def _check_version(version: Any, served: tuple) -> None:
