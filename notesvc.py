@@ -3394,7 +3394,7 @@ def answer_with_model(svc: Service, question: str, found: list) -> tuple:
     The first call carries the best passages as context together with the tools, so a
     model that answers at once answers from the notes. Each answer with `tool_calls` gets
     the tools' results (`role: tool`) and another call, at most SERVICE_AGENT_MAX_STEPS
-    calls in all (the last one with `tool_choice: none`). A model or server that refuses
+    calls in all (the last one with `tool_choice: "none"`). A model or server that refuses
     `tools` (HTTP 400 or 422) gets today's single call without them.
     """
     cfg = svc.config
@@ -3407,15 +3407,16 @@ def answer_with_model(svc: Service, question: str, found: list) -> tuple:
         {"role": "system", "content": f"{prompt}\n\n{model_context(found)}"},
         {"role": "user", "content": question},
     ]
-    body: dict = {"model": cfg.agent_model, "messages": messages, "temperature": 0.2}
-    body["stream"] = False
+    body = {"model": cfg.agent_model, "messages": messages, "temperature": 0.2, "stream": False}
     touched: list = []  # notes the tools read or changed, in order
     context = [path for path, _, _ in found]
     model = cfg.agent_model
     for step in range(cfg.agent_max_steps):
         last = step == cfg.agent_max_steps - 1
         if specs:
-            body.update(tools=specs, tool_choice="none" if last else "auto")
+            body["tools"] = specs
+            if last:  # the model must answer now (some servers refuse an explicit "auto")
+                body["tool_choice"] = "none"
         try:
             answer = post_json(url, body, headers, cfg.agent_timeout)
         except UpstreamError as e:
@@ -3424,7 +3425,7 @@ def answer_with_model(svc: Service, question: str, found: list) -> tuple:
             log.info("request %s: the model refused tools (%s); asking without them", _rid(), e)
             specs = []
             body.pop("tools")
-            body.pop("tool_choice")
+            body.pop("tool_choice", None)
             answer = post_json(url, body, headers, cfg.agent_timeout)
         message = _assistant_message(answer)
         model = str(answer.get("model") or cfg.agent_model)
@@ -6836,11 +6837,11 @@ def server_info() -> dict:
 
 
 class RpcError(Exception):
-    """A JSON-RPC error answer; `status` overrides the HTTP status the era gives its code."""
+    """A JSON-RPC error answer (its HTTP status follows from the code and the era)."""
 
-    def __init__(self, code: int, message: str, data: Any = None, status: int = 0):
+    def __init__(self, code: int, message: str, data: Any = None):
         super().__init__(message)
-        self.code, self.message, self.data, self.status = code, message, data, status
+        self.code, self.message, self.data = code, message, data
 
     def answer(self, request_id: Any) -> dict:
         error = {"code": self.code, "message": self.message}
@@ -6849,8 +6850,6 @@ class RpcError(Exception):
         return {"jsonrpc": "2.0", "id": request_id, "error": error}
 
     def http_status(self, stateless: bool) -> int:
-        if self.status:
-            return self.status
         if stateless:
             return _STATELESS_STATUS.get(self.code, 400)
         return 400 if self.code in _HANDSHAKE_400 else 200
@@ -6935,7 +6934,7 @@ def _rpc_message(max_bytes: int) -> Any:
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise RpcError(PARSE_ERROR, "the body is not valid JSON (UTF-8)") from None
     if isinstance(message, list):
-        raise RpcError(INVALID_REQUEST, "batches are not supported: send one message a request")
+        raise RpcError(INVALID_REQUEST, "batches are not supported: one message per request")
     if not isinstance(message, dict):
         raise RpcError(INVALID_REQUEST, "the body must be one JSON-RPC message (an object)")
     return message
@@ -6971,10 +6970,9 @@ def _check_version(version: Any, served: tuple) -> None:
 def _handshake_request(svc: Service, env: dict, method: str, params: dict) -> dict:
     if method == "initialize":  # the client's version when served, else the newest
         asked = params.get("protocolVersion")
+        version = asked if asked in MCP_HANDSHAKE_VERSIONS else MCP_HANDSHAKE_VERSIONS[-1]
         return {
-            "protocolVersion": asked
-            if asked in MCP_HANDSHAKE_VERSIONS
-            else MCP_HANDSHAKE_VERSIONS[-1],
+            "protocolVersion": version,
             "capabilities": {"tools": {"listChanged": False}},
             "serverInfo": server_info(),
             "instructions": MCP_INSTRUCTIONS,
@@ -7043,7 +7041,7 @@ def _tools_method(svc: Service, method: str, params: dict) -> dict:
         tools = available_tools(svc, svc.config.mcp_write)
         return {"tools": [mcp_tool(t) for t in tools]}
     if method == "tools/call":
-        return _call(svc, params.get("name"), params.get("arguments"))
+        return _tools_call(svc, params.get("name"), params.get("arguments"))
     raise RpcError(METHOD_NOT_FOUND, f"method {method[:64]!r} is not served here")
 
 
@@ -7058,7 +7056,7 @@ def mcp_tool(tool: Tool) -> dict:
     }
 
 
-def _call(svc: Service, name: Any, arguments: Any) -> dict:
+def _tools_call(svc: Service, name: Any, arguments: Any) -> dict:
     if not isinstance(name, str):
         raise RpcError(INVALID_PARAMS, "params.name must name a tool (see tools/list)")
     if arguments is not None and not isinstance(arguments, dict):

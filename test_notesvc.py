@@ -5459,7 +5459,7 @@ class TestAgentTools:
         first, second, third = (r["json"] for r in model.requests)
         offered = {t["function"]["name"] for t in first["tools"]}
         assert offered == {n for n, t in notesvc.TOOLS.items() if t.read_only and not t.alias_of}
-        assert first["tool_choice"] == "auto"
+        assert "tool_choice" not in first  # "auto" is the default; vLLM refuses it unless set up
         assert "notes/garden/budget.md" in first["messages"][0]["content"]  # the passages too
         assert first["messages"][1] == {
             "role": "user",
@@ -5498,7 +5498,7 @@ class TestAgentTools:
         client, model = agent(*forever, SERVICE_AGENT_MAX_STEPS="3")
         d = self.ask(client, "garden?")
         assert len(model.requests) == 3
-        assert [r["json"]["tool_choice"] for r in model.requests] == ["auto", "auto", "none"]
+        assert [r["json"].get("tool_choice") for r in model.requests] == [None, None, "none"]
         assert "SERVICE_AGENT_MAX_STEPS" in d["reply"]
         assert d["sources"]  # what it had in context
 
