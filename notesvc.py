@@ -6960,10 +6960,11 @@ def _rpc_request(message: dict, request_id: Any) -> tuple:
 
 def _check_version(version: Any, served: tuple) -> None:
     if version not in served:
+        requested = version[:64] if isinstance(version, str) else None
         raise RpcError(
             UNSUPPORTED_VERSION,
             f"protocol version {str(version)[:40]!r} is not supported",
-            {"supported": list(MCP_VERSIONS), "requested": version},
+            {"supported": list(MCP_VERSIONS), "requested": requested},
         )
 
 

@@ -6725,6 +6725,15 @@ class TestMcp:
             "requested": "2099-01-01",
         }
         rpc_error(modern(mcp, "server/discover", version="banana"), 400, -32022)
+        long = modern(mcp, "server/discover", version="v" * 5000)
+        assert rpc_error(long, 400, -32022)["data"]["requested"] == "v" * 64
+        params = {"_meta": {**modern_meta(), "io.modelcontextprotocol/protocolVersion": 7}}
+        resp = raw_mcp(
+            mcp,
+            json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": params}),
+            **{"MCP-Protocol-Version": "7", "Mcp-Method": "tools/list"},
+        )
+        rpc_error(resp, 400, -32020)  # the header (text) can never equal a number
         # a handshake-era request naming a revision this server does not serve
         resp = raw_mcp(
             mcp,
