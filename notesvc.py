@@ -3017,7 +3017,7 @@ def question_stems(question: str) -> list:
     return [stem(w) for w in dict.fromkeys(words)]
 
 
-_SENTENCE_RE = re.compile(r"(?<=[.!?])\s+")
+_SENTENCE_RE = re.compile(r"(?<=[.!?])\s+|\n+")
 # Markdown a quoted sentence leaves out; every pattern runs in linear time.
 _MD_LEAD_RE = re.compile(
     r"^(?:#{1,6}[ \t]+|>[ \t]*|(?:[-*+]|\d{1,9}[.)])[ \t]+(?:\[[ xX]\][ \t]+)?)+"
@@ -3064,14 +3064,21 @@ def best_passages(weights: dict, text: str, keep: int = 2) -> list:
     return [_clip(item[3], 400) for item in scored[:keep]]
 
 
+_MD_INLINE = frozenset("*_~`[")  # a sentence without these has no inline marks to drop
+_HEADING_MARK_RE = re.compile(r"^[ \t]*#{1,6}[ \t]+", re.M)
+_LINE_MARKS_RE = re.compile(
+    r"^[ \t]*(?:>[ \t]*|(?:[-*+]|\d{1,9}[.)])[ \t]+(?:\[[ xX]\][ \t]+)?)+", re.M
+)
+
+
 def _sentences(text: str):
-    """Yield (in a heading?, plain sentence) for each sentence of a Markdown text; a line's
-    marks (heading, quote, list item) go before it is cut into sentences."""
-    for line in text.split("\n"):
-        line = line.strip()
-        heading = line.startswith("#")  # quoted only when no other sentence matches
-        for sentence in _SENTENCE_RE.split(_MD_LEAD_RE.sub("", line)):
-            yield heading, plain_text(sentence)
+    """Yield (in a heading?, plain sentence) for each sentence of a Markdown text. Line
+    marks go first (so "1. " does not end a sentence); headings are marked with \x01."""
+    text = _LINE_MARKS_RE.sub("", _HEADING_MARK_RE.sub("\x01", text))
+    for sentence in _SENTENCE_RE.split(text):
+        heading = sentence.startswith("\x01")  # quoted only when no other sentence matches
+        sentence = sentence.strip("\x01 \t\r")
+        yield heading, sentence if _MD_INLINE.isdisjoint(sentence) else plain_text(sentence)
 
 
 def _clip(text: str, limit: int) -> str:
