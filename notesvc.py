@@ -3106,10 +3106,9 @@ def retrieve(svc: Service, question: str, note: str | None, limit: int = 3) -> l
     return found
 
 
-def matching(question: str, passages: list) -> list:
-    """Return the best of the passages (best first) that hold a word of the question, and
-    the next ones while they hold as many of its words (stopwords aside)."""
-    stems = set(question_stems(question))
+def matching(stems: set, passages: list) -> list:
+    """Return the best of the passages (best first) that hold one of the stems, and the
+    next ones while they hold as many of them."""
     counts = [len(stems.intersection(tokenize(p))) for p in passages]
     return [p for p, n in zip(passages, counts) if n and n == counts[0]]
 
@@ -3330,9 +3329,9 @@ def agent_provider(
 )
 def answer_locally(svc: Service, question: str, found: list) -> tuple:
     """Quote the best-matching plain sentence of each note that matches, best note first."""
-    quoted = []
+    quoted, stems = [], set(question_stems(question))
     for path, _, passages in found:
-        best = matching(question, passages)  # best_passages put the best one first
+        best = matching(stems, passages)  # best_passages put the best one first
         if best:
             quoted.append((path, " ".join(best)))
     if not quoted:
