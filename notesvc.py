@@ -3027,6 +3027,11 @@ _MD_WIKILINK_RE = re.compile(r"\[\[([^\[\]|\n]*)(?:\|([^\[\]\n]*))?\]\]")
 _MD_MARKS_RE = re.compile(
     r"\*\*|__|~~|`|(?<![\w*])\*(?=\S)|(?<=\S)\*(?![\w*])|(?<!\w)_(?=\S)|(?<=\S)_(?!\w)"
 )
+_MD_INLINE_RE = re.compile(r"[*_~`\[]")  # a sentence without these has no inline marks
+_HEADING_MARK_RE = re.compile(r"^[ \t]*#{1,6}[ \t]+", re.M)
+_LINE_MARKS_RE = re.compile(
+    r"^[ \t]*(?:>[ \t]*|(?:[-*+]|\d{1,9}[.)])[ \t]+(?:\[[ xX]\][ \t]+)?)+", re.M
+)
 
 
 def plain_text(line: str) -> str:
@@ -3049,9 +3054,15 @@ def best_passages(weights: dict, text: str, keep: int = 2) -> list:
     """
     scored = []
     stems: dict = {}  # word -> stem, each computed once
-    for i, (heading, sentence) in enumerate(_sentences(text[:MAX_SCAN_CHARS])):
+    # Line marks go first (so "1. " ends no sentence); a heading is marked with \x01.
+    text = _LINE_MARKS_RE.sub("", _HEADING_MARK_RE.sub("\x01", text[:MAX_SCAN_CHARS]))
+    for i, sentence in enumerate(_SENTENCE_RE.split(text)):
+        heading = sentence.startswith("\x01")  # quoted only when no other sentence matches
+        sentence = sentence.strip("\x01 \t\r")
         if not sentence:
             continue
+        if _MD_INLINE_RE.search(sentence):
+            sentence = plain_text(sentence)
         words = set(_WORD_RE.findall(fold(sentence)))
         for w in words.difference(stems):
             stems[w] = stem(w)
@@ -3062,23 +3073,6 @@ def best_passages(weights: dict, text: str, keep: int = 2) -> list:
     if scored and not scored[0][0]:
         scored = [item for item in scored if not item[0]]
     return [_clip(item[3], 400) for item in scored[:keep]]
-
-
-_MD_INLINE = frozenset("*_~`[")  # a sentence without these has no inline marks to drop
-_HEADING_MARK_RE = re.compile(r"^[ \t]*#{1,6}[ \t]+", re.M)
-_LINE_MARKS_RE = re.compile(
-    r"^[ \t]*(?:>[ \t]*|(?:[-*+]|\d{1,9}[.)])[ \t]+(?:\[[ xX]\][ \t]+)?)+", re.M
-)
-
-
-def _sentences(text: str):
-    """Yield (in a heading?, plain sentence) for each sentence of a Markdown text. Line
-    marks go first (so "1. " does not end a sentence); headings are marked with \x01."""
-    text = _LINE_MARKS_RE.sub("", _HEADING_MARK_RE.sub("\x01", text))
-    for sentence in _SENTENCE_RE.split(text):
-        heading = sentence.startswith("\x01")  # quoted only when no other sentence matches
-        sentence = sentence.strip("\x01 \t\r")
-        yield heading, sentence if _MD_INLINE.isdisjoint(sentence) else plain_text(sentence)
 
 
 def _clip(text: str, limit: int) -> str:
