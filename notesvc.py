@@ -1575,7 +1575,8 @@ class NoteStore:
             made = _missing_folders(dst.parent, self.trash.parent)
             try:
                 with self._changing(path, data, "deleted"), disk_writes():
-                    dst.parent.mkdir(parents=True, exist_ok=True)
+                    for folder in reversed(made):  # private, as all of the state folder
+                        folder.mkdir(mode=0o700, exist_ok=True)
                     os.replace(src, dst)
             except BaseException:
                 for folder in made:  # deepest first: leave the trash as it was
@@ -6864,7 +6865,11 @@ def get_info(svc: Service) -> dict:
         "notes": {"count": count, "bytes": size},
         "history": {**svc.history.usage(), "maxVersions": svc.history.max_versions},
         "trash": svc.trash.usage(),
-        "changes": {"last": svc.journal.last, "floor": svc.journal.floor},
+        "changes": {
+            "last": svc.journal.last,
+            "floor": svc.journal.floor,
+            "waiting": svc.journal.waiting(),
+        },
         "index": {**svc.index.stats(), "lastSync": svc.last_sync},
         "connection": svc.relay_client.status()
         if svc.relay_client
@@ -8587,9 +8592,13 @@ def cmd_serve(config: Config) -> int:
         import signal
 
         def stop(*_):
+            # Waiting change feeds let go of their threads first: waitress's own
+            # shutdown waits up to 5 s for busy threads.
+            app.service.journal.close()
             raise KeyboardInterrupt
 
         signal.signal(signal.SIGTERM, stop)  # systemd's stop: shut down cleanly, exit 0
+        signal.signal(signal.SIGINT, stop)  # Ctrl-C, likewise
         if config.relay_url and config.pairing == "relay":
             app.service.relay_client = RelayClient(app).start()
         effective = config.state_dir / EFFECTIVE_FILE
