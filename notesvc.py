@@ -1769,7 +1769,7 @@ class NoteStore:
             self._record("restored", target, data)
             return self.record(target, data, st)
 
-    def sweep_history(self) -> int:
+    def sweep_history(self, fix_modes: bool = False) -> int:
         """Apply the history's retention to every note and drop the copies of notes that
         are gone; return how many versions were removed."""
         history, removed = self.history, 0
@@ -1785,7 +1785,7 @@ class NoteStore:
                 with self.locked(path):
                     if not os.path.isfile(self.on_disk(path)):
                         history.drop_head(path)
-            removed += history.sweep(folder)
+            removed += history.sweep(folder, fix_modes)
         return removed
 
     def _prune(self, folder: Path) -> None:
@@ -2105,14 +2105,15 @@ class HistoryStore:
         except (FileNotFoundError, NotADirectoryError):
             raise not_found(f"no version {vid} of {path}") from None
 
-    def sweep(self, folder: Path) -> int:
-        """Apply the retention to one folder, make its versions private, remove it when
-        empty; return how many versions were removed."""
+    def sweep(self, folder: Path, fix_modes: bool = False) -> int:
+        """Apply the retention to one folder (and make its versions private: a crash in
+        settle() may have left one with its note's mode), remove it when empty; return how
+        many versions were removed."""
         removed = self.prune(folder)
         self._changed(folder)  # what the disk says from now on
-        for vid in self.ids(folder):
+        for vid in self.ids(folder) if fix_modes else ():
             with contextlib.suppress(OSError):
-                if stat.S_IMODE(os.stat(folder / vid).st_mode) != 0o600:  # a crash in settle()
+                if stat.S_IMODE(os.stat(folder / vid).st_mode) != 0o600:
                     os.chmod(folder / vid, 0o600)
         with contextlib.suppress(OSError):
             folder.rmdir()  # only when nothing is left in it
@@ -2614,9 +2615,11 @@ def unified_diff(a: str, b: str, from_name: str, to_name: str) -> str:
 
 def expire_loop(notes: NoteStore, trash: Trash, stop: threading.Event, every: float = 3600) -> None:
     """Apply the retention of history and trash now, then every `every` s until stop."""
+    first = True
     while True:
         try:
-            removed, purged = notes.sweep_history(), trash.purge_expired()
+            removed, purged = notes.sweep_history(fix_modes=first), trash.purge_expired()
+            first = False
             if removed or purged:
                 log.info("retention: %d versions and %d trash items removed", removed, purged)
         except Exception:
@@ -7166,8 +7169,8 @@ def get_trash_item(svc: Service, item_id: str) -> dict:
 def restore_trash_item(svc: Service, item_id: str) -> dict:
     body = read_json(svc.config.max_body_bytes, required=False)
     item = svc.trash.find(item_id)
-    target = body.get("path")
-    target = item.path if target is None else attachment_or_note_path(field(body, "path"))
+    target = field(body, "path", required=False)
+    target = attachment_or_note_path(item.path if target is None else target)
     top = target.split("/", 1)[0]
     if top != item.path.split("/", 1)[0]:
         raise bad_request(f"a trashed {item.kind} is restored under {item.path.split('/')[0]}/")

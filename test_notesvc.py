@@ -3111,7 +3111,7 @@ class TestTrash:
         assert_error(client.post(f"{API}/trash/{unknown}/restore", status=404), 404, "NOT_FOUND")
         resp = client.post(url, b"{not json", content_type="application/json", status=400)
         assert_error(resp, 400, "VALIDATION_ERROR")
-        for body in ([1], {"path": 5}, {"path": ["notes/a.md"]}):
+        for body in ([1], {"path": 5}, {"path": ["notes/a.md"]}, {"path": ""}):
             assert_error(client.post_json(url, body, status=400), 400, "VALIDATION_ERROR")
         for hostile in (
             "notes/../../state.json",
@@ -3127,6 +3127,15 @@ class TestTrash:
         big = {"path": "notes/a.md", "pad": "x" * 1_100_000}
         assert_error(client.post_json(url, big, status=413), 413, "PAYLOAD_TOO_LARGE")
         assert len(trash_items(client)) == 1  # nothing happened
+
+    def test_an_item_whose_path_breaks_the_rules_is_restored_only_elsewhere(self, client, root):
+        plant_in_trash(root, "notes/a:b.md", b"planted by hand")
+        (item,) = trash_items(client)
+        url = f"{API}/trash/{item['id']}/restore"
+        assert_error(client.post(url, status=400), 400, "VALIDATION_ERROR")
+        assert not (root / "notes" / "a:b.md").exists()
+        rec = data(client.post_json(url, {"path": "notes/ab.md"}))
+        assert rec["content"] == "planted by hand"
 
     def test_items_older_than_trash_days_are_purged(self, make_app, root):
         client = with_key(make_app(SERVICE_TRASH_DAYS="1"))
