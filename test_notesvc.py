@@ -2826,28 +2826,6 @@ def save_by_channel(client, channel: dict, text: str) -> dict:
     return data(anon.post_json(f"{API}/channels/webhook/web", web_update(text), headers=headers))
 
 
-RESTORE_HOOK_PLUGIN = """
-import notesvc
-
-EVENTS = []
-
-def restored(svc, path, content):
-    EVENTS.append(["restored", path, content])
-
-def saved(svc, path, content):
-    EVENTS.append(["saved", path, content])
-
-def events(svc):
-    return {"events": EVENTS}
-
-PLUGIN = notesvc.Plugin(
-    name="restorer",
-    hooks={"note_restored": restored, "note_saved": saved},
-    routes=(notesvc.PluginRoute("GET", "/events", events),),
-)
-"""
-
-
 class TestHistory:
     def test_each_write_keeps_the_content_it_replaced_newest_first(self, client, root):
         put_note(client, "notes/h.md", "one")
@@ -3115,27 +3093,6 @@ class TestHistory:
         assert version_contents(client, "notes/pre.md") == ["from before notesvc"]
         changes = feed(client)["changes"]
         assert [(c["kind"], c["path"]) for c in changes] == [("updated", "notes/pre.md")]
-
-    def test_restore_and_its_hook(self, make_app, root):
-        plugins = root / ".notesvc" / "plugins"
-        plugins.mkdir(parents=True)
-        (plugins / "restorer.py").write_text(RESTORE_HOOK_PLUGIN)
-        client = with_key(make_app())
-        put_note(client, "notes/p.md", "one")
-        update(client, "notes/p.md", "two")
-        (v,) = versions_of(client, "notes/p.md")["versions"]
-        client.post(f"{note_url('notes/p.md')}/versions/{v['id']}/restore")
-        client.delete(note_url("notes/p.md"))
-        (item,) = data(client.get(f"{API}/trash"))["items"]
-        client.post_json(f"{API}/trash/{item['id']}/restore", {"path": "notes/q.md"})
-        events = data(client.get(f"{API}/plugins/restorer/events"))["events"]
-        assert events == [
-            ["saved", "notes/p.md", "one"],
-            ["saved", "notes/p.md", "two"],
-            ["restored", "notes/p.md", "one"],
-            ["restored", "notes/q.md", "one"],
-        ]
-        assert "note_restored" in notesvc.HOOKS
 
     def test_system_info_reports_history_trash_and_the_feed(self, client):
         put_note(client, "notes/i.md", "12345")
@@ -3529,8 +3486,8 @@ class TestHistoryServer:
                 start = contents.index(current) + 1 if current in contents else 0
                 t = threading.Thread(target=writer, args=(start,))
                 t.start()
-                time.sleep(0.6 + 0.4 * round_)
-                server.proc.kill()  # SIGKILL: no clean-up of any kind
+                wait_for(lambda: len(acked) > 8 + 8 * round_, step=0.01)  # well under way
+                server.proc.kill()  # SIGKILL, in the middle of the next PUT: no clean-up
                 server.proc.wait(10)
                 t.join(30)
             finally:
@@ -3772,7 +3729,7 @@ class TestHistoryServer:
                 )
                 assert server.request("PUT", url, {"content": big + "!"})[0] == 200
                 vid = server.request("GET", url + "/versions")[2]["data"]["versions"][0]["id"]
-                time.sleep(0.5)  # let the first index cache save finish
+                wait_for((disk / ".notesvc" / "index.cache").exists)  # the first save is done
                 before = server.request("GET", f"{API}/changes")[2]["data"]["last"]
                 filler = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
                 try:
@@ -5177,6 +5134,7 @@ FIRING_CONFIGURATIONS = {
     ),
     "key_age": Firing("key-old", change=_an_old_key),
     "plain_http_bind": Firing("plain-http-all-interfaces", {"SERVICE_HOST": "0.0.0.0"}),
+    "history_off": Firing("history-off", {"SERVICE_HISTORY_MAX_VERSIONS": "0"}),
 }
 
 
@@ -5696,12 +5654,20 @@ def moved(svc, old_path, new_path):
 def deleted(svc, path):
     CALLS.append(["note_deleted", path])
 
+def restored(svc, path, content):
+    CALLS.append(["note_restored", path, content])
+
 def calls(svc):
     return {"calls": CALLS}
 
 PLUGIN = notesvc.Plugin(
     name="recorder",
-    hooks={"note_saved": saved, "note_moved": moved, "note_deleted": deleted},
+    hooks={
+        "note_saved": saved,
+        "note_moved": moved,
+        "note_deleted": deleted,
+        "note_restored": restored,
+    },
     routes=(notesvc.PluginRoute("GET", "/calls", calls),),
 )
 """
@@ -5801,6 +5767,33 @@ class TestPluginHooks:
         client.delete(note_url("notes/kept.md"))
         assert data(client.post(f"{API}/plugins/recorder/toggle"))["enabled"] is True
         assert self.calls(client) == before
+
+    def test_hook_note_restored(self, client):
+        put_note(client, "notes/p.md", "one")
+        client.put_json(note_url("notes/p.md"), {"content": "two"})
+        (version,) = data(client.get(note_url("notes/p.md") + "/versions"))["versions"]
+        start = len(self.calls(client))
+        restore = f"{note_url('notes/p.md')}/versions/{version['id']}/restore"
+        client.post(restore)  # from a version: note_restored, not note_saved
+        client.delete(note_url("notes/p.md"))
+        (item,) = data(client.get(f"{API}/trash"))["items"]
+        client.post_json(f"{API}/trash/{item['id']}/restore", {"path": "notes/q.md"})
+        assert self.calls(client)[start:] == [
+            ["note_restored", "notes/p.md", "one"],
+            ["note_deleted", "notes/p.md"],
+            ["note_restored", "notes/q.md", "one"],
+        ]
+        # A refused restore calls nothing (the history went along to notes/q.md).
+        before = self.calls(client)
+        client.post(restore.replace("p.md", "q.md"), headers={"If-Match": '"0"'}, status=412)
+        client.delete(note_url("notes/q.md"))
+        put_note(client, "notes/q.md", "taken")
+        (item,) = data(client.get(f"{API}/trash"))["items"]
+        client.post(f"{API}/trash/{item['id']}/restore", status=409)
+        assert self.calls(client)[len(before) :] == [
+            ["note_deleted", "notes/q.md"],
+            ["note_saved", "notes/q.md", "taken"],
+        ]
 
 
 # -- OpenAPI with a third-party checker ---------------------------------------------------------
