@@ -3486,7 +3486,8 @@ class TestHistoryServer:
                 start = contents.index(current) + 1 if current in contents else 0
                 t = threading.Thread(target=writer, args=(start,))
                 t.start()
-                wait_for(lambda: len(acked) > 8 + 8 * round_, step=0.01)  # well under way
+                enough = 8 + 8 * round_  # well under way
+                wait_for(lambda acked=acked, enough=enough: len(acked) > enough, step=0.01)
                 server.proc.kill()  # SIGKILL, in the middle of the next PUT: no clean-up
                 server.proc.wait(10)
                 t.join(30)
