@@ -8,7 +8,8 @@ Outline (``grep -n '^# ==' notesvc.py``), in the order the data flows:
   Settings        the option table, the loader, the frozen Config
   Errors          ApiError, the envelope, the one renderer of every failure
   Helpers         clock, ids, atomic writes, host validation, JSON bodies
-  Notes           path rules, the note record, the store, trash, locks
+  Notes           path rules, the note record, the store, locks; history, trash and
+                  the change journal (what every change leaves behind)
   Search          tokenizer, BM25, the inverted index, its cache
   State and auth  state.json, keys, JWT, lockout
   Service         the object every handler gets as `svc`: state, notes, index, registries
