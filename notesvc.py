@@ -8,7 +8,8 @@ Outline (``grep -n '^# ==' notesvc.py``), in the order the data flows:
   Settings        the option table, the loader, the frozen Config
   Errors          ApiError, the envelope, the one renderer of every failure
   Helpers         clock, ids, atomic writes, host validation, JSON bodies
-  Notes           path rules, the note record, the store, trash, locks
+  Notes           path rules, the note record, the store, locks; history, trash and
+                  the change journal (what every change leaves behind)
   Search          tokenizer, BM25, the inverted index, its cache
   State and auth  state.json, keys, JWT, lockout
   Service         the object every handler gets as `svc`: state, notes, index, registries
@@ -37,6 +38,7 @@ import collections
 import contextlib
 import dataclasses
 import datetime as dt
+import difflib
 import errno
 import functools
 import hashlib
@@ -56,6 +58,7 @@ import platform
 import posixpath
 import re
 import secrets
+import shutil
 import socket
 import stat
 import sys
@@ -123,6 +126,13 @@ def _int_range(lo: int, hi: int) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def _waiters(raw: str) -> int:
+    """Parse SERVICE_MAX_WAITERS: a count, or `auto` (-1: half of SERVICE_THREADS)."""
+    if raw.strip().lower() in ("", "auto"):
+        return -1
+    return _int_range(0, 255)(raw)
 
 
 def _seconds(raw: str) -> float:
@@ -328,6 +338,38 @@ SETTINGS = (
     Setting("plugins_dir", "SERVICE_PLUGINS_DIR", "", "", _text, "third-party plugins folder"),
     Setting("threads", "SERVICE_THREADS", "", "8", _int_range(1, 256), "waitress threads"),
     Setting(
+        "history_max_versions",
+        "SERVICE_HISTORY_MAX_VERSIONS",
+        "",
+        "50",
+        _int_range(0, 100000),
+        "versions kept per note, more when younger than SERVICE_HISTORY_DAYS (0 = history off)",
+    ),
+    Setting(
+        "history_days",
+        "SERVICE_HISTORY_DAYS",
+        "",
+        "90",
+        _int_range(0, 36500),
+        "days every version of a note is kept, whatever their number (0 = count only)",
+    ),
+    Setting(
+        "trash_days",
+        "SERVICE_TRASH_DAYS",
+        "",
+        "30",
+        _int_range(0, 36500),
+        "days deleted notes stay in the trash (0 = until purged)",
+    ),
+    Setting(
+        "max_waiters",
+        "SERVICE_MAX_WAITERS",
+        "",
+        "auto",
+        _waiters,
+        "change-feed long-polls held at once (auto: half of SERVICE_THREADS)",
+    ),
+    Setting(
         "max_connections",
         "SERVICE_MAX_CONNECTIONS",
         "",
@@ -478,6 +520,10 @@ class Config:
     rescan_seconds: int
     plugins_dir: str
     threads: int
+    history_max_versions: int
+    history_days: int
+    trash_days: int
+    max_waiters: int
     max_connections: int
     idle_timeout: int
     relay_max_servers: int
@@ -521,6 +567,14 @@ def load_config(env: Mapping[str, str] | None = None, **flags: Any) -> Config:
             raise ConfigError(f"{source}: {e}") from None
     if values["auth_mode"] == "jwt" and len(values["jwt_secret"].encode()) < 32:
         raise ConfigError("SERVICE_JWT_SECRET: jwt mode needs a secret of at least 32 bytes")
+    if values["max_waiters"] < 0:
+        values["max_waiters"] = values["threads"] // 2
+    if values["max_waiters"] >= values["threads"]:
+        raise ConfigError(
+            f"SERVICE_MAX_WAITERS: {values['max_waiters']} would leave none of the "
+            f"{values['threads']} SERVICE_THREADS to other requests; use at most "
+            f"{values['threads'] - 1}"
+        )
     values["root"] = values["root"].resolve()
     return Config(**values)
 
@@ -545,6 +599,7 @@ ERROR_CODES = (  # every error.code the API answers with
     "UPSTREAM_TIMEOUT",
     "AGENT_DISABLED",
     "INSUFFICIENT_STORAGE",
+    "GONE",
 )
 STATUS_CODES = {
     400: "VALIDATION_ERROR",
@@ -553,6 +608,7 @@ STATUS_CODES = {
     404: "NOT_FOUND",
     405: "METHOD_NOT_ALLOWED",
     409: "CONFLICT",
+    410: "GONE",
     412: "PRECONDITION_FAILED",
     413: "PAYLOAD_TOO_LARGE",
     415: "UNSUPPORTED_MEDIA_TYPE",
@@ -602,6 +658,13 @@ def bad_request(message: str) -> ApiError:
 
 def not_found(message: str) -> ApiError:
     return ApiError(404, "NOT_FOUND", message)
+
+
+def gone(message: str) -> ApiError:
+    """410 GONE with `resetRequired`: the client must start over (re-list) from now."""
+    err = ApiError(410, "GONE", message)
+    err.extra = {"resetRequired": True}
+    return err
 
 
 JSON_TYPE = "application/json; charset=utf-8"
@@ -738,18 +801,26 @@ def disk_writes():
 TEMP_PREFIX, TEMP_SUFFIX = ".tmp-", ".part"  # atomic_write's temp files
 
 
-def atomic_write(path: Path, data: bytes | Callable, mode: int | None = None) -> None:
+def atomic_write(
+    path: Path,
+    data: bytes | Callable,
+    mode: int | None = None,
+    before_replace: Callable | None = None,
+) -> None:
     """Write data (bytes, or a function writing to a file) to path so that a crash leaves
     either the old or the new content.
 
     Temp file in the same folder, flush, fsync, os.replace, fsync the folder. Raises
     DiskFull (507) when the disk is full; the old content and no temp file remain.
+    before_replace(): what must be durable before the new content is in place.
     """
     with disk_writes():
-        _atomic_write(path, data, mode)
+        _atomic_write(path, data, mode, before_replace)
 
 
-def _atomic_write(path: Path, data: bytes | Callable, mode: int | None) -> None:
+def _atomic_write(
+    path: Path, data: bytes | Callable, mode: int | None, before_replace: Callable | None
+) -> None:
     folder = path.parent
     fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX, dir=folder)
     try:
@@ -766,6 +837,8 @@ def _atomic_write(path: Path, data: bytes | Callable, mode: int | None) -> None:
             except FileNotFoundError:
                 mode = 0o666 & ~_UMASK
         os.chmod(tmp, mode)
+        if before_replace is not None:
+            before_replace()
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -1531,10 +1604,19 @@ class NoteStore:
 
     STRIPES = 64
 
-    def __init__(self, root: Path, trash: Path):
+    def __init__(
+        self,
+        root: Path,
+        trash: Path,
+        history: HistoryStore | None = None,
+        journal: ChangeJournal | None = None,
+    ):
         self.root = root.resolve()  # <root>/notes
         self.base = self.root.parent
         self.trash = trash
+        self.history = history  # what each change replaced (None: nothing kept)
+        self.journal = journal  # the change feed (None: nothing recorded)
+        self._observed = False  # the rescan has run once (observe())
         self._tree = threading.RLock()
         self._stripes = [threading.RLock() for _ in range(self.STRIPES)]
         # listener(event, path, detail), called under the note's lock after each change:
@@ -1792,10 +1874,11 @@ class NoteStore:
             target = self.file_of(path)
             if os.path.lexists(target):
                 raise ApiError(409, "CONFLICT", f"a note already exists at {path}; use PUT")
-            with self._new_parents(target):
+            with self._changing(path), self._new_parents(target):
                 atomic_write(target, data)
             st = os.stat(target)
             self._notify("saved", path, (content, st))
+            self._record("created", path, data)
             return self.record(path, data, st)
 
     @contextlib.contextmanager
@@ -1823,12 +1906,14 @@ class NoteStore:
     def update(self, path: str, content: str, if_match: str | None = None) -> dict:
         data = self.encode(content)
         with self.locked(path):
-            old, _ = self._read(path)
+            old, seen = self._read(path)
             self.check_match(if_match, old)
             target = self.file_of(path)
-            atomic_write(target, data)
+            with self._changing(path, old, "updated", (target, seen)) as first:
+                atomic_write(target, data, before_replace=first)
             st = os.stat(target)
             self._notify("saved", path, (content, st))
+            self._record("updated", path, data)
             return self.record(path, data, st)
 
     def append(self, path: str, line: str, heading: str) -> dict:
@@ -1837,32 +1922,37 @@ class NoteStore:
             target = self.file_of(path)
             parents: Any = contextlib.nullcontext()
             try:
-                old = self.decode(path, self._read(path)[0])
+                raw, seen = self._read(path)
+                old = self.decode(path, raw)
             except ApiError as e:
                 if e.status_code != 404:
                     raise
-                old = f"# {heading}\n\n"
+                raw, old = None, f"# {heading}\n\n"
                 parents = self._new_parents(target)
             content = old + ("" if old.endswith("\n") else "\n") + line + "\n"
             data = self.encode(content)
-            with parents:
-                atomic_write(target, data)
+            inode = (target, seen) if raw is not None else None
+            with self._changing(path, raw, "updated", inode) as first, parents:
+                atomic_write(target, data, before_replace=first)
             st = os.stat(target)
             self._notify("saved", path, (content, st))
+            self._record("created" if raw is None else "updated", path, data)
             return self.record(path, data, st)
 
     def rewrite(self, path: str, change: Callable) -> bool:
         """Apply change(text) -> text to a note under its lock; return whether it changed."""
         with self.locked(path):
-            data, _ = self._read(path)
+            data, seen = self._read(path)
             text = self.decode(path, data)
             new = change(text)
             if new == text:
                 return False
             raw = self.encode(new)
             target = self.file_of(path)
-            atomic_write(target, raw)
+            with self._changing(path, data, "linksRewritten", (target, seen)) as first:
+                atomic_write(target, raw, before_replace=first)
             self._notify("saved", path, (new, os.stat(target)))
+            self._record("updated", path, raw)
             return True
 
     def move(self, path: str, new: str, if_match: str | None = None) -> dict:
@@ -1875,13 +1965,15 @@ class NoteStore:
             src, dst = self.file_of(path), self.file_of(new)
             if os.path.lexists(dst):
                 raise ApiError(409, "CONFLICT", f"a note already exists at {new}")
-            with self._new_parents(dst), disk_writes():
+            with self._changing(path, data, "moved"), self._new_parents(dst), disk_writes():
                 os.replace(src, dst)
             fsync_dir(dst.parent)
             fsync_dir(src.parent)
             self._prune(src.parent)
+            self._relocate_history(path, new)
             st = os.stat(dst)
             self._notify("moved", path, (new, st))
+            self._record("moved", new, data, origin=path)
             return {**self.record(new, data, st), "from": path}
 
     def delete(self, path: str, if_match: str | None = None) -> dict:
@@ -1889,12 +1981,13 @@ class NoteStore:
             data, _ = self._read(path)
             self.check_match(if_match, data)
             src = self.file_of(path)
-            stamp = utcnow().strftime("%Y%m%dT%H%M%S.%fZ")
+            stamp = utcnow().strftime(TRASH_STAMP)
             dst = self.trash / stamp / path
             made = _missing_folders(dst.parent, self.trash.parent)
             try:
-                with disk_writes():
-                    dst.parent.mkdir(parents=True, exist_ok=True)
+                with self._changing(path, data, "deleted"), disk_writes():
+                    for folder in reversed(made):  # private, as all of the state folder
+                        folder.mkdir(mode=0o700, exist_ok=True)
                     os.replace(src, dst)
             except BaseException:
                 for folder in made:  # deepest first: leave the trash as it was
@@ -1905,7 +1998,206 @@ class NoteStore:
             fsync_dir(src.parent)
             self._prune(src.parent)
             self._notify("deleted", path)
-        return {"path": path, "deleted": True, "trash": f".notesvc/trash/{stamp}/{path}"}
+            self._record("deleted", path, None)
+        return {
+            "path": path,
+            "deleted": True,
+            "trash": f".notesvc/trash/{stamp}/{path}",
+            "trashId": trash_id(stamp, path),
+        }
+
+    # -- what a change leaves behind: history, the journal, the trash -------------------
+
+    @contextlib.contextmanager
+    def _changing(
+        self,
+        path: str,
+        old: bytes | None = None,
+        reason: str = "updated",
+        inode: tuple | None = None,
+    ):
+        """Around one change of a note: room for its journal entry, then the content it
+        replaces kept as a version (a full disk stops the change here, 507, with nothing
+        changed); both are undone when the change itself fails. `inode` (see
+        HistoryStore.keep) when the change replaces the note's file by a rename: then it
+        gives what atomic_write must run before that rename."""
+        journal, history = self.journal, self.history
+        if journal is not None:
+            journal.reserve()
+        try:
+            keep = history is not None and old is not None
+            vid = history.keep(path, old, reason, inode) if keep else None
+        except BaseException:
+            if journal is not None:
+                journal.release()
+            raise
+        try:
+            yield (lambda: history.durable(path)) if vid and inode else None
+        except BaseException:
+            if vid:
+                history.discard(path, vid)
+            if journal is not None:
+                journal.release()
+            raise
+        if vid:
+            history.settle(path, vid)
+
+    def _record(self, kind: str, path: str, data: bytes | None, origin: str | None = None):
+        """After a change, under the note's lock: its journal entry, then the history's copy
+        of the note (in this order: a crash in between leaves the rescan a change to report
+        twice, never one to miss)."""
+        if self.journal is not None:
+            etag = None if data is None else make_etag(data)
+            self.journal.append(kind, path, etag, origin)
+        if self.history is not None:
+            if data is None:
+                self.history.drop_head(path)
+            else:
+                self.history.write_head(path, data)
+            if origin is not None:
+                self.history.drop_head(origin)
+
+    def _relocate_history(self, old: str, new: str, until_us: int | None = None, copy=False):
+        if self.history is None:
+            return
+        try:
+            self.history.relocate(old, new, until_us, copy)
+        except OSError as e:  # the note has moved: its history stays findable under `old`
+            log.warning("history of %s stays under that path (%s)", log_safe(old), e)
+
+    def _keep_external(self, path: str, head: bytes | None) -> None:
+        """Keep what another program replaced (the history's copy of it), as the rescan can."""
+        if head is None:
+            return
+        try:
+            vid = self.history.keep(path, head, "external")
+            if vid:
+                self.history.settle(path, vid)
+        except OSError as e:
+            log.warning("history: could not keep %s as it was (%s)", log_safe(path), e)
+
+    def observe(
+        self, changed: list, removed: list, known: Mapping, present: Iterable[str] = ()
+    ) -> None:
+        """Record what other programs did to the notes, as the rescan found it: a journal
+        entry for each change and, when the history holds a copy of the note, the content
+        the change replaced (reason "external"). On the first call the notes `present`
+        that have no copy yet get one: the starting point."""
+        history, journal = self.history, self.journal
+        if history is None or journal is None:
+            return
+        first, self._observed = not self._observed, True
+        quiet, journal.fresh = journal.fresh, False  # a new journal starts from the notes
+        if changed and not known and not quiet and not history.enabled:
+            journal.reset()  # the index was rebuilt and no copy tells what changed meanwhile
+            quiet = True
+        for path in changed:
+            with self.locked(path):
+                try:
+                    data, _ = self._read(path, trusted=True)
+                except ApiError:
+                    continue
+                head = history.read_head(path) if history.enabled else None
+                if head == data:  # written by us, or only touched
+                    continue
+                self._keep_external(path, head)
+                history.write_head(path, data)
+                if not quiet:
+                    kind = "updated" if head is not None or path in known else "created"
+                    journal.append(kind, path, make_etag(data), reserved=False)
+        for path in removed:
+            with self.locked(path):
+                if os.path.lexists(self.on_disk(path)):
+                    continue
+                self._keep_external(path, history.read_head(path) if history.enabled else None)
+                history.drop_head(path)
+                if not quiet:
+                    journal.append("deleted", path, reserved=False)
+        if first and history.enabled:
+            seen = set(changed)
+            for path in present:
+                if path in seen or (history.dir_of(path) / history.HEAD).exists():
+                    continue
+                with self.locked(path):
+                    try:
+                        data, _ = self._read(path, trusted=True)
+                    except ApiError:
+                        continue
+                    if history.read_head(path) is None:
+                        history.write_head(path, data)
+
+    def restore_version(self, path: str, vid: str, if_match: str | None = None) -> dict:
+        """Make a version the note's content again (recreating a deleted note); the content
+        it replaces becomes a version itself. 412 when If-Match does not match the note."""
+        if self.history is None:
+            raise not_found(f"no version {vid} of {path}")
+        with self.locked(path, tree=True):
+            data = self.history.read(path, vid)
+            target = self.file_of(path)
+            try:
+                old, seen = self._read(path)
+            except ApiError as e:
+                if e.status_code != 404:
+                    raise
+                old = seen = None
+            self.check_match(if_match, old)
+            parents = self._new_parents(target) if old is None else contextlib.nullcontext()
+            inode = (target, seen) if old is not None else None
+            with self._changing(path, old, "restored", inode) as first, parents:
+                atomic_write(target, data, before_replace=first)
+            st = os.stat(target)
+            self._notify("restored", path, (data.decode("utf-8", "replace"), st))
+            self._record("restored", path, data)
+            return self.record(path, data, st)
+
+    def restore_trashed(self, item: TrashItem, target: str) -> dict:
+        """Move a trashed note back, to its own path or another; 409 when a note is there.
+        Its history comes with it."""
+        with self.locked(target, item.path, tree=True):
+            dst = self.file_of(target)
+            if os.path.lexists(dst):
+                raise ApiError(
+                    409,
+                    "CONFLICT",
+                    f'a note already exists at {target}; restore elsewhere with {{"path": ...}}',
+                )
+            try:
+                with open(item.file, "rb") as f:
+                    data = f.read()
+            except FileNotFoundError:
+                raise not_found(f"no item {item.id} in the trash") from None
+            with self._changing(target), self._new_parents(dst), disk_writes():
+                os.replace(item.file, dst)
+            fsync_dir(dst.parent)
+            fsync_dir(item.file.parent)
+            _remove_empty_folders(item.file.parent, self.trash)
+            if target != item.path:  # the versions it had when deleted (a second's slack)
+                live = os.path.isfile(self.on_disk(item.path))
+                until = int((item.deleted + 1) * 1_000_000)
+                self._relocate_history(item.path, target, until, copy=live)
+            st = os.stat(dst)
+            self._notify("restored", target, (data.decode("utf-8", "replace"), st))
+            self._record("restored", target, data)
+            return self.record(target, data, st)
+
+    def sweep_history(self, fix_modes: bool = False) -> int:
+        """Apply the history's retention to every note and drop the copies of notes that
+        are gone; return how many versions were removed."""
+        history, removed = self.history, 0
+        if history is None:
+            return 0
+        for folder in history.folders():
+            path = history.head_path(folder)
+            try:
+                path = note_path(path) if path is not None else None
+            except ApiError:
+                path = None
+            if path is not None and history.dir_of(path) == folder:
+                with self.locked(path):
+                    if not os.path.isfile(self.on_disk(path)):
+                        history.drop_head(path)
+            removed += history.sweep(folder, fix_modes)
+        return removed
 
     def _prune(self, folder: Path) -> None:
         """Remove folder and its parents while they are empty (never notes/ itself)."""
@@ -2219,6 +2511,827 @@ class AttachmentStore:
     def sweep_temp_files(self) -> int:
         """Remove the temp files an interrupted upload left; return how many."""
         return sweep_temp_files(self.root, skip_hidden=True) if self.root.is_dir() else 0
+
+
+# -- history, trash and the change journal ------------------------------------------------
+#
+# What NoteStore keeps of every change: the content it replaced (HistoryStore), the note
+# itself when deleted (Trash), and a numbered entry in the change feed (ChangeJournal).
+
+DAY_SECONDS = 86400
+VERSION_REASONS = ("updated", "moved", "deleted", "external", "restored", "linksRewritten")
+VERSION_ID_RE = re.compile(r"^(\d{16})-(" + "|".join(VERSION_REASONS) + r")-([0-9a-f]{32})$")
+
+
+def _etag_hex(data: bytes) -> str:
+    return make_etag(data)[1:-1]
+
+
+class HistoryStore:
+    """Past contents of the notes: <state>/history/<key of the note's path>/<version id>.
+
+    A version id is `<microseconds since the epoch, 16 digits>-<reason>-<etag>`: ids sort by
+    age and say what a version is, so listing a history reads no file. Beside the versions,
+    `head` is a copy of the note as notesvc last wrote or saw it (first line: its etag and
+    path), so that a change made by another program, found by the rescan, still keeps the
+    content it replaced; it is a cache, checked against its etag and not fsynced. A content
+    about to be replaced by a rename is linked, not copied (no data written). Retention: a
+    note's newest `max_versions`, and every version younger than `days`. Callers hold the
+    note's lock (NoteStore's); the retention sweep only removes.
+    """
+
+    HEAD = "head"
+
+    def __init__(self, folder: Path, max_versions: int, days: int, clock: Callable = time.time):
+        self.folder = folder
+        self.max_versions = max_versions
+        self.days = days
+        self.clock = clock  # injectable: retention by age is tested with another clock
+        self._last_us = 0
+        self._lock = threading.Lock()
+        self._ids: dict = {}  # folder name -> its version ids, oldest first (kept by keep())
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_versions > 0
+
+    def dir_of(self, path: str) -> Path:
+        return self.folder / hashlib.sha256(path.encode("utf-8")).hexdigest()[:32]
+
+    def folders(self) -> list:
+        try:
+            return [
+                Path(e.path)
+                for e in os.scandir(self.folder)
+                if len(e.name) == 32 and e.is_dir(follow_symlinks=False)
+            ]
+        except FileNotFoundError:
+            return []
+
+    def ids(self, folder: Path) -> list:
+        """Return the version ids in a history folder, oldest first."""
+        with self._lock:
+            cached = self._ids.get(folder.name)
+            if cached is not None:
+                return list(cached)
+        return self._list(folder)
+
+    @staticmethod
+    def _list(folder: Path) -> list:
+        try:
+            return sorted(n for n in os.listdir(folder) if VERSION_ID_RE.match(n))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def _cached_ids(self, folder: Path) -> list:
+        """ids() remembered: only under the note's lock, where its history changes."""
+        found = self.ids(folder)
+        with self._lock:
+            if folder.name not in self._ids:
+                if len(self._ids) >= 4096:
+                    self._ids.pop(next(iter(self._ids)))
+                self._ids[folder.name] = list(found)
+        return found
+
+    def _changed(self, folder: Path, added: str | None = None, dropped: Iterable = ()) -> None:
+        """Keep the remembered ids of a folder in step (None added, nothing dropped: forget)."""
+        with self._lock:
+            cached = self._ids.get(folder.name)
+            if cached is None:
+                return
+            if added is None and not dropped:
+                del self._ids[folder.name]
+                return
+            if added is not None:
+                cached.append(added)  # ids only grow: the newest goes last
+            for vid in dropped:
+                with contextlib.suppress(ValueError):
+                    cached.remove(vid)
+
+    def _folder(self, path: str) -> Path:
+        """Return the note's history folder, created (0700) when missing."""
+        folder = self.dir_of(path)
+        if not folder.is_dir():
+            with disk_writes():
+                self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+                folder.mkdir(mode=0o700, exist_ok=True)
+            fsync_dir(self.folder)
+        return folder
+
+    def _new_id(self, reason: str, etag: str) -> str:
+        with self._lock:  # strictly increasing: ids never collide and sort by age
+            us = max(int(self.clock() * 1_000_000), self._last_us + 1)
+            self._last_us = us
+        return f"{us:016d}-{reason}-{etag}"
+
+    # -- keeping a version (under the note's lock) -------------------------------------
+
+    def keep(self, path: str, data: bytes, reason: str, inode: tuple | None = None) -> str | None:
+        """Keep data, a note's content about to be replaced, as its newest version; return
+        the version's id (None when history is off or the newest version holds data).
+
+        inode: (file, stat as read) of the note when the change replaces the file by a
+        rename: its content is then linked, not copied, and durable only once durable()
+        was called (before the rename; the note's own fsync has flushed the journal by
+        then on most file systems, so that costs little). Raises DiskFull (507) with
+        nothing kept.
+        """
+        if not self.enabled:
+            return None
+        etag = _etag_hex(data)
+        for attempt in (1, 2):  # the sweep may remove an emptied folder in between
+            folder = self._folder(path)
+            ids = self._cached_ids(folder)
+            if ids and ids[-1].endswith(etag):
+                return None
+            vid = self._new_id(reason, etag)
+            try:
+                if inode is None or not self._link(inode, folder / vid):
+                    atomic_write(folder / vid, data, mode=0o600)
+                self._changed(folder, added=vid)
+                return vid
+            except FileNotFoundError:
+                self._changed(folder)
+                if attempt == 2:
+                    raise
+        return None  # pragma: no cover
+
+    @staticmethod
+    def _link(inode: tuple, target: Path) -> bool:
+        """Link a note's file as a version (the file is about to be replaced, not
+        rewritten); False when the file system cannot or another program changed the
+        file since it was read: then it is copied."""
+        source, seen = inode
+        try:
+            with disk_writes():
+                os.link(source, target)
+        except DiskFull:
+            raise
+        except OSError:  # no hard links here (FAT, some network file systems)
+            return False
+        st = os.stat(target)
+        if (st.st_ino, st.st_size, st.st_mtime_ns) != (seen.st_ino, seen.st_size, seen.st_mtime_ns):
+            os.unlink(target)
+            return False
+        return True  # durable once its folder is fsynced: see durable()
+
+    def durable(self, path: str) -> None:
+        """Make the versions kept for a note durable (fsync its history folder)."""
+        fsync_dir(self.dir_of(path))
+
+    def settle(self, path: str, vid: str) -> None:
+        """After the change a version was kept for: make it private, apply the retention."""
+        folder = self.dir_of(path)
+        with contextlib.suppress(OSError):  # a linked version had the note's mode
+            os.chmod(folder / vid, 0o600)
+        self.prune(folder)
+
+    def discard(self, path: str, vid: str) -> None:
+        """Drop a version kept for a change that then failed."""
+        with contextlib.suppress(OSError):
+            os.unlink(self.dir_of(path) / vid)
+        self._changed(self.dir_of(path), dropped=[vid])
+
+    def prune(self, folder: Path) -> int:
+        """Remove the versions past the newest max_versions that are older than `days`."""
+        if not self.enabled:
+            return 0
+        ids = self.ids(folder)
+        cutoff = (self.clock() - self.days * DAY_SECONDS) * 1_000_000
+        removed = []
+        for vid in ids[: max(0, len(ids) - self.max_versions)]:  # oldest first
+            if self.days and int(vid[:16]) >= cutoff:
+                break
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(folder / vid)
+            removed.append(vid)
+        if removed:
+            self._changed(folder, dropped=removed)
+        return len(removed)
+
+    def relocate(self, old: str, new: str, until_us: int | None = None, copy: bool = False):
+        """Give the note at `new` the history of `old` (a move, a restore elsewhere): the
+        versions saved up to until_us (all when None), moved, or linked when `copy`."""
+        src, dst = self.dir_of(old), self.dir_of(new)
+        self._changed(src)
+        self._changed(dst)
+        ids = [v for v in self.ids(src) if until_us is None or int(v[:16]) <= until_us]
+        if not copy and until_us is None and src.is_dir() and not dst.exists():
+            os.replace(src, dst)  # the whole folder, head included
+            fsync_dir(self.folder)
+            return
+        if not ids:
+            return
+        dst = self._folder(new)
+        for vid in ids:
+            if (dst / vid).exists():  # the same id: the same content
+                if not copy:
+                    os.unlink(src / vid)
+            elif not copy:
+                os.replace(src / vid, dst / vid)
+            else:
+                try:
+                    os.link(src / vid, dst / vid)
+                except OSError:  # no hard links here
+                    atomic_write(dst / vid, (src / vid).read_bytes(), mode=0o600)
+        fsync_dir(dst)
+        if not copy:
+            self.drop_head(old)
+            with contextlib.suppress(OSError):
+                src.rmdir()
+
+    # -- the copy of the current content ----------------------------------------------
+
+    def write_head(self, path: str, data: bytes) -> None:
+        """Remember data as the note's content as last written or seen (best effort)."""
+        if not self.enabled:
+            return
+        try:  # rewritten in place: a torn copy fails its etag check, as a missing one.
+            # Not truncated to 0 first: ext4 flushes a file truncated and rewritten.
+            fd = os.open(self._folder(path) / self.HEAD, os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                blob = f"{_etag_hex(data)} {path}\n".encode() + data
+                os.pwrite(fd, blob, 0)
+                os.ftruncate(fd, len(blob))
+            finally:
+                os.close(fd)
+        except OSError as e:  # a stale copy would pass for the current content: drop it
+            log.warning("history: could not keep a copy of %s (%s)", log_safe(path), e)
+            self.drop_head(path)
+
+    def read_head(self, path: str) -> bytes | None:
+        """Return the note's content as last written or seen, None when unknown."""
+        try:
+            raw = (self.dir_of(path) / self.HEAD).read_bytes()
+        except OSError:
+            return None
+        line, _, data = raw.partition(b"\n")
+        return data if line[:32] == _etag_hex(data).encode() else None
+
+    def head_path(self, folder: Path) -> str | None:
+        """Return the note path a history folder's copy belongs to (None without one)."""
+        try:
+            with open(folder / self.HEAD, "rb") as f:
+                line = f.readline(MAX_PATH_CHARS * 4 + 64)
+        except OSError:
+            return None
+        return line[33:].rstrip(b"\n").decode("utf-8", "replace") or None
+
+    def drop_head(self, path: str) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self.dir_of(path) / self.HEAD)
+
+    # -- reading ------------------------------------------------------------------
+
+    @staticmethod
+    def describe(vid: str, size: int) -> dict:
+        m = VERSION_ID_RE.match(vid)
+        return {
+            "id": vid,
+            "savedAt": iso(int(m.group(1)) / 1_000_000),
+            "size": size,
+            "etag": f'"{m.group(3)}"',
+            "reason": m.group(2),
+        }
+
+    def versions(self, path: str) -> list:
+        """Return the note's versions, newest first (no content)."""
+        folder, found = self.dir_of(path), []
+        for vid in reversed(self.ids(folder)):
+            with contextlib.suppress(OSError):  # pruned meanwhile
+                found.append(self.describe(vid, os.stat(folder / vid).st_size))
+        return found
+
+    def read(self, path: str, vid: str) -> bytes:
+        """Return a version's content; 400 for a malformed id, 404 for an unknown one."""
+        if not VERSION_ID_RE.match(vid):
+            raise bad_request(f"{vid[:80]!r} is not a version id (see GET .../versions)")
+        try:
+            return (self.dir_of(path) / vid).read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
+            raise not_found(f"no version {vid} of {path}") from None
+
+    def sweep(self, folder: Path, fix_modes: bool = False) -> int:
+        """Apply the retention to one folder (and make its versions private: a crash in
+        settle() may have left one with its note's mode), remove it when empty; return how
+        many versions were removed."""
+        removed = self.prune(folder)
+        self._changed(folder)  # what the disk says from now on
+        for vid in self.ids(folder) if fix_modes else ():
+            with contextlib.suppress(OSError):
+                if stat.S_IMODE(os.stat(folder / vid).st_mode) != 0o600:
+                    os.chmod(folder / vid, 0o600)
+        with contextlib.suppress(OSError):
+            folder.rmdir()  # only when nothing is left in it
+        return removed
+
+    def usage(self) -> dict:
+        """Return {notes, versions, bytes} of the history (the copies' bytes included)."""
+        notes = versions = size = 0
+        for folder in self.folders():
+            notes += 1
+            with contextlib.suppress(OSError):
+                for e in os.scandir(folder):
+                    with contextlib.suppress(OSError):
+                        size += e.stat(follow_symlinks=False).st_size
+                    versions += bool(VERSION_ID_RE.match(e.name))
+        return {"notes": notes, "versions": versions, "bytes": size}
+
+
+TRASH_TOPS = (NOTES, "attachments")  # what a trash folder holds: notes and attachments
+TRASH_STAMP = "%Y%m%dT%H%M%S.%fZ"  # a trash folder's name: when its item was deleted (UTC)
+TRASH_ID_RE = re.compile(r"^([0-9A-Za-z]{1,64})-([0-9a-f]{16})$")
+
+
+def trash_id(stamp: str, path: str) -> str:
+    """Return a trash item's id: its folder's letters and digits, a hash of its path."""
+    digest = hashlib.sha256(f"{stamp}/{path}".encode("utf-8", "surrogateescape")).hexdigest()
+    return re.sub(r"[^0-9A-Za-z]", "", stamp)[:64] + "-" + digest[:16]
+
+
+def _remove_empty_folders(folder: Path, top: Path) -> None:
+    """Remove folder and its parents while they are empty, up to (not including) top."""
+    folder = Path(os.path.abspath(folder))
+    while folder != top and top in folder.parents:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+        folder = folder.parent
+
+
+@dataclasses.dataclass(frozen=True)
+class TrashItem:
+    id: str
+    path: str  # notes/... or attachments/..., as it was before the delete
+    file: Path
+    deleted: float  # seconds since the epoch
+    size: int
+
+    @property
+    def kind(self) -> str:
+        return "note" if self.path.startswith(NOTES + "/") else "attachment"
+
+    def describe(self) -> dict:
+        return {
+            "id": self.id,
+            "path": self.path,
+            "kind": self.kind,
+            "deletedAt": iso(self.deleted),
+            "size": self.size,
+        }
+
+
+class Trash:
+    """Deleted notes and attachments: <state>/trash/<UTC stamp>/<path>, where the deletes
+    put them. Items older than `days` are purged by purge_expired() (0: kept until purged
+    by hand); restoring a note is NoteStore's (history, journal, index), restoring an
+    attachment moves its file back.
+    """
+
+    def __init__(self, folder: Path, days: int, clock: Callable = time.time):
+        self.folder = folder
+        self.days = days
+        self.clock = clock  # injectable, as the history's
+
+    def _stamps(self) -> list:
+        try:
+            return [
+                e
+                for e in os.scandir(self.folder)
+                if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)
+            ]
+        except FileNotFoundError:
+            return []
+
+    @staticmethod
+    def _deleted_at(entry: os.DirEntry) -> float:
+        try:
+            return (
+                dt.datetime.strptime(entry.name, TRASH_STAMP)
+                .replace(tzinfo=dt.timezone.utc)
+                .timestamp()
+            )
+        except ValueError:  # a folder named otherwise: its own time
+            return entry.stat(follow_symlinks=False).st_mtime
+
+    def _items_in(self, entry: os.DirEntry) -> list:
+        deleted, items = self._deleted_at(entry), []
+        for top in TRASH_TOPS:
+            stack = [(os.path.join(entry.path, top), top)]
+            while stack:
+                real, rel = stack.pop()
+                try:
+                    children = list(os.scandir(real))
+                except (FileNotFoundError, NotADirectoryError, PermissionError):
+                    continue
+                for e in children:
+                    if e.name.startswith(".") or e.is_symlink():
+                        continue
+                    name = f"{rel}/{_nfc(e.name)}"
+                    if e.is_dir():
+                        stack.append((e.path, name))
+                    else:
+                        with contextlib.suppress(OSError):
+                            size = e.stat().st_size
+                            items.append(
+                                TrashItem(
+                                    trash_id(entry.name, name), name, Path(e.path), deleted, size
+                                )
+                            )
+        return items
+
+    def items(self) -> list:
+        """Return every item in the trash, the most recently deleted first."""
+        found = [item for entry in self._stamps() for item in self._items_in(entry)]
+        return sorted(found, key=lambda i: (-i.deleted, i.path))
+
+    def find(self, item_id: str) -> TrashItem:
+        """Return the item of an id; 400 for a malformed id, 404 for an unknown one."""
+        m = TRASH_ID_RE.match(item_id)
+        if not m:
+            raise bad_request(f"{item_id[:80]!r} is not a trash item id (see GET {API}/trash)")
+        for entry in self._stamps():
+            if re.sub(r"[^0-9A-Za-z]", "", entry.name)[:64] == m.group(1):
+                for item in self._items_in(entry):
+                    if item.id == item_id:
+                        return item
+        raise not_found(f"no item {item_id} in the trash")
+
+    def purge(self, item: TrashItem) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(item.file)
+        _remove_empty_folders(item.file.parent, self.folder)
+
+    def purge_expired(self) -> int:
+        """Remove the trash folders older than `days`; return how many items went."""
+        if not self.days:
+            return 0
+        cutoff, purged = self.clock() - self.days * DAY_SECONDS, 0
+        for entry in self._stamps():
+            if self._deleted_at(entry) < cutoff:
+                purged += len(self._items_in(entry))
+                shutil.rmtree(entry.path, ignore_errors=True)  # never follows links
+        return purged
+
+    def restore_file(self, item: TrashItem, target: str, base: Path) -> dict:
+        """Move a trashed attachment back to `target` (under base); 409 when a file is there."""
+        top, dst = os.path.realpath(base / target.split("/", 1)[0]), base / target
+        real = os.path.realpath(dst.parent)
+        if real != top and not real.startswith(top + os.sep):
+            raise bad_request("the path resolves outside its folder (symbolic link?)")
+        with disk_writes():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with disk_writes():
+                os.link(item.file, dst)  # never overwrites, unlike a rename
+            os.unlink(item.file)
+        except FileExistsError:
+            raise ApiError(409, "CONFLICT", f"a file already exists at {target}") from None
+        except DiskFull:
+            raise
+        except OSError:  # no hard links on this file system
+            if os.path.lexists(dst):
+                raise ApiError(409, "CONFLICT", f"a file already exists at {target}") from None
+            with disk_writes():
+                os.replace(item.file, dst)
+        fsync_dir(dst.parent)
+        _remove_empty_folders(item.file.parent, self.folder)
+        st = os.stat(dst)
+        with open(dst, "rb") as f:
+            etag = make_etag(f.read())
+        return {"path": target, "size": st.st_size, "modified": iso(st.st_mtime), "etag": etag}
+
+    def usage(self) -> dict:
+        items = [item for entry in self._stamps() for item in self._items_in(entry)]
+        return {"items": len(items), "bytes": sum(i.size for i in items)}
+
+
+def attachment_or_note_path(raw: Any) -> str:
+    """Return a checked path under notes/ or attachments/ (a trash item's destination)."""
+    if isinstance(raw, str) and raw.startswith("attachments/"):
+        path = unicodedata.normalize("NFC", raw)
+        segments = _check_segments(path, "attachment", top="attachments")
+        if len(segments) < 2:
+            raise bad_request("the attachment path must look like attachments/<name>")
+        return path
+    return note_path(raw)
+
+
+CHANGE_KINDS = ("created", "updated", "moved", "deleted", "restored")
+
+
+def _allocate(fd: int, offset: int, length: int) -> None:
+    """Allocate length bytes of a file from offset, so writing there later needs no space."""
+    if hasattr(os, "posix_fallocate"):
+        try:
+            os.posix_fallocate(fd, offset, length)
+            return
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise
+    os.pwrite(fd, bytes(length), offset)
+
+
+_fdatasync = getattr(os, "fdatasync", os.fsync)
+
+
+def _change_of(line: bytes, after: int) -> tuple | None:
+    """Return a journal line as an entry tuple, None when it is not one (a torn write)."""
+    try:
+        d = json.loads(line)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if (
+        not isinstance(d, dict)
+        or not isinstance(d.get("seq"), int)
+        or d["seq"] <= after
+        or d.get("kind") not in CHANGE_KINDS
+        or not isinstance(d.get("path"), str)
+    ):
+        return None
+    return (d["seq"], d["kind"], d["path"], d.get("from"), d.get("etag"), d.get("at", ""))
+
+
+def change_record(entry: tuple) -> dict:
+    seq, kind, path, origin, etag, at = entry
+    rec = {"seq": seq, "kind": kind, "path": path}
+    if origin is not None:
+        rec["from"] = origin
+    if etag is not None:
+        rec["etag"] = etag
+    rec["at"] = at
+    return rec
+
+
+class ChangeJournal:
+    """Every change to the notes, numbered in order: <state>/changes.log.
+
+    A header line {"floor": F}, then one JSON object a line. A cursor below F (compacted
+    away) or above the last number cannot be answered for (410). An entry is written and
+    fdatasync'ed before anyone learns of it, under one lock, so numbers are given, stored
+    and seen in one order. Room for entries is allocated in the file ahead of time:
+    reserve() (507 on a full disk) comes before a change, so recording a change once made
+    never fails for want of space. The newest entries stay in memory; the file is
+    compacted to the newest `keep` when it holds twice as many.
+    """
+
+    RESERVE = 16384  # bytes allocated ahead
+    ENTRY_MAX = 8192  # an entry's line is at most ~4.3 KB (two 512-character paths)
+
+    def __init__(self, path: Path, keep: int = 10000, clock: Callable = time.time):
+        self.path = path
+        self.keep = keep  # injectable, as the clock: compaction is tested with a small one
+        self.clock = clock
+        self.floor = 0
+        self.last = 0
+        self.fresh = False  # this run created it: the first rescan is its starting point
+        self._cond = threading.Condition()
+        self._seqs: list = []
+        self._entries: list = []  # (seq, kind, path, from, etag, at), oldest first
+        self._open = False  # open() found or made the file: entries are stored
+        self._end = 0  # where the next line goes
+        self._allocated = 0  # the file's bytes (zeros past _end)
+        self._promised = 0  # entries reserve() made room for, not yet appended
+        self._compact_at = 0  # after a failed compaction: when to try again
+        self._waiting: collections.Counter = collections.Counter()
+        self._closed = False
+
+    def open(self) -> ChangeJournal:
+        """Read the journal, creating it when missing; a torn last line is dropped."""
+        with self._cond:
+            try:
+                raw = self.path.read_bytes()
+            except FileNotFoundError:
+                self.fresh = True
+                self._rewrite([], 0)
+                return self
+            lines = raw.split(b"\0", 1)[0].split(b"\n")
+            try:
+                header = json.loads(lines[0])
+                floor = header["floor"] if isinstance(header, dict) else None
+            except (ValueError, UnicodeDecodeError):
+                floor = None
+            entries, end, after = [], len(lines[0]) + 1, floor if isinstance(floor, int) else -1
+            for line in lines[1:-1]:  # the last piece is what follows the last newline
+                entry = _change_of(line, after)
+                if entry is None:
+                    break
+                entries.append(entry)
+                end, after = end + len(line) + 1, entry[0]
+            if not isinstance(floor, int) or floor < 0:
+                log.warning(
+                    "changes.log: unreadable header; the feed starts over (410 for clients)"
+                )
+                self._rewrite([], max(0, after))
+                return self
+            self.floor, self.last = floor, after if entries else floor
+            self._entries, self._seqs = entries, [e[0] for e in entries]
+            with self._file() as fd:
+                os.ftruncate(fd, end)  # a torn line and the old allowance go
+            self._open, self._end, self._allocated = True, end, end
+            if len(entries) > self.keep:
+                self._compact()
+        return self
+
+    def _rewrite(self, entries: list, floor: int) -> None:
+        """Write the journal anew (atomically) with these entries above floor."""
+        lines = [to_json({"notesvc": "changes", "floor": floor}) + b"\n"]
+        lines += [to_json(change_record(e)) + b"\n" for e in entries]
+        content = b"".join(lines)
+        room = self.RESERVE + self._promised * self.ENTRY_MAX
+
+        def write(f) -> None:
+            f.write(content)
+            f.flush()
+            _allocate(f.fileno(), len(content), room)
+
+        atomic_write(self.path, write, mode=0o600)
+        self._open, self._end, self._allocated = True, len(content), len(content) + room
+        self.floor, self.last = floor, max(floor, entries[-1][0] if entries else floor)
+        self._entries, self._seqs = list(entries), [e[0] for e in entries]
+
+    @contextlib.contextmanager
+    def _file(self):
+        """Open the journal for one operation (no descriptor is held between them)."""
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    def _compact(self) -> None:
+        kept = self._entries[-self.keep :]
+        try:
+            self._rewrite(kept, kept[0][0] - 1 if kept else self.last)
+        except OSError as e:  # the old file stays good; try again after a while
+            log.warning("changes.log: could not compact it (%s)", e)
+            self._compact_at = len(self._entries) + max(1, self.keep // 10)
+
+    def reserve(self) -> None:
+        """Make room for one more entry before a change; DiskFull (507) when there is none.
+        The change then calls append() or, when it failed, release()."""
+        with self._cond:
+            if not self._open:
+                return
+            need = (self._promised + 1) * self.ENTRY_MAX
+            if self._allocated - self._end < need:
+                with disk_writes(), self._file() as fd:
+                    _allocate(fd, self._end, need + self.RESERVE)
+                self._allocated = self._end + need + self.RESERVE
+            self._promised += 1
+
+    def release(self) -> None:
+        with self._cond:
+            self._promised = max(0, self._promised - 1)
+
+    def append(
+        self,
+        kind: str,
+        path: str,
+        etag: str | None = None,
+        origin: str | None = None,
+        reserved: bool = True,
+    ) -> int:
+        """Record a change that was made, wake the waiting feeds; return its number."""
+        with self._cond:
+            if reserved:
+                self._promised = max(0, self._promised - 1)
+            seq = self.last + 1
+            entry = (seq, kind, path, origin, etag, iso(self.clock()))
+            if self._open:
+                line = to_json(change_record(entry)) + b"\n"
+                try:
+                    with self._file() as fd:
+                        if self._end + len(line) > self._allocated:  # not reserved: the rescan
+                            _allocate(fd, self._end, len(line) + self.RESERVE)
+                            self._allocated = self._end + len(line) + self.RESERVE
+                        os.pwrite(fd, line, self._end)
+                        _fdatasync(fd)
+                    self._end += len(line)
+                except OSError as e:
+                    log.error("changes.log: could not store change %d (%s)", seq, e)
+            self.last = seq
+            self._seqs.append(seq)
+            self._entries.append(entry)
+            if len(self._entries) > max(2 * self.keep, self._compact_at):
+                self._compact()
+            self._cond.notify_all()
+            return seq
+
+    def reset(self) -> None:
+        """Forget the entries: every cursor from before answers 410 (re-list)."""
+        with self._cond:
+            try:
+                self._rewrite([], self.last)
+            except OSError as e:
+                log.warning("changes.log: could not reset it (%s)", e)
+                self.floor, self._entries, self._seqs = self.last, [], []
+            self._cond.notify_all()
+
+    def read(self, since: int, limit: int) -> dict:
+        """Return {changes, last, more}: the changes after `since` (at most limit); 410
+        when the journal no longer holds them (or never did: a cursor from the future)."""
+        with self._cond:
+            if since < self.floor:
+                raise gone(
+                    f"changes up to {self.floor} were compacted away; list the notes again "
+                    f"and follow from since={self.last}"
+                )
+            if since > self.last:
+                raise gone(
+                    f"this server's changes end at {self.last}; list the notes again and "
+                    f"follow from since={self.last}"
+                )
+            i = bisect.bisect_right(self._seqs, since)
+            chunk = self._entries[i : i + limit]
+            more = i + limit < len(self._entries)
+        return {
+            "changes": [change_record(e) for e in chunk],
+            "last": chunk[-1][0] if chunk else since,
+            "more": more,
+        }
+
+    def wait_after(self, since: int, timeout: float, pool: str, cap: int) -> bool | None:
+        """Wait up to timeout s for a change after `since`; return whether one came, or
+        None at once when `pool` already has `cap` waiters (each holds a worker thread)."""
+        with self._cond:
+            if self._waiting[pool] >= cap:
+                return None
+            self._waiting[pool] += 1
+            try:
+                return self._cond.wait_for(lambda: self.last > since or self._closed, timeout)
+            finally:
+                self._waiting[pool] -= 1
+
+    def waiting(self) -> int:
+        with self._cond:
+            return sum(self._waiting.values())
+
+    def close(self) -> None:
+        """Wake every waiter: the server stops."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+
+MAX_DIFF_LINES = 5000  # difflib is quadratic on some inputs: past this, one plain hunk
+
+
+def _diff_range(start: int, length: int) -> str:
+    """Return a unified diff's range (as difflib writes it) of `length` lines from `start`."""
+    if length == 1:
+        return str(start + 1)
+    return f"{start + 1 if length else start},{length}"
+
+
+def unified_diff(a: str, b: str, from_name: str, to_name: str) -> str:
+    """Return the unified diff from text a to text b, in time linear in their size past
+    MAX_DIFF_LINES changed lines (the changed middle is then one hunk, not minimal)."""
+    x, y = a.splitlines(keepends=True), b.splitlines(keepends=True)
+    head = 0
+    while head < min(len(x), len(y)) and x[head] == y[head]:
+        head += 1
+    tail = 0
+    while tail < min(len(x), len(y)) - head and x[-1 - tail] == y[-1 - tail]:
+        tail += 1
+    if max(len(x), len(y)) - head - tail > MAX_DIFF_LINES:
+        old, new = x[head : len(x) - tail], y[head : len(y) - tail]
+        lines = [
+            f"--- {from_name}\n",
+            f"+++ {to_name}\n",
+            f"@@ -{_diff_range(head, len(old))} +{_diff_range(head, len(new))} @@\n",
+            *("-" + line for line in old),
+            *("+" + line for line in new),
+        ]
+    else:  # only the changed middle, with its context, goes through difflib
+        lo = max(0, head - 3)
+        x_end, y_end = len(x) - max(0, tail - 3), len(y) - max(0, tail - 3)
+        lines = []
+        for line in difflib.unified_diff(x[lo:x_end], y[lo:y_end], from_name, to_name):
+            if line.startswith("@@"):
+                line = re.sub(
+                    r"([-+])(\d+)", lambda m: f"{m.group(1)}{int(m.group(2)) + lo}", line, count=2
+                )
+            lines.append(line)
+    return "".join(
+        line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in lines
+    )
+
+
+def expire_loop(notes: NoteStore, trash: Trash, stop: threading.Event, every: float = 3600) -> None:
+    """Apply the retention of history and trash now, then every `every` s until stop."""
+    first = True
+    while True:
+        try:
+            removed, purged = notes.sweep_history(fix_modes=first), trash.purge_expired()
+            first = False
+            if removed or purged:
+                log.info("retention: %d versions and %d trash items removed", removed, purged)
+        except Exception:
+            log.exception("retention sweep failed; trying again in %.0f s", every)
+        if stop.wait(every):
+            return
 
 
 # == Search ===================================================================
@@ -3358,7 +4471,13 @@ class Service:
         else:
             config.notes_dir.mkdir(parents=True, exist_ok=True)
             self.state = StateStore(config.state_dir)
-        self.notes = NoteStore(config.notes_dir, config.state_dir / "trash")
+        state = config.state_dir  # history, trash and the change feed live with the notes:
+        self.history = HistoryStore(
+            state / "history", config.history_max_versions, config.history_days
+        )
+        self.trash = Trash(state / "trash", config.trash_days)
+        self.journal = ChangeJournal(state / "changes.log")
+        self.notes = NoteStore(config.notes_dir, state / "trash", self.history, self.journal)
         self.attachments = AttachmentStore(config.root / ATTACHMENTS, config.state_dir / "trash")
         # Background components of later sections, composed by build_service():
         self.pollers: Any = None  # ChannelPollers: a thread per channel in polling mode
@@ -3375,7 +4494,9 @@ class Service:
         self._saved_generation = self.index.generation if self.index.paths() else -1
         self.notes.listeners.append(self._on_note_event)
         self.notes.after.append(self._run_hooks)
+        self.journal.open()
         self.last_sync = self.sync_index()
+        self._spawn(lambda: expire_loop(self.notes, self.trash, self._stop), "notesvc-expire")
         # The cache is for the next start; writing it need not delay this one.
         self._spawn(self.save_index, "notesvc-save")
         if self.config.rescan_seconds:
@@ -3412,7 +4533,7 @@ class Service:
             self._resync.add(path)
 
     def _index_event(self, event: str, path: str, detail: Any) -> None:
-        if event == "saved":
+        if event in ("saved", "restored"):
             content, st = detail
             self.index.add(path, content, st.st_size, st.st_mtime_ns)
         elif event == "moved":
@@ -3429,14 +4550,19 @@ class Service:
         return plugin is not None and plugin.error is None and switches.get(name, True)
 
     def _run_hooks(self, event: str, path: str, detail: Any) -> None:
-        hook = {"saved": "note_saved", "moved": "note_moved", "deleted": "note_deleted"}[event]
-        args = {"saved": lambda: (path, detail[0]), "moved": lambda: (path, detail[0])}
+        hook = {
+            "saved": "note_saved",
+            "moved": "note_moved",
+            "deleted": "note_deleted",
+            "restored": "note_restored",
+        }[event]
+        args = {"deleted": lambda: (path,)}
         for plugin in self.plugins.values():
             fn = plugin.hooks.get(hook)
             if fn is None or not self.plugin_enabled(plugin.name):
                 continue
             try:
-                fn(self, *args.get(event, lambda: (path,))())
+                fn(self, *args.get(event, lambda: (path, detail[0]))())
             except Exception as e:  # a plugin's failure is its own: log it, list it, go on
                 log.exception("plugin %s failed in %s for %s", plugin.name, hook, path)
                 self.plugin_errors[plugin.name] = f"{hook}: {type(e).__name__}: {e}"[:300]
@@ -3449,6 +4575,7 @@ class Service:
         indexed = self.index.signature()
         removed = [p for p in indexed if p not in on_disk]
         changed = [p for p, sig in on_disk.items() if indexed.get(p) != sig or p in retry]
+        self.notes.observe(changed, removed, indexed, on_disk)  # history and change feed
         for path in removed:
             with self.notes.locked(path):
                 if not self.notes.exists(path):
@@ -3512,6 +4639,7 @@ class Service:
         for component in (self.pollers, self.reminders):
             if component is not None:
                 component.close()
+        self.journal.close()  # long-polls answer now
         for thread in self._threads:
             thread.join(30)
         if self._threads:
@@ -5786,10 +6914,12 @@ class ReminderScheduler:
 # /api/v1/plugins/<name>/..., and (through the registries above) agent or channel
 # providers. The built-ins register exactly like a third-party file does.
 
-HOOKS = ("note_saved", "note_moved", "note_deleted")
+HOOKS = ("note_saved", "note_moved", "note_deleted", "note_restored")
 # note_saved(svc, path, content)    after a note is created, updated or appended to
 # note_moved(svc, old_path, new_path)
 # note_deleted(svc, path)
+# note_restored(svc, path, content) after a note is restored from the trash or a version
+#                                   (note_saved is not called for it)
 PLUGIN_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,31}$")
 
 
@@ -7175,6 +8305,22 @@ def check_key_age(svc: Service) -> list:
 
 
 @audit_check
+def check_history_off(svc: Service) -> list:
+    if svc.config.history_max_versions:
+        return []
+    return [
+        finding(
+            "history-off",
+            "low",
+            "Note history is off",
+            "SERVICE_HISTORY_MAX_VERSIONS=0: an overwritten or mangled note (by hand, an "
+            "agent or a channel) cannot be brought back; only deleted notes go to the trash.",
+            "Set SERVICE_HISTORY_MAX_VERSIONS to a number of versions to keep (default 50).",
+        )
+    ]
+
+
+@audit_check
 def check_plain_http_bind(svc: Service) -> list:
     cfg = svc.config
     if cfg.host not in ("0.0.0.0", "::", "") or cfg.trust_proxy:
@@ -8183,6 +9329,9 @@ def _private_path(path: str) -> str:
     return f"/r/…/api/v1{m.group(1) or ''}…" if m else path
 
 
+RELAY_WORKERS = 4  # relayed requests a server answers at once (change-feed waits: half)
+
+
 class RelayClient:
     """The server side: register at SERVICE_RELAY_URL, long-poll, answer in-process.
 
@@ -8200,7 +9349,7 @@ class RelayClient:
         self._registered_code = None
         self._code_sent_at = 0.0
         self._local = threading.local()
-        self._workers = concurrent.futures.ThreadPoolExecutor(4, "notesvc-relay-worker")
+        self._workers = concurrent.futures.ThreadPoolExecutor(RELAY_WORKERS, "notesvc-relay-worker")
         self._thread = threading.Thread(target=self._run, name="notesvc-relay", daemon=True)
 
     def start(self) -> RelayClient:
@@ -8505,6 +9654,13 @@ def get_info(svc: Service) -> dict:
         "platform": platform.platform(terse=True),
         "notes": {"count": count, "bytes": size},
         "attachments": dict(zip(("count", "bytes"), svc.attachments.stats())),
+        "history": {**svc.history.usage(), "maxVersions": svc.history.max_versions},
+        "trash": svc.trash.usage(),
+        "changes": {
+            "last": svc.journal.last,
+            "floor": svc.journal.floor,
+            "waiting": svc.journal.waiting(),
+        },
         "index": {**svc.index.stats(), "lastSync": svc.last_sync},
         "connection": svc.relay_client.status()
         if svc.relay_client
@@ -8590,7 +9746,14 @@ def get_config(svc: Service) -> dict:
         },
         "mcp": {"path": f"{API}/mcp", "write": cfg.mcp_write, "protocolVersions": MCP_VERSIONS},
         "search": {"engine": "notesvc-bm25", "maxQueryLength": MAX_QUERY_CHARS},
-        "sync": {"rescanSeconds": cfg.rescan_seconds, "notesRoot": "notes/"},
+        "sync": {
+            "rescanSeconds": cfg.rescan_seconds,
+            "notesRoot": "notes/",
+            "historyMaxVersions": cfg.history_max_versions,
+            "historyDays": cfg.history_days,
+            "trashDays": cfg.trash_days,
+            "maxWaiters": cfg.max_waiters,
+        },
         "plugins": {"dir": cfg.plugins_dir or ".notesvc/plugins"},
         "capture": {
             "transcribeUrl": _redact_url(cfg.transcribe_url),
@@ -8937,6 +10100,112 @@ def get_tree(svc: Service) -> dict:
 
 def get_subtree(svc: Service, path: str) -> dict:
     return svc.notes.tree(folder_path(path))
+
+
+# -- history, trash and the change feed ----------------------------------------------------
+
+MAX_WAIT_SECONDS = 25  # a change-feed long-poll, below the relay's 30 s
+RETRY_AFTER_SECONDS = 1  # what a feed over the waiter cap is told
+MAX_SEQ = 10**10 - 1
+
+
+def _page() -> tuple:
+    return query_int("limit", 100, 1, 1000), query_int("offset", 0, 0, 10**9)
+
+
+def list_versions(svc: Service, path: str) -> dict:
+    path = note_path(path)
+    limit, offset = _page()
+    versions = svc.history.versions(path)
+    if not versions and not svc.notes.exists(path):
+        raise not_found(f"no note and no history at {path}")
+    page = versions[offset : offset + limit]
+    return {"versions": page, "total": len(versions), "limit": limit, "offset": offset}
+
+
+def get_version(svc: Service, path: str, version_id: str) -> dict:
+    if not VERSION_ID_RE.match(version_id):  # WSGI decodes %2F: maybe a note in a folder
+        with contextlib.suppress(ApiError):  # named like one (notes/x.md/versions/y.md)
+            return get_note(svc, note_path(f"{path}/versions/{version_id}"))
+    path = note_path(path)
+    data = svc.history.read(path, version_id)
+    return {
+        **svc.history.describe(version_id, len(data)),
+        "path": path,
+        "content": data.decode("utf-8", "replace"),
+    }
+
+
+def diff_version(svc: Service, path: str, version_id: str) -> dict:
+    path = note_path(path)
+    against = query_str("against", "current") or "current"
+    old = svc.history.read(path, version_id).decode("utf-8", "replace")
+    if against == "current":
+        new = svc.notes.get(path)["content"]
+    else:
+        new = svc.history.read(path, against).decode("utf-8", "replace")
+    diff = unified_diff(old, new, f"{path}@{version_id}", f"{path}@{against}")
+    return {"path": path, "id": version_id, "against": against, "diff": diff}
+
+
+def restore_version(svc: Service, path: str, version_id: str) -> dict:
+    return _note_response(svc.notes.restore_version(note_path(path), version_id, _if_match()))
+
+
+def list_trash(svc: Service) -> dict:
+    limit, offset = _page()
+    items = svc.trash.items()
+    page = [item.describe() for item in items[offset : offset + limit]]
+    return {"items": page, "total": len(items), "limit": limit, "offset": offset}
+
+
+def get_trash_item(svc: Service, item_id: str) -> dict:
+    item = svc.trash.find(item_id)
+    content = None
+    if item.kind == "note":
+        try:
+            content = item.file.read_bytes().decode("utf-8", "replace")
+        except FileNotFoundError:  # purged meanwhile
+            raise not_found(f"no item {item_id} in the trash") from None
+    return {**item.describe(), "content": content}
+
+
+def restore_trash_item(svc: Service, item_id: str) -> dict:
+    body = read_json(svc.config.max_body_bytes, required=False)
+    item = svc.trash.find(item_id)
+    target = field(body, "path", required=False)
+    target = attachment_or_note_path(item.path if target is None else target)
+    top = target.split("/", 1)[0]
+    if top != item.path.split("/", 1)[0]:
+        raise bad_request(f"a trashed {item.kind} is restored under {item.path.split('/')[0]}/")
+    if item.kind == "note":
+        return _note_response(svc.notes.restore_trashed(item, target))
+    return svc.trash.restore_file(item, target, svc.config.root)
+
+
+def purge_trash_item(svc: Service, item_id: str) -> dict:
+    item = svc.trash.find(item_id)
+    svc.trash.purge(item)
+    return {"id": item.id, "purged": True}
+
+
+def list_changes(svc: Service) -> dict:
+    since = query_int("since", 0, 0, MAX_SEQ)
+    wait = query_int("wait", 0, 0, MAX_WAIT_SECONDS)
+    limit = query_int("limit", 100, 1, 1000)
+    page = svc.journal.read(since, limit)
+    if page["changes"] or not wait:
+        return page
+    # A waiting feed holds a worker thread: at most max_waiters at once, so the others
+    # keep serving (relayed requests have their own small pool: half of it).
+    if bottle.request.environ.get("notesvc.relayed"):
+        pool, cap = "relay", min(svc.config.max_waiters, RELAY_WORKERS // 2)
+    else:
+        pool, cap = "direct", svc.config.max_waiters
+    if svc.journal.wait_after(since, wait, pool, cap) is None:
+        bottle.response.set_header("Retry-After", str(RETRY_AFTER_SECONDS))
+        return {**page, "retryAfter": RETRY_AFTER_SECONDS}
+    return svc.journal.read(since, limit)
 
 
 # -- search --------------------------------------------------------------------------------
@@ -9639,6 +10908,12 @@ def _obj(required: Iterable[str] = (), **props: dict) -> dict:
 
 _STR = {"type": "string"}
 _NOTE_PATH, _FOLDER_PATH = NOTE_PATH_SCHEMA, FOLDER_PATH_SCHEMA
+_VERSION_ID = {
+    "type": "string",
+    "pattern": VERSION_ID_RE.pattern,
+    "description": "from .../versions",
+}
+_TRASH_ID = {"type": "string", "pattern": TRASH_ID_RE.pattern, "description": "from /trash"}
 
 
 def _int(lo: int, hi: int, default: int) -> dict:
@@ -9736,6 +11011,48 @@ ROUTES = (
         summary="List notes by path",
         params={"folder": _FOLDER_PATH, "limit": _int(1, 1000, 100), "offset": _int(0, 10**9, 0)},
         tag="notes",
+    ),
+    # before GET /notes/<path:path>, which would take ".../versions" as part of a path
+    Route(
+        "GET",
+        "/notes/<path:path>/versions",
+        list_versions,
+        summary="A note's versions, newest first (also of a deleted note)",
+        params={"path": NOTE_PATH_PARAM, "limit": _int(1, 1000, 100), "offset": _int(0, 10**9, 0)},
+        tag="history",
+    ),
+    Route(
+        "GET",
+        "/notes/<path:path>/versions/<version_id>",
+        get_version,
+        summary="One version with its content",
+        params={"path": NOTE_PATH_PARAM, "version_id": _VERSION_ID},
+        tag="history",
+    ),
+    Route(
+        "GET",
+        "/notes/<path:path>/versions/<version_id>/diff",
+        diff_version,
+        summary="Unified diff from a version to another one or to the current note",
+        params={
+            "path": NOTE_PATH_PARAM,
+            "version_id": _VERSION_ID,
+            "against": {
+                "type": "string",
+                "pattern": f"^(current|{VERSION_ID_RE.pattern[1:-1]})$",
+                "default": "current",
+            },
+        },
+        tag="history",
+    ),
+    Route(
+        "POST",
+        "/notes/<path:path>/versions/<version_id>/restore",
+        restore_version,
+        summary="Make a version the note's content again (If-Match honoured; recreates a "
+        "deleted note); the replaced content becomes a version",
+        params={"path": NOTE_PATH_PARAM, "version_id": _VERSION_ID},
+        tag="history",
     ),
     Route(
         "GET",
@@ -9981,6 +11298,59 @@ ROUTES = (
     Route("GET", "/folders/tree", get_tree, summary="Folder tree from the root", tag="folders"),
     Route(
         "GET",
+        "/trash",
+        list_trash,
+        summary="Deleted notes and attachments, the most recent first",
+        params={"limit": _int(1, 1000, 100), "offset": _int(0, 10**9, 0)},
+        tag="trash",
+    ),
+    Route(
+        "GET",
+        "/trash/<item_id>",
+        get_trash_item,
+        summary="One trashed item (a note's content included)",
+        params={"item_id": _TRASH_ID},
+        tag="trash",
+    ),
+    Route(
+        "POST",
+        "/trash/<item_id>/restore",
+        restore_trash_item,
+        summary="Put an item back, at its path or `path` (409 if taken); history comes along",
+        body=_obj(
+            path={
+                "type": "string",
+                "maxLength": MAX_PATH_CHARS,
+                "description": "where to restore it: a note path, or attachments/... for an "
+                "attachment (default: where it was)",
+            }
+        ),
+        params={"item_id": _TRASH_ID},
+        tag="trash",
+    ),
+    Route(
+        "DELETE",
+        "/trash/<item_id>",
+        purge_trash_item,
+        summary="Delete an item for good",
+        params={"item_id": _TRASH_ID},
+        tag="trash",
+    ),
+    Route(
+        "GET",
+        "/changes",
+        list_changes,
+        summary="The change feed: changes after `since`, or a wait of up to `wait` s for the "
+        "next (410 GONE with resetRequired when the journal no longer has `since`)",
+        params={
+            "since": _int(0, MAX_SEQ, 0),
+            "wait": _int(0, MAX_WAIT_SECONDS, 0),
+            "limit": _int(1, 1000, 100),
+        },
+        tag="changes",
+    ),
+    Route(
+        "GET",
         "/folders/tree/<path:path>",
         get_subtree,
         summary="Subtree",
@@ -10054,8 +11424,8 @@ def openapi_document(svc: Service, server_url: str) -> dict:
                     for code in sorted({200, r.status})
                 },
                 "default": {
-                    "description": "the error envelope: 400, 401, 403, 404, 405, 409, 412, "
-                    "413, 415, 429, 500, 502, 503, 504 or 507",
+                    "description": "the error envelope: 400, 401, 403, 404, 405, 409, 410, "
+                    "412, 413, 415, 429, 500, 502, 503, 504 or 507",
                     "content": _json_content("Error"),
                 },
             },
@@ -10749,9 +12119,13 @@ def cmd_serve(config: Config) -> int:
         import signal
 
         def stop(*_):
+            # Waiting change feeds let go of their threads first: waitress's own
+            # shutdown waits up to 5 s for busy threads.
+            app.service.journal.close()
             raise KeyboardInterrupt
 
         signal.signal(signal.SIGTERM, stop)  # systemd's stop: shut down cleanly, exit 0
+        signal.signal(signal.SIGINT, stop)  # Ctrl-C, likewise
         if config.relay_url and config.pairing == "relay":
             app.service.relay_client = RelayClient(app).start()
         effective = config.state_dir / EFFECTIVE_FILE

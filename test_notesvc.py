@@ -2616,15 +2616,16 @@ class TestStorageSafety:
     def test_crash_leftovers_in_the_state_folder_are_swept_at_start(self, make_app, root):
         make_app()  # creates the root and its state folder
         state = root / ".notesvc"
+        stamp = time.strftime("%Y%m%dT%H%M%S.000000Z", time.gmtime())  # not yet expired
         stale = [
             state / ".tmp-abc123.part",
-            state / "trash" / "20240101T000000.000000Z" / "notes" / ".tmp-x.part",
+            state / "trash" / stamp / "notes" / ".tmp-x.part",
             state / "plugins" / ".tmp-y.part",
             state / "sub" / "deeper" / ".tmp-z.part",
             root / "notes" / "folder" / ".tmp-n.part",
         ]
         kept = [
-            state / "trash" / "20240101T000000.000000Z" / "notes" / "tmp-x.part.md",
+            state / "trash" / stamp / "notes" / "tmp-x.part.md",
             root / "notes" / "tmp-1.part.md",
             state / "plugins" / "tmp-y.py",
         ]
@@ -3409,6 +3410,983 @@ class TestServerAttachments:
 
 
 # -- search ------------------------------------------------------------------------------
+
+
+# -- history, trash and the change feed -------------------------------------------------
+
+
+def versions_of(client, path: str, status: int = 200, **params) -> dict:
+    query = f"?{urllib.parse.urlencode(params)}" if params else ""
+    return data(client.get(note_url(path) + "/versions" + query, status=status))
+
+
+def versions_of_raw(client, path: str, status: int):
+    return client.get(note_url(path) + "/versions", status=status)
+
+
+def version_contents(client, path: str) -> list:
+    """Return the contents of a note's versions, newest first."""
+    found = versions_of(client, path)["versions"]
+    return [data(client.get(f"{note_url(path)}/versions/{v['id']}"))["content"] for v in found]
+
+
+def feed(client, since: int = 0, **params) -> dict:
+    query = urllib.parse.urlencode({"since": since, **params})
+    return data(client.get(f"{API}/changes?{query}"))
+
+
+def update(client, path: str, content: str, **kwargs):
+    return client.put_json(note_url(path), {"content": content}, **kwargs)
+
+
+def web_channel(client) -> dict:
+    return data(client.post_json(f"{API}/channels", {"provider": "web", "config": {}}, status=201))
+
+
+def save_by_channel(client, channel: dict, text: str) -> dict:
+    anon = webtest.TestApp(client.app)
+    headers = {"X-Service-Channel-Secret": channel["secret"]}
+    return data(anon.post_json(f"{API}/channels/webhook/web", web_update(text), headers=headers))
+
+
+class TestHistory:
+    def test_each_write_keeps_the_content_it_replaced_newest_first(self, client, root):
+        put_note(client, "notes/h.md", "one")
+        update(client, "notes/h.md", "two")
+        update(client, "notes/h.md", "three")
+        listing = versions_of(client, "notes/h.md")
+        assert listing["total"] == 2
+        assert (listing["limit"], listing["offset"]) == (100, 0)
+        first, second = listing["versions"]
+        assert set(first) == {"id", "savedAt", "size", "etag", "reason"}
+        assert re.fullmatch(r"[A-Za-z0-9_-]+", first["id"])
+        assert "/" not in first["id"]
+        assert "notes" not in first["id"]
+        assert first["reason"] == second["reason"] == "updated"
+        assert first["savedAt"] >= second["savedAt"]
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", first["savedAt"])
+        one = data(client.get(f"{note_url('notes/h.md')}/versions/{second['id']}"))
+        assert one["content"] == "one"
+        assert one["path"] == "notes/h.md"
+        assert one["id"] == second["id"]
+        assert one["etag"] == second["etag"] == notesvc.make_etag(b"one")
+        assert (first["size"], second["size"]) == (3, 3)
+        assert version_contents(client, "notes/h.md") == ["two", "one"]
+        history = root / ".notesvc" / "history"
+        assert stat.S_IMODE(history.stat().st_mode) == 0o700
+        for path in history.rglob("*"):
+            assert stat.S_IMODE(path.stat().st_mode) == (0o700 if path.is_dir() else 0o600), path
+
+    def test_identical_consecutive_contents_are_stored_once(self, client):
+        put_note(client, "notes/same.md", "a")
+        for _ in range(3):
+            update(client, "notes/same.md", "b")
+        update(client, "notes/same.md", "a")
+        update(client, "notes/same.md", "b")
+        assert version_contents(client, "notes/same.md") == ["a", "b", "a"]
+
+    def test_channels_link_rewrites_moves_and_deletes_keep_versions(self, client):
+        channel = web_channel(client)
+        save_by_channel(client, channel, "/save first thought")
+        save_by_channel(client, channel, "/save second thought")
+        inbox = data(client.get(f"{API}/notes?folder=notes/daily"))["notes"][0]["path"]
+        (kept,) = version_contents(client, inbox)
+        assert "first thought" in kept
+        assert "second thought" not in kept
+        put_note(client, "notes/target.md", "# Target")
+        put_note(client, "notes/linker.md", "see [[target]]")
+        client.patch_json(
+            note_url("notes/target.md") + "/move", {"path": "notes/moved.md", "updateLinks": True}
+        )
+        linker = versions_of(client, "notes/linker.md")["versions"]
+        assert [v["reason"] for v in linker] == ["linksRewritten"]
+        assert version_contents(client, "notes/linker.md") == ["see [[target]]"]
+        assert [v["reason"] for v in versions_of(client, "notes/moved.md")["versions"]] == ["moved"]
+        update(client, "notes/moved.md", "# Target, edited")
+        client.delete(note_url("notes/moved.md"))
+        deleted = versions_of(client, "notes/moved.md")["versions"]
+        assert [v["reason"] for v in deleted] == ["deleted", "moved"]
+        assert version_contents(client, "notes/moved.md")[0] == "# Target, edited"
+
+    def test_history_follows_a_note_across_moves(self, client):
+        put_note(client, "notes/a.md", "v1")
+        update(client, "notes/a.md", "v2")
+        client.patch_json(note_url("notes/a.md") + "/move", {"path": "notes/deep/b.md"})
+        update(client, "notes/deep/b.md", "v3")
+        assert version_contents(client, "notes/deep/b.md") == ["v2", "v1"]
+        assert_error(versions_of_raw(client, "notes/a.md", 404), 404, "NOT_FOUND")
+
+    def test_a_move_onto_the_path_of_a_deleted_note_merges_their_histories(self, client):
+        put_note(client, "notes/old.md", "old 1")
+        update(client, "notes/old.md", "old 2")
+        client.delete(note_url("notes/old.md"))
+        put_note(client, "notes/new.md", "new 1")
+        update(client, "notes/new.md", "new 2")
+        client.patch_json(note_url("notes/new.md") + "/move", {"path": "notes/old.md"})
+        assert sorted(version_contents(client, "notes/old.md")) == [
+            "new 1",
+            "new 2",
+            "old 1",
+            "old 2",
+        ]
+
+    def test_restore_is_a_write_guarded_by_if_match_that_keeps_what_it_replaced(self, client):
+        put_note(client, "notes/r.md", "first")
+        update(client, "notes/r.md", "second")
+        (old,) = versions_of(client, "notes/r.md")["versions"]
+        url = f"{note_url('notes/r.md')}/versions/{old['id']}/restore"
+        resp = client.post(url, headers={"If-Match": '"stale"'}, status=412)
+        assert_error(resp, 412, "PRECONDITION_FAILED")
+        current = client.get(note_url("notes/r.md")).headers["ETag"]
+        resp = client.post(url, headers={"If-Match": current})
+        rec = data(resp)
+        assert rec["content"] == "first"
+        assert resp.headers["ETag"] == rec["etag"] == notesvc.make_etag(b"first")
+        assert data(client.get(note_url("notes/r.md")))["content"] == "first"
+        newest = versions_of(client, "notes/r.md")["versions"][0]
+        assert newest["reason"] == "restored"
+        assert version_contents(client, "notes/r.md") == ["second", "first"]
+        assert feed(client)["changes"][-1]["kind"] == "restored"
+        assert search(client, "first")["total"] == 1  # the index follows
+
+    def test_restoring_a_version_of_a_deleted_note_recreates_it(self, client):
+        put_note(client, "notes/gone/x.md", "keep me")
+        update(client, "notes/gone/x.md", "keep me too")
+        client.delete(note_url("notes/gone/x.md"))
+        client.get(note_url("notes/gone/x.md"), status=404)
+        listing = versions_of(client, "notes/gone/x.md")["versions"]
+        assert [v["reason"] for v in listing] == ["deleted", "updated"]
+        url = f"{note_url('notes/gone/x.md')}/versions/{listing[1]['id']}/restore"
+        client.post(url, headers={"If-Match": "*"}, status=412)  # there is no note to match
+        assert data(client.post(url))["content"] == "keep me"
+        assert data(client.get(note_url("notes/gone/x.md")))["content"] == "keep me"
+
+    def test_diff_against_the_current_note_or_another_version(self, client):
+        put_note(client, "notes/d.md", "alpha\nbeta\ngamma\n")
+        update(client, "notes/d.md", "alpha\nBETA\ngamma\n")
+        update(client, "notes/d.md", "alpha\nBETA\ngamma\ndelta")
+        newer, older = versions_of(client, "notes/d.md")["versions"]
+        base = f"{note_url('notes/d.md')}/versions/{older['id']}/diff"
+        d = data(client.get(base))
+        assert d["against"] == "current"
+        assert d["diff"] == (
+            f"--- notes/d.md@{older['id']}\n"
+            "+++ notes/d.md@current\n"
+            "@@ -1,3 +1,4 @@\n"
+            " alpha\n"
+            "-beta\n"
+            "+BETA\n"
+            " gamma\n"
+            "+delta\n"
+            "\\ No newline at end of file\n"
+        )
+        d = data(client.get(f"{base}?against={newer['id']}"))
+        assert "-beta\n+BETA\n" in d["diff"]
+        assert "delta" not in d["diff"]
+        same = data(
+            client.get(
+                f"{note_url('notes/d.md')}/versions/{newer['id']}/diff?against={newer['id']}"
+            )
+        )
+        assert same["diff"] == ""
+        other = "1795388114646622-updated-" + "0" * 32
+        assert_error(client.get(f"{base}?against={other}", status=404), 404, "NOT_FOUND")
+        assert_error(client.get(f"{base}?against=..%2F..", status=400), 400, "VALIDATION_ERROR")
+
+    def test_a_large_diff_stays_linear_and_patches_correctly(self, client):
+        import random
+
+        rnd = random.Random(5)  # noqa: S311 - the kind of input on which difflib is quadratic
+        old = "".join(f"{rnd.randrange(150)}\n" for _ in range(12000))
+        new = "".join(f"{rnd.randrange(150)}\n" for _ in range(12000))
+        put_note(client, "notes/big.md", old)
+        update(client, "notes/big.md", new)
+        (v,) = versions_of(client, "notes/big.md")["versions"]
+        started = time.monotonic()
+        diff = data(client.get(f"{note_url('notes/big.md')}/versions/{v['id']}/diff"))["diff"]
+        assert time.monotonic() - started < 5
+        if shutil.which("patch"):
+            with tempfile.TemporaryDirectory() as tmp:
+                Path(tmp, "f").write_text(old)
+                Path(tmp, "p").write_text(diff)
+                subprocess.run(["patch", "-s", f"{tmp}/f", f"{tmp}/p"], check=True, timeout=30)
+                assert Path(tmp, "f").read_text() == new
+
+    def test_bad_ids_paths_and_pages(self, client):
+        put_note(client, "notes/v.md", "a")
+        for i in range(3):
+            update(client, "notes/v.md", f"b{i}")
+        page = versions_of(client, "notes/v.md", limit=1, offset=1)
+        assert (page["total"], len(page["versions"]), page["limit"], page["offset"]) == (3, 1, 1, 1)
+        assert (
+            version_contents(client, "notes/v.md")[1]
+            == data(client.get(f"{note_url('notes/v.md')}/versions/{page['versions'][0]['id']}"))[
+                "content"
+            ]
+        )
+        url = note_url("notes/v.md") + "/versions"
+        for bad in ("limit=0", "limit=1001", "limit=x", "offset=-1", "offset=1.5"):
+            assert_error(client.get(f"{url}?{bad}", status=400), 400, "VALIDATION_ERROR")
+        for garbage in ("nope", "..%2F..%2Fstate.json", "1" * 300, "%00", "head"):
+            for suffix in ("", "/diff"):
+                resp = client.get(f"{url}/{garbage}{suffix}", status=400)
+                assert_error(resp, 400, "VALIDATION_ERROR")
+            resp = client.post(f"{url}/{garbage}/restore", status=[400, 405])
+            assert resp.json["success"] is False  # a decoded %2F leaves no such route: 405
+        unknown = "1795388114646622-updated-" + "f" * 32
+        for method, suffix in (("get", ""), ("get", "/diff"), ("post", "/restore")):
+            resp = getattr(client, method)(f"{url}/{unknown}{suffix}", status=404)
+            assert_error(resp, 404, "NOT_FOUND")
+        assert_error(versions_of_raw(client, "notes/never.md", 404), 404, "NOT_FOUND")
+        for hostile in ("notes/../x.md", "../etc/passwd", "notes/.hidden/x.md", "notes/a\u202e.md"):
+            assert_error(versions_of_raw(client, hostile, 400), 400, "VALIDATION_ERROR")
+
+    def test_a_note_in_a_folder_named_like_the_versions_route_is_still_read(self, client):
+        put_note(client, "notes/x.md/versions/y.md", "tricky")
+        assert data(client.get(note_url("notes/x.md/versions/y.md")))["content"] == "tricky"
+
+    def test_retention_keeps_the_newest_and_whatever_is_younger_than_its_days(self, make_app):
+        client = with_key(make_app(SERVICE_HISTORY_MAX_VERSIONS="3", SERVICE_HISTORY_DAYS="1"))
+        svc = client.app.service
+        now = [time.time()]
+        svc.history.clock = lambda: now[0]  # the injectable clock
+        put_note(client, "notes/r.md", "v0")
+        for i in range(1, 7):
+            update(client, "notes/r.md", f"v{i}")
+        assert versions_of(client, "notes/r.md")["total"] == 6  # all younger than a day
+        now[0] += 2 * 86400
+        assert svc.notes.sweep_history() == 3  # what the hourly retention runs
+        assert version_contents(client, "notes/r.md") == ["v5", "v4", "v3"]
+        update(client, "notes/r.md", "v7")  # each write applies the retention to its note
+        assert version_contents(client, "notes/r.md") == ["v6", "v5", "v4"]
+        client.delete(note_url("notes/r.md"))
+        now[0] += 2 * 86400
+        svc.notes.sweep_history()
+        assert len(version_contents(client, "notes/r.md")) == 3  # a deleted note's too
+        svc.history.max_versions = 1
+        svc.notes.sweep_history()
+        assert version_contents(client, "notes/r.md") == ["v7"]
+
+    def test_retention_by_count_only_when_days_is_zero(self, make_app):
+        client = with_key(make_app(SERVICE_HISTORY_MAX_VERSIONS="2", SERVICE_HISTORY_DAYS="0"))
+        put_note(client, "notes/c.md", "v0")
+        for i in range(1, 6):
+            update(client, "notes/c.md", f"v{i}")
+        assert version_contents(client, "notes/c.md") == ["v4", "v3"]
+
+    def test_history_off_keeps_nothing_and_the_audit_says_so(self, make_app, root):
+        client = with_key(make_app(SERVICE_HISTORY_MAX_VERSIONS="0"))
+        put_note(client, "notes/off.md", "a")
+        update(client, "notes/off.md", "b")
+        assert versions_of(client, "notes/off.md")["total"] == 0
+        assert not (root / ".notesvc" / "history").exists()
+        found = {f["id"]: f for f in data(client.get(f"{API}/security/audit"))["findings"]}
+        assert found["history-off"]["severity"] == "low"
+        assert "SERVICE_HISTORY_MAX_VERSIONS" in found["history-off"]["recommendation"]
+        assert feed(client)["changes"][-1]["kind"] == "updated"  # the feed runs without it
+        on = with_key(make_app(tmp_path_factory_root(root)))
+        assert "history-off" not in {
+            f["id"] for f in data(on.get(f"{API}/security/audit"))["findings"]
+        }
+
+    def test_an_external_edit_keeps_what_it_replaced(self, client, root):
+        put_note(client, "notes/e.md", "mine 1")
+        update(client, "notes/e.md", "mine 2")
+        (root / "notes" / "e.md").write_text("theirs")  # another program, in place
+        client.app.service.sync_index()  # what the rescan runs
+        listing = versions_of(client, "notes/e.md")["versions"]
+        assert [v["reason"] for v in listing] == ["external", "updated"]
+        assert version_contents(client, "notes/e.md") == ["mine 2", "mine 1"]
+        (root / "notes" / "e.md").unlink()
+        client.app.service.sync_index()
+        assert version_contents(client, "notes/e.md")[0] == "theirs"
+        changes = feed(client)["changes"]
+        assert [(c["kind"], c["path"]) for c in changes[-2:]] == [
+            ("updated", "notes/e.md"),
+            ("deleted", "notes/e.md"),
+        ]
+        assert changes[-2]["etag"] == notesvc.make_etag(b"theirs")
+
+    def test_a_note_that_was_there_before_gets_its_copy_at_start(self, make_app, root):
+        (root / "notes").mkdir(parents=True)
+        (root / "notes" / "pre.md").write_text("from before notesvc")
+        client = with_key(make_app())
+        (root / "notes" / "pre.md").write_text("edited by hand")
+        client.app.service.sync_index()
+        assert version_contents(client, "notes/pre.md") == ["from before notesvc"]
+        changes = feed(client)["changes"]
+        assert [(c["kind"], c["path"]) for c in changes] == [("updated", "notes/pre.md")]
+
+    def test_system_info_reports_history_trash_and_the_feed(self, client):
+        put_note(client, "notes/i.md", "12345")
+        update(client, "notes/i.md", "123")
+        put_note(client, "notes/j.md", "xy")
+        client.delete(note_url("notes/j.md"))
+        info = data(client.get(f"{API}/system/info"))
+        assert info["history"]["notes"] == 2
+        assert info["history"]["versions"] == 2  # 12345 and the deleted xy
+        assert info["history"]["bytes"] >= 7
+        assert info["history"]["maxVersions"] == 50
+        assert info["trash"] == {"items": 1, "bytes": 2}
+        assert info["changes"] == {"last": 4, "floor": 0, "waiting": 0}
+        sync = data(client.get(f"{API}/system/config"))["sync"]
+        assert (sync["historyMaxVersions"], sync["historyDays"], sync["trashDays"]) == (50, 90, 30)
+        assert sync["maxWaiters"] == 4
+
+
+def trash_items(client) -> list:
+    return data(client.get(f"{API}/trash"))["items"]
+
+
+def plant_in_trash(root: Path, path: str, content: bytes, when: float | None = None) -> Path:
+    """Put a file into the trash the way a delete does (attachments' deletes included)."""
+    stamp = time.strftime("%Y%m%dT%H%M%S.000000Z", time.gmtime(when or time.time()))
+    target = root / ".notesvc" / "trash" / stamp / path
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(content)
+    return target
+
+
+class TestTrash:
+    def test_list_read_restore_and_purge(self, client, root):
+        put_note(client, "notes/t/one.md", "# One")
+        put_note(client, "notes/t/two.md", "# Two")
+        gone = data(client.delete(note_url("notes/t/one.md")))
+        client.delete(note_url("notes/t/two.md"))
+        listing = data(client.get(f"{API}/trash"))
+        assert (listing["total"], listing["limit"], listing["offset"]) == (2, 100, 0)
+        two, one = listing["items"]  # the most recent first
+        assert (one["path"], two["path"]) == ("notes/t/one.md", "notes/t/two.md")
+        assert one["id"] == gone["trashId"]
+        assert set(one) == {"id", "path", "kind", "deletedAt", "size"}
+        assert (one["kind"], one["size"]) == ("note", 5)
+        assert re.fullmatch(r"[A-Za-z0-9_-]+", one["id"])
+        assert "notes" not in one["id"]
+        item = data(client.get(f"{API}/trash/{one['id']}"))
+        assert item["content"] == "# One"
+        assert item["path"] == "notes/t/one.md"
+        rec = data(client.post(f"{API}/trash/{one['id']}/restore"))
+        assert rec["path"] == "notes/t/one.md"
+        assert rec["content"] == "# One"
+        assert data(client.get(note_url("notes/t/one.md")))["content"] == "# One"
+        assert search(client, "one")["total"] == 1
+        assert feed(client)["changes"][-1]["kind"] == "restored"
+        assert data(client.delete(f"{API}/trash/{two['id']}")) == {"id": two["id"], "purged": True}
+        assert trash_items(client) == []
+        assert_error(client.get(f"{API}/trash/{two['id']}", status=404), 404, "NOT_FOUND")
+        assert_error(client.delete(f"{API}/trash/{two['id']}", status=404), 404, "NOT_FOUND")
+        assert list((root / ".notesvc" / "trash").iterdir()) == []  # emptied folders go
+
+    def test_restore_refuses_a_taken_path_and_restores_elsewhere_with_its_history(self, client):
+        put_note(client, "notes/x.md", "old 1")
+        update(client, "notes/x.md", "old 2")
+        client.delete(note_url("notes/x.md"))
+        put_note(client, "notes/x.md", "a new note there")
+        (item,) = trash_items(client)
+        url = f"{API}/trash/{item['id']}/restore"
+        err = assert_error(client.post(url, status=409), 409, "CONFLICT")
+        assert '"path"' in err["message"]
+        taken = client.post_json(url, {"path": "notes/x.md"}, status=409)
+        assert_error(taken, 409, "CONFLICT")
+        rec = data(client.post_json(url, {"path": "notes/elsewhere/x.md"}))
+        assert rec["content"] == "old 2"
+        assert version_contents(client, "notes/elsewhere/x.md") == ["old 2", "old 1"]
+        assert version_contents(client, "notes/x.md") == ["old 2", "old 1"]  # still its own
+        assert data(client.get(note_url("notes/x.md")))["content"] == "a new note there"
+
+    def test_restoring_to_its_own_free_path_brings_its_history_back(self, client):
+        put_note(client, "notes/y.md", "y1")
+        update(client, "notes/y.md", "y2")
+        client.delete(note_url("notes/y.md"))
+        (item,) = trash_items(client)
+        client.post(f"{API}/trash/{item['id']}/restore")
+        update(client, "notes/y.md", "y3")
+        assert version_contents(client, "notes/y.md") == ["y2", "y1"]
+
+    def test_bad_ids_bodies_and_paths(self, client):
+        put_note(client, "notes/z.md", "z")
+        client.delete(note_url("notes/z.md"))
+        (item,) = trash_items(client)
+        url = f"{API}/trash/{item['id']}/restore"
+        for garbage in ("nope", "x" * 300 + "-0123456789abcdef", "%00", "..", "a-b"):
+            assert_error(client.get(f"{API}/trash/{garbage}", status=400), 400, "VALIDATION_ERROR")
+            resp = client.post(f"{API}/trash/{garbage}/restore", status=400)
+            assert_error(resp, 400, "VALIDATION_ERROR")
+            resp = client.delete(f"{API}/trash/{garbage}", status=400)
+            assert_error(resp, 400, "VALIDATION_ERROR")
+        for method in ("get", "delete"):  # a decoded %2F leaves no such route
+            resp = getattr(client, method)(f"{API}/trash/..%2F..%2Fstate.json", status=404)
+            assert_error(resp, 404, "NOT_FOUND")
+        for bad in ("limit=0", "limit=1001", "offset=-1", "limit=ten"):
+            resp = client.get(f"{API}/trash?{bad}", status=400)
+            assert_error(resp, 400, "VALIDATION_ERROR")
+        unknown = "20240101T000000000000Z-0123456789abcdef"
+        assert_error(client.post(f"{API}/trash/{unknown}/restore", status=404), 404, "NOT_FOUND")
+        resp = client.post(url, b"{not json", content_type="application/json", status=400)
+        assert_error(resp, 400, "VALIDATION_ERROR")
+        for body in ([1], {"path": 5}, {"path": ["notes/a.md"]}, {"path": ""}):
+            assert_error(client.post_json(url, body, status=400), 400, "VALIDATION_ERROR")
+        for hostile in (
+            "notes/../../state.json",
+            "/etc/passwd",
+            "notes/.notesvc/x.md",
+            "attachments/cat.png",  # a note goes back under notes/
+            "notes/a\u200b.md",
+        ):
+            resp = client.post_json(url, {"path": hostile}, status=400)
+            assert_error(resp, 400, "VALIDATION_ERROR")
+        resp = client.post(url, "x", content_type="text/plain", status=415)
+        assert_error(resp, 415, "UNSUPPORTED_MEDIA_TYPE")
+        big = {"path": "notes/a.md", "pad": "x" * 1_100_000}
+        assert_error(client.post_json(url, big, status=413), 413, "PAYLOAD_TOO_LARGE")
+        assert len(trash_items(client)) == 1  # nothing happened
+
+    def test_an_item_whose_path_breaks_the_rules_is_restored_only_elsewhere(self, client, root):
+        plant_in_trash(root, "notes/a:b.md", b"planted by hand")
+        (item,) = trash_items(client)
+        url = f"{API}/trash/{item['id']}/restore"
+        assert_error(client.post(url, status=400), 400, "VALIDATION_ERROR")
+        assert not (root / "notes" / "a:b.md").exists()
+        rec = data(client.post_json(url, {"path": "notes/ab.md"}))
+        assert rec["content"] == "planted by hand"
+
+    def test_items_older_than_trash_days_are_purged(self, make_app, root):
+        client = with_key(make_app(SERVICE_TRASH_DAYS="1"))
+        put_note(client, "notes/old.md", "old")
+        client.delete(note_url("notes/old.md"))
+        trash = client.app.service.trash
+        assert trash.purge_expired() == 0
+        trash.clock = lambda: time.time() + 2 * 86400  # the injectable clock
+        assert trash.purge_expired() == 1
+        assert trash_items(client) == []
+        keeper = with_key(make_app(tmp_path_factory_root(root), SERVICE_TRASH_DAYS="0"))
+        put_note(keeper, "notes/k.md", "k")
+        keeper.delete(note_url("notes/k.md"))
+        keeper.app.service.trash.clock = lambda: time.time() + 3650 * 86400
+        assert keeper.app.service.trash.purge_expired() == 0
+
+    def test_an_expired_item_goes_when_the_server_starts(self, make_app, root):
+        make_app()
+        planted = plant_in_trash(root, "notes/ancient.md", b"x", when=time.time() - 40 * 86400)
+        fresh = plant_in_trash(root, "notes/recent.md", b"y")
+        client = with_key(make_app())
+        wait_for(lambda: not planted.exists(), timeout=10)
+        assert fresh.exists()
+        assert [i["path"] for i in trash_items(client)] == ["notes/recent.md"]
+
+    def test_a_trashed_attachment_is_listed_and_restored_as_a_file(self, client, root):
+        png = b"\x89PNG\r\n\x1a\n" + bytes(range(256))
+        plant_in_trash(root, "attachments/photos/cat.png", png)
+        (item,) = trash_items(client)
+        assert (item["kind"], item["path"], item["size"]) == (
+            "attachment",
+            "attachments/photos/cat.png",
+            len(png),
+        )
+        assert data(client.get(f"{API}/trash/{item['id']}"))["content"] is None
+        url = f"{API}/trash/{item['id']}/restore"
+        for wrong in ("notes/cat.md", "attachments/../x.png", "attachments/.h/x.png"):
+            resp = client.post_json(url, {"path": wrong}, status=400)
+            assert_error(resp, 400, "VALIDATION_ERROR")
+        (root / "attachments" / "photos").mkdir(parents=True)
+        (root / "attachments" / "photos" / "cat.png").write_bytes(b"another cat")
+        assert_error(client.post(url, status=409), 409, "CONFLICT")
+        rec = data(client.post_json(url, {"path": "attachments/photos/cat-2.png"}))
+        assert rec["path"] == "attachments/photos/cat-2.png"
+        assert rec["size"] == len(png)
+        assert rec["etag"] == notesvc.make_etag(png)
+        assert (root / "attachments" / "photos" / "cat-2.png").read_bytes() == png
+        assert (root / "attachments" / "photos" / "cat.png").read_bytes() == b"another cat"
+        assert trash_items(client) == []
+        assert data(client.get(f"{API}/system/info"))["history"]["notes"] == 0  # none kept
+
+    def test_a_restore_cannot_escape_through_a_symbolic_link(self, client, root, tmp_path):
+        outside = tmp_path / "outside"
+        outside.mkdir()
+        plant_in_trash(root, "attachments/evil/x.png", b"x")
+        (root / "attachments").mkdir()
+        (root / "attachments" / "evil").symlink_to(outside)
+        (item,) = trash_items(client)
+        resp = client.post(f"{API}/trash/{item['id']}/restore", status=400)
+        assert_error(resp, 400, "VALIDATION_ERROR")
+        assert list(outside.iterdir()) == []
+        plant_in_trash(root, "notes/evil/n.md", b"n")
+        (root / "notes" / "evil").symlink_to(outside)
+        note = next(i for i in trash_items(client) if i["kind"] == "note")
+        resp = client.post(f"{API}/trash/{note['id']}/restore", status=400)
+        assert_error(resp, 400, "VALIDATION_ERROR")
+        assert list(outside.iterdir()) == []
+
+
+class TestChanges:
+    def test_every_kind_of_change_in_order(self, client):
+        assert feed(client) == {"changes": [], "last": 0, "more": False}
+        put_note(client, "notes/f.md", "a")
+        update(client, "notes/f.md", "b")
+        client.patch_json(note_url("notes/f.md") + "/move", {"path": "notes/g.md"})
+        client.delete(note_url("notes/g.md"))
+        (item,) = trash_items(client)
+        client.post(f"{API}/trash/{item['id']}/restore")
+        d = feed(client)
+        assert d["last"] == 5
+        assert d["more"] is False
+        assert [(c["seq"], c["kind"], c["path"]) for c in d["changes"]] == [
+            (1, "created", "notes/f.md"),
+            (2, "updated", "notes/f.md"),
+            (3, "moved", "notes/g.md"),
+            (4, "deleted", "notes/g.md"),
+            (5, "restored", "notes/g.md"),
+        ]
+        moved, deleted = d["changes"][2], d["changes"][3]
+        assert moved["from"] == "notes/f.md"
+        assert moved["etag"] == notesvc.make_etag(b"b")
+        assert "etag" not in deleted
+        assert "from" not in deleted
+        for c in d["changes"]:
+            assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", c["at"])
+        page = feed(client, since=1, limit=2)
+        assert [c["seq"] for c in page["changes"]] == [2, 3]
+        assert (page["last"], page["more"]) == (3, True)
+        assert feed(client, since=5) == {"changes": [], "last": 5, "more": False}
+
+    def test_channels_plugins_and_link_rewrites_are_in_the_feed(self, client):
+        channel = web_channel(client)
+        save_by_channel(client, channel, "/save an idea")  # creates today's daily note
+        client.post(f"{API}/plugins/daily/today", status=200)  # which is there already
+        save_by_channel(client, channel, "/save another")
+        put_note(client, "notes/t.md", "# T")
+        put_note(client, "notes/l.md", "[[t]]")
+        client.patch_json(
+            note_url("notes/t.md") + "/move", {"path": "notes/u.md", "updateLinks": True}
+        )
+        kinds = [(c["kind"], c["path"].split("/")[1]) for c in feed(client)["changes"]]
+        assert kinds == [
+            ("created", "daily"),
+            ("updated", "daily"),
+            ("created", "t.md"),
+            ("created", "l.md"),
+            ("moved", "u.md"),
+            ("updated", "l.md"),
+        ]
+
+    def test_bad_cursors_and_parameters(self, client):
+        put_note(client, "notes/a.md", "a")
+        for bad in (
+            "since=-1",
+            "since=x",
+            "since=1.5",
+            "since=99999999999",
+            "wait=26",
+            "wait=-1",
+            "limit=0",
+            "limit=1001",
+            "since=%00",
+        ):
+            resp = client.get(f"{API}/changes?{bad}", status=400)
+            assert_error(resp, 400, "VALIDATION_ERROR")
+        err = assert_error(client.get(f"{API}/changes?since=2", status=410), 410, "GONE")
+        assert err["resetRequired"] is True
+        assert "since=1" in err["message"]
+
+    def test_410_after_compaction_and_the_journal_survives_a_restart(self, make_app, root):
+        client = with_key(make_app())
+        client.app.service.journal.keep = 3  # injectable, as the clocks
+        for i in range(8):
+            put_note(client, f"notes/c{i}.md", "x")
+        journal = client.app.service.journal
+        assert journal.floor > 0
+        err = assert_error(client.get(f"{API}/changes?since=0", status=410), 410, "GONE")
+        assert err["resetRequired"] is True
+        d = feed(client, since=journal.floor)
+        assert d["changes"][-1]["seq"] == 8
+        again = with_key(make_app())
+        assert again.app.service.journal.floor == journal.floor
+        put_note(again, "notes/after.md", "y")
+        assert feed(again, since=8)["changes"][0]["seq"] == 9
+        client.get(f"{API}/changes?since=0", status=410)
+        log_file = root / ".notesvc" / "changes.log"
+        assert stat.S_IMODE(log_file.stat().st_mode) == 0o600
+
+    def test_a_torn_last_line_is_dropped_and_numbering_goes_on(self, make_app, root):
+        client = with_key(make_app())
+        put_note(client, "notes/a.md", "a")
+        put_note(client, "notes/b.md", "b")
+        log_file = root / ".notesvc" / "changes.log"
+        raw = log_file.read_bytes()
+        end = raw.index(b"\0") if b"\0" in raw else len(raw)
+        with open(log_file, "r+b") as f:  # a crash in the middle of the next line
+            f.seek(end)
+            f.write(b'{"seq":3,"kind":"upd')
+        again = with_key(make_app())
+        assert feed(again)["last"] == 2
+        put_note(again, "notes/c.md", "c")
+        put_note(again, "notes/d.md", "d")
+        third = with_key(make_app())
+        assert [c["path"] for c in feed(third)["changes"]] == [
+            "notes/a.md",
+            "notes/b.md",
+            "notes/c.md",
+            "notes/d.md",
+        ]
+
+    def test_an_unreadable_journal_starts_over_with_410_for_old_cursors(self, make_app, root):
+        client = with_key(make_app())
+        put_note(client, "notes/a.md", "a")
+        put_note(client, "notes/b.md", "b")
+        log_file = root / ".notesvc" / "changes.log"
+        log_file.write_bytes(b"garbage\n" + log_file.read_bytes().split(b"\n", 1)[1])
+        again = with_key(make_app())
+        assert_error(again.get(f"{API}/changes?since=1", status=410), 410, "GONE")
+        put_note(again, "notes/c.md", "c")
+        assert feed(again, since=2)["changes"][0]["seq"] == 3
+
+    def test_with_history_off_a_rebuilt_index_resets_the_feed(self, make_app, root):
+        client = with_key(make_app(SERVICE_HISTORY_MAX_VERSIONS="0"))
+        put_note(client, "notes/a.md", "a")
+        (root / ".notesvc" / "index.cache").unlink(missing_ok=True)
+        again = with_key(make_app(SERVICE_HISTORY_MAX_VERSIONS="0"))
+        assert_error(again.get(f"{API}/changes?since=0", status=410), 410, "GONE")
+        assert feed(again, since=1)["changes"] == []
+
+    def test_max_waiters_setting(self):
+        cfg = notesvc.load_config(env={"SERVICE_THREADS": "8"})
+        assert cfg.max_waiters == 4
+        assert notesvc.load_config(env={"SERVICE_THREADS": "1"}).max_waiters == 0
+        assert notesvc.load_config(env={"SERVICE_MAX_WAITERS": "7"}).max_waiters == 7
+        for bad in ("8", "x", "-1", "256"):
+            with pytest.raises(notesvc.ConfigError, match="SERVICE_MAX_WAITERS"):
+                notesvc.load_config(env={"SERVICE_MAX_WAITERS": bad})
+        for name in ("HISTORY_MAX_VERSIONS", "HISTORY_DAYS", "TRASH_DAYS"):
+            with pytest.raises(notesvc.ConfigError, match=name):
+                notesvc.load_config(env={f"SERVICE_{name}": "-1"})
+
+
+def long_poll(server: Server, since: int, wait: float, prefix: str = "", headers=None) -> tuple:
+    """Return (status, headers, data, seconds) of one change-feed request."""
+    started = time.monotonic()
+    status, hdrs, body = server.request(
+        "GET", f"{prefix}{API}/changes?since={since}&wait={wait}", headers=headers
+    )
+    return status, hdrs, (body or {}).get("data"), time.monotonic() - started
+
+
+def feed_waiting(server: Server, prefix: str = "", headers=None) -> int:
+    return server.request("GET", f"{prefix}{API}/system/info", headers=headers)[2]["data"][
+        "changes"
+    ]["waiting"]
+
+
+class TestHistoryServer:
+    """History and the change feed on real servers: crashes, long-polls, the relay."""
+
+    def test_sigkill_during_puts_leaves_old_or_new_and_the_history_whole(self, tmp_path):
+        root = tmp_path / "srv"
+        contents = [f"# v{i}\n\n" + f"line {i}\n" * 3000 for i in range(40)]
+        url = note_url("notes/crash.md")
+        for round_ in range(2):
+            server = Server(root, "--auth-mode", "none")
+            acked = []  # contents whose PUT answered 200, in order
+            try:
+                if round_ == 0:
+                    status, _, _ = server.request(
+                        "POST", f"{API}/notes", {"path": "notes/crash.md", "content": contents[0]}
+                    )
+                    assert status == 201
+                current = server.request("GET", url)[2]["data"]["content"]
+                acked.append(current)
+
+                def writer(start: int, acked=acked, server=server):
+                    i = start
+                    while True:
+                        content = contents[i % len(contents)]
+                        try:
+                            status, _, _ = server.request("PUT", url, {"content": content})
+                        except (OSError, http.client.HTTPException):  # killed
+                            return
+                        if status == 200:
+                            acked.append(content)
+                        i += 1
+
+                start = contents.index(current) + 1 if current in contents else 0
+                t = threading.Thread(target=writer, args=(start,))
+                t.start()
+                enough = 8 + 8 * round_  # well under way
+                wait_for(lambda acked=acked, enough=enough: len(acked) > enough, step=0.01)
+                server.proc.kill()  # SIGKILL, in the middle of the next PUT: no clean-up
+                server.proc.wait(10)
+                t.join(30)
+            finally:
+                server.stop()
+            assert len(acked) > 3
+            on_disk = (root / "notes" / "crash.md").read_text()
+            assert on_disk in (*contents, acked[0])  # old or new, never torn
+            history = root / ".notesvc" / "history"
+            kept = {}
+            for f in history.rglob("*"):
+                if f.is_file() and notesvc.VERSION_ID_RE.match(f.name):
+                    raw = f.read_bytes()
+                    assert f.name.endswith(notesvc.make_etag(raw)[1:-1]), "a torn version"
+                    kept[f.name] = raw.decode()
+            replaced = set(acked[:-1])  # every acknowledged PUT kept what it replaced
+            if on_disk != acked[-1]:  # the PUT in flight replaced the note: that too
+                replaced.add(acked[-1])
+            assert replaced <= set(kept.values())
+            with running(root, "--auth-mode", "none") as again:
+                assert again.request("GET", url)[2]["data"]["content"] == on_disk
+                listing = again.request("GET", url + "/versions?limit=1000")[2]["data"]
+                assert set(kept) <= {v["id"] for v in listing["versions"]}
+                for v in listing["versions"][:5]:
+                    body = again.request("GET", f"{url}/versions/{v['id']}")[2]["data"]
+                    assert body["content"] == kept[v["id"]]
+                changes = again.request("GET", f"{API}/changes?limit=1000")[2]["data"]["changes"]
+                seqs = [c["seq"] for c in changes]
+                assert seqs == list(range(1, len(seqs) + 1))
+                etags = {c.get("etag") for c in changes}
+                assert {notesvc.make_etag(c.encode()) for c in acked[1:]} <= etags
+                status, _, _ = again.request("PUT", url, {"content": "after the crash"})
+                assert status == 200
+            leftovers = [p for p in root.rglob("*") if p.name.startswith(".tmp-")]
+            assert leftovers == []
+
+    def test_a_waiting_feed_gets_the_next_change_at_once(self, tmp_path):
+        with running(tmp_path, "--auth-mode", "none", env={"SERVICE_RESCAN_SECONDS": "1"}) as s:
+            status, _, d, took = long_poll(s, 0, 1)
+            assert (status, d, took >= 0.9) == (
+                200,
+                {"changes": [], "last": 0, "more": False},
+                True,
+            )
+            got = []
+            t = threading.Thread(target=lambda: got.append(long_poll(s, 0, 20)))
+            t.start()
+            wait_for(lambda: feed_waiting(s) == 1)
+            sent = time.monotonic()
+            s.request("POST", f"{API}/notes", {"path": "notes/n.md", "content": "hello"})
+            t.join(25)
+            status, _, d, _ = got[0]
+            assert status == 200
+            assert [(c["seq"], c["kind"], c["path"]) for c in d["changes"]] == [
+                (1, "created", "notes/n.md")
+            ]
+            assert time.monotonic() - sent < 2
+            # another program's edit reaches a waiting feed through the rescan
+            t = threading.Thread(target=lambda: got.append(long_poll(s, 1, 20)))
+            t.start()
+            wait_for(lambda: feed_waiting(s) == 1)
+            (tmp_path / "notes" / "n.md").write_text("edited elsewhere")
+            t.join(25)
+            change = got[1][2]["changes"][0]
+            assert (change["kind"], change["path"]) == ("updated", "notes/n.md")
+            assert change["etag"] == notesvc.make_etag(b"edited elsewhere")
+            versions = s.request("GET", note_url("notes/n.md") + "/versions")[2]["data"]
+            assert [v["reason"] for v in versions["versions"]] == ["external"]
+
+    def test_over_the_waiter_cap_the_answer_is_at_once_and_others_still_answer(self, tmp_path):
+        with running(tmp_path, "--auth-mode", "none", env={"SERVICE_THREADS": "4"}) as s:
+            info = s.request("GET", f"{API}/system/config")[2]["data"]["sync"]
+            assert info["maxWaiters"] == 2  # half of 4 threads
+            held = []
+            threads = [
+                threading.Thread(target=lambda: held.append(long_poll(s, 0, 20))) for _ in range(2)
+            ]
+            for t in threads:
+                t.start()
+            wait_for(lambda: feed_waiting(s) == 2)
+            status, headers, d, took = long_poll(s, 0, 20)
+            assert status == 200
+            assert took < 1
+            assert d == {"changes": [], "last": 0, "more": False, "retryAfter": 1}
+            assert headers["Retry-After"] == "1"
+            for _ in range(5):  # the cap keeps threads for everything else
+                started = time.monotonic()
+                assert s.request("GET", f"{API}/notes")[0] == 200
+                assert time.monotonic() - started < 1
+            s.request("POST", f"{API}/notes", {"path": "notes/x.md", "content": "x"})
+            for t in threads:
+                t.join(25)
+            assert [len(h[2]["changes"]) for h in held] == [1, 1]
+            assert max(h[3] for h in held) < 15
+            assert feed_waiting(s) == 0
+
+    def test_twenty_followers_see_every_change_once_and_in_order(self, tmp_path):
+        with running(tmp_path, "--auth-mode", "none", env={"SERVICE_THREADS": "8"}) as s:
+            writes, followers = 30, 20
+            done, errors = threading.Event(), []
+            seen = [[] for _ in range(followers)]
+            retried = [0] * followers
+
+            def follow(k: int) -> None:
+                since, deadline = 0, time.monotonic() + 90
+                try:
+                    while time.monotonic() < deadline:
+                        status, headers, body = s.request(
+                            "GET", f"{API}/changes?since={since}&wait=5&limit=7"
+                        )
+                        assert status == 200, body
+                        d = body["data"]
+                        if "retryAfter" in d:  # over the cap: retry as told
+                            assert headers["Retry-After"] == str(d["retryAfter"])
+                            retried[k] += 1
+                            time.sleep(d["retryAfter"])
+                            continue
+                        seen[k].extend(d["changes"])
+                        since = d["last"]
+                        if done.is_set() and not d["more"] and since >= final[0]:
+                            return
+                    errors.append(f"follower {k} timed out at {since}")
+                except Exception as e:
+                    errors.append(f"follower {k}: {e!r}")
+
+            def write(w: int) -> None:
+                for i in range(writes):
+                    path = f"notes/w{w}/n{i % 5}.md"
+                    if i < 5:
+                        s.request("POST", f"{API}/notes", {"path": path, "content": f"{w}/{i}"})
+                    else:
+                        s.request("PUT", note_url(path), {"content": f"{w}/{i}"})
+
+            final = [10**9]
+            readers = [threading.Thread(target=follow, args=(k,)) for k in range(followers)]
+            writers = [threading.Thread(target=write, args=(w,)) for w in range(3)]
+            for t in readers + writers:
+                t.start()
+            for t in writers:
+                t.join(60)
+            everything = s.request("GET", f"{API}/changes?limit=1000")[2]["data"]
+            final[0] = everything["last"]
+            done.set()
+            for t in readers:
+                t.join(100)
+            assert errors == []
+            assert final[0] == 3 * writes
+            for k in range(followers):
+                assert seen[k] == everything["changes"], f"follower {k}"
+            assert sum(retried) > 0  # 20 followers, 4 may wait at once
+
+    def test_the_feed_passes_through_the_relay(self, tmp_path):
+        relay = Server(tmp_path / "relay", "relay")
+        server = Server(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url})
+        try:
+            wait_for(lambda: relay_servers(relay) == 1)
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            key = {"X-Service-Key": setup["apiKey"]}
+            prefix = f"/r/{setup['serverId']}"
+
+            def relayed(since: int, wait: float) -> tuple:
+                started = time.monotonic()
+                status, hdrs, body = relay.request(
+                    "GET", f"{prefix}{API}/changes?since={since}&wait={wait}", headers=key
+                )
+                return status, hdrs, body["data"], time.monotonic() - started
+
+            got = []
+            waiters = [
+                threading.Thread(target=lambda: got.append(relayed(0, 15))) for _ in range(2)
+            ]
+            for t in waiters:
+                t.start()
+            wait_for(lambda: feed_waiting(server, headers=key) == 2)
+            status, headers, d, took = relayed(0, 15)  # relayed waits: half the relay's workers
+            assert (status, d["retryAfter"], headers["Retry-After"]) == (200, 1, "1")
+            assert took < 3
+            status, _, body = relay.request("GET", f"{prefix}{API}/notes", headers=key)
+            assert status == 200  # still answered through the relay
+            sent = time.monotonic()
+            server.request(
+                "POST", f"{API}/notes", {"path": "notes/r.md", "content": "via relay"}, key
+            )
+            for t in waiters:
+                t.join(20)
+            assert time.monotonic() - sent < 5
+            assert [g[0] for g in got] == [200, 200]
+            for g in got:
+                assert [(c["kind"], c["path"]) for c in g[2]["changes"]] == [
+                    ("created", "notes/r.md")
+                ]
+            status, _, body = relay.request("GET", f"{prefix}{API}/changes?since=5", headers=key)
+            assert status == 410
+            assert body["error"]["resetRequired"] is True
+        finally:
+            server.stop()
+            relay.stop()
+
+    def test_waiting_feeds_do_not_hold_up_a_stopping_server(self, tmp_path):
+        server = Server(tmp_path, "--auth-mode", "none")
+        try:
+
+            def poll() -> None:
+                with contextlib.suppress(OSError, http.client.HTTPException):
+                    long_poll(server, 0, 25)  # cut off, or answered: either way at once
+
+            t = threading.Thread(target=poll)
+            t.start()
+            wait_for(lambda: feed_waiting(server) == 1)
+            started = time.monotonic()
+            server.proc.terminate()
+            assert server.proc.wait(10) == 0
+            assert time.monotonic() - started < 3  # waitress waits 5 s for busy threads
+            t.join(30)
+            assert not t.is_alive()
+        finally:
+            server.stop()
+
+    def test_a_full_disk_during_a_history_write_is_507_and_changes_nothing(self, tmp_path):
+        if os.geteuid() != 0 or not shutil.which("mount"):
+            pytest.skip("mounting a small tmpfs needs root")
+        disk = tmp_path / "disk"
+        disk.mkdir()
+        mounted = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(disk)],
+            capture_output=True,
+            timeout=10,
+        )
+        if mounted.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode()[:200]}")
+        try:
+            with running(disk, "--auth-mode", "none") as server:
+                big = "x" * 60000
+                url = note_url("notes/big.md")
+                assert (
+                    server.request(
+                        "POST", f"{API}/notes", {"path": "notes/big.md", "content": big}
+                    )[0]
+                    == 201
+                )
+                assert server.request("PUT", url, {"content": big + "!"})[0] == 200
+                vid = server.request("GET", url + "/versions")[2]["data"]["versions"][0]["id"]
+                wait_for((disk / ".notesvc" / "index.cache").exists)  # the first save is done
+                before = server.request("GET", f"{API}/changes")[2]["data"]["last"]
+                filler = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+                try:
+                    with contextlib.suppress(OSError):
+                        while True:
+                            os.write(filler, b"\0" * 4096)
+                finally:
+                    os.close(filler)
+                attempts = [
+                    ("PATCH", url + "/move", {"path": "notes/moved.md"}),  # copies the content
+                    ("DELETE", url, None),
+                    ("PUT", url, {"content": big + "?"}),
+                    ("POST", f"{url}/versions/{vid}/restore", None),
+                ]
+                for method, target, body in attempts:
+                    status, _, answer = server.request(method, target, body)
+                    assert status == 507, (method, answer)
+                    assert answer["error"]["code"] == "INSUFFICIENT_STORAGE"
+                assert (disk / "notes" / "big.md").read_text() == big + "!"
+                assert not (disk / "notes" / "moved.md").exists()
+                listing = server.request("GET", url + "/versions")[2]["data"]
+                assert [v["id"] for v in listing["versions"]] == [vid]
+                assert server.request("GET", f"{API}/trash")[2]["data"]["items"] == []
+                assert server.request("GET", f"{API}/changes")[2]["data"]["last"] == before
+                assert [p for p in disk.rglob("*") if p.name.startswith(".tmp-")] == []
+                os.unlink(disk / "filler")
+                assert server.request("PUT", url, {"content": "small"})[0] == 200
+                changes = server.request("GET", f"{API}/changes?since={before}")[2]["data"]
+                assert [c["seq"] for c in changes["changes"]] == [before + 1]
+            assert "Traceback" not in "".join(server.lines)
+        finally:
+            subprocess.run(["umount", str(disk)], capture_output=True, timeout=10)
 
 
 def search(client, q: str, status: int = 200, **params) -> dict:
@@ -5692,6 +6670,7 @@ FIRING_CONFIGURATIONS = {
     "tool_writes": Firing(
         "tool-writes-without-auth", {"SERVICE_AUTH_MODE": "none", "SERVICE_MCP_WRITE": "true"}
     ),
+    "history_off": Firing("history-off", {"SERVICE_HISTORY_MAX_VERSIONS": "0"}),
 }
 
 
@@ -6211,12 +7190,20 @@ def moved(svc, old_path, new_path):
 def deleted(svc, path):
     CALLS.append(["note_deleted", path])
 
+def restored(svc, path, content):
+    CALLS.append(["note_restored", path, content])
+
 def calls(svc):
     return {"calls": CALLS}
 
 PLUGIN = notesvc.Plugin(
     name="recorder",
-    hooks={"note_saved": saved, "note_moved": moved, "note_deleted": deleted},
+    hooks={
+        "note_saved": saved,
+        "note_moved": moved,
+        "note_deleted": deleted,
+        "note_restored": restored,
+    },
     routes=(notesvc.PluginRoute("GET", "/calls", calls),),
 )
 """
@@ -6316,6 +7303,33 @@ class TestPluginHooks:
         client.delete(note_url("notes/kept.md"))
         assert data(client.post(f"{API}/plugins/recorder/toggle"))["enabled"] is True
         assert self.calls(client) == before
+
+    def test_hook_note_restored(self, client):
+        put_note(client, "notes/p.md", "one")
+        client.put_json(note_url("notes/p.md"), {"content": "two"})
+        (version,) = data(client.get(note_url("notes/p.md") + "/versions"))["versions"]
+        start = len(self.calls(client))
+        restore = f"{note_url('notes/p.md')}/versions/{version['id']}/restore"
+        client.post(restore)  # from a version: note_restored, not note_saved
+        client.delete(note_url("notes/p.md"))
+        (item,) = data(client.get(f"{API}/trash"))["items"]
+        client.post_json(f"{API}/trash/{item['id']}/restore", {"path": "notes/q.md"})
+        assert self.calls(client)[start:] == [
+            ["note_restored", "notes/p.md", "one"],
+            ["note_deleted", "notes/p.md"],
+            ["note_restored", "notes/q.md", "one"],
+        ]
+        # A refused restore calls nothing (the history went along to notes/q.md).
+        before = self.calls(client)
+        client.post(restore.replace("p.md", "q.md"), headers={"If-Match": '"0"'}, status=412)
+        client.delete(note_url("notes/q.md"))
+        put_note(client, "notes/q.md", "taken")
+        (item,) = data(client.get(f"{API}/trash"))["items"]
+        client.post(f"{API}/trash/{item['id']}/restore", status=409)
+        assert self.calls(client)[len(before) :] == [
+            ["note_deleted", "notes/q.md"],
+            ["note_saved", "notes/q.md", "taken"],
+        ]
 
 
 # -- tools: what MCP clients and the agent call ------------------------------------------------
@@ -7192,6 +8206,7 @@ class TestSchemathesis:
             "toggle_plugin",
             "receive_webhook",
             "issue_token",
+            "list_changes",  # a schema-valid wait holds the test up to 25 s; TestChanges
         }
         tested = 0
         for result in schema.get_all_operations():
