@@ -1308,14 +1308,21 @@ class NoteStore:
             page.append(self.record(path, data, st, content=False))
         return {"notes": page, "total": len(paths), "limit": limit, "offset": offset}
 
-    def tree(self, folder: str = NOTES) -> dict:
-        """Return the folder node: folders first, then notes, each by name."""
+    def tree(
+        self, folder: str = NOTES, depth: int | None = None, count: Callable | None = None
+    ) -> dict:
+        """Return the folder node: folders first, then notes, each by name. With a depth,
+        folders below that many levels carry `count(path)` (notes beneath) for `children`."""
         target = self.file_of(folder)
         if not target.is_dir():
             raise not_found(f"no folder at {folder}")
-        return self._node(str(target), folder)
+        return self._node(str(target), folder, depth, count or (lambda rel: len(self.walk(rel))))
 
-    def _node(self, real: str, rel: str) -> dict:
+    def _node(self, real: str, rel: str, depth: int | None = None, count=None) -> dict:
+        name = rel.rsplit("/", 1)[-1]
+        if depth is not None and depth <= 0:
+            return {"name": name, "path": rel, "type": "folder", "count": count(rel)}
+        below = None if depth is None else depth - 1
         folders, notes = [], []
         try:
             entries = list(os.scandir(real))
@@ -1329,7 +1336,7 @@ class NoteStore:
             elif e.name.endswith(".md") and len(e.name) > 3:
                 notes.append(e)
         children = [
-            self._node(e.path, f"{rel}/{_nfc(e.name)}")
+            self._node(e.path, f"{rel}/{_nfc(e.name)}", below, count)
             for e in sorted(folders, key=lambda e: _sort_key(_nfc(e.name)))
         ]
         for e in sorted(notes, key=lambda e: _sort_key(_nfc(e.name))):
@@ -1346,7 +1353,6 @@ class NoteStore:
                     "modified": iso(st.st_mtime_ns / 1e9),
                 }
             )
-        name = rel.rsplit("/", 1)[-1]
         return {"name": name, "path": rel, "type": "folder", "children": children}
 
     # -- writing ------------------------------------------------------------------
@@ -5928,12 +5934,30 @@ def delete_note(svc: Service, path: str) -> dict:
 # -- folders ---------------------------------------------------------------------------
 
 
+def indexed_counts(svc: Service) -> Callable:
+    """Return count(folder path) -> notes beneath it, from the index (built on first call)."""
+    counts: collections.Counter = collections.Counter()
+    built = []
+
+    def count(folder: str) -> int:
+        if not built:
+            for path in svc.index.paths():
+                parts = path.split("/")[:-1]
+                for i in range(1, len(parts) + 1):
+                    counts["/".join(parts[:i])] += 1
+            built.append(True)
+        return counts[folder]
+
+    return count
+
+
 def get_tree(svc: Service) -> dict:
-    return svc.notes.tree()
+    return svc.notes.tree(NOTES, query_int("depth", None, 1, 64), indexed_counts(svc))
 
 
 def get_subtree(svc: Service, path: str) -> dict:
-    return svc.notes.tree(folder_path(path))
+    depth = query_int("depth", None, 1, 64)
+    return svc.notes.tree(folder_path(path), depth, indexed_counts(svc))
 
 
 # -- search --------------------------------------------------------------------------------
@@ -6313,6 +6337,9 @@ def _int(lo: int, hi: int, default: int) -> dict:
     return {"type": "integer", "minimum": lo, "maximum": hi, "default": default}
 
 
+_DEPTH = {"type": "integer", "minimum": 1, "maximum": 64}
+
+
 def _channel_body(svc: Service) -> dict:
     """Return the schema of a channel's create body: one shape per registered provider."""
 
@@ -6548,13 +6575,20 @@ ROUTES = (
         summary="What to fix, most severe first",
         tag="security",
     ),
-    Route("GET", "/folders/tree", get_tree, summary="Folder tree from the root", tag="folders"),
+    Route(
+        "GET",
+        "/folders/tree",
+        get_tree,
+        summary="Folder tree from the root (`depth`: levels listed; deeper folders get `count`)",
+        params={"depth": _DEPTH},
+        tag="folders",
+    ),
     Route(
         "GET",
         "/folders/tree/<path:path>",
         get_subtree,
         summary="Subtree",
-        params={"path": FOLDER_PATH_PARAM},
+        params={"path": FOLDER_PATH_PARAM, "depth": _DEPTH},
         tag="folders",
     ),
     Route("GET", "/relay/v1/pair/<code>", pair_relay_code, public=True, api=False, tag="relay"),

@@ -2561,6 +2561,97 @@ class TestFolders:
         assert data(client.get(f"{API}/notes?limit=1000"))["total"] == 1000
 
 
+class TestFolderDepth:
+    """`?depth=N` lists N levels; folders below the cut carry `count` instead of `children`."""
+
+    @pytest.fixture
+    def tree_client(self, client, root):
+        for path in [
+            "notes/top.md",
+            "notes/a/one.md",
+            "notes/a/b/two.md",
+            "notes/a/b/c/three.md",
+            "notes/a/b/c/four.md",
+            "notes/z/five.md",
+        ]:
+            put_note(client, path, "t")
+        (root / "notes" / "empty").mkdir()
+        (root / "notes" / "a" / ".hidden").mkdir()
+        (root / "notes" / "a" / ".hidden" / "h.md").write_text("h")
+        return client
+
+    def test_depth_one_lists_children_with_counts_for_folders(self, tree_client):
+        tree = data(tree_client.get(f"{API}/folders/tree?depth=1"))
+        assert tree["path"] == "notes"
+        assert "count" not in tree
+        assert tree["children"] == [
+            {"name": "a", "path": "notes/a", "type": "folder", "count": 4},
+            {"name": "empty", "path": "notes/empty", "type": "folder", "count": 0},
+            {"name": "z", "path": "notes/z", "type": "folder", "count": 1},
+            tree["children"][3],
+        ]
+        assert tree["children"][3]["path"] == "notes/top.md"
+        assert set(tree["children"][3]) == {"name", "path", "type", "size", "modified"}
+
+    def test_depth_two_lists_one_more_level(self, tree_client):
+        tree = data(tree_client.get(f"{API}/folders/tree?depth=2"))
+        a = tree["children"][0]
+        assert "count" not in a
+        assert [(c["name"], c.get("count")) for c in a["children"]] == [("b", 3), ("one.md", None)]
+        assert "children" not in a["children"][0]
+
+    def test_subtree_with_depth(self, tree_client):
+        for url in (
+            f"{API}/folders/tree/notes%2Fa%2Fb?depth=1",
+            f"{API}/folders/tree/notes/a/b?depth=1",
+        ):
+            node = data(tree_client.get(url))
+            assert node["path"] == "notes/a/b"
+            assert node["children"][0] == {
+                "name": "c",
+                "path": "notes/a/b/c",
+                "type": "folder",
+                "count": 2,
+            }
+            assert node["children"][1]["path"] == "notes/a/b/two.md"
+
+    def test_deep_enough_equals_the_whole_tree(self, tree_client):
+        whole = data(tree_client.get(f"{API}/folders/tree"))
+        for depth in (4, 64):
+            assert data(tree_client.get(f"{API}/folders/tree?depth={depth}")) == whole
+        assert "count" not in json.dumps(whole)
+
+    def test_a_large_folder_cut_at_depth_one_still_counts_every_note(self, client, root):
+        for f in range(20):
+            for n in range(10):
+                (root / "notes" / f"f{f:02d}" / f"d{n}").mkdir(parents=True)
+                (root / "notes" / f"f{f:02d}" / f"d{n}" / "x.md").write_text("x")
+        client.app.service.sync_index()
+        tree = data(client.get(f"{API}/folders/tree?depth=1"))
+        assert [c["count"] for c in tree["children"]] == [10] * 20
+        assert "children" not in json.dumps(tree["children"])
+
+    @pytest.mark.parametrize("depth", ["0", "65", "-1", "x", "1.5", "99999999999", "%00", "1 "])
+    def test_bad_depth_is_400(self, client, depth):
+        for url in (f"{API}/folders/tree?depth={depth}", f"{API}/folders/tree/notes?depth={depth}"):
+            resp = client.get(url, status=400)
+            assert "depth" in assert_error(resp, 400, "VALIDATION_ERROR")["message"]
+
+    def test_depth_on_a_missing_or_hostile_folder(self, client):
+        assert_error(
+            client.get(f"{API}/folders/tree/notes%2Fnope?depth=1", status=404), 404, "NOT_FOUND"
+        )
+        resp = client.get(f"{API}/folders/tree/..%2Fetc?depth=1", status=400)
+        assert_error(resp, 400, "VALIDATION_ERROR")
+
+    def test_depth_is_in_the_openapi_document(self, client):
+        paths = client.get(f"{API}/openapi.json").json["paths"]
+        for path in ("/api/v1/folders/tree", "/api/v1/folders/tree/{path}"):
+            params = {p["name"]: p for p in paths[path]["get"]["parameters"]}
+            assert params["depth"]["in"] == "query"
+            assert params["depth"]["schema"]["maximum"] == 64
+
+
 class TestServerNotes:
     def test_concurrent_if_match_increments_lose_nothing(self, tmp_path):
         with running(tmp_path, "--auth-mode", "none") as server:
