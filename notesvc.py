@@ -2520,8 +2520,11 @@ def jwt_decode(token: str, secret: str, now: float | None = None) -> dict:
 class Lockout:
     """Failed credentials per client address: `limit` in `window` s lock it out for `window` s."""
 
-    def __init__(self, limit: int = 10, window: float = 60.0, clock=time.monotonic):
+    def __init__(
+        self, limit: int = 10, window: float = 60.0, clock=time.monotonic, tracked: int = 10000
+    ):
         self.limit, self.window, self.clock = limit, window, clock
+        self.tracked = tracked  # addresses remembered at most (memory under a spray)
         self._fails: dict[str, deque] = {}
         self._until: dict[str, float] = {}
         self._lock = threading.Lock()
@@ -2539,7 +2542,7 @@ class Lockout:
     def fail(self, addr: str) -> None:
         now = self.clock()
         with self._lock:
-            if len(self._fails) > 10000:  # bound memory under a spray of addresses
+            if len(self._fails) >= self.tracked:  # bound memory under a spray of addresses
                 self._prune(now)
             q = self._fails.setdefault(addr, deque())
             q.append(now)
@@ -2555,8 +2558,19 @@ class Lockout:
             self._fails.pop(addr, None)
 
     def _prune(self, now: float) -> None:
+        """Forget stale addresses; when a spray keeps them all fresh, forget the quietest half.
+
+        Pruning makes room for `tracked // 2` new addresses, so its cost is spread thin.
+        """
         for addr in [a for a, q in self._fails.items() if not q or q[-1] <= now - self.window]:
             del self._fails[addr]
+        for addr in [a for a, until in self._until.items() if until <= now]:
+            del self._until[addr]
+        excess = len(self._fails) - self.tracked // 2
+        if excess > 0:
+            last = {a: q[-1] for a, q in self._fails.items()}
+            for addr in heapq.nsmallest(excess, last, key=last.__getitem__):
+                del self._fails[addr]
 
 
 # == Service ==================================================================
@@ -3842,13 +3856,17 @@ def update_links(svc: Service, old: str, new: str, linking: set) -> list:
 # -- built-in plugins -----------------------------------------------------------------------
 
 
+def titled(svc: Service, paths: Iterable[str]) -> list:
+    """Return [{path, title}] of the paths that are (still) indexed."""
+    out = [{"path": p, "title": svc.index.title_of(p)} for p in paths]
+    return [item for item in out if item["title"] is not None]
+
+
 def get_backlinks(svc: Service, path: str) -> dict:
     path = note_path(path)
     if not svc.notes.exists(path):
         raise not_found(f"no note at {path}")
-    sources = sorted(link_graph(svc).get(path, ()))
-    titled = [{"path": p, "title": svc.index.title_of(p)} for p in sources]
-    return {"path": path, "backlinks": [t for t in titled if t["title"] is not None]}
+    return {"path": path, "backlinks": titled(svc, sorted(link_graph(svc).get(path, ())))}
 
 
 builtin_plugin(
@@ -3927,8 +3945,7 @@ def get_tag(svc: Service, tag: str) -> dict:
     paths = tag_map(svc).get(tag)
     if not paths:
         raise not_found(f"no note is tagged #{tag}")
-    titled = [{"path": p, "title": svc.index.title_of(p)} for p in paths]
-    return {"tag": tag, "notes": [t for t in titled if t["title"] is not None]}
+    return {"tag": tag, "notes": titled(svc, paths)}
 
 
 builtin_plugin(
@@ -4481,9 +4498,9 @@ def run_audit(svc: Service) -> dict:
         except Exception as e:  # a broken check must not hide the others
             log.exception("audit check %s failed", name)
             findings.append(
-                finding(
+                finding(  # not info: a check that cannot run must not raise the score
                     f"check-{name}",
-                    "info",
+                    "medium",
                     f"Check {name} failed",
                     f"{type(e).__name__}",
                     "Report this as a bug.",

@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import base64
+import collections
 import contextlib
+import dataclasses
 import gzip
 import hashlib
 import http.client
@@ -17,11 +19,14 @@ import select
 import shutil
 import socket
 import stat
+import statistics
+import string
 import subprocess
 import sys
 import tempfile
 import threading
 import time
+import typing
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -54,15 +59,22 @@ def root(tmp_path):
 
 @pytest.fixture
 def make_app(root):
-    """Build a TestApp over create_app() for a root and SERVICE_* overrides."""
+    """Build a TestApp over create_app() for a root and SERVICE_* overrides.
+
+    Every app built is closed (its Service stopped) when the test ends.
+    """
+    built = []
 
     def make(app_root: Path | None = None, **env: str) -> webtest.TestApp:
         cfg = notesvc.load_config(env=make_env(app_root or root, **env))
         wsgi = notesvc.create_app(cfg)
+        built.append(wsgi)
         wsgi.test_key = wsgi.service.state.read().get("apiKey")  # gone from state after link
         return webtest.TestApp(wsgi)
 
-    return make
+    yield make
+    for wsgi in built:
+        wsgi.service.close()
 
 
 @pytest.fixture
@@ -101,9 +113,10 @@ def data(resp) -> dict:
     return resp.json["data"]
 
 
-def sample_url(route: notesvc.Route) -> str:
+def sample_url(route: notesvc.Route | str) -> str:
     """Return a concrete URL for a route rule (placeholders filled)."""
-    url = re.sub(r"<path(?::path)?>", "notes%2Fx.md", route.rule)
+    rule = route if isinstance(route, str) else route.rule
+    url = re.sub(r"<path(?::path)?>", "notes%2Fx.md", rule)
     return re.sub(r"<(\w+)(?::[^>]*)?>", "x", url)
 
 
@@ -274,7 +287,8 @@ class TestEnvelope:
         )
         wsgi = notesvc.NotesApp(service, notesvc.ROUTES + extra)
         key = service.state.read()["apiKey"]
-        return webtest.TestApp(wsgi, extra_environ={"HTTP_X_SERVICE_KEY": key})
+        yield webtest.TestApp(wsgi, extra_environ={"HTTP_X_SERVICE_KEY": key})
+        service.close()
 
     def test_unknown_route_is_json_404(self, anon):
         err = assert_error(anon.get(f"{API}/nope", status=404), 404, "NOT_FOUND")
@@ -548,23 +562,48 @@ class TestSetup:
 # -- auth ---------------------------------------------------------------------------------
 
 
-class TestAuth:
-    def test_every_protected_route_refuses_missing_and_wrong_key(self, anon):
-        protected = [r for r in anon.app.service.routes if not r.public]
-        assert len(protected) >= 5
-        wrong = with_key(anon, "nsk_" + "A" * 43)
-        for route in protected:
-            url = sample_url(route)
-            for app in (anon, wrong):
-                resp = app.request(url, method=route.method, status="*", expect_errors=True)
-                assert_error(resp, 401, "UNAUTHORIZED")
-            anon.app.service.lockout = notesvc.Lockout()  # keep the lockout out of this test
+def route_id(route: notesvc.Route) -> str:
+    return f"{route.method} {route.rule}"
 
-    def test_public_routes_need_no_key(self, anon):
-        for route in anon.app.service.routes:
-            if route.public:
-                resp = anon.request(sample_url(route), method=route.method, expect_errors=True)
-                assert resp.status_int != 401, route.rule
+
+PROTECTED_ROUTES = [r for r in notesvc.ROUTES if not r.public]
+PUBLIC_ROUTES = [r for r in notesvc.ROUTES if r.public]
+
+
+def refuses_missing_and_wrong_key(anon, method: str, rule: str) -> None:
+    wrong = with_key(anon, "nsk_" + "A" * 43)
+    for app, who in ((anon, "no key"), (wrong, "a wrong key")):
+        resp = app.request(sample_url(rule), method=method, status="*", expect_errors=True)
+        assert resp.status_int == 401, f"{method} {rule} with {who}: {resp.status}"
+        assert_error(resp, 401, "UNAUTHORIZED")
+
+
+class TestAuth:
+    def test_the_route_table_has_protected_and_public_routes(self):
+        assert len(PROTECTED_ROUTES) >= 5
+        assert PUBLIC_ROUTES
+
+    @pytest.mark.parametrize("route", PROTECTED_ROUTES, ids=route_id)
+    def test_every_protected_route_refuses_missing_and_wrong_key(self, anon, route):
+        refuses_missing_and_wrong_key(anon, route.method, route.rule)
+
+    def test_every_documented_secured_operation_refuses_missing_and_wrong_key(self, make_app):
+        """Routes from outside the table too (plugins, providers): as the OpenAPI says."""
+        doc = make_app().get(f"{API}/openapi.json").json
+        secured = [
+            (method.upper(), re.sub(r"\{(\w+)\}", r"<\1>", path))
+            for path, operations in doc["paths"].items()
+            for method, op in operations.items()
+            if op.get("security", doc["security"])
+        ]
+        assert len(secured) >= len(PROTECTED_ROUTES) + 3  # and the built-in plugins' routes
+        for method, rule in secured:
+            refuses_missing_and_wrong_key(make_app(), method, rule)  # a fresh app: no lockout
+
+    @pytest.mark.parametrize("route", PUBLIC_ROUTES, ids=route_id)
+    def test_public_routes_need_no_key(self, anon, route):
+        resp = anon.request(sample_url(route), method=route.method, expect_errors=True)
+        assert resp.status_int != 401, route_id(route)
         assert anon.get(f"{API}/health").status_int == 200
 
     def test_verify_returns_identity(self, client):
@@ -615,6 +654,17 @@ class TestAuth:
         with_key(anon).post(f"{API}/auth/verify", status=429)
         # ... but only for that address.
         with_key(anon).post(f"{API}/auth/verify", extra_environ={"REMOTE_ADDR": "10.9.9.9"})
+
+    def test_a_spray_of_addresses_keeps_the_lockout_small(self):
+        now = [0.0]
+        lockout = notesvc.Lockout(clock=lambda: now[0], tracked=100)
+        for i in range(1000):  # every address fresh, none ever stale
+            lockout.fail(f"10.0.{i // 250}.{i % 250}")
+            now[0] += 0.001
+        assert len(lockout._fails) <= 100
+        for _ in range(10):  # a real attacker is still locked out
+            lockout.fail("192.0.2.1")
+        assert lockout.retry_after("192.0.2.1") > 0
 
     def test_requests_without_a_credential_never_count(self, anon):
         for _ in range(15):
@@ -702,10 +752,71 @@ class TestAuth:
         assert data(app.get(f"{API}/system/info"))["version"] == notesvc.__version__
         assert data(app.get(f"{API}/system/setup"))["auth"]["method"] == "none"
 
-    def test_key_check_is_constant_time_on_hashes(self):
-        # The comparison is hmac.compare_digest over SHA-256 digests of equal length.
-        src = Path(NOTESVC).read_text()
-        assert "hmac.compare_digest(key_hash(key), stored)" in src
+    def test_a_near_miss_key_is_refused(self, anon):
+        key = key_of(anon)
+        other = lambda c: "A" if c != "A" else "B"  # noqa: E731
+        for near in (
+            key[:-1] + other(key[-1]),  # only the last character differs
+            other(key[0]) + key[1:],  # only the first
+            key[:-1],  # a prefix
+            key + "A",  # the key and more
+            key.upper() if key.upper() != key else key.lower(),
+            f" {key}",
+        ):
+            verify = with_key(anon, near).post(
+                f"{API}/auth/verify", status=401, extra_environ={"REMOTE_ADDR": "10.1.1.1"}
+            )
+            assert_error(verify, 401, "UNAUTHORIZED")
+            anon.post(f"{API}/auth/verify", status=401)  # and without a key: nothing leaks
+        assert data(with_key(anon).post(f"{API}/auth/verify"))["valid"] is True
+
+    def test_key_check_takes_as_long_however_much_of_the_key_is_right(self, anon):
+        """Wrong keys sharing all but the last character with the real key are refused as
+        fast as keys wrong from the first character: nothing to learn from the timing.
+
+        Medians over many interleaved pairs, each from a fresh address (no lockout), with a
+        generous bound so it never flakes on a loaded machine. What it can see: an early-exit
+        comparison doing >= 0.5 us of work per matching character fails it; a plain `==` on
+        the key (nanoseconds per character) is below what timing through the app can show.
+        """
+        key = key_of(anon)
+        alphabet = [c for c in string.ascii_letters + string.digits if c not in key[-1] + key[4]]
+        trials = 1000
+        wsgi = anon.app
+
+        def timed_verify(candidate: str, n: int) -> int:
+            addr = f"10.{n >> 16 & 255}.{n >> 8 & 255}.{n & 255}"
+            req = webtest.TestRequest.blank(
+                f"{API}/auth/verify",
+                method="POST",
+                headers={"X-Service-Key": candidate},
+                environ={"REMOTE_ADDR": addr},
+            )
+            started = time.perf_counter_ns()
+            resp = req.get_response(wsgi)
+            took = time.perf_counter_ns() - started
+            assert resp.status_int == 401
+            return took
+
+        for n in range(20):  # warm up
+            timed_verify(key[:-1] + alphabet[n % len(alphabet)], 100_000 + n)
+        late, early, diffs = [], [], []
+        for n in range(trials):
+            c = alphabet[n % len(alphabet)]
+            near = key[:-1] + c  # right up to the last character
+            far = key[:4] + c + key[5:]  # wrong at the first character after "nsk_"
+            if n % 2:
+                t_near, t_far = timed_verify(near, 2 * n), timed_verify(far, 2 * n + 1)
+            else:
+                t_far, t_near = timed_verify(far, 2 * n + 1), timed_verify(near, 2 * n)
+            late.append(t_near)
+            early.append(t_far)
+            diffs.append(t_near - t_far)
+        median = statistics.median(late + early)
+        shift = statistics.median(diffs)
+        ratio = statistics.median(late) / statistics.median(early)
+        assert abs(shift) < 0.25 * median, (shift, median)
+        assert 0.8 < ratio < 1.25, ratio
 
     def test_rotate_key_cli_while_serving(self, anon, root):
         old = key_of(anon)
@@ -1032,6 +1143,20 @@ def hold_idle_connections(port: int, count: int) -> list:
     return socks
 
 
+def open_fds(pid: int) -> int:
+    """How many files (sockets included) process pid has open (Linux /proc)."""
+    return len(os.listdir(f"/proc/{pid}/fd"))
+
+
+def closed_by_peer(socks: list) -> int:
+    """How many of socks the other end has closed (read nothing: peeks at the EOF)."""
+    poller = select.poll()
+    for sock in socks:
+        poller.register(sock, select.POLLIN)
+    ready = {fd for fd, _ in poller.poll(0)}
+    return sum(s.fileno() in ready and s.recv(1, socket.MSG_PEEK) == b"" for s in socks)
+
+
 def timed_health(port: int) -> tuple:
     """Return (status, seconds) of one fresh GET /api/v1/health."""
     started = time.monotonic()
@@ -1125,8 +1250,11 @@ class TestEdge:
                 assert relay.request("POST", verify, headers={"X-Service-Key": "nsk_x"})[0] == 401
             right = {"X-Service-Key": setup["apiKey"]}
             assert relay.request("POST", verify, headers=right)[0] == 429  # that client is out
-            # ... but the owner on the server's own machine is not.
+            # ... but the owner on the server's own machine is not,
             assert server.request("POST", f"{API}/auth/verify", headers=right)[0] == 200
+            # nor the owner reaching the relay from another address.
+            assert call(relay.url, "POST", verify, right, source="127.0.0.7")[0] == 200
+            assert call(relay.url, "POST", verify, right, source="127.0.0.1")[0] == 429
         finally:
             server.stop()
             relay.stop()
@@ -1220,8 +1348,9 @@ class TestEdge:
         with running(tmp_path) as server:
             socks = []
             try:
+                before = open_fds(server.proc.pid)
                 socks = hold_idle_connections(server.port, 300)
-                time.sleep(0.5)  # the server has taken them all in
+                wait_for(lambda: open_fds(server.proc.pid) >= before + 300)  # all taken in
                 status, seconds = timed_health(server.port)
                 assert status == 200
                 assert seconds < 1.0
@@ -1234,7 +1363,7 @@ class TestEdge:
             socks = []
             try:
                 socks = hold_idle_connections(server.port, 80)
-                time.sleep(0.5)
+                wait_for(lambda: closed_by_peer(socks) >= 80 - 50)  # all taken in, room made
                 status, seconds = timed_health(server.port)
                 assert status == 200
                 assert seconds < 1.0
@@ -2172,10 +2301,12 @@ class TestHostilePaths:
 
 
 SLOW_PLUGIN = """
+import pathlib
 import time
 import notesvc
 
 def build(notes):
+    pathlib.Path(__file__).with_name("slow.started").touch()  # for the test to see
     time.sleep(1.5)  # a plugin's slow computation over the notes
     return len(notes)
 
@@ -2287,7 +2418,7 @@ class TestStorageSafety:
             ]
             for t in builders:
                 t.start()
-            time.sleep(0.3)  # both builds are under way
+            wait_for((plugins / "slow.started").exists)  # the slow build is under way
             for _ in range(3):
                 (status, _, body), took = timed(server.request, "GET", f"{API}/search?q=zebra")
                 assert status == 200
@@ -2334,7 +2465,7 @@ class TestStorageSafety:
                     "POST", f"{API}/notes", {"path": "notes/keep.md", "content": "old content"}
                 )
                 assert status == 201
-                time.sleep(0.5)  # let the first index cache save finish
+                wait_for((disk / ".notesvc" / "index.cache").exists)  # the first save is done
                 filler = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
                 try:  # fill the disk to the last block
                     with contextlib.suppress(OSError):
@@ -2705,6 +2836,7 @@ class TestServerNotes:
                     "POST", f"{API}/notes", {"path": f"notes/n{i:02d}.md", "content": content}
                 )
             stop = threading.Event()
+            done = []  # writes the server finished
 
             def writer(w):
                 v = 0
@@ -2720,14 +2852,15 @@ class TestServerNotes:
                     )
                     sent[path].add(content)
                     try:
-                        server.request("PUT", note_url(path), {"content": content})
+                        done.append(server.request("PUT", note_url(path), {"content": content}))
                     except (OSError, http.client.HTTPException, ValueError):
                         return  # the server was killed under this request
 
             threads = [threading.Thread(target=writer, args=(w,)) for w in range(4)]
             for t in threads:
                 t.start()
-            time.sleep(1.5)
+            # Killed in full flow: every writer busy, hundreds of writes behind them.
+            wait_for(lambda: len(done) >= 200, timeout=60)
             server.proc.kill()
             server.proc.wait()
             stop.set()
@@ -3020,6 +3153,7 @@ class TestServerSearch:
                 )
             stop = threading.Event()
             bad = []
+            done = collections.Counter()  # requests answered, by method
 
             def writer(w):
                 v = 0
@@ -3029,6 +3163,7 @@ class TestServerSearch:
                     status, _, _ = server.request(
                         "PUT", note_url(path), {"content": f"heron {w} {v} kingfisher"}
                     )
+                    done["PUT"] += 1
                     if status != 200:
                         bad.append(("PUT", status))
 
@@ -3038,6 +3173,7 @@ class TestServerSearch:
                         status, _, body = server.request(
                             "GET", f"{API}/search?" + urllib.parse.urlencode({"q": q})
                         )
+                        done["GET"] += 1
                         if status != 200 or not body["success"]:
                             bad.append(("GET", status))
 
@@ -3045,7 +3181,7 @@ class TestServerSearch:
             threads += [threading.Thread(target=searcher) for _ in range(3)]
             for t in threads:
                 t.start()
-            time.sleep(2)
+            wait_for(lambda: done["PUT"] >= 150 and done["GET"] >= 300, timeout=60)
             stop.set()
             for t in threads:
                 t.join(30)
@@ -3056,12 +3192,11 @@ class TestServerSearch:
     def test_background_rescan_picks_up_external_files(self, tmp_path):
         with running(tmp_path, "--auth-mode", "none", env={"SERVICE_RESCAN_SECONDS": "1"}) as s:
             (tmp_path / "notes" / "dropped.md").write_text("synced by syncthing: axolotl")
-            deadline = time.monotonic() + 10
-            found = []
-            while time.monotonic() < deadline and not found:
-                time.sleep(0.3)
-                _, _, body = s.request("GET", f"{API}/search?q=axolotl")
-                found = body["data"]["results"]
+            found = wait_for(
+                lambda: s.request("GET", f"{API}/search?q=axolotl")[2]["data"]["results"],
+                timeout=10,
+                step=0.3,
+            )
             assert [r["path"] for r in found] == ["notes/dropped.md"]
 
 
@@ -3406,23 +3541,22 @@ class TestAgent:
         with pytest.raises(notesvc.ConfigError, match=names):
             notesvc.create_app(notesvc.load_config(env=make_env(root, **env)))
 
-    def test_every_agent_provider_answers(self, app, upstream):
-        for name, provider in notesvc.AGENT_PROVIDERS.items():
-            client = app(
-                SERVICE_AGENT_PROVIDER=name,
-                SERVICE_AGENT_BASE_URL=upstream.url + "/v1",
-                SERVICE_AGENT_MODEL="m",
-            )
-            status = data(client.get(f"{API}/agent/status"))
-            assert status["provider"] == name
-            assert status["enabled"] is provider.enabled
-            resp = client.post_json(
-                f"{API}/agent/chat", {"message": "spare keys"}, expect_errors=True
-            )
-            if provider.enabled:
-                assert data(resp)["reply"]
-            else:
-                assert_error(resp, 503, "AGENT_DISABLED")
+    @pytest.mark.parametrize("name", list(notesvc.AGENT_PROVIDERS))
+    def test_every_agent_provider_answers(self, app, upstream, name):
+        provider = notesvc.AGENT_PROVIDERS[name]
+        client = app(
+            SERVICE_AGENT_PROVIDER=name,
+            SERVICE_AGENT_BASE_URL=upstream.url + "/v1",
+            SERVICE_AGENT_MODEL="m",
+        )
+        status = data(client.get(f"{API}/agent/status"))
+        assert status["provider"] == name
+        assert status["enabled"] is provider.enabled
+        resp = client.post_json(f"{API}/agent/chat", {"message": "spare keys"}, expect_errors=True)
+        if provider.enabled:
+            assert data(resp)["reply"]
+        else:
+            assert_error(resp, 503, "AGENT_DISABLED")
 
     def test_agent_url_userinfo_becomes_basic_and_secrets_stay_hidden(self, app, upstream):
         port = upstream.url.rsplit(":", 1)[1]
@@ -3698,13 +3832,15 @@ class TestChannels:
         assert "Plant tomatoes in May." in d["reply"]
         assert upstream.requests == []
 
-    def test_every_channel_provider_handles_a_text_update(self, client, upstream):
-        for name in notesvc.CHANNEL_PROVIDERS:
-            ch = self.create(client, name)
-            resp = self.hook(client, name, UPDATES[name]("/search tomatoes"), ch["secret"])
-            assert data(resp)["handled"] is True
-            empty = self.hook(client, name, UPDATES[name](None), ch["secret"])
-            assert data(empty)["handled"] is False
+    @pytest.mark.parametrize("name", list(notesvc.CHANNEL_PROVIDERS))
+    def test_every_channel_provider_handles_a_text_update(self, client, upstream, name):
+        assert name in UPDATES, f"add a sample update of channel provider {name} to UPDATES"
+        assert name in MINIMAL_CONFIG, f"add channel provider {name} to MINIMAL_CONFIG"
+        ch = self.create(client, name)
+        resp = self.hook(client, name, UPDATES[name]("/search tomatoes"), ch["secret"])
+        assert data(resp)["handled"] is True
+        empty = self.hook(client, name, UPDATES[name](None), ch["secret"])
+        assert data(empty)["handled"] is False
 
     def test_no_secret_in_any_log_line(self, client, upstream, caplog):
         caplog.set_level("DEBUG", logger="notesvc")
@@ -4043,6 +4179,82 @@ def ids(report) -> set:
     return {f["id"] for f in report["findings"]}
 
 
+def expected_score(findings: list) -> int:
+    """The documented formula, from the findings' severities."""
+    count = collections.Counter(f["severity"] for f in findings)
+    raw = 100 - 40 * count["critical"] - 20 * count["high"] - 10 * count["medium"]
+    return max(0, raw - 3 * count["low"])
+
+
+def _open_state_files(app, root: Path) -> None:
+    os.chmod(root / ".notesvc" / "state.json", 0o644)
+
+
+def _open_notes_folder(app, root: Path) -> None:
+    os.chmod(root / "notes", 0o777)
+
+
+def _a_plugin_file(app, root: Path) -> None:
+    plugins = root / ".notesvc" / "plugins"
+    plugins.mkdir(mode=0o700, exist_ok=True)
+    (plugins / "planted.py").write_text("x = 1\n")
+    os.chmod(plugins / "planted.py", 0o600)
+
+
+def _telegram_channel_without_allowlist(app, root: Path) -> None:
+    body = {"provider": "telegram", "config": {"botToken": "1:x"}}
+    with_key(app).post_json(f"{API}/channels", body, status=201)
+
+
+def _webhook_secret_in_a_query_string(app, root: Path) -> None:
+    body = {"provider": "telegram", "config": {"botToken": "1:x", "allowedChatIds": [42]}}
+    ch = data(with_key(app).post_json(f"{API}/channels", body, status=201))
+    url = f"{API}/channels/webhook/telegram?secret={ch['secret']}"
+    assert data(webtest.TestApp(app.app).post_json(url, {"update_id": 1}))["handled"] is False
+
+
+def _an_old_key(app, root: Path) -> None:
+    state_file = root / ".notesvc" / "state.json"
+    state = json.loads(state_file.read_text())
+    state["keyCreatedAt"] = "2020-01-01T00:00:00.000Z"
+    state_file.write_text(json.dumps(state))
+
+
+@dataclasses.dataclass(frozen=True)
+class Firing:
+    """A configuration in which an audit check fires, and the id its finding must match."""
+
+    id: str  # a regular expression
+    env: dict = dataclasses.field(default_factory=dict)  # SERVICE_* settings over the safe ones
+    change: typing.Callable | None = None  # change(app, root) after the start
+    linked: bool = True  # a client has linked (setup complete)
+
+
+# For every audit check: a configuration in which it fires. The rest of the configuration
+# is the safe one (loopback, linked, private folders), in which it must not.
+FIRING_CONFIGURATIONS = {
+    "auth_off": Firing("auth-off", {"SERVICE_AUTH_MODE": "none"}),
+    "setup_exposed": Firing("setup-exposed", {"SERVICE_HOST": "0.0.0.0"}, linked=False),
+    "cors_wildcard": Firing("cors-wildcard", {"SERVICE_CORS_ORIGINS": "*"}),
+    "jwt_secret": Firing(
+        "jwt-secret-weak", {"SERVICE_AUTH_MODE": "jwt", "SERVICE_JWT_SECRET": "a" * 40}
+    ),
+    "state_private": Firing("state-readable-file", change=_open_state_files),
+    "notes_folder": Firing("notes-writable", change=_open_notes_folder),
+    "plugins": Firing("plugin-planted", change=_a_plugin_file),
+    "channel_allowlists": Firing(r"channel-open-\S+", change=_telegram_channel_without_allowlist),
+    "query_secrets": Firing("secret-in-query", change=_webhook_secret_in_a_query_string),
+    "plain_http_upstreams": Firing(
+        "relay-plain-http", {"SERVICE_RELAY_URL": "http://relay.example.org"}
+    ),
+    "relay_in_transit": Firing(
+        "relay-sees-transit", {"SERVICE_RELAY_URL": "https://relay.example.org"}
+    ),
+    "key_age": Firing("key-old", change=_an_old_key),
+    "plain_http_bind": Firing("plain-http-all-interfaces", {"SERVICE_HOST": "0.0.0.0"}),
+}
+
+
 class TestSecurity:
     @pytest.fixture
     def safe(self, make_app, root):
@@ -4066,16 +4278,36 @@ class TestSecurity:
         order = [notesvc.SEVERITIES.index(f["severity"]) for f in report["findings"]]
         assert order == sorted(order)
 
-    def test_score_formula(self):
-        findings = [{"severity": s} for s in ("critical", "high", "medium", "low", "low", "info")]
-        expected = 100 - 40 - 20 - 10 - 3 - 3
-        assert max(0, 100 - sum(notesvc.SEVERITY_COST[f["severity"]] for f in findings)) == expected
+    def test_score_formula(self, make_app, root):
+        app = make_app(
+            SERVICE_HOST="127.0.0.1",
+            SERVICE_CORS_ORIGINS="*",
+            SERVICE_AUTH_MODE="jwt",
+            SERVICE_JWT_SECRET="a" * 40,
+            SERVICE_RELAY_URL="http://relay.example.org",
+        )
+        os.chmod(root / "notes", 0o755)
+        report = notesvc.run_audit(app.app.service)
+        assert {f["id"]: f["severity"] for f in report["findings"]} == {
+            "cors-wildcard": "high",
+            "jwt-secret-weak": "high",
+            "relay-plain-http": "medium",
+            "notes-readable": "low",
+            "setup-incomplete": "low",
+            "relay-sees-transit": "info",
+        }
+        assert report["score"] == expected_score(report["findings"]) == 100 - 20 - 20 - 10 - 3 - 3
+        assert audit(app)["score"] == report["score"]  # the endpoint says the same
 
     def test_score_never_below_zero(self, make_app, root):
-        app = make_app(SERVICE_AUTH_MODE="none", SERVICE_CORS_ORIGINS="*")
+        app = make_app(SERVICE_HOST="0.0.0.0", SERVICE_AUTH_MODE="none", SERVICE_CORS_ORIGINS="*")
         os.chmod(root / "notes", 0o777)
+        os.chmod(root / ".notesvc" / "state.json", 0o644)
         os.chmod(root / ".notesvc", 0o755)
-        assert audit(app)["score"] >= 0
+        report = audit(app)
+        costs = sum(notesvc.SEVERITY_COST[f["severity"]] for f in report["findings"])
+        assert costs > 100, report["findings"]  # the formula alone would go negative
+        assert report["score"] == 0
 
     @pytest.mark.parametrize(
         ("env", "finding", "severity"),
@@ -4245,12 +4477,44 @@ class TestSecurity:
             assert f"channel-open-{ch['id']}" not in found
         assert report["score"] == 100
 
-    def test_every_audit_check_returns_findings_of_the_right_shape(self, make_app):
-        svc = make_app(SERVICE_AUTH_MODE="none", SERVICE_CORS_ORIGINS="*").app.service
-        for name, check in notesvc.AUDIT_CHECKS.items():
-            for f in check(svc):
-                assert set(f) == {"id", "severity", "title", "detail", "recommendation"}, name
+    def test_every_audit_check_has_a_configuration_where_it_fires(self):
+        missing = sorted(set(notesvc.AUDIT_CHECKS) - set(FIRING_CONFIGURATIONS))
+        stale = sorted(set(FIRING_CONFIGURATIONS) - set(notesvc.AUDIT_CHECKS))
+        assert not missing, (
+            f"audit checks without an entry in FIRING_CONFIGURATIONS: {missing}; add one "
+            "giving the settings / change under which each returns a finding, and its id"
+        )
+        assert not stale, f"FIRING_CONFIGURATIONS names checks that are gone: {stale}"
+
+    @pytest.mark.parametrize("name", list(notesvc.AUDIT_CHECKS))
+    def test_every_audit_check_fires_with_findings_of_the_right_shape(
+        self, make_app, tmp_path, name
+    ):
+        assert name in FIRING_CONFIGURATIONS, f"add {name!r} to FIRING_CONFIGURATIONS"
+        firing = FIRING_CONFIGURATIONS[name]
+        reports = {}
+        for label, case in (("safe", Firing(firing.id)), ("firing", firing)):
+            app_root = tmp_path / label
+            app = make_app(app_root, **{"SERVICE_HOST": "127.0.0.1", **case.env})
+            if case.linked:
+                with_key(app).post(f"{API}/auth/link")
+            os.chmod(app_root / "notes", 0o700)
+            if case.change:
+                case.change(app, app_root)
+            reports[label] = audit(app)
+        matching = lambda report: [  # noqa: E731
+            f for f in report["findings"] if re.fullmatch(firing.id, f["id"])
+        ]
+        assert matching(reports["firing"]), f"{name} did not fire: {reports['firing']}"
+        assert not matching(reports["safe"]), f"{name} fires in the safe configuration"
+        for report in reports.values():
+            assert f"check-{name}" not in ids(report), "the check raised"
+            for f in report["findings"]:
+                assert set(f) == {"id", "severity", "title", "detail", "recommendation"}
                 assert f["severity"] in notesvc.SEVERITIES
+                for key in ("id", "title", "detail", "recommendation"):
+                    assert isinstance(f[key], str), (key, f)
+                    assert f[key].strip(), (key, f)
 
     def test_config_view_has_no_secret(self, make_app):
         app = make_app(
@@ -4491,6 +4755,127 @@ class TestPlugins:
         doc = plugin_app.get(f"{API}/openapi.json").json
         assert "/api/v1/plugins/hello/greeting" in doc["paths"]
         assert "/api/v1/plugins/daily/today" in doc["paths"]
+
+
+RECORDER_PLUGIN = """
+import notesvc
+
+CALLS = []
+
+def saved(svc, path, content):
+    CALLS.append(["note_saved", path, content])
+
+def moved(svc, old_path, new_path):
+    CALLS.append(["note_moved", old_path, new_path])
+
+def deleted(svc, path):
+    CALLS.append(["note_deleted", path])
+
+def calls(svc):
+    return {"calls": CALLS}
+
+PLUGIN = notesvc.Plugin(
+    name="recorder",
+    hooks={"note_saved": saved, "note_moved": moved, "note_deleted": deleted},
+    routes=(notesvc.PluginRoute("GET", "/calls", calls),),
+)
+"""
+
+
+class TestPluginHooks:
+    """Each hook in notesvc.HOOKS reaches a third-party plugin with its documented arguments.
+
+    Every hook has a `test_hook_<name>` here; test_every_hook_has_a_test enforces it.
+    """
+
+    @pytest.fixture
+    def client(self, make_app, root):
+        plugins = root / ".notesvc" / "plugins"
+        plugins.mkdir(parents=True)
+        (plugins / "recorder.py").write_text(RECORDER_PLUGIN)
+        client = with_key(make_app())
+        assert data(client.get(f"{API}/plugins/recorder"))["error"] is None
+        return client
+
+    @staticmethod
+    def calls(client) -> list:
+        return data(client.get(f"{API}/plugins/recorder/calls"))["calls"]
+
+    def test_every_hook_has_a_test(self):
+        source = Path(__file__).read_text()
+        untested = [h for h in notesvc.HOOKS if f"def test_hook_{h}(" not in source]
+        assert not untested, (
+            f"notesvc.HOOKS has hooks without a test: {', '.join(untested)}. For each, add "
+            + ", ".join(f"`def test_hook_{h}(self, client)`" for h in untested)
+            + " to TestPluginHooks in test_notesvc.py: give RECORDER_PLUGIN a function for "
+            "the hook, trigger it through the API and assert the arguments it was called with."
+        )
+
+    def test_hook_note_saved(self, client):
+        put_note(client, "notes/a.md", "first")
+        client.put_json(note_url("notes/a.md"), {"content": "second"})
+        assert self.calls(client) == [
+            ["note_saved", "notes/a.md", "first"],
+            ["note_saved", "notes/a.md", "second"],
+        ]
+        # An append (a channel's /save) is a save too, with the note's whole new content.
+        ch = data(client.post_json(f"{API}/channels", {"provider": "web"}, status=201))
+        webtest.TestApp(client.app).post_json(
+            f"{API}/channels/webhook/web",
+            web_update("/save buy milk"),
+            headers={"X-Service-Channel-Secret": ch["secret"]},
+        )
+        last = self.calls(client)[-1]
+        assert last[0] == "note_saved"
+        assert last[1].startswith("notes/inbox/")
+        assert "buy milk" in last[2]
+        # A refused write calls nothing.
+        before = self.calls(client)
+        client.post_json(f"{API}/notes", {"path": "notes/a.md", "content": "x"}, status=409)
+        client.put_json(
+            note_url("notes/a.md"), {"content": "x"}, headers={"If-Match": '"0"'}, status=412
+        )
+        assert self.calls(client) == before
+
+    def test_hook_note_moved(self, client):
+        put_note(client, "notes/old.md", "# Old")
+        put_note(client, "notes/taken.md", "# Taken")
+        start = len(self.calls(client))
+        client.patch_json(note_url("notes/old.md") + "/move", {"path": "notes/sub/new.md"})
+        assert self.calls(client)[start:] == [["note_moved", "notes/old.md", "notes/sub/new.md"]]
+        # Moving with updateLinks also saves each note whose links were rewritten.
+        put_note(client, "notes/linking.md", "see [[new]]")
+        start = len(self.calls(client))
+        client.patch_json(
+            note_url("notes/sub/new.md") + "/move", {"path": "notes/newer.md", "updateLinks": True}
+        )
+        assert self.calls(client)[start:] == [
+            ["note_moved", "notes/sub/new.md", "notes/newer.md"],
+            ["note_saved", "notes/linking.md", "see [[newer]]"],
+        ]
+        # A refused move calls nothing.
+        before = self.calls(client)
+        resp = client.patch_json(
+            note_url("notes/newer.md") + "/move", {"path": "notes/taken.md"}, status=409
+        )
+        assert_error(resp, 409, "CONFLICT")
+        client.patch_json(note_url("notes/gone.md") + "/move", {"path": "notes/x.md"}, status=404)
+        assert self.calls(client) == before
+
+    def test_hook_note_deleted(self, client):
+        put_note(client, "notes/doomed.md", "bye")
+        put_note(client, "notes/kept.md", "stay")
+        start = len(self.calls(client))
+        client.delete(note_url("notes/doomed.md"))
+        assert self.calls(client)[start:] == [["note_deleted", "notes/doomed.md"]]
+        # A refused delete calls nothing, and a switched-off plugin hears nothing.
+        client.delete(note_url("notes/doomed.md"), status=404)
+        client.delete(note_url("notes/kept.md"), headers={"If-Match": '"0"'}, status=412)
+        before = self.calls(client)
+        assert data(client.post(f"{API}/plugins/recorder/toggle"))["enabled"] is False
+        client.delete(note_url("notes/kept.md"))
+        assert data(client.post(f"{API}/plugins/recorder/toggle"))["enabled"] is True
+        assert self.calls(client) == before
 
 
 # -- OpenAPI with a third-party checker ---------------------------------------------------------
