@@ -5348,6 +5348,13 @@ dialog pre {
   #back {
     display: flex;
   }
+  #status .word {
+    position: absolute;
+    width: 1px;
+    height: 1px;
+    overflow: hidden;
+    clip: rect(0 0 0 0);
+  }
   .tabs {
     display: grid;
     grid-template-columns: repeat(4, 1fr);
@@ -6291,7 +6298,10 @@ function dirty() {
 function updateDirty() {
   const s = $("status");
   if (dirty()) {
-    s.textContent = "● Unsaved";
+    s.replaceChildren(
+      el("span", {"aria-hidden": "true"}, "● "),
+      el("span", {class: "word"}, "Unsaved"),
+    );
     s.className = "dirty";
   } else if (s.className === "dirty") {
     s.textContent = "";
@@ -6720,10 +6730,11 @@ async function runSearch() {
   if (seq !== searchSeq) return;
   const words = queryWords(q);
   state.hits = data.results;
+  $("search-hint").hidden = true;
   $("results-info").textContent =
     (data.total === 1 ? "1 note" : data.total + " notes") +
     " · " +
-    Math.round(data.tookMs) +
+    (data.tookMs < 10 ? data.tookMs.toFixed(1) : Math.round(data.tookMs)) +
     " ms";
   $("results").replaceChildren(
     ...data.results.map((hit, i) =>
@@ -6757,6 +6768,7 @@ function endSearch(focusTree) {
   $("app").classList.remove("searching");
   $("results").replaceChildren();
   $("results-info").textContent = "";
+  $("search-hint").hidden = false;
   if (NARROW.matches) showPane("notes");
   if (focusTree) {
     const target =
@@ -6832,6 +6844,7 @@ async function ask() {
     const {data} = await api("POST", "/agent/chat", body);
     const parts = [renderMarkdown(data.reply || "", {from: state.path})];
     if (data.sources && data.sources.length) {
+      parts.push(el("div", {class: "hint", "aria-hidden": "true"}, "Sources"));
       parts.push(
         el(
           "ul",
@@ -7106,7 +7119,7 @@ WEB_PAGE = """
       <div class="menu-list">
         <button id="menu-new" type="button">New note</button>
         <button id="menu-refresh" type="button">Refresh</button>
-        <button id="menu-trash" type="button">Trash</button>
+        <button id="menu-trash" type="button" hidden>Trash</button>
         <button id="logout" type="button">Log out</button>
       </div>
     </details>
@@ -7126,6 +7139,8 @@ WEB_PAGE = """
     <section id="pane-search" class="pane" aria-label="Search results">
       <div id="results-head"><span id="results-info" role="status"></span>
         <button id="results-close" type="button" class="plain">Back to notes</button></div>
+      <p id="search-hint" class="hint">Type in the search box above: words, "a phrase", pre*,
+        -without, this OR that. Press / to search from anywhere, Esc to go back.</p>
       <ul id="results"></ul>
     </section>
 
@@ -7146,7 +7161,7 @@ WEB_PAGE = """
             <svg class="icon" aria-hidden="true"><use href="#i-more"/></svg></summary>
           <div class="menu-list">
             <button id="move" type="button">Move or rename…</button>
-            <button id="history" type="button">History…</button>
+            <button id="history" type="button" hidden>History…</button>
             <button id="delete" type="button" class="danger">Move to trash</button>
           </div>
         </details>
@@ -8509,18 +8524,15 @@ def delete_note(svc: Service, path: str) -> dict:
 
 
 def indexed_counts(svc: Service) -> Callable:
-    """Return count(folder path) -> notes beneath it, from the index (built on first call)."""
-    counts: collections.Counter = collections.Counter()
-    built = []
+    """Return count(folder path) -> notes beneath it, from the index (read on first call)."""
+    by_folder: dict = {}
 
     def count(folder: str) -> int:
-        if not built:
-            for path in svc.index.paths():
-                parts = path.split("/")[:-1]
-                for i in range(1, len(parts) + 1):
-                    counts["/".join(parts[:i])] += 1
-            built.append(True)
-        return counts[folder]
+        if not by_folder:
+            by_folder.update(collections.Counter(p.rpartition("/")[0] for p in svc.index.paths()))
+            by_folder.setdefault("", 0)  # read once, even when there are no notes
+        inside = folder + "/"
+        return sum(n for f, n in by_folder.items() if f == folder or f.startswith(inside))
 
     return count
 
