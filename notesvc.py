@@ -5468,7 +5468,6 @@ const state = {
   title: "",
   editing: false,
   expanded: new Set(JSON.parse(getItem("session", "notesvc.expanded") || "[]")),
-  hits: [],
 };
 
 // -- small DOM helpers -------------------------------------------------------------------
@@ -6377,6 +6376,7 @@ function showNote(rec) {
   $("empty").hidden = true;
   $("note-bar").hidden = false;
   $("conflict").hidden = true;
+  $("conflict-text").textContent = "This note changed elsewhere.";
   $("draft").hidden = true;
   $("status").textContent = "";
   $("status").className = "";
@@ -6474,16 +6474,32 @@ async function toggleTask(n, box) {
   }
 }
 
+function showConflict(gone) {
+  $("conflict-text").textContent = gone
+    ? "This note was deleted or moved elsewhere."
+    : "This note changed elsewhere.";
+  $("conflict").hidden = false;
+  $("status").textContent = "Not saved";
+  $("status").className = "dirty";
+}
+
 async function save(force) {
   if (!state.path) return false;
   const content = editor().value;
   try {
-    const r = await api(
-      "PUT",
-      "/notes/" + enc(state.path),
-      {content},
-      force ? {} : {"If-Match": state.etag},
-    );
+    let r;
+    try {
+      r = await api(
+        "PUT",
+        "/notes/" + enc(state.path),
+        {content},
+        force ? {} : {"If-Match": state.etag},
+      );
+    } catch (e) {
+      if (e.status !== 404 || !force) throw e;
+      r = await api("POST", "/notes", {path: state.path, content}); // keep mine: write it again
+      loadTree().catch(() => {});
+    }
     state.saved = content;
     state.etag = r.data.etag;
     state.title = r.data.title || state.title;
@@ -6496,10 +6512,8 @@ async function save(force) {
     if (!state.editing) renderView();
     return true;
   } catch (e) {
-    if (e.status === 412) {
-      $("conflict").hidden = false;
-      $("status").textContent = "Not saved";
-      $("status").className = "dirty";
+    if (e.status === 412 || e.status === 404) {
+      showConflict(e.status === 404);
       return false;
     }
     throw e;
@@ -6510,7 +6524,47 @@ async function reloadTheirs() {
   dropDraft();
   const path = state.path;
   state.saved = editor().value; // nothing to ask about: the person chose theirs
-  await openNote(path);
+  try {
+    await openNote(path);
+  } catch (e) {
+    if (e.status !== 404) throw e;
+    closeNote();
+    showPane("notes");
+    await loadTree();
+    toast(path + " is no longer there");
+  }
+}
+
+// The open note may have changed elsewhere: take the new text when nothing is unsaved,
+// otherwise say so and let the person choose.
+async function checkOpenNote() {
+  const path = state.path;
+  if (!path || !state.key) return;
+  let r;
+  try {
+    r = await api("GET", "/notes/" + enc(path));
+  } catch (e) {
+    if (e.status === 404 && path === state.path) showConflict(true);
+    return;
+  }
+  if (path !== state.path || r.data.etag === state.etag) return;
+  if (dirty()) {
+    showConflict(false);
+    return;
+  }
+  const editing = state.editing;
+  showNote(r.data);
+  setEditing(editing);
+  updateDirty();
+  toast("“" + state.title + "” changed elsewhere: this is the new text");
+}
+
+let lastLook = 0;
+async function lookAgain() {
+  // Back to the page after a while: the tree and the open note may have moved on.
+  if (Date.now() - lastLook < 10000 || !state.key || $("app").hidden) return;
+  lastLook = Date.now();
+  await Promise.all([loadTree(), checkOpenNote()]);
 }
 
 function offerNew() {
@@ -6729,7 +6783,6 @@ async function runSearch() {
   const {data} = await api("GET", "/search?limit=50&q=" + enc(q));
   if (seq !== searchSeq) return;
   const words = queryWords(q);
-  state.hits = data.results;
   $("search-hint").hidden = true;
   $("results-info").textContent =
     (data.total === 1 ? "1 note" : data.total + " notes") +
@@ -7023,6 +7076,7 @@ function wire() {
   });
   document.addEventListener("visibilitychange", () => {
     if (document.hidden) keepDraft();
+    else act(lookAgain)();
   });
   window.addEventListener("popstate", (e) => {
     if (e.state && e.state.pane) showPane(e.state.pane, true);
@@ -7166,7 +7220,8 @@ WEB_PAGE = """
           </div>
         </details>
       </div>
-      <div id="conflict" class="banner" role="alert" hidden>This note changed elsewhere.
+      <div id="conflict" class="banner" role="alert" hidden>
+        <span id="conflict-text">This note changed elsewhere.</span>
         <button id="reload" type="button">Reload theirs</button>
         <button id="overwrite" type="button">Keep mine</button></div>
       <div id="draft" class="banner" role="status" hidden><span id="draft-text"></span>

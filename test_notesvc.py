@@ -6021,6 +6021,35 @@ class TestWebClient:
         expect(page.locator("#status")).not_to_have_text(re.compile("Unsaved"))
         assert unexpected(s.close(), 412) == []
 
+    def test_coming_back_to_the_page_picks_up_changes_and_a_deletion(self, web):
+        s = web("desktop")
+        page = s.page
+        on_disk = web.root / "notes/todo.md"
+        s.tree_open("notes/todo.md")
+        on_disk.write_text("# Todo\n\n- changed in vim\n")
+        (web.root / "notes/new-from-vim.md").write_text("# New\n")
+        page.evaluate("document.dispatchEvent(new Event('visibilitychange'))")
+        expect(page.locator("#view")).to_contain_text("changed in vim")  # nothing unsaved here
+        expect(page.locator("#toast")).to_contain_text("changed elsewhere")
+        expect(page.locator('#tree button[data-path="notes/new-from-vim.md"]')).to_be_visible()
+        # Deleted elsewhere while edited here: saving says so; "Keep mine" writes it again.
+        page.click("#edit")
+        page.fill("#editor", "# Todo\n\n- mine\n")
+        on_disk.unlink()
+        page.click("#save")
+        expect(page.locator("#conflict")).to_contain_text("deleted or moved elsewhere")
+        page.click("#overwrite")
+        expect(page.locator("#status")).to_have_text("Saved")
+        assert on_disk.read_text() == "# Todo\n\n- mine\n"
+        # Deleted again, and this time theirs wins: the note closes.
+        on_disk.unlink()
+        page.fill("#editor", "# Todo\n\n- mine again\n")
+        page.click("#save")
+        page.click("#reload")
+        expect(page.locator("#empty")).to_be_visible()
+        assert not on_disk.exists()
+        assert unexpected(s.close(), 404) == []
+
     def test_a_checkbox_ticked_in_the_formatted_view_is_saved_with_if_match(self, web):
         s = web("phone")
         page = s.page
