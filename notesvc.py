@@ -4535,6 +4535,8 @@ WEB_CSS = """
   --code: #eff1f3;
   --focus: #0a58ca;
   --me: #ddeaff;
+  --add-bg: #dafbe1;
+  --del-bg: #ffebe9;
 }
 @media (prefers-color-scheme: dark) {
   :root {
@@ -4553,6 +4555,8 @@ WEB_CSS = """
     --code: #1f252d;
     --focus: #79b8ff;
     --me: #15304f;
+    --add-bg: #12361f;
+    --del-bg: #4a1d1d;
   }
 }
 * {
@@ -5412,6 +5416,28 @@ dialog pre {
   color: var(--muted);
   font-size: 0.9rem;
 }
+
+.diff .add {
+  background: var(--add-bg);
+}
+.diff .del {
+  background: var(--del-bg);
+}
+dialog .list .actions {
+  display: flex;
+  gap: 0.3rem;
+  flex: none;
+}
+dialog h3 {
+  font-size: 1rem;
+  margin: 0.75rem 0 0.25rem;
+}
+#toast button {
+  color: inherit;
+  text-decoration: underline;
+  min-height: 0;
+  padding: 0 0.25rem;
+}
 """
 
 WEB_JS = r"""
@@ -5470,6 +5496,9 @@ const state = {
   expanded: new Set(JSON.parse(getItem("session", "notesvc.expanded") || "[]")),
 };
 
+// What this server offers beyond the core API (read from its OpenAPI document at start).
+const features = {history: false, attachments: false, changes: false};
+
 // -- small DOM helpers -------------------------------------------------------------------
 
 function el(tag, attrs, ...children) {
@@ -5506,9 +5535,13 @@ function folderOf(path) {
 }
 
 let toastTimer = 0;
-function toast(text, bad) {
+function toast(text, bad, action) {
   const t = $("toast");
   t.textContent = text;
+  if (action) {
+    const [label, fn] = action;
+    t.append(" ", el("button", {type: "button", class: "plain", onclick: act(fn)}, label));
+  }
   t.className = bad ? "bad" : "";
   t.setAttribute("role", bad ? "alert" : "status");
   t.hidden = false;
@@ -5517,7 +5550,7 @@ function toast(text, bad) {
     () => {
       t.hidden = true;
     },
-    bad ? 8000 : 3000,
+    bad || action ? 8000 : 3000,
   );
 }
 
@@ -5546,12 +5579,14 @@ function lockoutMessage(retryAfter) {
 }
 
 async function api(method, path, body, headers, opts) {
+  opts = opts || {};
   const url = state.base + path;
   if (!state.base || !ownOrigin(url)) {
     throw new Problem(0, "REFUSED", "Refused: the API is not on this page's origin.");
   }
   const h = Object.assign({"X-Service-Key": state.key}, headers || {});
-  if (body !== undefined) h["Content-Type"] = "application/json";
+  const raw = body instanceof Blob; // an upload goes as it is, with its own type
+  if (body !== undefined && !raw) h["Content-Type"] = "application/json";
   let r;
   try {
     r = await fetch(url, {
@@ -5560,7 +5595,7 @@ async function api(method, path, body, headers, opts) {
       mode: "same-origin",
       credentials: "omit",
       cache: "no-store",
-      body: body === undefined ? undefined : JSON.stringify(body),
+      body: body === undefined || raw ? body : JSON.stringify(body),
     });
   } catch (e) {
     throw new Problem(
@@ -5569,6 +5604,8 @@ async function api(method, path, body, headers, opts) {
       "Cannot reach the server. Check the connection and try again.",
     );
   }
+  if (opts.blob && r.ok) return {blob: await r.blob(), status: r.status};
+  if (opts.raw && r.ok) return {json: await r.json(), status: r.status};
   let j = null;
   try {
     j = await r.json();
@@ -5583,7 +5620,7 @@ async function api(method, path, body, headers, opts) {
   const retry = r.headers.get("Retry-After");
   const message = r.status === 429 ? lockoutMessage(retry) : err.message;
   const problem = new Problem(r.status, err.code, message, retry);
-  if (!(opts && opts.login) && (r.status === 401 || r.status === 429)) {
+  if (!opts.login && (r.status === 401 || r.status === 429)) {
     toKeyScreen(
       r.status === 401
         ? "The key was not accepted: it may have been rotated. Paste the current key."
@@ -6155,7 +6192,7 @@ function resolveRelative(href, from) {
   for (const seg of target.split("/")) {
     if (seg === "" || seg === ".") continue;
     if (seg === "..") {
-      if (parts.length <= 1) return null;
+      if (!parts.length) return null;
       parts.pop();
     } else parts.push(seg);
   }
@@ -6209,7 +6246,31 @@ function wikiLink(target, label, ctx) {
 function image(alt, src, ctx) {
   // Images load only from this server (the CSP allows no other); others show as a link.
   if (/^(https?:)/i.test(src)) return link(src, alt ? "image: " + alt : src, ctx);
-  return document.createTextNode(alt ? "[image: " + alt + "]" : "[image]");
+  const path = /^[a-z][a-z0-9+.-]*:|^\/\//i.test(src) ? null : resolveRelative(src, ctx.from);
+  if (!path || !path.startsWith("attachments/") || !features.attachments) {
+    return document.createTextNode(alt ? "[image: " + alt + "]" : "[image]");
+  }
+  const img = el("img", {alt: alt || nameOf(path), "data-attachment": path, loading: "lazy"});
+  attachmentUrl(path).then(
+    (url) => {
+      img.src = url;
+    },
+    () => img.replaceWith(document.createTextNode("[image not found: " + (alt || path) + "]")),
+  );
+  return img;
+}
+
+// An attachment needs the key, which an <img src> cannot send: fetch it, show it as a blob.
+const attachmentUrls = new Map();
+function attachmentUrl(path) {
+  if (!attachmentUrls.has(path)) {
+    const url = api("GET", "/attachments/" + enc(path), undefined, undefined, {blob: true}).then(
+      (r) => URL.createObjectURL(r.blob),
+    );
+    url.catch(() => attachmentUrls.delete(path));
+    attachmentUrls.set(path, url);
+  }
+  return attachmentUrls.get(path);
 }
 
 // [[Name]] resolves as the server does: a path, else the first note of that file name.
@@ -6682,7 +6743,11 @@ async function deleteNote() {
   closeNote();
   showPane("notes");
   await loadTree();
-  toast("Moved " + path + " to the trash");
+  toast(
+    "Moved " + nameOf(path) + " to the trash",
+    false,
+    features.history ? ["Undo", () => undoDelete(path)] : null,
+  );
 }
 
 async function loadBacklinks(path) {
@@ -6710,6 +6775,264 @@ async function loadBacklinks(path) {
   );
   box.replaceChildren(el("strong", {}, "Linked from"), el("ul", {}, ...items));
   box.hidden = false;
+}
+
+// -- history and the trash (where the server keeps them) ----------------------------------
+
+function when(iso) {
+  const t = Date.parse(iso);
+  return t ? new Date(t).toLocaleString() : iso;
+}
+
+function sizeText(n) {
+  return n < 1024
+    ? n + " B"
+    : n < 1048576
+      ? (n / 1024).toFixed(1) + " KB"
+      : (n / 1048576).toFixed(1) + " MB";
+}
+
+function diffView(diff) {
+  const pre = el("pre", {class: "diff"});
+  for (const line of diff.split("\n")) {
+    const cls = /^\+(?!\+\+)/.test(line) ? "add" : /^-(?!--)/.test(line) ? "del" : null;
+    pre.append(el("span", {class: cls}, line + "\n"));
+  }
+  return pre;
+}
+
+async function showHistory() {
+  if (!state.path) return;
+  const path = state.path;
+  const {data} = await api("GET", "/notes/" + enc(path) + "/versions?limit=50");
+  const base = "/notes/" + enc(path) + "/versions/";
+  const list = el("ul", {class: "list", id: "versions"});
+  const detail = el("div", {id: "version-detail"});
+  for (const v of data.versions) {
+    const view = act(async () => {
+      const r = await api("GET", base + enc(v.id));
+      detail.replaceChildren(
+        el("h3", {}, "Saved " + when(v.savedAt)),
+        el("pre", {}, r.data.content),
+      );
+    });
+    const diff = act(async () => {
+      const r = await api("GET", base + enc(v.id) + "/diff?against=current");
+      detail.replaceChildren(
+        el("h3", {}, "From " + when(v.savedAt) + " to now"),
+        r.data.diff ? diffView(r.data.diff) : el("p", {}, "The same as now."),
+      );
+    });
+    const restore = act(async () => {
+      if (!(await confirmLeave())) return;
+      const r = await api("POST", base + enc(v.id) + "/restore", undefined, {
+        "If-Match": state.etag,
+      });
+      dialogDone("cancel");
+      dropDraft();
+      showNote(r.data);
+      setEditing(false);
+      updateDirty();
+      toast("Restored the version of " + when(v.savedAt));
+    });
+    list.append(
+      el(
+        "li",
+        {"data-version": v.id},
+        el(
+          "span",
+          {},
+          when(v.savedAt),
+          el("small", {class: "muted"}, " · " + v.reason + " · " + sizeText(v.size)),
+        ),
+        el(
+          "span",
+          {class: "actions"},
+          el("button", {type: "button", onclick: view}, "View"),
+          el("button", {type: "button", onclick: diff}, "Diff"),
+          el("button", {type: "button", onclick: restore}, "Restore"),
+        ),
+      ),
+    );
+  }
+  if (!data.versions.length) list.append(el("li", {class: "muted"}, "No earlier versions yet."));
+  await dialog("History of " + state.title, [list, detail], [["cancel", "Close"]]);
+}
+
+async function restoreFromTrash(item, to) {
+  try {
+    const r = await api(
+      "POST",
+      "/trash/" + enc(item.id) + "/restore",
+      to ? {path: to} : undefined,
+    );
+    return r.data;
+  } catch (e) {
+    if (e.status !== 409) throw e;
+    const input = el("input", {
+      type: "text",
+      id: "restore-path",
+      autocomplete: "off",
+      spellcheck: "false",
+    });
+    input.value = item.path.replace(/(\.\w+)$/, " (restored)$1");
+    const v = await dialog(
+      "Restore under another name",
+      [e.message, el("label", {for: "restore-path"}, "Restore as"), input],
+      [
+        ["cancel", "Cancel"],
+        ["restore", "Restore", "primary"],
+      ],
+      input,
+    );
+    return v === "restore" ? restoreFromTrash(item, input.value.trim()) : null;
+  }
+}
+
+async function showTrash() {
+  const {data} = await api("GET", "/trash?limit=100");
+  const list = el("ul", {class: "list", id: "trash-items"});
+  const detail = el("div", {id: "trash-detail"});
+  for (const item of data.items) {
+    const view = act(async () => {
+      const r = await api("GET", "/trash/" + enc(item.id));
+      detail.replaceChildren(el("h3", {}, item.path), el("pre", {}, r.data.content || ""));
+    });
+    const restore = act(async () => {
+      const rec = await restoreFromTrash(item);
+      if (!rec) return;
+      dialogDone("cancel");
+      await loadTree();
+      toast("Restored " + rec.path);
+      if (rec.path.startsWith("notes/")) await openNote(rec.path);
+    });
+    const purge = act(async () => {
+      await api("DELETE", "/trash/" + enc(item.id));
+      row.remove();
+    });
+    const row = el(
+      "li",
+      {"data-trash": item.id},
+      el(
+        "span",
+        {},
+        item.path,
+        el("small", {class: "muted"}, " · deleted " + when(item.deletedAt)),
+      ),
+      el(
+        "span",
+        {class: "actions"},
+        item.path.endsWith(".md") ? el("button", {type: "button", onclick: view}, "View") : null,
+        el("button", {type: "button", onclick: restore}, "Restore"),
+        el(
+          "button",
+          {
+            type: "button",
+            class: "danger",
+            onclick: purge,
+            "aria-label": "Delete forever: " + item.path,
+          },
+          "Delete",
+        ),
+      ),
+    );
+    list.append(row);
+  }
+  if (!data.items.length) list.append(el("li", {class: "muted"}, "The trash is empty."));
+  await dialog("Trash", [list, detail], [["cancel", "Close"]]);
+}
+
+// Undo a delete: the newest trash item with that path comes back.
+async function undoDelete(path) {
+  const {data} = await api("GET", "/trash?limit=50");
+  const item = data.items.find((i) => i.path === path);
+  if (!item) throw new Error("It is no longer in the trash.");
+  const rec = await restoreFromTrash(item);
+  if (!rec) return;
+  await loadTree();
+  await openNote(rec.path);
+}
+
+// -- attachments: a photo, a file, a pasted image ------------------------------------------
+
+function relativeTo(from, path) {
+  // The link a note at `from` writes to `path`, so other Markdown editors find it too.
+  const a = folderOf(from).split("/");
+  const b = path.split("/");
+  let i = 0;
+  while (i < a.length && i < b.length - 1 && a[i] === b[i]) i++;
+  return "../".repeat(a.length - i) + b.slice(i).map(enc).join("/");
+}
+
+function attachmentPath(file) {
+  const now = new Date();
+  const stamp = now.toISOString().replace(/[-:]/g, "").replace("T", "-").slice(0, 15);
+  const dot = file.name.lastIndexOf(".");
+  const ext = (
+    dot > 0 ? file.name.slice(dot + 1) : file.type.split("/")[1] || "bin"
+  ).toLowerCase();
+  const stem =
+    (dot > 0 ? file.name.slice(0, dot) : file.name || "file")
+      .normalize("NFKD")
+      .replace(/[^\w-]+/g, "-")
+      .replace(/^-+|-+$/g, "")
+      .slice(0, 60) || "file";
+  const folder = folderOf(state.path).replace(/^notes\/?/, "");
+  return (
+    "attachments/" +
+    (folder ? folder + "/" : "") +
+    stamp +
+    "-" +
+    stem +
+    "." +
+    ext.replace(/[^\w]/g, "")
+  );
+}
+
+async function attach(files) {
+  if (!state.path || !files.length) return;
+  if (!state.editing) setEditing(true);
+  const ed = editor();
+  for (const file of files) {
+    toast("Uploading " + (file.name || "the image") + "…");
+    const {data} = await api("PUT", "/attachments/" + enc(attachmentPath(file)), file, {
+      "Content-Type": file.type || "application/octet-stream",
+    });
+    const label = (file.name || "image").replace(/[[\]]/g, "");
+    const md =
+      (/^image\//.test(data.contentType) ? "!" : "") +
+      "[" +
+      label +
+      "](" +
+      relativeTo(state.path, data.path) +
+      ")";
+    const at = ed.selectionStart === undefined ? ed.value.length : ed.selectionEnd;
+    const before = ed.value.slice(0, at);
+    const insert = (before && !before.endsWith("\n") ? "\n" : "") + md + "\n";
+    ed.value = before + insert + ed.value.slice(at);
+    ed.setSelectionRange(at + insert.length, at + insert.length);
+    toast("Attached " + data.path + ": Save to keep the link");
+  }
+  updateDirty();
+  scheduleDraft();
+}
+
+// What this server offers, from its OpenAPI document (an older one has the core only).
+async function readFeatures() {
+  try {
+    const {json} = await api("GET", "/openapi.json", undefined, undefined, {raw: true});
+    const paths = Object.keys((json && json.paths) || {});
+    const has = (end) => paths.some((p) => p.endsWith(end));
+    features.history = has("/trash") && has("/versions");
+    features.attachments = has("/attachments");
+    features.changes = has("/changes");
+  } catch (e) {
+    /* the core only */
+  }
+  $("menu-trash").hidden = !features.history;
+  $("history").hidden = !features.history;
+  $("attach").hidden = !features.attachments;
+  $("photo").hidden = !features.attachments;
 }
 
 // -- search ----------------------------------------------------------------------------------
@@ -6932,7 +7255,7 @@ async function ask() {
 
 async function start() {
   setSide(getItem("local", "notesvc.ui.side") !== "closed");
-  await loadTree();
+  await Promise.all([loadTree(), readFeatures()]);
   const last = getItem("session", "notesvc.open");
   if (last) {
     try {
@@ -6984,6 +7307,32 @@ function wire() {
   });
   $("back").addEventListener("click", () => showPane("notes"));
   $("move").addEventListener("click", act(moveNote));
+  $("history").addEventListener("click", act(showHistory));
+  $("menu-trash").addEventListener("click", act(showTrash));
+  $("attach").addEventListener("click", () => $("attach-file").click());
+  $("photo").addEventListener("click", () => $("attach-photo").click());
+  for (const id of ["attach-file", "attach-photo"]) {
+    $(id).addEventListener(
+      "change",
+      act(async () => {
+        const files = Array.from($(id).files);
+        $(id).value = "";
+        await attach(files);
+      }),
+    );
+  }
+  editor().addEventListener("paste", (e) => {
+    const files = Array.from((e.clipboardData && e.clipboardData.files) || []);
+    if (!files.length || !features.attachments) return;
+    e.preventDefault();
+    act(() => attach(files))();
+  });
+  editor().addEventListener("drop", (e) => {
+    const files = Array.from((e.dataTransfer && e.dataTransfer.files) || []);
+    if (!files.length || !features.attachments) return;
+    e.preventDefault();
+    act(() => attach(files))();
+  });
   $("delete").addEventListener("click", act(deleteNote));
   editor().addEventListener("input", () => {
     updateDirty();
@@ -7214,6 +7563,8 @@ WEB_PAGE = """
           <summary aria-label="Note actions">
             <svg class="icon" aria-hidden="true"><use href="#i-more"/></svg></summary>
           <div class="menu-list">
+            <button id="attach" type="button" hidden>Attach a file…</button>
+            <button id="photo" type="button" hidden>Take a photo…</button>
             <button id="move" type="button">Move or rename…</button>
             <button id="history" type="button" hidden>History…</button>
             <button id="delete" type="button" class="danger">Move to trash</button>
@@ -7230,6 +7581,9 @@ WEB_PAGE = """
       <label class="sr" for="editor">Note text (Markdown)</label>
       <textarea id="editor" spellcheck="true" hidden></textarea>
       <div id="backlinks" hidden></div>
+      <input id="attach-file" type="file" multiple hidden aria-label="Attach a file">
+      <input id="attach-photo" type="file" accept="image/*" capture="environment" hidden
+        aria-label="Take a photo">
     </section>
 
     <aside id="pane-ask" class="pane" aria-label="Ask your notes">
