@@ -5560,6 +5560,24 @@ class TestWebClientPage:
         anon.get("/icon.png", status=404)
         anon.get("/manifest.webmanifest/..%2f..%2fetc%2fpasswd", status=404)
 
+    def test_the_relay_serves_the_same_page_manifest_and_icons(self, anon, tmp_path):
+        relay = Server(tmp_path / "relay", "relay")
+        try:
+            head, body = relay_raw_get(relay, "/")
+            assert body == anon.get("/").body
+            assert f"Content-Security-Policy: {notesvc.WEB_CSP}" in head
+            for path in notesvc.WEB_ASSETS:
+                head, body = relay_raw_get(relay, path)
+                assert head.startswith("HTTP/1.1 200"), path
+                assert body == anon.get(path).body
+                assert "Cache-Control: public, max-age=86400" in head
+                assert "Content-Security-Policy: default-src 'none'" in head
+                assert f"Content-Type: {notesvc.WEB_ASSETS[path][0]}" in head
+            head, _ = relay_raw_get(relay, "/icon.png")
+            assert head.startswith("HTTP/1.1 404")
+        finally:
+            relay.stop()
+
 
 def png_size(data: bytes) -> tuple:
     """Return (width, height) of a PNG, checking its signature, chunk CRCs and pixel data."""
@@ -6202,6 +6220,10 @@ class TestWebClient:
         page.check("#remember")
         expect(page.locator("#remember-warn")).to_be_visible()
         page.uncheck("#remember")
+        page.fill("#key", "nsk_" + "x" * 43)
+        page.click("#connect")
+        expect(page.locator("#login-msg")).to_contain_text("not accepted")
+        assert page.evaluate("sessionStorage.getItem('notesvc.key')") is None
         page.fill("#key", web.setup["apiKey"])
         page.click("#connect")
         page.wait_for_selector("#app", state="visible")
@@ -6225,7 +6247,7 @@ class TestWebClient:
         other = s.context.new_page()
         other.goto(web.server.url + "/")
         other.wait_for_selector("#app", state="visible")
-        assert unexpected(s.close()) == []
+        assert unexpected(s.close(), 401) == []
 
     def test_a_rotated_key_returns_to_the_key_screen_and_a_lockout_shows_its_wait(self, web):
         s = web("phone")
