@@ -5620,6 +5620,7 @@ async function api(method, path, body, headers, opts) {
   const retry = r.headers.get("Retry-After");
   const message = r.status === 429 ? lockoutMessage(retry) : err.message;
   const problem = new Problem(r.status, err.code, message, retry);
+  problem.error = err; // the envelope's error, with any extra fields (410's resetRequired)
   if (!opts.login && (r.status === 401 || r.status === 429)) {
     toKeyScreen(
       r.status === 401
@@ -5740,6 +5741,7 @@ async function connect(typed) {
 
 function toKeyScreen(message) {
   keepDraft();
+  feedRun++;
   state.key = "";
   removeItem("session", "notesvc.key");
   removeItem("local", "notesvc.key");
@@ -6547,6 +6549,7 @@ function showConflict(gone) {
 async function save(force) {
   if (!state.path) return false;
   const content = editor().value;
+  state.saving = true;
   try {
     let r;
     try {
@@ -6578,6 +6581,12 @@ async function save(force) {
       return false;
     }
     throw e;
+  } finally {
+    state.saving = false;
+    if (state.recheck) {
+      state.recheck = false;
+      checkOpenNote().catch(() => {});
+    }
   }
 }
 
@@ -7017,6 +7026,97 @@ async function attach(files) {
   scheduleDraft();
 }
 
+// -- the change feed: the tree and the open note follow edits made elsewhere ----------------
+
+let feedRun = 0; // one follower at a time: a new connection starts a new one
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+let treeTimer = 0;
+function treeSoon() {
+  clearTimeout(treeTimer);
+  treeTimer = setTimeout(() => loadTree().catch(() => {}), 300);
+}
+
+function cursorAfterGone(e) {
+  // A 410 says where the server's changes end: from there on, after listing again.
+  const last = e.error && (e.error.last !== undefined ? e.error.last : null);
+  if (Number.isInteger(last)) return last;
+  const m = /since=(\d+)/.exec(e.message || "");
+  return m ? parseInt(m[1], 10) : null;
+}
+
+async function changeCursor() {
+  let since = 0;
+  for (let page = 0; page < 20; page++) {
+    let r;
+    try {
+      r = await api("GET", "/changes?wait=0&limit=1000&since=" + since);
+    } catch (e) {
+      if (e.status === 410) return cursorAfterGone(e);
+      throw e;
+    }
+    since = r.data.last;
+    if (!r.data.more) return since;
+  }
+  return since;
+}
+
+function applyChange(c) {
+  treeSoon();
+  if (!state.path) return;
+  if (c.kind === "moved" && c.from === state.path) {
+    if (dirty()) {
+      showConflict(true);
+      return;
+    }
+    act(() => openNote(c.path))();
+    toast("“" + state.title + "” moved to " + c.path);
+  } else if (c.path === state.path) {
+    if (c.kind === "deleted" && !dirty()) {
+      closeNote();
+      toast(
+        c.path + " was deleted elsewhere",
+        false,
+        features.history ? ["Undo", () => undoDelete(c.path)] : null,
+      );
+    } else if (c.kind === "deleted") {
+      showConflict(true);
+    } else if (c.etag !== state.etag) {
+      if (state.saving)
+        state.recheck = true; // perhaps our own save: look when it is done
+      else checkOpenNote().catch(() => {});
+    }
+  }
+}
+
+async function followChanges() {
+  const run = ++feedRun;
+  const alive = () => run === feedRun && state.key && !$("app").hidden;
+  let since = null;
+  let pause = 1000;
+  while (alive()) {
+    try {
+      if (since === null) since = await changeCursor();
+      if (since === null) return; // this server gives no cursor: coming back to the page refreshes
+      const r = await api("GET", "/changes?wait=20&limit=1000&since=" + since);
+      if (!alive()) return;
+      for (const c of r.data.changes) applyChange(c);
+      since = r.data.last;
+      pause = 1000;
+      if (r.data.retryAfter) await sleep(r.data.retryAfter * 1000); // too many feeds waiting
+    } catch (e) {
+      if (e.status === 401 || e.status === 429) return;
+      if (e.status === 410) {
+        since = cursorAfterGone(e);
+        treeSoon();
+        checkOpenNote().catch(() => {});
+        continue;
+      }
+      await sleep(pause); // offline, or the server restarts: try again, less and less often
+      pause = Math.min(pause * 2, 30000);
+    }
+  }
+}
+
 // What this server offers, from its OpenAPI document (an older one has the core only).
 async function readFeatures() {
   try {
@@ -7256,6 +7356,7 @@ async function ask() {
 async function start() {
   setSide(getItem("local", "notesvc.ui.side") !== "closed");
   await Promise.all([loadTree(), readFeatures()]);
+  if (features.changes) followChanges();
   const last = getItem("session", "notesvc.open");
   if (last) {
     try {
