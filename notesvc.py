@@ -6998,15 +6998,30 @@ function attachmentPath(file) {
   );
 }
 
+// PUT the file's bytes; never over another file (If-None-Match: *): a taken name gets -2, -3…
+async function upload(file) {
+  const path = attachmentPath(file);
+  for (let n = 1; ; n++) {
+    const tried = n === 1 ? path : path.replace(/(\.\w+)$/, "-" + n + "$1");
+    try {
+      const r = await api("PUT", "/attachments/" + enc(tried), file, {
+        "Content-Type": file.type || "application/octet-stream",
+        "If-None-Match": "*",
+      });
+      return r.data;
+    } catch (e) {
+      if (e.status !== 412 || n >= 5) throw e;
+    }
+  }
+}
+
 async function attach(files) {
   if (!state.path || !files.length) return;
   if (!state.editing) setEditing(true);
   const ed = editor();
   for (const file of files) {
     toast("Uploading " + (file.name || "the image") + "…");
-    const {data} = await api("PUT", "/attachments/" + enc(attachmentPath(file)), file, {
-      "Content-Type": file.type || "application/octet-stream",
-    });
+    const data = await upload(file);
     const label = (file.name || "image").replace(/[[\]]/g, "");
     const md =
       (/^image\//.test(data.contentType) ? "!" : "") +
