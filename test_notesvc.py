@@ -5806,6 +5806,13 @@ def web(browser, tmp_path):
         server.stop()
 
 
+def needs(server: Server, path: str, what: str) -> None:
+    """Skip unless the server's OpenAPI document has the path (a feature of another issue)."""
+    doc = server.request("GET", f"{API}/openapi.json")[2]
+    if f"{API}{path}" not in doc["paths"]:
+        pytest.skip(f"not on this server yet: {what}")
+
+
 def unexpected(errors: list, *allowed: str) -> list:
     return [e for e in errors if not any(f"status of {a}" in e for a in allowed)]
 
@@ -6373,6 +6380,184 @@ class TestWebClient:
         (tmp_path / "tree-2000-ms.txt").write_text(f"{best:.0f}\n")
         print(f"2,000-note tree shown {best:.0f} ms after navigation (best of 3: {timings})")
         assert best < 3000  # the goal is 1 s (bench/bench_web.py measures it); this is a guard
+
+    # -- with the history, trash and change feed of CONTRACT 18 (issue 13) ----------------
+
+    def test_history_lists_diffs_and_restores_a_version(self, web):
+        needs(web.server, "/notes/{path}/versions", "history (issue 13)")
+        key = {"X-Service-Key": web.setup["apiKey"]}
+        url = f"{API}/notes/notes%2Ftodo.md"
+        for text in ("# Todo\n\n- buy oat milk\n- bread\n", "# Todo\n\n- bread only\n"):
+            assert web.server.request("PUT", url, {"content": text}, key)[0] == 200
+        s = web("desktop")
+        page = s.page
+        s.tree_open("notes/todo.md")
+        page.click("#note-menu summary")
+        page.click("#history")
+        expect(page.locator("#dlg-title")).to_have_text("History of Todo")
+        rows = page.locator("#versions li")
+        expect(rows).to_have_count(2)
+        rows.nth(0).locator("button", has_text="Diff").click()
+        expect(page.locator("#version-detail .diff .add")).to_contain_text(["+- bread only"])
+        expect(page.locator("#version-detail .diff .del").first).to_contain_text("oat milk")
+        rows.nth(1).locator("button", has_text="View").click()
+        expect(page.locator("#version-detail pre")).to_have_text(SEED_NOTES["todo.md"])
+        s.shot("history")
+        rows.nth(1).locator("button", has_text="Restore").click()
+        expect(page.locator("#dlg")).to_be_hidden()
+        expect(page.locator("#view")).to_contain_text("buy oat milk")
+        assert (web.root / "notes/todo.md").read_text() == SEED_NOTES["todo.md"]
+        (restore,) = [r for r in s.requests if r.url.endswith("/restore")]
+        assert restore.headers["if-match"].startswith('"')
+        assert unexpected(s.close()) == []
+
+    def test_trash_restores_and_a_delete_can_be_undone(self, web):
+        needs(web.server, "/trash", "the trash (issue 13)")
+        s = web("phone")
+        page = s.page
+        s.tree_open("notes/todo.md")
+        page.click("#note-menu summary")
+        page.click("#delete")
+        s.dialog_choose("delete")
+        expect(page.locator("#toast")).to_contain_text("to the trash")
+        page.locator("#toast button", has_text="Undo").click()
+        expect(page.locator("#path")).to_contain_text("notes/todo.md")
+        assert (web.root / "notes/todo.md").read_text() == SEED_NOTES["todo.md"]
+        # Deleted elsewhere, restored from the Trash dialog.
+        key = {"X-Service-Key": web.setup["apiKey"]}
+        url = f"{API}/notes/notes%2Fkitchen%2Fpancakes.md"
+        assert web.server.request("DELETE", url, headers=key)[0] == 200
+        page.click("#menu summary")
+        page.click("#menu-trash")
+        item = page.locator("#trash-items li", has_text="notes/kitchen/pancakes.md")
+        expect(item).to_have_count(1)
+        item.locator("button", has_text="View").click()
+        expect(page.locator("#trash-detail pre")).to_contain_text("Whisk")
+        s.shot("trash")
+        item.locator("button", has_text="Restore").click()
+        expect(page.locator("#path")).to_contain_text("notes/kitchen/pancakes.md")
+        assert (web.root / "notes/kitchen/pancakes.md").exists()
+        # A note already at its path: it comes back under another name.
+        assert web.server.request("DELETE", url, headers=key)[0] == 200
+        body = {"path": "notes/kitchen/pancakes.md", "content": "# New pancakes\n"}
+        assert web.server.request("POST", f"{API}/notes", body, key)[0] == 201
+        page.click("#menu summary")
+        page.click("#menu-trash")
+        page.locator("#trash-items li", has_text="pancakes.md").locator(
+            "button", has_text="Restore"
+        ).click()
+        expect(page.locator("#dlg-title")).to_have_text("Restore under another name")
+        page.fill("#restore-path", "notes/kitchen/old-pancakes.md")
+        s.dialog_choose("restore")
+        expect(page.locator("#path")).to_contain_text("notes/kitchen/old-pancakes.md")
+        assert "Whisk" in (web.root / "notes/kitchen/old-pancakes.md").read_text()
+        assert (web.root / "notes/kitchen/pancakes.md").read_text() == "# New pancakes\n"
+        assert unexpected(s.close(), 409) == []
+
+    def test_the_change_feed_keeps_the_tree_and_the_open_note_current(self, web):
+        needs(web.server, "/changes", "the change feed (issue 13)")
+        key = {"X-Service-Key": web.setup["apiKey"]}
+        s = web("desktop")
+        page = s.page
+        s.tree_open("notes/todo.md")
+        page.wait_for_timeout(300)  # the page has its cursor and waits for changes
+        todo = f"{API}/notes/notes%2Ftodo.md"
+        assert (
+            web.server.request("PUT", todo, {"content": "# Todo\n\n- from the phone\n"}, key)[0]
+            == 200
+        )
+        expect(page.locator("#view")).to_contain_text("from the phone")  # no reload, no focus
+        expect(page.locator("#toast")).to_contain_text("changed elsewhere")
+        body = {"path": "notes/from-elsewhere.md", "content": "# Elsewhere\n"}
+        assert web.server.request("POST", f"{API}/notes", body, key)[0] == 201
+        expect(page.locator('#tree button[data-path="notes/from-elsewhere.md"]')).to_be_visible()
+        # Unsaved text here and a change there: reload theirs or keep mine.
+        page.click("#edit")
+        page.fill("#editor", "# Todo\n\n- typed here\n")
+        assert (
+            web.server.request("PUT", todo, {"content": "# Todo\n\n- and there\n"}, key)[0] == 200
+        )
+        expect(page.locator("#conflict")).to_contain_text("changed elsewhere")
+        assert page.input_value("#editor") == "# Todo\n\n- typed here\n"
+        page.click("#overwrite")
+        expect(page.locator("#status")).to_have_text("Saved")
+        # Our own save comes back through the feed without a conflict.
+        page.wait_for_timeout(500)
+        assert page.is_hidden("#conflict")
+        # Moved elsewhere: the page follows; deleted elsewhere: it closes.
+        move = {"path": "notes/archive/todo.md"}
+        assert web.server.request("PATCH", todo + "/move", move, key)[0] == 200
+        expect(page.locator("#path")).to_contain_text("notes/archive/todo.md")
+        gone = f"{API}/notes/notes%2Farchive%2Ftodo.md"
+        assert web.server.request("DELETE", gone, headers=key)[0] == 200
+        expect(page.locator("#empty")).to_be_visible()
+        expect(page.locator("#toast")).to_contain_text("deleted elsewhere")
+        assert unexpected(s.close()) == []
+
+    # -- with the attachments of CONTRACT 20 (issue 17) -------------------------------------
+
+    def test_images_show_and_files_photos_and_pastes_are_attached(self, web):
+        needs(web.server, "/attachments", "attachments (issue 17)")
+        png = notesvc.web_icon_png(192)
+        key = {"X-Service-Key": web.setup["apiKey"], "Content-Type": "image/png"}
+        req = urllib.request.Request(
+            web.server.url + f"{API}/attachments/attachments%2Fhome%2Flogo.png",
+            png,
+            key,
+            method="PUT",
+        )
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            assert resp.status == 201
+        body = {
+            "path": "notes/home/pic.md",
+            "content": "# Pic\n\n![our logo](../../attachments/home/logo.png)\n",
+        }
+        web.server.request("POST", f"{API}/notes", body, {"X-Service-Key": web.setup["apiKey"]})
+        s = web("phone")
+        page = s.page
+        s.tree_open("notes/home/pic.md")
+        img = page.locator("#view img[alt='our logo']")
+        expect(img).to_have_attribute("src", re.compile("^blob:"))
+        expect(img).to_have_js_property("naturalWidth", 192)
+        s.shot("image")
+        # A photo (the camera's input), a picked file, a pasted image.
+        page.set_input_files(
+            "#attach-photo",
+            files=[{"name": "IMG 1.PNG", "mimeType": "image/png", "buffer": png}],
+        )
+        expect(page.locator("#editor")).to_have_value(
+            re.compile(r"!\[IMG 1\.PNG\]\(\.\./\.\./attachments/home/\d{8}-\d{6}-IMG-1\.png\)")
+        )
+        page.set_input_files(
+            "#attach-file",
+            files=[
+                {"name": "notes.pdf", "mimeType": "application/pdf", "buffer": b"%PDF-1.4 test"}
+            ],
+        )
+        expect(page.locator("#editor")).to_have_value(
+            re.compile(r"\n\[notes\.pdf\]\(\.\./\.\./attachments/home/\d{8}-\d{6}-notes\.pdf\)")
+        )
+        page.evaluate(
+            """(bytes) => {
+              const dt = new DataTransfer();
+              dt.items.add(new File([new Uint8Array(bytes)], "image.png", {type: "image/png"}));
+              const ed = document.getElementById("editor");
+              const init = {clipboardData: dt, bubbles: true, cancelable: true};
+              ed.dispatchEvent(new ClipboardEvent("paste", init));
+            }""",
+            list(png),
+        )
+        expect(page.locator("#editor")).to_have_value(re.compile(r"-image\.png\)"))
+        page.click("#save")
+        expect(page.locator("#status")).to_have_text("Saved")
+        page.click("#edit")
+        expect(page.locator("#view img")).to_have_count(3)
+        uploaded = sorted(p.name for p in (web.root / "attachments" / "home").iterdir())
+        assert len(uploaded) == 4
+        assert any(n.endswith("-IMG-1.png") for n in uploaded)
+        puts = [r for r in s.requests if r.method == "PUT" and "/attachments/" in r.url]
+        assert {r.headers["if-none-match"] for r in puts} == {"*"}
+        assert unexpected(s.close()) == []
 
     def test_foreign_relay_url_never_gets_a_request(self, web):
         evil = EvilRelay()
