@@ -6718,6 +6718,7 @@ async function moveNote() {
   if (v !== "move") return;
   const to = toNotePath(input.value);
   if (to === state.path) return;
+  mine(state.path);
   const {data} = await api(
     "PATCH",
     "/notes/" + enc(state.path) + "/move",
@@ -6741,13 +6742,14 @@ async function deleteNote() {
     ],
   );
   if (v !== "delete") return;
+  const path = state.path;
+  mine(path);
   try {
-    await api("DELETE", "/notes/" + enc(state.path), undefined, {"If-Match": state.etag});
+    await api("DELETE", "/notes/" + enc(path), undefined, {"If-Match": state.etag});
   } catch (e) {
     if (e.status === 412) throw new Error("It changed elsewhere: reload it before deleting.");
     throw e;
   }
-  const path = state.path;
   dropDraft();
   closeNote();
   showPane("notes");
@@ -7044,6 +7046,12 @@ async function attach(files) {
 // -- the change feed: the tree and the open note follow edits made elsewhere ----------------
 
 let feedRun = 0; // one follower at a time: a new connection starts a new one
+// Notes this page is moving or deleting itself: the feed's report of it is no news.
+const own = new Set();
+function mine(path) {
+  own.add(path);
+  setTimeout(() => own.delete(path), 30000);
+}
 const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
 let treeTimer = 0;
 function treeSoon() {
@@ -7077,7 +7085,7 @@ async function changeCursor() {
 
 function applyChange(c) {
   treeSoon();
-  if (!state.path) return;
+  if (!state.path || own.has(c.from || c.path)) return;
   if (c.kind === "moved" && c.from === state.path) {
     if (dirty()) {
       showConflict(true);
