@@ -6481,6 +6481,9 @@ function closeNote() {
   state.saved = "";
   editor().value = "";
   $("note-bar").hidden = true;
+  $("title").textContent = "";
+  $("path").textContent = "";
+  $("view").replaceChildren();
   $("view").hidden = true;
   editor().hidden = true;
   $("backlinks").hidden = true;
@@ -6546,10 +6549,27 @@ function showConflict(gone) {
   $("status").className = "dirty";
 }
 
+// A write of this page's own is under way: the feed's news of the open note waits for it
+// (the news may be that very write), then the note is looked at once.
+async function writing(fn) {
+  state.writes = (state.writes || 0) + 1;
+  try {
+    return await fn();
+  } finally {
+    state.writes--;
+    if (!state.writes && state.recheck) {
+      state.recheck = false;
+      checkOpenNote().catch(() => {});
+    }
+  }
+}
+
 async function save(force) {
-  if (!state.path) return false;
+  return state.path ? writing(() => saveNow(force)) : false;
+}
+
+async function saveNow(force) {
   const content = editor().value;
-  state.saving = true;
   try {
     let r;
     try {
@@ -6581,12 +6601,6 @@ async function save(force) {
       return false;
     }
     throw e;
-  } finally {
-    state.saving = false;
-    if (state.recheck) {
-      state.recheck = false;
-      checkOpenNote().catch(() => {});
-    }
   }
 }
 
@@ -6836,14 +6850,16 @@ async function showHistory() {
     });
     const restore = act(async () => {
       if (!(await confirmLeave())) return;
-      const r = await api("POST", base + enc(v.id) + "/restore", undefined, {
-        "If-Match": state.etag,
+      await writing(async () => {
+        const r = await api("POST", base + enc(v.id) + "/restore", undefined, {
+          "If-Match": state.etag,
+        });
+        dialogDone("cancel");
+        dropDraft();
+        showNote(r.data);
+        setEditing(false);
+        updateDirty();
       });
-      dialogDone("cancel");
-      dropDraft();
-      showNote(r.data);
-      setEditing(false);
-      updateDirty();
       toast("Restored the version of " + when(v.savedAt));
     });
     list.append(
@@ -7104,8 +7120,8 @@ function applyChange(c) {
     } else if (c.kind === "deleted") {
       showConflict(true);
     } else if (c.etag !== state.etag) {
-      if (state.saving)
-        state.recheck = true; // perhaps our own save: look when it is done
+      // Perhaps our own write: look when it is done.
+      if (state.writes) state.recheck = true;
       else checkOpenNote().catch(() => {});
     }
   }
@@ -7302,16 +7318,20 @@ async function capture() {
     const note = today.data;
     const content =
       note.content + (note.content.endsWith("\n") ? "" : "\n") + "- " + stamp + " " + text + "\n";
-    try {
-      await api("PUT", "/notes/" + enc(note.path), {content}, {"If-Match": note.etag});
-    } catch (e) {
-      if (e.status === 412) continue; // written meanwhile: read it again
-      throw e;
-    }
+    const done = await writing(async () => {
+      try {
+        await api("PUT", "/notes/" + enc(note.path), {content}, {"If-Match": note.etag});
+      } catch (e) {
+        if (e.status === 412) return false; // written meanwhile: read it again
+        throw e;
+      }
+      if (state.path === note.path && !dirty()) await openNote(note.path);
+      return true;
+    });
+    if (!done) continue;
     input.value = "";
     toast("Added to " + nameOf(note.path));
-    if (state.path === note.path && !dirty()) await openNote(note.path);
-    else await loadTree();
+    await loadTree();
     return;
   }
   throw new Error("Today's note keeps changing; try again.");
