@@ -6311,6 +6311,7 @@ async function openWiki(name, from) {
 let dialogDone = null;
 function dialog(title, body, buttons, initial) {
   const d = $("dlg");
+  if (dialogDone) dialogDone("cancel"); // one dialog at a time: the one open gives way
   $("dlg-title").textContent = title;
   $("dlg-body").replaceChildren(
     ...(Array.isArray(body) ? body : [body]).map((b) =>
@@ -6849,12 +6850,12 @@ async function showHistory() {
       );
     });
     const restore = act(async () => {
+      dialogDone("cancel");
       if (!(await confirmLeave())) return;
       await writing(async () => {
         const r = await api("POST", base + enc(v.id) + "/restore", undefined, {
           "If-Match": state.etag,
         });
-        dialogDone("cancel");
         dropDraft();
         showNote(r.data);
         setEditing(false);
@@ -6926,9 +6927,9 @@ async function showTrash() {
       detail.replaceChildren(el("h3", {}, item.path), el("pre", {}, r.data.content || ""));
     });
     const restore = act(async () => {
+      dialogDone("cancel");
       const rec = await restoreFromTrash(item);
       if (!rec) return;
-      dialogDone("cancel");
       await loadTree();
       toast("Restored " + rec.path);
       if (rec.path.startsWith("notes/")) await openNote(rec.path);
