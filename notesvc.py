@@ -5288,6 +5288,7 @@ dialog .list {
 }
 dialog .list li {
   display: flex;
+  flex-wrap: wrap;
   gap: 0.5rem;
   align-items: center;
   justify-content: space-between;
@@ -5426,7 +5427,7 @@ dialog pre {
 dialog .list .actions {
   display: flex;
   gap: 0.3rem;
-  flex: none;
+  margin-left: auto;
 }
 dialog h3 {
   font-size: 1rem;
@@ -5540,7 +5541,12 @@ function toast(text, bad, action) {
   t.textContent = text;
   if (action) {
     const [label, fn] = action;
-    t.append(" ", el("button", {type: "button", class: "plain", onclick: act(fn)}, label));
+    const run = act(fn);
+    const done = () => {
+      t.hidden = true;
+      run();
+    };
+    t.append(" ", el("button", {type: "button", class: "plain", onclick: done}, label));
   }
   t.className = bad ? "bad" : "";
   t.setAttribute("role", bad ? "alert" : "status");
