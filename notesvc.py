@@ -7178,7 +7178,7 @@ async function readFeatures() {
   $("menu-trash").hidden = !features.history;
   $("history").hidden = !features.history;
   $("attach").hidden = !features.attachments;
-  $("photo").hidden = !features.attachments;
+  $("photo").hidden = !features.attachments || !matchMedia("(pointer: coarse)").matches; // a camera
 }
 
 // -- search ----------------------------------------------------------------------------------
