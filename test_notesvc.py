@@ -6403,6 +6403,7 @@ class TestWebClient:
         rows.nth(1).locator("button", has_text="View").click()
         expect(page.locator("#version-detail pre")).to_have_text(SEED_NOTES["todo.md"])
         s.shot("history")
+        assert page.evaluate(A11Y_AUDIT) == []
         rows.nth(1).locator("button", has_text="Restore").click()
         expect(page.locator("#dlg")).to_be_hidden()
         expect(page.locator("#view")).to_contain_text("buy oat milk")
@@ -6413,7 +6414,7 @@ class TestWebClient:
 
     def test_trash_restores_and_a_delete_can_be_undone(self, web):
         needs(web.server, "/trash", "the trash (issue 13)")
-        s = web("phone")
+        s = web("phone", color_scheme="dark")
         page = s.page
         s.tree_open("notes/todo.md")
         page.click("#note-menu summary")
@@ -6434,6 +6435,7 @@ class TestWebClient:
         item.locator("button", has_text="View").click()
         expect(page.locator("#trash-detail pre")).to_contain_text("Whisk")
         s.shot("trash")
+        assert page.evaluate(A11Y_AUDIT) == []
         item.locator("button", has_text="Restore").click()
         expect(page.locator("#path")).to_contain_text("notes/kitchen/pancakes.md")
         assert (web.root / "notes/kitchen/pancakes.md").exists()
