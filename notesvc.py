@@ -5737,7 +5737,7 @@ async function connect(typed) {
     $("login").hidden = true;
     $("app").hidden = false;
     fitViewport();
-    await start();
+    await act(start)(); // from here on, a failure is shown in the app, not on the key screen
   } catch (e) {
     msg.textContent = e.message || String(e);
   } finally {
@@ -5880,8 +5880,15 @@ function treeItem(node) {
 async function loadTree() {
   const ul = el("ul");
   await fillFolder("notes", ul);
+  const focused =
+    $("tree").contains(document.activeElement) && document.activeElement.dataset.path;
   $("tree").replaceChildren(ul);
   markCurrent();
+  if (focused) {
+    // Refreshed under the keyboard's feet: focus stays on the same entry.
+    const again = ul.querySelector('button[data-path="' + CSS.escape(focused) + '"]');
+    if (again) again.focus();
+  }
   performance.mark("notesvc:tree-shown");
 }
 
@@ -7107,7 +7114,7 @@ async function changeCursor() {
 }
 
 function applyChange(c) {
-  treeSoon();
+  if (c.kind !== "updated") treeSoon(); // the tree shows names, not contents
   if (!state.path || own.has(c.from || c.path)) return;
   if (c.kind === "moved" && c.from === state.path) {
     if (dirty()) {
