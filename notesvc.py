@@ -7366,6 +7366,15 @@ dialog h3 {
   min-height: 0;
   padding: 0 0.25rem;
 }
+.md audio,
+.md video {
+  display: block;
+  max-width: 100%;
+  margin: 0.4rem 0;
+}
+.md a.file::before {
+  content: "📎 ";
+}
 """
 
 WEB_JS = r"""
@@ -8084,11 +8093,13 @@ function inline(text, parent, ctx) {
       re.lastIndex = m.index + 1; // snake_case is not emphasis
       continue;
     }
-    add(text.slice(last, m.index));
+    // ![[name]] embeds what [[name]] links to (an image shows, a file is offered).
+    const embed = m[5] !== undefined && m.index > last && text[m.index - 1] === "!";
+    add(text.slice(last, embed ? m.index - 1 : m.index));
     last = re.lastIndex;
     if (m[1] !== undefined) parent.appendChild(el("code", {}, m[2].replace(/^ (.*) $/, "$1")));
     else if (m[3] !== undefined) parent.appendChild(image(m[3], m[4], ctx));
-    else if (m[5] !== undefined) parent.appendChild(wikiLink(m[5], m[6], ctx));
+    else if (m[5] !== undefined) parent.appendChild(wikiLink(m[5], m[6], ctx, embed));
     else if (m[7] !== undefined) parent.appendChild(link(m[8], m[7], ctx, true));
     else if (m[9] !== undefined) parent.appendChild(link(m[9], m[9].replace(/^mailto:/, ""), ctx));
     else if (m[10] !== undefined) parent.appendChild(link(m[10], m[10], ctx));
@@ -8151,7 +8162,9 @@ function link(href, label, ctx, markdown) {
     const path = /^[a-z][a-z0-9+.-]*:|^\/\/|^#/i.test(href)
       ? null
       : resolveRelative(href, ctx.from);
-    if (!path || !path.startsWith("notes/") || !path.endsWith(".md")) {
+    if (path && path.startsWith("attachments/") && features.attachments) {
+      a = attachmentLink(path);
+    } else if (!path || !path.startsWith("notes/") || !path.endsWith(".md")) {
       a = el("span"); // another scheme, or nothing this page can open: the text alone
     } else {
       a = el("a", {
@@ -8169,8 +8182,16 @@ function link(href, label, ctx, markdown) {
   return a;
 }
 
-function wikiLink(target, label, ctx) {
+function wikiLink(target, label, ctx, embed) {
   const name = target.split("#")[0].trim();
+  if (isAttachmentName(name) && features.attachments) {
+    const found = findAttachment(name);
+    const shown = label && !/^\d+(x\d+)?$/.test(label.trim()) ? label.trim() : fileName(name);
+    if (embed && IMAGE_EXT.test(name)) return attachmentImage(found, shown);
+    const a = attachmentLink(found);
+    a.textContent = shown;
+    return a;
+  }
   return el(
     "a",
     {
@@ -8192,14 +8213,105 @@ function image(alt, src, ctx) {
   if (!path || !path.startsWith("attachments/") || !features.attachments) {
     return document.createTextNode(alt ? "[image: " + alt + "]" : "[image]");
   }
-  const img = el("img", {alt: alt || nameOf(path), "data-attachment": path, loading: "lazy"});
-  attachmentUrl(path).then(
-    (url) => {
-      img.src = url;
-    },
-    () => img.replaceWith(document.createTextNode("[image not found: " + (alt || path) + "]")),
-  );
+  if (!IMAGE_EXT.test(path)) {
+    const a = attachmentLink(path);
+    a.textContent = alt || fileName(path);
+    return a;
+  }
+  return attachmentImage(Promise.resolve(path), alt || fileName(path));
+}
+
+const IMAGE_EXT = /\.(png|jpe?g|gif|webp|avif|bmp|ico|svg)$/i;
+const MEDIA_EXT = /\.(mp3|m4a|aac|ogg|oga|opus|wav|flac|weba|mp4|m4v|mov|webm)$/i;
+const VIDEO_EXT = /\.(mp4|m4v|mov|webm)$/i;
+
+function fileName(path) {
+  return path.split("/").pop();
+}
+
+function isAttachmentName(name) {
+  const ext = /\.([a-z0-9]{1,5})$/i.exec(fileName(name));
+  return !!ext && ext[1].toLowerCase() !== "md";
+}
+
+function attachmentImage(found, alt) {
+  const img = el("img", {alt, loading: "lazy"});
+  Promise.resolve(found)
+    .then((path) => {
+      if (!path) throw new Error("not found");
+      img.dataset.attachment = path;
+      return attachmentUrl(path);
+    })
+    .then(
+      (url) => {
+        img.src = url;
+      },
+      () => img.replaceWith(document.createTextNode("[image not found: " + alt + "]")),
+    );
   return img;
+}
+
+// A link to an attachment: audio and video play in the page, other files are downloaded
+// (never opened as a page of this origin).
+function attachmentLink(found) {
+  const a = el("a", {href: "#", class: "file"});
+  if (typeof found === "string") a.dataset.attachment = found;
+  a.addEventListener("click", (e) => {
+    e.preventDefault();
+    act(() => openAttachment(found, a))();
+  });
+  return a;
+}
+
+async function openAttachment(found, a) {
+  const path = await found;
+  if (!path) throw new Error("There is no attachment of that name.");
+  if (MEDIA_EXT.test(path)) {
+    const url = await attachmentUrl(path);
+    const player = el(VIDEO_EXT.test(path) ? "video" : "audio", {controls: true, class: "media"});
+    player.src = url;
+    player.setAttribute("aria-label", fileName(path));
+    a.replaceWith(player);
+    player.play().catch(() => {});
+    return;
+  }
+  const {blob} = await api("GET", "/attachments/" + enc(path), undefined, undefined, {blob: true});
+  const url = URL.createObjectURL(new Blob([blob], {type: "application/octet-stream"}));
+  const save = el("a", {href: url, download: fileName(path), hidden: true});
+  document.body.append(save);
+  save.click();
+  save.remove();
+  setTimeout(() => URL.revokeObjectURL(url), 60000);
+}
+
+// ![[photo.jpg]] names a file: a path, else the first attachment of that name (as the
+// server resolves it), from one listing of the attachments kept for a minute.
+let attachmentNames = null;
+let attachmentNamesAt = 0;
+async function findAttachment(name) {
+  if (name.includes("/")) {
+    const path = name.replace(/^\/+/, "");
+    return path.startsWith("attachments/") ? path : "attachments/" + path;
+  }
+  if (!attachmentNames || Date.now() - attachmentNamesAt > 60000) {
+    attachmentNamesAt = Date.now();
+    attachmentNames = (async () => {
+      const names = new Map();
+      const paths = [];
+      for (let offset = 0; offset < 20000; offset += 1000) {
+        const {data} = await api("GET", "/attachments?limit=1000&offset=" + offset);
+        paths.push(...data.attachments.map((x) => x.path));
+        if (offset + 1000 >= data.total) break;
+      }
+      for (const p of paths.sort()) {
+        const key = fileName(p).toLowerCase();
+        if (!names.has(key)) names.set(key, p);
+      }
+      return names;
+    })();
+  }
+  const names = await attachmentNames.catch(() => new Map());
+  return names.get(name.toLowerCase()) || null;
 }
 
 // An attachment needs the key, which an <img src> cannot send: fetch it, show it as a blob.
@@ -9721,7 +9833,8 @@ def _csp_hash(text: str) -> str:
 WEB_CSP = (
     "default-src 'none'; "
     f"script-src {_csp_hash(WEB_JS)}; style-src {_csp_hash(WEB_CSS)}; "
-    "connect-src 'self'; img-src 'self' data: blob:; manifest-src 'self'; base-uri 'none'; "
+    "connect-src 'self'; img-src 'self' data: blob:; media-src blob:; manifest-src 'self'; "
+    "base-uri 'none'; "
     "form-action 'none'; frame-ancestors 'none'"
 )
 

@@ -30,6 +30,7 @@ import typing
 import urllib.error
 import urllib.parse
 import urllib.request
+import wave
 import zlib
 from pathlib import Path
 
@@ -8235,6 +8236,61 @@ class TestWebClient:
         assert any(n.endswith("-IMG-1.png") for n in uploaded)
         puts = [r for r in s.requests if r.method == "PUT" and "/attachments/" in r.url]
         assert {r.headers["if-none-match"] for r in puts} == {"*"}
+        assert unexpected(s.close()) == []
+
+    def test_embeds_play_and_download_attachments_without_opening_them(self, web):
+        needs(web.server, "/attachments", "attachments (issue 17)")
+        sound = io.BytesIO()
+        with wave.open(sound, "wb") as w:
+            w.setnchannels(1)
+            w.setsampwidth(2)
+            w.setframerate(8000)
+            w.writeframes(b"\0\0" * 800)
+        files = {
+            "attachments/inbox/2026-01-02/090000-photo.png": (
+                notesvc.web_icon_png(192),
+                "image/png",
+            ),
+            "attachments/inbox/2026-01-02/090100-voice.wav": (sound.getvalue(), "audio/wav"),
+            "attachments/docs/manual.pdf": (b"%PDF-1.4 manual", "application/pdf"),
+            "attachments/docs/page.html": (b"<script>window.pwned=1</script>", "text/html"),
+        }
+        for path, (data, ctype) in files.items():
+            headers = {"X-Service-Key": web.setup["apiKey"], "Content-Type": ctype}
+            url = web.server.url + f"{API}/attachments/" + urllib.parse.quote(path, safe="")
+            with urllib.request.urlopen(
+                urllib.request.Request(url, data, headers, method="PUT"), timeout=10
+            ) as resp:
+                assert resp.status == 201
+        text = (
+            "# Media\n\n![[090000-photo.png|the photo]] ![[missing.png]]\n\n"
+            "[voice](../attachments/inbox/2026-01-02/090100-voice.wav) [[manual.pdf]] "
+            "[[docs/page.html]]\n"
+        )
+        body = {"path": "notes/media.md", "content": text}
+        web.server.request("POST", f"{API}/notes", body, {"X-Service-Key": web.setup["apiKey"]})
+        s = web("desktop")
+        page = s.page
+        s.tree_open("notes/media.md")
+        view = page.locator("#view")
+        photo = view.locator("img[alt='the photo']")
+        expect(photo).to_have_js_property("naturalWidth", 192)
+        assert (
+            photo.get_attribute("data-attachment")
+            == "attachments/inbox/2026-01-02/090000-photo.png"
+        )
+        expect(view).to_contain_text("[image not found: missing.png]")
+        view.locator("a.file", has_text="voice").click()
+        expect(view.locator("audio")).to_have_attribute("src", re.compile("^blob:"))
+        with page.expect_download() as download:
+            view.locator("a.file", has_text="manual.pdf").click()
+        assert download.value.suggested_filename == "manual.pdf"
+        with page.expect_download() as download:  # HTML is a file to keep, never a page here
+            view.locator("a.file", has_text="page.html").click()
+        assert download.value.suggested_filename == "page.html"
+        assert page.evaluate("window.pwned") is None
+        assert len(s.context.pages) == 1
+        s.shot("media")
         assert unexpected(s.close()) == []
 
     def test_foreign_relay_url_never_gets_a_request(self, web):
