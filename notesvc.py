@@ -7373,7 +7373,10 @@ dialog h3 {
   margin: 0.4rem 0;
 }
 .md a.file::before {
-  content: "📎 ";
+  content: "↓ ";
+}
+.md a.file.media::before {
+  content: "▶ ";
 }
 """
 
@@ -8163,7 +8166,7 @@ function link(href, label, ctx, markdown) {
       ? null
       : resolveRelative(href, ctx.from);
     if (path && path.startsWith("attachments/") && features.attachments) {
-      a = attachmentLink(path);
+      a = attachmentLink(path, path);
     } else if (!path || !path.startsWith("notes/") || !path.endsWith(".md")) {
       a = el("span"); // another scheme, or nothing this page can open: the text alone
     } else {
@@ -8188,7 +8191,7 @@ function wikiLink(target, label, ctx, embed) {
     const found = findAttachment(name);
     const shown = label && !/^\d+(x\d+)?$/.test(label.trim()) ? label.trim() : fileName(name);
     if (embed && IMAGE_EXT.test(name)) return attachmentImage(found, shown);
-    const a = attachmentLink(found);
+    const a = attachmentLink(found, name);
     a.textContent = shown;
     return a;
   }
@@ -8214,7 +8217,7 @@ function image(alt, src, ctx) {
     return document.createTextNode(alt ? "[image: " + alt + "]" : "[image]");
   }
   if (!IMAGE_EXT.test(path)) {
-    const a = attachmentLink(path);
+    const a = attachmentLink(path, path);
     a.textContent = alt || fileName(path);
     return a;
   }
@@ -8253,8 +8256,8 @@ function attachmentImage(found, alt) {
 
 // A link to an attachment: audio and video play in the page, other files are downloaded
 // (never opened as a page of this origin).
-function attachmentLink(found) {
-  const a = el("a", {href: "#", class: "file"});
+function attachmentLink(found, name) {
+  const a = el("a", {href: "#", class: MEDIA_EXT.test(name) ? "file media" : "file"});
   if (typeof found === "string") a.dataset.attachment = found;
   a.addEventListener("click", (e) => {
     e.preventDefault();
