@@ -1819,22 +1819,36 @@ def _has(ids, d: int) -> int:
     return i if i < len(ids) and ids[i] == d else -1
 
 
+_ASCII_SPACES = bytes(c if (chr(c).isalnum() and c < 128) or c == 95 else 32 for c in range(256))
+
+
 class _Vocab:
     """The term numbers of one segment being built, and the folded words that map to them
     (the prefix* vocabulary). encode() turns text into a string of term chars."""
 
     def __init__(self, stem_cache: dict | None = None):
-        self.surfaces: dict = {}  # folded word -> term char
+        self.ascii: dict = {}  # folded ASCII word (bytes) -> term char: the fast path
+        self.surfaces: dict = {}  # folded word of a non-ASCII text -> term char
         self.chars: dict = {}  # stem -> term char
         self.stems: list = []  # by term number
         self._cache = stem_cache
 
     def copy(self) -> _Vocab:
         new = _Vocab()
-        new.surfaces, new.chars, new.stems = dict(self.surfaces), dict(self.chars), [*self.stems]
+        new.ascii, new.surfaces = dict(self.ascii), dict(self.surfaces)
+        new.chars, new.stems = dict(self.chars), [*self.stems]
         return new
 
-    def _char(self, term: str) -> str:
+    def _char(self, word) -> str:
+        """Return the term char of a folded word (str, or ASCII bytes), numbering its stem."""
+        if isinstance(word, bytes):
+            word = word.decode()
+        cache = self._cache
+        term = cache.get(word) if cache is not None else None
+        if term is None:
+            term = stem(word)
+            if cache is not None and len(cache) < STEM_CACHE:
+                cache[word] = term
         ch = self.chars.get(term)
         if ch is None:
             ch = _term_char_of(len(self.stems))
@@ -1847,25 +1861,27 @@ class _Vocab:
     def encode(self, text: str) -> str:
         """Return the term chars of text's tokens, in order."""
         text = fold(text)
-        words = (_ASCII_WORD_RE if text.isascii() else _WORD_RE).findall(text)
-        chars = self.surfaces
+        if text.isascii():  # the same tokens as _ASCII_WORD_RE, split at C speed
+            words, chars = text.encode().translate(_ASCII_SPACES).split(), self.ascii
+        else:
+            words, chars = _WORD_RE.findall(text), self.surfaces
         try:
             return "".join(map(chars.__getitem__, words))
         except KeyError:  # new words: give them term chars, then encode again
-            cache = self._cache
             for w in set(words).difference(chars):
-                s = cache.get(w) if cache is not None else None
-                if s is None:
-                    s = stem(w)
-                    if cache is not None and len(cache) < STEM_CACHE:
-                        cache[w] = s
-                chars[w] = self._char(s)
+                chars[w] = self._char(w)
             return "".join(map(chars.__getitem__, words))
 
     def analyse(self, path: str, text: str, size: int, mtime: int) -> Doc:
         text = unicodedata.normalize("NFC", text)
         title = note_title(text, path)
         return Doc(path, size, mtime, title, self.encode(text), self.encode(title))
+
+    def words(self) -> list:
+        """Return [(folded word, term char)] sorted by word (overflowing stems left out)."""
+        found = {w.decode(): ch for w, ch in self.ascii.items()}
+        found.update(self.surfaces)
+        return sorted(item for item in found.items() if item[1] != _OVERFLOW)
 
 
 def _count_terms(counter: dict, keys: Iterable) -> None:
@@ -1884,14 +1900,16 @@ class MemorySegment:
         self.docs: list = []  # Doc by id
         self.avgs: list = []  # the (body, title) averages each note's impacts were computed with
         self.ids: dict = {}  # path -> id of its live entry
-        self.post: tuple = ({}, {})  # per field: term char -> (array of ids, array of impacts)
+        self.post: tuple = ([], [])  # per field, by code point of the term char: None or
+        # (array of ids, array of impacts)
         self.lens = [0, 0]
         self.tokens = 0
         self.deleted: set = set()
         self.del_df: tuple = ({}, {})  # per field: term -> deleted notes holding it
         self.del_lens = [0, 0]
         self.avg_range = [[math.inf, 0.0], [math.inf, 0.0]]
-        self._sorted: list = []  # sorted surfaces, rebuilt when the vocabulary grew
+        self._sorted: list = []  # the vocabulary's words, sorted when it grew
+        self._sorted_size = 0
 
     @property
     def n(self) -> int:
@@ -1913,13 +1931,15 @@ class MemorySegment:
             if not counts:
                 continue
             table = self.post[f]
-            terms, tfs = list(counts), list(counts.values())
+            cps, tfs = list(map(ord, counts)), list(counts.values())
+            if max(cps) >= len(table):
+                table.extend([None] * (max(cps) + 1024 - len(table)))
             by_tf = {tf: bm25_tf(tf, dl, a) for tf in set(tfs)}
-            entries = list(map(table.get, terms))
+            entries = list(map(table.__getitem__, cps))
             if None in entries:
                 for i, entry in enumerate(entries):
                     if entry is None:
-                        entries[i] = table[terms[i]] = (array.array("I"), array.array("f"))
+                        entries[i] = table[cps[i]] = (array.array("I"), array.array("f"))
             deque(map(_APPEND, map(_FIRST, entries), itertools.repeat(d)), 0)
             deque(map(_APPEND, map(_SECOND, entries), map(by_tf.__getitem__, tfs)), 0)
         return d
@@ -1941,7 +1961,8 @@ class MemorySegment:
         return list(map(self.vocab.chars.get, stems))
 
     def postings(self, key, f: int):
-        return self.post[f].get(key)
+        table, cp = self.post[f], ord(key)
+        return table[cp] if cp < len(table) else None
 
     def char(self, key) -> str:
         return key
@@ -1979,15 +2000,14 @@ class MemorySegment:
     def prefix_words(self, prefix: str, cap: int) -> list:
         """Return [(folded word, stem)] of up to cap words starting with prefix, sorted."""
         vocab = self.vocab
-        if len(self._sorted) != len(vocab.surfaces):
-            self._sorted = sorted(vocab.surfaces)
+        size = len(vocab.ascii) + len(vocab.surfaces)
+        if self._sorted_size != size:
+            self._sorted, self._sorted_size = vocab.words(), size
         words = self._sorted
-        i = bisect.bisect_left(words, prefix)
+        i = bisect.bisect_left(words, (prefix,))
         out = []
-        while i < len(words) and words[i].startswith(prefix) and len(out) < cap:
-            ch = vocab.surfaces[words[i]]
-            if ch != _OVERFLOW:
-                out.append((words[i], vocab.stems[_term_number(ch)]))
+        while i < len(words) and words[i][0].startswith(prefix) and len(out) < cap:
+            out.append((words[i][0], vocab.stems[_term_number(words[i][1])]))
             i += 1
         return out
 
@@ -2001,8 +2021,7 @@ class MemorySegment:
         return iter(sorted(self.vocab.chars.items()))
 
     def sorted_surfaces(self) -> Iterable:
-        surfaces = self.vocab.surfaces
-        return ((w, surfaces[w]) for w in sorted(surfaces) if surfaces[w] != _OVERFLOW)
+        return iter(self.vocab.words())
 
     def term_count(self) -> int:
         return len(self.vocab.stems)
@@ -2389,9 +2408,22 @@ class _TextTable:
         self.off.append(self.off[-1] + len(raw))
 
 
+def _tagged(pairs: Iterable, i: int) -> Iterable:
+    """Yield (word, i, key) for (word, key) of source i (a function: i bound per source)."""
+    for word, key in pairs:
+        yield word, i, key
+
+
+def _path_order(src, remap) -> Iterable:
+    """Yield (path bytes, new id) of a source's kept notes in path order."""
+    for d in src.by_path():
+        if remap[d] >= 0:
+            yield src.path_bytes(d), remap[d]
+
+
 def _merged_terms(sources: list) -> Iterable:
     """Yield (stem, [(source number, key)]) over the sources' dictionaries, in stem order."""
-    streams = [((s, i, k) for s, k in src.sorted_terms()) for i, src in enumerate(sources)]
+    streams = [_tagged(src.sorted_terms(), i) for i, src in enumerate(sources)]
     for stem_, parts in itertools.groupby(heapq.merge(*streams), key=_FIRST):
         yield stem_, [(i, k) for _, i, k in parts]
 
@@ -2531,13 +2563,10 @@ def write_segment(f, sources: list, skips: list, dels: list, cancel=None) -> lis
                     out.write(raw)
                     off.append(off[-1] + len(raw))
         out.end(name)
-    streams = [
-        ((src.path_bytes(d), remap[d]) for d in src.by_path() if remap[d] >= 0)
-        for src, remap in zip(sources, remaps)
-    ]
+    streams = [_path_order(src, remap) for src, remap in zip(sources, remaps)]
     by_path = array.array("I", map(_SECOND, heapq.merge(*streams)))
     surfaces, surf_tid = _TextTable(), array.array("I")
-    streams = [((w, i, k) for w, k in src.sorted_surfaces()) for i, src in enumerate(sources)]
+    streams = [_tagged(src.sorted_surfaces(), i) for i, src in enumerate(sources)]
     last = None
     for w, i, k in heapq.merge(*streams):
         if w == last:
@@ -2780,6 +2809,7 @@ class SearchIndex:
         self._dirty = False  # the commit file is behind
         self._flushed = time.monotonic()
         self._unverified: list = []
+        self._stems: dict | None = None  # word -> stem, shared by the batches of one sync
         self._wake, self._stop = threading.Event(), threading.Event()
         self._thread: threading.Thread | None = None
 
@@ -2862,7 +2892,7 @@ class SearchIndex:
                             self.add(*item)
                             count += 1
                 return count
-            vocab = _Vocab(stem_cache={})
+            vocab = _Vocab(self._stems if self._stems is not None else {})
             docs = [vocab.analyse(*item) for item in items]
             seg = MemorySegment(vocab)
             avg = tuple(max(sum(len(d[4 + f]) for d in docs) / len(docs), 1.0) for f in (0, 1))
@@ -2968,7 +2998,7 @@ class SearchIndex:
     def stats(self) -> dict:
         with self._lock:
             segs = self._all()
-            terms = sum(s.nd if isinstance(s, DiskSegment) else len(s.post[0]) for s in segs)
+            terms = sum(s.nd if isinstance(s, DiskSegment) else len(s.vocab.stems) for s in segs)
             return {"documents": self._count(segs), "terms": terms, "segments": len(segs)}
 
     def check(self, files: dict) -> tuple:
@@ -3027,6 +3057,7 @@ class SearchIndex:
         last_log = time.monotonic()
         items, chars, done = [], 0, 0
         since = self.generation
+        self._stems = {}
         for i, path in enumerate(paths, 1):
             try:
                 data, st = notes.read_raw(path)
@@ -3043,6 +3074,7 @@ class SearchIndex:
                 last_log = time.monotonic()
         if items:
             self.bulk_add(items, since, known)
+        self._stems = None
 
     # -- searching -----------------------------------------------------------------------
 
