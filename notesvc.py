@@ -1780,8 +1780,9 @@ SPARSE_EVERY = 64  # one dictionary entry in this many is held in memory
 FLUSH_DOCS = 1000  # the memory segment is written to a file at this many notes...
 FLUSH_TOKENS = 2_000_000  # ...or tokens
 COMMIT_SECONDS = 30.0  # other changes reach the disk within this
-BULK_CHUNK_CHARS = 8_000_000  # text analysed per segment when many notes are (re)read
-MERGE_FACTOR = 4  # segments of one size class merged at once
+BULK_CHUNK_NOTES = 2000  # notes analysed per segment file when many are (re)read...
+BULK_CHUNK_CHARS = 8_000_000  # ...or this much text
+MERGE_FACTOR = 3  # segments of one size class merged at once
 MAX_DELETED = 0.3  # a segment with this share of deleted notes is rewritten
 STEM_CACHE = 200_000  # words whose stems one bulk remembers
 _OVERFLOW = "\xff"  # the term char of stems past the last code point (not indexed)
@@ -3066,7 +3067,7 @@ class SearchIndex:
             text = data.decode("utf-8", "replace")
             items.append((path, text, st.st_size, st.st_mtime_ns))
             chars += len(text)
-            if chars >= BULK_CHUNK_CHARS or i == len(paths):
+            if chars >= BULK_CHUNK_CHARS or len(items) >= BULK_CHUNK_NOTES or i == len(paths):
                 done += self.bulk_add(items, since, known)
                 items, chars, since = [], 0, self.generation
             if time.monotonic() - last_log >= 2:
@@ -3494,7 +3495,8 @@ class SearchIndex:
                     self._dirty = True
 
     def _pick_merge(self) -> list:
-        """Return segments to merge: one mostly deleted, or MERGE_FACTOR of one size class."""
+        """Return segments to merge: one mostly deleted, or those of the smallest size class
+        (live notes, in powers of MERGE_FACTOR) that has MERGE_FACTOR of them."""
         with self._lock:
             segs = [s for s in self._segs if isinstance(s, DiskSegment)]
         tiers = collections.defaultdict(list)
@@ -3505,7 +3507,7 @@ class SearchIndex:
             tiers[int(math.log(live / 1024, MERGE_FACTOR) + 1e-9)].append(s)
         for tier in sorted(tiers):
             if len(tiers[tier]) >= MERGE_FACTOR:
-                return sorted(tiers[tier], key=lambda s: s.n - len(s.deleted))[:MERGE_FACTOR]
+                return tiers[tier]
         return []
 
     def merge(self, sources: list) -> bool:
