@@ -2695,6 +2695,91 @@ def write_commit(path: Path, entries: list, seq: int) -> None:
 # -- the index ----------------------------------------------------------------
 
 
+def _analyse_items(items: list, stems: dict) -> MemorySegment:
+    """Return a memory segment of (path, text, size, mtime) items, their impacts computed
+    with the batch's own average lengths."""
+    vocab = _Vocab(stems)
+    docs = [vocab.analyse(*item) for item in items]
+    seg = MemorySegment(vocab)
+    avg = tuple(max(sum(len(d[4 + f]) for d in docs) / max(len(docs), 1), 1.0) for f in (0, 1))
+    for doc in docs:
+        seg.add(doc, avg)
+    return seg
+
+
+def _read_items(notes: NoteStore, paths: list) -> list:
+    """Return (path, text, size, mtime_ns) of the notes still there."""
+    items = []
+    for path in paths:
+        try:
+            data, st = notes.read_raw(path)
+        except ApiError:
+            continue
+        items.append((path, data.decode("utf-8", "replace"), st.st_size, st.st_mtime_ns))
+    return items
+
+
+class _Progress:
+    """Counts the notes a bulk has indexed and logs it every 2 s (from any thread)."""
+
+    def __init__(self, total: int):
+        self.total, self.done = total, 0
+        self.logged = time.monotonic()
+
+    def add(self, count: int) -> None:
+        self.done += count
+        if time.monotonic() - self.logged >= 2:
+            self.logged = time.monotonic()
+            log.info("indexing: %d of %d notes indexed", self.done, self.total)
+
+
+_HELPER_CODE = (
+    "import runpy, sys; runpy.run_path(sys.argv[1], run_name='notesvc_index_helper')"
+    "['index_helper'](*sys.argv[2:])"
+)
+
+
+def index_helper(notes_root: str, folder: str) -> None:
+    """Run as the helper process of a bulk build: for each line {"paths": [...]} on stdin,
+    read those notes, write them as a segment to a temp file in folder and answer
+    {"file": its path} (or {"error": ...}) on stdout; stop at the end of stdin.
+
+    The server renames each file into place, so a helper that outlives a crashed server
+    leaves nothing but a temp file, which the next start sweeps away.
+    """
+    notes = NoteStore(Path(notes_root), Path(folder) / "trash")
+    stems: dict = {}
+    for line in sys.stdin:
+        name = None
+        try:
+            seg = _analyse_items(_read_items(notes, json.loads(line)["paths"]), stems)
+            if seg.n:
+                fd, name = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX, dir=folder)
+                with os.fdopen(fd, "wb") as f:
+                    write_segment(f, [seg], [set()], [({}, {})])
+                    f.flush()
+                    os.fsync(f.fileno())
+            reply = {"file": name}
+        except Exception as e:  # the server indexes the batch itself
+            if name:
+                with contextlib.suppress(OSError):
+                    os.unlink(name)
+            reply = {"error": f"{type(e).__name__}: {e}"[:300]}
+        print(json.dumps(reply), flush=True)
+
+
+def _stop_helper(helper) -> None:
+    with contextlib.suppress(OSError):
+        helper.stdin.close()
+    try:
+        helper.wait(30)
+    except Exception:
+        helper.kill()
+        helper.wait()
+    with contextlib.suppress(OSError):
+        helper.stdout.close()
+
+
 class _Match:
     """One segment's candidates for a query, with approximate scores (stored impacts)."""
 
@@ -2893,34 +2978,32 @@ class SearchIndex:
                             self.add(*item)
                             count += 1
                 return count
-            vocab = _Vocab(self._stems if self._stems is not None else {})
-            docs = [vocab.analyse(*item) for item in items]
-            seg = MemorySegment(vocab)
-            avg = tuple(max(sum(len(d[4 + f]) for d in docs) / len(docs), 1.0) for f in (0, 1))
-            for doc in docs:
-                seg.add(doc, avg)
-            del docs
+            seg = _analyse_items(items, self._stems if self._stems is not None else {})
             new = self._write([seg], [set()], [({}, {})])[0] if self.folder else None
-            with self._lock:
-                new = new or seg  # a full disk: keep it in memory
-                count = 0
-                for d in range(new.n):
-                    path = seg.docs[d].path
-                    if self._touched.get(path, -1) > since:
-                        new.delete(d)
-                        continue
-                    if replace is None or path in replace:
-                        self._drop(path)
-                    count += 1
-                self._segs.append(new)
-                self.generation += 1
-                self._dirty = True
-            self._commit()
-            return count
+            return self._add_segment(new or seg, since, replace)  # a full disk: in memory
         finally:
             with self._lock:
                 self._bulks -= 1
             self._wake.set()
+
+    def _add_segment(self, new, since: int, replace: Container | None) -> int:
+        """Add a segment of (re)read notes: drop their older entries, and any of its own
+        that a change after generation `since` made stale; commit. Return its live notes."""
+        with self._lock:
+            count = 0
+            for d in range(new.n):
+                path = new.path(d)
+                if self._touched.get(path, -1) > since:
+                    new.delete(d)
+                    continue
+                if replace is None or path in replace:
+                    self._drop(path)
+                count += 1
+            self._segs.append(new)
+            self.generation += 1
+            self._dirty = True
+        self._commit()
+        return count
 
     # -- reading: what plugins and providers may ask (they never touch the lock) ---------
 
@@ -3005,20 +3088,24 @@ class SearchIndex:
     def check(self, files: dict) -> tuple:
         """Compare {path: (size, mtime_ns)} of the notes on disk (the dict is consumed) with
         the index; return (paths to read, indexed paths that are gone)."""
-        changed, removed, _ = self._check(files)
+        changed, removed, _, _ = self._check(files)
         return changed, removed
 
     def _check(self, files: dict) -> tuple:
+        """Return (paths to read, paths gone, the paths to read that are indexed, the sizes
+        of the paths to read)."""
         with self._lock:
             snapshot = self._snapshot()
-        known, removed = [], []
+        known, removed, sizes = [], [], {}
         for path, seg, d in self._entries(snapshot):
             sig = files.pop(path, None)
             if sig is None:
                 removed.append(path)
             elif sig != seg.sig(d):
                 known.append(path)
-        return known + list(files), removed, set(known)
+                sizes[path] = sig[0]
+        sizes.update((path, sig[0]) for path, sig in files.items())
+        return known + list(files), removed, set(known), sizes
 
     def sync(self, notes: NoteStore | None = None) -> dict:
         """Bring the index in line with the files: re-read what changed, drop what is gone.
@@ -3030,13 +3117,13 @@ class SearchIndex:
         with self._sync_lock:
             started = time.perf_counter()
             self.verify()
-            changed, removed, known = self._check(notes.scan())
+            changed, removed, known, sizes = self._check(notes.scan())
             for path in removed:
                 with notes.locked(path):
                     if not notes.exists(path):
                         self.remove(path)
             if len(changed) > 50:
-                self._bulk_read(notes, changed, known)
+                self._bulk_read(notes, changed, known, sizes)
             else:
                 for path in changed:
                     with notes.locked(path):  # no API write can slip in between
@@ -3053,29 +3140,101 @@ class SearchIndex:
                 )
             return {"read": len(changed), "removed": len(removed), "seconds": round(took, 3)}
 
-    def _bulk_read(self, notes: NoteStore, paths: list, known: set) -> None:
-        """Read and index many notes, a segment per BULK_CHUNK_CHARS of text."""
-        last_log = time.monotonic()
-        items, chars, done = [], 0, 0
-        since = self.generation
+    def _bulk_read(self, notes: NoteStore, paths: list, known: set, sizes: dict) -> None:
+        """Read and index many notes, a segment file per batch (BULK_CHUNK_NOTES notes or
+        BULK_CHUNK_CHARS bytes); with two cores or more, a helper process analyses every
+        other batch (index_helper), so a first build takes two cores."""
+        batches: deque = deque([[]])
+        chars = 0
+        for path in paths:
+            if len(batches[-1]) >= BULK_CHUNK_NOTES or chars >= BULK_CHUNK_CHARS:
+                batches.append([])
+                chars = 0
+            batches[-1].append(path)
+            chars += sizes.get(path, 0)
+        progress = _Progress(len(paths))
+        helper = self._start_helper(notes) if len(batches) > 1 else None
+        pump = None
+        if helper is not None:
+            pump = threading.Thread(
+                target=self._pump, args=(helper, batches, known, progress), daemon=True
+            )
+        with self._lock:
+            self._bulks += 1
         self._stems = {}
-        for i, path in enumerate(paths, 1):
+        try:
+            if pump is not None:
+                pump.start()
+            for pumping in (True, False):
+                while batches:
+                    with contextlib.suppress(IndexError):
+                        batch = batches.popleft()
+                        since = self.generation
+                        progress.add(self.bulk_add(_read_items(notes, batch), since, known))
+                if pumping and pump is not None:
+                    pump.join()  # batches it gave back are done on the second pass
+        finally:
+            self._stems = None
+            if helper is not None:
+                _stop_helper(helper)
+            with self._lock:
+                self._bulks -= 1
+            self._wake.set()
+
+    def _start_helper(self, notes: NoteStore):
+        """Start an index_helper process; None where it cannot help (one core, no file)."""
+        module = globals().get("__file__")
+        if self.folder is None or (os.cpu_count() or 1) < 2 or not module or not sys.executable:
+            return None
+        import subprocess
+
+        cmd = [sys.executable, "-c", _HELPER_CODE, module, str(notes.root), str(self.folder)]
+        try:
+            return subprocess.Popen(  # noqa: S603 (this interpreter and this file)
+                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, close_fds=True
+            )
+        except OSError as e:
+            log.warning("index: no helper process (%s); indexing on one core", e)
+            return None
+
+    def _pump(self, helper, batches: deque, known: set, progress: _Progress) -> None:
+        """Hand batches to the helper process and add the segment files it writes; on any
+        trouble give the batch back (the caller indexes it) and stop."""
+        while True:
             try:
-                data, st = notes.read_raw(path)
-            except ApiError:
-                continue
-            text = data.decode("utf-8", "replace")
-            items.append((path, text, st.st_size, st.st_mtime_ns))
-            chars += len(text)
-            if chars >= BULK_CHUNK_CHARS or len(items) >= BULK_CHUNK_NOTES or i == len(paths):
-                done += self.bulk_add(items, since, known)
-                items, chars, since = [], 0, self.generation
-            if time.monotonic() - last_log >= 2:
-                log.info("indexing: read %d of %d notes, %d indexed", i, len(paths), done)
-                last_log = time.monotonic()
-        if items:
-            self.bulk_add(items, since, known)
-        self._stems = None
+                batch = batches.popleft()
+            except IndexError:
+                return
+            since = self.generation
+            try:
+                helper.stdin.write(json.dumps({"paths": batch}) + "\n")
+                helper.stdin.flush()
+                reply = json.loads(helper.stdout.readline() or '{"error": "it stopped"}')
+                seg = self._install(reply["file"]) if reply.get("file") else None
+                if reply.get("error") or (reply.get("file") and seg is None):
+                    raise ValueError(reply.get("error") or "its file is unusable")
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                log.warning("index helper process: %s; indexing on one core", e)
+                batches.appendleft(batch)
+                return
+            if seg is not None:
+                progress.add(self._add_segment(seg, since, known))
+
+    def _install(self, name: str):
+        """Rename a segment file the helper wrote into place; return it opened, or None."""
+        tmp = Path(name)
+        if tmp.parent != self.folder or not tmp.name.startswith(TEMP_PREFIX):
+            return None
+        final = self.folder / f"{next(self._names):08d}.seg"
+        try:
+            os.replace(tmp, final)
+            fsync_dir(self.folder)
+            return DiskSegment(final)
+        except (OSError, IndexFileError) as e:
+            log.warning("index: a helper's segment file is unusable (%s)", e)
+            with contextlib.suppress(OSError):
+                final.unlink()
+            return None
 
     # -- searching -----------------------------------------------------------------------
 

@@ -3242,8 +3242,13 @@ class TestSearchSegments:
             again = notesvc.SearchIndex.open(state, notesvc.NoteStore(disk / "notes", state))
             assert again.search(notesvc.Query("memory"), "", 5, 0)[0] == 200
             again.close()
+            del index, again  # their segment files are mapped until collected
         finally:
+            import gc
+
+            gc.collect()
             subprocess.run(["umount", str(disk)], capture_output=True, timeout=10)
+            subprocess.run(["umount", "-l", str(disk)], capture_output=True, timeout=10)
 
 
 class TestServerSearch:
@@ -3399,6 +3404,9 @@ class TestServerSearchSegments:
         for i, path in enumerate(sorted(notes)[:1500]):  # edited while the server was down
             notes[path] = notes[path].replace("filler", f"edited{i % 3}")
             (tmp_path / path).write_text(notes[path])
+        later = time.time_ns() + 10**9
+        for path in notes:  # and every other note touched: the check reads them all again
+            os.utime(tmp_path / path, ns=(later, later))
         gone = sorted(notes)[-1]
         (tmp_path / gone).unlink()
         del notes[gone]
@@ -3417,7 +3425,7 @@ class TestServerSearchSegments:
             wait_until(edited, timeout=60, step=0.05)
             assert_server_answers(again, notes)
             _, _, info = again.request("GET", f"{API}/system/info")
-            assert info["data"]["index"]["lastSync"]["read"] == 1500
+            assert info["data"]["index"]["lastSync"]["read"] == 4999
             assert info["data"]["index"]["lastSync"]["removed"] == 1
 
 
