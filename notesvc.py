@@ -2259,11 +2259,18 @@ class DiskSegment:
 
     def phrase(self, cands: Iterable, needle: str, f: int) -> list:
         cands = list(cands)
-        off, base = self._tok_off, self.text["tokens"]
-        starts = [base + off[2 * d + f] for d in cands]
-        ends = [base + off[2 * d + f + 1] for d in cands]
+        first, last = self._tok_spans[f]
+        shift = self.text["tokens"].__add__
+        starts = map(shift, map(first.__getitem__, cands))
+        ends = map(shift, map(last.__getitem__, cands))
         found = map(self.mm.find, itertools.repeat(needle.encode()), starts, ends)
         return list(itertools.compress(cands, map(_NOT_MINUS_ONE, found)))
+
+    @functools.cached_property
+    def _tok_spans(self) -> tuple:
+        """Per field: (start offsets, end offsets) of the notes' term strings, by note id."""
+        off = self._tok_off
+        return (off[0:-1:2], off[1::2]), (off[1::2], off[2::2])
 
     def in_folder(self, cands: set, prefix: str) -> set:
         target = prefix.encode()
@@ -2884,6 +2891,7 @@ class SearchIndex:
         self.folder = folder  # <state>/index, or None: in memory only
         self.commit_file = folder.parent / "index.cache" if folder else None
         self.notes = notes
+        self._base = str(notes.base) if notes is not None else ""
         self._segs: list = []  # DiskSegment, or MemorySegment not yet written; oldest first
         self._live = MemorySegment()
         self.generation = 0  # bumps on every change
@@ -3303,9 +3311,12 @@ class SearchIndex:
             for f in (0, 1):
                 lists = [seg.postings(k, f) for k in ks]
                 if all(lists):
-                    cands = min((p[0] for p in lists), key=len)
+                    lists = sorted((p[0] for p in lists), key=len)
+                    cands = lists[0]
                     if within is not None and len(within) < len(cands):
                         cands = within
+                    elif len(lists[1]) < 2 * len(cands):  # two common words: both must be in
+                        cands = set(cands).intersection(lists[1])
                     found.update(seg.phrase(cands, needle, f))
             return found
         for s in stems:
@@ -3485,8 +3496,14 @@ class SearchIndex:
         """Return a note's text from its file (up to limit bytes), None when unreadable."""
         if self.notes is None:
             return None
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
         try:
-            fd = os.open(self.notes.on_disk(path), os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0))
+            try:  # the common case without pathlib: the name on disk is the path
+                fd = os.open(os.path.join(self._base, path), flags)
+            except FileNotFoundError:
+                if path.isascii():
+                    return None
+                fd = os.open(self.notes.on_disk(path), flags)  # an NFD name on disk
             with open(fd, "rb") as f:
                 data = f.read(limit)
         except (OSError, ValueError):
