@@ -1784,7 +1784,7 @@ BULK_CHUNK_NOTES = 2000  # notes analysed per segment file when many are (re)rea
 BULK_CHUNK_CHARS = 8_000_000  # ...or this much text
 MERGE_FACTOR = 3  # segments of one size class merged at once
 MAX_DELETED = 0.3  # a segment with this share of deleted notes is rewritten
-STEM_CACHE = 200_000  # words whose stems one bulk remembers
+STEM_CACHE = 50_000  # words whose stems one bulk remembers (the common ones come first)
 _OVERFLOW = "\xff"  # the term char of stems past the last code point (not indexed)
 _APPEND = array.array.append
 _FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
@@ -2062,8 +2062,9 @@ _COMMIT_MAGIC = b"NSVCIDX\x00"
 _TRAILER = struct.Struct("<II8s")  # footer length, footer crc32, magic
 # name: (array type, items per note or term, extra items): how long each section must be
 _SECTIONS = {
-    "post": ("I", None, 0, 0),  # per term and field: ids, then float32 impacts
-    "terms": ("I", "terms", 4, 0),  # per term: body offset, count, title offset, count
+    "ids": ("I", None, 0, 0),  # postings, term by term (body, then title): note ids...
+    "imps": ("f", None, 0, 0),  # ...and their BM25 impacts (the same positions)
+    "terms": ("I", "terms", 4, 0),  # per term: body start, count, title start, count
     "dict_off": ("I", "dict", 1, 1),
     "dict_tid": ("I", "dict", 1, 0),
     "tid_rank": ("I", "terms", 1, 0),
@@ -2123,6 +2124,8 @@ class DiskSegment:
             if spec[1] is not None and len(arr) != counts[spec[1]] * spec[2] + spec[3]:
                 raise IndexFileError(f"{path.name}: section {name} does not add up")
             setattr(self, "_" + name, arr)
+        if len(self._ids) != len(self._imps):
+            raise IndexFileError(f"{path.name}: postings do not add up")
         self.sparse = {
             kind: self.mm[slice(*_span(bounds[kind + "_sparse"]))].decode().split("\n")[:-1]
             for kind in ("dict", "surf")
@@ -2192,11 +2195,7 @@ class DiskSegment:
         start, n = self._terms[at], self._terms[at + 1]
         if not n:
             return None
-        return self._post[start : start + n], self._imps[start + n : start + 2 * n]
-
-    @functools.cached_property
-    def _imps(self) -> memoryview:
-        return self._post.cast("B").cast("f")
+        return self._ids[start : start + n], self._imps[start : start + n]
 
     def char(self, key: int) -> str:
         return _term_char_of(key)
@@ -2302,13 +2301,13 @@ class DiskSegment:
     # -- what the segment writer reads -----------------------------------------------------
 
     def sorted_terms(self) -> Iterable:
-        for lo in range(0, self.nd, 4096):
-            hi = min(lo + 4096, self.nd)
+        for lo in range(0, self.nd, 512):
+            hi = min(lo + 512, self.nd)
             yield from zip(self._strings("dict", lo, hi), self._dict_tid[lo:hi])
 
     def sorted_surfaces(self) -> Iterable:
-        for lo in range(0, self.ns, 4096):
-            hi = min(lo + 4096, self.ns)
+        for lo in range(0, self.ns, 512):
+            hi = min(lo + 512, self.ns)
             yield from zip(self._strings("surf", lo, hi), self._surf_tid[lo:hi])
 
     def term_count(self) -> int:
@@ -2399,23 +2398,6 @@ class _Cancelled(Exception):
     """A merge stopped because the index is closing."""
 
 
-class _TextTable:
-    """A sorted string table being written: its text, offsets and sparse directory."""
-
-    def __init__(self):
-        self.text, self.sparse = io.BytesIO(), io.BytesIO()
-        self.off = array.array("I", [0])
-        self.count = 0
-
-    def add(self, word: str) -> None:
-        raw = (word + "\n").encode()
-        self.text.write(raw)
-        if self.count % SPARSE_EVERY == 0:
-            self.sparse.write(raw)
-        self.count += 1
-        self.off.append(self.off[-1] + len(raw))
-
-
 def _tagged(pairs: Iterable, i: int) -> Iterable:
     """Yield (word, i, key) for (word, key) of source i (a function: i bound per source)."""
     for word, key in pairs:
@@ -2445,39 +2427,188 @@ def _live_df(sources: list, dels: list, parts: list, f: int) -> int:
     return df
 
 
-def _write_postings(out: _FileWriter, sources, skips, remaps, parts: list, f: int) -> int:
-    """Write one term's postings in one field, ids then impacts; return how many."""
-    ids_out, imps_out = [], []
+def _norms(src, avg: tuple) -> list:
+    """Per field: (each note's BM25 length norm then, with today's averages) of a source."""
+    out = []
+    for f in (0, 1):
+        dls = [src.dl(d, f) for d in range(src.n)]
+        then = [src.avg_then(d, f) for d in range(src.n)]
+        out.append(
+            (
+                array.array("d", [K1 * (1 - B + B * dl / a) for dl, a in zip(dls, then)]),
+                array.array("d", [K1 * (1 - B + B * dl / avg[f]) for dl in dls]),
+            )
+        )
+    return out
+
+
+def _rescore(ids, imps, then, now) -> array.array:
+    """Return impacts computed again with new length norms: each term frequency recovered
+    from its impact and its note's old norm, then scored with the new one (C-level maps)."""
+    top = K1 + 1.0
+    tfs = list(
+        map(
+            max,
+            itertools.repeat(1),
+            map(
+                round,
+                map(
+                    operator.truediv,
+                    map(operator.mul, imps, map(then.__getitem__, ids)),
+                    map(
+                        max, map(operator.sub, itertools.repeat(top), imps), itertools.repeat(1e-6)
+                    ),
+                ),
+            ),
+        )
+    )
+    return array.array(
+        "f",
+        map(
+            operator.truediv,
+            map(top.__mul__, tfs),
+            map(operator.add, tfs, map(now.__getitem__, ids)),
+        ),
+    )
+
+
+def _write_postings(out, spill, sources, skips, remaps, norms, parts: list, f: int) -> int:
+    """Write one term's postings in one field (ids to out, impacts to spill); return how
+    many."""
+    count = 0
     for i, k in parts:
         p = sources[i].postings(k, f)
         if not p:
             continue
         ids, imps = p
+        if norms is not None:
+            imps = _rescore(ids, imps, *norms[i][f])
         if skips[i]:
             mapped = list(map(remaps[i].__getitem__, ids))
             keep = list(map(_NOT_MINUS_ONE, mapped))
-            ids_out.append(array.array("I", itertools.compress(mapped, keep)))
-            imps_out.append(array.array("f", itertools.compress(imps, keep)))
-            continue
-        shift = remaps[i][ids[0]] - ids[0]
-        ids_out.append(array.array("I", map(shift.__add__, ids)) if shift else ids)
-        imps_out.append(imps)
-    count = 0
-    for part in ids_out:
-        count += len(part)
-        out.write(part.tobytes())
-    for part in imps_out:
-        out.write(part.tobytes())
+            ids = array.array("I", itertools.compress(mapped, keep))
+            imps = array.array("f", itertools.compress(imps, keep))
+        else:
+            shift = remaps[i][ids[0]] - ids[0]
+            if shift:
+                ids = array.array("I", map(shift.__add__, ids))
+        out.write(ids.tobytes())
+        spill.write(imps.tobytes())
+        count += len(ids)
     return count
 
 
-def write_segment(f, sources: list, skips: list, dels: list, cancel=None) -> list:
+def _text_table(words: list) -> tuple:
+    """Return (text, offsets, sparse directory) of a sorted string table."""
+    raw = [(w + "\n").encode() for w in words]
+    offsets = array.array("I", itertools.accumulate(map(len, raw), initial=0))
+    return b"".join(raw), offsets, b"".join(raw[::SPARSE_EVERY])
+
+
+def _write_tables(out: _FileWriter, stems: list, tids: list, words: list, surf_tids) -> None:
+    """Write the dictionary (stems sorted, with their term numbers) and the folded words."""
+    text, offsets, sparse = _text_table(stems)
+    out.section("dict", text)
+    out.section("dict_sparse", sparse)
+    out.section("dict_off", offsets.tobytes())
+    out.section("dict_tid", array.array("I", tids).tobytes())
+    text, offsets, sparse = _text_table(words)
+    out.section("surf", text)
+    out.section("surf_sparse", sparse)
+    out.section("surf_off", offsets.tobytes())
+    out.section("surf_tid", array.array("I", surf_tids).tobytes())
+
+
+def write_batch(f, docs: list, vocab: _Vocab, avg: tuple) -> None:
+    """Write analysed notes (Doc, in this order) as one segment file to f: the bulk build's
+    fast path, with no Python work per posting beyond C-level maps and one sort per field.
+
+    avg: the (body, title) average lengths the impacts are computed with.
+    """
+    out = _FileWriter(f, _SEGMENT_MAGIC)
+    n, nt = len(docs), len(vocab.stems)
+    terms = array.array("I", bytes(16 * nt))
+    start = 0
+    for fld in (0, 1):  # postings in note order, then sorted by term (stable: ids sorted)
+        cps, owners, imps = array.array("I"), array.array("I"), array.array("f")
+        for d, doc in enumerate(docs):
+            toks = doc[4 + fld]
+            counts = collections.Counter(toks)
+            counts.pop(_OVERFLOW, None)
+            if counts:
+                tfs = list(counts.values())
+                by_tf = {tf: bm25_tf(tf, len(toks), avg[fld]) for tf in set(tfs)}
+                cps.extend(map(ord, counts))
+                owners.extend(itertools.repeat(d, len(tfs)))
+                imps.extend(map(by_tf.__getitem__, tfs))
+        order = sorted(range(len(cps)), key=cps.__getitem__)
+        if fld == 0:
+            out.begin("ids")
+            spill = [array.array("f", map(imps.__getitem__, order))]
+        else:
+            spill.append(array.array("f", map(imps.__getitem__, order)))
+        out.write(array.array("I", map(owners.__getitem__, order)).tobytes())
+        for cp, count in sorted(collections.Counter(cps).items()):
+            at = 4 * (cp - (0x900 if cp >= 0xE000 else 0x100)) + 2 * fld  # _term_number
+            terms[at], terms[at + 1] = start, count
+            start += count
+        del cps, owners, imps, order
+    out.end("ids")
+    out.section("imps", *(part.tobytes() for part in spill))
+    out.section("terms", terms.tobytes())
+    stems = vocab.stems
+    by_stem = sorted(range(nt), key=stems.__getitem__)
+    tid_rank = array.array("I", bytes(4 * nt))
+    for pos, tid in enumerate(by_stem):
+        tid_rank[tid] = pos
+    out.section("tid_rank", tid_rank.tobytes())
+    words = vocab.words()
+    _write_tables(
+        out,
+        [stems[t] for t in by_stem],
+        by_stem,
+        [w for w, _ in words],
+        [_term_number(ch) for _, ch in words],
+    )
+    toks = [t.encode() for doc in docs for t in (doc.toks, doc.title_toks)]
+    out.section("tokens", *toks)
+    out.section("tok_off", array.array("Q", itertools.accumulate(map(len, toks), initial=0)))
+    del toks
+    paths = [doc.path.encode() for doc in docs]
+    titles = [doc.title.encode() for doc in docs]
+    for name, strings in (("paths", paths), ("titles", titles)):
+        out.section(name, *strings)
+        offsets = array.array("I", itertools.accumulate(map(len, strings), initial=0))
+        out.section(name[:-1] + "_off", offsets.tobytes())
+    out.section("by_path", array.array("I", sorted(range(n), key=paths.__getitem__)).tobytes())
+    out.section("size", array.array("Q", [doc.size for doc in docs]).tobytes())
+    out.section("mtime", array.array("q", [doc.mtime for doc in docs]).tobytes())
+    dls = array.array("I", [len(t) for doc in docs for t in (doc.toks, doc.title_toks)])
+    out.section("dl", dls.tobytes())
+    out.section("avg", array.array("f", avg * n).tobytes())
+    out.finish(
+        {
+            "docs": n,
+            "terms": nt,
+            "dict": nt,
+            "surfaces": len(words),
+            "lens": [sum(dls[0::2]), sum(dls[1::2])],
+            "avg_range": [[avg[0], avg[0]], [avg[1], avg[1]]],
+        }
+    )
+
+
+def write_segment(
+    f, sources: list, skips: list, dels: list, cancel=None, folder=None, avg=None
+) -> list:
     """Write the live notes of sources as one segment to file f; return, per source, the
     map of its note ids to the new ones (-1: dropped).
 
     skips: each source's deleted ids; dels: each source's deleted-term counts (snapshots).
-    Postings and term strings stream to the file, so merging big segments needs memory for
-    their dictionaries and per-note arrays, not for their postings.
+    avg: when given, every impact is computed again with these average lengths (a merge:
+    the merged file then has one average, today's). Postings and term strings stream to
+    the file (impacts through a temporary file in folder), so merging big segments needs
+    memory for their dictionaries and per-note arrays, not for their postings.
     """
     out = _FileWriter(f, _SEGMENT_MAGIC)
     remaps, n = [], 0
@@ -2488,6 +2619,7 @@ def write_segment(f, sources: list, skips: list, dels: list, cancel=None) -> lis
                 remap[d] = n
                 n += 1
         remaps.append(remap)
+    norms = [_norms(src, avg) for src in sources] if avg else None
     single = len(sources) == 1
     if single:  # one source keeps its term numbers
         nt, trans = sources[0].term_count(), [None]
@@ -2497,7 +2629,7 @@ def write_segment(f, sources: list, skips: list, dels: list, cancel=None) -> lis
             df_b.append(_live_df(sources, dels, parts, 0))
             df_t.append(_live_df(sources, dels, parts, 1))
         kept = [g for g in range(len(df_b)) if df_b[g] or df_t[g]]
-        kept.sort(key=lambda g: (-df_b[g], -df_t[g]))
+        kept.sort(key=df_b.__getitem__, reverse=True)
         rank = array.array("i", [-1]) * len(df_b)
         for r, g in enumerate(kept):
             rank[g] = r
@@ -2508,33 +2640,60 @@ def write_segment(f, sources: list, skips: list, dels: list, cancel=None) -> lis
             table[ord(_OVERFLOW)] = ord(_OVERFLOW)
     terms = array.array("I", bytes(16 * nt))
     tid_rank = array.array("I", bytes(4 * nt))
-    words, dict_tid = _TextTable(), array.array("I")
-    out.begin("post")
-    start = 0
-    for g, (stem_, parts) in enumerate(_merged_terms(sources)):
-        if cancel is not None and not g % 1024 and cancel.is_set():
-            raise _Cancelled
+    stems, tids = [], array.array("I")
+    with tempfile.TemporaryFile(dir=folder) as spill:  # the impacts, until the ids are out
+        out.begin("ids")
+        start = 0
+        for g, (stem_, parts) in enumerate(_merged_terms(sources)):
+            if cancel is not None and not g % 1024 and cancel.is_set():
+                raise _Cancelled
+            if single:
+                if not (_live_df(sources, dels, parts, 0) or _live_df(sources, dels, parts, 1)):
+                    continue
+                tid = sources[0].key_number(parts[0][1])
+            else:
+                tid = rank[g]
+                if tid < 0:
+                    continue
+                cp = ord(_term_char_of(tid))
+                for i, k in parts:
+                    trans[i][ord(sources[i].char(k))] = cp
+            tid_rank[tid] = len(stems)
+            stems.append(stem_)
+            tids.append(tid)
+            for fld in (0, 1):
+                count = _write_postings(out, spill, sources, skips, remaps, norms, parts, fld)
+                if count:
+                    terms[4 * tid + 2 * fld] = start
+                    terms[4 * tid + 2 * fld + 1] = count
+                    start += count
+        out.end("ids")
+        spill.seek(0)
+        out.begin("imps")
+        for chunk in iter(functools.partial(spill.read, 1 << 20), b""):
+            out.write(chunk)
+        out.end("imps")
+    out.section("terms", terms.tobytes())
+    out.section("tid_rank", tid_rank.tobytes())
+    words, surf_tids = [], []
+    last = None
+    streams = [_tagged(src.sorted_surfaces(), i) for i, src in enumerate(sources)]
+    for w, i, k in heapq.merge(*streams):
+        if w == last:
+            continue
         if single:
-            if not (_live_df(sources, dels, parts, 0) or _live_df(sources, dels, parts, 1)):
-                continue
-            tid = sources[0].key_number(parts[0][1])
+            tid = sources[0].key_number(k)
+            alive = tid < nt and (terms[4 * tid + 1] or terms[4 * tid + 3])
         else:
-            tid = rank[g]
-            if tid < 0:
-                continue
-            cp = ord(_term_char_of(tid))
-            for i, k in parts:
-                trans[i][ord(sources[i].char(k))] = cp
-        tid_rank[tid] = words.count
-        words.add(stem_)
-        dict_tid.append(tid)
-        for fld in (0, 1):
-            count = _write_postings(out, sources, skips, remaps, parts, fld)
-            if count:
-                terms[4 * tid + 2 * fld] = start
-                terms[4 * tid + 2 * fld + 1] = count
-                start += 2 * count
-    out.end("post")
+            cp = trans[i][ord(sources[i].char(k))]
+            alive, tid = cp != 0, _term_number(chr(cp)) if cp else 0
+        if alive:
+            last = w
+            words.append(w)
+            surf_tids.append(tid)
+    _write_tables(out, stems, tids, words, surf_tids)
+    surfaces, dictionary = len(surf_tids), len(tids)
+    del stems, tids, words, surf_tids
     sizes, mtimes = array.array("Q"), array.array("q")
     dls, avgs, tok_off = array.array("I"), array.array("f"), array.array("Q", [0])
     out.begin("tokens")
@@ -2554,14 +2713,13 @@ def write_segment(f, sources: list, skips: list, dels: list, cancel=None) -> lis
                 out.write(raw)
                 tok_off.append(tok_off[-1] + len(raw))
                 dls.append(src.dl(d, fld))
-                avgs.append(src.avg_then(d, fld))
+                avgs.append(avg[fld] if avg else src.avg_then(d, fld))
             size, mtime = src.sig(d)
             sizes.append(size)
             mtimes.append(mtime)
     out.end("tokens")
-    offsets = {}
     for name, getter in (("paths", "path_bytes"), ("titles", "title_bytes")):
-        off = offsets[name] = array.array("I", [0])
+        off = array.array("I", [0])
         out.begin(name)
         for src, remap in zip(sources, remaps):
             get = getattr(src, getter)
@@ -2571,43 +2729,16 @@ def write_segment(f, sources: list, skips: list, dels: list, cancel=None) -> lis
                     out.write(raw)
                     off.append(off[-1] + len(raw))
         out.end(name)
+        out.section(name[:-1] + "_off", off.tobytes())
     streams = [_path_order(src, remap) for src, remap in zip(sources, remaps)]
     by_path = array.array("I", map(_SECOND, heapq.merge(*streams)))
-    surfaces, surf_tid = _TextTable(), array.array("I")
-    streams = [_tagged(src.sorted_surfaces(), i) for i, src in enumerate(sources)]
-    last = None
-    for w, i, k in heapq.merge(*streams):
-        if w == last:
-            continue
-        if single:
-            tid = sources[0].key_number(k)
-            alive = tid < nt and (terms[4 * tid + 1] or terms[4 * tid + 3])
-        else:
-            cp = trans[i][ord(sources[i].char(k))]
-            alive, tid = cp != 0, _term_number(chr(cp)) if cp else 0
-        if alive:
-            last = w
-            surfaces.add(w)
-            surf_tid.append(tid)
-    out.section("dict", words.text.getvalue())
-    out.section("dict_sparse", words.sparse.getvalue())
-    out.section("surf", surfaces.text.getvalue())
-    out.section("surf_sparse", surfaces.sparse.getvalue())
     for name, arr in (
-        ("terms", terms),
-        ("dict_off", words.off),
-        ("dict_tid", dict_tid),
-        ("tid_rank", tid_rank),
-        ("surf_off", surfaces.off),
-        ("surf_tid", surf_tid),
+        ("by_path", by_path),
         ("size", sizes),
         ("mtime", mtimes),
         ("dl", dls),
         ("avg", avgs),
         ("tok_off", tok_off),
-        ("path_off", offsets["paths"]),
-        ("title_off", offsets["titles"]),
-        ("by_path", by_path),
     ):
         out.section(name, arr.tobytes())
     spans = []
@@ -2618,8 +2749,8 @@ def write_segment(f, sources: list, skips: list, dels: list, cancel=None) -> lis
         {
             "docs": n,
             "terms": nt,
-            "dict": words.count,
-            "surfaces": surfaces.count,
+            "dict": dictionary,
+            "surfaces": surfaces,
             "lens": [sum(dls[0::2]), sum(dls[1::2])],
             "avg_range": spans,
         }
@@ -2702,13 +2833,16 @@ def write_commit(path: Path, entries: list, seq: int) -> None:
 # -- the index ----------------------------------------------------------------
 
 
-def _analyse_items(items: list, stems: dict) -> MemorySegment:
-    """Return a memory segment of (path, text, size, mtime) items, their impacts computed
-    with the batch's own average lengths."""
+def _analyse_batch(items: list, stems: dict) -> tuple:
+    """Return (vocabulary, [Doc], average lengths) of (path, text, size, mtime) items."""
     vocab = _Vocab(stems)
     docs = [vocab.analyse(*item) for item in items]
-    seg = MemorySegment(vocab)
     avg = tuple(max(sum(len(d[4 + f]) for d in docs) / max(len(docs), 1), 1.0) for f in (0, 1))
+    return vocab, docs, avg
+
+
+def _memory_segment(vocab: _Vocab, docs: list, avg: tuple) -> MemorySegment:
+    seg = MemorySegment(vocab)
     for doc in docs:
         seg.add(doc, avg)
     return seg
@@ -2727,22 +2861,33 @@ def _read_items(notes: NoteStore, paths: list) -> list:
 
 
 class _Progress:
-    """Counts the notes a bulk has indexed and logs it every 2 s (from any thread)."""
+    """Counts the notes a bulk has indexed; a thread logs the count every 2 s."""
 
     def __init__(self, total: int):
         self.total, self.done = total, 0
-        self.logged = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="notesvc-progress", daemon=True)
+
+    def __enter__(self) -> _Progress:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
 
     def add(self, count: int) -> None:
         self.done += count
-        if time.monotonic() - self.logged >= 2:
-            self.logged = time.monotonic()
+
+    def _run(self) -> None:
+        while not self._stop.wait(2):
             log.info("indexing: %d of %d notes indexed", self.done, self.total)
 
 
-_HELPER_CODE = (
-    "import runpy, sys; runpy.run_path(sys.argv[1], run_name='notesvc_index_helper')"
-    "['index_helper'](*sys.argv[2:])"
+_HELPER_CODE = (  # loads this file as a module (its cached bytecode) and runs index_helper
+    "import importlib.util as u, sys; s = u.spec_from_file_location('notesvc_index_helper', "
+    "sys.argv[1]); m = u.module_from_spec(s); s.loader.exec_module(m); "
+    "m.index_helper(*sys.argv[2:])"
 )
 
 
@@ -2759,11 +2904,11 @@ def index_helper(notes_root: str, folder: str) -> None:
     for line in sys.stdin:
         name = None
         try:
-            seg = _analyse_items(_read_items(notes, json.loads(line)["paths"]), stems)
-            if seg.n:
+            vocab, docs, avg = _analyse_batch(_read_items(notes, json.loads(line)["paths"]), stems)
+            if docs:
                 fd, name = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX, dir=folder)
                 with os.fdopen(fd, "wb") as f:
-                    write_segment(f, [seg], [set()], [({}, {})])
+                    write_batch(f, docs, vocab, avg)
                     f.flush()
                     os.fsync(f.fileno())
             reply = {"file": name}
@@ -2986,9 +3131,15 @@ class SearchIndex:
                             self.add(*item)
                             count += 1
                 return count
-            seg = _analyse_items(items, self._stems if self._stems is not None else {})
-            new = self._write([seg], [set()], [({}, {})])[0] if self.folder else None
-            return self._add_segment(new or seg, since, replace)  # a full disk: in memory
+            batch = _analyse_batch(items, self._stems if self._stems is not None else {})
+            new = None
+            if self.folder is not None:
+                new = self._write(
+                    functools.partial(write_batch, docs=batch[1], vocab=batch[0], avg=batch[2])
+                )
+            if new is None:  # in memory only, or a full disk: keep it in memory
+                new = _memory_segment(*batch)
+            return self._add_segment(new, since, replace)
         finally:
             with self._lock:
                 self._bulks -= 1
@@ -3160,27 +3311,28 @@ class SearchIndex:
                 chars = 0
             batches[-1].append(path)
             chars += sizes.get(path, 0)
-        progress = _Progress(len(paths))
-        helper = self._start_helper(notes) if len(batches) > 1 else None
-        pump = None
-        if helper is not None:
-            pump = threading.Thread(
-                target=self._pump, args=(helper, batches, known, progress), daemon=True
-            )
         with self._lock:
             self._bulks += 1
         self._stems = {}
+        helper = self._start_helper(notes) if len(batches) > 1 else None
         try:
-            if pump is not None:
-                pump.start()
-            for pumping in (True, False):
-                while batches:
-                    with contextlib.suppress(IndexError):
-                        batch = batches.popleft()
+            with _Progress(len(paths)) as progress:
+                pump = None
+                if helper is not None:
+                    pump = threading.Thread(
+                        target=self._pump, args=(helper, batches, known, progress), daemon=True
+                    )
+                    pump.start()
+                for pumping in (True, False):
+                    while True:
+                        try:
+                            batch = batches.popleft()
+                        except IndexError:  # the helper took the last one
+                            break
                         since = self.generation
                         progress.add(self.bulk_add(_read_items(notes, batch), since, known))
-                if pumping and pump is not None:
-                    pump.join()  # batches it gave back are done on the second pass
+                    if pumping and pump is not None:
+                        pump.join()  # batches it gave back are done on the second pass
         finally:
             self._stems = None
             if helper is not None:
@@ -3442,7 +3594,7 @@ class SearchIndex:
                 score = cache.get((id(mt), d))
                 if score is None:
                     score = cache[(id(mt), d)] = mt.exact(d, avg)
-                found.append((score, mt.seg.path(d), mt.seg, d))
+                found.append((score, mt, d))
                 if len(heap) < k:
                     heapq.heappush(heap, score)
                 else:
@@ -3450,8 +3602,14 @@ class SearchIndex:
             if outside and (len(heap) < k or outside >= heap[0]):
                 m *= 4
                 continue
-            found.sort(key=lambda x: (-x[0], x[1]))
-            return found[:k]
+            if not found:
+                return []
+            found.sort(key=_FIRST, reverse=True)
+            last = found[min(k, len(found)) - 1][0]  # equal scores are ordered by path
+            best = [x for x in found if x[0] >= last]
+            ranked = [(score, mt.seg.path(d), mt.seg, d) for score, mt, d in best]
+            ranked.sort(key=lambda x: (-x[0], x[1]))
+            return ranked[:k]
 
     def search(self, query: Query, folder: str = "", limit: int = 20, offset: int = 0) -> tuple:
         """Return (total, [(path, title, score, snippet)]) best first."""
@@ -3578,25 +3736,20 @@ class SearchIndex:
             log.info("index opened: %d notes in %d segments", index._count(segs), len(segs))
         return index
 
-    def _write(self, sources: list, skips: list, dels: list, cancel=None) -> tuple:
-        """Write sources as one new segment file; return (DiskSegment, id maps), or
-        (None, None) when the disk is full or failing: the caller keeps what it has."""
+    def _write(self, write: Callable):
+        """Write a new segment file with write(file); return it opened, or None when the
+        disk is full or failing (the caller keeps what it has) or a merge was cancelled."""
         path = self.folder / f"{next(self._names):08d}.seg"
-        remaps: list = []
-
-        def write(f) -> None:
-            remaps.extend(write_segment(f, sources, skips, dels, cancel))
-
         try:
             atomic_write(path, write, mode=0o600)
-            return DiskSegment(path), remaps
+            return DiskSegment(path)
         except _Cancelled:
-            return None, None
+            return None
         except (OSError, IndexFileError) as e:
             log.warning("index: could not write segment %s (%s); serving from memory", path.name, e)
             with contextlib.suppress(OSError):
                 path.unlink()
-            return None, None
+            return None
 
     def flush(self) -> bool:
         """Write the notes held in memory to segment files, then commit; return False when
@@ -3619,7 +3772,12 @@ class SearchIndex:
             for seg, skip, dels in jobs:
                 disk = remaps = None
                 if seg.n > len(skip):
-                    disk, remaps = self._write([seg], [skip], [dels])
+                    remaps = []
+                    disk = self._write(
+                        lambda f, seg=seg, skip=skip, dels=dels, out=remaps: out.extend(
+                            write_segment(f, [seg], [skip], [dels], folder=self.folder)
+                        )
+                    )
                     if disk is None:
                         written = False
                         break
@@ -3693,7 +3851,14 @@ class SearchIndex:
             dels = [(dict(s.del_df[0]), dict(s.del_df[1])) for s in sources]
         new = remaps = None
         if any(s.n > len(skip) for s, skip in zip(sources, skips)):
-            new, remaps = self._write(sources, skips, dels, self._stop)
+            with self._lock:
+                avg = self._averages()
+            remaps = []
+            new = self._write(
+                lambda f: remaps.extend(
+                    write_segment(f, sources, skips, dels, self._stop, self.folder, avg)
+                )
+            )
             if new is None:
                 return False
         with self._commit_lock:
