@@ -1965,6 +1965,10 @@ class MemorySegment:
         table, cp = self.post[f], ord(key)
         return table[cp] if cp < len(table) else None
 
+    def counts(self, key) -> tuple:
+        """Return how many notes (deleted ones included) hold a term in body and title."""
+        return tuple(len(p[0]) if p else 0 for p in (self.postings(key, 0), self.postings(key, 1)))
+
     def char(self, key) -> str:
         return key
 
@@ -2189,6 +2193,10 @@ class DiskSegment:
             j = pos - lo
             out.append(self._dict_tid[pos] if j < len(block) and block[j] == s else None)
         return out
+
+    def counts(self, key: int) -> tuple:
+        """Return how many notes (deleted ones included) hold a term in body and title."""
+        return self._terms[4 * key + 1], self._terms[4 * key + 3]
 
     def postings(self, key: int, f: int):
         at = 4 * key + 2 * f
@@ -2418,27 +2426,30 @@ def _merged_terms(sources: list) -> Iterable:
         yield stem_, [(i, k) for _, i, k in parts]
 
 
-def _live_df(sources: list, dels: list, parts: list, f: int) -> int:
-    df = 0
+def _live_df(sources: list, dels: list, parts: list) -> tuple:
+    """Return a term's (body, title) document frequencies over sources, deletions aside."""
+    body = title = 0
     for i, k in parts:
-        p = sources[i].postings(k, f)
-        if p:
-            df += len(p[0]) - dels[i][f].get(k, 0)
-    return df
+        n_body, n_title = sources[i].counts(k)
+        body += n_body - dels[i][0].get(k, 0) if n_body else 0
+        title += n_title - dels[i][1].get(k, 0) if n_title else 0
+    return body, title
 
 
-def _norms(src, avg: tuple) -> list:
-    """Per field: (each note's BM25 length norm then, with today's averages) of a source."""
+def _norms(sources: list, remaps: list, avg: tuple) -> list:
+    """Per field: (each merged note's BM25 length norm with the averages of its impacts,
+    with today's averages), by new note id; None where every note already has today's."""
     out = []
     for f in (0, 1):
-        dls = [src.dl(d, f) for d in range(src.n)]
-        then = [src.avg_then(d, f) for d in range(src.n)]
-        out.append(
-            (
-                array.array("d", [K1 * (1 - B + B * dl / a) for dl, a in zip(dls, then)]),
-                array.array("d", [K1 * (1 - B + B * dl / avg[f]) for dl in dls]),
-            )
-        )
+        then, now, stale = array.array("d"), array.array("d"), False
+        for src, remap in zip(sources, remaps):
+            for d in range(src.n):
+                if remap[d] >= 0:
+                    dl, a = src.dl(d, f), src.avg_then(d, f)
+                    stale = stale or abs(a - avg[f]) > 1e-6 * avg[f]
+                    then.append(K1 * (1 - B + B * dl / a))
+                    now.append(K1 * (1 - B + B * dl / avg[f]))
+        out.append((then, now) if stale else None)
     return out
 
 
@@ -2473,29 +2484,28 @@ def _rescore(ids, imps, then, now) -> array.array:
 
 
 def _write_postings(out, spill, sources, skips, remaps, norms, parts: list, f: int) -> int:
-    """Write one term's postings in one field (ids to out, impacts to spill); return how
-    many."""
-    count = 0
+    """Write one term's postings in one field (ids to out, impacts to spill), impacts
+    computed again when norms are given; return how many."""
+    ids_out, imps_out = array.array("I"), array.array("f")
     for i, k in parts:
         p = sources[i].postings(k, f)
         if not p:
             continue
         ids, imps = p
-        if norms is not None:
-            imps = _rescore(ids, imps, *norms[i][f])
         if skips[i]:
             mapped = list(map(remaps[i].__getitem__, ids))
             keep = list(map(_NOT_MINUS_ONE, mapped))
-            ids = array.array("I", itertools.compress(mapped, keep))
-            imps = array.array("f", itertools.compress(imps, keep))
-        else:
-            shift = remaps[i][ids[0]] - ids[0]
-            if shift:
-                ids = array.array("I", map(shift.__add__, ids))
-        out.write(ids.tobytes())
-        spill.write(imps.tobytes())
-        count += len(ids)
-    return count
+            ids_out.extend(itertools.compress(mapped, keep))
+            imps_out.extend(itertools.compress(imps, keep))
+            continue
+        shift = remaps[i][ids[0]] - ids[0]
+        ids_out.extend(map(shift.__add__, ids) if shift else ids)
+        imps_out.extend(imps)
+    if norms is not None and norms[f] is not None and ids_out:
+        imps_out = _rescore(ids_out, imps_out, *norms[f])
+    out.write(ids_out.tobytes())
+    spill.write(imps_out.tobytes())
+    return len(ids_out)
 
 
 def _text_table(words: list) -> tuple:
@@ -2619,15 +2629,16 @@ def write_segment(
                 remap[d] = n
                 n += 1
         remaps.append(remap)
-    norms = [_norms(src, avg) for src in sources] if avg else None
+    norms = _norms(sources, remaps, avg) if avg else None
     single = len(sources) == 1
     if single:  # one source keeps its term numbers
         nt, trans = sources[0].term_count(), [None]
     else:  # number the kept terms commonest first: short term chars for common words
         df_b, df_t = array.array("I"), array.array("I")
         for _, parts in _merged_terms(sources):
-            df_b.append(_live_df(sources, dels, parts, 0))
-            df_t.append(_live_df(sources, dels, parts, 1))
+            body, title = _live_df(sources, dels, parts)
+            df_b.append(body)
+            df_t.append(title)
         kept = [g for g in range(len(df_b)) if df_b[g] or df_t[g]]
         kept.sort(key=df_b.__getitem__, reverse=True)
         rank = array.array("i", [-1]) * len(df_b)
@@ -2648,7 +2659,7 @@ def write_segment(
             if cancel is not None and not g % 1024 and cancel.is_set():
                 raise _Cancelled
             if single:
-                if not (_live_df(sources, dels, parts, 0) or _live_df(sources, dels, parts, 1)):
+                if not any(_live_df(sources, dels, parts)):
                     continue
                 tid = sources[0].key_number(parts[0][1])
             else:
