@@ -1784,7 +1784,7 @@ BULK_CHUNK_NOTES = 2000  # notes analysed per segment file when many are (re)rea
 BULK_CHUNK_CHARS = 8_000_000  # ...or this much text
 MERGE_FACTOR = 3  # segments of one size class merged at once
 MAX_DELETED = 0.3  # a segment with this share of deleted notes is rewritten
-STEM_CACHE = 50_000  # words whose stems one bulk remembers (the common ones come first)
+STEM_CACHE = 100_000  # words whose stems one bulk remembers (the common ones come first)
 _OVERFLOW = "\xff"  # the term char of stems past the last code point (not indexed)
 _APPEND = array.array.append
 _FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
@@ -1877,6 +1877,12 @@ class _Vocab:
         text = unicodedata.normalize("NFC", text)
         title = note_title(text, path)
         return Doc(path, size, mtime, title, self.encode(text), self.encode(title))
+
+    def words_utf8(self) -> list:
+        """Return [(folded word as UTF-8, term char)] sorted (overflowing stems left out)."""
+        found = dict(self.ascii)
+        found.update((w.encode(), ch) for w, ch in self.surfaces.items())
+        return sorted(item for item in found.items() if item[1] != _OVERFLOW)
 
     def words(self) -> list:
         """Return [(folded word, term char)] sorted by word (overflowing stems left out)."""
@@ -2509,8 +2515,8 @@ def _write_postings(out, spill, sources, skips, remaps, norms, parts: list, f: i
 
 
 def _text_table(words: list) -> tuple:
-    """Return (text, offsets, sparse directory) of a sorted string table."""
-    raw = [(w + "\n").encode() for w in words]
+    """Return (text, offsets, sparse directory) of a sorted string table (str or UTF-8)."""
+    raw = [w + b"\n" if isinstance(w, bytes) else (w + "\n").encode() for w in words]
     offsets = array.array("I", itertools.accumulate(map(len, raw), initial=0))
     return b"".join(raw), offsets, b"".join(raw[::SPARSE_EVERY])
 
@@ -2572,7 +2578,7 @@ def write_batch(f, docs: list, vocab: _Vocab, avg: tuple) -> None:
     for pos, tid in enumerate(by_stem):
         tid_rank[tid] = pos
     out.section("tid_rank", tid_rank.tobytes())
-    words = vocab.words()
+    words = vocab.words_utf8()
     _write_tables(
         out,
         [stems[t] for t in by_stem],
@@ -2860,13 +2866,27 @@ def _memory_segment(vocab: _Vocab, docs: list, avg: tuple) -> MemorySegment:
 
 
 def _read_items(notes: NoteStore, paths: list) -> list:
-    """Return (path, text, size, mtime_ns) of the notes still there."""
-    items = []
+    """Return (path, text, size, mtime_ns) of the notes still there (paths from a scan)."""
+    items, base = [], str(notes.base)
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
     for path in paths:
-        try:
-            data, st = notes.read_raw(path)
-        except ApiError:
+        try:  # the common case without pathlib: the name on disk is the path
+            fd = os.open(os.path.join(base, path), flags)
+        except FileNotFoundError:
+            if path.isascii():
+                continue
+            try:  # an NFD name on disk
+                data, st = notes.read_raw(path)
+            except ApiError:
+                continue
+        except OSError:
             continue
+        else:
+            with open(fd, "rb") as f:
+                st = os.fstat(f.fileno())
+                if not stat.S_ISREG(st.st_mode):
+                    continue
+                data = f.read()
         items.append((path, data.decode("utf-8", "replace"), st.st_size, st.st_mtime_ns))
     return items
 
