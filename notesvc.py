@@ -56,6 +56,7 @@ import re
 import secrets
 import socket
 import stat
+import string
 import struct
 import sys
 import tempfile
@@ -1554,12 +1555,19 @@ def fold(text: str) -> str:
     return text
 
 
+_VC = str.maketrans(  # letters to vowel/consonant (a capital is a consonant, as it was)
+    {ch: "v" if ch in "aeiouy" else "c" for ch in string.ascii_letters}
+)
+_VOWEL_RE = re.compile("[aeiouy]")
+
+
 def _measure(word: str) -> int:
-    """Porter's m: the number of vowel-consonant sequences in word."""
-    form = "".join(
-        "v" if ch in "aeiou" or (ch == "y" and i > 0) else "c" for i, ch in enumerate(word)
-    )
-    return form.replace("vc", "|").count("|") if form else 0
+    """Porter's m: the number of vowel-consonant sequences in word (a y after the first
+    letter counts as a vowel)."""
+    form = word.translate(_VC)
+    if word[:1] == "y":
+        form = "c" + form[1:]
+    return form.count("vc")
 
 
 def _ends_cvc(word: str) -> bool:
@@ -1589,8 +1597,10 @@ def stem(word: str) -> str:
     if word.endswith("eed"):
         return word[:-1] if _measure(word[:-3]) > 0 else word
     for suffix in ("ing", "ed"):
+        if not word.endswith(suffix):
+            continue
         base = word[: -len(suffix)]
-        if word.endswith(suffix) and len(base) >= 2 and any(c in "aeiouy" for c in base):
+        if len(base) >= 2 and _VOWEL_RE.search(base):
             if len(base) >= 4 and base[-1] == base[-2] and base[-1] not in "aeioulsz":
                 return base[:-1]  # running -> run, stopped -> stop
             if (_measure(base) == 1 and _ends_cvc(base)) or (
@@ -2917,7 +2927,7 @@ class _Progress:
 
 _HELPER_CODE = (  # loads this file as a module (its cached bytecode) and runs index_helper
     "import importlib.util as u, sys; s = u.spec_from_file_location('notesvc_index_helper', "
-    "sys.argv[1]); m = u.module_from_spec(s); s.loader.exec_module(m); "
+    "sys.argv[1]); m = sys.modules[s.name] = u.module_from_spec(s); s.loader.exec_module(m); "
     "m.index_helper(*sys.argv[2:])"
 )
 
@@ -3381,9 +3391,11 @@ class SearchIndex:
 
         cmd = [sys.executable, "-c", _HELPER_CODE, module, str(notes.root), str(self.folder)]
         try:
-            return subprocess.Popen(  # noqa: S603 (this interpreter and this file)
+            helper = subprocess.Popen(  # noqa: S603 (this interpreter and this file)
                 cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, close_fds=True
             )
+            log.info("index: a helper process (pid %d) analyses every other batch", helper.pid)
+            return helper
         except OSError as e:
             log.warning("index: no helper process (%s); indexing on one core", e)
             return None
