@@ -2010,8 +2010,9 @@ class MemorySegment:
     def find(self, path: str):
         return self.ids.get(path)
 
-    def phrase(self, cands: Iterable, needle: str, f: int) -> list:
-        docs = self.docs
+    def phrase(self, cands: Iterable, chars: list, rare: int, f: int) -> list:
+        """Return the candidates whose field holds the term chars in a row."""
+        docs, needle = self.docs, "".join(chars)
         return [d for d in cands if needle in docs[d][4 + f]]
 
     def in_folder(self, cands: set, prefix: str) -> set:
@@ -2280,14 +2281,35 @@ class DiskSegment:
                 return d
         return None
 
-    def phrase(self, cands: Iterable, needle: str, f: int) -> list:
+    def phrase(self, cands: Iterable, chars: list, rare: int, f: int) -> list:
+        """Return the candidates whose field holds the term chars in a row.
+
+        rare: the position of a term much rarer than the others, or -1. Then the search
+        starts at that term (a regular expression, whose first byte is found at C speed)
+        and the terms before it are compared where it matched; a phrase of common words
+        is one mmap.find per candidate.
+        """
         cands = list(cands)
         first, last = self._tok_spans[f]
-        shift = self.text["tokens"].__add__
-        starts = map(shift, map(first.__getitem__, cands))
-        ends = map(shift, map(last.__getitem__, cands))
-        found = map(self.mm.find, itertools.repeat(needle.encode()), starts, ends)
-        return list(itertools.compress(cands, map(_NOT_MINUS_ONE, found)))
+        base, mm = self.text["tokens"], self.mm
+        if rare < 0:
+            starts = map(base.__add__, map(first.__getitem__, cands))
+            ends = map(base.__add__, map(last.__getitem__, cands))
+            found = map(mm.find, itertools.repeat("".join(chars).encode()), starts, ends)
+            return list(itertools.compress(cands, map(_NOT_MINUS_ONE, found)))
+        head = "".join(chars[:rare]).encode()
+        search = re.compile(re.escape("".join(chars[rare:]).encode())).search
+        out = []
+        for d in cands:
+            end = base + last[d]
+            m = search(mm, base + first[d] + len(head), end)
+            while m is not None:
+                at = m.start()
+                if mm[at - len(head) : at] == head:
+                    out.append(d)
+                    break
+                m = search(mm, at + 1, end)
+        return out
 
     @functools.cached_property
     def _tok_spans(self) -> tuple:
@@ -3502,17 +3524,20 @@ class SearchIndex:
             ks = [keys[s][si] for s in stems]
             if None in ks:
                 return found
-            needle = "".join(map(seg.char, ks))
+            chars = list(map(seg.char, ks))
             for f in (0, 1):
                 lists = [seg.postings(k, f) for k in ks]
                 if all(lists):
+                    rare = min(range(len(ks)), key=lambda i: len(lists[i][0]))
                     lists = sorted((p[0] for p in lists), key=len)
+                    if len(ks) < 2 or 4 * len(lists[0]) > len(lists[1]):
+                        rare = -1  # no term stands out: search the whole phrase
                     cands = lists[0]
                     if within is not None and len(within) < len(cands):
                         cands = within
                     elif len(lists[1]) < 2 * len(cands):  # two common words: both must be in
                         cands = set(cands).intersection(lists[1])
-                    found.update(seg.phrase(cands, needle, f))
+                    found.update(seg.phrase(cands, chars, rare, f))
             return found
         for s in stems:
             k = keys[s][si]
