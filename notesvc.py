@@ -1179,6 +1179,17 @@ def _missing_folders(folder: Path, top: Path) -> list:
     return missing
 
 
+def _remove_empty_folders(folder: Path, top: Path) -> None:
+    """Remove folder and its parents while they are empty, up to (not including) top."""
+    folder = Path(os.path.abspath(folder))
+    while folder != top and top in folder.parents:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+        folder = folder.parent
+
+
 def _nfc(name: str) -> str:
     return name if name.isascii() else unicodedata.normalize("NFC", name)
 
@@ -1636,14 +1647,14 @@ class NoteStore:
         """After a change, under the note's lock: its journal entry, then the history's copy
         of the note (in this order: a crash in between leaves the rescan a change to report
         twice, never one to miss)."""
+        etag = None if data is None else make_etag(data)
         if self.journal is not None:
-            etag = None if data is None else make_etag(data)
             self.journal.append(kind, path, etag, origin)
         if self.history is not None:
             if data is None:
                 self.history.drop_head(path)
             else:
-                self.history.write_head(path, data)
+                self.history.write_head(path, data, etag)
             if origin is not None:
                 self.history.drop_head(origin)
 
@@ -1791,13 +1802,7 @@ class NoteStore:
 
     def _prune(self, folder: Path) -> None:
         """Remove folder and its parents while they are empty (never notes/ itself)."""
-        folder = Path(os.path.abspath(folder))
-        while folder != self.root and self.root in folder.parents:
-            try:
-                folder.rmdir()
-            except OSError:
-                return
-            folder = folder.parent
+        _remove_empty_folders(folder, self.root)
 
     def sweep_temp_files(self) -> int:
         """Remove the temp files a crash left in the notes and in the state folder (its
@@ -2037,15 +2042,16 @@ class HistoryStore:
 
     # -- the copy of the current content ----------------------------------------------
 
-    def write_head(self, path: str, data: bytes) -> None:
-        """Remember data as the note's content as last written or seen (best effort)."""
+    def write_head(self, path: str, data: bytes, etag: str | None = None) -> None:
+        """Remember data (whose etag may be given) as the note's content as last written
+        or seen (best effort)."""
         if not self.enabled:
             return
         try:  # rewritten in place: a torn copy fails its etag check, as a missing one.
             # Not truncated to 0 first: ext4 flushes a file truncated and rewritten.
             fd = os.open(self._folder(path) / self.HEAD, os.O_WRONLY | os.O_CREAT, 0o600)
             try:
-                blob = f"{_etag_hex(data)} {path}\n".encode() + data
+                blob = f"{(etag or make_etag(data))[1:-1]} {path}\n".encode() + data
                 os.pwrite(fd, blob, 0)
                 os.ftruncate(fd, len(blob))
             finally:
@@ -2142,17 +2148,6 @@ def trash_id(stamp: str, path: str) -> str:
     """Return a trash item's id: its folder's letters and digits, a hash of its path."""
     digest = hashlib.sha256(f"{stamp}/{path}".encode("utf-8", "surrogateescape")).hexdigest()
     return re.sub(r"[^0-9A-Za-z]", "", stamp)[:64] + "-" + digest[:16]
-
-
-def _remove_empty_folders(folder: Path, top: Path) -> None:
-    """Remove folder and its parents while they are empty, up to (not including) top."""
-    folder = Path(os.path.abspath(folder))
-    while folder != top and top in folder.parents:
-        try:
-            folder.rmdir()
-        except OSError:
-            return
-        folder = folder.parent
 
 
 @dataclasses.dataclass(frozen=True)
