@@ -68,6 +68,7 @@ import time
 import unicodedata
 import urllib.parse
 import uuid
+import zlib
 from collections import deque
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -207,6 +208,30 @@ def _proxies(raw: str) -> tuple:
     return tuple(nets)
 
 
+def _timezone(raw: str) -> str:
+    """Parse SERVICE_TIMEZONE: empty (the system's), or an IANA name such as Europe/Paris.
+
+    A name this machine's time zone database does not know is refused; without any
+    database (no tzdata) every name is taken and the system's local time is used, logged.
+    """
+    name = raw.strip()
+    if not name or name.upper() == "UTC":
+        return name
+    try:
+        import zoneinfo
+    except ImportError:  # pragma: no cover - Python < 3.9
+        return name
+    try:
+        zoneinfo.ZoneInfo(name)
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+        try:
+            zoneinfo.ZoneInfo("Europe/London")
+        except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+            return name  # no time zone database here: the system's local time, logged
+        raise ValueError(f"{name!r} is not a time zone name (e.g. Europe/Paris)") from None
+    return name
+
+
 def _log_level(raw: str) -> str:
     return _choice("debug", "info", "warning", "error")(raw).upper()
 
@@ -269,6 +294,16 @@ SETTINGS = (
     Setting("agent_model", "SERVICE_AGENT_MODEL", "", "", _text, "model name"),
     Setting("agent_api_key", "SERVICE_AGENT_API_KEY", "", "", _text, "model API key"),
     Setting("agent_timeout", "SERVICE_AGENT_TIMEOUT", "", "60", _seconds, "model time-out (s)"),
+    Setting(
+        "agent_max_steps",
+        "SERVICE_AGENT_MAX_STEPS",
+        "",
+        "6",
+        _int_range(1, 20),
+        "model calls per question in the agent's tool loop",
+    ),
+    Setting("agent_write", "SERVICE_AGENT_WRITE", "", "false", _bool, "the agent may change notes"),
+    Setting("mcp_write", "SERVICE_MCP_WRITE", "", "false", _bool, "MCP clients may change notes"),
     Setting(
         "telegram_api_base",
         "SERVICE_TELEGRAM_API_BASE",
@@ -391,6 +426,32 @@ SETTINGS = (
         _int_range(1, 100000),
         "relay role: idle connections kept per client address (the oldest closed first)",
     ),
+    Setting(
+        "max_attachment_bytes",
+        "SERVICE_MAX_ATTACHMENT_BYTES",
+        "",
+        "20971520",
+        _int_range(1024, 1 << 34),
+        "largest attachment (bytes)",
+    ),
+    Setting(
+        "transcribe_url",
+        "SERVICE_TRANSCRIBE_URL",
+        "",
+        "",
+        _url,
+        "OpenAI-compatible /audio/transcriptions endpoint for voice messages",
+    ),
+    Setting("transcribe_model", "SERVICE_TRANSCRIBE_MODEL", "", "whisper-1", _text, "model"),
+    Setting("transcribe_api_key", "SERVICE_TRANSCRIBE_API_KEY", "", "", _text, "transcription key"),
+    Setting(
+        "timezone",
+        "SERVICE_TIMEZONE",
+        "",
+        "",
+        _timezone,
+        "time zone of daily notes and reminders (default: the system's)",
+    ),
     Setting("log_level", "SERVICE_LOG_LEVEL", "--log-level", "info", _log_level, "log level"),
 )
 
@@ -451,6 +512,9 @@ class Config:
     agent_model: str
     agent_api_key: str
     agent_timeout: float
+    agent_max_steps: int
+    agent_write: bool
+    mcp_write: bool
     telegram_api_base: str
     whatsapp_api_base: str
     max_body_bytes: int
@@ -468,6 +532,11 @@ class Config:
     relay_timeout: float
     relay_registrations_per_minute: int
     relay_max_idle_per_address: int
+    max_attachment_bytes: int
+    transcribe_url: str
+    transcribe_model: str
+    transcribe_api_key: str
+    timezone: str
     log_level: str
 
     @property
@@ -616,6 +685,16 @@ def error_body(code: str, message: str, **extra: Any) -> bytes:
     return to_json({"success": False, "error": {"code": code, "message": message, **extra}})
 
 
+def jsonrpc_error_body(status: int, code: str, message: str, **extra: Any) -> bytes:
+    """Return a failure of a JSON-RPC route (/mcp) that its handler did not answer (auth,
+    limits, method): a JSON-RPC 2.0 error (id null) with the HTTP status and the envelope's
+    code in `data` (CONTRACT 3)."""
+    number = -32600 if status in (400, 413, 415) else -32603 if status >= 500 else -32000
+    data = {"status": status, "code": code, **extra}
+    error = {"code": number, "message": message, "data": data}
+    return to_json({"jsonrpc": "2.0", "id": None, "error": error})
+
+
 def ok(data: Any, status: int = 200) -> bytes:
     """Return the success envelope as the current response (status and JSON type set)."""
     bottle.response.status = status
@@ -642,6 +721,8 @@ def render_error(err: bottle.HTTPError) -> bytes:
         else:
             message = str(err.body or bottle.HTTP_CODES.get(status, "error"))
     bottle.response.content_type = JSON_TYPE
+    if env.get("notesvc.jsonrpc"):  # set by the app for routes that answer JSON-RPC
+        return jsonrpc_error_body(status, code, message, **getattr(err, "extra", {}))
     return error_body(code, message, **getattr(err, "extra", {}))
 
 
@@ -1003,6 +1084,191 @@ def query_int(name: str, default: int, lo: int, hi: int) -> int:
     return int(raw)
 
 
+# -- time zones: daily notes and reminders ------------------------------------------
+
+
+@functools.lru_cache(maxsize=8)
+def time_zone(name: str) -> dt.tzinfo | None:
+    """Return SERVICE_TIMEZONE's zone; None means the system's local time (the default,
+    and the fallback, logged once, where no time zone database is installed)."""
+    if not name:
+        return None
+    if name.upper() == "UTC":
+        return dt.timezone.utc
+    try:
+        import zoneinfo
+
+        return zoneinfo.ZoneInfo(name)
+    except (ImportError, ValueError, OSError, KeyError):  # ZoneInfoNotFoundError: a KeyError
+        log.warning("time zone %s is unknown here (no tzdata?): using the system's time", name)
+    return None
+
+
+def local_time(ts: float, zone: dt.tzinfo | None) -> dt.datetime:
+    """Return the wall-clock time of a timestamp in a zone (None: the system's), naive."""
+    when = dt.datetime.fromtimestamp(ts, zone) if zone else dt.datetime.fromtimestamp(ts)
+    return when.replace(tzinfo=None)
+
+
+def timestamp_of(wall: dt.datetime, zone: dt.tzinfo | None) -> float:
+    """Return the timestamp of a naive wall-clock time in a zone (None: the system's)."""
+    return wall.replace(tzinfo=zone).timestamp() if zone else wall.timestamp()
+
+
+# -- raw and multipart request bodies (attachments) ---------------------------------
+
+BODY_CHUNK = 1 << 16
+
+
+def too_large(limit: int, setting: str) -> ApiError:
+    return ApiError(413, "PAYLOAD_TOO_LARGE", f"the body is over {limit} bytes ({setting})")
+
+
+def request_body_reader(limit: int, setting: str) -> tuple:
+    """Return (read(n) -> bytes, declared length or -1) over the request body, bounded.
+
+    Reads the WSGI input directly (no second copy of a large body); a declared length over
+    `limit` is 413 before anything is read, and so is a chunked body once it passes it.
+    A body that ends before its Content-Length is 400.
+    """
+    env = bottle.request.environ
+    raw_length = env.get("CONTENT_LENGTH") or ""
+    chunked = "chunked" in env.get("HTTP_TRANSFER_ENCODING", "").lower()
+    if raw_length.isdigit():
+        length = int(raw_length)
+        stream = env["wsgi.input"]
+    elif chunked:  # a server that leaves chunked bodies to the app: Bottle decodes them
+        length, stream = -1, bottle.request.body
+    else:
+        length, stream = 0, io.BytesIO()
+    if length > limit:
+        raise too_large(limit, setting)
+    left = [length]
+    seen = [0]
+
+    def read(n: int = BODY_CHUNK) -> bytes:
+        if left[0] == 0:
+            return b""
+        want = n if left[0] < 0 else min(n, left[0])
+        chunk = stream.read(want)
+        if not chunk:
+            if left[0] > 0:
+                raise bad_request("the body ended before Content-Length bytes arrived")
+            left[0] = 0
+            return b""
+        seen[0] += len(chunk)
+        if seen[0] > limit:
+            raise too_large(limit, setting)
+        if left[0] > 0:
+            left[0] -= len(chunk)
+        return chunk
+
+    return read, length
+
+
+class MultipartReader:
+    """A bounded, streaming reader of multipart/form-data (RFC 7578), standard library only.
+
+    Field values are handed to sinks chunk by chunk, so a file part goes to disk without
+    being held in memory. Limits: `max_parts` parts, 8 KiB of headers per part, and each
+    sink's own limit; a malformed body is 400.
+    """
+
+    MAX_HEADERS = 8192
+    MAX_PREAMBLE = 65536
+
+    def __init__(self, read: Callable[[int], bytes], boundary: str, max_parts: int = 16):
+        if not re.fullmatch(r"[0-9A-Za-z'()+_,./:=? -]{1,70}", boundary) or boundary.endswith(" "):
+            raise bad_request("the multipart boundary is missing or malformed")
+        self.read, self.max_parts = read, max_parts
+        self.delimiter = b"--" + boundary.encode("ascii")
+        self.buf = bytearray()
+        self.ended = False
+
+    def _fill(self) -> bool:
+        if self.ended:
+            return False
+        chunk = self.read(BODY_CHUNK)
+        if not chunk:
+            self.ended = True
+            return False
+        self.buf += chunk
+        return True
+
+    def _take(self, n: int) -> bytes:
+        while len(self.buf) < n:
+            if not self._fill():
+                raise bad_request("the multipart body ended before its closing delimiter")
+        out = bytes(self.buf[:n])
+        del self.buf[:n]
+        return out
+
+    def _until(self, marker: bytes, sink: Callable | None, limit: int, over: Callable) -> None:
+        """Pass the bytes before marker to sink (None: drop them), then consume the marker."""
+        seen, keep = 0, len(marker) - 1
+        while True:
+            i = self.buf.find(marker)
+            end = i if i >= 0 else max(0, len(self.buf) - keep)
+            if end:
+                seen += end
+                if seen > limit:
+                    raise over()
+                if sink is not None:
+                    sink(bytes(self.buf[:end]))
+                del self.buf[:end]
+            if i >= 0:
+                del self.buf[: len(marker)]
+                return
+            if not self._fill():
+                raise bad_request("the multipart body ended before its closing delimiter")
+
+    def parts(self, on_part: Callable) -> None:
+        """Read every part: on_part(name, filename, headers) returns (sink, limit, over) for
+        its body, or None to skip it (at most 64 KiB)."""
+        import email.parser
+        import email.policy
+        import email.utils
+
+        def malformed(what: str) -> Callable:
+            return lambda: bad_request(f"multipart {what} is too large")
+
+        self._until(self.delimiter, None, self.MAX_PREAMBLE, malformed("preamble"))
+        for count in itertools.count(1):
+            tail = self._take(2)
+            if tail == b"--":
+                return  # the close delimiter; an epilogue is ignored
+            while tail != b"\r\n":  # transport padding (spaces) before the line end
+                if tail[:1] not in (b" ", b"\t"):
+                    raise bad_request("malformed multipart delimiter line")
+                tail = tail[1:] + self._take(1)
+            if count > self.max_parts:
+                raise bad_request(f"more than {self.max_parts} multipart parts")
+            head = bytearray()
+            while len(self.buf) < 2 and self._fill():
+                pass
+            if self.buf[:2] == b"\r\n":
+                del self.buf[:2]  # a part without headers
+            else:
+                self._until(b"\r\n\r\n", head.extend, self.MAX_HEADERS, malformed("headers"))
+            text = bytes(head).decode("utf-8", "replace")
+            msg = email.parser.HeaderParser(policy=email.policy.compat32).parsestr(text)
+            disposition = msg.get("Content-Disposition", "")
+            if not disposition.lower().startswith("form-data"):
+                raise bad_request("each multipart part needs Content-Disposition: form-data")
+            name = msg.get_param("name", header="content-disposition")
+            filename = msg.get_filename()
+            if isinstance(name, tuple):  # RFC 2231
+                name = email.utils.collapse_rfc2231_value(name)
+            handler = on_part(str(name or ""), filename, msg)
+            sink, limit, over = handler or (None, 65536, malformed("part"))
+            while len(self.buf) < len(self.delimiter) and self._fill():
+                pass
+            if self.buf.startswith(self.delimiter):  # an empty part whose header block's
+                del self.buf[: len(self.delimiter)]  # last line end was the delimiter's
+                continue
+            self._until(b"\r\n" + self.delimiter, sink, limit, over)
+
+
 # == Notes ====================================================================
 
 NOTES = "notes"
@@ -1143,6 +1409,151 @@ NOTE_PATH_PARAM = {
     "pattern": f"^{NOTES}(?:/{_segment(0, True)})*/{_segment(3, True)}\\.md$",
 }
 FOLDER_PATH_PARAM = {**FOLDER_PATH_SCHEMA, "pattern": f"^{NOTES}(?:/{_segment(0, True)})*/?$"}
+
+
+# -- attachments: files notes link to --------------------------------------------------
+
+ATTACHMENTS = "attachments"
+# The extensions accepted under attachments/ and the type each is served as: images,
+# audio, video, PDF, text, office documents and archives (CONTRACT 20).
+ATTACHMENT_TYPES = {
+    **dict.fromkeys(("jpg", "jpeg"), "image/jpeg"),
+    "png": "image/png",
+    "gif": "image/gif",
+    "webp": "image/webp",
+    "avif": "image/avif",
+    "heic": "image/heic",
+    "heif": "image/heif",
+    "bmp": "image/bmp",
+    **dict.fromkeys(("tif", "tiff"), "image/tiff"),
+    "ico": "image/x-icon",
+    "svg": "image/svg+xml",
+    "mp3": "audio/mpeg",
+    "m4a": "audio/mp4",
+    "aac": "audio/aac",
+    **dict.fromkeys(("ogg", "oga", "opus"), "audio/ogg"),
+    "wav": "audio/wav",
+    "flac": "audio/flac",
+    "weba": "audio/webm",
+    "amr": "audio/amr",
+    **dict.fromkeys(("mp4", "m4v"), "video/mp4"),
+    "mov": "video/quicktime",
+    "webm": "video/webm",
+    "mkv": "video/x-matroska",
+    "3gp": "video/3gpp",
+    "avi": "video/x-msvideo",
+    "pdf": "application/pdf",
+    "txt": "text/plain",
+    "csv": "text/csv",
+    "json": "application/json",
+    "vcf": "text/vcard",
+    "ics": "text/calendar",
+    **dict.fromkeys(("html", "htm"), "text/html"),
+    "rtf": "application/rtf",
+    "doc": "application/msword",
+    "docx": "application/vnd.openxmlformats-officedocument.wordprocessingml.document",
+    "xls": "application/vnd.ms-excel",
+    "xlsx": "application/vnd.openxmlformats-officedocument.spreadsheetml.sheet",
+    "ppt": "application/vnd.ms-powerpoint",
+    "pptx": "application/vnd.openxmlformats-officedocument.presentationml.presentation",
+    "odt": "application/vnd.oasis.opendocument.text",
+    "ods": "application/vnd.oasis.opendocument.spreadsheet",
+    "odp": "application/vnd.oasis.opendocument.presentation",
+    "epub": "application/epub+zip",
+    "zip": "application/zip",
+    **dict.fromkeys(("gz", "tgz"), "application/gzip"),
+    "tar": "application/x-tar",
+    "bz2": "application/x-bzip2",
+    "xz": "application/x-xz",
+    "7z": "application/x-7z-compressed",
+}
+# Types a browser would run as a page (script, styles, links): never shown inline, and
+# the relay passes them on only as application/octet-stream.
+ACTIVE_TYPES = frozenset({"text/html", "image/svg+xml"})
+# The policy of every attachment download: no script, no plugins, a unique origin.
+ATTACHMENT_CSP = "default-src 'none'; sandbox"
+
+
+def content_type_of(path: str) -> str:
+    """Return the type an attachment is served as, from its extension."""
+    return ATTACHMENT_TYPES.get(path.rsplit(".", 1)[-1].lower(), "application/octet-stream")
+
+
+def shown_inline(content_type: str) -> bool:
+    """Return whether a browser may show this type in place (images, audio, video, text)."""
+    if content_type in ACTIVE_TYPES:
+        return False
+    return content_type.split("/")[0] in ("image", "audio", "video") or content_type == "text/plain"
+
+
+def attachment_path(raw: Any) -> str:
+    """Return an attachment path (attachments/<segments>.<ext>, an allowed extension),
+    NFC-normalised; 400 naming the broken rule otherwise.
+
+    >>> attachment_path("attachments/trip/IMG_0001.JPG")
+    'attachments/trip/IMG_0001.JPG'
+    """
+    if not isinstance(raw, str):
+        raise bad_request("the attachment path must be a string")
+    path = unicodedata.normalize("NFC", raw)
+    segments = _check_segments(path, "attachment", ATTACHMENTS)
+    base, dot, ext = segments[-1].rpartition(".")
+    if len(segments) < 2 or not dot or not base:
+        raise bad_request(f"the attachment path must look like {ATTACHMENTS}/<name>.<extension>")
+    if ext.lower() not in ATTACHMENT_TYPES:
+        raise bad_request(
+            f"files ending .{ext[:16]} are not accepted as attachments; allowed: "
+            + ", ".join(sorted(ATTACHMENT_TYPES))
+        )
+    return path
+
+
+def attachment_folder(raw: Any) -> str:
+    """Return an attachment folder path (`attachments` or `attachments/...`); 400 otherwise."""
+    if not isinstance(raw, str):
+        raise bad_request("the folder path must be a string")
+    path = unicodedata.normalize("NFC", raw).rstrip("/")
+    _check_segments(path, "attachment folder", ATTACHMENTS)
+    return path
+
+
+def _any_case(word: str) -> str:
+    return "".join(f"[{c.lower()}{c.upper()}]" if c.isalpha() else c for c in word)
+
+
+_EXTENSIONS = "|".join(_any_case(e) for e in sorted(ATTACHMENT_TYPES, key=lambda e: (-len(e), e)))
+ATTACHMENT_PATH_SCHEMA = {
+    "type": "string",
+    "minLength": 15,
+    "maxLength": MAX_PATH_CHARS,
+    "pattern": f"^{ATTACHMENTS}(?:/{_segment(0)})*/{_segment(5)}\\.(?:{_EXTENSIONS})$",
+    "description": f"{ATTACHMENTS}/<folders>/<name>.<extension>: segments as in note paths; "
+    "the extension one of " + ", ".join(sorted(ATTACHMENT_TYPES)) + " (any case)",
+    "examples": ["attachments/trip/beach.jpg"],
+}
+ATTACHMENT_FOLDER_SCHEMA = {
+    **FOLDER_PATH_SCHEMA,
+    "minLength": len(ATTACHMENTS),
+    "pattern": f"^{ATTACHMENTS}(?:/{_segment(0)})*/?$",
+    "description": f"{ATTACHMENTS} or {ATTACHMENTS}/<folders>",
+    "examples": ["attachments/trip"],
+}
+ATTACHMENT_PATH_PARAM = {
+    **ATTACHMENT_PATH_SCHEMA,
+    "pattern": f"^{ATTACHMENTS}(?:/{_segment(0, True)})*/{_segment(5, True)}\\.(?:{_EXTENSIONS})$",
+}
+
+# The daily note: the `daily` plugin's, and where channel captures go by default.
+DAILY_FOLDER = f"{NOTES}/daily"
+
+
+def day_note(day: dt.date, folder: str = DAILY_FOLDER) -> tuple:
+    """Return (path, heading) of a day's note in a folder (the daily note by default).
+
+    >>> day_note(dt.date(2026, 12, 1))
+    ('notes/daily/2026-12-01.md', 'Tuesday, 01 December 2026')
+    """
+    return f"{folder}/{day:%Y-%m-%d}.md", f"{day:%A, %d %B %Y}"
 
 
 def make_etag(data: bytes) -> str:
@@ -1401,14 +1812,21 @@ class NoteStore:
             page.append(self.record(path, data, st, content=False))
         return {"notes": page, "total": len(paths), "limit": limit, "offset": offset}
 
-    def tree(self, folder: str = NOTES) -> dict:
-        """Return the folder node: folders first, then notes, each by name."""
+    def tree(
+        self, folder: str = NOTES, depth: int | None = None, count: Callable | None = None
+    ) -> dict:
+        """Return the folder node: folders first, then notes, each by name. With a depth,
+        folders below that many levels carry `count(path)` (notes beneath) for `children`."""
         target = self.file_of(folder)
         if not target.is_dir():
             raise not_found(f"no folder at {folder}")
-        return self._node(str(target), folder)
+        return self._node(str(target), folder, depth, count or (lambda rel: len(self.walk(rel))))
 
-    def _node(self, real: str, rel: str) -> dict:
+    def _node(self, real: str, rel: str, depth: int | None = None, count=None) -> dict:
+        name = rel.rsplit("/", 1)[-1]
+        if depth is not None and depth <= 0:
+            return {"name": name, "path": rel, "type": "folder", "count": count(rel)}
+        below = None if depth is None else depth - 1
         folders, notes = [], []
         try:
             entries = list(os.scandir(real))
@@ -1422,7 +1840,7 @@ class NoteStore:
             elif e.name.endswith(".md") and len(e.name) > 3:
                 notes.append(e)
         children = [
-            self._node(e.path, f"{rel}/{_nfc(e.name)}")
+            self._node(e.path, f"{rel}/{_nfc(e.name)}", below, count)
             for e in sorted(folders, key=lambda e: _sort_key(_nfc(e.name)))
         ]
         for e in sorted(notes, key=lambda e: _sort_key(_nfc(e.name))):
@@ -1439,7 +1857,6 @@ class NoteStore:
                     "modified": iso(st.st_mtime_ns / 1e9),
                 }
             )
-        name = rel.rsplit("/", 1)[-1]
         return {"name": name, "path": rel, "type": "folder", "children": children}
 
     # -- writing ------------------------------------------------------------------
@@ -1811,6 +2228,301 @@ class NoteStore:
         return sweep_temp_files(self.root, skip_hidden=True) + (
             sweep_temp_files(state, skip_hidden=False) if state.is_dir() else 0
         )
+
+
+def attachment_etag(st: os.stat_result) -> str:
+    """Return a strong validator of an attachment: every write is a new file (atomic
+    rename: a new inode), and an edit in place changes its size or modification time."""
+    seed = f"{st.st_ino}:{st.st_size}:{st.st_mtime_ns}".encode()
+    return '"' + hashlib.sha256(seed).hexdigest()[:32] + '"'
+
+
+def _check_etag(if_match: str | None, current: str | None, what: str) -> None:
+    """Raise 412 unless If-Match (absent, `*`, or a list of ETags) matches current."""
+    if if_match is None:
+        return
+    tags = [t.strip() for t in if_match.split(",") if t.strip()]
+    if current is not None and "*" in tags:
+        return
+    wanted = {t if t.startswith('"') else f'"{t}"' for t in tags}
+    if current is None or current not in wanted:
+        raise ApiError(
+            412,
+            "PRECONDITION_FAILED",
+            f"the {what} changed since you read it (If-Match does not match its ETag)",
+        )
+
+
+class AttachmentStore:
+    """Files under <root>/attachments: uploads, and photos, voice and files from channels.
+
+    Paths follow the note rules (prefix attachments/) with an allowlist of extensions.
+    A body is first written to a temp file in the attachments folder (flushed, fsynced),
+    then renamed into place and the folder fsynced: a crash leaves the old file or the
+    new one, and at most a temp file that the next start sweeps. Deleting moves the file
+    into the notes' trash, <state>/trash/<UTC stamp>/attachments/...
+    """
+
+    MAX_SIBLINGS = 1000  # numbered names tried for an upload that must not overwrite
+
+    def __init__(self, root: Path, trash: Path):
+        self.root = root.resolve()  # <root>/attachments (created on the first upload)
+        self.base = self.root.parent
+        self.trash = trash
+        self._lock = threading.RLock()  # one change of the tree at a time
+
+    # -- reading -------------------------------------------------------------------
+
+    def file_of(self, path: str) -> Path:
+        """Return the file of a checked path; 400 when it resolves outside attachments/."""
+        target = self.base / path
+        real = os.path.realpath(target)
+        if real != str(self.root) and not real.startswith(str(self.root) + os.sep):
+            raise bad_request("the path resolves outside the attachments folder (symbolic link?)")
+        return target
+
+    @staticmethod
+    def record(path: str, st: os.stat_result) -> dict:
+        return {
+            "path": path,
+            "size": st.st_size,
+            "contentType": content_type_of(path),
+            "modified": iso(st.st_mtime_ns / 1e9),
+            "etag": attachment_etag(st),
+        }
+
+    def open(self, path: str) -> tuple:
+        """Return (open binary file, stat) of an attachment; 404 when there is none."""
+        try:
+            f = open(self.file_of(path), "rb")  # noqa: SIM115 - handed to the caller
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise not_found(f"no attachment at {path}") from None
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            f.close()
+            raise not_found(f"no attachment at {path}")
+        return f, st
+
+    def get(self, path: str) -> dict:
+        try:
+            st = os.stat(self.file_of(path))
+        except (FileNotFoundError, NotADirectoryError):
+            raise not_found(f"no attachment at {path}") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise not_found(f"no attachment at {path}")
+        return self.record(path, st)
+
+    def _entries(self, folder: str = ATTACHMENTS):
+        """Yield (path, DirEntry) of the attachments under a folder (hidden entries, links and
+        other extensions left out)."""
+        stack = [(str(self.base / folder), folder)]
+        while stack:
+            real, rel = stack.pop()
+            try:
+                entries = list(os.scandir(real))
+            except (FileNotFoundError, NotADirectoryError, PermissionError):
+                continue
+            for e in entries:
+                if e.name.startswith(".") or e.is_symlink():
+                    continue
+                name = _nfc(e.name)
+                if e.is_dir():
+                    stack.append((e.path, f"{rel}/{name}"))
+                elif name.rpartition(".")[2].lower() in ATTACHMENT_TYPES and "." in name[1:]:
+                    yield f"{rel}/{name}", e
+
+    def paths(self) -> list:
+        """Return every attachment path, sorted."""
+        return sorted(path for path, _ in self._entries())
+
+    def stats(self) -> tuple:
+        """Return (count, total bytes) of the attachments."""
+        count = size = 0
+        for _, e in self._entries():
+            with contextlib.suppress(OSError):
+                size += e.stat().st_size
+                count += 1
+        return count, size
+
+    def list_page(self, folder: str, limit: int, offset: int) -> dict:
+        if folder != ATTACHMENTS and not os.path.isdir(self.file_of(folder)):
+            raise not_found(f"no folder at {folder}")
+        found = sorted(self._entries(folder), key=lambda item: item[0])
+        page = []
+        for path, e in found[offset : offset + limit]:
+            try:
+                page.append(self.record(path, e.stat()))
+            except OSError:  # removed meanwhile
+                continue
+        return {"attachments": page, "total": len(found), "limit": limit, "offset": offset}
+
+    # -- writing ------------------------------------------------------------------
+
+    def check(self, path: str, if_match: str | None, if_none_match: str | None) -> bool:
+        """Check a write's preconditions (If-Match, If-None-Match: *); return whether an
+        attachment exists at path. 412 when they fail, 409 when a folder stands there."""
+        target = self.file_of(path)
+        exists = os.path.lexists(target)
+        if exists and not os.path.isfile(target):
+            raise ApiError(409, "CONFLICT", f"a folder stands at {path}")
+        if if_none_match is not None and if_none_match.strip() == "*" and exists:
+            raise ApiError(
+                412, "PRECONDITION_FAILED", f"an attachment exists at {path} (If-None-Match: *)"
+            )
+        _check_etag(if_match, attachment_etag(os.stat(target)) if exists else None, "attachment")
+        return exists
+
+    def spool(self, write: Callable) -> Path:
+        """Return a temp file in the attachments folder holding what write(file) wrote,
+        flushed and fsynced; 507 on a full disk (and no temp file left)."""
+        with disk_writes():
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX, dir=self.root)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    write(f)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+        return Path(tmp)
+
+    def place(
+        self,
+        tmp: Path,
+        path: str,
+        if_match: str | None = None,
+        if_none_match: str | None = None,
+        unique: bool = False,
+    ) -> tuple:
+        """Rename a spooled temp file to path; return (record, created).
+
+        unique: never overwrite, take the first free `name-2.ext`, `name-3.ext`... instead.
+        If-Match / If-None-Match: * guard a replacement (412). The temp file is gone after.
+        """
+        try:
+            with self._lock:
+                target = self.file_of(path)
+                if unique:
+                    path, target = self._free(path, target)
+                exists = self.check(path, if_match, if_none_match)
+                with self._new_parents(target, path):
+                    os.chmod(tmp, 0o666 & ~_UMASK)
+                    self._rename(tmp, target)
+                fsync_dir(target.parent)
+                if target.parent != self.root:
+                    fsync_dir(self.root)
+                return self.record(path, os.stat(target)), not exists
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+    def put(self, path: str, data: bytes, unique: bool = False) -> tuple:
+        """Write bytes to an attachment; return (record, created)."""
+        return self.place(self.spool(lambda f: f.write(data)), path, unique=unique)
+
+    @staticmethod
+    def _rename(src: Path, dst: Path) -> None:
+        with disk_writes():
+            try:
+                os.replace(src, dst)
+            except OSError as e:
+                if e.errno != errno.EXDEV:  # a folder on another file system: copy it over
+                    raise
+
+                def copy(f) -> None:
+                    with open(src, "rb") as source:
+                        while chunk := source.read(BODY_CHUNK):
+                            f.write(chunk)
+
+                _atomic_write(dst, copy, None)
+
+    @contextlib.contextmanager
+    def _new_parents(self, target: Path, path: str):
+        """Create target's missing folders for the block; remove them if the block fails."""
+        missing = _missing_folders(target.parent, self.root)
+        try:
+            with disk_writes():
+                try:
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                except (FileExistsError, NotADirectoryError):
+                    raise ApiError(
+                        409, "CONFLICT", "a file stands where a folder of this path should be"
+                    ) from None
+            self.file_of(path)  # re-check containment now that the folders exist
+            yield
+        except BaseException:
+            for folder in missing:  # deepest first
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+            raise
+
+    def _free(self, path: str, target: Path) -> tuple:
+        """Return (path, file) of the first name not taken: path, name-2.ext, name-3.ext..."""
+        if not os.path.lexists(target):
+            return path, target
+        base, _, ext = path.rpartition(".")
+        for n in range(2, self.MAX_SIBLINGS):
+            candidate = attachment_path(f"{base}-{n}.{ext}")
+            target = self.file_of(candidate)
+            if not os.path.lexists(target):
+                return candidate, target
+        raise ApiError(409, "CONFLICT", f"too many attachments named like {path}")
+
+    def move(self, path: str, new: str, if_match: str | None = None) -> dict:
+        with self._lock:
+            src = self.file_of(path)
+            rec = self.get(path)
+            _check_etag(if_match, rec["etag"], "attachment")
+            if new == path:
+                return {**rec, "from": path}
+            dst = self.file_of(new)
+            if os.path.lexists(dst):
+                raise ApiError(409, "CONFLICT", f"an attachment already exists at {new}")
+            with self._new_parents(dst, new), disk_writes():
+                os.replace(src, dst)
+            fsync_dir(dst.parent)
+            fsync_dir(src.parent)
+            self._prune(src.parent)
+            return {**self.record(new, os.stat(dst)), "from": path}
+
+    def delete(self, path: str, if_match: str | None = None) -> dict:
+        """Move an attachment into the trash: <state>/trash/<UTC stamp>/attachments/..."""
+        with self._lock:
+            src = self.file_of(path)
+            _check_etag(if_match, self.get(path)["etag"], "attachment")
+            stamp = utcnow().strftime("%Y%m%dT%H%M%S.%fZ")
+            dst = self.trash / stamp / path
+            made = _missing_folders(dst.parent, self.trash.parent)
+            try:
+                with disk_writes():
+                    dst.parent.mkdir(parents=True, exist_ok=True)
+                    os.replace(src, dst)
+            except BaseException:
+                for folder in made:  # deepest first: leave the trash as it was
+                    with contextlib.suppress(OSError):
+                        folder.rmdir()
+                raise
+            fsync_dir(dst.parent)
+            fsync_dir(src.parent)
+            self._prune(src.parent)
+        return {"path": path, "deleted": True, "trash": f".notesvc/trash/{stamp}/{path}"}
+
+    def _prune(self, folder: Path) -> None:
+        """Remove folder and its parents while they are empty (never attachments/ itself)."""
+        folder = Path(os.path.abspath(folder))
+        while folder != self.root and self.root in folder.parents:
+            try:
+                folder.rmdir()
+            except OSError:
+                return
+            folder = folder.parent
+
+    def sweep_temp_files(self) -> int:
+        """Remove the temp files an interrupted upload left; return how many."""
+        return sweep_temp_files(self.root, skip_hidden=True) if self.root.is_dir() else 0
 
 
 # -- history, trash and the change journal ------------------------------------------------
@@ -3717,9 +4429,9 @@ class Service:
     """Everything one running app shares across its threads.
 
     plugins: every plugin of this app, built-in and third-party (load_plugins);
-    agent_providers / channel_providers: the registries this app sees (built-ins plus its
-    plugins' own). `readonly` (the audit): the state is opened without writing, nothing is
-    created, swept, indexed or started.
+    agent_providers / channel_providers / tools: the registries this app sees (built-ins
+    plus its plugins' own). `readonly` (the audit): the state is opened without writing,
+    nothing is created, swept, indexed or started.
     """
 
     def __init__(
@@ -3728,6 +4440,7 @@ class Service:
         plugins: Mapping[str, Any],
         agent_providers: Mapping[str, Any],
         channel_providers: Mapping[str, Any],
+        tools: Mapping[str, Any] | None = None,
         readonly: bool = False,
     ):
         self.config = config
@@ -3736,6 +4449,7 @@ class Service:
         self.plugins = dict(plugins)
         self.agent_providers = dict(agent_providers)
         self.channel_providers = dict(channel_providers)
+        self.tools = dict(tools or {})  # what MCP clients and the agent may call (TOOLS)
         self.plugin_errors: dict = {}  # name -> the last error a hook raised
         self.plugin_cache: dict = {}  # what built-in plugins derive from the index
         self.plugin_build_lock = threading.RLock()  # derived(): one build at a time
@@ -3766,12 +4480,16 @@ class Service:
         self.trash = Trash(state / "trash", config.trash_days)
         self.journal = ChangeJournal(state / "changes.log")
         self.notes = NoteStore(config.notes_dir, state / "trash", self.history, self.journal)
+        self.attachments = AttachmentStore(config.root / ATTACHMENTS, config.state_dir / "trash")
+        # Background components of later sections, composed by build_service():
+        self.pollers: Any = None  # ChannelPollers: a thread per channel in polling mode
+        self.reminders: Any = None  # ReminderScheduler: ⏰ lines sent through the channels
 
     def start(self) -> Service:
         """Sweep crash leftovers, bring the index up to date, start the background work."""
         if self.readonly or self._threads:
             return self
-        swept = self.notes.sweep_temp_files()
+        swept = self.notes.sweep_temp_files() + self.attachments.sweep_temp_files()
         if swept:
             log.info("removed %d temp files left by an interrupted write", swept)
         self.index = self._open_index()
@@ -3785,6 +4503,9 @@ class Service:
         self._spawn(self.save_index, "notesvc-save")
         if self.config.rescan_seconds:
             self._spawn(self._rescan_loop, "notesvc-rescan")
+        for component in (self.pollers, self.reminders):
+            if component is not None:
+                component.start()
         return self
 
     def _spawn(self, target: Callable, name: str) -> None:
@@ -3917,6 +4638,9 @@ class Service:
     def close(self) -> None:
         """Stop background work and persist the index (once; a read-only service has none)."""
         self._stop.set()
+        for component in (self.pollers, self.reminders):
+            if component is not None:
+                component.close()
         self.journal.close()  # long-polls answer now
         for thread in self._threads:
             thread.join(30)
@@ -3943,19 +4667,22 @@ class Service:
         stored = self.state.read().get("keyHash", "")
         return bool(key) and hmac.compare_digest(key_hash(key), stored)
 
-    def authenticate(self, environ: dict, key_only: bool = False) -> None:
+    def authenticate(self, environ: dict, key_only: bool = False, mcp: bool = False) -> None:
         """Let a protected request through or raise 401 / 403 / 429.
 
         Only a credential that was presented and is wrong counts toward the lockout,
         and a right one clears its address's failures; while an address is locked out,
         every credential from it is 429, right or wrong (no oracle for a guesser).
         key_only: the route needs the API key itself, a JWT gets 403.
+        mcp: /mcp, where the key may also come as `Authorization: Bearer` or `X-API-Key`.
         """
         if self.config.auth_mode == "none":
             return
         key = environ.get("HTTP_X_SERVICE_KEY", "")
         auth = environ.get("HTTP_AUTHORIZATION", "")
         bearer = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
+        if mcp and not key:  # AI connectors send only authorization, x-api-key, x-auth-token
+            key = environ.get("HTTP_X_API_KEY", "") or bearer
         if key or bearer:
             addr = self.client_addr(environ)
             self.check_lockout(addr)
@@ -3972,8 +4699,9 @@ class Service:
                     )
                 return
             self.lockout.fail(addr)
+        headers = f"{KEY_HEADER}, Authorization: Bearer or X-API-Key" if mcp else KEY_HEADER
         raise ApiError(
-            401, "UNAUTHORIZED", f"missing or wrong {KEY_HEADER} header; see GET {API}/system/setup"
+            401, "UNAUTHORIZED", f"missing or wrong {headers} header; see GET {API}/system/setup"
         )
 
     def token_valid(self, environ: dict) -> bool:
@@ -4052,9 +4780,10 @@ def collecting_registrations():
 class UpstreamError(Exception):
     """An outbound call failed; `timeout` tells a time-out from any other failure."""
 
-    def __init__(self, message: str, timeout: bool = False):
+    def __init__(self, message: str, timeout: bool = False, status: int = 0):
         super().__init__(message)
         self.timeout = timeout
+        self.status = status  # the HTTP status the other side answered, 0 when none
 
     def api_error(self, what: str) -> ApiError:
         if self.timeout:
@@ -4080,7 +4809,7 @@ def post_json(url: str, body: dict, headers: dict | None = None, timeout: float 
             raw = resp.read(4 << 20)
     except urllib.error.HTTPError as e:
         e.close()  # it holds the response (and its socket) open
-        raise UpstreamError(f"HTTP {e.code}") from None
+        raise UpstreamError(f"HTTP {e.code}", status=e.code) from None
     except urllib.error.URLError as e:
         timed_out = isinstance(e.reason, (socket.timeout, TimeoutError))
         raise UpstreamError(
@@ -4099,6 +4828,140 @@ def post_json(url: str, body: dict, headers: dict | None = None, timeout: float 
     return answer
 
 
+class Outbound:
+    """Outbound HTTP(S) calls over one kept-alive connection, with bounded answers.
+
+    abort() from another thread ends a call in flight at once (a poller's long poll when
+    its channel is switched off). Messages never include the URL (a bot token is in it).
+    A 2xx answer's body goes to `sink` chunk by chunk when one is given (a download
+    straight to disk), else it is returned; any answer over `limit` is an UpstreamError.
+    """
+
+    def __init__(self):
+        self._conn: Any = None
+        self._origin: tuple = ()
+        self._aborted = False
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> Outbound:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def abort(self) -> None:
+        with self._lock:
+            self._aborted = True
+            conn = self._conn
+        sock = getattr(conn, "sock", None)
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        with self._lock:
+            conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+    def _drop(self, conn: Any) -> None:
+        with self._lock:
+            if self._conn is conn:
+                self._conn = None
+        conn.close()
+
+    def _connection(self, scheme: str, host: str, timeout: float) -> tuple:
+        import http.client
+
+        with self._lock:
+            if self._aborted:
+                raise UpstreamError("stopped")
+            fresh = self._conn is None or self._origin != (scheme, host)
+            if fresh:
+                if self._conn is not None:
+                    self._conn.close()
+                https = scheme == "https"
+                kind = http.client.HTTPSConnection if https else http.client.HTTPConnection
+                self._conn, self._origin = kind(host, timeout=timeout), (scheme, host)
+            conn = self._conn
+        conn.timeout = timeout
+        if conn.sock is not None:
+            conn.sock.settimeout(timeout)
+        return conn, fresh
+
+    def request(
+        self,
+        method: str,
+        url: str,
+        body: Any = None,
+        headers: dict | None = None,
+        timeout: float = 30.0,
+        limit: int = 4 << 20,
+        sink: Callable | None = None,
+    ) -> tuple:
+        """Return (status, {lower-case header: value}, body bytes) of one call."""
+        import http.client
+
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https"):
+            raise UpstreamError("not an http(s) URL")
+        host = parts.netloc.rpartition("@")[2]
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        for attempt in (1, 2):
+            conn, fresh = self._connection(parts.scheme, host, timeout)
+            try:
+                conn.request(method, target, body=body, headers=headers or {})
+                resp = conn.getresponse()
+                break
+            except (OSError, http.client.HTTPException) as e:
+                self._drop(conn)
+                resend = body is None or isinstance(body, bytes)
+                if attempt == 2 or fresh or self._aborted or not resend or _timed_out(e):
+                    raise _upstream_error(e) from None
+        try:
+            status = resp.status
+            answer = {k.lower(): v for k, v in resp.getheaders()}
+            good = 200 <= status < 300
+            cap = limit if good else 65536
+            declared = answer.get("content-length", "")
+            if declared.isdigit() and int(declared) > cap:
+                raise UpstreamError(f"the answer is over {cap} bytes")
+            data, seen = bytearray(), 0
+            while True:
+                chunk = resp.read(BODY_CHUNK)
+                if not chunk:
+                    break
+                seen += len(chunk)
+                if seen > cap:
+                    raise UpstreamError(f"the answer is over {cap} bytes")
+                if good and sink is not None:
+                    sink(chunk)
+                else:
+                    data += chunk
+        except DiskFull:
+            self._drop(conn)
+            raise
+        except UpstreamError:
+            self._drop(conn)
+            raise
+        except (OSError, http.client.HTTPException) as e:
+            self._drop(conn)
+            raise _upstream_error(e) from None
+        if resp.will_close:
+            self._drop(conn)
+        return status, answer, bytes(data)
+
+
+def _timed_out(e: BaseException) -> bool:
+    return isinstance(e, (socket.timeout, TimeoutError))
+
+
+def _upstream_error(e: BaseException) -> UpstreamError:
+    if _timed_out(e):
+        return UpstreamError("timed out", timeout=True)
+    return UpstreamError(str(getattr(e, "strerror", None) or type(e).__name__))
+
+
 # -- retrieval ---------------------------------------------------------------------
 
 
@@ -4109,6 +4972,33 @@ def question_stems(question: str) -> list:
 
 
 _SENTENCE_RE = re.compile(r"(?<=[.!?])\s+|\n+")
+# Markdown a quoted sentence leaves out; every pattern runs in linear time.
+_MD_LEAD_RE = re.compile(
+    r"^(?:#{1,6}[ \t]+|>[ \t]*|(?:[-*+]|\d{1,9}[.)])[ \t]+(?:\[[ xX]\][ \t]+)?)+"
+)
+_MD_LINK_RE = re.compile(r"!?\[([^\[\]\n]*)\]\([^()\s]*(?:[ \t]+\"[^\"\n]*\")?\)")
+_MD_WIKILINK_RE = re.compile(r"\[\[([^\[\]|\n]*)(?:\|([^\[\]\n]*))?\]\]")
+_MD_MARKS_RE = re.compile(
+    r"\*\*|__|~~|`|(?<![\w*])\*(?=\S)|(?<=\S)\*(?![\w*])|(?<!\w)_(?=\S)|(?<=\S)_(?!\w)"
+)
+_MD_INLINE_RE = re.compile(r"[*_~`\[]")  # a sentence without these has no inline marks
+_HEADING_MARK_RE = re.compile(r"^[ \t]*#{1,6}[ \t]+", re.M)
+_LINE_MARKS_RE = re.compile(
+    r"^[ \t]*(?:>[ \t]*|(?:[-*+]|\d{1,9}[.)])[ \t]+(?:\[[ xX]\][ \t]+)?)+", re.M
+)
+
+
+def plain_text(line: str) -> str:
+    """Return a line of Markdown as plain text: no heading, quote or list marks, no emphasis
+    or code marks, links as their text.
+
+    >>> plain_text("- [ ] **Buy** [milk](shop.md) and [[eggs|the eggs]] for *Anna*, `now`")
+    'Buy milk and the eggs for Anna, now'
+    """
+    line = _MD_LEAD_RE.sub("", line.strip())
+    line = _MD_WIKILINK_RE.sub(lambda m: m.group(2) or m.group(1), line)
+    line = _MD_LINK_RE.sub(r"\1", line)
+    return " ".join(_MD_MARKS_RE.sub("", line).split())
 
 
 def best_passages(weights: dict, text: str, keep: int = 2) -> list:
@@ -4118,12 +5008,15 @@ def best_passages(weights: dict, text: str, keep: int = 2) -> list:
     """
     scored = []
     stems: dict = {}  # word -> stem, each computed once
-    for i, sentence in enumerate(_SENTENCE_RE.split(text[:MAX_SCAN_CHARS])):
-        sentence = sentence.strip()
-        heading = sentence.startswith("#")  # quoted only when no sentence matches
-        sentence = sentence.lstrip("#").strip()
+    # Line marks go first (so "1. " ends no sentence); a heading is marked with \x01.
+    text = _LINE_MARKS_RE.sub("", _HEADING_MARK_RE.sub("\x01", text[:MAX_SCAN_CHARS]))
+    for i, sentence in enumerate(_SENTENCE_RE.split(text)):
+        heading = sentence.startswith("\x01")  # quoted only when no other sentence matches
+        sentence = sentence.strip("\x01 \t\r")
         if not sentence:
             continue
+        if _MD_INLINE_RE.search(sentence):
+            sentence = plain_text(sentence)
         words = set(_WORD_RE.findall(fold(sentence)))
         for w in words.difference(stems):
             stems[w] = stem(w)
@@ -4141,27 +5034,210 @@ def _clip(text: str, limit: int) -> str:
 
 
 def retrieve(svc: Service, question: str, note: str | None, limit: int = 3) -> list:
-    """Return [(path, title, [passages])]: the note asked about first, then the best hits."""
+    """Return [(path, title, [passages])]: the best hits, best first.
+
+    The note asked about (`notePath`) comes first when its passages match the question;
+    otherwise it comes last with its opening, context for a model that no one quotes.
+    """
     index = svc.index
     weights = index.stem_weights(question_stems(question))
     hits = index.search_any(list(weights), limit)  # the passages are cut without the lock
-    found = []
+    found = [(p, title, best_passages(weights, text)) for p, title, text, _ in hits if p != note]
     if note:
         rec = svc.notes.get(note)
-        passages = best_passages(weights, rec["content"]) or [
-            _clip(" ".join(rec["content"][:MAX_SCAN_CHARS].split()), 600)
-        ]
-        found.append((note, rec["title"], passages))
-    for path, title, text, _ in hits:
-        if path != note:
-            found.append((path, title, best_passages(weights, text)))
+        passages = best_passages(weights, rec["content"])
+        if passages:
+            found.insert(0, (note, rec["title"], passages))
+        else:
+            opening = _clip(" ".join(rec["content"][:MAX_SCAN_CHARS].split()), 600)
+            found.append((note, rec["title"], [opening]))
     return found
+
+
+def matching(stems: set, passages: list) -> list:
+    """Return the best of the passages (best first) that hold one of the stems, and the
+    next ones while they hold as many of them."""
+    counts = [len(stems.intersection(tokenize(p))) for p in passages]
+    return [p for p, n in zip(passages, counts) if n and n == counts[0]]
+
+
+# -- tools: what MCP clients and the agent may call -------------------------------------
+#
+# A tool is a small function of the service with a JSON Schema for its arguments, a
+# description a model can act on, and MCP's annotations. MCP clients call tools through
+# /api/v1/mcp and the `openai` agent through its tool loop; both run the same functions,
+# which go through the store (its locks, hooks and history) and the index like every HTTP
+# handler: there is no second write path. Write tools are offered only where the owner
+# allows writes (SERVICE_MCP_WRITE, SERVICE_AGENT_WRITE). The built-ins register at the
+# end of Plugins, like the built-in plugins (two of them use the links and tags plugins).
+
+TOOL_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # what MCP and OpenAI both accept
+
+
+@dataclasses.dataclass(frozen=True)
+class Tool:
+    name: str
+    run: Callable  # (svc, **arguments) -> dict, the structured result; raises ApiError
+    description: str
+    schema: dict  # JSON Schema of the arguments: an object, no other properties
+    title: str = ""
+    read_only: bool = True
+    destructive: bool = False  # may overwrite or remove what is there (not only add)
+    idempotent: bool = False  # calling it again with the same arguments changes nothing more
+    plugin: str = ""  # offered only while this plugin is on ("": always)
+    text: Callable | None = None  # structured result -> the text a model reads (default JSON)
+    alias_of: str = ""  # the same service under a name some client expects (MCP only)
+
+    def annotations(self) -> dict:
+        """Return MCP's annotations of the tool (hints for clients, never enforced by them)."""
+        return {
+            "title": self.title or self.name.replace("_", " "),
+            "readOnlyHint": self.read_only,
+            "destructiveHint": self.destructive,
+            "idempotentHint": self.idempotent,
+            "openWorldHint": False,  # the notes are a closed world
+        }
+
+
+TOOLS: dict[str, Tool] = {}
+
+
+def tool(
+    name: str,
+    description: str,
+    properties: dict | None = None,
+    required: tuple = (),
+    *,
+    title: str = "",
+    read_only: bool = True,
+    destructive: bool = False,
+    idempotent: bool = False,
+    plugin: str = "",
+    text: Callable | None = None,
+    alias_of: str = "",
+) -> Callable:
+    """Register a tool function under name; `properties` are its arguments' JSON Schemas."""
+    if not TOOL_NAME_RE.match(name):
+        raise ValueError(f"tool name {name!r} is not 1-64 of A-Z a-z 0-9 _ -")
+    schema = {
+        "type": "object",
+        "properties": dict(properties or {}),
+        "required": list(required),
+        "additionalProperties": False,
+    }
+
+    def register(fn: Callable) -> Callable:
+        _registry("tool", TOOLS)[name] = Tool(
+            name,
+            fn,
+            description,
+            schema,
+            title,
+            read_only,
+            destructive,
+            idempotent,
+            plugin,
+            text,
+            alias_of,
+        )
+        return fn
+
+    return register
+
+
+def available_tools(svc: Service, writes: bool) -> list:
+    """Return the tools this app offers: read-only ones, write ones when `writes`, each only
+    while its plugin is on."""
+    return [
+        t
+        for t in svc.tools.values()
+        if (writes or t.read_only) and (not t.plugin or svc.plugin_enabled(t.plugin))
+    ]
+
+
+_JSON_TYPES = {"string": str, "integer": int, "boolean": bool, "object": dict, "array": list}
+
+
+def checked_arguments(schema: dict, arguments: Any) -> dict:
+    """Return a tool's arguments checked against its schema (the part of JSON Schema tools
+    use: type, required, additionalProperties, min/maxLength, minimum/maximum, enum); null
+    counts as absent, 3.0 as 3. Raises 400 saying what is wrong."""
+    if not isinstance(arguments, dict):
+        raise bad_request("the arguments must be a JSON object")
+    props = schema.get("properties", {})
+    given = {k: v for k, v in arguments.items() if v is not None}
+    missing = [name for name in schema.get("required", ()) if name not in given]
+    if missing:
+        raise bad_request(f"missing required argument(s): {', '.join(missing)}")
+    unknown = sorted(set(given) - set(props))
+    if unknown and schema.get("additionalProperties") is False:
+        takes = ", ".join(props) or "no arguments"
+        raise bad_request(f"unknown argument(s): {', '.join(unknown)}; this tool takes {takes}")
+    out = {}
+    for name, value in given.items():
+        rule = props.get(name, {})
+        kind = rule.get("type")
+        if kind == "integer" and isinstance(value, float) and value.is_integer():
+            value = int(value)
+        expected = _JSON_TYPES.get(kind)
+        if expected and (
+            not isinstance(value, expected) or (expected is int and isinstance(value, bool))
+        ):
+            raise bad_request(f"'{name}' must be a{'n' if kind[0] in 'aeio' else ''} {kind}")
+        if isinstance(value, str):
+            if len(value) < rule.get("minLength", 0):
+                raise bad_request(f"'{name}' must not be empty")
+            if len(value) > rule.get("maxLength", len(value)):
+                raise bad_request(f"'{name}' is longer than {rule['maxLength']} characters")
+        if isinstance(value, int) and not (
+            rule.get("minimum", value) <= value <= rule.get("maximum", value)
+        ):
+            raise bad_request(f"'{name}' must be from {rule['minimum']} to {rule['maximum']}")
+        if "enum" in rule and value not in rule["enum"]:
+            raise bad_request(f"'{name}' must be one of {', '.join(map(str, rule['enum']))}")
+        out[name] = value
+    return out
+
+
+def tool_error(code: str, message: str) -> dict:
+    """Return a tool result saying what went wrong, for the model to act on (MCP's isError)."""
+    return {
+        "content": [{"type": "text", "text": f"Error ({code}): {message}"}],
+        "structuredContent": {"error": {"code": code, "message": message}},
+        "isError": True,
+    }
+
+
+def call_tool(svc: Service, tool: Tool, arguments: Any) -> dict:
+    """Return the result of one tool call as MCP's CallToolResult {content, structuredContent,
+    isError}.
+
+    Whatever a model can recover from (bad arguments, a missing note, a stale etag) is an
+    isError result whose text says what to do; a bug is logged and answered with its request
+    id only. Nothing raises.
+    """
+    try:
+        data = tool.run(svc, **checked_arguments(tool.schema, arguments))
+    except ApiError as e:
+        return tool_error(e.code, e.message)
+    except Exception:
+        rid = _rid()
+        log.exception("request %s: tool %s failed", rid, tool.name)
+        return tool_error("INTERNAL_ERROR", f"internal error; request id {rid}")
+    text = tool.text(data) if tool.text else to_json(data).decode("utf-8")
+    return {
+        "content": [{"type": "text", "text": text}],
+        "structuredContent": data,
+        "isError": False,
+    }
 
 
 # -- agent providers ------------------------------------------------------------------
 
 
-AnswerFn = Callable[[Any, str, list], tuple]  # (svc, question, found) -> (reply, model)
+# (svc, question, found) -> (reply, model) or (reply, model, [paths of the sources]); with
+# two items the sources are every note in `found`.
+AnswerFn = Callable[[Any, str, list], tuple]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -4200,18 +5276,32 @@ def agent_provider(
     description="offline: quotes the best-matching passages of your notes",
 )
 def answer_locally(svc: Service, question: str, found: list) -> tuple:
-    quoted = [(path, p) for path, _, passages in found for p in passages[:2]]
+    """Quote the best-matching plain sentence of each note that matches, best note first."""
+    quoted, stems = [], set(question_stems(question))
+    for path, _, passages in found:
+        best = matching(stems, passages)  # best_passages put the best one first
+        if best:
+            quoted.append((path, " ".join(best)))
     if not quoted:
-        return f"Nothing in your notes matches “{_clip(question, 80)}”.", "notesvc-local"
-    lines = ["From your notes:"]
-    lines += [f"• {passage} — {path}" for path, passage in quoted[:6]]
-    return "\n".join(lines), "notesvc-local"
+        return f"Nothing in your notes matches “{_clip(question, 80)}”.", "notesvc-local", []
+    lines = ["From your notes:", *(f"• {passage} — {path}" for path, passage in quoted[:4])]
+    return "\n".join(lines), "notesvc-local", [path for path, _ in quoted[:4]]
 
 
 SYSTEM_PROMPT = (
     "You answer questions about the user's personal notes. Use only the notes below; "
     "name the note path you took an answer from; if the notes do not say, say so."
 )
+TOOLS_PROMPT = (
+    "When the notes below do not answer the question, call the tools: search_notes to "
+    "search again, read_note to read a whole note."
+)
+WRITE_PROMPT = (
+    "Change notes only when the user asks you to; read a note first and pass the etag you "
+    "read to update_note or move_note."
+)
+MAX_TOOL_CALLS_PER_STEP = 8  # run of one model answer; the others are answered "skipped"
+MAX_TOOL_TEXT = 16000  # characters of one tool result a model is given
 
 
 def model_context(found: list, budget: int = CONTEXT_BUDGET) -> str:
@@ -4253,25 +5343,130 @@ def agent_endpoint(base_url: str, path: str, api_key: str = "") -> tuple:
     requires=("agent_base_url", "agent_model"),
 )
 def answer_with_model(svc: Service, question: str, found: list) -> tuple:
+    """Answer through an OpenAI-compatible model, in a bounded tool loop.
+
+    The first call carries the best passages as context together with the tools, so a
+    model that answers at once answers from the notes. Each answer with `tool_calls` gets
+    the tools' results (`role: tool`) and another call, at most SERVICE_AGENT_MAX_STEPS
+    calls in all (the last one with `tool_choice: "none"`). A model or server that refuses
+    `tools` (HTTP 400 or 422) gets today's single call without them.
+    """
     cfg = svc.config
     url, headers = agent_endpoint(cfg.agent_base_url, "/chat/completions", cfg.agent_api_key)
-    body = {
-        "model": cfg.agent_model,
-        "messages": [
-            {"role": "system", "content": f"{SYSTEM_PROMPT}\n\n{model_context(found)}"},
-            {"role": "user", "content": question},
-        ],
-        "temperature": 0.2,
-        "stream": False,
-    }
-    answer = post_json(url, body, headers, cfg.agent_timeout)
+    tools = [t for t in available_tools(svc, cfg.agent_write) if not t.alias_of]
+    specs = [openai_tool(t) for t in tools]
+    prompt = SYSTEM_PROMPT + (f" {TOOLS_PROMPT}" if specs else "")
+    prompt += f" {WRITE_PROMPT}" if cfg.agent_write and specs else ""
+    messages = [
+        {"role": "system", "content": f"{prompt}\n\n{model_context(found)}"},
+        {"role": "user", "content": question},
+    ]
+    body = {"model": cfg.agent_model, "messages": messages, "temperature": 0.2, "stream": False}
+    touched: list = []  # notes the tools read or changed, in order
+    context = [path for path, _, _ in found]
+    model = cfg.agent_model
+    for step in range(cfg.agent_max_steps):
+        last = step == cfg.agent_max_steps - 1
+        if specs:
+            body["tools"] = specs
+            if last:  # the model must answer now (some servers refuse an explicit "auto")
+                body["tool_choice"] = "none"
+        try:
+            answer = post_json(url, body, headers, cfg.agent_timeout)
+        except UpstreamError as e:
+            if not (step == 0 and specs and e.status in (400, 422)):
+                raise
+            log.info("request %s: the model refused tools (%s); asking without them", _rid(), e)
+            specs = []
+            body.pop("tools")
+            body.pop("tool_choice", None)
+            answer = post_json(url, body, headers, cfg.agent_timeout)
+        message = _assistant_message(answer)
+        model = str(answer.get("model") or cfg.agent_model)
+        calls = message.get("tool_calls") if specs else None
+        if not calls or not isinstance(calls, list):
+            return _reply_text(message), model, touched + context
+        if last:
+            break
+        content = message.get("content") or ""
+        messages.append({"role": "assistant", "content": content, "tool_calls": calls})
+        for i, call in enumerate(calls):
+            if i < MAX_TOOL_CALLS_PER_STEP:
+                messages.append(run_tool_call(svc, tools, call, touched))
+            else:  # every call needs its answer, or the next request is refused
+                messages.append(
+                    _tool_message(call, f"skipped: at most {MAX_TOOL_CALLS_PER_STEP} calls at once")
+                )
+        log.debug("request %s: agent step %d ran %d tool calls", _rid(), step + 1, len(calls))
+    reply = (
+        f"I stopped after {cfg.agent_max_steps} model calls (SERVICE_AGENT_MAX_STEPS) without "
+        "an answer; the notes I looked at are listed as sources."
+    )
+    return reply, model, touched + context
+
+
+def _assistant_message(answer: dict) -> dict:
     try:
-        reply = answer["choices"][0]["message"]["content"]
+        message = answer["choices"][0]["message"]
     except (KeyError, IndexError, TypeError):
         raise UpstreamError("the answer had no choices[0].message.content") from None
+    if not isinstance(message, dict):
+        raise UpstreamError("the answer had no choices[0].message.content")
+    return message
+
+
+def _reply_text(message: dict) -> str:
+    reply = message.get("content")
     if not isinstance(reply, str):
         raise UpstreamError("the answer's content was not text")
-    return reply.strip(), str(answer.get("model") or cfg.agent_model)
+    return reply.strip()
+
+
+def openai_tool(tool: Tool) -> dict:
+    """Return a tool as OpenAI's function-calling declaration."""
+    return {
+        "type": "function",
+        "function": {"name": tool.name, "description": tool.description, "parameters": tool.schema},
+    }
+
+
+def run_tool_call(svc: Service, tools: list, call: Any, touched: list) -> dict:
+    """Return the `role: tool` message answering one of a model's tool calls.
+
+    A tool not offered (a write tool while SERVICE_AGENT_WRITE is off, a name the model
+    made up) or arguments that are not JSON are refused in that message, for the model to
+    read. A note a tool read or changed is added to `touched`.
+    """
+    call = call if isinstance(call, dict) else {}
+    function = call.get("function") if isinstance(call.get("function"), dict) else {}
+    name, raw = function.get("name"), function.get("arguments") or "{}"
+    offered = {t.name: t for t in tools}
+    if name in offered:
+        try:
+            arguments = json.loads(raw) if isinstance(raw, str) else raw
+        except ValueError:
+            result = tool_error("VALIDATION_ERROR", "the arguments are not valid JSON")
+        else:
+            result = call_tool(svc, offered[name], arguments)
+            path = result["structuredContent"].get("path")
+            if not result["isError"] and isinstance(path, str) and path not in touched:
+                touched.append(path)
+    elif name in svc.tools and not svc.tools[name].read_only:
+        result = tool_error(
+            "FORBIDDEN",
+            f"{name} changes notes, and the owner has not allowed the agent to change notes "
+            "(SERVICE_AGENT_WRITE is off); tell the user instead",
+        )
+    else:
+        result = tool_error(
+            "NOT_FOUND", f"there is no tool {str(name)[:64]!r}; use one of {', '.join(offered)}"
+        )
+    return _tool_message(call, result["content"][0]["text"])
+
+
+def _tool_message(call: Any, text: str) -> dict:
+    call_id = str(call.get("id", "")) if isinstance(call, dict) else ""
+    return {"role": "tool", "tool_call_id": call_id, "content": _clip(text, MAX_TOOL_TEXT)}
 
 
 @agent_provider("none", model=lambda cfg: "", enabled=False, description="agent switched off")
@@ -4286,10 +5481,16 @@ def ask_agent(svc: Service, question: str, note: str | None = None) -> dict:
         raise ApiError(503, "AGENT_DISABLED", "the agent is off (SERVICE_AGENT_PROVIDER=none)")
     found = retrieve(svc, question, note)
     try:
-        reply, model = provider.answer(svc, question, found)
+        answer = provider.answer(svc, question, found)
     except UpstreamError as e:
         raise e.api_error("the model endpoint") from None
-    sources = [{"path": path, "title": title} for path, title, _ in found]
+    reply, model = answer[0], answer[1]
+    titles = {path: title for path, title, _ in found}
+    if len(answer) > 2:  # the provider names its sources (notes that may be gone since)
+        paths = [p for p in dict.fromkeys(answer[2]) if p in titles or svc.notes.exists(p)]
+    else:
+        paths = list(titles)
+    sources = [{"path": p, "title": titles.get(p) or svc.index.title_of(p) or p} for p in paths]
     return {"reply": reply, "provider": provider.name, "model": model, "sources": sources}
 
 
@@ -4299,10 +5500,19 @@ def ask_agent(svc: Service, question: str, note: str | None = None) -> dict:
 @dataclasses.dataclass(frozen=True)
 class ConfigField:
     name: str
-    kind: str  # "string" or "list"
+    kind: str  # "string", "list", "boolean", "choice" (one of `choices`) or "folder" (notes/...)
     required: bool = False
     secret: bool = False
     help: str = ""
+    choices: tuple = ()
+    default: Any = None  # of a field left out ("choice": its first choice unless given)
+
+    def empty(self) -> Any:
+        """Return the value a field left out takes."""
+        if self.default is not None:
+            return self.default
+        first = self.choices[0] if self.choices else ""
+        return {"list": [], "boolean": False}.get(self.kind, first)
 
 
 MAX_CONFIG_CHARS = 512  # of one string in a channel's config
@@ -4325,6 +5535,18 @@ class ChannelProvider:
     # GET /channels/webhook/<name>: the provider's subscription check, (svc) -> text
     verify: Callable | None = None
     verify_params: tuple = ()  # its query parameters (OpenAPI)
+    # Meta-style signed webhooks: the header carrying "sha256=<HMAC of the raw body>" and
+    # the config field holding the key; a channel with the key set needs the signature.
+    signature_header: str = ""
+    signing_field: str = ""
+    # (svc, config, offset, wait, outbound) -> [(next offset, update)]: the channel can
+    # fetch its own updates (config.mode "polling", see ChannelPollers)
+    poll: Callable | None = None
+    # (svc, config, media, write, limit): stream one media item of an update to write()
+    fetch: Callable | None = None
+    # (svc, channel) -> what it did, or None: the provider's side of a create or PATCH
+    # (Telegram's setWebhook); raises UpstreamError, shown as the channel's `status`
+    configure: Callable | None = None
 
 
 CHANNEL_PROVIDERS: dict[str, ChannelProvider] = {}
@@ -4336,11 +5558,29 @@ def channel_provider(
     allow: str = "",
     description: str = "",
     secret_header: str = "",
+    signature_header: str = "",
+    signing_field: str = "",
 ) -> Callable[[ParseFn], ParseFn]:
-    """Register a channel provider: the decorated function parses inbound updates."""
+    """Register a channel provider: the decorated function parses inbound updates.
+
+    A parser returns [(sender, text)], [(sender, text, display name)] or, with files,
+    [(sender, text or caption, display name, [media])]; a media item is a dict with
+    `kind` (photo, voice, audio, document, video, video_note, image), `id`, and where
+    known `mime`, `name` and `size`.
+    """
 
     def register(parse: ParseFn) -> ParseFn:
-        provider = ChannelProvider(name, fields, parse, None, allow, description, secret_header)
+        provider = ChannelProvider(
+            name,
+            fields,
+            parse,
+            None,
+            allow,
+            description,
+            secret_header,
+            signature_header=signature_header,
+            signing_field=signing_field,
+        )
         _registry("channel", CHANNEL_PROVIDERS)[name] = provider
         return parse
 
@@ -4376,6 +5616,45 @@ def channel_verifier(name: str, params: tuple = ()) -> Callable:
     return register
 
 
+def channel_poller(name: str) -> Callable:
+    """Register how provider `name` fetches its own updates (channels in polling mode)."""
+
+    def register(poll: Callable) -> Callable:
+        registry, provider = _registered_channel(name)
+        registry[name] = dataclasses.replace(provider, poll=poll)
+        return poll
+
+    return register
+
+
+def channel_fetcher(name: str) -> Callable:
+    """Register how provider `name` downloads the photos, voice and files of an update."""
+
+    def register(fetch: Callable) -> Callable:
+        registry, provider = _registered_channel(name)
+        registry[name] = dataclasses.replace(provider, fetch=fetch)
+        return fetch
+
+    return register
+
+
+def channel_configurer(name: str) -> Callable:
+    """Register what provider `name` does when one of its channels is created or changed."""
+
+    def register(configure: Callable) -> Callable:
+        registry, provider = _registered_channel(name)
+        registry[name] = dataclasses.replace(provider, configure=configure)
+        return configure
+
+    return register
+
+
+def channel_mode(channel: dict) -> str:
+    """Return a channel's mode: "polling" or "webhook" (a channel stored before modes
+    existed, or of a provider without them, is a webhook channel)."""
+    return channel.get("config", {}).get("mode") or "webhook"
+
+
 def validate_channel_config(provider: ChannelProvider, config: Any) -> dict:
     """Return config checked against the provider's fields; 400 naming what is wrong."""
     if not isinstance(config, dict):
@@ -4390,9 +5669,21 @@ def validate_channel_config(provider: ChannelProvider, config: Any) -> dict:
         if value is None or value == "" or value == []:
             if f.required:
                 raise bad_request(f"config.{f.name} is required for {provider.name}")
-            out[f.name] = [] if f.kind == "list" else ""
+            out[f.name] = f.empty()
             continue
-        if f.kind == "list":
+        if f.kind == "boolean":
+            if not isinstance(value, bool):
+                raise bad_request(f"config.{f.name} must be true or false")
+            out[f.name] = value
+        elif f.kind == "choice":
+            if value not in f.choices:
+                raise bad_request(f"config.{f.name} must be one of {', '.join(f.choices)}")
+            out[f.name] = value
+        elif f.kind == "folder":
+            if not isinstance(value, str) or len(value) > MAX_CONFIG_CHARS:
+                raise bad_request(f"config.{f.name} must be a folder under {NOTES}/")
+            out[f.name] = folder_path(value)
+        elif f.kind == "list":
             if not isinstance(value, list) or not all(
                 isinstance(v, (str, int)) and not isinstance(v, bool) for v in value
             ):
@@ -4441,14 +5732,75 @@ def _match_secret(candidates: list, key: str, presented: str) -> dict | None:
     return found
 
 
+_SAVE_TO = ConfigField(
+    "saveTo",
+    "folder",
+    help=f"a folder under {NOTES}/ for /save and captures, a note per day "
+    f"(default: the daily note, {DAILY_FOLDER}/YYYY-MM-DD.md)",
+)
+_NOTIFY = ConfigField("notify", "boolean", help="send reminders (⏰ lines) to the allowed senders")
+TELEGRAM_UPDATES = ["message", "edited_message", "channel_post"]
+TELEGRAM_MEDIA = ("voice", "audio", "document", "video", "video_note")
+
+
+class TelegramError(UpstreamError):
+    """The Bot API answered ok: false; `code` is its error_code (409: a webhook is set)."""
+
+    def __init__(self, message: str, code: int = 0, retry_after: float = 0.0):
+        super().__init__(message)
+        self.code, self.retry_after = code, retry_after
+
+
+def telegram_call(
+    svc: Service,
+    config: dict,
+    method: str,
+    params: dict,
+    timeout: float = 15.0,
+    outbound: Outbound | None = None,
+) -> Any:
+    """Return the `result` of one Bot API call; TelegramError with Telegram's description."""
+    url = f"{svc.config.telegram_api_base}/bot{config['botToken']}/{method}"
+    out = outbound or Outbound()
+    try:
+        status, _, raw = out.request(
+            "POST", url, to_json(params), {"Content-Type": "application/json"}, timeout
+        )
+    finally:
+        if outbound is None:
+            out.close()
+    try:
+        answer = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise UpstreamError(f"Telegram {method}: HTTP {status}, not JSON") from None
+    if not isinstance(answer, dict) or answer.get("ok") is not True:
+        answer = answer if isinstance(answer, dict) else {}
+        wait = (answer.get("parameters") or {}).get("retry_after") or 0
+        raise TelegramError(
+            f"Telegram {method}: " + _printable(answer.get("description") or f"HTTP {status}", 200),
+            int(answer.get("error_code") or status),
+            float(wait) if isinstance(wait, (int, float)) else 0.0,
+        )
+    return answer.get("result")
+
+
 @channel_provider(
     "telegram",
     (
         ConfigField("botToken", "string", True, True, "the token BotFather gave you"),
         ConfigField("allowedChatIds", "list", help="chat ids that may talk to the bot"),
+        ConfigField(
+            "mode",
+            "choice",
+            help="polling: the server asks Telegram for updates (no public URL needed); "
+            "webhook: Telegram calls webhookUrl (setWebhook is done for you)",
+            choices=("polling", "webhook"),
+        ),
+        _SAVE_TO,
+        _NOTIFY,
     ),
     allow="allowedChatIds",
-    description="a Telegram bot (Bot API webhook + sendMessage)",
+    description="a Telegram bot (getUpdates long polling or a webhook; sendMessage)",
     secret_header="X-Telegram-Bot-Api-Secret-Token",  # noqa: S106 - a header name
 )
 def parse_telegram(update: dict) -> list:
@@ -4456,6 +5808,8 @@ def parse_telegram(update: dict) -> list:
     if not isinstance(msg, dict) or not isinstance(msg.get("chat"), dict):
         return []
     text = msg.get("text")
+    if not isinstance(text, str):
+        text = msg.get("caption")
     person = msg.get("from") if isinstance(msg.get("from"), dict) else msg["chat"]
     name = person.get("first_name") or person.get("username") or msg["chat"].get("title") or ""
     return [
@@ -4463,8 +5817,37 @@ def parse_telegram(update: dict) -> list:
             str(msg["chat"].get("id", "")),
             text if isinstance(text, str) else None,
             name if isinstance(name, str) else "",
+            _telegram_media(msg),
         )
     ]
+
+
+def _telegram_media(msg: dict) -> list:
+    """Return the files of a Telegram message: the largest photo size, voice, audio..."""
+    found = []
+    sizes = [p for p in _dicts(msg.get("photo")) if isinstance(p.get("file_id"), str)]
+    if sizes:
+
+        def area(p: dict) -> int:
+            w, h = p.get("width"), p.get("height")
+            return w * h if isinstance(w, int) and isinstance(h, int) else 0
+
+        best = max(sizes, key=area)
+        found.append({"kind": "photo", "id": best["file_id"], "mime": "image/jpeg", "name": ""})
+        found[-1]["size"] = best.get("file_size")
+    for kind in TELEGRAM_MEDIA:
+        item = msg.get(kind)
+        if isinstance(item, dict) and isinstance(item.get("file_id"), str):
+            found.append(
+                {
+                    "kind": kind,
+                    "id": item["file_id"],
+                    "mime": str(item.get("mime_type") or ""),
+                    "name": str(item.get("file_name") or ""),
+                    "size": item.get("file_size"),
+                }
+            )
+    return found
 
 
 @channel_sender("telegram")
@@ -4476,16 +5859,79 @@ def send_telegram(svc: Service, config: dict, chat_id: str, text: str) -> None:
         raise UpstreamError(f"Telegram refused: {str(answer.get('description'))[:100]}")
 
 
+@channel_poller("telegram")
+def poll_telegram(svc: Service, config: dict, offset: int, wait: float, outbound) -> list:
+    """getUpdates with a long-poll time-out; a webhook still set is deleted first (409)."""
+    params: dict = {"timeout": int(wait), "allowed_updates": TELEGRAM_UPDATES}
+    if offset:
+        params["offset"] = offset
+    try:
+        updates = telegram_call(svc, config, "getUpdates", params, wait + 15, outbound)
+    except TelegramError as e:
+        if e.code != 409 or "webhook" not in str(e).lower():
+            raise  # 409 "terminated by other getUpdates request": another poller, backoff
+        log.info("telegram: a webhook was set for this bot; deleting it to poll instead")
+        telegram_call(svc, config, "deleteWebhook", {"drop_pending_updates": False}, 15, outbound)
+        return []
+    batch = [u for u in updates or [] if isinstance(u, dict) and type(u.get("update_id")) is int]
+    return [(u["update_id"] + 1, u) for u in sorted(batch, key=lambda u: u["update_id"])]
+
+
+@channel_fetcher("telegram")
+def fetch_telegram(svc: Service, config: dict, media: dict, write: Callable, limit: int) -> None:
+    """getFile, then the file's bytes from {base}/file/bot<token>/<file_path>."""
+    info = telegram_call(svc, config, "getFile", {"file_id": media["id"]})
+    path = info.get("file_path") if isinstance(info, dict) else None
+    if not isinstance(path, str) or not path or ".." in path.split("/"):
+        raise UpstreamError("Telegram gave no file to download (files over 20 MB are not served)")
+    size = info.get("file_size")
+    if isinstance(size, int) and size > limit:
+        raise UpstreamError(f"the file is over {limit} bytes (SERVICE_MAX_ATTACHMENT_BYTES)")
+    url = f"{svc.config.telegram_api_base}/file/bot{config['botToken']}/{urllib.parse.quote(path)}"
+    with Outbound() as out:
+        status, _, _ = out.request("GET", url, timeout=120, limit=limit, sink=write)
+    if status != 200:
+        raise UpstreamError(f"the download answered HTTP {status}")
+
+
+@channel_configurer("telegram")
+def configure_telegram(svc: Service, channel: dict) -> str | None:
+    """Webhook mode: setWebhook to the channel's URL with its secret as secret_token.
+
+    Polling mode needs nothing here: the poller deletes a webhook it finds in its way.
+    """
+    if channel_mode(channel) != "webhook":
+        return None
+    params = {
+        "url": channel["webhookUrl"],
+        "secret_token": channel["secret"],
+        "allowed_updates": TELEGRAM_UPDATES,
+        "drop_pending_updates": False,
+    }
+    telegram_call(svc, channel["config"], "setWebhook", params)
+    return "webhook set"
+
+
 @channel_provider(
     "whatsapp",
     (
         ConfigField("accessToken", "string", True, True, "Cloud API access token"),
         ConfigField("phoneNumberId", "string", True, help="the sending phone number id"),
         ConfigField("verifyToken", "string", True, True, "what Meta sends to verify the hook"),
+        ConfigField(
+            "appSecret",
+            "string",
+            secret=True,
+            help="the Meta app's secret: every call must carry its X-Hub-Signature-256",
+        ),
         ConfigField("allowedNumbers", "list", help="phone numbers (wa_id) that may write"),
+        _SAVE_TO,
+        _NOTIFY,
     ),
     allow="allowedNumbers",
     description="WhatsApp Cloud API (webhook + /messages)",
+    signature_header="X-Hub-Signature-256",
+    signing_field="appSecret",
 )
 def parse_whatsapp(payload: dict) -> list:
     out = []
@@ -4500,13 +5946,28 @@ def parse_whatsapp(payload: dict) -> list:
                 if isinstance(c.get("profile"), dict)
             }
             for msg in _dicts(value.get("messages")):
+                kind = msg.get("type")
                 body = (
                     msg.get("text", {}).get("body") if isinstance(msg.get("text"), dict) else None
                 )
-                text = body if msg.get("type") == "text" and isinstance(body, str) else None
+                text = body if kind == "text" and isinstance(body, str) else None
+                media = []
+                item = msg.get(kind) if kind in ("image", "audio", "document", "video") else None
+                if isinstance(item, dict) and isinstance(item.get("id"), str):
+                    caption = item.get("caption")
+                    text = caption if isinstance(caption, str) else None
+                    voice = kind == "audio" and item.get("voice") is True
+                    media.append(
+                        {
+                            "kind": "voice" if voice else kind,
+                            "id": item["id"],
+                            "mime": str(item.get("mime_type") or "").split(";")[0].strip(),
+                            "name": str(item.get("filename") or ""),
+                        }
+                    )
                 sender = str(msg.get("from", ""))
                 name = names.get(sender)
-                out.append((sender, text, name if isinstance(name, str) else ""))
+                out.append((sender, text, name if isinstance(name, str) else "", media))
     return out
 
 
@@ -4529,6 +5990,38 @@ def send_whatsapp(svc: Service, config: dict, number: str, text: str) -> None:
         raise UpstreamError("WhatsApp did not accept the message")
 
 
+@channel_fetcher("whatsapp")
+def fetch_whatsapp(svc: Service, config: dict, media: dict, write: Callable, limit: int) -> None:
+    """The media id's URL from the Graph API, then its bytes, both with the bearer token.
+
+    The token goes only to an https URL or to the configured API's own origin.
+    """
+    base = svc.config.whatsapp_api_base
+    auth = {"Authorization": f"Bearer {config['accessToken']}"}
+    with Outbound() as out:
+        url = f"{base}/{urllib.parse.quote(media['id'], safe='')}"
+        status, _, raw = out.request("GET", url, headers=auth, timeout=15)
+        try:
+            info = json.loads(raw.decode("utf-8")) if status == 200 else None
+        except (UnicodeDecodeError, ValueError):
+            info = None
+        link = info.get("url") if isinstance(info, dict) else None
+        if not isinstance(link, str):
+            raise UpstreamError(f"WhatsApp gave no media URL (HTTP {status})")
+        size = info.get("file_size")
+        if isinstance(size, int) and size > limit:
+            raise UpstreamError(f"the file is over {limit} bytes (SERVICE_MAX_ATTACHMENT_BYTES)")
+        own = urllib.parse.urlsplit(base)
+        there = urllib.parse.urlsplit(link)
+        if there.scheme != "https" and (there.scheme, there.netloc) != (own.scheme, own.netloc):
+            raise UpstreamError("WhatsApp's media URL is not https")
+        if isinstance(info.get("mime_type"), str) and not media.get("mime"):
+            media["mime"] = info["mime_type"]
+        status, _, _ = out.request("GET", link, headers=auth, timeout=120, limit=limit, sink=write)
+    if status != 200:
+        raise UpstreamError(f"the download answered HTTP {status}")
+
+
 @channel_verifier("whatsapp", params=("hub.mode", "hub.verify_token", "hub.challenge"))
 def verify_whatsapp(svc: Service) -> str:
     """Answer Meta's subscription check with hub.challenge when hub.verify_token matches."""
@@ -4548,7 +6041,10 @@ def verify_whatsapp(svc: Service) -> str:
 
 @channel_provider(
     "web",
-    (ConfigField("allowedSenders", "list", help="sender names that may write (empty: any)"),),
+    (
+        ConfigField("allowedSenders", "list", help="sender names that may write (empty: any)"),
+        _SAVE_TO,
+    ),
     allow="allowedSenders",
     description="a web page or script: POST {text, sender}; the reply comes back inline",
 )
@@ -4584,44 +6080,71 @@ def channel_secret(svc: Service, provider: ChannelProvider, environ: dict) -> st
 
 
 def handle_channel_update(
-    svc: Service, prov: ChannelProvider, presented: str, addr: str, payload: Callable
+    svc: Service,
+    prov: ChannelProvider,
+    presented: str,
+    addr: str,
+    payload: Callable,
+    signature: str = "",
+    raw: Callable | None = None,
 ) -> dict:
-    """Run one inbound update through the pipeline; return what the webhook answers.
+    """Run one inbound webhook update through the pipeline; return what the webhook answers.
 
-    payload() reads the update's JSON only once the secret has been checked.
+    payload() reads the update's JSON only once the secret has been checked; raw() gives
+    the body's bytes for a provider that signs its calls (signature: its header's value).
     """
-    channel = _authenticate_channel(svc, prov, presented, addr)
-    parsed = prov.parse(payload())
-    messages = [(m[0], m[1], m[2] if len(m) > 2 else "") for m in parsed if m[1]]
-    if not messages:
-        return {"handled": False, "reason": "the update holds no text message"}
-    allowed = channel["config"].get(prov.allow) if prov.allow else None
-    results = []
-    for sender, text, name in messages[:5]:
-        if allowed and sender not in allowed:
-            refuse_sender(svc, channel, prov, sender, name)
-            results.append({"handled": False, "reason": "sender not allowed"})
-            continue
-        results.append(_deliver(svc, channel, prov, sender, run_command(svc, text.strip())))
-    if len(results) == 1:
-        return results[0]
-    return {"handled": any(r["handled"] for r in results), "results": results}
+    channel = _authenticate_channel(svc, prov, presented, addr, signature, raw)
+    return process_update(svc, channel, prov, payload())
 
 
-def _authenticate_channel(svc: Service, prov: ChannelProvider, presented: str, addr: str):
-    """Return the enabled channel whose secret was presented; 401, 403 or 429 otherwise."""
-    if presented:  # only a presented secret counts toward (or meets) the lockout
+def _authenticate_channel(
+    svc: Service,
+    prov: ChannelProvider,
+    presented: str,
+    addr: str,
+    signature: str = "",
+    raw: Callable | None = None,
+) -> dict:
+    """Return the enabled channel whose secret (or signature) was presented; 401, 403 or
+    429 otherwise.
+
+    A channel with a signing key (WhatsApp's appSecret) needs a valid signature of the
+    raw body as well as, or instead of, its secret: Meta signs every call but cannot send
+    the secret in a header.
+    """
+    signed = bool(signature and prov.signing_field and raw is not None)
+    if presented or signed:  # only a presented credential counts toward (or meets) the lockout
         svc.check_lockout(addr)
     mine = [c for c in _channels(svc) if c["provider"] == prov.name]
     channel = _match_secret(mine, "secret", presented) if presented else None
+    key = prov.signing_field
+    if channel is not None and key and channel["config"].get(key):
+        if not signed or _signed_by(signature, raw(), [channel], key) is None:
+            channel = None  # its secret alone is not enough
+    elif channel is None and signed and not presented:
+        channel = _signed_by(signature, raw(), mine, key)
     if channel is None:
-        if presented:
+        if presented or signed:
             svc.lockout.fail(addr)
-        raise ApiError(401, "UNAUTHORIZED", "missing or wrong channel secret")
+        raise ApiError(401, "UNAUTHORIZED", "missing or wrong channel secret or signature")
     svc.lockout.succeed(addr)
     if not channel["enabled"]:
         raise ApiError(403, "CHANNEL_DISABLED", f"channel {channel['id']} is switched off")
     return channel
+
+
+def _signed_by(signature: str, body: bytes, channels: list, key: str) -> dict | None:
+    """Return the channel whose key signed body ("sha256=<hex HMAC>"); every one is compared."""
+    found = None
+    presented = signature.strip().encode("latin-1", "replace")
+    for channel in channels:
+        secret = str(channel["config"].get(key) or "")
+        if not secret:
+            continue
+        digest = hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+        if hmac.compare_digest(f"sha256={digest}".encode(), presented):
+            found = channel
+    return found
 
 
 def _deliver(svc: Service, channel: dict, prov: ChannelProvider, sender: str, reply: str):
@@ -4659,21 +6182,33 @@ def refuse_sender(svc: Service, channel: dict, prov: ChannelProvider, sender, na
         _change_channel(svc, channel["id"], remember)
 
 
-_COMMAND_RE = re.compile(r"^/(save|search)(?:@\w+)?(?:\s+(.*))?$", re.S)
+_COMMAND_RE = re.compile(r"^/([A-Za-z]\w{0,31})(?:@\w+)?(?:\s+(.*))?$", re.S)
+HELP_TEXT = (
+    "/save <text> — keep it in today's note\n"
+    "/search <words> — find notes\n"
+    "/ask <question> — ask the agent (any other text does the same)\n"
+    "/today — today's note\n"
+    "Send a photo, a voice message or a file to keep it in today's note; "
+    "a line with ⏰ YYYY-MM-DD HH:MM in any note reminds you then."
+)
 
 
-def run_command(svc: Service, text: str) -> str:
-    """Return the reply to a channel message: /save, /search, or a question for the agent."""
+def run_command(svc: Service, text: str, channel: dict | None = None) -> str:
+    """Return the reply to a channel message: /save, /search, /ask, /today, /help, or a
+    question for the agent."""
     m = _COMMAND_RE.match(text)
-    command, arg = (m.group(1), (m.group(2) or "").strip()) if m else (None, text)
+    command, arg = (m.group(1).lower(), (m.group(2) or "").strip()) if m else (None, text)
+    channel = channel or {}
     if command == "save":
         if not arg:
             return "Usage: /save <text to keep>"
-        now = dt.datetime.now()
-        path = f"{NOTES}/inbox/{now:%Y-%m-%d}.md"
-        svc.notes.append(path, f"- {now:%H:%M} {arg}", f"Inbox {now:%Y-%m-%d}")
+        now = local_now(svc)
+        path, heading = capture_note(svc, channel, now)
+        svc.notes.append(path, f"- {now:%H:%M} {arg}", heading)
         return f"Saved to {path}."
     if command == "search":
+        if not arg:
+            return "Usage: /search <words>"
         try:
             total, hits = svc.index.search(Query(arg), "", 5, 0)
         except ApiError as e:
@@ -4683,12 +6218,696 @@ def run_command(svc: Service, text: str) -> str:
         lines = [f"{total} note{'s' if total != 1 else ''} match; the best:"]
         lines += [f"• {title} — {path}" for path, title, _, _ in hits]
         return "\n".join(lines)
+    if command == "today":
+        path, _ = capture_note(svc, channel, local_now(svc))
+        try:
+            content = svc.notes.get(path)["content"]
+        except ApiError:
+            return f"Nothing in {path} yet."
+        return _clip(f"{path}\n\n{content.strip()}", REPLY_LIMIT)
+    if command in ("help", "start"):
+        return HELP_TEXT
+    if command == "ask":
+        if not arg:
+            return "Usage: /ask <question>"
+    elif command is not None:
+        return f"Unknown command /{command}.\n{HELP_TEXT}"
     try:
         return ask_agent(svc, arg)["reply"]
     except ApiError as e:
         if e.code == "AGENT_DISABLED":
             return "The agent is off on this server; try /search <words>."
         return f"The agent could not answer ({e.message}); try /search <words>."
+
+
+def process_update(svc: Service, channel: dict, prov: ChannelProvider, update: dict) -> dict:
+    """Handle one authenticated update (from a webhook or a poller): parse, allowlist, then
+    a capture (photos, voice, files), a command or the agent, and deliver the reply."""
+    messages = []
+    for m in prov.parse(update):
+        text = m[1] if isinstance(m[1], str) else ""
+        media = list(m[3]) if len(m) > 3 and m[3] else []
+        if text or media:
+            messages.append((m[0], text, m[2] if len(m) > 2 else "", media))
+    if not messages:
+        return {"handled": False, "reason": "the update holds no text message"}
+    allowed = channel["config"].get(prov.allow) if prov.allow else None
+    results = []
+    for sender, text, name, media in messages[:5]:
+        if allowed and sender not in allowed:
+            refuse_sender(svc, channel, prov, sender, name)
+            results.append({"handled": False, "reason": "sender not allowed"})
+            continue
+        if media:
+            reply = capture_media(svc, channel, prov, media, text)
+        else:
+            reply = run_command(svc, text.strip(), channel)
+        results.append(_deliver(svc, channel, prov, sender, reply))
+    if len(results) == 1:
+        return results[0]
+    return {"handled": any(r["handled"] for r in results), "results": results}
+
+
+def set_channel_status(svc: Service, channel_id: str, ok: bool, error: str = "") -> dict | None:
+    """Record the outcome of the last call to the channel's provider as its `status`."""
+    status: dict = {"ok": ok, "at": iso(utcnow())}
+    if error:
+        status["error"] = _printable(error, 300)
+
+    def record(channels: list, i: int) -> dict:
+        channels[i]["status"] = status
+        return channels[i]
+
+    try:
+        return _change_channel(svc, channel_id, record)
+    except ApiError:  # deleted meanwhile
+        return None
+
+
+def configure_channel(svc: Service, channel: dict) -> dict:
+    """Run the provider's side of a create or PATCH (Telegram's setWebhook); return the
+    channel as stored. A failure never fails the request: it is logged and shown as the
+    channel's `status: {ok: false, error, at}`."""
+    prov = svc.channel_providers.get(channel["provider"])
+    if prov is None or prov.configure is None:
+        return channel
+    try:
+        done = prov.configure(svc, channel)
+    except UpstreamError as e:
+        log.warning("channel %s: %s", channel["id"], e)
+        return set_channel_status(svc, channel["id"], False, str(e)) or channel
+    if done is None:
+        return channel
+    log.info("channel %s: %s", channel["id"], done)
+    return set_channel_status(svc, channel["id"], True) or channel
+
+
+# -- captures: /save, photos, voice and files into the day's note --------------------
+
+TRANSCRIBE_TIMEOUT = 120.0
+CAPTURE_LABELS = {
+    "photo": "photo",
+    "image": "photo",
+    "voice": "voice message",
+    "audio": "audio",
+    "video": "video",
+    "video_note": "video message",
+    "document": "file",
+}
+# The extension a file is stored with when its name does not say: by type, then by kind.
+EXTENSION_OF_TYPE: dict = {}
+for _ext, _type in ATTACHMENT_TYPES.items():
+    EXTENSION_OF_TYPE.setdefault(_type, _ext)
+EXTENSION_OF_TYPE.update({"audio/opus": "ogg", "audio/x-m4a": "m4a", "image/jpg": "jpg"})
+EXTENSION_OF_KIND = {"photo": "jpg", "image": "jpg", "voice": "ogg", "video_note": "mp4"}
+
+
+def capture_note(svc: Service, channel: dict, now: dt.datetime) -> tuple:
+    """Return (path, heading) of the note a channel's captures go to today: the daily
+    note, or a note per day in the channel's saveTo folder."""
+    folder = channel.get("config", {}).get("saveTo") or DAILY_FOLDER
+    return day_note(now.date(), folder)
+
+
+def local_now(svc: Service) -> dt.datetime:
+    """Return the wall-clock time now in SERVICE_TIMEZONE (naive)."""
+    return local_time(time.time(), time_zone(svc.config.timezone))
+
+
+def _one_line(text: str, limit: int = 1000) -> str:
+    return _clip(" ".join(text.split()), limit)
+
+
+def _media_extension(media: dict) -> str | None:
+    """Return the allowed extension to store a media item with, None when none fits."""
+    name = media.get("name") or ""
+    ext = name.rpartition(".")[2].lower() if "." in name else ""
+    if ext in ATTACHMENT_TYPES:
+        return ext
+    mime = (media.get("mime") or "").split(";")[0].strip().lower()
+    if name and "." in name and not EXTENSION_OF_TYPE.get(mime):
+        return None  # a named file of a type not on the list (an .exe, say)
+    return EXTENSION_OF_TYPE.get(mime) or EXTENSION_OF_KIND.get(media.get("kind", ""))
+
+
+def _safe_stem(media: dict) -> str:
+    kind = {"image": "photo"}.get(media.get("kind", ""), media.get("kind"))
+    stem = (media.get("name") or "").rpartition(".")[0] or kind or "file"
+    stem = re.sub(r"[^\w-]+", "-", unicodedata.normalize("NFC", stem)).strip("-_")
+    return stem[:60] or "file"
+
+
+def capture_media(svc: Service, channel: dict, prov: ChannelProvider, media: list, caption: str):
+    """Store each file of a message as an attachment under attachments/inbox/<date>/, link
+    it from the day's note with the caption (and a voice message's transcript); return the
+    reply for the sender."""
+    if prov.fetch is None:
+        return "This channel cannot fetch files."
+    now = local_now(svc)
+    note, heading = capture_note(svc, channel, now)
+    lines, saved, problems = [], [], []
+    for i, item in enumerate(media[:10]):
+        label = CAPTURE_LABELS.get(item.get("kind", ""), "file")
+        try:
+            entry, transcript = _capture_one(svc, channel, prov, item, note, now)
+        except (UpstreamError, ApiError) as e:
+            reason = e.message if isinstance(e, ApiError) else str(e)
+            log.warning("channel %s: a %s was not saved: %s", channel["id"], label, reason)
+            problems.append(f"The {label} was not saved: {reason}.")
+            continue
+        text = _one_line(caption) if caption and i == 0 else ""
+        lines.append(f"- {now:%H:%M} {entry}" + (f" {text}" if text else ""))
+        if transcript is not None:
+            lines.append(f"  > {transcript}" if transcript else "  > (nothing was heard)")
+        saved.append((label, transcript))
+    if lines:
+        svc.notes.append(note, "\n".join(lines), heading)
+    replies = []
+    for label, transcript in saved:
+        said = f": “{_clip(transcript, 300)}”" if transcript else ""
+        replies.append(f"Saved the {label} to {note}{said}.")
+    unheard = [label for label, t in saved if t is None and label in ("voice message", "audio")]
+    if unheard and not svc.config.transcribe_url:
+        replies.append("(Not transcribed: SERVICE_TRANSCRIBE_URL is not set.)")
+    return " ".join(replies + problems) or "Nothing was saved."
+
+
+def _capture_one(svc: Service, channel: dict, prov: ChannelProvider, item, note, now) -> tuple:
+    """Fetch one media item into an attachment; return (Markdown link, transcript or None)."""
+    ext = _media_extension(item)
+    if ext is None:
+        raise UpstreamError("files of its type are not accepted as attachments")
+    limit = svc.config.max_attachment_bytes
+    size = item.get("size")
+    if isinstance(size, int) and size > limit:
+        raise UpstreamError(f"the file is over {limit} bytes (SERVICE_MAX_ATTACHMENT_BYTES)")
+    stem = _safe_stem(item)
+    path = attachment_path(f"{ATTACHMENTS}/inbox/{now:%Y-%m-%d}/{now:%H%M%S}-{stem}.{ext}")
+
+    def download(f) -> None:
+        prov.fetch(svc, channel["config"], item, f.write, limit)
+
+    rec, _ = svc.attachments.place(svc.attachments.spool(download), path, unique=True)
+    href = urllib.parse.quote(posixpath.relpath(rec["path"], posixpath.dirname(note)), safe="/")
+    label = CAPTURE_LABELS.get(item.get("kind", ""), "file")
+    if rec["contentType"].startswith("image/"):
+        entry = f"![{label}]({href})"
+    else:
+        text = _one_line(item.get("name") or label, 100).replace("[", "(").replace("]", ")")
+        entry = f"[{text}]({href})"
+    transcript = None
+    if item.get("kind") in ("voice", "audio") and svc.config.transcribe_url:
+        try:
+            transcript = _one_line(transcribe(svc, rec["path"]), 4000)
+        except UpstreamError as e:
+            log.warning("channel %s: transcription failed: %s", channel["id"], e)
+            entry += f" (transcription failed: {e})"
+    elif item.get("kind") in ("voice", "audio"):
+        entry += " (not transcribed)"
+    return entry, transcript
+
+
+def transcribe(svc: Service, path: str) -> str:
+    """Return the text of an audio attachment from SERVICE_TRANSCRIBE_URL, an OpenAI-
+    compatible /audio/transcriptions endpoint (multipart built with the standard library)."""
+    cfg = svc.config
+    url = cfg.transcribe_url
+    tail = (
+        ""
+        if urllib.parse.urlsplit(url).path.endswith("/audio/transcriptions")
+        else ("/audio/transcriptions")
+    )
+    url, headers = agent_endpoint(url, tail, cfg.transcribe_api_key)
+    name = path.rsplit("/", 1)[-1]
+    stem, _, ext = name.rpartition(".")
+    ext = {"oga": "ogg", "opus": "ogg"}.get(ext.lower(), ext.lower())  # names the API knows
+    boundary = "notesvc-" + secrets.token_hex(12)
+    fields = {"model": cfg.transcribe_model, "response_format": "json"}
+    head = b"".join(
+        f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode()
+        for k, v in fields.items()
+    )
+    head += (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; '
+        f'filename="{stem[:60] or "audio"}.{ext}"\r\nContent-Type: {content_type_of(path)}\r\n\r\n'
+    ).encode()
+    tail_bytes = f"\r\n--{boundary}--\r\n".encode()
+    f, st = svc.attachments.open(path)
+    with f:
+
+        def body():
+            yield head
+            while chunk := f.read(BODY_CHUNK):
+                yield chunk
+            yield tail_bytes
+
+        headers.update(
+            {
+                "Content-Type": f"multipart/form-data; boundary={boundary}",
+                "Content-Length": str(len(head) + st.st_size + len(tail_bytes)),
+            }
+        )
+        with Outbound() as out:
+            status, _, raw = out.request("POST", url, body(), headers, TRANSCRIBE_TIMEOUT)
+    if status != 200:
+        raise UpstreamError(f"the transcription service answered HTTP {status}")
+    try:
+        answer = json.loads(raw.decode("utf-8"))
+        text = answer["text"]
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError):
+        raise UpstreamError("the transcription answer had no text") from None
+    if not isinstance(text, str):
+        raise UpstreamError("the transcription answer had no text")
+    return text.strip()
+
+
+# -- polling: channels that fetch their own updates ------------------------------------
+
+POLL_WAIT = 25.0  # seconds the provider holds a long poll open (Telegram allows up to 50)
+POLL_BACKOFF = 60.0  # longest pause after failures in a row
+POLL_REFUSED_PAUSE = 300.0  # after the provider refused the credentials
+
+
+def _channel(svc: Service, channel_id: str) -> dict | None:
+    return next((c for c in _channels(svc) if c["id"] == channel_id), None)
+
+
+class ChannelPollers:
+    """A thread per enabled channel in polling mode (a provider with a poller and
+    config.mode "polling"): for Telegram, getUpdates with a long-poll time-out, so a server
+    behind NAT needs nothing exposed.
+
+    Each channel's offset is recorded in <state>/channel-offsets.json after every update
+    it handled: no update is handled twice or lost across restarts (only a crash in the
+    instant between handling one and recording it hands that one over again). sync(),
+    called after every change of the channels, starts and stops the threads; close()
+    stops them all at once (a long poll in flight is aborted).
+    """
+
+    def __init__(self, svc: Service, wait: float = POLL_WAIT):
+        self.svc, self.wait = svc, wait
+        self.path = svc.config.state_dir / "channel-offsets.json"
+        self._pollers: dict = {}  # channel id -> ChannelPoller
+        self._offsets: dict | None = None
+        self._lock = threading.Lock()
+        self._offsets_lock = threading.Lock()
+        self._closed = False
+
+    def start(self) -> None:
+        self.sync()
+
+    def sync(self) -> None:
+        """Run a poller for each enabled polling channel and for none other."""
+        svc = self.svc
+        if svc.readonly:
+            return
+        wanted = {}
+        for c in _channels(svc):
+            prov = svc.channel_providers.get(c["provider"])
+            if prov and prov.poll and c["enabled"] and channel_mode(c) == "polling":
+                secret = {f.name for f in prov.fields if f.secret}
+                key = {k: v for k, v in c["config"].items() if k in secret or k == "mode"}
+                wanted[c["id"]] = (prov, json.dumps(key, sort_keys=True))
+        with self._lock:
+            if self._closed:
+                return
+            for cid, poller in list(self._pollers.items()):
+                if cid not in wanted or wanted[cid][1] != poller.signature:
+                    poller.stop()
+                    del self._pollers[cid]
+                    if cid in wanted:  # its credentials changed: the new one waits for it
+                        prov, sig = wanted[cid]
+                        self._pollers[cid] = ChannelPoller(self, cid, prov, sig, poller).start()
+            for cid, (prov, sig) in wanted.items():
+                if cid not in self._pollers:
+                    self._pollers[cid] = ChannelPoller(self, cid, prov, sig).start()
+        known = {c["id"] for c in _channels(svc)}
+        with self._offsets_lock:  # a deleted channel's offset goes with it
+            offsets = self._read_offsets()
+            if any(cid not in known for cid in offsets):
+                self._offsets = {k: v for k, v in offsets.items() if k in known}
+                self._write_offsets()
+
+    def running(self) -> list:
+        """Return the ids of the channels being polled."""
+        with self._lock:
+            return sorted(cid for cid, p in self._pollers.items() if p.thread.is_alive())
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            pollers, self._pollers = list(self._pollers.values()), {}
+        for poller in pollers:
+            poller.stop()
+        for poller in pollers:
+            poller.thread.join(15)
+
+    # -- offsets -------------------------------------------------------------------
+
+    def _read_offsets(self) -> dict:
+        if self._offsets is None:
+            try:
+                loaded = json.loads(self.path.read_text("utf-8"))
+            except (OSError, ValueError):
+                loaded = {}
+            self._offsets = {
+                k: v
+                for k, v in (loaded if isinstance(loaded, dict) else {}).items()
+                if type(v) is int
+            }
+        return self._offsets
+
+    def offset(self, channel_id: str) -> int:
+        with self._offsets_lock:
+            return self._read_offsets().get(channel_id, 0)
+
+    def set_offset(self, channel_id: str, value: int) -> None:
+        with self._offsets_lock:
+            self._read_offsets()[channel_id] = value
+            self._write_offsets()
+
+    def _write_offsets(self) -> None:
+        try:
+            atomic_write(self.path, json.dumps(self._offsets).encode("utf-8"), mode=0o600)
+        except OSError as e:  # the update was handled; a full disk must not stop polling
+            log.warning("could not record the channels' offsets: %s", e)
+
+
+class ChannelPoller:
+    """One channel's polling thread (see ChannelPollers)."""
+
+    def __init__(self, owner: ChannelPollers, channel_id: str, prov, signature: str, after=None):
+        self.owner, self.channel_id, self.prov = owner, channel_id, prov
+        self.signature, self.after = signature, after
+        self.stopping = threading.Event()
+        self.outbound = Outbound()
+        self.failing = False
+        self.thread = threading.Thread(
+            target=self._run, name=f"notesvc-poll-{channel_id}", daemon=True
+        )
+
+    def start(self) -> ChannelPoller:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.outbound.abort()
+
+    def _run(self) -> None:
+        if self.after is not None:  # the same channel's previous poller finishes first
+            self.after.thread.join()
+        svc, backoff = self.owner.svc, 0.0
+        try:
+            while not self.stopping.is_set():
+                channel = _channel(svc, self.channel_id)
+                if channel is None or not channel["enabled"]:
+                    return
+                try:
+                    batch = self.prov.poll(
+                        svc,
+                        channel["config"],
+                        self.owner.offset(self.channel_id),
+                        self.owner.wait,
+                        self.outbound,
+                    )
+                except Exception as e:  # a poller keeps polling, whatever failed
+                    if self.stopping.is_set():
+                        return
+                    backoff = self._failed(e, backoff)
+                    self.stopping.wait(backoff)
+                    continue
+                backoff = 0.0
+                if self.failing:
+                    self.failing = False
+                    log.info("channel %s: polling works again", self.channel_id)
+                    set_channel_status(svc, self.channel_id, True)
+                self._handle(batch)
+        finally:
+            self.outbound.close()
+
+    def _handle(self, batch: list) -> None:
+        svc = self.owner.svc
+        for next_offset, update in batch:
+            if self.stopping.is_set():
+                return  # not recorded: handed over again at the next start
+            channel = _channel(svc, self.channel_id)
+            if channel is None or not channel["enabled"]:
+                return
+            try:
+                process_update(svc, channel, self.prov, update)
+            except Exception:  # one bad update must not stop the channel
+                log.exception("channel %s: an update could not be handled", self.channel_id)
+            self.owner.set_offset(self.channel_id, next_offset)
+
+    def _failed(self, e: Exception, backoff: float) -> float:
+        """Log and record a failure; return the pause before the next try."""
+        if isinstance(e, UpstreamError):
+            reason = str(e)
+        else:
+            reason = type(e).__name__
+            log.exception("channel %s: polling failed", self.channel_id)
+        refused = isinstance(e, TelegramError) and e.code in (401, 403, 404)
+        pause = min(POLL_BACKOFF, max(1.0, backoff * 2))
+        if refused:
+            pause = POLL_REFUSED_PAUSE
+        elif isinstance(e, TelegramError) and e.retry_after:
+            pause = min(POLL_REFUSED_PAUSE, e.retry_after)
+        if not self.failing:
+            self.failing = True
+            log.warning("channel %s: polling failed: %s; retrying", self.channel_id, reason)
+            set_channel_status(self.owner.svc, self.channel_id, False, reason)
+        return pause
+
+
+# -- reminders: ⏰ lines sent through the channels ------------------------------------
+
+REMINDER_RE = re.compile(
+    r"⏰\ufe0f?[ \t]*(\d{4})-(\d{2})-(\d{2})[ \tT]+([01]?\d|2[0-3]):([0-5]\d)(?!\d)"
+)
+_REMIND_FIELD_RE = re.compile(
+    r"^remind:[ \t]*[\"']?(\d{4})-(\d{2})-(\d{2})[ \tT]+([01]?\d|2[0-3]):([0-5]\d)", re.M
+)
+REMINDER_GRACE = 60.0  # seconds: a reminder first seen this soon after its time still fires
+REMINDER_RETRY = 60.0  # seconds between tries while no channel took a reminder
+REMINDER_ATTEMPTS = 5
+
+
+def note_reminders(path: str, title: str, text: str, zone: dt.tzinfo | None) -> list:
+    """Return the reminders of a note: lines with ⏰ YYYY-MM-DD HH:MM, and `remind:` in its
+    front matter; each {id, path, title, line, wall, due} (due: a timestamp in `zone`).
+
+    >>> [r["wall"] for r in note_reminders("notes/a.md", "A", "- ⏰ 2026-12-01 09:00", None)]
+    ['2026-12-01 09:00']
+    """
+    text = text[:MAX_SCAN_CHARS]
+    matches = list(REMINDER_RE.finditer(text))
+    if text.startswith("---"):
+        end = text.find("\n---", 3)
+        if end > 0:
+            matches += _REMIND_FIELD_RE.finditer(text, 0, end)
+    found = []
+    for m in matches:
+        start = text.rfind("\n", 0, m.start()) + 1
+        stop = text.find("\n", m.end())
+        line = _one_line(text[start : stop if stop >= 0 else len(text)], 300)
+        try:
+            wall = dt.datetime(*(int(g) for g in m.groups()))
+        except ValueError:  # 2026-02-30
+            continue
+        text_id = f"{path}\n{wall:%Y-%m-%d %H:%M}\n{line}".encode()
+        found.append(
+            {
+                "id": hashlib.sha256(text_id).hexdigest()[:20],
+                "path": path,
+                "title": title,
+                "line": line,
+                "wall": f"{wall:%Y-%m-%d %H:%M}",
+                "due": timestamp_of(wall, zone),
+            }
+        )
+    return found
+
+
+class ReminderScheduler:
+    """Reminders written in the notes, sent once through every enabled channel with
+    config.notify true (to the senders on its allowlist).
+
+    The notes are read through the index (re-read when a note changes: an edit or a
+    delete cancels); what was sent and what was scheduled is kept in
+    <state>/reminders.json, so each is sent once across restarts and one that was due
+    while the server was down is sent at start, marked late. One first seen after its
+    time (written in the past) is not sent. `clock` (a function returning the time, like
+    time.time) may be given to test the schedule.
+    """
+
+    def __init__(self, svc: Service, clock: Callable[[], float] = time.time):
+        self.svc, self.clock = svc, clock
+        self.path = svc.config.state_dir / "reminders.json"
+        self._tick_lock = threading.Lock()  # one tick at a time (no reminder sent twice)
+        self._data_lock = threading.RLock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._generation: Any = None
+        self._found: dict = {}  # id -> reminder, from the notes as they are
+        self._fired: dict = {}  # id -> when it was sent (persisted)
+        self._scheduled: dict = {}  # id -> due, known before it was due (persisted)
+        self._tries: dict = {}  # id -> (tries, next try) while no channel took it
+        self._loaded = False
+
+    def start(self) -> None:
+        self._load()
+        self.svc.notes.after.append(self._note_changed)
+        self._thread = threading.Thread(target=self._run, name="notesvc-reminders", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(20)
+
+    def _note_changed(self, *event) -> None:
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.clear()
+            try:
+                wait = self.tick()
+            except Exception:
+                log.exception("reminders: a check failed; trying again in a minute")
+                wait = 60.0
+            self._wake.wait(max(0.05, min(wait, 30.0)))  # a rescan's edits: within 30 s
+
+    # -- persistence ------------------------------------------------------------------
+
+    def _load(self) -> None:
+        try:
+            saved = json.loads(self.path.read_text("utf-8"))
+        except (OSError, ValueError):
+            saved = {}
+        saved = saved if isinstance(saved, dict) else {}
+        with self._data_lock:
+            self._loaded = True
+            self._fired = dict(saved.get("fired") or {})
+            self._scheduled = {
+                k: v
+                for k, v in (saved.get("scheduled") or {}).items()
+                if isinstance(v, (int, float))
+            }
+
+    def _save(self) -> None:
+        data = {"fired": self._fired, "scheduled": self._scheduled}
+        try:
+            atomic_write(self.path, json.dumps(data).encode("utf-8"), mode=0o600)
+        except OSError as e:
+            log.warning("could not record the reminders: %s", e)
+
+    # -- the schedule -----------------------------------------------------------------
+
+    def _refresh(self) -> None:
+        """Re-read the reminders of the notes when the index changed."""
+        if not self._loaded:
+            self._load()
+        index = self.svc.index
+        if index.generation == self._generation:
+            return
+        generation, notes = index.documents()
+        zone = time_zone(self.svc.config.timezone)
+        found = {}
+        for path, title, text in notes:
+            if "⏰" in text or "remind:" in text:
+                for r in note_reminders(path, title, text, zone):
+                    found[r["id"]] = r
+        self._found, self._generation = found, generation
+
+    def tick(self) -> float:
+        """Send the reminders that are due; return the seconds until the next one."""
+        with self._tick_lock:
+            now = self.clock()
+            due, wait, changed = [], 3600.0, False
+            with self._data_lock:
+                self._refresh()
+                for rid, r in self._found.items():
+                    if rid in self._fired:
+                        continue
+                    if r["due"] > now:
+                        if self._scheduled.get(rid) != r["due"]:
+                            self._scheduled[rid], changed = r["due"], True
+                        wait = min(wait, r["due"] - now)
+                    elif (
+                        rid in self._scheduled
+                        or rid in self._tries
+                        or r["due"] >= now - REMINDER_GRACE
+                    ):
+                        tries, retry_at = self._tries.get(rid, (0, 0.0))
+                        if retry_at > now:
+                            wait = min(wait, retry_at - now)
+                        else:
+                            due.append((r, tries))
+                for book in (self._scheduled, self._fired):  # edited or deleted: cancelled
+                    for rid in [rid for rid in book if rid not in self._found]:
+                        del book[rid]
+                        changed = True
+            for r, tries in sorted(due, key=lambda item: item[0]["due"]):
+                late = now - r["due"] > REMINDER_GRACE
+                sent, tried = self._send(r, late)
+                with self._data_lock:
+                    if sent or not tried or tries + 1 >= REMINDER_ATTEMPTS:
+                        self._fired[r["id"]] = iso(now)
+                        self._scheduled.pop(r["id"], None)
+                        self._tries.pop(r["id"], None)
+                        changed = True
+                    else:
+                        self._tries[r["id"]] = (tries + 1, now + REMINDER_RETRY)
+                        wait = min(wait, REMINDER_RETRY)
+            if changed:
+                with self._data_lock:
+                    self._save()
+            return wait
+
+    def _send(self, r: dict, late: bool) -> tuple:
+        """Send a reminder through the notifying channels; return (sent, tried)."""
+        svc = self.svc
+        text = (
+            f"⏰ {'Late reminder' if late else 'Reminder'} ({r['wall']}): {r['title']}\n"
+            f"{r['line']}\n{r['path']}"
+        )
+        sent = tried = 0
+        for channel in _channels(svc):
+            prov = svc.channel_providers.get(channel["provider"])
+            if not (prov and prov.send and channel["enabled"] and channel["config"].get("notify")):
+                continue
+            for to in channel["config"].get(prov.allow, []) if prov.allow else []:
+                tried += 1
+                try:
+                    prov.send(svc, channel["config"], to, text)
+                    sent += 1
+                except UpstreamError as e:
+                    log.warning("channel %s: a reminder was not delivered: %s", channel["id"], e)
+        if not tried:
+            log.warning(
+                "reminder in %s is due, but no enabled channel has notify: true and an allowlist",
+                r["path"],
+            )
+        else:
+            log.info("reminder in %s sent (%d of %d)%s", r["path"], sent, tried, " late" * late)
+        return sent > 0, tried > 0
+
+    def upcoming(self) -> list:
+        """Return the reminders not sent yet, soonest first."""
+        with self._data_lock:
+            self._refresh()
+            now = self.clock()
+            pending = [
+                r
+                for rid, r in self._found.items()
+                if rid not in self._fired
+                and (r["due"] > now - REMINDER_GRACE or rid in self._scheduled)
+            ]
+        return sorted(pending, key=lambda r: (r["due"], r["path"]))
 
 
 # == Plugins ==================================================================
@@ -4725,9 +6944,11 @@ class Plugin:
     routes: tuple = ()  # PluginRoute
     builtin: bool = False
     error: str | None = None  # why it could not be loaded
-    # what the plugin's file registered with @agent_provider / @channel_provider (per app)
+    # what the plugin's file registered with @agent_provider / @channel_provider / @tool
+    # (per app; its tools are offered while it is on)
     agent_providers: dict = dataclasses.field(default_factory=dict)
     channel_providers: dict = dataclasses.field(default_factory=dict)
+    tools: dict = dataclasses.field(default_factory=dict)
 
 
 PLUGINS: dict[str, Plugin] = {}  # the built-ins, registered like any plugin file's PLUGIN
@@ -4773,6 +6994,10 @@ def load_plugins(folder: Path) -> dict[str, Plugin]:
                 builtin=False,
                 agent_providers=registered.get("agent", {}),
                 channel_providers=registered.get("channel", {}),
+                tools={
+                    name: dataclasses.replace(t, plugin=plugin.name)
+                    for name, t in registered.get("tool", {}).items()
+                },
             )
             log.info("plugin %s %s loaded from %s", plugin.name, plugin.version, path.name)
         except Exception as e:
@@ -4787,16 +7012,21 @@ def build_service(config: Config, readonly: bool = False) -> Service:
     readonly (the audit): the built-in plugins only, no plugin file is ever imported.
     """
     plugins = PLUGINS if readonly else load_plugins(plugins_dir(config))
-    return Service(config, plugins, *provider_registries(plugins), readonly=readonly)
+    svc = Service(config, plugins, *provider_registries(plugins), readonly=readonly)
+    svc.pollers = ChannelPollers(svc)
+    svc.reminders = ReminderScheduler(svc)
+    return svc
 
 
 def provider_registries(plugins: Mapping[str, Plugin]) -> tuple:
-    """Return (agent providers, channel providers) of one app: built-ins, then its plugins'."""
-    agents, channels = dict(AGENT_PROVIDERS), dict(CHANNEL_PROVIDERS)
+    """Return (agent providers, channel providers, tools) of one app: built-ins, then its
+    plugins'."""
+    agents, channels, tools = dict(AGENT_PROVIDERS), dict(CHANNEL_PROVIDERS), dict(TOOLS)
     for plugin in plugins.values():
         agents.update(plugin.agent_providers)
         channels.update(plugin.channel_providers)
-    return agents, channels
+        tools.update(plugin.tools)
+    return agents, channels, tools
 
 
 # -- links ---------------------------------------------------------------------------------
@@ -4804,7 +7034,8 @@ def provider_registries(plugins: Mapping[str, Plugin]) -> tuple:
 # Both patterns run in linear time: link text, targets and fragments stop at any bracket,
 # so the attempts started at different brackets never scan the same text (a run of `[`
 # fails at once at each one), and no repeat nests in another. Whether a Markdown link
-# points at a .md note is decided afterwards (_md_target), not by backtracking.
+# points at a .md note (or an attachment) is decided afterwards (_md_target), not by
+# backtracking.
 _WIKILINK_RE = re.compile(r"\[\[([^\[\]|#\n]+)((?:#[^\[\]|\n]*)?(?:\|[^\[\]\n]*)?)\]\]")
 _MDLINK_RE = re.compile(
     r"(\[[^\[\]\n]*\]\()(<[^<>\n]*>[^)\s<>\[\]]*|[^)\s<>\[\]]+)((?:\s+\"[^\"\n]*\")?\))"
@@ -4812,8 +7043,8 @@ _MDLINK_RE = re.compile(
 
 
 def _md_target(href: str) -> str | None:
-    """Return the note part of a Markdown link's href (`<...>` kept), or None when it does not
-    point at a .md file; what follows it is a #fragment."""
+    """Return the file part of a Markdown link's href (`<...>` kept), or None when it does not
+    point at a .md file or an attachment's type; what follows it is a #fragment."""
     if href.startswith("<"):
         end = href.index(">") + 1
         target, inner, rest = href[:end], href[1 : end - 1], href[end:]
@@ -4822,20 +7053,42 @@ def _md_target(href: str) -> str | None:
         inner, rest = target, href[len(target) :]
     if rest and not rest.startswith("#"):
         return None
-    return target if len(inner) > 3 and inner.endswith(".md") else None
+    if len(inner) > 3 and inner.endswith(".md"):
+        return target
+    name = inner.rsplit("/", 1)[-1]
+    return (
+        target if "." in name[1:] and name.rpartition(".")[2].lower() in ATTACHMENT_TYPES else None
+    )
+
+
+def _attachment_name(target: str) -> bool:
+    """Return whether a wikilink target names an attachment (`photo.jpg`, `trip/a.pdf`)."""
+    name = target.rsplit("/", 1)[-1]
+    ext = name.rpartition(".")[2].lower()
+    return "." in name[1:] and ext != "md" and ext in ATTACHMENT_TYPES
 
 
 class LinkResolver:
-    """Resolves [[wikilinks]] (by name or path) and Markdown links to note paths."""
+    """Resolves [[wikilinks]] (by name or path) and Markdown links to note paths, and to
+    the attachment paths it is given (`![](../attachments/a.jpg)`, `![[a.jpg]]`)."""
 
-    def __init__(self, paths: Iterable[str]):
+    def __init__(self, paths: Iterable[str], attachments: Iterable[str] = ()):
         self.paths = {p.casefold(): p for p in paths}
         self.names: dict = {}
         for p in sorted(self.paths.values()):
             self.names.setdefault(p.rsplit("/", 1)[-1][:-3].casefold(), p)
+        self.files: dict = {}  # an attachment's file name -> its path
+        for p in sorted(attachments):
+            self.paths[p.casefold()] = p
+            self.files.setdefault(p.rsplit("/", 1)[-1].casefold(), p)
 
     def wikilink(self, target: str) -> str | None:
         t = target.strip()
+        if _attachment_name(t):
+            if "/" not in t:
+                return self.files.get(t.casefold())
+            t = t if t.startswith(f"{ATTACHMENTS}/") else f"{ATTACHMENTS}/{t.lstrip('/')}"
+            return self.paths.get(t.casefold())
         if t.casefold().endswith(".md"):
             t = t[:-3]
         if "/" in t:
@@ -4849,13 +7102,14 @@ class LinkResolver:
             return None
         if href.startswith("/"):
             href = href.lstrip("/")
-            candidate = href if href.startswith(f"{NOTES}/") else f"{NOTES}/{href}"
+            own = href.startswith((f"{NOTES}/", f"{ATTACHMENTS}/"))
+            candidate = href if own else f"{NOTES}/{href}"
         else:
             candidate = posixpath.normpath(posixpath.join(posixpath.dirname(source), href))
         return self.paths.get(candidate.casefold())
 
     def links(self, text: str, source: str) -> set:
-        """Return the note paths a note's text links to (in its first MAX_SCAN_CHARS)."""
+        """Return the paths a note's text links to (in its first MAX_SCAN_CHARS)."""
         text = text[:MAX_SCAN_CHARS]
         out = {self.wikilink(m.group(1)) for m in _WIKILINK_RE.finditer(text)}
         targets = map(_md_target, (m.group(2) for m in _MDLINK_RE.finditer(text)))
@@ -4919,7 +7173,13 @@ def rewrite_links(
         if resolver.wikilink(target) != old:
             return m.group(0)
         t = target.strip()
-        if "/" not in t:
+        if _attachment_name(t):  # ![[photo.jpg]]: by file name, or by path
+            if "/" not in t:
+                replacement = new.rsplit("/", 1)[-1]
+            else:
+                own = t.startswith(f"{ATTACHMENTS}/")
+                replacement = new if own else new[len(ATTACHMENTS) + 1 :]
+        elif "/" not in t:
             replacement = new.rsplit("/", 1)[-1][:-3]
         else:
             replacement = new if t.startswith(f"{NOTES}/") else new[len(NOTES) + 1 :]
@@ -4938,7 +7198,9 @@ def rewrite_links(
             return m.group(0)
         target = new if target == old else target
         bare = href.strip("<>")
-        if bare.startswith("/"):
+        if bare.startswith("/") and target.startswith(f"{ATTACHMENTS}/"):
+            replacement = "/" + target
+        elif bare.startswith("/"):
             replacement = "/" + (
                 target if bare.lstrip("/").startswith(f"{NOTES}/") else target[len(NOTES) + 1 :]
             )
@@ -4954,10 +7216,15 @@ def rewrite_links(
 
 
 def update_links(svc: Service, old: str, new: str, linking: set) -> list:
-    """Rewrite the links to `old` in each linking note (one atomic write each)."""
-    resolver = LinkResolver([*svc.index.paths(), old])
+    """Rewrite the links to `old` (a note or an attachment) in each linking note (one atomic
+    write each); a moved note's own relative links are rebased too."""
+    note = old.startswith(f"{NOTES}/")
+    resolver = LinkResolver(
+        [*svc.index.paths(), *([old] if note else [])],
+        [*svc.attachments.paths(), *([] if note else [old])],
+    )
     changed = []
-    for source in sorted(linking | {new}):
+    for source in sorted(linking | ({new} if note else set())):
         moved_from = old if source == new else None
 
         def change(text: str, source=source, moved_from=moved_from) -> str:
@@ -4969,6 +7236,33 @@ def update_links(svc: Service, old: str, new: str, linking: set) -> list:
         except ApiError as e:  # a linking note vanished or is not UTF-8: leave it be
             log.warning("links in %s not updated: %s", source, e.message)
     return changed
+
+
+def move_and_relink(
+    svc: Service, path: str, new: str, if_match: str | None = None, relink: bool = False
+) -> dict:
+    """Move a note (If-Match honoured; never overwrites) and, with `relink`, point the links
+    to it at its new path; return its record there with `from` (and `linksUpdated`)."""
+    linking = set(link_graph(svc).get(path, ())) if relink else set()
+    rec = svc.notes.move(path, new, if_match)
+    if relink and new != path:
+        rec["linksUpdated"] = update_links(svc, path, new, linking - {path})
+        if new in rec["linksUpdated"]:  # the note's own relative links were rebased
+            rec = {**svc.notes.get(new), "from": path, "linksUpdated": rec["linksUpdated"]}
+    return rec
+
+
+def attachment_linkers(svc: Service, path: str) -> set:
+    """Return the notes that link to an attachment (Markdown links, images, ![[embeds]])."""
+    name = path.rsplit("/", 1)[-1]
+    quoted = urllib.parse.quote(name)
+    resolver = LinkResolver(svc.index.paths(), [*svc.attachments.paths(), path])
+    _, notes = svc.index.documents()
+    return {
+        source
+        for source, _, text in notes
+        if (name in text or quoted in text) and path in resolver.links(text, source)
+    }
 
 
 # -- built-in plugins -----------------------------------------------------------------------
@@ -5079,10 +7373,9 @@ builtin_plugin(
 
 
 def daily_today(svc: Service) -> bytes:
-    today = dt.date.today()
-    path = f"{NOTES}/daily/{today:%Y-%m-%d}.md"
+    path, heading = day_note(local_now(svc).date())
     try:
-        rec, status = svc.notes.create(path, f"# {today:%A, %d %B %Y}\n\n"), 201
+        rec, status = svc.notes.create(path, f"# {heading}\n\n"), 201
     except ApiError as e:
         if e.code != "CONFLICT":
             raise
@@ -5100,6 +7393,367 @@ builtin_plugin(
         ),
     )
 )
+
+
+# -- built-in tools (the TOOLS registry: see Providers) --------------------------------------
+
+_PATH_ARG = {
+    "type": "string",
+    "minLength": 1,
+    "maxLength": MAX_PATH_CHARS,
+    "description": f"a note path, {NOTES}/<folders>/<name>.md, as search_notes and "
+    "list_folder show it",
+}
+_FOLDER_ARG = {
+    "type": "string",
+    "maxLength": MAX_PATH_CHARS,
+    "description": f"a folder: {NOTES} (the top) or {NOTES}/<folders>",
+}
+_ETAG_ARG = {
+    "type": "string",
+    "minLength": 1,
+    "maxLength": 100,
+    "description": "the etag read_note gave: the change is refused if the note changed since",
+}
+_QUERY_ARG = {
+    "type": "string",
+    "minLength": 1,
+    "maxLength": MAX_QUERY_CHARS,
+    "description": 'words (all must match), "exact phrase", prefix*, -word to leave out, '
+    "a OR b; case, accents and English plurals do not matter",
+}
+READ_CHARS, MAX_READ_CHARS = 20000, 200000  # of a note read_note returns: default, most
+
+
+def note_url(svc: Service, path: str) -> str:
+    """Return the API URL of a note as the current request reached this server (relay
+    included); relative outside a request."""
+    try:
+        environ = bottle.request.environ
+        base = svc.base_url(environ) + environ.get("SCRIPT_NAME", "")
+    except (AttributeError, RuntimeError, KeyError):
+        base = svc.config.public_url
+    return f"{base}{API}/notes/{urllib.parse.quote(path, safe='')}"
+
+
+def _summary(rec: dict) -> dict:
+    """Return what a write tool answers: the note's record without its content."""
+    return {k: rec[k] for k in ("path", "title", "etag", "size", "modified")}
+
+
+def _hit_lines(data: dict) -> str:
+    lines = [f"{r['path']} — {r['title']}: {r['snippet']}" for r in data["results"]]
+    return "\n".join(lines) or "No note matches."
+
+
+@tool(
+    "search_notes",
+    "Search the user's notes (full text, best match first). Returns each hit's path, title "
+    "and a snippet; open a note with read_note.",
+    {
+        "query": _QUERY_ARG,
+        "limit": {"type": "integer", "minimum": 1, "maximum": 50, "default": 10},
+        "folder": {**_FOLDER_ARG, "description": "search only this folder (and below)"},
+    },
+    ("query",),
+    title="Search notes",
+    text=_hit_lines,
+)
+def tool_search_notes(svc: Service, query: str, limit: int = 10, folder: str = "") -> dict:
+    parsed = Query(query)
+    folder = folder_path(folder) if folder else NOTES
+    total, hits = svc.index.search(parsed, "" if folder == NOTES else folder, limit, 0)
+    results = [{"path": p, "title": t, "snippet": sn, "score": sc} for p, t, sc, sn in hits]
+    return {"results": results, "total": total}
+
+
+def _note_text(data: dict) -> str:
+    head = f"{data['path']} — {data['title']}\netag: {data['etag']}"
+    end = data["offset"] + len(data["content"])
+    if data["offset"] or data["truncated"]:
+        head += f"\ncharacters {data['offset']}-{end} of {data['totalChars']}"
+        if data["truncated"]:
+            head += f"; read on with offset={end}"
+    return f"{head}\n\n{data['content']}"
+
+
+@tool(
+    "read_note",
+    "Read a note: its Markdown content, title and etag (pass the etag to update_note or "
+    "move_note). A long note comes in parts: read on from `offset`.",
+    {
+        "path": _PATH_ARG,
+        "offset": {"type": "integer", "minimum": 0, "maximum": 10**9, "default": 0},
+        "maxChars": {"type": "integer", "minimum": 1, "maximum": MAX_READ_CHARS},
+    },
+    ("path",),
+    title="Read a note",
+    text=_note_text,
+)
+def tool_read_note(svc: Service, path: str, offset: int = 0, maxChars: int = READ_CHARS) -> dict:
+    rec = svc.notes.get(note_path(path))
+    content = rec["content"]
+    part = content[offset : offset + maxChars]
+    return {
+        **_summary(rec),
+        "content": part,
+        "offset": offset,
+        "truncated": offset + len(part) < len(content),
+        "totalChars": len(content),
+    }
+
+
+def _cut(node: dict, depth: int) -> dict:
+    """Return a folder node listed `depth` levels deep; deeper folders get `count`."""
+    children = []
+    for child in node["children"]:
+        if child["type"] != "folder":
+            children.append(child)
+        elif depth > 1:
+            children.append(_cut(child, depth - 1))
+        else:
+            folder = {k: child[k] for k in ("name", "path", "type")}
+            children.append({**folder, "count": _count_notes(child)})
+    return {**node, "children": children}
+
+
+def _count_notes(node: dict) -> int:
+    return sum(_count_notes(c) if c["type"] == "folder" else 1 for c in node["children"])
+
+
+def _tree_lines(node: dict, indent: str = "") -> list:
+    lines = [f"{indent}{node['name'] if indent else node['path']}/"]
+    for child in node.get("children", ()):
+        if child["type"] == "folder" and "children" in child:
+            lines += _tree_lines(child, indent + "  ")
+        elif child["type"] == "folder":
+            lines.append(f"{indent}  {child['name']}/ ({child['count']} notes)")
+        else:
+            lines.append(f"{indent}  {child['name']}")
+    return lines
+
+
+@tool(
+    "list_folder",
+    f"List a folder of notes: its subfolders and notes ({NOTES} is the top). `depth` levels "
+    "are listed; deeper folders show how many notes they hold.",
+    {"path": _FOLDER_ARG, "depth": {"type": "integer", "minimum": 1, "maximum": 10, "default": 1}},
+    title="List a folder",
+    text=lambda node: "\n".join(_tree_lines(node)),
+)
+def tool_list_folder(svc: Service, path: str = NOTES, depth: int = 1) -> dict:
+    return _cut(svc.notes.tree(folder_path(path)), depth)
+
+
+def _since_ns(since: str) -> int:
+    try:
+        when = dt.datetime.fromisoformat(since.strip().replace("Z", "+00:00"))
+    except ValueError:
+        raise bad_request("'since' must be a time such as 2025-05-01T12:00:00Z") from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=dt.timezone.utc)
+    return int(when.timestamp() * 1e9)
+
+
+@tool(
+    "recent_changes",
+    "The notes changed most recently, newest first (by modification time; deleted notes "
+    "are not listed).",
+    {
+        "since": {
+            "type": "string",
+            "maxLength": 40,
+            "description": "only notes changed after this time (ISO 8601, e.g. "
+            "2025-05-01T12:00:00Z)",
+        },
+        "limit": {"type": "integer", "minimum": 1, "maximum": 100, "default": 20},
+    },
+    title="Recent changes",
+    text=lambda d: (
+        "\n".join(f"{c['modified']} {c['path']} — {c['title']}" for c in d["changes"])
+        or "No note changed."
+    ),
+)
+def tool_recent_changes(svc: Service, since: str = "", limit: int = 20) -> dict:
+    after = _since_ns(since) if since else -1
+    notes = [(m, p, size) for p, (size, m) in svc.notes.scan().items() if m > after]
+    notes.sort(reverse=True)
+    changes = [
+        {
+            "path": p,
+            "title": svc.index.title_of(p) or note_title("", p),
+            "modified": iso(m / 1e9),
+            "size": size,
+        }
+        for m, p, size in notes[:limit]
+    ]
+    return {"changes": changes, "total": len(notes)}
+
+
+@tool(
+    "list_tags",
+    "All #tags of the notes (and front-matter tags), each with how many notes carry it.",
+    title="List tags",
+    plugin="tags",
+    text=lambda d: "\n".join(f"#{t['tag']} ({t['count']})" for t in d["tags"]) or "No tags.",
+)
+def tool_list_tags(svc: Service) -> dict:
+    return list_tags(svc)
+
+
+@tool(
+    "create_note",
+    "Create a note (refused if one exists at that path; missing folders are created).",
+    {"path": _PATH_ARG, "content": {"type": "string", "description": "the Markdown text"}},
+    ("path", "content"),
+    title="Create a note",
+    read_only=False,
+)
+def tool_create_note(svc: Service, path: str, content: str) -> dict:
+    return _summary(svc.notes.create(note_path(path), content))
+
+
+@tool(
+    "append_to_note",
+    "Add text at the end of an existing note, on a new line (a list item: start it with '- ').",
+    {"path": _PATH_ARG, "text": {"type": "string", "minLength": 1}},
+    ("path", "text"),
+    title="Append to a note",
+    read_only=False,
+)
+def tool_append_to_note(svc: Service, path: str, text: str) -> dict:
+    path = note_path(path)
+
+    def add(old: str) -> str:
+        return old + ("\n" if old and not old.endswith("\n") else "") + text.rstrip("\n") + "\n"
+
+    svc.notes.rewrite(path, add)
+    return _summary(svc.notes.get(path))
+
+
+@tool(
+    "replace_in_note",
+    "Replace one exact piece of a note's text with new text. `old` must occur exactly "
+    "once: copy it from read_note, with enough of its surroundings to be unique.",
+    {
+        "path": _PATH_ARG,
+        "old": {"type": "string", "minLength": 1, "description": "the exact text to replace"},
+        "new": {"type": "string", "description": "the text to put in its place"},
+    },
+    ("path", "old", "new"),
+    title="Replace text in a note",
+    read_only=False,
+    destructive=True,
+)
+def tool_replace_in_note(svc: Service, path: str, old: str, new: str) -> dict:
+    path = note_path(path)
+
+    def swap(text: str) -> str:
+        count = text.count(old)
+        if count == 1:
+            return text.replace(old, new, 1)
+        if count == 0:
+            raise ApiError(
+                409,
+                "CONFLICT",
+                f"the text to replace is not in {path}; read the note again (read_note) "
+                "and copy the text exactly",
+            )
+        raise ApiError(
+            409,
+            "CONFLICT",
+            f"the text to replace occurs {count} times in {path}; include more of the text "
+            "around it so that it occurs once",
+        )
+
+    svc.notes.rewrite(path, swap)
+    return {**_summary(svc.notes.get(path)), "replaced": 1}
+
+
+@tool(
+    "update_note",
+    "Replace a note's whole content. Needs the etag read_note gave: a note that changed "
+    "since is not overwritten (read it again and redo the change).",
+    {"path": _PATH_ARG, "content": {"type": "string"}, "etag": _ETAG_ARG},
+    ("path", "content", "etag"),
+    title="Update a note",
+    read_only=False,
+    destructive=True,
+    idempotent=True,
+)
+def tool_update_note(svc: Service, path: str, content: str, etag: str) -> dict:
+    return _summary(svc.notes.update(note_path(path), content, etag))
+
+
+@tool(
+    "move_note",
+    "Move or rename a note (never onto an existing note). Needs the etag read_note gave; "
+    "updateLinks rewrites the links of other notes to it.",
+    {
+        "path": _PATH_ARG,
+        "newPath": {**_PATH_ARG, "description": "where the note goes"},
+        "etag": _ETAG_ARG,
+        "updateLinks": {"type": "boolean", "default": False},
+    },
+    ("path", "newPath", "etag"),
+    title="Move a note",
+    read_only=False,
+    destructive=True,
+    idempotent=True,
+)
+def tool_move_note(
+    svc: Service, path: str, newPath: str, etag: str, updateLinks: bool = False
+) -> dict:
+    rec = move_and_relink(svc, note_path(path), note_path(newPath), etag, updateLinks)
+    return {**_summary(rec), **{k: rec[k] for k in ("from", "linksUpdated") if k in rec}}
+
+
+@tool(
+    "delete_note",
+    "Delete a note (it goes to the trash, from where the owner can restore it). With an "
+    "etag, a note that changed since is not deleted.",
+    {"path": _PATH_ARG, "etag": _ETAG_ARG},
+    ("path",),
+    title="Delete a note",
+    read_only=False,
+    destructive=True,
+    idempotent=True,
+)
+def tool_delete_note(svc: Service, path: str, etag: str | None = None) -> dict:
+    done = svc.notes.delete(note_path(path), etag)
+    return {"path": done["path"], "deleted": True}
+
+
+@tool(
+    "search",
+    "Search the user's notes; each result's id is a note path to pass to fetch.",
+    {"query": _QUERY_ARG},
+    ("query",),
+    title="Search",
+    alias_of="search_notes",
+)
+def tool_search(svc: Service, query: str) -> dict:
+    _, hits = svc.index.search(Query(query), "", 10, 0)
+    return {"results": [{"id": p, "title": t, "url": note_url(svc, p)} for p, t, _, _ in hits]}
+
+
+@tool(
+    "fetch",
+    "Read a whole note by the id search gave (its path).",
+    {"id": {**_PATH_ARG, "description": "a note path, as search gives it"}},
+    ("id",),
+    title="Fetch",
+    alias_of="read_note",
+)
+def tool_fetch(svc: Service, id: str) -> dict:
+    rec = svc.notes.get(note_path(id))
+    return {
+        "id": rec["path"],
+        "title": rec["title"],
+        "text": rec["content"][:MAX_READ_CHARS],
+        "url": note_url(svc, rec["path"]),
+        "metadata": {k: rec[k] for k in ("etag", "modified", "size")},
+    }
 
 
 # == Security audit ===========================================================
@@ -5170,6 +7824,38 @@ def check_auth_off(svc: Service) -> list:
             "Set SERVICE_AUTH_MODE=api-key (the default).",
         )
     ]
+
+
+@audit_check
+def check_tool_writes(svc: Service) -> list:
+    """Write tools switched on (SERVICE_MCP_WRITE, SERVICE_AGENT_WRITE): medium without auth."""
+    cfg, out = svc.config, []
+    flags = (("SERVICE_MCP_WRITE", cfg.mcp_write), ("SERVICE_AGENT_WRITE", cfg.agent_write))
+    on = [env for env, flag in flags if flag]
+    if on and cfg.auth_mode == "none":
+        out.append(
+            finding(
+                "tool-writes-without-auth",
+                "medium",
+                "AI tools may change notes and no key is asked",
+                f"{' and '.join(on)} on with SERVICE_AUTH_MODE=none: any MCP client or "
+                "chat that reaches the port can have notes changed, moved and deleted.",
+                "Set SERVICE_AUTH_MODE=api-key, or turn the write tools off.",
+            )
+        )
+    channels = [c for c in svc.state.read().get("channels", []) if c["enabled"]]
+    if cfg.agent_write and channels:
+        out.append(
+            finding(
+                "agent-writes-from-channels",
+                "info",
+                "The agent may change notes when asked through a channel",
+                f"SERVICE_AGENT_WRITE is on: every sender {len(channels)} enabled channel(s) "
+                "accept can have the agent create, change, move and delete notes.",
+                "Keep the channels' allowlists short, or turn SERVICE_AGENT_WRITE off.",
+            )
+        )
+    return out
 
 
 @audit_check
@@ -5299,30 +7985,36 @@ def check_state_private(svc: Service) -> list:
 
 @audit_check
 def check_notes_folder(svc: Service) -> list:
-    mode = _mode_of(svc.config.notes_dir)
-    if mode is None:
-        return []
-    if mode & 0o002:
-        return [
-            finding(
-                "notes-writable",
-                "high",
-                "Other users can write the notes folder",
-                f"notes/ has mode {mode:o}: any local user can change or plant notes.",
-                f"chmod o-w {svc.config.notes_dir}",
+    """The notes folder, and the attachments folder beside it, are private to the owner."""
+    out = []
+    for folder, what in (
+        (svc.config.notes_dir, NOTES),
+        (svc.config.root / ATTACHMENTS, ATTACHMENTS),
+    ):
+        mode = _mode_of(folder)
+        if mode is None:
+            continue
+        if mode & 0o002:
+            out.append(
+                finding(
+                    f"{what}-writable",
+                    "high",
+                    f"Other users can write the {what} folder",
+                    f"{what}/ has mode {mode:o}: any local user can change or plant {what}.",
+                    f"chmod o-w {folder}",
+                )
             )
-        ]
-    if mode & 0o004:
-        return [
-            finding(
-                "notes-readable",
-                "low",
-                "Other users can read the notes folder",
-                f"notes/ has mode {mode:o}.",
-                f"chmod o-rx {svc.config.notes_dir} (or run with UMask=0077)",
+        elif mode & 0o004:
+            out.append(
+                finding(
+                    f"{what}-readable",
+                    "low",
+                    f"Other users can read the {what} folder",
+                    f"{what}/ has mode {mode:o}.",
+                    f"chmod o-rx {folder} (or run with UMask=0077)",
+                )
             )
-        ]
-    return []
+    return out
 
 
 def _service_uid(svc: Service) -> int:
@@ -5509,6 +8201,31 @@ def check_channel_allowlists(svc: Service) -> list:
 
 
 @audit_check
+def check_channel_signatures(svc: Service) -> list:
+    """Channels whose provider signs its calls (WhatsApp) but that have no key to check them."""
+    out = []
+    for channel in svc.state.read().get("channels", []):
+        provider = svc.channel_providers.get(channel["provider"])
+        if not provider or not provider.signing_field or not channel["enabled"]:
+            continue
+        if channel["config"].get(provider.signing_field):
+            continue
+        out.append(
+            finding(
+                f"channel-unsigned-{channel['id']}",
+                "high",
+                f"Channel {channel['name']} does not check the provider's signature",
+                f"Without config.{provider.signing_field}, calls to this {channel['provider']} "
+                f"webhook are authenticated by the secret in the URL alone (?secret=), which "
+                f"lands in access logs; {provider.signature_header} is not checked.",
+                f"Set config.{provider.signing_field} (the app secret of your Meta app): "
+                f"PATCH /api/v1/channels/{channel['id']}.",
+            )
+        )
+    return out
+
+
+@audit_check
 def check_query_secrets(svc: Service) -> list:
     seen = svc.query_secret_seen_at
     if not seen or time.time() - seen > QUERY_SECRET_WINDOW:
@@ -5516,11 +8233,13 @@ def check_query_secrets(svc: Service) -> list:
     return [
         finding(
             "secret-in-query",
-            "low",
+            "medium",
             "A webhook secret came in a query string",
-            f"Last at {iso(seen)}. URLs end up in proxy and access logs.",
-            "Send X-Service-Channel-Secret (Telegram: secret_token) where the provider "
-            "allows; WhatsApp cannot, so keep that proxy's logs private.",
+            f"Last at {iso(seen)}. URLs end up in proxy and access logs, and whoever reads "
+            "them can post to the channel.",
+            "Send X-Service-Channel-Secret (Telegram: the polling mode needs no webhook, "
+            "or secret_token); for WhatsApp set config.appSecret and drop ?secret= from "
+            "the callback URL: Meta's signature then authenticates each call.",
         )
     ]
 
@@ -5652,237 +8371,3387 @@ def run_audit(svc: Service) -> dict:
 # CDN, no build step. It uses only the public API. Data goes in as text nodes only.
 
 WEB_CSS = """
-*{box-sizing:border-box}
-body{margin:0;font:15px/1.45 system-ui,sans-serif;color:#222;background:#fafafa}
-header{display:flex;gap:.5em;align-items:center;padding:.5em 1em;background:#234;color:#fff}
-header h1{font-size:1.1em;margin:0 1em 0 0}header input{flex:1;max-width:28em}
-input,textarea,button{font:inherit;padding:.35em .5em;border:1px solid #bbb;border-radius:4px}
-button{background:#fff;cursor:pointer}button:hover{background:#eef}
-main{display:grid;grid-template-columns:18em 1fr 20em;height:calc(100vh - 3em)}
-nav,aside{overflow:auto;padding:.5em;border-right:1px solid #ddd;background:#fff}
-aside{border-left:1px solid #ddd;border-right:0;display:flex;flex-direction:column}
-section{display:flex;flex-direction:column;padding:.5em;gap:.5em;min-width:0}
-ul{list-style:none;margin:0;padding-left:1em}nav>ul{padding-left:0}
-li span{cursor:pointer}li span:hover{text-decoration:underline}.dir>span{font-weight:600}
-#editor{flex:1;width:100%;font-family:ui-monospace,monospace;resize:none}
-.row{display:flex;gap:.4em;align-items:center;flex-wrap:wrap}.row input{flex:1;min-width:8em}
-#status{color:#555;min-height:1.4em}#conflict{background:#fee;border:1px solid #c66;padding:.5em}
-.hidden{display:none!important}mark{background:#ff6}
-#results div{padding:.3em 0;border-bottom:1px solid #eee;cursor:pointer}
-#results small{color:#666;display:block}#chat-log{flex:1;overflow:auto;white-space:pre-wrap}
-#chat-log p{margin:.3em 0}.me{color:#234;font-weight:600}#login{max-width:30em;margin:3em auto}
-#login input{width:100%;margin:.5em 0}.err{color:#b00}
-@media (max-width:760px){main{grid-template-columns:minmax(0,1fr);height:auto}
-nav,aside{border:0;border-bottom:1px solid #ddd;max-height:45vh}#editor{min-height:50vh}
-#chat-log{min-height:4em}header input{min-width:0}}
+:root {
+  color-scheme: light dark;
+  --bg: #ffffff;
+  --fg: #1b1f24;
+  --muted: #57606a;
+  --line: #d0d7de;
+  --surface: #f6f8fa;
+  --hover: #eaeef2;
+  --accent: #0a58ca;
+  --accent-fg: #ffffff;
+  --mark: #fff0a0;
+  --mark-fg: #1b1f24;
+  --err: #b42318;
+  --warn-bg: #fff4e5;
+  --code: #eff1f3;
+  --focus: #0a58ca;
+  --me: #ddeaff;
+  --add-bg: #dafbe1;
+  --del-bg: #ffebe9;
+}
+@media (prefers-color-scheme: dark) {
+  :root {
+    --bg: #0f1419;
+    --fg: #e6edf3;
+    --muted: #9ba7b4;
+    --line: #30363d;
+    --surface: #161b22;
+    --hover: #21262d;
+    --accent: #58a6ff;
+    --accent-fg: #0b1220;
+    --mark: #6b5800;
+    --mark-fg: #fff8d6;
+    --err: #ff8a80;
+    --warn-bg: #3a2a10;
+    --code: #1f252d;
+    --focus: #79b8ff;
+    --me: #15304f;
+    --add-bg: #12361f;
+    --del-bg: #4a1d1d;
+  }
+}
+* {
+  box-sizing: border-box;
+}
+[hidden] {
+  display: none !important;
+}
+html,
+body {
+  height: 100%;
+}
+body {
+  margin: 0;
+  background: var(--bg);
+  color: var(--fg);
+  font:
+    16px/1.5 system-ui,
+    -apple-system,
+    "Segoe UI",
+    Roboto,
+    sans-serif;
+  -webkit-text-size-adjust: 100%;
+}
+::placeholder {
+  color: var(--muted);
+  opacity: 1;
+}
+button,
+input,
+textarea,
+select {
+  font: inherit;
+  color: inherit;
+}
+input,
+textarea {
+  background: var(--bg);
+  border: 1px solid var(--line);
+  border-radius: 8px;
+  padding: 0.45rem 0.6rem;
+  min-width: 0;
+}
+button {
+  background: var(--surface);
+  border: 1px solid var(--line);
+  border-radius: 8px;
+  padding: 0.4rem 0.75rem;
+  cursor: pointer;
+  min-height: 36px;
+}
+button:hover {
+  background: var(--hover);
+}
+button:disabled {
+  cursor: default;
+  opacity: 0.6;
+}
+button.primary {
+  background: var(--accent);
+  border-color: var(--accent);
+  color: var(--accent-fg);
+}
+button.primary:hover {
+  filter: brightness(1.08);
+}
+button.plain {
+  background: none;
+  border-color: transparent;
+}
+button.danger {
+  color: var(--err);
+}
+:focus-visible {
+  outline: 3px solid var(--focus);
+  outline-offset: 1px;
+}
+input:focus-visible,
+textarea:focus-visible {
+  outline-offset: -1px;
+}
+.sr {
+  position: absolute;
+  width: 1px;
+  height: 1px;
+  overflow: hidden;
+  clip: rect(0 0 0 0);
+  white-space: nowrap;
+}
+.muted {
+  color: var(--muted);
+}
+.err {
+  color: var(--err);
+}
+mark {
+  background: var(--mark);
+  color: var(--mark-fg);
+  border-radius: 2px;
+}
+.icon {
+  width: 22px;
+  height: 22px;
+  fill: none;
+  stroke: currentColor;
+  stroke-width: 2;
+  stroke-linecap: round;
+  stroke-linejoin: round;
+  flex: none;
+}
+
+/* -- the key screen -- */
+#login {
+  max-width: 28rem;
+  margin: 0 auto;
+  padding: 12vh 1.25rem 2rem;
+}
+#login h1 {
+  display: flex;
+  align-items: center;
+  gap: 0.5rem;
+  margin: 0 0 0.5rem;
+}
+#login h1 svg {
+  width: 40px;
+  height: 40px;
+}
+#login label {
+  display: block;
+  margin-top: 1rem;
+  font-weight: 600;
+}
+#login input[type="password"],
+#login input[type="text"] {
+  width: 100%;
+  margin-top: 0.3rem;
+  min-height: 44px;
+}
+#login .check {
+  display: flex;
+  gap: 0.5rem;
+  align-items: center;
+  font-weight: 400;
+}
+#login .check input {
+  width: 20px;
+  height: 20px;
+}
+#connect {
+  width: 100%;
+  margin-top: 1rem;
+  min-height: 44px;
+}
+#remember-warn {
+  background: var(--warn-bg);
+  padding: 0.5rem 0.75rem;
+  border-radius: 8px;
+  margin: 0.5rem 0 0;
+}
+#login details {
+  margin-top: 1rem;
+}
+#login summary {
+  cursor: pointer;
+  color: var(--muted);
+}
+
+/* -- the application: a bar, the panes, and (on a phone) the tabs -- */
+#app {
+  display: grid;
+  grid-template-rows: auto minmax(0, 1fr) auto;
+  height: 100vh;
+  height: var(--app-h, 100dvh);
+}
+.bar {
+  display: flex;
+  align-items: center;
+  gap: 0.5rem;
+  padding: 0.5rem 0.75rem;
+  background: var(--surface);
+  border-bottom: 1px solid var(--line);
+}
+.brand {
+  display: flex;
+  align-items: center;
+  gap: 0.4rem;
+  font-weight: 700;
+}
+.brand svg {
+  width: 28px;
+  height: 28px;
+}
+#search {
+  flex: 1;
+  max-width: 36rem;
+  min-height: 40px;
+  margin-right: auto;
+}
+.bar .spacer {
+  flex: 1;
+}
+.menu {
+  position: relative;
+}
+.menu > summary {
+  list-style: none;
+  cursor: pointer;
+  display: flex;
+  align-items: center;
+  justify-content: center;
+  min-width: 40px;
+  min-height: 40px;
+  border-radius: 8px;
+}
+.menu > summary::-webkit-details-marker {
+  display: none;
+}
+.menu > summary:hover {
+  background: var(--hover);
+}
+.menu-list {
+  position: absolute;
+  right: 0;
+  top: calc(100% + 4px);
+  z-index: 20;
+  display: flex;
+  flex-direction: column;
+  min-width: 12rem;
+  background: var(--bg);
+  border: 1px solid var(--line);
+  border-radius: 10px;
+  box-shadow: 0 8px 24px rgba(0, 0, 0, 0.18);
+  padding: 0.3rem;
+}
+.menu-list button {
+  text-align: left;
+  border: 0;
+  background: none;
+  min-height: 40px;
+}
+.menu-list button:hover {
+  background: var(--hover);
+}
+
+main {
+  display: grid;
+  grid-template-columns: minmax(15rem, 20rem) minmax(0, 1fr) minmax(18rem, 24rem);
+  min-height: 0;
+}
+main.side-closed {
+  grid-template-columns: minmax(15rem, 20rem) minmax(0, 1fr);
+}
+main.side-closed #pane-ask {
+  display: none;
+}
+.pane {
+  min-height: 0;
+  min-width: 0;
+  overflow: auto;
+  grid-row: 1;
+}
+#pane-notes,
+#pane-search {
+  grid-column: 1;
+  border-right: 1px solid var(--line);
+  padding: 0.5rem;
+}
+#pane-note {
+  grid-column: 2;
+  display: flex;
+  flex-direction: column;
+  overflow: hidden;
+}
+#pane-ask {
+  grid-column: 3;
+  border-left: 1px solid var(--line);
+  display: flex;
+  flex-direction: column;
+  padding: 0.5rem;
+  overflow: hidden;
+}
+#app:not(.searching) #pane-search {
+  display: none;
+}
+#app.searching #pane-notes {
+  display: none;
+}
+.tabs {
+  display: none;
+}
+
+/* -- the notes pane: capture, tree -- */
+.capture {
+  display: flex;
+  gap: 0.4rem;
+  margin-bottom: 0.5rem;
+}
+.capture input {
+  flex: 1;
+}
+.pane-tools {
+  display: flex;
+  gap: 0.4rem;
+  margin-bottom: 0.5rem;
+}
+.pane-tools button {
+  flex: 1;
+}
+#tree ul {
+  list-style: none;
+  margin: 0;
+  padding: 0 0 0 0.9rem;
+}
+#tree > ul {
+  padding-left: 0;
+}
+#tree button {
+  display: flex;
+  align-items: center;
+  gap: 0.35rem;
+  width: 100%;
+  text-align: left;
+  background: none;
+  border: 0;
+  border-radius: 6px;
+  padding: 0.25rem 0.4rem;
+  min-height: 32px;
+  overflow-wrap: anywhere;
+}
+#tree button:hover {
+  background: var(--hover);
+}
+#tree button[aria-current="true"] {
+  background: var(--accent);
+  color: var(--accent-fg);
+}
+#tree .dir {
+  font-weight: 600;
+}
+#tree .caret {
+  display: inline-block;
+  width: 0.9em;
+  flex: none;
+  color: var(--muted);
+}
+#tree .caret::before {
+  content: "▸";
+}
+#tree .dir[aria-expanded="true"] .caret::before {
+  content: "▾";
+}
+#tree .count {
+  margin-left: auto;
+  font-weight: 400;
+  font-size: 0.8rem;
+  color: var(--muted);
+}
+#tree .empty {
+  color: var(--muted);
+  padding: 0.25rem 0.4rem;
+}
+
+/* -- search results -- */
+#results-head {
+  display: flex;
+  justify-content: space-between;
+  align-items: center;
+  gap: 0.5rem;
+  margin-bottom: 0.3rem;
+}
+#results-info {
+  color: var(--muted);
+  font-size: 0.9rem;
+}
+#results {
+  list-style: none;
+  margin: 0;
+  padding: 0;
+}
+#results button {
+  display: block;
+  width: 100%;
+  text-align: left;
+  background: none;
+  border: 0;
+  border-bottom: 1px solid var(--line);
+  border-radius: 0;
+  padding: 0.5rem 0.4rem;
+}
+#results button:hover,
+#results button:focus-visible {
+  background: var(--hover);
+}
+#results .t {
+  display: block;
+  font-weight: 600;
+}
+#results .p {
+  display: block;
+  font-size: 0.8rem;
+  color: var(--muted);
+  overflow-wrap: anywhere;
+}
+#results .s {
+  display: block;
+  font-size: 0.9rem;
+  overflow-wrap: anywhere;
+}
+
+/* -- the note -- */
+.note-bar {
+  display: flex;
+  align-items: center;
+  gap: 0.4rem;
+  padding: 0.4rem 0.6rem;
+  border-bottom: 1px solid var(--line);
+  background: var(--bg);
+}
+.note-title {
+  flex: 1;
+  min-width: 0;
+}
+.note-title strong {
+  display: block;
+  overflow: hidden;
+  text-overflow: ellipsis;
+  white-space: nowrap;
+}
+.note-title small {
+  display: block;
+  color: var(--muted);
+  overflow: hidden;
+  text-overflow: ellipsis;
+  white-space: nowrap;
+}
+#back {
+  display: none;
+}
+#status {
+  font-size: 0.85rem;
+  color: var(--muted);
+  white-space: nowrap;
+}
+#status.dirty {
+  color: var(--err);
+  font-weight: 600;
+}
+.banner {
+  margin: 0.5rem 0.6rem 0;
+  padding: 0.5rem 0.75rem;
+  border-radius: 8px;
+  background: var(--warn-bg);
+}
+.banner button {
+  margin: 0.25rem 0.25rem 0 0;
+}
+#view {
+  flex: 1;
+  overflow: auto;
+  padding: 0.5rem 1.25rem 2rem;
+  overflow-wrap: break-word;
+}
+#editor {
+  flex: 1;
+  width: 100%;
+  resize: none;
+  border: 0;
+  border-radius: 0;
+  padding: 0.75rem 1rem;
+  font:
+    15px/1.55 ui-monospace,
+    "SF Mono",
+    Menlo,
+    Consolas,
+    monospace;
+  background: var(--bg);
+}
+#empty {
+  flex: 1;
+  display: flex;
+  flex-direction: column;
+  align-items: center;
+  justify-content: center;
+  gap: 0.75rem;
+  padding: 2rem;
+  text-align: center;
+  color: var(--muted);
+}
+#backlinks {
+  padding: 0.5rem 1.25rem 1rem;
+  border-top: 1px solid var(--line);
+  font-size: 0.9rem;
+}
+#backlinks ul {
+  margin: 0.25rem 0 0;
+  padding-left: 1.2rem;
+}
+
+/* -- Markdown -- */
+.md {
+  max-width: 46rem;
+}
+.md h1,
+.md h2,
+.md h3,
+.md h4,
+.md h5,
+.md h6 {
+  line-height: 1.25;
+  margin: 1.2em 0 0.5em;
+}
+.md h1 {
+  font-size: 1.7rem;
+}
+.md h2 {
+  font-size: 1.4rem;
+}
+.md h3 {
+  font-size: 1.2rem;
+}
+.md h4,
+.md h5,
+.md h6 {
+  font-size: 1rem;
+}
+.md > :first-child {
+  margin-top: 0.6rem;
+}
+.md p {
+  margin: 0.6em 0;
+}
+.md a,
+.link {
+  color: var(--accent);
+  text-decoration: underline;
+  cursor: pointer;
+  background: none;
+  border: 0;
+  padding: 0;
+  font: inherit;
+  min-height: 0;
+}
+.md code {
+  background: var(--code);
+  padding: 0.1em 0.3em;
+  border-radius: 4px;
+  font:
+    0.9em ui-monospace,
+    Menlo,
+    Consolas,
+    monospace;
+}
+.md pre {
+  background: var(--code);
+  padding: 0.75rem;
+  border-radius: 8px;
+  overflow: auto;
+}
+.md pre code {
+  background: none;
+  padding: 0;
+}
+.md blockquote {
+  margin: 0.6em 0;
+  padding: 0.1em 1em;
+  border-left: 4px solid var(--line);
+  color: var(--muted);
+}
+.md ul,
+.md ol {
+  padding-left: 1.6em;
+}
+.md li.task {
+  list-style: none;
+  margin-left: -1.4em;
+}
+.md li.task > input {
+  width: 18px;
+  height: 18px;
+  margin: 0 0.45em 0 0;
+  vertical-align: -3px;
+}
+.md hr {
+  border: 0;
+  border-top: 1px solid var(--line);
+  margin: 1.2em 0;
+}
+.md .table {
+  overflow-x: auto;
+}
+.md table {
+  border-collapse: collapse;
+  margin: 0.6em 0;
+}
+.md th,
+.md td {
+  border: 1px solid var(--line);
+  padding: 0.3em 0.6em;
+}
+.md th {
+  background: var(--surface);
+}
+.md .al-c {
+  text-align: center;
+}
+.md .al-r {
+  text-align: right;
+}
+.md img {
+  max-width: 100%;
+  height: auto;
+  border-radius: 6px;
+}
+.md .front {
+  font-size: 0.85rem;
+  color: var(--muted);
+}
+
+/* -- ask -- */
+#chat-log {
+  flex: 1;
+  overflow: auto;
+  display: flex;
+  flex-direction: column;
+  gap: 0.6rem;
+  padding: 0.25rem 0;
+}
+.msg {
+  padding: 0.5rem 0.75rem;
+  border-radius: 10px;
+  background: var(--surface);
+  overflow-wrap: anywhere;
+}
+.msg.me {
+  background: var(--me);
+  align-self: flex-end;
+  max-width: 90%;
+  white-space: pre-wrap;
+}
+.msg .md {
+  font-size: 0.95rem;
+}
+.msg .sources {
+  font-size: 0.85rem;
+  margin: 0.4rem 0 0;
+  padding-left: 1.1rem;
+}
+.ask-form {
+  display: flex;
+  flex-direction: column;
+  gap: 0.4rem;
+  border-top: 1px solid var(--line);
+  padding-top: 0.5rem;
+}
+.ask-form .row {
+  display: flex;
+  gap: 0.4rem;
+}
+.ask-form .row input {
+  flex: 1;
+}
+.ask-form .check {
+  display: flex;
+  gap: 0.4rem;
+  align-items: center;
+  font-size: 0.9rem;
+}
+.ask-form .check input {
+  width: 18px;
+  height: 18px;
+}
+.pane h2 {
+  font-size: 1rem;
+  margin: 0.2rem 0 0.5rem;
+}
+
+/* -- dialogs and the toast -- */
+dialog {
+  border: 1px solid var(--line);
+  border-radius: 12px;
+  background: var(--bg);
+  color: var(--fg);
+  padding: 1rem 1.25rem;
+  width: min(92vw, 30rem);
+}
+dialog::backdrop {
+  background: rgba(0, 0, 0, 0.45);
+}
+dialog h2 {
+  margin: 0 0 0.5rem;
+  font-size: 1.15rem;
+}
+dialog label {
+  display: block;
+  font-weight: 600;
+  margin-top: 0.5rem;
+}
+dialog input[type="text"] {
+  width: 100%;
+  margin-top: 0.3rem;
+  min-height: 44px;
+}
+dialog .check {
+  display: flex;
+  align-items: center;
+  gap: 0.5rem;
+  font-weight: 400;
+}
+dialog .check input {
+  width: 20px;
+  height: 20px;
+}
+dialog .buttons {
+  display: flex;
+  flex-wrap: wrap;
+  justify-content: flex-end;
+  gap: 0.5rem;
+  margin-top: 1rem;
+}
+dialog .buttons button {
+  min-height: 44px;
+}
+dialog .list {
+  list-style: none;
+  padding: 0;
+  margin: 0.5rem 0;
+  max-height: 50vh;
+  overflow: auto;
+}
+dialog .list li {
+  display: flex;
+  flex-wrap: wrap;
+  gap: 0.5rem;
+  align-items: center;
+  justify-content: space-between;
+  padding: 0.35rem 0;
+  border-bottom: 1px solid var(--line);
+}
+dialog pre {
+  white-space: pre-wrap;
+  max-height: 50vh;
+  overflow: auto;
+  background: var(--code);
+  padding: 0.5rem;
+  border-radius: 8px;
+  font-size: 0.85rem;
+}
+#toast {
+  position: fixed;
+  left: 50%;
+  transform: translateX(-50%);
+  bottom: 1rem;
+  z-index: 30;
+  max-width: min(92vw, 32rem);
+  padding: 0.6rem 1rem;
+  border-radius: 10px;
+  background: var(--fg);
+  color: var(--bg);
+  box-shadow: 0 6px 20px rgba(0, 0, 0, 0.25);
+}
+#toast.bad {
+  background: var(--err);
+  color: var(--bg);
+}
+
+/* -- a phone: one pane at a time, tabs at the bottom, large targets -- */
+@media (max-width: 799px) {
+  main,
+  main.side-closed {
+    grid-template-columns: minmax(0, 1fr);
+  }
+  .pane {
+    grid-column: 1 !important;
+    display: none !important;
+    border: 0 !important;
+  }
+  #app[data-pane="notes"] #pane-notes,
+  #app[data-pane="search"] #pane-search,
+  #app[data-pane="ask"] #pane-ask {
+    display: flex !important;
+    flex-direction: column;
+  }
+  #app[data-pane="note"] #pane-note {
+    display: flex !important;
+  }
+  #pane-notes,
+  #pane-search {
+    display: block;
+  }
+  #toggle-ask,
+  .brand span {
+    display: none;
+  }
+  #back {
+    display: flex;
+  }
+  #status .word {
+    position: absolute;
+    width: 1px;
+    height: 1px;
+    overflow: hidden;
+    clip: rect(0 0 0 0);
+  }
+  .tabs {
+    display: grid;
+    grid-template-columns: repeat(4, 1fr);
+    border-top: 1px solid var(--line);
+    background: var(--surface);
+    padding-bottom: env(safe-area-inset-bottom);
+  }
+  .tabs button {
+    display: flex;
+    flex-direction: column;
+    align-items: center;
+    gap: 2px;
+    background: none;
+    border: 0;
+    border-radius: 0;
+    min-height: 56px;
+    font-size: 0.75rem;
+    padding: 0.3rem 0;
+  }
+  .tabs button[aria-current="page"] {
+    color: var(--accent);
+    font-weight: 700;
+  }
+  #app.typing .tabs {
+    display: none;
+  }
+  button,
+  .menu > summary {
+    min-height: 44px;
+    min-width: 44px;
+  }
+  #tree button {
+    min-height: 44px;
+  }
+  input:not([type="checkbox"]) {
+    min-height: 44px;
+  }
+  #view {
+    padding: 0.25rem 1rem 2rem;
+  }
+  .note-bar {
+    padding: 0.3rem 0.4rem;
+  }
+  #toast {
+    bottom: calc(64px + env(safe-area-inset-bottom));
+  }
+}
+
+#save.clean {
+  background: var(--surface);
+  border-color: var(--line);
+  color: var(--fg);
+}
+.hint {
+  color: var(--muted);
+  font-size: 0.9rem;
+}
+
+.diff .add {
+  background: var(--add-bg);
+}
+.diff .del {
+  background: var(--del-bg);
+}
+dialog .list .actions {
+  display: flex;
+  gap: 0.3rem;
+  margin-left: auto;
+}
+dialog h3 {
+  font-size: 1rem;
+  margin: 0.75rem 0 0.25rem;
+}
+#toast button {
+  color: inherit;
+  text-decoration: underline;
+  min-height: 0;
+  padding: 0 0.25rem;
+}
+.md audio,
+.md video {
+  display: block;
+  max-width: 100%;
+  margin: 0.4rem 0;
+}
+.md a.file::before {
+  content: "↓ ";
+}
+.md a.file.media::before {
+  content: "▶ ";
+}
 """
 
 WEB_JS = r"""
 "use strict";
+// notesvc's web client: one page, no build step, only the public API.
+// Requests, the key included, go only to the origin this page was loaded from: a relayUrl
+// in the query string is ignored, and an API base on another origin is never used.
+// Text from notes and answers reaches the page as text nodes only (never as HTML).
+
 const $ = (id) => document.getElementById(id);
-const S = window.sessionStorage;
-// Requests, the key included, go only to the origin this page came from: a relayUrl in
-// the query string is ignored, and an API base on another origin is never used.
-function own(url) {
-  try { return new URL(url, location.href).origin === location.origin; }
-  catch (e) { return false; } }
-let base = S.getItem("notesvc.base") || "", key = S.getItem("notesvc.key") || "";
-if (!own(base)) base = "";
-let current = null, etag = null;
+const enc = encodeURIComponent;
+const NARROW = window.matchMedia("(max-width: 799px)");
 
-function el(tag, text, cls) { const e = document.createElement(tag);
-  if (text !== undefined) e.textContent = text; if (cls) e.className = cls; return e; }
-function show(id, on) { $(id).classList.toggle("hidden", !on); }
-function status(text, bad) {
-  $("status").textContent = text; $("status").className = bad ? "err" : ""; }
-const enc = (p) => encodeURIComponent(p);
+// -- storage: the key for the session (or this device, if asked); drafts on this device --
 
-async function api(method, path, body, headers) {
-  if (!own(base + path)) throw new Error("refused: the API is not on this page's origin");
-  const h = Object.assign({"X-Service-Key": key}, headers || {});
-  if (body !== undefined) h["Content-Type"] = "application/json";
-  const r = await fetch(base + path, {method, headers: h, mode: "same-origin",
-    body: body === undefined ? undefined : JSON.stringify(body)});
-  let j = null; try { j = await r.json(); } catch (e) { /* not JSON */ }
-  return {status: r.status, ok: r.ok, data: j && j.data, error: j && j.error,
-          etag: r.headers.get("ETag")};
-}
-
-async function resolveBase() {
-  const code = new URLSearchParams(location.search).get("relayCode");
-  if (!code) return location.origin + "/api/v1";
-  const r = await fetch("/relay/v1/pair/" + enc(code), {mode: "same-origin"});
-  const j = await r.json().catch(() => ({}));
-  if (!r.ok || !j.data) throw new Error(j.error ? j.error.message : "pairing failed");
-  const given = String(j.data.relayApiBase || "").replace(/\/$/, "");
-  if (given && own(given)) return new URL(given, location.href).href.replace(/\/$/, "");
-  const id = String(j.data.serverId || "");  // the server's own relay prefix on this origin
-  if (!/^[A-Za-z0-9_-]{1,64}$/.test(id)) throw new Error("pairing failed");
-  return location.origin + "/r/" + id + "/api/v1";
-}
-
-async function connect() {
-  $("login-msg").textContent = "";
+function storage(kind) {
   try {
-    key = $("key").value.trim() || key;
-    base = base || await resolveBase();
-    const r = await api("POST", "/auth/verify");
-    if (!r.ok) {
-      $("login-msg").textContent = r.error ? r.error.message : "cannot connect"; return; }
-    S.setItem("notesvc.base", base); S.setItem("notesvc.key", key);
-    if (!r.data.setupComplete) await api("POST", "/auth/link", {clientName: "web client"});
-    show("login", false); show("app", true); await loadTree();
-  } catch (e) { $("login-msg").textContent = String(e.message || e); base = ""; }
+    return kind === "local" ? window.localStorage : window.sessionStorage;
+  } catch (e) {
+    return null;
+  } // storage can be switched off; the page still works
+}
+function getItem(kind, name) {
+  const s = storage(kind);
+  try {
+    return s ? s.getItem(name) : null;
+  } catch (e) {
+    return null;
+  }
+}
+function setItem(kind, name, value) {
+  const s = storage(kind);
+  try {
+    if (s) s.setItem(name, value);
+  } catch (e) {
+    /* full or refused: not fatal */
+  }
+}
+function removeItem(kind, name) {
+  const s = storage(kind);
+  try {
+    if (s) s.removeItem(name);
+  } catch (e) {
+    /* ignore */
+  }
 }
 
-function renderNode(node) {
-  const li = el("li", undefined, node.type === "folder" ? "dir" : "note");
-  const label = el("span", node.name);
-  li.appendChild(label);
-  if (node.type === "folder") {
-    const ul = el("ul");
-    (node.children || []).forEach((c) => ul.appendChild(renderNode(c)));
-    li.appendChild(ul);
-    label.onclick = () => ul.classList.toggle("hidden");
-  } else { label.onclick = () => openNote(node.path); label.dataset.path = node.path; }
-  return li;
+const state = {
+  base: "", // the API base on this origin: /api/v1, or /r/<serverId>/api/v1
+  key: "",
+  path: null, // the open note
+  etag: null, // the ETag the editor's text was loaded from (sent as If-Match)
+  saved: "", // the note's text as last loaded or saved
+  title: "",
+  editing: false,
+  expanded: new Set(JSON.parse(getItem("session", "notesvc.expanded") || "[]")),
+};
+
+// What this server offers beyond the core API (read from its OpenAPI document at start).
+const features = {history: false, attachments: false, changes: false};
+
+// -- small DOM helpers -------------------------------------------------------------------
+
+function el(tag, attrs, ...children) {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (v === false || v === null || v === undefined) continue;
+    if (k === "class") e.className = v;
+    else if (k === "onclick") e.addEventListener("click", v);
+    else e.setAttribute(k, v === true ? "" : v);
+  }
+  for (const c of children) {
+    if (c === null || c === undefined || c === false) continue;
+    e.appendChild(typeof c === "string" ? document.createTextNode(c) : c);
+  }
+  return e;
+}
+
+function ago(iso) {
+  const t = Date.parse(iso);
+  if (!t) return "";
+  const s = (Date.now() - t) / 1000;
+  if (s < 60) return "just now";
+  if (s < 3600) return Math.floor(s / 60) + " min ago";
+  if (s < 86400) return Math.floor(s / 3600) + " h ago";
+  if (s < 2 * 86400) return "yesterday";
+  return new Date(t).toLocaleDateString();
+}
+
+function nameOf(path) {
+  return path.split("/").pop().replace(/\.md$/, "");
+}
+function folderOf(path) {
+  return path.split("/").slice(0, -1).join("/");
+}
+
+let toastTimer = 0;
+function toast(text, bad, action) {
+  const t = $("toast");
+  t.textContent = text;
+  if (action) {
+    const [label, fn] = action;
+    const run = act(fn);
+    const done = () => {
+      t.hidden = true;
+      run();
+    };
+    t.append(" ", el("button", {type: "button", class: "plain", onclick: done}, label));
+  }
+  t.className = bad ? "bad" : "";
+  t.setAttribute("role", bad ? "alert" : "status");
+  t.hidden = false;
+  clearTimeout(toastTimer);
+  toastTimer = setTimeout(
+    () => {
+      t.hidden = true;
+    },
+    bad || action ? 8000 : 3000,
+  );
+}
+
+// -- the API -------------------------------------------------------------------------------
+
+class Problem extends Error {
+  constructor(status, code, message, retryAfter) {
+    super(message);
+    this.status = status;
+    this.code = code;
+    this.retryAfter = retryAfter;
+  }
+}
+
+function ownOrigin(url) {
+  try {
+    return new URL(url, location.href).origin === location.origin;
+  } catch (e) {
+    return false;
+  }
+}
+
+function lockoutMessage(retryAfter) {
+  const s = parseInt(retryAfter || "60", 10);
+  return "Too many wrong keys from this address: try again in " + s + " s.";
+}
+
+async function api(method, path, body, headers, opts) {
+  opts = opts || {};
+  const url = state.base + path;
+  if (!state.base || !ownOrigin(url)) {
+    throw new Problem(0, "REFUSED", "Refused: the API is not on this page's origin.");
+  }
+  const h = Object.assign({"X-Service-Key": state.key}, headers || {});
+  const raw = body instanceof Blob; // an upload goes as it is, with its own type
+  if (body !== undefined && !raw) h["Content-Type"] = "application/json";
+  let r;
+  try {
+    r = await fetch(url, {
+      method,
+      headers: h,
+      mode: "same-origin",
+      credentials: "omit",
+      cache: "no-store",
+      body: body === undefined || raw ? body : JSON.stringify(body),
+    });
+  } catch (e) {
+    throw new Problem(
+      0,
+      "NETWORK",
+      "Cannot reach the server. Check the connection and try again.",
+    );
+  }
+  if (opts.blob && r.ok) return {blob: await r.blob(), status: r.status};
+  if (opts.raw && r.ok) return {json: await r.json(), status: r.status};
+  let j = null;
+  try {
+    j = await r.json();
+  } catch (e) {
+    /* not JSON */
+  }
+  if (r.ok && j && j.success) return {data: j.data, etag: r.headers.get("ETag"), status: r.status};
+  const err = (j && j.error) || {
+    code: "HTTP_" + r.status,
+    message: "The server answered " + r.status + ".",
+  };
+  const retry = r.headers.get("Retry-After");
+  const message = r.status === 429 ? lockoutMessage(retry) : err.message;
+  const problem = new Problem(r.status, err.code, message, retry);
+  problem.error = err; // the envelope's error, with any extra fields (410's resetRequired)
+  if (!opts.login && (r.status === 401 || r.status === 429)) {
+    toKeyScreen(
+      r.status === 401
+        ? "The key was not accepted: it may have been rotated. Paste the current key."
+        : message,
+    );
+  }
+  throw problem;
+}
+
+// Run an event handler; show what went wrong instead of failing silently.
+function act(fn) {
+  return async (...args) => {
+    try {
+      return await fn(...args);
+    } catch (e) {
+      if (e instanceof Problem && (e.status === 401 || e.status === 429)) return undefined;
+      toast(e && e.message ? e.message : String(e), true);
+      return undefined;
+    }
+  };
+}
+
+// -- connecting: the relay code, the key ---------------------------------------------------
+
+async function resolveBase(code) {
+  let r;
+  try {
+    r = await fetch(new URL("relay/v1/pair/" + enc(code), location.href).pathname, {
+      mode: "same-origin",
+      credentials: "omit",
+      cache: "no-store",
+    });
+  } catch (e) {
+    throw new Error("Cannot reach this address.");
+  }
+  const j = await r.json().catch(() => ({}));
+  if (!r.ok || !j.data) {
+    throw new Error(
+      j.error && r.status === 404
+        ? "The relay code is not known here: open the current connect link from your server."
+        : "Pairing failed" + (j.error ? ": " + j.error.message : "."),
+    );
+  }
+  const given = String(j.data.relayApiBase || "").replace(/\/$/, "");
+  if (given && ownOrigin(given)) return new URL(given, location.href).pathname.replace(/\/$/, "");
+  const id = String(j.data.serverId || ""); // the server's relay prefix, on this origin
+  if (!/^[A-Za-z0-9_-]{1,64}$/.test(id)) throw new Error("Pairing failed.");
+  return "/r/" + id + "/api/v1";
+}
+
+function relayCodeGiven() {
+  return (
+    new URLSearchParams(location.search).get("relayCode") ||
+    $("relay-code").value ||
+    ""
+  ).trim();
+}
+
+async function connect(typed) {
+  const msg = $("login-msg");
+  msg.textContent = "";
+  $("connect").disabled = true;
+  try {
+    const code = relayCodeGiven();
+    if (code) {
+      try {
+        state.base = await resolveBase(code);
+      } catch (e) {
+        // A code changes when the key is rotated: a server this device knows is still there.
+        if (!state.base) throw e;
+      }
+    }
+    if (!state.base) state.base = new URL("api/v1", location.href).pathname;
+    if (typed) state.key = $("key").value.trim();
+    if (!state.key) {
+      msg.textContent = "Paste the API key first.";
+      return;
+    }
+    let v;
+    try {
+      v = await api("POST", "/auth/verify", undefined, undefined, {login: true});
+    } catch (e) {
+      if (e.status === 404) {
+        state.base = "";
+        removeItem("local", "notesvc.base");
+        $("relay-box").open = true;
+        throw new Error(
+          "No notes server answers here. Open your server's connect link, " +
+            "or enter its relay code.",
+        );
+      }
+      if (e.status === 401)
+        throw new Error(
+          "That key was not accepted. Check it and try again " +
+            "(a rotated key stops working at once).",
+        );
+      throw e;
+    }
+    if (!v.data.setupComplete) await api("POST", "/auth/link", {clientName: "web client"});
+    setItem("local", "notesvc.base", state.base);
+    if (new URLSearchParams(location.search).has("relayCode")) {
+      history.replaceState(history.state, "", location.pathname); // the code has done its job
+    }
+    const remember = $("remember").checked || getItem("local", "notesvc.key") !== null;
+    setItem(remember ? "local" : "session", "notesvc.key", state.key);
+    $("key").value = "";
+    $("login").hidden = true;
+    $("app").hidden = false;
+    fitViewport();
+    await act(start)(); // from here on, a failure is shown in the app, not on the key screen
+  } catch (e) {
+    msg.textContent = e.message || String(e);
+  } finally {
+    $("connect").disabled = false;
+  }
+}
+
+function toKeyScreen(message) {
+  keepDraft();
+  feedRun++;
+  state.key = "";
+  removeItem("session", "notesvc.key");
+  removeItem("local", "notesvc.key");
+  $("app").hidden = true;
+  $("login").hidden = false;
+  $("login-msg").textContent = message || "";
+  $("key").focus();
+}
+
+async function logout() {
+  if (!(await confirmLeave("Log out"))) return;
+  for (const kind of ["local", "session"]) {
+    const s = storage(kind);
+    if (!s) continue;
+    for (const name of Object.keys(s)) if (name.startsWith("notesvc.")) removeItem(kind, name);
+  }
+  state.path = null;
+  location.reload();
+}
+
+// -- the page's layout: panes on a phone, a side panel on a desktop ------------------------
+
+function showPane(name, fromHistory) {
+  const app = $("app");
+  if (app.dataset.pane === name) return;
+  app.dataset.pane = name;
+  for (const b of document.querySelectorAll(".tabs button")) {
+    if (b.dataset.pane === name) b.setAttribute("aria-current", "page");
+    else b.removeAttribute("aria-current");
+  }
+  if (NARROW.matches && !fromHistory) history.pushState({pane: name}, "");
+}
+
+function fitViewport() {
+  // The keyboard on a phone shrinks the visual viewport: keep the bar (and Save) in view.
+  const vv = window.visualViewport;
+  if (vv) document.documentElement.style.setProperty("--app-h", Math.round(vv.height) + "px");
+}
+
+function setSide(open) {
+  $("main").classList.toggle("side-closed", !open);
+  $("toggle-ask").setAttribute("aria-expanded", String(open));
+  setItem("local", "notesvc.ui.side", open ? "open" : "closed");
+}
+
+// -- the tree: folders load lazily, one level at a time -------------------------------------
+
+function treeUrl(folder) {
+  return (folder === "notes" ? "/folders/tree" : "/folders/tree/" + enc(folder)) + "?depth=1";
+}
+
+async function fillFolder(folder, ul) {
+  const {data} = await api("GET", treeUrl(folder));
+  const items = (data.children || []).map(treeItem);
+  ul.replaceChildren(...items.map((i) => i.li));
+  if (!items.length) {
+    ul.appendChild(
+      el(
+        "li",
+        {class: "empty"},
+        folder === "notes" ? "No notes yet: start one with New note." : "Empty folder",
+      ),
+    );
+  }
+  await Promise.all(items.filter((i) => i.expand).map((i) => i.expand()));
+}
+
+function treeItem(node) {
+  const li = el("li");
+  if (node.type !== "folder") {
+    const b = el(
+      "button",
+      {
+        type: "button",
+        class: "note",
+        "data-path": node.path,
+        "aria-current": node.path === state.path ? "true" : null,
+      },
+      nameOf(node.path),
+    );
+    b.addEventListener(
+      "click",
+      act(() => openNote(node.path)),
+    );
+    li.appendChild(b);
+    return {li};
+  }
+  const b = el(
+    "button",
+    {type: "button", class: "dir", "aria-expanded": "false", "data-path": node.path},
+    el("span", {class: "caret", "aria-hidden": "true"}),
+    el("span", {}, node.name),
+    node.count === undefined ? null : el("span", {class: "count"}, String(node.count)),
+  );
+  if (node.count !== undefined)
+    b.setAttribute("aria-label", node.name + ", folder, " + node.count + " notes");
+  const sub = el("ul");
+  sub.hidden = true;
+  li.append(b, sub);
+  const expand = async () => {
+    b.setAttribute("aria-expanded", "true");
+    sub.hidden = false;
+    state.expanded.add(node.path);
+    if (node.children) {
+      // a server without ?depth sends the whole subtree
+      const items = node.children.map(treeItem);
+      sub.replaceChildren(...items.map((i) => i.li));
+      await Promise.all(items.filter((i) => i.expand).map((i) => i.expand()));
+    } else {
+      sub.replaceChildren(el("li", {class: "empty"}, "Loading…"));
+      await fillFolder(node.path, sub);
+    }
+  };
+  b.addEventListener(
+    "click",
+    act(async () => {
+      if (b.getAttribute("aria-expanded") === "true") {
+        b.setAttribute("aria-expanded", "false");
+        sub.hidden = true;
+        state.expanded.delete(node.path);
+      } else {
+        await expand();
+      }
+      setItem("session", "notesvc.expanded", JSON.stringify([...state.expanded]));
+    }),
+  );
+  return {li, expand: state.expanded.has(node.path) ? expand : null};
 }
 
 async function loadTree() {
-  const r = await api("GET", "/folders/tree");
-  const tree = $("tree"); tree.textContent = "";
-  if (!r.ok) { tree.textContent = r.error.message; return; }
-  const ul = el("ul"); (r.data.children || []).forEach((c) => ul.appendChild(renderNode(c)));
-  tree.appendChild(r.data.children.length ? ul : el("p", "No notes yet: create one above."));
+  const ul = el("ul");
+  await fillFolder("notes", ul);
+  const focused =
+    $("tree").contains(document.activeElement) && document.activeElement.dataset.path;
+  $("tree").replaceChildren(ul);
+  markCurrent();
+  if (focused) {
+    // Refreshed under the keyboard's feet: focus stays on the same entry.
+    const again = ul.querySelector('button[data-path="' + CSS.escape(focused) + '"]');
+    if (again) again.focus();
+  }
+  performance.mark("notesvc:tree-shown");
 }
 
-async function openNote(path) {
-  const r = await api("GET", "/notes/" + enc(path));
-  if (!r.ok) { status(r.error.message, true); return; }
-  current = r.data.path; etag = r.data.etag;
-  $("editor").value = r.data.content; $("path").textContent = current;
-  $("move-path").value = current; show("conflict", false); show("note", true);
-  status("Opened " + current);
+function markCurrent() {
+  for (const b of $("tree").querySelectorAll("button.note")) {
+    if (b.dataset.path === state.path) b.setAttribute("aria-current", "true");
+    else b.removeAttribute("aria-current");
+  }
+}
+
+async function reveal(path) {
+  // Open the folders above a note, so the tree shows where it is.
+  const parts = path.split("/");
+  let changed = false;
+  for (let i = 2; i < parts.length; i++) {
+    const folder = parts.slice(0, i).join("/");
+    if (!state.expanded.has(folder)) {
+      state.expanded.add(folder);
+      changed = true;
+    }
+  }
+  setItem("session", "notesvc.expanded", JSON.stringify([...state.expanded]));
+  if (changed || !$("tree").querySelector('button.note[data-path="' + CSS.escape(path) + '"]'))
+    await loadTree();
+  else markCurrent();
+}
+
+// -- Markdown: a small renderer that builds DOM nodes, so no HTML in a note can run ----------
+
+const LIST_RE = /^(\s*)([-*+]|\d{1,9}[.)])(?:\s+(.*)|$)/;
+const FENCE_RE = /^ {0,3}(`{3,}|~{3,})\s*([^`\s]*)/;
+const HEADING_RE = /^ {0,3}(#{1,6})(?:\s+(.*?))?(?:\s+#+)?\s*$/;
+const HR_RE = /^ {0,3}([-*_])(?:\s*\1){2,}\s*$/;
+const QUOTE_RE = /^ {0,3}> ?/;
+const TABLE_SEP_RE = /^\s*\|?\s*:?-+:?\s*(\|\s*:?-+:?\s*)*\|?\s*$/;
+
+// Inline syntax, one alternative per construct; the group numbers are used below.
+const INLINE_SOURCE = [
+  /(`+)([^`]|[^`][\s\S]*?[^`])\1(?!`)/.source, // 1, 2: code
+  /!\[([^\]\n]*)\]\(\s*<?([^)\s>]+)>?(?:\s+"[^"\n]*")?\s*\)/.source, // 3, 4: image
+  /\[\[([^\[\]|\n]+)(?:\|([^\[\]\n]+))?\]\]/.source, // 5, 6: wikilink
+  /\[([^\[\]\n]+)\]\(\s*<?([^)\s>]+)>?(?:\s+"[^"\n]*")?\s*\)/.source, // 7, 8: link
+  /<((?:https?|mailto):[^>\s]+)>/.source, // 9: autolink
+  /(https?:\/\/[^\s<]*[^\s<.,:;"')\]!?*_~])/.source, // 10: a bare URL
+  /(\*\*|__)(?=\S)([\s\S]*?\S)\11/.source, // 11, 12: strong
+  /(\*|_)(?=[^\s*_])([\s\S]*?[^\s\\])\13/.source, // 13, 14: emphasis
+  /~~(?=\S)([\s\S]*?\S)~~/.source, // 15: strike-through
+  /==(?=\S)([\s\S]*?\S)==/.source, // 16: highlight
+  /\\([\\`*_{}\[\]()#+\-.!|~<>=])/.source, // 17: an escape
+  /(\n)/.source, // 18: a line break
+].join("|");
+
+function renderMarkdown(text, ctx) {
+  ctx = ctx || {};
+  const lines = text
+    .replace(/\r\n?/g, "\n")
+    .split("\n")
+    .map((t, n) => ({t, n}));
+  const root = el("div", {class: "md"});
+  let start = 0;
+  if (lines.length > 2 && lines[0].t === "---") {
+    // front matter: shown small, as it is
+    const end = lines.findIndex((l, i) => i > 0 && (l.t === "---" || l.t === "..."));
+    if (end > 0) {
+      root.appendChild(
+        el(
+          "pre",
+          {class: "front"},
+          lines
+            .slice(1, end)
+            .map((l) => l.t)
+            .join("\n"),
+        ),
+      );
+      start = end + 1;
+    }
+  }
+  blocks(lines.slice(start), root, ctx);
+  return root;
+}
+
+function startsBlock(t) {
+  return (
+    FENCE_RE.test(t) || HEADING_RE.test(t) || HR_RE.test(t) || QUOTE_RE.test(t) || LIST_RE.test(t)
+  );
+}
+
+function blocks(lines, out, ctx) {
+  let i = 0;
+  while (i < lines.length) {
+    const t = lines[i].t;
+    let m;
+    if (!t.trim()) {
+      i++;
+      continue;
+    }
+    if ((m = FENCE_RE.exec(t))) {
+      const close = new RegExp("^ {0,3}" + m[1][0] + "{" + m[1].length + ",}\\s*$");
+      const body = [];
+      for (i++; i < lines.length && !close.test(lines[i].t); i++) body.push(lines[i].t);
+      i++;
+      out.appendChild(
+        el(
+          "pre",
+          {},
+          el(
+            "code",
+            {class: m[2] ? "lang-" + m[2].replace(/[^\w-]/g, "") : null},
+            body.join("\n"),
+          ),
+        ),
+      );
+    } else if ((m = HEADING_RE.exec(t))) {
+      const h = el("h" + m[1].length);
+      inline(m[2] || "", h, ctx);
+      out.appendChild(h);
+      i++;
+    } else if (HR_RE.test(t)) {
+      out.appendChild(el("hr"));
+      i++;
+    } else if (QUOTE_RE.test(t)) {
+      const inner = [];
+      for (; i < lines.length && QUOTE_RE.test(lines[i].t); i++) {
+        inner.push({t: lines[i].t.replace(QUOTE_RE, ""), n: lines[i].n});
+      }
+      const q = el("blockquote");
+      blocks(inner, q, ctx);
+      out.appendChild(q);
+    } else if (
+      i + 1 < lines.length &&
+      t.includes("|") &&
+      lines[i + 1].t.includes("-") &&
+      TABLE_SEP_RE.test(lines[i + 1].t)
+    ) {
+      i = table(lines, i, out, ctx);
+    } else if (LIST_RE.test(t)) {
+      i = list(lines, i, out, ctx);
+    } else {
+      const para = [t.trim()];
+      for (i++; i < lines.length && lines[i].t.trim() && !startsBlock(lines[i].t); i++)
+        para.push(lines[i].t.trim());
+      const p = el("p");
+      inline(para.join("\n"), p, ctx);
+      out.appendChild(p);
+    }
+  }
+}
+
+function indentOf(s) {
+  return s.replace(/\t/g, "    ").length;
+}
+
+function list(lines, i, out, ctx) {
+  const first = LIST_RE.exec(lines[i].t);
+  const indent = indentOf(first[1]);
+  const ordered = /\d/.test(first[2]);
+  const listEl = el(ordered ? "ol" : "ul");
+  if (ordered && parseInt(first[2], 10) !== 1)
+    listEl.setAttribute("start", String(parseInt(first[2], 10)));
+  out.appendChild(listEl);
+  let li = null;
+  while (i < lines.length) {
+    const t = lines[i].t;
+    if (!t.trim()) {
+      // a blank line: the list goes on if an item follows
+      let j = i;
+      while (j < lines.length && !lines[j].t.trim()) j++;
+      const next = j < lines.length ? LIST_RE.exec(lines[j].t) : null;
+      if (!next || indentOf(next[1]) < indent) return j;
+      i = j;
+      continue;
+    }
+    const m = LIST_RE.exec(t);
+    if (m && !HR_RE.test(t)) {
+      const ind = indentOf(m[1]);
+      if (ind < indent) return i;
+      if (ind > indent && li) {
+        i = list(lines, i, li, ctx);
+        continue;
+      }
+      if (/\d/.test(m[2]) !== ordered) return i;
+      li = el("li");
+      let content = m[3] || "";
+      const task = /^\[([ xX])\](?:\s+|$)/.exec(content);
+      if (task) {
+        li.className = "task";
+        const n = lines[i].n;
+        const box = el("input", {
+          type: "checkbox",
+          "data-line": String(n),
+          "aria-label": content.slice(task[0].length).slice(0, 80) || "task",
+        });
+        box.checked = task[1] !== " ";
+        box.disabled = !ctx.onTask;
+        if (ctx.onTask) box.addEventListener("change", () => ctx.onTask(n, box));
+        li.appendChild(box);
+        content = content.slice(task[0].length);
+      }
+      inline(content, li, ctx);
+      listEl.appendChild(li);
+      i++;
+    } else if (li && (/^\s/.test(t) || !startsBlock(t))) {
+      // the item's text goes on
+      li.appendChild(el("br"));
+      inline(t.trim(), li, ctx);
+      i++;
+    } else {
+      return i;
+    }
+  }
+  return i;
+}
+
+function splitRow(row) {
+  let s = row.trim();
+  if (s.startsWith("|")) s = s.slice(1);
+  if (s.endsWith("|") && !s.endsWith("\\|")) s = s.slice(0, -1);
+  return s
+    .replace(/\\\|/g, "\u0000")
+    .split("|")
+    .map((c) => c.replace(/\u0000/g, "|").trim());
+}
+
+function table(lines, i, out, ctx) {
+  const head = splitRow(lines[i].t);
+  const align = splitRow(lines[i + 1].t).map((c) =>
+    c.endsWith(":") ? (c.startsWith(":") ? "al-c" : "al-r") : null,
+  );
+  const tr = el("tr");
+  head.forEach((c, k) => {
+    const th = el("th", {class: align[k]});
+    inline(c, th, ctx);
+    tr.appendChild(th);
+  });
+  const tbody = el("tbody");
+  for (i += 2; i < lines.length && lines[i].t.includes("|") && lines[i].t.trim(); i++) {
+    const row = el("tr");
+    const cells = splitRow(lines[i].t);
+    head.forEach((_, k) => {
+      const td = el("td", {class: align[k]});
+      inline(cells[k] || "", td, ctx);
+      row.appendChild(td);
+    });
+    tbody.appendChild(row);
+  }
+  out.appendChild(el("div", {class: "table"}, el("table", {}, el("thead", {}, tr), tbody)));
+  return i;
+}
+
+function inline(text, parent, ctx) {
+  if (text.length > 20000) {
+    parent.appendChild(document.createTextNode(text));
+    return;
+  }
+  const re = new RegExp(INLINE_SOURCE, "g");
+  let last = 0;
+  let m;
+  const add = (s) => {
+    if (s) parent.appendChild(document.createTextNode(s));
+  };
+  while ((m = re.exec(text))) {
+    if (
+      m[13] === "_" &&
+      (/\w/.test(text[m.index - 1] || "") || /\w/.test(text[re.lastIndex] || ""))
+    ) {
+      re.lastIndex = m.index + 1; // snake_case is not emphasis
+      continue;
+    }
+    // ![[name]] embeds what [[name]] links to (an image shows, a file is offered).
+    const embed = m[5] !== undefined && m.index > last && text[m.index - 1] === "!";
+    add(text.slice(last, embed ? m.index - 1 : m.index));
+    last = re.lastIndex;
+    if (m[1] !== undefined) parent.appendChild(el("code", {}, m[2].replace(/^ (.*) $/, "$1")));
+    else if (m[3] !== undefined) parent.appendChild(image(m[3], m[4], ctx));
+    else if (m[5] !== undefined) parent.appendChild(wikiLink(m[5], m[6], ctx, embed));
+    else if (m[7] !== undefined) parent.appendChild(link(m[8], m[7], ctx, true));
+    else if (m[9] !== undefined) parent.appendChild(link(m[9], m[9].replace(/^mailto:/, ""), ctx));
+    else if (m[10] !== undefined) parent.appendChild(link(m[10], m[10], ctx));
+    else if (m[11] !== undefined) {
+      const e = el("strong");
+      inline(m[12], e, ctx);
+      parent.appendChild(e);
+    } else if (m[13] !== undefined) {
+      const e = el("em");
+      inline(m[14], e, ctx);
+      parent.appendChild(e);
+    } else if (m[15] !== undefined) {
+      const e = el("del");
+      inline(m[15], e, ctx);
+      parent.appendChild(e);
+    } else if (m[16] !== undefined) {
+      const e = el("mark");
+      inline(m[16], e, ctx);
+      parent.appendChild(e);
+    } else if (m[17] !== undefined) add(m[17]);
+    else if (m[18] !== undefined) parent.appendChild(el("br"));
+  }
+  add(text.slice(last));
+}
+
+function safeDecode(s) {
+  try {
+    return decodeURIComponent(s);
+  } catch (e) {
+    return s;
+  }
+}
+
+// Return the note path (or attachment path) a relative link points at, or null.
+function resolveRelative(href, from) {
+  const target = safeDecode(href.split("#")[0].split("?")[0]);
+  if (!target) return null;
+  const parts = target.startsWith("/")
+    ? target.startsWith("/notes/") || target.startsWith("/attachments/")
+      ? []
+      : ["notes"]
+    : folderOf(from || "notes/x.md").split("/");
+  for (const seg of target.split("/")) {
+    if (seg === "" || seg === ".") continue;
+    if (seg === "..") {
+      if (!parts.length) return null;
+      parts.pop();
+    } else parts.push(seg);
+  }
+  const path = parts.join("/");
+  return /^(notes|attachments)\//.test(path) ? path : null;
+}
+
+function link(href, label, ctx, markdown) {
+  href = href.trim();
+  let a;
+  if (/^(https?:|mailto:)/i.test(href)) {
+    a = el("a", {href, target: "_blank", rel: "noopener noreferrer"});
+  } else {
+    const path = /^[a-z][a-z0-9+.-]*:|^\/\/|^#/i.test(href)
+      ? null
+      : resolveRelative(href, ctx.from);
+    if (path && path.startsWith("attachments/") && features.attachments) {
+      a = attachmentLink(path, path);
+    } else if (!path || !path.startsWith("notes/") || !path.endsWith(".md")) {
+      a = el("span"); // another scheme, or nothing this page can open: the text alone
+    } else {
+      a = el("a", {
+        href: "#",
+        "data-note": path,
+        onclick: (e) => {
+          e.preventDefault();
+          act(() => openNote(path))();
+        },
+      });
+    }
+  }
+  if (markdown) inline(label, a, ctx);
+  else a.textContent = label;
+  return a;
+}
+
+function wikiLink(target, label, ctx, embed) {
+  const name = target.split("#")[0].trim();
+  if (isAttachmentName(name) && features.attachments) {
+    const found = findAttachment(name);
+    const shown = label && !/^\d+(x\d+)?$/.test(label.trim()) ? label.trim() : fileName(name);
+    if (embed && IMAGE_EXT.test(name)) return attachmentImage(found, shown);
+    const a = attachmentLink(found, name);
+    a.textContent = shown;
+    return a;
+  }
+  return el(
+    "a",
+    {
+      href: "#",
+      "data-wiki": name,
+      onclick: (e) => {
+        e.preventDefault();
+        act(() => openWiki(name, ctx.from))();
+      },
+    },
+    (label || target).trim(),
+  );
+}
+
+function image(alt, src, ctx) {
+  // Images load only from this server (the CSP allows no other); others show as a link.
+  if (/^(https?:)/i.test(src)) return link(src, alt ? "image: " + alt : src, ctx);
+  const path = /^[a-z][a-z0-9+.-]*:|^\/\//i.test(src) ? null : resolveRelative(src, ctx.from);
+  if (!path || !path.startsWith("attachments/") || !features.attachments) {
+    return document.createTextNode(alt ? "[image: " + alt + "]" : "[image]");
+  }
+  if (!IMAGE_EXT.test(path)) {
+    const a = attachmentLink(path, path);
+    a.textContent = alt || fileName(path);
+    return a;
+  }
+  return attachmentImage(Promise.resolve(path), alt || fileName(path));
+}
+
+const IMAGE_EXT = /\.(png|jpe?g|gif|webp|avif|bmp|ico|svg)$/i;
+const MEDIA_EXT = /\.(mp3|m4a|aac|ogg|oga|opus|wav|flac|weba|mp4|m4v|mov|webm)$/i;
+const VIDEO_EXT = /\.(mp4|m4v|mov|webm)$/i;
+
+function fileName(path) {
+  return path.split("/").pop();
+}
+
+function isAttachmentName(name) {
+  const ext = /\.([a-z0-9]{1,5})$/i.exec(fileName(name));
+  return !!ext && ext[1].toLowerCase() !== "md";
+}
+
+function attachmentImage(found, alt) {
+  const img = el("img", {alt, loading: "lazy"});
+  Promise.resolve(found)
+    .then((path) => {
+      if (!path) throw new Error("not found");
+      img.dataset.attachment = path;
+      return attachmentUrl(path);
+    })
+    .then(
+      (url) => {
+        img.src = url;
+      },
+      () => img.replaceWith(document.createTextNode("[image not found: " + alt + "]")),
+    );
+  return img;
+}
+
+// A link to an attachment: audio and video play in the page, other files are downloaded
+// (never opened as a page of this origin).
+function attachmentLink(found, name) {
+  const a = el("a", {href: "#", class: MEDIA_EXT.test(name) ? "file media" : "file"});
+  if (typeof found === "string") a.dataset.attachment = found;
+  a.addEventListener("click", (e) => {
+    e.preventDefault();
+    act(() => openAttachment(found, a))();
+  });
+  return a;
+}
+
+async function openAttachment(found, a) {
+  const path = await found;
+  if (!path) throw new Error("There is no attachment of that name.");
+  if (MEDIA_EXT.test(path)) {
+    const url = await attachmentUrl(path);
+    const player = el(VIDEO_EXT.test(path) ? "video" : "audio", {controls: true, class: "media"});
+    player.src = url;
+    player.setAttribute("aria-label", fileName(path));
+    a.replaceWith(player);
+    player.play().catch(() => {});
+    return;
+  }
+  const {blob} = await api("GET", "/attachments/" + enc(path), undefined, undefined, {blob: true});
+  const url = URL.createObjectURL(new Blob([blob], {type: "application/octet-stream"}));
+  const save = el("a", {href: url, download: fileName(path), hidden: true});
+  document.body.append(save);
+  save.click();
+  save.remove();
+  setTimeout(() => URL.revokeObjectURL(url), 60000);
+}
+
+// ![[photo.jpg]] names a file: a path, else the first attachment of that name (as the
+// server resolves it), from one listing of the attachments kept for a minute.
+let attachmentNames = null;
+let attachmentNamesAt = 0;
+async function findAttachment(name) {
+  if (name.includes("/")) {
+    const path = name.replace(/^\/+/, "");
+    return path.startsWith("attachments/") ? path : "attachments/" + path;
+  }
+  if (!attachmentNames || Date.now() - attachmentNamesAt > 60000) {
+    attachmentNamesAt = Date.now();
+    attachmentNames = (async () => {
+      const names = new Map();
+      const paths = [];
+      for (let offset = 0; offset < 20000; offset += 1000) {
+        const {data} = await api("GET", "/attachments?limit=1000&offset=" + offset);
+        paths.push(...data.attachments.map((x) => x.path));
+        if (offset + 1000 >= data.total) break;
+      }
+      for (const p of paths.sort()) {
+        const key = fileName(p).toLowerCase();
+        if (!names.has(key)) names.set(key, p);
+      }
+      return names;
+    })();
+  }
+  const names = await attachmentNames.catch(() => new Map());
+  return names.get(name.toLowerCase()) || null;
+}
+
+// An attachment needs the key, which an <img src> cannot send: fetch it, show it as a blob.
+const attachmentUrls = new Map();
+function attachmentUrl(path) {
+  if (!attachmentUrls.has(path)) {
+    const url = api("GET", "/attachments/" + enc(path), undefined, undefined, {blob: true}).then(
+      (r) => URL.createObjectURL(r.blob),
+    );
+    url.catch(() => attachmentUrls.delete(path));
+    attachmentUrls.set(path, url);
+  }
+  return attachmentUrls.get(path);
+}
+
+// [[Name]] resolves as the server does: a path, else the first note of that file name.
+async function openWiki(name, from) {
+  let target = name.replace(/\.md$/i, "");
+  if (target.includes("/")) {
+    target = target.replace(/^\/+/, "");
+    return openNote((target.startsWith("notes/") ? target : "notes/" + target) + ".md");
+  }
+  const {data} = await api("GET", "/search?limit=100&q=" + enc(target.replace(/["*()-]/g, " ")));
+  const want = target.toLowerCase();
+  const found = data.results
+    .map((h) => h.path)
+    .filter((p) => nameOf(p).toLowerCase() === want)
+    .sort();
+  if (found.length) return openNote(found[0]);
+  const guess = (from ? folderOf(from) : "notes") + "/" + target + ".md";
+  for (const path of new Set([guess, "notes/" + target + ".md"])) {
+    try {
+      await api("GET", "/notes/" + enc(path));
+      return openNote(path);
+    } catch (e) {
+      if (e.status !== 404) throw e;
+    }
+  }
+  const choice = await choose("No note named “" + target + "”", "Create " + guess + "?", [
+    ["create", "Create it", "primary"],
+    ["cancel", "Cancel"],
+  ]);
+  if (choice === "create") await createNote(guess);
+  return undefined;
+}
+
+// -- dialogs ---------------------------------------------------------------------------------
+
+let dialogDone = null;
+function dialog(title, body, buttons, initial) {
+  const d = $("dlg");
+  if (dialogDone) dialogDone("cancel"); // one dialog at a time: the one open gives way
+  $("dlg-title").textContent = title;
+  $("dlg-body").replaceChildren(
+    ...(Array.isArray(body) ? body : [body]).map((b) =>
+      typeof b === "string" ? el("p", {}, b) : b,
+    ),
+  );
+  return new Promise((resolve) => {
+    dialogDone = (value) => {
+      dialogDone = null;
+      if (d.open) d.close();
+      resolve(value);
+    };
+    $("dlg-buttons").replaceChildren(
+      ...buttons.map(([value, label, cls]) =>
+        el(
+          "button",
+          {
+            type: "button",
+            class: cls || null,
+            "data-value": value,
+            onclick: () => dialogDone(value),
+          },
+          label,
+        ),
+      ),
+    );
+    d.showModal();
+    const focus =
+      initial ||
+      d.querySelector("#dlg-body input") ||
+      d.querySelector("button.primary") ||
+      d.querySelector("button");
+    if (focus) focus.focus();
+  });
+}
+function choose(title, text, buttons) {
+  return dialog(title, text, buttons);
+}
+
+// -- the open note -----------------------------------------------------------------------------
+
+const editor = () => $("editor");
+function dirty() {
+  return state.path !== null && editor().value !== state.saved;
+}
+
+function updateDirty() {
+  const s = $("status");
+  if (dirty()) {
+    s.replaceChildren(
+      el("span", {"aria-hidden": "true"}, "● "),
+      el("span", {class: "word"}, "Unsaved"),
+    );
+    s.className = "dirty";
+  } else if (s.className === "dirty") {
+    s.textContent = "";
+    s.className = "";
+  }
+  $("save").disabled = !state.path;
+  $("save").classList.toggle("clean", !dirty());
+}
+
+function draftKey(path) {
+  return "notesvc.draft:" + state.base + "|" + path;
+}
+function readDraft(path) {
+  try {
+    return JSON.parse(getItem("local", draftKey(path)) || "null");
+  } catch (e) {
+    return null;
+  }
+}
+function keepDraft() {
+  if (!state.path) return;
+  if (dirty()) {
+    setItem(
+      "local",
+      draftKey(state.path),
+      JSON.stringify({content: editor().value, etag: state.etag, at: Date.now()}),
+    );
+  } else {
+    removeItem("local", draftKey(state.path));
+  }
+}
+let draftTimer = 0;
+function scheduleDraft() {
+  clearTimeout(draftTimer);
+  draftTimer = setTimeout(keepDraft, 300);
+}
+function dropDraft() {
+  if (state.path) removeItem("local", draftKey(state.path));
+  $("draft").hidden = true;
+}
+
+// Ask before unsaved text would be lost; resolve to true when it is fine to go on.
+async function confirmLeave(what) {
+  if (!dirty()) return true;
+  const choice = await choose(
+    "Unsaved changes",
+    "“" + state.title + "” has changes that are not saved.",
+    [
+      ["save", "Save", "primary"],
+      ["discard", "Discard"],
+      ["cancel", "Cancel"],
+    ],
+  );
+  if (choice === "save") return save(false);
+  if (choice === "discard") {
+    dropDraft();
+    editor().value = state.saved;
+    updateDirty();
+    return true;
+  }
+  return false;
+}
+
+function showNote(rec) {
+  state.path = rec.path;
+  state.etag = rec.etag;
+  state.saved = rec.content;
+  state.title = rec.title || nameOf(rec.path);
+  editor().value = rec.content;
+  $("title").textContent = state.title;
+  $("path").textContent = rec.path + " · " + ago(rec.modified);
+  $("path").title = rec.path;
+  $("empty").hidden = true;
+  $("note-bar").hidden = false;
+  $("conflict").hidden = true;
+  $("conflict-text").textContent = "This note changed elsewhere.";
+  $("draft").hidden = true;
+  $("status").textContent = "";
+  $("status").className = "";
+  $("about").disabled = false;
+  $("about-label").textContent = "About this note: " + state.title;
+  setItem("session", "notesvc.open", rec.path);
+}
+
+async function openNote(path, opts) {
+  opts = opts || {};
+  if (path !== state.path && !(await confirmLeave())) return false;
+  const {data} = await api("GET", "/notes/" + enc(path));
+  showNote(data);
+  const draft = readDraft(data.path);
+  if (draft && draft.content !== data.content) {
+    editor().value = draft.content;
+    state.etag = draft.etag || data.etag; // a save meets the conflict if the note moved on
+    $("draft-text").textContent =
+      "Your unsaved draft from " +
+      new Date(draft.at).toLocaleString() +
+      " is back." +
+      (draft.etag && draft.etag !== data.etag ? " The note has changed since then." : "");
+    $("draft").hidden = false;
+    setEditing(true);
+  } else {
+    if (draft) dropDraft();
+    setEditing(!!opts.edit);
+  }
+  updateDirty();
+  showPane("note");
+  loadBacklinks(data.path);
+  reveal(data.path).catch(() => {});
+  return true;
+}
+
+function closeNote() {
+  state.path = null;
+  state.etag = null;
+  state.saved = "";
+  editor().value = "";
+  $("note-bar").hidden = true;
+  $("title").textContent = "";
+  $("path").textContent = "";
+  $("view").replaceChildren();
+  $("view").hidden = true;
+  editor().hidden = true;
+  $("backlinks").hidden = true;
+  $("conflict").hidden = true;
+  $("draft").hidden = true;
+  $("empty").hidden = false;
+  $("about").checked = false;
+  $("about").disabled = true;
+  $("about-label").textContent = "About this note";
+  removeItem("session", "notesvc.open");
+  markCurrent();
+}
+
+function setEditing(on) {
+  state.editing = on;
+  editor().hidden = !on;
+  $("view").hidden = on;
+  $("edit").textContent = on ? "View" : "Edit";
+  $("edit").setAttribute("aria-pressed", String(on));
+  if (!on) renderView();
+}
+
+function renderView() {
+  const view = renderMarkdown(editor().value, {from: state.path, onTask: toggleTask});
+  $("view").replaceChildren(...view.childNodes);
+}
+
+// A checkbox ticked in the formatted view changes its line; saved at once (with If-Match)
+// unless there are other unsaved changes, which it then joins.
+async function toggleTask(n, box) {
+  const lines = editor().value.split("\n");
+  const line = lines[n] || "";
+  const flipped = line.replace(
+    /^(\s*(?:[-*+]|\d{1,9}[.)])\s+)\[([ xX])\]/,
+    (_, lead, mark) => lead + (mark === " " ? "[x]" : "[ ]"),
+  );
+  if (flipped === line) {
+    box.checked = !box.checked;
+    return;
+  }
+  const before = dirty();
+  lines[n] = flipped;
+  editor().value = lines.join("\n");
+  if (before) {
+    updateDirty();
+    scheduleDraft();
+    toast("Ticked: Save to keep it with your other changes.");
+    return;
+  }
+  if (!(await act(() => save(false))())) {
+    editor().value = state.saved;
+    updateDirty();
+    renderView();
+  }
+}
+
+function showConflict(gone) {
+  $("conflict-text").textContent = gone
+    ? "This note was deleted or moved elsewhere."
+    : "This note changed elsewhere.";
+  $("conflict").hidden = false;
+  $("status").textContent = "Not saved";
+  $("status").className = "dirty";
+}
+
+// A write of this page's own is under way: the feed's news of the open note waits for it
+// (the news may be that very write), then the note is looked at once.
+async function writing(fn) {
+  state.writes = (state.writes || 0) + 1;
+  try {
+    return await fn();
+  } finally {
+    state.writes--;
+    if (!state.writes && state.recheck) {
+      state.recheck = false;
+      checkOpenNote().catch(() => {});
+    }
+  }
 }
 
 async function save(force) {
-  if (!current) return;
-  const r = await api("PUT", "/notes/" + enc(current), {content: $("editor").value},
-                      force ? {} : {"If-Match": etag});
-  if (r.status === 412) {
-    show("conflict", true); status("Not saved: changed elsewhere", true); return; }
-  if (!r.ok) { status(r.error.message, true); return; }
-  etag = r.data.etag; show("conflict", false); status("Saved " + current);
+  return state.path ? writing(() => saveNow(force)) : false;
 }
 
-async function createNote() {
-  let path = $("new-path").value.trim();
-  if (!path) return;
+async function saveNow(force) {
+  const content = editor().value;
+  try {
+    let r;
+    try {
+      r = await api(
+        "PUT",
+        "/notes/" + enc(state.path),
+        {content},
+        force ? {} : {"If-Match": state.etag},
+      );
+    } catch (e) {
+      if (e.status !== 404 || !force) throw e;
+      r = await api("POST", "/notes", {path: state.path, content}); // keep mine: write it again
+      loadTree().catch(() => {});
+    }
+    state.saved = content;
+    state.etag = r.data.etag;
+    state.title = r.data.title || state.title;
+    $("title").textContent = state.title;
+    $("path").textContent = r.data.path + " · " + ago(r.data.modified);
+    dropDraft();
+    $("conflict").hidden = true;
+    $("status").textContent = "Saved";
+    $("status").className = "";
+    if (!state.editing) renderView();
+    return true;
+  } catch (e) {
+    if (e.status === 412 || e.status === 404) {
+      showConflict(e.status === 404);
+      return false;
+    }
+    throw e;
+  }
+}
+
+async function reloadTheirs() {
+  dropDraft();
+  const path = state.path;
+  state.saved = editor().value; // nothing to ask about: the person chose theirs
+  try {
+    await openNote(path);
+  } catch (e) {
+    if (e.status !== 404) throw e;
+    closeNote();
+    showPane("notes");
+    await loadTree();
+    toast(path + " is no longer there");
+  }
+}
+
+// The open note may have changed elsewhere: take the new text when nothing is unsaved,
+// otherwise say so and let the person choose.
+async function checkOpenNote() {
+  const path = state.path;
+  if (!path || !state.key) return;
+  let r;
+  try {
+    r = await api("GET", "/notes/" + enc(path));
+  } catch (e) {
+    if (e.status === 404 && path === state.path) showConflict(true);
+    return;
+  }
+  if (path !== state.path || r.data.etag === state.etag) return;
+  if (dirty()) {
+    showConflict(false);
+    return;
+  }
+  const editing = state.editing;
+  showNote(r.data);
+  setEditing(editing);
+  updateDirty();
+  toast("“" + state.title + "” changed elsewhere: this is the new text");
+}
+
+let lastLook = 0;
+async function lookAgain() {
+  // Back to the page after a while: the tree and the open note may have moved on.
+  if (Date.now() - lastLook < 10000 || !state.key || $("app").hidden) return;
+  lastLook = Date.now();
+  await Promise.all([loadTree(), checkOpenNote()]);
+}
+
+function offerNew() {
+  const input = el("input", {
+    type: "text",
+    id: "new-path",
+    autocomplete: "off",
+    spellcheck: "false",
+    placeholder: "folder/name",
+  });
+  const folder = state.path ? folderOf(state.path).replace(/^notes\/?/, "") : "";
+  input.value = folder ? folder + "/" : "";
+  input.addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && dialogDone) dialogDone("create");
+  });
+  return dialog(
+    "New note",
+    [
+      el("label", {for: "new-path"}, "Name (folders with /)"),
+      input,
+      el("p", {class: "muted"}, "It is saved as notes/<name>.md."),
+    ],
+    [
+      ["cancel", "Cancel"],
+      ["create", "Create", "primary"],
+    ],
+    input,
+  ).then((v) => (v === "create" ? input.value.trim() : null));
+}
+
+function toNotePath(name) {
+  let path = name.trim().replace(/^\/+/, "");
   if (!path.startsWith("notes/")) path = "notes/" + path;
-  if (!path.endsWith(".md")) path += ".md";
-  const title = path.split("/").pop().replace(/\.md$/, "");
-  const r = await api("POST", "/notes", {path, content: "# " + title + "\n\n"});
-  if (!r.ok) { status(r.error.message, true); return; }
-  $("new-path").value = ""; await loadTree(); await openNote(r.data.path);
+  if (!/\.md$/i.test(path)) path += ".md";
+  return path;
+}
+
+async function newNote() {
+  if (!(await confirmLeave())) return;
+  const name = await offerNew();
+  if (name) await createNote(toNotePath(name));
+}
+
+async function createNote(path) {
+  const {data} = await api("POST", "/notes", {path, content: "# " + nameOf(path) + "\n\n"});
+  state.saved = editor().value; // already asked
+  await openNote(data.path, {edit: true});
+  const ed = editor();
+  ed.focus();
+  ed.setSelectionRange(ed.value.length, ed.value.length);
 }
 
 async function moveNote() {
-  const to = $("move-path").value.trim();
-  if (!current || !to || to === current) return;
-  const r = await api("PATCH", "/notes/" + enc(current) + "/move", {path: to, updateLinks: true},
-                      {"If-Match": etag});
-  if (!r.ok) { status(r.error.message, true); return; }
-  await loadTree(); await openNote(r.data.path); status("Moved to " + r.data.path);
+  if (!state.path) return;
+  if (dirty() && !(await save(false))) return;
+  const input = el("input", {
+    type: "text",
+    id: "move-path",
+    autocomplete: "off",
+    spellcheck: "false",
+  });
+  input.value = state.path.replace(/^notes\//, "").replace(/\.md$/, "");
+  const links = el("input", {type: "checkbox", id: "move-links"});
+  links.checked = true;
+  input.addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && dialogDone) dialogDone("move");
+  });
+  const v = await dialog(
+    "Move or rename",
+    [
+      el("label", {for: "move-path"}, "New name (folders with /)"),
+      input,
+      el("label", {class: "check"}, links, " Update links to it in other notes"),
+    ],
+    [
+      ["cancel", "Cancel"],
+      ["move", "Move", "primary"],
+    ],
+    input,
+  );
+  if (v !== "move") return;
+  const to = toNotePath(input.value);
+  if (to === state.path) return;
+  mine(state.path);
+  const {data} = await api(
+    "PATCH",
+    "/notes/" + enc(state.path) + "/move",
+    {path: to, updateLinks: links.checked},
+    {"If-Match": state.etag},
+  );
+  state.saved = editor().value;
+  await openNote(data.path);
+  await loadTree();
+  toast("Moved to " + data.path);
 }
 
 async function deleteNote() {
-  if (!current || !window.confirm("Move " + current + " to the trash?")) return;
-  const r = await api("DELETE", "/notes/" + enc(current), undefined, {"If-Match": etag});
-  if (!r.ok) { status(r.error.message, true); return; }
-  status("Deleted " + current + " (kept in the trash)"); current = null; show("note", false);
+  if (!state.path) return;
+  const v = await choose(
+    "Move to trash?",
+    "“" + state.title + "” goes to the trash, where it can be restored.",
+    [
+      ["cancel", "Cancel"],
+      ["delete", "Move to trash", "primary"],
+    ],
+  );
+  if (v !== "delete") return;
+  const path = state.path;
+  mine(path);
+  try {
+    await api("DELETE", "/notes/" + enc(path), undefined, {"If-Match": state.etag});
+  } catch (e) {
+    if (e.status === 412) throw new Error("It changed elsewhere: reload it before deleting.");
+    throw e;
+  }
+  dropDraft();
+  closeNote();
+  showPane("notes");
   await loadTree();
+  toast(
+    "Moved " + nameOf(path) + " to the trash",
+    false,
+    features.history ? ["Undo", () => undoDelete(path)] : null,
+  );
+}
+
+async function loadBacklinks(path) {
+  const box = $("backlinks");
+  box.hidden = true;
+  let r;
+  try {
+    r = await api("GET", "/plugins/backlinks/" + enc(path));
+  } catch (e) {
+    return;
+  } // the plugin may be off
+  if (path !== state.path) return;
+  const list = r.data.backlinks || r.data.notes || [];
+  if (!list.length) return;
+  const items = list.map((n) =>
+    el(
+      "li",
+      {},
+      el(
+        "button",
+        {type: "button", class: "link", onclick: act(() => openNote(n.path))},
+        n.title || n.path,
+      ),
+    ),
+  );
+  box.replaceChildren(el("strong", {}, "Linked from"), el("ul", {}, ...items));
+  box.hidden = false;
+}
+
+// -- history and the trash (where the server keeps them) ----------------------------------
+
+function when(iso) {
+  const t = Date.parse(iso);
+  return t ? new Date(t).toLocaleString() : iso;
+}
+
+function sizeText(n) {
+  return n < 1024
+    ? n + " B"
+    : n < 1048576
+      ? (n / 1024).toFixed(1) + " KB"
+      : (n / 1048576).toFixed(1) + " MB";
+}
+
+function diffView(diff) {
+  const pre = el("pre", {class: "diff"});
+  for (const line of diff.split("\n")) {
+    const cls = /^\+(?!\+\+)/.test(line) ? "add" : /^-(?!--)/.test(line) ? "del" : null;
+    pre.append(el("span", {class: cls}, line + "\n"));
+  }
+  return pre;
+}
+
+async function showHistory() {
+  if (!state.path) return;
+  const path = state.path;
+  const {data} = await api("GET", "/notes/" + enc(path) + "/versions?limit=50");
+  const base = "/notes/" + enc(path) + "/versions/";
+  const list = el("ul", {class: "list", id: "versions"});
+  const detail = el("div", {id: "version-detail"});
+  for (const v of data.versions) {
+    const view = act(async () => {
+      const r = await api("GET", base + enc(v.id));
+      detail.replaceChildren(
+        el("h3", {}, "Saved " + when(v.savedAt)),
+        el("pre", {}, r.data.content),
+      );
+    });
+    const diff = act(async () => {
+      const r = await api("GET", base + enc(v.id) + "/diff?against=current");
+      detail.replaceChildren(
+        el("h3", {}, "From " + when(v.savedAt) + " to now"),
+        r.data.diff ? diffView(r.data.diff) : el("p", {}, "The same as now."),
+      );
+    });
+    const restore = act(async () => {
+      dialogDone("cancel");
+      if (!(await confirmLeave())) return;
+      await writing(async () => {
+        const r = await api("POST", base + enc(v.id) + "/restore", undefined, {
+          "If-Match": state.etag,
+        });
+        dropDraft();
+        showNote(r.data);
+        setEditing(false);
+        updateDirty();
+      });
+      toast("Restored the version of " + when(v.savedAt));
+    });
+    list.append(
+      el(
+        "li",
+        {"data-version": v.id},
+        el(
+          "span",
+          {},
+          when(v.savedAt),
+          el("small", {class: "muted"}, " · " + v.reason + " · " + sizeText(v.size)),
+        ),
+        el(
+          "span",
+          {class: "actions"},
+          el("button", {type: "button", onclick: view}, "View"),
+          el("button", {type: "button", onclick: diff}, "Diff"),
+          el("button", {type: "button", onclick: restore}, "Restore"),
+        ),
+      ),
+    );
+  }
+  if (!data.versions.length) list.append(el("li", {class: "muted"}, "No earlier versions yet."));
+  await dialog("History of " + state.title, [list, detail], [["cancel", "Close"]]);
+}
+
+async function restoreFromTrash(item, to) {
+  try {
+    const r = await api(
+      "POST",
+      "/trash/" + enc(item.id) + "/restore",
+      to ? {path: to} : undefined,
+    );
+    return r.data;
+  } catch (e) {
+    if (e.status !== 409) throw e;
+    const input = el("input", {
+      type: "text",
+      id: "restore-path",
+      autocomplete: "off",
+      spellcheck: "false",
+    });
+    input.value = item.path.replace(/(\.\w+)$/, " (restored)$1");
+    const v = await dialog(
+      "Restore under another name",
+      [e.message, el("label", {for: "restore-path"}, "Restore as"), input],
+      [
+        ["cancel", "Cancel"],
+        ["restore", "Restore", "primary"],
+      ],
+      input,
+    );
+    return v === "restore" ? restoreFromTrash(item, input.value.trim()) : null;
+  }
+}
+
+async function showTrash() {
+  const {data} = await api("GET", "/trash?limit=100");
+  const list = el("ul", {class: "list", id: "trash-items"});
+  const detail = el("div", {id: "trash-detail"});
+  for (const item of data.items) {
+    const view = act(async () => {
+      const r = await api("GET", "/trash/" + enc(item.id));
+      detail.replaceChildren(el("h3", {}, item.path), el("pre", {}, r.data.content || ""));
+    });
+    const restore = act(async () => {
+      dialogDone("cancel");
+      const rec = await restoreFromTrash(item);
+      if (!rec) return;
+      await loadTree();
+      toast("Restored " + rec.path);
+      if (rec.path.startsWith("notes/")) await openNote(rec.path);
+    });
+    const purge = act(async () => {
+      await api("DELETE", "/trash/" + enc(item.id));
+      row.remove();
+    });
+    const row = el(
+      "li",
+      {"data-trash": item.id},
+      el(
+        "span",
+        {},
+        item.path,
+        el("small", {class: "muted"}, " · deleted " + when(item.deletedAt)),
+      ),
+      el(
+        "span",
+        {class: "actions"},
+        item.path.endsWith(".md") ? el("button", {type: "button", onclick: view}, "View") : null,
+        el("button", {type: "button", onclick: restore}, "Restore"),
+        el(
+          "button",
+          {
+            type: "button",
+            class: "danger",
+            onclick: purge,
+            "aria-label": "Delete forever: " + item.path,
+          },
+          "Delete",
+        ),
+      ),
+    );
+    list.append(row);
+  }
+  if (!data.items.length) list.append(el("li", {class: "muted"}, "The trash is empty."));
+  await dialog("Trash", [list, detail], [["cancel", "Close"]]);
+}
+
+// Undo a delete: the newest trash item with that path comes back.
+async function undoDelete(path) {
+  const {data} = await api("GET", "/trash?limit=50");
+  const item = data.items.find((i) => i.path === path);
+  if (!item) throw new Error("It is no longer in the trash.");
+  const rec = await restoreFromTrash(item);
+  if (!rec) return;
+  await loadTree();
+  await openNote(rec.path);
+}
+
+// -- attachments: a photo, a file, a pasted image ------------------------------------------
+
+function relativeTo(from, path) {
+  // The link a note at `from` writes to `path`, so other Markdown editors find it too.
+  const a = folderOf(from).split("/");
+  const b = path.split("/");
+  let i = 0;
+  while (i < a.length && i < b.length - 1 && a[i] === b[i]) i++;
+  return "../".repeat(a.length - i) + b.slice(i).map(enc).join("/");
+}
+
+function attachmentPath(file) {
+  const now = new Date();
+  const stamp = now.toISOString().replace(/[-:]/g, "").replace("T", "-").slice(0, 15);
+  const dot = file.name.lastIndexOf(".");
+  const ext = (
+    dot > 0 ? file.name.slice(dot + 1) : file.type.split("/")[1] || "bin"
+  ).toLowerCase();
+  const stem =
+    (dot > 0 ? file.name.slice(0, dot) : file.name || "file")
+      .normalize("NFKD")
+      .replace(/[^\w-]+/g, "-")
+      .replace(/^-+|-+$/g, "")
+      .slice(0, 60) || "file";
+  const folder = folderOf(state.path).replace(/^notes\/?/, "");
+  return (
+    "attachments/" +
+    (folder ? folder + "/" : "") +
+    stamp +
+    "-" +
+    stem +
+    "." +
+    ext.replace(/[^\w]/g, "")
+  );
+}
+
+// PUT the file's bytes; never over another file (If-None-Match: *): a taken name gets -2, -3…
+async function upload(file) {
+  const path = attachmentPath(file);
+  for (let n = 1; ; n++) {
+    const tried = n === 1 ? path : path.replace(/(\.\w+)$/, "-" + n + "$1");
+    try {
+      const r = await api("PUT", "/attachments/" + enc(tried), file, {
+        "Content-Type": file.type || "application/octet-stream",
+        "If-None-Match": "*",
+      });
+      return r.data;
+    } catch (e) {
+      if (e.status !== 412 || n >= 5) throw e;
+    }
+  }
+}
+
+async function attach(files) {
+  if (!state.path || !files.length) return;
+  if (!state.editing) setEditing(true);
+  const ed = editor();
+  for (const file of files) {
+    toast("Uploading " + (file.name || "the image") + "…");
+    const data = await upload(file);
+    const label = (file.name || "image").replace(/[[\]]/g, "");
+    const md =
+      (/^image\//.test(data.contentType) ? "!" : "") +
+      "[" +
+      label +
+      "](" +
+      relativeTo(state.path, data.path) +
+      ")";
+    const at = ed.selectionStart === undefined ? ed.value.length : ed.selectionEnd;
+    const before = ed.value.slice(0, at);
+    const insert = (before && !before.endsWith("\n") ? "\n" : "") + md + "\n";
+    ed.value = before + insert + ed.value.slice(at);
+    ed.setSelectionRange(at + insert.length, at + insert.length);
+    toast("Attached " + data.path + ": Save to keep the link");
+  }
+  updateDirty();
+  scheduleDraft();
+}
+
+// -- the change feed: the tree and the open note follow edits made elsewhere ----------------
+
+let feedRun = 0; // one follower at a time: a new connection starts a new one
+// Notes this page is moving or deleting itself: the feed's report of it is no news.
+const own = new Set();
+function mine(path) {
+  own.add(path);
+  setTimeout(() => own.delete(path), 30000);
+}
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+let treeTimer = 0;
+function treeSoon() {
+  clearTimeout(treeTimer);
+  treeTimer = setTimeout(() => loadTree().catch(() => {}), 300);
+}
+
+function cursorAfterGone(e) {
+  // A 410 says where the server's changes end: from there on, after listing again.
+  const last = e.error && (e.error.last !== undefined ? e.error.last : null);
+  if (Number.isInteger(last)) return last;
+  const m = /since=(\d+)/.exec(e.message || "");
+  return m ? parseInt(m[1], 10) : null;
+}
+
+async function changeCursor() {
+  let since = 0;
+  for (let page = 0; page < 20; page++) {
+    let r;
+    try {
+      r = await api("GET", "/changes?wait=0&limit=1000&since=" + since);
+    } catch (e) {
+      if (e.status === 410) return cursorAfterGone(e);
+      throw e;
+    }
+    since = r.data.last;
+    if (!r.data.more) return since;
+  }
+  return since;
+}
+
+function applyChange(c) {
+  if (c.kind !== "updated") treeSoon(); // the tree shows names, not contents
+  if (!state.path || own.has(c.from || c.path)) return;
+  if (c.kind === "moved" && c.from === state.path) {
+    if (dirty()) {
+      showConflict(true);
+      return;
+    }
+    act(() => openNote(c.path))();
+    toast("“" + state.title + "” moved to " + c.path);
+  } else if (c.path === state.path) {
+    if (c.kind === "deleted" && !dirty()) {
+      closeNote();
+      toast(
+        c.path + " was deleted elsewhere",
+        false,
+        features.history ? ["Undo", () => undoDelete(c.path)] : null,
+      );
+    } else if (c.kind === "deleted") {
+      showConflict(true);
+    } else if (c.etag !== state.etag) {
+      // Perhaps our own write: look when it is done.
+      if (state.writes) state.recheck = true;
+      else checkOpenNote().catch(() => {});
+    }
+  }
+}
+
+async function followChanges() {
+  const run = ++feedRun;
+  const alive = () => run === feedRun && state.key && !$("app").hidden;
+  let since = null;
+  let pause = 1000;
+  while (alive()) {
+    try {
+      if (since === null) since = await changeCursor();
+      if (since === null) return; // this server gives no cursor: coming back to the page refreshes
+      const r = await api("GET", "/changes?wait=20&limit=1000&since=" + since);
+      if (!alive()) return;
+      for (const c of r.data.changes) applyChange(c);
+      since = r.data.last;
+      pause = 1000;
+      if (r.data.retryAfter) await sleep(r.data.retryAfter * 1000); // too many feeds waiting
+    } catch (e) {
+      if (e.status === 401 || e.status === 429) return;
+      if (e.status === 410) {
+        since = cursorAfterGone(e);
+        treeSoon();
+        checkOpenNote().catch(() => {});
+        continue;
+      }
+      await sleep(pause); // offline, or the server restarts: try again, less and less often
+      pause = Math.min(pause * 2, 30000);
+    }
+  }
+}
+
+// What this server offers, from its OpenAPI document (an older one has the core only).
+async function readFeatures() {
+  try {
+    const {json} = await api("GET", "/openapi.json", undefined, undefined, {raw: true});
+    const paths = Object.keys((json && json.paths) || {});
+    const has = (end) => paths.some((p) => p.endsWith(end));
+    features.history = has("/trash") && has("/versions");
+    features.attachments = has("/attachments");
+    features.changes = has("/changes");
+  } catch (e) {
+    /* the core only */
+  }
+  $("menu-trash").hidden = !features.history;
+  $("history").hidden = !features.history;
+  $("attach").hidden = !features.attachments;
+  $("photo").hidden = !features.attachments || !matchMedia("(pointer: coarse)").matches; // a camera
+}
+
+// -- search ----------------------------------------------------------------------------------
+
+function fold(s) {
+  // lower case without accents, the same length (in UTF-16 units) as s
+  return s
+    .split("")
+    .map((c) => c.normalize("NFD")[0].toLowerCase()[0])
+    .join("");
 }
 
 function highlight(text, words) {
   const frag = document.createDocumentFragment();
-  const terms = words.filter((w) => w.length > 1)
-    .map((w) => w.replace(/[.*+?^${}()|[\]\\]/g, "\\$&"));
-  if (!terms.length) { frag.appendChild(document.createTextNode(text)); return frag; }
-  const re = new RegExp("(" + terms.join("|") + ")", "gi");
-  text.split(re).forEach((part, i) =>
-    frag.appendChild(i % 2 ? el("mark", part) : document.createTextNode(part)));
+  const folded = fold(text);
+  const marks = [];
+  for (const w of words) {
+    let at = 0;
+    for (;;) {
+      const i = folded.indexOf(w, at);
+      if (i < 0) break;
+      if (i === 0 || !/[\p{L}\p{N}]/u.test(folded[i - 1])) marks.push([i, i + w.length]);
+      at = i + 1;
+    }
+  }
+  marks.sort((a, b) => a[0] - b[0]);
+  let last = 0;
+  for (const [s, e] of marks) {
+    if (s < last) continue;
+    let end = e; // run on to the end of the word: "key" marks "keys"
+    while (end < text.length && /[\p{L}\p{N}]/u.test(text[end])) end++;
+    frag.append(text.slice(last, s), el("mark", {}, text.slice(s, end)));
+    last = end;
+  }
+  frag.append(text.slice(last));
   return frag;
 }
 
-async function search() {
-  const q = $("search").value.trim(), box = $("results");
-  box.textContent = "";
-  if (!q) return;
-  const r = await api("GET", "/search?q=" + enc(q) + "&limit=20");
-  if (!r.ok) { box.appendChild(el("p", r.error.message, "err")); return; }
-  const words = q.replace(/["*()-]/g, " ").split(/\s+/).filter((w) => w && w !== "OR");
-  box.appendChild(el("p", r.data.total + " found in " + r.data.tookMs + " ms"));
-  r.data.results.forEach((hit) => {
-    const d = el("div"); d.appendChild(highlight(hit.title, words));
-    const s = el("small"); s.appendChild(highlight(hit.snippet, words)); d.appendChild(s);
-    d.appendChild(el("small", hit.path)); d.onclick = () => openNote(hit.path); box.appendChild(d);
-  });
+// A snippet is raw Markdown: leave out the marks that only make it harder to read.
+function plainSnippet(text) {
+  return text
+    .replace(/\]\([^)\s]*\)/g, "]")
+    .replace(/\[[ xX]\]/g, "")
+    .replace(/\[\[|\]\]|[[\]]|\*\*|__|`+|~~|==/g, "")
+    .replace(/(^|\s)(#{1,6}|>|[-*+]|\|[-:| ]*\|?)(?=\s)/g, "$1")
+    .replace(/\s+/g, " ")
+    .trim();
 }
 
-async function chat() {
-  const msg = $("chat-input").value.trim();
-  if (!msg) return;
+function queryWords(q) {
+  return fold(q)
+    .replace(/(^|\s)-\S+/g, " ")
+    .replace(/["*()]/g, " ")
+    .split(/\s+/)
+    .filter((w) => w && w !== "or" && w.length > 1)
+    .map((w) => (w.length > 4 ? w.replace(/(es|s)$/, "") : w));
+}
+
+let searchSeq = 0;
+let searchTimer = 0;
+async function runSearch() {
+  clearTimeout(searchTimer);
+  const q = $("search").value.trim();
+  if (!q) {
+    endSearch(false);
+    return;
+  }
+  const seq = ++searchSeq;
+  $("app").classList.add("searching");
+  showPane("search");
+  const {data} = await api("GET", "/search?limit=50&q=" + enc(q));
+  if (seq !== searchSeq) return;
+  const words = queryWords(q);
+  $("search-hint").hidden = true;
+  $("results-info").textContent =
+    (data.total === 1 ? "1 note" : data.total + " notes") +
+    " · " +
+    (data.tookMs < 10 ? data.tookMs.toFixed(1) : Math.round(data.tookMs)) +
+    " ms";
+  $("results").replaceChildren(
+    ...data.results.map((hit, i) =>
+      el(
+        "li",
+        {},
+        el(
+          "button",
+          {
+            type: "button",
+            id: "hit-" + i,
+            "data-path": hit.path,
+            onclick: act(() => openNote(hit.path)),
+          },
+          el("span", {class: "t"}, highlight(hit.title, words)),
+          el("span", {class: "p"}, hit.path),
+          el("span", {class: "s"}, highlight(plainSnippet(hit.snippet), words)),
+        ),
+      ),
+    ),
+  );
+  if (!data.results.length)
+    $("results").appendChild(
+      el("li", {class: "muted"}, "Nothing found. Try fewer words, or pre* for a prefix."),
+    );
+}
+
+function endSearch(focusTree) {
+  searchSeq++;
+  $("search").value = "";
+  $("app").classList.remove("searching");
+  $("results").replaceChildren();
+  $("results-info").textContent = "";
+  $("search-hint").hidden = false;
+  if (NARROW.matches) showPane("notes");
+  if (focusTree) {
+    const target =
+      $("tree").querySelector("button[aria-current=true]") || $("tree").querySelector("button");
+    if (target) target.focus();
+  }
+}
+
+function moveInResults(step) {
+  const buttons = Array.from($("results").querySelectorAll("button"));
+  if (!buttons.length) return;
+  const at = buttons.indexOf(document.activeElement);
+  const next = at < 0 ? (step > 0 ? 0 : buttons.length - 1) : at + step;
+  if (next < 0) {
+    $("search").focus();
+    return;
+  }
+  buttons[Math.min(next, buttons.length - 1)].focus();
+}
+
+// -- quick capture: a line in today's note --------------------------------------------------
+
+async function capture() {
+  const input = $("capture");
+  const text = input.value.trim();
+  if (!text) return;
+  const now = new Date();
+  const stamp =
+    String(now.getHours()).padStart(2, "0") + ":" + String(now.getMinutes()).padStart(2, "0");
+  for (let attempt = 0; attempt < 3; attempt++) {
+    const today = await api("POST", "/plugins/daily/today");
+    const note = today.data;
+    const content =
+      note.content + (note.content.endsWith("\n") ? "" : "\n") + "- " + stamp + " " + text + "\n";
+    const done = await writing(async () => {
+      try {
+        await api("PUT", "/notes/" + enc(note.path), {content}, {"If-Match": note.etag});
+      } catch (e) {
+        if (e.status === 412) return false; // written meanwhile: read it again
+        throw e;
+      }
+      if (state.path === note.path && !dirty()) await openNote(note.path);
+      return true;
+    });
+    if (!done) continue;
+    input.value = "";
+    toast("Added to " + nameOf(note.path));
+    await loadTree();
+    return;
+  }
+  throw new Error("Today's note keeps changing; try again.");
+}
+
+// -- ask -----------------------------------------------------------------------------------
+
+async function ask() {
+  const input = $("chat-input");
+  const message = input.value.trim();
+  if (!message) return;
   const log = $("chat-log");
-  log.appendChild(el("p", msg, "me")); $("chat-input").value = "";
-  const body = {message: msg, channel: "web"};
-  if (current) body.notePath = current;
-  const r = await api("POST", "/agent/chat", body);
-  log.appendChild(el("p", r.ok ? r.data.reply : r.error.message, r.ok ? "" : "err"));
+  const about = $("about").checked && state.path;
+  log.appendChild(
+    el(
+      "div",
+      {class: "msg me"},
+      message,
+      about ? el("small", {class: "muted"}, "\nabout " + state.title) : null,
+    ),
+  );
+  const pending = el("div", {class: "msg"}, el("span", {class: "muted"}, "Thinking…"));
+  log.appendChild(pending);
+  log.scrollTop = log.scrollHeight;
+  input.value = "";
+  const body = {message, channel: "web"};
+  if (about) body.notePath = state.path;
+  try {
+    const {data} = await api("POST", "/agent/chat", body);
+    const parts = [renderMarkdown(data.reply || "", {from: state.path})];
+    if (data.sources && data.sources.length) {
+      parts.push(el("div", {class: "hint", "aria-hidden": "true"}, "Sources"));
+      parts.push(
+        el(
+          "ul",
+          {class: "sources", "aria-label": "Sources"},
+          ...data.sources.map((s) =>
+            el(
+              "li",
+              {},
+              el(
+                "button",
+                {
+                  type: "button",
+                  class: "link",
+                  "data-path": s.path,
+                  onclick: act(() => openNote(s.path)),
+                },
+                s.title || s.path,
+              ),
+            ),
+          ),
+        ),
+      );
+    }
+    pending.replaceChildren(...parts);
+  } catch (e) {
+    pending.replaceChildren(el("span", {class: "err"}, e.message));
+  }
   log.scrollTop = log.scrollHeight;
 }
 
-$("connect").onclick = connect;
-$("key").onkeydown = (e) => { if (e.key === "Enter") connect(); };
-$("create").onclick = createNote;
-$("save").onclick = () => save(false);
-$("overwrite").onclick = () => save(true);
-$("reload").onclick = () => openNote(current);
-$("move").onclick = moveNote;
-$("delete").onclick = deleteNote;
-$("search").onkeydown = (e) => { if (e.key === "Enter") search(); };
-$("chat-send").onclick = chat;
-$("chat-input").onkeydown = (e) => { if (e.key === "Enter") chat(); };
-$("logout").onclick = () => { S.clear(); location.reload(); };
-document.addEventListener("keydown", (e) => {
-  if ((e.ctrlKey || e.metaKey) && e.key === "s") { e.preventDefault(); save(false); } });
-if (key && base) connect();
+// -- start: wire the controls, connect with what this tab (or device) remembers ------------
+
+async function start() {
+  setSide(getItem("local", "notesvc.ui.side") !== "closed");
+  await Promise.all([loadTree(), readFeatures()]);
+  if (features.changes) followChanges();
+  const last = getItem("session", "notesvc.open");
+  if (last) {
+    try {
+      await openNote(last);
+    } catch (e) {
+      closeNote();
+    }
+  }
+  if (NARROW.matches) {
+    const pane = getItem("session", "notesvc.pane");
+    showPane(pane && (pane !== "note" || state.path) ? pane : state.path ? "note" : "notes", true);
+    history.replaceState({pane: $("app").dataset.pane}, "");
+  }
+}
+
+function wire() {
+  $("connect").addEventListener("click", () => connect(true));
+  $("key").addEventListener("keydown", (e) => {
+    if (e.key === "Enter") connect(true);
+  });
+  $("relay-code").addEventListener("keydown", (e) => {
+    if (e.key === "Enter") connect(true);
+  });
+  $("remember").addEventListener("change", () => {
+    $("remember-warn").hidden = !$("remember").checked;
+  });
+  $("logout").addEventListener("click", act(logout));
+  for (const id of ["new", "empty-new", "menu-new"]) $(id).addEventListener("click", act(newNote));
+  $("menu-refresh").addEventListener(
+    "click",
+    act(async () => {
+      await loadTree();
+      if (state.path && !dirty()) await openNote(state.path);
+    }),
+  );
+  $("save").addEventListener(
+    "click",
+    act(() => save(false)),
+  );
+  $("overwrite").addEventListener(
+    "click",
+    act(() => save(true)),
+  );
+  $("reload").addEventListener("click", act(reloadTheirs));
+  $("draft-discard").addEventListener("click", act(reloadTheirs));
+  $("edit").addEventListener("click", () => {
+    setEditing(!state.editing);
+    if (state.editing) editor().focus();
+  });
+  $("back").addEventListener("click", () => showPane("notes"));
+  $("move").addEventListener("click", act(moveNote));
+  $("history").addEventListener("click", act(showHistory));
+  $("menu-trash").addEventListener("click", act(showTrash));
+  $("attach").addEventListener("click", () => $("attach-file").click());
+  $("photo").addEventListener("click", () => $("attach-photo").click());
+  for (const id of ["attach-file", "attach-photo"]) {
+    $(id).addEventListener(
+      "change",
+      act(async () => {
+        const files = Array.from($(id).files);
+        $(id).value = "";
+        await attach(files);
+      }),
+    );
+  }
+  editor().addEventListener("paste", (e) => {
+    const files = Array.from((e.clipboardData && e.clipboardData.files) || []);
+    if (!files.length || !features.attachments) return;
+    e.preventDefault();
+    act(() => attach(files))();
+  });
+  editor().addEventListener("drop", (e) => {
+    const files = Array.from((e.dataTransfer && e.dataTransfer.files) || []);
+    if (!files.length || !features.attachments) return;
+    e.preventDefault();
+    act(() => attach(files))();
+  });
+  $("delete").addEventListener("click", act(deleteNote));
+  editor().addEventListener("input", () => {
+    updateDirty();
+    scheduleDraft();
+  });
+  editor().addEventListener("focus", () => $("app").classList.add("typing"));
+  editor().addEventListener("blur", () => $("app").classList.remove("typing"));
+  $("search").addEventListener("input", () => {
+    clearTimeout(searchTimer);
+    searchTimer = setTimeout(act(runSearch), 250);
+  });
+  $("search").addEventListener("keydown", (e) => {
+    if (e.key === "Enter") {
+      e.preventDefault();
+      act(runSearch)();
+    } else if (e.key === "ArrowDown") {
+      e.preventDefault();
+      moveInResults(1);
+    } else if (e.key === "Escape") {
+      e.preventDefault();
+      endSearch(true);
+    }
+  });
+  $("search").addEventListener("focus", () => {
+    if (NARROW.matches && $("search").value) showPane("search");
+  });
+  $("results").addEventListener("keydown", (e) => {
+    if (e.key === "ArrowDown") {
+      e.preventDefault();
+      moveInResults(1);
+    } else if (e.key === "ArrowUp") {
+      e.preventDefault();
+      moveInResults(-1);
+    } else if (e.key === "Escape") {
+      e.preventDefault();
+      endSearch(true);
+    }
+  });
+  $("results-close").addEventListener("click", () => endSearch(true));
+  $("capture-add").addEventListener("click", act(capture));
+  $("capture").addEventListener("keydown", (e) => {
+    if (e.key === "Enter") act(capture)();
+  });
+  $("chat-send").addEventListener("click", act(ask));
+  $("chat-input").addEventListener("keydown", (e) => {
+    if (e.key === "Enter") act(ask)();
+  });
+  $("toggle-ask").addEventListener("click", () =>
+    setSide($("main").classList.contains("side-closed")),
+  );
+  for (const b of document.querySelectorAll(".tabs button")) {
+    b.addEventListener("click", () => {
+      showPane(b.dataset.pane);
+      if (b.dataset.pane === "search") $("search").focus();
+      if (b.dataset.pane === "ask") $("chat-input").focus();
+    });
+  }
+  $("dlg").addEventListener("cancel", (e) => {
+    e.preventDefault();
+    if (dialogDone) dialogDone("cancel");
+  });
+  // Menus close when something is chosen or the click lands elsewhere.
+  document.addEventListener("click", (e) => {
+    for (const m of document.querySelectorAll("details.menu[open]")) {
+      if (!m.contains(e.target) || e.target.closest(".menu-list button")) m.open = false;
+    }
+  });
+  document.addEventListener("keydown", (e) => {
+    const typing = /^(INPUT|TEXTAREA|SELECT)$/.test(document.activeElement.tagName);
+    if ((e.ctrlKey || e.metaKey) && e.key.toLowerCase() === "s") {
+      e.preventDefault();
+      if (state.path) act(() => save(false))();
+    } else if (e.key === "/" && !typing && !$("app").hidden && !$("dlg").open) {
+      e.preventDefault();
+      $("search").focus();
+      $("search").select();
+    } else if (e.key === "Escape") {
+      for (const m of document.querySelectorAll("details.menu[open]")) {
+        m.open = false;
+        m.querySelector("summary").focus();
+      }
+    }
+  });
+  window.addEventListener("beforeunload", (e) => {
+    keepDraft();
+    if (dirty()) {
+      e.preventDefault();
+      e.returnValue = "";
+    }
+  });
+  document.addEventListener("visibilitychange", () => {
+    if (document.hidden) keepDraft();
+    else act(lookAgain)();
+  });
+  window.addEventListener("popstate", (e) => {
+    if (e.state && e.state.pane) showPane(e.state.pane, true);
+  });
+  if (window.visualViewport) window.visualViewport.addEventListener("resize", fitViewport);
+  NARROW.addEventListener("change", () => {
+    if (!NARROW.matches) $("app").classList.toggle("searching", !!$("search").value.trim());
+  });
+  new MutationObserver(() => setItem("session", "notesvc.pane", $("app").dataset.pane)).observe(
+    $("app"),
+    {attributes: true, attributeFilter: ["data-pane"]},
+  );
+}
+
+wire();
+(function boot() {
+  const code = new URLSearchParams(location.search).get("relayCode");
+  if (code) $("relay-code").value = code;
+  state.base = getItem("local", "notesvc.base") || "";
+  if (!ownOrigin(state.base) || /^[a-z]+:/i.test(state.base)) state.base = "";
+  state.key = getItem("session", "notesvc.key") || getItem("local", "notesvc.key") || "";
+  if (state.key) connect(false);
+  else $("key").focus();
+})();
 """
 
-WEB_PAGE = """<!doctype html>
-<html lang="en"><head><meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>notesvc</title><link rel="icon" href="data:,"><style>{css}</style></head><body>
-<div id="login"><h1>notesvc</h1>
-<p>Paste the API key from the setup payload (or the server's start-up banner).</p>
-<input id="key" type="password" autocomplete="off" placeholder="nsk_...">
-<button id="connect">Connect</button><p id="login-msg" class="err"></p></div>
-<div id="app" class="hidden">
-<header><h1>notesvc</h1>
-<input id="search" type="search" placeholder="Search: words, &quot;phrase&quot;, pre*, -not, OR">
-<button id="logout">Log out</button></header>
-<main><nav><div class="row"><input id="new-path" placeholder="notes/folder/new.md">
-<button id="create">New</button></div><div id="tree"></div><div id="results"></div></nav>
-<section><div id="note" class="hidden"><div class="row"><strong id="path"></strong></div>
-<div id="conflict" class="hidden">This note changed elsewhere &mdash; reload or overwrite?
-<button id="reload">Reload</button> <button id="overwrite">Overwrite</button></div>
-<div class="row"><button id="save">Save</button><input id="move-path">
-<button id="move">Move</button>
-<button id="delete">Delete</button></div></div>
-<textarea id="editor" spellcheck="false"></textarea><div id="status"></div></section>
-<aside><strong>Ask your notes</strong><div id="chat-log"></div>
-<div class="row"><input id="chat-input" placeholder="Where are the spare keys?">
-<button id="chat-send">Ask</button></div></aside></main></div>
-<script>{js}</script></body></html>
+WEB_PAGE = """
+<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1, viewport-fit=cover,
+  interactive-widget=resizes-content">
+<meta name="theme-color" content="#f6f8fa" media="(prefers-color-scheme: light)">
+<meta name="theme-color" content="#161b22" media="(prefers-color-scheme: dark)">
+<meta name="color-scheme" content="light dark">
+<meta name="apple-mobile-web-app-capable" content="yes">
+<meta name="apple-mobile-web-app-title" content="notesvc">
+<meta name="referrer" content="no-referrer">
+<title>notesvc</title>
+<link rel="manifest" href="manifest.webmanifest">
+<link rel="icon" href="icon.svg" type="image/svg+xml">
+<link rel="apple-touch-icon" href="apple-touch-icon.png">
+<style>{css}</style>
+</head>
+<body>
+<svg hidden aria-hidden="true">
+  <symbol id="i-logo" viewBox="0 0 48 48">
+    <rect width="48" height="48" rx="11" fill="#0a58ca"/>
+    <path d="M14 9h15l7 7v23H14z" fill="#fff"/><path d="M29 9v7h7" fill="#c9dcf7"/>
+    <path d="M18 22h14M18 28h14M18 34h9" stroke="#0a58ca" stroke-width="3" stroke-linecap="round"/>
+  </symbol>
+  <symbol id="i-notes" viewBox="0 0 24 24"><path d="M3 6h18M3 12h18M3 18h12"/></symbol>
+  <symbol id="i-note" viewBox="0 0 24 24"><path d="M6 3h9l4 4v14H6zM9 12h7M9 16h7"/></symbol>
+  <symbol id="i-search" viewBox="0 0 24 24">
+    <circle cx="11" cy="11" r="6"/><path d="M20 20l-4.5-4.5"/></symbol>
+  <symbol id="i-ask" viewBox="0 0 24 24"><path d="M4 5h16v11H9l-5 4z"/></symbol>
+  <symbol id="i-more" viewBox="0 0 24 24">
+    <circle cx="5" cy="12" r="1"/><circle cx="12" cy="12" r="1"/><circle cx="19" cy="12" r="1"/>
+  </symbol>
+  <symbol id="i-back" viewBox="0 0 24 24"><path d="M15 5l-7 7 7 7"/></symbol>
+</svg>
+
+<div id="login">
+  <h1><svg aria-hidden="true"><use href="#i-logo"/></svg>notesvc</h1>
+  <p>Your notes, on your own server. Paste the API key from the server's setup page or its
+    start-up banner.</p>
+  <label for="key">API key</label>
+  <input id="key" type="password" autocomplete="off" spellcheck="false" placeholder="nsk_…">
+  <label class="check"><input id="remember" type="checkbox"> Remember on this device</label>
+  <p id="remember-warn" hidden>Anyone who can use this browser will be able to read and change
+    your notes. Leave it off on a shared device.</p>
+  <button id="connect" class="primary" type="button">Connect</button>
+  <p id="login-msg" class="err" role="alert"></p>
+  <details id="relay-box">
+    <summary>Connecting through a relay?</summary>
+    <label for="relay-code">Relay code (from the server's connect link)</label>
+    <input id="relay-code" type="text" autocomplete="off" spellcheck="false">
+  </details>
+</div>
+
+<div id="app" hidden data-pane="notes">
+  <header class="bar">
+    <span class="brand"><svg aria-hidden="true"><use href="#i-logo"/></svg><span>notesvc</span>
+    </span>
+    <label class="sr" for="search">Search notes</label>
+    <input id="search" type="search" placeholder="Search  ( / )" autocomplete="off"
+      enterkeyhint="search" aria-controls="results">
+    <button id="toggle-ask" type="button" class="plain" aria-expanded="true"
+      aria-controls="pane-ask">Ask</button>
+    <details class="menu" id="menu">
+      <summary aria-label="Menu"><svg class="icon" aria-hidden="true"><use href="#i-more"/></svg>
+      </summary>
+      <div class="menu-list">
+        <button id="menu-new" type="button">New note</button>
+        <button id="menu-refresh" type="button">Refresh</button>
+        <button id="menu-trash" type="button" hidden>Trash</button>
+        <button id="logout" type="button">Log out</button>
+      </div>
+    </details>
+  </header>
+
+  <main id="main">
+    <nav id="pane-notes" class="pane" aria-label="Notes">
+      <div class="capture">
+        <label class="sr" for="capture">Quick capture to today's note</label>
+        <input id="capture" type="text" placeholder="Capture to today's note…" enterkeyhint="send">
+        <button id="capture-add" type="button">Add</button>
+      </div>
+      <div class="pane-tools"><button id="new" type="button">New note</button></div>
+      <div id="tree"></div>
+    </nav>
+
+    <section id="pane-search" class="pane" aria-label="Search results">
+      <div id="results-head"><span id="results-info" role="status"></span>
+        <button id="results-close" type="button" class="plain">Back to notes</button></div>
+      <p id="search-hint" class="hint">Type in the search box above: words, "a phrase", pre*,
+        -without, this OR that. Press / to search from anywhere, Esc to go back.</p>
+      <ul id="results"></ul>
+    </section>
+
+    <section id="pane-note" class="pane" aria-label="Note">
+      <div id="empty">
+        <p>No note is open. Pick one from your notes, or start a new one.</p>
+        <button id="empty-new" type="button" class="primary">New note</button>
+      </div>
+      <div id="note-bar" class="note-bar" hidden>
+        <button id="back" type="button" class="plain" aria-label="Back to notes">
+          <svg class="icon" aria-hidden="true"><use href="#i-back"/></svg></button>
+        <div class="note-title"><strong id="title"></strong><small id="path"></small></div>
+        <span id="status" role="status"></span>
+        <button id="edit" type="button">Edit</button>
+        <button id="save" type="button" class="primary">Save</button>
+        <details class="menu" id="note-menu">
+          <summary aria-label="Note actions">
+            <svg class="icon" aria-hidden="true"><use href="#i-more"/></svg></summary>
+          <div class="menu-list">
+            <button id="attach" type="button" hidden>Attach a file…</button>
+            <button id="photo" type="button" hidden>Take a photo…</button>
+            <button id="move" type="button">Move or rename…</button>
+            <button id="history" type="button" hidden>History…</button>
+            <button id="delete" type="button" class="danger">Move to trash</button>
+          </div>
+        </details>
+      </div>
+      <div id="conflict" class="banner" role="alert" hidden>
+        <span id="conflict-text">This note changed elsewhere.</span>
+        <button id="reload" type="button">Reload theirs</button>
+        <button id="overwrite" type="button">Keep mine</button></div>
+      <div id="draft" class="banner" role="status" hidden><span id="draft-text"></span>
+        <button id="draft-discard" type="button">Discard draft</button></div>
+      <article id="view" class="md" hidden></article>
+      <label class="sr" for="editor">Note text (Markdown)</label>
+      <textarea id="editor" spellcheck="true" hidden></textarea>
+      <div id="backlinks" hidden></div>
+      <input id="attach-file" type="file" multiple hidden aria-label="Attach a file">
+      <input id="attach-photo" type="file" accept="image/*" capture="environment" hidden
+        aria-label="Take a photo">
+    </section>
+
+    <aside id="pane-ask" class="pane" aria-label="Ask your notes">
+      <h2>Ask your notes</h2>
+      <div id="chat-log" aria-live="polite">
+        <p class="hint">Ask a question: the answer comes from all your notes, with its sources.
+          Tick “About this note” to ask about the open note only.</p></div>
+      <div class="ask-form">
+        <label class="check"><input id="about" type="checkbox" disabled>
+          <span id="about-label">About this note</span></label>
+        <div class="row">
+          <label class="sr" for="chat-input">Question</label>
+          <input id="chat-input" type="text" placeholder="Where are the spare keys?"
+            enterkeyhint="send">
+          <button id="chat-send" type="button" class="primary">Ask</button>
+        </div>
+      </div>
+    </aside>
+  </main>
+
+  <nav class="tabs" aria-label="Sections">
+    <button type="button" data-pane="notes">
+      <svg class="icon" aria-hidden="true"><use href="#i-notes"/></svg>Notes</button>
+    <button type="button" data-pane="note">
+      <svg class="icon" aria-hidden="true"><use href="#i-note"/></svg>Note</button>
+    <button type="button" data-pane="search">
+      <svg class="icon" aria-hidden="true"><use href="#i-search"/></svg>Search</button>
+    <button type="button" data-pane="ask">
+      <svg class="icon" aria-hidden="true"><use href="#i-ask"/></svg>Ask</button>
+  </nav>
+</div>
+
+<dialog id="dlg" aria-labelledby="dlg-title">
+  <h2 id="dlg-title"></h2>
+  <div id="dlg-body"></div>
+  <div class="buttons" id="dlg-buttons"></div>
+</dialog>
+
+<div id="toast" role="status" aria-live="polite" hidden></div>
+<script>{js}</script>
+</body>
+</html>
 """
 
 
@@ -5893,9 +11762,109 @@ def _csp_hash(text: str) -> str:
 WEB_CSP = (
     "default-src 'none'; "
     f"script-src {_csp_hash(WEB_JS)}; style-src {_csp_hash(WEB_CSS)}; "
-    "connect-src 'self'; img-src 'self' data:; base-uri 'none'; "
+    "connect-src 'self'; img-src 'self' data: blob:; media-src blob:; manifest-src 'self'; "
+    "base-uri 'none'; "
     "form-action 'none'; frame-ancestors 'none'"
 )
+
+# -- the app's manifest and icons: "Add to Home Screen" gives an app with its own icon ------
+
+WEB_ACCENT = "#0a58ca"
+WEB_ICON_SVG = f"""<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 48 48">
+<rect width="48" height="48" rx="11" fill="{WEB_ACCENT}"/>
+<path d="M14 9h15l7 7v23H14z" fill="#fff"/><path d="M29 9v7h7" fill="#c9dcf7"/>
+<path d="M18 22h14M18 28h14M18 34h9" stroke="{WEB_ACCENT}" stroke-width="3"
+ stroke-linecap="round"/></svg>
+"""
+
+
+def _png(size: int, rows: Iterable[bytes]) -> bytes:
+    """Return an RGB PNG of size x size from its rows of pixels."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        crc = zlib.crc32(kind + data).to_bytes(4, "big")
+        return len(data).to_bytes(4, "big") + kind + data + crc
+
+    head = size.to_bytes(4, "big") * 2 + bytes([8, 2, 0, 0, 0])  # 8-bit RGB
+    pixels = zlib.compress(b"".join(b"\x00" + row for row in rows), 9)
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", head) + chunk(b"IDAT", pixels) + chunk(b"IEND", b"")
+    )
+
+
+@functools.cache
+def web_icon_png(size: int) -> bytes:
+    """Return the icon of WEB_ICON_SVG as a size x size PNG, full-bleed (the sheet stays in
+    the middle 80%, a maskable icon's safe zone), painted in spans of colour, not pixels."""
+    blue, white, fold = bytes.fromhex(WEB_ACCENT[1:]), b"\xff\xff\xff", bytes.fromhex("c9dcf7")
+
+    def px(u: float) -> int:  # icon units (0-48) to pixels
+        return max(0, min(size, round(u / 48 * size)))
+
+    rows = []
+    for y in range(size):
+        v = (y + 0.5) / size * 48
+        spans = []  # (from, to, colour) in icon units, later ones painted over earlier ones
+        if 9 <= v < 39:
+            spans.append((14, 36 if v >= 16 else 29 + (v - 9), white))
+            if v < 16:
+                spans.append((29, 29 + (v - 9), fold))
+        for line_y, x0, x1 in ((22, 18, 32), (28, 18, 32), (34, 18, 27)):
+            if abs(v - line_y) < 1.5:
+                spans.append((x0 - 1.5, x1 + 1.5, blue))
+        row = bytearray(blue * size)
+        for u0, u1, colour in spans:
+            a, b = px(u0), px(u1)
+            row[a * 3 : b * 3] = colour * (b - a)
+        rows.append(bytes(row))
+    return _png(size, rows)
+
+
+def web_manifest() -> bytes:
+    """Return the web app manifest (paths relative to it, so it works under any prefix)."""
+    return to_json(
+        {
+            "name": "notesvc",
+            "short_name": "notesvc",
+            "description": "Your notes, on your own server",
+            "start_url": ".",
+            "scope": ".",
+            "display": "standalone",
+            "background_color": "#ffffff",
+            "theme_color": WEB_ACCENT,
+            "icons": [
+                {"src": "icon.svg", "sizes": "any", "type": "image/svg+xml"},
+                {"src": "icon-192.png", "sizes": "192x192", "type": "image/png"},
+                {"src": "icon-512.png", "sizes": "512x512", "type": "image/png"},
+                {
+                    "src": "icon-512.png",
+                    "sizes": "512x512",
+                    "type": "image/png",
+                    "purpose": "maskable",
+                },
+            ],
+        }
+    )
+
+
+# path -> (content type, a function giving the bytes): served by the app and by the relay
+WEB_ASSETS: dict = {
+    "/manifest.webmanifest": ("application/manifest+json", web_manifest),
+    "/icon.svg": ("image/svg+xml", lambda: WEB_ICON_SVG.encode("utf-8")),
+    "/icon-192.png": ("image/png", lambda: web_icon_png(192)),
+    "/icon-512.png": ("image/png", lambda: web_icon_png(512)),
+    "/apple-touch-icon.png": ("image/png", lambda: web_icon_png(180)),
+}
+
+
+def web_asset_headers(path: str) -> dict:
+    """Return the headers of a public asset: cacheable, typed, and inert if opened alone."""
+    return {
+        "Content-Type": WEB_ASSETS[path][0],
+        "Cache-Control": "public, max-age=86400",
+        "Content-Security-Policy": "default-src 'none'",
+        "X-Content-Type-Options": "nosniff",
+    }
 
 
 def web_client_page() -> str:
@@ -5944,6 +11913,9 @@ HOP_BY_HOP = frozenset(
     "transfer-encoding upgrade host content-length".split()
 )
 RELAY_ANSWER_CSP = "default-src 'none'; sandbox"
+# A server's route that answers JSON-RPC (/mcp): the relay's own refusals of a request to it
+# (server offline, body too large) are JSON-RPC errors too (CONTRACT 3).
+RELAYED_JSONRPC_RE = re.compile(rf"^/r/[^/]+{API}/mcp$")
 
 
 def _b64(data: bytes) -> str:
@@ -6254,6 +12226,7 @@ class RelayServer:
         self.routes = (
             ("GET", re.compile(r"^/health$"), self.health),
             ("GET", re.compile(r"^/$"), self.web_client),
+            ("GET", re.compile("^(" + "|".join(map(re.escape, WEB_ASSETS)) + ")$"), self.web_asset),
             ("POST", re.compile(r"^/relay/v1/register/([^/]+)$"), self.register),
             ("GET", re.compile(r"^/relay/v1/poll/([^/]+)$"), self.poll),
             ("POST", re.compile(r"^/relay/v1/reply/([^/]+)/([^/]+)$"), self.reply),
@@ -6330,9 +12303,12 @@ class RelayServer:
                 return False
             limit = self._body_limit(path)
             if length > limit:
+                self._answer_too_large(path, headers)
                 await self._send(
                     writer,
-                    *self._error(413, f"the body is over this relay's limit of {limit} bytes"),
+                    *self._error(
+                        413, f"the body is over this relay's limit of {limit} bytes", path=path
+                    ),
                     False,
                 )
                 return False
@@ -6370,9 +12346,33 @@ class RelayServer:
             return self.config.max_body_bytes
         return 65536
 
+    def _answer_too_large(self, path: str, headers: list) -> None:
+        """A server's reply over the limit: its client gets 413 now, not a 504 later."""
+        m = re.match(r"^/relay/v1/reply/([^/]+)/([^/]+)$", path)
+        if not m:
+            return
+        token = next((v for k, v in headers if k.lower() == "x-relay-token"), "")
+        message = (
+            f"the answer is over this relay's limit of {self.config.max_body_bytes} bytes; "
+            "ask for it in parts (Range)"
+        )
+        answer = {
+            "status": 413,
+            "headers": [["Content-Type", JSON_TYPE]],
+            "body": error_body("PAYLOAD_TOO_LARGE", message),
+        }
+        with contextlib.suppress(ApiError):  # a wrong token, or the client left
+            self.hub.reply(m.group(1), token, m.group(2), answer)
+
     @staticmethod
-    def _error(status: int, message: str, code: str = "", headers: dict | None = None) -> tuple:
-        body = error_body(code or STATUS_CODES.get(status, "VALIDATION_ERROR"), message)
+    def _error(
+        status: int, message: str, code: str = "", headers: dict | None = None, path: str = ""
+    ) -> tuple:
+        code = code or STATUS_CODES.get(status, "VALIDATION_ERROR")
+        if RELAYED_JSONRPC_RE.match(path):  # a server's /mcp: its callers read JSON-RPC
+            body = jsonrpc_error_body(status, code, message)
+        else:
+            body = error_body(code, message)
         return status, [("Content-Type", JSON_TYPE), *(headers or {}).items()], body
 
     async def _route(self, req: RelayRequest) -> tuple:
@@ -6389,11 +12389,11 @@ class RelayServer:
                 if asyncio.iscoroutine(result):
                     result = await result
             except ApiError as e:
-                return self._error(e.status_code, e.message, e.code, dict(e.headers))
+                return self._error(e.status_code, e.message, e.code, dict(e.headers), req.path)
             except Exception:
                 rid = uuid.uuid4().hex[:16]
                 log.exception("relay: request %s failed", rid)
-                return self._error(500, f"internal error; request id {rid}")
+                return self._error(500, f"internal error; request id {rid}", path=req.path)
             if isinstance(result, dict):
                 return 200, [("Content-Type", JSON_TYPE)], success_body(result)
             return result
@@ -6458,6 +12458,9 @@ class RelayServer:
         ]
         return 200, headers, web_client_page().encode("utf-8")
 
+    def web_asset(self, req: RelayRequest, path: str) -> tuple:
+        return 200, list(web_asset_headers(path).items()), WEB_ASSETS[path][1]()
+
     def register(self, req: RelayRequest, server_id: str) -> dict:
         body = self._json(req)
         token = field(body, "token", max_len=256)
@@ -6515,13 +12518,19 @@ class RelayServer:
                 "host": req.header("Host"),
             },
         )
-        return answer["status"], relay_answer_headers(rest, answer["headers"]), answer["body"]
+        download = relayed_download(req.method, rest, answer["status"])
+        headers = relay_answer_headers(rest, answer["headers"], download)
+        return answer["status"], headers, answer["body"]
 
 
-def relay_answer_headers(path: str, headers: list) -> list:
+def relay_answer_headers(path: str, headers: list, download: bool = False) -> list:
     """Return a forwarded answer's headers as an API answer: JSON, nosniff, sandboxed.
 
-    A registered server cannot publish script or cookies on the relay's origin.
+    A registered server cannot publish script or cookies on the relay's origin. An
+    attachment's bytes (`download`: a 2xx answer to GET /api/v1/attachments/...) keep
+    their type when it is one a browser does not run as a page (else they become
+    application/octet-stream) and always go out as `Content-Disposition: attachment`,
+    under the same sandbox.
     """
     keep = []
     ctype = JSON_TYPE
@@ -6530,10 +12539,13 @@ def relay_answer_headers(path: str, headers: list) -> list:
         if lower == "content-type":
             if path.endswith("/openapi.json") and "json" in value.lower():
                 ctype = value
+            elif download:
+                ctype = _download_type(value)
             continue
         if (
             lower in HOP_BY_HOP
             or lower in ("set-cookie", "content-security-policy", "x-content-type-options")
+            or lower in ("content-disposition", "refresh", "link")
             or lower.startswith("access-control-")
             or not _TOKEN_CHARS_RE.match(name)
             or "\r" in value
@@ -6541,12 +12553,30 @@ def relay_answer_headers(path: str, headers: list) -> list:
         ):
             continue
         keep.append((name, value))
+    if download:
+        name = re.sub(r"[^A-Za-z0-9._-]+", "_", path.rsplit("/", 1)[-1])[:100] or "download"
+        keep.append(("Content-Disposition", f'attachment; filename="{name}"'))
     return [
         ("Content-Type", ctype),
         ("X-Content-Type-Options", "nosniff"),
         ("Content-Security-Policy", RELAY_ANSWER_CSP),
         *keep,
     ]
+
+
+def _download_type(value: str) -> str:
+    """Return the type an attachment goes out as through a relay: its own when it is one of
+    the attachment types a browser does not run as a page, else application/octet-stream."""
+    ctype = value.split(";")[0].strip().lower()
+    safe = ctype in ATTACHMENT_TYPES.values() and ctype not in ACTIVE_TYPES
+    return ctype if safe else "application/octet-stream"
+
+
+def relayed_download(method: str, path: str, status: int) -> bool:
+    """Return whether a forwarded answer is an attachment's bytes (not an API answer)."""
+    return (
+        method in ("GET", "HEAD") and 200 <= status < 300 and path.startswith(f"{API}/attachments/")
+    )
 
 
 def _private_path(path: str) -> str:
@@ -6879,6 +12909,7 @@ def get_info(svc: Service) -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(terse=True),
         "notes": {"count": count, "bytes": size},
+        "attachments": dict(zip(("count", "bytes"), svc.attachments.stats())),
         "history": {**svc.history.usage(), "maxVersions": svc.history.max_versions},
         "trash": svc.trash.usage(),
         "changes": {
@@ -6922,6 +12953,7 @@ def _limit_facts(svc: Service) -> dict:
     cfg = svc.config
     return {
         "maxBodyBytes": cfg.max_body_bytes,
+        "maxAttachmentBytes": cfg.max_attachment_bytes,
         "maxConnections": cfg.max_connections,
         "idleTimeoutSeconds": cfg.idle_timeout,
         "lockout": {
@@ -6965,7 +12997,10 @@ def get_config(svc: Service) -> dict:
             **_agent_facts(cfg),
             "model": cfg.agent_model,
             "timeoutSeconds": cfg.agent_timeout,
+            "maxSteps": cfg.agent_max_steps,
+            "write": cfg.agent_write,
         },
+        "mcp": {"path": f"{API}/mcp", "write": cfg.mcp_write, "protocolVersions": MCP_VERSIONS},
         "search": {"engine": "notesvc-bm25", "maxQueryLength": MAX_QUERY_CHARS},
         "sync": {
             "rescanSeconds": cfg.rescan_seconds,
@@ -6976,6 +13011,13 @@ def get_config(svc: Service) -> dict:
             "maxWaiters": cfg.max_waiters,
         },
         "plugins": {"dir": cfg.plugins_dir or ".notesvc/plugins"},
+        "capture": {
+            "transcribeUrl": _redact_url(cfg.transcribe_url),
+            "transcribeModel": cfg.transcribe_model,
+            "transcribeApiKeySet": bool(cfg.transcribe_api_key),
+            "timeZone": cfg.timezone or "system",
+            "attachmentsRoot": f"{ATTACHMENTS}/",
+        },
     }
 
 
@@ -7086,29 +13128,249 @@ def move_note(svc: Service, path: str) -> dict:
     path = note_path(path)
     body = read_json(svc.config.max_body_bytes)
     new = note_path(field(body, "path"))
-    relink = field(body, "updateLinks", bool, required=False)
-    linking = set(link_graph(svc).get(path, ())) if relink else set()
-    rec = svc.notes.move(path, new, _if_match())
-    if relink and new != path:
-        rec["linksUpdated"] = update_links(svc, path, new, linking - {path})
-        if new in rec["linksUpdated"]:  # the note's own relative links were rebased
-            rec = {**svc.notes.get(new), "from": path, "linksUpdated": rec["linksUpdated"]}
-    return _note_response(rec)
+    relink = bool(field(body, "updateLinks", bool, required=False))
+    return _note_response(move_and_relink(svc, path, new, _if_match(), relink))
 
 
 def delete_note(svc: Service, path: str) -> dict:
     return svc.notes.delete(note_path(path), _if_match())
 
 
+# -- attachments -------------------------------------------------------------------------
+
+MULTIPART_SLACK = 65536  # bytes of a form beyond its file: the boundaries, headers and path
+
+
+def _attachment_response(rec: dict, status: int) -> bytes:
+    bottle.response.set_header("ETag", rec["etag"])
+    script = bottle.request.environ.get("SCRIPT_NAME", "")
+    location = f"{script}{API}/attachments/{urllib.parse.quote(rec['path'], safe='')}"
+    bottle.response.set_header("Location", location)
+    return ok(rec, status)
+
+
+def put_attachment(svc: Service, path: str) -> bytes:
+    """PUT the raw bytes: 201 when created, 200 when replaced (If-Match, If-None-Match: *)."""
+    path = attachment_path(path)
+    ctype = bottle.request.content_type.split(";")[0].strip().lower()
+    if ctype.startswith("multipart/"):
+        raise ApiError(
+            415,
+            "UNSUPPORTED_MEDIA_TYPE",
+            f"PUT takes the file's own bytes; send a multipart form to POST {API}/attachments",
+        )
+    if_match, if_none_match = _if_match(), bottle.request.get_header("If-None-Match")
+    svc.attachments.check(path, if_match, if_none_match)  # before the body is read
+    limit = svc.config.max_attachment_bytes
+    read, _ = request_body_reader(limit, "SERVICE_MAX_ATTACHMENT_BYTES")
+
+    def copy(f) -> None:
+        while chunk := read(BODY_CHUNK):
+            f.write(chunk)
+
+    rec, created = svc.attachments.place(svc.attachments.spool(copy), path, if_match, if_none_match)
+    return _attachment_response(rec, 201 if created else 200)
+
+
+def post_attachment(svc: Service) -> bytes:
+    """POST multipart/form-data with `path` and `file`: 201; never overwrites (a taken path
+    becomes name-2.ext, name-3.ext...)."""
+    import email.message
+
+    header = bottle.request.get_header("Content-Type") or ""
+    parsed = email.message.Message()
+    parsed["Content-Type"] = header
+    if parsed.get_content_type() != "multipart/form-data":
+        raise ApiError(
+            415,
+            "UNSUPPORTED_MEDIA_TYPE",
+            "send multipart/form-data with the fields path and file "
+            f"(or PUT the raw bytes to {API}/attachments/:path)",
+        )
+    limit = svc.config.max_attachment_bytes
+    read, _ = request_body_reader(limit + MULTIPART_SLACK, "SERVICE_MAX_ATTACHMENT_BYTES")
+    reader = MultipartReader(read, str(parsed.get_param("boundary") or ""))
+    form: dict = {"path": bytearray(), "file": False}
+
+    def given_path() -> str:
+        try:
+            raw = bytes(form["path"]).decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise bad_request("'path' is not valid UTF-8") from None
+        if not raw:
+            raise bad_request("'path' is required (attachments/<name>.<extension>)")
+        return attachment_path(raw)
+
+    def receive(f) -> None:
+        def part(name: str, filename: Any, headers: Any):
+            if name == "path":
+                too_long = lambda: bad_request("'path' is longer than 2048 bytes")  # noqa: E731
+                return form["path"].extend, 2048, too_long
+            if name != "file":
+                return None
+            if form["file"]:
+                raise bad_request("send one part named 'file'")
+            form["file"] = True
+            if form["path"]:
+                given_path()  # a bad path is refused before the file is read
+            return f.write, limit, lambda: too_large(limit, "SERVICE_MAX_ATTACHMENT_BYTES")
+
+        reader.parts(part)
+
+    tmp = svc.attachments.spool(receive)
+    try:
+        if not form["file"]:
+            raise bad_request("the form has no part named 'file'")
+        path = given_path()
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    rec, _ = svc.attachments.place(tmp, path, unique=True)
+    return _attachment_response(rec, 201)
+
+
+_RANGE_RE = re.compile(r"\s*bytes\s*=\s*(\d{0,19})\s*-\s*(\d{0,19})\s*")
+
+
+def byte_range(header: str, size: int) -> tuple | None:
+    """Return (first, last) of a single `bytes=` range within size bytes; None to send the
+    whole file (no range, several ranges, or one not understood); 416 when it is outside.
+
+    >>> byte_range("bytes=0-99", 1000), byte_range("bytes=-10", 1000), byte_range("bytes=9-", 10)
+    ((0, 99), (990, 999), (9, 9))
+    """
+    m = _RANGE_RE.fullmatch(header)
+    if not m or not (m.group(1) or m.group(2)):
+        return None
+    first, last = m.groups()
+    if not first:
+        start, end = max(0, size - int(last)), size - 1
+        if int(last) == 0:
+            start = size
+    else:
+        start = int(first)
+        end = min(int(last), size - 1) if last else size - 1
+        if last and int(last) < start:
+            return None
+    if start >= size:
+        raise ApiError(
+            416,
+            "VALIDATION_ERROR",
+            f"the range is outside the file's {size} bytes",
+            {"Content-Range": f"bytes */{size}"},
+        )
+    return start, end
+
+
+def content_disposition(path: str, content_type: str) -> str:
+    """Return the Content-Disposition of a download: inline only for types shown in place."""
+    kind = "inline" if shown_inline(content_type) else "attachment"
+    name = path.rsplit("/", 1)[-1]
+    plain = re.sub(r"[^A-Za-z0-9._ -]+", "_", name)
+    return f"{kind}; filename=\"{plain}\"; filename*=UTF-8''{urllib.parse.quote(name)}"
+
+
+def _file_chunks(f: Any, length: int):
+    try:
+        while length > 0:
+            chunk = f.read(min(BODY_CHUNK, length))
+            if not chunk:
+                return
+            length -= len(chunk)
+            yield chunk
+    finally:
+        f.close()
+
+
+def get_attachment(svc: Service, path: str):
+    """The file's bytes, with ETag, Range, Content-Disposition and a sandbox policy."""
+    path = attachment_path(path)
+    f, st = svc.attachments.open(path)
+    try:
+        rec = svc.attachments.record(path, st)
+        etag, size, req, resp = rec["etag"], st.st_size, bottle.request, bottle.response
+        none_match = req.get_header("If-None-Match")
+        if none_match:
+            tags = {t.strip().removeprefix("W/") for t in none_match.split(",")}
+            if "*" in tags or etag in tags:
+                f.close()
+                resp.status = 304
+                resp.set_header("ETag", etag)
+                return b""
+        first, last, status = 0, size - 1, 200
+        if_range = req.get_header("If-Range")
+        wanted = req.get_header("Range")
+        if wanted and size and (if_range is None or if_range.strip() == etag):
+            found = byte_range(wanted, size)
+            if found:
+                (first, last), status = found, 206
+                resp.set_header("Content-Range", f"bytes {first}-{last}/{size}")
+        resp.status = status
+        resp.content_type = rec["contentType"]
+        for name, value in (
+            ("ETag", etag),
+            ("Accept-Ranges", "bytes"),
+            ("Content-Length", str(max(0, last - first + 1))),
+            ("Content-Disposition", content_disposition(path, rec["contentType"])),
+            ("Content-Security-Policy", ATTACHMENT_CSP),
+        ):
+            resp.set_header(name, value)
+        f.seek(first)
+        return _file_chunks(f, last - first + 1)
+    except BaseException:
+        f.close()
+        raise
+
+
+def list_attachments(svc: Service) -> dict:
+    folder = attachment_folder(query_str("folder") or ATTACHMENTS)
+    limit = query_int("limit", 100, 1, 1000)
+    offset = query_int("offset", 0, 0, 10**9)
+    return svc.attachments.list_page(folder, limit, offset)
+
+
+def move_attachment(svc: Service, path: str) -> dict:
+    path = attachment_path(path)
+    body = read_json(svc.config.max_body_bytes)
+    new = attachment_path(field(body, "path"))
+    relink = field(body, "updateLinks", bool, required=False)
+    linking = attachment_linkers(svc, path) if relink else set()
+    rec = svc.attachments.move(path, new, _if_match())
+    if relink and new != path:
+        rec["linksUpdated"] = update_links(svc, path, new, linking)
+    bottle.response.set_header("ETag", rec["etag"])
+    return rec
+
+
+def delete_attachment(svc: Service, path: str) -> dict:
+    return svc.attachments.delete(attachment_path(path), _if_match())
+
+
 # -- folders ---------------------------------------------------------------------------
 
 
+def indexed_counts(svc: Service) -> Callable:
+    """Return count(folder path) -> notes beneath it, from the index (read on first call)."""
+    by_folder: dict = {}
+
+    def count(folder: str) -> int:
+        if not by_folder:
+            by_folder.update(collections.Counter(p.rpartition("/")[0] for p in svc.index.paths()))
+            by_folder.setdefault("", 0)  # read once, even when there are no notes
+        inside = folder + "/"
+        return sum(n for f, n in by_folder.items() if f == folder or f.startswith(inside))
+
+    return count
+
+
 def get_tree(svc: Service) -> dict:
-    return svc.notes.tree()
+    return svc.notes.tree(NOTES, query_int("depth", None, 1, 64), indexed_counts(svc))
 
 
 def get_subtree(svc: Service, path: str) -> dict:
-    return svc.notes.tree(folder_path(path))
+    depth = query_int("depth", None, 1, 64)
+    return svc.notes.tree(folder_path(path), depth, indexed_counts(svc))
 
 
 # -- history, trash and the change feed ----------------------------------------------------
@@ -7269,6 +13531,284 @@ def agent_status(svc: Service) -> dict:
     }
 
 
+# -- MCP: the tools over JSON-RPC 2.0 (Streamable HTTP, answered as JSON) -------------------
+#
+# POST /api/v1/mcp takes one JSON-RPC message and answers it with one JSON object (no SSE,
+# no sessions). Two eras share it, told apart the way the official SDKs route them: by the
+# MCP-Protocol-Version header (none, or a handshake-era version: the handshake era).
+#   2025-06-18, 2025-11-25: `initialize` (nothing is kept: every request stands alone),
+#     `notifications/initialized` (202), `ping`, `tools/list`, `tools/call`.
+#   2026-07-28 (stateless): no handshake; each request carries its version and capabilities
+#     in `params._meta`, and the MCP-Protocol-Version, Mcp-Method and Mcp-Name headers must
+#     repeat the body (-32020 when they do not); an unknown version is -32022 with the list.
+#     `server/discover`, `tools/list`, `tools/call`; results carry `resultType: "complete"`.
+
+MCP_HANDSHAKE_VERSIONS = ("2025-06-18", "2025-11-25")
+MCP_STATELESS_VERSIONS = ("2026-07-28",)
+MCP_VERSIONS = (*MCP_HANDSHAKE_VERSIONS, *MCP_STATELESS_VERSIONS)
+_HANDSHAKE_ERA = ("2024-11-05", "2025-03-26", *MCP_HANDSHAKE_VERSIONS)
+META_VERSION = "io.modelcontextprotocol/protocolVersion"
+META_CAPABILITIES = "io.modelcontextprotocol/clientCapabilities"
+META_SERVER_INFO = "io.modelcontextprotocol/serverInfo"
+PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, INVALID_PARAMS = -32700, -32600, -32601, -32602
+HEADER_MISMATCH, UNSUPPORTED_VERSION = -32020, -32022
+# The HTTP status of a stateless-era error (the SDKs' table); in the handshake era a body
+# that cannot be taken is 400 and every other error 200.
+_STATELESS_STATUS = {METHOD_NOT_FOUND: 404}
+_HANDSHAKE_400 = (PARSE_ERROR, INVALID_REQUEST, UNSUPPORTED_VERSION)
+MCP_LIST_TTL_MS = 60000  # how long a stateless client may cache the tool list
+MCP_INSTRUCTIONS = (
+    "The user's Markdown notes, paths like notes/<folders>/<name>.md. Find notes with "
+    "search_notes (or list_folder, recent_changes) and read them with read_note before "
+    "answering from them; name the paths you used. To change a note, read it first and pass "
+    "its etag to update_note or move_note."
+)
+
+
+def server_info() -> dict:
+    return {"name": "notesvc", "title": "notesvc notes", "version": __version__}
+
+
+class RpcError(Exception):
+    """A JSON-RPC error answer (its HTTP status follows from the code and the era)."""
+
+    def __init__(self, code: int, message: str, data: Any = None):
+        super().__init__(message)
+        self.code, self.message, self.data = code, message, data
+
+    def answer(self, request_id: Any) -> dict:
+        error = {"code": self.code, "message": self.message}
+        if self.data is not None:
+            error["data"] = self.data
+        return {"jsonrpc": "2.0", "id": request_id, "error": error}
+
+    def http_status(self, stateless: bool) -> int:
+        if stateless:
+            return _STATELESS_STATUS.get(self.code, 400)
+        return 400 if self.code in _HANDSHAKE_400 else 200
+
+
+def cors_allows(config: Config, origin: str) -> bool:
+    """Return whether SERVICE_CORS_ORIGINS lets pages of this origin call the API."""
+    return "*" in config.cors or origin.rstrip("/") in config.cors
+
+
+def authenticate_mcp(svc: Service, environ: dict) -> None:
+    """Let a request to /mcp through or raise 403, 401 or 429: the one place /mcp's callers
+    are checked. A page's Origin must be one SERVICE_CORS_ORIGINS allows (so a site that
+    rebinds its name to this machine gets nowhere), then the key, which may come as
+    X-Service-Key, `Authorization: Bearer` or X-API-Key (CONTRACT 4)."""
+    origin = environ.get("HTTP_ORIGIN", "")
+    if origin and not cors_allows(svc.config, origin):
+        raise ApiError(
+            403,
+            "FORBIDDEN",
+            "requests from web pages are refused unless their origin is listed in "
+            "SERVICE_CORS_ORIGINS",
+        )
+    svc.authenticate(environ, mcp=True)
+
+
+def mcp_endpoint(svc: Service) -> bytes:
+    """POST /mcp: one JSON-RPC message in; its answer out, or 202 for a notification."""
+    env = bottle.request.environ
+    stateless = _stateless_era(env, None)
+    request_id = None
+    try:
+        message = _rpc_message(svc.config.max_body_bytes)
+        stateless = _stateless_era(env, message)
+        request_id = message.get("id")  # answered with errors too, when it is a usable id
+        if not isinstance(request_id, (str, int)) or isinstance(request_id, bool):
+            request_id = None
+        method, params = _rpc_request(message, request_id)
+        if method is None:  # a notification or a response: nothing to answer
+            if stateless:
+                _check_version(env.get("HTTP_MCP_PROTOCOL_VERSION"), MCP_STATELESS_VERSIONS)
+            bottle.response.status = 202
+            bottle.response.content_type = JSON_TYPE
+            return b""
+        if stateless:
+            result = _stateless_request(svc, env, method, params)
+        else:
+            result = _handshake_request(svc, env, method, params)
+        answer, status = {"jsonrpc": "2.0", "id": request_id, "result": result}, 200
+    except RpcError as e:
+        answer, status = e.answer(request_id), e.http_status(stateless)
+    bottle.response.status = status
+    bottle.response.content_type = JSON_TYPE
+    return to_json(answer)
+
+
+def _stateless_era(env: dict, message: Any) -> bool:
+    """Return whether a request speaks the 2026-07-28 era: a header naming another version
+    than the handshake era's, or (its header missing) a body carrying its version."""
+    header = env.get("HTTP_MCP_PROTOCOL_VERSION")
+    if header is not None:
+        return header not in _HANDSHAKE_ERA
+    params = message.get("params") if isinstance(message, dict) else None
+    meta = params.get("_meta") if isinstance(params, dict) else None
+    return isinstance(meta, dict) and META_VERSION in meta
+
+
+def _rpc_message(max_bytes: int) -> Any:
+    """Return the request's JSON-RPC message; 413 / 415 as ApiErrors, -32700 / -32600."""
+    req = bottle.request
+    if req.content_type.split(";")[0].strip().lower() != "application/json":
+        raise ApiError(
+            415, "UNSUPPORTED_MEDIA_TYPE", "send JSON-RPC with Content-Type: application/json"
+        )
+    if req.content_length > max_bytes:
+        raise ApiError(413, "PAYLOAD_TOO_LARGE", f"the body is over {max_bytes} bytes")
+    raw = req.body.read(max_bytes + 1)
+    if len(raw) > max_bytes:
+        raise ApiError(413, "PAYLOAD_TOO_LARGE", f"the body is over {max_bytes} bytes")
+    try:
+        message = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise RpcError(PARSE_ERROR, "the body is not valid JSON (UTF-8)") from None
+    if isinstance(message, list):
+        raise RpcError(INVALID_REQUEST, "batches are not supported: one message per request")
+    if not isinstance(message, dict):
+        raise RpcError(INVALID_REQUEST, "the body must be one JSON-RPC message (an object)")
+    return message
+
+
+def _rpc_request(message: dict, request_id: Any) -> tuple:
+    """Return (method, params) of a request; method None for a notification or a response
+    (both are only acknowledged); -32600 / -32602 for a malformed message."""
+    if message.get("jsonrpc") != "2.0":
+        raise RpcError(INVALID_REQUEST, 'a JSON-RPC 2.0 message needs "jsonrpc": "2.0"')
+    method = message.get("method")
+    if method is None and "id" in message and ("result" in message or "error" in message):
+        return None, {}  # a response: this server never asks, so it is dropped
+    if not isinstance(method, str) or not method:
+        raise RpcError(INVALID_REQUEST, "'method' must be a non-empty string")
+    if "id" in message and request_id is None:
+        raise RpcError(INVALID_REQUEST, "'id' must be a string or a whole number")
+    params = message.get("params")
+    if params is not None and not isinstance(params, dict):
+        raise RpcError(INVALID_PARAMS, "'params' must be an object")
+    return method if "id" in message else None, params or {}
+
+
+def _check_version(version: Any, served: tuple) -> None:
+    if version not in served:
+        requested = version[:64] if isinstance(version, str) else None
+        raise RpcError(
+            UNSUPPORTED_VERSION,
+            f"protocol version {str(version)[:40]!r} is not supported",
+            {"supported": list(MCP_VERSIONS), "requested": requested},
+        )
+
+
+def _handshake_request(svc: Service, env: dict, method: str, params: dict) -> dict:
+    if method == "initialize":  # the client's version when served, else the newest
+        asked = params.get("protocolVersion")
+        version = asked if asked in MCP_HANDSHAKE_VERSIONS else MCP_HANDSHAKE_VERSIONS[-1]
+        return {
+            "protocolVersion": version,
+            "capabilities": {"tools": {"listChanged": False}},
+            "serverInfo": server_info(),
+            "instructions": MCP_INSTRUCTIONS,
+        }
+    header = env.get("HTTP_MCP_PROTOCOL_VERSION")
+    if header is not None:
+        _check_version(header, MCP_HANDSHAKE_VERSIONS)
+    if method == "ping":
+        return {}
+    return _tools_method(svc, method, params)
+
+
+def _header_text(value: str | None) -> str | None:
+    """Return a header's text; a value the client wrapped as =?base64?...?= is unwrapped."""
+    m = re.fullmatch(r"=\?base64\?([A-Za-z0-9+/=]*)\?=", value or "")
+    if not m:
+        return value
+    try:
+        return base64.b64decode(m.group(1), validate=True).decode("utf-8")
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def _stateless_request(svc: Service, env: dict, method: str, params: dict) -> dict:
+    meta = params.get("_meta")
+    if not isinstance(meta, dict) or META_VERSION not in meta or META_CAPABILITIES not in meta:
+        raise RpcError(
+            INVALID_PARAMS,
+            f"params._meta must carry {META_VERSION!r} and {META_CAPABILITIES!r} "
+            "(protocol 2026-07-28)",
+        )
+    version = meta[META_VERSION]
+    if env.get("HTTP_MCP_PROTOCOL_VERSION") != version:
+        raise RpcError(
+            HEADER_MISMATCH, "the MCP-Protocol-Version header does not match params._meta"
+        )
+    if env.get("HTTP_MCP_METHOD") != method:
+        raise RpcError(HEADER_MISMATCH, "the Mcp-Method header does not match the method")
+    name = params.get("name")
+    if (
+        method == "tools/call"
+        and name is not None
+        and _header_text(env.get("HTTP_MCP_NAME")) != name
+    ):
+        raise RpcError(HEADER_MISMATCH, "the Mcp-Name header does not match params.name")
+    _check_version(version, MCP_STATELESS_VERSIONS)
+    if method == "server/discover":
+        result = {
+            "supportedVersions": list(MCP_VERSIONS),
+            "capabilities": {"tools": {"listChanged": False}},
+            "instructions": MCP_INSTRUCTIONS,
+            "cacheScope": "private",
+            "ttlMs": MCP_LIST_TTL_MS,
+        }
+    else:
+        result = _tools_method(svc, method, params)
+    if method == "tools/list":
+        result.update(cacheScope="private", ttlMs=MCP_LIST_TTL_MS)
+    return {**result, "resultType": "complete", "_meta": {META_SERVER_INFO: server_info()}}
+
+
+def _tools_method(svc: Service, method: str, params: dict) -> dict:
+    if method == "tools/list":
+        if params.get("cursor") is not None:
+            raise RpcError(INVALID_PARAMS, "unknown cursor: the tool list has a single page")
+        tools = available_tools(svc, svc.config.mcp_write)
+        return {"tools": [mcp_tool(t) for t in tools]}
+    if method == "tools/call":
+        return _tools_call(svc, params.get("name"), params.get("arguments"))
+    raise RpcError(METHOD_NOT_FOUND, f"method {method[:64]!r} is not served here")
+
+
+def mcp_tool(tool: Tool) -> dict:
+    """Return a tool as MCP's tools/list describes it."""
+    return {
+        "name": tool.name,
+        "title": tool.annotations()["title"],
+        "description": tool.description,
+        "inputSchema": tool.schema,
+        "annotations": tool.annotations(),
+    }
+
+
+def _tools_call(svc: Service, name: Any, arguments: Any) -> dict:
+    if not isinstance(name, str):
+        raise RpcError(INVALID_PARAMS, "params.name must name a tool (see tools/list)")
+    if arguments is not None and not isinstance(arguments, dict):
+        raise RpcError(INVALID_PARAMS, "params.arguments must be an object")
+    offered = {t.name: t for t in available_tools(svc, svc.config.mcp_write)}
+    if name not in offered:
+        known = svc.tools.get(name)
+        if known is not None and not known.read_only and not svc.config.mcp_write:
+            why = f"{name} changes notes: the owner has not allowed that (SERVICE_MCP_WRITE)"
+        elif known is not None:
+            why = f"{name} needs the {known.plugin} plugin, which is switched off"
+        else:
+            why = f"unknown tool {name[:64]!r} (see tools/list)"
+        raise RpcError(INVALID_PARAMS, why)
+    log.debug("request %s: MCP tool %s", _rid(), name)
+    return call_tool(svc, offered[name], arguments or {})
+
+
 # -- channels ----------------------------------------------------------------------------------
 
 
@@ -7315,6 +13855,8 @@ def create_channel(svc: Service) -> dict:
     }
     svc.state.update(lambda data: data.setdefault("channels", []).append(channel))
     log.info("channel %s (%s) created", channel["id"], name)
+    channel = configure_channel(svc, channel)  # Telegram webhook mode: setWebhook
+    svc.pollers.sync()
     return channel
 
 
@@ -7348,13 +13890,19 @@ def patch_channel(svc: Service, channel_id: str) -> dict:
             provider = svc.channel_providers.get(channel["provider"])
             if provider is None:
                 raise bad_request(f"channel provider {channel['provider']!r} is not loaded")
-            channel["config"] = validate_channel_config(provider, {**channel["config"], **changes})
+            stored = channel["config"]
+            if "mode" not in stored and any(f.name == "mode" for f in provider.fields):
+                stored = {**stored, "mode": "webhook"}  # stored before modes: a webhook
+            channel["config"] = validate_channel_config(provider, {**stored, **changes})
         if title is not None:
             channel["name"] = _printable(title)
         return channel
 
     channel = _change_channel(svc, channel_id, merge)
     log.info("channel %s changed", channel_id)
+    if changes is not None:
+        channel = configure_channel(svc, channel)  # webhook mode: setWebhook again
+    svc.pollers.sync()
     return redact_channel(channel, svc.channel_providers)
 
 
@@ -7363,11 +13911,14 @@ def toggle_channel(svc: Service, channel_id: str) -> dict:
         channels[i]["enabled"] = not channels[i]["enabled"]
         return channels[i]
 
-    return redact_channel(_change_channel(svc, channel_id, flip), svc.channel_providers)
+    channel = _change_channel(svc, channel_id, flip)
+    svc.pollers.sync()
+    return redact_channel(channel, svc.channel_providers)
 
 
 def delete_channel(svc: Service, channel_id: str) -> dict:
     _change_channel(svc, channel_id, lambda channels, i: channels.pop(i))
+    svc.pollers.sync()
     return {"id": channel_id, "deleted": True}
 
 
@@ -7376,12 +13927,23 @@ def receive_webhook(svc: Service, provider: str) -> dict:
     if prov is None:
         raise not_found(f"no channel provider {provider!r}")
     env = bottle.request.environ
+    limit = svc.config.max_body_bytes
+    signature = ""
+    if prov.signature_header:
+        signature = env.get("HTTP_" + prov.signature_header.upper().replace("-", "_"), "")
+
+    def raw() -> bytes:  # the body as signed: read (and checked) as JSON, then as bytes
+        read_json(limit)
+        return bottle.request.body.read(limit + 1)
+
     return handle_channel_update(
         svc,
         prov,
         channel_secret(svc, prov, env),
         svc.client_addr(env),
-        lambda: read_json(svc.config.max_body_bytes),
+        lambda: read_json(limit),
+        signature,
+        raw,
     )
 
 
@@ -7391,6 +13953,33 @@ def verify_webhook(svc: Service, provider: str):
     if prov is None or prov.verify is None:
         raise not_found(f"channel provider {provider!r} has no subscription check")
     return prov.verify(svc)
+
+
+# -- reminders -----------------------------------------------------------------------------
+
+
+def list_reminders(svc: Service) -> dict:
+    """The reminders not sent yet (⏰ lines and `remind:`), soonest first."""
+    limit = query_int("limit", 100, 1, 1000)
+    offset = query_int("offset", 0, 0, 10**9)
+    pending = svc.reminders.upcoming()
+    return {
+        "reminders": [
+            {
+                "id": r["id"],
+                "path": r["path"],
+                "title": r["title"],
+                "line": r["line"],
+                "due": iso(r["due"]),
+                "local": r["wall"],
+            }
+            for r in pending[offset : offset + limit]
+        ],
+        "total": len(pending),
+        "limit": limit,
+        "offset": offset,
+        "timeZone": svc.config.timezone or "system",
+    }
 
 
 # -- plugins -------------------------------------------------------------------------------
@@ -7570,11 +14159,26 @@ class Route:
     tag: str = "system"
     media: str = "application/json"  # of the success answer
     enveloped: bool = True  # False: the answer is the document itself (OpenAPI, a challenge)
+    body_media: str = "application/json"  # of the request body
     key_only: bool = False  # needs the API key itself: a JWT may not mint tokens or rotate
+    jsonrpc: bool = False  # answers JSON-RPC 2.0, errors too; callers checked by authenticate_mcp
 
     @property
     def rule(self) -> str:
         return (API if self.api else "") + self.path
+
+
+def web_asset_route(path: str) -> Route:
+    """Return the public route of one of the page's assets (manifest, icons)."""
+
+    def get_asset(svc: Service) -> bytes:
+        for name, value in web_asset_headers(path).items():
+            bottle.response.set_header(name, value)
+        return WEB_ASSETS[path][1]()
+
+    get_asset.__name__ = "get_" + re.sub(r"\W+", "_", path.strip("/"))
+    media = WEB_ASSETS[path][0]
+    return Route("GET", path, get_asset, public=True, api=False, tag="pages", media=media)
 
 
 def get_openapi(svc: Service):
@@ -7600,21 +14204,30 @@ def _int(lo: int, hi: int, default: int) -> dict:
     return {"type": "integer", "minimum": lo, "maximum": hi, "default": default}
 
 
+_DEPTH = {"type": "integer", "minimum": 1, "maximum": 64}
+
+
 def _channel_body(svc: Service) -> dict:
     """Return the schema of a channel's create body: one shape per registered provider."""
 
-    def config(provider: ChannelProvider) -> dict:
-        props = {
-            f.name: {"type": "array", "items": {"type": ["string", "integer"]}, "maxItems": 1000}
-            if f.kind == "list"
-            # printable and single-line on the server; said here as printable ASCII
-            else {
-                "type": "string",
-                "minLength": int(f.required),
-                "pattern": f"^[ -~]{{0,{MAX_CONFIG_CHARS}}}$",
-            }
-            for f in provider.fields
+    def prop(f: ConfigField) -> dict:
+        if f.kind == "list":
+            return {"type": "array", "items": {"type": ["string", "integer"]}, "maxItems": 1000}
+        if f.kind == "boolean":
+            return {"type": "boolean"}
+        if f.kind == "choice":
+            return {"enum": list(f.choices)}
+        if f.kind == "folder":
+            return {**FOLDER_PATH_SCHEMA, "maxLength": MAX_CONFIG_CHARS}
+        # printable and single-line on the server; said here as printable ASCII
+        return {
+            "type": "string",
+            "minLength": int(f.required),
+            "pattern": f"^[ -~]{{0,{MAX_CONFIG_CHARS}}}$",
         }
+
+    def config(provider: ChannelProvider) -> dict:
+        props = {f.name: prop(f) for f in provider.fields}
         required = [f.name for f in provider.fields if f.required]
         return {**_obj(required, **props), "additionalProperties": False}
 
@@ -7809,6 +14422,98 @@ ROUTES = (
     ),
     Route("GET", "/agent/status", agent_status, summary="Agent provider and model", tag="agent"),
     Route(
+        "POST",
+        "/mcp",
+        mcp_endpoint,
+        summary="MCP (Model Context Protocol) server: the tools over JSON-RPC 2.0; the key "
+        "also as Authorization: Bearer or X-API-Key",
+        body={
+            "type": "object",
+            "required": ["jsonrpc", "method"],
+            "properties": {
+                "jsonrpc": {"const": "2.0"},
+                "id": {"type": ["string", "integer"]},
+                "method": {"type": "string", "minLength": 1},
+                "params": {"type": "object"},
+            },
+        },
+        tag="mcp",
+        enveloped=False,
+        jsonrpc=True,
+    ),
+    Route(
+        "GET",
+        "/attachments",
+        list_attachments,
+        summary="List attachments by path",
+        params={
+            "folder": ATTACHMENT_FOLDER_SCHEMA,
+            "limit": _int(1, 1000, 100),
+            "offset": _int(0, 10**9, 0),
+        },
+        tag="attachments",
+    ),
+    Route(
+        "POST",
+        "/attachments",
+        post_attachment,
+        summary="Upload a file (multipart: path, file); never overwrites: a taken name gets -2",
+        body=_obj(
+            ["path", "file"],
+            path=ATTACHMENT_PATH_SCHEMA,
+            file={"type": "string", "format": "binary"},
+        ),
+        body_media="multipart/form-data",
+        status=201,
+        tag="attachments",
+    ),
+    Route(
+        "GET",
+        "/attachments/<path:path>",
+        get_attachment,
+        summary="The file's bytes (ETag, Range; HTML and SVG only as downloads)",
+        params={"path": ATTACHMENT_PATH_PARAM},
+        media="*/*",  # the type of its extension (ATTACHMENT_TYPES)
+        enveloped=False,
+        tag="attachments",
+    ),
+    Route(
+        "PUT",
+        "/attachments/<path:path>",
+        put_attachment,
+        summary="Upload the raw bytes: 201 created, 200 replaced (If-Match, If-None-Match: *)",
+        body={"type": "string", "format": "binary"},
+        body_media="application/octet-stream",
+        params={"path": ATTACHMENT_PATH_PARAM},
+        status=201,
+        tag="attachments",
+    ),
+    Route(
+        "PATCH",
+        "/attachments/<path:path>/move",
+        move_attachment,
+        summary="Move or rename an attachment (never overwrites); updateLinks rewrites links",
+        body=_obj(["path"], path=ATTACHMENT_PATH_SCHEMA, updateLinks={"type": "boolean"}),
+        params={"path": ATTACHMENT_PATH_PARAM},
+        tag="attachments",
+    ),
+    Route(
+        "DELETE",
+        "/attachments/<path:path>",
+        delete_attachment,
+        summary="Move an attachment to the trash",
+        params={"path": ATTACHMENT_PATH_PARAM},
+        tag="attachments",
+    ),
+    Route(
+        "GET",
+        "/reminders",
+        list_reminders,
+        summary="Reminders not sent yet (⏰ YYYY-MM-DD HH:MM lines, remind: in front matter)",
+        params={"limit": _int(1, 1000, 100), "offset": _int(0, 10**9, 0)},
+        tag="reminders",
+    ),
+    Route(
         "GET",
         "/channels/providers",
         list_channel_providers,
@@ -7877,7 +14582,14 @@ ROUTES = (
         summary="What to fix, most severe first",
         tag="security",
     ),
-    Route("GET", "/folders/tree", get_tree, summary="Folder tree from the root", tag="folders"),
+    Route(
+        "GET",
+        "/folders/tree",
+        get_tree,
+        summary="Folder tree from the root (`depth`: levels listed; deeper folders get `count`)",
+        params={"depth": _DEPTH},
+        tag="folders",
+    ),
     Route(
         "GET",
         "/trash",
@@ -7936,11 +14648,12 @@ ROUTES = (
         "/folders/tree/<path:path>",
         get_subtree,
         summary="Subtree",
-        params={"path": FOLDER_PATH_PARAM},
+        params={"path": FOLDER_PATH_PARAM, "depth": _DEPTH},
         tag="folders",
     ),
     Route("GET", "/relay/v1/pair/<code>", pair_relay_code, public=True, api=False, tag="relay"),
     Route("GET", "/", get_web_client, public=True, api=False, tag="pages", media="text/html"),
+    *(web_asset_route(path) for path in WEB_ASSETS),
 )
 
 
@@ -8012,6 +14725,14 @@ def openapi_document(svc: Service, server_url: str) -> dict:
                 },
             },
         }
+        if r.jsonrpc:
+            answer = {"application/json": {"schema": {"type": "object"}}}
+            op["responses"] = {
+                "200": {"description": "the JSON-RPC answer", "content": answer},
+                "202": {"description": "a notification (or response), accepted"},
+                "default": {"description": "a JSON-RPC error object", "content": answer},
+            }
+            op["security"] = [{"apiKey": []}, {"bearerKey": []}, {"xApiKey": []}, {"bearerJwt": []}]
         if r.public:
             op["security"] = []
         elif r.key_only:
@@ -8035,7 +14756,7 @@ def openapi_document(svc: Service, server_url: str) -> dict:
                 "required": bool(
                     body.get("required") or body.get("oneOf") or body.get("minProperties")
                 ),
-                "content": {"application/json": {"schema": body}},
+                "content": {r.body_media: {"schema": body}},
             }
         paths.setdefault(openapi_path(r.rule), {})[r.method.lower()] = op
     return {
@@ -8054,6 +14775,17 @@ def openapi_document(svc: Service, server_url: str) -> dict:
             "securitySchemes": {
                 "apiKey": {"type": "apiKey", "in": "header", "name": KEY_HEADER},
                 "bearerJwt": {"type": "http", "scheme": "bearer", "bearerFormat": "JWT"},
+                "bearerKey": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "the API key as a bearer token (/mcp only)",
+                },
+                "xApiKey": {
+                    "type": "apiKey",
+                    "in": "header",
+                    "name": "X-API-Key",
+                    "description": "the API key (/mcp only)",
+                },
             },
         },
         "security": [{"apiKey": []}, {"bearerJwt": []}],
@@ -8071,7 +14803,9 @@ def _callback(svc: Service, route: Route) -> Callable:
     """Wrap a handler: authenticate, call, put dicts in the envelope, hide crashes."""
 
     def callback(**kwargs):
-        if not route.public:
+        if route.jsonrpc:  # /mcp: Origin, and the key in any of the headers AI clients use
+            authenticate_mcp(svc, bottle.request.environ)
+        elif not route.public:
             svc.authenticate(bottle.request.environ, key_only=route.key_only)
         try:
             result = route.handler(svc, **kwargs)
@@ -8090,8 +14824,11 @@ def _callback(svc: Service, route: Route) -> Callable:
 
 
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{8,64}$")
-CORS_HEADERS = "X-Service-Key, Content-Type, Authorization, If-Match"
-CORS_EXPOSE = "ETag, Location, X-Request-Id, Retry-After"
+CORS_HEADERS = (
+    "X-Service-Key, Content-Type, Authorization, If-Match, If-None-Match, Range, If-Range, "
+    "X-API-Key, MCP-Protocol-Version, Mcp-Method, Mcp-Name"  # the last four: /mcp
+)
+CORS_EXPOSE = "ETag, Location, X-Request-Id, Retry-After, Content-Range, Content-Disposition"
 CORS_METHODS = "GET, POST, PUT, PATCH, DELETE, OPTIONS"
 
 
@@ -8107,6 +14844,12 @@ class NotesApp:
         service.routes = tuple(routes)
         for r in service.routes:
             self.bottle.route(r.rule, r.method, _callback(service, r))
+        self._jsonrpc_rules = frozenset(r.rule for r in service.routes if r.jsonrpc)
+
+    def answers_jsonrpc(self, path: str) -> bool:
+        """Return whether a request path (under /r/<id> or not) is a route answering JSON-RPC,
+        whose every failure is then a JSON-RPC error (render_error, waitress's refusals)."""
+        return re.sub(r"^/r/[^/]+(?=/)", "", path) in self._jsonrpc_rules
 
     def _cors_origin(self, origin: str) -> str:
         allowed = self.service.config.cors
@@ -8114,7 +14857,7 @@ class NotesApp:
             return ""
         if "*" in allowed:
             return "*"
-        return origin if origin.rstrip("/") in allowed else ""
+        return origin if cors_allows(self.service.config, origin) else ""
 
     def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
         started = time.perf_counter()
@@ -8124,6 +14867,7 @@ class NotesApp:
         method = environ.get("REQUEST_METHOD", "GET")
         cors = self._cors_origin(environ.get("HTTP_ORIGIN", ""))
         path = environ.get("PATH_INFO", "")
+        environ["notesvc.jsonrpc"] = self.answers_jsonrpc(path)
         status_seen = []
 
         def respond(status: str, headers: list, exc_info=None):
@@ -8142,7 +14886,11 @@ class NotesApp:
             length = environ.get("CONTENT_LENGTH", "")
             if length and not re.fullmatch(r"[0-9]+", length):  # servers that pass it through
                 body = _plain_error(
-                    respond, 400, "VALIDATION_ERROR", "Content-Length is not a number of bytes"
+                    respond,
+                    400,
+                    "VALIDATION_ERROR",
+                    "Content-Length is not a number of bytes",
+                    environ["notesvc.jsonrpc"],
                 )
             else:
                 body = self._dispatch(environ, respond, method, cors)
@@ -8180,15 +14928,18 @@ class NotesApp:
         m = re.match(r"^/r/([^/]+)(/.*)?$", path)
         if m:
             if m.group(1) != self.service.state.read()["serverId"]:
-                return _plain_error(respond, 404, "NOT_FOUND", "no such server on this relay")
+                message = "no such server on this relay"
+                return _plain_error(respond, 404, "NOT_FOUND", message, environ["notesvc.jsonrpc"])
             inner = m.group(2) or "/"
             environ["SCRIPT_NAME"] = environ.get("SCRIPT_NAME", "") + f"/r/{m.group(1)}"
             environ["PATH_INFO"] = inner.encode("utf-8").decode("latin-1")
         return self.bottle(environ, respond)
 
 
-def _plain_error(respond: Callable, status: int, code: str, message: str) -> list:
-    body = error_body(code, message)
+def _plain_error(
+    respond: Callable, status: int, code: str, message: str, jsonrpc: bool = False
+) -> list:
+    body = jsonrpc_error_body(status, code, message) if jsonrpc else error_body(code, message)
     respond(
         f"{status} {bottle.HTTP_CODES.get(status, 'Error')}",
         [("Content-Type", JSON_TYPE), ("Content-Length", str(len(body)))],
@@ -8293,13 +15044,21 @@ def take_process_lock(config: Config) -> int:
 class _EnvelopedError:
     """One of waitress's own refusals (body too large, bad Content-Length) as our envelope."""
 
-    def __init__(self, error: Any, max_body: int):
+    def __init__(
+        self,
+        error: Any,
+        max_body: int,
+        setting: str = "SERVICE_MAX_BODY_BYTES",
+        jsonrpc: bool = False,
+    ):
         self.code, self.body, self.max_body = error.code, str(error.body), max_body
+        self.setting = setting
+        self.jsonrpc = jsonrpc  # on /mcp: a JSON-RPC error instead
 
     def to_response(self, ident: str | None = None) -> tuple:  # waitress 2.x passes no ident
         status = 400 if self.code == 501 else self.code  # 501: an unknown Transfer-Encoding
         if status == 413:
-            message = f"the body is over {self.max_body} bytes (SERVICE_MAX_BODY_BYTES)"
+            message = f"the body is over {self.max_body} bytes ({self.setting})"
         elif status == 431:
             message = "the request headers are too large"
         elif "Content-Length" in self.body:
@@ -8309,7 +15068,9 @@ class _EnvelopedError:
         else:
             message = "internal error"
         code = STATUS_CODES.get(status, "VALIDATION_ERROR" if status < 500 else "INTERNAL_ERROR")
-        body = error_body(code, message)
+        body = (
+            jsonrpc_error_body(status, code, message) if self.jsonrpc else error_body(code, message)
+        )
         headers = [
             ("Content-Type", JSON_TYPE),
             ("X-Request-Id", uuid.uuid4().hex[:16]),
@@ -8330,16 +15091,37 @@ def _hardened(listener_class: type) -> type:
     Its channels answer waitress's own refusals in the JSON envelope.
     """
     import waitress.channel
+    import waitress.parser
     import waitress.task
 
     class JsonErrorTask(waitress.task.ErrorTask):
         def execute(self):
-            limit = self.channel.server.adj.max_request_body_size - 1
-            self.request.error = _EnvelopedError(self.request.error, limit)
+            adj = getattr(self.request, "adj", None) or self.channel.server.adj
+            setting = getattr(adj, "setting", "SERVICE_MAX_BODY_BYTES")
+            answers = getattr(self.channel.server.application, "answers_jsonrpc", None)
+            path = getattr(self.request, "path", "") or ""
+            jsonrpc = bool(answers and answers(path))
+            limit = adj.max_request_body_size - 1
+            self.request.error = _EnvelopedError(self.request.error, limit, setting, jsonrpc)
             super().execute()
+
+    class Parser(waitress.parser.HTTPRequestParser):
+        """Attachment uploads may be SERVICE_MAX_ATTACHMENT_BYTES; every other body keeps
+        SERVICE_MAX_BODY_BYTES, refused (413) from its declared length before it is read."""
+
+        def parse_header(self, header_plus):
+            super().parse_header(header_plus)
+            smaller = getattr(self.adj, "notesvc_body_size", None)
+            if smaller and not attachment_upload(self.command, self.path):
+                self.adj = _BodyLimit(self.adj, smaller, "SERVICE_MAX_BODY_BYTES")
+            elif smaller:
+                self.adj = _BodyLimit(
+                    self.adj, self.adj.max_request_body_size, "SERVICE_MAX_ATTACHMENT_BYTES"
+                )
 
     class Channel(waitress.channel.HTTPChannel):
         error_task_class = JsonErrorTask
+        parser_class = Parser
 
     class Listener(listener_class):
         channel_class = Channel
@@ -8378,6 +15160,24 @@ def _hardened(listener_class: type) -> type:
             super().handle_accept()
 
     return Listener
+
+
+class _BodyLimit:
+    """waitress's settings with another largest body (per request; see _hardened)."""
+
+    def __init__(self, adj: Any, size: int, setting: str):
+        self._adj, self.max_request_body_size, self.setting = adj, size, setting
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._adj, name)
+
+
+_UPLOAD_RE = re.compile(rf"^(?:/r/[^/]+)?{API}/attachments(?:/.*)?$", re.S)
+
+
+def attachment_upload(method: str, path: str) -> bool:
+    """Return whether a request uploads an attachment (its body may be the larger kind)."""
+    return method in ("PUT", "POST") and bool(_UPLOAD_RE.match(path or ""))
 
 
 def _raise_open_files_limit(wanted: int) -> None:
@@ -8493,8 +15293,8 @@ def running_server(config: Config) -> tuple | None:
 def make_server(app: Callable, config: Config):
     """Return a server bound to host:port: waitress, else wsgiref with a warning.
 
-    waitress takes bodies up to SERVICE_MAX_BODY_BYTES (a relay: twice that, for the
-    base64 answers it carries) and refuses a larger declared Content-Length before
+    waitress takes bodies up to SERVICE_MAX_BODY_BYTES (attachment uploads: up to
+    SERVICE_MAX_ATTACHMENT_BYTES) and refuses a larger declared Content-Length before
     reading any body, in the JSON envelope. It passes X-Forwarded-* through: the app
     decides whom to trust (client_address), under any WSGI server.
     """
@@ -8519,7 +15319,7 @@ def make_server(app: Callable, config: Config):
         server.run = server.serve_forever
         server.close = server.shutdown
         return server
-    max_body = config.max_body_bytes
+    max_body = max(config.max_body_bytes, config.max_attachment_bytes + MULTIPART_SLACK)
     _raise_open_files_limit(config.max_connections + 256)
     sockets: dict = {}
     server = waitress.server.create_server(
@@ -8547,14 +15347,20 @@ def make_server(app: Callable, config: Config):
             (channel, "last_activity"),
             (channel, "total_outbufs_len"),
             (channel, "error_task_class"),
+            (channel, "parser_class"),
             (task, "execute"),
         ):
             getattr(cls, name)
         for listener in sockets.values():
             if isinstance(listener, waitress.server.BaseWSGIServer):
                 listener.__class__ = _hardened(type(listener))
+                # the limit of every body but an attachment's (Parser, in _hardened)
+                listener.adj.notesvc_body_size = config.max_body_bytes + 1
     except (AttributeError, ImportError, TypeError) as e:
         log.warning("this waitress differs (%s): no guard against connection floods", e)
+        for listener in sockets.values():  # one limit then: SERVICE_MAX_BODY_BYTES
+            with contextlib.suppress(AttributeError):
+                listener.adj.max_request_body_size = config.max_body_bytes + 1
     return server
 
 

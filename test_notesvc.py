@@ -6,6 +6,8 @@ import base64
 import collections
 import contextlib
 import dataclasses
+import gzip
+import hashlib
 import http.client
 import http.server
 import io
@@ -28,6 +30,8 @@ import typing
 import urllib.error
 import urllib.parse
 import urllib.request
+import wave
+import zlib
 from pathlib import Path
 
 import pytest
@@ -43,8 +47,18 @@ API = "/api/v1"
 # -- fixtures and helpers ---------------------------------------------------------
 
 
+# Outbound channel calls go nowhere unless a test points them at a stand-in: a closed
+# loopback port (a channel's poller then only retries, and never leaves this machine).
+NOWHERE = "http://127.0.0.1:1"
+
+
 def make_env(root: Path, **env: str) -> dict:
-    base = {"SERVICE_NOTES_ROOT": str(root), "SERVICE_RESCAN_SECONDS": "0"}
+    base = {
+        "SERVICE_NOTES_ROOT": str(root),
+        "SERVICE_RESCAN_SECONDS": "0",
+        "SERVICE_TELEGRAM_API_BASE": NOWHERE,
+        "SERVICE_WHATSAPP_API_BASE": NOWHERE,
+    }
     base.update(env)
     return base
 
@@ -572,7 +586,10 @@ def refuses_missing_and_wrong_key(anon, method: str, rule: str) -> None:
     for app, who in ((anon, "no key"), (wrong, "a wrong key")):
         resp = app.request(sample_url(rule), method=method, status="*", expect_errors=True)
         assert resp.status_int == 401, f"{method} {rule} with {who}: {resp.status}"
-        assert_error(resp, 401, "UNAUTHORIZED")
+        if anon.app.answers_jsonrpc(rule):  # /mcp answers JSON-RPC: the same refusal, its shape
+            assert resp.json["error"]["data"] == {"status": 401, "code": "UNAUTHORIZED"}
+        else:
+            assert_error(resp, 401, "UNAUTHORIZED")
 
 
 class TestAuth:
@@ -1178,14 +1195,15 @@ def many_files():
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-class TestEdge:
-    @pytest.fixture(scope="class")
-    def small_bodies(self, tmp_path_factory):
-        """One real server taking bodies of at most 2048 bytes."""
-        root = tmp_path_factory.mktemp("small-bodies")
-        with running(root, env={"SERVICE_MAX_BODY_BYTES": "2048"}) as server:
-            yield server
+@pytest.fixture(scope="class")
+def small_bodies(tmp_path_factory):
+    """One real server taking bodies of at most 2048 bytes (shared by a class's tests)."""
+    root = tmp_path_factory.mktemp("small-bodies")
+    with running(root, env={"SERVICE_MAX_BODY_BYTES": "2048"}) as server:
+        yield server
 
+
+class TestEdge:
     def test_trusted_proxy_gives_https_links_real_clients_and_their_own_lockout(self, tmp_path):
         env = {"SERVICE_TRUST_PROXY": "true", "SERVICE_SETUP_LOCAL_ONLY": "true"}
         with running(tmp_path, env=env) as server, ForwardingProxy(server.url) as proxy:
@@ -2693,6 +2711,97 @@ class TestFolders:
         assert data(client.get(f"{API}/notes?limit=1000"))["total"] == 1000
 
 
+class TestFolderDepth:
+    """`?depth=N` lists N levels; folders below the cut carry `count` instead of `children`."""
+
+    @pytest.fixture
+    def tree_client(self, client, root):
+        for path in [
+            "notes/top.md",
+            "notes/a/one.md",
+            "notes/a/b/two.md",
+            "notes/a/b/c/three.md",
+            "notes/a/b/c/four.md",
+            "notes/z/five.md",
+        ]:
+            put_note(client, path, "t")
+        (root / "notes" / "empty").mkdir()
+        (root / "notes" / "a" / ".hidden").mkdir()
+        (root / "notes" / "a" / ".hidden" / "h.md").write_text("h")
+        return client
+
+    def test_depth_one_lists_children_with_counts_for_folders(self, tree_client):
+        tree = data(tree_client.get(f"{API}/folders/tree?depth=1"))
+        assert tree["path"] == "notes"
+        assert "count" not in tree
+        assert tree["children"] == [
+            {"name": "a", "path": "notes/a", "type": "folder", "count": 4},
+            {"name": "empty", "path": "notes/empty", "type": "folder", "count": 0},
+            {"name": "z", "path": "notes/z", "type": "folder", "count": 1},
+            tree["children"][3],
+        ]
+        assert tree["children"][3]["path"] == "notes/top.md"
+        assert set(tree["children"][3]) == {"name", "path", "type", "size", "modified"}
+
+    def test_depth_two_lists_one_more_level(self, tree_client):
+        tree = data(tree_client.get(f"{API}/folders/tree?depth=2"))
+        a = tree["children"][0]
+        assert "count" not in a
+        assert [(c["name"], c.get("count")) for c in a["children"]] == [("b", 3), ("one.md", None)]
+        assert "children" not in a["children"][0]
+
+    def test_subtree_with_depth(self, tree_client):
+        for url in (
+            f"{API}/folders/tree/notes%2Fa%2Fb?depth=1",
+            f"{API}/folders/tree/notes/a/b?depth=1",
+        ):
+            node = data(tree_client.get(url))
+            assert node["path"] == "notes/a/b"
+            assert node["children"][0] == {
+                "name": "c",
+                "path": "notes/a/b/c",
+                "type": "folder",
+                "count": 2,
+            }
+            assert node["children"][1]["path"] == "notes/a/b/two.md"
+
+    def test_deep_enough_equals_the_whole_tree(self, tree_client):
+        whole = data(tree_client.get(f"{API}/folders/tree"))
+        for depth in (4, 64):
+            assert data(tree_client.get(f"{API}/folders/tree?depth={depth}")) == whole
+        assert "count" not in json.dumps(whole)
+
+    def test_a_large_folder_cut_at_depth_one_still_counts_every_note(self, client, root):
+        for f in range(20):
+            for n in range(10):
+                (root / "notes" / f"f{f:02d}" / f"d{n}").mkdir(parents=True)
+                (root / "notes" / f"f{f:02d}" / f"d{n}" / "x.md").write_text("x")
+        client.app.service.sync_index()
+        tree = data(client.get(f"{API}/folders/tree?depth=1"))
+        assert [c["count"] for c in tree["children"]] == [10] * 20
+        assert "children" not in json.dumps(tree["children"])
+
+    @pytest.mark.parametrize("depth", ["0", "65", "-1", "x", "1.5", "99999999999", "%00", "1 "])
+    def test_bad_depth_is_400(self, client, depth):
+        for url in (f"{API}/folders/tree?depth={depth}", f"{API}/folders/tree/notes?depth={depth}"):
+            resp = client.get(url, status=400)
+            assert "depth" in assert_error(resp, 400, "VALIDATION_ERROR")["message"]
+
+    def test_depth_on_a_missing_or_hostile_folder(self, client):
+        assert_error(
+            client.get(f"{API}/folders/tree/notes%2Fnope?depth=1", status=404), 404, "NOT_FOUND"
+        )
+        resp = client.get(f"{API}/folders/tree/..%2Fetc?depth=1", status=400)
+        assert_error(resp, 400, "VALIDATION_ERROR")
+
+    def test_depth_is_in_the_openapi_document(self, client):
+        paths = client.get(f"{API}/openapi.json").json["paths"]
+        for path in ("/api/v1/folders/tree", "/api/v1/folders/tree/{path}"):
+            params = {p["name"]: p for p in paths[path]["get"]["parameters"]}
+            assert params["depth"]["in"] == "query"
+            assert params["depth"]["schema"]["maximum"] == 64
+
+
 class TestServerNotes:
     def test_concurrent_if_match_increments_lose_nothing(self, tmp_path):
         with running(tmp_path, "--auth-mode", "none") as server:
@@ -2786,6 +2895,615 @@ class TestServerNotes:
         assert [p for p in notes.iterdir() if p.name.startswith(".tmp-")] == []
 
 
+# -- attachments ---------------------------------------------------------------------------
+
+PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 8  # 2056 bytes, every byte value
+
+
+def att_url(path: str) -> str:
+    return f"{API}/attachments/{urllib.parse.quote(path, safe='')}"
+
+
+def multipart(*parts: tuple, boundary: str = "b0undary-1234") -> tuple:
+    """Return (body, content type) of a form: parts are (name, value[, filename[, type]])."""
+    out = b""
+    for part in parts:
+        name, value = part[0], part[1]
+        value = value if isinstance(value, bytes) else value.encode()
+        head = f'Content-Disposition: form-data; name="{name}"'
+        if len(part) > 2:
+            ctype = part[3] if len(part) > 3 else "application/octet-stream"
+            head += f'; filename="{part[2]}"\r\nContent-Type: {ctype}'
+        out += f"--{boundary}\r\n{head}\r\n\r\n".encode() + value + b"\r\n"
+    out += f"--{boundary}--\r\n".encode()
+    return out, f"multipart/form-data; boundary={boundary}"
+
+
+def post_form(client, body: bytes, ctype: str, status: int = 201):
+    """POST a form as it is (WebTest's post() would encode a multipart body again)."""
+    return client.request(
+        f"{API}/attachments",
+        method="POST",
+        body=body,
+        headers={"Content-Type": ctype},
+        status=status,
+    )
+
+
+def upload(client, path: str, data: bytes = PNG, status: int = 201, **headers):
+    return client.put(
+        att_url(path),
+        data,
+        headers={"Content-Type": "application/octet-stream", **headers},
+        status=status,
+    )
+
+
+def leftovers(root: Path) -> list:
+    """Return temp files under the attachments and the notes (the state folder's index
+    cache has its own, written in the background)."""
+    return [
+        p
+        for top in (root / "attachments", root / "notes")
+        for p in top.rglob("*")
+        if p.name.startswith(".tmp-")
+    ]
+
+
+class TestAttachments:
+    def test_put_then_get_round_trips_with_every_header(self, client, root):
+        resp = upload(client, "attachments/trip/beach.png")
+        rec = data(resp)
+        assert set(rec) == {"path", "size", "contentType", "modified", "etag"}
+        assert rec["path"] == "attachments/trip/beach.png"
+        assert rec["size"] == len(PNG)
+        assert rec["contentType"] == "image/png"
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", rec["modified"])
+        assert resp.headers["ETag"] == rec["etag"]
+        assert resp.headers["Location"].endswith(att_url("attachments/trip/beach.png"))
+        assert (root / "attachments" / "trip" / "beach.png").read_bytes() == PNG
+        got = client.get(att_url("attachments/trip/beach.png"))
+        assert got.body == PNG
+        assert got.headers["Content-Type"] == "image/png"
+        assert got.headers["Content-Length"] == str(len(PNG))
+        assert got.headers["ETag"] == rec["etag"]
+        assert got.headers["Accept-Ranges"] == "bytes"
+        assert got.headers["X-Content-Type-Options"] == "nosniff"
+        assert "sandbox" in got.headers["Content-Security-Policy"]
+        assert got.headers["Content-Disposition"].startswith('inline; filename="beach.png"')
+        assert got.headers["Cache-Control"] == "no-store"
+        head = client.head(att_url("attachments/trip/beach.png"))
+        assert head.body == b""
+        assert head.headers["ETag"] == rec["etag"]
+        # PUT again replaces it: 200, a new ETag.
+        again = data(upload(client, "attachments/trip/beach.png", PNG[::-1], status=200))
+        assert again["etag"] != rec["etag"]
+        assert client.get(att_url("attachments/trip/beach.png")).body == PNG[::-1]
+        assert leftovers(root) == []
+
+    def test_preconditions_guard_a_replacement(self, client, root):
+        rec = data(upload(client, "attachments/a.jpg"))
+        resp = upload(client, "attachments/a.jpg", b"x", 412, **{"If-Match": '"nope"'})
+        assert_error(resp, 412, "PRECONDITION_FAILED")
+        resp = upload(client, "attachments/a.jpg", b"x", 412, **{"If-None-Match": "*"})
+        assert_error(resp, 412, "PRECONDITION_FAILED")
+        assert (root / "attachments" / "a.jpg").read_bytes() == PNG
+        upload(client, "attachments/a.jpg", b"new", 200, **{"If-Match": rec["etag"]})
+        upload(client, "attachments/b.jpg", b"x", 201, **{"If-None-Match": "*"})
+        resp = upload(client, "attachments/c.jpg", b"x", 412, **{"If-Match": rec["etag"]})
+        assert_error(resp, 412, "PRECONDITION_FAILED")  # nothing there to match
+        assert not (root / "attachments" / "c.jpg").exists()
+
+    def test_ranges_and_conditional_gets(self, client):
+        etag = data(upload(client, "attachments/v.mp4"))["etag"]
+        url, size = att_url("attachments/v.mp4"), len(PNG)
+        part = client.get(url, headers={"Range": "bytes=0-9"}, status=206)
+        assert part.body == PNG[:10]
+        assert part.headers["Content-Range"] == f"bytes 0-9/{size}"
+        assert part.headers["Content-Length"] == "10"
+        tail = client.get(url, headers={"Range": "bytes=-5"}, status=206)
+        assert tail.body == PNG[-5:]
+        rest = client.get(url, headers={"Range": f"bytes={size - 3}-"}, status=206)
+        assert rest.body == PNG[-3:]
+        clipped = client.get(url, headers={"Range": f"bytes=10-{size * 2}"}, status=206)
+        assert clipped.body == PNG[10:]
+        for whole in ("bytes=0-1,5-6", "pages=1-2", "bytes=9-3", "bytes=-"):
+            assert client.get(url, headers={"Range": whole}, status=200).body == PNG
+        outside = client.get(url, headers={"Range": f"bytes={size}-"}, status=416)
+        assert_error(outside, 416, "VALIDATION_ERROR")
+        assert outside.headers["Content-Range"] == f"bytes */{size}"
+        stale = client.get(url, headers={"Range": "bytes=0-9", "If-Range": '"old"'}, status=200)
+        assert stale.body == PNG
+        fresh = client.get(url, headers={"Range": "bytes=0-9", "If-Range": etag}, status=206)
+        assert fresh.body == PNG[:10]
+        assert client.get(url, headers={"If-None-Match": etag}, status=304).body == b""
+        assert client.get(url, headers={"If-None-Match": '"other"'}, status=200).body == PNG
+
+    @pytest.mark.parametrize(
+        ("name", "ctype"),
+        [("page.html", "text/html"), ("page.HTM", "text/html"), ("logo.svg", "image/svg+xml")],
+    )
+    def test_html_and_svg_are_downloads_under_a_sandbox(self, client, name, ctype):
+        active = b"<svg xmlns='http://www.w3.org/2000/svg'><script>alert(1)</script></svg>"
+        upload(client, f"attachments/{name}", active)
+        got = client.get(att_url(f"attachments/{name}"))
+        assert got.body == active
+        assert got.headers["Content-Type"].split(";")[0] == ctype
+        assert got.headers["Content-Disposition"].startswith("attachment;")
+        assert got.headers["Content-Security-Policy"] == "default-src 'none'; sandbox"
+        assert got.headers["X-Content-Type-Options"] == "nosniff"
+
+    def test_documents_are_downloads_and_names_are_quoted(self, client):
+        upload(client, "attachments/Überweisung (2026) März.pdf", b"%PDF-1.4")
+        got = client.get(att_url("attachments/Überweisung (2026) März.pdf"))
+        disposition = got.headers["Content-Disposition"]
+        assert disposition.startswith('attachment; filename="_berweisung _2026_ M_rz.pdf"')
+        assert "filename*=UTF-8''%C3%9Cberweisung%20%282026%29%20M%C3%A4rz.pdf" in disposition
+
+    def test_multipart_upload_never_overwrites(self, client, root):
+        body, ctype = multipart(
+            ("path", "attachments/cam/photo.jpg"), ("file", PNG, "IMG_1.jpg", "image/jpeg")
+        )
+        first = data(post_form(client, body, ctype, 201))
+        assert first["path"] == "attachments/cam/photo.jpg"
+        assert first["size"] == len(PNG)
+        assert (root / "attachments" / "cam" / "photo.jpg").read_bytes() == PNG
+        # The file part first, an unknown field ignored; the taken name gets -2, then -3.
+        body, ctype = multipart(
+            ("file", b"second", "x.jpg"), ("note", "hi"), ("path", "attachments/cam/photo.jpg")
+        )
+        second = data(post_form(client, body, ctype, 201))
+        assert second["path"] == "attachments/cam/photo-2.jpg"
+        third = data(post_form(client, body, ctype, 201))
+        assert third["path"] == "attachments/cam/photo-3.jpg"
+        assert client.get(att_url(second["path"])).body == b"second"
+        assert (root / "attachments" / "cam" / "photo.jpg").read_bytes() == PNG
+        # An empty file, the form a browser sends for an empty pick, is a file too.
+        empty = (
+            '--e\r\nContent-Disposition: form-data; name="path"\r\n\r\nattachments/e.txt\r\n'
+            '--e\r\nContent-Disposition: form-data; name="file"; filename="e.txt"\r\n\r\n--e--\r\n'
+        )
+        rec = data(
+            post_form(
+                client,
+                empty.encode(),
+                "multipart/form-data; boundary=e",
+                201,
+            )
+        )
+        assert rec["size"] == 0
+        assert leftovers(root) == []
+
+    @pytest.mark.parametrize(
+        ("body", "ctype", "status"),
+        [
+            pytest.param(*multipart(("path", "attachments/a.jpg")), 400, id="no-file"),
+            pytest.param(*multipart(("file", b"x", "a.jpg")), 400, id="no-path"),
+            pytest.param(
+                *multipart(("path", "notes/a.jpg"), ("file", b"x", "a.jpg")), 400, id="notes-path"
+            ),
+            pytest.param(
+                *multipart(("path", "attachments/a.exe"), ("file", b"x", "a.exe")), 400, id="exe"
+            ),
+            pytest.param(
+                *multipart(("path", "attachments/../x.jpg"), ("file", b"x", "a.jpg")),
+                400,
+                id="dotdot",
+            ),
+            pytest.param(
+                *multipart(("path", "attachments/" + "a" * 3000 + ".jpg"), ("file", b"x", "a.jpg")),
+                400,
+                id="long-path",
+            ),
+            pytest.param(
+                *multipart(("path", b"attachments/\xff.jpg"), ("file", b"x", "a.jpg")),
+                400,
+                id="not-utf8",
+            ),
+            pytest.param(
+                *multipart(("path", "attachments/a.jpg"), ("file", b"x", "a"), ("file", b"y", "b")),
+                400,
+                id="two-files",
+            ),
+            pytest.param(*multipart(*[("f", "x")] * 20), 400, id="many-parts"),
+            pytest.param(
+                b'--b\r\nContent-Disposition: form-data; name="file"\r\n\r\nnever ends',
+                "multipart/form-data; boundary=b",
+                400,
+                id="unterminated",
+            ),
+            pytest.param(
+                b"--b\r\nX-Big: " + b"h" * 9000 + b"\r\n\r\nx\r\n--b--",
+                "multipart/form-data; boundary=b",
+                400,
+                id="huge-headers",
+            ),
+            pytest.param(
+                b"--b\r\nContent-Type: text/plain\r\n\r\nx\r\n--b--",
+                "multipart/form-data; boundary=b",
+                400,
+                id="no-disposition",
+            ),
+            pytest.param(b"junk", "multipart/form-data", 400, id="no-boundary"),
+            pytest.param(b"junk", 'multipart/form-data; boundary="a\x7fb"', 400, id="bad-boundary"),
+            pytest.param(b'{"path": "attachments/a.jpg"}', "application/json", 415, id="json"),
+            pytest.param(
+                b"path=attachments/a.jpg", "application/x-www-form-urlencoded", 415, id="urlencoded"
+            ),
+        ],
+    )
+    def test_multipart_refusals(self, client, root, body, ctype, status):
+        resp = post_form(client, body, ctype, status)
+        assert_error(
+            resp, status, "VALIDATION_ERROR" if status == 400 else "UNSUPPORTED_MEDIA_TYPE"
+        )
+        assert (
+            not (root / "attachments").exists() or list((root / "attachments").rglob("*.*")) == []
+        )
+        assert leftovers(root) == []
+
+    @pytest.mark.parametrize(
+        "path",
+        [
+            "notes/a.jpg",
+            "attachments/a.exe",
+            "attachments/noext",
+            "attachments/.hidden.jpg",
+            "attachments/../notes/a.jpg",
+            "attachments//a.jpg",
+            "attachments/a\\b.jpg",
+            "attachments/a\x01.jpg",
+            "attachments/a\u202e.jpg",
+            "attachments/" + "x" * 300 + ".jpg",
+            "/attachments/a.jpg",
+            "attachments",
+            "attachments/.jpg",
+        ],
+    )
+    def test_hostile_paths_are_400(self, client, root, path):
+        for resp in (
+            client.put(att_url(path), b"x", content_type="image/jpeg", status=400),
+            client.get(att_url(path), status=400),
+            client.delete(att_url(path), status=400),
+        ):
+            assert_error(resp, 400, "VALIDATION_ERROR")
+        assert not (root / "notes" / "a.jpg").exists()
+
+    def test_a_symbolic_link_out_of_attachments_is_refused(self, client, root, tmp_path):
+        outside = tmp_path / "outside"
+        outside.mkdir()
+        (root / "attachments").mkdir(parents=True)
+        (root / "attachments" / "link").symlink_to(outside)
+        resp = client.put(
+            att_url("attachments/link/x.jpg"), b"x", content_type="image/jpeg", status=400
+        )
+        assert (
+            "outside the attachments folder"
+            in assert_error(resp, 400, "VALIDATION_ERROR")["message"]
+        )
+        assert list(outside.iterdir()) == []
+        (outside / "secret.jpg").write_bytes(b"secret")
+        assert_error(
+            client.get(att_url("attachments/link/secret.jpg"), status=400), 400, "VALIDATION_ERROR"
+        )
+        assert data(client.get(f"{API}/attachments"))["total"] == 0  # links are not followed
+
+    def test_size_limit(self, make_app, root):
+        client = with_key(make_app(SERVICE_MAX_ATTACHMENT_BYTES="2048"))
+        upload(client, "attachments/fits.bin.zip", b"x" * 2048)
+        resp = upload(client, "attachments/big.zip", b"x" * 2049, status=413)
+        message = assert_error(resp, 413, "PAYLOAD_TOO_LARGE")["message"]
+        assert "2048" in message
+        assert "SERVICE_MAX_ATTACHMENT_BYTES" in message
+        body, ctype = multipart(("path", "attachments/big2.zip"), ("file", b"x" * 2049, "b.zip"))
+        resp = post_form(client, body, ctype, 413)
+        assert_error(resp, 413, "PAYLOAD_TOO_LARGE")
+        assert sorted(p.name for p in (root / "attachments").iterdir()) == ["fits.bin.zip"]
+        assert leftovers(root) == []
+
+    def test_list_pages_by_path_and_leaves_out_the_rest(self, client, root):
+        for path in ("attachments/b/2.png", "attachments/a.pdf", "attachments/b/1.PNG"):
+            upload(client, path)
+        (root / "attachments" / "tool.exe").write_bytes(b"MZ")
+        (root / "attachments" / ".hidden.png").write_bytes(b"x")
+        (root / "attachments" / "b" / ".tmp-x.part").write_bytes(b"x")
+        listing = data(client.get(f"{API}/attachments"))
+        assert [a["path"] for a in listing["attachments"]] == [
+            "attachments/a.pdf",
+            "attachments/b/1.PNG",
+            "attachments/b/2.png",
+        ]
+        assert listing["total"] == 3
+        assert set(listing["attachments"][0]) == {"path", "size", "contentType", "modified", "etag"}
+        page = data(
+            client.get(f"{API}/attachments", {"folder": "attachments/b", "limit": 1, "offset": 1})
+        )
+        assert [a["path"] for a in page["attachments"]] == ["attachments/b/2.png"]
+        assert (page["total"], page["limit"], page["offset"]) == (2, 1, 1)
+        assert_error(
+            client.get(f"{API}/attachments", {"folder": "attachments/none"}, status=404),
+            404,
+            "NOT_FOUND",
+        )
+        for bad in (
+            {"folder": "notes"},
+            {"folder": "attachments/../x"},
+            {"limit": "0"},
+            {"offset": "-1"},
+            {"limit": "x"},
+        ):
+            assert_error(client.get(f"{API}/attachments", bad, status=400), 400, "VALIDATION_ERROR")
+        info = data(client.get(f"{API}/system/info"))
+        assert info["attachments"] == {"count": 3, "bytes": 3 * len(PNG)}
+
+    def test_an_empty_root_lists_nothing(self, client, root):
+        assert data(client.get(f"{API}/attachments")) == {
+            "attachments": [],
+            "total": 0,
+            "limit": 100,
+            "offset": 0,
+        }
+        assert not (root / "attachments").exists()  # created by the first upload only
+
+    def test_delete_moves_it_into_the_notes_trash(self, client, root):
+        rec = data(upload(client, "attachments/old/scan.pdf", b"%PDF"))
+        resp = client.delete(
+            att_url("attachments/old/scan.pdf"), headers={"If-Match": '"x"'}, status=412
+        )
+        assert_error(resp, 412, "PRECONDITION_FAILED")
+        gone = data(
+            client.delete(att_url("attachments/old/scan.pdf"), headers={"If-Match": rec["etag"]})
+        )
+        assert gone["path"] == "attachments/old/scan.pdf"
+        assert gone["deleted"] is True
+        m = re.fullmatch(
+            r"\.notesvc/trash/(\d{8}T\d{6}\.\d{6}Z)/attachments/old/scan\.pdf", gone["trash"]
+        )
+        assert m, gone["trash"]
+        assert (root / gone["trash"]).read_bytes() == b"%PDF"  # the same layout as notes
+        assert not (root / "attachments" / "old").exists()  # its emptied folder is pruned
+        assert_error(client.get(att_url("attachments/old/scan.pdf"), status=404), 404, "NOT_FOUND")
+        assert_error(
+            client.delete(att_url("attachments/old/scan.pdf"), status=404), 404, "NOT_FOUND"
+        )
+
+    def test_move_rewrites_the_links_to_it(self, client, root):
+        upload(client, "attachments/trip/a.jpg")
+        put_note(
+            client,
+            "notes/days/monday.md",
+            '# Monday\n\n![beach](../../attachments/trip/a.jpg "Sea")\n',
+        )
+        put_note(
+            client,
+            "notes/index.md",
+            "[photo](/attachments/trip/a.jpg) and ![[a.jpg]] and [[trip/a.jpg|pic]]\n",
+        )
+        put_note(client, "notes/other.md", "![other](../attachments/trip/b.jpg) [a](a.md)\n")
+        url = att_url("attachments/trip/a.jpg")
+        body = {"path": "attachments/2026/sea.jpg", "updateLinks": True}
+        moved = data(client.patch_json(url + "/move", body))
+        assert moved["path"] == "attachments/2026/sea.jpg"
+        assert moved["from"] == "attachments/trip/a.jpg"
+        assert moved["linksUpdated"] == ["notes/days/monday.md", "notes/index.md"]
+        assert (
+            root / "notes/days/monday.md"
+        ).read_text() == '# Monday\n\n![beach](../../attachments/2026/sea.jpg "Sea")\n'
+        assert (
+            (root / "notes/index.md").read_text()
+            == "[photo](/attachments/2026/sea.jpg) and ![[sea.jpg]] and [[2026/sea.jpg|pic]]\n"
+        )
+        assert (
+            root / "notes/other.md"
+        ).read_text() == "![other](../attachments/trip/b.jpg) [a](a.md)\n"
+        assert client.get(att_url("attachments/2026/sea.jpg")).body == PNG
+        assert not (root / "attachments" / "trip").exists()
+        # Without updateLinks the notes stay as they are.
+        plain = data(
+            client.patch_json(
+                att_url("attachments/2026/sea.jpg") + "/move", {"path": "attachments/x.jpg"}
+            )
+        )
+        assert "linksUpdated" not in plain
+        assert "2026/sea.jpg" in (root / "notes/index.md").read_text()
+
+    def test_move_refusals(self, client, root):
+        rec = data(upload(client, "attachments/a.jpg"))
+        upload(client, "attachments/b.jpg", b"other")
+        url = att_url("attachments/a.jpg") + "/move"
+        assert_error(
+            client.patch_json(url, {"path": "attachments/b.jpg"}, status=409), 409, "CONFLICT"
+        )
+        assert_error(
+            client.patch_json(
+                url, {"path": "attachments/c.jpg"}, headers={"If-Match": '"x"'}, status=412
+            ),
+            412,
+            "PRECONDITION_FAILED",
+        )
+        assert_error(
+            client.patch_json(
+                att_url("attachments/none.jpg") + "/move", {"path": "attachments/c.jpg"}, status=404
+            ),
+            404,
+            "NOT_FOUND",
+        )
+        for body in (
+            {"path": "attachments/c.exe"},
+            {"path": "notes/c.md"},
+            {"path": 5},
+            {},
+            {"path": "attachments/c.jpg", "updateLinks": "yes"},
+        ):
+            assert_error(client.patch_json(url, body, status=400), 400, "VALIDATION_ERROR")
+        assert_error(
+            client.patch(url, b'{"path": ', content_type="application/json", status=400),
+            400,
+            "VALIDATION_ERROR",
+        )
+        assert_error(
+            client.patch(url, b"path=x", content_type="text/plain", status=415),
+            415,
+            "UNSUPPORTED_MEDIA_TYPE",
+        )
+        assert (root / "attachments/a.jpg").read_bytes() == PNG
+        assert (root / "attachments/b.jpg").read_bytes() == b"other"
+        same = data(
+            client.patch_json(url, {"path": "attachments/a.jpg"}, headers={"If-Match": rec["etag"]})
+        )
+        assert same["path"] == same["from"] == "attachments/a.jpg"
+
+    def test_a_moved_note_keeps_its_attachment_links_working(self, client, root):
+        upload(client, "attachments/x.jpg")
+        put_note(client, "notes/a.md", "![x](../attachments/x.jpg) ![[x.jpg]]\n")
+        moved = data(
+            client.patch_json(
+                note_url("notes/a.md") + "/move",
+                {"path": "notes/deep/er/a.md", "updateLinks": True},
+            )
+        )
+        assert moved["linksUpdated"] == ["notes/deep/er/a.md"]
+        assert (
+            root / "notes/deep/er/a.md"
+        ).read_text() == "![x](../../../attachments/x.jpg) ![[x.jpg]]\n"
+
+    def test_raw_put_refuses_a_multipart_body(self, client):
+        body, ctype = multipart(("path", "attachments/a.jpg"), ("file", b"x", "a.jpg"))
+        resp = client.put(att_url("attachments/a.jpg"), body, content_type=ctype, status=415)
+        assert (
+            "POST /api/v1/attachments"
+            in assert_error(resp, 415, "UNSUPPORTED_MEDIA_TYPE")["message"]
+        )
+
+    def test_a_crash_leftover_is_swept_at_start(self, make_app, root):
+        folder = root / "attachments"
+        folder.mkdir(parents=True)
+        (folder / ".tmp-abc.part").write_bytes(b"half an upload")
+        with_key(make_app())
+        assert leftovers(root) == []
+
+    def test_a_client_on_another_allowed_origin_may_ask_for_ranges(self, make_app):
+        app = make_app(SERVICE_CORS_ORIGINS="https://app.example")
+        pre = app.options(
+            att_url("attachments/a.mp4"),
+            headers={
+                "Origin": "https://app.example",
+                "Access-Control-Request-Method": "GET",
+                "Access-Control-Request-Headers": "range, if-none-match",
+            },
+            status=204,
+        )
+        allowed = pre.headers["Access-Control-Allow-Headers"]
+        assert "Range" in allowed
+        assert "If-None-Match" in allowed
+        client = with_key(app)
+        upload(client, "attachments/a.mp4")
+        got = client.get(
+            att_url("attachments/a.mp4"),
+            headers={"Origin": "https://app.example", "Range": "bytes=0-1"},
+            status=206,
+        )
+        assert "Content-Range" in got.headers["Access-Control-Expose-Headers"]
+
+    def test_every_route_needs_the_key(self, anon):
+        for method, url in (
+            ("GET", f"{API}/attachments"),
+            ("POST", f"{API}/attachments"),
+            ("GET", att_url("attachments/a.jpg")),
+            ("PUT", att_url("attachments/a.jpg")),
+            ("DELETE", att_url("attachments/a.jpg")),
+            ("PATCH", att_url("attachments/a.jpg") + "/move"),
+        ):
+            assert_error(anon.request(url, method=method, status=401), 401, "UNAUTHORIZED")
+
+
+class TestServerAttachments:
+    def test_uploads_get_their_own_body_limit_and_others_keep_theirs(self, tmp_path):
+        env = {"SERVICE_MAX_BODY_BYTES": "4096", "SERVICE_MAX_ATTACHMENT_BYTES": "65536"}
+        with running(tmp_path, "--auth-mode", "none", env=env) as server:
+            big = b"x" * 60000
+            req = urllib.request.Request(
+                server.url + att_url("attachments/a.zip"),
+                big,
+                {"Content-Type": "application/zip"},
+                method="PUT",
+            )
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                assert resp.status == 201
+            assert (tmp_path / "attachments" / "a.zip").read_bytes() == big
+            # Declared lengths over the limits are refused before any body is read.
+            for method, path, length, setting in (
+                ("POST", f"{API}/notes", 5000, "SERVICE_MAX_BODY_BYTES"),
+                ("PUT", note_url("notes/a.md"), 5000, "SERVICE_MAX_BODY_BYTES"),
+                (
+                    "PUT",
+                    att_url("attachments/b.zip"),
+                    70000 + 65536,
+                    "SERVICE_MAX_ATTACHMENT_BYTES",
+                ),
+                ("POST", f"{API}/attachments", 70000 + 65536, "SERVICE_MAX_ATTACHMENT_BYTES"),
+            ):
+                head = (
+                    f"{method} {path} HTTP/1.1\r\nHost: x\r\n"
+                    f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
+                )
+                started = time.monotonic()
+                status, _, text = raw_http(server.port, head.encode())
+                assert status == 413, text
+                assert time.monotonic() - started < 2
+                assert setting in text.decode()
+            # The app still holds a JSON body to SERVICE_MAX_BODY_BYTES on an upload's path.
+            status, _, _ = server.request(
+                "PATCH",
+                att_url("attachments/a.zip") + "/move",
+                {"path": "attachments/c.zip", "pad": "x" * 5000},
+            )
+            assert status == 413
+            # A chunked upload is counted too.
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+            conn.putrequest("PUT", att_url("attachments/chunked.zip"))
+            conn.putheader("Transfer-Encoding", "chunked")
+            conn.putheader("Content-Type", "application/zip")
+            conn.endheaders()
+            for _ in range(3):
+                conn.send(b"2710\r\n" + b"y" * 10000 + b"\r\n")
+            conn.send(b"0\r\n\r\n")
+            resp = conn.getresponse()
+            assert resp.status == 201, resp.read()
+            conn.close()
+            assert (tmp_path / "attachments" / "chunked.zip").read_bytes() == b"y" * 30000
+
+    def test_full_disk_is_507_and_leaves_nothing(self, tmp_path):
+        if os.geteuid() != 0 or not shutil.which("mount"):
+            pytest.skip("mounting a small tmpfs needs root")
+        disk = tmp_path / "disk"
+        disk.mkdir()
+        mounted = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)],
+            capture_output=True,
+            timeout=10,
+        )
+        if mounted.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode()[:200]}")
+        try:
+            with running(disk, "--auth-mode", "none") as server:
+                req = urllib.request.Request(
+                    server.url + att_url("attachments/deep/er/big.zip"),
+                    b"z" * 400_000,
+                    {"Content-Type": "application/zip"},
+                    method="PUT",
+                )
+                with pytest.raises(urllib.error.HTTPError) as caught:
+                    urllib.request.urlopen(req, timeout=10)
+                assert caught.value.code == 507
+                assert json.loads(caught.value.read())["error"]["code"] == "INSUFFICIENT_STORAGE"
+                assert not (disk / "attachments" / "deep").exists()
+                assert leftovers(disk) == []
+            assert "Traceback" not in "".join(server.lines)
+        finally:
+            subprocess.run(["umount", str(disk)], capture_output=True, timeout=10)
+
+
 # -- search ------------------------------------------------------------------------------
 
 
@@ -2866,7 +3584,7 @@ class TestHistory:
         channel = web_channel(client)
         save_by_channel(client, channel, "/save first thought")
         save_by_channel(client, channel, "/save second thought")
-        inbox = data(client.get(f"{API}/notes?folder=notes/inbox"))["notes"][0]["path"]
+        inbox = data(client.get(f"{API}/notes?folder=notes/daily"))["notes"][0]["path"]
         (kept,) = version_contents(client, inbox)
         assert "first thought" in kept
         assert "second thought" not in kept
@@ -3328,8 +4046,9 @@ class TestChanges:
 
     def test_channels_plugins_and_link_rewrites_are_in_the_feed(self, client):
         channel = web_channel(client)
-        save_by_channel(client, channel, "/save an idea")
-        client.post(f"{API}/plugins/daily/today", status=201)
+        save_by_channel(client, channel, "/save an idea")  # creates today's daily note
+        client.post(f"{API}/plugins/daily/today", status=200)  # which is there already
+        save_by_channel(client, channel, "/save another")
         put_note(client, "notes/t.md", "# T")
         put_note(client, "notes/l.md", "[[t]]")
         client.patch_json(
@@ -3337,8 +4056,8 @@ class TestChanges:
         )
         kinds = [(c["kind"], c["path"].split("/")[1]) for c in feed(client)["changes"]]
         assert kinds == [
-            ("created", "inbox"),
             ("created", "daily"),
+            ("updated", "daily"),
             ("created", "t.md"),
             ("created", "l.md"),
             ("moved", "u.md"),
@@ -4087,24 +4806,75 @@ class TestServerSearch:
 
 
 class FakeUpstream:
-    """A loopback HTTP server speaking the OpenAI chat-completions, Telegram Bot API and
-    WhatsApp Cloud API formats, recording every request it receives."""
+    """A loopback HTTP server speaking the OpenAI chat-completions and /audio/transcriptions,
+    Telegram Bot API and WhatsApp Cloud API formats.
+
+    `requests` records what it is sent (chat completions, sendMessage, WhatsApp messages,
+    transcriptions); the Bot API's own bookkeeping, which pollers call in the background
+    (getUpdates, setWebhook, deleteWebhook, getFile), goes to `bot_calls`, and GETs
+    (file and media downloads) to `downloads`. Telegram updates queued with push() are
+    handed out by getUpdates with Telegram's offset rules and long-poll time-out (held at
+    most `max_hold` seconds); setWebhook makes getUpdates answer 409 until deleteWebhook.
+    """
+
+    BOT_METHODS = ("getUpdates", "setWebhook", "deleteWebhook", "getFile", "getMe")
+    WHATSAPP_TOKEN = "EAAG-whatsapp-token"
 
     def __init__(self):
         self.requests: list = []
+        self.bot_calls: list = []
+        self.downloads: list = []
         self.status = 200
         self.delay = 0.0
         self.reply = "The spare keys are under the blue flowerpot (notes/home/keys.md)."
         self.raw = None  # bytes to answer instead of the usual JSON
+        self.updates: list = []  # queued Telegram updates (push)
+        self.next_update_id = 500000
+        self.max_hold = 1.0
+        self.polls = 0
+        self.poll_status = 200  # getUpdates answers this (e.g. 401: a revoked token)
+        self.poll_error = "Unauthorized"  # ... with this description
+        self.webhook: dict | None = None
+        self.webhook_error = ""  # setWebhook refuses with this description
+        self.files: dict = {}  # Telegram file_id -> (file_path, bytes)
+        self.media: dict = {}  # WhatsApp media id -> (mime type, bytes)
+        self.transcript = "Remember to buy oat milk and call the plumber."
+        self.closed = False
+        self.cond = threading.Condition()
         fake = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
             def log_message(self, *args):
                 pass
 
+            def _send(self, status: int, payload: bytes, ctype: str = "application/json"):
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                with contextlib.suppress(OSError):
+                    self.wfile.write(payload)
+
             def do_POST(self):
                 length = int(self.headers.get("Content-Length", 0))
-                body = json.loads(self.rfile.read(length) or b"null")
+                raw = self.rfile.read(length)
+                path = self.path.split("?")[0]
+                method = path.rsplit("/", 1)[-1]
+                if path.endswith("/audio/transcriptions"):
+                    form = fake.parse_form(raw, self.headers.get("Content-Type", ""))
+                    fake.requests.append(
+                        {"path": self.path, "headers": dict(self.headers), "form": form}
+                    )
+                    if "file" not in form:
+                        return self._send(400, b'{"error": {"message": "no file"}}')
+                    return self._send(200, json.dumps({"text": fake.transcript}).encode())
+                body = json.loads(raw or b"null")
+                if path.startswith("/bot") and method in fake.BOT_METHODS:
+                    fake.bot_calls.append({"path": self.path, "json": body})
+                    status, answer = fake.bot_api(method, body)
+                    return self._send(status, json.dumps(answer).encode())
                 fake.requests.append(
                     {"path": self.path, "headers": dict(self.headers), "json": body}
                 )
@@ -4114,12 +4884,38 @@ class FakeUpstream:
                     if fake.raw is not None
                     else json.dumps(fake.answer(self.path, body)).encode()
                 )
-                self.send_response(fake.status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                with contextlib.suppress(OSError):
-                    self.wfile.write(payload)
+                self._send(fake.status, payload)
+
+            def do_GET(self):
+                path = urllib.parse.unquote(self.path.split("?")[0])
+                fake.downloads.append({"path": path, "headers": dict(self.headers)})
+                m = re.match(r"^/file/bot[^/]+/(.+)$", path)
+                if m:
+                    found = [data for p, data in fake.files.values() if p == m.group(1)]
+                    if not found:
+                        return self._send(404, b'{"ok": false, "description": "Not Found"}')
+                    return self._send(200, found[0], "application/octet-stream")
+                bearer = self.headers.get("Authorization") == f"Bearer {fake.WHATSAPP_TOKEN}"
+                m = re.match(r"^/v21\.0/([^/]+)$", path)
+                if m and m.group(1) in fake.media:
+                    if not bearer:
+                        return self._send(401, b'{"error": {"code": 190}}')
+                    mime, data = fake.media[m.group(1)]
+                    info = {
+                        "messaging_product": "whatsapp",
+                        "url": f"{fake.url}/whatsapp-media/{m.group(1)}?ext=1",
+                        "mime_type": mime,
+                        "file_size": len(data),
+                        "id": m.group(1),
+                    }
+                    return self._send(200, json.dumps(info).encode())
+                m = re.match(r"^/whatsapp-media/([^/]+)$", path)
+                if m and m.group(1) in fake.media:
+                    if not bearer:
+                        return self._send(401, b"")
+                    mime, data = fake.media[m.group(1)]
+                    return self._send(200, data, mime)
+                self._send(404, b'{"error": "unknown path"}')
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
@@ -4127,6 +4923,90 @@ class FakeUpstream:
         threading.Thread(
             target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
         ).start()
+
+    @staticmethod
+    def parse_form(raw: bytes, ctype: str) -> dict:
+        """Return {name: (filename, bytes)} of a multipart/form-data body."""
+        import email.parser
+        import email.policy
+
+        msg = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
+            f"Content-Type: {ctype}\r\n\r\n".encode() + raw
+        )
+        if not msg.is_multipart():
+            return {}
+        return {
+            part.get_param("name", header="content-disposition"): (
+                part.get_filename(),
+                part.get_payload(decode=True),
+            )
+            for part in msg.iter_parts()
+        }
+
+    def push(self, update: dict) -> int:
+        """Queue a Telegram update for getUpdates; return its update_id."""
+        with self.cond:
+            self.next_update_id += 1
+            self.updates.append({**update, "update_id": self.next_update_id})
+            self.cond.notify_all()
+            return self.next_update_id
+
+    def add_file(self, file_id: str, file_path: str, data: bytes) -> None:
+        self.files[file_id] = (file_path, data)
+
+    def bot_api(self, method: str, body: dict) -> tuple:
+        if method == "getUpdates":
+            if self.poll_status != 200:
+                answer = {
+                    "ok": False,
+                    "error_code": self.poll_status,
+                    "description": self.poll_error,
+                }
+                return self.poll_status, answer
+            if self.webhook is not None:
+                return 409, {
+                    "ok": False,
+                    "error_code": 409,
+                    "description": "Conflict: can't use getUpdates method while webhook is "
+                    "active; use deleteWebhook to delete the webhook first",
+                }
+            offset = body.get("offset", 0)
+            deadline = time.monotonic() + min(body.get("timeout", 0), self.max_hold)
+            with self.cond:
+                self.polls += 1
+                self.updates = [u for u in self.updates if u["update_id"] >= offset]
+                while not self.updates and not self.closed:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self.cond.wait(left)
+                return 200, {"ok": True, "result": list(self.updates[:100])}
+        if method == "setWebhook":
+            if self.webhook_error:
+                return 400, {"ok": False, "error_code": 400, "description": self.webhook_error}
+            self.webhook = body
+            return 200, {"ok": True, "result": True, "description": "Webhook was set"}
+        if method == "deleteWebhook":
+            self.webhook = None
+            return 200, {"ok": True, "result": True, "description": "Webhook was deleted"}
+        if method == "getFile":
+            found = self.files.get(body.get("file_id"))
+            if found is None:
+                return 400, {
+                    "ok": False,
+                    "error_code": 400,
+                    "description": "Bad Request: invalid file_id",
+                }
+            return 200, {
+                "ok": True,
+                "result": {
+                    "file_id": body["file_id"],
+                    "file_unique_id": "u" + body["file_id"],
+                    "file_size": len(found[1]),
+                    "file_path": found[0],
+                },
+            }
+        return 200, {"ok": True, "result": {"id": 1, "is_bot": True, "username": "notes_bot"}}
 
     def answer(self, path: str, body: dict) -> dict:
         path = path.split("?")[0]
@@ -4158,7 +5038,21 @@ class FakeUpstream:
             }
         return {"error": "unknown path"}
 
+    def sent(self) -> list:
+        """Return the texts sent through sendMessage and WhatsApp /messages, in order."""
+        out = []
+        for r in self.requests:
+            body = r.get("json") or {}
+            if "/sendMessage" in r["path"]:
+                out.append(body["text"])
+            elif r["path"].endswith("/messages"):
+                out.append(body["text"]["body"])
+        return out
+
     def close(self):
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
         self.server.shutdown()
         self.server.server_close()
 
@@ -4204,8 +5098,8 @@ def telegram_update(text, chat_id=42, **extra):
 
 def whatsapp_update(text, number="15551234567"):
     message = {"from": number, "id": "wamid.ID", "timestamp": "1763731200"}
-    if text is None:
-        message.update(type="image", image={"id": "img", "mime_type": "image/jpeg"})
+    if text is None:  # no text and nothing to capture: a shared location
+        message.update(type="location", location={"latitude": 52.52, "longitude": 13.40})
     else:
         message.update(type="text", text={"body": text})
     return {
@@ -4291,14 +5185,22 @@ class TestAgent:
         assert d["reply"].startswith("Nothing in your notes matches")
         assert d["sources"] == []
 
-    def test_note_path_is_quoted_first(self, app):
+    def test_note_path_comes_first_only_when_it_matches(self, app):
+        client = app()
         d = data(
-            app().post_json(
+            client.post_json(
                 f"{API}/agent/chat", {"message": "what about tomatoes", "notePath": "notes/work.md"}
+            )
+        )  # issue 16: the open note no longer comes first whatever the question
+        assert [s["path"] for s in d["sources"]] == ["notes/garden.md"]
+        assert "Tuesday" not in d["reply"]
+        put_note(client, "notes/more.md", "# More\n\nTomatoes again, and the meeting moved.")
+        d = data(
+            client.post_json(
+                f"{API}/agent/chat", {"message": "the meeting", "notePath": "notes/work.md"}
             )
         )
         assert d["sources"][0]["path"] == "notes/work.md"
-        assert "notes/garden.md" in [s["path"] for s in d["sources"]]
 
     @pytest.mark.parametrize(
         ("body", "status"),
@@ -4610,21 +5512,21 @@ class TestChannels:
         resp = self.hook(client, "web", web_update("hi"), "wrong", 429)
         assert_error(resp, 429, "RATE_LIMITED")
 
-    def test_telegram_save_writes_inbox_and_replies(self, client, upstream, root):
+    def test_telegram_save_writes_the_daily_note_and_replies(self, client, upstream, root):
         ch = self.create(client, "telegram", allowedChatIds=[42])
         resp = self.hook(
             client, "telegram", telegram_update("/save buy milk"), ch["secret"], how="telegram"
         )
         assert data(resp) == {"handled": True, "delivered": True}
-        inbox = list((root / "notes" / "inbox").glob("*.md"))
+        inbox = list((root / "notes" / "daily").glob("*.md"))  # CONTRACT 20: the daily note
         assert len(inbox) == 1
         text = inbox[0].read_text()
         assert re.search(r"^- \d\d:\d\d buy milk$", text, re.M)
-        assert text.startswith("# Inbox ")
+        assert text.startswith("# " + notesvc.day_note(notesvc.dt.date.today())[1])
         sent = upstream.requests[-1]
         assert sent["path"] == "/bot123456:ABC-telegram-token/sendMessage"
         assert sent["json"]["chat_id"] == "42"
-        assert "Saved to notes/inbox/" in sent["json"]["text"]
+        assert "Saved to notes/daily/" in sent["json"]["text"]
         # A second /save appends to the same note; the index follows.
         self.hook(client, "telegram", telegram_update("/save@my_bot call mum"), ch["secret"])
         assert "call mum" in inbox[0].read_text()
@@ -4937,6 +5839,722 @@ class TestChannels:
             notesvc.CHANNEL_PROVIDERS.pop("pigeon", None)
 
 
+# -- capture: photos, voice and files from the channels, commands, polling, reminders ----------
+
+OGG = b"OggS\x00\x02" + bytes(range(200))
+
+
+def photo_update(*sizes: tuple, caption: str | None = None, chat_id: int = 42) -> dict:
+    """A Telegram photo message: sizes are (file_id, width, height, file_size)."""
+    photo = [
+        {"file_id": f, "file_unique_id": f"u{f}", "width": w, "height": h, "file_size": n}
+        for f, w, h, n in sizes
+    ]
+    extra = {"caption": caption} if caption else {}
+    return telegram_update(None, chat_id, photo=photo, **extra)
+
+
+def today_note(client, folder: str = "notes/daily") -> Path:
+    day = notesvc.local_now(client.app.service).date()
+    return client.app.service.config.root / folder / f"{day:%Y-%m-%d}.md"
+
+
+def whatsapp_media(kind: str, media_id: str, number: str = "15551234567", **fields) -> dict:
+    update = whatsapp_update("x", number)
+    message = update["entry"][0]["changes"][0]["value"]["messages"][0]
+    del message["text"]
+    message.update(type=kind, **{kind: {"id": media_id, **fields}})
+    return update
+
+
+def whatsapp_signature(body: bytes, secret: str) -> str:
+    import hashlib
+    import hmac
+
+    return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+
+
+class TestCapture:
+    @pytest.fixture
+    def client(self, make_app, upstream):
+        return with_key(
+            make_app(
+                SERVICE_TELEGRAM_API_BASE=upstream.url,
+                SERVICE_WHATSAPP_API_BASE=upstream.url + "/v21.0",
+                SERVICE_TRANSCRIBE_URL=upstream.url + "/v1",
+                SERVICE_TRANSCRIBE_API_KEY="tr-key-123",
+            )
+        )
+
+    def create(self, client, provider="telegram", status=201, **config):
+        base = {**MINIMAL_CONFIG[provider]}
+        if provider == "telegram":
+            base.update(allowedChatIds=[42], mode="webhook")
+        elif provider == "whatsapp":
+            base.update(allowedNumbers=["15551234567"])
+        body = {"provider": provider, "config": {**base, **config}}
+        return data(client.post_json(f"{API}/channels", body, status=status))
+
+    def hook(self, client, provider, payload, secret, status=200, headers=None):
+        anon = webtest.TestApp(client.app)
+        headers = {"X-Service-Channel-Secret": secret, **(headers or {})} if secret else headers
+        return anon.post_json(
+            f"{API}/channels/webhook/{provider}", payload, headers=headers or {}, status=status
+        )
+
+    def test_a_photo_becomes_an_attachment_linked_from_the_daily_note(self, client, upstream):
+        ch = self.create(client)
+        upstream.add_file("ph-s", "photos/file_6.jpg", b"small")
+        upstream.add_file("ph-b", "photos/file_7.jpg", PNG)
+        update = photo_update(("ph-s", 90, 67, 5), ("ph-b", 1280, 960, len(PNG)), caption="Beach")
+        assert data(self.hook(client, "telegram", update, ch["secret"])) == {
+            "handled": True,
+            "delivered": True,
+        }
+        text = today_note(client).read_text()
+        m = re.search(
+            r"^- \d\d:\d\d !\[photo\]\(\.\./\.\./(attachments/inbox/\d{4}-\d\d-\d\d/"
+            r"\d{6}-photo\.jpg)\) Beach$",
+            text,
+            re.M,
+        )
+        assert m, text
+        assert text.startswith("# " + notesvc.day_note(notesvc.local_now(client.app.service))[1])
+        assert client.get(att_url(m.group(1))).body == PNG  # the largest size was fetched
+        files = [c["json"]["file_id"] for c in upstream.bot_calls if "/getFile" in c["path"]]
+        assert files == ["ph-b"]
+        assert (
+            upstream.downloads[-1]["path"] == "/file/bot123456:ABC-telegram-token/photos/file_7.jpg"
+        )
+        note = str(today_note(client).relative_to(client.app.service.config.root))
+        assert upstream.sent()[-1] == f"Saved the photo to {note}."
+        # The same photo again gets its own file, never overwriting the first.
+        self.hook(client, "telegram", update, ch["secret"])
+        assert len(re.findall(r"-photo(?:-2)?\.jpg", today_note(client).read_text())) == 2
+
+    def test_a_voice_message_is_transcribed_under_its_link(self, client, upstream):
+        ch = self.create(client)
+        upstream.add_file("vc1", "voice/file_3.oga", OGG)
+        voice = {"file_id": "vc1", "file_unique_id": "v", "duration": 4, "mime_type": "audio/ogg"}
+        self.hook(client, "telegram", telegram_update(None, voice=voice), ch["secret"])
+        text = today_note(client).read_text()
+        m = re.search(
+            r"^- \d\d:\d\d \[voice message\]\(\.\./\.\./(attachments/inbox/[^)]+-voice\.ogg)\)\n"
+            r"  > Remember to buy oat milk and call the plumber\.$",
+            text,
+            re.M,
+        )
+        assert m, text
+        assert client.get(att_url(m.group(1))).body == OGG
+        asked = next(r for r in upstream.requests if r["path"] == "/v1/audio/transcriptions")
+        assert asked["headers"]["Authorization"] == "Bearer tr-key-123"
+        assert asked["form"]["model"] == (None, b"whisper-1")
+        assert asked["form"]["file"][0].endswith("voice.ogg")
+        assert asked["form"]["file"][1] == OGG
+        assert "call the plumber" in upstream.sent()[-1]
+        assert hits(client, "plumber") == [
+            str(today_note(client).relative_to(client.app.service.config.root))
+        ]
+
+    def test_without_a_transcription_service_the_audio_is_kept_and_said_so(
+        self, make_app, upstream
+    ):
+        client = with_key(make_app(SERVICE_TELEGRAM_API_BASE=upstream.url))
+        ch = self.create(client)
+        upstream.add_file("au1", "music/file_1.mp3", b"ID3" + bytes(50))
+        audio = {"file_id": "au1", "mime_type": "audio/mpeg", "file_name": "Idea 1.mp3"}
+        self.hook(client, "telegram", telegram_update(None, audio=audio), ch["secret"])
+        text = today_note(client).read_text()
+        assert re.search(
+            r"\[Idea 1\.mp3\]\(\.\./\.\./attachments/inbox/[^)]+-Idea-1\.mp3\) \(not transcribed\)",
+            text,
+        ), text
+        assert "SERVICE_TRANSCRIBE_URL is not set" in upstream.sent()[-1]
+        assert not [r for r in upstream.requests if "transcriptions" in r["path"]]
+
+    def test_a_failed_transcription_keeps_the_audio(self, make_app, upstream, caplog):
+        client = with_key(
+            make_app(
+                SERVICE_TELEGRAM_API_BASE=upstream.url,
+                SERVICE_TRANSCRIBE_URL=NOWHERE + "/v1/audio/transcriptions",
+            )
+        )
+        ch = self.create(client)
+        upstream.add_file("vc2", "voice/file_4.oga", OGG)
+        voice = {"file_id": "vc2", "mime_type": "audio/ogg"}
+        self.hook(client, "telegram", telegram_update(None, voice=voice), ch["secret"])
+        text = today_note(client).read_text()
+        assert "(transcription failed: " in text
+        assert len(data(client.get(f"{API}/attachments"))["attachments"]) == 1
+        assert any("transcription failed" in r.getMessage() for r in caplog.records)
+
+    def test_files_of_other_types_or_over_the_limit_are_not_saved(self, make_app, upstream, root):
+        client = with_key(
+            make_app(SERVICE_TELEGRAM_API_BASE=upstream.url, SERVICE_MAX_ATTACHMENT_BYTES="4096")
+        )
+        ch = self.create(client)
+        exe = {"file_id": "d1", "file_name": "setup.exe", "mime_type": "application/x-msdownload"}
+        self.hook(client, "telegram", telegram_update(None, document=exe), ch["secret"])
+        assert "not accepted" in upstream.sent()[-1]
+        big = {
+            "file_id": "d2",
+            "file_name": "scan.pdf",
+            "mime_type": "application/pdf",
+            "file_size": 5000,
+        }
+        self.hook(client, "telegram", telegram_update(None, document=big), ch["secret"])
+        assert "over 4096 bytes" in upstream.sent()[-1]
+        assert not [c for c in upstream.bot_calls if "/getFile" in c["path"]]  # nothing fetched
+        # A size Telegram did not announce is enforced while downloading.
+        upstream.add_file("d3", "documents/file_9.pdf", b"%PDF" + b"x" * 5000)
+        quiet = {"file_id": "d3", "file_name": "quiet.pdf", "mime_type": "application/pdf"}
+        self.hook(client, "telegram", telegram_update(None, document=quiet), ch["secret"])
+        assert "over 4096 bytes" in upstream.sent()[-1]
+        assert not (root / "attachments").exists() or not list(
+            (root / "attachments").rglob("*.pdf")
+        )
+        assert leftovers(root) == []
+        assert not today_note(client).exists()  # nothing saved, nothing written
+        # A named document of an accepted type is kept under its own name.
+        upstream.add_file("d4", "documents/file_10.pdf", b"%PDF-1.7")
+        named = {
+            "file_id": "d4",
+            "file_name": "Tax return 2026.pdf",
+            "mime_type": "application/pdf",
+        }
+        self.hook(client, "telegram", telegram_update(None, document=named), ch["secret"])
+        assert "[Tax return 2026.pdf](../../attachments/inbox/" in today_note(client).read_text()
+
+    def test_whatsapp_image_and_voice_are_fetched_with_the_bearer_token(self, client, upstream):
+        ch = self.create(client, "whatsapp")
+        upstream.media["img-1"] = ("image/jpeg", PNG)
+        upstream.media["aud-1"] = ("audio/ogg; codecs=opus", OGG)
+        image = whatsapp_media("image", "img-1", mime_type="image/jpeg", caption="Receipt")
+        assert data(self.hook(client, "whatsapp", image, ch["secret"]))["handled"] is True
+        voice = whatsapp_media("audio", "aud-1", mime_type="audio/ogg; codecs=opus", voice=True)
+        self.hook(client, "whatsapp", voice, ch["secret"])
+        text = today_note(client).read_text()
+        assert re.search(
+            r"!\[photo\]\(\.\./\.\./attachments/inbox/[^)]+-photo\.jpg\) Receipt", text
+        )
+        assert re.search(
+            r"\[voice message\]\([^)]+-voice\.ogg\)\n  > Remember to buy oat milk", text
+        )
+        fetched = [
+            d for d in upstream.downloads if "whatsapp-media" in d["path"] or "/v21.0/" in d["path"]
+        ]
+        assert len(fetched) == 4
+        assert all(d["headers"]["Authorization"] == "Bearer EAAG-whatsapp-token" for d in fetched)
+        assert upstream.requests[-1]["json"]["to"] == "15551234567"
+        assert "Saved the photo" in upstream.sent()[-2]
+
+    def test_hostile_file_names_and_media_urls_go_nowhere(self, client, upstream, root):
+        ch = self.create(client)
+        upstream.add_file("h1", "documents/../../etc/passwd", b"root:x:0:0")
+        doc = {"file_id": "h1", "file_name": "../../notes/evil.pdf", "mime_type": "application/pdf"}
+        self.hook(client, "telegram", telegram_update(None, document=doc), ch["secret"])
+        assert "not saved" in upstream.sent()[-1]  # Telegram's path with .. is not followed
+        upstream.add_file("h2", "documents/file_2.pdf", b"%PDF")
+        doc = {"file_id": "h2", "file_name": "../../notes/evil.pdf", "mime_type": "application/pdf"}
+        self.hook(client, "telegram", telegram_update(None, document=doc), ch["secret"])
+        saved = data(client.get(f"{API}/attachments"))["attachments"]
+        assert [a["path"].rsplit("/", 1)[-1][7:] for a in saved] == ["notes-evil.pdf"]
+        assert saved[0]["path"].startswith("attachments/inbox/")
+        assert not (root / "notes" / "evil.pdf").exists()
+        # A media URL on another plain-HTTP origin never gets the WhatsApp token.
+        wa = self.create(client, "whatsapp")
+        other = FakeUpstream()
+        try:
+            upstream.media["m1"] = ("image/jpeg", PNG)
+            original = upstream.url
+            upstream.url = other.url  # the Graph API answers with a URL elsewhere
+            image = whatsapp_media("image", "m1", mime_type="image/jpeg")
+            self.hook(client, "whatsapp", image, wa["secret"])
+            upstream.url = original
+            assert other.downloads == []
+            assert "not https" in upstream.sent()[-1]
+        finally:
+            other.close()
+
+    def test_commands_and_save_to(self, client, upstream, root):
+        ch = self.create(client)
+
+        def say(text):
+            self.hook(client, "telegram", telegram_update(text), ch["secret"])
+            return upstream.sent()[-1]
+
+        assert "/save <text>" in say("/help")
+        assert "/save <text>" in say("/start")
+        assert "Unknown command /frobnicate" in say("/frobnicate now")
+        assert say("/save") == "Usage: /save <text to keep>"
+        assert say("/ask") == "Usage: /ask <question>"
+        assert say("/search") == "Usage: /search <words>"
+        assert say("/today").startswith("Nothing in notes/daily/")
+        say("/save first thought")
+        today = say("/today")
+        assert today.startswith("notes/daily/")
+        assert "first thought" in today
+        put_note(client, "notes/home/keys.md", KEYS_NOTE)
+        assert "flowerpot" in say("/ask where are the spare keys?")
+        # saveTo: /save and captures go to a note per day in that folder.
+        client.patch_json(f"{API}/channels/{ch['id']}", {"config": {"saveTo": "notes/journal"}})
+        assert say("/save second thought").startswith("Saved to notes/journal/")
+        assert "second thought" in today_note(client, "notes/journal").read_text()
+        assert "second thought" not in today_note(client).read_text()
+        assert "second thought" in say("/today")
+        upstream.add_file("ph", "photos/p.jpg", PNG)
+        self.hook(client, "telegram", photo_update(("ph", 10, 10, len(PNG))), ch["secret"])
+        assert "](../../attachments/inbox/" in today_note(client, "notes/journal").read_text()
+
+    @pytest.mark.parametrize(
+        "config",
+        [
+            {"mode": "carrier-pigeon"},
+            {"mode": 1},
+            {"notify": "yes"},
+            {"saveTo": "../etc"},
+            {"saveTo": "journal"},
+            {"saveTo": "notes/.hidden"},
+            {"saveTo": 5},
+            {"appSecret": "x"},  # a WhatsApp field
+        ],
+    )
+    def test_new_config_fields_are_validated(self, client, config):
+        resp = client.post_json(
+            f"{API}/channels",
+            {"provider": "telegram", "config": {**MINIMAL_CONFIG["telegram"], **config}},
+            status=400,
+        )
+        assert_error(resp, 400, "VALIDATION_ERROR")
+
+    def test_webhook_mode_sets_the_webhook_with_the_secret(self, client, upstream):
+        ch = self.create(client)
+        assert upstream.webhook == {
+            "url": ch["webhookUrl"],
+            "secret_token": ch["secret"],
+            "allowed_updates": ["message", "edited_message", "channel_post"],
+            "drop_pending_updates": False,
+        }
+        assert ch["status"]["ok"] is True
+        upstream.webhook = None
+        changed = data(
+            client.patch_json(f"{API}/channels/{ch['id']}", {"config": {"allowedChatIds": [42, 7]}})
+        )
+        assert upstream.webhook["secret_token"] == ch["secret"]  # PATCH sets it again
+        assert changed["status"]["ok"] is True
+
+    def test_a_refused_set_webhook_is_shown_not_failed(self, client, upstream, caplog):
+        upstream.webhook_error = (
+            "Bad Request: bad webhook: An HTTPS URL must be provided for webhook"
+        )
+        ch = self.create(client)  # still 201
+        assert ch["status"]["ok"] is False
+        assert "HTTPS URL must be provided" in ch["status"]["error"]
+        shown = data(client.get(f"{API}/channels/{ch['id']}"))
+        assert shown["status"] == ch["status"]
+        logged = "\n".join(r.getMessage() for r in caplog.records)
+        assert "HTTPS URL must be provided" in logged
+        for secret in (ch["secret"], "ABC-telegram-token"):
+            assert secret not in logged
+            assert secret not in json.dumps(shown)
+
+    def test_an_unreachable_telegram_is_shown_not_failed(self, make_app):
+        client = with_key(make_app())  # the Bot API base is a closed port
+        body = {"provider": "telegram", "config": {**MINIMAL_CONFIG["telegram"], "mode": "webhook"}}
+        ch = data(client.post_json(f"{API}/channels", body, status=201))
+        assert ch["status"]["ok"] is False
+        assert ch["status"]["error"]
+        assert "ABC-telegram-token" not in ch["status"]["error"]
+
+    def test_a_channel_stored_before_modes_stays_a_webhook(self, client, upstream, root):
+        ch = self.create(client)
+        state_file = root / ".notesvc" / "state.json"
+        state = json.loads(state_file.read_text())
+        for field in ("mode", "saveTo", "notify"):
+            del state["channels"][0]["config"][field]
+        state_file.write_text(json.dumps(state))
+        changed = data(client.patch_json(f"{API}/channels/{ch['id']}", {"name": "old bot"}))
+        assert "mode" not in changed["config"]  # a name change leaves the config alone
+        changed = data(
+            client.patch_json(f"{API}/channels/{ch['id']}", {"config": {"notify": True}})
+        )
+        assert changed["config"]["mode"] == "webhook"
+        assert client.app.service.pollers.running() == []
+
+    def test_whatsapp_with_an_app_secret_needs_meta_s_signature(self, client, upstream):
+        ch = self.create(client, "whatsapp", appSecret="meta-app-secret")
+        assert ch["config"]["appSecret"] == "meta-app-secret"
+        listed = data(client.get(f"{API}/channels/{ch['id']}"))
+        assert "meta-app-secret" not in json.dumps(listed)
+        body = json.dumps(whatsapp_update("/search tomatoes")).encode()
+        anon = webtest.TestApp(client.app)
+        url = f"{API}/channels/webhook/whatsapp"
+
+        def post(headers, status, query=""):
+            return anon.post(
+                url + query,
+                body,
+                headers={"Content-Type": "application/json", **headers},
+                status=status,
+            )
+
+        good = whatsapp_signature(body, "meta-app-secret")
+        # The signature alone authenticates: no secret in the URL needed.
+        assert data(post({"X-Hub-Signature-256": good}, 200))["handled"] is True
+        # With the secret, the signature is still required, and must be right.
+        assert_error(post({}, 401, f"?secret={ch['secret']}"), 401, "UNAUTHORIZED")
+        wrong = whatsapp_signature(body, "another-secret")
+        assert_error(
+            post({"X-Hub-Signature-256": wrong}, 401, f"?secret={ch['secret']}"),
+            401,
+            "UNAUTHORIZED",
+        )
+        assert (
+            data(post({"X-Hub-Signature-256": good}, 200, f"?secret={ch['secret']}"))["handled"]
+            is True
+        )
+        tampered = whatsapp_signature(body + b" ", "meta-app-secret")
+        assert_error(post({"X-Hub-Signature-256": tampered}, 401), 401, "UNAUTHORIZED")
+        assert_error(post({"X-Hub-Signature-256": "sha256=" + "0" * 64}, 401), 401, "UNAUTHORIZED")
+        # A channel without an app secret is not reached by a signature.
+        plain = self.create(client, "whatsapp", phoneNumberId="2")
+        assert plain["config"]["appSecret"] == ""
+        other = whatsapp_signature(body, "")
+        assert_error(post({"X-Hub-Signature-256": other}, 401), 401, "UNAUTHORIZED")
+        # Bad signatures count toward the lockout.
+        for _ in range(10):
+            post({"X-Hub-Signature-256": wrong}, [401, 429])
+        assert_error(post({"X-Hub-Signature-256": good}, 429), 429, "RATE_LIMITED")
+
+    def test_the_audit_flags_unsigned_whatsapp_and_query_secrets(self, client, upstream):
+        signed = self.create(client, "whatsapp", appSecret="meta-app-secret")
+        unsigned = self.create(client, "whatsapp", phoneNumberId="2")
+        found = {f["id"]: f["severity"] for f in audit(client)["findings"]}
+        assert found[f"channel-unsigned-{unsigned['id']}"] == "high"
+        assert f"channel-unsigned-{signed['id']}" not in found
+        anon = webtest.TestApp(client.app)
+        anon.post_json(
+            f"{API}/channels/webhook/whatsapp?secret={unsigned['secret']}", whatsapp_update("hi")
+        )
+        found = {f["id"]: f["severity"] for f in audit(client)["findings"]}
+        assert found["secret-in-query"] == "medium"
+
+
+class TestPolling:
+    @pytest.fixture
+    def client(self, make_app, upstream):
+        return with_key(make_app(SERVICE_TELEGRAM_API_BASE=upstream.url))
+
+    def create(self, client, **config):
+        body = {
+            "provider": "telegram",
+            "config": {**MINIMAL_CONFIG["telegram"], "allowedChatIds": [42], **config},
+        }
+        return data(client.post_json(f"{API}/channels", body, status=201))
+
+    def test_a_new_telegram_channel_polls_and_handles_updates(self, client, upstream, root):
+        ch = self.create(client)
+        assert ch["config"]["mode"] == "polling"  # the default for a new channel
+        assert upstream.webhook is None  # no setWebhook in polling mode
+        wait_for(lambda: client.app.service.pollers.running() == [ch["id"]])
+        first = upstream.push(telegram_update("/save from the bus"))
+        wait_for(
+            lambda: today_note(client).exists() and "from the bus" in today_note(client).read_text()
+        )
+        wait_for(lambda: upstream.sent())
+        assert upstream.sent()[-1].startswith("Saved to notes/daily/")
+        offsets = root / ".notesvc" / "channel-offsets.json"
+        wait_for(
+            lambda: offsets.exists() and json.loads(offsets.read_text()) == {ch["id"]: first + 1}
+        )
+        assert stat.S_IMODE(os.stat(offsets).st_mode) == 0o600
+        polls = [c["json"] for c in upstream.bot_calls if c["path"].endswith("/getUpdates")]
+        assert polls[0]["timeout"] == 25
+        assert polls[0]["allowed_updates"] == ["message", "edited_message", "channel_post"]
+        wait_for(
+            lambda: any(
+                c["json"].get("offset") == first + 1
+                for c in upstream.bot_calls
+                if c["path"].endswith("/getUpdates")
+            )
+        )
+        # A stranger's update is refused like a webhook's.
+        upstream.push(telegram_update("let me in", chat_id=666))
+        wait_for(lambda: data(client.get(f"{API}/channels/{ch['id']}"))["refusedSenders"])
+
+    def test_a_webhook_in_the_way_is_deleted(self, client, upstream):
+        upstream.webhook = {"url": "https://old.example/hook"}
+        upstream.push(telegram_update("/save after the webhook"))
+        self.create(client)
+        wait_for(lambda: today_note(client).exists())
+        assert upstream.webhook is None
+        assert any(c["path"].endswith("/deleteWebhook") for c in upstream.bot_calls)
+        assert [c["json"] for c in upstream.bot_calls if c["path"].endswith("/deleteWebhook")] == [
+            {"drop_pending_updates": False}
+        ]
+
+    def test_switching_off_or_deleting_stops_the_poller_at_once(self, client, upstream):
+        upstream.max_hold = 30  # a long poll is in flight when the channel stops
+        ch = self.create(client)
+        pollers = client.app.service.pollers
+        wait_for(lambda: pollers.running() == [ch["id"]] and upstream.polls)
+        started = time.monotonic()
+        client.post(f"{API}/channels/{ch['id']}/toggle")
+        wait_for(lambda: pollers.running() == [], timeout=5)
+        assert time.monotonic() - started < 2
+        upstream.push(telegram_update("/save while off"))
+        time.sleep(0.3)
+        assert not today_note(client).exists()
+        client.post(f"{API}/channels/{ch['id']}/toggle")  # on again: what waited arrives
+        wait_for(lambda: today_note(client).exists())
+        client.delete(f"{API}/channels/{ch['id']}")
+        wait_for(lambda: pollers.running() == [], timeout=5)
+        offsets = client.app.service.config.state_dir / "channel-offsets.json"
+        assert ch["id"] not in json.loads(offsets.read_text())
+        # Switching to webhook mode stops polling too, and sets the webhook.
+        ch = self.create(client)
+        wait_for(lambda: pollers.running() == [ch["id"]])
+        client.patch_json(f"{API}/channels/{ch['id']}", {"config": {"mode": "webhook"}})
+        wait_for(lambda: pollers.running() == [], timeout=5)
+        assert upstream.webhook["secret_token"] == ch["secret"]
+
+    def test_a_refused_token_is_shown_as_the_channel_status(self, client, upstream, caplog):
+        upstream.poll_status = 401
+        ch = self.create(client)
+        url = f"{API}/channels/{ch['id']}"
+        wait_for(lambda: "status" in data(client.get(url)))
+        status = data(client.get(url))["status"]
+        assert status["ok"] is False
+        assert "Unauthorized" in status["error"]
+        logged = "\n".join(r.getMessage() for r in caplog.records)
+        assert "ABC-telegram-token" not in logged + json.dumps(status)
+
+    def test_another_poller_of_the_same_bot_is_not_fought(self, client, upstream):
+        upstream.poll_status = 409
+        upstream.poll_error = (
+            "Conflict: terminated by other getUpdates request; "
+            "make sure that only one bot instance is running"
+        )
+        ch = self.create(client)
+        url = f"{API}/channels/{ch['id']}"
+        wait_for(lambda: "status" in data(client.get(url)))
+        assert "only one bot instance" in data(client.get(url))["status"]["error"]
+        time.sleep(0.5)  # backing off: one or two tries, no deleteWebhook
+        polls = [c for c in upstream.bot_calls if c["path"].endswith("/getUpdates")]
+        assert len(polls) <= 2
+        assert not any(c["path"].endswith("/deleteWebhook") for c in upstream.bot_calls)
+
+    def test_polling_delivers_each_update_once_across_a_restart(self, tmp_path, upstream):
+        env = {"SERVICE_TELEGRAM_API_BASE": upstream.url}
+        root = tmp_path / "root"
+        with running(root, "--auth-mode", "none", env=env) as server:
+            body = {
+                "provider": "telegram",
+                "config": {"botToken": "123456:ABC-telegram-token", "allowedChatIds": [42]},
+            }
+            status, _, _ = server.request("POST", f"{API}/channels", body)
+            assert status == 201
+            upstream.push(telegram_update("/save alpha"))
+            wait_for(lambda: len(upstream.sent()) == 1)
+        # While the server is down two more arrive; they wait at Telegram.
+        upstream.push(telegram_update("/save beta"))
+        upstream.push(telegram_update("/save gamma"))
+        with running(root, "--auth-mode", "none", env=env):
+            wait_for(lambda: len(upstream.sent()) == 3)
+            time.sleep(1.5)  # a poll or two more: nothing is handed over again
+        daily = next((root / "notes" / "daily").glob("*.md")).read_text()
+        for word in ("alpha", "beta", "gamma"):
+            assert len(re.findall(rf"^- \d\d:\d\d {word}$", daily, re.M)) == 1, daily
+        assert len(upstream.sent()) == 3
+
+
+class FakeClock:
+    """An injectable clock for the reminder scheduler."""
+
+    def __init__(self, when: float):
+        self.now = when
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def at(text: str, zone: str = "Europe/Paris") -> float:
+    return notesvc.timestamp_of(
+        notesvc.dt.datetime.strptime(text, "%Y-%m-%d %H:%M"), notesvc.time_zone(zone)
+    )
+
+
+class TestReminders:
+    @pytest.fixture
+    def client(self, make_app, upstream):
+        client = with_key(
+            make_app(SERVICE_TELEGRAM_API_BASE=upstream.url, SERVICE_TIMEZONE="Europe/Paris")
+        )
+        body = {
+            "provider": "telegram",
+            "config": {
+                **MINIMAL_CONFIG["telegram"],
+                "allowedChatIds": [42],
+                "mode": "webhook",
+                "notify": True,
+            },
+        }
+        client.post_json(f"{API}/channels", body, status=201)
+        return client
+
+    def scheduler(self, client, when: str):
+        """Give the app a scheduler on a clock the test sets (ticked by the test itself)."""
+        svc = client.app.service
+        svc.reminders.close()
+        svc.reminders = notesvc.ReminderScheduler(svc, clock=FakeClock(at(when)))
+        return svc.reminders
+
+    def reminders_sent(self, upstream) -> list:
+        return [t for t in upstream.sent() if t.startswith("⏰")]
+
+    def test_a_reminder_fires_once_at_its_time(self, client, upstream):
+        put_note(client, "notes/plans.md", "# Plans\n\n- dentist ⏰ 2031-01-06 09:00\n")
+        listed = data(client.get(f"{API}/reminders"))
+        assert listed["timeZone"] == "Europe/Paris"
+        assert listed["total"] == 1
+        (item,) = listed["reminders"]
+        assert item["path"] == "notes/plans.md"
+        assert item["title"] == "Plans"
+        assert item["line"] == "- dentist ⏰ 2031-01-06 09:00"
+        assert item["local"] == "2031-01-06 09:00"
+        assert item["due"] == "2031-01-06T08:00:00.000Z"  # Paris is UTC+1 in January
+        sched = self.scheduler(client, "2031-01-06 08:59")
+        assert 59 < sched.tick() <= 60
+        assert self.reminders_sent(upstream) == []
+        sched.clock.now = at("2031-01-06 09:00") + 1
+        sched.tick()
+        assert self.reminders_sent(upstream) == [
+            "⏰ Reminder (2031-01-06 09:00): Plans\n- dentist ⏰ 2031-01-06 09:00\nnotes/plans.md"
+        ]
+        assert upstream.requests[-1]["json"]["chat_id"] == "42"
+        sched.tick()
+        sched.clock.now += 3600
+        sched.tick()
+        assert len(self.reminders_sent(upstream)) == 1
+        assert data(client.get(f"{API}/reminders"))["total"] == 0
+        saved = client.app.service.config.state_dir / "reminders.json"
+        assert stat.S_IMODE(os.stat(saved).st_mode) == 0o600
+
+    def test_not_again_after_a_restart_and_a_missed_one_fires_late(
+        self, client, upstream, make_app, root
+    ):
+        put_note(
+            client,
+            "notes/plans.md",
+            "# Plans\n\n- dentist ⏰ 2031-01-06 09:00\n- call Ada ⏰ 2031-01-06 10:00\n",
+        )
+        sched = self.scheduler(client, "2031-01-06 09:00")
+        sched.tick()
+        assert len(self.reminders_sent(upstream)) == 1
+        client.app.service.close()  # the server goes down before 10:00
+        again = with_key(
+            make_app(SERVICE_TELEGRAM_API_BASE=upstream.url, SERVICE_TIMEZONE="Europe/Paris")
+        )
+        later = self.scheduler(again, "2031-01-06 10:30")
+        later.tick()
+        sent = self.reminders_sent(upstream)
+        assert len(sent) == 2  # the dentist not again; Ada late
+        assert sent[-1].startswith("⏰ Late reminder (2031-01-06 10:00): Plans\n- call Ada")
+
+    def test_one_written_after_its_time_is_not_sent(self, client, upstream):
+        put_note(client, "notes/log.md", "# Log\n\n- done ⏰ 2031-01-06 07:00\n")
+        sched = self.scheduler(client, "2031-01-06 09:00")
+        sched.tick()
+        assert self.reminders_sent(upstream) == []
+        sched.clock.now += 3600
+        sched.tick()
+        assert self.reminders_sent(upstream) == []
+
+    def test_editing_or_deleting_the_line_cancels_it(self, client, upstream):
+        put_note(client, "notes/a.md", "- a ⏰ 2031-01-06 09:00\n")
+        put_note(client, "notes/b.md", "- b ⏰ 2031-01-06 09:00\n")
+        sched = self.scheduler(client, "2031-01-06 08:00")
+        sched.tick()
+        client.put_json(note_url("notes/a.md"), {"content": "- a ⏰ 2031-01-06 11:00\n"})
+        client.delete(note_url("notes/b.md"))
+        sched.clock.now = at("2031-01-06 09:01")
+        sched.tick()
+        assert self.reminders_sent(upstream) == []
+        sched.clock.now = at("2031-01-06 11:00")
+        sched.tick()
+        assert len(self.reminders_sent(upstream)) == 1
+        assert "- a ⏰ 2031-01-06 11:00" in self.reminders_sent(upstream)[0]
+
+    def test_front_matter_and_only_notifying_channels(self, client, upstream):
+        body = {
+            "provider": "whatsapp",
+            "config": {**MINIMAL_CONFIG["whatsapp"], "allowedNumbers": ["15551234567"]},
+        }
+        client.post_json(f"{API}/channels", body, status=201)  # notify is off
+        put_note(
+            client, "notes/trip.md", "---\ntitle: Trip\nremind: 2031-01-06 12:30\n---\n# Trip\n"
+        )
+        put_note(client, "notes/bad.md", "- never ⏰ 2031-02-30 09:00 and ⏰ 2031-01-06 25:00\n")
+        assert [r["local"] for r in data(client.get(f"{API}/reminders"))["reminders"]] == [
+            "2031-01-06 12:30"
+        ]
+        sched = self.scheduler(client, "2031-01-06 12:30")
+        sched.tick()
+        (sent,) = self.reminders_sent(upstream)
+        assert "Trip\nremind: 2031-01-06 12:30\nnotes/trip.md" in sent
+        assert not any(r["path"].endswith("/messages") for r in upstream.requests)
+
+    def test_a_reminder_no_channel_takes_is_tried_again(self, client, upstream):
+        put_note(client, "notes/a.md", "- a ⏰ 2031-01-06 09:00\n")
+        upstream.status = 500
+        sched = self.scheduler(client, "2031-01-06 09:00")
+        assert sched.tick() == notesvc.REMINDER_RETRY
+        upstream.status = 200
+        sched.clock.now += 61
+        sched.tick()
+        assert len(self.reminders_sent(upstream)) == 2  # the failed try, then the good one
+        sched.clock.now += 61
+        sched.tick()
+        assert len(self.reminders_sent(upstream)) == 2
+
+    def test_time_zone_setting_and_its_fallback(self, caplog, make_app):
+        assert notesvc.load_config({"SERVICE_TIMEZONE": "Asia/Tokyo"}).timezone == "Asia/Tokyo"
+        with pytest.raises(notesvc.ConfigError, match="SERVICE_TIMEZONE"):
+            notesvc.load_config({"SERVICE_TIMEZONE": "Mars/Olympus_Mons"})
+        # Where no time zone database knows a name, the system's local time is used, logged.
+        assert notesvc.time_zone("Nowhere/Else") is None
+        assert any("Nowhere/Else" in r.getMessage() for r in caplog.records)
+        assert notesvc.time_zone("UTC") is notesvc.dt.timezone.utc
+        client = with_key(
+            make_app(SERVICE_TIMEZONE="Asia/Tokyo", SERVICE_TRANSCRIBE_API_KEY="tr-secret-9")
+        )
+        config = data(client.get(f"{API}/system/config"))
+        assert config["capture"]["timeZone"] == "Asia/Tokyo"
+        assert config["capture"]["transcribeApiKeySet"] is True
+        assert "tr-secret-9" not in json.dumps(config)
+        assert config["server"]["maxAttachmentBytes"] == 20971520
+
+    def test_the_running_scheduler_sends_a_reminder_due_now(self, make_app, upstream):
+        client = with_key(make_app(SERVICE_TELEGRAM_API_BASE=upstream.url))
+        body = {
+            "provider": "telegram",
+            "config": {
+                **MINIMAL_CONFIG["telegram"],
+                "allowedChatIds": [42],
+                "mode": "webhook",
+                "notify": True,
+            },
+        }
+        client.post_json(f"{API}/channels", body, status=201)
+        now = notesvc.local_now(client.app.service)
+        if now.second >= 58:  # keep inside the minute the reminder names
+            time.sleep(61 - now.second)
+            now = notesvc.local_now(client.app.service)
+        put_note(client, "notes/now.md", f"# Now\n\n- stretch ⏰ {now:%Y-%m-%d %H:%M}\n")
+        wait_for(lambda: self.reminders_sent(upstream), timeout=10)
+        assert "stretch" in self.reminders_sent(upstream)[0]
+
+
 # -- JWT ----------------------------------------------------------------------------------
 
 JWT_SECRET = "k3y-" + "Zq8vN2xR7mL4pT9wB5cJ1hF6dG0sY3aE"
@@ -5096,6 +6714,12 @@ def _webhook_secret_in_a_query_string(app, root: Path) -> None:
     assert data(webtest.TestApp(app.app).post_json(url, {"update_id": 1}))["handled"] is False
 
 
+def _whatsapp_channel_without_app_secret(app, root: Path) -> None:
+    config = {**MINIMAL_CONFIG["whatsapp"], "allowedNumbers": ["15551234567"]}
+    body = {"provider": "whatsapp", "config": config}
+    with_key(app).post_json(f"{API}/channels", body, status=201)
+
+
 def _an_old_key(app, root: Path) -> None:
     state_file = root / ".notesvc" / "state.json"
     state = json.loads(state_file.read_text())
@@ -5127,6 +6751,9 @@ FIRING_CONFIGURATIONS = {
     "plugins": Firing("plugin-planted", change=_a_plugin_file),
     "channel_allowlists": Firing(r"channel-open-\S+", change=_telegram_channel_without_allowlist),
     "query_secrets": Firing("secret-in-query", change=_webhook_secret_in_a_query_string),
+    "channel_signatures": Firing(
+        r"channel-unsigned-\S+", change=_whatsapp_channel_without_app_secret
+    ),
     "plain_http_upstreams": Firing(
         "relay-plain-http", {"SERVICE_RELAY_URL": "http://relay.example.org"}
     ),
@@ -5135,6 +6762,9 @@ FIRING_CONFIGURATIONS = {
     ),
     "key_age": Firing("key-old", change=_an_old_key),
     "plain_http_bind": Firing("plain-http-all-interfaces", {"SERVICE_HOST": "0.0.0.0"}),
+    "tool_writes": Firing(
+        "tool-writes-without-auth", {"SERVICE_AUTH_MODE": "none", "SERVICE_MCP_WRITE": "true"}
+    ),
     "history_off": Firing("history-off", {"SERVICE_HISTORY_MAX_VERSIONS": "0"}),
 }
 
@@ -5719,7 +7349,7 @@ class TestPluginHooks:
         )
         last = self.calls(client)[-1]
         assert last[0] == "note_saved"
-        assert last[1].startswith("notes/inbox/")
+        assert last[1].startswith("notes/daily/")  # CONTRACT 20: /save goes to the daily note
         assert "buy milk" in last[2]
         # A refused write calls nothing.
         before = self.calls(client)
@@ -5795,6 +7425,846 @@ class TestPluginHooks:
             ["note_deleted", "notes/q.md"],
             ["note_saved", "notes/q.md", "taken"],
         ]
+
+
+# -- tools: what MCP clients and the agent call ------------------------------------------------
+
+
+def rpc(client, method: str, params: dict | None = None, status: int | str = 200, **headers):
+    """POST one JSON-RPC request (handshake era) to /mcp; return the parsed answer."""
+    body: dict = {"jsonrpc": "2.0", "id": 1, "method": method}
+    if params is not None:
+        body["params"] = params
+    resp = client.post(
+        f"{API}/mcp",
+        json.dumps(body),
+        headers={"Content-Type": "application/json", **headers},
+        status=status,
+        expect_errors=True,
+    )
+    return resp.json if resp.body else None
+
+
+def call_tool(client, name: str, **arguments) -> dict:
+    """Return the result of tools/call through /mcp."""
+    answer = rpc(client, "tools/call", {"name": name, "arguments": arguments})
+    assert "error" not in answer, answer
+    result = answer["result"]
+    assert isinstance(result["structuredContent"], dict)
+    assert [c["type"] for c in result["content"]] == ["text"]
+    return result
+
+
+def ok_tool(client, name: str, **arguments) -> dict:
+    result = call_tool(client, name, **arguments)
+    assert result["isError"] is False, result
+    return result["structuredContent"]
+
+
+def tool_refused(client, name: str, code: str, **arguments) -> str:
+    """Assert a tool call ends in an isError result with this code; return its message."""
+    result = call_tool(client, name, **arguments)
+    assert result["isError"] is True, result
+    error = result["structuredContent"]["error"]
+    assert error["code"] == code, error
+    assert result["content"][0]["text"] == f"Error ({code}): {error['message']}"
+    assert "Traceback" not in json.dumps(result)
+    return error["message"]
+
+
+def listed_tools(client) -> set:
+    return {t["name"] for t in rpc(client, "tools/list")["result"]["tools"]}
+
+
+TOOL_PLUGIN = """
+import notesvc
+
+EVENTS = []
+
+def saved(svc, path, content):
+    EVENTS.append(["saved", path])
+
+def moved(svc, old, new):
+    EVENTS.append(["moved", old, new])
+
+def deleted(svc, path):
+    EVENTS.append(["deleted", path])
+
+def events(svc):
+    return {"events": EVENTS}
+
+@notesvc.tool("word_count", "Count the words of a note.", {"path": {"type": "string"}}, ("path",))
+def word_count(svc, path):
+    return {"path": path, "words": len(svc.notes.get(notesvc.note_path(path))["content"].split())}
+
+@notesvc.tool("explode", "Fails.")
+def explode(svc):
+    raise RuntimeError("secret internals /etc/passwd")
+
+PLUGIN = notesvc.Plugin(
+    name="toolbox",
+    hooks={"note_saved": saved, "note_moved": moved, "note_deleted": deleted},
+    routes=(notesvc.PluginRoute("GET", "/events", events),),
+)
+"""
+
+
+class TestTools:
+    @pytest.fixture
+    def tools(self, make_app):
+        client = with_key(make_app(SERVICE_MCP_WRITE="true"))
+        seed_notes(client)
+        return client
+
+    def test_every_tool_is_listed_documented_and_tested(self, tools):
+        assert listed_tools(tools) == set(notesvc.TOOLS)
+        readme = (HERE / "README.md").read_text()
+        tests = [name for name in dir(type(self)) if name.startswith("test_tool_")]
+        for name in notesvc.TOOLS:
+            assert f"`{name}`" in readme, name
+            longer = [o for o in notesvc.TOOLS if o != name and o.startswith(name + "_")]
+            mine = [
+                t
+                for t in tests
+                if t.startswith(f"test_tool_{name}_")
+                and not any(t.startswith(f"test_tool_{o}_") for o in longer)
+            ]
+            assert mine, f"no test_tool_{name}_... test"
+
+    def test_tools_are_described_for_a_model(self, tools):
+        jsonschema = pytest.importorskip("jsonschema")
+        for listed in rpc(tools, "tools/list")["result"]["tools"]:
+            tool = notesvc.TOOLS[listed["name"]]
+            assert notesvc.TOOL_NAME_RE.match(tool.name)
+            assert len(tool.description) > 20
+            jsonschema.Draft202012Validator.check_schema(listed["inputSchema"])
+            assert listed["inputSchema"]["additionalProperties"] is False
+            hints = listed["annotations"]
+            assert hints["readOnlyHint"] is tool.read_only
+            assert hints["openWorldHint"] is False
+            if tool.read_only:
+                assert not hints["destructiveHint"]
+        hints = {t.name: t.annotations() for t in notesvc.TOOLS.values()}
+        assert hints["append_to_note"]["destructiveHint"] is False  # it only adds
+        for name in ("update_note", "replace_in_note", "move_note", "delete_note"):
+            assert hints[name]["destructiveHint"] is True
+
+    def test_write_tools_are_listed_and_callable_only_with_mcp_write(self, make_app):
+        client = with_key(make_app())
+        seed_notes(client)
+        listed = listed_tools(client)
+        assert listed == {n for n, t in notesvc.TOOLS.items() if t.read_only}
+        for name in ("create_note", "append_to_note", "update_note", "delete_note"):
+            answer = rpc(client, "tools/call", {"name": name, "arguments": {"path": "notes/w.md"}})
+            assert answer["error"]["code"] == -32602
+            assert "SERVICE_MCP_WRITE" in answer["error"]["message"]
+        assert not client.app.service.notes.exists("notes/w.md")
+        assert ok_tool(client, "read_note", path="notes/work.md")["title"] == "Work"
+
+    def test_arguments_are_checked_against_the_schema(self, tools):
+        cases = [
+            ("read_note", {}, "missing required argument(s): path"),
+            ("read_note", {"path": 5}, "'path' must be a string"),
+            ("read_note", {"path": "notes/work.md", "offset": "3"}, "'offset' must be an integer"),
+            ("read_note", {"path": "notes/work.md", "offset": True}, "'offset' must be an int"),
+            ("read_note", {"path": "notes/work.md", "maxChars": 0}, "'maxChars' must be from 1"),
+            ("read_note", {"path": "notes/work.md", "colour": "red"}, "unknown argument(s)"),
+            ("read_note", {"path": "x" * 513}, "longer than 512"),
+            ("search_notes", {"query": ""}, "'query' must not be empty"),
+            (
+                "move_note",
+                {
+                    "path": "notes/work.md",
+                    "newPath": "notes/w.md",
+                    "etag": "e",
+                    "updateLinks": "yes",
+                },
+                "'updateLinks' must be a boolean",
+            ),
+        ]
+        for name, arguments, says in cases:
+            message = tool_refused(tools, name, "VALIDATION_ERROR", **arguments)
+            assert says in message, (name, message)
+        # null is absent; 20.0 is 20
+        assert ok_tool(tools, "read_note", path="notes/work.md", offset=None)["offset"] == 0
+        assert len(ok_tool(tools, "read_note", path="notes/work.md", maxChars=5.0)["content"]) == 5
+
+    def test_a_failing_plugin_tool_answers_with_the_request_id_only(self, make_app, root, caplog):
+        (root / ".notesvc" / "plugins").mkdir(parents=True)
+        (root / ".notesvc" / "plugins" / "toolbox.py").write_text(TOOL_PLUGIN)
+        client = with_key(make_app())
+        resp = client.post(
+            f"{API}/mcp",
+            json.dumps(
+                {"jsonrpc": "2.0", "id": 9, "method": "tools/call", "params": {"name": "explode"}}
+            ),
+            headers={"Content-Type": "application/json", "X-Request-Id": "explode-request-1"},
+        )
+        result = resp.json["result"]
+        assert result["isError"] is True
+        assert result["structuredContent"]["error"]["code"] == "INTERNAL_ERROR"
+        assert "explode-request-1" in result["content"][0]["text"]
+        assert "secret" not in resp.text
+        assert "passwd" not in resp.text
+        assert any("explode-request-1" in r.getMessage() for r in caplog.records)
+
+    def test_plugin_tools_belong_to_their_app_and_follow_its_switch(self, make_app, root):
+        (root / ".notesvc" / "plugins").mkdir(parents=True)
+        (root / ".notesvc" / "plugins" / "toolbox.py").write_text(TOOL_PLUGIN)
+        client = with_key(make_app())
+        put_note(client, "notes/a.md", "one two three")
+        assert "word_count" in listed_tools(client)
+        assert ok_tool(client, "word_count", path="notes/a.md") == {
+            "path": "notes/a.md",
+            "words": 3,
+        }
+        assert "word_count" not in notesvc.TOOLS
+        other = with_key(make_app(tmp_path_factory_root(root)))
+        assert "word_count" not in listed_tools(other)
+        client.post(f"{API}/plugins/toolbox/toggle")
+        assert "word_count" not in listed_tools(client)
+        answer = rpc(client, "tools/call", {"name": "word_count", "arguments": {"path": "x"}})
+        assert answer["error"]["code"] == -32602
+        assert "toolbox plugin" in answer["error"]["message"]
+
+    def test_tools_write_through_the_store_hooks_and_index(self, make_app, root):
+        (root / ".notesvc" / "plugins").mkdir(parents=True)
+        (root / ".notesvc" / "plugins" / "toolbox.py").write_text(TOOL_PLUGIN)
+        client = with_key(make_app(SERVICE_MCP_WRITE="true"))
+        ok_tool(client, "create_note", path="notes/t.md", content="# T\n\nkumquat")
+        ok_tool(client, "append_to_note", path="notes/t.md", text="- quince")
+        ok_tool(client, "replace_in_note", path="notes/t.md", old="kumquat", new="loquat")
+        etag = ok_tool(client, "read_note", path="notes/t.md")["etag"]
+        ok_tool(client, "update_note", path="notes/t.md", content="# T\n\nmedlar", etag=etag)
+        etag = ok_tool(client, "read_note", path="notes/t.md")["etag"]
+        ok_tool(client, "move_note", path="notes/t.md", newPath="notes/u.md", etag=etag)
+        assert [h["path"] for h in search(client, "medlar")["results"]] == ["notes/u.md"]
+        assert search(client, "kumquat")["total"] == 0
+        ok_tool(client, "delete_note", path="notes/u.md")
+        assert search(client, "medlar")["total"] == 0
+        events = data(client.get(f"{API}/plugins/toolbox/events"))["events"]
+        assert events == [
+            ["saved", "notes/t.md"],
+            ["saved", "notes/t.md"],
+            ["saved", "notes/t.md"],
+            ["saved", "notes/t.md"],
+            ["moved", "notes/t.md", "notes/u.md"],
+            ["deleted", "notes/u.md"],
+        ]
+
+    @pytest.mark.parametrize(
+        "path",
+        [
+            "../.notesvc/state.json",
+            "/etc/passwd",
+            "notes/../.notesvc/state.json",
+            "notes/.hidden.md",
+            "notes/a\\b.md",
+            "notes/a\u202eb.md",
+            "notes/x\x00.md",
+            "notes/link/secret.md",
+        ],
+    )
+    def test_hostile_paths_are_refused_by_every_tool(self, tools, root, tmp_path, path):
+        outside = tmp_path / "outside"
+        outside.mkdir(exist_ok=True)
+        (outside / "secret.md").write_text("the crown jewels")
+        with contextlib.suppress(FileExistsError):
+            os.symlink(outside, root / "notes" / "link")
+        key = key_of(tools)
+        etag = data(tools.get(note_url("notes/work.md")))["etag"]
+        for name, arguments in [
+            ("read_note", {"path": path}),
+            ("fetch", {"id": path}),
+            ("list_folder", {"path": path}),
+            ("create_note", {"path": path, "content": "x"}),
+            ("append_to_note", {"path": path, "text": "x"}),
+            ("replace_in_note", {"path": path, "old": "a", "new": "b"}),
+            ("update_note", {"path": path, "content": "x", "etag": "e"}),
+            ("move_note", {"path": "notes/work.md", "newPath": path, "etag": etag}),
+            ("delete_note", {"path": path}),
+        ]:
+            result = call_tool(tools, name, **arguments)
+            assert result["isError"] is True, (name, path)
+            assert result["structuredContent"]["error"]["code"] in ("VALIDATION_ERROR", "NOT_FOUND")
+            text = json.dumps(result)
+            assert "crown jewels" not in text
+            assert key not in text
+            assert str(tmp_path) not in text
+        assert (outside / "secret.md").read_text() == "the crown jewels"
+        assert sorted(p.name for p in outside.iterdir()) == ["secret.md"]
+
+    def test_tool_search_notes_speaks_the_query_language(self, tools):
+        found = ok_tool(tools, "search_notes", query="spare keys")
+        assert found["results"][0]["path"] == "notes/home/keys.md"
+        assert set(found["results"][0]) == {"path", "title", "snippet", "score"}
+        either = ok_tool(tools, "search_notes", query="tomatoes OR meeting")
+        assert {r["path"] for r in either["results"]} == {"notes/garden.md", "notes/work.md"}
+        assert either["total"] == 2
+        assert ok_tool(tools, "search_notes", query="tomatoes OR meeting", limit=1)["total"] == 2
+        assert (
+            len(ok_tool(tools, "search_notes", query="tomatoes OR meeting", limit=1)["results"])
+            == 1
+        )
+        assert ok_tool(tools, "search_notes", query='"blue flowerpot"')["total"] == 1
+        assert ok_tool(tools, "search_notes", query="keys -spare")["total"] == 0
+        assert ok_tool(tools, "search_notes", query="flower*")["total"] == 1
+        assert ok_tool(tools, "search_notes", query="keys", folder="notes/home")["total"] == 1
+        assert ok_tool(tools, "search_notes", query="keys", folder="notes/work")["total"] == 0
+        assert ok_tool(tools, "search_notes", query="keys", folder="notes")["total"] == 1
+        result = call_tool(tools, "search_notes", query="tomatoes OR meeting")
+        lines = result["content"][0]["text"].splitlines()
+        assert len(lines) == 2
+        assert any(line.startswith("notes/garden.md — Garden: ") for line in lines)
+        assert call_tool(tools, "search_notes", query="submarine")["content"][0]["text"] == (
+            "No note matches."
+        )
+
+    @pytest.mark.parametrize(
+        ("arguments", "says"),
+        [
+            ({"query": "cats OR"}, "OR needs a word"),
+            ({"query": '"open'}, "unbalanced quote"),
+            ({"query": "-only"}, "only excludes"),
+            ({"query": "x" * 513}, "longer than 512"),
+            ({"query": "keys", "limit": 51}, "'limit' must be from 1 to 50"),
+            ({"query": "keys", "folder": "../etc"}, "must start with notes/"),
+            ({"query": ["keys"]}, "'query' must be a string"),
+        ],
+    )
+    def test_tool_search_notes_explains_a_bad_query(self, tools, arguments, says):
+        assert says in tool_refused(tools, "search_notes", "VALIDATION_ERROR", **arguments)
+
+    def test_tool_read_note_gives_the_record_and_pages(self, tools):
+        note = ok_tool(tools, "read_note", path="notes/home/keys.md")
+        record = data(tools.get(note_url("notes/home/keys.md")))
+        assert note["content"] == record["content"]
+        assert note["etag"] == record["etag"]
+        assert (note["title"], note["size"], note["offset"], note["truncated"]) == (
+            "Keys",
+            record["size"],
+            0,
+            False,
+        )
+        text = call_tool(tools, "read_note", path="notes/home/keys.md")["content"][0]["text"]
+        assert text.startswith(f"notes/home/keys.md — Keys\netag: {record['etag']}\n\n")
+        assert text.endswith(KEYS_NOTE)
+        long = "# Long\n\n" + "".join(f"line {i:05d} ü\n" for i in range(3000))
+        put_note(tools, "notes/long.md", long)
+        parts, offset = [], 0
+        while True:
+            part = ok_tool(tools, "read_note", path="notes/long.md", offset=offset, maxChars=7000)
+            parts.append(part["content"])
+            if not part["truncated"]:
+                break
+            offset += len(part["content"])
+        assert "".join(parts) == long
+        assert len(parts) == -(-len(long) // 7000)
+        text = call_tool(tools, "read_note", path="notes/long.md", maxChars=100)
+        assert "read on with offset=100" in text["content"][0]["text"]
+        beyond = ok_tool(tools, "read_note", path="notes/long.md", offset=10**6)
+        assert (beyond["content"], beyond["truncated"]) == ("", False)
+
+    def test_tool_read_note_missing_or_unreadable(self, tools, root):
+        assert "notes/nope.md" in tool_refused(
+            tools, "read_note", "NOT_FOUND", path="notes/nope.md"
+        )
+        (root / "notes" / "latin1.md").write_bytes(b"caf\xe9")
+        assert "UTF-8" in tool_refused(tools, "read_note", "CONFLICT", path="notes/latin1.md")
+        tool_refused(tools, "read_note", "VALIDATION_ERROR", path="notes/folder")
+
+    def test_tool_list_folder_lists_levels_and_counts_below(self, tools):
+        put_note(tools, "notes/home/deep/er/x.md", "x")
+        top = ok_tool(tools, "list_folder")
+        assert top["path"] == "notes"
+        assert [(c["name"], c["type"]) for c in top["children"]] == [
+            ("home", "folder"),
+            ("garden.md", "note"),
+            ("work.md", "note"),
+        ]
+        assert top["children"][0]["count"] == 2
+        assert "children" not in top["children"][0]
+        two = ok_tool(tools, "list_folder", path="notes/home", depth=2)
+        deep = two["children"][0]
+        assert (deep["name"], [c["name"] for c in deep["children"]]) == ("deep", ["er"])
+        assert deep["children"][0]["count"] == 1
+        text = call_tool(tools, "list_folder")["content"][0]["text"]
+        assert text == "notes/\n  home/ (2 notes)\n  garden.md\n  work.md"
+        assert ok_tool(tools, "list_folder", path="notes/", depth=10)["children"][0]["children"]
+
+    def test_tool_list_folder_refuses_bad_folders(self, tools):
+        tool_refused(tools, "list_folder", "NOT_FOUND", path="notes/nowhere")
+        tool_refused(tools, "list_folder", "VALIDATION_ERROR", path="elsewhere")
+        tool_refused(tools, "list_folder", "VALIDATION_ERROR", depth=11)
+        tool_refused(tools, "list_folder", "NOT_FOUND", path="notes/work.md")
+
+    def test_tool_recent_changes_newest_first(self, tools, root):
+        for i, name in enumerate(["home/keys", "garden", "work"]):
+            os.utime(root / "notes" / f"{name}.md", (1_700_000_000 + i, 1_700_000_000 + i))
+        (root / "notes" / "outside-edit.md").write_text("# Edited elsewhere\n")
+        recent = ok_tool(tools, "recent_changes")
+        assert [c["path"] for c in recent["changes"]] == [
+            "notes/outside-edit.md",
+            "notes/work.md",
+            "notes/garden.md",
+            "notes/home/keys.md",
+        ]
+        assert recent["changes"][1]["modified"] == "2023-11-14T22:13:22.000Z"
+        assert recent["changes"][1]["title"] == "Work"
+        since = ok_tool(tools, "recent_changes", since="2023-11-14T22:13:21Z", limit=2)
+        assert [c["path"] for c in since["changes"]] == ["notes/outside-edit.md", "notes/work.md"]
+        assert since["total"] == 2
+        text = call_tool(tools, "recent_changes", limit=1)["content"][0]["text"]
+        assert text.endswith(" notes/outside-edit.md — outside-edit")
+        assert ok_tool(tools, "recent_changes", since="2099-01-01T00:00:00+02:00")["changes"] == []
+        for bad in ("yesterday", "2024-13-01", "x" * 41):
+            tool_refused(tools, "recent_changes", "VALIDATION_ERROR", since=bad)
+
+    def test_tool_list_tags_follows_the_tags_plugin(self, tools):
+        put_note(tools, "notes/t.md", "# T\n\n#garden #todo and `#code`")
+        put_note(tools, "notes/u.md", "---\ntags: [garden]\n---\nx")
+        assert ok_tool(tools, "list_tags") == {
+            "tags": [{"tag": "garden", "count": 2}, {"tag": "todo", "count": 1}]
+        }
+        assert call_tool(tools, "list_tags")["content"][0]["text"] == "#garden (2)\n#todo (1)"
+        tool_refused(tools, "list_tags", "VALIDATION_ERROR", tag="garden")
+        tools.post(f"{API}/plugins/tags/toggle")
+        assert "list_tags" not in listed_tools(tools)
+        answer = rpc(tools, "tools/call", {"name": "list_tags", "arguments": {}})
+        assert "tags plugin" in answer["error"]["message"]
+
+    def test_tool_create_note_makes_folders_and_never_overwrites(self, tools, root):
+        made = ok_tool(tools, "create_note", path="notes/new/idea.md", content="# Idea\n\nzeppelin")
+        assert set(made) == {"path", "title", "etag", "size", "modified"}
+        assert (root / "notes" / "new" / "idea.md").read_text() == "# Idea\n\nzeppelin"
+        assert search(tools, "zeppelin")["total"] == 1
+        tool_refused(tools, "create_note", "CONFLICT", path="notes/work.md", content="gone?")
+        assert "Tuesday" in (root / "notes" / "work.md").read_text()
+        tool_refused(tools, "create_note", "VALIDATION_ERROR", path="notes/x.txt", content="x")
+        tool_refused(tools, "create_note", "VALIDATION_ERROR", path="notes/x.md")
+        tool_refused(tools, "create_note", "VALIDATION_ERROR", path="notes/x.md", content=7)
+
+    def test_tool_append_to_note_adds_a_line(self, tools, root):
+        ok_tool(tools, "append_to_note", path="notes/work.md", text="- bring cake")
+        assert (root / "notes" / "work.md").read_text().endswith("at ten.\n- bring cake\n")
+        ok_tool(tools, "append_to_note", path="notes/work.md", text="- and tea\n")
+        assert (root / "notes" / "work.md").read_text().endswith("- bring cake\n- and tea\n")
+        assert search(tools, "cake")["total"] == 1
+        tool_refused(tools, "append_to_note", "NOT_FOUND", path="notes/none.md", text="x")
+        assert not (root / "notes" / "none.md").exists()
+        tool_refused(tools, "append_to_note", "VALIDATION_ERROR", path="notes/work.md", text="")
+
+    def test_tool_replace_in_note_needs_exactly_one_match(self, tools, root):
+        done = ok_tool(tools, "replace_in_note", path="notes/work.md", old="Tuesday", new="Friday")
+        assert done["replaced"] == 1
+        assert "on Friday at ten" in (root / "notes" / "work.md").read_text()
+        put_note(tools, "notes/twice.md", "cat and cat")
+        says = tool_refused(
+            tools, "replace_in_note", "CONFLICT", path="notes/twice.md", old="cat", new="dog"
+        )
+        assert "occurs 2 times" in says
+        says = tool_refused(
+            tools, "replace_in_note", "CONFLICT", path="notes/twice.md", old="emu", new="dog"
+        )
+        assert "not in notes/twice.md" in says
+        assert (root / "notes" / "twice.md").read_text() == "cat and cat"
+        tool_refused(tools, "replace_in_note", "NOT_FOUND", path="notes/no.md", old="a", new="b")
+        tool_refused(tools, "replace_in_note", "VALIDATION_ERROR", path="notes/twice.md", old="")
+
+    def test_tool_update_note_needs_the_etag_it_read(self, tools, root):
+        etag = ok_tool(tools, "read_note", path="notes/work.md")["etag"]
+        tools.put_json(note_url("notes/work.md"), {"content": "# Work\n\nsomeone else changed it"})
+        tool_refused(
+            tools,
+            "update_note",
+            "PRECONDITION_FAILED",
+            path="notes/work.md",
+            content="x",
+            etag=etag,
+        )
+        assert "someone else" in (root / "notes" / "work.md").read_text()
+        etag = ok_tool(tools, "read_note", path="notes/work.md")["etag"]
+        done = ok_tool(tools, "update_note", path="notes/work.md", content="# W\n\nnew", etag=etag)
+        assert done["etag"] != etag
+        assert (root / "notes" / "work.md").read_text() == "# W\n\nnew"
+        assert (
+            ok_tool(
+                tools,
+                "update_note",
+                path="notes/work.md",
+                content="# W\n\nnew2",
+                etag=done["etag"].strip('"'),
+            )["title"]
+            == "W"
+        )
+        tool_refused(tools, "update_note", "VALIDATION_ERROR", path="notes/work.md", content="x")
+        tool_refused(
+            tools, "update_note", "NOT_FOUND", path="notes/none.md", content="x", etag=etag
+        )
+
+    def test_tool_move_note_needs_the_etag_and_updates_links(self, tools, root):
+        put_note(tools, "notes/index.md", "See [[garden]] and [plan](garden.md).")
+        etag = ok_tool(tools, "read_note", path="notes/garden.md")["etag"]
+        tool_refused(
+            tools,
+            "move_note",
+            "PRECONDITION_FAILED",
+            path="notes/garden.md",
+            newPath="notes/g2.md",
+            etag='"0000"',
+        )
+        tool_refused(
+            tools,
+            "move_note",
+            "CONFLICT",
+            path="notes/garden.md",
+            newPath="notes/work.md",
+            etag=etag,
+        )
+        moved = ok_tool(
+            tools,
+            "move_note",
+            path="notes/garden.md",
+            newPath="notes/outside/garden.md",
+            etag=etag,
+            updateLinks=True,
+        )
+        assert moved["from"] == "notes/garden.md"
+        assert moved["path"] == "notes/outside/garden.md"
+        assert moved["linksUpdated"] == ["notes/index.md"]
+        assert (root / "notes" / "index.md").read_text() == (
+            "See [[garden]] and [plan](outside/garden.md)."
+        )
+        assert not (root / "notes" / "garden.md").exists()
+        tool_refused(tools, "move_note", "VALIDATION_ERROR", path="notes/work.md", newPath="x")
+
+    def test_tool_delete_note_goes_to_the_trash(self, tools, root):
+        tool_refused(tools, "delete_note", "PRECONDITION_FAILED", path="notes/work.md", etag='"1"')
+        assert (root / "notes" / "work.md").exists()
+        assert ok_tool(tools, "delete_note", path="notes/work.md") == {
+            "path": "notes/work.md",
+            "deleted": True,
+        }
+        assert not (root / "notes" / "work.md").exists()
+        assert list((root / ".notesvc" / "trash").glob("*/notes/work.md"))
+        tool_refused(tools, "delete_note", "NOT_FOUND", path="notes/work.md")
+
+    def test_tool_search_has_chatgpts_shape(self, tools):
+        found = ok_tool(tools, "search", query="spare keys")
+        assert found == {
+            "results": [
+                {
+                    "id": "notes/home/keys.md",
+                    "title": "Keys",
+                    "url": "http://localhost:80/api/v1/notes/notes%2Fhome%2Fkeys.md",
+                }
+            ]
+        }
+        text = call_tool(tools, "search", query="spare keys")["content"][0]["text"]
+        assert json.loads(text) == found
+        tool_refused(tools, "search", "VALIDATION_ERROR", query="a OR")
+
+    def test_tool_fetch_reads_a_whole_note_by_id(self, tools):
+        fetched = ok_tool(tools, "fetch", id="notes/home/keys.md")
+        assert fetched["text"] == KEYS_NOTE
+        assert fetched["title"] == "Keys"
+        assert fetched["url"].endswith("/api/v1/notes/notes%2Fhome%2Fkeys.md")
+        assert (
+            fetched["metadata"]["etag"] == data(tools.get(note_url("notes/home/keys.md")))["etag"]
+        )
+        tool_refused(tools, "fetch", "NOT_FOUND", id="notes/none.md")
+
+
+class ToolModel(FakeUpstream):
+    """A loopback model speaking chat-completions tool calling. Each answer follows the
+    script: a step is a function of the messages so far returning either the reply text or
+    a list of (tool name, arguments) calls; past the script it answers `reply`."""
+
+    def __init__(self, *script):
+        super().__init__()
+        self.script = list(script)
+        self.refuse_tools = False  # answer HTTP 400 to a request that offers tools
+
+    def answer(self, path: str, body: dict) -> dict:
+        if not path.endswith("/chat/completions"):
+            return super().answer(path, body)
+        self.status = 400 if self.refuse_tools and "tools" in body else 200
+        if self.status == 400:
+            return {"error": {"message": "this model does not support tools"}}
+        step = self.script.pop(0) if self.script else (lambda messages: self.reply)
+        out = step(body["messages"])
+        if isinstance(out, int):  # this answer fails with that HTTP status
+            self.status = out
+            return {"error": {"message": "the model fell over"}}
+        answer = super().answer(path, body)
+        if isinstance(out, str):
+            answer["choices"][0]["message"]["content"] = out
+            return answer
+        calls = [
+            {
+                "id": f"call_{len(self.requests)}_{i}",
+                "type": "function",
+                "function": {
+                    "name": name,
+                    "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments),
+                },
+            }
+            for i, (name, arguments) in enumerate(out)
+        ]
+        answer["choices"][0] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": None, "tool_calls": calls},
+            "finish_reason": "tool_calls",
+        }
+        return answer
+
+
+def last_tool_results(messages: list) -> list:
+    """Return the contents of the `role: tool` messages after the last assistant message."""
+    out = []
+    for message in reversed(messages):
+        if message["role"] != "tool":
+            break
+        out.insert(0, message["content"])
+    return out
+
+
+GARDEN_NOTES = {
+    "notes/garden/decisions.md": "# Garden decisions\n\nWe decided to grow only heirloom "
+    "tomatoes this year.\n\nThe greenhouse stays closed until April.",
+    "notes/garden/budget.md": "# Garden budget\n\nAt most 200 euros for seeds; the garden "
+    "decision about the greenhouse heater waits for the budget.",
+    "notes/shopping.md": "# Shopping list\n\n- bread\n- eggs\n",
+}
+
+
+class TestAgentTools:
+    """The `openai` provider's tool loop against a stand-in model on loopback."""
+
+    @pytest.fixture
+    def agent(self, make_app):
+        made = []
+
+        def make(*script, **env):
+            model = ToolModel(*script)
+            made.append(model)
+            env = {
+                "SERVICE_AGENT_PROVIDER": "openai",
+                "SERVICE_AGENT_BASE_URL": model.url + "/v1",
+                "SERVICE_AGENT_MODEL": "tool-llama",
+                "SERVICE_TELEGRAM_API_BASE": model.url,
+                **env,
+            }
+            client = with_key(make_app(**env))
+            for path, text in GARDEN_NOTES.items():
+                put_note(client, path, text)
+            return client, model
+
+        yield make
+        for model in made:
+            model.close()
+
+    def ask(self, client, message: str, status: int = 200) -> dict:
+        resp = client.post_json(f"{API}/agent/chat", {"message": message}, status=status)
+        return data(resp) if status == 200 else resp
+
+    def test_searches_reads_two_notes_and_answers_with_their_sources(self, agent):
+        def read_both(messages):
+            hits = last_tool_results(messages)[0].splitlines()
+            return [("read_note", {"path": line.split(" — ")[0]}) for line in hits[:2]]
+
+        client, model = agent(
+            lambda messages: [("search_notes", {"query": "garden decision"})],
+            read_both,
+            lambda messages: "You chose heirloom tomatoes (notes/garden/decisions.md).",
+        )
+        d = self.ask(client, "what did I decide about the garden?")
+        assert d["reply"] == "You chose heirloom tomatoes (notes/garden/decisions.md)."
+        assert d["model"] == "tool-llama-served"
+        paths = [s["path"] for s in d["sources"]]
+        assert set(paths[:2]) == {"notes/garden/decisions.md", "notes/garden/budget.md"}
+        assert d["sources"][0]["title"].startswith("Garden ")
+        assert len(model.requests) == 3
+        first, second, third = (r["json"] for r in model.requests)
+        offered = {t["function"]["name"] for t in first["tools"]}
+        assert offered == {n for n, t in notesvc.TOOLS.items() if t.read_only and not t.alias_of}
+        assert "tool_choice" not in first  # "auto" is the default; vLLM refuses it unless set up
+        assert "notes/garden/budget.md" in first["messages"][0]["content"]  # the passages too
+        assert first["messages"][1] == {
+            "role": "user",
+            "content": "what did I decide about the garden?",
+        }
+        call = second["messages"][2]["tool_calls"][0]
+        assert second["messages"][3]["tool_call_id"] == call["id"]
+        assert second["messages"][3]["role"] == "tool"
+        assert "notes/garden/decisions.md — Garden decisions: " in second["messages"][3]["content"]
+        read = last_tool_results(third["messages"])
+        assert len(read) == 2
+        assert any("The greenhouse stays closed until April." in r for r in read)
+        assert any("etag: " in r for r in read)
+
+    def test_a_model_that_answers_at_once_answers_from_the_notes(self, agent):
+        client, model = agent()
+        model.reply = "Heirloom tomatoes."
+        d = self.ask(client, "which tomatoes did we decide on?")
+        assert d["reply"] == "Heirloom tomatoes."
+        assert len(model.requests) == 1
+        sent = model.requests[0]["json"]
+        assert sent["tools"]
+        assert "only heirloom tomatoes" in sent["messages"][0]["content"]
+        assert d["sources"][0]["path"] == "notes/garden/decisions.md"
+
+    def test_a_server_refusing_tools_gets_one_call_without_them(self, agent):
+        client, model = agent()
+        model.refuse_tools = True
+        d = self.ask(client, "which tomatoes did we decide on?")
+        assert d["reply"] == model.reply
+        assert [("tools" in r["json"]) for r in model.requests] == [True, False]
+        assert "only heirloom tomatoes" in model.requests[1]["json"]["messages"][0]["content"]
+
+    def test_the_step_limit_ends_the_loop(self, agent):
+        forever = [lambda messages: [("search_notes", {"query": "garden"})]] * 10
+        client, model = agent(*forever, SERVICE_AGENT_MAX_STEPS="3")
+        d = self.ask(client, "garden?")
+        assert len(model.requests) == 3
+        assert [r["json"].get("tool_choice") for r in model.requests] == [None, None, "none"]
+        assert "SERVICE_AGENT_MAX_STEPS" in d["reply"]
+        assert d["sources"]  # what it had in context
+
+    def test_a_write_is_refused_while_agent_writes_are_off(self, agent, root):
+        client, model = agent(
+            lambda messages: [("append_to_note", {"path": "notes/shopping.md", "text": "- milk"})],
+            lambda messages: "Sorry: " + last_tool_results(messages)[0],
+        )
+        d = self.ask(client, "add milk to my shopping list")
+        assert "SERVICE_AGENT_WRITE" in d["reply"]
+        assert "FORBIDDEN" in d["reply"]
+        assert "milk" not in (root / "notes" / "shopping.md").read_text()
+        offered = {t["function"]["name"] for t in model.requests[0]["json"]["tools"]}
+        assert "append_to_note" not in offered
+
+    def test_add_milk_from_telegram_when_the_owner_allows_writes(self, agent, root):
+        def append(messages):
+            path = last_tool_results(messages)[0].split(" — ")[0]
+            return [("append_to_note", {"path": path, "text": "- milk"})]
+
+        client, model = agent(
+            lambda messages: [("search_notes", {"query": "shopping list"})],
+            append,
+            lambda messages: "Added milk to notes/shopping.md.",
+            SERVICE_AGENT_WRITE="true",
+        )
+        ch = data(
+            client.post_json(
+                f"{API}/channels",
+                {
+                    "provider": "telegram",
+                    "config": {"botToken": "123:abc", "allowedChatIds": ["42"]},
+                },
+            )
+        )
+        resp = client.post_json(
+            f"{API}/channels/webhook/telegram",
+            telegram_update("add milk to my shopping list"),
+            headers={"X-Telegram-Bot-Api-Secret-Token": ch["secret"]},
+        )
+        assert data(resp)["delivered"] is True
+        assert (
+            root / "notes" / "shopping.md"
+        ).read_text() == "# Shopping list\n\n- bread\n- eggs\n- milk\n"
+        sent = [r for r in model.requests if "/sendMessage" in r["path"]]
+        assert sent[-1]["json"]["text"] == "Added milk to notes/shopping.md."
+        offered = {t["function"]["name"] for t in model.requests[0]["json"]["tools"]}
+        assert {"append_to_note", "update_note", "create_note"} <= offered
+        assert "pass the etag" in model.requests[0]["json"]["messages"][0]["content"]
+        assert search(client, "milk")["total"] == 1
+
+    def test_bad_tool_calls_are_answered_not_crashed(self, agent):
+        client, _ = agent(
+            lambda messages: [
+                ("launch_rockets", {}),
+                ("read_note", "{not json"),
+                ("read_note", {"path": 7}),
+                ("read_note", {"path": "../../etc/passwd"}),
+                ("fetch", {"id": "notes/shopping.md"}),  # an MCP alias, not offered here
+            ],
+            lambda messages: "\n".join(last_tool_results(messages)),
+        )
+        d = self.ask(client, "garden?")
+        lines = d["reply"].splitlines()
+        assert lines[0].startswith("Error (NOT_FOUND): there is no tool 'launch_rockets'")
+        assert lines[1] == "Error (VALIDATION_ERROR): the arguments are not valid JSON"
+        assert lines[2] == "Error (VALIDATION_ERROR): 'path' must be a string"
+        assert lines[3].startswith("Error (VALIDATION_ERROR): the note path must")
+        assert lines[4].startswith("Error (NOT_FOUND): there is no tool 'fetch'")
+
+    def test_more_calls_at_once_than_allowed_are_each_answered(self, agent):
+        many = [("read_note", {"path": "notes/shopping.md"})] * 10
+        client, model = agent(lambda messages: many, lambda messages: "done")
+        assert self.ask(client, "shopping?")["reply"] == "done"
+        results = last_tool_results(model.requests[1]["json"]["messages"])
+        assert len(results) == 10
+        assert results[-1] == "skipped: at most 8 calls at once"
+        assert results[0].startswith("notes/shopping.md — Shopping list")
+
+    def test_a_model_failing_mid_loop_is_502(self, agent):
+        client, model = agent(
+            lambda messages: [("search_notes", {"query": "garden"})], lambda messages: 500
+        )
+        resp = self.ask(client, "garden?", status=502)
+        assert_error(resp, 502, "UPSTREAM_ERROR")
+        assert len(model.requests) == 2
+
+
+class TestLocalAgent:
+    """Issue 16, item 5: the offline agent answers in plain sentences."""
+
+    def test_quotes_plain_sentences_without_markdown(self, client):
+        put_note(
+            client,
+            "notes/fridge.md",
+            "## Fridge\n\n- **Milk** is on the *top* shelf, see [the plan](plan.md).\n"
+            "> The [[cheese|cheeses]] stay in the `drawer`.\n1. [ ] Buy more milk __soon__\n",
+        )
+        d = data(client.post_json(f"{API}/agent/chat", {"message": "where is the milk?"}))
+        lines = d["reply"].splitlines()
+        assert lines == [
+            "From your notes:",
+            "• Milk is on the top shelf, see the plan. Buy more milk soon — notes/fridge.md",
+        ]
+        for mark in ("#", "**", "__", "[", "`", "> ", "- "):
+            assert mark not in d["reply"], mark
+
+    def test_prefers_the_best_matching_sentence_of_each_note(self, client):
+        put_note(
+            client,
+            "notes/car.md",
+            "# Car\n\nThe car is blue. The car key is in the drawer. Tyres were changed.",
+        )
+        d = data(client.post_json(f"{API}/agent/chat", {"message": "where is the car key?"}))
+        assert d["reply"] == "From your notes:\n• The car key is in the drawer. — notes/car.md"
+        assert d["sources"] == [{"path": "notes/car.md", "title": "Car"}]
+
+    def test_the_open_note_counts_only_when_it_matches(self, client):
+        put_note(client, "notes/car.md", "# Car\n\nThe car key is in the drawer.")
+        put_note(client, "notes/open.md", "# Open\n\nNothing about vehicles here at all.")
+        d = data(
+            client.post_json(
+                f"{API}/agent/chat", {"message": "car key?", "notePath": "notes/open.md"}
+            )
+        )
+        assert [s["path"] for s in d["sources"]] == ["notes/car.md"]
+        assert "vehicles" not in d["reply"]
+        client.put_json(
+            note_url("notes/open.md"), {"content": "# Open\n\nThe spare car key is at Anna's."}
+        )
+        d = data(
+            client.post_json(
+                f"{API}/agent/chat", {"message": "car key?", "notePath": "notes/open.md"}
+            )
+        )
+        assert d["sources"][0]["path"] == "notes/open.md"
+        assert d["reply"].splitlines()[1] == "• The spare car key is at Anna's. — notes/open.md"
 
 
 # -- OpenAPI with a third-party checker ---------------------------------------------------------
@@ -6400,6 +8870,282 @@ def relay_raw_get(relay: Server, path: str) -> tuple:
     return head.decode("latin-1"), body
 
 
+class TestWebClientPage:
+    """The page as served: one locked-down response, its manifest and icons."""
+
+    def test_page_is_small_self_contained_and_locked_down(self, anon):
+        resp = anon.get("/")
+        assert resp.content_type == "text/html"
+        assert len(gzip.compress(resp.body)) < 60_000  # the budget: one response < 60 KB gzipped
+        csp = resp.headers["Content-Security-Policy"]
+        assert "default-src 'none'" in csp
+        assert "unsafe-inline" not in csp
+        assert "unsafe-eval" not in csp
+        assert "script-src 'sha256-" in csp
+        assert "<script src" not in resp.text
+        assert resp.text.count("<script>") == 1
+        assert resp.text.count("<style>") == 1
+        markup = re.sub(r"<(script|style)>.*?</\1>", "", resp.text, flags=re.S)
+        assert "http" not in markup.lower()  # nothing from elsewhere: no CDN, no fonts
+        assert resp.headers["X-Frame-Options"] == "DENY"
+        assert resp.headers["Referrer-Policy"] == "no-referrer"
+
+    def test_csp_hashes_match_the_inline_script_and_style(self, anon):
+        resp = anon.get("/")
+        csp = resp.headers["Content-Security-Policy"]
+        directives = dict(d.strip().split(" ", 1) for d in csp.split(";") if d.strip())
+        script = re.search(r"<script>(.*)</script>", resp.text, re.S).group(1)
+        style = re.search(r"<style>(.*)</style>", resp.text, re.S).group(1)
+        digest = lambda t: base64.b64encode(hashlib.sha256(t.encode()).digest()).decode()  # noqa: E731
+        assert directives["script-src"] == f"'sha256-{digest(script)}'"
+        assert directives["style-src"] == f"'sha256-{digest(style)}'"
+        assert directives["connect-src"] == "'self'"
+        assert directives["manifest-src"] == "'self'"
+        assert directives["frame-ancestors"] == "'none'"
+
+    def test_script_reads_no_relay_url_and_never_builds_an_absolute_api_url(self):
+        js = notesvc.WEB_JS
+        assert "relayUrl" not in js.replace("a relayUrl", "")  # only the comment names it
+        assert "ownOrigin(url)" in js  # every request is checked against the page's origin
+        assert 'mode: "same-origin"' in js
+
+    def test_manifest_is_public_cacheable_and_points_at_served_icons(self, anon):
+        resp = anon.get("/manifest.webmanifest")
+        assert resp.headers["Content-Type"].startswith("application/manifest+json")
+        assert resp.headers["Cache-Control"] == "public, max-age=86400"
+        manifest = json.loads(resp.body)
+        assert manifest["display"] == "standalone"
+        assert manifest["start_url"] == "."
+        assert manifest["theme_color"].startswith("#")
+        purposes = {i.get("purpose", "any") for i in manifest["icons"]}
+        assert purposes == {"any", "maskable"}
+        for icon in manifest["icons"]:
+            got = anon.get("/" + icon["src"])
+            assert got.headers["Content-Type"] == icon["type"]
+            if icon["type"] == "image/png":
+                assert png_size(got.body) == tuple(map(int, icon["sizes"].split("x")))
+
+    @pytest.mark.parametrize(
+        ("path", "size"),
+        [("/icon-192.png", 192), ("/icon-512.png", 512), ("/apple-touch-icon.png", 180)],
+    )
+    def test_png_icons_are_valid_pngs(self, anon, path, size):
+        resp = anon.get(path)
+        assert resp.headers["Cache-Control"] == "public, max-age=86400"
+        assert resp.headers["X-Content-Type-Options"] == "nosniff"
+        assert png_size(resp.body) == (size, size)
+        assert len(resp.body) < 10_000
+
+    def test_svg_icon_is_inert(self, anon):
+        resp = anon.get("/icon.svg")
+        assert resp.headers["Content-Type"] == "image/svg+xml"
+        assert resp.headers["Content-Security-Policy"] == "default-src 'none'"
+        assert "<script" not in resp.text
+        assert not re.search(r"\son\w+=|href=", resp.text)
+
+    def test_assets_need_no_key_and_refuse_other_methods(self, anon):
+        for path in notesvc.WEB_ASSETS:
+            anon.get(path, status=200)
+            anon.post(path, status=405)
+        anon.get("/icon.png", status=404)
+        anon.get("/manifest.webmanifest/..%2f..%2fetc%2fpasswd", status=404)
+
+    def test_the_relay_serves_the_same_page_manifest_and_icons(self, anon, tmp_path):
+        relay = Server(tmp_path / "relay", "relay")
+        try:
+            head, body = relay_raw_get(relay, "/")
+            assert body == anon.get("/").body
+            assert f"Content-Security-Policy: {notesvc.WEB_CSP}" in head
+            for path in notesvc.WEB_ASSETS:
+                head, body = relay_raw_get(relay, path)
+                assert head.startswith("HTTP/1.1 200"), path
+                assert body == anon.get(path).body
+                assert "Cache-Control: public, max-age=86400" in head
+                assert "Content-Security-Policy: default-src 'none'" in head
+                assert f"Content-Type: {notesvc.WEB_ASSETS[path][0]}" in head
+            head, _ = relay_raw_get(relay, "/icon.png")
+            assert head.startswith("HTTP/1.1 404")
+        finally:
+            relay.stop()
+
+
+def png_size(data: bytes) -> tuple:
+    """Return (width, height) of a PNG, checking its signature, chunk CRCs and pixel data."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, chunks = 8, {}
+    while pos < len(data):
+        length = int.from_bytes(data[pos : pos + 4], "big")
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
+        crc = int.from_bytes(data[pos + 8 + length : pos + 12 + length], "big")
+        assert zlib.crc32(kind + body) == crc
+        chunks[kind] = body
+        pos += 12 + length
+    width, height = (
+        int.from_bytes(chunks[b"IHDR"][:4], "big"),
+        int.from_bytes(chunks[b"IHDR"][4:8], "big"),
+    )
+    assert len(zlib.decompress(chunks[b"IDAT"])) == height * (1 + width * 3)
+    assert b"IEND" in chunks
+    return width, height
+
+
+class TestRelayAttachments:
+    """Attachments through a relay: up to its body limit both ways, larger at once 413, and
+    a server's answer never becomes a page on the relay's origin."""
+
+    LIMIT = 65536
+
+    @pytest.fixture
+    def pair(self, tmp_path):
+        env = {"SERVICE_RELAY_TIMEOUT": "10", "SERVICE_MAX_BODY_BYTES": str(self.LIMIT)}
+        relay = Server(tmp_path / "relay", "relay", env=env)
+        server = Server(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url})
+        try:
+            wait_for(lambda: relay_servers(relay) == 1)
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            yield relay, server, setup, tmp_path / "srv"
+        finally:
+            server.stop()
+            relay.stop()
+
+    @staticmethod
+    def send(base: str, method: str, path: str, setup: dict, body=None, headers=None) -> tuple:
+        hdrs = {"X-Service-Key": setup["apiKey"], **(headers or {})}
+        req = urllib.request.Request(base + path, body, hdrs, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                return resp.status, resp.headers, resp.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.headers, e.read()
+
+    def test_an_attachment_of_the_relays_limit_passes_both_ways(self, pair):
+        relay, _, setup, root = pair
+        prefix = f"/r/{setup['serverId']}{API}"
+        image = (b"\x89PNG\r\n\x1a\n" + os.urandom(self.LIMIT))[: self.LIMIT]
+        url = prefix + att_url("attachments/big.png")[len(API) :]
+        status, _, body = self.send(
+            relay.url, "PUT", url, setup, image, {"Content-Type": "image/png"}
+        )
+        assert status == 201, body
+        assert (root / "attachments" / "big.png").read_bytes() == image
+        status, headers, got = self.send(relay.url, "GET", url, setup)
+        assert status == 200
+        assert got == image
+        assert headers["Content-Type"] == "image/png"  # its own type, for an <img> from a blob
+        assert headers["Content-Disposition"] == 'attachment; filename="big.png"'
+        assert headers["Content-Security-Policy"] == "default-src 'none'; sandbox"
+        assert headers["X-Content-Type-Options"] == "nosniff"
+        status, headers, got = self.send(
+            relay.url, "GET", url, setup, headers={"Range": "bytes=100-199"}
+        )
+        assert status == 206
+        assert got == image[100:200]
+        assert headers["Content-Range"] == f"bytes 100-199/{self.LIMIT}"
+        form, ctype = multipart(("path", "attachments/cam/a.jpg"), ("file", image[:60000], "a.jpg"))
+        status, _, body = self.send(
+            relay.url, "POST", prefix + "/attachments", setup, form, {"Content-Type": ctype}
+        )
+        assert status == 201, body
+        assert json.loads(body)["data"]["path"] == "attachments/cam/a.jpg"
+
+    def test_larger_ones_are_413_at_once_both_ways(self, pair):
+        relay, server, setup, _ = pair
+        prefix = f"/r/{setup['serverId']}{API}"
+        url = prefix + att_url("attachments/big.zip")[len(API) :]
+        with socket.create_connection(("127.0.0.1", relay.port), timeout=5) as s:
+            s.sendall(
+                f"PUT {url} HTTP/1.1\r\nHost: relay\r\nContent-Type: application/zip\r\n"
+                f"Content-Length: {self.LIMIT + 1}\r\n\r\n".encode()
+            )
+            started = time.monotonic()
+            answer = recv_all(s)
+        assert time.monotonic() - started < 1
+        assert answer.startswith(b"HTTP/1.1 413 ")
+        assert str(self.LIMIT) in json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["message"]
+        # One put on the server directly is too large to come back whole through the relay.
+        big = os.urandom(4 * self.LIMIT)
+        direct = att_url("attachments/big.zip")
+        status, _, _ = self.send(
+            server.url, "PUT", direct, setup, big, {"Content-Type": "application/zip"}
+        )
+        assert status == 201
+        started = time.monotonic()
+        status, headers, body = self.send(relay.url, "GET", url, setup)
+        assert time.monotonic() - started < 5  # not the relay's 10 s time-out
+        assert status == 413
+        error = json.loads(body)["error"]
+        assert error["code"] == "PAYLOAD_TOO_LARGE"
+        assert str(self.LIMIT) in error["message"]
+        assert "Range" in error["message"]
+        assert headers["Content-Type"].startswith("application/json")
+        status, _, got = self.send(
+            relay.url, "GET", url, setup, headers={"Range": f"bytes=0-{self.LIMIT // 2 - 1}"}
+        )
+        assert status == 206
+        assert got == big[: self.LIMIT // 2]
+
+    @pytest.mark.parametrize(
+        ("served", "shown"),
+        [
+            ("text/html; charset=utf-8", "application/octet-stream"),
+            ("image/svg+xml", "application/octet-stream"),
+            ("application/xhtml+xml", "application/octet-stream"),
+            ("image/png", "image/png"),
+            ("audio/ogg", "audio/ogg"),
+        ],
+    )
+    def test_a_server_cannot_publish_a_page_as_an_attachment(self, tmp_path, served, shown):
+        with running(tmp_path, "relay") as relay:
+            fake = FakeRelayServer(relay)
+            assert fake.register() == 200
+            out = []
+            path = f"/r/{fake.server_id}{API}/attachments/attachments%2Fx.html"
+            t = threading.Thread(target=lambda: out.append(relay_raw_get(relay, path)))
+            t.start()
+            _status, _, body = fake.poll()
+            headers = [
+                ["Content-Type", served],
+                ["Content-Disposition", "inline"],
+                ["Set-Cookie", "session=evil; Path=/"],
+                ["Content-Security-Policy", "script-src *"],
+                ["Refresh", "0; url=https://evil.example/"],
+                ["ETag", '"abc"'],
+            ]
+            page = b"<script>alert(document.cookie)</script>"
+            assert fake.reply(body["data"]["id"], 200, headers, page) == 200
+            t.join(10)
+        head, got = out[0]
+        lines = head.lower().split("\r\n")
+        assert f"content-type: {shown}" in lines
+        assert 'content-disposition: attachment; filename="x.html"' in lines
+        assert "content-security-policy: default-src 'none'; sandbox" in lines
+        assert "x-content-type-options: nosniff" in lines
+        assert 'etag: "abc"' in lines
+        assert not any(
+            h.startswith(("set-cookie", "refresh", "content-disposition: inline")) for h in lines
+        )
+        assert got == page
+
+    def test_relay_answer_headers_of_a_download_and_of_an_api_answer(self):
+        served = [["Content-Type", "image/jpeg"], ["Content-Disposition", 'inline; filename="a"']]
+        download = notesvc.relay_answer_headers(
+            "/api/v1/attachments/attachments/a b.jpg", served, True
+        )
+        assert ("Content-Type", "image/jpeg") in download
+        assert ("Content-Disposition", 'attachment; filename="a_b.jpg"') in download
+        answer = notesvc.relay_answer_headers("/api/v1/attachments/attachments/a.jpg", served)
+        assert ("Content-Type", notesvc.JSON_TYPE) in answer
+        assert not any(k == "Content-Disposition" for k, _ in answer)
+        assert notesvc.relayed_download("GET", "/api/v1/attachments/attachments/a.jpg", 206)
+        for args in (
+            ("GET", "/api/v1/attachments/attachments/a.jpg", 404),
+            ("PUT", "/api/v1/attachments/attachments/a.jpg", 201),
+            ("GET", "/api/v1/attachments", 200),
+            ("GET", "/api/v1/notes/x", 200),
+        ):
+            assert not notesvc.relayed_download(*args)
+
+
 # -- the built-in web client, in a real browser ------------------------------------------------
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -6412,163 +9158,1058 @@ CHROMIUM_ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
+PHONE = {"viewport": {"width": 390, "height": 844}, "has_touch": True, "is_mobile": True}
+DESKTOP = {"viewport": {"width": 1280, "height": 800}}
+DEVICES = {"phone": PHONE, "desktop": DESKTOP}
+SEED_NOTES = {
+    "home/keys.md": "# Spare keys\n\nThe spare keys are in the blue kumquat jar on the shelf.\n\n"
+    "- [ ] copy the garage key\n- [x] give one to Anna\n\n"
+    "See [[pancakes]] and [the recipe](../kitchen/pancakes.md).\n",
+    "kitchen/pancakes.md": "# Pancakes\n\n1. Flour, eggs and milk.\n2. Whisk **well**.\n\n"
+    "| step | minutes |\n|---|--:|\n| rest | 10 |\n| fry | 2 |\n",
+    "todo.md": "# Todo\n\n- buy oat milk\n",
+}
+
+# The accessibility check: every visible control has a name, and every visible text meets
+# WCAG AA contrast against the background it is drawn on (alpha composited up the tree).
+A11Y_AUDIT = r"""() => {
+  const problems = [];
+  const shown = (e) => {
+    const r = e.getBoundingClientRect(), s = getComputedStyle(e);
+    return r.width > 0 && r.height > 0 && s.visibility !== "hidden" && s.display !== "none";
+  };
+  const nameOf = (e) => {
+    const label = (e.getAttribute("aria-label") || "").trim();
+    if (label) return label;
+    const by = e.getAttribute("aria-labelledby");
+    const text = (els) => els.map((l) => l.textContent).join(" ").trim();
+    if (by) return text(by.split(" ").map((id) => document.getElementById(id)));
+    if (e.labels && e.labels.length) return text([...e.labels]);
+    if (/^(BUTTON|SUMMARY|A)$/.test(e.tagName)) return e.textContent.trim();
+    return (e.getAttribute("title") || "").trim();
+  };
+  for (const e of document.querySelectorAll("button, input, textarea, select, summary, a[href]")) {
+    if (shown(e) && !nameOf(e)) problems.push("no accessible name: " + e.outerHTML.slice(0, 90));
+  }
+  const rgba = (c) => {
+    const m = /rgba?\(([^)]+)\)/.exec(c);
+    if (!m) return [0, 0, 0, 0];
+    const p = m[1].split(/[ ,\/]+/).filter(Boolean).map(parseFloat);
+    return [p[0], p[1], p[2], p.length > 3 ? p[3] : 1];
+  };
+  const lum = (c) => {
+    const f = (v) => {
+      v /= 255;
+      return v <= 0.03928 ? v / 12.92 : Math.pow((v + 0.055) / 1.055, 2.4);
+    };
+    return 0.2126 * f(c[0]) + 0.7152 * f(c[1]) + 0.0722 * f(c[2]);
+  };
+  const over = (top, under) => [0, 1, 2].map((i) => top[i] * top[3] + under[i] * (1 - top[3]));
+  const backdrop = (e) => {
+    const layers = [];
+    for (let n = e; n; n = n.parentElement) {
+      const c = rgba(getComputedStyle(n).backgroundColor);
+      if (c[3] > 0) { layers.push(c); if (c[3] >= 1) break; }
+    }
+    let bg = matchMedia("(prefers-color-scheme: dark)").matches ? [0, 0, 0] : [255, 255, 255];
+    for (const c of layers.reverse()) bg = over(c, bg);
+    return bg;
+  };
+  const ratio = (a, b) => {
+    const x = lum(a), y = lum(b);
+    return (Math.max(x, y) + 0.05) / (Math.min(x, y) + 0.05);
+  };
+  const check = (e, color, what) => {
+    const s = getComputedStyle(e);
+    const bg = backdrop(e);
+    const r = ratio(over(rgba(color), bg), bg);
+    const size = parseFloat(s.fontSize), bold = parseInt(s.fontWeight, 10) >= 700;
+    const need = size >= 24 || (bold && size >= 18.66) ? 3 : 4.5;
+    if (r < need) problems.push(what + " contrast " + r.toFixed(2) + " < " + need + ": " +
+      (e.id ? "#" + e.id + " " : "") +
+      JSON.stringify((e.textContent || e.placeholder).trim().slice(0, 40)));
+  };
+  const walk = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);
+  const seen = new Set();
+  while (walk.nextNode()) {
+    const e = walk.currentNode.parentElement;
+    if (!walk.currentNode.textContent.trim() || seen.has(e) || !shown(e)) continue;
+    if (e.closest(":disabled, [aria-hidden=true], svg")) continue;  // WCAG exempts disabled ones
+    seen.add(e);
+    check(e, getComputedStyle(e).color, "text");
+  }
+  for (const e of document.querySelectorAll("input[placeholder], textarea[placeholder]")) {
+    if (!shown(e) || e.value || e.disabled) continue;
+    check(e, getComputedStyle(e, "::placeholder").color, "placeholder");
+  }
+  return problems;
+}"""
+
+
+@pytest.fixture(scope="class")
+def browser():
+    """One Chromium for the class (each test gets its own context)."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    if not CHROMIUM:
+        pytest.skip("no Chromium on this machine")
+    with sync_api.sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield chromium
+        finally:
+            chromium.close()
+
+
+def expect(locator):
+    from playwright.sync_api import expect as playwright_expect
+
+    return playwright_expect(locator)
+
+
+class WebSession:
+    """A browser context on the page of a real server, with the errors it logs."""
+
+    def __init__(self, browser, tmp_path: Path, device: str = "phone", **context):
+        self.context = browser.new_context(**DEVICES[device], **context)
+        self.context.set_default_timeout(10_000)
+        self.page = self.context.new_page()
+        self.device, self.tmp_path = device, tmp_path
+        self.errors: list = []
+        self.requests: list = []
+        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
+        self.page.on("console", lambda m: m.type == "error" and self.errors.append(m.text))
+        self.page.on("request", lambda r: self.requests.append(r))
+
+    def login(self, url: str, key: str) -> None:
+        self.page.goto(url)
+        self.page.fill("#key", key)
+        self.page.click("#connect")
+        self.page.wait_for_selector("#app", state="visible")
+        self.page.wait_for_selector("#tree button, #tree .empty")
+
+    def shot(self, name: str) -> Path:
+        path = self.tmp_path / f"{name}-{self.device}.png"
+        self.page.screenshot(path=str(path))
+        return path
+
+    def tap(self, selector: str) -> None:
+        """Click (desktop) or tap (phone) the element."""
+        if self.device == "phone":
+            self.page.tap(selector)
+        else:
+            self.page.click(selector)
+
+    def tree_open(self, path: str) -> None:
+        """Open a note from the tree, opening its folders first (Notes pane on a phone)."""
+        if self.device == "phone" and self.page.get_attribute("#app", "data-pane") != "notes":
+            self.tap(".tabs button[data-pane=notes]")
+        parts = path.split("/")
+        for i in range(2, len(parts)):
+            folder = self.page.locator(f'#tree button.dir[data-path="{"/".join(parts[:i])}"]')
+            if folder.get_attribute("aria-expanded") != "true":
+                folder.click()
+        self.page.click(f'#tree button.note[data-path="{path}"]')
+        expect(self.page.locator("#path")).to_contain_text(path)
+
+    def dialog_choose(self, value: str) -> None:
+        self.page.wait_for_selector("#dlg[open]")
+        self.page.click(f'#dlg-buttons button[data-value="{value}"]')
+        self.page.wait_for_selector("#dlg", state="hidden")
+
+    def api_calls(self, suffix: str) -> list:
+        return [r for r in self.requests if urllib.parse.urlsplit(r.url).path.endswith(suffix)]
+
+    def close(self) -> list:
+        self.context.close()
+        # The browser logs every non-2xx fetch; those the test caused on purpose are named.
+        return self.errors
+
+
+@pytest.fixture
+def web(browser, tmp_path):
+    """A real server with a few notes, and a function opening a logged-in browser session."""
+    root = tmp_path / "root"
+    for rel, text in SEED_NOTES.items():
+        (root / "notes" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / "notes" / rel).write_text(text)
+    server = Server(root)
+    setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+    sessions = []
+
+    def open_session(device: str = "phone", login: bool = True, **context) -> WebSession:
+        session = WebSession(browser, tmp_path, device, **context)
+        sessions.append(session)
+        if login:
+            session.login(setup["links"]["connect"]["hosted"], setup["apiKey"])
+        return session
+
+    open_session.server, open_session.setup, open_session.root = server, setup, root
+    try:
+        yield open_session
+    finally:
+        for s in sessions:
+            with contextlib.suppress(Exception):
+                s.context.close()
+        server.stop()
+
+
+def needs(server: Server, path: str, what: str) -> None:
+    """Skip unless the server's OpenAPI document has the path (a feature of another issue)."""
+    doc = server.request("GET", f"{API}/openapi.json")[2]
+    if f"{API}{path}" not in doc["paths"]:
+        pytest.skip(f"not on this server yet: {what}")
+
+
+def unexpected(errors: list, *allowed: str) -> list:
+    return [e for e in errors if not any(f"status of {a}" in e for a in allowed)]
 
 
 class TestWebClient:
-    def test_page_is_small_self_contained_and_locked_down(self, anon):
-        resp = anon.get("/")
-        assert resp.content_type == "text/html"
-        assert len(resp.body) < 40_000
-        csp = resp.headers["Content-Security-Policy"]
-        assert "default-src 'none'" in csp
-        assert "unsafe-inline" not in csp
-        assert "script-src 'sha256-" in csp
-        assert "<script src" not in resp.text
-        assert "http" not in re.sub(r"https?://[^\"' ]*(?=[\"' ])", "", resp.text).split(
-            "<script>"
-        )[0].split("<style>")[0].lower().replace("http-equiv", "")
+    @pytest.mark.parametrize("device", ["phone", "desktop"])
+    def test_connect_open_formatted_edit_and_save(self, web, device):
+        s = web(device)
+        page = s.page
+        assert "relayCode=" in web.setup["links"]["connect"]["hosted"]
+        expect(page.locator("#tree")).to_contain_text("home")
+        s.shot("tree")
+        s.tree_open("notes/home/keys.md")
+        # Formatted: a heading, a task list, links; the editor is not shown.
+        expect(page.locator("#view h1")).to_have_text("Spare keys")
+        assert page.is_hidden("#editor")
+        assert page.locator("#view input[type=checkbox]").count() == 2
+        assert page.locator("#view a[data-note='notes/kitchen/pancakes.md']").count() == 1
+        s.shot("note")
+        page.click("#edit")
+        expect(page.locator("#editor")).to_be_visible()
+        page.fill("#editor", "# Spare keys\n\nThe spare keys moved to the *red* box.\n")
+        expect(page.locator("#status")).to_have_text(re.compile("Unsaved"))
+        s.shot("editing")
+        page.click("#save")
+        expect(page.locator("#status")).to_have_text("Saved")
+        on_disk = web.root / "notes/home/keys.md"
+        assert on_disk.read_text() == "# Spare keys\n\nThe spare keys moved to the *red* box.\n"
+        (put,) = [r for r in s.api_calls("/notes/notes%2Fhome%2Fkeys.md") if r.method == "PUT"]
+        assert put.headers["if-match"].startswith('"')
+        page.click("#edit")  # back to the formatted view, with the saved text
+        expect(page.locator("#view em")).to_have_text("red")
+        # The page linked this browser: setup is complete now.
+        assert web.server.request("GET", f"{API}/system/setup")[2]["data"]["setupComplete"]
+        assert unexpected(s.close()) == []
 
-    def test_browser_round_trip(self, tmp_path):
-        sync_api = pytest.importorskip("playwright.sync_api")
-        if not CHROMIUM:
-            pytest.skip("no Chromium on this machine")
-        with running(tmp_path) as server, sync_api.sync_playwright() as pw:
-            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
-            key = setup["apiKey"]
-            link = setup["links"]["connect"]["hosted"]
-            assert "relayCode=" in link
-            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-            try:
-                page = browser.new_page()
-                errors = []
-                page.on("console", lambda m: m.type == "error" and errors.append(m.text))
-                page.goto(link)
-                page.fill("#key", key)
+    def test_phone_shows_one_pane_at_a_time_and_keeps_save_above_the_keyboard(self, web):
+        s = web("phone")
+        page = s.page
+        panes = ["#pane-notes", "#pane-search", "#pane-note", "#pane-ask"]
+        visible = lambda: [p for p in panes if page.is_visible(p)]  # noqa: E731
+        assert visible() == ["#pane-notes"]
+        assert page.evaluate("document.documentElement.scrollWidth") <= 390
+        for pane in ("ask", "search", "note", "notes"):
+            s.tap(f".tabs button[data-pane={pane}]")
+            assert visible() == [f"#pane-{pane}"]
+        # Touch targets: the bar, the tabs and the tree are at least 44 px high.
+        for sel in (".tabs button", "#tree button", "#new", "#capture-add", ".bar summary"):
+            for box in page.locator(sel).evaluate_all(
+                "els => els.map(e => e.getBoundingClientRect().height)"
+            ):
+                assert box >= 44, sel
+        s.tree_open("notes/todo.md")
+        assert visible() == ["#pane-note"]
+        page.click("#edit")
+        page.focus("#editor")
+        # The keyboard takes the lower half: the page fits what is left, Save stays in view.
+        page.set_viewport_size({"width": 390, "height": 420})
+        page.evaluate("window.dispatchEvent(new Event('resize'))")
+        save = page.locator("#save").bounding_box()
+        assert save["y"] >= 0
+        assert save["y"] + save["height"] <= 420
+        assert page.is_hidden(".tabs")  # the tabs step aside while typing
+        editor = page.locator("#editor").bounding_box()
+        assert editor["height"] > 200
+        assert editor["y"] + editor["height"] <= 421
+        page.set_viewport_size({"width": 390, "height": 844})
+        # The back button returns to the notes; so does the browser's Back.
+        page.click("#back")
+        assert visible() == ["#pane-notes"]
+        page.go_back()
+        expect(page.locator("#pane-note")).to_be_visible()
+        assert unexpected(s.close()) == []
+
+    def test_no_note_open_offers_new_instead_of_an_editor(self, web):
+        s = web("desktop")
+        page = s.page
+        assert page.is_hidden("#editor")
+        assert page.is_hidden("#save")
+        expect(page.locator("#empty")).to_contain_text("No note is open")
+        page.click("#empty-new")
+        page.fill("#new-path", "ideas/garden")
+        s.dialog_choose("create")
+        expect(page.locator("#path")).to_contain_text("notes/ideas/garden.md")
+        expect(page.locator("#editor")).to_be_focused()
+        page.keyboard.type("Tomatoes by the wall.")
+        page.keyboard.press("Control+s")
+        expect(page.locator("#status")).to_have_text("Saved")
+        text = (web.root / "notes/ideas/garden.md").read_text()
+        assert text == "# garden\n\nTomatoes by the wall."
+        expect(page.locator("#tree")).to_contain_text("garden")
+        assert unexpected(s.close()) == []
+
+    def test_unsaved_changes_are_asked_about_and_a_draft_survives_a_reload(self, web):
+        s = web("desktop")
+        page = s.page
+        s.tree_open("notes/todo.md")
+        page.click("#edit")
+        page.fill("#editor", "# Todo\n\n- buy oat milk\n- call the plumber\n")
+        # Switching note asks; Cancel keeps the text and the note.
+        page.click('#tree button.dir[data-path="notes/kitchen"]')
+        page.click('#tree button.note[data-path="notes/kitchen/pancakes.md"]')
+        expect(page.locator("#dlg-title")).to_have_text("Unsaved changes")
+        s.shot("unsaved-prompt")
+        s.dialog_choose("cancel")
+        expect(page.locator("#path")).to_contain_text("notes/todo.md")
+        assert "plumber" in page.input_value("#editor")
+        # Logging out asks too.
+        page.click("#menu summary")
+        page.click("#logout")
+        expect(page.locator("#dlg-title")).to_have_text("Unsaved changes")
+        s.dialog_choose("cancel")
+        # A reload asks (beforeunload), and the draft comes back after it.
+        dialogs = []
+        page.on("dialog", lambda d: (dialogs.append(d.type), d.accept()))
+        page.reload()
+        page.wait_for_selector("#app", state="visible")
+        assert dialogs == ["beforeunload"]
+        expect(page.locator("#draft")).to_be_visible()
+        expect(page.locator("#draft-text")).to_contain_text("unsaved draft")
+        assert "plumber" in page.input_value("#editor")
+        expect(page.locator("#status")).to_have_text(re.compile("Unsaved"))
+        s.shot("draft-restored")
+        assert "plumber" not in (web.root / "notes/todo.md").read_text()
+        # Saving it ends the draft; a later reload finds nothing to restore.
+        page.click("#save")
+        expect(page.locator("#status")).to_have_text("Saved")
+        assert "plumber" in (web.root / "notes/todo.md").read_text()
+        assert page.evaluate("Object.keys(localStorage).filter(k => k.includes('draft'))") == []
+        page.reload()
+        page.wait_for_selector("#note-bar", state="visible")
+        assert page.is_hidden("#draft")
+        # Discarding a draft brings back the saved text.
+        page.click("#edit")
+        page.fill("#editor", "scratch")
+        page.wait_for_timeout(400)  # the draft is written 300 ms after the last keystroke
+        page.reload()  # asks again (accepted above)
+        expect(page.locator("#draft")).to_be_visible()
+        page.click("#draft-discard")
+        expect(page.locator("#editor")).to_have_value(re.compile("plumber"))
+        expect(page.locator("#draft")).to_be_hidden()
+        assert unexpected(s.close()) == []
+
+    @pytest.mark.parametrize("device", ["phone", "desktop"])
+    def test_search_is_seen_and_used_with_the_keyboard(self, web, device):
+        s = web(device)
+        page = s.page
+        page.keyboard.press("/")
+        expect(page.locator("#search")).to_be_focused()
+        page.keyboard.type("kumquat")
+        page.keyboard.press("Enter")
+        expect(page.locator("#results mark").first).to_have_text(re.compile("kumquat", re.I))
+        expect(page.locator("#results-info")).to_have_text(re.compile(r"^1 note · [\d.]+ ms$"))
+        assert page.is_visible("#pane-search")
+        assert page.is_hidden("#pane-notes")
+        hit = page.locator("#results button").first
+        assert "notes/home/keys.md" in hit.inner_text()
+        assert "Spare keys" in hit.inner_text()
+        s.shot("search")
+        page.keyboard.press("ArrowDown")
+        expect(hit).to_be_focused()
+        page.keyboard.press("Enter")
+        expect(page.locator("#path")).to_contain_text("notes/home/keys.md")
+        expect(page.locator("#view h1")).to_have_text("Spare keys")
+        # Esc returns to the tree.
+        page.keyboard.press("/")  # focuses the search box with its text selected
+        page.keyboard.type("pancake")
+        page.keyboard.press("Enter")
+        expect(page.locator("#results button")).to_have_count(2)
+        page.keyboard.press("ArrowDown")
+        page.keyboard.press("ArrowDown")
+        expect(page.locator("#results button").nth(1)).to_be_focused()
+        page.keyboard.press("ArrowUp")
+        expect(page.locator("#results button").nth(0)).to_be_focused()
+        page.keyboard.press("Escape")
+        expect(page.locator("#pane-notes")).to_be_visible()
+        assert page.is_hidden("#pane-search")
+        assert page.input_value("#search") == ""
+        assert unexpected(s.close()) == []
+
+    def test_chat_asks_all_notes_unless_about_this_note_is_on(self, web):
+        s = web("desktop")
+        page = s.page
+        s.tree_open("notes/kitchen/pancakes.md")
+        assert not page.is_checked("#about")
+        page.fill("#chat-input", "where are the spare keys?")
+        page.keyboard.press("Enter")
+        answer = page.locator("#chat-log .msg:not(.me)").first
+        expect(answer.locator("ul.sources button").first).to_be_visible()
+        (first,) = s.api_calls("/agent/chat")
+        assert first.post_data_json == {"message": "where are the spare keys?", "channel": "web"}
+        assert "Spare keys" in answer.locator("ul.sources").inner_text()
+        assert answer.locator(".md").count() == 1  # the answer is rendered Markdown
+        page.check("#about")
+        expect(page.locator("#about-label")).to_contain_text("Pancakes")
+        page.fill("#chat-input", "how long do they rest?")
+        page.click("#chat-send")
+        expect(page.locator("#chat-log .msg:not(.me)")).to_have_count(2)
+        expect(page.locator("#chat-log .msg:not(.me)").last).not_to_contain_text("Thinking")
+        second = s.api_calls("/agent/chat")[1]
+        assert second.post_data_json["notePath"] == "notes/kitchen/pancakes.md"
+        s.shot("chat")
+        # A source opens its note.
+        answer.locator("ul.sources button", has_text="Spare keys").click()
+        expect(page.locator("#path")).to_contain_text("notes/home/keys.md")
+        assert unexpected(s.close()) == []
+
+    def test_an_external_edit_meets_the_conflict_and_either_side_can_win(self, web):
+        s = web("phone")
+        page = s.page
+        on_disk = web.root / "notes/todo.md"
+        s.tree_open("notes/todo.md")
+        page.click("#edit")
+        on_disk.write_text("# Todo\n\nChanged in vim.\n")
+        page.fill("#editor", "# Todo\n\nMy browser edit.\n")
+        page.click("#save")
+        expect(page.locator("#conflict")).to_be_visible()
+        expect(page.locator("#conflict")).to_contain_text("changed elsewhere")
+        s.shot("conflict")
+        assert on_disk.read_text() == "# Todo\n\nChanged in vim.\n"
+        page.click("#overwrite")  # keep mine
+        expect(page.locator("#conflict")).to_be_hidden()
+        assert on_disk.read_text() == "# Todo\n\nMy browser edit.\n"
+        on_disk.write_text("# Todo\n\nChanged in vim again.\n")
+        page.fill("#editor", "# Todo\n\nAnother browser edit.\n")
+        page.click("#save")
+        page.click("#reload")  # theirs
+        expect(page.locator("#conflict")).to_be_hidden()
+        assert page.input_value("#editor") == "# Todo\n\nChanged in vim again.\n"
+        expect(page.locator("#status")).not_to_have_text(re.compile("Unsaved"))
+        assert unexpected(s.close(), 412) == []
+
+    def test_coming_back_to_the_page_picks_up_changes_and_a_deletion(self, web):
+        s = web("desktop")
+        page = s.page
+        on_disk = web.root / "notes/todo.md"
+        s.tree_open("notes/todo.md")
+        on_disk.write_text("# Todo\n\n- changed in vim\n")
+        (web.root / "notes/new-from-vim.md").write_text("# New\n")
+        page.evaluate("document.dispatchEvent(new Event('visibilitychange'))")
+        expect(page.locator("#view")).to_contain_text("changed in vim")  # nothing unsaved here
+        expect(page.locator("#toast")).to_contain_text("changed elsewhere")
+        expect(page.locator('#tree button[data-path="notes/new-from-vim.md"]')).to_be_visible()
+        # Deleted elsewhere while edited here: saving says so; "Keep mine" writes it again.
+        page.click("#edit")
+        page.fill("#editor", "# Todo\n\n- mine\n")
+        on_disk.unlink()
+        page.click("#save")
+        expect(page.locator("#conflict")).to_contain_text("deleted or moved elsewhere")
+        page.click("#overwrite")
+        expect(page.locator("#status")).to_have_text("Saved")
+        assert on_disk.read_text() == "# Todo\n\n- mine\n"
+        # Deleted again, and this time theirs wins: the note closes.
+        on_disk.unlink()
+        page.fill("#editor", "# Todo\n\n- mine again\n")
+        page.click("#save")
+        page.click("#reload")
+        expect(page.locator("#empty")).to_be_visible()
+        assert not on_disk.exists()
+        assert unexpected(s.close(), 404) == []
+
+    def test_a_checkbox_ticked_in_the_formatted_view_is_saved_with_if_match(self, web):
+        s = web("phone")
+        page = s.page
+        s.tree_open("notes/home/keys.md")
+        box = page.locator("#view input[type=checkbox]").first
+        box.check()
+        expect(page.locator("#status")).to_have_text("Saved")
+        assert "- [x] copy the garage key" in (web.root / "notes/home/keys.md").read_text()
+        put = [r for r in s.api_calls("/notes/notes%2Fhome%2Fkeys.md") if r.method == "PUT"]
+        assert len(put) == 1
+        assert put[0].headers["if-match"]
+        # Changed elsewhere in between: the tick is refused, not forced.
+        path = web.root / "notes/home/keys.md"
+        path.write_text(path.read_text().replace("give one", "give two"))
+        page.locator("#view input[type=checkbox]").nth(1).uncheck()
+        expect(page.locator("#conflict")).to_be_visible()
+        assert "- [x] give two to Anna" in path.read_text()
+        assert unexpected(s.close(), 412) == []
+
+    def test_links_open_notes_and_html_in_a_note_stays_text(self, web):
+        hostile = (
+            "# <img src=x onerror=alert(1)>\n\n<script>window.pwned = 1</script>\n\n"
+            "[click](javascript:window.pwned=2) [data](data:text/html,x) "
+            "![pic](https://tracker.example/p.png) [ok](https://example.com/a_b)\n\n"
+            "snake_case_name and *em* **strong** ~~gone~~ `<b>code</b>` [[Pancakes]] "
+            "[up](../todo.md) [[nowhere here]]\n\n> quoted <iframe>\n\n"
+            "```\n<script>x</script>\n```\n"
+        )
+        web.server.request(
+            "POST",
+            f"{API}/notes",
+            {"path": "notes/web/hostile.md", "content": hostile},
+            {"X-Service-Key": web.setup["apiKey"]},
+        )
+        s = web("desktop")
+        page = s.page
+        s.tree_open("notes/web/hostile.md")
+        view = page.locator("#view")
+        expect(view.locator("h1")).to_have_text("<img src=x onerror=alert(1)>")
+        assert view.locator("img, script, iframe").count() == 0
+        assert page.evaluate("window.pwned") is None
+        hrefs = view.locator("a").evaluate_all("els => els.map(e => e.getAttribute('href'))")
+        # An image from elsewhere is a link to follow, never loaded on its own.
+        allowed = ("#", "https://example.com/a_b", "https://tracker.example/p.png")
+        assert [h for h in hrefs if h not in allowed] == []
+        assert "snake_case_name" in view.inner_text()
+        assert view.locator("em").all_inner_texts() == ["em"]
+        assert view.locator("strong").all_inner_texts() == ["strong"]
+        assert view.locator("del").all_inner_texts() == ["gone"]
+        assert view.locator("code").first.inner_text() == "<b>code</b>"
+        assert view.locator("pre code").inner_text() == "<script>x</script>"
+        assert view.locator("a[rel='noopener noreferrer']").count() == 2
+        # A relative link and a [[wikilink]] open their notes.
+        view.locator("a", has_text="up").click()
+        expect(page.locator("#path")).to_contain_text("notes/todo.md")
+        s.tree_open("notes/web/hostile.md")
+        view.locator("a", has_text="Pancakes").click()
+        expect(page.locator("#path")).to_contain_text("notes/kitchen/pancakes.md")
+        expect(page.locator("#view table td.al-r").first).to_have_text("10")
+        # A [[link]] to no note offers to create it.
+        s.tree_open("notes/web/hostile.md")
+        view.locator("a", has_text="nowhere here").click()
+        expect(page.locator("#dlg-title")).to_contain_text("No note named")
+        s.dialog_choose("cancel")
+        assert unexpected(s.close(), 404) == []
+
+    def test_markdown_renderer(self, web):
+        s = web("desktop", login=False)
+        page = s.page
+        page.goto(web.server.url + "/")
+        render = lambda md: page.evaluate("(t) => renderMarkdown(t, {}).innerHTML", md)  # noqa: E731
+        assert render("# T\n\npara *a* _b_\nline two") == (
+            "<h1>T</h1><p>para <em>a</em> <em>b</em><br>line two</p>"
+        )
+        assert render("- a\n  - b\n- c") == "<ul><li>a<ul><li>b</li></ul></li><li>c</li></ul>"
+        assert render("3. x\n4. y") == '<ol start="3"><li>x</li><li>y</li></ol>'
+        assert render("a | b\n--|:-:\n1 | 2") == (
+            '<div class="table"><table><thead><tr><th>a</th><th class="al-c">b</th></tr></thead>'
+            '<tbody><tr><td>1</td><td class="al-c">2</td></tr></tbody></table></div>'
+        )
+        assert render("---\ntags: [a]\n---\n# After") == (
+            '<pre class="front">tags: [a]</pre><h1>After</h1>'
+        )
+        assert (
+            render("> q\n> > deeper")
+            == "<blockquote><p>q</p><blockquote><p>deeper</p></blockquote></blockquote>"
+        )
+        assert (
+            render("***\n\n~~~py\nx = 1\n~~~")
+            == '<hr><pre><code class="lang-py">x = 1</code></pre>'
+        )
+        assert render("a\\*b\\* ==hi==") == "<p>a*b* <mark>hi</mark></p>"
+        assert render("<b>x</b> &amp;") == "<p>&lt;b&gt;x&lt;/b&gt; &amp;amp;</p>"
+        # Pathological input renders in linear-ish time.
+        took = page.evaluate(
+            "() => { const t = performance.now(); "
+            "renderMarkdown('*_'.repeat(4000) + '['.repeat(3000), {}); "
+            "return performance.now() - t; }"
+        )
+        assert took < 2000
+        assert unexpected(s.close()) == []
+
+    def test_move_with_update_links_and_delete_to_the_trash(self, web):
+        s = web("desktop")
+        page = s.page
+        s.tree_open("notes/kitchen/pancakes.md")
+        page.click("#note-menu summary")
+        page.click("#move")
+        page.fill("#move-path", "recipes/pancakes")
+        assert page.is_checked("#move-links")
+        s.dialog_choose("move")
+        expect(page.locator("#path")).to_contain_text("notes/recipes/pancakes.md")
+        assert (web.root / "notes/recipes/pancakes.md").exists()
+        assert "(../recipes/pancakes.md)" in (web.root / "notes/home/keys.md").read_text()
+        expect(
+            page.locator('#tree button.note[data-path="notes/recipes/pancakes.md"]')
+        ).to_be_visible()
+        page.click("#note-menu summary")
+        page.click("#delete")
+        s.dialog_choose("delete")
+        expect(page.locator("#empty")).to_be_visible()
+        assert not (web.root / "notes/recipes/pancakes.md").exists()
+        assert list((web.root / ".notesvc" / "trash").rglob("pancakes.md"))
+        expect(
+            page.locator('#tree button.note[data-path="notes/recipes/pancakes.md"]')
+        ).to_have_count(0)
+        assert unexpected(s.close()) == []
+
+    def test_quick_capture_appends_to_todays_note(self, web):
+        s = web("phone")
+        page = s.page
+        page.fill("#capture", "call the plumber about the tap")
+        page.keyboard.press("Enter")
+        expect(page.locator("#toast")).to_contain_text("Added to")
+        page.fill("#capture", "buy washers")
+        page.click("#capture-add")
+        expect(page.locator("#capture")).to_have_value("")
+        (daily,) = (web.root / "notes" / "daily").glob("*.md")
+        lines = daily.read_text().splitlines()
+        assert re.fullmatch(r"- \d\d:\d\d call the plumber about the tap", lines[-2])
+        assert re.fullmatch(r"- \d\d:\d\d buy washers", lines[-1])
+        expect(page.locator('#tree button.dir[data-path="notes/daily"]')).to_be_visible()
+        assert unexpected(s.close()) == []
+
+    def test_the_key_stays_in_the_session_unless_remembered(self, web):
+        s = web("phone", login=False)
+        page = s.page
+        page.goto(web.setup["links"]["connect"]["hosted"])
+        assert page.is_hidden("#remember-warn")
+        page.check("#remember")
+        expect(page.locator("#remember-warn")).to_be_visible()
+        page.uncheck("#remember")
+        page.fill("#key", "nsk_" + "x" * 43)
+        page.click("#connect")
+        expect(page.locator("#login-msg")).to_contain_text("not accepted")
+        assert page.evaluate("sessionStorage.getItem('notesvc.key')") is None
+        page.fill("#key", web.setup["apiKey"])
+        page.click("#connect")
+        page.wait_for_selector("#app", state="visible")
+        stored = "k => [sessionStorage.getItem(k), localStorage.getItem(k)]"
+        assert page.evaluate(stored, "notesvc.key") == [web.setup["apiKey"], None]
+        # A new tab of the same browser (a new session) asks again.
+        other = s.context.new_page()
+        other.goto(web.server.url + "/")
+        expect(other.locator("#login")).to_be_visible()
+        other.close()
+        # Remembered: in localStorage, and a new tab goes straight in.
+        page.click("#menu summary")
+        page.click("#logout")
+        page.wait_for_selector("#login", state="visible")
+        assert page.evaluate("Object.keys(localStorage).concat(Object.keys(sessionStorage))") == []
+        page.fill("#key", web.setup["apiKey"])
+        page.check("#remember")
+        page.click("#connect")
+        page.wait_for_selector("#app", state="visible")
+        assert page.evaluate(stored, "notesvc.key")[1] == web.setup["apiKey"]
+        other = s.context.new_page()
+        other.goto(web.server.url + "/")
+        other.wait_for_selector("#app", state="visible")
+        assert unexpected(s.close(), 401) == []
+
+    def test_a_rotated_key_returns_to_the_key_screen_and_a_lockout_shows_its_wait(self, web):
+        s = web("phone")
+        page = s.page
+        status, _, body = web.server.request(
+            "POST", f"{API}/auth/rotate", headers={"X-Service-Key": web.setup["apiKey"]}
+        )
+        assert status == 200
+        page.click('#tree button.note[data-path="notes/todo.md"]')
+        expect(page.locator("#login")).to_be_visible()
+        expect(page.locator("#login-msg")).to_contain_text("rotated")
+        assert page.evaluate("sessionStorage.getItem('notesvc.key')") is None
+        s.shot("key-rotated")
+        # Wrong keys until this address is locked out: the wait is shown.
+        for _ in range(10):
+            web.server.request("POST", f"{API}/auth/verify", headers={"X-Service-Key": "nsk_wrong"})
+        page.fill("#key", body["data"]["apiKey"])
+        page.click("#connect")
+        expect(page.locator("#login-msg")).to_have_text(re.compile(r"try again in \d+ s"))
+        # 404: the link's relay code changed with the key (the page fell back to the server)
+        assert unexpected(s.close(), 401, 404, 429) == []
+
+    def test_dark_mode_and_accessibility_in_both_themes(self, web):
+        for scheme in ("light", "dark"):
+            for device in ("phone", "desktop"):
+                s = web(device, login=False, color_scheme=scheme)
+                page = s.page
+                page.goto(web.setup["links"]["connect"]["hosted"])
+                problems = page.evaluate(A11Y_AUDIT)
+                page.fill("#key", web.setup["apiKey"])
                 page.click("#connect")
-                page.wait_for_selector("#app", state="visible")
-                sync_api.expect(page.locator("#tree")).to_contain_text("No notes yet")
-                # Create a note.
-                page.fill("#new-path", "web/hello")
-                page.click("#create")
-                expect = sync_api.expect
-                expect(page.locator("#path")).to_have_text("notes/web/hello.md")
-                page.fill("#editor", "# Hello web\n\nThe kumquat jar is in the pantry.")
+                page.wait_for_selector("#tree button")
+                problems += page.evaluate(A11Y_AUDIT)
+                s.tree_open("notes/home/keys.md")
+                problems += page.evaluate(A11Y_AUDIT)
+                page.click("#edit")
+                page.fill("#editor", page.input_value("#editor") + "\nmore")
+                problems += page.evaluate(A11Y_AUDIT)
                 page.click("#save")
-                expect(page.locator("#status")).to_have_text(re.compile("^Saved"))
-                # Find it by search, with the match highlighted.
                 page.fill("#search", "kumquat")
-                page.press("#search", "Enter")
+                page.keyboard.press("Enter")
                 page.wait_for_selector("#results mark")
-                assert "notes/web/hello.md" in page.inner_text("#results")
-                assert page.inner_text("#results mark").lower() == "kumquat"
-                # Edit it again.
-                page.fill("#editor", "# Hello web\n\nThe kumquat jar moved to the shelf.")
-                page.click("#save")
-                expect(page.locator("#status")).to_have_text(re.compile("^Saved"))
-                on_disk = tmp_path / "notes" / "web" / "hello.md"
-                assert "shelf" in on_disk.read_text()
-                # Someone else edits it; our next save meets the conflict.
-                on_disk.write_text("# Hello web\n\nChanged in vim.")
-                page.fill("#editor", "# Hello web\n\nMy browser edit.")
-                page.click("#save")
-                page.wait_for_selector("#conflict", state="visible")
-                assert "changed elsewhere" in page.inner_text("#conflict")
-                assert on_disk.read_text() == "# Hello web\n\nChanged in vim."
-                page.click("#overwrite")
-                page.wait_for_selector("#conflict", state="hidden")
-                assert on_disk.read_text() == "# Hello web\n\nMy browser edit."
-                # Ask the agent.
-                page.fill("#chat-input", "what about my browser edit?")
+                problems += page.evaluate(A11Y_AUDIT)
+                if device == "phone":
+                    s.tap(".tabs button[data-pane=ask]")
+                page.fill("#chat-input", "spare keys?")
                 page.click("#chat-send")
-                expect(page.locator("#chat-log p")).to_have_count(2)
-                assert "notes/web/hello.md" in page.inner_text("#chat-log")
-                # The browser logs every non-2xx fetch; the 412 above was the point.
-                assert [e for e in errors if "status of 412" not in e] == []
-                # The page linked this browser: setup is complete now.
-                _, _, body = server.request("GET", f"{API}/system/setup")
-                assert body["data"]["setupComplete"] is True
-            finally:
-                browser.close()
+                page.wait_for_selector("#chat-log ul.sources")
+                problems += page.evaluate(A11Y_AUDIT)
+                page.click("#menu summary")
+                page.click("#menu-new")
+                problems += page.evaluate(A11Y_AUDIT)
+                s.dialog_choose("cancel")
+                # Focus is visible: Tab lands on a control that draws an outline.
+                page.keyboard.press("Tab")
+                style = page.evaluate(
+                    "() => { const s = getComputedStyle(document.activeElement); "
+                    "return [s.outlineStyle, parseFloat(s.outlineWidth)]; }"
+                )
+                assert style[0] != "none", (scheme, device)
+                assert style[1] >= 2, (scheme, device)
+                bg = page.evaluate("getComputedStyle(document.body).backgroundColor")
+                assert (bg == "rgb(15, 20, 25)") == (scheme == "dark")
+                s.shot(f"theme-{scheme}")
+                assert problems == [], (scheme, device)
+                assert unexpected(s.close()) == []
 
-    def test_csp_connects_only_to_its_own_origin(self, anon):
-        csp = anon.get("/").headers["Content-Security-Policy"]
-        directives = dict(d.strip().split(" ", 1) for d in csp.split(";") if d.strip())
-        assert directives["connect-src"] == "'self'"
+    def test_keyboard_alone_reaches_a_note_and_saves_it(self, web):
+        s = web("desktop")
+        page = s.page
+        seen = []
+        for _ in range(40):  # Tab through the page until the tree's note is reached
+            page.keyboard.press("Tab")
+            seen.append(
+                page.evaluate("document.activeElement.dataset.path || document.activeElement.id")
+            )
+            if seen[-1] == "notes/todo.md":
+                break
+        assert seen[-1] == "notes/todo.md", seen
+        page.keyboard.press("Enter")
+        expect(page.locator("#path")).to_contain_text("notes/todo.md")
+        page.focus("#edit")
+        page.keyboard.press("Enter")
+        expect(page.locator("#editor")).to_be_focused()
+        page.keyboard.press("End")
+        page.keyboard.type(" - and bread")
+        page.keyboard.press("Control+s")
+        expect(page.locator("#status")).to_have_text("Saved")
+        assert "and bread" in (web.root / "notes/todo.md").read_text()
+        assert unexpected(s.close()) == []
 
-    def test_foreign_relay_url_never_gets_a_request(self, tmp_path):
-        sync_api = pytest.importorskip("playwright.sync_api")
-        if not CHROMIUM:
-            pytest.skip("no Chromium on this machine")
+    def test_two_thousand_notes_load_lazily_and_fast(self, browser, tmp_path):
+        root = tmp_path / "root"
+        for f in range(20):
+            folder = root / "notes" / f"project-{f:02d}"
+            folder.mkdir(parents=True)
+            for n in range(50):
+                (folder / f"note-{n:03d}.md").write_text(f"# Note {f}-{n}\n\nbody {n}\n")
+        for n in range(1000):
+            (root / "notes" / f"inbox-{n:04d}.md").write_text(f"# Inbox {n}\n\nbody {n}\n")
+        with running(root) as server:
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            s = WebSession(browser, tmp_path, "desktop")
+            s.login(setup["links"]["connect"]["hosted"], setup["apiKey"])
+            page = s.page
+            timings = []
+            shown = "performance.getEntriesByName('notesvc:tree-shown').map(e => e.startTime)"
+            for _ in range(3):
+                page.reload()
+                expect(page.locator("#tree button")).to_have_count(1020)
+                (at,) = page.evaluate(shown)  # the page marks when the tree is on screen
+                timings.append(at)
+            # One request for the first level: the folders come with counts, not their notes.
+            trees = [r.url for r in s.requests if "/folders/tree" in r.url]
+            assert {urllib.parse.urlsplit(u).query for u in trees} == {"depth=1"}
+            assert page.locator("#tree .count").first.inner_text() == "50"
+            page.click('#tree button.dir[data-path="notes/project-07"]')
+            expect(
+                page.locator('#tree button.dir[data-path="notes/project-07"] + ul button')
+            ).to_have_count(50)
+            s.shot("tree-2000")
+            s.close()
+        best = min(timings)
+        (tmp_path / "tree-2000-ms.txt").write_text(f"{best:.0f}\n")
+        print(f"2,000-note tree shown {best:.0f} ms after navigation (best of 3: {timings})")
+        assert best < 3000  # the goal is 1 s (bench/bench_web.py measures it); this is a guard
+
+    # -- with the history, trash and change feed of CONTRACT 18 (issue 13) ----------------
+
+    def test_history_lists_diffs_and_restores_a_version(self, web):
+        needs(web.server, "/notes/{path}/versions", "history (issue 13)")
+        key = {"X-Service-Key": web.setup["apiKey"]}
+        url = f"{API}/notes/notes%2Ftodo.md"
+        for text in ("# Todo\n\n- buy oat milk\n- bread\n", "# Todo\n\n- bread only\n"):
+            assert web.server.request("PUT", url, {"content": text}, key)[0] == 200
+        s = web("desktop")
+        page = s.page
+        s.tree_open("notes/todo.md")
+        page.click("#note-menu summary")
+        page.click("#history")
+        expect(page.locator("#dlg-title")).to_have_text("History of Todo")
+        rows = page.locator("#versions li")
+        expect(rows).to_have_count(2)
+        rows.nth(0).locator("button", has_text="Diff").click()
+        expect(page.locator("#version-detail .diff .add")).to_contain_text(["+- bread only"])
+        expect(page.locator("#version-detail .diff .del").first).to_contain_text("oat milk")
+        rows.nth(1).locator("button", has_text="View").click()
+        expect(page.locator("#version-detail pre")).to_have_text(SEED_NOTES["todo.md"])
+        s.shot("history")
+        assert page.evaluate(A11Y_AUDIT) == []
+        rows.nth(1).locator("button", has_text="Restore").click()
+        expect(page.locator("#dlg")).to_be_hidden()
+        expect(page.locator("#view")).to_contain_text("buy oat milk")
+        assert (web.root / "notes/todo.md").read_text() == SEED_NOTES["todo.md"]
+        (restore,) = [r for r in s.requests if r.url.endswith("/restore")]
+        assert restore.headers["if-match"].startswith('"')
+        assert unexpected(s.close()) == []
+
+    def test_trash_restores_and_a_delete_can_be_undone(self, web):
+        needs(web.server, "/trash", "the trash (issue 13)")
+        s = web("phone", color_scheme="dark")
+        page = s.page
+        s.tree_open("notes/todo.md")
+        page.click("#note-menu summary")
+        page.click("#delete")
+        s.dialog_choose("delete")
+        expect(page.locator("#toast")).to_contain_text("to the trash")
+        page.locator("#toast button", has_text="Undo").click()
+        expect(page.locator("#path")).to_contain_text("notes/todo.md")
+        assert (web.root / "notes/todo.md").read_text() == SEED_NOTES["todo.md"]
+        # Deleted elsewhere, restored from the Trash dialog.
+        key = {"X-Service-Key": web.setup["apiKey"]}
+        url = f"{API}/notes/notes%2Fkitchen%2Fpancakes.md"
+        assert web.server.request("DELETE", url, headers=key)[0] == 200
+        page.click("#menu summary")
+        page.click("#menu-trash")
+        item = page.locator("#trash-items li", has_text="notes/kitchen/pancakes.md")
+        expect(item).to_have_count(1)
+        item.locator("button", has_text="View").click()
+        expect(page.locator("#trash-detail pre")).to_contain_text("Whisk")
+        s.shot("trash")
+        assert page.evaluate(A11Y_AUDIT) == []
+        item.locator("button", has_text="Restore").click()
+        expect(page.locator("#path")).to_contain_text("notes/kitchen/pancakes.md")
+        assert (web.root / "notes/kitchen/pancakes.md").exists()
+        # A note already at its path: it comes back under another name.
+        assert web.server.request("DELETE", url, headers=key)[0] == 200
+        body = {"path": "notes/kitchen/pancakes.md", "content": "# New pancakes\n"}
+        assert web.server.request("POST", f"{API}/notes", body, key)[0] == 201
+        page.click("#menu summary")
+        page.click("#menu-trash")
+        page.locator("#trash-items li", has_text="pancakes.md").locator(
+            "button", has_text="Restore"
+        ).click()
+        expect(page.locator("#dlg-title")).to_have_text("Restore under another name")
+        page.fill("#restore-path", "notes/kitchen/old-pancakes.md")
+        s.dialog_choose("restore")
+        expect(page.locator("#path")).to_contain_text("notes/kitchen/old-pancakes.md")
+        assert "Whisk" in (web.root / "notes/kitchen/old-pancakes.md").read_text()
+        assert (web.root / "notes/kitchen/pancakes.md").read_text() == "# New pancakes\n"
+        assert unexpected(s.close(), 409) == []
+
+    def test_the_change_feed_keeps_the_tree_and_the_open_note_current(self, web):
+        needs(web.server, "/changes", "the change feed (issue 13)")
+        key = {"X-Service-Key": web.setup["apiKey"]}
+        s = web("desktop")
+        page = s.page
+        s.tree_open("notes/todo.md")
+        page.wait_for_timeout(300)  # the page has its cursor and waits for changes
+        todo = f"{API}/notes/notes%2Ftodo.md"
+        assert (
+            web.server.request("PUT", todo, {"content": "# Todo\n\n- from the phone\n"}, key)[0]
+            == 200
+        )
+        expect(page.locator("#view")).to_contain_text("from the phone")  # no reload, no focus
+        expect(page.locator("#toast")).to_contain_text("changed elsewhere")
+        body = {"path": "notes/from-elsewhere.md", "content": "# Elsewhere\n"}
+        assert web.server.request("POST", f"{API}/notes", body, key)[0] == 201
+        expect(page.locator('#tree button[data-path="notes/from-elsewhere.md"]')).to_be_visible()
+        # Unsaved text here and a change there: reload theirs or keep mine.
+        page.click("#edit")
+        page.fill("#editor", "# Todo\n\n- typed here\n")
+        assert (
+            web.server.request("PUT", todo, {"content": "# Todo\n\n- and there\n"}, key)[0] == 200
+        )
+        expect(page.locator("#conflict")).to_contain_text("changed elsewhere")
+        assert page.input_value("#editor") == "# Todo\n\n- typed here\n"
+        page.click("#overwrite")
+        expect(page.locator("#status")).to_have_text("Saved")
+        # Our own save comes back through the feed without a conflict.
+        page.wait_for_timeout(500)
+        assert page.is_hidden("#conflict")
+        # Moved elsewhere: the page follows; deleted elsewhere: it closes.
+        move = {"path": "notes/archive/todo.md"}
+        assert web.server.request("PATCH", todo + "/move", move, key)[0] == 200
+        expect(page.locator("#path")).to_contain_text("notes/archive/todo.md")
+        gone = f"{API}/notes/notes%2Farchive%2Ftodo.md"
+        assert web.server.request("DELETE", gone, headers=key)[0] == 200
+        expect(page.locator("#empty")).to_be_visible()
+        expect(page.locator("#toast")).to_contain_text("deleted elsewhere")
+        assert unexpected(s.close()) == []
+
+    # -- with the attachments of CONTRACT 20 (issue 17) -------------------------------------
+
+    def test_images_show_and_files_photos_and_pastes_are_attached(self, web):
+        needs(web.server, "/attachments", "attachments (issue 17)")
+        png = notesvc.web_icon_png(192)
+        key = {"X-Service-Key": web.setup["apiKey"], "Content-Type": "image/png"}
+        req = urllib.request.Request(
+            web.server.url + f"{API}/attachments/attachments%2Fhome%2Flogo.png",
+            png,
+            key,
+            method="PUT",
+        )
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            assert resp.status == 201
+        body = {
+            "path": "notes/home/pic.md",
+            "content": "# Pic\n\n![our logo](../../attachments/home/logo.png)\n",
+        }
+        web.server.request("POST", f"{API}/notes", body, {"X-Service-Key": web.setup["apiKey"]})
+        s = web("phone")
+        page = s.page
+        s.tree_open("notes/home/pic.md")
+        img = page.locator("#view img[alt='our logo']")
+        expect(img).to_have_attribute("src", re.compile("^blob:"))
+        expect(img).to_have_js_property("naturalWidth", 192)
+        s.shot("image")
+        # A photo (the camera's input), a picked file, a pasted image.
+        page.set_input_files(
+            "#attach-photo",
+            files=[{"name": "IMG 1.PNG", "mimeType": "image/png", "buffer": png}],
+        )
+        expect(page.locator("#editor")).to_have_value(
+            re.compile(r"!\[IMG 1\.PNG\]\(\.\./\.\./attachments/home/\d{8}-\d{6}-IMG-1\.png\)")
+        )
+        page.set_input_files(
+            "#attach-file",
+            files=[
+                {"name": "notes.pdf", "mimeType": "application/pdf", "buffer": b"%PDF-1.4 test"}
+            ],
+        )
+        expect(page.locator("#editor")).to_have_value(
+            re.compile(r"\n\[notes\.pdf\]\(\.\./\.\./attachments/home/\d{8}-\d{6}-notes\.pdf\)")
+        )
+        page.evaluate(
+            """(bytes) => {
+              const dt = new DataTransfer();
+              dt.items.add(new File([new Uint8Array(bytes)], "image.png", {type: "image/png"}));
+              const ed = document.getElementById("editor");
+              const init = {clipboardData: dt, bubbles: true, cancelable: true};
+              ed.dispatchEvent(new ClipboardEvent("paste", init));
+            }""",
+            list(png),
+        )
+        expect(page.locator("#editor")).to_have_value(re.compile(r"-image\.png\)"))
+        page.click("#save")
+        expect(page.locator("#status")).to_have_text("Saved")
+        page.click("#edit")
+        expect(page.locator("#view img")).to_have_count(3)
+        uploaded = sorted(p.name for p in (web.root / "attachments" / "home").iterdir())
+        assert len(uploaded) == 4
+        assert any(n.endswith("-IMG-1.png") for n in uploaded)
+        puts = [r for r in s.requests if r.method == "PUT" and "/attachments/" in r.url]
+        assert {r.headers["if-none-match"] for r in puts} == {"*"}
+        assert unexpected(s.close()) == []
+
+    def test_embeds_play_and_download_attachments_without_opening_them(self, web):
+        needs(web.server, "/attachments", "attachments (issue 17)")
+        sound = io.BytesIO()
+        with wave.open(sound, "wb") as w:
+            w.setnchannels(1)
+            w.setsampwidth(2)
+            w.setframerate(8000)
+            w.writeframes(b"\0\0" * 800)
+        files = {
+            "attachments/inbox/2026-01-02/090000-photo.png": (
+                notesvc.web_icon_png(192),
+                "image/png",
+            ),
+            "attachments/inbox/2026-01-02/090100-voice.wav": (sound.getvalue(), "audio/wav"),
+            "attachments/docs/manual.pdf": (b"%PDF-1.4 manual", "application/pdf"),
+            "attachments/docs/page.html": (b"<script>window.pwned=1</script>", "text/html"),
+        }
+        for path, (data, ctype) in files.items():
+            headers = {"X-Service-Key": web.setup["apiKey"], "Content-Type": ctype}
+            url = web.server.url + f"{API}/attachments/" + urllib.parse.quote(path, safe="")
+            with urllib.request.urlopen(
+                urllib.request.Request(url, data, headers, method="PUT"), timeout=10
+            ) as resp:
+                assert resp.status == 201
+        text = (
+            "# Media\n\n![[090000-photo.png|the photo]] ![[missing.png]]\n\n"
+            "[voice](../attachments/inbox/2026-01-02/090100-voice.wav) [[manual.pdf]] "
+            "[[docs/page.html]]\n"
+        )
+        body = {"path": "notes/media.md", "content": text}
+        web.server.request("POST", f"{API}/notes", body, {"X-Service-Key": web.setup["apiKey"]})
+        s = web("desktop")
+        page = s.page
+        s.tree_open("notes/media.md")
+        view = page.locator("#view")
+        photo = view.locator("img[alt='the photo']")
+        expect(photo).to_have_js_property("naturalWidth", 192)
+        assert (
+            photo.get_attribute("data-attachment")
+            == "attachments/inbox/2026-01-02/090000-photo.png"
+        )
+        expect(view).to_contain_text("[image not found: missing.png]")
+        view.locator("a.file", has_text="voice").click()
+        expect(view.locator("audio")).to_have_attribute("src", re.compile("^blob:"))
+        with page.expect_download() as download:
+            view.locator("a.file", has_text="manual.pdf").click()
+        assert download.value.suggested_filename == "manual.pdf"
+        with page.expect_download() as download:  # HTML is a file to keep, never a page here
+            view.locator("a.file", has_text="page.html").click()
+        assert download.value.suggested_filename == "page.html"
+        assert page.evaluate("window.pwned") is None
+        assert len(s.context.pages) == 1
+        s.shot("media")
+        assert unexpected(s.close()) == []
+
+    def test_foreign_relay_url_never_gets_a_request(self, web):
         evil = EvilRelay()
         try:
-            with running(tmp_path) as server, sync_api.sync_playwright() as pw:
-                setup = server.request("GET", f"{API}/system/setup")[2]["data"]
-                code = setup["pairing"]["relayCode"]
-                link = f"{server.url}/?relayCode={code}&relayUrl={evil.url}"
-                browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-                try:
-                    page = browser.new_page(viewport={"width": 390, "height": 844})
-                    requested = []
-                    page.on("request", lambda r: requested.append(r.url))
-                    page.goto(link)
-                    page.fill("#key", setup["apiKey"])
-                    page.click("#connect")
-                    page.wait_for_selector("#app", state="visible")
-                    sync_api.expect(page.locator("#tree")).to_contain_text("No notes yet")
-                    page.fill("#new-path", "web/origin")
-                    page.click("#create")
-                    sync_api.expect(page.locator("#path")).to_have_text("notes/web/origin.md")
-                    sync_api.expect(page.locator("#tree")).to_contain_text("origin.md")
-                    page.screenshot(path=str(tmp_path / "web-390x844.png"), full_page=True)
-                    assert page.evaluate("document.documentElement.scrollWidth") <= 390
-                    page.set_viewport_size({"width": 1280, "height": 800})
-                    page.screenshot(path=str(tmp_path / "web-1280x800.png"))
-                finally:
-                    browser.close()
-                assert (tmp_path / "notes" / "web" / "origin.md").exists()
+            code = web.setup["pairing"]["relayCode"]
+            s = web("phone", login=False)
+            s.login(f"{web.server.url}/?relayCode={code}&relayUrl={evil.url}", web.setup["apiKey"])
+            page = s.page
+            page.click("#new")
+            page.fill("#new-path", "web/origin")
+            s.dialog_choose("create")
+            expect(page.locator("#path")).to_contain_text("notes/web/origin.md")
+            s.tap("#back")
+            page.fill("#capture", "kept on this origin")
+            page.keyboard.press("Enter")
+            expect(page.locator("#toast")).to_contain_text("Added to")
+            requested = [r.url for r in s.requests]
+            assert unexpected(s.close()) == []
         finally:
             evil.close()
+        assert (web.root / "notes" / "web" / "origin.md").exists()
         assert evil.requests == []
         origins = {re.match(r"^[a-z]+://[^/]+", u).group(0) for u in requested if "://" in u}
-        assert origins == {server.url}
+        assert origins == {web.server.url}
         paths = [urllib.parse.urlsplit(u).path for u in requested]
         assert f"/relay/v1/pair/{code}" in paths
-        assert f"/r/{setup['serverId']}{API}/auth/verify" in paths
+        assert f"/r/{web.setup['serverId']}{API}/auth/verify" in paths
 
-    def test_page_on_the_server_stays_there_when_the_relay_is_elsewhere(self, tmp_path):
-        sync_api = pytest.importorskip("playwright.sync_api")
-        if not CHROMIUM:
-            pytest.skip("no Chromium on this machine")
+    def test_page_on_the_server_stays_there_when_the_relay_is_elsewhere(self, browser, tmp_path):
         relay = Server(tmp_path / "relay", "relay")
         server = Server(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url})
         try:
             wait_for(lambda: relay_servers(relay) == 1)
             setup = server.request("GET", f"{API}/system/setup")[2]["data"]
             assert setup["links"]["relayApiBase"].startswith(relay.url)
-            with sync_api.sync_playwright() as pw:
-                browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-                try:
-                    page = browser.new_page()
-                    requested = []
-                    page.on("request", lambda r: requested.append(r.url))
-                    page.goto(f"{server.url}/?relayCode={setup['pairing']['relayCode']}")
-                    page.fill("#key", setup["apiKey"])
-                    page.click("#connect")
-                    page.wait_for_selector("#app", state="visible")
-                    sync_api.expect(page.locator("#tree")).to_contain_text("No notes yet")
-                finally:
-                    browser.close()
+            s = WebSession(browser, tmp_path, "desktop")
+            s.login(f"{server.url}/?relayCode={setup['pairing']['relayCode']}", setup["apiKey"])
+            expect(s.page.locator("#tree")).to_contain_text("No notes yet")
+            requested = [r.url for r in s.requests]
+            assert unexpected(s.close()) == []
         finally:
             server.stop()
             relay.stop()
         assert {u.startswith(server.url + "/") for u in requested} == {True}
-        assert f"{server.url}/r/{setup['serverId']}{API}/folders/tree" in requested
+        assert f"{server.url}/r/{setup['serverId']}{API}/folders/tree?depth=1" in requested
 
-    def test_phone_away_from_home_uses_the_relay_copy(self, tmp_path):
+    def test_phone_away_from_home_uses_the_relay_copy(self, browser, tmp_path):
         """The connect link opens the relay's own page, which talks to /r/<id> on its origin."""
-        sync_api = pytest.importorskip("playwright.sync_api")
-        if not CHROMIUM:
-            pytest.skip("no Chromium on this machine")
         relay = Server(tmp_path / "relay", "relay")
         server = Server(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url})
         try:
@@ -6576,38 +10217,35 @@ class TestWebClient:
             setup = server.request("GET", f"{API}/system/setup")[2]["data"]
             link = setup["links"]["connect"]["hosted"]
             assert link.startswith(relay.url + "/?relayCode=")
-            with sync_api.sync_playwright() as pw:
-                browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-                try:
-                    page = browser.new_page(viewport={"width": 390, "height": 844})
-                    requested = []
-                    page.on("request", lambda r: requested.append(r.url))
-                    page.goto(link)
-                    page.fill("#key", setup["apiKey"])
-                    page.click("#connect")
-                    page.wait_for_selector("#app", state="visible")
-                    expect = sync_api.expect
-                    expect(page.locator("#tree")).to_contain_text("No notes yet")
-                    page.fill("#new-path", "away/keys")
-                    page.click("#create")
-                    expect(page.locator("#path")).to_have_text("notes/away/keys.md")
-                    page.fill("#editor", "# Keys\n\nThe spare kumquat key is under the mat.")
-                    page.click("#save")
-                    expect(page.locator("#status")).to_have_text(re.compile("^Saved"))
-                    page.fill("#search", "kumquat")
-                    page.press("#search", "Enter")
-                    page.wait_for_selector("#results mark")
-                    assert "notes/away/keys.md" in page.inner_text("#results")
-                    page.screenshot(path=str(tmp_path / "relay-phone.png"))
-                finally:
-                    browser.close()
+            s = WebSession(browser, tmp_path, "phone")
+            page = s.page
+            s.login(link, setup["apiKey"])
+            # The manifest and icons come from the relay too.
+            manifest = page.evaluate("fetch('manifest.webmanifest').then(r => r.ok && r.json())")
+            assert manifest["name"] == "notesvc"
+            for icon in manifest["icons"]:
+                assert page.evaluate("(u) => fetch(u).then(r => r.status)", icon["src"]) == 200
+            page.click("#new")
+            page.fill("#new-path", "away/keys")
+            s.dialog_choose("create")
+            expect(page.locator("#path")).to_contain_text("notes/away/keys.md")
+            page.fill("#editor", "# Keys\n\nThe spare kumquat key is under the mat.")
+            page.click("#save")
+            expect(page.locator("#status")).to_have_text("Saved")
+            page.fill("#search", "kumquat")
+            page.press("#search", "Enter")
+            page.wait_for_selector("#results mark")
+            assert "notes/away/keys.md" in page.inner_text("#results")
+            s.shot("relay-phone")
+            requested = [r.url for r in s.requests]
+            assert unexpected(s.close()) == []
         finally:
             server.stop()
             relay.stop()
         on_disk = tmp_path / "srv" / "notes" / "away" / "keys.md"
         assert "kumquat" in on_disk.read_text()
         assert {u.startswith(relay.url + "/") for u in requested} == {True}
-        assert f"{relay.url}/r/{setup['serverId']}{API}/folders/tree" in requested
+        assert f"{relay.url}/r/{setup['serverId']}{API}/folders/tree?depth=1" in requested
 
 
 class EvilRelay:
@@ -6656,3 +10294,714 @@ class EvilRelay:
     def close(self):
         self.server.shutdown()
         self.server.server_close()
+
+
+# -- MCP: POST /api/v1/mcp ---------------------------------------------------------------------
+
+MODERN = "2026-07-28"
+
+
+def modern_meta(version: str = MODERN) -> dict:
+    return {
+        "io.modelcontextprotocol/protocolVersion": version,
+        "io.modelcontextprotocol/clientCapabilities": {},
+        "io.modelcontextprotocol/clientInfo": {"name": "test", "version": "1"},
+    }
+
+
+def modern(client, method, params=None, status="*", headers=None, version=MODERN, **extra):
+    """POST one 2026-07-28 request (its _meta and headers filled in); return the response."""
+    params = {"_meta": modern_meta(version), **(params or {})}
+    hdrs = {
+        "Content-Type": "application/json",
+        "MCP-Protocol-Version": version,
+        "Mcp-Method": method,
+    }
+    if method == "tools/call":
+        hdrs["Mcp-Name"] = params.get("name", "")
+    hdrs.update(headers or {})
+    body = {"jsonrpc": "2.0", "id": "m-1", "method": method, "params": params, **extra}
+    return client.post(
+        f"{API}/mcp", json.dumps(body), headers=hdrs, status=status, expect_errors=True
+    )
+
+
+def raw_mcp(client, body: bytes | str, status="*", **headers):
+    hdrs = {"Content-Type": "application/json", **headers}
+    body = body.encode() if isinstance(body, str) else body
+    return client.post(f"{API}/mcp", body, headers=hdrs, status=status, expect_errors=True)
+
+
+def rpc_error(resp, status: int, code: int) -> dict:
+    """Assert a JSON-RPC error answer (no envelope, no traceback); return its error."""
+    assert resp.status_int == status, resp.text
+    assert resp.content_type == "application/json"
+    body = resp.json
+    assert set(body) == {"jsonrpc", "id", "error"}
+    assert body["jsonrpc"] == "2.0"
+    assert body["error"]["code"] == code, body
+    assert body["error"]["message"]
+    assert "Traceback" not in resp.text
+    return body["error"]
+
+
+class TestMcp:
+    """The JSON-RPC endpoint in-process: both protocol eras, every error code, auth, Origin."""
+
+    @pytest.fixture
+    def mcp(self, make_app):
+        client = with_key(make_app())
+        seed_notes(client)
+        return client
+
+    def test_handshake_era_initialize_notification_ping(self, mcp):
+        for asked, given in [
+            ("2025-06-18", "2025-06-18"),
+            ("2025-11-25", "2025-11-25"),
+            ("2024-11-05", "2025-11-25"),
+            ("2031-01-01", "2025-11-25"),
+        ]:
+            params = {
+                "protocolVersion": asked,
+                "capabilities": {},
+                "clientInfo": {"name": "t", "version": "1"},
+            }
+            resp = mcp.post(
+                f"{API}/mcp",
+                json.dumps({"jsonrpc": "2.0", "id": 7, "method": "initialize", "params": params}),
+                headers={"Content-Type": "application/json"},
+            )
+            assert resp.content_type == "application/json"
+            assert "Mcp-Session-Id" not in resp.headers  # nothing is kept between requests
+            result = resp.json["result"]
+            assert resp.json["id"] == 7
+            assert result["protocolVersion"] == given
+            assert result["capabilities"] == {"tools": {"listChanged": False}}
+            assert result["serverInfo"]["name"] == "notesvc"
+            assert result["serverInfo"]["version"] == notesvc.__version__
+            assert "search_notes" in result["instructions"]
+        note = raw_mcp(mcp, '{"jsonrpc": "2.0", "method": "notifications/initialized"}')
+        assert (note.status_int, note.body) == (202, b"")
+        assert rpc(mcp, "ping") == {"jsonrpc": "2.0", "id": 1, "result": {}}
+        hdr = {"MCP-Protocol-Version": "2025-06-18"}
+        assert rpc(mcp, "tools/list", **hdr)["result"]["tools"]
+        answered = raw_mcp(mcp, '{"jsonrpc": "2.0", "id": 5, "result": {}}')  # a response
+        assert (answered.status_int, answered.body) == (202, b"")
+
+    def test_stateless_era_discover_list_call(self, mcp):
+        found = modern(mcp, "server/discover", status=200).json
+        assert found["id"] == "m-1"
+        result = found["result"]
+        assert result["supportedVersions"] == ["2025-06-18", "2025-11-25", "2026-07-28"]
+        assert result["capabilities"] == {"tools": {"listChanged": False}}
+        assert result["resultType"] == "complete"
+        assert result["cacheScope"] == "private"
+        assert result["ttlMs"] >= 0
+        info = result["_meta"]["io.modelcontextprotocol/serverInfo"]
+        assert info == {"name": "notesvc", "title": "notesvc notes", "version": notesvc.__version__}
+        listed = modern(mcp, "tools/list", status=200).json["result"]
+        assert {t["name"] for t in listed["tools"]} == {
+            n for n, t in notesvc.TOOLS.items() if t.read_only
+        }
+        assert (listed["resultType"], listed["cacheScope"]) == ("complete", "private")
+        called = modern(
+            mcp, "tools/call", {"name": "search_notes", "arguments": {"query": "keys"}}, status=200
+        ).json["result"]
+        assert called["resultType"] == "complete"
+        assert called["isError"] is False
+        assert called["structuredContent"]["results"][0]["path"] == "notes/home/keys.md"
+        note = mcp.post(
+            f"{API}/mcp",
+            json.dumps({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {}}),
+            headers={"Content-Type": "application/json", "MCP-Protocol-Version": MODERN},
+            status=202,
+        )
+        assert note.body == b""
+
+    def test_tool_errors_are_results_with_structured_content(self, mcp):
+        for era in ("handshake", "stateless"):
+            params = {"name": "read_note", "arguments": {"path": "notes/none.md"}}
+            if era == "handshake":
+                result = rpc(mcp, "tools/call", params)["result"]
+            else:
+                result = modern(mcp, "tools/call", params, status=200).json["result"]
+            assert result["isError"] is True
+            assert result["structuredContent"] == {
+                "error": {"code": "NOT_FOUND", "message": "no note at notes/none.md"}
+            }
+
+    @pytest.mark.parametrize(
+        ("body", "status", "code"),
+        [
+            ("{not json", 400, -32700),
+            ("", 400, -32700),
+            ('{"jsonrpc": "2.0", "id": 1, "method": "ping", "x": NaN}', 400, -32700),
+            (b'{"jsonrpc": "2.0", "id": 1, "method": "p\xffng"}', 400, -32700),
+            ("[" * 100000 + "]" * 100000, 400, -32700),
+            ('[{"jsonrpc": "2.0", "id": 1, "method": "ping"}]', 400, -32600),
+            ("[]", 400, -32600),
+            ('"ping"', 400, -32600),
+            ("42", 400, -32600),
+            ('{"id": 1, "method": "ping"}', 400, -32600),
+            ('{"jsonrpc": "1.0", "id": 1, "method": "ping"}', 400, -32600),
+            ('{"jsonrpc": "2.0", "id": 1, "method": 5}', 400, -32600),
+            ('{"jsonrpc": "2.0", "id": 1, "method": ""}', 400, -32600),
+            ('{"jsonrpc": "2.0", "id": true, "method": "ping"}', 400, -32600),
+            ('{"jsonrpc": "2.0", "id": 1.5, "method": "ping"}', 400, -32600),
+            ('{"jsonrpc": "2.0", "id": {"a": 1}, "method": "ping"}', 400, -32600),
+            ('{"jsonrpc": "2.0", "id": null, "method": "ping"}', 400, -32600),
+            ('{"jsonrpc": "2.0", "id": 1, "method": "resources/list"}', 200, -32601),
+            ('{"jsonrpc": "2.0", "id": 1, "method": "' + "x" * 5000 + '"}', 200, -32601),
+            ('{"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": [1]}', 200, -32602),
+            (
+                '{"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {"cursor": "x"}}',
+                200,
+                -32602,
+            ),
+            ('{"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {}}', 200, -32602),
+            (
+                '{"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": 5}}',
+                200,
+                -32602,
+            ),
+            (
+                '{"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "nope"}}',
+                200,
+                -32602,
+            ),
+            (
+                '{"jsonrpc": "2.0", "id": 1, "method": "tools/call",'
+                ' "params": {"name": "read_note", "arguments": "notes/x.md"}}',
+                200,
+                -32602,
+            ),
+        ],
+    )
+    def test_malformed_json_rpc_gets_the_specs_codes(self, mcp, body, status, code):
+        error = rpc_error(raw_mcp(mcp, body), status, code)
+        assert len(error["message"]) < 300
+
+    def test_the_request_id_comes_back_when_it_could_be_read(self, mcp):
+        resp = raw_mcp(mcp, '{"jsonrpc": "2.0", "id": "abc", "method": "nope"}')
+        assert resp.json["id"] == "abc"
+        resp = raw_mcp(mcp, '{"jsonrpc": "1.0", "id": 9, "method": "ping"}')
+        assert resp.json["id"] == 9
+        resp = raw_mcp(mcp, '{"jsonrpc": "2.0", "id": [9], "method": "ping"}')
+        assert resp.json["id"] is None
+
+    def test_stateless_methods_not_served_are_404(self, mcp):
+        for method in ("initialize", "ping", "resources/list"):
+            rpc_error(modern(mcp, method), 404, -32601)
+
+    def test_stateless_envelope_and_version_checks(self, mcp):
+        no_meta = mcp.post(
+            f"{API}/mcp",
+            json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/list"}),
+            headers={
+                "Content-Type": "application/json",
+                "MCP-Protocol-Version": MODERN,
+                "Mcp-Method": "tools/list",
+            },
+            expect_errors=True,
+        )
+        assert "_meta" in rpc_error(no_meta, 400, -32602)["message"]
+        half = {"_meta": {"io.modelcontextprotocol/protocolVersion": MODERN}}
+        resp = mcp.post(
+            f"{API}/mcp",
+            json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": half}),
+            headers={
+                "Content-Type": "application/json",
+                "MCP-Protocol-Version": MODERN,
+                "Mcp-Method": "tools/list",
+            },
+            expect_errors=True,
+        )
+        assert "clientCapabilities" in rpc_error(resp, 400, -32602)["message"]
+        error = rpc_error(modern(mcp, "tools/list", version="2099-01-01"), 400, -32022)
+        assert error["data"] == {
+            "supported": ["2025-06-18", "2025-11-25", "2026-07-28"],
+            "requested": "2099-01-01",
+        }
+        rpc_error(modern(mcp, "server/discover", version="banana"), 400, -32022)
+        long = modern(mcp, "server/discover", version="v" * 5000)
+        assert rpc_error(long, 400, -32022)["data"]["requested"] == "v" * 64
+        params = {"_meta": {**modern_meta(), "io.modelcontextprotocol/protocolVersion": 7}}
+        resp = raw_mcp(
+            mcp,
+            json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": params}),
+            **{"MCP-Protocol-Version": "7", "Mcp-Method": "tools/list"},
+        )
+        rpc_error(resp, 400, -32020)  # the header (text) can never equal a number
+        # a handshake-era request naming a revision this server does not serve
+        resp = raw_mcp(
+            mcp,
+            '{"jsonrpc": "2.0", "id": 1, "method": "tools/list"}',
+            **{"MCP-Protocol-Version": "2025-03-26"},
+        )
+        assert rpc_error(resp, 400, -32022)["data"]["requested"] == "2025-03-26"
+        # a notification at a version not served
+        resp = raw_mcp(
+            mcp, '{"jsonrpc": "2.0", "method": "notifications/x"}', **{"MCP-Protocol-Version": "9"}
+        )
+        rpc_error(resp, 400, -32022)
+
+    @pytest.mark.parametrize(
+        ("headers", "says"),
+        [
+            ({"MCP-Protocol-Version": "2099-01-01"}, "MCP-Protocol-Version"),
+            ({"Mcp-Method": "tools/list"}, "Mcp-Method"),
+            ({"Mcp-Method": ""}, "Mcp-Method"),
+            ({"Mcp-Name": "read_note"}, "Mcp-Name"),
+            ({"Mcp-Name": "=?base64?cmVhZF9ub3Rl?="}, "Mcp-Name"),
+            ({"Mcp-Name": "=?base64?not base64?="}, "Mcp-Name"),
+        ],
+    )
+    def test_headers_that_do_not_repeat_the_body_are_32020(self, mcp, headers, says):
+        params = {"name": "search_notes", "arguments": {"query": "keys"}}
+        resp = modern(mcp, "tools/call", params, headers=headers)
+        assert says in rpc_error(resp, 400, -32020)["message"]
+
+    def test_header_mismatches_in_the_stateless_era(self, mcp):
+        params = {"_meta": modern_meta(), "name": "search_notes", "arguments": {"query": "keys"}}
+        body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": params})
+        # the body names the stateless era but no header is sent
+        resp = raw_mcp(mcp, body)
+        assert "MCP-Protocol-Version" in rpc_error(resp, 400, -32020)["message"]
+        other = {
+            "MCP-Protocol-Version": "2099-01-01",
+            "Mcp-Method": "tools/call",
+            "Mcp-Name": "search_notes",
+        }
+        rpc_error(raw_mcp(mcp, body, **other), 400, -32020)
+        sentinel = {
+            "MCP-Protocol-Version": MODERN,
+            "Mcp-Method": "tools/call",
+            "Mcp-Name": "=?base64?c2VhcmNoX25vdGVz?=",
+        }
+        assert raw_mcp(mcp, body, **sentinel).json["result"]["isError"] is False
+        # a handshake-era header names that era (as the SDKs route): _meta is then ignored
+        old = {"MCP-Protocol-Version": "2025-11-25"}
+        assert "resultType" not in raw_mcp(mcp, body, **old).json["result"]
+
+    def test_get_delete_put_are_405_in_json_rpc(self, mcp):
+        for method in ("GET", "DELETE", "PUT", "PATCH"):
+            resp = mcp.request(f"{API}/mcp", method=method, expect_errors=True)
+            error = rpc_error(resp, 405, -32000)
+            assert error["data"] == {"status": 405, "code": "METHOD_NOT_ALLOWED"}
+            assert resp.headers["Allow"] == "POST"
+
+    def test_limits_are_json_rpc_errors(self, make_app):
+        client = with_key(make_app(SERVICE_MAX_BODY_BYTES="2048"))
+        big = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "ping", "pad": "x" * 3000})
+        error = rpc_error(raw_mcp(client, big), 413, -32600)
+        assert error["data"] == {"status": 413, "code": "PAYLOAD_TOO_LARGE"}
+        resp = client.post(
+            f"{API}/mcp", "{}", headers={"Content-Type": "text/plain"}, expect_errors=True
+        )
+        assert rpc_error(resp, 415, -32600)["data"]["code"] == "UNSUPPORTED_MEDIA_TYPE"
+
+    def test_the_key_is_accepted_in_each_of_its_headers(self, anon):
+        key = key_of(anon)
+        for name, value in [
+            ("X-Service-Key", key),
+            ("Authorization", f"Bearer {key}"),
+            ("Authorization", f"bearer {key}"),
+            ("X-API-Key", key),
+        ]:
+            assert rpc(anon, "ping", **{name: value}) == {"jsonrpc": "2.0", "id": 1, "result": {}}
+        for headers in [
+            {},
+            {"X-Service-Key": "nsk_wrong"},
+            {"Authorization": "Bearer nsk_wrong"},
+            {"Authorization": f"Basic {key}"},
+            {"X-API-Key": "nsk_wrong"},
+            {"X-Auth-Token": key},
+        ]:
+            resp = raw_mcp(anon, '{"jsonrpc": "2.0", "id": 1, "method": "ping"}', **headers)
+            error = rpc_error(resp, 401, -32000)
+            assert error["data"] == {"status": 401, "code": "UNAUTHORIZED"}
+            assert "Authorization: Bearer" in error["message"]
+            assert key not in resp.text
+        # only /mcp takes them: the rest of the API wants X-Service-Key (or a JWT)
+        for name, value in [("Authorization", f"Bearer {key}"), ("X-API-Key", key)]:
+            resp = anon.get(f"{API}/system/info", headers={name: value}, status=401)
+            assert_error(resp, 401, "UNAUTHORIZED")
+
+    def test_wrong_keys_on_mcp_count_toward_the_lockout(self, anon):
+        key = key_of(anon)
+        for i in range(10):
+            headers = [{"Authorization": "Bearer nsk_x"}, {"X-API-Key": "nsk_y"}][i % 2]
+            rpc_error(raw_mcp(anon, "{}", **headers), 401, -32000)
+        resp = raw_mcp(
+            anon, '{"jsonrpc": "2.0", "id": 1, "method": "ping"}', Authorization=f"Bearer {key}"
+        )
+        error = rpc_error(resp, 429, -32000)
+        assert error["data"]["code"] == "RATE_LIMITED"
+        assert int(resp.headers["Retry-After"]) > 0
+        assert_error(
+            anon.get(f"{API}/system/info", headers={"X-Service-Key": key}, status=429),
+            429,
+            "RATE_LIMITED",
+        )
+
+    def test_jwt_mode_takes_a_token_or_the_key_as_bearer(self, make_app):
+        app = make_app(SERVICE_AUTH_MODE="jwt", SERVICE_JWT_SECRET="j" * 40)
+        key = key_of(app)
+        token = data(with_key(app).post(f"{API}/auth/token"))["token"]
+        for value in (token, key):
+            assert rpc(app, "ping", Authorization=f"Bearer {value}")["result"] == {}
+        resp = raw_mcp(app, "{}", Authorization=f"Bearer {token[:-2]}xx")
+        rpc_error(resp, 401, -32000)
+
+    def test_auth_off_asks_no_key_but_still_checks_the_origin(self, make_app):
+        app = make_app(SERVICE_AUTH_MODE="none")
+        assert rpc(app, "ping")["result"] == {}
+        resp = raw_mcp(
+            app, '{"jsonrpc": "2.0", "id": 1, "method": "ping"}', Origin="http://evil.example"
+        )
+        assert rpc_error(resp, 403, -32000)["data"]["code"] == "FORBIDDEN"
+
+    def test_origin_must_be_an_allowed_one(self, make_app, root):
+        app = make_app(SERVICE_CORS_ORIGINS="https://notes.example")
+        key = key_of(app)
+        ping = '{"jsonrpc": "2.0", "id": 1, "method": "ping"}'
+        ok = raw_mcp(app, ping, Origin="https://notes.example", **{"X-API-Key": key})
+        assert ok.json["result"] == {}
+        assert ok.headers["Access-Control-Allow-Origin"] == "https://notes.example"
+        for origin in (
+            "https://evil.example",
+            "null",
+            "http://127.0.0.1:3000",
+            "https://notes.example.evil.example",
+        ):
+            resp = raw_mcp(app, ping, Origin=origin, **{"X-API-Key": key})
+            error = rpc_error(resp, 403, -32000)
+            assert "SERVICE_CORS_ORIGINS" in error["message"]
+        # refused before the key is even looked at: no lockout, no oracle
+        for _ in range(12):
+            raw_mcp(app, ping, Origin="https://evil.example", **{"X-API-Key": "nsk_bad"})
+        assert raw_mcp(app, ping, **{"X-API-Key": key}).json["result"] == {}
+        pre = app.options(
+            f"{API}/mcp",
+            headers={"Origin": "https://notes.example", "Access-Control-Request-Method": "POST"},
+        )
+        allowed = pre.headers["Access-Control-Allow-Headers"]
+        for name in (
+            "Authorization",
+            "X-API-Key",
+            "MCP-Protocol-Version",
+            "Mcp-Method",
+            "Mcp-Name",
+        ):
+            assert name in allowed
+        star = make_app(tmp_path_factory_root(root), SERVICE_CORS_ORIGINS="*")
+        resp = raw_mcp(star, ping, Origin="https://anywhere.example", **{"X-API-Key": key_of(star)})
+        assert resp.json["result"] == {}
+
+    def test_self_relay_prefix_answers_json_rpc_too(self, mcp):
+        sid = mcp.app.service.state.read()["serverId"]
+        resp = mcp.post(
+            f"/r/{sid}{API}/mcp",
+            '{"jsonrpc": "2.0", "id": 1, "method": "ping"}',
+            headers={"Content-Type": "application/json"},
+        )
+        assert resp.json["result"] == {}
+        other = mcp.post(
+            f"/r/aaaaaaaaaaaaaaaaaaaa{API}/mcp",
+            "{}",
+            headers={"Content-Type": "application/json"},
+            expect_errors=True,
+        )
+        assert rpc_error(other, 404, -32000)["data"]["code"] == "NOT_FOUND"
+        found = call_tool(mcp, "search", query="keys")["structuredContent"]["results"][0]
+        assert found["url"] == "http://localhost:80/api/v1/notes/notes%2Fhome%2Fkeys.md"
+        via = mcp.post(
+            f"/r/{sid}{API}/mcp",
+            json.dumps(
+                {
+                    "jsonrpc": "2.0",
+                    "id": 1,
+                    "method": "tools/call",
+                    "params": {"name": "search", "arguments": {"query": "keys"}},
+                }
+            ),
+            headers={"Content-Type": "application/json"},
+        ).json
+        url = via["result"]["structuredContent"]["results"][0]["url"]
+        assert url == f"http://localhost:80/r/{sid}/api/v1/notes/notes%2Fhome%2Fkeys.md"
+
+    def test_a_crash_behind_a_json_rpc_route_is_32603_with_the_request_id(self, root, caplog):
+        cfg = notesvc.load_config(env=make_env(root))
+        service = notesvc.build_service(cfg).start()
+        extra = (notesvc.Route("POST", "/boom-rpc", _boom, jsonrpc=True),)
+        app = webtest.TestApp(notesvc.NotesApp(service, notesvc.ROUTES + extra))
+        key = service.state.read()["apiKey"]
+        resp = app.post(f"{API}/boom-rpc", "{}", headers={"X-API-Key": key}, status=500)
+        error = rpc_error(resp, 500, -32603)
+        assert resp.headers["X-Request-Id"] in error["message"]
+        assert "secret" not in resp.text
+        assert "passwd" not in resp.text
+        assert service.routes[-1].jsonrpc is True
+        assert {r.rule for r in service.routes if r.jsonrpc} == {f"{API}/mcp", f"{API}/boom-rpc"}
+
+    def test_only_mcp_answers_json_rpc(self, anon):
+        assert {r.rule for r in anon.app.service.routes if r.jsonrpc} == {f"{API}/mcp"}
+        assert notesvc.RELAYED_JSONRPC_RE.match(f"/r/abc{API}/mcp")
+        assert_error(anon.get(f"{API}/mcpx", status=404), 404, "NOT_FOUND")
+
+    def test_openapi_documents_mcp(self, anon):
+        doc = anon.get(f"{API}/openapi.json").json
+        op = doc["paths"]["/api/v1/mcp"]["post"]
+        assert set(op["responses"]) == {"200", "202", "default"}
+        assert {"bearerKey": []} in op["security"]
+        assert {"xApiKey": []} in op["security"]
+        assert doc["components"]["securitySchemes"]["xApiKey"]["name"] == "X-API-Key"
+
+    def test_config_and_audit_report_the_write_tools(self, make_app, root):
+        cfg = data(with_key(make_app()).get(f"{API}/system/config"))
+        assert cfg["mcp"] == {
+            "path": "/api/v1/mcp",
+            "write": False,
+            "protocolVersions": ["2025-06-18", "2025-11-25", "2026-07-28"],
+        }
+        assert (cfg["agent"]["write"], cfg["agent"]["maxSteps"]) == (False, 6)
+        app = make_app(
+            tmp_path_factory_root(root),
+            SERVICE_MCP_WRITE="true",
+            SERVICE_AGENT_WRITE="true",
+            SERVICE_AGENT_MAX_STEPS="9",
+        )
+        client = with_key(app)
+        cfg = data(client.get(f"{API}/system/config"))
+        assert (cfg["mcp"]["write"], cfg["agent"]["write"], cfg["agent"]["maxSteps"]) == (
+            True,
+            True,
+            9,
+        )
+        assert "tool-writes-without-auth" not in ids(audit(client))
+        client.post_json(f"{API}/channels", {"provider": "web", "config": {}}, status=201)
+        findings = {f["id"]: f for f in audit(client)["findings"]}
+        assert findings["agent-writes-from-channels"]["severity"] == "info"
+        open_app = make_app(
+            tmp_path_factory_root(root), SERVICE_AUTH_MODE="none", SERVICE_MCP_WRITE="true"
+        )
+        findings = {f["id"]: f for f in audit(open_app)["findings"]}
+        assert findings["tool-writes-without-auth"]["severity"] == "medium"
+        assert "SERVICE_MCP_WRITE" in findings["tool-writes-without-auth"]["detail"]
+        quiet = make_app(tmp_path_factory_root(root), SERVICE_AUTH_MODE="none")
+        assert "tool-writes-without-auth" not in ids(audit(quiet))
+
+    @pytest.mark.parametrize(
+        ("env", "names"),
+        [
+            ({"SERVICE_MCP_WRITE": "maybe"}, "SERVICE_MCP_WRITE"),
+            ({"SERVICE_AGENT_WRITE": "2"}, "SERVICE_AGENT_WRITE"),
+            ({"SERVICE_AGENT_MAX_STEPS": "0"}, "SERVICE_AGENT_MAX_STEPS"),
+            ({"SERVICE_AGENT_MAX_STEPS": "21"}, "SERVICE_AGENT_MAX_STEPS"),
+            ({"SERVICE_AGENT_MAX_STEPS": "six"}, "SERVICE_AGENT_MAX_STEPS"),
+        ],
+    )
+    def test_bad_settings_stop_start_up(self, env, names):
+        with pytest.raises(notesvc.ConfigError, match=names):
+            notesvc.load_config(env=env)
+
+
+def sdk_session(url: str, headers: dict, mode: str, steps):
+    """Run `steps(client)` in an official MCP SDK session with a real server; return its result."""
+    import asyncio
+
+    client_module = pytest.importorskip("mcp.client.client")
+    transport = pytest.importorskip("mcp.client.streamable_http")
+    httpx2 = pytest.importorskip("httpx2")
+
+    async def main():
+        async with httpx2.AsyncClient(headers=headers, timeout=30) as http:
+            connection = transport.streamable_http_client(url, http_client=http)
+            async with client_module.Client(connection, mode=mode) as session:
+                return await steps(session)
+
+    return asyncio.run(main())
+
+
+def post_rpc(server: Server, path: str, body, headers: dict | None = None) -> tuple:
+    """POST a JSON-RPC body to a real server or relay; return (status, headers, answer)."""
+    return server.request("POST", path, body, headers)
+
+
+class TestMcpServer:
+    """A real `python notesvc.py` (and a real relay): the official SDK, limits, the relay."""
+
+    @pytest.fixture
+    def server(self, tmp_path):
+        with running(tmp_path / "srv", env={"SERVICE_MCP_WRITE": "true"}) as server:
+            key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
+            for path, text in [("notes/garden.md", "# Garden\n\nPlant tomatoes in May.")]:
+                server.request(
+                    "POST", f"{API}/notes", {"path": path, "content": text}, {"X-Service-Key": key}
+                )
+            server.key = key
+            yield server
+
+    @pytest.mark.parametrize(("mode", "version"), [("legacy", "2025-11-25"), ("auto", MODERN)])
+    def test_the_official_sdk_lists_searches_reads_creates_and_is_refused_a_stale_etag(
+        self, server, mode, version
+    ):
+        async def steps(session):
+            names = [t.name for t in (await session.list_tools()).tools]
+            hits = await session.call_tool("search_notes", {"query": "tomatoes"})
+            note = await session.call_tool("read_note", {"path": "notes/garden.md"})
+            made = await session.call_tool(
+                "create_note", {"path": "notes/sdk.md", "content": "# SDK\n\nmade by the SDK"}
+            )
+            etag = note.structured_content["etag"]
+            server.request(
+                "PUT",
+                f"{API}/notes/notes%2Fgarden.md",
+                {"content": "# Garden\n\nchanged"},
+                {"X-Service-Key": server.key},
+            )
+            stale = await session.call_tool(
+                "update_note", {"path": "notes/garden.md", "content": "overwrite", "etag": etag}
+            )
+            return session.protocol_version, names, hits, note, made, stale
+
+        got, names, hits, note, made, stale = sdk_session(
+            server.url + f"{API}/mcp", {"Authorization": f"Bearer {server.key}"}, mode, steps
+        )
+        assert got == version
+        assert set(names) == set(notesvc.TOOLS)
+        assert hits.is_error is False
+        assert hits.content[0].text.startswith("notes/garden.md — Garden: ")
+        assert hits.structured_content["results"][0]["path"] == "notes/garden.md"
+        assert note.structured_content["content"] == "# Garden\n\nPlant tomatoes in May."
+        assert made.is_error is False
+        assert made.structured_content["path"] == "notes/sdk.md"
+        assert stale.is_error is True
+        assert stale.structured_content["error"]["code"] == "PRECONDITION_FAILED"
+        _, _, body = server.request(
+            "GET", f"{API}/notes/notes%2Fgarden.md", headers={"X-Service-Key": server.key}
+        )
+        assert body["data"]["content"] == "# Garden\n\nchanged"
+        _, _, body = server.request(
+            "GET", f"{API}/search?q=SDK", headers={"X-Service-Key": server.key}
+        )
+        assert body["data"]["results"][0]["path"] == "notes/sdk.md"
+
+    def test_waitress_refusals_on_mcp_are_json_rpc(self, server):
+        for headers, status, code in [
+            ("Content-Length: 99999999\r\n", 413, "PAYLOAD_TOO_LARGE"),
+            ("Content-Length: abc\r\n", 400, "VALIDATION_ERROR"),
+            ("Content-Length: 5\r\nContent-Length: 6\r\n", 400, "VALIDATION_ERROR"),
+        ]:
+            request = (
+                f"POST {API}/mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                f"{headers}\r\n"
+            ).encode()
+            got, resp_headers, body = raw_http(server.port, request)
+            assert got == status, body
+            answer = json.loads(body)
+            assert answer["jsonrpc"] == "2.0"
+            assert answer["error"]["data"]["code"] == code
+            assert resp_headers["content-type"] == "application/json; charset=utf-8"
+
+    @pytest.fixture
+    def relayed(self, tmp_path):
+        relay = Server(tmp_path / "relay", "relay", env={"SERVICE_RELAY_TIMEOUT": "3"})
+        server = Server(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url})
+        try:
+            wait_for(lambda: relay_servers(relay) == 1)
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            server.request(
+                "POST",
+                f"{API}/notes",
+                {"path": "notes/garden.md", "content": "# Garden\n\nPlant tomatoes in May."},
+                {"X-Service-Key": setup["apiKey"]},
+            )
+            yield relay, setup
+        finally:
+            server.stop()
+            relay.stop()
+
+    def test_json_rpc_through_the_relay(self, relayed):
+        relay, setup = relayed
+        path = f"/r/{setup['serverId']}{API}/mcp"
+        assert setup["links"]["relayApiBase"] + "/mcp" == relay.url + path
+        bearer = {"Authorization": f"Bearer {setup['apiKey']}"}
+        init = {
+            "jsonrpc": "2.0",
+            "id": 1,
+            "method": "initialize",
+            "params": {
+                "protocolVersion": "2025-06-18",
+                "capabilities": {},
+                "clientInfo": {"name": "t", "version": "1"},
+            },
+        }
+        status, headers, answer = post_rpc(relay, path, init, bearer)
+        assert status == 200
+        assert answer["result"]["protocolVersion"] == "2025-06-18"
+        note = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+        assert post_rpc(relay, path, note, bearer)[::2] == (202, None)
+        call = {
+            "jsonrpc": "2.0",
+            "id": 2,
+            "method": "tools/call",
+            "params": {
+                "_meta": modern_meta(),
+                "name": "fetch",
+                "arguments": {"id": "notes/garden.md"},
+            },
+        }
+        stateless = {
+            **bearer,
+            "MCP-Protocol-Version": MODERN,
+            "Mcp-Method": "tools/call",
+            "Mcp-Name": "fetch",
+        }
+        status, _, answer = post_rpc(relay, path, call, stateless)
+        assert status == 200
+        fetched = answer["result"]["structuredContent"]
+        assert fetched["text"] == "# Garden\n\nPlant tomatoes in May."
+        assert fetched["url"] == f"{relay.url}/r/{setup['serverId']}/api/v1/notes/notes%2Fgarden.md"
+        status, _, answer = post_rpc(relay, path, call, {**stateless, "Mcp-Name": "search"})
+        assert (status, answer["error"]["code"]) == (400, -32020)
+        for headers, want in [
+            ({"X-API-Key": "nsk_wrong"}, (401, "UNAUTHORIZED")),
+            ({**bearer, "Origin": "https://evil.example"}, (403, "FORBIDDEN")),
+        ]:
+            status, _, answer = post_rpc(
+                relay, path, {"jsonrpc": "2.0", "id": 3, "method": "ping"}, headers
+            )
+            assert (status, answer["error"]["data"]["code"]) == want
+        status, _, answer = relay.request("GET", path, headers=bearer)
+        assert (status, answer["error"]["data"]["code"]) == (405, "METHOD_NOT_ALLOWED")
+        # the relay's own refusals of a request to /mcp are JSON-RPC errors too
+        status, _, answer = post_rpc(
+            relay,
+            f"/r/aaaaaaaaaaaaaaaaaaaa{API}/mcp",
+            {"jsonrpc": "2.0", "id": 4, "method": "ping"},
+        )
+        assert status == 504
+        assert answer["error"]["data"]["code"] == "UPSTREAM_TIMEOUT"
+        request = (
+            f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            "Content-Length: 99999999\r\n\r\n"
+        ).encode()
+        status, _, body = raw_http(relay.port, request)
+        assert status == 413
+        assert json.loads(body)["error"]["data"]["code"] == "PAYLOAD_TOO_LARGE"
+
+    def test_the_official_sdk_through_the_relay_without_writes(self, relayed):
+        _, setup = relayed
+
+        async def steps(session):
+            tools = [t.name for t in (await session.list_tools()).tools]
+            note = await session.call_tool("read_note", {"path": "notes/garden.md"})
+            return session.protocol_version, tools, note
+
+        version, tools, note = sdk_session(
+            setup["links"]["relayApiBase"] + "/mcp", {"X-API-Key": setup["apiKey"]}, "auto", steps
+        )
+        assert version == MODERN
+        assert set(tools) == {n for n, t in notesvc.TOOLS.items() if t.read_only}
+        assert note.structured_content["title"] == "Garden"
