@@ -1592,6 +1592,17 @@ def _missing_folders(folder: Path, top: Path) -> list:
     return missing
 
 
+def _remove_empty_folders(folder: Path, top: Path) -> None:
+    """Remove folder and its parents while they are empty, up to (not including) top."""
+    folder = Path(os.path.abspath(folder))
+    while folder != top and top in folder.parents:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+        folder = folder.parent
+
+
 def _nfc(name: str) -> str:
     return name if name.isascii() else unicodedata.normalize("NFC", name)
 
@@ -1990,30 +2001,11 @@ class NoteStore:
             data, _ = self._read(path)
             self.check_match(if_match, data)
             src = self.file_of(path)
-            stamp = utcnow().strftime(TRASH_STAMP)
-            dst = self.trash / stamp / path
-            made = _missing_folders(dst.parent, self.trash.parent)
-            try:
-                with self._changing(path, data, "deleted"), disk_writes():
-                    for folder in reversed(made):  # private, as all of the state folder
-                        folder.mkdir(mode=0o700, exist_ok=True)
-                    os.replace(src, dst)
-            except BaseException:
-                for folder in made:  # deepest first: leave the trash as it was
-                    with contextlib.suppress(OSError):
-                        folder.rmdir()
-                raise
-            fsync_dir(dst.parent)
-            fsync_dir(src.parent)
+            trashed = move_to_trash(src, self.trash, path, self._changing(path, data, "deleted"))
             self._prune(src.parent)
             self._notify("deleted", path)
             self._record("deleted", path, None)
-        return {
-            "path": path,
-            "deleted": True,
-            "trash": f".notesvc/trash/{stamp}/{path}",
-            "trashId": trash_id(stamp, path),
-        }
+        return {"path": path, "deleted": True, **trashed}
 
     # -- what a change leaves behind: history, the journal, the trash -------------------
 
@@ -2055,14 +2047,14 @@ class NoteStore:
         """After a change, under the note's lock: its journal entry, then the history's copy
         of the note (in this order: a crash in between leaves the rescan a change to report
         twice, never one to miss)."""
+        etag = None if data is None else make_etag(data)
         if self.journal is not None:
-            etag = None if data is None else make_etag(data)
             self.journal.append(kind, path, etag, origin)
         if self.history is not None:
             if data is None:
                 self.history.drop_head(path)
             else:
-                self.history.write_head(path, data)
+                self.history.write_head(path, data, etag)
             if origin is not None:
                 self.history.drop_head(origin)
 
@@ -2179,7 +2171,7 @@ class NoteStore:
                 os.replace(item.file, dst)
             fsync_dir(dst.parent)
             fsync_dir(item.file.parent)
-            _remove_empty_folders(item.file.parent, self.trash)
+            _remove_empty_folders(item.file.parent, self.trash)  # as Trash.emptied()
             if target != item.path:  # the versions it had when deleted (a second's slack)
                 live = os.path.isfile(self.on_disk(item.path))
                 until = int((item.deleted + 1) * 1_000_000)
@@ -2210,13 +2202,7 @@ class NoteStore:
 
     def _prune(self, folder: Path) -> None:
         """Remove folder and its parents while they are empty (never notes/ itself)."""
-        folder = Path(os.path.abspath(folder))
-        while folder != self.root and self.root in folder.parents:
-            try:
-                folder.rmdir()
-            except OSError:
-                return
-            folder = folder.parent
+        _remove_empty_folders(folder, self.root)
 
     def sweep_temp_files(self) -> int:
         """Remove the temp files a crash left in the notes and in the state folder (its
@@ -2490,22 +2476,20 @@ class AttachmentStore:
         with self._lock:
             src = self.file_of(path)
             _check_etag(if_match, self.get(path)["etag"], "attachment")
-            stamp = utcnow().strftime("%Y%m%dT%H%M%S.%fZ")
-            dst = self.trash / stamp / path
-            made = _missing_folders(dst.parent, self.trash.parent)
-            try:
-                with disk_writes():
-                    dst.parent.mkdir(parents=True, exist_ok=True)
-                    os.replace(src, dst)
-            except BaseException:
-                for folder in made:  # deepest first: leave the trash as it was
-                    with contextlib.suppress(OSError):
-                        folder.rmdir()
-                raise
-            fsync_dir(dst.parent)
-            fsync_dir(src.parent)
+            trashed = move_to_trash(src, self.trash, path)
             self._prune(src.parent)
-        return {"path": path, "deleted": True, "trash": f".notesvc/trash/{stamp}/{path}"}
+        return {"path": path, "deleted": True, **trashed}
+
+    def restore(self, src: Path, path: str) -> dict:
+        """Move a file back from the trash to path; 409 when an attachment is there."""
+        with self._lock:
+            dst = self.file_of(path)
+            if os.path.lexists(dst):
+                raise ApiError(409, "CONFLICT", f"an attachment already exists at {path}")
+            with self._new_parents(dst, path), disk_writes():
+                os.replace(src, dst)
+            fsync_dir(dst.parent)
+            return self.record(path, os.stat(dst))
 
     def _prune(self, folder: Path) -> None:
         """Remove folder and its parents while they are empty (never attachments/ itself)."""
@@ -2751,15 +2735,16 @@ class HistoryStore:
 
     # -- the copy of the current content ----------------------------------------------
 
-    def write_head(self, path: str, data: bytes) -> None:
-        """Remember data as the note's content as last written or seen (best effort)."""
+    def write_head(self, path: str, data: bytes, etag: str | None = None) -> None:
+        """Remember data (whose etag may be given) as the note's content as last written
+        or seen (best effort)."""
         if not self.enabled:
             return
         try:  # rewritten in place: a torn copy fails its etag check, as a missing one.
             # Not truncated to 0 first: ext4 flushes a file truncated and rewritten.
             fd = os.open(self._folder(path) / self.HEAD, os.O_WRONLY | os.O_CREAT, 0o600)
             try:
-                blob = f"{_etag_hex(data)} {path}\n".encode() + data
+                blob = f"{(etag or make_etag(data))[1:-1]} {path}\n".encode() + data
                 os.pwrite(fd, blob, 0)
                 os.ftruncate(fd, len(blob))
             finally:
@@ -2847,26 +2832,37 @@ class HistoryStore:
         return {"notes": notes, "versions": versions, "bytes": size}
 
 
-TRASH_TOPS = (NOTES, "attachments")  # what a trash folder holds: notes and attachments
+TRASH_TOPS = (NOTES, ATTACHMENTS)  # what a trash folder holds: notes and attachments
 TRASH_STAMP = "%Y%m%dT%H%M%S.%fZ"  # a trash folder's name: when its item was deleted (UTC)
 TRASH_ID_RE = re.compile(r"^([0-9A-Za-z]{1,64})-([0-9a-f]{16})$")
+
+
+def move_to_trash(src: Path, trash: Path, path: str, guard: Any = None) -> dict:
+    """Move src into the trash as <trash>/<UTC stamp>/<path> (new folders private, the
+    rename made durable) inside `guard`; return {trash, trashId}. A failure (507 on a
+    full disk) leaves the trash as it was."""
+    stamp = utcnow().strftime(TRASH_STAMP)
+    dst = trash / stamp / path
+    made = _missing_folders(dst.parent, trash.parent)
+    try:
+        with guard or contextlib.nullcontext(), disk_writes():
+            for folder in reversed(made):  # private, as all of the state folder
+                folder.mkdir(mode=0o700, exist_ok=True)
+            os.replace(src, dst)
+    except BaseException:
+        for folder in made:  # deepest first
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
+    fsync_dir(dst.parent)
+    fsync_dir(src.parent)
+    return {"trash": f".notesvc/trash/{stamp}/{path}", "trashId": trash_id(stamp, path)}
 
 
 def trash_id(stamp: str, path: str) -> str:
     """Return a trash item's id: its folder's letters and digits, a hash of its path."""
     digest = hashlib.sha256(f"{stamp}/{path}".encode("utf-8", "surrogateescape")).hexdigest()
     return re.sub(r"[^0-9A-Za-z]", "", stamp)[:64] + "-" + digest[:16]
-
-
-def _remove_empty_folders(folder: Path, top: Path) -> None:
-    """Remove folder and its parents while they are empty, up to (not including) top."""
-    folder = Path(os.path.abspath(folder))
-    while folder != top and top in folder.parents:
-        try:
-            folder.rmdir()
-        except OSError:
-            return
-        folder = folder.parent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2970,7 +2966,7 @@ class Trash:
     def purge(self, item: TrashItem) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(item.file)
-        _remove_empty_folders(item.file.parent, self.folder)
+        self.emptied(item)
 
     def purge_expired(self) -> int:
         """Remove the trash folders older than `days`; return how many items went."""
@@ -2983,33 +2979,9 @@ class Trash:
                 shutil.rmtree(entry.path, ignore_errors=True)  # never follows links
         return purged
 
-    def restore_file(self, item: TrashItem, target: str, base: Path) -> dict:
-        """Move a trashed attachment back to `target` (under base); 409 when a file is there."""
-        top, dst = os.path.realpath(base / target.split("/", 1)[0]), base / target
-        real = os.path.realpath(dst.parent)
-        if real != top and not real.startswith(top + os.sep):
-            raise bad_request("the path resolves outside its folder (symbolic link?)")
-        with disk_writes():
-            dst.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            with disk_writes():
-                os.link(item.file, dst)  # never overwrites, unlike a rename
-            os.unlink(item.file)
-        except FileExistsError:
-            raise ApiError(409, "CONFLICT", f"a file already exists at {target}") from None
-        except DiskFull:
-            raise
-        except OSError:  # no hard links on this file system
-            if os.path.lexists(dst):
-                raise ApiError(409, "CONFLICT", f"a file already exists at {target}") from None
-            with disk_writes():
-                os.replace(item.file, dst)
-        fsync_dir(dst.parent)
+    def emptied(self, item: TrashItem) -> None:
+        """After an item left: remove the folders it leaves empty."""
         _remove_empty_folders(item.file.parent, self.folder)
-        st = os.stat(dst)
-        with open(dst, "rb") as f:
-            etag = make_etag(f.read())
-        return {"path": target, "size": st.st_size, "modified": iso(st.st_mtime), "etag": etag}
 
     def usage(self) -> dict:
         items = [item for entry in self._stamps() for item in self._items_in(entry)]
@@ -3018,12 +2990,8 @@ class Trash:
 
 def attachment_or_note_path(raw: Any) -> str:
     """Return a checked path under notes/ or attachments/ (a trash item's destination)."""
-    if isinstance(raw, str) and raw.startswith("attachments/"):
-        path = unicodedata.normalize("NFC", raw)
-        segments = _check_segments(path, "attachment", top="attachments")
-        if len(segments) < 2:
-            raise bad_request("the attachment path must look like attachments/<name>")
-        return path
+    if isinstance(raw, str) and raw.startswith(f"{ATTACHMENTS}/"):
+        return attachment_path(raw)
     return note_path(raw)
 
 
@@ -15126,7 +15094,9 @@ def restore_trash_item(svc: Service, item_id: str) -> dict:
         raise bad_request(f"a trashed {item.kind} is restored under {item.path.split('/')[0]}/")
     if item.kind == "note":
         return _note_response(svc.notes.restore_trashed(item, target))
-    return svc.trash.restore_file(item, target, svc.config.root)
+    rec = svc.attachments.restore(item.file, target)  # no history: the file goes back
+    svc.trash.emptied(item)
+    return rec
 
 
 def purge_trash_item(svc: Service, item_id: str) -> dict:

@@ -3983,7 +3983,12 @@ class TestTrash:
         )
         assert data(client.get(f"{API}/trash/{item['id']}"))["content"] is None
         url = f"{API}/trash/{item['id']}/restore"
-        for wrong in ("notes/cat.md", "attachments/../x.png", "attachments/.h/x.png"):
+        for wrong in (
+            "notes/cat.md",
+            "attachments/../x.png",
+            "attachments/.h/x.png",
+            "attachments/cat.exe",  # not an allowed kind of attachment
+        ):
             resp = client.post_json(url, {"path": wrong}, status=400)
             assert_error(resp, 400, "VALIDATION_ERROR")
         (root / "attachments" / "photos").mkdir(parents=True)
@@ -3992,11 +3997,30 @@ class TestTrash:
         rec = data(client.post_json(url, {"path": "attachments/photos/cat-2.png"}))
         assert rec["path"] == "attachments/photos/cat-2.png"
         assert rec["size"] == len(png)
-        assert rec["etag"] == notesvc.make_etag(png)
+        assert rec["contentType"] == "image/png"
+        served = client.get(f"{API}/attachments/" + urllib.parse.quote(rec["path"], safe=""))
+        assert served.body == png
+        assert served.headers["ETag"] == rec["etag"]
         assert (root / "attachments" / "photos" / "cat-2.png").read_bytes() == png
         assert (root / "attachments" / "photos" / "cat.png").read_bytes() == b"another cat"
         assert trash_items(client) == []
         assert data(client.get(f"{API}/system/info"))["history"]["notes"] == 0  # none kept
+
+    def test_a_deleted_attachment_comes_back_from_the_trash(self, client, root):
+        upload(client, "attachments/trip/photo.png")
+        gone = data(client.delete(att_url("attachments/trip/photo.png")))
+        (item,) = trash_items(client)
+        assert (item["id"], item["kind"], item["path"]) == (
+            gone["trashId"],
+            "attachment",
+            "attachments/trip/photo.png",
+        )
+        assert stat.S_IMODE((root / ".notesvc" / "trash").stat().st_mode) == 0o700
+        rec = data(client.post(f"{API}/trash/{item['id']}/restore"))
+        assert rec["path"] == "attachments/trip/photo.png"
+        assert client.get(att_url("attachments/trip/photo.png")).body == PNG
+        assert trash_items(client) == []
+        assert feed(client)["changes"] == []  # the feed is about notes
 
     def test_a_restore_cannot_escape_through_a_symbolic_link(self, client, root, tmp_path):
         outside = tmp_path / "outside"
