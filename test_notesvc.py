@@ -8909,6 +8909,15 @@ class TestWebClientPage:
         assert "ownOrigin(url)" in js  # every request is checked against the page's origin
         assert 'mode: "same-origin"' in js
 
+    def test_script_is_valid_javascript(self, tmp_path):
+        node = shutil.which("node") or shutil.which("nodejs")
+        if not node:
+            pytest.skip("no node on this machine (.ci/run installs Debian's nodejs)")
+        script = tmp_path / "web-client.js"
+        script.write_text(notesvc.WEB_JS)
+        done = subprocess.run([node, "--check", str(script)], capture_output=True, timeout=60)
+        assert done.returncode == 0, done.stderr.decode()
+
     def test_manifest_is_public_cacheable_and_points_at_served_icons(self, anon):
         resp = anon.get("/manifest.webmanifest")
         assert resp.headers["Content-Type"].startswith("application/manifest+json")
