@@ -12728,11 +12728,17 @@ function applyChange(c) {
   if (c.kind !== "updated") treeSoon(); // the tree shows names, not contents
   if (!state.path || own.has(c.from || c.path)) return;
   if (c.kind === "moved" && c.from === state.path) {
-    if (dirty()) {
-      showConflict(true);
-      return;
-    }
-    act(() => openNote(c.path))();
+    // Follow it at once (a later change in the same batch may name the new path); unsaved
+    // text stays and will be saved there.
+    removeItem("local", draftKey(state.path));
+    state.path = c.path;
+    $("path").textContent = c.path;
+    $("path").title = c.path;
+    setItem("session", "notesvc.open", c.path);
+    keepDraft();
+    loadBacklinks(c.path);
+    reveal(c.path).catch(() => {});
+    if (!dirty()) checkOpenNote().catch(() => {}); // a move may rewrite its links
     toast("“" + state.title + "” moved to " + c.path);
   } else if (c.path === state.path) {
     if (c.kind === "deleted" && !dirty()) {
