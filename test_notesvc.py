@@ -4476,7 +4476,7 @@ class TestHistoryServer:
                 )
                 assert server.request("PUT", url, {"content": big + "!"})[0] == 200
                 vid = server.request("GET", url + "/versions")[2]["data"]["versions"][0]["id"]
-                wait_for((disk / ".notesvc" / "index.cache").exists)  # the first save is done
+                wait_for((disk / ".notesvc" / "index").is_dir)  # the index is open
                 before = server.request("GET", f"{API}/changes")[2]["data"]["last"]
                 filler = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
                 try:
