@@ -2927,7 +2927,8 @@ class _Progress:
     """Counts the notes a bulk has indexed; a thread logs the count every 2 s."""
 
     def __init__(self, total: int):
-        self.total, self.done = total, 0
+        self.total, self.done, self.helped = total, 0, 0
+        self.started = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="notesvc-progress", daemon=True)
 
@@ -2938,6 +2939,12 @@ class _Progress:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+        log.info(
+            "indexing: %d notes in %.1f s (%d batches by the helper process)",
+            self.done,
+            time.monotonic() - self.started,
+            self.helped,
+        )
 
     def add(self, count: int) -> None:
         self.done += count
@@ -3444,6 +3451,7 @@ class SearchIndex:
                 return
             if seg is not None:
                 progress.add(self._add_segment(seg, since, known))
+                progress.helped += 1
 
     def _install(self, name: str):
         """Rename a segment file the helper wrote into place; return it opened, or None."""
