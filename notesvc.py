@@ -3394,7 +3394,7 @@ class SearchIndex:
                     )
                     pump.start()
                 for pumping in (True, False):
-                    while True:
+                    while not self._stop.is_set():  # closing: the next sync goes on
                         try:
                             batch = batches.popleft()
                         except IndexError:  # the helper took the last one
@@ -3432,7 +3432,7 @@ class SearchIndex:
     def _pump(self, helper, batches: deque, known: set, progress: _Progress) -> None:
         """Hand batches to the helper process and add the segment files it writes; on any
         trouble give the batch back (the caller indexes it) and stop."""
-        while True:
+        while not self._stop.is_set():
             try:
                 batch = batches.popleft()
             except IndexError:
