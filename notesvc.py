@@ -1719,14 +1719,15 @@ class NoteStore:
         `trusted` paths come from our own scan, which never follows links.
         """
         target = self.on_disk(path) if trusted else self.file_of(path)
-        try:
-            with open(target, "rb") as f:
-                st = os.fstat(f.fileno())
-                if not stat.S_ISREG(st.st_mode):
-                    raise FileNotFoundError(path)
-                return f.read(), st
+        try:  # O_NONBLOCK: a named pipe called like a note is skipped, never waited on
+            fd = os.open(target, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise not_found(f"no note at {path}") from None
+        with open(fd, "rb") as f:
+            st = os.fstat(fd)
+            if not stat.S_ISREG(st.st_mode):
+                raise not_found(f"no note at {path}")
+            return f.read(), st
 
     @staticmethod
     def decode(path: str, data: bytes) -> str:
@@ -2276,11 +2277,12 @@ class AttachmentStore:
 
     def open(self, path: str) -> tuple:
         """Return (open binary file, stat) of an attachment; 404 when there is none."""
-        try:
-            f = open(self.file_of(path), "rb")  # noqa: SIM115 - handed to the caller
+        try:  # O_NONBLOCK: a named pipe is refused below, never waited on
+            fd = os.open(self.file_of(path), os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise not_found(f"no attachment at {path}") from None
-        st = os.fstat(f.fileno())
+        f = open(fd, "rb")  # noqa: SIM115 - handed to the caller
+        st = os.fstat(fd)
         if not stat.S_ISREG(st.st_mode):
             f.close()
             raise not_found(f"no attachment at {path}")
@@ -4111,16 +4113,16 @@ class DiskSegment:
             return list(itertools.compress(cands, map(_NOT_MINUS_ONE, found)))
         head = "".join(chars[:rare]).encode()
         search = re.compile(re.escape("".join(chars[rare:]).encode())).search
+        starts = map((base + len(head)).__add__, map(first.__getitem__, cands))
+        ends = map(base.__add__, map(last.__getitem__, cands))
         out = []
-        for d in cands:
-            end = base + last[d]
-            m = search(mm, base + first[d] + len(head), end)
-            while m is not None:
+        for d, m in zip(cands, map(search, itertools.repeat(mm), starts, ends)):
+            while m is not None:  # only where the rare part matched: compare what precedes
                 at = m.start()
                 if mm[at - len(head) : at] == head:
                     out.append(d)
                     break
-                m = search(mm, at + 1, end)
+                m = search(mm, at + 1, base + last[d])
         return out
 
     @functools.cached_property
@@ -4709,10 +4711,15 @@ def _memory_segment(vocab: _Vocab, docs: list, avg: tuple) -> MemorySegment:
     return seg
 
 
+# Opening a note to read it: never through a symbolic link, never waiting on a FIFO (a
+# named pipe called x.md is seen as a file and then skipped).
+_NOFOLLOW_NONBLOCK = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+
+
 def _read_items(notes: NoteStore, paths: list) -> list:
     """Return (path, text, size, mtime_ns) of the notes still there (paths from a scan)."""
     items, base = [], str(notes.base)
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
+    flags = os.O_RDONLY | _NOFOLLOW_NONBLOCK
     for path in paths:
         try:  # the common case without pathlib: the name on disk is the path
             fd = os.open(os.path.join(base, path), flags)
@@ -5175,12 +5182,8 @@ class SearchIndex:
             else:
                 for path in changed:
                     with notes.locked(path):  # no API write can slip in between
-                        try:
-                            data, st = notes.read_raw(path)
-                        except ApiError:
-                            continue
-                        text = data.decode("utf-8", "replace")
-                        self.add(path, text, st.st_size, st.st_mtime_ns)
+                        for item in _read_items(notes, [path]):
+                            self.add(*item)
             took = time.perf_counter() - started
             if changed or removed:
                 log.info(
@@ -5362,7 +5365,7 @@ class SearchIndex:
                     cands = lists[0]
                     if within is not None and len(within) < len(cands):
                         cands = within
-                    elif len(lists[1]) < 2 * len(cands):  # two common words: both must be in
+                    elif len(lists[1]) <= 16 * len(cands):  # the notes holding both terms
                         cands = set(cands).intersection(lists[1])
                     found.update(seg.phrase(cands, chars, rare, f))
             return found
@@ -5549,7 +5552,7 @@ class SearchIndex:
         """Return a note's text from its file (up to limit bytes), None when unreadable."""
         if self.notes is None:
             return None
-        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
+        flags = os.O_RDONLY | _NOFOLLOW_NONBLOCK
         try:
             try:  # the common case without pathlib: the name on disk is the path
                 fd = os.open(os.path.join(self._base, path), flags)
@@ -5557,8 +5560,20 @@ class SearchIndex:
                 if path.isascii():
                     return None
                 fd = os.open(self.notes.on_disk(path), flags)  # an NFD name on disk
-            with open(fd, "rb") as f:
-                data = f.read(limit)
+            try:  # os.read: no file object for the one or two reads of a note
+                st = os.fstat(fd)
+                if not stat.S_ISREG(st.st_mode):
+                    return None
+                size = st.st_size
+                size = size if limit < 0 else min(size, limit)
+                data = os.read(fd, size)
+                while len(data) < size:  # a growing file, or a read cut short
+                    more = os.read(fd, size - len(data))
+                    if not more:
+                        break
+                    data += more
+            finally:
+                os.close(fd)
         except (OSError, ValueError):
             return None
         return data.decode("utf-8", "replace")
@@ -6278,6 +6293,10 @@ class Service:
         return self.index.sync(self.notes, observe=self.notes.observe)
 
     def _rescan_loop(self) -> None:
+        # The first check starts a second after start: the first searches of a restarted
+        # server need not share the interpreter with it.
+        if self._stop.wait(min(1.0, self.config.rescan_seconds)):
+            return
         while True:
             try:
                 self.last_sync = self.sync_index()
