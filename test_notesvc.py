@@ -4126,6 +4126,27 @@ def _an_old_key(app, root: Path) -> None:
     state_file.write_text(json.dumps(state))
 
 
+def _a_write_key_without_expiry(app, root: Path) -> None:
+    body = {"name": "helper", "scope": "write"}
+    with_key(app).post_json(f"{API}/auth/keys", body, status=201)
+
+
+def _an_old_share_link(app, root: Path) -> None:
+    put_note(with_key(app), "notes/old.md", "old")
+    with_key(app).post_json(f"{API}/shares", {"path": "notes/old.md", "expiresInDays": 365})
+    state_file = root / ".notesvc" / "state.json"
+    state = json.loads(state_file.read_text())
+    state["shares"][0]["createdAt"] = "2020-01-01T00:00:00.000Z"
+    state_file.write_text(json.dumps(state))
+
+
+def _many_oauth_clients(app, root: Path) -> None:
+    for i in range(21):  # from 21 addresses: registration is rate-limited per address
+        webtest.TestApp(app.app, extra_environ={"REMOTE_ADDR": f"198.51.100.{i}"}).post_json(
+            "/oauth/register", {"redirect_uris": ["https://app.example/cb"]}, status=201
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class Firing:
     """A configuration in which an audit check fires, and the id its finding must match."""
@@ -4158,6 +4179,9 @@ FIRING_CONFIGURATIONS = {
     ),
     "key_age": Firing("key-old", change=_an_old_key),
     "plain_http_bind": Firing("plain-http-all-interfaces", {"SERVICE_HOST": "0.0.0.0"}),
+    "grants": Firing("grant-write-forever", change=_a_write_key_without_expiry),
+    "share_links": Firing("share-links-old", change=_an_old_share_link),
+    "oauth_clients": Firing("oauth-clients-many", change=_many_oauth_clients),
 }
 
 
