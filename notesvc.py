@@ -4773,14 +4773,21 @@ def update_links(svc: Service, old: str, new: str, linking: set) -> list:
 # -- built-in plugins -----------------------------------------------------------------------
 
 
+def titled(svc: Service, paths: Iterable[str]) -> list:
+    """Return [{path, title}] of the paths that are (still) indexed."""
+    out = [{"path": p, "title": svc.index.title_of(p)} for p in paths]
+    return [item for item in out if item["title"] is not None]
+
+
 def get_backlinks(svc: Service, path: str) -> dict:
     path = visible_note(svc.notes, path)
     if not svc.notes.exists(path):
         raise not_found(f"no note at {path}")
     sees = request_principal().sees
-    sources = sorted(filter(sees, link_graph(svc).get(path, ())))
-    titled = [{"path": p, "title": svc.index.title_of(p)} for p in sources]
-    return {"path": path, "backlinks": [t for t in titled if t["title"] is not None]}
+    return {
+        "path": path,
+        "backlinks": titled(svc, sorted(filter(sees, link_graph(svc).get(path, ())))),
+    }
 
 
 builtin_plugin(
@@ -4870,8 +4877,7 @@ def get_tag(svc: Service, tag: str) -> dict:
     paths = _visible_tags(svc).get(tag)
     if not paths:
         raise not_found(f"no note is tagged #{tag}")
-    titled = [{"path": p, "title": svc.index.title_of(p)} for p in paths]
-    return {"tag": tag, "notes": [t for t in titled if t["title"] is not None]}
+    return {"tag": tag, "notes": titled(svc, paths)}
 
 
 builtin_plugin(
