@@ -2703,6 +2703,8 @@ def visible_folder(raw: Any, principal: Principal | None = None) -> str:
     """Return the folder a listing of `raw` shows a grant: raw itself inside its folder, the
     grant's folder for an ancestor of it; 404 for any other folder. `notes` by default."""
     principal = principal or request_principal()
+    if principal.folder and isinstance(raw, str) and {".", ".."} & set(raw.split("/")):
+        raise not_found(f"no folder at {raw[:MAX_PATH_CHARS]}")
     folder = folder_path(raw or NOTES)
     if principal.covers(folder):
         return folder
@@ -7651,10 +7653,12 @@ def security_recommendations(svc: Service) -> dict:
 
 
 def _days(body: dict, name: str, hi: int, default: int | None) -> int | None:
-    days = field(body, name, int, required=False)
+    days = body.get(name)
     if days is None:
         return default
-    if not 1 <= days <= hi:
+    if isinstance(days, float) and days.is_integer():  # JSON Schema's integer: 7.0 is one
+        days = int(days)
+    if not isinstance(days, int) or isinstance(days, bool) or not 1 <= days <= hi:
         raise bad_request(f"'{name}' must be a whole number from 1 to {hi}")
     return days
 

@@ -6,6 +6,7 @@ import base64
 import collections
 import contextlib
 import dataclasses
+import hashlib
 import http.client
 import http.server
 import io
@@ -13,9 +14,11 @@ import json
 import os
 import platform
 import re
+import secrets
 import select
 import shutil
 import socket
+import ssl
 import stat
 import statistics
 import string
@@ -4075,6 +4078,1308 @@ class TestJwt:
 
 
 # -- security audit ---------------------------------------------------------------------------
+
+
+# -- grants: scoped keys, folder grants, share links, OAuth ------------------------------
+
+
+def new_grant(client, scope: str = "read", folder: str | None = None, **extra) -> dict:
+    """Create a scoped key with the API key; return its record (with the key)."""
+    body = {"name": f"{scope} key", "scope": scope, **extra}
+    if folder is not None:
+        body["folder"] = folder
+    return data(client.post_json(f"{API}/auth/keys", body, status=201))
+
+
+def as_key(app: webtest.TestApp, key: str, **environ: str) -> webtest.TestApp:
+    return webtest.TestApp(app.app, extra_environ={"HTTP_X_SERVICE_KEY": key, **environ})
+
+
+def all_routes(app: webtest.TestApp) -> list:
+    return list(app.app.service.routes)
+
+
+SCOPED_ROUTES = [r for r in notesvc.ROUTES if not r.public]
+SCOPE_ORDER = {"read": 0, "write": 1, "admin": 2}
+
+
+class TestGrantScopes:
+    """Every route declares its scope; a grant gets exactly as far as its scope."""
+
+    @pytest.fixture(scope="class")
+    def keys(self, tmp_path_factory):
+        cfg = notesvc.load_config(
+            env=make_env(tmp_path_factory.mktemp("scopes") / "root", SERVICE_HOST="127.0.0.1")
+        )
+        wsgi = notesvc.create_app(cfg)
+        wsgi.service.lockout = notesvc.Lockout(limit=10**9)
+        owner = webtest.TestApp(
+            wsgi, extra_environ={"HTTP_X_SERVICE_KEY": wsgi.service.state.read()["apiKey"]}
+        )
+        made = {s: new_grant(owner, s)["key"] for s in ("read", "write")}
+        yield wsgi, made
+        wsgi.service.close()
+
+    def test_every_route_declares_a_scope(self, anon):
+        for r in all_routes(anon):
+            assert r.public or r.scope in notesvc.SCOPES, f"{r.method} {r.rule}"
+        plugin = [r for r in all_routes(anon) if r.rule.startswith(f"{API}/plugins/")]
+        assert {r.scope for r in plugin} >= {"read", "write"}
+
+    def test_a_route_without_a_scope_stops_the_app(self, root):
+        cfg = notesvc.load_config(env=make_env(root))
+        svc = notesvc.build_service(cfg)
+        try:
+            unscoped = notesvc.Route("GET", "/unscoped", lambda svc: {})
+            with pytest.raises(notesvc.ConfigError, match="GET /api/v1/unscoped"):
+                notesvc.NotesApp(svc, (*notesvc.ROUTES, unscoped))
+            notesvc.NotesApp(svc, (*notesvc.ROUTES, dataclasses.replace(unscoped, public=True)))
+        finally:
+            svc.close()
+
+    def test_a_plugin_route_without_a_scope_is_admin(self):
+        route = notesvc.PluginRoute("GET", "/x", lambda svc: {})
+        assert notesvc.plugin_routes([notesvc.Plugin("p", routes=(route,))])[0].scope == "admin"
+
+    def test_openapi_shows_each_scope(self, anon):
+        doc = anon.get(f"{API}/openapi.json").json
+        for r in all_routes(anon):
+            if r.api:
+                op = doc["paths"][notesvc.openapi_path(r.rule)][r.method.lower()]
+                assert op.get("x-scope") == (None if r.public else r.scope), route_id(r)
+
+    @pytest.mark.parametrize("route", SCOPED_ROUTES, ids=route_id)
+    def test_a_read_key_is_refused_above_read(self, keys, route):
+        wsgi, made = keys
+        app = webtest.TestApp(wsgi, extra_environ={"HTTP_X_SERVICE_KEY": made["read"]})
+        resp = app.request(sample_url(route), method=route.method, expect_errors=True)
+        if route.scope == "read":
+            assert resp.status_int != 403, resp.text
+            return
+        err = assert_error(resp, 403, "FORBIDDEN")
+        assert route.scope in err["message"]
+
+    @pytest.mark.parametrize("route", SCOPED_ROUTES, ids=route_id)
+    def test_a_write_key_is_refused_on_admin_routes(self, keys, route):
+        wsgi, made = keys
+        app = webtest.TestApp(wsgi, extra_environ={"HTTP_X_SERVICE_KEY": made["write"]})
+        resp = app.request(sample_url(route), method=route.method, expect_errors=True)
+        assert (resp.status_int == 403) == (route.scope == "admin"), resp.text
+
+    def test_plugin_routes_follow_their_scope(self, keys):
+        wsgi, made = keys
+        reader = webtest.TestApp(wsgi, extra_environ={"HTTP_X_SERVICE_KEY": made["read"]})
+        for r in wsgi.service.routes:
+            if r.rule.startswith(f"{API}/plugins/") and r not in notesvc.ROUTES:
+                resp = reader.request(sample_url(r), method=r.method, expect_errors=True)
+                assert (resp.status_int == 403) == (r.scope != "read"), route_id(r)
+
+    def test_the_api_key_and_a_jwt_hold_admin(self, make_app):
+        secret = "s" * 48
+        app = make_app(SERVICE_AUTH_MODE="jwt", SERVICE_JWT_SECRET=secret)
+        token = data(with_key(app).post(f"{API}/auth/token"))["token"]
+        bearer = webtest.TestApp(app.app, extra_environ={"HTTP_AUTHORIZATION": f"Bearer {token}"})
+        assert data(bearer.get(f"{API}/auth/keys"))["keys"] == []
+        assert data(with_key(app).get(f"{API}/security/config"))["grants"]["key"] == 0
+
+
+class TestScopedKeys:
+    def test_create_shows_the_key_once_and_stores_its_hash(self, client, root):
+        rec = new_grant(client, "write", "notes/family", expiresInDays=30)
+        assert re.fullmatch(r"nsg_[A-Za-z0-9_-]{43}", rec["key"])
+        assert set(rec) == {
+            "id",
+            "name",
+            "scope",
+            "folder",
+            "createdAt",
+            "expiresAt",
+            "key",
+            "kind",
+            "lastUsedAt",
+        }
+        assert (rec["scope"], rec["folder"], rec["kind"]) == ("write", "notes/family", "key")
+        days = (notesvc._epoch(rec["expiresAt"]) - notesvc._epoch(rec["createdAt"])) / 86400
+        assert round(days) == 30
+        state = (root / ".notesvc" / "state.json").read_text()
+        assert rec["key"] not in state
+        assert hashlib.sha256(rec["key"].encode()).hexdigest() in state
+        listed = data(client.get(f"{API}/auth/keys"))["keys"]
+        assert [k["id"] for k in listed] == [rec["id"]]
+        assert "key" not in listed[0]
+        assert "keyHash" not in listed[0]
+        assert rec["key"] not in client.get(f"{API}/auth/keys").text
+
+    def test_a_key_works_as_header_and_as_bearer(self, client):
+        key = new_grant(client)["key"]
+        put_note(client, "notes/a.md", "apple")
+        assert data(as_key(client, key).get(note_url("notes/a.md")))["content"] == "apple"
+        bearer = webtest.TestApp(client.app, extra_environ={"HTTP_AUTHORIZATION": f"Bearer {key}"})
+        assert data(bearer.get(note_url("notes/a.md")))["content"] == "apple"
+
+    def test_verify_tells_a_key_its_scope(self, client):
+        key = new_grant(client, "read", "notes/kids")["key"]
+        d = data(as_key(client, key).post(f"{API}/auth/verify"))
+        assert d["grant"] == {"kind": "key", "scope": "read", "folder": "notes/kids"}
+        assert "grant" not in data(client.post(f"{API}/auth/verify"))
+
+    def test_revoke_is_effective_at_once(self, client):
+        rec = new_grant(client)
+        reader = as_key(client, rec["key"])
+        reader.get(f"{API}/notes", status=200)
+        assert data(client.delete(f"{API}/auth/keys/{rec['id']}")) == {
+            "id": rec["id"],
+            "revoked": True,
+        }
+        assert_error(reader.get(f"{API}/notes", status=401), 401, "UNAUTHORIZED")
+        assert_error(client.delete(f"{API}/auth/keys/{rec['id']}", status=404), 404, "NOT_FOUND")
+
+    def test_an_expired_key_is_401_and_counts_toward_the_lockout(self, client, root):
+        key = new_grant(client, expiresInDays=1)["key"]
+        state_file = root / ".notesvc" / "state.json"
+        state = json.loads(state_file.read_text())
+        state["grants"][0]["expiresAt"] = "2020-01-01T00:00:00.000Z"
+        state_file.write_text(json.dumps(state))  # another process may edit it too
+        expired = as_key(client, key, REMOTE_ADDR="192.0.2.7")
+        for _ in range(10):
+            assert_error(expired.get(f"{API}/notes", status=401), 401, "UNAUTHORIZED")
+        assert_error(expired.get(f"{API}/notes", status=429), 429, "RATE_LIMITED")
+
+    def test_last_use_is_recorded(self, client):
+        rec = new_grant(client)
+        assert data(client.get(f"{API}/auth/keys"))["keys"][0]["lastUsedAt"] is None
+        as_key(client, rec["key"]).get(f"{API}/notes")
+        used = data(client.get(f"{API}/auth/keys"))["keys"][0]["lastUsedAt"]
+        assert used
+        assert used >= rec["createdAt"]
+        svc = client.app.service
+        svc.grants.flush(force=True)
+        assert svc.state.read()["grants"][0]["lastUsedAt"] == used
+
+    @pytest.mark.parametrize(
+        "body",
+        [
+            {"name": "x", "scope": "admin"},
+            {"name": "x", "scope": "everything"},
+            {"name": "x"},
+            {"scope": "read"},
+            {"name": "", "scope": "read"},
+            {"name": "\x07\x08", "scope": "read"},
+            {"name": 5, "scope": "read"},
+            {"name": "x" * 101, "scope": "read"},
+            {"name": "x", "scope": "read", "folder": "../etc"},
+            {"name": "x", "scope": "read", "folder": "notes/../x"},
+            {"name": "x", "scope": "read", "folder": 7},
+            {"name": "x", "scope": "read", "expiresInDays": 0},
+            {"name": "x", "scope": "read", "expiresInDays": 3651},
+            {"name": "x", "scope": "read", "expiresInDays": "7"},
+            {"name": "x", "scope": "read", "expiresInDays": True},
+        ],
+    )
+    def test_bad_key_requests_are_400(self, client, body):
+        resp = client.post_json(f"{API}/auth/keys", body, status=400)
+        assert_error(resp, 400, "VALIDATION_ERROR")
+
+    def test_broken_and_huge_bodies(self, client):
+        url = f"{API}/auth/keys"
+        bad = client.post(url, "{nope", {"Content-Type": "application/json"}, status=400)
+        assert_error(bad, 400, "VALIDATION_ERROR")
+        assert_error(client.post(url, "x", status=415), 415, "UNSUPPORTED_MEDIA_TYPE")
+        huge = json.dumps({"name": "x" * 2_000_000, "scope": "read"})
+        big = client.post(url, huge, {"Content-Type": "application/json"}, status=413)
+        assert_error(big, 413, "PAYLOAD_TOO_LARGE")
+
+    def test_a_scoped_key_cannot_mint_keys_or_read_settings(self, client):
+        key = new_grant(client, "write")["key"]
+        writer = as_key(client, key)
+        for method, url in (
+            ("POST", f"{API}/auth/keys"),
+            ("GET", f"{API}/auth/keys"),
+            ("POST", f"{API}/auth/rotate"),
+            ("GET", f"{API}/system/config"),
+            ("GET", f"{API}/channels"),
+        ):
+            resp = writer.request(url, method=method, expect_errors=True)
+            assert_error(resp, 403, "FORBIDDEN")
+
+    def test_the_owner_alone_lists_every_grant(self, client):
+        new_grant(client, "read")
+        new_grant(client, "write", "notes/x")
+        kinds = collections.Counter(
+            k["scope"] for k in data(client.get(f"{API}/auth/keys"))["keys"]
+        )
+        assert kinds == {"read": 1, "write": 1}
+        assert data(client.get(f"{API}/security/config"))["grants"] == {
+            "key": 2,
+            "oauth": 0,
+            "share": 0,
+            "oauthClients": 0,
+        }
+
+
+FOLDER_NOTES = {
+    "notes/family/a.md": "# Apple pie\n\nGrandma's apple pie #common, see [[c]].\n",
+    "notes/family/sub/b.md": "# Birthdays\n\napple birthday list #common\n",
+    "notes/work/c.md": "# Contract\n\nsecret apple contract #common #work, see [[a]].\n",
+    "notes/familyx/d.md": "# Neighbour\n\napple neighbour folder, not the family #common\n",
+    "notes/top.md": "# Top\n\napple at the top #common\n",
+}
+
+# Calls that list or search: a folder key must never see a path outside its folder in
+# their answers, while the API key sees those paths (so the check bites).
+LISTING_CALLS = [
+    ("GET", "/notes", None),
+    ("GET", "/notes?folder=notes", None),
+    ("GET", "/notes?folder=notes/family/sub", None),
+    ("GET", "/folders/tree", None),
+    ("GET", "/folders/tree/notes", None),
+    ("GET", "/search?q=apple", None),
+    ("GET", "/search?q=apple&folder=notes", None),
+    ("GET", "/search?q=apple%20OR%20contract%20OR%20neighbour", None),
+    ("GET", "/plugins/tags", None),
+    ("GET", "/plugins/tags/common", None),
+    ("GET", "/plugins/backlinks/notes%2Ffamily%2Fa.md", None),
+    ("POST", "/agent/chat", {"message": "apple contract neighbour top"}),
+    ("POST", "/agent/chat", {"message": "apple", "notePath": "notes/family/a.md"}),
+    ("GET", "/shares", None),
+]
+
+
+def paths_in(answer) -> set:
+    """Every note path mentioned anywhere in an answer (keys, values, text)."""
+    text = json.dumps(answer, ensure_ascii=False)
+    return set(re.findall(r"notes/[\w./-]+?\.md", text))
+
+
+class TestFolderGrants:
+    @pytest.fixture
+    def family(self, client):
+        for path, text in FOLDER_NOTES.items():
+            put_note(client, path, text)
+        client.post_json(f"{API}/shares", {"path": "notes/work/c.md"}, status=201)
+        key = new_grant(client, "write", "notes/family")["key"]
+        return client, as_key(client, key)
+
+    @pytest.mark.parametrize(("method", "url", "body"), LISTING_CALLS)
+    def test_a_folder_key_never_sees_outside_its_folder(self, family, method, url, body):
+        owner, member = family
+        call = (
+            (lambda app: app.post_json(API + url, body))
+            if body
+            else (lambda app: app.get(API + url))
+        )
+        seen = paths_in(data(call(member)))
+        assert all(p.startswith("notes/family/") for p in seen), seen
+        if url not in ("/shares", "/plugins/tags") and "sub" not in url:  # counts, or nothing
+            everything = paths_in(data(call(owner)))
+            assert everything - {p for p in everything if p.startswith("notes/family/")}, url
+
+    def test_listings_count_only_the_folder(self, family):
+        _, member = family
+        assert data(member.get(f"{API}/notes"))["total"] == 2
+        assert data(member.get(f"{API}/search?q=apple"))["total"] == 2
+        tags = data(member.get(f"{API}/plugins/tags"))["tags"]
+        assert tags == [{"tag": "common", "count": 2}]
+        assert_error(member.get(f"{API}/plugins/tags/work", status=404), 404, "NOT_FOUND")
+
+    def test_the_tree_shows_only_the_way_down(self, family):
+        _, member = family
+        root = data(member.get(f"{API}/folders/tree"))
+        assert [c["path"] for c in root["children"]] == ["notes/family"]
+        family_node = data(member.get(f"{API}/folders/tree/notes%2Ffamily"))
+        assert [c["name"] for c in family_node["children"]] == ["sub", "a.md"]
+
+    @pytest.mark.parametrize(
+        "url",
+        [
+            "/notes/notes%2Fwork%2Fc.md",
+            "/notes/notes/work/c.md",
+            "/notes/notes%2Ffamily%2F..%2Fwork%2Fc.md",
+            "/notes/notes%2Ffamily%2F.%2F..%2Fwork%2Fc.md",
+            "/notes/notes%2Ffamilyx%2Fd.md",
+            "/notes/notes%2Ftop.md",
+            "/notes/..%2Fstate.json",
+            "/notes?folder=notes/work",
+            "/notes?folder=notes/familyx",
+            "/folders/tree/notes%2Fwork",
+            "/search?q=apple&folder=notes/work",
+            "/search?q=contract&folder=notes%2Ffamily%2F..%2Fwork",
+            "/plugins/backlinks/notes%2Fwork%2Fc.md",
+        ],
+    )
+    def test_outside_answers_as_if_nothing_were_there(self, family, url):
+        _, member = family
+        assert_error(member.get(API + url, status=404), 404, "NOT_FOUND")
+
+    def test_a_search_that_would_match_outside_finds_nothing_there(self, family):
+        _, member = family
+        assert data(member.get(f"{API}/search?q=contract"))["total"] == 0
+        assert data(member.get(f"{API}/search?q=neighbour"))["total"] == 0
+
+    def test_writes_stay_inside(self, family, root):
+        _, member = family
+        a = note_url("notes/family/a.md")
+        for method, url, body in (
+            ("POST", f"{API}/notes", {"path": "notes/work/new.md", "content": "x"}),
+            ("POST", f"{API}/notes", {"path": "notes/family/../work/new.md", "content": "x"}),
+            ("PUT", note_url("notes/work/c.md"), {"content": "overwritten"}),
+            ("DELETE", note_url("notes/work/c.md"), None),
+            ("PATCH", f"{a}/move", {"path": "notes/work/a.md"}),
+            ("PATCH", f"{a}/move", {"path": "notes/familyx/a.md"}),
+            ("PATCH", note_url("notes/work/c.md") + "/move", {"path": "notes/family/c.md"}),
+            ("POST", f"{API}/plugins/daily/today", None),
+            ("POST", f"{API}/shares", {"path": "notes/work/c.md"}),
+        ):
+            resp = member.request(
+                url,
+                method=method,
+                body=json.dumps(body).encode() if body else b"",
+                headers={"Content-Type": "application/json"},
+                expect_errors=True,
+            )
+            assert_error(resp, 404, "NOT_FOUND")
+        assert (root / "notes/work/c.md").read_text() == FOLDER_NOTES["notes/work/c.md"]
+        assert not (root / "notes/work/a.md").exists()
+        assert (root / "notes/family/a.md").exists()
+        assert not (root / "notes/daily").exists()
+
+    def test_writes_inside_work(self, family):
+        _, member = family
+        member.post_json(
+            f"{API}/notes", {"path": "notes/family/new.md", "content": "n"}, status=201
+        )
+        moved = data(
+            member.patch_json(
+                note_url("notes/family/new.md") + "/move", {"path": "notes/family/sub/new.md"}
+            )
+        )
+        assert moved["path"] == "notes/family/sub/new.md"
+        member.delete(note_url("notes/family/sub/new.md"), status=200)
+
+    def test_a_symbolic_link_out_of_the_folder_leads_nowhere(self, family, root):
+        _, member = family
+        os.symlink(root / "notes" / "work", root / "notes" / "family" / "link")
+        assert_error(member.get(note_url("notes/family/link/c.md"), status=404), 404, "NOT_FOUND")
+        assert "notes/work" not in json.dumps(data(member.get(f"{API}/folders/tree")))
+
+    def test_agent_sources_stay_inside(self, family):
+        _, member = family
+        d = data(member.post_json(f"{API}/agent/chat", {"message": "secret contract apple"}))
+        assert d["sources"]
+        assert all(s["path"].startswith("notes/family/") for s in d["sources"])
+        assert "contract" not in d["reply"].lower()
+        bad = member.post_json(
+            f"{API}/agent/chat", {"message": "x", "notePath": "notes/work/c.md"}, status=404
+        )
+        assert_error(bad, 404, "NOT_FOUND")
+
+    def test_a_daily_note_for_the_daily_folder(self, client):
+        member = as_key(client, new_grant(client, "write", "notes/daily")["key"])
+        assert member.post(f"{API}/plugins/daily/today").status_int == 201
+
+    def test_a_folder_not_created_yet_lists_empty(self, client):
+        member = as_key(client, new_grant(client, "read", "notes/later")["key"])
+        assert data(member.get(f"{API}/notes"))["total"] == 0
+        assert data(member.get(f"{API}/folders/tree"))["children"][0]["children"] == []
+        assert data(member.get(f"{API}/search?q=anything"))["total"] == 0
+
+
+class TestShareLinks:
+    @pytest.fixture
+    def shared(self, client):
+        put_note(client, "notes/recipes/pie.md", "# Pie\n\n- apples\n- [x] butter\n")
+        d = data(client.post_json(f"{API}/shares", {"path": "notes/recipes/pie.md"}, status=201))
+        return client, d
+
+    def token(self, d: dict) -> str:
+        return d["url"].rsplit("/s/", 1)[1]
+
+    def test_create_gives_a_link_that_expires_in_seven_days(self, shared, root):
+        client, d = shared
+        assert set(d) == {"id", "path", "url", "createdAt", "expiresAt", "createdBy"}
+        sid = client.app.service.state.read()["serverId"]
+        assert re.fullmatch(rf"http://localhost:80/r/{sid}/s/[A-Za-z0-9_-]{{22}}", d["url"])
+        days = (notesvc._epoch(d["expiresAt"]) - notesvc._epoch(d["createdAt"])) / 86400
+        assert round(days) == 7
+        assert self.token(d) not in (root / ".notesvc" / "state.json").read_text()
+
+    def test_open_port_mode_links_to_the_server_itself(self, make_app):
+        client = with_key(make_app(SERVICE_PAIRING_MODE="open-port"))
+        put_note(client, "notes/x.md", "x")
+        d = data(client.post_json(f"{API}/shares", {"path": "notes/x.md", "expiresInDays": 1}))
+        assert d["url"].startswith("http://localhost:80/s/")
+
+    def test_anyone_with_the_link_reads_the_note(self, shared, anon):
+        _, d = shared
+        resp = anon.get(f"{API}/shared/{self.token(d)}")
+        assert data(resp) == {
+            "title": "Pie",
+            "content": "# Pie\n\n- apples\n- [x] butter\n",
+            "modified": data(resp)["modified"],
+        }
+        assert resp.headers["X-Robots-Tag"] == "noindex, nofollow"
+        assert resp.headers["Referrer-Policy"] == "no-referrer"
+        assert resp.headers["Cache-Control"] == "no-store"
+
+    def test_the_share_page_is_static_noindex_and_locked_down(self, shared, anon):
+        _, d = shared
+        sid = anon.app.service.state.read()["serverId"]
+        for url in (f"/s/{self.token(d)}", f"/r/{sid}/s/{self.token(d)}"):
+            resp = anon.get(url)
+            assert resp.content_type == "text/html"
+            assert resp.headers["Referrer-Policy"] == "no-referrer"
+            assert "noindex" in resp.headers["X-Robots-Tag"]
+            assert '<meta name="robots" content="noindex, nofollow">' in resp.text
+            csp = resp.headers["Content-Security-Policy"]
+            assert "frame-ancestors 'none'" in csp
+            assert "unsafe-inline" not in csp
+            assert "Pie" not in resp.text  # the note comes from the API, never in the HTML
+            assert resp.body == notesvc.share_page().encode()
+
+    def test_revoked_expired_unknown_and_deleted_are_404(self, shared, anon, root):
+        client, d = shared
+        token = self.token(d)
+        other = data(client.post_json(f"{API}/shares", {"path": "notes/recipes/pie.md"}))
+        client.delete(f"{API}/shares/{d['id']}", status=200)
+        assert_error(anon.get(f"{API}/shared/{token}", status=404), 404, "NOT_FOUND")
+        state_file = root / ".notesvc" / "state.json"
+        state = json.loads(state_file.read_text())
+        state["shares"][0]["expiresAt"] = "2020-01-01T00:00:00.000Z"
+        state_file.write_text(json.dumps(state))
+        assert_error(anon.get(f"{API}/shared/{self.token(other)}", status=404), 404, "NOT_FOUND")
+        third = data(client.post_json(f"{API}/shares", {"path": "notes/recipes/pie.md"}))
+        anon.get(f"{API}/shared/{self.token(third)}", status=200)
+        client.delete(note_url("notes/recipes/pie.md"))
+        assert_error(anon.get(f"{API}/shared/{self.token(third)}", status=404), 404, "NOT_FOUND")
+        put_note(client, "notes/recipes/pie.md", "a new note at the same path")  # not shared
+        assert_error(anon.get(f"{API}/shared/{self.token(third)}", status=404), 404, "NOT_FOUND")
+
+    def test_a_moved_note_keeps_its_link(self, shared, anon):
+        client, d = shared
+        client.patch_json(note_url("notes/recipes/pie.md") + "/move", {"path": "notes/pie.md"})
+        assert data(anon.get(f"{API}/shared/{self.token(d)}"))["title"] == "Pie"
+        assert data(client.get(f"{API}/shares"))["shares"][0]["path"] == "notes/pie.md"
+
+    def test_guessing_is_rate_limited_and_finds_nothing(self, shared, anon):
+        _, d = shared
+        guesser = webtest.TestApp(anon.app, extra_environ={"REMOTE_ADDR": "203.0.113.9"})
+        for _ in range(10):
+            guess = secrets.token_urlsafe(16)
+            assert_error(guesser.get(f"{API}/shared/{guess}", status=404), 404, "NOT_FOUND")
+        locked = guesser.get(f"{API}/shared/{self.token(d)}", status=429)  # even the right one
+        assert_error(locked, 429, "RATE_LIMITED")
+        assert int(locked.headers["Retry-After"]) > 0
+        assert data(anon.get(f"{API}/shared/{self.token(d)}"))["title"] == "Pie"  # others fine
+
+    def test_reading_is_rate_limited_per_address(self, shared, anon):
+        _, d = shared
+        reader = webtest.TestApp(anon.app, extra_environ={"REMOTE_ADDR": "203.0.113.10"})
+        statuses = [
+            reader.get(f"{API}/shared/{self.token(d)}", expect_errors=True).status_int
+            for _ in range(61)
+        ]
+        assert statuses[:60] == [200] * 60
+        assert statuses[60] == 429
+
+    @pytest.mark.parametrize(
+        "token", ["x", "A" * 23, "A" * 21 + "!", "%00" * 8, "../../state.json", "A" * 5000]
+    )
+    def test_hostile_tokens_are_404(self, anon, token):
+        resp = anon.get(f"{API}/shared/{urllib.parse.quote(token, safe='')}", status=404)
+        assert_error(resp, 404, "NOT_FOUND")
+
+    @pytest.mark.parametrize(
+        "body",
+        [
+            {},
+            {"path": 5},
+            {"path": "../x.md"},
+            {"path": "notes/recipes/pie.md", "expiresInDays": 0},
+            {"path": "notes/recipes/pie.md", "expiresInDays": 366},
+            {"path": "notes/recipes/pie.md", "expiresInDays": 1.5},
+        ],
+    )
+    def test_bad_share_requests_are_400(self, shared, body):
+        client, _ = shared
+        assert_error(client.post_json(f"{API}/shares", body, status=400), 400, "VALIDATION_ERROR")
+
+    def test_a_missing_note_cannot_be_shared(self, client):
+        resp = client.post_json(f"{API}/shares", {"path": "notes/none.md"}, status=404)
+        assert_error(resp, 404, "NOT_FOUND")
+
+    def test_a_grant_sees_and_revokes_its_own_links_only(self, shared):
+        client, owners = shared
+        writer = as_key(client, new_grant(client, "write")["key"])
+        mine = data(writer.post_json(f"{API}/shares", {"path": "notes/recipes/pie.md"}))
+        assert mine["createdBy"] != "owner"
+        assert [s["id"] for s in data(writer.get(f"{API}/shares"))["shares"]] == [mine["id"]]
+        assert len(data(client.get(f"{API}/shares"))["shares"]) == 2
+        gone = writer.delete(f"{API}/shares/{owners['id']}", status=404)
+        assert_error(gone, 404, "NOT_FOUND")
+        reader = as_key(client, new_grant(client, "read")["key"])
+        assert_error(
+            reader.post_json(f"{API}/shares", {"path": "notes/recipes/pie.md"}, status=403),
+            403,
+            "FORBIDDEN",
+        )
+        writer.delete(f"{API}/shares/{mine['id']}", status=200)
+
+    def test_revoking_a_key_ends_its_links(self, shared, anon):
+        client, _ = shared
+        rec = new_grant(client, "write")
+        link = data(
+            as_key(client, rec["key"]).post_json(f"{API}/shares", {"path": "notes/recipes/pie.md"})
+        )
+        client.delete(f"{API}/auth/keys/{rec['id']}")
+        assert_error(anon.get(f"{API}/shared/{self.token(link)}", status=404), 404, "NOT_FOUND")
+
+    def test_share_tokens_never_reach_the_log(self, shared, anon, caplog):
+        _, d = shared
+        caplog.set_level("INFO", logger="notesvc")
+        anon.get(f"{API}/shared/{self.token(d)}")
+        anon.get(f"/s/{self.token(d)}")
+        text = "\n".join(r.getMessage() for r in caplog.records)
+        assert "/shared/" in text
+        assert self.token(d) not in text
+
+
+def pkce_pair() -> tuple:
+    verifier = secrets.token_urlsafe(48)
+    digest = hashlib.sha256(verifier.encode()).digest()
+    return verifier, base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+
+CALLBACK = "http://127.0.0.1:9/callback"
+
+
+def register_client(anon, uris=(CALLBACK,), addr: str = "198.51.100.1", **extra) -> dict:
+    app = webtest.TestApp(anon.app, extra_environ={"REMOTE_ADDR": addr})
+    body = {"redirect_uris": list(uris), "client_name": "Pocket assistant", **extra}
+    return app.post_json("/oauth/register", body, status=201).json
+
+
+def mcp_url(anon) -> str:
+    return anon.get("/.well-known/oauth-protected-resource").json["resource"]
+
+
+def approve(client, cid: str, scope="notes:read", folder=None, redirect=CALLBACK, state="st8"):
+    """Approve as the owner; return (code, verifier, redirect query)."""
+    verifier, challenge = pkce_pair()
+    body = {
+        "clientId": cid,
+        "redirectUri": redirect,
+        "state": state,
+        "codeChallenge": challenge,
+        "scope": scope,
+        "resource": mcp_url(client),
+    }
+    if folder:
+        body["folder"] = folder
+    target = data(client.post_json(f"{API}/oauth/approve", body))["redirect"]
+    query = urllib.parse.parse_qs(urllib.parse.urlsplit(target).query)
+    return query["code"][0], verifier, query
+
+
+def token_call(anon, status="*", **form):
+    return anon.post("/oauth/token", form, status=status)
+
+
+def tokens_for(client, anon, scope="notes:read", folder=None) -> tuple:
+    """Register, approve and redeem; return (client id, token answer)."""
+    cid = register_client(anon)["client_id"]
+    code, verifier, _ = approve(client, cid, scope, folder)
+    answer = token_call(
+        anon,
+        200,
+        grant_type="authorization_code",
+        code=code,
+        client_id=cid,
+        redirect_uri=CALLBACK,
+        code_verifier=verifier,
+        resource=mcp_url(anon),
+    ).json
+    return cid, answer
+
+
+def oauth_error(resp, status: int, error: str) -> str:
+    assert resp.status_int == status, resp.text
+    assert resp.content_type == "application/json"
+    assert resp.headers["Cache-Control"] == "no-store"
+    assert resp.json["error"] == error, resp.json
+    return resp.json["error_description"]
+
+
+class TestOAuth:
+    def test_metadata_documents(self, anon):
+        prm = anon.get("/.well-known/oauth-protected-resource").json
+        assert prm == {
+            "resource": "http://localhost:80/api/v1/mcp",
+            "authorization_servers": ["http://localhost:80"],
+            "scopes_supported": ["notes:read", "notes:write"],
+            "bearer_methods_supported": ["header"],
+            "resource_name": "notesvc",
+        }
+        assert anon.get("/.well-known/oauth-protected-resource/api/v1/mcp").json == prm
+        asm = anon.get("/.well-known/oauth-authorization-server").json
+        assert asm["issuer"] == "http://localhost:80"
+        for name in ("authorize", "token", "register", "revoke"):
+            key = {"authorize": "authorization_endpoint", "register": "registration_endpoint"}.get(
+                name, f"{name if name != 'revoke' else 'revocation'}_endpoint"
+            )
+            assert asm[key] == f"http://localhost:80/oauth/{name}"
+        assert asm["code_challenge_methods_supported"] == ["S256"]
+        assert asm["token_endpoint_auth_methods_supported"] == ["none"]
+        assert asm["grant_types_supported"] == ["authorization_code", "refresh_token"]
+        assert asm["response_types_supported"] == ["code"]
+        assert asm["client_id_metadata_document_supported"] is True
+        assert anon.get("/.well-known/openid-configuration").json == asm
+
+    def test_the_relay_prefix_has_its_own_issuer(self, anon):
+        sid = anon.app.service.state.read()["serverId"]
+        base = f"http://localhost:80/r/{sid}"
+        asm = anon.get(f"/.well-known/oauth-authorization-server/r/{sid}").json
+        assert asm["issuer"] == base
+        assert asm["token_endpoint"] == f"{base}/oauth/token"
+        prm = anon.get(f"/.well-known/oauth-protected-resource/r/{sid}/api/v1/mcp").json
+        assert prm["resource"] == f"{base}/api/v1/mcp"
+        assert prm["authorization_servers"] == [base]
+        assert anon.get(f"/.well-known/openid-configuration/r/{sid}").json == asm
+        assert_error(
+            anon.get("/.well-known/oauth-authorization-server/r/someoneelse", status=404),
+            404,
+            "NOT_FOUND",
+        )
+
+    def test_public_url_is_the_issuer(self, make_app):
+        app = make_app(SERVICE_PUBLIC_URL="https://notes.example.org")
+        assert app.get("/.well-known/oauth-authorization-server").json["issuer"] == (
+            "https://notes.example.org"
+        )
+
+    def test_registration(self, anon):
+        reg = register_client(anon, [CALLBACK, "https://claude.ai/api/mcp/auth_callback"])
+        assert reg["client_id"].startswith("mcp_")
+        assert reg["token_endpoint_auth_method"] == "none"
+        assert reg["redirect_uris"] == [CALLBACK, "https://claude.ai/api/mcp/auth_callback"]
+        assert reg["client_name"] == "Pocket assistant"
+        secret = register_client(anon, token_endpoint_auth_method="client_secret_basic")
+        assert secret["token_endpoint_auth_method"] == "none"
+        assert "client_secret" not in secret
+
+    @pytest.mark.parametrize(
+        ("body", "error"),
+        [
+            ({}, "invalid_redirect_uri"),
+            ({"redirect_uris": []}, "invalid_redirect_uri"),
+            ({"redirect_uris": "https://a.example/cb"}, "invalid_redirect_uri"),
+            ({"redirect_uris": ["http://evil.example/cb"]}, "invalid_redirect_uri"),
+            ({"redirect_uris": ["http://10.0.0.5/cb"]}, "invalid_redirect_uri"),
+            ({"redirect_uris": ["javascript:alert(1)"]}, "invalid_redirect_uri"),
+            ({"redirect_uris": ["myapp://callback"]}, "invalid_redirect_uri"),
+            ({"redirect_uris": ["https://a.example/cb#frag"]}, "invalid_redirect_uri"),
+            ({"redirect_uris": ["https://user:pw@a.example/cb"]}, "invalid_redirect_uri"),
+            ({"redirect_uris": ["https://a.example/c b"]}, "invalid_redirect_uri"),
+            ({"redirect_uris": ["https://a.example/" + "x" * 2000]}, "invalid_redirect_uri"),
+            (
+                {"redirect_uris": [f"https://a.example/{i}" for i in range(11)]},
+                "invalid_redirect_uri",
+            ),
+            (
+                {"redirect_uris": [CALLBACK], "grant_types": ["client_credentials"]},
+                "invalid_client_metadata",
+            ),
+            ({"redirect_uris": [CALLBACK], "response_types": ["token"]}, "invalid_client_metadata"),
+            ({"redirect_uris": [CALLBACK], "client_name": ["x"]}, "invalid_client_metadata"),
+        ],
+    )
+    def test_bad_registrations(self, anon, body, error):
+        resp = anon.post_json("/oauth/register", body, status=400)
+        oauth_error(resp, 400, error)
+
+    def test_broken_registration_bodies(self, anon):
+        resp = anon.post("/oauth/register", "{", {"Content-Type": "application/json"}, status=400)
+        oauth_error(resp, 400, "invalid_client_metadata")
+        resp = anon.post("/oauth/register", "[1]", {"Content-Type": "application/json"}, status=400)
+        oauth_error(resp, 400, "invalid_client_metadata")
+        resp = anon.post("/oauth/register", "x=1", status=415)
+        oauth_error(resp, 415, "invalid_client_metadata")
+        huge = json.dumps({"redirect_uris": [CALLBACK], "client_name": "x" * 70000})
+        resp = anon.post("/oauth/register", huge, {"Content-Type": "application/json"}, status=413)
+        oauth_error(resp, 413, "invalid_client_metadata")
+
+    def test_a_registration_flood_stops_at_the_cap(self, anon):
+        one = webtest.TestApp(anon.app, extra_environ={"REMOTE_ADDR": "198.51.100.200"})
+        body = {"redirect_uris": [CALLBACK]}
+        statuses = [
+            one.post_json("/oauth/register", body, status="*").status_int for _ in range(11)
+        ]
+        assert statuses == [201] * 10 + [429]
+        for i in range(notesvc.MAX_OAUTH_CLIENTS):  # from many addresses, up to the cap
+            app = webtest.TestApp(
+                anon.app, extra_environ={"REMOTE_ADDR": f"10.9.{i // 200}.{i % 200}"}
+            )
+            app.post_json("/oauth/register", body, status="*")
+        resp = webtest.TestApp(anon.app, extra_environ={"REMOTE_ADDR": "10.8.0.1"}).post_json(
+            "/oauth/register", body, status=503
+        )
+        oauth_error(resp, 503, "temporarily_unavailable")
+        assert len(anon.app.service.state.read()["oauthClients"]) == notesvc.MAX_OAUTH_CLIENTS
+
+    def test_at_the_cap_old_never_used_clients_give_way(self, anon, root):
+        for i in range(notesvc.MAX_OAUTH_CLIENTS):
+            register_client(anon, addr=f"10.7.{i // 200}.{i % 200}")
+        state_file = root / ".notesvc" / "state.json"
+        state = json.loads(state_file.read_text())
+        oldest = sorted(state["oauthClients"])[0]
+        state["oauthClients"][oldest]["createdAt"] = notesvc.iso(time.time() - 7200)
+        state_file.write_text(json.dumps(state))
+        register_client(anon, addr="10.6.0.1")
+        clients = anon.app.service.state.read()["oauthClients"]
+        assert len(clients) == notesvc.MAX_OAUTH_CLIENTS
+        assert oldest not in clients
+
+    def test_consent_facts_for_a_good_request(self, anon):
+        cid = register_client(anon)["client_id"]
+        _, challenge = pkce_pair()
+        q = urllib.parse.urlencode(
+            {
+                "client_id": cid,
+                "redirect_uri": "http://127.0.0.1:53682/callback",  # loopback: any port
+                "response_type": "code",
+                "code_challenge": challenge,
+                "code_challenge_method": "S256",
+                "state": "abc",
+                "scope": "notes:read notes:write",
+                "resource": mcp_url(anon),
+            }
+        )
+        d = data(anon.get(f"{API}/oauth/consent?{q}"))
+        assert d["client"] == {"id": cid, "name": "Pocket assistant", "uri": ""}
+        assert d["redirectHost"] == "127.0.0.1:53682"
+        assert d["scope"] == "read"
+        assert d["writeAllowed"] is False
+        deny = urllib.parse.urlsplit(d["deny"])
+        assert deny.netloc == "127.0.0.1:53682"
+        assert urllib.parse.parse_qs(deny.query)["error"] == ["access_denied"]
+        assert urllib.parse.parse_qs(deny.query)["state"] == ["abc"]
+
+    @pytest.mark.parametrize(
+        ("client_id", "redirect", "status"),
+        [
+            ("mcp_unknown", CALLBACK, 404),
+            ("", CALLBACK, 400),
+            (None, "http://127.0.0.1:9/other", 400),  # not registered
+            (None, "https://evil.example/callback", 400),
+            (None, "http://evil.example/callback", 400),  # http off loopback
+            (None, "", 400),
+            ("https://127.0.0.1/client.json", CALLBACK, 400),
+        ],
+    )
+    def test_a_bad_client_or_redirect_is_shown_never_redirected(
+        self, client, anon, client_id, redirect, status
+    ):
+        cid = register_client(anon)["client_id"] if client_id is None else client_id
+        _, challenge = pkce_pair()
+        q = urllib.parse.urlencode(
+            {
+                "client_id": cid,
+                "redirect_uri": redirect,
+                "response_type": "code",
+                "code_challenge": challenge,
+                "code_challenge_method": "S256",
+            }
+        )
+        resp = anon.get(f"{API}/oauth/consent?{q}", status=status)
+        err = assert_error(resp, status, "NOT_FOUND" if status == 404 else "VALIDATION_ERROR")
+        assert "redirect" not in err
+        body = {
+            "clientId": cid,
+            "redirectUri": redirect,
+            "codeChallenge": challenge,
+            "scope": "notes:read",
+        }
+        refused = client.post_json(f"{API}/oauth/approve", body, status=status)
+        assert "redirect" not in refused.json["error"]
+
+    @pytest.mark.parametrize(
+        ("change", "problem"),
+        [
+            ({"response_type": "token"}, "response_type"),
+            ({"code_challenge_method": "plain"}, "S256"),
+            ({"code_challenge": "short"}, "code_challenge"),
+            ({"code_challenge": None}, "code_challenge"),
+            ({"resource": "https://elsewhere.example/mcp"}, "resource"),
+        ],
+    )
+    def test_other_problems_go_back_to_the_client(self, anon, change, problem):
+        cid = register_client(anon)["client_id"]
+        _, challenge = pkce_pair()
+        params = {
+            "client_id": cid,
+            "redirect_uri": CALLBACK,
+            "response_type": "code",
+            "code_challenge": challenge,
+            "code_challenge_method": "S256",
+            "state": "s1",
+        }
+        params.update(change)
+        q = urllib.parse.urlencode({k: v for k, v in params.items() if v is not None})
+        err = assert_error(
+            anon.get(f"{API}/oauth/consent?{q}", status=400), 400, "VALIDATION_ERROR"
+        )
+        assert problem in err["message"]
+        back = urllib.parse.urlsplit(err["redirect"])
+        assert back.netloc == "127.0.0.1:9"
+        assert urllib.parse.parse_qs(back.query)["error"] == ["invalid_request"]
+        assert urllib.parse.parse_qs(back.query)["state"] == ["s1"]
+
+    def test_approval_needs_the_api_key(self, client, anon):
+        cid = register_client(anon)["client_id"]
+        _, challenge = pkce_pair()
+        body = {
+            "clientId": cid,
+            "redirectUri": CALLBACK,
+            "codeChallenge": challenge,
+            "scope": "notes:read",
+        }
+        assert_error(anon.post_json(f"{API}/oauth/approve", body, status=401), 401, "UNAUTHORIZED")
+        writer = as_key(client, new_grant(client, "write")["key"])
+        assert_error(writer.post_json(f"{API}/oauth/approve", body, status=403), 403, "FORBIDDEN")
+        write = {**body, "scope": "notes:read notes:write"}
+        assert_error(client.post_json(f"{API}/oauth/approve", write, status=403), 403, "FORBIDDEN")
+        for bad in (
+            {"codeChallenge": "x"},
+            {"scope": "admin"},
+            {"folder": "../x"},
+            {"resource": "https://elsewhere.example/mcp"},
+            {"state": "s" * 1025},
+        ):
+            resp = client.post_json(f"{API}/oauth/approve", {**body, **bad}, status=400)
+            assert_error(resp, 400, "VALIDATION_ERROR")
+
+    def test_the_whole_flow(self, client, anon):
+        cid = register_client(anon)["client_id"]
+        code, verifier, query = approve(client, cid, folder="notes/family")
+        assert query["state"] == ["st8"]
+        assert query["iss"] == ["http://localhost:80"]
+        assert code.startswith("nsc_")
+        answer = token_call(
+            anon,
+            200,
+            grant_type="authorization_code",
+            code=code,
+            client_id=cid,
+            redirect_uri=CALLBACK,
+            code_verifier=verifier,
+            resource=mcp_url(anon),
+        )
+        assert answer.headers["Cache-Control"] == "no-store"
+        t = answer.json
+        assert t["token_type"] == "Bearer"
+        assert t["expires_in"] == 3600
+        assert t["scope"] == "notes:read"
+        assert t["access_token"].startswith("nsa_")
+        assert t["refresh_token"].startswith("nsr_")
+        grants = data(client.get(f"{API}/auth/keys"))["keys"]
+        assert grants == [
+            {
+                "id": grants[0]["id"],
+                "kind": "oauth",
+                "name": "Pocket assistant",
+                "scope": "read",
+                "folder": "notes/family",
+                "createdAt": grants[0]["createdAt"],
+                "expiresAt": grants[0]["expiresAt"],
+                "lastUsedAt": None,
+                "client": {"id": cid, "name": "Pocket assistant"},
+            }
+        ]
+        state = json.dumps(client.app.service.state.read())
+        assert t["access_token"] not in state
+        assert t["refresh_token"] not in state
+        assert data(client.get(f"{API}/security/config"))["grants"]["oauth"] == 1
+
+    def test_an_oauth_token_on_the_rest_api_is_401(self, client, anon):
+        _, t = tokens_for(client, anon)
+        bearer = webtest.TestApp(
+            anon.app, extra_environ={"HTTP_AUTHORIZATION": f"Bearer {t['access_token']}"}
+        )
+        for url in (f"{API}/notes", f"{API}/auth/verify", f"{API}/search?q=x"):
+            resp = bearer.request(
+                url, method="POST" if "verify" in url else "GET", expect_errors=True
+            )
+            err = assert_error(resp, 401, "UNAUTHORIZED")
+            assert "mcp" in err["message"]
+        header = as_key(anon, t["access_token"])
+        assert_error(header.get(f"{API}/notes", status=401), 401, "UNAUTHORIZED")
+
+    def test_a_code_is_single_use_and_a_replay_revokes_its_tokens(self, client, anon):
+        cid = register_client(anon)["client_id"]
+        code, verifier, _ = approve(client, cid)
+        form = dict(
+            grant_type="authorization_code",
+            code=code,
+            client_id=cid,
+            redirect_uri=CALLBACK,
+            code_verifier=verifier,
+        )
+        first = token_call(anon, 200, **form).json
+        oauth_error(token_call(anon, **form), 400, "invalid_grant")
+        assert data(client.get(f"{API}/auth/keys"))["keys"] == []  # revoked
+        refresh = dict(
+            grant_type="refresh_token", refresh_token=first["refresh_token"], client_id=cid
+        )
+        oauth_error(token_call(anon, **refresh), 400, "invalid_grant")
+
+    def test_an_expired_code_is_refused(self, client, anon):
+        cid = register_client(anon)["client_id"]
+        code, verifier, _ = approve(client, cid)
+        for entry in client.app.service.grants.codes.values():
+            entry["expires"] = time.time() - 1  # 60 s have passed
+        oauth_error(
+            token_call(
+                anon,
+                grant_type="authorization_code",
+                code=code,
+                client_id=cid,
+                redirect_uri=CALLBACK,
+                code_verifier=verifier,
+            ),
+            400,
+            "invalid_grant",
+        )
+
+    @pytest.mark.parametrize(
+        ("change", "error"),
+        [
+            ({"code_verifier": "x" * 43}, "invalid_grant"),
+            ({"code_verifier": ""}, "invalid_grant"),
+            ({"client_id": "mcp_other"}, "invalid_grant"),
+            ({"redirect_uri": "http://127.0.0.1:9/other"}, "invalid_grant"),
+            ({"redirect_uri": "http://127.0.0.1:10/callback"}, "invalid_grant"),
+            ({"code": "nsc_" + "A" * 43}, "invalid_grant"),
+            ({"code": ""}, "invalid_grant"),
+            ({"resource": "https://elsewhere.example/api/v1/mcp"}, "invalid_target"),
+            ({"grant_type": "password"}, "unsupported_grant_type"),
+            ({"grant_type": "client_credentials"}, "unsupported_grant_type"),
+            ({"grant_type": ""}, "invalid_request"),
+        ],
+    )
+    def test_a_code_redeemed_wrongly_is_refused_and_spent(self, client, anon, change, error):
+        cid = register_client(anon)["client_id"]
+        code, verifier, _ = approve(client, cid)
+        form = dict(
+            grant_type="authorization_code",
+            code=code,
+            client_id=cid,
+            redirect_uri=CALLBACK,
+            code_verifier=verifier,
+        )
+        oauth_error(token_call(anon, **{**form, **change}), 400, error)
+        if "code" not in change and "grant_type" not in change:  # spent: the right try fails too
+            oauth_error(token_call(anon, **form), 400, "invalid_grant")
+
+    def test_token_requests_must_be_forms(self, anon):
+        resp = anon.post_json("/oauth/token", {"grant_type": "authorization_code"}, status=400)
+        oauth_error(resp, 400, "invalid_request")
+        resp = anon.post("/oauth/token", "grant_type=a&grant_type=b", status=400)
+        oauth_error(resp, 400, "invalid_request")
+        resp = anon.post("/oauth/token", b"grant_type=\xff", status=400)
+        oauth_error(resp, 400, "invalid_request")
+        resp = anon.post("/oauth/token", "x=" + "y" * 70000, status=413)
+        oauth_error(resp, 413, "invalid_request")
+        resp = anon.post("/oauth/token", "&".join(f"k{i}=v" for i in range(100)), status=400)
+        oauth_error(resp, 400, "invalid_request")
+
+    def test_refresh_rotates_and_reuse_revokes_the_grant(self, client, anon):
+        cid, first = tokens_for(client, anon)
+        form = dict(
+            grant_type="refresh_token",
+            refresh_token=first["refresh_token"],
+            client_id=cid,
+            resource=mcp_url(anon),
+        )
+        second = token_call(anon, 200, **form).json
+        assert second["refresh_token"] != first["refresh_token"]
+        assert second["access_token"] != first["access_token"]
+        assert second["scope"] == "notes:read"
+        svc = anon.app.service
+        assert svc.grants.principal(first["access_token"]) is None  # the old access token ends
+        assert svc.grants.principal(second["access_token"]).kind == "oauth"
+        oauth_error(token_call(anon, **form), 400, "invalid_grant")  # the first one, again
+        assert svc.grants.principal(second["access_token"]) is None  # the grant is gone
+        again = dict(form, refresh_token=second["refresh_token"])
+        oauth_error(token_call(anon, **again), 400, "invalid_grant")
+        assert data(client.get(f"{API}/auth/keys"))["keys"] == []
+
+    @pytest.mark.parametrize(
+        ("change", "error"),
+        [
+            ({"client_id": "mcp_other"}, "invalid_grant"),
+            ({"client_id": ""}, "invalid_request"),
+            ({"resource": "https://elsewhere.example/mcp"}, "invalid_target"),
+            ({"scope": "notes:read notes:write"}, "invalid_scope"),
+            ({"refresh_token": "nsr_unknown"}, "invalid_grant"),
+        ],
+    )
+    def test_bad_refreshes(self, client, anon, change, error):
+        cid, first = tokens_for(client, anon)
+        form = dict(grant_type="refresh_token", refresh_token=first["refresh_token"], client_id=cid)
+        oauth_error(token_call(anon, **{**form, **change}), 400, error)
+        token_call(anon, 200, **form)  # a refused refresh spends nothing
+
+    def test_revocation(self, client, anon):
+        cid, t = tokens_for(client, anon)
+        svc = anon.app.service
+        resp = anon.post("/oauth/revoke", {"token": t["access_token"], "client_id": "mcp_other"})
+        assert resp.status_int == 200
+        assert svc.grants.principal(t["access_token"]) is not None
+        assert (
+            anon.post("/oauth/revoke", {"token": t["refresh_token"], "client_id": cid}).json == {}
+        )
+        assert svc.grants.principal(t["access_token"]) is None
+        assert anon.post("/oauth/revoke", {"token": "nsa_unknown"}).status_int == 200
+        oauth_error(anon.post("/oauth/revoke", {}, status=400), 400, "invalid_request")
+        refresh = dict(grant_type="refresh_token", refresh_token=t["refresh_token"], client_id=cid)
+        oauth_error(token_call(anon, **refresh), 400, "invalid_grant")
+
+    def test_the_owner_revokes_an_oauth_grant_like_a_key(self, client, anon):
+        _, t = tokens_for(client, anon)
+        gid = data(client.get(f"{API}/auth/keys"))["keys"][0]["id"]
+        client.delete(f"{API}/auth/keys/{gid}", status=200)
+        assert anon.app.service.grants.principal(t["access_token"]) is None
+
+    def test_the_consent_page_cannot_be_framed(self, anon):
+        sid = anon.app.service.state.read()["serverId"]
+        for url in ("/oauth/authorize?client_id=x", f"/r/{sid}/oauth/authorize"):
+            resp = anon.get(url)
+            assert resp.content_type == "text/html"
+            assert resp.headers["X-Frame-Options"] == "DENY"
+            csp = dict(
+                d.strip().split(" ", 1) for d in resp.headers["Content-Security-Policy"].split(";")
+            )
+            assert csp["frame-ancestors"] == "'none'"
+            assert csp["connect-src"] == "'self'"
+            assert csp["form-action"] == "'none'"
+            assert resp.headers["Referrer-Policy"] == "no-referrer"
+            assert resp.body == notesvc.consent_page().encode()
+
+
+class LocalTls:
+    """A loopback HTTPS stand-in for a client's metadata host (a self-signed certificate).
+
+    `routes`: path -> (status, headers, body, seconds to stall before the body).
+    """
+
+    def __init__(self, tmp: Path):
+        if not shutil.which("openssl"):
+            pytest.skip("openssl is needed to make a test certificate")
+        cert, key = tmp / "cert.pem", tmp / "key.pem"
+        subprocess.run(
+            [
+                "openssl",
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-days",
+                "1",
+                "-subj",
+                "/CN=localhost",
+                "-addext",
+                "subjectAltName=DNS:localhost",
+                "-keyout",
+                str(key),
+                "-out",
+                str(cert),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        self.context = ssl.create_default_context(cafile=str(cert))
+        self.routes: dict = {}
+        tls = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                status, headers, body, pause = tls.routes.get(self.path, (404, {}, b"", 0))
+                self.send_response(status)
+                for name, value in headers.items():
+                    self.send_header(name, value)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if pause:
+                    time.sleep(pause)
+                with contextlib.suppress(OSError):
+                    self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        server_ctx.load_cert_chain(str(cert), str(key))
+        self.httpd.socket = server_ctx.wrap_socket(self.httpd.socket, server_side=True)
+        self.port = self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def url(self, path: str) -> str:
+        return f"https://localhost:{self.port}{path}"
+
+    @staticmethod
+    def loopback(host, port, **kwargs) -> list:
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
+
+    def fetch(self, path: str, **kwargs) -> dict:
+        """fetch_client_metadata with this loopback host counted as public."""
+        return notesvc.fetch_client_metadata(
+            self.url(path),
+            resolve=self.loopback,
+            allow=lambda ip: True,
+            context=self.context,
+            **kwargs,
+        )
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+class TestClientMetadataDocuments:
+    @pytest.mark.parametrize(
+        "url",
+        [
+            "https://127.0.0.1/client.json",
+            "https://127.8.9.10:8443/client.json",
+            "https://10.1.2.3/client.json",
+            "https://192.168.1.20/client.json",
+            "https://172.16.5.5/client.json",
+            "https://169.254.169.254/latest/meta-data",
+            "https://[::1]/client.json",
+            "https://[::ffff:127.0.0.1]/client.json",
+            "https://[fe80::1]/client.json",
+            "https://224.0.0.1/client.json",
+            "https://0.0.0.0/client.json",
+            "https://localhost/client.json",
+        ],
+    )
+    def test_private_and_loopback_hosts_are_refused(self, anon, url):
+        _, challenge = pkce_pair()
+        q = urllib.parse.urlencode(
+            {
+                "client_id": url,
+                "redirect_uri": CALLBACK,
+                "response_type": "code",
+                "code_challenge": challenge,
+                "code_challenge_method": "S256",
+            }
+        )
+        err = assert_error(
+            anon.get(f"{API}/oauth/consent?{q}", status=400), 400, "VALIDATION_ERROR"
+        )
+        assert "not a public address" in err["message"]
+        with pytest.raises(ValueError, match="not a public address"):
+            notesvc.fetch_client_metadata(url)
+
+    @pytest.mark.parametrize(
+        "url",
+        [
+            "http://client.example/c.json",
+            "https://client.example",
+            "https://client.example/",
+            "https://u:p@client.example/c.json",
+            "https://client.example/c.json#x",
+            "ftp://x/y",
+        ],
+    )
+    def test_only_https_urls_with_a_path(self, url):
+        with pytest.raises(ValueError, match="https"):
+            notesvc.fetch_client_metadata(url)
+
+    def test_a_public_address_is_fine_and_a_private_one_not(self):
+        import ipaddress
+
+        assert notesvc.public_address(ipaddress.ip_address("93.184.216.34"))
+        assert notesvc.public_address(ipaddress.ip_address("2606:4700::6810:84e5"))
+        for ip in ("100.64.0.1", "198.18.0.1", "fc00::1", "::ffff:10.0.0.1", "255.255.255.255"):
+            assert not notesvc.public_address(ipaddress.ip_address(ip)), ip
+
+    def test_fetching_safely(self, tmp_path):
+        tls = LocalTls(tmp_path)
+        doc = {
+            "client_id": tls.url("/app.json"),
+            "client_name": "Meta",
+            "redirect_uris": [CALLBACK],
+        }
+        tls.routes.update(
+            {
+                "/app.json": (
+                    200,
+                    {"Content-Type": "application/json"},
+                    json.dumps(doc).encode(),
+                    0,
+                ),
+                "/moved": (302, {"Location": tls.url("/app.json")}, b"", 0),
+                "/big": (200, {}, b"{" + b" " * 70000 + b"}", 0),
+                "/slow": (200, {}, b"{}", 2),
+                "/list": (200, {}, b"[]", 0),
+                "/text": (200, {}, b"hello", 0),
+                "/gone": (410, {}, b"", 0),
+            }
+        )
+        try:
+            assert tls.fetch("/app.json") == doc
+            with pytest.raises(ValueError, match="redirect"):
+                tls.fetch("/moved")
+            with pytest.raises(ValueError, match="over 65536 bytes"):
+                tls.fetch("/big")
+            started = time.monotonic()
+            with pytest.raises(ValueError, match="timed out"):
+                tls.fetch("/slow", timeout=0.5)
+            assert time.monotonic() - started < 2
+            with pytest.raises(ValueError, match="not a JSON object"):
+                tls.fetch("/list")
+            with pytest.raises(ValueError, match="not JSON"):
+                tls.fetch("/text")
+            with pytest.raises(ValueError, match="HTTP 410"):
+                tls.fetch("/gone")
+            with pytest.raises(ValueError, match="could not be fetched"):  # an unknown certificate
+                notesvc.fetch_client_metadata(
+                    tls.url("/app.json"), resolve=tls.loopback, allow=lambda ip: True
+                )
+        finally:
+            tls.close()
+
+    def test_a_metadata_client_is_used_and_cached(self, root, tmp_path):
+        svc = notesvc.build_service(notesvc.load_config(env=make_env(root)))
+        calls = []
+        url = "https://app.example/oauth/client.json"
+
+        def fetch(u):
+            calls.append(u)
+            return {"client_id": u, "client_name": "Meta\x07 app", "redirect_uris": [CALLBACK]}
+
+        try:
+            client = svc.grants.client(url, fetch=fetch)
+            assert client == {"id": url, "name": "Meta app", "redirectUris": [CALLBACK], "uri": ""}
+            assert svc.grants.client(url, fetch=fetch) == client
+            assert calls == [url]
+            bad_documents = {
+                url + "1": {
+                    "client_id": "https://other.example/c.json",
+                    "redirect_uris": [CALLBACK],
+                },
+                url + "2": {"client_id": url + "2", "redirect_uris": ["http://evil.example/cb"]},
+                url + "3": {"client_id": url + "3"},
+            }
+            for bad_url, doc in bad_documents.items():
+                with pytest.raises(notesvc.OAuthError) as e:
+                    svc.grants.client(bad_url, fetch=lambda u, doc=doc: doc)
+                assert e.value.error == "invalid_client"
+        finally:
+            svc.close()
 
 
 def audit(app) -> dict:
