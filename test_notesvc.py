@@ -6971,3 +6971,392 @@ class EvilRelay:
     def close(self):
         self.server.shutdown()
         self.server.server_close()
+
+
+# -- grants against real processes: revocation in flight, the relay, the browser ----------
+
+
+def owner_headers(setup: dict) -> dict:
+    return {"X-Service-Key": setup["apiKey"]}
+
+
+def post_form(url: str, form: dict) -> tuple:
+    """POST a form; return (status, parsed JSON)."""
+    body = urllib.parse.urlencode(form).encode()
+    req = urllib.request.Request(url, body, {"Content-Type": "application/x-www-form-urlencoded"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, json.loads(e.read() or b"null")
+
+
+def get_raw(url: str) -> tuple:
+    """GET a URL; return (status, headers, bytes)."""
+    try:
+        with urllib.request.urlopen(url, timeout=30) as resp:
+            return resp.status, resp.headers, resp.read()
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, e.headers, e.read()
+
+
+class Callback:
+    """A loopback stand-in for an OAuth client's redirect URI: records what reaches it."""
+
+    def __init__(self):
+        self.hits: list = []
+        self.arrived = threading.Event()
+        cb = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                if self.path.startswith("/callback"):  # not the browser's /favicon.ico
+                    cb.hits.append(self.path)
+                    cb.arrived.set()
+                body = b"<!doctype html><title>back in the app</title><p>done</p>"
+                self.send_response(200)
+                self.send_header("Content-Type", "text/html")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/callback"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def query(self, timeout: float = 15) -> dict:
+        assert self.arrived.wait(timeout), "nothing reached the redirect URI"
+        self.arrived.clear()
+        return urllib.parse.parse_qs(urllib.parse.urlsplit(self.hits[-1]).query)
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+class TestGrantsLive:
+    def test_a_key_revoked_while_in_use_is_refused_on_its_next_request(self, tmp_path):
+        with running(tmp_path, env={"SERVICE_THREADS": "4"}) as server:
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            body = {"name": "tablet", "scope": "read"}
+            _, _, made = server.request("POST", f"{API}/auth/keys", body, owner_headers(setup))
+            grant = made["data"]
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+            try:
+
+                def notes() -> int:  # on one kept-alive connection
+                    conn.request("GET", f"{API}/notes", headers={"X-Service-Key": grant["key"]})
+                    resp = conn.getresponse()
+                    resp.read()
+                    return resp.status
+
+                assert [notes() for _ in range(3)] == [200, 200, 200]
+                status, _, _ = server.request(
+                    "DELETE", f"{API}/auth/keys/{grant['id']}", headers=owner_headers(setup)
+                )
+                assert status == 200
+                assert notes() == 401
+            finally:
+                conn.close()
+            state = (tmp_path / ".notesvc" / "state.json").read_text()
+            assert grant["key"] not in state
+            assert grant["id"] not in state
+            assert grant["key"] not in "".join(server.lines)
+
+    def test_a_key_revoked_by_another_process_is_refused(self, tmp_path):
+        with running(tmp_path) as server:
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            body = {"name": "tablet", "scope": "read"}
+            grant = server.request("POST", f"{API}/auth/keys", body, owner_headers(setup))[2][
+                "data"
+            ]
+            headers = {"X-Service-Key": grant["key"]}
+            assert server.request("GET", f"{API}/notes", headers=headers)[0] == 200
+            state_file = tmp_path / ".notesvc" / "state.json"  # as another tool would
+            state = json.loads(state_file.read_text())
+            state["grants"] = []
+            tmp = state_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(state))
+            os.replace(tmp, state_file)
+            assert server.request("GET", f"{API}/notes", headers=headers)[0] == 401
+
+
+class TestGrantsThroughTheRelay:
+    @pytest.fixture
+    def pair(self, tmp_path):
+        relay = Server(tmp_path / "relay", "relay", env={"SERVICE_RELAY_TIMEOUT": "5"})
+        server = Server(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url})
+        try:
+            wait_for(lambda: relay_servers(relay) == 1)
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            yield relay, server, setup
+        finally:
+            server.stop()
+            relay.stop()
+
+    def test_metadata_documents_name_the_relay(self, pair):
+        relay, _, setup = pair
+        sid = setup["serverId"]
+        base = f"{relay.url}/r/{sid}"
+        status, headers, raw = get_raw(
+            f"{relay.url}/.well-known/oauth-protected-resource/r/{sid}/api/v1/mcp"
+        )
+        assert status == 200
+        assert headers["Content-Type"].startswith("application/json")
+        assert json.loads(raw) == {
+            "resource": f"{base}/api/v1/mcp",
+            "authorization_servers": [base],
+            "scopes_supported": ["notes:read", "notes:write"],
+            "bearer_methods_supported": ["header"],
+            "resource_name": "notesvc",
+        }
+        for name in ("oauth-authorization-server", "openid-configuration"):
+            status, _, raw = get_raw(f"{relay.url}/.well-known/{name}/r/{sid}")
+            asm = json.loads(raw)
+            assert status == 200
+            assert asm["issuer"] == base
+            assert asm["token_endpoint"] == f"{base}/oauth/token"
+        status, _, _ = get_raw(f"{relay.url}/.well-known/oauth-authorization-server/r/{'a' * 20}")
+        assert status == 504  # no such server connected
+
+    def test_oauth_flow_and_pages_through_the_relay(self, pair):
+        relay, _server, setup = pair
+        sid = setup["serverId"]
+        base = f"{relay.url}/r/{sid}"
+        # The consent page is the relay's own copy, whatever the server would send.
+        status, headers, page = get_raw(f"{base}/oauth/authorize?client_id=x")
+        assert status == 200
+        assert page == notesvc.consent_page().encode()
+        assert headers["X-Frame-Options"] == "DENY"
+        assert "frame-ancestors 'none'" in headers["Content-Security-Policy"]
+        assert get_raw(f"{relay.url}/r/NOT-AN-ID/oauth/authorize")[0] == 404
+        # Registration and tokens are forwarded to the server.
+        status, _, reg = relay.request(
+            "POST", f"/r/{sid}/oauth/register", {"redirect_uris": [CALLBACK], "client_name": "Far"}
+        )
+        assert status == 201
+        cid = reg["client_id"]
+        verifier, challenge = pkce_pair()
+        approval = {
+            "clientId": cid,
+            "redirectUri": CALLBACK,
+            "codeChallenge": challenge,
+            "scope": "notes:read",
+            "resource": f"{base}/api/v1/mcp",
+        }
+        status, _, body = relay.request(
+            "POST", f"/r/{sid}{API}/oauth/approve", approval, owner_headers(setup)
+        )
+        assert status == 200, body
+        query = urllib.parse.parse_qs(urllib.parse.urlsplit(body["data"]["redirect"]).query)
+        assert query["iss"] == [base]
+        form = {
+            "grant_type": "authorization_code",
+            "code": query["code"][0],
+            "client_id": cid,
+            "redirect_uri": CALLBACK,
+            "code_verifier": verifier,
+            "resource": f"{base}/api/v1/mcp",
+        }
+        status, tokens = post_form(f"{base}/oauth/token", form)
+        assert status == 200
+        assert tokens["scope"] == "notes:read"
+        status, again = post_form(f"{base}/oauth/token", form)
+        assert (status, again["error"]) == (400, "invalid_grant")
+        status, _ = post_form(f"{base}/oauth/revoke", {"token": tokens["refresh_token"]})
+        assert status == 200
+        assert get_raw(f"{base}/oauth/token")[0] == 405
+
+    def test_a_share_link_through_the_relay(self, pair):
+        relay, server, setup = pair
+        sid = setup["serverId"]
+        owner = owner_headers(setup)
+        relay.request(
+            "POST", f"/r/{sid}{API}/notes", {"path": "notes/p.md", "content": "# P\n"}, owner
+        )
+        status, _, body = relay.request(
+            "POST", f"/r/{sid}{API}/shares", {"path": "notes/p.md"}, owner
+        )
+        url = body["data"]["url"]
+        assert status == 201
+        assert url.startswith(f"{relay.url}/r/{sid}/s/")
+        status, headers, page = get_raw(url)
+        assert status == 200
+        assert page == notesvc.share_page().encode()
+        assert headers["Referrer-Policy"] == "no-referrer"
+        assert "noindex" in headers["X-Robots-Tag"]
+        token = url.rsplit("/", 1)[1]
+        status, _, raw = get_raw(f"{relay.url}/r/{sid}{API}/shared/{token}")
+        assert status == 200
+        assert json.loads(raw)["data"]["title"] == "P"
+        assert get_raw(f"{relay.url}/r/{sid}/s/..%2F..%2Fetc")[0] == 404
+        # A share made directly in relay mode names the relay too.
+        status, _, direct = server.request("POST", f"{API}/shares", {"path": "notes/p.md"}, owner)
+        assert direct["data"]["url"].startswith(f"{relay.url}/r/{sid}/s/")
+
+
+class TestGrantPages:
+    """The consent page and the share page in a real browser."""
+
+    @pytest.fixture
+    def browser(self):
+        sync_api = pytest.importorskip("playwright.sync_api")
+        if not CHROMIUM:
+            pytest.skip("no Chromium on this machine")
+        with sync_api.sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            try:
+                yield browser, sync_api.expect
+            finally:
+                browser.close()
+
+    def test_consent_on_a_phone(self, tmp_path, browser):
+        browser, expect = browser
+        cb = Callback()
+        try:
+            with running(tmp_path) as server:
+                setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+                reg = server.request(
+                    "POST",
+                    "/oauth/register",
+                    {"redirect_uris": [cb.url], "client_name": "Phone app"},
+                )[2]
+                endpoint = server.request("GET", "/.well-known/oauth-authorization-server")[2][
+                    "authorization_endpoint"
+                ]
+                resource = f"{server.url}/api/v1/mcp"
+
+                def authorize_url(client_id: str, state: str) -> tuple:
+                    verifier, challenge = pkce_pair()
+                    q = urllib.parse.urlencode(
+                        {
+                            "response_type": "code",
+                            "client_id": client_id,
+                            "redirect_uri": cb.url,
+                            "state": state,
+                            "code_challenge": challenge,
+                            "code_challenge_method": "S256",
+                            "scope": "notes:read",
+                            "resource": resource,
+                        }
+                    )
+                    return f"{endpoint}?{q}", verifier
+
+                context = browser.new_context(
+                    viewport={"width": 390, "height": 844}, is_mobile=True, has_touch=True
+                )
+                page = context.new_page()
+                url, verifier = authorize_url(reg["client_id"], "phone-1")
+                page.goto(url)
+                expect(page.locator("#client")).to_have_text("Phone app")
+                expect(page.locator("#host")).to_have_text(urllib.parse.urlsplit(cb.url).netloc)
+                expect(page.locator("#write-row")).to_be_hidden()  # SERVICE_MCP_WRITE is off
+                page.screenshot(path=str(tmp_path / "consent-390x844.png"), full_page=True)
+                assert page.evaluate("document.documentElement.scrollWidth") <= 390
+                page.fill("#key", "nsk_" + "w" * 43)
+                page.fill("#folder", "family")
+                page.click("#allow")
+                expect(page.locator("#msg")).to_contain_text("wrong")
+                assert cb.hits == []
+                page.fill("#key", setup["apiKey"])
+                page.click("#allow")
+                page.wait_for_url(re.compile(r".*/callback\?"))
+                query = cb.query()
+                assert query["state"] == ["phone-1"]
+                assert query["iss"] == [server.url]
+                status, tokens = post_form(
+                    f"{server.url}/oauth/token",
+                    {
+                        "grant_type": "authorization_code",
+                        "code": query["code"][0],
+                        "client_id": reg["client_id"],
+                        "redirect_uri": cb.url,
+                        "code_verifier": verifier,
+                        "resource": resource,
+                    },
+                )
+                assert status == 200
+                assert tokens["scope"] == "notes:read"
+                _, _, keys = server.request("GET", f"{API}/auth/keys", headers=owner_headers(setup))
+                assert keys["data"]["keys"][0]["folder"] == "notes/family"
+                # Deny goes back with access_denied.
+                url, _ = authorize_url(reg["client_id"], "phone-2")
+                page.goto(url)
+                expect(page.locator("#client")).to_have_text("Phone app")
+                page.click("#deny")
+                page.wait_for_url(re.compile(r".*/callback\?.*error="))
+                query = cb.query()
+                assert query["error"] == ["access_denied"]
+                assert query["state"] == ["phone-2"]
+                # An unknown client is shown and nothing is redirected to.
+                url, _ = authorize_url("mcp_nobody", "phone-3")
+                page.goto(url)
+                expect(page.locator("#msg")).to_contain_text("no client is registered")
+                expect(page.locator("#ask")).to_be_hidden()
+                assert len(cb.hits) == 2
+                # Framed by another page, it never shows.
+                page.goto(cb.url)
+                page.evaluate(
+                    "(src) => new Promise((done) => { const f = document.createElement('iframe');"
+                    " f.onload = () => done(); f.src = src; document.body.appendChild(f); })",
+                    authorize_url(reg["client_id"], "framed")[0],
+                )
+                framed = page.frames[1]
+                assert framed.url.startswith("chrome-error://") or not framed.query_selector(
+                    "#allow"
+                )
+                context.close()
+        finally:
+            cb.close()
+
+    def test_a_share_link_in_a_fresh_browser(self, tmp_path, browser):
+        browser, expect = browser
+        with running(tmp_path) as server:
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            owner = owner_headers(setup)
+            text = (
+                "# Grandma's pie\n\nMix **apples** and *butter*; "
+                "see [the shop](https://shop.example).\n\n- [x] apples\n- [ ] sugar\n\n"
+                "> keep it warm\n\n```\n<script>alert(1)</script>\n```\n\n"
+                "| step | minutes |\n|---|---|\n| bake | 40 |\n\n<img src=x onerror=alert(2)>\n"
+            )
+            server.request("POST", f"{API}/notes", {"path": "notes/pie.md", "content": text}, owner)
+            _, _, made = server.request("POST", f"{API}/shares", {"path": "notes/pie.md"}, owner)
+            context = browser.new_context()  # no key, no storage
+            page = context.new_page()
+            dialogs, sent = [], []
+            page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+            page.on("request", lambda r: sent.append((r.url, r.headers)))
+            page.goto(made["data"]["url"])
+            expect(page.locator("article h1")).to_have_text("Grandma's pie")
+            assert page.title() == "Grandma's pie"
+            expect(page.locator("article strong")).to_have_text("apples")
+            expect(page.locator("article li")).to_have_count(2)
+            assert page.locator("article input[type=checkbox]").first.is_checked()
+            assert page.locator("article a").get_attribute("rel") == "noopener noreferrer nofollow"
+            expect(page.locator("article pre")).to_have_text("<script>alert(1)</script>")
+            expect(page.locator("article td")).to_have_count(2)
+            assert "<img src=x onerror=alert(2)>" in page.inner_text("article")
+            assert page.locator("article img").count() == 0
+            assert dialogs == []
+            page.screenshot(path=str(tmp_path / "share.png"), full_page=True)
+            assert all(
+                "x-service-key" not in h and "authorization" not in h and not h.get("referer")
+                for _, h in sent
+            )
+            origins = {urllib.parse.urlsplit(u).netloc for u, _ in sent}
+            assert origins == {urllib.parse.urlsplit(server.url).netloc}
+            # A revoked link says so.
+            _, _, listed = server.request("GET", f"{API}/shares", headers=owner)
+            share_id = listed["data"]["shares"][0]["id"]
+            server.request("DELETE", f"{API}/shares/{share_id}", headers=owner)
+            page.reload()
+            expect(page.locator("#msg")).to_contain_text("expired or been revoked")
+            expect(page.locator("article")).to_be_empty()
+            context.close()
