@@ -2692,10 +2692,16 @@ def visible_note(store: NoteStore, raw: Any, principal: Principal | None = None)
     if _escapes(raw, principal.folder):
         raise not_found(f"no note at {str(raw)[:MAX_PATH_CHARS]}")
     path = note_path(raw)
-    real = os.path.realpath(store.on_disk(path))
-    top = os.path.realpath(store.on_disk(principal.folder))
-    if not real.startswith(top + os.sep):
-        raise not_found(f"no note at {path}")
+    top = store.on_disk(principal.folder)
+    try:
+        parts = store.on_disk(path).relative_to(top).parts
+    except ValueError:
+        raise not_found(f"no note at {path}") from None
+    at = top
+    for part in parts:  # no symbolic link below the folder (the store keeps to notes/)
+        at = at / part
+        if os.path.islink(at):
+            raise not_found(f"no note at {path}")
     return path
 
 
