@@ -282,8 +282,8 @@ class TestEnvelope:
         cfg = notesvc.load_config(env=make_env(root, SERVICE_MAX_BODY_BYTES="2048"))
         service = notesvc.build_service(cfg).start()
         extra = (
-            notesvc.Route("GET", "/boom", _boom),
-            notesvc.Route("POST", "/echo", _echo),
+            notesvc.Route("GET", "/boom", _boom, scope="read"),
+            notesvc.Route("POST", "/echo", _echo, scope="read"),
         )
         wsgi = notesvc.NotesApp(service, notesvc.ROUTES + extra)
         key = service.state.read()["apiKey"]
