@@ -2719,6 +2719,29 @@ def visible_folder(raw: Any, principal: Principal | None = None) -> str:
     raise not_found(f"no folder at {folder}")
 
 
+def granted_tree(svc: Service, asked: str) -> dict:
+    """Return the tree of a folder as the request's grant sees it: a folder above its own
+    holds only the path down to it."""
+    folder = visible_folder(asked)
+    if folder == asked:
+        return svc.notes.tree(folder)
+    try:
+        node = svc.notes.tree(folder)
+    except ApiError as e:
+        if e.status_code != 404:
+            raise
+        node = {"name": folder.rsplit("/", 1)[-1], "path": folder, "type": "folder", "children": []}
+    while node["path"] != asked:
+        parent = node["path"].rsplit("/", 1)[0]
+        node = {
+            "name": parent.rsplit("/", 1)[-1],
+            "path": parent,
+            "type": "folder",
+            "children": [node],
+        }
+    return node
+
+
 def _epoch(text: Any) -> float:
     """Return the time an ISO 8601 UTC stamp names; infinity for none (never expires)."""
     if not text:
@@ -7309,35 +7332,12 @@ def delete_note(svc: Service, path: str) -> dict:
 # -- folders ---------------------------------------------------------------------------
 
 
-def _granted_tree(svc: Service, asked: str) -> dict:
-    """Return the tree of a folder as the request's grant sees it: a folder above its own
-    holds only the path down to it."""
-    folder = visible_folder(asked)
-    if folder == asked:
-        return svc.notes.tree(folder)
-    try:
-        node = svc.notes.tree(folder)
-    except ApiError as e:
-        if e.status_code != 404:
-            raise
-        node = {"name": folder.rsplit("/", 1)[-1], "path": folder, "type": "folder", "children": []}
-    while node["path"] != asked:
-        parent = node["path"].rsplit("/", 1)[0]
-        node = {
-            "name": parent.rsplit("/", 1)[-1],
-            "path": parent,
-            "type": "folder",
-            "children": [node],
-        }
-    return node
-
-
 def get_tree(svc: Service) -> dict:
-    return _granted_tree(svc, NOTES)
+    return granted_tree(svc, NOTES)
 
 
 def get_subtree(svc: Service, path: str) -> dict:
-    return _granted_tree(svc, folder_path(path))
+    return granted_tree(svc, folder_path(path))
 
 
 # -- search --------------------------------------------------------------------------------
