@@ -197,6 +197,30 @@ def _proxies(raw: str) -> tuple:
     return tuple(nets)
 
 
+def _timezone(raw: str) -> str:
+    """Parse SERVICE_TIMEZONE: empty (the system's), or an IANA name such as Europe/Paris.
+
+    A name this machine's time zone database does not know is refused; without any
+    database (no tzdata) every name is taken and the system's local time is used, logged.
+    """
+    name = raw.strip()
+    if not name or name.upper() == "UTC":
+        return name
+    try:
+        import zoneinfo
+    except ImportError:  # pragma: no cover - Python < 3.9
+        return name
+    try:
+        zoneinfo.ZoneInfo(name)
+    except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+        try:
+            zoneinfo.ZoneInfo("Europe/London")
+        except (zoneinfo.ZoneInfoNotFoundError, ValueError):
+            return name  # no time zone database here: the system's local time, logged
+        raise ValueError(f"{name!r} is not a time zone name (e.g. Europe/Paris)") from None
+    return name
+
+
 def _log_level(raw: str) -> str:
     return _choice("debug", "info", "warning", "error")(raw).upper()
 
@@ -349,6 +373,32 @@ SETTINGS = (
         _int_range(1, 100000),
         "relay role: idle connections kept per client address (the oldest closed first)",
     ),
+    Setting(
+        "max_attachment_bytes",
+        "SERVICE_MAX_ATTACHMENT_BYTES",
+        "",
+        "20971520",
+        _int_range(1024, 1 << 34),
+        "largest attachment (bytes)",
+    ),
+    Setting(
+        "transcribe_url",
+        "SERVICE_TRANSCRIBE_URL",
+        "",
+        "",
+        _url,
+        "OpenAI-compatible /audio/transcriptions endpoint for voice messages",
+    ),
+    Setting("transcribe_model", "SERVICE_TRANSCRIBE_MODEL", "", "whisper-1", _text, "model"),
+    Setting("transcribe_api_key", "SERVICE_TRANSCRIBE_API_KEY", "", "", _text, "transcription key"),
+    Setting(
+        "timezone",
+        "SERVICE_TIMEZONE",
+        "",
+        "",
+        _timezone,
+        "time zone of daily notes and reminders (default: the system's)",
+    ),
     Setting("log_level", "SERVICE_LOG_LEVEL", "--log-level", "info", _log_level, "log level"),
 )
 
@@ -422,6 +472,11 @@ class Config:
     relay_timeout: float
     relay_registrations_per_minute: int
     relay_max_idle_per_address: int
+    max_attachment_bytes: int
+    transcribe_url: str
+    transcribe_model: str
+    transcribe_api_key: str
+    timezone: str
     log_level: str
 
     @property
@@ -930,6 +985,191 @@ def query_int(name: str, default: int, lo: int, hi: int) -> int:
     return int(raw)
 
 
+# -- time zones: daily notes and reminders ------------------------------------------
+
+
+@functools.lru_cache(maxsize=8)
+def time_zone(name: str) -> dt.tzinfo | None:
+    """Return SERVICE_TIMEZONE's zone; None means the system's local time (the default,
+    and the fallback, logged once, where no time zone database is installed)."""
+    if not name:
+        return None
+    if name.upper() == "UTC":
+        return dt.timezone.utc
+    try:
+        import zoneinfo
+
+        return zoneinfo.ZoneInfo(name)
+    except (ImportError, ValueError, OSError, KeyError):  # ZoneInfoNotFoundError: a KeyError
+        log.warning("time zone %s is unknown here (no tzdata?): using the system's time", name)
+    return None
+
+
+def local_time(ts: float, zone: dt.tzinfo | None) -> dt.datetime:
+    """Return the wall-clock time of a timestamp in a zone (None: the system's), naive."""
+    when = dt.datetime.fromtimestamp(ts, zone) if zone else dt.datetime.fromtimestamp(ts)
+    return when.replace(tzinfo=None)
+
+
+def timestamp_of(wall: dt.datetime, zone: dt.tzinfo | None) -> float:
+    """Return the timestamp of a naive wall-clock time in a zone (None: the system's)."""
+    return wall.replace(tzinfo=zone).timestamp() if zone else wall.timestamp()
+
+
+# -- raw and multipart request bodies (attachments) ---------------------------------
+
+BODY_CHUNK = 1 << 16
+
+
+def too_large(limit: int, setting: str) -> ApiError:
+    return ApiError(413, "PAYLOAD_TOO_LARGE", f"the body is over {limit} bytes ({setting})")
+
+
+def request_body_reader(limit: int, setting: str) -> tuple:
+    """Return (read(n) -> bytes, declared length or -1) over the request body, bounded.
+
+    Reads the WSGI input directly (no second copy of a large body); a declared length over
+    `limit` is 413 before anything is read, and so is a chunked body once it passes it.
+    A body that ends before its Content-Length is 400.
+    """
+    env = bottle.request.environ
+    raw_length = env.get("CONTENT_LENGTH") or ""
+    chunked = "chunked" in env.get("HTTP_TRANSFER_ENCODING", "").lower()
+    if raw_length.isdigit():
+        length = int(raw_length)
+        stream = env["wsgi.input"]
+    elif chunked:  # a server that leaves chunked bodies to the app: Bottle decodes them
+        length, stream = -1, bottle.request.body
+    else:
+        length, stream = 0, io.BytesIO()
+    if length > limit:
+        raise too_large(limit, setting)
+    left = [length]
+    seen = [0]
+
+    def read(n: int = BODY_CHUNK) -> bytes:
+        if left[0] == 0:
+            return b""
+        want = n if left[0] < 0 else min(n, left[0])
+        chunk = stream.read(want)
+        if not chunk:
+            if left[0] > 0:
+                raise bad_request("the body ended before Content-Length bytes arrived")
+            left[0] = 0
+            return b""
+        seen[0] += len(chunk)
+        if seen[0] > limit:
+            raise too_large(limit, setting)
+        if left[0] > 0:
+            left[0] -= len(chunk)
+        return chunk
+
+    return read, length
+
+
+class MultipartReader:
+    """A bounded, streaming reader of multipart/form-data (RFC 7578), standard library only.
+
+    Field values are handed to sinks chunk by chunk, so a file part goes to disk without
+    being held in memory. Limits: `max_parts` parts, 8 KiB of headers per part, and each
+    sink's own limit; a malformed body is 400.
+    """
+
+    MAX_HEADERS = 8192
+    MAX_PREAMBLE = 65536
+
+    def __init__(self, read: Callable[[int], bytes], boundary: str, max_parts: int = 16):
+        if not re.fullmatch(r"[0-9A-Za-z'()+_,./:=? -]{1,70}", boundary) or boundary.endswith(" "):
+            raise bad_request("the multipart boundary is missing or malformed")
+        self.read, self.max_parts = read, max_parts
+        self.delimiter = b"--" + boundary.encode("ascii")
+        self.buf = bytearray()
+        self.ended = False
+
+    def _fill(self) -> bool:
+        if self.ended:
+            return False
+        chunk = self.read(BODY_CHUNK)
+        if not chunk:
+            self.ended = True
+            return False
+        self.buf += chunk
+        return True
+
+    def _take(self, n: int) -> bytes:
+        while len(self.buf) < n:
+            if not self._fill():
+                raise bad_request("the multipart body ended before its closing delimiter")
+        out = bytes(self.buf[:n])
+        del self.buf[:n]
+        return out
+
+    def _until(self, marker: bytes, sink: Callable | None, limit: int, over: Callable) -> None:
+        """Pass the bytes before marker to sink (None: drop them), then consume the marker."""
+        seen, keep = 0, len(marker) - 1
+        while True:
+            i = self.buf.find(marker)
+            end = i if i >= 0 else max(0, len(self.buf) - keep)
+            if end:
+                seen += end
+                if seen > limit:
+                    raise over()
+                if sink is not None:
+                    sink(bytes(self.buf[:end]))
+                del self.buf[:end]
+            if i >= 0:
+                del self.buf[: len(marker)]
+                return
+            if not self._fill():
+                raise bad_request("the multipart body ended before its closing delimiter")
+
+    def parts(self, on_part: Callable) -> None:
+        """Read every part: on_part(name, filename, headers) returns (sink, limit, over) for
+        its body, or None to skip it (at most 64 KiB)."""
+        import email.parser
+        import email.policy
+        import email.utils
+
+        def malformed(what: str) -> Callable:
+            return lambda: bad_request(f"multipart {what} is too large")
+
+        self._until(self.delimiter, None, self.MAX_PREAMBLE, malformed("preamble"))
+        for count in itertools.count(1):
+            tail = self._take(2)
+            if tail == b"--":
+                return  # the close delimiter; an epilogue is ignored
+            while tail != b"\r\n":  # transport padding (spaces) before the line end
+                if tail[:1] not in (b" ", b"\t"):
+                    raise bad_request("malformed multipart delimiter line")
+                tail = tail[1:] + self._take(1)
+            if count > self.max_parts:
+                raise bad_request(f"more than {self.max_parts} multipart parts")
+            head = bytearray()
+            while len(self.buf) < 2 and self._fill():
+                pass
+            if self.buf[:2] == b"\r\n":
+                del self.buf[:2]  # a part without headers
+            else:
+                self._until(b"\r\n\r\n", head.extend, self.MAX_HEADERS, malformed("headers"))
+            text = bytes(head).decode("utf-8", "replace")
+            msg = email.parser.HeaderParser(policy=email.policy.compat32).parsestr(text)
+            disposition = msg.get("Content-Disposition", "")
+            if not disposition.lower().startswith("form-data"):
+                raise bad_request("each multipart part needs Content-Disposition: form-data")
+            name = msg.get_param("name", header="content-disposition")
+            filename = msg.get_filename()
+            if isinstance(name, tuple):  # RFC 2231
+                name = email.utils.collapse_rfc2231_value(name)
+            handler = on_part(str(name or ""), filename, msg)
+            sink, limit, over = handler or (None, 65536, malformed("part"))
+            while len(self.buf) < len(self.delimiter) and self._fill():
+                pass
+            if self.buf.startswith(self.delimiter):  # an empty part whose header block's
+                del self.buf[: len(self.delimiter)]  # last line end was the delimiter's
+                continue
+            self._until(b"\r\n" + self.delimiter, sink, limit, over)
+
+
 # == Notes ====================================================================
 
 NOTES = "notes"
@@ -944,8 +1184,8 @@ _ZERO_WIDTH = frozenset("\u200b\u200c\u200d\u2060\ufeff")
 MAX_SCAN_CHARS = 256 * 1024
 
 
-def _check_segments(path: str, what: str) -> list:
-    """Return the segments of a relative path, or raise 400 naming the broken rule."""
+def _check_segments(path: str, what: str, top: str = NOTES) -> list:
+    """Return the segments of a relative path under `top`, or raise 400 naming the broken rule."""
     if not isinstance(path, str) or not path:
         raise bad_request(f"the {what} path is empty")
     if len(path) > MAX_PATH_CHARS:
@@ -967,10 +1207,10 @@ def _check_segments(path: str, what: str) -> list:
     if "\\" in path:
         raise bad_request(f"the {what} path holds a backslash; separate folders with /")
     if path.startswith("/"):
-        raise bad_request(f"the {what} path must be relative, starting with {NOTES}/")
+        raise bad_request(f"the {what} path must be relative, starting with {top}/")
     segments = path.split("/")
-    if segments[0] != NOTES:
-        raise bad_request(f"the {what} path must start with {NOTES}/")
+    if segments[0] != top:
+        raise bad_request(f"the {what} path must start with {top}/")
     for seg in segments[1:]:
         if not seg:
             raise bad_request(f"the {what} path has an empty segment (// or a trailing /)")
@@ -1070,6 +1310,151 @@ NOTE_PATH_PARAM = {
     "pattern": f"^{NOTES}(?:/{_segment(0, True)})*/{_segment(3, True)}\\.md$",
 }
 FOLDER_PATH_PARAM = {**FOLDER_PATH_SCHEMA, "pattern": f"^{NOTES}(?:/{_segment(0, True)})*/?$"}
+
+
+# -- attachments: files notes link to --------------------------------------------------
+
+ATTACHMENTS = "attachments"
+# The extensions accepted under attachments/ and the type each is served as: images,
+# audio, video, PDF, text, office documents and archives (CONTRACT 20).
+ATTACHMENT_TYPES = {
+    **dict.fromkeys(("jpg", "jpeg"), "image/jpeg"),
+    "png": "image/png",
+    "gif": "image/gif",
+    "webp": "image/webp",
+    "avif": "image/avif",
+    "heic": "image/heic",
+    "heif": "image/heif",
+    "bmp": "image/bmp",
+    **dict.fromkeys(("tif", "tiff"), "image/tiff"),
+    "ico": "image/x-icon",
+    "svg": "image/svg+xml",
+    "mp3": "audio/mpeg",
+    "m4a": "audio/mp4",
+    "aac": "audio/aac",
+    **dict.fromkeys(("ogg", "oga", "opus"), "audio/ogg"),
+    "wav": "audio/wav",
+    "flac": "audio/flac",
+    "weba": "audio/webm",
+    "amr": "audio/amr",
+    **dict.fromkeys(("mp4", "m4v"), "video/mp4"),
+    "mov": "video/quicktime",
+    "webm": "video/webm",
+    "mkv": "video/x-matroska",
+    "3gp": "video/3gpp",
+    "avi": "video/x-msvideo",
+    "pdf": "application/pdf",
+    "txt": "text/plain",
+    "csv": "text/csv",
+    "json": "application/json",
+    "vcf": "text/vcard",
+    "ics": "text/calendar",
+    **dict.fromkeys(("html", "htm"), "text/html"),
+    "rtf": "application/rtf",
+    "doc": "application/msword",
+    "docx": "application/vnd.openxmlformats-officedocument.wordprocessingml.document",
+    "xls": "application/vnd.ms-excel",
+    "xlsx": "application/vnd.openxmlformats-officedocument.spreadsheetml.sheet",
+    "ppt": "application/vnd.ms-powerpoint",
+    "pptx": "application/vnd.openxmlformats-officedocument.presentationml.presentation",
+    "odt": "application/vnd.oasis.opendocument.text",
+    "ods": "application/vnd.oasis.opendocument.spreadsheet",
+    "odp": "application/vnd.oasis.opendocument.presentation",
+    "epub": "application/epub+zip",
+    "zip": "application/zip",
+    **dict.fromkeys(("gz", "tgz"), "application/gzip"),
+    "tar": "application/x-tar",
+    "bz2": "application/x-bzip2",
+    "xz": "application/x-xz",
+    "7z": "application/x-7z-compressed",
+}
+# Types a browser would run as a page (script, styles, links): never shown inline, and
+# the relay passes them on only as application/octet-stream.
+ACTIVE_TYPES = frozenset({"text/html", "image/svg+xml"})
+# The policy of every attachment download: no script, no plugins, a unique origin.
+ATTACHMENT_CSP = "default-src 'none'; sandbox"
+
+
+def content_type_of(path: str) -> str:
+    """Return the type an attachment is served as, from its extension."""
+    return ATTACHMENT_TYPES.get(path.rsplit(".", 1)[-1].lower(), "application/octet-stream")
+
+
+def shown_inline(content_type: str) -> bool:
+    """Return whether a browser may show this type in place (images, audio, video, text)."""
+    if content_type in ACTIVE_TYPES:
+        return False
+    return content_type.split("/")[0] in ("image", "audio", "video") or content_type == "text/plain"
+
+
+def attachment_path(raw: Any) -> str:
+    """Return an attachment path (attachments/<segments>.<ext>, an allowed extension),
+    NFC-normalised; 400 naming the broken rule otherwise.
+
+    >>> attachment_path("attachments/trip/IMG_0001.JPG")
+    'attachments/trip/IMG_0001.JPG'
+    """
+    if not isinstance(raw, str):
+        raise bad_request("the attachment path must be a string")
+    path = unicodedata.normalize("NFC", raw)
+    segments = _check_segments(path, "attachment", ATTACHMENTS)
+    base, dot, ext = segments[-1].rpartition(".")
+    if len(segments) < 2 or not dot or not base:
+        raise bad_request(f"the attachment path must look like {ATTACHMENTS}/<name>.<extension>")
+    if ext.lower() not in ATTACHMENT_TYPES:
+        raise bad_request(
+            f"files ending .{ext[:16]} are not accepted as attachments; allowed: "
+            + ", ".join(sorted(ATTACHMENT_TYPES))
+        )
+    return path
+
+
+def attachment_folder(raw: Any) -> str:
+    """Return an attachment folder path (`attachments` or `attachments/...`); 400 otherwise."""
+    if not isinstance(raw, str):
+        raise bad_request("the folder path must be a string")
+    path = unicodedata.normalize("NFC", raw).rstrip("/")
+    _check_segments(path, "attachment folder", ATTACHMENTS)
+    return path
+
+
+def _any_case(word: str) -> str:
+    return "".join(f"[{c.lower()}{c.upper()}]" if c.isalpha() else c for c in word)
+
+
+_EXTENSIONS = "|".join(_any_case(e) for e in sorted(ATTACHMENT_TYPES, key=lambda e: (-len(e), e)))
+ATTACHMENT_PATH_SCHEMA = {
+    "type": "string",
+    "minLength": 15,
+    "maxLength": MAX_PATH_CHARS,
+    "pattern": f"^{ATTACHMENTS}(?:/{_segment(0)})*/{_segment(5)}\\.(?:{_EXTENSIONS})$",
+    "description": f"{ATTACHMENTS}/<folders>/<name>.<extension>: segments as in note paths; "
+    "the extension one of " + ", ".join(sorted(ATTACHMENT_TYPES)) + " (any case)",
+    "examples": ["attachments/trip/beach.jpg"],
+}
+ATTACHMENT_FOLDER_SCHEMA = {
+    **FOLDER_PATH_SCHEMA,
+    "minLength": len(ATTACHMENTS),
+    "pattern": f"^{ATTACHMENTS}(?:/{_segment(0)})*/?$",
+    "description": f"{ATTACHMENTS} or {ATTACHMENTS}/<folders>",
+    "examples": ["attachments/trip"],
+}
+ATTACHMENT_PATH_PARAM = {
+    **ATTACHMENT_PATH_SCHEMA,
+    "pattern": f"^{ATTACHMENTS}(?:/{_segment(0, True)})*/{_segment(5, True)}\\.(?:{_EXTENSIONS})$",
+}
+
+# The daily note: the `daily` plugin's, and where channel captures go by default.
+DAILY_FOLDER = f"{NOTES}/daily"
+
+
+def day_note(day: dt.date, folder: str = DAILY_FOLDER) -> tuple:
+    """Return (path, heading) of a day's note in a folder (the daily note by default).
+
+    >>> day_note(dt.date(2026, 12, 1))
+    ('notes/daily/2026-12-01.md', 'Tuesday, 01 December 2026')
+    """
+    return f"{folder}/{day:%Y-%m-%d}.md", f"{day:%A, %d %B %Y}"
 
 
 def make_etag(data: bytes) -> str:
@@ -1514,6 +1899,301 @@ class NoteStore:
         return sweep_temp_files(self.root, skip_hidden=True) + (
             sweep_temp_files(state, skip_hidden=False) if state.is_dir() else 0
         )
+
+
+def attachment_etag(st: os.stat_result) -> str:
+    """Return a strong validator of an attachment: every write is a new file (atomic
+    rename: a new inode), and an edit in place changes its size or modification time."""
+    seed = f"{st.st_ino}:{st.st_size}:{st.st_mtime_ns}".encode()
+    return '"' + hashlib.sha256(seed).hexdigest()[:32] + '"'
+
+
+def _check_etag(if_match: str | None, current: str | None, what: str) -> None:
+    """Raise 412 unless If-Match (absent, `*`, or a list of ETags) matches current."""
+    if if_match is None:
+        return
+    tags = [t.strip() for t in if_match.split(",") if t.strip()]
+    if current is not None and "*" in tags:
+        return
+    wanted = {t if t.startswith('"') else f'"{t}"' for t in tags}
+    if current is None or current not in wanted:
+        raise ApiError(
+            412,
+            "PRECONDITION_FAILED",
+            f"the {what} changed since you read it (If-Match does not match its ETag)",
+        )
+
+
+class AttachmentStore:
+    """Files under <root>/attachments: uploads, and photos, voice and files from channels.
+
+    Paths follow the note rules (prefix attachments/) with an allowlist of extensions.
+    A body is first written to a temp file in the attachments folder (flushed, fsynced),
+    then renamed into place and the folder fsynced: a crash leaves the old file or the
+    new one, and at most a temp file that the next start sweeps. Deleting moves the file
+    into the notes' trash, <state>/trash/<UTC stamp>/attachments/...
+    """
+
+    MAX_SIBLINGS = 1000  # numbered names tried for an upload that must not overwrite
+
+    def __init__(self, root: Path, trash: Path):
+        self.root = root.resolve()  # <root>/attachments (created on the first upload)
+        self.base = self.root.parent
+        self.trash = trash
+        self._lock = threading.RLock()  # one change of the tree at a time
+
+    # -- reading -------------------------------------------------------------------
+
+    def file_of(self, path: str) -> Path:
+        """Return the file of a checked path; 400 when it resolves outside attachments/."""
+        target = self.base / path
+        real = os.path.realpath(target)
+        if real != str(self.root) and not real.startswith(str(self.root) + os.sep):
+            raise bad_request("the path resolves outside the attachments folder (symbolic link?)")
+        return target
+
+    @staticmethod
+    def record(path: str, st: os.stat_result) -> dict:
+        return {
+            "path": path,
+            "size": st.st_size,
+            "contentType": content_type_of(path),
+            "modified": iso(st.st_mtime_ns / 1e9),
+            "etag": attachment_etag(st),
+        }
+
+    def open(self, path: str) -> tuple:
+        """Return (open binary file, stat) of an attachment; 404 when there is none."""
+        try:
+            f = open(self.file_of(path), "rb")  # noqa: SIM115 - handed to the caller
+        except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
+            raise not_found(f"no attachment at {path}") from None
+        st = os.fstat(f.fileno())
+        if not stat.S_ISREG(st.st_mode):
+            f.close()
+            raise not_found(f"no attachment at {path}")
+        return f, st
+
+    def get(self, path: str) -> dict:
+        try:
+            st = os.stat(self.file_of(path))
+        except (FileNotFoundError, NotADirectoryError):
+            raise not_found(f"no attachment at {path}") from None
+        if not stat.S_ISREG(st.st_mode):
+            raise not_found(f"no attachment at {path}")
+        return self.record(path, st)
+
+    def _entries(self, folder: str = ATTACHMENTS):
+        """Yield (path, DirEntry) of the attachments under a folder (hidden entries, links and
+        other extensions left out)."""
+        stack = [(str(self.base / folder), folder)]
+        while stack:
+            real, rel = stack.pop()
+            try:
+                entries = list(os.scandir(real))
+            except (FileNotFoundError, NotADirectoryError, PermissionError):
+                continue
+            for e in entries:
+                if e.name.startswith(".") or e.is_symlink():
+                    continue
+                name = _nfc(e.name)
+                if e.is_dir():
+                    stack.append((e.path, f"{rel}/{name}"))
+                elif name.rpartition(".")[2].lower() in ATTACHMENT_TYPES and "." in name[1:]:
+                    yield f"{rel}/{name}", e
+
+    def paths(self) -> list:
+        """Return every attachment path, sorted."""
+        return sorted(path for path, _ in self._entries())
+
+    def stats(self) -> tuple:
+        """Return (count, total bytes) of the attachments."""
+        count = size = 0
+        for _, e in self._entries():
+            with contextlib.suppress(OSError):
+                size += e.stat().st_size
+                count += 1
+        return count, size
+
+    def list_page(self, folder: str, limit: int, offset: int) -> dict:
+        if folder != ATTACHMENTS and not os.path.isdir(self.file_of(folder)):
+            raise not_found(f"no folder at {folder}")
+        found = sorted(self._entries(folder), key=lambda item: item[0])
+        page = []
+        for path, e in found[offset : offset + limit]:
+            try:
+                page.append(self.record(path, e.stat()))
+            except OSError:  # removed meanwhile
+                continue
+        return {"attachments": page, "total": len(found), "limit": limit, "offset": offset}
+
+    # -- writing ------------------------------------------------------------------
+
+    def check(self, path: str, if_match: str | None, if_none_match: str | None) -> bool:
+        """Check a write's preconditions (If-Match, If-None-Match: *); return whether an
+        attachment exists at path. 412 when they fail, 409 when a folder stands there."""
+        target = self.file_of(path)
+        exists = os.path.lexists(target)
+        if exists and not os.path.isfile(target):
+            raise ApiError(409, "CONFLICT", f"a folder stands at {path}")
+        if if_none_match is not None and if_none_match.strip() == "*" and exists:
+            raise ApiError(
+                412, "PRECONDITION_FAILED", f"an attachment exists at {path} (If-None-Match: *)"
+            )
+        _check_etag(if_match, attachment_etag(os.stat(target)) if exists else None, "attachment")
+        return exists
+
+    def spool(self, write: Callable) -> Path:
+        """Return a temp file in the attachments folder holding what write(file) wrote,
+        flushed and fsynced; 507 on a full disk (and no temp file left)."""
+        with disk_writes():
+            self.root.mkdir(parents=True, exist_ok=True)
+            fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX, dir=self.root)
+            try:
+                with os.fdopen(fd, "wb") as f:
+                    write(f)
+                    f.flush()
+                    os.fsync(f.fileno())
+            except BaseException:
+                with contextlib.suppress(OSError):
+                    os.unlink(tmp)
+                raise
+        return Path(tmp)
+
+    def place(
+        self,
+        tmp: Path,
+        path: str,
+        if_match: str | None = None,
+        if_none_match: str | None = None,
+        unique: bool = False,
+    ) -> tuple:
+        """Rename a spooled temp file to path; return (record, created).
+
+        unique: never overwrite, take the first free `name-2.ext`, `name-3.ext`... instead.
+        If-Match / If-None-Match: * guard a replacement (412). The temp file is gone after.
+        """
+        try:
+            with self._lock:
+                target = self.file_of(path)
+                if unique:
+                    path, target = self._free(path, target)
+                exists = self.check(path, if_match, if_none_match)
+                with self._new_parents(target, path):
+                    os.chmod(tmp, 0o666 & ~_UMASK)
+                    self._rename(tmp, target)
+                fsync_dir(target.parent)
+                if target.parent != self.root:
+                    fsync_dir(self.root)
+                return self.record(path, os.stat(target)), not exists
+        finally:
+            with contextlib.suppress(OSError):
+                os.unlink(tmp)
+
+    def put(self, path: str, data: bytes, unique: bool = False) -> tuple:
+        """Write bytes to an attachment; return (record, created)."""
+        return self.place(self.spool(lambda f: f.write(data)), path, unique=unique)
+
+    @staticmethod
+    def _rename(src: Path, dst: Path) -> None:
+        with disk_writes():
+            try:
+                os.replace(src, dst)
+            except OSError as e:
+                if e.errno != errno.EXDEV:  # a folder on another file system: copy it over
+                    raise
+
+                def copy(f) -> None:
+                    with open(src, "rb") as source:
+                        while chunk := source.read(BODY_CHUNK):
+                            f.write(chunk)
+
+                _atomic_write(dst, copy, None)
+
+    @contextlib.contextmanager
+    def _new_parents(self, target: Path, path: str):
+        """Create target's missing folders for the block; remove them if the block fails."""
+        missing = _missing_folders(target.parent, self.root)
+        try:
+            with disk_writes():
+                try:
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                except (FileExistsError, NotADirectoryError):
+                    raise ApiError(
+                        409, "CONFLICT", "a file stands where a folder of this path should be"
+                    ) from None
+            self.file_of(path)  # re-check containment now that the folders exist
+            yield
+        except BaseException:
+            for folder in missing:  # deepest first
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+            raise
+
+    def _free(self, path: str, target: Path) -> tuple:
+        """Return (path, file) of the first name not taken: path, name-2.ext, name-3.ext..."""
+        if not os.path.lexists(target):
+            return path, target
+        base, _, ext = path.rpartition(".")
+        for n in range(2, self.MAX_SIBLINGS):
+            candidate = attachment_path(f"{base}-{n}.{ext}")
+            target = self.file_of(candidate)
+            if not os.path.lexists(target):
+                return candidate, target
+        raise ApiError(409, "CONFLICT", f"too many attachments named like {path}")
+
+    def move(self, path: str, new: str, if_match: str | None = None) -> dict:
+        with self._lock:
+            src = self.file_of(path)
+            rec = self.get(path)
+            _check_etag(if_match, rec["etag"], "attachment")
+            if new == path:
+                return {**rec, "from": path}
+            dst = self.file_of(new)
+            if os.path.lexists(dst):
+                raise ApiError(409, "CONFLICT", f"an attachment already exists at {new}")
+            with self._new_parents(dst, new), disk_writes():
+                os.replace(src, dst)
+            fsync_dir(dst.parent)
+            fsync_dir(src.parent)
+            self._prune(src.parent)
+            return {**self.record(new, os.stat(dst)), "from": path}
+
+    def delete(self, path: str, if_match: str | None = None) -> dict:
+        """Move an attachment into the trash: <state>/trash/<UTC stamp>/attachments/..."""
+        with self._lock:
+            src = self.file_of(path)
+            _check_etag(if_match, self.get(path)["etag"], "attachment")
+            stamp = utcnow().strftime("%Y%m%dT%H%M%S.%fZ")
+            dst = self.trash / stamp / path
+            made = _missing_folders(dst.parent, self.trash.parent)
+            try:
+                with disk_writes():
+                    dst.parent.mkdir(parents=True, exist_ok=True)
+                    os.replace(src, dst)
+            except BaseException:
+                for folder in made:  # deepest first: leave the trash as it was
+                    with contextlib.suppress(OSError):
+                        folder.rmdir()
+                raise
+            fsync_dir(dst.parent)
+            fsync_dir(src.parent)
+            self._prune(src.parent)
+        return {"path": path, "deleted": True, "trash": f".notesvc/trash/{stamp}/{path}"}
+
+    def _prune(self, folder: Path) -> None:
+        """Remove folder and its parents while they are empty (never attachments/ itself)."""
+        folder = Path(os.path.abspath(folder))
+        while folder != self.root and self.root in folder.parents:
+            try:
+                folder.rmdir()
+            except OSError:
+                return
+            folder = folder.parent
+
+    def sweep_temp_files(self) -> int:
+        """Remove the temp files an interrupted upload left; return how many."""
+        return sweep_temp_files(self.root, skip_hidden=True) if self.root.is_dir() else 0
 
 
 # == Search ===================================================================
@@ -2606,7 +3286,6 @@ SCOPES = ("read", "write", "admin")  # each includes the ones before it
 SCOPE_RANK = {scope: rank for rank, scope in enumerate(SCOPES)}
 GRANT_KEY_PREFIX = "nsg_"
 ACCESS_PREFIX, REFRESH_PREFIX, CODE_PREFIX = "nsa_", "nsr_", "nsc_"
-ATTACHMENTS = "attachments"
 OAUTH_SCOPES = ("notes:read", "notes:write")
 OAUTH_SCOPE_OF = {"read": "notes:read", "write": "notes:read notes:write"}
 ACCESS_LIFETIME = 3600  # seconds an OAuth access token lives
@@ -2650,15 +3329,6 @@ class Principal:
             (self.folder + "/", self.attachments_folder + "/")
         )
 
-    def covers(self, folder: str) -> bool:
-        """Return whether a folder path is the grant's folder or lies inside it."""
-        return not self.folder or folder == self.folder or folder.startswith(self.folder + "/")
-
-    def beneath(self, folder: str) -> bool:
-        """Return whether the grant's folder lies strictly below folder (its ancestors are
-        all a folder grant sees of the tree above it)."""
-        return bool(self.folder) and self.folder.startswith(folder + "/")
-
 
 OWNER = Principal("owner", "admin")
 
@@ -2680,6 +3350,19 @@ def _escapes(raw: Any, top: str) -> bool:
     return not text.startswith(top + "/") or "." in segments or ".." in segments
 
 
+def _no_link_below(on_disk: Callable, top: str, path: str, what: str) -> None:
+    """Raise 404 when a symbolic link lies between folder `top` and `path` (on disk)."""
+    at = on_disk(top)
+    try:
+        parts = on_disk(path).relative_to(at).parts
+    except ValueError:
+        raise not_found(f"no {what} at {path}") from None
+    for part in parts:
+        at = at / part
+        if os.path.islink(at):
+            raise not_found(f"no {what} at {path}")
+
+
 def visible_note(store: NoteStore, raw: Any, principal: Principal | None = None) -> str:
     """Return a checked note path the request's grant may see: outside its folder 404.
 
@@ -2692,30 +3375,37 @@ def visible_note(store: NoteStore, raw: Any, principal: Principal | None = None)
     if _escapes(raw, principal.folder):
         raise not_found(f"no note at {str(raw)[:MAX_PATH_CHARS]}")
     path = note_path(raw)
-    top = store.on_disk(principal.folder)
-    try:
-        parts = store.on_disk(path).relative_to(top).parts
-    except ValueError:
-        raise not_found(f"no note at {path}") from None
-    at = top
-    for part in parts:  # no symbolic link below the folder (the store keeps to notes/)
-        at = at / part
-        if os.path.islink(at):
-            raise not_found(f"no note at {path}")
+    _no_link_below(store.on_disk, principal.folder, path, "note")
     return path
 
 
-def visible_folder(raw: Any, principal: Principal | None = None) -> str:
-    """Return the folder a listing of `raw` shows a grant: raw itself inside its folder, the
-    grant's folder for an ancestor of it; 404 for any other folder. `notes` by default."""
+def visible_attachment(store: Any, raw: Any, principal: Principal | None = None) -> str:
+    """Return a checked attachment path the request's grant may see (its folder's match
+    under attachments/); 404 outside it, as for notes."""
     principal = principal or request_principal()
-    if principal.folder and isinstance(raw, str) and {".", ".."} & set(raw.split("/")):
+    if not principal.folder:
+        return attachment_path(raw)
+    top = principal.attachments_folder
+    if _escapes(raw, top):
+        raise not_found(f"no attachment at {str(raw)[:MAX_PATH_CHARS]}")
+    path = attachment_path(raw)
+    _no_link_below(lambda p: store.base / p, top, path, "attachment")
+    return path
+
+
+def visible_folder(raw: Any, principal: Principal | None = None, top: str = NOTES) -> str:
+    """Return the folder a listing of `raw` shows a grant: raw itself inside its folder, the
+    grant's folder for an ancestor of it; 404 for any other folder. `top` (notes or
+    attachments) by default."""
+    principal = principal or request_principal()
+    own = principal.folder if top == NOTES else principal.attachments_folder
+    if own and isinstance(raw, str) and {".", ".."} & set(raw.split("/")):
         raise not_found(f"no folder at {raw[:MAX_PATH_CHARS]}")
-    folder = folder_path(raw or NOTES)
-    if principal.covers(folder):
+    folder = (folder_path if top == NOTES else attachment_folder)(raw or top)
+    if not own or folder == own or folder.startswith(own + "/"):
         return folder
-    if folder == NOTES or principal.beneath(folder):
-        return principal.folder
+    if folder == top or own.startswith(folder + "/"):
+        return own
     raise not_found(f"no folder at {folder}")
 
 
@@ -3553,13 +4243,17 @@ class Service:
             config.notes_dir.mkdir(parents=True, exist_ok=True)
             self.state = StateStore(config.state_dir)
         self.notes = NoteStore(config.notes_dir, config.state_dir / "trash")
+        self.attachments = AttachmentStore(config.root / ATTACHMENTS, config.state_dir / "trash")
         self.grants = GrantStore(self.state)  # scoped keys, OAuth grants, share links
+        # Background components of later sections, composed by build_service():
+        self.pollers: Any = None  # ChannelPollers: a thread per channel in polling mode
+        self.reminders: Any = None  # ReminderScheduler: ⏰ lines sent through the channels
 
     def start(self) -> Service:
         """Sweep crash leftovers, bring the index up to date, start the background work."""
         if self.readonly or self._threads:
             return self
-        swept = self.notes.sweep_temp_files()
+        swept = self.notes.sweep_temp_files() + self.attachments.sweep_temp_files()
         if swept:
             log.info("removed %d temp files left by an interrupted write", swept)
         self.index = self._open_index()
@@ -3572,6 +4266,9 @@ class Service:
         self._spawn(self.save_index, "notesvc-save")
         if self.config.rescan_seconds:
             self._spawn(self._rescan_loop, "notesvc-rescan")
+        for component in (self.pollers, self.reminders):
+            if component is not None:
+                component.start()
         return self
 
     def _spawn(self, target: Callable, name: str) -> None:
@@ -3698,6 +4395,9 @@ class Service:
     def close(self) -> None:
         """Stop background work and persist the index (once; a read-only service has none)."""
         self._stop.set()
+        for component in (self.pollers, self.reminders):
+            if component is not None:
+                component.close()
         for thread in self._threads:
             thread.join(30)
         if self._threads:
@@ -3900,6 +4600,140 @@ def post_json(url: str, body: dict, headers: dict | None = None, timeout: float 
     if not isinstance(answer, dict):
         raise UpstreamError("the answer was not a JSON object")
     return answer
+
+
+class Outbound:
+    """Outbound HTTP(S) calls over one kept-alive connection, with bounded answers.
+
+    abort() from another thread ends a call in flight at once (a poller's long poll when
+    its channel is switched off). Messages never include the URL (a bot token is in it).
+    A 2xx answer's body goes to `sink` chunk by chunk when one is given (a download
+    straight to disk), else it is returned; any answer over `limit` is an UpstreamError.
+    """
+
+    def __init__(self):
+        self._conn: Any = None
+        self._origin: tuple = ()
+        self._aborted = False
+        self._lock = threading.Lock()
+
+    def __enter__(self) -> Outbound:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def abort(self) -> None:
+        with self._lock:
+            self._aborted = True
+            conn = self._conn
+        sock = getattr(conn, "sock", None)
+        if sock is not None:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    def close(self) -> None:
+        with self._lock:
+            conn, self._conn = self._conn, None
+        if conn is not None:
+            conn.close()
+
+    def _drop(self, conn: Any) -> None:
+        with self._lock:
+            if self._conn is conn:
+                self._conn = None
+        conn.close()
+
+    def _connection(self, scheme: str, host: str, timeout: float) -> tuple:
+        import http.client
+
+        with self._lock:
+            if self._aborted:
+                raise UpstreamError("stopped")
+            fresh = self._conn is None or self._origin != (scheme, host)
+            if fresh:
+                if self._conn is not None:
+                    self._conn.close()
+                https = scheme == "https"
+                kind = http.client.HTTPSConnection if https else http.client.HTTPConnection
+                self._conn, self._origin = kind(host, timeout=timeout), (scheme, host)
+            conn = self._conn
+        conn.timeout = timeout
+        if conn.sock is not None:
+            conn.sock.settimeout(timeout)
+        return conn, fresh
+
+    def request(
+        self,
+        method: str,
+        url: str,
+        body: Any = None,
+        headers: dict | None = None,
+        timeout: float = 30.0,
+        limit: int = 4 << 20,
+        sink: Callable | None = None,
+    ) -> tuple:
+        """Return (status, {lower-case header: value}, body bytes) of one call."""
+        import http.client
+
+        parts = urllib.parse.urlsplit(url)
+        if parts.scheme not in ("http", "https"):
+            raise UpstreamError("not an http(s) URL")
+        host = parts.netloc.rpartition("@")[2]
+        target = (parts.path or "/") + (f"?{parts.query}" if parts.query else "")
+        for attempt in (1, 2):
+            conn, fresh = self._connection(parts.scheme, host, timeout)
+            try:
+                conn.request(method, target, body=body, headers=headers or {})
+                resp = conn.getresponse()
+                break
+            except (OSError, http.client.HTTPException) as e:
+                self._drop(conn)
+                resend = body is None or isinstance(body, bytes)
+                if attempt == 2 or fresh or self._aborted or not resend or _timed_out(e):
+                    raise _upstream_error(e) from None
+        try:
+            status = resp.status
+            answer = {k.lower(): v for k, v in resp.getheaders()}
+            good = 200 <= status < 300
+            cap = limit if good else 65536
+            declared = answer.get("content-length", "")
+            if declared.isdigit() and int(declared) > cap:
+                raise UpstreamError(f"the answer is over {cap} bytes")
+            data, seen = bytearray(), 0
+            while True:
+                chunk = resp.read(BODY_CHUNK)
+                if not chunk:
+                    break
+                seen += len(chunk)
+                if seen > cap:
+                    raise UpstreamError(f"the answer is over {cap} bytes")
+                if good and sink is not None:
+                    sink(chunk)
+                else:
+                    data += chunk
+        except DiskFull:
+            self._drop(conn)
+            raise
+        except UpstreamError:
+            self._drop(conn)
+            raise
+        except (OSError, http.client.HTTPException) as e:
+            self._drop(conn)
+            raise _upstream_error(e) from None
+        if resp.will_close:
+            self._drop(conn)
+        return status, answer, bytes(data)
+
+
+def _timed_out(e: BaseException) -> bool:
+    return isinstance(e, (socket.timeout, TimeoutError))
+
+
+def _upstream_error(e: BaseException) -> UpstreamError:
+    if _timed_out(e):
+        return UpstreamError("timed out", timeout=True)
+    return UpstreamError(str(getattr(e, "strerror", None) or type(e).__name__))
 
 
 # -- retrieval ---------------------------------------------------------------------
@@ -4129,10 +4963,19 @@ def ask_agent(svc: Service, question: str, note: str | None = None, folder: str 
 @dataclasses.dataclass(frozen=True)
 class ConfigField:
     name: str
-    kind: str  # "string" or "list"
+    kind: str  # "string", "list", "boolean", "choice" (one of `choices`) or "folder" (notes/...)
     required: bool = False
     secret: bool = False
     help: str = ""
+    choices: tuple = ()
+    default: Any = None  # of a field left out ("choice": its first choice unless given)
+
+    def empty(self) -> Any:
+        """Return the value a field left out takes."""
+        if self.default is not None:
+            return self.default
+        first = self.choices[0] if self.choices else ""
+        return {"list": [], "boolean": False}.get(self.kind, first)
 
 
 MAX_CONFIG_CHARS = 512  # of one string in a channel's config
@@ -4155,6 +4998,18 @@ class ChannelProvider:
     # GET /channels/webhook/<name>: the provider's subscription check, (svc) -> text
     verify: Callable | None = None
     verify_params: tuple = ()  # its query parameters (OpenAPI)
+    # Meta-style signed webhooks: the header carrying "sha256=<HMAC of the raw body>" and
+    # the config field holding the key; a channel with the key set needs the signature.
+    signature_header: str = ""
+    signing_field: str = ""
+    # (svc, config, offset, wait, outbound) -> [(next offset, update)]: the channel can
+    # fetch its own updates (config.mode "polling", see ChannelPollers)
+    poll: Callable | None = None
+    # (svc, config, media, write, limit): stream one media item of an update to write()
+    fetch: Callable | None = None
+    # (svc, channel) -> what it did, or None: the provider's side of a create or PATCH
+    # (Telegram's setWebhook); raises UpstreamError, shown as the channel's `status`
+    configure: Callable | None = None
 
 
 CHANNEL_PROVIDERS: dict[str, ChannelProvider] = {}
@@ -4166,11 +5021,29 @@ def channel_provider(
     allow: str = "",
     description: str = "",
     secret_header: str = "",
+    signature_header: str = "",
+    signing_field: str = "",
 ) -> Callable[[ParseFn], ParseFn]:
-    """Register a channel provider: the decorated function parses inbound updates."""
+    """Register a channel provider: the decorated function parses inbound updates.
+
+    A parser returns [(sender, text)], [(sender, text, display name)] or, with files,
+    [(sender, text or caption, display name, [media])]; a media item is a dict with
+    `kind` (photo, voice, audio, document, video, video_note, image), `id`, and where
+    known `mime`, `name` and `size`.
+    """
 
     def register(parse: ParseFn) -> ParseFn:
-        provider = ChannelProvider(name, fields, parse, None, allow, description, secret_header)
+        provider = ChannelProvider(
+            name,
+            fields,
+            parse,
+            None,
+            allow,
+            description,
+            secret_header,
+            signature_header=signature_header,
+            signing_field=signing_field,
+        )
         _registry("channel", CHANNEL_PROVIDERS)[name] = provider
         return parse
 
@@ -4206,6 +5079,45 @@ def channel_verifier(name: str, params: tuple = ()) -> Callable:
     return register
 
 
+def channel_poller(name: str) -> Callable:
+    """Register how provider `name` fetches its own updates (channels in polling mode)."""
+
+    def register(poll: Callable) -> Callable:
+        registry, provider = _registered_channel(name)
+        registry[name] = dataclasses.replace(provider, poll=poll)
+        return poll
+
+    return register
+
+
+def channel_fetcher(name: str) -> Callable:
+    """Register how provider `name` downloads the photos, voice and files of an update."""
+
+    def register(fetch: Callable) -> Callable:
+        registry, provider = _registered_channel(name)
+        registry[name] = dataclasses.replace(provider, fetch=fetch)
+        return fetch
+
+    return register
+
+
+def channel_configurer(name: str) -> Callable:
+    """Register what provider `name` does when one of its channels is created or changed."""
+
+    def register(configure: Callable) -> Callable:
+        registry, provider = _registered_channel(name)
+        registry[name] = dataclasses.replace(provider, configure=configure)
+        return configure
+
+    return register
+
+
+def channel_mode(channel: dict) -> str:
+    """Return a channel's mode: "polling" or "webhook" (a channel stored before modes
+    existed, or of a provider without them, is a webhook channel)."""
+    return channel.get("config", {}).get("mode") or "webhook"
+
+
 def validate_channel_config(provider: ChannelProvider, config: Any) -> dict:
     """Return config checked against the provider's fields; 400 naming what is wrong."""
     if not isinstance(config, dict):
@@ -4220,9 +5132,21 @@ def validate_channel_config(provider: ChannelProvider, config: Any) -> dict:
         if value is None or value == "" or value == []:
             if f.required:
                 raise bad_request(f"config.{f.name} is required for {provider.name}")
-            out[f.name] = [] if f.kind == "list" else ""
+            out[f.name] = f.empty()
             continue
-        if f.kind == "list":
+        if f.kind == "boolean":
+            if not isinstance(value, bool):
+                raise bad_request(f"config.{f.name} must be true or false")
+            out[f.name] = value
+        elif f.kind == "choice":
+            if value not in f.choices:
+                raise bad_request(f"config.{f.name} must be one of {', '.join(f.choices)}")
+            out[f.name] = value
+        elif f.kind == "folder":
+            if not isinstance(value, str) or len(value) > MAX_CONFIG_CHARS:
+                raise bad_request(f"config.{f.name} must be a folder under {NOTES}/")
+            out[f.name] = folder_path(value)
+        elif f.kind == "list":
             if not isinstance(value, list) or not all(
                 isinstance(v, (str, int)) and not isinstance(v, bool) for v in value
             ):
@@ -4271,14 +5195,75 @@ def _match_secret(candidates: list, key: str, presented: str) -> dict | None:
     return found
 
 
+_SAVE_TO = ConfigField(
+    "saveTo",
+    "folder",
+    help=f"a folder under {NOTES}/ for /save and captures, a note per day "
+    f"(default: the daily note, {DAILY_FOLDER}/YYYY-MM-DD.md)",
+)
+_NOTIFY = ConfigField("notify", "boolean", help="send reminders (⏰ lines) to the allowed senders")
+TELEGRAM_UPDATES = ["message", "edited_message", "channel_post"]
+TELEGRAM_MEDIA = ("voice", "audio", "document", "video", "video_note")
+
+
+class TelegramError(UpstreamError):
+    """The Bot API answered ok: false; `code` is its error_code (409: a webhook is set)."""
+
+    def __init__(self, message: str, code: int = 0, retry_after: float = 0.0):
+        super().__init__(message)
+        self.code, self.retry_after = code, retry_after
+
+
+def telegram_call(
+    svc: Service,
+    config: dict,
+    method: str,
+    params: dict,
+    timeout: float = 15.0,
+    outbound: Outbound | None = None,
+) -> Any:
+    """Return the `result` of one Bot API call; TelegramError with Telegram's description."""
+    url = f"{svc.config.telegram_api_base}/bot{config['botToken']}/{method}"
+    out = outbound or Outbound()
+    try:
+        status, _, raw = out.request(
+            "POST", url, to_json(params), {"Content-Type": "application/json"}, timeout
+        )
+    finally:
+        if outbound is None:
+            out.close()
+    try:
+        answer = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise UpstreamError(f"Telegram {method}: HTTP {status}, not JSON") from None
+    if not isinstance(answer, dict) or answer.get("ok") is not True:
+        answer = answer if isinstance(answer, dict) else {}
+        wait = (answer.get("parameters") or {}).get("retry_after") or 0
+        raise TelegramError(
+            f"Telegram {method}: " + _printable(answer.get("description") or f"HTTP {status}", 200),
+            int(answer.get("error_code") or status),
+            float(wait) if isinstance(wait, (int, float)) else 0.0,
+        )
+    return answer.get("result")
+
+
 @channel_provider(
     "telegram",
     (
         ConfigField("botToken", "string", True, True, "the token BotFather gave you"),
         ConfigField("allowedChatIds", "list", help="chat ids that may talk to the bot"),
+        ConfigField(
+            "mode",
+            "choice",
+            help="polling: the server asks Telegram for updates (no public URL needed); "
+            "webhook: Telegram calls webhookUrl (setWebhook is done for you)",
+            choices=("polling", "webhook"),
+        ),
+        _SAVE_TO,
+        _NOTIFY,
     ),
     allow="allowedChatIds",
-    description="a Telegram bot (Bot API webhook + sendMessage)",
+    description="a Telegram bot (getUpdates long polling or a webhook; sendMessage)",
     secret_header="X-Telegram-Bot-Api-Secret-Token",  # noqa: S106 - a header name
 )
 def parse_telegram(update: dict) -> list:
@@ -4286,6 +5271,8 @@ def parse_telegram(update: dict) -> list:
     if not isinstance(msg, dict) or not isinstance(msg.get("chat"), dict):
         return []
     text = msg.get("text")
+    if not isinstance(text, str):
+        text = msg.get("caption")
     person = msg.get("from") if isinstance(msg.get("from"), dict) else msg["chat"]
     name = person.get("first_name") or person.get("username") or msg["chat"].get("title") or ""
     return [
@@ -4293,8 +5280,37 @@ def parse_telegram(update: dict) -> list:
             str(msg["chat"].get("id", "")),
             text if isinstance(text, str) else None,
             name if isinstance(name, str) else "",
+            _telegram_media(msg),
         )
     ]
+
+
+def _telegram_media(msg: dict) -> list:
+    """Return the files of a Telegram message: the largest photo size, voice, audio..."""
+    found = []
+    sizes = [p for p in _dicts(msg.get("photo")) if isinstance(p.get("file_id"), str)]
+    if sizes:
+
+        def area(p: dict) -> int:
+            w, h = p.get("width"), p.get("height")
+            return w * h if isinstance(w, int) and isinstance(h, int) else 0
+
+        best = max(sizes, key=area)
+        found.append({"kind": "photo", "id": best["file_id"], "mime": "image/jpeg", "name": ""})
+        found[-1]["size"] = best.get("file_size")
+    for kind in TELEGRAM_MEDIA:
+        item = msg.get(kind)
+        if isinstance(item, dict) and isinstance(item.get("file_id"), str):
+            found.append(
+                {
+                    "kind": kind,
+                    "id": item["file_id"],
+                    "mime": str(item.get("mime_type") or ""),
+                    "name": str(item.get("file_name") or ""),
+                    "size": item.get("file_size"),
+                }
+            )
+    return found
 
 
 @channel_sender("telegram")
@@ -4306,16 +5322,79 @@ def send_telegram(svc: Service, config: dict, chat_id: str, text: str) -> None:
         raise UpstreamError(f"Telegram refused: {str(answer.get('description'))[:100]}")
 
 
+@channel_poller("telegram")
+def poll_telegram(svc: Service, config: dict, offset: int, wait: float, outbound) -> list:
+    """getUpdates with a long-poll time-out; a webhook still set is deleted first (409)."""
+    params: dict = {"timeout": int(wait), "allowed_updates": TELEGRAM_UPDATES}
+    if offset:
+        params["offset"] = offset
+    try:
+        updates = telegram_call(svc, config, "getUpdates", params, wait + 15, outbound)
+    except TelegramError as e:
+        if e.code != 409 or "webhook" not in str(e).lower():
+            raise  # 409 "terminated by other getUpdates request": another poller, backoff
+        log.info("telegram: a webhook was set for this bot; deleting it to poll instead")
+        telegram_call(svc, config, "deleteWebhook", {"drop_pending_updates": False}, 15, outbound)
+        return []
+    batch = [u for u in updates or [] if isinstance(u, dict) and type(u.get("update_id")) is int]
+    return [(u["update_id"] + 1, u) for u in sorted(batch, key=lambda u: u["update_id"])]
+
+
+@channel_fetcher("telegram")
+def fetch_telegram(svc: Service, config: dict, media: dict, write: Callable, limit: int) -> None:
+    """getFile, then the file's bytes from {base}/file/bot<token>/<file_path>."""
+    info = telegram_call(svc, config, "getFile", {"file_id": media["id"]})
+    path = info.get("file_path") if isinstance(info, dict) else None
+    if not isinstance(path, str) or not path or ".." in path.split("/"):
+        raise UpstreamError("Telegram gave no file to download (files over 20 MB are not served)")
+    size = info.get("file_size")
+    if isinstance(size, int) and size > limit:
+        raise UpstreamError(f"the file is over {limit} bytes (SERVICE_MAX_ATTACHMENT_BYTES)")
+    url = f"{svc.config.telegram_api_base}/file/bot{config['botToken']}/{urllib.parse.quote(path)}"
+    with Outbound() as out:
+        status, _, _ = out.request("GET", url, timeout=120, limit=limit, sink=write)
+    if status != 200:
+        raise UpstreamError(f"the download answered HTTP {status}")
+
+
+@channel_configurer("telegram")
+def configure_telegram(svc: Service, channel: dict) -> str | None:
+    """Webhook mode: setWebhook to the channel's URL with its secret as secret_token.
+
+    Polling mode needs nothing here: the poller deletes a webhook it finds in its way.
+    """
+    if channel_mode(channel) != "webhook":
+        return None
+    params = {
+        "url": channel["webhookUrl"],
+        "secret_token": channel["secret"],
+        "allowed_updates": TELEGRAM_UPDATES,
+        "drop_pending_updates": False,
+    }
+    telegram_call(svc, channel["config"], "setWebhook", params)
+    return "webhook set"
+
+
 @channel_provider(
     "whatsapp",
     (
         ConfigField("accessToken", "string", True, True, "Cloud API access token"),
         ConfigField("phoneNumberId", "string", True, help="the sending phone number id"),
         ConfigField("verifyToken", "string", True, True, "what Meta sends to verify the hook"),
+        ConfigField(
+            "appSecret",
+            "string",
+            secret=True,
+            help="the Meta app's secret: every call must carry its X-Hub-Signature-256",
+        ),
         ConfigField("allowedNumbers", "list", help="phone numbers (wa_id) that may write"),
+        _SAVE_TO,
+        _NOTIFY,
     ),
     allow="allowedNumbers",
     description="WhatsApp Cloud API (webhook + /messages)",
+    signature_header="X-Hub-Signature-256",
+    signing_field="appSecret",
 )
 def parse_whatsapp(payload: dict) -> list:
     out = []
@@ -4330,13 +5409,28 @@ def parse_whatsapp(payload: dict) -> list:
                 if isinstance(c.get("profile"), dict)
             }
             for msg in _dicts(value.get("messages")):
+                kind = msg.get("type")
                 body = (
                     msg.get("text", {}).get("body") if isinstance(msg.get("text"), dict) else None
                 )
-                text = body if msg.get("type") == "text" and isinstance(body, str) else None
+                text = body if kind == "text" and isinstance(body, str) else None
+                media = []
+                item = msg.get(kind) if kind in ("image", "audio", "document", "video") else None
+                if isinstance(item, dict) and isinstance(item.get("id"), str):
+                    caption = item.get("caption")
+                    text = caption if isinstance(caption, str) else None
+                    voice = kind == "audio" and item.get("voice") is True
+                    media.append(
+                        {
+                            "kind": "voice" if voice else kind,
+                            "id": item["id"],
+                            "mime": str(item.get("mime_type") or "").split(";")[0].strip(),
+                            "name": str(item.get("filename") or ""),
+                        }
+                    )
                 sender = str(msg.get("from", ""))
                 name = names.get(sender)
-                out.append((sender, text, name if isinstance(name, str) else ""))
+                out.append((sender, text, name if isinstance(name, str) else "", media))
     return out
 
 
@@ -4359,6 +5453,38 @@ def send_whatsapp(svc: Service, config: dict, number: str, text: str) -> None:
         raise UpstreamError("WhatsApp did not accept the message")
 
 
+@channel_fetcher("whatsapp")
+def fetch_whatsapp(svc: Service, config: dict, media: dict, write: Callable, limit: int) -> None:
+    """The media id's URL from the Graph API, then its bytes, both with the bearer token.
+
+    The token goes only to an https URL or to the configured API's own origin.
+    """
+    base = svc.config.whatsapp_api_base
+    auth = {"Authorization": f"Bearer {config['accessToken']}"}
+    with Outbound() as out:
+        url = f"{base}/{urllib.parse.quote(media['id'], safe='')}"
+        status, _, raw = out.request("GET", url, headers=auth, timeout=15)
+        try:
+            info = json.loads(raw.decode("utf-8")) if status == 200 else None
+        except (UnicodeDecodeError, ValueError):
+            info = None
+        link = info.get("url") if isinstance(info, dict) else None
+        if not isinstance(link, str):
+            raise UpstreamError(f"WhatsApp gave no media URL (HTTP {status})")
+        size = info.get("file_size")
+        if isinstance(size, int) and size > limit:
+            raise UpstreamError(f"the file is over {limit} bytes (SERVICE_MAX_ATTACHMENT_BYTES)")
+        own = urllib.parse.urlsplit(base)
+        there = urllib.parse.urlsplit(link)
+        if there.scheme != "https" and (there.scheme, there.netloc) != (own.scheme, own.netloc):
+            raise UpstreamError("WhatsApp's media URL is not https")
+        if isinstance(info.get("mime_type"), str) and not media.get("mime"):
+            media["mime"] = info["mime_type"]
+        status, _, _ = out.request("GET", link, headers=auth, timeout=120, limit=limit, sink=write)
+    if status != 200:
+        raise UpstreamError(f"the download answered HTTP {status}")
+
+
 @channel_verifier("whatsapp", params=("hub.mode", "hub.verify_token", "hub.challenge"))
 def verify_whatsapp(svc: Service) -> str:
     """Answer Meta's subscription check with hub.challenge when hub.verify_token matches."""
@@ -4378,7 +5504,10 @@ def verify_whatsapp(svc: Service) -> str:
 
 @channel_provider(
     "web",
-    (ConfigField("allowedSenders", "list", help="sender names that may write (empty: any)"),),
+    (
+        ConfigField("allowedSenders", "list", help="sender names that may write (empty: any)"),
+        _SAVE_TO,
+    ),
     allow="allowedSenders",
     description="a web page or script: POST {text, sender}; the reply comes back inline",
 )
@@ -4414,44 +5543,71 @@ def channel_secret(svc: Service, provider: ChannelProvider, environ: dict) -> st
 
 
 def handle_channel_update(
-    svc: Service, prov: ChannelProvider, presented: str, addr: str, payload: Callable
+    svc: Service,
+    prov: ChannelProvider,
+    presented: str,
+    addr: str,
+    payload: Callable,
+    signature: str = "",
+    raw: Callable | None = None,
 ) -> dict:
-    """Run one inbound update through the pipeline; return what the webhook answers.
+    """Run one inbound webhook update through the pipeline; return what the webhook answers.
 
-    payload() reads the update's JSON only once the secret has been checked.
+    payload() reads the update's JSON only once the secret has been checked; raw() gives
+    the body's bytes for a provider that signs its calls (signature: its header's value).
     """
-    channel = _authenticate_channel(svc, prov, presented, addr)
-    parsed = prov.parse(payload())
-    messages = [(m[0], m[1], m[2] if len(m) > 2 else "") for m in parsed if m[1]]
-    if not messages:
-        return {"handled": False, "reason": "the update holds no text message"}
-    allowed = channel["config"].get(prov.allow) if prov.allow else None
-    results = []
-    for sender, text, name in messages[:5]:
-        if allowed and sender not in allowed:
-            refuse_sender(svc, channel, prov, sender, name)
-            results.append({"handled": False, "reason": "sender not allowed"})
-            continue
-        results.append(_deliver(svc, channel, prov, sender, run_command(svc, text.strip())))
-    if len(results) == 1:
-        return results[0]
-    return {"handled": any(r["handled"] for r in results), "results": results}
+    channel = _authenticate_channel(svc, prov, presented, addr, signature, raw)
+    return process_update(svc, channel, prov, payload())
 
 
-def _authenticate_channel(svc: Service, prov: ChannelProvider, presented: str, addr: str):
-    """Return the enabled channel whose secret was presented; 401, 403 or 429 otherwise."""
-    if presented:  # only a presented secret counts toward (or meets) the lockout
+def _authenticate_channel(
+    svc: Service,
+    prov: ChannelProvider,
+    presented: str,
+    addr: str,
+    signature: str = "",
+    raw: Callable | None = None,
+) -> dict:
+    """Return the enabled channel whose secret (or signature) was presented; 401, 403 or
+    429 otherwise.
+
+    A channel with a signing key (WhatsApp's appSecret) needs a valid signature of the
+    raw body as well as, or instead of, its secret: Meta signs every call but cannot send
+    the secret in a header.
+    """
+    signed = bool(signature and prov.signing_field and raw is not None)
+    if presented or signed:  # only a presented credential counts toward (or meets) the lockout
         svc.check_lockout(addr)
     mine = [c for c in _channels(svc) if c["provider"] == prov.name]
     channel = _match_secret(mine, "secret", presented) if presented else None
+    key = prov.signing_field
+    if channel is not None and key and channel["config"].get(key):
+        if not signed or _signed_by(signature, raw(), [channel], key) is None:
+            channel = None  # its secret alone is not enough
+    elif channel is None and signed and not presented:
+        channel = _signed_by(signature, raw(), mine, key)
     if channel is None:
-        if presented:
+        if presented or signed:
             svc.lockout.fail(addr)
-        raise ApiError(401, "UNAUTHORIZED", "missing or wrong channel secret")
+        raise ApiError(401, "UNAUTHORIZED", "missing or wrong channel secret or signature")
     svc.lockout.succeed(addr)
     if not channel["enabled"]:
         raise ApiError(403, "CHANNEL_DISABLED", f"channel {channel['id']} is switched off")
     return channel
+
+
+def _signed_by(signature: str, body: bytes, channels: list, key: str) -> dict | None:
+    """Return the channel whose key signed body ("sha256=<hex HMAC>"); every one is compared."""
+    found = None
+    presented = signature.strip().encode("latin-1", "replace")
+    for channel in channels:
+        secret = str(channel["config"].get(key) or "")
+        if not secret:
+            continue
+        digest = hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+        if hmac.compare_digest(f"sha256={digest}".encode(), presented):
+            found = channel
+    return found
 
 
 def _deliver(svc: Service, channel: dict, prov: ChannelProvider, sender: str, reply: str):
@@ -4489,21 +5645,33 @@ def refuse_sender(svc: Service, channel: dict, prov: ChannelProvider, sender, na
         _change_channel(svc, channel["id"], remember)
 
 
-_COMMAND_RE = re.compile(r"^/(save|search)(?:@\w+)?(?:\s+(.*))?$", re.S)
+_COMMAND_RE = re.compile(r"^/([A-Za-z]\w{0,31})(?:@\w+)?(?:\s+(.*))?$", re.S)
+HELP_TEXT = (
+    "/save <text> — keep it in today's note\n"
+    "/search <words> — find notes\n"
+    "/ask <question> — ask the agent (any other text does the same)\n"
+    "/today — today's note\n"
+    "Send a photo, a voice message or a file to keep it in today's note; "
+    "a line with ⏰ YYYY-MM-DD HH:MM in any note reminds you then."
+)
 
 
-def run_command(svc: Service, text: str) -> str:
-    """Return the reply to a channel message: /save, /search, or a question for the agent."""
+def run_command(svc: Service, text: str, channel: dict | None = None) -> str:
+    """Return the reply to a channel message: /save, /search, /ask, /today, /help, or a
+    question for the agent."""
     m = _COMMAND_RE.match(text)
-    command, arg = (m.group(1), (m.group(2) or "").strip()) if m else (None, text)
+    command, arg = (m.group(1).lower(), (m.group(2) or "").strip()) if m else (None, text)
+    channel = channel or {}
     if command == "save":
         if not arg:
             return "Usage: /save <text to keep>"
-        now = dt.datetime.now()
-        path = f"{NOTES}/inbox/{now:%Y-%m-%d}.md"
-        svc.notes.append(path, f"- {now:%H:%M} {arg}", f"Inbox {now:%Y-%m-%d}")
+        now = local_now(svc)
+        path, heading = capture_note(svc, channel, now)
+        svc.notes.append(path, f"- {now:%H:%M} {arg}", heading)
         return f"Saved to {path}."
     if command == "search":
+        if not arg:
+            return "Usage: /search <words>"
         try:
             total, hits = svc.index.search(Query(arg), "", 5, 0)
         except ApiError as e:
@@ -4513,12 +5681,696 @@ def run_command(svc: Service, text: str) -> str:
         lines = [f"{total} note{'s' if total != 1 else ''} match; the best:"]
         lines += [f"• {title} — {path}" for path, title, _, _ in hits]
         return "\n".join(lines)
+    if command == "today":
+        path, _ = capture_note(svc, channel, local_now(svc))
+        try:
+            content = svc.notes.get(path)["content"]
+        except ApiError:
+            return f"Nothing in {path} yet."
+        return _clip(f"{path}\n\n{content.strip()}", REPLY_LIMIT)
+    if command in ("help", "start"):
+        return HELP_TEXT
+    if command == "ask":
+        if not arg:
+            return "Usage: /ask <question>"
+    elif command is not None:
+        return f"Unknown command /{command}.\n{HELP_TEXT}"
     try:
         return ask_agent(svc, arg)["reply"]
     except ApiError as e:
         if e.code == "AGENT_DISABLED":
             return "The agent is off on this server; try /search <words>."
         return f"The agent could not answer ({e.message}); try /search <words>."
+
+
+def process_update(svc: Service, channel: dict, prov: ChannelProvider, update: dict) -> dict:
+    """Handle one authenticated update (from a webhook or a poller): parse, allowlist, then
+    a capture (photos, voice, files), a command or the agent, and deliver the reply."""
+    messages = []
+    for m in prov.parse(update):
+        text = m[1] if isinstance(m[1], str) else ""
+        media = list(m[3]) if len(m) > 3 and m[3] else []
+        if text or media:
+            messages.append((m[0], text, m[2] if len(m) > 2 else "", media))
+    if not messages:
+        return {"handled": False, "reason": "the update holds no text message"}
+    allowed = channel["config"].get(prov.allow) if prov.allow else None
+    results = []
+    for sender, text, name, media in messages[:5]:
+        if allowed and sender not in allowed:
+            refuse_sender(svc, channel, prov, sender, name)
+            results.append({"handled": False, "reason": "sender not allowed"})
+            continue
+        if media:
+            reply = capture_media(svc, channel, prov, media, text)
+        else:
+            reply = run_command(svc, text.strip(), channel)
+        results.append(_deliver(svc, channel, prov, sender, reply))
+    if len(results) == 1:
+        return results[0]
+    return {"handled": any(r["handled"] for r in results), "results": results}
+
+
+def set_channel_status(svc: Service, channel_id: str, ok: bool, error: str = "") -> dict | None:
+    """Record the outcome of the last call to the channel's provider as its `status`."""
+    status: dict = {"ok": ok, "at": iso(utcnow())}
+    if error:
+        status["error"] = _printable(error, 300)
+
+    def record(channels: list, i: int) -> dict:
+        channels[i]["status"] = status
+        return channels[i]
+
+    try:
+        return _change_channel(svc, channel_id, record)
+    except ApiError:  # deleted meanwhile
+        return None
+
+
+def configure_channel(svc: Service, channel: dict) -> dict:
+    """Run the provider's side of a create or PATCH (Telegram's setWebhook); return the
+    channel as stored. A failure never fails the request: it is logged and shown as the
+    channel's `status: {ok: false, error, at}`."""
+    prov = svc.channel_providers.get(channel["provider"])
+    if prov is None or prov.configure is None:
+        return channel
+    try:
+        done = prov.configure(svc, channel)
+    except UpstreamError as e:
+        log.warning("channel %s: %s", channel["id"], e)
+        return set_channel_status(svc, channel["id"], False, str(e)) or channel
+    if done is None:
+        return channel
+    log.info("channel %s: %s", channel["id"], done)
+    return set_channel_status(svc, channel["id"], True) or channel
+
+
+# -- captures: /save, photos, voice and files into the day's note --------------------
+
+TRANSCRIBE_TIMEOUT = 120.0
+CAPTURE_LABELS = {
+    "photo": "photo",
+    "image": "photo",
+    "voice": "voice message",
+    "audio": "audio",
+    "video": "video",
+    "video_note": "video message",
+    "document": "file",
+}
+# The extension a file is stored with when its name does not say: by type, then by kind.
+EXTENSION_OF_TYPE: dict = {}
+for _ext, _type in ATTACHMENT_TYPES.items():
+    EXTENSION_OF_TYPE.setdefault(_type, _ext)
+EXTENSION_OF_TYPE.update({"audio/opus": "ogg", "audio/x-m4a": "m4a", "image/jpg": "jpg"})
+EXTENSION_OF_KIND = {"photo": "jpg", "image": "jpg", "voice": "ogg", "video_note": "mp4"}
+
+
+def capture_note(svc: Service, channel: dict, now: dt.datetime) -> tuple:
+    """Return (path, heading) of the note a channel's captures go to today: the daily
+    note, or a note per day in the channel's saveTo folder."""
+    folder = channel.get("config", {}).get("saveTo") or DAILY_FOLDER
+    return day_note(now.date(), folder)
+
+
+def local_now(svc: Service) -> dt.datetime:
+    """Return the wall-clock time now in SERVICE_TIMEZONE (naive)."""
+    return local_time(time.time(), time_zone(svc.config.timezone))
+
+
+def _one_line(text: str, limit: int = 1000) -> str:
+    return _clip(" ".join(text.split()), limit)
+
+
+def _media_extension(media: dict) -> str | None:
+    """Return the allowed extension to store a media item with, None when none fits."""
+    name = media.get("name") or ""
+    ext = name.rpartition(".")[2].lower() if "." in name else ""
+    if ext in ATTACHMENT_TYPES:
+        return ext
+    mime = (media.get("mime") or "").split(";")[0].strip().lower()
+    if name and "." in name and not EXTENSION_OF_TYPE.get(mime):
+        return None  # a named file of a type not on the list (an .exe, say)
+    return EXTENSION_OF_TYPE.get(mime) or EXTENSION_OF_KIND.get(media.get("kind", ""))
+
+
+def _safe_stem(media: dict) -> str:
+    kind = {"image": "photo"}.get(media.get("kind", ""), media.get("kind"))
+    stem = (media.get("name") or "").rpartition(".")[0] or kind or "file"
+    stem = re.sub(r"[^\w-]+", "-", unicodedata.normalize("NFC", stem)).strip("-_")
+    return stem[:60] or "file"
+
+
+def capture_media(svc: Service, channel: dict, prov: ChannelProvider, media: list, caption: str):
+    """Store each file of a message as an attachment under attachments/inbox/<date>/, link
+    it from the day's note with the caption (and a voice message's transcript); return the
+    reply for the sender."""
+    if prov.fetch is None:
+        return "This channel cannot fetch files."
+    now = local_now(svc)
+    note, heading = capture_note(svc, channel, now)
+    lines, saved, problems = [], [], []
+    for i, item in enumerate(media[:10]):
+        label = CAPTURE_LABELS.get(item.get("kind", ""), "file")
+        try:
+            entry, transcript = _capture_one(svc, channel, prov, item, note, now)
+        except (UpstreamError, ApiError) as e:
+            reason = e.message if isinstance(e, ApiError) else str(e)
+            log.warning("channel %s: a %s was not saved: %s", channel["id"], label, reason)
+            problems.append(f"The {label} was not saved: {reason}.")
+            continue
+        text = _one_line(caption) if caption and i == 0 else ""
+        lines.append(f"- {now:%H:%M} {entry}" + (f" {text}" if text else ""))
+        if transcript is not None:
+            lines.append(f"  > {transcript}" if transcript else "  > (nothing was heard)")
+        saved.append((label, transcript))
+    if lines:
+        svc.notes.append(note, "\n".join(lines), heading)
+    replies = []
+    for label, transcript in saved:
+        said = f": “{_clip(transcript, 300)}”" if transcript else ""
+        replies.append(f"Saved the {label} to {note}{said}.")
+    unheard = [label for label, t in saved if t is None and label in ("voice message", "audio")]
+    if unheard and not svc.config.transcribe_url:
+        replies.append("(Not transcribed: SERVICE_TRANSCRIBE_URL is not set.)")
+    return " ".join(replies + problems) or "Nothing was saved."
+
+
+def _capture_one(svc: Service, channel: dict, prov: ChannelProvider, item, note, now) -> tuple:
+    """Fetch one media item into an attachment; return (Markdown link, transcript or None)."""
+    ext = _media_extension(item)
+    if ext is None:
+        raise UpstreamError("files of its type are not accepted as attachments")
+    limit = svc.config.max_attachment_bytes
+    size = item.get("size")
+    if isinstance(size, int) and size > limit:
+        raise UpstreamError(f"the file is over {limit} bytes (SERVICE_MAX_ATTACHMENT_BYTES)")
+    stem = _safe_stem(item)
+    path = attachment_path(f"{ATTACHMENTS}/inbox/{now:%Y-%m-%d}/{now:%H%M%S}-{stem}.{ext}")
+
+    def download(f) -> None:
+        prov.fetch(svc, channel["config"], item, f.write, limit)
+
+    rec, _ = svc.attachments.place(svc.attachments.spool(download), path, unique=True)
+    href = urllib.parse.quote(posixpath.relpath(rec["path"], posixpath.dirname(note)), safe="/")
+    label = CAPTURE_LABELS.get(item.get("kind", ""), "file")
+    if rec["contentType"].startswith("image/"):
+        entry = f"![{label}]({href})"
+    else:
+        text = _one_line(item.get("name") or label, 100).replace("[", "(").replace("]", ")")
+        entry = f"[{text}]({href})"
+    transcript = None
+    if item.get("kind") in ("voice", "audio") and svc.config.transcribe_url:
+        try:
+            transcript = _one_line(transcribe(svc, rec["path"]), 4000)
+        except UpstreamError as e:
+            log.warning("channel %s: transcription failed: %s", channel["id"], e)
+            entry += f" (transcription failed: {e})"
+    elif item.get("kind") in ("voice", "audio"):
+        entry += " (not transcribed)"
+    return entry, transcript
+
+
+def transcribe(svc: Service, path: str) -> str:
+    """Return the text of an audio attachment from SERVICE_TRANSCRIBE_URL, an OpenAI-
+    compatible /audio/transcriptions endpoint (multipart built with the standard library)."""
+    cfg = svc.config
+    url = cfg.transcribe_url
+    tail = (
+        ""
+        if urllib.parse.urlsplit(url).path.endswith("/audio/transcriptions")
+        else ("/audio/transcriptions")
+    )
+    url, headers = agent_endpoint(url, tail, cfg.transcribe_api_key)
+    name = path.rsplit("/", 1)[-1]
+    stem, _, ext = name.rpartition(".")
+    ext = {"oga": "ogg", "opus": "ogg"}.get(ext.lower(), ext.lower())  # names the API knows
+    boundary = "notesvc-" + secrets.token_hex(12)
+    fields = {"model": cfg.transcribe_model, "response_format": "json"}
+    head = b"".join(
+        f'--{boundary}\r\nContent-Disposition: form-data; name="{k}"\r\n\r\n{v}\r\n'.encode()
+        for k, v in fields.items()
+    )
+    head += (
+        f'--{boundary}\r\nContent-Disposition: form-data; name="file"; '
+        f'filename="{stem[:60] or "audio"}.{ext}"\r\nContent-Type: {content_type_of(path)}\r\n\r\n'
+    ).encode()
+    tail_bytes = f"\r\n--{boundary}--\r\n".encode()
+    f, st = svc.attachments.open(path)
+    with f:
+
+        def body():
+            yield head
+            while chunk := f.read(BODY_CHUNK):
+                yield chunk
+            yield tail_bytes
+
+        headers.update(
+            {
+                "Content-Type": f"multipart/form-data; boundary={boundary}",
+                "Content-Length": str(len(head) + st.st_size + len(tail_bytes)),
+            }
+        )
+        with Outbound() as out:
+            status, _, raw = out.request("POST", url, body(), headers, TRANSCRIBE_TIMEOUT)
+    if status != 200:
+        raise UpstreamError(f"the transcription service answered HTTP {status}")
+    try:
+        answer = json.loads(raw.decode("utf-8"))
+        text = answer["text"]
+    except (UnicodeDecodeError, ValueError, KeyError, TypeError):
+        raise UpstreamError("the transcription answer had no text") from None
+    if not isinstance(text, str):
+        raise UpstreamError("the transcription answer had no text")
+    return text.strip()
+
+
+# -- polling: channels that fetch their own updates ------------------------------------
+
+POLL_WAIT = 25.0  # seconds the provider holds a long poll open (Telegram allows up to 50)
+POLL_BACKOFF = 60.0  # longest pause after failures in a row
+POLL_REFUSED_PAUSE = 300.0  # after the provider refused the credentials
+
+
+def _channel(svc: Service, channel_id: str) -> dict | None:
+    return next((c for c in _channels(svc) if c["id"] == channel_id), None)
+
+
+class ChannelPollers:
+    """A thread per enabled channel in polling mode (a provider with a poller and
+    config.mode "polling"): for Telegram, getUpdates with a long-poll time-out, so a server
+    behind NAT needs nothing exposed.
+
+    Each channel's offset is recorded in <state>/channel-offsets.json after every update
+    it handled: no update is handled twice or lost across restarts (only a crash in the
+    instant between handling one and recording it hands that one over again). sync(),
+    called after every change of the channels, starts and stops the threads; close()
+    stops them all at once (a long poll in flight is aborted).
+    """
+
+    def __init__(self, svc: Service, wait: float = POLL_WAIT):
+        self.svc, self.wait = svc, wait
+        self.path = svc.config.state_dir / "channel-offsets.json"
+        self._pollers: dict = {}  # channel id -> ChannelPoller
+        self._offsets: dict | None = None
+        self._lock = threading.Lock()
+        self._offsets_lock = threading.Lock()
+        self._closed = False
+
+    def start(self) -> None:
+        self.sync()
+
+    def sync(self) -> None:
+        """Run a poller for each enabled polling channel and for none other."""
+        svc = self.svc
+        if svc.readonly:
+            return
+        wanted = {}
+        for c in _channels(svc):
+            prov = svc.channel_providers.get(c["provider"])
+            if prov and prov.poll and c["enabled"] and channel_mode(c) == "polling":
+                secret = {f.name for f in prov.fields if f.secret}
+                key = {k: v for k, v in c["config"].items() if k in secret or k == "mode"}
+                wanted[c["id"]] = (prov, json.dumps(key, sort_keys=True))
+        with self._lock:
+            if self._closed:
+                return
+            for cid, poller in list(self._pollers.items()):
+                if cid not in wanted or wanted[cid][1] != poller.signature:
+                    poller.stop()
+                    del self._pollers[cid]
+                    if cid in wanted:  # its credentials changed: the new one waits for it
+                        prov, sig = wanted[cid]
+                        self._pollers[cid] = ChannelPoller(self, cid, prov, sig, poller).start()
+            for cid, (prov, sig) in wanted.items():
+                if cid not in self._pollers:
+                    self._pollers[cid] = ChannelPoller(self, cid, prov, sig).start()
+        known = {c["id"] for c in _channels(svc)}
+        with self._offsets_lock:  # a deleted channel's offset goes with it
+            offsets = self._read_offsets()
+            if any(cid not in known for cid in offsets):
+                self._offsets = {k: v for k, v in offsets.items() if k in known}
+                self._write_offsets()
+
+    def running(self) -> list:
+        """Return the ids of the channels being polled."""
+        with self._lock:
+            return sorted(cid for cid, p in self._pollers.items() if p.thread.is_alive())
+
+    def close(self) -> None:
+        with self._lock:
+            self._closed = True
+            pollers, self._pollers = list(self._pollers.values()), {}
+        for poller in pollers:
+            poller.stop()
+        for poller in pollers:
+            poller.thread.join(15)
+
+    # -- offsets -------------------------------------------------------------------
+
+    def _read_offsets(self) -> dict:
+        if self._offsets is None:
+            try:
+                loaded = json.loads(self.path.read_text("utf-8"))
+            except (OSError, ValueError):
+                loaded = {}
+            self._offsets = {
+                k: v
+                for k, v in (loaded if isinstance(loaded, dict) else {}).items()
+                if type(v) is int
+            }
+        return self._offsets
+
+    def offset(self, channel_id: str) -> int:
+        with self._offsets_lock:
+            return self._read_offsets().get(channel_id, 0)
+
+    def set_offset(self, channel_id: str, value: int) -> None:
+        with self._offsets_lock:
+            self._read_offsets()[channel_id] = value
+            self._write_offsets()
+
+    def _write_offsets(self) -> None:
+        try:
+            atomic_write(self.path, json.dumps(self._offsets).encode("utf-8"), mode=0o600)
+        except OSError as e:  # the update was handled; a full disk must not stop polling
+            log.warning("could not record the channels' offsets: %s", e)
+
+
+class ChannelPoller:
+    """One channel's polling thread (see ChannelPollers)."""
+
+    def __init__(self, owner: ChannelPollers, channel_id: str, prov, signature: str, after=None):
+        self.owner, self.channel_id, self.prov = owner, channel_id, prov
+        self.signature, self.after = signature, after
+        self.stopping = threading.Event()
+        self.outbound = Outbound()
+        self.failing = False
+        self.thread = threading.Thread(
+            target=self._run, name=f"notesvc-poll-{channel_id}", daemon=True
+        )
+
+    def start(self) -> ChannelPoller:
+        self.thread.start()
+        return self
+
+    def stop(self) -> None:
+        self.stopping.set()
+        self.outbound.abort()
+
+    def _run(self) -> None:
+        if self.after is not None:  # the same channel's previous poller finishes first
+            self.after.thread.join()
+        svc, backoff = self.owner.svc, 0.0
+        try:
+            while not self.stopping.is_set():
+                channel = _channel(svc, self.channel_id)
+                if channel is None or not channel["enabled"]:
+                    return
+                try:
+                    batch = self.prov.poll(
+                        svc,
+                        channel["config"],
+                        self.owner.offset(self.channel_id),
+                        self.owner.wait,
+                        self.outbound,
+                    )
+                except Exception as e:  # a poller keeps polling, whatever failed
+                    if self.stopping.is_set():
+                        return
+                    backoff = self._failed(e, backoff)
+                    self.stopping.wait(backoff)
+                    continue
+                backoff = 0.0
+                if self.failing:
+                    self.failing = False
+                    log.info("channel %s: polling works again", self.channel_id)
+                    set_channel_status(svc, self.channel_id, True)
+                self._handle(batch)
+        finally:
+            self.outbound.close()
+
+    def _handle(self, batch: list) -> None:
+        svc = self.owner.svc
+        for next_offset, update in batch:
+            if self.stopping.is_set():
+                return  # not recorded: handed over again at the next start
+            channel = _channel(svc, self.channel_id)
+            if channel is None or not channel["enabled"]:
+                return
+            try:
+                process_update(svc, channel, self.prov, update)
+            except Exception:  # one bad update must not stop the channel
+                log.exception("channel %s: an update could not be handled", self.channel_id)
+            self.owner.set_offset(self.channel_id, next_offset)
+
+    def _failed(self, e: Exception, backoff: float) -> float:
+        """Log and record a failure; return the pause before the next try."""
+        if isinstance(e, UpstreamError):
+            reason = str(e)
+        else:
+            reason = type(e).__name__
+            log.exception("channel %s: polling failed", self.channel_id)
+        refused = isinstance(e, TelegramError) and e.code in (401, 403, 404)
+        pause = min(POLL_BACKOFF, max(1.0, backoff * 2))
+        if refused:
+            pause = POLL_REFUSED_PAUSE
+        elif isinstance(e, TelegramError) and e.retry_after:
+            pause = min(POLL_REFUSED_PAUSE, e.retry_after)
+        if not self.failing:
+            self.failing = True
+            log.warning("channel %s: polling failed: %s; retrying", self.channel_id, reason)
+            set_channel_status(self.owner.svc, self.channel_id, False, reason)
+        return pause
+
+
+# -- reminders: ⏰ lines sent through the channels ------------------------------------
+
+REMINDER_RE = re.compile(
+    r"⏰\ufe0f?[ \t]*(\d{4})-(\d{2})-(\d{2})[ \tT]+([01]?\d|2[0-3]):([0-5]\d)(?!\d)"
+)
+_REMIND_FIELD_RE = re.compile(
+    r"^remind:[ \t]*[\"']?(\d{4})-(\d{2})-(\d{2})[ \tT]+([01]?\d|2[0-3]):([0-5]\d)", re.M
+)
+REMINDER_GRACE = 60.0  # seconds: a reminder first seen this soon after its time still fires
+REMINDER_RETRY = 60.0  # seconds between tries while no channel took a reminder
+REMINDER_ATTEMPTS = 5
+
+
+def note_reminders(path: str, title: str, text: str, zone: dt.tzinfo | None) -> list:
+    """Return the reminders of a note: lines with ⏰ YYYY-MM-DD HH:MM, and `remind:` in its
+    front matter; each {id, path, title, line, wall, due} (due: a timestamp in `zone`).
+
+    >>> [r["wall"] for r in note_reminders("notes/a.md", "A", "- ⏰ 2026-12-01 09:00", None)]
+    ['2026-12-01 09:00']
+    """
+    text = text[:MAX_SCAN_CHARS]
+    matches = list(REMINDER_RE.finditer(text))
+    if text.startswith("---"):
+        end = text.find("\n---", 3)
+        if end > 0:
+            matches += _REMIND_FIELD_RE.finditer(text, 0, end)
+    found = []
+    for m in matches:
+        start = text.rfind("\n", 0, m.start()) + 1
+        stop = text.find("\n", m.end())
+        line = _one_line(text[start : stop if stop >= 0 else len(text)], 300)
+        try:
+            wall = dt.datetime(*(int(g) for g in m.groups()))
+        except ValueError:  # 2026-02-30
+            continue
+        text_id = f"{path}\n{wall:%Y-%m-%d %H:%M}\n{line}".encode()
+        found.append(
+            {
+                "id": hashlib.sha256(text_id).hexdigest()[:20],
+                "path": path,
+                "title": title,
+                "line": line,
+                "wall": f"{wall:%Y-%m-%d %H:%M}",
+                "due": timestamp_of(wall, zone),
+            }
+        )
+    return found
+
+
+class ReminderScheduler:
+    """Reminders written in the notes, sent once through every enabled channel with
+    config.notify true (to the senders on its allowlist).
+
+    The notes are read through the index (re-read when a note changes: an edit or a
+    delete cancels); what was sent and what was scheduled is kept in
+    <state>/reminders.json, so each is sent once across restarts and one that was due
+    while the server was down is sent at start, marked late. One first seen after its
+    time (written in the past) is not sent. `clock` (a function returning the time, like
+    time.time) may be given to test the schedule.
+    """
+
+    def __init__(self, svc: Service, clock: Callable[[], float] = time.time):
+        self.svc, self.clock = svc, clock
+        self.path = svc.config.state_dir / "reminders.json"
+        self._tick_lock = threading.Lock()  # one tick at a time (no reminder sent twice)
+        self._data_lock = threading.RLock()
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._generation: Any = None
+        self._found: dict = {}  # id -> reminder, from the notes as they are
+        self._fired: dict = {}  # id -> when it was sent (persisted)
+        self._scheduled: dict = {}  # id -> due, known before it was due (persisted)
+        self._tries: dict = {}  # id -> (tries, next try) while no channel took it
+        self._loaded = False
+
+    def start(self) -> None:
+        self._load()
+        self.svc.notes.after.append(self._note_changed)
+        self._thread = threading.Thread(target=self._run, name="notesvc-reminders", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(20)
+
+    def _note_changed(self, *event) -> None:
+        self._wake.set()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.clear()
+            try:
+                wait = self.tick()
+            except Exception:
+                log.exception("reminders: a check failed; trying again in a minute")
+                wait = 60.0
+            self._wake.wait(max(0.05, min(wait, 30.0)))  # a rescan's edits: within 30 s
+
+    # -- persistence ------------------------------------------------------------------
+
+    def _load(self) -> None:
+        try:
+            saved = json.loads(self.path.read_text("utf-8"))
+        except (OSError, ValueError):
+            saved = {}
+        saved = saved if isinstance(saved, dict) else {}
+        with self._data_lock:
+            self._loaded = True
+            self._fired = dict(saved.get("fired") or {})
+            self._scheduled = {
+                k: v
+                for k, v in (saved.get("scheduled") or {}).items()
+                if isinstance(v, (int, float))
+            }
+
+    def _save(self) -> None:
+        data = {"fired": self._fired, "scheduled": self._scheduled}
+        try:
+            atomic_write(self.path, json.dumps(data).encode("utf-8"), mode=0o600)
+        except OSError as e:
+            log.warning("could not record the reminders: %s", e)
+
+    # -- the schedule -----------------------------------------------------------------
+
+    def _refresh(self) -> None:
+        """Re-read the reminders of the notes when the index changed."""
+        if not self._loaded:
+            self._load()
+        index = self.svc.index
+        if index.generation == self._generation:
+            return
+        generation, notes = index.documents()
+        zone = time_zone(self.svc.config.timezone)
+        found = {}
+        for path, title, text in notes:
+            if "⏰" in text or "remind:" in text:
+                for r in note_reminders(path, title, text, zone):
+                    found[r["id"]] = r
+        self._found, self._generation = found, generation
+
+    def tick(self) -> float:
+        """Send the reminders that are due; return the seconds until the next one."""
+        with self._tick_lock:
+            now = self.clock()
+            due, wait, changed = [], 3600.0, False
+            with self._data_lock:
+                self._refresh()
+                for rid, r in self._found.items():
+                    if rid in self._fired:
+                        continue
+                    if r["due"] > now:
+                        if self._scheduled.get(rid) != r["due"]:
+                            self._scheduled[rid], changed = r["due"], True
+                        wait = min(wait, r["due"] - now)
+                    elif (
+                        rid in self._scheduled
+                        or rid in self._tries
+                        or r["due"] >= now - REMINDER_GRACE
+                    ):
+                        tries, retry_at = self._tries.get(rid, (0, 0.0))
+                        if retry_at > now:
+                            wait = min(wait, retry_at - now)
+                        else:
+                            due.append((r, tries))
+                for book in (self._scheduled, self._fired):  # edited or deleted: cancelled
+                    for rid in [rid for rid in book if rid not in self._found]:
+                        del book[rid]
+                        changed = True
+            for r, tries in sorted(due, key=lambda item: item[0]["due"]):
+                late = now - r["due"] > REMINDER_GRACE
+                sent, tried = self._send(r, late)
+                with self._data_lock:
+                    if sent or not tried or tries + 1 >= REMINDER_ATTEMPTS:
+                        self._fired[r["id"]] = iso(now)
+                        self._scheduled.pop(r["id"], None)
+                        self._tries.pop(r["id"], None)
+                        changed = True
+                    else:
+                        self._tries[r["id"]] = (tries + 1, now + REMINDER_RETRY)
+                        wait = min(wait, REMINDER_RETRY)
+            if changed:
+                with self._data_lock:
+                    self._save()
+            return wait
+
+    def _send(self, r: dict, late: bool) -> tuple:
+        """Send a reminder through the notifying channels; return (sent, tried)."""
+        svc = self.svc
+        text = (
+            f"⏰ {'Late reminder' if late else 'Reminder'} ({r['wall']}): {r['title']}\n"
+            f"{r['line']}\n{r['path']}"
+        )
+        sent = tried = 0
+        for channel in _channels(svc):
+            prov = svc.channel_providers.get(channel["provider"])
+            if not (prov and prov.send and channel["enabled"] and channel["config"].get("notify")):
+                continue
+            for to in channel["config"].get(prov.allow, []) if prov.allow else []:
+                tried += 1
+                try:
+                    prov.send(svc, channel["config"], to, text)
+                    sent += 1
+                except UpstreamError as e:
+                    log.warning("channel %s: a reminder was not delivered: %s", channel["id"], e)
+        if not tried:
+            log.warning(
+                "reminder in %s is due, but no enabled channel has notify: true and an allowlist",
+                r["path"],
+            )
+        else:
+            log.info("reminder in %s sent (%d of %d)%s", r["path"], sent, tried, " late" * late)
+        return sent > 0, tried > 0
+
+    def upcoming(self) -> list:
+        """Return the reminders not sent yet, soonest first."""
+        with self._data_lock:
+            self._refresh()
+            now = self.clock()
+            pending = [
+                r
+                for rid, r in self._found.items()
+                if rid not in self._fired
+                and (r["due"] > now - REMINDER_GRACE or rid in self._scheduled)
+            ]
+        return sorted(pending, key=lambda r: (r["due"], r["path"]))
 
 
 # == Plugins ==================================================================
@@ -4617,7 +6469,10 @@ def build_service(config: Config, readonly: bool = False) -> Service:
     readonly (the audit): the built-in plugins only, no plugin file is ever imported.
     """
     plugins = PLUGINS if readonly else load_plugins(plugins_dir(config))
-    return Service(config, plugins, *provider_registries(plugins), readonly=readonly)
+    svc = Service(config, plugins, *provider_registries(plugins), readonly=readonly)
+    svc.pollers = ChannelPollers(svc)
+    svc.reminders = ReminderScheduler(svc)
+    return svc
 
 
 def provider_registries(plugins: Mapping[str, Plugin]) -> tuple:
@@ -4634,7 +6489,8 @@ def provider_registries(plugins: Mapping[str, Plugin]) -> tuple:
 # Both patterns run in linear time: link text, targets and fragments stop at any bracket,
 # so the attempts started at different brackets never scan the same text (a run of `[`
 # fails at once at each one), and no repeat nests in another. Whether a Markdown link
-# points at a .md note is decided afterwards (_md_target), not by backtracking.
+# points at a .md note (or an attachment) is decided afterwards (_md_target), not by
+# backtracking.
 _WIKILINK_RE = re.compile(r"\[\[([^\[\]|#\n]+)((?:#[^\[\]|\n]*)?(?:\|[^\[\]\n]*)?)\]\]")
 _MDLINK_RE = re.compile(
     r"(\[[^\[\]\n]*\]\()(<[^<>\n]*>[^)\s<>\[\]]*|[^)\s<>\[\]]+)((?:\s+\"[^\"\n]*\")?\))"
@@ -4642,8 +6498,8 @@ _MDLINK_RE = re.compile(
 
 
 def _md_target(href: str) -> str | None:
-    """Return the note part of a Markdown link's href (`<...>` kept), or None when it does not
-    point at a .md file; what follows it is a #fragment."""
+    """Return the file part of a Markdown link's href (`<...>` kept), or None when it does not
+    point at a .md file or an attachment's type; what follows it is a #fragment."""
     if href.startswith("<"):
         end = href.index(">") + 1
         target, inner, rest = href[:end], href[1 : end - 1], href[end:]
@@ -4652,20 +6508,42 @@ def _md_target(href: str) -> str | None:
         inner, rest = target, href[len(target) :]
     if rest and not rest.startswith("#"):
         return None
-    return target if len(inner) > 3 and inner.endswith(".md") else None
+    if len(inner) > 3 and inner.endswith(".md"):
+        return target
+    name = inner.rsplit("/", 1)[-1]
+    return (
+        target if "." in name[1:] and name.rpartition(".")[2].lower() in ATTACHMENT_TYPES else None
+    )
+
+
+def _attachment_name(target: str) -> bool:
+    """Return whether a wikilink target names an attachment (`photo.jpg`, `trip/a.pdf`)."""
+    name = target.rsplit("/", 1)[-1]
+    ext = name.rpartition(".")[2].lower()
+    return "." in name[1:] and ext != "md" and ext in ATTACHMENT_TYPES
 
 
 class LinkResolver:
-    """Resolves [[wikilinks]] (by name or path) and Markdown links to note paths."""
+    """Resolves [[wikilinks]] (by name or path) and Markdown links to note paths, and to
+    the attachment paths it is given (`![](../attachments/a.jpg)`, `![[a.jpg]]`)."""
 
-    def __init__(self, paths: Iterable[str]):
+    def __init__(self, paths: Iterable[str], attachments: Iterable[str] = ()):
         self.paths = {p.casefold(): p for p in paths}
         self.names: dict = {}
         for p in sorted(self.paths.values()):
             self.names.setdefault(p.rsplit("/", 1)[-1][:-3].casefold(), p)
+        self.files: dict = {}  # an attachment's file name -> its path
+        for p in sorted(attachments):
+            self.paths[p.casefold()] = p
+            self.files.setdefault(p.rsplit("/", 1)[-1].casefold(), p)
 
     def wikilink(self, target: str) -> str | None:
         t = target.strip()
+        if _attachment_name(t):
+            if "/" not in t:
+                return self.files.get(t.casefold())
+            t = t if t.startswith(f"{ATTACHMENTS}/") else f"{ATTACHMENTS}/{t.lstrip('/')}"
+            return self.paths.get(t.casefold())
         if t.casefold().endswith(".md"):
             t = t[:-3]
         if "/" in t:
@@ -4679,13 +6557,14 @@ class LinkResolver:
             return None
         if href.startswith("/"):
             href = href.lstrip("/")
-            candidate = href if href.startswith(f"{NOTES}/") else f"{NOTES}/{href}"
+            own = href.startswith((f"{NOTES}/", f"{ATTACHMENTS}/"))
+            candidate = href if own else f"{NOTES}/{href}"
         else:
             candidate = posixpath.normpath(posixpath.join(posixpath.dirname(source), href))
         return self.paths.get(candidate.casefold())
 
     def links(self, text: str, source: str) -> set:
-        """Return the note paths a note's text links to (in its first MAX_SCAN_CHARS)."""
+        """Return the paths a note's text links to (in its first MAX_SCAN_CHARS)."""
         text = text[:MAX_SCAN_CHARS]
         out = {self.wikilink(m.group(1)) for m in _WIKILINK_RE.finditer(text)}
         targets = map(_md_target, (m.group(2) for m in _MDLINK_RE.finditer(text)))
@@ -4749,7 +6628,13 @@ def rewrite_links(
         if resolver.wikilink(target) != old:
             return m.group(0)
         t = target.strip()
-        if "/" not in t:
+        if _attachment_name(t):  # ![[photo.jpg]]: by file name, or by path
+            if "/" not in t:
+                replacement = new.rsplit("/", 1)[-1]
+            else:
+                own = t.startswith(f"{ATTACHMENTS}/")
+                replacement = new if own else new[len(ATTACHMENTS) + 1 :]
+        elif "/" not in t:
             replacement = new.rsplit("/", 1)[-1][:-3]
         else:
             replacement = new if t.startswith(f"{NOTES}/") else new[len(NOTES) + 1 :]
@@ -4768,7 +6653,9 @@ def rewrite_links(
             return m.group(0)
         target = new if target == old else target
         bare = href.strip("<>")
-        if bare.startswith("/"):
+        if bare.startswith("/") and target.startswith(f"{ATTACHMENTS}/"):
+            replacement = "/" + target
+        elif bare.startswith("/"):
             replacement = "/" + (
                 target if bare.lstrip("/").startswith(f"{NOTES}/") else target[len(NOTES) + 1 :]
             )
@@ -4784,10 +6671,15 @@ def rewrite_links(
 
 
 def update_links(svc: Service, old: str, new: str, linking: set) -> list:
-    """Rewrite the links to `old` in each linking note (one atomic write each)."""
-    resolver = LinkResolver([*svc.index.paths(), old])
+    """Rewrite the links to `old` (a note or an attachment) in each linking note (one atomic
+    write each); a moved note's own relative links are rebased too."""
+    note = old.startswith(f"{NOTES}/")
+    resolver = LinkResolver(
+        [*svc.index.paths(), *([old] if note else [])],
+        [*svc.attachments.paths(), *([] if note else [old])],
+    )
     changed = []
-    for source in sorted(linking | {new}):
+    for source in sorted(linking | ({new} if note else set())):
         moved_from = old if source == new else None
 
         def change(text: str, source=source, moved_from=moved_from) -> str:
@@ -4799,6 +6691,19 @@ def update_links(svc: Service, old: str, new: str, linking: set) -> list:
         except ApiError as e:  # a linking note vanished or is not UTF-8: leave it be
             log.warning("links in %s not updated: %s", source, e.message)
     return changed
+
+
+def attachment_linkers(svc: Service, path: str) -> set:
+    """Return the notes that link to an attachment (Markdown links, images, ![[embeds]])."""
+    name = path.rsplit("/", 1)[-1]
+    quoted = urllib.parse.quote(name)
+    resolver = LinkResolver(svc.index.paths(), [*svc.attachments.paths(), path])
+    _, notes = svc.index.documents()
+    return {
+        source
+        for source, _, text in notes
+        if (name in text or quoted in text) and path in resolver.links(text, source)
+    }
 
 
 # -- built-in plugins -----------------------------------------------------------------------
@@ -4924,10 +6829,10 @@ builtin_plugin(
 
 
 def daily_today(svc: Service) -> bytes:
-    today = dt.date.today()
-    path = visible_note(svc.notes, f"{NOTES}/daily/{today:%Y-%m-%d}.md")
+    path, heading = day_note(local_now(svc).date())
+    path = visible_note(svc.notes, path)
     try:
-        rec, status = svc.notes.create(path, f"# {today:%A, %d %B %Y}\n\n"), 201
+        rec, status = svc.notes.create(path, f"# {heading}\n\n"), 201
     except ApiError as e:
         if e.code != "CONFLICT":
             raise
@@ -5151,30 +7056,36 @@ def check_state_private(svc: Service) -> list:
 
 @audit_check
 def check_notes_folder(svc: Service) -> list:
-    mode = _mode_of(svc.config.notes_dir)
-    if mode is None:
-        return []
-    if mode & 0o002:
-        return [
-            finding(
-                "notes-writable",
-                "high",
-                "Other users can write the notes folder",
-                f"notes/ has mode {mode:o}: any local user can change or plant notes.",
-                f"chmod o-w {svc.config.notes_dir}",
+    """The notes folder, and the attachments folder beside it, are private to the owner."""
+    out = []
+    for folder, what in (
+        (svc.config.notes_dir, NOTES),
+        (svc.config.root / ATTACHMENTS, ATTACHMENTS),
+    ):
+        mode = _mode_of(folder)
+        if mode is None:
+            continue
+        if mode & 0o002:
+            out.append(
+                finding(
+                    f"{what}-writable",
+                    "high",
+                    f"Other users can write the {what} folder",
+                    f"{what}/ has mode {mode:o}: any local user can change or plant {what}.",
+                    f"chmod o-w {folder}",
+                )
             )
-        ]
-    if mode & 0o004:
-        return [
-            finding(
-                "notes-readable",
-                "low",
-                "Other users can read the notes folder",
-                f"notes/ has mode {mode:o}.",
-                f"chmod o-rx {svc.config.notes_dir} (or run with UMask=0077)",
+        elif mode & 0o004:
+            out.append(
+                finding(
+                    f"{what}-readable",
+                    "low",
+                    f"Other users can read the {what} folder",
+                    f"{what}/ has mode {mode:o}.",
+                    f"chmod o-rx {folder} (or run with UMask=0077)",
+                )
             )
-        ]
-    return []
+    return out
 
 
 def _service_uid(svc: Service) -> int:
@@ -5361,6 +7272,31 @@ def check_channel_allowlists(svc: Service) -> list:
 
 
 @audit_check
+def check_channel_signatures(svc: Service) -> list:
+    """Channels whose provider signs its calls (WhatsApp) but that have no key to check them."""
+    out = []
+    for channel in svc.state.read().get("channels", []):
+        provider = svc.channel_providers.get(channel["provider"])
+        if not provider or not provider.signing_field or not channel["enabled"]:
+            continue
+        if channel["config"].get(provider.signing_field):
+            continue
+        out.append(
+            finding(
+                f"channel-unsigned-{channel['id']}",
+                "high",
+                f"Channel {channel['name']} does not check the provider's signature",
+                f"Without config.{provider.signing_field}, calls to this {channel['provider']} "
+                f"webhook are authenticated by the secret in the URL alone (?secret=), which "
+                f"lands in access logs; {provider.signature_header} is not checked.",
+                f"Set config.{provider.signing_field} (the app secret of your Meta app): "
+                f"PATCH /api/v1/channels/{channel['id']}.",
+            )
+        )
+    return out
+
+
+@audit_check
 def check_query_secrets(svc: Service) -> list:
     seen = svc.query_secret_seen_at
     if not seen or time.time() - seen > QUERY_SECRET_WINDOW:
@@ -5368,11 +7304,13 @@ def check_query_secrets(svc: Service) -> list:
     return [
         finding(
             "secret-in-query",
-            "low",
+            "medium",
             "A webhook secret came in a query string",
-            f"Last at {iso(seen)}. URLs end up in proxy and access logs.",
-            "Send X-Service-Channel-Secret (Telegram: secret_token) where the provider "
-            "allows; WhatsApp cannot, so keep that proxy's logs private.",
+            f"Last at {iso(seen)}. URLs end up in proxy and access logs, and whoever reads "
+            "them can post to the channel.",
+            "Send X-Service-Channel-Secret (Telegram: the polling mode needs no webhook, "
+            "or secret_token); for WhatsApp set config.appSecret and drop ?secret= from "
+            "the callback URL: Meta's signature then authenticates each call.",
         )
     ]
 
@@ -5952,10 +7890,12 @@ SHARE_JS = r"""
 const found = location.pathname.match(/^(.*)\/s\/([A-Za-z0-9_-]{1,64})\/?$/);
 const shared = found ? found[1] + "/api/v1/shared/" + found[2] : "";
 
+let linked = {};  // href as written in the note -> the attachment it names (the server's)
+
 function attachment(src) {
-  // Images the note links under attachments/ (relative or absolute); nothing else loads.
-  const path = src.replace(/^(\.{1,2}\/)+/, "").replace(/^\/+/, "");
-  if (!/^attachments\/[^?#]+$/.test(path) || path.split("/").includes("..")) return null;
+  // Only the attachments the note links load, through the share link; nothing else.
+  const path = Object.prototype.hasOwnProperty.call(linked, src) ? linked[src] : "";
+  if (typeof path !== "string" || !/^attachments\//.test(path)) return null;
   return shared + "/attachments/" + path.split("/").map(encodeURIComponent).join("/");
 }
 
@@ -5970,6 +7910,7 @@ async function showShared() {
   if (!r.ok || !j || !j.success) {
     say("Nothing is shared at this link: it may have expired or been revoked."); return; }
   document.title = j.data.title;
+  linked = j.data.attachments || {};
   renderMarkdown(j.data.content, document.getElementById("note"), {image: attachment});
   document.getElementById("meta").textContent =
     "Shared read-only · last changed " + new Date(j.data.modified).toLocaleString();
@@ -6548,6 +8489,7 @@ class RelayServer:
                 return False
             limit = self._body_limit(path)
             if length > limit:
+                self._answer_too_large(path, headers)
                 await self._send(
                     writer,
                     *self._error(413, f"the body is over this relay's limit of {limit} bytes"),
@@ -6587,6 +8529,24 @@ class RelayServer:
         if path.startswith("/r/"):
             return self.config.max_body_bytes
         return 65536
+
+    def _answer_too_large(self, path: str, headers: list) -> None:
+        """A server's reply over the limit: its client gets 413 now, not a 504 later."""
+        m = re.match(r"^/relay/v1/reply/([^/]+)/([^/]+)$", path)
+        if not m:
+            return
+        token = next((v for k, v in headers if k.lower() == "x-relay-token"), "")
+        message = (
+            f"the answer is over this relay's limit of {self.config.max_body_bytes} bytes; "
+            "ask for it in parts (Range)"
+        )
+        answer = {
+            "status": 413,
+            "headers": [["Content-Type", JSON_TYPE]],
+            "body": error_body("PAYLOAD_TOO_LARGE", message),
+        }
+        with contextlib.suppress(ApiError):  # a wrong token, or the client left
+            self.hub.reply(m.group(1), token, m.group(2), answer)
 
     @staticmethod
     def _error(status: int, message: str, code: str = "", headers: dict | None = None) -> tuple:
@@ -6749,13 +8709,19 @@ class RelayServer:
                 "host": req.header("Host"),
             },
         )
-        return answer["status"], relay_answer_headers(rest, answer["headers"]), answer["body"]
+        download = relayed_download(req.method, rest, answer["status"])
+        headers = relay_answer_headers(rest, answer["headers"], download)
+        return answer["status"], headers, answer["body"]
 
 
-def relay_answer_headers(path: str, headers: list) -> list:
+def relay_answer_headers(path: str, headers: list, download: bool = False) -> list:
     """Return a forwarded answer's headers as an API answer: JSON, nosniff, sandboxed.
 
-    A registered server cannot publish script or cookies on the relay's origin.
+    A registered server cannot publish script or cookies on the relay's origin. An
+    attachment's bytes (`download`: a 2xx answer to GET /api/v1/attachments/...) keep
+    their type when it is one a browser does not run as a page (else they become
+    application/octet-stream) and always go out as `Content-Disposition: attachment`,
+    under the same sandbox.
     """
     keep = []
     ctype = JSON_TYPE
@@ -6764,10 +8730,13 @@ def relay_answer_headers(path: str, headers: list) -> list:
         if lower == "content-type":
             if path.endswith("/openapi.json") and "json" in value.lower():
                 ctype = value
+            elif download:
+                ctype = _download_type(value)
             continue
         if (
             lower in HOP_BY_HOP
             or lower in ("set-cookie", "content-security-policy", "x-content-type-options")
+            or lower in ("content-disposition", "refresh", "link")
             or lower.startswith("access-control-")
             or not _TOKEN_CHARS_RE.match(name)
             or "\r" in value
@@ -6775,12 +8744,35 @@ def relay_answer_headers(path: str, headers: list) -> list:
         ):
             continue
         keep.append((name, value))
+    if download:
+        name = re.sub(r"[^A-Za-z0-9._-]+", "_", path.rsplit("/", 1)[-1])[:100] or "download"
+        keep.append(("Content-Disposition", f'attachment; filename="{name}"'))
     return [
         ("Content-Type", ctype),
         ("X-Content-Type-Options", "nosniff"),
         ("Content-Security-Policy", RELAY_ANSWER_CSP),
         *keep,
     ]
+
+
+def _download_type(value: str) -> str:
+    """Return the type an attachment goes out as through a relay: its own when it is one of
+    the attachment types a browser does not run as a page, else application/octet-stream."""
+    ctype = value.split(";")[0].strip().lower()
+    safe = ctype in ATTACHMENT_TYPES.values() and ctype not in ACTIVE_TYPES
+    return ctype if safe else "application/octet-stream"
+
+
+def relayed_download(method: str, path: str, status: int) -> bool:
+    """Return whether a forwarded answer is an attachment's bytes (not an API answer)."""
+    return (
+        method in ("GET", "HEAD")
+        and 200 <= status < 300
+        and (
+            path.startswith(f"{API}/attachments/")
+            or re.match(rf"^{API}/shared/[^/]+/attachments/", path) is not None
+        )
+    )
 
 
 def _private_path(path: str) -> str:
@@ -7112,6 +9104,7 @@ def get_info(svc: Service) -> dict:
         "python": platform.python_version(),
         "platform": platform.platform(terse=True),
         "notes": {"count": count, "bytes": size},
+        "attachments": dict(zip(("count", "bytes"), svc.attachments.stats())),
         "index": {**svc.index.stats(), "lastSync": svc.last_sync},
         "connection": svc.relay_client.status()
         if svc.relay_client
@@ -7148,6 +9141,7 @@ def _limit_facts(svc: Service) -> dict:
     cfg = svc.config
     return {
         "maxBodyBytes": cfg.max_body_bytes,
+        "maxAttachmentBytes": cfg.max_attachment_bytes,
         "maxConnections": cfg.max_connections,
         "idleTimeoutSeconds": cfg.idle_timeout,
         "lockout": {
@@ -7195,6 +9189,13 @@ def get_config(svc: Service) -> dict:
         "search": {"engine": "notesvc-bm25", "maxQueryLength": MAX_QUERY_CHARS},
         "sync": {"rescanSeconds": cfg.rescan_seconds, "notesRoot": "notes/"},
         "plugins": {"dir": cfg.plugins_dir or ".notesvc/plugins"},
+        "capture": {
+            "transcribeUrl": _redact_url(cfg.transcribe_url),
+            "transcribeModel": cfg.transcribe_model,
+            "transcribeApiKeySet": bool(cfg.transcribe_api_key),
+            "timeZone": cfg.timezone or "system",
+            "attachmentsRoot": f"{ATTACHMENTS}/",
+        },
     }
 
 
@@ -7329,6 +9330,223 @@ def delete_note(svc: Service, path: str) -> dict:
     return svc.notes.delete(visible_note(svc.notes, path), _if_match())
 
 
+# -- attachments -------------------------------------------------------------------------
+
+MULTIPART_SLACK = 65536  # bytes of a form beyond its file: the boundaries, headers and path
+
+
+def _attachment_response(rec: dict, status: int) -> bytes:
+    bottle.response.set_header("ETag", rec["etag"])
+    script = bottle.request.environ.get("SCRIPT_NAME", "")
+    location = f"{script}{API}/attachments/{urllib.parse.quote(rec['path'], safe='')}"
+    bottle.response.set_header("Location", location)
+    return ok(rec, status)
+
+
+def put_attachment(svc: Service, path: str) -> bytes:
+    """PUT the raw bytes: 201 when created, 200 when replaced (If-Match, If-None-Match: *)."""
+    path = visible_attachment(svc.attachments, path)
+    ctype = bottle.request.content_type.split(";")[0].strip().lower()
+    if ctype.startswith("multipart/"):
+        raise ApiError(
+            415,
+            "UNSUPPORTED_MEDIA_TYPE",
+            f"PUT takes the file's own bytes; send a multipart form to POST {API}/attachments",
+        )
+    if_match, if_none_match = _if_match(), bottle.request.get_header("If-None-Match")
+    svc.attachments.check(path, if_match, if_none_match)  # before the body is read
+    limit = svc.config.max_attachment_bytes
+    read, _ = request_body_reader(limit, "SERVICE_MAX_ATTACHMENT_BYTES")
+
+    def copy(f) -> None:
+        while chunk := read(BODY_CHUNK):
+            f.write(chunk)
+
+    rec, created = svc.attachments.place(svc.attachments.spool(copy), path, if_match, if_none_match)
+    return _attachment_response(rec, 201 if created else 200)
+
+
+def post_attachment(svc: Service) -> bytes:
+    """POST multipart/form-data with `path` and `file`: 201; never overwrites (a taken path
+    becomes name-2.ext, name-3.ext...)."""
+    import email.message
+
+    header = bottle.request.get_header("Content-Type") or ""
+    parsed = email.message.Message()
+    parsed["Content-Type"] = header
+    if parsed.get_content_type() != "multipart/form-data":
+        raise ApiError(
+            415,
+            "UNSUPPORTED_MEDIA_TYPE",
+            "send multipart/form-data with the fields path and file "
+            f"(or PUT the raw bytes to {API}/attachments/:path)",
+        )
+    limit = svc.config.max_attachment_bytes
+    read, _ = request_body_reader(limit + MULTIPART_SLACK, "SERVICE_MAX_ATTACHMENT_BYTES")
+    reader = MultipartReader(read, str(parsed.get_param("boundary") or ""))
+    form: dict = {"path": bytearray(), "file": False}
+
+    def given_path() -> str:
+        try:
+            raw = bytes(form["path"]).decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise bad_request("'path' is not valid UTF-8") from None
+        if not raw:
+            raise bad_request("'path' is required (attachments/<name>.<extension>)")
+        return visible_attachment(svc.attachments, raw)
+
+    def receive(f) -> None:
+        def part(name: str, filename: Any, headers: Any):
+            if name == "path":
+                too_long = lambda: bad_request("'path' is longer than 2048 bytes")  # noqa: E731
+                return form["path"].extend, 2048, too_long
+            if name != "file":
+                return None
+            if form["file"]:
+                raise bad_request("send one part named 'file'")
+            form["file"] = True
+            if form["path"]:
+                given_path()  # a bad path is refused before the file is read
+            return f.write, limit, lambda: too_large(limit, "SERVICE_MAX_ATTACHMENT_BYTES")
+
+        reader.parts(part)
+
+    tmp = svc.attachments.spool(receive)
+    try:
+        if not form["file"]:
+            raise bad_request("the form has no part named 'file'")
+        path = given_path()
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    rec, _ = svc.attachments.place(tmp, path, unique=True)
+    return _attachment_response(rec, 201)
+
+
+_RANGE_RE = re.compile(r"\s*bytes\s*=\s*(\d{0,19})\s*-\s*(\d{0,19})\s*")
+
+
+def byte_range(header: str, size: int) -> tuple | None:
+    """Return (first, last) of a single `bytes=` range within size bytes; None to send the
+    whole file (no range, several ranges, or one not understood); 416 when it is outside.
+
+    >>> byte_range("bytes=0-99", 1000), byte_range("bytes=-10", 1000), byte_range("bytes=9-", 10)
+    ((0, 99), (990, 999), (9, 9))
+    """
+    m = _RANGE_RE.fullmatch(header)
+    if not m or not (m.group(1) or m.group(2)):
+        return None
+    first, last = m.groups()
+    if not first:
+        start, end = max(0, size - int(last)), size - 1
+        if int(last) == 0:
+            start = size
+    else:
+        start = int(first)
+        end = min(int(last), size - 1) if last else size - 1
+        if last and int(last) < start:
+            return None
+    if start >= size:
+        raise ApiError(
+            416,
+            "VALIDATION_ERROR",
+            f"the range is outside the file's {size} bytes",
+            {"Content-Range": f"bytes */{size}"},
+        )
+    return start, end
+
+
+def content_disposition(path: str, content_type: str) -> str:
+    """Return the Content-Disposition of a download: inline only for types shown in place."""
+    kind = "inline" if shown_inline(content_type) else "attachment"
+    name = path.rsplit("/", 1)[-1]
+    plain = re.sub(r"[^A-Za-z0-9._ -]+", "_", name)
+    return f"{kind}; filename=\"{plain}\"; filename*=UTF-8''{urllib.parse.quote(name)}"
+
+
+def _file_chunks(f: Any, length: int):
+    try:
+        while length > 0:
+            chunk = f.read(min(BODY_CHUNK, length))
+            if not chunk:
+                return
+            length -= len(chunk)
+            yield chunk
+    finally:
+        f.close()
+
+
+def get_attachment(svc: Service, path: str):
+    """The file's bytes, with ETag, Range, Content-Disposition and a sandbox policy."""
+    path = visible_attachment(svc.attachments, path)
+    f, st = svc.attachments.open(path)
+    try:
+        rec = svc.attachments.record(path, st)
+        etag, size, req, resp = rec["etag"], st.st_size, bottle.request, bottle.response
+        none_match = req.get_header("If-None-Match")
+        if none_match:
+            tags = {t.strip().removeprefix("W/") for t in none_match.split(",")}
+            if "*" in tags or etag in tags:
+                f.close()
+                resp.status = 304
+                resp.set_header("ETag", etag)
+                return b""
+        first, last, status = 0, size - 1, 200
+        if_range = req.get_header("If-Range")
+        wanted = req.get_header("Range")
+        if wanted and size and (if_range is None or if_range.strip() == etag):
+            found = byte_range(wanted, size)
+            if found:
+                (first, last), status = found, 206
+                resp.set_header("Content-Range", f"bytes {first}-{last}/{size}")
+        resp.status = status
+        resp.content_type = rec["contentType"]
+        for name, value in (
+            ("ETag", etag),
+            ("Accept-Ranges", "bytes"),
+            ("Content-Length", str(max(0, last - first + 1))),
+            ("Content-Disposition", content_disposition(path, rec["contentType"])),
+            ("Content-Security-Policy", ATTACHMENT_CSP),
+        ):
+            resp.set_header(name, value)
+        f.seek(first)
+        return _file_chunks(f, last - first + 1)
+    except BaseException:
+        f.close()
+        raise
+
+
+def list_attachments(svc: Service) -> dict:
+    asked = attachment_folder(query_str("folder") or ATTACHMENTS)
+    folder = visible_folder(asked, top=ATTACHMENTS)
+    limit = query_int("limit", 100, 1, 1000)
+    offset = query_int("offset", 0, 0, 10**9)
+    try:
+        return svc.attachments.list_page(folder, limit, offset)
+    except ApiError as e:  # the folder a grant sees from one of its ancestors is not there yet
+        if e.status_code != 404 or folder == asked:
+            raise
+        return {"attachments": [], "total": 0, "limit": limit, "offset": offset}
+
+
+def move_attachment(svc: Service, path: str) -> dict:
+    path = visible_attachment(svc.attachments, path)
+    body = read_json(svc.config.max_body_bytes)
+    new = visible_attachment(svc.attachments, field(body, "path"))
+    relink = field(body, "updateLinks", bool, required=False)
+    linking = attachment_linkers(svc, path) if relink else set()
+    rec = svc.attachments.move(path, new, _if_match())
+    if relink and new != path:
+        rec["linksUpdated"] = update_links(svc, path, new, linking)
+    bottle.response.set_header("ETag", rec["etag"])
+    return rec
+
+
+def delete_attachment(svc: Service, path: str) -> dict:
+    return svc.attachments.delete(visible_attachment(svc.attachments, path), _if_match())
+
+
 # -- folders ---------------------------------------------------------------------------
 
 
@@ -7436,6 +9654,8 @@ def create_channel(svc: Service) -> dict:
     }
     svc.state.update(lambda data: data.setdefault("channels", []).append(channel))
     log.info("channel %s (%s) created", channel["id"], name)
+    channel = configure_channel(svc, channel)  # Telegram webhook mode: setWebhook
+    svc.pollers.sync()
     return channel
 
 
@@ -7469,13 +9689,19 @@ def patch_channel(svc: Service, channel_id: str) -> dict:
             provider = svc.channel_providers.get(channel["provider"])
             if provider is None:
                 raise bad_request(f"channel provider {channel['provider']!r} is not loaded")
-            channel["config"] = validate_channel_config(provider, {**channel["config"], **changes})
+            stored = channel["config"]
+            if "mode" not in stored and any(f.name == "mode" for f in provider.fields):
+                stored = {**stored, "mode": "webhook"}  # stored before modes: a webhook
+            channel["config"] = validate_channel_config(provider, {**stored, **changes})
         if title is not None:
             channel["name"] = _printable(title)
         return channel
 
     channel = _change_channel(svc, channel_id, merge)
     log.info("channel %s changed", channel_id)
+    if changes is not None:
+        channel = configure_channel(svc, channel)  # webhook mode: setWebhook again
+    svc.pollers.sync()
     return redact_channel(channel, svc.channel_providers)
 
 
@@ -7484,11 +9710,14 @@ def toggle_channel(svc: Service, channel_id: str) -> dict:
         channels[i]["enabled"] = not channels[i]["enabled"]
         return channels[i]
 
-    return redact_channel(_change_channel(svc, channel_id, flip), svc.channel_providers)
+    channel = _change_channel(svc, channel_id, flip)
+    svc.pollers.sync()
+    return redact_channel(channel, svc.channel_providers)
 
 
 def delete_channel(svc: Service, channel_id: str) -> dict:
     _change_channel(svc, channel_id, lambda channels, i: channels.pop(i))
+    svc.pollers.sync()
     return {"id": channel_id, "deleted": True}
 
 
@@ -7497,12 +9726,23 @@ def receive_webhook(svc: Service, provider: str) -> dict:
     if prov is None:
         raise not_found(f"no channel provider {provider!r}")
     env = bottle.request.environ
+    limit = svc.config.max_body_bytes
+    signature = ""
+    if prov.signature_header:
+        signature = env.get("HTTP_" + prov.signature_header.upper().replace("-", "_"), "")
+
+    def raw() -> bytes:  # the body as signed: read (and checked) as JSON, then as bytes
+        read_json(limit)
+        return bottle.request.body.read(limit + 1)
+
     return handle_channel_update(
         svc,
         prov,
         channel_secret(svc, prov, env),
         svc.client_addr(env),
-        lambda: read_json(svc.config.max_body_bytes),
+        lambda: read_json(limit),
+        signature,
+        raw,
     )
 
 
@@ -7512,6 +9752,34 @@ def verify_webhook(svc: Service, provider: str):
     if prov is None or prov.verify is None:
         raise not_found(f"channel provider {provider!r} has no subscription check")
     return prov.verify(svc)
+
+
+# -- reminders -----------------------------------------------------------------------------
+
+
+def list_reminders(svc: Service) -> dict:
+    """The reminders not sent yet (⏰ lines and `remind:`), soonest first."""
+    limit = query_int("limit", 100, 1, 1000)
+    offset = query_int("offset", 0, 0, 10**9)
+    sees = request_principal().sees  # a folder grant: its folder's reminders
+    pending = [r for r in svc.reminders.upcoming() if sees(r["path"])]
+    return {
+        "reminders": [
+            {
+                "id": r["id"],
+                "path": r["path"],
+                "title": r["title"],
+                "line": r["line"],
+                "due": iso(r["due"]),
+                "local": r["wall"],
+            }
+            for r in pending[offset : offset + limit]
+        ],
+        "total": len(pending),
+        "limit": limit,
+        "offset": offset,
+        "timeZone": svc.config.timezone or "system",
+    }
 
 
 # -- plugins -------------------------------------------------------------------------------
@@ -7761,9 +10029,41 @@ def _shared_note(svc: Service, token: str) -> dict:
         raise
 
 
+def shared_attachments(path: str, text: str) -> dict:
+    """Return {href as written: attachment path} of the attachments a note at `path` links
+    by Markdown link or image: all a share link of it may load."""
+    found = {}
+    for m in _MDLINK_RE.finditer(text[:MAX_SCAN_CHARS]):
+        target = _md_target(m.group(2))
+        href = urllib.parse.unquote(target.strip("<>")) if target else ""
+        if not href or "://" in href or href.startswith("mailto:"):
+            continue
+        if href.startswith("/"):
+            candidate = href.lstrip("/")
+        else:
+            candidate = posixpath.normpath(posixpath.join(posixpath.dirname(path), href))
+        if candidate.startswith(f"{ATTACHMENTS}/"):
+            with contextlib.suppress(ApiError):
+                found[m.group(2)] = attachment_path(candidate)
+    return found
+
+
 def get_shared(svc: Service, token: str) -> dict:
     rec = _shared_note(svc, token)
-    return {"title": rec["title"], "content": rec["content"], "modified": rec["modified"]}
+    return {
+        "title": rec["title"],
+        "content": rec["content"],
+        "modified": rec["modified"],
+        "attachments": shared_attachments(rec["path"], rec["content"]),
+    }
+
+
+def get_shared_attachment(svc: Service, token: str, path: str):
+    """An attachment the shared note links (no other), as GET /attachments/:path serves it."""
+    rec = _shared_note(svc, token)
+    if path not in shared_attachments(rec["path"], rec["content"]).values():
+        raise not_found("the shared note links no such attachment")
+    return get_attachment(svc, path)
 
 
 def get_share_page(svc: Service, token: str):
@@ -8070,6 +10370,7 @@ class Route:
     tag: str = "system"
     media: str = "application/json"  # of the success answer
     enveloped: bool = True  # False: the answer is the document itself (OpenAPI, a challenge)
+    body_media: str = "application/json"  # of the request body
     key_only: bool = False  # needs the API key itself: a JWT may not mint tokens or rotate
     scope: str = ""  # read, write or admin (CONTRACT 21); a protected route without one
     # stops the app from starting
@@ -8100,18 +10401,24 @@ def _int(lo: int, hi: int, default: int) -> dict:
 def _channel_body(svc: Service) -> dict:
     """Return the schema of a channel's create body: one shape per registered provider."""
 
-    def config(provider: ChannelProvider) -> dict:
-        props = {
-            f.name: {"type": "array", "items": {"type": ["string", "integer"]}, "maxItems": 1000}
-            if f.kind == "list"
-            # printable and single-line on the server; said here as printable ASCII
-            else {
-                "type": "string",
-                "minLength": int(f.required),
-                "pattern": f"^[ -~]{{0,{MAX_CONFIG_CHARS}}}$",
-            }
-            for f in provider.fields
+    def prop(f: ConfigField) -> dict:
+        if f.kind == "list":
+            return {"type": "array", "items": {"type": ["string", "integer"]}, "maxItems": 1000}
+        if f.kind == "boolean":
+            return {"type": "boolean"}
+        if f.kind == "choice":
+            return {"enum": list(f.choices)}
+        if f.kind == "folder":
+            return {**FOLDER_PATH_SCHEMA, "maxLength": MAX_CONFIG_CHARS}
+        # printable and single-line on the server; said here as printable ASCII
+        return {
+            "type": "string",
+            "minLength": int(f.required),
+            "pattern": f"^[ -~]{{0,{MAX_CONFIG_CHARS}}}$",
         }
+
+    def config(provider: ChannelProvider) -> dict:
+        props = {f.name: prop(f) for f in provider.fields}
         required = [f.name for f in provider.fields if f.required]
         return {**_obj(required, **props), "additionalProperties": False}
 
@@ -8285,6 +10592,85 @@ ROUTES = (
         agent_status,
         summary="Agent provider and model",
         tag="agent",
+        scope="read",
+    ),
+    Route(
+        "GET",
+        "/attachments",
+        list_attachments,
+        summary="List attachments by path",
+        params={
+            "folder": ATTACHMENT_FOLDER_SCHEMA,
+            "limit": _int(1, 1000, 100),
+            "offset": _int(0, 10**9, 0),
+        },
+        tag="attachments",
+        scope="read",
+    ),
+    Route(
+        "POST",
+        "/attachments",
+        post_attachment,
+        summary="Upload a file (multipart: path, file); never overwrites: a taken name gets -2",
+        body=_obj(
+            ["path", "file"],
+            path=ATTACHMENT_PATH_SCHEMA,
+            file={"type": "string", "format": "binary"},
+        ),
+        body_media="multipart/form-data",
+        status=201,
+        tag="attachments",
+        scope="write",
+    ),
+    Route(
+        "GET",
+        "/attachments/<path:path>",
+        get_attachment,
+        summary="The file's bytes (ETag, Range; HTML and SVG only as downloads)",
+        params={"path": ATTACHMENT_PATH_PARAM},
+        media="*/*",  # the type of its extension (ATTACHMENT_TYPES)
+        enveloped=False,
+        tag="attachments",
+        scope="read",
+    ),
+    Route(
+        "PUT",
+        "/attachments/<path:path>",
+        put_attachment,
+        summary="Upload the raw bytes: 201 created, 200 replaced (If-Match, If-None-Match: *)",
+        body={"type": "string", "format": "binary"},
+        body_media="application/octet-stream",
+        params={"path": ATTACHMENT_PATH_PARAM},
+        status=201,
+        tag="attachments",
+        scope="write",
+    ),
+    Route(
+        "PATCH",
+        "/attachments/<path:path>/move",
+        move_attachment,
+        summary="Move or rename an attachment (never overwrites); updateLinks rewrites links",
+        body=_obj(["path"], path=ATTACHMENT_PATH_SCHEMA, updateLinks={"type": "boolean"}),
+        params={"path": ATTACHMENT_PATH_PARAM},
+        tag="attachments",
+        scope="write",
+    ),
+    Route(
+        "DELETE",
+        "/attachments/<path:path>",
+        delete_attachment,
+        summary="Move an attachment to the trash",
+        params={"path": ATTACHMENT_PATH_PARAM},
+        tag="attachments",
+        scope="write",
+    ),
+    Route(
+        "GET",
+        "/reminders",
+        list_reminders,
+        summary="Reminders not sent yet (⏰ YYYY-MM-DD HH:MM lines, remind: in front matter)",
+        params={"limit": _int(1, 1000, 100), "offset": _int(0, 10**9, 0)},
+        tag="reminders",
         scope="read",
     ),
     Route(
@@ -8493,8 +10879,19 @@ ROUTES = (
         "/shared/<token>",
         get_shared,
         public=True,
-        summary="A shared note (rate-limited per address)",
+        summary="A shared note (rate-limited per address) and the attachments it links",
         tag="grants",
+    ),
+    Route(
+        "GET",
+        "/shared/<token>/attachments/<path:path>",
+        get_shared_attachment,
+        public=True,
+        summary="An attachment the shared note links (only those)",
+        params={"path": ATTACHMENT_PATH_PARAM},
+        tag="grants",
+        media="application/octet-stream",
+        enveloped=False,
     ),
     Route(
         "GET",
@@ -8693,7 +11090,7 @@ def openapi_document(svc: Service, server_url: str) -> dict:
                 "required": bool(
                     body.get("required") or body.get("oneOf") or body.get("minProperties")
                 ),
-                "content": {"application/json": {"schema": body}},
+                "content": {r.body_media: {"schema": body}},
             }
         paths.setdefault(openapi_path(r.rule), {})[r.method.lower()] = op
     return {
@@ -8757,8 +11154,10 @@ def _callback(svc: Service, route: Route) -> Callable:
 
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{8,64}$")
 _SHARE_PATH_RE = re.compile(r"(/s/|/shared/)[^/]+")  # share tokens never reach the log
-CORS_HEADERS = "X-Service-Key, Content-Type, Authorization, If-Match"
-CORS_EXPOSE = "ETag, Location, X-Request-Id, Retry-After"
+CORS_HEADERS = (
+    "X-Service-Key, Content-Type, Authorization, If-Match, If-None-Match, Range, If-Range"
+)
+CORS_EXPOSE = "ETag, Location, X-Request-Id, Retry-After, Content-Range, Content-Disposition"
 CORS_METHODS = "GET, POST, PUT, PATCH, DELETE, OPTIONS"
 
 
@@ -8970,13 +11369,14 @@ def take_process_lock(config: Config) -> int:
 class _EnvelopedError:
     """One of waitress's own refusals (body too large, bad Content-Length) as our envelope."""
 
-    def __init__(self, error: Any, max_body: int):
+    def __init__(self, error: Any, max_body: int, setting: str = "SERVICE_MAX_BODY_BYTES"):
         self.code, self.body, self.max_body = error.code, str(error.body), max_body
+        self.setting = setting
 
     def to_response(self, ident: str | None = None) -> tuple:  # waitress 2.x passes no ident
         status = 400 if self.code == 501 else self.code  # 501: an unknown Transfer-Encoding
         if status == 413:
-            message = f"the body is over {self.max_body} bytes (SERVICE_MAX_BODY_BYTES)"
+            message = f"the body is over {self.max_body} bytes ({self.setting})"
         elif status == 431:
             message = "the request headers are too large"
         elif "Content-Length" in self.body:
@@ -9007,16 +11407,34 @@ def _hardened(listener_class: type) -> type:
     Its channels answer waitress's own refusals in the JSON envelope.
     """
     import waitress.channel
+    import waitress.parser
     import waitress.task
 
     class JsonErrorTask(waitress.task.ErrorTask):
         def execute(self):
-            limit = self.channel.server.adj.max_request_body_size - 1
-            self.request.error = _EnvelopedError(self.request.error, limit)
+            adj = getattr(self.request, "adj", None) or self.channel.server.adj
+            setting = getattr(adj, "setting", "SERVICE_MAX_BODY_BYTES")
+            error = _EnvelopedError(self.request.error, adj.max_request_body_size - 1, setting)
+            self.request.error = error
             super().execute()
+
+    class Parser(waitress.parser.HTTPRequestParser):
+        """Attachment uploads may be SERVICE_MAX_ATTACHMENT_BYTES; every other body keeps
+        SERVICE_MAX_BODY_BYTES, refused (413) from its declared length before it is read."""
+
+        def parse_header(self, header_plus):
+            super().parse_header(header_plus)
+            smaller = getattr(self.adj, "notesvc_body_size", None)
+            if smaller and not attachment_upload(self.command, self.path):
+                self.adj = _BodyLimit(self.adj, smaller, "SERVICE_MAX_BODY_BYTES")
+            elif smaller:
+                self.adj = _BodyLimit(
+                    self.adj, self.adj.max_request_body_size, "SERVICE_MAX_ATTACHMENT_BYTES"
+                )
 
     class Channel(waitress.channel.HTTPChannel):
         error_task_class = JsonErrorTask
+        parser_class = Parser
 
     class Listener(listener_class):
         channel_class = Channel
@@ -9055,6 +11473,24 @@ def _hardened(listener_class: type) -> type:
             super().handle_accept()
 
     return Listener
+
+
+class _BodyLimit:
+    """waitress's settings with another largest body (per request; see _hardened)."""
+
+    def __init__(self, adj: Any, size: int, setting: str):
+        self._adj, self.max_request_body_size, self.setting = adj, size, setting
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._adj, name)
+
+
+_UPLOAD_RE = re.compile(rf"^(?:/r/[^/]+)?{API}/attachments(?:/.*)?$", re.S)
+
+
+def attachment_upload(method: str, path: str) -> bool:
+    """Return whether a request uploads an attachment (its body may be the larger kind)."""
+    return method in ("PUT", "POST") and bool(_UPLOAD_RE.match(path or ""))
 
 
 def _raise_open_files_limit(wanted: int) -> None:
@@ -9170,8 +11606,8 @@ def running_server(config: Config) -> tuple | None:
 def make_server(app: Callable, config: Config):
     """Return a server bound to host:port: waitress, else wsgiref with a warning.
 
-    waitress takes bodies up to SERVICE_MAX_BODY_BYTES (a relay: twice that, for the
-    base64 answers it carries) and refuses a larger declared Content-Length before
+    waitress takes bodies up to SERVICE_MAX_BODY_BYTES (attachment uploads: up to
+    SERVICE_MAX_ATTACHMENT_BYTES) and refuses a larger declared Content-Length before
     reading any body, in the JSON envelope. It passes X-Forwarded-* through: the app
     decides whom to trust (client_address), under any WSGI server.
     """
@@ -9196,7 +11632,7 @@ def make_server(app: Callable, config: Config):
         server.run = server.serve_forever
         server.close = server.shutdown
         return server
-    max_body = config.max_body_bytes
+    max_body = max(config.max_body_bytes, config.max_attachment_bytes + MULTIPART_SLACK)
     _raise_open_files_limit(config.max_connections + 256)
     sockets: dict = {}
     server = waitress.server.create_server(
@@ -9224,14 +11660,20 @@ def make_server(app: Callable, config: Config):
             (channel, "last_activity"),
             (channel, "total_outbufs_len"),
             (channel, "error_task_class"),
+            (channel, "parser_class"),
             (task, "execute"),
         ):
             getattr(cls, name)
         for listener in sockets.values():
             if isinstance(listener, waitress.server.BaseWSGIServer):
                 listener.__class__ = _hardened(type(listener))
+                # the limit of every body but an attachment's (Parser, in _hardened)
+                listener.adj.notesvc_body_size = config.max_body_bytes + 1
     except (AttributeError, ImportError, TypeError) as e:
         log.warning("this waitress differs (%s): no guard against connection floods", e)
+        for listener in sockets.values():  # one limit then: SERVICE_MAX_BODY_BYTES
+            with contextlib.suppress(AttributeError):
+                listener.adj.max_request_body_size = config.max_body_bytes + 1
     return server
 
 

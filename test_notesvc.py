@@ -46,8 +46,18 @@ API = "/api/v1"
 # -- fixtures and helpers ---------------------------------------------------------
 
 
+# Outbound channel calls go nowhere unless a test points them at a stand-in: a closed
+# loopback port (a channel's poller then only retries, and never leaves this machine).
+NOWHERE = "http://127.0.0.1:1"
+
+
 def make_env(root: Path, **env: str) -> dict:
-    base = {"SERVICE_NOTES_ROOT": str(root), "SERVICE_RESCAN_SECONDS": "0"}
+    base = {
+        "SERVICE_NOTES_ROOT": str(root),
+        "SERVICE_RESCAN_SECONDS": "0",
+        "SERVICE_TELEGRAM_API_BASE": NOWHERE,
+        "SERVICE_WHATSAPP_API_BASE": NOWHERE,
+    }
     base.update(env)
     return base
 
@@ -2788,6 +2798,615 @@ class TestServerNotes:
         assert [p for p in notes.iterdir() if p.name.startswith(".tmp-")] == []
 
 
+# -- attachments ---------------------------------------------------------------------------
+
+PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 8  # 2056 bytes, every byte value
+
+
+def att_url(path: str) -> str:
+    return f"{API}/attachments/{urllib.parse.quote(path, safe='')}"
+
+
+def multipart(*parts: tuple, boundary: str = "b0undary-1234") -> tuple:
+    """Return (body, content type) of a form: parts are (name, value[, filename[, type]])."""
+    out = b""
+    for part in parts:
+        name, value = part[0], part[1]
+        value = value if isinstance(value, bytes) else value.encode()
+        head = f'Content-Disposition: form-data; name="{name}"'
+        if len(part) > 2:
+            ctype = part[3] if len(part) > 3 else "application/octet-stream"
+            head += f'; filename="{part[2]}"\r\nContent-Type: {ctype}'
+        out += f"--{boundary}\r\n{head}\r\n\r\n".encode() + value + b"\r\n"
+    out += f"--{boundary}--\r\n".encode()
+    return out, f"multipart/form-data; boundary={boundary}"
+
+
+def post_form(client, body: bytes, ctype: str, status: int = 201):
+    """POST a form as it is (WebTest's post() would encode a multipart body again)."""
+    return client.request(
+        f"{API}/attachments",
+        method="POST",
+        body=body,
+        headers={"Content-Type": ctype},
+        status=status,
+    )
+
+
+def upload(client, path: str, data: bytes = PNG, status: int = 201, **headers):
+    return client.put(
+        att_url(path),
+        data,
+        headers={"Content-Type": "application/octet-stream", **headers},
+        status=status,
+    )
+
+
+def leftovers(root: Path) -> list:
+    """Return temp files under the attachments and the notes (the state folder's index
+    cache has its own, written in the background)."""
+    return [
+        p
+        for top in (root / "attachments", root / "notes")
+        for p in top.rglob("*")
+        if p.name.startswith(".tmp-")
+    ]
+
+
+class TestAttachments:
+    def test_put_then_get_round_trips_with_every_header(self, client, root):
+        resp = upload(client, "attachments/trip/beach.png")
+        rec = data(resp)
+        assert set(rec) == {"path", "size", "contentType", "modified", "etag"}
+        assert rec["path"] == "attachments/trip/beach.png"
+        assert rec["size"] == len(PNG)
+        assert rec["contentType"] == "image/png"
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", rec["modified"])
+        assert resp.headers["ETag"] == rec["etag"]
+        assert resp.headers["Location"].endswith(att_url("attachments/trip/beach.png"))
+        assert (root / "attachments" / "trip" / "beach.png").read_bytes() == PNG
+        got = client.get(att_url("attachments/trip/beach.png"))
+        assert got.body == PNG
+        assert got.headers["Content-Type"] == "image/png"
+        assert got.headers["Content-Length"] == str(len(PNG))
+        assert got.headers["ETag"] == rec["etag"]
+        assert got.headers["Accept-Ranges"] == "bytes"
+        assert got.headers["X-Content-Type-Options"] == "nosniff"
+        assert "sandbox" in got.headers["Content-Security-Policy"]
+        assert got.headers["Content-Disposition"].startswith('inline; filename="beach.png"')
+        assert got.headers["Cache-Control"] == "no-store"
+        head = client.head(att_url("attachments/trip/beach.png"))
+        assert head.body == b""
+        assert head.headers["ETag"] == rec["etag"]
+        # PUT again replaces it: 200, a new ETag.
+        again = data(upload(client, "attachments/trip/beach.png", PNG[::-1], status=200))
+        assert again["etag"] != rec["etag"]
+        assert client.get(att_url("attachments/trip/beach.png")).body == PNG[::-1]
+        assert leftovers(root) == []
+
+    def test_preconditions_guard_a_replacement(self, client, root):
+        rec = data(upload(client, "attachments/a.jpg"))
+        resp = upload(client, "attachments/a.jpg", b"x", 412, **{"If-Match": '"nope"'})
+        assert_error(resp, 412, "PRECONDITION_FAILED")
+        resp = upload(client, "attachments/a.jpg", b"x", 412, **{"If-None-Match": "*"})
+        assert_error(resp, 412, "PRECONDITION_FAILED")
+        assert (root / "attachments" / "a.jpg").read_bytes() == PNG
+        upload(client, "attachments/a.jpg", b"new", 200, **{"If-Match": rec["etag"]})
+        upload(client, "attachments/b.jpg", b"x", 201, **{"If-None-Match": "*"})
+        resp = upload(client, "attachments/c.jpg", b"x", 412, **{"If-Match": rec["etag"]})
+        assert_error(resp, 412, "PRECONDITION_FAILED")  # nothing there to match
+        assert not (root / "attachments" / "c.jpg").exists()
+
+    def test_ranges_and_conditional_gets(self, client):
+        etag = data(upload(client, "attachments/v.mp4"))["etag"]
+        url, size = att_url("attachments/v.mp4"), len(PNG)
+        part = client.get(url, headers={"Range": "bytes=0-9"}, status=206)
+        assert part.body == PNG[:10]
+        assert part.headers["Content-Range"] == f"bytes 0-9/{size}"
+        assert part.headers["Content-Length"] == "10"
+        tail = client.get(url, headers={"Range": "bytes=-5"}, status=206)
+        assert tail.body == PNG[-5:]
+        rest = client.get(url, headers={"Range": f"bytes={size - 3}-"}, status=206)
+        assert rest.body == PNG[-3:]
+        clipped = client.get(url, headers={"Range": f"bytes=10-{size * 2}"}, status=206)
+        assert clipped.body == PNG[10:]
+        for whole in ("bytes=0-1,5-6", "pages=1-2", "bytes=9-3", "bytes=-"):
+            assert client.get(url, headers={"Range": whole}, status=200).body == PNG
+        outside = client.get(url, headers={"Range": f"bytes={size}-"}, status=416)
+        assert_error(outside, 416, "VALIDATION_ERROR")
+        assert outside.headers["Content-Range"] == f"bytes */{size}"
+        stale = client.get(url, headers={"Range": "bytes=0-9", "If-Range": '"old"'}, status=200)
+        assert stale.body == PNG
+        fresh = client.get(url, headers={"Range": "bytes=0-9", "If-Range": etag}, status=206)
+        assert fresh.body == PNG[:10]
+        assert client.get(url, headers={"If-None-Match": etag}, status=304).body == b""
+        assert client.get(url, headers={"If-None-Match": '"other"'}, status=200).body == PNG
+
+    @pytest.mark.parametrize(
+        ("name", "ctype"),
+        [("page.html", "text/html"), ("page.HTM", "text/html"), ("logo.svg", "image/svg+xml")],
+    )
+    def test_html_and_svg_are_downloads_under_a_sandbox(self, client, name, ctype):
+        active = b"<svg xmlns='http://www.w3.org/2000/svg'><script>alert(1)</script></svg>"
+        upload(client, f"attachments/{name}", active)
+        got = client.get(att_url(f"attachments/{name}"))
+        assert got.body == active
+        assert got.headers["Content-Type"].split(";")[0] == ctype
+        assert got.headers["Content-Disposition"].startswith("attachment;")
+        assert got.headers["Content-Security-Policy"] == "default-src 'none'; sandbox"
+        assert got.headers["X-Content-Type-Options"] == "nosniff"
+
+    def test_documents_are_downloads_and_names_are_quoted(self, client):
+        upload(client, "attachments/Überweisung (2026) März.pdf", b"%PDF-1.4")
+        got = client.get(att_url("attachments/Überweisung (2026) März.pdf"))
+        disposition = got.headers["Content-Disposition"]
+        assert disposition.startswith('attachment; filename="_berweisung _2026_ M_rz.pdf"')
+        assert "filename*=UTF-8''%C3%9Cberweisung%20%282026%29%20M%C3%A4rz.pdf" in disposition
+
+    def test_multipart_upload_never_overwrites(self, client, root):
+        body, ctype = multipart(
+            ("path", "attachments/cam/photo.jpg"), ("file", PNG, "IMG_1.jpg", "image/jpeg")
+        )
+        first = data(post_form(client, body, ctype, 201))
+        assert first["path"] == "attachments/cam/photo.jpg"
+        assert first["size"] == len(PNG)
+        assert (root / "attachments" / "cam" / "photo.jpg").read_bytes() == PNG
+        # The file part first, an unknown field ignored; the taken name gets -2, then -3.
+        body, ctype = multipart(
+            ("file", b"second", "x.jpg"), ("note", "hi"), ("path", "attachments/cam/photo.jpg")
+        )
+        second = data(post_form(client, body, ctype, 201))
+        assert second["path"] == "attachments/cam/photo-2.jpg"
+        third = data(post_form(client, body, ctype, 201))
+        assert third["path"] == "attachments/cam/photo-3.jpg"
+        assert client.get(att_url(second["path"])).body == b"second"
+        assert (root / "attachments" / "cam" / "photo.jpg").read_bytes() == PNG
+        # An empty file, the form a browser sends for an empty pick, is a file too.
+        empty = (
+            '--e\r\nContent-Disposition: form-data; name="path"\r\n\r\nattachments/e.txt\r\n'
+            '--e\r\nContent-Disposition: form-data; name="file"; filename="e.txt"\r\n\r\n--e--\r\n'
+        )
+        rec = data(
+            post_form(
+                client,
+                empty.encode(),
+                "multipart/form-data; boundary=e",
+                201,
+            )
+        )
+        assert rec["size"] == 0
+        assert leftovers(root) == []
+
+    @pytest.mark.parametrize(
+        ("body", "ctype", "status"),
+        [
+            pytest.param(*multipart(("path", "attachments/a.jpg")), 400, id="no-file"),
+            pytest.param(*multipart(("file", b"x", "a.jpg")), 400, id="no-path"),
+            pytest.param(
+                *multipart(("path", "notes/a.jpg"), ("file", b"x", "a.jpg")), 400, id="notes-path"
+            ),
+            pytest.param(
+                *multipart(("path", "attachments/a.exe"), ("file", b"x", "a.exe")), 400, id="exe"
+            ),
+            pytest.param(
+                *multipart(("path", "attachments/../x.jpg"), ("file", b"x", "a.jpg")),
+                400,
+                id="dotdot",
+            ),
+            pytest.param(
+                *multipart(("path", "attachments/" + "a" * 3000 + ".jpg"), ("file", b"x", "a.jpg")),
+                400,
+                id="long-path",
+            ),
+            pytest.param(
+                *multipart(("path", b"attachments/\xff.jpg"), ("file", b"x", "a.jpg")),
+                400,
+                id="not-utf8",
+            ),
+            pytest.param(
+                *multipart(("path", "attachments/a.jpg"), ("file", b"x", "a"), ("file", b"y", "b")),
+                400,
+                id="two-files",
+            ),
+            pytest.param(*multipart(*[("f", "x")] * 20), 400, id="many-parts"),
+            pytest.param(
+                b'--b\r\nContent-Disposition: form-data; name="file"\r\n\r\nnever ends',
+                "multipart/form-data; boundary=b",
+                400,
+                id="unterminated",
+            ),
+            pytest.param(
+                b"--b\r\nX-Big: " + b"h" * 9000 + b"\r\n\r\nx\r\n--b--",
+                "multipart/form-data; boundary=b",
+                400,
+                id="huge-headers",
+            ),
+            pytest.param(
+                b"--b\r\nContent-Type: text/plain\r\n\r\nx\r\n--b--",
+                "multipart/form-data; boundary=b",
+                400,
+                id="no-disposition",
+            ),
+            pytest.param(b"junk", "multipart/form-data", 400, id="no-boundary"),
+            pytest.param(b"junk", 'multipart/form-data; boundary="a\x7fb"', 400, id="bad-boundary"),
+            pytest.param(b'{"path": "attachments/a.jpg"}', "application/json", 415, id="json"),
+            pytest.param(
+                b"path=attachments/a.jpg", "application/x-www-form-urlencoded", 415, id="urlencoded"
+            ),
+        ],
+    )
+    def test_multipart_refusals(self, client, root, body, ctype, status):
+        resp = post_form(client, body, ctype, status)
+        assert_error(
+            resp, status, "VALIDATION_ERROR" if status == 400 else "UNSUPPORTED_MEDIA_TYPE"
+        )
+        assert (
+            not (root / "attachments").exists() or list((root / "attachments").rglob("*.*")) == []
+        )
+        assert leftovers(root) == []
+
+    @pytest.mark.parametrize(
+        "path",
+        [
+            "notes/a.jpg",
+            "attachments/a.exe",
+            "attachments/noext",
+            "attachments/.hidden.jpg",
+            "attachments/../notes/a.jpg",
+            "attachments//a.jpg",
+            "attachments/a\\b.jpg",
+            "attachments/a\x01.jpg",
+            "attachments/a\u202e.jpg",
+            "attachments/" + "x" * 300 + ".jpg",
+            "/attachments/a.jpg",
+            "attachments",
+            "attachments/.jpg",
+        ],
+    )
+    def test_hostile_paths_are_400(self, client, root, path):
+        for resp in (
+            client.put(att_url(path), b"x", content_type="image/jpeg", status=400),
+            client.get(att_url(path), status=400),
+            client.delete(att_url(path), status=400),
+        ):
+            assert_error(resp, 400, "VALIDATION_ERROR")
+        assert not (root / "notes" / "a.jpg").exists()
+
+    def test_a_symbolic_link_out_of_attachments_is_refused(self, client, root, tmp_path):
+        outside = tmp_path / "outside"
+        outside.mkdir()
+        (root / "attachments").mkdir(parents=True)
+        (root / "attachments" / "link").symlink_to(outside)
+        resp = client.put(
+            att_url("attachments/link/x.jpg"), b"x", content_type="image/jpeg", status=400
+        )
+        assert (
+            "outside the attachments folder"
+            in assert_error(resp, 400, "VALIDATION_ERROR")["message"]
+        )
+        assert list(outside.iterdir()) == []
+        (outside / "secret.jpg").write_bytes(b"secret")
+        assert_error(
+            client.get(att_url("attachments/link/secret.jpg"), status=400), 400, "VALIDATION_ERROR"
+        )
+        assert data(client.get(f"{API}/attachments"))["total"] == 0  # links are not followed
+
+    def test_size_limit(self, make_app, root):
+        client = with_key(make_app(SERVICE_MAX_ATTACHMENT_BYTES="2048"))
+        upload(client, "attachments/fits.bin.zip", b"x" * 2048)
+        resp = upload(client, "attachments/big.zip", b"x" * 2049, status=413)
+        message = assert_error(resp, 413, "PAYLOAD_TOO_LARGE")["message"]
+        assert "2048" in message
+        assert "SERVICE_MAX_ATTACHMENT_BYTES" in message
+        body, ctype = multipart(("path", "attachments/big2.zip"), ("file", b"x" * 2049, "b.zip"))
+        resp = post_form(client, body, ctype, 413)
+        assert_error(resp, 413, "PAYLOAD_TOO_LARGE")
+        assert sorted(p.name for p in (root / "attachments").iterdir()) == ["fits.bin.zip"]
+        assert leftovers(root) == []
+
+    def test_list_pages_by_path_and_leaves_out_the_rest(self, client, root):
+        for path in ("attachments/b/2.png", "attachments/a.pdf", "attachments/b/1.PNG"):
+            upload(client, path)
+        (root / "attachments" / "tool.exe").write_bytes(b"MZ")
+        (root / "attachments" / ".hidden.png").write_bytes(b"x")
+        (root / "attachments" / "b" / ".tmp-x.part").write_bytes(b"x")
+        listing = data(client.get(f"{API}/attachments"))
+        assert [a["path"] for a in listing["attachments"]] == [
+            "attachments/a.pdf",
+            "attachments/b/1.PNG",
+            "attachments/b/2.png",
+        ]
+        assert listing["total"] == 3
+        assert set(listing["attachments"][0]) == {"path", "size", "contentType", "modified", "etag"}
+        page = data(
+            client.get(f"{API}/attachments", {"folder": "attachments/b", "limit": 1, "offset": 1})
+        )
+        assert [a["path"] for a in page["attachments"]] == ["attachments/b/2.png"]
+        assert (page["total"], page["limit"], page["offset"]) == (2, 1, 1)
+        assert_error(
+            client.get(f"{API}/attachments", {"folder": "attachments/none"}, status=404),
+            404,
+            "NOT_FOUND",
+        )
+        for bad in (
+            {"folder": "notes"},
+            {"folder": "attachments/../x"},
+            {"limit": "0"},
+            {"offset": "-1"},
+            {"limit": "x"},
+        ):
+            assert_error(client.get(f"{API}/attachments", bad, status=400), 400, "VALIDATION_ERROR")
+        info = data(client.get(f"{API}/system/info"))
+        assert info["attachments"] == {"count": 3, "bytes": 3 * len(PNG)}
+
+    def test_an_empty_root_lists_nothing(self, client, root):
+        assert data(client.get(f"{API}/attachments")) == {
+            "attachments": [],
+            "total": 0,
+            "limit": 100,
+            "offset": 0,
+        }
+        assert not (root / "attachments").exists()  # created by the first upload only
+
+    def test_delete_moves_it_into_the_notes_trash(self, client, root):
+        rec = data(upload(client, "attachments/old/scan.pdf", b"%PDF"))
+        resp = client.delete(
+            att_url("attachments/old/scan.pdf"), headers={"If-Match": '"x"'}, status=412
+        )
+        assert_error(resp, 412, "PRECONDITION_FAILED")
+        gone = data(
+            client.delete(att_url("attachments/old/scan.pdf"), headers={"If-Match": rec["etag"]})
+        )
+        assert gone["path"] == "attachments/old/scan.pdf"
+        assert gone["deleted"] is True
+        m = re.fullmatch(
+            r"\.notesvc/trash/(\d{8}T\d{6}\.\d{6}Z)/attachments/old/scan\.pdf", gone["trash"]
+        )
+        assert m, gone["trash"]
+        assert (root / gone["trash"]).read_bytes() == b"%PDF"  # the same layout as notes
+        assert not (root / "attachments" / "old").exists()  # its emptied folder is pruned
+        assert_error(client.get(att_url("attachments/old/scan.pdf"), status=404), 404, "NOT_FOUND")
+        assert_error(
+            client.delete(att_url("attachments/old/scan.pdf"), status=404), 404, "NOT_FOUND"
+        )
+
+    def test_move_rewrites_the_links_to_it(self, client, root):
+        upload(client, "attachments/trip/a.jpg")
+        put_note(
+            client,
+            "notes/days/monday.md",
+            '# Monday\n\n![beach](../../attachments/trip/a.jpg "Sea")\n',
+        )
+        put_note(
+            client,
+            "notes/index.md",
+            "[photo](/attachments/trip/a.jpg) and ![[a.jpg]] and [[trip/a.jpg|pic]]\n",
+        )
+        put_note(client, "notes/other.md", "![other](../attachments/trip/b.jpg) [a](a.md)\n")
+        url = att_url("attachments/trip/a.jpg")
+        body = {"path": "attachments/2026/sea.jpg", "updateLinks": True}
+        moved = data(client.patch_json(url + "/move", body))
+        assert moved["path"] == "attachments/2026/sea.jpg"
+        assert moved["from"] == "attachments/trip/a.jpg"
+        assert moved["linksUpdated"] == ["notes/days/monday.md", "notes/index.md"]
+        assert (
+            root / "notes/days/monday.md"
+        ).read_text() == '# Monday\n\n![beach](../../attachments/2026/sea.jpg "Sea")\n'
+        assert (
+            (root / "notes/index.md").read_text()
+            == "[photo](/attachments/2026/sea.jpg) and ![[sea.jpg]] and [[2026/sea.jpg|pic]]\n"
+        )
+        assert (
+            root / "notes/other.md"
+        ).read_text() == "![other](../attachments/trip/b.jpg) [a](a.md)\n"
+        assert client.get(att_url("attachments/2026/sea.jpg")).body == PNG
+        assert not (root / "attachments" / "trip").exists()
+        # Without updateLinks the notes stay as they are.
+        plain = data(
+            client.patch_json(
+                att_url("attachments/2026/sea.jpg") + "/move", {"path": "attachments/x.jpg"}
+            )
+        )
+        assert "linksUpdated" not in plain
+        assert "2026/sea.jpg" in (root / "notes/index.md").read_text()
+
+    def test_move_refusals(self, client, root):
+        rec = data(upload(client, "attachments/a.jpg"))
+        upload(client, "attachments/b.jpg", b"other")
+        url = att_url("attachments/a.jpg") + "/move"
+        assert_error(
+            client.patch_json(url, {"path": "attachments/b.jpg"}, status=409), 409, "CONFLICT"
+        )
+        assert_error(
+            client.patch_json(
+                url, {"path": "attachments/c.jpg"}, headers={"If-Match": '"x"'}, status=412
+            ),
+            412,
+            "PRECONDITION_FAILED",
+        )
+        assert_error(
+            client.patch_json(
+                att_url("attachments/none.jpg") + "/move", {"path": "attachments/c.jpg"}, status=404
+            ),
+            404,
+            "NOT_FOUND",
+        )
+        for body in (
+            {"path": "attachments/c.exe"},
+            {"path": "notes/c.md"},
+            {"path": 5},
+            {},
+            {"path": "attachments/c.jpg", "updateLinks": "yes"},
+        ):
+            assert_error(client.patch_json(url, body, status=400), 400, "VALIDATION_ERROR")
+        assert_error(
+            client.patch(url, b'{"path": ', content_type="application/json", status=400),
+            400,
+            "VALIDATION_ERROR",
+        )
+        assert_error(
+            client.patch(url, b"path=x", content_type="text/plain", status=415),
+            415,
+            "UNSUPPORTED_MEDIA_TYPE",
+        )
+        assert (root / "attachments/a.jpg").read_bytes() == PNG
+        assert (root / "attachments/b.jpg").read_bytes() == b"other"
+        same = data(
+            client.patch_json(url, {"path": "attachments/a.jpg"}, headers={"If-Match": rec["etag"]})
+        )
+        assert same["path"] == same["from"] == "attachments/a.jpg"
+
+    def test_a_moved_note_keeps_its_attachment_links_working(self, client, root):
+        upload(client, "attachments/x.jpg")
+        put_note(client, "notes/a.md", "![x](../attachments/x.jpg) ![[x.jpg]]\n")
+        moved = data(
+            client.patch_json(
+                note_url("notes/a.md") + "/move",
+                {"path": "notes/deep/er/a.md", "updateLinks": True},
+            )
+        )
+        assert moved["linksUpdated"] == ["notes/deep/er/a.md"]
+        assert (
+            root / "notes/deep/er/a.md"
+        ).read_text() == "![x](../../../attachments/x.jpg) ![[x.jpg]]\n"
+
+    def test_raw_put_refuses_a_multipart_body(self, client):
+        body, ctype = multipart(("path", "attachments/a.jpg"), ("file", b"x", "a.jpg"))
+        resp = client.put(att_url("attachments/a.jpg"), body, content_type=ctype, status=415)
+        assert (
+            "POST /api/v1/attachments"
+            in assert_error(resp, 415, "UNSUPPORTED_MEDIA_TYPE")["message"]
+        )
+
+    def test_a_crash_leftover_is_swept_at_start(self, make_app, root):
+        folder = root / "attachments"
+        folder.mkdir(parents=True)
+        (folder / ".tmp-abc.part").write_bytes(b"half an upload")
+        with_key(make_app())
+        assert leftovers(root) == []
+
+    def test_a_client_on_another_allowed_origin_may_ask_for_ranges(self, make_app):
+        app = make_app(SERVICE_CORS_ORIGINS="https://app.example")
+        pre = app.options(
+            att_url("attachments/a.mp4"),
+            headers={
+                "Origin": "https://app.example",
+                "Access-Control-Request-Method": "GET",
+                "Access-Control-Request-Headers": "range, if-none-match",
+            },
+            status=204,
+        )
+        allowed = pre.headers["Access-Control-Allow-Headers"]
+        assert "Range" in allowed
+        assert "If-None-Match" in allowed
+        client = with_key(app)
+        upload(client, "attachments/a.mp4")
+        got = client.get(
+            att_url("attachments/a.mp4"),
+            headers={"Origin": "https://app.example", "Range": "bytes=0-1"},
+            status=206,
+        )
+        assert "Content-Range" in got.headers["Access-Control-Expose-Headers"]
+
+    def test_every_route_needs_the_key(self, anon):
+        for method, url in (
+            ("GET", f"{API}/attachments"),
+            ("POST", f"{API}/attachments"),
+            ("GET", att_url("attachments/a.jpg")),
+            ("PUT", att_url("attachments/a.jpg")),
+            ("DELETE", att_url("attachments/a.jpg")),
+            ("PATCH", att_url("attachments/a.jpg") + "/move"),
+        ):
+            assert_error(anon.request(url, method=method, status=401), 401, "UNAUTHORIZED")
+
+
+class TestServerAttachments:
+    def test_uploads_get_their_own_body_limit_and_others_keep_theirs(self, tmp_path):
+        env = {"SERVICE_MAX_BODY_BYTES": "4096", "SERVICE_MAX_ATTACHMENT_BYTES": "65536"}
+        with running(tmp_path, "--auth-mode", "none", env=env) as server:
+            big = b"x" * 60000
+            req = urllib.request.Request(
+                server.url + att_url("attachments/a.zip"),
+                big,
+                {"Content-Type": "application/zip"},
+                method="PUT",
+            )
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                assert resp.status == 201
+            assert (tmp_path / "attachments" / "a.zip").read_bytes() == big
+            # Declared lengths over the limits are refused before any body is read.
+            for method, path, length, setting in (
+                ("POST", f"{API}/notes", 5000, "SERVICE_MAX_BODY_BYTES"),
+                ("PUT", note_url("notes/a.md"), 5000, "SERVICE_MAX_BODY_BYTES"),
+                (
+                    "PUT",
+                    att_url("attachments/b.zip"),
+                    70000 + 65536,
+                    "SERVICE_MAX_ATTACHMENT_BYTES",
+                ),
+                ("POST", f"{API}/attachments", 70000 + 65536, "SERVICE_MAX_ATTACHMENT_BYTES"),
+            ):
+                head = (
+                    f"{method} {path} HTTP/1.1\r\nHost: x\r\n"
+                    f"Content-Type: application/json\r\nContent-Length: {length}\r\n\r\n"
+                )
+                started = time.monotonic()
+                status, _, text = raw_http(server.port, head.encode())
+                assert status == 413, text
+                assert time.monotonic() - started < 2
+                assert setting in text.decode()
+            # The app still holds a JSON body to SERVICE_MAX_BODY_BYTES on an upload's path.
+            status, _, _ = server.request(
+                "PATCH",
+                att_url("attachments/a.zip") + "/move",
+                {"path": "attachments/c.zip", "pad": "x" * 5000},
+            )
+            assert status == 413
+            # A chunked upload is counted too.
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+            conn.putrequest("PUT", att_url("attachments/chunked.zip"))
+            conn.putheader("Transfer-Encoding", "chunked")
+            conn.putheader("Content-Type", "application/zip")
+            conn.endheaders()
+            for _ in range(3):
+                conn.send(b"2710\r\n" + b"y" * 10000 + b"\r\n")
+            conn.send(b"0\r\n\r\n")
+            resp = conn.getresponse()
+            assert resp.status == 201, resp.read()
+            conn.close()
+            assert (tmp_path / "attachments" / "chunked.zip").read_bytes() == b"y" * 30000
+
+    def test_full_disk_is_507_and_leaves_nothing(self, tmp_path):
+        if os.geteuid() != 0 or not shutil.which("mount"):
+            pytest.skip("mounting a small tmpfs needs root")
+        disk = tmp_path / "disk"
+        disk.mkdir()
+        mounted = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=256k", "tmpfs", str(disk)],
+            capture_output=True,
+            timeout=10,
+        )
+        if mounted.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode()[:200]}")
+        try:
+            with running(disk, "--auth-mode", "none") as server:
+                req = urllib.request.Request(
+                    server.url + att_url("attachments/deep/er/big.zip"),
+                    b"z" * 400_000,
+                    {"Content-Type": "application/zip"},
+                    method="PUT",
+                )
+                with pytest.raises(urllib.error.HTTPError) as caught:
+                    urllib.request.urlopen(req, timeout=10)
+                assert caught.value.code == 507
+                assert json.loads(caught.value.read())["error"]["code"] == "INSUFFICIENT_STORAGE"
+                assert not (disk / "attachments" / "deep").exists()
+                assert leftovers(disk) == []
+            assert "Traceback" not in "".join(server.lines)
+        finally:
+            subprocess.run(["umount", str(disk)], capture_output=True, timeout=10)
+
+
 # -- search ------------------------------------------------------------------------------
 
 
@@ -3113,24 +3732,75 @@ class TestServerSearch:
 
 
 class FakeUpstream:
-    """A loopback HTTP server speaking the OpenAI chat-completions, Telegram Bot API and
-    WhatsApp Cloud API formats, recording every request it receives."""
+    """A loopback HTTP server speaking the OpenAI chat-completions and /audio/transcriptions,
+    Telegram Bot API and WhatsApp Cloud API formats.
+
+    `requests` records what it is sent (chat completions, sendMessage, WhatsApp messages,
+    transcriptions); the Bot API's own bookkeeping, which pollers call in the background
+    (getUpdates, setWebhook, deleteWebhook, getFile), goes to `bot_calls`, and GETs
+    (file and media downloads) to `downloads`. Telegram updates queued with push() are
+    handed out by getUpdates with Telegram's offset rules and long-poll time-out (held at
+    most `max_hold` seconds); setWebhook makes getUpdates answer 409 until deleteWebhook.
+    """
+
+    BOT_METHODS = ("getUpdates", "setWebhook", "deleteWebhook", "getFile", "getMe")
+    WHATSAPP_TOKEN = "EAAG-whatsapp-token"
 
     def __init__(self):
         self.requests: list = []
+        self.bot_calls: list = []
+        self.downloads: list = []
         self.status = 200
         self.delay = 0.0
         self.reply = "The spare keys are under the blue flowerpot (notes/home/keys.md)."
         self.raw = None  # bytes to answer instead of the usual JSON
+        self.updates: list = []  # queued Telegram updates (push)
+        self.next_update_id = 500000
+        self.max_hold = 1.0
+        self.polls = 0
+        self.poll_status = 200  # getUpdates answers this (e.g. 401: a revoked token)
+        self.poll_error = "Unauthorized"  # ... with this description
+        self.webhook: dict | None = None
+        self.webhook_error = ""  # setWebhook refuses with this description
+        self.files: dict = {}  # Telegram file_id -> (file_path, bytes)
+        self.media: dict = {}  # WhatsApp media id -> (mime type, bytes)
+        self.transcript = "Remember to buy oat milk and call the plumber."
+        self.closed = False
+        self.cond = threading.Condition()
         fake = self
 
         class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
             def log_message(self, *args):
                 pass
 
+            def _send(self, status: int, payload: bytes, ctype: str = "application/json"):
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                with contextlib.suppress(OSError):
+                    self.wfile.write(payload)
+
             def do_POST(self):
                 length = int(self.headers.get("Content-Length", 0))
-                body = json.loads(self.rfile.read(length) or b"null")
+                raw = self.rfile.read(length)
+                path = self.path.split("?")[0]
+                method = path.rsplit("/", 1)[-1]
+                if path.endswith("/audio/transcriptions"):
+                    form = fake.parse_form(raw, self.headers.get("Content-Type", ""))
+                    fake.requests.append(
+                        {"path": self.path, "headers": dict(self.headers), "form": form}
+                    )
+                    if "file" not in form:
+                        return self._send(400, b'{"error": {"message": "no file"}}')
+                    return self._send(200, json.dumps({"text": fake.transcript}).encode())
+                body = json.loads(raw or b"null")
+                if path.startswith("/bot") and method in fake.BOT_METHODS:
+                    fake.bot_calls.append({"path": self.path, "json": body})
+                    status, answer = fake.bot_api(method, body)
+                    return self._send(status, json.dumps(answer).encode())
                 fake.requests.append(
                     {"path": self.path, "headers": dict(self.headers), "json": body}
                 )
@@ -3140,12 +3810,38 @@ class FakeUpstream:
                     if fake.raw is not None
                     else json.dumps(fake.answer(self.path, body)).encode()
                 )
-                self.send_response(fake.status)
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                with contextlib.suppress(OSError):
-                    self.wfile.write(payload)
+                self._send(fake.status, payload)
+
+            def do_GET(self):
+                path = urllib.parse.unquote(self.path.split("?")[0])
+                fake.downloads.append({"path": path, "headers": dict(self.headers)})
+                m = re.match(r"^/file/bot[^/]+/(.+)$", path)
+                if m:
+                    found = [data for p, data in fake.files.values() if p == m.group(1)]
+                    if not found:
+                        return self._send(404, b'{"ok": false, "description": "Not Found"}')
+                    return self._send(200, found[0], "application/octet-stream")
+                bearer = self.headers.get("Authorization") == f"Bearer {fake.WHATSAPP_TOKEN}"
+                m = re.match(r"^/v21\.0/([^/]+)$", path)
+                if m and m.group(1) in fake.media:
+                    if not bearer:
+                        return self._send(401, b'{"error": {"code": 190}}')
+                    mime, data = fake.media[m.group(1)]
+                    info = {
+                        "messaging_product": "whatsapp",
+                        "url": f"{fake.url}/whatsapp-media/{m.group(1)}?ext=1",
+                        "mime_type": mime,
+                        "file_size": len(data),
+                        "id": m.group(1),
+                    }
+                    return self._send(200, json.dumps(info).encode())
+                m = re.match(r"^/whatsapp-media/([^/]+)$", path)
+                if m and m.group(1) in fake.media:
+                    if not bearer:
+                        return self._send(401, b"")
+                    mime, data = fake.media[m.group(1)]
+                    return self._send(200, data, mime)
+                self._send(404, b'{"error": "unknown path"}')
 
         self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
@@ -3153,6 +3849,90 @@ class FakeUpstream:
         threading.Thread(
             target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
         ).start()
+
+    @staticmethod
+    def parse_form(raw: bytes, ctype: str) -> dict:
+        """Return {name: (filename, bytes)} of a multipart/form-data body."""
+        import email.parser
+        import email.policy
+
+        msg = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
+            f"Content-Type: {ctype}\r\n\r\n".encode() + raw
+        )
+        if not msg.is_multipart():
+            return {}
+        return {
+            part.get_param("name", header="content-disposition"): (
+                part.get_filename(),
+                part.get_payload(decode=True),
+            )
+            for part in msg.iter_parts()
+        }
+
+    def push(self, update: dict) -> int:
+        """Queue a Telegram update for getUpdates; return its update_id."""
+        with self.cond:
+            self.next_update_id += 1
+            self.updates.append({**update, "update_id": self.next_update_id})
+            self.cond.notify_all()
+            return self.next_update_id
+
+    def add_file(self, file_id: str, file_path: str, data: bytes) -> None:
+        self.files[file_id] = (file_path, data)
+
+    def bot_api(self, method: str, body: dict) -> tuple:
+        if method == "getUpdates":
+            if self.poll_status != 200:
+                answer = {
+                    "ok": False,
+                    "error_code": self.poll_status,
+                    "description": self.poll_error,
+                }
+                return self.poll_status, answer
+            if self.webhook is not None:
+                return 409, {
+                    "ok": False,
+                    "error_code": 409,
+                    "description": "Conflict: can't use getUpdates method while webhook is "
+                    "active; use deleteWebhook to delete the webhook first",
+                }
+            offset = body.get("offset", 0)
+            deadline = time.monotonic() + min(body.get("timeout", 0), self.max_hold)
+            with self.cond:
+                self.polls += 1
+                self.updates = [u for u in self.updates if u["update_id"] >= offset]
+                while not self.updates and not self.closed:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self.cond.wait(left)
+                return 200, {"ok": True, "result": list(self.updates[:100])}
+        if method == "setWebhook":
+            if self.webhook_error:
+                return 400, {"ok": False, "error_code": 400, "description": self.webhook_error}
+            self.webhook = body
+            return 200, {"ok": True, "result": True, "description": "Webhook was set"}
+        if method == "deleteWebhook":
+            self.webhook = None
+            return 200, {"ok": True, "result": True, "description": "Webhook was deleted"}
+        if method == "getFile":
+            found = self.files.get(body.get("file_id"))
+            if found is None:
+                return 400, {
+                    "ok": False,
+                    "error_code": 400,
+                    "description": "Bad Request: invalid file_id",
+                }
+            return 200, {
+                "ok": True,
+                "result": {
+                    "file_id": body["file_id"],
+                    "file_unique_id": "u" + body["file_id"],
+                    "file_size": len(found[1]),
+                    "file_path": found[0],
+                },
+            }
+        return 200, {"ok": True, "result": {"id": 1, "is_bot": True, "username": "notes_bot"}}
 
     def answer(self, path: str, body: dict) -> dict:
         path = path.split("?")[0]
@@ -3184,7 +3964,21 @@ class FakeUpstream:
             }
         return {"error": "unknown path"}
 
+    def sent(self) -> list:
+        """Return the texts sent through sendMessage and WhatsApp /messages, in order."""
+        out = []
+        for r in self.requests:
+            body = r.get("json") or {}
+            if "/sendMessage" in r["path"]:
+                out.append(body["text"])
+            elif r["path"].endswith("/messages"):
+                out.append(body["text"]["body"])
+        return out
+
     def close(self):
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
         self.server.shutdown()
         self.server.server_close()
 
@@ -3230,8 +4024,8 @@ def telegram_update(text, chat_id=42, **extra):
 
 def whatsapp_update(text, number="15551234567"):
     message = {"from": number, "id": "wamid.ID", "timestamp": "1763731200"}
-    if text is None:
-        message.update(type="image", image={"id": "img", "mime_type": "image/jpeg"})
+    if text is None:  # no text and nothing to capture: a shared location
+        message.update(type="location", location={"latitude": 52.52, "longitude": 13.40})
     else:
         message.update(type="text", text={"body": text})
     return {
@@ -3636,21 +4430,21 @@ class TestChannels:
         resp = self.hook(client, "web", web_update("hi"), "wrong", 429)
         assert_error(resp, 429, "RATE_LIMITED")
 
-    def test_telegram_save_writes_inbox_and_replies(self, client, upstream, root):
+    def test_telegram_save_writes_the_daily_note_and_replies(self, client, upstream, root):
         ch = self.create(client, "telegram", allowedChatIds=[42])
         resp = self.hook(
             client, "telegram", telegram_update("/save buy milk"), ch["secret"], how="telegram"
         )
         assert data(resp) == {"handled": True, "delivered": True}
-        inbox = list((root / "notes" / "inbox").glob("*.md"))
+        inbox = list((root / "notes" / "daily").glob("*.md"))  # CONTRACT 20: the daily note
         assert len(inbox) == 1
         text = inbox[0].read_text()
         assert re.search(r"^- \d\d:\d\d buy milk$", text, re.M)
-        assert text.startswith("# Inbox ")
+        assert text.startswith("# " + notesvc.day_note(notesvc.dt.date.today())[1])
         sent = upstream.requests[-1]
         assert sent["path"] == "/bot123456:ABC-telegram-token/sendMessage"
         assert sent["json"]["chat_id"] == "42"
-        assert "Saved to notes/inbox/" in sent["json"]["text"]
+        assert "Saved to notes/daily/" in sent["json"]["text"]
         # A second /save appends to the same note; the index follows.
         self.hook(client, "telegram", telegram_update("/save@my_bot call mum"), ch["secret"])
         assert "call mum" in inbox[0].read_text()
@@ -3961,6 +4755,722 @@ class TestChannels:
             assert data(changed)["config"]["allowedBirds"] == ["crow"]
         finally:
             notesvc.CHANNEL_PROVIDERS.pop("pigeon", None)
+
+
+# -- capture: photos, voice and files from the channels, commands, polling, reminders ----------
+
+OGG = b"OggS\x00\x02" + bytes(range(200))
+
+
+def photo_update(*sizes: tuple, caption: str | None = None, chat_id: int = 42) -> dict:
+    """A Telegram photo message: sizes are (file_id, width, height, file_size)."""
+    photo = [
+        {"file_id": f, "file_unique_id": f"u{f}", "width": w, "height": h, "file_size": n}
+        for f, w, h, n in sizes
+    ]
+    extra = {"caption": caption} if caption else {}
+    return telegram_update(None, chat_id, photo=photo, **extra)
+
+
+def today_note(client, folder: str = "notes/daily") -> Path:
+    day = notesvc.local_now(client.app.service).date()
+    return client.app.service.config.root / folder / f"{day:%Y-%m-%d}.md"
+
+
+def whatsapp_media(kind: str, media_id: str, number: str = "15551234567", **fields) -> dict:
+    update = whatsapp_update("x", number)
+    message = update["entry"][0]["changes"][0]["value"]["messages"][0]
+    del message["text"]
+    message.update(type=kind, **{kind: {"id": media_id, **fields}})
+    return update
+
+
+def whatsapp_signature(body: bytes, secret: str) -> str:
+    import hashlib
+    import hmac
+
+    return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+
+
+class TestCapture:
+    @pytest.fixture
+    def client(self, make_app, upstream):
+        return with_key(
+            make_app(
+                SERVICE_TELEGRAM_API_BASE=upstream.url,
+                SERVICE_WHATSAPP_API_BASE=upstream.url + "/v21.0",
+                SERVICE_TRANSCRIBE_URL=upstream.url + "/v1",
+                SERVICE_TRANSCRIBE_API_KEY="tr-key-123",
+            )
+        )
+
+    def create(self, client, provider="telegram", status=201, **config):
+        base = {**MINIMAL_CONFIG[provider]}
+        if provider == "telegram":
+            base.update(allowedChatIds=[42], mode="webhook")
+        elif provider == "whatsapp":
+            base.update(allowedNumbers=["15551234567"])
+        body = {"provider": provider, "config": {**base, **config}}
+        return data(client.post_json(f"{API}/channels", body, status=status))
+
+    def hook(self, client, provider, payload, secret, status=200, headers=None):
+        anon = webtest.TestApp(client.app)
+        headers = {"X-Service-Channel-Secret": secret, **(headers or {})} if secret else headers
+        return anon.post_json(
+            f"{API}/channels/webhook/{provider}", payload, headers=headers or {}, status=status
+        )
+
+    def test_a_photo_becomes_an_attachment_linked_from_the_daily_note(self, client, upstream):
+        ch = self.create(client)
+        upstream.add_file("ph-s", "photos/file_6.jpg", b"small")
+        upstream.add_file("ph-b", "photos/file_7.jpg", PNG)
+        update = photo_update(("ph-s", 90, 67, 5), ("ph-b", 1280, 960, len(PNG)), caption="Beach")
+        assert data(self.hook(client, "telegram", update, ch["secret"])) == {
+            "handled": True,
+            "delivered": True,
+        }
+        text = today_note(client).read_text()
+        m = re.search(
+            r"^- \d\d:\d\d !\[photo\]\(\.\./\.\./(attachments/inbox/\d{4}-\d\d-\d\d/"
+            r"\d{6}-photo\.jpg)\) Beach$",
+            text,
+            re.M,
+        )
+        assert m, text
+        assert text.startswith("# " + notesvc.day_note(notesvc.local_now(client.app.service))[1])
+        assert client.get(att_url(m.group(1))).body == PNG  # the largest size was fetched
+        files = [c["json"]["file_id"] for c in upstream.bot_calls if "/getFile" in c["path"]]
+        assert files == ["ph-b"]
+        assert (
+            upstream.downloads[-1]["path"] == "/file/bot123456:ABC-telegram-token/photos/file_7.jpg"
+        )
+        note = str(today_note(client).relative_to(client.app.service.config.root))
+        assert upstream.sent()[-1] == f"Saved the photo to {note}."
+        # The same photo again gets its own file, never overwriting the first.
+        self.hook(client, "telegram", update, ch["secret"])
+        assert len(re.findall(r"-photo(?:-2)?\.jpg", today_note(client).read_text())) == 2
+
+    def test_a_voice_message_is_transcribed_under_its_link(self, client, upstream):
+        ch = self.create(client)
+        upstream.add_file("vc1", "voice/file_3.oga", OGG)
+        voice = {"file_id": "vc1", "file_unique_id": "v", "duration": 4, "mime_type": "audio/ogg"}
+        self.hook(client, "telegram", telegram_update(None, voice=voice), ch["secret"])
+        text = today_note(client).read_text()
+        m = re.search(
+            r"^- \d\d:\d\d \[voice message\]\(\.\./\.\./(attachments/inbox/[^)]+-voice\.ogg)\)\n"
+            r"  > Remember to buy oat milk and call the plumber\.$",
+            text,
+            re.M,
+        )
+        assert m, text
+        assert client.get(att_url(m.group(1))).body == OGG
+        asked = next(r for r in upstream.requests if r["path"] == "/v1/audio/transcriptions")
+        assert asked["headers"]["Authorization"] == "Bearer tr-key-123"
+        assert asked["form"]["model"] == (None, b"whisper-1")
+        assert asked["form"]["file"][0].endswith("voice.ogg")
+        assert asked["form"]["file"][1] == OGG
+        assert "call the plumber" in upstream.sent()[-1]
+        assert hits(client, "plumber") == [
+            str(today_note(client).relative_to(client.app.service.config.root))
+        ]
+
+    def test_without_a_transcription_service_the_audio_is_kept_and_said_so(
+        self, make_app, upstream
+    ):
+        client = with_key(make_app(SERVICE_TELEGRAM_API_BASE=upstream.url))
+        ch = self.create(client)
+        upstream.add_file("au1", "music/file_1.mp3", b"ID3" + bytes(50))
+        audio = {"file_id": "au1", "mime_type": "audio/mpeg", "file_name": "Idea 1.mp3"}
+        self.hook(client, "telegram", telegram_update(None, audio=audio), ch["secret"])
+        text = today_note(client).read_text()
+        assert re.search(
+            r"\[Idea 1\.mp3\]\(\.\./\.\./attachments/inbox/[^)]+-Idea-1\.mp3\) \(not transcribed\)",
+            text,
+        ), text
+        assert "SERVICE_TRANSCRIBE_URL is not set" in upstream.sent()[-1]
+        assert not [r for r in upstream.requests if "transcriptions" in r["path"]]
+
+    def test_a_failed_transcription_keeps_the_audio(self, make_app, upstream, caplog):
+        client = with_key(
+            make_app(
+                SERVICE_TELEGRAM_API_BASE=upstream.url,
+                SERVICE_TRANSCRIBE_URL=NOWHERE + "/v1/audio/transcriptions",
+            )
+        )
+        ch = self.create(client)
+        upstream.add_file("vc2", "voice/file_4.oga", OGG)
+        voice = {"file_id": "vc2", "mime_type": "audio/ogg"}
+        self.hook(client, "telegram", telegram_update(None, voice=voice), ch["secret"])
+        text = today_note(client).read_text()
+        assert "(transcription failed: " in text
+        assert len(data(client.get(f"{API}/attachments"))["attachments"]) == 1
+        assert any("transcription failed" in r.getMessage() for r in caplog.records)
+
+    def test_files_of_other_types_or_over_the_limit_are_not_saved(self, make_app, upstream, root):
+        client = with_key(
+            make_app(SERVICE_TELEGRAM_API_BASE=upstream.url, SERVICE_MAX_ATTACHMENT_BYTES="4096")
+        )
+        ch = self.create(client)
+        exe = {"file_id": "d1", "file_name": "setup.exe", "mime_type": "application/x-msdownload"}
+        self.hook(client, "telegram", telegram_update(None, document=exe), ch["secret"])
+        assert "not accepted" in upstream.sent()[-1]
+        big = {
+            "file_id": "d2",
+            "file_name": "scan.pdf",
+            "mime_type": "application/pdf",
+            "file_size": 5000,
+        }
+        self.hook(client, "telegram", telegram_update(None, document=big), ch["secret"])
+        assert "over 4096 bytes" in upstream.sent()[-1]
+        assert not [c for c in upstream.bot_calls if "/getFile" in c["path"]]  # nothing fetched
+        # A size Telegram did not announce is enforced while downloading.
+        upstream.add_file("d3", "documents/file_9.pdf", b"%PDF" + b"x" * 5000)
+        quiet = {"file_id": "d3", "file_name": "quiet.pdf", "mime_type": "application/pdf"}
+        self.hook(client, "telegram", telegram_update(None, document=quiet), ch["secret"])
+        assert "over 4096 bytes" in upstream.sent()[-1]
+        assert not (root / "attachments").exists() or not list(
+            (root / "attachments").rglob("*.pdf")
+        )
+        assert leftovers(root) == []
+        assert not today_note(client).exists()  # nothing saved, nothing written
+        # A named document of an accepted type is kept under its own name.
+        upstream.add_file("d4", "documents/file_10.pdf", b"%PDF-1.7")
+        named = {
+            "file_id": "d4",
+            "file_name": "Tax return 2026.pdf",
+            "mime_type": "application/pdf",
+        }
+        self.hook(client, "telegram", telegram_update(None, document=named), ch["secret"])
+        assert "[Tax return 2026.pdf](../../attachments/inbox/" in today_note(client).read_text()
+
+    def test_whatsapp_image_and_voice_are_fetched_with_the_bearer_token(self, client, upstream):
+        ch = self.create(client, "whatsapp")
+        upstream.media["img-1"] = ("image/jpeg", PNG)
+        upstream.media["aud-1"] = ("audio/ogg; codecs=opus", OGG)
+        image = whatsapp_media("image", "img-1", mime_type="image/jpeg", caption="Receipt")
+        assert data(self.hook(client, "whatsapp", image, ch["secret"]))["handled"] is True
+        voice = whatsapp_media("audio", "aud-1", mime_type="audio/ogg; codecs=opus", voice=True)
+        self.hook(client, "whatsapp", voice, ch["secret"])
+        text = today_note(client).read_text()
+        assert re.search(
+            r"!\[photo\]\(\.\./\.\./attachments/inbox/[^)]+-photo\.jpg\) Receipt", text
+        )
+        assert re.search(
+            r"\[voice message\]\([^)]+-voice\.ogg\)\n  > Remember to buy oat milk", text
+        )
+        fetched = [
+            d for d in upstream.downloads if "whatsapp-media" in d["path"] or "/v21.0/" in d["path"]
+        ]
+        assert len(fetched) == 4
+        assert all(d["headers"]["Authorization"] == "Bearer EAAG-whatsapp-token" for d in fetched)
+        assert upstream.requests[-1]["json"]["to"] == "15551234567"
+        assert "Saved the photo" in upstream.sent()[-2]
+
+    def test_hostile_file_names_and_media_urls_go_nowhere(self, client, upstream, root):
+        ch = self.create(client)
+        upstream.add_file("h1", "documents/../../etc/passwd", b"root:x:0:0")
+        doc = {"file_id": "h1", "file_name": "../../notes/evil.pdf", "mime_type": "application/pdf"}
+        self.hook(client, "telegram", telegram_update(None, document=doc), ch["secret"])
+        assert "not saved" in upstream.sent()[-1]  # Telegram's path with .. is not followed
+        upstream.add_file("h2", "documents/file_2.pdf", b"%PDF")
+        doc = {"file_id": "h2", "file_name": "../../notes/evil.pdf", "mime_type": "application/pdf"}
+        self.hook(client, "telegram", telegram_update(None, document=doc), ch["secret"])
+        saved = data(client.get(f"{API}/attachments"))["attachments"]
+        assert [a["path"].rsplit("/", 1)[-1][7:] for a in saved] == ["notes-evil.pdf"]
+        assert saved[0]["path"].startswith("attachments/inbox/")
+        assert not (root / "notes" / "evil.pdf").exists()
+        # A media URL on another plain-HTTP origin never gets the WhatsApp token.
+        wa = self.create(client, "whatsapp")
+        other = FakeUpstream()
+        try:
+            upstream.media["m1"] = ("image/jpeg", PNG)
+            original = upstream.url
+            upstream.url = other.url  # the Graph API answers with a URL elsewhere
+            image = whatsapp_media("image", "m1", mime_type="image/jpeg")
+            self.hook(client, "whatsapp", image, wa["secret"])
+            upstream.url = original
+            assert other.downloads == []
+            assert "not https" in upstream.sent()[-1]
+        finally:
+            other.close()
+
+    def test_commands_and_save_to(self, client, upstream, root):
+        ch = self.create(client)
+
+        def say(text):
+            self.hook(client, "telegram", telegram_update(text), ch["secret"])
+            return upstream.sent()[-1]
+
+        assert "/save <text>" in say("/help")
+        assert "/save <text>" in say("/start")
+        assert "Unknown command /frobnicate" in say("/frobnicate now")
+        assert say("/save") == "Usage: /save <text to keep>"
+        assert say("/ask") == "Usage: /ask <question>"
+        assert say("/search") == "Usage: /search <words>"
+        assert say("/today").startswith("Nothing in notes/daily/")
+        say("/save first thought")
+        today = say("/today")
+        assert today.startswith("notes/daily/")
+        assert "first thought" in today
+        put_note(client, "notes/home/keys.md", KEYS_NOTE)
+        assert "flowerpot" in say("/ask where are the spare keys?")
+        # saveTo: /save and captures go to a note per day in that folder.
+        client.patch_json(f"{API}/channels/{ch['id']}", {"config": {"saveTo": "notes/journal"}})
+        assert say("/save second thought").startswith("Saved to notes/journal/")
+        assert "second thought" in today_note(client, "notes/journal").read_text()
+        assert "second thought" not in today_note(client).read_text()
+        assert "second thought" in say("/today")
+        upstream.add_file("ph", "photos/p.jpg", PNG)
+        self.hook(client, "telegram", photo_update(("ph", 10, 10, len(PNG))), ch["secret"])
+        assert "](../../attachments/inbox/" in today_note(client, "notes/journal").read_text()
+
+    @pytest.mark.parametrize(
+        "config",
+        [
+            {"mode": "carrier-pigeon"},
+            {"mode": 1},
+            {"notify": "yes"},
+            {"saveTo": "../etc"},
+            {"saveTo": "journal"},
+            {"saveTo": "notes/.hidden"},
+            {"saveTo": 5},
+            {"appSecret": "x"},  # a WhatsApp field
+        ],
+    )
+    def test_new_config_fields_are_validated(self, client, config):
+        resp = client.post_json(
+            f"{API}/channels",
+            {"provider": "telegram", "config": {**MINIMAL_CONFIG["telegram"], **config}},
+            status=400,
+        )
+        assert_error(resp, 400, "VALIDATION_ERROR")
+
+    def test_webhook_mode_sets_the_webhook_with_the_secret(self, client, upstream):
+        ch = self.create(client)
+        assert upstream.webhook == {
+            "url": ch["webhookUrl"],
+            "secret_token": ch["secret"],
+            "allowed_updates": ["message", "edited_message", "channel_post"],
+            "drop_pending_updates": False,
+        }
+        assert ch["status"]["ok"] is True
+        upstream.webhook = None
+        changed = data(
+            client.patch_json(f"{API}/channels/{ch['id']}", {"config": {"allowedChatIds": [42, 7]}})
+        )
+        assert upstream.webhook["secret_token"] == ch["secret"]  # PATCH sets it again
+        assert changed["status"]["ok"] is True
+
+    def test_a_refused_set_webhook_is_shown_not_failed(self, client, upstream, caplog):
+        upstream.webhook_error = (
+            "Bad Request: bad webhook: An HTTPS URL must be provided for webhook"
+        )
+        ch = self.create(client)  # still 201
+        assert ch["status"]["ok"] is False
+        assert "HTTPS URL must be provided" in ch["status"]["error"]
+        shown = data(client.get(f"{API}/channels/{ch['id']}"))
+        assert shown["status"] == ch["status"]
+        logged = "\n".join(r.getMessage() for r in caplog.records)
+        assert "HTTPS URL must be provided" in logged
+        for secret in (ch["secret"], "ABC-telegram-token"):
+            assert secret not in logged
+            assert secret not in json.dumps(shown)
+
+    def test_an_unreachable_telegram_is_shown_not_failed(self, make_app):
+        client = with_key(make_app())  # the Bot API base is a closed port
+        body = {"provider": "telegram", "config": {**MINIMAL_CONFIG["telegram"], "mode": "webhook"}}
+        ch = data(client.post_json(f"{API}/channels", body, status=201))
+        assert ch["status"]["ok"] is False
+        assert ch["status"]["error"]
+        assert "ABC-telegram-token" not in ch["status"]["error"]
+
+    def test_a_channel_stored_before_modes_stays_a_webhook(self, client, upstream, root):
+        ch = self.create(client)
+        state_file = root / ".notesvc" / "state.json"
+        state = json.loads(state_file.read_text())
+        for field in ("mode", "saveTo", "notify"):
+            del state["channels"][0]["config"][field]
+        state_file.write_text(json.dumps(state))
+        changed = data(client.patch_json(f"{API}/channels/{ch['id']}", {"name": "old bot"}))
+        assert "mode" not in changed["config"]  # a name change leaves the config alone
+        changed = data(
+            client.patch_json(f"{API}/channels/{ch['id']}", {"config": {"notify": True}})
+        )
+        assert changed["config"]["mode"] == "webhook"
+        assert client.app.service.pollers.running() == []
+
+    def test_whatsapp_with_an_app_secret_needs_meta_s_signature(self, client, upstream):
+        ch = self.create(client, "whatsapp", appSecret="meta-app-secret")
+        assert ch["config"]["appSecret"] == "meta-app-secret"
+        listed = data(client.get(f"{API}/channels/{ch['id']}"))
+        assert "meta-app-secret" not in json.dumps(listed)
+        body = json.dumps(whatsapp_update("/search tomatoes")).encode()
+        anon = webtest.TestApp(client.app)
+        url = f"{API}/channels/webhook/whatsapp"
+
+        def post(headers, status, query=""):
+            return anon.post(
+                url + query,
+                body,
+                headers={"Content-Type": "application/json", **headers},
+                status=status,
+            )
+
+        good = whatsapp_signature(body, "meta-app-secret")
+        # The signature alone authenticates: no secret in the URL needed.
+        assert data(post({"X-Hub-Signature-256": good}, 200))["handled"] is True
+        # With the secret, the signature is still required, and must be right.
+        assert_error(post({}, 401, f"?secret={ch['secret']}"), 401, "UNAUTHORIZED")
+        wrong = whatsapp_signature(body, "another-secret")
+        assert_error(
+            post({"X-Hub-Signature-256": wrong}, 401, f"?secret={ch['secret']}"),
+            401,
+            "UNAUTHORIZED",
+        )
+        assert (
+            data(post({"X-Hub-Signature-256": good}, 200, f"?secret={ch['secret']}"))["handled"]
+            is True
+        )
+        tampered = whatsapp_signature(body + b" ", "meta-app-secret")
+        assert_error(post({"X-Hub-Signature-256": tampered}, 401), 401, "UNAUTHORIZED")
+        assert_error(post({"X-Hub-Signature-256": "sha256=" + "0" * 64}, 401), 401, "UNAUTHORIZED")
+        # A channel without an app secret is not reached by a signature.
+        plain = self.create(client, "whatsapp", phoneNumberId="2")
+        assert plain["config"]["appSecret"] == ""
+        other = whatsapp_signature(body, "")
+        assert_error(post({"X-Hub-Signature-256": other}, 401), 401, "UNAUTHORIZED")
+        # Bad signatures count toward the lockout.
+        for _ in range(10):
+            post({"X-Hub-Signature-256": wrong}, [401, 429])
+        assert_error(post({"X-Hub-Signature-256": good}, 429), 429, "RATE_LIMITED")
+
+    def test_the_audit_flags_unsigned_whatsapp_and_query_secrets(self, client, upstream):
+        signed = self.create(client, "whatsapp", appSecret="meta-app-secret")
+        unsigned = self.create(client, "whatsapp", phoneNumberId="2")
+        found = {f["id"]: f["severity"] for f in audit(client)["findings"]}
+        assert found[f"channel-unsigned-{unsigned['id']}"] == "high"
+        assert f"channel-unsigned-{signed['id']}" not in found
+        anon = webtest.TestApp(client.app)
+        anon.post_json(
+            f"{API}/channels/webhook/whatsapp?secret={unsigned['secret']}", whatsapp_update("hi")
+        )
+        found = {f["id"]: f["severity"] for f in audit(client)["findings"]}
+        assert found["secret-in-query"] == "medium"
+
+
+class TestPolling:
+    @pytest.fixture
+    def client(self, make_app, upstream):
+        return with_key(make_app(SERVICE_TELEGRAM_API_BASE=upstream.url))
+
+    def create(self, client, **config):
+        body = {
+            "provider": "telegram",
+            "config": {**MINIMAL_CONFIG["telegram"], "allowedChatIds": [42], **config},
+        }
+        return data(client.post_json(f"{API}/channels", body, status=201))
+
+    def test_a_new_telegram_channel_polls_and_handles_updates(self, client, upstream, root):
+        ch = self.create(client)
+        assert ch["config"]["mode"] == "polling"  # the default for a new channel
+        assert upstream.webhook is None  # no setWebhook in polling mode
+        wait_for(lambda: client.app.service.pollers.running() == [ch["id"]])
+        first = upstream.push(telegram_update("/save from the bus"))
+        wait_for(
+            lambda: today_note(client).exists() and "from the bus" in today_note(client).read_text()
+        )
+        wait_for(lambda: upstream.sent())
+        assert upstream.sent()[-1].startswith("Saved to notes/daily/")
+        offsets = root / ".notesvc" / "channel-offsets.json"
+        wait_for(
+            lambda: offsets.exists() and json.loads(offsets.read_text()) == {ch["id"]: first + 1}
+        )
+        assert stat.S_IMODE(os.stat(offsets).st_mode) == 0o600
+        polls = [c["json"] for c in upstream.bot_calls if c["path"].endswith("/getUpdates")]
+        assert polls[0]["timeout"] == 25
+        assert polls[0]["allowed_updates"] == ["message", "edited_message", "channel_post"]
+        wait_for(
+            lambda: any(
+                c["json"].get("offset") == first + 1
+                for c in upstream.bot_calls
+                if c["path"].endswith("/getUpdates")
+            )
+        )
+        # A stranger's update is refused like a webhook's.
+        upstream.push(telegram_update("let me in", chat_id=666))
+        wait_for(lambda: data(client.get(f"{API}/channels/{ch['id']}"))["refusedSenders"])
+
+    def test_a_webhook_in_the_way_is_deleted(self, client, upstream):
+        upstream.webhook = {"url": "https://old.example/hook"}
+        upstream.push(telegram_update("/save after the webhook"))
+        self.create(client)
+        wait_for(lambda: today_note(client).exists())
+        assert upstream.webhook is None
+        assert any(c["path"].endswith("/deleteWebhook") for c in upstream.bot_calls)
+        assert [c["json"] for c in upstream.bot_calls if c["path"].endswith("/deleteWebhook")] == [
+            {"drop_pending_updates": False}
+        ]
+
+    def test_switching_off_or_deleting_stops_the_poller_at_once(self, client, upstream):
+        upstream.max_hold = 30  # a long poll is in flight when the channel stops
+        ch = self.create(client)
+        pollers = client.app.service.pollers
+        wait_for(lambda: pollers.running() == [ch["id"]] and upstream.polls)
+        started = time.monotonic()
+        client.post(f"{API}/channels/{ch['id']}/toggle")
+        wait_for(lambda: pollers.running() == [], timeout=5)
+        assert time.monotonic() - started < 2
+        upstream.push(telegram_update("/save while off"))
+        time.sleep(0.3)
+        assert not today_note(client).exists()
+        client.post(f"{API}/channels/{ch['id']}/toggle")  # on again: what waited arrives
+        wait_for(lambda: today_note(client).exists())
+        client.delete(f"{API}/channels/{ch['id']}")
+        wait_for(lambda: pollers.running() == [], timeout=5)
+        offsets = client.app.service.config.state_dir / "channel-offsets.json"
+        assert ch["id"] not in json.loads(offsets.read_text())
+        # Switching to webhook mode stops polling too, and sets the webhook.
+        ch = self.create(client)
+        wait_for(lambda: pollers.running() == [ch["id"]])
+        client.patch_json(f"{API}/channels/{ch['id']}", {"config": {"mode": "webhook"}})
+        wait_for(lambda: pollers.running() == [], timeout=5)
+        assert upstream.webhook["secret_token"] == ch["secret"]
+
+    def test_a_refused_token_is_shown_as_the_channel_status(self, client, upstream, caplog):
+        upstream.poll_status = 401
+        ch = self.create(client)
+        url = f"{API}/channels/{ch['id']}"
+        wait_for(lambda: "status" in data(client.get(url)))
+        status = data(client.get(url))["status"]
+        assert status["ok"] is False
+        assert "Unauthorized" in status["error"]
+        logged = "\n".join(r.getMessage() for r in caplog.records)
+        assert "ABC-telegram-token" not in logged + json.dumps(status)
+
+    def test_another_poller_of_the_same_bot_is_not_fought(self, client, upstream):
+        upstream.poll_status = 409
+        upstream.poll_error = (
+            "Conflict: terminated by other getUpdates request; "
+            "make sure that only one bot instance is running"
+        )
+        ch = self.create(client)
+        url = f"{API}/channels/{ch['id']}"
+        wait_for(lambda: "status" in data(client.get(url)))
+        assert "only one bot instance" in data(client.get(url))["status"]["error"]
+        time.sleep(0.5)  # backing off: one or two tries, no deleteWebhook
+        polls = [c for c in upstream.bot_calls if c["path"].endswith("/getUpdates")]
+        assert len(polls) <= 2
+        assert not any(c["path"].endswith("/deleteWebhook") for c in upstream.bot_calls)
+
+    def test_polling_delivers_each_update_once_across_a_restart(self, tmp_path, upstream):
+        env = {"SERVICE_TELEGRAM_API_BASE": upstream.url}
+        root = tmp_path / "root"
+        with running(root, "--auth-mode", "none", env=env) as server:
+            body = {
+                "provider": "telegram",
+                "config": {"botToken": "123456:ABC-telegram-token", "allowedChatIds": [42]},
+            }
+            status, _, _ = server.request("POST", f"{API}/channels", body)
+            assert status == 201
+            upstream.push(telegram_update("/save alpha"))
+            wait_for(lambda: len(upstream.sent()) == 1)
+        # While the server is down two more arrive; they wait at Telegram.
+        upstream.push(telegram_update("/save beta"))
+        upstream.push(telegram_update("/save gamma"))
+        with running(root, "--auth-mode", "none", env=env):
+            wait_for(lambda: len(upstream.sent()) == 3)
+            time.sleep(1.5)  # a poll or two more: nothing is handed over again
+        daily = next((root / "notes" / "daily").glob("*.md")).read_text()
+        for word in ("alpha", "beta", "gamma"):
+            assert len(re.findall(rf"^- \d\d:\d\d {word}$", daily, re.M)) == 1, daily
+        assert len(upstream.sent()) == 3
+
+
+class FakeClock:
+    """An injectable clock for the reminder scheduler."""
+
+    def __init__(self, when: float):
+        self.now = when
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def at(text: str, zone: str = "Europe/Paris") -> float:
+    return notesvc.timestamp_of(
+        notesvc.dt.datetime.strptime(text, "%Y-%m-%d %H:%M"), notesvc.time_zone(zone)
+    )
+
+
+class TestReminders:
+    @pytest.fixture
+    def client(self, make_app, upstream):
+        client = with_key(
+            make_app(SERVICE_TELEGRAM_API_BASE=upstream.url, SERVICE_TIMEZONE="Europe/Paris")
+        )
+        body = {
+            "provider": "telegram",
+            "config": {
+                **MINIMAL_CONFIG["telegram"],
+                "allowedChatIds": [42],
+                "mode": "webhook",
+                "notify": True,
+            },
+        }
+        client.post_json(f"{API}/channels", body, status=201)
+        return client
+
+    def scheduler(self, client, when: str):
+        """Give the app a scheduler on a clock the test sets (ticked by the test itself)."""
+        svc = client.app.service
+        svc.reminders.close()
+        svc.reminders = notesvc.ReminderScheduler(svc, clock=FakeClock(at(when)))
+        return svc.reminders
+
+    def reminders_sent(self, upstream) -> list:
+        return [t for t in upstream.sent() if t.startswith("⏰")]
+
+    def test_a_reminder_fires_once_at_its_time(self, client, upstream):
+        put_note(client, "notes/plans.md", "# Plans\n\n- dentist ⏰ 2031-01-06 09:00\n")
+        listed = data(client.get(f"{API}/reminders"))
+        assert listed["timeZone"] == "Europe/Paris"
+        assert listed["total"] == 1
+        (item,) = listed["reminders"]
+        assert item["path"] == "notes/plans.md"
+        assert item["title"] == "Plans"
+        assert item["line"] == "- dentist ⏰ 2031-01-06 09:00"
+        assert item["local"] == "2031-01-06 09:00"
+        assert item["due"] == "2031-01-06T08:00:00.000Z"  # Paris is UTC+1 in January
+        sched = self.scheduler(client, "2031-01-06 08:59")
+        assert 59 < sched.tick() <= 60
+        assert self.reminders_sent(upstream) == []
+        sched.clock.now = at("2031-01-06 09:00") + 1
+        sched.tick()
+        assert self.reminders_sent(upstream) == [
+            "⏰ Reminder (2031-01-06 09:00): Plans\n- dentist ⏰ 2031-01-06 09:00\nnotes/plans.md"
+        ]
+        assert upstream.requests[-1]["json"]["chat_id"] == "42"
+        sched.tick()
+        sched.clock.now += 3600
+        sched.tick()
+        assert len(self.reminders_sent(upstream)) == 1
+        assert data(client.get(f"{API}/reminders"))["total"] == 0
+        saved = client.app.service.config.state_dir / "reminders.json"
+        assert stat.S_IMODE(os.stat(saved).st_mode) == 0o600
+
+    def test_not_again_after_a_restart_and_a_missed_one_fires_late(
+        self, client, upstream, make_app, root
+    ):
+        put_note(
+            client,
+            "notes/plans.md",
+            "# Plans\n\n- dentist ⏰ 2031-01-06 09:00\n- call Ada ⏰ 2031-01-06 10:00\n",
+        )
+        sched = self.scheduler(client, "2031-01-06 09:00")
+        sched.tick()
+        assert len(self.reminders_sent(upstream)) == 1
+        client.app.service.close()  # the server goes down before 10:00
+        again = with_key(
+            make_app(SERVICE_TELEGRAM_API_BASE=upstream.url, SERVICE_TIMEZONE="Europe/Paris")
+        )
+        later = self.scheduler(again, "2031-01-06 10:30")
+        later.tick()
+        sent = self.reminders_sent(upstream)
+        assert len(sent) == 2  # the dentist not again; Ada late
+        assert sent[-1].startswith("⏰ Late reminder (2031-01-06 10:00): Plans\n- call Ada")
+
+    def test_one_written_after_its_time_is_not_sent(self, client, upstream):
+        put_note(client, "notes/log.md", "# Log\n\n- done ⏰ 2031-01-06 07:00\n")
+        sched = self.scheduler(client, "2031-01-06 09:00")
+        sched.tick()
+        assert self.reminders_sent(upstream) == []
+        sched.clock.now += 3600
+        sched.tick()
+        assert self.reminders_sent(upstream) == []
+
+    def test_editing_or_deleting_the_line_cancels_it(self, client, upstream):
+        put_note(client, "notes/a.md", "- a ⏰ 2031-01-06 09:00\n")
+        put_note(client, "notes/b.md", "- b ⏰ 2031-01-06 09:00\n")
+        sched = self.scheduler(client, "2031-01-06 08:00")
+        sched.tick()
+        client.put_json(note_url("notes/a.md"), {"content": "- a ⏰ 2031-01-06 11:00\n"})
+        client.delete(note_url("notes/b.md"))
+        sched.clock.now = at("2031-01-06 09:01")
+        sched.tick()
+        assert self.reminders_sent(upstream) == []
+        sched.clock.now = at("2031-01-06 11:00")
+        sched.tick()
+        assert len(self.reminders_sent(upstream)) == 1
+        assert "- a ⏰ 2031-01-06 11:00" in self.reminders_sent(upstream)[0]
+
+    def test_front_matter_and_only_notifying_channels(self, client, upstream):
+        body = {
+            "provider": "whatsapp",
+            "config": {**MINIMAL_CONFIG["whatsapp"], "allowedNumbers": ["15551234567"]},
+        }
+        client.post_json(f"{API}/channels", body, status=201)  # notify is off
+        put_note(
+            client, "notes/trip.md", "---\ntitle: Trip\nremind: 2031-01-06 12:30\n---\n# Trip\n"
+        )
+        put_note(client, "notes/bad.md", "- never ⏰ 2031-02-30 09:00 and ⏰ 2031-01-06 25:00\n")
+        assert [r["local"] for r in data(client.get(f"{API}/reminders"))["reminders"]] == [
+            "2031-01-06 12:30"
+        ]
+        sched = self.scheduler(client, "2031-01-06 12:30")
+        sched.tick()
+        (sent,) = self.reminders_sent(upstream)
+        assert "Trip\nremind: 2031-01-06 12:30\nnotes/trip.md" in sent
+        assert not any(r["path"].endswith("/messages") for r in upstream.requests)
+
+    def test_a_reminder_no_channel_takes_is_tried_again(self, client, upstream):
+        put_note(client, "notes/a.md", "- a ⏰ 2031-01-06 09:00\n")
+        upstream.status = 500
+        sched = self.scheduler(client, "2031-01-06 09:00")
+        assert sched.tick() == notesvc.REMINDER_RETRY
+        upstream.status = 200
+        sched.clock.now += 61
+        sched.tick()
+        assert len(self.reminders_sent(upstream)) == 2  # the failed try, then the good one
+        sched.clock.now += 61
+        sched.tick()
+        assert len(self.reminders_sent(upstream)) == 2
+
+    def test_time_zone_setting_and_its_fallback(self, caplog, make_app):
+        assert notesvc.load_config({"SERVICE_TIMEZONE": "Asia/Tokyo"}).timezone == "Asia/Tokyo"
+        with pytest.raises(notesvc.ConfigError, match="SERVICE_TIMEZONE"):
+            notesvc.load_config({"SERVICE_TIMEZONE": "Mars/Olympus_Mons"})
+        # Where no time zone database knows a name, the system's local time is used, logged.
+        assert notesvc.time_zone("Nowhere/Else") is None
+        assert any("Nowhere/Else" in r.getMessage() for r in caplog.records)
+        assert notesvc.time_zone("UTC") is notesvc.dt.timezone.utc
+        client = with_key(
+            make_app(SERVICE_TIMEZONE="Asia/Tokyo", SERVICE_TRANSCRIBE_API_KEY="tr-secret-9")
+        )
+        config = data(client.get(f"{API}/system/config"))
+        assert config["capture"]["timeZone"] == "Asia/Tokyo"
+        assert config["capture"]["transcribeApiKeySet"] is True
+        assert "tr-secret-9" not in json.dumps(config)
+        assert config["server"]["maxAttachmentBytes"] == 20971520
+
+    def test_the_running_scheduler_sends_a_reminder_due_now(self, make_app, upstream):
+        client = with_key(make_app(SERVICE_TELEGRAM_API_BASE=upstream.url))
+        body = {
+            "provider": "telegram",
+            "config": {
+                **MINIMAL_CONFIG["telegram"],
+                "allowedChatIds": [42],
+                "mode": "webhook",
+                "notify": True,
+            },
+        }
+        client.post_json(f"{API}/channels", body, status=201)
+        now = notesvc.local_now(client.app.service)
+        if now.second >= 58:  # keep inside the minute the reminder names
+            time.sleep(61 - now.second)
+            now = notesvc.local_now(client.app.service)
+        put_note(client, "notes/now.md", f"# Now\n\n- stretch ⏰ {now:%Y-%m-%d %H:%M}\n")
+        wait_for(lambda: self.reminders_sent(upstream), timeout=10)
+        assert "stretch" in self.reminders_sent(upstream)[0]
 
 
 # -- JWT ----------------------------------------------------------------------------------
@@ -4516,6 +6026,7 @@ class TestShareLinks:
             "title": "Pie",
             "content": "# Pie\n\n- apples\n- [x] butter\n",
             "modified": data(resp)["modified"],
+            "attachments": {},
         }
         assert resp.headers["X-Robots-Tag"] == "noindex, nofollow"
         assert resp.headers["Referrer-Policy"] == "no-referrer"
@@ -5424,6 +6935,12 @@ def _webhook_secret_in_a_query_string(app, root: Path) -> None:
     assert data(webtest.TestApp(app.app).post_json(url, {"update_id": 1}))["handled"] is False
 
 
+def _whatsapp_channel_without_app_secret(app, root: Path) -> None:
+    config = {**MINIMAL_CONFIG["whatsapp"], "allowedNumbers": ["15551234567"]}
+    body = {"provider": "whatsapp", "config": config}
+    with_key(app).post_json(f"{API}/channels", body, status=201)
+
+
 def _an_old_key(app, root: Path) -> None:
     state_file = root / ".notesvc" / "state.json"
     state = json.loads(state_file.read_text())
@@ -5476,6 +6993,9 @@ FIRING_CONFIGURATIONS = {
     "plugins": Firing("plugin-planted", change=_a_plugin_file),
     "channel_allowlists": Firing(r"channel-open-\S+", change=_telegram_channel_without_allowlist),
     "query_secrets": Firing("secret-in-query", change=_webhook_secret_in_a_query_string),
+    "channel_signatures": Firing(
+        r"channel-unsigned-\S+", change=_whatsapp_channel_without_app_secret
+    ),
     "plain_http_upstreams": Firing(
         "relay-plain-http", {"SERVICE_RELAY_URL": "http://relay.example.org"}
     ),
@@ -6062,7 +7582,7 @@ class TestPluginHooks:
         )
         last = self.calls(client)[-1]
         assert last[0] == "note_saved"
-        assert last[1].startswith("notes/inbox/")
+        assert last[1].startswith("notes/daily/")  # CONTRACT 20: /save goes to the daily note
         assert "buy milk" in last[2]
         # A refused write calls nothing.
         before = self.calls(client)
@@ -6715,6 +8235,163 @@ def relay_raw_get(relay: Server, path: str) -> tuple:
     return head.decode("latin-1"), body
 
 
+class TestRelayAttachments:
+    """Attachments through a relay: up to its body limit both ways, larger at once 413, and
+    a server's answer never becomes a page on the relay's origin."""
+
+    LIMIT = 65536
+
+    @pytest.fixture
+    def pair(self, tmp_path):
+        env = {"SERVICE_RELAY_TIMEOUT": "10", "SERVICE_MAX_BODY_BYTES": str(self.LIMIT)}
+        relay = Server(tmp_path / "relay", "relay", env=env)
+        server = Server(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url})
+        try:
+            wait_for(lambda: relay_servers(relay) == 1)
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            yield relay, server, setup, tmp_path / "srv"
+        finally:
+            server.stop()
+            relay.stop()
+
+    @staticmethod
+    def send(base: str, method: str, path: str, setup: dict, body=None, headers=None) -> tuple:
+        hdrs = {"X-Service-Key": setup["apiKey"], **(headers or {})}
+        req = urllib.request.Request(base + path, body, hdrs, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                return resp.status, resp.headers, resp.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.headers, e.read()
+
+    def test_an_attachment_of_the_relays_limit_passes_both_ways(self, pair):
+        relay, _, setup, root = pair
+        prefix = f"/r/{setup['serverId']}{API}"
+        image = (b"\x89PNG\r\n\x1a\n" + os.urandom(self.LIMIT))[: self.LIMIT]
+        url = prefix + att_url("attachments/big.png")[len(API) :]
+        status, _, body = self.send(
+            relay.url, "PUT", url, setup, image, {"Content-Type": "image/png"}
+        )
+        assert status == 201, body
+        assert (root / "attachments" / "big.png").read_bytes() == image
+        status, headers, got = self.send(relay.url, "GET", url, setup)
+        assert status == 200
+        assert got == image
+        assert headers["Content-Type"] == "image/png"  # its own type, for an <img> from a blob
+        assert headers["Content-Disposition"] == 'attachment; filename="big.png"'
+        assert headers["Content-Security-Policy"] == "default-src 'none'; sandbox"
+        assert headers["X-Content-Type-Options"] == "nosniff"
+        status, headers, got = self.send(
+            relay.url, "GET", url, setup, headers={"Range": "bytes=100-199"}
+        )
+        assert status == 206
+        assert got == image[100:200]
+        assert headers["Content-Range"] == f"bytes 100-199/{self.LIMIT}"
+        form, ctype = multipart(("path", "attachments/cam/a.jpg"), ("file", image[:60000], "a.jpg"))
+        status, _, body = self.send(
+            relay.url, "POST", prefix + "/attachments", setup, form, {"Content-Type": ctype}
+        )
+        assert status == 201, body
+        assert json.loads(body)["data"]["path"] == "attachments/cam/a.jpg"
+
+    def test_larger_ones_are_413_at_once_both_ways(self, pair):
+        relay, server, setup, _ = pair
+        prefix = f"/r/{setup['serverId']}{API}"
+        url = prefix + att_url("attachments/big.zip")[len(API) :]
+        with socket.create_connection(("127.0.0.1", relay.port), timeout=5) as s:
+            s.sendall(
+                f"PUT {url} HTTP/1.1\r\nHost: relay\r\nContent-Type: application/zip\r\n"
+                f"Content-Length: {self.LIMIT + 1}\r\n\r\n".encode()
+            )
+            started = time.monotonic()
+            answer = recv_all(s)
+        assert time.monotonic() - started < 1
+        assert answer.startswith(b"HTTP/1.1 413 ")
+        assert str(self.LIMIT) in json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["message"]
+        # One put on the server directly is too large to come back whole through the relay.
+        big = os.urandom(4 * self.LIMIT)
+        direct = att_url("attachments/big.zip")
+        status, _, _ = self.send(
+            server.url, "PUT", direct, setup, big, {"Content-Type": "application/zip"}
+        )
+        assert status == 201
+        started = time.monotonic()
+        status, headers, body = self.send(relay.url, "GET", url, setup)
+        assert time.monotonic() - started < 5  # not the relay's 10 s time-out
+        assert status == 413
+        error = json.loads(body)["error"]
+        assert error["code"] == "PAYLOAD_TOO_LARGE"
+        assert str(self.LIMIT) in error["message"]
+        assert "Range" in error["message"]
+        assert headers["Content-Type"].startswith("application/json")
+        status, _, got = self.send(
+            relay.url, "GET", url, setup, headers={"Range": f"bytes=0-{self.LIMIT // 2 - 1}"}
+        )
+        assert status == 206
+        assert got == big[: self.LIMIT // 2]
+
+    @pytest.mark.parametrize(
+        ("served", "shown"),
+        [
+            ("text/html; charset=utf-8", "application/octet-stream"),
+            ("image/svg+xml", "application/octet-stream"),
+            ("application/xhtml+xml", "application/octet-stream"),
+            ("image/png", "image/png"),
+            ("audio/ogg", "audio/ogg"),
+        ],
+    )
+    def test_a_server_cannot_publish_a_page_as_an_attachment(self, tmp_path, served, shown):
+        with running(tmp_path, "relay") as relay:
+            fake = FakeRelayServer(relay)
+            assert fake.register() == 200
+            out = []
+            path = f"/r/{fake.server_id}{API}/attachments/attachments%2Fx.html"
+            t = threading.Thread(target=lambda: out.append(relay_raw_get(relay, path)))
+            t.start()
+            _status, _, body = fake.poll()
+            headers = [
+                ["Content-Type", served],
+                ["Content-Disposition", "inline"],
+                ["Set-Cookie", "session=evil; Path=/"],
+                ["Content-Security-Policy", "script-src *"],
+                ["Refresh", "0; url=https://evil.example/"],
+                ["ETag", '"abc"'],
+            ]
+            page = b"<script>alert(document.cookie)</script>"
+            assert fake.reply(body["data"]["id"], 200, headers, page) == 200
+            t.join(10)
+        head, got = out[0]
+        lines = head.lower().split("\r\n")
+        assert f"content-type: {shown}" in lines
+        assert 'content-disposition: attachment; filename="x.html"' in lines
+        assert "content-security-policy: default-src 'none'; sandbox" in lines
+        assert "x-content-type-options: nosniff" in lines
+        assert 'etag: "abc"' in lines
+        assert not any(
+            h.startswith(("set-cookie", "refresh", "content-disposition: inline")) for h in lines
+        )
+        assert got == page
+
+    def test_relay_answer_headers_of_a_download_and_of_an_api_answer(self):
+        served = [["Content-Type", "image/jpeg"], ["Content-Disposition", 'inline; filename="a"']]
+        download = notesvc.relay_answer_headers(
+            "/api/v1/attachments/attachments/a b.jpg", served, True
+        )
+        assert ("Content-Type", "image/jpeg") in download
+        assert ("Content-Disposition", 'attachment; filename="a_b.jpg"') in download
+        answer = notesvc.relay_answer_headers("/api/v1/attachments/attachments/a.jpg", served)
+        assert ("Content-Type", notesvc.JSON_TYPE) in answer
+        assert not any(k == "Content-Disposition" for k, _ in answer)
+        assert notesvc.relayed_download("GET", "/api/v1/attachments/attachments/a.jpg", 206)
+        for args in (
+            ("GET", "/api/v1/attachments/attachments/a.jpg", 404),
+            ("PUT", "/api/v1/attachments/attachments/a.jpg", 201),
+            ("GET", "/api/v1/attachments", 200),
+            ("GET", "/api/v1/notes/x", 200),
+        ):
+            assert not notesvc.relayed_download(*args)
+
+
 # -- the built-in web client, in a real browser ------------------------------------------------
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -6980,7 +8657,7 @@ def owner_headers(setup: dict) -> dict:
     return {"X-Service-Key": setup["apiKey"]}
 
 
-def post_form(url: str, form: dict) -> tuple:
+def post_oauth_form(url: str, form: dict) -> tuple:
     """POST a form; return (status, parsed JSON)."""
     body = urllib.parse.urlencode(form).encode()
     req = urllib.request.Request(url, body, {"Content-Type": "application/x-www-form-urlencoded"})
@@ -7164,12 +8841,12 @@ class TestGrantsThroughTheRelay:
             "code_verifier": verifier,
             "resource": f"{base}/api/v1/mcp",
         }
-        status, tokens = post_form(f"{base}/oauth/token", form)
+        status, tokens = post_oauth_form(f"{base}/oauth/token", form)
         assert status == 200
         assert tokens["scope"] == "notes:read"
-        status, again = post_form(f"{base}/oauth/token", form)
+        status, again = post_oauth_form(f"{base}/oauth/token", form)
         assert (status, again["error"]) == (400, "invalid_grant")
-        status, _ = post_form(f"{base}/oauth/revoke", {"token": tokens["refresh_token"]})
+        status, _ = post_oauth_form(f"{base}/oauth/revoke", {"token": tokens["refresh_token"]})
         assert status == 200
         assert get_raw(f"{base}/oauth/token")[0] == 405
 
@@ -7270,7 +8947,7 @@ class TestGrantPages:
                 query = cb.query()
                 assert query["state"] == ["phone-1"]
                 assert query["iss"] == [server.url]
-                status, tokens = post_form(
+                status, tokens = post_oauth_form(
                     f"{server.url}/oauth/token",
                     {
                         "grant_type": "authorization_code",

@@ -40,7 +40,7 @@ def main() -> None:
         )
         notesvc.log.setLevel("WARNING")
         cfg = notesvc.load_config(env={"SERVICE_NOTES_ROOT": tmp, "SERVICE_RESCAN_SECONDS": "0"})
-        svc = notesvc.Service(cfg)
+        svc = notesvc.build_service(cfg).start()
         vocab = info["vocab"]
         questions = [
             f"where did I write about {rnd.choice(vocab[200:5000])} and "
