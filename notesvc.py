@@ -3409,10 +3409,11 @@ def visible_folder(raw: Any, principal: Principal | None = None, top: str = NOTE
     raise not_found(f"no folder at {folder}")
 
 
-def granted_tree(svc: Service, asked: str) -> dict:
+def granted_tree(svc: Service, raw: Any) -> dict:
     """Return the tree of a folder as the request's grant sees it: a folder above its own
     holds only the path down to it."""
-    folder = visible_folder(asked)
+    folder = visible_folder(raw)  # a folder grant's own, or 404
+    asked = folder_path(raw)
     if folder == asked:
         return svc.notes.tree(folder)
     try:
@@ -9285,8 +9286,9 @@ def create_note(svc: Service) -> dict:
 
 
 def list_notes(svc: Service) -> dict:
-    asked = folder_path(query_str("folder") or NOTES)
-    folder = visible_folder(asked)
+    raw = query_str("folder") or NOTES
+    folder = visible_folder(raw)  # a folder grant's own, or 404
+    asked = folder_path(raw)
     limit = query_int("limit", 100, 1, 1000)
     offset = query_int("offset", 0, 0, 10**9)
     try:
@@ -9518,8 +9520,9 @@ def get_attachment(svc: Service, path: str):
 
 
 def list_attachments(svc: Service) -> dict:
-    asked = attachment_folder(query_str("folder") or ATTACHMENTS)
-    folder = visible_folder(asked, top=ATTACHMENTS)
+    raw = query_str("folder") or ATTACHMENTS
+    folder = visible_folder(raw, top=ATTACHMENTS)  # a folder grant's own, or 404
+    asked = attachment_folder(raw)
     limit = query_int("limit", 100, 1, 1000)
     offset = query_int("offset", 0, 0, 10**9)
     try:
@@ -9555,7 +9558,7 @@ def get_tree(svc: Service) -> dict:
 
 
 def get_subtree(svc: Service, path: str) -> dict:
-    return granted_tree(svc, folder_path(path))
+    return granted_tree(svc, path)
 
 
 # -- search --------------------------------------------------------------------------------

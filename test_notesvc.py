@@ -5828,9 +5828,11 @@ class TestScopedKeys:
 
 
 FOLDER_NOTES = {
-    "notes/family/a.md": "# Apple pie\n\nGrandma's apple pie #common, see [[c]].\n",
+    "notes/family/a.md": "# Apple pie\n\nGrandma's apple pie #common, see [[c]].\n"
+    "⏰ 2099-01-01 09:00 bake\n",
     "notes/family/sub/b.md": "# Birthdays\n\napple birthday list #common\n",
-    "notes/work/c.md": "# Contract\n\nsecret apple contract #common #work, see [[a]].\n",
+    "notes/work/c.md": "# Contract\n\nsecret apple contract #common #work, see [[a]].\n"
+    "⏰ 2099-01-01 10:00 sign\n",
     "notes/familyx/d.md": "# Neighbour\n\napple neighbour folder, not the family #common\n",
     "notes/top.md": "# Top\n\napple at the top #common\n",
 }
@@ -5852,13 +5854,20 @@ LISTING_CALLS = [
     ("POST", "/agent/chat", {"message": "apple contract neighbour top"}),
     ("POST", "/agent/chat", {"message": "apple", "notePath": "notes/family/a.md"}),
     ("GET", "/shares", None),
+    ("GET", "/attachments", None),
+    ("GET", "/attachments?folder=attachments", None),
+    ("GET", "/reminders", None),
 ]
 
 
 def paths_in(answer) -> set:
-    """Every note path mentioned anywhere in an answer (keys, values, text)."""
+    """Every note or attachment path mentioned anywhere in an answer (keys, values, text)."""
     text = json.dumps(answer, ensure_ascii=False)
-    return set(re.findall(r"notes/[\w./-]+?\.md", text))
+    return set(re.findall(r"(?:notes/[\w./-]+?\.md|attachments/[\w./-]+?\.png)", text))
+
+
+def inside_family(path: str) -> bool:
+    return path.startswith(("notes/family/", "attachments/family/"))
 
 
 class TestFolderGrants:
@@ -5866,6 +5875,8 @@ class TestFolderGrants:
     def family(self, client):
         for path, text in FOLDER_NOTES.items():
             put_note(client, path, text)
+        for path in ("attachments/family/p.png", "attachments/work/w.png", "attachments/t.png"):
+            upload(client, path)
         client.post_json(f"{API}/shares", {"path": "notes/work/c.md"}, status=201)
         key = new_grant(client, "write", "notes/family")["key"]
         return client, as_key(client, key)
@@ -5879,10 +5890,10 @@ class TestFolderGrants:
             else (lambda app: app.get(API + url))
         )
         seen = paths_in(data(call(member)))
-        assert all(p.startswith("notes/family/") for p in seen), seen
+        assert all(map(inside_family, seen)), seen
         if url not in ("/shares", "/plugins/tags") and "sub" not in url:  # counts, or nothing
             everything = paths_in(data(call(owner)))
-            assert everything - {p for p in everything if p.startswith("notes/family/")}, url
+            assert everything - set(filter(inside_family, everything)), url
 
     def test_listings_count_only_the_folder(self, family):
         _, member = family
@@ -5911,10 +5922,17 @@ class TestFolderGrants:
             "/notes/..%2Fstate.json",
             "/notes?folder=notes/work",
             "/notes?folder=notes/familyx",
+            "/notes?folder=notes%2Ffamily%2F..%2Fwork",
             "/folders/tree/notes%2Fwork",
+            "/folders/tree/notes%2Ffamily%2F..%2Fwork",
             "/search?q=apple&folder=notes/work",
             "/search?q=contract&folder=notes%2Ffamily%2F..%2Fwork",
             "/plugins/backlinks/notes%2Fwork%2Fc.md",
+            "/attachments/attachments%2Fwork%2Fw.png",
+            "/attachments/attachments%2Ft.png",
+            "/attachments/attachments%2Ffamily%2F..%2Fwork%2Fw.png",
+            "/attachments?folder=attachments/work",
+            "/attachments?folder=attachments%2Ffamily%2F..",
         ],
     )
     def test_outside_answers_as_if_nothing_were_there(self, family, url):
@@ -5952,6 +5970,31 @@ class TestFolderGrants:
         assert not (root / "notes/work/a.md").exists()
         assert (root / "notes/family/a.md").exists()
         assert not (root / "notes/daily").exists()
+
+    def test_attachments_of_the_folder_only(self, family, root):
+        _, member = family
+        assert member.get(att_url("attachments/family/p.png")).body == PNG
+        listed = data(member.get(f"{API}/attachments"))
+        assert [a["path"] for a in listed["attachments"]] == ["attachments/family/p.png"]
+        upload(member, "attachments/family/new.png")
+        for resp in (
+            upload(member, "attachments/work/new.png", status=404),
+            upload(member, "attachments/new.png", status=404),
+            member.delete(att_url("attachments/work/w.png"), status=404),
+            member.patch_json(
+                att_url("attachments/family/p.png") + "/move",
+                {"path": "attachments/work/p.png"},
+                status=404,
+            ),
+        ):
+            assert_error(resp, 404, "NOT_FOUND")
+        form, ctype = multipart(("path", "attachments/work/x.png"), ("file", PNG, "x.png"))
+        assert_error(post_form(member, form, ctype, status=404), 404, "NOT_FOUND")
+        assert not (root / "attachments/work/new.png").exists()
+        assert (root / "attachments/work/w.png").exists()
+        owner = with_key(member, key_of(member))
+        reader = as_key(member, new_grant(owner, "read", "notes/family")["key"])
+        assert_error(upload(reader, "attachments/family/r.png", status=403), 403, "FORBIDDEN")
 
     def test_writes_inside_work(self, family):
         _, member = family
@@ -6143,6 +6186,33 @@ class TestShareLinks:
         )
         client.delete(f"{API}/auth/keys/{rec['id']}")
         assert_error(anon.get(f"{API}/shared/{self.token(link)}", status=404), 404, "NOT_FOUND")
+
+    def test_a_shared_note_loads_the_images_it_links_and_no_other(self, client, anon):
+        text = (
+            "# Rome\n\n![view](../../attachments/trips/view.png)\n![top](/attachments/top.png)\n"
+            "![web](https://img.example/a.png) [file](../../attachments/trips/gone.png)\n"
+        )
+        put_note(client, "notes/trips/rome.md", text)
+        for path in ("attachments/trips/view.png", "attachments/top.png", "attachments/secret.png"):
+            upload(client, path)
+        d = data(client.post_json(f"{API}/shares", {"path": "notes/trips/rome.md"}))
+        token = self.token(d)
+        assert data(anon.get(f"{API}/shared/{token}"))["attachments"] == {
+            "../../attachments/trips/view.png": "attachments/trips/view.png",
+            "/attachments/top.png": "attachments/top.png",
+            "../../attachments/trips/gone.png": "attachments/trips/gone.png",
+        }
+        resp = anon.get(f"{API}/shared/{token}/attachments/attachments/trips/view.png")
+        assert resp.body == PNG
+        assert resp.content_type == "image/png"
+        assert resp.headers["Content-Security-Policy"] == notesvc.ATTACHMENT_CSP
+        anon.get(f"{API}/shared/{token}/attachments/attachments%2Ftop.png", status=200)
+        for path in ("attachments/secret.png", "attachments/trips/gone.png", "notes/trips/rome.md"):
+            url = f"{API}/shared/{token}/attachments/{urllib.parse.quote(path, safe='')}"
+            assert_error(anon.get(url, status=404), 404, "NOT_FOUND")
+        client.delete(f"{API}/shares/{d['id']}")
+        url = f"{API}/shared/{token}/attachments/attachments/top.png"
+        assert_error(anon.get(url, status=404), 404, "NOT_FOUND")
 
     def test_share_tokens_never_reach_the_log(self, shared, anon, caplog):
         _, d = shared
@@ -8854,9 +8924,16 @@ class TestGrantsThroughTheRelay:
         relay, server, setup = pair
         sid = setup["serverId"]
         owner = owner_headers(setup)
-        relay.request(
-            "POST", f"/r/{sid}{API}/notes", {"path": "notes/p.md", "content": "# P\n"}, owner
+        note = {"path": "notes/p.md", "content": "# P\n\n![pic](../attachments/p.png)\n"}
+        relay.request("POST", f"/r/{sid}{API}/notes", note, owner)
+        put = urllib.request.Request(
+            f"{relay.url}/r/{sid}{API}/attachments/attachments%2Fp.png",
+            PNG,
+            {**owner, "Content-Type": "application/octet-stream"},
+            method="PUT",
         )
+        with urllib.request.urlopen(put, timeout=30) as resp:
+            assert resp.status == 201
         status, _, body = relay.request(
             "POST", f"/r/{sid}{API}/shares", {"path": "notes/p.md"}, owner
         )
@@ -8872,10 +8949,30 @@ class TestGrantsThroughTheRelay:
         status, _, raw = get_raw(f"{relay.url}/r/{sid}{API}/shared/{token}")
         assert status == 200
         assert json.loads(raw)["data"]["title"] == "P"
+        image = f"{relay.url}/r/{sid}{API}/shared/{token}/attachments/attachments/p.png"
+        status, headers, raw = get_raw(image)
+        assert (status, raw, headers["Content-Type"]) == (200, PNG, "image/png")
+        assert headers["Content-Security-Policy"] == notesvc.RELAY_ANSWER_CSP
         assert get_raw(f"{relay.url}/r/{sid}/s/..%2F..%2Fetc")[0] == 404
         # A share made directly in relay mode names the relay too.
         status, _, direct = server.request("POST", f"{API}/shares", {"path": "notes/p.md"}, owner)
         assert direct["data"]["url"].startswith(f"{relay.url}/r/{sid}/s/")
+
+
+def tiny_png() -> bytes:
+    """A real 1x1 PNG (a browser decodes it)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        crc = struct.pack(">I", zlib.crc32(kind + body) & 0xFFFFFFFF)
+        return struct.pack(">I", len(body)) + kind + body + crc
+
+    header = struct.pack(">IIBBBBB", 1, 1, 8, 2, 0, 0, 0)
+    pixels = zlib.compress(b"\x00\xc0\x30\x30")
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", pixels) + chunk(b"IEND", b"")
+    )
 
 
 class TestGrantPages:
@@ -9002,7 +9099,15 @@ class TestGrantPages:
                 "see [the shop](https://shop.example).\n\n- [x] apples\n- [ ] sugar\n\n"
                 "> keep it warm\n\n```\n<script>alert(1)</script>\n```\n\n"
                 "| step | minutes |\n|---|---|\n| bake | 40 |\n\n<img src=x onerror=alert(2)>\n"
+                "\n![the pie](../attachments/pie.png) ![elsewhere](https://img.example/x.png)\n"
             )
+            put = urllib.request.Request(
+                f"{server.url}{API}/attachments/attachments%2Fpie.png",
+                tiny_png(),
+                {**owner, "Content-Type": "application/octet-stream"},
+                method="PUT",
+            )
+            urllib.request.urlopen(put, timeout=30).close()
             server.request("POST", f"{API}/notes", {"path": "notes/pie.md", "content": text}, owner)
             _, _, made = server.request("POST", f"{API}/shares", {"path": "notes/pie.md"}, owner)
             context = browser.new_context()  # no key, no storage
@@ -9020,7 +9125,12 @@ class TestGrantPages:
             expect(page.locator("article pre")).to_have_text("<script>alert(1)</script>")
             expect(page.locator("article td")).to_have_count(2)
             assert "<img src=x onerror=alert(2)>" in page.inner_text("article")
-            assert page.locator("article img").count() == 0
+            image = page.locator("article img")
+            expect(image).to_have_count(1)  # the note's own attachment; never another host's
+            assert image.get_attribute("alt") == "the pie"
+            page.wait_for_function("document.querySelector('article img').complete")
+            assert image.evaluate("(img) => img.naturalWidth") == 1
+            assert "[elsewhere]" in page.inner_text("article")
             assert dialogs == []
             page.screenshot(path=str(tmp_path / "share.png"), full_page=True)
             assert all(
