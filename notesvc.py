@@ -284,6 +284,16 @@ SETTINGS = (
     Setting("agent_api_key", "SERVICE_AGENT_API_KEY", "", "", _text, "model API key"),
     Setting("agent_timeout", "SERVICE_AGENT_TIMEOUT", "", "60", _seconds, "model time-out (s)"),
     Setting(
+        "agent_max_steps",
+        "SERVICE_AGENT_MAX_STEPS",
+        "",
+        "6",
+        _int_range(1, 20),
+        "model calls per question in the agent's tool loop",
+    ),
+    Setting("agent_write", "SERVICE_AGENT_WRITE", "", "false", _bool, "the agent may change notes"),
+    Setting("mcp_write", "SERVICE_MCP_WRITE", "", "false", _bool, "MCP clients may change notes"),
+    Setting(
         "telegram_api_base",
         "SERVICE_TELEGRAM_API_BASE",
         "",
@@ -459,6 +469,9 @@ class Config:
     agent_model: str
     agent_api_key: str
     agent_timeout: float
+    agent_max_steps: int
+    agent_write: bool
+    mcp_write: bool
     telegram_api_base: str
     whatsapp_api_base: str
     max_body_bytes: int
@@ -608,6 +621,16 @@ def error_body(code: str, message: str, **extra: Any) -> bytes:
     return to_json({"success": False, "error": {"code": code, "message": message, **extra}})
 
 
+def jsonrpc_error_body(status: int, code: str, message: str, **extra: Any) -> bytes:
+    """Return a failure of a JSON-RPC route (/mcp) that its handler did not answer (auth,
+    limits, method): a JSON-RPC 2.0 error (id null) with the HTTP status and the envelope's
+    code in `data` (CONTRACT 3)."""
+    number = -32600 if status in (400, 413, 415) else -32603 if status >= 500 else -32000
+    data = {"status": status, "code": code, **extra}
+    error = {"code": number, "message": message, "data": data}
+    return to_json({"jsonrpc": "2.0", "id": None, "error": error})
+
+
 def ok(data: Any, status: int = 200) -> bytes:
     """Return the success envelope as the current response (status and JSON type set)."""
     bottle.response.status = status
@@ -634,6 +657,8 @@ def render_error(err: bottle.HTTPError) -> bytes:
         else:
             message = str(err.body or bottle.HTTP_CODES.get(status, "error"))
     bottle.response.content_type = JSON_TYPE
+    if env.get("notesvc.jsonrpc"):  # set by the app for routes that answer JSON-RPC
+        return jsonrpc_error_body(status, code, message, **getattr(err, "extra", {}))
     return error_body(code, message, **getattr(err, "extra", {}))
 
 
@@ -4201,9 +4226,9 @@ class Service:
     """Everything one running app shares across its threads.
 
     plugins: every plugin of this app, built-in and third-party (load_plugins);
-    agent_providers / channel_providers: the registries this app sees (built-ins plus its
-    plugins' own). `readonly` (the audit): the state is opened without writing, nothing is
-    created, swept, indexed or started.
+    agent_providers / channel_providers / tools: the registries this app sees (built-ins
+    plus its plugins' own). `readonly` (the audit): the state is opened without writing,
+    nothing is created, swept, indexed or started.
     """
 
     def __init__(
@@ -4212,6 +4237,7 @@ class Service:
         plugins: Mapping[str, Any],
         agent_providers: Mapping[str, Any],
         channel_providers: Mapping[str, Any],
+        tools: Mapping[str, Any] | None = None,
         readonly: bool = False,
     ):
         self.config = config
@@ -4220,6 +4246,7 @@ class Service:
         self.plugins = dict(plugins)
         self.agent_providers = dict(agent_providers)
         self.channel_providers = dict(channel_providers)
+        self.tools = dict(tools or {})  # what MCP clients and the agent may call (TOOLS)
         self.plugin_errors: dict = {}  # name -> the last error a hook raised
         self.plugin_cache: dict = {}  # what built-in plugins derive from the index
         self.plugin_build_lock = threading.RLock()  # derived(): one build at a time
@@ -4433,22 +4460,25 @@ class Service:
         stored = self.state.read().get("keyHash", "")
         return bool(key) and hmac.compare_digest(key_hash(key), stored)
 
-    def authenticate(self, environ: dict, key_only: bool = False, oauth: bool = False) -> Principal:
+    def authenticate(self, environ: dict, key_only: bool = False, mcp: bool = False) -> Principal:
         """Return who a protected request acts for, or raise 401 / 403 / 429.
 
         Only a credential that was presented and is wrong counts toward the lockout,
         and a right one clears its address's failures; while an address is locked out,
         every credential from it is 429, right or wrong (no oracle for a guesser).
-        key_only: the route needs the API key itself, a JWT gets 403. oauth: the route
-        (the MCP endpoint) takes OAuth access tokens issued for its URL, and a 401 carries
-        the challenge that leads a client to them.
+        key_only: the route needs the API key itself, a JWT gets 403.
+        mcp: /mcp, where the key may also come as `Authorization: Bearer` or `X-API-Key`,
+        OAuth access tokens issued for its URL are good, and a 401 carries the challenge
+        that leads a client to them.
         """
         if self.config.auth_mode == "none":
             return OWNER
         key = environ.get("HTTP_X_SERVICE_KEY", "")
         auth = environ.get("HTTP_AUTHORIZATION", "")
         bearer = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
-        mcp_url = self.issuer(environ) + API + "/mcp" if oauth else ""
+        if mcp and not key:  # AI connectors send only authorization, x-api-key, x-auth-token
+            key = environ.get("HTTP_X_API_KEY", "") or bearer
+        mcp_url = self.issuer(environ) + API + "/mcp" if mcp else ""
         if key or bearer:
             addr = self.client_addr(environ)
             self.check_lockout(addr)
@@ -4464,20 +4494,21 @@ class Service:
                         f"this needs the API key itself ({KEY_HEADER}), not a token",
                     )
                 return OWNER
-            for secret in filter(None, (key, bearer)):  # a scoped key, or an OAuth token
+            for secret in filter(None, dict.fromkeys((key, bearer))):  # a scoped key, a token
                 grant = self.grants.principal(secret)
-                if grant is not None and grant.kind == "oauth" and not oauth:
+                if grant is not None and grant.kind == "oauth" and not mcp:
                     raise ApiError(401, "UNAUTHORIZED", f"OAuth tokens are good for {API}/mcp only")
                 if grant is not None and (grant.kind != "oauth" or grant.resource == mcp_url):
                     self.lockout.succeed(addr)
                     return grant
             self.lockout.fail(addr)
+        headers = f"{KEY_HEADER}, Authorization: Bearer or X-API-Key" if mcp else KEY_HEADER
         challenge = {"WWW-Authenticate": mcp_challenge(mcp_url, "invalid_token" if bearer else "")}
         raise ApiError(
             401,
             "UNAUTHORIZED",
-            f"missing or wrong {KEY_HEADER} header; see GET {API}/system/setup",
-            challenge if oauth else None,
+            f"missing or wrong {headers} header; see GET {API}/system/setup",
+            challenge if mcp else None,
         )
 
     def token_valid(self, environ: dict) -> bool:
@@ -4556,9 +4587,10 @@ def collecting_registrations():
 class UpstreamError(Exception):
     """An outbound call failed; `timeout` tells a time-out from any other failure."""
 
-    def __init__(self, message: str, timeout: bool = False):
+    def __init__(self, message: str, timeout: bool = False, status: int = 0):
         super().__init__(message)
         self.timeout = timeout
+        self.status = status  # the HTTP status the other side answered, 0 when none
 
     def api_error(self, what: str) -> ApiError:
         if self.timeout:
@@ -4584,7 +4616,7 @@ def post_json(url: str, body: dict, headers: dict | None = None, timeout: float 
             raw = resp.read(4 << 20)
     except urllib.error.HTTPError as e:
         e.close()  # it holds the response (and its socket) open
-        raise UpstreamError(f"HTTP {e.code}") from None
+        raise UpstreamError(f"HTTP {e.code}", status=e.code) from None
     except urllib.error.URLError as e:
         timed_out = isinstance(e.reason, (socket.timeout, TimeoutError))
         raise UpstreamError(
@@ -4747,6 +4779,33 @@ def question_stems(question: str) -> list:
 
 
 _SENTENCE_RE = re.compile(r"(?<=[.!?])\s+|\n+")
+# Markdown a quoted sentence leaves out; every pattern runs in linear time.
+_MD_LEAD_RE = re.compile(
+    r"^(?:#{1,6}[ \t]+|>[ \t]*|(?:[-*+]|\d{1,9}[.)])[ \t]+(?:\[[ xX]\][ \t]+)?)+"
+)
+_MD_LINK_RE = re.compile(r"!?\[([^\[\]\n]*)\]\([^()\s]*(?:[ \t]+\"[^\"\n]*\")?\)")
+_MD_WIKILINK_RE = re.compile(r"\[\[([^\[\]|\n]*)(?:\|([^\[\]\n]*))?\]\]")
+_MD_MARKS_RE = re.compile(
+    r"\*\*|__|~~|`|(?<![\w*])\*(?=\S)|(?<=\S)\*(?![\w*])|(?<!\w)_(?=\S)|(?<=\S)_(?!\w)"
+)
+_MD_INLINE_RE = re.compile(r"[*_~`\[]")  # a sentence without these has no inline marks
+_HEADING_MARK_RE = re.compile(r"^[ \t]*#{1,6}[ \t]+", re.M)
+_LINE_MARKS_RE = re.compile(
+    r"^[ \t]*(?:>[ \t]*|(?:[-*+]|\d{1,9}[.)])[ \t]+(?:\[[ xX]\][ \t]+)?)+", re.M
+)
+
+
+def plain_text(line: str) -> str:
+    """Return a line of Markdown as plain text: no heading, quote or list marks, no emphasis
+    or code marks, links as their text.
+
+    >>> plain_text("- [ ] **Buy** [milk](shop.md) and [[eggs|the eggs]] for *Anna*, `now`")
+    'Buy milk and the eggs for Anna, now'
+    """
+    line = _MD_LEAD_RE.sub("", line.strip())
+    line = _MD_WIKILINK_RE.sub(lambda m: m.group(2) or m.group(1), line)
+    line = _MD_LINK_RE.sub(r"\1", line)
+    return " ".join(_MD_MARKS_RE.sub("", line).split())
 
 
 def best_passages(weights: dict, text: str, keep: int = 2) -> list:
@@ -4756,12 +4815,15 @@ def best_passages(weights: dict, text: str, keep: int = 2) -> list:
     """
     scored = []
     stems: dict = {}  # word -> stem, each computed once
-    for i, sentence in enumerate(_SENTENCE_RE.split(text[:MAX_SCAN_CHARS])):
-        sentence = sentence.strip()
-        heading = sentence.startswith("#")  # quoted only when no sentence matches
-        sentence = sentence.lstrip("#").strip()
+    # Line marks go first (so "1. " ends no sentence); a heading is marked with \x01.
+    text = _LINE_MARKS_RE.sub("", _HEADING_MARK_RE.sub("\x01", text[:MAX_SCAN_CHARS]))
+    for i, sentence in enumerate(_SENTENCE_RE.split(text)):
+        heading = sentence.startswith("\x01")  # quoted only when no other sentence matches
+        sentence = sentence.strip("\x01 \t\r")
         if not sentence:
             continue
+        if _MD_INLINE_RE.search(sentence):
+            sentence = plain_text(sentence)
         words = set(_WORD_RE.findall(fold(sentence)))
         for w in words.difference(stems):
             stems[w] = stem(w)
@@ -4801,31 +4863,214 @@ def _hits_in_folder(svc: Service, question: str, folder: str, limit: int) -> lis
 def retrieve(
     svc: Service, question: str, note: str | None, limit: int = 3, folder: str = ""
 ) -> list:
-    """Return [(path, title, [passages])]: the note asked about first, then the best hits
-    (inside `folder` only, when one is given)."""
+    """Return [(path, title, [passages])]: the best hits, best first (inside `folder` only,
+    when a folder grant asks).
+
+    The note asked about (`notePath`) comes first when its passages match the question;
+    otherwise it comes last with its opening, context for a model that no one quotes.
+    """
     index = svc.index
     weights = index.stem_weights(question_stems(question))
     if folder:
         hits = _hits_in_folder(svc, question, folder, limit)
     else:
         hits = index.search_any(list(weights), limit)  # the passages are cut without the lock
-    found = []
+    found = [(p, title, best_passages(weights, text)) for p, title, text, _ in hits if p != note]
     if note:
         rec = svc.notes.get(note)
-        passages = best_passages(weights, rec["content"]) or [
-            _clip(" ".join(rec["content"][:MAX_SCAN_CHARS].split()), 600)
-        ]
-        found.append((note, rec["title"], passages))
-    for path, title, text, _ in hits:
-        if path != note:
-            found.append((path, title, best_passages(weights, text)))
+        passages = best_passages(weights, rec["content"])
+        if passages:
+            found.insert(0, (note, rec["title"], passages))
+        else:
+            opening = _clip(" ".join(rec["content"][:MAX_SCAN_CHARS].split()), 600)
+            found.append((note, rec["title"], [opening]))
     return found
+
+
+def matching(stems: set, passages: list) -> list:
+    """Return the best of the passages (best first) that hold one of the stems, and the
+    next ones while they hold as many of them."""
+    counts = [len(stems.intersection(tokenize(p))) for p in passages]
+    return [p for p, n in zip(passages, counts) if n and n == counts[0]]
+
+
+# -- tools: what MCP clients and the agent may call -------------------------------------
+#
+# A tool is a small function of the service with a JSON Schema for its arguments, a
+# description a model can act on, and MCP's annotations. MCP clients call tools through
+# /api/v1/mcp and the `openai` agent through its tool loop; both run the same functions,
+# which go through the store (its locks, hooks and history) and the index like every HTTP
+# handler: there is no second write path. Write tools are offered only where the owner
+# allows writes (SERVICE_MCP_WRITE, SERVICE_AGENT_WRITE). The built-ins register at the
+# end of Plugins, like the built-in plugins (two of them use the links and tags plugins).
+
+TOOL_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # what MCP and OpenAI both accept
+
+
+@dataclasses.dataclass(frozen=True)
+class Tool:
+    name: str
+    run: Callable  # (svc, **arguments) -> dict, the structured result; raises ApiError
+    description: str
+    schema: dict  # JSON Schema of the arguments: an object, no other properties
+    title: str = ""
+    read_only: bool = True
+    destructive: bool = False  # may overwrite or remove what is there (not only add)
+    idempotent: bool = False  # calling it again with the same arguments changes nothing more
+    plugin: str = ""  # offered only while this plugin is on ("": always)
+    text: Callable | None = None  # structured result -> the text a model reads (default JSON)
+    alias_of: str = ""  # the same service under a name some client expects (MCP only)
+
+    def annotations(self) -> dict:
+        """Return MCP's annotations of the tool (hints for clients, never enforced by them)."""
+        return {
+            "title": self.title or self.name.replace("_", " "),
+            "readOnlyHint": self.read_only,
+            "destructiveHint": self.destructive,
+            "idempotentHint": self.idempotent,
+            "openWorldHint": False,  # the notes are a closed world
+        }
+
+
+TOOLS: dict[str, Tool] = {}
+
+
+def tool(
+    name: str,
+    description: str,
+    properties: dict | None = None,
+    required: tuple = (),
+    *,
+    title: str = "",
+    read_only: bool = True,
+    destructive: bool = False,
+    idempotent: bool = False,
+    plugin: str = "",
+    text: Callable | None = None,
+    alias_of: str = "",
+) -> Callable:
+    """Register a tool function under name; `properties` are its arguments' JSON Schemas."""
+    if not TOOL_NAME_RE.match(name):
+        raise ValueError(f"tool name {name!r} is not 1-64 of A-Z a-z 0-9 _ -")
+    schema = {
+        "type": "object",
+        "properties": dict(properties or {}),
+        "required": list(required),
+        "additionalProperties": False,
+    }
+
+    def register(fn: Callable) -> Callable:
+        _registry("tool", TOOLS)[name] = Tool(
+            name,
+            fn,
+            description,
+            schema,
+            title,
+            read_only,
+            destructive,
+            idempotent,
+            plugin,
+            text,
+            alias_of,
+        )
+        return fn
+
+    return register
+
+
+def available_tools(svc: Service, writes: bool) -> list:
+    """Return the tools this app offers: read-only ones, write ones when `writes`, each only
+    while its plugin is on."""
+    return [
+        t
+        for t in svc.tools.values()
+        if (writes or t.read_only) and (not t.plugin or svc.plugin_enabled(t.plugin))
+    ]
+
+
+_JSON_TYPES = {"string": str, "integer": int, "boolean": bool, "object": dict, "array": list}
+
+
+def checked_arguments(schema: dict, arguments: Any) -> dict:
+    """Return a tool's arguments checked against its schema (the part of JSON Schema tools
+    use: type, required, additionalProperties, min/maxLength, minimum/maximum, enum); null
+    counts as absent, 3.0 as 3. Raises 400 saying what is wrong."""
+    if not isinstance(arguments, dict):
+        raise bad_request("the arguments must be a JSON object")
+    props = schema.get("properties", {})
+    given = {k: v for k, v in arguments.items() if v is not None}
+    missing = [name for name in schema.get("required", ()) if name not in given]
+    if missing:
+        raise bad_request(f"missing required argument(s): {', '.join(missing)}")
+    unknown = sorted(set(given) - set(props))
+    if unknown and schema.get("additionalProperties") is False:
+        takes = ", ".join(props) or "no arguments"
+        raise bad_request(f"unknown argument(s): {', '.join(unknown)}; this tool takes {takes}")
+    out = {}
+    for name, value in given.items():
+        rule = props.get(name, {})
+        kind = rule.get("type")
+        if kind == "integer" and isinstance(value, float) and value.is_integer():
+            value = int(value)
+        expected = _JSON_TYPES.get(kind)
+        if expected and (
+            not isinstance(value, expected) or (expected is int and isinstance(value, bool))
+        ):
+            raise bad_request(f"'{name}' must be a{'n' if kind[0] in 'aeio' else ''} {kind}")
+        if isinstance(value, str):
+            if len(value) < rule.get("minLength", 0):
+                raise bad_request(f"'{name}' must not be empty")
+            if len(value) > rule.get("maxLength", len(value)):
+                raise bad_request(f"'{name}' is longer than {rule['maxLength']} characters")
+        if isinstance(value, int) and not (
+            rule.get("minimum", value) <= value <= rule.get("maximum", value)
+        ):
+            raise bad_request(f"'{name}' must be from {rule['minimum']} to {rule['maximum']}")
+        if "enum" in rule and value not in rule["enum"]:
+            raise bad_request(f"'{name}' must be one of {', '.join(map(str, rule['enum']))}")
+        out[name] = value
+    return out
+
+
+def tool_error(code: str, message: str) -> dict:
+    """Return a tool result saying what went wrong, for the model to act on (MCP's isError)."""
+    return {
+        "content": [{"type": "text", "text": f"Error ({code}): {message}"}],
+        "structuredContent": {"error": {"code": code, "message": message}},
+        "isError": True,
+    }
+
+
+def call_tool(svc: Service, tool: Tool, arguments: Any) -> dict:
+    """Return the result of one tool call as MCP's CallToolResult {content, structuredContent,
+    isError}.
+
+    Whatever a model can recover from (bad arguments, a missing note, a stale etag) is an
+    isError result whose text says what to do; a bug is logged and answered with its request
+    id only. Nothing raises.
+    """
+    try:
+        data = tool.run(svc, **checked_arguments(tool.schema, arguments))
+    except ApiError as e:
+        return tool_error(e.code, e.message)
+    except Exception:
+        rid = _rid()
+        log.exception("request %s: tool %s failed", rid, tool.name)
+        return tool_error("INTERNAL_ERROR", f"internal error; request id {rid}")
+    text = tool.text(data) if tool.text else to_json(data).decode("utf-8")
+    return {
+        "content": [{"type": "text", "text": text}],
+        "structuredContent": data,
+        "isError": False,
+    }
 
 
 # -- agent providers ------------------------------------------------------------------
 
 
-AnswerFn = Callable[[Any, str, list], tuple]  # (svc, question, found) -> (reply, model)
+# (svc, question, found) -> (reply, model) or (reply, model, [paths of the sources]); with
+# two items the sources are every note in `found`.
+AnswerFn = Callable[[Any, str, list], tuple]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -4864,18 +5109,32 @@ def agent_provider(
     description="offline: quotes the best-matching passages of your notes",
 )
 def answer_locally(svc: Service, question: str, found: list) -> tuple:
-    quoted = [(path, p) for path, _, passages in found for p in passages[:2]]
+    """Quote the best-matching plain sentence of each note that matches, best note first."""
+    quoted, stems = [], set(question_stems(question))
+    for path, _, passages in found:
+        best = matching(stems, passages)  # best_passages put the best one first
+        if best:
+            quoted.append((path, " ".join(best)))
     if not quoted:
-        return f"Nothing in your notes matches “{_clip(question, 80)}”.", "notesvc-local"
-    lines = ["From your notes:"]
-    lines += [f"• {passage} — {path}" for path, passage in quoted[:6]]
-    return "\n".join(lines), "notesvc-local"
+        return f"Nothing in your notes matches “{_clip(question, 80)}”.", "notesvc-local", []
+    lines = ["From your notes:", *(f"• {passage} — {path}" for path, passage in quoted[:4])]
+    return "\n".join(lines), "notesvc-local", [path for path, _ in quoted[:4]]
 
 
 SYSTEM_PROMPT = (
     "You answer questions about the user's personal notes. Use only the notes below; "
     "name the note path you took an answer from; if the notes do not say, say so."
 )
+TOOLS_PROMPT = (
+    "When the notes below do not answer the question, call the tools: search_notes to "
+    "search again, read_note to read a whole note."
+)
+WRITE_PROMPT = (
+    "Change notes only when the user asks you to; read a note first and pass the etag you "
+    "read to update_note or move_note."
+)
+MAX_TOOL_CALLS_PER_STEP = 8  # run of one model answer; the others are answered "skipped"
+MAX_TOOL_TEXT = 16000  # characters of one tool result a model is given
 
 
 def model_context(found: list, budget: int = CONTEXT_BUDGET) -> str:
@@ -4917,25 +5176,130 @@ def agent_endpoint(base_url: str, path: str, api_key: str = "") -> tuple:
     requires=("agent_base_url", "agent_model"),
 )
 def answer_with_model(svc: Service, question: str, found: list) -> tuple:
+    """Answer through an OpenAI-compatible model, in a bounded tool loop.
+
+    The first call carries the best passages as context together with the tools, so a
+    model that answers at once answers from the notes. Each answer with `tool_calls` gets
+    the tools' results (`role: tool`) and another call, at most SERVICE_AGENT_MAX_STEPS
+    calls in all (the last one with `tool_choice: "none"`). A model or server that refuses
+    `tools` (HTTP 400 or 422) gets today's single call without them.
+    """
     cfg = svc.config
     url, headers = agent_endpoint(cfg.agent_base_url, "/chat/completions", cfg.agent_api_key)
-    body = {
-        "model": cfg.agent_model,
-        "messages": [
-            {"role": "system", "content": f"{SYSTEM_PROMPT}\n\n{model_context(found)}"},
-            {"role": "user", "content": question},
-        ],
-        "temperature": 0.2,
-        "stream": False,
-    }
-    answer = post_json(url, body, headers, cfg.agent_timeout)
+    tools = [t for t in available_tools(svc, cfg.agent_write) if not t.alias_of]
+    specs = [openai_tool(t) for t in tools]
+    prompt = SYSTEM_PROMPT + (f" {TOOLS_PROMPT}" if specs else "")
+    prompt += f" {WRITE_PROMPT}" if cfg.agent_write and specs else ""
+    messages = [
+        {"role": "system", "content": f"{prompt}\n\n{model_context(found)}"},
+        {"role": "user", "content": question},
+    ]
+    body = {"model": cfg.agent_model, "messages": messages, "temperature": 0.2, "stream": False}
+    touched: list = []  # notes the tools read or changed, in order
+    context = [path for path, _, _ in found]
+    model = cfg.agent_model
+    for step in range(cfg.agent_max_steps):
+        last = step == cfg.agent_max_steps - 1
+        if specs:
+            body["tools"] = specs
+            if last:  # the model must answer now (some servers refuse an explicit "auto")
+                body["tool_choice"] = "none"
+        try:
+            answer = post_json(url, body, headers, cfg.agent_timeout)
+        except UpstreamError as e:
+            if not (step == 0 and specs and e.status in (400, 422)):
+                raise
+            log.info("request %s: the model refused tools (%s); asking without them", _rid(), e)
+            specs = []
+            body.pop("tools")
+            body.pop("tool_choice", None)
+            answer = post_json(url, body, headers, cfg.agent_timeout)
+        message = _assistant_message(answer)
+        model = str(answer.get("model") or cfg.agent_model)
+        calls = message.get("tool_calls") if specs else None
+        if not calls or not isinstance(calls, list):
+            return _reply_text(message), model, touched + context
+        if last:
+            break
+        content = message.get("content") or ""
+        messages.append({"role": "assistant", "content": content, "tool_calls": calls})
+        for i, call in enumerate(calls):
+            if i < MAX_TOOL_CALLS_PER_STEP:
+                messages.append(run_tool_call(svc, tools, call, touched))
+            else:  # every call needs its answer, or the next request is refused
+                messages.append(
+                    _tool_message(call, f"skipped: at most {MAX_TOOL_CALLS_PER_STEP} calls at once")
+                )
+        log.debug("request %s: agent step %d ran %d tool calls", _rid(), step + 1, len(calls))
+    reply = (
+        f"I stopped after {cfg.agent_max_steps} model calls (SERVICE_AGENT_MAX_STEPS) without "
+        "an answer; the notes I looked at are listed as sources."
+    )
+    return reply, model, touched + context
+
+
+def _assistant_message(answer: dict) -> dict:
     try:
-        reply = answer["choices"][0]["message"]["content"]
+        message = answer["choices"][0]["message"]
     except (KeyError, IndexError, TypeError):
         raise UpstreamError("the answer had no choices[0].message.content") from None
+    if not isinstance(message, dict):
+        raise UpstreamError("the answer had no choices[0].message.content")
+    return message
+
+
+def _reply_text(message: dict) -> str:
+    reply = message.get("content")
     if not isinstance(reply, str):
         raise UpstreamError("the answer's content was not text")
-    return reply.strip(), str(answer.get("model") or cfg.agent_model)
+    return reply.strip()
+
+
+def openai_tool(tool: Tool) -> dict:
+    """Return a tool as OpenAI's function-calling declaration."""
+    return {
+        "type": "function",
+        "function": {"name": tool.name, "description": tool.description, "parameters": tool.schema},
+    }
+
+
+def run_tool_call(svc: Service, tools: list, call: Any, touched: list) -> dict:
+    """Return the `role: tool` message answering one of a model's tool calls.
+
+    A tool not offered (a write tool while SERVICE_AGENT_WRITE is off, a name the model
+    made up) or arguments that are not JSON are refused in that message, for the model to
+    read. A note a tool read or changed is added to `touched`.
+    """
+    call = call if isinstance(call, dict) else {}
+    function = call.get("function") if isinstance(call.get("function"), dict) else {}
+    name, raw = function.get("name"), function.get("arguments") or "{}"
+    offered = {t.name: t for t in tools}
+    if name in offered:
+        try:
+            arguments = json.loads(raw) if isinstance(raw, str) else raw
+        except ValueError:
+            result = tool_error("VALIDATION_ERROR", "the arguments are not valid JSON")
+        else:
+            result = call_tool(svc, offered[name], arguments)
+            path = result["structuredContent"].get("path")
+            if not result["isError"] and isinstance(path, str) and path not in touched:
+                touched.append(path)
+    elif name in svc.tools and not svc.tools[name].read_only:
+        result = tool_error(
+            "FORBIDDEN",
+            f"{name} changes notes, and the owner has not allowed the agent to change notes "
+            "(SERVICE_AGENT_WRITE is off); tell the user instead",
+        )
+    else:
+        result = tool_error(
+            "NOT_FOUND", f"there is no tool {str(name)[:64]!r}; use one of {', '.join(offered)}"
+        )
+    return _tool_message(call, result["content"][0]["text"])
+
+
+def _tool_message(call: Any, text: str) -> dict:
+    call_id = str(call.get("id", "")) if isinstance(call, dict) else ""
+    return {"role": "tool", "tool_call_id": call_id, "content": _clip(text, MAX_TOOL_TEXT)}
 
 
 @agent_provider("none", model=lambda cfg: "", enabled=False, description="agent switched off")
@@ -4951,10 +5315,16 @@ def ask_agent(svc: Service, question: str, note: str | None = None, folder: str 
         raise ApiError(503, "AGENT_DISABLED", "the agent is off (SERVICE_AGENT_PROVIDER=none)")
     found = retrieve(svc, question, note, folder=folder)
     try:
-        reply, model = provider.answer(svc, question, found)
+        answer = provider.answer(svc, question, found)
     except UpstreamError as e:
         raise e.api_error("the model endpoint") from None
-    sources = [{"path": path, "title": title} for path, title, _ in found]
+    reply, model = answer[0], answer[1]
+    titles = {path: title for path, title, _ in found}
+    if len(answer) > 2:  # the provider names its sources (notes that may be gone since)
+        paths = [p for p in dict.fromkeys(answer[2]) if p in titles or svc.notes.exists(p)]
+    else:
+        paths = list(titles)
+    sources = [{"path": p, "title": titles.get(p) or svc.index.title_of(p) or p} for p in paths]
     return {"reply": reply, "provider": provider.name, "model": model, "sources": sources}
 
 
@@ -6408,9 +6778,11 @@ class Plugin:
     routes: tuple = ()  # PluginRoute
     builtin: bool = False
     error: str | None = None  # why it could not be loaded
-    # what the plugin's file registered with @agent_provider / @channel_provider (per app)
+    # what the plugin's file registered with @agent_provider / @channel_provider / @tool
+    # (per app; its tools are offered while it is on)
     agent_providers: dict = dataclasses.field(default_factory=dict)
     channel_providers: dict = dataclasses.field(default_factory=dict)
+    tools: dict = dataclasses.field(default_factory=dict)
 
 
 PLUGINS: dict[str, Plugin] = {}  # the built-ins, registered like any plugin file's PLUGIN
@@ -6456,6 +6828,10 @@ def load_plugins(folder: Path) -> dict[str, Plugin]:
                 builtin=False,
                 agent_providers=registered.get("agent", {}),
                 channel_providers=registered.get("channel", {}),
+                tools={
+                    name: dataclasses.replace(t, plugin=plugin.name)
+                    for name, t in registered.get("tool", {}).items()
+                },
             )
             log.info("plugin %s %s loaded from %s", plugin.name, plugin.version, path.name)
         except Exception as e:
@@ -6477,12 +6853,14 @@ def build_service(config: Config, readonly: bool = False) -> Service:
 
 
 def provider_registries(plugins: Mapping[str, Plugin]) -> tuple:
-    """Return (agent providers, channel providers) of one app: built-ins, then its plugins'."""
-    agents, channels = dict(AGENT_PROVIDERS), dict(CHANNEL_PROVIDERS)
+    """Return (agent providers, channel providers, tools) of one app: built-ins, then its
+    plugins'."""
+    agents, channels, tools = dict(AGENT_PROVIDERS), dict(CHANNEL_PROVIDERS), dict(TOOLS)
     for plugin in plugins.values():
         agents.update(plugin.agent_providers)
         channels.update(plugin.channel_providers)
-    return agents, channels
+        tools.update(plugin.tools)
+    return agents, channels, tools
 
 
 # -- links ---------------------------------------------------------------------------------
@@ -6694,6 +7072,22 @@ def update_links(svc: Service, old: str, new: str, linking: set) -> list:
     return changed
 
 
+def move_and_relink(
+    svc: Service, path: str, new: str, if_match: str | None = None, relink: bool = False
+) -> dict:
+    """Move a note (If-Match honoured; never overwrites) and, with `relink`, point the links
+    to it at its new path; return its record there with `from` (and `linksUpdated`).
+    A folder grant's move rewrites links inside its folder only."""
+    sees = request_principal().sees
+    linking = set(filter(sees, link_graph(svc).get(path, ()))) if relink else set()
+    rec = svc.notes.move(path, new, if_match)
+    if relink and new != path:
+        rec["linksUpdated"] = update_links(svc, path, new, linking - {path})
+        if new in rec["linksUpdated"]:  # the note's own relative links were rebased
+            rec = {**svc.notes.get(new), "from": path, "linksUpdated": rec["linksUpdated"]}
+    return rec
+
+
 def attachment_linkers(svc: Service, path: str) -> set:
     """Return the notes that link to an attachment (Markdown links, images, ![[embeds]])."""
     name = path.rsplit("/", 1)[-1]
@@ -6860,6 +7254,367 @@ builtin_plugin(
 )
 
 
+# -- built-in tools (the TOOLS registry: see Providers) --------------------------------------
+
+_PATH_ARG = {
+    "type": "string",
+    "minLength": 1,
+    "maxLength": MAX_PATH_CHARS,
+    "description": f"a note path, {NOTES}/<folders>/<name>.md, as search_notes and "
+    "list_folder show it",
+}
+_FOLDER_ARG = {
+    "type": "string",
+    "maxLength": MAX_PATH_CHARS,
+    "description": f"a folder: {NOTES} (the top) or {NOTES}/<folders>",
+}
+_ETAG_ARG = {
+    "type": "string",
+    "minLength": 1,
+    "maxLength": 100,
+    "description": "the etag read_note gave: the change is refused if the note changed since",
+}
+_QUERY_ARG = {
+    "type": "string",
+    "minLength": 1,
+    "maxLength": MAX_QUERY_CHARS,
+    "description": 'words (all must match), "exact phrase", prefix*, -word to leave out, '
+    "a OR b; case, accents and English plurals do not matter",
+}
+READ_CHARS, MAX_READ_CHARS = 20000, 200000  # of a note read_note returns: default, most
+
+
+def note_url(svc: Service, path: str) -> str:
+    """Return the API URL of a note as the current request reached this server (relay
+    included); relative outside a request."""
+    try:
+        environ = bottle.request.environ
+        base = svc.base_url(environ) + environ.get("SCRIPT_NAME", "")
+    except (AttributeError, RuntimeError, KeyError):
+        base = svc.config.public_url
+    return f"{base}{API}/notes/{urllib.parse.quote(path, safe='')}"
+
+
+def _summary(rec: dict) -> dict:
+    """Return what a write tool answers: the note's record without its content."""
+    return {k: rec[k] for k in ("path", "title", "etag", "size", "modified")}
+
+
+def _hit_lines(data: dict) -> str:
+    lines = [f"{r['path']} — {r['title']}: {r['snippet']}" for r in data["results"]]
+    return "\n".join(lines) or "No note matches."
+
+
+@tool(
+    "search_notes",
+    "Search the user's notes (full text, best match first). Returns each hit's path, title "
+    "and a snippet; open a note with read_note.",
+    {
+        "query": _QUERY_ARG,
+        "limit": {"type": "integer", "minimum": 1, "maximum": 50, "default": 10},
+        "folder": {**_FOLDER_ARG, "description": "search only this folder (and below)"},
+    },
+    ("query",),
+    title="Search notes",
+    text=_hit_lines,
+)
+def tool_search_notes(svc: Service, query: str, limit: int = 10, folder: str = "") -> dict:
+    parsed = Query(query)
+    folder = folder_path(folder) if folder else NOTES
+    total, hits = svc.index.search(parsed, "" if folder == NOTES else folder, limit, 0)
+    results = [{"path": p, "title": t, "snippet": sn, "score": sc} for p, t, sc, sn in hits]
+    return {"results": results, "total": total}
+
+
+def _note_text(data: dict) -> str:
+    head = f"{data['path']} — {data['title']}\netag: {data['etag']}"
+    end = data["offset"] + len(data["content"])
+    if data["offset"] or data["truncated"]:
+        head += f"\ncharacters {data['offset']}-{end} of {data['totalChars']}"
+        if data["truncated"]:
+            head += f"; read on with offset={end}"
+    return f"{head}\n\n{data['content']}"
+
+
+@tool(
+    "read_note",
+    "Read a note: its Markdown content, title and etag (pass the etag to update_note or "
+    "move_note). A long note comes in parts: read on from `offset`.",
+    {
+        "path": _PATH_ARG,
+        "offset": {"type": "integer", "minimum": 0, "maximum": 10**9, "default": 0},
+        "maxChars": {"type": "integer", "minimum": 1, "maximum": MAX_READ_CHARS},
+    },
+    ("path",),
+    title="Read a note",
+    text=_note_text,
+)
+def tool_read_note(svc: Service, path: str, offset: int = 0, maxChars: int = READ_CHARS) -> dict:
+    rec = svc.notes.get(note_path(path))
+    content = rec["content"]
+    part = content[offset : offset + maxChars]
+    return {
+        **_summary(rec),
+        "content": part,
+        "offset": offset,
+        "truncated": offset + len(part) < len(content),
+        "totalChars": len(content),
+    }
+
+
+def _cut(node: dict, depth: int) -> dict:
+    """Return a folder node listed `depth` levels deep; deeper folders get `count`."""
+    children = []
+    for child in node["children"]:
+        if child["type"] != "folder":
+            children.append(child)
+        elif depth > 1:
+            children.append(_cut(child, depth - 1))
+        else:
+            folder = {k: child[k] for k in ("name", "path", "type")}
+            children.append({**folder, "count": _count_notes(child)})
+    return {**node, "children": children}
+
+
+def _count_notes(node: dict) -> int:
+    return sum(_count_notes(c) if c["type"] == "folder" else 1 for c in node["children"])
+
+
+def _tree_lines(node: dict, indent: str = "") -> list:
+    lines = [f"{indent}{node['name'] if indent else node['path']}/"]
+    for child in node.get("children", ()):
+        if child["type"] == "folder" and "children" in child:
+            lines += _tree_lines(child, indent + "  ")
+        elif child["type"] == "folder":
+            lines.append(f"{indent}  {child['name']}/ ({child['count']} notes)")
+        else:
+            lines.append(f"{indent}  {child['name']}")
+    return lines
+
+
+@tool(
+    "list_folder",
+    f"List a folder of notes: its subfolders and notes ({NOTES} is the top). `depth` levels "
+    "are listed; deeper folders show how many notes they hold.",
+    {"path": _FOLDER_ARG, "depth": {"type": "integer", "minimum": 1, "maximum": 10, "default": 1}},
+    title="List a folder",
+    text=lambda node: "\n".join(_tree_lines(node)),
+)
+def tool_list_folder(svc: Service, path: str = NOTES, depth: int = 1) -> dict:
+    return _cut(svc.notes.tree(folder_path(path)), depth)
+
+
+def _since_ns(since: str) -> int:
+    try:
+        when = dt.datetime.fromisoformat(since.strip().replace("Z", "+00:00"))
+    except ValueError:
+        raise bad_request("'since' must be a time such as 2025-05-01T12:00:00Z") from None
+    if when.tzinfo is None:
+        when = when.replace(tzinfo=dt.timezone.utc)
+    return int(when.timestamp() * 1e9)
+
+
+@tool(
+    "recent_changes",
+    "The notes changed most recently, newest first (by modification time; deleted notes "
+    "are not listed).",
+    {
+        "since": {
+            "type": "string",
+            "maxLength": 40,
+            "description": "only notes changed after this time (ISO 8601, e.g. "
+            "2025-05-01T12:00:00Z)",
+        },
+        "limit": {"type": "integer", "minimum": 1, "maximum": 100, "default": 20},
+    },
+    title="Recent changes",
+    text=lambda d: (
+        "\n".join(f"{c['modified']} {c['path']} — {c['title']}" for c in d["changes"])
+        or "No note changed."
+    ),
+)
+def tool_recent_changes(svc: Service, since: str = "", limit: int = 20) -> dict:
+    after = _since_ns(since) if since else -1
+    notes = [(m, p, size) for p, (size, m) in svc.notes.scan().items() if m > after]
+    notes.sort(reverse=True)
+    changes = [
+        {
+            "path": p,
+            "title": svc.index.title_of(p) or note_title("", p),
+            "modified": iso(m / 1e9),
+            "size": size,
+        }
+        for m, p, size in notes[:limit]
+    ]
+    return {"changes": changes, "total": len(notes)}
+
+
+@tool(
+    "list_tags",
+    "All #tags of the notes (and front-matter tags), each with how many notes carry it.",
+    title="List tags",
+    plugin="tags",
+    text=lambda d: "\n".join(f"#{t['tag']} ({t['count']})" for t in d["tags"]) or "No tags.",
+)
+def tool_list_tags(svc: Service) -> dict:
+    return list_tags(svc)
+
+
+@tool(
+    "create_note",
+    "Create a note (refused if one exists at that path; missing folders are created).",
+    {"path": _PATH_ARG, "content": {"type": "string", "description": "the Markdown text"}},
+    ("path", "content"),
+    title="Create a note",
+    read_only=False,
+)
+def tool_create_note(svc: Service, path: str, content: str) -> dict:
+    return _summary(svc.notes.create(note_path(path), content))
+
+
+@tool(
+    "append_to_note",
+    "Add text at the end of an existing note, on a new line (a list item: start it with '- ').",
+    {"path": _PATH_ARG, "text": {"type": "string", "minLength": 1}},
+    ("path", "text"),
+    title="Append to a note",
+    read_only=False,
+)
+def tool_append_to_note(svc: Service, path: str, text: str) -> dict:
+    path = note_path(path)
+
+    def add(old: str) -> str:
+        return old + ("\n" if old and not old.endswith("\n") else "") + text.rstrip("\n") + "\n"
+
+    svc.notes.rewrite(path, add)
+    return _summary(svc.notes.get(path))
+
+
+@tool(
+    "replace_in_note",
+    "Replace one exact piece of a note's text with new text. `old` must occur exactly "
+    "once: copy it from read_note, with enough of its surroundings to be unique.",
+    {
+        "path": _PATH_ARG,
+        "old": {"type": "string", "minLength": 1, "description": "the exact text to replace"},
+        "new": {"type": "string", "description": "the text to put in its place"},
+    },
+    ("path", "old", "new"),
+    title="Replace text in a note",
+    read_only=False,
+    destructive=True,
+)
+def tool_replace_in_note(svc: Service, path: str, old: str, new: str) -> dict:
+    path = note_path(path)
+
+    def swap(text: str) -> str:
+        count = text.count(old)
+        if count == 1:
+            return text.replace(old, new, 1)
+        if count == 0:
+            raise ApiError(
+                409,
+                "CONFLICT",
+                f"the text to replace is not in {path}; read the note again (read_note) "
+                "and copy the text exactly",
+            )
+        raise ApiError(
+            409,
+            "CONFLICT",
+            f"the text to replace occurs {count} times in {path}; include more of the text "
+            "around it so that it occurs once",
+        )
+
+    svc.notes.rewrite(path, swap)
+    return {**_summary(svc.notes.get(path)), "replaced": 1}
+
+
+@tool(
+    "update_note",
+    "Replace a note's whole content. Needs the etag read_note gave: a note that changed "
+    "since is not overwritten (read it again and redo the change).",
+    {"path": _PATH_ARG, "content": {"type": "string"}, "etag": _ETAG_ARG},
+    ("path", "content", "etag"),
+    title="Update a note",
+    read_only=False,
+    destructive=True,
+    idempotent=True,
+)
+def tool_update_note(svc: Service, path: str, content: str, etag: str) -> dict:
+    return _summary(svc.notes.update(note_path(path), content, etag))
+
+
+@tool(
+    "move_note",
+    "Move or rename a note (never onto an existing note). Needs the etag read_note gave; "
+    "updateLinks rewrites the links of other notes to it.",
+    {
+        "path": _PATH_ARG,
+        "newPath": {**_PATH_ARG, "description": "where the note goes"},
+        "etag": _ETAG_ARG,
+        "updateLinks": {"type": "boolean", "default": False},
+    },
+    ("path", "newPath", "etag"),
+    title="Move a note",
+    read_only=False,
+    destructive=True,
+    idempotent=True,
+)
+def tool_move_note(
+    svc: Service, path: str, newPath: str, etag: str, updateLinks: bool = False
+) -> dict:
+    rec = move_and_relink(svc, note_path(path), note_path(newPath), etag, updateLinks)
+    return {**_summary(rec), **{k: rec[k] for k in ("from", "linksUpdated") if k in rec}}
+
+
+@tool(
+    "delete_note",
+    "Delete a note (it goes to the trash, from where the owner can restore it). With an "
+    "etag, a note that changed since is not deleted.",
+    {"path": _PATH_ARG, "etag": _ETAG_ARG},
+    ("path",),
+    title="Delete a note",
+    read_only=False,
+    destructive=True,
+    idempotent=True,
+)
+def tool_delete_note(svc: Service, path: str, etag: str | None = None) -> dict:
+    done = svc.notes.delete(note_path(path), etag)
+    return {"path": done["path"], "deleted": True}
+
+
+@tool(
+    "search",
+    "Search the user's notes; each result's id is a note path to pass to fetch.",
+    {"query": _QUERY_ARG},
+    ("query",),
+    title="Search",
+    alias_of="search_notes",
+)
+def tool_search(svc: Service, query: str) -> dict:
+    _, hits = svc.index.search(Query(query), "", 10, 0)
+    return {"results": [{"id": p, "title": t, "url": note_url(svc, p)} for p, t, _, _ in hits]}
+
+
+@tool(
+    "fetch",
+    "Read a whole note by the id search gave (its path).",
+    {"id": {**_PATH_ARG, "description": "a note path, as search gives it"}},
+    ("id",),
+    title="Fetch",
+    alias_of="read_note",
+)
+def tool_fetch(svc: Service, id: str) -> dict:
+    rec = svc.notes.get(note_path(id))
+    return {
+        "id": rec["path"],
+        "title": rec["title"],
+        "text": rec["content"][:MAX_READ_CHARS],
+        "url": note_url(svc, rec["path"]),
+        "metadata": {k: rec[k] for k in ("etag", "modified", "size")},
+    }
+
+
 # == Security audit ===========================================================
 #
 # Each check is a small function of the service returning findings; the score is
@@ -6928,6 +7683,38 @@ def check_auth_off(svc: Service) -> list:
             "Set SERVICE_AUTH_MODE=api-key (the default).",
         )
     ]
+
+
+@audit_check
+def check_tool_writes(svc: Service) -> list:
+    """Write tools switched on (SERVICE_MCP_WRITE, SERVICE_AGENT_WRITE): medium without auth."""
+    cfg, out = svc.config, []
+    flags = (("SERVICE_MCP_WRITE", cfg.mcp_write), ("SERVICE_AGENT_WRITE", cfg.agent_write))
+    on = [env for env, flag in flags if flag]
+    if on and cfg.auth_mode == "none":
+        out.append(
+            finding(
+                "tool-writes-without-auth",
+                "medium",
+                "AI tools may change notes and no key is asked",
+                f"{' and '.join(on)} on with SERVICE_AUTH_MODE=none: any MCP client or "
+                "chat that reaches the port can have notes changed, moved and deleted.",
+                "Set SERVICE_AUTH_MODE=api-key, or turn the write tools off.",
+            )
+        )
+    channels = [c for c in svc.state.read().get("channels", []) if c["enabled"]]
+    if cfg.agent_write and channels:
+        out.append(
+            finding(
+                "agent-writes-from-channels",
+                "info",
+                "The agent may change notes when asked through a channel",
+                f"SERVICE_AGENT_WRITE is on: every sender {len(channels)} enabled channel(s) "
+                "accept can have the agent create, change, move and delete notes.",
+                "Keep the channels' allowlists short, or turn SERVICE_AGENT_WRITE off.",
+            )
+        )
+    return out
 
 
 @audit_check
@@ -8098,6 +8885,9 @@ RELAYED_WELL_KNOWN_RE = re.compile(
     r"^/\.well-known/(oauth-protected-resource|oauth-authorization-server|openid-configuration)"
     r"/r/([^/]+)(/.*)?$"
 )
+# A server's route that answers JSON-RPC (/mcp): the relay's own refusals of a request to it
+# (server offline, body too large) are JSON-RPC errors too (CONTRACT 3).
+RELAYED_JSONRPC_RE = re.compile(rf"^/r/[^/]+{API}/mcp$")
 
 
 def _b64(data: bytes) -> str:
@@ -8493,7 +9283,9 @@ class RelayServer:
                 self._answer_too_large(path, headers)
                 await self._send(
                     writer,
-                    *self._error(413, f"the body is over this relay's limit of {limit} bytes"),
+                    *self._error(
+                        413, f"the body is over this relay's limit of {limit} bytes", path=path
+                    ),
                     False,
                 )
                 return False
@@ -8550,8 +9342,14 @@ class RelayServer:
             self.hub.reply(m.group(1), token, m.group(2), answer)
 
     @staticmethod
-    def _error(status: int, message: str, code: str = "", headers: dict | None = None) -> tuple:
-        body = error_body(code or STATUS_CODES.get(status, "VALIDATION_ERROR"), message)
+    def _error(
+        status: int, message: str, code: str = "", headers: dict | None = None, path: str = ""
+    ) -> tuple:
+        code = code or STATUS_CODES.get(status, "VALIDATION_ERROR")
+        if RELAYED_JSONRPC_RE.match(path):  # a server's /mcp: its callers read JSON-RPC
+            body = jsonrpc_error_body(status, code, message)
+        else:
+            body = error_body(code, message)
         return status, [("Content-Type", JSON_TYPE), *(headers or {}).items()], body
 
     async def _route(self, req: RelayRequest) -> tuple:
@@ -8568,11 +9366,11 @@ class RelayServer:
                 if asyncio.iscoroutine(result):
                     result = await result
             except ApiError as e:
-                return self._error(e.status_code, e.message, e.code, dict(e.headers))
+                return self._error(e.status_code, e.message, e.code, dict(e.headers), req.path)
             except Exception:
                 rid = uuid.uuid4().hex[:16]
                 log.exception("relay: request %s failed", rid)
-                return self._error(500, f"internal error; request id {rid}")
+                return self._error(500, f"internal error; request id {rid}", path=req.path)
             if isinstance(result, dict):
                 return 200, [("Content-Type", JSON_TYPE)], success_body(result)
             return result
@@ -9186,7 +9984,10 @@ def get_config(svc: Service) -> dict:
             **_agent_facts(cfg),
             "model": cfg.agent_model,
             "timeoutSeconds": cfg.agent_timeout,
+            "maxSteps": cfg.agent_max_steps,
+            "write": cfg.agent_write,
         },
+        "mcp": {"path": f"{API}/mcp", "write": cfg.mcp_write, "protocolVersions": MCP_VERSIONS},
         "search": {"engine": "notesvc-bm25", "maxQueryLength": MAX_QUERY_CHARS},
         "sync": {"rescanSeconds": cfg.rescan_seconds, "notesRoot": "notes/"},
         "plugins": {"dir": cfg.plugins_dir or ".notesvc/plugins"},
@@ -9318,14 +10119,8 @@ def move_note(svc: Service, path: str) -> dict:
     path = visible_note(svc.notes, path)
     body = read_json(svc.config.max_body_bytes)
     new = visible_note(svc.notes, field(body, "path"))  # a folder grant moves within its folder
-    relink = field(body, "updateLinks", bool, required=False)
-    linking = set(link_graph(svc).get(path, ())) if relink else set()
-    rec = svc.notes.move(path, new, _if_match())
-    if relink and new != path:
-        rec["linksUpdated"] = update_links(svc, path, new, linking - {path})
-        if new in rec["linksUpdated"]:  # the note's own relative links were rebased
-            rec = {**svc.notes.get(new), "from": path, "linksUpdated": rec["linksUpdated"]}
-    return _note_response(rec)
+    relink = bool(field(body, "updateLinks", bool, required=False))
+    return _note_response(move_and_relink(svc, path, new, _if_match(), relink))
 
 
 def delete_note(svc: Service, path: str) -> dict:
@@ -9538,7 +10333,9 @@ def move_attachment(svc: Service, path: str) -> dict:
     body = read_json(svc.config.max_body_bytes)
     new = visible_attachment(svc.attachments, field(body, "path"))
     relink = field(body, "updateLinks", bool, required=False)
-    linking = attachment_linkers(svc, path) if relink else set()
+    linking = (
+        set(filter(request_principal().sees, attachment_linkers(svc, path))) if relink else set()
+    )
     rec = svc.attachments.move(path, new, _if_match())
     if relink and new != path:
         rec["linksUpdated"] = update_links(svc, path, new, linking)
@@ -9609,6 +10406,285 @@ def agent_status(svc: Service) -> dict:
         "provider": provider.name,
         "model": provider.model(svc.config),
     }
+
+
+# -- MCP: the tools over JSON-RPC 2.0 (Streamable HTTP, answered as JSON) -------------------
+#
+# POST /api/v1/mcp takes one JSON-RPC message and answers it with one JSON object (no SSE,
+# no sessions). Two eras share it, told apart the way the official SDKs route them: by the
+# MCP-Protocol-Version header (none, or a handshake-era version: the handshake era).
+#   2025-06-18, 2025-11-25: `initialize` (nothing is kept: every request stands alone),
+#     `notifications/initialized` (202), `ping`, `tools/list`, `tools/call`.
+#   2026-07-28 (stateless): no handshake; each request carries its version and capabilities
+#     in `params._meta`, and the MCP-Protocol-Version, Mcp-Method and Mcp-Name headers must
+#     repeat the body (-32020 when they do not); an unknown version is -32022 with the list.
+#     `server/discover`, `tools/list`, `tools/call`; results carry `resultType: "complete"`.
+
+MCP_HANDSHAKE_VERSIONS = ("2025-06-18", "2025-11-25")
+MCP_STATELESS_VERSIONS = ("2026-07-28",)
+MCP_VERSIONS = (*MCP_HANDSHAKE_VERSIONS, *MCP_STATELESS_VERSIONS)
+_HANDSHAKE_ERA = ("2024-11-05", "2025-03-26", *MCP_HANDSHAKE_VERSIONS)
+META_VERSION = "io.modelcontextprotocol/protocolVersion"
+META_CAPABILITIES = "io.modelcontextprotocol/clientCapabilities"
+META_SERVER_INFO = "io.modelcontextprotocol/serverInfo"
+PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, INVALID_PARAMS = -32700, -32600, -32601, -32602
+HEADER_MISMATCH, UNSUPPORTED_VERSION = -32020, -32022
+# The HTTP status of a stateless-era error (the SDKs' table); in the handshake era a body
+# that cannot be taken is 400 and every other error 200.
+_STATELESS_STATUS = {METHOD_NOT_FOUND: 404}
+_HANDSHAKE_400 = (PARSE_ERROR, INVALID_REQUEST, UNSUPPORTED_VERSION)
+MCP_LIST_TTL_MS = 60000  # how long a stateless client may cache the tool list
+MCP_INSTRUCTIONS = (
+    "The user's Markdown notes, paths like notes/<folders>/<name>.md. Find notes with "
+    "search_notes (or list_folder, recent_changes) and read them with read_note before "
+    "answering from them; name the paths you used. To change a note, read it first and pass "
+    "its etag to update_note or move_note."
+)
+
+
+def server_info() -> dict:
+    return {"name": "notesvc", "title": "notesvc notes", "version": __version__}
+
+
+class RpcError(Exception):
+    """A JSON-RPC error answer (its HTTP status follows from the code and the era)."""
+
+    def __init__(self, code: int, message: str, data: Any = None):
+        super().__init__(message)
+        self.code, self.message, self.data = code, message, data
+
+    def answer(self, request_id: Any) -> dict:
+        error = {"code": self.code, "message": self.message}
+        if self.data is not None:
+            error["data"] = self.data
+        return {"jsonrpc": "2.0", "id": request_id, "error": error}
+
+    def http_status(self, stateless: bool) -> int:
+        if stateless:
+            return _STATELESS_STATUS.get(self.code, 400)
+        return 400 if self.code in _HANDSHAKE_400 else 200
+
+
+def cors_allows(config: Config, origin: str) -> bool:
+    """Return whether SERVICE_CORS_ORIGINS lets pages of this origin call the API."""
+    return "*" in config.cors or origin.rstrip("/") in config.cors
+
+
+def authenticate_mcp(svc: Service, environ: dict) -> Principal:
+    """Let a request to /mcp through or raise 403, 401 or 429: the one place /mcp's callers
+    are checked. A page's Origin must be one SERVICE_CORS_ORIGINS allows (so a site that
+    rebinds its name to this machine gets nowhere), then the key, which may come as
+    X-Service-Key, `Authorization: Bearer` or X-API-Key (CONTRACT 4), or an OAuth access
+    token issued for this URL (CONTRACT 21). Returns who the request acts for."""
+    origin = environ.get("HTTP_ORIGIN", "")
+    if origin and not cors_allows(svc.config, origin):
+        raise ApiError(
+            403,
+            "FORBIDDEN",
+            "requests from web pages are refused unless their origin is listed in "
+            "SERVICE_CORS_ORIGINS",
+        )
+    return svc.authenticate(environ, mcp=True)
+
+
+def mcp_endpoint(svc: Service) -> bytes:
+    """POST /mcp: one JSON-RPC message in; its answer out, or 202 for a notification."""
+    env = bottle.request.environ
+    stateless = _stateless_era(env, None)
+    request_id = None
+    try:
+        message = _rpc_message(svc.config.max_body_bytes)
+        stateless = _stateless_era(env, message)
+        request_id = message.get("id")  # answered with errors too, when it is a usable id
+        if not isinstance(request_id, (str, int)) or isinstance(request_id, bool):
+            request_id = None
+        method, params = _rpc_request(message, request_id)
+        if method is None:  # a notification or a response: nothing to answer
+            if stateless:
+                _check_version(env.get("HTTP_MCP_PROTOCOL_VERSION"), MCP_STATELESS_VERSIONS)
+            bottle.response.status = 202
+            bottle.response.content_type = JSON_TYPE
+            return b""
+        if stateless:
+            result = _stateless_request(svc, env, method, params)
+        else:
+            result = _handshake_request(svc, env, method, params)
+        answer, status = {"jsonrpc": "2.0", "id": request_id, "result": result}, 200
+    except RpcError as e:
+        answer, status = e.answer(request_id), e.http_status(stateless)
+    bottle.response.status = status
+    bottle.response.content_type = JSON_TYPE
+    return to_json(answer)
+
+
+def _stateless_era(env: dict, message: Any) -> bool:
+    """Return whether a request speaks the 2026-07-28 era: a header naming another version
+    than the handshake era's, or (its header missing) a body carrying its version."""
+    header = env.get("HTTP_MCP_PROTOCOL_VERSION")
+    if header is not None:
+        return header not in _HANDSHAKE_ERA
+    params = message.get("params") if isinstance(message, dict) else None
+    meta = params.get("_meta") if isinstance(params, dict) else None
+    return isinstance(meta, dict) and META_VERSION in meta
+
+
+def _rpc_message(max_bytes: int) -> Any:
+    """Return the request's JSON-RPC message; 413 / 415 as ApiErrors, -32700 / -32600."""
+    req = bottle.request
+    if req.content_type.split(";")[0].strip().lower() != "application/json":
+        raise ApiError(
+            415, "UNSUPPORTED_MEDIA_TYPE", "send JSON-RPC with Content-Type: application/json"
+        )
+    if req.content_length > max_bytes:
+        raise ApiError(413, "PAYLOAD_TOO_LARGE", f"the body is over {max_bytes} bytes")
+    raw = req.body.read(max_bytes + 1)
+    if len(raw) > max_bytes:
+        raise ApiError(413, "PAYLOAD_TOO_LARGE", f"the body is over {max_bytes} bytes")
+    try:
+        message = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise RpcError(PARSE_ERROR, "the body is not valid JSON (UTF-8)") from None
+    if isinstance(message, list):
+        raise RpcError(INVALID_REQUEST, "batches are not supported: one message per request")
+    if not isinstance(message, dict):
+        raise RpcError(INVALID_REQUEST, "the body must be one JSON-RPC message (an object)")
+    return message
+
+
+def _rpc_request(message: dict, request_id: Any) -> tuple:
+    """Return (method, params) of a request; method None for a notification or a response
+    (both are only acknowledged); -32600 / -32602 for a malformed message."""
+    if message.get("jsonrpc") != "2.0":
+        raise RpcError(INVALID_REQUEST, 'a JSON-RPC 2.0 message needs "jsonrpc": "2.0"')
+    method = message.get("method")
+    if method is None and "id" in message and ("result" in message or "error" in message):
+        return None, {}  # a response: this server never asks, so it is dropped
+    if not isinstance(method, str) or not method:
+        raise RpcError(INVALID_REQUEST, "'method' must be a non-empty string")
+    if "id" in message and request_id is None:
+        raise RpcError(INVALID_REQUEST, "'id' must be a string or a whole number")
+    params = message.get("params")
+    if params is not None and not isinstance(params, dict):
+        raise RpcError(INVALID_PARAMS, "'params' must be an object")
+    return method if "id" in message else None, params or {}
+
+
+def _check_version(version: Any, served: tuple) -> None:
+    if version not in served:
+        requested = version[:64] if isinstance(version, str) else None
+        raise RpcError(
+            UNSUPPORTED_VERSION,
+            f"protocol version {str(version)[:40]!r} is not supported",
+            {"supported": list(MCP_VERSIONS), "requested": requested},
+        )
+
+
+def _handshake_request(svc: Service, env: dict, method: str, params: dict) -> dict:
+    if method == "initialize":  # the client's version when served, else the newest
+        asked = params.get("protocolVersion")
+        version = asked if asked in MCP_HANDSHAKE_VERSIONS else MCP_HANDSHAKE_VERSIONS[-1]
+        return {
+            "protocolVersion": version,
+            "capabilities": {"tools": {"listChanged": False}},
+            "serverInfo": server_info(),
+            "instructions": MCP_INSTRUCTIONS,
+        }
+    header = env.get("HTTP_MCP_PROTOCOL_VERSION")
+    if header is not None:
+        _check_version(header, MCP_HANDSHAKE_VERSIONS)
+    if method == "ping":
+        return {}
+    return _tools_method(svc, method, params)
+
+
+def _header_text(value: str | None) -> str | None:
+    """Return a header's text; a value the client wrapped as =?base64?...?= is unwrapped."""
+    m = re.fullmatch(r"=\?base64\?([A-Za-z0-9+/=]*)\?=", value or "")
+    if not m:
+        return value
+    try:
+        return base64.b64decode(m.group(1), validate=True).decode("utf-8")
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def _stateless_request(svc: Service, env: dict, method: str, params: dict) -> dict:
+    meta = params.get("_meta")
+    if not isinstance(meta, dict) or META_VERSION not in meta or META_CAPABILITIES not in meta:
+        raise RpcError(
+            INVALID_PARAMS,
+            f"params._meta must carry {META_VERSION!r} and {META_CAPABILITIES!r} "
+            "(protocol 2026-07-28)",
+        )
+    version = meta[META_VERSION]
+    if env.get("HTTP_MCP_PROTOCOL_VERSION") != version:
+        raise RpcError(
+            HEADER_MISMATCH, "the MCP-Protocol-Version header does not match params._meta"
+        )
+    if env.get("HTTP_MCP_METHOD") != method:
+        raise RpcError(HEADER_MISMATCH, "the Mcp-Method header does not match the method")
+    name = params.get("name")
+    if (
+        method == "tools/call"
+        and name is not None
+        and _header_text(env.get("HTTP_MCP_NAME")) != name
+    ):
+        raise RpcError(HEADER_MISMATCH, "the Mcp-Name header does not match params.name")
+    _check_version(version, MCP_STATELESS_VERSIONS)
+    if method == "server/discover":
+        result = {
+            "supportedVersions": list(MCP_VERSIONS),
+            "capabilities": {"tools": {"listChanged": False}},
+            "instructions": MCP_INSTRUCTIONS,
+            "cacheScope": "private",
+            "ttlMs": MCP_LIST_TTL_MS,
+        }
+    else:
+        result = _tools_method(svc, method, params)
+    if method == "tools/list":
+        result.update(cacheScope="private", ttlMs=MCP_LIST_TTL_MS)
+    return {**result, "resultType": "complete", "_meta": {META_SERVER_INFO: server_info()}}
+
+
+def _tools_method(svc: Service, method: str, params: dict) -> dict:
+    if method == "tools/list":
+        if params.get("cursor") is not None:
+            raise RpcError(INVALID_PARAMS, "unknown cursor: the tool list has a single page")
+        tools = available_tools(svc, svc.config.mcp_write)
+        return {"tools": [mcp_tool(t) for t in tools]}
+    if method == "tools/call":
+        return _tools_call(svc, params.get("name"), params.get("arguments"))
+    raise RpcError(METHOD_NOT_FOUND, f"method {method[:64]!r} is not served here")
+
+
+def mcp_tool(tool: Tool) -> dict:
+    """Return a tool as MCP's tools/list describes it."""
+    return {
+        "name": tool.name,
+        "title": tool.annotations()["title"],
+        "description": tool.description,
+        "inputSchema": tool.schema,
+        "annotations": tool.annotations(),
+    }
+
+
+def _tools_call(svc: Service, name: Any, arguments: Any) -> dict:
+    if not isinstance(name, str):
+        raise RpcError(INVALID_PARAMS, "params.name must name a tool (see tools/list)")
+    if arguments is not None and not isinstance(arguments, dict):
+        raise RpcError(INVALID_PARAMS, "params.arguments must be an object")
+    offered = {t.name: t for t in available_tools(svc, svc.config.mcp_write)}
+    if name not in offered:
+        known = svc.tools.get(name)
+        if known is not None and not known.read_only and not svc.config.mcp_write:
+            why = f"{name} changes notes: the owner has not allowed that (SERVICE_MCP_WRITE)"
+        elif known is not None:
+            why = f"{name} needs the {known.plugin} plugin, which is switched off"
+        else:
+            why = f"unknown tool {name[:64]!r} (see tools/list)"
+        raise RpcError(INVALID_PARAMS, why)
+    log.debug("request %s: MCP tool %s", _rid(), name)
+    return call_tool(svc, offered[name], arguments or {})
 
 
 # -- channels ----------------------------------------------------------------------------------
@@ -10377,7 +11453,8 @@ class Route:
     key_only: bool = False  # needs the API key itself: a JWT may not mint tokens or rotate
     scope: str = ""  # read, write or admin (CONTRACT 21); a protected route without one
     # stops the app from starting
-    oauth: bool = False  # takes OAuth access tokens (the MCP endpoint only)
+    jsonrpc: bool = False  # answers JSON-RPC 2.0, errors too; callers checked by
+    # authenticate_mcp, which also takes OAuth access tokens (the MCP endpoint only)
 
     @property
     def rule(self) -> str:
@@ -10596,6 +11673,27 @@ ROUTES = (
         summary="Agent provider and model",
         tag="agent",
         scope="read",
+    ),
+    Route(
+        "POST",
+        "/mcp",
+        mcp_endpoint,
+        summary="MCP (Model Context Protocol) server: the tools over JSON-RPC 2.0; the key "
+        "also as Authorization: Bearer or X-API-Key",
+        body={
+            "type": "object",
+            "required": ["jsonrpc", "method"],
+            "properties": {
+                "jsonrpc": {"const": "2.0"},
+                "id": {"type": ["string", "integer"]},
+                "method": {"type": "string", "minLength": 1},
+                "params": {"type": "object"},
+            },
+        },
+        tag="mcp",
+        enveloped=False,
+        jsonrpc=True,
+        scope="read",  # each write tool needs a grant that may write
     ),
     Route(
         "GET",
@@ -11068,6 +12166,14 @@ def openapi_document(svc: Service, server_url: str) -> dict:
                 },
             },
         }
+        if r.jsonrpc:
+            answer = {"application/json": {"schema": {"type": "object"}}}
+            op["responses"] = {
+                "200": {"description": "the JSON-RPC answer", "content": answer},
+                "202": {"description": "a notification (or response), accepted"},
+                "default": {"description": "a JSON-RPC error object", "content": answer},
+            }
+            op["security"] = [{"apiKey": []}, {"bearerKey": []}, {"xApiKey": []}, {"bearerJwt": []}]
         if r.public:
             op["security"] = []
         elif r.key_only:
@@ -11112,6 +12218,17 @@ def openapi_document(svc: Service, server_url: str) -> dict:
             "securitySchemes": {
                 "apiKey": {"type": "apiKey", "in": "header", "name": KEY_HEADER},
                 "bearerJwt": {"type": "http", "scheme": "bearer", "bearerFormat": "JWT"},
+                "bearerKey": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "the API key as a bearer token (/mcp only)",
+                },
+                "xApiKey": {
+                    "type": "apiKey",
+                    "in": "header",
+                    "name": "X-API-Key",
+                    "description": "the API key (/mcp only)",
+                },
             },
         },
         "security": [{"apiKey": []}, {"bearerJwt": []}],
@@ -11129,9 +12246,12 @@ def _callback(svc: Service, route: Route) -> Callable:
     """Wrap a handler: authenticate, call, put dicts in the envelope, hide crashes."""
 
     def callback(**kwargs):
+        env = bottle.request.environ
+        if route.jsonrpc:  # /mcp: Origin, then the key in any header AI clients use, or a token
+            principal = authenticate_mcp(svc, env)
+        elif not route.public:
+            principal = svc.authenticate(env, key_only=route.key_only)
         if not route.public:
-            env = bottle.request.environ
-            principal = svc.authenticate(env, key_only=route.key_only, oauth=route.oauth)
             if not principal.allows(route.scope):
                 raise ApiError(
                     403,
@@ -11158,7 +12278,8 @@ def _callback(svc: Service, route: Route) -> Callable:
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{8,64}$")
 _SHARE_PATH_RE = re.compile(r"(/s/|/shared/)[^/]+")  # share tokens never reach the log
 CORS_HEADERS = (
-    "X-Service-Key, Content-Type, Authorization, If-Match, If-None-Match, Range, If-Range"
+    "X-Service-Key, Content-Type, Authorization, If-Match, If-None-Match, Range, If-Range, "
+    "X-API-Key, MCP-Protocol-Version, Mcp-Method, Mcp-Name"  # the last four: /mcp
 )
 CORS_EXPOSE = "ETag, Location, X-Request-Id, Retry-After, Content-Range, Content-Disposition"
 CORS_METHODS = "GET, POST, PUT, PATCH, DELETE, OPTIONS"
@@ -11183,6 +12304,12 @@ class NotesApp:
             )
         for r in service.routes:
             self.bottle.route(r.rule, r.method, _callback(service, r))
+        self._jsonrpc_rules = frozenset(r.rule for r in service.routes if r.jsonrpc)
+
+    def answers_jsonrpc(self, path: str) -> bool:
+        """Return whether a request path (under /r/<id> or not) is a route answering JSON-RPC,
+        whose every failure is then a JSON-RPC error (render_error, waitress's refusals)."""
+        return re.sub(r"^/r/[^/]+(?=/)", "", path) in self._jsonrpc_rules
 
     def _cors_origin(self, origin: str) -> str:
         allowed = self.service.config.cors
@@ -11190,7 +12317,7 @@ class NotesApp:
             return ""
         if "*" in allowed:
             return "*"
-        return origin if origin.rstrip("/") in allowed else ""
+        return origin if cors_allows(self.service.config, origin) else ""
 
     def __call__(self, environ: dict, start_response: Callable) -> Iterable[bytes]:
         started = time.perf_counter()
@@ -11200,6 +12327,7 @@ class NotesApp:
         method = environ.get("REQUEST_METHOD", "GET")
         cors = self._cors_origin(environ.get("HTTP_ORIGIN", ""))
         path = environ.get("PATH_INFO", "")
+        environ["notesvc.jsonrpc"] = self.answers_jsonrpc(path)
         status_seen = []
 
         def respond(status: str, headers: list, exc_info=None):
@@ -11218,7 +12346,11 @@ class NotesApp:
             length = environ.get("CONTENT_LENGTH", "")
             if length and not re.fullmatch(r"[0-9]+", length):  # servers that pass it through
                 body = _plain_error(
-                    respond, 400, "VALIDATION_ERROR", "Content-Length is not a number of bytes"
+                    respond,
+                    400,
+                    "VALIDATION_ERROR",
+                    "Content-Length is not a number of bytes",
+                    environ["notesvc.jsonrpc"],
                 )
             else:
                 body = self._dispatch(environ, respond, method, cors)
@@ -11259,15 +12391,18 @@ class NotesApp:
         m = re.match(r"^/r/([^/]+)(/.*)?$", path)
         if m:
             if m.group(1) != self.service.state.read()["serverId"]:
-                return _plain_error(respond, 404, "NOT_FOUND", "no such server on this relay")
+                message = "no such server on this relay"
+                return _plain_error(respond, 404, "NOT_FOUND", message, environ["notesvc.jsonrpc"])
             inner = m.group(2) or "/"
             environ["SCRIPT_NAME"] = environ.get("SCRIPT_NAME", "") + f"/r/{m.group(1)}"
             environ["PATH_INFO"] = inner.encode("utf-8").decode("latin-1")
         return self.bottle(environ, respond)
 
 
-def _plain_error(respond: Callable, status: int, code: str, message: str) -> list:
-    body = error_body(code, message)
+def _plain_error(
+    respond: Callable, status: int, code: str, message: str, jsonrpc: bool = False
+) -> list:
+    body = jsonrpc_error_body(status, code, message) if jsonrpc else error_body(code, message)
     respond(
         f"{status} {bottle.HTTP_CODES.get(status, 'Error')}",
         [("Content-Type", JSON_TYPE), ("Content-Length", str(len(body)))],
@@ -11372,9 +12507,16 @@ def take_process_lock(config: Config) -> int:
 class _EnvelopedError:
     """One of waitress's own refusals (body too large, bad Content-Length) as our envelope."""
 
-    def __init__(self, error: Any, max_body: int, setting: str = "SERVICE_MAX_BODY_BYTES"):
+    def __init__(
+        self,
+        error: Any,
+        max_body: int,
+        setting: str = "SERVICE_MAX_BODY_BYTES",
+        jsonrpc: bool = False,
+    ):
         self.code, self.body, self.max_body = error.code, str(error.body), max_body
         self.setting = setting
+        self.jsonrpc = jsonrpc  # on /mcp: a JSON-RPC error instead
 
     def to_response(self, ident: str | None = None) -> tuple:  # waitress 2.x passes no ident
         status = 400 if self.code == 501 else self.code  # 501: an unknown Transfer-Encoding
@@ -11389,7 +12531,9 @@ class _EnvelopedError:
         else:
             message = "internal error"
         code = STATUS_CODES.get(status, "VALIDATION_ERROR" if status < 500 else "INTERNAL_ERROR")
-        body = error_body(code, message)
+        body = (
+            jsonrpc_error_body(status, code, message) if self.jsonrpc else error_body(code, message)
+        )
         headers = [
             ("Content-Type", JSON_TYPE),
             ("X-Request-Id", uuid.uuid4().hex[:16]),
@@ -11417,8 +12561,11 @@ def _hardened(listener_class: type) -> type:
         def execute(self):
             adj = getattr(self.request, "adj", None) or self.channel.server.adj
             setting = getattr(adj, "setting", "SERVICE_MAX_BODY_BYTES")
-            error = _EnvelopedError(self.request.error, adj.max_request_body_size - 1, setting)
-            self.request.error = error
+            answers = getattr(self.channel.server.application, "answers_jsonrpc", None)
+            path = getattr(self.request, "path", "") or ""
+            jsonrpc = bool(answers and answers(path))
+            limit = adj.max_request_body_size - 1
+            self.request.error = _EnvelopedError(self.request.error, limit, setting, jsonrpc)
             super().execute()
 
     class Parser(waitress.parser.HTTPRequestParser):

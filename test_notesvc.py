@@ -585,7 +585,10 @@ def refuses_missing_and_wrong_key(anon, method: str, rule: str) -> None:
     for app, who in ((anon, "no key"), (wrong, "a wrong key")):
         resp = app.request(sample_url(rule), method=method, status="*", expect_errors=True)
         assert resp.status_int == 401, f"{method} {rule} with {who}: {resp.status}"
-        assert_error(resp, 401, "UNAUTHORIZED")
+        if anon.app.answers_jsonrpc(rule):  # /mcp answers JSON-RPC: the same refusal, its shape
+            assert resp.json["error"]["data"] == {"status": 401, "code": "UNAUTHORIZED"}
+        else:
+            assert_error(resp, 401, "UNAUTHORIZED")
 
 
 class TestAuth:
@@ -1191,14 +1194,15 @@ def many_files():
     resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
 
 
-class TestEdge:
-    @pytest.fixture(scope="class")
-    def small_bodies(self, tmp_path_factory):
-        """One real server taking bodies of at most 2048 bytes."""
-        root = tmp_path_factory.mktemp("small-bodies")
-        with running(root, env={"SERVICE_MAX_BODY_BYTES": "2048"}) as server:
-            yield server
+@pytest.fixture(scope="class")
+def small_bodies(tmp_path_factory):
+    """One real server taking bodies of at most 2048 bytes (shared by a class's tests)."""
+    root = tmp_path_factory.mktemp("small-bodies")
+    with running(root, env={"SERVICE_MAX_BODY_BYTES": "2048"}) as server:
+        yield server
 
+
+class TestEdge:
     def test_trusted_proxy_gives_https_links_real_clients_and_their_own_lockout(self, tmp_path):
         env = {"SERVICE_TRUST_PROXY": "true", "SERVICE_SETUP_LOCAL_ONLY": "true"}
         with running(tmp_path, env=env) as server, ForwardingProxy(server.url) as proxy:
@@ -4111,14 +4115,22 @@ class TestAgent:
         assert d["reply"].startswith("Nothing in your notes matches")
         assert d["sources"] == []
 
-    def test_note_path_is_quoted_first(self, app):
+    def test_note_path_comes_first_only_when_it_matches(self, app):
+        client = app()
         d = data(
-            app().post_json(
+            client.post_json(
                 f"{API}/agent/chat", {"message": "what about tomatoes", "notePath": "notes/work.md"}
+            )
+        )  # issue 16: the open note no longer comes first whatever the question
+        assert [s["path"] for s in d["sources"]] == ["notes/garden.md"]
+        assert "Tuesday" not in d["reply"]
+        put_note(client, "notes/more.md", "# More\n\nTomatoes again, and the meeting moved.")
+        d = data(
+            client.post_json(
+                f"{API}/agent/chat", {"message": "the meeting", "notePath": "notes/work.md"}
             )
         )
         assert d["sources"][0]["path"] == "notes/work.md"
-        assert "notes/garden.md" in [s["path"] for s in d["sources"]]
 
     @pytest.mark.parametrize(
         ("body", "status"),
@@ -5613,22 +5625,24 @@ SCOPED_ROUTES = [r for r in notesvc.ROUTES if not r.public]
 SCOPE_ORDER = {"read": 0, "write": 1, "admin": 2}
 
 
+@pytest.fixture(scope="module")
+def scope_keys(tmp_path_factory):
+    """One app for the scope tests, with a read and a write key (no lockout)."""
+    cfg = notesvc.load_config(
+        env=make_env(tmp_path_factory.mktemp("scopes") / "root", SERVICE_HOST="127.0.0.1")
+    )
+    wsgi = notesvc.create_app(cfg)
+    wsgi.service.lockout = notesvc.Lockout(limit=10**9)
+    owner = webtest.TestApp(
+        wsgi, extra_environ={"HTTP_X_SERVICE_KEY": wsgi.service.state.read()["apiKey"]}
+    )
+    made = {s: new_grant(owner, s)["key"] for s in ("read", "write")}
+    yield wsgi, made
+    wsgi.service.close()
+
+
 class TestGrantScopes:
     """Every route declares its scope; a grant gets exactly as far as its scope."""
-
-    @pytest.fixture(scope="class")
-    def keys(self, tmp_path_factory):
-        cfg = notesvc.load_config(
-            env=make_env(tmp_path_factory.mktemp("scopes") / "root", SERVICE_HOST="127.0.0.1")
-        )
-        wsgi = notesvc.create_app(cfg)
-        wsgi.service.lockout = notesvc.Lockout(limit=10**9)
-        owner = webtest.TestApp(
-            wsgi, extra_environ={"HTTP_X_SERVICE_KEY": wsgi.service.state.read()["apiKey"]}
-        )
-        made = {s: new_grant(owner, s)["key"] for s in ("read", "write")}
-        yield wsgi, made
-        wsgi.service.close()
 
     def test_every_route_declares_a_scope(self, anon):
         for r in all_routes(anon):
@@ -5659,8 +5673,8 @@ class TestGrantScopes:
                 assert op.get("x-scope") == (None if r.public else r.scope), route_id(r)
 
     @pytest.mark.parametrize("route", SCOPED_ROUTES, ids=route_id)
-    def test_a_read_key_is_refused_above_read(self, keys, route):
-        wsgi, made = keys
+    def test_a_read_key_is_refused_above_read(self, scope_keys, route):
+        wsgi, made = scope_keys
         app = webtest.TestApp(wsgi, extra_environ={"HTTP_X_SERVICE_KEY": made["read"]})
         resp = app.request(sample_url(route), method=route.method, expect_errors=True)
         if route.scope == "read":
@@ -5670,14 +5684,14 @@ class TestGrantScopes:
         assert route.scope in err["message"]
 
     @pytest.mark.parametrize("route", SCOPED_ROUTES, ids=route_id)
-    def test_a_write_key_is_refused_on_admin_routes(self, keys, route):
-        wsgi, made = keys
+    def test_a_write_key_is_refused_on_admin_routes(self, scope_keys, route):
+        wsgi, made = scope_keys
         app = webtest.TestApp(wsgi, extra_environ={"HTTP_X_SERVICE_KEY": made["write"]})
         resp = app.request(sample_url(route), method=route.method, expect_errors=True)
         assert (resp.status_int == 403) == (route.scope == "admin"), resp.text
 
-    def test_plugin_routes_follow_their_scope(self, keys):
-        wsgi, made = keys
+    def test_plugin_routes_follow_their_scope(self, scope_keys):
+        wsgi, made = scope_keys
         reader = webtest.TestApp(wsgi, extra_environ={"HTTP_X_SERVICE_KEY": made["read"]})
         for r in wsgi.service.routes:
             if r.rule.startswith(f"{API}/plugins/") and r not in notesvc.ROUTES:
@@ -7077,6 +7091,9 @@ FIRING_CONFIGURATIONS = {
     "grants": Firing("grant-write-forever", change=_a_write_key_without_expiry),
     "share_links": Firing("share-links-old", change=_an_old_share_link),
     "oauth_clients": Firing("oauth-clients-many", change=_many_oauth_clients),
+    "tool_writes": Firing(
+        "tool-writes-without-auth", {"SERVICE_AUTH_MODE": "none", "SERVICE_MCP_WRITE": "true"}
+    ),
 }
 
 
@@ -7701,6 +7718,846 @@ class TestPluginHooks:
         client.delete(note_url("notes/kept.md"))
         assert data(client.post(f"{API}/plugins/recorder/toggle"))["enabled"] is True
         assert self.calls(client) == before
+
+
+# -- tools: what MCP clients and the agent call ------------------------------------------------
+
+
+def rpc(client, method: str, params: dict | None = None, status: int | str = 200, **headers):
+    """POST one JSON-RPC request (handshake era) to /mcp; return the parsed answer."""
+    body: dict = {"jsonrpc": "2.0", "id": 1, "method": method}
+    if params is not None:
+        body["params"] = params
+    resp = client.post(
+        f"{API}/mcp",
+        json.dumps(body),
+        headers={"Content-Type": "application/json", **headers},
+        status=status,
+        expect_errors=True,
+    )
+    return resp.json if resp.body else None
+
+
+def call_tool(client, name: str, **arguments) -> dict:
+    """Return the result of tools/call through /mcp."""
+    answer = rpc(client, "tools/call", {"name": name, "arguments": arguments})
+    assert "error" not in answer, answer
+    result = answer["result"]
+    assert isinstance(result["structuredContent"], dict)
+    assert [c["type"] for c in result["content"]] == ["text"]
+    return result
+
+
+def ok_tool(client, name: str, **arguments) -> dict:
+    result = call_tool(client, name, **arguments)
+    assert result["isError"] is False, result
+    return result["structuredContent"]
+
+
+def tool_refused(client, name: str, code: str, **arguments) -> str:
+    """Assert a tool call ends in an isError result with this code; return its message."""
+    result = call_tool(client, name, **arguments)
+    assert result["isError"] is True, result
+    error = result["structuredContent"]["error"]
+    assert error["code"] == code, error
+    assert result["content"][0]["text"] == f"Error ({code}): {error['message']}"
+    assert "Traceback" not in json.dumps(result)
+    return error["message"]
+
+
+def listed_tools(client) -> set:
+    return {t["name"] for t in rpc(client, "tools/list")["result"]["tools"]}
+
+
+TOOL_PLUGIN = """
+import notesvc
+
+EVENTS = []
+
+def saved(svc, path, content):
+    EVENTS.append(["saved", path])
+
+def moved(svc, old, new):
+    EVENTS.append(["moved", old, new])
+
+def deleted(svc, path):
+    EVENTS.append(["deleted", path])
+
+def events(svc):
+    return {"events": EVENTS}
+
+@notesvc.tool("word_count", "Count the words of a note.", {"path": {"type": "string"}}, ("path",))
+def word_count(svc, path):
+    return {"path": path, "words": len(svc.notes.get(notesvc.note_path(path))["content"].split())}
+
+@notesvc.tool("explode", "Fails.")
+def explode(svc):
+    raise RuntimeError("secret internals /etc/passwd")
+
+PLUGIN = notesvc.Plugin(
+    name="toolbox",
+    hooks={"note_saved": saved, "note_moved": moved, "note_deleted": deleted},
+    routes=(notesvc.PluginRoute("GET", "/events", events),),
+)
+"""
+
+
+class TestTools:
+    @pytest.fixture
+    def tools(self, make_app):
+        client = with_key(make_app(SERVICE_MCP_WRITE="true"))
+        seed_notes(client)
+        return client
+
+    def test_every_tool_is_listed_documented_and_tested(self, tools):
+        assert listed_tools(tools) == set(notesvc.TOOLS)
+        readme = (HERE / "README.md").read_text()
+        tests = [name for name in dir(type(self)) if name.startswith("test_tool_")]
+        for name in notesvc.TOOLS:
+            assert f"`{name}`" in readme, name
+            longer = [o for o in notesvc.TOOLS if o != name and o.startswith(name + "_")]
+            mine = [
+                t
+                for t in tests
+                if t.startswith(f"test_tool_{name}_")
+                and not any(t.startswith(f"test_tool_{o}_") for o in longer)
+            ]
+            assert mine, f"no test_tool_{name}_... test"
+
+    def test_tools_are_described_for_a_model(self, tools):
+        jsonschema = pytest.importorskip("jsonschema")
+        for listed in rpc(tools, "tools/list")["result"]["tools"]:
+            tool = notesvc.TOOLS[listed["name"]]
+            assert notesvc.TOOL_NAME_RE.match(tool.name)
+            assert len(tool.description) > 20
+            jsonschema.Draft202012Validator.check_schema(listed["inputSchema"])
+            assert listed["inputSchema"]["additionalProperties"] is False
+            hints = listed["annotations"]
+            assert hints["readOnlyHint"] is tool.read_only
+            assert hints["openWorldHint"] is False
+            if tool.read_only:
+                assert not hints["destructiveHint"]
+        hints = {t.name: t.annotations() for t in notesvc.TOOLS.values()}
+        assert hints["append_to_note"]["destructiveHint"] is False  # it only adds
+        for name in ("update_note", "replace_in_note", "move_note", "delete_note"):
+            assert hints[name]["destructiveHint"] is True
+
+    def test_write_tools_are_listed_and_callable_only_with_mcp_write(self, make_app):
+        client = with_key(make_app())
+        seed_notes(client)
+        listed = listed_tools(client)
+        assert listed == {n for n, t in notesvc.TOOLS.items() if t.read_only}
+        for name in ("create_note", "append_to_note", "update_note", "delete_note"):
+            answer = rpc(client, "tools/call", {"name": name, "arguments": {"path": "notes/w.md"}})
+            assert answer["error"]["code"] == -32602
+            assert "SERVICE_MCP_WRITE" in answer["error"]["message"]
+        assert not client.app.service.notes.exists("notes/w.md")
+        assert ok_tool(client, "read_note", path="notes/work.md")["title"] == "Work"
+
+    def test_arguments_are_checked_against_the_schema(self, tools):
+        cases = [
+            ("read_note", {}, "missing required argument(s): path"),
+            ("read_note", {"path": 5}, "'path' must be a string"),
+            ("read_note", {"path": "notes/work.md", "offset": "3"}, "'offset' must be an integer"),
+            ("read_note", {"path": "notes/work.md", "offset": True}, "'offset' must be an int"),
+            ("read_note", {"path": "notes/work.md", "maxChars": 0}, "'maxChars' must be from 1"),
+            ("read_note", {"path": "notes/work.md", "colour": "red"}, "unknown argument(s)"),
+            ("read_note", {"path": "x" * 513}, "longer than 512"),
+            ("search_notes", {"query": ""}, "'query' must not be empty"),
+            (
+                "move_note",
+                {
+                    "path": "notes/work.md",
+                    "newPath": "notes/w.md",
+                    "etag": "e",
+                    "updateLinks": "yes",
+                },
+                "'updateLinks' must be a boolean",
+            ),
+        ]
+        for name, arguments, says in cases:
+            message = tool_refused(tools, name, "VALIDATION_ERROR", **arguments)
+            assert says in message, (name, message)
+        # null is absent; 20.0 is 20
+        assert ok_tool(tools, "read_note", path="notes/work.md", offset=None)["offset"] == 0
+        assert len(ok_tool(tools, "read_note", path="notes/work.md", maxChars=5.0)["content"]) == 5
+
+    def test_a_failing_plugin_tool_answers_with_the_request_id_only(self, make_app, root, caplog):
+        (root / ".notesvc" / "plugins").mkdir(parents=True)
+        (root / ".notesvc" / "plugins" / "toolbox.py").write_text(TOOL_PLUGIN)
+        client = with_key(make_app())
+        resp = client.post(
+            f"{API}/mcp",
+            json.dumps(
+                {"jsonrpc": "2.0", "id": 9, "method": "tools/call", "params": {"name": "explode"}}
+            ),
+            headers={"Content-Type": "application/json", "X-Request-Id": "explode-request-1"},
+        )
+        result = resp.json["result"]
+        assert result["isError"] is True
+        assert result["structuredContent"]["error"]["code"] == "INTERNAL_ERROR"
+        assert "explode-request-1" in result["content"][0]["text"]
+        assert "secret" not in resp.text
+        assert "passwd" not in resp.text
+        assert any("explode-request-1" in r.getMessage() for r in caplog.records)
+
+    def test_plugin_tools_belong_to_their_app_and_follow_its_switch(self, make_app, root):
+        (root / ".notesvc" / "plugins").mkdir(parents=True)
+        (root / ".notesvc" / "plugins" / "toolbox.py").write_text(TOOL_PLUGIN)
+        client = with_key(make_app())
+        put_note(client, "notes/a.md", "one two three")
+        assert "word_count" in listed_tools(client)
+        assert ok_tool(client, "word_count", path="notes/a.md") == {
+            "path": "notes/a.md",
+            "words": 3,
+        }
+        assert "word_count" not in notesvc.TOOLS
+        other = with_key(make_app(tmp_path_factory_root(root)))
+        assert "word_count" not in listed_tools(other)
+        client.post(f"{API}/plugins/toolbox/toggle")
+        assert "word_count" not in listed_tools(client)
+        answer = rpc(client, "tools/call", {"name": "word_count", "arguments": {"path": "x"}})
+        assert answer["error"]["code"] == -32602
+        assert "toolbox plugin" in answer["error"]["message"]
+
+    def test_tools_write_through_the_store_hooks_and_index(self, make_app, root):
+        (root / ".notesvc" / "plugins").mkdir(parents=True)
+        (root / ".notesvc" / "plugins" / "toolbox.py").write_text(TOOL_PLUGIN)
+        client = with_key(make_app(SERVICE_MCP_WRITE="true"))
+        ok_tool(client, "create_note", path="notes/t.md", content="# T\n\nkumquat")
+        ok_tool(client, "append_to_note", path="notes/t.md", text="- quince")
+        ok_tool(client, "replace_in_note", path="notes/t.md", old="kumquat", new="loquat")
+        etag = ok_tool(client, "read_note", path="notes/t.md")["etag"]
+        ok_tool(client, "update_note", path="notes/t.md", content="# T\n\nmedlar", etag=etag)
+        etag = ok_tool(client, "read_note", path="notes/t.md")["etag"]
+        ok_tool(client, "move_note", path="notes/t.md", newPath="notes/u.md", etag=etag)
+        assert [h["path"] for h in search(client, "medlar")["results"]] == ["notes/u.md"]
+        assert search(client, "kumquat")["total"] == 0
+        ok_tool(client, "delete_note", path="notes/u.md")
+        assert search(client, "medlar")["total"] == 0
+        events = data(client.get(f"{API}/plugins/toolbox/events"))["events"]
+        assert events == [
+            ["saved", "notes/t.md"],
+            ["saved", "notes/t.md"],
+            ["saved", "notes/t.md"],
+            ["saved", "notes/t.md"],
+            ["moved", "notes/t.md", "notes/u.md"],
+            ["deleted", "notes/u.md"],
+        ]
+
+    @pytest.mark.parametrize(
+        "path",
+        [
+            "../.notesvc/state.json",
+            "/etc/passwd",
+            "notes/../.notesvc/state.json",
+            "notes/.hidden.md",
+            "notes/a\\b.md",
+            "notes/a\u202eb.md",
+            "notes/x\x00.md",
+            "notes/link/secret.md",
+        ],
+    )
+    def test_hostile_paths_are_refused_by_every_tool(self, tools, root, tmp_path, path):
+        outside = tmp_path / "outside"
+        outside.mkdir(exist_ok=True)
+        (outside / "secret.md").write_text("the crown jewels")
+        with contextlib.suppress(FileExistsError):
+            os.symlink(outside, root / "notes" / "link")
+        key = key_of(tools)
+        etag = data(tools.get(note_url("notes/work.md")))["etag"]
+        for name, arguments in [
+            ("read_note", {"path": path}),
+            ("fetch", {"id": path}),
+            ("list_folder", {"path": path}),
+            ("create_note", {"path": path, "content": "x"}),
+            ("append_to_note", {"path": path, "text": "x"}),
+            ("replace_in_note", {"path": path, "old": "a", "new": "b"}),
+            ("update_note", {"path": path, "content": "x", "etag": "e"}),
+            ("move_note", {"path": "notes/work.md", "newPath": path, "etag": etag}),
+            ("delete_note", {"path": path}),
+        ]:
+            result = call_tool(tools, name, **arguments)
+            assert result["isError"] is True, (name, path)
+            assert result["structuredContent"]["error"]["code"] in ("VALIDATION_ERROR", "NOT_FOUND")
+            text = json.dumps(result)
+            assert "crown jewels" not in text
+            assert key not in text
+            assert str(tmp_path) not in text
+        assert (outside / "secret.md").read_text() == "the crown jewels"
+        assert sorted(p.name for p in outside.iterdir()) == ["secret.md"]
+
+    def test_tool_search_notes_speaks_the_query_language(self, tools):
+        found = ok_tool(tools, "search_notes", query="spare keys")
+        assert found["results"][0]["path"] == "notes/home/keys.md"
+        assert set(found["results"][0]) == {"path", "title", "snippet", "score"}
+        either = ok_tool(tools, "search_notes", query="tomatoes OR meeting")
+        assert {r["path"] for r in either["results"]} == {"notes/garden.md", "notes/work.md"}
+        assert either["total"] == 2
+        assert ok_tool(tools, "search_notes", query="tomatoes OR meeting", limit=1)["total"] == 2
+        assert (
+            len(ok_tool(tools, "search_notes", query="tomatoes OR meeting", limit=1)["results"])
+            == 1
+        )
+        assert ok_tool(tools, "search_notes", query='"blue flowerpot"')["total"] == 1
+        assert ok_tool(tools, "search_notes", query="keys -spare")["total"] == 0
+        assert ok_tool(tools, "search_notes", query="flower*")["total"] == 1
+        assert ok_tool(tools, "search_notes", query="keys", folder="notes/home")["total"] == 1
+        assert ok_tool(tools, "search_notes", query="keys", folder="notes/work")["total"] == 0
+        assert ok_tool(tools, "search_notes", query="keys", folder="notes")["total"] == 1
+        result = call_tool(tools, "search_notes", query="tomatoes OR meeting")
+        lines = result["content"][0]["text"].splitlines()
+        assert len(lines) == 2
+        assert any(line.startswith("notes/garden.md — Garden: ") for line in lines)
+        assert call_tool(tools, "search_notes", query="submarine")["content"][0]["text"] == (
+            "No note matches."
+        )
+
+    @pytest.mark.parametrize(
+        ("arguments", "says"),
+        [
+            ({"query": "cats OR"}, "OR needs a word"),
+            ({"query": '"open'}, "unbalanced quote"),
+            ({"query": "-only"}, "only excludes"),
+            ({"query": "x" * 513}, "longer than 512"),
+            ({"query": "keys", "limit": 51}, "'limit' must be from 1 to 50"),
+            ({"query": "keys", "folder": "../etc"}, "must start with notes/"),
+            ({"query": ["keys"]}, "'query' must be a string"),
+        ],
+    )
+    def test_tool_search_notes_explains_a_bad_query(self, tools, arguments, says):
+        assert says in tool_refused(tools, "search_notes", "VALIDATION_ERROR", **arguments)
+
+    def test_tool_read_note_gives_the_record_and_pages(self, tools):
+        note = ok_tool(tools, "read_note", path="notes/home/keys.md")
+        record = data(tools.get(note_url("notes/home/keys.md")))
+        assert note["content"] == record["content"]
+        assert note["etag"] == record["etag"]
+        assert (note["title"], note["size"], note["offset"], note["truncated"]) == (
+            "Keys",
+            record["size"],
+            0,
+            False,
+        )
+        text = call_tool(tools, "read_note", path="notes/home/keys.md")["content"][0]["text"]
+        assert text.startswith(f"notes/home/keys.md — Keys\netag: {record['etag']}\n\n")
+        assert text.endswith(KEYS_NOTE)
+        long = "# Long\n\n" + "".join(f"line {i:05d} ü\n" for i in range(3000))
+        put_note(tools, "notes/long.md", long)
+        parts, offset = [], 0
+        while True:
+            part = ok_tool(tools, "read_note", path="notes/long.md", offset=offset, maxChars=7000)
+            parts.append(part["content"])
+            if not part["truncated"]:
+                break
+            offset += len(part["content"])
+        assert "".join(parts) == long
+        assert len(parts) == -(-len(long) // 7000)
+        text = call_tool(tools, "read_note", path="notes/long.md", maxChars=100)
+        assert "read on with offset=100" in text["content"][0]["text"]
+        beyond = ok_tool(tools, "read_note", path="notes/long.md", offset=10**6)
+        assert (beyond["content"], beyond["truncated"]) == ("", False)
+
+    def test_tool_read_note_missing_or_unreadable(self, tools, root):
+        assert "notes/nope.md" in tool_refused(
+            tools, "read_note", "NOT_FOUND", path="notes/nope.md"
+        )
+        (root / "notes" / "latin1.md").write_bytes(b"caf\xe9")
+        assert "UTF-8" in tool_refused(tools, "read_note", "CONFLICT", path="notes/latin1.md")
+        tool_refused(tools, "read_note", "VALIDATION_ERROR", path="notes/folder")
+
+    def test_tool_list_folder_lists_levels_and_counts_below(self, tools):
+        put_note(tools, "notes/home/deep/er/x.md", "x")
+        top = ok_tool(tools, "list_folder")
+        assert top["path"] == "notes"
+        assert [(c["name"], c["type"]) for c in top["children"]] == [
+            ("home", "folder"),
+            ("garden.md", "note"),
+            ("work.md", "note"),
+        ]
+        assert top["children"][0]["count"] == 2
+        assert "children" not in top["children"][0]
+        two = ok_tool(tools, "list_folder", path="notes/home", depth=2)
+        deep = two["children"][0]
+        assert (deep["name"], [c["name"] for c in deep["children"]]) == ("deep", ["er"])
+        assert deep["children"][0]["count"] == 1
+        text = call_tool(tools, "list_folder")["content"][0]["text"]
+        assert text == "notes/\n  home/ (2 notes)\n  garden.md\n  work.md"
+        assert ok_tool(tools, "list_folder", path="notes/", depth=10)["children"][0]["children"]
+
+    def test_tool_list_folder_refuses_bad_folders(self, tools):
+        tool_refused(tools, "list_folder", "NOT_FOUND", path="notes/nowhere")
+        tool_refused(tools, "list_folder", "VALIDATION_ERROR", path="elsewhere")
+        tool_refused(tools, "list_folder", "VALIDATION_ERROR", depth=11)
+        tool_refused(tools, "list_folder", "NOT_FOUND", path="notes/work.md")
+
+    def test_tool_recent_changes_newest_first(self, tools, root):
+        for i, name in enumerate(["home/keys", "garden", "work"]):
+            os.utime(root / "notes" / f"{name}.md", (1_700_000_000 + i, 1_700_000_000 + i))
+        (root / "notes" / "outside-edit.md").write_text("# Edited elsewhere\n")
+        recent = ok_tool(tools, "recent_changes")
+        assert [c["path"] for c in recent["changes"]] == [
+            "notes/outside-edit.md",
+            "notes/work.md",
+            "notes/garden.md",
+            "notes/home/keys.md",
+        ]
+        assert recent["changes"][1]["modified"] == "2023-11-14T22:13:22.000Z"
+        assert recent["changes"][1]["title"] == "Work"
+        since = ok_tool(tools, "recent_changes", since="2023-11-14T22:13:21Z", limit=2)
+        assert [c["path"] for c in since["changes"]] == ["notes/outside-edit.md", "notes/work.md"]
+        assert since["total"] == 2
+        text = call_tool(tools, "recent_changes", limit=1)["content"][0]["text"]
+        assert text.endswith(" notes/outside-edit.md — outside-edit")
+        assert ok_tool(tools, "recent_changes", since="2099-01-01T00:00:00+02:00")["changes"] == []
+        for bad in ("yesterday", "2024-13-01", "x" * 41):
+            tool_refused(tools, "recent_changes", "VALIDATION_ERROR", since=bad)
+
+    def test_tool_list_tags_follows_the_tags_plugin(self, tools):
+        put_note(tools, "notes/t.md", "# T\n\n#garden #todo and `#code`")
+        put_note(tools, "notes/u.md", "---\ntags: [garden]\n---\nx")
+        assert ok_tool(tools, "list_tags") == {
+            "tags": [{"tag": "garden", "count": 2}, {"tag": "todo", "count": 1}]
+        }
+        assert call_tool(tools, "list_tags")["content"][0]["text"] == "#garden (2)\n#todo (1)"
+        tool_refused(tools, "list_tags", "VALIDATION_ERROR", tag="garden")
+        tools.post(f"{API}/plugins/tags/toggle")
+        assert "list_tags" not in listed_tools(tools)
+        answer = rpc(tools, "tools/call", {"name": "list_tags", "arguments": {}})
+        assert "tags plugin" in answer["error"]["message"]
+
+    def test_tool_create_note_makes_folders_and_never_overwrites(self, tools, root):
+        made = ok_tool(tools, "create_note", path="notes/new/idea.md", content="# Idea\n\nzeppelin")
+        assert set(made) == {"path", "title", "etag", "size", "modified"}
+        assert (root / "notes" / "new" / "idea.md").read_text() == "# Idea\n\nzeppelin"
+        assert search(tools, "zeppelin")["total"] == 1
+        tool_refused(tools, "create_note", "CONFLICT", path="notes/work.md", content="gone?")
+        assert "Tuesday" in (root / "notes" / "work.md").read_text()
+        tool_refused(tools, "create_note", "VALIDATION_ERROR", path="notes/x.txt", content="x")
+        tool_refused(tools, "create_note", "VALIDATION_ERROR", path="notes/x.md")
+        tool_refused(tools, "create_note", "VALIDATION_ERROR", path="notes/x.md", content=7)
+
+    def test_tool_append_to_note_adds_a_line(self, tools, root):
+        ok_tool(tools, "append_to_note", path="notes/work.md", text="- bring cake")
+        assert (root / "notes" / "work.md").read_text().endswith("at ten.\n- bring cake\n")
+        ok_tool(tools, "append_to_note", path="notes/work.md", text="- and tea\n")
+        assert (root / "notes" / "work.md").read_text().endswith("- bring cake\n- and tea\n")
+        assert search(tools, "cake")["total"] == 1
+        tool_refused(tools, "append_to_note", "NOT_FOUND", path="notes/none.md", text="x")
+        assert not (root / "notes" / "none.md").exists()
+        tool_refused(tools, "append_to_note", "VALIDATION_ERROR", path="notes/work.md", text="")
+
+    def test_tool_replace_in_note_needs_exactly_one_match(self, tools, root):
+        done = ok_tool(tools, "replace_in_note", path="notes/work.md", old="Tuesday", new="Friday")
+        assert done["replaced"] == 1
+        assert "on Friday at ten" in (root / "notes" / "work.md").read_text()
+        put_note(tools, "notes/twice.md", "cat and cat")
+        says = tool_refused(
+            tools, "replace_in_note", "CONFLICT", path="notes/twice.md", old="cat", new="dog"
+        )
+        assert "occurs 2 times" in says
+        says = tool_refused(
+            tools, "replace_in_note", "CONFLICT", path="notes/twice.md", old="emu", new="dog"
+        )
+        assert "not in notes/twice.md" in says
+        assert (root / "notes" / "twice.md").read_text() == "cat and cat"
+        tool_refused(tools, "replace_in_note", "NOT_FOUND", path="notes/no.md", old="a", new="b")
+        tool_refused(tools, "replace_in_note", "VALIDATION_ERROR", path="notes/twice.md", old="")
+
+    def test_tool_update_note_needs_the_etag_it_read(self, tools, root):
+        etag = ok_tool(tools, "read_note", path="notes/work.md")["etag"]
+        tools.put_json(note_url("notes/work.md"), {"content": "# Work\n\nsomeone else changed it"})
+        tool_refused(
+            tools,
+            "update_note",
+            "PRECONDITION_FAILED",
+            path="notes/work.md",
+            content="x",
+            etag=etag,
+        )
+        assert "someone else" in (root / "notes" / "work.md").read_text()
+        etag = ok_tool(tools, "read_note", path="notes/work.md")["etag"]
+        done = ok_tool(tools, "update_note", path="notes/work.md", content="# W\n\nnew", etag=etag)
+        assert done["etag"] != etag
+        assert (root / "notes" / "work.md").read_text() == "# W\n\nnew"
+        assert (
+            ok_tool(
+                tools,
+                "update_note",
+                path="notes/work.md",
+                content="# W\n\nnew2",
+                etag=done["etag"].strip('"'),
+            )["title"]
+            == "W"
+        )
+        tool_refused(tools, "update_note", "VALIDATION_ERROR", path="notes/work.md", content="x")
+        tool_refused(
+            tools, "update_note", "NOT_FOUND", path="notes/none.md", content="x", etag=etag
+        )
+
+    def test_tool_move_note_needs_the_etag_and_updates_links(self, tools, root):
+        put_note(tools, "notes/index.md", "See [[garden]] and [plan](garden.md).")
+        etag = ok_tool(tools, "read_note", path="notes/garden.md")["etag"]
+        tool_refused(
+            tools,
+            "move_note",
+            "PRECONDITION_FAILED",
+            path="notes/garden.md",
+            newPath="notes/g2.md",
+            etag='"0000"',
+        )
+        tool_refused(
+            tools,
+            "move_note",
+            "CONFLICT",
+            path="notes/garden.md",
+            newPath="notes/work.md",
+            etag=etag,
+        )
+        moved = ok_tool(
+            tools,
+            "move_note",
+            path="notes/garden.md",
+            newPath="notes/outside/garden.md",
+            etag=etag,
+            updateLinks=True,
+        )
+        assert moved["from"] == "notes/garden.md"
+        assert moved["path"] == "notes/outside/garden.md"
+        assert moved["linksUpdated"] == ["notes/index.md"]
+        assert (root / "notes" / "index.md").read_text() == (
+            "See [[garden]] and [plan](outside/garden.md)."
+        )
+        assert not (root / "notes" / "garden.md").exists()
+        tool_refused(tools, "move_note", "VALIDATION_ERROR", path="notes/work.md", newPath="x")
+
+    def test_tool_delete_note_goes_to_the_trash(self, tools, root):
+        tool_refused(tools, "delete_note", "PRECONDITION_FAILED", path="notes/work.md", etag='"1"')
+        assert (root / "notes" / "work.md").exists()
+        assert ok_tool(tools, "delete_note", path="notes/work.md") == {
+            "path": "notes/work.md",
+            "deleted": True,
+        }
+        assert not (root / "notes" / "work.md").exists()
+        assert list((root / ".notesvc" / "trash").glob("*/notes/work.md"))
+        tool_refused(tools, "delete_note", "NOT_FOUND", path="notes/work.md")
+
+    def test_tool_search_has_chatgpts_shape(self, tools):
+        found = ok_tool(tools, "search", query="spare keys")
+        assert found == {
+            "results": [
+                {
+                    "id": "notes/home/keys.md",
+                    "title": "Keys",
+                    "url": "http://localhost:80/api/v1/notes/notes%2Fhome%2Fkeys.md",
+                }
+            ]
+        }
+        text = call_tool(tools, "search", query="spare keys")["content"][0]["text"]
+        assert json.loads(text) == found
+        tool_refused(tools, "search", "VALIDATION_ERROR", query="a OR")
+
+    def test_tool_fetch_reads_a_whole_note_by_id(self, tools):
+        fetched = ok_tool(tools, "fetch", id="notes/home/keys.md")
+        assert fetched["text"] == KEYS_NOTE
+        assert fetched["title"] == "Keys"
+        assert fetched["url"].endswith("/api/v1/notes/notes%2Fhome%2Fkeys.md")
+        assert (
+            fetched["metadata"]["etag"] == data(tools.get(note_url("notes/home/keys.md")))["etag"]
+        )
+        tool_refused(tools, "fetch", "NOT_FOUND", id="notes/none.md")
+
+
+class ToolModel(FakeUpstream):
+    """A loopback model speaking chat-completions tool calling. Each answer follows the
+    script: a step is a function of the messages so far returning either the reply text or
+    a list of (tool name, arguments) calls; past the script it answers `reply`."""
+
+    def __init__(self, *script):
+        super().__init__()
+        self.script = list(script)
+        self.refuse_tools = False  # answer HTTP 400 to a request that offers tools
+
+    def answer(self, path: str, body: dict) -> dict:
+        if not path.endswith("/chat/completions"):
+            return super().answer(path, body)
+        self.status = 400 if self.refuse_tools and "tools" in body else 200
+        if self.status == 400:
+            return {"error": {"message": "this model does not support tools"}}
+        step = self.script.pop(0) if self.script else (lambda messages: self.reply)
+        out = step(body["messages"])
+        if isinstance(out, int):  # this answer fails with that HTTP status
+            self.status = out
+            return {"error": {"message": "the model fell over"}}
+        answer = super().answer(path, body)
+        if isinstance(out, str):
+            answer["choices"][0]["message"]["content"] = out
+            return answer
+        calls = [
+            {
+                "id": f"call_{len(self.requests)}_{i}",
+                "type": "function",
+                "function": {
+                    "name": name,
+                    "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments),
+                },
+            }
+            for i, (name, arguments) in enumerate(out)
+        ]
+        answer["choices"][0] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": None, "tool_calls": calls},
+            "finish_reason": "tool_calls",
+        }
+        return answer
+
+
+def last_tool_results(messages: list) -> list:
+    """Return the contents of the `role: tool` messages after the last assistant message."""
+    out = []
+    for message in reversed(messages):
+        if message["role"] != "tool":
+            break
+        out.insert(0, message["content"])
+    return out
+
+
+GARDEN_NOTES = {
+    "notes/garden/decisions.md": "# Garden decisions\n\nWe decided to grow only heirloom "
+    "tomatoes this year.\n\nThe greenhouse stays closed until April.",
+    "notes/garden/budget.md": "# Garden budget\n\nAt most 200 euros for seeds; the garden "
+    "decision about the greenhouse heater waits for the budget.",
+    "notes/shopping.md": "# Shopping list\n\n- bread\n- eggs\n",
+}
+
+
+class TestAgentTools:
+    """The `openai` provider's tool loop against a stand-in model on loopback."""
+
+    @pytest.fixture
+    def agent(self, make_app):
+        made = []
+
+        def make(*script, **env):
+            model = ToolModel(*script)
+            made.append(model)
+            env = {
+                "SERVICE_AGENT_PROVIDER": "openai",
+                "SERVICE_AGENT_BASE_URL": model.url + "/v1",
+                "SERVICE_AGENT_MODEL": "tool-llama",
+                "SERVICE_TELEGRAM_API_BASE": model.url,
+                **env,
+            }
+            client = with_key(make_app(**env))
+            for path, text in GARDEN_NOTES.items():
+                put_note(client, path, text)
+            return client, model
+
+        yield make
+        for model in made:
+            model.close()
+
+    def ask(self, client, message: str, status: int = 200) -> dict:
+        resp = client.post_json(f"{API}/agent/chat", {"message": message}, status=status)
+        return data(resp) if status == 200 else resp
+
+    def test_searches_reads_two_notes_and_answers_with_their_sources(self, agent):
+        def read_both(messages):
+            hits = last_tool_results(messages)[0].splitlines()
+            return [("read_note", {"path": line.split(" — ")[0]}) for line in hits[:2]]
+
+        client, model = agent(
+            lambda messages: [("search_notes", {"query": "garden decision"})],
+            read_both,
+            lambda messages: "You chose heirloom tomatoes (notes/garden/decisions.md).",
+        )
+        d = self.ask(client, "what did I decide about the garden?")
+        assert d["reply"] == "You chose heirloom tomatoes (notes/garden/decisions.md)."
+        assert d["model"] == "tool-llama-served"
+        paths = [s["path"] for s in d["sources"]]
+        assert set(paths[:2]) == {"notes/garden/decisions.md", "notes/garden/budget.md"}
+        assert d["sources"][0]["title"].startswith("Garden ")
+        assert len(model.requests) == 3
+        first, second, third = (r["json"] for r in model.requests)
+        offered = {t["function"]["name"] for t in first["tools"]}
+        assert offered == {n for n, t in notesvc.TOOLS.items() if t.read_only and not t.alias_of}
+        assert "tool_choice" not in first  # "auto" is the default; vLLM refuses it unless set up
+        assert "notes/garden/budget.md" in first["messages"][0]["content"]  # the passages too
+        assert first["messages"][1] == {
+            "role": "user",
+            "content": "what did I decide about the garden?",
+        }
+        call = second["messages"][2]["tool_calls"][0]
+        assert second["messages"][3]["tool_call_id"] == call["id"]
+        assert second["messages"][3]["role"] == "tool"
+        assert "notes/garden/decisions.md — Garden decisions: " in second["messages"][3]["content"]
+        read = last_tool_results(third["messages"])
+        assert len(read) == 2
+        assert any("The greenhouse stays closed until April." in r for r in read)
+        assert any("etag: " in r for r in read)
+
+    def test_a_model_that_answers_at_once_answers_from_the_notes(self, agent):
+        client, model = agent()
+        model.reply = "Heirloom tomatoes."
+        d = self.ask(client, "which tomatoes did we decide on?")
+        assert d["reply"] == "Heirloom tomatoes."
+        assert len(model.requests) == 1
+        sent = model.requests[0]["json"]
+        assert sent["tools"]
+        assert "only heirloom tomatoes" in sent["messages"][0]["content"]
+        assert d["sources"][0]["path"] == "notes/garden/decisions.md"
+
+    def test_a_server_refusing_tools_gets_one_call_without_them(self, agent):
+        client, model = agent()
+        model.refuse_tools = True
+        d = self.ask(client, "which tomatoes did we decide on?")
+        assert d["reply"] == model.reply
+        assert [("tools" in r["json"]) for r in model.requests] == [True, False]
+        assert "only heirloom tomatoes" in model.requests[1]["json"]["messages"][0]["content"]
+
+    def test_the_step_limit_ends_the_loop(self, agent):
+        forever = [lambda messages: [("search_notes", {"query": "garden"})]] * 10
+        client, model = agent(*forever, SERVICE_AGENT_MAX_STEPS="3")
+        d = self.ask(client, "garden?")
+        assert len(model.requests) == 3
+        assert [r["json"].get("tool_choice") for r in model.requests] == [None, None, "none"]
+        assert "SERVICE_AGENT_MAX_STEPS" in d["reply"]
+        assert d["sources"]  # what it had in context
+
+    def test_a_write_is_refused_while_agent_writes_are_off(self, agent, root):
+        client, model = agent(
+            lambda messages: [("append_to_note", {"path": "notes/shopping.md", "text": "- milk"})],
+            lambda messages: "Sorry: " + last_tool_results(messages)[0],
+        )
+        d = self.ask(client, "add milk to my shopping list")
+        assert "SERVICE_AGENT_WRITE" in d["reply"]
+        assert "FORBIDDEN" in d["reply"]
+        assert "milk" not in (root / "notes" / "shopping.md").read_text()
+        offered = {t["function"]["name"] for t in model.requests[0]["json"]["tools"]}
+        assert "append_to_note" not in offered
+
+    def test_add_milk_from_telegram_when_the_owner_allows_writes(self, agent, root):
+        def append(messages):
+            path = last_tool_results(messages)[0].split(" — ")[0]
+            return [("append_to_note", {"path": path, "text": "- milk"})]
+
+        client, model = agent(
+            lambda messages: [("search_notes", {"query": "shopping list"})],
+            append,
+            lambda messages: "Added milk to notes/shopping.md.",
+            SERVICE_AGENT_WRITE="true",
+        )
+        ch = data(
+            client.post_json(
+                f"{API}/channels",
+                {
+                    "provider": "telegram",
+                    "config": {"botToken": "123:abc", "allowedChatIds": ["42"]},
+                },
+            )
+        )
+        resp = client.post_json(
+            f"{API}/channels/webhook/telegram",
+            telegram_update("add milk to my shopping list"),
+            headers={"X-Telegram-Bot-Api-Secret-Token": ch["secret"]},
+        )
+        assert data(resp)["delivered"] is True
+        assert (
+            root / "notes" / "shopping.md"
+        ).read_text() == "# Shopping list\n\n- bread\n- eggs\n- milk\n"
+        sent = [r for r in model.requests if "/sendMessage" in r["path"]]
+        assert sent[-1]["json"]["text"] == "Added milk to notes/shopping.md."
+        offered = {t["function"]["name"] for t in model.requests[0]["json"]["tools"]}
+        assert {"append_to_note", "update_note", "create_note"} <= offered
+        assert "pass the etag" in model.requests[0]["json"]["messages"][0]["content"]
+        assert search(client, "milk")["total"] == 1
+
+    def test_bad_tool_calls_are_answered_not_crashed(self, agent):
+        client, _ = agent(
+            lambda messages: [
+                ("launch_rockets", {}),
+                ("read_note", "{not json"),
+                ("read_note", {"path": 7}),
+                ("read_note", {"path": "../../etc/passwd"}),
+                ("fetch", {"id": "notes/shopping.md"}),  # an MCP alias, not offered here
+            ],
+            lambda messages: "\n".join(last_tool_results(messages)),
+        )
+        d = self.ask(client, "garden?")
+        lines = d["reply"].splitlines()
+        assert lines[0].startswith("Error (NOT_FOUND): there is no tool 'launch_rockets'")
+        assert lines[1] == "Error (VALIDATION_ERROR): the arguments are not valid JSON"
+        assert lines[2] == "Error (VALIDATION_ERROR): 'path' must be a string"
+        assert lines[3].startswith("Error (VALIDATION_ERROR): the note path must")
+        assert lines[4].startswith("Error (NOT_FOUND): there is no tool 'fetch'")
+
+    def test_more_calls_at_once_than_allowed_are_each_answered(self, agent):
+        many = [("read_note", {"path": "notes/shopping.md"})] * 10
+        client, model = agent(lambda messages: many, lambda messages: "done")
+        assert self.ask(client, "shopping?")["reply"] == "done"
+        results = last_tool_results(model.requests[1]["json"]["messages"])
+        assert len(results) == 10
+        assert results[-1] == "skipped: at most 8 calls at once"
+        assert results[0].startswith("notes/shopping.md — Shopping list")
+
+    def test_a_model_failing_mid_loop_is_502(self, agent):
+        client, model = agent(
+            lambda messages: [("search_notes", {"query": "garden"})], lambda messages: 500
+        )
+        resp = self.ask(client, "garden?", status=502)
+        assert_error(resp, 502, "UPSTREAM_ERROR")
+        assert len(model.requests) == 2
+
+
+class TestLocalAgent:
+    """Issue 16, item 5: the offline agent answers in plain sentences."""
+
+    def test_quotes_plain_sentences_without_markdown(self, client):
+        put_note(
+            client,
+            "notes/fridge.md",
+            "## Fridge\n\n- **Milk** is on the *top* shelf, see [the plan](plan.md).\n"
+            "> The [[cheese|cheeses]] stay in the `drawer`.\n1. [ ] Buy more milk __soon__\n",
+        )
+        d = data(client.post_json(f"{API}/agent/chat", {"message": "where is the milk?"}))
+        lines = d["reply"].splitlines()
+        assert lines == [
+            "From your notes:",
+            "• Milk is on the top shelf, see the plan. Buy more milk soon — notes/fridge.md",
+        ]
+        for mark in ("#", "**", "__", "[", "`", "> ", "- "):
+            assert mark not in d["reply"], mark
+
+    def test_prefers_the_best_matching_sentence_of_each_note(self, client):
+        put_note(
+            client,
+            "notes/car.md",
+            "# Car\n\nThe car is blue. The car key is in the drawer. Tyres were changed.",
+        )
+        d = data(client.post_json(f"{API}/agent/chat", {"message": "where is the car key?"}))
+        assert d["reply"] == "From your notes:\n• The car key is in the drawer. — notes/car.md"
+        assert d["sources"] == [{"path": "notes/car.md", "title": "Car"}]
+
+    def test_the_open_note_counts_only_when_it_matches(self, client):
+        put_note(client, "notes/car.md", "# Car\n\nThe car key is in the drawer.")
+        put_note(client, "notes/open.md", "# Open\n\nNothing about vehicles here at all.")
+        d = data(
+            client.post_json(
+                f"{API}/agent/chat", {"message": "car key?", "notePath": "notes/open.md"}
+            )
+        )
+        assert [s["path"] for s in d["sources"]] == ["notes/car.md"]
+        assert "vehicles" not in d["reply"]
+        client.put_json(
+            note_url("notes/open.md"), {"content": "# Open\n\nThe spare car key is at Anna's."}
+        )
+        d = data(
+            client.post_json(
+                f"{API}/agent/chat", {"message": "car key?", "notePath": "notes/open.md"}
+            )
+        )
+        assert d["sources"][0]["path"] == "notes/open.md"
+        assert d["reply"].splitlines()[1] == "• The spare car key is at Anna's. — notes/open.md"
 
 
 # -- OpenAPI with a third-party checker ---------------------------------------------------------
@@ -8718,6 +9575,717 @@ class EvilRelay:
     def close(self):
         self.server.shutdown()
         self.server.server_close()
+
+
+# -- MCP: POST /api/v1/mcp ---------------------------------------------------------------------
+
+MODERN = "2026-07-28"
+
+
+def modern_meta(version: str = MODERN) -> dict:
+    return {
+        "io.modelcontextprotocol/protocolVersion": version,
+        "io.modelcontextprotocol/clientCapabilities": {},
+        "io.modelcontextprotocol/clientInfo": {"name": "test", "version": "1"},
+    }
+
+
+def modern(client, method, params=None, status="*", headers=None, version=MODERN, **extra):
+    """POST one 2026-07-28 request (its _meta and headers filled in); return the response."""
+    params = {"_meta": modern_meta(version), **(params or {})}
+    hdrs = {
+        "Content-Type": "application/json",
+        "MCP-Protocol-Version": version,
+        "Mcp-Method": method,
+    }
+    if method == "tools/call":
+        hdrs["Mcp-Name"] = params.get("name", "")
+    hdrs.update(headers or {})
+    body = {"jsonrpc": "2.0", "id": "m-1", "method": method, "params": params, **extra}
+    return client.post(
+        f"{API}/mcp", json.dumps(body), headers=hdrs, status=status, expect_errors=True
+    )
+
+
+def raw_mcp(client, body: bytes | str, status="*", **headers):
+    hdrs = {"Content-Type": "application/json", **headers}
+    body = body.encode() if isinstance(body, str) else body
+    return client.post(f"{API}/mcp", body, headers=hdrs, status=status, expect_errors=True)
+
+
+def rpc_error(resp, status: int, code: int) -> dict:
+    """Assert a JSON-RPC error answer (no envelope, no traceback); return its error."""
+    assert resp.status_int == status, resp.text
+    assert resp.content_type == "application/json"
+    body = resp.json
+    assert set(body) == {"jsonrpc", "id", "error"}
+    assert body["jsonrpc"] == "2.0"
+    assert body["error"]["code"] == code, body
+    assert body["error"]["message"]
+    assert "Traceback" not in resp.text
+    return body["error"]
+
+
+class TestMcp:
+    """The JSON-RPC endpoint in-process: both protocol eras, every error code, auth, Origin."""
+
+    @pytest.fixture
+    def mcp(self, make_app):
+        client = with_key(make_app())
+        seed_notes(client)
+        return client
+
+    def test_handshake_era_initialize_notification_ping(self, mcp):
+        for asked, given in [
+            ("2025-06-18", "2025-06-18"),
+            ("2025-11-25", "2025-11-25"),
+            ("2024-11-05", "2025-11-25"),
+            ("2031-01-01", "2025-11-25"),
+        ]:
+            params = {
+                "protocolVersion": asked,
+                "capabilities": {},
+                "clientInfo": {"name": "t", "version": "1"},
+            }
+            resp = mcp.post(
+                f"{API}/mcp",
+                json.dumps({"jsonrpc": "2.0", "id": 7, "method": "initialize", "params": params}),
+                headers={"Content-Type": "application/json"},
+            )
+            assert resp.content_type == "application/json"
+            assert "Mcp-Session-Id" not in resp.headers  # nothing is kept between requests
+            result = resp.json["result"]
+            assert resp.json["id"] == 7
+            assert result["protocolVersion"] == given
+            assert result["capabilities"] == {"tools": {"listChanged": False}}
+            assert result["serverInfo"]["name"] == "notesvc"
+            assert result["serverInfo"]["version"] == notesvc.__version__
+            assert "search_notes" in result["instructions"]
+        note = raw_mcp(mcp, '{"jsonrpc": "2.0", "method": "notifications/initialized"}')
+        assert (note.status_int, note.body) == (202, b"")
+        assert rpc(mcp, "ping") == {"jsonrpc": "2.0", "id": 1, "result": {}}
+        hdr = {"MCP-Protocol-Version": "2025-06-18"}
+        assert rpc(mcp, "tools/list", **hdr)["result"]["tools"]
+        answered = raw_mcp(mcp, '{"jsonrpc": "2.0", "id": 5, "result": {}}')  # a response
+        assert (answered.status_int, answered.body) == (202, b"")
+
+    def test_stateless_era_discover_list_call(self, mcp):
+        found = modern(mcp, "server/discover", status=200).json
+        assert found["id"] == "m-1"
+        result = found["result"]
+        assert result["supportedVersions"] == ["2025-06-18", "2025-11-25", "2026-07-28"]
+        assert result["capabilities"] == {"tools": {"listChanged": False}}
+        assert result["resultType"] == "complete"
+        assert result["cacheScope"] == "private"
+        assert result["ttlMs"] >= 0
+        info = result["_meta"]["io.modelcontextprotocol/serverInfo"]
+        assert info == {"name": "notesvc", "title": "notesvc notes", "version": notesvc.__version__}
+        listed = modern(mcp, "tools/list", status=200).json["result"]
+        assert {t["name"] for t in listed["tools"]} == {
+            n for n, t in notesvc.TOOLS.items() if t.read_only
+        }
+        assert (listed["resultType"], listed["cacheScope"]) == ("complete", "private")
+        called = modern(
+            mcp, "tools/call", {"name": "search_notes", "arguments": {"query": "keys"}}, status=200
+        ).json["result"]
+        assert called["resultType"] == "complete"
+        assert called["isError"] is False
+        assert called["structuredContent"]["results"][0]["path"] == "notes/home/keys.md"
+        note = mcp.post(
+            f"{API}/mcp",
+            json.dumps({"jsonrpc": "2.0", "method": "notifications/cancelled", "params": {}}),
+            headers={"Content-Type": "application/json", "MCP-Protocol-Version": MODERN},
+            status=202,
+        )
+        assert note.body == b""
+
+    def test_tool_errors_are_results_with_structured_content(self, mcp):
+        for era in ("handshake", "stateless"):
+            params = {"name": "read_note", "arguments": {"path": "notes/none.md"}}
+            if era == "handshake":
+                result = rpc(mcp, "tools/call", params)["result"]
+            else:
+                result = modern(mcp, "tools/call", params, status=200).json["result"]
+            assert result["isError"] is True
+            assert result["structuredContent"] == {
+                "error": {"code": "NOT_FOUND", "message": "no note at notes/none.md"}
+            }
+
+    @pytest.mark.parametrize(
+        ("body", "status", "code"),
+        [
+            ("{not json", 400, -32700),
+            ("", 400, -32700),
+            ('{"jsonrpc": "2.0", "id": 1, "method": "ping", "x": NaN}', 400, -32700),
+            (b'{"jsonrpc": "2.0", "id": 1, "method": "p\xffng"}', 400, -32700),
+            ("[" * 100000 + "]" * 100000, 400, -32700),
+            ('[{"jsonrpc": "2.0", "id": 1, "method": "ping"}]', 400, -32600),
+            ("[]", 400, -32600),
+            ('"ping"', 400, -32600),
+            ("42", 400, -32600),
+            ('{"id": 1, "method": "ping"}', 400, -32600),
+            ('{"jsonrpc": "1.0", "id": 1, "method": "ping"}', 400, -32600),
+            ('{"jsonrpc": "2.0", "id": 1, "method": 5}', 400, -32600),
+            ('{"jsonrpc": "2.0", "id": 1, "method": ""}', 400, -32600),
+            ('{"jsonrpc": "2.0", "id": true, "method": "ping"}', 400, -32600),
+            ('{"jsonrpc": "2.0", "id": 1.5, "method": "ping"}', 400, -32600),
+            ('{"jsonrpc": "2.0", "id": {"a": 1}, "method": "ping"}', 400, -32600),
+            ('{"jsonrpc": "2.0", "id": null, "method": "ping"}', 400, -32600),
+            ('{"jsonrpc": "2.0", "id": 1, "method": "resources/list"}', 200, -32601),
+            ('{"jsonrpc": "2.0", "id": 1, "method": "' + "x" * 5000 + '"}', 200, -32601),
+            ('{"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": [1]}', 200, -32602),
+            (
+                '{"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": {"cursor": "x"}}',
+                200,
+                -32602,
+            ),
+            ('{"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {}}', 200, -32602),
+            (
+                '{"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": 5}}',
+                200,
+                -32602,
+            ),
+            (
+                '{"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": {"name": "nope"}}',
+                200,
+                -32602,
+            ),
+            (
+                '{"jsonrpc": "2.0", "id": 1, "method": "tools/call",'
+                ' "params": {"name": "read_note", "arguments": "notes/x.md"}}',
+                200,
+                -32602,
+            ),
+        ],
+    )
+    def test_malformed_json_rpc_gets_the_specs_codes(self, mcp, body, status, code):
+        error = rpc_error(raw_mcp(mcp, body), status, code)
+        assert len(error["message"]) < 300
+
+    def test_the_request_id_comes_back_when_it_could_be_read(self, mcp):
+        resp = raw_mcp(mcp, '{"jsonrpc": "2.0", "id": "abc", "method": "nope"}')
+        assert resp.json["id"] == "abc"
+        resp = raw_mcp(mcp, '{"jsonrpc": "1.0", "id": 9, "method": "ping"}')
+        assert resp.json["id"] == 9
+        resp = raw_mcp(mcp, '{"jsonrpc": "2.0", "id": [9], "method": "ping"}')
+        assert resp.json["id"] is None
+
+    def test_stateless_methods_not_served_are_404(self, mcp):
+        for method in ("initialize", "ping", "resources/list"):
+            rpc_error(modern(mcp, method), 404, -32601)
+
+    def test_stateless_envelope_and_version_checks(self, mcp):
+        no_meta = mcp.post(
+            f"{API}/mcp",
+            json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/list"}),
+            headers={
+                "Content-Type": "application/json",
+                "MCP-Protocol-Version": MODERN,
+                "Mcp-Method": "tools/list",
+            },
+            expect_errors=True,
+        )
+        assert "_meta" in rpc_error(no_meta, 400, -32602)["message"]
+        half = {"_meta": {"io.modelcontextprotocol/protocolVersion": MODERN}}
+        resp = mcp.post(
+            f"{API}/mcp",
+            json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": half}),
+            headers={
+                "Content-Type": "application/json",
+                "MCP-Protocol-Version": MODERN,
+                "Mcp-Method": "tools/list",
+            },
+            expect_errors=True,
+        )
+        assert "clientCapabilities" in rpc_error(resp, 400, -32602)["message"]
+        error = rpc_error(modern(mcp, "tools/list", version="2099-01-01"), 400, -32022)
+        assert error["data"] == {
+            "supported": ["2025-06-18", "2025-11-25", "2026-07-28"],
+            "requested": "2099-01-01",
+        }
+        rpc_error(modern(mcp, "server/discover", version="banana"), 400, -32022)
+        long = modern(mcp, "server/discover", version="v" * 5000)
+        assert rpc_error(long, 400, -32022)["data"]["requested"] == "v" * 64
+        params = {"_meta": {**modern_meta(), "io.modelcontextprotocol/protocolVersion": 7}}
+        resp = raw_mcp(
+            mcp,
+            json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": params}),
+            **{"MCP-Protocol-Version": "7", "Mcp-Method": "tools/list"},
+        )
+        rpc_error(resp, 400, -32020)  # the header (text) can never equal a number
+        # a handshake-era request naming a revision this server does not serve
+        resp = raw_mcp(
+            mcp,
+            '{"jsonrpc": "2.0", "id": 1, "method": "tools/list"}',
+            **{"MCP-Protocol-Version": "2025-03-26"},
+        )
+        assert rpc_error(resp, 400, -32022)["data"]["requested"] == "2025-03-26"
+        # a notification at a version not served
+        resp = raw_mcp(
+            mcp, '{"jsonrpc": "2.0", "method": "notifications/x"}', **{"MCP-Protocol-Version": "9"}
+        )
+        rpc_error(resp, 400, -32022)
+
+    @pytest.mark.parametrize(
+        ("headers", "says"),
+        [
+            ({"MCP-Protocol-Version": "2099-01-01"}, "MCP-Protocol-Version"),
+            ({"Mcp-Method": "tools/list"}, "Mcp-Method"),
+            ({"Mcp-Method": ""}, "Mcp-Method"),
+            ({"Mcp-Name": "read_note"}, "Mcp-Name"),
+            ({"Mcp-Name": "=?base64?cmVhZF9ub3Rl?="}, "Mcp-Name"),
+            ({"Mcp-Name": "=?base64?not base64?="}, "Mcp-Name"),
+        ],
+    )
+    def test_headers_that_do_not_repeat_the_body_are_32020(self, mcp, headers, says):
+        params = {"name": "search_notes", "arguments": {"query": "keys"}}
+        resp = modern(mcp, "tools/call", params, headers=headers)
+        assert says in rpc_error(resp, 400, -32020)["message"]
+
+    def test_header_mismatches_in_the_stateless_era(self, mcp):
+        params = {"_meta": modern_meta(), "name": "search_notes", "arguments": {"query": "keys"}}
+        body = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/call", "params": params})
+        # the body names the stateless era but no header is sent
+        resp = raw_mcp(mcp, body)
+        assert "MCP-Protocol-Version" in rpc_error(resp, 400, -32020)["message"]
+        other = {
+            "MCP-Protocol-Version": "2099-01-01",
+            "Mcp-Method": "tools/call",
+            "Mcp-Name": "search_notes",
+        }
+        rpc_error(raw_mcp(mcp, body, **other), 400, -32020)
+        sentinel = {
+            "MCP-Protocol-Version": MODERN,
+            "Mcp-Method": "tools/call",
+            "Mcp-Name": "=?base64?c2VhcmNoX25vdGVz?=",
+        }
+        assert raw_mcp(mcp, body, **sentinel).json["result"]["isError"] is False
+        # a handshake-era header names that era (as the SDKs route): _meta is then ignored
+        old = {"MCP-Protocol-Version": "2025-11-25"}
+        assert "resultType" not in raw_mcp(mcp, body, **old).json["result"]
+
+    def test_get_delete_put_are_405_in_json_rpc(self, mcp):
+        for method in ("GET", "DELETE", "PUT", "PATCH"):
+            resp = mcp.request(f"{API}/mcp", method=method, expect_errors=True)
+            error = rpc_error(resp, 405, -32000)
+            assert error["data"] == {"status": 405, "code": "METHOD_NOT_ALLOWED"}
+            assert resp.headers["Allow"] == "POST"
+
+    def test_limits_are_json_rpc_errors(self, make_app):
+        client = with_key(make_app(SERVICE_MAX_BODY_BYTES="2048"))
+        big = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "ping", "pad": "x" * 3000})
+        error = rpc_error(raw_mcp(client, big), 413, -32600)
+        assert error["data"] == {"status": 413, "code": "PAYLOAD_TOO_LARGE"}
+        resp = client.post(
+            f"{API}/mcp", "{}", headers={"Content-Type": "text/plain"}, expect_errors=True
+        )
+        assert rpc_error(resp, 415, -32600)["data"]["code"] == "UNSUPPORTED_MEDIA_TYPE"
+
+    def test_the_key_is_accepted_in_each_of_its_headers(self, anon):
+        key = key_of(anon)
+        for name, value in [
+            ("X-Service-Key", key),
+            ("Authorization", f"Bearer {key}"),
+            ("Authorization", f"bearer {key}"),
+            ("X-API-Key", key),
+        ]:
+            assert rpc(anon, "ping", **{name: value}) == {"jsonrpc": "2.0", "id": 1, "result": {}}
+        for headers in [
+            {},
+            {"X-Service-Key": "nsk_wrong"},
+            {"Authorization": "Bearer nsk_wrong"},
+            {"Authorization": f"Basic {key}"},
+            {"X-API-Key": "nsk_wrong"},
+            {"X-Auth-Token": key},
+        ]:
+            resp = raw_mcp(anon, '{"jsonrpc": "2.0", "id": 1, "method": "ping"}', **headers)
+            error = rpc_error(resp, 401, -32000)
+            assert error["data"] == {"status": 401, "code": "UNAUTHORIZED"}
+            assert "Authorization: Bearer" in error["message"]
+            assert key not in resp.text
+        # only /mcp takes them: the rest of the API wants X-Service-Key (or a JWT)
+        for name, value in [("Authorization", f"Bearer {key}"), ("X-API-Key", key)]:
+            resp = anon.get(f"{API}/system/info", headers={name: value}, status=401)
+            assert_error(resp, 401, "UNAUTHORIZED")
+
+    def test_wrong_keys_on_mcp_count_toward_the_lockout(self, anon):
+        key = key_of(anon)
+        for i in range(10):
+            headers = [{"Authorization": "Bearer nsk_x"}, {"X-API-Key": "nsk_y"}][i % 2]
+            rpc_error(raw_mcp(anon, "{}", **headers), 401, -32000)
+        resp = raw_mcp(
+            anon, '{"jsonrpc": "2.0", "id": 1, "method": "ping"}', Authorization=f"Bearer {key}"
+        )
+        error = rpc_error(resp, 429, -32000)
+        assert error["data"]["code"] == "RATE_LIMITED"
+        assert int(resp.headers["Retry-After"]) > 0
+        assert_error(
+            anon.get(f"{API}/system/info", headers={"X-Service-Key": key}, status=429),
+            429,
+            "RATE_LIMITED",
+        )
+
+    def test_jwt_mode_takes_a_token_or_the_key_as_bearer(self, make_app):
+        app = make_app(SERVICE_AUTH_MODE="jwt", SERVICE_JWT_SECRET="j" * 40)
+        key = key_of(app)
+        token = data(with_key(app).post(f"{API}/auth/token"))["token"]
+        for value in (token, key):
+            assert rpc(app, "ping", Authorization=f"Bearer {value}")["result"] == {}
+        resp = raw_mcp(app, "{}", Authorization=f"Bearer {token[:-2]}xx")
+        rpc_error(resp, 401, -32000)
+
+    def test_auth_off_asks_no_key_but_still_checks_the_origin(self, make_app):
+        app = make_app(SERVICE_AUTH_MODE="none")
+        assert rpc(app, "ping")["result"] == {}
+        resp = raw_mcp(
+            app, '{"jsonrpc": "2.0", "id": 1, "method": "ping"}', Origin="http://evil.example"
+        )
+        assert rpc_error(resp, 403, -32000)["data"]["code"] == "FORBIDDEN"
+
+    def test_origin_must_be_an_allowed_one(self, make_app, root):
+        app = make_app(SERVICE_CORS_ORIGINS="https://notes.example")
+        key = key_of(app)
+        ping = '{"jsonrpc": "2.0", "id": 1, "method": "ping"}'
+        ok = raw_mcp(app, ping, Origin="https://notes.example", **{"X-API-Key": key})
+        assert ok.json["result"] == {}
+        assert ok.headers["Access-Control-Allow-Origin"] == "https://notes.example"
+        for origin in (
+            "https://evil.example",
+            "null",
+            "http://127.0.0.1:3000",
+            "https://notes.example.evil.example",
+        ):
+            resp = raw_mcp(app, ping, Origin=origin, **{"X-API-Key": key})
+            error = rpc_error(resp, 403, -32000)
+            assert "SERVICE_CORS_ORIGINS" in error["message"]
+        # refused before the key is even looked at: no lockout, no oracle
+        for _ in range(12):
+            raw_mcp(app, ping, Origin="https://evil.example", **{"X-API-Key": "nsk_bad"})
+        assert raw_mcp(app, ping, **{"X-API-Key": key}).json["result"] == {}
+        pre = app.options(
+            f"{API}/mcp",
+            headers={"Origin": "https://notes.example", "Access-Control-Request-Method": "POST"},
+        )
+        allowed = pre.headers["Access-Control-Allow-Headers"]
+        for name in (
+            "Authorization",
+            "X-API-Key",
+            "MCP-Protocol-Version",
+            "Mcp-Method",
+            "Mcp-Name",
+        ):
+            assert name in allowed
+        star = make_app(tmp_path_factory_root(root), SERVICE_CORS_ORIGINS="*")
+        resp = raw_mcp(star, ping, Origin="https://anywhere.example", **{"X-API-Key": key_of(star)})
+        assert resp.json["result"] == {}
+
+    def test_self_relay_prefix_answers_json_rpc_too(self, mcp):
+        sid = mcp.app.service.state.read()["serverId"]
+        resp = mcp.post(
+            f"/r/{sid}{API}/mcp",
+            '{"jsonrpc": "2.0", "id": 1, "method": "ping"}',
+            headers={"Content-Type": "application/json"},
+        )
+        assert resp.json["result"] == {}
+        other = mcp.post(
+            f"/r/aaaaaaaaaaaaaaaaaaaa{API}/mcp",
+            "{}",
+            headers={"Content-Type": "application/json"},
+            expect_errors=True,
+        )
+        assert rpc_error(other, 404, -32000)["data"]["code"] == "NOT_FOUND"
+        found = call_tool(mcp, "search", query="keys")["structuredContent"]["results"][0]
+        assert found["url"] == "http://localhost:80/api/v1/notes/notes%2Fhome%2Fkeys.md"
+        via = mcp.post(
+            f"/r/{sid}{API}/mcp",
+            json.dumps(
+                {
+                    "jsonrpc": "2.0",
+                    "id": 1,
+                    "method": "tools/call",
+                    "params": {"name": "search", "arguments": {"query": "keys"}},
+                }
+            ),
+            headers={"Content-Type": "application/json"},
+        ).json
+        url = via["result"]["structuredContent"]["results"][0]["url"]
+        assert url == f"http://localhost:80/r/{sid}/api/v1/notes/notes%2Fhome%2Fkeys.md"
+
+    def test_a_crash_behind_a_json_rpc_route_is_32603_with_the_request_id(self, root, caplog):
+        cfg = notesvc.load_config(env=make_env(root))
+        service = notesvc.build_service(cfg).start()
+        extra = (notesvc.Route("POST", "/boom-rpc", _boom, jsonrpc=True, scope="read"),)
+        app = webtest.TestApp(notesvc.NotesApp(service, notesvc.ROUTES + extra))
+        key = service.state.read()["apiKey"]
+        resp = app.post(f"{API}/boom-rpc", "{}", headers={"X-API-Key": key}, status=500)
+        error = rpc_error(resp, 500, -32603)
+        assert resp.headers["X-Request-Id"] in error["message"]
+        assert "secret" not in resp.text
+        assert "passwd" not in resp.text
+        assert service.routes[-1].jsonrpc is True
+        assert {r.rule for r in service.routes if r.jsonrpc} == {f"{API}/mcp", f"{API}/boom-rpc"}
+
+    def test_only_mcp_answers_json_rpc(self, anon):
+        assert {r.rule for r in anon.app.service.routes if r.jsonrpc} == {f"{API}/mcp"}
+        assert notesvc.RELAYED_JSONRPC_RE.match(f"/r/abc{API}/mcp")
+        assert_error(anon.get(f"{API}/mcpx", status=404), 404, "NOT_FOUND")
+
+    def test_openapi_documents_mcp(self, anon):
+        doc = anon.get(f"{API}/openapi.json").json
+        op = doc["paths"]["/api/v1/mcp"]["post"]
+        assert set(op["responses"]) == {"200", "202", "default"}
+        assert {"bearerKey": []} in op["security"]
+        assert {"xApiKey": []} in op["security"]
+        assert doc["components"]["securitySchemes"]["xApiKey"]["name"] == "X-API-Key"
+
+    def test_config_and_audit_report_the_write_tools(self, make_app, root):
+        cfg = data(with_key(make_app()).get(f"{API}/system/config"))
+        assert cfg["mcp"] == {
+            "path": "/api/v1/mcp",
+            "write": False,
+            "protocolVersions": ["2025-06-18", "2025-11-25", "2026-07-28"],
+        }
+        assert (cfg["agent"]["write"], cfg["agent"]["maxSteps"]) == (False, 6)
+        app = make_app(
+            tmp_path_factory_root(root),
+            SERVICE_MCP_WRITE="true",
+            SERVICE_AGENT_WRITE="true",
+            SERVICE_AGENT_MAX_STEPS="9",
+        )
+        client = with_key(app)
+        cfg = data(client.get(f"{API}/system/config"))
+        assert (cfg["mcp"]["write"], cfg["agent"]["write"], cfg["agent"]["maxSteps"]) == (
+            True,
+            True,
+            9,
+        )
+        assert "tool-writes-without-auth" not in ids(audit(client))
+        client.post_json(f"{API}/channels", {"provider": "web", "config": {}}, status=201)
+        findings = {f["id"]: f for f in audit(client)["findings"]}
+        assert findings["agent-writes-from-channels"]["severity"] == "info"
+        open_app = make_app(
+            tmp_path_factory_root(root), SERVICE_AUTH_MODE="none", SERVICE_MCP_WRITE="true"
+        )
+        findings = {f["id"]: f for f in audit(open_app)["findings"]}
+        assert findings["tool-writes-without-auth"]["severity"] == "medium"
+        assert "SERVICE_MCP_WRITE" in findings["tool-writes-without-auth"]["detail"]
+        quiet = make_app(tmp_path_factory_root(root), SERVICE_AUTH_MODE="none")
+        assert "tool-writes-without-auth" not in ids(audit(quiet))
+
+    @pytest.mark.parametrize(
+        ("env", "names"),
+        [
+            ({"SERVICE_MCP_WRITE": "maybe"}, "SERVICE_MCP_WRITE"),
+            ({"SERVICE_AGENT_WRITE": "2"}, "SERVICE_AGENT_WRITE"),
+            ({"SERVICE_AGENT_MAX_STEPS": "0"}, "SERVICE_AGENT_MAX_STEPS"),
+            ({"SERVICE_AGENT_MAX_STEPS": "21"}, "SERVICE_AGENT_MAX_STEPS"),
+            ({"SERVICE_AGENT_MAX_STEPS": "six"}, "SERVICE_AGENT_MAX_STEPS"),
+        ],
+    )
+    def test_bad_settings_stop_start_up(self, env, names):
+        with pytest.raises(notesvc.ConfigError, match=names):
+            notesvc.load_config(env=env)
+
+
+def sdk_session(url: str, headers: dict, mode: str, steps):
+    """Run `steps(client)` in an official MCP SDK session with a real server; return its result."""
+    import asyncio
+
+    client_module = pytest.importorskip("mcp.client.client")
+    transport = pytest.importorskip("mcp.client.streamable_http")
+    httpx2 = pytest.importorskip("httpx2")
+
+    async def main():
+        async with httpx2.AsyncClient(headers=headers, timeout=30) as http:
+            connection = transport.streamable_http_client(url, http_client=http)
+            async with client_module.Client(connection, mode=mode) as session:
+                return await steps(session)
+
+    return asyncio.run(main())
+
+
+def post_rpc(server: Server, path: str, body, headers: dict | None = None) -> tuple:
+    """POST a JSON-RPC body to a real server or relay; return (status, headers, answer)."""
+    return server.request("POST", path, body, headers)
+
+
+class TestMcpServer:
+    """A real `python notesvc.py` (and a real relay): the official SDK, limits, the relay."""
+
+    @pytest.fixture
+    def server(self, tmp_path):
+        with running(tmp_path / "srv", env={"SERVICE_MCP_WRITE": "true"}) as server:
+            key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
+            for path, text in [("notes/garden.md", "# Garden\n\nPlant tomatoes in May.")]:
+                server.request(
+                    "POST", f"{API}/notes", {"path": path, "content": text}, {"X-Service-Key": key}
+                )
+            server.key = key
+            yield server
+
+    @pytest.mark.parametrize(("mode", "version"), [("legacy", "2025-11-25"), ("auto", MODERN)])
+    def test_the_official_sdk_lists_searches_reads_creates_and_is_refused_a_stale_etag(
+        self, server, mode, version
+    ):
+        async def steps(session):
+            names = [t.name for t in (await session.list_tools()).tools]
+            hits = await session.call_tool("search_notes", {"query": "tomatoes"})
+            note = await session.call_tool("read_note", {"path": "notes/garden.md"})
+            made = await session.call_tool(
+                "create_note", {"path": "notes/sdk.md", "content": "# SDK\n\nmade by the SDK"}
+            )
+            etag = note.structured_content["etag"]
+            server.request(
+                "PUT",
+                f"{API}/notes/notes%2Fgarden.md",
+                {"content": "# Garden\n\nchanged"},
+                {"X-Service-Key": server.key},
+            )
+            stale = await session.call_tool(
+                "update_note", {"path": "notes/garden.md", "content": "overwrite", "etag": etag}
+            )
+            return session.protocol_version, names, hits, note, made, stale
+
+        got, names, hits, note, made, stale = sdk_session(
+            server.url + f"{API}/mcp", {"Authorization": f"Bearer {server.key}"}, mode, steps
+        )
+        assert got == version
+        assert set(names) == set(notesvc.TOOLS)
+        assert hits.is_error is False
+        assert hits.content[0].text.startswith("notes/garden.md — Garden: ")
+        assert hits.structured_content["results"][0]["path"] == "notes/garden.md"
+        assert note.structured_content["content"] == "# Garden\n\nPlant tomatoes in May."
+        assert made.is_error is False
+        assert made.structured_content["path"] == "notes/sdk.md"
+        assert stale.is_error is True
+        assert stale.structured_content["error"]["code"] == "PRECONDITION_FAILED"
+        _, _, body = server.request(
+            "GET", f"{API}/notes/notes%2Fgarden.md", headers={"X-Service-Key": server.key}
+        )
+        assert body["data"]["content"] == "# Garden\n\nchanged"
+        _, _, body = server.request(
+            "GET", f"{API}/search?q=SDK", headers={"X-Service-Key": server.key}
+        )
+        assert body["data"]["results"][0]["path"] == "notes/sdk.md"
+
+    def test_waitress_refusals_on_mcp_are_json_rpc(self, server):
+        for headers, status, code in [
+            ("Content-Length: 99999999\r\n", 413, "PAYLOAD_TOO_LARGE"),
+            ("Content-Length: abc\r\n", 400, "VALIDATION_ERROR"),
+            ("Content-Length: 5\r\nContent-Length: 6\r\n", 400, "VALIDATION_ERROR"),
+        ]:
+            request = (
+                f"POST {API}/mcp HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+                f"{headers}\r\n"
+            ).encode()
+            got, resp_headers, body = raw_http(server.port, request)
+            assert got == status, body
+            answer = json.loads(body)
+            assert answer["jsonrpc"] == "2.0"
+            assert answer["error"]["data"]["code"] == code
+            assert resp_headers["content-type"] == "application/json; charset=utf-8"
+
+    @pytest.fixture
+    def relayed(self, tmp_path):
+        relay = Server(tmp_path / "relay", "relay", env={"SERVICE_RELAY_TIMEOUT": "3"})
+        server = Server(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url})
+        try:
+            wait_for(lambda: relay_servers(relay) == 1)
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            server.request(
+                "POST",
+                f"{API}/notes",
+                {"path": "notes/garden.md", "content": "# Garden\n\nPlant tomatoes in May."},
+                {"X-Service-Key": setup["apiKey"]},
+            )
+            yield relay, setup
+        finally:
+            server.stop()
+            relay.stop()
+
+    def test_json_rpc_through_the_relay(self, relayed):
+        relay, setup = relayed
+        path = f"/r/{setup['serverId']}{API}/mcp"
+        assert setup["links"]["relayApiBase"] + "/mcp" == relay.url + path
+        bearer = {"Authorization": f"Bearer {setup['apiKey']}"}
+        init = {
+            "jsonrpc": "2.0",
+            "id": 1,
+            "method": "initialize",
+            "params": {
+                "protocolVersion": "2025-06-18",
+                "capabilities": {},
+                "clientInfo": {"name": "t", "version": "1"},
+            },
+        }
+        status, headers, answer = post_rpc(relay, path, init, bearer)
+        assert status == 200
+        assert answer["result"]["protocolVersion"] == "2025-06-18"
+        note = {"jsonrpc": "2.0", "method": "notifications/initialized"}
+        assert post_rpc(relay, path, note, bearer)[::2] == (202, None)
+        call = {
+            "jsonrpc": "2.0",
+            "id": 2,
+            "method": "tools/call",
+            "params": {
+                "_meta": modern_meta(),
+                "name": "fetch",
+                "arguments": {"id": "notes/garden.md"},
+            },
+        }
+        stateless = {
+            **bearer,
+            "MCP-Protocol-Version": MODERN,
+            "Mcp-Method": "tools/call",
+            "Mcp-Name": "fetch",
+        }
+        status, _, answer = post_rpc(relay, path, call, stateless)
+        assert status == 200
+        fetched = answer["result"]["structuredContent"]
+        assert fetched["text"] == "# Garden\n\nPlant tomatoes in May."
+        assert fetched["url"] == f"{relay.url}/r/{setup['serverId']}/api/v1/notes/notes%2Fgarden.md"
+        status, _, answer = post_rpc(relay, path, call, {**stateless, "Mcp-Name": "search"})
+        assert (status, answer["error"]["code"]) == (400, -32020)
+        for headers, want in [
+            ({"X-API-Key": "nsk_wrong"}, (401, "UNAUTHORIZED")),
+            ({**bearer, "Origin": "https://evil.example"}, (403, "FORBIDDEN")),
+        ]:
+            status, _, answer = post_rpc(
+                relay, path, {"jsonrpc": "2.0", "id": 3, "method": "ping"}, headers
+            )
+            assert (status, answer["error"]["data"]["code"]) == want
+        status, _, answer = relay.request("GET", path, headers=bearer)
+        assert (status, answer["error"]["data"]["code"]) == (405, "METHOD_NOT_ALLOWED")
+        # the relay's own refusals of a request to /mcp are JSON-RPC errors too
+        status, _, answer = post_rpc(
+            relay,
+            f"/r/aaaaaaaaaaaaaaaaaaaa{API}/mcp",
+            {"jsonrpc": "2.0", "id": 4, "method": "ping"},
+        )
+        assert status == 504
+        assert answer["error"]["data"]["code"] == "UPSTREAM_TIMEOUT"
+        request = (
+            f"POST {path} HTTP/1.1\r\nHost: 127.0.0.1\r\nContent-Type: application/json\r\n"
+            "Content-Length: 99999999\r\n\r\n"
+        ).encode()
+        status, _, body = raw_http(relay.port, request)
+        assert status == 413
+        assert json.loads(body)["error"]["data"]["code"] == "PAYLOAD_TOO_LARGE"
+
+    def test_the_official_sdk_through_the_relay_without_writes(self, relayed):
+        _, setup = relayed
+
+        async def steps(session):
+            tools = [t.name for t in (await session.list_tools()).tools]
+            note = await session.call_tool("read_note", {"path": "notes/garden.md"})
+            return session.protocol_version, tools, note
+
+        version, tools, note = sdk_session(
+            setup["links"]["relayApiBase"] + "/mcp", {"X-API-Key": setup["apiKey"]}, "auto", steps
+        )
+        assert version == MODERN
+        assert set(tools) == {n for n, t in notesvc.TOOLS.items() if t.read_only}
+        assert note.structured_content["title"] == "Garden"
 
 
 # -- grants against real processes: revocation in flight, the relay, the browser ----------

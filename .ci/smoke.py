@@ -86,6 +86,20 @@ def main() -> int:
             query = urllib.parse.urlencode({"q": "bookworm"})
             hits = call(base, "GET", f"/search?{query}", key)["results"]
             check([r["path"] for r in hits] == [note["path"]], hits)
+            mcp = {
+                "jsonrpc": "2.0",
+                "id": 1,
+                "method": "tools/call",
+                "params": {"name": "search_notes", "arguments": {"query": "bookworm"}},
+            }
+            req = urllib.request.Request(
+                base + "/mcp",
+                json.dumps(mcp).encode(),
+                {"Content-Type": "application/json", "Authorization": f"Bearer {key}"},
+            )
+            with urllib.request.urlopen(req, timeout=20) as resp:
+                tool_hits = json.loads(resp.read())["result"]["structuredContent"]["results"]
+            check([r["path"] for r in tool_hits] == [note["path"]], tool_hits)
             proc.send_signal(signal.SIGTERM)
             status = proc.wait(20)
             reader.join(5)
@@ -95,7 +109,7 @@ def main() -> int:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    print("smoke: start, setup, link, create, search, stop (SIGTERM -> 0): ok")
+    print("smoke: start, setup, link, create, search, MCP tool call, stop (SIGTERM -> 0): ok")
     return 0
 
 
