@@ -4979,8 +4979,9 @@ def tool(
 
 
 def available_tools(svc: Service, writes: bool) -> list:
-    """Return the tools this app offers: read-only ones, write ones when `writes`, each only
-    while its plugin is on."""
+    """Return the tools this app offers: read-only ones, write ones when `writes` and the
+    request's grant may write, each only while its plugin is on."""
+    writes = writes and request_principal().allows("write")
     return [
         t
         for t in svc.tools.values()
@@ -5189,7 +5190,7 @@ def answer_with_model(svc: Service, question: str, found: list) -> tuple:
     tools = [t for t in available_tools(svc, cfg.agent_write) if not t.alias_of]
     specs = [openai_tool(t) for t in tools]
     prompt = SYSTEM_PROMPT + (f" {TOOLS_PROMPT}" if specs else "")
-    prompt += f" {WRITE_PROMPT}" if cfg.agent_write and specs else ""
+    prompt += f" {WRITE_PROMPT}" if any(not t.read_only for t in tools) else ""
     messages = [
         {"role": "system", "content": f"{prompt}\n\n{model_context(found)}"},
         {"role": "user", "content": question},
@@ -7320,7 +7321,7 @@ def _hit_lines(data: dict) -> str:
 )
 def tool_search_notes(svc: Service, query: str, limit: int = 10, folder: str = "") -> dict:
     parsed = Query(query)
-    folder = folder_path(folder) if folder else NOTES
+    folder = visible_folder(folder or NOTES)  # a folder grant's by default
     total, hits = svc.index.search(parsed, "" if folder == NOTES else folder, limit, 0)
     results = [{"path": p, "title": t, "snippet": sn, "score": sc} for p, t, sc, sn in hits]
     return {"results": results, "total": total}
@@ -7350,7 +7351,7 @@ def _note_text(data: dict) -> str:
     text=_note_text,
 )
 def tool_read_note(svc: Service, path: str, offset: int = 0, maxChars: int = READ_CHARS) -> dict:
-    rec = svc.notes.get(note_path(path))
+    rec = svc.notes.get(visible_note(svc.notes, path))
     content = rec["content"]
     part = content[offset : offset + maxChars]
     return {
@@ -7401,7 +7402,7 @@ def _tree_lines(node: dict, indent: str = "") -> list:
     text=lambda node: "\n".join(_tree_lines(node)),
 )
 def tool_list_folder(svc: Service, path: str = NOTES, depth: int = 1) -> dict:
-    return _cut(svc.notes.tree(folder_path(path)), depth)
+    return _cut(granted_tree(svc, path), depth)
 
 
 def _since_ns(since: str) -> int:
@@ -7434,8 +7435,8 @@ def _since_ns(since: str) -> int:
     ),
 )
 def tool_recent_changes(svc: Service, since: str = "", limit: int = 20) -> dict:
-    after = _since_ns(since) if since else -1
-    notes = [(m, p, size) for p, (size, m) in svc.notes.scan().items() if m > after]
+    after, sees = _since_ns(since) if since else -1, request_principal().sees
+    notes = [(m, p, size) for p, (size, m) in svc.notes.scan().items() if m > after and sees(p)]
     notes.sort(reverse=True)
     changes = [
         {
@@ -7469,7 +7470,7 @@ def tool_list_tags(svc: Service) -> dict:
     read_only=False,
 )
 def tool_create_note(svc: Service, path: str, content: str) -> dict:
-    return _summary(svc.notes.create(note_path(path), content))
+    return _summary(svc.notes.create(visible_note(svc.notes, path), content))
 
 
 @tool(
@@ -7481,7 +7482,7 @@ def tool_create_note(svc: Service, path: str, content: str) -> dict:
     read_only=False,
 )
 def tool_append_to_note(svc: Service, path: str, text: str) -> dict:
-    path = note_path(path)
+    path = visible_note(svc.notes, path)
 
     def add(old: str) -> str:
         return old + ("\n" if old and not old.endswith("\n") else "") + text.rstrip("\n") + "\n"
@@ -7505,7 +7506,7 @@ def tool_append_to_note(svc: Service, path: str, text: str) -> dict:
     destructive=True,
 )
 def tool_replace_in_note(svc: Service, path: str, old: str, new: str) -> dict:
-    path = note_path(path)
+    path = visible_note(svc.notes, path)
 
     def swap(text: str) -> str:
         count = text.count(old)
@@ -7541,7 +7542,7 @@ def tool_replace_in_note(svc: Service, path: str, old: str, new: str) -> dict:
     idempotent=True,
 )
 def tool_update_note(svc: Service, path: str, content: str, etag: str) -> dict:
-    return _summary(svc.notes.update(note_path(path), content, etag))
+    return _summary(svc.notes.update(visible_note(svc.notes, path), content, etag))
 
 
 @tool(
@@ -7563,7 +7564,8 @@ def tool_update_note(svc: Service, path: str, content: str, etag: str) -> dict:
 def tool_move_note(
     svc: Service, path: str, newPath: str, etag: str, updateLinks: bool = False
 ) -> dict:
-    rec = move_and_relink(svc, note_path(path), note_path(newPath), etag, updateLinks)
+    path, new = visible_note(svc.notes, path), visible_note(svc.notes, newPath)
+    rec = move_and_relink(svc, path, new, etag, updateLinks)
     return {**_summary(rec), **{k: rec[k] for k in ("from", "linksUpdated") if k in rec}}
 
 
@@ -7579,7 +7581,7 @@ def tool_move_note(
     idempotent=True,
 )
 def tool_delete_note(svc: Service, path: str, etag: str | None = None) -> dict:
-    done = svc.notes.delete(note_path(path), etag)
+    done = svc.notes.delete(visible_note(svc.notes, path), etag)
     return {"path": done["path"], "deleted": True}
 
 
@@ -7592,7 +7594,8 @@ def tool_delete_note(svc: Service, path: str, etag: str | None = None) -> dict:
     alias_of="search_notes",
 )
 def tool_search(svc: Service, query: str) -> dict:
-    _, hits = svc.index.search(Query(query), "", 10, 0)
+    folder = request_principal().folder  # a folder grant searches its folder
+    _, hits = svc.index.search(Query(query), folder, 10, 0)
     return {"results": [{"id": p, "title": t, "url": note_url(svc, p)} for p, t, _, _ in hits]}
 
 
@@ -7605,7 +7608,7 @@ def tool_search(svc: Service, query: str) -> dict:
     alias_of="read_note",
 )
 def tool_fetch(svc: Service, id: str) -> dict:
-    rec = svc.notes.get(note_path(id))
+    rec = svc.notes.get(visible_note(svc.notes, id))
     return {
         "id": rec["path"],
         "title": rec["title"],
@@ -10678,6 +10681,8 @@ def _tools_call(svc: Service, name: Any, arguments: Any) -> dict:
         known = svc.tools.get(name)
         if known is not None and not known.read_only and not svc.config.mcp_write:
             why = f"{name} changes notes: the owner has not allowed that (SERVICE_MCP_WRITE)"
+        elif known is not None and not known.read_only:
+            why = f"{name} changes notes: this connection was granted reading only"
         elif known is not None:
             why = f"{name} needs the {known.plugin} plugin, which is switched off"
         else:
@@ -11369,7 +11374,7 @@ def oauth_consent(svc: Service) -> dict:
             )
         }
         raise err
-    write = bool(getattr(svc.config, "mcp_write", False))
+    write = svc.config.mcp_write
     return {
         "client": {"id": client["id"], "name": client["name"], "uri": client.get("uri") or ""},
         "redirectUri": q["redirect_uri"],
@@ -11401,7 +11406,7 @@ def approve_oauth(svc: Service) -> dict:
     if not words or not words <= set(OAUTH_SCOPES):
         raise bad_request("'scope' must be notes:read or notes:read notes:write")
     wanted = parse_oauth_scope(scope)
-    if wanted == "write" and not getattr(svc.config, "mcp_write", False):
+    if wanted == "write" and not svc.config.mcp_write:
         raise ApiError(403, "FORBIDDEN", "notes:write needs SERVICE_MCP_WRITE=true on the server")
     if resource != mcp_resource(svc, env):
         raise bad_request(f"'resource' must be this server's MCP URL, {mcp_resource(svc, env)}")

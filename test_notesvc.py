@@ -10715,3 +10715,374 @@ class TestGrantPages:
             expect(page.locator("#msg")).to_contain_text("expired or been revoked")
             expect(page.locator("article")).to_be_empty()
             context.close()
+
+
+def bearer(app: webtest.TestApp, token: str) -> webtest.TestApp:
+    return webtest.TestApp(app.app, extra_environ={"HTTP_AUTHORIZATION": f"Bearer {token}"})
+
+
+class TestGrantsOnMcp:
+    """OAuth tokens and scoped keys on /api/v1/mcp: the challenge, the audience, the scope,
+    the folder."""
+
+    @pytest.fixture
+    def server(self, make_app):
+        client = with_key(make_app(SERVICE_MCP_WRITE="true"))
+        for path, text in FOLDER_NOTES.items():
+            put_note(client, path, text)
+        return client
+
+    def test_no_credential_is_401_with_the_challenge(self, anon):
+        resp = anon.post(f"{API}/mcp", "{}", {"Content-Type": "application/json"}, status=401)
+        assert resp.headers["WWW-Authenticate"] == (
+            'Bearer resource_metadata="http://localhost:80/.well-known/oauth-protected-resource'
+            '/api/v1/mcp", scope="notes:read"'
+        )
+        assert resp.json["jsonrpc"] == "2.0"
+        assert "error" in resp.json
+        sid = anon.app.service.state.read()["serverId"]
+        relayed = anon.post(
+            f"/r/{sid}{API}/mcp", "{}", {"Content-Type": "application/json"}, status=401
+        )
+        meta = re.search(r'resource_metadata="([^"]+)"', relayed.headers["WWW-Authenticate"]).group(
+            1
+        )
+        assert (
+            meta == f"http://localhost:80/.well-known/oauth-protected-resource/r/{sid}/api/v1/mcp"
+        )
+        assert anon.get(meta.split(":80", 1)[1]).json["resource"] == (
+            f"http://localhost:80/r/{sid}/api/v1/mcp"
+        )
+        wrong = bearer(anon, "nsa_" + "x" * 43).post(
+            f"{API}/mcp", "{}", {"Content-Type": "application/json"}, status=401
+        )
+        assert 'error="invalid_token"' in wrong.headers["WWW-Authenticate"]
+        rest = anon.get(f"{API}/notes", status=401)
+        assert "WWW-Authenticate" not in rest.headers
+
+    def test_a_token_works_on_mcp_for_its_own_url_only(self, server):
+        _, t = tokens_for(server, server)
+        mcp = bearer(server, t["access_token"])
+        assert "search_notes" in listed_tools(mcp)
+        sid = server.app.service.state.read()["serverId"]
+        answer = rpc(mcp.__class__(server.app), "tools/list")  # no credential at all
+        assert answer["error"]
+        elsewhere = mcp.post(
+            f"/r/{sid}{API}/mcp",
+            json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/list"}),
+            {"Content-Type": "application/json"},
+            status=401,
+        )
+        assert 'error="invalid_token"' in elsewhere.headers["WWW-Authenticate"]
+
+    def test_an_expired_token_is_401_with_the_challenge(self, server, root):
+        _, t = tokens_for(server, server)
+        state_file = root / ".notesvc" / "state.json"
+        state = json.loads(state_file.read_text())
+        state["grants"][0]["accessExpiresAt"] = "2020-01-01T00:00:00.000Z"
+        state_file.write_text(json.dumps(state))
+        resp = bearer(server, t["access_token"]).post(
+            f"{API}/mcp", "{}", {"Content-Type": "application/json"}, status=401
+        )
+        assert resp.headers["WWW-Authenticate"].startswith('Bearer resource_metadata="')
+
+    def test_a_read_token_cannot_call_write_tools(self, server, root):
+        _, t = tokens_for(server, server)  # notes:read, while SERVICE_MCP_WRITE is on
+        mcp = bearer(server, t["access_token"])
+        assert listed_tools(mcp) == {n for n, tool in notesvc.TOOLS.items() if tool.read_only}
+        for name, args in (
+            ("create_note", {"path": "notes/x.md", "content": "x"}),
+            ("append_to_note", {"path": "notes/top.md", "text": "x"}),
+            ("delete_note", {"path": "notes/top.md"}),
+        ):
+            answer = rpc(mcp, "tools/call", {"name": name, "arguments": args})
+            assert answer["error"]["code"] == -32602
+            assert "reading only" in answer["error"]["message"]
+        assert not (root / "notes/x.md").exists()
+        assert (root / "notes/top.md").read_text() == FOLDER_NOTES["notes/top.md"]
+        writer = bearer(
+            server, tokens_for(server, server, "notes:read notes:write")[1]["access_token"]
+        )
+        assert (
+            ok_tool(writer, "create_note", path="notes/x.md", content="x")["path"] == "notes/x.md"
+        )
+
+    def test_a_folder_token_sees_its_folder_through_every_tool(self, server):
+        _, t = tokens_for(server, server, "notes:read notes:write", folder="notes/family")
+        mcp = bearer(server, t["access_token"])
+        hits = ok_tool(mcp, "search_notes", query="apple")
+        assert {h["path"] for h in hits["results"]} == {
+            "notes/family/a.md",
+            "notes/family/sub/b.md",
+        }
+        assert hits["total"] == 2
+        assert {r["id"] for r in ok_tool(mcp, "search", query="apple")["results"]} == {
+            "notes/family/a.md",
+            "notes/family/sub/b.md",
+        }
+        tree = ok_tool(mcp, "list_folder", depth=5)
+        assert paths_in(tree) == {"notes/family/a.md", "notes/family/sub/b.md"}
+        changes = ok_tool(mcp, "recent_changes")
+        assert {c["path"] for c in changes["changes"]} == {
+            "notes/family/a.md",
+            "notes/family/sub/b.md",
+        }
+        assert ok_tool(mcp, "list_tags")["tags"] == [{"tag": "common", "count": 2}]
+        assert ok_tool(mcp, "read_note", path="notes/family/a.md")["title"] == "Apple pie"
+        for name, args in (
+            ("read_note", {"path": "notes/work/c.md"}),
+            ("fetch", {"id": "notes/family/../work/c.md"}),
+            ("search_notes", {"query": "apple", "folder": "notes/work"}),
+            ("list_folder", {"path": "notes/work"}),
+            ("create_note", {"path": "notes/work/new.md", "content": "x"}),
+            ("update_note", {"path": "notes/work/c.md", "content": "x", "etag": '"0"'}),
+            (
+                "move_note",
+                {"path": "notes/family/a.md", "newPath": "notes/work/a.md", "etag": '"0"'},
+            ),
+            ("delete_note", {"path": "notes/top.md"}),
+            ("replace_in_note", {"path": "notes/work/c.md", "old": "secret", "new": "public"}),
+        ):
+            tool_refused(mcp, name, "NOT_FOUND", **args)
+        assert ok_tool(mcp, "create_note", path="notes/family/new.md", content="n")["path"]
+
+    def test_a_scoped_key_works_on_mcp_in_every_header(self, server):
+        key = new_grant(server, "read", "notes/family")["key"]
+        for headers in (
+            {"X-Service-Key": key},
+            {"X-API-Key": key},
+            {"Authorization": f"Bearer {key}"},
+        ):
+            answer = rpc(
+                server.__class__(server.app),
+                "tools/call",
+                {"name": "search_notes", "arguments": {"query": "apple"}},
+                **headers,
+            )
+            assert {h["path"] for h in answer["result"]["structuredContent"]["results"]} == {
+                "notes/family/a.md",
+                "notes/family/sub/b.md",
+            }
+
+    def test_the_agent_of_a_read_key_gets_no_write_tools(self, make_app):
+        model = ToolModel(
+            lambda messages: [("search_notes", {"query": "apple"})],
+            lambda messages: "Found: " + last_tool_results(messages)[0],
+        )
+        try:
+            client = with_key(
+                make_app(
+                    SERVICE_AGENT_PROVIDER="openai",
+                    SERVICE_AGENT_BASE_URL=model.url + "/v1",
+                    SERVICE_AGENT_MODEL="tool-llama",
+                    SERVICE_AGENT_WRITE="true",
+                )
+            )
+            for path, text in FOLDER_NOTES.items():
+                put_note(client, path, text)
+            member = as_key(client, new_grant(client, "read", "notes/family")["key"])
+            d = data(member.post_json(f"{API}/agent/chat", {"message": "apple"}))
+            offered = {t["function"]["name"] for t in model.requests[0]["json"]["tools"]}
+            assert offered
+            assert all(notesvc.TOOLS[name].read_only for name in offered)
+            assert paths_in(d)
+            assert all(map(inside_family, paths_in(d)))
+            assert all(map(inside_family, paths_in(model.requests)))  # nothing else was sent
+        finally:
+            model.close()
+
+
+def sdk_oauth_session(mcp_url: str, key: str, steps, scope: str = "notes:read"):
+    """Run `steps(session, provider)` in an official MCP SDK session that authorises itself
+    with the SDK's OAuth client (mcp.client.auth): it registers, is sent to the consent
+    page, where the owner's approval is given with the key (POST /api/v1/oauth/approve, as
+    the page does), and redeems the code. Returns (steps' result, transcript, storage)."""
+    import asyncio
+
+    auth = pytest.importorskip("mcp.client.auth")
+    shared = pytest.importorskip("mcp.shared.auth")
+    client_module = pytest.importorskip("mcp.client.client")
+    transport = pytest.importorskip("mcp.client.streamable_http")
+    httpx2 = pytest.importorskip("httpx2")
+    transcript: list = []
+    approved: dict = {}
+
+    class Storage(auth.TokenStorage):
+        tokens = client = None
+
+        async def get_tokens(self):
+            return self.tokens
+
+        async def set_tokens(self, tokens):
+            self.tokens = tokens
+
+        async def get_client_info(self):
+            return self.client
+
+        async def set_client_info(self, client):
+            self.client = client
+
+    def approve_as_owner(url: str) -> None:
+        ask = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(url).query))
+        api = url.split("/oauth/authorize")[0] + API
+        body = {
+            "clientId": ask["client_id"],
+            "redirectUri": ask["redirect_uri"],
+            "state": ask["state"],
+            "codeChallenge": ask["code_challenge"],
+            "scope": scope,
+            "resource": ask["resource"],
+        }
+        req = urllib.request.Request(
+            f"{api}/oauth/approve",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json", "X-Service-Key": key},
+            method="POST",
+        )
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            redirect = json.loads(resp.read())["data"]["redirect"]
+        approved.update(urllib.parse.parse_qsl(urllib.parse.urlsplit(redirect).query))
+        transcript.append(f"consent: {ask['client_id']} asked {ask.get('scope')}; approved {scope}")
+
+    async def redirect_handler(url: str) -> None:
+        transcript.append(f"authorize: {url.split('?')[0]}")
+        await asyncio.get_running_loop().run_in_executor(None, approve_as_owner, url)
+
+    async def callback_handler():
+        return shared.AuthorizationCodeResult(
+            code=approved["code"], state=approved.get("state"), iss=approved.get("iss")
+        )
+
+    async def record(response) -> None:
+        request = response.request
+        transcript.append(f"{request.method} {request.url} -> {response.status_code}")
+
+    storage = Storage()
+    provider = auth.OAuthClientProvider(
+        server_url=mcp_url,
+        client_metadata=shared.OAuthClientMetadata(
+            client_name="notesvc SDK test", redirect_uris=[CALLBACK]
+        ),
+        storage=storage,
+        redirect_handler=redirect_handler,
+        callback_handler=callback_handler,
+    )
+
+    async def main():
+        async with httpx2.AsyncClient(
+            auth=provider, timeout=30, event_hooks={"response": [record]}
+        ) as http:
+            connection = transport.streamable_http_client(mcp_url, http_client=http)
+            async with client_module.Client(connection, mode="legacy") as session:
+                return await steps(session, provider)
+
+    return asyncio.run(main()), transcript, storage
+
+
+def mcp_with_token(url: str, token: str) -> tuple:
+    """POST tools/list with a bearer token; return (status, headers)."""
+    body = json.dumps({"jsonrpc": "2.0", "id": 9, "method": "tools/list"}).encode()
+    req = urllib.request.Request(
+        url,
+        body,
+        {
+            "Content-Type": "application/json",
+            "Authorization": f"Bearer {token}",
+            "MCP-Protocol-Version": "2025-11-25",
+        },
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, resp.headers
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, e.headers
+
+
+class TestSdkOAuth:
+    """The official MCP SDK's OAuth client is the judge: directly and through a real relay."""
+
+    def session(self, mcp_url: str, key: str):
+        async def steps(session, provider):
+            tools = [t.name for t in (await session.list_tools()).tools]
+            hit = await session.call_tool("search_notes", {"query": "tomatoes"})
+            first = provider.context.current_tokens
+            provider.context.token_expiry_time = time.time() - 1  # the hour is up: refresh
+            again = await session.call_tool("read_note", {"path": "notes/garden.md"})
+            return tools, hit, first, provider.context.current_tokens, again
+
+        return sdk_oauth_session(mcp_url, key, steps)
+
+    def check(self, mcp_url: str, key: str, log_to: Path):
+        (tools, hit, first, second, again), transcript, _ = self.session(mcp_url, key)
+        (log_to / "sdk-oauth-transcript.txt").write_text("\n".join(transcript) + "\n")
+        assert set(tools) == {n for n, t in notesvc.TOOLS.items() if t.read_only}
+        assert hit.is_error is False
+        assert hit.structured_content["results"][0]["path"] == "notes/garden.md"
+        assert again.structured_content["content"].startswith("# Garden")
+        assert second.refresh_token != first.refresh_token  # rotated
+        assert second.access_token != first.access_token
+        steps = [line.split(" -> ")[0].split(" ", 1)[-1] for line in transcript]
+        base, path = mcp_url.split("/api/v1/mcp")[0], urllib.parse.urlsplit(mcp_url).path
+        origin = (
+            f"{urllib.parse.urlsplit(mcp_url).scheme}://{urllib.parse.urlsplit(mcp_url).netloc}"
+        )
+        issuer_path = urllib.parse.urlsplit(base).path
+        for expected in (
+            mcp_url,
+            f"{origin}/.well-known/oauth-protected-resource{path}",
+            f"{origin}/.well-known/oauth-authorization-server{issuer_path}",
+            f"{base}/oauth/register",
+            f"{base}/oauth/token",
+        ):
+            assert expected in steps, (expected, transcript)
+        assert f"POST {mcp_url} -> 401" in transcript
+        assert sum(s == f"{base}/oauth/token" for s in steps) == 2  # the code, then a refresh
+        # Revocation: the grant ends; the MCP endpoint answers 401 with the challenge.
+        status, answer = post_oauth_form(f"{base}/oauth/revoke", {"token": second.refresh_token})
+        assert (status, answer) == (200, {})
+        status, headers = mcp_with_token(mcp_url, second.access_token)
+        assert status == 401
+        assert headers["WWW-Authenticate"] == (
+            f'Bearer resource_metadata="{origin}/.well-known/oauth-protected-resource{path}", '
+            'scope="notes:read", error="invalid_token"'
+        )
+        status, _ = mcp_with_token(mcp_url, first.access_token)
+        assert status == 401
+        return transcript
+
+    def test_the_sdk_authorises_itself_directly(self, tmp_path):
+        with running(tmp_path / "srv") as server:
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            server.request(
+                "POST",
+                f"{API}/notes",
+                {"path": "notes/garden.md", "content": "# Garden\n\nPlant tomatoes in May."},
+                owner_headers(setup),
+            )
+            self.check(f"{server.url}{API}/mcp", setup["apiKey"], tmp_path)
+            _, _, keys = server.request("GET", f"{API}/auth/keys", headers=owner_headers(setup))
+            assert keys["data"]["keys"] == []  # revoked
+
+    def test_the_sdk_authorises_itself_through_a_relay(self, tmp_path):
+        relay = Server(tmp_path / "relay", "relay", env={"SERVICE_RELAY_TIMEOUT": "10"})
+        try:
+            with running(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url}) as server:
+                wait_for(lambda: relay_servers(relay) == 1)
+                setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+                server.request(
+                    "POST",
+                    f"{API}/notes",
+                    {"path": "notes/garden.md", "content": "# Garden\n\nPlant tomatoes in May."},
+                    owner_headers(setup),
+                )
+                url = setup["links"]["relayApiBase"] + "/mcp"
+                assert url.startswith(f"{relay.url}/r/")
+                transcript = self.check(url, setup["apiKey"], tmp_path)
+                assert all(
+                    line.startswith(("consent", "authorize")) or relay.url in line
+                    for line in transcript
+                )
+        finally:
+            relay.stop()
