@@ -11030,9 +11030,10 @@ def _grant_folder(body: dict) -> str | None:
 
 def create_scoped_key(svc: Service) -> dict:
     body = read_json(svc.config.max_body_bytes)
-    name = _clean_name(field(body, "name", max_len=100), "")
-    if not name:
+    raw = field(body, "name", max_len=100)
+    if not raw:
         raise bad_request("'name' must not be empty")
+    name = _clean_name(raw, "unnamed key")  # control characters never reach a listing
     scope = field(body, "scope")
     if scope not in ("read", "write"):
         raise bad_request("'scope' must be read or write (the API key itself holds admin)")
@@ -11920,12 +11921,7 @@ ROUTES = (
         summary="Create a scoped key (read or write, optionally one folder); shown once",
         body=_obj(
             ["name", "scope"],
-            name={
-                **_STR,
-                "minLength": 1,
-                "maxLength": 100,
-                "pattern": r"^[^\x00-\x1f\x7f-\x9f]*\S",
-            },
+            name={**_STR, "minLength": 1, "maxLength": 100, "description": "printable text"},
             scope={"enum": ["read", "write"]},
             folder=_FOLDER_PATH,
             expiresInDays={"type": "integer", "minimum": 1, "maximum": 3650},
@@ -12179,6 +12175,7 @@ def openapi_document(svc: Service, server_url: str) -> dict:
                 "default": {"description": "a JSON-RPC error object", "content": answer},
             }
             op["security"] = [{"apiKey": []}, {"bearerKey": []}, {"xApiKey": []}, {"bearerJwt": []}]
+            op["security"].append({"mcpOAuth": [OAUTH_SCOPES[0]]})  # CONTRACT 21
         if r.public:
             op["security"] = []
         elif r.key_only:
@@ -12221,7 +12218,29 @@ def openapi_document(svc: Service, server_url: str) -> dict:
         "components": {
             "schemas": {"Success": envelope_ok, "Error": envelope_err},
             "securitySchemes": {
-                "apiKey": {"type": "apiKey", "in": "header", "name": KEY_HEADER},
+                "apiKey": {
+                    "type": "apiKey",
+                    "in": "header",
+                    "name": KEY_HEADER,
+                    "description": "the API key (admin), or a scoped key (nsg_...) holding "
+                    "the scope an operation's x-scope names (also as Authorization: Bearer)",
+                },
+                "mcpOAuth": {
+                    "type": "oauth2",
+                    "description": "OAuth 2.1 for MCP clients (PKCE S256, RFC 8707 resource); "
+                    "tokens are good for /api/v1/mcp only",
+                    "flows": {
+                        "authorizationCode": {
+                            "authorizationUrl": f"{server_url}/oauth/authorize",
+                            "tokenUrl": f"{server_url}/oauth/token",
+                            "refreshUrl": f"{server_url}/oauth/token",
+                            "scopes": {
+                                "notes:read": "read and search notes",
+                                "notes:write": "create and change notes (SERVICE_MCP_WRITE)",
+                            },
+                        }
+                    },
+                },
                 "bearerJwt": {"type": "http", "scheme": "bearer", "bearerFormat": "JWT"},
                 "bearerKey": {
                     "type": "http",
