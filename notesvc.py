@@ -8,7 +8,8 @@ Outline (``grep -n '^# ==' notesvc.py``), in the order the data flows:
   Settings        the option table, the loader, the frozen Config
   Errors          ApiError, the envelope, the one renderer of every failure
   Helpers         clock, ids, atomic writes, host validation, JSON bodies
-  Notes           path rules, the note record, the store, trash, locks
+  Notes           path rules, the note record, the store, locks; history, trash and
+                  the change journal (what every change leaves behind)
   Search          tokenizer, BM25, the inverted index, its cache
   State and auth  state.json, keys, JWT, lockout
   Service         the object every handler gets as `svc`: state, notes, index, registries
@@ -37,6 +38,7 @@ import collections
 import contextlib
 import dataclasses
 import datetime as dt
+import difflib
 import errno
 import functools
 import hashlib
@@ -56,6 +58,7 @@ import platform
 import posixpath
 import re
 import secrets
+import shutil
 import socket
 import stat
 import sys
@@ -65,6 +68,7 @@ import time
 import unicodedata
 import urllib.parse
 import uuid
+import zlib
 from collections import deque
 from collections.abc import Iterable, Mapping
 from pathlib import Path
@@ -123,6 +127,13 @@ def _int_range(lo: int, hi: int) -> Callable[[str], int]:
         return value
 
     return parse
+
+
+def _waiters(raw: str) -> int:
+    """Parse SERVICE_MAX_WAITERS: a count, or `auto` (-1: half of SERVICE_THREADS)."""
+    if raw.strip().lower() in ("", "auto"):
+        return -1
+    return _int_range(0, 255)(raw)
 
 
 def _seconds(raw: str) -> float:
@@ -328,6 +339,38 @@ SETTINGS = (
     Setting("plugins_dir", "SERVICE_PLUGINS_DIR", "", "", _text, "third-party plugins folder"),
     Setting("threads", "SERVICE_THREADS", "", "8", _int_range(1, 256), "waitress threads"),
     Setting(
+        "history_max_versions",
+        "SERVICE_HISTORY_MAX_VERSIONS",
+        "",
+        "50",
+        _int_range(0, 100000),
+        "versions kept per note, more when younger than SERVICE_HISTORY_DAYS (0 = history off)",
+    ),
+    Setting(
+        "history_days",
+        "SERVICE_HISTORY_DAYS",
+        "",
+        "90",
+        _int_range(0, 36500),
+        "days every version of a note is kept, whatever their number (0 = count only)",
+    ),
+    Setting(
+        "trash_days",
+        "SERVICE_TRASH_DAYS",
+        "",
+        "30",
+        _int_range(0, 36500),
+        "days deleted notes stay in the trash (0 = until purged)",
+    ),
+    Setting(
+        "max_waiters",
+        "SERVICE_MAX_WAITERS",
+        "",
+        "auto",
+        _waiters,
+        "change-feed long-polls held at once (auto: half of SERVICE_THREADS)",
+    ),
+    Setting(
         "max_connections",
         "SERVICE_MAX_CONNECTIONS",
         "",
@@ -478,6 +521,10 @@ class Config:
     rescan_seconds: int
     plugins_dir: str
     threads: int
+    history_max_versions: int
+    history_days: int
+    trash_days: int
+    max_waiters: int
     max_connections: int
     idle_timeout: int
     relay_max_servers: int
@@ -521,6 +568,14 @@ def load_config(env: Mapping[str, str] | None = None, **flags: Any) -> Config:
             raise ConfigError(f"{source}: {e}") from None
     if values["auth_mode"] == "jwt" and len(values["jwt_secret"].encode()) < 32:
         raise ConfigError("SERVICE_JWT_SECRET: jwt mode needs a secret of at least 32 bytes")
+    if values["max_waiters"] < 0:
+        values["max_waiters"] = values["threads"] // 2
+    if values["max_waiters"] >= values["threads"]:
+        raise ConfigError(
+            f"SERVICE_MAX_WAITERS: {values['max_waiters']} would leave none of the "
+            f"{values['threads']} SERVICE_THREADS to other requests; use at most "
+            f"{values['threads'] - 1}"
+        )
     values["root"] = values["root"].resolve()
     return Config(**values)
 
@@ -545,6 +600,7 @@ ERROR_CODES = (  # every error.code the API answers with
     "UPSTREAM_TIMEOUT",
     "AGENT_DISABLED",
     "INSUFFICIENT_STORAGE",
+    "GONE",
 )
 STATUS_CODES = {
     400: "VALIDATION_ERROR",
@@ -553,6 +609,7 @@ STATUS_CODES = {
     404: "NOT_FOUND",
     405: "METHOD_NOT_ALLOWED",
     409: "CONFLICT",
+    410: "GONE",
     412: "PRECONDITION_FAILED",
     413: "PAYLOAD_TOO_LARGE",
     415: "UNSUPPORTED_MEDIA_TYPE",
@@ -602,6 +659,13 @@ def bad_request(message: str) -> ApiError:
 
 def not_found(message: str) -> ApiError:
     return ApiError(404, "NOT_FOUND", message)
+
+
+def gone(message: str) -> ApiError:
+    """410 GONE with `resetRequired`: the client must start over (re-list) from now."""
+    err = ApiError(410, "GONE", message)
+    err.extra = {"resetRequired": True}
+    return err
 
 
 JSON_TYPE = "application/json; charset=utf-8"
@@ -738,18 +802,26 @@ def disk_writes():
 TEMP_PREFIX, TEMP_SUFFIX = ".tmp-", ".part"  # atomic_write's temp files
 
 
-def atomic_write(path: Path, data: bytes | Callable, mode: int | None = None) -> None:
+def atomic_write(
+    path: Path,
+    data: bytes | Callable,
+    mode: int | None = None,
+    before_replace: Callable | None = None,
+) -> None:
     """Write data (bytes, or a function writing to a file) to path so that a crash leaves
     either the old or the new content.
 
     Temp file in the same folder, flush, fsync, os.replace, fsync the folder. Raises
     DiskFull (507) when the disk is full; the old content and no temp file remain.
+    before_replace(): what must be durable before the new content is in place.
     """
     with disk_writes():
-        _atomic_write(path, data, mode)
+        _atomic_write(path, data, mode, before_replace)
 
 
-def _atomic_write(path: Path, data: bytes | Callable, mode: int | None) -> None:
+def _atomic_write(
+    path: Path, data: bytes | Callable, mode: int | None, before_replace: Callable | None
+) -> None:
     folder = path.parent
     fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX, dir=folder)
     try:
@@ -766,6 +838,8 @@ def _atomic_write(path: Path, data: bytes | Callable, mode: int | None) -> None:
             except FileNotFoundError:
                 mode = 0o666 & ~_UMASK
         os.chmod(tmp, mode)
+        if before_replace is not None:
+            before_replace()
         os.replace(tmp, path)
     except BaseException:
         with contextlib.suppress(OSError):
@@ -1531,10 +1605,19 @@ class NoteStore:
 
     STRIPES = 64
 
-    def __init__(self, root: Path, trash: Path):
+    def __init__(
+        self,
+        root: Path,
+        trash: Path,
+        history: HistoryStore | None = None,
+        journal: ChangeJournal | None = None,
+    ):
         self.root = root.resolve()  # <root>/notes
         self.base = self.root.parent
         self.trash = trash
+        self.history = history  # what each change replaced (None: nothing kept)
+        self.journal = journal  # the change feed (None: nothing recorded)
+        self._observed = False  # the rescan has run once (observe())
         self._tree = threading.RLock()
         self._stripes = [threading.RLock() for _ in range(self.STRIPES)]
         # listener(event, path, detail), called under the note's lock after each change:
@@ -1718,14 +1801,21 @@ class NoteStore:
             page.append(self.record(path, data, st, content=False))
         return {"notes": page, "total": len(paths), "limit": limit, "offset": offset}
 
-    def tree(self, folder: str = NOTES) -> dict:
-        """Return the folder node: folders first, then notes, each by name."""
+    def tree(
+        self, folder: str = NOTES, depth: int | None = None, count: Callable | None = None
+    ) -> dict:
+        """Return the folder node: folders first, then notes, each by name. With a depth,
+        folders below that many levels carry `count(path)` (notes beneath) for `children`."""
         target = self.file_of(folder)
         if not target.is_dir():
             raise not_found(f"no folder at {folder}")
-        return self._node(str(target), folder)
+        return self._node(str(target), folder, depth, count or (lambda rel: len(self.walk(rel))))
 
-    def _node(self, real: str, rel: str) -> dict:
+    def _node(self, real: str, rel: str, depth: int | None = None, count=None) -> dict:
+        name = rel.rsplit("/", 1)[-1]
+        if depth is not None and depth <= 0:
+            return {"name": name, "path": rel, "type": "folder", "count": count(rel)}
+        below = None if depth is None else depth - 1
         folders, notes = [], []
         try:
             entries = list(os.scandir(real))
@@ -1739,7 +1829,7 @@ class NoteStore:
             elif e.name.endswith(".md") and len(e.name) > 3:
                 notes.append(e)
         children = [
-            self._node(e.path, f"{rel}/{_nfc(e.name)}")
+            self._node(e.path, f"{rel}/{_nfc(e.name)}", below, count)
             for e in sorted(folders, key=lambda e: _sort_key(_nfc(e.name)))
         ]
         for e in sorted(notes, key=lambda e: _sort_key(_nfc(e.name))):
@@ -1756,7 +1846,6 @@ class NoteStore:
                     "modified": iso(st.st_mtime_ns / 1e9),
                 }
             )
-        name = rel.rsplit("/", 1)[-1]
         return {"name": name, "path": rel, "type": "folder", "children": children}
 
     # -- writing ------------------------------------------------------------------
@@ -1792,10 +1881,11 @@ class NoteStore:
             target = self.file_of(path)
             if os.path.lexists(target):
                 raise ApiError(409, "CONFLICT", f"a note already exists at {path}; use PUT")
-            with self._new_parents(target):
+            with self._changing(path), self._new_parents(target):
                 atomic_write(target, data)
             st = os.stat(target)
             self._notify("saved", path, (content, st))
+            self._record("created", path, data)
             return self.record(path, data, st)
 
     @contextlib.contextmanager
@@ -1823,12 +1913,14 @@ class NoteStore:
     def update(self, path: str, content: str, if_match: str | None = None) -> dict:
         data = self.encode(content)
         with self.locked(path):
-            old, _ = self._read(path)
+            old, seen = self._read(path)
             self.check_match(if_match, old)
             target = self.file_of(path)
-            atomic_write(target, data)
+            with self._changing(path, old, "updated", (target, seen)) as first:
+                atomic_write(target, data, before_replace=first)
             st = os.stat(target)
             self._notify("saved", path, (content, st))
+            self._record("updated", path, data)
             return self.record(path, data, st)
 
     def append(self, path: str, line: str, heading: str) -> dict:
@@ -1837,32 +1929,37 @@ class NoteStore:
             target = self.file_of(path)
             parents: Any = contextlib.nullcontext()
             try:
-                old = self.decode(path, self._read(path)[0])
+                raw, seen = self._read(path)
+                old = self.decode(path, raw)
             except ApiError as e:
                 if e.status_code != 404:
                     raise
-                old = f"# {heading}\n\n"
+                raw, old = None, f"# {heading}\n\n"
                 parents = self._new_parents(target)
             content = old + ("" if old.endswith("\n") else "\n") + line + "\n"
             data = self.encode(content)
-            with parents:
-                atomic_write(target, data)
+            inode = (target, seen) if raw is not None else None
+            with self._changing(path, raw, "updated", inode) as first, parents:
+                atomic_write(target, data, before_replace=first)
             st = os.stat(target)
             self._notify("saved", path, (content, st))
+            self._record("created" if raw is None else "updated", path, data)
             return self.record(path, data, st)
 
     def rewrite(self, path: str, change: Callable) -> bool:
         """Apply change(text) -> text to a note under its lock; return whether it changed."""
         with self.locked(path):
-            data, _ = self._read(path)
+            data, seen = self._read(path)
             text = self.decode(path, data)
             new = change(text)
             if new == text:
                 return False
             raw = self.encode(new)
             target = self.file_of(path)
-            atomic_write(target, raw)
+            with self._changing(path, data, "linksRewritten", (target, seen)) as first:
+                atomic_write(target, raw, before_replace=first)
             self._notify("saved", path, (new, os.stat(target)))
+            self._record("updated", path, raw)
             return True
 
     def move(self, path: str, new: str, if_match: str | None = None) -> dict:
@@ -1875,13 +1972,15 @@ class NoteStore:
             src, dst = self.file_of(path), self.file_of(new)
             if os.path.lexists(dst):
                 raise ApiError(409, "CONFLICT", f"a note already exists at {new}")
-            with self._new_parents(dst), disk_writes():
+            with self._changing(path, data, "moved"), self._new_parents(dst), disk_writes():
                 os.replace(src, dst)
             fsync_dir(dst.parent)
             fsync_dir(src.parent)
             self._prune(src.parent)
+            self._relocate_history(path, new)
             st = os.stat(dst)
             self._notify("moved", path, (new, st))
+            self._record("moved", new, data, origin=path)
             return {**self.record(new, data, st), "from": path}
 
     def delete(self, path: str, if_match: str | None = None) -> dict:
@@ -1889,12 +1988,13 @@ class NoteStore:
             data, _ = self._read(path)
             self.check_match(if_match, data)
             src = self.file_of(path)
-            stamp = utcnow().strftime("%Y%m%dT%H%M%S.%fZ")
+            stamp = utcnow().strftime(TRASH_STAMP)
             dst = self.trash / stamp / path
             made = _missing_folders(dst.parent, self.trash.parent)
             try:
-                with disk_writes():
-                    dst.parent.mkdir(parents=True, exist_ok=True)
+                with self._changing(path, data, "deleted"), disk_writes():
+                    for folder in reversed(made):  # private, as all of the state folder
+                        folder.mkdir(mode=0o700, exist_ok=True)
                     os.replace(src, dst)
             except BaseException:
                 for folder in made:  # deepest first: leave the trash as it was
@@ -1905,7 +2005,206 @@ class NoteStore:
             fsync_dir(src.parent)
             self._prune(src.parent)
             self._notify("deleted", path)
-        return {"path": path, "deleted": True, "trash": f".notesvc/trash/{stamp}/{path}"}
+            self._record("deleted", path, None)
+        return {
+            "path": path,
+            "deleted": True,
+            "trash": f".notesvc/trash/{stamp}/{path}",
+            "trashId": trash_id(stamp, path),
+        }
+
+    # -- what a change leaves behind: history, the journal, the trash -------------------
+
+    @contextlib.contextmanager
+    def _changing(
+        self,
+        path: str,
+        old: bytes | None = None,
+        reason: str = "updated",
+        inode: tuple | None = None,
+    ):
+        """Around one change of a note: room for its journal entry, then the content it
+        replaces kept as a version (a full disk stops the change here, 507, with nothing
+        changed); both are undone when the change itself fails. `inode` (see
+        HistoryStore.keep) when the change replaces the note's file by a rename: then it
+        gives what atomic_write must run before that rename."""
+        journal, history = self.journal, self.history
+        if journal is not None:
+            journal.reserve()
+        try:
+            keep = history is not None and old is not None
+            vid = history.keep(path, old, reason, inode) if keep else None
+        except BaseException:
+            if journal is not None:
+                journal.release()
+            raise
+        try:
+            yield (lambda: history.durable(path)) if vid and inode else None
+        except BaseException:
+            if vid:
+                history.discard(path, vid)
+            if journal is not None:
+                journal.release()
+            raise
+        if vid:
+            history.settle(path, vid)
+
+    def _record(self, kind: str, path: str, data: bytes | None, origin: str | None = None):
+        """After a change, under the note's lock: its journal entry, then the history's copy
+        of the note (in this order: a crash in between leaves the rescan a change to report
+        twice, never one to miss)."""
+        if self.journal is not None:
+            etag = None if data is None else make_etag(data)
+            self.journal.append(kind, path, etag, origin)
+        if self.history is not None:
+            if data is None:
+                self.history.drop_head(path)
+            else:
+                self.history.write_head(path, data)
+            if origin is not None:
+                self.history.drop_head(origin)
+
+    def _relocate_history(self, old: str, new: str, until_us: int | None = None, copy=False):
+        if self.history is None:
+            return
+        try:
+            self.history.relocate(old, new, until_us, copy)
+        except OSError as e:  # the note has moved: its history stays findable under `old`
+            log.warning("history of %s stays under that path (%s)", log_safe(old), e)
+
+    def _keep_external(self, path: str, head: bytes | None) -> None:
+        """Keep what another program replaced (the history's copy of it), as the rescan can."""
+        if head is None:
+            return
+        try:
+            vid = self.history.keep(path, head, "external")
+            if vid:
+                self.history.settle(path, vid)
+        except OSError as e:
+            log.warning("history: could not keep %s as it was (%s)", log_safe(path), e)
+
+    def observe(
+        self, changed: list, removed: list, known: Mapping, present: Iterable[str] = ()
+    ) -> None:
+        """Record what other programs did to the notes, as the rescan found it: a journal
+        entry for each change and, when the history holds a copy of the note, the content
+        the change replaced (reason "external"). On the first call the notes `present`
+        that have no copy yet get one: the starting point."""
+        history, journal = self.history, self.journal
+        if history is None or journal is None:
+            return
+        first, self._observed = not self._observed, True
+        quiet, journal.fresh = journal.fresh, False  # a new journal starts from the notes
+        if changed and not known and not quiet and not history.enabled:
+            journal.reset()  # the index was rebuilt and no copy tells what changed meanwhile
+            quiet = True
+        for path in changed:
+            with self.locked(path):
+                try:
+                    data, _ = self._read(path, trusted=True)
+                except ApiError:
+                    continue
+                head = history.read_head(path) if history.enabled else None
+                if head == data:  # written by us, or only touched
+                    continue
+                self._keep_external(path, head)
+                history.write_head(path, data)
+                if not quiet:
+                    kind = "updated" if head is not None or path in known else "created"
+                    journal.append(kind, path, make_etag(data), reserved=False)
+        for path in removed:
+            with self.locked(path):
+                if os.path.lexists(self.on_disk(path)):
+                    continue
+                self._keep_external(path, history.read_head(path) if history.enabled else None)
+                history.drop_head(path)
+                if not quiet:
+                    journal.append("deleted", path, reserved=False)
+        if first and history.enabled:
+            seen = set(changed)
+            for path in present:
+                if path in seen or (history.dir_of(path) / history.HEAD).exists():
+                    continue
+                with self.locked(path):
+                    try:
+                        data, _ = self._read(path, trusted=True)
+                    except ApiError:
+                        continue
+                    if history.read_head(path) is None:
+                        history.write_head(path, data)
+
+    def restore_version(self, path: str, vid: str, if_match: str | None = None) -> dict:
+        """Make a version the note's content again (recreating a deleted note); the content
+        it replaces becomes a version itself. 412 when If-Match does not match the note."""
+        if self.history is None:
+            raise not_found(f"no version {vid} of {path}")
+        with self.locked(path, tree=True):
+            data = self.history.read(path, vid)
+            target = self.file_of(path)
+            try:
+                old, seen = self._read(path)
+            except ApiError as e:
+                if e.status_code != 404:
+                    raise
+                old = seen = None
+            self.check_match(if_match, old)
+            parents = self._new_parents(target) if old is None else contextlib.nullcontext()
+            inode = (target, seen) if old is not None else None
+            with self._changing(path, old, "restored", inode) as first, parents:
+                atomic_write(target, data, before_replace=first)
+            st = os.stat(target)
+            self._notify("restored", path, (data.decode("utf-8", "replace"), st))
+            self._record("restored", path, data)
+            return self.record(path, data, st)
+
+    def restore_trashed(self, item: TrashItem, target: str) -> dict:
+        """Move a trashed note back, to its own path or another; 409 when a note is there.
+        Its history comes with it."""
+        with self.locked(target, item.path, tree=True):
+            dst = self.file_of(target)
+            if os.path.lexists(dst):
+                raise ApiError(
+                    409,
+                    "CONFLICT",
+                    f'a note already exists at {target}; restore elsewhere with {{"path": ...}}',
+                )
+            try:
+                with open(item.file, "rb") as f:
+                    data = f.read()
+            except FileNotFoundError:
+                raise not_found(f"no item {item.id} in the trash") from None
+            with self._changing(target), self._new_parents(dst), disk_writes():
+                os.replace(item.file, dst)
+            fsync_dir(dst.parent)
+            fsync_dir(item.file.parent)
+            _remove_empty_folders(item.file.parent, self.trash)
+            if target != item.path:  # the versions it had when deleted (a second's slack)
+                live = os.path.isfile(self.on_disk(item.path))
+                until = int((item.deleted + 1) * 1_000_000)
+                self._relocate_history(item.path, target, until, copy=live)
+            st = os.stat(dst)
+            self._notify("restored", target, (data.decode("utf-8", "replace"), st))
+            self._record("restored", target, data)
+            return self.record(target, data, st)
+
+    def sweep_history(self, fix_modes: bool = False) -> int:
+        """Apply the history's retention to every note and drop the copies of notes that
+        are gone; return how many versions were removed."""
+        history, removed = self.history, 0
+        if history is None:
+            return 0
+        for folder in history.folders():
+            path = history.head_path(folder)
+            try:
+                path = note_path(path) if path is not None else None
+            except ApiError:
+                path = None
+            if path is not None and history.dir_of(path) == folder:
+                with self.locked(path):
+                    if not os.path.isfile(self.on_disk(path)):
+                        history.drop_head(path)
+            removed += history.sweep(folder, fix_modes)
+        return removed
 
     def _prune(self, folder: Path) -> None:
         """Remove folder and its parents while they are empty (never notes/ itself)."""
@@ -2219,6 +2518,827 @@ class AttachmentStore:
     def sweep_temp_files(self) -> int:
         """Remove the temp files an interrupted upload left; return how many."""
         return sweep_temp_files(self.root, skip_hidden=True) if self.root.is_dir() else 0
+
+
+# -- history, trash and the change journal ------------------------------------------------
+#
+# What NoteStore keeps of every change: the content it replaced (HistoryStore), the note
+# itself when deleted (Trash), and a numbered entry in the change feed (ChangeJournal).
+
+DAY_SECONDS = 86400
+VERSION_REASONS = ("updated", "moved", "deleted", "external", "restored", "linksRewritten")
+VERSION_ID_RE = re.compile(r"^(\d{16})-(" + "|".join(VERSION_REASONS) + r")-([0-9a-f]{32})$")
+
+
+def _etag_hex(data: bytes) -> str:
+    return make_etag(data)[1:-1]
+
+
+class HistoryStore:
+    """Past contents of the notes: <state>/history/<key of the note's path>/<version id>.
+
+    A version id is `<microseconds since the epoch, 16 digits>-<reason>-<etag>`: ids sort by
+    age and say what a version is, so listing a history reads no file. Beside the versions,
+    `head` is a copy of the note as notesvc last wrote or saw it (first line: its etag and
+    path), so that a change made by another program, found by the rescan, still keeps the
+    content it replaced; it is a cache, checked against its etag and not fsynced. A content
+    about to be replaced by a rename is linked, not copied (no data written). Retention: a
+    note's newest `max_versions`, and every version younger than `days`. Callers hold the
+    note's lock (NoteStore's); the retention sweep only removes.
+    """
+
+    HEAD = "head"
+
+    def __init__(self, folder: Path, max_versions: int, days: int, clock: Callable = time.time):
+        self.folder = folder
+        self.max_versions = max_versions
+        self.days = days
+        self.clock = clock  # injectable: retention by age is tested with another clock
+        self._last_us = 0
+        self._lock = threading.Lock()
+        self._ids: dict = {}  # folder name -> its version ids, oldest first (kept by keep())
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_versions > 0
+
+    def dir_of(self, path: str) -> Path:
+        return self.folder / hashlib.sha256(path.encode("utf-8")).hexdigest()[:32]
+
+    def folders(self) -> list:
+        try:
+            return [
+                Path(e.path)
+                for e in os.scandir(self.folder)
+                if len(e.name) == 32 and e.is_dir(follow_symlinks=False)
+            ]
+        except FileNotFoundError:
+            return []
+
+    def ids(self, folder: Path) -> list:
+        """Return the version ids in a history folder, oldest first."""
+        with self._lock:
+            cached = self._ids.get(folder.name)
+            if cached is not None:
+                return list(cached)
+        return self._list(folder)
+
+    @staticmethod
+    def _list(folder: Path) -> list:
+        try:
+            return sorted(n for n in os.listdir(folder) if VERSION_ID_RE.match(n))
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def _cached_ids(self, folder: Path) -> list:
+        """ids() remembered: only under the note's lock, where its history changes."""
+        found = self.ids(folder)
+        with self._lock:
+            if folder.name not in self._ids:
+                if len(self._ids) >= 4096:
+                    self._ids.pop(next(iter(self._ids)))
+                self._ids[folder.name] = list(found)
+        return found
+
+    def _changed(self, folder: Path, added: str | None = None, dropped: Iterable = ()) -> None:
+        """Keep the remembered ids of a folder in step (None added, nothing dropped: forget)."""
+        with self._lock:
+            cached = self._ids.get(folder.name)
+            if cached is None:
+                return
+            if added is None and not dropped:
+                del self._ids[folder.name]
+                return
+            if added is not None:
+                cached.append(added)  # ids only grow: the newest goes last
+            for vid in dropped:
+                with contextlib.suppress(ValueError):
+                    cached.remove(vid)
+
+    def _folder(self, path: str) -> Path:
+        """Return the note's history folder, created (0700) when missing."""
+        folder = self.dir_of(path)
+        if not folder.is_dir():
+            with disk_writes():
+                self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+                folder.mkdir(mode=0o700, exist_ok=True)
+            fsync_dir(self.folder)
+        return folder
+
+    def _new_id(self, reason: str, etag: str) -> str:
+        with self._lock:  # strictly increasing: ids never collide and sort by age
+            us = max(int(self.clock() * 1_000_000), self._last_us + 1)
+            self._last_us = us
+        return f"{us:016d}-{reason}-{etag}"
+
+    # -- keeping a version (under the note's lock) -------------------------------------
+
+    def keep(self, path: str, data: bytes, reason: str, inode: tuple | None = None) -> str | None:
+        """Keep data, a note's content about to be replaced, as its newest version; return
+        the version's id (None when history is off or the newest version holds data).
+
+        inode: (file, stat as read) of the note when the change replaces the file by a
+        rename: its content is then linked, not copied, and durable only once durable()
+        was called (before the rename; the note's own fsync has flushed the journal by
+        then on most file systems, so that costs little). Raises DiskFull (507) with
+        nothing kept.
+        """
+        if not self.enabled:
+            return None
+        etag = _etag_hex(data)
+        for attempt in (1, 2):  # the sweep may remove an emptied folder in between
+            folder = self._folder(path)
+            ids = self._cached_ids(folder)
+            if ids and ids[-1].endswith(etag):
+                return None
+            vid = self._new_id(reason, etag)
+            try:
+                if inode is None or not self._link(inode, folder / vid):
+                    atomic_write(folder / vid, data, mode=0o600)
+                self._changed(folder, added=vid)
+                return vid
+            except FileNotFoundError:
+                self._changed(folder)
+                if attempt == 2:
+                    raise
+        return None  # pragma: no cover
+
+    @staticmethod
+    def _link(inode: tuple, target: Path) -> bool:
+        """Link a note's file as a version (the file is about to be replaced, not
+        rewritten); False when the file system cannot or another program changed the
+        file since it was read: then it is copied."""
+        source, seen = inode
+        try:
+            with disk_writes():
+                os.link(source, target)
+        except DiskFull:
+            raise
+        except OSError:  # no hard links here (FAT, some network file systems)
+            return False
+        st = os.stat(target)
+        if (st.st_ino, st.st_size, st.st_mtime_ns) != (seen.st_ino, seen.st_size, seen.st_mtime_ns):
+            os.unlink(target)
+            return False
+        return True  # durable once its folder is fsynced: see durable()
+
+    def durable(self, path: str) -> None:
+        """Make the versions kept for a note durable (fsync its history folder)."""
+        fsync_dir(self.dir_of(path))
+
+    def settle(self, path: str, vid: str) -> None:
+        """After the change a version was kept for: make it private, apply the retention."""
+        folder = self.dir_of(path)
+        with contextlib.suppress(OSError):  # a linked version had the note's mode
+            os.chmod(folder / vid, 0o600)
+        self.prune(folder)
+
+    def discard(self, path: str, vid: str) -> None:
+        """Drop a version kept for a change that then failed."""
+        with contextlib.suppress(OSError):
+            os.unlink(self.dir_of(path) / vid)
+        self._changed(self.dir_of(path), dropped=[vid])
+
+    def prune(self, folder: Path) -> int:
+        """Remove the versions past the newest max_versions that are older than `days`."""
+        if not self.enabled:
+            return 0
+        ids = self.ids(folder)
+        cutoff = (self.clock() - self.days * DAY_SECONDS) * 1_000_000
+        removed = []
+        for vid in ids[: max(0, len(ids) - self.max_versions)]:  # oldest first
+            if self.days and int(vid[:16]) >= cutoff:
+                break
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(folder / vid)
+            removed.append(vid)
+        if removed:
+            self._changed(folder, dropped=removed)
+        return len(removed)
+
+    def relocate(self, old: str, new: str, until_us: int | None = None, copy: bool = False):
+        """Give the note at `new` the history of `old` (a move, a restore elsewhere): the
+        versions saved up to until_us (all when None), moved, or linked when `copy`."""
+        src, dst = self.dir_of(old), self.dir_of(new)
+        self._changed(src)
+        self._changed(dst)
+        ids = [v for v in self.ids(src) if until_us is None or int(v[:16]) <= until_us]
+        if not copy and until_us is None and src.is_dir() and not dst.exists():
+            os.replace(src, dst)  # the whole folder, head included
+            fsync_dir(self.folder)
+            return
+        if not ids:
+            return
+        dst = self._folder(new)
+        for vid in ids:
+            if (dst / vid).exists():  # the same id: the same content
+                if not copy:
+                    os.unlink(src / vid)
+            elif not copy:
+                os.replace(src / vid, dst / vid)
+            else:
+                try:
+                    os.link(src / vid, dst / vid)
+                except OSError:  # no hard links here
+                    atomic_write(dst / vid, (src / vid).read_bytes(), mode=0o600)
+        fsync_dir(dst)
+        if not copy:
+            self.drop_head(old)
+            with contextlib.suppress(OSError):
+                src.rmdir()
+
+    # -- the copy of the current content ----------------------------------------------
+
+    def write_head(self, path: str, data: bytes) -> None:
+        """Remember data as the note's content as last written or seen (best effort)."""
+        if not self.enabled:
+            return
+        try:  # rewritten in place: a torn copy fails its etag check, as a missing one.
+            # Not truncated to 0 first: ext4 flushes a file truncated and rewritten.
+            fd = os.open(self._folder(path) / self.HEAD, os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                blob = f"{_etag_hex(data)} {path}\n".encode() + data
+                os.pwrite(fd, blob, 0)
+                os.ftruncate(fd, len(blob))
+            finally:
+                os.close(fd)
+        except OSError as e:  # a stale copy would pass for the current content: drop it
+            log.warning("history: could not keep a copy of %s (%s)", log_safe(path), e)
+            self.drop_head(path)
+
+    def read_head(self, path: str) -> bytes | None:
+        """Return the note's content as last written or seen, None when unknown."""
+        try:
+            raw = (self.dir_of(path) / self.HEAD).read_bytes()
+        except OSError:
+            return None
+        line, _, data = raw.partition(b"\n")
+        return data if line[:32] == _etag_hex(data).encode() else None
+
+    def head_path(self, folder: Path) -> str | None:
+        """Return the note path a history folder's copy belongs to (None without one)."""
+        try:
+            with open(folder / self.HEAD, "rb") as f:
+                line = f.readline(MAX_PATH_CHARS * 4 + 64)
+        except OSError:
+            return None
+        return line[33:].rstrip(b"\n").decode("utf-8", "replace") or None
+
+    def drop_head(self, path: str) -> None:
+        with contextlib.suppress(OSError):
+            os.unlink(self.dir_of(path) / self.HEAD)
+
+    # -- reading ------------------------------------------------------------------
+
+    @staticmethod
+    def describe(vid: str, size: int) -> dict:
+        m = VERSION_ID_RE.match(vid)
+        return {
+            "id": vid,
+            "savedAt": iso(int(m.group(1)) / 1_000_000),
+            "size": size,
+            "etag": f'"{m.group(3)}"',
+            "reason": m.group(2),
+        }
+
+    def versions(self, path: str) -> list:
+        """Return the note's versions, newest first (no content)."""
+        folder, found = self.dir_of(path), []
+        for vid in reversed(self.ids(folder)):
+            with contextlib.suppress(OSError):  # pruned meanwhile
+                found.append(self.describe(vid, os.stat(folder / vid).st_size))
+        return found
+
+    def read(self, path: str, vid: str) -> bytes:
+        """Return a version's content; 400 for a malformed id, 404 for an unknown one."""
+        if not VERSION_ID_RE.match(vid):
+            raise bad_request(f"{vid[:80]!r} is not a version id (see GET .../versions)")
+        try:
+            return (self.dir_of(path) / vid).read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
+            raise not_found(f"no version {vid} of {path}") from None
+
+    def sweep(self, folder: Path, fix_modes: bool = False) -> int:
+        """Apply the retention to one folder (and make its versions private: a crash in
+        settle() may have left one with its note's mode), remove it when empty; return how
+        many versions were removed."""
+        removed = self.prune(folder)
+        self._changed(folder)  # what the disk says from now on
+        for vid in self.ids(folder) if fix_modes else ():
+            with contextlib.suppress(OSError):
+                if stat.S_IMODE(os.stat(folder / vid).st_mode) != 0o600:
+                    os.chmod(folder / vid, 0o600)
+        with contextlib.suppress(OSError):
+            folder.rmdir()  # only when nothing is left in it
+        return removed
+
+    def usage(self) -> dict:
+        """Return {notes, versions, bytes} of the history (the copies' bytes included)."""
+        notes = versions = size = 0
+        for folder in self.folders():
+            notes += 1
+            with contextlib.suppress(OSError):
+                for e in os.scandir(folder):
+                    with contextlib.suppress(OSError):
+                        size += e.stat(follow_symlinks=False).st_size
+                    versions += bool(VERSION_ID_RE.match(e.name))
+        return {"notes": notes, "versions": versions, "bytes": size}
+
+
+TRASH_TOPS = (NOTES, "attachments")  # what a trash folder holds: notes and attachments
+TRASH_STAMP = "%Y%m%dT%H%M%S.%fZ"  # a trash folder's name: when its item was deleted (UTC)
+TRASH_ID_RE = re.compile(r"^([0-9A-Za-z]{1,64})-([0-9a-f]{16})$")
+
+
+def trash_id(stamp: str, path: str) -> str:
+    """Return a trash item's id: its folder's letters and digits, a hash of its path."""
+    digest = hashlib.sha256(f"{stamp}/{path}".encode("utf-8", "surrogateescape")).hexdigest()
+    return re.sub(r"[^0-9A-Za-z]", "", stamp)[:64] + "-" + digest[:16]
+
+
+def _remove_empty_folders(folder: Path, top: Path) -> None:
+    """Remove folder and its parents while they are empty, up to (not including) top."""
+    folder = Path(os.path.abspath(folder))
+    while folder != top and top in folder.parents:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+        folder = folder.parent
+
+
+@dataclasses.dataclass(frozen=True)
+class TrashItem:
+    id: str
+    path: str  # notes/... or attachments/..., as it was before the delete
+    file: Path
+    deleted: float  # seconds since the epoch
+    size: int
+
+    @property
+    def kind(self) -> str:
+        return "note" if self.path.startswith(NOTES + "/") else "attachment"
+
+    def describe(self) -> dict:
+        return {
+            "id": self.id,
+            "path": self.path,
+            "kind": self.kind,
+            "deletedAt": iso(self.deleted),
+            "size": self.size,
+        }
+
+
+class Trash:
+    """Deleted notes and attachments: <state>/trash/<UTC stamp>/<path>, where the deletes
+    put them. Items older than `days` are purged by purge_expired() (0: kept until purged
+    by hand); restoring a note is NoteStore's (history, journal, index), restoring an
+    attachment moves its file back.
+    """
+
+    def __init__(self, folder: Path, days: int, clock: Callable = time.time):
+        self.folder = folder
+        self.days = days
+        self.clock = clock  # injectable, as the history's
+
+    def _stamps(self) -> list:
+        try:
+            return [
+                e
+                for e in os.scandir(self.folder)
+                if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)
+            ]
+        except FileNotFoundError:
+            return []
+
+    @staticmethod
+    def _deleted_at(entry: os.DirEntry) -> float:
+        try:
+            return (
+                dt.datetime.strptime(entry.name, TRASH_STAMP)
+                .replace(tzinfo=dt.timezone.utc)
+                .timestamp()
+            )
+        except ValueError:  # a folder named otherwise: its own time
+            return entry.stat(follow_symlinks=False).st_mtime
+
+    def _items_in(self, entry: os.DirEntry) -> list:
+        deleted, items = self._deleted_at(entry), []
+        for top in TRASH_TOPS:
+            stack = [(os.path.join(entry.path, top), top)]
+            while stack:
+                real, rel = stack.pop()
+                try:
+                    children = list(os.scandir(real))
+                except (FileNotFoundError, NotADirectoryError, PermissionError):
+                    continue
+                for e in children:
+                    if e.name.startswith(".") or e.is_symlink():
+                        continue
+                    name = f"{rel}/{_nfc(e.name)}"
+                    if e.is_dir():
+                        stack.append((e.path, name))
+                    else:
+                        with contextlib.suppress(OSError):
+                            size = e.stat().st_size
+                            items.append(
+                                TrashItem(
+                                    trash_id(entry.name, name), name, Path(e.path), deleted, size
+                                )
+                            )
+        return items
+
+    def items(self) -> list:
+        """Return every item in the trash, the most recently deleted first."""
+        found = [item for entry in self._stamps() for item in self._items_in(entry)]
+        return sorted(found, key=lambda i: (-i.deleted, i.path))
+
+    def find(self, item_id: str) -> TrashItem:
+        """Return the item of an id; 400 for a malformed id, 404 for an unknown one."""
+        m = TRASH_ID_RE.match(item_id)
+        if not m:
+            raise bad_request(f"{item_id[:80]!r} is not a trash item id (see GET {API}/trash)")
+        for entry in self._stamps():
+            if re.sub(r"[^0-9A-Za-z]", "", entry.name)[:64] == m.group(1):
+                for item in self._items_in(entry):
+                    if item.id == item_id:
+                        return item
+        raise not_found(f"no item {item_id} in the trash")
+
+    def purge(self, item: TrashItem) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(item.file)
+        _remove_empty_folders(item.file.parent, self.folder)
+
+    def purge_expired(self) -> int:
+        """Remove the trash folders older than `days`; return how many items went."""
+        if not self.days:
+            return 0
+        cutoff, purged = self.clock() - self.days * DAY_SECONDS, 0
+        for entry in self._stamps():
+            if self._deleted_at(entry) < cutoff:
+                purged += len(self._items_in(entry))
+                shutil.rmtree(entry.path, ignore_errors=True)  # never follows links
+        return purged
+
+    def restore_file(self, item: TrashItem, target: str, base: Path) -> dict:
+        """Move a trashed attachment back to `target` (under base); 409 when a file is there."""
+        top, dst = os.path.realpath(base / target.split("/", 1)[0]), base / target
+        real = os.path.realpath(dst.parent)
+        if real != top and not real.startswith(top + os.sep):
+            raise bad_request("the path resolves outside its folder (symbolic link?)")
+        with disk_writes():
+            dst.parent.mkdir(parents=True, exist_ok=True)
+        try:
+            with disk_writes():
+                os.link(item.file, dst)  # never overwrites, unlike a rename
+            os.unlink(item.file)
+        except FileExistsError:
+            raise ApiError(409, "CONFLICT", f"a file already exists at {target}") from None
+        except DiskFull:
+            raise
+        except OSError:  # no hard links on this file system
+            if os.path.lexists(dst):
+                raise ApiError(409, "CONFLICT", f"a file already exists at {target}") from None
+            with disk_writes():
+                os.replace(item.file, dst)
+        fsync_dir(dst.parent)
+        _remove_empty_folders(item.file.parent, self.folder)
+        st = os.stat(dst)
+        with open(dst, "rb") as f:
+            etag = make_etag(f.read())
+        return {"path": target, "size": st.st_size, "modified": iso(st.st_mtime), "etag": etag}
+
+    def usage(self) -> dict:
+        items = [item for entry in self._stamps() for item in self._items_in(entry)]
+        return {"items": len(items), "bytes": sum(i.size for i in items)}
+
+
+def attachment_or_note_path(raw: Any) -> str:
+    """Return a checked path under notes/ or attachments/ (a trash item's destination)."""
+    if isinstance(raw, str) and raw.startswith("attachments/"):
+        path = unicodedata.normalize("NFC", raw)
+        segments = _check_segments(path, "attachment", top="attachments")
+        if len(segments) < 2:
+            raise bad_request("the attachment path must look like attachments/<name>")
+        return path
+    return note_path(raw)
+
+
+CHANGE_KINDS = ("created", "updated", "moved", "deleted", "restored")
+
+
+def _allocate(fd: int, offset: int, length: int) -> None:
+    """Allocate length bytes of a file from offset, so writing there later needs no space."""
+    if hasattr(os, "posix_fallocate"):
+        try:
+            os.posix_fallocate(fd, offset, length)
+            return
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise
+    os.pwrite(fd, bytes(length), offset)
+
+
+_fdatasync = getattr(os, "fdatasync", os.fsync)
+
+
+def _change_of(line: bytes, after: int) -> tuple | None:
+    """Return a journal line as an entry tuple, None when it is not one (a torn write)."""
+    try:
+        d = json.loads(line)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if (
+        not isinstance(d, dict)
+        or not isinstance(d.get("seq"), int)
+        or d["seq"] <= after
+        or d.get("kind") not in CHANGE_KINDS
+        or not isinstance(d.get("path"), str)
+    ):
+        return None
+    return (d["seq"], d["kind"], d["path"], d.get("from"), d.get("etag"), d.get("at", ""))
+
+
+def change_record(entry: tuple) -> dict:
+    seq, kind, path, origin, etag, at = entry
+    rec = {"seq": seq, "kind": kind, "path": path}
+    if origin is not None:
+        rec["from"] = origin
+    if etag is not None:
+        rec["etag"] = etag
+    rec["at"] = at
+    return rec
+
+
+class ChangeJournal:
+    """Every change to the notes, numbered in order: <state>/changes.log.
+
+    A header line {"floor": F}, then one JSON object a line. A cursor below F (compacted
+    away) or above the last number cannot be answered for (410). An entry is written and
+    fdatasync'ed before anyone learns of it, under one lock, so numbers are given, stored
+    and seen in one order. Room for entries is allocated in the file ahead of time:
+    reserve() (507 on a full disk) comes before a change, so recording a change once made
+    never fails for want of space. The newest entries stay in memory; the file is
+    compacted to the newest `keep` when it holds twice as many.
+    """
+
+    RESERVE = 16384  # bytes allocated ahead
+    ENTRY_MAX = 8192  # an entry's line is at most ~4.3 KB (two 512-character paths)
+
+    def __init__(self, path: Path, keep: int = 10000, clock: Callable = time.time):
+        self.path = path
+        self.keep = keep  # injectable, as the clock: compaction is tested with a small one
+        self.clock = clock
+        self.floor = 0
+        self.last = 0
+        self.fresh = False  # this run created it: the first rescan is its starting point
+        self._cond = threading.Condition()
+        self._seqs: list = []
+        self._entries: list = []  # (seq, kind, path, from, etag, at), oldest first
+        self._open = False  # open() found or made the file: entries are stored
+        self._end = 0  # where the next line goes
+        self._allocated = 0  # the file's bytes (zeros past _end)
+        self._promised = 0  # entries reserve() made room for, not yet appended
+        self._compact_at = 0  # after a failed compaction: when to try again
+        self._waiting: collections.Counter = collections.Counter()
+        self._closed = False
+
+    def open(self) -> ChangeJournal:
+        """Read the journal, creating it when missing; a torn last line is dropped."""
+        with self._cond:
+            try:
+                raw = self.path.read_bytes()
+            except FileNotFoundError:
+                self.fresh = True
+                self._rewrite([], 0)
+                return self
+            lines = raw.split(b"\0", 1)[0].split(b"\n")
+            try:
+                header = json.loads(lines[0])
+                floor = header["floor"] if isinstance(header, dict) else None
+            except (ValueError, UnicodeDecodeError):
+                floor = None
+            entries, end, after = [], len(lines[0]) + 1, floor if isinstance(floor, int) else -1
+            for line in lines[1:-1]:  # the last piece is what follows the last newline
+                entry = _change_of(line, after)
+                if entry is None:
+                    break
+                entries.append(entry)
+                end, after = end + len(line) + 1, entry[0]
+            if not isinstance(floor, int) or floor < 0:
+                log.warning(
+                    "changes.log: unreadable header; the feed starts over (410 for clients)"
+                )
+                self._rewrite([], max(0, after))
+                return self
+            self.floor, self.last = floor, after if entries else floor
+            self._entries, self._seqs = entries, [e[0] for e in entries]
+            with self._file() as fd:
+                os.ftruncate(fd, end)  # a torn line and the old allowance go
+            self._open, self._end, self._allocated = True, end, end
+            if len(entries) > self.keep:
+                self._compact()
+        return self
+
+    def _rewrite(self, entries: list, floor: int) -> None:
+        """Write the journal anew (atomically) with these entries above floor."""
+        lines = [to_json({"notesvc": "changes", "floor": floor}) + b"\n"]
+        lines += [to_json(change_record(e)) + b"\n" for e in entries]
+        content = b"".join(lines)
+        room = self.RESERVE + self._promised * self.ENTRY_MAX
+
+        def write(f) -> None:
+            f.write(content)
+            f.flush()
+            _allocate(f.fileno(), len(content), room)
+
+        atomic_write(self.path, write, mode=0o600)
+        self._open, self._end, self._allocated = True, len(content), len(content) + room
+        self.floor, self.last = floor, max(floor, entries[-1][0] if entries else floor)
+        self._entries, self._seqs = list(entries), [e[0] for e in entries]
+
+    @contextlib.contextmanager
+    def _file(self):
+        """Open the journal for one operation (no descriptor is held between them)."""
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    def _compact(self) -> None:
+        kept = self._entries[-self.keep :]
+        try:
+            self._rewrite(kept, kept[0][0] - 1 if kept else self.last)
+        except OSError as e:  # the old file stays good; try again after a while
+            log.warning("changes.log: could not compact it (%s)", e)
+            self._compact_at = len(self._entries) + max(1, self.keep // 10)
+
+    def reserve(self) -> None:
+        """Make room for one more entry before a change; DiskFull (507) when there is none.
+        The change then calls append() or, when it failed, release()."""
+        with self._cond:
+            if not self._open:
+                return
+            need = (self._promised + 1) * self.ENTRY_MAX
+            if self._allocated - self._end < need:
+                with disk_writes(), self._file() as fd:
+                    _allocate(fd, self._end, need + self.RESERVE)
+                self._allocated = self._end + need + self.RESERVE
+            self._promised += 1
+
+    def release(self) -> None:
+        with self._cond:
+            self._promised = max(0, self._promised - 1)
+
+    def append(
+        self,
+        kind: str,
+        path: str,
+        etag: str | None = None,
+        origin: str | None = None,
+        reserved: bool = True,
+    ) -> int:
+        """Record a change that was made, wake the waiting feeds; return its number."""
+        with self._cond:
+            if reserved:
+                self._promised = max(0, self._promised - 1)
+            seq = self.last + 1
+            entry = (seq, kind, path, origin, etag, iso(self.clock()))
+            if self._open:
+                line = to_json(change_record(entry)) + b"\n"
+                try:
+                    with self._file() as fd:
+                        if self._end + len(line) > self._allocated:  # not reserved: the rescan
+                            _allocate(fd, self._end, len(line) + self.RESERVE)
+                            self._allocated = self._end + len(line) + self.RESERVE
+                        os.pwrite(fd, line, self._end)
+                        _fdatasync(fd)
+                    self._end += len(line)
+                except OSError as e:
+                    log.error("changes.log: could not store change %d (%s)", seq, e)
+            self.last = seq
+            self._seqs.append(seq)
+            self._entries.append(entry)
+            if len(self._entries) > max(2 * self.keep, self._compact_at):
+                self._compact()
+            self._cond.notify_all()
+            return seq
+
+    def reset(self) -> None:
+        """Forget the entries: every cursor from before answers 410 (re-list)."""
+        with self._cond:
+            try:
+                self._rewrite([], self.last)
+            except OSError as e:
+                log.warning("changes.log: could not reset it (%s)", e)
+                self.floor, self._entries, self._seqs = self.last, [], []
+            self._cond.notify_all()
+
+    def read(self, since: int, limit: int) -> dict:
+        """Return {changes, last, more}: the changes after `since` (at most limit); 410
+        when the journal no longer holds them (or never did: a cursor from the future)."""
+        with self._cond:
+            if since < self.floor:
+                raise gone(
+                    f"changes up to {self.floor} were compacted away; list the notes again "
+                    f"and follow from since={self.last}"
+                )
+            if since > self.last:
+                raise gone(
+                    f"this server's changes end at {self.last}; list the notes again and "
+                    f"follow from since={self.last}"
+                )
+            i = bisect.bisect_right(self._seqs, since)
+            chunk = self._entries[i : i + limit]
+            more = i + limit < len(self._entries)
+        return {
+            "changes": [change_record(e) for e in chunk],
+            "last": chunk[-1][0] if chunk else since,
+            "more": more,
+        }
+
+    def wait_after(self, since: int, timeout: float, pool: str, cap: int) -> bool | None:
+        """Wait up to timeout s for a change after `since`; return whether one came, or
+        None at once when `pool` already has `cap` waiters (each holds a worker thread)."""
+        with self._cond:
+            if self._waiting[pool] >= cap:
+                return None
+            self._waiting[pool] += 1
+            try:
+                return self._cond.wait_for(lambda: self.last > since or self._closed, timeout)
+            finally:
+                self._waiting[pool] -= 1
+
+    def waiting(self) -> int:
+        with self._cond:
+            return sum(self._waiting.values())
+
+    def close(self) -> None:
+        """Wake every waiter: the server stops."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+
+MAX_DIFF_LINES = 5000  # difflib is quadratic on some inputs: past this, one plain hunk
+
+
+def _diff_range(start: int, length: int) -> str:
+    """Return a unified diff's range (as difflib writes it) of `length` lines from `start`."""
+    if length == 1:
+        return str(start + 1)
+    return f"{start + 1 if length else start},{length}"
+
+
+def unified_diff(a: str, b: str, from_name: str, to_name: str) -> str:
+    """Return the unified diff from text a to text b, in time linear in their size past
+    MAX_DIFF_LINES changed lines (the changed middle is then one hunk, not minimal)."""
+    x, y = a.splitlines(keepends=True), b.splitlines(keepends=True)
+    head = 0
+    while head < min(len(x), len(y)) and x[head] == y[head]:
+        head += 1
+    tail = 0
+    while tail < min(len(x), len(y)) - head and x[-1 - tail] == y[-1 - tail]:
+        tail += 1
+    if max(len(x), len(y)) - head - tail > MAX_DIFF_LINES:
+        old, new = x[head : len(x) - tail], y[head : len(y) - tail]
+        lines = [
+            f"--- {from_name}\n",
+            f"+++ {to_name}\n",
+            f"@@ -{_diff_range(head, len(old))} +{_diff_range(head, len(new))} @@\n",
+            *("-" + line for line in old),
+            *("+" + line for line in new),
+        ]
+    else:  # only the changed middle, with its context, goes through difflib
+        lo = max(0, head - 3)
+        x_end, y_end = len(x) - max(0, tail - 3), len(y) - max(0, tail - 3)
+        lines = []
+        for line in difflib.unified_diff(x[lo:x_end], y[lo:y_end], from_name, to_name):
+            if line.startswith("@@"):
+                line = re.sub(
+                    r"([-+])(\d+)", lambda m: f"{m.group(1)}{int(m.group(2)) + lo}", line, count=2
+                )
+            lines.append(line)
+    return "".join(
+        line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in lines
+    )
+
+
+def expire_loop(notes: NoteStore, trash: Trash, stop: threading.Event, every: float = 3600) -> None:
+    """Apply the retention of history and trash now, then every `every` s until stop."""
+    first = True
+    while True:
+        try:
+            removed, purged = notes.sweep_history(fix_modes=first), trash.purge_expired()
+            first = False
+            if removed or purged:
+                log.info("retention: %d versions and %d trash items removed", removed, purged)
+        except Exception:
+            log.exception("retention sweep failed; trying again in %.0f s", every)
+        if stop.wait(every):
+            return
 
 
 # == Search ===================================================================
@@ -3434,19 +4554,29 @@ def visible_folder(raw: Any, principal: Principal | None = None, top: str = NOTE
     raise not_found(f"no folder at {folder}")
 
 
-def granted_tree(svc: Service, raw: Any) -> dict:
-    """Return the tree of a folder as the request's grant sees it: a folder above its own
-    holds only the path down to it."""
+def granted_tree(
+    svc: Service, raw: Any, depth: int | None = None, count: Callable | None = None
+) -> dict:
+    """Return the tree of a folder as the request's grant sees it (`depth` and `count` as
+    NoteStore.tree takes them): a folder above the grant's own holds only the way down."""
     folder = visible_folder(raw)  # a folder grant's own, or 404
     asked = folder_path(raw)
     if folder == asked:
-        return svc.notes.tree(folder)
-    try:
-        node = svc.notes.tree(folder)
-    except ApiError as e:
-        if e.status_code != 404:
-            raise
-        node = {"name": folder.rsplit("/", 1)[-1], "path": folder, "type": "folder", "children": []}
+        return svc.notes.tree(folder, depth, count)
+    way = folder.split("/")[asked.count("/") + 1 :]  # the folders from below asked to its own
+    left = None if depth is None else depth - len(way)
+    if left is not None and left < 0:  # the cut falls on the way down
+        path = "/".join([asked, *way[:depth]])
+        notes = count(folder) if count else len(svc.notes.walk(folder))
+        node = {"name": way[depth - 1], "path": path, "type": "folder", "count": notes}
+    else:
+        try:
+            node = svc.notes.tree(folder, left, count)
+        except ApiError as e:
+            if e.status_code != 404:
+                raise
+            node = {"name": way[-1], "path": folder, "type": "folder"}
+            node.update({"count": 0} if left == 0 else {"children": []})
     while node["path"] != asked:
         parent = node["path"].rsplit("/", 1)[0]
         node = {
@@ -4270,7 +5400,13 @@ class Service:
         else:
             config.notes_dir.mkdir(parents=True, exist_ok=True)
             self.state = StateStore(config.state_dir)
-        self.notes = NoteStore(config.notes_dir, config.state_dir / "trash")
+        state = config.state_dir  # history, trash and the change feed live with the notes:
+        self.history = HistoryStore(
+            state / "history", config.history_max_versions, config.history_days
+        )
+        self.trash = Trash(state / "trash", config.trash_days)
+        self.journal = ChangeJournal(state / "changes.log")
+        self.notes = NoteStore(config.notes_dir, state / "trash", self.history, self.journal)
         self.attachments = AttachmentStore(config.root / ATTACHMENTS, config.state_dir / "trash")
         self.grants = GrantStore(self.state)  # scoped keys, OAuth grants, share links
         # Background components of later sections, composed by build_service():
@@ -4288,8 +5424,10 @@ class Service:
         self._saved_generation = self.index.generation if self.index.paths() else -1
         self.notes.listeners.append(self._on_note_event)
         self.notes.after.append(self._run_hooks)
+        self.journal.open()
         self.notes.after.append(self.grants.on_note_event)  # share links follow their note
         self.last_sync = self.sync_index()
+        self._spawn(lambda: expire_loop(self.notes, self.trash, self._stop), "notesvc-expire")
         # The cache is for the next start; writing it need not delay this one.
         self._spawn(self.save_index, "notesvc-save")
         if self.config.rescan_seconds:
@@ -4326,7 +5464,7 @@ class Service:
             self._resync.add(path)
 
     def _index_event(self, event: str, path: str, detail: Any) -> None:
-        if event == "saved":
+        if event in ("saved", "restored"):
             content, st = detail
             self.index.add(path, content, st.st_size, st.st_mtime_ns)
         elif event == "moved":
@@ -4343,14 +5481,19 @@ class Service:
         return plugin is not None and plugin.error is None and switches.get(name, True)
 
     def _run_hooks(self, event: str, path: str, detail: Any) -> None:
-        hook = {"saved": "note_saved", "moved": "note_moved", "deleted": "note_deleted"}[event]
-        args = {"saved": lambda: (path, detail[0]), "moved": lambda: (path, detail[0])}
+        hook = {
+            "saved": "note_saved",
+            "moved": "note_moved",
+            "deleted": "note_deleted",
+            "restored": "note_restored",
+        }[event]
+        args = {"deleted": lambda: (path,)}
         for plugin in self.plugins.values():
             fn = plugin.hooks.get(hook)
             if fn is None or not self.plugin_enabled(plugin.name):
                 continue
             try:
-                fn(self, *args.get(event, lambda: (path,))())
+                fn(self, *args.get(event, lambda: (path, detail[0]))())
             except Exception as e:  # a plugin's failure is its own: log it, list it, go on
                 log.exception("plugin %s failed in %s for %s", plugin.name, hook, path)
                 self.plugin_errors[plugin.name] = f"{hook}: {type(e).__name__}: {e}"[:300]
@@ -4363,6 +5506,7 @@ class Service:
         indexed = self.index.signature()
         removed = [p for p in indexed if p not in on_disk]
         changed = [p for p, sig in on_disk.items() if indexed.get(p) != sig or p in retry]
+        self.notes.observe(changed, removed, indexed, on_disk)  # history and change feed
         for path in removed:
             with self.notes.locked(path):
                 if not self.notes.exists(path):
@@ -4426,6 +5570,7 @@ class Service:
         for component in (self.pollers, self.reminders):
             if component is not None:
                 component.close()
+        self.journal.close()  # long-polls answer now
         for thread in self._threads:
             thread.join(30)
         if self._threads:
@@ -6751,10 +7896,12 @@ class ReminderScheduler:
 # /api/v1/plugins/<name>/..., and (through the registries above) agent or channel
 # providers. The built-ins register exactly like a third-party file does.
 
-HOOKS = ("note_saved", "note_moved", "note_deleted")
+HOOKS = ("note_saved", "note_moved", "note_deleted", "note_restored")
 # note_saved(svc, path, content)    after a note is created, updated or appended to
 # note_moved(svc, old_path, new_path)
 # note_deleted(svc, path)
+# note_restored(svc, path, content) after a note is restored from the trash or a version
+#                                   (note_saved is not called for it)
 PLUGIN_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,31}$")
 
 
@@ -8169,6 +9316,22 @@ def check_key_age(svc: Service) -> list:
 
 
 @audit_check
+def check_history_off(svc: Service) -> list:
+    if svc.config.history_max_versions:
+        return []
+    return [
+        finding(
+            "history-off",
+            "low",
+            "Note history is off",
+            "SERVICE_HISTORY_MAX_VERSIONS=0: an overwritten or mangled note (by hand, an "
+            "agent or a channel) cannot be brought back; only deleted notes go to the trash.",
+            "Set SERVICE_HISTORY_MAX_VERSIONS to a number of versions to keep (default 50).",
+        )
+    ]
+
+
+@audit_check
 def check_plain_http_bind(svc: Service) -> list:
     cfg = svc.config
     if cfg.host not in ("0.0.0.0", "::", "") or cfg.trust_proxy:
@@ -8288,237 +9451,3387 @@ def run_audit(svc: Service) -> dict:
 # CDN, no build step. It uses only the public API. Data goes in as text nodes only.
 
 WEB_CSS = """
-*{box-sizing:border-box}
-body{margin:0;font:15px/1.45 system-ui,sans-serif;color:#222;background:#fafafa}
-header{display:flex;gap:.5em;align-items:center;padding:.5em 1em;background:#234;color:#fff}
-header h1{font-size:1.1em;margin:0 1em 0 0}header input{flex:1;max-width:28em}
-input,textarea,button{font:inherit;padding:.35em .5em;border:1px solid #bbb;border-radius:4px}
-button{background:#fff;cursor:pointer}button:hover{background:#eef}
-main{display:grid;grid-template-columns:18em 1fr 20em;height:calc(100vh - 3em)}
-nav,aside{overflow:auto;padding:.5em;border-right:1px solid #ddd;background:#fff}
-aside{border-left:1px solid #ddd;border-right:0;display:flex;flex-direction:column}
-section{display:flex;flex-direction:column;padding:.5em;gap:.5em;min-width:0}
-ul{list-style:none;margin:0;padding-left:1em}nav>ul{padding-left:0}
-li span{cursor:pointer}li span:hover{text-decoration:underline}.dir>span{font-weight:600}
-#editor{flex:1;width:100%;font-family:ui-monospace,monospace;resize:none}
-.row{display:flex;gap:.4em;align-items:center;flex-wrap:wrap}.row input{flex:1;min-width:8em}
-#status{color:#555;min-height:1.4em}#conflict{background:#fee;border:1px solid #c66;padding:.5em}
-.hidden{display:none!important}mark{background:#ff6}
-#results div{padding:.3em 0;border-bottom:1px solid #eee;cursor:pointer}
-#results small{color:#666;display:block}#chat-log{flex:1;overflow:auto;white-space:pre-wrap}
-#chat-log p{margin:.3em 0}.me{color:#234;font-weight:600}#login{max-width:30em;margin:3em auto}
-#login input{width:100%;margin:.5em 0}.err{color:#b00}
-@media (max-width:760px){main{grid-template-columns:minmax(0,1fr);height:auto}
-nav,aside{border:0;border-bottom:1px solid #ddd;max-height:45vh}#editor{min-height:50vh}
-#chat-log{min-height:4em}header input{min-width:0}}
+:root {
+  color-scheme: light dark;
+  --bg: #ffffff;
+  --fg: #1b1f24;
+  --muted: #57606a;
+  --line: #d0d7de;
+  --surface: #f6f8fa;
+  --hover: #eaeef2;
+  --accent: #0a58ca;
+  --accent-fg: #ffffff;
+  --mark: #fff0a0;
+  --mark-fg: #1b1f24;
+  --err: #b42318;
+  --warn-bg: #fff4e5;
+  --code: #eff1f3;
+  --focus: #0a58ca;
+  --me: #ddeaff;
+  --add-bg: #dafbe1;
+  --del-bg: #ffebe9;
+}
+@media (prefers-color-scheme: dark) {
+  :root {
+    --bg: #0f1419;
+    --fg: #e6edf3;
+    --muted: #9ba7b4;
+    --line: #30363d;
+    --surface: #161b22;
+    --hover: #21262d;
+    --accent: #58a6ff;
+    --accent-fg: #0b1220;
+    --mark: #6b5800;
+    --mark-fg: #fff8d6;
+    --err: #ff8a80;
+    --warn-bg: #3a2a10;
+    --code: #1f252d;
+    --focus: #79b8ff;
+    --me: #15304f;
+    --add-bg: #12361f;
+    --del-bg: #4a1d1d;
+  }
+}
+* {
+  box-sizing: border-box;
+}
+[hidden] {
+  display: none !important;
+}
+html,
+body {
+  height: 100%;
+}
+body {
+  margin: 0;
+  background: var(--bg);
+  color: var(--fg);
+  font:
+    16px/1.5 system-ui,
+    -apple-system,
+    "Segoe UI",
+    Roboto,
+    sans-serif;
+  -webkit-text-size-adjust: 100%;
+}
+::placeholder {
+  color: var(--muted);
+  opacity: 1;
+}
+button,
+input,
+textarea,
+select {
+  font: inherit;
+  color: inherit;
+}
+input,
+textarea {
+  background: var(--bg);
+  border: 1px solid var(--line);
+  border-radius: 8px;
+  padding: 0.45rem 0.6rem;
+  min-width: 0;
+}
+button {
+  background: var(--surface);
+  border: 1px solid var(--line);
+  border-radius: 8px;
+  padding: 0.4rem 0.75rem;
+  cursor: pointer;
+  min-height: 36px;
+}
+button:hover {
+  background: var(--hover);
+}
+button:disabled {
+  cursor: default;
+  opacity: 0.6;
+}
+button.primary {
+  background: var(--accent);
+  border-color: var(--accent);
+  color: var(--accent-fg);
+}
+button.primary:hover {
+  filter: brightness(1.08);
+}
+button.plain {
+  background: none;
+  border-color: transparent;
+}
+button.danger {
+  color: var(--err);
+}
+:focus-visible {
+  outline: 3px solid var(--focus);
+  outline-offset: 1px;
+}
+input:focus-visible,
+textarea:focus-visible {
+  outline-offset: -1px;
+}
+.sr {
+  position: absolute;
+  width: 1px;
+  height: 1px;
+  overflow: hidden;
+  clip: rect(0 0 0 0);
+  white-space: nowrap;
+}
+.muted {
+  color: var(--muted);
+}
+.err {
+  color: var(--err);
+}
+mark {
+  background: var(--mark);
+  color: var(--mark-fg);
+  border-radius: 2px;
+}
+.icon {
+  width: 22px;
+  height: 22px;
+  fill: none;
+  stroke: currentColor;
+  stroke-width: 2;
+  stroke-linecap: round;
+  stroke-linejoin: round;
+  flex: none;
+}
+
+/* -- the key screen -- */
+#login {
+  max-width: 28rem;
+  margin: 0 auto;
+  padding: 12vh 1.25rem 2rem;
+}
+#login h1 {
+  display: flex;
+  align-items: center;
+  gap: 0.5rem;
+  margin: 0 0 0.5rem;
+}
+#login h1 svg {
+  width: 40px;
+  height: 40px;
+}
+#login label {
+  display: block;
+  margin-top: 1rem;
+  font-weight: 600;
+}
+#login input[type="password"],
+#login input[type="text"] {
+  width: 100%;
+  margin-top: 0.3rem;
+  min-height: 44px;
+}
+#login .check {
+  display: flex;
+  gap: 0.5rem;
+  align-items: center;
+  font-weight: 400;
+}
+#login .check input {
+  width: 20px;
+  height: 20px;
+}
+#connect {
+  width: 100%;
+  margin-top: 1rem;
+  min-height: 44px;
+}
+#remember-warn {
+  background: var(--warn-bg);
+  padding: 0.5rem 0.75rem;
+  border-radius: 8px;
+  margin: 0.5rem 0 0;
+}
+#login details {
+  margin-top: 1rem;
+}
+#login summary {
+  cursor: pointer;
+  color: var(--muted);
+}
+
+/* -- the application: a bar, the panes, and (on a phone) the tabs -- */
+#app {
+  display: grid;
+  grid-template-rows: auto minmax(0, 1fr) auto;
+  height: 100vh;
+  height: var(--app-h, 100dvh);
+}
+.bar {
+  display: flex;
+  align-items: center;
+  gap: 0.5rem;
+  padding: 0.5rem 0.75rem;
+  background: var(--surface);
+  border-bottom: 1px solid var(--line);
+}
+.brand {
+  display: flex;
+  align-items: center;
+  gap: 0.4rem;
+  font-weight: 700;
+}
+.brand svg {
+  width: 28px;
+  height: 28px;
+}
+#search {
+  flex: 1;
+  max-width: 36rem;
+  min-height: 40px;
+  margin-right: auto;
+}
+.bar .spacer {
+  flex: 1;
+}
+.menu {
+  position: relative;
+}
+.menu > summary {
+  list-style: none;
+  cursor: pointer;
+  display: flex;
+  align-items: center;
+  justify-content: center;
+  min-width: 40px;
+  min-height: 40px;
+  border-radius: 8px;
+}
+.menu > summary::-webkit-details-marker {
+  display: none;
+}
+.menu > summary:hover {
+  background: var(--hover);
+}
+.menu-list {
+  position: absolute;
+  right: 0;
+  top: calc(100% + 4px);
+  z-index: 20;
+  display: flex;
+  flex-direction: column;
+  min-width: 12rem;
+  background: var(--bg);
+  border: 1px solid var(--line);
+  border-radius: 10px;
+  box-shadow: 0 8px 24px rgba(0, 0, 0, 0.18);
+  padding: 0.3rem;
+}
+.menu-list button {
+  text-align: left;
+  border: 0;
+  background: none;
+  min-height: 40px;
+}
+.menu-list button:hover {
+  background: var(--hover);
+}
+
+main {
+  display: grid;
+  grid-template-columns: minmax(15rem, 20rem) minmax(0, 1fr) minmax(18rem, 24rem);
+  min-height: 0;
+}
+main.side-closed {
+  grid-template-columns: minmax(15rem, 20rem) minmax(0, 1fr);
+}
+main.side-closed #pane-ask {
+  display: none;
+}
+.pane {
+  min-height: 0;
+  min-width: 0;
+  overflow: auto;
+  grid-row: 1;
+}
+#pane-notes,
+#pane-search {
+  grid-column: 1;
+  border-right: 1px solid var(--line);
+  padding: 0.5rem;
+}
+#pane-note {
+  grid-column: 2;
+  display: flex;
+  flex-direction: column;
+  overflow: hidden;
+}
+#pane-ask {
+  grid-column: 3;
+  border-left: 1px solid var(--line);
+  display: flex;
+  flex-direction: column;
+  padding: 0.5rem;
+  overflow: hidden;
+}
+#app:not(.searching) #pane-search {
+  display: none;
+}
+#app.searching #pane-notes {
+  display: none;
+}
+.tabs {
+  display: none;
+}
+
+/* -- the notes pane: capture, tree -- */
+.capture {
+  display: flex;
+  gap: 0.4rem;
+  margin-bottom: 0.5rem;
+}
+.capture input {
+  flex: 1;
+}
+.pane-tools {
+  display: flex;
+  gap: 0.4rem;
+  margin-bottom: 0.5rem;
+}
+.pane-tools button {
+  flex: 1;
+}
+#tree ul {
+  list-style: none;
+  margin: 0;
+  padding: 0 0 0 0.9rem;
+}
+#tree > ul {
+  padding-left: 0;
+}
+#tree button {
+  display: flex;
+  align-items: center;
+  gap: 0.35rem;
+  width: 100%;
+  text-align: left;
+  background: none;
+  border: 0;
+  border-radius: 6px;
+  padding: 0.25rem 0.4rem;
+  min-height: 32px;
+  overflow-wrap: anywhere;
+}
+#tree button:hover {
+  background: var(--hover);
+}
+#tree button[aria-current="true"] {
+  background: var(--accent);
+  color: var(--accent-fg);
+}
+#tree .dir {
+  font-weight: 600;
+}
+#tree .caret {
+  display: inline-block;
+  width: 0.9em;
+  flex: none;
+  color: var(--muted);
+}
+#tree .caret::before {
+  content: "▸";
+}
+#tree .dir[aria-expanded="true"] .caret::before {
+  content: "▾";
+}
+#tree .count {
+  margin-left: auto;
+  font-weight: 400;
+  font-size: 0.8rem;
+  color: var(--muted);
+}
+#tree .empty {
+  color: var(--muted);
+  padding: 0.25rem 0.4rem;
+}
+
+/* -- search results -- */
+#results-head {
+  display: flex;
+  justify-content: space-between;
+  align-items: center;
+  gap: 0.5rem;
+  margin-bottom: 0.3rem;
+}
+#results-info {
+  color: var(--muted);
+  font-size: 0.9rem;
+}
+#results {
+  list-style: none;
+  margin: 0;
+  padding: 0;
+}
+#results button {
+  display: block;
+  width: 100%;
+  text-align: left;
+  background: none;
+  border: 0;
+  border-bottom: 1px solid var(--line);
+  border-radius: 0;
+  padding: 0.5rem 0.4rem;
+}
+#results button:hover,
+#results button:focus-visible {
+  background: var(--hover);
+}
+#results .t {
+  display: block;
+  font-weight: 600;
+}
+#results .p {
+  display: block;
+  font-size: 0.8rem;
+  color: var(--muted);
+  overflow-wrap: anywhere;
+}
+#results .s {
+  display: block;
+  font-size: 0.9rem;
+  overflow-wrap: anywhere;
+}
+
+/* -- the note -- */
+.note-bar {
+  display: flex;
+  align-items: center;
+  gap: 0.4rem;
+  padding: 0.4rem 0.6rem;
+  border-bottom: 1px solid var(--line);
+  background: var(--bg);
+}
+.note-title {
+  flex: 1;
+  min-width: 0;
+}
+.note-title strong {
+  display: block;
+  overflow: hidden;
+  text-overflow: ellipsis;
+  white-space: nowrap;
+}
+.note-title small {
+  display: block;
+  color: var(--muted);
+  overflow: hidden;
+  text-overflow: ellipsis;
+  white-space: nowrap;
+}
+#back {
+  display: none;
+}
+#status {
+  font-size: 0.85rem;
+  color: var(--muted);
+  white-space: nowrap;
+}
+#status.dirty {
+  color: var(--err);
+  font-weight: 600;
+}
+.banner {
+  margin: 0.5rem 0.6rem 0;
+  padding: 0.5rem 0.75rem;
+  border-radius: 8px;
+  background: var(--warn-bg);
+}
+.banner button {
+  margin: 0.25rem 0.25rem 0 0;
+}
+#view {
+  flex: 1;
+  overflow: auto;
+  padding: 0.5rem 1.25rem 2rem;
+  overflow-wrap: break-word;
+}
+#editor {
+  flex: 1;
+  width: 100%;
+  resize: none;
+  border: 0;
+  border-radius: 0;
+  padding: 0.75rem 1rem;
+  font:
+    15px/1.55 ui-monospace,
+    "SF Mono",
+    Menlo,
+    Consolas,
+    monospace;
+  background: var(--bg);
+}
+#empty {
+  flex: 1;
+  display: flex;
+  flex-direction: column;
+  align-items: center;
+  justify-content: center;
+  gap: 0.75rem;
+  padding: 2rem;
+  text-align: center;
+  color: var(--muted);
+}
+#backlinks {
+  padding: 0.5rem 1.25rem 1rem;
+  border-top: 1px solid var(--line);
+  font-size: 0.9rem;
+}
+#backlinks ul {
+  margin: 0.25rem 0 0;
+  padding-left: 1.2rem;
+}
+
+/* -- Markdown -- */
+.md {
+  max-width: 46rem;
+}
+.md h1,
+.md h2,
+.md h3,
+.md h4,
+.md h5,
+.md h6 {
+  line-height: 1.25;
+  margin: 1.2em 0 0.5em;
+}
+.md h1 {
+  font-size: 1.7rem;
+}
+.md h2 {
+  font-size: 1.4rem;
+}
+.md h3 {
+  font-size: 1.2rem;
+}
+.md h4,
+.md h5,
+.md h6 {
+  font-size: 1rem;
+}
+.md > :first-child {
+  margin-top: 0.6rem;
+}
+.md p {
+  margin: 0.6em 0;
+}
+.md a,
+.link {
+  color: var(--accent);
+  text-decoration: underline;
+  cursor: pointer;
+  background: none;
+  border: 0;
+  padding: 0;
+  font: inherit;
+  min-height: 0;
+}
+.md code {
+  background: var(--code);
+  padding: 0.1em 0.3em;
+  border-radius: 4px;
+  font:
+    0.9em ui-monospace,
+    Menlo,
+    Consolas,
+    monospace;
+}
+.md pre {
+  background: var(--code);
+  padding: 0.75rem;
+  border-radius: 8px;
+  overflow: auto;
+}
+.md pre code {
+  background: none;
+  padding: 0;
+}
+.md blockquote {
+  margin: 0.6em 0;
+  padding: 0.1em 1em;
+  border-left: 4px solid var(--line);
+  color: var(--muted);
+}
+.md ul,
+.md ol {
+  padding-left: 1.6em;
+}
+.md li.task {
+  list-style: none;
+  margin-left: -1.4em;
+}
+.md li.task > input {
+  width: 18px;
+  height: 18px;
+  margin: 0 0.45em 0 0;
+  vertical-align: -3px;
+}
+.md hr {
+  border: 0;
+  border-top: 1px solid var(--line);
+  margin: 1.2em 0;
+}
+.md .table {
+  overflow-x: auto;
+}
+.md table {
+  border-collapse: collapse;
+  margin: 0.6em 0;
+}
+.md th,
+.md td {
+  border: 1px solid var(--line);
+  padding: 0.3em 0.6em;
+}
+.md th {
+  background: var(--surface);
+}
+.md .al-c {
+  text-align: center;
+}
+.md .al-r {
+  text-align: right;
+}
+.md img {
+  max-width: 100%;
+  height: auto;
+  border-radius: 6px;
+}
+.md .front {
+  font-size: 0.85rem;
+  color: var(--muted);
+}
+
+/* -- ask -- */
+#chat-log {
+  flex: 1;
+  overflow: auto;
+  display: flex;
+  flex-direction: column;
+  gap: 0.6rem;
+  padding: 0.25rem 0;
+}
+.msg {
+  padding: 0.5rem 0.75rem;
+  border-radius: 10px;
+  background: var(--surface);
+  overflow-wrap: anywhere;
+}
+.msg.me {
+  background: var(--me);
+  align-self: flex-end;
+  max-width: 90%;
+  white-space: pre-wrap;
+}
+.msg .md {
+  font-size: 0.95rem;
+}
+.msg .sources {
+  font-size: 0.85rem;
+  margin: 0.4rem 0 0;
+  padding-left: 1.1rem;
+}
+.ask-form {
+  display: flex;
+  flex-direction: column;
+  gap: 0.4rem;
+  border-top: 1px solid var(--line);
+  padding-top: 0.5rem;
+}
+.ask-form .row {
+  display: flex;
+  gap: 0.4rem;
+}
+.ask-form .row input {
+  flex: 1;
+}
+.ask-form .check {
+  display: flex;
+  gap: 0.4rem;
+  align-items: center;
+  font-size: 0.9rem;
+}
+.ask-form .check input {
+  width: 18px;
+  height: 18px;
+}
+.pane h2 {
+  font-size: 1rem;
+  margin: 0.2rem 0 0.5rem;
+}
+
+/* -- dialogs and the toast -- */
+dialog {
+  border: 1px solid var(--line);
+  border-radius: 12px;
+  background: var(--bg);
+  color: var(--fg);
+  padding: 1rem 1.25rem;
+  width: min(92vw, 30rem);
+}
+dialog::backdrop {
+  background: rgba(0, 0, 0, 0.45);
+}
+dialog h2 {
+  margin: 0 0 0.5rem;
+  font-size: 1.15rem;
+}
+dialog label {
+  display: block;
+  font-weight: 600;
+  margin-top: 0.5rem;
+}
+dialog input[type="text"] {
+  width: 100%;
+  margin-top: 0.3rem;
+  min-height: 44px;
+}
+dialog .check {
+  display: flex;
+  align-items: center;
+  gap: 0.5rem;
+  font-weight: 400;
+}
+dialog .check input {
+  width: 20px;
+  height: 20px;
+}
+dialog .buttons {
+  display: flex;
+  flex-wrap: wrap;
+  justify-content: flex-end;
+  gap: 0.5rem;
+  margin-top: 1rem;
+}
+dialog .buttons button {
+  min-height: 44px;
+}
+dialog .list {
+  list-style: none;
+  padding: 0;
+  margin: 0.5rem 0;
+  max-height: 50vh;
+  overflow: auto;
+}
+dialog .list li {
+  display: flex;
+  flex-wrap: wrap;
+  gap: 0.5rem;
+  align-items: center;
+  justify-content: space-between;
+  padding: 0.35rem 0;
+  border-bottom: 1px solid var(--line);
+}
+dialog pre {
+  white-space: pre-wrap;
+  max-height: 50vh;
+  overflow: auto;
+  background: var(--code);
+  padding: 0.5rem;
+  border-radius: 8px;
+  font-size: 0.85rem;
+}
+#toast {
+  position: fixed;
+  left: 50%;
+  transform: translateX(-50%);
+  bottom: 1rem;
+  z-index: 30;
+  max-width: min(92vw, 32rem);
+  padding: 0.6rem 1rem;
+  border-radius: 10px;
+  background: var(--fg);
+  color: var(--bg);
+  box-shadow: 0 6px 20px rgba(0, 0, 0, 0.25);
+}
+#toast.bad {
+  background: var(--err);
+  color: var(--bg);
+}
+
+/* -- a phone: one pane at a time, tabs at the bottom, large targets -- */
+@media (max-width: 799px) {
+  main,
+  main.side-closed {
+    grid-template-columns: minmax(0, 1fr);
+  }
+  .pane {
+    grid-column: 1 !important;
+    display: none !important;
+    border: 0 !important;
+  }
+  #app[data-pane="notes"] #pane-notes,
+  #app[data-pane="search"] #pane-search,
+  #app[data-pane="ask"] #pane-ask {
+    display: flex !important;
+    flex-direction: column;
+  }
+  #app[data-pane="note"] #pane-note {
+    display: flex !important;
+  }
+  #pane-notes,
+  #pane-search {
+    display: block;
+  }
+  #toggle-ask,
+  .brand span {
+    display: none;
+  }
+  #back {
+    display: flex;
+  }
+  #status .word {
+    position: absolute;
+    width: 1px;
+    height: 1px;
+    overflow: hidden;
+    clip: rect(0 0 0 0);
+  }
+  .tabs {
+    display: grid;
+    grid-template-columns: repeat(4, 1fr);
+    border-top: 1px solid var(--line);
+    background: var(--surface);
+    padding-bottom: env(safe-area-inset-bottom);
+  }
+  .tabs button {
+    display: flex;
+    flex-direction: column;
+    align-items: center;
+    gap: 2px;
+    background: none;
+    border: 0;
+    border-radius: 0;
+    min-height: 56px;
+    font-size: 0.75rem;
+    padding: 0.3rem 0;
+  }
+  .tabs button[aria-current="page"] {
+    color: var(--accent);
+    font-weight: 700;
+  }
+  #app.typing .tabs {
+    display: none;
+  }
+  button,
+  .menu > summary {
+    min-height: 44px;
+    min-width: 44px;
+  }
+  #tree button {
+    min-height: 44px;
+  }
+  input:not([type="checkbox"]) {
+    min-height: 44px;
+  }
+  #view {
+    padding: 0.25rem 1rem 2rem;
+  }
+  .note-bar {
+    padding: 0.3rem 0.4rem;
+  }
+  #toast {
+    bottom: calc(64px + env(safe-area-inset-bottom));
+  }
+}
+
+#save.clean {
+  background: var(--surface);
+  border-color: var(--line);
+  color: var(--fg);
+}
+.hint {
+  color: var(--muted);
+  font-size: 0.9rem;
+}
+
+.diff .add {
+  background: var(--add-bg);
+}
+.diff .del {
+  background: var(--del-bg);
+}
+dialog .list .actions {
+  display: flex;
+  gap: 0.3rem;
+  margin-left: auto;
+}
+dialog h3 {
+  font-size: 1rem;
+  margin: 0.75rem 0 0.25rem;
+}
+#toast button {
+  color: inherit;
+  text-decoration: underline;
+  min-height: 0;
+  padding: 0 0.25rem;
+}
+.md audio,
+.md video {
+  display: block;
+  max-width: 100%;
+  margin: 0.4rem 0;
+}
+.md a.file::before {
+  content: "↓ ";
+}
+.md a.file.media::before {
+  content: "▶ ";
+}
 """
 
 WEB_JS = r"""
 "use strict";
+// notesvc's web client: one page, no build step, only the public API.
+// Requests, the key included, go only to the origin this page was loaded from: a relayUrl
+// in the query string is ignored, and an API base on another origin is never used.
+// Text from notes and answers reaches the page as text nodes only (never as HTML).
+
 const $ = (id) => document.getElementById(id);
-const S = window.sessionStorage;
-// Requests, the key included, go only to the origin this page came from: a relayUrl in
-// the query string is ignored, and an API base on another origin is never used.
-function own(url) {
-  try { return new URL(url, location.href).origin === location.origin; }
-  catch (e) { return false; } }
-let base = S.getItem("notesvc.base") || "", key = S.getItem("notesvc.key") || "";
-if (!own(base)) base = "";
-let current = null, etag = null;
+const enc = encodeURIComponent;
+const NARROW = window.matchMedia("(max-width: 799px)");
 
-function el(tag, text, cls) { const e = document.createElement(tag);
-  if (text !== undefined) e.textContent = text; if (cls) e.className = cls; return e; }
-function show(id, on) { $(id).classList.toggle("hidden", !on); }
-function status(text, bad) {
-  $("status").textContent = text; $("status").className = bad ? "err" : ""; }
-const enc = (p) => encodeURIComponent(p);
+// -- storage: the key for the session (or this device, if asked); drafts on this device --
 
-async function api(method, path, body, headers) {
-  if (!own(base + path)) throw new Error("refused: the API is not on this page's origin");
-  const h = Object.assign({"X-Service-Key": key}, headers || {});
-  if (body !== undefined) h["Content-Type"] = "application/json";
-  const r = await fetch(base + path, {method, headers: h, mode: "same-origin",
-    body: body === undefined ? undefined : JSON.stringify(body)});
-  let j = null; try { j = await r.json(); } catch (e) { /* not JSON */ }
-  return {status: r.status, ok: r.ok, data: j && j.data, error: j && j.error,
-          etag: r.headers.get("ETag")};
-}
-
-async function resolveBase() {
-  const code = new URLSearchParams(location.search).get("relayCode");
-  if (!code) return location.origin + "/api/v1";
-  const r = await fetch("/relay/v1/pair/" + enc(code), {mode: "same-origin"});
-  const j = await r.json().catch(() => ({}));
-  if (!r.ok || !j.data) throw new Error(j.error ? j.error.message : "pairing failed");
-  const given = String(j.data.relayApiBase || "").replace(/\/$/, "");
-  if (given && own(given)) return new URL(given, location.href).href.replace(/\/$/, "");
-  const id = String(j.data.serverId || "");  // the server's own relay prefix on this origin
-  if (!/^[A-Za-z0-9_-]{1,64}$/.test(id)) throw new Error("pairing failed");
-  return location.origin + "/r/" + id + "/api/v1";
-}
-
-async function connect() {
-  $("login-msg").textContent = "";
+function storage(kind) {
   try {
-    key = $("key").value.trim() || key;
-    base = base || await resolveBase();
-    const r = await api("POST", "/auth/verify");
-    if (!r.ok) {
-      $("login-msg").textContent = r.error ? r.error.message : "cannot connect"; return; }
-    S.setItem("notesvc.base", base); S.setItem("notesvc.key", key);
-    if (!r.data.setupComplete) await api("POST", "/auth/link", {clientName: "web client"});
-    show("login", false); show("app", true); await loadTree();
-  } catch (e) { $("login-msg").textContent = String(e.message || e); base = ""; }
+    return kind === "local" ? window.localStorage : window.sessionStorage;
+  } catch (e) {
+    return null;
+  } // storage can be switched off; the page still works
+}
+function getItem(kind, name) {
+  const s = storage(kind);
+  try {
+    return s ? s.getItem(name) : null;
+  } catch (e) {
+    return null;
+  }
+}
+function setItem(kind, name, value) {
+  const s = storage(kind);
+  try {
+    if (s) s.setItem(name, value);
+  } catch (e) {
+    /* full or refused: not fatal */
+  }
+}
+function removeItem(kind, name) {
+  const s = storage(kind);
+  try {
+    if (s) s.removeItem(name);
+  } catch (e) {
+    /* ignore */
+  }
 }
 
-function renderNode(node) {
-  const li = el("li", undefined, node.type === "folder" ? "dir" : "note");
-  const label = el("span", node.name);
-  li.appendChild(label);
-  if (node.type === "folder") {
-    const ul = el("ul");
-    (node.children || []).forEach((c) => ul.appendChild(renderNode(c)));
-    li.appendChild(ul);
-    label.onclick = () => ul.classList.toggle("hidden");
-  } else { label.onclick = () => openNote(node.path); label.dataset.path = node.path; }
-  return li;
+const state = {
+  base: "", // the API base on this origin: /api/v1, or /r/<serverId>/api/v1
+  key: "",
+  path: null, // the open note
+  etag: null, // the ETag the editor's text was loaded from (sent as If-Match)
+  saved: "", // the note's text as last loaded or saved
+  title: "",
+  editing: false,
+  expanded: new Set(JSON.parse(getItem("session", "notesvc.expanded") || "[]")),
+};
+
+// What this server offers beyond the core API (read from its OpenAPI document at start).
+const features = {history: false, attachments: false, changes: false};
+
+// -- small DOM helpers -------------------------------------------------------------------
+
+function el(tag, attrs, ...children) {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (v === false || v === null || v === undefined) continue;
+    if (k === "class") e.className = v;
+    else if (k === "onclick") e.addEventListener("click", v);
+    else e.setAttribute(k, v === true ? "" : v);
+  }
+  for (const c of children) {
+    if (c === null || c === undefined || c === false) continue;
+    e.appendChild(typeof c === "string" ? document.createTextNode(c) : c);
+  }
+  return e;
+}
+
+function ago(iso) {
+  const t = Date.parse(iso);
+  if (!t) return "";
+  const s = (Date.now() - t) / 1000;
+  if (s < 60) return "just now";
+  if (s < 3600) return Math.floor(s / 60) + " min ago";
+  if (s < 86400) return Math.floor(s / 3600) + " h ago";
+  if (s < 2 * 86400) return "yesterday";
+  return new Date(t).toLocaleDateString();
+}
+
+function nameOf(path) {
+  return path.split("/").pop().replace(/\.md$/, "");
+}
+function folderOf(path) {
+  return path.split("/").slice(0, -1).join("/");
+}
+
+let toastTimer = 0;
+function toast(text, bad, action) {
+  const t = $("toast");
+  t.textContent = text;
+  if (action) {
+    const [label, fn] = action;
+    const run = act(fn);
+    const done = () => {
+      t.hidden = true;
+      run();
+    };
+    t.append(" ", el("button", {type: "button", class: "plain", onclick: done}, label));
+  }
+  t.className = bad ? "bad" : "";
+  t.setAttribute("role", bad ? "alert" : "status");
+  t.hidden = false;
+  clearTimeout(toastTimer);
+  toastTimer = setTimeout(
+    () => {
+      t.hidden = true;
+    },
+    bad || action ? 8000 : 3000,
+  );
+}
+
+// -- the API -------------------------------------------------------------------------------
+
+class Problem extends Error {
+  constructor(status, code, message, retryAfter) {
+    super(message);
+    this.status = status;
+    this.code = code;
+    this.retryAfter = retryAfter;
+  }
+}
+
+function ownOrigin(url) {
+  try {
+    return new URL(url, location.href).origin === location.origin;
+  } catch (e) {
+    return false;
+  }
+}
+
+function lockoutMessage(retryAfter) {
+  const s = parseInt(retryAfter || "60", 10);
+  return "Too many wrong keys from this address: try again in " + s + " s.";
+}
+
+async function api(method, path, body, headers, opts) {
+  opts = opts || {};
+  const url = state.base + path;
+  if (!state.base || !ownOrigin(url)) {
+    throw new Problem(0, "REFUSED", "Refused: the API is not on this page's origin.");
+  }
+  const h = Object.assign({"X-Service-Key": state.key}, headers || {});
+  const raw = body instanceof Blob; // an upload goes as it is, with its own type
+  if (body !== undefined && !raw) h["Content-Type"] = "application/json";
+  let r;
+  try {
+    r = await fetch(url, {
+      method,
+      headers: h,
+      mode: "same-origin",
+      credentials: "omit",
+      cache: "no-store",
+      body: body === undefined || raw ? body : JSON.stringify(body),
+    });
+  } catch (e) {
+    throw new Problem(
+      0,
+      "NETWORK",
+      "Cannot reach the server. Check the connection and try again.",
+    );
+  }
+  if (opts.blob && r.ok) return {blob: await r.blob(), status: r.status};
+  if (opts.raw && r.ok) return {json: await r.json(), status: r.status};
+  let j = null;
+  try {
+    j = await r.json();
+  } catch (e) {
+    /* not JSON */
+  }
+  if (r.ok && j && j.success) return {data: j.data, etag: r.headers.get("ETag"), status: r.status};
+  const err = (j && j.error) || {
+    code: "HTTP_" + r.status,
+    message: "The server answered " + r.status + ".",
+  };
+  const retry = r.headers.get("Retry-After");
+  const message = r.status === 429 ? lockoutMessage(retry) : err.message;
+  const problem = new Problem(r.status, err.code, message, retry);
+  problem.error = err; // the envelope's error, with any extra fields (410's resetRequired)
+  if (!opts.login && (r.status === 401 || r.status === 429)) {
+    toKeyScreen(
+      r.status === 401
+        ? "The key was not accepted: it may have been rotated. Paste the current key."
+        : message,
+    );
+  }
+  throw problem;
+}
+
+// Run an event handler; show what went wrong instead of failing silently.
+function act(fn) {
+  return async (...args) => {
+    try {
+      return await fn(...args);
+    } catch (e) {
+      if (e instanceof Problem && (e.status === 401 || e.status === 429)) return undefined;
+      toast(e && e.message ? e.message : String(e), true);
+      return undefined;
+    }
+  };
+}
+
+// -- connecting: the relay code, the key ---------------------------------------------------
+
+async function resolveBase(code) {
+  let r;
+  try {
+    r = await fetch(new URL("relay/v1/pair/" + enc(code), location.href).pathname, {
+      mode: "same-origin",
+      credentials: "omit",
+      cache: "no-store",
+    });
+  } catch (e) {
+    throw new Error("Cannot reach this address.");
+  }
+  const j = await r.json().catch(() => ({}));
+  if (!r.ok || !j.data) {
+    throw new Error(
+      j.error && r.status === 404
+        ? "The relay code is not known here: open the current connect link from your server."
+        : "Pairing failed" + (j.error ? ": " + j.error.message : "."),
+    );
+  }
+  const given = String(j.data.relayApiBase || "").replace(/\/$/, "");
+  if (given && ownOrigin(given)) return new URL(given, location.href).pathname.replace(/\/$/, "");
+  const id = String(j.data.serverId || ""); // the server's relay prefix, on this origin
+  if (!/^[A-Za-z0-9_-]{1,64}$/.test(id)) throw new Error("Pairing failed.");
+  return "/r/" + id + "/api/v1";
+}
+
+function relayCodeGiven() {
+  return (
+    new URLSearchParams(location.search).get("relayCode") ||
+    $("relay-code").value ||
+    ""
+  ).trim();
+}
+
+async function connect(typed) {
+  const msg = $("login-msg");
+  msg.textContent = "";
+  $("connect").disabled = true;
+  try {
+    const code = relayCodeGiven();
+    if (code) {
+      try {
+        state.base = await resolveBase(code);
+      } catch (e) {
+        // A code changes when the key is rotated: a server this device knows is still there.
+        if (!state.base) throw e;
+      }
+    }
+    if (!state.base) state.base = new URL("api/v1", location.href).pathname;
+    if (typed) state.key = $("key").value.trim();
+    if (!state.key) {
+      msg.textContent = "Paste the API key first.";
+      return;
+    }
+    let v;
+    try {
+      v = await api("POST", "/auth/verify", undefined, undefined, {login: true});
+    } catch (e) {
+      if (e.status === 404) {
+        state.base = "";
+        removeItem("local", "notesvc.base");
+        $("relay-box").open = true;
+        throw new Error(
+          "No notes server answers here. Open your server's connect link, " +
+            "or enter its relay code.",
+        );
+      }
+      if (e.status === 401)
+        throw new Error(
+          "That key was not accepted. Check it and try again " +
+            "(a rotated key stops working at once).",
+        );
+      throw e;
+    }
+    if (!v.data.setupComplete) await api("POST", "/auth/link", {clientName: "web client"});
+    setItem("local", "notesvc.base", state.base);
+    if (new URLSearchParams(location.search).has("relayCode")) {
+      history.replaceState(history.state, "", location.pathname); // the code has done its job
+    }
+    const remember = $("remember").checked || getItem("local", "notesvc.key") !== null;
+    setItem(remember ? "local" : "session", "notesvc.key", state.key);
+    $("key").value = "";
+    $("login").hidden = true;
+    $("app").hidden = false;
+    fitViewport();
+    await act(start)(); // from here on, a failure is shown in the app, not on the key screen
+  } catch (e) {
+    msg.textContent = e.message || String(e);
+  } finally {
+    $("connect").disabled = false;
+  }
+}
+
+function toKeyScreen(message) {
+  keepDraft();
+  feedRun++;
+  state.key = "";
+  removeItem("session", "notesvc.key");
+  removeItem("local", "notesvc.key");
+  $("app").hidden = true;
+  $("login").hidden = false;
+  $("login-msg").textContent = message || "";
+  $("key").focus();
+}
+
+async function logout() {
+  if (!(await confirmLeave("Log out"))) return;
+  for (const kind of ["local", "session"]) {
+    const s = storage(kind);
+    if (!s) continue;
+    for (const name of Object.keys(s)) if (name.startsWith("notesvc.")) removeItem(kind, name);
+  }
+  state.path = null;
+  location.reload();
+}
+
+// -- the page's layout: panes on a phone, a side panel on a desktop ------------------------
+
+function showPane(name, fromHistory) {
+  const app = $("app");
+  if (app.dataset.pane === name) return;
+  app.dataset.pane = name;
+  for (const b of document.querySelectorAll(".tabs button")) {
+    if (b.dataset.pane === name) b.setAttribute("aria-current", "page");
+    else b.removeAttribute("aria-current");
+  }
+  if (NARROW.matches && !fromHistory) history.pushState({pane: name}, "");
+}
+
+function fitViewport() {
+  // The keyboard on a phone shrinks the visual viewport: keep the bar (and Save) in view.
+  const vv = window.visualViewport;
+  if (vv) document.documentElement.style.setProperty("--app-h", Math.round(vv.height) + "px");
+}
+
+function setSide(open) {
+  $("main").classList.toggle("side-closed", !open);
+  $("toggle-ask").setAttribute("aria-expanded", String(open));
+  setItem("local", "notesvc.ui.side", open ? "open" : "closed");
+}
+
+// -- the tree: folders load lazily, one level at a time -------------------------------------
+
+function treeUrl(folder) {
+  return (folder === "notes" ? "/folders/tree" : "/folders/tree/" + enc(folder)) + "?depth=1";
+}
+
+async function fillFolder(folder, ul) {
+  const {data} = await api("GET", treeUrl(folder));
+  const items = (data.children || []).map(treeItem);
+  ul.replaceChildren(...items.map((i) => i.li));
+  if (!items.length) {
+    ul.appendChild(
+      el(
+        "li",
+        {class: "empty"},
+        folder === "notes" ? "No notes yet: start one with New note." : "Empty folder",
+      ),
+    );
+  }
+  await Promise.all(items.filter((i) => i.expand).map((i) => i.expand()));
+}
+
+function treeItem(node) {
+  const li = el("li");
+  if (node.type !== "folder") {
+    const b = el(
+      "button",
+      {
+        type: "button",
+        class: "note",
+        "data-path": node.path,
+        "aria-current": node.path === state.path ? "true" : null,
+      },
+      nameOf(node.path),
+    );
+    b.addEventListener(
+      "click",
+      act(() => openNote(node.path)),
+    );
+    li.appendChild(b);
+    return {li};
+  }
+  const b = el(
+    "button",
+    {type: "button", class: "dir", "aria-expanded": "false", "data-path": node.path},
+    el("span", {class: "caret", "aria-hidden": "true"}),
+    el("span", {}, node.name),
+    node.count === undefined ? null : el("span", {class: "count"}, String(node.count)),
+  );
+  if (node.count !== undefined)
+    b.setAttribute("aria-label", node.name + ", folder, " + node.count + " notes");
+  const sub = el("ul");
+  sub.hidden = true;
+  li.append(b, sub);
+  const expand = async () => {
+    b.setAttribute("aria-expanded", "true");
+    sub.hidden = false;
+    state.expanded.add(node.path);
+    if (node.children) {
+      // a server without ?depth sends the whole subtree
+      const items = node.children.map(treeItem);
+      sub.replaceChildren(...items.map((i) => i.li));
+      await Promise.all(items.filter((i) => i.expand).map((i) => i.expand()));
+    } else {
+      sub.replaceChildren(el("li", {class: "empty"}, "Loading…"));
+      await fillFolder(node.path, sub);
+    }
+  };
+  b.addEventListener(
+    "click",
+    act(async () => {
+      if (b.getAttribute("aria-expanded") === "true") {
+        b.setAttribute("aria-expanded", "false");
+        sub.hidden = true;
+        state.expanded.delete(node.path);
+      } else {
+        await expand();
+      }
+      setItem("session", "notesvc.expanded", JSON.stringify([...state.expanded]));
+    }),
+  );
+  return {li, expand: state.expanded.has(node.path) ? expand : null};
 }
 
 async function loadTree() {
-  const r = await api("GET", "/folders/tree");
-  const tree = $("tree"); tree.textContent = "";
-  if (!r.ok) { tree.textContent = r.error.message; return; }
-  const ul = el("ul"); (r.data.children || []).forEach((c) => ul.appendChild(renderNode(c)));
-  tree.appendChild(r.data.children.length ? ul : el("p", "No notes yet: create one above."));
+  const ul = el("ul");
+  await fillFolder("notes", ul);
+  const focused =
+    $("tree").contains(document.activeElement) && document.activeElement.dataset.path;
+  $("tree").replaceChildren(ul);
+  markCurrent();
+  if (focused) {
+    // Refreshed under the keyboard's feet: focus stays on the same entry.
+    const again = ul.querySelector('button[data-path="' + CSS.escape(focused) + '"]');
+    if (again) again.focus();
+  }
+  performance.mark("notesvc:tree-shown");
 }
 
-async function openNote(path) {
-  const r = await api("GET", "/notes/" + enc(path));
-  if (!r.ok) { status(r.error.message, true); return; }
-  current = r.data.path; etag = r.data.etag;
-  $("editor").value = r.data.content; $("path").textContent = current;
-  $("move-path").value = current; show("conflict", false); show("note", true);
-  status("Opened " + current);
+function markCurrent() {
+  for (const b of $("tree").querySelectorAll("button.note")) {
+    if (b.dataset.path === state.path) b.setAttribute("aria-current", "true");
+    else b.removeAttribute("aria-current");
+  }
+}
+
+async function reveal(path) {
+  // Open the folders above a note, so the tree shows where it is.
+  const parts = path.split("/");
+  let changed = false;
+  for (let i = 2; i < parts.length; i++) {
+    const folder = parts.slice(0, i).join("/");
+    if (!state.expanded.has(folder)) {
+      state.expanded.add(folder);
+      changed = true;
+    }
+  }
+  setItem("session", "notesvc.expanded", JSON.stringify([...state.expanded]));
+  if (changed || !$("tree").querySelector('button.note[data-path="' + CSS.escape(path) + '"]'))
+    await loadTree();
+  else markCurrent();
+}
+
+// -- Markdown: a small renderer that builds DOM nodes, so no HTML in a note can run ----------
+
+const LIST_RE = /^(\s*)([-*+]|\d{1,9}[.)])(?:\s+(.*)|$)/;
+const FENCE_RE = /^ {0,3}(`{3,}|~{3,})\s*([^`\s]*)/;
+const HEADING_RE = /^ {0,3}(#{1,6})(?:\s+(.*?))?(?:\s+#+)?\s*$/;
+const HR_RE = /^ {0,3}([-*_])(?:\s*\1){2,}\s*$/;
+const QUOTE_RE = /^ {0,3}> ?/;
+const TABLE_SEP_RE = /^\s*\|?\s*:?-+:?\s*(\|\s*:?-+:?\s*)*\|?\s*$/;
+
+// Inline syntax, one alternative per construct; the group numbers are used below.
+const INLINE_SOURCE = [
+  /(`+)([^`]|[^`][\s\S]*?[^`])\1(?!`)/.source, // 1, 2: code
+  /!\[([^\]\n]*)\]\(\s*<?([^)\s>]+)>?(?:\s+"[^"\n]*")?\s*\)/.source, // 3, 4: image
+  /\[\[([^\[\]|\n]+)(?:\|([^\[\]\n]+))?\]\]/.source, // 5, 6: wikilink
+  /\[([^\[\]\n]+)\]\(\s*<?([^)\s>]+)>?(?:\s+"[^"\n]*")?\s*\)/.source, // 7, 8: link
+  /<((?:https?|mailto):[^>\s]+)>/.source, // 9: autolink
+  /(https?:\/\/[^\s<]*[^\s<.,:;"')\]!?*_~])/.source, // 10: a bare URL
+  /(\*\*|__)(?=\S)([\s\S]*?\S)\11/.source, // 11, 12: strong
+  /(\*|_)(?=[^\s*_])([\s\S]*?[^\s\\])\13/.source, // 13, 14: emphasis
+  /~~(?=\S)([\s\S]*?\S)~~/.source, // 15: strike-through
+  /==(?=\S)([\s\S]*?\S)==/.source, // 16: highlight
+  /\\([\\`*_{}\[\]()#+\-.!|~<>=])/.source, // 17: an escape
+  /(\n)/.source, // 18: a line break
+].join("|");
+
+function renderMarkdown(text, ctx) {
+  ctx = ctx || {};
+  const lines = text
+    .replace(/\r\n?/g, "\n")
+    .split("\n")
+    .map((t, n) => ({t, n}));
+  const root = el("div", {class: "md"});
+  let start = 0;
+  if (lines.length > 2 && lines[0].t === "---") {
+    // front matter: shown small, as it is
+    const end = lines.findIndex((l, i) => i > 0 && (l.t === "---" || l.t === "..."));
+    if (end > 0) {
+      root.appendChild(
+        el(
+          "pre",
+          {class: "front"},
+          lines
+            .slice(1, end)
+            .map((l) => l.t)
+            .join("\n"),
+        ),
+      );
+      start = end + 1;
+    }
+  }
+  blocks(lines.slice(start), root, ctx);
+  return root;
+}
+
+function startsBlock(t) {
+  return (
+    FENCE_RE.test(t) || HEADING_RE.test(t) || HR_RE.test(t) || QUOTE_RE.test(t) || LIST_RE.test(t)
+  );
+}
+
+function blocks(lines, out, ctx) {
+  let i = 0;
+  while (i < lines.length) {
+    const t = lines[i].t;
+    let m;
+    if (!t.trim()) {
+      i++;
+      continue;
+    }
+    if ((m = FENCE_RE.exec(t))) {
+      const close = new RegExp("^ {0,3}" + m[1][0] + "{" + m[1].length + ",}\\s*$");
+      const body = [];
+      for (i++; i < lines.length && !close.test(lines[i].t); i++) body.push(lines[i].t);
+      i++;
+      out.appendChild(
+        el(
+          "pre",
+          {},
+          el(
+            "code",
+            {class: m[2] ? "lang-" + m[2].replace(/[^\w-]/g, "") : null},
+            body.join("\n"),
+          ),
+        ),
+      );
+    } else if ((m = HEADING_RE.exec(t))) {
+      const h = el("h" + m[1].length);
+      inline(m[2] || "", h, ctx);
+      out.appendChild(h);
+      i++;
+    } else if (HR_RE.test(t)) {
+      out.appendChild(el("hr"));
+      i++;
+    } else if (QUOTE_RE.test(t)) {
+      const inner = [];
+      for (; i < lines.length && QUOTE_RE.test(lines[i].t); i++) {
+        inner.push({t: lines[i].t.replace(QUOTE_RE, ""), n: lines[i].n});
+      }
+      const q = el("blockquote");
+      blocks(inner, q, ctx);
+      out.appendChild(q);
+    } else if (
+      i + 1 < lines.length &&
+      t.includes("|") &&
+      lines[i + 1].t.includes("-") &&
+      TABLE_SEP_RE.test(lines[i + 1].t)
+    ) {
+      i = table(lines, i, out, ctx);
+    } else if (LIST_RE.test(t)) {
+      i = list(lines, i, out, ctx);
+    } else {
+      const para = [t.trim()];
+      for (i++; i < lines.length && lines[i].t.trim() && !startsBlock(lines[i].t); i++)
+        para.push(lines[i].t.trim());
+      const p = el("p");
+      inline(para.join("\n"), p, ctx);
+      out.appendChild(p);
+    }
+  }
+}
+
+function indentOf(s) {
+  return s.replace(/\t/g, "    ").length;
+}
+
+function list(lines, i, out, ctx) {
+  const first = LIST_RE.exec(lines[i].t);
+  const indent = indentOf(first[1]);
+  const ordered = /\d/.test(first[2]);
+  const listEl = el(ordered ? "ol" : "ul");
+  if (ordered && parseInt(first[2], 10) !== 1)
+    listEl.setAttribute("start", String(parseInt(first[2], 10)));
+  out.appendChild(listEl);
+  let li = null;
+  while (i < lines.length) {
+    const t = lines[i].t;
+    if (!t.trim()) {
+      // a blank line: the list goes on if an item follows
+      let j = i;
+      while (j < lines.length && !lines[j].t.trim()) j++;
+      const next = j < lines.length ? LIST_RE.exec(lines[j].t) : null;
+      if (!next || indentOf(next[1]) < indent) return j;
+      i = j;
+      continue;
+    }
+    const m = LIST_RE.exec(t);
+    if (m && !HR_RE.test(t)) {
+      const ind = indentOf(m[1]);
+      if (ind < indent) return i;
+      if (ind > indent && li) {
+        i = list(lines, i, li, ctx);
+        continue;
+      }
+      if (/\d/.test(m[2]) !== ordered) return i;
+      li = el("li");
+      let content = m[3] || "";
+      const task = /^\[([ xX])\](?:\s+|$)/.exec(content);
+      if (task) {
+        li.className = "task";
+        const n = lines[i].n;
+        const box = el("input", {
+          type: "checkbox",
+          "data-line": String(n),
+          "aria-label": content.slice(task[0].length).slice(0, 80) || "task",
+        });
+        box.checked = task[1] !== " ";
+        box.disabled = !ctx.onTask;
+        if (ctx.onTask) box.addEventListener("change", () => ctx.onTask(n, box));
+        li.appendChild(box);
+        content = content.slice(task[0].length);
+      }
+      inline(content, li, ctx);
+      listEl.appendChild(li);
+      i++;
+    } else if (li && (/^\s/.test(t) || !startsBlock(t))) {
+      // the item's text goes on
+      li.appendChild(el("br"));
+      inline(t.trim(), li, ctx);
+      i++;
+    } else {
+      return i;
+    }
+  }
+  return i;
+}
+
+function splitRow(row) {
+  let s = row.trim();
+  if (s.startsWith("|")) s = s.slice(1);
+  if (s.endsWith("|") && !s.endsWith("\\|")) s = s.slice(0, -1);
+  return s
+    .replace(/\\\|/g, "\u0000")
+    .split("|")
+    .map((c) => c.replace(/\u0000/g, "|").trim());
+}
+
+function table(lines, i, out, ctx) {
+  const head = splitRow(lines[i].t);
+  const align = splitRow(lines[i + 1].t).map((c) =>
+    c.endsWith(":") ? (c.startsWith(":") ? "al-c" : "al-r") : null,
+  );
+  const tr = el("tr");
+  head.forEach((c, k) => {
+    const th = el("th", {class: align[k]});
+    inline(c, th, ctx);
+    tr.appendChild(th);
+  });
+  const tbody = el("tbody");
+  for (i += 2; i < lines.length && lines[i].t.includes("|") && lines[i].t.trim(); i++) {
+    const row = el("tr");
+    const cells = splitRow(lines[i].t);
+    head.forEach((_, k) => {
+      const td = el("td", {class: align[k]});
+      inline(cells[k] || "", td, ctx);
+      row.appendChild(td);
+    });
+    tbody.appendChild(row);
+  }
+  out.appendChild(el("div", {class: "table"}, el("table", {}, el("thead", {}, tr), tbody)));
+  return i;
+}
+
+function inline(text, parent, ctx) {
+  if (text.length > 20000) {
+    parent.appendChild(document.createTextNode(text));
+    return;
+  }
+  const re = new RegExp(INLINE_SOURCE, "g");
+  let last = 0;
+  let m;
+  const add = (s) => {
+    if (s) parent.appendChild(document.createTextNode(s));
+  };
+  while ((m = re.exec(text))) {
+    if (
+      m[13] === "_" &&
+      (/\w/.test(text[m.index - 1] || "") || /\w/.test(text[re.lastIndex] || ""))
+    ) {
+      re.lastIndex = m.index + 1; // snake_case is not emphasis
+      continue;
+    }
+    // ![[name]] embeds what [[name]] links to (an image shows, a file is offered).
+    const embed = m[5] !== undefined && m.index > last && text[m.index - 1] === "!";
+    add(text.slice(last, embed ? m.index - 1 : m.index));
+    last = re.lastIndex;
+    if (m[1] !== undefined) parent.appendChild(el("code", {}, m[2].replace(/^ (.*) $/, "$1")));
+    else if (m[3] !== undefined) parent.appendChild(image(m[3], m[4], ctx));
+    else if (m[5] !== undefined) parent.appendChild(wikiLink(m[5], m[6], ctx, embed));
+    else if (m[7] !== undefined) parent.appendChild(link(m[8], m[7], ctx, true));
+    else if (m[9] !== undefined) parent.appendChild(link(m[9], m[9].replace(/^mailto:/, ""), ctx));
+    else if (m[10] !== undefined) parent.appendChild(link(m[10], m[10], ctx));
+    else if (m[11] !== undefined) {
+      const e = el("strong");
+      inline(m[12], e, ctx);
+      parent.appendChild(e);
+    } else if (m[13] !== undefined) {
+      const e = el("em");
+      inline(m[14], e, ctx);
+      parent.appendChild(e);
+    } else if (m[15] !== undefined) {
+      const e = el("del");
+      inline(m[15], e, ctx);
+      parent.appendChild(e);
+    } else if (m[16] !== undefined) {
+      const e = el("mark");
+      inline(m[16], e, ctx);
+      parent.appendChild(e);
+    } else if (m[17] !== undefined) add(m[17]);
+    else if (m[18] !== undefined) parent.appendChild(el("br"));
+  }
+  add(text.slice(last));
+}
+
+function safeDecode(s) {
+  try {
+    return decodeURIComponent(s);
+  } catch (e) {
+    return s;
+  }
+}
+
+// Return the note path (or attachment path) a relative link points at, or null.
+function resolveRelative(href, from) {
+  const target = safeDecode(href.split("#")[0].split("?")[0]);
+  if (!target) return null;
+  const parts = target.startsWith("/")
+    ? target.startsWith("/notes/") || target.startsWith("/attachments/")
+      ? []
+      : ["notes"]
+    : folderOf(from || "notes/x.md").split("/");
+  for (const seg of target.split("/")) {
+    if (seg === "" || seg === ".") continue;
+    if (seg === "..") {
+      if (!parts.length) return null;
+      parts.pop();
+    } else parts.push(seg);
+  }
+  const path = parts.join("/");
+  return /^(notes|attachments)\//.test(path) ? path : null;
+}
+
+function link(href, label, ctx, markdown) {
+  href = href.trim();
+  let a;
+  if (/^(https?:|mailto:)/i.test(href)) {
+    a = el("a", {href, target: "_blank", rel: "noopener noreferrer"});
+  } else {
+    const path = /^[a-z][a-z0-9+.-]*:|^\/\/|^#/i.test(href)
+      ? null
+      : resolveRelative(href, ctx.from);
+    if (path && path.startsWith("attachments/") && features.attachments) {
+      a = attachmentLink(path, path);
+    } else if (!path || !path.startsWith("notes/") || !path.endsWith(".md")) {
+      a = el("span"); // another scheme, or nothing this page can open: the text alone
+    } else {
+      a = el("a", {
+        href: "#",
+        "data-note": path,
+        onclick: (e) => {
+          e.preventDefault();
+          act(() => openNote(path))();
+        },
+      });
+    }
+  }
+  if (markdown) inline(label, a, ctx);
+  else a.textContent = label;
+  return a;
+}
+
+function wikiLink(target, label, ctx, embed) {
+  const name = target.split("#")[0].trim();
+  if (isAttachmentName(name) && features.attachments) {
+    const found = findAttachment(name);
+    const shown = label && !/^\d+(x\d+)?$/.test(label.trim()) ? label.trim() : fileName(name);
+    if (embed && IMAGE_EXT.test(name)) return attachmentImage(found, shown);
+    const a = attachmentLink(found, name);
+    a.textContent = shown;
+    return a;
+  }
+  return el(
+    "a",
+    {
+      href: "#",
+      "data-wiki": name,
+      onclick: (e) => {
+        e.preventDefault();
+        act(() => openWiki(name, ctx.from))();
+      },
+    },
+    (label || target).trim(),
+  );
+}
+
+function image(alt, src, ctx) {
+  // Images load only from this server (the CSP allows no other); others show as a link.
+  if (/^(https?:)/i.test(src)) return link(src, alt ? "image: " + alt : src, ctx);
+  const path = /^[a-z][a-z0-9+.-]*:|^\/\//i.test(src) ? null : resolveRelative(src, ctx.from);
+  if (!path || !path.startsWith("attachments/") || !features.attachments) {
+    return document.createTextNode(alt ? "[image: " + alt + "]" : "[image]");
+  }
+  if (!IMAGE_EXT.test(path)) {
+    const a = attachmentLink(path, path);
+    a.textContent = alt || fileName(path);
+    return a;
+  }
+  return attachmentImage(Promise.resolve(path), alt || fileName(path));
+}
+
+const IMAGE_EXT = /\.(png|jpe?g|gif|webp|avif|bmp|ico|svg)$/i;
+const MEDIA_EXT = /\.(mp3|m4a|aac|ogg|oga|opus|wav|flac|weba|mp4|m4v|mov|webm)$/i;
+const VIDEO_EXT = /\.(mp4|m4v|mov|webm)$/i;
+
+function fileName(path) {
+  return path.split("/").pop();
+}
+
+function isAttachmentName(name) {
+  const ext = /\.([a-z0-9]{1,5})$/i.exec(fileName(name));
+  return !!ext && ext[1].toLowerCase() !== "md";
+}
+
+function attachmentImage(found, alt) {
+  const img = el("img", {alt, loading: "lazy"});
+  Promise.resolve(found)
+    .then((path) => {
+      if (!path) throw new Error("not found");
+      img.dataset.attachment = path;
+      return attachmentUrl(path);
+    })
+    .then(
+      (url) => {
+        img.src = url;
+      },
+      () => img.replaceWith(document.createTextNode("[image not found: " + alt + "]")),
+    );
+  return img;
+}
+
+// A link to an attachment: audio and video play in the page, other files are downloaded
+// (never opened as a page of this origin).
+function attachmentLink(found, name) {
+  const a = el("a", {href: "#", class: MEDIA_EXT.test(name) ? "file media" : "file"});
+  if (typeof found === "string") a.dataset.attachment = found;
+  a.addEventListener("click", (e) => {
+    e.preventDefault();
+    act(() => openAttachment(found, a))();
+  });
+  return a;
+}
+
+async function openAttachment(found, a) {
+  const path = await found;
+  if (!path) throw new Error("There is no attachment of that name.");
+  if (MEDIA_EXT.test(path)) {
+    const url = await attachmentUrl(path);
+    const player = el(VIDEO_EXT.test(path) ? "video" : "audio", {controls: true, class: "media"});
+    player.src = url;
+    player.setAttribute("aria-label", fileName(path));
+    a.replaceWith(player);
+    player.play().catch(() => {});
+    return;
+  }
+  const {blob} = await api("GET", "/attachments/" + enc(path), undefined, undefined, {blob: true});
+  const url = URL.createObjectURL(new Blob([blob], {type: "application/octet-stream"}));
+  const save = el("a", {href: url, download: fileName(path), hidden: true});
+  document.body.append(save);
+  save.click();
+  save.remove();
+  setTimeout(() => URL.revokeObjectURL(url), 60000);
+}
+
+// ![[photo.jpg]] names a file: a path, else the first attachment of that name (as the
+// server resolves it), from one listing of the attachments kept for a minute.
+let attachmentNames = null;
+let attachmentNamesAt = 0;
+async function findAttachment(name) {
+  if (name.includes("/")) {
+    const path = name.replace(/^\/+/, "");
+    return path.startsWith("attachments/") ? path : "attachments/" + path;
+  }
+  if (!attachmentNames || Date.now() - attachmentNamesAt > 60000) {
+    attachmentNamesAt = Date.now();
+    attachmentNames = (async () => {
+      const names = new Map();
+      const paths = [];
+      for (let offset = 0; offset < 20000; offset += 1000) {
+        const {data} = await api("GET", "/attachments?limit=1000&offset=" + offset);
+        paths.push(...data.attachments.map((x) => x.path));
+        if (offset + 1000 >= data.total) break;
+      }
+      for (const p of paths.sort()) {
+        const key = fileName(p).toLowerCase();
+        if (!names.has(key)) names.set(key, p);
+      }
+      return names;
+    })();
+  }
+  const names = await attachmentNames.catch(() => new Map());
+  return names.get(name.toLowerCase()) || null;
+}
+
+// An attachment needs the key, which an <img src> cannot send: fetch it, show it as a blob.
+const attachmentUrls = new Map();
+function attachmentUrl(path) {
+  if (!attachmentUrls.has(path)) {
+    const url = api("GET", "/attachments/" + enc(path), undefined, undefined, {blob: true}).then(
+      (r) => URL.createObjectURL(r.blob),
+    );
+    url.catch(() => attachmentUrls.delete(path));
+    attachmentUrls.set(path, url);
+  }
+  return attachmentUrls.get(path);
+}
+
+// [[Name]] resolves as the server does: a path, else the first note of that file name.
+async function openWiki(name, from) {
+  let target = name.replace(/\.md$/i, "");
+  if (target.includes("/")) {
+    target = target.replace(/^\/+/, "");
+    return openNote((target.startsWith("notes/") ? target : "notes/" + target) + ".md");
+  }
+  const {data} = await api("GET", "/search?limit=100&q=" + enc(target.replace(/["*()-]/g, " ")));
+  const want = target.toLowerCase();
+  const found = data.results
+    .map((h) => h.path)
+    .filter((p) => nameOf(p).toLowerCase() === want)
+    .sort();
+  if (found.length) return openNote(found[0]);
+  const guess = (from ? folderOf(from) : "notes") + "/" + target + ".md";
+  for (const path of new Set([guess, "notes/" + target + ".md"])) {
+    try {
+      await api("GET", "/notes/" + enc(path));
+      return openNote(path);
+    } catch (e) {
+      if (e.status !== 404) throw e;
+    }
+  }
+  const choice = await choose("No note named “" + target + "”", "Create " + guess + "?", [
+    ["create", "Create it", "primary"],
+    ["cancel", "Cancel"],
+  ]);
+  if (choice === "create") await createNote(guess);
+  return undefined;
+}
+
+// -- dialogs ---------------------------------------------------------------------------------
+
+let dialogDone = null;
+function dialog(title, body, buttons, initial) {
+  const d = $("dlg");
+  if (dialogDone) dialogDone("cancel"); // one dialog at a time: the one open gives way
+  $("dlg-title").textContent = title;
+  $("dlg-body").replaceChildren(
+    ...(Array.isArray(body) ? body : [body]).map((b) =>
+      typeof b === "string" ? el("p", {}, b) : b,
+    ),
+  );
+  return new Promise((resolve) => {
+    dialogDone = (value) => {
+      dialogDone = null;
+      if (d.open) d.close();
+      resolve(value);
+    };
+    $("dlg-buttons").replaceChildren(
+      ...buttons.map(([value, label, cls]) =>
+        el(
+          "button",
+          {
+            type: "button",
+            class: cls || null,
+            "data-value": value,
+            onclick: () => dialogDone(value),
+          },
+          label,
+        ),
+      ),
+    );
+    d.showModal();
+    const focus =
+      initial ||
+      d.querySelector("#dlg-body input") ||
+      d.querySelector("button.primary") ||
+      d.querySelector("button");
+    if (focus) focus.focus();
+  });
+}
+function choose(title, text, buttons) {
+  return dialog(title, text, buttons);
+}
+
+// -- the open note -----------------------------------------------------------------------------
+
+const editor = () => $("editor");
+function dirty() {
+  return state.path !== null && editor().value !== state.saved;
+}
+
+function updateDirty() {
+  const s = $("status");
+  if (dirty()) {
+    s.replaceChildren(
+      el("span", {"aria-hidden": "true"}, "● "),
+      el("span", {class: "word"}, "Unsaved"),
+    );
+    s.className = "dirty";
+  } else if (s.className === "dirty") {
+    s.textContent = "";
+    s.className = "";
+  }
+  $("save").disabled = !state.path;
+  $("save").classList.toggle("clean", !dirty());
+}
+
+function draftKey(path) {
+  return "notesvc.draft:" + state.base + "|" + path;
+}
+function readDraft(path) {
+  try {
+    return JSON.parse(getItem("local", draftKey(path)) || "null");
+  } catch (e) {
+    return null;
+  }
+}
+function keepDraft() {
+  if (!state.path) return;
+  if (dirty()) {
+    setItem(
+      "local",
+      draftKey(state.path),
+      JSON.stringify({content: editor().value, etag: state.etag, at: Date.now()}),
+    );
+  } else {
+    removeItem("local", draftKey(state.path));
+  }
+}
+let draftTimer = 0;
+function scheduleDraft() {
+  clearTimeout(draftTimer);
+  draftTimer = setTimeout(keepDraft, 300);
+}
+function dropDraft() {
+  if (state.path) removeItem("local", draftKey(state.path));
+  $("draft").hidden = true;
+}
+
+// Ask before unsaved text would be lost; resolve to true when it is fine to go on.
+async function confirmLeave(what) {
+  if (!dirty()) return true;
+  const choice = await choose(
+    "Unsaved changes",
+    "“" + state.title + "” has changes that are not saved.",
+    [
+      ["save", "Save", "primary"],
+      ["discard", "Discard"],
+      ["cancel", "Cancel"],
+    ],
+  );
+  if (choice === "save") return save(false);
+  if (choice === "discard") {
+    dropDraft();
+    editor().value = state.saved;
+    updateDirty();
+    return true;
+  }
+  return false;
+}
+
+function showNote(rec) {
+  state.path = rec.path;
+  state.etag = rec.etag;
+  state.saved = rec.content;
+  state.title = rec.title || nameOf(rec.path);
+  editor().value = rec.content;
+  $("title").textContent = state.title;
+  $("path").textContent = rec.path + " · " + ago(rec.modified);
+  $("path").title = rec.path;
+  $("empty").hidden = true;
+  $("note-bar").hidden = false;
+  $("conflict").hidden = true;
+  $("conflict-text").textContent = "This note changed elsewhere.";
+  $("draft").hidden = true;
+  $("status").textContent = "";
+  $("status").className = "";
+  $("about").disabled = false;
+  $("about-label").textContent = "About this note: " + state.title;
+  setItem("session", "notesvc.open", rec.path);
+}
+
+async function openNote(path, opts) {
+  opts = opts || {};
+  if (path !== state.path && !(await confirmLeave())) return false;
+  const {data} = await api("GET", "/notes/" + enc(path));
+  showNote(data);
+  const draft = readDraft(data.path);
+  if (draft && draft.content !== data.content) {
+    editor().value = draft.content;
+    state.etag = draft.etag || data.etag; // a save meets the conflict if the note moved on
+    $("draft-text").textContent =
+      "Your unsaved draft from " +
+      new Date(draft.at).toLocaleString() +
+      " is back." +
+      (draft.etag && draft.etag !== data.etag ? " The note has changed since then." : "");
+    $("draft").hidden = false;
+    setEditing(true);
+  } else {
+    if (draft) dropDraft();
+    setEditing(!!opts.edit);
+  }
+  updateDirty();
+  showPane("note");
+  loadBacklinks(data.path);
+  reveal(data.path).catch(() => {});
+  return true;
+}
+
+function closeNote() {
+  state.path = null;
+  state.etag = null;
+  state.saved = "";
+  editor().value = "";
+  $("note-bar").hidden = true;
+  $("title").textContent = "";
+  $("path").textContent = "";
+  $("view").replaceChildren();
+  $("view").hidden = true;
+  editor().hidden = true;
+  $("backlinks").hidden = true;
+  $("conflict").hidden = true;
+  $("draft").hidden = true;
+  $("empty").hidden = false;
+  $("about").checked = false;
+  $("about").disabled = true;
+  $("about-label").textContent = "About this note";
+  removeItem("session", "notesvc.open");
+  markCurrent();
+}
+
+function setEditing(on) {
+  state.editing = on;
+  editor().hidden = !on;
+  $("view").hidden = on;
+  $("edit").textContent = on ? "View" : "Edit";
+  $("edit").setAttribute("aria-pressed", String(on));
+  if (!on) renderView();
+}
+
+function renderView() {
+  const view = renderMarkdown(editor().value, {from: state.path, onTask: toggleTask});
+  $("view").replaceChildren(...view.childNodes);
+}
+
+// A checkbox ticked in the formatted view changes its line; saved at once (with If-Match)
+// unless there are other unsaved changes, which it then joins.
+async function toggleTask(n, box) {
+  const lines = editor().value.split("\n");
+  const line = lines[n] || "";
+  const flipped = line.replace(
+    /^(\s*(?:[-*+]|\d{1,9}[.)])\s+)\[([ xX])\]/,
+    (_, lead, mark) => lead + (mark === " " ? "[x]" : "[ ]"),
+  );
+  if (flipped === line) {
+    box.checked = !box.checked;
+    return;
+  }
+  const before = dirty();
+  lines[n] = flipped;
+  editor().value = lines.join("\n");
+  if (before) {
+    updateDirty();
+    scheduleDraft();
+    toast("Ticked: Save to keep it with your other changes.");
+    return;
+  }
+  if (!(await act(() => save(false))())) {
+    editor().value = state.saved;
+    updateDirty();
+    renderView();
+  }
+}
+
+function showConflict(gone) {
+  $("conflict-text").textContent = gone
+    ? "This note was deleted or moved elsewhere."
+    : "This note changed elsewhere.";
+  $("conflict").hidden = false;
+  $("status").textContent = "Not saved";
+  $("status").className = "dirty";
+}
+
+// A write of this page's own is under way: the feed's news of the open note waits for it
+// (the news may be that very write), then the note is looked at once.
+async function writing(fn) {
+  state.writes = (state.writes || 0) + 1;
+  try {
+    return await fn();
+  } finally {
+    state.writes--;
+    if (!state.writes && state.recheck) {
+      state.recheck = false;
+      checkOpenNote().catch(() => {});
+    }
+  }
 }
 
 async function save(force) {
-  if (!current) return;
-  const r = await api("PUT", "/notes/" + enc(current), {content: $("editor").value},
-                      force ? {} : {"If-Match": etag});
-  if (r.status === 412) {
-    show("conflict", true); status("Not saved: changed elsewhere", true); return; }
-  if (!r.ok) { status(r.error.message, true); return; }
-  etag = r.data.etag; show("conflict", false); status("Saved " + current);
+  return state.path ? writing(() => saveNow(force)) : false;
 }
 
-async function createNote() {
-  let path = $("new-path").value.trim();
-  if (!path) return;
+async function saveNow(force) {
+  const content = editor().value;
+  try {
+    let r;
+    try {
+      r = await api(
+        "PUT",
+        "/notes/" + enc(state.path),
+        {content},
+        force ? {} : {"If-Match": state.etag},
+      );
+    } catch (e) {
+      if (e.status !== 404 || !force) throw e;
+      r = await api("POST", "/notes", {path: state.path, content}); // keep mine: write it again
+      loadTree().catch(() => {});
+    }
+    state.saved = content;
+    state.etag = r.data.etag;
+    state.title = r.data.title || state.title;
+    $("title").textContent = state.title;
+    $("path").textContent = r.data.path + " · " + ago(r.data.modified);
+    dropDraft();
+    $("conflict").hidden = true;
+    $("status").textContent = "Saved";
+    $("status").className = "";
+    if (!state.editing) renderView();
+    return true;
+  } catch (e) {
+    if (e.status === 412 || e.status === 404) {
+      showConflict(e.status === 404);
+      return false;
+    }
+    throw e;
+  }
+}
+
+async function reloadTheirs() {
+  dropDraft();
+  const path = state.path;
+  state.saved = editor().value; // nothing to ask about: the person chose theirs
+  try {
+    await openNote(path);
+  } catch (e) {
+    if (e.status !== 404) throw e;
+    closeNote();
+    showPane("notes");
+    await loadTree();
+    toast(path + " is no longer there");
+  }
+}
+
+// The open note may have changed elsewhere: take the new text when nothing is unsaved,
+// otherwise say so and let the person choose.
+async function checkOpenNote() {
+  const path = state.path;
+  if (!path || !state.key) return;
+  let r;
+  try {
+    r = await api("GET", "/notes/" + enc(path));
+  } catch (e) {
+    if (e.status === 404 && path === state.path) showConflict(true);
+    return;
+  }
+  if (path !== state.path || r.data.etag === state.etag) return;
+  if (dirty()) {
+    showConflict(false);
+    return;
+  }
+  const editing = state.editing;
+  showNote(r.data);
+  setEditing(editing);
+  updateDirty();
+  toast("“" + state.title + "” changed elsewhere: this is the new text");
+}
+
+let lastLook = 0;
+async function lookAgain() {
+  // Back to the page after a while: the tree and the open note may have moved on.
+  if (Date.now() - lastLook < 10000 || !state.key || $("app").hidden) return;
+  lastLook = Date.now();
+  await Promise.all([loadTree(), checkOpenNote()]);
+}
+
+function offerNew() {
+  const input = el("input", {
+    type: "text",
+    id: "new-path",
+    autocomplete: "off",
+    spellcheck: "false",
+    placeholder: "folder/name",
+  });
+  const folder = state.path ? folderOf(state.path).replace(/^notes\/?/, "") : "";
+  input.value = folder ? folder + "/" : "";
+  input.addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && dialogDone) dialogDone("create");
+  });
+  return dialog(
+    "New note",
+    [
+      el("label", {for: "new-path"}, "Name (folders with /)"),
+      input,
+      el("p", {class: "muted"}, "It is saved as notes/<name>.md."),
+    ],
+    [
+      ["cancel", "Cancel"],
+      ["create", "Create", "primary"],
+    ],
+    input,
+  ).then((v) => (v === "create" ? input.value.trim() : null));
+}
+
+function toNotePath(name) {
+  let path = name.trim().replace(/^\/+/, "");
   if (!path.startsWith("notes/")) path = "notes/" + path;
-  if (!path.endsWith(".md")) path += ".md";
-  const title = path.split("/").pop().replace(/\.md$/, "");
-  const r = await api("POST", "/notes", {path, content: "# " + title + "\n\n"});
-  if (!r.ok) { status(r.error.message, true); return; }
-  $("new-path").value = ""; await loadTree(); await openNote(r.data.path);
+  if (!/\.md$/i.test(path)) path += ".md";
+  return path;
+}
+
+async function newNote() {
+  if (!(await confirmLeave())) return;
+  const name = await offerNew();
+  if (name) await createNote(toNotePath(name));
+}
+
+async function createNote(path) {
+  const {data} = await api("POST", "/notes", {path, content: "# " + nameOf(path) + "\n\n"});
+  state.saved = editor().value; // already asked
+  await openNote(data.path, {edit: true});
+  const ed = editor();
+  ed.focus();
+  ed.setSelectionRange(ed.value.length, ed.value.length);
 }
 
 async function moveNote() {
-  const to = $("move-path").value.trim();
-  if (!current || !to || to === current) return;
-  const r = await api("PATCH", "/notes/" + enc(current) + "/move", {path: to, updateLinks: true},
-                      {"If-Match": etag});
-  if (!r.ok) { status(r.error.message, true); return; }
-  await loadTree(); await openNote(r.data.path); status("Moved to " + r.data.path);
+  if (!state.path) return;
+  if (dirty() && !(await save(false))) return;
+  const input = el("input", {
+    type: "text",
+    id: "move-path",
+    autocomplete: "off",
+    spellcheck: "false",
+  });
+  input.value = state.path.replace(/^notes\//, "").replace(/\.md$/, "");
+  const links = el("input", {type: "checkbox", id: "move-links"});
+  links.checked = true;
+  input.addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && dialogDone) dialogDone("move");
+  });
+  const v = await dialog(
+    "Move or rename",
+    [
+      el("label", {for: "move-path"}, "New name (folders with /)"),
+      input,
+      el("label", {class: "check"}, links, " Update links to it in other notes"),
+    ],
+    [
+      ["cancel", "Cancel"],
+      ["move", "Move", "primary"],
+    ],
+    input,
+  );
+  if (v !== "move") return;
+  const to = toNotePath(input.value);
+  if (to === state.path) return;
+  mine(state.path);
+  const {data} = await api(
+    "PATCH",
+    "/notes/" + enc(state.path) + "/move",
+    {path: to, updateLinks: links.checked},
+    {"If-Match": state.etag},
+  );
+  state.saved = editor().value;
+  await openNote(data.path);
+  await loadTree();
+  toast("Moved to " + data.path);
 }
 
 async function deleteNote() {
-  if (!current || !window.confirm("Move " + current + " to the trash?")) return;
-  const r = await api("DELETE", "/notes/" + enc(current), undefined, {"If-Match": etag});
-  if (!r.ok) { status(r.error.message, true); return; }
-  status("Deleted " + current + " (kept in the trash)"); current = null; show("note", false);
+  if (!state.path) return;
+  const v = await choose(
+    "Move to trash?",
+    "“" + state.title + "” goes to the trash, where it can be restored.",
+    [
+      ["cancel", "Cancel"],
+      ["delete", "Move to trash", "primary"],
+    ],
+  );
+  if (v !== "delete") return;
+  const path = state.path;
+  mine(path);
+  try {
+    await api("DELETE", "/notes/" + enc(path), undefined, {"If-Match": state.etag});
+  } catch (e) {
+    if (e.status === 412) throw new Error("It changed elsewhere: reload it before deleting.");
+    throw e;
+  }
+  dropDraft();
+  closeNote();
+  showPane("notes");
   await loadTree();
+  toast(
+    "Moved " + nameOf(path) + " to the trash",
+    false,
+    features.history ? ["Undo", () => undoDelete(path)] : null,
+  );
+}
+
+async function loadBacklinks(path) {
+  const box = $("backlinks");
+  box.hidden = true;
+  let r;
+  try {
+    r = await api("GET", "/plugins/backlinks/" + enc(path));
+  } catch (e) {
+    return;
+  } // the plugin may be off
+  if (path !== state.path) return;
+  const list = r.data.backlinks || r.data.notes || [];
+  if (!list.length) return;
+  const items = list.map((n) =>
+    el(
+      "li",
+      {},
+      el(
+        "button",
+        {type: "button", class: "link", onclick: act(() => openNote(n.path))},
+        n.title || n.path,
+      ),
+    ),
+  );
+  box.replaceChildren(el("strong", {}, "Linked from"), el("ul", {}, ...items));
+  box.hidden = false;
+}
+
+// -- history and the trash (where the server keeps them) ----------------------------------
+
+function when(iso) {
+  const t = Date.parse(iso);
+  return t ? new Date(t).toLocaleString() : iso;
+}
+
+function sizeText(n) {
+  return n < 1024
+    ? n + " B"
+    : n < 1048576
+      ? (n / 1024).toFixed(1) + " KB"
+      : (n / 1048576).toFixed(1) + " MB";
+}
+
+function diffView(diff) {
+  const pre = el("pre", {class: "diff"});
+  for (const line of diff.split("\n")) {
+    const cls = /^\+(?!\+\+)/.test(line) ? "add" : /^-(?!--)/.test(line) ? "del" : null;
+    pre.append(el("span", {class: cls}, line + "\n"));
+  }
+  return pre;
+}
+
+async function showHistory() {
+  if (!state.path) return;
+  const path = state.path;
+  const {data} = await api("GET", "/notes/" + enc(path) + "/versions?limit=50");
+  const base = "/notes/" + enc(path) + "/versions/";
+  const list = el("ul", {class: "list", id: "versions"});
+  const detail = el("div", {id: "version-detail"});
+  for (const v of data.versions) {
+    const view = act(async () => {
+      const r = await api("GET", base + enc(v.id));
+      detail.replaceChildren(
+        el("h3", {}, "Saved " + when(v.savedAt)),
+        el("pre", {}, r.data.content),
+      );
+    });
+    const diff = act(async () => {
+      const r = await api("GET", base + enc(v.id) + "/diff?against=current");
+      detail.replaceChildren(
+        el("h3", {}, "From " + when(v.savedAt) + " to now"),
+        r.data.diff ? diffView(r.data.diff) : el("p", {}, "The same as now."),
+      );
+    });
+    const restore = act(async () => {
+      dialogDone("cancel");
+      if (!(await confirmLeave())) return;
+      await writing(async () => {
+        const r = await api("POST", base + enc(v.id) + "/restore", undefined, {
+          "If-Match": state.etag,
+        });
+        dropDraft();
+        showNote(r.data);
+        setEditing(false);
+        updateDirty();
+      });
+      toast("Restored the version of " + when(v.savedAt));
+    });
+    list.append(
+      el(
+        "li",
+        {"data-version": v.id},
+        el(
+          "span",
+          {},
+          when(v.savedAt),
+          el("small", {class: "muted"}, " · " + v.reason + " · " + sizeText(v.size)),
+        ),
+        el(
+          "span",
+          {class: "actions"},
+          el("button", {type: "button", onclick: view}, "View"),
+          el("button", {type: "button", onclick: diff}, "Diff"),
+          el("button", {type: "button", onclick: restore}, "Restore"),
+        ),
+      ),
+    );
+  }
+  if (!data.versions.length) list.append(el("li", {class: "muted"}, "No earlier versions yet."));
+  await dialog("History of " + state.title, [list, detail], [["cancel", "Close"]]);
+}
+
+async function restoreFromTrash(item, to) {
+  try {
+    const r = await api(
+      "POST",
+      "/trash/" + enc(item.id) + "/restore",
+      to ? {path: to} : undefined,
+    );
+    return r.data;
+  } catch (e) {
+    if (e.status !== 409) throw e;
+    const input = el("input", {
+      type: "text",
+      id: "restore-path",
+      autocomplete: "off",
+      spellcheck: "false",
+    });
+    input.value = item.path.replace(/(\.\w+)$/, " (restored)$1");
+    const v = await dialog(
+      "Restore under another name",
+      [e.message, el("label", {for: "restore-path"}, "Restore as"), input],
+      [
+        ["cancel", "Cancel"],
+        ["restore", "Restore", "primary"],
+      ],
+      input,
+    );
+    return v === "restore" ? restoreFromTrash(item, input.value.trim()) : null;
+  }
+}
+
+async function showTrash() {
+  const {data} = await api("GET", "/trash?limit=100");
+  const list = el("ul", {class: "list", id: "trash-items"});
+  const detail = el("div", {id: "trash-detail"});
+  for (const item of data.items) {
+    const view = act(async () => {
+      const r = await api("GET", "/trash/" + enc(item.id));
+      detail.replaceChildren(el("h3", {}, item.path), el("pre", {}, r.data.content || ""));
+    });
+    const restore = act(async () => {
+      dialogDone("cancel");
+      const rec = await restoreFromTrash(item);
+      if (!rec) return;
+      await loadTree();
+      toast("Restored " + rec.path);
+      if (rec.path.startsWith("notes/")) await openNote(rec.path);
+    });
+    const purge = act(async () => {
+      await api("DELETE", "/trash/" + enc(item.id));
+      row.remove();
+    });
+    const row = el(
+      "li",
+      {"data-trash": item.id},
+      el(
+        "span",
+        {},
+        item.path,
+        el("small", {class: "muted"}, " · deleted " + when(item.deletedAt)),
+      ),
+      el(
+        "span",
+        {class: "actions"},
+        item.path.endsWith(".md") ? el("button", {type: "button", onclick: view}, "View") : null,
+        el("button", {type: "button", onclick: restore}, "Restore"),
+        el(
+          "button",
+          {
+            type: "button",
+            class: "danger",
+            onclick: purge,
+            "aria-label": "Delete forever: " + item.path,
+          },
+          "Delete",
+        ),
+      ),
+    );
+    list.append(row);
+  }
+  if (!data.items.length) list.append(el("li", {class: "muted"}, "The trash is empty."));
+  await dialog("Trash", [list, detail], [["cancel", "Close"]]);
+}
+
+// Undo a delete: the newest trash item with that path comes back.
+async function undoDelete(path) {
+  const {data} = await api("GET", "/trash?limit=50");
+  const item = data.items.find((i) => i.path === path);
+  if (!item) throw new Error("It is no longer in the trash.");
+  const rec = await restoreFromTrash(item);
+  if (!rec) return;
+  await loadTree();
+  await openNote(rec.path);
+}
+
+// -- attachments: a photo, a file, a pasted image ------------------------------------------
+
+function relativeTo(from, path) {
+  // The link a note at `from` writes to `path`, so other Markdown editors find it too.
+  const a = folderOf(from).split("/");
+  const b = path.split("/");
+  let i = 0;
+  while (i < a.length && i < b.length - 1 && a[i] === b[i]) i++;
+  return "../".repeat(a.length - i) + b.slice(i).map(enc).join("/");
+}
+
+function attachmentPath(file) {
+  const now = new Date();
+  const stamp = now.toISOString().replace(/[-:]/g, "").replace("T", "-").slice(0, 15);
+  const dot = file.name.lastIndexOf(".");
+  const ext = (
+    dot > 0 ? file.name.slice(dot + 1) : file.type.split("/")[1] || "bin"
+  ).toLowerCase();
+  const stem =
+    (dot > 0 ? file.name.slice(0, dot) : file.name || "file")
+      .normalize("NFKD")
+      .replace(/[^\w-]+/g, "-")
+      .replace(/^-+|-+$/g, "")
+      .slice(0, 60) || "file";
+  const folder = folderOf(state.path).replace(/^notes\/?/, "");
+  return (
+    "attachments/" +
+    (folder ? folder + "/" : "") +
+    stamp +
+    "-" +
+    stem +
+    "." +
+    ext.replace(/[^\w]/g, "")
+  );
+}
+
+// PUT the file's bytes; never over another file (If-None-Match: *): a taken name gets -2, -3…
+async function upload(file) {
+  const path = attachmentPath(file);
+  for (let n = 1; ; n++) {
+    const tried = n === 1 ? path : path.replace(/(\.\w+)$/, "-" + n + "$1");
+    try {
+      const r = await api("PUT", "/attachments/" + enc(tried), file, {
+        "Content-Type": file.type || "application/octet-stream",
+        "If-None-Match": "*",
+      });
+      return r.data;
+    } catch (e) {
+      if (e.status !== 412 || n >= 5) throw e;
+    }
+  }
+}
+
+async function attach(files) {
+  if (!state.path || !files.length) return;
+  if (!state.editing) setEditing(true);
+  const ed = editor();
+  for (const file of files) {
+    toast("Uploading " + (file.name || "the image") + "…");
+    const data = await upload(file);
+    const label = (file.name || "image").replace(/[[\]]/g, "");
+    const md =
+      (/^image\//.test(data.contentType) ? "!" : "") +
+      "[" +
+      label +
+      "](" +
+      relativeTo(state.path, data.path) +
+      ")";
+    const at = ed.selectionStart === undefined ? ed.value.length : ed.selectionEnd;
+    const before = ed.value.slice(0, at);
+    const insert = (before && !before.endsWith("\n") ? "\n" : "") + md + "\n";
+    ed.value = before + insert + ed.value.slice(at);
+    ed.setSelectionRange(at + insert.length, at + insert.length);
+    toast("Attached " + data.path + ": Save to keep the link");
+  }
+  updateDirty();
+  scheduleDraft();
+}
+
+// -- the change feed: the tree and the open note follow edits made elsewhere ----------------
+
+let feedRun = 0; // one follower at a time: a new connection starts a new one
+// Notes this page is moving or deleting itself: the feed's report of it is no news.
+const own = new Set();
+function mine(path) {
+  own.add(path);
+  setTimeout(() => own.delete(path), 30000);
+}
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+let treeTimer = 0;
+function treeSoon() {
+  clearTimeout(treeTimer);
+  treeTimer = setTimeout(() => loadTree().catch(() => {}), 300);
+}
+
+function cursorAfterGone(e) {
+  // A 410 says where the server's changes end: from there on, after listing again.
+  const last = e.error && (e.error.last !== undefined ? e.error.last : null);
+  if (Number.isInteger(last)) return last;
+  const m = /since=(\d+)/.exec(e.message || "");
+  return m ? parseInt(m[1], 10) : null;
+}
+
+async function changeCursor() {
+  let since = 0;
+  for (let page = 0; page < 20; page++) {
+    let r;
+    try {
+      r = await api("GET", "/changes?wait=0&limit=1000&since=" + since);
+    } catch (e) {
+      if (e.status === 410) return cursorAfterGone(e);
+      throw e;
+    }
+    since = r.data.last;
+    if (!r.data.more) return since;
+  }
+  return since;
+}
+
+function applyChange(c) {
+  if (c.kind !== "updated") treeSoon(); // the tree shows names, not contents
+  if (!state.path || own.has(c.from || c.path)) return;
+  if (c.kind === "moved" && c.from === state.path) {
+    if (dirty()) {
+      showConflict(true);
+      return;
+    }
+    act(() => openNote(c.path))();
+    toast("“" + state.title + "” moved to " + c.path);
+  } else if (c.path === state.path) {
+    if (c.kind === "deleted" && !dirty()) {
+      closeNote();
+      toast(
+        c.path + " was deleted elsewhere",
+        false,
+        features.history ? ["Undo", () => undoDelete(c.path)] : null,
+      );
+    } else if (c.kind === "deleted") {
+      showConflict(true);
+    } else if (c.etag !== state.etag) {
+      // Perhaps our own write: look when it is done.
+      if (state.writes) state.recheck = true;
+      else checkOpenNote().catch(() => {});
+    }
+  }
+}
+
+async function followChanges() {
+  const run = ++feedRun;
+  const alive = () => run === feedRun && state.key && !$("app").hidden;
+  let since = null;
+  let pause = 1000;
+  while (alive()) {
+    try {
+      if (since === null) since = await changeCursor();
+      if (since === null) return; // this server gives no cursor: coming back to the page refreshes
+      const r = await api("GET", "/changes?wait=20&limit=1000&since=" + since);
+      if (!alive()) return;
+      for (const c of r.data.changes) applyChange(c);
+      since = r.data.last;
+      pause = 1000;
+      if (r.data.retryAfter) await sleep(r.data.retryAfter * 1000); // too many feeds waiting
+    } catch (e) {
+      if (e.status === 401 || e.status === 429) return;
+      if (e.status === 410) {
+        since = cursorAfterGone(e);
+        treeSoon();
+        checkOpenNote().catch(() => {});
+        continue;
+      }
+      await sleep(pause); // offline, or the server restarts: try again, less and less often
+      pause = Math.min(pause * 2, 30000);
+    }
+  }
+}
+
+// What this server offers, from its OpenAPI document (an older one has the core only).
+async function readFeatures() {
+  try {
+    const {json} = await api("GET", "/openapi.json", undefined, undefined, {raw: true});
+    const paths = Object.keys((json && json.paths) || {});
+    const has = (end) => paths.some((p) => p.endsWith(end));
+    features.history = has("/trash") && has("/versions");
+    features.attachments = has("/attachments");
+    features.changes = has("/changes");
+  } catch (e) {
+    /* the core only */
+  }
+  $("menu-trash").hidden = !features.history;
+  $("history").hidden = !features.history;
+  $("attach").hidden = !features.attachments;
+  $("photo").hidden = !features.attachments || !matchMedia("(pointer: coarse)").matches; // a camera
+}
+
+// -- search ----------------------------------------------------------------------------------
+
+function fold(s) {
+  // lower case without accents, the same length (in UTF-16 units) as s
+  return s
+    .split("")
+    .map((c) => c.normalize("NFD")[0].toLowerCase()[0])
+    .join("");
 }
 
 function highlight(text, words) {
   const frag = document.createDocumentFragment();
-  const terms = words.filter((w) => w.length > 1)
-    .map((w) => w.replace(/[.*+?^${}()|[\]\\]/g, "\\$&"));
-  if (!terms.length) { frag.appendChild(document.createTextNode(text)); return frag; }
-  const re = new RegExp("(" + terms.join("|") + ")", "gi");
-  text.split(re).forEach((part, i) =>
-    frag.appendChild(i % 2 ? el("mark", part) : document.createTextNode(part)));
+  const folded = fold(text);
+  const marks = [];
+  for (const w of words) {
+    let at = 0;
+    for (;;) {
+      const i = folded.indexOf(w, at);
+      if (i < 0) break;
+      if (i === 0 || !/[\p{L}\p{N}]/u.test(folded[i - 1])) marks.push([i, i + w.length]);
+      at = i + 1;
+    }
+  }
+  marks.sort((a, b) => a[0] - b[0]);
+  let last = 0;
+  for (const [s, e] of marks) {
+    if (s < last) continue;
+    let end = e; // run on to the end of the word: "key" marks "keys"
+    while (end < text.length && /[\p{L}\p{N}]/u.test(text[end])) end++;
+    frag.append(text.slice(last, s), el("mark", {}, text.slice(s, end)));
+    last = end;
+  }
+  frag.append(text.slice(last));
   return frag;
 }
 
-async function search() {
-  const q = $("search").value.trim(), box = $("results");
-  box.textContent = "";
-  if (!q) return;
-  const r = await api("GET", "/search?q=" + enc(q) + "&limit=20");
-  if (!r.ok) { box.appendChild(el("p", r.error.message, "err")); return; }
-  const words = q.replace(/["*()-]/g, " ").split(/\s+/).filter((w) => w && w !== "OR");
-  box.appendChild(el("p", r.data.total + " found in " + r.data.tookMs + " ms"));
-  r.data.results.forEach((hit) => {
-    const d = el("div"); d.appendChild(highlight(hit.title, words));
-    const s = el("small"); s.appendChild(highlight(hit.snippet, words)); d.appendChild(s);
-    d.appendChild(el("small", hit.path)); d.onclick = () => openNote(hit.path); box.appendChild(d);
-  });
+// A snippet is raw Markdown: leave out the marks that only make it harder to read.
+function plainSnippet(text) {
+  return text
+    .replace(/\]\([^)\s]*\)/g, "]")
+    .replace(/\[[ xX]\]/g, "")
+    .replace(/\[\[|\]\]|[[\]]|\*\*|__|`+|~~|==/g, "")
+    .replace(/(^|\s)(#{1,6}|>|[-*+]|\|[-:| ]*\|?)(?=\s)/g, "$1")
+    .replace(/\s+/g, " ")
+    .trim();
 }
 
-async function chat() {
-  const msg = $("chat-input").value.trim();
-  if (!msg) return;
+function queryWords(q) {
+  return fold(q)
+    .replace(/(^|\s)-\S+/g, " ")
+    .replace(/["*()]/g, " ")
+    .split(/\s+/)
+    .filter((w) => w && w !== "or" && w.length > 1)
+    .map((w) => (w.length > 4 ? w.replace(/(es|s)$/, "") : w));
+}
+
+let searchSeq = 0;
+let searchTimer = 0;
+async function runSearch() {
+  clearTimeout(searchTimer);
+  const q = $("search").value.trim();
+  if (!q) {
+    endSearch(false);
+    return;
+  }
+  const seq = ++searchSeq;
+  $("app").classList.add("searching");
+  showPane("search");
+  const {data} = await api("GET", "/search?limit=50&q=" + enc(q));
+  if (seq !== searchSeq) return;
+  const words = queryWords(q);
+  $("search-hint").hidden = true;
+  $("results-info").textContent =
+    (data.total === 1 ? "1 note" : data.total + " notes") +
+    " · " +
+    (data.tookMs < 10 ? data.tookMs.toFixed(1) : Math.round(data.tookMs)) +
+    " ms";
+  $("results").replaceChildren(
+    ...data.results.map((hit, i) =>
+      el(
+        "li",
+        {},
+        el(
+          "button",
+          {
+            type: "button",
+            id: "hit-" + i,
+            "data-path": hit.path,
+            onclick: act(() => openNote(hit.path)),
+          },
+          el("span", {class: "t"}, highlight(hit.title, words)),
+          el("span", {class: "p"}, hit.path),
+          el("span", {class: "s"}, highlight(plainSnippet(hit.snippet), words)),
+        ),
+      ),
+    ),
+  );
+  if (!data.results.length)
+    $("results").appendChild(
+      el("li", {class: "muted"}, "Nothing found. Try fewer words, or pre* for a prefix."),
+    );
+}
+
+function endSearch(focusTree) {
+  searchSeq++;
+  $("search").value = "";
+  $("app").classList.remove("searching");
+  $("results").replaceChildren();
+  $("results-info").textContent = "";
+  $("search-hint").hidden = false;
+  if (NARROW.matches) showPane("notes");
+  if (focusTree) {
+    const target =
+      $("tree").querySelector("button[aria-current=true]") || $("tree").querySelector("button");
+    if (target) target.focus();
+  }
+}
+
+function moveInResults(step) {
+  const buttons = Array.from($("results").querySelectorAll("button"));
+  if (!buttons.length) return;
+  const at = buttons.indexOf(document.activeElement);
+  const next = at < 0 ? (step > 0 ? 0 : buttons.length - 1) : at + step;
+  if (next < 0) {
+    $("search").focus();
+    return;
+  }
+  buttons[Math.min(next, buttons.length - 1)].focus();
+}
+
+// -- quick capture: a line in today's note --------------------------------------------------
+
+async function capture() {
+  const input = $("capture");
+  const text = input.value.trim();
+  if (!text) return;
+  const now = new Date();
+  const stamp =
+    String(now.getHours()).padStart(2, "0") + ":" + String(now.getMinutes()).padStart(2, "0");
+  for (let attempt = 0; attempt < 3; attempt++) {
+    const today = await api("POST", "/plugins/daily/today");
+    const note = today.data;
+    const content =
+      note.content + (note.content.endsWith("\n") ? "" : "\n") + "- " + stamp + " " + text + "\n";
+    const done = await writing(async () => {
+      try {
+        await api("PUT", "/notes/" + enc(note.path), {content}, {"If-Match": note.etag});
+      } catch (e) {
+        if (e.status === 412) return false; // written meanwhile: read it again
+        throw e;
+      }
+      if (state.path === note.path && !dirty()) await openNote(note.path);
+      return true;
+    });
+    if (!done) continue;
+    input.value = "";
+    toast("Added to " + nameOf(note.path));
+    await loadTree();
+    return;
+  }
+  throw new Error("Today's note keeps changing; try again.");
+}
+
+// -- ask -----------------------------------------------------------------------------------
+
+async function ask() {
+  const input = $("chat-input");
+  const message = input.value.trim();
+  if (!message) return;
   const log = $("chat-log");
-  log.appendChild(el("p", msg, "me")); $("chat-input").value = "";
-  const body = {message: msg, channel: "web"};
-  if (current) body.notePath = current;
-  const r = await api("POST", "/agent/chat", body);
-  log.appendChild(el("p", r.ok ? r.data.reply : r.error.message, r.ok ? "" : "err"));
+  const about = $("about").checked && state.path;
+  log.appendChild(
+    el(
+      "div",
+      {class: "msg me"},
+      message,
+      about ? el("small", {class: "muted"}, "\nabout " + state.title) : null,
+    ),
+  );
+  const pending = el("div", {class: "msg"}, el("span", {class: "muted"}, "Thinking…"));
+  log.appendChild(pending);
+  log.scrollTop = log.scrollHeight;
+  input.value = "";
+  const body = {message, channel: "web"};
+  if (about) body.notePath = state.path;
+  try {
+    const {data} = await api("POST", "/agent/chat", body);
+    const parts = [renderMarkdown(data.reply || "", {from: state.path})];
+    if (data.sources && data.sources.length) {
+      parts.push(el("div", {class: "hint", "aria-hidden": "true"}, "Sources"));
+      parts.push(
+        el(
+          "ul",
+          {class: "sources", "aria-label": "Sources"},
+          ...data.sources.map((s) =>
+            el(
+              "li",
+              {},
+              el(
+                "button",
+                {
+                  type: "button",
+                  class: "link",
+                  "data-path": s.path,
+                  onclick: act(() => openNote(s.path)),
+                },
+                s.title || s.path,
+              ),
+            ),
+          ),
+        ),
+      );
+    }
+    pending.replaceChildren(...parts);
+  } catch (e) {
+    pending.replaceChildren(el("span", {class: "err"}, e.message));
+  }
   log.scrollTop = log.scrollHeight;
 }
 
-$("connect").onclick = connect;
-$("key").onkeydown = (e) => { if (e.key === "Enter") connect(); };
-$("create").onclick = createNote;
-$("save").onclick = () => save(false);
-$("overwrite").onclick = () => save(true);
-$("reload").onclick = () => openNote(current);
-$("move").onclick = moveNote;
-$("delete").onclick = deleteNote;
-$("search").onkeydown = (e) => { if (e.key === "Enter") search(); };
-$("chat-send").onclick = chat;
-$("chat-input").onkeydown = (e) => { if (e.key === "Enter") chat(); };
-$("logout").onclick = () => { S.clear(); location.reload(); };
-document.addEventListener("keydown", (e) => {
-  if ((e.ctrlKey || e.metaKey) && e.key === "s") { e.preventDefault(); save(false); } });
-if (key && base) connect();
+// -- start: wire the controls, connect with what this tab (or device) remembers ------------
+
+async function start() {
+  setSide(getItem("local", "notesvc.ui.side") !== "closed");
+  await Promise.all([loadTree(), readFeatures()]);
+  if (features.changes) followChanges();
+  const last = getItem("session", "notesvc.open");
+  if (last) {
+    try {
+      await openNote(last);
+    } catch (e) {
+      closeNote();
+    }
+  }
+  if (NARROW.matches) {
+    const pane = getItem("session", "notesvc.pane");
+    showPane(pane && (pane !== "note" || state.path) ? pane : state.path ? "note" : "notes", true);
+    history.replaceState({pane: $("app").dataset.pane}, "");
+  }
+}
+
+function wire() {
+  $("connect").addEventListener("click", () => connect(true));
+  $("key").addEventListener("keydown", (e) => {
+    if (e.key === "Enter") connect(true);
+  });
+  $("relay-code").addEventListener("keydown", (e) => {
+    if (e.key === "Enter") connect(true);
+  });
+  $("remember").addEventListener("change", () => {
+    $("remember-warn").hidden = !$("remember").checked;
+  });
+  $("logout").addEventListener("click", act(logout));
+  for (const id of ["new", "empty-new", "menu-new"]) $(id).addEventListener("click", act(newNote));
+  $("menu-refresh").addEventListener(
+    "click",
+    act(async () => {
+      await loadTree();
+      if (state.path && !dirty()) await openNote(state.path);
+    }),
+  );
+  $("save").addEventListener(
+    "click",
+    act(() => save(false)),
+  );
+  $("overwrite").addEventListener(
+    "click",
+    act(() => save(true)),
+  );
+  $("reload").addEventListener("click", act(reloadTheirs));
+  $("draft-discard").addEventListener("click", act(reloadTheirs));
+  $("edit").addEventListener("click", () => {
+    setEditing(!state.editing);
+    if (state.editing) editor().focus();
+  });
+  $("back").addEventListener("click", () => showPane("notes"));
+  $("move").addEventListener("click", act(moveNote));
+  $("history").addEventListener("click", act(showHistory));
+  $("menu-trash").addEventListener("click", act(showTrash));
+  $("attach").addEventListener("click", () => $("attach-file").click());
+  $("photo").addEventListener("click", () => $("attach-photo").click());
+  for (const id of ["attach-file", "attach-photo"]) {
+    $(id).addEventListener(
+      "change",
+      act(async () => {
+        const files = Array.from($(id).files);
+        $(id).value = "";
+        await attach(files);
+      }),
+    );
+  }
+  editor().addEventListener("paste", (e) => {
+    const files = Array.from((e.clipboardData && e.clipboardData.files) || []);
+    if (!files.length || !features.attachments) return;
+    e.preventDefault();
+    act(() => attach(files))();
+  });
+  editor().addEventListener("drop", (e) => {
+    const files = Array.from((e.dataTransfer && e.dataTransfer.files) || []);
+    if (!files.length || !features.attachments) return;
+    e.preventDefault();
+    act(() => attach(files))();
+  });
+  $("delete").addEventListener("click", act(deleteNote));
+  editor().addEventListener("input", () => {
+    updateDirty();
+    scheduleDraft();
+  });
+  editor().addEventListener("focus", () => $("app").classList.add("typing"));
+  editor().addEventListener("blur", () => $("app").classList.remove("typing"));
+  $("search").addEventListener("input", () => {
+    clearTimeout(searchTimer);
+    searchTimer = setTimeout(act(runSearch), 250);
+  });
+  $("search").addEventListener("keydown", (e) => {
+    if (e.key === "Enter") {
+      e.preventDefault();
+      act(runSearch)();
+    } else if (e.key === "ArrowDown") {
+      e.preventDefault();
+      moveInResults(1);
+    } else if (e.key === "Escape") {
+      e.preventDefault();
+      endSearch(true);
+    }
+  });
+  $("search").addEventListener("focus", () => {
+    if (NARROW.matches && $("search").value) showPane("search");
+  });
+  $("results").addEventListener("keydown", (e) => {
+    if (e.key === "ArrowDown") {
+      e.preventDefault();
+      moveInResults(1);
+    } else if (e.key === "ArrowUp") {
+      e.preventDefault();
+      moveInResults(-1);
+    } else if (e.key === "Escape") {
+      e.preventDefault();
+      endSearch(true);
+    }
+  });
+  $("results-close").addEventListener("click", () => endSearch(true));
+  $("capture-add").addEventListener("click", act(capture));
+  $("capture").addEventListener("keydown", (e) => {
+    if (e.key === "Enter") act(capture)();
+  });
+  $("chat-send").addEventListener("click", act(ask));
+  $("chat-input").addEventListener("keydown", (e) => {
+    if (e.key === "Enter") act(ask)();
+  });
+  $("toggle-ask").addEventListener("click", () =>
+    setSide($("main").classList.contains("side-closed")),
+  );
+  for (const b of document.querySelectorAll(".tabs button")) {
+    b.addEventListener("click", () => {
+      showPane(b.dataset.pane);
+      if (b.dataset.pane === "search") $("search").focus();
+      if (b.dataset.pane === "ask") $("chat-input").focus();
+    });
+  }
+  $("dlg").addEventListener("cancel", (e) => {
+    e.preventDefault();
+    if (dialogDone) dialogDone("cancel");
+  });
+  // Menus close when something is chosen or the click lands elsewhere.
+  document.addEventListener("click", (e) => {
+    for (const m of document.querySelectorAll("details.menu[open]")) {
+      if (!m.contains(e.target) || e.target.closest(".menu-list button")) m.open = false;
+    }
+  });
+  document.addEventListener("keydown", (e) => {
+    const typing = /^(INPUT|TEXTAREA|SELECT)$/.test(document.activeElement.tagName);
+    if ((e.ctrlKey || e.metaKey) && e.key.toLowerCase() === "s") {
+      e.preventDefault();
+      if (state.path) act(() => save(false))();
+    } else if (e.key === "/" && !typing && !$("app").hidden && !$("dlg").open) {
+      e.preventDefault();
+      $("search").focus();
+      $("search").select();
+    } else if (e.key === "Escape") {
+      for (const m of document.querySelectorAll("details.menu[open]")) {
+        m.open = false;
+        m.querySelector("summary").focus();
+      }
+    }
+  });
+  window.addEventListener("beforeunload", (e) => {
+    keepDraft();
+    if (dirty()) {
+      e.preventDefault();
+      e.returnValue = "";
+    }
+  });
+  document.addEventListener("visibilitychange", () => {
+    if (document.hidden) keepDraft();
+    else act(lookAgain)();
+  });
+  window.addEventListener("popstate", (e) => {
+    if (e.state && e.state.pane) showPane(e.state.pane, true);
+  });
+  if (window.visualViewport) window.visualViewport.addEventListener("resize", fitViewport);
+  NARROW.addEventListener("change", () => {
+    if (!NARROW.matches) $("app").classList.toggle("searching", !!$("search").value.trim());
+  });
+  new MutationObserver(() => setItem("session", "notesvc.pane", $("app").dataset.pane)).observe(
+    $("app"),
+    {attributes: true, attributeFilter: ["data-pane"]},
+  );
+}
+
+wire();
+(function boot() {
+  const code = new URLSearchParams(location.search).get("relayCode");
+  if (code) $("relay-code").value = code;
+  state.base = getItem("local", "notesvc.base") || "";
+  if (!ownOrigin(state.base) || /^[a-z]+:/i.test(state.base)) state.base = "";
+  state.key = getItem("session", "notesvc.key") || getItem("local", "notesvc.key") || "";
+  if (state.key) connect(false);
+  else $("key").focus();
+})();
 """
 
-WEB_PAGE = """<!doctype html>
-<html lang="en"><head><meta charset="utf-8">
-<meta name="viewport" content="width=device-width, initial-scale=1">
-<title>notesvc</title><link rel="icon" href="data:,"><style>{css}</style></head><body>
-<div id="login"><h1>notesvc</h1>
-<p>Paste the API key from the setup payload (or the server's start-up banner).</p>
-<input id="key" type="password" autocomplete="off" placeholder="nsk_...">
-<button id="connect">Connect</button><p id="login-msg" class="err"></p></div>
-<div id="app" class="hidden">
-<header><h1>notesvc</h1>
-<input id="search" type="search" placeholder="Search: words, &quot;phrase&quot;, pre*, -not, OR">
-<button id="logout">Log out</button></header>
-<main><nav><div class="row"><input id="new-path" placeholder="notes/folder/new.md">
-<button id="create">New</button></div><div id="tree"></div><div id="results"></div></nav>
-<section><div id="note" class="hidden"><div class="row"><strong id="path"></strong></div>
-<div id="conflict" class="hidden">This note changed elsewhere &mdash; reload or overwrite?
-<button id="reload">Reload</button> <button id="overwrite">Overwrite</button></div>
-<div class="row"><button id="save">Save</button><input id="move-path">
-<button id="move">Move</button>
-<button id="delete">Delete</button></div></div>
-<textarea id="editor" spellcheck="false"></textarea><div id="status"></div></section>
-<aside><strong>Ask your notes</strong><div id="chat-log"></div>
-<div class="row"><input id="chat-input" placeholder="Where are the spare keys?">
-<button id="chat-send">Ask</button></div></aside></main></div>
-<script>{js}</script></body></html>
+WEB_PAGE = """
+<!doctype html>
+<html lang="en">
+<head>
+<meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1, viewport-fit=cover,
+  interactive-widget=resizes-content">
+<meta name="theme-color" content="#f6f8fa" media="(prefers-color-scheme: light)">
+<meta name="theme-color" content="#161b22" media="(prefers-color-scheme: dark)">
+<meta name="color-scheme" content="light dark">
+<meta name="apple-mobile-web-app-capable" content="yes">
+<meta name="apple-mobile-web-app-title" content="notesvc">
+<meta name="referrer" content="no-referrer">
+<title>notesvc</title>
+<link rel="manifest" href="manifest.webmanifest">
+<link rel="icon" href="icon.svg" type="image/svg+xml">
+<link rel="apple-touch-icon" href="apple-touch-icon.png">
+<style>{css}</style>
+</head>
+<body>
+<svg hidden aria-hidden="true">
+  <symbol id="i-logo" viewBox="0 0 48 48">
+    <rect width="48" height="48" rx="11" fill="#0a58ca"/>
+    <path d="M14 9h15l7 7v23H14z" fill="#fff"/><path d="M29 9v7h7" fill="#c9dcf7"/>
+    <path d="M18 22h14M18 28h14M18 34h9" stroke="#0a58ca" stroke-width="3" stroke-linecap="round"/>
+  </symbol>
+  <symbol id="i-notes" viewBox="0 0 24 24"><path d="M3 6h18M3 12h18M3 18h12"/></symbol>
+  <symbol id="i-note" viewBox="0 0 24 24"><path d="M6 3h9l4 4v14H6zM9 12h7M9 16h7"/></symbol>
+  <symbol id="i-search" viewBox="0 0 24 24">
+    <circle cx="11" cy="11" r="6"/><path d="M20 20l-4.5-4.5"/></symbol>
+  <symbol id="i-ask" viewBox="0 0 24 24"><path d="M4 5h16v11H9l-5 4z"/></symbol>
+  <symbol id="i-more" viewBox="0 0 24 24">
+    <circle cx="5" cy="12" r="1"/><circle cx="12" cy="12" r="1"/><circle cx="19" cy="12" r="1"/>
+  </symbol>
+  <symbol id="i-back" viewBox="0 0 24 24"><path d="M15 5l-7 7 7 7"/></symbol>
+</svg>
+
+<div id="login">
+  <h1><svg aria-hidden="true"><use href="#i-logo"/></svg>notesvc</h1>
+  <p>Your notes, on your own server. Paste the API key from the server's setup page or its
+    start-up banner.</p>
+  <label for="key">API key</label>
+  <input id="key" type="password" autocomplete="off" spellcheck="false" placeholder="nsk_…">
+  <label class="check"><input id="remember" type="checkbox"> Remember on this device</label>
+  <p id="remember-warn" hidden>Anyone who can use this browser will be able to read and change
+    your notes. Leave it off on a shared device.</p>
+  <button id="connect" class="primary" type="button">Connect</button>
+  <p id="login-msg" class="err" role="alert"></p>
+  <details id="relay-box">
+    <summary>Connecting through a relay?</summary>
+    <label for="relay-code">Relay code (from the server's connect link)</label>
+    <input id="relay-code" type="text" autocomplete="off" spellcheck="false">
+  </details>
+</div>
+
+<div id="app" hidden data-pane="notes">
+  <header class="bar">
+    <span class="brand"><svg aria-hidden="true"><use href="#i-logo"/></svg><span>notesvc</span>
+    </span>
+    <label class="sr" for="search">Search notes</label>
+    <input id="search" type="search" placeholder="Search  ( / )" autocomplete="off"
+      enterkeyhint="search" aria-controls="results">
+    <button id="toggle-ask" type="button" class="plain" aria-expanded="true"
+      aria-controls="pane-ask">Ask</button>
+    <details class="menu" id="menu">
+      <summary aria-label="Menu"><svg class="icon" aria-hidden="true"><use href="#i-more"/></svg>
+      </summary>
+      <div class="menu-list">
+        <button id="menu-new" type="button">New note</button>
+        <button id="menu-refresh" type="button">Refresh</button>
+        <button id="menu-trash" type="button" hidden>Trash</button>
+        <button id="logout" type="button">Log out</button>
+      </div>
+    </details>
+  </header>
+
+  <main id="main">
+    <nav id="pane-notes" class="pane" aria-label="Notes">
+      <div class="capture">
+        <label class="sr" for="capture">Quick capture to today's note</label>
+        <input id="capture" type="text" placeholder="Capture to today's note…" enterkeyhint="send">
+        <button id="capture-add" type="button">Add</button>
+      </div>
+      <div class="pane-tools"><button id="new" type="button">New note</button></div>
+      <div id="tree"></div>
+    </nav>
+
+    <section id="pane-search" class="pane" aria-label="Search results">
+      <div id="results-head"><span id="results-info" role="status"></span>
+        <button id="results-close" type="button" class="plain">Back to notes</button></div>
+      <p id="search-hint" class="hint">Type in the search box above: words, "a phrase", pre*,
+        -without, this OR that. Press / to search from anywhere, Esc to go back.</p>
+      <ul id="results"></ul>
+    </section>
+
+    <section id="pane-note" class="pane" aria-label="Note">
+      <div id="empty">
+        <p>No note is open. Pick one from your notes, or start a new one.</p>
+        <button id="empty-new" type="button" class="primary">New note</button>
+      </div>
+      <div id="note-bar" class="note-bar" hidden>
+        <button id="back" type="button" class="plain" aria-label="Back to notes">
+          <svg class="icon" aria-hidden="true"><use href="#i-back"/></svg></button>
+        <div class="note-title"><strong id="title"></strong><small id="path"></small></div>
+        <span id="status" role="status"></span>
+        <button id="edit" type="button">Edit</button>
+        <button id="save" type="button" class="primary">Save</button>
+        <details class="menu" id="note-menu">
+          <summary aria-label="Note actions">
+            <svg class="icon" aria-hidden="true"><use href="#i-more"/></svg></summary>
+          <div class="menu-list">
+            <button id="attach" type="button" hidden>Attach a file…</button>
+            <button id="photo" type="button" hidden>Take a photo…</button>
+            <button id="move" type="button">Move or rename…</button>
+            <button id="history" type="button" hidden>History…</button>
+            <button id="delete" type="button" class="danger">Move to trash</button>
+          </div>
+        </details>
+      </div>
+      <div id="conflict" class="banner" role="alert" hidden>
+        <span id="conflict-text">This note changed elsewhere.</span>
+        <button id="reload" type="button">Reload theirs</button>
+        <button id="overwrite" type="button">Keep mine</button></div>
+      <div id="draft" class="banner" role="status" hidden><span id="draft-text"></span>
+        <button id="draft-discard" type="button">Discard draft</button></div>
+      <article id="view" class="md" hidden></article>
+      <label class="sr" for="editor">Note text (Markdown)</label>
+      <textarea id="editor" spellcheck="true" hidden></textarea>
+      <div id="backlinks" hidden></div>
+      <input id="attach-file" type="file" multiple hidden aria-label="Attach a file">
+      <input id="attach-photo" type="file" accept="image/*" capture="environment" hidden
+        aria-label="Take a photo">
+    </section>
+
+    <aside id="pane-ask" class="pane" aria-label="Ask your notes">
+      <h2>Ask your notes</h2>
+      <div id="chat-log" aria-live="polite">
+        <p class="hint">Ask a question: the answer comes from all your notes, with its sources.
+          Tick “About this note” to ask about the open note only.</p></div>
+      <div class="ask-form">
+        <label class="check"><input id="about" type="checkbox" disabled>
+          <span id="about-label">About this note</span></label>
+        <div class="row">
+          <label class="sr" for="chat-input">Question</label>
+          <input id="chat-input" type="text" placeholder="Where are the spare keys?"
+            enterkeyhint="send">
+          <button id="chat-send" type="button" class="primary">Ask</button>
+        </div>
+      </div>
+    </aside>
+  </main>
+
+  <nav class="tabs" aria-label="Sections">
+    <button type="button" data-pane="notes">
+      <svg class="icon" aria-hidden="true"><use href="#i-notes"/></svg>Notes</button>
+    <button type="button" data-pane="note">
+      <svg class="icon" aria-hidden="true"><use href="#i-note"/></svg>Note</button>
+    <button type="button" data-pane="search">
+      <svg class="icon" aria-hidden="true"><use href="#i-search"/></svg>Search</button>
+    <button type="button" data-pane="ask">
+      <svg class="icon" aria-hidden="true"><use href="#i-ask"/></svg>Ask</button>
+  </nav>
+</div>
+
+<dialog id="dlg" aria-labelledby="dlg-title">
+  <h2 id="dlg-title"></h2>
+  <div id="dlg-body"></div>
+  <div class="buttons" id="dlg-buttons"></div>
+</dialog>
+
+<div id="toast" role="status" aria-live="polite" hidden></div>
+<script>{js}</script>
+</body>
+</html>
 """
 
 
@@ -8529,9 +12842,109 @@ def _csp_hash(text: str) -> str:
 WEB_CSP = (
     "default-src 'none'; "
     f"script-src {_csp_hash(WEB_JS)}; style-src {_csp_hash(WEB_CSS)}; "
-    "connect-src 'self'; img-src 'self' data:; base-uri 'none'; "
+    "connect-src 'self'; img-src 'self' data: blob:; media-src blob:; manifest-src 'self'; "
+    "base-uri 'none'; "
     "form-action 'none'; frame-ancestors 'none'"
 )
+
+# -- the app's manifest and icons: "Add to Home Screen" gives an app with its own icon ------
+
+WEB_ACCENT = "#0a58ca"
+WEB_ICON_SVG = f"""<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 48 48">
+<rect width="48" height="48" rx="11" fill="{WEB_ACCENT}"/>
+<path d="M14 9h15l7 7v23H14z" fill="#fff"/><path d="M29 9v7h7" fill="#c9dcf7"/>
+<path d="M18 22h14M18 28h14M18 34h9" stroke="{WEB_ACCENT}" stroke-width="3"
+ stroke-linecap="round"/></svg>
+"""
+
+
+def _png(size: int, rows: Iterable[bytes]) -> bytes:
+    """Return an RGB PNG of size x size from its rows of pixels."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        crc = zlib.crc32(kind + data).to_bytes(4, "big")
+        return len(data).to_bytes(4, "big") + kind + data + crc
+
+    head = size.to_bytes(4, "big") * 2 + bytes([8, 2, 0, 0, 0])  # 8-bit RGB
+    pixels = zlib.compress(b"".join(b"\x00" + row for row in rows), 9)
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", head) + chunk(b"IDAT", pixels) + chunk(b"IEND", b"")
+    )
+
+
+@functools.cache
+def web_icon_png(size: int) -> bytes:
+    """Return the icon of WEB_ICON_SVG as a size x size PNG, full-bleed (the sheet stays in
+    the middle 80%, a maskable icon's safe zone), painted in spans of colour, not pixels."""
+    blue, white, fold = bytes.fromhex(WEB_ACCENT[1:]), b"\xff\xff\xff", bytes.fromhex("c9dcf7")
+
+    def px(u: float) -> int:  # icon units (0-48) to pixels
+        return max(0, min(size, round(u / 48 * size)))
+
+    rows = []
+    for y in range(size):
+        v = (y + 0.5) / size * 48
+        spans = []  # (from, to, colour) in icon units, later ones painted over earlier ones
+        if 9 <= v < 39:
+            spans.append((14, 36 if v >= 16 else 29 + (v - 9), white))
+            if v < 16:
+                spans.append((29, 29 + (v - 9), fold))
+        for line_y, x0, x1 in ((22, 18, 32), (28, 18, 32), (34, 18, 27)):
+            if abs(v - line_y) < 1.5:
+                spans.append((x0 - 1.5, x1 + 1.5, blue))
+        row = bytearray(blue * size)
+        for u0, u1, colour in spans:
+            a, b = px(u0), px(u1)
+            row[a * 3 : b * 3] = colour * (b - a)
+        rows.append(bytes(row))
+    return _png(size, rows)
+
+
+def web_manifest() -> bytes:
+    """Return the web app manifest (paths relative to it, so it works under any prefix)."""
+    return to_json(
+        {
+            "name": "notesvc",
+            "short_name": "notesvc",
+            "description": "Your notes, on your own server",
+            "start_url": ".",
+            "scope": ".",
+            "display": "standalone",
+            "background_color": "#ffffff",
+            "theme_color": WEB_ACCENT,
+            "icons": [
+                {"src": "icon.svg", "sizes": "any", "type": "image/svg+xml"},
+                {"src": "icon-192.png", "sizes": "192x192", "type": "image/png"},
+                {"src": "icon-512.png", "sizes": "512x512", "type": "image/png"},
+                {
+                    "src": "icon-512.png",
+                    "sizes": "512x512",
+                    "type": "image/png",
+                    "purpose": "maskable",
+                },
+            ],
+        }
+    )
+
+
+# path -> (content type, a function giving the bytes): served by the app and by the relay
+WEB_ASSETS: dict = {
+    "/manifest.webmanifest": ("application/manifest+json", web_manifest),
+    "/icon.svg": ("image/svg+xml", lambda: WEB_ICON_SVG.encode("utf-8")),
+    "/icon-192.png": ("image/png", lambda: web_icon_png(192)),
+    "/icon-512.png": ("image/png", lambda: web_icon_png(512)),
+    "/apple-touch-icon.png": ("image/png", lambda: web_icon_png(180)),
+}
+
+
+def web_asset_headers(path: str) -> dict:
+    """Return the headers of a public asset: cacheable, typed, and inert if opened alone."""
+    return {
+        "Content-Type": WEB_ASSETS[path][0],
+        "Cache-Control": "public, max-age=86400",
+        "Content-Security-Policy": "default-src 'none'",
+        "X-Content-Type-Options": "nosniff",
+    }
 
 
 def web_client_page() -> str:
@@ -9201,6 +13614,7 @@ class RelayServer:
         self.routes = (
             ("GET", re.compile(r"^/health$"), self.health),
             ("GET", re.compile(r"^/$"), self.web_client),
+            ("GET", re.compile("^(" + "|".join(map(re.escape, WEB_ASSETS)) + ")$"), self.web_asset),
             ("POST", re.compile(r"^/relay/v1/register/([^/]+)$"), self.register),
             ("GET", re.compile(r"^/relay/v1/poll/([^/]+)$"), self.poll),
             ("POST", re.compile(r"^/relay/v1/reply/([^/]+)/([^/]+)$"), self.reply),
@@ -9454,6 +13868,9 @@ class RelayServer:
         """/.well-known/<name>/r/<id>[/...] is server <id>'s own /.well-known/<name>[/...]."""
         return await self.forward(req, server_id, f"/.well-known/{name}{rest or ''}")
 
+    def web_asset(self, req: RelayRequest, path: str) -> tuple:
+        return 200, list(web_asset_headers(path).items()), WEB_ASSETS[path][1]()
+
     def register(self, req: RelayRequest, server_id: str) -> dict:
         body = self._json(req)
         token = field(body, "token", max_len=256)
@@ -9585,6 +14002,9 @@ def _private_path(path: str) -> str:
     return re.sub(r"/r/[^/]+(/s/)?.*", lambda m: f"/r/…{m.group(1) or '/'}…", path)
 
 
+RELAY_WORKERS = 4  # relayed requests a server answers at once (change-feed waits: half)
+
+
 class RelayClient:
     """The server side: register at SERVICE_RELAY_URL, long-poll, answer in-process.
 
@@ -9602,7 +14022,7 @@ class RelayClient:
         self._registered_code = None
         self._code_sent_at = 0.0
         self._local = threading.local()
-        self._workers = concurrent.futures.ThreadPoolExecutor(4, "notesvc-relay-worker")
+        self._workers = concurrent.futures.ThreadPoolExecutor(RELAY_WORKERS, "notesvc-relay-worker")
         self._thread = threading.Thread(target=self._run, name="notesvc-relay", daemon=True)
 
     def start(self) -> RelayClient:
@@ -9907,6 +14327,13 @@ def get_info(svc: Service) -> dict:
         "platform": platform.platform(terse=True),
         "notes": {"count": count, "bytes": size},
         "attachments": dict(zip(("count", "bytes"), svc.attachments.stats())),
+        "history": {**svc.history.usage(), "maxVersions": svc.history.max_versions},
+        "trash": svc.trash.usage(),
+        "changes": {
+            "last": svc.journal.last,
+            "floor": svc.journal.floor,
+            "waiting": svc.journal.waiting(),
+        },
         "index": {**svc.index.stats(), "lastSync": svc.last_sync},
         "connection": svc.relay_client.status()
         if svc.relay_client
@@ -9992,7 +14419,14 @@ def get_config(svc: Service) -> dict:
         },
         "mcp": {"path": f"{API}/mcp", "write": cfg.mcp_write, "protocolVersions": MCP_VERSIONS},
         "search": {"engine": "notesvc-bm25", "maxQueryLength": MAX_QUERY_CHARS},
-        "sync": {"rescanSeconds": cfg.rescan_seconds, "notesRoot": "notes/"},
+        "sync": {
+            "rescanSeconds": cfg.rescan_seconds,
+            "notesRoot": "notes/",
+            "historyMaxVersions": cfg.history_max_versions,
+            "historyDays": cfg.history_days,
+            "trashDays": cfg.trash_days,
+            "maxWaiters": cfg.max_waiters,
+        },
         "plugins": {"dir": cfg.plugins_dir or ".notesvc/plugins"},
         "capture": {
             "transcribeUrl": _redact_url(cfg.transcribe_url),
@@ -10353,12 +14787,170 @@ def delete_attachment(svc: Service, path: str) -> dict:
 # -- folders ---------------------------------------------------------------------------
 
 
+def indexed_counts(svc: Service) -> Callable:
+    """Return count(folder path) -> notes beneath it, from the index (read on first call)."""
+    by_folder: dict = {}
+
+    def count(folder: str) -> int:
+        if not by_folder:
+            by_folder.update(collections.Counter(p.rpartition("/")[0] for p in svc.index.paths()))
+            by_folder.setdefault("", 0)  # read once, even when there are no notes
+        inside = folder + "/"
+        return sum(n for f, n in by_folder.items() if f == folder or f.startswith(inside))
+
+    return count
+
+
 def get_tree(svc: Service) -> dict:
-    return granted_tree(svc, NOTES)
+    return granted_tree(svc, NOTES, query_int("depth", None, 1, 64), indexed_counts(svc))
 
 
 def get_subtree(svc: Service, path: str) -> dict:
-    return granted_tree(svc, path)
+    return granted_tree(svc, path, query_int("depth", None, 1, 64), indexed_counts(svc))
+
+
+# -- history, trash and the change feed ----------------------------------------------------
+
+MAX_WAIT_SECONDS = 25  # a change-feed long-poll, below the relay's 30 s
+RETRY_AFTER_SECONDS = 1  # what a feed over the waiter cap is told
+MAX_SEQ = 10**10 - 1
+
+
+def _page() -> tuple:
+    return query_int("limit", 100, 1, 1000), query_int("offset", 0, 0, 10**9)
+
+
+def list_versions(svc: Service, path: str) -> dict:
+    path = visible_note(svc.notes, path)
+    limit, offset = _page()
+    versions = svc.history.versions(path)
+    if not versions and not svc.notes.exists(path):
+        raise not_found(f"no note and no history at {path}")
+    page = versions[offset : offset + limit]
+    return {"versions": page, "total": len(versions), "limit": limit, "offset": offset}
+
+
+def get_version(svc: Service, path: str, version_id: str) -> dict:
+    if not VERSION_ID_RE.match(version_id):  # WSGI decodes %2F: maybe a note in a folder
+        with contextlib.suppress(ApiError):  # named like one (notes/x.md/versions/y.md)
+            return get_note(svc, f"{path}/versions/{version_id}")
+    path = visible_note(svc.notes, path)
+    data = svc.history.read(path, version_id)
+    return {
+        **svc.history.describe(version_id, len(data)),
+        "path": path,
+        "content": data.decode("utf-8", "replace"),
+    }
+
+
+def diff_version(svc: Service, path: str, version_id: str) -> dict:
+    path = visible_note(svc.notes, path)
+    against = query_str("against", "current") or "current"
+    old = svc.history.read(path, version_id).decode("utf-8", "replace")
+    if against == "current":
+        new = svc.notes.get(path)["content"]
+    else:
+        new = svc.history.read(path, against).decode("utf-8", "replace")
+    diff = unified_diff(old, new, f"{path}@{version_id}", f"{path}@{against}")
+    return {"path": path, "id": version_id, "against": against, "diff": diff}
+
+
+def restore_version(svc: Service, path: str, version_id: str) -> dict:
+    path = visible_note(svc.notes, path)
+    return _note_response(svc.notes.restore_version(path, version_id, _if_match()))
+
+
+def _trashed(svc: Service, item_id: str) -> Any:
+    """Return a trash item the request's grant sees (a folder grant: its folder's); 404."""
+    item = svc.trash.find(item_id)
+    if not request_principal().sees(item.path):
+        raise not_found(f"no item {item_id} in the trash")
+    return item
+
+
+def list_trash(svc: Service) -> dict:
+    limit, offset = _page()
+    sees = request_principal().sees
+    items = [item for item in svc.trash.items() if sees(item.path)]
+    page = [item.describe() for item in items[offset : offset + limit]]
+    return {"items": page, "total": len(items), "limit": limit, "offset": offset}
+
+
+def get_trash_item(svc: Service, item_id: str) -> dict:
+    item = _trashed(svc, item_id)
+    content = None
+    if item.kind == "note":
+        try:
+            content = item.file.read_bytes().decode("utf-8", "replace")
+        except FileNotFoundError:  # purged meanwhile
+            raise not_found(f"no item {item_id} in the trash") from None
+    return {**item.describe(), "content": content}
+
+
+def restore_trash_item(svc: Service, item_id: str) -> dict:
+    body = read_json(svc.config.max_body_bytes, required=False)
+    item = _trashed(svc, item_id)
+    target = field(body, "path", required=False)
+    target = attachment_or_note_path(item.path if target is None else target)
+    if not request_principal().sees(target):  # a folder grant restores into its folder
+        raise not_found(f"no folder for {target}")
+    top = target.split("/", 1)[0]
+    if top != item.path.split("/", 1)[0]:
+        raise bad_request(f"a trashed {item.kind} is restored under {item.path.split('/')[0]}/")
+    if item.kind == "note":
+        return _note_response(svc.notes.restore_trashed(item, target))
+    return svc.trash.restore_file(item, target, svc.config.root)
+
+
+def purge_trash_item(svc: Service, item_id: str) -> dict:
+    item = _trashed(svc, item_id)
+    svc.trash.purge(item)
+    return {"id": item.id, "purged": True}
+
+
+def _granted_changes(page: dict) -> dict:
+    """Return a page of the change feed as the request's grant sees it: a folder grant gets
+    its folder's changes, a move into it as a creation and a move out of it as a deletion."""
+    who = request_principal()
+    if not who.folder:
+        return page
+    seen = []
+    for c in page["changes"]:
+        inside, was = who.sees(c["path"]), c["kind"] == "moved" and who.sees(c.get("from", ""))
+        if c["kind"] == "moved" and inside and not was:
+            c = {**{k: v for k, v in c.items() if k != "from"}, "kind": "created"}
+        elif c["kind"] == "moved" and was and not inside:
+            c = {"seq": c["seq"], "kind": "deleted", "path": c["from"], "at": c["at"]}
+        elif not inside:
+            continue
+        seen.append(c)
+    return {**page, "changes": seen}
+
+
+def list_changes(svc: Service) -> dict:
+    since = query_int("since", 0, 0, MAX_SEQ)
+    wait = query_int("wait", 0, 0, MAX_WAIT_SECONDS)
+    limit = query_int("limit", 100, 1, 1000)
+    page = _granted_changes(svc.journal.read(since, limit))
+    if page["changes"] or not wait:
+        return page
+    # A waiting feed holds a worker thread: at most max_waiters at once, so the others
+    # keep serving (relayed requests have their own small pool: half of it).
+    if bottle.request.environ.get("notesvc.relayed"):
+        pool, cap = "relay", min(svc.config.max_waiters, RELAY_WORKERS // 2)
+    else:
+        pool, cap = "direct", svc.config.max_waiters
+    deadline = time.monotonic() + wait
+    while not page["changes"]:  # a folder grant waits on for a change it may see
+        came = svc.journal.wait_after(page["last"], deadline - time.monotonic(), pool, cap)
+        if came is None:
+            bottle.response.set_header("Retry-After", str(RETRY_AFTER_SECONDS))
+            return {**page, "retryAfter": RETRY_AFTER_SECONDS}
+        after = _granted_changes(svc.journal.read(page["last"], limit))
+        if not came or after["last"] == page["last"] or time.monotonic() >= deadline:
+            return after
+        page = after
+    return page
 
 
 # -- search --------------------------------------------------------------------------------
@@ -11467,6 +16059,19 @@ class Route:
         return (API if self.api else "") + self.path
 
 
+def web_asset_route(path: str) -> Route:
+    """Return the public route of one of the page's assets (manifest, icons)."""
+
+    def get_asset(svc: Service) -> bytes:
+        for name, value in web_asset_headers(path).items():
+            bottle.response.set_header(name, value)
+        return WEB_ASSETS[path][1]()
+
+    get_asset.__name__ = "get_" + re.sub(r"\W+", "_", path.strip("/"))
+    media = WEB_ASSETS[path][0]
+    return Route("GET", path, get_asset, public=True, api=False, tag="pages", media=media)
+
+
 def get_openapi(svc: Service):
     bottle.response.content_type = JSON_TYPE
     return to_json(openapi_document(svc, svc.base_url(bottle.request.environ)))
@@ -11478,10 +16083,19 @@ def _obj(required: Iterable[str] = (), **props: dict) -> dict:
 
 _STR = {"type": "string"}
 _NOTE_PATH, _FOLDER_PATH = NOTE_PATH_SCHEMA, FOLDER_PATH_SCHEMA
+_VERSION_ID = {
+    "type": "string",
+    "pattern": VERSION_ID_RE.pattern,
+    "description": "from .../versions",
+}
+_TRASH_ID = {"type": "string", "pattern": TRASH_ID_RE.pattern, "description": "from /trash"}
 
 
 def _int(lo: int, hi: int, default: int) -> dict:
     return {"type": "integer", "minimum": lo, "maximum": hi, "default": default}
+
+
+_DEPTH = {"type": "integer", "minimum": 1, "maximum": 64}
 
 
 def _channel_body(svc: Service) -> dict:
@@ -11586,6 +16200,52 @@ ROUTES = (
         params={"folder": _FOLDER_PATH, "limit": _int(1, 1000, 100), "offset": _int(0, 10**9, 0)},
         tag="notes",
         scope="read",
+    ),
+    # before GET /notes/<path:path>, which would take ".../versions" as part of a path
+    Route(
+        "GET",
+        "/notes/<path:path>/versions",
+        list_versions,
+        summary="A note's versions, newest first (also of a deleted note)",
+        params={"path": NOTE_PATH_PARAM, "limit": _int(1, 1000, 100), "offset": _int(0, 10**9, 0)},
+        tag="history",
+        scope="read",
+    ),
+    Route(
+        "GET",
+        "/notes/<path:path>/versions/<version_id>",
+        get_version,
+        summary="One version with its content",
+        params={"path": NOTE_PATH_PARAM, "version_id": _VERSION_ID},
+        tag="history",
+        scope="read",
+    ),
+    Route(
+        "GET",
+        "/notes/<path:path>/versions/<version_id>/diff",
+        diff_version,
+        summary="Unified diff from a version to another one or to the current note",
+        params={
+            "path": NOTE_PATH_PARAM,
+            "version_id": _VERSION_ID,
+            "against": {
+                "type": "string",
+                "pattern": f"^(current|{VERSION_ID_RE.pattern[1:-1]})$",
+                "default": "current",
+            },
+        },
+        tag="history",
+        scope="read",
+    ),
+    Route(
+        "POST",
+        "/notes/<path:path>/versions/<version_id>/restore",
+        restore_version,
+        summary="Make a version the note's content again (If-Match honoured; recreates a "
+        "deleted note); the replaced content becomes a version",
+        params={"path": NOTE_PATH_PARAM, "version_id": _VERSION_ID},
+        tag="history",
+        scope="write",
     ),
     Route(
         "GET",
@@ -11901,8 +16561,67 @@ ROUTES = (
         "GET",
         "/folders/tree",
         get_tree,
-        summary="Folder tree from the root",
+        summary="Folder tree from the root (`depth`: levels listed; deeper folders get `count`)",
+        params={"depth": _DEPTH},
         tag="folders",
+        scope="read",
+    ),
+    Route(
+        "GET",
+        "/trash",
+        list_trash,
+        summary="Deleted notes and attachments, the most recent first",
+        params={"limit": _int(1, 1000, 100), "offset": _int(0, 10**9, 0)},
+        tag="trash",
+        scope="read",
+    ),
+    Route(
+        "GET",
+        "/trash/<item_id>",
+        get_trash_item,
+        summary="One trashed item (a note's content included)",
+        params={"item_id": _TRASH_ID},
+        tag="trash",
+        scope="read",
+    ),
+    Route(
+        "POST",
+        "/trash/<item_id>/restore",
+        restore_trash_item,
+        summary="Put an item back, at its path or `path` (409 if taken); history comes along",
+        body=_obj(
+            path={
+                "type": "string",
+                "maxLength": MAX_PATH_CHARS,
+                "description": "where to restore it: a note path, or attachments/... for an "
+                "attachment (default: where it was)",
+            }
+        ),
+        params={"item_id": _TRASH_ID},
+        tag="trash",
+        scope="write",
+    ),
+    Route(
+        "DELETE",
+        "/trash/<item_id>",
+        purge_trash_item,
+        summary="Delete an item for good",
+        params={"item_id": _TRASH_ID},
+        tag="trash",
+        scope="admin",  # purging for good: the owner's alone
+    ),
+    Route(
+        "GET",
+        "/changes",
+        list_changes,
+        summary="The change feed: changes after `since`, or a wait of up to `wait` s for the "
+        "next (410 GONE with resetRequired when the journal no longer has `since`)",
+        params={
+            "since": _int(0, MAX_SEQ, 0),
+            "wait": _int(0, MAX_WAIT_SECONDS, 0),
+            "limit": _int(1, 1000, 100),
+        },
+        tag="changes",
         scope="read",
     ),
     Route(
@@ -11910,7 +16629,7 @@ ROUTES = (
         "/folders/tree/<path:path>",
         get_subtree,
         summary="Subtree",
-        params={"path": FOLDER_PATH_PARAM},
+        params={"path": FOLDER_PATH_PARAM, "depth": _DEPTH},
         tag="folders",
         scope="read",
     ),
@@ -12096,6 +16815,7 @@ ROUTES = (
     Route(
         "POST", "/oauth/revoke", oauth_revoke, public=True, api=False, tag="oauth", enveloped=False
     ),
+    *(web_asset_route(path) for path in WEB_ASSETS),
 )
 
 
@@ -12161,8 +16881,8 @@ def openapi_document(svc: Service, server_url: str) -> dict:
                     for code in sorted({200, r.status})
                 },
                 "default": {
-                    "description": "the error envelope: 400, 401, 403, 404, 405, 409, 412, "
-                    "413, 415, 429, 500, 502, 503, 504 or 507",
+                    "description": "the error envelope: 400, 401, 403, 404, 405, 409, 410, "
+                    "412, 413, 415, 429, 500, 502, 503, 504 or 507",
                     "content": _json_content("Error"),
                 },
             },
@@ -12901,9 +17621,13 @@ def cmd_serve(config: Config) -> int:
         import signal
 
         def stop(*_):
+            # Waiting change feeds let go of their threads first: waitress's own
+            # shutdown waits up to 5 s for busy threads.
+            app.service.journal.close()
             raise KeyboardInterrupt
 
         signal.signal(signal.SIGTERM, stop)  # systemd's stop: shut down cleanly, exit 0
+        signal.signal(signal.SIGINT, stop)  # Ctrl-C, likewise
         if config.relay_url and config.pairing == "relay":
             app.service.relay_client = RelayClient(app).start()
         effective = config.state_dir / EFFECTIVE_FILE

@@ -6,6 +6,7 @@ import base64
 import collections
 import contextlib
 import dataclasses
+import gzip
 import hashlib
 import http.client
 import http.server
@@ -31,6 +32,8 @@ import typing
 import urllib.error
 import urllib.parse
 import urllib.request
+import wave
+import zlib
 from pathlib import Path
 
 import pytest
@@ -2619,15 +2622,16 @@ class TestStorageSafety:
     def test_crash_leftovers_in_the_state_folder_are_swept_at_start(self, make_app, root):
         make_app()  # creates the root and its state folder
         state = root / ".notesvc"
+        stamp = time.strftime("%Y%m%dT%H%M%S.000000Z", time.gmtime())  # not yet expired
         stale = [
             state / ".tmp-abc123.part",
-            state / "trash" / "20240101T000000.000000Z" / "notes" / ".tmp-x.part",
+            state / "trash" / stamp / "notes" / ".tmp-x.part",
             state / "plugins" / ".tmp-y.part",
             state / "sub" / "deeper" / ".tmp-z.part",
             root / "notes" / "folder" / ".tmp-n.part",
         ]
         kept = [
-            state / "trash" / "20240101T000000.000000Z" / "notes" / "tmp-x.part.md",
+            state / "trash" / stamp / "notes" / "tmp-x.part.md",
             root / "notes" / "tmp-1.part.md",
             state / "plugins" / "tmp-y.py",
         ]
@@ -2707,6 +2711,97 @@ class TestFolders:
         tree = data(client.get(f"{API}/folders/tree"))
         assert sum(len(c["children"]) for c in tree["children"]) == 1000
         assert data(client.get(f"{API}/notes?limit=1000"))["total"] == 1000
+
+
+class TestFolderDepth:
+    """`?depth=N` lists N levels; folders below the cut carry `count` instead of `children`."""
+
+    @pytest.fixture
+    def tree_client(self, client, root):
+        for path in [
+            "notes/top.md",
+            "notes/a/one.md",
+            "notes/a/b/two.md",
+            "notes/a/b/c/three.md",
+            "notes/a/b/c/four.md",
+            "notes/z/five.md",
+        ]:
+            put_note(client, path, "t")
+        (root / "notes" / "empty").mkdir()
+        (root / "notes" / "a" / ".hidden").mkdir()
+        (root / "notes" / "a" / ".hidden" / "h.md").write_text("h")
+        return client
+
+    def test_depth_one_lists_children_with_counts_for_folders(self, tree_client):
+        tree = data(tree_client.get(f"{API}/folders/tree?depth=1"))
+        assert tree["path"] == "notes"
+        assert "count" not in tree
+        assert tree["children"] == [
+            {"name": "a", "path": "notes/a", "type": "folder", "count": 4},
+            {"name": "empty", "path": "notes/empty", "type": "folder", "count": 0},
+            {"name": "z", "path": "notes/z", "type": "folder", "count": 1},
+            tree["children"][3],
+        ]
+        assert tree["children"][3]["path"] == "notes/top.md"
+        assert set(tree["children"][3]) == {"name", "path", "type", "size", "modified"}
+
+    def test_depth_two_lists_one_more_level(self, tree_client):
+        tree = data(tree_client.get(f"{API}/folders/tree?depth=2"))
+        a = tree["children"][0]
+        assert "count" not in a
+        assert [(c["name"], c.get("count")) for c in a["children"]] == [("b", 3), ("one.md", None)]
+        assert "children" not in a["children"][0]
+
+    def test_subtree_with_depth(self, tree_client):
+        for url in (
+            f"{API}/folders/tree/notes%2Fa%2Fb?depth=1",
+            f"{API}/folders/tree/notes/a/b?depth=1",
+        ):
+            node = data(tree_client.get(url))
+            assert node["path"] == "notes/a/b"
+            assert node["children"][0] == {
+                "name": "c",
+                "path": "notes/a/b/c",
+                "type": "folder",
+                "count": 2,
+            }
+            assert node["children"][1]["path"] == "notes/a/b/two.md"
+
+    def test_deep_enough_equals_the_whole_tree(self, tree_client):
+        whole = data(tree_client.get(f"{API}/folders/tree"))
+        for depth in (4, 64):
+            assert data(tree_client.get(f"{API}/folders/tree?depth={depth}")) == whole
+        assert "count" not in json.dumps(whole)
+
+    def test_a_large_folder_cut_at_depth_one_still_counts_every_note(self, client, root):
+        for f in range(20):
+            for n in range(10):
+                (root / "notes" / f"f{f:02d}" / f"d{n}").mkdir(parents=True)
+                (root / "notes" / f"f{f:02d}" / f"d{n}" / "x.md").write_text("x")
+        client.app.service.sync_index()
+        tree = data(client.get(f"{API}/folders/tree?depth=1"))
+        assert [c["count"] for c in tree["children"]] == [10] * 20
+        assert "children" not in json.dumps(tree["children"])
+
+    @pytest.mark.parametrize("depth", ["0", "65", "-1", "x", "1.5", "99999999999", "%00", "1 "])
+    def test_bad_depth_is_400(self, client, depth):
+        for url in (f"{API}/folders/tree?depth={depth}", f"{API}/folders/tree/notes?depth={depth}"):
+            resp = client.get(url, status=400)
+            assert "depth" in assert_error(resp, 400, "VALIDATION_ERROR")["message"]
+
+    def test_depth_on_a_missing_or_hostile_folder(self, client):
+        assert_error(
+            client.get(f"{API}/folders/tree/notes%2Fnope?depth=1", status=404), 404, "NOT_FOUND"
+        )
+        resp = client.get(f"{API}/folders/tree/..%2Fetc?depth=1", status=400)
+        assert_error(resp, 400, "VALIDATION_ERROR")
+
+    def test_depth_is_in_the_openapi_document(self, client):
+        paths = client.get(f"{API}/openapi.json").json["paths"]
+        for path in ("/api/v1/folders/tree", "/api/v1/folders/tree/{path}"):
+            params = {p["name"]: p for p in paths[path]["get"]["parameters"]}
+            assert params["depth"]["in"] == "query"
+            assert params["depth"]["schema"]["maximum"] == 64
 
 
 class TestServerNotes:
@@ -3412,6 +3507,983 @@ class TestServerAttachments:
 
 
 # -- search ------------------------------------------------------------------------------
+
+
+# -- history, trash and the change feed -------------------------------------------------
+
+
+def versions_of(client, path: str, status: int = 200, **params) -> dict:
+    query = f"?{urllib.parse.urlencode(params)}" if params else ""
+    return data(client.get(note_url(path) + "/versions" + query, status=status))
+
+
+def versions_of_raw(client, path: str, status: int):
+    return client.get(note_url(path) + "/versions", status=status)
+
+
+def version_contents(client, path: str) -> list:
+    """Return the contents of a note's versions, newest first."""
+    found = versions_of(client, path)["versions"]
+    return [data(client.get(f"{note_url(path)}/versions/{v['id']}"))["content"] for v in found]
+
+
+def feed(client, since: int = 0, **params) -> dict:
+    query = urllib.parse.urlencode({"since": since, **params})
+    return data(client.get(f"{API}/changes?{query}"))
+
+
+def update(client, path: str, content: str, **kwargs):
+    return client.put_json(note_url(path), {"content": content}, **kwargs)
+
+
+def web_channel(client) -> dict:
+    return data(client.post_json(f"{API}/channels", {"provider": "web", "config": {}}, status=201))
+
+
+def save_by_channel(client, channel: dict, text: str) -> dict:
+    anon = webtest.TestApp(client.app)
+    headers = {"X-Service-Channel-Secret": channel["secret"]}
+    return data(anon.post_json(f"{API}/channels/webhook/web", web_update(text), headers=headers))
+
+
+class TestHistory:
+    def test_each_write_keeps_the_content_it_replaced_newest_first(self, client, root):
+        put_note(client, "notes/h.md", "one")
+        update(client, "notes/h.md", "two")
+        update(client, "notes/h.md", "three")
+        listing = versions_of(client, "notes/h.md")
+        assert listing["total"] == 2
+        assert (listing["limit"], listing["offset"]) == (100, 0)
+        first, second = listing["versions"]
+        assert set(first) == {"id", "savedAt", "size", "etag", "reason"}
+        assert re.fullmatch(r"[A-Za-z0-9_-]+", first["id"])
+        assert "/" not in first["id"]
+        assert "notes" not in first["id"]
+        assert first["reason"] == second["reason"] == "updated"
+        assert first["savedAt"] >= second["savedAt"]
+        assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", first["savedAt"])
+        one = data(client.get(f"{note_url('notes/h.md')}/versions/{second['id']}"))
+        assert one["content"] == "one"
+        assert one["path"] == "notes/h.md"
+        assert one["id"] == second["id"]
+        assert one["etag"] == second["etag"] == notesvc.make_etag(b"one")
+        assert (first["size"], second["size"]) == (3, 3)
+        assert version_contents(client, "notes/h.md") == ["two", "one"]
+        history = root / ".notesvc" / "history"
+        assert stat.S_IMODE(history.stat().st_mode) == 0o700
+        for path in history.rglob("*"):
+            assert stat.S_IMODE(path.stat().st_mode) == (0o700 if path.is_dir() else 0o600), path
+
+    def test_identical_consecutive_contents_are_stored_once(self, client):
+        put_note(client, "notes/same.md", "a")
+        for _ in range(3):
+            update(client, "notes/same.md", "b")
+        update(client, "notes/same.md", "a")
+        update(client, "notes/same.md", "b")
+        assert version_contents(client, "notes/same.md") == ["a", "b", "a"]
+
+    def test_channels_link_rewrites_moves_and_deletes_keep_versions(self, client):
+        channel = web_channel(client)
+        save_by_channel(client, channel, "/save first thought")
+        save_by_channel(client, channel, "/save second thought")
+        inbox = data(client.get(f"{API}/notes?folder=notes/daily"))["notes"][0]["path"]
+        (kept,) = version_contents(client, inbox)
+        assert "first thought" in kept
+        assert "second thought" not in kept
+        put_note(client, "notes/target.md", "# Target")
+        put_note(client, "notes/linker.md", "see [[target]]")
+        client.patch_json(
+            note_url("notes/target.md") + "/move", {"path": "notes/moved.md", "updateLinks": True}
+        )
+        linker = versions_of(client, "notes/linker.md")["versions"]
+        assert [v["reason"] for v in linker] == ["linksRewritten"]
+        assert version_contents(client, "notes/linker.md") == ["see [[target]]"]
+        assert [v["reason"] for v in versions_of(client, "notes/moved.md")["versions"]] == ["moved"]
+        update(client, "notes/moved.md", "# Target, edited")
+        client.delete(note_url("notes/moved.md"))
+        deleted = versions_of(client, "notes/moved.md")["versions"]
+        assert [v["reason"] for v in deleted] == ["deleted", "moved"]
+        assert version_contents(client, "notes/moved.md")[0] == "# Target, edited"
+
+    def test_history_follows_a_note_across_moves(self, client):
+        put_note(client, "notes/a.md", "v1")
+        update(client, "notes/a.md", "v2")
+        client.patch_json(note_url("notes/a.md") + "/move", {"path": "notes/deep/b.md"})
+        update(client, "notes/deep/b.md", "v3")
+        assert version_contents(client, "notes/deep/b.md") == ["v2", "v1"]
+        assert_error(versions_of_raw(client, "notes/a.md", 404), 404, "NOT_FOUND")
+
+    def test_a_move_onto_the_path_of_a_deleted_note_merges_their_histories(self, client):
+        put_note(client, "notes/old.md", "old 1")
+        update(client, "notes/old.md", "old 2")
+        client.delete(note_url("notes/old.md"))
+        put_note(client, "notes/new.md", "new 1")
+        update(client, "notes/new.md", "new 2")
+        client.patch_json(note_url("notes/new.md") + "/move", {"path": "notes/old.md"})
+        assert sorted(version_contents(client, "notes/old.md")) == [
+            "new 1",
+            "new 2",
+            "old 1",
+            "old 2",
+        ]
+
+    def test_restore_is_a_write_guarded_by_if_match_that_keeps_what_it_replaced(self, client):
+        put_note(client, "notes/r.md", "first")
+        update(client, "notes/r.md", "second")
+        (old,) = versions_of(client, "notes/r.md")["versions"]
+        url = f"{note_url('notes/r.md')}/versions/{old['id']}/restore"
+        resp = client.post(url, headers={"If-Match": '"stale"'}, status=412)
+        assert_error(resp, 412, "PRECONDITION_FAILED")
+        current = client.get(note_url("notes/r.md")).headers["ETag"]
+        resp = client.post(url, headers={"If-Match": current})
+        rec = data(resp)
+        assert rec["content"] == "first"
+        assert resp.headers["ETag"] == rec["etag"] == notesvc.make_etag(b"first")
+        assert data(client.get(note_url("notes/r.md")))["content"] == "first"
+        newest = versions_of(client, "notes/r.md")["versions"][0]
+        assert newest["reason"] == "restored"
+        assert version_contents(client, "notes/r.md") == ["second", "first"]
+        assert feed(client)["changes"][-1]["kind"] == "restored"
+        assert search(client, "first")["total"] == 1  # the index follows
+
+    def test_restoring_a_version_of_a_deleted_note_recreates_it(self, client):
+        put_note(client, "notes/gone/x.md", "keep me")
+        update(client, "notes/gone/x.md", "keep me too")
+        client.delete(note_url("notes/gone/x.md"))
+        client.get(note_url("notes/gone/x.md"), status=404)
+        listing = versions_of(client, "notes/gone/x.md")["versions"]
+        assert [v["reason"] for v in listing] == ["deleted", "updated"]
+        url = f"{note_url('notes/gone/x.md')}/versions/{listing[1]['id']}/restore"
+        client.post(url, headers={"If-Match": "*"}, status=412)  # there is no note to match
+        assert data(client.post(url))["content"] == "keep me"
+        assert data(client.get(note_url("notes/gone/x.md")))["content"] == "keep me"
+
+    def test_diff_against_the_current_note_or_another_version(self, client):
+        put_note(client, "notes/d.md", "alpha\nbeta\ngamma\n")
+        update(client, "notes/d.md", "alpha\nBETA\ngamma\n")
+        update(client, "notes/d.md", "alpha\nBETA\ngamma\ndelta")
+        newer, older = versions_of(client, "notes/d.md")["versions"]
+        base = f"{note_url('notes/d.md')}/versions/{older['id']}/diff"
+        d = data(client.get(base))
+        assert d["against"] == "current"
+        assert d["diff"] == (
+            f"--- notes/d.md@{older['id']}\n"
+            "+++ notes/d.md@current\n"
+            "@@ -1,3 +1,4 @@\n"
+            " alpha\n"
+            "-beta\n"
+            "+BETA\n"
+            " gamma\n"
+            "+delta\n"
+            "\\ No newline at end of file\n"
+        )
+        d = data(client.get(f"{base}?against={newer['id']}"))
+        assert "-beta\n+BETA\n" in d["diff"]
+        assert "delta" not in d["diff"]
+        same = data(
+            client.get(
+                f"{note_url('notes/d.md')}/versions/{newer['id']}/diff?against={newer['id']}"
+            )
+        )
+        assert same["diff"] == ""
+        other = "1795388114646622-updated-" + "0" * 32
+        assert_error(client.get(f"{base}?against={other}", status=404), 404, "NOT_FOUND")
+        assert_error(client.get(f"{base}?against=..%2F..", status=400), 400, "VALIDATION_ERROR")
+
+    def test_a_large_diff_stays_linear_and_patches_correctly(self, client):
+        import random
+
+        rnd = random.Random(5)  # noqa: S311 - the kind of input on which difflib is quadratic
+        old = "".join(f"{rnd.randrange(150)}\n" for _ in range(12000))
+        new = "".join(f"{rnd.randrange(150)}\n" for _ in range(12000))
+        put_note(client, "notes/big.md", old)
+        update(client, "notes/big.md", new)
+        (v,) = versions_of(client, "notes/big.md")["versions"]
+        started = time.monotonic()
+        diff = data(client.get(f"{note_url('notes/big.md')}/versions/{v['id']}/diff"))["diff"]
+        assert time.monotonic() - started < 5
+        if shutil.which("patch"):
+            with tempfile.TemporaryDirectory() as tmp:
+                Path(tmp, "f").write_text(old)
+                Path(tmp, "p").write_text(diff)
+                subprocess.run(["patch", "-s", f"{tmp}/f", f"{tmp}/p"], check=True, timeout=30)
+                assert Path(tmp, "f").read_text() == new
+
+    def test_bad_ids_paths_and_pages(self, client):
+        put_note(client, "notes/v.md", "a")
+        for i in range(3):
+            update(client, "notes/v.md", f"b{i}")
+        page = versions_of(client, "notes/v.md", limit=1, offset=1)
+        assert (page["total"], len(page["versions"]), page["limit"], page["offset"]) == (3, 1, 1, 1)
+        assert (
+            version_contents(client, "notes/v.md")[1]
+            == data(client.get(f"{note_url('notes/v.md')}/versions/{page['versions'][0]['id']}"))[
+                "content"
+            ]
+        )
+        url = note_url("notes/v.md") + "/versions"
+        for bad in ("limit=0", "limit=1001", "limit=x", "offset=-1", "offset=1.5"):
+            assert_error(client.get(f"{url}?{bad}", status=400), 400, "VALIDATION_ERROR")
+        for garbage in ("nope", "..%2F..%2Fstate.json", "1" * 300, "%00", "head"):
+            for suffix in ("", "/diff"):
+                resp = client.get(f"{url}/{garbage}{suffix}", status=400)
+                assert_error(resp, 400, "VALIDATION_ERROR")
+            resp = client.post(f"{url}/{garbage}/restore", status=[400, 405])
+            assert resp.json["success"] is False  # a decoded %2F leaves no such route: 405
+        unknown = "1795388114646622-updated-" + "f" * 32
+        for method, suffix in (("get", ""), ("get", "/diff"), ("post", "/restore")):
+            resp = getattr(client, method)(f"{url}/{unknown}{suffix}", status=404)
+            assert_error(resp, 404, "NOT_FOUND")
+        assert_error(versions_of_raw(client, "notes/never.md", 404), 404, "NOT_FOUND")
+        for hostile in ("notes/../x.md", "../etc/passwd", "notes/.hidden/x.md", "notes/a\u202e.md"):
+            assert_error(versions_of_raw(client, hostile, 400), 400, "VALIDATION_ERROR")
+
+    def test_a_note_in_a_folder_named_like_the_versions_route_is_still_read(self, client):
+        put_note(client, "notes/x.md/versions/y.md", "tricky")
+        assert data(client.get(note_url("notes/x.md/versions/y.md")))["content"] == "tricky"
+
+    def test_retention_keeps_the_newest_and_whatever_is_younger_than_its_days(self, make_app):
+        client = with_key(make_app(SERVICE_HISTORY_MAX_VERSIONS="3", SERVICE_HISTORY_DAYS="1"))
+        svc = client.app.service
+        now = [time.time()]
+        svc.history.clock = lambda: now[0]  # the injectable clock
+        put_note(client, "notes/r.md", "v0")
+        for i in range(1, 7):
+            update(client, "notes/r.md", f"v{i}")
+        assert versions_of(client, "notes/r.md")["total"] == 6  # all younger than a day
+        now[0] += 2 * 86400
+        assert svc.notes.sweep_history() == 3  # what the hourly retention runs
+        assert version_contents(client, "notes/r.md") == ["v5", "v4", "v3"]
+        update(client, "notes/r.md", "v7")  # each write applies the retention to its note
+        assert version_contents(client, "notes/r.md") == ["v6", "v5", "v4"]
+        client.delete(note_url("notes/r.md"))
+        now[0] += 2 * 86400
+        svc.notes.sweep_history()
+        assert len(version_contents(client, "notes/r.md")) == 3  # a deleted note's too
+        svc.history.max_versions = 1
+        svc.notes.sweep_history()
+        assert version_contents(client, "notes/r.md") == ["v7"]
+
+    def test_retention_by_count_only_when_days_is_zero(self, make_app):
+        client = with_key(make_app(SERVICE_HISTORY_MAX_VERSIONS="2", SERVICE_HISTORY_DAYS="0"))
+        put_note(client, "notes/c.md", "v0")
+        for i in range(1, 6):
+            update(client, "notes/c.md", f"v{i}")
+        assert version_contents(client, "notes/c.md") == ["v4", "v3"]
+
+    def test_history_off_keeps_nothing_and_the_audit_says_so(self, make_app, root):
+        client = with_key(make_app(SERVICE_HISTORY_MAX_VERSIONS="0"))
+        put_note(client, "notes/off.md", "a")
+        update(client, "notes/off.md", "b")
+        assert versions_of(client, "notes/off.md")["total"] == 0
+        assert not (root / ".notesvc" / "history").exists()
+        found = {f["id"]: f for f in data(client.get(f"{API}/security/audit"))["findings"]}
+        assert found["history-off"]["severity"] == "low"
+        assert "SERVICE_HISTORY_MAX_VERSIONS" in found["history-off"]["recommendation"]
+        assert feed(client)["changes"][-1]["kind"] == "updated"  # the feed runs without it
+        on = with_key(make_app(tmp_path_factory_root(root)))
+        assert "history-off" not in {
+            f["id"] for f in data(on.get(f"{API}/security/audit"))["findings"]
+        }
+
+    def test_an_external_edit_keeps_what_it_replaced(self, client, root):
+        put_note(client, "notes/e.md", "mine 1")
+        update(client, "notes/e.md", "mine 2")
+        (root / "notes" / "e.md").write_text("theirs")  # another program, in place
+        client.app.service.sync_index()  # what the rescan runs
+        listing = versions_of(client, "notes/e.md")["versions"]
+        assert [v["reason"] for v in listing] == ["external", "updated"]
+        assert version_contents(client, "notes/e.md") == ["mine 2", "mine 1"]
+        (root / "notes" / "e.md").unlink()
+        client.app.service.sync_index()
+        assert version_contents(client, "notes/e.md")[0] == "theirs"
+        changes = feed(client)["changes"]
+        assert [(c["kind"], c["path"]) for c in changes[-2:]] == [
+            ("updated", "notes/e.md"),
+            ("deleted", "notes/e.md"),
+        ]
+        assert changes[-2]["etag"] == notesvc.make_etag(b"theirs")
+
+    def test_a_note_that_was_there_before_gets_its_copy_at_start(self, make_app, root):
+        (root / "notes").mkdir(parents=True)
+        (root / "notes" / "pre.md").write_text("from before notesvc")
+        client = with_key(make_app())
+        (root / "notes" / "pre.md").write_text("edited by hand")
+        client.app.service.sync_index()
+        assert version_contents(client, "notes/pre.md") == ["from before notesvc"]
+        changes = feed(client)["changes"]
+        assert [(c["kind"], c["path"]) for c in changes] == [("updated", "notes/pre.md")]
+
+    def test_system_info_reports_history_trash_and_the_feed(self, client):
+        put_note(client, "notes/i.md", "12345")
+        update(client, "notes/i.md", "123")
+        put_note(client, "notes/j.md", "xy")
+        client.delete(note_url("notes/j.md"))
+        info = data(client.get(f"{API}/system/info"))
+        assert info["history"]["notes"] == 2
+        assert info["history"]["versions"] == 2  # 12345 and the deleted xy
+        assert info["history"]["bytes"] >= 7
+        assert info["history"]["maxVersions"] == 50
+        assert info["trash"] == {"items": 1, "bytes": 2}
+        assert info["changes"] == {"last": 4, "floor": 0, "waiting": 0}
+        sync = data(client.get(f"{API}/system/config"))["sync"]
+        assert (sync["historyMaxVersions"], sync["historyDays"], sync["trashDays"]) == (50, 90, 30)
+        assert sync["maxWaiters"] == 4
+
+
+def trash_items(client) -> list:
+    return data(client.get(f"{API}/trash"))["items"]
+
+
+def plant_in_trash(root: Path, path: str, content: bytes, when: float | None = None) -> Path:
+    """Put a file into the trash the way a delete does (attachments' deletes included)."""
+    stamp = time.strftime("%Y%m%dT%H%M%S.000000Z", time.gmtime(when or time.time()))
+    target = root / ".notesvc" / "trash" / stamp / path
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(content)
+    return target
+
+
+class TestTrash:
+    def test_list_read_restore_and_purge(self, client, root):
+        put_note(client, "notes/t/one.md", "# One")
+        put_note(client, "notes/t/two.md", "# Two")
+        gone = data(client.delete(note_url("notes/t/one.md")))
+        client.delete(note_url("notes/t/two.md"))
+        listing = data(client.get(f"{API}/trash"))
+        assert (listing["total"], listing["limit"], listing["offset"]) == (2, 100, 0)
+        two, one = listing["items"]  # the most recent first
+        assert (one["path"], two["path"]) == ("notes/t/one.md", "notes/t/two.md")
+        assert one["id"] == gone["trashId"]
+        assert set(one) == {"id", "path", "kind", "deletedAt", "size"}
+        assert (one["kind"], one["size"]) == ("note", 5)
+        assert re.fullmatch(r"[A-Za-z0-9_-]+", one["id"])
+        assert "notes" not in one["id"]
+        item = data(client.get(f"{API}/trash/{one['id']}"))
+        assert item["content"] == "# One"
+        assert item["path"] == "notes/t/one.md"
+        rec = data(client.post(f"{API}/trash/{one['id']}/restore"))
+        assert rec["path"] == "notes/t/one.md"
+        assert rec["content"] == "# One"
+        assert data(client.get(note_url("notes/t/one.md")))["content"] == "# One"
+        assert search(client, "one")["total"] == 1
+        assert feed(client)["changes"][-1]["kind"] == "restored"
+        assert data(client.delete(f"{API}/trash/{two['id']}")) == {"id": two["id"], "purged": True}
+        assert trash_items(client) == []
+        assert_error(client.get(f"{API}/trash/{two['id']}", status=404), 404, "NOT_FOUND")
+        assert_error(client.delete(f"{API}/trash/{two['id']}", status=404), 404, "NOT_FOUND")
+        assert list((root / ".notesvc" / "trash").iterdir()) == []  # emptied folders go
+
+    def test_restore_refuses_a_taken_path_and_restores_elsewhere_with_its_history(self, client):
+        put_note(client, "notes/x.md", "old 1")
+        update(client, "notes/x.md", "old 2")
+        client.delete(note_url("notes/x.md"))
+        put_note(client, "notes/x.md", "a new note there")
+        (item,) = trash_items(client)
+        url = f"{API}/trash/{item['id']}/restore"
+        err = assert_error(client.post(url, status=409), 409, "CONFLICT")
+        assert '"path"' in err["message"]
+        taken = client.post_json(url, {"path": "notes/x.md"}, status=409)
+        assert_error(taken, 409, "CONFLICT")
+        rec = data(client.post_json(url, {"path": "notes/elsewhere/x.md"}))
+        assert rec["content"] == "old 2"
+        assert version_contents(client, "notes/elsewhere/x.md") == ["old 2", "old 1"]
+        assert version_contents(client, "notes/x.md") == ["old 2", "old 1"]  # still its own
+        assert data(client.get(note_url("notes/x.md")))["content"] == "a new note there"
+
+    def test_restoring_to_its_own_free_path_brings_its_history_back(self, client):
+        put_note(client, "notes/y.md", "y1")
+        update(client, "notes/y.md", "y2")
+        client.delete(note_url("notes/y.md"))
+        (item,) = trash_items(client)
+        client.post(f"{API}/trash/{item['id']}/restore")
+        update(client, "notes/y.md", "y3")
+        assert version_contents(client, "notes/y.md") == ["y2", "y1"]
+
+    def test_bad_ids_bodies_and_paths(self, client):
+        put_note(client, "notes/z.md", "z")
+        client.delete(note_url("notes/z.md"))
+        (item,) = trash_items(client)
+        url = f"{API}/trash/{item['id']}/restore"
+        for garbage in ("nope", "x" * 300 + "-0123456789abcdef", "%00", "..", "a-b"):
+            assert_error(client.get(f"{API}/trash/{garbage}", status=400), 400, "VALIDATION_ERROR")
+            resp = client.post(f"{API}/trash/{garbage}/restore", status=400)
+            assert_error(resp, 400, "VALIDATION_ERROR")
+            resp = client.delete(f"{API}/trash/{garbage}", status=400)
+            assert_error(resp, 400, "VALIDATION_ERROR")
+        for method in ("get", "delete"):  # a decoded %2F leaves no such route
+            resp = getattr(client, method)(f"{API}/trash/..%2F..%2Fstate.json", status=404)
+            assert_error(resp, 404, "NOT_FOUND")
+        for bad in ("limit=0", "limit=1001", "offset=-1", "limit=ten"):
+            resp = client.get(f"{API}/trash?{bad}", status=400)
+            assert_error(resp, 400, "VALIDATION_ERROR")
+        unknown = "20240101T000000000000Z-0123456789abcdef"
+        assert_error(client.post(f"{API}/trash/{unknown}/restore", status=404), 404, "NOT_FOUND")
+        resp = client.post(url, b"{not json", content_type="application/json", status=400)
+        assert_error(resp, 400, "VALIDATION_ERROR")
+        for body in ([1], {"path": 5}, {"path": ["notes/a.md"]}, {"path": ""}):
+            assert_error(client.post_json(url, body, status=400), 400, "VALIDATION_ERROR")
+        for hostile in (
+            "notes/../../state.json",
+            "/etc/passwd",
+            "notes/.notesvc/x.md",
+            "attachments/cat.png",  # a note goes back under notes/
+            "notes/a\u200b.md",
+        ):
+            resp = client.post_json(url, {"path": hostile}, status=400)
+            assert_error(resp, 400, "VALIDATION_ERROR")
+        resp = client.post(url, "x", content_type="text/plain", status=415)
+        assert_error(resp, 415, "UNSUPPORTED_MEDIA_TYPE")
+        big = {"path": "notes/a.md", "pad": "x" * 1_100_000}
+        assert_error(client.post_json(url, big, status=413), 413, "PAYLOAD_TOO_LARGE")
+        assert len(trash_items(client)) == 1  # nothing happened
+
+    def test_an_item_whose_path_breaks_the_rules_is_restored_only_elsewhere(self, client, root):
+        plant_in_trash(root, "notes/a:b.md", b"planted by hand")
+        (item,) = trash_items(client)
+        url = f"{API}/trash/{item['id']}/restore"
+        assert_error(client.post(url, status=400), 400, "VALIDATION_ERROR")
+        assert not (root / "notes" / "a:b.md").exists()
+        rec = data(client.post_json(url, {"path": "notes/ab.md"}))
+        assert rec["content"] == "planted by hand"
+
+    def test_items_older_than_trash_days_are_purged(self, make_app, root):
+        client = with_key(make_app(SERVICE_TRASH_DAYS="1"))
+        put_note(client, "notes/old.md", "old")
+        client.delete(note_url("notes/old.md"))
+        trash = client.app.service.trash
+        assert trash.purge_expired() == 0
+        trash.clock = lambda: time.time() + 2 * 86400  # the injectable clock
+        assert trash.purge_expired() == 1
+        assert trash_items(client) == []
+        keeper = with_key(make_app(tmp_path_factory_root(root), SERVICE_TRASH_DAYS="0"))
+        put_note(keeper, "notes/k.md", "k")
+        keeper.delete(note_url("notes/k.md"))
+        keeper.app.service.trash.clock = lambda: time.time() + 3650 * 86400
+        assert keeper.app.service.trash.purge_expired() == 0
+
+    def test_an_expired_item_goes_when_the_server_starts(self, make_app, root):
+        make_app()
+        planted = plant_in_trash(root, "notes/ancient.md", b"x", when=time.time() - 40 * 86400)
+        fresh = plant_in_trash(root, "notes/recent.md", b"y")
+        client = with_key(make_app())
+        wait_for(lambda: not planted.exists(), timeout=10)
+        assert fresh.exists()
+        assert [i["path"] for i in trash_items(client)] == ["notes/recent.md"]
+
+    def test_a_trashed_attachment_is_listed_and_restored_as_a_file(self, client, root):
+        png = b"\x89PNG\r\n\x1a\n" + bytes(range(256))
+        plant_in_trash(root, "attachments/photos/cat.png", png)
+        (item,) = trash_items(client)
+        assert (item["kind"], item["path"], item["size"]) == (
+            "attachment",
+            "attachments/photos/cat.png",
+            len(png),
+        )
+        assert data(client.get(f"{API}/trash/{item['id']}"))["content"] is None
+        url = f"{API}/trash/{item['id']}/restore"
+        for wrong in ("notes/cat.md", "attachments/../x.png", "attachments/.h/x.png"):
+            resp = client.post_json(url, {"path": wrong}, status=400)
+            assert_error(resp, 400, "VALIDATION_ERROR")
+        (root / "attachments" / "photos").mkdir(parents=True)
+        (root / "attachments" / "photos" / "cat.png").write_bytes(b"another cat")
+        assert_error(client.post(url, status=409), 409, "CONFLICT")
+        rec = data(client.post_json(url, {"path": "attachments/photos/cat-2.png"}))
+        assert rec["path"] == "attachments/photos/cat-2.png"
+        assert rec["size"] == len(png)
+        assert rec["etag"] == notesvc.make_etag(png)
+        assert (root / "attachments" / "photos" / "cat-2.png").read_bytes() == png
+        assert (root / "attachments" / "photos" / "cat.png").read_bytes() == b"another cat"
+        assert trash_items(client) == []
+        assert data(client.get(f"{API}/system/info"))["history"]["notes"] == 0  # none kept
+
+    def test_a_restore_cannot_escape_through_a_symbolic_link(self, client, root, tmp_path):
+        outside = tmp_path / "outside"
+        outside.mkdir()
+        plant_in_trash(root, "attachments/evil/x.png", b"x")
+        (root / "attachments").mkdir()
+        (root / "attachments" / "evil").symlink_to(outside)
+        (item,) = trash_items(client)
+        resp = client.post(f"{API}/trash/{item['id']}/restore", status=400)
+        assert_error(resp, 400, "VALIDATION_ERROR")
+        assert list(outside.iterdir()) == []
+        plant_in_trash(root, "notes/evil/n.md", b"n")
+        (root / "notes" / "evil").symlink_to(outside)
+        note = next(i for i in trash_items(client) if i["kind"] == "note")
+        resp = client.post(f"{API}/trash/{note['id']}/restore", status=400)
+        assert_error(resp, 400, "VALIDATION_ERROR")
+        assert list(outside.iterdir()) == []
+
+
+class TestChanges:
+    def test_every_kind_of_change_in_order(self, client):
+        assert feed(client) == {"changes": [], "last": 0, "more": False}
+        put_note(client, "notes/f.md", "a")
+        update(client, "notes/f.md", "b")
+        client.patch_json(note_url("notes/f.md") + "/move", {"path": "notes/g.md"})
+        client.delete(note_url("notes/g.md"))
+        (item,) = trash_items(client)
+        client.post(f"{API}/trash/{item['id']}/restore")
+        d = feed(client)
+        assert d["last"] == 5
+        assert d["more"] is False
+        assert [(c["seq"], c["kind"], c["path"]) for c in d["changes"]] == [
+            (1, "created", "notes/f.md"),
+            (2, "updated", "notes/f.md"),
+            (3, "moved", "notes/g.md"),
+            (4, "deleted", "notes/g.md"),
+            (5, "restored", "notes/g.md"),
+        ]
+        moved, deleted = d["changes"][2], d["changes"][3]
+        assert moved["from"] == "notes/f.md"
+        assert moved["etag"] == notesvc.make_etag(b"b")
+        assert "etag" not in deleted
+        assert "from" not in deleted
+        for c in d["changes"]:
+            assert re.fullmatch(r"\d{4}-\d\d-\d\dT\d\d:\d\d:\d\d\.\d{3}Z", c["at"])
+        page = feed(client, since=1, limit=2)
+        assert [c["seq"] for c in page["changes"]] == [2, 3]
+        assert (page["last"], page["more"]) == (3, True)
+        assert feed(client, since=5) == {"changes": [], "last": 5, "more": False}
+
+    def test_channels_plugins_and_link_rewrites_are_in_the_feed(self, client):
+        channel = web_channel(client)
+        save_by_channel(client, channel, "/save an idea")  # creates today's daily note
+        client.post(f"{API}/plugins/daily/today", status=200)  # which is there already
+        save_by_channel(client, channel, "/save another")
+        put_note(client, "notes/t.md", "# T")
+        put_note(client, "notes/l.md", "[[t]]")
+        client.patch_json(
+            note_url("notes/t.md") + "/move", {"path": "notes/u.md", "updateLinks": True}
+        )
+        kinds = [(c["kind"], c["path"].split("/")[1]) for c in feed(client)["changes"]]
+        assert kinds == [
+            ("created", "daily"),
+            ("updated", "daily"),
+            ("created", "t.md"),
+            ("created", "l.md"),
+            ("moved", "u.md"),
+            ("updated", "l.md"),
+        ]
+
+    def test_bad_cursors_and_parameters(self, client):
+        put_note(client, "notes/a.md", "a")
+        for bad in (
+            "since=-1",
+            "since=x",
+            "since=1.5",
+            "since=99999999999",
+            "wait=26",
+            "wait=-1",
+            "limit=0",
+            "limit=1001",
+            "since=%00",
+        ):
+            resp = client.get(f"{API}/changes?{bad}", status=400)
+            assert_error(resp, 400, "VALIDATION_ERROR")
+        err = assert_error(client.get(f"{API}/changes?since=2", status=410), 410, "GONE")
+        assert err["resetRequired"] is True
+        assert "since=1" in err["message"]
+
+    def test_410_after_compaction_and_the_journal_survives_a_restart(self, make_app, root):
+        client = with_key(make_app())
+        client.app.service.journal.keep = 3  # injectable, as the clocks
+        for i in range(8):
+            put_note(client, f"notes/c{i}.md", "x")
+        journal = client.app.service.journal
+        assert journal.floor > 0
+        err = assert_error(client.get(f"{API}/changes?since=0", status=410), 410, "GONE")
+        assert err["resetRequired"] is True
+        d = feed(client, since=journal.floor)
+        assert d["changes"][-1]["seq"] == 8
+        again = with_key(make_app())
+        assert again.app.service.journal.floor == journal.floor
+        put_note(again, "notes/after.md", "y")
+        assert feed(again, since=8)["changes"][0]["seq"] == 9
+        client.get(f"{API}/changes?since=0", status=410)
+        log_file = root / ".notesvc" / "changes.log"
+        assert stat.S_IMODE(log_file.stat().st_mode) == 0o600
+
+    def test_a_torn_last_line_is_dropped_and_numbering_goes_on(self, make_app, root):
+        client = with_key(make_app())
+        put_note(client, "notes/a.md", "a")
+        put_note(client, "notes/b.md", "b")
+        log_file = root / ".notesvc" / "changes.log"
+        raw = log_file.read_bytes()
+        end = raw.index(b"\0") if b"\0" in raw else len(raw)
+        with open(log_file, "r+b") as f:  # a crash in the middle of the next line
+            f.seek(end)
+            f.write(b'{"seq":3,"kind":"upd')
+        again = with_key(make_app())
+        assert feed(again)["last"] == 2
+        put_note(again, "notes/c.md", "c")
+        put_note(again, "notes/d.md", "d")
+        third = with_key(make_app())
+        assert [c["path"] for c in feed(third)["changes"]] == [
+            "notes/a.md",
+            "notes/b.md",
+            "notes/c.md",
+            "notes/d.md",
+        ]
+
+    def test_an_unreadable_journal_starts_over_with_410_for_old_cursors(self, make_app, root):
+        client = with_key(make_app())
+        put_note(client, "notes/a.md", "a")
+        put_note(client, "notes/b.md", "b")
+        log_file = root / ".notesvc" / "changes.log"
+        log_file.write_bytes(b"garbage\n" + log_file.read_bytes().split(b"\n", 1)[1])
+        again = with_key(make_app())
+        assert_error(again.get(f"{API}/changes?since=1", status=410), 410, "GONE")
+        put_note(again, "notes/c.md", "c")
+        assert feed(again, since=2)["changes"][0]["seq"] == 3
+
+    def test_with_history_off_a_rebuilt_index_resets_the_feed(self, make_app, root):
+        client = with_key(make_app(SERVICE_HISTORY_MAX_VERSIONS="0"))
+        put_note(client, "notes/a.md", "a")
+        (root / ".notesvc" / "index.cache").unlink(missing_ok=True)
+        again = with_key(make_app(SERVICE_HISTORY_MAX_VERSIONS="0"))
+        assert_error(again.get(f"{API}/changes?since=0", status=410), 410, "GONE")
+        assert feed(again, since=1)["changes"] == []
+
+    def test_max_waiters_setting(self):
+        cfg = notesvc.load_config(env={"SERVICE_THREADS": "8"})
+        assert cfg.max_waiters == 4
+        assert notesvc.load_config(env={"SERVICE_THREADS": "1"}).max_waiters == 0
+        assert notesvc.load_config(env={"SERVICE_MAX_WAITERS": "7"}).max_waiters == 7
+        for bad in ("8", "x", "-1", "256"):
+            with pytest.raises(notesvc.ConfigError, match="SERVICE_MAX_WAITERS"):
+                notesvc.load_config(env={"SERVICE_MAX_WAITERS": bad})
+        for name in ("HISTORY_MAX_VERSIONS", "HISTORY_DAYS", "TRASH_DAYS"):
+            with pytest.raises(notesvc.ConfigError, match=name):
+                notesvc.load_config(env={f"SERVICE_{name}": "-1"})
+
+
+def long_poll(server: Server, since: int, wait: float, prefix: str = "", headers=None) -> tuple:
+    """Return (status, headers, data, seconds) of one change-feed request."""
+    started = time.monotonic()
+    status, hdrs, body = server.request(
+        "GET", f"{prefix}{API}/changes?since={since}&wait={wait}", headers=headers
+    )
+    return status, hdrs, (body or {}).get("data"), time.monotonic() - started
+
+
+def feed_waiting(server: Server, prefix: str = "", headers=None) -> int:
+    return server.request("GET", f"{prefix}{API}/system/info", headers=headers)[2]["data"][
+        "changes"
+    ]["waiting"]
+
+
+class TestHistoryServer:
+    """History and the change feed on real servers: crashes, long-polls, the relay."""
+
+    def test_sigkill_during_puts_leaves_old_or_new_and_the_history_whole(self, tmp_path):
+        root = tmp_path / "srv"
+        contents = [f"# v{i}\n\n" + f"line {i}\n" * 3000 for i in range(40)]
+        url = note_url("notes/crash.md")
+        for round_ in range(2):
+            server = Server(root, "--auth-mode", "none")
+            acked = []  # contents whose PUT answered 200, in order
+            try:
+                if round_ == 0:
+                    status, _, _ = server.request(
+                        "POST", f"{API}/notes", {"path": "notes/crash.md", "content": contents[0]}
+                    )
+                    assert status == 201
+                current = server.request("GET", url)[2]["data"]["content"]
+                acked.append(current)
+
+                def writer(start: int, acked=acked, server=server):
+                    i = start
+                    while True:
+                        content = contents[i % len(contents)]
+                        try:
+                            status, _, _ = server.request("PUT", url, {"content": content})
+                        except (OSError, http.client.HTTPException):  # killed
+                            return
+                        if status == 200:
+                            acked.append(content)
+                        i += 1
+
+                start = contents.index(current) + 1 if current in contents else 0
+                t = threading.Thread(target=writer, args=(start,))
+                t.start()
+                enough = 8 + 8 * round_  # well under way
+                wait_for(lambda acked=acked, enough=enough: len(acked) > enough, step=0.01)
+                server.proc.kill()  # SIGKILL, in the middle of the next PUT: no clean-up
+                server.proc.wait(10)
+                t.join(30)
+            finally:
+                server.stop()
+            assert len(acked) > 3
+            on_disk = (root / "notes" / "crash.md").read_text()
+            assert on_disk in (*contents, acked[0])  # old or new, never torn
+            history = root / ".notesvc" / "history"
+            kept = {}
+            for f in history.rglob("*"):
+                if f.is_file() and notesvc.VERSION_ID_RE.match(f.name):
+                    raw = f.read_bytes()
+                    assert f.name.endswith(notesvc.make_etag(raw)[1:-1]), "a torn version"
+                    kept[f.name] = raw.decode()
+            replaced = set(acked[:-1])  # every acknowledged PUT kept what it replaced
+            if on_disk != acked[-1]:  # the PUT in flight replaced the note: that too
+                replaced.add(acked[-1])
+            assert replaced <= set(kept.values())
+            with running(root, "--auth-mode", "none") as again:
+                assert again.request("GET", url)[2]["data"]["content"] == on_disk
+                listing = again.request("GET", url + "/versions?limit=1000")[2]["data"]
+                assert set(kept) <= {v["id"] for v in listing["versions"]}
+                for v in listing["versions"][:5]:
+                    body = again.request("GET", f"{url}/versions/{v['id']}")[2]["data"]
+                    assert body["content"] == kept[v["id"]]
+                changes = again.request("GET", f"{API}/changes?limit=1000")[2]["data"]["changes"]
+                seqs = [c["seq"] for c in changes]
+                assert seqs == list(range(1, len(seqs) + 1))
+                etags = {c.get("etag") for c in changes}
+                assert {notesvc.make_etag(c.encode()) for c in acked[1:]} <= etags
+                status, _, _ = again.request("PUT", url, {"content": "after the crash"})
+                assert status == 200
+            leftovers = [p for p in root.rglob("*") if p.name.startswith(".tmp-")]
+            assert leftovers == []
+
+    def test_a_waiting_feed_gets_the_next_change_at_once(self, tmp_path):
+        with running(tmp_path, "--auth-mode", "none", env={"SERVICE_RESCAN_SECONDS": "1"}) as s:
+            status, _, d, took = long_poll(s, 0, 1)
+            assert (status, d, took >= 0.9) == (
+                200,
+                {"changes": [], "last": 0, "more": False},
+                True,
+            )
+            got = []
+            t = threading.Thread(target=lambda: got.append(long_poll(s, 0, 20)))
+            t.start()
+            wait_for(lambda: feed_waiting(s) == 1)
+            sent = time.monotonic()
+            s.request("POST", f"{API}/notes", {"path": "notes/n.md", "content": "hello"})
+            t.join(25)
+            status, _, d, _ = got[0]
+            assert status == 200
+            assert [(c["seq"], c["kind"], c["path"]) for c in d["changes"]] == [
+                (1, "created", "notes/n.md")
+            ]
+            assert time.monotonic() - sent < 2
+            # another program's edit reaches a waiting feed through the rescan
+            t = threading.Thread(target=lambda: got.append(long_poll(s, 1, 20)))
+            t.start()
+            wait_for(lambda: feed_waiting(s) == 1)
+            (tmp_path / "notes" / "n.md").write_text("edited elsewhere")
+            t.join(25)
+            change = got[1][2]["changes"][0]
+            assert (change["kind"], change["path"]) == ("updated", "notes/n.md")
+            assert change["etag"] == notesvc.make_etag(b"edited elsewhere")
+            versions = s.request("GET", note_url("notes/n.md") + "/versions")[2]["data"]
+            assert [v["reason"] for v in versions["versions"]] == ["external"]
+
+    def test_over_the_waiter_cap_the_answer_is_at_once_and_others_still_answer(self, tmp_path):
+        with running(tmp_path, "--auth-mode", "none", env={"SERVICE_THREADS": "4"}) as s:
+            info = s.request("GET", f"{API}/system/config")[2]["data"]["sync"]
+            assert info["maxWaiters"] == 2  # half of 4 threads
+            held = []
+            threads = [
+                threading.Thread(target=lambda: held.append(long_poll(s, 0, 20))) for _ in range(2)
+            ]
+            for t in threads:
+                t.start()
+            wait_for(lambda: feed_waiting(s) == 2)
+            status, headers, d, took = long_poll(s, 0, 20)
+            assert status == 200
+            assert took < 1
+            assert d == {"changes": [], "last": 0, "more": False, "retryAfter": 1}
+            assert headers["Retry-After"] == "1"
+            for _ in range(5):  # the cap keeps threads for everything else
+                started = time.monotonic()
+                assert s.request("GET", f"{API}/notes")[0] == 200
+                assert time.monotonic() - started < 1
+            s.request("POST", f"{API}/notes", {"path": "notes/x.md", "content": "x"})
+            for t in threads:
+                t.join(25)
+            assert [len(h[2]["changes"]) for h in held] == [1, 1]
+            assert max(h[3] for h in held) < 15
+            assert feed_waiting(s) == 0
+
+    def test_twenty_followers_see_every_change_once_and_in_order(self, tmp_path):
+        with running(tmp_path, "--auth-mode", "none", env={"SERVICE_THREADS": "8"}) as s:
+            writes, followers = 30, 20
+            done, errors = threading.Event(), []
+            seen = [[] for _ in range(followers)]
+            retried = [0] * followers
+
+            def follow(k: int) -> None:
+                since, deadline = 0, time.monotonic() + 90
+                try:
+                    while time.monotonic() < deadline:
+                        status, headers, body = s.request(
+                            "GET", f"{API}/changes?since={since}&wait=5&limit=7"
+                        )
+                        assert status == 200, body
+                        d = body["data"]
+                        if "retryAfter" in d:  # over the cap: retry as told
+                            assert headers["Retry-After"] == str(d["retryAfter"])
+                            retried[k] += 1
+                            time.sleep(d["retryAfter"])
+                            continue
+                        seen[k].extend(d["changes"])
+                        since = d["last"]
+                        if done.is_set() and not d["more"] and since >= final[0]:
+                            return
+                    errors.append(f"follower {k} timed out at {since}")
+                except Exception as e:
+                    errors.append(f"follower {k}: {e!r}")
+
+            def write(w: int) -> None:
+                for i in range(writes):
+                    path = f"notes/w{w}/n{i % 5}.md"
+                    if i < 5:
+                        s.request("POST", f"{API}/notes", {"path": path, "content": f"{w}/{i}"})
+                    else:
+                        s.request("PUT", note_url(path), {"content": f"{w}/{i}"})
+
+            final = [10**9]
+            readers = [threading.Thread(target=follow, args=(k,)) for k in range(followers)]
+            writers = [threading.Thread(target=write, args=(w,)) for w in range(3)]
+            for t in readers + writers:
+                t.start()
+            for t in writers:
+                t.join(60)
+            everything = s.request("GET", f"{API}/changes?limit=1000")[2]["data"]
+            final[0] = everything["last"]
+            done.set()
+            for t in readers:
+                t.join(100)
+            assert errors == []
+            assert final[0] == 3 * writes
+            for k in range(followers):
+                assert seen[k] == everything["changes"], f"follower {k}"
+            assert sum(retried) > 0  # 20 followers, 4 may wait at once
+
+    def test_the_feed_passes_through_the_relay(self, tmp_path):
+        relay = Server(tmp_path / "relay", "relay")
+        server = Server(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url})
+        try:
+            wait_for(lambda: relay_servers(relay) == 1)
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            key = {"X-Service-Key": setup["apiKey"]}
+            prefix = f"/r/{setup['serverId']}"
+
+            def relayed(since: int, wait: float) -> tuple:
+                started = time.monotonic()
+                status, hdrs, body = relay.request(
+                    "GET", f"{prefix}{API}/changes?since={since}&wait={wait}", headers=key
+                )
+                return status, hdrs, body["data"], time.monotonic() - started
+
+            got = []
+            waiters = [
+                threading.Thread(target=lambda: got.append(relayed(0, 15))) for _ in range(2)
+            ]
+            for t in waiters:
+                t.start()
+            wait_for(lambda: feed_waiting(server, headers=key) == 2)
+            status, headers, d, took = relayed(0, 15)  # relayed waits: half the relay's workers
+            assert (status, d["retryAfter"], headers["Retry-After"]) == (200, 1, "1")
+            assert took < 3
+            status, _, body = relay.request("GET", f"{prefix}{API}/notes", headers=key)
+            assert status == 200  # still answered through the relay
+            sent = time.monotonic()
+            server.request(
+                "POST", f"{API}/notes", {"path": "notes/r.md", "content": "via relay"}, key
+            )
+            for t in waiters:
+                t.join(20)
+            assert time.monotonic() - sent < 5
+            assert [g[0] for g in got] == [200, 200]
+            for g in got:
+                assert [(c["kind"], c["path"]) for c in g[2]["changes"]] == [
+                    ("created", "notes/r.md")
+                ]
+            status, _, body = relay.request("GET", f"{prefix}{API}/changes?since=5", headers=key)
+            assert status == 410
+            assert body["error"]["resetRequired"] is True
+        finally:
+            server.stop()
+            relay.stop()
+
+    def test_waiting_feeds_do_not_hold_up_a_stopping_server(self, tmp_path):
+        server = Server(tmp_path, "--auth-mode", "none")
+        try:
+
+            def poll() -> None:
+                with contextlib.suppress(OSError, http.client.HTTPException):
+                    long_poll(server, 0, 25)  # cut off, or answered: either way at once
+
+            t = threading.Thread(target=poll)
+            t.start()
+            wait_for(lambda: feed_waiting(server) == 1)
+            started = time.monotonic()
+            server.proc.terminate()
+            assert server.proc.wait(10) == 0
+            assert time.monotonic() - started < 3  # waitress waits 5 s for busy threads
+            t.join(30)
+            assert not t.is_alive()
+        finally:
+            server.stop()
+
+    def test_a_full_disk_during_a_history_write_is_507_and_changes_nothing(self, tmp_path):
+        if os.geteuid() != 0 or not shutil.which("mount"):
+            pytest.skip("mounting a small tmpfs needs root")
+        disk = tmp_path / "disk"
+        disk.mkdir()
+        mounted = subprocess.run(
+            ["mount", "-t", "tmpfs", "-o", "size=512k", "tmpfs", str(disk)],
+            capture_output=True,
+            timeout=10,
+        )
+        if mounted.returncode != 0:
+            pytest.skip(f"cannot mount a tmpfs here: {mounted.stderr.decode()[:200]}")
+        try:
+            with running(disk, "--auth-mode", "none") as server:
+                big = "x" * 60000
+                url = note_url("notes/big.md")
+                assert (
+                    server.request(
+                        "POST", f"{API}/notes", {"path": "notes/big.md", "content": big}
+                    )[0]
+                    == 201
+                )
+                assert server.request("PUT", url, {"content": big + "!"})[0] == 200
+                vid = server.request("GET", url + "/versions")[2]["data"]["versions"][0]["id"]
+                wait_for((disk / ".notesvc" / "index.cache").exists)  # the first save is done
+                before = server.request("GET", f"{API}/changes")[2]["data"]["last"]
+                filler = os.open(disk / "filler", os.O_WRONLY | os.O_CREAT, 0o600)
+                try:
+                    with contextlib.suppress(OSError):
+                        while True:
+                            os.write(filler, b"\0" * 4096)
+                finally:
+                    os.close(filler)
+                attempts = [
+                    ("PATCH", url + "/move", {"path": "notes/moved.md"}),  # copies the content
+                    ("DELETE", url, None),
+                    ("PUT", url, {"content": big + "?"}),
+                    ("POST", f"{url}/versions/{vid}/restore", None),
+                ]
+                for method, target, body in attempts:
+                    status, _, answer = server.request(method, target, body)
+                    assert status == 507, (method, answer)
+                    assert answer["error"]["code"] == "INSUFFICIENT_STORAGE"
+                assert (disk / "notes" / "big.md").read_text() == big + "!"
+                assert not (disk / "notes" / "moved.md").exists()
+                listing = server.request("GET", url + "/versions")[2]["data"]
+                assert [v["id"] for v in listing["versions"]] == [vid]
+                assert server.request("GET", f"{API}/trash")[2]["data"]["items"] == []
+                assert server.request("GET", f"{API}/changes")[2]["data"]["last"] == before
+                assert [p for p in disk.rglob("*") if p.name.startswith(".tmp-")] == []
+                os.unlink(disk / "filler")
+                assert server.request("PUT", url, {"content": "small"})[0] == 200
+                changes = server.request("GET", f"{API}/changes?since={before}")[2]["data"]
+                assert [c["seq"] for c in changes["changes"]] == [before + 1]
+            assert "Traceback" not in "".join(server.lines)
+        finally:
+            subprocess.run(["umount", str(disk)], capture_output=True, timeout=10)
 
 
 def search(client, q: str, status: int = 200, **params) -> dict:
@@ -7097,6 +8169,7 @@ FIRING_CONFIGURATIONS = {
     "tool_writes": Firing(
         "tool-writes-without-auth", {"SERVICE_AUTH_MODE": "none", "SERVICE_MCP_WRITE": "true"}
     ),
+    "history_off": Firing("history-off", {"SERVICE_HISTORY_MAX_VERSIONS": "0"}),
 }
 
 
@@ -7616,12 +8689,20 @@ def moved(svc, old_path, new_path):
 def deleted(svc, path):
     CALLS.append(["note_deleted", path])
 
+def restored(svc, path, content):
+    CALLS.append(["note_restored", path, content])
+
 def calls(svc):
     return {"calls": CALLS}
 
 PLUGIN = notesvc.Plugin(
     name="recorder",
-    hooks={"note_saved": saved, "note_moved": moved, "note_deleted": deleted},
+    hooks={
+        "note_saved": saved,
+        "note_moved": moved,
+        "note_deleted": deleted,
+        "note_restored": restored,
+    },
     routes=(notesvc.PluginRoute("GET", "/calls", calls),),
 )
 """
@@ -7721,6 +8802,33 @@ class TestPluginHooks:
         client.delete(note_url("notes/kept.md"))
         assert data(client.post(f"{API}/plugins/recorder/toggle"))["enabled"] is True
         assert self.calls(client) == before
+
+    def test_hook_note_restored(self, client):
+        put_note(client, "notes/p.md", "one")
+        client.put_json(note_url("notes/p.md"), {"content": "two"})
+        (version,) = data(client.get(note_url("notes/p.md") + "/versions"))["versions"]
+        start = len(self.calls(client))
+        restore = f"{note_url('notes/p.md')}/versions/{version['id']}/restore"
+        client.post(restore)  # from a version: note_restored, not note_saved
+        client.delete(note_url("notes/p.md"))
+        (item,) = data(client.get(f"{API}/trash"))["items"]
+        client.post_json(f"{API}/trash/{item['id']}/restore", {"path": "notes/q.md"})
+        assert self.calls(client)[start:] == [
+            ["note_restored", "notes/p.md", "one"],
+            ["note_deleted", "notes/p.md"],
+            ["note_restored", "notes/q.md", "one"],
+        ]
+        # A refused restore calls nothing (the history went along to notes/q.md).
+        before = self.calls(client)
+        client.post(restore.replace("p.md", "q.md"), headers={"If-Match": '"0"'}, status=412)
+        client.delete(note_url("notes/q.md"))
+        put_note(client, "notes/q.md", "taken")
+        (item,) = data(client.get(f"{API}/trash"))["items"]
+        client.post(f"{API}/trash/{item['id']}/restore", status=409)
+        assert self.calls(client)[len(before) :] == [
+            ["note_deleted", "notes/q.md"],
+            ["note_saved", "notes/q.md", "taken"],
+        ]
 
 
 # -- tools: what MCP clients and the agent call ------------------------------------------------
@@ -8597,6 +9705,7 @@ class TestSchemathesis:
             "toggle_plugin",
             "receive_webhook",
             "issue_token",
+            "list_changes",  # a schema-valid wait holds the test up to 25 s; TestChanges
         }
         tested = 0
         for result in schema.get_all_operations():
@@ -9165,6 +10274,125 @@ def relay_raw_get(relay: Server, path: str) -> tuple:
     return head.decode("latin-1"), body
 
 
+class TestWebClientPage:
+    """The page as served: one locked-down response, its manifest and icons."""
+
+    def test_page_is_small_self_contained_and_locked_down(self, anon):
+        resp = anon.get("/")
+        assert resp.content_type == "text/html"
+        assert len(gzip.compress(resp.body)) < 60_000  # the budget: one response < 60 KB gzipped
+        csp = resp.headers["Content-Security-Policy"]
+        assert "default-src 'none'" in csp
+        assert "unsafe-inline" not in csp
+        assert "unsafe-eval" not in csp
+        assert "script-src 'sha256-" in csp
+        assert "<script src" not in resp.text
+        assert resp.text.count("<script>") == 1
+        assert resp.text.count("<style>") == 1
+        markup = re.sub(r"<(script|style)>.*?</\1>", "", resp.text, flags=re.S)
+        assert "http" not in markup.lower()  # nothing from elsewhere: no CDN, no fonts
+        assert resp.headers["X-Frame-Options"] == "DENY"
+        assert resp.headers["Referrer-Policy"] == "no-referrer"
+
+    def test_csp_hashes_match_the_inline_script_and_style(self, anon):
+        resp = anon.get("/")
+        csp = resp.headers["Content-Security-Policy"]
+        directives = dict(d.strip().split(" ", 1) for d in csp.split(";") if d.strip())
+        script = re.search(r"<script>(.*)</script>", resp.text, re.S).group(1)
+        style = re.search(r"<style>(.*)</style>", resp.text, re.S).group(1)
+        digest = lambda t: base64.b64encode(hashlib.sha256(t.encode()).digest()).decode()  # noqa: E731
+        assert directives["script-src"] == f"'sha256-{digest(script)}'"
+        assert directives["style-src"] == f"'sha256-{digest(style)}'"
+        assert directives["connect-src"] == "'self'"
+        assert directives["manifest-src"] == "'self'"
+        assert directives["frame-ancestors"] == "'none'"
+
+    def test_script_reads_no_relay_url_and_never_builds_an_absolute_api_url(self):
+        js = notesvc.WEB_JS
+        assert "relayUrl" not in js.replace("a relayUrl", "")  # only the comment names it
+        assert "ownOrigin(url)" in js  # every request is checked against the page's origin
+        assert 'mode: "same-origin"' in js
+
+    def test_manifest_is_public_cacheable_and_points_at_served_icons(self, anon):
+        resp = anon.get("/manifest.webmanifest")
+        assert resp.headers["Content-Type"].startswith("application/manifest+json")
+        assert resp.headers["Cache-Control"] == "public, max-age=86400"
+        manifest = json.loads(resp.body)
+        assert manifest["display"] == "standalone"
+        assert manifest["start_url"] == "."
+        assert manifest["theme_color"].startswith("#")
+        purposes = {i.get("purpose", "any") for i in manifest["icons"]}
+        assert purposes == {"any", "maskable"}
+        for icon in manifest["icons"]:
+            got = anon.get("/" + icon["src"])
+            assert got.headers["Content-Type"] == icon["type"]
+            if icon["type"] == "image/png":
+                assert png_size(got.body) == tuple(map(int, icon["sizes"].split("x")))
+
+    @pytest.mark.parametrize(
+        ("path", "size"),
+        [("/icon-192.png", 192), ("/icon-512.png", 512), ("/apple-touch-icon.png", 180)],
+    )
+    def test_png_icons_are_valid_pngs(self, anon, path, size):
+        resp = anon.get(path)
+        assert resp.headers["Cache-Control"] == "public, max-age=86400"
+        assert resp.headers["X-Content-Type-Options"] == "nosniff"
+        assert png_size(resp.body) == (size, size)
+        assert len(resp.body) < 10_000
+
+    def test_svg_icon_is_inert(self, anon):
+        resp = anon.get("/icon.svg")
+        assert resp.headers["Content-Type"] == "image/svg+xml"
+        assert resp.headers["Content-Security-Policy"] == "default-src 'none'"
+        assert "<script" not in resp.text
+        assert not re.search(r"\son\w+=|href=", resp.text)
+
+    def test_assets_need_no_key_and_refuse_other_methods(self, anon):
+        for path in notesvc.WEB_ASSETS:
+            anon.get(path, status=200)
+            anon.post(path, status=405)
+        anon.get("/icon.png", status=404)
+        anon.get("/manifest.webmanifest/..%2f..%2fetc%2fpasswd", status=404)
+
+    def test_the_relay_serves_the_same_page_manifest_and_icons(self, anon, tmp_path):
+        relay = Server(tmp_path / "relay", "relay")
+        try:
+            head, body = relay_raw_get(relay, "/")
+            assert body == anon.get("/").body
+            assert f"Content-Security-Policy: {notesvc.WEB_CSP}" in head
+            for path in notesvc.WEB_ASSETS:
+                head, body = relay_raw_get(relay, path)
+                assert head.startswith("HTTP/1.1 200"), path
+                assert body == anon.get(path).body
+                assert "Cache-Control: public, max-age=86400" in head
+                assert "Content-Security-Policy: default-src 'none'" in head
+                assert f"Content-Type: {notesvc.WEB_ASSETS[path][0]}" in head
+            head, _ = relay_raw_get(relay, "/icon.png")
+            assert head.startswith("HTTP/1.1 404")
+        finally:
+            relay.stop()
+
+
+def png_size(data: bytes) -> tuple:
+    """Return (width, height) of a PNG, checking its signature, chunk CRCs and pixel data."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, chunks = 8, {}
+    while pos < len(data):
+        length = int.from_bytes(data[pos : pos + 4], "big")
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
+        crc = int.from_bytes(data[pos + 8 + length : pos + 12 + length], "big")
+        assert zlib.crc32(kind + body) == crc
+        chunks[kind] = body
+        pos += 12 + length
+    width, height = (
+        int.from_bytes(chunks[b"IHDR"][:4], "big"),
+        int.from_bytes(chunks[b"IHDR"][4:8], "big"),
+    )
+    assert len(zlib.decompress(chunks[b"IDAT"])) == height * (1 + width * 3)
+    assert b"IEND" in chunks
+    return width, height
+
+
 class TestRelayAttachments:
     """Attachments through a relay: up to its body limit both ways, larger at once 413, and
     a server's answer never becomes a page on the relay's origin."""
@@ -9334,163 +10562,1058 @@ CHROMIUM_ARGS = [
     "--disable-component-update",
     "--disable-sync",
 ]
+PHONE = {"viewport": {"width": 390, "height": 844}, "has_touch": True, "is_mobile": True}
+DESKTOP = {"viewport": {"width": 1280, "height": 800}}
+DEVICES = {"phone": PHONE, "desktop": DESKTOP}
+SEED_NOTES = {
+    "home/keys.md": "# Spare keys\n\nThe spare keys are in the blue kumquat jar on the shelf.\n\n"
+    "- [ ] copy the garage key\n- [x] give one to Anna\n\n"
+    "See [[pancakes]] and [the recipe](../kitchen/pancakes.md).\n",
+    "kitchen/pancakes.md": "# Pancakes\n\n1. Flour, eggs and milk.\n2. Whisk **well**.\n\n"
+    "| step | minutes |\n|---|--:|\n| rest | 10 |\n| fry | 2 |\n",
+    "todo.md": "# Todo\n\n- buy oat milk\n",
+}
+
+# The accessibility check: every visible control has a name, and every visible text meets
+# WCAG AA contrast against the background it is drawn on (alpha composited up the tree).
+A11Y_AUDIT = r"""() => {
+  const problems = [];
+  const shown = (e) => {
+    const r = e.getBoundingClientRect(), s = getComputedStyle(e);
+    return r.width > 0 && r.height > 0 && s.visibility !== "hidden" && s.display !== "none";
+  };
+  const nameOf = (e) => {
+    const label = (e.getAttribute("aria-label") || "").trim();
+    if (label) return label;
+    const by = e.getAttribute("aria-labelledby");
+    const text = (els) => els.map((l) => l.textContent).join(" ").trim();
+    if (by) return text(by.split(" ").map((id) => document.getElementById(id)));
+    if (e.labels && e.labels.length) return text([...e.labels]);
+    if (/^(BUTTON|SUMMARY|A)$/.test(e.tagName)) return e.textContent.trim();
+    return (e.getAttribute("title") || "").trim();
+  };
+  for (const e of document.querySelectorAll("button, input, textarea, select, summary, a[href]")) {
+    if (shown(e) && !nameOf(e)) problems.push("no accessible name: " + e.outerHTML.slice(0, 90));
+  }
+  const rgba = (c) => {
+    const m = /rgba?\(([^)]+)\)/.exec(c);
+    if (!m) return [0, 0, 0, 0];
+    const p = m[1].split(/[ ,\/]+/).filter(Boolean).map(parseFloat);
+    return [p[0], p[1], p[2], p.length > 3 ? p[3] : 1];
+  };
+  const lum = (c) => {
+    const f = (v) => {
+      v /= 255;
+      return v <= 0.03928 ? v / 12.92 : Math.pow((v + 0.055) / 1.055, 2.4);
+    };
+    return 0.2126 * f(c[0]) + 0.7152 * f(c[1]) + 0.0722 * f(c[2]);
+  };
+  const over = (top, under) => [0, 1, 2].map((i) => top[i] * top[3] + under[i] * (1 - top[3]));
+  const backdrop = (e) => {
+    const layers = [];
+    for (let n = e; n; n = n.parentElement) {
+      const c = rgba(getComputedStyle(n).backgroundColor);
+      if (c[3] > 0) { layers.push(c); if (c[3] >= 1) break; }
+    }
+    let bg = matchMedia("(prefers-color-scheme: dark)").matches ? [0, 0, 0] : [255, 255, 255];
+    for (const c of layers.reverse()) bg = over(c, bg);
+    return bg;
+  };
+  const ratio = (a, b) => {
+    const x = lum(a), y = lum(b);
+    return (Math.max(x, y) + 0.05) / (Math.min(x, y) + 0.05);
+  };
+  const check = (e, color, what) => {
+    const s = getComputedStyle(e);
+    const bg = backdrop(e);
+    const r = ratio(over(rgba(color), bg), bg);
+    const size = parseFloat(s.fontSize), bold = parseInt(s.fontWeight, 10) >= 700;
+    const need = size >= 24 || (bold && size >= 18.66) ? 3 : 4.5;
+    if (r < need) problems.push(what + " contrast " + r.toFixed(2) + " < " + need + ": " +
+      (e.id ? "#" + e.id + " " : "") +
+      JSON.stringify((e.textContent || e.placeholder).trim().slice(0, 40)));
+  };
+  const walk = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);
+  const seen = new Set();
+  while (walk.nextNode()) {
+    const e = walk.currentNode.parentElement;
+    if (!walk.currentNode.textContent.trim() || seen.has(e) || !shown(e)) continue;
+    if (e.closest(":disabled, [aria-hidden=true], svg")) continue;  // WCAG exempts disabled ones
+    seen.add(e);
+    check(e, getComputedStyle(e).color, "text");
+  }
+  for (const e of document.querySelectorAll("input[placeholder], textarea[placeholder]")) {
+    if (!shown(e) || e.value || e.disabled) continue;
+    check(e, getComputedStyle(e, "::placeholder").color, "placeholder");
+  }
+  return problems;
+}"""
+
+
+@pytest.fixture(scope="class")
+def browser():
+    """One Chromium for the class (each test gets its own context)."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    if not CHROMIUM:
+        pytest.skip("no Chromium on this machine")
+    with sync_api.sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield chromium
+        finally:
+            chromium.close()
+
+
+def expect(locator):
+    from playwright.sync_api import expect as playwright_expect
+
+    return playwright_expect(locator)
+
+
+class WebSession:
+    """A browser context on the page of a real server, with the errors it logs."""
+
+    def __init__(self, browser, tmp_path: Path, device: str = "phone", **context):
+        self.context = browser.new_context(**DEVICES[device], **context)
+        self.context.set_default_timeout(10_000)
+        self.page = self.context.new_page()
+        self.device, self.tmp_path = device, tmp_path
+        self.errors: list = []
+        self.requests: list = []
+        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
+        self.page.on("console", lambda m: m.type == "error" and self.errors.append(m.text))
+        self.page.on("request", lambda r: self.requests.append(r))
+
+    def login(self, url: str, key: str) -> None:
+        self.page.goto(url)
+        self.page.fill("#key", key)
+        self.page.click("#connect")
+        self.page.wait_for_selector("#app", state="visible")
+        self.page.wait_for_selector("#tree button, #tree .empty")
+
+    def shot(self, name: str) -> Path:
+        path = self.tmp_path / f"{name}-{self.device}.png"
+        self.page.screenshot(path=str(path))
+        return path
+
+    def tap(self, selector: str) -> None:
+        """Click (desktop) or tap (phone) the element."""
+        if self.device == "phone":
+            self.page.tap(selector)
+        else:
+            self.page.click(selector)
+
+    def tree_open(self, path: str) -> None:
+        """Open a note from the tree, opening its folders first (Notes pane on a phone)."""
+        if self.device == "phone" and self.page.get_attribute("#app", "data-pane") != "notes":
+            self.tap(".tabs button[data-pane=notes]")
+        parts = path.split("/")
+        for i in range(2, len(parts)):
+            folder = self.page.locator(f'#tree button.dir[data-path="{"/".join(parts[:i])}"]')
+            if folder.get_attribute("aria-expanded") != "true":
+                folder.click()
+        self.page.click(f'#tree button.note[data-path="{path}"]')
+        expect(self.page.locator("#path")).to_contain_text(path)
+
+    def dialog_choose(self, value: str) -> None:
+        self.page.wait_for_selector("#dlg[open]")
+        self.page.click(f'#dlg-buttons button[data-value="{value}"]')
+        self.page.wait_for_selector("#dlg", state="hidden")
+
+    def api_calls(self, suffix: str) -> list:
+        return [r for r in self.requests if urllib.parse.urlsplit(r.url).path.endswith(suffix)]
+
+    def close(self) -> list:
+        self.context.close()
+        # The browser logs every non-2xx fetch; those the test caused on purpose are named.
+        return self.errors
+
+
+@pytest.fixture
+def web(browser, tmp_path):
+    """A real server with a few notes, and a function opening a logged-in browser session."""
+    root = tmp_path / "root"
+    for rel, text in SEED_NOTES.items():
+        (root / "notes" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / "notes" / rel).write_text(text)
+    server = Server(root)
+    setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+    sessions = []
+
+    def open_session(device: str = "phone", login: bool = True, **context) -> WebSession:
+        session = WebSession(browser, tmp_path, device, **context)
+        sessions.append(session)
+        if login:
+            session.login(setup["links"]["connect"]["hosted"], setup["apiKey"])
+        return session
+
+    open_session.server, open_session.setup, open_session.root = server, setup, root
+    try:
+        yield open_session
+    finally:
+        for s in sessions:
+            with contextlib.suppress(Exception):
+                s.context.close()
+        server.stop()
+
+
+def needs(server: Server, path: str, what: str) -> None:
+    """Skip unless the server's OpenAPI document has the path (a feature of another issue)."""
+    doc = server.request("GET", f"{API}/openapi.json")[2]
+    if f"{API}{path}" not in doc["paths"]:
+        pytest.skip(f"not on this server yet: {what}")
+
+
+def unexpected(errors: list, *allowed: str) -> list:
+    return [e for e in errors if not any(f"status of {a}" in e for a in allowed)]
 
 
 class TestWebClient:
-    def test_page_is_small_self_contained_and_locked_down(self, anon):
-        resp = anon.get("/")
-        assert resp.content_type == "text/html"
-        assert len(resp.body) < 40_000
-        csp = resp.headers["Content-Security-Policy"]
-        assert "default-src 'none'" in csp
-        assert "unsafe-inline" not in csp
-        assert "script-src 'sha256-" in csp
-        assert "<script src" not in resp.text
-        assert "http" not in re.sub(r"https?://[^\"' ]*(?=[\"' ])", "", resp.text).split(
-            "<script>"
-        )[0].split("<style>")[0].lower().replace("http-equiv", "")
+    @pytest.mark.parametrize("device", ["phone", "desktop"])
+    def test_connect_open_formatted_edit_and_save(self, web, device):
+        s = web(device)
+        page = s.page
+        assert "relayCode=" in web.setup["links"]["connect"]["hosted"]
+        expect(page.locator("#tree")).to_contain_text("home")
+        s.shot("tree")
+        s.tree_open("notes/home/keys.md")
+        # Formatted: a heading, a task list, links; the editor is not shown.
+        expect(page.locator("#view h1")).to_have_text("Spare keys")
+        assert page.is_hidden("#editor")
+        assert page.locator("#view input[type=checkbox]").count() == 2
+        assert page.locator("#view a[data-note='notes/kitchen/pancakes.md']").count() == 1
+        s.shot("note")
+        page.click("#edit")
+        expect(page.locator("#editor")).to_be_visible()
+        page.fill("#editor", "# Spare keys\n\nThe spare keys moved to the *red* box.\n")
+        expect(page.locator("#status")).to_have_text(re.compile("Unsaved"))
+        s.shot("editing")
+        page.click("#save")
+        expect(page.locator("#status")).to_have_text("Saved")
+        on_disk = web.root / "notes/home/keys.md"
+        assert on_disk.read_text() == "# Spare keys\n\nThe spare keys moved to the *red* box.\n"
+        (put,) = [r for r in s.api_calls("/notes/notes%2Fhome%2Fkeys.md") if r.method == "PUT"]
+        assert put.headers["if-match"].startswith('"')
+        page.click("#edit")  # back to the formatted view, with the saved text
+        expect(page.locator("#view em")).to_have_text("red")
+        # The page linked this browser: setup is complete now.
+        assert web.server.request("GET", f"{API}/system/setup")[2]["data"]["setupComplete"]
+        assert unexpected(s.close()) == []
 
-    def test_browser_round_trip(self, tmp_path):
-        sync_api = pytest.importorskip("playwright.sync_api")
-        if not CHROMIUM:
-            pytest.skip("no Chromium on this machine")
-        with running(tmp_path) as server, sync_api.sync_playwright() as pw:
-            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
-            key = setup["apiKey"]
-            link = setup["links"]["connect"]["hosted"]
-            assert "relayCode=" in link
-            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-            try:
-                page = browser.new_page()
-                errors = []
-                page.on("console", lambda m: m.type == "error" and errors.append(m.text))
-                page.goto(link)
-                page.fill("#key", key)
+    def test_phone_shows_one_pane_at_a_time_and_keeps_save_above_the_keyboard(self, web):
+        s = web("phone")
+        page = s.page
+        panes = ["#pane-notes", "#pane-search", "#pane-note", "#pane-ask"]
+        visible = lambda: [p for p in panes if page.is_visible(p)]  # noqa: E731
+        assert visible() == ["#pane-notes"]
+        assert page.evaluate("document.documentElement.scrollWidth") <= 390
+        for pane in ("ask", "search", "note", "notes"):
+            s.tap(f".tabs button[data-pane={pane}]")
+            assert visible() == [f"#pane-{pane}"]
+        # Touch targets: the bar, the tabs and the tree are at least 44 px high.
+        for sel in (".tabs button", "#tree button", "#new", "#capture-add", ".bar summary"):
+            for box in page.locator(sel).evaluate_all(
+                "els => els.map(e => e.getBoundingClientRect().height)"
+            ):
+                assert box >= 44, sel
+        s.tree_open("notes/todo.md")
+        assert visible() == ["#pane-note"]
+        page.click("#edit")
+        page.focus("#editor")
+        # The keyboard takes the lower half: the page fits what is left, Save stays in view.
+        page.set_viewport_size({"width": 390, "height": 420})
+        page.evaluate("window.dispatchEvent(new Event('resize'))")
+        save = page.locator("#save").bounding_box()
+        assert save["y"] >= 0
+        assert save["y"] + save["height"] <= 420
+        assert page.is_hidden(".tabs")  # the tabs step aside while typing
+        editor = page.locator("#editor").bounding_box()
+        assert editor["height"] > 200
+        assert editor["y"] + editor["height"] <= 421
+        page.set_viewport_size({"width": 390, "height": 844})
+        # The back button returns to the notes; so does the browser's Back.
+        page.click("#back")
+        assert visible() == ["#pane-notes"]
+        page.go_back()
+        expect(page.locator("#pane-note")).to_be_visible()
+        assert unexpected(s.close()) == []
+
+    def test_no_note_open_offers_new_instead_of_an_editor(self, web):
+        s = web("desktop")
+        page = s.page
+        assert page.is_hidden("#editor")
+        assert page.is_hidden("#save")
+        expect(page.locator("#empty")).to_contain_text("No note is open")
+        page.click("#empty-new")
+        page.fill("#new-path", "ideas/garden")
+        s.dialog_choose("create")
+        expect(page.locator("#path")).to_contain_text("notes/ideas/garden.md")
+        expect(page.locator("#editor")).to_be_focused()
+        page.keyboard.type("Tomatoes by the wall.")
+        page.keyboard.press("Control+s")
+        expect(page.locator("#status")).to_have_text("Saved")
+        text = (web.root / "notes/ideas/garden.md").read_text()
+        assert text == "# garden\n\nTomatoes by the wall."
+        expect(page.locator("#tree")).to_contain_text("garden")
+        assert unexpected(s.close()) == []
+
+    def test_unsaved_changes_are_asked_about_and_a_draft_survives_a_reload(self, web):
+        s = web("desktop")
+        page = s.page
+        s.tree_open("notes/todo.md")
+        page.click("#edit")
+        page.fill("#editor", "# Todo\n\n- buy oat milk\n- call the plumber\n")
+        # Switching note asks; Cancel keeps the text and the note.
+        page.click('#tree button.dir[data-path="notes/kitchen"]')
+        page.click('#tree button.note[data-path="notes/kitchen/pancakes.md"]')
+        expect(page.locator("#dlg-title")).to_have_text("Unsaved changes")
+        s.shot("unsaved-prompt")
+        s.dialog_choose("cancel")
+        expect(page.locator("#path")).to_contain_text("notes/todo.md")
+        assert "plumber" in page.input_value("#editor")
+        # Logging out asks too.
+        page.click("#menu summary")
+        page.click("#logout")
+        expect(page.locator("#dlg-title")).to_have_text("Unsaved changes")
+        s.dialog_choose("cancel")
+        # A reload asks (beforeunload), and the draft comes back after it.
+        dialogs = []
+        page.on("dialog", lambda d: (dialogs.append(d.type), d.accept()))
+        page.reload()
+        page.wait_for_selector("#app", state="visible")
+        assert dialogs == ["beforeunload"]
+        expect(page.locator("#draft")).to_be_visible()
+        expect(page.locator("#draft-text")).to_contain_text("unsaved draft")
+        assert "plumber" in page.input_value("#editor")
+        expect(page.locator("#status")).to_have_text(re.compile("Unsaved"))
+        s.shot("draft-restored")
+        assert "plumber" not in (web.root / "notes/todo.md").read_text()
+        # Saving it ends the draft; a later reload finds nothing to restore.
+        page.click("#save")
+        expect(page.locator("#status")).to_have_text("Saved")
+        assert "plumber" in (web.root / "notes/todo.md").read_text()
+        assert page.evaluate("Object.keys(localStorage).filter(k => k.includes('draft'))") == []
+        page.reload()
+        page.wait_for_selector("#note-bar", state="visible")
+        assert page.is_hidden("#draft")
+        # Discarding a draft brings back the saved text.
+        page.click("#edit")
+        page.fill("#editor", "scratch")
+        page.wait_for_timeout(400)  # the draft is written 300 ms after the last keystroke
+        page.reload()  # asks again (accepted above)
+        expect(page.locator("#draft")).to_be_visible()
+        page.click("#draft-discard")
+        expect(page.locator("#editor")).to_have_value(re.compile("plumber"))
+        expect(page.locator("#draft")).to_be_hidden()
+        assert unexpected(s.close()) == []
+
+    @pytest.mark.parametrize("device", ["phone", "desktop"])
+    def test_search_is_seen_and_used_with_the_keyboard(self, web, device):
+        s = web(device)
+        page = s.page
+        page.keyboard.press("/")
+        expect(page.locator("#search")).to_be_focused()
+        page.keyboard.type("kumquat")
+        page.keyboard.press("Enter")
+        expect(page.locator("#results mark").first).to_have_text(re.compile("kumquat", re.I))
+        expect(page.locator("#results-info")).to_have_text(re.compile(r"^1 note · [\d.]+ ms$"))
+        assert page.is_visible("#pane-search")
+        assert page.is_hidden("#pane-notes")
+        hit = page.locator("#results button").first
+        assert "notes/home/keys.md" in hit.inner_text()
+        assert "Spare keys" in hit.inner_text()
+        s.shot("search")
+        page.keyboard.press("ArrowDown")
+        expect(hit).to_be_focused()
+        page.keyboard.press("Enter")
+        expect(page.locator("#path")).to_contain_text("notes/home/keys.md")
+        expect(page.locator("#view h1")).to_have_text("Spare keys")
+        # Esc returns to the tree.
+        page.keyboard.press("/")  # focuses the search box with its text selected
+        page.keyboard.type("pancake")
+        page.keyboard.press("Enter")
+        expect(page.locator("#results button")).to_have_count(2)
+        page.keyboard.press("ArrowDown")
+        page.keyboard.press("ArrowDown")
+        expect(page.locator("#results button").nth(1)).to_be_focused()
+        page.keyboard.press("ArrowUp")
+        expect(page.locator("#results button").nth(0)).to_be_focused()
+        page.keyboard.press("Escape")
+        expect(page.locator("#pane-notes")).to_be_visible()
+        assert page.is_hidden("#pane-search")
+        assert page.input_value("#search") == ""
+        assert unexpected(s.close()) == []
+
+    def test_chat_asks_all_notes_unless_about_this_note_is_on(self, web):
+        s = web("desktop")
+        page = s.page
+        s.tree_open("notes/kitchen/pancakes.md")
+        assert not page.is_checked("#about")
+        page.fill("#chat-input", "where are the spare keys?")
+        page.keyboard.press("Enter")
+        answer = page.locator("#chat-log .msg:not(.me)").first
+        expect(answer.locator("ul.sources button").first).to_be_visible()
+        (first,) = s.api_calls("/agent/chat")
+        assert first.post_data_json == {"message": "where are the spare keys?", "channel": "web"}
+        assert "Spare keys" in answer.locator("ul.sources").inner_text()
+        assert answer.locator(".md").count() == 1  # the answer is rendered Markdown
+        page.check("#about")
+        expect(page.locator("#about-label")).to_contain_text("Pancakes")
+        page.fill("#chat-input", "how long do they rest?")
+        page.click("#chat-send")
+        expect(page.locator("#chat-log .msg:not(.me)")).to_have_count(2)
+        expect(page.locator("#chat-log .msg:not(.me)").last).not_to_contain_text("Thinking")
+        second = s.api_calls("/agent/chat")[1]
+        assert second.post_data_json["notePath"] == "notes/kitchen/pancakes.md"
+        s.shot("chat")
+        # A source opens its note.
+        answer.locator("ul.sources button", has_text="Spare keys").click()
+        expect(page.locator("#path")).to_contain_text("notes/home/keys.md")
+        assert unexpected(s.close()) == []
+
+    def test_an_external_edit_meets_the_conflict_and_either_side_can_win(self, web):
+        s = web("phone")
+        page = s.page
+        on_disk = web.root / "notes/todo.md"
+        s.tree_open("notes/todo.md")
+        page.click("#edit")
+        on_disk.write_text("# Todo\n\nChanged in vim.\n")
+        page.fill("#editor", "# Todo\n\nMy browser edit.\n")
+        page.click("#save")
+        expect(page.locator("#conflict")).to_be_visible()
+        expect(page.locator("#conflict")).to_contain_text("changed elsewhere")
+        s.shot("conflict")
+        assert on_disk.read_text() == "# Todo\n\nChanged in vim.\n"
+        page.click("#overwrite")  # keep mine
+        expect(page.locator("#conflict")).to_be_hidden()
+        assert on_disk.read_text() == "# Todo\n\nMy browser edit.\n"
+        on_disk.write_text("# Todo\n\nChanged in vim again.\n")
+        page.fill("#editor", "# Todo\n\nAnother browser edit.\n")
+        page.click("#save")
+        page.click("#reload")  # theirs
+        expect(page.locator("#conflict")).to_be_hidden()
+        assert page.input_value("#editor") == "# Todo\n\nChanged in vim again.\n"
+        expect(page.locator("#status")).not_to_have_text(re.compile("Unsaved"))
+        assert unexpected(s.close(), 412) == []
+
+    def test_coming_back_to_the_page_picks_up_changes_and_a_deletion(self, web):
+        s = web("desktop")
+        page = s.page
+        on_disk = web.root / "notes/todo.md"
+        s.tree_open("notes/todo.md")
+        on_disk.write_text("# Todo\n\n- changed in vim\n")
+        (web.root / "notes/new-from-vim.md").write_text("# New\n")
+        page.evaluate("document.dispatchEvent(new Event('visibilitychange'))")
+        expect(page.locator("#view")).to_contain_text("changed in vim")  # nothing unsaved here
+        expect(page.locator("#toast")).to_contain_text("changed elsewhere")
+        expect(page.locator('#tree button[data-path="notes/new-from-vim.md"]')).to_be_visible()
+        # Deleted elsewhere while edited here: saving says so; "Keep mine" writes it again.
+        page.click("#edit")
+        page.fill("#editor", "# Todo\n\n- mine\n")
+        on_disk.unlink()
+        page.click("#save")
+        expect(page.locator("#conflict")).to_contain_text("deleted or moved elsewhere")
+        page.click("#overwrite")
+        expect(page.locator("#status")).to_have_text("Saved")
+        assert on_disk.read_text() == "# Todo\n\n- mine\n"
+        # Deleted again, and this time theirs wins: the note closes.
+        on_disk.unlink()
+        page.fill("#editor", "# Todo\n\n- mine again\n")
+        page.click("#save")
+        page.click("#reload")
+        expect(page.locator("#empty")).to_be_visible()
+        assert not on_disk.exists()
+        assert unexpected(s.close(), 404) == []
+
+    def test_a_checkbox_ticked_in_the_formatted_view_is_saved_with_if_match(self, web):
+        s = web("phone")
+        page = s.page
+        s.tree_open("notes/home/keys.md")
+        box = page.locator("#view input[type=checkbox]").first
+        box.check()
+        expect(page.locator("#status")).to_have_text("Saved")
+        assert "- [x] copy the garage key" in (web.root / "notes/home/keys.md").read_text()
+        put = [r for r in s.api_calls("/notes/notes%2Fhome%2Fkeys.md") if r.method == "PUT"]
+        assert len(put) == 1
+        assert put[0].headers["if-match"]
+        # Changed elsewhere in between: the tick is refused, not forced.
+        path = web.root / "notes/home/keys.md"
+        path.write_text(path.read_text().replace("give one", "give two"))
+        page.locator("#view input[type=checkbox]").nth(1).uncheck()
+        expect(page.locator("#conflict")).to_be_visible()
+        assert "- [x] give two to Anna" in path.read_text()
+        assert unexpected(s.close(), 412) == []
+
+    def test_links_open_notes_and_html_in_a_note_stays_text(self, web):
+        hostile = (
+            "# <img src=x onerror=alert(1)>\n\n<script>window.pwned = 1</script>\n\n"
+            "[click](javascript:window.pwned=2) [data](data:text/html,x) "
+            "![pic](https://tracker.example/p.png) [ok](https://example.com/a_b)\n\n"
+            "snake_case_name and *em* **strong** ~~gone~~ `<b>code</b>` [[Pancakes]] "
+            "[up](../todo.md) [[nowhere here]]\n\n> quoted <iframe>\n\n"
+            "```\n<script>x</script>\n```\n"
+        )
+        web.server.request(
+            "POST",
+            f"{API}/notes",
+            {"path": "notes/web/hostile.md", "content": hostile},
+            {"X-Service-Key": web.setup["apiKey"]},
+        )
+        s = web("desktop")
+        page = s.page
+        s.tree_open("notes/web/hostile.md")
+        view = page.locator("#view")
+        expect(view.locator("h1")).to_have_text("<img src=x onerror=alert(1)>")
+        assert view.locator("img, script, iframe").count() == 0
+        assert page.evaluate("window.pwned") is None
+        hrefs = view.locator("a").evaluate_all("els => els.map(e => e.getAttribute('href'))")
+        # An image from elsewhere is a link to follow, never loaded on its own.
+        allowed = ("#", "https://example.com/a_b", "https://tracker.example/p.png")
+        assert [h for h in hrefs if h not in allowed] == []
+        assert "snake_case_name" in view.inner_text()
+        assert view.locator("em").all_inner_texts() == ["em"]
+        assert view.locator("strong").all_inner_texts() == ["strong"]
+        assert view.locator("del").all_inner_texts() == ["gone"]
+        assert view.locator("code").first.inner_text() == "<b>code</b>"
+        assert view.locator("pre code").inner_text() == "<script>x</script>"
+        assert view.locator("a[rel='noopener noreferrer']").count() == 2
+        # A relative link and a [[wikilink]] open their notes.
+        view.locator("a", has_text="up").click()
+        expect(page.locator("#path")).to_contain_text("notes/todo.md")
+        s.tree_open("notes/web/hostile.md")
+        view.locator("a", has_text="Pancakes").click()
+        expect(page.locator("#path")).to_contain_text("notes/kitchen/pancakes.md")
+        expect(page.locator("#view table td.al-r").first).to_have_text("10")
+        # A [[link]] to no note offers to create it.
+        s.tree_open("notes/web/hostile.md")
+        view.locator("a", has_text="nowhere here").click()
+        expect(page.locator("#dlg-title")).to_contain_text("No note named")
+        s.dialog_choose("cancel")
+        assert unexpected(s.close(), 404) == []
+
+    def test_markdown_renderer(self, web):
+        s = web("desktop", login=False)
+        page = s.page
+        page.goto(web.server.url + "/")
+        render = lambda md: page.evaluate("(t) => renderMarkdown(t, {}).innerHTML", md)  # noqa: E731
+        assert render("# T\n\npara *a* _b_\nline two") == (
+            "<h1>T</h1><p>para <em>a</em> <em>b</em><br>line two</p>"
+        )
+        assert render("- a\n  - b\n- c") == "<ul><li>a<ul><li>b</li></ul></li><li>c</li></ul>"
+        assert render("3. x\n4. y") == '<ol start="3"><li>x</li><li>y</li></ol>'
+        assert render("a | b\n--|:-:\n1 | 2") == (
+            '<div class="table"><table><thead><tr><th>a</th><th class="al-c">b</th></tr></thead>'
+            '<tbody><tr><td>1</td><td class="al-c">2</td></tr></tbody></table></div>'
+        )
+        assert render("---\ntags: [a]\n---\n# After") == (
+            '<pre class="front">tags: [a]</pre><h1>After</h1>'
+        )
+        assert (
+            render("> q\n> > deeper")
+            == "<blockquote><p>q</p><blockquote><p>deeper</p></blockquote></blockquote>"
+        )
+        assert (
+            render("***\n\n~~~py\nx = 1\n~~~")
+            == '<hr><pre><code class="lang-py">x = 1</code></pre>'
+        )
+        assert render("a\\*b\\* ==hi==") == "<p>a*b* <mark>hi</mark></p>"
+        assert render("<b>x</b> &amp;") == "<p>&lt;b&gt;x&lt;/b&gt; &amp;amp;</p>"
+        # Pathological input renders in linear-ish time.
+        took = page.evaluate(
+            "() => { const t = performance.now(); "
+            "renderMarkdown('*_'.repeat(4000) + '['.repeat(3000), {}); "
+            "return performance.now() - t; }"
+        )
+        assert took < 2000
+        assert unexpected(s.close()) == []
+
+    def test_move_with_update_links_and_delete_to_the_trash(self, web):
+        s = web("desktop")
+        page = s.page
+        s.tree_open("notes/kitchen/pancakes.md")
+        page.click("#note-menu summary")
+        page.click("#move")
+        page.fill("#move-path", "recipes/pancakes")
+        assert page.is_checked("#move-links")
+        s.dialog_choose("move")
+        expect(page.locator("#path")).to_contain_text("notes/recipes/pancakes.md")
+        assert (web.root / "notes/recipes/pancakes.md").exists()
+        assert "(../recipes/pancakes.md)" in (web.root / "notes/home/keys.md").read_text()
+        expect(
+            page.locator('#tree button.note[data-path="notes/recipes/pancakes.md"]')
+        ).to_be_visible()
+        page.click("#note-menu summary")
+        page.click("#delete")
+        s.dialog_choose("delete")
+        expect(page.locator("#empty")).to_be_visible()
+        assert not (web.root / "notes/recipes/pancakes.md").exists()
+        assert list((web.root / ".notesvc" / "trash").rglob("pancakes.md"))
+        expect(
+            page.locator('#tree button.note[data-path="notes/recipes/pancakes.md"]')
+        ).to_have_count(0)
+        assert unexpected(s.close()) == []
+
+    def test_quick_capture_appends_to_todays_note(self, web):
+        s = web("phone")
+        page = s.page
+        page.fill("#capture", "call the plumber about the tap")
+        page.keyboard.press("Enter")
+        expect(page.locator("#toast")).to_contain_text("Added to")
+        page.fill("#capture", "buy washers")
+        page.click("#capture-add")
+        expect(page.locator("#capture")).to_have_value("")
+        (daily,) = (web.root / "notes" / "daily").glob("*.md")
+        lines = daily.read_text().splitlines()
+        assert re.fullmatch(r"- \d\d:\d\d call the plumber about the tap", lines[-2])
+        assert re.fullmatch(r"- \d\d:\d\d buy washers", lines[-1])
+        expect(page.locator('#tree button.dir[data-path="notes/daily"]')).to_be_visible()
+        assert unexpected(s.close()) == []
+
+    def test_the_key_stays_in_the_session_unless_remembered(self, web):
+        s = web("phone", login=False)
+        page = s.page
+        page.goto(web.setup["links"]["connect"]["hosted"])
+        assert page.is_hidden("#remember-warn")
+        page.check("#remember")
+        expect(page.locator("#remember-warn")).to_be_visible()
+        page.uncheck("#remember")
+        page.fill("#key", "nsk_" + "x" * 43)
+        page.click("#connect")
+        expect(page.locator("#login-msg")).to_contain_text("not accepted")
+        assert page.evaluate("sessionStorage.getItem('notesvc.key')") is None
+        page.fill("#key", web.setup["apiKey"])
+        page.click("#connect")
+        page.wait_for_selector("#app", state="visible")
+        stored = "k => [sessionStorage.getItem(k), localStorage.getItem(k)]"
+        assert page.evaluate(stored, "notesvc.key") == [web.setup["apiKey"], None]
+        # A new tab of the same browser (a new session) asks again.
+        other = s.context.new_page()
+        other.goto(web.server.url + "/")
+        expect(other.locator("#login")).to_be_visible()
+        other.close()
+        # Remembered: in localStorage, and a new tab goes straight in.
+        page.click("#menu summary")
+        page.click("#logout")
+        page.wait_for_selector("#login", state="visible")
+        assert page.evaluate("Object.keys(localStorage).concat(Object.keys(sessionStorage))") == []
+        page.fill("#key", web.setup["apiKey"])
+        page.check("#remember")
+        page.click("#connect")
+        page.wait_for_selector("#app", state="visible")
+        assert page.evaluate(stored, "notesvc.key")[1] == web.setup["apiKey"]
+        other = s.context.new_page()
+        other.goto(web.server.url + "/")
+        other.wait_for_selector("#app", state="visible")
+        assert unexpected(s.close(), 401) == []
+
+    def test_a_rotated_key_returns_to_the_key_screen_and_a_lockout_shows_its_wait(self, web):
+        s = web("phone")
+        page = s.page
+        status, _, body = web.server.request(
+            "POST", f"{API}/auth/rotate", headers={"X-Service-Key": web.setup["apiKey"]}
+        )
+        assert status == 200
+        page.click('#tree button.note[data-path="notes/todo.md"]')
+        expect(page.locator("#login")).to_be_visible()
+        expect(page.locator("#login-msg")).to_contain_text("rotated")
+        assert page.evaluate("sessionStorage.getItem('notesvc.key')") is None
+        s.shot("key-rotated")
+        # Wrong keys until this address is locked out: the wait is shown.
+        for _ in range(10):
+            web.server.request("POST", f"{API}/auth/verify", headers={"X-Service-Key": "nsk_wrong"})
+        page.fill("#key", body["data"]["apiKey"])
+        page.click("#connect")
+        expect(page.locator("#login-msg")).to_have_text(re.compile(r"try again in \d+ s"))
+        # 404: the link's relay code changed with the key (the page fell back to the server)
+        assert unexpected(s.close(), 401, 404, 429) == []
+
+    def test_dark_mode_and_accessibility_in_both_themes(self, web):
+        for scheme in ("light", "dark"):
+            for device in ("phone", "desktop"):
+                s = web(device, login=False, color_scheme=scheme)
+                page = s.page
+                page.goto(web.setup["links"]["connect"]["hosted"])
+                problems = page.evaluate(A11Y_AUDIT)
+                page.fill("#key", web.setup["apiKey"])
                 page.click("#connect")
-                page.wait_for_selector("#app", state="visible")
-                sync_api.expect(page.locator("#tree")).to_contain_text("No notes yet")
-                # Create a note.
-                page.fill("#new-path", "web/hello")
-                page.click("#create")
-                expect = sync_api.expect
-                expect(page.locator("#path")).to_have_text("notes/web/hello.md")
-                page.fill("#editor", "# Hello web\n\nThe kumquat jar is in the pantry.")
+                page.wait_for_selector("#tree button")
+                problems += page.evaluate(A11Y_AUDIT)
+                s.tree_open("notes/home/keys.md")
+                problems += page.evaluate(A11Y_AUDIT)
+                page.click("#edit")
+                page.fill("#editor", page.input_value("#editor") + "\nmore")
+                problems += page.evaluate(A11Y_AUDIT)
                 page.click("#save")
-                expect(page.locator("#status")).to_have_text(re.compile("^Saved"))
-                # Find it by search, with the match highlighted.
                 page.fill("#search", "kumquat")
-                page.press("#search", "Enter")
+                page.keyboard.press("Enter")
                 page.wait_for_selector("#results mark")
-                assert "notes/web/hello.md" in page.inner_text("#results")
-                assert page.inner_text("#results mark").lower() == "kumquat"
-                # Edit it again.
-                page.fill("#editor", "# Hello web\n\nThe kumquat jar moved to the shelf.")
-                page.click("#save")
-                expect(page.locator("#status")).to_have_text(re.compile("^Saved"))
-                on_disk = tmp_path / "notes" / "web" / "hello.md"
-                assert "shelf" in on_disk.read_text()
-                # Someone else edits it; our next save meets the conflict.
-                on_disk.write_text("# Hello web\n\nChanged in vim.")
-                page.fill("#editor", "# Hello web\n\nMy browser edit.")
-                page.click("#save")
-                page.wait_for_selector("#conflict", state="visible")
-                assert "changed elsewhere" in page.inner_text("#conflict")
-                assert on_disk.read_text() == "# Hello web\n\nChanged in vim."
-                page.click("#overwrite")
-                page.wait_for_selector("#conflict", state="hidden")
-                assert on_disk.read_text() == "# Hello web\n\nMy browser edit."
-                # Ask the agent.
-                page.fill("#chat-input", "what about my browser edit?")
+                problems += page.evaluate(A11Y_AUDIT)
+                if device == "phone":
+                    s.tap(".tabs button[data-pane=ask]")
+                page.fill("#chat-input", "spare keys?")
                 page.click("#chat-send")
-                expect(page.locator("#chat-log p")).to_have_count(2)
-                assert "notes/web/hello.md" in page.inner_text("#chat-log")
-                # The browser logs every non-2xx fetch; the 412 above was the point.
-                assert [e for e in errors if "status of 412" not in e] == []
-                # The page linked this browser: setup is complete now.
-                _, _, body = server.request("GET", f"{API}/system/setup")
-                assert body["data"]["setupComplete"] is True
-            finally:
-                browser.close()
+                page.wait_for_selector("#chat-log ul.sources")
+                problems += page.evaluate(A11Y_AUDIT)
+                page.click("#menu summary")
+                page.click("#menu-new")
+                problems += page.evaluate(A11Y_AUDIT)
+                s.dialog_choose("cancel")
+                # Focus is visible: Tab lands on a control that draws an outline.
+                page.keyboard.press("Tab")
+                style = page.evaluate(
+                    "() => { const s = getComputedStyle(document.activeElement); "
+                    "return [s.outlineStyle, parseFloat(s.outlineWidth)]; }"
+                )
+                assert style[0] != "none", (scheme, device)
+                assert style[1] >= 2, (scheme, device)
+                bg = page.evaluate("getComputedStyle(document.body).backgroundColor")
+                assert (bg == "rgb(15, 20, 25)") == (scheme == "dark")
+                s.shot(f"theme-{scheme}")
+                assert problems == [], (scheme, device)
+                assert unexpected(s.close()) == []
 
-    def test_csp_connects_only_to_its_own_origin(self, anon):
-        csp = anon.get("/").headers["Content-Security-Policy"]
-        directives = dict(d.strip().split(" ", 1) for d in csp.split(";") if d.strip())
-        assert directives["connect-src"] == "'self'"
+    def test_keyboard_alone_reaches_a_note_and_saves_it(self, web):
+        s = web("desktop")
+        page = s.page
+        seen = []
+        for _ in range(40):  # Tab through the page until the tree's note is reached
+            page.keyboard.press("Tab")
+            seen.append(
+                page.evaluate("document.activeElement.dataset.path || document.activeElement.id")
+            )
+            if seen[-1] == "notes/todo.md":
+                break
+        assert seen[-1] == "notes/todo.md", seen
+        page.keyboard.press("Enter")
+        expect(page.locator("#path")).to_contain_text("notes/todo.md")
+        page.focus("#edit")
+        page.keyboard.press("Enter")
+        expect(page.locator("#editor")).to_be_focused()
+        page.keyboard.press("End")
+        page.keyboard.type(" - and bread")
+        page.keyboard.press("Control+s")
+        expect(page.locator("#status")).to_have_text("Saved")
+        assert "and bread" in (web.root / "notes/todo.md").read_text()
+        assert unexpected(s.close()) == []
 
-    def test_foreign_relay_url_never_gets_a_request(self, tmp_path):
-        sync_api = pytest.importorskip("playwright.sync_api")
-        if not CHROMIUM:
-            pytest.skip("no Chromium on this machine")
+    def test_two_thousand_notes_load_lazily_and_fast(self, browser, tmp_path):
+        root = tmp_path / "root"
+        for f in range(20):
+            folder = root / "notes" / f"project-{f:02d}"
+            folder.mkdir(parents=True)
+            for n in range(50):
+                (folder / f"note-{n:03d}.md").write_text(f"# Note {f}-{n}\n\nbody {n}\n")
+        for n in range(1000):
+            (root / "notes" / f"inbox-{n:04d}.md").write_text(f"# Inbox {n}\n\nbody {n}\n")
+        with running(root) as server:
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            s = WebSession(browser, tmp_path, "desktop")
+            s.login(setup["links"]["connect"]["hosted"], setup["apiKey"])
+            page = s.page
+            timings = []
+            shown = "performance.getEntriesByName('notesvc:tree-shown').map(e => e.startTime)"
+            for _ in range(3):
+                page.reload()
+                expect(page.locator("#tree button")).to_have_count(1020)
+                (at,) = page.evaluate(shown)  # the page marks when the tree is on screen
+                timings.append(at)
+            # One request for the first level: the folders come with counts, not their notes.
+            trees = [r.url for r in s.requests if "/folders/tree" in r.url]
+            assert {urllib.parse.urlsplit(u).query for u in trees} == {"depth=1"}
+            assert page.locator("#tree .count").first.inner_text() == "50"
+            page.click('#tree button.dir[data-path="notes/project-07"]')
+            expect(
+                page.locator('#tree button.dir[data-path="notes/project-07"] + ul button')
+            ).to_have_count(50)
+            s.shot("tree-2000")
+            s.close()
+        best = min(timings)
+        (tmp_path / "tree-2000-ms.txt").write_text(f"{best:.0f}\n")
+        print(f"2,000-note tree shown {best:.0f} ms after navigation (best of 3: {timings})")
+        assert best < 3000  # the goal is 1 s (bench/bench_web.py measures it); this is a guard
+
+    # -- with the history, trash and change feed of CONTRACT 18 (issue 13) ----------------
+
+    def test_history_lists_diffs_and_restores_a_version(self, web):
+        needs(web.server, "/notes/{path}/versions", "history (issue 13)")
+        key = {"X-Service-Key": web.setup["apiKey"]}
+        url = f"{API}/notes/notes%2Ftodo.md"
+        for text in ("# Todo\n\n- buy oat milk\n- bread\n", "# Todo\n\n- bread only\n"):
+            assert web.server.request("PUT", url, {"content": text}, key)[0] == 200
+        s = web("desktop")
+        page = s.page
+        s.tree_open("notes/todo.md")
+        page.click("#note-menu summary")
+        page.click("#history")
+        expect(page.locator("#dlg-title")).to_have_text("History of Todo")
+        rows = page.locator("#versions li")
+        expect(rows).to_have_count(2)
+        rows.nth(0).locator("button", has_text="Diff").click()
+        expect(page.locator("#version-detail .diff .add")).to_contain_text(["+- bread only"])
+        expect(page.locator("#version-detail .diff .del").first).to_contain_text("oat milk")
+        rows.nth(1).locator("button", has_text="View").click()
+        expect(page.locator("#version-detail pre")).to_have_text(SEED_NOTES["todo.md"])
+        s.shot("history")
+        assert page.evaluate(A11Y_AUDIT) == []
+        rows.nth(1).locator("button", has_text="Restore").click()
+        expect(page.locator("#dlg")).to_be_hidden()
+        expect(page.locator("#view")).to_contain_text("buy oat milk")
+        assert (web.root / "notes/todo.md").read_text() == SEED_NOTES["todo.md"]
+        (restore,) = [r for r in s.requests if r.url.endswith("/restore")]
+        assert restore.headers["if-match"].startswith('"')
+        assert unexpected(s.close()) == []
+
+    def test_trash_restores_and_a_delete_can_be_undone(self, web):
+        needs(web.server, "/trash", "the trash (issue 13)")
+        s = web("phone", color_scheme="dark")
+        page = s.page
+        s.tree_open("notes/todo.md")
+        page.click("#note-menu summary")
+        page.click("#delete")
+        s.dialog_choose("delete")
+        expect(page.locator("#toast")).to_contain_text("to the trash")
+        page.locator("#toast button", has_text="Undo").click()
+        expect(page.locator("#path")).to_contain_text("notes/todo.md")
+        assert (web.root / "notes/todo.md").read_text() == SEED_NOTES["todo.md"]
+        # Deleted elsewhere, restored from the Trash dialog.
+        key = {"X-Service-Key": web.setup["apiKey"]}
+        url = f"{API}/notes/notes%2Fkitchen%2Fpancakes.md"
+        assert web.server.request("DELETE", url, headers=key)[0] == 200
+        page.click("#menu summary")
+        page.click("#menu-trash")
+        item = page.locator("#trash-items li", has_text="notes/kitchen/pancakes.md")
+        expect(item).to_have_count(1)
+        item.locator("button", has_text="View").click()
+        expect(page.locator("#trash-detail pre")).to_contain_text("Whisk")
+        s.shot("trash")
+        assert page.evaluate(A11Y_AUDIT) == []
+        item.locator("button", has_text="Restore").click()
+        expect(page.locator("#path")).to_contain_text("notes/kitchen/pancakes.md")
+        assert (web.root / "notes/kitchen/pancakes.md").exists()
+        # A note already at its path: it comes back under another name.
+        assert web.server.request("DELETE", url, headers=key)[0] == 200
+        body = {"path": "notes/kitchen/pancakes.md", "content": "# New pancakes\n"}
+        assert web.server.request("POST", f"{API}/notes", body, key)[0] == 201
+        page.click("#menu summary")
+        page.click("#menu-trash")
+        page.locator("#trash-items li", has_text="pancakes.md").locator(
+            "button", has_text="Restore"
+        ).click()
+        expect(page.locator("#dlg-title")).to_have_text("Restore under another name")
+        page.fill("#restore-path", "notes/kitchen/old-pancakes.md")
+        s.dialog_choose("restore")
+        expect(page.locator("#path")).to_contain_text("notes/kitchen/old-pancakes.md")
+        assert "Whisk" in (web.root / "notes/kitchen/old-pancakes.md").read_text()
+        assert (web.root / "notes/kitchen/pancakes.md").read_text() == "# New pancakes\n"
+        assert unexpected(s.close(), 409) == []
+
+    def test_the_change_feed_keeps_the_tree_and_the_open_note_current(self, web):
+        needs(web.server, "/changes", "the change feed (issue 13)")
+        key = {"X-Service-Key": web.setup["apiKey"]}
+        s = web("desktop")
+        page = s.page
+        s.tree_open("notes/todo.md")
+        page.wait_for_timeout(300)  # the page has its cursor and waits for changes
+        todo = f"{API}/notes/notes%2Ftodo.md"
+        assert (
+            web.server.request("PUT", todo, {"content": "# Todo\n\n- from the phone\n"}, key)[0]
+            == 200
+        )
+        expect(page.locator("#view")).to_contain_text("from the phone")  # no reload, no focus
+        expect(page.locator("#toast")).to_contain_text("changed elsewhere")
+        body = {"path": "notes/from-elsewhere.md", "content": "# Elsewhere\n"}
+        assert web.server.request("POST", f"{API}/notes", body, key)[0] == 201
+        expect(page.locator('#tree button[data-path="notes/from-elsewhere.md"]')).to_be_visible()
+        # Unsaved text here and a change there: reload theirs or keep mine.
+        page.click("#edit")
+        page.fill("#editor", "# Todo\n\n- typed here\n")
+        assert (
+            web.server.request("PUT", todo, {"content": "# Todo\n\n- and there\n"}, key)[0] == 200
+        )
+        expect(page.locator("#conflict")).to_contain_text("changed elsewhere")
+        assert page.input_value("#editor") == "# Todo\n\n- typed here\n"
+        page.click("#overwrite")
+        expect(page.locator("#status")).to_have_text("Saved")
+        # Our own save comes back through the feed without a conflict.
+        page.wait_for_timeout(500)
+        assert page.is_hidden("#conflict")
+        # Moved elsewhere: the page follows; deleted elsewhere: it closes.
+        move = {"path": "notes/archive/todo.md"}
+        assert web.server.request("PATCH", todo + "/move", move, key)[0] == 200
+        expect(page.locator("#path")).to_contain_text("notes/archive/todo.md")
+        gone = f"{API}/notes/notes%2Farchive%2Ftodo.md"
+        assert web.server.request("DELETE", gone, headers=key)[0] == 200
+        expect(page.locator("#empty")).to_be_visible()
+        expect(page.locator("#toast")).to_contain_text("deleted elsewhere")
+        assert unexpected(s.close()) == []
+
+    # -- with the attachments of CONTRACT 20 (issue 17) -------------------------------------
+
+    def test_images_show_and_files_photos_and_pastes_are_attached(self, web):
+        needs(web.server, "/attachments", "attachments (issue 17)")
+        png = notesvc.web_icon_png(192)
+        key = {"X-Service-Key": web.setup["apiKey"], "Content-Type": "image/png"}
+        req = urllib.request.Request(
+            web.server.url + f"{API}/attachments/attachments%2Fhome%2Flogo.png",
+            png,
+            key,
+            method="PUT",
+        )
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            assert resp.status == 201
+        body = {
+            "path": "notes/home/pic.md",
+            "content": "# Pic\n\n![our logo](../../attachments/home/logo.png)\n",
+        }
+        web.server.request("POST", f"{API}/notes", body, {"X-Service-Key": web.setup["apiKey"]})
+        s = web("phone")
+        page = s.page
+        s.tree_open("notes/home/pic.md")
+        img = page.locator("#view img[alt='our logo']")
+        expect(img).to_have_attribute("src", re.compile("^blob:"))
+        expect(img).to_have_js_property("naturalWidth", 192)
+        s.shot("image")
+        # A photo (the camera's input), a picked file, a pasted image.
+        page.set_input_files(
+            "#attach-photo",
+            files=[{"name": "IMG 1.PNG", "mimeType": "image/png", "buffer": png}],
+        )
+        expect(page.locator("#editor")).to_have_value(
+            re.compile(r"!\[IMG 1\.PNG\]\(\.\./\.\./attachments/home/\d{8}-\d{6}-IMG-1\.png\)")
+        )
+        page.set_input_files(
+            "#attach-file",
+            files=[
+                {"name": "notes.pdf", "mimeType": "application/pdf", "buffer": b"%PDF-1.4 test"}
+            ],
+        )
+        expect(page.locator("#editor")).to_have_value(
+            re.compile(r"\n\[notes\.pdf\]\(\.\./\.\./attachments/home/\d{8}-\d{6}-notes\.pdf\)")
+        )
+        page.evaluate(
+            """(bytes) => {
+              const dt = new DataTransfer();
+              dt.items.add(new File([new Uint8Array(bytes)], "image.png", {type: "image/png"}));
+              const ed = document.getElementById("editor");
+              const init = {clipboardData: dt, bubbles: true, cancelable: true};
+              ed.dispatchEvent(new ClipboardEvent("paste", init));
+            }""",
+            list(png),
+        )
+        expect(page.locator("#editor")).to_have_value(re.compile(r"-image\.png\)"))
+        page.click("#save")
+        expect(page.locator("#status")).to_have_text("Saved")
+        page.click("#edit")
+        expect(page.locator("#view img")).to_have_count(3)
+        uploaded = sorted(p.name for p in (web.root / "attachments" / "home").iterdir())
+        assert len(uploaded) == 4
+        assert any(n.endswith("-IMG-1.png") for n in uploaded)
+        puts = [r for r in s.requests if r.method == "PUT" and "/attachments/" in r.url]
+        assert {r.headers["if-none-match"] for r in puts} == {"*"}
+        assert unexpected(s.close()) == []
+
+    def test_embeds_play_and_download_attachments_without_opening_them(self, web):
+        needs(web.server, "/attachments", "attachments (issue 17)")
+        sound = io.BytesIO()
+        with wave.open(sound, "wb") as w:
+            w.setnchannels(1)
+            w.setsampwidth(2)
+            w.setframerate(8000)
+            w.writeframes(b"\0\0" * 800)
+        files = {
+            "attachments/inbox/2026-01-02/090000-photo.png": (
+                notesvc.web_icon_png(192),
+                "image/png",
+            ),
+            "attachments/inbox/2026-01-02/090100-voice.wav": (sound.getvalue(), "audio/wav"),
+            "attachments/docs/manual.pdf": (b"%PDF-1.4 manual", "application/pdf"),
+            "attachments/docs/page.html": (b"<script>window.pwned=1</script>", "text/html"),
+        }
+        for path, (data, ctype) in files.items():
+            headers = {"X-Service-Key": web.setup["apiKey"], "Content-Type": ctype}
+            url = web.server.url + f"{API}/attachments/" + urllib.parse.quote(path, safe="")
+            with urllib.request.urlopen(
+                urllib.request.Request(url, data, headers, method="PUT"), timeout=10
+            ) as resp:
+                assert resp.status == 201
+        text = (
+            "# Media\n\n![[090000-photo.png|the photo]] ![[missing.png]]\n\n"
+            "[voice](../attachments/inbox/2026-01-02/090100-voice.wav) [[manual.pdf]] "
+            "[[docs/page.html]]\n"
+        )
+        body = {"path": "notes/media.md", "content": text}
+        web.server.request("POST", f"{API}/notes", body, {"X-Service-Key": web.setup["apiKey"]})
+        s = web("desktop")
+        page = s.page
+        s.tree_open("notes/media.md")
+        view = page.locator("#view")
+        photo = view.locator("img[alt='the photo']")
+        expect(photo).to_have_js_property("naturalWidth", 192)
+        assert (
+            photo.get_attribute("data-attachment")
+            == "attachments/inbox/2026-01-02/090000-photo.png"
+        )
+        expect(view).to_contain_text("[image not found: missing.png]")
+        view.locator("a.file", has_text="voice").click()
+        expect(view.locator("audio")).to_have_attribute("src", re.compile("^blob:"))
+        with page.expect_download() as download:
+            view.locator("a.file", has_text="manual.pdf").click()
+        assert download.value.suggested_filename == "manual.pdf"
+        with page.expect_download() as download:  # HTML is a file to keep, never a page here
+            view.locator("a.file", has_text="page.html").click()
+        assert download.value.suggested_filename == "page.html"
+        assert page.evaluate("window.pwned") is None
+        assert len(s.context.pages) == 1
+        s.shot("media")
+        assert unexpected(s.close()) == []
+
+    def test_foreign_relay_url_never_gets_a_request(self, web):
         evil = EvilRelay()
         try:
-            with running(tmp_path) as server, sync_api.sync_playwright() as pw:
-                setup = server.request("GET", f"{API}/system/setup")[2]["data"]
-                code = setup["pairing"]["relayCode"]
-                link = f"{server.url}/?relayCode={code}&relayUrl={evil.url}"
-                browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-                try:
-                    page = browser.new_page(viewport={"width": 390, "height": 844})
-                    requested = []
-                    page.on("request", lambda r: requested.append(r.url))
-                    page.goto(link)
-                    page.fill("#key", setup["apiKey"])
-                    page.click("#connect")
-                    page.wait_for_selector("#app", state="visible")
-                    sync_api.expect(page.locator("#tree")).to_contain_text("No notes yet")
-                    page.fill("#new-path", "web/origin")
-                    page.click("#create")
-                    sync_api.expect(page.locator("#path")).to_have_text("notes/web/origin.md")
-                    sync_api.expect(page.locator("#tree")).to_contain_text("origin.md")
-                    page.screenshot(path=str(tmp_path / "web-390x844.png"), full_page=True)
-                    assert page.evaluate("document.documentElement.scrollWidth") <= 390
-                    page.set_viewport_size({"width": 1280, "height": 800})
-                    page.screenshot(path=str(tmp_path / "web-1280x800.png"))
-                finally:
-                    browser.close()
-                assert (tmp_path / "notes" / "web" / "origin.md").exists()
+            code = web.setup["pairing"]["relayCode"]
+            s = web("phone", login=False)
+            s.login(f"{web.server.url}/?relayCode={code}&relayUrl={evil.url}", web.setup["apiKey"])
+            page = s.page
+            page.click("#new")
+            page.fill("#new-path", "web/origin")
+            s.dialog_choose("create")
+            expect(page.locator("#path")).to_contain_text("notes/web/origin.md")
+            s.tap("#back")
+            page.fill("#capture", "kept on this origin")
+            page.keyboard.press("Enter")
+            expect(page.locator("#toast")).to_contain_text("Added to")
+            requested = [r.url for r in s.requests]
+            assert unexpected(s.close()) == []
         finally:
             evil.close()
+        assert (web.root / "notes" / "web" / "origin.md").exists()
         assert evil.requests == []
         origins = {re.match(r"^[a-z]+://[^/]+", u).group(0) for u in requested if "://" in u}
-        assert origins == {server.url}
+        assert origins == {web.server.url}
         paths = [urllib.parse.urlsplit(u).path for u in requested]
         assert f"/relay/v1/pair/{code}" in paths
-        assert f"/r/{setup['serverId']}{API}/auth/verify" in paths
+        assert f"/r/{web.setup['serverId']}{API}/auth/verify" in paths
 
-    def test_page_on_the_server_stays_there_when_the_relay_is_elsewhere(self, tmp_path):
-        sync_api = pytest.importorskip("playwright.sync_api")
-        if not CHROMIUM:
-            pytest.skip("no Chromium on this machine")
+    def test_page_on_the_server_stays_there_when_the_relay_is_elsewhere(self, browser, tmp_path):
         relay = Server(tmp_path / "relay", "relay")
         server = Server(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url})
         try:
             wait_for(lambda: relay_servers(relay) == 1)
             setup = server.request("GET", f"{API}/system/setup")[2]["data"]
             assert setup["links"]["relayApiBase"].startswith(relay.url)
-            with sync_api.sync_playwright() as pw:
-                browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-                try:
-                    page = browser.new_page()
-                    requested = []
-                    page.on("request", lambda r: requested.append(r.url))
-                    page.goto(f"{server.url}/?relayCode={setup['pairing']['relayCode']}")
-                    page.fill("#key", setup["apiKey"])
-                    page.click("#connect")
-                    page.wait_for_selector("#app", state="visible")
-                    sync_api.expect(page.locator("#tree")).to_contain_text("No notes yet")
-                finally:
-                    browser.close()
+            s = WebSession(browser, tmp_path, "desktop")
+            s.login(f"{server.url}/?relayCode={setup['pairing']['relayCode']}", setup["apiKey"])
+            expect(s.page.locator("#tree")).to_contain_text("No notes yet")
+            requested = [r.url for r in s.requests]
+            assert unexpected(s.close()) == []
         finally:
             server.stop()
             relay.stop()
         assert {u.startswith(server.url + "/") for u in requested} == {True}
-        assert f"{server.url}/r/{setup['serverId']}{API}/folders/tree" in requested
+        assert f"{server.url}/r/{setup['serverId']}{API}/folders/tree?depth=1" in requested
 
-    def test_phone_away_from_home_uses_the_relay_copy(self, tmp_path):
+    def test_phone_away_from_home_uses_the_relay_copy(self, browser, tmp_path):
         """The connect link opens the relay's own page, which talks to /r/<id> on its origin."""
-        sync_api = pytest.importorskip("playwright.sync_api")
-        if not CHROMIUM:
-            pytest.skip("no Chromium on this machine")
         relay = Server(tmp_path / "relay", "relay")
         server = Server(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url})
         try:
@@ -9498,38 +11621,35 @@ class TestWebClient:
             setup = server.request("GET", f"{API}/system/setup")[2]["data"]
             link = setup["links"]["connect"]["hosted"]
             assert link.startswith(relay.url + "/?relayCode=")
-            with sync_api.sync_playwright() as pw:
-                browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-                try:
-                    page = browser.new_page(viewport={"width": 390, "height": 844})
-                    requested = []
-                    page.on("request", lambda r: requested.append(r.url))
-                    page.goto(link)
-                    page.fill("#key", setup["apiKey"])
-                    page.click("#connect")
-                    page.wait_for_selector("#app", state="visible")
-                    expect = sync_api.expect
-                    expect(page.locator("#tree")).to_contain_text("No notes yet")
-                    page.fill("#new-path", "away/keys")
-                    page.click("#create")
-                    expect(page.locator("#path")).to_have_text("notes/away/keys.md")
-                    page.fill("#editor", "# Keys\n\nThe spare kumquat key is under the mat.")
-                    page.click("#save")
-                    expect(page.locator("#status")).to_have_text(re.compile("^Saved"))
-                    page.fill("#search", "kumquat")
-                    page.press("#search", "Enter")
-                    page.wait_for_selector("#results mark")
-                    assert "notes/away/keys.md" in page.inner_text("#results")
-                    page.screenshot(path=str(tmp_path / "relay-phone.png"))
-                finally:
-                    browser.close()
+            s = WebSession(browser, tmp_path, "phone")
+            page = s.page
+            s.login(link, setup["apiKey"])
+            # The manifest and icons come from the relay too.
+            manifest = page.evaluate("fetch('manifest.webmanifest').then(r => r.ok && r.json())")
+            assert manifest["name"] == "notesvc"
+            for icon in manifest["icons"]:
+                assert page.evaluate("(u) => fetch(u).then(r => r.status)", icon["src"]) == 200
+            page.click("#new")
+            page.fill("#new-path", "away/keys")
+            s.dialog_choose("create")
+            expect(page.locator("#path")).to_contain_text("notes/away/keys.md")
+            page.fill("#editor", "# Keys\n\nThe spare kumquat key is under the mat.")
+            page.click("#save")
+            expect(page.locator("#status")).to_have_text("Saved")
+            page.fill("#search", "kumquat")
+            page.press("#search", "Enter")
+            page.wait_for_selector("#results mark")
+            assert "notes/away/keys.md" in page.inner_text("#results")
+            s.shot("relay-phone")
+            requested = [r.url for r in s.requests]
+            assert unexpected(s.close()) == []
         finally:
             server.stop()
             relay.stop()
         on_disk = tmp_path / "srv" / "notes" / "away" / "keys.md"
         assert "kumquat" in on_disk.read_text()
         assert {u.startswith(relay.url + "/") for u in requested} == {True}
-        assert f"{relay.url}/r/{setup['serverId']}{API}/folders/tree" in requested
+        assert f"{relay.url}/r/{setup['serverId']}{API}/folders/tree?depth=1" in requested
 
 
 class EvilRelay:
