@@ -6946,6 +6946,10 @@ LISTING_CALLS = [
     ("GET", "/attachments", None),
     ("GET", "/attachments?folder=attachments", None),
     ("GET", "/reminders", None),
+    ("GET", "/trash", None),
+    ("GET", "/changes?since=0", None),
+    ("GET", "/folders/tree?depth=1", None),
+    ("GET", "/folders/tree?depth=2", None),
 ]
 
 
@@ -6966,6 +6970,9 @@ class TestFolderGrants:
             put_note(client, path, text)
         for path in ("attachments/family/p.png", "attachments/work/w.png", "attachments/t.png"):
             upload(client, path)
+        for path in ("notes/family/gone.md", "notes/work/gone.md"):  # the trash has both
+            put_note(client, path, "bye")
+            client.delete(note_url(path))
         client.post_json(f"{API}/shares", {"path": "notes/work/c.md"}, status=201)
         key = new_grant(client, "write", "notes/family")["key"]
         return client, as_key(client, key)
@@ -7097,6 +7104,75 @@ class TestFolderGrants:
         )
         assert moved["path"] == "notes/family/sub/new.md"
         member.delete(note_url("notes/family/sub/new.md"), status=200)
+
+    def test_history_and_trash_of_the_folder_only(self, family):
+        owner, member = family
+        owner.put_json(note_url("notes/work/c.md"), {"content": "changed"})
+        owner.put_json(note_url("notes/family/a.md"), {"content": "changed"})
+        url = note_url("notes/family/a.md") + "/versions"
+        versions = data(member.get(url))["versions"]
+        assert versions
+        vid = versions[0]["id"]
+        assert "Apple" in data(member.get(f"{url}/{vid}"))["content"]
+        assert data(member.get(f"{url}/{vid}/diff"))["diff"]
+        member.post(f"{url}/{vid}/restore", status=200)
+        work = note_url("notes/work/c.md") + "/versions"
+        assert_error(member.get(work, status=404), 404, "NOT_FOUND")
+        owner_vid = data(owner.get(work))["versions"][0]["id"]
+        for resp in (
+            member.get(f"{work}/{owner_vid}", status=404),
+            member.get(f"{work}/{owner_vid}/diff", status=404),
+            member.post(f"{work}/{owner_vid}/restore", status=404),
+        ):
+            assert_error(resp, 404, "NOT_FOUND")
+        trash = data(member.get(f"{API}/trash"))
+        assert [i["path"] for i in trash["items"]] == ["notes/family/gone.md"]
+        assert trash["total"] == 1
+        theirs = next(
+            i["id"] for i in data(owner.get(f"{API}/trash"))["items"] if "work" in i["path"]
+        )
+        assert_error(member.get(f"{API}/trash/{theirs}", status=404), 404, "NOT_FOUND")
+        assert_error(member.post(f"{API}/trash/{theirs}/restore", status=404), 404, "NOT_FOUND")
+        mine = trash["items"][0]["id"]
+        away = member.post_json(
+            f"{API}/trash/{mine}/restore", {"path": "notes/work/gone.md"}, status=404
+        )
+        assert_error(away, 404, "NOT_FOUND")
+        assert_error(member.delete(f"{API}/trash/{mine}", status=403), 403, "FORBIDDEN")
+        member.post(f"{API}/trash/{mine}/restore", status=200)
+
+    def test_the_change_feed_of_the_folder(self, family):
+        owner, member = family
+        last = data(member.get(f"{API}/changes?since=0"))["last"]
+        owner.patch_json(note_url("notes/work/c.md") + "/move", {"path": "notes/family/c.md"})
+        owner.patch_json(note_url("notes/family/a.md") + "/move", {"path": "notes/work/a.md"})
+        put_note(owner, "notes/work/new.md", "outside")
+        seen = data(member.get(f"{API}/changes?since={last}"))["changes"]
+        assert [(c["kind"], c["path"]) for c in seen] == [
+            ("created", "notes/family/c.md"),
+            ("deleted", "notes/family/a.md"),
+        ]
+        assert all("from" not in c for c in seen)
+        everything = data(owner.get(f"{API}/changes?since={last}"))["changes"]
+        assert [c["kind"] for c in everything] == ["moved", "moved", "created"]
+
+    def test_a_waiting_feed_waits_past_changes_it_may_not_see(self, family):
+        owner, member = family
+        last = data(member.get(f"{API}/changes?since=0"))["last"]
+
+        def later():
+            time.sleep(0.3)
+            put_note(owner, "notes/work/x.md", "not theirs")
+            time.sleep(0.3)
+            put_note(owner, "notes/family/x.md", "theirs")
+
+        writer = threading.Thread(target=later)
+        writer.start()
+        started = time.monotonic()
+        seen = data(member.get(f"{API}/changes?since={last}&wait=5"))
+        writer.join()
+        assert [c["path"] for c in seen["changes"]] == ["notes/family/x.md"]
+        assert 0.5 < time.monotonic() - started < 5
 
     def test_a_symbolic_link_out_of_the_folder_leads_nowhere(self, family, root):
         _, member = family
