@@ -10386,7 +10386,7 @@ dialog h3 {
 }
 """
 
-WEB_JS = r"""
+WEB_JS_START = r"""
 "use strict";
 // notesvc's web client: one page, no build step, only the public API.
 // Requests, the key included, go only to the origin this page was loaded from: a relayUrl
@@ -10447,21 +10447,6 @@ const features = {history: false, attachments: false, changes: false};
 
 // -- small DOM helpers -------------------------------------------------------------------
 
-function el(tag, attrs, ...children) {
-  const e = document.createElement(tag);
-  for (const [k, v] of Object.entries(attrs || {})) {
-    if (v === false || v === null || v === undefined) continue;
-    if (k === "class") e.className = v;
-    else if (k === "onclick") e.addEventListener("click", v);
-    else e.setAttribute(k, v === true ? "" : v);
-  }
-  for (const c of children) {
-    if (c === null || c === undefined || c === false) continue;
-    e.appendChild(typeof c === "string" ? document.createTextNode(c) : c);
-  }
-  return e;
-}
-
 function ago(iso) {
   const t = Date.parse(iso);
   if (!t) return "";
@@ -10476,10 +10461,6 @@ function ago(iso) {
 function nameOf(path) {
   return path.split("/").pop().replace(/\.md$/, "");
 }
-function folderOf(path) {
-  return path.split("/").slice(0, -1).join("/");
-}
-
 let toastTimer = 0;
 function toast(text, bad, action) {
   const t = $("toast");
@@ -10861,7 +10842,31 @@ async function reveal(path) {
   else markCurrent();
 }
 
+"""
+
+MARKDOWN_JS = r"""
 // -- Markdown: a small renderer that builds DOM nodes, so no HTML in a note can run ----------
+// (MARKDOWN_JS, shared with the share page: each page brings its own link(), wikiLink()
+// and image(), which decide what a link or an image may reach.)
+
+function el(tag, attrs, ...children) {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (v === false || v === null || v === undefined) continue;
+    if (k === "class") e.className = v;
+    else if (k === "onclick") e.addEventListener("click", v);
+    else e.setAttribute(k, v === true ? "" : v);
+  }
+  for (const c of children) {
+    if (c === null || c === undefined || c === false) continue;
+    e.appendChild(typeof c === "string" ? document.createTextNode(c) : c);
+  }
+  return e;
+}
+
+function folderOf(path) {
+  return path.split("/").slice(0, -1).join("/");
+}
 
 const LIST_RE = /^(\s*)([-*+]|\d{1,9}[.)])(?:\s+(.*)|$)/;
 const FENCE_RE = /^ {0,3}(`{3,}|~{3,})\s*([^`\s]*)/;
@@ -11162,6 +11167,9 @@ function resolveRelative(href, from) {
   return /^(notes|attachments)\//.test(path) ? path : null;
 }
 
+"""
+
+WEB_JS_REST = r"""
 function link(href, label, ctx, markdown) {
   href = href.trim();
   let a;
@@ -12658,6 +12666,8 @@ wire();
 })();
 """
 
+WEB_JS = WEB_JS_START + MARKDOWN_JS + WEB_JS_REST
+
 WEB_PAGE = """
 <!doctype html>
 <html lang="en">
@@ -12983,141 +12993,71 @@ overflow-wrap:anywhere}article img{max-width:100%}pre{overflow:auto;background:#
 code{font-family:ui-monospace,monospace;font-size:.92em}blockquote{margin:0;padding-left:1em;
 border-left:3px solid #c8ced6;color:#444}table{border-collapse:collapse}td,th{border:1px solid
 #c8ced6;padding:.3em .5em}
+.md .table{overflow-x:auto}.md li.task{list-style:none}.md li.task input{margin-left:-1.3em}
+.md pre.front{font-size:.85em;color:#56606b}.md .al-c{text-align:center}.md .al-r{text-align:right}
+mark{background:#fff0a0}
 @media (prefers-color-scheme:dark){body{background:#111418;color:#e4e8ec}
 article{background:#1a1f25;border-color:#2c333b}pre{background:#232a31}.muted{color:#a6b0ba}
 input{background:#1a1f25;color:#e4e8ec}.err{color:#ff8a80}}
 """
 
-# The share page's Markdown renderer: it builds DOM nodes and puts every piece of the
-# note's text in as a text node, so nothing in a note becomes markup or script.
-MARKDOWN_JS = r"""
-"use strict";
-const MD_INLINE = [
-  /(`+)([\s\S]*?)\1/,                                 // 1, 2: code span
-  /!\[([^\]]*)\]\(([^)\s]+)(?:\s+"[^"]*")?\)/,        // 3, 4: image
-  /\[([^\]]+)\]\(([^)\s]+)(?:\s+"[^"]*")?\)/,          // 5, 6: link
-  /\*\*([^*]+)\*\*|__([^_]+)__/,                       // 7, 8: strong
-  /\*([^*\s][^*]*)\*|_([^_\s][^_]*)_/,                 // 9, 10: emphasis
-  /(https?:\/\/[^\s<>()]+)/,                          // 11: a bare URL
-].map((r) => r.source).join("|");
-
-function link(href) {
-  const a = document.createElement("a");
-  a.href = href; a.rel = "noopener noreferrer nofollow"; a.target = "_blank"; return a;
-}
-
-function mdInline(text, into, opts) {
-  const re = new RegExp(MD_INLINE, "g");
-  let last = 0, m;
-  while ((m = re.exec(text)) !== null) {
-    if (m.index > last) into.appendChild(document.createTextNode(text.slice(last, m.index)));
-    last = re.lastIndex;
-    if (m[1]) {
-      const c = document.createElement("code"); c.textContent = m[2]; into.appendChild(c); }
-    else if (m[4] !== undefined) {
-      const src = opts.image ? opts.image(m[4]) : null;
-      if (src) { const img = document.createElement("img"); img.src = src; img.alt = m[3];
-        img.referrerPolicy = "no-referrer"; into.appendChild(img); }
-      else into.appendChild(document.createTextNode(m[3] ? "[" + m[3] + "]" : ""));
-    } else if (m[5] !== undefined) {
-      if (/^(https?:|mailto:)/i.test(m[6])) {
-        const a = link(m[6]); mdInline(m[5], a, opts); into.appendChild(a); }
-      else mdInline(m[5], into, opts);
-    } else if (m[7] || m[8]) { const b = document.createElement("strong");
-      mdInline(m[7] || m[8], b, opts); into.appendChild(b); }
-    else if (m[9] || m[10]) { const i = document.createElement("em");
-      mdInline(m[9] || m[10], i, opts); into.appendChild(i); }
-    else if (m[11]) { const a = link(m[11]); a.textContent = m[11]; into.appendChild(a); }
-  }
-  if (last < text.length) into.appendChild(document.createTextNode(text.slice(last)));
-}
-
-function renderMarkdown(text, into, opts) {
-  opts = opts || {};
-  const lines = String(text).replace(/\r\n?/g, "\n").split("\n");
-  let i = 0, para = [], list = null;
-  const add = (tag, inline) => { const e = document.createElement(tag);
-    if (inline !== undefined) mdInline(inline, e, opts); into.appendChild(e); return e; };
-  const flush = () => { if (para.length) add("p", para.join(" ")); para = []; };
-  while (i < lines.length) {
-    const line = lines[i];
-    let m;
-    if ((m = line.match(/^\s*(```|~~~)/))) {
-      flush(); list = null; const body = []; i++;
-      while (i < lines.length && !lines[i].trim().startsWith(m[1])) body.push(lines[i++]);
-      i++; const pre = add("pre"); const code = document.createElement("code");
-      code.textContent = body.join("\n"); pre.appendChild(code); continue;
-    }
-    if (!line.trim()) { flush(); list = null; i++; continue; }
-    if ((m = line.match(/^(#{1,6})\s+(.*?)\s*#*\s*$/))) {
-      flush(); list = null; add("h" + m[1].length, m[2]); i++; continue; }
-    if (/^\s*([-*_])(\s*\1){2,}\s*$/.test(line)) { flush(); list = null; add("hr"); i++; continue; }
-    if (line.startsWith(">")) {
-      flush(); list = null; const quote = [];
-      while (i < lines.length && lines[i].startsWith(">")) {
-        quote.push(lines[i++].replace(/^>\s?/, "")); }
-      renderMarkdown(quote.join("\n"), add("blockquote"), opts); continue;
-    }
-    const row = /^\|.*\|\s*$/;
-    if (row.test(line) && i + 1 < lines.length && /^\|[\s:|-]+\|\s*$/.test(lines[i + 1])) {
-      flush(); list = null; const table = add("table");
-      const cells = (row) => row.trim().replace(/^\||\|$/g, "").split("|").map((c) => c.trim());
-      const head = table.appendChild(document.createElement("tr"));
-      cells(line).forEach((c) => mdInline(c, head.appendChild(document.createElement("th")), opts));
-      i += 2;
-      while (i < lines.length && row.test(lines[i])) {
-        const tr = table.appendChild(document.createElement("tr"));
-        cells(lines[i++]).forEach((c) =>
-          mdInline(c, tr.appendChild(document.createElement("td")), opts));
-      }
-      continue;
-    }
-    if ((m = line.match(/^\s*([-*+]|\d{1,9}[.)])\s+(.*)$/))) {
-      flush(); const tag = /\d/.test(m[1]) ? "ol" : "ul";
-      if (!list || list.tagName.toLowerCase() !== tag) list = add(tag);
-      const li = list.appendChild(document.createElement("li"));
-      const task = m[2].match(/^\[([ xX])\]\s+(.*)$/);
-      if (task) { const box = document.createElement("input"); box.type = "checkbox";
-        box.disabled = true; box.checked = task[1] !== " "; li.appendChild(box);
-        li.appendChild(document.createTextNode(" ")); mdInline(task[2], li, opts); }
-      else mdInline(m[2], li, opts);
-      i++; continue;
-    }
-    para.push(line.trim()); i++;
-  }
-  flush();
-}
-"""
-
 SHARE_JS = r"""
-// The link is {base}/s/<token>; the note comes from {base}/api/v1/shared/<token>.
+// The link is {base}/s/<token>; the note comes from {base}/api/v1/shared/<token>. The
+// web client's renderer (MARKDOWN_JS) draws it; what a link or an image may reach is
+// decided here: pages on the web, and the attachments this note links, nothing else.
 const found = location.pathname.match(/^(.*)\/s\/([A-Za-z0-9_-]{1,64})\/?$/);
 const shared = found ? found[1] + "/api/v1/shared/" + found[2] : "";
+let linked = {}; // the note's href as written -> the attachment it names (the server's)
 
-let linked = {};  // href as written in the note -> the attachment it names (the server's)
-
-function attachment(src) {
-  // Only the attachments the note links load, through the share link; nothing else.
+function attachmentOf(src) {
   const path = Object.prototype.hasOwnProperty.call(linked, src) ? linked[src] : "";
-  if (typeof path !== "string" || !/^attachments\//.test(path)) return null;
+  if (typeof path !== "string" || !/^attachments\//.test(path)) return "";
   return shared + "/attachments/" + path.split("/").map(encodeURIComponent).join("/");
 }
 
+function link(href, label, ctx, markdown) {
+  href = href.trim();
+  const a = /^(https?:|mailto:)/i.test(href)
+    ? el("a", {href, target: "_blank", rel: "noopener noreferrer nofollow"})
+    : el("span"); // another note of the owner's: not shared, so the text alone
+  if (markdown) inline(label, a, ctx);
+  else a.textContent = label;
+  return a;
+}
+
+function wikiLink(target, label, ctx, embed) {
+  return el("span", {}, (label || target).trim());
+}
+
+function image(alt, src, ctx) {
+  const url = attachmentOf(src.trim());
+  if (!url) return document.createTextNode(alt ? "[image: " + alt + "]" : "[image]");
+  return el("img", {src: url, alt: alt || "", loading: "lazy", referrerpolicy: "no-referrer"});
+}
+
 async function showShared() {
-  const say = (text) => { document.getElementById("msg").textContent = text; };
-  if (!shared) { say("This link is not valid."); return; }
-  let r, j = null;
-  try { r = await fetch(shared, {mode: "same-origin", credentials: "omit"});
-        j = await r.json(); }
-  catch (e) { say("The notes server cannot be reached right now."); return; }
-  if (r.status === 429) { say("Too many requests: try again in a minute."); return; }
+  const say = (text) => {
+    document.getElementById("msg").textContent = text;
+  };
+  if (!shared) return say("This link is not valid.");
+  let r;
+  let j = null;
+  try {
+    r = await fetch(shared, {mode: "same-origin", credentials: "omit"});
+    j = await r.json();
+  } catch (e) {
+    return say("The notes server cannot be reached right now.");
+  }
+  if (r.status === 429) return say("Too many requests: try again in a minute.");
   if (!r.ok || !j || !j.success) {
-    say("Nothing is shared at this link: it may have expired or been revoked."); return; }
+    return say("Nothing is shared at this link: it may have expired or been revoked.");
+  }
   document.title = j.data.title;
   linked = j.data.attachments || {};
-  renderMarkdown(j.data.content, document.getElementById("note"), {image: attachment});
+  document.getElementById("note").replaceChildren(renderMarkdown(j.data.content, {}));
   document.getElementById("meta").textContent =
     "Shared read-only · last changed " + new Date(j.data.modified).toLocaleString();
+  return undefined;
 }
 showShared();
 """
@@ -13222,7 +13162,7 @@ read, create and change your notes</label></fieldset>
 </main><script>{js}</script></body></html>
 """
 
-_SHARE_SCRIPT = MARKDOWN_JS + SHARE_JS
+_SHARE_SCRIPT = '"use strict";\n' + MARKDOWN_JS + SHARE_JS
 
 
 def _page_csp(script: str) -> str:
@@ -15721,7 +15661,7 @@ def shared_attachments(path: str, text: str) -> dict:
             candidate = posixpath.normpath(posixpath.join(posixpath.dirname(path), href))
         if candidate.startswith(f"{ATTACHMENTS}/"):
             with contextlib.suppress(ApiError):
-                found[m.group(2)] = attachment_path(candidate)
+                found[m.group(2).strip("<>")] = attachment_path(candidate)  # as the page sees it
     return found
 
 

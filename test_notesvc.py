@@ -12897,7 +12897,7 @@ class TestGrantPages:
             assert image.get_attribute("alt") == "the pie"
             page.wait_for_function("document.querySelector('article img').complete")
             assert image.evaluate("(img) => img.naturalWidth") == 1
-            assert "[elsewhere]" in page.inner_text("article")
+            assert "[image: elsewhere]" in page.inner_text("article")
             assert dialogs == []
             page.screenshot(path=str(tmp_path / "share.png"), full_page=True)
             assert all(
