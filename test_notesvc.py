@@ -11728,6 +11728,129 @@ class TestWebClient:
         assert f"{relay.url}/r/{setup['serverId']}{API}/folders/tree?depth=1" in requested
 
 
+class TestWebClientGrants:
+    """The keys screen, the Share action, and a scoped key's page (issue 19, item 6)."""
+
+    def test_keys_and_connections(self, web):
+        s = web("desktop")
+        page = s.page
+        owner = owner_headers(web.setup)
+        # A connected app, as an OAuth client would make one.
+        _, _, reg = web.server.request(
+            "POST", "/oauth/register", {"redirect_uris": [CALLBACK], "client_name": "Pocket AI"}
+        )
+        verifier, challenge = pkce_pair()
+        approval = {
+            "clientId": reg["client_id"],
+            "redirectUri": CALLBACK,
+            "codeChallenge": challenge,
+            "scope": "notes:read",
+            "resource": f"{web.server.url}{API}/mcp",
+        }
+        _, _, ok = web.server.request("POST", f"{API}/oauth/approve", approval, owner)
+        code = urllib.parse.parse_qs(urllib.parse.urlsplit(ok["data"]["redirect"]).query)["code"]
+        status, _ = post_oauth_form(
+            f"{web.server.url}/oauth/token",
+            {
+                "grant_type": "authorization_code",
+                "code": code[0],
+                "client_id": reg["client_id"],
+                "redirect_uri": CALLBACK,
+                "code_verifier": verifier,
+            },
+        )
+        assert status == 200
+        page.click("#menu summary")
+        page.click("#menu-keys")
+        expect(page.locator("#dlg-title")).to_have_text("Keys and connections")
+        expect(page.locator("#connections-list")).to_contain_text("Pocket AI")
+        expect(page.locator("#keys-list")).to_contain_text("No scoped keys yet")
+        page.fill("#key-name", "kitchen tablet")
+        page.select_option("#key-scope", "write")
+        page.fill("#key-folder", "kitchen")
+        page.select_option("#key-days", "365")
+        page.click("#key-create")
+        expect(page.locator("#new-key")).to_have_value(re.compile(r"^nsg_[A-Za-z0-9_-]{43}$"))
+        key = page.input_value("#new-key")
+        row = page.locator("#keys-list li")
+        expect(row).to_contain_text("kitchen tablet")
+        expect(row).to_contain_text("read and write · only notes/kitchen")
+        s.shot("keys")
+        _, _, listed = web.server.request("GET", f"{API}/auth/keys", headers=owner)
+        made = next(k for k in listed["data"]["keys"] if k["kind"] == "key")
+        assert (made["scope"], made["folder"], made["expiresAt"] is not None) == (
+            "write",
+            "notes/kitchen",
+            True,
+        )
+        assert web.server.request("GET", f"{API}/notes", headers={"X-Service-Key": key})[0] == 200
+        # Revoked from the screen: refused at once.
+        row.locator("button", has_text="Revoke").click()
+        s.dialog_choose("revoke")
+        expect(page.locator("#keys-list")).to_contain_text("No scoped keys yet")
+        assert web.server.request("GET", f"{API}/notes", headers={"X-Service-Key": key})[0] == 401
+        page.locator("#connections-list li button", has_text="Revoke").click()
+        s.dialog_choose("revoke")
+        expect(page.locator("#connections-list")).to_contain_text("No app is connected")
+        assert unexpected(s.close()) == []
+
+    def test_share_a_note_and_open_the_link_in_a_fresh_browser(self, web, browser):
+        s = web("phone")
+        page = s.page
+        s.tree_open("notes/kitchen/pancakes.md")
+        page.click("#note-menu summary")
+        page.click("#share")
+        expect(page.locator("#share-links")).to_contain_text("Not shared yet")
+        page.click("#share-create")
+        expect(page.locator("#share-url")).to_have_value(re.compile(r"/s/[A-Za-z0-9_-]{22}$"))
+        url = page.input_value("#share-url")
+        expect(page.locator("#share-links")).to_contain_text("pancakes · expires")
+        s.shot("share")
+        stranger = browser.new_context()  # no key, nothing stored
+        try:
+            other = stranger.new_page()
+            other.goto(url)
+            expect(other.locator("article h1")).to_have_text("Pancakes")
+            expect(other.locator("article td")).to_have_count(4)
+            page.locator("#share-links li button", has_text="Revoke").click()
+            expect(page.locator("#share-links")).to_contain_text("Not shared yet")
+            other.reload()
+            expect(other.locator("#msg")).to_contain_text("expired or been revoked")
+        finally:
+            stranger.close()
+        assert unexpected(s.close()) == []
+
+    def test_a_read_key_for_one_folder_sees_that_folder_and_no_edit(self, web):
+        owner = owner_headers(web.setup)
+        body = {"name": "fridge screen", "scope": "read", "folder": "notes/home"}
+        key = web.server.request("POST", f"{API}/auth/keys", body, owner)[2]["data"]["key"]
+        s = web("phone", login=False)
+        page = s.page
+        s.login(web.setup["links"]["connect"]["hosted"], key)
+        expect(page.locator("#tree")).to_contain_text("home")
+        assert page.locator("#tree").inner_text().count("kitchen") == 0
+        assert page.locator('#tree button[data-path="notes/todo.md"]').count() == 0
+        for hidden in ("#new", "#menu-new", "#menu-keys", ".capture"):
+            assert page.locator(hidden).is_hidden(), hidden
+        s.tree_open("notes/home/keys.md")
+        expect(page.locator("#view h1")).to_have_text("Spare keys")
+        for hidden in ("#edit", "#save", "#share", "#move", "#delete", "#attach"):
+            assert page.locator(hidden).is_hidden(), hidden
+        assert all(
+            page.locator("#view input[type=checkbox]").evaluate_all("bs => bs.map(b => b.disabled)")
+        )
+        s.shot("read-key")
+        # The page never asked for what the key may not do.
+        assert s.api_calls("/auth/link") == []
+        assert not [
+            r
+            for r in s.requests
+            if r.method in ("PUT", "POST", "PATCH", "DELETE")
+            and not r.url.endswith(("/auth/verify", "/agent/chat"))
+        ]
+        assert unexpected(s.close()) == []
+
+
 class EvilRelay:
     """A loopback stand-in for a hostile relay: records every request, answers any pairing
     with an API base of its own, and allows any origin (so only the page can refuse it)."""
