@@ -51,9 +51,9 @@ import itertools
 import json
 import logging
 import math
+import mmap
 import operator
 import os
-import pickle
 import platform
 import posixpath
 import re
@@ -61,6 +61,8 @@ import secrets
 import shutil
 import socket
 import stat
+import string
+import struct
 import sys
 import tempfile
 import threading
@@ -70,7 +72,7 @@ import urllib.parse
 import uuid
 import zlib
 from collections import deque
-from collections.abc import Iterable, Mapping
+from collections.abc import Container, Iterable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, Callable
 
@@ -1590,6 +1592,17 @@ def _missing_folders(folder: Path, top: Path) -> list:
     return missing
 
 
+def _remove_empty_folders(folder: Path, top: Path) -> None:
+    """Remove folder and its parents while they are empty, up to (not including) top."""
+    folder = Path(os.path.abspath(folder))
+    while folder != top and top in folder.parents:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+        folder = folder.parent
+
+
 def _nfc(name: str) -> str:
     return name if name.isascii() else unicodedata.normalize("NFC", name)
 
@@ -1988,30 +2001,11 @@ class NoteStore:
             data, _ = self._read(path)
             self.check_match(if_match, data)
             src = self.file_of(path)
-            stamp = utcnow().strftime(TRASH_STAMP)
-            dst = self.trash / stamp / path
-            made = _missing_folders(dst.parent, self.trash.parent)
-            try:
-                with self._changing(path, data, "deleted"), disk_writes():
-                    for folder in reversed(made):  # private, as all of the state folder
-                        folder.mkdir(mode=0o700, exist_ok=True)
-                    os.replace(src, dst)
-            except BaseException:
-                for folder in made:  # deepest first: leave the trash as it was
-                    with contextlib.suppress(OSError):
-                        folder.rmdir()
-                raise
-            fsync_dir(dst.parent)
-            fsync_dir(src.parent)
+            trashed = move_to_trash(src, self.trash, path, self._changing(path, data, "deleted"))
             self._prune(src.parent)
             self._notify("deleted", path)
             self._record("deleted", path, None)
-        return {
-            "path": path,
-            "deleted": True,
-            "trash": f".notesvc/trash/{stamp}/{path}",
-            "trashId": trash_id(stamp, path),
-        }
+        return {"path": path, "deleted": True, **trashed}
 
     # -- what a change leaves behind: history, the journal, the trash -------------------
 
@@ -2053,14 +2047,14 @@ class NoteStore:
         """After a change, under the note's lock: its journal entry, then the history's copy
         of the note (in this order: a crash in between leaves the rescan a change to report
         twice, never one to miss)."""
+        etag = None if data is None else make_etag(data)
         if self.journal is not None:
-            etag = None if data is None else make_etag(data)
             self.journal.append(kind, path, etag, origin)
         if self.history is not None:
             if data is None:
                 self.history.drop_head(path)
             else:
-                self.history.write_head(path, data)
+                self.history.write_head(path, data, etag)
             if origin is not None:
                 self.history.drop_head(origin)
 
@@ -2177,7 +2171,7 @@ class NoteStore:
                 os.replace(item.file, dst)
             fsync_dir(dst.parent)
             fsync_dir(item.file.parent)
-            _remove_empty_folders(item.file.parent, self.trash)
+            _remove_empty_folders(item.file.parent, self.trash)  # as Trash.emptied()
             if target != item.path:  # the versions it had when deleted (a second's slack)
                 live = os.path.isfile(self.on_disk(item.path))
                 until = int((item.deleted + 1) * 1_000_000)
@@ -2208,13 +2202,7 @@ class NoteStore:
 
     def _prune(self, folder: Path) -> None:
         """Remove folder and its parents while they are empty (never notes/ itself)."""
-        folder = Path(os.path.abspath(folder))
-        while folder != self.root and self.root in folder.parents:
-            try:
-                folder.rmdir()
-            except OSError:
-                return
-            folder = folder.parent
+        _remove_empty_folders(folder, self.root)
 
     def sweep_temp_files(self) -> int:
         """Remove the temp files a crash left in the notes and in the state folder (its
@@ -2488,22 +2476,20 @@ class AttachmentStore:
         with self._lock:
             src = self.file_of(path)
             _check_etag(if_match, self.get(path)["etag"], "attachment")
-            stamp = utcnow().strftime("%Y%m%dT%H%M%S.%fZ")
-            dst = self.trash / stamp / path
-            made = _missing_folders(dst.parent, self.trash.parent)
-            try:
-                with disk_writes():
-                    dst.parent.mkdir(parents=True, exist_ok=True)
-                    os.replace(src, dst)
-            except BaseException:
-                for folder in made:  # deepest first: leave the trash as it was
-                    with contextlib.suppress(OSError):
-                        folder.rmdir()
-                raise
-            fsync_dir(dst.parent)
-            fsync_dir(src.parent)
+            trashed = move_to_trash(src, self.trash, path)
             self._prune(src.parent)
-        return {"path": path, "deleted": True, "trash": f".notesvc/trash/{stamp}/{path}"}
+        return {"path": path, "deleted": True, **trashed}
+
+    def restore(self, src: Path, path: str) -> dict:
+        """Move a file back from the trash to path; 409 when an attachment is there."""
+        with self._lock:
+            dst = self.file_of(path)
+            if os.path.lexists(dst):
+                raise ApiError(409, "CONFLICT", f"an attachment already exists at {path}")
+            with self._new_parents(dst, path), disk_writes():
+                os.replace(src, dst)
+            fsync_dir(dst.parent)
+            return self.record(path, os.stat(dst))
 
     def _prune(self, folder: Path) -> None:
         """Remove folder and its parents while they are empty (never attachments/ itself)."""
@@ -2749,15 +2735,16 @@ class HistoryStore:
 
     # -- the copy of the current content ----------------------------------------------
 
-    def write_head(self, path: str, data: bytes) -> None:
-        """Remember data as the note's content as last written or seen (best effort)."""
+    def write_head(self, path: str, data: bytes, etag: str | None = None) -> None:
+        """Remember data (whose etag may be given) as the note's content as last written
+        or seen (best effort)."""
         if not self.enabled:
             return
         try:  # rewritten in place: a torn copy fails its etag check, as a missing one.
             # Not truncated to 0 first: ext4 flushes a file truncated and rewritten.
             fd = os.open(self._folder(path) / self.HEAD, os.O_WRONLY | os.O_CREAT, 0o600)
             try:
-                blob = f"{_etag_hex(data)} {path}\n".encode() + data
+                blob = f"{(etag or make_etag(data))[1:-1]} {path}\n".encode() + data
                 os.pwrite(fd, blob, 0)
                 os.ftruncate(fd, len(blob))
             finally:
@@ -2845,26 +2832,37 @@ class HistoryStore:
         return {"notes": notes, "versions": versions, "bytes": size}
 
 
-TRASH_TOPS = (NOTES, "attachments")  # what a trash folder holds: notes and attachments
+TRASH_TOPS = (NOTES, ATTACHMENTS)  # what a trash folder holds: notes and attachments
 TRASH_STAMP = "%Y%m%dT%H%M%S.%fZ"  # a trash folder's name: when its item was deleted (UTC)
 TRASH_ID_RE = re.compile(r"^([0-9A-Za-z]{1,64})-([0-9a-f]{16})$")
+
+
+def move_to_trash(src: Path, trash: Path, path: str, guard: Any = None) -> dict:
+    """Move src into the trash as <trash>/<UTC stamp>/<path> (new folders private, the
+    rename made durable) inside `guard`; return {trash, trashId}. A failure (507 on a
+    full disk) leaves the trash as it was."""
+    stamp = utcnow().strftime(TRASH_STAMP)
+    dst = trash / stamp / path
+    made = _missing_folders(dst.parent, trash.parent)
+    try:
+        with guard or contextlib.nullcontext(), disk_writes():
+            for folder in reversed(made):  # private, as all of the state folder
+                folder.mkdir(mode=0o700, exist_ok=True)
+            os.replace(src, dst)
+    except BaseException:
+        for folder in made:  # deepest first
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
+    fsync_dir(dst.parent)
+    fsync_dir(src.parent)
+    return {"trash": f".notesvc/trash/{stamp}/{path}", "trashId": trash_id(stamp, path)}
 
 
 def trash_id(stamp: str, path: str) -> str:
     """Return a trash item's id: its folder's letters and digits, a hash of its path."""
     digest = hashlib.sha256(f"{stamp}/{path}".encode("utf-8", "surrogateescape")).hexdigest()
     return re.sub(r"[^0-9A-Za-z]", "", stamp)[:64] + "-" + digest[:16]
-
-
-def _remove_empty_folders(folder: Path, top: Path) -> None:
-    """Remove folder and its parents while they are empty, up to (not including) top."""
-    folder = Path(os.path.abspath(folder))
-    while folder != top and top in folder.parents:
-        try:
-            folder.rmdir()
-        except OSError:
-            return
-        folder = folder.parent
 
 
 @dataclasses.dataclass(frozen=True)
@@ -2968,7 +2966,7 @@ class Trash:
     def purge(self, item: TrashItem) -> None:
         with contextlib.suppress(FileNotFoundError):
             os.unlink(item.file)
-        _remove_empty_folders(item.file.parent, self.folder)
+        self.emptied(item)
 
     def purge_expired(self) -> int:
         """Remove the trash folders older than `days`; return how many items went."""
@@ -2981,33 +2979,9 @@ class Trash:
                 shutil.rmtree(entry.path, ignore_errors=True)  # never follows links
         return purged
 
-    def restore_file(self, item: TrashItem, target: str, base: Path) -> dict:
-        """Move a trashed attachment back to `target` (under base); 409 when a file is there."""
-        top, dst = os.path.realpath(base / target.split("/", 1)[0]), base / target
-        real = os.path.realpath(dst.parent)
-        if real != top and not real.startswith(top + os.sep):
-            raise bad_request("the path resolves outside its folder (symbolic link?)")
-        with disk_writes():
-            dst.parent.mkdir(parents=True, exist_ok=True)
-        try:
-            with disk_writes():
-                os.link(item.file, dst)  # never overwrites, unlike a rename
-            os.unlink(item.file)
-        except FileExistsError:
-            raise ApiError(409, "CONFLICT", f"a file already exists at {target}") from None
-        except DiskFull:
-            raise
-        except OSError:  # no hard links on this file system
-            if os.path.lexists(dst):
-                raise ApiError(409, "CONFLICT", f"a file already exists at {target}") from None
-            with disk_writes():
-                os.replace(item.file, dst)
-        fsync_dir(dst.parent)
+    def emptied(self, item: TrashItem) -> None:
+        """After an item left: remove the folders it leaves empty."""
         _remove_empty_folders(item.file.parent, self.folder)
-        st = os.stat(dst)
-        with open(dst, "rb") as f:
-            etag = make_etag(f.read())
-        return {"path": target, "size": st.st_size, "modified": iso(st.st_mtime), "etag": etag}
 
     def usage(self) -> dict:
         items = [item for entry in self._stamps() for item in self._items_in(entry)]
@@ -3016,12 +2990,8 @@ class Trash:
 
 def attachment_or_note_path(raw: Any) -> str:
     """Return a checked path under notes/ or attachments/ (a trash item's destination)."""
-    if isinstance(raw, str) and raw.startswith("attachments/"):
-        path = unicodedata.normalize("NFC", raw)
-        segments = _check_segments(path, "attachment", top="attachments")
-        if len(segments) < 2:
-            raise bad_request("the attachment path must look like attachments/<name>")
-        return path
+    if isinstance(raw, str) and raw.startswith(f"{ATTACHMENTS}/"):
+        return attachment_path(raw)
     return note_path(raw)
 
 
@@ -3343,15 +3313,14 @@ def expire_loop(notes: NoteStore, trash: Trash, stop: threading.Event, every: fl
 
 # == Search ===================================================================
 #
-# An inverted index of the notes, kept in memory and persisted as a cache.
-# Per term: a sorted array of document ids and an array of BM25 term-frequency
-# impacts (float32), for the body and, separately, the title. Per document: its
-# text (for snippets) and its stems as one " a b c " string (phrase checks and
-# snippet positions run as C-speed substring searches on it).
+# An inverted index of the notes that lives on disk and is read in place: memory grows
+# with what is being used, not with the size of the archive. Chapters: text analysis,
+# BM25, the query language, snippets, segments (the changes held in memory), persistence
+# (segment files and the commit file), the index (SearchIndex: search, sync, merges).
 
 K1, B = 1.2, 0.75  # BM25 saturation and length normalisation (Lucene's defaults)
 TITLE_WEIGHT = 2.0  # a title hit counts twice a body hit
-INDEX_FORMAT = ("notesvc-index", 2, K1, B, TITLE_WEIGHT, "stem-1")
+INDEX_FORMAT = ("notesvc-segments", 3, K1, B, TITLE_WEIGHT, "stem-1")
 MAX_QUERY_CHARS = 512
 MAX_PREFIX_TERMS = 64  # expansions of one prefix* (most frequent first)
 SNIPPET_CHARS = 240
@@ -3398,12 +3367,19 @@ def fold(text: str) -> str:
     return text
 
 
+_VC = str.maketrans(  # letters to vowel/consonant (a capital is a consonant, as it was)
+    {ch: "v" if ch in "aeiouy" else "c" for ch in string.ascii_letters}
+)
+_VOWEL_RE = re.compile("[aeiouy]")
+
+
 def _measure(word: str) -> int:
-    """Porter's m: the number of vowel-consonant sequences in word."""
-    form = "".join(
-        "v" if ch in "aeiou" or (ch == "y" and i > 0) else "c" for i, ch in enumerate(word)
-    )
-    return form.replace("vc", "|").count("|") if form else 0
+    """Porter's m: the number of vowel-consonant sequences in word (a y after the first
+    letter counts as a vowel)."""
+    form = word.translate(_VC)
+    if word[:1] == "y":
+        form = "c" + form[1:]
+    return form.count("vc")
 
 
 def _ends_cvc(word: str) -> bool:
@@ -3433,8 +3409,10 @@ def stem(word: str) -> str:
     if word.endswith("eed"):
         return word[:-1] if _measure(word[:-3]) > 0 else word
     for suffix in ("ing", "ed"):
+        if not word.endswith(suffix):
+            continue
         base = word[: -len(suffix)]
-        if word.endswith(suffix) and len(base) >= 2 and any(c in "aeiouy" for c in base):
+        if len(base) >= 2 and _VOWEL_RE.search(base):
             if len(base) >= 4 and base[-1] == base[-2] and base[-1] not in "aeioulsz":
                 return base[:-1]  # running -> run, stopped -> stop
             if (_measure(base) == 1 and _ends_cvc(base)) or (
@@ -3594,16 +3572,46 @@ def _snippet(text: str, toks: str, needles: list) -> str:
     return lead + window
 
 
-# -- the index ----------------------------------------------------------------
+# -- segments ---------------------------------------------------------------------
+#
+# The index is a list of segments, each a small inverted index of some notes: immutable
+# files in <root>/.notesvc/index/ read in place through mmap (a sorted term dictionary of
+# which only every SPARSE_EVERY-th term is held in memory, postings as packed arrays, the
+# notes' paths, titles, lengths and term strings), and one segment in memory that takes the
+# changes. A replaced or removed note stays in its segment marked deleted: at any time a path
+# has at most one live entry over all segments. A background thread writes the memory
+# segment to a file and merges files of similar size into one; <root>/.notesvc/index.cache,
+# the commit point, names the files and their deletions and is replaced atomically.
+#
+# Each segment numbers its own terms; a note's terms are kept as a string of term chars
+# (U+0100 upward, one per token, UTF-8 on disk), so a phrase check is a substring search
+# (mmap.find) and a match's position is its token index.
+#
+# Scores are exact BM25 over the live notes: N, df and the average field lengths are summed
+# over the segments at query time, deleted notes subtracted. Postings hold impacts computed
+# with the averages of their day (the top-k of one word is heapq over an array); the few
+# notes that can reach the top are rescored with today's averages from their term
+# frequencies, and impact(today) / impact(then) <= max(1, avg(today) / avg(then)) says when
+# no other note can.
 
-Doc = collections.namedtuple("Doc", "path size mtime title text toks title_toks")
+Doc = collections.namedtuple("Doc", "path size mtime title toks title_toks")
+Doc.__doc__ = """A note analysed for indexing: toks / title_toks are strings of term chars."""
+IndexedNote = collections.namedtuple("IndexedNote", "path title text")
 
-
+SPARSE_EVERY = 64  # one dictionary entry in this many is held in memory
+FLUSH_DOCS = 1000  # the memory segment is written to a file at this many notes...
+FLUSH_TOKENS = 2_000_000  # ...or tokens
+COMMIT_SECONDS = 30.0  # other changes reach the disk within this
+BULK_CHUNK_NOTES = 2000  # notes analysed per segment file when many are (re)read...
+BULK_CHUNK_CHARS = 8_000_000  # ...or this much text
+MERGE_FACTOR = 3  # segments of one size class merged at once
+MAX_DELETED = 0.3  # a segment with this share of deleted notes is rewritten
+STEM_CACHE = 100_000  # words whose stems one bulk remembers (the common ones come first)
 _OVERFLOW = "\xff"  # the term char of stems past the last code point (not indexed)
 _APPEND = array.array.append
 _FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
-_TOKS, _TITLE_TOKS = operator.attrgetter("toks"), operator.attrgetter("title_toks")
-_PTT = operator.attrgetter("path", "title", "text")
+_NOT_MINUS_ONE = (-1).__ne__
+_EPS = 1e-6  # float32 impacts against float64 scores
 
 
 def _term_char_of(n: int) -> str:
@@ -3614,513 +3622,2213 @@ def _term_char_of(n: int) -> str:
     return chr(cp) if cp <= 0x10FFFF else _OVERFLOW
 
 
-def _union_ids(comps: list) -> set:
-    ids: set = set()
-    for _, arr, _ in comps:
-        ids.update(arr)
-    return ids
+def _term_number(ch: str) -> int:
+    cp = ord(ch)
+    return cp - (0x900 if cp >= 0xE000 else 0x100)
 
 
-def _impact_of(comp: tuple, d: int):
-    """Return weight * impact of doc d in a component, or None when d is not in it."""
-    weight, ids, imps = comp
+def _exact_tf(imp: float, dl: int, avg_then: float, avg_now: float) -> float:
+    """Return bm25_tf with today's average from an impact computed with avg_then."""
+    room = K1 + 1.0 - imp
+    if room <= 1e-5:  # saturated: a term this frequent scores the same with any average
+        return imp
+    tf = max(1.0, float(round(imp * K1 * (1.0 - B + B * dl / avg_then) / room)))
+    return bm25_tf(tf, dl, avg_now)
+
+
+def _has(ids, d: int) -> int:
+    """Return the position of d in the sorted sequence ids, or -1."""
     i = bisect.bisect_left(ids, d)
-    if i < len(ids) and ids[i] == d:
-        return weight * imps[i]
-    return None
+    return i if i < len(ids) and ids[i] == d else -1
 
 
-class SearchIndex:
-    """The in-memory inverted index; thread-safe; persisted with save() / load().
+_ASCII_SPACES = bytes(c if (chr(c).isalnum() and c < 128) or c == 95 else 32 for c in range(256))
 
-    Every distinct stem gets a term character (U+0100 upward). A document's stems are
-    kept as a string of those characters, one per token, so a phrase check is a
-    substring search and a match's position is its token index.
-    """
 
-    def __init__(self):
-        self._lock = threading.RLock()
-        self.docs: list = []  # Doc or None, by id
-        self.ids: dict = {}  # path -> id
-        self.free: list = []  # ids to reuse
-        self.body: dict = {}  # term char -> (array of ids, array of impacts)
-        self.title: dict = {}
-        self.terms: list = []  # stems, by term number
-        self.term_chars: dict = {}  # stem -> term char
-        self.surfaces: dict = {}  # folded word -> term char (also the prefix* vocabulary)
-        self._sorted: list = []  # sorted surfaces, rebuilt when stale
-        self._sorted_stale = False
-        self.body_len = 0  # total tokens over all docs, for the averages
-        self.title_len = 0
-        self.avg_used = (1.0, 1.0)  # the averages the stored impacts were computed with
-        self.generation = 0  # bumps on every change
-        self._touched: dict = {}  # path -> generation of its last change
+class _Vocab:
+    """The term numbers of one segment being built, and the folded words that map to them
+    (the prefix* vocabulary). encode() turns text into a string of term chars."""
 
-    # -- building -------------------------------------------------------------------
+    def __init__(self, stem_cache: dict | None = None):
+        self.ascii: dict = {}  # folded ASCII word (bytes) -> term char: the fast path
+        self.surfaces: dict = {}  # folded word of a non-ASCII text -> term char
+        self.chars: dict = {}  # stem -> term char
+        self.stems: list = []  # by term number
+        self._cache = stem_cache
 
-    def _term_char(self, term: str) -> str:
-        ch = self.term_chars.get(term)
+    def copy(self) -> _Vocab:
+        new = _Vocab()
+        new.ascii, new.surfaces = dict(self.ascii), dict(self.surfaces)
+        new.chars, new.stems = dict(self.chars), [*self.stems]
+        return new
+
+    def _char(self, word) -> str:
+        """Return the term char of a folded word (str, or ASCII bytes), numbering its stem."""
+        if isinstance(word, bytes):
+            word = word.decode()
+        cache = self._cache
+        term = cache.get(word) if cache is not None else None
+        if term is None:
+            term = stem(word)
+            if cache is not None and len(cache) < STEM_CACHE:
+                cache[word] = term
+        ch = self.chars.get(term)
         if ch is None:
-            ch = _term_char_of(len(self.terms))
+            ch = _term_char_of(len(self.stems))
             if ch == _OVERFLOW:
                 return ch
-            self.term_chars[term] = ch
-            self.terms.append(term)
+            self.chars[term] = ch
+            self.stems.append(term)
         return ch
 
-    def _encode(self, text: str) -> str:
-        """Return the term characters of text's tokens, in order."""
+    def encode(self, text: str) -> str:
+        """Return the term chars of text's tokens, in order."""
         text = fold(text)
-        words = (_ASCII_WORD_RE if text.isascii() else _WORD_RE).findall(text)
-        chars = self.surfaces
+        if text.isascii():  # the same tokens as _ASCII_WORD_RE, split at C speed
+            words, chars = text.encode().translate(_ASCII_SPACES).split(), self.ascii
+        else:
+            words, chars = _WORD_RE.findall(text), self.surfaces
         try:
             return "".join(map(chars.__getitem__, words))
         except KeyError:  # new words: give them term chars, then encode again
             for w in set(words).difference(chars):
-                chars[w] = self._term_char(stem(w))
-            self._sorted_stale = True
+                chars[w] = self._char(w)
             return "".join(map(chars.__getitem__, words))
 
-    def _analyse(self, path: str, text: str, size: int, mtime: int) -> Doc:
+    def analyse(self, path: str, text: str, size: int, mtime: int) -> Doc:
         text = unicodedata.normalize("NFC", text)
         title = note_title(text, path)
-        return Doc(path, size, mtime, title, text, self._encode(text), self._encode(title))
+        return Doc(path, size, mtime, title, self.encode(text), self.encode(title))
 
-    def add(self, path: str, text: str, size: int, mtime: int) -> None:
-        """Index (or re-index) one note."""
-        with self._lock:
-            self._insert(self._analyse(path, text, size, mtime))
-            self._maybe_renormalise(threshold=0.2)
+    def words_utf8(self) -> list:
+        """Return [(folded word as UTF-8, term char)] sorted (overflowing stems left out)."""
+        found = dict(self.ascii)
+        found.update((w.encode(), ch) for w, ch in self.surfaces.items())
+        return sorted(item for item in found.items() if item[1] != _OVERFLOW)
 
-    def _insert(self, doc: Doc) -> None:
-        old = self.ids.get(doc.path)
-        fresh = False
-        if old is not None:
-            self._unpost(old)
-            d = old
-        elif self.free:
-            d = self.free.pop()
-        else:
-            d, fresh = len(self.docs), True  # larger than every id in every posting list
-            self.docs.append(None)
+    def words(self) -> list:
+        """Return [(folded word, term char)] sorted by word (overflowing stems left out)."""
+        found = {w.decode(): ch for w, ch in self.ascii.items()}
+        found.update(self.surfaces)
+        return sorted(item for item in found.items() if item[1] != _OVERFLOW)
+
+
+def _count_terms(counter: dict, keys: Iterable) -> None:
+    for key in keys:
+        counter[key] = counter.get(key, 0) + 1
+
+
+class MemorySegment:
+    """A segment in memory: the notes changed since the last flush (or a bulk's notes that
+    could not be written to disk). Append-only: a replaced note is marked deleted."""
+
+    name = "memory"
+
+    def __init__(self, vocab: _Vocab | None = None):
+        self.vocab = vocab or _Vocab()
+        self.docs: list = []  # Doc by id
+        self.avgs: list = []  # the (body, title) averages each note's impacts were computed with
+        self.ids: dict = {}  # path -> id of its live entry
+        self.post: tuple = ([], [])  # per field, by code point of the term char: None or
+        # (array of ids, array of impacts)
+        self.lens = [0, 0]
+        self.tokens = 0
+        self.deleted: set = set()
+        self.del_df: tuple = ({}, {})  # per field: term -> deleted notes holding it
+        self.del_lens = [0, 0]
+        self.avg_range = [[math.inf, 0.0], [math.inf, 0.0]]
+        self._sorted: list = []  # the vocabulary's words, sorted when it grew
+        self._sorted_size = 0
+
+    @property
+    def n(self) -> int:
+        return len(self.docs)
+
+    def add(self, doc: Doc, avg: tuple) -> int:
+        d = len(self.docs)
+        self.docs.append(doc)
+        self.avgs.append(avg)
         self.ids[doc.path] = d
-        self.docs[d] = doc
-        self._post(d, doc, fresh)
-        self.generation += 1
-        self._touched[doc.path] = self.generation
-
-    def _post(self, d: int, doc: Doc, fresh: bool) -> None:
-        """Add a document's postings; `fresh` ids go at the end of every list (C-level maps)."""
-        avg_b, avg_t = self.avg_used
-        for table, toks, avg in ((self.body, doc.toks, avg_b), (self.title, doc.title_toks, avg_t)):
-            dl = len(toks)
-            if table is self.body:
-                self.body_len += dl
-            else:
-                self.title_len += dl
+        self.tokens += len(doc.toks)
+        for f, toks in enumerate((doc.toks, doc.title_toks)):
+            dl, a = len(toks), avg[f]
+            self.lens[f] += dl
+            span = self.avg_range[f]
+            span[0], span[1] = min(span[0], a), max(span[1], a)
             counts = collections.Counter(toks)
             counts.pop(_OVERFLOW, None)
             if not counts:
                 continue
-            terms, tfs = list(counts), list(counts.values())
-            by_tf = {tf: bm25_tf(tf, dl, avg) for tf in set(tfs)}
-            impacts = list(map(by_tf.__getitem__, tfs))
-            entries = list(map(table.get, terms))
+            table = self.post[f]
+            cps, tfs = list(map(ord, counts)), list(counts.values())
+            if max(cps) >= len(table):
+                table.extend([None] * (max(cps) + 1024 - len(table)))
+            by_tf = {tf: bm25_tf(tf, dl, a) for tf in set(tfs)}
+            entries = list(map(table.__getitem__, cps))
             if None in entries:
                 for i, entry in enumerate(entries):
                     if entry is None:
-                        entries[i] = table[terms[i]] = (array.array("i"), array.array("f"))
-            if fresh:
-                collections.deque(map(_APPEND, map(_FIRST, entries), itertools.repeat(d)), 0)
-                collections.deque(map(_APPEND, map(_SECOND, entries), impacts), 0)
-                continue
-            for (ids, imps), impact in zip(entries, impacts):
-                i = bisect.bisect_left(ids, d)
-                ids.insert(i, d)
-                imps.insert(i, impact)
+                        entries[i] = table[cps[i]] = (array.array("I"), array.array("f"))
+            deque(map(_APPEND, map(_FIRST, entries), itertools.repeat(d)), 0)
+            deque(map(_APPEND, map(_SECOND, entries), map(by_tf.__getitem__, tfs)), 0)
+        return d
 
-    def _unpost(self, d: int) -> None:
+    def delete(self, d: int) -> None:
+        if d in self.deleted:
+            return
+        self.deleted.add(d)
         doc = self.docs[d]
-        for table, toks in ((self.body, doc.toks), (self.title, doc.title_toks)):
-            if table is self.body:
-                self.body_len -= len(toks)
+        if self.ids.get(doc.path) == d:
+            del self.ids[doc.path]
+        for f, toks in enumerate((doc.toks, doc.title_toks)):
+            self.del_lens[f] += len(toks)
+            _count_terms(self.del_df[f], set(toks).difference(_OVERFLOW))
+
+    # -- what searching asks of every segment -------------------------------------------
+
+    def keys(self, stems: list) -> list:
+        return list(map(self.vocab.chars.get, stems))
+
+    def postings(self, key, f: int):
+        table, cp = self.post[f], ord(key)
+        return table[cp] if cp < len(table) else None
+
+    def counts(self, key) -> tuple:
+        """Return how many notes (deleted ones included) hold a term in body and title."""
+        return tuple(len(p[0]) if p else 0 for p in (self.postings(key, 0), self.postings(key, 1)))
+
+    def char(self, key) -> str:
+        return key
+
+    def toks(self, d: int, f: int) -> str:
+        return self.docs[d][4 + f]
+
+    def path(self, d: int) -> str:
+        return self.docs[d].path
+
+    def title(self, d: int) -> str:
+        return self.docs[d].title
+
+    def sig(self, d: int) -> tuple:
+        doc = self.docs[d]
+        return doc.size, doc.mtime
+
+    def dl(self, d: int, f: int) -> int:
+        return len(self.docs[d][4 + f])
+
+    def avg_then(self, d: int, f: int) -> float:
+        return self.avgs[d][f]
+
+    def find(self, path: str):
+        return self.ids.get(path)
+
+    def phrase(self, cands: Iterable, chars: list, rare: int, f: int) -> list:
+        """Return the candidates whose field holds the term chars in a row."""
+        docs, needle = self.docs, "".join(chars)
+        return [d for d in cands if needle in docs[d][4 + f]]
+
+    def in_folder(self, cands: set, prefix: str) -> set:
+        docs = self.docs
+        return {d for d in cands if docs[d].path.startswith(prefix)}
+
+    def prefix_words(self, prefix: str, cap: int) -> list:
+        """Return [(folded word, stem)] of up to cap words starting with prefix, sorted."""
+        vocab = self.vocab
+        size = len(vocab.ascii) + len(vocab.surfaces)
+        if self._sorted_size != size:
+            self._sorted, self._sorted_size = vocab.words(), size
+        words = self._sorted
+        i = bisect.bisect_left(words, (prefix,))
+        out = []
+        while i < len(words) and words[i][0].startswith(prefix) and len(out) < cap:
+            out.append((words[i][0], vocab.stems[_term_number(words[i][1])]))
+            i += 1
+        return out
+
+    def live(self) -> list:
+        """Return [(path, id)] of the live notes (a snapshot, taken under the index lock)."""
+        return list(self.ids.items())
+
+    # -- what the segment writer reads -----------------------------------------------------
+
+    def sorted_terms(self) -> Iterable:
+        return iter(sorted(self.vocab.chars.items()))
+
+    def sorted_surfaces(self) -> Iterable:
+        return iter(self.vocab.words())
+
+    def term_count(self) -> int:
+        return len(self.vocab.stems)
+
+    def key_number(self, key) -> int:
+        return _term_number(key)
+
+    def tok_text(self, d: int, f: int) -> str:
+        return self.docs[d][4 + f]
+
+    def title_bytes(self, d: int) -> bytes:
+        return self.docs[d].title.encode()
+
+    def path_bytes(self, d: int) -> bytes:
+        return self.docs[d].path.encode()
+
+    def by_path(self) -> list:
+        docs = self.docs
+        return sorted(range(len(docs)), key=lambda d: docs[d].path)
+
+
+# -- persistence --------------------------------------------------------------
+#
+# A segment file: an 8-byte magic, 8-aligned sections (arrays in native byte order,
+# strings "\n"-terminated), a JSON footer naming them with the format, counts and a
+# CRC-32 of everything before it, then the footer's length, its CRC and the magic again.
+# The commit file (<root>/.notesvc/index.cache) has the same frame around the list of
+# segment files and their deleted notes. Files are written with atomic_write (0600).
+
+
+class IndexFileError(ValueError):
+    """An index file that is missing, old, foreign, truncated or damaged."""
+
+
+_SEGMENT_MAGIC = b"NSVCSEG\x00"
+_COMMIT_MAGIC = b"NSVCIDX\x00"
+_TRAILER = struct.Struct("<II8s")  # footer length, footer crc32, magic
+# name: (array type, items per note or term, extra items): how long each section must be
+_SECTIONS = {
+    "ids": ("I", None, 0, 0),  # postings, term by term (body, then title): note ids...
+    "imps": ("f", None, 0, 0),  # ...and their BM25 impacts (the same positions)
+    "terms": ("I", "terms", 4, 0),  # per term: body start, count, title start, count
+    "dict_off": ("I", "dict", 1, 1),
+    "dict_tid": ("I", "dict", 1, 0),
+    "tid_rank": ("I", "terms", 1, 0),
+    "surf_off": ("I", "surfaces", 1, 1),
+    "surf_tid": ("I", "surfaces", 1, 0),
+    "size": ("Q", "docs", 1, 0),
+    "mtime": ("q", "docs", 1, 0),
+    "dl": ("I", "docs", 2, 0),
+    "avg": ("f", "docs", 2, 0),
+    "tok_off": ("Q", "docs", 2, 1),
+    "path_off": ("I", "docs", 1, 1),
+    "title_off": ("I", "docs", 1, 1),
+    "by_path": ("I", "docs", 1, 0),
+}
+_TEXT_SECTIONS = ("dict", "dict_sparse", "surf", "surf_sparse", "paths", "titles", "tokens")
+
+
+class DiskSegment:
+    """A segment file, read in place through mmap; raises IndexFileError when damaged."""
+
+    def __init__(self, path: Path):
+        self.file = path
+        self.name = path.name
+        try:
+            with open(path, "rb") as f:
+                self.mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
+        except (OSError, ValueError) as e:  # ValueError: an empty file
+            raise IndexFileError(f"{path.name}: cannot be opened ({e})") from None
+        self.meta = meta = _read_footer(self.mm, _SEGMENT_MAGIC, path.name)
+        try:
+            self.n, self.nt = int(meta["docs"]), int(meta["terms"])
+            self.nd, self.ns = int(meta["dict"]), int(meta["surfaces"])
+            self.lens = [int(x) for x in meta["lens"]]
+            self.avg_range = [[float(a), float(b)] for a, b in meta["avg_range"]]
+            self.crc = int(meta["crc"])
+            bounds = {k: (int(a), int(b)) for k, (a, b) in meta["sections"].items()}
+        except (KeyError, TypeError, ValueError) as e:
+            raise IndexFileError(f"{path.name}: unreadable header ({e})") from None
+        self.body_end = len(self.mm) - _TRAILER.size - int(meta["footer"])
+        view = memoryview(self.mm)
+        self.text: dict = {}
+        counts = {"docs": self.n, "terms": self.nt, "dict": self.nd, "surfaces": self.ns}
+        for name in (*_SECTIONS, *_TEXT_SECTIONS):
+            if name not in bounds:
+                raise IndexFileError(f"{path.name}: section {name} is missing")
+            start, length = bounds[name]
+            if start < 16 or length < 0 or start + length > self.body_end or start % 8:
+                raise IndexFileError(f"{path.name}: section {name} is out of bounds")
+            if name in _TEXT_SECTIONS:
+                self.text[name] = start
+                continue
+            spec = _SECTIONS[name]
+            part = view[start : start + length]
+            if length % struct.calcsize(spec[0]):
+                raise IndexFileError(f"{path.name}: section {name} has a torn item")
+            arr = part.cast(spec[0])
+            if spec[1] is not None and len(arr) != counts[spec[1]] * spec[2] + spec[3]:
+                raise IndexFileError(f"{path.name}: section {name} does not add up")
+            setattr(self, "_" + name, arr)
+        if len(self._ids) != len(self._imps):
+            raise IndexFileError(f"{path.name}: postings do not add up")
+        self.sparse = {
+            kind: self.mm[slice(*_span(bounds[kind + "_sparse"]))].decode().split("\n")[:-1]
+            for kind in ("dict", "surf")
+        }
+        self.deleted: set = set()
+        self.del_df: tuple = ({}, {})
+        self.del_lens = [0, 0]
+
+    def verify(self) -> None:
+        """Check the whole file against its checksum (reads it, does not map it)."""
+        crc, left = 0, self.body_end
+        with open(self.file, "rb") as f:
+            while left > 0:
+                chunk = f.read(min(left, 1 << 20))
+                if not chunk:
+                    break
+                crc = zlib.crc32(chunk, crc)
+                left -= len(chunk)
+        if left or crc != self.crc:
+            raise IndexFileError(f"{self.name}: checksum mismatch")
+
+    def delete(self, d: int) -> None:
+        if d in self.deleted or not 0 <= d < self.n:
+            return
+        self.deleted.add(d)
+        for f in (0, 1):
+            toks = self.tok_text(d, f)
+            self.del_lens[f] += len(toks)
+            numbers = map(_term_number, set(toks).difference(_OVERFLOW))
+            _count_terms(self.del_df[f], numbers)
+
+    # -- sorted string tables: the dictionary, the surfaces, the paths -----------------------
+
+    def _strings(self, kind: str, lo: int, hi: int) -> list:
+        off = self._dict_off if kind == "dict" else self._surf_off
+        base = self.text[kind]
+        return self.mm[base + off[lo] : base + off[hi]].decode().split("\n")[:-1]
+
+    def _seek(self, kind: str, word: str) -> tuple:
+        """Return (position of the first entry >= word, the block read, its first position)."""
+        count = self.nd if kind == "dict" else self.ns
+        i = bisect.bisect_right(self.sparse[kind], word) - 1
+        if i < 0:
+            return 0, [], 0
+        lo = i * SPARSE_EVERY
+        block = self._strings(kind, lo, min(lo + SPARSE_EVERY, count))
+        return lo + bisect.bisect_left(block, word), block, lo
+
+    def keys(self, stems: list) -> list:
+        """Return the term number of each stem (None where absent); stems sorted or not."""
+        out = []
+        if len(stems) > 8:  # one read of the dictionary range the stems span
+            first, last = min(stems), max(stems)
+            lo = self._seek("dict", first)[0]
+            hi = self._seek("dict", last + "\0")[0]
+            if hi - lo <= 16 * len(stems):
+                table = dict(zip(self._strings("dict", lo, hi), self._dict_tid[lo:hi]))
+                return list(map(table.get, stems))
+        for s in stems:
+            pos, block, lo = self._seek("dict", s)
+            j = pos - lo
+            out.append(self._dict_tid[pos] if j < len(block) and block[j] == s else None)
+        return out
+
+    def counts(self, key: int) -> tuple:
+        """Return how many notes (deleted ones included) hold a term in body and title."""
+        return self._terms[4 * key + 1], self._terms[4 * key + 3]
+
+    def postings(self, key: int, f: int):
+        at = 4 * key + 2 * f
+        start, n = self._terms[at], self._terms[at + 1]
+        if not n:
+            return None
+        return self._ids[start : start + n], self._imps[start : start + n]
+
+    def char(self, key: int) -> str:
+        return _term_char_of(key)
+
+    def _tok_span(self, d: int, f: int) -> tuple:
+        base, off = self.text["tokens"], self._tok_off
+        return base + off[2 * d + f], base + off[2 * d + f + 1]
+
+    def tok_bytes(self, d: int, f: int) -> bytes:
+        a, b = self._tok_span(d, f)
+        return self.mm[a:b]
+
+    def tok_text(self, d: int, f: int) -> str:
+        return self.tok_bytes(d, f).decode()
+
+    toks = tok_text
+
+    def path_bytes(self, d: int) -> bytes:
+        base, off = self.text["paths"], self._path_off
+        return self.mm[base + off[d] : base + off[d + 1]]
+
+    def path(self, d: int) -> str:
+        return self.path_bytes(d).decode()
+
+    def title_bytes(self, d: int) -> bytes:
+        base, off = self.text["titles"], self._title_off
+        return self.mm[base + off[d] : base + off[d + 1]]
+
+    def title(self, d: int) -> str:
+        return self.title_bytes(d).decode()
+
+    def sig(self, d: int) -> tuple:
+        return self._size[d], self._mtime[d]
+
+    def dl(self, d: int, f: int) -> int:
+        return self._dl[2 * d + f]
+
+    def avg_then(self, d: int, f: int) -> float:
+        return self._avg[2 * d + f]
+
+    def _path_pos(self, target: bytes) -> int:
+        """Return the first position in path order whose path is >= target."""
+        order, lo, hi = self._by_path, 0, self.n
+        while lo < hi:
+            mid = (lo + hi) // 2
+            if self.path_bytes(order[mid]) < target:
+                lo = mid + 1
             else:
-                self.title_len -= len(toks)
-            for term in set(toks):
-                entry = table.get(term)
-                if entry is None:
+                hi = mid
+        return lo
+
+    def find(self, path: str):
+        target = path.encode()
+        pos = self._path_pos(target)
+        if pos < self.n:
+            d = self._by_path[pos]
+            if d not in self.deleted and self.path_bytes(d) == target:
+                return d
+        return None
+
+    def phrase(self, cands: Iterable, chars: list, rare: int, f: int) -> list:
+        """Return the candidates whose field holds the term chars in a row.
+
+        rare: the position of a term much rarer than the others, or -1. Then the search
+        starts at that term (a regular expression, whose first byte is found at C speed)
+        and the terms before it are compared where it matched; a phrase of common words
+        is one mmap.find per candidate.
+        """
+        cands = list(cands)
+        first, last = self._tok_spans[f]
+        base, mm = self.text["tokens"], self.mm
+        if rare < 0:
+            starts = map(base.__add__, map(first.__getitem__, cands))
+            ends = map(base.__add__, map(last.__getitem__, cands))
+            found = map(mm.find, itertools.repeat("".join(chars).encode()), starts, ends)
+            return list(itertools.compress(cands, map(_NOT_MINUS_ONE, found)))
+        head = "".join(chars[:rare]).encode()
+        search = re.compile(re.escape("".join(chars[rare:]).encode())).search
+        out = []
+        for d in cands:
+            end = base + last[d]
+            m = search(mm, base + first[d] + len(head), end)
+            while m is not None:
+                at = m.start()
+                if mm[at - len(head) : at] == head:
+                    out.append(d)
+                    break
+                m = search(mm, at + 1, end)
+        return out
+
+    @functools.cached_property
+    def _tok_spans(self) -> tuple:
+        """Per field: (start offsets, end offsets) of the notes' term strings, by note id."""
+        off = self._tok_off
+        return (off[0:-1:2], off[1::2]), (off[1::2], off[2::2])
+
+    def in_folder(self, cands: set, prefix: str) -> set:
+        target = prefix.encode()
+        lo, hi = self._path_pos(target), self._path_pos(target + b"\xff")
+        if hi - lo > 4 * len(cands):
+            return {d for d in cands if self.path_bytes(d).startswith(target)}
+        return cands.intersection(self._by_path[lo:hi])
+
+    def prefix_words(self, prefix: str, cap: int) -> list:
+        pos = self._seek("surf", prefix)[0]
+        words = self._strings("surf", pos, min(pos + cap, self.ns))
+        out = []
+        for w, tid in zip(words, self._surf_tid[pos : pos + len(words)]):
+            if not w.startswith(prefix):
+                break
+            out.append((w, tid))
+        stems = self._stems([tid for _, tid in out])
+        return [(w, s) for (w, _), s in zip(out, stems)]
+
+    def _stems(self, tids: list) -> list:
+        base, off, rank = self.text["dict"], self._dict_off, self._tid_rank
+        mm = self.mm
+        return [mm[base + off[rank[t]] : base + off[rank[t] + 1] - 1].decode() for t in tids]
+
+    def live(self) -> list:
+        deleted = self.deleted
+        return [(self.path(d), d) for d in range(self.n) if d not in deleted]
+
+    # -- what the segment writer reads -----------------------------------------------------
+
+    def sorted_terms(self) -> Iterable:
+        for lo in range(0, self.nd, 512):
+            hi = min(lo + 512, self.nd)
+            yield from zip(self._strings("dict", lo, hi), self._dict_tid[lo:hi])
+
+    def sorted_surfaces(self) -> Iterable:
+        for lo in range(0, self.ns, 512):
+            hi = min(lo + 512, self.ns)
+            yield from zip(self._strings("surf", lo, hi), self._surf_tid[lo:hi])
+
+    def term_count(self) -> int:
+        return self.nt
+
+    @staticmethod
+    def key_number(key: int) -> int:
+        return key
+
+    def by_path(self) -> memoryview:
+        return self._by_path
+
+
+def _span(bounds: tuple) -> tuple:
+    return bounds[0], bounds[0] + bounds[1]
+
+
+def _read_footer(mm, magic: bytes, name: str) -> dict:
+    """Return the JSON footer of an index file (checked: magic, length, crc, format)."""
+    size = len(mm)
+    if size < 16 + _TRAILER.size or mm[:8] != magic:
+        raise IndexFileError(f"{name}: not an index file of this kind")
+    length, crc, tail = _TRAILER.unpack(mm[size - _TRAILER.size :])
+    if tail != magic or length > size - 16 - _TRAILER.size:
+        raise IndexFileError(f"{name}: truncated")
+    raw = mm[size - _TRAILER.size - length : size - _TRAILER.size]
+    if zlib.crc32(raw) != crc:
+        raise IndexFileError(f"{name}: damaged footer")
+    try:
+        meta = json.loads(raw)
+    except ValueError:
+        raise IndexFileError(f"{name}: damaged footer") from None
+    if not isinstance(meta, dict) or meta.get("format") != list(INDEX_FORMAT):
+        raise IndexFileError(f"{name}: an index of another format")
+    if meta.get("byteorder") != sys.byteorder:
+        raise IndexFileError(f"{name}: written on a machine of another byte order")
+    meta["footer"] = length
+    return meta
+
+
+class _FileWriter:
+    """Writes an index file: 8-aligned sections, a checksum, a JSON footer."""
+
+    def __init__(self, f, magic: bytes):
+        self.f, self.pos, self.crc = f, 0, 0
+        self.sections: dict = {}
+        self.magic = magic
+        self.write(magic + bytes(8))
+
+    def write(self, data) -> None:
+        self.f.write(data)
+        self.crc = zlib.crc32(data, self.crc)
+        self.pos += len(data) if isinstance(data, bytes) else memoryview(data).nbytes
+
+    def align(self) -> None:
+        if self.pos % 8:
+            self.write(bytes(8 - self.pos % 8))
+
+    def section(self, name: str, *parts) -> None:
+        self.align()
+        start = self.pos
+        for part in parts:
+            self.write(part)
+        self.sections[name] = (start, self.pos - start)
+
+    def begin(self, name: str) -> None:
+        self.align()
+        self.sections[name] = (self.pos, None)
+
+    def end(self, name: str) -> None:
+        start = self.sections[name][0]
+        self.sections[name] = (start, self.pos - start)
+
+    def finish(self, meta: dict) -> None:
+        self.align()
+        footer = {
+            **meta,
+            "format": list(INDEX_FORMAT),
+            "byteorder": sys.byteorder,
+            "crc": self.crc,
+            "sections": self.sections,
+        }
+        raw = json.dumps(footer, separators=(",", ":")).encode()
+        self.f.write(raw + _TRAILER.pack(len(raw), zlib.crc32(raw), self.magic))
+
+
+class _Cancelled(Exception):
+    """A merge stopped because the index is closing."""
+
+
+def _tagged(pairs: Iterable, i: int) -> Iterable:
+    """Yield (word, i, key) for (word, key) of source i (a function: i bound per source)."""
+    for word, key in pairs:
+        yield word, i, key
+
+
+def _path_order(src, remap) -> Iterable:
+    """Yield (path bytes, new id) of a source's kept notes in path order."""
+    for d in src.by_path():
+        if remap[d] >= 0:
+            yield src.path_bytes(d), remap[d]
+
+
+def _merged_terms(sources: list) -> Iterable:
+    """Yield (stem, [(source number, key)]) over the sources' dictionaries, in stem order."""
+    streams = [_tagged(src.sorted_terms(), i) for i, src in enumerate(sources)]
+    for stem_, parts in itertools.groupby(heapq.merge(*streams), key=_FIRST):
+        yield stem_, [(i, k) for _, i, k in parts]
+
+
+def _live_df(sources: list, dels: list, parts: list) -> tuple:
+    """Return a term's (body, title) document frequencies over sources, deletions aside."""
+    body = title = 0
+    for i, k in parts:
+        n_body, n_title = sources[i].counts(k)
+        body += n_body - dels[i][0].get(k, 0) if n_body else 0
+        title += n_title - dels[i][1].get(k, 0) if n_title else 0
+    return body, title
+
+
+def _norms(sources: list, remaps: list, avg: tuple) -> list:
+    """Per field: (each merged note's BM25 length norm with the averages of its impacts,
+    with today's averages), by new note id; None where every note already has today's."""
+    out = []
+    for f in (0, 1):
+        then, now, stale = array.array("d"), array.array("d"), False
+        for src, remap in zip(sources, remaps):
+            for d in range(src.n):
+                if remap[d] >= 0:
+                    dl, a = src.dl(d, f), src.avg_then(d, f)
+                    stale = stale or abs(a - avg[f]) > 1e-6 * avg[f]
+                    then.append(K1 * (1 - B + B * dl / a))
+                    now.append(K1 * (1 - B + B * dl / avg[f]))
+        out.append((then, now) if stale else None)
+    return out
+
+
+def _rescore(ids, imps, then, now) -> array.array:
+    """Return impacts computed again with new length norms: each term frequency recovered
+    from its impact and its note's old norm, then scored with the new one (C-level maps)."""
+    top = K1 + 1.0
+    tfs = list(
+        map(
+            max,
+            itertools.repeat(1),
+            map(
+                round,
+                map(
+                    operator.truediv,
+                    map(operator.mul, imps, map(then.__getitem__, ids)),
+                    map(
+                        max, map(operator.sub, itertools.repeat(top), imps), itertools.repeat(1e-6)
+                    ),
+                ),
+            ),
+        )
+    )
+    return array.array(
+        "f",
+        map(
+            operator.truediv,
+            map(top.__mul__, tfs),
+            map(operator.add, tfs, map(now.__getitem__, ids)),
+        ),
+    )
+
+
+def _write_postings(out, spill, sources, skips, remaps, norms, parts: list, f: int) -> int:
+    """Write one term's postings in one field (ids to out, impacts to spill), impacts
+    computed again when norms are given; return how many."""
+    ids_out, imps_out = array.array("I"), array.array("f")
+    for i, k in parts:
+        p = sources[i].postings(k, f)
+        if not p:
+            continue
+        ids, imps = p
+        if skips[i]:
+            mapped = list(map(remaps[i].__getitem__, ids))
+            keep = list(map(_NOT_MINUS_ONE, mapped))
+            ids_out.extend(itertools.compress(mapped, keep))
+            imps_out.extend(itertools.compress(imps, keep))
+            continue
+        shift = remaps[i][ids[0]] - ids[0]
+        ids_out.extend(map(shift.__add__, ids) if shift else ids)
+        imps_out.extend(imps)
+    if norms is not None and norms[f] is not None and ids_out:
+        imps_out = _rescore(ids_out, imps_out, *norms[f])
+    out.write(ids_out.tobytes())
+    spill.write(imps_out.tobytes())
+    return len(ids_out)
+
+
+def _text_table(words: list) -> tuple:
+    """Return (text, offsets, sparse directory) of a sorted string table (str or UTF-8)."""
+    raw = [w + b"\n" if isinstance(w, bytes) else (w + "\n").encode() for w in words]
+    offsets = array.array("I", itertools.accumulate(map(len, raw), initial=0))
+    return b"".join(raw), offsets, b"".join(raw[::SPARSE_EVERY])
+
+
+def _write_tables(out: _FileWriter, stems: list, tids: list, words: list, surf_tids) -> None:
+    """Write the dictionary (stems sorted, with their term numbers) and the folded words."""
+    text, offsets, sparse = _text_table(stems)
+    out.section("dict", text)
+    out.section("dict_sparse", sparse)
+    out.section("dict_off", offsets.tobytes())
+    out.section("dict_tid", array.array("I", tids).tobytes())
+    text, offsets, sparse = _text_table(words)
+    out.section("surf", text)
+    out.section("surf_sparse", sparse)
+    out.section("surf_off", offsets.tobytes())
+    out.section("surf_tid", array.array("I", surf_tids).tobytes())
+
+
+def write_batch(f, docs: list, vocab: _Vocab, avg: tuple) -> None:
+    """Write analysed notes (Doc, in this order) as one segment file to f: the bulk build's
+    fast path, with no Python work per posting beyond C-level maps and one sort per field.
+
+    avg: the (body, title) average lengths the impacts are computed with.
+    """
+    out = _FileWriter(f, _SEGMENT_MAGIC)
+    n, nt = len(docs), len(vocab.stems)
+    terms = array.array("I", bytes(16 * nt))
+    start = 0
+    for fld in (0, 1):  # postings in note order, then sorted by term (stable: ids sorted)
+        cps, owners, imps = array.array("I"), array.array("I"), array.array("f")
+        for d, doc in enumerate(docs):
+            toks = doc[4 + fld]
+            counts = collections.Counter(toks)
+            counts.pop(_OVERFLOW, None)
+            if counts:
+                tfs = list(counts.values())
+                by_tf = {tf: bm25_tf(tf, len(toks), avg[fld]) for tf in set(tfs)}
+                cps.extend(map(ord, counts))
+                owners.extend(itertools.repeat(d, len(tfs)))
+                imps.extend(map(by_tf.__getitem__, tfs))
+        order = sorted(range(len(cps)), key=cps.__getitem__)
+        if fld == 0:
+            out.begin("ids")
+            spill = [array.array("f", map(imps.__getitem__, order))]
+        else:
+            spill.append(array.array("f", map(imps.__getitem__, order)))
+        out.write(array.array("I", map(owners.__getitem__, order)).tobytes())
+        for cp, count in sorted(collections.Counter(cps).items()):
+            at = 4 * (cp - (0x900 if cp >= 0xE000 else 0x100)) + 2 * fld  # _term_number
+            terms[at], terms[at + 1] = start, count
+            start += count
+        del cps, owners, imps, order
+    out.end("ids")
+    out.section("imps", *(part.tobytes() for part in spill))
+    out.section("terms", terms.tobytes())
+    stems = vocab.stems
+    by_stem = sorted(range(nt), key=stems.__getitem__)
+    tid_rank = array.array("I", bytes(4 * nt))
+    for pos, tid in enumerate(by_stem):
+        tid_rank[tid] = pos
+    out.section("tid_rank", tid_rank.tobytes())
+    words = vocab.words_utf8()
+    _write_tables(
+        out,
+        [stems[t] for t in by_stem],
+        by_stem,
+        [w for w, _ in words],
+        [_term_number(ch) for _, ch in words],
+    )
+    toks = [t.encode() for doc in docs for t in (doc.toks, doc.title_toks)]
+    out.section("tokens", *toks)
+    out.section("tok_off", array.array("Q", itertools.accumulate(map(len, toks), initial=0)))
+    del toks
+    paths = [doc.path.encode() for doc in docs]
+    titles = [doc.title.encode() for doc in docs]
+    for name, strings in (("paths", paths), ("titles", titles)):
+        out.section(name, *strings)
+        offsets = array.array("I", itertools.accumulate(map(len, strings), initial=0))
+        out.section(name[:-1] + "_off", offsets.tobytes())
+    out.section("by_path", array.array("I", sorted(range(n), key=paths.__getitem__)).tobytes())
+    out.section("size", array.array("Q", [doc.size for doc in docs]).tobytes())
+    out.section("mtime", array.array("q", [doc.mtime for doc in docs]).tobytes())
+    dls = array.array("I", [len(t) for doc in docs for t in (doc.toks, doc.title_toks)])
+    out.section("dl", dls.tobytes())
+    out.section("avg", array.array("f", avg * n).tobytes())
+    out.finish(
+        {
+            "docs": n,
+            "terms": nt,
+            "dict": nt,
+            "surfaces": len(words),
+            "lens": [sum(dls[0::2]), sum(dls[1::2])],
+            "avg_range": [[avg[0], avg[0]], [avg[1], avg[1]]],
+        }
+    )
+
+
+def write_segment(
+    f, sources: list, skips: list, dels: list, cancel=None, folder=None, avg=None
+) -> list:
+    """Write the live notes of sources as one segment to file f; return, per source, the
+    map of its note ids to the new ones (-1: dropped).
+
+    skips: each source's deleted ids; dels: each source's deleted-term counts (snapshots).
+    avg: when given, every impact is computed again with these average lengths (a merge:
+    the merged file then has one average, today's). Postings and term strings stream to
+    the file (impacts through a temporary file in folder), so merging big segments needs
+    memory for their dictionaries and per-note arrays, not for their postings.
+    """
+    out = _FileWriter(f, _SEGMENT_MAGIC)
+    remaps, n = [], 0
+    for src, skip in zip(sources, skips):  # notes keep their order: every map increases
+        remap = array.array("i", [-1]) * src.n
+        for d in range(src.n):
+            if d not in skip:
+                remap[d] = n
+                n += 1
+        remaps.append(remap)
+    norms = _norms(sources, remaps, avg) if avg else None
+    single = len(sources) == 1
+    if single:  # one source keeps its term numbers
+        nt, trans = sources[0].term_count(), [None]
+    else:  # number the kept terms commonest first: short term chars for common words
+        df_b, df_t = array.array("I"), array.array("I")
+        for _, parts in _merged_terms(sources):
+            body, title = _live_df(sources, dels, parts)
+            df_b.append(body)
+            df_t.append(title)
+        kept = [g for g in range(len(df_b)) if df_b[g] or df_t[g]]
+        kept.sort(key=df_b.__getitem__, reverse=True)
+        rank = array.array("i", [-1]) * len(df_b)
+        for r, g in enumerate(kept):
+            rank[g] = r
+        nt = len(kept)
+        del kept, df_b, df_t
+        trans = [array.array("I", bytes(4 * (src.term_count() + 0x900))) for src in sources]
+        for table in trans:
+            table[ord(_OVERFLOW)] = ord(_OVERFLOW)
+    terms = array.array("I", bytes(16 * nt))
+    tid_rank = array.array("I", bytes(4 * nt))
+    stems, tids = [], array.array("I")
+    with tempfile.TemporaryFile(dir=folder) as spill:  # the impacts, until the ids are out
+        out.begin("ids")
+        start = 0
+        for g, (stem_, parts) in enumerate(_merged_terms(sources)):
+            if cancel is not None and not g % 1024 and cancel.is_set():
+                raise _Cancelled
+            if single:
+                if not any(_live_df(sources, dels, parts)):
                     continue
-                ids, imps = entry
-                i = bisect.bisect_left(ids, d)
-                if i < len(ids) and ids[i] == d:
-                    del ids[i]
-                    del imps[i]
-                if not ids:
-                    del table[term]
+                tid = sources[0].key_number(parts[0][1])
+            else:
+                tid = rank[g]
+                if tid < 0:
+                    continue
+                cp = ord(_term_char_of(tid))
+                for i, k in parts:
+                    trans[i][ord(sources[i].char(k))] = cp
+            tid_rank[tid] = len(stems)
+            stems.append(stem_)
+            tids.append(tid)
+            for fld in (0, 1):
+                count = _write_postings(out, spill, sources, skips, remaps, norms, parts, fld)
+                if count:
+                    terms[4 * tid + 2 * fld] = start
+                    terms[4 * tid + 2 * fld + 1] = count
+                    start += count
+        out.end("ids")
+        spill.seek(0)
+        out.begin("imps")
+        for chunk in iter(functools.partial(spill.read, 1 << 20), b""):
+            out.write(chunk)
+        out.end("imps")
+    out.section("terms", terms.tobytes())
+    out.section("tid_rank", tid_rank.tobytes())
+    words, surf_tids = [], []
+    last = None
+    streams = [_tagged(src.sorted_surfaces(), i) for i, src in enumerate(sources)]
+    for w, i, k in heapq.merge(*streams):
+        if w == last:
+            continue
+        if single:
+            tid = sources[0].key_number(k)
+            alive = tid < nt and (terms[4 * tid + 1] or terms[4 * tid + 3])
+        else:
+            cp = trans[i][ord(sources[i].char(k))]
+            alive, tid = cp != 0, _term_number(chr(cp)) if cp else 0
+        if alive:
+            last = w
+            words.append(w)
+            surf_tids.append(tid)
+    _write_tables(out, stems, tids, words, surf_tids)
+    surfaces, dictionary = len(surf_tids), len(tids)
+    del stems, tids, words, surf_tids
+    sizes, mtimes = array.array("Q"), array.array("q")
+    dls, avgs, tok_off = array.array("I"), array.array("f"), array.array("Q", [0])
+    out.begin("tokens")
+    for src, remap, table in zip(sources, remaps, trans):
+        if cancel is not None and cancel.is_set():
+            raise _Cancelled
+        raw_tokens = table is None and isinstance(src, DiskSegment)
+        for d in range(src.n):
+            if remap[d] < 0:
+                continue
+            for fld in (0, 1):
+                if raw_tokens:
+                    raw = src.tok_bytes(d, fld)
+                else:
+                    text = src.tok_text(d, fld)
+                    raw = (text if table is None else text.translate(table)).encode()
+                out.write(raw)
+                tok_off.append(tok_off[-1] + len(raw))
+                dls.append(src.dl(d, fld))
+                avgs.append(avg[fld] if avg else src.avg_then(d, fld))
+            size, mtime = src.sig(d)
+            sizes.append(size)
+            mtimes.append(mtime)
+    out.end("tokens")
+    for name, getter in (("paths", "path_bytes"), ("titles", "title_bytes")):
+        off = array.array("I", [0])
+        out.begin(name)
+        for src, remap in zip(sources, remaps):
+            get = getattr(src, getter)
+            for d in range(src.n):
+                if remap[d] >= 0:
+                    raw = get(d)
+                    out.write(raw)
+                    off.append(off[-1] + len(raw))
+        out.end(name)
+        out.section(name[:-1] + "_off", off.tobytes())
+    streams = [_path_order(src, remap) for src, remap in zip(sources, remaps)]
+    by_path = array.array("I", map(_SECOND, heapq.merge(*streams)))
+    for name, arr in (
+        ("by_path", by_path),
+        ("size", sizes),
+        ("mtime", mtimes),
+        ("dl", dls),
+        ("avg", avgs),
+        ("tok_off", tok_off),
+    ):
+        out.section(name, arr.tobytes())
+    spans = []
+    for fld in (0, 1):
+        values = avgs[fld::2]
+        spans.append([min(values), max(values)] if len(values) else [1.0, 1.0])
+    out.finish(
+        {
+            "docs": n,
+            "terms": nt,
+            "dict": dictionary,
+            "surfaces": surfaces,
+            "lens": [sum(dls[0::2]), sum(dls[1::2])],
+            "avg_range": spans,
+        }
+    )
+    return remaps
+
+
+def _blob(raw: bytes, end: int, bounds, typecode: str) -> array.array:
+    start, length = (int(x) for x in bounds)
+    if start < 16 or length < 0 or start + length > end or length % 4:
+        raise IndexFileError("a list in the commit file is out of bounds")
+    out = array.array(typecode)
+    out.frombytes(raw[start : start + length])
+    return out
+
+
+def read_commit(path: Path, folder: Path) -> tuple:
+    """Return (the segments the commit file names, their deletions applied; the last file
+    number; False when a segment had to be dropped). Raises IndexFileError."""
+    try:
+        raw = path.read_bytes()
+    except FileNotFoundError:
+        raise IndexFileError("no index yet") from None
+    except OSError as e:
+        raise IndexFileError(f"{path.name}: unreadable ({e.strerror})") from None
+    meta = _read_footer(raw, _COMMIT_MAGIC, path.name)
+    end = len(raw) - _TRAILER.size - meta["footer"]
+    if zlib.crc32(raw[:end]) != meta.get("crc"):
+        raise IndexFileError(f"{path.name}: checksum mismatch")
+    segs = []
+    try:
+        seq, intact = int(meta["seq"]), True
+        for entry in meta["segments"]:
+            name = str(entry["name"])
+            if not re.fullmatch(r"\d{8}\.seg", name):
+                raise IndexFileError(f"{path.name}: names a file that is not a segment")
+            deleted = _blob(raw, end, entry["deleted"], "I")
+            del_df = [_blob(raw, end, entry[key], "I") for key in ("del_body", "del_title")]
+            del_lens = [int(x) for x in entry["del_lens"]]
+            try:
+                seg = DiskSegment(folder / name)
+                if len(seg.mm) != int(entry["size"]) or seg.crc != int(entry["crc"]):
+                    raise IndexFileError(f"{name}: not the file the index names")
+            except IndexFileError as e:
+                log.warning("index segment %s dropped: %s; its notes are read again", name, e)
+                intact = False
+                continue
+            seg.deleted = {d for d in deleted if d < seg.n}
+            for f, pairs in enumerate(del_df):
+                seg.del_df[f].update(zip(pairs[0::2], pairs[1::2]))
+            seg.del_lens = del_lens
+            segs.append(seg)
+    except (KeyError, TypeError, ValueError) as e:
+        raise IndexFileError(f"{path.name}: unreadable ({e})") from None
+    return segs, seq, intact
+
+
+def write_commit(path: Path, entries: list, seq: int) -> None:
+    """Write the commit file atomically (mode 0600): segment names, sizes, checksums and
+    deletions."""
+
+    def write(f) -> None:
+        out = _FileWriter(f, _COMMIT_MAGIC)
+        listed = []
+        for name, size, crc, deleted, del_body, del_title, del_lens in entries:
+            item = {"name": name, "size": size, "crc": crc, "del_lens": del_lens}
+            for key, arr in (
+                ("deleted", deleted),
+                ("del_body", del_body),
+                ("del_title", del_title),
+            ):
+                out.section(f"{name}/{key}", arr.tobytes())
+                item[key] = out.sections[f"{name}/{key}"]
+            listed.append(item)
+        out.finish({"seq": seq, "segments": listed})
+
+    atomic_write(path, write, mode=0o600)
+
+
+# -- the index ----------------------------------------------------------------
+
+
+def _analyse_batch(items: list, stems: dict) -> tuple:
+    """Return (vocabulary, [Doc], average lengths) of (path, text, size, mtime) items."""
+    vocab = _Vocab(stems)
+    docs = [vocab.analyse(*item) for item in items]
+    avg = tuple(max(sum(len(d[4 + f]) for d in docs) / max(len(docs), 1), 1.0) for f in (0, 1))
+    return vocab, docs, avg
+
+
+def _memory_segment(vocab: _Vocab, docs: list, avg: tuple) -> MemorySegment:
+    seg = MemorySegment(vocab)
+    for doc in docs:
+        seg.add(doc, avg)
+    return seg
+
+
+def _read_items(notes: NoteStore, paths: list) -> list:
+    """Return (path, text, size, mtime_ns) of the notes still there (paths from a scan)."""
+    items, base = [], str(notes.base)
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
+    for path in paths:
+        try:  # the common case without pathlib: the name on disk is the path
+            fd = os.open(os.path.join(base, path), flags)
+        except FileNotFoundError:
+            if path.isascii():
+                continue
+            try:  # an NFD name on disk
+                data, st = notes.read_raw(path)
+            except ApiError:
+                continue
+        except OSError:
+            continue
+        else:
+            with open(fd, "rb") as f:
+                st = os.fstat(f.fileno())
+                if not stat.S_ISREG(st.st_mode):
+                    continue
+                data = f.read()
+        items.append((path, data.decode("utf-8", "replace"), st.st_size, st.st_mtime_ns))
+    return items
+
+
+class _Progress:
+    """Counts the notes a bulk has indexed; a thread logs the count every 2 s."""
+
+    def __init__(self, total: int):
+        self.total, self.done = total, 0
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="notesvc-progress", daemon=True)
+
+    def __enter__(self) -> _Progress:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+
+    def add(self, count: int) -> None:
+        self.done += count
+
+    def _run(self) -> None:
+        while not self._stop.wait(2):
+            log.info("indexing: %d of %d notes indexed", self.done, self.total)
+
+
+_HELPER_CODE = (  # loads this file as a module (its cached bytecode) and runs index_helper
+    "import importlib.util as u, sys; s = u.spec_from_file_location('notesvc_index_helper', "
+    "sys.argv[1]); m = sys.modules[s.name] = u.module_from_spec(s); s.loader.exec_module(m); "
+    "m.index_helper(*sys.argv[2:])"
+)
+
+
+def index_helper(notes_root: str, folder: str) -> None:
+    """Run as the helper process of a bulk build: for each line {"paths": [...]} on stdin,
+    read those notes, write them as a segment to a temp file in folder and answer
+    {"file": its path} (or {"error": ...}) on stdout; stop at the end of stdin.
+
+    The server renames each file into place, so a helper that outlives a crashed server
+    leaves nothing but a temp file, which the next start sweeps away.
+    """
+    notes = NoteStore(Path(notes_root), Path(folder) / "trash")
+    stems: dict = {}
+    for line in sys.stdin:
+        name = None
+        try:
+            vocab, docs, avg = _analyse_batch(_read_items(notes, json.loads(line)["paths"]), stems)
+            if docs:
+                fd, name = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX, dir=folder)
+                with os.fdopen(fd, "wb") as f:
+                    write_batch(f, docs, vocab, avg)
+                    f.flush()
+                    os.fsync(f.fileno())
+            reply = {"file": name}
+        except Exception as e:  # the server indexes the batch itself
+            if name:
+                with contextlib.suppress(OSError):
+                    os.unlink(name)
+            reply = {"error": f"{type(e).__name__}: {e}"[:300]}
+        print(json.dumps(reply), flush=True)
+
+
+def _stop_helper(helper) -> None:
+    with contextlib.suppress(OSError):
+        helper.stdin.close()
+    try:
+        helper.wait(30)
+    except Exception:
+        helper.kill()
+        helper.wait()
+    with contextlib.suppress(OSError):
+        helper.stdout.close()
+
+
+class _Match:
+    """One segment's candidates for a query, with approximate scores (stored impacts)."""
+
+    def __init__(self, seg, comps: list, hi: float, scores: dict | None = None):
+        self.seg, self.comps, self.hi = seg, comps, hi
+        self.scores = scores  # {id: approximate score}, or None: the one-word fast path
+        self.total = len(scores) if scores is not None else 0
+        self._single: dict = {}
+
+    def top(self, m: int) -> tuple:
+        """Return ([(approx, id)] best first, bound on the approx of every other candidate)."""
+        if self.scores is not None:
+            items = heapq.nlargest(m + 1, self.scores.items(), key=_SECOND)
+            return [(a, d) for d, a in items[:m]], (items[m][1] if len(items) > m else 0.0)
+        return self._top_single(m)
+
+    def count_single(self) -> None:
+        """Count the notes holding the word (body or title), deleted ones aside."""
+        deleted = self.seg.deleted
+        body = title = None
+        for comp in self.comps:
+            if comp[3] == 0:
+                body = comp
+            else:
+                title = comp
+        self.body, self.title = body, title
+        self.title_scores: dict = {}
+        total = len(body[1]) - body[5] if body else 0
+        if title:
+            w, ids, imps = title[:3]
+            for d, imp in zip(ids, imps):
+                if d in deleted:
+                    continue
+                self.title_scores[d] = w * imp
+                if body is None or _has(body[1], d) < 0:
+                    total += 1
+        self.total = total
+
+    def _top_single(self, m: int) -> tuple:
+        scores = dict(self.title_scores)
+        bound = 0.0
+        if self.body:
+            w, ids, imps = self.body[:3]
+            deleted = self.seg.deleted
+            want = m + len(scores) + len(deleted) + 1
+            idx = heapq.nlargest(want, range(len(ids)), key=imps.__getitem__)
+            if len(idx) < len(ids):
+                bound = w * imps[idx[-1]]
+            taken = set()
+            for i in idx:
+                d = ids[i]
+                taken.add(d)
+                if d not in deleted:
+                    scores[d] = scores.get(d, 0.0) + w * imps[i]
+            for d in self.title_scores:
+                if d not in taken:
+                    i = _has(ids, d)
+                    if i >= 0:
+                        scores[d] += w * imps[i]
+        items = heapq.nlargest(m + 1, scores.items(), key=_SECOND)
+        if len(items) > m:
+            bound = max(bound, items[m][1])
+        return [(a, d) for d, a in items[:m]], bound
+
+    def exact(self, d: int, avg: tuple) -> float:
+        seg, score = self.seg, 0.0
+        for w, ids, imps, f, *_ in self.comps:
+            i = _has(ids, d)
+            if i >= 0:
+                score += w * _exact_tf(imps[i], seg.dl(d, f), seg.avg_then(d, f), avg[f])
+        return score
+
+
+class _NoteTexts(Sequence):
+    """The indexed notes as (path, title, text), each text read from its file when asked
+    (its first MAX_SCAN_CHARS characters)."""
+
+    def __init__(self, index: SearchIndex, entries: list):
+        self._index = index
+        self._entries = entries  # (path, segment, id)
+        self.paths = [e[0] for e in entries]
+
+    def __len__(self) -> int:
+        return len(self._entries)
+
+    def __getitem__(self, i: int) -> IndexedNote:
+        path, seg, d = self._entries[i]
+        text = self._index._read(path, 4 * MAX_SCAN_CHARS) or ""
+        return IndexedNote(path, seg.title(d), text[:MAX_SCAN_CHARS])
+
+
+class SearchIndex:
+    """The search index: segment files read in place plus one segment in memory.
+
+    Thread-safe. SearchIndex() lives in memory only; SearchIndex.open(state_dir, notes) keeps
+    its segments in <state_dir>/index/ and reads note texts (for snippets and moves) through
+    the note store. Plugins and providers use the read methods, never the internals.
+    """
+
+    def __init__(self, folder: Path | None = None, notes: NoteStore | None = None):
+        self._lock = threading.RLock()
+        self.folder = folder  # <state>/index, or None: in memory only
+        self.commit_file = folder.parent / "index.cache" if folder else None
+        self.notes = notes
+        self._base = str(notes.base) if notes is not None else ""
+        self._segs: list = []  # DiskSegment, or MemorySegment not yet written; oldest first
+        self._live = MemorySegment()
+        self.generation = 0  # bumps on every change
+        self._touched: dict = {}  # path -> generation of its last change (for bulk_add)
+        self._bulks = 0
+        self._names = itertools.count(1)
+        self._commit_lock = threading.RLock()
+        self._sync_lock = threading.Lock()
+        self._dirty = False  # the commit file is behind
+        self._flushed = time.monotonic()
+        self._unverified: list = []
+        self._stems: dict | None = None  # word -> stem, shared by the batches of one sync
+        self._wake, self._stop = threading.Event(), threading.Event()
+        self._thread: threading.Thread | None = None
+
+    # -- changing ------------------------------------------------------------------------
+
+    def _all(self) -> list:
+        return [*self._segs, self._live]
+
+    def _averages(self, segs: list | None = None) -> tuple:
+        segs = segs or self._all()
+        n = sum(s.n - len(s.deleted) for s in segs)
+        if not n:
+            return 1.0, 1.0
+        return tuple(max(sum(s.lens[f] - s.del_lens[f] for s in segs) / n, 1.0) for f in (0, 1))
+
+    def _changed(self, path: str) -> None:
+        self.generation += 1
+        if len(self._touched) > 10_000 and not self._bulks:
+            self._touched.clear()
+        self._touched[path] = self.generation
+
+    def _locate(self, path: str):
+        for seg in reversed(self._all()):
+            d = seg.find(path)
+            if d is not None:
+                return seg, d
+        return None
+
+    def _drop(self, path: str) -> bool:
+        found = self._locate(path)
+        if found:
+            found[0].delete(found[1])
+            if isinstance(found[0], DiskSegment):
+                self._dirty = True  # the commit file's deletions are behind
+        return found is not None
+
+    def add(self, path: str, text: str, size: int, mtime: int) -> None:
+        """Index (or re-index) one note."""
+        with self._lock:
+            doc = self._live.vocab.analyse(path, text, size, mtime)
+            self._drop(path)
+            self._live.add(doc, self._averages())
+            self._changed(path)
+            full = self._live.n >= FLUSH_DOCS or self._live.tokens >= FLUSH_TOKENS
+        if full:
+            self._wake.set()
 
     def remove(self, path: str) -> bool:
         with self._lock:
-            d = self.ids.pop(path, None)
-            if d is None:
+            if not self._drop(path):
                 return False
-            self._unpost(d)
-            self.docs[d] = None
-            self.free.append(d)
-            self.generation += 1
-            self._touched[path] = self.generation
+            self._changed(path)
             return True
 
     def move(self, old: str, new: str, size: int, mtime: int) -> None:
+        """Index a moved note under its new path (its text is read from there)."""
+        text = self._read(new)
         with self._lock:
-            d = self.ids.get(old)
-            if d is None:
+            if self._locate(old) is None:
                 return
-            text = self.docs[d].text
             self.remove(old)
-            self.add(new, text, size, mtime)
+            if text is not None:
+                self.add(new, text, size, mtime)
 
-    def bulk_add(self, docs: list, since: int) -> int:
-        """Index many (path, text, size, mtime) at once; skip paths changed after `since`."""
-        with self._lock:
-            analysed = [self._analyse(*item) for item in docs]
-            fresh = [doc for doc in analysed if self._touched.get(doc.path, -1) <= since]
-            if fresh and not self.ids:  # compute impacts with the right averages at once
-                n = len(fresh)
-                self.avg_used = (
-                    max(sum(len(d.toks) for d in fresh) / n, 1.0),
-                    max(sum(len(d.title_toks) for d in fresh) / n, 1.0),
-                )
-            for doc in fresh:
-                self._insert(doc)
-            self._maybe_renormalise(threshold=0.05)
-            return len(fresh)
+    def bulk_add(self, items: list, since: int, replace: Container | None = None) -> int:
+        """Index many (path, text, size, mtime) at once; skip paths changed after generation
+        `since` (read before the texts were). replace: the paths that may be indexed already
+        (None: any); the others are not looked for. Return how many were indexed.
 
-    def averages(self) -> tuple:
-        n = max(len(self.ids), 1)
-        return (self.body_len / n or 1.0, self.title_len / n or 1.0)
-
-    def _maybe_renormalise(self, threshold: float) -> None:
-        """Recompute every impact once the average field lengths drift past threshold.
-
-        Impacts are computed with the averages of their time; BM25 wants today's. Small
-        drift changes scores by less than the drift, so the (full) recomputation waits.
+        A large batch becomes a segment file of its own (analysed without the lock).
         """
-        now = self.averages()
-        drift = max(abs(a - b) / b for a, b in zip(now, self.avg_used))
-        if drift <= threshold or not self.ids:
-            return
-        self.avg_used = now
-        self.body, self.title = {}, {}
-        self.body_len = self.title_len = 0
-        for d, doc in enumerate(self.docs):
-            if doc is not None:
-                self._post(d, doc, fresh=True)  # ascending ids: appending keeps lists sorted
+        with self._lock:
+            self._bulks += 1
+        try:
+            if len(items) < 64 or (self.folder is None and len(items) < FLUSH_DOCS):
+                count = 0
+                for item in items:
+                    with self._lock:
+                        if self._touched.get(item[0], -1) <= since:
+                            self.add(*item)
+                            count += 1
+                return count
+            batch = _analyse_batch(items, self._stems if self._stems is not None else {})
+            new = None
+            if self.folder is not None:
+                new = self._write(
+                    functools.partial(write_batch, docs=batch[1], vocab=batch[0], avg=batch[2])
+                )
+            if new is None:  # in memory only, or a full disk: keep it in memory
+                new = _memory_segment(*batch)
+            return self._add_segment(new, since, replace)
+        finally:
+            with self._lock:
+                self._bulks -= 1
+            self._wake.set()
 
-    def _fields(self) -> tuple:
-        return (("body", self.body), ("title", self.title))
+    def _add_segment(self, new, since: int, replace: Container | None) -> int:
+        """Add a segment of (re)read notes: drop their older entries, and any of its own
+        that a change after generation `since` made stale; commit. Return its live notes."""
+        with self._lock:
+            count = 0
+            for d in range(new.n):
+                path = new.path(d)
+                if self._touched.get(path, -1) > since:
+                    new.delete(d)
+                    continue
+                if replace is None or path in replace:
+                    self._drop(path)
+                count += 1
+            self._segs.append(new)
+            self.generation += 1
+            self._dirty = True
+        self._commit()
+        return count
 
     # -- reading: what plugins and providers may ask (they never touch the lock) ---------
 
     def title_of(self, path: str) -> str | None:
         """Return the indexed title of a note, None when it is not indexed."""
         with self._lock:
-            d = self.ids.get(path)
-            return None if d is None else self.docs[d].title
+            found = self._locate(path)
+            return found[0].title(found[1]) if found else None
+
+    def titles(self, paths: Iterable[str]) -> dict:
+        """Return {path: indexed title} for those of paths that are indexed."""
+        with self._lock:
+            out = {}
+            for path in paths:
+                found = self._locate(path)
+                if found:
+                    out[path] = found[0].title(found[1])
+            return out
+
+    def _snapshot(self) -> list:
+        """Return [(segment, its live (path, id) or None, its deleted ids)] (under the lock)."""
+        return [
+            (s, s.live() if isinstance(s, MemorySegment) else None, set(s.deleted))
+            for s in self._all()
+        ]
+
+    @staticmethod
+    def _entries(snapshot: list) -> Iterable:
+        """Yield (path, segment, id) of every live note of a snapshot (no lock needed)."""
+        for seg, items, deleted in snapshot:
+            if items is not None:
+                for path, d in items:
+                    yield path, seg, d
+            else:
+                for d in range(seg.n):
+                    if d not in deleted:
+                        yield seg.path(d), seg, d
 
     def paths(self) -> list:
         """Return the indexed note paths."""
         with self._lock:
-            return list(self.ids)
+            snapshot = self._snapshot()
+        return [path for path, _, _ in self._entries(snapshot)]
 
     def documents(self) -> tuple:
-        """Return (generation, [(path, title, text)]): a snapshot to compute from unlocked."""
+        """Return (generation, [(path, title, text)]): a snapshot to compute from unlocked.
+
+        The texts are read from the files as the list is walked (the first MAX_SCAN_CHARS
+        characters of each), so the snapshot costs memory for the paths only.
+        """
         with self._lock:
-            return self.generation, [(d.path, d.title, d.text) for d in self.docs if d]
+            generation, snapshot = self.generation, self._snapshot()
+        return generation, _NoteTexts(self, list(self._entries(snapshot)))
 
     def stem_weights(self, stems: Iterable[str]) -> dict:
         """Return {stem: its IDF in note bodies} for the stems that are in the index."""
+        stems = list(dict.fromkeys(stems))
         with self._lock:
-            n = max(len(self.ids), 1)
-            chars = ((s, self.term_chars.get(s)) for s in stems)
-            return {s: bm25_idf(n, len(self.body.get(t, ((),))[0])) for s, t in chars if t}
+            segs = self._all()
+            n = max(self._count(segs), 1)
+            _, _, dfs = self._terms(segs, n, stems)
+            return {s: bm25_idf(n, dfs[s][0]) for s in stems if dfs[s][0] or dfs[s][1]}
 
     # -- state -------------------------------------------------------------------------
 
     def signature(self) -> dict:
         """Return {path: (size, mtime_ns)} of what is indexed."""
         with self._lock:
-            return {p: (self.docs[d].size, self.docs[d].mtime) for p, d in self.ids.items()}
+            snapshot = self._snapshot()
+        return {path: seg.sig(d) for path, seg, d in self._entries(snapshot)}
+
+    @staticmethod
+    def _count(segs: list) -> int:
+        return sum(s.n - len(s.deleted) for s in segs)
 
     def stats(self) -> dict:
         with self._lock:
-            return {"documents": len(self.ids), "terms": len(self.body)}
+            segs = self._all()
+            terms = sum(s.nd if isinstance(s, DiskSegment) else len(s.vocab.stems) for s in segs)
+            return {"documents": self._count(segs), "terms": terms, "segments": len(segs)}
+
+    def check(self, files: dict) -> tuple:
+        """Compare {path: (size, mtime_ns)} of the notes on disk (the dict is consumed) with
+        the index; return (paths to read, indexed paths that are gone)."""
+        changed, removed, _, _ = self._check(files)
+        return changed, removed
+
+    def _check(self, files: dict) -> tuple:
+        """Return (paths to read, paths gone, the paths to read that are indexed, the sizes
+        of the paths to read)."""
+        with self._lock:
+            snapshot = self._snapshot()
+        known, removed, sizes = [], [], {}
+        for path, seg, d in self._entries(snapshot):
+            sig = files.pop(path, None)
+            if sig is None:
+                removed.append(path)
+            elif sig != seg.sig(d):
+                known.append(path)
+                sizes[path] = sig[0]
+        sizes.update((path, sig[0]) for path, sig in files.items())
+        return known + list(files), removed, set(known), sizes
+
+    def sync(self, notes: NoteStore | None = None, observe: Callable | None = None) -> dict:
+        """Bring the index in line with the files: re-read what changed, drop what is gone.
+
+        The first sync also checks each segment file against its checksum; a damaged one
+        is dropped, and its notes are read again. observe(changed, removed, known, present)
+        hears what changed before the index takes it (history and the change feed).
+        """
+        notes = notes or self.notes
+        with self._sync_lock:
+            started = time.perf_counter()
+            self.verify()
+            files = notes.scan()
+            present, had_notes = list(files), bool(self.stats().get("documents"))
+            changed, removed, known, sizes = self._check(files)
+            if observe is not None:
+                # `known` empty means "the index was rebuilt" to observe(); a None entry
+                # keeps it truthy when the index held notes but none of these changed ones
+                observe(changed, removed, known | ({None} if had_notes else set()), present)
+            for path in removed:
+                with notes.locked(path):
+                    if not notes.exists(path):
+                        self.remove(path)
+            if len(changed) > 50:
+                self._bulk_read(notes, changed, known, sizes)
+            else:
+                for path in changed:
+                    with notes.locked(path):  # no API write can slip in between
+                        try:
+                            data, st = notes.read_raw(path)
+                        except ApiError:
+                            continue
+                        text = data.decode("utf-8", "replace")
+                        self.add(path, text, st.st_size, st.st_mtime_ns)
+            took = time.perf_counter() - started
+            if changed or removed:
+                log.info(
+                    "index: %d notes read, %d removed in %.2f s", len(changed), len(removed), took
+                )
+            return {"read": len(changed), "removed": len(removed), "seconds": round(took, 3)}
+
+    def _bulk_read(self, notes: NoteStore, paths: list, known: set, sizes: dict) -> None:
+        """Read and index many notes, a segment file per batch (BULK_CHUNK_NOTES notes or
+        BULK_CHUNK_CHARS bytes); with two cores or more, a helper process analyses every
+        other batch (index_helper), so a first build takes two cores."""
+        batches: deque = deque([[]])
+        chars = 0
+        for path in paths:
+            if len(batches[-1]) >= BULK_CHUNK_NOTES or chars >= BULK_CHUNK_CHARS:
+                batches.append([])
+                chars = 0
+            batches[-1].append(path)
+            chars += sizes.get(path, 0)
+        with self._lock:
+            self._bulks += 1
+        self._stems = {}
+        helper = self._start_helper(notes) if len(batches) > 1 else None
+        try:
+            with _Progress(len(paths)) as progress:
+                pump = None
+                if helper is not None:
+                    pump = threading.Thread(
+                        target=self._pump, args=(helper, batches, known, progress), daemon=True
+                    )
+                    pump.start()
+                for pumping in (True, False):
+                    while True:
+                        try:
+                            batch = batches.popleft()
+                        except IndexError:  # the helper took the last one
+                            break
+                        since = self.generation
+                        progress.add(self.bulk_add(_read_items(notes, batch), since, known))
+                    if pumping and pump is not None:
+                        pump.join()  # batches it gave back are done on the second pass
+        finally:
+            self._stems = None
+            if helper is not None:
+                _stop_helper(helper)
+            with self._lock:
+                self._bulks -= 1
+            self._wake.set()
+
+    def _start_helper(self, notes: NoteStore):
+        """Start an index_helper process; None where it cannot help (one core, no file)."""
+        module = globals().get("__file__")
+        if self.folder is None or (os.cpu_count() or 1) < 2 or not module or not sys.executable:
+            return None
+        import subprocess
+
+        cmd = [sys.executable, "-c", _HELPER_CODE, module, str(notes.root), str(self.folder)]
+        try:
+            helper = subprocess.Popen(  # noqa: S603 (this interpreter and this file)
+                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, close_fds=True
+            )
+            log.info("index: a helper process (pid %d) analyses every other batch", helper.pid)
+            return helper
+        except OSError as e:
+            log.warning("index: no helper process (%s); indexing on one core", e)
+            return None
+
+    def _pump(self, helper, batches: deque, known: set, progress: _Progress) -> None:
+        """Hand batches to the helper process and add the segment files it writes; on any
+        trouble give the batch back (the caller indexes it) and stop."""
+        while True:
+            try:
+                batch = batches.popleft()
+            except IndexError:
+                return
+            since = self.generation
+            try:
+                helper.stdin.write(json.dumps({"paths": batch}) + "\n")
+                helper.stdin.flush()
+                reply = json.loads(helper.stdout.readline() or '{"error": "it stopped"}')
+                seg = self._install(reply["file"]) if reply.get("file") else None
+                if reply.get("error") or (reply.get("file") and seg is None):
+                    raise ValueError(reply.get("error") or "its file is unusable")
+            except (OSError, ValueError, KeyError, TypeError) as e:
+                log.warning("index helper process: %s; indexing on one core", e)
+                batches.appendleft(batch)
+                return
+            if seg is not None:
+                progress.add(self._add_segment(seg, since, known))
+
+    def _install(self, name: str):
+        """Rename a segment file the helper wrote into place; return it opened, or None."""
+        tmp = Path(name)
+        if tmp.parent != self.folder or not tmp.name.startswith(TEMP_PREFIX):
+            return None
+        final = self.folder / f"{next(self._names):08d}.seg"
+        try:
+            os.replace(tmp, final)
+            fsync_dir(self.folder)
+            return DiskSegment(final)
+        except (OSError, IndexFileError) as e:
+            log.warning("index: a helper's segment file is unusable (%s)", e)
+            with contextlib.suppress(OSError):
+                final.unlink()
+            return None
 
     # -- searching -----------------------------------------------------------------------
 
-    def _expand(self, prefix: str) -> list:
-        """Return up to MAX_PREFIX_TERMS terms of words starting with prefix, commonest first."""
-        if self._sorted_stale:
-            self._sorted = sorted(self.surfaces)
-            self._sorted_stale = False
-        words, surfaces = self._sorted, self.surfaces
-        i = bisect.bisect_left(words, prefix)
-        found = set()
-        while i < len(words) and words[i].startswith(prefix) and len(found) < 16 * MAX_PREFIX_TERMS:
-            found.add(surfaces[words[i]])
-            i += 1
-        terms = [t for t in found if t in self.body or t in self.title]
-        terms.sort(key=lambda t: -len(self.body.get(t, ((),))[0]))
-        return terms[:MAX_PREFIX_TERMS]
+    def _terms(self, segs: list, n: int, stems: list) -> tuple:
+        """Return ({stem: [key per segment]}, {stem: (body weight, title weight)},
+        {stem: [live body df, live title df]})."""
+        per_seg = [seg.keys(stems) for seg in segs]
+        keys, weights, dfs = {}, {}, {}
+        for j, s in enumerate(stems):
+            ks = [found[j] for found in per_seg]
+            df = [0, 0]
+            for seg, k in zip(segs, ks):
+                if k is not None:
+                    for f in (0, 1):
+                        p = seg.postings(k, f)
+                        if p:
+                            df[f] += len(p[0]) - seg.del_df[f].get(k, 0)
+            keys[s], dfs[s] = ks, df
+            weights[s] = (bm25_weight(n, df[0], "body"), bm25_weight(n, df[1], "title"))
+        return keys, weights, dfs
 
-    def _components(self, term: str) -> list:
-        """Return the scoring components of a term char: (weight * idf, ids, impacts)."""
-        n = len(self.ids)
-        out = []
-        for field, table in self._fields():
-            entry = table.get(term)
-            if entry:
-                out.append((bm25_weight(n, len(entry[0]), field), entry[0], entry[1]))
-        return out
+    def _expand(self, segs: list, n: int, prefix: str) -> list:
+        """Return up to MAX_PREFIX_TERMS stems of words starting with prefix, commonest first
+        (of the first 16 * MAX_PREFIX_TERMS such words, in order)."""
+        cap = 16 * MAX_PREFIX_TERMS
+        words: dict = {}
+        for seg in segs:
+            for w, s in seg.prefix_words(prefix, cap):
+                words.setdefault(w, s)
+        stems = sorted({words[w] for w in sorted(words)[:cap]})
+        _, _, dfs = self._terms(segs, n, stems)
+        alive = [s for s in stems if dfs[s][0] or dfs[s][1]]
+        alive.sort(key=lambda s: (-dfs[s][0], s))
+        return alive[:MAX_PREFIX_TERMS]
 
-    def _chars(self, stems: list) -> str:
-        """Return the term chars of stems, or "" when one of them is not in the index."""
-        chars = [self.term_chars.get(s) for s in stems]
-        return "" if None in chars else "".join(chars)
-
-    def _alt_docs(self, alt: tuple) -> tuple:
-        """Return (set of matching ids, scoring components) for one alternative."""
+    def _resolve(self, segs: list, n: int, alt: tuple) -> tuple:
         kind = alt[0]
         if kind == "prefix":
-            comps = [c for term in self._expand(alt[1]) for c in self._components(term)]
-            return _union_ids(comps), comps
-        needle = self._chars([alt[1]] if kind == "word" else alt[1])
-        if not needle:
-            return set(), []
-        if kind == "word":
-            comps = self._components(needle)
-            return _union_ids(comps), comps
-        comps_by_term = [self._components(t) for t in needle]
-        if not all(comps_by_term):
-            return set(), []
-        # Candidates: the rarest term's documents; the phrase check is a substring search,
-        # run as a C-level pipeline over the body strings (and over the few titles).
-        body_ids = min((self.body.get(t, ((),))[0] for t in needle), key=len)
-        title_ids = min((self.title.get(t, ((),))[0] for t in needle), key=len)
-        found = set()
-        for ids, field in ((body_ids, _TOKS), (title_ids, _TITLE_TOKS)):
-            strings = map(field, map(self.docs.__getitem__, ids))
-            found.update(
-                itertools.compress(ids, map(operator.contains, strings, itertools.repeat(needle)))
-            )
-        return found, [c for comps in comps_by_term for c in comps]
+            return kind, self._expand(segs, n, alt[1])
+        return kind, [alt[1]] if kind == "word" else list(alt[1])
+
+    @staticmethod
+    def _comps(seg, si: int, stems: list, keys: dict, weights: dict) -> list:
+        """Return the scoring components of stems in a segment:
+        (weight, ids, impacts, field, key, deleted holding it)."""
+        out = []
+        for s in stems:
+            k = keys[s][si]
+            if k is None:
+                continue
+            for f in (0, 1):
+                p = seg.postings(k, f)
+                if p:
+                    out.append((weights[s][f], p[0], p[1], f, k, seg.del_df[f].get(k, 0)))
+        return out
+
+    def _alt_docs(self, seg, si: int, alt: tuple, keys: dict, within: set | None) -> set:
+        """Return the notes of a segment matching one alternative (among `within`)."""
+        kind, stems = alt
+        found: set = set()
+        if kind == "phrase":
+            ks = [keys[s][si] for s in stems]
+            if None in ks:
+                return found
+            chars = list(map(seg.char, ks))
+            for f in (0, 1):
+                lists = [seg.postings(k, f) for k in ks]
+                if all(lists):
+                    rare = min(range(len(ks)), key=lambda i: len(lists[i][0]))
+                    lists = sorted((p[0] for p in lists), key=len)
+                    if len(ks) < 2 or 4 * len(lists[0]) > len(lists[1]):
+                        rare = -1  # no term stands out: search the whole phrase
+                    cands = lists[0]
+                    if within is not None and len(within) < len(cands):
+                        cands = within
+                    elif len(lists[1]) < 2 * len(cands):  # two common words: both must be in
+                        cands = set(cands).intersection(lists[1])
+                    found.update(seg.phrase(cands, chars, rare, f))
+            return found
+        for s in stems:
+            k = keys[s][si]
+            if k is None:
+                continue
+            for f in (0, 1):
+                p = seg.postings(k, f)
+                if not p:
+                    continue
+                ids = p[0]
+                if within is None:
+                    found.update(ids)
+                elif len(ids) > 4 * len(within):
+                    found.update(d for d in within if _has(ids, d) >= 0)
+                else:
+                    found.update(within.intersection(ids))
+        return found
+
+    @staticmethod
+    def _estimate(seg, si: int, clause: list, keys: dict) -> int:
+        total = 0
+        for kind, stems in clause:
+            sizes = []
+            for s in stems:
+                k = keys[s][si]
+                size = 0
+                if k is not None:
+                    for f in (0, 1):
+                        p = seg.postings(k, f)
+                        size += len(p[0]) if p else 0
+                sizes.append(size)
+            total += (min(sizes) if kind == "phrase" else sum(sizes)) if sizes else 0
+        return total
+
+    def _match(self, seg, si, clauses, excludes, keys, weights, folder, hi) -> _Match | None:
+        order = sorted(clauses, key=lambda c: self._estimate(seg, si, c, keys))
+        cands = None
+        for clause in order:
+            docs: set = set()
+            for alt in clause:
+                docs |= self._alt_docs(seg, si, alt, keys, cands)
+            cands = docs
+            if not cands:
+                return None
+        for alt in excludes:
+            cands -= self._alt_docs(seg, si, alt, keys, cands)
+        cands = cands - seg.deleted
+        if folder and cands:
+            cands = seg.in_folder(cands, folder)
+        if not cands:
+            return None
+        comps = [
+            c
+            for clause in clauses
+            for alt in clause
+            for c in self._comps(seg, si, alt[1], keys, weights)
+        ]
+        scores = dict.fromkeys(cands, 0.0)
+        for w, ids, imps, *_ in comps:
+            if len(ids) > 4 * len(cands):
+                for d in cands:
+                    i = _has(ids, d)
+                    if i >= 0:
+                        scores[d] += w * imps[i]
+            else:
+                for d, imp in zip(ids, imps):
+                    if d in scores:
+                        scores[d] += w * imp
+        return _Match(seg, comps, hi, scores)
+
+    @staticmethod
+    def _hi(seg, avg: tuple) -> float:
+        """Return the most a segment's stored impacts can rise with today's averages."""
+        return max(1.0, *(avg[f] / max(seg.avg_range[f][0], 1.0) for f in (0, 1))) * (1 + _EPS)
+
+    def _matches(self, segs, n, avg, clauses, excludes, folder) -> list:
+        stems = sorted({s for clause in [*clauses, excludes] for _, ss in clause for s in ss})
+        keys, weights, _ = self._terms(segs, n, stems)
+        single = (
+            (len(clauses) == 1 and len(clauses[0]) == 1 and clauses[0][0][0] == "word")
+            and not excludes
+            and not folder
+        )
+        matches = []
+        for si, seg in enumerate(segs):
+            hi = self._hi(seg, avg)
+            if single:
+                comps = self._comps(seg, si, clauses[0][0][1], keys, weights)
+                if comps:
+                    mt = _Match(seg, comps, hi)
+                    mt.count_single()
+                    if mt.total:
+                        matches.append(mt)
+            else:
+                mt = self._match(seg, si, clauses, excludes, keys, weights, folder, hi)
+                if mt:
+                    matches.append(mt)
+        return matches, keys
+
+    @staticmethod
+    def _rank(matches: list, k: int, avg: tuple) -> list:
+        """Return the k best [(exact score, path, segment, id)], best first (then by path).
+
+        Candidates are rescored in the order of their approximate scores until no other one
+        can reach the k-th exact score (exact <= approx * hi).
+        """
+        if k <= 0 or not matches:
+            return []
+        hi = max(mt.hi for mt in matches)
+        m, cache = k + 4, {}
+        while True:
+            pool, outside = [], 0.0
+            for mt in matches:
+                top, bound = mt.top(m)
+                pool += [(a, mt, d) for a, d in top]
+                outside = max(outside, bound * mt.hi)
+            pool.sort(key=_FIRST, reverse=True)
+            found, heap = [], []
+            for a, mt, d in pool:
+                if len(heap) >= k and a * hi < heap[0]:
+                    break
+                score = cache.get((id(mt), d))
+                if score is None:
+                    score = cache[(id(mt), d)] = mt.exact(d, avg)
+                found.append((score, mt, d))
+                if len(heap) < k:
+                    heapq.heappush(heap, score)
+                else:
+                    heapq.heappushpop(heap, score)
+            if outside and (len(heap) < k or outside >= heap[0]):
+                m *= 4
+                continue
+            if not found:
+                return []
+            found.sort(key=_FIRST, reverse=True)
+            last = found[min(k, len(found)) - 1][0]  # equal scores are ordered by path
+            best = [x for x in found if x[0] >= last]
+            ranked = [(score, mt.seg.path(d), mt.seg, d) for score, mt, d in best]
+            ranked.sort(key=lambda x: (-x[0], x[1]))
+            return ranked[:k]
 
     def search(self, query: Query, folder: str = "", limit: int = 20, offset: int = 0) -> tuple:
         """Return (total, [(path, title, score, snippet)]) best first."""
+        prefix = folder.rstrip("/") + "/" if folder else ""
         with self._lock:
-            k = offset + limit
-            clauses = query.clauses
-            single = len(clauses) == 1 and len(clauses[0]) == 1 and clauses[0][0][0] == "word"
-            if single and not query.excludes and not folder:
-                total, ranked = self._top_single(self.term_chars.get(clauses[0][0][1]), k)
-            else:
-                total, ranked = self._top_general(query, folder, k)
-            needles = self._needles(query)
-            results = []
-            for d, score in ranked[offset:]:
-                doc = self.docs[d]
-                snippet = _snippet(doc.text, doc.toks, needles)
-                results.append((doc.path, doc.title, round(score, 4), snippet))
-            return total, results
+            segs = self._all()
+            n, avg = self._count(segs), self._averages(segs)
+            clauses = [[self._resolve(segs, n, alt) for alt in c] for c in query.clauses]
+            excludes = [self._resolve(segs, n, alt) for alt in query.excludes]
+            matches, keys = self._matches(segs, n, avg, clauses, excludes, prefix)
+            total = sum(mt.total for mt in matches)
+            ranked = self._rank(matches, offset + limit, avg)[offset:]
+            needles: dict = {}
+            hits = []
+            for score, path, seg, d in ranked:
+                if seg not in needles:
+                    needles[seg] = self._needles(seg, segs.index(seg), clauses, keys)
+                hits.append((path, seg.title(d), round(score, 4), seg.toks(d, 0), needles[seg]))
+        return total, [(p, t, s, self._snippet(p, toks, nd)) for p, t, s, toks, nd in hits]
 
-    def _needles(self, query: Query) -> list:
-        """Return the query's term strings, phrases and rarest words first (for snippets)."""
-        needles = []
-        for alt in (a for clause in query.clauses for a in clause):
-            if alt[0] != "prefix":
-                chars = self._chars([alt[1]] if alt[0] == "word" else alt[1])
-                if chars:
-                    needles.append(chars)
-            else:
-                needles += self._expand(alt[1])[:8]
+    @staticmethod
+    def _needles(seg, si: int, clauses: list, keys: dict) -> list:
+        """Return the query's term strings in a segment, phrases and rarest words first."""
+        found = []
+        for kind, stems in (alt for clause in clauses for alt in clause):
+            groups = [[s] for s in stems[:8]] if kind == "prefix" else [stems]
+            for group in groups:
+                ks = [keys[s][si] for s in group]
+                if None not in ks:
+                    p = seg.postings(ks[0], 0)
+                    found.append(("".join(map(seg.char, ks)), len(p[0]) if p else 0))
+        found.sort(key=lambda x: (-len(x[0]), x[1]))
+        return list(dict.fromkeys(needle for needle, _ in found))
 
-        def rarity(needle):
-            return (-len(needle), len(self.body.get(needle[0], ((),))[0]))
+    def _snippet(self, path: str, toks: str, needles: list) -> str:
+        text = self._read(path)
+        if text is None:
+            return ""
+        return _snippet(unicodedata.normalize("NFC", text), toks, needles)
 
-        return sorted(set(needles), key=rarity)
+    def _read(self, path: str, limit: int = -1) -> str | None:
+        """Return a note's text from its file (up to limit bytes), None when unreadable."""
+        if self.notes is None:
+            return None
+        flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0)
+        try:
+            try:  # the common case without pathlib: the name on disk is the path
+                fd = os.open(os.path.join(self._base, path), flags)
+            except FileNotFoundError:
+                if path.isascii():
+                    return None
+                fd = os.open(self.notes.on_disk(path), flags)  # an NFD name on disk
+            with open(fd, "rb") as f:
+                data = f.read(limit)
+        except (OSError, ValueError):
+            return None
+        return data.decode("utf-8", "replace")
 
     def search_any(self, stems: list, limit: int) -> list:
         """Return the top (path, title, text, score) of notes holding any of the stems.
 
-        A term in more than half the notes carries no weight, like a stopword.
+        A term in more than half the notes carries no weight, like a stopword. The texts
+        of the hits are read from their files.
         """
         with self._lock:
-            n = len(self.ids)
-            terms = [t for t in map(self.term_chars.get, stems) if t]
-            scores: dict = collections.defaultdict(float)
-            for term in terms:
-                for field, table in self._fields():
-                    entry = table.get(term)
-                    if not entry or (n >= 20 and len(entry[0]) > n // 2):
-                        continue
-                    w = bm25_weight(n, len(entry[0]), field)
-                    for d, imp in zip(*entry):
-                        scores[d] += w * imp
-            top = heapq.nlargest(limit, scores.items(), key=_SECOND)
-            return [(*_PTT(self.docs[d]), score) for d, score in top]
-
-    def _top_single(self, term: str | None, k: int) -> tuple:
-        body = self.body.get(term) if term else None
-        title = self.title.get(term) if term else None
-        if not body and not title:
-            return 0, []
-        n = len(self.ids)
-        scores: dict = {}
-        total = 0
-        if body:
-            ids, imps = body
-            w = bm25_weight(n, len(ids))
-            total = len(ids)
-            extra = len(title[0]) if title else 0
-            for i in heapq.nlargest(k + extra, range(len(ids)), key=imps.__getitem__):
-                scores[ids[i]] = w * imps[i]
-        if title:
-            ids, imps = title
-            w = bm25_weight(n, len(ids), "title")
-            body_comp = (bm25_weight(n, len(body[0])), *body) if body else None
-            for d, imp in zip(ids, imps):
-                base = scores.get(d)
-                if base is None:
-                    base = _impact_of(body_comp, d) if body_comp else None
-                    if base is None:
-                        total += 1
-                        base = 0.0
-                scores[d] = base + w * imp
-        return total, heapq.nlargest(k, scores.items(), key=_SECOND)
-
-    def _top_general(self, query: Query, folder: str, k: int) -> tuple:
-        matched = []
-        for clause in query.clauses:
-            ids: set = set()
-            comps: list = []
-            for alt in clause:
-                alt_ids, alt_comps = self._alt_docs(alt)
-                ids |= alt_ids
-                comps += alt_comps
-            matched.append((ids, comps))
-        matched.sort(key=lambda m: len(m[0]))
-        candidates = matched[0][0].intersection(*(m[0] for m in matched[1:]))
-        for alt in query.excludes:
-            if candidates:
-                candidates -= self._alt_docs(alt)[0]
-        if folder and candidates:
-            prefix = folder.rstrip("/") + "/"
-            docs = self.docs
-            candidates = {d for d in candidates if docs[d][0].startswith(prefix)}
-        if not candidates:
-            return 0, []
-        scores = dict.fromkeys(candidates, 0.0)
-        for _, comps in matched:
-            for comp in comps:
-                weight, ids, imps = comp
-                if len(ids) > 4 * len(candidates):
-                    for d in candidates:
-                        imp = _impact_of(comp, d)
-                        if imp is not None:
-                            scores[d] += imp
-                else:
+            segs = self._all()
+            n, avg = self._count(segs), self._averages(segs)
+            stems = list(dict.fromkeys(stems))
+            keys, weights, dfs = self._terms(segs, n, stems)
+            matches = []
+            for si, seg in enumerate(segs):
+                common = [s for s in stems if n >= 20 and max(dfs[s]) > n // 2]
+                comps = [
+                    c
+                    for s in stems
+                    for c in self._comps(seg, si, [s], keys, weights)
+                    if not (s in common and dfs[s][c[3]] > n // 2)
+                ]
+                if not comps:
+                    continue
+                scores: dict = {}
+                for w, ids, imps, *_ in comps:
                     for d, imp in zip(ids, imps):
-                        if d in scores:
-                            scores[d] += weight * imp
-        return len(candidates), heapq.nlargest(k, scores.items(), key=_SECOND)
+                        scores[d] = scores.get(d, 0.0) + w * imp
+                for d in seg.deleted.intersection(scores):
+                    del scores[d]
+                if scores:
+                    matches.append(_Match(seg, comps, self._hi(seg, avg), scores))
+            ranked = self._rank(matches, limit, avg)
+            hits = [(path, seg.title(d), score) for score, path, seg, d in ranked]
+        return [(path, title, self._read(path) or "", score) for path, title, score in hits]
 
-    # -- persistence ---------------------------------------------------------------------
+    # -- on disk: open, write, commit, merge -----------------------------------------------
 
+    @classmethod
+    def open(cls, state_dir: Path, notes: NoteStore | None = None) -> SearchIndex:
+        """Return the index kept under state_dir, its segment files opened in place.
 
-# -- persistence --------------------------------------------------------------
-
-
-class _PlainUnpickler(pickle.Unpickler):
-    """Unpickles plain data only: no class or function can be named by the file."""
-
-    def find_class(self, module, name):
-        raise pickle.UnpicklingError(f"{module}.{name} is not allowed in an index cache")
-
-
-def save_index(index: SearchIndex, path: Path) -> None:
-    """Write the index to path atomically: a pickle of plain data, then raw arrays.
-
-    Streamed to the file, so saving builds no large temporary objects.
-    """
-
-    def write(f) -> None:
-        meta = {
-            "format": INDEX_FORMAT,
-            "docs": [tuple(doc) if doc else None for doc in index.docs],
-            "avg_used": index.avg_used,
-            "terms": index.terms,
-            "surfaces": index.surfaces,
-            "tables": [
-                (
-                    "".join(table),
-                    array.array("i", map(len, map(_FIRST, table.values()))).tobytes(),
-                )
-                for table in (index.body, index.title)
-            ],
-        }
-        pickle.dump(meta, f, protocol=pickle.HIGHEST_PROTOCOL)
-        for table in (index.body, index.title):
-            for ids, imps in table.values():
-                ids.tofile(f)
-                imps.tofile(f)
-
-    with index._lock:
-        atomic_write(path, write, mode=0o600)
-
-
-def load_index(path: Path) -> SearchIndex:
-    """Return the index stored at path; ValueError when it is missing, old or corrupt."""
-    try:
-        with open(path, "rb") as f:
-            meta = _PlainUnpickler(f).load()
-            if not isinstance(meta, dict) or meta.get("format") != INDEX_FORMAT:
-                raise ValueError("an index cache of another format")
-            index = SearchIndex()
-            for terms, raw_lengths in meta["tables"]:
-                lengths = array.array("i")
-                lengths.frombytes(raw_lengths)
-                if len(terms) != len(lengths):
-                    raise ValueError("postings table header does not add up")
-                table = {}
-                for term, n in zip(terms, lengths):
-                    ids, imps = array.array("i"), array.array("f")
-                    ids.fromfile(f, n)  # EOFError when the file was cut short
-                    imps.fromfile(f, n)
-                    table[term] = (ids, imps)
-                if index.body:
-                    index.title = table
-                else:
-                    index.body = table
-            if f.read(1):
-                raise ValueError("trailing bytes")
-        for d, item in enumerate(meta["docs"]):
-            doc = Doc(*item) if item else None
-            index.docs.append(doc)
-            if doc is None:
-                index.free.append(d)
-            else:
-                index.ids[doc.path] = d
-                index.body_len += len(doc.toks)
-                index.title_len += len(doc.title_toks)
-        index.terms = list(meta["terms"])
-        index.term_chars = {t: _term_char_of(i) for i, t in enumerate(index.terms)}
-        index.surfaces = dict(meta["surfaces"])
-        index.avg_used = tuple(meta["avg_used"])
-        index._sorted_stale = True
+        A damaged, foreign or old index is discarded with a log line (the first sync
+        rebuilds it); a single damaged segment is dropped and its notes read again.
+        """
+        folder = state_dir / "index"
+        folder.mkdir(mode=0o700, exist_ok=True)
+        os.chmod(folder, 0o700)
+        index = cls(folder, notes)
+        try:
+            segs, seq, intact = read_commit(index.commit_file, folder)
+        except IndexFileError as e:
+            if index.commit_file.exists():
+                log.warning("%s: discarded, rebuilding the index", e)
+            with contextlib.suppress(OSError):
+                index.commit_file.unlink()
+            segs, seq, intact = [], 0, True
+        keep = {s.name for s in segs}
+        for path in folder.iterdir():
+            if path.name.endswith(".seg") and path.name not in keep:
+                with contextlib.suppress(OSError):
+                    path.unlink()
+        index._segs = segs
+        index._names = itertools.count(seq + 1)
+        index._unverified = list(segs)
+        index._dirty = not intact
+        if segs:
+            log.info("index opened: %d notes in %d segments", index._count(segs), len(segs))
         return index
-    except FileNotFoundError:
-        raise ValueError("no index cache") from None
-    except Exception as e:  # a cache is never trusted: any damage means a rebuild
-        raise ValueError(f"unusable index cache ({type(e).__name__}: {e})") from None
+
+    def _write(self, write: Callable):
+        """Write a new segment file with write(file); return it opened, or None when the
+        disk is full or failing (the caller keeps what it has) or a merge was cancelled."""
+        path = self.folder / f"{next(self._names):08d}.seg"
+        try:
+            atomic_write(path, write, mode=0o600)
+            return DiskSegment(path)
+        except _Cancelled:
+            return None
+        except (OSError, IndexFileError) as e:
+            log.warning("index: could not write segment %s (%s); serving from memory", path.name, e)
+            with contextlib.suppress(OSError):
+                path.unlink()
+            return None
+
+    def flush(self) -> bool:
+        """Write the notes held in memory to segment files, then commit; return False when
+        some could not be written (they stay in memory and are tried again later)."""
+        if self.folder is None:
+            return False
+        with self._commit_lock:
+            with self._lock:
+                live = self._live
+                if live.n:
+                    vocab = live.vocab.copy() if len(live.vocab.stems) < 50_000 else None
+                    self._live = MemorySegment(vocab)
+                    self._segs.append(live)
+                jobs = [
+                    (s, set(s.deleted), (dict(s.del_df[0]), dict(s.del_df[1])))
+                    for s in self._segs
+                    if isinstance(s, MemorySegment)
+                ]
+            written = True
+            for seg, skip, dels in jobs:
+                disk = remaps = None
+                if seg.n > len(skip):
+                    remaps = []
+                    disk = self._write(
+                        lambda f, seg=seg, skip=skip, dels=dels, out=remaps: out.extend(
+                            write_segment(f, [seg], [skip], [dels], folder=self.folder)
+                        )
+                    )
+                    if disk is None:
+                        written = False
+                        break
+                with self._lock:
+                    i = self._segs.index(seg)
+                    if disk is None:
+                        del self._segs[i]
+                    else:
+                        self._segs[i] = disk
+                        for d in seg.deleted - skip:
+                            disk.delete(remaps[0][d])
+                    self._dirty = True
+            self._flushed = time.monotonic()
+            self._commit()
+            return written
+
+    def _commit(self) -> None:
+        """Write the commit file: the segment files and their deletions (atomically)."""
+        if self.folder is None:
+            return
+        with self._commit_lock:
+            with self._lock:
+                if not self._dirty:
+                    return
+                entries = [
+                    (
+                        s.name,
+                        len(s.mm),
+                        s.crc,
+                        array.array("I", sorted(s.deleted)),
+                        array.array(
+                            "I", itertools.chain.from_iterable(sorted(s.del_df[0].items()))
+                        ),
+                        array.array(
+                            "I", itertools.chain.from_iterable(sorted(s.del_df[1].items()))
+                        ),
+                        list(s.del_lens),
+                    )
+                    for s in self._segs
+                    if isinstance(s, DiskSegment)
+                ]
+                self._dirty = False
+                seq = next(self._names)
+            try:
+                write_commit(self.commit_file, entries, seq)
+            except OSError as e:
+                log.warning("index: could not write %s (%s)", self.commit_file.name, e)
+                with self._lock:
+                    self._dirty = True
+
+    def _pick_merge(self) -> list:
+        """Return segments to merge: one mostly deleted, or those of the smallest size class
+        (live notes, in powers of MERGE_FACTOR) that has MERGE_FACTOR of them."""
+        with self._lock:
+            segs = [s for s in self._segs if isinstance(s, DiskSegment)]
+        tiers = collections.defaultdict(list)
+        for s in segs:
+            if len(s.deleted) >= MAX_DELETED * s.n:
+                return [s]
+            live = max(s.n - len(s.deleted), 1024)
+            tiers[int(math.log(live / 1024, MERGE_FACTOR) + 1e-9)].append(s)
+        for tier in sorted(tiers):
+            if len(tiers[tier]) >= MERGE_FACTOR:
+                return tiers[tier]
+        return []
+
+    def merge(self, sources: list) -> bool:
+        """Merge segment files into one (without the lock), then swap it in and commit."""
+        with self._lock:
+            skips = [set(s.deleted) for s in sources]
+            dels = [(dict(s.del_df[0]), dict(s.del_df[1])) for s in sources]
+        new = remaps = None
+        if any(s.n > len(skip) for s, skip in zip(sources, skips)):
+            with self._lock:
+                avg = self._averages()
+            remaps = []
+            new = self._write(
+                lambda f: remaps.extend(
+                    write_segment(f, sources, skips, dels, self._stop, self.folder, avg)
+                )
+            )
+            if new is None:
+                return False
+        with self._commit_lock:
+            with self._lock:
+                if any(s not in self._segs for s in sources):  # dropped meanwhile: not this one
+                    if new is not None:
+                        with contextlib.suppress(OSError):
+                            new.file.unlink()
+                    return False
+                at = self._segs.index(sources[0])
+                kept = [s for s in self._segs[at:] if s not in sources]
+                self._segs[at:] = ([new] if new is not None else []) + kept
+                if new is not None:
+                    for src, skip, remap in zip(sources, skips, remaps):
+                        for d in src.deleted - skip:
+                            new.delete(remap[d])
+                self._dirty = True
+            self._commit()
+        for s in sources:
+            with contextlib.suppress(OSError):
+                s.file.unlink()
+        return True
+
+    def verify(self) -> None:
+        """Check the segment files opened at start against their checksums; a damaged one
+        is dropped (the sync that follows reads its notes again)."""
+        while True:
+            with self._lock:
+                if not self._unverified:
+                    return
+                seg = self._unverified.pop()
+            try:
+                seg.verify()
+            except (IndexFileError, OSError) as e:
+                log.warning("index segment %s dropped: %s; its notes are read again", seg.name, e)
+                with self._lock:
+                    if seg in self._segs:
+                        self._segs.remove(seg)
+                        self.generation += 1
+                        self._dirty = True
+
+    def maintain(self, force: bool = False) -> None:
+        """Flush, commit and merge as due (the background thread's work; force: now)."""
+        live = self._live
+        due = force or time.monotonic() - self._flushed >= COMMIT_SECONDS
+        pending = any(isinstance(s, MemorySegment) for s in self._segs)
+        if live.n >= FLUSH_DOCS or live.tokens >= FLUSH_TOKENS or (due and (live.n or pending)):
+            self.flush()
+        elif self._dirty and due:
+            self._commit()
+        while not self._stop.is_set() and not self._bulks:
+            sources = self._pick_merge()
+            if not sources or not self.merge(sources):
+                break
+
+    def start(self) -> None:
+        """Start the background thread that flushes, commits and merges."""
+        if self.folder is None or self._thread is not None:
+            return
+        self._thread = threading.Thread(target=self._run, name="notesvc-index", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self._wake.wait(COMMIT_SECONDS / 2)
+            self._wake.clear()
+            if self._stop.is_set():
+                break
+            try:
+                self.maintain()
+            except Exception:
+                log.exception("index maintenance failed; trying again later")
+
+    def close(self) -> None:
+        """Stop the background thread (a merge under way is abandoned) and write what is in
+        memory."""
+        self._stop.set()
+        self._wake.set()
+        if self._thread is not None:
+            self._thread.join(120)
+        if self.folder is not None:
+            self.flush()
+            self._commit()
 
 
 # == State and auth ===========================================================
@@ -5387,13 +7095,9 @@ class Service:
         self.recorded_secrets: dict | None = None  # the audit: a running server's figures
         self.lockout = Lockout()
         self.last_sync: dict = {}
-        self.index_path = config.state_dir / "index.cache"
-        self.index = SearchIndex()
+        self.index = SearchIndex()  # in memory until start() opens <state>/index
         self._stop = threading.Event()
         self._threads: list = []
-        self._resync: set = set()  # notes to re-index at the next rescan
-        self._saved_generation, self._saved_at = -1, 0.0
-        self._save_lock = threading.Lock()
         check_agent_config(config, self.agent_providers)
         if readonly:
             self.state = StateStore.open_existing(config.state_dir, readonly=True)
@@ -5420,17 +7124,16 @@ class Service:
         swept = self.notes.sweep_temp_files() + self.attachments.sweep_temp_files()
         if swept:
             log.info("removed %d temp files left by an interrupted write", swept)
-        self.index = self._open_index()
-        self._saved_generation = self.index.generation if self.index.paths() else -1
+        self.index = SearchIndex.open(self.config.state_dir, self.notes)
         self.notes.listeners.append(self._on_note_event)
         self.notes.after.append(self._run_hooks)
         self.journal.open()
         self.notes.after.append(self.grants.on_note_event)  # share links follow their note
-        self.last_sync = self.sync_index()
+        if not self.config.rescan_seconds:  # nothing else would check the files: now
+            self.last_sync = self.sync_index()
+        self.index.start()  # flushes, commits and merges in the background
         self._spawn(lambda: expire_loop(self.notes, self.trash, self._stop), "notesvc-expire")
-        # The cache is for the next start; writing it need not delay this one.
-        self._spawn(self.save_index, "notesvc-save")
-        if self.config.rescan_seconds:
+        if self.config.rescan_seconds:  # its first check runs at once: searches need not wait
             self._spawn(self._rescan_loop, "notesvc-rescan")
         for component in (self.pollers, self.reminders):
             if component is not None:
@@ -5444,24 +7147,11 @@ class Service:
 
     # -- the search index ---------------------------------------------------------
 
-    def _open_index(self) -> SearchIndex:
-        try:
-            index = load_index(self.index_path)
-            log.info("index cache loaded: %d notes", len(index.paths()))
-            return index
-        except ValueError as e:
-            if self.index_path.exists():
-                log.warning("%s: discarded, rebuilding the index", e)
-                with contextlib.suppress(OSError):
-                    self.index_path.unlink()
-            return SearchIndex()
-
     def _on_note_event(self, event: str, path: str, detail: Any) -> None:
         try:
             self._index_event(event, path, detail)
-        except Exception:  # the write happened; the index catches up at the next rescan
+        except Exception:  # the write happened; the rescan sees the file differ and re-reads
             log.exception("request %s: indexing %s failed; the next rescan retries", _rid(), path)
-            self._resync.add(path)
 
     def _index_event(self, event: str, path: str, detail: Any) -> None:
         if event in ("saved", "restored"):
@@ -5499,70 +7189,18 @@ class Service:
                 self.plugin_errors[plugin.name] = f"{hook}: {type(e).__name__}: {e}"[:300]
 
     def sync_index(self) -> dict:
-        """Bring the index in line with the files: re-read what changed, drop what is gone."""
-        started = time.perf_counter()
-        retry, self._resync = self._resync, set()  # notes whose indexing failed after a write
-        on_disk = self.notes.scan()
-        indexed = self.index.signature()
-        removed = [p for p in indexed if p not in on_disk]
-        changed = [p for p, sig in on_disk.items() if indexed.get(p) != sig or p in retry]
-        self.notes.observe(changed, removed, indexed, on_disk)  # history and change feed
-        for path in removed:
-            with self.notes.locked(path):
-                if not self.notes.exists(path):
-                    self.index.remove(path)
-        if len(changed) > 50:
-            self._bulk_index(changed)
-        else:
-            for path in changed:
-                with self.notes.locked(path):  # no API write can slip in between
-                    try:
-                        data, st = self.notes.read_raw(path)
-                    except ApiError:
-                        continue
-                    text = data.decode("utf-8", "replace")
-                    self.index.add(path, text, st.st_size, st.st_mtime_ns)
-        took = time.perf_counter() - started
-        if changed or removed:
-            log.info("index: %d notes read, %d removed in %.2f s", len(changed), len(removed), took)
-        return {"read": len(changed), "removed": len(removed), "seconds": round(took, 3)}
-
-    def _bulk_index(self, paths: list) -> None:
-        since = self.index.generation
-        items, last_log = [], time.monotonic()
-        for i, path in enumerate(paths, 1):
-            try:
-                data, st = self.notes.read_raw(path)
-            except ApiError:
-                continue
-            items.append((path, data.decode("utf-8", "replace"), st.st_size, st.st_mtime_ns))
-            if time.monotonic() - last_log > 2:
-                log.info("indexing: read %d of %d notes", i, len(paths))
-                last_log = time.monotonic()
-        self.index.bulk_add(items, since)
-
-    def save_index(self, force: bool = False) -> bool:
-        """Persist the index when it changed since the last save."""
-        with self._save_lock:
-            if self.index.generation == self._saved_generation and not force:
-                return False
-            generation = self.index.generation
-            try:
-                save_index(self.index, self.index_path)
-            except OSError as e:
-                log.warning("could not save the index cache: %s", e)
-                return False
-            self._saved_generation, self._saved_at = generation, time.monotonic()
-            return True
+        """Bring the index in line with the files; what other programs changed goes into the
+        history and the change feed on the way."""
+        return self.index.sync(self.notes, observe=self.notes.observe)
 
     def _rescan_loop(self) -> None:
-        while not self._stop.wait(self.config.rescan_seconds):
+        while True:
             try:
                 self.last_sync = self.sync_index()
-                if time.monotonic() - self._saved_at > 60:
-                    self.save_index()
             except Exception:
                 log.exception("rescan failed; trying again in %s s", self.config.rescan_seconds)
+            if self._stop.wait(self.config.rescan_seconds):
+                return
 
     def close(self) -> None:
         """Stop background work and persist the index (once; a read-only service has none)."""
@@ -5575,7 +7213,7 @@ class Service:
             thread.join(30)
         if self._threads:
             self._threads = []
-            self.save_index()
+            self.index.close()  # the last flush and commit
             self.grants.flush(force=True)
 
     # -- request context ------------------------------------------------------
@@ -8125,7 +9763,7 @@ def link_graph(svc: Service) -> dict:
     """Return {note path: set of notes linking to it}, cached until the index changes."""
 
     def build(notes: list) -> dict:
-        resolver = LinkResolver(path for path, _, _ in notes)
+        resolver = LinkResolver(getattr(notes, "paths", None) or [p for p, _, _ in notes])
         graph: dict = collections.defaultdict(set)
         for path, _, text in notes:
             text = text[:MAX_SCAN_CHARS]
@@ -12208,11 +13846,17 @@ function applyChange(c) {
   if (c.kind !== "updated") treeSoon(); // the tree shows names, not contents
   if (!state.path || own.has(c.from || c.path)) return;
   if (c.kind === "moved" && c.from === state.path) {
-    if (dirty()) {
-      showConflict(true);
-      return;
-    }
-    act(() => openNote(c.path))();
+    // Follow it at once (a later change in the same batch may name the new path); unsaved
+    // text stays and will be saved there.
+    removeItem("local", draftKey(state.path));
+    state.path = c.path;
+    $("path").textContent = c.path;
+    $("path").title = c.path;
+    setItem("session", "notesvc.open", c.path);
+    keepDraft();
+    loadBacklinks(c.path);
+    reveal(c.path).catch(() => {});
+    if (!dirty()) checkOpenNote().catch(() => {}); // a move may rewrite its links
     toast("“" + state.title + "” moved to " + c.path);
   } else if (c.path === state.path) {
     if (c.kind === "deleted" && !dirty()) {
@@ -15103,7 +16747,9 @@ def restore_trash_item(svc: Service, item_id: str) -> dict:
         raise bad_request(f"a trashed {item.kind} is restored under {item.path.split('/')[0]}/")
     if item.kind == "note":
         return _note_response(svc.notes.restore_trashed(item, target))
-    return svc.trash.restore_file(item, target, svc.config.root)
+    rec = svc.attachments.restore(item.file, target)  # no history: the file goes back
+    svc.trash.emptied(item)
+    return rec
 
 
 def purge_trash_item(svc: Service, item_id: str) -> dict:

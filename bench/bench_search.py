@@ -1,32 +1,46 @@
 """Benchmark: notesvc's search index against SQLite FTS5, measured in one run.
 
     python bench/bench_search.py --notes 10000
+    python bench/bench_search.py --notes 100000 --root /tmp/corpus-100k   # keep the corpus
 
 Builds a deterministic corpus of English-looking notes (0.5-4 KB, a few hundred
-folders, a Zipf-like vocabulary) in a temporary folder, then runs each engine in its
-own child process (so RSS is comparable) and measures: first build from the files,
-restart with a cache (notesvc), one-note update latency, query latency p50/p95/p99
-per query kind (common word, rare word, 2-3 word AND, phrase, prefix), and RSS.
+folders, a Zipf-like vocabulary) in a temporary folder (or --root, reused when it holds
+one), then runs each engine in its own child process and measures:
 
-Both engines answer the same queries with a top-10 and snippets. FTS5 runs with
-tokenize='porter unicode61 remove_diacritics 2' and bm25() ranking (title weighted 2,
-like notesvc). Three FTS5 columns: "FTS5" gives the same top-10 with snippet(); notesvc's
-answer also carries the total hit count, so "FTS5+cnt" adds FTS5's SELECT count(*) for the
-very same answer; "FTS5bare" is the top-10 ranking alone (no snippets, no count), the
-strictest reference.
+- first build from the files (notesvc: scan, read, index, write the segment files and the
+  commit; the background merge that follows is timed apart), its progress lines and the
+  building process's peak RSS;
+- restart: a real `notesvc.py` server on the built root, from process start to its first
+  answered search, minus a server's process start to /api/v1/health on an empty root
+  (the interpreter's own start is not the index's cost); its RssAnon and RssFile 5 s after
+  that first search (the goal), and after the query run;
+- one-note update latency, query latency p50/p95/p99 per kind (common word, rare word,
+  2-3 word AND, phrase, prefix), in a process that opened the built index.
+
+Both engines answer the same queries with a top-10 and snippets; notesvc's answer also
+carries the total hit count. FTS5 runs with tokenize='porter unicode61 remove_diacritics 2'
+and bm25() ranking (title weighted 2, like notesvc). Three FTS5 columns: "FTS5" gives the
+same top-10 with snippet() (the reference of the goals); "FTS5+cnt" adds SELECT count(*)
+for the very same answer; "FTS5bare" is the top-10 ranking alone. The last table lists
+every goal of issue 15 as met or missed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import random
+import re
+import shutil
 import sqlite3
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+import urllib.request
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
@@ -124,12 +138,19 @@ def make_queries(info: dict, per_kind: int, seed: int = 11) -> dict:
     }
 
 
-def rss_mb() -> float:
-    with open("/proc/self/status") as f:
+def proc_status(pid: int | str = "self") -> dict:
+    """Return the memory lines of /proc/<pid>/status in MB (RssAnon, RssFile, VmHWM...)."""
+    out = {}
+    with open(f"/proc/{pid}/status") as f:
         for line in f:
-            if line.startswith("VmRSS:"):
-                return int(line.split()[1]) / 1024
-    return float("nan")
+            key, _, value = line.partition(":")
+            if value.strip().endswith("kB"):
+                out[key] = int(value.split()[0]) / 1024
+    return out
+
+
+def rss_mb() -> float:
+    return proc_status().get("VmRSS", float("nan"))
 
 
 def percentiles(times: list) -> dict:
@@ -156,32 +177,77 @@ def measure_queries(run, queries: dict, repeat: int) -> dict:
     return out
 
 
-def notesvc_config(root: Path):
+def open_index(root: Path, fresh: bool):
     import notesvc
 
-    notesvc.log.setLevel("WARNING")
-    return notesvc, notesvc.load_config(
-        env={"SERVICE_NOTES_ROOT": str(root), "SERVICE_RESCAN_SECONDS": "0"}
-    )
+    notesvc.log.setLevel("INFO")
+    state = root / ".notesvc"
+    if fresh and state.exists():
+        shutil.rmtree(state)
+    state.mkdir(exist_ok=True)
+    store = notesvc.NoteStore(root / "notes", state / "trash")
+    return notesvc, notesvc.SearchIndex.open(state, store)
+
+
+def child_build(root: Path) -> dict:
+    """First build from the files, then the background merge, timed apart."""
+    import logging
+
+    stamps = []
+
+    class Progress(logging.Handler):
+        def emit(self, record):
+            stamps.append(time.perf_counter())
+
+    peak = {"anon": 0.0}
+    done = threading.Event()
+
+    def sample():  # /proc has no peak of RssAnon: sample it
+        while not done.wait(0.05):
+            peak["anon"] = max(peak["anon"], proc_status()["RssAnon"])
+
+    threading.Thread(target=sample, daemon=True).start()
+    t = time.perf_counter()
+    notesvc, index = open_index(root, fresh=True)
+    notesvc.log.addHandler(Progress())
+    stamps.append(t)
+    index.sync()  # scan, read, analyse, write segment files, commit
+    build = time.perf_counter() - t
+    stamps.append(time.perf_counter())
+    segments = len(index._segs)
+    t = time.perf_counter()
+    index.maintain(force=True)  # what the background thread does next: merge
+    merge = time.perf_counter() - t
+    index.close()
+    done.set()
+    folder = root / ".notesvc" / "index"
+    size = sum(p.stat().st_size for p in folder.iterdir())
+    status = proc_status()
+    return {
+        "build": build,
+        "merge": merge,
+        "segments": segments,
+        "segments_after": len([p for p in folder.iterdir() if p.suffix == ".seg"]),
+        "index_mb": size / 1e6,
+        "peak_rss": status["VmHWM"],
+        "peak_anon": peak["anon"],
+        "rss_anon": status["RssAnon"],
+        "progress_gap": max(b - a for a, b in zip(stamps, stamps[1:])),
+    }
 
 
 def child_notesvc(root: Path, queries: dict, repeat: int) -> dict:
-    notesvc, cfg = notesvc_config(root)
-    cache = cfg.state_dir / "index.cache"
-    if cache.exists():
-        cache.unlink()
+    """Open the built index (as a restarted server does), then update and query it."""
+    notesvc, index = open_index(root, fresh=False)
+    index.close()
     t = time.perf_counter()
-    svc = notesvc.Service(cfg)  # first build: scan, read and index every file
-    build = time.perf_counter() - t
-    svc._first_save.join()  # the cache is written in the background; time it on its own
-    t = time.perf_counter()
-    svc.save_index(force=True)
-    save = time.perf_counter() - t
-    index = svc.index
-    paths = sorted(index.ids)[:200]
+    index = notesvc.SearchIndex.open(root / ".notesvc", index.notes)
+    opened = time.perf_counter() - t
+    index.sync()  # checksums and the check against the files (a restarted server's background)
+    paths = sorted(index.paths())[:200]
     updates = []
     for i, path in enumerate(paths):
-        text = index.docs[index.ids[path]].text + f"\nedited {i} spare keys\n"
+        text = (root / path).read_text(encoding="utf-8") + f"\nedited {i} spare keys\n"
         t = time.perf_counter()
         index.add(path, text, len(text), i)
         updates.append(time.perf_counter() - t)
@@ -190,26 +256,73 @@ def child_notesvc(root: Path, queries: dict, repeat: int) -> dict:
         return index.search(notesvc.Query(q), "", 10, 0)
 
     lat = measure_queries(run, queries, repeat)
+    status = proc_status()
+    index.close()  # the next runs start from the same files: put the notes back as they were
+    index = notesvc.SearchIndex.open(root / ".notesvc", index.notes)
+    index.sync()
+    index.close()
     return {
-        "build": build,
-        "save": save,
+        "opened": opened,
         "update": percentiles(updates),
         "queries": lat,
-        "rss": rss_mb(),
-        "cache_mb": cache.stat().st_size / 1e6,
+        "rss": status["VmRSS"],
+        "rss_anon": status["RssAnon"],
+        "rss_file": status["RssFile"],
     }
 
 
-def child_restart(root: Path) -> dict:
-    notesvc, cfg = notesvc_config(root)
-    t = time.perf_counter()
-    svc = notesvc.Service(cfg)  # restart: load the cache, check every file's size and mtime
-    restart = time.perf_counter() - t
-    assert svc.last_sync["read"] == 0, svc.last_sync
-    t = time.perf_counter()
-    svc.sync_index()  # what the periodic rescan costs on an unchanged tree
-    rescan = time.perf_counter() - t
-    return {"restart": restart, "rescan": rescan, "rss": rss_mb()}
+def start_server(root: Path, env: dict):
+    """Start `notesvc.py serve` on root; return (process, port, start time)."""
+    cmd = [sys.executable, str(HERE.parent / "notesvc.py"), "--root", str(root)]
+    cmd += ["--host", "127.0.0.1", "--port", "0", "--auth-mode", "none"]
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("SERVICE_")}
+    full_env.update(env)
+    started = time.perf_counter()
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=full_env
+    )
+    for line in proc.stderr:
+        m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
+        if m:
+            threading.Thread(target=proc.stderr.read, daemon=True).start()  # keep draining
+            return proc, int(m.group(1)), started
+    raise RuntimeError("the server did not start")
+
+
+def first_answer(port: int, path: str, started: float) -> float:
+    """Poll path until it answers 200; return seconds since started."""
+    while True:
+        try:
+            with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=30) as r:
+                if r.status == 200:
+                    json.loads(r.read())
+                    return time.perf_counter() - started
+        except (OSError, ValueError):
+            time.sleep(0.002)
+
+
+def measure_restart(root: Path, word: str) -> dict:
+    """Restart time and memory of a real server that opens the built index."""
+    with tempfile.TemporaryDirectory() as empty:
+        proc, port, started = start_server(Path(empty), {})
+        health = first_answer(port, "/api/v1/health", started)
+        proc.terminate()
+        proc.wait(30)
+    proc, port, started = start_server(root, {})  # defaults: the check runs in the background
+    try:
+        answered = first_answer(port, f"/api/v1/search?q={word}", started)
+        time.sleep(5)
+        after = proc_status(proc.pid)
+        return {
+            "health": health,
+            "first_search": answered,
+            "restart": answered - health,
+            "rss_anon": after["RssAnon"],
+            "rss_file": after["RssFile"],
+        }
+    finally:
+        proc.terminate()
+        proc.wait(60)
 
 
 def child_fts5(root: Path, queries: dict, repeat: int, mode: str) -> dict:
@@ -253,7 +366,20 @@ def child_fts5(root: Path, queries: dict, repeat: int, mode: str) -> dict:
         return rows
 
     lat = measure_queries(run, queries, repeat)
-    return {"build": build, "update": percentiles(updates), "queries": lat, "rss": rss_mb()}
+    db.close()
+    t = time.perf_counter()
+    db = sqlite3.connect(db_path)
+    db.execute(top, (queries["rare word"][0],)).fetchall()
+    reopen = time.perf_counter() - t
+    status = proc_status()
+    return {
+        "build": build,
+        "update": percentiles(updates),
+        "queries": lat,
+        "rss": status["VmRSS"],
+        "rss_anon": status["RssAnon"],
+        "reopen": reopen,
+    }
 
 
 def run_child(engine: str, root: Path, queries_file: Path, repeat: int) -> dict:
@@ -278,83 +404,154 @@ def run_child(engine: str, root: Path, queries_file: Path, repeat: int) -> dict:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+def memory_goal(n: int) -> float:
+    """Issue 15: RssAnon <= 50 MB at 10k notes, 70 MB at 50k, 90 MB at 100k."""
+    return 50.0 if n <= 10_000 else 70.0 if n <= 50_000 else 90.0
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--notes", type=int, default=10000)
     ap.add_argument("--per-kind", type=int, default=100, help="queries per kind")
     ap.add_argument("--repeat", type=int, default=3, help="timed passes over the queries")
+    ap.add_argument("--root", help="keep the corpus in this folder (reused when it is there)")
     ap.add_argument("--child", help=argparse.SUPPRESS)
-    ap.add_argument("--root", help=argparse.SUPPRESS)
     ap.add_argument("--queries", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        queries = json.loads(Path(args.queries).read_text())
+        queries = json.loads(Path(args.queries).read_text()) if args.queries else {}
         root = Path(args.root)
-        if args.child == "notesvc":
+        if args.child == "build":
+            result = child_build(root)
+        elif args.child == "notesvc":
             result = child_notesvc(root, queries, args.repeat)
-        elif args.child == "notesvc-restart":
-            result = child_restart(root)
         else:
             result = child_fts5(root, queries, args.repeat, args.child)
         print(json.dumps(result))
         return
-    with tempfile.TemporaryDirectory() as tmp:
-        root = Path(tmp)
-        t = time.perf_counter()
-        info = make_corpus(root, args.notes)
-        size = sum(p.stat().st_size for p in (root / "notes").rglob("*.md")) / 1e6
-        folders = sum(1 for p in (root / "notes").rglob("*") if p.is_dir())
-        print(
-            f"corpus: {args.notes} notes, {size:.1f} MB, {folders} folders, "
-            f"made in {time.perf_counter() - t:.1f} s; python {sys.version.split()[0]}, "
-            f"sqlite {sqlite3.sqlite_version}"
-        )
-        queries = make_queries(info, args.per_kind)
+    with contextlib.ExitStack() as stack:
+        if args.root:
+            root = Path(args.root)
+            root.mkdir(parents=True, exist_ok=True)
+        else:
+            root = Path(stack.enter_context(tempfile.TemporaryDirectory()))
         qfile = root / "queries.json"
-        qfile.write_text(json.dumps(queries))
-        engines = ("notesvc", "notesvc-restart", "fts5", "fts5+count", "fts5-bare")
-        res = {e: run_child(e, root, qfile, args.repeat) for e in engines}
-    ns, rs, fts, ftsc, bare = (res[e] for e in engines)
-
-    def row(name, a, b, c, d=None, unit="ms"):
-        d = b if d is None else d
+        t = time.perf_counter()
+        if not qfile.exists() or not (root / "notes").exists():
+            info = make_corpus(root, args.notes)
+            qfile.write_text(json.dumps(make_queries(info, args.per_kind)))
+        queries = json.loads(qfile.read_text())
+        files = list((root / "notes").rglob("*.md"))
+        size = sum(p.stat().st_size for p in files) / 1e6
         print(
-            f"{name:<26} {a:>9.2f} {b:>9.2f} {c:>10.2f} {d:>9.2f} "
-            f"{a / b:>7.2f} {a / c:>8.2f} {a / d:>7.2f}  {unit}"
+            f"corpus: {len(files)} notes, {size:.1f} MB, made or found in "
+            f"{time.perf_counter() - t:.1f} s; python {sys.version.split()[0]}, "
+            f"sqlite {sqlite3.sqlite_version}, {os.cpu_count()} cores",
+            flush=True,
+        )
+        res = {"build": run_child("build", root, qfile, args.repeat)}
+        print(f"built: {res['build']}", flush=True)
+        res["restart"] = measure_restart(root, queries["rare word"][0])
+        print(f"restarted: {res['restart']}", flush=True)
+        for engine in ("notesvc", "fts5", "fts5+count", "fts5-bare"):
+            res[engine] = run_child(engine, root, qfile, args.repeat)
+            print(f"{engine}: done", flush=True)
+    report(args.notes, res)
+
+
+def report(n: int, res: dict) -> None:
+    b, r, ns = res["build"], res["restart"], res["notesvc"]
+    fts, ftsc, bare = res["fts5"], res["fts5+count"], res["fts5-bare"]
+
+    def row(name, a, x, y, z, unit="ms"):
+        print(
+            f"{name:<24} {a:>9.2f} {x:>9.2f} {y:>10.2f} {z:>9.2f} "
+            f"{a / x:>7.2f} {a / y:>8.2f} {a / z:>7.2f}  {unit}"
         )
 
     print(
-        f"\n{'measure':<26} {'notesvc':>9} {'FTS5':>9} {'FTS5+cnt':>10} {'FTS5bare':>9} "
+        f"\n{'measure':<24} {'notesvc':>9} {'FTS5':>9} {'FTS5+cnt':>10} {'FTS5bare':>9} "
         f"{'xFTS5':>7} {'x+cnt':>8} {'xbare':>7}"
     )
-    row("first build", ns["build"], fts["build"], ftsc["build"], bare["build"], "s")
-    print(
-        f"{'restart with cache':<26} {rs['restart']:>10.2f} {'-':>10} {'-':>12} "
-        f"{'':>8} {'':>9}  s (cache {ns['cache_mb']:.0f} MB, written in the background in "
-        f"{ns['save']:.2f} s; RSS after restart {rs['rss']:.0f} MB)"
-    )
-    print(
-        f"{'rescan, nothing changed':<26} {rs['rescan'] * 1000:>10.2f} {'-':>10} {'-':>12} "
-        f"{'':>8} {'':>9}  ms"
-    )
+    row("first build", b["build"], fts["build"], ftsc["build"], bare["build"], "s")
     for p in ("p50", "p95"):
-        row(
-            f"one-note update {p}",
-            ns["update"][p],
-            fts["update"][p],
-            ftsc["update"][p],
-            bare["update"][p],
-        )
+        row(f"one-note update {p}", *(e["update"][p] for e in (ns, fts, ftsc, bare)))
     for kind in ns["queries"]:
         for p in ("p50", "p95", "p99"):
-            row(
-                f"{kind} {p}",
-                ns["queries"][kind][p],
-                fts["queries"][kind][p],
-                ftsc["queries"][kind][p],
-                bare["queries"][kind][p],
-            )
-    row("process RSS", ns["rss"], fts["rss"], ftsc["rss"], bare["rss"], "MB")
+            row(f"{kind} {p}", *(e["queries"][kind][p] for e in (ns, fts, ftsc, bare)))
+    print(
+        f"\nnotesvc: build wrote {b['segments']} segment files, merged in the background in "
+        f"{b['merge']:.1f} s into {b['segments_after']} ({b['index_mb']:.0f} MB on disk); "
+        f"building process peak RssAnon {b['peak_anon']:.0f} MB (peak RSS with the mapped "
+        f"files {b['peak_rss']:.0f} MB; RssAnon at its end {b['rss_anon']:.0f} MB)."
+        f"\nrestart: first answered search {r['first_search']:.3f} s "
+        f"after process start, /health on an empty root {r['health']:.3f} s; the index opens "
+        f"in {ns['opened'] * 1000:.1f} ms in process (FTS5 reopens in {fts['reopen'] * 1000:.1f}"
+        f" ms).\nmemory: the restarted server 5 s after its first search: RssAnon "
+        f"{r['rss_anon']:.1f} MB, RssFile {r['rss_file']:.1f} MB; the query process after "
+        f"every query: RssAnon {ns['rss_anon']:.1f} MB, RssFile {ns['rss_file']:.1f} MB; FTS5's "
+        f"process RssAnon {fts['rss_anon']:.1f} MB (VmRSS {fts['rss']:.1f} MB)."
+    )
+    goals = [
+        (
+            "RssAnon, opened server",
+            r["rss_anon"],
+            None,
+            f"<= {memory_goal(n):.0f} MB",
+            r["rss_anon"] <= memory_goal(n),
+            "MB",
+        ),
+        ("restart to first search", r["restart"], None, "<= 0.3 s", r["restart"] <= 0.3, "s"),
+        (
+            "one-note update p50",
+            ns["update"]["p50"],
+            None,
+            "<= 1.0 ms",
+            ns["update"]["p50"] <= 1.0,
+            "ms",
+        ),
+        (
+            "one-note update p95",
+            ns["update"]["p95"],
+            None,
+            "<= 3.0 ms",
+            ns["update"]["p95"] <= 3.0,
+            "ms",
+        ),
+    ]
+    for kind in ns["queries"]:
+        for p in ("p50", "p95"):
+            ours, ref = ns["queries"][kind][p], fts["queries"][kind][p]
+            goals.append((f"{kind} {p}", ours, ref, "<= 1.0x FTS5", ours <= ref, "ms"))
+    goals.append(
+        (
+            "first build",
+            b["build"],
+            fts["build"],
+            "<= 1.5x FTS5",
+            b["build"] <= 1.5 * fts["build"],
+            "s",
+        )
+    )
+    goals.append(
+        (
+            "progress lines, max gap",
+            b["progress_gap"],
+            None,
+            "<= 5 s",
+            b["progress_gap"] <= 5.0,
+            "s",
+        )
+    )
+    print(f"\ngoals of issue 15 at {n} notes:")
+    print(f"{'goal':<26} {'notesvc':>10} {'FTS5':>9} {'ratio':>7}  {'wanted':<14} result")
+    for name, ours, ref, wanted, met, unit in goals:
+        ref_s = f"{ref:>9.2f}" if ref is not None else f"{'':>9}"
+        ratio = f"{ours / ref:>7.2f}" if ref else f"{'':>7}"
+        print(
+            f"{name:<26} {ours:>7.2f} {unit:<2} {ref_s} {ratio}  {wanted:<14} "
+            f"{'met' if met else 'MISSED'}"
+        )
 
 
 if __name__ == "__main__":
