@@ -15010,7 +15010,12 @@ async function load() {
   $("host").textContent = facts.redirectHost;
   if (!facts.writeAllowed) $("write-row").classList.add("hidden");
   else if (facts.scope === "write") $("scope-write").checked = true;
-  const kept = window.sessionStorage.getItem("notesvc.key");
+  let kept = ""; // the web client's key on this origin, if it keeps one (session or device)
+  try {
+    kept = sessionStorage.getItem("notesvc.key") || localStorage.getItem("notesvc.key") || "";
+  } catch (e) {
+    /* storage is off in this browser */
+  }
   if (kept) $("key").value = kept;
   $("ask").classList.remove("hidden");
   $("key").focus();

@@ -8271,6 +8271,36 @@ class TestOAuth:
         assert urllib.parse.parse_qs(back.query)["error"] == ["invalid_request"]
         assert urllib.parse.parse_qs(back.query)["state"] == ["s1"]
 
+    def test_write_is_offered_only_while_mcp_writes_are_on(self, make_app):
+        app = make_app(SERVICE_MCP_WRITE="true")
+        client = with_key(app)
+        cid = register_client(app)["client_id"]
+        _, challenge = pkce_pair()
+        q = urllib.parse.urlencode(
+            {
+                "client_id": cid,
+                "redirect_uri": CALLBACK,
+                "response_type": "code",
+                "code_challenge": challenge,
+                "code_challenge_method": "S256",
+                "scope": "notes:read notes:write",
+            }
+        )
+        facts = data(app.get(f"{API}/oauth/consent?{q}"))
+        assert (facts["writeAllowed"], facts["scope"]) == (True, "write")
+        code, verifier, _ = approve(client, cid, "notes:read notes:write")
+        answer = token_call(
+            app,
+            200,
+            grant_type="authorization_code",
+            code=code,
+            client_id=cid,
+            redirect_uri=CALLBACK,
+            code_verifier=verifier,
+        ).json
+        assert answer["scope"] == "notes:read notes:write"
+        assert data(client.get(f"{API}/auth/keys"))["keys"][0]["scope"] == "write"
+
     def test_approval_needs_the_api_key(self, client, anon):
         cid = register_client(anon)["client_id"]
         _, challenge = pkce_pair()
