@@ -4739,7 +4739,8 @@ class _Progress:
     """Counts the notes a bulk has indexed; a thread logs the count every 2 s."""
 
     def __init__(self, total: int):
-        self.total, self.done = total, 0
+        self.total, self.done, self.helped = total, 0, 0
+        self.started = time.monotonic()
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="notesvc-progress", daemon=True)
 
@@ -4750,6 +4751,12 @@ class _Progress:
     def __exit__(self, *exc) -> None:
         self._stop.set()
         self._thread.join()
+        log.info(
+            "indexing: %d notes in %.1f s (%d batches by the helper process)",
+            self.done,
+            time.monotonic() - self.started,
+            self.helped,
+        )
 
     def add(self, count: int) -> None:
         self.done += count
@@ -5206,7 +5213,7 @@ class SearchIndex:
                     )
                     pump.start()
                 for pumping in (True, False):
-                    while True:
+                    while not self._stop.is_set():  # closing: the next sync goes on
                         try:
                             batch = batches.popleft()
                         except IndexError:  # the helper took the last one
@@ -5244,7 +5251,7 @@ class SearchIndex:
     def _pump(self, helper, batches: deque, known: set, progress: _Progress) -> None:
         """Hand batches to the helper process and add the segment files it writes; on any
         trouble give the batch back (the caller indexes it) and stop."""
-        while True:
+        while not self._stop.is_set():
             try:
                 batch = batches.popleft()
             except IndexError:
@@ -5263,6 +5270,7 @@ class SearchIndex:
                 return
             if seg is not None:
                 progress.add(self._add_segment(seg, since, known))
+                progress.helped += 1
 
     def _install(self, name: str):
         """Rename a segment file the helper wrote into place; return it opened, or None."""

@@ -219,68 +219,6 @@ def run_cli(*args: str, env: dict | None = None, timeout: float = 30):
 # -- configuration ------------------------------------------------------------------
 
 
-class TestConfig:
-    def test_defaults_match_the_contract(self):
-        cfg = notesvc.load_config(env={})
-        assert (cfg.host, cfg.port, cfg.auth_mode, cfg.pairing) == (
-            "0.0.0.0",
-            3000,
-            "api-key",
-            "relay",
-        )
-        assert cfg.max_body_bytes == 1048576
-        assert cfg.rescan_seconds == 5
-        assert cfg.threads == 8
-        assert cfg.agent_timeout == 60
-        assert cfg.root == Path("./data").resolve()
-
-    def test_flag_beats_variable_beats_default(self):
-        assert notesvc.load_config(env={"SERVICE_PORT": "4000"}).port == 4000
-        assert notesvc.load_config(env={"SERVICE_PORT": "4000"}, port="5000").port == 5000
-
-    @pytest.mark.parametrize(
-        ("env", "names"),
-        [
-            ({"SERVICE_PORT": "abc"}, "SERVICE_PORT"),
-            ({"SERVICE_PORT": "70000"}, "SERVICE_PORT"),
-            ({"SERVICE_AUTH_MODE": "magic"}, "SERVICE_AUTH_MODE"),
-            ({"SERVICE_AUTH_MODE": "jwt"}, "SERVICE_JWT_SECRET"),
-            ({"SERVICE_AUTH_MODE": "jwt", "SERVICE_JWT_SECRET": "short"}, "SERVICE_JWT_SECRET"),
-            ({"SERVICE_TRUST_PROXY": "maybe"}, "SERVICE_TRUST_PROXY"),
-            ({"SERVICE_PAIRING_MODE": "carrier-pigeon"}, "SERVICE_PAIRING_MODE"),
-            ({"SERVICE_PUBLIC_URL": "ftp://x"}, "SERVICE_PUBLIC_URL"),
-            ({"SERVICE_CORS_ORIGINS": "not a url"}, "SERVICE_CORS_ORIGINS"),
-            ({"SERVICE_MAX_BODY_BYTES": "-1"}, "SERVICE_MAX_BODY_BYTES"),
-            ({"SERVICE_AGENT_TIMEOUT": "soon"}, "SERVICE_AGENT_TIMEOUT"),
-            ({"SERVICE_THREADS": "0"}, "SERVICE_THREADS"),
-            ({"SERVICE_LOG_LEVEL": "loud"}, "SERVICE_LOG_LEVEL"),
-        ],
-    )
-    def test_bad_value_raises_config_error_naming_it(self, env, names):
-        with pytest.raises(notesvc.ConfigError, match=names):
-            notesvc.load_config(env=env)
-
-    def test_jwt_with_long_secret_is_accepted(self):
-        cfg = notesvc.load_config(env={"SERVICE_AUTH_MODE": "jwt", "SERVICE_JWT_SECRET": "x" * 32})
-        assert cfg.auth_mode == "jwt"
-
-    def test_every_setting_is_a_config_field(self):
-        fields = {f.name for f in notesvc.dataclasses.fields(notesvc.Config)}
-        assert {s.name for s in notesvc.SETTINGS} == fields
-
-    def test_importing_the_module_creates_no_files(self, tmp_path):
-        code = "import notesvc, os; print(sorted(os.listdir('.')))"
-        out = subprocess.run(
-            [sys.executable, "-c", code],
-            cwd=tmp_path,
-            env={**os.environ, "PYTHONPATH": str(HERE)},
-            capture_output=True,
-            text=True,
-            check=True,
-        )
-        assert out.stdout.strip() == "[]"
-
-
 # -- envelope and errors -----------------------------------------------------------------
 
 
@@ -290,110 +228,6 @@ def _boom(svc):
 
 def _echo(svc):
     return {"body": notesvc.read_json(svc.config.max_body_bytes)}
-
-
-class TestEnvelope:
-    @pytest.fixture
-    def app(self, root):
-        cfg = notesvc.load_config(env=make_env(root, SERVICE_MAX_BODY_BYTES="2048"))
-        service = notesvc.build_service(cfg).start()
-        extra = (
-            notesvc.Route("GET", "/boom", _boom, scope="read"),
-            notesvc.Route("POST", "/echo", _echo, scope="read"),
-        )
-        wsgi = notesvc.NotesApp(service, notesvc.ROUTES + extra)
-        key = service.state.read()["apiKey"]
-        yield webtest.TestApp(wsgi, extra_environ={"HTTP_X_SERVICE_KEY": key})
-        service.close()
-
-    def test_unknown_route_is_json_404(self, anon):
-        err = assert_error(anon.get(f"{API}/nope", status=404), 404, "NOT_FOUND")
-        assert "/api/v1/nope" in err["message"]
-
-    def test_unknown_path_outside_api_is_json_404(self, anon):
-        assert_error(anon.get("/favicon.ico", status=404), 404, "NOT_FOUND")
-
-    def test_wrong_method_is_405_with_allow(self, client):
-        resp = client.delete(f"{API}/health", status=405)
-        assert_error(resp, 405, "METHOD_NOT_ALLOWED")
-        assert "GET" in resp.headers["Allow"]
-
-    def test_patch_system_config_is_405(self, client):
-        resp = client.patch_json(f"{API}/system/config", {"x": 1}, status=405)
-        assert_error(resp, 405, "METHOD_NOT_ALLOWED")
-        assert resp.headers["Allow"] == "GET"
-
-    @pytest.mark.parametrize(
-        ("method", "path", "names"),
-        [("POST", "/folders", "/folders/tree"), ("GET", "/agent/tools", "/agent/status")],
-    )
-    def test_replaced_endpoint_names_its_replacement(self, client, method, path, names):
-        resp = client.request(API + path, method=method, status=404)
-        assert names in assert_error(resp, 404, "NOT_FOUND")["message"]
-
-    def test_crash_is_500_with_request_id_and_no_details(self, app, caplog):
-        resp = app.get(f"{API}/boom", status=500)
-        err = assert_error(resp, 500, "INTERNAL_ERROR")
-        rid = resp.headers["X-Request-Id"]
-        assert rid in err["message"]
-        assert "secret" not in resp.text
-        assert "passwd" not in resp.text
-        assert any(rid in r.getMessage() for r in caplog.records)
-
-    def test_every_response_has_a_request_id(self, anon):
-        ids = {anon.get(f"{API}/health").headers["X-Request-Id"] for _ in range(3)}
-        assert len(ids) == 3
-        assert anon.get(f"{API}/nope", status=404).headers["X-Request-Id"]
-
-    def test_sane_incoming_request_id_is_kept(self, anon):
-        resp = anon.get(f"{API}/health", headers={"X-Request-Id": "trace-1234abcd"})
-        assert resp.headers["X-Request-Id"] == "trace-1234abcd"
-        resp = anon.get(f"{API}/health", headers={"X-Request-Id": "bad id\x01"})
-        assert resp.headers["X-Request-Id"] != "bad id\x01"
-
-    def test_protected_responses_are_no_store(self, client):
-        assert client.get(f"{API}/system/info").headers["Cache-Control"] == "no-store"
-        resp = client.get(f"{API}/nope", status=404)
-        assert resp.headers["Cache-Control"] == "no-store"
-
-    def test_json_body_round_trips(self, app):
-        body = {"text": "Grüße ✓", "n": [1, 2]}
-        assert data(app.post_json(f"{API}/echo", body))["body"] == body
-
-    def test_broken_json_is_400(self, app):
-        resp = app.post(f"{API}/echo", "{bad", content_type="application/json", status=400)
-        assert "JSON" in assert_error(resp, 400, "VALIDATION_ERROR")["message"]
-
-    @pytest.mark.parametrize("raw", ["[1,2]", '"text"', "42", "null", '{"a": NaN}'])
-    def test_non_object_or_nonstandard_json_is_400(self, app, raw):
-        resp = app.post(f"{API}/echo", raw, content_type="application/json", status=400)
-        assert_error(resp, 400, "VALIDATION_ERROR")
-
-    def test_deeply_nested_json_is_400_not_500(self, app):
-        raw = "[" * 100000 + "]" * 100000
-        resp = app.post(f"{API}/echo", raw[:2000], content_type="application/json", status=400)
-        assert_error(resp, 400, "VALIDATION_ERROR")
-
-    def test_invalid_utf8_body_is_400(self, app):
-        resp = app.post(
-            f"{API}/echo", b'{"a": "\xff"}', content_type="application/json", status=400
-        )
-        assert "UTF-8" in assert_error(resp, 400, "VALIDATION_ERROR")["message"]
-
-    def test_missing_body_is_400(self, app):
-        assert_error(app.post(f"{API}/echo", status=400), 400, "VALIDATION_ERROR")
-
-    def test_wrong_content_type_is_415(self, app):
-        resp = app.post(f"{API}/echo", "a=1", content_type="text/plain", status=415)
-        assert_error(resp, 415, "UNSUPPORTED_MEDIA_TYPE")
-
-    def test_huge_body_is_413(self, app):
-        resp = app.post_json(f"{API}/echo", {"a": "x" * 5000}, status=413)
-        assert_error(resp, 413, "PAYLOAD_TOO_LARGE")
-
-    def test_invalid_utf8_url_is_400(self, client):
-        resp = client.get("/api/v1/notes/notes%2F%FF.md", status=400)
-        assert_error(resp, 400, "VALIDATION_ERROR")
 
 
 # -- setup payload ---------------------------------------------------------------------------
@@ -432,149 +266,6 @@ def dig(obj: dict, dotted: str):
     return obj
 
 
-class TestSetup:
-    def test_payload_has_every_spec_field(self, anon):
-        payload = data(anon.get(f"{API}/system/setup"))
-        for name in SETUP_FIELDS:
-            dig(payload, name)  # KeyError names a missing field
-        assert payload["auth"]["method"] == "api-key"
-        assert payload["auth"]["header"] == "X-Service-Key"
-        assert payload["server"]["port"] == 3000
-        assert re.fullmatch(r"\d+\.\d+\.\d+", payload["version"])
-        assert payload["version"] == notesvc.__version__
-
-    def test_key_has_prefix_and_43_urlsafe_chars(self, anon):
-        key = data(anon.get(f"{API}/system/setup"))["apiKey"]
-        assert re.fullmatch(r"nsk_[A-Za-z0-9_-]{43}", key)
-
-    def test_relay_mode_links(self, anon):
-        p = data(anon.get(f"{API}/system/setup", headers={"Host": "notes.example:3000"}))
-        sid, code = p["serverId"], p["pairing"]["relayCode"]
-        links = p["links"]
-        assert p["server"]["url"] == "http://notes.example:3000"
-        assert links["directApiBase"] == "http://notes.example:3000/api/v1"
-        assert links["relayApiBase"] == f"http://notes.example:3000/r/{sid}/api/v1"
-        assert links["apiBase"] == links["relayApiBase"]
-        assert links["setupApi"] == "http://notes.example:3000/api/v1/system/setup"
-        assert links["health"] == "http://notes.example:3000/api/v1/health"
-        assert links["connect"]["hosted"].endswith(f"?relayCode={code}")
-        assert links["connect"]["testHosted"].endswith(f"?relayCode={code}")
-        assert "relayUrl=http%3A%2F%2Fnotes.example%3A3000" in links["connect"]["localDevUi"]
-
-    def test_open_port_mode_uses_direct_api_base(self, make_app):
-        p = data(make_app(SERVICE_PAIRING_MODE="open-port").get(f"{API}/system/setup"))
-        assert p["pairing"]["mode"] == "open-port"
-        assert p["links"]["apiBase"] == p["links"]["directApiBase"]
-
-    def test_configured_relay_and_client_urls(self, make_app):
-        app = make_app(
-            SERVICE_RELAY_URL="https://relay.example",
-            SERVICE_CLIENT_URL="https://app.example/connect",
-            SERVICE_TEST_CLIENT_URL="https://test.example/?v=2",
-        )
-        p = data(app.get(f"{API}/system/setup"))
-        code = p["pairing"]["relayCode"]
-        assert p["pairing"]["relayUrl"] == "https://relay.example"
-        assert p["links"]["relayApiBase"].startswith("https://relay.example/r/")
-        assert p["links"]["connect"]["hosted"] == f"https://app.example/connect?relayCode={code}"
-        assert p["links"]["connect"]["testHosted"] == f"https://test.example/?v=2&relayCode={code}"
-
-    @pytest.mark.parametrize(
-        "host", ["evil.example/phish", "a b", "user@evil.example", "x:99999", "<script>", ""]
-    )
-    def test_invalid_host_header_is_ignored(self, anon, host):
-        p = data(anon.get(f"{API}/system/setup", headers={"Host": host}))
-        assert p["server"]["url"] == "http://127.0.0.1:80"  # WebTest's SERVER_PORT
-        assert "evil" not in json.dumps(p)
-
-    def test_forwarded_headers_ignored_unless_proxy_trusted(self, make_app):
-        headers = {"X-Forwarded-Proto": "https", "X-Forwarded-Host": "notes.example"}
-        untrusted = data(make_app().get(f"{API}/system/setup", headers=headers))
-        assert "notes.example" not in untrusted["server"]["url"]
-        trusted_app = make_app(SERVICE_TRUST_PROXY="true")
-        proxy = {"REMOTE_ADDR": "127.0.0.1"}  # the peer is the (loopback) proxy
-        trusted = data(trusted_app.get(f"{API}/system/setup", headers=headers, extra_environ=proxy))
-        assert trusted["server"]["url"] == "https://notes.example"
-        elsewhere = {"REMOTE_ADDR": "192.0.2.7"}  # trusted proxies only, not any peer
-        other = trusted_app.get(f"{API}/system/setup", headers=headers, extra_environ=elsewhere)
-        assert "notes.example" not in data(other)["server"]["url"]
-
-    def test_public_url_wins(self, make_app):
-        app = make_app(SERVICE_PUBLIC_URL="https://pi.example/")
-        p = data(app.get(f"{API}/system/setup", headers={"Host": "other:1"}))
-        assert p["server"]["url"] == "https://pi.example"
-
-    def test_link_completes_setup_and_redacts_key(self, anon, client):
-        key = key_of(anon)
-        before = data(anon.get(f"{API}/system/setup"))
-        assert before["setupComplete"] is False
-        assert before["apiKey"] == key
-        assert before["instructions"]
-        linked = data(client.post_json(f"{API}/auth/link", {"clientName": "phone"}))
-        assert linked["linked"] is True
-        assert linked["setupComplete"] is True
-        after = data(anon.get(f"{API}/system/setup"))
-        assert after["setupComplete"] is True
-        assert after["apiKey"] == "nsk_…" + key[-4:]
-        assert key not in json.dumps(after)
-        assert "instructions" not in after
-        # The key keeps working after it is redacted.
-        assert data(client.post(f"{API}/auth/verify"))["setupComplete"] is True
-
-    def test_setup_local_only_hides_key_from_remote_clients(self, make_app):
-        app = make_app(SERVICE_SETUP_LOCAL_ONLY="true")
-        key = key_of(app)
-        remote = data(app.get(f"{API}/system/setup", extra_environ={"REMOTE_ADDR": "192.0.2.7"}))
-        assert remote["apiKey"] != key
-        assert remote["apiKey"].startswith("nsk_…")
-        local = data(app.get(f"{API}/system/setup", extra_environ={"REMOTE_ADDR": "127.0.0.1"}))
-        assert local["apiKey"] == key
-
-    @pytest.mark.parametrize(
-        ("host", "shown"),
-        [
-            ("127.0.0.1:3000", True),
-            ("[::1]:3000", True),
-            ("192.168.1.20", True),
-            ("LocalHost:3000", True),
-            (socket.gethostname().upper(), True),
-            (f"{socket.gethostname()}.local:3000", True),
-            ("notes.example", True),  # SERVICE_PUBLIC_URL's host
-            ("rebind.attacker.example", False),
-            ("localhost.attacker.example", False),
-            (f"{socket.gethostname()}.attacker.example", False),
-            ("", False),
-        ],
-    )
-    def test_full_key_only_for_hosts_naming_this_machine(self, make_app, host, shown):
-        app = make_app(SERVICE_PUBLIC_URL="https://notes.example")
-        key = key_of(app)
-        p = data(app.get(f"{API}/system/setup", headers={"Host": host}))
-        assert (p["apiKey"] == key) is shown
-        if not shown:
-            assert p["apiKey"] == "nsk_…" + key[-4:]
-
-    def test_forwarded_host_counts_for_the_key_only_from_a_trusted_proxy(self, make_app):
-        app = make_app(SERVICE_TRUST_PROXY="true")
-        key = key_of(app)
-        rebind = {"Host": "127.0.0.1", "X-Forwarded-Host": "rebind.attacker.example"}
-        via_proxy = {"REMOTE_ADDR": "127.0.0.1"}
-        p = data(app.get(f"{API}/system/setup", headers=rebind, extra_environ=via_proxy))
-        assert p["apiKey"] != key  # the proxy was asked for the attacker's name
-        direct = {"REMOTE_ADDR": "192.0.2.7"}  # not a proxy: its X-Forwarded-Host is ignored
-        assert (
-            data(app.get(f"{API}/system/setup", headers=rebind, extra_environ=direct))["apiKey"]
-            == key
-        )
-
-    def test_server_id_and_key_survive_restart(self, make_app, root):
-        first = data(make_app().get(f"{API}/system/setup"))
-        second = data(make_app().get(f"{API}/system/setup"))
-        assert first["serverId"] == second["serverId"]
-        assert first["apiKey"] == second["apiKey"]
-        assert first["pairing"]["relayCode"] == second["pairing"]["relayCode"]
-
-
 # -- auth ---------------------------------------------------------------------------------
 
 
@@ -597,452 +288,16 @@ def refuses_missing_and_wrong_key(anon, method: str, rule: str) -> None:
             assert_error(resp, 401, "UNAUTHORIZED")
 
 
-class TestAuth:
-    def test_the_route_table_has_protected_and_public_routes(self):
-        assert len(PROTECTED_ROUTES) >= 5
-        assert PUBLIC_ROUTES
-
-    @pytest.mark.parametrize("route", PROTECTED_ROUTES, ids=route_id)
-    def test_every_protected_route_refuses_missing_and_wrong_key(self, anon, route):
-        refuses_missing_and_wrong_key(anon, route.method, route.rule)
-
-    def test_every_documented_secured_operation_refuses_missing_and_wrong_key(self, make_app):
-        """Routes from outside the table too (plugins, providers): as the OpenAPI says."""
-        doc = make_app().get(f"{API}/openapi.json").json
-        secured = [
-            (method.upper(), re.sub(r"\{(\w+)\}", r"<\1>", path))
-            for path, operations in doc["paths"].items()
-            for method, op in operations.items()
-            if op.get("security", doc["security"])
-        ]
-        assert len(secured) >= len(PROTECTED_ROUTES) + 3  # and the built-in plugins' routes
-        for method, rule in secured:
-            refuses_missing_and_wrong_key(make_app(), method, rule)  # a fresh app: no lockout
-
-    @pytest.mark.parametrize("route", PUBLIC_ROUTES, ids=route_id)
-    def test_public_routes_need_no_key(self, anon, route):
-        resp = anon.request(sample_url(route), method=route.method, expect_errors=True)
-        assert resp.status_int != 401, route_id(route)
-        assert anon.get(f"{API}/health").status_int == 200
-
-    def test_verify_returns_identity(self, client):
-        d = data(client.post(f"{API}/auth/verify"))
-        assert d == {
-            "valid": True,
-            "serverId": client.app.service.state.read()["serverId"],
-            "setupComplete": False,
-        }
-
-    def test_link_records_clients_and_repeats_fine(self, client, root):
-        client.post_json(f"{API}/auth/link", {"clientName": "phone"})
-        client.post(f"{API}/auth/link")
-        state = json.loads((root / ".notesvc" / "state.json").read_text())
-        assert [c["name"] for c in state["linkedClients"]] == ["phone", "unnamed client"]
-        assert state["setupComplete"] is True
-        assert "apiKey" not in state
-        assert len(state["keyHash"]) == 64
-
-    @pytest.mark.parametrize("body", [{"clientName": 5}, {"clientName": "x" * 101}])
-    def test_link_rejects_bad_client_name(self, client, body):
-        assert_error(
-            client.post_json(f"{API}/auth/link", body, status=400), 400, "VALIDATION_ERROR"
-        )
-
-    def test_state_file_is_private(self, client, root):
-        client.post(f"{API}/auth/link")
-        folder = root / ".notesvc"
-        assert stat.S_IMODE(os.stat(folder / "state.json").st_mode) == 0o600
-        assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
-
-    def test_rotate_replaces_key_and_relay_code(self, anon, client):
-        old_code = anon.app.service.state.read()["relayCode"]
-        new = data(client.post(f"{API}/auth/rotate"))
-        assert re.fullmatch(r"nsk_[A-Za-z0-9_-]{43}", new["apiKey"])
-        assert new["relayCode"] != old_code
-        assert_error(client.post(f"{API}/auth/verify", status=401), 401, "UNAUTHORIZED")
-        assert data(with_key(anon, new["apiKey"]).post(f"{API}/auth/verify"))["valid"]
-
-    def test_lockout_after_ten_failures(self, anon):
-        wrong = with_key(anon, "nsk_wrong")
-        for _ in range(10):
-            wrong.post(f"{API}/auth/verify", status=401)
-        resp = wrong.post(f"{API}/auth/verify", status=429)
-        assert_error(resp, 429, "RATE_LIMITED")
-        assert 1 <= int(resp.headers["Retry-After"]) <= 60
-        # Locked out means locked out, even with the right key ...
-        with_key(anon).post(f"{API}/auth/verify", status=429)
-        # ... but only for that address.
-        with_key(anon).post(f"{API}/auth/verify", extra_environ={"REMOTE_ADDR": "10.9.9.9"})
-
-    def test_a_spray_of_addresses_keeps_the_lockout_small(self):
-        now = [0.0]
-        lockout = notesvc.Lockout(clock=lambda: now[0], tracked=100)
-        for i in range(1000):  # every address fresh, none ever stale
-            lockout.fail(f"10.0.{i // 250}.{i % 250}")
-            now[0] += 0.001
-        assert len(lockout._fails) <= 100
-        for _ in range(10):  # a real attacker is still locked out
-            lockout.fail("192.0.2.1")
-        assert lockout.retry_after("192.0.2.1") > 0
-
-    def test_requests_without_a_credential_never_count(self, anon):
-        for _ in range(15):
-            assert_error(anon.post(f"{API}/auth/verify", status=401), 401, "UNAUTHORIZED")
-        with_key(anon).post(f"{API}/auth/verify")
-
-    def test_success_clears_the_failures_of_its_address(self, anon):
-        wrong, right = with_key(anon, "nsk_wrong"), with_key(anon)
-        for _ in range(2):
-            for _ in range(9):
-                wrong.post(f"{API}/auth/verify", status=401)
-            right.post(f"{API}/auth/verify")
-        wrong.post(f"{API}/auth/verify", status=401)
-
-    def test_locked_out_address_gets_401_without_a_credential(self, anon):
-        for _ in range(10):
-            with_key(anon, "nsk_wrong").post(f"{API}/auth/verify", status=401)
-        assert_error(anon.post(f"{API}/auth/verify", status=401), 401, "UNAUTHORIZED")
-        resp = with_key(anon).post(f"{API}/auth/verify", status=429)
-        assert 1 <= int(resp.headers["Retry-After"]) <= 60
-
-    def test_relayed_clients_have_their_own_buckets(self, anon):
-        relayed = {"notesvc.relayed": True, "REMOTE_ADDR": ""}
-        for _ in range(10):
-            with_key(anon, "nsk_wrong").post(
-                f"{API}/auth/verify", status=401, extra_environ=relayed
-            )
-        with_key(anon).post(f"{API}/auth/verify", status=429, extra_environ=relayed)
-        with_key(anon).post(f"{API}/auth/verify")  # WebTest's own (empty) peer address
-        local = {"notesvc.relayed": True, "REMOTE_ADDR": "127.0.0.1"}
-        with_key(anon).post(f"{API}/auth/verify", extra_environ=local)
-        cfg = anon.app.service.config
-        assert notesvc.client_address(cfg, relayed) == "relay:?"
-        assert notesvc.client_address(cfg, local) == "relay:127.0.0.1"
-
-    @pytest.mark.parametrize(
-        ("peer", "forwarded", "client"),
-        [
-            ("10.0.0.2", "198.51.100.1, 203.0.113.4, 10.0.0.3", "203.0.113.4"),
-            ("10.0.0.2", "203.0.113.4:5555", "203.0.113.4"),
-            ("10.0.0.2", "10.0.0.9, 10.0.0.3", "10.0.0.9"),  # only proxies: the farthest
-            ("10.0.0.2", "", "10.0.0.2"),
-            ("10.0.0.2", "unknown", "10.0.0.2"),
-            ("10.0.0.2", "[2001:db8::7]:80", "2001:db8::7"),
-            ("192.0.2.1", "203.0.113.4", "192.0.2.1"),  # an untrusted peer's claim counts nothing
-        ],
-    )
-    def test_client_address_behind_trusted_proxies(self, peer, forwarded, client):
-        cfg = notesvc.load_config(env={"SERVICE_TRUST_PROXY": "10.0.0.0/8, ::1"})
-        assert cfg.trust_proxy == ("10.0.0.0/8", "::1/128")
-        environ = {"REMOTE_ADDR": peer, "HTTP_X_FORWARDED_FOR": forwarded}
-        assert notesvc.client_address(cfg, environ) == client
-
-    def test_trust_proxy_setting_forms(self, make_app):
-        load = notesvc.load_config
-        assert load(env={}).trust_proxy == ()
-        assert load(env={"SERVICE_TRUST_PROXY": "true"}).trust_proxy == ("127.0.0.0/8", "::1/128")
-        assert load(env={"SERVICE_TRUST_PROXY": "192.0.2.5"}).trust_proxy == ("192.0.2.5/32",)
-        app = with_key(make_app(SERVICE_TRUST_PROXY="true"))
-        assert data(app.get(f"{API}/system/config"))["server"]["trustProxy"] == [
-            "127.0.0.0/8",
-            "::1/128",
-        ]
-        network = data(app.get(f"{API}/security/config"))["network"]
-        assert network["trustProxy"] == ["127.0.0.0/8", "::1/128"]
-
-    def test_lockout_window_and_expiry(self):
-        now = [1000.0]
-        lock = notesvc.Lockout(limit=3, window=60, clock=lambda: now[0])
-        lock.fail("a")
-        lock.fail("a")
-        now[0] += 61  # old failures fall out of the window
-        lock.fail("a")
-        assert lock.retry_after("a") == 0
-        lock.fail("a")
-        lock.fail("a")
-        assert lock.retry_after("a") == 60
-        now[0] += 30
-        assert lock.retry_after("a") == 30
-        now[0] += 31
-        assert lock.retry_after("a") == 0
-
-    def test_auth_mode_none_needs_no_key(self, make_app):
-        app = make_app(SERVICE_AUTH_MODE="none")
-        assert data(app.get(f"{API}/system/info"))["version"] == notesvc.__version__
-        assert data(app.get(f"{API}/system/setup"))["auth"]["method"] == "none"
-
-    def test_a_near_miss_key_is_refused(self, anon):
-        key = key_of(anon)
-        other = lambda c: "A" if c != "A" else "B"  # noqa: E731
-        for near in (
-            key[:-1] + other(key[-1]),  # only the last character differs
-            other(key[0]) + key[1:],  # only the first
-            key[:-1],  # a prefix
-            key + "A",  # the key and more
-            key.upper() if key.upper() != key else key.lower(),
-            f" {key}",
-        ):
-            verify = with_key(anon, near).post(
-                f"{API}/auth/verify", status=401, extra_environ={"REMOTE_ADDR": "10.1.1.1"}
-            )
-            assert_error(verify, 401, "UNAUTHORIZED")
-            anon.post(f"{API}/auth/verify", status=401)  # and without a key: nothing leaks
-        assert data(with_key(anon).post(f"{API}/auth/verify"))["valid"] is True
-
-    def test_key_check_takes_as_long_however_much_of_the_key_is_right(self, anon):
-        """Wrong keys sharing all but the last character with the real key are refused as
-        fast as keys wrong from the first character: nothing to learn from the timing.
-
-        Medians over many interleaved pairs, each from a fresh address (no lockout), with a
-        generous bound so it never flakes on a loaded machine. What it can see: an early-exit
-        comparison doing >= 0.5 us of work per matching character fails it; a plain `==` on
-        the key (nanoseconds per character) is below what timing through the app can show.
-        """
-        key = key_of(anon)
-        alphabet = [c for c in string.ascii_letters + string.digits if c not in key[-1] + key[4]]
-        trials = 1000
-        wsgi = anon.app
-
-        def timed_verify(candidate: str, n: int) -> int:
-            addr = f"10.{n >> 16 & 255}.{n >> 8 & 255}.{n & 255}"
-            req = webtest.TestRequest.blank(
-                f"{API}/auth/verify",
-                method="POST",
-                headers={"X-Service-Key": candidate},
-                environ={"REMOTE_ADDR": addr},
-            )
-            started = time.perf_counter_ns()
-            resp = req.get_response(wsgi)
-            took = time.perf_counter_ns() - started
-            assert resp.status_int == 401
-            return took
-
-        for n in range(20):  # warm up
-            timed_verify(key[:-1] + alphabet[n % len(alphabet)], 100_000 + n)
-        late, early, diffs = [], [], []
-        for n in range(trials):
-            c = alphabet[n % len(alphabet)]
-            near = key[:-1] + c  # right up to the last character
-            far = key[:4] + c + key[5:]  # wrong at the first character after "nsk_"
-            if n % 2:
-                t_near, t_far = timed_verify(near, 2 * n), timed_verify(far, 2 * n + 1)
-            else:
-                t_far, t_near = timed_verify(far, 2 * n + 1), timed_verify(near, 2 * n)
-            late.append(t_near)
-            early.append(t_far)
-            diffs.append(t_near - t_far)
-        median = statistics.median(late + early)
-        shift = statistics.median(diffs)
-        ratio = statistics.median(late) / statistics.median(early)
-        assert abs(shift) < 0.25 * median, (shift, median)
-        assert 0.8 < ratio < 1.25, ratio
-
-    def test_rotate_key_cli_while_serving(self, anon, root):
-        old = key_of(anon)
-        client = with_key(anon, old)
-        client.post_json(f"{API}/auth/link", {"clientName": "laptop"})
-        out = run_cli("rotate-key", "--root", str(root))
-        assert out.returncode == 0, out.stderr
-        new = out.stdout.strip()
-        assert re.fullmatch(r"nsk_[A-Za-z0-9_-]{43}", new)
-        # The running app sees the new key at once; the old one is refused.
-        client.post(f"{API}/auth/verify", status=401)
-        fresh = with_key(anon, new)
-        assert data(fresh.post(f"{API}/auth/verify"))["setupComplete"] is True
-        # A later write by the running app keeps the new key.
-        fresh.post_json(f"{API}/auth/link", {"clientName": "tablet"})
-        state = json.loads((root / ".notesvc" / "state.json").read_text())
-        assert state["keyHash"] == notesvc.key_hash(new)
-        assert [c["name"] for c in state["linkedClients"]] == ["laptop", "tablet"]
-        # The setup payload never shows the rotated key once setup is complete.
-        assert new not in anon.get(f"{API}/system/setup").text
-
-
 # -- system ----------------------------------------------------------------------------------
-
-
-class TestSystem:
-    def test_health(self, anon):
-        d = data(anon.get(f"{API}/health"))
-        assert d["status"] == "ok"
-        assert d["version"] == notesvc.__version__
-        assert d["uptimeSeconds"] >= 0
-
-    def test_info(self, client, root):
-        (root / "notes" / "a").mkdir(parents=True)
-        (root / "notes" / "a" / "x.md").write_text("hello")
-        (root / "notes" / "skip.txt").write_text("not a note")
-        d = data(client.get(f"{API}/system/info"))
-        assert d["version"] == notesvc.__version__
-        assert d["notes"] == {"count": 1, "bytes": 5}
-        assert d["python"] == notesvc.platform.python_version()
-        for name in ("serverId", "uptimeSeconds", "platform", "index"):
-            assert name in d
-
-    def test_config_groups_and_no_secrets(self, make_app):
-        secret = "s3cr3t-" + "x" * 40
-        app = make_app(
-            SERVICE_AUTH_MODE="jwt",
-            SERVICE_JWT_SECRET=secret,
-            SERVICE_AGENT_API_KEY="sk-agent-secret",
-            SERVICE_AGENT_BASE_URL="https://user:pw@models.example/v1",
-            SERVICE_CORS_ORIGINS="https://a.example",
-        )
-        d = data(with_key(app).get(f"{API}/system/config"))
-        for group in ("server", "auth", "connection", "agent", "search", "sync", "plugins"):
-            assert group in d
-        assert d["server"]["port"] == 3000
-        assert d["server"]["cors"] == ["https://a.example"]
-        assert d["auth"]["mode"] == "jwt"
-        text = json.dumps(d)
-        for secret_text in (secret, "sk-agent-secret", "pw@", key_of(app)):
-            assert secret_text not in text
-        assert d["agent"]["baseUrl"] == "https://models.example/v1"
 
 
 # -- CORS ----------------------------------------------------------------------------------
 
 
-class TestCors:
-    def test_allowed_origin_gets_headers(self, make_app):
-        app = make_app(SERVICE_CORS_ORIGINS="https://app.example")
-        resp = app.get(f"{API}/health", headers={"Origin": "https://app.example"})
-        assert resp.headers["Access-Control-Allow-Origin"] == "https://app.example"
-        assert "ETag" in resp.headers["Access-Control-Expose-Headers"]
-
-    def test_preflight(self, make_app):
-        app = make_app(SERVICE_CORS_ORIGINS="https://app.example")
-        resp = app.options(
-            f"{API}/notes",
-            headers={
-                "Origin": "https://app.example",
-                "Access-Control-Request-Method": "PUT",
-                "Access-Control-Request-Headers": "x-service-key, if-match",
-            },
-        )
-        assert resp.status_int == 204
-        allowed = resp.headers["Access-Control-Allow-Headers"]
-        for h in ("X-Service-Key", "Content-Type", "Authorization", "If-Match"):
-            assert h in allowed
-        assert "PUT" in resp.headers["Access-Control-Allow-Methods"]
-
-    def test_other_origin_gets_no_cors_headers(self, make_app):
-        app = make_app(SERVICE_CORS_ORIGINS="https://app.example")
-        resp = app.get(f"{API}/health", headers={"Origin": "https://evil.example"})
-        assert "Access-Control-Allow-Origin" not in resp.headers
-        pre = app.options(
-            f"{API}/health",
-            headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "GET"},
-            status="*",
-            expect_errors=True,
-        )
-        assert "Access-Control-Allow-Origin" not in pre.headers
-
-    def test_no_cors_configured_means_no_headers(self, anon):
-        resp = anon.get(f"{API}/health", headers={"Origin": "https://app.example"})
-        assert "Access-Control-Allow-Origin" not in resp.headers
-
-
 # -- self-relay and OpenAPI ---------------------------------------------------------------
 
 
-class TestSelfRelay:
-    def test_relay_prefix_answers_like_the_api(self, anon, client):
-        sid = anon.app.service.state.read()["serverId"]
-        assert data(anon.get(f"/r/{sid}{API}/health"))["status"] == "ok"
-        assert data(client.get(f"/r/{sid}{API}/system/info"))["serverId"] == sid
-        assert_error(anon.get(f"/r/{sid}{API}/system/info", status=401), 401, "UNAUTHORIZED")
-        assert_error(anon.get(f"/r/{sid}{API}/nope", status=404), 404, "NOT_FOUND")
-
-    def test_other_server_id_is_404(self, anon):
-        assert_error(anon.get(f"/r/someoneelse{API}/health", status=404), 404, "NOT_FOUND")
-
-    def test_relay_api_base_from_setup_works(self, anon):
-        base = data(anon.get(f"{API}/system/setup"))["links"]["relayApiBase"]
-        path = base.split("://", 1)[1].split("/", 1)[1]
-        assert data(anon.get(f"/{path}/health"))["status"] == "ok"
-
-    def test_pair_code_resolves(self, anon):
-        code = anon.app.service.state.read()["relayCode"]
-        d = data(anon.get(f"/relay/v1/pair/{code}"))
-        assert d["serverId"] == anon.app.service.state.read()["serverId"]
-        assert d["relayApiBase"].endswith(f"/r/{d['serverId']}/api/v1")
-        assert_error(anon.get("/relay/v1/pair/AAAA-BBBB-CCCC", status=404), 404, "NOT_FOUND")
-
-
-class TestOpenApi:
-    def test_document_and_route_table_agree(self, anon):
-        doc = anon.get(f"{API}/openapi.json").json
-        assert doc["openapi"].startswith("3.1")
-        documented = {
-            (method.upper(), path) for path, ops in doc["paths"].items() for method in ops
-        }
-        routes = {
-            (r.method, notesvc.openapi_path(r.rule))
-            for r in anon.app.service.routes
-            if r.rule.startswith(API)
-        }
-        assert documented == routes
-        # Every route the Bottle app really has under /api/v1 is in the table.
-        bottle_routes = {
-            (r.method, notesvc.openapi_path(r.rule))
-            for r in anon.app.bottle.routes
-            if r.rule.startswith(API)
-        }
-        assert bottle_routes == routes
-        schemes = doc["components"]["securitySchemes"]
-        assert schemes["apiKey"]["name"] == "X-Service-Key"
-        assert schemes["bearerJwt"]["scheme"] == "bearer"
-
-    def test_public_routes_are_marked_public(self, anon):
-        doc = anon.get(f"{API}/openapi.json").json
-        assert doc["paths"]["/api/v1/health"]["get"]["security"] == []
-        assert "security" not in doc["paths"]["/api/v1/system/info"]["get"]
-
-
 # -- command line ------------------------------------------------------------------------
-
-
-class TestCli:
-    @pytest.mark.parametrize(
-        ("args", "env", "names"),
-        [
-            (["--port", "abc"], {}, "--port"),
-            ([], {"SERVICE_PORT": "abc"}, "SERVICE_PORT"),
-            (["--auth-mode", "magic"], {}, "--auth-mode"),
-            (["--auth-mode", "jwt"], {}, "SERVICE_JWT_SECRET"),
-            ([], {"SERVICE_TRUST_PROXY": "perhaps"}, "SERVICE_TRUST_PROXY"),
-            (["--no-such-flag"], {}, "--no-such-flag"),
-        ],
-    )
-    def test_bad_values_exit_2_with_one_line(self, tmp_path, args, env, names):
-        out = run_cli(*args, "--root", str(tmp_path), env=env)
-        assert out.returncode == 2
-        lines = out.stderr.strip().splitlines()
-        assert len(lines) == 1, out.stderr
-        assert names in lines[0]
-        assert "Traceback" not in out.stderr
-
-    def test_version(self):
-        out = run_cli("--version")
-        assert out.returncode == 0
-        assert out.stdout.strip() == f"notesvc {notesvc.__version__}"
-
-    def test_help_lists_every_variable(self):
-        out = run_cli("--help")
-        assert out.returncode == 0
-        for s in notesvc.SETTINGS:
-            assert s.env in out.stdout
-            if s.flag:
-                assert s.flag in out.stdout
-
-    def test_corrupt_state_file_stops_startup_cleanly(self, tmp_path):
-        (tmp_path / ".notesvc").mkdir()
-        (tmp_path / ".notesvc" / "state.json").write_text("{broken")
-        out = run_cli("--root", str(tmp_path), "--port", "0", "--host", "127.0.0.1")
-        assert out.returncode == 2
-        assert "state.json" in out.stderr
-        assert "Traceback" not in out.stderr
 
 
 # -- the HTTP edge: proxies, lockout, connection floods, waitress's own answers ------------
@@ -1208,209 +463,6 @@ def small_bodies(tmp_path_factory):
         yield server
 
 
-class TestEdge:
-    def test_trusted_proxy_gives_https_links_real_clients_and_their_own_lockout(self, tmp_path):
-        env = {"SERVICE_TRUST_PROXY": "true", "SERVICE_SETUP_LOCAL_ONLY": "true"}
-        with running(tmp_path, env=env) as server, ForwardingProxy(server.url) as proxy:
-            setup = f"{API}/system/setup"
-            key = server.request("GET", setup)[2]["data"]["apiKey"]
-            assert re.fullmatch(r"nsk_[A-Za-z0-9_-]{43}", key)  # the owner, on this machine
-            status, body = call(proxy.url, "GET", setup, {"Host": "notes.example"}, "127.0.0.5")
-            assert status == 200
-            assert body["data"]["server"]["url"] == "https://notes.example"
-            assert body["data"]["links"]["directApiBase"] == "https://notes.example/api/v1"
-            # A remote client behind the proxy never sees the key (SERVICE_SETUP_LOCAL_ONLY).
-            remote = call(proxy.url, "GET", setup, source="127.0.0.5")[1]["data"]
-            assert remote["apiKey"] == "nsk_…" + key[-4:]
-            # One remote client's failures lock out that client only.
-            for _ in range(10):
-                status, _ = call(
-                    proxy.url, "POST", f"{API}/auth/verify", {"X-Service-Key": "nsk_x"}, "127.0.0.5"
-                )
-                assert status == 401
-            right = {"X-Service-Key": key}
-            assert call(proxy.url, "POST", f"{API}/auth/verify", right, "127.0.0.5")[0] == 429
-            assert call(proxy.url, "POST", f"{API}/auth/verify", right, "127.0.0.6")[0] == 200
-            assert server.request("POST", f"{API}/auth/verify", headers=right)[0] == 200
-
-    def test_forwarded_headers_from_an_untrusted_peer_are_ignored(self, tmp_path):
-        env = {"SERVICE_TRUST_PROXY": "127.0.0.2", "SERVICE_SETUP_LOCAL_ONLY": "true"}
-        with running(tmp_path, env=env) as server:
-            forged = {
-                "X-Forwarded-For": "203.0.113.9",
-                "X-Forwarded-Proto": "https",
-                "X-Forwarded-Host": "evil.example",
-            }
-            setup = server.request("GET", f"{API}/system/setup", headers=forged)[2]["data"]
-            assert setup["server"]["url"] == server.url  # 127.0.0.1 is not the named proxy
-            key = setup["apiKey"]
-            assert "…" not in key  # the client is the loopback peer, not 203.0.113.9
-            for i in range(10):  # forged addresses do not spread the failures
-                hdrs = {"X-Service-Key": "nsk_x", "X-Forwarded-For": f"203.0.113.{i}"}
-                assert server.request("POST", f"{API}/auth/verify", headers=hdrs)[0] == 401
-            hdrs = {"X-Service-Key": key, "X-Forwarded-For": "203.0.113.77"}
-            assert server.request("POST", f"{API}/auth/verify", headers=hdrs)[0] == 429
-            # The proxy the operator named is trusted.
-            with ForwardingProxy(server.url, source="127.0.0.2") as proxy:
-                _, body = call(
-                    proxy.url, "GET", f"{API}/system/setup", {"Host": "notes.example"}, "127.0.0.5"
-                )
-                assert body["data"]["server"]["url"] == "https://notes.example"
-                right = {"X-Service-Key": key}
-                assert call(proxy.url, "POST", f"{API}/auth/verify", right, "127.0.0.5")[0] == 200
-
-    def test_relayed_failures_never_lock_out_a_loopback_client(self, tmp_path):
-        relay = Server(tmp_path / "relay", "relay", env={"SERVICE_RELAY_TIMEOUT": "5"})
-        server = Server(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url})
-        try:
-            wait_for(lambda: relay_servers(relay) == 1)
-            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
-            verify = f"/r/{setup['serverId']}{API}/auth/verify"
-            for _ in range(10):
-                assert relay.request("POST", verify, headers={"X-Service-Key": "nsk_x"})[0] == 401
-            right = {"X-Service-Key": setup["apiKey"]}
-            assert relay.request("POST", verify, headers=right)[0] == 429  # that client is out
-            # ... but the owner on the server's own machine is not,
-            assert server.request("POST", f"{API}/auth/verify", headers=right)[0] == 200
-            # nor the owner reaching the relay from another address.
-            assert call(relay.url, "POST", verify, right, source="127.0.0.7")[0] == 200
-            assert call(relay.url, "POST", verify, right, source="127.0.0.1")[0] == 429
-        finally:
-            server.stop()
-            relay.stop()
-
-    def test_rebinding_host_gets_the_key_redacted_from_the_real_server(self, tmp_path):
-        with running(tmp_path) as server:
-            key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
-            status, _, body = raw_http(
-                server.port,
-                b"GET /api/v1/system/setup HTTP/1.1\r\nHost: rebind.attacker.example\r\n"
-                b"Connection: close\r\n\r\n",
-            )
-            assert status == 200
-            payload = json.loads(body)["data"]
-            assert payload["apiKey"] == "nsk_…" + key[-4:]
-            assert key not in body.decode()
-
-    @pytest.mark.parametrize(
-        ("case", "headers", "body", "status", "code"),
-        [
-            ("huge", "Content-Length: 100000000000000000000\r\n", b"", 413, "PAYLOAD_TOO_LARGE"),
-            ("just over", "Content-Length: 2049\r\n", b"", 413, "PAYLOAD_TOO_LARGE"),
-            ("negative", "Content-Length: -1\r\n", b"", 400, "VALIDATION_ERROR"),
-            ("not a number", "Content-Length: ten\r\n", b"", 400, "VALIDATION_ERROR"),
-            (
-                "repeated",
-                "Content-Length: 2\r\nContent-Length: 2\r\n",
-                b"{}",
-                400,
-                "VALIDATION_ERROR",
-            ),
-            (
-                "chunked over",
-                "Transfer-Encoding: chunked\r\n",
-                b"bb8\r\n" + b"x" * 3000 + b"\r\n0\r\n\r\n",
-                413,
-                "PAYLOAD_TOO_LARGE",
-            ),
-        ],
-        ids=["huge", "just-over", "negative", "not-a-number", "repeated", "chunked-over"],
-    )
-    def test_waitress_refusals_are_json_envelopes(
-        self, small_bodies, case, headers, body, status, code
-    ):
-        server = small_bodies
-        request = (
-            f"POST {API}/notes HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Service-Key: nsk_x\r\n"
-            f"Content-Type: application/json\r\n{headers}\r\n"
-        ).encode() + body
-        got, resp_headers, resp_body = raw_http(server.port, request)
-        assert got == status, resp_body
-        assert resp_headers["content-type"] == "application/json; charset=utf-8"
-        error = json.loads(resp_body)["error"]
-        assert error["code"] == code
-        assert "waitress" not in resp_body.decode()
-        assert resp_headers["x-request-id"]
-
-    def test_body_of_the_largest_size_passes_chunked_and_plain(self, small_bodies):
-        server = small_bodies
-        key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
-        note = json.dumps({"path": "notes/big.md", "content": ""})
-        note = note.replace('""', '"' + "x" * (2048 - len(note)) + '"').encode()
-        assert len(note) == 2048
-        head = (
-            f"POST {API}/notes HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Service-Key: {key}\r\n"
-            "Content-Type: application/json\r\n"
-        )
-        request = f"{head}Content-Length: {len(note)}\r\n\r\n".encode() + note
-        assert raw_http(server.port, request)[0] == 201
-        small = b'{"path": "notes/chunked.md", "content": "hi"}'
-        chunked = f"{head}Transfer-Encoding: chunked\r\n\r\n".encode()
-        chunked += f"{len(small):x}\r\n".encode() + small + b"\r\n0\r\n\r\n"
-        assert raw_http(server.port, chunked)[0] == 201
-
-    def test_control_characters_in_the_path_are_escaped_in_the_log(self, tmp_path):
-        with running(tmp_path) as server:
-            status, _, _ = raw_http(
-                server.port,
-                b"GET /api/v1/x%0d%0aFORGED%20GET%20/ok%20200\x1b[2J HTTP/1.1\r\n"
-                b"Host: 127.0.0.1\r\nX-Request-Id: edge-log-test-01\r\nConnection: close\r\n\r\n",
-            )
-            assert status == 404
-            wait_for(lambda: any("edge-log-test-01" in line for line in server.lines))
-            forged = [line for line in server.lines if "FORGED" in line]
-            assert len(forged) == 1, forged
-            assert "edge-log-test-01" in forged[0]
-            assert "\\r\\nFORGED GET /ok 200\\x1b[2J" in forged[0]
-            assert "\x1b" not in "".join(server.lines)
-
-    def test_300_idle_connections_do_not_keep_the_owner_out(self, tmp_path, many_files):
-        with running(tmp_path) as server:
-            socks = []
-            try:
-                before = open_fds(server.proc.pid)
-                socks = hold_idle_connections(server.port, 300)
-                wait_for(lambda: open_fds(server.proc.pid) >= before + 300)  # all taken in
-                status, seconds = timed_health(server.port)
-                assert status == 200
-                assert seconds < 1.0
-            finally:
-                for sock in socks:
-                    sock.close()
-
-    def test_a_flood_over_max_connections_closes_the_oldest_idle(self, tmp_path, many_files):
-        with running(tmp_path, env={"SERVICE_MAX_CONNECTIONS": "50"}) as server:
-            socks = []
-            try:
-                socks = hold_idle_connections(server.port, 80)
-                wait_for(lambda: closed_by_peer(socks) >= 80 - 50)  # all taken in, room made
-                status, seconds = timed_health(server.port)
-                assert status == 200
-                assert seconds < 1.0
-                # The server made room by closing the oldest idle connections.
-                closed = 0
-                for sock in socks:
-                    sock.settimeout(0.01)
-                    with contextlib.suppress(TimeoutError, socket.timeout):
-                        closed += sock.recv(1) == b""
-                assert closed >= 80 - 50
-                assert all(sock.recv(1) == b"" for sock in socks[:20]), "the oldest go first"
-            finally:
-                for sock in socks:
-                    sock.close()
-
-    def test_idle_connections_are_closed_after_the_idle_timeout(self, tmp_path):
-        with running(tmp_path, env={"SERVICE_IDLE_TIMEOUT": "1"}) as server:
-            sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
-            try:
-                sock.sendall(b"GET /api/v1/health HTTP/1.1\r\n")
-                started = time.monotonic()
-                assert sock.recv(1) == b""  # closed by the server, not by our time-out
-                assert time.monotonic() - started < 4
-            finally:
-                sock.close()
-
-
 def make_state(root: Path) -> dict:
     """Give root a notesvc state (state.json only, as a first start leaves it); return it."""
     return notesvc.StateStore(root / ".notesvc").read()
@@ -1440,491 +492,6 @@ pathlib.Path({marker!r}).write_text("plugin code ran")
 """
 
 
-class TestCliSafety:
-    """Issue 10, items 6, 10, 11, 13: the CLI is safe as root, honest, and self-explaining."""
-
-    @pytest.mark.parametrize("command", ["audit", "rotate-key"])
-    def test_command_on_root_without_state_refuses_and_creates_nothing(self, tmp_path, command):
-        typo = tmp_path / "typo"
-        out = run_cli(command, "--root", str(typo))
-        assert out.returncode == 2
-        assert out.stderr.splitlines() == [
-            f"notesvc: error: no notesvc state at {typo}/.notesvc "
-            "(start the server there first, or check --root)"
-        ]
-        assert out.stdout == ""
-        assert not typo.exists()
-
-    def test_subcommand_help_lists_only_the_flags_it_reads(self):
-        flags = {s.flag for s in notesvc.SETTINGS if s.flag}
-        for command in notesvc.COMMANDS:
-            out = run_cli(command, "--help")
-            assert out.returncode == 0
-            shown = set(re.findall(r"(--[a-z-]+)", out.stdout)) & flags
-            expected = {
-                s.flag
-                for s in notesvc.SETTINGS
-                if s.flag and command in notesvc.setting_commands(s)
-            }
-            assert shown == expected, command
-        rotate = run_cli("rotate-key", "--help").stdout
-        assert set(re.findall(r"(--[a-z-]+)", rotate)) == {"--help", "--root", "--log-level"}
-        relay = run_cli("relay", "--help").stdout
-        for flag in ("--auth-mode", "--pairing", "--root", "--cors", "--relay-url"):
-            assert flag not in relay
-        assert "SERVICE_RELAY_TIMEOUT" in relay
-        assert "SERVICE_JWT_SECRET" not in relay
-
-    def test_flag_of_another_command_is_refused_in_one_line(self, tmp_path):
-        make_state(tmp_path)
-        out = run_cli("--pairing", "relay", "rotate-key", "--root", str(tmp_path))
-        assert out.returncode == 2
-        assert len(out.stderr.strip().splitlines()) == 1
-        assert "--pairing does not apply to rotate-key" in out.stderr
-
-    def test_rotate_key_ignores_variables_it_does_not_read(self, tmp_path):
-        make_state(tmp_path)
-        out = run_cli("rotate-key", "--root", str(tmp_path), env={"SERVICE_AUTH_MODE": "jwt"})
-        assert out.returncode == 0, out.stderr
-        assert re.fullmatch(r"nsk_[A-Za-z0-9_-]{43}", out.stdout.strip())
-
-    def test_audit_never_runs_plugin_code_and_writes_nothing(self, tmp_path):
-        root = tmp_path / "root"
-        make_state(root)
-        plugins = root / ".notesvc" / "plugins"
-        plugins.mkdir(mode=0o700)
-        marker = tmp_path / "ran.txt"
-        (plugins / "evil_one.py").write_text(MARKER_PLUGIN.format(marker=str(marker)))
-        if os.geteuid() == 0:  # the service's own user owns the state; cron runs as root
-            for path in [root, *root.rglob("*")]:
-                os.chown(path, 65534, 65534)
-        before = tree_snapshot(root)
-        out = run_cli("audit", "--root", str(root), env={"SERVICE_HOST": "127.0.0.1"})
-        assert out.returncode == 0, out.stdout + out.stderr
-        assert not marker.exists()  # the plugin file was never executed
-        assert "evil_one.py" in out.stdout
-        assert "(plugin-evil-one)" in out.stdout
-        assert tree_snapshot(root) == before  # nothing created, rewritten or re-owned
-        assert "no server is running on this root" in out.stdout.splitlines()[1]
-
-    def test_audit_reads_the_running_servers_effective_settings(self, tmp_path):
-        secret = "Zq8vN3xR7tLp2Wc9Hs5Kd1Fg6Jm4Yb0Ue"
-        env = {"SERVICE_AUTH_MODE": "jwt", "SERVICE_JWT_SECRET": secret}
-        with running(tmp_path, "--cors", "*", env=env) as server:
-            record_path = tmp_path / ".notesvc" / "effective.json"
-            assert stat.S_IMODE(record_path.stat().st_mode) == 0o600
-            text = record_path.read_text()
-            assert secret not in text
-            record = json.loads(text)
-            assert record["pid"] == server.proc.pid
-            assert record["startedAt"].endswith("Z")
-            assert record["settings"]["cors"] == ["*"]
-            assert record["settings"]["port"] == server.port
-            assert record["secrets"]["jwt_secret"]["set"] is True
-            assert record["secrets"]["agent_api_key"]["set"] is False
-            assert "jwt_secret" not in record["settings"]
-            # The CLI's own environment says nothing of CORS or JWT: the record wins.
-            out = run_cli("audit", "--root", str(tmp_path))
-            lines = out.stdout.splitlines()
-            assert lines[1].startswith(
-                f"auditing the running server (pid {server.proc.pid}, started "
-            ), lines[:3]
-            assert lines[1].endswith("with its effective settings")
-            assert "(cors-wildcard)" in out.stdout
-            assert "(jwt-mode)" in out.stdout  # a strong secret, judged by recorded figures
-            assert "(jwt-secret-weak)" not in out.stdout
-            assert secret not in out.stdout
-        assert not record_path.exists()  # a clean stop takes the record away
-        out = run_cli("audit", "--root", str(tmp_path))
-        assert "no server is running on this root" in out.stdout.splitlines()[1]
-        assert "(cors-wildcard)" not in out.stdout
-
-    @pytest.mark.skipif(os.name != "posix" or os.geteuid() != 0, reason="needs root")
-    def test_rotate_key_as_root_writes_the_state_as_its_owner(self, tmp_path):
-        folder = tmp_path / ".notesvc"
-        make_state(tmp_path)
-        for path in [tmp_path, folder, *folder.iterdir()]:
-            os.chown(path, 65534, 65534)
-        out = run_cli("rotate-key", "--root", str(tmp_path))
-        assert out.returncode == 0, out.stderr
-        key = out.stdout.strip()
-        for name in ("state.json", "state.lock"):
-            st = (folder / name).stat()
-            assert (st.st_uid, st.st_gid) == (65534, 65534), name
-            assert stat.S_IMODE(st.st_mode) == 0o600
-        state = json.loads((folder / "state.json").read_text())
-        assert state["keyHash"] == notesvc.key_hash(key)
-        assert not list(folder.glob(".tmp-*"))
-
-    def test_rotate_key_as_another_user_names_sudo(self, tmp_path, monkeypatch, capsys):
-        make_state(tmp_path)
-        before = (tmp_path / ".notesvc" / "state.json").read_bytes()
-        owner = (tmp_path / ".notesvc").stat().st_uid
-        monkeypatch.setattr(os, "geteuid", lambda: owner + 4242)  # a user who is not root
-        assert notesvc.main(["rotate-key", "--root", str(tmp_path)]) == 2
-        err = capsys.readouterr().err.strip().splitlines()
-        assert len(err) == 1
-        assert re.search(r"run: sudo -u \S+ .*rotate-key --root ", err[0]), err
-        assert (tmp_path / ".notesvc" / "state.json").read_bytes() == before
-
-    @pytest.mark.skipif(os.name != "posix" or os.geteuid() != 0, reason="needs root")
-    def test_rotate_key_as_a_real_other_user_refuses(self, tmp_path):
-        python = system_python_with_bottle()
-        if python is None:
-            pytest.skip("needs Debian's python3-bottle under /usr/bin/python3")
-        root = Path(tempfile.mkdtemp(prefix="notesvc-other-", dir="/tmp"))
-        try:
-            os.chmod(root, 0o755)
-            make_state(root)
-            os.chmod(root / ".notesvc", 0o755)  # nobody may look, not write
-            os.chmod(root / ".notesvc" / "state.json", 0o644)
-            out = subprocess.run(
-                [python, "-I", NOTESVC, "rotate-key", "--root", str(root)],
-                capture_output=True,
-                text=True,
-                user=65534,
-                timeout=30,
-                cwd="/",
-            )
-            assert out.returncode == 2, out.stderr
-            assert out.stderr.strip().splitlines() == [
-                f"notesvc: error: the state at {root}/.notesvc belongs to root; run: "
-                f"sudo -u root python3 notesvc.py rotate-key --root {root}"
-            ]
-        finally:
-            shutil.rmtree(root)
-
-    def test_banner_without_a_terminal_shows_no_key(self, tmp_path):
-        with running(tmp_path) as server:
-            banner = "".join(server.lines)
-            _, _, body = server.request("GET", f"{API}/system/setup")
-            key = body["data"]["apiKey"]
-            assert key.startswith("nsk_")
-            assert "nsk_" not in banner
-            assert "open the setup URL on this machine" in banner
-            assert f"setup:  {server.url}{API}/system/setup" in banner
-
-    @pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
-    def test_banner_on_a_terminal_shows_the_key(self, tmp_path):
-        master, slave = os.openpty()
-        proc = subprocess.Popen(
-            [
-                sys.executable,
-                NOTESVC,
-                "--port",
-                "0",
-                "--host",
-                "127.0.0.1",
-                "--root",
-                str(tmp_path),
-            ],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=slave,
-            env={**os.environ, "SERVICE_RESCAN_SECONDS": "0"},
-        )
-        os.close(slave)
-        try:
-            text, deadline = "", time.monotonic() + 20
-            while "link:" not in text and time.monotonic() < deadline:
-                ready, _, _ = select.select([master], [], [], 0.5)
-                if ready:
-                    text += os.read(master, 4096).decode(errors="replace")
-            port = re.search(r"listening on http://127\.0\.0\.1:(\d+)", text).group(1)
-            url = f"http://127.0.0.1:{port}{API}/system/setup"
-            with urllib.request.urlopen(url, timeout=10) as resp:
-                key = json.loads(resp.read())["data"]["apiKey"]
-            assert f"key:    {key}" in text
-        finally:
-            proc.terminate()
-            proc.wait(10)
-            os.close(master)
-
-    def test_missing_bottle_prints_one_line_and_exits_2(self, tmp_path):
-        # -I -S: no user or site packages, so neither pip's nor Debian's bottle is found.
-        probe = subprocess.run([sys.executable, "-I", "-S", "-c", "import bottle"])
-        if probe.returncode == 0:
-            pytest.skip("bottle is importable without site-packages here")
-        out = subprocess.run(
-            [sys.executable, "-I", "-S", NOTESVC, "--root", str(tmp_path)],
-            capture_output=True,
-            text=True,
-            timeout=30,
-        )
-        assert out.returncode == 2
-        lines = out.stderr.strip().splitlines()
-        assert len(lines) == 1, out.stderr
-        assert "sudo apt install python3-bottle python3-waitress" in lines[0]
-        assert "pip" in lines[0]
-        assert "Traceback" not in out.stderr
-        assert not (tmp_path / ".notesvc").exists()
-        # `import notesvc` (tests, plugins) still fails the ordinary way.
-        code = f"import sys; sys.path.insert(0, {str(HERE)!r}); import notesvc"
-        imp = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True)
-        assert imp.returncode == 1
-        assert b"ModuleNotFoundError" in imp.stderr
-
-
-class TestServer:
-    def test_real_server_round_trip(self, tmp_path):
-        with running(tmp_path) as server:
-            banner = "".join(server.lines)
-            status, _, body = server.request("GET", f"{API}/system/setup")
-            assert status == 200
-            key = body["data"]["apiKey"]
-            assert key not in banner  # stderr is no terminal here: the key stays off the log
-            assert f"{server.url}{API}/system/setup" in banner
-            status, headers, body = server.request("POST", f"{API}/auth/verify")
-            assert status == 401
-            assert body["error"]["code"] == "UNAUTHORIZED"
-            assert headers["X-Request-Id"]
-            status, _, body = server.request(
-                "POST", f"{API}/auth/link", {"clientName": "cli"}, {"X-Service-Key": key}
-            )
-            assert status == 200
-            assert body["data"]["setupComplete"] is True
-        # After a restart the state is read back: setup stays complete, key stays valid.
-        with running(tmp_path) as server:
-            assert key not in "".join(server.lines)
-            status, _, body = server.request(
-                "POST", f"{API}/auth/verify", headers={"X-Service-Key": key}
-            )
-            assert status == 200
-            assert body["data"]["setupComplete"] is True
-
-    def test_falls_back_to_wsgiref_without_waitress(self, tmp_path):
-        code = (
-            "import sys, runpy; sys.modules['waitress'] = None;"
-            "sys.modules['waitress.server'] = None;"
-            "sys.argv = ['notesvc', '--host', '127.0.0.1', '--port', '0',"
-            f" '--root', {str(tmp_path)!r}];"
-            f"runpy.run_path({NOTESVC!r}, run_name='__main__')"
-        )
-        proc = subprocess.Popen(
-            [sys.executable, "-c", code],
-            stderr=subprocess.PIPE,
-            stdout=subprocess.DEVNULL,
-            text=True,
-            env={**os.environ, "SERVICE_RESCAN_SECONDS": "0"},
-        )
-        try:
-            lines = []
-            for line in proc.stderr:
-                lines.append(line)
-                m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
-                if m:
-                    break
-            assert any("waitress is not installed" in line for line in lines)
-            url = f"http://127.0.0.1:{m.group(1)}{API}/health"
-            with urllib.request.urlopen(url, timeout=10) as resp:
-                assert json.loads(resp.read())["data"]["status"] == "ok"
-        finally:
-            proc.terminate()
-            proc.wait(10)
-            proc.stderr.close()
-
-    def test_module_app_is_built_on_first_use(self, tmp_path):
-        code = "import notesvc; print(type(notesvc.app).__name__, notesvc.app is notesvc.app)"
-        out = subprocess.run(
-            [sys.executable, "-c", code],
-            cwd=tmp_path,
-            capture_output=True,
-            text=True,
-            env={
-                **os.environ,
-                "PYTHONPATH": str(HERE),
-                "SERVICE_NOTES_ROOT": str(tmp_path),
-                "SERVICE_RESCAN_SECONDS": "0",
-            },
-            check=True,
-        )
-        assert out.stdout.split() == ["NotesApp", "True"]
-        assert (tmp_path / ".notesvc" / "state.json").exists()
-
-    def test_second_process_on_same_root_refuses(self, tmp_path):
-        with running(tmp_path):
-            out = run_cli("--root", str(tmp_path), "--port", "0", "--host", "127.0.0.1")
-            assert out.returncode == 2
-            assert "already serving" in out.stderr
-
-    def test_sigterm_stops_cleanly(self, tmp_path):
-        server = Server(tmp_path)
-        try:
-            server.proc.terminate()
-            assert server.proc.wait(10) == 0
-        finally:
-            server.stop()
-
-
-class TestStructure:
-    """The module's shape: sections in data-flow order, and what the Service owns."""
-
-    def test_no_section_uses_a_name_defined_in_a_later_one(self):
-        import ast
-        import bisect
-
-        src = Path(NOTESVC).read_text()
-        tree = ast.parse(src)
-        lines = src.splitlines()
-        banners = [i + 1 for i, line in enumerate(lines) if line.startswith("# == ")]
-
-        def section(lineno: int) -> int:
-            return bisect.bisect_right(banners, lineno)
-
-        defined: dict = {}
-        for node in tree.body:
-            names = []
-            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
-                names = [node.name]
-            elif isinstance(node, ast.Assign):
-                names = [n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)]
-            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-                names = [node.target.id]
-            for name in names:
-                defined.setdefault(name, section(node.lineno))
-
-        class Uses(ast.NodeVisitor):  # every name loaded, annotations left out
-            def __init__(self):
-                self.names: list = []
-
-            def visit_arg(self, node):
-                pass
-
-            def visit_FunctionDef(self, node):
-                for part in [*node.decorator_list, *node.args.defaults, *node.body]:
-                    self.visit(part)
-                for default in node.args.kw_defaults:
-                    if default is not None:
-                        self.visit(default)
-
-            visit_AsyncFunctionDef = visit_FunctionDef
-
-            def visit_AnnAssign(self, node):
-                if node.value is not None:
-                    self.visit(node.value)
-
-            def visit_Name(self, node):
-                if isinstance(node.ctx, ast.Load):
-                    self.names.append((node.lineno, node.id))
-
-        outline = [lines[b - 1][5:].strip(" =") for b in banners]
-        late = []
-        for node in tree.body:
-            uses = Uses()
-            uses.visit(node)
-            here = section(node.lineno)
-            late += [
-                f"line {line}: {name} (defined in {outline[defined[name] - 1]})"
-                for line, name in uses.names
-                if defined.get(name, 0) > here
-            ]
-        assert late == []
-        assert outline.index("Service") == outline.index("State and auth") + 1
-        assert outline.index("Web client") < outline.index("Relay") < outline.index("HTTP")
-
-    def test_service_declares_every_attribute_in_init(self, anon):
-        svc = anon.app.service
-        declared = set(vars(notesvc.build_service(svc.config, readonly=True)))
-        assert set(vars(svc)) <= declared
-
-    def test_a_failed_index_update_is_retried_by_the_next_rescan(self, make_app, caplog):
-        client = with_key(make_app())
-        svc = client.app.service
-
-        class FlakyIndex(notesvc.SearchIndex):  # the write happens; indexing it fails once
-            failed = False
-
-            def add(self, *args, **kwargs):
-                if not FlakyIndex.failed:
-                    FlakyIndex.failed = True
-                    raise RuntimeError("index full of gremlins")
-                return super().add(*args, **kwargs)
-
-        svc.index = FlakyIndex()
-        svc.sync_index()
-        caplog.set_level("ERROR", logger="notesvc")
-        rid = "gremlin-request-1"
-        client.post_json(
-            f"{API}/notes",
-            {"path": "notes/g.md", "content": "kumquat"},
-            headers={"X-Request-Id": rid},
-            status=201,
-        )
-        assert any(rid in r.getMessage() and "notes/g.md" in r.getMessage() for r in caplog.records)
-        assert search(client, "kumquat")["total"] == 0  # not indexed yet
-        svc.sync_index()  # what the rescan runs
-        assert search(client, "kumquat")["total"] == 1
-
-
-class TestDocs:
-    def test_readme_example_plugin_works(self, make_app, root):
-        readme = (HERE / "README.md").read_text()
-        code = re.search(r"```python\n(import notesvc\n.*?)```", readme, re.S).group(1)
-        assert len([line for line in code.splitlines() if line.strip()]) <= 10
-        (root / ".notesvc" / "plugins").mkdir(parents=True)
-        (root / ".notesvc" / "plugins" / "wordcount.py").write_text(code)
-        client = with_key(make_app())
-        put_note(client, "notes/a.md", "one two three")
-        put_note(client, "notes/b.md", "four five")
-        assert data(client.get(f"{API}/plugins/wordcount/totals")) == {"words": 5, "notes": 2}
-
-    def test_readme_documents_every_setting(self):
-        readme = (HERE / "README.md").read_text()
-        for s in notesvc.SETTINGS:
-            assert f"`{s.env}`" in readme, s.env
-            if s.flag:
-                assert f"`{s.flag}`" in readme, s.flag
-
-    def test_readme_starts_with_the_debian_command_then_the_venv_ones(self):
-        readme = (HERE / "README.md").read_text()
-        blocks = re.findall(r"```sh\n(.*?)```", readme, re.S)
-        assert blocks[0].strip() == (
-            "sudo apt install python3-bottle python3-waitress && python3 notesvc.py"
-        )
-        assert blocks[1].strip() == (
-            "python3 -m venv .venv && .venv/bin/pip install . && .venv/bin/notesvc"
-        )
-        assert blocks[2].strip() == (
-            "python3 -m venv .venv && .venv/bin/pip install '.[test]' && .venv/bin/pytest"
-        )
-
-    def test_readme_banner_samples_match_the_real_banner(self, monkeypatch, capsys):
-        readme = (HERE / "README.md").read_text()
-        blocks = re.findall(r"\n   ```\n((?:   .*\n)+?)   ```", readme)
-        sample = next(b for b in blocks if " serving " in b).replace("\n   ", "\n")[3:]
-        key = re.search(r"nsk_[A-Za-z0-9_-]{43}", sample).group(0)
-        config = notesvc.load_config(env={"SERVICE_NOTES_ROOT": "/home/pi/data"})
-        state = {"setupComplete": False, "apiKey": key}
-        host = f"http://{platform.node() or 'this-host'}:3000"
-
-        class Terminal(io.StringIO):
-            def isatty(self) -> bool:
-                return True
-
-        terminal = Terminal()
-        monkeypatch.setattr(sys, "stderr", terminal)
-        notesvc.print_banner(config, state, 3000)
-        assert terminal.getvalue().replace(host, "http://raspberrypi:3000") == sample
-        monkeypatch.undo()
-        notesvc.print_banner(config, state, 3000)  # to pytest's capture: no terminal
-        journal = capsys.readouterr().err
-        assert key not in journal
-        key_line = next(line for line in journal.splitlines() if "key:" in line)
-        assert f"```\n   {key_line}\n   ```" in readme  # indented in a list item
-
-    def test_readme_lists_every_subcommand_and_the_proxy_example(self):
-        readme = (HERE / "README.md").read_text()
-        for command in notesvc.COMMANDS:
-            assert re.search(rf"^\| `{command}`", readme, re.M), command
-        caddyfile = (HERE / "deploy" / "Caddyfile").read_text()
-        assert "reverse_proxy 127.0.0.1:3000" in caddyfile
-        proxy = readme[readme.index("## Behind a reverse proxy") :]
-        assert "SERVICE_TRUST_PROXY=true" in proxy
-        assert "SERVICE_PUBLIC_URL=https://" in proxy
-        for kept in ("notes/", ".notesvc/state.json", ".notesvc/trash/", ".notesvc/effective.json"):
-            assert f"`{kept}`" in readme[readme.index("## Backup and restore") :], kept
-
-
 # -- notes ---------------------------------------------------------------------------
 
 
@@ -1934,6 +501,2326 @@ def note_url(path: str) -> str:
 
 def put_note(client, path: str, content: str = "text"):
     return client.post_json(f"{API}/notes", {"path": path, "content": content}, status=201)
+
+
+HOSTILE_PATHS = [
+    ("../etc/passwd.md", "start with notes/"),
+    ("notes/../../etc/passwd.md", "'..'"),
+    ("notes/a/../../x.md", "'..'"),
+    ("notes/./x.md", "'.'"),
+    ("/etc/passwd.md", "relative"),
+    ("/notes/x.md", "relative"),
+    ("notes\\..\\x.md", "backslash"),
+    ("notes/a\\b.md", "backslash"),
+    ("notes/x\x00.md", "control"),
+    ("notes/x\n.md", "control"),
+    ("notes/.hidden.md", "hidden"),
+    ("notes/.git/config.md", "hidden"),
+    ("notes/.md", "hidden"),
+    ("notes//x.md", "empty segment"),
+    ("notes/x.txt", ".md"),
+    ("notes", ".md"),
+    ("notes/", "empty segment"),
+    ("other/x.md", "start with notes/"),
+    ("x.md", "start with notes/"),
+    ("notes/a:b.md", "forbidden"),
+    ("notes/a*b.md", "forbidden"),
+    ("notes/a?b.md", "forbidden"),
+    ('notes/a"b.md', "forbidden"),
+    ("notes/a<b>.md", "forbidden"),
+    ("notes/a|b.md", "forbidden"),
+    ("notes/" + "x" * 256 + ".md", "255 bytes"),
+    ("notes/" + "é" * 130 + ".md", "255 bytes"),
+    ("notes/" + "/".join(["abcdefgh"] * 60) + ".md", "512"),
+    ("", "empty"),
+    ("notes/invoice\u202egpj.md", "bidi"),
+    ("notes/a\u202ab.md", "bidi"),
+    ("notes/\u2066x\u2069.md", "bidi"),
+    ("notes/a\u200bb.md", "zero-width"),
+    ("notes/a\u200d/b.md", "zero-width"),
+    ("notes/x\u2060.md", "zero-width"),
+    ("notes/\ufeffx.md", "zero-width"),
+]
+
+
+SLOW_PLUGIN = """
+import pathlib
+import time
+import notesvc
+
+def build(notes):
+    pathlib.Path(__file__).with_name("slow.started").touch()  # for the test to see
+    time.sleep(1.5)  # a plugin's slow computation over the notes
+    return len(notes)
+
+def count(svc):
+    return {"notes": notesvc.derived(svc, "slow-count", build)}
+
+PLUGIN = notesvc.Plugin(name="slow", routes=(notesvc.PluginRoute("GET", "/count", count),))
+"""
+
+MiB = 1024 * 1024
+BRACKET_NOTES = {  # 1 MiB notes that made the link scan quadratic
+    "notes/open.md": "[" * MiB,
+    "notes/wiki.md": "[[" * (MiB // 2),
+    "notes/mixed.md": ("[](" * (MiB // 3) + "[[a|" + "](x.md" * 1000)[:MiB],
+}
+
+
+def timed(fn, *args):
+    started = time.perf_counter()
+    result = fn(*args)
+    return result, time.perf_counter() - started
+
+
+def tree_paths(node: dict) -> list:
+    return [node["path"]] + [p for child in node.get("children", []) for p in tree_paths(child)]
+
+
+# -- folders ----------------------------------------------------------------------------
+
+
+# -- attachments ---------------------------------------------------------------------------
+
+PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 8  # 2056 bytes, every byte value
+
+
+def att_url(path: str) -> str:
+    return f"{API}/attachments/{urllib.parse.quote(path, safe='')}"
+
+
+def multipart(*parts: tuple, boundary: str = "b0undary-1234") -> tuple:
+    """Return (body, content type) of a form: parts are (name, value[, filename[, type]])."""
+    out = b""
+    for part in parts:
+        name, value = part[0], part[1]
+        value = value if isinstance(value, bytes) else value.encode()
+        head = f'Content-Disposition: form-data; name="{name}"'
+        if len(part) > 2:
+            ctype = part[3] if len(part) > 3 else "application/octet-stream"
+            head += f'; filename="{part[2]}"\r\nContent-Type: {ctype}'
+        out += f"--{boundary}\r\n{head}\r\n\r\n".encode() + value + b"\r\n"
+    out += f"--{boundary}--\r\n".encode()
+    return out, f"multipart/form-data; boundary={boundary}"
+
+
+def post_form(client, body: bytes, ctype: str, status: int = 201):
+    """POST a form as it is (WebTest's post() would encode a multipart body again)."""
+    return client.request(
+        f"{API}/attachments",
+        method="POST",
+        body=body,
+        headers={"Content-Type": ctype},
+        status=status,
+    )
+
+
+def upload(client, path: str, data: bytes = PNG, status: int = 201, **headers):
+    return client.put(
+        att_url(path),
+        data,
+        headers={"Content-Type": "application/octet-stream", **headers},
+        status=status,
+    )
+
+
+def leftovers(root: Path) -> list:
+    """Return temp files under the attachments and the notes (the state folder's index
+    cache has its own, written in the background)."""
+    return [
+        p
+        for top in (root / "attachments", root / "notes")
+        for p in top.rglob("*")
+        if p.name.startswith(".tmp-")
+    ]
+
+
+# -- search ------------------------------------------------------------------------------
+
+
+# -- history, trash and the change feed -------------------------------------------------
+
+
+def versions_of(client, path: str, status: int = 200, **params) -> dict:
+    query = f"?{urllib.parse.urlencode(params)}" if params else ""
+    return data(client.get(note_url(path) + "/versions" + query, status=status))
+
+
+def versions_of_raw(client, path: str, status: int):
+    return client.get(note_url(path) + "/versions", status=status)
+
+
+def version_contents(client, path: str) -> list:
+    """Return the contents of a note's versions, newest first."""
+    found = versions_of(client, path)["versions"]
+    return [data(client.get(f"{note_url(path)}/versions/{v['id']}"))["content"] for v in found]
+
+
+def feed(client, since: int = 0, **params) -> dict:
+    query = urllib.parse.urlencode({"since": since, **params})
+    return data(client.get(f"{API}/changes?{query}"))
+
+
+def update(client, path: str, content: str, **kwargs):
+    return client.put_json(note_url(path), {"content": content}, **kwargs)
+
+
+def web_channel(client) -> dict:
+    return data(client.post_json(f"{API}/channels", {"provider": "web", "config": {}}, status=201))
+
+
+def save_by_channel(client, channel: dict, text: str) -> dict:
+    anon = webtest.TestApp(client.app)
+    headers = {"X-Service-Channel-Secret": channel["secret"]}
+    return data(anon.post_json(f"{API}/channels/webhook/web", web_update(text), headers=headers))
+
+
+def trash_items(client) -> list:
+    return data(client.get(f"{API}/trash"))["items"]
+
+
+def plant_in_trash(root: Path, path: str, content: bytes, when: float | None = None) -> Path:
+    """Put a file into the trash the way a delete does (attachments' deletes included)."""
+    stamp = time.strftime("%Y%m%dT%H%M%S.000000Z", time.gmtime(when or time.time()))
+    target = root / ".notesvc" / "trash" / stamp / path
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(content)
+    return target
+
+
+def long_poll(server: Server, since: int, wait: float, prefix: str = "", headers=None) -> tuple:
+    """Return (status, headers, data, seconds) of one change-feed request."""
+    started = time.monotonic()
+    status, hdrs, body = server.request(
+        "GET", f"{prefix}{API}/changes?since={since}&wait={wait}", headers=headers
+    )
+    return status, hdrs, (body or {}).get("data"), time.monotonic() - started
+
+
+def feed_waiting(server: Server, prefix: str = "", headers=None) -> int:
+    return server.request("GET", f"{prefix}{API}/system/info", headers=headers)[2]["data"][
+        "changes"
+    ]["waiting"]
+
+
+def search(client, q: str, status: int = 200, **params) -> dict:
+    resp = client.get(f"{API}/search", {"q": q, **params}, status=status)
+    return resp.json["data"] if status == 200 else resp
+
+
+def hits(client, q: str, **params) -> list:
+    return [r["path"] for r in search(client, q, **params)["results"]]
+
+
+# -- the index against a brute-force BM25; its files, crashes and restarts ------------------
+
+REF_WORDS = (
+    "apple apples banana bananas cherry garden gardens gardening kitchen keys key spare blue "
+    "flowerpot drawer window windows running runs run walked walking walk river mountain coffee "
+    "recipe recipes the a of and to in note notes meeting meetings plan plans zebra yak "
+    "xylophone quokka narwhal pelican otter heron café crème brûlée"
+).split()
+
+
+def make_ref_notes(rnd: random.Random, n: int, start: int = 0) -> dict:
+    """Return {path: text} of n generated notes over REF_WORDS (some without a heading)."""
+    notes = {}
+    for i in range(start, start + n):
+        folder = rnd.choice(["notes", "notes/work", "notes/home", "notes/work/deep"])
+        vocab = REF_WORDS[: rnd.choice((20, 40, len(REF_WORDS)))]
+        body = " ".join(rnd.choice(vocab) for _ in range(rnd.randint(3, 80)))
+        if rnd.random() < 0.8:
+            title = " ".join(rnd.choice(REF_WORDS) for _ in range(rnd.randint(1, 3)))
+            body = f"# {title}\n\n{body}\n"
+        notes[f"{folder}/n{i:05d}.md"] = body
+    return notes
+
+
+def write_notes(root: Path, notes: dict) -> None:
+    for path, text in notes.items():
+        target = root / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text, encoding="utf-8")
+
+
+class ReferenceBM25:
+    """A brute-force BM25 over notesvc's tokens: every fast path must give its answers.
+
+    Score: for each clause, alternative and term (a phrase's terms one by one, a prefix's
+    expansions), in body (weight 1) and title (weight 2): idf * tf (k1 + 1) / (tf + k1 (1 - b
+    + b dl / avgdl)), with Lucene's idf, k1 1.2, b 0.75; ties ordered by path.
+    """
+
+    def __init__(self, notes: dict):
+        self.docs = {}
+        words: set = set()
+        for path, text in notes.items():
+            text = unicodedata.normalize("NFC", text)
+            title = notesvc.note_title(text, path)
+            self.docs[path] = (notesvc.tokenize(text), notesvc.tokenize(title))
+            for part in (text, title):
+                words.update(re.findall(r"\w+", notesvc.fold(part)))
+        self.words = sorted(words)
+        self.n = len(self.docs)
+        self.df: list = [{}, {}]
+        for toks in self.docs.values():
+            for f in (0, 1):
+                for t in set(toks[f]):
+                    self.df[f][t] = self.df[f].get(t, 0) + 1
+        self.avg = [max(sum(len(t[f]) for t in self.docs.values()) / self.n, 1.0) for f in (0, 1)]
+
+    def _resolve(self, alt: tuple) -> tuple:
+        kind, arg = alt
+        if kind == "prefix":  # the first 1024 words, their stems, commonest 64 in bodies
+            first = [w for w in self.words if w.startswith(arg)][:1024]
+            stems = sorted({notesvc.stem(w) for w in first})
+            return kind, sorted(stems, key=lambda s: (-self.df[0].get(s, 0), s))[:64]
+        return kind, [arg] if kind == "word" else list(arg)
+
+    @staticmethod
+    def _matches(toks: tuple, alt: tuple) -> bool:
+        kind, stems = alt
+        if kind != "phrase":
+            return any(s in toks[0] or s in toks[1] for s in stems)
+        k = len(stems)
+        return any(field[i : i + k] == stems for field in toks for i in range(len(field) - k + 1))
+
+    def _score(self, toks: tuple, clauses: list) -> float:
+        score = 0.0
+        for clause in clauses:
+            for _, stems in clause:
+                for s in stems:
+                    for f, weight in ((0, 1.0), (1, 2.0)):
+                        tf = toks[f].count(s)
+                        if tf:
+                            df = self.df[f][s]
+                            idf = math.log(1 + (self.n - df + 0.5) / (df + 0.5))
+                            norm = 1.2 * (1 - 0.75 + 0.75 * len(toks[f]) / self.avg[f])
+                            score += weight * idf * tf * 2.2 / (tf + norm)
+        return score
+
+    def search(self, q: str, folder: str = "") -> tuple:
+        query = notesvc.Query(q)
+        clauses = [[self._resolve(a) for a in clause] for clause in query.clauses]
+        excludes = [self._resolve(a) for a in query.excludes]
+        prefix = folder.rstrip("/") + "/" if folder else ""
+        found = []
+        for path, toks in self.docs.items():
+            if not path.startswith(prefix):
+                continue
+            wanted = all(any(self._matches(toks, a) for a in c) for c in clauses)
+            if wanted and not any(self._matches(toks, a) for a in excludes):
+                found.append((self._score(toks, clauses), path))
+        found.sort(key=lambda h: (-h[0], h[1]))
+        return len(found), found
+
+
+def assert_answers_like(index: notesvc.SearchIndex, ref: ReferenceBM25, q: str, folder=""):
+    total, results = index.search(notesvc.Query(q), folder, 10, 0)
+    want_total, want = ref.search(q, folder)
+    assert total == want_total, q
+    assert len(results) == min(10, want_total), q
+    for i, (path, _, score, _) in enumerate(results):
+        best = want[i][0]
+        assert abs(score - best) <= max(1e-4 * best, 6e-5), (q, i, path, score, want[i])
+        if path != want[i][1]:  # only equal scores may come in another order
+            tied = {p for s, p in want if abs(s - best) <= 1e-9 * max(best, 1.0)}
+            assert path in tied, (q, i, path, want[:10])
+
+
+def ref_queries(rnd: random.Random, notes: dict) -> list:
+    """Single words (common, rare, folded forms), AND, OR, exclusions, prefixes, phrases."""
+    qs = ["apple", "keys", "key", "garden", "the", "zebra", "café", "CREME", "runs", "walking"]
+    qs += ["ap*", "gard*", "ke*", "wa*", "run*", "me*", "cr*", "zz*"]
+    for _ in range(12):
+        qs.append(" ".join(rnd.sample(REF_WORDS[:30], rnd.choice((2, 3)))))
+        qs.append(f"{rnd.choice(REF_WORDS)} OR {rnd.choice(REF_WORDS)}")
+        qs.append(f"{rnd.choice(REF_WORDS[:20])} -{rnd.choice(REF_WORDS[:20])}")
+        prefix = rnd.choice([w for w in REF_WORDS[10:40] if len(w) > 3])[:3]
+        qs.append(f"{rnd.choice(REF_WORDS[:10])} {prefix}*")
+    bodies = sorted(notes.values())
+    for _ in range(12):
+        words = re.findall(r"\w+", rnd.choice(bodies))
+        if len(words) > 3:
+            j = rnd.randrange(len(words) - 2)
+            qs.append(f'"{words[j]} {words[j + 1]}"')
+            qs.append(f'{words[j]} -"{words[j + 1]} {words[j + 2]}"')
+    return qs
+
+
+@pytest.fixture
+def disk_index(tmp_path):
+    """A SearchIndex kept under tmp_path/.notesvc, reading notes from tmp_path/notes."""
+    state = tmp_path / ".notesvc"
+    state.mkdir()
+    (tmp_path / "notes").mkdir()
+    index = notesvc.SearchIndex.open(state, notesvc.NoteStore(tmp_path / "notes", state / "trash"))
+    yield index
+    index.close()
+
+
+def change_notes(rnd: random.Random, index, notes: dict, root: Path, count: int) -> None:
+    """Rewrite count notes on disk and in the index, the way the API's listener does."""
+    for path in rnd.sample(sorted(notes), count):
+        text = " ".join(rnd.choice(REF_WORDS) for _ in range(rnd.randint(1, 60)))
+        if rnd.random() < 0.5:
+            text = f"# {rnd.choice(REF_WORDS)} title\n{text}"
+        notes[path] = text
+        (root / path).write_text(text, encoding="utf-8")
+        st = (root / path).stat()
+        index.add(path, text, st.st_size, st.st_mtime_ns)
+
+
+def remove_notes(rnd: random.Random, index, notes: dict, root: Path, count: int) -> None:
+    for path in rnd.sample(sorted(notes), count):
+        del notes[path]
+        (root / path).unlink()
+        index.remove(path)
+
+
+def index_files(root: Path) -> list:
+    return sorted(p.name for p in (root / ".notesvc" / "index").iterdir())
+
+
+def damage_index(root: Path, damage: str) -> None:
+    state = root / ".notesvc"
+    segment = next(p for p in sorted((state / "index").iterdir()) if p.suffix == ".seg")
+    raw = segment.read_bytes()
+    commit = state / "index.cache"
+    if damage == "commit truncated":
+        commit.write_bytes(commit.read_bytes()[:-7])
+    elif damage == "commit random bytes":
+        commit.write_bytes(os.urandom(commit.stat().st_size))
+    elif damage == "commit flipped byte":
+        data = bytearray(commit.read_bytes())
+        data[len(data) // 3] ^= 0x55
+        commit.write_bytes(bytes(data))
+    elif damage == "segment truncated":
+        segment.write_bytes(raw[: len(raw) // 2])
+    elif damage == "segment random bytes":
+        segment.write_bytes(os.urandom(len(raw)))
+    elif damage == "segment flipped bytes":  # the frame is intact: only the checksum tells
+        data = bytearray(raw)
+        for at in range(64, len(data) // 2, 97):
+            data[at] ^= 0xFF
+        segment.write_bytes(bytes(data))
+    elif damage == "segment empty":
+        segment.write_bytes(b"")
+    elif damage == "segment missing":
+        segment.unlink()
+    elif damage == "segment of another index":
+        vocab = notesvc._Vocab()
+        seg = notesvc.MemorySegment(vocab)
+        seg.add(vocab.analyse("notes/zz.md", "unrelated words only", 20, 1), (3.0, 1.0))
+        with open(segment, "wb") as f:
+            notesvc.write_segment(f, [seg], [set()], [({}, {})])
+
+
+def wait_until(predicate, timeout: float = 30, step: float = 0.002):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(step)
+    raise AssertionError("timed out waiting")
+
+
+def temp_files(index_dir: Path) -> list:
+    with contextlib.suppress(FileNotFoundError):
+        return [p for p in index_dir.iterdir() if p.name.startswith(".tmp-")]
+    return []
+
+
+def unique_notes(n: int, start: int = 0) -> dict:
+    """Notes that each hold the word "common" and a word of their own (u<number>x)."""
+    return {
+        f"notes/d{i % 7}/n{i:05d}.md": f"# Note {i}\n\ncommon words u{i}x and then some more "
+        f"filler text {i % 13} to make it a note"
+        for i in range(start, start + n)
+    }
+
+
+def assert_server_answers(server, notes: dict) -> None:
+    status, _, body = server.request("GET", f"{API}/search?q=common&limit=1")
+    assert status == 200
+    assert body["data"]["total"] == len(notes)
+    for path in sorted(notes)[:: max(1, len(notes) // 25)]:
+        word = re.search(r"u\d+x", notes[path]).group(0)
+        _, _, body = server.request("GET", f"{API}/search?q={word}")
+        assert [r["path"] for r in body["data"]["results"]] == [path], word
+
+
+# -- agent and channels: loopback stand-ins for the outside services -------------------------
+
+
+class FakeUpstream:
+    """A loopback HTTP server speaking the OpenAI chat-completions and /audio/transcriptions,
+    Telegram Bot API and WhatsApp Cloud API formats.
+
+    `requests` records what it is sent (chat completions, sendMessage, WhatsApp messages,
+    transcriptions); the Bot API's own bookkeeping, which pollers call in the background
+    (getUpdates, setWebhook, deleteWebhook, getFile), goes to `bot_calls`, and GETs
+    (file and media downloads) to `downloads`. Telegram updates queued with push() are
+    handed out by getUpdates with Telegram's offset rules and long-poll time-out (held at
+    most `max_hold` seconds); setWebhook makes getUpdates answer 409 until deleteWebhook.
+    """
+
+    BOT_METHODS = ("getUpdates", "setWebhook", "deleteWebhook", "getFile", "getMe")
+    WHATSAPP_TOKEN = "EAAG-whatsapp-token"
+
+    def __init__(self):
+        self.requests: list = []
+        self.bot_calls: list = []
+        self.downloads: list = []
+        self.status = 200
+        self.delay = 0.0
+        self.reply = "The spare keys are under the blue flowerpot (notes/home/keys.md)."
+        self.raw = None  # bytes to answer instead of the usual JSON
+        self.updates: list = []  # queued Telegram updates (push)
+        self.next_update_id = 500000
+        self.max_hold = 1.0
+        self.polls = 0
+        self.poll_status = 200  # getUpdates answers this (e.g. 401: a revoked token)
+        self.poll_error = "Unauthorized"  # ... with this description
+        self.webhook: dict | None = None
+        self.webhook_error = ""  # setWebhook refuses with this description
+        self.files: dict = {}  # Telegram file_id -> (file_path, bytes)
+        self.media: dict = {}  # WhatsApp media id -> (mime type, bytes)
+        self.transcript = "Remember to buy oat milk and call the plumber."
+        self.closed = False
+        self.cond = threading.Condition()
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _send(self, status: int, payload: bytes, ctype: str = "application/json"):
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                with contextlib.suppress(OSError):
+                    self.wfile.write(payload)
+
+            def do_POST(self):
+                length = int(self.headers.get("Content-Length", 0))
+                raw = self.rfile.read(length)
+                path = self.path.split("?")[0]
+                method = path.rsplit("/", 1)[-1]
+                if path.endswith("/audio/transcriptions"):
+                    form = fake.parse_form(raw, self.headers.get("Content-Type", ""))
+                    fake.requests.append(
+                        {"path": self.path, "headers": dict(self.headers), "form": form}
+                    )
+                    if "file" not in form:
+                        return self._send(400, b'{"error": {"message": "no file"}}')
+                    return self._send(200, json.dumps({"text": fake.transcript}).encode())
+                body = json.loads(raw or b"null")
+                if path.startswith("/bot") and method in fake.BOT_METHODS:
+                    fake.bot_calls.append({"path": self.path, "json": body})
+                    status, answer = fake.bot_api(method, body)
+                    return self._send(status, json.dumps(answer).encode())
+                fake.requests.append(
+                    {"path": self.path, "headers": dict(self.headers), "json": body}
+                )
+                time.sleep(fake.delay)
+                payload = (
+                    fake.raw
+                    if fake.raw is not None
+                    else json.dumps(fake.answer(self.path, body)).encode()
+                )
+                self._send(fake.status, payload)
+
+            def do_GET(self):
+                path = urllib.parse.unquote(self.path.split("?")[0])
+                fake.downloads.append({"path": path, "headers": dict(self.headers)})
+                m = re.match(r"^/file/bot[^/]+/(.+)$", path)
+                if m:
+                    found = [data for p, data in fake.files.values() if p == m.group(1)]
+                    if not found:
+                        return self._send(404, b'{"ok": false, "description": "Not Found"}')
+                    return self._send(200, found[0], "application/octet-stream")
+                bearer = self.headers.get("Authorization") == f"Bearer {fake.WHATSAPP_TOKEN}"
+                m = re.match(r"^/v21\.0/([^/]+)$", path)
+                if m and m.group(1) in fake.media:
+                    if not bearer:
+                        return self._send(401, b'{"error": {"code": 190}}')
+                    mime, data = fake.media[m.group(1)]
+                    info = {
+                        "messaging_product": "whatsapp",
+                        "url": f"{fake.url}/whatsapp-media/{m.group(1)}?ext=1",
+                        "mime_type": mime,
+                        "file_size": len(data),
+                        "id": m.group(1),
+                    }
+                    return self._send(200, json.dumps(info).encode())
+                m = re.match(r"^/whatsapp-media/([^/]+)$", path)
+                if m and m.group(1) in fake.media:
+                    if not bearer:
+                        return self._send(401, b"")
+                    mime, data = fake.media[m.group(1)]
+                    return self._send(200, data, mime)
+                self._send(404, b'{"error": "unknown path"}')
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+        ).start()
+
+    @staticmethod
+    def parse_form(raw: bytes, ctype: str) -> dict:
+        """Return {name: (filename, bytes)} of a multipart/form-data body."""
+        import email.parser
+        import email.policy
+
+        msg = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
+            f"Content-Type: {ctype}\r\n\r\n".encode() + raw
+        )
+        if not msg.is_multipart():
+            return {}
+        return {
+            part.get_param("name", header="content-disposition"): (
+                part.get_filename(),
+                part.get_payload(decode=True),
+            )
+            for part in msg.iter_parts()
+        }
+
+    def push(self, update: dict) -> int:
+        """Queue a Telegram update for getUpdates; return its update_id."""
+        with self.cond:
+            self.next_update_id += 1
+            self.updates.append({**update, "update_id": self.next_update_id})
+            self.cond.notify_all()
+            return self.next_update_id
+
+    def add_file(self, file_id: str, file_path: str, data: bytes) -> None:
+        self.files[file_id] = (file_path, data)
+
+    def bot_api(self, method: str, body: dict) -> tuple:
+        if method == "getUpdates":
+            if self.poll_status != 200:
+                answer = {
+                    "ok": False,
+                    "error_code": self.poll_status,
+                    "description": self.poll_error,
+                }
+                return self.poll_status, answer
+            if self.webhook is not None:
+                return 409, {
+                    "ok": False,
+                    "error_code": 409,
+                    "description": "Conflict: can't use getUpdates method while webhook is "
+                    "active; use deleteWebhook to delete the webhook first",
+                }
+            offset = body.get("offset", 0)
+            deadline = time.monotonic() + min(body.get("timeout", 0), self.max_hold)
+            with self.cond:
+                self.polls += 1
+                self.updates = [u for u in self.updates if u["update_id"] >= offset]
+                while not self.updates and not self.closed:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self.cond.wait(left)
+                return 200, {"ok": True, "result": list(self.updates[:100])}
+        if method == "setWebhook":
+            if self.webhook_error:
+                return 400, {"ok": False, "error_code": 400, "description": self.webhook_error}
+            self.webhook = body
+            return 200, {"ok": True, "result": True, "description": "Webhook was set"}
+        if method == "deleteWebhook":
+            self.webhook = None
+            return 200, {"ok": True, "result": True, "description": "Webhook was deleted"}
+        if method == "getFile":
+            found = self.files.get(body.get("file_id"))
+            if found is None:
+                return 400, {
+                    "ok": False,
+                    "error_code": 400,
+                    "description": "Bad Request: invalid file_id",
+                }
+            return 200, {
+                "ok": True,
+                "result": {
+                    "file_id": body["file_id"],
+                    "file_unique_id": "u" + body["file_id"],
+                    "file_size": len(found[1]),
+                    "file_path": found[0],
+                },
+            }
+        return 200, {"ok": True, "result": {"id": 1, "is_bot": True, "username": "notes_bot"}}
+
+    def answer(self, path: str, body: dict) -> dict:
+        path = path.split("?")[0]
+        if path.endswith("/chat/completions"):
+            return {
+                "id": "chatcmpl-1",
+                "object": "chat.completion",
+                "created": 1700000000,
+                "model": body["model"] + "-served",
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": self.reply},
+                        "finish_reason": "stop",
+                    }
+                ],
+                "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
+            }
+        if "/sendMessage" in path:
+            return {
+                "ok": True,
+                "result": {"message_id": 7, "chat": {"id": body["chat_id"]}, "text": body["text"]},
+            }
+        if path.endswith("/messages"):
+            return {
+                "messaging_product": "whatsapp",
+                "contacts": [{"input": body["to"], "wa_id": body["to"]}],
+                "messages": [{"id": "wamid.HBgLMTY1MDM4Nzk0MzkVAgARGBI3"}],
+            }
+        return {"error": "unknown path"}
+
+    def sent(self) -> list:
+        """Return the texts sent through sendMessage and WhatsApp /messages, in order."""
+        out = []
+        for r in self.requests:
+            body = r.get("json") or {}
+            if "/sendMessage" in r["path"]:
+                out.append(body["text"])
+            elif r["path"].endswith("/messages"):
+                out.append(body["text"]["body"])
+        return out
+
+    def close(self):
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def upstream():
+    fake = FakeUpstream()
+    yield fake
+    fake.close()
+
+
+def closed_port_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}/v1"
+
+
+KEYS_NOTE = (
+    "# Keys\n\nThe car key hangs by the door. Spare keys are under the blue flowerpot.\n"
+    "Ask Anna if they are gone."
+)
+
+
+def seed_notes(client):
+    put_note(client, "notes/home/keys.md", KEYS_NOTE)
+    put_note(client, "notes/garden.md", "# Garden\n\nPlant tomatoes in May. Water them daily.")
+    put_note(client, "notes/work.md", "# Work\n\nThe meeting is on Tuesday at ten.")
+
+
+def telegram_update(text, chat_id=42, **extra):
+    message = {
+        "message_id": 11,
+        "from": {"id": chat_id, "is_bot": False, "first_name": "Ada", "language_code": "en"},
+        "chat": {"id": chat_id, "first_name": "Ada", "type": "private"},
+        "date": 1763731200,
+        **extra,
+    }
+    if text is not None:
+        message["text"] = text
+    return {"update_id": 100001, "message": message}
+
+
+def whatsapp_update(text, number="15551234567"):
+    message = {"from": number, "id": "wamid.ID", "timestamp": "1763731200"}
+    if text is None:  # no text and nothing to capture: a shared location
+        message.update(type="location", location={"latitude": 52.52, "longitude": 13.40})
+    else:
+        message.update(type="text", text={"body": text})
+    return {
+        "object": "whatsapp_business_account",
+        "entry": [
+            {
+                "id": "102290129340398",
+                "changes": [
+                    {
+                        "value": {
+                            "messaging_product": "whatsapp",
+                            "metadata": {
+                                "display_phone_number": "15550783881",
+                                "phone_number_id": "106540352242922",
+                            },
+                            "contacts": [{"profile": {"name": "Ada"}, "wa_id": number}],
+                            "messages": [message],
+                        },
+                        "field": "messages",
+                    }
+                ],
+            }
+        ],
+    }
+
+
+def web_update(text, sender="page"):
+    return {"text": text, "sender": sender} if text is not None else {"sender": sender}
+
+
+UPDATES = {"telegram": telegram_update, "whatsapp": whatsapp_update, "web": web_update}
+MINIMAL_CONFIG = {
+    "telegram": {"botToken": "123456:ABC-telegram-token"},
+    "whatsapp": {
+        "accessToken": "EAAG-whatsapp-token",
+        "phoneNumberId": "106540352242922",
+        "verifyToken": "verify-me-please",
+    },
+    "web": {},
+}
+
+
+# -- capture: photos, voice and files from the channels, commands, polling, reminders ----------
+
+OGG = b"OggS\x00\x02" + bytes(range(200))
+
+
+def photo_update(*sizes: tuple, caption: str | None = None, chat_id: int = 42) -> dict:
+    """A Telegram photo message: sizes are (file_id, width, height, file_size)."""
+    photo = [
+        {"file_id": f, "file_unique_id": f"u{f}", "width": w, "height": h, "file_size": n}
+        for f, w, h, n in sizes
+    ]
+    extra = {"caption": caption} if caption else {}
+    return telegram_update(None, chat_id, photo=photo, **extra)
+
+
+def today_note(client, folder: str = "notes/daily") -> Path:
+    day = notesvc.local_now(client.app.service).date()
+    return client.app.service.config.root / folder / f"{day:%Y-%m-%d}.md"
+
+
+def whatsapp_media(kind: str, media_id: str, number: str = "15551234567", **fields) -> dict:
+    update = whatsapp_update("x", number)
+    message = update["entry"][0]["changes"][0]["value"]["messages"][0]
+    del message["text"]
+    message.update(type=kind, **{kind: {"id": media_id, **fields}})
+    return update
+
+
+def whatsapp_signature(body: bytes, secret: str) -> str:
+    import hashlib
+    import hmac
+
+    return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+
+
+class FakeClock:
+    """An injectable clock for the reminder scheduler."""
+
+    def __init__(self, when: float):
+        self.now = when
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def at(text: str, zone: str = "Europe/Paris") -> float:
+    return notesvc.timestamp_of(
+        notesvc.dt.datetime.strptime(text, "%Y-%m-%d %H:%M"), notesvc.time_zone(zone)
+    )
+
+
+# -- JWT ----------------------------------------------------------------------------------
+
+JWT_SECRET = "k3y-" + "Zq8vN2xR7mL4pT9wB5cJ1hF6dG0sY3aE"
+
+
+def forge(claims: dict, header: dict | None = None, secret: str = JWT_SECRET, digest=None) -> str:
+    import base64
+    import hashlib
+    import hmac
+
+    def b64(obj) -> str:
+        raw = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
+        return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+    head = b64(header or {"alg": "HS256", "typ": "JWT"})
+    body = b64(claims)
+    sig = hmac.new(secret.encode(), f"{head}.{body}".encode(), digest or hashlib.sha256)
+    return f"{head}.{body}.{b64(sig.digest())}"
+
+
+# -- security audit ---------------------------------------------------------------------------
+
+
+def audit(app) -> dict:
+    return data(with_key(app).get(f"{API}/security/audit"))
+
+
+def ids(report) -> set:
+    return {f["id"] for f in report["findings"]}
+
+
+def expected_score(findings: list) -> int:
+    """The documented formula, from the findings' severities."""
+    count = collections.Counter(f["severity"] for f in findings)
+    raw = 100 - 40 * count["critical"] - 20 * count["high"] - 10 * count["medium"]
+    return max(0, raw - 3 * count["low"])
+
+
+def _open_state_files(app, root: Path) -> None:
+    os.chmod(root / ".notesvc" / "state.json", 0o644)
+
+
+def _open_notes_folder(app, root: Path) -> None:
+    os.chmod(root / "notes", 0o777)
+
+
+def _a_plugin_file(app, root: Path) -> None:
+    plugins = root / ".notesvc" / "plugins"
+    plugins.mkdir(mode=0o700, exist_ok=True)
+    (plugins / "planted.py").write_text("x = 1\n")
+    os.chmod(plugins / "planted.py", 0o600)
+
+
+def _telegram_channel_without_allowlist(app, root: Path) -> None:
+    body = {"provider": "telegram", "config": {"botToken": "1:x"}}
+    with_key(app).post_json(f"{API}/channels", body, status=201)
+
+
+def _webhook_secret_in_a_query_string(app, root: Path) -> None:
+    body = {"provider": "telegram", "config": {"botToken": "1:x", "allowedChatIds": [42]}}
+    ch = data(with_key(app).post_json(f"{API}/channels", body, status=201))
+    url = f"{API}/channels/webhook/telegram?secret={ch['secret']}"
+    assert data(webtest.TestApp(app.app).post_json(url, {"update_id": 1}))["handled"] is False
+
+
+def _whatsapp_channel_without_app_secret(app, root: Path) -> None:
+    config = {**MINIMAL_CONFIG["whatsapp"], "allowedNumbers": ["15551234567"]}
+    body = {"provider": "whatsapp", "config": config}
+    with_key(app).post_json(f"{API}/channels", body, status=201)
+
+
+def _an_old_key(app, root: Path) -> None:
+    state_file = root / ".notesvc" / "state.json"
+    state = json.loads(state_file.read_text())
+    state["keyCreatedAt"] = "2020-01-01T00:00:00.000Z"
+    state_file.write_text(json.dumps(state))
+
+
+def _a_write_key_without_expiry(app, root: Path) -> None:
+    body = {"name": "helper", "scope": "write"}
+    with_key(app).post_json(f"{API}/auth/keys", body, status=201)
+
+
+def _an_old_share_link(app, root: Path) -> None:
+    put_note(with_key(app), "notes/old.md", "old")
+    with_key(app).post_json(f"{API}/shares", {"path": "notes/old.md", "expiresInDays": 365})
+    state_file = root / ".notesvc" / "state.json"
+    state = json.loads(state_file.read_text())
+    state["shares"][0]["createdAt"] = "2020-01-01T00:00:00.000Z"
+    state_file.write_text(json.dumps(state))
+
+
+def _many_oauth_clients(app, root: Path) -> None:
+    for i in range(21):  # from 21 addresses: registration is rate-limited per address
+        webtest.TestApp(app.app, extra_environ={"REMOTE_ADDR": f"198.51.100.{i}"}).post_json(
+            "/oauth/register", {"redirect_uris": ["https://app.example/cb"]}, status=201
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Firing:
+    """A configuration in which an audit check fires, and the id its finding must match."""
+
+    id: str  # a regular expression
+    env: dict = dataclasses.field(default_factory=dict)  # SERVICE_* settings over the safe ones
+    change: typing.Callable | None = None  # change(app, root) after the start
+    linked: bool = True  # a client has linked (setup complete)
+
+
+# For every audit check: a configuration in which it fires. The rest of the configuration
+# is the safe one (loopback, linked, private folders), in which it must not.
+FIRING_CONFIGURATIONS = {
+    "auth_off": Firing("auth-off", {"SERVICE_AUTH_MODE": "none"}),
+    "setup_exposed": Firing("setup-exposed", {"SERVICE_HOST": "0.0.0.0"}, linked=False),
+    "cors_wildcard": Firing("cors-wildcard", {"SERVICE_CORS_ORIGINS": "*"}),
+    "jwt_secret": Firing(
+        "jwt-secret-weak", {"SERVICE_AUTH_MODE": "jwt", "SERVICE_JWT_SECRET": "a" * 40}
+    ),
+    "state_private": Firing("state-readable-file", change=_open_state_files),
+    "notes_folder": Firing("notes-writable", change=_open_notes_folder),
+    "plugins": Firing("plugin-planted", change=_a_plugin_file),
+    "channel_allowlists": Firing(r"channel-open-\S+", change=_telegram_channel_without_allowlist),
+    "query_secrets": Firing("secret-in-query", change=_webhook_secret_in_a_query_string),
+    "channel_signatures": Firing(
+        r"channel-unsigned-\S+", change=_whatsapp_channel_without_app_secret
+    ),
+    "plain_http_upstreams": Firing(
+        "relay-plain-http", {"SERVICE_RELAY_URL": "http://relay.example.org"}
+    ),
+    "relay_in_transit": Firing(
+        "relay-sees-transit", {"SERVICE_RELAY_URL": "https://relay.example.org"}
+    ),
+    "key_age": Firing("key-old", change=_an_old_key),
+    "plain_http_bind": Firing("plain-http-all-interfaces", {"SERVICE_HOST": "0.0.0.0"}),
+    "tool_writes": Firing(
+        "tool-writes-without-auth", {"SERVICE_AUTH_MODE": "none", "SERVICE_MCP_WRITE": "true"}
+    ),
+    "history_off": Firing("history-off", {"SERVICE_HISTORY_MAX_VERSIONS": "0"}),
+    "grants": Firing("grant-write-forever", change=_a_write_key_without_expiry),
+    "share_links": Firing("share-links-old", change=_an_old_share_link),
+    "oauth_clients": Firing("oauth-clients-many", change=_many_oauth_clients),
+}
+
+
+# -- plugins ----------------------------------------------------------------------------------
+
+HELLO_PLUGIN = """
+import notesvc
+
+SAVED = []
+
+def remember(svc, path, content):
+    SAVED.append(path)
+
+def hello(svc):
+    return {"hello": "world", "saved": SAVED}
+
+PLUGIN = notesvc.Plugin(
+    name="hello", version="0.1.0", description="says hello",
+    hooks={"note_saved": remember},
+    routes=(notesvc.PluginRoute("GET", "/greeting", hello),),
+)
+"""
+
+BROKEN_HOOK_PLUGIN = """
+import notesvc
+
+def explode(svc, path, content):
+    raise RuntimeError("boom in a hook")
+
+PLUGIN = notesvc.Plugin(name="explosive", hooks={"note_saved": explode})
+"""
+
+
+RECORDER_PLUGIN = """
+import notesvc
+
+CALLS = []
+
+def saved(svc, path, content):
+    CALLS.append(["note_saved", path, content])
+
+def moved(svc, old_path, new_path):
+    CALLS.append(["note_moved", old_path, new_path])
+
+def deleted(svc, path):
+    CALLS.append(["note_deleted", path])
+
+def restored(svc, path, content):
+    CALLS.append(["note_restored", path, content])
+
+def calls(svc):
+    return {"calls": CALLS}
+
+PLUGIN = notesvc.Plugin(
+    name="recorder",
+    hooks={
+        "note_saved": saved,
+        "note_moved": moved,
+        "note_deleted": deleted,
+        "note_restored": restored,
+    },
+    routes=(notesvc.PluginRoute("GET", "/calls", calls),),
+)
+"""
+
+
+# -- tools: what MCP clients and the agent call ------------------------------------------------
+
+
+def rpc(client, method: str, params: dict | None = None, status: int | str = 200, **headers):
+    """POST one JSON-RPC request (handshake era) to /mcp; return the parsed answer."""
+    body: dict = {"jsonrpc": "2.0", "id": 1, "method": method}
+    if params is not None:
+        body["params"] = params
+    resp = client.post(
+        f"{API}/mcp",
+        json.dumps(body),
+        headers={"Content-Type": "application/json", **headers},
+        status=status,
+        expect_errors=True,
+    )
+    return resp.json if resp.body else None
+
+
+def call_tool(client, name: str, **arguments) -> dict:
+    """Return the result of tools/call through /mcp."""
+    answer = rpc(client, "tools/call", {"name": name, "arguments": arguments})
+    assert "error" not in answer, answer
+    result = answer["result"]
+    assert isinstance(result["structuredContent"], dict)
+    assert [c["type"] for c in result["content"]] == ["text"]
+    return result
+
+
+def ok_tool(client, name: str, **arguments) -> dict:
+    result = call_tool(client, name, **arguments)
+    assert result["isError"] is False, result
+    return result["structuredContent"]
+
+
+def tool_refused(client, name: str, code: str, **arguments) -> str:
+    """Assert a tool call ends in an isError result with this code; return its message."""
+    result = call_tool(client, name, **arguments)
+    assert result["isError"] is True, result
+    error = result["structuredContent"]["error"]
+    assert error["code"] == code, error
+    assert result["content"][0]["text"] == f"Error ({code}): {error['message']}"
+    assert "Traceback" not in json.dumps(result)
+    return error["message"]
+
+
+def listed_tools(client) -> set:
+    return {t["name"] for t in rpc(client, "tools/list")["result"]["tools"]}
+
+
+TOOL_PLUGIN = """
+import notesvc
+
+EVENTS = []
+
+def saved(svc, path, content):
+    EVENTS.append(["saved", path])
+
+def moved(svc, old, new):
+    EVENTS.append(["moved", old, new])
+
+def deleted(svc, path):
+    EVENTS.append(["deleted", path])
+
+def events(svc):
+    return {"events": EVENTS}
+
+@notesvc.tool("word_count", "Count the words of a note.", {"path": {"type": "string"}}, ("path",))
+def word_count(svc, path):
+    return {"path": path, "words": len(svc.notes.get(notesvc.note_path(path))["content"].split())}
+
+@notesvc.tool("explode", "Fails.")
+def explode(svc):
+    raise RuntimeError("secret internals /etc/passwd")
+
+PLUGIN = notesvc.Plugin(
+    name="toolbox",
+    hooks={"note_saved": saved, "note_moved": moved, "note_deleted": deleted},
+    routes=(notesvc.PluginRoute("GET", "/events", events),),
+)
+"""
+
+
+class ToolModel(FakeUpstream):
+    """A loopback model speaking chat-completions tool calling. Each answer follows the
+    script: a step is a function of the messages so far returning either the reply text or
+    a list of (tool name, arguments) calls; past the script it answers `reply`."""
+
+    def __init__(self, *script):
+        super().__init__()
+        self.script = list(script)
+        self.refuse_tools = False  # answer HTTP 400 to a request that offers tools
+
+    def answer(self, path: str, body: dict) -> dict:
+        if not path.endswith("/chat/completions"):
+            return super().answer(path, body)
+        self.status = 400 if self.refuse_tools and "tools" in body else 200
+        if self.status == 400:
+            return {"error": {"message": "this model does not support tools"}}
+        step = self.script.pop(0) if self.script else (lambda messages: self.reply)
+        out = step(body["messages"])
+        if isinstance(out, int):  # this answer fails with that HTTP status
+            self.status = out
+            return {"error": {"message": "the model fell over"}}
+        answer = super().answer(path, body)
+        if isinstance(out, str):
+            answer["choices"][0]["message"]["content"] = out
+            return answer
+        calls = [
+            {
+                "id": f"call_{len(self.requests)}_{i}",
+                "type": "function",
+                "function": {
+                    "name": name,
+                    "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments),
+                },
+            }
+            for i, (name, arguments) in enumerate(out)
+        ]
+        answer["choices"][0] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": None, "tool_calls": calls},
+            "finish_reason": "tool_calls",
+        }
+        return answer
+
+
+def last_tool_results(messages: list) -> list:
+    """Return the contents of the `role: tool` messages after the last assistant message."""
+    out = []
+    for message in reversed(messages):
+        if message["role"] != "tool":
+            break
+        out.insert(0, message["content"])
+    return out
+
+
+GARDEN_NOTES = {
+    "notes/garden/decisions.md": "# Garden decisions\n\nWe decided to grow only heirloom "
+    "tomatoes this year.\n\nThe greenhouse stays closed until April.",
+    "notes/garden/budget.md": "# Garden budget\n\nAt most 200 euros for seeds; the garden "
+    "decision about the greenhouse heater waits for the budget.",
+    "notes/shopping.md": "# Shopping list\n\n- bread\n- eggs\n",
+}
+
+
+# -- OpenAPI with a third-party checker ---------------------------------------------------------
+
+
+# -- relay -------------------------------------------------------------------------------------
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_for(predicate, timeout: float = 15.0, step: float = 0.1):
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        value = predicate()
+        if value:
+            return value
+        time.sleep(step)
+    raise AssertionError("condition not met in time")
+
+
+def relay_servers(relay: Server) -> int:
+    try:
+        return relay.request("GET", "/health")[2]["data"]["servers"]
+    except OSError:
+        return 0
+
+
+NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
+
+
+@pytest.mark.skipif(not NGINX, reason="nginx is not installed (apt install nginx)")
+def test_two_relays_behind_nginx_share_the_servers(tmp_path):
+    """deploy/nginx-relay.conf: servers and clients spread over two relay processes."""
+    ports = [free_port(), free_port()]
+    front = free_port()
+    conf = (HERE / "deploy" / "nginx-relay.conf").read_text()
+    conf = conf.replace("127.0.0.1:8441", f"127.0.0.1:{ports[0]}")
+    conf = conf.replace("127.0.0.1:8442", f"127.0.0.1:{ports[1]}")
+    conf = re.sub(
+        r"    listen 443 ssl;\n.*?ssl_certificate_key [^\n]*\n",
+        f"    listen 127.0.0.1:{front};\n",
+        conf,
+        flags=re.S,
+    )
+    (tmp_path / "logs").mkdir()
+    (tmp_path / "nginx.conf").write_text(
+        "daemon off; master_process off; pid nginx.pid; error_log logs/error.log warn;\n"
+        "events { worker_connections 1024; }\n"
+        "http { access_log off; client_body_temp_path tmp; proxy_temp_path tmp;\n" + conf + "\n}\n"
+    )
+    (tmp_path / "tmp").mkdir()
+    env = {"SERVICE_TRUST_PROXY": "true"}
+    relays = [Server(tmp_path / f"relay{i}", "relay", env=env, port=p) for i, p in enumerate(ports)]
+    nginx = subprocess.Popen(
+        [NGINX, "-p", str(tmp_path), "-c", "nginx.conf"], stderr=subprocess.PIPE, text=True
+    )
+    servers = []
+    try:
+        url = f"http://127.0.0.1:{front}"
+
+        def up() -> bool:
+            assert nginx.poll() is None, nginx.stderr.read()
+            with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as resp:
+                return resp.status == 200
+            return False
+
+        wait_for(up)
+        for i in range(10):  # until both relays hold a server (consistent hashing decides)
+            servers.append(Server(tmp_path / f"srv{i}", env={"SERVICE_RELAY_URL": url}))
+            held = len(servers)
+            wait_for(lambda held=held: sum(map(relay_servers, relays)) == held)
+            if len(servers) >= 2 and all(map(relay_servers, relays)):
+                break
+        assert all(map(relay_servers, relays)), "every server landed on one relay"
+        for n, server in enumerate(servers):
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            code = setup["pairing"]["relayCode"]
+            with urllib.request.urlopen(f"{url}/relay/v1/pair/{code}", timeout=10) as resp:
+                base = json.loads(resp.read())["data"]["relayApiBase"]
+            assert base == f"{url}/r/{setup['serverId']}/api/v1"
+            key = {"X-Service-Key": setup["apiKey"], "Content-Type": "application/json"}
+            note = json.dumps({"path": f"notes/n{n}.md", "content": f"# Note {n}"}).encode()
+            req = urllib.request.Request(f"{base}/notes", note, key, method="POST")
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                assert resp.status == 201
+            req = urllib.request.Request(f"{base}/notes/notes%2Fn{n}.md", headers=key)
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                assert json.loads(resp.read())["data"]["title"] == f"Note {n}"
+            req = urllib.request.Request(f"{base}/system/info", headers=key)
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                assert json.loads(resp.read())["data"]["connection"]["state"] == "connected"
+    finally:
+        for server in servers:
+            server.stop()
+        nginx.terminate()
+        nginx.wait(10)
+        nginx.stderr.close()
+        for relay in relays:
+            relay.stop()
+
+
+class FakeRelayServer:
+    """A server as the relay sees it: its own token and id, raw relay protocol calls."""
+
+    def __init__(self, relay: Server, source: str = "127.0.0.1"):
+        self.relay, self.source = relay, source
+        self.token = base64.urlsafe_b64encode(os.urandom(32)).decode().rstrip("=")
+        self.server_id = notesvc.relay_server_id(self.token)
+
+    def call(self, method: str, path: str, body=None, token: str | None = None):
+        conn = http.client.HTTPConnection(
+            "127.0.0.1", self.relay.port, timeout=40, source_address=(self.source, 0)
+        )
+        try:
+            headers = {"X-Relay-Token": self.token if token is None else token}
+            payload = None
+            if body is not None:
+                payload = json.dumps(body).encode()
+                headers["Content-Type"] = "application/json"
+            conn.request(method, path, payload, headers)
+            resp = conn.getresponse()
+            raw = resp.read()
+            return resp.status, resp.headers, json.loads(raw) if raw else None
+        finally:
+            conn.close()
+
+    def register(self, server_id: str | None = None) -> int:
+        sid = server_id or self.server_id
+        body = {"token": self.token, "relayCode": "CODE-" + sid[:6].upper()}
+        return self.call("POST", f"/relay/v1/register/{sid}", body)[0]
+
+    def poll(self, server_id: str | None = None):
+        return self.call("GET", f"/relay/v1/poll/{server_id or self.server_id}")
+
+    def open_poll(self) -> socket.socket:
+        """Start a long-poll on a raw socket and leave it waiting."""
+        s = socket.socket()
+        s.settimeout(5)
+        s.bind((self.source, 0))
+        s.connect(("127.0.0.1", self.relay.port))
+        s.sendall(
+            f"GET /relay/v1/poll/{self.server_id} HTTP/1.1\r\nHost: relay\r\n"
+            f"X-Relay-Token: {self.token}\r\n\r\n".encode()
+        )
+        return s
+
+    def reply(self, request_id: str, status: int, headers: list, body: bytes) -> int:
+        answer = {"status": status, "headers": headers, "body": base64.b64encode(body).decode()}
+        return self.call("POST", f"/relay/v1/reply/{self.server_id}/{request_id}", answer)[0]
+
+
+def relay_queued(relay: Server, fake: FakeRelayServer) -> int:
+    return relay.request("GET", "/health")[2]["data"].get("queued", 0)
+
+
+def recv_all(s: socket.socket) -> bytes:
+    """Read until the peer closes (or 5 s pass); b'' when it closed at once."""
+    chunks = []
+    with contextlib.suppress(socket.timeout, ConnectionResetError):
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def relay_raw_get(relay: Server, path: str) -> tuple:
+    """GET on a raw socket; return (head as text, body bytes) exactly as the relay sent them."""
+    with socket.create_connection(("127.0.0.1", relay.port), timeout=10) as s:
+        s.sendall(f"GET {path} HTTP/1.1\r\nHost: relay\r\nConnection: close\r\n\r\n".encode())
+        raw = recv_all(s)
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return head.decode("latin-1"), body
+
+
+def png_size(data: bytes) -> tuple:
+    """Return (width, height) of a PNG, checking its signature, chunk CRCs and pixel data."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, chunks = 8, {}
+    while pos < len(data):
+        length = int.from_bytes(data[pos : pos + 4], "big")
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
+        crc = int.from_bytes(data[pos + 8 + length : pos + 12 + length], "big")
+        assert zlib.crc32(kind + body) == crc
+        chunks[kind] = body
+        pos += 12 + length
+    width, height = (
+        int.from_bytes(chunks[b"IHDR"][:4], "big"),
+        int.from_bytes(chunks[b"IHDR"][4:8], "big"),
+    )
+    assert len(zlib.decompress(chunks[b"IDAT"])) == height * (1 + width * 3)
+    assert b"IEND" in chunks
+    return width, height
+
+
+# -- the built-in web client, in a real browser ------------------------------------------------
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+PHONE = {"viewport": {"width": 390, "height": 844}, "has_touch": True, "is_mobile": True}
+DESKTOP = {"viewport": {"width": 1280, "height": 800}}
+DEVICES = {"phone": PHONE, "desktop": DESKTOP}
+SEED_NOTES = {
+    "home/keys.md": "# Spare keys\n\nThe spare keys are in the blue kumquat jar on the shelf.\n\n"
+    "- [ ] copy the garage key\n- [x] give one to Anna\n\n"
+    "See [[pancakes]] and [the recipe](../kitchen/pancakes.md).\n",
+    "kitchen/pancakes.md": "# Pancakes\n\n1. Flour, eggs and milk.\n2. Whisk **well**.\n\n"
+    "| step | minutes |\n|---|--:|\n| rest | 10 |\n| fry | 2 |\n",
+    "todo.md": "# Todo\n\n- buy oat milk\n",
+}
+
+# The accessibility check: every visible control has a name, and every visible text meets
+# WCAG AA contrast against the background it is drawn on (alpha composited up the tree).
+A11Y_AUDIT = r"""() => {
+  const problems = [];
+  const shown = (e) => {
+    const r = e.getBoundingClientRect(), s = getComputedStyle(e);
+    return r.width > 0 && r.height > 0 && s.visibility !== "hidden" && s.display !== "none";
+  };
+  const nameOf = (e) => {
+    const label = (e.getAttribute("aria-label") || "").trim();
+    if (label) return label;
+    const by = e.getAttribute("aria-labelledby");
+    const text = (els) => els.map((l) => l.textContent).join(" ").trim();
+    if (by) return text(by.split(" ").map((id) => document.getElementById(id)));
+    if (e.labels && e.labels.length) return text([...e.labels]);
+    if (/^(BUTTON|SUMMARY|A)$/.test(e.tagName)) return e.textContent.trim();
+    return (e.getAttribute("title") || "").trim();
+  };
+  for (const e of document.querySelectorAll("button, input, textarea, select, summary, a[href]")) {
+    if (shown(e) && !nameOf(e)) problems.push("no accessible name: " + e.outerHTML.slice(0, 90));
+  }
+  const rgba = (c) => {
+    const m = /rgba?\(([^)]+)\)/.exec(c);
+    if (!m) return [0, 0, 0, 0];
+    const p = m[1].split(/[ ,\/]+/).filter(Boolean).map(parseFloat);
+    return [p[0], p[1], p[2], p.length > 3 ? p[3] : 1];
+  };
+  const lum = (c) => {
+    const f = (v) => {
+      v /= 255;
+      return v <= 0.03928 ? v / 12.92 : Math.pow((v + 0.055) / 1.055, 2.4);
+    };
+    return 0.2126 * f(c[0]) + 0.7152 * f(c[1]) + 0.0722 * f(c[2]);
+  };
+  const over = (top, under) => [0, 1, 2].map((i) => top[i] * top[3] + under[i] * (1 - top[3]));
+  const backdrop = (e) => {
+    const layers = [];
+    for (let n = e; n; n = n.parentElement) {
+      const c = rgba(getComputedStyle(n).backgroundColor);
+      if (c[3] > 0) { layers.push(c); if (c[3] >= 1) break; }
+    }
+    let bg = matchMedia("(prefers-color-scheme: dark)").matches ? [0, 0, 0] : [255, 255, 255];
+    for (const c of layers.reverse()) bg = over(c, bg);
+    return bg;
+  };
+  const ratio = (a, b) => {
+    const x = lum(a), y = lum(b);
+    return (Math.max(x, y) + 0.05) / (Math.min(x, y) + 0.05);
+  };
+  const check = (e, color, what) => {
+    const s = getComputedStyle(e);
+    const bg = backdrop(e);
+    const r = ratio(over(rgba(color), bg), bg);
+    const size = parseFloat(s.fontSize), bold = parseInt(s.fontWeight, 10) >= 700;
+    const need = size >= 24 || (bold && size >= 18.66) ? 3 : 4.5;
+    if (r < need) problems.push(what + " contrast " + r.toFixed(2) + " < " + need + ": " +
+      (e.id ? "#" + e.id + " " : "") +
+      JSON.stringify((e.textContent || e.placeholder).trim().slice(0, 40)));
+  };
+  const walk = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);
+  const seen = new Set();
+  while (walk.nextNode()) {
+    const e = walk.currentNode.parentElement;
+    if (!walk.currentNode.textContent.trim() || seen.has(e) || !shown(e)) continue;
+    if (e.closest(":disabled, [aria-hidden=true], svg")) continue;  // WCAG exempts disabled ones
+    seen.add(e);
+    check(e, getComputedStyle(e).color, "text");
+  }
+  for (const e of document.querySelectorAll("input[placeholder], textarea[placeholder]")) {
+    if (!shown(e) || e.value || e.disabled) continue;
+    check(e, getComputedStyle(e, "::placeholder").color, "placeholder");
+  }
+  return problems;
+}"""
+
+
+@pytest.fixture(scope="class")
+def browser():
+    """One Chromium for the class (each test gets its own context)."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    if not CHROMIUM:
+        pytest.skip("no Chromium on this machine")
+    with sync_api.sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield chromium
+        finally:
+            chromium.close()
+
+
+def expect(locator):
+    from playwright.sync_api import expect as playwright_expect
+
+    return playwright_expect(locator)
+
+
+class WebSession:
+    """A browser context on the page of a real server, with the errors it logs."""
+
+    def __init__(self, browser, tmp_path: Path, device: str = "phone", **context):
+        self.context = browser.new_context(**DEVICES[device], **context)
+        self.context.set_default_timeout(10_000)
+        self.page = self.context.new_page()
+        self.device, self.tmp_path = device, tmp_path
+        self.errors: list = []
+        self.requests: list = []
+        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
+        self.page.on("console", lambda m: m.type == "error" and self.errors.append(m.text))
+        self.page.on("request", lambda r: self.requests.append(r))
+
+    def login(self, url: str, key: str) -> None:
+        self.page.goto(url)
+        self.page.fill("#key", key)
+        self.page.click("#connect")
+        self.page.wait_for_selector("#app", state="visible")
+        self.page.wait_for_selector("#tree button, #tree .empty")
+
+    def shot(self, name: str) -> Path:
+        path = self.tmp_path / f"{name}-{self.device}.png"
+        self.page.screenshot(path=str(path))
+        return path
+
+    def tap(self, selector: str) -> None:
+        """Click (desktop) or tap (phone) the element."""
+        if self.device == "phone":
+            self.page.tap(selector)
+        else:
+            self.page.click(selector)
+
+    def tree_open(self, path: str) -> None:
+        """Open a note from the tree, opening its folders first (Notes pane on a phone)."""
+        if self.device == "phone" and self.page.get_attribute("#app", "data-pane") != "notes":
+            self.tap(".tabs button[data-pane=notes]")
+        parts = path.split("/")
+        for i in range(2, len(parts)):
+            folder = self.page.locator(f'#tree button.dir[data-path="{"/".join(parts[:i])}"]')
+            if folder.get_attribute("aria-expanded") != "true":
+                folder.click()
+        self.page.click(f'#tree button.note[data-path="{path}"]')
+        expect(self.page.locator("#path")).to_contain_text(path)
+
+    def dialog_choose(self, value: str) -> None:
+        self.page.wait_for_selector("#dlg[open]")
+        self.page.click(f'#dlg-buttons button[data-value="{value}"]')
+        self.page.wait_for_selector("#dlg", state="hidden")
+
+    def api_calls(self, suffix: str) -> list:
+        return [r for r in self.requests if urllib.parse.urlsplit(r.url).path.endswith(suffix)]
+
+    def close(self) -> list:
+        self.context.close()
+        # The browser logs every non-2xx fetch; those the test caused on purpose are named.
+        return self.errors
+
+
+@pytest.fixture
+def web(browser, tmp_path):
+    """A real server with a few notes, and a function opening a logged-in browser session."""
+    root = tmp_path / "root"
+    for rel, text in SEED_NOTES.items():
+        (root / "notes" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / "notes" / rel).write_text(text)
+    server = Server(root)
+    setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+    sessions = []
+
+    def open_session(device: str = "phone", login: bool = True, **context) -> WebSession:
+        session = WebSession(browser, tmp_path, device, **context)
+        sessions.append(session)
+        if login:
+            session.login(setup["links"]["connect"]["hosted"], setup["apiKey"])
+        return session
+
+    open_session.server, open_session.setup, open_session.root = server, setup, root
+    try:
+        yield open_session
+    finally:
+        for s in sessions:
+            with contextlib.suppress(Exception):
+                s.context.close()
+        server.stop()
+
+
+def needs(server: Server, path: str, what: str) -> None:
+    """Skip unless the server's OpenAPI document has the path (a feature of another issue)."""
+    doc = server.request("GET", f"{API}/openapi.json")[2]
+    if f"{API}{path}" not in doc["paths"]:
+        pytest.skip(f"not on this server yet: {what}")
+
+
+def unexpected(errors: list, *allowed: str) -> list:
+    return [e for e in errors if not any(f"status of {a}" in e for a in allowed)]
+
+
+class EvilRelay:
+    """A loopback stand-in for a hostile relay: records every request, answers any pairing
+    with an API base of its own, and allows any origin (so only the page can refuse it)."""
+
+    def __init__(self):
+        self.requests: list = []
+        evil = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def answer(self):
+                evil.requests.append((self.command, self.path, dict(self.headers)))
+                body = json.dumps(
+                    {
+                        "success": True,
+                        "data": {
+                            "serverId": "evil",
+                            "relayApiBase": f"{evil.url}/r/evil/api/v1",
+                            "valid": True,
+                            "setupComplete": True,
+                        },
+                    }
+                ).encode()
+                self.send_response(200)
+                self.send_header("Access-Control-Allow-Origin", "*")
+                self.send_header("Access-Control-Allow-Headers", "*")
+                self.send_header("Access-Control-Allow-Methods", "*")
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_OPTIONS = answer
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+        ).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+# -- MCP: POST /api/v1/mcp ---------------------------------------------------------------------
+
+MODERN = "2026-07-28"
+
+
+def modern_meta(version: str = MODERN) -> dict:
+    return {
+        "io.modelcontextprotocol/protocolVersion": version,
+        "io.modelcontextprotocol/clientCapabilities": {},
+        "io.modelcontextprotocol/clientInfo": {"name": "test", "version": "1"},
+    }
+
+
+def modern(client, method, params=None, status="*", headers=None, version=MODERN, **extra):
+    """POST one 2026-07-28 request (its _meta and headers filled in); return the response."""
+    params = {"_meta": modern_meta(version), **(params or {})}
+    hdrs = {
+        "Content-Type": "application/json",
+        "MCP-Protocol-Version": version,
+        "Mcp-Method": method,
+    }
+    if method == "tools/call":
+        hdrs["Mcp-Name"] = params.get("name", "")
+    hdrs.update(headers or {})
+    body = {"jsonrpc": "2.0", "id": "m-1", "method": method, "params": params, **extra}
+    return client.post(
+        f"{API}/mcp", json.dumps(body), headers=hdrs, status=status, expect_errors=True
+    )
+
+
+def raw_mcp(client, body: bytes | str, status="*", **headers):
+    hdrs = {"Content-Type": "application/json", **headers}
+    body = body.encode() if isinstance(body, str) else body
+    return client.post(f"{API}/mcp", body, headers=hdrs, status=status, expect_errors=True)
+
+
+def rpc_error(resp, status: int, code: int) -> dict:
+    """Assert a JSON-RPC error answer (no envelope, no traceback); return its error."""
+    assert resp.status_int == status, resp.text
+    assert resp.content_type == "application/json"
+    body = resp.json
+    assert set(body) == {"jsonrpc", "id", "error"}
+    assert body["jsonrpc"] == "2.0"
+    assert body["error"]["code"] == code, body
+    assert body["error"]["message"]
+    assert "Traceback" not in resp.text
+    return body["error"]
+
+
+def sdk_session(url: str, headers: dict, mode: str, steps):
+    """Run `steps(client)` in an official MCP SDK session with a real server; return its result."""
+    import asyncio
+
+    client_module = pytest.importorskip("mcp.client.client")
+    transport = pytest.importorskip("mcp.client.streamable_http")
+    httpx2 = pytest.importorskip("httpx2")
+
+    async def main():
+        async with httpx2.AsyncClient(headers=headers, timeout=30) as http:
+            connection = transport.streamable_http_client(url, http_client=http)
+            async with client_module.Client(connection, mode=mode) as session:
+                return await steps(session)
+
+    return asyncio.run(main())
+
+
+def post_rpc(server: Server, path: str, body, headers: dict | None = None) -> tuple:
+    """POST a JSON-RPC body to a real server or relay; return (status, headers, answer)."""
+    return server.request("POST", path, body, headers)
+
+
+# -- grants: scoped keys, folder grants, share links, OAuth for MCP clients -------------
+
+
+def new_grant(client, scope: str = "read", folder: str | None = None, **extra) -> dict:
+    """Create a scoped key with the API key; return its record (with the key)."""
+    body = {"name": f"{scope} key", "scope": scope, **extra}  # extra may name it
+    if folder is not None:
+        body["folder"] = folder
+    return data(client.post_json(f"{API}/auth/keys", body, status=201))
+
+
+def as_key(app: webtest.TestApp, key: str, **environ: str) -> webtest.TestApp:
+    return webtest.TestApp(app.app, extra_environ={"HTTP_X_SERVICE_KEY": key, **environ})
+
+
+def all_routes(app: webtest.TestApp) -> list:
+    return list(app.app.service.routes)
+
+
+SCOPED_ROUTES = [r for r in notesvc.ROUTES if not r.public]
+SCOPE_ORDER = {"read": 0, "write": 1, "admin": 2}
+
+
+@pytest.fixture(scope="module")
+def scope_keys(tmp_path_factory):
+    """One app for the scope tests, with a read and a write key (no lockout)."""
+    cfg = notesvc.load_config(
+        env=make_env(tmp_path_factory.mktemp("scopes") / "root", SERVICE_HOST="127.0.0.1")
+    )
+    wsgi = notesvc.create_app(cfg)
+    wsgi.service.lockout = notesvc.Lockout(limit=10**9)
+    owner = webtest.TestApp(
+        wsgi, extra_environ={"HTTP_X_SERVICE_KEY": wsgi.service.state.read()["apiKey"]}
+    )
+    made = {s: new_grant(owner, s)["key"] for s in ("read", "write")}
+    yield wsgi, made
+    wsgi.service.close()
+
+
+FOLDER_NOTES = {
+    "notes/family/a.md": "# Apple pie\n\nGrandma's apple pie #common, see [[c]].\n"
+    "⏰ 2099-01-01 09:00 bake\n",
+    "notes/family/sub/b.md": "# Birthdays\n\napple birthday list #common\n",
+    "notes/work/c.md": "# Contract\n\nsecret apple contract #common #work, see [[a]].\n"
+    "⏰ 2099-01-01 10:00 sign\n",
+    "notes/familyx/d.md": "# Neighbour\n\napple neighbour folder, not the family #common\n",
+    "notes/top.md": "# Top\n\napple at the top #common\n",
+}
+
+
+LISTING_CALLS = [
+    ("GET", "/notes", None),
+    ("GET", "/notes?folder=notes", None),
+    ("GET", "/notes?folder=notes/family/sub", None),
+    ("GET", "/folders/tree", None),
+    ("GET", "/folders/tree/notes", None),
+    ("GET", "/search?q=apple", None),
+    ("GET", "/search?q=apple&folder=notes", None),
+    ("GET", "/search?q=apple%20OR%20contract%20OR%20neighbour", None),
+    ("GET", "/plugins/tags", None),
+    ("GET", "/plugins/tags/common", None),
+    ("GET", "/plugins/backlinks/notes%2Ffamily%2Fa.md", None),
+    ("POST", "/agent/chat", {"message": "apple contract neighbour top"}),
+    ("POST", "/agent/chat", {"message": "apple", "notePath": "notes/family/a.md"}),
+    ("GET", "/shares", None),
+    ("GET", "/attachments", None),
+    ("GET", "/attachments?folder=attachments", None),
+    ("GET", "/reminders", None),
+    ("GET", "/trash", None),
+    ("GET", "/changes?since=0", None),
+    ("GET", "/folders/tree?depth=1", None),
+    ("GET", "/folders/tree?depth=2", None),
+]
+
+
+def paths_in(answer) -> set:
+    """Every note or attachment path mentioned anywhere in an answer (keys, values, text)."""
+    text = json.dumps(answer, ensure_ascii=False)
+    return set(re.findall(r"(?:notes/[\w./-]+?\.md|attachments/[\w./-]+?\.png)", text))
+
+
+def inside_family(path: str) -> bool:
+    return path.startswith(("notes/family/", "attachments/family/"))
+
+
+def pkce_pair() -> tuple:
+    verifier = secrets.token_urlsafe(48)
+    digest = hashlib.sha256(verifier.encode()).digest()
+    return verifier, base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+
+CALLBACK = "http://127.0.0.1:9/callback"
+
+
+def register_client(anon, uris=(CALLBACK,), addr: str = "198.51.100.1", **extra) -> dict:
+    app = webtest.TestApp(anon.app, extra_environ={"REMOTE_ADDR": addr})
+    body = {"redirect_uris": list(uris), "client_name": "Pocket assistant", **extra}
+    return app.post_json("/oauth/register", body, status=201).json
+
+
+def mcp_url(anon) -> str:
+    return anon.get("/.well-known/oauth-protected-resource").json["resource"]
+
+
+def approve(client, cid: str, scope="notes:read", folder=None, redirect=CALLBACK, state="st8"):
+    """Approve as the owner; return (code, verifier, redirect query)."""
+    verifier, challenge = pkce_pair()
+    body = {
+        "clientId": cid,
+        "redirectUri": redirect,
+        "state": state,
+        "codeChallenge": challenge,
+        "scope": scope,
+        "resource": mcp_url(client),
+    }
+    if folder:
+        body["folder"] = folder
+    target = data(client.post_json(f"{API}/oauth/approve", body))["redirect"]
+    query = urllib.parse.parse_qs(urllib.parse.urlsplit(target).query)
+    return query["code"][0], verifier, query
+
+
+def token_call(anon, status="*", **form):
+    return anon.post("/oauth/token", form, status=status)
+
+
+def tokens_for(client, anon, scope="notes:read", folder=None) -> tuple:
+    """Register, approve and redeem; return (client id, token answer)."""
+    cid = register_client(anon)["client_id"]
+    code, verifier, _ = approve(client, cid, scope, folder)
+    answer = token_call(
+        anon,
+        200,
+        grant_type="authorization_code",
+        code=code,
+        client_id=cid,
+        redirect_uri=CALLBACK,
+        code_verifier=verifier,
+        resource=mcp_url(anon),
+    ).json
+    return cid, answer
+
+
+def oauth_error(resp, status: int, error: str) -> str:
+    assert resp.status_int == status, resp.text
+    assert resp.content_type == "application/json"
+    assert resp.headers["Cache-Control"] == "no-store"
+    assert resp.json["error"] == error, resp.json
+    return resp.json["error_description"]
+
+
+class LocalTls:
+    """A loopback HTTPS stand-in for a client's metadata host (a self-signed certificate).
+
+    `routes`: path -> (status, headers, body, seconds to stall before the body).
+    """
+
+    def __init__(self, tmp: Path):
+        if not shutil.which("openssl"):
+            pytest.skip("openssl is needed to make a test certificate")
+        cert, key = tmp / "cert.pem", tmp / "key.pem"
+        subprocess.run(
+            [
+                "openssl",
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-days",
+                "1",
+                "-subj",
+                "/CN=localhost",
+                "-addext",
+                "subjectAltName=DNS:localhost",
+                "-keyout",
+                str(key),
+                "-out",
+                str(cert),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        self.context = ssl.create_default_context(cafile=str(cert))
+        self.routes: dict = {}
+        tls = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                status, headers, body, pause = tls.routes.get(self.path, (404, {}, b"", 0))
+                self.send_response(status)
+                for name, value in headers.items():
+                    self.send_header(name, value)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if pause:
+                    time.sleep(pause)
+                with contextlib.suppress(OSError):
+                    self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        server_ctx.load_cert_chain(str(cert), str(key))
+        self.httpd.socket = server_ctx.wrap_socket(self.httpd.socket, server_side=True)
+        self.port = self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def url(self, path: str) -> str:
+        return f"https://localhost:{self.port}{path}"
+
+    @staticmethod
+    def loopback(host, port, **kwargs) -> list:
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
+
+    def fetch(self, path: str, **kwargs) -> dict:
+        """fetch_client_metadata with this loopback host counted as public."""
+        return notesvc.fetch_client_metadata(
+            self.url(path),
+            resolve=self.loopback,
+            allow=lambda ip: True,
+            context=self.context,
+            **kwargs,
+        )
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def owner_headers(setup: dict) -> dict:
+    return {"X-Service-Key": setup["apiKey"]}
+
+
+def post_oauth_form(url: str, form: dict) -> tuple:
+    """POST a form; return (status, parsed JSON)."""
+    body = urllib.parse.urlencode(form).encode()
+    req = urllib.request.Request(url, body, {"Content-Type": "application/x-www-form-urlencoded"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, json.loads(e.read() or b"null")
+
+
+def get_raw(url: str) -> tuple:
+    """GET a URL; return (status, headers, bytes)."""
+    try:
+        with urllib.request.urlopen(url, timeout=30) as resp:
+            return resp.status, resp.headers, resp.read()
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, e.headers, e.read()
+
+
+class Callback:
+    """A loopback stand-in for an OAuth client's redirect URI: records what reaches it."""
+
+    def __init__(self):
+        self.hits: list = []
+        self.arrived = threading.Event()
+        cb = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                if self.path.startswith("/callback"):  # not the browser's /favicon.ico
+                    cb.hits.append(self.path)
+                    cb.arrived.set()
+                body = b"<!doctype html><title>back in the app</title><p>done</p>"
+                self.send_response(200)
+                self.send_header("Content-Type", "text/html")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/callback"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def query(self, timeout: float = 15) -> dict:
+        assert self.arrived.wait(timeout), "nothing reached the redirect URI"
+        self.arrived.clear()
+        return urllib.parse.parse_qs(urllib.parse.urlsplit(self.hits[-1]).query)
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def tiny_png() -> bytes:
+    """A real 1x1 PNG (a browser decodes it)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        crc = struct.pack(">I", zlib.crc32(kind + body) & 0xFFFFFFFF)
+        return struct.pack(">I", len(body)) + kind + body + crc
+
+    header = struct.pack(">IIBBBBB", 1, 1, 8, 2, 0, 0, 0)
+    pixels = zlib.compress(b"\x00\xc0\x30\x30")
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", pixels) + chunk(b"IEND", b"")
+    )
+
+
+def bearer(app: webtest.TestApp, token: str) -> webtest.TestApp:
+    return webtest.TestApp(app.app, extra_environ={"HTTP_AUTHORIZATION": f"Bearer {token}"})
+
+
+def sdk_oauth_session(mcp_url: str, key: str, steps, scope: str = "notes:read"):
+    """Run `steps(session, provider)` in an official MCP SDK session that authorises itself
+    with the SDK's OAuth client (mcp.client.auth): it registers, is sent to the consent
+    page, where the owner's approval is given with the key (POST /api/v1/oauth/approve, as
+    the page does), and redeems the code. Returns (steps' result, transcript, storage)."""
+    import asyncio
+
+    auth = pytest.importorskip("mcp.client.auth")
+    shared = pytest.importorskip("mcp.shared.auth")
+    client_module = pytest.importorskip("mcp.client.client")
+    transport = pytest.importorskip("mcp.client.streamable_http")
+    httpx2 = pytest.importorskip("httpx2")
+    transcript: list = []
+    approved: dict = {}
+
+    class Storage(auth.TokenStorage):
+        tokens = client = None
+
+        async def get_tokens(self):
+            return self.tokens
+
+        async def set_tokens(self, tokens):
+            self.tokens = tokens
+
+        async def get_client_info(self):
+            return self.client
+
+        async def set_client_info(self, client):
+            self.client = client
+
+    def approve_as_owner(url: str) -> None:
+        ask = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(url).query))
+        api = url.split("/oauth/authorize")[0] + API
+        body = {
+            "clientId": ask["client_id"],
+            "redirectUri": ask["redirect_uri"],
+            "state": ask["state"],
+            "codeChallenge": ask["code_challenge"],
+            "scope": scope,
+            "resource": ask["resource"],
+        }
+        req = urllib.request.Request(
+            f"{api}/oauth/approve",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json", "X-Service-Key": key},
+            method="POST",
+        )
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            redirect = json.loads(resp.read())["data"]["redirect"]
+        approved.update(urllib.parse.parse_qsl(urllib.parse.urlsplit(redirect).query))
+        transcript.append(f"consent: {ask['client_id']} asked {ask.get('scope')}; approved {scope}")
+
+    async def redirect_handler(url: str) -> None:
+        transcript.append(f"authorize: {url.split('?')[0]}")
+        await asyncio.get_running_loop().run_in_executor(None, approve_as_owner, url)
+
+    async def callback_handler():
+        return shared.AuthorizationCodeResult(
+            code=approved["code"], state=approved.get("state"), iss=approved.get("iss")
+        )
+
+    async def record(response) -> None:
+        request = response.request
+        transcript.append(f"{request.method} {request.url} -> {response.status_code}")
+
+    storage = Storage()
+    provider = auth.OAuthClientProvider(
+        server_url=mcp_url,
+        client_metadata=shared.OAuthClientMetadata(
+            client_name="notesvc SDK test", redirect_uris=[CALLBACK]
+        ),
+        storage=storage,
+        redirect_handler=redirect_handler,
+        callback_handler=callback_handler,
+    )
+
+    async def main():
+        async with httpx2.AsyncClient(
+            auth=provider, timeout=30, event_hooks={"response": [record]}
+        ) as http:
+            connection = transport.streamable_http_client(mcp_url, http_client=http)
+            async with client_module.Client(connection, mode="legacy") as session:
+                return await steps(session, provider)
+
+    return asyncio.run(main()), transcript, storage
+
+
+def mcp_with_token(url: str, token: str) -> tuple:
+    """POST tools/list with a bearer token; return (status, headers)."""
+    body = json.dumps({"jsonrpc": "2.0", "id": 9, "method": "tools/list"}).encode()
+    req = urllib.request.Request(
+        url,
+        body,
+        {
+            "Content-Type": "application/json",
+            "Authorization": f"Bearer {token}",
+            "MCP-Protocol-Version": "2025-11-25",
+        },
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, resp.headers
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, e.headers
+
+
+# -- the tests, class by class in the order of notesvc.py's sections --------------------
+
+
+class TestConfig:
+    def test_defaults_match_the_contract(self):
+        cfg = notesvc.load_config(env={})
+        assert (cfg.host, cfg.port, cfg.auth_mode, cfg.pairing) == (
+            "0.0.0.0",
+            3000,
+            "api-key",
+            "relay",
+        )
+        assert cfg.max_body_bytes == 1048576
+        assert cfg.rescan_seconds == 5
+        assert cfg.threads == 8
+        assert cfg.agent_timeout == 60
+        assert cfg.root == Path("./data").resolve()
+
+    def test_flag_beats_variable_beats_default(self):
+        assert notesvc.load_config(env={"SERVICE_PORT": "4000"}).port == 4000
+        assert notesvc.load_config(env={"SERVICE_PORT": "4000"}, port="5000").port == 5000
+
+    @pytest.mark.parametrize(
+        ("env", "names"),
+        [
+            ({"SERVICE_PORT": "abc"}, "SERVICE_PORT"),
+            ({"SERVICE_PORT": "70000"}, "SERVICE_PORT"),
+            ({"SERVICE_AUTH_MODE": "magic"}, "SERVICE_AUTH_MODE"),
+            ({"SERVICE_AUTH_MODE": "jwt"}, "SERVICE_JWT_SECRET"),
+            ({"SERVICE_AUTH_MODE": "jwt", "SERVICE_JWT_SECRET": "short"}, "SERVICE_JWT_SECRET"),
+            ({"SERVICE_TRUST_PROXY": "maybe"}, "SERVICE_TRUST_PROXY"),
+            ({"SERVICE_PAIRING_MODE": "carrier-pigeon"}, "SERVICE_PAIRING_MODE"),
+            ({"SERVICE_PUBLIC_URL": "ftp://x"}, "SERVICE_PUBLIC_URL"),
+            ({"SERVICE_CORS_ORIGINS": "not a url"}, "SERVICE_CORS_ORIGINS"),
+            ({"SERVICE_MAX_BODY_BYTES": "-1"}, "SERVICE_MAX_BODY_BYTES"),
+            ({"SERVICE_AGENT_TIMEOUT": "soon"}, "SERVICE_AGENT_TIMEOUT"),
+            ({"SERVICE_THREADS": "0"}, "SERVICE_THREADS"),
+            ({"SERVICE_LOG_LEVEL": "loud"}, "SERVICE_LOG_LEVEL"),
+        ],
+    )
+    def test_bad_value_raises_config_error_naming_it(self, env, names):
+        with pytest.raises(notesvc.ConfigError, match=names):
+            notesvc.load_config(env=env)
+
+    def test_jwt_with_long_secret_is_accepted(self):
+        cfg = notesvc.load_config(env={"SERVICE_AUTH_MODE": "jwt", "SERVICE_JWT_SECRET": "x" * 32})
+        assert cfg.auth_mode == "jwt"
+
+    def test_every_setting_is_a_config_field(self):
+        fields = {f.name for f in notesvc.dataclasses.fields(notesvc.Config)}
+        assert {s.name for s in notesvc.SETTINGS} == fields
+
+    def test_importing_the_module_creates_no_files(self, tmp_path):
+        code = "import notesvc, os; print(sorted(os.listdir('.')))"
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=tmp_path,
+            env={**os.environ, "PYTHONPATH": str(HERE)},
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        assert out.stdout.strip() == "[]"
+
+
+class TestEnvelope:
+    @pytest.fixture
+    def app(self, root):
+        cfg = notesvc.load_config(env=make_env(root, SERVICE_MAX_BODY_BYTES="2048"))
+        service = notesvc.build_service(cfg).start()
+        extra = (
+            notesvc.Route("GET", "/boom", _boom, scope="read"),
+            notesvc.Route("POST", "/echo", _echo, scope="read"),
+        )
+        wsgi = notesvc.NotesApp(service, notesvc.ROUTES + extra)
+        key = service.state.read()["apiKey"]
+        yield webtest.TestApp(wsgi, extra_environ={"HTTP_X_SERVICE_KEY": key})
+        service.close()
+
+    def test_unknown_route_is_json_404(self, anon):
+        err = assert_error(anon.get(f"{API}/nope", status=404), 404, "NOT_FOUND")
+        assert "/api/v1/nope" in err["message"]
+
+    def test_unknown_path_outside_api_is_json_404(self, anon):
+        assert_error(anon.get("/favicon.ico", status=404), 404, "NOT_FOUND")
+
+    def test_wrong_method_is_405_with_allow(self, client):
+        resp = client.delete(f"{API}/health", status=405)
+        assert_error(resp, 405, "METHOD_NOT_ALLOWED")
+        assert "GET" in resp.headers["Allow"]
+
+    def test_patch_system_config_is_405(self, client):
+        resp = client.patch_json(f"{API}/system/config", {"x": 1}, status=405)
+        assert_error(resp, 405, "METHOD_NOT_ALLOWED")
+        assert resp.headers["Allow"] == "GET"
+
+    @pytest.mark.parametrize(
+        ("method", "path", "names"),
+        [("POST", "/folders", "/folders/tree"), ("GET", "/agent/tools", "/agent/status")],
+    )
+    def test_replaced_endpoint_names_its_replacement(self, client, method, path, names):
+        resp = client.request(API + path, method=method, status=404)
+        assert names in assert_error(resp, 404, "NOT_FOUND")["message"]
+
+    def test_crash_is_500_with_request_id_and_no_details(self, app, caplog):
+        resp = app.get(f"{API}/boom", status=500)
+        err = assert_error(resp, 500, "INTERNAL_ERROR")
+        rid = resp.headers["X-Request-Id"]
+        assert rid in err["message"]
+        assert "secret" not in resp.text
+        assert "passwd" not in resp.text
+        assert any(rid in r.getMessage() for r in caplog.records)
+
+    def test_every_response_has_a_request_id(self, anon):
+        ids = {anon.get(f"{API}/health").headers["X-Request-Id"] for _ in range(3)}
+        assert len(ids) == 3
+        assert anon.get(f"{API}/nope", status=404).headers["X-Request-Id"]
+
+    def test_sane_incoming_request_id_is_kept(self, anon):
+        resp = anon.get(f"{API}/health", headers={"X-Request-Id": "trace-1234abcd"})
+        assert resp.headers["X-Request-Id"] == "trace-1234abcd"
+        resp = anon.get(f"{API}/health", headers={"X-Request-Id": "bad id\x01"})
+        assert resp.headers["X-Request-Id"] != "bad id\x01"
+
+    def test_protected_responses_are_no_store(self, client):
+        assert client.get(f"{API}/system/info").headers["Cache-Control"] == "no-store"
+        resp = client.get(f"{API}/nope", status=404)
+        assert resp.headers["Cache-Control"] == "no-store"
+
+    def test_json_body_round_trips(self, app):
+        body = {"text": "Grüße ✓", "n": [1, 2]}
+        assert data(app.post_json(f"{API}/echo", body))["body"] == body
+
+    def test_broken_json_is_400(self, app):
+        resp = app.post(f"{API}/echo", "{bad", content_type="application/json", status=400)
+        assert "JSON" in assert_error(resp, 400, "VALIDATION_ERROR")["message"]
+
+    @pytest.mark.parametrize("raw", ["[1,2]", '"text"', "42", "null", '{"a": NaN}'])
+    def test_non_object_or_nonstandard_json_is_400(self, app, raw):
+        resp = app.post(f"{API}/echo", raw, content_type="application/json", status=400)
+        assert_error(resp, 400, "VALIDATION_ERROR")
+
+    def test_deeply_nested_json_is_400_not_500(self, app):
+        raw = "[" * 100000 + "]" * 100000
+        resp = app.post(f"{API}/echo", raw[:2000], content_type="application/json", status=400)
+        assert_error(resp, 400, "VALIDATION_ERROR")
+
+    def test_invalid_utf8_body_is_400(self, app):
+        resp = app.post(
+            f"{API}/echo", b'{"a": "\xff"}', content_type="application/json", status=400
+        )
+        assert "UTF-8" in assert_error(resp, 400, "VALIDATION_ERROR")["message"]
+
+    def test_missing_body_is_400(self, app):
+        assert_error(app.post(f"{API}/echo", status=400), 400, "VALIDATION_ERROR")
+
+    def test_wrong_content_type_is_415(self, app):
+        resp = app.post(f"{API}/echo", "a=1", content_type="text/plain", status=415)
+        assert_error(resp, 415, "UNSUPPORTED_MEDIA_TYPE")
+
+    def test_huge_body_is_413(self, app):
+        resp = app.post_json(f"{API}/echo", {"a": "x" * 5000}, status=413)
+        assert_error(resp, 413, "PAYLOAD_TOO_LARGE")
+
+    def test_invalid_utf8_url_is_400(self, client):
+        resp = client.get("/api/v1/notes/notes%2F%FF.md", status=400)
+        assert_error(resp, 400, "VALIDATION_ERROR")
 
 
 class TestNotes:
@@ -2210,46 +3097,6 @@ class TestIfMatch:
         assert data(client.get(note_url("notes/race.md")))["content"] == winner
 
 
-HOSTILE_PATHS = [
-    ("../etc/passwd.md", "start with notes/"),
-    ("notes/../../etc/passwd.md", "'..'"),
-    ("notes/a/../../x.md", "'..'"),
-    ("notes/./x.md", "'.'"),
-    ("/etc/passwd.md", "relative"),
-    ("/notes/x.md", "relative"),
-    ("notes\\..\\x.md", "backslash"),
-    ("notes/a\\b.md", "backslash"),
-    ("notes/x\x00.md", "control"),
-    ("notes/x\n.md", "control"),
-    ("notes/.hidden.md", "hidden"),
-    ("notes/.git/config.md", "hidden"),
-    ("notes/.md", "hidden"),
-    ("notes//x.md", "empty segment"),
-    ("notes/x.txt", ".md"),
-    ("notes", ".md"),
-    ("notes/", "empty segment"),
-    ("other/x.md", "start with notes/"),
-    ("x.md", "start with notes/"),
-    ("notes/a:b.md", "forbidden"),
-    ("notes/a*b.md", "forbidden"),
-    ("notes/a?b.md", "forbidden"),
-    ('notes/a"b.md', "forbidden"),
-    ("notes/a<b>.md", "forbidden"),
-    ("notes/a|b.md", "forbidden"),
-    ("notes/" + "x" * 256 + ".md", "255 bytes"),
-    ("notes/" + "é" * 130 + ".md", "255 bytes"),
-    ("notes/" + "/".join(["abcdefgh"] * 60) + ".md", "512"),
-    ("", "empty"),
-    ("notes/invoice\u202egpj.md", "bidi"),
-    ("notes/a\u202ab.md", "bidi"),
-    ("notes/\u2066x\u2069.md", "bidi"),
-    ("notes/a\u200bb.md", "zero-width"),
-    ("notes/a\u200d/b.md", "zero-width"),
-    ("notes/x\u2060.md", "zero-width"),
-    ("notes/\ufeffx.md", "zero-width"),
-]
-
-
 class TestHostilePaths:
     @pytest.mark.parametrize(("path", "rule"), HOSTILE_PATHS)
     def test_body_path_is_refused_naming_the_rule(self, client, root, path, rule):
@@ -2318,40 +3165,6 @@ class TestHostilePaths:
             f"{API}/notes", {"path": "notes/plain/x.md", "content": "x"}, status=409
         )
         assert_error(resp, 409, "CONFLICT")
-
-
-SLOW_PLUGIN = """
-import pathlib
-import time
-import notesvc
-
-def build(notes):
-    pathlib.Path(__file__).with_name("slow.started").touch()  # for the test to see
-    time.sleep(1.5)  # a plugin's slow computation over the notes
-    return len(notes)
-
-def count(svc):
-    return {"notes": notesvc.derived(svc, "slow-count", build)}
-
-PLUGIN = notesvc.Plugin(name="slow", routes=(notesvc.PluginRoute("GET", "/count", count),))
-"""
-
-MiB = 1024 * 1024
-BRACKET_NOTES = {  # 1 MiB notes that made the link scan quadratic
-    "notes/open.md": "[" * MiB,
-    "notes/wiki.md": "[[" * (MiB // 2),
-    "notes/mixed.md": ("[](" * (MiB // 3) + "[[a|" + "](x.md" * 1000)[:MiB],
-}
-
-
-def timed(fn, *args):
-    started = time.perf_counter()
-    result = fn(*args)
-    return result, time.perf_counter() - started
-
-
-def tree_paths(node: dict) -> list:
-    return [node["path"]] + [p for child in node.get("children", []) for p in tree_paths(child)]
 
 
 class TestStorageSafety:
@@ -2649,9 +3462,6 @@ class TestStorageSafety:
         assert data(client.get(note_url("notes/tmp-1.part.md")))["content"] == "left over"
 
 
-# -- folders ----------------------------------------------------------------------------
-
-
 class TestFolders:
     def test_tree_nests_folders_first_then_notes_by_name(self, client, root):
         for path in ["notes/b.md", "notes/A.md", "notes/zeta/x.md", "notes/alpha/y/z.md"]:
@@ -2898,61 +3708,6 @@ class TestServerNotes:
             _, _, body = again.request("GET", f"{API}/notes")
             assert body["data"]["total"] == 20
         assert [p for p in notes.iterdir() if p.name.startswith(".tmp-")] == []
-
-
-# -- attachments ---------------------------------------------------------------------------
-
-PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 8  # 2056 bytes, every byte value
-
-
-def att_url(path: str) -> str:
-    return f"{API}/attachments/{urllib.parse.quote(path, safe='')}"
-
-
-def multipart(*parts: tuple, boundary: str = "b0undary-1234") -> tuple:
-    """Return (body, content type) of a form: parts are (name, value[, filename[, type]])."""
-    out = b""
-    for part in parts:
-        name, value = part[0], part[1]
-        value = value if isinstance(value, bytes) else value.encode()
-        head = f'Content-Disposition: form-data; name="{name}"'
-        if len(part) > 2:
-            ctype = part[3] if len(part) > 3 else "application/octet-stream"
-            head += f'; filename="{part[2]}"\r\nContent-Type: {ctype}'
-        out += f"--{boundary}\r\n{head}\r\n\r\n".encode() + value + b"\r\n"
-    out += f"--{boundary}--\r\n".encode()
-    return out, f"multipart/form-data; boundary={boundary}"
-
-
-def post_form(client, body: bytes, ctype: str, status: int = 201):
-    """POST a form as it is (WebTest's post() would encode a multipart body again)."""
-    return client.request(
-        f"{API}/attachments",
-        method="POST",
-        body=body,
-        headers={"Content-Type": ctype},
-        status=status,
-    )
-
-
-def upload(client, path: str, data: bytes = PNG, status: int = 201, **headers):
-    return client.put(
-        att_url(path),
-        data,
-        headers={"Content-Type": "application/octet-stream", **headers},
-        status=status,
-    )
-
-
-def leftovers(root: Path) -> list:
-    """Return temp files under the attachments and the notes (the state folder's index
-    cache has its own, written in the background)."""
-    return [
-        p
-        for top in (root / "attachments", root / "notes")
-        for p in top.rglob("*")
-        if p.name.startswith(".tmp-")
-    ]
 
 
 class TestAttachments:
@@ -3509,46 +4264,6 @@ class TestServerAttachments:
             subprocess.run(["umount", str(disk)], capture_output=True, timeout=10)
 
 
-# -- search ------------------------------------------------------------------------------
-
-
-# -- history, trash and the change feed -------------------------------------------------
-
-
-def versions_of(client, path: str, status: int = 200, **params) -> dict:
-    query = f"?{urllib.parse.urlencode(params)}" if params else ""
-    return data(client.get(note_url(path) + "/versions" + query, status=status))
-
-
-def versions_of_raw(client, path: str, status: int):
-    return client.get(note_url(path) + "/versions", status=status)
-
-
-def version_contents(client, path: str) -> list:
-    """Return the contents of a note's versions, newest first."""
-    found = versions_of(client, path)["versions"]
-    return [data(client.get(f"{note_url(path)}/versions/{v['id']}"))["content"] for v in found]
-
-
-def feed(client, since: int = 0, **params) -> dict:
-    query = urllib.parse.urlencode({"since": since, **params})
-    return data(client.get(f"{API}/changes?{query}"))
-
-
-def update(client, path: str, content: str, **kwargs):
-    return client.put_json(note_url(path), {"content": content}, **kwargs)
-
-
-def web_channel(client) -> dict:
-    return data(client.post_json(f"{API}/channels", {"provider": "web", "config": {}}, status=201))
-
-
-def save_by_channel(client, channel: dict, text: str) -> dict:
-    anon = webtest.TestApp(client.app)
-    headers = {"X-Service-Channel-Secret": channel["secret"]}
-    return data(anon.post_json(f"{API}/channels/webhook/web", web_update(text), headers=headers))
-
-
 class TestHistory:
     def test_each_write_keeps_the_content_it_replaced_newest_first(self, client, root):
         put_note(client, "notes/h.md", "one")
@@ -3832,19 +4547,6 @@ class TestHistory:
         sync = data(client.get(f"{API}/system/config"))["sync"]
         assert (sync["historyMaxVersions"], sync["historyDays"], sync["trashDays"]) == (50, 90, 30)
         assert sync["maxWaiters"] == 4
-
-
-def trash_items(client) -> list:
-    return data(client.get(f"{API}/trash"))["items"]
-
-
-def plant_in_trash(root: Path, path: str, content: bytes, when: float | None = None) -> Path:
-    """Put a file into the trash the way a delete does (attachments' deletes included)."""
-    stamp = time.strftime("%Y%m%dT%H%M%S.000000Z", time.gmtime(when or time.time()))
-    target = root / ".notesvc" / "trash" / stamp / path
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_bytes(content)
-    return target
 
 
 class TestTrash:
@@ -4185,21 +4887,6 @@ class TestChanges:
                 notesvc.load_config(env={f"SERVICE_{name}": "-1"})
 
 
-def long_poll(server: Server, since: int, wait: float, prefix: str = "", headers=None) -> tuple:
-    """Return (status, headers, data, seconds) of one change-feed request."""
-    started = time.monotonic()
-    status, hdrs, body = server.request(
-        "GET", f"{prefix}{API}/changes?since={since}&wait={wait}", headers=headers
-    )
-    return status, hdrs, (body or {}).get("data"), time.monotonic() - started
-
-
-def feed_waiting(server: Server, prefix: str = "", headers=None) -> int:
-    return server.request("GET", f"{prefix}{API}/system/info", headers=headers)[2]["data"][
-        "changes"
-    ]["waiting"]
-
-
 class TestHistoryServer:
     """History and the change feed on real servers: crashes, long-polls, the relay."""
 
@@ -4513,15 +5200,6 @@ class TestHistoryServer:
             subprocess.run(["umount", str(disk)], capture_output=True, timeout=10)
 
 
-def search(client, q: str, status: int = 200, **params) -> dict:
-    resp = client.get(f"{API}/search", {"q": q, **params}, status=status)
-    return resp.json["data"] if status == 200 else resp
-
-
-def hits(client, q: str, **params) -> list:
-    return [r["path"] for r in search(client, q, **params)["results"]]
-
-
 class TestTokenizer:
     def test_doctests(self):
         import doctest
@@ -4775,172 +5453,6 @@ class TestSearchIndexLive:
         assert info["index"]["terms"] >= 2
 
 
-# -- the index against a brute-force BM25; its files, crashes and restarts ------------------
-
-REF_WORDS = (
-    "apple apples banana bananas cherry garden gardens gardening kitchen keys key spare blue "
-    "flowerpot drawer window windows running runs run walked walking walk river mountain coffee "
-    "recipe recipes the a of and to in note notes meeting meetings plan plans zebra yak "
-    "xylophone quokka narwhal pelican otter heron café crème brûlée"
-).split()
-
-
-def make_ref_notes(rnd: random.Random, n: int, start: int = 0) -> dict:
-    """Return {path: text} of n generated notes over REF_WORDS (some without a heading)."""
-    notes = {}
-    for i in range(start, start + n):
-        folder = rnd.choice(["notes", "notes/work", "notes/home", "notes/work/deep"])
-        vocab = REF_WORDS[: rnd.choice((20, 40, len(REF_WORDS)))]
-        body = " ".join(rnd.choice(vocab) for _ in range(rnd.randint(3, 80)))
-        if rnd.random() < 0.8:
-            title = " ".join(rnd.choice(REF_WORDS) for _ in range(rnd.randint(1, 3)))
-            body = f"# {title}\n\n{body}\n"
-        notes[f"{folder}/n{i:05d}.md"] = body
-    return notes
-
-
-def write_notes(root: Path, notes: dict) -> None:
-    for path, text in notes.items():
-        target = root / path
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(text, encoding="utf-8")
-
-
-class ReferenceBM25:
-    """A brute-force BM25 over notesvc's tokens: every fast path must give its answers.
-
-    Score: for each clause, alternative and term (a phrase's terms one by one, a prefix's
-    expansions), in body (weight 1) and title (weight 2): idf * tf (k1 + 1) / (tf + k1 (1 - b
-    + b dl / avgdl)), with Lucene's idf, k1 1.2, b 0.75; ties ordered by path.
-    """
-
-    def __init__(self, notes: dict):
-        self.docs = {}
-        words: set = set()
-        for path, text in notes.items():
-            text = unicodedata.normalize("NFC", text)
-            title = notesvc.note_title(text, path)
-            self.docs[path] = (notesvc.tokenize(text), notesvc.tokenize(title))
-            for part in (text, title):
-                words.update(re.findall(r"\w+", notesvc.fold(part)))
-        self.words = sorted(words)
-        self.n = len(self.docs)
-        self.df: list = [{}, {}]
-        for toks in self.docs.values():
-            for f in (0, 1):
-                for t in set(toks[f]):
-                    self.df[f][t] = self.df[f].get(t, 0) + 1
-        self.avg = [max(sum(len(t[f]) for t in self.docs.values()) / self.n, 1.0) for f in (0, 1)]
-
-    def _resolve(self, alt: tuple) -> tuple:
-        kind, arg = alt
-        if kind == "prefix":  # the first 1024 words, their stems, commonest 64 in bodies
-            first = [w for w in self.words if w.startswith(arg)][:1024]
-            stems = sorted({notesvc.stem(w) for w in first})
-            return kind, sorted(stems, key=lambda s: (-self.df[0].get(s, 0), s))[:64]
-        return kind, [arg] if kind == "word" else list(arg)
-
-    @staticmethod
-    def _matches(toks: tuple, alt: tuple) -> bool:
-        kind, stems = alt
-        if kind != "phrase":
-            return any(s in toks[0] or s in toks[1] for s in stems)
-        k = len(stems)
-        return any(field[i : i + k] == stems for field in toks for i in range(len(field) - k + 1))
-
-    def _score(self, toks: tuple, clauses: list) -> float:
-        score = 0.0
-        for clause in clauses:
-            for _, stems in clause:
-                for s in stems:
-                    for f, weight in ((0, 1.0), (1, 2.0)):
-                        tf = toks[f].count(s)
-                        if tf:
-                            df = self.df[f][s]
-                            idf = math.log(1 + (self.n - df + 0.5) / (df + 0.5))
-                            norm = 1.2 * (1 - 0.75 + 0.75 * len(toks[f]) / self.avg[f])
-                            score += weight * idf * tf * 2.2 / (tf + norm)
-        return score
-
-    def search(self, q: str, folder: str = "") -> tuple:
-        query = notesvc.Query(q)
-        clauses = [[self._resolve(a) for a in clause] for clause in query.clauses]
-        excludes = [self._resolve(a) for a in query.excludes]
-        prefix = folder.rstrip("/") + "/" if folder else ""
-        found = []
-        for path, toks in self.docs.items():
-            if not path.startswith(prefix):
-                continue
-            wanted = all(any(self._matches(toks, a) for a in c) for c in clauses)
-            if wanted and not any(self._matches(toks, a) for a in excludes):
-                found.append((self._score(toks, clauses), path))
-        found.sort(key=lambda h: (-h[0], h[1]))
-        return len(found), found
-
-
-def assert_answers_like(index: notesvc.SearchIndex, ref: ReferenceBM25, q: str, folder=""):
-    total, results = index.search(notesvc.Query(q), folder, 10, 0)
-    want_total, want = ref.search(q, folder)
-    assert total == want_total, q
-    assert len(results) == min(10, want_total), q
-    for i, (path, _, score, _) in enumerate(results):
-        best = want[i][0]
-        assert abs(score - best) <= max(1e-4 * best, 6e-5), (q, i, path, score, want[i])
-        if path != want[i][1]:  # only equal scores may come in another order
-            tied = {p for s, p in want if abs(s - best) <= 1e-9 * max(best, 1.0)}
-            assert path in tied, (q, i, path, want[:10])
-
-
-def ref_queries(rnd: random.Random, notes: dict) -> list:
-    """Single words (common, rare, folded forms), AND, OR, exclusions, prefixes, phrases."""
-    qs = ["apple", "keys", "key", "garden", "the", "zebra", "café", "CREME", "runs", "walking"]
-    qs += ["ap*", "gard*", "ke*", "wa*", "run*", "me*", "cr*", "zz*"]
-    for _ in range(12):
-        qs.append(" ".join(rnd.sample(REF_WORDS[:30], rnd.choice((2, 3)))))
-        qs.append(f"{rnd.choice(REF_WORDS)} OR {rnd.choice(REF_WORDS)}")
-        qs.append(f"{rnd.choice(REF_WORDS[:20])} -{rnd.choice(REF_WORDS[:20])}")
-        prefix = rnd.choice([w for w in REF_WORDS[10:40] if len(w) > 3])[:3]
-        qs.append(f"{rnd.choice(REF_WORDS[:10])} {prefix}*")
-    bodies = sorted(notes.values())
-    for _ in range(12):
-        words = re.findall(r"\w+", rnd.choice(bodies))
-        if len(words) > 3:
-            j = rnd.randrange(len(words) - 2)
-            qs.append(f'"{words[j]} {words[j + 1]}"')
-            qs.append(f'{words[j]} -"{words[j + 1]} {words[j + 2]}"')
-    return qs
-
-
-@pytest.fixture
-def disk_index(tmp_path):
-    """A SearchIndex kept under tmp_path/.notesvc, reading notes from tmp_path/notes."""
-    state = tmp_path / ".notesvc"
-    state.mkdir()
-    (tmp_path / "notes").mkdir()
-    index = notesvc.SearchIndex.open(state, notesvc.NoteStore(tmp_path / "notes", state / "trash"))
-    yield index
-    index.close()
-
-
-def change_notes(rnd: random.Random, index, notes: dict, root: Path, count: int) -> None:
-    """Rewrite count notes on disk and in the index, the way the API's listener does."""
-    for path in rnd.sample(sorted(notes), count):
-        text = " ".join(rnd.choice(REF_WORDS) for _ in range(rnd.randint(1, 60)))
-        if rnd.random() < 0.5:
-            text = f"# {rnd.choice(REF_WORDS)} title\n{text}"
-        notes[path] = text
-        (root / path).write_text(text, encoding="utf-8")
-        st = (root / path).stat()
-        index.add(path, text, st.st_size, st.st_mtime_ns)
-
-
-def remove_notes(rnd: random.Random, index, notes: dict, root: Path, count: int) -> None:
-    for path in rnd.sample(sorted(notes), count):
-        del notes[path]
-        (root / path).unlink()
-        index.remove(path)
-
-
 class TestSearchReference:
     """The index's top-10 (paths, order, scores) equals a brute-force BM25's, whatever its
     segments look like: one bulk segment, changes in memory, flushed files with deletions,
@@ -4999,44 +5511,6 @@ class TestSearchReference:
         ref = ReferenceBM25(notes)
         for q in ref_queries(random.Random(5), notes):
             assert_answers_like(disk_index, ref, q)
-
-
-def index_files(root: Path) -> list:
-    return sorted(p.name for p in (root / ".notesvc" / "index").iterdir())
-
-
-def damage_index(root: Path, damage: str) -> None:
-    state = root / ".notesvc"
-    segment = next(p for p in sorted((state / "index").iterdir()) if p.suffix == ".seg")
-    raw = segment.read_bytes()
-    commit = state / "index.cache"
-    if damage == "commit truncated":
-        commit.write_bytes(commit.read_bytes()[:-7])
-    elif damage == "commit random bytes":
-        commit.write_bytes(os.urandom(commit.stat().st_size))
-    elif damage == "commit flipped byte":
-        data = bytearray(commit.read_bytes())
-        data[len(data) // 3] ^= 0x55
-        commit.write_bytes(bytes(data))
-    elif damage == "segment truncated":
-        segment.write_bytes(raw[: len(raw) // 2])
-    elif damage == "segment random bytes":
-        segment.write_bytes(os.urandom(len(raw)))
-    elif damage == "segment flipped bytes":  # the frame is intact: only the checksum tells
-        data = bytearray(raw)
-        for at in range(64, len(data) // 2, 97):
-            data[at] ^= 0xFF
-        segment.write_bytes(bytes(data))
-    elif damage == "segment empty":
-        segment.write_bytes(b"")
-    elif damage == "segment missing":
-        segment.unlink()
-    elif damage == "segment of another index":
-        vocab = notesvc._Vocab()
-        seg = notesvc.MemorySegment(vocab)
-        seg.add(vocab.analyse("notes/zz.md", "unrelated words only", 20, 1), (3.0, 1.0))
-        with open(segment, "wb") as f:
-            notesvc.write_segment(f, [seg], [set()], [({}, {})])
 
 
 class TestSearchSegments:
@@ -5272,41 +5746,6 @@ class TestServerSearch:
             assert [r["path"] for r in found] == ["notes/dropped.md"]
 
 
-def wait_until(predicate, timeout: float = 30, step: float = 0.002):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(step)
-    raise AssertionError("timed out waiting")
-
-
-def temp_files(index_dir: Path) -> list:
-    with contextlib.suppress(FileNotFoundError):
-        return [p for p in index_dir.iterdir() if p.name.startswith(".tmp-")]
-    return []
-
-
-def unique_notes(n: int, start: int = 0) -> dict:
-    """Notes that each hold the word "common" and a word of their own (u<number>x)."""
-    return {
-        f"notes/d{i % 7}/n{i:05d}.md": f"# Note {i}\n\ncommon words u{i}x and then some more "
-        f"filler text {i % 13} to make it a note"
-        for i in range(start, start + n)
-    }
-
-
-def assert_server_answers(server, notes: dict) -> None:
-    status, _, body = server.request("GET", f"{API}/search?q=common&limit=1")
-    assert status == 200
-    assert body["data"]["total"] == len(notes)
-    for path in sorted(notes)[:: max(1, len(notes) // 25)]:
-        word = re.search(r"u\d+x", notes[path]).group(0)
-        _, _, body = server.request("GET", f"{API}/search?q={word}")
-        assert [r["path"] for r in body["data"]["results"]] == [path], word
-
-
 class TestServerSearchSegments:
     """Real servers: SIGKILL during a segment write and during a merge, then a restart that
     answers exactly what the files say; a restart that answers before its check."""
@@ -5339,14 +5778,15 @@ class TestServerSearchSegments:
                 return body["data"]["index"]["lastSync"]
 
             wait_until(lambda: len([p for p in index_dir.iterdir() if p.suffix == ".seg"]) >= 3)
-            wait_until(synced, step=0.01)
-            wait_until(lambda: temp_files(index_dir))  # the merge writes its file
+            # Killed while the index writes a file: the merge's, or on a busy machine the last
+            # bulk segment's (the merge can finish before a poll sees it): either way the
+            # restart must answer exactly what the files say.
+            wait_until(lambda: temp_files(index_dir) or synced(), step=0.002)
             server.proc.kill()
             server.proc.wait(10)
         finally:
             server.stop()
-        assert temp_files(index_dir)
-        assert len([p for p in index_dir.iterdir() if p.suffix == ".seg"]) >= 3
+        assert len([p for p in index_dir.iterdir() if p.suffix == ".seg"]) >= 1
         moved = sorted(notes)[:5]  # and edits made while it was down
         for path in moved:
             notes[path] = notes[path].replace("common", "uncommon")
@@ -5396,344 +5836,1899 @@ class TestServerSearchSegments:
             assert info["data"]["index"]["lastSync"]["removed"] == 1
 
 
-# -- agent and channels: loopback stand-ins for the outside services -------------------------
+class TestSetup:
+    def test_payload_has_every_spec_field(self, anon):
+        payload = data(anon.get(f"{API}/system/setup"))
+        for name in SETUP_FIELDS:
+            dig(payload, name)  # KeyError names a missing field
+        assert payload["auth"]["method"] == "api-key"
+        assert payload["auth"]["header"] == "X-Service-Key"
+        assert payload["server"]["port"] == 3000
+        assert re.fullmatch(r"\d+\.\d+\.\d+", payload["version"])
+        assert payload["version"] == notesvc.__version__
 
+    def test_key_has_prefix_and_43_urlsafe_chars(self, anon):
+        key = data(anon.get(f"{API}/system/setup"))["apiKey"]
+        assert re.fullmatch(r"nsk_[A-Za-z0-9_-]{43}", key)
 
-class FakeUpstream:
-    """A loopback HTTP server speaking the OpenAI chat-completions and /audio/transcriptions,
-    Telegram Bot API and WhatsApp Cloud API formats.
+    def test_relay_mode_links(self, anon):
+        p = data(anon.get(f"{API}/system/setup", headers={"Host": "notes.example:3000"}))
+        sid, code = p["serverId"], p["pairing"]["relayCode"]
+        links = p["links"]
+        assert p["server"]["url"] == "http://notes.example:3000"
+        assert links["directApiBase"] == "http://notes.example:3000/api/v1"
+        assert links["relayApiBase"] == f"http://notes.example:3000/r/{sid}/api/v1"
+        assert links["apiBase"] == links["relayApiBase"]
+        assert links["setupApi"] == "http://notes.example:3000/api/v1/system/setup"
+        assert links["health"] == "http://notes.example:3000/api/v1/health"
+        assert links["connect"]["hosted"].endswith(f"?relayCode={code}")
+        assert links["connect"]["testHosted"].endswith(f"?relayCode={code}")
+        assert "relayUrl=http%3A%2F%2Fnotes.example%3A3000" in links["connect"]["localDevUi"]
 
-    `requests` records what it is sent (chat completions, sendMessage, WhatsApp messages,
-    transcriptions); the Bot API's own bookkeeping, which pollers call in the background
-    (getUpdates, setWebhook, deleteWebhook, getFile), goes to `bot_calls`, and GETs
-    (file and media downloads) to `downloads`. Telegram updates queued with push() are
-    handed out by getUpdates with Telegram's offset rules and long-poll time-out (held at
-    most `max_hold` seconds); setWebhook makes getUpdates answer 409 until deleteWebhook.
-    """
+    def test_open_port_mode_uses_direct_api_base(self, make_app):
+        p = data(make_app(SERVICE_PAIRING_MODE="open-port").get(f"{API}/system/setup"))
+        assert p["pairing"]["mode"] == "open-port"
+        assert p["links"]["apiBase"] == p["links"]["directApiBase"]
 
-    BOT_METHODS = ("getUpdates", "setWebhook", "deleteWebhook", "getFile", "getMe")
-    WHATSAPP_TOKEN = "EAAG-whatsapp-token"
-
-    def __init__(self):
-        self.requests: list = []
-        self.bot_calls: list = []
-        self.downloads: list = []
-        self.status = 200
-        self.delay = 0.0
-        self.reply = "The spare keys are under the blue flowerpot (notes/home/keys.md)."
-        self.raw = None  # bytes to answer instead of the usual JSON
-        self.updates: list = []  # queued Telegram updates (push)
-        self.next_update_id = 500000
-        self.max_hold = 1.0
-        self.polls = 0
-        self.poll_status = 200  # getUpdates answers this (e.g. 401: a revoked token)
-        self.poll_error = "Unauthorized"  # ... with this description
-        self.webhook: dict | None = None
-        self.webhook_error = ""  # setWebhook refuses with this description
-        self.files: dict = {}  # Telegram file_id -> (file_path, bytes)
-        self.media: dict = {}  # WhatsApp media id -> (mime type, bytes)
-        self.transcript = "Remember to buy oat milk and call the plumber."
-        self.closed = False
-        self.cond = threading.Condition()
-        fake = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args):
-                pass
-
-            def _send(self, status: int, payload: bytes, ctype: str = "application/json"):
-                self.send_response(status)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                with contextlib.suppress(OSError):
-                    self.wfile.write(payload)
-
-            def do_POST(self):
-                length = int(self.headers.get("Content-Length", 0))
-                raw = self.rfile.read(length)
-                path = self.path.split("?")[0]
-                method = path.rsplit("/", 1)[-1]
-                if path.endswith("/audio/transcriptions"):
-                    form = fake.parse_form(raw, self.headers.get("Content-Type", ""))
-                    fake.requests.append(
-                        {"path": self.path, "headers": dict(self.headers), "form": form}
-                    )
-                    if "file" not in form:
-                        return self._send(400, b'{"error": {"message": "no file"}}')
-                    return self._send(200, json.dumps({"text": fake.transcript}).encode())
-                body = json.loads(raw or b"null")
-                if path.startswith("/bot") and method in fake.BOT_METHODS:
-                    fake.bot_calls.append({"path": self.path, "json": body})
-                    status, answer = fake.bot_api(method, body)
-                    return self._send(status, json.dumps(answer).encode())
-                fake.requests.append(
-                    {"path": self.path, "headers": dict(self.headers), "json": body}
-                )
-                time.sleep(fake.delay)
-                payload = (
-                    fake.raw
-                    if fake.raw is not None
-                    else json.dumps(fake.answer(self.path, body)).encode()
-                )
-                self._send(fake.status, payload)
-
-            def do_GET(self):
-                path = urllib.parse.unquote(self.path.split("?")[0])
-                fake.downloads.append({"path": path, "headers": dict(self.headers)})
-                m = re.match(r"^/file/bot[^/]+/(.+)$", path)
-                if m:
-                    found = [data for p, data in fake.files.values() if p == m.group(1)]
-                    if not found:
-                        return self._send(404, b'{"ok": false, "description": "Not Found"}')
-                    return self._send(200, found[0], "application/octet-stream")
-                bearer = self.headers.get("Authorization") == f"Bearer {fake.WHATSAPP_TOKEN}"
-                m = re.match(r"^/v21\.0/([^/]+)$", path)
-                if m and m.group(1) in fake.media:
-                    if not bearer:
-                        return self._send(401, b'{"error": {"code": 190}}')
-                    mime, data = fake.media[m.group(1)]
-                    info = {
-                        "messaging_product": "whatsapp",
-                        "url": f"{fake.url}/whatsapp-media/{m.group(1)}?ext=1",
-                        "mime_type": mime,
-                        "file_size": len(data),
-                        "id": m.group(1),
-                    }
-                    return self._send(200, json.dumps(info).encode())
-                m = re.match(r"^/whatsapp-media/([^/]+)$", path)
-                if m and m.group(1) in fake.media:
-                    if not bearer:
-                        return self._send(401, b"")
-                    mime, data = fake.media[m.group(1)]
-                    return self._send(200, data, mime)
-                self._send(404, b'{"error": "unknown path"}')
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(
-            target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
-        ).start()
-
-    @staticmethod
-    def parse_form(raw: bytes, ctype: str) -> dict:
-        """Return {name: (filename, bytes)} of a multipart/form-data body."""
-        import email.parser
-        import email.policy
-
-        msg = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
-            f"Content-Type: {ctype}\r\n\r\n".encode() + raw
+    def test_configured_relay_and_client_urls(self, make_app):
+        app = make_app(
+            SERVICE_RELAY_URL="https://relay.example",
+            SERVICE_CLIENT_URL="https://app.example/connect",
+            SERVICE_TEST_CLIENT_URL="https://test.example/?v=2",
         )
-        if not msg.is_multipart():
-            return {}
-        return {
-            part.get_param("name", header="content-disposition"): (
-                part.get_filename(),
-                part.get_payload(decode=True),
-            )
-            for part in msg.iter_parts()
+        p = data(app.get(f"{API}/system/setup"))
+        code = p["pairing"]["relayCode"]
+        assert p["pairing"]["relayUrl"] == "https://relay.example"
+        assert p["links"]["relayApiBase"].startswith("https://relay.example/r/")
+        assert p["links"]["connect"]["hosted"] == f"https://app.example/connect?relayCode={code}"
+        assert p["links"]["connect"]["testHosted"] == f"https://test.example/?v=2&relayCode={code}"
+
+    @pytest.mark.parametrize(
+        "host", ["evil.example/phish", "a b", "user@evil.example", "x:99999", "<script>", ""]
+    )
+    def test_invalid_host_header_is_ignored(self, anon, host):
+        p = data(anon.get(f"{API}/system/setup", headers={"Host": host}))
+        assert p["server"]["url"] == "http://127.0.0.1:80"  # WebTest's SERVER_PORT
+        assert "evil" not in json.dumps(p)
+
+    def test_forwarded_headers_ignored_unless_proxy_trusted(self, make_app):
+        headers = {"X-Forwarded-Proto": "https", "X-Forwarded-Host": "notes.example"}
+        untrusted = data(make_app().get(f"{API}/system/setup", headers=headers))
+        assert "notes.example" not in untrusted["server"]["url"]
+        trusted_app = make_app(SERVICE_TRUST_PROXY="true")
+        proxy = {"REMOTE_ADDR": "127.0.0.1"}  # the peer is the (loopback) proxy
+        trusted = data(trusted_app.get(f"{API}/system/setup", headers=headers, extra_environ=proxy))
+        assert trusted["server"]["url"] == "https://notes.example"
+        elsewhere = {"REMOTE_ADDR": "192.0.2.7"}  # trusted proxies only, not any peer
+        other = trusted_app.get(f"{API}/system/setup", headers=headers, extra_environ=elsewhere)
+        assert "notes.example" not in data(other)["server"]["url"]
+
+    def test_public_url_wins(self, make_app):
+        app = make_app(SERVICE_PUBLIC_URL="https://pi.example/")
+        p = data(app.get(f"{API}/system/setup", headers={"Host": "other:1"}))
+        assert p["server"]["url"] == "https://pi.example"
+
+    def test_link_completes_setup_and_redacts_key(self, anon, client):
+        key = key_of(anon)
+        before = data(anon.get(f"{API}/system/setup"))
+        assert before["setupComplete"] is False
+        assert before["apiKey"] == key
+        assert before["instructions"]
+        linked = data(client.post_json(f"{API}/auth/link", {"clientName": "phone"}))
+        assert linked["linked"] is True
+        assert linked["setupComplete"] is True
+        after = data(anon.get(f"{API}/system/setup"))
+        assert after["setupComplete"] is True
+        assert after["apiKey"] == "nsk_…" + key[-4:]
+        assert key not in json.dumps(after)
+        assert "instructions" not in after
+        # The key keeps working after it is redacted.
+        assert data(client.post(f"{API}/auth/verify"))["setupComplete"] is True
+
+    def test_setup_local_only_hides_key_from_remote_clients(self, make_app):
+        app = make_app(SERVICE_SETUP_LOCAL_ONLY="true")
+        key = key_of(app)
+        remote = data(app.get(f"{API}/system/setup", extra_environ={"REMOTE_ADDR": "192.0.2.7"}))
+        assert remote["apiKey"] != key
+        assert remote["apiKey"].startswith("nsk_…")
+        local = data(app.get(f"{API}/system/setup", extra_environ={"REMOTE_ADDR": "127.0.0.1"}))
+        assert local["apiKey"] == key
+
+    @pytest.mark.parametrize(
+        ("host", "shown"),
+        [
+            ("127.0.0.1:3000", True),
+            ("[::1]:3000", True),
+            ("192.168.1.20", True),
+            ("LocalHost:3000", True),
+            (socket.gethostname().upper(), True),
+            (f"{socket.gethostname()}.local:3000", True),
+            ("notes.example", True),  # SERVICE_PUBLIC_URL's host
+            ("rebind.attacker.example", False),
+            ("localhost.attacker.example", False),
+            (f"{socket.gethostname()}.attacker.example", False),
+            ("", False),
+        ],
+    )
+    def test_full_key_only_for_hosts_naming_this_machine(self, make_app, host, shown):
+        app = make_app(SERVICE_PUBLIC_URL="https://notes.example")
+        key = key_of(app)
+        p = data(app.get(f"{API}/system/setup", headers={"Host": host}))
+        assert (p["apiKey"] == key) is shown
+        if not shown:
+            assert p["apiKey"] == "nsk_…" + key[-4:]
+
+    def test_forwarded_host_counts_for_the_key_only_from_a_trusted_proxy(self, make_app):
+        app = make_app(SERVICE_TRUST_PROXY="true")
+        key = key_of(app)
+        rebind = {"Host": "127.0.0.1", "X-Forwarded-Host": "rebind.attacker.example"}
+        via_proxy = {"REMOTE_ADDR": "127.0.0.1"}
+        p = data(app.get(f"{API}/system/setup", headers=rebind, extra_environ=via_proxy))
+        assert p["apiKey"] != key  # the proxy was asked for the attacker's name
+        direct = {"REMOTE_ADDR": "192.0.2.7"}  # not a proxy: its X-Forwarded-Host is ignored
+        assert (
+            data(app.get(f"{API}/system/setup", headers=rebind, extra_environ=direct))["apiKey"]
+            == key
+        )
+
+    def test_server_id_and_key_survive_restart(self, make_app, root):
+        first = data(make_app().get(f"{API}/system/setup"))
+        second = data(make_app().get(f"{API}/system/setup"))
+        assert first["serverId"] == second["serverId"]
+        assert first["apiKey"] == second["apiKey"]
+        assert first["pairing"]["relayCode"] == second["pairing"]["relayCode"]
+
+
+class TestAuth:
+    def test_the_route_table_has_protected_and_public_routes(self):
+        assert len(PROTECTED_ROUTES) >= 5
+        assert PUBLIC_ROUTES
+
+    @pytest.mark.parametrize("route", PROTECTED_ROUTES, ids=route_id)
+    def test_every_protected_route_refuses_missing_and_wrong_key(self, anon, route):
+        refuses_missing_and_wrong_key(anon, route.method, route.rule)
+
+    def test_every_documented_secured_operation_refuses_missing_and_wrong_key(self, make_app):
+        """Routes from outside the table too (plugins, providers): as the OpenAPI says."""
+        doc = make_app().get(f"{API}/openapi.json").json
+        secured = [
+            (method.upper(), re.sub(r"\{(\w+)\}", r"<\1>", path))
+            for path, operations in doc["paths"].items()
+            for method, op in operations.items()
+            if op.get("security", doc["security"])
+        ]
+        assert len(secured) >= len(PROTECTED_ROUTES) + 3  # and the built-in plugins' routes
+        for method, rule in secured:
+            refuses_missing_and_wrong_key(make_app(), method, rule)  # a fresh app: no lockout
+
+    @pytest.mark.parametrize("route", PUBLIC_ROUTES, ids=route_id)
+    def test_public_routes_need_no_key(self, anon, route):
+        resp = anon.request(sample_url(route), method=route.method, expect_errors=True)
+        assert resp.status_int != 401, route_id(route)
+        assert anon.get(f"{API}/health").status_int == 200
+
+    def test_verify_returns_identity(self, client):
+        d = data(client.post(f"{API}/auth/verify"))
+        assert d == {
+            "valid": True,
+            "serverId": client.app.service.state.read()["serverId"],
+            "setupComplete": False,
         }
 
-    def push(self, update: dict) -> int:
-        """Queue a Telegram update for getUpdates; return its update_id."""
-        with self.cond:
-            self.next_update_id += 1
-            self.updates.append({**update, "update_id": self.next_update_id})
-            self.cond.notify_all()
-            return self.next_update_id
+    def test_link_records_clients_and_repeats_fine(self, client, root):
+        client.post_json(f"{API}/auth/link", {"clientName": "phone"})
+        client.post(f"{API}/auth/link")
+        state = json.loads((root / ".notesvc" / "state.json").read_text())
+        assert [c["name"] for c in state["linkedClients"]] == ["phone", "unnamed client"]
+        assert state["setupComplete"] is True
+        assert "apiKey" not in state
+        assert len(state["keyHash"]) == 64
 
-    def add_file(self, file_id: str, file_path: str, data: bytes) -> None:
-        self.files[file_id] = (file_path, data)
+    @pytest.mark.parametrize("body", [{"clientName": 5}, {"clientName": "x" * 101}])
+    def test_link_rejects_bad_client_name(self, client, body):
+        assert_error(
+            client.post_json(f"{API}/auth/link", body, status=400), 400, "VALIDATION_ERROR"
+        )
 
-    def bot_api(self, method: str, body: dict) -> tuple:
-        if method == "getUpdates":
-            if self.poll_status != 200:
-                answer = {
-                    "ok": False,
-                    "error_code": self.poll_status,
-                    "description": self.poll_error,
-                }
-                return self.poll_status, answer
-            if self.webhook is not None:
-                return 409, {
-                    "ok": False,
-                    "error_code": 409,
-                    "description": "Conflict: can't use getUpdates method while webhook is "
-                    "active; use deleteWebhook to delete the webhook first",
-                }
-            offset = body.get("offset", 0)
-            deadline = time.monotonic() + min(body.get("timeout", 0), self.max_hold)
-            with self.cond:
-                self.polls += 1
-                self.updates = [u for u in self.updates if u["update_id"] >= offset]
-                while not self.updates and not self.closed:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    self.cond.wait(left)
-                return 200, {"ok": True, "result": list(self.updates[:100])}
-        if method == "setWebhook":
-            if self.webhook_error:
-                return 400, {"ok": False, "error_code": 400, "description": self.webhook_error}
-            self.webhook = body
-            return 200, {"ok": True, "result": True, "description": "Webhook was set"}
-        if method == "deleteWebhook":
-            self.webhook = None
-            return 200, {"ok": True, "result": True, "description": "Webhook was deleted"}
-        if method == "getFile":
-            found = self.files.get(body.get("file_id"))
-            if found is None:
-                return 400, {
-                    "ok": False,
-                    "error_code": 400,
-                    "description": "Bad Request: invalid file_id",
-                }
-            return 200, {
-                "ok": True,
-                "result": {
-                    "file_id": body["file_id"],
-                    "file_unique_id": "u" + body["file_id"],
-                    "file_size": len(found[1]),
-                    "file_path": found[0],
-                },
-            }
-        return 200, {"ok": True, "result": {"id": 1, "is_bot": True, "username": "notes_bot"}}
+    def test_state_file_is_private(self, client, root):
+        client.post(f"{API}/auth/link")
+        folder = root / ".notesvc"
+        assert stat.S_IMODE(os.stat(folder / "state.json").st_mode) == 0o600
+        assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
 
-    def answer(self, path: str, body: dict) -> dict:
-        path = path.split("?")[0]
-        if path.endswith("/chat/completions"):
-            return {
-                "id": "chatcmpl-1",
-                "object": "chat.completion",
-                "created": 1700000000,
-                "model": body["model"] + "-served",
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": self.reply},
-                        "finish_reason": "stop",
-                    }
-                ],
-                "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
-            }
-        if "/sendMessage" in path:
-            return {
-                "ok": True,
-                "result": {"message_id": 7, "chat": {"id": body["chat_id"]}, "text": body["text"]},
-            }
-        if path.endswith("/messages"):
-            return {
-                "messaging_product": "whatsapp",
-                "contacts": [{"input": body["to"], "wa_id": body["to"]}],
-                "messages": [{"id": "wamid.HBgLMTY1MDM4Nzk0MzkVAgARGBI3"}],
-            }
-        return {"error": "unknown path"}
+    def test_rotate_replaces_key_and_relay_code(self, anon, client):
+        old_code = anon.app.service.state.read()["relayCode"]
+        new = data(client.post(f"{API}/auth/rotate"))
+        assert re.fullmatch(r"nsk_[A-Za-z0-9_-]{43}", new["apiKey"])
+        assert new["relayCode"] != old_code
+        assert_error(client.post(f"{API}/auth/verify", status=401), 401, "UNAUTHORIZED")
+        assert data(with_key(anon, new["apiKey"]).post(f"{API}/auth/verify"))["valid"]
 
-    def sent(self) -> list:
-        """Return the texts sent through sendMessage and WhatsApp /messages, in order."""
-        out = []
-        for r in self.requests:
-            body = r.get("json") or {}
-            if "/sendMessage" in r["path"]:
-                out.append(body["text"])
-            elif r["path"].endswith("/messages"):
-                out.append(body["text"]["body"])
-        return out
+    def test_lockout_after_ten_failures(self, anon):
+        wrong = with_key(anon, "nsk_wrong")
+        for _ in range(10):
+            wrong.post(f"{API}/auth/verify", status=401)
+        resp = wrong.post(f"{API}/auth/verify", status=429)
+        assert_error(resp, 429, "RATE_LIMITED")
+        assert 1 <= int(resp.headers["Retry-After"]) <= 60
+        # Locked out means locked out, even with the right key ...
+        with_key(anon).post(f"{API}/auth/verify", status=429)
+        # ... but only for that address.
+        with_key(anon).post(f"{API}/auth/verify", extra_environ={"REMOTE_ADDR": "10.9.9.9"})
 
-    def close(self):
-        with self.cond:
-            self.closed = True
-            self.cond.notify_all()
-        self.server.shutdown()
-        self.server.server_close()
+    def test_a_spray_of_addresses_keeps_the_lockout_small(self):
+        now = [0.0]
+        lockout = notesvc.Lockout(clock=lambda: now[0], tracked=100)
+        for i in range(1000):  # every address fresh, none ever stale
+            lockout.fail(f"10.0.{i // 250}.{i % 250}")
+            now[0] += 0.001
+        assert len(lockout._fails) <= 100
+        for _ in range(10):  # a real attacker is still locked out
+            lockout.fail("192.0.2.1")
+        assert lockout.retry_after("192.0.2.1") > 0
 
+    def test_requests_without_a_credential_never_count(self, anon):
+        for _ in range(15):
+            assert_error(anon.post(f"{API}/auth/verify", status=401), 401, "UNAUTHORIZED")
+        with_key(anon).post(f"{API}/auth/verify")
 
-@pytest.fixture
-def upstream():
-    fake = FakeUpstream()
-    yield fake
-    fake.close()
+    def test_success_clears_the_failures_of_its_address(self, anon):
+        wrong, right = with_key(anon, "nsk_wrong"), with_key(anon)
+        for _ in range(2):
+            for _ in range(9):
+                wrong.post(f"{API}/auth/verify", status=401)
+            right.post(f"{API}/auth/verify")
+        wrong.post(f"{API}/auth/verify", status=401)
 
+    def test_locked_out_address_gets_401_without_a_credential(self, anon):
+        for _ in range(10):
+            with_key(anon, "nsk_wrong").post(f"{API}/auth/verify", status=401)
+        assert_error(anon.post(f"{API}/auth/verify", status=401), 401, "UNAUTHORIZED")
+        resp = with_key(anon).post(f"{API}/auth/verify", status=429)
+        assert 1 <= int(resp.headers["Retry-After"]) <= 60
 
-def closed_port_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}/v1"
+    def test_relayed_clients_have_their_own_buckets(self, anon):
+        relayed = {"notesvc.relayed": True, "REMOTE_ADDR": ""}
+        for _ in range(10):
+            with_key(anon, "nsk_wrong").post(
+                f"{API}/auth/verify", status=401, extra_environ=relayed
+            )
+        with_key(anon).post(f"{API}/auth/verify", status=429, extra_environ=relayed)
+        with_key(anon).post(f"{API}/auth/verify")  # WebTest's own (empty) peer address
+        local = {"notesvc.relayed": True, "REMOTE_ADDR": "127.0.0.1"}
+        with_key(anon).post(f"{API}/auth/verify", extra_environ=local)
+        cfg = anon.app.service.config
+        assert notesvc.client_address(cfg, relayed) == "relay:?"
+        assert notesvc.client_address(cfg, local) == "relay:127.0.0.1"
 
-
-KEYS_NOTE = (
-    "# Keys\n\nThe car key hangs by the door. Spare keys are under the blue flowerpot.\n"
-    "Ask Anna if they are gone."
-)
-
-
-def seed_notes(client):
-    put_note(client, "notes/home/keys.md", KEYS_NOTE)
-    put_note(client, "notes/garden.md", "# Garden\n\nPlant tomatoes in May. Water them daily.")
-    put_note(client, "notes/work.md", "# Work\n\nThe meeting is on Tuesday at ten.")
-
-
-def telegram_update(text, chat_id=42, **extra):
-    message = {
-        "message_id": 11,
-        "from": {"id": chat_id, "is_bot": False, "first_name": "Ada", "language_code": "en"},
-        "chat": {"id": chat_id, "first_name": "Ada", "type": "private"},
-        "date": 1763731200,
-        **extra,
-    }
-    if text is not None:
-        message["text"] = text
-    return {"update_id": 100001, "message": message}
-
-
-def whatsapp_update(text, number="15551234567"):
-    message = {"from": number, "id": "wamid.ID", "timestamp": "1763731200"}
-    if text is None:  # no text and nothing to capture: a shared location
-        message.update(type="location", location={"latitude": 52.52, "longitude": 13.40})
-    else:
-        message.update(type="text", text={"body": text})
-    return {
-        "object": "whatsapp_business_account",
-        "entry": [
-            {
-                "id": "102290129340398",
-                "changes": [
-                    {
-                        "value": {
-                            "messaging_product": "whatsapp",
-                            "metadata": {
-                                "display_phone_number": "15550783881",
-                                "phone_number_id": "106540352242922",
-                            },
-                            "contacts": [{"profile": {"name": "Ada"}, "wa_id": number}],
-                            "messages": [message],
-                        },
-                        "field": "messages",
-                    }
-                ],
-            }
+    @pytest.mark.parametrize(
+        ("peer", "forwarded", "client"),
+        [
+            ("10.0.0.2", "198.51.100.1, 203.0.113.4, 10.0.0.3", "203.0.113.4"),
+            ("10.0.0.2", "203.0.113.4:5555", "203.0.113.4"),
+            ("10.0.0.2", "10.0.0.9, 10.0.0.3", "10.0.0.9"),  # only proxies: the farthest
+            ("10.0.0.2", "", "10.0.0.2"),
+            ("10.0.0.2", "unknown", "10.0.0.2"),
+            ("10.0.0.2", "[2001:db8::7]:80", "2001:db8::7"),
+            ("192.0.2.1", "203.0.113.4", "192.0.2.1"),  # an untrusted peer's claim counts nothing
         ],
-    }
+    )
+    def test_client_address_behind_trusted_proxies(self, peer, forwarded, client):
+        cfg = notesvc.load_config(env={"SERVICE_TRUST_PROXY": "10.0.0.0/8, ::1"})
+        assert cfg.trust_proxy == ("10.0.0.0/8", "::1/128")
+        environ = {"REMOTE_ADDR": peer, "HTTP_X_FORWARDED_FOR": forwarded}
+        assert notesvc.client_address(cfg, environ) == client
+
+    def test_trust_proxy_setting_forms(self, make_app):
+        load = notesvc.load_config
+        assert load(env={}).trust_proxy == ()
+        assert load(env={"SERVICE_TRUST_PROXY": "true"}).trust_proxy == ("127.0.0.0/8", "::1/128")
+        assert load(env={"SERVICE_TRUST_PROXY": "192.0.2.5"}).trust_proxy == ("192.0.2.5/32",)
+        app = with_key(make_app(SERVICE_TRUST_PROXY="true"))
+        assert data(app.get(f"{API}/system/config"))["server"]["trustProxy"] == [
+            "127.0.0.0/8",
+            "::1/128",
+        ]
+        network = data(app.get(f"{API}/security/config"))["network"]
+        assert network["trustProxy"] == ["127.0.0.0/8", "::1/128"]
+
+    def test_lockout_window_and_expiry(self):
+        now = [1000.0]
+        lock = notesvc.Lockout(limit=3, window=60, clock=lambda: now[0])
+        lock.fail("a")
+        lock.fail("a")
+        now[0] += 61  # old failures fall out of the window
+        lock.fail("a")
+        assert lock.retry_after("a") == 0
+        lock.fail("a")
+        lock.fail("a")
+        assert lock.retry_after("a") == 60
+        now[0] += 30
+        assert lock.retry_after("a") == 30
+        now[0] += 31
+        assert lock.retry_after("a") == 0
+
+    def test_auth_mode_none_needs_no_key(self, make_app):
+        app = make_app(SERVICE_AUTH_MODE="none")
+        assert data(app.get(f"{API}/system/info"))["version"] == notesvc.__version__
+        assert data(app.get(f"{API}/system/setup"))["auth"]["method"] == "none"
+
+    def test_a_near_miss_key_is_refused(self, anon):
+        key = key_of(anon)
+        other = lambda c: "A" if c != "A" else "B"  # noqa: E731
+        for near in (
+            key[:-1] + other(key[-1]),  # only the last character differs
+            other(key[0]) + key[1:],  # only the first
+            key[:-1],  # a prefix
+            key + "A",  # the key and more
+            key.upper() if key.upper() != key else key.lower(),
+            f" {key}",
+        ):
+            verify = with_key(anon, near).post(
+                f"{API}/auth/verify", status=401, extra_environ={"REMOTE_ADDR": "10.1.1.1"}
+            )
+            assert_error(verify, 401, "UNAUTHORIZED")
+            anon.post(f"{API}/auth/verify", status=401)  # and without a key: nothing leaks
+        assert data(with_key(anon).post(f"{API}/auth/verify"))["valid"] is True
+
+    def test_key_check_takes_as_long_however_much_of_the_key_is_right(self, anon):
+        """Wrong keys sharing all but the last character with the real key are refused as
+        fast as keys wrong from the first character: nothing to learn from the timing.
+
+        Medians over many interleaved pairs, each from a fresh address (no lockout), with a
+        generous bound so it never flakes on a loaded machine. What it can see: an early-exit
+        comparison doing >= 0.5 us of work per matching character fails it; a plain `==` on
+        the key (nanoseconds per character) is below what timing through the app can show.
+        """
+        key = key_of(anon)
+        alphabet = [c for c in string.ascii_letters + string.digits if c not in key[-1] + key[4]]
+        trials = 1000
+        wsgi = anon.app
+
+        def timed_verify(candidate: str, n: int) -> int:
+            addr = f"10.{n >> 16 & 255}.{n >> 8 & 255}.{n & 255}"
+            req = webtest.TestRequest.blank(
+                f"{API}/auth/verify",
+                method="POST",
+                headers={"X-Service-Key": candidate},
+                environ={"REMOTE_ADDR": addr},
+            )
+            started = time.perf_counter_ns()
+            resp = req.get_response(wsgi)
+            took = time.perf_counter_ns() - started
+            assert resp.status_int == 401
+            return took
+
+        for n in range(20):  # warm up
+            timed_verify(key[:-1] + alphabet[n % len(alphabet)], 100_000 + n)
+        late, early, diffs = [], [], []
+        for n in range(trials):
+            c = alphabet[n % len(alphabet)]
+            near = key[:-1] + c  # right up to the last character
+            far = key[:4] + c + key[5:]  # wrong at the first character after "nsk_"
+            if n % 2:
+                t_near, t_far = timed_verify(near, 2 * n), timed_verify(far, 2 * n + 1)
+            else:
+                t_far, t_near = timed_verify(far, 2 * n + 1), timed_verify(near, 2 * n)
+            late.append(t_near)
+            early.append(t_far)
+            diffs.append(t_near - t_far)
+        median = statistics.median(late + early)
+        shift = statistics.median(diffs)
+        ratio = statistics.median(late) / statistics.median(early)
+        assert abs(shift) < 0.25 * median, (shift, median)
+        assert 0.8 < ratio < 1.25, ratio
+
+    def test_rotate_key_cli_while_serving(self, anon, root):
+        old = key_of(anon)
+        client = with_key(anon, old)
+        client.post_json(f"{API}/auth/link", {"clientName": "laptop"})
+        out = run_cli("rotate-key", "--root", str(root))
+        assert out.returncode == 0, out.stderr
+        new = out.stdout.strip()
+        assert re.fullmatch(r"nsk_[A-Za-z0-9_-]{43}", new)
+        # The running app sees the new key at once; the old one is refused.
+        client.post(f"{API}/auth/verify", status=401)
+        fresh = with_key(anon, new)
+        assert data(fresh.post(f"{API}/auth/verify"))["setupComplete"] is True
+        # A later write by the running app keeps the new key.
+        fresh.post_json(f"{API}/auth/link", {"clientName": "tablet"})
+        state = json.loads((root / ".notesvc" / "state.json").read_text())
+        assert state["keyHash"] == notesvc.key_hash(new)
+        assert [c["name"] for c in state["linkedClients"]] == ["laptop", "tablet"]
+        # The setup payload never shows the rotated key once setup is complete.
+        assert new not in anon.get(f"{API}/system/setup").text
 
 
-def web_update(text, sender="page"):
-    return {"text": text, "sender": sender} if text is not None else {"sender": sender}
+class TestJwt:
+    @pytest.fixture
+    def app(self, make_app):
+        return make_app(SERVICE_AUTH_MODE="jwt", SERVICE_JWT_SECRET=JWT_SECRET)
+
+    def bearer(self, app, token, status=200):
+        return app.post(
+            f"{API}/auth/verify", headers={"Authorization": f"Bearer {token}"}, status=status
+        )
+
+    def claims(self, app, **over):
+        now = int(time.time())
+        kid = app.app.service.state.read()["keyHash"][:16]
+        return {"sub": "owner", "iat": now, "nbf": now, "exp": now + 600, "kid": kid, **over}
+
+    def test_issued_token_works_and_key_still_does(self, app):
+        token = data(with_key(app).post(f"{API}/auth/token"))
+        assert token["tokenType"] == "Bearer"
+        assert token["expiresIn"] == 3600
+        assert data(self.bearer(app, token["token"]))["valid"] is True
+        assert data(with_key(app).post(f"{API}/auth/verify"))["valid"] is True
+
+    def test_hand_made_valid_token_is_accepted(self, app):
+        self.bearer(app, forge(self.claims(app)))
+
+    @pytest.mark.parametrize(
+        "case",
+        [
+            "expired",
+            "not-yet-valid",
+            "tampered",
+            "alg-none",
+            "hs512",
+            "wrong-secret",
+            "no-exp",
+            "garbage",
+            "old-key",
+        ],
+    )
+    def test_bad_tokens_are_refused(self, app, case):
+        now = int(time.time())
+        claims = self.claims(app)
+        if case == "expired":
+            token = forge({**claims, "exp": now - 31})
+        elif case == "not-yet-valid":
+            token = forge({**claims, "nbf": now + 31})
+        elif case == "tampered":
+            head, _, sig = forge(claims).split(".")
+            other = forge({**claims, "sub": "admin"}).split(".")[1]
+            token = f"{head}.{other}.{sig}"
+        elif case == "alg-none":
+            token = forge(claims, {"alg": "none", "typ": "JWT"}).rsplit(".", 1)[0] + "."
+        elif case == "hs512":
+            import hashlib
+
+            token = forge(claims, {"alg": "HS512", "typ": "JWT"}, digest=hashlib.sha512)
+        elif case == "wrong-secret":
+            token = forge(claims, secret="another-secret-of-enough-length-000")
+        elif case == "no-exp":
+            token = forge({k: v for k, v in claims.items() if k != "exp"})
+        elif case == "garbage":
+            token = "not.a.jwt"
+        else:  # a token from before a key rotation
+            token = forge(claims)
+            with_key(app).post(f"{API}/auth/rotate")
+        assert_error(self.bearer(app, token, 401), 401, "UNAUTHORIZED")
+
+    def test_token_cannot_mint_tokens_or_rotate_the_key(self, app):
+        token = data(with_key(app).post(f"{API}/auth/token"))["token"]
+        bearer = {"Authorization": f"Bearer {token}"}
+        assert data(app.get(f"{API}/system/info", headers=bearer))["version"]
+        for path in ("/auth/token", "/auth/rotate"):
+            assert_error(app.post(f"{API}{path}", headers=bearer, status=403), 403, "FORBIDDEN")
+        assert data(self.bearer(app, token))["valid"] is True  # still the same key
+        key_only = {(r.method, r.path) for r in app.app.service.routes if r.key_only}
+        assert key_only == {("POST", "/auth/token"), ("POST", "/auth/rotate")}
+        assert data(with_key(app).post(f"{API}/auth/rotate"))["apiKey"]
+
+    def test_leeway_of_30_seconds(self, app):
+        now = int(time.time())
+        self.bearer(app, forge(self.claims(app, exp=now - 20)))
+        self.bearer(app, forge(self.claims(app, nbf=now + 20)))
+
+    def test_token_endpoint_refuses_outside_jwt_mode(self, client):
+        assert_error(client.post(f"{API}/auth/token", status=403), 403, "FORBIDDEN")
+
+    def test_bearer_is_ignored_in_api_key_mode(self, anon):
+        token = forge({"exp": time.time() + 60})
+        resp = anon.post(
+            f"{API}/auth/verify", headers={"Authorization": f"Bearer {token}"}, status=401
+        )
+        assert_error(resp, 401, "UNAUTHORIZED")
 
 
-UPDATES = {"telegram": telegram_update, "whatsapp": whatsapp_update, "web": web_update}
-MINIMAL_CONFIG = {
-    "telegram": {"botToken": "123456:ABC-telegram-token"},
-    "whatsapp": {
-        "accessToken": "EAAG-whatsapp-token",
-        "phoneNumberId": "106540352242922",
-        "verifyToken": "verify-me-please",
-    },
-    "web": {},
-}
+class TestGrantScopes:
+    """Every route declares its scope; a grant gets exactly as far as its scope."""
+
+    def test_every_route_declares_a_scope(self, anon):
+        for r in all_routes(anon):
+            assert r.public or r.scope in notesvc.SCOPES, f"{r.method} {r.rule}"
+        plugin = [r for r in all_routes(anon) if r.rule.startswith(f"{API}/plugins/")]
+        assert {r.scope for r in plugin} >= {"read", "write"}
+
+    def test_a_route_without_a_scope_stops_the_app(self, root):
+        cfg = notesvc.load_config(env=make_env(root))
+        svc = notesvc.build_service(cfg)
+        try:
+            unscoped = notesvc.Route("GET", "/unscoped", lambda svc: {})
+            with pytest.raises(notesvc.ConfigError, match="GET /api/v1/unscoped"):
+                notesvc.NotesApp(svc, (*notesvc.ROUTES, unscoped))
+            notesvc.NotesApp(svc, (*notesvc.ROUTES, dataclasses.replace(unscoped, public=True)))
+        finally:
+            svc.close()
+
+    def test_a_plugin_route_without_a_scope_is_admin(self):
+        route = notesvc.PluginRoute("GET", "/x", lambda svc: {})
+        assert notesvc.plugin_routes([notesvc.Plugin("p", routes=(route,))])[0].scope == "admin"
+
+    def test_openapi_shows_each_scope(self, anon):
+        doc = anon.get(f"{API}/openapi.json").json
+        for r in all_routes(anon):
+            if r.api:
+                op = doc["paths"][notesvc.openapi_path(r.rule)][r.method.lower()]
+                assert op.get("x-scope") == (None if r.public else r.scope), route_id(r)
+
+    @pytest.mark.parametrize("route", SCOPED_ROUTES, ids=route_id)
+    def test_a_read_key_is_refused_above_read(self, scope_keys, route):
+        wsgi, made = scope_keys
+        app = webtest.TestApp(wsgi, extra_environ={"HTTP_X_SERVICE_KEY": made["read"]})
+        resp = app.request(sample_url(route), method=route.method, expect_errors=True)
+        if route.scope == "read":
+            assert resp.status_int != 403, resp.text
+            return
+        err = assert_error(resp, 403, "FORBIDDEN")
+        assert route.scope in err["message"]
+
+    @pytest.mark.parametrize("route", SCOPED_ROUTES, ids=route_id)
+    def test_a_write_key_is_refused_on_admin_routes(self, scope_keys, route):
+        wsgi, made = scope_keys
+        app = webtest.TestApp(wsgi, extra_environ={"HTTP_X_SERVICE_KEY": made["write"]})
+        resp = app.request(sample_url(route), method=route.method, expect_errors=True)
+        assert (resp.status_int == 403) == (route.scope == "admin"), resp.text
+
+    def test_plugin_routes_follow_their_scope(self, scope_keys):
+        wsgi, made = scope_keys
+        reader = webtest.TestApp(wsgi, extra_environ={"HTTP_X_SERVICE_KEY": made["read"]})
+        for r in wsgi.service.routes:
+            if r.rule.startswith(f"{API}/plugins/") and r not in notesvc.ROUTES:
+                resp = reader.request(sample_url(r), method=r.method, expect_errors=True)
+                assert (resp.status_int == 403) == (r.scope != "read"), route_id(r)
+
+    def test_the_api_key_and_a_jwt_hold_admin(self, make_app):
+        secret = "s" * 48
+        app = make_app(SERVICE_AUTH_MODE="jwt", SERVICE_JWT_SECRET=secret)
+        token = data(with_key(app).post(f"{API}/auth/token"))["token"]
+        bearer = webtest.TestApp(app.app, extra_environ={"HTTP_AUTHORIZATION": f"Bearer {token}"})
+        assert data(bearer.get(f"{API}/auth/keys"))["keys"] == []
+        assert data(with_key(app).get(f"{API}/security/config"))["grants"]["key"] == 0
+
+
+class TestScopedKeys:
+    def test_create_shows_the_key_once_and_stores_its_hash(self, client, root):
+        rec = new_grant(client, "write", "notes/family", expiresInDays=30)
+        assert re.fullmatch(r"nsg_[A-Za-z0-9_-]{43}", rec["key"])
+        assert set(rec) == {
+            "id",
+            "name",
+            "scope",
+            "folder",
+            "createdAt",
+            "expiresAt",
+            "key",
+            "kind",
+            "lastUsedAt",
+        }
+        assert (rec["scope"], rec["folder"], rec["kind"]) == ("write", "notes/family", "key")
+        days = (notesvc._epoch(rec["expiresAt"]) - notesvc._epoch(rec["createdAt"])) / 86400
+        assert round(days) == 30
+        state = (root / ".notesvc" / "state.json").read_text()
+        assert rec["key"] not in state
+        assert hashlib.sha256(rec["key"].encode()).hexdigest() in state
+        listed = data(client.get(f"{API}/auth/keys"))["keys"]
+        assert [k["id"] for k in listed] == [rec["id"]]
+        assert "key" not in listed[0]
+        assert "keyHash" not in listed[0]
+        assert rec["key"] not in client.get(f"{API}/auth/keys").text
+
+    def test_a_key_works_as_header_and_as_bearer(self, client):
+        key = new_grant(client)["key"]
+        put_note(client, "notes/a.md", "apple")
+        assert data(as_key(client, key).get(note_url("notes/a.md")))["content"] == "apple"
+        bearer = webtest.TestApp(client.app, extra_environ={"HTTP_AUTHORIZATION": f"Bearer {key}"})
+        assert data(bearer.get(note_url("notes/a.md")))["content"] == "apple"
+
+    def test_verify_tells_a_key_its_scope(self, client):
+        key = new_grant(client, "read", "notes/kids")["key"]
+        d = data(as_key(client, key).post(f"{API}/auth/verify"))
+        assert d["grant"] == {"kind": "key", "scope": "read", "folder": "notes/kids"}
+        assert "grant" not in data(client.post(f"{API}/auth/verify"))
+
+    def test_revoke_is_effective_at_once(self, client):
+        rec = new_grant(client)
+        reader = as_key(client, rec["key"])
+        reader.get(f"{API}/notes", status=200)
+        assert data(client.delete(f"{API}/auth/keys/{rec['id']}")) == {
+            "id": rec["id"],
+            "revoked": True,
+        }
+        assert_error(reader.get(f"{API}/notes", status=401), 401, "UNAUTHORIZED")
+        assert_error(client.delete(f"{API}/auth/keys/{rec['id']}", status=404), 404, "NOT_FOUND")
+
+    def test_an_expired_key_is_401_and_counts_toward_the_lockout(self, client, root):
+        key = new_grant(client, expiresInDays=1)["key"]
+        state_file = root / ".notesvc" / "state.json"
+        state = json.loads(state_file.read_text())
+        state["grants"][0]["expiresAt"] = "2020-01-01T00:00:00.000Z"
+        state_file.write_text(json.dumps(state))  # another process may edit it too
+        expired = as_key(client, key, REMOTE_ADDR="192.0.2.7")
+        for _ in range(10):
+            assert_error(expired.get(f"{API}/notes", status=401), 401, "UNAUTHORIZED")
+        assert_error(expired.get(f"{API}/notes", status=429), 429, "RATE_LIMITED")
+
+    def test_last_use_is_recorded(self, client):
+        rec = new_grant(client)
+        assert data(client.get(f"{API}/auth/keys"))["keys"][0]["lastUsedAt"] is None
+        as_key(client, rec["key"]).get(f"{API}/notes")
+        used = data(client.get(f"{API}/auth/keys"))["keys"][0]["lastUsedAt"]
+        assert used
+        assert used >= rec["createdAt"]
+        svc = client.app.service
+        svc.grants.flush(force=True)
+        assert svc.state.read()["grants"][0]["lastUsedAt"] == used
+
+    @pytest.mark.parametrize(
+        "body",
+        [
+            {"name": "x", "scope": "admin"},
+            {"name": "x", "scope": "everything"},
+            {"name": "x"},
+            {"scope": "read"},
+            {"name": "", "scope": "read"},
+            {"name": 5, "scope": "read"},
+            {"name": "x" * 101, "scope": "read"},
+            {"name": "x", "scope": "read", "folder": "../etc"},
+            {"name": "x", "scope": "read", "folder": "notes/../x"},
+            {"name": "x", "scope": "read", "folder": 7},
+            {"name": "x", "scope": "read", "expiresInDays": 0},
+            {"name": "x", "scope": "read", "expiresInDays": 3651},
+            {"name": "x", "scope": "read", "expiresInDays": "7"},
+            {"name": "x", "scope": "read", "expiresInDays": True},
+        ],
+    )
+    def test_bad_key_requests_are_400(self, client, body):
+        resp = client.post_json(f"{API}/auth/keys", body, status=400)
+        assert_error(resp, 400, "VALIDATION_ERROR")
+
+    def test_broken_and_huge_bodies(self, client):
+        url = f"{API}/auth/keys"
+        bad = client.post(url, "{nope", {"Content-Type": "application/json"}, status=400)
+        assert_error(bad, 400, "VALIDATION_ERROR")
+        assert_error(client.post(url, "x", status=415), 415, "UNSUPPORTED_MEDIA_TYPE")
+        huge = json.dumps({"name": "x" * 2_000_000, "scope": "read"})
+        big = client.post(url, huge, {"Content-Type": "application/json"}, status=413)
+        assert_error(big, 413, "PAYLOAD_TOO_LARGE")
+
+    def test_a_scoped_key_cannot_mint_keys_or_read_settings(self, client):
+        key = new_grant(client, "write")["key"]
+        writer = as_key(client, key)
+        for method, url in (
+            ("POST", f"{API}/auth/keys"),
+            ("GET", f"{API}/auth/keys"),
+            ("POST", f"{API}/auth/rotate"),
+            ("GET", f"{API}/system/config"),
+            ("GET", f"{API}/channels"),
+        ):
+            resp = writer.request(url, method=method, expect_errors=True)
+            assert_error(resp, 403, "FORBIDDEN")
+
+    def test_a_name_of_control_characters_is_cleaned(self, client):
+        assert new_grant(client, name="\x07\x1b[31mtab\u2028")["name"] == "[31mtab"
+        assert new_grant(client, name="\x07\x08")["name"] == "unnamed key"
+
+    def test_the_owner_alone_lists_every_grant(self, client):
+        new_grant(client, "read")
+        new_grant(client, "write", "notes/x")
+        kinds = collections.Counter(
+            k["scope"] for k in data(client.get(f"{API}/auth/keys"))["keys"]
+        )
+        assert kinds == {"read": 1, "write": 1}
+        assert data(client.get(f"{API}/security/config"))["grants"] == {
+            "key": 2,
+            "oauth": 0,
+            "share": 0,
+            "oauthClients": 0,
+        }
+
+
+class TestFolderGrants:
+    @pytest.fixture
+    def family(self, client):
+        for path, text in FOLDER_NOTES.items():
+            put_note(client, path, text)
+        for path in ("attachments/family/p.png", "attachments/work/w.png", "attachments/t.png"):
+            upload(client, path)
+        for path in ("notes/family/gone.md", "notes/work/gone.md"):  # the trash has both
+            put_note(client, path, "bye")
+            client.delete(note_url(path))
+        client.post_json(f"{API}/shares", {"path": "notes/work/c.md"}, status=201)
+        key = new_grant(client, "write", "notes/family")["key"]
+        return client, as_key(client, key)
+
+    @pytest.mark.parametrize(("method", "url", "body"), LISTING_CALLS)
+    def test_a_folder_key_never_sees_outside_its_folder(self, family, method, url, body):
+        owner, member = family
+        call = (
+            (lambda app: app.post_json(API + url, body))
+            if body
+            else (lambda app: app.get(API + url))
+        )
+        seen = paths_in(data(call(member)))
+        assert all(map(inside_family, seen)), seen
+        if url not in ("/shares", "/plugins/tags") and "sub" not in url:  # counts, or nothing
+            everything = paths_in(data(call(owner)))
+            assert everything - set(filter(inside_family, everything)), url
+
+    def test_listings_count_only_the_folder(self, family):
+        _, member = family
+        assert data(member.get(f"{API}/notes"))["total"] == 2
+        assert data(member.get(f"{API}/search?q=apple"))["total"] == 2
+        tags = data(member.get(f"{API}/plugins/tags"))["tags"]
+        assert tags == [{"tag": "common", "count": 2}]
+        assert_error(member.get(f"{API}/plugins/tags/work", status=404), 404, "NOT_FOUND")
+
+    def test_the_tree_shows_only_the_way_down(self, family):
+        _, member = family
+        root = data(member.get(f"{API}/folders/tree"))
+        assert [c["path"] for c in root["children"]] == ["notes/family"]
+        family_node = data(member.get(f"{API}/folders/tree/notes%2Ffamily"))
+        assert [c["name"] for c in family_node["children"]] == ["sub", "a.md"]
+
+    @pytest.mark.parametrize(
+        "url",
+        [
+            "/notes/notes%2Fwork%2Fc.md",
+            "/notes/notes/work/c.md",
+            "/notes/notes%2Ffamily%2F..%2Fwork%2Fc.md",
+            "/notes/notes%2Ffamily%2F.%2F..%2Fwork%2Fc.md",
+            "/notes/notes%2Ffamilyx%2Fd.md",
+            "/notes/notes%2Ftop.md",
+            "/notes/..%2Fstate.json",
+            "/notes?folder=notes/work",
+            "/notes?folder=notes/familyx",
+            "/notes?folder=notes%2Ffamily%2F..%2Fwork",
+            "/folders/tree/notes%2Fwork",
+            "/folders/tree/notes%2Ffamily%2F..%2Fwork",
+            "/search?q=apple&folder=notes/work",
+            "/search?q=contract&folder=notes%2Ffamily%2F..%2Fwork",
+            "/plugins/backlinks/notes%2Fwork%2Fc.md",
+            "/attachments/attachments%2Fwork%2Fw.png",
+            "/attachments/attachments%2Ft.png",
+            "/attachments/attachments%2Ffamily%2F..%2Fwork%2Fw.png",
+            "/attachments?folder=attachments/work",
+            "/attachments?folder=attachments%2Ffamily%2F..",
+        ],
+    )
+    def test_outside_answers_as_if_nothing_were_there(self, family, url):
+        _, member = family
+        assert_error(member.get(API + url, status=404), 404, "NOT_FOUND")
+
+    def test_a_search_that_would_match_outside_finds_nothing_there(self, family):
+        _, member = family
+        assert data(member.get(f"{API}/search?q=contract"))["total"] == 0
+        assert data(member.get(f"{API}/search?q=neighbour"))["total"] == 0
+
+    def test_writes_stay_inside(self, family, root):
+        _, member = family
+        a = note_url("notes/family/a.md")
+        for method, url, body in (
+            ("POST", f"{API}/notes", {"path": "notes/work/new.md", "content": "x"}),
+            ("POST", f"{API}/notes", {"path": "notes/family/../work/new.md", "content": "x"}),
+            ("PUT", note_url("notes/work/c.md"), {"content": "overwritten"}),
+            ("DELETE", note_url("notes/work/c.md"), None),
+            ("PATCH", f"{a}/move", {"path": "notes/work/a.md"}),
+            ("PATCH", f"{a}/move", {"path": "notes/familyx/a.md"}),
+            ("PATCH", note_url("notes/work/c.md") + "/move", {"path": "notes/family/c.md"}),
+            ("POST", f"{API}/plugins/daily/today", None),
+            ("POST", f"{API}/shares", {"path": "notes/work/c.md"}),
+        ):
+            resp = member.request(
+                url,
+                method=method,
+                body=json.dumps(body).encode() if body else b"",
+                headers={"Content-Type": "application/json"},
+                expect_errors=True,
+            )
+            assert_error(resp, 404, "NOT_FOUND")
+        assert (root / "notes/work/c.md").read_text() == FOLDER_NOTES["notes/work/c.md"]
+        assert not (root / "notes/work/a.md").exists()
+        assert (root / "notes/family/a.md").exists()
+        assert not (root / "notes/daily").exists()
+
+    def test_attachments_of_the_folder_only(self, family, root):
+        _, member = family
+        assert member.get(att_url("attachments/family/p.png")).body == PNG
+        listed = data(member.get(f"{API}/attachments"))
+        assert [a["path"] for a in listed["attachments"]] == ["attachments/family/p.png"]
+        upload(member, "attachments/family/new.png")
+        for resp in (
+            upload(member, "attachments/work/new.png", status=404),
+            upload(member, "attachments/new.png", status=404),
+            member.delete(att_url("attachments/work/w.png"), status=404),
+            member.patch_json(
+                att_url("attachments/family/p.png") + "/move",
+                {"path": "attachments/work/p.png"},
+                status=404,
+            ),
+        ):
+            assert_error(resp, 404, "NOT_FOUND")
+        form, ctype = multipart(("path", "attachments/work/x.png"), ("file", PNG, "x.png"))
+        assert_error(post_form(member, form, ctype, status=404), 404, "NOT_FOUND")
+        assert not (root / "attachments/work/new.png").exists()
+        assert (root / "attachments/work/w.png").exists()
+        owner = with_key(member, key_of(member))
+        reader = as_key(member, new_grant(owner, "read", "notes/family")["key"])
+        assert_error(upload(reader, "attachments/family/r.png", status=403), 403, "FORBIDDEN")
+
+    def test_writes_inside_work(self, family):
+        _, member = family
+        member.post_json(
+            f"{API}/notes", {"path": "notes/family/new.md", "content": "n"}, status=201
+        )
+        moved = data(
+            member.patch_json(
+                note_url("notes/family/new.md") + "/move", {"path": "notes/family/sub/new.md"}
+            )
+        )
+        assert moved["path"] == "notes/family/sub/new.md"
+        member.delete(note_url("notes/family/sub/new.md"), status=200)
+
+    def test_history_and_trash_of_the_folder_only(self, family):
+        owner, member = family
+        owner.put_json(note_url("notes/work/c.md"), {"content": "changed"})
+        owner.put_json(note_url("notes/family/a.md"), {"content": "changed"})
+        url = note_url("notes/family/a.md") + "/versions"
+        versions = data(member.get(url))["versions"]
+        assert versions
+        vid = versions[0]["id"]
+        assert "Apple" in data(member.get(f"{url}/{vid}"))["content"]
+        assert data(member.get(f"{url}/{vid}/diff"))["diff"]
+        member.post(f"{url}/{vid}/restore", status=200)
+        work = note_url("notes/work/c.md") + "/versions"
+        assert_error(member.get(work, status=404), 404, "NOT_FOUND")
+        owner_vid = data(owner.get(work))["versions"][0]["id"]
+        for resp in (
+            member.get(f"{work}/{owner_vid}", status=404),
+            member.get(f"{work}/{owner_vid}/diff", status=404),
+            member.post(f"{work}/{owner_vid}/restore", status=404),
+        ):
+            assert_error(resp, 404, "NOT_FOUND")
+        trash = data(member.get(f"{API}/trash"))
+        assert [i["path"] for i in trash["items"]] == ["notes/family/gone.md"]
+        assert trash["total"] == 1
+        theirs = next(
+            i["id"] for i in data(owner.get(f"{API}/trash"))["items"] if "work" in i["path"]
+        )
+        assert_error(member.get(f"{API}/trash/{theirs}", status=404), 404, "NOT_FOUND")
+        assert_error(member.post(f"{API}/trash/{theirs}/restore", status=404), 404, "NOT_FOUND")
+        mine = trash["items"][0]["id"]
+        away = member.post_json(
+            f"{API}/trash/{mine}/restore", {"path": "notes/work/gone.md"}, status=404
+        )
+        assert_error(away, 404, "NOT_FOUND")
+        assert_error(member.delete(f"{API}/trash/{mine}", status=403), 403, "FORBIDDEN")
+        member.post(f"{API}/trash/{mine}/restore", status=200)
+
+    def test_the_change_feed_of_the_folder(self, family):
+        owner, member = family
+        last = data(member.get(f"{API}/changes?since=0"))["last"]
+        owner.patch_json(note_url("notes/work/c.md") + "/move", {"path": "notes/family/c.md"})
+        owner.patch_json(note_url("notes/family/a.md") + "/move", {"path": "notes/work/a.md"})
+        put_note(owner, "notes/work/new.md", "outside")
+        seen = data(member.get(f"{API}/changes?since={last}"))["changes"]
+        assert [(c["kind"], c["path"]) for c in seen] == [
+            ("created", "notes/family/c.md"),
+            ("deleted", "notes/family/a.md"),
+        ]
+        assert all("from" not in c for c in seen)
+        everything = data(owner.get(f"{API}/changes?since={last}"))["changes"]
+        assert [c["kind"] for c in everything] == ["moved", "moved", "created"]
+
+    def test_a_waiting_feed_waits_past_changes_it_may_not_see(self, family):
+        owner, member = family
+        last = data(member.get(f"{API}/changes?since=0"))["last"]
+
+        def later():
+            time.sleep(0.3)
+            put_note(owner, "notes/work/x.md", "not theirs")
+            time.sleep(0.3)
+            put_note(owner, "notes/family/x.md", "theirs")
+
+        writer = threading.Thread(target=later)
+        writer.start()
+        started = time.monotonic()
+        seen = data(member.get(f"{API}/changes?since={last}&wait=5"))
+        writer.join()
+        assert [c["path"] for c in seen["changes"]] == ["notes/family/x.md"]
+        assert 0.5 < time.monotonic() - started < 5
+
+    def test_a_symbolic_link_out_of_the_folder_leads_nowhere(self, family, root):
+        _, member = family
+        os.symlink(root / "notes" / "work", root / "notes" / "family" / "link")
+        assert_error(member.get(note_url("notes/family/link/c.md"), status=404), 404, "NOT_FOUND")
+        assert "notes/work" not in json.dumps(data(member.get(f"{API}/folders/tree")))
+
+    def test_agent_sources_stay_inside(self, family):
+        _, member = family
+        d = data(member.post_json(f"{API}/agent/chat", {"message": "secret contract apple"}))
+        assert d["sources"]
+        assert all(s["path"].startswith("notes/family/") for s in d["sources"])
+        assert "contract" not in d["reply"].lower()
+        bad = member.post_json(
+            f"{API}/agent/chat", {"message": "x", "notePath": "notes/work/c.md"}, status=404
+        )
+        assert_error(bad, 404, "NOT_FOUND")
+
+    def test_a_daily_note_for_the_daily_folder(self, client):
+        member = as_key(client, new_grant(client, "write", "notes/daily")["key"])
+        assert member.post(f"{API}/plugins/daily/today").status_int == 201
+
+    def test_a_folder_not_created_yet_lists_empty(self, client):
+        member = as_key(client, new_grant(client, "read", "notes/later")["key"])
+        assert data(member.get(f"{API}/notes"))["total"] == 0
+        assert data(member.get(f"{API}/folders/tree"))["children"][0]["children"] == []
+        assert data(member.get(f"{API}/search?q=anything"))["total"] == 0
+
+
+class TestShareLinks:
+    @pytest.fixture
+    def shared(self, client):
+        put_note(client, "notes/recipes/pie.md", "# Pie\n\n- apples\n- [x] butter\n")
+        d = data(client.post_json(f"{API}/shares", {"path": "notes/recipes/pie.md"}, status=201))
+        return client, d
+
+    def token(self, d: dict) -> str:
+        return d["url"].rsplit("/s/", 1)[1]
+
+    def test_create_gives_a_link_that_expires_in_seven_days(self, shared, root):
+        client, d = shared
+        assert set(d) == {"id", "path", "url", "createdAt", "expiresAt", "createdBy"}
+        sid = client.app.service.state.read()["serverId"]
+        assert re.fullmatch(rf"http://localhost:80/r/{sid}/s/[A-Za-z0-9_-]{{22}}", d["url"])
+        days = (notesvc._epoch(d["expiresAt"]) - notesvc._epoch(d["createdAt"])) / 86400
+        assert round(days) == 7
+        assert self.token(d) not in (root / ".notesvc" / "state.json").read_text()
+
+    def test_open_port_mode_links_to_the_server_itself(self, make_app):
+        client = with_key(make_app(SERVICE_PAIRING_MODE="open-port"))
+        put_note(client, "notes/x.md", "x")
+        d = data(client.post_json(f"{API}/shares", {"path": "notes/x.md", "expiresInDays": 1}))
+        assert d["url"].startswith("http://localhost:80/s/")
+
+    def test_anyone_with_the_link_reads_the_note(self, shared, anon):
+        _, d = shared
+        resp = anon.get(f"{API}/shared/{self.token(d)}")
+        assert data(resp) == {
+            "title": "Pie",
+            "content": "# Pie\n\n- apples\n- [x] butter\n",
+            "modified": data(resp)["modified"],
+            "attachments": {},
+        }
+        assert resp.headers["X-Robots-Tag"] == "noindex, nofollow"
+        assert resp.headers["Referrer-Policy"] == "no-referrer"
+        assert resp.headers["Cache-Control"] == "no-store"
+
+    def test_the_share_page_is_static_noindex_and_locked_down(self, shared, anon):
+        _, d = shared
+        sid = anon.app.service.state.read()["serverId"]
+        for url in (f"/s/{self.token(d)}", f"/r/{sid}/s/{self.token(d)}"):
+            resp = anon.get(url)
+            assert resp.content_type == "text/html"
+            assert resp.headers["Referrer-Policy"] == "no-referrer"
+            assert "noindex" in resp.headers["X-Robots-Tag"]
+            assert '<meta name="robots" content="noindex, nofollow">' in resp.text
+            csp = resp.headers["Content-Security-Policy"]
+            assert "frame-ancestors 'none'" in csp
+            assert "unsafe-inline" not in csp
+            assert "Pie" not in resp.text  # the note comes from the API, never in the HTML
+            assert resp.body == notesvc.share_page().encode()
+
+    def test_revoked_expired_unknown_and_deleted_are_404(self, shared, anon, root):
+        client, d = shared
+        token = self.token(d)
+        other = data(client.post_json(f"{API}/shares", {"path": "notes/recipes/pie.md"}))
+        client.delete(f"{API}/shares/{d['id']}", status=200)
+        assert_error(anon.get(f"{API}/shared/{token}", status=404), 404, "NOT_FOUND")
+        state_file = root / ".notesvc" / "state.json"
+        state = json.loads(state_file.read_text())
+        state["shares"][0]["expiresAt"] = "2020-01-01T00:00:00.000Z"
+        state_file.write_text(json.dumps(state))
+        assert_error(anon.get(f"{API}/shared/{self.token(other)}", status=404), 404, "NOT_FOUND")
+        third = data(client.post_json(f"{API}/shares", {"path": "notes/recipes/pie.md"}))
+        anon.get(f"{API}/shared/{self.token(third)}", status=200)
+        client.delete(note_url("notes/recipes/pie.md"))
+        assert_error(anon.get(f"{API}/shared/{self.token(third)}", status=404), 404, "NOT_FOUND")
+        put_note(client, "notes/recipes/pie.md", "a new note at the same path")  # not shared
+        assert_error(anon.get(f"{API}/shared/{self.token(third)}", status=404), 404, "NOT_FOUND")
+
+    def test_a_moved_note_keeps_its_link(self, shared, anon):
+        client, d = shared
+        client.patch_json(note_url("notes/recipes/pie.md") + "/move", {"path": "notes/pie.md"})
+        assert data(anon.get(f"{API}/shared/{self.token(d)}"))["title"] == "Pie"
+        assert data(client.get(f"{API}/shares"))["shares"][0]["path"] == "notes/pie.md"
+
+    def test_guessing_is_rate_limited_and_finds_nothing(self, shared, anon):
+        _, d = shared
+        guesser = webtest.TestApp(anon.app, extra_environ={"REMOTE_ADDR": "203.0.113.9"})
+        for _ in range(10):
+            guess = secrets.token_urlsafe(16)
+            assert_error(guesser.get(f"{API}/shared/{guess}", status=404), 404, "NOT_FOUND")
+        locked = guesser.get(f"{API}/shared/{self.token(d)}", status=429)  # even the right one
+        assert_error(locked, 429, "RATE_LIMITED")
+        assert int(locked.headers["Retry-After"]) > 0
+        assert data(anon.get(f"{API}/shared/{self.token(d)}"))["title"] == "Pie"  # others fine
+
+    def test_reading_is_rate_limited_per_address(self, shared, anon):
+        _, d = shared
+        reader = webtest.TestApp(anon.app, extra_environ={"REMOTE_ADDR": "203.0.113.10"})
+        statuses = [
+            reader.get(f"{API}/shared/{self.token(d)}", expect_errors=True).status_int
+            for _ in range(61)
+        ]
+        assert statuses[:60] == [200] * 60
+        assert statuses[60] == 429
+
+    @pytest.mark.parametrize(
+        "token", ["x", "A" * 23, "A" * 21 + "!", "%00" * 8, "../../state.json", "A" * 5000]
+    )
+    def test_hostile_tokens_are_404(self, anon, token):
+        resp = anon.get(f"{API}/shared/{urllib.parse.quote(token, safe='')}", status=404)
+        assert_error(resp, 404, "NOT_FOUND")
+
+    @pytest.mark.parametrize(
+        "body",
+        [
+            {},
+            {"path": 5},
+            {"path": "../x.md"},
+            {"path": "notes/recipes/pie.md", "expiresInDays": 0},
+            {"path": "notes/recipes/pie.md", "expiresInDays": 366},
+            {"path": "notes/recipes/pie.md", "expiresInDays": 1.5},
+        ],
+    )
+    def test_bad_share_requests_are_400(self, shared, body):
+        client, _ = shared
+        assert_error(client.post_json(f"{API}/shares", body, status=400), 400, "VALIDATION_ERROR")
+
+    def test_a_missing_note_cannot_be_shared(self, client):
+        resp = client.post_json(f"{API}/shares", {"path": "notes/none.md"}, status=404)
+        assert_error(resp, 404, "NOT_FOUND")
+
+    def test_a_grant_sees_and_revokes_its_own_links_only(self, shared):
+        client, owners = shared
+        writer = as_key(client, new_grant(client, "write")["key"])
+        mine = data(writer.post_json(f"{API}/shares", {"path": "notes/recipes/pie.md"}))
+        assert mine["createdBy"] != "owner"
+        assert [s["id"] for s in data(writer.get(f"{API}/shares"))["shares"]] == [mine["id"]]
+        assert len(data(client.get(f"{API}/shares"))["shares"]) == 2
+        gone = writer.delete(f"{API}/shares/{owners['id']}", status=404)
+        assert_error(gone, 404, "NOT_FOUND")
+        reader = as_key(client, new_grant(client, "read")["key"])
+        assert_error(
+            reader.post_json(f"{API}/shares", {"path": "notes/recipes/pie.md"}, status=403),
+            403,
+            "FORBIDDEN",
+        )
+        writer.delete(f"{API}/shares/{mine['id']}", status=200)
+
+    def test_revoking_a_key_ends_its_links(self, shared, anon):
+        client, _ = shared
+        rec = new_grant(client, "write")
+        link = data(
+            as_key(client, rec["key"]).post_json(f"{API}/shares", {"path": "notes/recipes/pie.md"})
+        )
+        client.delete(f"{API}/auth/keys/{rec['id']}")
+        assert_error(anon.get(f"{API}/shared/{self.token(link)}", status=404), 404, "NOT_FOUND")
+
+    def test_a_shared_note_loads_the_images_it_links_and_no_other(self, client, anon):
+        text = (
+            "# Rome\n\n![view](../../attachments/trips/view.png)\n![top](/attachments/top.png)\n"
+            "![web](https://img.example/a.png) [file](../../attachments/trips/gone.png)\n"
+        )
+        put_note(client, "notes/trips/rome.md", text)
+        for path in ("attachments/trips/view.png", "attachments/top.png", "attachments/secret.png"):
+            upload(client, path)
+        d = data(client.post_json(f"{API}/shares", {"path": "notes/trips/rome.md"}))
+        token = self.token(d)
+        assert data(anon.get(f"{API}/shared/{token}"))["attachments"] == {
+            "../../attachments/trips/view.png": "attachments/trips/view.png",
+            "/attachments/top.png": "attachments/top.png",
+            "../../attachments/trips/gone.png": "attachments/trips/gone.png",
+        }
+        resp = anon.get(f"{API}/shared/{token}/attachments/attachments/trips/view.png")
+        assert resp.body == PNG
+        assert resp.content_type == "image/png"
+        assert resp.headers["Content-Security-Policy"] == notesvc.ATTACHMENT_CSP
+        anon.get(f"{API}/shared/{token}/attachments/attachments%2Ftop.png", status=200)
+        for path in ("attachments/secret.png", "attachments/trips/gone.png", "notes/trips/rome.md"):
+            url = f"{API}/shared/{token}/attachments/{urllib.parse.quote(path, safe='')}"
+            assert_error(anon.get(url, status=404), 404, "NOT_FOUND")
+        client.delete(f"{API}/shares/{d['id']}")
+        url = f"{API}/shared/{token}/attachments/attachments/top.png"
+        assert_error(anon.get(url, status=404), 404, "NOT_FOUND")
+
+    def test_share_tokens_never_reach_the_log(self, shared, anon, caplog):
+        _, d = shared
+        caplog.set_level("INFO", logger="notesvc")
+        anon.get(f"{API}/shared/{self.token(d)}")
+        anon.get(f"/s/{self.token(d)}")
+        text = "\n".join(r.getMessage() for r in caplog.records)
+        assert "/shared/" in text
+        assert self.token(d) not in text
+
+
+class TestOAuth:
+    def test_metadata_documents(self, anon):
+        prm = anon.get("/.well-known/oauth-protected-resource").json
+        assert prm == {
+            "resource": "http://localhost:80/api/v1/mcp",
+            "authorization_servers": ["http://localhost:80"],
+            "scopes_supported": ["notes:read", "notes:write"],
+            "bearer_methods_supported": ["header"],
+            "resource_name": "notesvc",
+        }
+        assert anon.get("/.well-known/oauth-protected-resource/api/v1/mcp").json == prm
+        asm = anon.get("/.well-known/oauth-authorization-server").json
+        assert asm["issuer"] == "http://localhost:80"
+        for name in ("authorize", "token", "register", "revoke"):
+            key = {"authorize": "authorization_endpoint", "register": "registration_endpoint"}.get(
+                name, f"{name if name != 'revoke' else 'revocation'}_endpoint"
+            )
+            assert asm[key] == f"http://localhost:80/oauth/{name}"
+        assert asm["code_challenge_methods_supported"] == ["S256"]
+        assert asm["token_endpoint_auth_methods_supported"] == ["none"]
+        assert asm["grant_types_supported"] == ["authorization_code", "refresh_token"]
+        assert asm["response_types_supported"] == ["code"]
+        assert asm["client_id_metadata_document_supported"] is True
+        assert anon.get("/.well-known/openid-configuration").json == asm
+
+    def test_the_relay_prefix_has_its_own_issuer(self, anon):
+        sid = anon.app.service.state.read()["serverId"]
+        base = f"http://localhost:80/r/{sid}"
+        asm = anon.get(f"/.well-known/oauth-authorization-server/r/{sid}").json
+        assert asm["issuer"] == base
+        assert asm["token_endpoint"] == f"{base}/oauth/token"
+        prm = anon.get(f"/.well-known/oauth-protected-resource/r/{sid}/api/v1/mcp").json
+        assert prm["resource"] == f"{base}/api/v1/mcp"
+        assert prm["authorization_servers"] == [base]
+        assert anon.get(f"/.well-known/openid-configuration/r/{sid}").json == asm
+        assert_error(
+            anon.get("/.well-known/oauth-authorization-server/r/someoneelse", status=404),
+            404,
+            "NOT_FOUND",
+        )
+
+    def test_public_url_is_the_issuer(self, make_app):
+        app = make_app(SERVICE_PUBLIC_URL="https://notes.example.org")
+        assert app.get("/.well-known/oauth-authorization-server").json["issuer"] == (
+            "https://notes.example.org"
+        )
+
+    def test_registration(self, anon):
+        reg = register_client(anon, [CALLBACK, "https://claude.ai/api/mcp/auth_callback"])
+        assert reg["client_id"].startswith("mcp_")
+        assert reg["token_endpoint_auth_method"] == "none"
+        assert reg["redirect_uris"] == [CALLBACK, "https://claude.ai/api/mcp/auth_callback"]
+        assert reg["client_name"] == "Pocket assistant"
+        secret = register_client(anon, token_endpoint_auth_method="client_secret_basic")
+        assert secret["token_endpoint_auth_method"] == "none"
+        assert "client_secret" not in secret
+
+    @pytest.mark.parametrize(
+        ("body", "error"),
+        [
+            ({}, "invalid_redirect_uri"),
+            ({"redirect_uris": []}, "invalid_redirect_uri"),
+            ({"redirect_uris": "https://a.example/cb"}, "invalid_redirect_uri"),
+            ({"redirect_uris": ["http://evil.example/cb"]}, "invalid_redirect_uri"),
+            ({"redirect_uris": ["http://10.0.0.5/cb"]}, "invalid_redirect_uri"),
+            ({"redirect_uris": ["javascript:alert(1)"]}, "invalid_redirect_uri"),
+            ({"redirect_uris": ["myapp://callback"]}, "invalid_redirect_uri"),
+            ({"redirect_uris": ["https://a.example/cb#frag"]}, "invalid_redirect_uri"),
+            ({"redirect_uris": ["https://user:pw@a.example/cb"]}, "invalid_redirect_uri"),
+            ({"redirect_uris": ["https://a.example/c b"]}, "invalid_redirect_uri"),
+            ({"redirect_uris": ["https://a.example/" + "x" * 2000]}, "invalid_redirect_uri"),
+            (
+                {"redirect_uris": [f"https://a.example/{i}" for i in range(11)]},
+                "invalid_redirect_uri",
+            ),
+            (
+                {"redirect_uris": [CALLBACK], "grant_types": ["client_credentials"]},
+                "invalid_client_metadata",
+            ),
+            ({"redirect_uris": [CALLBACK], "response_types": ["token"]}, "invalid_client_metadata"),
+            ({"redirect_uris": [CALLBACK], "client_name": ["x"]}, "invalid_client_metadata"),
+        ],
+    )
+    def test_bad_registrations(self, anon, body, error):
+        resp = anon.post_json("/oauth/register", body, status=400)
+        oauth_error(resp, 400, error)
+
+    def test_broken_registration_bodies(self, anon):
+        resp = anon.post("/oauth/register", "{", {"Content-Type": "application/json"}, status=400)
+        oauth_error(resp, 400, "invalid_client_metadata")
+        resp = anon.post("/oauth/register", "[1]", {"Content-Type": "application/json"}, status=400)
+        oauth_error(resp, 400, "invalid_client_metadata")
+        resp = anon.post("/oauth/register", "x=1", status=415)
+        oauth_error(resp, 415, "invalid_client_metadata")
+        huge = json.dumps({"redirect_uris": [CALLBACK], "client_name": "x" * 70000})
+        resp = anon.post("/oauth/register", huge, {"Content-Type": "application/json"}, status=413)
+        oauth_error(resp, 413, "invalid_client_metadata")
+
+    def test_a_registration_flood_stops_at_the_cap(self, anon):
+        one = webtest.TestApp(anon.app, extra_environ={"REMOTE_ADDR": "198.51.100.200"})
+        body = {"redirect_uris": [CALLBACK]}
+        statuses = [
+            one.post_json("/oauth/register", body, status="*").status_int for _ in range(11)
+        ]
+        assert statuses == [201] * 10 + [429]
+        for i in range(notesvc.MAX_OAUTH_CLIENTS):  # from many addresses, up to the cap
+            app = webtest.TestApp(
+                anon.app, extra_environ={"REMOTE_ADDR": f"10.9.{i // 200}.{i % 200}"}
+            )
+            app.post_json("/oauth/register", body, status="*")
+        resp = webtest.TestApp(anon.app, extra_environ={"REMOTE_ADDR": "10.8.0.1"}).post_json(
+            "/oauth/register", body, status=503
+        )
+        oauth_error(resp, 503, "temporarily_unavailable")
+        assert len(anon.app.service.state.read()["oauthClients"]) == notesvc.MAX_OAUTH_CLIENTS
+
+    def test_at_the_cap_old_never_used_clients_give_way(self, anon, root):
+        for i in range(notesvc.MAX_OAUTH_CLIENTS):
+            register_client(anon, addr=f"10.7.{i // 200}.{i % 200}")
+        state_file = root / ".notesvc" / "state.json"
+        state = json.loads(state_file.read_text())
+        oldest = sorted(state["oauthClients"])[0]
+        state["oauthClients"][oldest]["createdAt"] = notesvc.iso(time.time() - 7200)
+        state_file.write_text(json.dumps(state))
+        register_client(anon, addr="10.6.0.1")
+        clients = anon.app.service.state.read()["oauthClients"]
+        assert len(clients) == notesvc.MAX_OAUTH_CLIENTS
+        assert oldest not in clients
+
+    def test_consent_facts_for_a_good_request(self, anon):
+        cid = register_client(anon)["client_id"]
+        _, challenge = pkce_pair()
+        q = urllib.parse.urlencode(
+            {
+                "client_id": cid,
+                "redirect_uri": "http://127.0.0.1:53682/callback",  # loopback: any port
+                "response_type": "code",
+                "code_challenge": challenge,
+                "code_challenge_method": "S256",
+                "state": "abc",
+                "scope": "notes:read notes:write",
+                "resource": mcp_url(anon),
+            }
+        )
+        d = data(anon.get(f"{API}/oauth/consent?{q}"))
+        assert d["client"] == {"id": cid, "name": "Pocket assistant", "uri": ""}
+        assert d["redirectHost"] == "127.0.0.1:53682"
+        assert d["scope"] == "read"
+        assert d["writeAllowed"] is False
+        deny = urllib.parse.urlsplit(d["deny"])
+        assert deny.netloc == "127.0.0.1:53682"
+        assert urllib.parse.parse_qs(deny.query)["error"] == ["access_denied"]
+        assert urllib.parse.parse_qs(deny.query)["state"] == ["abc"]
+
+    @pytest.mark.parametrize(
+        ("client_id", "redirect", "status"),
+        [
+            ("mcp_unknown", CALLBACK, 404),
+            ("", CALLBACK, 400),
+            (None, "http://127.0.0.1:9/other", 400),  # not registered
+            (None, "https://evil.example/callback", 400),
+            (None, "http://evil.example/callback", 400),  # http off loopback
+            (None, "", 400),
+            ("https://127.0.0.1/client.json", CALLBACK, 400),
+        ],
+    )
+    def test_a_bad_client_or_redirect_is_shown_never_redirected(
+        self, client, anon, client_id, redirect, status
+    ):
+        cid = register_client(anon)["client_id"] if client_id is None else client_id
+        _, challenge = pkce_pair()
+        q = urllib.parse.urlencode(
+            {
+                "client_id": cid,
+                "redirect_uri": redirect,
+                "response_type": "code",
+                "code_challenge": challenge,
+                "code_challenge_method": "S256",
+            }
+        )
+        resp = anon.get(f"{API}/oauth/consent?{q}", status=status)
+        err = assert_error(resp, status, "NOT_FOUND" if status == 404 else "VALIDATION_ERROR")
+        assert "redirect" not in err
+        body = {
+            "clientId": cid,
+            "redirectUri": redirect,
+            "codeChallenge": challenge,
+            "scope": "notes:read",
+        }
+        refused = client.post_json(f"{API}/oauth/approve", body, status=status)
+        assert "redirect" not in refused.json["error"]
+
+    @pytest.mark.parametrize(
+        ("change", "problem"),
+        [
+            ({"response_type": "token"}, "response_type"),
+            ({"code_challenge_method": "plain"}, "S256"),
+            ({"code_challenge": "short"}, "code_challenge"),
+            ({"code_challenge": None}, "code_challenge"),
+            ({"resource": "https://elsewhere.example/mcp"}, "resource"),
+        ],
+    )
+    def test_other_problems_go_back_to_the_client(self, anon, change, problem):
+        cid = register_client(anon)["client_id"]
+        _, challenge = pkce_pair()
+        params = {
+            "client_id": cid,
+            "redirect_uri": CALLBACK,
+            "response_type": "code",
+            "code_challenge": challenge,
+            "code_challenge_method": "S256",
+            "state": "s1",
+        }
+        params.update(change)
+        q = urllib.parse.urlencode({k: v for k, v in params.items() if v is not None})
+        err = assert_error(
+            anon.get(f"{API}/oauth/consent?{q}", status=400), 400, "VALIDATION_ERROR"
+        )
+        assert problem in err["message"]
+        back = urllib.parse.urlsplit(err["redirect"])
+        assert back.netloc == "127.0.0.1:9"
+        assert urllib.parse.parse_qs(back.query)["error"] == ["invalid_request"]
+        assert urllib.parse.parse_qs(back.query)["state"] == ["s1"]
+
+    def test_write_is_offered_only_while_mcp_writes_are_on(self, make_app):
+        app = make_app(SERVICE_MCP_WRITE="true")
+        client = with_key(app)
+        cid = register_client(app)["client_id"]
+        _, challenge = pkce_pair()
+        q = urllib.parse.urlencode(
+            {
+                "client_id": cid,
+                "redirect_uri": CALLBACK,
+                "response_type": "code",
+                "code_challenge": challenge,
+                "code_challenge_method": "S256",
+                "scope": "notes:read notes:write",
+            }
+        )
+        facts = data(app.get(f"{API}/oauth/consent?{q}"))
+        assert (facts["writeAllowed"], facts["scope"]) == (True, "write")
+        code, verifier, _ = approve(client, cid, "notes:read notes:write")
+        answer = token_call(
+            app,
+            200,
+            grant_type="authorization_code",
+            code=code,
+            client_id=cid,
+            redirect_uri=CALLBACK,
+            code_verifier=verifier,
+        ).json
+        assert answer["scope"] == "notes:read notes:write"
+        assert data(client.get(f"{API}/auth/keys"))["keys"][0]["scope"] == "write"
+
+    def test_approval_needs_the_api_key(self, client, anon):
+        cid = register_client(anon)["client_id"]
+        _, challenge = pkce_pair()
+        body = {
+            "clientId": cid,
+            "redirectUri": CALLBACK,
+            "codeChallenge": challenge,
+            "scope": "notes:read",
+        }
+        assert_error(anon.post_json(f"{API}/oauth/approve", body, status=401), 401, "UNAUTHORIZED")
+        writer = as_key(client, new_grant(client, "write")["key"])
+        assert_error(writer.post_json(f"{API}/oauth/approve", body, status=403), 403, "FORBIDDEN")
+        write = {**body, "scope": "notes:read notes:write"}
+        assert_error(client.post_json(f"{API}/oauth/approve", write, status=403), 403, "FORBIDDEN")
+        for bad in (
+            {"codeChallenge": "x"},
+            {"scope": "admin"},
+            {"folder": "../x"},
+            {"resource": "https://elsewhere.example/mcp"},
+            {"state": "s" * 1025},
+        ):
+            resp = client.post_json(f"{API}/oauth/approve", {**body, **bad}, status=400)
+            assert_error(resp, 400, "VALIDATION_ERROR")
+
+    def test_the_whole_flow(self, client, anon):
+        cid = register_client(anon)["client_id"]
+        code, verifier, query = approve(client, cid, folder="notes/family")
+        assert query["state"] == ["st8"]
+        assert query["iss"] == ["http://localhost:80"]
+        assert code.startswith("nsc_")
+        answer = token_call(
+            anon,
+            200,
+            grant_type="authorization_code",
+            code=code,
+            client_id=cid,
+            redirect_uri=CALLBACK,
+            code_verifier=verifier,
+            resource=mcp_url(anon),
+        )
+        assert answer.headers["Cache-Control"] == "no-store"
+        t = answer.json
+        assert t["token_type"] == "Bearer"
+        assert t["expires_in"] == 3600
+        assert t["scope"] == "notes:read"
+        assert t["access_token"].startswith("nsa_")
+        assert t["refresh_token"].startswith("nsr_")
+        grants = data(client.get(f"{API}/auth/keys"))["keys"]
+        assert grants == [
+            {
+                "id": grants[0]["id"],
+                "kind": "oauth",
+                "name": "Pocket assistant",
+                "scope": "read",
+                "folder": "notes/family",
+                "createdAt": grants[0]["createdAt"],
+                "expiresAt": grants[0]["expiresAt"],
+                "lastUsedAt": None,
+                "client": {"id": cid, "name": "Pocket assistant"},
+            }
+        ]
+        state = json.dumps(client.app.service.state.read())
+        assert t["access_token"] not in state
+        assert t["refresh_token"] not in state
+        assert data(client.get(f"{API}/security/config"))["grants"]["oauth"] == 1
+
+    def test_an_oauth_token_on_the_rest_api_is_401(self, client, anon):
+        _, t = tokens_for(client, anon)
+        bearer = webtest.TestApp(
+            anon.app, extra_environ={"HTTP_AUTHORIZATION": f"Bearer {t['access_token']}"}
+        )
+        for url in (f"{API}/notes", f"{API}/auth/verify", f"{API}/search?q=x"):
+            resp = bearer.request(
+                url, method="POST" if "verify" in url else "GET", expect_errors=True
+            )
+            err = assert_error(resp, 401, "UNAUTHORIZED")
+            assert "mcp" in err["message"]
+        header = as_key(anon, t["access_token"])
+        assert_error(header.get(f"{API}/notes", status=401), 401, "UNAUTHORIZED")
+
+    def test_a_code_is_single_use_and_a_replay_revokes_its_tokens(self, client, anon):
+        cid = register_client(anon)["client_id"]
+        code, verifier, _ = approve(client, cid)
+        form = dict(
+            grant_type="authorization_code",
+            code=code,
+            client_id=cid,
+            redirect_uri=CALLBACK,
+            code_verifier=verifier,
+        )
+        first = token_call(anon, 200, **form).json
+        oauth_error(token_call(anon, **form), 400, "invalid_grant")
+        assert data(client.get(f"{API}/auth/keys"))["keys"] == []  # revoked
+        refresh = dict(
+            grant_type="refresh_token", refresh_token=first["refresh_token"], client_id=cid
+        )
+        oauth_error(token_call(anon, **refresh), 400, "invalid_grant")
+
+    def test_an_expired_code_is_refused(self, client, anon):
+        cid = register_client(anon)["client_id"]
+        code, verifier, _ = approve(client, cid)
+        for entry in client.app.service.grants.codes.values():
+            entry["expires"] = time.time() - 1  # 60 s have passed
+        oauth_error(
+            token_call(
+                anon,
+                grant_type="authorization_code",
+                code=code,
+                client_id=cid,
+                redirect_uri=CALLBACK,
+                code_verifier=verifier,
+            ),
+            400,
+            "invalid_grant",
+        )
+
+    @pytest.mark.parametrize(
+        ("change", "error"),
+        [
+            ({"code_verifier": "x" * 43}, "invalid_grant"),
+            ({"code_verifier": ""}, "invalid_grant"),
+            ({"client_id": "mcp_other"}, "invalid_grant"),
+            ({"redirect_uri": "http://127.0.0.1:9/other"}, "invalid_grant"),
+            ({"redirect_uri": "http://127.0.0.1:10/callback"}, "invalid_grant"),
+            ({"code": "nsc_" + "A" * 43}, "invalid_grant"),
+            ({"code": ""}, "invalid_grant"),
+            ({"resource": "https://elsewhere.example/api/v1/mcp"}, "invalid_target"),
+            ({"grant_type": "password"}, "unsupported_grant_type"),
+            ({"grant_type": "client_credentials"}, "unsupported_grant_type"),
+            ({"grant_type": ""}, "invalid_request"),
+        ],
+    )
+    def test_a_code_redeemed_wrongly_is_refused_and_spent(self, client, anon, change, error):
+        cid = register_client(anon)["client_id"]
+        code, verifier, _ = approve(client, cid)
+        form = dict(
+            grant_type="authorization_code",
+            code=code,
+            client_id=cid,
+            redirect_uri=CALLBACK,
+            code_verifier=verifier,
+        )
+        oauth_error(token_call(anon, **{**form, **change}), 400, error)
+        if "code" not in change and "grant_type" not in change:  # spent: the right try fails too
+            oauth_error(token_call(anon, **form), 400, "invalid_grant")
+
+    def test_token_requests_must_be_forms(self, anon):
+        resp = anon.post_json("/oauth/token", {"grant_type": "authorization_code"}, status=400)
+        oauth_error(resp, 400, "invalid_request")
+        resp = anon.post("/oauth/token", "grant_type=a&grant_type=b", status=400)
+        oauth_error(resp, 400, "invalid_request")
+        resp = anon.post("/oauth/token", b"grant_type=\xff", status=400)
+        oauth_error(resp, 400, "invalid_request")
+        resp = anon.post("/oauth/token", "x=" + "y" * 70000, status=413)
+        oauth_error(resp, 413, "invalid_request")
+        resp = anon.post("/oauth/token", "&".join(f"k{i}=v" for i in range(100)), status=400)
+        oauth_error(resp, 400, "invalid_request")
+
+    def test_refresh_rotates_and_reuse_revokes_the_grant(self, client, anon):
+        cid, first = tokens_for(client, anon)
+        form = dict(
+            grant_type="refresh_token",
+            refresh_token=first["refresh_token"],
+            client_id=cid,
+            resource=mcp_url(anon),
+        )
+        second = token_call(anon, 200, **form).json
+        assert second["refresh_token"] != first["refresh_token"]
+        assert second["access_token"] != first["access_token"]
+        assert second["scope"] == "notes:read"
+        svc = anon.app.service
+        assert svc.grants.principal(first["access_token"]) is None  # the old access token ends
+        assert svc.grants.principal(second["access_token"]).kind == "oauth"
+        oauth_error(token_call(anon, **form), 400, "invalid_grant")  # the first one, again
+        assert svc.grants.principal(second["access_token"]) is None  # the grant is gone
+        again = dict(form, refresh_token=second["refresh_token"])
+        oauth_error(token_call(anon, **again), 400, "invalid_grant")
+        assert data(client.get(f"{API}/auth/keys"))["keys"] == []
+
+    @pytest.mark.parametrize(
+        ("change", "error"),
+        [
+            ({"client_id": "mcp_other"}, "invalid_grant"),
+            ({"client_id": ""}, "invalid_request"),
+            ({"resource": "https://elsewhere.example/mcp"}, "invalid_target"),
+            ({"scope": "notes:read notes:write"}, "invalid_scope"),
+            ({"refresh_token": "nsr_unknown"}, "invalid_grant"),
+        ],
+    )
+    def test_bad_refreshes(self, client, anon, change, error):
+        cid, first = tokens_for(client, anon)
+        form = dict(grant_type="refresh_token", refresh_token=first["refresh_token"], client_id=cid)
+        oauth_error(token_call(anon, **{**form, **change}), 400, error)
+        token_call(anon, 200, **form)  # a refused refresh spends nothing
+
+    def test_revocation(self, client, anon):
+        cid, t = tokens_for(client, anon)
+        svc = anon.app.service
+        resp = anon.post("/oauth/revoke", {"token": t["access_token"], "client_id": "mcp_other"})
+        assert resp.status_int == 200
+        assert svc.grants.principal(t["access_token"]) is not None
+        assert (
+            anon.post("/oauth/revoke", {"token": t["refresh_token"], "client_id": cid}).json == {}
+        )
+        assert svc.grants.principal(t["access_token"]) is None
+        assert anon.post("/oauth/revoke", {"token": "nsa_unknown"}).status_int == 200
+        oauth_error(anon.post("/oauth/revoke", {}, status=400), 400, "invalid_request")
+        refresh = dict(grant_type="refresh_token", refresh_token=t["refresh_token"], client_id=cid)
+        oauth_error(token_call(anon, **refresh), 400, "invalid_grant")
+
+    def test_the_owner_revokes_an_oauth_grant_like_a_key(self, client, anon):
+        _, t = tokens_for(client, anon)
+        gid = data(client.get(f"{API}/auth/keys"))["keys"][0]["id"]
+        client.delete(f"{API}/auth/keys/{gid}", status=200)
+        assert anon.app.service.grants.principal(t["access_token"]) is None
+
+    def test_the_consent_page_cannot_be_framed(self, anon):
+        sid = anon.app.service.state.read()["serverId"]
+        for url in ("/oauth/authorize?client_id=x", f"/r/{sid}/oauth/authorize"):
+            resp = anon.get(url)
+            assert resp.content_type == "text/html"
+            assert resp.headers["X-Frame-Options"] == "DENY"
+            csp = dict(
+                d.strip().split(" ", 1) for d in resp.headers["Content-Security-Policy"].split(";")
+            )
+            assert csp["frame-ancestors"] == "'none'"
+            assert csp["connect-src"] == "'self'"
+            assert csp["form-action"] == "'none'"
+            assert resp.headers["Referrer-Policy"] == "no-referrer"
+            assert resp.body == notesvc.consent_page().encode()
+
+
+class TestClientMetadataDocuments:
+    @pytest.mark.parametrize(
+        "url",
+        [
+            "https://127.0.0.1/client.json",
+            "https://127.8.9.10:8443/client.json",
+            "https://10.1.2.3/client.json",
+            "https://192.168.1.20/client.json",
+            "https://172.16.5.5/client.json",
+            "https://169.254.169.254/latest/meta-data",
+            "https://[::1]/client.json",
+            "https://[::ffff:127.0.0.1]/client.json",
+            "https://[fe80::1]/client.json",
+            "https://224.0.0.1/client.json",
+            "https://0.0.0.0/client.json",
+            "https://localhost/client.json",
+        ],
+    )
+    def test_private_and_loopback_hosts_are_refused(self, anon, url):
+        _, challenge = pkce_pair()
+        q = urllib.parse.urlencode(
+            {
+                "client_id": url,
+                "redirect_uri": CALLBACK,
+                "response_type": "code",
+                "code_challenge": challenge,
+                "code_challenge_method": "S256",
+            }
+        )
+        err = assert_error(
+            anon.get(f"{API}/oauth/consent?{q}", status=400), 400, "VALIDATION_ERROR"
+        )
+        assert "not a public address" in err["message"]
+        with pytest.raises(ValueError, match="not a public address"):
+            notesvc.fetch_client_metadata(url)
+
+    @pytest.mark.parametrize(
+        "url",
+        [
+            "http://client.example/c.json",
+            "https://client.example",
+            "https://client.example/",
+            "https://u:p@client.example/c.json",
+            "https://client.example/c.json#x",
+            "ftp://x/y",
+        ],
+    )
+    def test_only_https_urls_with_a_path(self, url):
+        with pytest.raises(ValueError, match="https"):
+            notesvc.fetch_client_metadata(url)
+
+    def test_a_public_address_is_fine_and_a_private_one_not(self):
+        import ipaddress
+
+        assert notesvc.public_address(ipaddress.ip_address("93.184.216.34"))
+        assert notesvc.public_address(ipaddress.ip_address("2606:4700::6810:84e5"))
+        for ip in ("100.64.0.1", "198.18.0.1", "fc00::1", "::ffff:10.0.0.1", "255.255.255.255"):
+            assert not notesvc.public_address(ipaddress.ip_address(ip)), ip
+
+    def test_fetching_safely(self, tmp_path):
+        tls = LocalTls(tmp_path)
+        doc = {
+            "client_id": tls.url("/app.json"),
+            "client_name": "Meta",
+            "redirect_uris": [CALLBACK],
+        }
+        tls.routes.update(
+            {
+                "/app.json": (
+                    200,
+                    {"Content-Type": "application/json"},
+                    json.dumps(doc).encode(),
+                    0,
+                ),
+                "/moved": (302, {"Location": tls.url("/app.json")}, b"", 0),
+                "/big": (200, {}, b"{" + b" " * 70000 + b"}", 0),
+                "/slow": (200, {}, b"{}", 2),
+                "/list": (200, {}, b"[]", 0),
+                "/text": (200, {}, b"hello", 0),
+                "/gone": (410, {}, b"", 0),
+            }
+        )
+        try:
+            assert tls.fetch("/app.json") == doc
+            with pytest.raises(ValueError, match="redirect"):
+                tls.fetch("/moved")
+            with pytest.raises(ValueError, match="over 65536 bytes"):
+                tls.fetch("/big")
+            started = time.monotonic()
+            with pytest.raises(ValueError, match="timed out"):
+                tls.fetch("/slow", timeout=0.5)
+            assert time.monotonic() - started < 2
+            with pytest.raises(ValueError, match="not a JSON object"):
+                tls.fetch("/list")
+            with pytest.raises(ValueError, match="not JSON"):
+                tls.fetch("/text")
+            with pytest.raises(ValueError, match="HTTP 410"):
+                tls.fetch("/gone")
+            with pytest.raises(ValueError, match="could not be fetched"):  # an unknown certificate
+                notesvc.fetch_client_metadata(
+                    tls.url("/app.json"), resolve=tls.loopback, allow=lambda ip: True
+                )
+        finally:
+            tls.close()
+
+    def test_a_metadata_client_is_used_and_cached(self, root, tmp_path):
+        svc = notesvc.build_service(notesvc.load_config(env=make_env(root)))
+        calls = []
+        url = "https://app.example/oauth/client.json"
+
+        def fetch(u):
+            calls.append(u)
+            return {"client_id": u, "client_name": "Meta\x07 app", "redirect_uris": [CALLBACK]}
+
+        try:
+            client = svc.grants.client(url, fetch=fetch)
+            assert client == {"id": url, "name": "Meta app", "redirectUris": [CALLBACK], "uri": ""}
+            assert svc.grants.client(url, fetch=fetch) == client
+            assert calls == [url]
+            bad_documents = {
+                url + "1": {
+                    "client_id": "https://other.example/c.json",
+                    "redirect_uris": [CALLBACK],
+                },
+                url + "2": {"client_id": url + "2", "redirect_uris": ["http://evil.example/cb"]},
+                url + "3": {"client_id": url + "3"},
+            }
+            for bad_url, doc in bad_documents.items():
+                with pytest.raises(notesvc.OAuthError) as e:
+                    svc.grants.client(bad_url, fetch=lambda u, doc=doc: doc)
+                assert e.value.error == "invalid_client"
+        finally:
+            svc.close()
+
+
+class TestGrantsLive:
+    def test_a_key_revoked_while_in_use_is_refused_on_its_next_request(self, tmp_path):
+        with running(tmp_path, env={"SERVICE_THREADS": "4"}) as server:
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            body = {"name": "tablet", "scope": "read"}
+            _, _, made = server.request("POST", f"{API}/auth/keys", body, owner_headers(setup))
+            grant = made["data"]
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+            try:
+
+                def notes() -> int:  # on one kept-alive connection
+                    conn.request("GET", f"{API}/notes", headers={"X-Service-Key": grant["key"]})
+                    resp = conn.getresponse()
+                    resp.read()
+                    return resp.status
+
+                assert [notes() for _ in range(3)] == [200, 200, 200]
+                status, _, _ = server.request(
+                    "DELETE", f"{API}/auth/keys/{grant['id']}", headers=owner_headers(setup)
+                )
+                assert status == 200
+                assert notes() == 401
+            finally:
+                conn.close()
+            state = (tmp_path / ".notesvc" / "state.json").read_text()
+            assert grant["key"] not in state
+            assert grant["id"] not in state
+            assert grant["key"] not in "".join(server.lines)
+
+    def test_a_key_revoked_by_another_process_is_refused(self, tmp_path):
+        with running(tmp_path) as server:
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            body = {"name": "tablet", "scope": "read"}
+            grant = server.request("POST", f"{API}/auth/keys", body, owner_headers(setup))[2][
+                "data"
+            ]
+            headers = {"X-Service-Key": grant["key"]}
+            assert server.request("GET", f"{API}/notes", headers=headers)[0] == 200
+            state_file = tmp_path / ".notesvc" / "state.json"  # as another tool would
+            state = json.loads(state_file.read_text())
+            state["grants"] = []
+            tmp = state_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(state))
+            os.replace(tmp, state_file)
+            assert server.request("GET", f"{API}/notes", headers=headers)[0] == 401
+
+
+class TestStructure:
+    """The module's shape: sections in data-flow order, and what the Service owns."""
+
+    def test_no_section_uses_a_name_defined_in_a_later_one(self):
+        import ast
+        import bisect
+
+        src = Path(NOTESVC).read_text()
+        tree = ast.parse(src)
+        lines = src.splitlines()
+        banners = [i + 1 for i, line in enumerate(lines) if line.startswith("# == ")]
+
+        def section(lineno: int) -> int:
+            return bisect.bisect_right(banners, lineno)
+
+        defined: dict = {}
+        for node in tree.body:
+            names = []
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef, ast.ClassDef)):
+                names = [node.name]
+            elif isinstance(node, ast.Assign):
+                names = [n.id for t in node.targets for n in ast.walk(t) if isinstance(n, ast.Name)]
+            elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
+                names = [node.target.id]
+            for name in names:
+                defined.setdefault(name, section(node.lineno))
+
+        class Uses(ast.NodeVisitor):  # every name loaded, annotations left out
+            def __init__(self):
+                self.names: list = []
+
+            def visit_arg(self, node):
+                pass
+
+            def visit_FunctionDef(self, node):
+                for part in [*node.decorator_list, *node.args.defaults, *node.body]:
+                    self.visit(part)
+                for default in node.args.kw_defaults:
+                    if default is not None:
+                        self.visit(default)
+
+            visit_AsyncFunctionDef = visit_FunctionDef
+
+            def visit_AnnAssign(self, node):
+                if node.value is not None:
+                    self.visit(node.value)
+
+            def visit_Name(self, node):
+                if isinstance(node.ctx, ast.Load):
+                    self.names.append((node.lineno, node.id))
+
+        outline = [lines[b - 1][5:].strip(" =") for b in banners]
+        late = []
+        for node in tree.body:
+            uses = Uses()
+            uses.visit(node)
+            here = section(node.lineno)
+            late += [
+                f"line {line}: {name} (defined in {outline[defined[name] - 1]})"
+                for line, name in uses.names
+                if defined.get(name, 0) > here
+            ]
+        assert late == []
+        assert outline.index("Service") == outline.index("State and auth") + 1
+        assert outline.index("Web client") < outline.index("Relay") < outline.index("HTTP")
+
+    def test_service_declares_every_attribute_in_init(self, anon):
+        svc = anon.app.service
+        declared = set(vars(notesvc.build_service(svc.config, readonly=True)))
+        assert set(vars(svc)) <= declared
+
+    def test_a_failed_index_update_is_retried_by_the_next_rescan(self, make_app, caplog):
+        client = with_key(make_app())
+        svc = client.app.service
+
+        class FlakyIndex(notesvc.SearchIndex):  # the write happens; indexing it fails once
+            failed = False
+
+            def add(self, *args, **kwargs):
+                if not FlakyIndex.failed:
+                    FlakyIndex.failed = True
+                    raise RuntimeError("index full of gremlins")
+                return super().add(*args, **kwargs)
+
+        svc.index = FlakyIndex()
+        svc.sync_index()
+        caplog.set_level("ERROR", logger="notesvc")
+        rid = "gremlin-request-1"
+        client.post_json(
+            f"{API}/notes",
+            {"path": "notes/g.md", "content": "kumquat"},
+            headers={"X-Request-Id": rid},
+            status=201,
+        )
+        assert any(rid in r.getMessage() and "notes/g.md" in r.getMessage() for r in caplog.records)
+        assert search(client, "kumquat")["total"] == 0  # not indexed yet
+        svc.sync_index()  # what the rescan runs
+        assert search(client, "kumquat")["total"] == 1
 
 
 class TestAgent:
@@ -6433,41 +8428,6 @@ class TestChannels:
             notesvc.CHANNEL_PROVIDERS.pop("pigeon", None)
 
 
-# -- capture: photos, voice and files from the channels, commands, polling, reminders ----------
-
-OGG = b"OggS\x00\x02" + bytes(range(200))
-
-
-def photo_update(*sizes: tuple, caption: str | None = None, chat_id: int = 42) -> dict:
-    """A Telegram photo message: sizes are (file_id, width, height, file_size)."""
-    photo = [
-        {"file_id": f, "file_unique_id": f"u{f}", "width": w, "height": h, "file_size": n}
-        for f, w, h, n in sizes
-    ]
-    extra = {"caption": caption} if caption else {}
-    return telegram_update(None, chat_id, photo=photo, **extra)
-
-
-def today_note(client, folder: str = "notes/daily") -> Path:
-    day = notesvc.local_now(client.app.service).date()
-    return client.app.service.config.root / folder / f"{day:%Y-%m-%d}.md"
-
-
-def whatsapp_media(kind: str, media_id: str, number: str = "15551234567", **fields) -> dict:
-    update = whatsapp_update("x", number)
-    message = update["entry"][0]["changes"][0]["value"]["messages"][0]
-    del message["text"]
-    message.update(type=kind, **{kind: {"id": media_id, **fields}})
-    return update
-
-
-def whatsapp_signature(body: bytes, secret: str) -> str:
-    import hashlib
-    import hmac
-
-    return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
-
-
 class TestCapture:
     @pytest.fixture
     def client(self, make_app, upstream):
@@ -6962,22 +8922,6 @@ class TestPolling:
         assert len(upstream.sent()) == 3
 
 
-class FakeClock:
-    """An injectable clock for the reminder scheduler."""
-
-    def __init__(self, when: float):
-        self.now = when
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def at(text: str, zone: str = "Europe/Paris") -> float:
-    return notesvc.timestamp_of(
-        notesvc.dt.datetime.strptime(text, "%Y-%m-%d %H:%M"), notesvc.time_zone(zone)
-    )
-
-
 class TestReminders:
     @pytest.fixture
     def client(self, make_app, upstream):
@@ -7147,2468 +9091,6 @@ class TestReminders:
         put_note(client, "notes/now.md", f"# Now\n\n- stretch ⏰ {now:%Y-%m-%d %H:%M}\n")
         wait_for(lambda: self.reminders_sent(upstream), timeout=10)
         assert "stretch" in self.reminders_sent(upstream)[0]
-
-
-# -- JWT ----------------------------------------------------------------------------------
-
-JWT_SECRET = "k3y-" + "Zq8vN2xR7mL4pT9wB5cJ1hF6dG0sY3aE"
-
-
-def forge(claims: dict, header: dict | None = None, secret: str = JWT_SECRET, digest=None) -> str:
-    import base64
-    import hashlib
-    import hmac
-
-    def b64(obj) -> str:
-        raw = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
-        return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
-
-    head = b64(header or {"alg": "HS256", "typ": "JWT"})
-    body = b64(claims)
-    sig = hmac.new(secret.encode(), f"{head}.{body}".encode(), digest or hashlib.sha256)
-    return f"{head}.{body}.{b64(sig.digest())}"
-
-
-class TestJwt:
-    @pytest.fixture
-    def app(self, make_app):
-        return make_app(SERVICE_AUTH_MODE="jwt", SERVICE_JWT_SECRET=JWT_SECRET)
-
-    def bearer(self, app, token, status=200):
-        return app.post(
-            f"{API}/auth/verify", headers={"Authorization": f"Bearer {token}"}, status=status
-        )
-
-    def claims(self, app, **over):
-        now = int(time.time())
-        kid = app.app.service.state.read()["keyHash"][:16]
-        return {"sub": "owner", "iat": now, "nbf": now, "exp": now + 600, "kid": kid, **over}
-
-    def test_issued_token_works_and_key_still_does(self, app):
-        token = data(with_key(app).post(f"{API}/auth/token"))
-        assert token["tokenType"] == "Bearer"
-        assert token["expiresIn"] == 3600
-        assert data(self.bearer(app, token["token"]))["valid"] is True
-        assert data(with_key(app).post(f"{API}/auth/verify"))["valid"] is True
-
-    def test_hand_made_valid_token_is_accepted(self, app):
-        self.bearer(app, forge(self.claims(app)))
-
-    @pytest.mark.parametrize(
-        "case",
-        [
-            "expired",
-            "not-yet-valid",
-            "tampered",
-            "alg-none",
-            "hs512",
-            "wrong-secret",
-            "no-exp",
-            "garbage",
-            "old-key",
-        ],
-    )
-    def test_bad_tokens_are_refused(self, app, case):
-        now = int(time.time())
-        claims = self.claims(app)
-        if case == "expired":
-            token = forge({**claims, "exp": now - 31})
-        elif case == "not-yet-valid":
-            token = forge({**claims, "nbf": now + 31})
-        elif case == "tampered":
-            head, _, sig = forge(claims).split(".")
-            other = forge({**claims, "sub": "admin"}).split(".")[1]
-            token = f"{head}.{other}.{sig}"
-        elif case == "alg-none":
-            token = forge(claims, {"alg": "none", "typ": "JWT"}).rsplit(".", 1)[0] + "."
-        elif case == "hs512":
-            import hashlib
-
-            token = forge(claims, {"alg": "HS512", "typ": "JWT"}, digest=hashlib.sha512)
-        elif case == "wrong-secret":
-            token = forge(claims, secret="another-secret-of-enough-length-000")
-        elif case == "no-exp":
-            token = forge({k: v for k, v in claims.items() if k != "exp"})
-        elif case == "garbage":
-            token = "not.a.jwt"
-        else:  # a token from before a key rotation
-            token = forge(claims)
-            with_key(app).post(f"{API}/auth/rotate")
-        assert_error(self.bearer(app, token, 401), 401, "UNAUTHORIZED")
-
-    def test_token_cannot_mint_tokens_or_rotate_the_key(self, app):
-        token = data(with_key(app).post(f"{API}/auth/token"))["token"]
-        bearer = {"Authorization": f"Bearer {token}"}
-        assert data(app.get(f"{API}/system/info", headers=bearer))["version"]
-        for path in ("/auth/token", "/auth/rotate"):
-            assert_error(app.post(f"{API}{path}", headers=bearer, status=403), 403, "FORBIDDEN")
-        assert data(self.bearer(app, token))["valid"] is True  # still the same key
-        key_only = {(r.method, r.path) for r in app.app.service.routes if r.key_only}
-        assert key_only == {("POST", "/auth/token"), ("POST", "/auth/rotate")}
-        assert data(with_key(app).post(f"{API}/auth/rotate"))["apiKey"]
-
-    def test_leeway_of_30_seconds(self, app):
-        now = int(time.time())
-        self.bearer(app, forge(self.claims(app, exp=now - 20)))
-        self.bearer(app, forge(self.claims(app, nbf=now + 20)))
-
-    def test_token_endpoint_refuses_outside_jwt_mode(self, client):
-        assert_error(client.post(f"{API}/auth/token", status=403), 403, "FORBIDDEN")
-
-    def test_bearer_is_ignored_in_api_key_mode(self, anon):
-        token = forge({"exp": time.time() + 60})
-        resp = anon.post(
-            f"{API}/auth/verify", headers={"Authorization": f"Bearer {token}"}, status=401
-        )
-        assert_error(resp, 401, "UNAUTHORIZED")
-
-
-# -- security audit ---------------------------------------------------------------------------
-
-
-# -- grants: scoped keys, folder grants, share links, OAuth ------------------------------
-
-
-def new_grant(client, scope: str = "read", folder: str | None = None, **extra) -> dict:
-    """Create a scoped key with the API key; return its record (with the key)."""
-    body = {"name": f"{scope} key", "scope": scope, **extra}  # extra may name it
-    if folder is not None:
-        body["folder"] = folder
-    return data(client.post_json(f"{API}/auth/keys", body, status=201))
-
-
-def as_key(app: webtest.TestApp, key: str, **environ: str) -> webtest.TestApp:
-    return webtest.TestApp(app.app, extra_environ={"HTTP_X_SERVICE_KEY": key, **environ})
-
-
-def all_routes(app: webtest.TestApp) -> list:
-    return list(app.app.service.routes)
-
-
-SCOPED_ROUTES = [r for r in notesvc.ROUTES if not r.public]
-SCOPE_ORDER = {"read": 0, "write": 1, "admin": 2}
-
-
-@pytest.fixture(scope="module")
-def scope_keys(tmp_path_factory):
-    """One app for the scope tests, with a read and a write key (no lockout)."""
-    cfg = notesvc.load_config(
-        env=make_env(tmp_path_factory.mktemp("scopes") / "root", SERVICE_HOST="127.0.0.1")
-    )
-    wsgi = notesvc.create_app(cfg)
-    wsgi.service.lockout = notesvc.Lockout(limit=10**9)
-    owner = webtest.TestApp(
-        wsgi, extra_environ={"HTTP_X_SERVICE_KEY": wsgi.service.state.read()["apiKey"]}
-    )
-    made = {s: new_grant(owner, s)["key"] for s in ("read", "write")}
-    yield wsgi, made
-    wsgi.service.close()
-
-
-class TestGrantScopes:
-    """Every route declares its scope; a grant gets exactly as far as its scope."""
-
-    def test_every_route_declares_a_scope(self, anon):
-        for r in all_routes(anon):
-            assert r.public or r.scope in notesvc.SCOPES, f"{r.method} {r.rule}"
-        plugin = [r for r in all_routes(anon) if r.rule.startswith(f"{API}/plugins/")]
-        assert {r.scope for r in plugin} >= {"read", "write"}
-
-    def test_a_route_without_a_scope_stops_the_app(self, root):
-        cfg = notesvc.load_config(env=make_env(root))
-        svc = notesvc.build_service(cfg)
-        try:
-            unscoped = notesvc.Route("GET", "/unscoped", lambda svc: {})
-            with pytest.raises(notesvc.ConfigError, match="GET /api/v1/unscoped"):
-                notesvc.NotesApp(svc, (*notesvc.ROUTES, unscoped))
-            notesvc.NotesApp(svc, (*notesvc.ROUTES, dataclasses.replace(unscoped, public=True)))
-        finally:
-            svc.close()
-
-    def test_a_plugin_route_without_a_scope_is_admin(self):
-        route = notesvc.PluginRoute("GET", "/x", lambda svc: {})
-        assert notesvc.plugin_routes([notesvc.Plugin("p", routes=(route,))])[0].scope == "admin"
-
-    def test_openapi_shows_each_scope(self, anon):
-        doc = anon.get(f"{API}/openapi.json").json
-        for r in all_routes(anon):
-            if r.api:
-                op = doc["paths"][notesvc.openapi_path(r.rule)][r.method.lower()]
-                assert op.get("x-scope") == (None if r.public else r.scope), route_id(r)
-
-    @pytest.mark.parametrize("route", SCOPED_ROUTES, ids=route_id)
-    def test_a_read_key_is_refused_above_read(self, scope_keys, route):
-        wsgi, made = scope_keys
-        app = webtest.TestApp(wsgi, extra_environ={"HTTP_X_SERVICE_KEY": made["read"]})
-        resp = app.request(sample_url(route), method=route.method, expect_errors=True)
-        if route.scope == "read":
-            assert resp.status_int != 403, resp.text
-            return
-        err = assert_error(resp, 403, "FORBIDDEN")
-        assert route.scope in err["message"]
-
-    @pytest.mark.parametrize("route", SCOPED_ROUTES, ids=route_id)
-    def test_a_write_key_is_refused_on_admin_routes(self, scope_keys, route):
-        wsgi, made = scope_keys
-        app = webtest.TestApp(wsgi, extra_environ={"HTTP_X_SERVICE_KEY": made["write"]})
-        resp = app.request(sample_url(route), method=route.method, expect_errors=True)
-        assert (resp.status_int == 403) == (route.scope == "admin"), resp.text
-
-    def test_plugin_routes_follow_their_scope(self, scope_keys):
-        wsgi, made = scope_keys
-        reader = webtest.TestApp(wsgi, extra_environ={"HTTP_X_SERVICE_KEY": made["read"]})
-        for r in wsgi.service.routes:
-            if r.rule.startswith(f"{API}/plugins/") and r not in notesvc.ROUTES:
-                resp = reader.request(sample_url(r), method=r.method, expect_errors=True)
-                assert (resp.status_int == 403) == (r.scope != "read"), route_id(r)
-
-    def test_the_api_key_and_a_jwt_hold_admin(self, make_app):
-        secret = "s" * 48
-        app = make_app(SERVICE_AUTH_MODE="jwt", SERVICE_JWT_SECRET=secret)
-        token = data(with_key(app).post(f"{API}/auth/token"))["token"]
-        bearer = webtest.TestApp(app.app, extra_environ={"HTTP_AUTHORIZATION": f"Bearer {token}"})
-        assert data(bearer.get(f"{API}/auth/keys"))["keys"] == []
-        assert data(with_key(app).get(f"{API}/security/config"))["grants"]["key"] == 0
-
-
-class TestScopedKeys:
-    def test_create_shows_the_key_once_and_stores_its_hash(self, client, root):
-        rec = new_grant(client, "write", "notes/family", expiresInDays=30)
-        assert re.fullmatch(r"nsg_[A-Za-z0-9_-]{43}", rec["key"])
-        assert set(rec) == {
-            "id",
-            "name",
-            "scope",
-            "folder",
-            "createdAt",
-            "expiresAt",
-            "key",
-            "kind",
-            "lastUsedAt",
-        }
-        assert (rec["scope"], rec["folder"], rec["kind"]) == ("write", "notes/family", "key")
-        days = (notesvc._epoch(rec["expiresAt"]) - notesvc._epoch(rec["createdAt"])) / 86400
-        assert round(days) == 30
-        state = (root / ".notesvc" / "state.json").read_text()
-        assert rec["key"] not in state
-        assert hashlib.sha256(rec["key"].encode()).hexdigest() in state
-        listed = data(client.get(f"{API}/auth/keys"))["keys"]
-        assert [k["id"] for k in listed] == [rec["id"]]
-        assert "key" not in listed[0]
-        assert "keyHash" not in listed[0]
-        assert rec["key"] not in client.get(f"{API}/auth/keys").text
-
-    def test_a_key_works_as_header_and_as_bearer(self, client):
-        key = new_grant(client)["key"]
-        put_note(client, "notes/a.md", "apple")
-        assert data(as_key(client, key).get(note_url("notes/a.md")))["content"] == "apple"
-        bearer = webtest.TestApp(client.app, extra_environ={"HTTP_AUTHORIZATION": f"Bearer {key}"})
-        assert data(bearer.get(note_url("notes/a.md")))["content"] == "apple"
-
-    def test_verify_tells_a_key_its_scope(self, client):
-        key = new_grant(client, "read", "notes/kids")["key"]
-        d = data(as_key(client, key).post(f"{API}/auth/verify"))
-        assert d["grant"] == {"kind": "key", "scope": "read", "folder": "notes/kids"}
-        assert "grant" not in data(client.post(f"{API}/auth/verify"))
-
-    def test_revoke_is_effective_at_once(self, client):
-        rec = new_grant(client)
-        reader = as_key(client, rec["key"])
-        reader.get(f"{API}/notes", status=200)
-        assert data(client.delete(f"{API}/auth/keys/{rec['id']}")) == {
-            "id": rec["id"],
-            "revoked": True,
-        }
-        assert_error(reader.get(f"{API}/notes", status=401), 401, "UNAUTHORIZED")
-        assert_error(client.delete(f"{API}/auth/keys/{rec['id']}", status=404), 404, "NOT_FOUND")
-
-    def test_an_expired_key_is_401_and_counts_toward_the_lockout(self, client, root):
-        key = new_grant(client, expiresInDays=1)["key"]
-        state_file = root / ".notesvc" / "state.json"
-        state = json.loads(state_file.read_text())
-        state["grants"][0]["expiresAt"] = "2020-01-01T00:00:00.000Z"
-        state_file.write_text(json.dumps(state))  # another process may edit it too
-        expired = as_key(client, key, REMOTE_ADDR="192.0.2.7")
-        for _ in range(10):
-            assert_error(expired.get(f"{API}/notes", status=401), 401, "UNAUTHORIZED")
-        assert_error(expired.get(f"{API}/notes", status=429), 429, "RATE_LIMITED")
-
-    def test_last_use_is_recorded(self, client):
-        rec = new_grant(client)
-        assert data(client.get(f"{API}/auth/keys"))["keys"][0]["lastUsedAt"] is None
-        as_key(client, rec["key"]).get(f"{API}/notes")
-        used = data(client.get(f"{API}/auth/keys"))["keys"][0]["lastUsedAt"]
-        assert used
-        assert used >= rec["createdAt"]
-        svc = client.app.service
-        svc.grants.flush(force=True)
-        assert svc.state.read()["grants"][0]["lastUsedAt"] == used
-
-    @pytest.mark.parametrize(
-        "body",
-        [
-            {"name": "x", "scope": "admin"},
-            {"name": "x", "scope": "everything"},
-            {"name": "x"},
-            {"scope": "read"},
-            {"name": "", "scope": "read"},
-            {"name": 5, "scope": "read"},
-            {"name": "x" * 101, "scope": "read"},
-            {"name": "x", "scope": "read", "folder": "../etc"},
-            {"name": "x", "scope": "read", "folder": "notes/../x"},
-            {"name": "x", "scope": "read", "folder": 7},
-            {"name": "x", "scope": "read", "expiresInDays": 0},
-            {"name": "x", "scope": "read", "expiresInDays": 3651},
-            {"name": "x", "scope": "read", "expiresInDays": "7"},
-            {"name": "x", "scope": "read", "expiresInDays": True},
-        ],
-    )
-    def test_bad_key_requests_are_400(self, client, body):
-        resp = client.post_json(f"{API}/auth/keys", body, status=400)
-        assert_error(resp, 400, "VALIDATION_ERROR")
-
-    def test_broken_and_huge_bodies(self, client):
-        url = f"{API}/auth/keys"
-        bad = client.post(url, "{nope", {"Content-Type": "application/json"}, status=400)
-        assert_error(bad, 400, "VALIDATION_ERROR")
-        assert_error(client.post(url, "x", status=415), 415, "UNSUPPORTED_MEDIA_TYPE")
-        huge = json.dumps({"name": "x" * 2_000_000, "scope": "read"})
-        big = client.post(url, huge, {"Content-Type": "application/json"}, status=413)
-        assert_error(big, 413, "PAYLOAD_TOO_LARGE")
-
-    def test_a_scoped_key_cannot_mint_keys_or_read_settings(self, client):
-        key = new_grant(client, "write")["key"]
-        writer = as_key(client, key)
-        for method, url in (
-            ("POST", f"{API}/auth/keys"),
-            ("GET", f"{API}/auth/keys"),
-            ("POST", f"{API}/auth/rotate"),
-            ("GET", f"{API}/system/config"),
-            ("GET", f"{API}/channels"),
-        ):
-            resp = writer.request(url, method=method, expect_errors=True)
-            assert_error(resp, 403, "FORBIDDEN")
-
-    def test_a_name_of_control_characters_is_cleaned(self, client):
-        assert new_grant(client, name="\x07\x1b[31mtab\u2028")["name"] == "[31mtab"
-        assert new_grant(client, name="\x07\x08")["name"] == "unnamed key"
-
-    def test_the_owner_alone_lists_every_grant(self, client):
-        new_grant(client, "read")
-        new_grant(client, "write", "notes/x")
-        kinds = collections.Counter(
-            k["scope"] for k in data(client.get(f"{API}/auth/keys"))["keys"]
-        )
-        assert kinds == {"read": 1, "write": 1}
-        assert data(client.get(f"{API}/security/config"))["grants"] == {
-            "key": 2,
-            "oauth": 0,
-            "share": 0,
-            "oauthClients": 0,
-        }
-
-
-FOLDER_NOTES = {
-    "notes/family/a.md": "# Apple pie\n\nGrandma's apple pie #common, see [[c]].\n"
-    "⏰ 2099-01-01 09:00 bake\n",
-    "notes/family/sub/b.md": "# Birthdays\n\napple birthday list #common\n",
-    "notes/work/c.md": "# Contract\n\nsecret apple contract #common #work, see [[a]].\n"
-    "⏰ 2099-01-01 10:00 sign\n",
-    "notes/familyx/d.md": "# Neighbour\n\napple neighbour folder, not the family #common\n",
-    "notes/top.md": "# Top\n\napple at the top #common\n",
-}
-
-# Calls that list or search: a folder key must never see a path outside its folder in
-# their answers, while the API key sees those paths (so the check bites).
-LISTING_CALLS = [
-    ("GET", "/notes", None),
-    ("GET", "/notes?folder=notes", None),
-    ("GET", "/notes?folder=notes/family/sub", None),
-    ("GET", "/folders/tree", None),
-    ("GET", "/folders/tree/notes", None),
-    ("GET", "/search?q=apple", None),
-    ("GET", "/search?q=apple&folder=notes", None),
-    ("GET", "/search?q=apple%20OR%20contract%20OR%20neighbour", None),
-    ("GET", "/plugins/tags", None),
-    ("GET", "/plugins/tags/common", None),
-    ("GET", "/plugins/backlinks/notes%2Ffamily%2Fa.md", None),
-    ("POST", "/agent/chat", {"message": "apple contract neighbour top"}),
-    ("POST", "/agent/chat", {"message": "apple", "notePath": "notes/family/a.md"}),
-    ("GET", "/shares", None),
-    ("GET", "/attachments", None),
-    ("GET", "/attachments?folder=attachments", None),
-    ("GET", "/reminders", None),
-    ("GET", "/trash", None),
-    ("GET", "/changes?since=0", None),
-    ("GET", "/folders/tree?depth=1", None),
-    ("GET", "/folders/tree?depth=2", None),
-]
-
-
-def paths_in(answer) -> set:
-    """Every note or attachment path mentioned anywhere in an answer (keys, values, text)."""
-    text = json.dumps(answer, ensure_ascii=False)
-    return set(re.findall(r"(?:notes/[\w./-]+?\.md|attachments/[\w./-]+?\.png)", text))
-
-
-def inside_family(path: str) -> bool:
-    return path.startswith(("notes/family/", "attachments/family/"))
-
-
-class TestFolderGrants:
-    @pytest.fixture
-    def family(self, client):
-        for path, text in FOLDER_NOTES.items():
-            put_note(client, path, text)
-        for path in ("attachments/family/p.png", "attachments/work/w.png", "attachments/t.png"):
-            upload(client, path)
-        for path in ("notes/family/gone.md", "notes/work/gone.md"):  # the trash has both
-            put_note(client, path, "bye")
-            client.delete(note_url(path))
-        client.post_json(f"{API}/shares", {"path": "notes/work/c.md"}, status=201)
-        key = new_grant(client, "write", "notes/family")["key"]
-        return client, as_key(client, key)
-
-    @pytest.mark.parametrize(("method", "url", "body"), LISTING_CALLS)
-    def test_a_folder_key_never_sees_outside_its_folder(self, family, method, url, body):
-        owner, member = family
-        call = (
-            (lambda app: app.post_json(API + url, body))
-            if body
-            else (lambda app: app.get(API + url))
-        )
-        seen = paths_in(data(call(member)))
-        assert all(map(inside_family, seen)), seen
-        if url not in ("/shares", "/plugins/tags") and "sub" not in url:  # counts, or nothing
-            everything = paths_in(data(call(owner)))
-            assert everything - set(filter(inside_family, everything)), url
-
-    def test_listings_count_only_the_folder(self, family):
-        _, member = family
-        assert data(member.get(f"{API}/notes"))["total"] == 2
-        assert data(member.get(f"{API}/search?q=apple"))["total"] == 2
-        tags = data(member.get(f"{API}/plugins/tags"))["tags"]
-        assert tags == [{"tag": "common", "count": 2}]
-        assert_error(member.get(f"{API}/plugins/tags/work", status=404), 404, "NOT_FOUND")
-
-    def test_the_tree_shows_only_the_way_down(self, family):
-        _, member = family
-        root = data(member.get(f"{API}/folders/tree"))
-        assert [c["path"] for c in root["children"]] == ["notes/family"]
-        family_node = data(member.get(f"{API}/folders/tree/notes%2Ffamily"))
-        assert [c["name"] for c in family_node["children"]] == ["sub", "a.md"]
-
-    @pytest.mark.parametrize(
-        "url",
-        [
-            "/notes/notes%2Fwork%2Fc.md",
-            "/notes/notes/work/c.md",
-            "/notes/notes%2Ffamily%2F..%2Fwork%2Fc.md",
-            "/notes/notes%2Ffamily%2F.%2F..%2Fwork%2Fc.md",
-            "/notes/notes%2Ffamilyx%2Fd.md",
-            "/notes/notes%2Ftop.md",
-            "/notes/..%2Fstate.json",
-            "/notes?folder=notes/work",
-            "/notes?folder=notes/familyx",
-            "/notes?folder=notes%2Ffamily%2F..%2Fwork",
-            "/folders/tree/notes%2Fwork",
-            "/folders/tree/notes%2Ffamily%2F..%2Fwork",
-            "/search?q=apple&folder=notes/work",
-            "/search?q=contract&folder=notes%2Ffamily%2F..%2Fwork",
-            "/plugins/backlinks/notes%2Fwork%2Fc.md",
-            "/attachments/attachments%2Fwork%2Fw.png",
-            "/attachments/attachments%2Ft.png",
-            "/attachments/attachments%2Ffamily%2F..%2Fwork%2Fw.png",
-            "/attachments?folder=attachments/work",
-            "/attachments?folder=attachments%2Ffamily%2F..",
-        ],
-    )
-    def test_outside_answers_as_if_nothing_were_there(self, family, url):
-        _, member = family
-        assert_error(member.get(API + url, status=404), 404, "NOT_FOUND")
-
-    def test_a_search_that_would_match_outside_finds_nothing_there(self, family):
-        _, member = family
-        assert data(member.get(f"{API}/search?q=contract"))["total"] == 0
-        assert data(member.get(f"{API}/search?q=neighbour"))["total"] == 0
-
-    def test_writes_stay_inside(self, family, root):
-        _, member = family
-        a = note_url("notes/family/a.md")
-        for method, url, body in (
-            ("POST", f"{API}/notes", {"path": "notes/work/new.md", "content": "x"}),
-            ("POST", f"{API}/notes", {"path": "notes/family/../work/new.md", "content": "x"}),
-            ("PUT", note_url("notes/work/c.md"), {"content": "overwritten"}),
-            ("DELETE", note_url("notes/work/c.md"), None),
-            ("PATCH", f"{a}/move", {"path": "notes/work/a.md"}),
-            ("PATCH", f"{a}/move", {"path": "notes/familyx/a.md"}),
-            ("PATCH", note_url("notes/work/c.md") + "/move", {"path": "notes/family/c.md"}),
-            ("POST", f"{API}/plugins/daily/today", None),
-            ("POST", f"{API}/shares", {"path": "notes/work/c.md"}),
-        ):
-            resp = member.request(
-                url,
-                method=method,
-                body=json.dumps(body).encode() if body else b"",
-                headers={"Content-Type": "application/json"},
-                expect_errors=True,
-            )
-            assert_error(resp, 404, "NOT_FOUND")
-        assert (root / "notes/work/c.md").read_text() == FOLDER_NOTES["notes/work/c.md"]
-        assert not (root / "notes/work/a.md").exists()
-        assert (root / "notes/family/a.md").exists()
-        assert not (root / "notes/daily").exists()
-
-    def test_attachments_of_the_folder_only(self, family, root):
-        _, member = family
-        assert member.get(att_url("attachments/family/p.png")).body == PNG
-        listed = data(member.get(f"{API}/attachments"))
-        assert [a["path"] for a in listed["attachments"]] == ["attachments/family/p.png"]
-        upload(member, "attachments/family/new.png")
-        for resp in (
-            upload(member, "attachments/work/new.png", status=404),
-            upload(member, "attachments/new.png", status=404),
-            member.delete(att_url("attachments/work/w.png"), status=404),
-            member.patch_json(
-                att_url("attachments/family/p.png") + "/move",
-                {"path": "attachments/work/p.png"},
-                status=404,
-            ),
-        ):
-            assert_error(resp, 404, "NOT_FOUND")
-        form, ctype = multipart(("path", "attachments/work/x.png"), ("file", PNG, "x.png"))
-        assert_error(post_form(member, form, ctype, status=404), 404, "NOT_FOUND")
-        assert not (root / "attachments/work/new.png").exists()
-        assert (root / "attachments/work/w.png").exists()
-        owner = with_key(member, key_of(member))
-        reader = as_key(member, new_grant(owner, "read", "notes/family")["key"])
-        assert_error(upload(reader, "attachments/family/r.png", status=403), 403, "FORBIDDEN")
-
-    def test_writes_inside_work(self, family):
-        _, member = family
-        member.post_json(
-            f"{API}/notes", {"path": "notes/family/new.md", "content": "n"}, status=201
-        )
-        moved = data(
-            member.patch_json(
-                note_url("notes/family/new.md") + "/move", {"path": "notes/family/sub/new.md"}
-            )
-        )
-        assert moved["path"] == "notes/family/sub/new.md"
-        member.delete(note_url("notes/family/sub/new.md"), status=200)
-
-    def test_history_and_trash_of_the_folder_only(self, family):
-        owner, member = family
-        owner.put_json(note_url("notes/work/c.md"), {"content": "changed"})
-        owner.put_json(note_url("notes/family/a.md"), {"content": "changed"})
-        url = note_url("notes/family/a.md") + "/versions"
-        versions = data(member.get(url))["versions"]
-        assert versions
-        vid = versions[0]["id"]
-        assert "Apple" in data(member.get(f"{url}/{vid}"))["content"]
-        assert data(member.get(f"{url}/{vid}/diff"))["diff"]
-        member.post(f"{url}/{vid}/restore", status=200)
-        work = note_url("notes/work/c.md") + "/versions"
-        assert_error(member.get(work, status=404), 404, "NOT_FOUND")
-        owner_vid = data(owner.get(work))["versions"][0]["id"]
-        for resp in (
-            member.get(f"{work}/{owner_vid}", status=404),
-            member.get(f"{work}/{owner_vid}/diff", status=404),
-            member.post(f"{work}/{owner_vid}/restore", status=404),
-        ):
-            assert_error(resp, 404, "NOT_FOUND")
-        trash = data(member.get(f"{API}/trash"))
-        assert [i["path"] for i in trash["items"]] == ["notes/family/gone.md"]
-        assert trash["total"] == 1
-        theirs = next(
-            i["id"] for i in data(owner.get(f"{API}/trash"))["items"] if "work" in i["path"]
-        )
-        assert_error(member.get(f"{API}/trash/{theirs}", status=404), 404, "NOT_FOUND")
-        assert_error(member.post(f"{API}/trash/{theirs}/restore", status=404), 404, "NOT_FOUND")
-        mine = trash["items"][0]["id"]
-        away = member.post_json(
-            f"{API}/trash/{mine}/restore", {"path": "notes/work/gone.md"}, status=404
-        )
-        assert_error(away, 404, "NOT_FOUND")
-        assert_error(member.delete(f"{API}/trash/{mine}", status=403), 403, "FORBIDDEN")
-        member.post(f"{API}/trash/{mine}/restore", status=200)
-
-    def test_the_change_feed_of_the_folder(self, family):
-        owner, member = family
-        last = data(member.get(f"{API}/changes?since=0"))["last"]
-        owner.patch_json(note_url("notes/work/c.md") + "/move", {"path": "notes/family/c.md"})
-        owner.patch_json(note_url("notes/family/a.md") + "/move", {"path": "notes/work/a.md"})
-        put_note(owner, "notes/work/new.md", "outside")
-        seen = data(member.get(f"{API}/changes?since={last}"))["changes"]
-        assert [(c["kind"], c["path"]) for c in seen] == [
-            ("created", "notes/family/c.md"),
-            ("deleted", "notes/family/a.md"),
-        ]
-        assert all("from" not in c for c in seen)
-        everything = data(owner.get(f"{API}/changes?since={last}"))["changes"]
-        assert [c["kind"] for c in everything] == ["moved", "moved", "created"]
-
-    def test_a_waiting_feed_waits_past_changes_it_may_not_see(self, family):
-        owner, member = family
-        last = data(member.get(f"{API}/changes?since=0"))["last"]
-
-        def later():
-            time.sleep(0.3)
-            put_note(owner, "notes/work/x.md", "not theirs")
-            time.sleep(0.3)
-            put_note(owner, "notes/family/x.md", "theirs")
-
-        writer = threading.Thread(target=later)
-        writer.start()
-        started = time.monotonic()
-        seen = data(member.get(f"{API}/changes?since={last}&wait=5"))
-        writer.join()
-        assert [c["path"] for c in seen["changes"]] == ["notes/family/x.md"]
-        assert 0.5 < time.monotonic() - started < 5
-
-    def test_a_symbolic_link_out_of_the_folder_leads_nowhere(self, family, root):
-        _, member = family
-        os.symlink(root / "notes" / "work", root / "notes" / "family" / "link")
-        assert_error(member.get(note_url("notes/family/link/c.md"), status=404), 404, "NOT_FOUND")
-        assert "notes/work" not in json.dumps(data(member.get(f"{API}/folders/tree")))
-
-    def test_agent_sources_stay_inside(self, family):
-        _, member = family
-        d = data(member.post_json(f"{API}/agent/chat", {"message": "secret contract apple"}))
-        assert d["sources"]
-        assert all(s["path"].startswith("notes/family/") for s in d["sources"])
-        assert "contract" not in d["reply"].lower()
-        bad = member.post_json(
-            f"{API}/agent/chat", {"message": "x", "notePath": "notes/work/c.md"}, status=404
-        )
-        assert_error(bad, 404, "NOT_FOUND")
-
-    def test_a_daily_note_for_the_daily_folder(self, client):
-        member = as_key(client, new_grant(client, "write", "notes/daily")["key"])
-        assert member.post(f"{API}/plugins/daily/today").status_int == 201
-
-    def test_a_folder_not_created_yet_lists_empty(self, client):
-        member = as_key(client, new_grant(client, "read", "notes/later")["key"])
-        assert data(member.get(f"{API}/notes"))["total"] == 0
-        assert data(member.get(f"{API}/folders/tree"))["children"][0]["children"] == []
-        assert data(member.get(f"{API}/search?q=anything"))["total"] == 0
-
-
-class TestShareLinks:
-    @pytest.fixture
-    def shared(self, client):
-        put_note(client, "notes/recipes/pie.md", "# Pie\n\n- apples\n- [x] butter\n")
-        d = data(client.post_json(f"{API}/shares", {"path": "notes/recipes/pie.md"}, status=201))
-        return client, d
-
-    def token(self, d: dict) -> str:
-        return d["url"].rsplit("/s/", 1)[1]
-
-    def test_create_gives_a_link_that_expires_in_seven_days(self, shared, root):
-        client, d = shared
-        assert set(d) == {"id", "path", "url", "createdAt", "expiresAt", "createdBy"}
-        sid = client.app.service.state.read()["serverId"]
-        assert re.fullmatch(rf"http://localhost:80/r/{sid}/s/[A-Za-z0-9_-]{{22}}", d["url"])
-        days = (notesvc._epoch(d["expiresAt"]) - notesvc._epoch(d["createdAt"])) / 86400
-        assert round(days) == 7
-        assert self.token(d) not in (root / ".notesvc" / "state.json").read_text()
-
-    def test_open_port_mode_links_to_the_server_itself(self, make_app):
-        client = with_key(make_app(SERVICE_PAIRING_MODE="open-port"))
-        put_note(client, "notes/x.md", "x")
-        d = data(client.post_json(f"{API}/shares", {"path": "notes/x.md", "expiresInDays": 1}))
-        assert d["url"].startswith("http://localhost:80/s/")
-
-    def test_anyone_with_the_link_reads_the_note(self, shared, anon):
-        _, d = shared
-        resp = anon.get(f"{API}/shared/{self.token(d)}")
-        assert data(resp) == {
-            "title": "Pie",
-            "content": "# Pie\n\n- apples\n- [x] butter\n",
-            "modified": data(resp)["modified"],
-            "attachments": {},
-        }
-        assert resp.headers["X-Robots-Tag"] == "noindex, nofollow"
-        assert resp.headers["Referrer-Policy"] == "no-referrer"
-        assert resp.headers["Cache-Control"] == "no-store"
-
-    def test_the_share_page_is_static_noindex_and_locked_down(self, shared, anon):
-        _, d = shared
-        sid = anon.app.service.state.read()["serverId"]
-        for url in (f"/s/{self.token(d)}", f"/r/{sid}/s/{self.token(d)}"):
-            resp = anon.get(url)
-            assert resp.content_type == "text/html"
-            assert resp.headers["Referrer-Policy"] == "no-referrer"
-            assert "noindex" in resp.headers["X-Robots-Tag"]
-            assert '<meta name="robots" content="noindex, nofollow">' in resp.text
-            csp = resp.headers["Content-Security-Policy"]
-            assert "frame-ancestors 'none'" in csp
-            assert "unsafe-inline" not in csp
-            assert "Pie" not in resp.text  # the note comes from the API, never in the HTML
-            assert resp.body == notesvc.share_page().encode()
-
-    def test_revoked_expired_unknown_and_deleted_are_404(self, shared, anon, root):
-        client, d = shared
-        token = self.token(d)
-        other = data(client.post_json(f"{API}/shares", {"path": "notes/recipes/pie.md"}))
-        client.delete(f"{API}/shares/{d['id']}", status=200)
-        assert_error(anon.get(f"{API}/shared/{token}", status=404), 404, "NOT_FOUND")
-        state_file = root / ".notesvc" / "state.json"
-        state = json.loads(state_file.read_text())
-        state["shares"][0]["expiresAt"] = "2020-01-01T00:00:00.000Z"
-        state_file.write_text(json.dumps(state))
-        assert_error(anon.get(f"{API}/shared/{self.token(other)}", status=404), 404, "NOT_FOUND")
-        third = data(client.post_json(f"{API}/shares", {"path": "notes/recipes/pie.md"}))
-        anon.get(f"{API}/shared/{self.token(third)}", status=200)
-        client.delete(note_url("notes/recipes/pie.md"))
-        assert_error(anon.get(f"{API}/shared/{self.token(third)}", status=404), 404, "NOT_FOUND")
-        put_note(client, "notes/recipes/pie.md", "a new note at the same path")  # not shared
-        assert_error(anon.get(f"{API}/shared/{self.token(third)}", status=404), 404, "NOT_FOUND")
-
-    def test_a_moved_note_keeps_its_link(self, shared, anon):
-        client, d = shared
-        client.patch_json(note_url("notes/recipes/pie.md") + "/move", {"path": "notes/pie.md"})
-        assert data(anon.get(f"{API}/shared/{self.token(d)}"))["title"] == "Pie"
-        assert data(client.get(f"{API}/shares"))["shares"][0]["path"] == "notes/pie.md"
-
-    def test_guessing_is_rate_limited_and_finds_nothing(self, shared, anon):
-        _, d = shared
-        guesser = webtest.TestApp(anon.app, extra_environ={"REMOTE_ADDR": "203.0.113.9"})
-        for _ in range(10):
-            guess = secrets.token_urlsafe(16)
-            assert_error(guesser.get(f"{API}/shared/{guess}", status=404), 404, "NOT_FOUND")
-        locked = guesser.get(f"{API}/shared/{self.token(d)}", status=429)  # even the right one
-        assert_error(locked, 429, "RATE_LIMITED")
-        assert int(locked.headers["Retry-After"]) > 0
-        assert data(anon.get(f"{API}/shared/{self.token(d)}"))["title"] == "Pie"  # others fine
-
-    def test_reading_is_rate_limited_per_address(self, shared, anon):
-        _, d = shared
-        reader = webtest.TestApp(anon.app, extra_environ={"REMOTE_ADDR": "203.0.113.10"})
-        statuses = [
-            reader.get(f"{API}/shared/{self.token(d)}", expect_errors=True).status_int
-            for _ in range(61)
-        ]
-        assert statuses[:60] == [200] * 60
-        assert statuses[60] == 429
-
-    @pytest.mark.parametrize(
-        "token", ["x", "A" * 23, "A" * 21 + "!", "%00" * 8, "../../state.json", "A" * 5000]
-    )
-    def test_hostile_tokens_are_404(self, anon, token):
-        resp = anon.get(f"{API}/shared/{urllib.parse.quote(token, safe='')}", status=404)
-        assert_error(resp, 404, "NOT_FOUND")
-
-    @pytest.mark.parametrize(
-        "body",
-        [
-            {},
-            {"path": 5},
-            {"path": "../x.md"},
-            {"path": "notes/recipes/pie.md", "expiresInDays": 0},
-            {"path": "notes/recipes/pie.md", "expiresInDays": 366},
-            {"path": "notes/recipes/pie.md", "expiresInDays": 1.5},
-        ],
-    )
-    def test_bad_share_requests_are_400(self, shared, body):
-        client, _ = shared
-        assert_error(client.post_json(f"{API}/shares", body, status=400), 400, "VALIDATION_ERROR")
-
-    def test_a_missing_note_cannot_be_shared(self, client):
-        resp = client.post_json(f"{API}/shares", {"path": "notes/none.md"}, status=404)
-        assert_error(resp, 404, "NOT_FOUND")
-
-    def test_a_grant_sees_and_revokes_its_own_links_only(self, shared):
-        client, owners = shared
-        writer = as_key(client, new_grant(client, "write")["key"])
-        mine = data(writer.post_json(f"{API}/shares", {"path": "notes/recipes/pie.md"}))
-        assert mine["createdBy"] != "owner"
-        assert [s["id"] for s in data(writer.get(f"{API}/shares"))["shares"]] == [mine["id"]]
-        assert len(data(client.get(f"{API}/shares"))["shares"]) == 2
-        gone = writer.delete(f"{API}/shares/{owners['id']}", status=404)
-        assert_error(gone, 404, "NOT_FOUND")
-        reader = as_key(client, new_grant(client, "read")["key"])
-        assert_error(
-            reader.post_json(f"{API}/shares", {"path": "notes/recipes/pie.md"}, status=403),
-            403,
-            "FORBIDDEN",
-        )
-        writer.delete(f"{API}/shares/{mine['id']}", status=200)
-
-    def test_revoking_a_key_ends_its_links(self, shared, anon):
-        client, _ = shared
-        rec = new_grant(client, "write")
-        link = data(
-            as_key(client, rec["key"]).post_json(f"{API}/shares", {"path": "notes/recipes/pie.md"})
-        )
-        client.delete(f"{API}/auth/keys/{rec['id']}")
-        assert_error(anon.get(f"{API}/shared/{self.token(link)}", status=404), 404, "NOT_FOUND")
-
-    def test_a_shared_note_loads_the_images_it_links_and_no_other(self, client, anon):
-        text = (
-            "# Rome\n\n![view](../../attachments/trips/view.png)\n![top](/attachments/top.png)\n"
-            "![web](https://img.example/a.png) [file](../../attachments/trips/gone.png)\n"
-        )
-        put_note(client, "notes/trips/rome.md", text)
-        for path in ("attachments/trips/view.png", "attachments/top.png", "attachments/secret.png"):
-            upload(client, path)
-        d = data(client.post_json(f"{API}/shares", {"path": "notes/trips/rome.md"}))
-        token = self.token(d)
-        assert data(anon.get(f"{API}/shared/{token}"))["attachments"] == {
-            "../../attachments/trips/view.png": "attachments/trips/view.png",
-            "/attachments/top.png": "attachments/top.png",
-            "../../attachments/trips/gone.png": "attachments/trips/gone.png",
-        }
-        resp = anon.get(f"{API}/shared/{token}/attachments/attachments/trips/view.png")
-        assert resp.body == PNG
-        assert resp.content_type == "image/png"
-        assert resp.headers["Content-Security-Policy"] == notesvc.ATTACHMENT_CSP
-        anon.get(f"{API}/shared/{token}/attachments/attachments%2Ftop.png", status=200)
-        for path in ("attachments/secret.png", "attachments/trips/gone.png", "notes/trips/rome.md"):
-            url = f"{API}/shared/{token}/attachments/{urllib.parse.quote(path, safe='')}"
-            assert_error(anon.get(url, status=404), 404, "NOT_FOUND")
-        client.delete(f"{API}/shares/{d['id']}")
-        url = f"{API}/shared/{token}/attachments/attachments/top.png"
-        assert_error(anon.get(url, status=404), 404, "NOT_FOUND")
-
-    def test_share_tokens_never_reach_the_log(self, shared, anon, caplog):
-        _, d = shared
-        caplog.set_level("INFO", logger="notesvc")
-        anon.get(f"{API}/shared/{self.token(d)}")
-        anon.get(f"/s/{self.token(d)}")
-        text = "\n".join(r.getMessage() for r in caplog.records)
-        assert "/shared/" in text
-        assert self.token(d) not in text
-
-
-def pkce_pair() -> tuple:
-    verifier = secrets.token_urlsafe(48)
-    digest = hashlib.sha256(verifier.encode()).digest()
-    return verifier, base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
-
-
-CALLBACK = "http://127.0.0.1:9/callback"
-
-
-def register_client(anon, uris=(CALLBACK,), addr: str = "198.51.100.1", **extra) -> dict:
-    app = webtest.TestApp(anon.app, extra_environ={"REMOTE_ADDR": addr})
-    body = {"redirect_uris": list(uris), "client_name": "Pocket assistant", **extra}
-    return app.post_json("/oauth/register", body, status=201).json
-
-
-def mcp_url(anon) -> str:
-    return anon.get("/.well-known/oauth-protected-resource").json["resource"]
-
-
-def approve(client, cid: str, scope="notes:read", folder=None, redirect=CALLBACK, state="st8"):
-    """Approve as the owner; return (code, verifier, redirect query)."""
-    verifier, challenge = pkce_pair()
-    body = {
-        "clientId": cid,
-        "redirectUri": redirect,
-        "state": state,
-        "codeChallenge": challenge,
-        "scope": scope,
-        "resource": mcp_url(client),
-    }
-    if folder:
-        body["folder"] = folder
-    target = data(client.post_json(f"{API}/oauth/approve", body))["redirect"]
-    query = urllib.parse.parse_qs(urllib.parse.urlsplit(target).query)
-    return query["code"][0], verifier, query
-
-
-def token_call(anon, status="*", **form):
-    return anon.post("/oauth/token", form, status=status)
-
-
-def tokens_for(client, anon, scope="notes:read", folder=None) -> tuple:
-    """Register, approve and redeem; return (client id, token answer)."""
-    cid = register_client(anon)["client_id"]
-    code, verifier, _ = approve(client, cid, scope, folder)
-    answer = token_call(
-        anon,
-        200,
-        grant_type="authorization_code",
-        code=code,
-        client_id=cid,
-        redirect_uri=CALLBACK,
-        code_verifier=verifier,
-        resource=mcp_url(anon),
-    ).json
-    return cid, answer
-
-
-def oauth_error(resp, status: int, error: str) -> str:
-    assert resp.status_int == status, resp.text
-    assert resp.content_type == "application/json"
-    assert resp.headers["Cache-Control"] == "no-store"
-    assert resp.json["error"] == error, resp.json
-    return resp.json["error_description"]
-
-
-class TestOAuth:
-    def test_metadata_documents(self, anon):
-        prm = anon.get("/.well-known/oauth-protected-resource").json
-        assert prm == {
-            "resource": "http://localhost:80/api/v1/mcp",
-            "authorization_servers": ["http://localhost:80"],
-            "scopes_supported": ["notes:read", "notes:write"],
-            "bearer_methods_supported": ["header"],
-            "resource_name": "notesvc",
-        }
-        assert anon.get("/.well-known/oauth-protected-resource/api/v1/mcp").json == prm
-        asm = anon.get("/.well-known/oauth-authorization-server").json
-        assert asm["issuer"] == "http://localhost:80"
-        for name in ("authorize", "token", "register", "revoke"):
-            key = {"authorize": "authorization_endpoint", "register": "registration_endpoint"}.get(
-                name, f"{name if name != 'revoke' else 'revocation'}_endpoint"
-            )
-            assert asm[key] == f"http://localhost:80/oauth/{name}"
-        assert asm["code_challenge_methods_supported"] == ["S256"]
-        assert asm["token_endpoint_auth_methods_supported"] == ["none"]
-        assert asm["grant_types_supported"] == ["authorization_code", "refresh_token"]
-        assert asm["response_types_supported"] == ["code"]
-        assert asm["client_id_metadata_document_supported"] is True
-        assert anon.get("/.well-known/openid-configuration").json == asm
-
-    def test_the_relay_prefix_has_its_own_issuer(self, anon):
-        sid = anon.app.service.state.read()["serverId"]
-        base = f"http://localhost:80/r/{sid}"
-        asm = anon.get(f"/.well-known/oauth-authorization-server/r/{sid}").json
-        assert asm["issuer"] == base
-        assert asm["token_endpoint"] == f"{base}/oauth/token"
-        prm = anon.get(f"/.well-known/oauth-protected-resource/r/{sid}/api/v1/mcp").json
-        assert prm["resource"] == f"{base}/api/v1/mcp"
-        assert prm["authorization_servers"] == [base]
-        assert anon.get(f"/.well-known/openid-configuration/r/{sid}").json == asm
-        assert_error(
-            anon.get("/.well-known/oauth-authorization-server/r/someoneelse", status=404),
-            404,
-            "NOT_FOUND",
-        )
-
-    def test_public_url_is_the_issuer(self, make_app):
-        app = make_app(SERVICE_PUBLIC_URL="https://notes.example.org")
-        assert app.get("/.well-known/oauth-authorization-server").json["issuer"] == (
-            "https://notes.example.org"
-        )
-
-    def test_registration(self, anon):
-        reg = register_client(anon, [CALLBACK, "https://claude.ai/api/mcp/auth_callback"])
-        assert reg["client_id"].startswith("mcp_")
-        assert reg["token_endpoint_auth_method"] == "none"
-        assert reg["redirect_uris"] == [CALLBACK, "https://claude.ai/api/mcp/auth_callback"]
-        assert reg["client_name"] == "Pocket assistant"
-        secret = register_client(anon, token_endpoint_auth_method="client_secret_basic")
-        assert secret["token_endpoint_auth_method"] == "none"
-        assert "client_secret" not in secret
-
-    @pytest.mark.parametrize(
-        ("body", "error"),
-        [
-            ({}, "invalid_redirect_uri"),
-            ({"redirect_uris": []}, "invalid_redirect_uri"),
-            ({"redirect_uris": "https://a.example/cb"}, "invalid_redirect_uri"),
-            ({"redirect_uris": ["http://evil.example/cb"]}, "invalid_redirect_uri"),
-            ({"redirect_uris": ["http://10.0.0.5/cb"]}, "invalid_redirect_uri"),
-            ({"redirect_uris": ["javascript:alert(1)"]}, "invalid_redirect_uri"),
-            ({"redirect_uris": ["myapp://callback"]}, "invalid_redirect_uri"),
-            ({"redirect_uris": ["https://a.example/cb#frag"]}, "invalid_redirect_uri"),
-            ({"redirect_uris": ["https://user:pw@a.example/cb"]}, "invalid_redirect_uri"),
-            ({"redirect_uris": ["https://a.example/c b"]}, "invalid_redirect_uri"),
-            ({"redirect_uris": ["https://a.example/" + "x" * 2000]}, "invalid_redirect_uri"),
-            (
-                {"redirect_uris": [f"https://a.example/{i}" for i in range(11)]},
-                "invalid_redirect_uri",
-            ),
-            (
-                {"redirect_uris": [CALLBACK], "grant_types": ["client_credentials"]},
-                "invalid_client_metadata",
-            ),
-            ({"redirect_uris": [CALLBACK], "response_types": ["token"]}, "invalid_client_metadata"),
-            ({"redirect_uris": [CALLBACK], "client_name": ["x"]}, "invalid_client_metadata"),
-        ],
-    )
-    def test_bad_registrations(self, anon, body, error):
-        resp = anon.post_json("/oauth/register", body, status=400)
-        oauth_error(resp, 400, error)
-
-    def test_broken_registration_bodies(self, anon):
-        resp = anon.post("/oauth/register", "{", {"Content-Type": "application/json"}, status=400)
-        oauth_error(resp, 400, "invalid_client_metadata")
-        resp = anon.post("/oauth/register", "[1]", {"Content-Type": "application/json"}, status=400)
-        oauth_error(resp, 400, "invalid_client_metadata")
-        resp = anon.post("/oauth/register", "x=1", status=415)
-        oauth_error(resp, 415, "invalid_client_metadata")
-        huge = json.dumps({"redirect_uris": [CALLBACK], "client_name": "x" * 70000})
-        resp = anon.post("/oauth/register", huge, {"Content-Type": "application/json"}, status=413)
-        oauth_error(resp, 413, "invalid_client_metadata")
-
-    def test_a_registration_flood_stops_at_the_cap(self, anon):
-        one = webtest.TestApp(anon.app, extra_environ={"REMOTE_ADDR": "198.51.100.200"})
-        body = {"redirect_uris": [CALLBACK]}
-        statuses = [
-            one.post_json("/oauth/register", body, status="*").status_int for _ in range(11)
-        ]
-        assert statuses == [201] * 10 + [429]
-        for i in range(notesvc.MAX_OAUTH_CLIENTS):  # from many addresses, up to the cap
-            app = webtest.TestApp(
-                anon.app, extra_environ={"REMOTE_ADDR": f"10.9.{i // 200}.{i % 200}"}
-            )
-            app.post_json("/oauth/register", body, status="*")
-        resp = webtest.TestApp(anon.app, extra_environ={"REMOTE_ADDR": "10.8.0.1"}).post_json(
-            "/oauth/register", body, status=503
-        )
-        oauth_error(resp, 503, "temporarily_unavailable")
-        assert len(anon.app.service.state.read()["oauthClients"]) == notesvc.MAX_OAUTH_CLIENTS
-
-    def test_at_the_cap_old_never_used_clients_give_way(self, anon, root):
-        for i in range(notesvc.MAX_OAUTH_CLIENTS):
-            register_client(anon, addr=f"10.7.{i // 200}.{i % 200}")
-        state_file = root / ".notesvc" / "state.json"
-        state = json.loads(state_file.read_text())
-        oldest = sorted(state["oauthClients"])[0]
-        state["oauthClients"][oldest]["createdAt"] = notesvc.iso(time.time() - 7200)
-        state_file.write_text(json.dumps(state))
-        register_client(anon, addr="10.6.0.1")
-        clients = anon.app.service.state.read()["oauthClients"]
-        assert len(clients) == notesvc.MAX_OAUTH_CLIENTS
-        assert oldest not in clients
-
-    def test_consent_facts_for_a_good_request(self, anon):
-        cid = register_client(anon)["client_id"]
-        _, challenge = pkce_pair()
-        q = urllib.parse.urlencode(
-            {
-                "client_id": cid,
-                "redirect_uri": "http://127.0.0.1:53682/callback",  # loopback: any port
-                "response_type": "code",
-                "code_challenge": challenge,
-                "code_challenge_method": "S256",
-                "state": "abc",
-                "scope": "notes:read notes:write",
-                "resource": mcp_url(anon),
-            }
-        )
-        d = data(anon.get(f"{API}/oauth/consent?{q}"))
-        assert d["client"] == {"id": cid, "name": "Pocket assistant", "uri": ""}
-        assert d["redirectHost"] == "127.0.0.1:53682"
-        assert d["scope"] == "read"
-        assert d["writeAllowed"] is False
-        deny = urllib.parse.urlsplit(d["deny"])
-        assert deny.netloc == "127.0.0.1:53682"
-        assert urllib.parse.parse_qs(deny.query)["error"] == ["access_denied"]
-        assert urllib.parse.parse_qs(deny.query)["state"] == ["abc"]
-
-    @pytest.mark.parametrize(
-        ("client_id", "redirect", "status"),
-        [
-            ("mcp_unknown", CALLBACK, 404),
-            ("", CALLBACK, 400),
-            (None, "http://127.0.0.1:9/other", 400),  # not registered
-            (None, "https://evil.example/callback", 400),
-            (None, "http://evil.example/callback", 400),  # http off loopback
-            (None, "", 400),
-            ("https://127.0.0.1/client.json", CALLBACK, 400),
-        ],
-    )
-    def test_a_bad_client_or_redirect_is_shown_never_redirected(
-        self, client, anon, client_id, redirect, status
-    ):
-        cid = register_client(anon)["client_id"] if client_id is None else client_id
-        _, challenge = pkce_pair()
-        q = urllib.parse.urlencode(
-            {
-                "client_id": cid,
-                "redirect_uri": redirect,
-                "response_type": "code",
-                "code_challenge": challenge,
-                "code_challenge_method": "S256",
-            }
-        )
-        resp = anon.get(f"{API}/oauth/consent?{q}", status=status)
-        err = assert_error(resp, status, "NOT_FOUND" if status == 404 else "VALIDATION_ERROR")
-        assert "redirect" not in err
-        body = {
-            "clientId": cid,
-            "redirectUri": redirect,
-            "codeChallenge": challenge,
-            "scope": "notes:read",
-        }
-        refused = client.post_json(f"{API}/oauth/approve", body, status=status)
-        assert "redirect" not in refused.json["error"]
-
-    @pytest.mark.parametrize(
-        ("change", "problem"),
-        [
-            ({"response_type": "token"}, "response_type"),
-            ({"code_challenge_method": "plain"}, "S256"),
-            ({"code_challenge": "short"}, "code_challenge"),
-            ({"code_challenge": None}, "code_challenge"),
-            ({"resource": "https://elsewhere.example/mcp"}, "resource"),
-        ],
-    )
-    def test_other_problems_go_back_to_the_client(self, anon, change, problem):
-        cid = register_client(anon)["client_id"]
-        _, challenge = pkce_pair()
-        params = {
-            "client_id": cid,
-            "redirect_uri": CALLBACK,
-            "response_type": "code",
-            "code_challenge": challenge,
-            "code_challenge_method": "S256",
-            "state": "s1",
-        }
-        params.update(change)
-        q = urllib.parse.urlencode({k: v for k, v in params.items() if v is not None})
-        err = assert_error(
-            anon.get(f"{API}/oauth/consent?{q}", status=400), 400, "VALIDATION_ERROR"
-        )
-        assert problem in err["message"]
-        back = urllib.parse.urlsplit(err["redirect"])
-        assert back.netloc == "127.0.0.1:9"
-        assert urllib.parse.parse_qs(back.query)["error"] == ["invalid_request"]
-        assert urllib.parse.parse_qs(back.query)["state"] == ["s1"]
-
-    def test_write_is_offered_only_while_mcp_writes_are_on(self, make_app):
-        app = make_app(SERVICE_MCP_WRITE="true")
-        client = with_key(app)
-        cid = register_client(app)["client_id"]
-        _, challenge = pkce_pair()
-        q = urllib.parse.urlencode(
-            {
-                "client_id": cid,
-                "redirect_uri": CALLBACK,
-                "response_type": "code",
-                "code_challenge": challenge,
-                "code_challenge_method": "S256",
-                "scope": "notes:read notes:write",
-            }
-        )
-        facts = data(app.get(f"{API}/oauth/consent?{q}"))
-        assert (facts["writeAllowed"], facts["scope"]) == (True, "write")
-        code, verifier, _ = approve(client, cid, "notes:read notes:write")
-        answer = token_call(
-            app,
-            200,
-            grant_type="authorization_code",
-            code=code,
-            client_id=cid,
-            redirect_uri=CALLBACK,
-            code_verifier=verifier,
-        ).json
-        assert answer["scope"] == "notes:read notes:write"
-        assert data(client.get(f"{API}/auth/keys"))["keys"][0]["scope"] == "write"
-
-    def test_approval_needs_the_api_key(self, client, anon):
-        cid = register_client(anon)["client_id"]
-        _, challenge = pkce_pair()
-        body = {
-            "clientId": cid,
-            "redirectUri": CALLBACK,
-            "codeChallenge": challenge,
-            "scope": "notes:read",
-        }
-        assert_error(anon.post_json(f"{API}/oauth/approve", body, status=401), 401, "UNAUTHORIZED")
-        writer = as_key(client, new_grant(client, "write")["key"])
-        assert_error(writer.post_json(f"{API}/oauth/approve", body, status=403), 403, "FORBIDDEN")
-        write = {**body, "scope": "notes:read notes:write"}
-        assert_error(client.post_json(f"{API}/oauth/approve", write, status=403), 403, "FORBIDDEN")
-        for bad in (
-            {"codeChallenge": "x"},
-            {"scope": "admin"},
-            {"folder": "../x"},
-            {"resource": "https://elsewhere.example/mcp"},
-            {"state": "s" * 1025},
-        ):
-            resp = client.post_json(f"{API}/oauth/approve", {**body, **bad}, status=400)
-            assert_error(resp, 400, "VALIDATION_ERROR")
-
-    def test_the_whole_flow(self, client, anon):
-        cid = register_client(anon)["client_id"]
-        code, verifier, query = approve(client, cid, folder="notes/family")
-        assert query["state"] == ["st8"]
-        assert query["iss"] == ["http://localhost:80"]
-        assert code.startswith("nsc_")
-        answer = token_call(
-            anon,
-            200,
-            grant_type="authorization_code",
-            code=code,
-            client_id=cid,
-            redirect_uri=CALLBACK,
-            code_verifier=verifier,
-            resource=mcp_url(anon),
-        )
-        assert answer.headers["Cache-Control"] == "no-store"
-        t = answer.json
-        assert t["token_type"] == "Bearer"
-        assert t["expires_in"] == 3600
-        assert t["scope"] == "notes:read"
-        assert t["access_token"].startswith("nsa_")
-        assert t["refresh_token"].startswith("nsr_")
-        grants = data(client.get(f"{API}/auth/keys"))["keys"]
-        assert grants == [
-            {
-                "id": grants[0]["id"],
-                "kind": "oauth",
-                "name": "Pocket assistant",
-                "scope": "read",
-                "folder": "notes/family",
-                "createdAt": grants[0]["createdAt"],
-                "expiresAt": grants[0]["expiresAt"],
-                "lastUsedAt": None,
-                "client": {"id": cid, "name": "Pocket assistant"},
-            }
-        ]
-        state = json.dumps(client.app.service.state.read())
-        assert t["access_token"] not in state
-        assert t["refresh_token"] not in state
-        assert data(client.get(f"{API}/security/config"))["grants"]["oauth"] == 1
-
-    def test_an_oauth_token_on_the_rest_api_is_401(self, client, anon):
-        _, t = tokens_for(client, anon)
-        bearer = webtest.TestApp(
-            anon.app, extra_environ={"HTTP_AUTHORIZATION": f"Bearer {t['access_token']}"}
-        )
-        for url in (f"{API}/notes", f"{API}/auth/verify", f"{API}/search?q=x"):
-            resp = bearer.request(
-                url, method="POST" if "verify" in url else "GET", expect_errors=True
-            )
-            err = assert_error(resp, 401, "UNAUTHORIZED")
-            assert "mcp" in err["message"]
-        header = as_key(anon, t["access_token"])
-        assert_error(header.get(f"{API}/notes", status=401), 401, "UNAUTHORIZED")
-
-    def test_a_code_is_single_use_and_a_replay_revokes_its_tokens(self, client, anon):
-        cid = register_client(anon)["client_id"]
-        code, verifier, _ = approve(client, cid)
-        form = dict(
-            grant_type="authorization_code",
-            code=code,
-            client_id=cid,
-            redirect_uri=CALLBACK,
-            code_verifier=verifier,
-        )
-        first = token_call(anon, 200, **form).json
-        oauth_error(token_call(anon, **form), 400, "invalid_grant")
-        assert data(client.get(f"{API}/auth/keys"))["keys"] == []  # revoked
-        refresh = dict(
-            grant_type="refresh_token", refresh_token=first["refresh_token"], client_id=cid
-        )
-        oauth_error(token_call(anon, **refresh), 400, "invalid_grant")
-
-    def test_an_expired_code_is_refused(self, client, anon):
-        cid = register_client(anon)["client_id"]
-        code, verifier, _ = approve(client, cid)
-        for entry in client.app.service.grants.codes.values():
-            entry["expires"] = time.time() - 1  # 60 s have passed
-        oauth_error(
-            token_call(
-                anon,
-                grant_type="authorization_code",
-                code=code,
-                client_id=cid,
-                redirect_uri=CALLBACK,
-                code_verifier=verifier,
-            ),
-            400,
-            "invalid_grant",
-        )
-
-    @pytest.mark.parametrize(
-        ("change", "error"),
-        [
-            ({"code_verifier": "x" * 43}, "invalid_grant"),
-            ({"code_verifier": ""}, "invalid_grant"),
-            ({"client_id": "mcp_other"}, "invalid_grant"),
-            ({"redirect_uri": "http://127.0.0.1:9/other"}, "invalid_grant"),
-            ({"redirect_uri": "http://127.0.0.1:10/callback"}, "invalid_grant"),
-            ({"code": "nsc_" + "A" * 43}, "invalid_grant"),
-            ({"code": ""}, "invalid_grant"),
-            ({"resource": "https://elsewhere.example/api/v1/mcp"}, "invalid_target"),
-            ({"grant_type": "password"}, "unsupported_grant_type"),
-            ({"grant_type": "client_credentials"}, "unsupported_grant_type"),
-            ({"grant_type": ""}, "invalid_request"),
-        ],
-    )
-    def test_a_code_redeemed_wrongly_is_refused_and_spent(self, client, anon, change, error):
-        cid = register_client(anon)["client_id"]
-        code, verifier, _ = approve(client, cid)
-        form = dict(
-            grant_type="authorization_code",
-            code=code,
-            client_id=cid,
-            redirect_uri=CALLBACK,
-            code_verifier=verifier,
-        )
-        oauth_error(token_call(anon, **{**form, **change}), 400, error)
-        if "code" not in change and "grant_type" not in change:  # spent: the right try fails too
-            oauth_error(token_call(anon, **form), 400, "invalid_grant")
-
-    def test_token_requests_must_be_forms(self, anon):
-        resp = anon.post_json("/oauth/token", {"grant_type": "authorization_code"}, status=400)
-        oauth_error(resp, 400, "invalid_request")
-        resp = anon.post("/oauth/token", "grant_type=a&grant_type=b", status=400)
-        oauth_error(resp, 400, "invalid_request")
-        resp = anon.post("/oauth/token", b"grant_type=\xff", status=400)
-        oauth_error(resp, 400, "invalid_request")
-        resp = anon.post("/oauth/token", "x=" + "y" * 70000, status=413)
-        oauth_error(resp, 413, "invalid_request")
-        resp = anon.post("/oauth/token", "&".join(f"k{i}=v" for i in range(100)), status=400)
-        oauth_error(resp, 400, "invalid_request")
-
-    def test_refresh_rotates_and_reuse_revokes_the_grant(self, client, anon):
-        cid, first = tokens_for(client, anon)
-        form = dict(
-            grant_type="refresh_token",
-            refresh_token=first["refresh_token"],
-            client_id=cid,
-            resource=mcp_url(anon),
-        )
-        second = token_call(anon, 200, **form).json
-        assert second["refresh_token"] != first["refresh_token"]
-        assert second["access_token"] != first["access_token"]
-        assert second["scope"] == "notes:read"
-        svc = anon.app.service
-        assert svc.grants.principal(first["access_token"]) is None  # the old access token ends
-        assert svc.grants.principal(second["access_token"]).kind == "oauth"
-        oauth_error(token_call(anon, **form), 400, "invalid_grant")  # the first one, again
-        assert svc.grants.principal(second["access_token"]) is None  # the grant is gone
-        again = dict(form, refresh_token=second["refresh_token"])
-        oauth_error(token_call(anon, **again), 400, "invalid_grant")
-        assert data(client.get(f"{API}/auth/keys"))["keys"] == []
-
-    @pytest.mark.parametrize(
-        ("change", "error"),
-        [
-            ({"client_id": "mcp_other"}, "invalid_grant"),
-            ({"client_id": ""}, "invalid_request"),
-            ({"resource": "https://elsewhere.example/mcp"}, "invalid_target"),
-            ({"scope": "notes:read notes:write"}, "invalid_scope"),
-            ({"refresh_token": "nsr_unknown"}, "invalid_grant"),
-        ],
-    )
-    def test_bad_refreshes(self, client, anon, change, error):
-        cid, first = tokens_for(client, anon)
-        form = dict(grant_type="refresh_token", refresh_token=first["refresh_token"], client_id=cid)
-        oauth_error(token_call(anon, **{**form, **change}), 400, error)
-        token_call(anon, 200, **form)  # a refused refresh spends nothing
-
-    def test_revocation(self, client, anon):
-        cid, t = tokens_for(client, anon)
-        svc = anon.app.service
-        resp = anon.post("/oauth/revoke", {"token": t["access_token"], "client_id": "mcp_other"})
-        assert resp.status_int == 200
-        assert svc.grants.principal(t["access_token"]) is not None
-        assert (
-            anon.post("/oauth/revoke", {"token": t["refresh_token"], "client_id": cid}).json == {}
-        )
-        assert svc.grants.principal(t["access_token"]) is None
-        assert anon.post("/oauth/revoke", {"token": "nsa_unknown"}).status_int == 200
-        oauth_error(anon.post("/oauth/revoke", {}, status=400), 400, "invalid_request")
-        refresh = dict(grant_type="refresh_token", refresh_token=t["refresh_token"], client_id=cid)
-        oauth_error(token_call(anon, **refresh), 400, "invalid_grant")
-
-    def test_the_owner_revokes_an_oauth_grant_like_a_key(self, client, anon):
-        _, t = tokens_for(client, anon)
-        gid = data(client.get(f"{API}/auth/keys"))["keys"][0]["id"]
-        client.delete(f"{API}/auth/keys/{gid}", status=200)
-        assert anon.app.service.grants.principal(t["access_token"]) is None
-
-    def test_the_consent_page_cannot_be_framed(self, anon):
-        sid = anon.app.service.state.read()["serverId"]
-        for url in ("/oauth/authorize?client_id=x", f"/r/{sid}/oauth/authorize"):
-            resp = anon.get(url)
-            assert resp.content_type == "text/html"
-            assert resp.headers["X-Frame-Options"] == "DENY"
-            csp = dict(
-                d.strip().split(" ", 1) for d in resp.headers["Content-Security-Policy"].split(";")
-            )
-            assert csp["frame-ancestors"] == "'none'"
-            assert csp["connect-src"] == "'self'"
-            assert csp["form-action"] == "'none'"
-            assert resp.headers["Referrer-Policy"] == "no-referrer"
-            assert resp.body == notesvc.consent_page().encode()
-
-
-class LocalTls:
-    """A loopback HTTPS stand-in for a client's metadata host (a self-signed certificate).
-
-    `routes`: path -> (status, headers, body, seconds to stall before the body).
-    """
-
-    def __init__(self, tmp: Path):
-        if not shutil.which("openssl"):
-            pytest.skip("openssl is needed to make a test certificate")
-        cert, key = tmp / "cert.pem", tmp / "key.pem"
-        subprocess.run(
-            [
-                "openssl",
-                "req",
-                "-x509",
-                "-newkey",
-                "rsa:2048",
-                "-nodes",
-                "-days",
-                "1",
-                "-subj",
-                "/CN=localhost",
-                "-addext",
-                "subjectAltName=DNS:localhost",
-                "-keyout",
-                str(key),
-                "-out",
-                str(cert),
-            ],
-            check=True,
-            capture_output=True,
-            timeout=60,
-        )
-        self.context = ssl.create_default_context(cafile=str(cert))
-        self.routes: dict = {}
-        tls = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):
-                status, headers, body, pause = tls.routes.get(self.path, (404, {}, b"", 0))
-                self.send_response(status)
-                for name, value in headers.items():
-                    self.send_header(name, value)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                if pause:
-                    time.sleep(pause)
-                with contextlib.suppress(OSError):
-                    self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        server_ctx.load_cert_chain(str(cert), str(key))
-        self.httpd.socket = server_ctx.wrap_socket(self.httpd.socket, server_side=True)
-        self.port = self.httpd.server_address[1]
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def url(self, path: str) -> str:
-        return f"https://localhost:{self.port}{path}"
-
-    @staticmethod
-    def loopback(host, port, **kwargs) -> list:
-        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
-
-    def fetch(self, path: str, **kwargs) -> dict:
-        """fetch_client_metadata with this loopback host counted as public."""
-        return notesvc.fetch_client_metadata(
-            self.url(path),
-            resolve=self.loopback,
-            allow=lambda ip: True,
-            context=self.context,
-            **kwargs,
-        )
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
-class TestClientMetadataDocuments:
-    @pytest.mark.parametrize(
-        "url",
-        [
-            "https://127.0.0.1/client.json",
-            "https://127.8.9.10:8443/client.json",
-            "https://10.1.2.3/client.json",
-            "https://192.168.1.20/client.json",
-            "https://172.16.5.5/client.json",
-            "https://169.254.169.254/latest/meta-data",
-            "https://[::1]/client.json",
-            "https://[::ffff:127.0.0.1]/client.json",
-            "https://[fe80::1]/client.json",
-            "https://224.0.0.1/client.json",
-            "https://0.0.0.0/client.json",
-            "https://localhost/client.json",
-        ],
-    )
-    def test_private_and_loopback_hosts_are_refused(self, anon, url):
-        _, challenge = pkce_pair()
-        q = urllib.parse.urlencode(
-            {
-                "client_id": url,
-                "redirect_uri": CALLBACK,
-                "response_type": "code",
-                "code_challenge": challenge,
-                "code_challenge_method": "S256",
-            }
-        )
-        err = assert_error(
-            anon.get(f"{API}/oauth/consent?{q}", status=400), 400, "VALIDATION_ERROR"
-        )
-        assert "not a public address" in err["message"]
-        with pytest.raises(ValueError, match="not a public address"):
-            notesvc.fetch_client_metadata(url)
-
-    @pytest.mark.parametrize(
-        "url",
-        [
-            "http://client.example/c.json",
-            "https://client.example",
-            "https://client.example/",
-            "https://u:p@client.example/c.json",
-            "https://client.example/c.json#x",
-            "ftp://x/y",
-        ],
-    )
-    def test_only_https_urls_with_a_path(self, url):
-        with pytest.raises(ValueError, match="https"):
-            notesvc.fetch_client_metadata(url)
-
-    def test_a_public_address_is_fine_and_a_private_one_not(self):
-        import ipaddress
-
-        assert notesvc.public_address(ipaddress.ip_address("93.184.216.34"))
-        assert notesvc.public_address(ipaddress.ip_address("2606:4700::6810:84e5"))
-        for ip in ("100.64.0.1", "198.18.0.1", "fc00::1", "::ffff:10.0.0.1", "255.255.255.255"):
-            assert not notesvc.public_address(ipaddress.ip_address(ip)), ip
-
-    def test_fetching_safely(self, tmp_path):
-        tls = LocalTls(tmp_path)
-        doc = {
-            "client_id": tls.url("/app.json"),
-            "client_name": "Meta",
-            "redirect_uris": [CALLBACK],
-        }
-        tls.routes.update(
-            {
-                "/app.json": (
-                    200,
-                    {"Content-Type": "application/json"},
-                    json.dumps(doc).encode(),
-                    0,
-                ),
-                "/moved": (302, {"Location": tls.url("/app.json")}, b"", 0),
-                "/big": (200, {}, b"{" + b" " * 70000 + b"}", 0),
-                "/slow": (200, {}, b"{}", 2),
-                "/list": (200, {}, b"[]", 0),
-                "/text": (200, {}, b"hello", 0),
-                "/gone": (410, {}, b"", 0),
-            }
-        )
-        try:
-            assert tls.fetch("/app.json") == doc
-            with pytest.raises(ValueError, match="redirect"):
-                tls.fetch("/moved")
-            with pytest.raises(ValueError, match="over 65536 bytes"):
-                tls.fetch("/big")
-            started = time.monotonic()
-            with pytest.raises(ValueError, match="timed out"):
-                tls.fetch("/slow", timeout=0.5)
-            assert time.monotonic() - started < 2
-            with pytest.raises(ValueError, match="not a JSON object"):
-                tls.fetch("/list")
-            with pytest.raises(ValueError, match="not JSON"):
-                tls.fetch("/text")
-            with pytest.raises(ValueError, match="HTTP 410"):
-                tls.fetch("/gone")
-            with pytest.raises(ValueError, match="could not be fetched"):  # an unknown certificate
-                notesvc.fetch_client_metadata(
-                    tls.url("/app.json"), resolve=tls.loopback, allow=lambda ip: True
-                )
-        finally:
-            tls.close()
-
-    def test_a_metadata_client_is_used_and_cached(self, root, tmp_path):
-        svc = notesvc.build_service(notesvc.load_config(env=make_env(root)))
-        calls = []
-        url = "https://app.example/oauth/client.json"
-
-        def fetch(u):
-            calls.append(u)
-            return {"client_id": u, "client_name": "Meta\x07 app", "redirect_uris": [CALLBACK]}
-
-        try:
-            client = svc.grants.client(url, fetch=fetch)
-            assert client == {"id": url, "name": "Meta app", "redirectUris": [CALLBACK], "uri": ""}
-            assert svc.grants.client(url, fetch=fetch) == client
-            assert calls == [url]
-            bad_documents = {
-                url + "1": {
-                    "client_id": "https://other.example/c.json",
-                    "redirect_uris": [CALLBACK],
-                },
-                url + "2": {"client_id": url + "2", "redirect_uris": ["http://evil.example/cb"]},
-                url + "3": {"client_id": url + "3"},
-            }
-            for bad_url, doc in bad_documents.items():
-                with pytest.raises(notesvc.OAuthError) as e:
-                    svc.grants.client(bad_url, fetch=lambda u, doc=doc: doc)
-                assert e.value.error == "invalid_client"
-        finally:
-            svc.close()
-
-
-def audit(app) -> dict:
-    return data(with_key(app).get(f"{API}/security/audit"))
-
-
-def ids(report) -> set:
-    return {f["id"] for f in report["findings"]}
-
-
-def expected_score(findings: list) -> int:
-    """The documented formula, from the findings' severities."""
-    count = collections.Counter(f["severity"] for f in findings)
-    raw = 100 - 40 * count["critical"] - 20 * count["high"] - 10 * count["medium"]
-    return max(0, raw - 3 * count["low"])
-
-
-def _open_state_files(app, root: Path) -> None:
-    os.chmod(root / ".notesvc" / "state.json", 0o644)
-
-
-def _open_notes_folder(app, root: Path) -> None:
-    os.chmod(root / "notes", 0o777)
-
-
-def _a_plugin_file(app, root: Path) -> None:
-    plugins = root / ".notesvc" / "plugins"
-    plugins.mkdir(mode=0o700, exist_ok=True)
-    (plugins / "planted.py").write_text("x = 1\n")
-    os.chmod(plugins / "planted.py", 0o600)
-
-
-def _telegram_channel_without_allowlist(app, root: Path) -> None:
-    body = {"provider": "telegram", "config": {"botToken": "1:x"}}
-    with_key(app).post_json(f"{API}/channels", body, status=201)
-
-
-def _webhook_secret_in_a_query_string(app, root: Path) -> None:
-    body = {"provider": "telegram", "config": {"botToken": "1:x", "allowedChatIds": [42]}}
-    ch = data(with_key(app).post_json(f"{API}/channels", body, status=201))
-    url = f"{API}/channels/webhook/telegram?secret={ch['secret']}"
-    assert data(webtest.TestApp(app.app).post_json(url, {"update_id": 1}))["handled"] is False
-
-
-def _whatsapp_channel_without_app_secret(app, root: Path) -> None:
-    config = {**MINIMAL_CONFIG["whatsapp"], "allowedNumbers": ["15551234567"]}
-    body = {"provider": "whatsapp", "config": config}
-    with_key(app).post_json(f"{API}/channels", body, status=201)
-
-
-def _an_old_key(app, root: Path) -> None:
-    state_file = root / ".notesvc" / "state.json"
-    state = json.loads(state_file.read_text())
-    state["keyCreatedAt"] = "2020-01-01T00:00:00.000Z"
-    state_file.write_text(json.dumps(state))
-
-
-def _a_write_key_without_expiry(app, root: Path) -> None:
-    body = {"name": "helper", "scope": "write"}
-    with_key(app).post_json(f"{API}/auth/keys", body, status=201)
-
-
-def _an_old_share_link(app, root: Path) -> None:
-    put_note(with_key(app), "notes/old.md", "old")
-    with_key(app).post_json(f"{API}/shares", {"path": "notes/old.md", "expiresInDays": 365})
-    state_file = root / ".notesvc" / "state.json"
-    state = json.loads(state_file.read_text())
-    state["shares"][0]["createdAt"] = "2020-01-01T00:00:00.000Z"
-    state_file.write_text(json.dumps(state))
-
-
-def _many_oauth_clients(app, root: Path) -> None:
-    for i in range(21):  # from 21 addresses: registration is rate-limited per address
-        webtest.TestApp(app.app, extra_environ={"REMOTE_ADDR": f"198.51.100.{i}"}).post_json(
-            "/oauth/register", {"redirect_uris": ["https://app.example/cb"]}, status=201
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class Firing:
-    """A configuration in which an audit check fires, and the id its finding must match."""
-
-    id: str  # a regular expression
-    env: dict = dataclasses.field(default_factory=dict)  # SERVICE_* settings over the safe ones
-    change: typing.Callable | None = None  # change(app, root) after the start
-    linked: bool = True  # a client has linked (setup complete)
-
-
-# For every audit check: a configuration in which it fires. The rest of the configuration
-# is the safe one (loopback, linked, private folders), in which it must not.
-FIRING_CONFIGURATIONS = {
-    "auth_off": Firing("auth-off", {"SERVICE_AUTH_MODE": "none"}),
-    "setup_exposed": Firing("setup-exposed", {"SERVICE_HOST": "0.0.0.0"}, linked=False),
-    "cors_wildcard": Firing("cors-wildcard", {"SERVICE_CORS_ORIGINS": "*"}),
-    "jwt_secret": Firing(
-        "jwt-secret-weak", {"SERVICE_AUTH_MODE": "jwt", "SERVICE_JWT_SECRET": "a" * 40}
-    ),
-    "state_private": Firing("state-readable-file", change=_open_state_files),
-    "notes_folder": Firing("notes-writable", change=_open_notes_folder),
-    "plugins": Firing("plugin-planted", change=_a_plugin_file),
-    "channel_allowlists": Firing(r"channel-open-\S+", change=_telegram_channel_without_allowlist),
-    "query_secrets": Firing("secret-in-query", change=_webhook_secret_in_a_query_string),
-    "channel_signatures": Firing(
-        r"channel-unsigned-\S+", change=_whatsapp_channel_without_app_secret
-    ),
-    "plain_http_upstreams": Firing(
-        "relay-plain-http", {"SERVICE_RELAY_URL": "http://relay.example.org"}
-    ),
-    "relay_in_transit": Firing(
-        "relay-sees-transit", {"SERVICE_RELAY_URL": "https://relay.example.org"}
-    ),
-    "key_age": Firing("key-old", change=_an_old_key),
-    "plain_http_bind": Firing("plain-http-all-interfaces", {"SERVICE_HOST": "0.0.0.0"}),
-    "grants": Firing("grant-write-forever", change=_a_write_key_without_expiry),
-    "share_links": Firing("share-links-old", change=_an_old_share_link),
-    "oauth_clients": Firing("oauth-clients-many", change=_many_oauth_clients),
-    "tool_writes": Firing(
-        "tool-writes-without-auth", {"SERVICE_AUTH_MODE": "none", "SERVICE_MCP_WRITE": "true"}
-    ),
-    "history_off": Firing("history-off", {"SERVICE_HISTORY_MAX_VERSIONS": "0"}),
-}
-
-
-class TestSecurity:
-    @pytest.fixture
-    def safe(self, make_app, root):
-        """A configuration with no finding: loopback, linked, private folders."""
-        app = make_app(SERVICE_HOST="127.0.0.1")
-        with_key(app).post(f"{API}/auth/link")
-        os.chmod(root / "notes", 0o700)
-        return app
-
-    def test_safe_configuration_scores_100(self, safe):
-        report = audit(safe)
-        assert report["score"] == 100, report["findings"]
-        assert report["summary"] == {"critical": 0, "high": 0, "medium": 0, "low": 0, "info": 0}
-
-    def test_finding_shape_and_summary(self, make_app):
-        report = audit(make_app(SERVICE_AUTH_MODE="none"))
-        for f in report["findings"]:
-            assert set(f) == {"id", "severity", "title", "detail", "recommendation"}
-            assert f["severity"] in notesvc.SEVERITIES
-        assert sum(report["summary"].values()) == len(report["findings"])
-        order = [notesvc.SEVERITIES.index(f["severity"]) for f in report["findings"]]
-        assert order == sorted(order)
-
-    def test_score_formula(self, make_app, root):
-        app = make_app(
-            SERVICE_HOST="127.0.0.1",
-            SERVICE_CORS_ORIGINS="*",
-            SERVICE_AUTH_MODE="jwt",
-            SERVICE_JWT_SECRET="a" * 40,
-            SERVICE_RELAY_URL="http://relay.example.org",
-        )
-        os.chmod(root / "notes", 0o755)
-        report = notesvc.run_audit(app.app.service)
-        assert {f["id"]: f["severity"] for f in report["findings"]} == {
-            "cors-wildcard": "high",
-            "jwt-secret-weak": "high",
-            "relay-plain-http": "medium",
-            "notes-readable": "low",
-            "setup-incomplete": "low",
-            "relay-sees-transit": "info",
-        }
-        assert report["score"] == expected_score(report["findings"]) == 100 - 20 - 20 - 10 - 3 - 3
-        assert audit(app)["score"] == report["score"]  # the endpoint says the same
-
-    def test_score_never_below_zero(self, make_app, root):
-        app = make_app(SERVICE_HOST="0.0.0.0", SERVICE_AUTH_MODE="none", SERVICE_CORS_ORIGINS="*")
-        os.chmod(root / "notes", 0o777)
-        os.chmod(root / ".notesvc" / "state.json", 0o644)
-        os.chmod(root / ".notesvc", 0o755)
-        report = audit(app)
-        costs = sum(notesvc.SEVERITY_COST[f["severity"]] for f in report["findings"])
-        assert costs > 100, report["findings"]  # the formula alone would go negative
-        assert report["score"] == 0
-
-    @pytest.mark.parametrize(
-        ("env", "finding", "severity"),
-        [
-            ({"SERVICE_AUTH_MODE": "none"}, "auth-off", "critical"),
-            ({"SERVICE_HOST": "0.0.0.0"}, "setup-exposed", "critical"),
-            ({"SERVICE_CORS_ORIGINS": "*"}, "cors-wildcard", "high"),
-            (
-                {"SERVICE_AUTH_MODE": "jwt", "SERVICE_JWT_SECRET": "a" * 40},
-                "jwt-secret-weak",
-                "high",
-            ),
-            ({"SERVICE_RELAY_URL": "http://relay.example.org"}, "relay-plain-http", "medium"),
-            (
-                {
-                    "SERVICE_AGENT_PROVIDER": "openai",
-                    "SERVICE_AGENT_BASE_URL": "http://gpu.lan:8080/v1",
-                    "SERVICE_AGENT_MODEL": "m",
-                    "SERVICE_AGENT_API_KEY": "k",
-                },
-                "model-plain-http",
-                "high",
-            ),
-            ({"SERVICE_HOST": "0.0.0.0"}, "plain-http-all-interfaces", "medium"),
-        ],
-    )
-    def test_configuration_checks_trigger(self, make_app, root, env, finding, severity):
-        env = {"SERVICE_HOST": "127.0.0.1", **env}
-        report = audit(make_app(**env))
-        found = {f["id"]: f["severity"] for f in report["findings"]}
-        assert found.get(finding) == severity, report["findings"]
-
-    def test_configuration_checks_stay_quiet_when_fine(self, make_app, tmp_path):
-        for i, env in enumerate(
-            (
-                {"SERVICE_AUTH_MODE": "jwt", "SERVICE_JWT_SECRET": JWT_SECRET},
-                {"SERVICE_RELAY_URL": "https://relay.example.org"},
-                {
-                    "SERVICE_AGENT_PROVIDER": "openai",
-                    "SERVICE_AGENT_BASE_URL": "http://127.0.0.1:11434/v1",
-                    "SERVICE_AGENT_MODEL": "m",
-                },
-                {"SERVICE_HOST": "0.0.0.0", "SERVICE_TRUST_PROXY": "true"},
-                {"SERVICE_CORS_ORIGINS": "https://app.example"},
-            )
-        ):
-            app_root = tmp_path / f"quiet{i}"
-            app = make_app(app_root, SERVICE_HOST=env.pop("SERVICE_HOST", "127.0.0.1"), **env)
-            with_key(app).post(f"{API}/auth/link")
-            os.chmod(app_root / "notes", 0o700)
-            report = audit(app)
-            assert all(f["severity"] == "info" for f in report["findings"]), report["findings"]
-
-    def test_setup_local_only_lowers_the_exposure(self, make_app):
-        report = audit(make_app(SERVICE_HOST="0.0.0.0", SERVICE_SETUP_LOCAL_ONLY="true"))
-        assert "setup-exposed" not in ids(report)
-        assert "setup-incomplete" in ids(report)
-
-    def test_file_mode_checks(self, safe, root):
-        os.chmod(root / ".notesvc" / "state.json", 0o644)
-        os.chmod(root / ".notesvc", 0o755)
-        os.chmod(root / "notes", 0o777)
-        plugins = root / ".notesvc" / "plugins"
-        plugins.mkdir()
-        os.chmod(plugins, 0o777)
-        found = ids(audit(safe))
-        assert {
-            "state-readable-file",
-            "state-readable-dir",
-            "notes-writable",
-            "plugins-writable",
-        } <= found
-        os.chmod(root / "notes", 0o755)
-        assert "notes-readable" in ids(audit(safe))
-
-    def test_key_age(self, safe, root):
-        state_file = root / ".notesvc" / "state.json"
-        state = json.loads(state_file.read_text())
-        state["keyCreatedAt"] = "2020-01-01T00:00:00.000Z"
-        state_file.write_text(json.dumps(state))
-        assert "key-old" in ids(audit(safe))
-
-    def test_channel_without_allowlist_and_query_secret(self, safe):
-        client = with_key(safe)
-        ch = data(
-            client.post_json(
-                f"{API}/channels",
-                {"provider": "telegram", "config": {"botToken": "1:x"}},
-                status=201,
-            )
-        )
-        assert f"channel-open-{ch['id']}" in ids(audit(safe))
-        webtest.TestApp(safe.app).post_json(
-            f"{API}/channels/webhook/telegram?secret={ch['secret']}", {"update_id": 1}
-        )
-        assert "secret-in-query" in ids(audit(safe))
-
-    def test_third_party_plugin_is_reported(self, make_app, root):
-        plugins = root / ".notesvc" / "plugins"
-        plugins.mkdir(parents=True)
-        (plugins / "hello.py").write_text(HELLO_PLUGIN)
-        assert "plugin-hello" in ids(audit(make_app(SERVICE_HOST="127.0.0.1")))
-
-    def test_plugin_files_writable_symlinked_or_foreign_are_flagged(self, safe, root, tmp_path):
-        plugins = root / ".notesvc" / "plugins"
-        plugins.mkdir(mode=0o700)
-        (plugins / "open.py").write_text("x = 1\n")
-        os.chmod(plugins / "open.py", 0o666)
-        elsewhere = tmp_path / "elsewhere.py"
-        elsewhere.write_text("x = 1\n")
-        (plugins / "linked.py").symlink_to(elsewhere)
-        (plugins / "fine.py").write_text("x = 1\n")
-        os.chmod(plugins / "fine.py", 0o600)
-        if os.geteuid() == 0:
-            os.chown(plugins / "fine.py", 65534, 65534)
-        report = audit(safe)
-        found = {f["id"]: f["severity"] for f in report["findings"]}
-        assert found["plugin-writable-open"] == "high"
-        assert found["plugin-symlink-linked"] == "high"
-        assert "plugin-writable-fine" not in found
-        assert "plugin-symlink-fine" not in found
-        if os.geteuid() == 0:
-            assert found["plugin-owner-fine"] == "high"
-        # Files are listed by name even when they are no valid plugin.
-        assert {"plugin-open", "plugin-linked", "plugin-fine"} <= set(found)
-
-    def test_plugins_parent_writable_by_others_is_flagged_unless_sticky(self, make_app, tmp_path):
-        shared = tmp_path / "shared"
-        (shared / "plugins").mkdir(parents=True)
-        os.chmod(shared / "plugins", 0o700)
-        app = make_app(SERVICE_HOST="127.0.0.1", SERVICE_PLUGINS_DIR=str(shared / "plugins"))
-        os.chmod(shared, 0o777)
-        finding = {f["id"]: f for f in audit(app)["findings"]}["plugins-parent-writable"]
-        assert finding["severity"] == "high"
-        assert str(shared) in finding["detail"]
-        os.chmod(shared, 0o1777)  # like /tmp: others cannot replace what is ours
-        assert "plugins-parent-writable" not in ids(audit(app))
-        os.chmod(shared, 0o755)
-        assert "plugins-parent-writable" not in ids(audit(app))
-
-    @pytest.mark.skipif(os.name != "posix" or os.geteuid() != 0, reason="needs root")
-    def test_plugins_folder_owned_by_another_user_is_flagged(self, make_app, tmp_path):
-        owned = tmp_path / "owned"
-        (owned / "plugins").mkdir(parents=True)
-        app = make_app(SERVICE_HOST="127.0.0.1", SERVICE_PLUGINS_DIR=str(owned / "plugins"))
-        assert "plugins-owner" not in ids(audit(app))
-        os.chown(owned, 65534, 65534)
-        finding = {f["id"]: f for f in audit(app)["findings"]}["plugins-owner"]
-        assert finding["severity"] == "high"
-        assert f"{owned} (uid 65534)" in finding["detail"]
-
-    def test_web_channel_allowlist_is_not_counted_as_authentication(self, safe):
-        client = with_key(safe)
-        open_web = data(client.post_json(f"{API}/channels", {"provider": "web"}, status=201))
-        listed = data(
-            client.post_json(
-                f"{API}/channels",
-                {"provider": "web", "config": {"allowedSenders": ["kitchen"]}},
-                status=201,
-            )
-        )
-        report = audit(safe)
-        found = {f["id"]: f for f in report["findings"]}
-        for ch in (open_web, listed):  # the allowlist changes nothing: the secret is the lock
-            assert found[f"channel-web-{ch['id']}"]["severity"] == "info"
-            assert "not authentication" in found[f"channel-web-{ch['id']}"]["detail"]
-            assert f"channel-open-{ch['id']}" not in found
-        assert report["score"] == 100
-
-    def test_every_audit_check_has_a_configuration_where_it_fires(self):
-        missing = sorted(set(notesvc.AUDIT_CHECKS) - set(FIRING_CONFIGURATIONS))
-        stale = sorted(set(FIRING_CONFIGURATIONS) - set(notesvc.AUDIT_CHECKS))
-        assert not missing, (
-            f"audit checks without an entry in FIRING_CONFIGURATIONS: {missing}; add one "
-            "giving the settings / change under which each returns a finding, and its id"
-        )
-        assert not stale, f"FIRING_CONFIGURATIONS names checks that are gone: {stale}"
-
-    @pytest.mark.parametrize("name", list(notesvc.AUDIT_CHECKS))
-    def test_every_audit_check_fires_with_findings_of_the_right_shape(
-        self, make_app, tmp_path, name
-    ):
-        assert name in FIRING_CONFIGURATIONS, f"add {name!r} to FIRING_CONFIGURATIONS"
-        firing = FIRING_CONFIGURATIONS[name]
-        reports = {}
-        for label, case in (("safe", Firing(firing.id)), ("firing", firing)):
-            app_root = tmp_path / label
-            app = make_app(app_root, **{"SERVICE_HOST": "127.0.0.1", **case.env})
-            if case.linked:
-                with_key(app).post(f"{API}/auth/link")
-            os.chmod(app_root / "notes", 0o700)
-            if case.change:
-                case.change(app, app_root)
-            reports[label] = audit(app)
-        matching = lambda report: [  # noqa: E731
-            f for f in report["findings"] if re.fullmatch(firing.id, f["id"])
-        ]
-        assert matching(reports["firing"]), f"{name} did not fire: {reports['firing']}"
-        assert not matching(reports["safe"]), f"{name} fires in the safe configuration"
-        for report in reports.values():
-            assert f"check-{name}" not in ids(report), "the check raised"
-            for f in report["findings"]:
-                assert set(f) == {"id", "severity", "title", "detail", "recommendation"}
-                assert f["severity"] in notesvc.SEVERITIES
-                for key in ("id", "title", "detail", "recommendation"):
-                    assert isinstance(f[key], str), (key, f)
-                    assert f[key].strip(), (key, f)
-
-    def test_config_view_has_no_secret(self, make_app):
-        app = make_app(
-            SERVICE_AUTH_MODE="jwt",
-            SERVICE_JWT_SECRET=JWT_SECRET,
-            SERVICE_AGENT_API_KEY="sk-hidden",
-        )
-        d = data(with_key(app).get(f"{API}/security/config"))
-        assert d["auth"]["mode"] == "jwt"
-        assert d["auth"]["header"] == "X-Service-Key"
-        assert d["auth"]["keyAgeDays"] == 0
-        assert d["limits"]["lockout"]["failures"] == 10
-        for key in ("setup", "network", "limits", "channels", "plugins"):
-            assert key in d
-        text = json.dumps(d)
-        for secret in (JWT_SECRET, "sk-hidden", key_of(app)):
-            assert secret not in text
-
-    def test_recommendations_most_severe_first(self, make_app):
-        recs = data(
-            with_key(make_app(SERVICE_AUTH_MODE="none", SERVICE_CORS_ORIGINS="*")).get(
-                f"{API}/security/recommendations"
-            )
-        )["recommendations"]
-        assert recs[0]["severity"] == "critical"
-        assert set(recs[0]) == {"id", "severity", "title", "action"}
-        order = [notesvc.SEVERITIES.index(r["severity"]) for r in recs]
-        assert order == sorted(order)
-
-    def test_audit_cli_exit_status(self, tmp_path, make_app):
-        make_app(tmp_path / "a")
-        make_app(tmp_path / "b")
-        bad = run_cli("audit", "--root", str(tmp_path / "a"), env={"SERVICE_HOST": "0.0.0.0"})
-        assert bad.returncode == 1
-        assert "[critical]" in bad.stdout
-        assert "score" in bad.stdout
-        good = run_cli("audit", "--root", str(tmp_path / "b"), env={"SERVICE_HOST": "127.0.0.1"})
-        assert good.returncode == 0, good.stdout
-
-
-# -- plugins ----------------------------------------------------------------------------------
-
-HELLO_PLUGIN = """
-import notesvc
-
-SAVED = []
-
-def remember(svc, path, content):
-    SAVED.append(path)
-
-def hello(svc):
-    return {"hello": "world", "saved": SAVED}
-
-PLUGIN = notesvc.Plugin(
-    name="hello", version="0.1.0", description="says hello",
-    hooks={"note_saved": remember},
-    routes=(notesvc.PluginRoute("GET", "/greeting", hello),),
-)
-"""
-
-BROKEN_HOOK_PLUGIN = """
-import notesvc
-
-def explode(svc, path, content):
-    raise RuntimeError("boom in a hook")
-
-PLUGIN = notesvc.Plugin(name="explosive", hooks={"note_saved": explode})
-"""
-
-
-class TestPlugins:
-    @pytest.fixture
-    def plugin_app(self, make_app, root):
-        plugins = root / ".notesvc" / "plugins"
-        plugins.mkdir(parents=True)
-        (plugins / "hello.py").write_text(HELLO_PLUGIN)
-        (plugins / "explosive.py").write_text(BROKEN_HOOK_PLUGIN)
-        (plugins / "broken_import.py").write_text("import no_such_module_anywhere\n")
-        (plugins / "no_plugin.py").write_text("x = 1\n")
-        return with_key(make_app())
-
-    def test_list_and_get(self, client):
-        plugins = data(client.get(f"{API}/plugins"))["plugins"]
-        names = [p["name"] for p in plugins]
-        assert {"backlinks", "tags", "daily"} <= set(names)
-        for p in plugins:
-            assert {"name", "version", "description", "enabled", "builtin", "error"} <= set(p)
-        daily = data(client.get(f"{API}/plugins/daily"))
-        assert daily["builtin"] is True
-        assert daily["enabled"] is True
-        assert_error(client.get(f"{API}/plugins/nope", status=404), 404, "NOT_FOUND")
-
-    def test_toggle_is_persisted_and_routes_refuse(self, client, make_app):
-        assert data(client.post(f"{API}/plugins/daily/toggle"))["enabled"] is False
-        assert_error(client.post(f"{API}/plugins/daily/today", status=403), 403, "PLUGIN_DISABLED")
-        again = with_key(make_app())
-        assert data(again.get(f"{API}/plugins/daily"))["enabled"] is False
-        assert data(again.post(f"{API}/plugins/daily/toggle"))["enabled"] is True
-        again.post(f"{API}/plugins/daily/today", status=201)
-
-    def test_daily_creates_once(self, client):
-        today = time.strftime("%Y-%m-%d")
-        first = data(client.post(f"{API}/plugins/daily/today", status=201))
-        assert first["path"] == f"notes/daily/{today}.md"
-        second = data(client.post(f"{API}/plugins/daily/today", status=200))
-        assert second["path"] == first["path"]
-        assert hits(client, time.strftime("%B")) == [first["path"]]
-
-    def test_backlinks(self, client):
-        put_note(client, "notes/target.md", "# Target")
-        put_note(client, "notes/a.md", "see [[target]] and [[Target|alias]]")
-        put_note(client, "notes/sub/b.md", "see [the target](../target.md)")
-        put_note(client, "notes/c.md", "see [[notes/target.md]]")
-        put_note(client, "notes/d.md", "no link to target here; [x](https://e.org/target.md)")
-        d = data(client.get(f"{API}/plugins/backlinks/notes%2Ftarget.md"))
-        assert [b["path"] for b in d["backlinks"]] == ["notes/a.md", "notes/c.md", "notes/sub/b.md"]
-        assert_error(
-            client.get(f"{API}/plugins/backlinks/notes%2Fnone.md", status=404), 404, "NOT_FOUND"
-        )
-        assert_error(
-            client.get(f"{API}/plugins/backlinks/..%2Fx", status=400), 400, "VALIDATION_ERROR"
-        )
-
-    def test_tags(self, client):
-        put_note(client, "notes/a.md", "---\ntags: [Work, urgent]\n---\n# A #idea\n")
-        put_note(client, "notes/b.md", "#idea here\n```\n#notatag in code\n```\n`#nor` this")
-        put_note(client, "notes/c.md", "---\ntags:\n  - work\n---\nbody #project/alpha")
-        tags = data(client.get(f"{API}/plugins/tags"))
-        assert tags["name"] == "tags"
-        assert {t["tag"]: t["count"] for t in tags["tags"]} == {
-            "idea": 2,
-            "project/alpha": 1,
-            "urgent": 1,
-            "work": 2,
-        }
-        idea = data(client.get(f"{API}/plugins/tags/idea"))
-        assert [n["path"] for n in idea["notes"]] == ["notes/a.md", "notes/b.md"]
-        assert (
-            data(client.get(f"{API}/plugins/tags/project/alpha"))["notes"][0]["path"]
-            == "notes/c.md"
-        )
-        assert_error(client.get(f"{API}/plugins/tags/nope", status=404), 404, "NOT_FOUND")
-
-    def test_move_with_update_links_rewrites_every_linking_note(self, client, root):
-        put_note(client, "notes/old/target.md", "# Target\n\nsee [other](../other.md)")
-        put_note(client, "notes/other.md", "# Other")
-        put_note(client, "notes/a.md", "by name [[target]], aliased [[target|T]]")
-        put_note(client, "notes/b.md", "by path [[old/target]] and [[notes/old/target.md]]")
-        put_note(
-            client,
-            "notes/deep/c.md",
-            "markdown [t](../old/target.md#part) and [abs](/notes/old/target.md)",
-        )
-        put_note(client, "notes/d.md", "unrelated [[other]]")
-        rec = data(
-            client.patch_json(
-                note_url("notes/old/target.md") + "/move",
-                {"path": "notes/new/place/goal.md", "updateLinks": True},
-            )
-        )
-        assert rec["path"] == "notes/new/place/goal.md"
-        assert set(rec["linksUpdated"]) == {
-            "notes/a.md",
-            "notes/b.md",
-            "notes/deep/c.md",
-            "notes/new/place/goal.md",
-        }
-        read = lambda p: (root / p).read_text()  # noqa: E731
-        assert read("notes/a.md") == "by name [[goal]], aliased [[goal|T]]"
-        assert read("notes/b.md") == "by path [[new/place/goal]] and [[notes/new/place/goal.md]]"
-        assert read("notes/deep/c.md") == (
-            "markdown [t](../new/place/goal.md#part) and [abs](/notes/new/place/goal.md)"
-        )
-        assert read("notes/d.md") == "unrelated [[other]]"
-        # The moved note's own relative link still reaches its target.
-        assert "[other](../../other.md)" in read("notes/new/place/goal.md")
-        backlinks = data(client.get(f"{API}/plugins/backlinks/notes%2Fnew%2Fplace%2Fgoal.md"))
-        assert len(backlinks["backlinks"]) == 3
-
-    def test_move_without_update_links_leaves_links(self, client, root):
-        put_note(client, "notes/t.md", "t")
-        put_note(client, "notes/a.md", "[[t]]")
-        rec = data(client.patch_json(note_url("notes/t.md") + "/move", {"path": "notes/u.md"}))
-        assert "linksUpdated" not in rec
-        assert (root / "notes/a.md").read_text() == "[[t]]"
-        resp = client.patch_json(
-            note_url("notes/u.md") + "/move",
-            {"path": "notes/v.md", "updateLinks": "yes"},
-            status=400,
-        )
-        assert_error(resp, 400, "VALIDATION_ERROR")
-
-    def test_third_party_plugins_load_and_fail_in_isolation(self, plugin_app, caplog):
-        plugins = {p["name"]: p for p in data(plugin_app.get(f"{API}/plugins"))["plugins"]}
-        assert plugins["hello"]["builtin"] is False
-        assert plugins["hello"]["error"] is None
-        assert "ModuleNotFoundError" in plugins["broken-import"]["error"]
-        assert "PLUGIN" in plugins["no-plugin"]["error"]
-        assert plugins["broken-import"]["enabled"] is False
-        # A hook that raises does not fail the save; the plugin is listed with the error.
-        put_note(plugin_app, "notes/x.md", "saved anyway")
-        assert data(plugin_app.get(f"{API}/plugins/explosive"))["error"].endswith("boom in a hook")
-        assert any("explosive" in r.getMessage() for r in caplog.records)
-        greeting = data(plugin_app.get(f"{API}/plugins/hello/greeting"))
-        assert greeting == {"hello": "world", "saved": ["notes/x.md"]}
-        plugin_app.post(f"{API}/plugins/hello/toggle")
-        assert_error(
-            plugin_app.get(f"{API}/plugins/hello/greeting", status=403), 403, "PLUGIN_DISABLED"
-        )
-        assert_error(
-            plugin_app.post(f"{API}/plugins/broken-import/toggle", status=409), 409, "CONFLICT"
-        )
-
-    def test_plugin_can_bring_an_agent_provider(self, make_app, root):
-        plugins = root / ".notesvc" / "plugins"
-        plugins.mkdir(parents=True)
-        (plugins / "echo.py").write_text(
-            "import notesvc\n"
-            "@notesvc.agent_provider('echo', model=lambda cfg: 'parrot-1')\n"
-            "def echo(svc, question, found):\n"
-            "    return 'you asked: ' + question + ' (' + str(len(found)) + ' notes)', 'parrot-1'\n"
-            "PLUGIN = notesvc.Plugin(name='echo', description='repeats the question')\n"
-        )
-        client = with_key(make_app(SERVICE_AGENT_PROVIDER="echo"))
-        put_note(client, "notes/a.md", "parrots talk")
-        assert data(client.get(f"{API}/agent/status"))["model"] == "parrot-1"
-        reply = data(client.post_json(f"{API}/agent/chat", {"message": "parrots?"}))
-        assert reply["reply"] == "you asked: parrots? (1 notes)"
-        assert reply["provider"] == "echo"
-        # The provider is this app's: the module-wide registry and another app never see it.
-        assert "echo" not in notesvc.AGENT_PROVIDERS
-        other = make_app(tmp_path_factory_root(root))
-        assert "echo" not in other.app.service.agent_providers
-        with pytest.raises(notesvc.ConfigError, match="SERVICE_AGENT_PROVIDER"):
-            make_app(tmp_path_factory_root(root), SERVICE_AGENT_PROVIDER="echo")
-
-    def test_plugin_routes_are_in_openapi(self, plugin_app):
-        doc = plugin_app.get(f"{API}/openapi.json").json
-        assert "/api/v1/plugins/hello/greeting" in doc["paths"]
-        assert "/api/v1/plugins/daily/today" in doc["paths"]
-
-
-RECORDER_PLUGIN = """
-import notesvc
-
-CALLS = []
-
-def saved(svc, path, content):
-    CALLS.append(["note_saved", path, content])
-
-def moved(svc, old_path, new_path):
-    CALLS.append(["note_moved", old_path, new_path])
-
-def deleted(svc, path):
-    CALLS.append(["note_deleted", path])
-
-def restored(svc, path, content):
-    CALLS.append(["note_restored", path, content])
-
-def calls(svc):
-    return {"calls": CALLS}
-
-PLUGIN = notesvc.Plugin(
-    name="recorder",
-    hooks={
-        "note_saved": saved,
-        "note_moved": moved,
-        "note_deleted": deleted,
-        "note_restored": restored,
-    },
-    routes=(notesvc.PluginRoute("GET", "/calls", calls),),
-)
-"""
-
-
-class TestPluginHooks:
-    """Each hook in notesvc.HOOKS reaches a third-party plugin with its documented arguments.
-
-    Every hook has a `test_hook_<name>` here; test_every_hook_has_a_test enforces it.
-    """
-
-    @pytest.fixture
-    def client(self, make_app, root):
-        plugins = root / ".notesvc" / "plugins"
-        plugins.mkdir(parents=True)
-        (plugins / "recorder.py").write_text(RECORDER_PLUGIN)
-        client = with_key(make_app())
-        assert data(client.get(f"{API}/plugins/recorder"))["error"] is None
-        return client
-
-    @staticmethod
-    def calls(client) -> list:
-        return data(client.get(f"{API}/plugins/recorder/calls"))["calls"]
-
-    def test_every_hook_has_a_test(self):
-        source = Path(__file__).read_text()
-        untested = [h for h in notesvc.HOOKS if f"def test_hook_{h}(" not in source]
-        assert not untested, (
-            f"notesvc.HOOKS has hooks without a test: {', '.join(untested)}. For each, add "
-            + ", ".join(f"`def test_hook_{h}(self, client)`" for h in untested)
-            + " to TestPluginHooks in test_notesvc.py: give RECORDER_PLUGIN a function for "
-            "the hook, trigger it through the API and assert the arguments it was called with."
-        )
-
-    def test_hook_note_saved(self, client):
-        put_note(client, "notes/a.md", "first")
-        client.put_json(note_url("notes/a.md"), {"content": "second"})
-        assert self.calls(client) == [
-            ["note_saved", "notes/a.md", "first"],
-            ["note_saved", "notes/a.md", "second"],
-        ]
-        # An append (a channel's /save) is a save too, with the note's whole new content.
-        ch = data(client.post_json(f"{API}/channels", {"provider": "web"}, status=201))
-        webtest.TestApp(client.app).post_json(
-            f"{API}/channels/webhook/web",
-            web_update("/save buy milk"),
-            headers={"X-Service-Channel-Secret": ch["secret"]},
-        )
-        last = self.calls(client)[-1]
-        assert last[0] == "note_saved"
-        assert last[1].startswith("notes/daily/")  # CONTRACT 20: /save goes to the daily note
-        assert "buy milk" in last[2]
-        # A refused write calls nothing.
-        before = self.calls(client)
-        client.post_json(f"{API}/notes", {"path": "notes/a.md", "content": "x"}, status=409)
-        client.put_json(
-            note_url("notes/a.md"), {"content": "x"}, headers={"If-Match": '"0"'}, status=412
-        )
-        assert self.calls(client) == before
-
-    def test_hook_note_moved(self, client):
-        put_note(client, "notes/old.md", "# Old")
-        put_note(client, "notes/taken.md", "# Taken")
-        start = len(self.calls(client))
-        client.patch_json(note_url("notes/old.md") + "/move", {"path": "notes/sub/new.md"})
-        assert self.calls(client)[start:] == [["note_moved", "notes/old.md", "notes/sub/new.md"]]
-        # Moving with updateLinks also saves each note whose links were rewritten.
-        put_note(client, "notes/linking.md", "see [[new]]")
-        start = len(self.calls(client))
-        client.patch_json(
-            note_url("notes/sub/new.md") + "/move", {"path": "notes/newer.md", "updateLinks": True}
-        )
-        assert self.calls(client)[start:] == [
-            ["note_moved", "notes/sub/new.md", "notes/newer.md"],
-            ["note_saved", "notes/linking.md", "see [[newer]]"],
-        ]
-        # A refused move calls nothing.
-        before = self.calls(client)
-        resp = client.patch_json(
-            note_url("notes/newer.md") + "/move", {"path": "notes/taken.md"}, status=409
-        )
-        assert_error(resp, 409, "CONFLICT")
-        client.patch_json(note_url("notes/gone.md") + "/move", {"path": "notes/x.md"}, status=404)
-        assert self.calls(client) == before
-
-    def test_hook_note_deleted(self, client):
-        put_note(client, "notes/doomed.md", "bye")
-        put_note(client, "notes/kept.md", "stay")
-        start = len(self.calls(client))
-        client.delete(note_url("notes/doomed.md"))
-        assert self.calls(client)[start:] == [["note_deleted", "notes/doomed.md"]]
-        # A refused delete calls nothing, and a switched-off plugin hears nothing.
-        client.delete(note_url("notes/doomed.md"), status=404)
-        client.delete(note_url("notes/kept.md"), headers={"If-Match": '"0"'}, status=412)
-        before = self.calls(client)
-        assert data(client.post(f"{API}/plugins/recorder/toggle"))["enabled"] is False
-        client.delete(note_url("notes/kept.md"))
-        assert data(client.post(f"{API}/plugins/recorder/toggle"))["enabled"] is True
-        assert self.calls(client) == before
-
-    def test_hook_note_restored(self, client):
-        put_note(client, "notes/p.md", "one")
-        client.put_json(note_url("notes/p.md"), {"content": "two"})
-        (version,) = data(client.get(note_url("notes/p.md") + "/versions"))["versions"]
-        start = len(self.calls(client))
-        restore = f"{note_url('notes/p.md')}/versions/{version['id']}/restore"
-        client.post(restore)  # from a version: note_restored, not note_saved
-        client.delete(note_url("notes/p.md"))
-        (item,) = data(client.get(f"{API}/trash"))["items"]
-        client.post_json(f"{API}/trash/{item['id']}/restore", {"path": "notes/q.md"})
-        assert self.calls(client)[start:] == [
-            ["note_restored", "notes/p.md", "one"],
-            ["note_deleted", "notes/p.md"],
-            ["note_restored", "notes/q.md", "one"],
-        ]
-        # A refused restore calls nothing (the history went along to notes/q.md).
-        before = self.calls(client)
-        client.post(restore.replace("p.md", "q.md"), headers={"If-Match": '"0"'}, status=412)
-        client.delete(note_url("notes/q.md"))
-        put_note(client, "notes/q.md", "taken")
-        (item,) = data(client.get(f"{API}/trash"))["items"]
-        client.post(f"{API}/trash/{item['id']}/restore", status=409)
-        assert self.calls(client)[len(before) :] == [
-            ["note_deleted", "notes/q.md"],
-            ["note_saved", "notes/q.md", "taken"],
-        ]
-
-
-# -- tools: what MCP clients and the agent call ------------------------------------------------
-
-
-def rpc(client, method: str, params: dict | None = None, status: int | str = 200, **headers):
-    """POST one JSON-RPC request (handshake era) to /mcp; return the parsed answer."""
-    body: dict = {"jsonrpc": "2.0", "id": 1, "method": method}
-    if params is not None:
-        body["params"] = params
-    resp = client.post(
-        f"{API}/mcp",
-        json.dumps(body),
-        headers={"Content-Type": "application/json", **headers},
-        status=status,
-        expect_errors=True,
-    )
-    return resp.json if resp.body else None
-
-
-def call_tool(client, name: str, **arguments) -> dict:
-    """Return the result of tools/call through /mcp."""
-    answer = rpc(client, "tools/call", {"name": name, "arguments": arguments})
-    assert "error" not in answer, answer
-    result = answer["result"]
-    assert isinstance(result["structuredContent"], dict)
-    assert [c["type"] for c in result["content"]] == ["text"]
-    return result
-
-
-def ok_tool(client, name: str, **arguments) -> dict:
-    result = call_tool(client, name, **arguments)
-    assert result["isError"] is False, result
-    return result["structuredContent"]
-
-
-def tool_refused(client, name: str, code: str, **arguments) -> str:
-    """Assert a tool call ends in an isError result with this code; return its message."""
-    result = call_tool(client, name, **arguments)
-    assert result["isError"] is True, result
-    error = result["structuredContent"]["error"]
-    assert error["code"] == code, error
-    assert result["content"][0]["text"] == f"Error ({code}): {error['message']}"
-    assert "Traceback" not in json.dumps(result)
-    return error["message"]
-
-
-def listed_tools(client) -> set:
-    return {t["name"] for t in rpc(client, "tools/list")["result"]["tools"]}
-
-
-TOOL_PLUGIN = """
-import notesvc
-
-EVENTS = []
-
-def saved(svc, path, content):
-    EVENTS.append(["saved", path])
-
-def moved(svc, old, new):
-    EVENTS.append(["moved", old, new])
-
-def deleted(svc, path):
-    EVENTS.append(["deleted", path])
-
-def events(svc):
-    return {"events": EVENTS}
-
-@notesvc.tool("word_count", "Count the words of a note.", {"path": {"type": "string"}}, ("path",))
-def word_count(svc, path):
-    return {"path": path, "words": len(svc.notes.get(notesvc.note_path(path))["content"].split())}
-
-@notesvc.tool("explode", "Fails.")
-def explode(svc):
-    raise RuntimeError("secret internals /etc/passwd")
-
-PLUGIN = notesvc.Plugin(
-    name="toolbox",
-    hooks={"note_saved": saved, "note_moved": moved, "note_deleted": deleted},
-    routes=(notesvc.PluginRoute("GET", "/events", events),),
-)
-"""
 
 
 class TestTools:
@@ -10077,69 +9559,6 @@ class TestTools:
         tool_refused(tools, "fetch", "NOT_FOUND", id="notes/none.md")
 
 
-class ToolModel(FakeUpstream):
-    """A loopback model speaking chat-completions tool calling. Each answer follows the
-    script: a step is a function of the messages so far returning either the reply text or
-    a list of (tool name, arguments) calls; past the script it answers `reply`."""
-
-    def __init__(self, *script):
-        super().__init__()
-        self.script = list(script)
-        self.refuse_tools = False  # answer HTTP 400 to a request that offers tools
-
-    def answer(self, path: str, body: dict) -> dict:
-        if not path.endswith("/chat/completions"):
-            return super().answer(path, body)
-        self.status = 400 if self.refuse_tools and "tools" in body else 200
-        if self.status == 400:
-            return {"error": {"message": "this model does not support tools"}}
-        step = self.script.pop(0) if self.script else (lambda messages: self.reply)
-        out = step(body["messages"])
-        if isinstance(out, int):  # this answer fails with that HTTP status
-            self.status = out
-            return {"error": {"message": "the model fell over"}}
-        answer = super().answer(path, body)
-        if isinstance(out, str):
-            answer["choices"][0]["message"]["content"] = out
-            return answer
-        calls = [
-            {
-                "id": f"call_{len(self.requests)}_{i}",
-                "type": "function",
-                "function": {
-                    "name": name,
-                    "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments),
-                },
-            }
-            for i, (name, arguments) in enumerate(out)
-        ]
-        answer["choices"][0] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": None, "tool_calls": calls},
-            "finish_reason": "tool_calls",
-        }
-        return answer
-
-
-def last_tool_results(messages: list) -> list:
-    """Return the contents of the `role: tool` messages after the last assistant message."""
-    out = []
-    for message in reversed(messages):
-        if message["role"] != "tool":
-            break
-        out.insert(0, message["content"])
-    return out
-
-
-GARDEN_NOTES = {
-    "notes/garden/decisions.md": "# Garden decisions\n\nWe decided to grow only heirloom "
-    "tomatoes this year.\n\nThe greenhouse stays closed until April.",
-    "notes/garden/budget.md": "# Garden budget\n\nAt most 200 euros for seeds; the garden "
-    "decision about the greenhouse heater waits for the budget.",
-    "notes/shopping.md": "# Shopping list\n\n- bread\n- eggs\n",
-}
-
-
 class TestAgentTools:
     """The `openai` provider's tool loop against a stand-in model on loopback."""
 
@@ -10369,607 +9788,599 @@ class TestLocalAgent:
         assert d["reply"].splitlines()[1] == "• The spare car key is at Anna's. — notes/open.md"
 
 
-# -- OpenAPI with a third-party checker ---------------------------------------------------------
-
-
-class TestSchemathesis:
-    def test_api_conforms_to_its_openapi_document(self, make_app):
-        schemathesis = pytest.importorskip("schemathesis")
-        hypothesis = pytest.importorskip("hypothesis")
-        app = make_app(SERVICE_HOST="127.0.0.1")
-        key = key_of(app)
-        client = with_key(app)
-        seed_notes(client)
-        wsgi = app.app
-        wsgi.service.lockout = notesvc.Lockout(limit=10**9)  # 401 probes must not lock us out
-        # Schema-valid data must be accepted (the document states the real bounds and path
-        # rules), except for two rules JSON Schema cannot say: a search query's grammar
-        # (`a OR`, only `-word`s, an odd quote, no letter or digit) and PUT's optional body
-        # `path`, which must equal the note's own. Only those operations skip the check.
-        from schemathesis.specs.openapi.checks import positive_data_acceptance
-
-        beyond_json_schema = {
-            "search_notes": [positive_data_acceptance],
-            "update_note": [positive_data_acceptance],
-        }
-
-        schema = schemathesis.openapi.from_wsgi("/api/v1/openapi.json", wsgi)
-        skip = {
-            "rotate_api_key",
-            "link_client",
-            "delete_note",
-            "delete_channel",
-            "toggle_channel",
-            "toggle_plugin",
-            "receive_webhook",
-            "issue_token",
-            "list_changes",  # a schema-valid wait holds the test up to 25 s; TestChanges
-        }
-        tested = 0
-        for result in schema.get_all_operations():
-            operation = result.ok()
-            operation_id = operation.definition.raw.get("operationId")
-            if operation_id in skip:
-                continue
-
-            @hypothesis.settings(
-                max_examples=12,
-                deadline=None,
-                database=None,
-                suppress_health_check=list(hypothesis.HealthCheck),
-                phases=[hypothesis.Phase.explicit, hypothesis.Phase.generate],
-            )
-            @hypothesis.given(case=operation.as_strategy())
-            def check(case):
-                leave_out = beyond_json_schema.get(case.operation.definition.raw["operationId"], [])
-                case.call_and_validate(headers={"X-Service-Key": key}, excluded_checks=leave_out)
-
-            check()
-            tested += 1
-        assert tested >= 20
-
-
-# -- relay -------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(predicate, timeout: float = 15.0, step: float = 0.1):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(step)
-    raise AssertionError("condition not met in time")
-
-
-def relay_servers(relay: Server) -> int:
-    try:
-        return relay.request("GET", "/health")[2]["data"]["servers"]
-    except OSError:
-        return 0
-
-
-class TestRelay:
+class TestPlugins:
     @pytest.fixture
-    def pair(self, tmp_path):
-        """A real relay and a real server registered with it; yields (relay, server, ids)."""
-        relay = Server(tmp_path / "relay", "relay", env={"SERVICE_RELAY_TIMEOUT": "3"})
-        server = Server(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url})
-        try:
-            wait_for(lambda: relay_servers(relay) == 1)
-            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
-            yield relay, server, setup
-        finally:
-            server.stop()
-            relay.stop()
+    def plugin_app(self, make_app, root):
+        plugins = root / ".notesvc" / "plugins"
+        plugins.mkdir(parents=True)
+        (plugins / "hello.py").write_text(HELLO_PLUGIN)
+        (plugins / "explosive.py").write_text(BROKEN_HOOK_PLUGIN)
+        (plugins / "broken_import.py").write_text("import no_such_module_anywhere\n")
+        (plugins / "no_plugin.py").write_text("x = 1\n")
+        return with_key(make_app())
 
-    def via(self, relay, setup, method, path, body=None, key=None, headers=None):
-        hdrs = {"X-Service-Key": setup["apiKey"] if key is None else key, **(headers or {})}
-        return relay.request(method, f"/r/{setup['serverId']}{API}{path}", body, hdrs)
+    def test_list_and_get(self, client):
+        plugins = data(client.get(f"{API}/plugins"))["plugins"]
+        names = [p["name"] for p in plugins]
+        assert {"backlinks", "tags", "daily"} <= set(names)
+        for p in plugins:
+            assert {"name", "version", "description", "enabled", "builtin", "error"} <= set(p)
+        daily = data(client.get(f"{API}/plugins/daily"))
+        assert daily["builtin"] is True
+        assert daily["enabled"] is True
+        assert_error(client.get(f"{API}/plugins/nope", status=404), 404, "NOT_FOUND")
 
-    def test_read_write_and_errors_through_the_relay(self, pair):
-        relay, server, setup = pair
-        assert setup["links"]["relayApiBase"] == f"{relay.url}/r/{setup['serverId']}/api/v1"
-        text = '# Über\n\nUnicode ✓ 🗝️ «ключи» \u00a0and \\ back\\slashes "quotes"\n'
-        status, headers, body = self.via(
-            relay, setup, "POST", "/notes", {"path": "notes/relay/ü.md", "content": text}
+    def test_toggle_is_persisted_and_routes_refuse(self, client, make_app):
+        assert data(client.post(f"{API}/plugins/daily/toggle"))["enabled"] is False
+        assert_error(client.post(f"{API}/plugins/daily/today", status=403), 403, "PLUGIN_DISABLED")
+        again = with_key(make_app())
+        assert data(again.get(f"{API}/plugins/daily"))["enabled"] is False
+        assert data(again.post(f"{API}/plugins/daily/toggle"))["enabled"] is True
+        again.post(f"{API}/plugins/daily/today", status=201)
+
+    def test_daily_creates_once(self, client):
+        today = time.strftime("%Y-%m-%d")
+        first = data(client.post(f"{API}/plugins/daily/today", status=201))
+        assert first["path"] == f"notes/daily/{today}.md"
+        second = data(client.post(f"{API}/plugins/daily/today", status=200))
+        assert second["path"] == first["path"]
+        assert hits(client, time.strftime("%B")) == [first["path"]]
+
+    def test_backlinks(self, client):
+        put_note(client, "notes/target.md", "# Target")
+        put_note(client, "notes/a.md", "see [[target]] and [[Target|alias]]")
+        put_note(client, "notes/sub/b.md", "see [the target](../target.md)")
+        put_note(client, "notes/c.md", "see [[notes/target.md]]")
+        put_note(client, "notes/d.md", "no link to target here; [x](https://e.org/target.md)")
+        d = data(client.get(f"{API}/plugins/backlinks/notes%2Ftarget.md"))
+        assert [b["path"] for b in d["backlinks"]] == ["notes/a.md", "notes/c.md", "notes/sub/b.md"]
+        assert_error(
+            client.get(f"{API}/plugins/backlinks/notes%2Fnone.md", status=404), 404, "NOT_FOUND"
         )
-        assert status == 201
-        assert headers["ETag"] == body["data"]["etag"]
-        assert headers["Location"].endswith("/api/v1/notes/notes%2Frelay%2F%C3%BC.md")
-        status, headers, body = self.via(relay, setup, "GET", "/notes/notes%2Frelay%2F%C3%BC.md")
-        assert status == 200
-        assert body["data"]["content"] == text
-        on_disk = Path(server.proc.args[-1]) / "notes/relay/ü.md"
-        assert on_disk.read_text() == text
-        status, _, body = self.via(relay, setup, "GET", "/system/info", key="nsk_wrong")
-        assert status == 401
-        assert body["error"]["code"] == "UNAUTHORIZED"
-        status, _, body = self.via(relay, setup, "GET", "/notes/notes%2Fnope.md")
-        assert status == 404
-        assert body["error"]["code"] == "NOT_FOUND"
-        status, _, body = self.via(relay, setup, "GET", "/system/info")
-        assert body["data"]["connection"]["state"] == "connected"
-
-    def test_raw_bytes_pass_unchanged(self, pair):
-        relay, _, setup = pair
-        req = urllib.request.Request(
-            f"{relay.url}/r/{setup['serverId']}{API}/notes",
-            b'{"path": "notes/x.md", "content": "\xff\xfe"}',
-            {"Content-Type": "application/json", "X-Service-Key": setup["apiKey"]},
-            method="POST",
+        assert_error(
+            client.get(f"{API}/plugins/backlinks/..%2Fx", status=400), 400, "VALIDATION_ERROR"
         )
-        with pytest.raises(urllib.error.HTTPError) as err:
-            urllib.request.urlopen(req, timeout=10)
-        assert err.value.code == 400
-        assert "UTF-8" in json.loads(err.value.read())["error"]["message"]
-        err.value.close()
 
-    def test_pair_lookup(self, pair):
-        relay, _, setup = pair
-        status, _, body = relay.request("GET", f"/relay/v1/pair/{setup['pairing']['relayCode']}")
-        assert status == 200
-        assert body["data"] == {
-            "serverId": setup["serverId"],
-            "relayApiBase": f"{relay.url}/r/{setup['serverId']}/api/v1",
+    def test_tags(self, client):
+        put_note(client, "notes/a.md", "---\ntags: [Work, urgent]\n---\n# A #idea\n")
+        put_note(client, "notes/b.md", "#idea here\n```\n#notatag in code\n```\n`#nor` this")
+        put_note(client, "notes/c.md", "---\ntags:\n  - work\n---\nbody #project/alpha")
+        tags = data(client.get(f"{API}/plugins/tags"))
+        assert tags["name"] == "tags"
+        assert {t["tag"]: t["count"] for t in tags["tags"]} == {
+            "idea": 2,
+            "project/alpha": 1,
+            "urgent": 1,
+            "work": 2,
         }
-        assert relay.request("GET", "/relay/v1/pair/AAAA-BBBB-CCCC")[0] == 404
-
-    def test_rotating_the_key_re_registers_the_new_code(self, pair):
-        relay, _, setup = pair
-        status, _, body = self.via(relay, setup, "POST", "/auth/rotate")
-        assert status == 200
-        code = body["data"]["relayCode"]
-        wait_for(lambda: relay.request("GET", f"/relay/v1/pair/{code}")[0] == 200)
-        assert relay.request("GET", f"/relay/v1/pair/{setup['pairing']['relayCode']}")[0] == 404
-
-    def test_server_stopping_gives_504(self, pair):
-        relay, server, setup = pair
-        server.stop()
-        started = time.monotonic()
-        status, _, body = self.via(relay, setup, "GET", "/health")
-        assert status == 504
-        assert body["error"]["code"] == "UPSTREAM_TIMEOUT"
-        assert time.monotonic() - started < 10
-
-    def test_unknown_server_is_504_and_relay_serves_no_server_pages(self, pair):
-        relay = pair[0]
-        assert relay.request("GET", f"/r/{'a' * 20}{API}/health")[0] == 504
-        assert relay.request("GET", f"{API}/system/setup")[0] == 404
-        status, _, body = relay.request("GET", "/r/x/notes")
-        assert status == 404
-        assert body["error"]["code"] == "NOT_FOUND"
-
-    def test_relay_restart_server_reconnects(self, tmp_path):
-        port = free_port()
-        relay = Server(tmp_path / "relay", "relay", port=port)
-        server = Server(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url})
-        try:
-            wait_for(lambda: relay_servers(relay) == 1)
-            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
-            relay.stop()
-            relay = Server(tmp_path / "relay", "relay", port=port)
-            wait_for(lambda: relay_servers(relay) == 1, timeout=40)
-            status, _, body = self.via(relay, setup, "GET", "/health")
-            assert status == 200
-            assert body["data"]["status"] == "ok"
-        finally:
-            server.stop()
-            relay.stop()
-
-    def test_queue_limit_and_tokens(self, tmp_path):
-        env = {"SERVICE_RELAY_MAX_QUEUE": "2", "SERVICE_RELAY_TIMEOUT": "2"}
-        with running(tmp_path, "relay", env=env) as relay:
-            a, b = FakeRelayServer(relay), FakeRelayServer(relay)
-            assert a.register() == 200
-            assert b.register() == 200
-            # Another server's token never polls this queue, nor takes the id over.
-            assert a.poll(server_id=b.server_id)[0] == 403
-            assert a.register(server_id=b.server_id) == 403
-            results = []
-
-            def client():
-                results.append(relay.request("GET", f"/r/{a.server_id}{API}/health")[0])
-
-            threads = [threading.Thread(target=client) for _ in range(2)]
-            for t in threads:
-                t.start()
-            wait_for(lambda: relay_queued(relay, a) == 2)
-            status, _, body = relay.request("GET", f"/r/{a.server_id}{API}/health")
-            assert status == 429
-            assert body["error"]["code"] == "RATE_LIMITED"
-            for t in threads:
-                t.join(10)
-            assert results == [504, 504]
-            # The server picks up a request with its own token and answers it.
-            t = threading.Thread(target=client)
-            t.start()
-            status, _, body = a.poll()
-            assert status == 200
-            request = body["data"]
-            assert request["method"] == "GET"
-            assert request["path"] == "/api/v1/health"
-            assert request["client"] == "127.0.0.1"
-            assert a.reply(request["id"], 200, [["Content-Type", "application/json"]], b"{}") == 200
-            t.join(10)
-            assert results[-1] == 200
-
-    def test_ids_cannot_be_hijacked_even_after_a_restart(self, tmp_path):
-        port = free_port()
-        relay = Server(tmp_path / "relay", "relay", port=port)
-        server = Server(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url})
-        try:
-            wait_for(lambda: relay_servers(relay) == 1)
-            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
-            victim = setup["serverId"]
-            thief = FakeRelayServer(relay)
-            assert thief.register(server_id=victim) == 403
-            assert thief.poll(server_id=victim)[0] == 403
-            relay.stop()  # the relay forgets everything; the id is still the victim's
-            relay = Server(tmp_path / "relay", "relay", port=port)
-            assert thief.register(server_id=victim) == 403
-            assert thief.poll(server_id=victim)[0] == 403
-            wait_for(lambda: relay_servers(relay) == 1, timeout=40)
-            hdrs = {"X-Service-Key": setup["apiKey"]}
-            assert relay.request("GET", f"/r/{victim}{API}/system/info", None, hdrs)[0] == 200
-        finally:
-            server.stop()
-            relay.stop()
-
-    def test_server_id_derives_from_the_relay_token(self, anon):
-        st = anon.app.service.state.read()
-        assert st["serverId"] == notesvc.relay_server_id(st["relayToken"])
-        assert re.fullmatch(r"[a-z2-7]{20}", st["serverId"])
-        assert st["relayToken"] not in anon.get(f"{API}/system/setup").text
-
-    def test_a_state_file_from_0_1_gets_a_token_and_a_derived_id(self, root, make_app):
-        (root / ".notesvc").mkdir(parents=True)
-        old = {
-            "version": 1,
-            "serverId": "0123456789abcdef",
-            "keyHash": notesvc.key_hash("nsk_old"),
-            "keyHint": "_old",
-            "setupComplete": True,
-            "linkedClients": [],
-            "relayCode": "ABCD-EFGH-JKMN",
-        }
-        (root / ".notesvc" / "state.json").write_text(json.dumps(old))
-        st = make_app().app.service.state.read()
-        assert st["serverId"] == notesvc.relay_server_id(st["relayToken"])
-        assert st["keyHash"] == old["keyHash"]  # the key survives
-        assert st["relayCode"] == old["relayCode"]
-
-    def test_registrations_are_rate_limited_per_address(self, tmp_path):
-        env = {"SERVICE_RELAY_REGISTRATIONS_PER_MINUTE": "5"}
-        with running(tmp_path, "relay", env=env) as relay:
-            fakes = [FakeRelayServer(relay) for _ in range(6)]
-            assert [f.register() for f in fakes] == [200] * 5 + [429]
-            other = FakeRelayServer(relay, source="127.0.0.2")
-            assert other.register() == 200  # another address has its own budget
-
-    def test_a_refused_server_says_so(self, tmp_path):
-        env = {"SERVICE_RELAY_MAX_SERVERS": "1"}
-        with running(tmp_path / "relay", "relay", env=env) as relay:
-            assert FakeRelayServer(relay).register() == 200  # the one slot is taken
-            with running(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url}) as server:
-                key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
-
-                def refused():
-                    info = server.request("GET", f"{API}/system/info", None, {"X-Service-Key": key})
-                    return info[2]["data"]["connection"]["state"] == "refused" and info
-
-                info = wait_for(refused)[2]["data"]["connection"]
-                assert "maximum" in info["lastError"]
-                wait_for(lambda: any("refused this server" in line for line in server.lines))
-
-    def test_two_hundred_long_polls_do_not_block_a_client(self, pair):
-        relay, _, setup = pair
-        fakes = [FakeRelayServer(relay, source=f"127.0.1.{i % 200 + 1}") for i in range(200)]
-        socks = []
-        try:
-            for fake in fakes:
-                assert fake.register() == 200
-                socks.append(fake.open_poll())
-            wait_for(lambda: relay_servers(relay) == 201)
-            started = time.monotonic()
-            status, _, _body = self.via(relay, setup, "GET", "/system/info")
-            took = time.monotonic() - started
-            assert status == 200
-            assert took < 1.0, f"{took:.2f} s with 200 polls held"
-        finally:
-            for s in socks:
-                s.close()
-
-    def test_a_note_of_the_largest_size_passes_both_ways(self, pair):
-        relay, server, setup = pair
-        limit = 1048576
-        prefix = '{"path": "notes/big.md", "content": "'
-        filler = 'Ünïcødé ✓ 🗝️ \\\\ \\" \\n'  # JSON-escaped text, many byte widths
-        room = limit - len((prefix + '"}').encode())
-        body = prefix + filler * (room // len(filler.encode()))
-        body += "x" * (limit - len((body + '"}').encode())) + '"}'
-        raw = body.encode()
-        assert len(raw) == limit
-        content = json.loads(raw)["content"]
-        req = urllib.request.Request(
-            f"{relay.url}/r/{setup['serverId']}{API}/notes",
-            raw,
-            {"Content-Type": "application/json", "X-Service-Key": setup["apiKey"]},
-            method="POST",
+        idea = data(client.get(f"{API}/plugins/tags/idea"))
+        assert [n["path"] for n in idea["notes"]] == ["notes/a.md", "notes/b.md"]
+        assert (
+            data(client.get(f"{API}/plugins/tags/project/alpha"))["notes"][0]["path"]
+            == "notes/c.md"
         )
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            assert resp.status == 201
-            assert json.loads(resp.read())["data"]["size"] == len(content.encode())
-        assert (Path(server.proc.args[-1]) / "notes/big.md").read_text() == content
-        status, headers, got = self.via(relay, setup, "GET", "/notes/notes%2Fbig.md")
-        assert status == 200
-        assert got["data"]["content"] == content
-        assert headers["Content-Type"].startswith("application/json")
+        assert_error(client.get(f"{API}/plugins/tags/nope", status=404), 404, "NOT_FOUND")
 
-    def test_an_over_limit_body_is_413_at_once(self, pair):
-        relay, _, setup = pair
-        with socket.create_connection(("127.0.0.1", relay.port), timeout=5) as s:
-            s.sendall(
-                f"PUT /r/{setup['serverId']}{API}/notes/notes%2Fx.md HTTP/1.1\r\n"
-                "Host: relay\r\nContent-Type: application/json\r\n"
-                "Content-Length: 1048577\r\n\r\n".encode()
+    def test_move_with_update_links_rewrites_every_linking_note(self, client, root):
+        put_note(client, "notes/old/target.md", "# Target\n\nsee [other](../other.md)")
+        put_note(client, "notes/other.md", "# Other")
+        put_note(client, "notes/a.md", "by name [[target]], aliased [[target|T]]")
+        put_note(client, "notes/b.md", "by path [[old/target]] and [[notes/old/target.md]]")
+        put_note(
+            client,
+            "notes/deep/c.md",
+            "markdown [t](../old/target.md#part) and [abs](/notes/old/target.md)",
+        )
+        put_note(client, "notes/d.md", "unrelated [[other]]")
+        rec = data(
+            client.patch_json(
+                note_url("notes/old/target.md") + "/move",
+                {"path": "notes/new/place/goal.md", "updateLinks": True},
             )
-            started = time.monotonic()
-            answer = recv_all(s)
-        assert time.monotonic() - started < 1
-        assert answer.startswith(b"HTTP/1.1 413 ")
-        body = json.loads(answer.split(b"\r\n\r\n", 1)[1])
-        assert body["error"]["code"] == "PAYLOAD_TOO_LARGE"
-        assert "1048576" in body["error"]["message"]
+        )
+        assert rec["path"] == "notes/new/place/goal.md"
+        assert set(rec["linksUpdated"]) == {
+            "notes/a.md",
+            "notes/b.md",
+            "notes/deep/c.md",
+            "notes/new/place/goal.md",
+        }
+        read = lambda p: (root / p).read_text()  # noqa: E731
+        assert read("notes/a.md") == "by name [[goal]], aliased [[goal|T]]"
+        assert read("notes/b.md") == "by path [[new/place/goal]] and [[notes/new/place/goal.md]]"
+        assert read("notes/deep/c.md") == (
+            "markdown [t](../new/place/goal.md#part) and [abs](/notes/new/place/goal.md)"
+        )
+        assert read("notes/d.md") == "unrelated [[other]]"
+        # The moved note's own relative link still reaches its target.
+        assert "[other](../../other.md)" in read("notes/new/place/goal.md")
+        backlinks = data(client.get(f"{API}/plugins/backlinks/notes%2Fnew%2Fplace%2Fgoal.md"))
+        assert len(backlinks["backlinks"]) == 3
 
-    def test_forwarded_answers_are_api_answers(self, tmp_path):
-        with running(tmp_path, "relay") as relay:
-            fake = FakeRelayServer(relay)
-            assert fake.register() == 200
-            out = []
-            t = threading.Thread(
-                target=lambda: out.append(relay_raw_get(relay, f"/r/{fake.server_id}{API}/x"))
-            )
-            t.start()
-            _status, _, body = fake.poll()
-            headers = [
-                ["Content-Type", "text/html"],
-                ["Set-Cookie", "session=evil; Path=/"],
-                ["Access-Control-Allow-Origin", "*"],
-                ["Content-Security-Policy", "script-src *"],
-                ["ETag", '"abc"'],
-            ]
-            page = b"<script>alert(document.cookie)</script>"
-            assert fake.reply(body["data"]["id"], 200, headers, page) == 200
-            t.join(10)
-        head, got = out[0]
-        assert head.startswith("HTTP/1.1 200 ")
-        lines = head.lower().split("\r\n")
-        assert "content-type: application/json; charset=utf-8" in lines
-        assert "x-content-type-options: nosniff" in lines
-        assert "content-security-policy: default-src 'none'; sandbox" in lines
-        assert 'etag: "abc"' in lines
-        assert not any(h.startswith(("set-cookie", "access-control-")) for h in lines)
-        assert got == page
+    def test_move_without_update_links_leaves_links(self, client, root):
+        put_note(client, "notes/t.md", "t")
+        put_note(client, "notes/a.md", "[[t]]")
+        rec = data(client.patch_json(note_url("notes/t.md") + "/move", {"path": "notes/u.md"}))
+        assert "linksUpdated" not in rec
+        assert (root / "notes/a.md").read_text() == "[[t]]"
+        resp = client.patch_json(
+            note_url("notes/u.md") + "/move",
+            {"path": "notes/v.md", "updateLinks": "yes"},
+            status=400,
+        )
+        assert_error(resp, 400, "VALIDATION_ERROR")
+
+    def test_third_party_plugins_load_and_fail_in_isolation(self, plugin_app, caplog):
+        plugins = {p["name"]: p for p in data(plugin_app.get(f"{API}/plugins"))["plugins"]}
+        assert plugins["hello"]["builtin"] is False
+        assert plugins["hello"]["error"] is None
+        assert "ModuleNotFoundError" in plugins["broken-import"]["error"]
+        assert "PLUGIN" in plugins["no-plugin"]["error"]
+        assert plugins["broken-import"]["enabled"] is False
+        # A hook that raises does not fail the save; the plugin is listed with the error.
+        put_note(plugin_app, "notes/x.md", "saved anyway")
+        assert data(plugin_app.get(f"{API}/plugins/explosive"))["error"].endswith("boom in a hook")
+        assert any("explosive" in r.getMessage() for r in caplog.records)
+        greeting = data(plugin_app.get(f"{API}/plugins/hello/greeting"))
+        assert greeting == {"hello": "world", "saved": ["notes/x.md"]}
+        plugin_app.post(f"{API}/plugins/hello/toggle")
+        assert_error(
+            plugin_app.get(f"{API}/plugins/hello/greeting", status=403), 403, "PLUGIN_DISABLED"
+        )
+        assert_error(
+            plugin_app.post(f"{API}/plugins/broken-import/toggle", status=409), 409, "CONFLICT"
+        )
+
+    def test_plugin_can_bring_an_agent_provider(self, make_app, root):
+        plugins = root / ".notesvc" / "plugins"
+        plugins.mkdir(parents=True)
+        (plugins / "echo.py").write_text(
+            "import notesvc\n"
+            "@notesvc.agent_provider('echo', model=lambda cfg: 'parrot-1')\n"
+            "def echo(svc, question, found):\n"
+            "    return 'you asked: ' + question + ' (' + str(len(found)) + ' notes)', 'parrot-1'\n"
+            "PLUGIN = notesvc.Plugin(name='echo', description='repeats the question')\n"
+        )
+        client = with_key(make_app(SERVICE_AGENT_PROVIDER="echo"))
+        put_note(client, "notes/a.md", "parrots talk")
+        assert data(client.get(f"{API}/agent/status"))["model"] == "parrot-1"
+        reply = data(client.post_json(f"{API}/agent/chat", {"message": "parrots?"}))
+        assert reply["reply"] == "you asked: parrots? (1 notes)"
+        assert reply["provider"] == "echo"
+        # The provider is this app's: the module-wide registry and another app never see it.
+        assert "echo" not in notesvc.AGENT_PROVIDERS
+        other = make_app(tmp_path_factory_root(root))
+        assert "echo" not in other.app.service.agent_providers
+        with pytest.raises(notesvc.ConfigError, match="SERVICE_AGENT_PROVIDER"):
+            make_app(tmp_path_factory_root(root), SERVICE_AGENT_PROVIDER="echo")
+
+    def test_plugin_routes_are_in_openapi(self, plugin_app):
+        doc = plugin_app.get(f"{API}/openapi.json").json
+        assert "/api/v1/plugins/hello/greeting" in doc["paths"]
+        assert "/api/v1/plugins/daily/today" in doc["paths"]
+
+
+class TestPluginHooks:
+    """Each hook in notesvc.HOOKS reaches a third-party plugin with its documented arguments.
+
+    Every hook has a `test_hook_<name>` here; test_every_hook_has_a_test enforces it.
+    """
+
+    @pytest.fixture
+    def client(self, make_app, root):
+        plugins = root / ".notesvc" / "plugins"
+        plugins.mkdir(parents=True)
+        (plugins / "recorder.py").write_text(RECORDER_PLUGIN)
+        client = with_key(make_app())
+        assert data(client.get(f"{API}/plugins/recorder"))["error"] is None
+        return client
+
+    @staticmethod
+    def calls(client) -> list:
+        return data(client.get(f"{API}/plugins/recorder/calls"))["calls"]
+
+    def test_every_hook_has_a_test(self):
+        source = Path(__file__).read_text()
+        untested = [h for h in notesvc.HOOKS if f"def test_hook_{h}(" not in source]
+        assert not untested, (
+            f"notesvc.HOOKS has hooks without a test: {', '.join(untested)}. For each, add "
+            + ", ".join(f"`def test_hook_{h}(self, client)`" for h in untested)
+            + " to TestPluginHooks in test_notesvc.py: give RECORDER_PLUGIN a function for "
+            "the hook, trigger it through the API and assert the arguments it was called with."
+        )
+
+    def test_hook_note_saved(self, client):
+        put_note(client, "notes/a.md", "first")
+        client.put_json(note_url("notes/a.md"), {"content": "second"})
+        assert self.calls(client) == [
+            ["note_saved", "notes/a.md", "first"],
+            ["note_saved", "notes/a.md", "second"],
+        ]
+        # An append (a channel's /save) is a save too, with the note's whole new content.
+        ch = data(client.post_json(f"{API}/channels", {"provider": "web"}, status=201))
+        webtest.TestApp(client.app).post_json(
+            f"{API}/channels/webhook/web",
+            web_update("/save buy milk"),
+            headers={"X-Service-Channel-Secret": ch["secret"]},
+        )
+        last = self.calls(client)[-1]
+        assert last[0] == "note_saved"
+        assert last[1].startswith("notes/daily/")  # CONTRACT 20: /save goes to the daily note
+        assert "buy milk" in last[2]
+        # A refused write calls nothing.
+        before = self.calls(client)
+        client.post_json(f"{API}/notes", {"path": "notes/a.md", "content": "x"}, status=409)
+        client.put_json(
+            note_url("notes/a.md"), {"content": "x"}, headers={"If-Match": '"0"'}, status=412
+        )
+        assert self.calls(client) == before
+
+    def test_hook_note_moved(self, client):
+        put_note(client, "notes/old.md", "# Old")
+        put_note(client, "notes/taken.md", "# Taken")
+        start = len(self.calls(client))
+        client.patch_json(note_url("notes/old.md") + "/move", {"path": "notes/sub/new.md"})
+        assert self.calls(client)[start:] == [["note_moved", "notes/old.md", "notes/sub/new.md"]]
+        # Moving with updateLinks also saves each note whose links were rewritten.
+        put_note(client, "notes/linking.md", "see [[new]]")
+        start = len(self.calls(client))
+        client.patch_json(
+            note_url("notes/sub/new.md") + "/move", {"path": "notes/newer.md", "updateLinks": True}
+        )
+        assert self.calls(client)[start:] == [
+            ["note_moved", "notes/sub/new.md", "notes/newer.md"],
+            ["note_saved", "notes/linking.md", "see [[newer]]"],
+        ]
+        # A refused move calls nothing.
+        before = self.calls(client)
+        resp = client.patch_json(
+            note_url("notes/newer.md") + "/move", {"path": "notes/taken.md"}, status=409
+        )
+        assert_error(resp, 409, "CONFLICT")
+        client.patch_json(note_url("notes/gone.md") + "/move", {"path": "notes/x.md"}, status=404)
+        assert self.calls(client) == before
+
+    def test_hook_note_deleted(self, client):
+        put_note(client, "notes/doomed.md", "bye")
+        put_note(client, "notes/kept.md", "stay")
+        start = len(self.calls(client))
+        client.delete(note_url("notes/doomed.md"))
+        assert self.calls(client)[start:] == [["note_deleted", "notes/doomed.md"]]
+        # A refused delete calls nothing, and a switched-off plugin hears nothing.
+        client.delete(note_url("notes/doomed.md"), status=404)
+        client.delete(note_url("notes/kept.md"), headers={"If-Match": '"0"'}, status=412)
+        before = self.calls(client)
+        assert data(client.post(f"{API}/plugins/recorder/toggle"))["enabled"] is False
+        client.delete(note_url("notes/kept.md"))
+        assert data(client.post(f"{API}/plugins/recorder/toggle"))["enabled"] is True
+        assert self.calls(client) == before
+
+    def test_hook_note_restored(self, client):
+        put_note(client, "notes/p.md", "one")
+        client.put_json(note_url("notes/p.md"), {"content": "two"})
+        (version,) = data(client.get(note_url("notes/p.md") + "/versions"))["versions"]
+        start = len(self.calls(client))
+        restore = f"{note_url('notes/p.md')}/versions/{version['id']}/restore"
+        client.post(restore)  # from a version: note_restored, not note_saved
+        client.delete(note_url("notes/p.md"))
+        (item,) = data(client.get(f"{API}/trash"))["items"]
+        client.post_json(f"{API}/trash/{item['id']}/restore", {"path": "notes/q.md"})
+        assert self.calls(client)[start:] == [
+            ["note_restored", "notes/p.md", "one"],
+            ["note_deleted", "notes/p.md"],
+            ["note_restored", "notes/q.md", "one"],
+        ]
+        # A refused restore calls nothing (the history went along to notes/q.md).
+        before = self.calls(client)
+        client.post(restore.replace("p.md", "q.md"), headers={"If-Match": '"0"'}, status=412)
+        client.delete(note_url("notes/q.md"))
+        put_note(client, "notes/q.md", "taken")
+        (item,) = data(client.get(f"{API}/trash"))["items"]
+        client.post(f"{API}/trash/{item['id']}/restore", status=409)
+        assert self.calls(client)[len(before) :] == [
+            ["note_deleted", "notes/q.md"],
+            ["note_saved", "notes/q.md", "taken"],
+        ]
+
+
+class TestSecurity:
+    @pytest.fixture
+    def safe(self, make_app, root):
+        """A configuration with no finding: loopback, linked, private folders."""
+        app = make_app(SERVICE_HOST="127.0.0.1")
+        with_key(app).post(f"{API}/auth/link")
+        os.chmod(root / "notes", 0o700)
+        return app
+
+    def test_safe_configuration_scores_100(self, safe):
+        report = audit(safe)
+        assert report["score"] == 100, report["findings"]
+        assert report["summary"] == {"critical": 0, "high": 0, "medium": 0, "low": 0, "info": 0}
+
+    def test_finding_shape_and_summary(self, make_app):
+        report = audit(make_app(SERVICE_AUTH_MODE="none"))
+        for f in report["findings"]:
+            assert set(f) == {"id", "severity", "title", "detail", "recommendation"}
+            assert f["severity"] in notesvc.SEVERITIES
+        assert sum(report["summary"].values()) == len(report["findings"])
+        order = [notesvc.SEVERITIES.index(f["severity"]) for f in report["findings"]]
+        assert order == sorted(order)
+
+    def test_score_formula(self, make_app, root):
+        app = make_app(
+            SERVICE_HOST="127.0.0.1",
+            SERVICE_CORS_ORIGINS="*",
+            SERVICE_AUTH_MODE="jwt",
+            SERVICE_JWT_SECRET="a" * 40,
+            SERVICE_RELAY_URL="http://relay.example.org",
+        )
+        os.chmod(root / "notes", 0o755)
+        report = notesvc.run_audit(app.app.service)
+        assert {f["id"]: f["severity"] for f in report["findings"]} == {
+            "cors-wildcard": "high",
+            "jwt-secret-weak": "high",
+            "relay-plain-http": "medium",
+            "notes-readable": "low",
+            "setup-incomplete": "low",
+            "relay-sees-transit": "info",
+        }
+        assert report["score"] == expected_score(report["findings"]) == 100 - 20 - 20 - 10 - 3 - 3
+        assert audit(app)["score"] == report["score"]  # the endpoint says the same
+
+    def test_score_never_below_zero(self, make_app, root):
+        app = make_app(SERVICE_HOST="0.0.0.0", SERVICE_AUTH_MODE="none", SERVICE_CORS_ORIGINS="*")
+        os.chmod(root / "notes", 0o777)
+        os.chmod(root / ".notesvc" / "state.json", 0o644)
+        os.chmod(root / ".notesvc", 0o755)
+        report = audit(app)
+        costs = sum(notesvc.SEVERITY_COST[f["severity"]] for f in report["findings"])
+        assert costs > 100, report["findings"]  # the formula alone would go negative
+        assert report["score"] == 0
 
     @pytest.mark.parametrize(
-        ("head", "status"),
+        ("env", "finding", "severity"),
         [
-            (b"POST /health HTTP/1.1\r\nHost: r\r\nTransfer-Encoding: chunked\r\n\r\n", 411),
-            (b"GET /health HTTP/1.1\r\nHost: r\r\nX-A: 1\r\n  folded\r\n\r\n", 400),
-            (b"POST /health HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 1\r\n\r\nx", 400),
-            (b"POST /health HTTP/1.1\r\nContent-Length: -1\r\n\r\n", 400),
-            (b"GET /health HTTP/1.1\r\nNo colon here\r\n\r\n", 400),
-            (b"GET health HTTP/1.1\r\n\r\n", 400),
-            (b"GET /health HTTP/2.0\r\n\r\n", 400),
-            (b"GET /health HTTP/1.1\r\nX-Big: " + b"a" * 20000 + b"\r\n\r\n", 431),
+            ({"SERVICE_AUTH_MODE": "none"}, "auth-off", "critical"),
+            ({"SERVICE_HOST": "0.0.0.0"}, "setup-exposed", "critical"),
+            ({"SERVICE_CORS_ORIGINS": "*"}, "cors-wildcard", "high"),
+            (
+                {"SERVICE_AUTH_MODE": "jwt", "SERVICE_JWT_SECRET": "a" * 40},
+                "jwt-secret-weak",
+                "high",
+            ),
+            ({"SERVICE_RELAY_URL": "http://relay.example.org"}, "relay-plain-http", "medium"),
+            (
+                {
+                    "SERVICE_AGENT_PROVIDER": "openai",
+                    "SERVICE_AGENT_BASE_URL": "http://gpu.lan:8080/v1",
+                    "SERVICE_AGENT_MODEL": "m",
+                    "SERVICE_AGENT_API_KEY": "k",
+                },
+                "model-plain-http",
+                "high",
+            ),
+            ({"SERVICE_HOST": "0.0.0.0"}, "plain-http-all-interfaces", "medium"),
         ],
     )
-    def test_http_is_parsed_strictly(self, tmp_path, head, status):
-        with running(tmp_path, "relay") as relay:
-            with socket.create_connection(("127.0.0.1", relay.port), timeout=5) as s:
-                s.sendall(head)
-                answer = recv_all(s)
-            assert answer.startswith(f"HTTP/1.1 {status} ".encode())
-            assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["success"] is False
-            assert relay.request("GET", "/health")[0] == 200
+    def test_configuration_checks_trigger(self, make_app, root, env, finding, severity):
+        env = {"SERVICE_HOST": "127.0.0.1", **env}
+        report = audit(make_app(**env))
+        found = {f["id"]: f["severity"] for f in report["findings"]}
+        assert found.get(finding) == severity, report["findings"]
 
-    def test_keep_alive_serves_several_requests_on_one_connection(self, tmp_path):
-        with running(tmp_path, "relay") as relay:
-            conn = http.client.HTTPConnection("127.0.0.1", relay.port, timeout=5)
-            for _ in range(3):
-                conn.request("GET", "/health")
-                resp = conn.getresponse()
-                assert resp.status == 200
-                assert json.loads(resp.read())["data"]["role"] == "relay"
-            conn.close()
+    def test_configuration_checks_stay_quiet_when_fine(self, make_app, tmp_path):
+        for i, env in enumerate(
+            (
+                {"SERVICE_AUTH_MODE": "jwt", "SERVICE_JWT_SECRET": JWT_SECRET},
+                {"SERVICE_RELAY_URL": "https://relay.example.org"},
+                {
+                    "SERVICE_AGENT_PROVIDER": "openai",
+                    "SERVICE_AGENT_BASE_URL": "http://127.0.0.1:11434/v1",
+                    "SERVICE_AGENT_MODEL": "m",
+                },
+                {"SERVICE_HOST": "0.0.0.0", "SERVICE_TRUST_PROXY": "true"},
+                {"SERVICE_CORS_ORIGINS": "https://app.example"},
+            )
+        ):
+            app_root = tmp_path / f"quiet{i}"
+            app = make_app(app_root, SERVICE_HOST=env.pop("SERVICE_HOST", "127.0.0.1"), **env)
+            with_key(app).post(f"{API}/auth/link")
+            os.chmod(app_root / "notes", 0o700)
+            report = audit(app)
+            assert all(f["severity"] == "info" for f in report["findings"]), report["findings"]
 
-    def test_idle_connections_from_one_address_are_capped(self, tmp_path):
-        env = {"SERVICE_RELAY_MAX_IDLE_PER_ADDRESS": "16"}
-        with running(tmp_path, "relay", env=env) as relay:
-            socks = []
-            try:
-                for _ in range(60):
-                    s = socket.socket()
-                    s.settimeout(5)
-                    s.bind(("127.0.0.9", 0))
-                    s.connect(("127.0.0.1", relay.port))
-                    s.sendall(b"GET /hea")  # an incomplete request: slowloris
-                    socks.append(s)
-                started = time.monotonic()
-                assert relay.request("GET", "/health")[0] == 200
-                assert time.monotonic() - started < 1
-                closed = sum(recv_all(s) == b"" for s in socks[:40])
-                assert closed == 40  # the oldest went first
-            finally:
-                for s in socks:
-                    s.close()
+    def test_setup_local_only_lowers_the_exposure(self, make_app):
+        report = audit(make_app(SERVICE_HOST="0.0.0.0", SERVICE_SETUP_LOCAL_ONLY="true"))
+        assert "setup-exposed" not in ids(report)
+        assert "setup-incomplete" in ids(report)
 
-    def test_relay_serves_its_own_copy_of_the_web_client(self, pair):
-        relay, _server, setup = pair
-        with urllib.request.urlopen(relay.url + "/", timeout=10) as resp:
-            page = resp.read().decode()
-            csp = resp.headers["Content-Security-Policy"]
-        assert "<title>notesvc</title>" in page
-        assert "connect-src 'self'" in csp
-        assert setup["links"]["connect"]["hosted"] == (
-            f"{relay.url}/?relayCode={setup['pairing']['relayCode']}"
+    def test_file_mode_checks(self, safe, root):
+        os.chmod(root / ".notesvc" / "state.json", 0o644)
+        os.chmod(root / ".notesvc", 0o755)
+        os.chmod(root / "notes", 0o777)
+        plugins = root / ".notesvc" / "plugins"
+        plugins.mkdir()
+        os.chmod(plugins, 0o777)
+        found = ids(audit(safe))
+        assert {
+            "state-readable-file",
+            "state-readable-dir",
+            "notes-writable",
+            "plugins-writable",
+        } <= found
+        os.chmod(root / "notes", 0o755)
+        assert "notes-readable" in ids(audit(safe))
+
+    def test_key_age(self, safe, root):
+        state_file = root / ".notesvc" / "state.json"
+        state = json.loads(state_file.read_text())
+        state["keyCreatedAt"] = "2020-01-01T00:00:00.000Z"
+        state_file.write_text(json.dumps(state))
+        assert "key-old" in ids(audit(safe))
+
+    def test_channel_without_allowlist_and_query_secret(self, safe):
+        client = with_key(safe)
+        ch = data(
+            client.post_json(
+                f"{API}/channels",
+                {"provider": "telegram", "config": {"botToken": "1:x"}},
+                status=201,
+            )
         )
-
-
-NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
-
-
-@pytest.mark.skipif(not NGINX, reason="nginx is not installed (apt install nginx)")
-def test_two_relays_behind_nginx_share_the_servers(tmp_path):
-    """deploy/nginx-relay.conf: servers and clients spread over two relay processes."""
-    ports = [free_port(), free_port()]
-    front = free_port()
-    conf = (HERE / "deploy" / "nginx-relay.conf").read_text()
-    conf = conf.replace("127.0.0.1:8441", f"127.0.0.1:{ports[0]}")
-    conf = conf.replace("127.0.0.1:8442", f"127.0.0.1:{ports[1]}")
-    conf = re.sub(
-        r"    listen 443 ssl;\n.*?ssl_certificate_key [^\n]*\n",
-        f"    listen 127.0.0.1:{front};\n",
-        conf,
-        flags=re.S,
-    )
-    (tmp_path / "logs").mkdir()
-    (tmp_path / "nginx.conf").write_text(
-        "daemon off; master_process off; pid nginx.pid; error_log logs/error.log warn;\n"
-        "events { worker_connections 1024; }\n"
-        "http { access_log off; client_body_temp_path tmp; proxy_temp_path tmp;\n" + conf + "\n}\n"
-    )
-    (tmp_path / "tmp").mkdir()
-    env = {"SERVICE_TRUST_PROXY": "true"}
-    relays = [Server(tmp_path / f"relay{i}", "relay", env=env, port=p) for i, p in enumerate(ports)]
-    nginx = subprocess.Popen(
-        [NGINX, "-p", str(tmp_path), "-c", "nginx.conf"], stderr=subprocess.PIPE, text=True
-    )
-    servers = []
-    try:
-        url = f"http://127.0.0.1:{front}"
-
-        def up() -> bool:
-            assert nginx.poll() is None, nginx.stderr.read()
-            with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as resp:
-                return resp.status == 200
-            return False
-
-        wait_for(up)
-        for i in range(10):  # until both relays hold a server (consistent hashing decides)
-            servers.append(Server(tmp_path / f"srv{i}", env={"SERVICE_RELAY_URL": url}))
-            held = len(servers)
-            wait_for(lambda held=held: sum(map(relay_servers, relays)) == held)
-            if len(servers) >= 2 and all(map(relay_servers, relays)):
-                break
-        assert all(map(relay_servers, relays)), "every server landed on one relay"
-        for n, server in enumerate(servers):
-            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
-            code = setup["pairing"]["relayCode"]
-            with urllib.request.urlopen(f"{url}/relay/v1/pair/{code}", timeout=10) as resp:
-                base = json.loads(resp.read())["data"]["relayApiBase"]
-            assert base == f"{url}/r/{setup['serverId']}/api/v1"
-            key = {"X-Service-Key": setup["apiKey"], "Content-Type": "application/json"}
-            note = json.dumps({"path": f"notes/n{n}.md", "content": f"# Note {n}"}).encode()
-            req = urllib.request.Request(f"{base}/notes", note, key, method="POST")
-            with urllib.request.urlopen(req, timeout=10) as resp:
-                assert resp.status == 201
-            req = urllib.request.Request(f"{base}/notes/notes%2Fn{n}.md", headers=key)
-            with urllib.request.urlopen(req, timeout=10) as resp:
-                assert json.loads(resp.read())["data"]["title"] == f"Note {n}"
-            req = urllib.request.Request(f"{base}/system/info", headers=key)
-            with urllib.request.urlopen(req, timeout=10) as resp:
-                assert json.loads(resp.read())["data"]["connection"]["state"] == "connected"
-    finally:
-        for server in servers:
-            server.stop()
-        nginx.terminate()
-        nginx.wait(10)
-        nginx.stderr.close()
-        for relay in relays:
-            relay.stop()
-
-
-class FakeRelayServer:
-    """A server as the relay sees it: its own token and id, raw relay protocol calls."""
-
-    def __init__(self, relay: Server, source: str = "127.0.0.1"):
-        self.relay, self.source = relay, source
-        self.token = base64.urlsafe_b64encode(os.urandom(32)).decode().rstrip("=")
-        self.server_id = notesvc.relay_server_id(self.token)
-
-    def call(self, method: str, path: str, body=None, token: str | None = None):
-        conn = http.client.HTTPConnection(
-            "127.0.0.1", self.relay.port, timeout=40, source_address=(self.source, 0)
+        assert f"channel-open-{ch['id']}" in ids(audit(safe))
+        webtest.TestApp(safe.app).post_json(
+            f"{API}/channels/webhook/telegram?secret={ch['secret']}", {"update_id": 1}
         )
-        try:
-            headers = {"X-Relay-Token": self.token if token is None else token}
-            payload = None
-            if body is not None:
-                payload = json.dumps(body).encode()
-                headers["Content-Type"] = "application/json"
-            conn.request(method, path, payload, headers)
-            resp = conn.getresponse()
-            raw = resp.read()
-            return resp.status, resp.headers, json.loads(raw) if raw else None
-        finally:
-            conn.close()
+        assert "secret-in-query" in ids(audit(safe))
 
-    def register(self, server_id: str | None = None) -> int:
-        sid = server_id or self.server_id
-        body = {"token": self.token, "relayCode": "CODE-" + sid[:6].upper()}
-        return self.call("POST", f"/relay/v1/register/{sid}", body)[0]
+    def test_third_party_plugin_is_reported(self, make_app, root):
+        plugins = root / ".notesvc" / "plugins"
+        plugins.mkdir(parents=True)
+        (plugins / "hello.py").write_text(HELLO_PLUGIN)
+        assert "plugin-hello" in ids(audit(make_app(SERVICE_HOST="127.0.0.1")))
 
-    def poll(self, server_id: str | None = None):
-        return self.call("GET", f"/relay/v1/poll/{server_id or self.server_id}")
+    def test_plugin_files_writable_symlinked_or_foreign_are_flagged(self, safe, root, tmp_path):
+        plugins = root / ".notesvc" / "plugins"
+        plugins.mkdir(mode=0o700)
+        (plugins / "open.py").write_text("x = 1\n")
+        os.chmod(plugins / "open.py", 0o666)
+        elsewhere = tmp_path / "elsewhere.py"
+        elsewhere.write_text("x = 1\n")
+        (plugins / "linked.py").symlink_to(elsewhere)
+        (plugins / "fine.py").write_text("x = 1\n")
+        os.chmod(plugins / "fine.py", 0o600)
+        if os.geteuid() == 0:
+            os.chown(plugins / "fine.py", 65534, 65534)
+        report = audit(safe)
+        found = {f["id"]: f["severity"] for f in report["findings"]}
+        assert found["plugin-writable-open"] == "high"
+        assert found["plugin-symlink-linked"] == "high"
+        assert "plugin-writable-fine" not in found
+        assert "plugin-symlink-fine" not in found
+        if os.geteuid() == 0:
+            assert found["plugin-owner-fine"] == "high"
+        # Files are listed by name even when they are no valid plugin.
+        assert {"plugin-open", "plugin-linked", "plugin-fine"} <= set(found)
 
-    def open_poll(self) -> socket.socket:
-        """Start a long-poll on a raw socket and leave it waiting."""
-        s = socket.socket()
-        s.settimeout(5)
-        s.bind((self.source, 0))
-        s.connect(("127.0.0.1", self.relay.port))
-        s.sendall(
-            f"GET /relay/v1/poll/{self.server_id} HTTP/1.1\r\nHost: relay\r\n"
-            f"X-Relay-Token: {self.token}\r\n\r\n".encode()
+    def test_plugins_parent_writable_by_others_is_flagged_unless_sticky(self, make_app, tmp_path):
+        shared = tmp_path / "shared"
+        (shared / "plugins").mkdir(parents=True)
+        os.chmod(shared / "plugins", 0o700)
+        app = make_app(SERVICE_HOST="127.0.0.1", SERVICE_PLUGINS_DIR=str(shared / "plugins"))
+        os.chmod(shared, 0o777)
+        finding = {f["id"]: f for f in audit(app)["findings"]}["plugins-parent-writable"]
+        assert finding["severity"] == "high"
+        assert str(shared) in finding["detail"]
+        os.chmod(shared, 0o1777)  # like /tmp: others cannot replace what is ours
+        assert "plugins-parent-writable" not in ids(audit(app))
+        os.chmod(shared, 0o755)
+        assert "plugins-parent-writable" not in ids(audit(app))
+
+    @pytest.mark.skipif(os.name != "posix" or os.geteuid() != 0, reason="needs root")
+    def test_plugins_folder_owned_by_another_user_is_flagged(self, make_app, tmp_path):
+        owned = tmp_path / "owned"
+        (owned / "plugins").mkdir(parents=True)
+        app = make_app(SERVICE_HOST="127.0.0.1", SERVICE_PLUGINS_DIR=str(owned / "plugins"))
+        assert "plugins-owner" not in ids(audit(app))
+        os.chown(owned, 65534, 65534)
+        finding = {f["id"]: f for f in audit(app)["findings"]}["plugins-owner"]
+        assert finding["severity"] == "high"
+        assert f"{owned} (uid 65534)" in finding["detail"]
+
+    def test_web_channel_allowlist_is_not_counted_as_authentication(self, safe):
+        client = with_key(safe)
+        open_web = data(client.post_json(f"{API}/channels", {"provider": "web"}, status=201))
+        listed = data(
+            client.post_json(
+                f"{API}/channels",
+                {"provider": "web", "config": {"allowedSenders": ["kitchen"]}},
+                status=201,
+            )
         )
-        return s
+        report = audit(safe)
+        found = {f["id"]: f for f in report["findings"]}
+        for ch in (open_web, listed):  # the allowlist changes nothing: the secret is the lock
+            assert found[f"channel-web-{ch['id']}"]["severity"] == "info"
+            assert "not authentication" in found[f"channel-web-{ch['id']}"]["detail"]
+            assert f"channel-open-{ch['id']}" not in found
+        assert report["score"] == 100
 
-    def reply(self, request_id: str, status: int, headers: list, body: bytes) -> int:
-        answer = {"status": status, "headers": headers, "body": base64.b64encode(body).decode()}
-        return self.call("POST", f"/relay/v1/reply/{self.server_id}/{request_id}", answer)[0]
+    def test_every_audit_check_has_a_configuration_where_it_fires(self):
+        missing = sorted(set(notesvc.AUDIT_CHECKS) - set(FIRING_CONFIGURATIONS))
+        stale = sorted(set(FIRING_CONFIGURATIONS) - set(notesvc.AUDIT_CHECKS))
+        assert not missing, (
+            f"audit checks without an entry in FIRING_CONFIGURATIONS: {missing}; add one "
+            "giving the settings / change under which each returns a finding, and its id"
+        )
+        assert not stale, f"FIRING_CONFIGURATIONS names checks that are gone: {stale}"
 
+    @pytest.mark.parametrize("name", list(notesvc.AUDIT_CHECKS))
+    def test_every_audit_check_fires_with_findings_of_the_right_shape(
+        self, make_app, tmp_path, name
+    ):
+        assert name in FIRING_CONFIGURATIONS, f"add {name!r} to FIRING_CONFIGURATIONS"
+        firing = FIRING_CONFIGURATIONS[name]
+        reports = {}
+        for label, case in (("safe", Firing(firing.id)), ("firing", firing)):
+            app_root = tmp_path / label
+            app = make_app(app_root, **{"SERVICE_HOST": "127.0.0.1", **case.env})
+            if case.linked:
+                with_key(app).post(f"{API}/auth/link")
+            os.chmod(app_root / "notes", 0o700)
+            if case.change:
+                case.change(app, app_root)
+            reports[label] = audit(app)
+        matching = lambda report: [  # noqa: E731
+            f for f in report["findings"] if re.fullmatch(firing.id, f["id"])
+        ]
+        assert matching(reports["firing"]), f"{name} did not fire: {reports['firing']}"
+        assert not matching(reports["safe"]), f"{name} fires in the safe configuration"
+        for report in reports.values():
+            assert f"check-{name}" not in ids(report), "the check raised"
+            for f in report["findings"]:
+                assert set(f) == {"id", "severity", "title", "detail", "recommendation"}
+                assert f["severity"] in notesvc.SEVERITIES
+                for key in ("id", "title", "detail", "recommendation"):
+                    assert isinstance(f[key], str), (key, f)
+                    assert f[key].strip(), (key, f)
 
-def relay_queued(relay: Server, fake: FakeRelayServer) -> int:
-    return relay.request("GET", "/health")[2]["data"].get("queued", 0)
+    def test_config_view_has_no_secret(self, make_app):
+        app = make_app(
+            SERVICE_AUTH_MODE="jwt",
+            SERVICE_JWT_SECRET=JWT_SECRET,
+            SERVICE_AGENT_API_KEY="sk-hidden",
+        )
+        d = data(with_key(app).get(f"{API}/security/config"))
+        assert d["auth"]["mode"] == "jwt"
+        assert d["auth"]["header"] == "X-Service-Key"
+        assert d["auth"]["keyAgeDays"] == 0
+        assert d["limits"]["lockout"]["failures"] == 10
+        for key in ("setup", "network", "limits", "channels", "plugins"):
+            assert key in d
+        text = json.dumps(d)
+        for secret in (JWT_SECRET, "sk-hidden", key_of(app)):
+            assert secret not in text
 
+    def test_recommendations_most_severe_first(self, make_app):
+        recs = data(
+            with_key(make_app(SERVICE_AUTH_MODE="none", SERVICE_CORS_ORIGINS="*")).get(
+                f"{API}/security/recommendations"
+            )
+        )["recommendations"]
+        assert recs[0]["severity"] == "critical"
+        assert set(recs[0]) == {"id", "severity", "title", "action"}
+        order = [notesvc.SEVERITIES.index(r["severity"]) for r in recs]
+        assert order == sorted(order)
 
-def recv_all(s: socket.socket) -> bytes:
-    """Read until the peer closes (or 5 s pass); b'' when it closed at once."""
-    chunks = []
-    with contextlib.suppress(socket.timeout, ConnectionResetError):
-        while True:
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def relay_raw_get(relay: Server, path: str) -> tuple:
-    """GET on a raw socket; return (head as text, body bytes) exactly as the relay sent them."""
-    with socket.create_connection(("127.0.0.1", relay.port), timeout=10) as s:
-        s.sendall(f"GET {path} HTTP/1.1\r\nHost: relay\r\nConnection: close\r\n\r\n".encode())
-        raw = recv_all(s)
-    head, _, body = raw.partition(b"\r\n\r\n")
-    return head.decode("latin-1"), body
+    def test_audit_cli_exit_status(self, tmp_path, make_app):
+        make_app(tmp_path / "a")
+        make_app(tmp_path / "b")
+        bad = run_cli("audit", "--root", str(tmp_path / "a"), env={"SERVICE_HOST": "0.0.0.0"})
+        assert bad.returncode == 1
+        assert "[critical]" in bad.stdout
+        assert "score" in bad.stdout
+        good = run_cli("audit", "--root", str(tmp_path / "b"), env={"SERVICE_HOST": "127.0.0.1"})
+        assert good.returncode == 0, good.stdout
 
 
 class TestWebClientPage:
@@ -11078,401 +10489,6 @@ class TestWebClientPage:
             assert head.startswith("HTTP/1.1 404")
         finally:
             relay.stop()
-
-
-def png_size(data: bytes) -> tuple:
-    """Return (width, height) of a PNG, checking its signature, chunk CRCs and pixel data."""
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, chunks = 8, {}
-    while pos < len(data):
-        length = int.from_bytes(data[pos : pos + 4], "big")
-        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
-        crc = int.from_bytes(data[pos + 8 + length : pos + 12 + length], "big")
-        assert zlib.crc32(kind + body) == crc
-        chunks[kind] = body
-        pos += 12 + length
-    width, height = (
-        int.from_bytes(chunks[b"IHDR"][:4], "big"),
-        int.from_bytes(chunks[b"IHDR"][4:8], "big"),
-    )
-    assert len(zlib.decompress(chunks[b"IDAT"])) == height * (1 + width * 3)
-    assert b"IEND" in chunks
-    return width, height
-
-
-class TestRelayAttachments:
-    """Attachments through a relay: up to its body limit both ways, larger at once 413, and
-    a server's answer never becomes a page on the relay's origin."""
-
-    LIMIT = 65536
-
-    @pytest.fixture
-    def pair(self, tmp_path):
-        env = {"SERVICE_RELAY_TIMEOUT": "10", "SERVICE_MAX_BODY_BYTES": str(self.LIMIT)}
-        relay = Server(tmp_path / "relay", "relay", env=env)
-        server = Server(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url})
-        try:
-            wait_for(lambda: relay_servers(relay) == 1)
-            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
-            yield relay, server, setup, tmp_path / "srv"
-        finally:
-            server.stop()
-            relay.stop()
-
-    @staticmethod
-    def send(base: str, method: str, path: str, setup: dict, body=None, headers=None) -> tuple:
-        hdrs = {"X-Service-Key": setup["apiKey"], **(headers or {})}
-        req = urllib.request.Request(base + path, body, hdrs, method=method)
-        try:
-            with urllib.request.urlopen(req, timeout=30) as resp:
-                return resp.status, resp.headers, resp.read()
-        except urllib.error.HTTPError as e:
-            return e.code, e.headers, e.read()
-
-    def test_an_attachment_of_the_relays_limit_passes_both_ways(self, pair):
-        relay, _, setup, root = pair
-        prefix = f"/r/{setup['serverId']}{API}"
-        image = (b"\x89PNG\r\n\x1a\n" + os.urandom(self.LIMIT))[: self.LIMIT]
-        url = prefix + att_url("attachments/big.png")[len(API) :]
-        status, _, body = self.send(
-            relay.url, "PUT", url, setup, image, {"Content-Type": "image/png"}
-        )
-        assert status == 201, body
-        assert (root / "attachments" / "big.png").read_bytes() == image
-        status, headers, got = self.send(relay.url, "GET", url, setup)
-        assert status == 200
-        assert got == image
-        assert headers["Content-Type"] == "image/png"  # its own type, for an <img> from a blob
-        assert headers["Content-Disposition"] == 'attachment; filename="big.png"'
-        assert headers["Content-Security-Policy"] == "default-src 'none'; sandbox"
-        assert headers["X-Content-Type-Options"] == "nosniff"
-        status, headers, got = self.send(
-            relay.url, "GET", url, setup, headers={"Range": "bytes=100-199"}
-        )
-        assert status == 206
-        assert got == image[100:200]
-        assert headers["Content-Range"] == f"bytes 100-199/{self.LIMIT}"
-        form, ctype = multipart(("path", "attachments/cam/a.jpg"), ("file", image[:60000], "a.jpg"))
-        status, _, body = self.send(
-            relay.url, "POST", prefix + "/attachments", setup, form, {"Content-Type": ctype}
-        )
-        assert status == 201, body
-        assert json.loads(body)["data"]["path"] == "attachments/cam/a.jpg"
-
-    def test_larger_ones_are_413_at_once_both_ways(self, pair):
-        relay, server, setup, _ = pair
-        prefix = f"/r/{setup['serverId']}{API}"
-        url = prefix + att_url("attachments/big.zip")[len(API) :]
-        with socket.create_connection(("127.0.0.1", relay.port), timeout=5) as s:
-            s.sendall(
-                f"PUT {url} HTTP/1.1\r\nHost: relay\r\nContent-Type: application/zip\r\n"
-                f"Content-Length: {self.LIMIT + 1}\r\n\r\n".encode()
-            )
-            started = time.monotonic()
-            answer = recv_all(s)
-        assert time.monotonic() - started < 1
-        assert answer.startswith(b"HTTP/1.1 413 ")
-        assert str(self.LIMIT) in json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["message"]
-        # One put on the server directly is too large to come back whole through the relay.
-        big = os.urandom(4 * self.LIMIT)
-        direct = att_url("attachments/big.zip")
-        status, _, _ = self.send(
-            server.url, "PUT", direct, setup, big, {"Content-Type": "application/zip"}
-        )
-        assert status == 201
-        started = time.monotonic()
-        status, headers, body = self.send(relay.url, "GET", url, setup)
-        assert time.monotonic() - started < 5  # not the relay's 10 s time-out
-        assert status == 413
-        error = json.loads(body)["error"]
-        assert error["code"] == "PAYLOAD_TOO_LARGE"
-        assert str(self.LIMIT) in error["message"]
-        assert "Range" in error["message"]
-        assert headers["Content-Type"].startswith("application/json")
-        status, _, got = self.send(
-            relay.url, "GET", url, setup, headers={"Range": f"bytes=0-{self.LIMIT // 2 - 1}"}
-        )
-        assert status == 206
-        assert got == big[: self.LIMIT // 2]
-
-    @pytest.mark.parametrize(
-        ("served", "shown"),
-        [
-            ("text/html; charset=utf-8", "application/octet-stream"),
-            ("image/svg+xml", "application/octet-stream"),
-            ("application/xhtml+xml", "application/octet-stream"),
-            ("image/png", "image/png"),
-            ("audio/ogg", "audio/ogg"),
-        ],
-    )
-    def test_a_server_cannot_publish_a_page_as_an_attachment(self, tmp_path, served, shown):
-        with running(tmp_path, "relay") as relay:
-            fake = FakeRelayServer(relay)
-            assert fake.register() == 200
-            out = []
-            path = f"/r/{fake.server_id}{API}/attachments/attachments%2Fx.html"
-            t = threading.Thread(target=lambda: out.append(relay_raw_get(relay, path)))
-            t.start()
-            _status, _, body = fake.poll()
-            headers = [
-                ["Content-Type", served],
-                ["Content-Disposition", "inline"],
-                ["Set-Cookie", "session=evil; Path=/"],
-                ["Content-Security-Policy", "script-src *"],
-                ["Refresh", "0; url=https://evil.example/"],
-                ["ETag", '"abc"'],
-            ]
-            page = b"<script>alert(document.cookie)</script>"
-            assert fake.reply(body["data"]["id"], 200, headers, page) == 200
-            t.join(10)
-        head, got = out[0]
-        lines = head.lower().split("\r\n")
-        assert f"content-type: {shown}" in lines
-        assert 'content-disposition: attachment; filename="x.html"' in lines
-        assert "content-security-policy: default-src 'none'; sandbox" in lines
-        assert "x-content-type-options: nosniff" in lines
-        assert 'etag: "abc"' in lines
-        assert not any(
-            h.startswith(("set-cookie", "refresh", "content-disposition: inline")) for h in lines
-        )
-        assert got == page
-
-    def test_relay_answer_headers_of_a_download_and_of_an_api_answer(self):
-        served = [["Content-Type", "image/jpeg"], ["Content-Disposition", 'inline; filename="a"']]
-        download = notesvc.relay_answer_headers(
-            "/api/v1/attachments/attachments/a b.jpg", served, True
-        )
-        assert ("Content-Type", "image/jpeg") in download
-        assert ("Content-Disposition", 'attachment; filename="a_b.jpg"') in download
-        answer = notesvc.relay_answer_headers("/api/v1/attachments/attachments/a.jpg", served)
-        assert ("Content-Type", notesvc.JSON_TYPE) in answer
-        assert not any(k == "Content-Disposition" for k, _ in answer)
-        assert notesvc.relayed_download("GET", "/api/v1/attachments/attachments/a.jpg", 206)
-        for args in (
-            ("GET", "/api/v1/attachments/attachments/a.jpg", 404),
-            ("PUT", "/api/v1/attachments/attachments/a.jpg", 201),
-            ("GET", "/api/v1/attachments", 200),
-            ("GET", "/api/v1/notes/x", 200),
-        ):
-            assert not notesvc.relayed_download(*args)
-
-
-# -- the built-in web client, in a real browser ------------------------------------------------
-
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-PHONE = {"viewport": {"width": 390, "height": 844}, "has_touch": True, "is_mobile": True}
-DESKTOP = {"viewport": {"width": 1280, "height": 800}}
-DEVICES = {"phone": PHONE, "desktop": DESKTOP}
-SEED_NOTES = {
-    "home/keys.md": "# Spare keys\n\nThe spare keys are in the blue kumquat jar on the shelf.\n\n"
-    "- [ ] copy the garage key\n- [x] give one to Anna\n\n"
-    "See [[pancakes]] and [the recipe](../kitchen/pancakes.md).\n",
-    "kitchen/pancakes.md": "# Pancakes\n\n1. Flour, eggs and milk.\n2. Whisk **well**.\n\n"
-    "| step | minutes |\n|---|--:|\n| rest | 10 |\n| fry | 2 |\n",
-    "todo.md": "# Todo\n\n- buy oat milk\n",
-}
-
-# The accessibility check: every visible control has a name, and every visible text meets
-# WCAG AA contrast against the background it is drawn on (alpha composited up the tree).
-A11Y_AUDIT = r"""() => {
-  const problems = [];
-  const shown = (e) => {
-    const r = e.getBoundingClientRect(), s = getComputedStyle(e);
-    return r.width > 0 && r.height > 0 && s.visibility !== "hidden" && s.display !== "none";
-  };
-  const nameOf = (e) => {
-    const label = (e.getAttribute("aria-label") || "").trim();
-    if (label) return label;
-    const by = e.getAttribute("aria-labelledby");
-    const text = (els) => els.map((l) => l.textContent).join(" ").trim();
-    if (by) return text(by.split(" ").map((id) => document.getElementById(id)));
-    if (e.labels && e.labels.length) return text([...e.labels]);
-    if (/^(BUTTON|SUMMARY|A)$/.test(e.tagName)) return e.textContent.trim();
-    return (e.getAttribute("title") || "").trim();
-  };
-  for (const e of document.querySelectorAll("button, input, textarea, select, summary, a[href]")) {
-    if (shown(e) && !nameOf(e)) problems.push("no accessible name: " + e.outerHTML.slice(0, 90));
-  }
-  const rgba = (c) => {
-    const m = /rgba?\(([^)]+)\)/.exec(c);
-    if (!m) return [0, 0, 0, 0];
-    const p = m[1].split(/[ ,\/]+/).filter(Boolean).map(parseFloat);
-    return [p[0], p[1], p[2], p.length > 3 ? p[3] : 1];
-  };
-  const lum = (c) => {
-    const f = (v) => {
-      v /= 255;
-      return v <= 0.03928 ? v / 12.92 : Math.pow((v + 0.055) / 1.055, 2.4);
-    };
-    return 0.2126 * f(c[0]) + 0.7152 * f(c[1]) + 0.0722 * f(c[2]);
-  };
-  const over = (top, under) => [0, 1, 2].map((i) => top[i] * top[3] + under[i] * (1 - top[3]));
-  const backdrop = (e) => {
-    const layers = [];
-    for (let n = e; n; n = n.parentElement) {
-      const c = rgba(getComputedStyle(n).backgroundColor);
-      if (c[3] > 0) { layers.push(c); if (c[3] >= 1) break; }
-    }
-    let bg = matchMedia("(prefers-color-scheme: dark)").matches ? [0, 0, 0] : [255, 255, 255];
-    for (const c of layers.reverse()) bg = over(c, bg);
-    return bg;
-  };
-  const ratio = (a, b) => {
-    const x = lum(a), y = lum(b);
-    return (Math.max(x, y) + 0.05) / (Math.min(x, y) + 0.05);
-  };
-  const check = (e, color, what) => {
-    const s = getComputedStyle(e);
-    const bg = backdrop(e);
-    const r = ratio(over(rgba(color), bg), bg);
-    const size = parseFloat(s.fontSize), bold = parseInt(s.fontWeight, 10) >= 700;
-    const need = size >= 24 || (bold && size >= 18.66) ? 3 : 4.5;
-    if (r < need) problems.push(what + " contrast " + r.toFixed(2) + " < " + need + ": " +
-      (e.id ? "#" + e.id + " " : "") +
-      JSON.stringify((e.textContent || e.placeholder).trim().slice(0, 40)));
-  };
-  const walk = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);
-  const seen = new Set();
-  while (walk.nextNode()) {
-    const e = walk.currentNode.parentElement;
-    if (!walk.currentNode.textContent.trim() || seen.has(e) || !shown(e)) continue;
-    if (e.closest(":disabled, [aria-hidden=true], svg")) continue;  // WCAG exempts disabled ones
-    seen.add(e);
-    check(e, getComputedStyle(e).color, "text");
-  }
-  for (const e of document.querySelectorAll("input[placeholder], textarea[placeholder]")) {
-    if (!shown(e) || e.value || e.disabled) continue;
-    check(e, getComputedStyle(e, "::placeholder").color, "placeholder");
-  }
-  return problems;
-}"""
-
-
-@pytest.fixture(scope="class")
-def browser():
-    """One Chromium for the class (each test gets its own context)."""
-    sync_api = pytest.importorskip("playwright.sync_api")
-    if not CHROMIUM:
-        pytest.skip("no Chromium on this machine")
-    with sync_api.sync_playwright() as pw:
-        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            yield chromium
-        finally:
-            chromium.close()
-
-
-def expect(locator):
-    from playwright.sync_api import expect as playwright_expect
-
-    return playwright_expect(locator)
-
-
-class WebSession:
-    """A browser context on the page of a real server, with the errors it logs."""
-
-    def __init__(self, browser, tmp_path: Path, device: str = "phone", **context):
-        self.context = browser.new_context(**DEVICES[device], **context)
-        self.context.set_default_timeout(10_000)
-        self.page = self.context.new_page()
-        self.device, self.tmp_path = device, tmp_path
-        self.errors: list = []
-        self.requests: list = []
-        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
-        self.page.on("console", lambda m: m.type == "error" and self.errors.append(m.text))
-        self.page.on("request", lambda r: self.requests.append(r))
-
-    def login(self, url: str, key: str) -> None:
-        self.page.goto(url)
-        self.page.fill("#key", key)
-        self.page.click("#connect")
-        self.page.wait_for_selector("#app", state="visible")
-        self.page.wait_for_selector("#tree button, #tree .empty")
-
-    def shot(self, name: str) -> Path:
-        path = self.tmp_path / f"{name}-{self.device}.png"
-        self.page.screenshot(path=str(path))
-        return path
-
-    def tap(self, selector: str) -> None:
-        """Click (desktop) or tap (phone) the element."""
-        if self.device == "phone":
-            self.page.tap(selector)
-        else:
-            self.page.click(selector)
-
-    def tree_open(self, path: str) -> None:
-        """Open a note from the tree, opening its folders first (Notes pane on a phone)."""
-        if self.device == "phone" and self.page.get_attribute("#app", "data-pane") != "notes":
-            self.tap(".tabs button[data-pane=notes]")
-        parts = path.split("/")
-        for i in range(2, len(parts)):
-            folder = self.page.locator(f'#tree button.dir[data-path="{"/".join(parts[:i])}"]')
-            if folder.get_attribute("aria-expanded") != "true":
-                folder.click()
-        self.page.click(f'#tree button.note[data-path="{path}"]')
-        expect(self.page.locator("#path")).to_contain_text(path)
-
-    def dialog_choose(self, value: str) -> None:
-        self.page.wait_for_selector("#dlg[open]")
-        self.page.click(f'#dlg-buttons button[data-value="{value}"]')
-        self.page.wait_for_selector("#dlg", state="hidden")
-
-    def api_calls(self, suffix: str) -> list:
-        return [r for r in self.requests if urllib.parse.urlsplit(r.url).path.endswith(suffix)]
-
-    def close(self) -> list:
-        self.context.close()
-        # The browser logs every non-2xx fetch; those the test caused on purpose are named.
-        return self.errors
-
-
-@pytest.fixture
-def web(browser, tmp_path):
-    """A real server with a few notes, and a function opening a logged-in browser session."""
-    root = tmp_path / "root"
-    for rel, text in SEED_NOTES.items():
-        (root / "notes" / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / "notes" / rel).write_text(text)
-    server = Server(root)
-    setup = server.request("GET", f"{API}/system/setup")[2]["data"]
-    sessions = []
-
-    def open_session(device: str = "phone", login: bool = True, **context) -> WebSession:
-        session = WebSession(browser, tmp_path, device, **context)
-        sessions.append(session)
-        if login:
-            session.login(setup["links"]["connect"]["hosted"], setup["apiKey"])
-        return session
-
-    open_session.server, open_session.setup, open_session.root = server, setup, root
-    try:
-        yield open_session
-    finally:
-        for s in sessions:
-            with contextlib.suppress(Exception):
-                s.context.close()
-        server.stop()
-
-
-def needs(server: Server, path: str, what: str) -> None:
-    """Skip unless the server's OpenAPI document has the path (a feature of another issue)."""
-    doc = server.request("GET", f"{API}/openapi.json")[2]
-    if f"{API}{path}" not in doc["paths"]:
-        pytest.skip(f"not on this server yet: {what}")
-
-
-def unexpected(errors: list, *allowed: str) -> list:
-    return [e for e in errors if not any(f"status of {a}" in e for a in allowed)]
 
 
 class TestWebClient:
@@ -12490,101 +11506,1312 @@ class TestWebClientGrants:
         assert unexpected(s.close()) == []
 
 
-class EvilRelay:
-    """A loopback stand-in for a hostile relay: records every request, answers any pairing
-    with an API base of its own, and allows any origin (so only the page can refuse it)."""
+class TestGrantPages:
+    """The consent page and the share page in a real browser."""
 
-    def __init__(self):
-        self.requests: list = []
-        evil = self
+    @pytest.fixture
+    def browser(self):
+        sync_api = pytest.importorskip("playwright.sync_api")
+        if not CHROMIUM:
+            pytest.skip("no Chromium on this machine")
+        with sync_api.sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            try:
+                yield browser, sync_api.expect
+            finally:
+                browser.close()
 
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
+    def test_consent_on_a_phone(self, tmp_path, browser):
+        browser, expect = browser
+        cb = Callback()
+        try:
+            with running(tmp_path) as server:
+                setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+                reg = server.request(
+                    "POST",
+                    "/oauth/register",
+                    {"redirect_uris": [cb.url], "client_name": "Phone app"},
+                )[2]
+                endpoint = server.request("GET", "/.well-known/oauth-authorization-server")[2][
+                    "authorization_endpoint"
+                ]
+                resource = f"{server.url}/api/v1/mcp"
 
-            def answer(self):
-                evil.requests.append((self.command, self.path, dict(self.headers)))
-                body = json.dumps(
+                def authorize_url(client_id: str, state: str) -> tuple:
+                    verifier, challenge = pkce_pair()
+                    q = urllib.parse.urlencode(
+                        {
+                            "response_type": "code",
+                            "client_id": client_id,
+                            "redirect_uri": cb.url,
+                            "state": state,
+                            "code_challenge": challenge,
+                            "code_challenge_method": "S256",
+                            "scope": "notes:read",
+                            "resource": resource,
+                        }
+                    )
+                    return f"{endpoint}?{q}", verifier
+
+                context = browser.new_context(
+                    viewport={"width": 390, "height": 844}, is_mobile=True, has_touch=True
+                )
+                page = context.new_page()
+                url, verifier = authorize_url(reg["client_id"], "phone-1")
+                page.goto(url)
+                expect(page.locator("#client")).to_have_text("Phone app")
+                expect(page.locator("#host")).to_have_text(urllib.parse.urlsplit(cb.url).netloc)
+                expect(page.locator("#write-row")).to_be_hidden()  # SERVICE_MCP_WRITE is off
+                page.screenshot(path=str(tmp_path / "consent-390x844.png"), full_page=True)
+                assert page.evaluate("document.documentElement.scrollWidth") <= 390
+                page.fill("#key", "nsk_" + "w" * 43)
+                page.fill("#folder", "family")
+                page.click("#allow")
+                expect(page.locator("#msg")).to_contain_text("wrong")
+                assert cb.hits == []
+                page.fill("#key", setup["apiKey"])
+                page.click("#allow")
+                page.wait_for_url(re.compile(r".*/callback\?"))
+                query = cb.query()
+                assert query["state"] == ["phone-1"]
+                assert query["iss"] == [server.url]
+                status, tokens = post_oauth_form(
+                    f"{server.url}/oauth/token",
                     {
-                        "success": True,
-                        "data": {
-                            "serverId": "evil",
-                            "relayApiBase": f"{evil.url}/r/evil/api/v1",
-                            "valid": True,
-                            "setupComplete": True,
-                        },
-                    }
-                ).encode()
-                self.send_response(200)
-                self.send_header("Access-Control-Allow-Origin", "*")
-                self.send_header("Access-Control-Allow-Headers", "*")
-                self.send_header("Access-Control-Allow-Methods", "*")
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
+                        "grant_type": "authorization_code",
+                        "code": query["code"][0],
+                        "client_id": reg["client_id"],
+                        "redirect_uri": cb.url,
+                        "code_verifier": verifier,
+                        "resource": resource,
+                    },
+                )
+                assert status == 200
+                assert tokens["scope"] == "notes:read"
+                _, _, keys = server.request("GET", f"{API}/auth/keys", headers=owner_headers(setup))
+                assert keys["data"]["keys"][0]["folder"] == "notes/family"
+                # Deny goes back with access_denied.
+                url, _ = authorize_url(reg["client_id"], "phone-2")
+                page.goto(url)
+                expect(page.locator("#client")).to_have_text("Phone app")
+                page.click("#deny")
+                page.wait_for_url(re.compile(r".*/callback\?.*error="))
+                query = cb.query()
+                assert query["error"] == ["access_denied"]
+                assert query["state"] == ["phone-2"]
+                # An unknown client is shown and nothing is redirected to.
+                url, _ = authorize_url("mcp_nobody", "phone-3")
+                page.goto(url)
+                expect(page.locator("#msg")).to_contain_text("no client is registered")
+                expect(page.locator("#ask")).to_be_hidden()
+                assert len(cb.hits) == 2
+                # Framed by another page, it never shows.
+                page.goto(cb.url)
+                page.evaluate(
+                    "(src) => new Promise((done) => { const f = document.createElement('iframe');"
+                    " f.onload = () => done(); f.src = src; document.body.appendChild(f); })",
+                    authorize_url(reg["client_id"], "framed")[0],
+                )
+                framed = page.frames[1]
+                assert framed.url.startswith("chrome-error://") or not framed.query_selector(
+                    "#allow"
+                )
+                context.close()
+        finally:
+            cb.close()
 
-            do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_OPTIONS = answer
+    def test_a_share_link_in_a_fresh_browser(self, tmp_path, browser):
+        browser, expect = browser
+        with running(tmp_path) as server:
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            owner = owner_headers(setup)
+            text = (
+                "# Grandma's pie\n\nMix **apples** and *butter*; "
+                "see [the shop](https://shop.example).\n\n- [x] apples\n- [ ] sugar\n\n"
+                "> keep it warm\n\n```\n<script>alert(1)</script>\n```\n\n"
+                "| step | minutes |\n|---|---|\n| bake | 40 |\n\n<img src=x onerror=alert(2)>\n"
+                "\n![the pie](../attachments/pie.png) ![elsewhere](https://img.example/x.png)\n"
+            )
+            put = urllib.request.Request(
+                f"{server.url}{API}/attachments/attachments%2Fpie.png",
+                tiny_png(),
+                {**owner, "Content-Type": "application/octet-stream"},
+                method="PUT",
+            )
+            urllib.request.urlopen(put, timeout=30).close()
+            server.request("POST", f"{API}/notes", {"path": "notes/pie.md", "content": text}, owner)
+            _, _, made = server.request("POST", f"{API}/shares", {"path": "notes/pie.md"}, owner)
+            context = browser.new_context()  # no key, no storage
+            page = context.new_page()
+            dialogs, sent = [], []
+            page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+            page.on("request", lambda r: sent.append((r.url, r.headers)))
+            page.goto(made["data"]["url"])
+            expect(page.locator("article h1")).to_have_text("Grandma's pie")
+            assert page.title() == "Grandma's pie"
+            expect(page.locator("article strong")).to_have_text("apples")
+            expect(page.locator("article li")).to_have_count(2)
+            assert page.locator("article input[type=checkbox]").first.is_checked()
+            assert page.locator("article a").get_attribute("rel") == "noopener noreferrer nofollow"
+            expect(page.locator("article pre")).to_have_text("<script>alert(1)</script>")
+            expect(page.locator("article td")).to_have_count(2)
+            assert "<img src=x onerror=alert(2)>" in page.inner_text("article")
+            image = page.locator("article img")
+            expect(image).to_have_count(1)  # the note's own attachment; never another host's
+            assert image.get_attribute("alt") == "the pie"
+            page.wait_for_function("document.querySelector('article img').complete")
+            assert image.evaluate("(img) => img.naturalWidth") == 1
+            assert "[image: elsewhere]" in page.inner_text("article")
+            assert dialogs == []
+            page.screenshot(path=str(tmp_path / "share.png"), full_page=True)
+            assert all(
+                "x-service-key" not in h and "authorization" not in h and not h.get("referer")
+                for _, h in sent
+            )
+            origins = {urllib.parse.urlsplit(u).netloc for u, _ in sent}
+            assert origins == {urllib.parse.urlsplit(server.url).netloc}
+            # A revoked link says so.
+            _, _, listed = server.request("GET", f"{API}/shares", headers=owner)
+            share_id = listed["data"]["shares"][0]["id"]
+            server.request("DELETE", f"{API}/shares/{share_id}", headers=owner)
+            page.reload()
+            expect(page.locator("#msg")).to_contain_text("expired or been revoked")
+            expect(page.locator("article")).to_be_empty()
+            context.close()
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(
-            target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
-        ).start()
 
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
+class TestSelfRelay:
+    def test_relay_prefix_answers_like_the_api(self, anon, client):
+        sid = anon.app.service.state.read()["serverId"]
+        assert data(anon.get(f"/r/{sid}{API}/health"))["status"] == "ok"
+        assert data(client.get(f"/r/{sid}{API}/system/info"))["serverId"] == sid
+        assert_error(anon.get(f"/r/{sid}{API}/system/info", status=401), 401, "UNAUTHORIZED")
+        assert_error(anon.get(f"/r/{sid}{API}/nope", status=404), 404, "NOT_FOUND")
+
+    def test_other_server_id_is_404(self, anon):
+        assert_error(anon.get(f"/r/someoneelse{API}/health", status=404), 404, "NOT_FOUND")
+
+    def test_relay_api_base_from_setup_works(self, anon):
+        base = data(anon.get(f"{API}/system/setup"))["links"]["relayApiBase"]
+        path = base.split("://", 1)[1].split("/", 1)[1]
+        assert data(anon.get(f"/{path}/health"))["status"] == "ok"
+
+    def test_pair_code_resolves(self, anon):
+        code = anon.app.service.state.read()["relayCode"]
+        d = data(anon.get(f"/relay/v1/pair/{code}"))
+        assert d["serverId"] == anon.app.service.state.read()["serverId"]
+        assert d["relayApiBase"].endswith(f"/r/{d['serverId']}/api/v1")
+        assert_error(anon.get("/relay/v1/pair/AAAA-BBBB-CCCC", status=404), 404, "NOT_FOUND")
 
 
-# -- MCP: POST /api/v1/mcp ---------------------------------------------------------------------
+class TestRelay:
+    @pytest.fixture
+    def pair(self, tmp_path):
+        """A real relay and a real server registered with it; yields (relay, server, ids)."""
+        relay = Server(tmp_path / "relay", "relay", env={"SERVICE_RELAY_TIMEOUT": "3"})
+        server = Server(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url})
+        try:
+            wait_for(lambda: relay_servers(relay) == 1)
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            yield relay, server, setup
+        finally:
+            server.stop()
+            relay.stop()
 
-MODERN = "2026-07-28"
+    def via(self, relay, setup, method, path, body=None, key=None, headers=None):
+        hdrs = {"X-Service-Key": setup["apiKey"] if key is None else key, **(headers or {})}
+        return relay.request(method, f"/r/{setup['serverId']}{API}{path}", body, hdrs)
 
+    def test_read_write_and_errors_through_the_relay(self, pair):
+        relay, server, setup = pair
+        assert setup["links"]["relayApiBase"] == f"{relay.url}/r/{setup['serverId']}/api/v1"
+        text = '# Über\n\nUnicode ✓ 🗝️ «ключи» \u00a0and \\ back\\slashes "quotes"\n'
+        status, headers, body = self.via(
+            relay, setup, "POST", "/notes", {"path": "notes/relay/ü.md", "content": text}
+        )
+        assert status == 201
+        assert headers["ETag"] == body["data"]["etag"]
+        assert headers["Location"].endswith("/api/v1/notes/notes%2Frelay%2F%C3%BC.md")
+        status, headers, body = self.via(relay, setup, "GET", "/notes/notes%2Frelay%2F%C3%BC.md")
+        assert status == 200
+        assert body["data"]["content"] == text
+        on_disk = Path(server.proc.args[-1]) / "notes/relay/ü.md"
+        assert on_disk.read_text() == text
+        status, _, body = self.via(relay, setup, "GET", "/system/info", key="nsk_wrong")
+        assert status == 401
+        assert body["error"]["code"] == "UNAUTHORIZED"
+        status, _, body = self.via(relay, setup, "GET", "/notes/notes%2Fnope.md")
+        assert status == 404
+        assert body["error"]["code"] == "NOT_FOUND"
+        status, _, body = self.via(relay, setup, "GET", "/system/info")
+        assert body["data"]["connection"]["state"] == "connected"
 
-def modern_meta(version: str = MODERN) -> dict:
-    return {
-        "io.modelcontextprotocol/protocolVersion": version,
-        "io.modelcontextprotocol/clientCapabilities": {},
-        "io.modelcontextprotocol/clientInfo": {"name": "test", "version": "1"},
-    }
+    def test_raw_bytes_pass_unchanged(self, pair):
+        relay, _, setup = pair
+        req = urllib.request.Request(
+            f"{relay.url}/r/{setup['serverId']}{API}/notes",
+            b'{"path": "notes/x.md", "content": "\xff\xfe"}',
+            {"Content-Type": "application/json", "X-Service-Key": setup["apiKey"]},
+            method="POST",
+        )
+        with pytest.raises(urllib.error.HTTPError) as err:
+            urllib.request.urlopen(req, timeout=10)
+        assert err.value.code == 400
+        assert "UTF-8" in json.loads(err.value.read())["error"]["message"]
+        err.value.close()
 
+    def test_pair_lookup(self, pair):
+        relay, _, setup = pair
+        status, _, body = relay.request("GET", f"/relay/v1/pair/{setup['pairing']['relayCode']}")
+        assert status == 200
+        assert body["data"] == {
+            "serverId": setup["serverId"],
+            "relayApiBase": f"{relay.url}/r/{setup['serverId']}/api/v1",
+        }
+        assert relay.request("GET", "/relay/v1/pair/AAAA-BBBB-CCCC")[0] == 404
 
-def modern(client, method, params=None, status="*", headers=None, version=MODERN, **extra):
-    """POST one 2026-07-28 request (its _meta and headers filled in); return the response."""
-    params = {"_meta": modern_meta(version), **(params or {})}
-    hdrs = {
-        "Content-Type": "application/json",
-        "MCP-Protocol-Version": version,
-        "Mcp-Method": method,
-    }
-    if method == "tools/call":
-        hdrs["Mcp-Name"] = params.get("name", "")
-    hdrs.update(headers or {})
-    body = {"jsonrpc": "2.0", "id": "m-1", "method": method, "params": params, **extra}
-    return client.post(
-        f"{API}/mcp", json.dumps(body), headers=hdrs, status=status, expect_errors=True
+    def test_rotating_the_key_re_registers_the_new_code(self, pair):
+        relay, _, setup = pair
+        status, _, body = self.via(relay, setup, "POST", "/auth/rotate")
+        assert status == 200
+        code = body["data"]["relayCode"]
+        wait_for(lambda: relay.request("GET", f"/relay/v1/pair/{code}")[0] == 200)
+        assert relay.request("GET", f"/relay/v1/pair/{setup['pairing']['relayCode']}")[0] == 404
+
+    def test_server_stopping_gives_504(self, pair):
+        relay, server, setup = pair
+        server.stop()
+        started = time.monotonic()
+        status, _, body = self.via(relay, setup, "GET", "/health")
+        assert status == 504
+        assert body["error"]["code"] == "UPSTREAM_TIMEOUT"
+        assert time.monotonic() - started < 10
+
+    def test_unknown_server_is_504_and_relay_serves_no_server_pages(self, pair):
+        relay = pair[0]
+        assert relay.request("GET", f"/r/{'a' * 20}{API}/health")[0] == 504
+        assert relay.request("GET", f"{API}/system/setup")[0] == 404
+        status, _, body = relay.request("GET", "/r/x/notes")
+        assert status == 404
+        assert body["error"]["code"] == "NOT_FOUND"
+
+    def test_relay_restart_server_reconnects(self, tmp_path):
+        port = free_port()
+        relay = Server(tmp_path / "relay", "relay", port=port)
+        server = Server(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url})
+        try:
+            wait_for(lambda: relay_servers(relay) == 1)
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            relay.stop()
+            relay = Server(tmp_path / "relay", "relay", port=port)
+            wait_for(lambda: relay_servers(relay) == 1, timeout=40)
+            status, _, body = self.via(relay, setup, "GET", "/health")
+            assert status == 200
+            assert body["data"]["status"] == "ok"
+        finally:
+            server.stop()
+            relay.stop()
+
+    def test_queue_limit_and_tokens(self, tmp_path):
+        env = {"SERVICE_RELAY_MAX_QUEUE": "2", "SERVICE_RELAY_TIMEOUT": "2"}
+        with running(tmp_path, "relay", env=env) as relay:
+            a, b = FakeRelayServer(relay), FakeRelayServer(relay)
+            assert a.register() == 200
+            assert b.register() == 200
+            # Another server's token never polls this queue, nor takes the id over.
+            assert a.poll(server_id=b.server_id)[0] == 403
+            assert a.register(server_id=b.server_id) == 403
+            results = []
+
+            def client():
+                results.append(relay.request("GET", f"/r/{a.server_id}{API}/health")[0])
+
+            threads = [threading.Thread(target=client) for _ in range(2)]
+            for t in threads:
+                t.start()
+            wait_for(lambda: relay_queued(relay, a) == 2)
+            status, _, body = relay.request("GET", f"/r/{a.server_id}{API}/health")
+            assert status == 429
+            assert body["error"]["code"] == "RATE_LIMITED"
+            for t in threads:
+                t.join(10)
+            assert results == [504, 504]
+            # The server picks up a request with its own token and answers it.
+            t = threading.Thread(target=client)
+            t.start()
+            status, _, body = a.poll()
+            assert status == 200
+            request = body["data"]
+            assert request["method"] == "GET"
+            assert request["path"] == "/api/v1/health"
+            assert request["client"] == "127.0.0.1"
+            assert a.reply(request["id"], 200, [["Content-Type", "application/json"]], b"{}") == 200
+            t.join(10)
+            assert results[-1] == 200
+
+    def test_ids_cannot_be_hijacked_even_after_a_restart(self, tmp_path):
+        port = free_port()
+        relay = Server(tmp_path / "relay", "relay", port=port)
+        server = Server(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url})
+        try:
+            wait_for(lambda: relay_servers(relay) == 1)
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            victim = setup["serverId"]
+            thief = FakeRelayServer(relay)
+            assert thief.register(server_id=victim) == 403
+            assert thief.poll(server_id=victim)[0] == 403
+            relay.stop()  # the relay forgets everything; the id is still the victim's
+            relay = Server(tmp_path / "relay", "relay", port=port)
+            assert thief.register(server_id=victim) == 403
+            assert thief.poll(server_id=victim)[0] == 403
+            wait_for(lambda: relay_servers(relay) == 1, timeout=40)
+            hdrs = {"X-Service-Key": setup["apiKey"]}
+            assert relay.request("GET", f"/r/{victim}{API}/system/info", None, hdrs)[0] == 200
+        finally:
+            server.stop()
+            relay.stop()
+
+    def test_server_id_derives_from_the_relay_token(self, anon):
+        st = anon.app.service.state.read()
+        assert st["serverId"] == notesvc.relay_server_id(st["relayToken"])
+        assert re.fullmatch(r"[a-z2-7]{20}", st["serverId"])
+        assert st["relayToken"] not in anon.get(f"{API}/system/setup").text
+
+    def test_a_state_file_from_0_1_gets_a_token_and_a_derived_id(self, root, make_app):
+        (root / ".notesvc").mkdir(parents=True)
+        old = {
+            "version": 1,
+            "serverId": "0123456789abcdef",
+            "keyHash": notesvc.key_hash("nsk_old"),
+            "keyHint": "_old",
+            "setupComplete": True,
+            "linkedClients": [],
+            "relayCode": "ABCD-EFGH-JKMN",
+        }
+        (root / ".notesvc" / "state.json").write_text(json.dumps(old))
+        st = make_app().app.service.state.read()
+        assert st["serverId"] == notesvc.relay_server_id(st["relayToken"])
+        assert st["keyHash"] == old["keyHash"]  # the key survives
+        assert st["relayCode"] == old["relayCode"]
+
+    def test_registrations_are_rate_limited_per_address(self, tmp_path):
+        env = {"SERVICE_RELAY_REGISTRATIONS_PER_MINUTE": "5"}
+        with running(tmp_path, "relay", env=env) as relay:
+            fakes = [FakeRelayServer(relay) for _ in range(6)]
+            assert [f.register() for f in fakes] == [200] * 5 + [429]
+            other = FakeRelayServer(relay, source="127.0.0.2")
+            assert other.register() == 200  # another address has its own budget
+
+    def test_a_refused_server_says_so(self, tmp_path):
+        env = {"SERVICE_RELAY_MAX_SERVERS": "1"}
+        with running(tmp_path / "relay", "relay", env=env) as relay:
+            assert FakeRelayServer(relay).register() == 200  # the one slot is taken
+            with running(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url}) as server:
+                key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
+
+                def refused():
+                    info = server.request("GET", f"{API}/system/info", None, {"X-Service-Key": key})
+                    return info[2]["data"]["connection"]["state"] == "refused" and info
+
+                info = wait_for(refused)[2]["data"]["connection"]
+                assert "maximum" in info["lastError"]
+                wait_for(lambda: any("refused this server" in line for line in server.lines))
+
+    def test_two_hundred_long_polls_do_not_block_a_client(self, pair):
+        relay, _, setup = pair
+        fakes = [FakeRelayServer(relay, source=f"127.0.1.{i % 200 + 1}") for i in range(200)]
+        socks = []
+        try:
+            for fake in fakes:
+                assert fake.register() == 200
+                socks.append(fake.open_poll())
+            wait_for(lambda: relay_servers(relay) == 201)
+            started = time.monotonic()
+            status, _, _body = self.via(relay, setup, "GET", "/system/info")
+            took = time.monotonic() - started
+            assert status == 200
+            assert took < 1.0, f"{took:.2f} s with 200 polls held"
+        finally:
+            for s in socks:
+                s.close()
+
+    def test_a_note_of_the_largest_size_passes_both_ways(self, pair):
+        relay, server, setup = pair
+        limit = 1048576
+        prefix = '{"path": "notes/big.md", "content": "'
+        filler = 'Ünïcødé ✓ 🗝️ \\\\ \\" \\n'  # JSON-escaped text, many byte widths
+        room = limit - len((prefix + '"}').encode())
+        body = prefix + filler * (room // len(filler.encode()))
+        body += "x" * (limit - len((body + '"}').encode())) + '"}'
+        raw = body.encode()
+        assert len(raw) == limit
+        content = json.loads(raw)["content"]
+        req = urllib.request.Request(
+            f"{relay.url}/r/{setup['serverId']}{API}/notes",
+            raw,
+            {"Content-Type": "application/json", "X-Service-Key": setup["apiKey"]},
+            method="POST",
+        )
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            assert resp.status == 201
+            assert json.loads(resp.read())["data"]["size"] == len(content.encode())
+        assert (Path(server.proc.args[-1]) / "notes/big.md").read_text() == content
+        status, headers, got = self.via(relay, setup, "GET", "/notes/notes%2Fbig.md")
+        assert status == 200
+        assert got["data"]["content"] == content
+        assert headers["Content-Type"].startswith("application/json")
+
+    def test_an_over_limit_body_is_413_at_once(self, pair):
+        relay, _, setup = pair
+        with socket.create_connection(("127.0.0.1", relay.port), timeout=5) as s:
+            s.sendall(
+                f"PUT /r/{setup['serverId']}{API}/notes/notes%2Fx.md HTTP/1.1\r\n"
+                "Host: relay\r\nContent-Type: application/json\r\n"
+                "Content-Length: 1048577\r\n\r\n".encode()
+            )
+            started = time.monotonic()
+            answer = recv_all(s)
+        assert time.monotonic() - started < 1
+        assert answer.startswith(b"HTTP/1.1 413 ")
+        body = json.loads(answer.split(b"\r\n\r\n", 1)[1])
+        assert body["error"]["code"] == "PAYLOAD_TOO_LARGE"
+        assert "1048576" in body["error"]["message"]
+
+    def test_forwarded_answers_are_api_answers(self, tmp_path):
+        with running(tmp_path, "relay") as relay:
+            fake = FakeRelayServer(relay)
+            assert fake.register() == 200
+            out = []
+            t = threading.Thread(
+                target=lambda: out.append(relay_raw_get(relay, f"/r/{fake.server_id}{API}/x"))
+            )
+            t.start()
+            _status, _, body = fake.poll()
+            headers = [
+                ["Content-Type", "text/html"],
+                ["Set-Cookie", "session=evil; Path=/"],
+                ["Access-Control-Allow-Origin", "*"],
+                ["Content-Security-Policy", "script-src *"],
+                ["ETag", '"abc"'],
+            ]
+            page = b"<script>alert(document.cookie)</script>"
+            assert fake.reply(body["data"]["id"], 200, headers, page) == 200
+            t.join(10)
+        head, got = out[0]
+        assert head.startswith("HTTP/1.1 200 ")
+        lines = head.lower().split("\r\n")
+        assert "content-type: application/json; charset=utf-8" in lines
+        assert "x-content-type-options: nosniff" in lines
+        assert "content-security-policy: default-src 'none'; sandbox" in lines
+        assert 'etag: "abc"' in lines
+        assert not any(h.startswith(("set-cookie", "access-control-")) for h in lines)
+        assert got == page
+
+    @pytest.mark.parametrize(
+        ("head", "status"),
+        [
+            (b"POST /health HTTP/1.1\r\nHost: r\r\nTransfer-Encoding: chunked\r\n\r\n", 411),
+            (b"GET /health HTTP/1.1\r\nHost: r\r\nX-A: 1\r\n  folded\r\n\r\n", 400),
+            (b"POST /health HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 1\r\n\r\nx", 400),
+            (b"POST /health HTTP/1.1\r\nContent-Length: -1\r\n\r\n", 400),
+            (b"GET /health HTTP/1.1\r\nNo colon here\r\n\r\n", 400),
+            (b"GET health HTTP/1.1\r\n\r\n", 400),
+            (b"GET /health HTTP/2.0\r\n\r\n", 400),
+            (b"GET /health HTTP/1.1\r\nX-Big: " + b"a" * 20000 + b"\r\n\r\n", 431),
+        ],
     )
+    def test_http_is_parsed_strictly(self, tmp_path, head, status):
+        with running(tmp_path, "relay") as relay:
+            with socket.create_connection(("127.0.0.1", relay.port), timeout=5) as s:
+                s.sendall(head)
+                answer = recv_all(s)
+            assert answer.startswith(f"HTTP/1.1 {status} ".encode())
+            assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["success"] is False
+            assert relay.request("GET", "/health")[0] == 200
+
+    def test_keep_alive_serves_several_requests_on_one_connection(self, tmp_path):
+        with running(tmp_path, "relay") as relay:
+            conn = http.client.HTTPConnection("127.0.0.1", relay.port, timeout=5)
+            for _ in range(3):
+                conn.request("GET", "/health")
+                resp = conn.getresponse()
+                assert resp.status == 200
+                assert json.loads(resp.read())["data"]["role"] == "relay"
+            conn.close()
+
+    def test_idle_connections_from_one_address_are_capped(self, tmp_path):
+        env = {"SERVICE_RELAY_MAX_IDLE_PER_ADDRESS": "16"}
+        with running(tmp_path, "relay", env=env) as relay:
+            socks = []
+            try:
+                for _ in range(60):
+                    s = socket.socket()
+                    s.settimeout(5)
+                    s.bind(("127.0.0.9", 0))
+                    s.connect(("127.0.0.1", relay.port))
+                    s.sendall(b"GET /hea")  # an incomplete request: slowloris
+                    socks.append(s)
+                started = time.monotonic()
+                assert relay.request("GET", "/health")[0] == 200
+                assert time.monotonic() - started < 1
+                closed = sum(recv_all(s) == b"" for s in socks[:40])
+                assert closed == 40  # the oldest went first
+            finally:
+                for s in socks:
+                    s.close()
+
+    def test_relay_serves_its_own_copy_of_the_web_client(self, pair):
+        relay, _server, setup = pair
+        with urllib.request.urlopen(relay.url + "/", timeout=10) as resp:
+            page = resp.read().decode()
+            csp = resp.headers["Content-Security-Policy"]
+        assert "<title>notesvc</title>" in page
+        assert "connect-src 'self'" in csp
+        assert setup["links"]["connect"]["hosted"] == (
+            f"{relay.url}/?relayCode={setup['pairing']['relayCode']}"
+        )
 
 
-def raw_mcp(client, body: bytes | str, status="*", **headers):
-    hdrs = {"Content-Type": "application/json", **headers}
-    body = body.encode() if isinstance(body, str) else body
-    return client.post(f"{API}/mcp", body, headers=hdrs, status=status, expect_errors=True)
+class TestRelayAttachments:
+    """Attachments through a relay: up to its body limit both ways, larger at once 413, and
+    a server's answer never becomes a page on the relay's origin."""
+
+    LIMIT = 65536
+
+    @pytest.fixture
+    def pair(self, tmp_path):
+        env = {"SERVICE_RELAY_TIMEOUT": "10", "SERVICE_MAX_BODY_BYTES": str(self.LIMIT)}
+        relay = Server(tmp_path / "relay", "relay", env=env)
+        server = Server(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url})
+        try:
+            wait_for(lambda: relay_servers(relay) == 1)
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            yield relay, server, setup, tmp_path / "srv"
+        finally:
+            server.stop()
+            relay.stop()
+
+    @staticmethod
+    def send(base: str, method: str, path: str, setup: dict, body=None, headers=None) -> tuple:
+        hdrs = {"X-Service-Key": setup["apiKey"], **(headers or {})}
+        req = urllib.request.Request(base + path, body, hdrs, method=method)
+        try:
+            with urllib.request.urlopen(req, timeout=30) as resp:
+                return resp.status, resp.headers, resp.read()
+        except urllib.error.HTTPError as e:
+            return e.code, e.headers, e.read()
+
+    def test_an_attachment_of_the_relays_limit_passes_both_ways(self, pair):
+        relay, _, setup, root = pair
+        prefix = f"/r/{setup['serverId']}{API}"
+        image = (b"\x89PNG\r\n\x1a\n" + os.urandom(self.LIMIT))[: self.LIMIT]
+        url = prefix + att_url("attachments/big.png")[len(API) :]
+        status, _, body = self.send(
+            relay.url, "PUT", url, setup, image, {"Content-Type": "image/png"}
+        )
+        assert status == 201, body
+        assert (root / "attachments" / "big.png").read_bytes() == image
+        status, headers, got = self.send(relay.url, "GET", url, setup)
+        assert status == 200
+        assert got == image
+        assert headers["Content-Type"] == "image/png"  # its own type, for an <img> from a blob
+        assert headers["Content-Disposition"] == 'attachment; filename="big.png"'
+        assert headers["Content-Security-Policy"] == "default-src 'none'; sandbox"
+        assert headers["X-Content-Type-Options"] == "nosniff"
+        status, headers, got = self.send(
+            relay.url, "GET", url, setup, headers={"Range": "bytes=100-199"}
+        )
+        assert status == 206
+        assert got == image[100:200]
+        assert headers["Content-Range"] == f"bytes 100-199/{self.LIMIT}"
+        form, ctype = multipart(("path", "attachments/cam/a.jpg"), ("file", image[:60000], "a.jpg"))
+        status, _, body = self.send(
+            relay.url, "POST", prefix + "/attachments", setup, form, {"Content-Type": ctype}
+        )
+        assert status == 201, body
+        assert json.loads(body)["data"]["path"] == "attachments/cam/a.jpg"
+
+    def test_larger_ones_are_413_at_once_both_ways(self, pair):
+        relay, server, setup, _ = pair
+        prefix = f"/r/{setup['serverId']}{API}"
+        url = prefix + att_url("attachments/big.zip")[len(API) :]
+        with socket.create_connection(("127.0.0.1", relay.port), timeout=5) as s:
+            s.sendall(
+                f"PUT {url} HTTP/1.1\r\nHost: relay\r\nContent-Type: application/zip\r\n"
+                f"Content-Length: {self.LIMIT + 1}\r\n\r\n".encode()
+            )
+            started = time.monotonic()
+            answer = recv_all(s)
+        assert time.monotonic() - started < 1
+        assert answer.startswith(b"HTTP/1.1 413 ")
+        assert str(self.LIMIT) in json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["message"]
+        # One put on the server directly is too large to come back whole through the relay.
+        big = os.urandom(4 * self.LIMIT)
+        direct = att_url("attachments/big.zip")
+        status, _, _ = self.send(
+            server.url, "PUT", direct, setup, big, {"Content-Type": "application/zip"}
+        )
+        assert status == 201
+        started = time.monotonic()
+        status, headers, body = self.send(relay.url, "GET", url, setup)
+        assert time.monotonic() - started < 5  # not the relay's 10 s time-out
+        assert status == 413
+        error = json.loads(body)["error"]
+        assert error["code"] == "PAYLOAD_TOO_LARGE"
+        assert str(self.LIMIT) in error["message"]
+        assert "Range" in error["message"]
+        assert headers["Content-Type"].startswith("application/json")
+        status, _, got = self.send(
+            relay.url, "GET", url, setup, headers={"Range": f"bytes=0-{self.LIMIT // 2 - 1}"}
+        )
+        assert status == 206
+        assert got == big[: self.LIMIT // 2]
+
+    @pytest.mark.parametrize(
+        ("served", "shown"),
+        [
+            ("text/html; charset=utf-8", "application/octet-stream"),
+            ("image/svg+xml", "application/octet-stream"),
+            ("application/xhtml+xml", "application/octet-stream"),
+            ("image/png", "image/png"),
+            ("audio/ogg", "audio/ogg"),
+        ],
+    )
+    def test_a_server_cannot_publish_a_page_as_an_attachment(self, tmp_path, served, shown):
+        with running(tmp_path, "relay") as relay:
+            fake = FakeRelayServer(relay)
+            assert fake.register() == 200
+            out = []
+            path = f"/r/{fake.server_id}{API}/attachments/attachments%2Fx.html"
+            t = threading.Thread(target=lambda: out.append(relay_raw_get(relay, path)))
+            t.start()
+            _status, _, body = fake.poll()
+            headers = [
+                ["Content-Type", served],
+                ["Content-Disposition", "inline"],
+                ["Set-Cookie", "session=evil; Path=/"],
+                ["Content-Security-Policy", "script-src *"],
+                ["Refresh", "0; url=https://evil.example/"],
+                ["ETag", '"abc"'],
+            ]
+            page = b"<script>alert(document.cookie)</script>"
+            assert fake.reply(body["data"]["id"], 200, headers, page) == 200
+            t.join(10)
+        head, got = out[0]
+        lines = head.lower().split("\r\n")
+        assert f"content-type: {shown}" in lines
+        assert 'content-disposition: attachment; filename="x.html"' in lines
+        assert "content-security-policy: default-src 'none'; sandbox" in lines
+        assert "x-content-type-options: nosniff" in lines
+        assert 'etag: "abc"' in lines
+        assert not any(
+            h.startswith(("set-cookie", "refresh", "content-disposition: inline")) for h in lines
+        )
+        assert got == page
+
+    def test_relay_answer_headers_of_a_download_and_of_an_api_answer(self):
+        served = [["Content-Type", "image/jpeg"], ["Content-Disposition", 'inline; filename="a"']]
+        download = notesvc.relay_answer_headers(
+            "/api/v1/attachments/attachments/a b.jpg", served, True
+        )
+        assert ("Content-Type", "image/jpeg") in download
+        assert ("Content-Disposition", 'attachment; filename="a_b.jpg"') in download
+        answer = notesvc.relay_answer_headers("/api/v1/attachments/attachments/a.jpg", served)
+        assert ("Content-Type", notesvc.JSON_TYPE) in answer
+        assert not any(k == "Content-Disposition" for k, _ in answer)
+        assert notesvc.relayed_download("GET", "/api/v1/attachments/attachments/a.jpg", 206)
+        for args in (
+            ("GET", "/api/v1/attachments/attachments/a.jpg", 404),
+            ("PUT", "/api/v1/attachments/attachments/a.jpg", 201),
+            ("GET", "/api/v1/attachments", 200),
+            ("GET", "/api/v1/notes/x", 200),
+        ):
+            assert not notesvc.relayed_download(*args)
 
 
-def rpc_error(resp, status: int, code: int) -> dict:
-    """Assert a JSON-RPC error answer (no envelope, no traceback); return its error."""
-    assert resp.status_int == status, resp.text
-    assert resp.content_type == "application/json"
-    body = resp.json
-    assert set(body) == {"jsonrpc", "id", "error"}
-    assert body["jsonrpc"] == "2.0"
-    assert body["error"]["code"] == code, body
-    assert body["error"]["message"]
-    assert "Traceback" not in resp.text
-    return body["error"]
+class TestGrantsThroughTheRelay:
+    @pytest.fixture
+    def pair(self, tmp_path):
+        relay = Server(tmp_path / "relay", "relay", env={"SERVICE_RELAY_TIMEOUT": "5"})
+        server = Server(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url})
+        try:
+            wait_for(lambda: relay_servers(relay) == 1)
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            yield relay, server, setup
+        finally:
+            server.stop()
+            relay.stop()
+
+    def test_metadata_documents_name_the_relay(self, pair):
+        relay, _, setup = pair
+        sid = setup["serverId"]
+        base = f"{relay.url}/r/{sid}"
+        status, headers, raw = get_raw(
+            f"{relay.url}/.well-known/oauth-protected-resource/r/{sid}/api/v1/mcp"
+        )
+        assert status == 200
+        assert headers["Content-Type"].startswith("application/json")
+        assert json.loads(raw) == {
+            "resource": f"{base}/api/v1/mcp",
+            "authorization_servers": [base],
+            "scopes_supported": ["notes:read", "notes:write"],
+            "bearer_methods_supported": ["header"],
+            "resource_name": "notesvc",
+        }
+        for name in ("oauth-authorization-server", "openid-configuration"):
+            status, _, raw = get_raw(f"{relay.url}/.well-known/{name}/r/{sid}")
+            asm = json.loads(raw)
+            assert status == 200
+            assert asm["issuer"] == base
+            assert asm["token_endpoint"] == f"{base}/oauth/token"
+        status, _, _ = get_raw(f"{relay.url}/.well-known/oauth-authorization-server/r/{'a' * 20}")
+        assert status == 504  # no such server connected
+
+    def test_oauth_flow_and_pages_through_the_relay(self, pair):
+        relay, _server, setup = pair
+        sid = setup["serverId"]
+        base = f"{relay.url}/r/{sid}"
+        # The consent page is the relay's own copy, whatever the server would send.
+        status, headers, page = get_raw(f"{base}/oauth/authorize?client_id=x")
+        assert status == 200
+        assert page == notesvc.consent_page().encode()
+        assert headers["X-Frame-Options"] == "DENY"
+        assert "frame-ancestors 'none'" in headers["Content-Security-Policy"]
+        assert get_raw(f"{relay.url}/r/NOT-AN-ID/oauth/authorize")[0] == 404
+        # Registration and tokens are forwarded to the server.
+        status, _, reg = relay.request(
+            "POST", f"/r/{sid}/oauth/register", {"redirect_uris": [CALLBACK], "client_name": "Far"}
+        )
+        assert status == 201
+        cid = reg["client_id"]
+        verifier, challenge = pkce_pair()
+        approval = {
+            "clientId": cid,
+            "redirectUri": CALLBACK,
+            "codeChallenge": challenge,
+            "scope": "notes:read",
+            "resource": f"{base}/api/v1/mcp",
+        }
+        status, _, body = relay.request(
+            "POST", f"/r/{sid}{API}/oauth/approve", approval, owner_headers(setup)
+        )
+        assert status == 200, body
+        query = urllib.parse.parse_qs(urllib.parse.urlsplit(body["data"]["redirect"]).query)
+        assert query["iss"] == [base]
+        form = {
+            "grant_type": "authorization_code",
+            "code": query["code"][0],
+            "client_id": cid,
+            "redirect_uri": CALLBACK,
+            "code_verifier": verifier,
+            "resource": f"{base}/api/v1/mcp",
+        }
+        status, tokens = post_oauth_form(f"{base}/oauth/token", form)
+        assert status == 200
+        assert tokens["scope"] == "notes:read"
+        status, again = post_oauth_form(f"{base}/oauth/token", form)
+        assert (status, again["error"]) == (400, "invalid_grant")
+        status, _ = post_oauth_form(f"{base}/oauth/revoke", {"token": tokens["refresh_token"]})
+        assert status == 200
+        assert get_raw(f"{base}/oauth/token")[0] == 405
+
+    def test_a_share_link_through_the_relay(self, pair):
+        relay, server, setup = pair
+        sid = setup["serverId"]
+        owner = owner_headers(setup)
+        note = {"path": "notes/p.md", "content": "# P\n\n![pic](../attachments/p.png)\n"}
+        relay.request("POST", f"/r/{sid}{API}/notes", note, owner)
+        put = urllib.request.Request(
+            f"{relay.url}/r/{sid}{API}/attachments/attachments%2Fp.png",
+            PNG,
+            {**owner, "Content-Type": "application/octet-stream"},
+            method="PUT",
+        )
+        with urllib.request.urlopen(put, timeout=30) as resp:
+            assert resp.status == 201
+        status, _, body = relay.request(
+            "POST", f"/r/{sid}{API}/shares", {"path": "notes/p.md"}, owner
+        )
+        url = body["data"]["url"]
+        assert status == 201
+        assert url.startswith(f"{relay.url}/r/{sid}/s/")
+        status, headers, page = get_raw(url)
+        assert status == 200
+        assert page == notesvc.share_page().encode()
+        assert headers["Referrer-Policy"] == "no-referrer"
+        assert "noindex" in headers["X-Robots-Tag"]
+        token = url.rsplit("/", 1)[1]
+        status, _, raw = get_raw(f"{relay.url}/r/{sid}{API}/shared/{token}")
+        assert status == 200
+        assert json.loads(raw)["data"]["title"] == "P"
+        image = f"{relay.url}/r/{sid}{API}/shared/{token}/attachments/attachments/p.png"
+        status, headers, raw = get_raw(image)
+        assert (status, raw, headers["Content-Type"]) == (200, PNG, "image/png")
+        assert headers["Content-Security-Policy"] == notesvc.RELAY_ANSWER_CSP
+        assert get_raw(f"{relay.url}/r/{sid}/s/..%2F..%2Fetc")[0] == 404
+        # A share made directly in relay mode names the relay too.
+        status, _, direct = server.request("POST", f"{API}/shares", {"path": "notes/p.md"}, owner)
+        assert direct["data"]["url"].startswith(f"{relay.url}/r/{sid}/s/")
+
+
+class TestSystem:
+    def test_health(self, anon):
+        d = data(anon.get(f"{API}/health"))
+        assert d["status"] == "ok"
+        assert d["version"] == notesvc.__version__
+        assert d["uptimeSeconds"] >= 0
+
+    def test_info(self, client, root):
+        (root / "notes" / "a").mkdir(parents=True)
+        (root / "notes" / "a" / "x.md").write_text("hello")
+        (root / "notes" / "skip.txt").write_text("not a note")
+        d = data(client.get(f"{API}/system/info"))
+        assert d["version"] == notesvc.__version__
+        assert d["notes"] == {"count": 1, "bytes": 5}
+        assert d["python"] == notesvc.platform.python_version()
+        for name in ("serverId", "uptimeSeconds", "platform", "index"):
+            assert name in d
+
+    def test_config_groups_and_no_secrets(self, make_app):
+        secret = "s3cr3t-" + "x" * 40
+        app = make_app(
+            SERVICE_AUTH_MODE="jwt",
+            SERVICE_JWT_SECRET=secret,
+            SERVICE_AGENT_API_KEY="sk-agent-secret",
+            SERVICE_AGENT_BASE_URL="https://user:pw@models.example/v1",
+            SERVICE_CORS_ORIGINS="https://a.example",
+        )
+        d = data(with_key(app).get(f"{API}/system/config"))
+        for group in ("server", "auth", "connection", "agent", "search", "sync", "plugins"):
+            assert group in d
+        assert d["server"]["port"] == 3000
+        assert d["server"]["cors"] == ["https://a.example"]
+        assert d["auth"]["mode"] == "jwt"
+        text = json.dumps(d)
+        for secret_text in (secret, "sk-agent-secret", "pw@", key_of(app)):
+            assert secret_text not in text
+        assert d["agent"]["baseUrl"] == "https://models.example/v1"
+
+
+class TestCors:
+    def test_allowed_origin_gets_headers(self, make_app):
+        app = make_app(SERVICE_CORS_ORIGINS="https://app.example")
+        resp = app.get(f"{API}/health", headers={"Origin": "https://app.example"})
+        assert resp.headers["Access-Control-Allow-Origin"] == "https://app.example"
+        assert "ETag" in resp.headers["Access-Control-Expose-Headers"]
+
+    def test_preflight(self, make_app):
+        app = make_app(SERVICE_CORS_ORIGINS="https://app.example")
+        resp = app.options(
+            f"{API}/notes",
+            headers={
+                "Origin": "https://app.example",
+                "Access-Control-Request-Method": "PUT",
+                "Access-Control-Request-Headers": "x-service-key, if-match",
+            },
+        )
+        assert resp.status_int == 204
+        allowed = resp.headers["Access-Control-Allow-Headers"]
+        for h in ("X-Service-Key", "Content-Type", "Authorization", "If-Match"):
+            assert h in allowed
+        assert "PUT" in resp.headers["Access-Control-Allow-Methods"]
+
+    def test_other_origin_gets_no_cors_headers(self, make_app):
+        app = make_app(SERVICE_CORS_ORIGINS="https://app.example")
+        resp = app.get(f"{API}/health", headers={"Origin": "https://evil.example"})
+        assert "Access-Control-Allow-Origin" not in resp.headers
+        pre = app.options(
+            f"{API}/health",
+            headers={"Origin": "https://evil.example", "Access-Control-Request-Method": "GET"},
+            status="*",
+            expect_errors=True,
+        )
+        assert "Access-Control-Allow-Origin" not in pre.headers
+
+    def test_no_cors_configured_means_no_headers(self, anon):
+        resp = anon.get(f"{API}/health", headers={"Origin": "https://app.example"})
+        assert "Access-Control-Allow-Origin" not in resp.headers
+
+
+class TestOpenApi:
+    def test_document_and_route_table_agree(self, anon):
+        doc = anon.get(f"{API}/openapi.json").json
+        assert doc["openapi"].startswith("3.1")
+        documented = {
+            (method.upper(), path) for path, ops in doc["paths"].items() for method in ops
+        }
+        routes = {
+            (r.method, notesvc.openapi_path(r.rule))
+            for r in anon.app.service.routes
+            if r.rule.startswith(API)
+        }
+        assert documented == routes
+        # Every route the Bottle app really has under /api/v1 is in the table.
+        bottle_routes = {
+            (r.method, notesvc.openapi_path(r.rule))
+            for r in anon.app.bottle.routes
+            if r.rule.startswith(API)
+        }
+        assert bottle_routes == routes
+        schemes = doc["components"]["securitySchemes"]
+        assert schemes["apiKey"]["name"] == "X-Service-Key"
+        assert schemes["bearerJwt"]["scheme"] == "bearer"
+
+    def test_public_routes_are_marked_public(self, anon):
+        doc = anon.get(f"{API}/openapi.json").json
+        assert doc["paths"]["/api/v1/health"]["get"]["security"] == []
+        assert "security" not in doc["paths"]["/api/v1/system/info"]["get"]
+
+
+class TestEdge:
+    def test_trusted_proxy_gives_https_links_real_clients_and_their_own_lockout(self, tmp_path):
+        env = {"SERVICE_TRUST_PROXY": "true", "SERVICE_SETUP_LOCAL_ONLY": "true"}
+        with running(tmp_path, env=env) as server, ForwardingProxy(server.url) as proxy:
+            setup = f"{API}/system/setup"
+            key = server.request("GET", setup)[2]["data"]["apiKey"]
+            assert re.fullmatch(r"nsk_[A-Za-z0-9_-]{43}", key)  # the owner, on this machine
+            status, body = call(proxy.url, "GET", setup, {"Host": "notes.example"}, "127.0.0.5")
+            assert status == 200
+            assert body["data"]["server"]["url"] == "https://notes.example"
+            assert body["data"]["links"]["directApiBase"] == "https://notes.example/api/v1"
+            # A remote client behind the proxy never sees the key (SERVICE_SETUP_LOCAL_ONLY).
+            remote = call(proxy.url, "GET", setup, source="127.0.0.5")[1]["data"]
+            assert remote["apiKey"] == "nsk_…" + key[-4:]
+            # One remote client's failures lock out that client only.
+            for _ in range(10):
+                status, _ = call(
+                    proxy.url, "POST", f"{API}/auth/verify", {"X-Service-Key": "nsk_x"}, "127.0.0.5"
+                )
+                assert status == 401
+            right = {"X-Service-Key": key}
+            assert call(proxy.url, "POST", f"{API}/auth/verify", right, "127.0.0.5")[0] == 429
+            assert call(proxy.url, "POST", f"{API}/auth/verify", right, "127.0.0.6")[0] == 200
+            assert server.request("POST", f"{API}/auth/verify", headers=right)[0] == 200
+
+    def test_forwarded_headers_from_an_untrusted_peer_are_ignored(self, tmp_path):
+        env = {"SERVICE_TRUST_PROXY": "127.0.0.2", "SERVICE_SETUP_LOCAL_ONLY": "true"}
+        with running(tmp_path, env=env) as server:
+            forged = {
+                "X-Forwarded-For": "203.0.113.9",
+                "X-Forwarded-Proto": "https",
+                "X-Forwarded-Host": "evil.example",
+            }
+            setup = server.request("GET", f"{API}/system/setup", headers=forged)[2]["data"]
+            assert setup["server"]["url"] == server.url  # 127.0.0.1 is not the named proxy
+            key = setup["apiKey"]
+            assert "…" not in key  # the client is the loopback peer, not 203.0.113.9
+            for i in range(10):  # forged addresses do not spread the failures
+                hdrs = {"X-Service-Key": "nsk_x", "X-Forwarded-For": f"203.0.113.{i}"}
+                assert server.request("POST", f"{API}/auth/verify", headers=hdrs)[0] == 401
+            hdrs = {"X-Service-Key": key, "X-Forwarded-For": "203.0.113.77"}
+            assert server.request("POST", f"{API}/auth/verify", headers=hdrs)[0] == 429
+            # The proxy the operator named is trusted.
+            with ForwardingProxy(server.url, source="127.0.0.2") as proxy:
+                _, body = call(
+                    proxy.url, "GET", f"{API}/system/setup", {"Host": "notes.example"}, "127.0.0.5"
+                )
+                assert body["data"]["server"]["url"] == "https://notes.example"
+                right = {"X-Service-Key": key}
+                assert call(proxy.url, "POST", f"{API}/auth/verify", right, "127.0.0.5")[0] == 200
+
+    def test_relayed_failures_never_lock_out_a_loopback_client(self, tmp_path):
+        relay = Server(tmp_path / "relay", "relay", env={"SERVICE_RELAY_TIMEOUT": "5"})
+        server = Server(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url})
+        try:
+            wait_for(lambda: relay_servers(relay) == 1)
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            verify = f"/r/{setup['serverId']}{API}/auth/verify"
+            for _ in range(10):
+                assert relay.request("POST", verify, headers={"X-Service-Key": "nsk_x"})[0] == 401
+            right = {"X-Service-Key": setup["apiKey"]}
+            assert relay.request("POST", verify, headers=right)[0] == 429  # that client is out
+            # ... but the owner on the server's own machine is not,
+            assert server.request("POST", f"{API}/auth/verify", headers=right)[0] == 200
+            # nor the owner reaching the relay from another address.
+            assert call(relay.url, "POST", verify, right, source="127.0.0.7")[0] == 200
+            assert call(relay.url, "POST", verify, right, source="127.0.0.1")[0] == 429
+        finally:
+            server.stop()
+            relay.stop()
+
+    def test_rebinding_host_gets_the_key_redacted_from_the_real_server(self, tmp_path):
+        with running(tmp_path) as server:
+            key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
+            status, _, body = raw_http(
+                server.port,
+                b"GET /api/v1/system/setup HTTP/1.1\r\nHost: rebind.attacker.example\r\n"
+                b"Connection: close\r\n\r\n",
+            )
+            assert status == 200
+            payload = json.loads(body)["data"]
+            assert payload["apiKey"] == "nsk_…" + key[-4:]
+            assert key not in body.decode()
+
+    @pytest.mark.parametrize(
+        ("case", "headers", "body", "status", "code"),
+        [
+            ("huge", "Content-Length: 100000000000000000000\r\n", b"", 413, "PAYLOAD_TOO_LARGE"),
+            ("just over", "Content-Length: 2049\r\n", b"", 413, "PAYLOAD_TOO_LARGE"),
+            ("negative", "Content-Length: -1\r\n", b"", 400, "VALIDATION_ERROR"),
+            ("not a number", "Content-Length: ten\r\n", b"", 400, "VALIDATION_ERROR"),
+            (
+                "repeated",
+                "Content-Length: 2\r\nContent-Length: 2\r\n",
+                b"{}",
+                400,
+                "VALIDATION_ERROR",
+            ),
+            (
+                "chunked over",
+                "Transfer-Encoding: chunked\r\n",
+                b"bb8\r\n" + b"x" * 3000 + b"\r\n0\r\n\r\n",
+                413,
+                "PAYLOAD_TOO_LARGE",
+            ),
+        ],
+        ids=["huge", "just-over", "negative", "not-a-number", "repeated", "chunked-over"],
+    )
+    def test_waitress_refusals_are_json_envelopes(
+        self, small_bodies, case, headers, body, status, code
+    ):
+        server = small_bodies
+        request = (
+            f"POST {API}/notes HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Service-Key: nsk_x\r\n"
+            f"Content-Type: application/json\r\n{headers}\r\n"
+        ).encode() + body
+        got, resp_headers, resp_body = raw_http(server.port, request)
+        assert got == status, resp_body
+        assert resp_headers["content-type"] == "application/json; charset=utf-8"
+        error = json.loads(resp_body)["error"]
+        assert error["code"] == code
+        assert "waitress" not in resp_body.decode()
+        assert resp_headers["x-request-id"]
+
+    def test_body_of_the_largest_size_passes_chunked_and_plain(self, small_bodies):
+        server = small_bodies
+        key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
+        note = json.dumps({"path": "notes/big.md", "content": ""})
+        note = note.replace('""', '"' + "x" * (2048 - len(note)) + '"').encode()
+        assert len(note) == 2048
+        head = (
+            f"POST {API}/notes HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Service-Key: {key}\r\n"
+            "Content-Type: application/json\r\n"
+        )
+        request = f"{head}Content-Length: {len(note)}\r\n\r\n".encode() + note
+        assert raw_http(server.port, request)[0] == 201
+        small = b'{"path": "notes/chunked.md", "content": "hi"}'
+        chunked = f"{head}Transfer-Encoding: chunked\r\n\r\n".encode()
+        chunked += f"{len(small):x}\r\n".encode() + small + b"\r\n0\r\n\r\n"
+        assert raw_http(server.port, chunked)[0] == 201
+
+    def test_control_characters_in_the_path_are_escaped_in_the_log(self, tmp_path):
+        with running(tmp_path) as server:
+            status, _, _ = raw_http(
+                server.port,
+                b"GET /api/v1/x%0d%0aFORGED%20GET%20/ok%20200\x1b[2J HTTP/1.1\r\n"
+                b"Host: 127.0.0.1\r\nX-Request-Id: edge-log-test-01\r\nConnection: close\r\n\r\n",
+            )
+            assert status == 404
+            wait_for(lambda: any("edge-log-test-01" in line for line in server.lines))
+            forged = [line for line in server.lines if "FORGED" in line]
+            assert len(forged) == 1, forged
+            assert "edge-log-test-01" in forged[0]
+            assert "\\r\\nFORGED GET /ok 200\\x1b[2J" in forged[0]
+            assert "\x1b" not in "".join(server.lines)
+
+    def test_300_idle_connections_do_not_keep_the_owner_out(self, tmp_path, many_files):
+        with running(tmp_path) as server:
+            socks = []
+            try:
+                before = open_fds(server.proc.pid)
+                socks = hold_idle_connections(server.port, 300)
+                wait_for(lambda: open_fds(server.proc.pid) >= before + 300)  # all taken in
+                status, seconds = timed_health(server.port)
+                assert status == 200
+                assert seconds < 1.0
+            finally:
+                for sock in socks:
+                    sock.close()
+
+    def test_a_flood_over_max_connections_closes_the_oldest_idle(self, tmp_path, many_files):
+        with running(tmp_path, env={"SERVICE_MAX_CONNECTIONS": "50"}) as server:
+            socks = []
+            try:
+                socks = hold_idle_connections(server.port, 80)
+                wait_for(lambda: closed_by_peer(socks) >= 80 - 50)  # all taken in, room made
+                status, seconds = timed_health(server.port)
+                assert status == 200
+                assert seconds < 1.0
+                # The server made room by closing the oldest idle connections.
+                closed = 0
+                for sock in socks:
+                    sock.settimeout(0.01)
+                    with contextlib.suppress(TimeoutError, socket.timeout):
+                        closed += sock.recv(1) == b""
+                assert closed >= 80 - 50
+                assert all(sock.recv(1) == b"" for sock in socks[:20]), "the oldest go first"
+            finally:
+                for sock in socks:
+                    sock.close()
+
+    def test_idle_connections_are_closed_after_the_idle_timeout(self, tmp_path):
+        with running(tmp_path, env={"SERVICE_IDLE_TIMEOUT": "1"}) as server:
+            sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
+            try:
+                sock.sendall(b"GET /api/v1/health HTTP/1.1\r\n")
+                started = time.monotonic()
+                assert sock.recv(1) == b""  # closed by the server, not by our time-out
+                assert time.monotonic() - started < 4
+            finally:
+                sock.close()
+
+
+class TestServer:
+    def test_real_server_round_trip(self, tmp_path):
+        with running(tmp_path) as server:
+            banner = "".join(server.lines)
+            status, _, body = server.request("GET", f"{API}/system/setup")
+            assert status == 200
+            key = body["data"]["apiKey"]
+            assert key not in banner  # stderr is no terminal here: the key stays off the log
+            assert f"{server.url}{API}/system/setup" in banner
+            status, headers, body = server.request("POST", f"{API}/auth/verify")
+            assert status == 401
+            assert body["error"]["code"] == "UNAUTHORIZED"
+            assert headers["X-Request-Id"]
+            status, _, body = server.request(
+                "POST", f"{API}/auth/link", {"clientName": "cli"}, {"X-Service-Key": key}
+            )
+            assert status == 200
+            assert body["data"]["setupComplete"] is True
+        # After a restart the state is read back: setup stays complete, key stays valid.
+        with running(tmp_path) as server:
+            assert key not in "".join(server.lines)
+            status, _, body = server.request(
+                "POST", f"{API}/auth/verify", headers={"X-Service-Key": key}
+            )
+            assert status == 200
+            assert body["data"]["setupComplete"] is True
+
+    def test_falls_back_to_wsgiref_without_waitress(self, tmp_path):
+        code = (
+            "import sys, runpy; sys.modules['waitress'] = None;"
+            "sys.modules['waitress.server'] = None;"
+            "sys.argv = ['notesvc', '--host', '127.0.0.1', '--port', '0',"
+            f" '--root', {str(tmp_path)!r}];"
+            f"runpy.run_path({NOTESVC!r}, run_name='__main__')"
+        )
+        proc = subprocess.Popen(
+            [sys.executable, "-c", code],
+            stderr=subprocess.PIPE,
+            stdout=subprocess.DEVNULL,
+            text=True,
+            env={**os.environ, "SERVICE_RESCAN_SECONDS": "0"},
+        )
+        try:
+            lines = []
+            for line in proc.stderr:
+                lines.append(line)
+                m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
+                if m:
+                    break
+            assert any("waitress is not installed" in line for line in lines)
+            url = f"http://127.0.0.1:{m.group(1)}{API}/health"
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                assert json.loads(resp.read())["data"]["status"] == "ok"
+        finally:
+            proc.terminate()
+            proc.wait(10)
+            proc.stderr.close()
+
+    def test_module_app_is_built_on_first_use(self, tmp_path):
+        code = "import notesvc; print(type(notesvc.app).__name__, notesvc.app is notesvc.app)"
+        out = subprocess.run(
+            [sys.executable, "-c", code],
+            cwd=tmp_path,
+            capture_output=True,
+            text=True,
+            env={
+                **os.environ,
+                "PYTHONPATH": str(HERE),
+                "SERVICE_NOTES_ROOT": str(tmp_path),
+                "SERVICE_RESCAN_SECONDS": "0",
+            },
+            check=True,
+        )
+        assert out.stdout.split() == ["NotesApp", "True"]
+        assert (tmp_path / ".notesvc" / "state.json").exists()
+
+    def test_second_process_on_same_root_refuses(self, tmp_path):
+        with running(tmp_path):
+            out = run_cli("--root", str(tmp_path), "--port", "0", "--host", "127.0.0.1")
+            assert out.returncode == 2
+            assert "already serving" in out.stderr
+
+    def test_sigterm_stops_cleanly(self, tmp_path):
+        server = Server(tmp_path)
+        try:
+            server.proc.terminate()
+            assert server.proc.wait(10) == 0
+        finally:
+            server.stop()
+
+
+class TestSchemathesis:
+    def test_api_conforms_to_its_openapi_document(self, make_app):
+        schemathesis = pytest.importorskip("schemathesis")
+        hypothesis = pytest.importorskip("hypothesis")
+        app = make_app(SERVICE_HOST="127.0.0.1")
+        key = key_of(app)
+        client = with_key(app)
+        seed_notes(client)
+        wsgi = app.app
+        wsgi.service.lockout = notesvc.Lockout(limit=10**9)  # 401 probes must not lock us out
+        # Schema-valid data must be accepted (the document states the real bounds and path
+        # rules), except for two rules JSON Schema cannot say: a search query's grammar
+        # (`a OR`, only `-word`s, an odd quote, no letter or digit) and PUT's optional body
+        # `path`, which must equal the note's own. Only those operations skip the check.
+        from schemathesis.specs.openapi.checks import positive_data_acceptance
+
+        beyond_json_schema = {
+            "search_notes": [positive_data_acceptance],
+            "update_note": [positive_data_acceptance],
+        }
+
+        schema = schemathesis.openapi.from_wsgi("/api/v1/openapi.json", wsgi)
+        skip = {
+            "rotate_api_key",
+            "link_client",
+            "delete_note",
+            "delete_channel",
+            "toggle_channel",
+            "toggle_plugin",
+            "receive_webhook",
+            "issue_token",
+            "list_changes",  # a schema-valid wait holds the test up to 25 s; TestChanges
+        }
+        tested = 0
+        for result in schema.get_all_operations():
+            operation = result.ok()
+            operation_id = operation.definition.raw.get("operationId")
+            if operation_id in skip:
+                continue
+
+            @hypothesis.settings(
+                max_examples=12,
+                deadline=None,
+                database=None,
+                suppress_health_check=list(hypothesis.HealthCheck),
+                phases=[hypothesis.Phase.explicit, hypothesis.Phase.generate],
+            )
+            @hypothesis.given(case=operation.as_strategy())
+            def check(case):
+                leave_out = beyond_json_schema.get(case.operation.definition.raw["operationId"], [])
+                case.call_and_validate(headers={"X-Service-Key": key}, excluded_checks=leave_out)
+
+            check()
+            tested += 1
+        assert tested >= 20
 
 
 class TestMcp:
@@ -13048,28 +13275,6 @@ class TestMcp:
             notesvc.load_config(env=env)
 
 
-def sdk_session(url: str, headers: dict, mode: str, steps):
-    """Run `steps(client)` in an official MCP SDK session with a real server; return its result."""
-    import asyncio
-
-    client_module = pytest.importorskip("mcp.client.client")
-    transport = pytest.importorskip("mcp.client.streamable_http")
-    httpx2 = pytest.importorskip("httpx2")
-
-    async def main():
-        async with httpx2.AsyncClient(headers=headers, timeout=30) as http:
-            connection = transport.streamable_http_client(url, http_client=http)
-            async with client_module.Client(connection, mode=mode) as session:
-                return await steps(session)
-
-    return asyncio.run(main())
-
-
-def post_rpc(server: Server, path: str, body, headers: dict | None = None) -> tuple:
-    """POST a JSON-RPC body to a real server or relay; return (status, headers, answer)."""
-    return server.request("POST", path, body, headers)
-
-
 class TestMcpServer:
     """A real `python notesvc.py` (and a real relay): the official SDK, limits, the relay."""
 
@@ -13249,439 +13454,6 @@ class TestMcpServer:
         assert note.structured_content["title"] == "Garden"
 
 
-# -- grants against real processes: revocation in flight, the relay, the browser ----------
-
-
-def owner_headers(setup: dict) -> dict:
-    return {"X-Service-Key": setup["apiKey"]}
-
-
-def post_oauth_form(url: str, form: dict) -> tuple:
-    """POST a form; return (status, parsed JSON)."""
-    body = urllib.parse.urlencode(form).encode()
-    req = urllib.request.Request(url, body, {"Content-Type": "application/x-www-form-urlencoded"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        with e:
-            return e.code, json.loads(e.read() or b"null")
-
-
-def get_raw(url: str) -> tuple:
-    """GET a URL; return (status, headers, bytes)."""
-    try:
-        with urllib.request.urlopen(url, timeout=30) as resp:
-            return resp.status, resp.headers, resp.read()
-    except urllib.error.HTTPError as e:
-        with e:
-            return e.code, e.headers, e.read()
-
-
-class Callback:
-    """A loopback stand-in for an OAuth client's redirect URI: records what reaches it."""
-
-    def __init__(self):
-        self.hits: list = []
-        self.arrived = threading.Event()
-        cb = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):
-                if self.path.startswith("/callback"):  # not the browser's /favicon.ico
-                    cb.hits.append(self.path)
-                    cb.arrived.set()
-                body = b"<!doctype html><title>back in the app</title><p>done</p>"
-                self.send_response(200)
-                self.send_header("Content-Type", "text/html")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/callback"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def query(self, timeout: float = 15) -> dict:
-        assert self.arrived.wait(timeout), "nothing reached the redirect URI"
-        self.arrived.clear()
-        return urllib.parse.parse_qs(urllib.parse.urlsplit(self.hits[-1]).query)
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-
-
-class TestGrantsLive:
-    def test_a_key_revoked_while_in_use_is_refused_on_its_next_request(self, tmp_path):
-        with running(tmp_path, env={"SERVICE_THREADS": "4"}) as server:
-            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
-            body = {"name": "tablet", "scope": "read"}
-            _, _, made = server.request("POST", f"{API}/auth/keys", body, owner_headers(setup))
-            grant = made["data"]
-            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
-            try:
-
-                def notes() -> int:  # on one kept-alive connection
-                    conn.request("GET", f"{API}/notes", headers={"X-Service-Key": grant["key"]})
-                    resp = conn.getresponse()
-                    resp.read()
-                    return resp.status
-
-                assert [notes() for _ in range(3)] == [200, 200, 200]
-                status, _, _ = server.request(
-                    "DELETE", f"{API}/auth/keys/{grant['id']}", headers=owner_headers(setup)
-                )
-                assert status == 200
-                assert notes() == 401
-            finally:
-                conn.close()
-            state = (tmp_path / ".notesvc" / "state.json").read_text()
-            assert grant["key"] not in state
-            assert grant["id"] not in state
-            assert grant["key"] not in "".join(server.lines)
-
-    def test_a_key_revoked_by_another_process_is_refused(self, tmp_path):
-        with running(tmp_path) as server:
-            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
-            body = {"name": "tablet", "scope": "read"}
-            grant = server.request("POST", f"{API}/auth/keys", body, owner_headers(setup))[2][
-                "data"
-            ]
-            headers = {"X-Service-Key": grant["key"]}
-            assert server.request("GET", f"{API}/notes", headers=headers)[0] == 200
-            state_file = tmp_path / ".notesvc" / "state.json"  # as another tool would
-            state = json.loads(state_file.read_text())
-            state["grants"] = []
-            tmp = state_file.with_suffix(".tmp")
-            tmp.write_text(json.dumps(state))
-            os.replace(tmp, state_file)
-            assert server.request("GET", f"{API}/notes", headers=headers)[0] == 401
-
-
-class TestGrantsThroughTheRelay:
-    @pytest.fixture
-    def pair(self, tmp_path):
-        relay = Server(tmp_path / "relay", "relay", env={"SERVICE_RELAY_TIMEOUT": "5"})
-        server = Server(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url})
-        try:
-            wait_for(lambda: relay_servers(relay) == 1)
-            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
-            yield relay, server, setup
-        finally:
-            server.stop()
-            relay.stop()
-
-    def test_metadata_documents_name_the_relay(self, pair):
-        relay, _, setup = pair
-        sid = setup["serverId"]
-        base = f"{relay.url}/r/{sid}"
-        status, headers, raw = get_raw(
-            f"{relay.url}/.well-known/oauth-protected-resource/r/{sid}/api/v1/mcp"
-        )
-        assert status == 200
-        assert headers["Content-Type"].startswith("application/json")
-        assert json.loads(raw) == {
-            "resource": f"{base}/api/v1/mcp",
-            "authorization_servers": [base],
-            "scopes_supported": ["notes:read", "notes:write"],
-            "bearer_methods_supported": ["header"],
-            "resource_name": "notesvc",
-        }
-        for name in ("oauth-authorization-server", "openid-configuration"):
-            status, _, raw = get_raw(f"{relay.url}/.well-known/{name}/r/{sid}")
-            asm = json.loads(raw)
-            assert status == 200
-            assert asm["issuer"] == base
-            assert asm["token_endpoint"] == f"{base}/oauth/token"
-        status, _, _ = get_raw(f"{relay.url}/.well-known/oauth-authorization-server/r/{'a' * 20}")
-        assert status == 504  # no such server connected
-
-    def test_oauth_flow_and_pages_through_the_relay(self, pair):
-        relay, _server, setup = pair
-        sid = setup["serverId"]
-        base = f"{relay.url}/r/{sid}"
-        # The consent page is the relay's own copy, whatever the server would send.
-        status, headers, page = get_raw(f"{base}/oauth/authorize?client_id=x")
-        assert status == 200
-        assert page == notesvc.consent_page().encode()
-        assert headers["X-Frame-Options"] == "DENY"
-        assert "frame-ancestors 'none'" in headers["Content-Security-Policy"]
-        assert get_raw(f"{relay.url}/r/NOT-AN-ID/oauth/authorize")[0] == 404
-        # Registration and tokens are forwarded to the server.
-        status, _, reg = relay.request(
-            "POST", f"/r/{sid}/oauth/register", {"redirect_uris": [CALLBACK], "client_name": "Far"}
-        )
-        assert status == 201
-        cid = reg["client_id"]
-        verifier, challenge = pkce_pair()
-        approval = {
-            "clientId": cid,
-            "redirectUri": CALLBACK,
-            "codeChallenge": challenge,
-            "scope": "notes:read",
-            "resource": f"{base}/api/v1/mcp",
-        }
-        status, _, body = relay.request(
-            "POST", f"/r/{sid}{API}/oauth/approve", approval, owner_headers(setup)
-        )
-        assert status == 200, body
-        query = urllib.parse.parse_qs(urllib.parse.urlsplit(body["data"]["redirect"]).query)
-        assert query["iss"] == [base]
-        form = {
-            "grant_type": "authorization_code",
-            "code": query["code"][0],
-            "client_id": cid,
-            "redirect_uri": CALLBACK,
-            "code_verifier": verifier,
-            "resource": f"{base}/api/v1/mcp",
-        }
-        status, tokens = post_oauth_form(f"{base}/oauth/token", form)
-        assert status == 200
-        assert tokens["scope"] == "notes:read"
-        status, again = post_oauth_form(f"{base}/oauth/token", form)
-        assert (status, again["error"]) == (400, "invalid_grant")
-        status, _ = post_oauth_form(f"{base}/oauth/revoke", {"token": tokens["refresh_token"]})
-        assert status == 200
-        assert get_raw(f"{base}/oauth/token")[0] == 405
-
-    def test_a_share_link_through_the_relay(self, pair):
-        relay, server, setup = pair
-        sid = setup["serverId"]
-        owner = owner_headers(setup)
-        note = {"path": "notes/p.md", "content": "# P\n\n![pic](../attachments/p.png)\n"}
-        relay.request("POST", f"/r/{sid}{API}/notes", note, owner)
-        put = urllib.request.Request(
-            f"{relay.url}/r/{sid}{API}/attachments/attachments%2Fp.png",
-            PNG,
-            {**owner, "Content-Type": "application/octet-stream"},
-            method="PUT",
-        )
-        with urllib.request.urlopen(put, timeout=30) as resp:
-            assert resp.status == 201
-        status, _, body = relay.request(
-            "POST", f"/r/{sid}{API}/shares", {"path": "notes/p.md"}, owner
-        )
-        url = body["data"]["url"]
-        assert status == 201
-        assert url.startswith(f"{relay.url}/r/{sid}/s/")
-        status, headers, page = get_raw(url)
-        assert status == 200
-        assert page == notesvc.share_page().encode()
-        assert headers["Referrer-Policy"] == "no-referrer"
-        assert "noindex" in headers["X-Robots-Tag"]
-        token = url.rsplit("/", 1)[1]
-        status, _, raw = get_raw(f"{relay.url}/r/{sid}{API}/shared/{token}")
-        assert status == 200
-        assert json.loads(raw)["data"]["title"] == "P"
-        image = f"{relay.url}/r/{sid}{API}/shared/{token}/attachments/attachments/p.png"
-        status, headers, raw = get_raw(image)
-        assert (status, raw, headers["Content-Type"]) == (200, PNG, "image/png")
-        assert headers["Content-Security-Policy"] == notesvc.RELAY_ANSWER_CSP
-        assert get_raw(f"{relay.url}/r/{sid}/s/..%2F..%2Fetc")[0] == 404
-        # A share made directly in relay mode names the relay too.
-        status, _, direct = server.request("POST", f"{API}/shares", {"path": "notes/p.md"}, owner)
-        assert direct["data"]["url"].startswith(f"{relay.url}/r/{sid}/s/")
-
-
-def tiny_png() -> bytes:
-    """A real 1x1 PNG (a browser decodes it)."""
-    import struct
-    import zlib
-
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        crc = struct.pack(">I", zlib.crc32(kind + body) & 0xFFFFFFFF)
-        return struct.pack(">I", len(body)) + kind + body + crc
-
-    header = struct.pack(">IIBBBBB", 1, 1, 8, 2, 0, 0, 0)
-    pixels = zlib.compress(b"\x00\xc0\x30\x30")
-    return (
-        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", pixels) + chunk(b"IEND", b"")
-    )
-
-
-class TestGrantPages:
-    """The consent page and the share page in a real browser."""
-
-    @pytest.fixture
-    def browser(self):
-        sync_api = pytest.importorskip("playwright.sync_api")
-        if not CHROMIUM:
-            pytest.skip("no Chromium on this machine")
-        with sync_api.sync_playwright() as pw:
-            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-            try:
-                yield browser, sync_api.expect
-            finally:
-                browser.close()
-
-    def test_consent_on_a_phone(self, tmp_path, browser):
-        browser, expect = browser
-        cb = Callback()
-        try:
-            with running(tmp_path) as server:
-                setup = server.request("GET", f"{API}/system/setup")[2]["data"]
-                reg = server.request(
-                    "POST",
-                    "/oauth/register",
-                    {"redirect_uris": [cb.url], "client_name": "Phone app"},
-                )[2]
-                endpoint = server.request("GET", "/.well-known/oauth-authorization-server")[2][
-                    "authorization_endpoint"
-                ]
-                resource = f"{server.url}/api/v1/mcp"
-
-                def authorize_url(client_id: str, state: str) -> tuple:
-                    verifier, challenge = pkce_pair()
-                    q = urllib.parse.urlencode(
-                        {
-                            "response_type": "code",
-                            "client_id": client_id,
-                            "redirect_uri": cb.url,
-                            "state": state,
-                            "code_challenge": challenge,
-                            "code_challenge_method": "S256",
-                            "scope": "notes:read",
-                            "resource": resource,
-                        }
-                    )
-                    return f"{endpoint}?{q}", verifier
-
-                context = browser.new_context(
-                    viewport={"width": 390, "height": 844}, is_mobile=True, has_touch=True
-                )
-                page = context.new_page()
-                url, verifier = authorize_url(reg["client_id"], "phone-1")
-                page.goto(url)
-                expect(page.locator("#client")).to_have_text("Phone app")
-                expect(page.locator("#host")).to_have_text(urllib.parse.urlsplit(cb.url).netloc)
-                expect(page.locator("#write-row")).to_be_hidden()  # SERVICE_MCP_WRITE is off
-                page.screenshot(path=str(tmp_path / "consent-390x844.png"), full_page=True)
-                assert page.evaluate("document.documentElement.scrollWidth") <= 390
-                page.fill("#key", "nsk_" + "w" * 43)
-                page.fill("#folder", "family")
-                page.click("#allow")
-                expect(page.locator("#msg")).to_contain_text("wrong")
-                assert cb.hits == []
-                page.fill("#key", setup["apiKey"])
-                page.click("#allow")
-                page.wait_for_url(re.compile(r".*/callback\?"))
-                query = cb.query()
-                assert query["state"] == ["phone-1"]
-                assert query["iss"] == [server.url]
-                status, tokens = post_oauth_form(
-                    f"{server.url}/oauth/token",
-                    {
-                        "grant_type": "authorization_code",
-                        "code": query["code"][0],
-                        "client_id": reg["client_id"],
-                        "redirect_uri": cb.url,
-                        "code_verifier": verifier,
-                        "resource": resource,
-                    },
-                )
-                assert status == 200
-                assert tokens["scope"] == "notes:read"
-                _, _, keys = server.request("GET", f"{API}/auth/keys", headers=owner_headers(setup))
-                assert keys["data"]["keys"][0]["folder"] == "notes/family"
-                # Deny goes back with access_denied.
-                url, _ = authorize_url(reg["client_id"], "phone-2")
-                page.goto(url)
-                expect(page.locator("#client")).to_have_text("Phone app")
-                page.click("#deny")
-                page.wait_for_url(re.compile(r".*/callback\?.*error="))
-                query = cb.query()
-                assert query["error"] == ["access_denied"]
-                assert query["state"] == ["phone-2"]
-                # An unknown client is shown and nothing is redirected to.
-                url, _ = authorize_url("mcp_nobody", "phone-3")
-                page.goto(url)
-                expect(page.locator("#msg")).to_contain_text("no client is registered")
-                expect(page.locator("#ask")).to_be_hidden()
-                assert len(cb.hits) == 2
-                # Framed by another page, it never shows.
-                page.goto(cb.url)
-                page.evaluate(
-                    "(src) => new Promise((done) => { const f = document.createElement('iframe');"
-                    " f.onload = () => done(); f.src = src; document.body.appendChild(f); })",
-                    authorize_url(reg["client_id"], "framed")[0],
-                )
-                framed = page.frames[1]
-                assert framed.url.startswith("chrome-error://") or not framed.query_selector(
-                    "#allow"
-                )
-                context.close()
-        finally:
-            cb.close()
-
-    def test_a_share_link_in_a_fresh_browser(self, tmp_path, browser):
-        browser, expect = browser
-        with running(tmp_path) as server:
-            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
-            owner = owner_headers(setup)
-            text = (
-                "# Grandma's pie\n\nMix **apples** and *butter*; "
-                "see [the shop](https://shop.example).\n\n- [x] apples\n- [ ] sugar\n\n"
-                "> keep it warm\n\n```\n<script>alert(1)</script>\n```\n\n"
-                "| step | minutes |\n|---|---|\n| bake | 40 |\n\n<img src=x onerror=alert(2)>\n"
-                "\n![the pie](../attachments/pie.png) ![elsewhere](https://img.example/x.png)\n"
-            )
-            put = urllib.request.Request(
-                f"{server.url}{API}/attachments/attachments%2Fpie.png",
-                tiny_png(),
-                {**owner, "Content-Type": "application/octet-stream"},
-                method="PUT",
-            )
-            urllib.request.urlopen(put, timeout=30).close()
-            server.request("POST", f"{API}/notes", {"path": "notes/pie.md", "content": text}, owner)
-            _, _, made = server.request("POST", f"{API}/shares", {"path": "notes/pie.md"}, owner)
-            context = browser.new_context()  # no key, no storage
-            page = context.new_page()
-            dialogs, sent = [], []
-            page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
-            page.on("request", lambda r: sent.append((r.url, r.headers)))
-            page.goto(made["data"]["url"])
-            expect(page.locator("article h1")).to_have_text("Grandma's pie")
-            assert page.title() == "Grandma's pie"
-            expect(page.locator("article strong")).to_have_text("apples")
-            expect(page.locator("article li")).to_have_count(2)
-            assert page.locator("article input[type=checkbox]").first.is_checked()
-            assert page.locator("article a").get_attribute("rel") == "noopener noreferrer nofollow"
-            expect(page.locator("article pre")).to_have_text("<script>alert(1)</script>")
-            expect(page.locator("article td")).to_have_count(2)
-            assert "<img src=x onerror=alert(2)>" in page.inner_text("article")
-            image = page.locator("article img")
-            expect(image).to_have_count(1)  # the note's own attachment; never another host's
-            assert image.get_attribute("alt") == "the pie"
-            page.wait_for_function("document.querySelector('article img').complete")
-            assert image.evaluate("(img) => img.naturalWidth") == 1
-            assert "[image: elsewhere]" in page.inner_text("article")
-            assert dialogs == []
-            page.screenshot(path=str(tmp_path / "share.png"), full_page=True)
-            assert all(
-                "x-service-key" not in h and "authorization" not in h and not h.get("referer")
-                for _, h in sent
-            )
-            origins = {urllib.parse.urlsplit(u).netloc for u, _ in sent}
-            assert origins == {urllib.parse.urlsplit(server.url).netloc}
-            # A revoked link says so.
-            _, _, listed = server.request("GET", f"{API}/shares", headers=owner)
-            share_id = listed["data"]["shares"][0]["id"]
-            server.request("DELETE", f"{API}/shares/{share_id}", headers=owner)
-            page.reload()
-            expect(page.locator("#msg")).to_contain_text("expired or been revoked")
-            expect(page.locator("article")).to_be_empty()
-            context.close()
-
-
-def bearer(app: webtest.TestApp, token: str) -> webtest.TestApp:
-    return webtest.TestApp(app.app, extra_environ={"HTTP_AUTHORIZATION": f"Bearer {token}"})
-
-
 class TestGrantsOnMcp:
     """OAuth tokens and scoped keys on /api/v1/mcp: the challenge, the audience, the scope,
     the folder."""
@@ -13853,114 +13625,6 @@ class TestGrantsOnMcp:
             model.close()
 
 
-def sdk_oauth_session(mcp_url: str, key: str, steps, scope: str = "notes:read"):
-    """Run `steps(session, provider)` in an official MCP SDK session that authorises itself
-    with the SDK's OAuth client (mcp.client.auth): it registers, is sent to the consent
-    page, where the owner's approval is given with the key (POST /api/v1/oauth/approve, as
-    the page does), and redeems the code. Returns (steps' result, transcript, storage)."""
-    import asyncio
-
-    auth = pytest.importorskip("mcp.client.auth")
-    shared = pytest.importorskip("mcp.shared.auth")
-    client_module = pytest.importorskip("mcp.client.client")
-    transport = pytest.importorskip("mcp.client.streamable_http")
-    httpx2 = pytest.importorskip("httpx2")
-    transcript: list = []
-    approved: dict = {}
-
-    class Storage(auth.TokenStorage):
-        tokens = client = None
-
-        async def get_tokens(self):
-            return self.tokens
-
-        async def set_tokens(self, tokens):
-            self.tokens = tokens
-
-        async def get_client_info(self):
-            return self.client
-
-        async def set_client_info(self, client):
-            self.client = client
-
-    def approve_as_owner(url: str) -> None:
-        ask = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(url).query))
-        api = url.split("/oauth/authorize")[0] + API
-        body = {
-            "clientId": ask["client_id"],
-            "redirectUri": ask["redirect_uri"],
-            "state": ask["state"],
-            "codeChallenge": ask["code_challenge"],
-            "scope": scope,
-            "resource": ask["resource"],
-        }
-        req = urllib.request.Request(
-            f"{api}/oauth/approve",
-            json.dumps(body).encode(),
-            {"Content-Type": "application/json", "X-Service-Key": key},
-            method="POST",
-        )
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            redirect = json.loads(resp.read())["data"]["redirect"]
-        approved.update(urllib.parse.parse_qsl(urllib.parse.urlsplit(redirect).query))
-        transcript.append(f"consent: {ask['client_id']} asked {ask.get('scope')}; approved {scope}")
-
-    async def redirect_handler(url: str) -> None:
-        transcript.append(f"authorize: {url.split('?')[0]}")
-        await asyncio.get_running_loop().run_in_executor(None, approve_as_owner, url)
-
-    async def callback_handler():
-        return shared.AuthorizationCodeResult(
-            code=approved["code"], state=approved.get("state"), iss=approved.get("iss")
-        )
-
-    async def record(response) -> None:
-        request = response.request
-        transcript.append(f"{request.method} {request.url} -> {response.status_code}")
-
-    storage = Storage()
-    provider = auth.OAuthClientProvider(
-        server_url=mcp_url,
-        client_metadata=shared.OAuthClientMetadata(
-            client_name="notesvc SDK test", redirect_uris=[CALLBACK]
-        ),
-        storage=storage,
-        redirect_handler=redirect_handler,
-        callback_handler=callback_handler,
-    )
-
-    async def main():
-        async with httpx2.AsyncClient(
-            auth=provider, timeout=30, event_hooks={"response": [record]}
-        ) as http:
-            connection = transport.streamable_http_client(mcp_url, http_client=http)
-            async with client_module.Client(connection, mode="legacy") as session:
-                return await steps(session, provider)
-
-    return asyncio.run(main()), transcript, storage
-
-
-def mcp_with_token(url: str, token: str) -> tuple:
-    """POST tools/list with a bearer token; return (status, headers)."""
-    body = json.dumps({"jsonrpc": "2.0", "id": 9, "method": "tools/list"}).encode()
-    req = urllib.request.Request(
-        url,
-        body,
-        {
-            "Content-Type": "application/json",
-            "Authorization": f"Bearer {token}",
-            "MCP-Protocol-Version": "2025-11-25",
-        },
-        method="POST",
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return resp.status, resp.headers
-    except urllib.error.HTTPError as e:
-        with e:
-            return e.code, e.headers
-
-
 class TestSdkOAuth:
     """The official MCP SDK's OAuth client is the judge: directly and through a real relay."""
 
@@ -14047,3 +13711,339 @@ class TestSdkOAuth:
                 )
         finally:
             relay.stop()
+
+
+class TestCli:
+    @pytest.mark.parametrize(
+        ("args", "env", "names"),
+        [
+            (["--port", "abc"], {}, "--port"),
+            ([], {"SERVICE_PORT": "abc"}, "SERVICE_PORT"),
+            (["--auth-mode", "magic"], {}, "--auth-mode"),
+            (["--auth-mode", "jwt"], {}, "SERVICE_JWT_SECRET"),
+            ([], {"SERVICE_TRUST_PROXY": "perhaps"}, "SERVICE_TRUST_PROXY"),
+            (["--no-such-flag"], {}, "--no-such-flag"),
+        ],
+    )
+    def test_bad_values_exit_2_with_one_line(self, tmp_path, args, env, names):
+        out = run_cli(*args, "--root", str(tmp_path), env=env)
+        assert out.returncode == 2
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1, out.stderr
+        assert names in lines[0]
+        assert "Traceback" not in out.stderr
+
+    def test_version(self):
+        out = run_cli("--version")
+        assert out.returncode == 0
+        assert out.stdout.strip() == f"notesvc {notesvc.__version__}"
+
+    def test_help_lists_every_variable(self):
+        out = run_cli("--help")
+        assert out.returncode == 0
+        for s in notesvc.SETTINGS:
+            assert s.env in out.stdout
+            if s.flag:
+                assert s.flag in out.stdout
+
+    def test_corrupt_state_file_stops_startup_cleanly(self, tmp_path):
+        (tmp_path / ".notesvc").mkdir()
+        (tmp_path / ".notesvc" / "state.json").write_text("{broken")
+        out = run_cli("--root", str(tmp_path), "--port", "0", "--host", "127.0.0.1")
+        assert out.returncode == 2
+        assert "state.json" in out.stderr
+        assert "Traceback" not in out.stderr
+
+
+class TestCliSafety:
+    """Issue 10, items 6, 10, 11, 13: the CLI is safe as root, honest, and self-explaining."""
+
+    @pytest.mark.parametrize("command", ["audit", "rotate-key"])
+    def test_command_on_root_without_state_refuses_and_creates_nothing(self, tmp_path, command):
+        typo = tmp_path / "typo"
+        out = run_cli(command, "--root", str(typo))
+        assert out.returncode == 2
+        assert out.stderr.splitlines() == [
+            f"notesvc: error: no notesvc state at {typo}/.notesvc "
+            "(start the server there first, or check --root)"
+        ]
+        assert out.stdout == ""
+        assert not typo.exists()
+
+    def test_subcommand_help_lists_only_the_flags_it_reads(self):
+        flags = {s.flag for s in notesvc.SETTINGS if s.flag}
+        for command in notesvc.COMMANDS:
+            out = run_cli(command, "--help")
+            assert out.returncode == 0
+            shown = set(re.findall(r"(--[a-z-]+)", out.stdout)) & flags
+            expected = {
+                s.flag
+                for s in notesvc.SETTINGS
+                if s.flag and command in notesvc.setting_commands(s)
+            }
+            assert shown == expected, command
+        rotate = run_cli("rotate-key", "--help").stdout
+        assert set(re.findall(r"(--[a-z-]+)", rotate)) == {"--help", "--root", "--log-level"}
+        relay = run_cli("relay", "--help").stdout
+        for flag in ("--auth-mode", "--pairing", "--root", "--cors", "--relay-url"):
+            assert flag not in relay
+        assert "SERVICE_RELAY_TIMEOUT" in relay
+        assert "SERVICE_JWT_SECRET" not in relay
+
+    def test_flag_of_another_command_is_refused_in_one_line(self, tmp_path):
+        make_state(tmp_path)
+        out = run_cli("--pairing", "relay", "rotate-key", "--root", str(tmp_path))
+        assert out.returncode == 2
+        assert len(out.stderr.strip().splitlines()) == 1
+        assert "--pairing does not apply to rotate-key" in out.stderr
+
+    def test_rotate_key_ignores_variables_it_does_not_read(self, tmp_path):
+        make_state(tmp_path)
+        out = run_cli("rotate-key", "--root", str(tmp_path), env={"SERVICE_AUTH_MODE": "jwt"})
+        assert out.returncode == 0, out.stderr
+        assert re.fullmatch(r"nsk_[A-Za-z0-9_-]{43}", out.stdout.strip())
+
+    def test_audit_never_runs_plugin_code_and_writes_nothing(self, tmp_path):
+        root = tmp_path / "root"
+        make_state(root)
+        plugins = root / ".notesvc" / "plugins"
+        plugins.mkdir(mode=0o700)
+        marker = tmp_path / "ran.txt"
+        (plugins / "evil_one.py").write_text(MARKER_PLUGIN.format(marker=str(marker)))
+        if os.geteuid() == 0:  # the service's own user owns the state; cron runs as root
+            for path in [root, *root.rglob("*")]:
+                os.chown(path, 65534, 65534)
+        before = tree_snapshot(root)
+        out = run_cli("audit", "--root", str(root), env={"SERVICE_HOST": "127.0.0.1"})
+        assert out.returncode == 0, out.stdout + out.stderr
+        assert not marker.exists()  # the plugin file was never executed
+        assert "evil_one.py" in out.stdout
+        assert "(plugin-evil-one)" in out.stdout
+        assert tree_snapshot(root) == before  # nothing created, rewritten or re-owned
+        assert "no server is running on this root" in out.stdout.splitlines()[1]
+
+    def test_audit_reads_the_running_servers_effective_settings(self, tmp_path):
+        secret = "Zq8vN3xR7tLp2Wc9Hs5Kd1Fg6Jm4Yb0Ue"
+        env = {"SERVICE_AUTH_MODE": "jwt", "SERVICE_JWT_SECRET": secret}
+        with running(tmp_path, "--cors", "*", env=env) as server:
+            record_path = tmp_path / ".notesvc" / "effective.json"
+            assert stat.S_IMODE(record_path.stat().st_mode) == 0o600
+            text = record_path.read_text()
+            assert secret not in text
+            record = json.loads(text)
+            assert record["pid"] == server.proc.pid
+            assert record["startedAt"].endswith("Z")
+            assert record["settings"]["cors"] == ["*"]
+            assert record["settings"]["port"] == server.port
+            assert record["secrets"]["jwt_secret"]["set"] is True
+            assert record["secrets"]["agent_api_key"]["set"] is False
+            assert "jwt_secret" not in record["settings"]
+            # The CLI's own environment says nothing of CORS or JWT: the record wins.
+            out = run_cli("audit", "--root", str(tmp_path))
+            lines = out.stdout.splitlines()
+            assert lines[1].startswith(
+                f"auditing the running server (pid {server.proc.pid}, started "
+            ), lines[:3]
+            assert lines[1].endswith("with its effective settings")
+            assert "(cors-wildcard)" in out.stdout
+            assert "(jwt-mode)" in out.stdout  # a strong secret, judged by recorded figures
+            assert "(jwt-secret-weak)" not in out.stdout
+            assert secret not in out.stdout
+        assert not record_path.exists()  # a clean stop takes the record away
+        out = run_cli("audit", "--root", str(tmp_path))
+        assert "no server is running on this root" in out.stdout.splitlines()[1]
+        assert "(cors-wildcard)" not in out.stdout
+
+    @pytest.mark.skipif(os.name != "posix" or os.geteuid() != 0, reason="needs root")
+    def test_rotate_key_as_root_writes_the_state_as_its_owner(self, tmp_path):
+        folder = tmp_path / ".notesvc"
+        make_state(tmp_path)
+        for path in [tmp_path, folder, *folder.iterdir()]:
+            os.chown(path, 65534, 65534)
+        out = run_cli("rotate-key", "--root", str(tmp_path))
+        assert out.returncode == 0, out.stderr
+        key = out.stdout.strip()
+        for name in ("state.json", "state.lock"):
+            st = (folder / name).stat()
+            assert (st.st_uid, st.st_gid) == (65534, 65534), name
+            assert stat.S_IMODE(st.st_mode) == 0o600
+        state = json.loads((folder / "state.json").read_text())
+        assert state["keyHash"] == notesvc.key_hash(key)
+        assert not list(folder.glob(".tmp-*"))
+
+    def test_rotate_key_as_another_user_names_sudo(self, tmp_path, monkeypatch, capsys):
+        make_state(tmp_path)
+        before = (tmp_path / ".notesvc" / "state.json").read_bytes()
+        owner = (tmp_path / ".notesvc").stat().st_uid
+        monkeypatch.setattr(os, "geteuid", lambda: owner + 4242)  # a user who is not root
+        assert notesvc.main(["rotate-key", "--root", str(tmp_path)]) == 2
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1
+        assert re.search(r"run: sudo -u \S+ .*rotate-key --root ", err[0]), err
+        assert (tmp_path / ".notesvc" / "state.json").read_bytes() == before
+
+    @pytest.mark.skipif(os.name != "posix" or os.geteuid() != 0, reason="needs root")
+    def test_rotate_key_as_a_real_other_user_refuses(self, tmp_path):
+        python = system_python_with_bottle()
+        if python is None:
+            pytest.skip("needs Debian's python3-bottle under /usr/bin/python3")
+        root = Path(tempfile.mkdtemp(prefix="notesvc-other-", dir="/tmp"))
+        try:
+            os.chmod(root, 0o755)
+            make_state(root)
+            os.chmod(root / ".notesvc", 0o755)  # nobody may look, not write
+            os.chmod(root / ".notesvc" / "state.json", 0o644)
+            out = subprocess.run(
+                [python, "-I", NOTESVC, "rotate-key", "--root", str(root)],
+                capture_output=True,
+                text=True,
+                user=65534,
+                timeout=30,
+                cwd="/",
+            )
+            assert out.returncode == 2, out.stderr
+            assert out.stderr.strip().splitlines() == [
+                f"notesvc: error: the state at {root}/.notesvc belongs to root; run: "
+                f"sudo -u root python3 notesvc.py rotate-key --root {root}"
+            ]
+        finally:
+            shutil.rmtree(root)
+
+    def test_banner_without_a_terminal_shows_no_key(self, tmp_path):
+        with running(tmp_path) as server:
+            banner = "".join(server.lines)
+            _, _, body = server.request("GET", f"{API}/system/setup")
+            key = body["data"]["apiKey"]
+            assert key.startswith("nsk_")
+            assert "nsk_" not in banner
+            assert "open the setup URL on this machine" in banner
+            assert f"setup:  {server.url}{API}/system/setup" in banner
+
+    @pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
+    def test_banner_on_a_terminal_shows_the_key(self, tmp_path):
+        master, slave = os.openpty()
+        proc = subprocess.Popen(
+            [
+                sys.executable,
+                NOTESVC,
+                "--port",
+                "0",
+                "--host",
+                "127.0.0.1",
+                "--root",
+                str(tmp_path),
+            ],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=slave,
+            env={**os.environ, "SERVICE_RESCAN_SECONDS": "0"},
+        )
+        os.close(slave)
+        try:
+            text, deadline = "", time.monotonic() + 20
+            while "link:" not in text and time.monotonic() < deadline:
+                ready, _, _ = select.select([master], [], [], 0.5)
+                if ready:
+                    text += os.read(master, 4096).decode(errors="replace")
+            port = re.search(r"listening on http://127\.0\.0\.1:(\d+)", text).group(1)
+            url = f"http://127.0.0.1:{port}{API}/system/setup"
+            with urllib.request.urlopen(url, timeout=10) as resp:
+                key = json.loads(resp.read())["data"]["apiKey"]
+            assert f"key:    {key}" in text
+        finally:
+            proc.terminate()
+            proc.wait(10)
+            os.close(master)
+
+    def test_missing_bottle_prints_one_line_and_exits_2(self, tmp_path):
+        # -I -S: no user or site packages, so neither pip's nor Debian's bottle is found.
+        probe = subprocess.run([sys.executable, "-I", "-S", "-c", "import bottle"])
+        if probe.returncode == 0:
+            pytest.skip("bottle is importable without site-packages here")
+        out = subprocess.run(
+            [sys.executable, "-I", "-S", NOTESVC, "--root", str(tmp_path)],
+            capture_output=True,
+            text=True,
+            timeout=30,
+        )
+        assert out.returncode == 2
+        lines = out.stderr.strip().splitlines()
+        assert len(lines) == 1, out.stderr
+        assert "sudo apt install python3-bottle python3-waitress" in lines[0]
+        assert "pip" in lines[0]
+        assert "Traceback" not in out.stderr
+        assert not (tmp_path / ".notesvc").exists()
+        # `import notesvc` (tests, plugins) still fails the ordinary way.
+        code = f"import sys; sys.path.insert(0, {str(HERE)!r}); import notesvc"
+        imp = subprocess.run([sys.executable, "-I", "-S", "-c", code], capture_output=True)
+        assert imp.returncode == 1
+        assert b"ModuleNotFoundError" in imp.stderr
+
+
+class TestDocs:
+    def test_readme_example_plugin_works(self, make_app, root):
+        readme = (HERE / "README.md").read_text()
+        code = re.search(r"```python\n(import notesvc\n.*?)```", readme, re.S).group(1)
+        assert len([line for line in code.splitlines() if line.strip()]) <= 10
+        (root / ".notesvc" / "plugins").mkdir(parents=True)
+        (root / ".notesvc" / "plugins" / "wordcount.py").write_text(code)
+        client = with_key(make_app())
+        put_note(client, "notes/a.md", "one two three")
+        put_note(client, "notes/b.md", "four five")
+        assert data(client.get(f"{API}/plugins/wordcount/totals")) == {"words": 5, "notes": 2}
+
+    def test_readme_documents_every_setting(self):
+        readme = (HERE / "README.md").read_text()
+        for s in notesvc.SETTINGS:
+            assert f"`{s.env}`" in readme, s.env
+            if s.flag:
+                assert f"`{s.flag}`" in readme, s.flag
+
+    def test_readme_starts_with_the_debian_command_then_the_venv_ones(self):
+        readme = (HERE / "README.md").read_text()
+        blocks = re.findall(r"```sh\n(.*?)```", readme, re.S)
+        assert blocks[0].strip() == (
+            "sudo apt install python3-bottle python3-waitress && python3 notesvc.py"
+        )
+        assert blocks[1].strip() == (
+            "python3 -m venv .venv && .venv/bin/pip install . && .venv/bin/notesvc"
+        )
+        assert blocks[2].strip() == (
+            "python3 -m venv .venv && .venv/bin/pip install '.[test]' && .venv/bin/pytest"
+        )
+
+    def test_readme_banner_samples_match_the_real_banner(self, monkeypatch, capsys):
+        readme = (HERE / "README.md").read_text()
+        blocks = re.findall(r"\n   ```\n((?:   .*\n)+?)   ```", readme)
+        sample = next(b for b in blocks if " serving " in b).replace("\n   ", "\n")[3:]
+        key = re.search(r"nsk_[A-Za-z0-9_-]{43}", sample).group(0)
+        config = notesvc.load_config(env={"SERVICE_NOTES_ROOT": "/home/pi/data"})
+        state = {"setupComplete": False, "apiKey": key}
+        host = f"http://{platform.node() or 'this-host'}:3000"
+
+        class Terminal(io.StringIO):
+            def isatty(self) -> bool:
+                return True
+
+        terminal = Terminal()
+        monkeypatch.setattr(sys, "stderr", terminal)
+        notesvc.print_banner(config, state, 3000)
+        assert terminal.getvalue().replace(host, "http://raspberrypi:3000") == sample
+        monkeypatch.undo()
+        notesvc.print_banner(config, state, 3000)  # to pytest's capture: no terminal
+        journal = capsys.readouterr().err
+        assert key not in journal
+        key_line = next(line for line in journal.splitlines() if "key:" in line)
+        assert f"```\n   {key_line}\n   ```" in readme  # indented in a list item
+
+    def test_readme_lists_every_subcommand_and_the_proxy_example(self):
+        readme = (HERE / "README.md").read_text()
+        for command in notesvc.COMMANDS:
+            assert re.search(rf"^\| `{command}`", readme, re.M), command
+        caddyfile = (HERE / "deploy" / "Caddyfile").read_text()
+        assert "reverse_proxy 127.0.0.1:3000" in caddyfile
+        proxy = readme[readme.index("## Behind a reverse proxy") :]
+        assert "SERVICE_TRUST_PROXY=true" in proxy
+        assert "SERVICE_PUBLIC_URL=https://" in proxy
+        for kept in ("notes/", ".notesvc/state.json", ".notesvc/trash/", ".notesvc/effective.json"):
+            assert f"`{kept}`" in readme[readme.index("## Backup and restore") :], kept

@@ -9,13 +9,15 @@ one), then runs each engine in its own child process and measures:
 
 - first build from the files (notesvc: scan, read, index, write the segment files and the
   commit; the background merge that follows is timed apart), its progress lines and the
-  building process's peak RSS;
+  building process's peak RssAnon; the faster of two builds, against the fastest of
+  FTS5's three (the machine may be shared with other work);
 - restart: a real `notesvc.py` server on the built root, from process start to its first
   answered search, minus a server's process start to /api/v1/health on an empty root
   (the interpreter's own start is not the index's cost); its RssAnon and RssFile 5 s after
   that first search (the goal), and after the query run;
 - one-note update latency, query latency p50/p95/p99 per kind (common word, rare word,
-  2-3 word AND, phrase, prefix), in a process that opened the built index.
+  2-3 word AND, phrase, prefix), in a process that opened the built index: percentiles
+  over the notes (queries) of each one's best of --repeat tries, for both engines.
 
 Both engines answer the same queries with a top-10 and snippets; notesvc's answer also
 carries the total hit count. FTS5 runs with tokenize='porter unicode61 remove_diacritics 2'
@@ -163,17 +165,19 @@ def percentiles(times: list) -> dict:
 
 
 def measure_queries(run, queries: dict, repeat: int) -> dict:
+    """Per kind: percentiles over the queries of each query's best time of `repeat` passes
+    (the machine may be shared: the best of a few passes is the engine's own cost)."""
     out = {}
     for kind, qs in queries.items():
         for q in qs:  # warm-up pass
             run(q)
-        times = []
+        best = [float("inf")] * len(qs)
         for _ in range(repeat):
-            for q in qs:
+            for i, q in enumerate(qs):
                 t = time.perf_counter()
                 run(q)
-                times.append(time.perf_counter() - t)
-        out[kind] = percentiles(times)
+                best[i] = min(best[i], time.perf_counter() - t)
+        out[kind] = percentiles(best)
     return out
 
 
@@ -245,12 +249,13 @@ def child_notesvc(root: Path, queries: dict, repeat: int) -> dict:
     opened = time.perf_counter() - t
     index.sync()  # checksums and the check against the files (a restarted server's background)
     paths = sorted(index.paths())[:200]
-    updates = []
-    for i, path in enumerate(paths):
-        text = (root / path).read_text(encoding="utf-8") + f"\nedited {i} spare keys\n"
-        t = time.perf_counter()
-        index.add(path, text, len(text), i)
-        updates.append(time.perf_counter() - t)
+    updates = [float("inf")] * len(paths)
+    for edit in range(repeat):  # each note's best of `repeat` updates
+        for i, path in enumerate(paths):
+            text = (root / path).read_text(encoding="utf-8") + f"\nedited {edit} spare keys\n"
+            t = time.perf_counter()
+            index.add(path, text, len(text), i)
+            updates[i] = min(updates[i], time.perf_counter() - t)
 
     def run(q):
         return index.search(notesvc.Query(q), "", 10, 0)
@@ -343,15 +348,16 @@ def child_fts5(root: Path, queries: dict, repeat: int, mode: str) -> dict:
                 db.execute("INSERT INTO notes VALUES (?, ?, ?)", (p, title, body))
     build = time.perf_counter() - t
     rows = db.execute("SELECT rowid, body FROM notes LIMIT 200").fetchall()
-    updates = []
-    for i, (rowid, body) in enumerate(rows):
-        t = time.perf_counter()
-        with db:
-            db.execute(
-                "UPDATE notes SET body = ? WHERE rowid = ?",
-                (body + f"\nedited {i} spare keys\n", rowid),
-            )
-        updates.append(time.perf_counter() - t)
+    updates = [float("inf")] * len(rows)
+    for edit in range(repeat):  # each note's best of `repeat` updates, as for notesvc
+        for i, (rowid, body) in enumerate(rows):
+            t = time.perf_counter()
+            with db:
+                db.execute(
+                    "UPDATE notes SET body = ? WHERE rowid = ?",
+                    (body + f"\nedited {edit} spare keys\n", rowid),
+                )
+            updates[i] = min(updates[i], time.perf_counter() - t)
     snippet = "" if mode == "fts5-bare" else "snippet(notes, 2, '', '', '…', 40), "
     top = (
         f"SELECT path, title, {snippet}bm25(notes, 0.0, 2.0, 1.0) "  # noqa: S608 (a constant)
@@ -449,8 +455,9 @@ def main() -> None:
             f"sqlite {sqlite3.sqlite_version}, {os.cpu_count()} cores",
             flush=True,
         )
-        res = {"build": run_child("build", root, qfile, args.repeat)}
-        print(f"built: {res['build']}", flush=True)
+        builds = [run_child("build", root, qfile, args.repeat) for _ in range(2)]
+        res = {"build": min(builds, key=lambda b: b["build"])}  # the faster of two builds
+        print(f"built: {[round(b['build'], 2) for b in builds]}; {res['build']}", flush=True)
         res["restart"] = measure_restart(root, queries["rare word"][0])
         print(f"restarted: {res['restart']}", flush=True)
         for engine in ("notesvc", "fts5", "fts5+count", "fts5-bare"):
@@ -523,15 +530,9 @@ def report(n: int, res: dict) -> None:
         for p in ("p50", "p95"):
             ours, ref = ns["queries"][kind][p], fts["queries"][kind][p]
             goals.append((f"{kind} {p}", ours, ref, "<= 1.0x FTS5", ours <= ref, "ms"))
+    fts_build = min(fts["build"], ftsc["build"], bare["build"])  # the fastest of its 3 builds
     goals.append(
-        (
-            "first build",
-            b["build"],
-            fts["build"],
-            "<= 1.5x FTS5",
-            b["build"] <= 1.5 * fts["build"],
-            "s",
-        )
+        ("first build", b["build"], fts_build, "<= 1.5x FTS5", b["build"] <= 1.5 * fts_build, "s")
     )
     goals.append(
         (
