@@ -17353,7 +17353,9 @@ def get_plugin(svc: Service, name: str) -> dict:
     plugin = _plugin(svc, name)
     info = plugin_info(svc, plugin)
     page = next((r for r in plugin.routes if r.method == "GET" and r.path == ""), None)
-    if page and info["enabled"]:
+    who = request_principal()  # a grant sees a page its scope allows, a folder grant a built-in's
+    allowed = page and who.allows(page.scope) and (plugin.builtin or not who.folder)
+    if allowed and info["enabled"]:
         info.update(page.handler(svc))
     return info
 

@@ -6391,6 +6391,27 @@ class TestGrantScopes:
                 resp = reader.request(sample_url(r), method=r.method, expect_errors=True)
                 assert (resp.status_int == 403) == (r.scope != "read"), route_id(r)
 
+    def test_a_plugin_page_shows_only_what_its_scope_allows(self, make_app, root):
+        folder = root / ".notesvc" / "plugins"
+        folder.mkdir(parents=True)
+        (folder / "secret.py").write_text(
+            "import notesvc\n"
+            "def everything(svc):\n"
+            "    return {'paths': svc.index.paths()}\n"
+            "PLUGIN = notesvc.Plugin(name='secret', routes=(notesvc.PluginRoute('GET', '', "
+            "everything),))\n"
+        )
+        client = with_key(make_app())
+        put_note(client, "notes/work/w.md", "w")
+        assert data(client.get(f"{API}/plugins/secret"))["paths"] == ["notes/work/w.md"]
+        for grant in (new_grant(client, "write"), new_grant(client, "read", "notes/family")):
+            page = data(as_key(client, grant["key"]).get(f"{API}/plugins/secret"))
+            assert "paths" not in page
+        tags = data(
+            as_key(client, new_grant(client, "read", "notes/x")["key"]).get(f"{API}/plugins/tags")
+        )
+        assert tags["tags"] == []  # a built-in page filters itself
+
     def test_the_api_key_and_a_jwt_hold_admin(self, make_app):
         secret = "s" * 48
         app = make_app(SERVICE_AUTH_MODE="jwt", SERVICE_JWT_SECRET=secret)
