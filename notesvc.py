@@ -6122,6 +6122,928 @@ class Lockout:
                 del self._fails[addr]
 
 
+class RateLimit:
+    """At most `limit` events per `window` seconds per client address (memory bounded)."""
+
+    def __init__(
+        self, limit: int, window: float = 60.0, clock=time.monotonic, tracked: int = 10000
+    ):
+        self.limit, self.window, self.clock, self.tracked = limit, window, clock, tracked
+        self._events: dict[str, deque] = {}
+        self._lock = threading.Lock()
+
+    def hit(self, addr: str) -> int:
+        """Count one event from addr; return 0 when it is allowed, else the seconds to wait."""
+        now = self.clock()
+        with self._lock:
+            if len(self._events) >= self.tracked:  # forget the quiet, then the oldest half
+                for a in [a for a, q in self._events.items() if q[-1] <= now - self.window]:
+                    del self._events[a]
+                for a in list(self._events)[: max(0, len(self._events) - self.tracked // 2)]:
+                    del self._events[a]
+            q = self._events.setdefault(addr, deque())
+            while q and q[0] <= now - self.window:
+                q.popleft()
+            if len(q) >= self.limit:
+                return max(1, int(q[0] + self.window - now + 0.999))
+            q.append(now)
+            return 0
+
+
+# -- grants: who a request acts for, and how far it may go ---------------------------
+#
+# One mechanism lets others in exactly as far as the owner allows (CONTRACT 21): a grant
+# has a scope (read, write or admin) and optionally a folder, and is issued as a key
+# (nsg_...), as an OAuth token pair for an MCP client (nsa_... / nsr_...), or, for one
+# note, as a share link. Every secret is random and kept only as its SHA-256; the grants
+# live in the state file, so a revocation holds at once in every thread (and process).
+
+SCOPES = ("read", "write", "admin")  # each includes the ones before it
+SCOPE_RANK = {scope: rank for rank, scope in enumerate(SCOPES)}
+GRANT_KEY_PREFIX = "nsg_"
+ACCESS_PREFIX, REFRESH_PREFIX, CODE_PREFIX = "nsa_", "nsr_", "nsc_"
+OAUTH_SCOPES = ("notes:read", "notes:write")
+OAUTH_SCOPE_OF = {"read": "notes:read", "write": "notes:read notes:write"}
+ACCESS_LIFETIME = 3600  # seconds an OAuth access token lives
+CODE_LIFETIME = 60  # seconds an authorisation code may be redeemed in (once)
+OAUTH_IDLE_DAYS = 90  # an OAuth grant whose refresh token goes unused this long expires
+MAX_OAUTH_CLIENTS = 100  # registered (DCR) clients kept at most
+OAUTH_CLIENT_UNUSED_DAYS = 30  # a registered client unused this long is dropped
+OAUTH_FRESH_CLIENT_SECONDS = 3600  # at the cap, never-used clients older than this give way
+REGISTRATIONS_PER_MINUTE = 10  # per client address
+MAX_GRANTS = 500  # keys and OAuth grants
+MAX_SHARES = 1000
+MAX_CODES = 1000  # authorisation codes outstanding
+LAST_USED_FLUSH = 300.0  # seconds between writes of the grants' lastUsedAt
+SHARE_TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{22}$")  # 16 random bytes: 128 bits
+PKCE_RE = re.compile(r"^[A-Za-z0-9._~-]{43,128}$")  # a verifier (RFC 7636 4.1)
+CHALLENGE_RE = re.compile(r"^[A-Za-z0-9_-]{43}$")  # BASE64URL(SHA-256(verifier))
+CIMD_TIMEOUT, CIMD_MAX_BYTES, CIMD_CACHE_SECONDS = 5.0, 65536, 3600.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Principal:
+    """Who a request acts for: the owner (API key, JWT, auth off) or one grant."""
+
+    kind: str  # "owner", "key" (a scoped key) or "oauth" (an MCP client's token)
+    scope: str  # read, write or admin
+    folder: str = ""  # "notes/family": the grant sees that folder only; "" everything
+    grant_id: str = ""
+    resource: str = ""  # an OAuth token's audience: the MCP URL it was issued for
+
+    def allows(self, scope: str) -> bool:
+        return SCOPE_RANK[self.scope] >= SCOPE_RANK[scope]
+
+    @property
+    def attachments_folder(self) -> str:
+        """Return the attachments folder a folder grant sees (notes/x -> attachments/x)."""
+        return ATTACHMENTS + self.folder[len(NOTES) :] if self.folder else ""
+
+    def sees(self, path: str) -> bool:
+        """Return whether a note or attachment path lies inside the grant's folder."""
+        return not self.folder or path.startswith(
+            (self.folder + "/", self.attachments_folder + "/")
+        )
+
+
+OWNER = Principal("owner", "admin")
+
+
+def request_principal() -> Principal:
+    """Return who the current request acts for (the owner outside a protected request)."""
+    try:
+        return bottle.request.environ.get("notesvc.principal", OWNER)
+    except (AttributeError, RuntimeError, KeyError):
+        return OWNER
+
+
+def _escapes(raw: Any, top: str) -> bool:
+    """Return whether a raw path is not lexically inside folder `top` (or holds . or ..)."""
+    if not isinstance(raw, str):
+        return True
+    text = unicodedata.normalize("NFC", raw)
+    segments = text.split("/")
+    return not text.startswith(top + "/") or "." in segments or ".." in segments
+
+
+def _no_link_below(on_disk: Callable, top: str, path: str, what: str) -> None:
+    """Raise 404 when a symbolic link lies between folder `top` and `path` (on disk)."""
+    at = on_disk(top)
+    try:
+        parts = on_disk(path).relative_to(at).parts
+    except ValueError:
+        raise not_found(f"no {what} at {path}") from None
+    for part in parts:
+        at = at / part
+        if os.path.islink(at):
+            raise not_found(f"no {what} at {path}")
+
+
+def visible_note(store: NoteStore, raw: Any, principal: Principal | None = None) -> str:
+    """Return a checked note path the request's grant may see: outside its folder 404.
+
+    The folder test comes first, so `..`, another folder's note by any encoding, or a
+    symbolic link that leads out of the folder all answer as if nothing were there.
+    """
+    principal = principal or request_principal()
+    if not principal.folder:
+        return note_path(raw)
+    if _escapes(raw, principal.folder):
+        raise not_found(f"no note at {str(raw)[:MAX_PATH_CHARS]}")
+    path = note_path(raw)
+    _no_link_below(store.on_disk, principal.folder, path, "note")
+    return path
+
+
+def visible_attachment(store: Any, raw: Any, principal: Principal | None = None) -> str:
+    """Return a checked attachment path the request's grant may see (its folder's match
+    under attachments/); 404 outside it, as for notes."""
+    principal = principal or request_principal()
+    if not principal.folder:
+        return attachment_path(raw)
+    top = principal.attachments_folder
+    if _escapes(raw, top):
+        raise not_found(f"no attachment at {str(raw)[:MAX_PATH_CHARS]}")
+    path = attachment_path(raw)
+    _no_link_below(lambda p: store.base / p, top, path, "attachment")
+    return path
+
+
+def visible_folder(raw: Any, principal: Principal | None = None, top: str = NOTES) -> str:
+    """Return the folder a listing of `raw` shows a grant: raw itself inside its folder, the
+    grant's folder for an ancestor of it; 404 for any other folder. `top` (notes or
+    attachments) by default."""
+    principal = principal or request_principal()
+    own = principal.folder if top == NOTES else principal.attachments_folder
+    if own and isinstance(raw, str) and {".", ".."} & set(raw.split("/")):
+        raise not_found(f"no folder at {raw[:MAX_PATH_CHARS]}")
+    folder = (folder_path if top == NOTES else attachment_folder)(raw or top)
+    if not own or folder == own or folder.startswith(own + "/"):
+        return folder
+    if folder == top or own.startswith(folder + "/"):
+        return own
+    raise not_found(f"no folder at {folder}")
+
+
+def granted_tree(
+    svc: Service, raw: Any, depth: int | None = None, count: Callable | None = None
+) -> dict:
+    """Return the tree of a folder as the request's grant sees it (`depth` and `count` as
+    NoteStore.tree takes them): a folder above the grant's own holds only the way down."""
+    folder = visible_folder(raw)  # a folder grant's own, or 404
+    asked = folder_path(raw)
+    if folder == asked:
+        return svc.notes.tree(folder, depth, count)
+    way = folder.split("/")[asked.count("/") + 1 :]  # the folders from below asked to its own
+    left = None if depth is None else depth - len(way)
+    if left is not None and left < 0:  # the cut falls on the way down
+        path = "/".join([asked, *way[:depth]])
+        notes = count(folder) if count else len(svc.notes.walk(folder))
+        node = {"name": way[depth - 1], "path": path, "type": "folder", "count": notes}
+    else:
+        try:
+            node = svc.notes.tree(folder, left, count)
+        except ApiError as e:
+            if e.status_code != 404:
+                raise
+            node = {"name": way[-1], "path": folder, "type": "folder"}
+            node.update({"count": 0} if left == 0 else {"children": []})
+    while node["path"] != asked:
+        parent = node["path"].rsplit("/", 1)[0]
+        node = {
+            "name": parent.rsplit("/", 1)[-1],
+            "path": parent,
+            "type": "folder",
+            "children": [node],
+        }
+    return node
+
+
+def _epoch(text: Any) -> float:
+    """Return the time an ISO 8601 UTC stamp names; infinity for none (never expires)."""
+    if not text:
+        return math.inf
+    try:
+        when = dt.datetime.strptime(text, "%Y-%m-%dT%H:%M:%S.%fZ")
+    except (TypeError, ValueError):
+        return 0.0  # unreadable: treated as long expired
+    return when.replace(tzinfo=dt.timezone.utc).timestamp()
+
+
+def _clean_name(text: Any, fallback: str, limit: int = 100) -> str:
+    """Return a display name: printable characters only, trimmed, at most limit long."""
+    name = "".join(ch for ch in str(text or "") if ch.isprintable()).strip()[:limit]
+    return name or fallback
+
+
+class OAuthError(Exception):
+    """An OAuth failure, answered in OAuth's own JSON (RFC 6749 5.2, RFC 7591 3.2.2)."""
+
+    def __init__(self, error: str, description: str, status: int = 400, headers=None):
+        super().__init__(description)
+        self.error, self.description, self.status = error, description, status
+        self.headers = headers or {}
+
+
+def check_redirect_uri(uri: Any) -> str:
+    """Return a redirect URI a client may register: https, or http on a loopback host."""
+    if not isinstance(uri, str) or not uri or len(uri) > 2000:
+        raise OAuthError("invalid_redirect_uri", "a redirect URI is a URL of 1-2000 characters")
+    if any(ch.isspace() or not ch.isprintable() for ch in uri):
+        raise OAuthError("invalid_redirect_uri", "a redirect URI holds no spaces or controls")
+    parts = urllib.parse.urlsplit(uri)
+    try:
+        parts.port  # noqa: B018 - raises on a bad port
+    except ValueError:
+        raise OAuthError("invalid_redirect_uri", "the redirect URI has a bad port") from None
+    host = parts.hostname or ""
+    if "#" in uri or parts.username is not None or parts.password is not None or not host:
+        raise OAuthError(
+            "invalid_redirect_uri", "a redirect URI has a host and no #fragment or user info"
+        )
+    if parts.scheme == "https" or (
+        parts.scheme == "http" and (host == "localhost" or is_loopback(host))
+    ):
+        return uri
+    raise OAuthError(
+        "invalid_redirect_uri", "a redirect URI must be https, or http on a loopback host"
+    )
+
+
+def redirect_matches(registered: Iterable[str], uri: str) -> bool:
+    """Return whether uri is registered: exactly, or on loopback with any port (RFC 8252)."""
+    if uri in registered:
+        return True
+    p = urllib.parse.urlsplit(uri)
+    host = p.hostname or ""
+    if p.scheme != "http" or not (host == "localhost" or is_loopback(host)):
+        return False
+    return any(
+        (q.scheme, q.hostname, q.path, q.query) == ("http", host, p.path, p.query)
+        for q in map(urllib.parse.urlsplit, registered)
+    )
+
+
+def parse_oauth_scope(text: Any) -> str:
+    """Return the grant scope ("read" or "write") an OAuth scope string asks for; unknown
+    scopes are ignored (RFC 6749 3.3 lets the server grant less)."""
+    words = set(str(text or "").split())
+    return "write" if "notes:write" in words else "read"
+
+
+def pkce_matches(verifier: str, challenge: str) -> bool:
+    """Return whether BASE64URL(SHA-256(verifier)) is the challenge (S256, RFC 7636)."""
+    if not PKCE_RE.match(verifier or ""):
+        return False
+    digest = base64.urlsafe_b64encode(hashlib.sha256(verifier.encode()).digest()).rstrip(b"=")
+    return hmac.compare_digest(digest, challenge.encode())
+
+
+def mcp_challenge(mcp_url: str, error: str = "") -> str:
+    """Return the WWW-Authenticate value of a 401 on the MCP endpoint (RFC 9728 5.1): the
+    metadata URL is the MCP URL's origin, the well-known name, then the MCP URL's path."""
+    parts = urllib.parse.urlsplit(mcp_url)
+    meta = f"{parts.scheme}://{parts.netloc}/.well-known/oauth-protected-resource{parts.path}"
+    extra = f', error="{error}"' if error else ""
+    return f'Bearer resource_metadata="{meta}", scope="{OAUTH_SCOPES[0]}"{extra}'
+
+
+def public_address(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Return whether an address is on the public internet (not loopback, private,
+    link-local, multicast, reserved or unspecified), IPv4-mapped IPv6 unwrapped."""
+    if ip.version == 6 and ip.ipv4_mapped:
+        ip = ip.ipv4_mapped
+    return ip.is_global and not (
+        ip.is_loopback
+        or ip.is_private
+        or ip.is_link_local
+        or ip.is_multicast
+        or ip.is_reserved
+        or ip.is_unspecified
+    )
+
+
+def fetch_client_metadata(
+    url: str,
+    resolve: Callable = socket.getaddrinfo,
+    allow: Callable = public_address,
+    context: Any = None,
+    timeout: float = CIMD_TIMEOUT,
+    limit: int = CIMD_MAX_BYTES,
+) -> dict:
+    """Return the JSON object a Client ID Metadata Document URL serves, fetched safely.
+
+    https only; the host's every address must pass `allow` after DNS resolution, and the
+    connection goes to the address checked (no second lookup a rebinding host could
+    answer differently); redirects are not followed; `timeout` seconds in all and `limit`
+    bytes at most. Raises ValueError saying why not.
+    """
+    import http.client  # outbound calls only: kept off the start-up path
+    import ssl
+
+    parts = urllib.parse.urlsplit(url)
+    if (
+        parts.scheme != "https"
+        or not parts.hostname
+        or parts.username is not None
+        or parts.fragment
+        or parts.path in ("", "/")
+    ):
+        raise ValueError("a client_id URL must be https, with a path and no user or #fragment")
+    try:
+        port = parts.port or 443
+        infos = resolve(parts.hostname, port, type=socket.SOCK_STREAM)
+        addrs = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
+    except (OSError, UnicodeError, ValueError):
+        raise ValueError(f"{parts.hostname} does not resolve") from None
+    refused = [ip for ip in addrs if not allow(ip)]
+    if not addrs or refused:
+        shown = refused[0] if refused else "nothing"
+        raise ValueError(f"{parts.hostname} resolves to {shown}, which is not a public address")
+    deadline = time.monotonic() + timeout
+
+    class Pinned(http.client.HTTPSConnection):
+        def connect(self) -> None:  # to the address checked; TLS still names the host
+            sock = socket.create_connection((str(addrs[0]), self.port), timeout)
+            self.sock = self._context.wrap_socket(sock, server_hostname=self.host)
+
+    conn = Pinned(
+        parts.hostname, port, timeout=timeout, context=context or ssl.create_default_context()
+    )
+    try:
+        target = urllib.parse.urlunsplit(("", "", parts.path, parts.query, ""))
+        conn.request("GET", target, headers={"Accept": "application/json"})
+        resp = conn.getresponse()
+        if 300 <= resp.status < 400:
+            raise ValueError(f"it answered a redirect (HTTP {resp.status}); none is followed")
+        if resp.status != 200:
+            raise ValueError(f"it answered HTTP {resp.status}")
+        raw = b""
+        while len(raw) <= limit:
+            if time.monotonic() > deadline:
+                raise ValueError(f"it took over {timeout:g} s")
+            chunk = resp.read(min(16384, limit + 1 - len(raw)))
+            if not chunk:
+                break
+            raw += chunk
+        if len(raw) > limit:
+            raise ValueError(f"it is over {limit} bytes")
+    except (OSError, http.client.HTTPException, ssl.SSLError) as e:
+        reason = "timed out" if isinstance(e, (socket.timeout, TimeoutError)) else type(e).__name__
+        raise ValueError(f"it could not be fetched ({reason})") from None
+    finally:
+        conn.close()
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise ValueError("it is not JSON") from None
+    if not isinstance(doc, dict):
+        raise ValueError("it is not a JSON object")
+    return doc
+
+
+class GrantStore:
+    """Grants (scoped keys, OAuth grants), OAuth clients and share links.
+
+    Kept in the state file under "grants", "oauthClients" and "shares", so a change is
+    seen at once by every thread. Authorisation codes (60 s, single use), fetched client
+    metadata documents and rate counters live in memory. Lookups go through an index of
+    secret hashes rebuilt whenever the state changes.
+    """
+
+    def __init__(self, state: StateStore, clock: Callable = time.time):
+        self.state, self.clock = state, clock
+        self._lock = threading.Lock()
+        self._cache: tuple = (
+            None,
+            {},
+        )  # (state it was built from, hash -> (kind, principal, expires))
+        self._used: dict = {}  # grant id -> when it was last used, not yet written
+        self._flushed = clock()
+        self.codes: dict = {}  # code hash -> what the owner approved (memory only)
+        self.metadata: dict = {}  # client_id URL -> (fetched at, document)
+        self.registrations = RateLimit(REGISTRATIONS_PER_MINUTE)
+        self.public_hits = RateLimit(60)  # shared notes and consent facts, per address
+        self.share_misses = Lockout()  # unknown share tokens, per address
+
+    # -- authenticating -------------------------------------------------------------
+
+    def _index(self) -> dict:
+        data = self.state.read()
+        built_from, index = self._cache
+        if built_from is data:
+            return index
+        index = {}
+        for g in data.get("grants", []):
+            p = Principal(
+                g["kind"], g["scope"], g.get("folder") or "", g["id"], g.get("resource", "")
+            )
+            expires = _epoch(g.get("expiresAt"))
+            if g.get("keyHash"):
+                index[g["keyHash"]] = ("key", p, expires)
+            if g.get("accessHash"):
+                until = min(expires, _epoch(g.get("accessExpiresAt")))
+                index[g["accessHash"]] = ("access", p, until)
+        self._cache = (data, index)
+        return index
+
+    def principal(self, secret: str) -> Principal | None:
+        """Return the grant a scoped key or an access token stands for (None: no such live one)."""
+        if not secret.startswith((GRANT_KEY_PREFIX, ACCESS_PREFIX)) or len(secret) > 128:
+            return None
+        entry = self._index().get(key_hash(secret))
+        if entry is None or self.clock() >= entry[2]:
+            return None
+        kind, principal, _ = entry
+        if (kind == "key") != secret.startswith(GRANT_KEY_PREFIX):
+            return None
+        self._used[principal.grant_id] = self.clock()
+        if self.clock() - self._flushed > LAST_USED_FLUSH:
+            self.flush()
+        return principal
+
+    def flush(self, force: bool = False) -> None:
+        """Write the grants' lastUsedAt (every LAST_USED_FLUSH seconds at most, or now)."""
+        with self._lock:
+            if not force and self.clock() - self._flushed <= LAST_USED_FLUSH:
+                return
+            used, self._used, self._flushed = self._used, {}, self.clock()
+        if not used or self.state.readonly:
+            return
+
+        def change(data: dict) -> None:
+            for g in data.get("grants", []):
+                if g["id"] in used:
+                    g["lastUsedAt"] = iso(used[g["id"]])
+
+        try:
+            self.state.update(change)
+        except (OSError, StateError, ApiError) as e:
+            log.warning("could not record when grants were last used: %s", e)
+
+    # -- keys and grants --------------------------------------------------------------
+
+    def _public(self, g: dict) -> dict:
+        last = self._used.get(g["id"])
+        rec = {
+            "id": g["id"],
+            "kind": g["kind"],
+            "name": g["name"],
+            "scope": g["scope"],
+            "folder": g.get("folder"),
+            "createdAt": g["createdAt"],
+            "expiresAt": g.get("expiresAt"),
+            "lastUsedAt": iso(last) if last else g.get("lastUsedAt"),
+        }
+        if g["kind"] == "oauth":
+            rec["client"] = dict(g["client"])
+        return rec
+
+    def grants(self) -> list:
+        """Return every grant without its secrets (keys and OAuth grants)."""
+        return [self._public(g) for g in self.state.read().get("grants", [])]
+
+    def _add_grant(self, grant: dict) -> None:
+        now = self.clock()
+
+        def change(data: dict) -> None:
+            live = [g for g in data.get("grants", []) if _epoch(g.get("expiresAt")) > now]
+            if len(live) >= MAX_GRANTS:
+                raise ApiError(
+                    409, "CONFLICT", f"{MAX_GRANTS} grants exist already; revoke some first"
+                )
+            data["grants"] = [*live, grant]
+
+        self.state.update(change)
+
+    def create_key(self, name: str, scope: str, folder: str | None, days: int | None) -> tuple:
+        """Return (the key's record, the key itself) of a new scoped key."""
+        key, now = GRANT_KEY_PREFIX + secrets.token_urlsafe(32), self.clock()
+        grant = {
+            "id": "gr_" + secrets.token_hex(6),
+            "kind": "key",
+            "name": name,
+            "scope": scope,
+            "folder": folder,
+            "createdAt": iso(now),
+            "expiresAt": iso(now + days * 86400) if days else None,
+            "lastUsedAt": None,
+            "keyHash": key_hash(key),
+        }
+        self._add_grant(grant)
+        log.info("scoped key %s (%s%s) created", grant["id"], scope, f" {folder}" if folder else "")
+        return self._public(grant), key
+
+    def revoke(self, grant_id: str) -> bool:
+        """Revoke a key or an OAuth grant (and the share links it made); False if unknown."""
+
+        def change(data: dict) -> bool:
+            grants = data.get("grants", [])
+            kept = [g for g in grants if g["id"] != grant_id]
+            if len(kept) == len(grants):
+                return False
+            data["grants"] = kept
+            data["shares"] = [s for s in data.get("shares", []) if s.get("grantId") != grant_id]
+            return True
+
+        if not any(g["id"] == grant_id for g in self.state.read().get("grants", [])):
+            return False
+        found = self.state.update(change)
+        self._used.pop(grant_id, None)
+        if found:
+            log.info("grant %s revoked", grant_id)
+        return found
+
+    def counts(self) -> dict:
+        """Return how many grants there are of each kind, and registered OAuth clients."""
+        data = self.state.read()
+        kinds = collections.Counter(g["kind"] for g in data.get("grants", []))
+        return {
+            "key": kinds["key"],
+            "oauth": kinds["oauth"],
+            "share": len(data.get("shares", [])),
+            "oauthClients": len(data.get("oauthClients", {})),
+        }
+
+    # -- OAuth clients ----------------------------------------------------------------
+
+    def register_client(self, meta: dict, addr: str) -> dict:
+        """Register a public client (RFC 7591); return its client information."""
+        wait = self.registrations.hit(addr)
+        if wait:
+            raise OAuthError(
+                "temporarily_unavailable",
+                f"too many registrations from this address; retry in {wait} s",
+                429,
+                {"Retry-After": str(wait)},
+            )
+        uris = meta.get("redirect_uris")
+        if not isinstance(uris, list) or not 1 <= len(uris) <= 10:
+            raise OAuthError("invalid_redirect_uri", "redirect_uris must list 1-10 URIs")
+        uris = [check_redirect_uri(u) for u in uris]
+        grant_types = meta.get("grant_types", ["authorization_code", "refresh_token"])
+        if not isinstance(grant_types, list) or not set(grant_types) <= {
+            "authorization_code",
+            "refresh_token",
+        }:
+            raise OAuthError(
+                "invalid_client_metadata", "grant_types may be authorization_code, refresh_token"
+            )
+        if meta.get("response_types", ["code"]) != ["code"]:
+            raise OAuthError("invalid_client_metadata", 'response_types may only be ["code"]')
+        for name in ("client_name", "client_uri", "scope", "token_endpoint_auth_method"):
+            if name in meta and not isinstance(meta[name], (str, type(None))):
+                raise OAuthError("invalid_client_metadata", f"{name} must be a string")
+        uri = meta.get("client_uri") or ""
+        if uri and (len(uri) > 2000 or urllib.parse.urlsplit(uri).scheme not in ("https", "http")):
+            raise OAuthError("invalid_client_metadata", "client_uri must be an http(s) URL")
+        now = self.clock()
+        client_id = "mcp_" + secrets.token_urlsafe(16)
+        record = {
+            "name": _clean_name(meta.get("client_name"), "unnamed client"),
+            "redirectUris": uris,
+            "uri": uri,
+            "createdAt": iso(now),
+            "lastUsedAt": None,
+        }
+
+        def change(data: dict) -> None:
+            clients = data.setdefault("oauthClients", {})
+            stale = now - OAUTH_CLIENT_UNUSED_DAYS * 86400
+            for cid in [
+                c
+                for c, r in clients.items()
+                if _epoch(r.get("lastUsedAt") or r["createdAt"]) < stale
+            ]:
+                del clients[cid]
+            unused = sorted(
+                (r["createdAt"], c)
+                for c, r in clients.items()
+                if not r.get("lastUsedAt")
+                and _epoch(r["createdAt"]) < now - OAUTH_FRESH_CLIENT_SECONDS
+            )
+            while len(clients) >= MAX_OAUTH_CLIENTS and unused:
+                del clients[unused.pop(0)[1]]
+            if len(clients) >= MAX_OAUTH_CLIENTS:
+                raise OAuthError(
+                    "temporarily_unavailable",
+                    f"this server holds its maximum of {MAX_OAUTH_CLIENTS} registered clients",
+                    503,
+                )
+            clients[client_id] = record
+
+        self.state.update(change)
+        log.info("OAuth client %s registered (%s)", client_id, log_safe(record["name"], 100))
+        answer = {
+            "client_id": client_id,
+            "client_id_issued_at": int(now),
+            "client_name": record["name"],
+            "redirect_uris": uris,
+            "grant_types": grant_types,
+            "response_types": ["code"],
+            "token_endpoint_auth_method": "none",
+        }
+        if meta.get("scope"):
+            answer["scope"] = " ".join(s for s in meta["scope"].split() if s in OAUTH_SCOPES)
+        if uri:
+            answer["client_uri"] = uri
+        return answer
+
+    def client(self, client_id: Any, fetch: Callable = fetch_client_metadata) -> dict:
+        """Return {id, name, redirectUris, uri} of a registered client or of a Client ID
+        Metadata Document (an https client_id, fetched and cached an hour); OAuthError if none."""
+        if not isinstance(client_id, str) or not client_id or len(client_id) > 2000:
+            raise OAuthError("invalid_client", "client_id is missing or too long", 401)
+        if not client_id.startswith("https://"):
+            record = self.state.read().get("oauthClients", {}).get(client_id)
+            if record is None:
+                raise OAuthError(
+                    "invalid_client", "no client is registered with that client_id", 401
+                )
+            return {"id": client_id, **record}
+        cached = self.metadata.get(client_id)
+        if cached and self.clock() - cached[0] < CIMD_CACHE_SECONDS:
+            return cached[1]
+        try:
+            doc = fetch(client_id)
+        except ValueError as e:
+            raise OAuthError(
+                "invalid_client", f"the client's metadata document: {e}", 401
+            ) from None
+        if doc.get("client_id") != client_id:
+            raise OAuthError(
+                "invalid_client", "the client's metadata document names another client_id", 401
+            )
+        uris = doc.get("redirect_uris")
+        if not isinstance(uris, list) or not 1 <= len(uris) <= 10:
+            raise OAuthError("invalid_client", "the client's metadata lists no redirect_uris", 401)
+        try:
+            uris = [check_redirect_uri(u) for u in uris]
+        except OAuthError as e:
+            raise OAuthError(
+                "invalid_client", f"the client's metadata: {e.description}", 401
+            ) from None
+        host = urllib.parse.urlsplit(client_id).hostname
+        client = {
+            "id": client_id,
+            "name": _clean_name(doc.get("client_name"), host),
+            "redirectUris": uris,
+            "uri": doc.get("client_uri") if isinstance(doc.get("client_uri"), str) else "",
+        }
+        if len(self.metadata) >= 64:
+            self.metadata.clear()
+        self.metadata[client_id] = (self.clock(), client)
+        return client
+
+    def check_request(self, client_id: Any, redirect_uri: Any) -> dict:
+        """Return the client of an authorisation request whose redirect URI it registered."""
+        client = self.client(client_id)
+        if not isinstance(redirect_uri, str) or not redirect_uri:
+            raise OAuthError("invalid_request", "redirect_uri is required")
+        if not redirect_matches(client["redirectUris"], redirect_uri):
+            raise OAuthError(
+                "invalid_request", "that redirect_uri is not registered for the client"
+            )
+        check_redirect_uri(redirect_uri)
+        return client
+
+    # -- authorisation codes and tokens -----------------------------------------------
+
+    def approve(self, client: dict, redirect_uri: str, grant: dict, state: str, issuer: str) -> str:
+        """Return the redirect (with code, state and iss) for an approved request.
+
+        grant: {challenge, scope, folder, resource}, what the code will be redeemed for.
+        """
+        code, now = CODE_PREFIX + secrets.token_urlsafe(32), self.clock()
+        with self._lock:
+            for h in [h for h, c in self.codes.items() if c["expires"] + CODE_LIFETIME < now]:
+                del self.codes[h]
+            if len(self.codes) >= MAX_CODES:
+                raise ApiError(429, "RATE_LIMITED", "too many approvals waiting; retry in a minute")
+            self.codes[key_hash(code)] = {
+                **grant,
+                "client": {"id": client["id"], "name": client["name"]},
+                "redirectUri": redirect_uri,
+                "expires": now + CODE_LIFETIME,
+                "used": False,
+                "grantId": None,
+            }
+        params = {"code": code, **({"state": state} if state else {}), "iss": issuer}
+        sep = "&" if urllib.parse.urlsplit(redirect_uri).query else "?"
+        return redirect_uri + sep + urllib.parse.urlencode(params)
+
+    def redeem(self, code: str, client_id: str, redirect_uri: str, verifier: str, resource) -> dict:
+        """Return the token answer for an authorisation code (single use, 60 s, bound to the
+        client, the redirect URI, the PKCE challenge and the resource); OAuthError if not."""
+        now = self.clock()
+        with self._lock:
+            entry = self.codes.get(key_hash(code or ""))
+            reused = entry is not None and entry["used"]
+            if entry is not None:
+                entry["used"] = True
+        if entry is None:
+            raise OAuthError("invalid_grant", "the code is unknown or expired")
+        if reused:  # a replayed code: what it was exchanged for is revoked (RFC 6749 4.1.2)
+            if entry["grantId"]:
+                self.revoke(entry["grantId"])
+            raise OAuthError("invalid_grant", "the code was used already")
+        if entry["expires"] < now:
+            raise OAuthError("invalid_grant", "the code is unknown or expired")
+        if client_id != entry["client"]["id"]:
+            raise OAuthError("invalid_grant", "the code was issued to another client")
+        if redirect_uri != entry["redirectUri"]:
+            raise OAuthError("invalid_grant", "redirect_uri differs from the authorisation's")
+        if not pkce_matches(verifier, entry["challenge"]):
+            raise OAuthError("invalid_grant", "the code_verifier does not match the challenge")
+        if resource and resource != entry["resource"]:
+            raise OAuthError("invalid_target", "resource differs from the authorisation's")
+        answer, grant_id = self._issue(entry)
+        entry["grantId"] = grant_id
+        return answer
+
+    def _tokens(self, grant: dict, now: float) -> dict:
+        access, refresh = (
+            ACCESS_PREFIX + secrets.token_urlsafe(32),
+            REFRESH_PREFIX + secrets.token_urlsafe(32),
+        )
+        grant.update(
+            accessHash=key_hash(access),
+            accessExpiresAt=iso(now + ACCESS_LIFETIME),
+            refreshHash=key_hash(refresh),
+            expiresAt=iso(now + OAUTH_IDLE_DAYS * 86400),
+        )
+        return {
+            "access_token": access,
+            "token_type": "Bearer",
+            "expires_in": ACCESS_LIFETIME,
+            "refresh_token": refresh,
+            "scope": OAUTH_SCOPE_OF[grant["scope"]],
+        }
+
+    def _issue(self, entry: dict) -> tuple:
+        now = self.clock()
+        grant = {
+            "id": "gr_" + secrets.token_hex(6),
+            "kind": "oauth",
+            "name": entry["client"]["name"],
+            "scope": entry["scope"],
+            "folder": entry["folder"],
+            "createdAt": iso(now),
+            "lastUsedAt": None,
+            "client": entry["client"],
+            "resource": entry["resource"],
+            "usedRefresh": [],
+        }
+        answer = self._tokens(grant, now)
+        self._add_grant(grant)
+
+        def used(data: dict) -> None:
+            record = data.get("oauthClients", {}).get(entry["client"]["id"])
+            if record is not None:
+                record["lastUsedAt"] = iso(now)
+
+        self.state.update(used)
+        log.info("OAuth grant %s issued to %s", grant["id"], log_safe(grant["name"], 100))
+        return answer, grant["id"]
+
+    def refresh(self, token: str, client_id: str, resource, scope) -> dict:
+        """Return new tokens for a refresh token, which is rotated; a refresh token used twice
+        revokes its whole grant (both tokens fail from then on)."""
+        h, now = key_hash(token or ""), self.clock()
+        known = any(
+            g.get("refreshHash") == h or h in g.get("usedRefresh", ())
+            for g in self.state.read().get("grants", [])
+        )
+        if not token or not known:
+            raise OAuthError("invalid_grant", "the refresh token is unknown, expired or revoked")
+
+        def change(data: dict) -> tuple:
+            grants = data.get("grants", [])
+            for i, g in enumerate(grants):
+                if h in g.get("usedRefresh", ()):
+                    del grants[i]
+                    return "reused", g
+                if g.get("refreshHash") != h:
+                    continue
+                if g["client"]["id"] != client_id:
+                    return "client", g
+                if _epoch(g.get("expiresAt")) <= now:
+                    return "expired", g
+                if resource and resource != g.get("resource"):
+                    return "resource", g
+                if scope and parse_oauth_scope(scope) == "write" and g["scope"] != "write":
+                    return "scope", g
+                g["usedRefresh"] = [*g.get("usedRefresh", []), h][-20:]
+                return "ok", self._tokens(g, now)
+            return "gone", None
+
+        outcome, detail = self.state.update(change)
+        if outcome == "ok":
+            return detail
+        if outcome == "reused":
+            log.warning("OAuth grant %s revoked: a refresh token was used twice", detail["id"])
+        errors = {
+            "reused": ("invalid_grant", "the refresh token was used already: the grant is revoked"),
+            "client": ("invalid_grant", "the refresh token was issued to another client"),
+            "expired": ("invalid_grant", "the grant expired; authorise again"),
+            "resource": ("invalid_target", "resource differs from the grant's"),
+            "scope": ("invalid_scope", "the grant does not hold notes:write"),
+            "gone": ("invalid_grant", "the refresh token is unknown, expired or revoked"),
+        }
+        raise OAuthError(*errors[outcome])
+
+    def revoke_token(self, token: str, client_id: str) -> None:
+        """Revoke the grant an access or refresh token belongs to (RFC 7009; unknown: nothing)."""
+        h = key_hash(token or "")
+        for g in self.state.read().get("grants", []):
+            if g.get("kind") == "oauth" and h in (g.get("accessHash"), g.get("refreshHash")):
+                if client_id and g["client"]["id"] != client_id:
+                    return
+                self.revoke(g["id"])
+                return
+
+    # -- share links ---------------------------------------------------------------
+
+    def create_share(self, path: str, days: int, principal: Principal) -> tuple:
+        """Return (the share's record, its token) of a new read-only link to one note."""
+        token, now = secrets.token_urlsafe(16), self.clock()
+        share = {
+            "id": "sh_" + secrets.token_hex(6),
+            "path": path,
+            "tokenHash": key_hash(token),
+            "createdAt": iso(now),
+            "expiresAt": iso(now + days * 86400),
+            "grantId": principal.grant_id or None,
+        }
+
+        def change(data: dict) -> None:
+            live = [s for s in data.get("shares", []) if _epoch(s["expiresAt"]) > now]
+            if len(live) >= MAX_SHARES:
+                raise ApiError(409, "CONFLICT", f"{MAX_SHARES} share links exist; revoke some")
+            data["shares"] = [*live, share]
+
+        self.state.update(change)
+        return self.share_record(share), token
+
+    @staticmethod
+    def share_record(share: dict) -> dict:
+        keys = ("id", "path", "createdAt", "expiresAt")
+        return {**{k: share[k] for k in keys}, "createdBy": share.get("grantId") or "owner"}
+
+    def shares(self, principal: Principal) -> list:
+        """Return the share links a principal sees: a grant its own, the owner all."""
+        now = self.clock()
+        return [
+            self.share_record(s)
+            for s in self.state.read().get("shares", [])
+            if _epoch(s["expiresAt"]) > now
+            and (principal.kind == "owner" or s.get("grantId") == principal.grant_id)
+        ]
+
+    def revoke_share(self, share_id: str, principal: Principal) -> bool:
+        def mine(s: dict) -> bool:
+            return s["id"] == share_id and (
+                principal.kind == "owner" or s.get("grantId") == principal.grant_id
+            )
+
+        if not any(map(mine, self.state.read().get("shares", []))):
+            return False
+
+        def change(data: dict) -> None:
+            data["shares"] = [s for s in data.get("shares", []) if not mine(s)]
+
+        self.state.update(change)
+        return True
+
+    def shared(self, token: str) -> dict | None:
+        """Return the live share a token opens (None: unknown, expired or revoked)."""
+        if not SHARE_TOKEN_RE.match(token or ""):
+            return None
+        h, now = key_hash(token), self.clock()
+        for s in self.state.read().get("shares", []):
+            if hmac.compare_digest(s["tokenHash"], h) and _epoch(s["expiresAt"]) > now:
+                return s
+        return None
+
+    def on_note_event(self, event: str, path: str, detail: Any) -> None:
+        """Keep share links on their note: a move takes them along, a delete ends them."""
+        if event not in ("moved", "deleted") or self.state.readonly:
+            return
+        if not any(s["path"] == path for s in self.state.read().get("shares", [])):
+            return
+
+        def change(data: dict) -> None:
+            shares = data.get("shares", [])
+            if event == "deleted":
+                data["shares"] = [s for s in shares if s["path"] != path]
+            else:
+                for s in shares:
+                    if s["path"] == path:
+                        s["path"] = detail[0]
+
+        self.state.update(change)
+
+
 # == Service ==================================================================
 #
 # The one object every handler, provider, plugin and audit check gets as `svc`: the
@@ -6213,6 +7135,7 @@ class Service:
         self.journal = ChangeJournal(state / "changes.log")
         self.notes = NoteStore(config.notes_dir, state / "trash", self.history, self.journal)
         self.attachments = AttachmentStore(config.root / ATTACHMENTS, config.state_dir / "trash")
+        self.grants = GrantStore(self.state)  # scoped keys, OAuth grants, share links
         # Background components of later sections, composed by build_service():
         self.pollers: Any = None  # ChannelPollers: a thread per channel in polling mode
         self.reminders: Any = None  # ReminderScheduler: ⏰ lines sent through the channels
@@ -6228,6 +7151,7 @@ class Service:
         self.notes.listeners.append(self._on_note_event)
         self.notes.after.append(self._run_hooks)
         self.journal.open()
+        self.notes.after.append(self.grants.on_note_event)  # share links follow their note
         if not self.config.rescan_seconds:  # nothing else would check the files: now
             self.last_sync = self.sync_index()
         self.index.start()  # flushes, commits and merges in the background
@@ -6317,6 +7241,7 @@ class Service:
         if self._threads:
             self._threads = []
             self.index.close()  # the last flush and commit
+            self.grants.flush(force=True)
 
     # -- request context ------------------------------------------------------
 
@@ -6330,6 +7255,14 @@ class Service:
     def relay_url(self, environ: dict) -> str:
         return self.config.relay_url or self.base_url(environ)
 
+    def issuer(self, environ: dict) -> str:
+        """Return the OAuth issuer (and share-link base) a request sees: the base URL, or
+        {relay}/r/<serverId> for one that came through a relay or the /r/<id> prefix."""
+        script = environ.get("SCRIPT_NAME", "")
+        if environ.get("notesvc.relayed") and self.config.relay_url:
+            return self.config.relay_url + script
+        return self.base_url(environ) + script
+
     # -- authentication -------------------------------------------------------
 
     def key_matches(self, key: str | None) -> bool:
@@ -6337,28 +7270,31 @@ class Service:
         stored = self.state.read().get("keyHash", "")
         return bool(key) and hmac.compare_digest(key_hash(key), stored)
 
-    def authenticate(self, environ: dict, key_only: bool = False, mcp: bool = False) -> None:
-        """Let a protected request through or raise 401 / 403 / 429.
+    def authenticate(self, environ: dict, key_only: bool = False, mcp: bool = False) -> Principal:
+        """Return who a protected request acts for, or raise 401 / 403 / 429.
 
         Only a credential that was presented and is wrong counts toward the lockout,
         and a right one clears its address's failures; while an address is locked out,
         every credential from it is 429, right or wrong (no oracle for a guesser).
         key_only: the route needs the API key itself, a JWT gets 403.
-        mcp: /mcp, where the key may also come as `Authorization: Bearer` or `X-API-Key`.
+        mcp: /mcp, where the key may also come as `Authorization: Bearer` or `X-API-Key`,
+        OAuth access tokens issued for its URL are good, and a 401 carries the challenge
+        that leads a client to them.
         """
         if self.config.auth_mode == "none":
-            return
+            return OWNER
         key = environ.get("HTTP_X_SERVICE_KEY", "")
         auth = environ.get("HTTP_AUTHORIZATION", "")
         bearer = auth[7:].strip() if auth[:7].lower() == "bearer " else ""
         if mcp and not key:  # AI connectors send only authorization, x-api-key, x-auth-token
             key = environ.get("HTTP_X_API_KEY", "") or bearer
+        mcp_url = self.issuer(environ) + API + "/mcp" if mcp else ""
         if key or bearer:
             addr = self.client_addr(environ)
             self.check_lockout(addr)
             if self.key_matches(key):
                 self.lockout.succeed(addr)
-                return
+                return OWNER
             if bearer and self.config.auth_mode == "jwt" and self.token_valid(environ):
                 self.lockout.succeed(addr)
                 if key_only:
@@ -6367,11 +7303,22 @@ class Service:
                         "FORBIDDEN",
                         f"this needs the API key itself ({KEY_HEADER}), not a token",
                     )
-                return
+                return OWNER
+            for secret in filter(None, dict.fromkeys((key, bearer))):  # a scoped key, a token
+                grant = self.grants.principal(secret)
+                if grant is not None and grant.kind == "oauth" and not mcp:
+                    raise ApiError(401, "UNAUTHORIZED", f"OAuth tokens are good for {API}/mcp only")
+                if grant is not None and (grant.kind != "oauth" or grant.resource == mcp_url):
+                    self.lockout.succeed(addr)
+                    return grant
             self.lockout.fail(addr)
         headers = f"{KEY_HEADER}, Authorization: Bearer or X-API-Key" if mcp else KEY_HEADER
+        challenge = {"WWW-Authenticate": mcp_challenge(mcp_url, "invalid_token" if bearer else "")}
         raise ApiError(
-            401, "UNAUTHORIZED", f"missing or wrong {headers} header; see GET {API}/system/setup"
+            401,
+            "UNAUTHORIZED",
+            f"missing or wrong {headers} header; see GET {API}/system/setup",
+            challenge if mcp else None,
         )
 
     def token_valid(self, environ: dict) -> bool:
@@ -6703,15 +7650,41 @@ def _clip(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1].rsplit(" ", 1)[0] + "…"
 
 
-def retrieve(svc: Service, question: str, note: str | None, limit: int = 3) -> list:
-    """Return [(path, title, [passages])]: the best hits, best first.
+def _hits_in_folder(svc: Service, question: str, folder: str, limit: int) -> list:
+    """Return the top (path, title, text, score) inside a folder (a folder grant's sources):
+    the question's words as one OR query of the index, restricted to the folder."""
+    words = list(dict.fromkeys(w for w in _WORD_RE.findall(fold(question)) if w not in STOPWORDS))
+    text = ""
+    for word in words:
+        if len(text) + len(word) + 4 > MAX_QUERY_CHARS:
+            break
+        text = f"{text} OR {word}" if text else word
+    try:
+        _, ranked = svc.index.search(Query(text), folder, limit)
+    except ApiError:  # no searchable word in the question
+        return []
+    hits = []
+    for path, title, score, _ in ranked:
+        with contextlib.suppress(ApiError):
+            hits.append((path, title, svc.notes.get(path)["content"], score))
+    return hits
+
+
+def retrieve(
+    svc: Service, question: str, note: str | None, limit: int = 3, folder: str = ""
+) -> list:
+    """Return [(path, title, [passages])]: the best hits, best first (inside `folder` only,
+    when a folder grant asks).
 
     The note asked about (`notePath`) comes first when its passages match the question;
     otherwise it comes last with its opening, context for a model that no one quotes.
     """
     index = svc.index
     weights = index.stem_weights(question_stems(question))
-    hits = index.search_any(list(weights), limit)  # the passages are cut without the lock
+    if folder:
+        hits = _hits_in_folder(svc, question, folder, limit)
+    else:
+        hits = index.search_any(list(weights), limit)  # the passages are cut without the lock
     found = [(p, title, best_passages(weights, text)) for p, title, text, _ in hits if p != note]
     if note:
         rec = svc.notes.get(note)
@@ -6816,8 +7789,9 @@ def tool(
 
 
 def available_tools(svc: Service, writes: bool) -> list:
-    """Return the tools this app offers: read-only ones, write ones when `writes`, each only
-    while its plugin is on."""
+    """Return the tools this app offers: read-only ones, write ones when `writes` and the
+    request's grant may write, each only while its plugin is on."""
+    writes = writes and request_principal().allows("write")
     return [
         t
         for t in svc.tools.values()
@@ -7026,7 +8000,7 @@ def answer_with_model(svc: Service, question: str, found: list) -> tuple:
     tools = [t for t in available_tools(svc, cfg.agent_write) if not t.alias_of]
     specs = [openai_tool(t) for t in tools]
     prompt = SYSTEM_PROMPT + (f" {TOOLS_PROMPT}" if specs else "")
-    prompt += f" {WRITE_PROMPT}" if cfg.agent_write and specs else ""
+    prompt += f" {WRITE_PROMPT}" if any(not t.read_only for t in tools) else ""
     messages = [
         {"role": "system", "content": f"{prompt}\n\n{model_context(found)}"},
         {"role": "user", "content": question},
@@ -7144,12 +8118,13 @@ def answer_nothing(svc: Service, question: str, found: list) -> tuple:
     raise ApiError(503, "AGENT_DISABLED", "the agent is off (SERVICE_AGENT_PROVIDER=none)")
 
 
-def ask_agent(svc: Service, question: str, note: str | None = None) -> dict:
-    """Return the agent's {reply, provider, model, sources} for a question."""
+def ask_agent(svc: Service, question: str, note: str | None = None, folder: str = "") -> dict:
+    """Return the agent's {reply, provider, model, sources} for a question (its sources
+    inside `folder` only, when a folder grant asks)."""
     provider = svc.agent_providers[svc.config.agent_provider]
     if not provider.enabled:
         raise ApiError(503, "AGENT_DISABLED", "the agent is off (SERVICE_AGENT_PROVIDER=none)")
-    found = retrieve(svc, question, note)
+    found = retrieve(svc, question, note, folder=folder)
     try:
         answer = provider.answer(svc, question, found)
     except UpstreamError as e:
@@ -8603,6 +9578,8 @@ class PluginRoute:
     summary: str = ""
     status: int = 200  # documented success status (200 is always documented too)
     params: dict | None = None  # JSON schemas of path/query parameters (OpenAPI), by name
+    scope: str = "admin"  # what a grant needs to call it; a read or write route must keep
+    # a folder grant inside its folder (request_principal())
 
 
 @dataclasses.dataclass(frozen=True)
@@ -8912,8 +9889,10 @@ def move_and_relink(
     svc: Service, path: str, new: str, if_match: str | None = None, relink: bool = False
 ) -> dict:
     """Move a note (If-Match honoured; never overwrites) and, with `relink`, point the links
-    to it at its new path; return its record there with `from` (and `linksUpdated`)."""
-    linking = set(link_graph(svc).get(path, ())) if relink else set()
+    to it at its new path; return its record there with `from` (and `linksUpdated`).
+    A folder grant's move rewrites links inside its folder only."""
+    sees = request_principal().sees
+    linking = set(filter(sees, link_graph(svc).get(path, ()))) if relink else set()
     rec = svc.notes.move(path, new, if_match)
     if relink and new != path:
         rec["linksUpdated"] = update_links(svc, path, new, linking - {path})
@@ -8945,10 +9924,14 @@ def titled(svc: Service, paths: Iterable[str]) -> list:
 
 
 def get_backlinks(svc: Service, path: str) -> dict:
-    path = note_path(path)
+    path = visible_note(svc.notes, path)
     if not svc.notes.exists(path):
         raise not_found(f"no note at {path}")
-    return {"path": path, "backlinks": titled(svc, sorted(link_graph(svc).get(path, ())))}
+    sees = request_principal().sees
+    return {
+        "path": path,
+        "backlinks": titled(svc, sorted(filter(sees, link_graph(svc).get(path, ())))),
+    }
 
 
 builtin_plugin(
@@ -8962,6 +9945,7 @@ builtin_plugin(
                 get_backlinks,
                 "Notes linking to a note",
                 params={"path": NOTE_PATH_PARAM},
+                scope="read",
             ),
         ),
     )
@@ -9017,14 +10001,24 @@ def tag_map(svc: Service) -> dict:
     return derived(svc, "tags", build)
 
 
-def list_tags(svc: Service) -> dict:
+def _visible_tags(svc: Service) -> dict:
+    """Return {tag: note paths} the request's grant sees (a folder grant: its folder's)."""
+    who = request_principal()
     tags = tag_map(svc)
+    if not who.folder:
+        return tags
+    seen = {t: [p for p in paths if who.sees(p)] for t, paths in tags.items()}
+    return {t: paths for t, paths in seen.items() if paths}
+
+
+def list_tags(svc: Service) -> dict:
+    tags = _visible_tags(svc)
     return {"tags": [{"tag": t, "count": len(tags[t])} for t in sorted(tags)]}
 
 
 def get_tag(svc: Service, tag: str) -> dict:
     tag = tag.lstrip("#").lower()
-    paths = tag_map(svc).get(tag)
+    paths = _visible_tags(svc).get(tag)
     if not paths:
         raise not_found(f"no note is tagged #{tag}")
     return {"tag": tag, "notes": titled(svc, paths)}
@@ -9035,8 +10029,8 @@ builtin_plugin(
         "tags",
         description="#tags outside code and front-matter tags:",
         routes=(
-            PluginRoute("GET", "", list_tags, "All tags with their counts"),
-            PluginRoute("GET", "/<tag:path>", get_tag, "Notes with a tag"),
+            PluginRoute("GET", "", list_tags, "All tags with their counts", scope="read"),
+            PluginRoute("GET", "/<tag:path>", get_tag, "Notes with a tag", scope="read"),
         ),
     )
 )
@@ -9044,6 +10038,7 @@ builtin_plugin(
 
 def daily_today(svc: Service) -> bytes:
     path, heading = day_note(local_now(svc).date())
+    path = visible_note(svc.notes, path)
     try:
         rec, status = svc.notes.create(path, f"# {heading}\n\n"), 201
     except ApiError as e:
@@ -9059,7 +10054,14 @@ builtin_plugin(
         "daily",
         description="a note per day: notes/daily/YYYY-MM-DD.md",
         routes=(
-            PluginRoute("POST", "/today", daily_today, "Today's note, created if missing", 201),
+            PluginRoute(
+                "POST",
+                "/today",
+                daily_today,
+                "Today's note, created if missing",
+                201,
+                scope="write",
+            ),
         ),
     )
 )
@@ -9131,7 +10133,7 @@ def _hit_lines(data: dict) -> str:
 )
 def tool_search_notes(svc: Service, query: str, limit: int = 10, folder: str = "") -> dict:
     parsed = Query(query)
-    folder = folder_path(folder) if folder else NOTES
+    folder = visible_folder(folder or NOTES)  # a folder grant's by default
     total, hits = svc.index.search(parsed, "" if folder == NOTES else folder, limit, 0)
     results = [{"path": p, "title": t, "snippet": sn, "score": sc} for p, t, sc, sn in hits]
     return {"results": results, "total": total}
@@ -9161,7 +10163,7 @@ def _note_text(data: dict) -> str:
     text=_note_text,
 )
 def tool_read_note(svc: Service, path: str, offset: int = 0, maxChars: int = READ_CHARS) -> dict:
-    rec = svc.notes.get(note_path(path))
+    rec = svc.notes.get(visible_note(svc.notes, path))
     content = rec["content"]
     part = content[offset : offset + maxChars]
     return {
@@ -9212,7 +10214,7 @@ def _tree_lines(node: dict, indent: str = "") -> list:
     text=lambda node: "\n".join(_tree_lines(node)),
 )
 def tool_list_folder(svc: Service, path: str = NOTES, depth: int = 1) -> dict:
-    return _cut(svc.notes.tree(folder_path(path)), depth)
+    return _cut(granted_tree(svc, path), depth)
 
 
 def _since_ns(since: str) -> int:
@@ -9245,8 +10247,8 @@ def _since_ns(since: str) -> int:
     ),
 )
 def tool_recent_changes(svc: Service, since: str = "", limit: int = 20) -> dict:
-    after = _since_ns(since) if since else -1
-    notes = [(m, p, size) for p, (size, m) in svc.notes.scan().items() if m > after]
+    after, sees = _since_ns(since) if since else -1, request_principal().sees
+    notes = [(m, p, size) for p, (size, m) in svc.notes.scan().items() if m > after and sees(p)]
     notes.sort(reverse=True)
     changes = [
         {
@@ -9280,7 +10282,7 @@ def tool_list_tags(svc: Service) -> dict:
     read_only=False,
 )
 def tool_create_note(svc: Service, path: str, content: str) -> dict:
-    return _summary(svc.notes.create(note_path(path), content))
+    return _summary(svc.notes.create(visible_note(svc.notes, path), content))
 
 
 @tool(
@@ -9292,7 +10294,7 @@ def tool_create_note(svc: Service, path: str, content: str) -> dict:
     read_only=False,
 )
 def tool_append_to_note(svc: Service, path: str, text: str) -> dict:
-    path = note_path(path)
+    path = visible_note(svc.notes, path)
 
     def add(old: str) -> str:
         return old + ("\n" if old and not old.endswith("\n") else "") + text.rstrip("\n") + "\n"
@@ -9316,7 +10318,7 @@ def tool_append_to_note(svc: Service, path: str, text: str) -> dict:
     destructive=True,
 )
 def tool_replace_in_note(svc: Service, path: str, old: str, new: str) -> dict:
-    path = note_path(path)
+    path = visible_note(svc.notes, path)
 
     def swap(text: str) -> str:
         count = text.count(old)
@@ -9352,7 +10354,7 @@ def tool_replace_in_note(svc: Service, path: str, old: str, new: str) -> dict:
     idempotent=True,
 )
 def tool_update_note(svc: Service, path: str, content: str, etag: str) -> dict:
-    return _summary(svc.notes.update(note_path(path), content, etag))
+    return _summary(svc.notes.update(visible_note(svc.notes, path), content, etag))
 
 
 @tool(
@@ -9374,7 +10376,8 @@ def tool_update_note(svc: Service, path: str, content: str, etag: str) -> dict:
 def tool_move_note(
     svc: Service, path: str, newPath: str, etag: str, updateLinks: bool = False
 ) -> dict:
-    rec = move_and_relink(svc, note_path(path), note_path(newPath), etag, updateLinks)
+    path, new = visible_note(svc.notes, path), visible_note(svc.notes, newPath)
+    rec = move_and_relink(svc, path, new, etag, updateLinks)
     return {**_summary(rec), **{k: rec[k] for k in ("from", "linksUpdated") if k in rec}}
 
 
@@ -9390,7 +10393,7 @@ def tool_move_note(
     idempotent=True,
 )
 def tool_delete_note(svc: Service, path: str, etag: str | None = None) -> dict:
-    done = svc.notes.delete(note_path(path), etag)
+    done = svc.notes.delete(visible_note(svc.notes, path), etag)
     return {"path": done["path"], "deleted": True}
 
 
@@ -9403,7 +10406,8 @@ def tool_delete_note(svc: Service, path: str, etag: str | None = None) -> dict:
     alias_of="search_notes",
 )
 def tool_search(svc: Service, query: str) -> dict:
-    _, hits = svc.index.search(Query(query), "", 10, 0)
+    folder = request_principal().folder  # a folder grant searches its folder
+    _, hits = svc.index.search(Query(query), folder, 10, 0)
     return {"results": [{"id": p, "title": t, "url": note_url(svc, p)} for p, t, _, _ in hits]}
 
 
@@ -9416,7 +10420,7 @@ def tool_search(svc: Service, query: str) -> dict:
     alias_of="read_note",
 )
 def tool_fetch(svc: Service, id: str) -> dict:
-    rec = svc.notes.get(note_path(id))
+    rec = svc.notes.get(visible_note(svc.notes, id))
     return {
         "id": rec["path"],
         "title": rec["title"],
@@ -10008,6 +11012,77 @@ def check_plain_http_bind(svc: Service) -> list:
             "the key and notes cross the network in clear.",
             "Put a TLS proxy in front (SERVICE_TRUST_PROXY=true, SERVICE_PUBLIC_URL="
             "https://...) or bind to 127.0.0.1 and use the relay.",
+        )
+    ]
+
+
+SHARE_OLD_DAYS = 90
+MANY_OAUTH_CLIENTS = 20
+
+
+@audit_check
+def check_grants(svc: Service) -> list:
+    """Scoped keys and OAuth grants that may write and never expire."""
+    forever = [
+        g
+        for g in svc.state.read().get("grants", [])
+        if g.get("scope") == "write" and not g.get("expiresAt")
+    ]
+    if not forever:
+        return []
+    names = ", ".join(sorted(_clean_name(g.get("name"), g["id"], 40) for g in forever)[:5])
+    return [
+        finding(
+            "grant-write-forever",
+            "low",
+            "A key that may write never expires",
+            f"{len(forever)} grant(s) with the write scope and no expiry: {names}.",
+            "Give write keys an expiry (expiresInDays), or revoke the ones no longer used "
+            "(DELETE /api/v1/auth/keys/:id).",
+        )
+    ]
+
+
+@audit_check
+def check_share_links(svc: Service) -> list:
+    """Share links created over 90 days ago and still open."""
+    now = time.time()
+    old = [
+        s
+        for s in svc.state.read().get("shares", [])
+        if _epoch(s.get("expiresAt")) > now
+        and _epoch(s.get("createdAt")) < now - SHARE_OLD_DAYS * 86400
+    ]
+    if not old:
+        return []
+    return [
+        finding(
+            "share-links-old",
+            "low",
+            "Old share links are still open",
+            f"{len(old)} share link(s) were created over {SHARE_OLD_DAYS} days ago and "
+            "still open their note to anyone who has the link.",
+            "Revoke the links no longer needed: DELETE /api/v1/shares/:id.",
+        )
+    ]
+
+
+@audit_check
+def check_oauth_clients(svc: Service) -> list:
+    """Many registered OAuth clients (registration is open, as the MCP spec expects)."""
+    count = len(svc.state.read().get("oauthClients", {}))
+    if count <= MANY_OAUTH_CLIENTS:
+        return []
+    return [
+        finding(
+            "oauth-clients-many",
+            "info",
+            "Many OAuth clients are registered",
+            f"{count} clients registered themselves (at most {MAX_OAUTH_CLIENTS} are kept; "
+            f"unused ones go after {OAUTH_CLIENT_UNUSED_DAYS} days). Registering grants "
+            "nothing: each still needs your approval with the API key.",
+            "Nothing to do unless you did not expect it; GET /api/v1/auth/keys lists the "
+            "clients you approved.",
         )
     ]
 
@@ -10974,9 +12049,39 @@ dialog h3 {
 .md a.file.media::before {
   content: "▶ ";
 }
+/* -- keys, connections and share links -- */
+dialog select {
+  display: block;
+  width: 100%;
+  min-height: 44px;
+  margin-top: 0.3rem;
+}
+dialog .once {
+  display: flex;
+  flex-wrap: wrap;
+  gap: 0.4rem;
+  align-items: end;
+}
+dialog .once label {
+  flex-basis: 100%;
+}
+dialog .once input {
+  flex: 1;
+  min-width: 0;
+  font-family: ui-monospace, monospace;
+}
+dialog .new-key button,
+#share-create {
+  margin-top: 0.75rem;
+}
+.warn {
+  background: var(--warn-bg);
+  padding: 0.4rem 0.6rem;
+  border-radius: 8px;
+}
 """
 
-WEB_JS = r"""
+WEB_JS_START = r"""
 "use strict";
 // notesvc's web client: one page, no build step, only the public API.
 // Requests, the key included, go only to the origin this page was loaded from: a relayUrl
@@ -11037,21 +12142,6 @@ const features = {history: false, attachments: false, changes: false};
 
 // -- small DOM helpers -------------------------------------------------------------------
 
-function el(tag, attrs, ...children) {
-  const e = document.createElement(tag);
-  for (const [k, v] of Object.entries(attrs || {})) {
-    if (v === false || v === null || v === undefined) continue;
-    if (k === "class") e.className = v;
-    else if (k === "onclick") e.addEventListener("click", v);
-    else e.setAttribute(k, v === true ? "" : v);
-  }
-  for (const c of children) {
-    if (c === null || c === undefined || c === false) continue;
-    e.appendChild(typeof c === "string" ? document.createTextNode(c) : c);
-  }
-  return e;
-}
-
 function ago(iso) {
   const t = Date.parse(iso);
   if (!t) return "";
@@ -11066,10 +12156,6 @@ function ago(iso) {
 function nameOf(path) {
   return path.split("/").pop().replace(/\.md$/, "");
 }
-function folderOf(path) {
-  return path.split("/").slice(0, -1).join("/");
-}
-
 let toastTimer = 0;
 function toast(text, bad, action) {
   const t = $("toast");
@@ -11261,7 +12347,10 @@ async function connect(typed) {
         );
       throw e;
     }
-    if (!v.data.setupComplete) await api("POST", "/auth/link", {clientName: "web client"});
+    applyGrant(v.data.grant); // a scoped key: only what it may do
+    if (!v.data.setupComplete && !v.data.grant) {
+      await api("POST", "/auth/link", {clientName: "web client"});
+    }
     setItem("local", "notesvc.base", state.base);
     if (new URLSearchParams(location.search).has("relayCode")) {
       history.replaceState(history.state, "", location.pathname); // the code has done its job
@@ -11451,7 +12540,31 @@ async function reveal(path) {
   else markCurrent();
 }
 
+"""
+
+MARKDOWN_JS = r"""
 // -- Markdown: a small renderer that builds DOM nodes, so no HTML in a note can run ----------
+// (MARKDOWN_JS, shared with the share page: each page brings its own link(), wikiLink()
+// and image(), which decide what a link or an image may reach.)
+
+function el(tag, attrs, ...children) {
+  const e = document.createElement(tag);
+  for (const [k, v] of Object.entries(attrs || {})) {
+    if (v === false || v === null || v === undefined) continue;
+    if (k === "class") e.className = v;
+    else if (k === "onclick") e.addEventListener("click", v);
+    else e.setAttribute(k, v === true ? "" : v);
+  }
+  for (const c of children) {
+    if (c === null || c === undefined || c === false) continue;
+    e.appendChild(typeof c === "string" ? document.createTextNode(c) : c);
+  }
+  return e;
+}
+
+function folderOf(path) {
+  return path.split("/").slice(0, -1).join("/");
+}
 
 const LIST_RE = /^(\s*)([-*+]|\d{1,9}[.)])(?:\s+(.*)|$)/;
 const FENCE_RE = /^ {0,3}(`{3,}|~{3,})\s*([^`\s]*)/;
@@ -11752,6 +12865,9 @@ function resolveRelative(href, from) {
   return /^(notes|attachments)\//.test(path) ? path : null;
 }
 
+"""
+
+WEB_JS_REST = r"""
 function link(href, label, ctx, markdown) {
   href = href.trim();
   let a;
@@ -12159,7 +13275,8 @@ function setEditing(on) {
 }
 
 function renderView() {
-  const view = renderMarkdown(editor().value, {from: state.path, onTask: toggleTask});
+  const onTask = writable() ? toggleTask : null; // a read key ticks nothing
+  const view = renderMarkdown(editor().value, {from: state.path, onTask});
   $("view").replaceChildren(...view.childNodes);
 }
 
@@ -12311,7 +13428,8 @@ function offerNew() {
     spellcheck: "false",
     placeholder: "folder/name",
   });
-  const folder = state.path ? folderOf(state.path).replace(/^notes\/?/, "") : "";
+  const own = state.grant && state.grant.folder; // a folder key writes in its folder
+  const folder = (state.path ? folderOf(state.path) : own || "").replace(/^notes\/?/, "");
   input.value = folder ? folder + "/" : "";
   input.addEventListener("keydown", (e) => {
     if (e.key === "Enter" && dialogDone) dialogDone("create");
@@ -12529,7 +13647,7 @@ async function showHistory() {
           {class: "actions"},
           el("button", {type: "button", onclick: view}, "View"),
           el("button", {type: "button", onclick: diff}, "Diff"),
-          el("button", {type: "button", onclick: restore}, "Restore"),
+          writable() ? el("button", {type: "button", onclick: restore}, "Restore") : null,
         ),
       ),
     );
@@ -12602,8 +13720,8 @@ async function showTrash() {
         "span",
         {class: "actions"},
         item.path.endsWith(".md") ? el("button", {type: "button", onclick: view}, "View") : null,
-        el("button", {type: "button", onclick: restore}, "Restore"),
-        el(
+        writable() ? el("button", {type: "button", onclick: restore}, "Restore") : null,
+        state.grant ? null : el( // purging for good is the owner's alone
           "button",
           {
             type: "button",
@@ -12828,8 +13946,9 @@ async function readFeatures() {
   }
   $("menu-trash").hidden = !features.history;
   $("history").hidden = !features.history;
-  $("attach").hidden = !features.attachments;
-  $("photo").hidden = !features.attachments || !matchMedia("(pointer: coarse)").matches; // a camera
+  $("attach").hidden = !features.attachments || !writable();
+  $("photo").hidden =
+    !features.attachments || !writable() || !matchMedia("(pointer: coarse)").matches; // a camera
 }
 
 // -- search ----------------------------------------------------------------------------------
@@ -13254,6 +14373,234 @@ wire();
 })();
 """
 
+WEB_GRANTS_JS = r"""
+// -- keys, connections and share links (what a grant may do shapes the page) --------------
+// The API key holds every scope; a scoped key (or a folder key) sees only what it may use:
+// a read key gets no editing, a folder key only its folder (the server filters the rest).
+
+function writable() {
+  return !state.grant || state.grant.scope !== "read";
+}
+
+function applyGrant(grant) {
+  state.grant = grant || null;
+  const owner = !state.grant;
+  const write = writable();
+  for (const id of ["edit", "save", "new", "empty-new", "menu-new", "move", "delete"]) {
+    $(id).hidden = !write;
+  }
+  const daily = owner || !state.grant.folder || state.grant.folder === "notes/daily";
+  $("app").querySelector(".capture").hidden = !write || !daily; // today's note is notes/daily
+  $("menu-keys").hidden = !owner;
+  $("share").hidden = !write;
+  if (!write) {
+    $("attach").hidden = true;
+    $("photo").hidden = true;
+  }
+  $("app").dataset.scope = owner ? "admin" : state.grant.scope;
+  if (state.grant && state.grant.folder) $("app").dataset.folder = state.grant.folder;
+}
+
+async function copyText(text, what) {
+  try {
+    await navigator.clipboard.writeText(text);
+    toast(what + " copied");
+  } catch (e) {
+    toast("Select it and copy it yourself: this browser did not allow copying", true);
+  }
+}
+
+function shownOnce(label, value, id) {
+  const input = el("input", {type: "text", id, readonly: true, spellcheck: "false"});
+  input.value = value;
+  input.addEventListener("focus", () => input.select());
+  return el(
+    "div",
+    {class: "once"},
+    el("label", {for: id}, label),
+    input,
+    el("button", {type: "button", onclick: () => copyText(value, label)}, "Copy"),
+  );
+}
+
+function grantRow(g, list) {
+  const what = [
+    g.scope === "write" ? "read and write" : "read only",
+    g.folder ? "only " + g.folder : "all notes",
+    g.expiresAt ? "expires " + when(g.expiresAt) : "never expires",
+    g.lastUsedAt ? "used " + ago(g.lastUsedAt) : "never used",
+  ];
+  const revoke = act(async () => {
+    const sure = await choose(
+      "Revoke “" + g.name + "”?",
+      g.kind === "oauth"
+        ? "This app is disconnected at once; it must ask you again to come back."
+        : "This key stops working at once, and the share links it made end.",
+      [
+        ["cancel", "Cancel"],
+        ["revoke", "Revoke", "danger"],
+      ],
+    );
+    if (sure === "revoke") await api("DELETE", "/auth/keys/" + enc(g.id));
+    await showKeys();
+  });
+  list.append(
+    el(
+      "li",
+      {"data-grant": g.id},
+      el(
+        "span",
+        {},
+        el("strong", {}, g.name),
+        el("small", {class: "muted"}, " · " + what.join(" · ")),
+      ),
+      el(
+        "span",
+        {class: "actions"},
+        el("button", {type: "button", class: "danger", onclick: revoke}, "Revoke"),
+      ),
+    ),
+  );
+}
+
+async function showKeys(made) {
+  const [{data}, shares] = await Promise.all([api("GET", "/auth/keys"), api("GET", "/shares")]);
+  const keys = el("ul", {class: "list", id: "keys-list"});
+  const apps = el("ul", {class: "list", id: "connections-list"});
+  for (const g of data.keys) grantRow(g, g.kind === "oauth" ? apps : keys);
+  if (!keys.children.length) keys.append(el("li", {class: "muted"}, "No scoped keys yet."));
+  if (!apps.children.length) {
+    apps.append(el("li", {class: "muted"}, "No app is connected (Claude, ChatGPT…)."));
+  }
+  const links = el("ul", {class: "list", id: "shares-list"});
+  for (const s of shares.data.shares) links.append(shareRow(s, showKeys));
+  if (!links.children.length) links.append(el("li", {class: "muted"}, "No share links."));
+  const name = el("input", {type: "text", id: "key-name", placeholder: "family tablet"});
+  const scope = el(
+    "select",
+    {id: "key-scope"},
+    el("option", {value: "read"}, "read only"),
+    el("option", {value: "write"}, "read and write"),
+  );
+  const folder = el("input", {type: "text", id: "key-folder", placeholder: "notes/family"});
+  const days = el(
+    "select",
+    {id: "key-days"},
+    el("option", {value: "30"}, "in 30 days"),
+    el("option", {value: "365"}, "in a year"),
+    el("option", {value: ""}, "never"),
+  );
+  const create = act(async () => {
+    const body = {name: name.value.trim() || "key", scope: scope.value};
+    let f = folder.value.trim().replace(/\/+$/, "");
+    if (f) body.folder = f.startsWith("notes") ? f : "notes/" + f.replace(/^\/+/, "");
+    if (days.value) body.expiresInDays = Number(days.value);
+    const r = await api("POST", "/auth/keys", body);
+    await showKeys(r.data);
+  });
+  const form = el(
+    "div",
+    {class: "new-key"},
+    el("h3", {}, "New key"),
+    el("label", {for: "key-name"}, "Name"),
+    name,
+    el("label", {for: "key-scope"}, "It may"),
+    scope,
+    el("label", {for: "key-folder"}, "Only this folder (optional)"),
+    folder,
+    el("label", {for: "key-days"}, "Expires"),
+    days,
+    el("button", {type: "button", id: "key-create", class: "primary", onclick: create}, "Create"),
+  );
+  const body = [];
+  if (made) {
+    body.push(
+      el("p", {class: "warn"}, "Copy the new key now: it is shown this once."),
+      shownOnce("Key “" + made.name + "”", made.key, "new-key"),
+    );
+  }
+  body.push(
+    el("h3", {}, "Keys"),
+    keys,
+    el("h3", {}, "Connected apps"),
+    apps,
+    el("h3", {}, "Share links"),
+    links,
+    form,
+  );
+  await dialog("Keys and connections", body, [["cancel", "Close"]]);
+}
+
+function shareRow(s, after) {
+  const revoke = act(async () => {
+    await api("DELETE", "/shares/" + enc(s.id));
+    toast("The link no longer opens " + nameOf(s.path));
+    await after();
+  });
+  return el(
+    "li",
+    {"data-share": s.id},
+    el(
+      "span",
+      {},
+      nameOf(s.path),
+      el("small", {class: "muted"}, " · expires " + when(s.expiresAt)),
+    ),
+    el(
+      "span",
+      {class: "actions"},
+      el("button", {type: "button", class: "danger", onclick: revoke}, "Revoke"),
+    ),
+  );
+}
+
+async function shareNote(made) {
+  if (!state.path) return;
+  const path = state.path;
+  const {data} = await api("GET", "/shares");
+  const list = el("ul", {class: "list", id: "share-links"});
+  for (const s of data.shares) if (s.path === path) list.append(shareRow(s, () => shareNote()));
+  if (!list.children.length) list.append(el("li", {class: "muted"}, "Not shared yet."));
+  const days = el(
+    "select",
+    {id: "share-days"},
+    el("option", {value: "1"}, "in a day"),
+    el("option", {value: "7", selected: true}, "in a week"),
+    el("option", {value: "30"}, "in 30 days"),
+    el("option", {value: "365"}, "in a year"),
+  );
+  const create = act(async () => {
+    const r = await api("POST", "/shares", {path, expiresInDays: Number(days.value)});
+    await shareNote(r.data);
+  });
+  const body = [
+    el(
+      "p",
+      {},
+      "Anyone with a link reads this note, formatted, without a key, until it expires " +
+        "or you revoke it. Other notes stay private.",
+    ),
+  ];
+  if (made) body.push(shownOnce("Link", made.url, "share-url"));
+  body.push(
+    el("label", {for: "share-days"}, "A new link expires"),
+    days,
+    el("button", {type: "button", id: "share-create", class: "primary", onclick: create}, "Create"),
+    el("h3", {}, "Links to this note"),
+    list,
+  );
+  await dialog("Share " + (state.title || nameOf(path)), body, [["cancel", "Close"]]);
+}
+
+function wireGrants() {
+  $("menu-keys").addEventListener("click", act(() => showKeys()));
+  $("share").addEventListener("click", act(() => shareNote()));
+}
+wireGrants();
+"""
+
+WEB_JS = WEB_JS_START + MARKDOWN_JS + WEB_JS_REST + WEB_GRANTS_JS
+
 WEB_PAGE = """
 <!doctype html>
 <html lang="en">
@@ -13325,6 +14672,7 @@ WEB_PAGE = """
         <button id="menu-new" type="button">New note</button>
         <button id="menu-refresh" type="button">Refresh</button>
         <button id="menu-trash" type="button" hidden>Trash</button>
+        <button id="menu-keys" type="button" hidden>Keys and connections</button>
         <button id="logout" type="button">Log out</button>
       </div>
     </details>
@@ -13367,6 +14715,7 @@ WEB_PAGE = """
           <div class="menu-list">
             <button id="attach" type="button" hidden>Attach a file…</button>
             <button id="photo" type="button" hidden>Take a photo…</button>
+            <button id="share" type="button" hidden>Share…</button>
             <button id="move" type="button">Move or rename…</button>
             <button id="history" type="button" hidden>History…</button>
             <button id="delete" type="button" class="danger">Move to trash</button>
@@ -13557,6 +14906,245 @@ def web_client_headers() -> dict:
     }
 
 
+# -- the consent and share pages (CONTRACT 21) ----------------------------------------------
+#
+# Small pages of their own, each with its CSP hashes. Both are static: a relay serves the
+# same bytes (never HTML forwarded from a server), and their scripts find the API beside
+# them on their own origin (/api/v1, or /r/<serverId>/api/v1 on a relay).
+
+PAGE_CSS = """
+*{box-sizing:border-box}
+body{margin:0;font:16px/1.5 system-ui,sans-serif;color:#1d232a;background:#f6f7f9}
+main{max-width:42em;margin:0 auto;padding:1.2em}
+h1{font-size:1.4em;line-height:1.25}label{display:block;margin:.8em 0 .2em}
+input,button{font:inherit;padding:.6em .7em;border:1px solid #8a94a0;border-radius:6px}
+input[type=password],input[type=text]{width:100%}button{min-height:2.9em;min-width:7em;cursor:pointer}
+button.go{background:#1d4f91;color:#fff;border-color:#1d4f91}button:disabled{opacity:.6}
+fieldset{border:1px solid #c8ced6;border-radius:6px;margin:1em 0}fieldset label{margin:.4em 0}
+.row{display:flex;gap:.7em;flex-wrap:wrap;margin-top:1.2em}.hidden{display:none!important}
+.err{color:#a40000}.who{font-weight:600;overflow-wrap:anywhere}.muted{color:#56606b}
+article{background:#fff;border:1px solid #dde2e8;border-radius:8px;padding:.2em 1.2em 1em;
+overflow-wrap:anywhere}article img{max-width:100%}pre{overflow:auto;background:#f0f2f5;padding:.7em}
+code{font-family:ui-monospace,monospace;font-size:.92em}blockquote{margin:0;padding-left:1em;
+border-left:3px solid #c8ced6;color:#444}table{border-collapse:collapse}td,th{border:1px solid
+#c8ced6;padding:.3em .5em}
+.md .table{overflow-x:auto}.md li.task{list-style:none}.md li.task input{margin-left:-1.3em}
+.md pre.front{font-size:.85em;color:#56606b}.md .al-c{text-align:center}.md .al-r{text-align:right}
+mark{background:#fff0a0}
+@media (prefers-color-scheme:dark){body{background:#111418;color:#e4e8ec}
+article{background:#1a1f25;border-color:#2c333b}pre{background:#232a31}.muted{color:#a6b0ba}
+input{background:#1a1f25;color:#e4e8ec}.err{color:#ff8a80}}
+"""
+
+SHARE_JS = r"""
+// The link is {base}/s/<token>; the note comes from {base}/api/v1/shared/<token>. The
+// web client's renderer (MARKDOWN_JS) draws it; what a link or an image may reach is
+// decided here: pages on the web, and the attachments this note links, nothing else.
+const found = location.pathname.match(/^(.*)\/s\/([A-Za-z0-9_-]{1,64})\/?$/);
+const shared = found ? found[1] + "/api/v1/shared/" + found[2] : "";
+let linked = {}; // the note's href as written -> the attachment it names (the server's)
+
+function attachmentOf(src) {
+  const path = Object.prototype.hasOwnProperty.call(linked, src) ? linked[src] : "";
+  if (typeof path !== "string" || !/^attachments\//.test(path)) return "";
+  return shared + "/attachments/" + path.split("/").map(encodeURIComponent).join("/");
+}
+
+function link(href, label, ctx, markdown) {
+  href = href.trim();
+  const a = /^(https?:|mailto:)/i.test(href)
+    ? el("a", {href, target: "_blank", rel: "noopener noreferrer nofollow"})
+    : el("span"); // another note of the owner's: not shared, so the text alone
+  if (markdown) inline(label, a, ctx);
+  else a.textContent = label;
+  return a;
+}
+
+function wikiLink(target, label, ctx, embed) {
+  return el("span", {}, (label || target).trim());
+}
+
+function image(alt, src, ctx) {
+  const url = attachmentOf(src.trim());
+  if (!url) return document.createTextNode(alt ? "[image: " + alt + "]" : "[image]");
+  return el("img", {src: url, alt: alt || "", loading: "lazy", referrerpolicy: "no-referrer"});
+}
+
+async function showShared() {
+  const say = (text) => {
+    document.getElementById("msg").textContent = text;
+  };
+  if (!shared) return say("This link is not valid.");
+  let r;
+  let j = null;
+  try {
+    r = await fetch(shared, {mode: "same-origin", credentials: "omit"});
+    j = await r.json();
+  } catch (e) {
+    return say("The notes server cannot be reached right now.");
+  }
+  if (r.status === 429) return say("Too many requests: try again in a minute.");
+  if (!r.ok || !j || !j.success) {
+    return say("Nothing is shared at this link: it may have expired or been revoked.");
+  }
+  document.title = j.data.title;
+  linked = j.data.attachments || {};
+  document.getElementById("note").replaceChildren(renderMarkdown(j.data.content, {}));
+  document.getElementById("meta").textContent =
+    "Shared read-only · last changed " + new Date(j.data.modified).toLocaleString();
+  return undefined;
+}
+showShared();
+"""
+
+SHARE_PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<meta name="robots" content="noindex, nofollow"><meta name="referrer" content="no-referrer">
+<title>Shared note</title><link rel="icon" href="data:,"><style>{css}</style></head><body>
+<main><p id="msg" class="err" role="alert"></p><article id="note"></article>
+<p id="meta" class="muted"></p></main><script>{js}</script></body></html>
+"""
+
+CONSENT_JS = r"""
+"use strict";
+const $ = (id) => document.getElementById(id);
+const ask = new URLSearchParams(location.search);
+// This page is {base}/oauth/authorize; the API is {base}/api/v1 on this same origin.
+const api = location.pathname.replace(/\/oauth\/authorize\/?$/, "") + "/api/v1";
+let facts = null, back = "";
+
+function say(text) { $("msg").textContent = text; }
+
+async function load() {
+  const params = new URLSearchParams();
+  ["client_id", "redirect_uri", "response_type", "state", "code_challenge",
+   "code_challenge_method", "scope", "resource"].forEach((name) => {
+    if (ask.has(name)) params.set(name, ask.get(name)); });
+  let r, j = null;
+  try { r = await fetch(api + "/oauth/consent?" + params, {mode: "same-origin"});
+        j = await r.json(); }
+  catch (e) { say("The notes server cannot be reached right now."); return; }
+  if (!r.ok || !j || !j.success) {
+    say(j && j.error ? j.error.message : "This request cannot be answered.");
+    if (j && j.error && j.error.redirect) {
+      back = j.error.redirect; $("back").classList.remove("hidden"); }
+    return;
+  }
+  facts = j.data;
+  $("client").textContent = facts.client.name;
+  $("client-id").textContent = facts.client.id;
+  $("host").textContent = facts.redirectHost;
+  if (!facts.writeAllowed) $("write-row").classList.add("hidden");
+  else if (facts.scope === "write") $("scope-write").checked = true;
+  let kept = ""; // the web client's key on this origin, if it keeps one (session or device)
+  try {
+    kept = sessionStorage.getItem("notesvc.key") || localStorage.getItem("notesvc.key") || "";
+  } catch (e) {
+    /* storage is off in this browser */
+  }
+  if (kept) $("key").value = kept;
+  $("ask").classList.remove("hidden");
+  $("key").focus();
+}
+
+async function allow() {
+  say("");
+  const body = {clientId: facts.client.id, redirectUri: facts.redirectUri,
+    codeChallenge: ask.get("code_challenge") || "", resource: facts.resource,
+    scope: $("scope-write").checked ? "notes:read notes:write" : "notes:read"};
+  if (ask.get("state")) body.state = ask.get("state");
+  let folder = $("folder").value.trim().replace(/\/+$/, "");
+  if (folder) body.folder = folder.startsWith("notes/") ? folder : "notes/" + folder;
+  $("allow").disabled = true;
+  try {
+    const r = await fetch(api + "/oauth/approve", {method: "POST", mode: "same-origin",
+      headers: {"Content-Type": "application/json", "X-Service-Key": $("key").value.trim()},
+      body: JSON.stringify(body)});
+    const j = await r.json().catch(() => null);
+    if (r.ok && j && j.success) { location.assign(j.data.redirect); return; }
+    say(j && j.error ? j.error.message : "Not allowed.");
+  } catch (e) { say("The notes server cannot be reached right now."); }
+  $("allow").disabled = false;
+}
+
+$("allow").onclick = allow;
+$("key").onkeydown = (e) => { if (e.key === "Enter") allow(); };
+$("deny").onclick = () => { if (facts) location.assign(facts.deny); };
+$("return").onclick = () => { if (back) location.assign(back); };
+load();
+"""
+
+CONSENT_PAGE = """<!doctype html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<meta name="robots" content="noindex, nofollow"><meta name="referrer" content="no-referrer">
+<title>Allow access? · notesvc</title><link rel="icon" href="data:,"><style>{css}</style>
+</head><body><main>
+<h1>Allow access to your notes?</h1>
+<p id="msg" class="err" role="alert"></p>
+<div id="ask" class="hidden">
+<p><span id="client" class="who"></span> asks to use your notes
+(<span id="client-id" class="muted"></span>).</p>
+<p>Whatever you decide, you go back to <span id="host" class="who"></span>.</p>
+<fieldset><legend>It may</legend>
+<label><input type="radio" name="scope" id="scope-read" value="read" checked>
+read and search your notes</label>
+<label id="write-row"><input type="radio" name="scope" id="scope-write" value="write">
+read, create and change your notes</label></fieldset>
+<label for="folder">Only this folder (leave empty for all notes)</label>
+<input id="folder" type="text" autocomplete="off" placeholder="notes/family">
+<label for="key">Your API key (it stays on this page and your server)</label>
+<input id="key" type="password" autocomplete="off" placeholder="nsk_...">
+<div class="row"><button id="allow" class="go">Allow</button>
+<button id="deny">Deny</button></div></div>
+<div id="back" class="hidden row"><button id="return">Return to the app</button></div>
+</main><script>{js}</script></body></html>
+"""
+
+_SHARE_SCRIPT = '"use strict";\n' + MARKDOWN_JS + SHARE_JS
+
+
+def _page_csp(script: str) -> str:
+    return (
+        "default-src 'none'; "
+        f"script-src {_csp_hash(script)}; style-src {_csp_hash(PAGE_CSS)}; "
+        "connect-src 'self'; img-src 'self'; base-uri 'none'; "
+        "form-action 'none'; frame-ancestors 'none'"
+    )
+
+
+def consent_page() -> str:
+    """Return the OAuth consent page: the same bytes on a server and on a relay."""
+    return CONSENT_PAGE.replace("{css}", PAGE_CSS).replace("{js}", CONSENT_JS)
+
+
+def consent_page_headers() -> dict:
+    """Return the consent page's headers: it can never be framed, and sends no referrer."""
+    return {
+        "Content-Security-Policy": _page_csp(CONSENT_JS),
+        "Referrer-Policy": "no-referrer",
+        "X-Frame-Options": "DENY",
+        "X-Robots-Tag": "noindex, nofollow",
+        "Cache-Control": "no-store",
+    }
+
+
+def share_page() -> str:
+    """Return the read-only share page (the note itself is fetched by its script)."""
+    return SHARE_PAGE.replace("{css}", PAGE_CSS).replace("{js}", _SHARE_SCRIPT)
+
+
+def share_page_headers() -> dict:
+    return {
+        "Content-Security-Policy": _page_csp(_SHARE_SCRIPT),
+        "Referrer-Policy": "no-referrer",
+        "X-Frame-Options": "DENY",
+        "X-Robots-Tag": "noindex, nofollow",
+        "Cache-Control": "no-store",
+    }
+
+
 # == Relay ====================================================================
 #
 # A relay lets a server behind NAT be reached without an open port. The server
@@ -13589,6 +15177,10 @@ HOP_BY_HOP = frozenset(
     "transfer-encoding upgrade host content-length".split()
 )
 RELAY_ANSWER_CSP = "default-src 'none'; sandbox"
+RELAYED_WELL_KNOWN_RE = re.compile(
+    r"^/\.well-known/(oauth-protected-resource|oauth-authorization-server|openid-configuration)"
+    r"/r/([^/]+)(/.*)?$"
+)
 # A server's route that answers JSON-RPC (/mcp): the relay's own refusals of a request to it
 # (server offline, body too large) are JSON-RPC errors too (CONTRACT 3).
 RELAYED_JSONRPC_RE = re.compile(rf"^/r/[^/]+{API}/mcp$")
@@ -13909,6 +15501,12 @@ class RelayServer:
             ("POST", re.compile(r"^/relay/v1/code/([^/]+)$"), self.set_code),
             ("GET", re.compile(r"^/relay/v1/pair/([^/]+)$"), self.pair),
             ("*", re.compile(r"^/r/([^/]+)(/api/v1(?:/.*)?)$", re.S), self.forward),
+            # OAuth for MCP clients and share links (CONTRACT 21): the server's metadata and
+            # token endpoints are forwarded; the consent and share pages are the relay's own.
+            ("GET", RELAYED_WELL_KNOWN_RE, self.forward_well_known),
+            ("POST", re.compile(r"^/r/([^/]+)(/oauth/(?:token|register|revoke))$"), self.forward),
+            ("GET", re.compile(r"^/r/([^/]+)/oauth/authorize$"), self.consent_page),
+            ("GET", re.compile(r"^/r/([^/]+)/s/[A-Za-z0-9_-]{1,64}$"), self.share_page),
         )
 
     # -- connections ---------------------------------------------------------------
@@ -14134,6 +15732,22 @@ class RelayServer:
         ]
         return 200, headers, web_client_page().encode("utf-8")
 
+    def _page(self, server_id: str, page: str, headers: dict) -> tuple:
+        if not RELAY_ID_RE.match(server_id):
+            raise not_found("no such server on this relay")
+        ctype = ("Content-Type", "text/html; charset=utf-8")
+        return 200, [ctype, *headers.items()], page.encode("utf-8")
+
+    def consent_page(self, req: RelayRequest, server_id: str) -> tuple:
+        return self._page(server_id, consent_page(), consent_page_headers())
+
+    def share_page(self, req: RelayRequest, server_id: str) -> tuple:
+        return self._page(server_id, share_page(), share_page_headers())
+
+    async def forward_well_known(self, req: RelayRequest, name: str, server_id: str, rest):
+        """/.well-known/<name>/r/<id>[/...] is server <id>'s own /.well-known/<name>[/...]."""
+        return await self.forward(req, server_id, f"/.well-known/{name}{rest or ''}")
+
     def web_asset(self, req: RelayRequest, path: str) -> tuple:
         return 200, list(web_asset_headers(path).items()), WEB_ASSETS[path][1]()
 
@@ -14251,14 +15865,21 @@ def _download_type(value: str) -> str:
 def relayed_download(method: str, path: str, status: int) -> bool:
     """Return whether a forwarded answer is an attachment's bytes (not an API answer)."""
     return (
-        method in ("GET", "HEAD") and 200 <= status < 300 and path.startswith(f"{API}/attachments/")
+        method in ("GET", "HEAD")
+        and 200 <= status < 300
+        and (
+            path.startswith(f"{API}/attachments/")
+            or re.match(rf"^{API}/shared/[^/]+/attachments/", path) is not None
+        )
     )
 
 
 def _private_path(path: str) -> str:
     """Return a path for the relay's log: the server id and what follows /api/v1 left out."""
     m = re.match(r"^/r/[^/]+/api/v1(/[^/]*)?", path)
-    return f"/r/…/api/v1{m.group(1) or ''}…" if m else path
+    if m:
+        return f"/r/…/api/v1{m.group(1) or ''}…"
+    return re.sub(r"/r/[^/]+(/s/)?.*", lambda m: f"/r/…{m.group(1) or '/'}…", path)
 
 
 RELAY_WORKERS = 4  # relayed requests a server answers at once (change-feed waits: half)
@@ -14702,7 +16323,11 @@ def get_config(svc: Service) -> dict:
 
 def verify_key(svc: Service) -> dict:
     st = svc.state.read()
-    return {"valid": True, "serverId": st["serverId"], "setupComplete": bool(st["setupComplete"])}
+    answer = {"valid": True, "serverId": st["serverId"], "setupComplete": bool(st["setupComplete"])}
+    who = request_principal()
+    if who.kind != "owner":  # a scoped key learns how far it may go (the web client asks)
+        answer["grant"] = {"kind": who.kind, "scope": who.scope, "folder": who.folder or None}
+    return answer
 
 
 def link_client(svc: Service) -> dict:
@@ -14769,7 +16394,7 @@ def _note_response(rec: dict) -> dict:
 
 def create_note(svc: Service) -> dict:
     body = read_json(svc.config.max_body_bytes)
-    path = note_path(field(body, "path"))
+    path = visible_note(svc.notes, field(body, "path"))
     content = field(body, "content")
     rec = svc.notes.create(path, content)
     script = bottle.request.environ.get("SCRIPT_NAME", "")
@@ -14779,18 +16404,25 @@ def create_note(svc: Service) -> dict:
 
 
 def list_notes(svc: Service) -> dict:
-    folder = folder_path(query_str("folder") or NOTES)
+    raw = query_str("folder") or NOTES
+    folder = visible_folder(raw)  # a folder grant's own, or 404
+    asked = folder_path(raw)
     limit = query_int("limit", 100, 1, 1000)
     offset = query_int("offset", 0, 0, 10**9)
-    return svc.notes.list_page(folder, limit, offset)
+    try:
+        return svc.notes.list_page(folder, limit, offset)
+    except ApiError as e:  # the folder a grant sees from one of its ancestors is not there yet
+        if e.status_code != 404 or folder == asked:
+            raise
+        return {"notes": [], "total": 0, "limit": limit, "offset": offset}
 
 
 def get_note(svc: Service, path: str) -> dict:
-    return _note_response(svc.notes.get(note_path(path)))
+    return _note_response(svc.notes.get(visible_note(svc.notes, path)))
 
 
 def update_note(svc: Service, path: str) -> dict:
-    path = note_path(path)
+    path = visible_note(svc.notes, path)
     body = read_json(svc.config.max_body_bytes)
     content = field(body, "content")
     if body.get("path") is not None and note_path(field(body, "path")) != path:
@@ -14801,15 +16433,15 @@ def update_note(svc: Service, path: str) -> dict:
 
 
 def move_note(svc: Service, path: str) -> dict:
-    path = note_path(path)
+    path = visible_note(svc.notes, path)
     body = read_json(svc.config.max_body_bytes)
-    new = note_path(field(body, "path"))
+    new = visible_note(svc.notes, field(body, "path"))  # a folder grant moves within its folder
     relink = bool(field(body, "updateLinks", bool, required=False))
     return _note_response(move_and_relink(svc, path, new, _if_match(), relink))
 
 
 def delete_note(svc: Service, path: str) -> dict:
-    return svc.notes.delete(note_path(path), _if_match())
+    return svc.notes.delete(visible_note(svc.notes, path), _if_match())
 
 
 # -- attachments -------------------------------------------------------------------------
@@ -14827,7 +16459,7 @@ def _attachment_response(rec: dict, status: int) -> bytes:
 
 def put_attachment(svc: Service, path: str) -> bytes:
     """PUT the raw bytes: 201 when created, 200 when replaced (If-Match, If-None-Match: *)."""
-    path = attachment_path(path)
+    path = visible_attachment(svc.attachments, path)
     ctype = bottle.request.content_type.split(";")[0].strip().lower()
     if ctype.startswith("multipart/"):
         raise ApiError(
@@ -14875,7 +16507,7 @@ def post_attachment(svc: Service) -> bytes:
             raise bad_request("'path' is not valid UTF-8") from None
         if not raw:
             raise bad_request("'path' is required (attachments/<name>.<extension>)")
-        return attachment_path(raw)
+        return visible_attachment(svc.attachments, raw)
 
     def receive(f) -> None:
         def part(name: str, filename: Any, headers: Any):
@@ -14961,7 +16593,7 @@ def _file_chunks(f: Any, length: int):
 
 def get_attachment(svc: Service, path: str):
     """The file's bytes, with ETag, Range, Content-Disposition and a sandbox policy."""
-    path = attachment_path(path)
+    path = visible_attachment(svc.attachments, path)
     f, st = svc.attachments.open(path)
     try:
         rec = svc.attachments.record(path, st)
@@ -15000,18 +16632,27 @@ def get_attachment(svc: Service, path: str):
 
 
 def list_attachments(svc: Service) -> dict:
-    folder = attachment_folder(query_str("folder") or ATTACHMENTS)
+    raw = query_str("folder") or ATTACHMENTS
+    folder = visible_folder(raw, top=ATTACHMENTS)  # a folder grant's own, or 404
+    asked = attachment_folder(raw)
     limit = query_int("limit", 100, 1, 1000)
     offset = query_int("offset", 0, 0, 10**9)
-    return svc.attachments.list_page(folder, limit, offset)
+    try:
+        return svc.attachments.list_page(folder, limit, offset)
+    except ApiError as e:  # the folder a grant sees from one of its ancestors is not there yet
+        if e.status_code != 404 or folder == asked:
+            raise
+        return {"attachments": [], "total": 0, "limit": limit, "offset": offset}
 
 
 def move_attachment(svc: Service, path: str) -> dict:
-    path = attachment_path(path)
+    path = visible_attachment(svc.attachments, path)
     body = read_json(svc.config.max_body_bytes)
-    new = attachment_path(field(body, "path"))
+    new = visible_attachment(svc.attachments, field(body, "path"))
     relink = field(body, "updateLinks", bool, required=False)
-    linking = attachment_linkers(svc, path) if relink else set()
+    linking = (
+        set(filter(request_principal().sees, attachment_linkers(svc, path))) if relink else set()
+    )
     rec = svc.attachments.move(path, new, _if_match())
     if relink and new != path:
         rec["linksUpdated"] = update_links(svc, path, new, linking)
@@ -15020,7 +16661,7 @@ def move_attachment(svc: Service, path: str) -> dict:
 
 
 def delete_attachment(svc: Service, path: str) -> dict:
-    return svc.attachments.delete(attachment_path(path), _if_match())
+    return svc.attachments.delete(visible_attachment(svc.attachments, path), _if_match())
 
 
 # -- folders ---------------------------------------------------------------------------
@@ -15041,12 +16682,11 @@ def indexed_counts(svc: Service) -> Callable:
 
 
 def get_tree(svc: Service) -> dict:
-    return svc.notes.tree(NOTES, query_int("depth", None, 1, 64), indexed_counts(svc))
+    return granted_tree(svc, NOTES, query_int("depth", None, 1, 64), indexed_counts(svc))
 
 
 def get_subtree(svc: Service, path: str) -> dict:
-    depth = query_int("depth", None, 1, 64)
-    return svc.notes.tree(folder_path(path), depth, indexed_counts(svc))
+    return granted_tree(svc, path, query_int("depth", None, 1, 64), indexed_counts(svc))
 
 
 # -- history, trash and the change feed ----------------------------------------------------
@@ -15061,7 +16701,7 @@ def _page() -> tuple:
 
 
 def list_versions(svc: Service, path: str) -> dict:
-    path = note_path(path)
+    path = visible_note(svc.notes, path)
     limit, offset = _page()
     versions = svc.history.versions(path)
     if not versions and not svc.notes.exists(path):
@@ -15073,8 +16713,8 @@ def list_versions(svc: Service, path: str) -> dict:
 def get_version(svc: Service, path: str, version_id: str) -> dict:
     if not VERSION_ID_RE.match(version_id):  # WSGI decodes %2F: maybe a note in a folder
         with contextlib.suppress(ApiError):  # named like one (notes/x.md/versions/y.md)
-            return get_note(svc, note_path(f"{path}/versions/{version_id}"))
-    path = note_path(path)
+            return get_note(svc, f"{path}/versions/{version_id}")
+    path = visible_note(svc.notes, path)
     data = svc.history.read(path, version_id)
     return {
         **svc.history.describe(version_id, len(data)),
@@ -15084,7 +16724,7 @@ def get_version(svc: Service, path: str, version_id: str) -> dict:
 
 
 def diff_version(svc: Service, path: str, version_id: str) -> dict:
-    path = note_path(path)
+    path = visible_note(svc.notes, path)
     against = query_str("against", "current") or "current"
     old = svc.history.read(path, version_id).decode("utf-8", "replace")
     if against == "current":
@@ -15096,18 +16736,28 @@ def diff_version(svc: Service, path: str, version_id: str) -> dict:
 
 
 def restore_version(svc: Service, path: str, version_id: str) -> dict:
-    return _note_response(svc.notes.restore_version(note_path(path), version_id, _if_match()))
+    path = visible_note(svc.notes, path)
+    return _note_response(svc.notes.restore_version(path, version_id, _if_match()))
+
+
+def _trashed(svc: Service, item_id: str) -> Any:
+    """Return a trash item the request's grant sees (a folder grant: its folder's); 404."""
+    item = svc.trash.find(item_id)
+    if not request_principal().sees(item.path):
+        raise not_found(f"no item {item_id} in the trash")
+    return item
 
 
 def list_trash(svc: Service) -> dict:
     limit, offset = _page()
-    items = svc.trash.items()
+    sees = request_principal().sees
+    items = [item for item in svc.trash.items() if sees(item.path)]
     page = [item.describe() for item in items[offset : offset + limit]]
     return {"items": page, "total": len(items), "limit": limit, "offset": offset}
 
 
 def get_trash_item(svc: Service, item_id: str) -> dict:
-    item = svc.trash.find(item_id)
+    item = _trashed(svc, item_id)
     content = None
     if item.kind == "note":
         try:
@@ -15119,9 +16769,11 @@ def get_trash_item(svc: Service, item_id: str) -> dict:
 
 def restore_trash_item(svc: Service, item_id: str) -> dict:
     body = read_json(svc.config.max_body_bytes, required=False)
-    item = svc.trash.find(item_id)
+    item = _trashed(svc, item_id)
     target = field(body, "path", required=False)
     target = attachment_or_note_path(item.path if target is None else target)
+    if not request_principal().sees(target):  # a folder grant restores into its folder
+        raise not_found(f"no folder for {target}")
     top = target.split("/", 1)[0]
     if top != item.path.split("/", 1)[0]:
         raise bad_request(f"a trashed {item.kind} is restored under {item.path.split('/')[0]}/")
@@ -15133,16 +16785,35 @@ def restore_trash_item(svc: Service, item_id: str) -> dict:
 
 
 def purge_trash_item(svc: Service, item_id: str) -> dict:
-    item = svc.trash.find(item_id)
+    item = _trashed(svc, item_id)
     svc.trash.purge(item)
     return {"id": item.id, "purged": True}
+
+
+def _granted_changes(page: dict) -> dict:
+    """Return a page of the change feed as the request's grant sees it: a folder grant gets
+    its folder's changes, a move into it as a creation and a move out of it as a deletion."""
+    who = request_principal()
+    if not who.folder:
+        return page
+    seen = []
+    for c in page["changes"]:
+        inside, was = who.sees(c["path"]), c["kind"] == "moved" and who.sees(c.get("from", ""))
+        if c["kind"] == "moved" and inside and not was:
+            c = {**{k: v for k, v in c.items() if k != "from"}, "kind": "created"}
+        elif c["kind"] == "moved" and was and not inside:
+            c = {"seq": c["seq"], "kind": "deleted", "path": c["from"], "at": c["at"]}
+        elif not inside:
+            continue
+        seen.append(c)
+    return {**page, "changes": seen}
 
 
 def list_changes(svc: Service) -> dict:
     since = query_int("since", 0, 0, MAX_SEQ)
     wait = query_int("wait", 0, 0, MAX_WAIT_SECONDS)
     limit = query_int("limit", 100, 1, 1000)
-    page = svc.journal.read(since, limit)
+    page = _granted_changes(svc.journal.read(since, limit))
     if page["changes"] or not wait:
         return page
     # A waiting feed holds a worker thread: at most max_waiters at once, so the others
@@ -15151,10 +16822,17 @@ def list_changes(svc: Service) -> dict:
         pool, cap = "relay", min(svc.config.max_waiters, RELAY_WORKERS // 2)
     else:
         pool, cap = "direct", svc.config.max_waiters
-    if svc.journal.wait_after(since, wait, pool, cap) is None:
-        bottle.response.set_header("Retry-After", str(RETRY_AFTER_SECONDS))
-        return {**page, "retryAfter": RETRY_AFTER_SECONDS}
-    return svc.journal.read(since, limit)
+    deadline = time.monotonic() + wait
+    while not page["changes"]:  # a folder grant waits on for a change it may see
+        came = svc.journal.wait_after(page["last"], deadline - time.monotonic(), pool, cap)
+        if came is None:
+            bottle.response.set_header("Retry-After", str(RETRY_AFTER_SECONDS))
+            return {**page, "retryAfter": RETRY_AFTER_SECONDS}
+        after = _granted_changes(svc.journal.read(page["last"], limit))
+        if not came or after["last"] == page["last"] or time.monotonic() >= deadline:
+            return after
+        page = after
+    return page
 
 
 # -- search --------------------------------------------------------------------------------
@@ -15163,10 +16841,8 @@ def list_changes(svc: Service) -> dict:
 def search_notes(svc: Service) -> dict:
     started = time.perf_counter()
     query = Query(query_str("q"))
-    folder = query_str("folder")
-    if folder:
-        folder = folder_path(folder)
-        folder = "" if folder == NOTES else folder
+    folder = visible_folder(query_str("folder") or NOTES)  # a folder grant's by default
+    folder = "" if folder == NOTES else folder
     limit = query_int("limit", 20, 1, 100)
     offset = query_int("offset", 0, 0, 10000)
     total, hits = svc.index.search(query, folder, limit, offset)
@@ -15191,13 +16867,13 @@ def agent_chat(svc: Service) -> dict:
         raise bad_request("'message' must not be empty")
     note = body.get("notePath")
     if note is not None:
-        note = note_path(field(body, "notePath"))
+        note = visible_note(svc.notes, field(body, "notePath"))
         if not svc.notes.exists(note):
             raise not_found(f"no note at {note}")
     channel = field(body, "channel", required=False)
     if channel is not None and channel not in svc.channel_providers:
         raise bad_request(f"'channel' must be one of {', '.join(svc.channel_providers)}")
-    return ask_agent(svc, message, note)
+    return ask_agent(svc, message, note, request_principal().folder)
 
 
 def agent_status(svc: Service) -> dict:
@@ -15271,11 +16947,12 @@ def cors_allows(config: Config, origin: str) -> bool:
     return "*" in config.cors or origin.rstrip("/") in config.cors
 
 
-def authenticate_mcp(svc: Service, environ: dict) -> None:
+def authenticate_mcp(svc: Service, environ: dict) -> Principal:
     """Let a request to /mcp through or raise 403, 401 or 429: the one place /mcp's callers
     are checked. A page's Origin must be one SERVICE_CORS_ORIGINS allows (so a site that
     rebinds its name to this machine gets nowhere), then the key, which may come as
-    X-Service-Key, `Authorization: Bearer` or X-API-Key (CONTRACT 4)."""
+    X-Service-Key, `Authorization: Bearer` or X-API-Key (CONTRACT 4), or an OAuth access
+    token issued for this URL (CONTRACT 21). Returns who the request acts for."""
     origin = environ.get("HTTP_ORIGIN", "")
     if origin and not cors_allows(svc.config, origin):
         raise ApiError(
@@ -15284,7 +16961,7 @@ def authenticate_mcp(svc: Service, environ: dict) -> None:
             "requests from web pages are refused unless their origin is listed in "
             "SERVICE_CORS_ORIGINS",
         )
-    svc.authenticate(environ, mcp=True)
+    return svc.authenticate(environ, mcp=True)
 
 
 def mcp_endpoint(svc: Service) -> bytes:
@@ -15478,6 +17155,8 @@ def _tools_call(svc: Service, name: Any, arguments: Any) -> dict:
         known = svc.tools.get(name)
         if known is not None and not known.read_only and not svc.config.mcp_write:
             why = f"{name} changes notes: the owner has not allowed that (SERVICE_MCP_WRITE)"
+        elif known is not None and not known.read_only:
+            why = f"{name} changes notes: this connection was granted reading only"
         elif known is not None:
             why = f"{name} needs the {known.plugin} plugin, which is switched off"
         else:
@@ -15640,7 +17319,8 @@ def list_reminders(svc: Service) -> dict:
     """The reminders not sent yet (⏰ lines and `remind:`), soonest first."""
     limit = query_int("limit", 100, 1, 1000)
     offset = query_int("offset", 0, 0, 10**9)
-    pending = svc.reminders.upcoming()
+    sees = request_principal().sees  # a folder grant: its folder's reminders
+    pending = [r for r in svc.reminders.upcoming() if sees(r["path"])]
     return {
         "reminders": [
             {
@@ -15692,7 +17372,9 @@ def get_plugin(svc: Service, name: str) -> dict:
     plugin = _plugin(svc, name)
     info = plugin_info(svc, plugin)
     page = next((r for r in plugin.routes if r.method == "GET" and r.path == ""), None)
-    if page and info["enabled"]:
+    who = request_principal()  # a grant sees a page its scope allows, a folder grant a built-in's
+    allowed = page and who.allows(page.scope) and (plugin.builtin or not who.folder)
+    if allowed and info["enabled"]:
         info.update(page.handler(svc))
     return info
 
@@ -15730,6 +17412,7 @@ def plugin_routes(plugins: Iterable[Plugin]) -> tuple:
                     status=r.status,
                     params=r.params,
                     tag="plugins",
+                    scope=r.scope,
                 )
             )
     return tuple(routes)
@@ -15781,6 +17464,7 @@ def security_config(svc: Service) -> dict:
             "enabled": sum(svc.plugin_enabled(n) for n in svc.plugins),
         },
         "agent": _agent_facts(cfg),
+        "grants": svc.grants.counts(),
     }
 
 
@@ -15797,6 +17481,416 @@ def security_recommendations(svc: Service) -> dict:
             if f["severity"] != "info"
         ]
     }
+
+
+# -- grants: scoped keys and share links ------------------------------------------------
+
+
+def _days(body: dict, name: str, hi: int, default: int | None) -> int | None:
+    days = body.get(name)
+    if days is None:
+        return default
+    if isinstance(days, float) and days.is_integer():  # JSON Schema's integer: 7.0 is one
+        days = int(days)
+    if not isinstance(days, int) or isinstance(days, bool) or not 1 <= days <= hi:
+        raise bad_request(f"'{name}' must be a whole number from 1 to {hi}")
+    return days
+
+
+def _grant_folder(body: dict) -> str | None:
+    """Return the folder of a grant's body (None: every note); `notes` itself is None."""
+    raw = field(body, "folder", required=False)
+    folder = folder_path(raw) if raw is not None else NOTES
+    return None if folder == NOTES else folder
+
+
+def create_scoped_key(svc: Service) -> dict:
+    body = read_json(svc.config.max_body_bytes)
+    raw = field(body, "name", max_len=100)
+    if not raw:
+        raise bad_request("'name' must not be empty")
+    name = _clean_name(raw, "unnamed key")  # control characters never reach a listing
+    scope = field(body, "scope")
+    if scope not in ("read", "write"):
+        raise bad_request("'scope' must be read or write (the API key itself holds admin)")
+    folder = _grant_folder(body)
+    record, key = svc.grants.create_key(
+        name, scope, folder, _days(body, "expiresInDays", 3650, None)
+    )
+    return {**record, "key": key}
+
+
+def list_scoped_keys(svc: Service) -> dict:
+    return {"keys": svc.grants.grants()}
+
+
+def revoke_scoped_key(svc: Service, grant_id: str) -> dict:
+    if not svc.grants.revoke(grant_id):
+        raise not_found(f"no key or OAuth grant {grant_id}")
+    return {"id": grant_id, "revoked": True}
+
+
+def share_url(svc: Service, environ: dict, token: str) -> str:
+    """Return a share link: {relay}/r/<serverId>/s/<token> in relay mode, else <base>/s/<token>."""
+    if svc.config.pairing == "relay":
+        relayed = environ.get("notesvc.relayed") and svc.config.relay_url
+        relay = svc.config.relay_url if relayed else svc.relay_url(environ)
+        return f"{relay}/r/{svc.state.read()['serverId']}/s/{token}"
+    return f"{svc.issuer(environ)}/s/{token}"
+
+
+def create_share(svc: Service) -> dict:
+    body = read_json(svc.config.max_body_bytes)
+    path = visible_note(svc.notes, field(body, "path"))
+    days = _days(body, "expiresInDays", 365, 7)
+    if not svc.notes.exists(path):
+        raise not_found(f"no note at {path}")
+    record, token = svc.grants.create_share(path, days, request_principal())
+    log.info("share link %s created for a note", record["id"])
+    return {**record, "url": share_url(svc, bottle.request.environ, token)}
+
+
+def list_shares(svc: Service) -> dict:
+    return {"shares": svc.grants.shares(request_principal())}
+
+
+def revoke_share(svc: Service, share_id: str) -> dict:
+    if not svc.grants.revoke_share(share_id, request_principal()):
+        raise not_found(f"no share link {share_id}")
+    return {"id": share_id, "revoked": True}
+
+
+def _public_limit(svc: Service) -> str:
+    """Count one public grant request from its address; 429 over the limits."""
+    addr = svc.client_addr(bottle.request.environ)
+    wait = svc.grants.share_misses.retry_after(addr) or svc.grants.public_hits.hit(addr)
+    if wait:
+        raise ApiError(
+            429,
+            "RATE_LIMITED",
+            f"too many requests from this address; retry in {wait} s",
+            {"Retry-After": str(wait)},
+        )
+    return addr
+
+
+def _shared_note(svc: Service, token: str) -> dict:
+    addr = _public_limit(svc)
+    bottle.response.set_header("X-Robots-Tag", "noindex, nofollow")
+    bottle.response.set_header("Referrer-Policy", "no-referrer")
+    share = svc.grants.shared(token)
+    if share is None:
+        svc.grants.share_misses.fail(addr)
+        raise not_found("nothing is shared at this link (it may have expired or been revoked)")
+    try:
+        return svc.notes.get(share["path"])
+    except ApiError as e:
+        if e.status_code == 404:
+            raise not_found("the shared note no longer exists") from None
+        raise
+
+
+def shared_attachments(path: str, text: str) -> dict:
+    """Return {href as written: attachment path} of the attachments a note at `path` links
+    by Markdown link or image: all a share link of it may load."""
+    found = {}
+    for m in _MDLINK_RE.finditer(text[:MAX_SCAN_CHARS]):
+        target = _md_target(m.group(2))
+        href = urllib.parse.unquote(target.strip("<>")) if target else ""
+        if not href or "://" in href or href.startswith("mailto:"):
+            continue
+        if href.startswith("/"):
+            candidate = href.lstrip("/")
+        else:
+            candidate = posixpath.normpath(posixpath.join(posixpath.dirname(path), href))
+        if candidate.startswith(f"{ATTACHMENTS}/"):
+            with contextlib.suppress(ApiError):
+                found[m.group(2).strip("<>")] = attachment_path(candidate)  # as the page sees it
+    return found
+
+
+def get_shared(svc: Service, token: str) -> dict:
+    rec = _shared_note(svc, token)
+    return {
+        "title": rec["title"],
+        "content": rec["content"],
+        "modified": rec["modified"],
+        "attachments": shared_attachments(rec["path"], rec["content"]),
+    }
+
+
+def get_shared_attachment(svc: Service, token: str, path: str):
+    """An attachment the shared note links (no other), as GET /attachments/:path serves it."""
+    rec = _shared_note(svc, token)
+    if path not in shared_attachments(rec["path"], rec["content"]).values():
+        raise not_found("the shared note links no such attachment")
+    return get_attachment(svc, path)
+
+
+def get_share_page(svc: Service, token: str):
+    bottle.response.content_type = "text/html; charset=utf-8"
+    for name, value in share_page_headers().items():
+        bottle.response.set_header(name, value)
+    return share_page()
+
+
+# -- OAuth for MCP clients ---------------------------------------------------------------
+#
+# notesvc is its own authorisation server (RFC 8414, 9728, 7591, 7636, 8707, 7009); its
+# tokens are good for the MCP endpoint only. These endpoints answer in OAuth's own JSON.
+
+
+def _oauth_answer(body: dict, status: int = 200, headers: dict | None = None) -> bytes:
+    bottle.response.status = status
+    bottle.response.content_type = JSON_TYPE
+    for name, value in {
+        "Cache-Control": "no-store",
+        "Pragma": "no-cache",
+        **(headers or {}),
+    }.items():
+        bottle.response.set_header(name, value)
+    return to_json(body)
+
+
+def _oauth_failure(e: OAuthError) -> bytes:
+    return _oauth_answer(
+        {"error": e.error, "error_description": e.description}, e.status, e.headers
+    )
+
+
+def mcp_resource(svc: Service, environ: dict) -> str:
+    return svc.issuer(environ) + API + "/mcp"
+
+
+def protected_resource_metadata(svc: Service) -> bytes:
+    """RFC 9728 metadata of the MCP endpoint."""
+    env = bottle.request.environ
+    issuer = svc.issuer(env)
+    return _oauth_answer(
+        {
+            "resource": mcp_resource(svc, env),
+            "authorization_servers": [issuer],
+            "scopes_supported": list(OAUTH_SCOPES),
+            "bearer_methods_supported": ["header"],
+            "resource_name": "notesvc",
+        }
+    )
+
+
+def authorization_server_metadata(svc: Service) -> bytes:
+    """RFC 8414 metadata of this authorisation server (also served as OpenID's name)."""
+    issuer = svc.issuer(bottle.request.environ)
+    return _oauth_answer(
+        {
+            "issuer": issuer,
+            "authorization_endpoint": f"{issuer}/oauth/authorize",
+            "token_endpoint": f"{issuer}/oauth/token",
+            "registration_endpoint": f"{issuer}/oauth/register",
+            "revocation_endpoint": f"{issuer}/oauth/revoke",
+            "response_types_supported": ["code"],
+            "grant_types_supported": ["authorization_code", "refresh_token"],
+            "code_challenge_methods_supported": ["S256"],
+            "token_endpoint_auth_methods_supported": ["none"],
+            "revocation_endpoint_auth_methods_supported": ["none"],
+            "scopes_supported": list(OAUTH_SCOPES),
+            "client_id_metadata_document_supported": True,
+            "authorization_response_iss_parameter_supported": True,
+        }
+    )
+
+
+def _form(max_bytes: int = 65536) -> dict:
+    """Return a form-encoded body's parameters; OAuthError for anything else or a repeat."""
+    req = bottle.request
+    if req.content_type.split(";")[0].strip().lower() != "application/x-www-form-urlencoded":
+        raise OAuthError("invalid_request", "send the parameters form-encoded")
+    if req.content_length > max_bytes:
+        raise OAuthError("invalid_request", f"the body is over {max_bytes} bytes", 413)
+    raw = req.body.read(max_bytes + 1)
+    if len(raw) > max_bytes:
+        raise OAuthError("invalid_request", f"the body is over {max_bytes} bytes", 413)
+    try:
+        pairs = urllib.parse.parse_qsl(
+            raw.decode("utf-8"), keep_blank_values=True, max_num_fields=40
+        )
+    except (UnicodeDecodeError, ValueError):
+        raise OAuthError("invalid_request", "the body is not a UTF-8 form") from None
+    params: dict = {}
+    for name, value in pairs:
+        if name in params:
+            raise OAuthError("invalid_request", f"'{name[:40]}' is given twice")
+        params[name] = value
+    basic = req.get_header("Authorization", "")
+    if basic[:6].lower() == "basic " and "client_id" not in params:  # a client id sent that way
+        with contextlib.suppress(ValueError, UnicodeDecodeError):
+            decoded = base64.b64decode(basic[6:].strip(), validate=True).decode("utf-8")
+            params["client_id"] = urllib.parse.unquote(decoded.partition(":")[0])
+    return params
+
+
+def oauth_token(svc: Service) -> bytes:
+    """POST /oauth/token: authorization_code (PKCE S256) and refresh_token grants."""
+    try:
+        p = _form()
+        grant_type = p.get("grant_type", "")
+        if grant_type == "authorization_code":
+            answer = svc.grants.redeem(
+                p.get("code", ""),
+                p.get("client_id", ""),
+                p.get("redirect_uri", ""),
+                p.get("code_verifier", ""),
+                p.get("resource"),
+            )
+        elif grant_type == "refresh_token":
+            if not p.get("client_id"):
+                raise OAuthError("invalid_request", "client_id is required")
+            answer = svc.grants.refresh(
+                p.get("refresh_token", ""), p["client_id"], p.get("resource"), p.get("scope")
+            )
+        elif not grant_type:
+            raise OAuthError("invalid_request", "grant_type is required")
+        else:
+            raise OAuthError(
+                "unsupported_grant_type", "grant_type: authorization_code or refresh_token"
+            )
+    except OAuthError as e:
+        return _oauth_failure(e)
+    return _oauth_answer(answer)
+
+
+def oauth_register(svc: Service) -> bytes:
+    """POST /oauth/register: Dynamic Client Registration of a public client (RFC 7591)."""
+    try:
+        try:
+            meta = read_json(65536)
+        except ApiError as e:
+            raise OAuthError("invalid_client_metadata", e.message, e.status_code) from None
+        answer = svc.grants.register_client(meta, svc.client_addr(bottle.request.environ))
+    except OAuthError as e:
+        return _oauth_failure(e)
+    return _oauth_answer(answer, 201)
+
+
+def oauth_revoke(svc: Service) -> bytes:
+    """POST /oauth/revoke (RFC 7009): the token's whole grant ends; unknown tokens are fine."""
+    try:
+        p = _form()
+        if not p.get("token"):
+            raise OAuthError("invalid_request", "token is required")
+    except OAuthError as e:
+        return _oauth_failure(e)
+    svc.grants.revoke_token(p["token"], p.get("client_id", ""))
+    return _oauth_answer({})
+
+
+def get_consent_page(svc: Service):
+    bottle.response.content_type = "text/html; charset=utf-8"
+    for name, value in consent_page_headers().items():
+        bottle.response.set_header(name, value)
+    return consent_page()
+
+
+def _check_client(svc: Service, client_id: Any, redirect_uri: Any) -> dict:
+    """Return the client of an authorisation request; 404 / 400 saying what is wrong.
+
+    These are shown on the consent page and never redirected to.
+    """
+    try:
+        return svc.grants.check_request(client_id, redirect_uri)
+    except OAuthError as e:
+        if e.error == "invalid_client" and "registered" in e.description:
+            raise not_found(e.description) from None
+        raise bad_request(e.description) from None
+
+
+def _error_redirect(
+    redirect_uri: str, error: str, description: str, state: str, issuer: str
+) -> str:
+    params = {"error": error, "error_description": description, "iss": issuer}
+    if state:
+        params["state"] = state
+    sep = "&" if urllib.parse.urlsplit(redirect_uri).query else "?"
+    return redirect_uri + sep + urllib.parse.urlencode(params)
+
+
+def oauth_consent(svc: Service) -> dict:
+    """GET /api/v1/oauth/consent: what the consent page shows for an authorisation request."""
+    _public_limit(svc)
+    env = bottle.request.environ
+    q = {
+        name: query_str(name)
+        for name in (
+            "client_id",
+            "redirect_uri",
+            "response_type",
+            "state",
+            "code_challenge",
+            "code_challenge_method",
+            "scope",
+            "resource",
+        )
+    }
+    client = _check_client(svc, q["client_id"], q["redirect_uri"])
+    issuer, resource = svc.issuer(env), mcp_resource(svc, env)
+    problem = ""
+    if q["response_type"] != "code":
+        problem = "response_type must be code"
+    elif q["code_challenge_method"] != "S256":
+        problem = "PKCE is required: code_challenge_method=S256"
+    elif not CHALLENGE_RE.match(q["code_challenge"]):
+        problem = "code_challenge must be 43 base64url characters (S256)"
+    elif q["resource"] and q["resource"] != resource:
+        problem = f"this server's MCP resource is {resource}"
+    elif len(q["state"]) > 1024:
+        problem = "state is longer than 1024 characters"
+    if problem:  # the client is known and its redirect URI registered: tell it there
+        err = bad_request(problem)
+        err.extra = {
+            "redirect": _error_redirect(
+                q["redirect_uri"], "invalid_request", problem, q["state"][:1024], issuer
+            )
+        }
+        raise err
+    write = svc.config.mcp_write
+    return {
+        "client": {"id": client["id"], "name": client["name"], "uri": client.get("uri") or ""},
+        "redirectUri": q["redirect_uri"],
+        "redirectHost": urllib.parse.urlsplit(q["redirect_uri"]).netloc,
+        "scope": "write" if write and parse_oauth_scope(q["scope"]) == "write" else "read",
+        "writeAllowed": write,
+        "resource": resource,
+        "deny": _error_redirect(
+            q["redirect_uri"], "access_denied", "the owner denied the request", q["state"], issuer
+        ),
+    }
+
+
+def approve_oauth(svc: Service) -> dict:
+    """POST /api/v1/oauth/approve (the owner): an authorisation code for the client."""
+    body = read_json(svc.config.max_body_bytes)
+    env = bottle.request.environ
+    client_id = field(body, "clientId", max_len=2000)
+    redirect_uri = field(body, "redirectUri", max_len=2000)
+    state = field(body, "state", required=False, max_len=1024) or ""
+    challenge = field(body, "codeChallenge", max_len=128)
+    scope = field(body, "scope", max_len=200)
+    resource = field(body, "resource", required=False, max_len=2000) or mcp_resource(svc, env)
+    folder = _grant_folder(body)
+    client = _check_client(svc, client_id, redirect_uri)
+    if not CHALLENGE_RE.match(challenge):
+        raise bad_request("'codeChallenge' must be 43 base64url characters (PKCE S256)")
+    words = set(scope.split())
+    if not words or not words <= set(OAUTH_SCOPES):
+        raise bad_request("'scope' must be notes:read or notes:read notes:write")
+    wanted = parse_oauth_scope(scope)
+    if wanted == "write" and not svc.config.mcp_write:
+        raise ApiError(403, "FORBIDDEN", "notes:write needs SERVICE_MCP_WRITE=true on the server")
+    if resource != mcp_resource(svc, env):
+        raise bad_request(f"'resource' must be this server's MCP URL, {mcp_resource(svc, env)}")
+    grant = {"challenge": challenge, "scope": wanted, "folder": folder, "resource": resource}
+    redirect = svc.grants.approve(client, redirect_uri, grant, state, svc.issuer(env))
+    log.info("OAuth request of %s approved (%s)", log_safe(client["name"], 100), wanted)
+    return {"redirect": redirect}
 
 
 # -- relay pairing (this server as its own relay) -------------------------------------
@@ -15839,7 +17933,10 @@ class Route:
     enveloped: bool = True  # False: the answer is the document itself (OpenAPI, a challenge)
     body_media: str = "application/json"  # of the request body
     key_only: bool = False  # needs the API key itself: a JWT may not mint tokens or rotate
-    jsonrpc: bool = False  # answers JSON-RPC 2.0, errors too; callers checked by authenticate_mcp
+    scope: str = ""  # read, write or admin (CONTRACT 21); a protected route without one
+    # stops the app from starting
+    jsonrpc: bool = False  # answers JSON-RPC 2.0, errors too; callers checked by
+    # authenticate_mcp, which also takes OAuth access tokens (the MCP endpoint only)
 
     @property
     def rule(self) -> str:
@@ -15925,8 +18022,14 @@ def _channel_body(svc: Service) -> dict:
 ROUTES = (
     Route("GET", "/health", get_health, public=True, summary="Liveness and version"),
     Route("GET", "/system/setup", get_setup, public=True, summary="Setup and pairing payload"),
-    Route("GET", "/system/info", get_info, summary="Version, uptime, note counts"),
-    Route("GET", "/system/config", get_config, summary="Non-secret runtime configuration"),
+    Route("GET", "/system/info", get_info, summary="Version, uptime, note counts", scope="admin"),
+    Route(
+        "GET",
+        "/system/config",
+        get_config,
+        summary="Non-secret runtime configuration",
+        scope="admin",
+    ),
     Route(
         "GET",
         "/openapi.json",
@@ -15935,7 +18038,7 @@ ROUTES = (
         summary="This document",
         enveloped=False,
     ),
-    Route("POST", "/auth/verify", verify_key, summary="Check a key", tag="auth"),
+    Route("POST", "/auth/verify", verify_key, summary="Check a key", tag="auth", scope="read"),
     Route(
         "POST",
         "/auth/link",
@@ -15943,6 +18046,7 @@ ROUTES = (
         summary="Link a client; completes setup",
         body=_obj(clientName={"type": "string", "maxLength": 100}),
         tag="auth",
+        scope="admin",
     ),
     Route(
         "POST",
@@ -15951,6 +18055,7 @@ ROUTES = (
         summary="New key, shown once",
         tag="auth",
         key_only=True,
+        scope="admin",
     ),
     Route(
         "POST",
@@ -15959,6 +18064,7 @@ ROUTES = (
         summary="A one-hour JWT (jwt mode)",
         tag="auth",
         key_only=True,
+        scope="admin",
     ),
     Route(
         "POST",
@@ -15968,6 +18074,7 @@ ROUTES = (
         body=_obj(["path", "content"], path=_NOTE_PATH, content=_STR),
         status=201,
         tag="notes",
+        scope="write",
     ),
     Route(
         "GET",
@@ -15976,6 +18083,7 @@ ROUTES = (
         summary="List notes by path",
         params={"folder": _FOLDER_PATH, "limit": _int(1, 1000, 100), "offset": _int(0, 10**9, 0)},
         tag="notes",
+        scope="read",
     ),
     # before GET /notes/<path:path>, which would take ".../versions" as part of a path
     Route(
@@ -15985,6 +18093,7 @@ ROUTES = (
         summary="A note's versions, newest first (also of a deleted note)",
         params={"path": NOTE_PATH_PARAM, "limit": _int(1, 1000, 100), "offset": _int(0, 10**9, 0)},
         tag="history",
+        scope="read",
     ),
     Route(
         "GET",
@@ -15993,6 +18102,7 @@ ROUTES = (
         summary="One version with its content",
         params={"path": NOTE_PATH_PARAM, "version_id": _VERSION_ID},
         tag="history",
+        scope="read",
     ),
     Route(
         "GET",
@@ -16009,6 +18119,7 @@ ROUTES = (
             },
         },
         tag="history",
+        scope="read",
     ),
     Route(
         "POST",
@@ -16018,6 +18129,7 @@ ROUTES = (
         "deleted note); the replaced content becomes a version",
         params={"path": NOTE_PATH_PARAM, "version_id": _VERSION_ID},
         tag="history",
+        scope="write",
     ),
     Route(
         "GET",
@@ -16026,6 +18138,7 @@ ROUTES = (
         summary="Read a note",
         params={"path": NOTE_PATH_PARAM},
         tag="notes",
+        scope="read",
     ),
     Route(
         "PUT",
@@ -16043,6 +18156,7 @@ ROUTES = (
         ),
         params={"path": NOTE_PATH_PARAM},
         tag="notes",
+        scope="write",
     ),
     Route(
         "PATCH",
@@ -16052,6 +18166,7 @@ ROUTES = (
         body=_obj(["path"], path=_NOTE_PATH, updateLinks={"type": "boolean"}),
         params={"path": NOTE_PATH_PARAM},
         tag="notes",
+        scope="write",
     ),
     Route(
         "DELETE",
@@ -16060,6 +18175,7 @@ ROUTES = (
         summary="Move to trash",
         params={"path": NOTE_PATH_PARAM},
         tag="notes",
+        scope="write",
     ),
     Route(
         "GET",
@@ -16079,6 +18195,7 @@ ROUTES = (
             "folder": _FOLDER_PATH,
         },
         tag="search",
+        scope="read",
     ),
     Route(
         "POST",
@@ -16097,8 +18214,16 @@ ROUTES = (
             channel={"enum": sorted(svc.channel_providers)},  # this app's providers
         ),
         tag="agent",
+        scope="read",
     ),
-    Route("GET", "/agent/status", agent_status, summary="Agent provider and model", tag="agent"),
+    Route(
+        "GET",
+        "/agent/status",
+        agent_status,
+        summary="Agent provider and model",
+        tag="agent",
+        scope="read",
+    ),
     Route(
         "POST",
         "/mcp",
@@ -16118,6 +18243,7 @@ ROUTES = (
         tag="mcp",
         enveloped=False,
         jsonrpc=True,
+        scope="read",  # each write tool needs a grant that may write
     ),
     Route(
         "GET",
@@ -16130,6 +18256,7 @@ ROUTES = (
             "offset": _int(0, 10**9, 0),
         },
         tag="attachments",
+        scope="read",
     ),
     Route(
         "POST",
@@ -16144,6 +18271,7 @@ ROUTES = (
         body_media="multipart/form-data",
         status=201,
         tag="attachments",
+        scope="write",
     ),
     Route(
         "GET",
@@ -16154,6 +18282,7 @@ ROUTES = (
         media="*/*",  # the type of its extension (ATTACHMENT_TYPES)
         enveloped=False,
         tag="attachments",
+        scope="read",
     ),
     Route(
         "PUT",
@@ -16165,6 +18294,7 @@ ROUTES = (
         params={"path": ATTACHMENT_PATH_PARAM},
         status=201,
         tag="attachments",
+        scope="write",
     ),
     Route(
         "PATCH",
@@ -16174,6 +18304,7 @@ ROUTES = (
         body=_obj(["path"], path=ATTACHMENT_PATH_SCHEMA, updateLinks={"type": "boolean"}),
         params={"path": ATTACHMENT_PATH_PARAM},
         tag="attachments",
+        scope="write",
     ),
     Route(
         "DELETE",
@@ -16182,6 +18313,7 @@ ROUTES = (
         summary="Move an attachment to the trash",
         params={"path": ATTACHMENT_PATH_PARAM},
         tag="attachments",
+        scope="write",
     ),
     Route(
         "GET",
@@ -16190,6 +18322,7 @@ ROUTES = (
         summary="Reminders not sent yet (⏰ YYYY-MM-DD HH:MM lines, remind: in front matter)",
         params={"limit": _int(1, 1000, 100), "offset": _int(0, 10**9, 0)},
         tag="reminders",
+        scope="read",
     ),
     Route(
         "GET",
@@ -16197,8 +18330,16 @@ ROUTES = (
         list_channel_providers,
         summary="Channel providers and their config fields",
         tag="channels",
+        scope="admin",
     ),
-    Route("GET", "/channels", list_channels, summary="Channels (secrets redacted)", tag="channels"),
+    Route(
+        "GET",
+        "/channels",
+        list_channels,
+        summary="Channels (secrets redacted)",
+        tag="channels",
+        scope="admin",
+    ),
     Route(
         "POST",
         "/channels",
@@ -16207,6 +18348,7 @@ ROUTES = (
         body=_channel_body,
         status=201,
         tag="channels",
+        scope="admin",
     ),
     Route(
         "POST",
@@ -16223,14 +18365,23 @@ ROUTES = (
         toggle_channel,
         summary="Switch on/off",
         tag="channels",
+        scope="admin",
     ),
-    Route("DELETE", "/channels/<channel_id>", delete_channel, summary="Remove", tag="channels"),
+    Route(
+        "DELETE",
+        "/channels/<channel_id>",
+        delete_channel,
+        summary="Remove",
+        tag="channels",
+        scope="admin",
+    ),
     Route(
         "GET",
         "/channels/<channel_id>",
         get_channel,
         summary="One channel (redacted) with the senders its allowlist refused lately",
         tag="channels",
+        scope="admin",
     ),
     Route(
         "PATCH",
@@ -16247,18 +18398,48 @@ ROUTES = (
             },
         },
         tag="channels",
+        scope="admin",
     ),
-    Route("GET", "/plugins", list_plugins, summary="Plugins", tag="plugins"),
-    Route("GET", "/plugins/<name>", get_plugin, summary="One plugin (and its page)", tag="plugins"),
-    Route("POST", "/plugins/<name>/toggle", toggle_plugin, summary="Switch on/off", tag="plugins"),
-    Route("GET", "/security/audit", security_audit, summary="Scored audit", tag="security"),
-    Route("GET", "/security/config", security_config, summary="Settings in force", tag="security"),
+    Route("GET", "/plugins", list_plugins, summary="Plugins", tag="plugins", scope="read"),
+    Route(
+        "GET",
+        "/plugins/<name>",
+        get_plugin,
+        summary="One plugin (and its page)",
+        tag="plugins",
+        scope="read",
+    ),
+    Route(
+        "POST",
+        "/plugins/<name>/toggle",
+        toggle_plugin,
+        summary="Switch on/off",
+        tag="plugins",
+        scope="admin",
+    ),
+    Route(
+        "GET",
+        "/security/audit",
+        security_audit,
+        summary="Scored audit",
+        tag="security",
+        scope="admin",
+    ),
+    Route(
+        "GET",
+        "/security/config",
+        security_config,
+        summary="Settings in force",
+        tag="security",
+        scope="admin",
+    ),
     Route(
         "GET",
         "/security/recommendations",
         security_recommendations,
         summary="What to fix, most severe first",
         tag="security",
+        scope="admin",
     ),
     Route(
         "GET",
@@ -16267,6 +18448,7 @@ ROUTES = (
         summary="Folder tree from the root (`depth`: levels listed; deeper folders get `count`)",
         params={"depth": _DEPTH},
         tag="folders",
+        scope="read",
     ),
     Route(
         "GET",
@@ -16275,6 +18457,7 @@ ROUTES = (
         summary="Deleted notes and attachments, the most recent first",
         params={"limit": _int(1, 1000, 100), "offset": _int(0, 10**9, 0)},
         tag="trash",
+        scope="read",
     ),
     Route(
         "GET",
@@ -16283,6 +18466,7 @@ ROUTES = (
         summary="One trashed item (a note's content included)",
         params={"item_id": _TRASH_ID},
         tag="trash",
+        scope="read",
     ),
     Route(
         "POST",
@@ -16299,6 +18483,7 @@ ROUTES = (
         ),
         params={"item_id": _TRASH_ID},
         tag="trash",
+        scope="write",
     ),
     Route(
         "DELETE",
@@ -16307,6 +18492,7 @@ ROUTES = (
         summary="Delete an item for good",
         params={"item_id": _TRASH_ID},
         tag="trash",
+        scope="admin",  # purging for good: the owner's alone
     ),
     Route(
         "GET",
@@ -16320,6 +18506,7 @@ ROUTES = (
             "limit": _int(1, 1000, 100),
         },
         tag="changes",
+        scope="read",
     ),
     Route(
         "GET",
@@ -16328,9 +18515,190 @@ ROUTES = (
         summary="Subtree",
         params={"path": FOLDER_PATH_PARAM, "depth": _DEPTH},
         tag="folders",
+        scope="read",
+    ),
+    Route(
+        "POST",
+        "/auth/keys",
+        create_scoped_key,
+        summary="Create a scoped key (read or write, optionally one folder); shown once",
+        body=_obj(
+            ["name", "scope"],
+            name={**_STR, "minLength": 1, "maxLength": 100, "description": "printable text"},
+            scope={"enum": ["read", "write"]},
+            folder=_FOLDER_PATH,
+            expiresInDays={"type": "integer", "minimum": 1, "maximum": 3650},
+        ),
+        status=201,
+        tag="grants",
+        scope="admin",
+    ),
+    Route(
+        "GET",
+        "/auth/keys",
+        list_scoped_keys,
+        summary="Scoped keys and OAuth grants (no secrets)",
+        tag="grants",
+        scope="admin",
+    ),
+    Route(
+        "DELETE",
+        "/auth/keys/<grant_id>",
+        revoke_scoped_key,
+        summary="Revoke a scoped key or an OAuth grant, at once",
+        tag="grants",
+        scope="admin",
+    ),
+    Route(
+        "POST",
+        "/shares",
+        create_share,
+        summary="Share one note read-only by a link that expires",
+        body=_obj(
+            ["path"],
+            path=_NOTE_PATH,
+            expiresInDays={"type": "integer", "minimum": 1, "maximum": 365, "default": 7},
+        ),
+        status=201,
+        tag="grants",
+        scope="write",
+    ),
+    Route(
+        "GET",
+        "/shares",
+        list_shares,
+        summary="Live share links (a grant sees its own, the API key all)",
+        tag="grants",
+        scope="read",
+    ),
+    Route(
+        "DELETE",
+        "/shares/<share_id>",
+        revoke_share,
+        summary="Revoke a share link",
+        tag="grants",
+        scope="write",
+    ),
+    Route(
+        "GET",
+        "/shared/<token>",
+        get_shared,
+        public=True,
+        summary="A shared note (rate-limited per address) and the attachments it links",
+        tag="grants",
+    ),
+    Route(
+        "GET",
+        "/shared/<token>/attachments/<path:path>",
+        get_shared_attachment,
+        public=True,
+        summary="An attachment the shared note links (only those)",
+        params={"path": ATTACHMENT_PATH_PARAM},
+        tag="grants",
+        media="application/octet-stream",
+        enveloped=False,
+    ),
+    Route(
+        "GET",
+        "/oauth/consent",
+        oauth_consent,
+        public=True,
+        summary="What the consent page shows for an OAuth authorisation request",
+        params={
+            "client_id": {**_STR, "minLength": 1, "maxLength": 2000},
+            "redirect_uri": {**_STR, "minLength": 1, "maxLength": 2000},
+            "response_type": {"enum": ["code"]},
+            "state": {**_STR, "maxLength": 1024},
+            "code_challenge": {**_STR, "pattern": "^[A-Za-z0-9_-]{43}$"},
+            "code_challenge_method": {"enum": ["S256"]},
+            "scope": _STR,
+            "resource": _STR,
+        },
+        tag="grants",
+    ),
+    Route(
+        "POST",
+        "/oauth/approve",
+        approve_oauth,
+        summary="The owner approves an OAuth request: the redirect with its code",
+        body=_obj(
+            ["clientId", "redirectUri", "codeChallenge", "scope"],
+            clientId={**_STR, "minLength": 1, "maxLength": 2000},
+            redirectUri={**_STR, "minLength": 1, "maxLength": 2000},
+            state={**_STR, "maxLength": 1024},
+            codeChallenge={**_STR, "pattern": "^[A-Za-z0-9_-]{43}$"},
+            scope={"enum": ["notes:read", "notes:read notes:write"]},
+            resource=_STR,
+            folder=_FOLDER_PATH,
+        ),
+        tag="grants",
+        scope="admin",
     ),
     Route("GET", "/relay/v1/pair/<code>", pair_relay_code, public=True, api=False, tag="relay"),
     Route("GET", "/", get_web_client, public=True, api=False, tag="pages", media="text/html"),
+    Route(
+        "GET", "/s/<token>", get_share_page, public=True, api=False, tag="pages", media="text/html"
+    ),
+    Route(
+        "GET",
+        "/oauth/authorize",
+        get_consent_page,
+        public=True,
+        api=False,
+        tag="pages",
+        media="text/html",
+    ),
+    Route(
+        "GET",
+        "/.well-known/oauth-protected-resource",
+        protected_resource_metadata,
+        public=True,
+        api=False,
+        tag="oauth",
+        enveloped=False,
+    ),
+    Route(
+        "GET",
+        "/.well-known/oauth-protected-resource/api/v1/mcp",
+        protected_resource_metadata,
+        public=True,
+        api=False,
+        tag="oauth",
+        enveloped=False,
+    ),
+    Route(
+        "GET",
+        "/.well-known/oauth-authorization-server",
+        authorization_server_metadata,
+        public=True,
+        api=False,
+        tag="oauth",
+        enveloped=False,
+    ),
+    Route(
+        "GET",
+        "/.well-known/openid-configuration",
+        authorization_server_metadata,
+        public=True,
+        api=False,
+        tag="oauth",
+        enveloped=False,
+    ),
+    Route(
+        "POST", "/oauth/token", oauth_token, public=True, api=False, tag="oauth", enveloped=False
+    ),
+    Route(
+        "POST",
+        "/oauth/register",
+        oauth_register,
+        public=True,
+        api=False,
+        tag="oauth",
+        enveloped=False,
+    ),
+    Route(
+        "POST", "/oauth/revoke", oauth_revoke, public=True, api=False, tag="oauth", enveloped=False
+    ),
     *(web_asset_route(path) for path in WEB_ASSETS),
 )
 
@@ -16411,10 +18779,13 @@ def openapi_document(svc: Service, server_url: str) -> dict:
                 "default": {"description": "a JSON-RPC error object", "content": answer},
             }
             op["security"] = [{"apiKey": []}, {"bearerKey": []}, {"xApiKey": []}, {"bearerJwt": []}]
+            op["security"].append({"mcpOAuth": [OAUTH_SCOPES[0]]})  # CONTRACT 21
         if r.public:
             op["security"] = []
         elif r.key_only:
             op["security"] = [{"apiKey": []}]
+        if not r.public:
+            op["x-scope"] = r.scope
         schemas = r.params or {}  # a name of the rule's is a path parameter, others query
         in_path = re.findall(r"<(\w+)(?::[^>]*)?>", r.path)
         params = [
@@ -16451,7 +18822,29 @@ def openapi_document(svc: Service, server_url: str) -> dict:
         "components": {
             "schemas": {"Success": envelope_ok, "Error": envelope_err},
             "securitySchemes": {
-                "apiKey": {"type": "apiKey", "in": "header", "name": KEY_HEADER},
+                "apiKey": {
+                    "type": "apiKey",
+                    "in": "header",
+                    "name": KEY_HEADER,
+                    "description": "the API key (admin), or a scoped key (nsg_...) holding "
+                    "the scope an operation's x-scope names (also as Authorization: Bearer)",
+                },
+                "mcpOAuth": {
+                    "type": "oauth2",
+                    "description": "OAuth 2.1 for MCP clients (PKCE S256, RFC 8707 resource); "
+                    "tokens are good for /api/v1/mcp only",
+                    "flows": {
+                        "authorizationCode": {
+                            "authorizationUrl": f"{server_url}/oauth/authorize",
+                            "tokenUrl": f"{server_url}/oauth/token",
+                            "refreshUrl": f"{server_url}/oauth/token",
+                            "scopes": {
+                                "notes:read": "read and search notes",
+                                "notes:write": "create and change notes (SERVICE_MCP_WRITE)",
+                            },
+                        }
+                    },
+                },
                 "bearerJwt": {"type": "http", "scheme": "bearer", "bearerFormat": "JWT"},
                 "bearerKey": {
                     "type": "http",
@@ -16481,10 +18874,19 @@ def _callback(svc: Service, route: Route) -> Callable:
     """Wrap a handler: authenticate, call, put dicts in the envelope, hide crashes."""
 
     def callback(**kwargs):
-        if route.jsonrpc:  # /mcp: Origin, and the key in any of the headers AI clients use
-            authenticate_mcp(svc, bottle.request.environ)
+        env = bottle.request.environ
+        if route.jsonrpc:  # /mcp: Origin, then the key in any header AI clients use, or a token
+            principal = authenticate_mcp(svc, env)
         elif not route.public:
-            svc.authenticate(bottle.request.environ, key_only=route.key_only)
+            principal = svc.authenticate(env, key_only=route.key_only)
+        if not route.public:
+            if not principal.allows(route.scope):
+                raise ApiError(
+                    403,
+                    "FORBIDDEN",
+                    f"this needs the {route.scope} scope; this key holds {principal.scope}",
+                )
+            env["notesvc.principal"] = principal
         try:
             result = route.handler(svc, **kwargs)
         except bottle.HTTPResponse:
@@ -16502,6 +18904,7 @@ def _callback(svc: Service, route: Route) -> Callable:
 
 
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{8,64}$")
+_SHARE_PATH_RE = re.compile(r"(/s/|/shared/)[^/]+")  # share tokens never reach the log
 CORS_HEADERS = (
     "X-Service-Key, Content-Type, Authorization, If-Match, If-None-Match, Range, If-Range, "
     "X-API-Key, MCP-Protocol-Version, Mcp-Method, Mcp-Name"  # the last four: /mcp
@@ -16520,6 +18923,13 @@ class NotesApp:
         # Bottle's `path` filter stops at a newline; let the path rules name that instead.
         self.bottle.router.add_filter("path", lambda conf: (r"[\s\S]+?", None, None))
         service.routes = tuple(routes)
+        unscoped = [
+            f"{r.method} {r.rule}" for r in service.routes if not r.public and r.scope not in SCOPES
+        ]
+        if unscoped:  # deny by default: what a grant may call is declared, never assumed
+            raise ConfigError(
+                f"routes without a scope (read, write or admin): {', '.join(unscoped)}"
+            )
         for r in service.routes:
             self.bottle.route(r.rule, r.method, _callback(service, r))
         self._jsonrpc_rules = frozenset(r.rule for r in service.routes if r.jsonrpc)
@@ -16581,7 +18991,7 @@ class NotesApp:
                 log.info(
                     "%s %s %s %.1fms %s",
                     log_safe(method, 32),
-                    log_safe(shown),
+                    log_safe(_SHARE_PATH_RE.sub(r"\1…", shown)),
                     (status_seen or ["-"])[0].split(" ")[0],
                     (time.perf_counter() - started) * 1000,
                     rid,
@@ -16603,6 +19013,9 @@ class NotesApp:
             path = environ.get("PATH_INFO", "").encode("latin-1").decode("utf-8")
         except UnicodeError:
             return _plain_error(respond, 400, "VALIDATION_ERROR", "the URL path is not UTF-8")
+        known = RELAYED_WELL_KNOWN_RE.match(path)
+        if known:  # RFC 8414 / 9728: the issuer's path follows the well-known name
+            path = f"/r/{known.group(2)}/.well-known/{known.group(1)}{known.group(3) or ''}"
         m = re.match(r"^/r/([^/]+)(/.*)?$", path)
         if m:
             if m.group(1) != self.service.state.read()["serverId"]:

@@ -18,9 +18,11 @@ import os
 import platform
 import random
 import re
+import secrets
 import select
 import shutil
 import socket
+import ssl
 import stat
 import statistics
 import string
@@ -1419,6 +1421,27 @@ def _an_old_key(app, root: Path) -> None:
     state_file.write_text(json.dumps(state))
 
 
+def _a_write_key_without_expiry(app, root: Path) -> None:
+    body = {"name": "helper", "scope": "write"}
+    with_key(app).post_json(f"{API}/auth/keys", body, status=201)
+
+
+def _an_old_share_link(app, root: Path) -> None:
+    put_note(with_key(app), "notes/old.md", "old")
+    with_key(app).post_json(f"{API}/shares", {"path": "notes/old.md", "expiresInDays": 365})
+    state_file = root / ".notesvc" / "state.json"
+    state = json.loads(state_file.read_text())
+    state["shares"][0]["createdAt"] = "2020-01-01T00:00:00.000Z"
+    state_file.write_text(json.dumps(state))
+
+
+def _many_oauth_clients(app, root: Path) -> None:
+    for i in range(21):  # from 21 addresses: registration is rate-limited per address
+        webtest.TestApp(app.app, extra_environ={"REMOTE_ADDR": f"198.51.100.{i}"}).post_json(
+            "/oauth/register", {"redirect_uris": ["https://app.example/cb"]}, status=201
+        )
+
+
 @dataclasses.dataclass(frozen=True)
 class Firing:
     """A configuration in which an audit check fires, and the id its finding must match."""
@@ -1458,6 +1481,9 @@ FIRING_CONFIGURATIONS = {
         "tool-writes-without-auth", {"SERVICE_AUTH_MODE": "none", "SERVICE_MCP_WRITE": "true"}
     ),
     "history_off": Firing("history-off", {"SERVICE_HISTORY_MAX_VERSIONS": "0"}),
+    "grants": Firing("grant-write-forever", change=_a_write_key_without_expiry),
+    "share_links": Firing("share-links-old", change=_an_old_share_link),
+    "oauth_clients": Firing("oauth-clients-many", change=_many_oauth_clients),
 }
 
 
@@ -2204,6 +2230,431 @@ def post_rpc(server: Server, path: str, body, headers: dict | None = None) -> tu
     return server.request("POST", path, body, headers)
 
 
+# -- grants: scoped keys, folder grants, share links, OAuth for MCP clients -------------
+
+
+def new_grant(client, scope: str = "read", folder: str | None = None, **extra) -> dict:
+    """Create a scoped key with the API key; return its record (with the key)."""
+    body = {"name": f"{scope} key", "scope": scope, **extra}  # extra may name it
+    if folder is not None:
+        body["folder"] = folder
+    return data(client.post_json(f"{API}/auth/keys", body, status=201))
+
+
+def as_key(app: webtest.TestApp, key: str, **environ: str) -> webtest.TestApp:
+    return webtest.TestApp(app.app, extra_environ={"HTTP_X_SERVICE_KEY": key, **environ})
+
+
+def all_routes(app: webtest.TestApp) -> list:
+    return list(app.app.service.routes)
+
+
+SCOPED_ROUTES = [r for r in notesvc.ROUTES if not r.public]
+SCOPE_ORDER = {"read": 0, "write": 1, "admin": 2}
+
+
+@pytest.fixture(scope="module")
+def scope_keys(tmp_path_factory):
+    """One app for the scope tests, with a read and a write key (no lockout)."""
+    cfg = notesvc.load_config(
+        env=make_env(tmp_path_factory.mktemp("scopes") / "root", SERVICE_HOST="127.0.0.1")
+    )
+    wsgi = notesvc.create_app(cfg)
+    wsgi.service.lockout = notesvc.Lockout(limit=10**9)
+    owner = webtest.TestApp(
+        wsgi, extra_environ={"HTTP_X_SERVICE_KEY": wsgi.service.state.read()["apiKey"]}
+    )
+    made = {s: new_grant(owner, s)["key"] for s in ("read", "write")}
+    yield wsgi, made
+    wsgi.service.close()
+
+
+FOLDER_NOTES = {
+    "notes/family/a.md": "# Apple pie\n\nGrandma's apple pie #common, see [[c]].\n"
+    "⏰ 2099-01-01 09:00 bake\n",
+    "notes/family/sub/b.md": "# Birthdays\n\napple birthday list #common\n",
+    "notes/work/c.md": "# Contract\n\nsecret apple contract #common #work, see [[a]].\n"
+    "⏰ 2099-01-01 10:00 sign\n",
+    "notes/familyx/d.md": "# Neighbour\n\napple neighbour folder, not the family #common\n",
+    "notes/top.md": "# Top\n\napple at the top #common\n",
+}
+
+
+LISTING_CALLS = [
+    ("GET", "/notes", None),
+    ("GET", "/notes?folder=notes", None),
+    ("GET", "/notes?folder=notes/family/sub", None),
+    ("GET", "/folders/tree", None),
+    ("GET", "/folders/tree/notes", None),
+    ("GET", "/search?q=apple", None),
+    ("GET", "/search?q=apple&folder=notes", None),
+    ("GET", "/search?q=apple%20OR%20contract%20OR%20neighbour", None),
+    ("GET", "/plugins/tags", None),
+    ("GET", "/plugins/tags/common", None),
+    ("GET", "/plugins/backlinks/notes%2Ffamily%2Fa.md", None),
+    ("POST", "/agent/chat", {"message": "apple contract neighbour top"}),
+    ("POST", "/agent/chat", {"message": "apple", "notePath": "notes/family/a.md"}),
+    ("GET", "/shares", None),
+    ("GET", "/attachments", None),
+    ("GET", "/attachments?folder=attachments", None),
+    ("GET", "/reminders", None),
+    ("GET", "/trash", None),
+    ("GET", "/changes?since=0", None),
+    ("GET", "/folders/tree?depth=1", None),
+    ("GET", "/folders/tree?depth=2", None),
+]
+
+
+def paths_in(answer) -> set:
+    """Every note or attachment path mentioned anywhere in an answer (keys, values, text)."""
+    text = json.dumps(answer, ensure_ascii=False)
+    return set(re.findall(r"(?:notes/[\w./-]+?\.md|attachments/[\w./-]+?\.png)", text))
+
+
+def inside_family(path: str) -> bool:
+    return path.startswith(("notes/family/", "attachments/family/"))
+
+
+def pkce_pair() -> tuple:
+    verifier = secrets.token_urlsafe(48)
+    digest = hashlib.sha256(verifier.encode()).digest()
+    return verifier, base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+
+CALLBACK = "http://127.0.0.1:9/callback"
+
+
+def register_client(anon, uris=(CALLBACK,), addr: str = "198.51.100.1", **extra) -> dict:
+    app = webtest.TestApp(anon.app, extra_environ={"REMOTE_ADDR": addr})
+    body = {"redirect_uris": list(uris), "client_name": "Pocket assistant", **extra}
+    return app.post_json("/oauth/register", body, status=201).json
+
+
+def mcp_url(anon) -> str:
+    return anon.get("/.well-known/oauth-protected-resource").json["resource"]
+
+
+def approve(client, cid: str, scope="notes:read", folder=None, redirect=CALLBACK, state="st8"):
+    """Approve as the owner; return (code, verifier, redirect query)."""
+    verifier, challenge = pkce_pair()
+    body = {
+        "clientId": cid,
+        "redirectUri": redirect,
+        "state": state,
+        "codeChallenge": challenge,
+        "scope": scope,
+        "resource": mcp_url(client),
+    }
+    if folder:
+        body["folder"] = folder
+    target = data(client.post_json(f"{API}/oauth/approve", body))["redirect"]
+    query = urllib.parse.parse_qs(urllib.parse.urlsplit(target).query)
+    return query["code"][0], verifier, query
+
+
+def token_call(anon, status="*", **form):
+    return anon.post("/oauth/token", form, status=status)
+
+
+def tokens_for(client, anon, scope="notes:read", folder=None) -> tuple:
+    """Register, approve and redeem; return (client id, token answer)."""
+    cid = register_client(anon)["client_id"]
+    code, verifier, _ = approve(client, cid, scope, folder)
+    answer = token_call(
+        anon,
+        200,
+        grant_type="authorization_code",
+        code=code,
+        client_id=cid,
+        redirect_uri=CALLBACK,
+        code_verifier=verifier,
+        resource=mcp_url(anon),
+    ).json
+    return cid, answer
+
+
+def oauth_error(resp, status: int, error: str) -> str:
+    assert resp.status_int == status, resp.text
+    assert resp.content_type == "application/json"
+    assert resp.headers["Cache-Control"] == "no-store"
+    assert resp.json["error"] == error, resp.json
+    return resp.json["error_description"]
+
+
+class LocalTls:
+    """A loopback HTTPS stand-in for a client's metadata host (a self-signed certificate).
+
+    `routes`: path -> (status, headers, body, seconds to stall before the body).
+    """
+
+    def __init__(self, tmp: Path):
+        if not shutil.which("openssl"):
+            pytest.skip("openssl is needed to make a test certificate")
+        cert, key = tmp / "cert.pem", tmp / "key.pem"
+        subprocess.run(
+            [
+                "openssl",
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-days",
+                "1",
+                "-subj",
+                "/CN=localhost",
+                "-addext",
+                "subjectAltName=DNS:localhost",
+                "-keyout",
+                str(key),
+                "-out",
+                str(cert),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        self.context = ssl.create_default_context(cafile=str(cert))
+        self.routes: dict = {}
+        tls = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                status, headers, body, pause = tls.routes.get(self.path, (404, {}, b"", 0))
+                self.send_response(status)
+                for name, value in headers.items():
+                    self.send_header(name, value)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if pause:
+                    time.sleep(pause)
+                with contextlib.suppress(OSError):
+                    self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        server_ctx.load_cert_chain(str(cert), str(key))
+        self.httpd.socket = server_ctx.wrap_socket(self.httpd.socket, server_side=True)
+        self.port = self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def url(self, path: str) -> str:
+        return f"https://localhost:{self.port}{path}"
+
+    @staticmethod
+    def loopback(host, port, **kwargs) -> list:
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
+
+    def fetch(self, path: str, **kwargs) -> dict:
+        """fetch_client_metadata with this loopback host counted as public."""
+        return notesvc.fetch_client_metadata(
+            self.url(path),
+            resolve=self.loopback,
+            allow=lambda ip: True,
+            context=self.context,
+            **kwargs,
+        )
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
+def owner_headers(setup: dict) -> dict:
+    return {"X-Service-Key": setup["apiKey"]}
+
+
+def post_oauth_form(url: str, form: dict) -> tuple:
+    """POST a form; return (status, parsed JSON)."""
+    body = urllib.parse.urlencode(form).encode()
+    req = urllib.request.Request(url, body, {"Content-Type": "application/x-www-form-urlencoded"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, json.loads(e.read() or b"null")
+
+
+def get_raw(url: str) -> tuple:
+    """GET a URL; return (status, headers, bytes)."""
+    try:
+        with urllib.request.urlopen(url, timeout=30) as resp:
+            return resp.status, resp.headers, resp.read()
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, e.headers, e.read()
+
+
+class Callback:
+    """A loopback stand-in for an OAuth client's redirect URI: records what reaches it."""
+
+    def __init__(self):
+        self.hits: list = []
+        self.arrived = threading.Event()
+        cb = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                if self.path.startswith("/callback"):  # not the browser's /favicon.ico
+                    cb.hits.append(self.path)
+                    cb.arrived.set()
+                body = b"<!doctype html><title>back in the app</title><p>done</p>"
+                self.send_response(200)
+                self.send_header("Content-Type", "text/html")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/callback"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def query(self, timeout: float = 15) -> dict:
+        assert self.arrived.wait(timeout), "nothing reached the redirect URI"
+        self.arrived.clear()
+        return urllib.parse.parse_qs(urllib.parse.urlsplit(self.hits[-1]).query)
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def tiny_png() -> bytes:
+    """A real 1x1 PNG (a browser decodes it)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        crc = struct.pack(">I", zlib.crc32(kind + body) & 0xFFFFFFFF)
+        return struct.pack(">I", len(body)) + kind + body + crc
+
+    header = struct.pack(">IIBBBBB", 1, 1, 8, 2, 0, 0, 0)
+    pixels = zlib.compress(b"\x00\xc0\x30\x30")
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", pixels) + chunk(b"IEND", b"")
+    )
+
+
+def bearer(app: webtest.TestApp, token: str) -> webtest.TestApp:
+    return webtest.TestApp(app.app, extra_environ={"HTTP_AUTHORIZATION": f"Bearer {token}"})
+
+
+def sdk_oauth_session(mcp_url: str, key: str, steps, scope: str = "notes:read"):
+    """Run `steps(session, provider)` in an official MCP SDK session that authorises itself
+    with the SDK's OAuth client (mcp.client.auth): it registers, is sent to the consent
+    page, where the owner's approval is given with the key (POST /api/v1/oauth/approve, as
+    the page does), and redeems the code. Returns (steps' result, transcript, storage)."""
+    import asyncio
+
+    auth = pytest.importorskip("mcp.client.auth")
+    shared = pytest.importorskip("mcp.shared.auth")
+    client_module = pytest.importorskip("mcp.client.client")
+    transport = pytest.importorskip("mcp.client.streamable_http")
+    httpx2 = pytest.importorskip("httpx2")
+    transcript: list = []
+    approved: dict = {}
+
+    class Storage(auth.TokenStorage):
+        tokens = client = None
+
+        async def get_tokens(self):
+            return self.tokens
+
+        async def set_tokens(self, tokens):
+            self.tokens = tokens
+
+        async def get_client_info(self):
+            return self.client
+
+        async def set_client_info(self, client):
+            self.client = client
+
+    def approve_as_owner(url: str) -> None:
+        ask = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(url).query))
+        api = url.split("/oauth/authorize")[0] + API
+        body = {
+            "clientId": ask["client_id"],
+            "redirectUri": ask["redirect_uri"],
+            "state": ask["state"],
+            "codeChallenge": ask["code_challenge"],
+            "scope": scope,
+            "resource": ask["resource"],
+        }
+        req = urllib.request.Request(
+            f"{api}/oauth/approve",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json", "X-Service-Key": key},
+            method="POST",
+        )
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            redirect = json.loads(resp.read())["data"]["redirect"]
+        approved.update(urllib.parse.parse_qsl(urllib.parse.urlsplit(redirect).query))
+        transcript.append(f"consent: {ask['client_id']} asked {ask.get('scope')}; approved {scope}")
+
+    async def redirect_handler(url: str) -> None:
+        transcript.append(f"authorize: {url.split('?')[0]}")
+        await asyncio.get_running_loop().run_in_executor(None, approve_as_owner, url)
+
+    async def callback_handler():
+        return shared.AuthorizationCodeResult(
+            code=approved["code"], state=approved.get("state"), iss=approved.get("iss")
+        )
+
+    async def record(response) -> None:
+        request = response.request
+        transcript.append(f"{request.method} {request.url} -> {response.status_code}")
+
+    storage = Storage()
+    provider = auth.OAuthClientProvider(
+        server_url=mcp_url,
+        client_metadata=shared.OAuthClientMetadata(
+            client_name="notesvc SDK test", redirect_uris=[CALLBACK]
+        ),
+        storage=storage,
+        redirect_handler=redirect_handler,
+        callback_handler=callback_handler,
+    )
+
+    async def main():
+        async with httpx2.AsyncClient(
+            auth=provider, timeout=30, event_hooks={"response": [record]}
+        ) as http:
+            connection = transport.streamable_http_client(mcp_url, http_client=http)
+            async with client_module.Client(connection, mode="legacy") as session:
+                return await steps(session, provider)
+
+    return asyncio.run(main()), transcript, storage
+
+
+def mcp_with_token(url: str, token: str) -> tuple:
+    """POST tools/list with a bearer token; return (status, headers)."""
+    body = json.dumps({"jsonrpc": "2.0", "id": 9, "method": "tools/list"}).encode()
+    req = urllib.request.Request(
+        url,
+        body,
+        {
+            "Content-Type": "application/json",
+            "Authorization": f"Bearer {token}",
+            "MCP-Protocol-Version": "2025-11-25",
+        },
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, resp.headers
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, e.headers
+
+
 # -- the tests, class by class in the order of notesvc.py's sections --------------------
 
 
@@ -2275,8 +2726,8 @@ class TestEnvelope:
         cfg = notesvc.load_config(env=make_env(root, SERVICE_MAX_BODY_BYTES="2048"))
         service = notesvc.build_service(cfg).start()
         extra = (
-            notesvc.Route("GET", "/boom", _boom),
-            notesvc.Route("POST", "/echo", _echo),
+            notesvc.Route("GET", "/boom", _boom, scope="read"),
+            notesvc.Route("POST", "/echo", _echo, scope="read"),
         )
         wsgi = notesvc.NotesApp(service, notesvc.ROUTES + extra)
         key = service.state.read()["apiKey"]
@@ -5918,6 +6369,1324 @@ class TestJwt:
             f"{API}/auth/verify", headers={"Authorization": f"Bearer {token}"}, status=401
         )
         assert_error(resp, 401, "UNAUTHORIZED")
+
+
+class TestGrantScopes:
+    """Every route declares its scope; a grant gets exactly as far as its scope."""
+
+    def test_every_route_declares_a_scope(self, anon):
+        for r in all_routes(anon):
+            assert r.public or r.scope in notesvc.SCOPES, f"{r.method} {r.rule}"
+        plugin = [r for r in all_routes(anon) if r.rule.startswith(f"{API}/plugins/")]
+        assert {r.scope for r in plugin} >= {"read", "write"}
+
+    def test_a_route_without_a_scope_stops_the_app(self, root):
+        cfg = notesvc.load_config(env=make_env(root))
+        svc = notesvc.build_service(cfg)
+        try:
+            unscoped = notesvc.Route("GET", "/unscoped", lambda svc: {})
+            with pytest.raises(notesvc.ConfigError, match="GET /api/v1/unscoped"):
+                notesvc.NotesApp(svc, (*notesvc.ROUTES, unscoped))
+            notesvc.NotesApp(svc, (*notesvc.ROUTES, dataclasses.replace(unscoped, public=True)))
+        finally:
+            svc.close()
+
+    def test_a_plugin_route_without_a_scope_is_admin(self):
+        route = notesvc.PluginRoute("GET", "/x", lambda svc: {})
+        assert notesvc.plugin_routes([notesvc.Plugin("p", routes=(route,))])[0].scope == "admin"
+
+    def test_openapi_shows_each_scope(self, anon):
+        doc = anon.get(f"{API}/openapi.json").json
+        for r in all_routes(anon):
+            if r.api:
+                op = doc["paths"][notesvc.openapi_path(r.rule)][r.method.lower()]
+                assert op.get("x-scope") == (None if r.public else r.scope), route_id(r)
+
+    @pytest.mark.parametrize("route", SCOPED_ROUTES, ids=route_id)
+    def test_a_read_key_is_refused_above_read(self, scope_keys, route):
+        wsgi, made = scope_keys
+        app = webtest.TestApp(wsgi, extra_environ={"HTTP_X_SERVICE_KEY": made["read"]})
+        resp = app.request(sample_url(route), method=route.method, expect_errors=True)
+        if route.scope == "read":
+            assert resp.status_int != 403, resp.text
+            return
+        err = assert_error(resp, 403, "FORBIDDEN")
+        assert route.scope in err["message"]
+
+    @pytest.mark.parametrize("route", SCOPED_ROUTES, ids=route_id)
+    def test_a_write_key_is_refused_on_admin_routes(self, scope_keys, route):
+        wsgi, made = scope_keys
+        app = webtest.TestApp(wsgi, extra_environ={"HTTP_X_SERVICE_KEY": made["write"]})
+        resp = app.request(sample_url(route), method=route.method, expect_errors=True)
+        assert (resp.status_int == 403) == (route.scope == "admin"), resp.text
+
+    def test_plugin_routes_follow_their_scope(self, scope_keys):
+        wsgi, made = scope_keys
+        reader = webtest.TestApp(wsgi, extra_environ={"HTTP_X_SERVICE_KEY": made["read"]})
+        for r in wsgi.service.routes:
+            if r.rule.startswith(f"{API}/plugins/") and r not in notesvc.ROUTES:
+                resp = reader.request(sample_url(r), method=r.method, expect_errors=True)
+                assert (resp.status_int == 403) == (r.scope != "read"), route_id(r)
+
+    def test_a_plugin_page_shows_only_what_its_scope_allows(self, make_app, root):
+        folder = root / ".notesvc" / "plugins"
+        folder.mkdir(parents=True)
+        (folder / "secret.py").write_text(
+            "import notesvc\n"
+            "def everything(svc):\n"
+            "    return {'paths': svc.index.paths()}\n"
+            "PLUGIN = notesvc.Plugin(name='secret', routes=(notesvc.PluginRoute('GET', '', "
+            "everything),))\n"
+        )
+        client = with_key(make_app())
+        put_note(client, "notes/work/w.md", "w")
+        assert data(client.get(f"{API}/plugins/secret"))["paths"] == ["notes/work/w.md"]
+        for grant in (new_grant(client, "write"), new_grant(client, "read", "notes/family")):
+            page = data(as_key(client, grant["key"]).get(f"{API}/plugins/secret"))
+            assert "paths" not in page
+        tags = data(
+            as_key(client, new_grant(client, "read", "notes/x")["key"]).get(f"{API}/plugins/tags")
+        )
+        assert tags["tags"] == []  # a built-in page filters itself
+
+    def test_the_api_key_and_a_jwt_hold_admin(self, make_app):
+        secret = "s" * 48
+        app = make_app(SERVICE_AUTH_MODE="jwt", SERVICE_JWT_SECRET=secret)
+        token = data(with_key(app).post(f"{API}/auth/token"))["token"]
+        bearer = webtest.TestApp(app.app, extra_environ={"HTTP_AUTHORIZATION": f"Bearer {token}"})
+        assert data(bearer.get(f"{API}/auth/keys"))["keys"] == []
+        assert data(with_key(app).get(f"{API}/security/config"))["grants"]["key"] == 0
+
+
+class TestScopedKeys:
+    def test_create_shows_the_key_once_and_stores_its_hash(self, client, root):
+        rec = new_grant(client, "write", "notes/family", expiresInDays=30)
+        assert re.fullmatch(r"nsg_[A-Za-z0-9_-]{43}", rec["key"])
+        assert set(rec) == {
+            "id",
+            "name",
+            "scope",
+            "folder",
+            "createdAt",
+            "expiresAt",
+            "key",
+            "kind",
+            "lastUsedAt",
+        }
+        assert (rec["scope"], rec["folder"], rec["kind"]) == ("write", "notes/family", "key")
+        days = (notesvc._epoch(rec["expiresAt"]) - notesvc._epoch(rec["createdAt"])) / 86400
+        assert round(days) == 30
+        state = (root / ".notesvc" / "state.json").read_text()
+        assert rec["key"] not in state
+        assert hashlib.sha256(rec["key"].encode()).hexdigest() in state
+        listed = data(client.get(f"{API}/auth/keys"))["keys"]
+        assert [k["id"] for k in listed] == [rec["id"]]
+        assert "key" not in listed[0]
+        assert "keyHash" not in listed[0]
+        assert rec["key"] not in client.get(f"{API}/auth/keys").text
+
+    def test_a_key_works_as_header_and_as_bearer(self, client):
+        key = new_grant(client)["key"]
+        put_note(client, "notes/a.md", "apple")
+        assert data(as_key(client, key).get(note_url("notes/a.md")))["content"] == "apple"
+        bearer = webtest.TestApp(client.app, extra_environ={"HTTP_AUTHORIZATION": f"Bearer {key}"})
+        assert data(bearer.get(note_url("notes/a.md")))["content"] == "apple"
+
+    def test_verify_tells_a_key_its_scope(self, client):
+        key = new_grant(client, "read", "notes/kids")["key"]
+        d = data(as_key(client, key).post(f"{API}/auth/verify"))
+        assert d["grant"] == {"kind": "key", "scope": "read", "folder": "notes/kids"}
+        assert "grant" not in data(client.post(f"{API}/auth/verify"))
+
+    def test_revoke_is_effective_at_once(self, client):
+        rec = new_grant(client)
+        reader = as_key(client, rec["key"])
+        reader.get(f"{API}/notes", status=200)
+        assert data(client.delete(f"{API}/auth/keys/{rec['id']}")) == {
+            "id": rec["id"],
+            "revoked": True,
+        }
+        assert_error(reader.get(f"{API}/notes", status=401), 401, "UNAUTHORIZED")
+        assert_error(client.delete(f"{API}/auth/keys/{rec['id']}", status=404), 404, "NOT_FOUND")
+
+    def test_an_expired_key_is_401_and_counts_toward_the_lockout(self, client, root):
+        key = new_grant(client, expiresInDays=1)["key"]
+        state_file = root / ".notesvc" / "state.json"
+        state = json.loads(state_file.read_text())
+        state["grants"][0]["expiresAt"] = "2020-01-01T00:00:00.000Z"
+        state_file.write_text(json.dumps(state))  # another process may edit it too
+        expired = as_key(client, key, REMOTE_ADDR="192.0.2.7")
+        for _ in range(10):
+            assert_error(expired.get(f"{API}/notes", status=401), 401, "UNAUTHORIZED")
+        assert_error(expired.get(f"{API}/notes", status=429), 429, "RATE_LIMITED")
+
+    def test_last_use_is_recorded(self, client):
+        rec = new_grant(client)
+        assert data(client.get(f"{API}/auth/keys"))["keys"][0]["lastUsedAt"] is None
+        as_key(client, rec["key"]).get(f"{API}/notes")
+        used = data(client.get(f"{API}/auth/keys"))["keys"][0]["lastUsedAt"]
+        assert used
+        assert used >= rec["createdAt"]
+        svc = client.app.service
+        svc.grants.flush(force=True)
+        assert svc.state.read()["grants"][0]["lastUsedAt"] == used
+
+    @pytest.mark.parametrize(
+        "body",
+        [
+            {"name": "x", "scope": "admin"},
+            {"name": "x", "scope": "everything"},
+            {"name": "x"},
+            {"scope": "read"},
+            {"name": "", "scope": "read"},
+            {"name": 5, "scope": "read"},
+            {"name": "x" * 101, "scope": "read"},
+            {"name": "x", "scope": "read", "folder": "../etc"},
+            {"name": "x", "scope": "read", "folder": "notes/../x"},
+            {"name": "x", "scope": "read", "folder": 7},
+            {"name": "x", "scope": "read", "expiresInDays": 0},
+            {"name": "x", "scope": "read", "expiresInDays": 3651},
+            {"name": "x", "scope": "read", "expiresInDays": "7"},
+            {"name": "x", "scope": "read", "expiresInDays": True},
+        ],
+    )
+    def test_bad_key_requests_are_400(self, client, body):
+        resp = client.post_json(f"{API}/auth/keys", body, status=400)
+        assert_error(resp, 400, "VALIDATION_ERROR")
+
+    def test_broken_and_huge_bodies(self, client):
+        url = f"{API}/auth/keys"
+        bad = client.post(url, "{nope", {"Content-Type": "application/json"}, status=400)
+        assert_error(bad, 400, "VALIDATION_ERROR")
+        assert_error(client.post(url, "x", status=415), 415, "UNSUPPORTED_MEDIA_TYPE")
+        huge = json.dumps({"name": "x" * 2_000_000, "scope": "read"})
+        big = client.post(url, huge, {"Content-Type": "application/json"}, status=413)
+        assert_error(big, 413, "PAYLOAD_TOO_LARGE")
+
+    def test_a_scoped_key_cannot_mint_keys_or_read_settings(self, client):
+        key = new_grant(client, "write")["key"]
+        writer = as_key(client, key)
+        for method, url in (
+            ("POST", f"{API}/auth/keys"),
+            ("GET", f"{API}/auth/keys"),
+            ("POST", f"{API}/auth/rotate"),
+            ("GET", f"{API}/system/config"),
+            ("GET", f"{API}/channels"),
+        ):
+            resp = writer.request(url, method=method, expect_errors=True)
+            assert_error(resp, 403, "FORBIDDEN")
+
+    def test_a_name_of_control_characters_is_cleaned(self, client):
+        assert new_grant(client, name="\x07\x1b[31mtab\u2028")["name"] == "[31mtab"
+        assert new_grant(client, name="\x07\x08")["name"] == "unnamed key"
+
+    def test_the_owner_alone_lists_every_grant(self, client):
+        new_grant(client, "read")
+        new_grant(client, "write", "notes/x")
+        kinds = collections.Counter(
+            k["scope"] for k in data(client.get(f"{API}/auth/keys"))["keys"]
+        )
+        assert kinds == {"read": 1, "write": 1}
+        assert data(client.get(f"{API}/security/config"))["grants"] == {
+            "key": 2,
+            "oauth": 0,
+            "share": 0,
+            "oauthClients": 0,
+        }
+
+
+class TestFolderGrants:
+    @pytest.fixture
+    def family(self, client):
+        for path, text in FOLDER_NOTES.items():
+            put_note(client, path, text)
+        for path in ("attachments/family/p.png", "attachments/work/w.png", "attachments/t.png"):
+            upload(client, path)
+        for path in ("notes/family/gone.md", "notes/work/gone.md"):  # the trash has both
+            put_note(client, path, "bye")
+            client.delete(note_url(path))
+        client.post_json(f"{API}/shares", {"path": "notes/work/c.md"}, status=201)
+        key = new_grant(client, "write", "notes/family")["key"]
+        return client, as_key(client, key)
+
+    @pytest.mark.parametrize(("method", "url", "body"), LISTING_CALLS)
+    def test_a_folder_key_never_sees_outside_its_folder(self, family, method, url, body):
+        owner, member = family
+        call = (
+            (lambda app: app.post_json(API + url, body))
+            if body
+            else (lambda app: app.get(API + url))
+        )
+        seen = paths_in(data(call(member)))
+        assert all(map(inside_family, seen)), seen
+        if url not in ("/shares", "/plugins/tags") and "sub" not in url:  # counts, or nothing
+            everything = paths_in(data(call(owner)))
+            assert everything - set(filter(inside_family, everything)), url
+
+    def test_listings_count_only_the_folder(self, family):
+        _, member = family
+        assert data(member.get(f"{API}/notes"))["total"] == 2
+        assert data(member.get(f"{API}/search?q=apple"))["total"] == 2
+        tags = data(member.get(f"{API}/plugins/tags"))["tags"]
+        assert tags == [{"tag": "common", "count": 2}]
+        assert_error(member.get(f"{API}/plugins/tags/work", status=404), 404, "NOT_FOUND")
+
+    def test_the_tree_shows_only_the_way_down(self, family):
+        _, member = family
+        root = data(member.get(f"{API}/folders/tree"))
+        assert [c["path"] for c in root["children"]] == ["notes/family"]
+        family_node = data(member.get(f"{API}/folders/tree/notes%2Ffamily"))
+        assert [c["name"] for c in family_node["children"]] == ["sub", "a.md"]
+
+    @pytest.mark.parametrize(
+        "url",
+        [
+            "/notes/notes%2Fwork%2Fc.md",
+            "/notes/notes/work/c.md",
+            "/notes/notes%2Ffamily%2F..%2Fwork%2Fc.md",
+            "/notes/notes%2Ffamily%2F.%2F..%2Fwork%2Fc.md",
+            "/notes/notes%2Ffamilyx%2Fd.md",
+            "/notes/notes%2Ftop.md",
+            "/notes/..%2Fstate.json",
+            "/notes?folder=notes/work",
+            "/notes?folder=notes/familyx",
+            "/notes?folder=notes%2Ffamily%2F..%2Fwork",
+            "/folders/tree/notes%2Fwork",
+            "/folders/tree/notes%2Ffamily%2F..%2Fwork",
+            "/search?q=apple&folder=notes/work",
+            "/search?q=contract&folder=notes%2Ffamily%2F..%2Fwork",
+            "/plugins/backlinks/notes%2Fwork%2Fc.md",
+            "/attachments/attachments%2Fwork%2Fw.png",
+            "/attachments/attachments%2Ft.png",
+            "/attachments/attachments%2Ffamily%2F..%2Fwork%2Fw.png",
+            "/attachments?folder=attachments/work",
+            "/attachments?folder=attachments%2Ffamily%2F..",
+        ],
+    )
+    def test_outside_answers_as_if_nothing_were_there(self, family, url):
+        _, member = family
+        assert_error(member.get(API + url, status=404), 404, "NOT_FOUND")
+
+    def test_a_search_that_would_match_outside_finds_nothing_there(self, family):
+        _, member = family
+        assert data(member.get(f"{API}/search?q=contract"))["total"] == 0
+        assert data(member.get(f"{API}/search?q=neighbour"))["total"] == 0
+
+    def test_writes_stay_inside(self, family, root):
+        _, member = family
+        a = note_url("notes/family/a.md")
+        for method, url, body in (
+            ("POST", f"{API}/notes", {"path": "notes/work/new.md", "content": "x"}),
+            ("POST", f"{API}/notes", {"path": "notes/family/../work/new.md", "content": "x"}),
+            ("PUT", note_url("notes/work/c.md"), {"content": "overwritten"}),
+            ("DELETE", note_url("notes/work/c.md"), None),
+            ("PATCH", f"{a}/move", {"path": "notes/work/a.md"}),
+            ("PATCH", f"{a}/move", {"path": "notes/familyx/a.md"}),
+            ("PATCH", note_url("notes/work/c.md") + "/move", {"path": "notes/family/c.md"}),
+            ("POST", f"{API}/plugins/daily/today", None),
+            ("POST", f"{API}/shares", {"path": "notes/work/c.md"}),
+        ):
+            resp = member.request(
+                url,
+                method=method,
+                body=json.dumps(body).encode() if body else b"",
+                headers={"Content-Type": "application/json"},
+                expect_errors=True,
+            )
+            assert_error(resp, 404, "NOT_FOUND")
+        assert (root / "notes/work/c.md").read_text() == FOLDER_NOTES["notes/work/c.md"]
+        assert not (root / "notes/work/a.md").exists()
+        assert (root / "notes/family/a.md").exists()
+        assert not (root / "notes/daily").exists()
+
+    def test_attachments_of_the_folder_only(self, family, root):
+        _, member = family
+        assert member.get(att_url("attachments/family/p.png")).body == PNG
+        listed = data(member.get(f"{API}/attachments"))
+        assert [a["path"] for a in listed["attachments"]] == ["attachments/family/p.png"]
+        upload(member, "attachments/family/new.png")
+        for resp in (
+            upload(member, "attachments/work/new.png", status=404),
+            upload(member, "attachments/new.png", status=404),
+            member.delete(att_url("attachments/work/w.png"), status=404),
+            member.patch_json(
+                att_url("attachments/family/p.png") + "/move",
+                {"path": "attachments/work/p.png"},
+                status=404,
+            ),
+        ):
+            assert_error(resp, 404, "NOT_FOUND")
+        form, ctype = multipart(("path", "attachments/work/x.png"), ("file", PNG, "x.png"))
+        assert_error(post_form(member, form, ctype, status=404), 404, "NOT_FOUND")
+        assert not (root / "attachments/work/new.png").exists()
+        assert (root / "attachments/work/w.png").exists()
+        owner = with_key(member, key_of(member))
+        reader = as_key(member, new_grant(owner, "read", "notes/family")["key"])
+        assert_error(upload(reader, "attachments/family/r.png", status=403), 403, "FORBIDDEN")
+
+    def test_writes_inside_work(self, family):
+        _, member = family
+        member.post_json(
+            f"{API}/notes", {"path": "notes/family/new.md", "content": "n"}, status=201
+        )
+        moved = data(
+            member.patch_json(
+                note_url("notes/family/new.md") + "/move", {"path": "notes/family/sub/new.md"}
+            )
+        )
+        assert moved["path"] == "notes/family/sub/new.md"
+        member.delete(note_url("notes/family/sub/new.md"), status=200)
+
+    def test_history_and_trash_of_the_folder_only(self, family):
+        owner, member = family
+        owner.put_json(note_url("notes/work/c.md"), {"content": "changed"})
+        owner.put_json(note_url("notes/family/a.md"), {"content": "changed"})
+        url = note_url("notes/family/a.md") + "/versions"
+        versions = data(member.get(url))["versions"]
+        assert versions
+        vid = versions[0]["id"]
+        assert "Apple" in data(member.get(f"{url}/{vid}"))["content"]
+        assert data(member.get(f"{url}/{vid}/diff"))["diff"]
+        member.post(f"{url}/{vid}/restore", status=200)
+        work = note_url("notes/work/c.md") + "/versions"
+        assert_error(member.get(work, status=404), 404, "NOT_FOUND")
+        owner_vid = data(owner.get(work))["versions"][0]["id"]
+        for resp in (
+            member.get(f"{work}/{owner_vid}", status=404),
+            member.get(f"{work}/{owner_vid}/diff", status=404),
+            member.post(f"{work}/{owner_vid}/restore", status=404),
+        ):
+            assert_error(resp, 404, "NOT_FOUND")
+        trash = data(member.get(f"{API}/trash"))
+        assert [i["path"] for i in trash["items"]] == ["notes/family/gone.md"]
+        assert trash["total"] == 1
+        theirs = next(
+            i["id"] for i in data(owner.get(f"{API}/trash"))["items"] if "work" in i["path"]
+        )
+        assert_error(member.get(f"{API}/trash/{theirs}", status=404), 404, "NOT_FOUND")
+        assert_error(member.post(f"{API}/trash/{theirs}/restore", status=404), 404, "NOT_FOUND")
+        mine = trash["items"][0]["id"]
+        away = member.post_json(
+            f"{API}/trash/{mine}/restore", {"path": "notes/work/gone.md"}, status=404
+        )
+        assert_error(away, 404, "NOT_FOUND")
+        assert_error(member.delete(f"{API}/trash/{mine}", status=403), 403, "FORBIDDEN")
+        member.post(f"{API}/trash/{mine}/restore", status=200)
+
+    def test_the_change_feed_of_the_folder(self, family):
+        owner, member = family
+        last = data(member.get(f"{API}/changes?since=0"))["last"]
+        owner.patch_json(note_url("notes/work/c.md") + "/move", {"path": "notes/family/c.md"})
+        owner.patch_json(note_url("notes/family/a.md") + "/move", {"path": "notes/work/a.md"})
+        put_note(owner, "notes/work/new.md", "outside")
+        seen = data(member.get(f"{API}/changes?since={last}"))["changes"]
+        assert [(c["kind"], c["path"]) for c in seen] == [
+            ("created", "notes/family/c.md"),
+            ("deleted", "notes/family/a.md"),
+        ]
+        assert all("from" not in c for c in seen)
+        everything = data(owner.get(f"{API}/changes?since={last}"))["changes"]
+        assert [c["kind"] for c in everything] == ["moved", "moved", "created"]
+
+    def test_a_waiting_feed_waits_past_changes_it_may_not_see(self, family):
+        owner, member = family
+        last = data(member.get(f"{API}/changes?since=0"))["last"]
+
+        def later():
+            time.sleep(0.3)
+            put_note(owner, "notes/work/x.md", "not theirs")
+            time.sleep(0.3)
+            put_note(owner, "notes/family/x.md", "theirs")
+
+        writer = threading.Thread(target=later)
+        writer.start()
+        started = time.monotonic()
+        seen = data(member.get(f"{API}/changes?since={last}&wait=5"))
+        writer.join()
+        assert [c["path"] for c in seen["changes"]] == ["notes/family/x.md"]
+        assert 0.5 < time.monotonic() - started < 5
+
+    def test_a_symbolic_link_out_of_the_folder_leads_nowhere(self, family, root):
+        _, member = family
+        os.symlink(root / "notes" / "work", root / "notes" / "family" / "link")
+        assert_error(member.get(note_url("notes/family/link/c.md"), status=404), 404, "NOT_FOUND")
+        assert "notes/work" not in json.dumps(data(member.get(f"{API}/folders/tree")))
+
+    def test_agent_sources_stay_inside(self, family):
+        _, member = family
+        d = data(member.post_json(f"{API}/agent/chat", {"message": "secret contract apple"}))
+        assert d["sources"]
+        assert all(s["path"].startswith("notes/family/") for s in d["sources"])
+        assert "contract" not in d["reply"].lower()
+        bad = member.post_json(
+            f"{API}/agent/chat", {"message": "x", "notePath": "notes/work/c.md"}, status=404
+        )
+        assert_error(bad, 404, "NOT_FOUND")
+
+    def test_a_daily_note_for_the_daily_folder(self, client):
+        member = as_key(client, new_grant(client, "write", "notes/daily")["key"])
+        assert member.post(f"{API}/plugins/daily/today").status_int == 201
+
+    def test_a_folder_not_created_yet_lists_empty(self, client):
+        member = as_key(client, new_grant(client, "read", "notes/later")["key"])
+        assert data(member.get(f"{API}/notes"))["total"] == 0
+        assert data(member.get(f"{API}/folders/tree"))["children"][0]["children"] == []
+        assert data(member.get(f"{API}/search?q=anything"))["total"] == 0
+
+
+class TestShareLinks:
+    @pytest.fixture
+    def shared(self, client):
+        put_note(client, "notes/recipes/pie.md", "# Pie\n\n- apples\n- [x] butter\n")
+        d = data(client.post_json(f"{API}/shares", {"path": "notes/recipes/pie.md"}, status=201))
+        return client, d
+
+    def token(self, d: dict) -> str:
+        return d["url"].rsplit("/s/", 1)[1]
+
+    def test_create_gives_a_link_that_expires_in_seven_days(self, shared, root):
+        client, d = shared
+        assert set(d) == {"id", "path", "url", "createdAt", "expiresAt", "createdBy"}
+        sid = client.app.service.state.read()["serverId"]
+        assert re.fullmatch(rf"http://localhost:80/r/{sid}/s/[A-Za-z0-9_-]{{22}}", d["url"])
+        days = (notesvc._epoch(d["expiresAt"]) - notesvc._epoch(d["createdAt"])) / 86400
+        assert round(days) == 7
+        assert self.token(d) not in (root / ".notesvc" / "state.json").read_text()
+
+    def test_open_port_mode_links_to_the_server_itself(self, make_app):
+        client = with_key(make_app(SERVICE_PAIRING_MODE="open-port"))
+        put_note(client, "notes/x.md", "x")
+        d = data(client.post_json(f"{API}/shares", {"path": "notes/x.md", "expiresInDays": 1}))
+        assert d["url"].startswith("http://localhost:80/s/")
+
+    def test_anyone_with_the_link_reads_the_note(self, shared, anon):
+        _, d = shared
+        resp = anon.get(f"{API}/shared/{self.token(d)}")
+        assert data(resp) == {
+            "title": "Pie",
+            "content": "# Pie\n\n- apples\n- [x] butter\n",
+            "modified": data(resp)["modified"],
+            "attachments": {},
+        }
+        assert resp.headers["X-Robots-Tag"] == "noindex, nofollow"
+        assert resp.headers["Referrer-Policy"] == "no-referrer"
+        assert resp.headers["Cache-Control"] == "no-store"
+
+    def test_the_share_page_is_static_noindex_and_locked_down(self, shared, anon):
+        _, d = shared
+        sid = anon.app.service.state.read()["serverId"]
+        for url in (f"/s/{self.token(d)}", f"/r/{sid}/s/{self.token(d)}"):
+            resp = anon.get(url)
+            assert resp.content_type == "text/html"
+            assert resp.headers["Referrer-Policy"] == "no-referrer"
+            assert "noindex" in resp.headers["X-Robots-Tag"]
+            assert '<meta name="robots" content="noindex, nofollow">' in resp.text
+            csp = resp.headers["Content-Security-Policy"]
+            assert "frame-ancestors 'none'" in csp
+            assert "unsafe-inline" not in csp
+            assert "Pie" not in resp.text  # the note comes from the API, never in the HTML
+            assert resp.body == notesvc.share_page().encode()
+
+    def test_revoked_expired_unknown_and_deleted_are_404(self, shared, anon, root):
+        client, d = shared
+        token = self.token(d)
+        other = data(client.post_json(f"{API}/shares", {"path": "notes/recipes/pie.md"}))
+        client.delete(f"{API}/shares/{d['id']}", status=200)
+        assert_error(anon.get(f"{API}/shared/{token}", status=404), 404, "NOT_FOUND")
+        state_file = root / ".notesvc" / "state.json"
+        state = json.loads(state_file.read_text())
+        state["shares"][0]["expiresAt"] = "2020-01-01T00:00:00.000Z"
+        state_file.write_text(json.dumps(state))
+        assert_error(anon.get(f"{API}/shared/{self.token(other)}", status=404), 404, "NOT_FOUND")
+        third = data(client.post_json(f"{API}/shares", {"path": "notes/recipes/pie.md"}))
+        anon.get(f"{API}/shared/{self.token(third)}", status=200)
+        client.delete(note_url("notes/recipes/pie.md"))
+        assert_error(anon.get(f"{API}/shared/{self.token(third)}", status=404), 404, "NOT_FOUND")
+        put_note(client, "notes/recipes/pie.md", "a new note at the same path")  # not shared
+        assert_error(anon.get(f"{API}/shared/{self.token(third)}", status=404), 404, "NOT_FOUND")
+
+    def test_a_moved_note_keeps_its_link(self, shared, anon):
+        client, d = shared
+        client.patch_json(note_url("notes/recipes/pie.md") + "/move", {"path": "notes/pie.md"})
+        assert data(anon.get(f"{API}/shared/{self.token(d)}"))["title"] == "Pie"
+        assert data(client.get(f"{API}/shares"))["shares"][0]["path"] == "notes/pie.md"
+
+    def test_guessing_is_rate_limited_and_finds_nothing(self, shared, anon):
+        _, d = shared
+        guesser = webtest.TestApp(anon.app, extra_environ={"REMOTE_ADDR": "203.0.113.9"})
+        for _ in range(10):
+            guess = secrets.token_urlsafe(16)
+            assert_error(guesser.get(f"{API}/shared/{guess}", status=404), 404, "NOT_FOUND")
+        locked = guesser.get(f"{API}/shared/{self.token(d)}", status=429)  # even the right one
+        assert_error(locked, 429, "RATE_LIMITED")
+        assert int(locked.headers["Retry-After"]) > 0
+        assert data(anon.get(f"{API}/shared/{self.token(d)}"))["title"] == "Pie"  # others fine
+
+    def test_reading_is_rate_limited_per_address(self, shared, anon):
+        _, d = shared
+        reader = webtest.TestApp(anon.app, extra_environ={"REMOTE_ADDR": "203.0.113.10"})
+        statuses = [
+            reader.get(f"{API}/shared/{self.token(d)}", expect_errors=True).status_int
+            for _ in range(61)
+        ]
+        assert statuses[:60] == [200] * 60
+        assert statuses[60] == 429
+
+    @pytest.mark.parametrize(
+        "token", ["x", "A" * 23, "A" * 21 + "!", "%00" * 8, "../../state.json", "A" * 5000]
+    )
+    def test_hostile_tokens_are_404(self, anon, token):
+        resp = anon.get(f"{API}/shared/{urllib.parse.quote(token, safe='')}", status=404)
+        assert_error(resp, 404, "NOT_FOUND")
+
+    @pytest.mark.parametrize(
+        "body",
+        [
+            {},
+            {"path": 5},
+            {"path": "../x.md"},
+            {"path": "notes/recipes/pie.md", "expiresInDays": 0},
+            {"path": "notes/recipes/pie.md", "expiresInDays": 366},
+            {"path": "notes/recipes/pie.md", "expiresInDays": 1.5},
+        ],
+    )
+    def test_bad_share_requests_are_400(self, shared, body):
+        client, _ = shared
+        assert_error(client.post_json(f"{API}/shares", body, status=400), 400, "VALIDATION_ERROR")
+
+    def test_a_missing_note_cannot_be_shared(self, client):
+        resp = client.post_json(f"{API}/shares", {"path": "notes/none.md"}, status=404)
+        assert_error(resp, 404, "NOT_FOUND")
+
+    def test_a_grant_sees_and_revokes_its_own_links_only(self, shared):
+        client, owners = shared
+        writer = as_key(client, new_grant(client, "write")["key"])
+        mine = data(writer.post_json(f"{API}/shares", {"path": "notes/recipes/pie.md"}))
+        assert mine["createdBy"] != "owner"
+        assert [s["id"] for s in data(writer.get(f"{API}/shares"))["shares"]] == [mine["id"]]
+        assert len(data(client.get(f"{API}/shares"))["shares"]) == 2
+        gone = writer.delete(f"{API}/shares/{owners['id']}", status=404)
+        assert_error(gone, 404, "NOT_FOUND")
+        reader = as_key(client, new_grant(client, "read")["key"])
+        assert_error(
+            reader.post_json(f"{API}/shares", {"path": "notes/recipes/pie.md"}, status=403),
+            403,
+            "FORBIDDEN",
+        )
+        writer.delete(f"{API}/shares/{mine['id']}", status=200)
+
+    def test_revoking_a_key_ends_its_links(self, shared, anon):
+        client, _ = shared
+        rec = new_grant(client, "write")
+        link = data(
+            as_key(client, rec["key"]).post_json(f"{API}/shares", {"path": "notes/recipes/pie.md"})
+        )
+        client.delete(f"{API}/auth/keys/{rec['id']}")
+        assert_error(anon.get(f"{API}/shared/{self.token(link)}", status=404), 404, "NOT_FOUND")
+
+    def test_a_shared_note_loads_the_images_it_links_and_no_other(self, client, anon):
+        text = (
+            "# Rome\n\n![view](../../attachments/trips/view.png)\n![top](/attachments/top.png)\n"
+            "![web](https://img.example/a.png) [file](../../attachments/trips/gone.png)\n"
+        )
+        put_note(client, "notes/trips/rome.md", text)
+        for path in ("attachments/trips/view.png", "attachments/top.png", "attachments/secret.png"):
+            upload(client, path)
+        d = data(client.post_json(f"{API}/shares", {"path": "notes/trips/rome.md"}))
+        token = self.token(d)
+        assert data(anon.get(f"{API}/shared/{token}"))["attachments"] == {
+            "../../attachments/trips/view.png": "attachments/trips/view.png",
+            "/attachments/top.png": "attachments/top.png",
+            "../../attachments/trips/gone.png": "attachments/trips/gone.png",
+        }
+        resp = anon.get(f"{API}/shared/{token}/attachments/attachments/trips/view.png")
+        assert resp.body == PNG
+        assert resp.content_type == "image/png"
+        assert resp.headers["Content-Security-Policy"] == notesvc.ATTACHMENT_CSP
+        anon.get(f"{API}/shared/{token}/attachments/attachments%2Ftop.png", status=200)
+        for path in ("attachments/secret.png", "attachments/trips/gone.png", "notes/trips/rome.md"):
+            url = f"{API}/shared/{token}/attachments/{urllib.parse.quote(path, safe='')}"
+            assert_error(anon.get(url, status=404), 404, "NOT_FOUND")
+        client.delete(f"{API}/shares/{d['id']}")
+        url = f"{API}/shared/{token}/attachments/attachments/top.png"
+        assert_error(anon.get(url, status=404), 404, "NOT_FOUND")
+
+    def test_share_tokens_never_reach_the_log(self, shared, anon, caplog):
+        _, d = shared
+        caplog.set_level("INFO", logger="notesvc")
+        anon.get(f"{API}/shared/{self.token(d)}")
+        anon.get(f"/s/{self.token(d)}")
+        text = "\n".join(r.getMessage() for r in caplog.records)
+        assert "/shared/" in text
+        assert self.token(d) not in text
+
+
+class TestOAuth:
+    def test_metadata_documents(self, anon):
+        prm = anon.get("/.well-known/oauth-protected-resource").json
+        assert prm == {
+            "resource": "http://localhost:80/api/v1/mcp",
+            "authorization_servers": ["http://localhost:80"],
+            "scopes_supported": ["notes:read", "notes:write"],
+            "bearer_methods_supported": ["header"],
+            "resource_name": "notesvc",
+        }
+        assert anon.get("/.well-known/oauth-protected-resource/api/v1/mcp").json == prm
+        asm = anon.get("/.well-known/oauth-authorization-server").json
+        assert asm["issuer"] == "http://localhost:80"
+        for name in ("authorize", "token", "register", "revoke"):
+            key = {"authorize": "authorization_endpoint", "register": "registration_endpoint"}.get(
+                name, f"{name if name != 'revoke' else 'revocation'}_endpoint"
+            )
+            assert asm[key] == f"http://localhost:80/oauth/{name}"
+        assert asm["code_challenge_methods_supported"] == ["S256"]
+        assert asm["token_endpoint_auth_methods_supported"] == ["none"]
+        assert asm["grant_types_supported"] == ["authorization_code", "refresh_token"]
+        assert asm["response_types_supported"] == ["code"]
+        assert asm["client_id_metadata_document_supported"] is True
+        assert anon.get("/.well-known/openid-configuration").json == asm
+
+    def test_the_relay_prefix_has_its_own_issuer(self, anon):
+        sid = anon.app.service.state.read()["serverId"]
+        base = f"http://localhost:80/r/{sid}"
+        asm = anon.get(f"/.well-known/oauth-authorization-server/r/{sid}").json
+        assert asm["issuer"] == base
+        assert asm["token_endpoint"] == f"{base}/oauth/token"
+        prm = anon.get(f"/.well-known/oauth-protected-resource/r/{sid}/api/v1/mcp").json
+        assert prm["resource"] == f"{base}/api/v1/mcp"
+        assert prm["authorization_servers"] == [base]
+        assert anon.get(f"/.well-known/openid-configuration/r/{sid}").json == asm
+        assert_error(
+            anon.get("/.well-known/oauth-authorization-server/r/someoneelse", status=404),
+            404,
+            "NOT_FOUND",
+        )
+
+    def test_public_url_is_the_issuer(self, make_app):
+        app = make_app(SERVICE_PUBLIC_URL="https://notes.example.org")
+        assert app.get("/.well-known/oauth-authorization-server").json["issuer"] == (
+            "https://notes.example.org"
+        )
+
+    def test_registration(self, anon):
+        reg = register_client(anon, [CALLBACK, "https://claude.ai/api/mcp/auth_callback"])
+        assert reg["client_id"].startswith("mcp_")
+        assert reg["token_endpoint_auth_method"] == "none"
+        assert reg["redirect_uris"] == [CALLBACK, "https://claude.ai/api/mcp/auth_callback"]
+        assert reg["client_name"] == "Pocket assistant"
+        secret = register_client(anon, token_endpoint_auth_method="client_secret_basic")
+        assert secret["token_endpoint_auth_method"] == "none"
+        assert "client_secret" not in secret
+
+    @pytest.mark.parametrize(
+        ("body", "error"),
+        [
+            ({}, "invalid_redirect_uri"),
+            ({"redirect_uris": []}, "invalid_redirect_uri"),
+            ({"redirect_uris": "https://a.example/cb"}, "invalid_redirect_uri"),
+            ({"redirect_uris": ["http://evil.example/cb"]}, "invalid_redirect_uri"),
+            ({"redirect_uris": ["http://10.0.0.5/cb"]}, "invalid_redirect_uri"),
+            ({"redirect_uris": ["javascript:alert(1)"]}, "invalid_redirect_uri"),
+            ({"redirect_uris": ["myapp://callback"]}, "invalid_redirect_uri"),
+            ({"redirect_uris": ["https://a.example/cb#frag"]}, "invalid_redirect_uri"),
+            ({"redirect_uris": ["https://user:pw@a.example/cb"]}, "invalid_redirect_uri"),
+            ({"redirect_uris": ["https://a.example/c b"]}, "invalid_redirect_uri"),
+            ({"redirect_uris": ["https://a.example/" + "x" * 2000]}, "invalid_redirect_uri"),
+            (
+                {"redirect_uris": [f"https://a.example/{i}" for i in range(11)]},
+                "invalid_redirect_uri",
+            ),
+            (
+                {"redirect_uris": [CALLBACK], "grant_types": ["client_credentials"]},
+                "invalid_client_metadata",
+            ),
+            ({"redirect_uris": [CALLBACK], "response_types": ["token"]}, "invalid_client_metadata"),
+            ({"redirect_uris": [CALLBACK], "client_name": ["x"]}, "invalid_client_metadata"),
+        ],
+    )
+    def test_bad_registrations(self, anon, body, error):
+        resp = anon.post_json("/oauth/register", body, status=400)
+        oauth_error(resp, 400, error)
+
+    def test_broken_registration_bodies(self, anon):
+        resp = anon.post("/oauth/register", "{", {"Content-Type": "application/json"}, status=400)
+        oauth_error(resp, 400, "invalid_client_metadata")
+        resp = anon.post("/oauth/register", "[1]", {"Content-Type": "application/json"}, status=400)
+        oauth_error(resp, 400, "invalid_client_metadata")
+        resp = anon.post("/oauth/register", "x=1", status=415)
+        oauth_error(resp, 415, "invalid_client_metadata")
+        huge = json.dumps({"redirect_uris": [CALLBACK], "client_name": "x" * 70000})
+        resp = anon.post("/oauth/register", huge, {"Content-Type": "application/json"}, status=413)
+        oauth_error(resp, 413, "invalid_client_metadata")
+
+    def test_a_registration_flood_stops_at_the_cap(self, anon):
+        one = webtest.TestApp(anon.app, extra_environ={"REMOTE_ADDR": "198.51.100.200"})
+        body = {"redirect_uris": [CALLBACK]}
+        statuses = [
+            one.post_json("/oauth/register", body, status="*").status_int for _ in range(11)
+        ]
+        assert statuses == [201] * 10 + [429]
+        for i in range(notesvc.MAX_OAUTH_CLIENTS):  # from many addresses, up to the cap
+            app = webtest.TestApp(
+                anon.app, extra_environ={"REMOTE_ADDR": f"10.9.{i // 200}.{i % 200}"}
+            )
+            app.post_json("/oauth/register", body, status="*")
+        resp = webtest.TestApp(anon.app, extra_environ={"REMOTE_ADDR": "10.8.0.1"}).post_json(
+            "/oauth/register", body, status=503
+        )
+        oauth_error(resp, 503, "temporarily_unavailable")
+        assert len(anon.app.service.state.read()["oauthClients"]) == notesvc.MAX_OAUTH_CLIENTS
+
+    def test_at_the_cap_old_never_used_clients_give_way(self, anon, root):
+        for i in range(notesvc.MAX_OAUTH_CLIENTS):
+            register_client(anon, addr=f"10.7.{i // 200}.{i % 200}")
+        state_file = root / ".notesvc" / "state.json"
+        state = json.loads(state_file.read_text())
+        oldest = sorted(state["oauthClients"])[0]
+        state["oauthClients"][oldest]["createdAt"] = notesvc.iso(time.time() - 7200)
+        state_file.write_text(json.dumps(state))
+        register_client(anon, addr="10.6.0.1")
+        clients = anon.app.service.state.read()["oauthClients"]
+        assert len(clients) == notesvc.MAX_OAUTH_CLIENTS
+        assert oldest not in clients
+
+    def test_consent_facts_for_a_good_request(self, anon):
+        cid = register_client(anon)["client_id"]
+        _, challenge = pkce_pair()
+        q = urllib.parse.urlencode(
+            {
+                "client_id": cid,
+                "redirect_uri": "http://127.0.0.1:53682/callback",  # loopback: any port
+                "response_type": "code",
+                "code_challenge": challenge,
+                "code_challenge_method": "S256",
+                "state": "abc",
+                "scope": "notes:read notes:write",
+                "resource": mcp_url(anon),
+            }
+        )
+        d = data(anon.get(f"{API}/oauth/consent?{q}"))
+        assert d["client"] == {"id": cid, "name": "Pocket assistant", "uri": ""}
+        assert d["redirectHost"] == "127.0.0.1:53682"
+        assert d["scope"] == "read"
+        assert d["writeAllowed"] is False
+        deny = urllib.parse.urlsplit(d["deny"])
+        assert deny.netloc == "127.0.0.1:53682"
+        assert urllib.parse.parse_qs(deny.query)["error"] == ["access_denied"]
+        assert urllib.parse.parse_qs(deny.query)["state"] == ["abc"]
+
+    @pytest.mark.parametrize(
+        ("client_id", "redirect", "status"),
+        [
+            ("mcp_unknown", CALLBACK, 404),
+            ("", CALLBACK, 400),
+            (None, "http://127.0.0.1:9/other", 400),  # not registered
+            (None, "https://evil.example/callback", 400),
+            (None, "http://evil.example/callback", 400),  # http off loopback
+            (None, "", 400),
+            ("https://127.0.0.1/client.json", CALLBACK, 400),
+        ],
+    )
+    def test_a_bad_client_or_redirect_is_shown_never_redirected(
+        self, client, anon, client_id, redirect, status
+    ):
+        cid = register_client(anon)["client_id"] if client_id is None else client_id
+        _, challenge = pkce_pair()
+        q = urllib.parse.urlencode(
+            {
+                "client_id": cid,
+                "redirect_uri": redirect,
+                "response_type": "code",
+                "code_challenge": challenge,
+                "code_challenge_method": "S256",
+            }
+        )
+        resp = anon.get(f"{API}/oauth/consent?{q}", status=status)
+        err = assert_error(resp, status, "NOT_FOUND" if status == 404 else "VALIDATION_ERROR")
+        assert "redirect" not in err
+        body = {
+            "clientId": cid,
+            "redirectUri": redirect,
+            "codeChallenge": challenge,
+            "scope": "notes:read",
+        }
+        refused = client.post_json(f"{API}/oauth/approve", body, status=status)
+        assert "redirect" not in refused.json["error"]
+
+    @pytest.mark.parametrize(
+        ("change", "problem"),
+        [
+            ({"response_type": "token"}, "response_type"),
+            ({"code_challenge_method": "plain"}, "S256"),
+            ({"code_challenge": "short"}, "code_challenge"),
+            ({"code_challenge": None}, "code_challenge"),
+            ({"resource": "https://elsewhere.example/mcp"}, "resource"),
+        ],
+    )
+    def test_other_problems_go_back_to_the_client(self, anon, change, problem):
+        cid = register_client(anon)["client_id"]
+        _, challenge = pkce_pair()
+        params = {
+            "client_id": cid,
+            "redirect_uri": CALLBACK,
+            "response_type": "code",
+            "code_challenge": challenge,
+            "code_challenge_method": "S256",
+            "state": "s1",
+        }
+        params.update(change)
+        q = urllib.parse.urlencode({k: v for k, v in params.items() if v is not None})
+        err = assert_error(
+            anon.get(f"{API}/oauth/consent?{q}", status=400), 400, "VALIDATION_ERROR"
+        )
+        assert problem in err["message"]
+        back = urllib.parse.urlsplit(err["redirect"])
+        assert back.netloc == "127.0.0.1:9"
+        assert urllib.parse.parse_qs(back.query)["error"] == ["invalid_request"]
+        assert urllib.parse.parse_qs(back.query)["state"] == ["s1"]
+
+    def test_write_is_offered_only_while_mcp_writes_are_on(self, make_app):
+        app = make_app(SERVICE_MCP_WRITE="true")
+        client = with_key(app)
+        cid = register_client(app)["client_id"]
+        _, challenge = pkce_pair()
+        q = urllib.parse.urlencode(
+            {
+                "client_id": cid,
+                "redirect_uri": CALLBACK,
+                "response_type": "code",
+                "code_challenge": challenge,
+                "code_challenge_method": "S256",
+                "scope": "notes:read notes:write",
+            }
+        )
+        facts = data(app.get(f"{API}/oauth/consent?{q}"))
+        assert (facts["writeAllowed"], facts["scope"]) == (True, "write")
+        code, verifier, _ = approve(client, cid, "notes:read notes:write")
+        answer = token_call(
+            app,
+            200,
+            grant_type="authorization_code",
+            code=code,
+            client_id=cid,
+            redirect_uri=CALLBACK,
+            code_verifier=verifier,
+        ).json
+        assert answer["scope"] == "notes:read notes:write"
+        assert data(client.get(f"{API}/auth/keys"))["keys"][0]["scope"] == "write"
+
+    def test_approval_needs_the_api_key(self, client, anon):
+        cid = register_client(anon)["client_id"]
+        _, challenge = pkce_pair()
+        body = {
+            "clientId": cid,
+            "redirectUri": CALLBACK,
+            "codeChallenge": challenge,
+            "scope": "notes:read",
+        }
+        assert_error(anon.post_json(f"{API}/oauth/approve", body, status=401), 401, "UNAUTHORIZED")
+        writer = as_key(client, new_grant(client, "write")["key"])
+        assert_error(writer.post_json(f"{API}/oauth/approve", body, status=403), 403, "FORBIDDEN")
+        write = {**body, "scope": "notes:read notes:write"}
+        assert_error(client.post_json(f"{API}/oauth/approve", write, status=403), 403, "FORBIDDEN")
+        for bad in (
+            {"codeChallenge": "x"},
+            {"scope": "admin"},
+            {"folder": "../x"},
+            {"resource": "https://elsewhere.example/mcp"},
+            {"state": "s" * 1025},
+        ):
+            resp = client.post_json(f"{API}/oauth/approve", {**body, **bad}, status=400)
+            assert_error(resp, 400, "VALIDATION_ERROR")
+
+    def test_the_whole_flow(self, client, anon):
+        cid = register_client(anon)["client_id"]
+        code, verifier, query = approve(client, cid, folder="notes/family")
+        assert query["state"] == ["st8"]
+        assert query["iss"] == ["http://localhost:80"]
+        assert code.startswith("nsc_")
+        answer = token_call(
+            anon,
+            200,
+            grant_type="authorization_code",
+            code=code,
+            client_id=cid,
+            redirect_uri=CALLBACK,
+            code_verifier=verifier,
+            resource=mcp_url(anon),
+        )
+        assert answer.headers["Cache-Control"] == "no-store"
+        t = answer.json
+        assert t["token_type"] == "Bearer"
+        assert t["expires_in"] == 3600
+        assert t["scope"] == "notes:read"
+        assert t["access_token"].startswith("nsa_")
+        assert t["refresh_token"].startswith("nsr_")
+        grants = data(client.get(f"{API}/auth/keys"))["keys"]
+        assert grants == [
+            {
+                "id": grants[0]["id"],
+                "kind": "oauth",
+                "name": "Pocket assistant",
+                "scope": "read",
+                "folder": "notes/family",
+                "createdAt": grants[0]["createdAt"],
+                "expiresAt": grants[0]["expiresAt"],
+                "lastUsedAt": None,
+                "client": {"id": cid, "name": "Pocket assistant"},
+            }
+        ]
+        state = json.dumps(client.app.service.state.read())
+        assert t["access_token"] not in state
+        assert t["refresh_token"] not in state
+        assert data(client.get(f"{API}/security/config"))["grants"]["oauth"] == 1
+
+    def test_an_oauth_token_on_the_rest_api_is_401(self, client, anon):
+        _, t = tokens_for(client, anon)
+        bearer = webtest.TestApp(
+            anon.app, extra_environ={"HTTP_AUTHORIZATION": f"Bearer {t['access_token']}"}
+        )
+        for url in (f"{API}/notes", f"{API}/auth/verify", f"{API}/search?q=x"):
+            resp = bearer.request(
+                url, method="POST" if "verify" in url else "GET", expect_errors=True
+            )
+            err = assert_error(resp, 401, "UNAUTHORIZED")
+            assert "mcp" in err["message"]
+        header = as_key(anon, t["access_token"])
+        assert_error(header.get(f"{API}/notes", status=401), 401, "UNAUTHORIZED")
+
+    def test_a_code_is_single_use_and_a_replay_revokes_its_tokens(self, client, anon):
+        cid = register_client(anon)["client_id"]
+        code, verifier, _ = approve(client, cid)
+        form = dict(
+            grant_type="authorization_code",
+            code=code,
+            client_id=cid,
+            redirect_uri=CALLBACK,
+            code_verifier=verifier,
+        )
+        first = token_call(anon, 200, **form).json
+        oauth_error(token_call(anon, **form), 400, "invalid_grant")
+        assert data(client.get(f"{API}/auth/keys"))["keys"] == []  # revoked
+        refresh = dict(
+            grant_type="refresh_token", refresh_token=first["refresh_token"], client_id=cid
+        )
+        oauth_error(token_call(anon, **refresh), 400, "invalid_grant")
+
+    def test_an_expired_code_is_refused(self, client, anon):
+        cid = register_client(anon)["client_id"]
+        code, verifier, _ = approve(client, cid)
+        for entry in client.app.service.grants.codes.values():
+            entry["expires"] = time.time() - 1  # 60 s have passed
+        oauth_error(
+            token_call(
+                anon,
+                grant_type="authorization_code",
+                code=code,
+                client_id=cid,
+                redirect_uri=CALLBACK,
+                code_verifier=verifier,
+            ),
+            400,
+            "invalid_grant",
+        )
+
+    @pytest.mark.parametrize(
+        ("change", "error"),
+        [
+            ({"code_verifier": "x" * 43}, "invalid_grant"),
+            ({"code_verifier": ""}, "invalid_grant"),
+            ({"client_id": "mcp_other"}, "invalid_grant"),
+            ({"redirect_uri": "http://127.0.0.1:9/other"}, "invalid_grant"),
+            ({"redirect_uri": "http://127.0.0.1:10/callback"}, "invalid_grant"),
+            ({"code": "nsc_" + "A" * 43}, "invalid_grant"),
+            ({"code": ""}, "invalid_grant"),
+            ({"resource": "https://elsewhere.example/api/v1/mcp"}, "invalid_target"),
+            ({"grant_type": "password"}, "unsupported_grant_type"),
+            ({"grant_type": "client_credentials"}, "unsupported_grant_type"),
+            ({"grant_type": ""}, "invalid_request"),
+        ],
+    )
+    def test_a_code_redeemed_wrongly_is_refused_and_spent(self, client, anon, change, error):
+        cid = register_client(anon)["client_id"]
+        code, verifier, _ = approve(client, cid)
+        form = dict(
+            grant_type="authorization_code",
+            code=code,
+            client_id=cid,
+            redirect_uri=CALLBACK,
+            code_verifier=verifier,
+        )
+        oauth_error(token_call(anon, **{**form, **change}), 400, error)
+        if "code" not in change and "grant_type" not in change:  # spent: the right try fails too
+            oauth_error(token_call(anon, **form), 400, "invalid_grant")
+
+    def test_token_requests_must_be_forms(self, anon):
+        resp = anon.post_json("/oauth/token", {"grant_type": "authorization_code"}, status=400)
+        oauth_error(resp, 400, "invalid_request")
+        resp = anon.post("/oauth/token", "grant_type=a&grant_type=b", status=400)
+        oauth_error(resp, 400, "invalid_request")
+        resp = anon.post("/oauth/token", b"grant_type=\xff", status=400)
+        oauth_error(resp, 400, "invalid_request")
+        resp = anon.post("/oauth/token", "x=" + "y" * 70000, status=413)
+        oauth_error(resp, 413, "invalid_request")
+        resp = anon.post("/oauth/token", "&".join(f"k{i}=v" for i in range(100)), status=400)
+        oauth_error(resp, 400, "invalid_request")
+
+    def test_refresh_rotates_and_reuse_revokes_the_grant(self, client, anon):
+        cid, first = tokens_for(client, anon)
+        form = dict(
+            grant_type="refresh_token",
+            refresh_token=first["refresh_token"],
+            client_id=cid,
+            resource=mcp_url(anon),
+        )
+        second = token_call(anon, 200, **form).json
+        assert second["refresh_token"] != first["refresh_token"]
+        assert second["access_token"] != first["access_token"]
+        assert second["scope"] == "notes:read"
+        svc = anon.app.service
+        assert svc.grants.principal(first["access_token"]) is None  # the old access token ends
+        assert svc.grants.principal(second["access_token"]).kind == "oauth"
+        oauth_error(token_call(anon, **form), 400, "invalid_grant")  # the first one, again
+        assert svc.grants.principal(second["access_token"]) is None  # the grant is gone
+        again = dict(form, refresh_token=second["refresh_token"])
+        oauth_error(token_call(anon, **again), 400, "invalid_grant")
+        assert data(client.get(f"{API}/auth/keys"))["keys"] == []
+
+    @pytest.mark.parametrize(
+        ("change", "error"),
+        [
+            ({"client_id": "mcp_other"}, "invalid_grant"),
+            ({"client_id": ""}, "invalid_request"),
+            ({"resource": "https://elsewhere.example/mcp"}, "invalid_target"),
+            ({"scope": "notes:read notes:write"}, "invalid_scope"),
+            ({"refresh_token": "nsr_unknown"}, "invalid_grant"),
+        ],
+    )
+    def test_bad_refreshes(self, client, anon, change, error):
+        cid, first = tokens_for(client, anon)
+        form = dict(grant_type="refresh_token", refresh_token=first["refresh_token"], client_id=cid)
+        oauth_error(token_call(anon, **{**form, **change}), 400, error)
+        token_call(anon, 200, **form)  # a refused refresh spends nothing
+
+    def test_revocation(self, client, anon):
+        cid, t = tokens_for(client, anon)
+        svc = anon.app.service
+        resp = anon.post("/oauth/revoke", {"token": t["access_token"], "client_id": "mcp_other"})
+        assert resp.status_int == 200
+        assert svc.grants.principal(t["access_token"]) is not None
+        assert (
+            anon.post("/oauth/revoke", {"token": t["refresh_token"], "client_id": cid}).json == {}
+        )
+        assert svc.grants.principal(t["access_token"]) is None
+        assert anon.post("/oauth/revoke", {"token": "nsa_unknown"}).status_int == 200
+        oauth_error(anon.post("/oauth/revoke", {}, status=400), 400, "invalid_request")
+        refresh = dict(grant_type="refresh_token", refresh_token=t["refresh_token"], client_id=cid)
+        oauth_error(token_call(anon, **refresh), 400, "invalid_grant")
+
+    def test_the_owner_revokes_an_oauth_grant_like_a_key(self, client, anon):
+        _, t = tokens_for(client, anon)
+        gid = data(client.get(f"{API}/auth/keys"))["keys"][0]["id"]
+        client.delete(f"{API}/auth/keys/{gid}", status=200)
+        assert anon.app.service.grants.principal(t["access_token"]) is None
+
+    def test_the_consent_page_cannot_be_framed(self, anon):
+        sid = anon.app.service.state.read()["serverId"]
+        for url in ("/oauth/authorize?client_id=x", f"/r/{sid}/oauth/authorize"):
+            resp = anon.get(url)
+            assert resp.content_type == "text/html"
+            assert resp.headers["X-Frame-Options"] == "DENY"
+            csp = dict(
+                d.strip().split(" ", 1) for d in resp.headers["Content-Security-Policy"].split(";")
+            )
+            assert csp["frame-ancestors"] == "'none'"
+            assert csp["connect-src"] == "'self'"
+            assert csp["form-action"] == "'none'"
+            assert resp.headers["Referrer-Policy"] == "no-referrer"
+            assert resp.body == notesvc.consent_page().encode()
+
+
+class TestClientMetadataDocuments:
+    @pytest.mark.parametrize(
+        "url",
+        [
+            "https://127.0.0.1/client.json",
+            "https://127.8.9.10:8443/client.json",
+            "https://10.1.2.3/client.json",
+            "https://192.168.1.20/client.json",
+            "https://172.16.5.5/client.json",
+            "https://169.254.169.254/latest/meta-data",
+            "https://[::1]/client.json",
+            "https://[::ffff:127.0.0.1]/client.json",
+            "https://[fe80::1]/client.json",
+            "https://224.0.0.1/client.json",
+            "https://0.0.0.0/client.json",
+            "https://localhost/client.json",
+        ],
+    )
+    def test_private_and_loopback_hosts_are_refused(self, anon, url):
+        _, challenge = pkce_pair()
+        q = urllib.parse.urlencode(
+            {
+                "client_id": url,
+                "redirect_uri": CALLBACK,
+                "response_type": "code",
+                "code_challenge": challenge,
+                "code_challenge_method": "S256",
+            }
+        )
+        err = assert_error(
+            anon.get(f"{API}/oauth/consent?{q}", status=400), 400, "VALIDATION_ERROR"
+        )
+        assert "not a public address" in err["message"]
+        with pytest.raises(ValueError, match="not a public address"):
+            notesvc.fetch_client_metadata(url)
+
+    @pytest.mark.parametrize(
+        "url",
+        [
+            "http://client.example/c.json",
+            "https://client.example",
+            "https://client.example/",
+            "https://u:p@client.example/c.json",
+            "https://client.example/c.json#x",
+            "ftp://x/y",
+        ],
+    )
+    def test_only_https_urls_with_a_path(self, url):
+        with pytest.raises(ValueError, match="https"):
+            notesvc.fetch_client_metadata(url)
+
+    def test_a_public_address_is_fine_and_a_private_one_not(self):
+        import ipaddress
+
+        assert notesvc.public_address(ipaddress.ip_address("93.184.216.34"))
+        assert notesvc.public_address(ipaddress.ip_address("2606:4700::6810:84e5"))
+        for ip in ("100.64.0.1", "198.18.0.1", "fc00::1", "::ffff:10.0.0.1", "255.255.255.255"):
+            assert not notesvc.public_address(ipaddress.ip_address(ip)), ip
+
+    def test_fetching_safely(self, tmp_path):
+        tls = LocalTls(tmp_path)
+        doc = {
+            "client_id": tls.url("/app.json"),
+            "client_name": "Meta",
+            "redirect_uris": [CALLBACK],
+        }
+        tls.routes.update(
+            {
+                "/app.json": (
+                    200,
+                    {"Content-Type": "application/json"},
+                    json.dumps(doc).encode(),
+                    0,
+                ),
+                "/moved": (302, {"Location": tls.url("/app.json")}, b"", 0),
+                "/big": (200, {}, b"{" + b" " * 70000 + b"}", 0),
+                "/slow": (200, {}, b"{}", 2),
+                "/list": (200, {}, b"[]", 0),
+                "/text": (200, {}, b"hello", 0),
+                "/gone": (410, {}, b"", 0),
+            }
+        )
+        try:
+            assert tls.fetch("/app.json") == doc
+            with pytest.raises(ValueError, match="redirect"):
+                tls.fetch("/moved")
+            with pytest.raises(ValueError, match="over 65536 bytes"):
+                tls.fetch("/big")
+            started = time.monotonic()
+            with pytest.raises(ValueError, match="timed out"):
+                tls.fetch("/slow", timeout=0.5)
+            assert time.monotonic() - started < 2
+            with pytest.raises(ValueError, match="not a JSON object"):
+                tls.fetch("/list")
+            with pytest.raises(ValueError, match="not JSON"):
+                tls.fetch("/text")
+            with pytest.raises(ValueError, match="HTTP 410"):
+                tls.fetch("/gone")
+            with pytest.raises(ValueError, match="could not be fetched"):  # an unknown certificate
+                notesvc.fetch_client_metadata(
+                    tls.url("/app.json"), resolve=tls.loopback, allow=lambda ip: True
+                )
+        finally:
+            tls.close()
+
+    def test_a_metadata_client_is_used_and_cached(self, root, tmp_path):
+        svc = notesvc.build_service(notesvc.load_config(env=make_env(root)))
+        calls = []
+        url = "https://app.example/oauth/client.json"
+
+        def fetch(u):
+            calls.append(u)
+            return {"client_id": u, "client_name": "Meta\x07 app", "redirect_uris": [CALLBACK]}
+
+        try:
+            client = svc.grants.client(url, fetch=fetch)
+            assert client == {"id": url, "name": "Meta app", "redirectUris": [CALLBACK], "uri": ""}
+            assert svc.grants.client(url, fetch=fetch) == client
+            assert calls == [url]
+            bad_documents = {
+                url + "1": {
+                    "client_id": "https://other.example/c.json",
+                    "redirect_uris": [CALLBACK],
+                },
+                url + "2": {"client_id": url + "2", "redirect_uris": ["http://evil.example/cb"]},
+                url + "3": {"client_id": url + "3"},
+            }
+            for bad_url, doc in bad_documents.items():
+                with pytest.raises(notesvc.OAuthError) as e:
+                    svc.grants.client(bad_url, fetch=lambda u, doc=doc: doc)
+                assert e.value.error == "invalid_client"
+        finally:
+            svc.close()
+
+
+class TestGrantsLive:
+    def test_a_key_revoked_while_in_use_is_refused_on_its_next_request(self, tmp_path):
+        with running(tmp_path, env={"SERVICE_THREADS": "4"}) as server:
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            body = {"name": "tablet", "scope": "read"}
+            _, _, made = server.request("POST", f"{API}/auth/keys", body, owner_headers(setup))
+            grant = made["data"]
+            conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+            try:
+
+                def notes() -> int:  # on one kept-alive connection
+                    conn.request("GET", f"{API}/notes", headers={"X-Service-Key": grant["key"]})
+                    resp = conn.getresponse()
+                    resp.read()
+                    return resp.status
+
+                assert [notes() for _ in range(3)] == [200, 200, 200]
+                status, _, _ = server.request(
+                    "DELETE", f"{API}/auth/keys/{grant['id']}", headers=owner_headers(setup)
+                )
+                assert status == 200
+                assert notes() == 401
+            finally:
+                conn.close()
+            state = (tmp_path / ".notesvc" / "state.json").read_text()
+            assert grant["key"] not in state
+            assert grant["id"] not in state
+            assert grant["key"] not in "".join(server.lines)
+
+    def test_a_key_revoked_by_another_process_is_refused(self, tmp_path):
+        with running(tmp_path) as server:
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            body = {"name": "tablet", "scope": "read"}
+            grant = server.request("POST", f"{API}/auth/keys", body, owner_headers(setup))[2][
+                "data"
+            ]
+            headers = {"X-Service-Key": grant["key"]}
+            assert server.request("GET", f"{API}/notes", headers=headers)[0] == 200
+            state_file = tmp_path / ".notesvc" / "state.json"  # as another tool would
+            state = json.loads(state_file.read_text())
+            state["grants"] = []
+            tmp = state_file.with_suffix(".tmp")
+            tmp.write_text(json.dumps(state))
+            os.replace(tmp, state_file)
+            assert server.request("GET", f"{API}/notes", headers=headers)[0] == 401
 
 
 class TestStructure:
@@ -9679,6 +11448,303 @@ class TestWebClient:
         assert f"{relay.url}/r/{setup['serverId']}{API}/folders/tree?depth=1" in requested
 
 
+class TestWebClientGrants:
+    """The keys screen, the Share action, and a scoped key's page (issue 19, item 6)."""
+
+    def test_keys_and_connections(self, web):
+        s = web("desktop")
+        page = s.page
+        owner = owner_headers(web.setup)
+        # A connected app, as an OAuth client would make one.
+        _, _, reg = web.server.request(
+            "POST", "/oauth/register", {"redirect_uris": [CALLBACK], "client_name": "Pocket AI"}
+        )
+        verifier, challenge = pkce_pair()
+        approval = {
+            "clientId": reg["client_id"],
+            "redirectUri": CALLBACK,
+            "codeChallenge": challenge,
+            "scope": "notes:read",
+            "resource": f"{web.server.url}{API}/mcp",
+        }
+        _, _, ok = web.server.request("POST", f"{API}/oauth/approve", approval, owner)
+        code = urllib.parse.parse_qs(urllib.parse.urlsplit(ok["data"]["redirect"]).query)["code"]
+        status, _ = post_oauth_form(
+            f"{web.server.url}/oauth/token",
+            {
+                "grant_type": "authorization_code",
+                "code": code[0],
+                "client_id": reg["client_id"],
+                "redirect_uri": CALLBACK,
+                "code_verifier": verifier,
+            },
+        )
+        assert status == 200
+        page.click("#menu summary")
+        page.click("#menu-keys")
+        expect(page.locator("#dlg-title")).to_have_text("Keys and connections")
+        expect(page.locator("#connections-list")).to_contain_text("Pocket AI")
+        expect(page.locator("#keys-list")).to_contain_text("No scoped keys yet")
+        page.fill("#key-name", "kitchen tablet")
+        page.select_option("#key-scope", "write")
+        page.fill("#key-folder", "kitchen")
+        page.select_option("#key-days", "365")
+        page.click("#key-create")
+        expect(page.locator("#new-key")).to_have_value(re.compile(r"^nsg_[A-Za-z0-9_-]{43}$"))
+        key = page.input_value("#new-key")
+        row = page.locator("#keys-list li")
+        expect(row).to_contain_text("kitchen tablet")
+        expect(row).to_contain_text("read and write · only notes/kitchen")
+        s.shot("keys")
+        _, _, listed = web.server.request("GET", f"{API}/auth/keys", headers=owner)
+        made = next(k for k in listed["data"]["keys"] if k["kind"] == "key")
+        assert (made["scope"], made["folder"], made["expiresAt"] is not None) == (
+            "write",
+            "notes/kitchen",
+            True,
+        )
+        assert web.server.request("GET", f"{API}/notes", headers={"X-Service-Key": key})[0] == 200
+        # Revoked from the screen: refused at once.
+        row.locator("button", has_text="Revoke").click()
+        s.dialog_choose("revoke")
+        expect(page.locator("#keys-list")).to_contain_text("No scoped keys yet")
+        assert web.server.request("GET", f"{API}/notes", headers={"X-Service-Key": key})[0] == 401
+        page.locator("#connections-list li button", has_text="Revoke").click()
+        s.dialog_choose("revoke")
+        expect(page.locator("#connections-list")).to_contain_text("No app is connected")
+        assert unexpected(s.close()) == []
+
+    def test_share_a_note_and_open_the_link_in_a_fresh_browser(self, web, browser):
+        s = web("phone")
+        page = s.page
+        s.tree_open("notes/kitchen/pancakes.md")
+        page.click("#note-menu summary")
+        page.click("#share")
+        expect(page.locator("#share-links")).to_contain_text("Not shared yet")
+        page.click("#share-create")
+        expect(page.locator("#share-url")).to_have_value(re.compile(r"/s/[A-Za-z0-9_-]{22}$"))
+        url = page.input_value("#share-url")
+        expect(page.locator("#share-links")).to_contain_text("pancakes · expires")
+        s.shot("share")
+        stranger = browser.new_context()  # no key, nothing stored
+        try:
+            other = stranger.new_page()
+            other.goto(url)
+            expect(other.locator("article h1")).to_have_text("Pancakes")
+            expect(other.locator("article td")).to_have_count(4)
+            page.locator("#share-links li button", has_text="Revoke").click()
+            expect(page.locator("#share-links")).to_contain_text("Not shared yet")
+            other.reload()
+            expect(other.locator("#msg")).to_contain_text("expired or been revoked")
+        finally:
+            stranger.close()
+        assert unexpected(s.close()) == []
+
+    def test_a_read_key_for_one_folder_sees_that_folder_and_no_edit(self, web):
+        owner = owner_headers(web.setup)
+        body = {"name": "fridge screen", "scope": "read", "folder": "notes/home"}
+        key = web.server.request("POST", f"{API}/auth/keys", body, owner)[2]["data"]["key"]
+        s = web("phone", login=False)
+        page = s.page
+        s.login(web.setup["links"]["connect"]["hosted"], key)
+        expect(page.locator("#tree")).to_contain_text("home")
+        assert page.locator("#tree").inner_text().count("kitchen") == 0
+        assert page.locator('#tree button[data-path="notes/todo.md"]').count() == 0
+        for hidden in ("#new", "#menu-new", "#menu-keys", ".capture"):
+            assert page.locator(hidden).is_hidden(), hidden
+        s.tree_open("notes/home/keys.md")
+        expect(page.locator("#view h1")).to_have_text("Spare keys")
+        for hidden in ("#edit", "#save", "#share", "#move", "#delete", "#attach"):
+            assert page.locator(hidden).is_hidden(), hidden
+        assert all(
+            page.locator("#view input[type=checkbox]").evaluate_all("bs => bs.map(b => b.disabled)")
+        )
+        s.shot("read-key")
+        # The page never asked for what the key may not do.
+        assert s.api_calls("/auth/link") == []
+        assert not [
+            r
+            for r in s.requests
+            if r.method in ("PUT", "POST", "PATCH", "DELETE")
+            and not r.url.endswith(("/auth/verify", "/agent/chat"))
+        ]
+        assert unexpected(s.close()) == []
+
+
+class TestGrantPages:
+    """The consent page and the share page in a real browser."""
+
+    @pytest.fixture
+    def browser(self):
+        sync_api = pytest.importorskip("playwright.sync_api")
+        if not CHROMIUM:
+            pytest.skip("no Chromium on this machine")
+        with sync_api.sync_playwright() as pw:
+            browser = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+            try:
+                yield browser, sync_api.expect
+            finally:
+                browser.close()
+
+    def test_consent_on_a_phone(self, tmp_path, browser):
+        browser, expect = browser
+        cb = Callback()
+        try:
+            with running(tmp_path) as server:
+                setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+                reg = server.request(
+                    "POST",
+                    "/oauth/register",
+                    {"redirect_uris": [cb.url], "client_name": "Phone app"},
+                )[2]
+                endpoint = server.request("GET", "/.well-known/oauth-authorization-server")[2][
+                    "authorization_endpoint"
+                ]
+                resource = f"{server.url}/api/v1/mcp"
+
+                def authorize_url(client_id: str, state: str) -> tuple:
+                    verifier, challenge = pkce_pair()
+                    q = urllib.parse.urlencode(
+                        {
+                            "response_type": "code",
+                            "client_id": client_id,
+                            "redirect_uri": cb.url,
+                            "state": state,
+                            "code_challenge": challenge,
+                            "code_challenge_method": "S256",
+                            "scope": "notes:read",
+                            "resource": resource,
+                        }
+                    )
+                    return f"{endpoint}?{q}", verifier
+
+                context = browser.new_context(
+                    viewport={"width": 390, "height": 844}, is_mobile=True, has_touch=True
+                )
+                page = context.new_page()
+                url, verifier = authorize_url(reg["client_id"], "phone-1")
+                page.goto(url)
+                expect(page.locator("#client")).to_have_text("Phone app")
+                expect(page.locator("#host")).to_have_text(urllib.parse.urlsplit(cb.url).netloc)
+                expect(page.locator("#write-row")).to_be_hidden()  # SERVICE_MCP_WRITE is off
+                page.screenshot(path=str(tmp_path / "consent-390x844.png"), full_page=True)
+                assert page.evaluate("document.documentElement.scrollWidth") <= 390
+                page.fill("#key", "nsk_" + "w" * 43)
+                page.fill("#folder", "family")
+                page.click("#allow")
+                expect(page.locator("#msg")).to_contain_text("wrong")
+                assert cb.hits == []
+                page.fill("#key", setup["apiKey"])
+                page.click("#allow")
+                page.wait_for_url(re.compile(r".*/callback\?"))
+                query = cb.query()
+                assert query["state"] == ["phone-1"]
+                assert query["iss"] == [server.url]
+                status, tokens = post_oauth_form(
+                    f"{server.url}/oauth/token",
+                    {
+                        "grant_type": "authorization_code",
+                        "code": query["code"][0],
+                        "client_id": reg["client_id"],
+                        "redirect_uri": cb.url,
+                        "code_verifier": verifier,
+                        "resource": resource,
+                    },
+                )
+                assert status == 200
+                assert tokens["scope"] == "notes:read"
+                _, _, keys = server.request("GET", f"{API}/auth/keys", headers=owner_headers(setup))
+                assert keys["data"]["keys"][0]["folder"] == "notes/family"
+                # Deny goes back with access_denied.
+                url, _ = authorize_url(reg["client_id"], "phone-2")
+                page.goto(url)
+                expect(page.locator("#client")).to_have_text("Phone app")
+                page.click("#deny")
+                page.wait_for_url(re.compile(r".*/callback\?.*error="))
+                query = cb.query()
+                assert query["error"] == ["access_denied"]
+                assert query["state"] == ["phone-2"]
+                # An unknown client is shown and nothing is redirected to.
+                url, _ = authorize_url("mcp_nobody", "phone-3")
+                page.goto(url)
+                expect(page.locator("#msg")).to_contain_text("no client is registered")
+                expect(page.locator("#ask")).to_be_hidden()
+                assert len(cb.hits) == 2
+                # Framed by another page, it never shows.
+                page.goto(cb.url)
+                page.evaluate(
+                    "(src) => new Promise((done) => { const f = document.createElement('iframe');"
+                    " f.onload = () => done(); f.src = src; document.body.appendChild(f); })",
+                    authorize_url(reg["client_id"], "framed")[0],
+                )
+                framed = page.frames[1]
+                assert framed.url.startswith("chrome-error://") or not framed.query_selector(
+                    "#allow"
+                )
+                context.close()
+        finally:
+            cb.close()
+
+    def test_a_share_link_in_a_fresh_browser(self, tmp_path, browser):
+        browser, expect = browser
+        with running(tmp_path) as server:
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            owner = owner_headers(setup)
+            text = (
+                "# Grandma's pie\n\nMix **apples** and *butter*; "
+                "see [the shop](https://shop.example).\n\n- [x] apples\n- [ ] sugar\n\n"
+                "> keep it warm\n\n```\n<script>alert(1)</script>\n```\n\n"
+                "| step | minutes |\n|---|---|\n| bake | 40 |\n\n<img src=x onerror=alert(2)>\n"
+                "\n![the pie](../attachments/pie.png) ![elsewhere](https://img.example/x.png)\n"
+            )
+            put = urllib.request.Request(
+                f"{server.url}{API}/attachments/attachments%2Fpie.png",
+                tiny_png(),
+                {**owner, "Content-Type": "application/octet-stream"},
+                method="PUT",
+            )
+            urllib.request.urlopen(put, timeout=30).close()
+            server.request("POST", f"{API}/notes", {"path": "notes/pie.md", "content": text}, owner)
+            _, _, made = server.request("POST", f"{API}/shares", {"path": "notes/pie.md"}, owner)
+            context = browser.new_context()  # no key, no storage
+            page = context.new_page()
+            dialogs, sent = [], []
+            page.on("dialog", lambda d: (dialogs.append(d.message), d.dismiss()))
+            page.on("request", lambda r: sent.append((r.url, r.headers)))
+            page.goto(made["data"]["url"])
+            expect(page.locator("article h1")).to_have_text("Grandma's pie")
+            assert page.title() == "Grandma's pie"
+            expect(page.locator("article strong")).to_have_text("apples")
+            expect(page.locator("article li")).to_have_count(2)
+            assert page.locator("article input[type=checkbox]").first.is_checked()
+            assert page.locator("article a").get_attribute("rel") == "noopener noreferrer nofollow"
+            expect(page.locator("article pre")).to_have_text("<script>alert(1)</script>")
+            expect(page.locator("article td")).to_have_count(2)
+            assert "<img src=x onerror=alert(2)>" in page.inner_text("article")
+            image = page.locator("article img")
+            expect(image).to_have_count(1)  # the note's own attachment; never another host's
+            assert image.get_attribute("alt") == "the pie"
+            page.wait_for_function("document.querySelector('article img').complete")
+            assert image.evaluate("(img) => img.naturalWidth") == 1
+            assert "[image: elsewhere]" in page.inner_text("article")
+            assert dialogs == []
+            page.screenshot(path=str(tmp_path / "share.png"), full_page=True)
+            assert all(
+                "x-service-key" not in h and "authorization" not in h and not h.get("referer")
+                for _, h in sent
+            )
+            origins = {urllib.parse.urlsplit(u).netloc for u, _ in sent}
+            assert origins == {urllib.parse.urlsplit(server.url).netloc}
+            # A revoked link says so.
+            _, _, listed = server.request("GET", f"{API}/shares", headers=owner)
+            share_id = listed["data"]["shares"][0]["id"]
+            server.request("DELETE", f"{API}/shares/{share_id}", headers=owner)
+            page.reload()
+            expect(page.locator("#msg")).to_contain_text("expired or been revoked")
+            expect(page.locator("article")).to_be_empty()
+            context.close()
+
+
 class TestSelfRelay:
     def test_relay_prefix_answers_like_the_api(self, anon, client):
         sid = anon.app.service.state.read()["serverId"]
@@ -10226,6 +12292,131 @@ class TestRelayAttachments:
             ("GET", "/api/v1/notes/x", 200),
         ):
             assert not notesvc.relayed_download(*args)
+
+
+class TestGrantsThroughTheRelay:
+    @pytest.fixture
+    def pair(self, tmp_path):
+        relay = Server(tmp_path / "relay", "relay", env={"SERVICE_RELAY_TIMEOUT": "5"})
+        server = Server(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url})
+        try:
+            wait_for(lambda: relay_servers(relay) == 1)
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            yield relay, server, setup
+        finally:
+            server.stop()
+            relay.stop()
+
+    def test_metadata_documents_name_the_relay(self, pair):
+        relay, _, setup = pair
+        sid = setup["serverId"]
+        base = f"{relay.url}/r/{sid}"
+        status, headers, raw = get_raw(
+            f"{relay.url}/.well-known/oauth-protected-resource/r/{sid}/api/v1/mcp"
+        )
+        assert status == 200
+        assert headers["Content-Type"].startswith("application/json")
+        assert json.loads(raw) == {
+            "resource": f"{base}/api/v1/mcp",
+            "authorization_servers": [base],
+            "scopes_supported": ["notes:read", "notes:write"],
+            "bearer_methods_supported": ["header"],
+            "resource_name": "notesvc",
+        }
+        for name in ("oauth-authorization-server", "openid-configuration"):
+            status, _, raw = get_raw(f"{relay.url}/.well-known/{name}/r/{sid}")
+            asm = json.loads(raw)
+            assert status == 200
+            assert asm["issuer"] == base
+            assert asm["token_endpoint"] == f"{base}/oauth/token"
+        status, _, _ = get_raw(f"{relay.url}/.well-known/oauth-authorization-server/r/{'a' * 20}")
+        assert status == 504  # no such server connected
+
+    def test_oauth_flow_and_pages_through_the_relay(self, pair):
+        relay, _server, setup = pair
+        sid = setup["serverId"]
+        base = f"{relay.url}/r/{sid}"
+        # The consent page is the relay's own copy, whatever the server would send.
+        status, headers, page = get_raw(f"{base}/oauth/authorize?client_id=x")
+        assert status == 200
+        assert page == notesvc.consent_page().encode()
+        assert headers["X-Frame-Options"] == "DENY"
+        assert "frame-ancestors 'none'" in headers["Content-Security-Policy"]
+        assert get_raw(f"{relay.url}/r/NOT-AN-ID/oauth/authorize")[0] == 404
+        # Registration and tokens are forwarded to the server.
+        status, _, reg = relay.request(
+            "POST", f"/r/{sid}/oauth/register", {"redirect_uris": [CALLBACK], "client_name": "Far"}
+        )
+        assert status == 201
+        cid = reg["client_id"]
+        verifier, challenge = pkce_pair()
+        approval = {
+            "clientId": cid,
+            "redirectUri": CALLBACK,
+            "codeChallenge": challenge,
+            "scope": "notes:read",
+            "resource": f"{base}/api/v1/mcp",
+        }
+        status, _, body = relay.request(
+            "POST", f"/r/{sid}{API}/oauth/approve", approval, owner_headers(setup)
+        )
+        assert status == 200, body
+        query = urllib.parse.parse_qs(urllib.parse.urlsplit(body["data"]["redirect"]).query)
+        assert query["iss"] == [base]
+        form = {
+            "grant_type": "authorization_code",
+            "code": query["code"][0],
+            "client_id": cid,
+            "redirect_uri": CALLBACK,
+            "code_verifier": verifier,
+            "resource": f"{base}/api/v1/mcp",
+        }
+        status, tokens = post_oauth_form(f"{base}/oauth/token", form)
+        assert status == 200
+        assert tokens["scope"] == "notes:read"
+        status, again = post_oauth_form(f"{base}/oauth/token", form)
+        assert (status, again["error"]) == (400, "invalid_grant")
+        status, _ = post_oauth_form(f"{base}/oauth/revoke", {"token": tokens["refresh_token"]})
+        assert status == 200
+        assert get_raw(f"{base}/oauth/token")[0] == 405
+
+    def test_a_share_link_through_the_relay(self, pair):
+        relay, server, setup = pair
+        sid = setup["serverId"]
+        owner = owner_headers(setup)
+        note = {"path": "notes/p.md", "content": "# P\n\n![pic](../attachments/p.png)\n"}
+        relay.request("POST", f"/r/{sid}{API}/notes", note, owner)
+        put = urllib.request.Request(
+            f"{relay.url}/r/{sid}{API}/attachments/attachments%2Fp.png",
+            PNG,
+            {**owner, "Content-Type": "application/octet-stream"},
+            method="PUT",
+        )
+        with urllib.request.urlopen(put, timeout=30) as resp:
+            assert resp.status == 201
+        status, _, body = relay.request(
+            "POST", f"/r/{sid}{API}/shares", {"path": "notes/p.md"}, owner
+        )
+        url = body["data"]["url"]
+        assert status == 201
+        assert url.startswith(f"{relay.url}/r/{sid}/s/")
+        status, headers, page = get_raw(url)
+        assert status == 200
+        assert page == notesvc.share_page().encode()
+        assert headers["Referrer-Policy"] == "no-referrer"
+        assert "noindex" in headers["X-Robots-Tag"]
+        token = url.rsplit("/", 1)[1]
+        status, _, raw = get_raw(f"{relay.url}/r/{sid}{API}/shared/{token}")
+        assert status == 200
+        assert json.loads(raw)["data"]["title"] == "P"
+        image = f"{relay.url}/r/{sid}{API}/shared/{token}/attachments/attachments/p.png"
+        status, headers, raw = get_raw(image)
+        assert (status, raw, headers["Content-Type"]) == (200, PNG, "image/png")
+        assert headers["Content-Security-Policy"] == notesvc.RELAY_ANSWER_CSP
+        assert get_raw(f"{relay.url}/r/{sid}/s/..%2F..%2Fetc")[0] == 404
+        # A share made directly in relay mode names the relay too.
+        status, _, direct = server.request("POST", f"{API}/shares", {"path": "notes/p.md"}, owner)
+        assert direct["data"]["url"].startswith(f"{relay.url}/r/{sid}/s/")
 
 
 class TestSystem:
@@ -11076,7 +13267,7 @@ class TestMcp:
     def test_a_crash_behind_a_json_rpc_route_is_32603_with_the_request_id(self, root, caplog):
         cfg = notesvc.load_config(env=make_env(root))
         service = notesvc.build_service(cfg).start()
-        extra = (notesvc.Route("POST", "/boom-rpc", _boom, jsonrpc=True),)
+        extra = (notesvc.Route("POST", "/boom-rpc", _boom, jsonrpc=True, scope="read"),)
         app = webtest.TestApp(notesvc.NotesApp(service, notesvc.ROUTES + extra))
         key = service.state.read()["apiKey"]
         resp = app.post(f"{API}/boom-rpc", "{}", headers={"X-API-Key": key}, status=500)
@@ -11326,6 +13517,265 @@ class TestMcpServer:
         assert version == MODERN
         assert set(tools) == {n for n, t in notesvc.TOOLS.items() if t.read_only}
         assert note.structured_content["title"] == "Garden"
+
+
+class TestGrantsOnMcp:
+    """OAuth tokens and scoped keys on /api/v1/mcp: the challenge, the audience, the scope,
+    the folder."""
+
+    @pytest.fixture
+    def server(self, make_app):
+        client = with_key(make_app(SERVICE_MCP_WRITE="true"))
+        for path, text in FOLDER_NOTES.items():
+            put_note(client, path, text)
+        return client
+
+    def test_no_credential_is_401_with_the_challenge(self, anon):
+        resp = anon.post(f"{API}/mcp", "{}", {"Content-Type": "application/json"}, status=401)
+        assert resp.headers["WWW-Authenticate"] == (
+            'Bearer resource_metadata="http://localhost:80/.well-known/oauth-protected-resource'
+            '/api/v1/mcp", scope="notes:read"'
+        )
+        assert resp.json["jsonrpc"] == "2.0"
+        assert "error" in resp.json
+        sid = anon.app.service.state.read()["serverId"]
+        relayed = anon.post(
+            f"/r/{sid}{API}/mcp", "{}", {"Content-Type": "application/json"}, status=401
+        )
+        meta = re.search(r'resource_metadata="([^"]+)"', relayed.headers["WWW-Authenticate"]).group(
+            1
+        )
+        assert (
+            meta == f"http://localhost:80/.well-known/oauth-protected-resource/r/{sid}/api/v1/mcp"
+        )
+        assert anon.get(meta.split(":80", 1)[1]).json["resource"] == (
+            f"http://localhost:80/r/{sid}/api/v1/mcp"
+        )
+        wrong = bearer(anon, "nsa_" + "x" * 43).post(
+            f"{API}/mcp", "{}", {"Content-Type": "application/json"}, status=401
+        )
+        assert 'error="invalid_token"' in wrong.headers["WWW-Authenticate"]
+        rest = anon.get(f"{API}/notes", status=401)
+        assert "WWW-Authenticate" not in rest.headers
+
+    def test_a_token_works_on_mcp_for_its_own_url_only(self, server):
+        _, t = tokens_for(server, server)
+        mcp = bearer(server, t["access_token"])
+        assert "search_notes" in listed_tools(mcp)
+        sid = server.app.service.state.read()["serverId"]
+        answer = rpc(mcp.__class__(server.app), "tools/list")  # no credential at all
+        assert answer["error"]
+        elsewhere = mcp.post(
+            f"/r/{sid}{API}/mcp",
+            json.dumps({"jsonrpc": "2.0", "id": 1, "method": "tools/list"}),
+            {"Content-Type": "application/json"},
+            status=401,
+        )
+        assert 'error="invalid_token"' in elsewhere.headers["WWW-Authenticate"]
+
+    def test_an_expired_token_is_401_with_the_challenge(self, server, root):
+        _, t = tokens_for(server, server)
+        state_file = root / ".notesvc" / "state.json"
+        state = json.loads(state_file.read_text())
+        state["grants"][0]["accessExpiresAt"] = "2020-01-01T00:00:00.000Z"
+        state_file.write_text(json.dumps(state))
+        resp = bearer(server, t["access_token"]).post(
+            f"{API}/mcp", "{}", {"Content-Type": "application/json"}, status=401
+        )
+        assert resp.headers["WWW-Authenticate"].startswith('Bearer resource_metadata="')
+
+    def test_a_read_token_cannot_call_write_tools(self, server, root):
+        _, t = tokens_for(server, server)  # notes:read, while SERVICE_MCP_WRITE is on
+        mcp = bearer(server, t["access_token"])
+        assert listed_tools(mcp) == {n for n, tool in notesvc.TOOLS.items() if tool.read_only}
+        for name, args in (
+            ("create_note", {"path": "notes/x.md", "content": "x"}),
+            ("append_to_note", {"path": "notes/top.md", "text": "x"}),
+            ("delete_note", {"path": "notes/top.md"}),
+        ):
+            answer = rpc(mcp, "tools/call", {"name": name, "arguments": args})
+            assert answer["error"]["code"] == -32602
+            assert "reading only" in answer["error"]["message"]
+        assert not (root / "notes/x.md").exists()
+        assert (root / "notes/top.md").read_text() == FOLDER_NOTES["notes/top.md"]
+        writer = bearer(
+            server, tokens_for(server, server, "notes:read notes:write")[1]["access_token"]
+        )
+        assert (
+            ok_tool(writer, "create_note", path="notes/x.md", content="x")["path"] == "notes/x.md"
+        )
+
+    def test_a_folder_token_sees_its_folder_through_every_tool(self, server):
+        _, t = tokens_for(server, server, "notes:read notes:write", folder="notes/family")
+        mcp = bearer(server, t["access_token"])
+        hits = ok_tool(mcp, "search_notes", query="apple")
+        assert {h["path"] for h in hits["results"]} == {
+            "notes/family/a.md",
+            "notes/family/sub/b.md",
+        }
+        assert hits["total"] == 2
+        assert {r["id"] for r in ok_tool(mcp, "search", query="apple")["results"]} == {
+            "notes/family/a.md",
+            "notes/family/sub/b.md",
+        }
+        tree = ok_tool(mcp, "list_folder", depth=5)
+        assert paths_in(tree) == {"notes/family/a.md", "notes/family/sub/b.md"}
+        changes = ok_tool(mcp, "recent_changes")
+        assert {c["path"] for c in changes["changes"]} == {
+            "notes/family/a.md",
+            "notes/family/sub/b.md",
+        }
+        assert ok_tool(mcp, "list_tags")["tags"] == [{"tag": "common", "count": 2}]
+        assert ok_tool(mcp, "read_note", path="notes/family/a.md")["title"] == "Apple pie"
+        for name, args in (
+            ("read_note", {"path": "notes/work/c.md"}),
+            ("fetch", {"id": "notes/family/../work/c.md"}),
+            ("search_notes", {"query": "apple", "folder": "notes/work"}),
+            ("list_folder", {"path": "notes/work"}),
+            ("create_note", {"path": "notes/work/new.md", "content": "x"}),
+            ("update_note", {"path": "notes/work/c.md", "content": "x", "etag": '"0"'}),
+            (
+                "move_note",
+                {"path": "notes/family/a.md", "newPath": "notes/work/a.md", "etag": '"0"'},
+            ),
+            ("delete_note", {"path": "notes/top.md"}),
+            ("replace_in_note", {"path": "notes/work/c.md", "old": "secret", "new": "public"}),
+        ):
+            tool_refused(mcp, name, "NOT_FOUND", **args)
+        assert ok_tool(mcp, "create_note", path="notes/family/new.md", content="n")["path"]
+
+    def test_a_scoped_key_works_on_mcp_in_every_header(self, server):
+        key = new_grant(server, "read", "notes/family")["key"]
+        for headers in (
+            {"X-Service-Key": key},
+            {"X-API-Key": key},
+            {"Authorization": f"Bearer {key}"},
+        ):
+            answer = rpc(
+                server.__class__(server.app),
+                "tools/call",
+                {"name": "search_notes", "arguments": {"query": "apple"}},
+                **headers,
+            )
+            assert {h["path"] for h in answer["result"]["structuredContent"]["results"]} == {
+                "notes/family/a.md",
+                "notes/family/sub/b.md",
+            }
+
+    def test_the_agent_of_a_read_key_gets_no_write_tools(self, make_app):
+        model = ToolModel(
+            lambda messages: [("search_notes", {"query": "apple"})],
+            lambda messages: "Found: " + last_tool_results(messages)[0],
+        )
+        try:
+            client = with_key(
+                make_app(
+                    SERVICE_AGENT_PROVIDER="openai",
+                    SERVICE_AGENT_BASE_URL=model.url + "/v1",
+                    SERVICE_AGENT_MODEL="tool-llama",
+                    SERVICE_AGENT_WRITE="true",
+                )
+            )
+            for path, text in FOLDER_NOTES.items():
+                put_note(client, path, text)
+            member = as_key(client, new_grant(client, "read", "notes/family")["key"])
+            d = data(member.post_json(f"{API}/agent/chat", {"message": "apple"}))
+            offered = {t["function"]["name"] for t in model.requests[0]["json"]["tools"]}
+            assert offered
+            assert all(notesvc.TOOLS[name].read_only for name in offered)
+            assert paths_in(d)
+            assert all(map(inside_family, paths_in(d)))
+            assert all(map(inside_family, paths_in(model.requests)))  # nothing else was sent
+        finally:
+            model.close()
+
+
+class TestSdkOAuth:
+    """The official MCP SDK's OAuth client is the judge: directly and through a real relay."""
+
+    def session(self, mcp_url: str, key: str):
+        async def steps(session, provider):
+            tools = [t.name for t in (await session.list_tools()).tools]
+            hit = await session.call_tool("search_notes", {"query": "tomatoes"})
+            first = provider.context.current_tokens
+            provider.context.token_expiry_time = time.time() - 1  # the hour is up: refresh
+            again = await session.call_tool("read_note", {"path": "notes/garden.md"})
+            return tools, hit, first, provider.context.current_tokens, again
+
+        return sdk_oauth_session(mcp_url, key, steps)
+
+    def check(self, mcp_url: str, key: str, log_to: Path):
+        (tools, hit, first, second, again), transcript, _ = self.session(mcp_url, key)
+        (log_to / "sdk-oauth-transcript.txt").write_text("\n".join(transcript) + "\n")
+        assert set(tools) == {n for n, t in notesvc.TOOLS.items() if t.read_only}
+        assert hit.is_error is False
+        assert hit.structured_content["results"][0]["path"] == "notes/garden.md"
+        assert again.structured_content["content"].startswith("# Garden")
+        assert second.refresh_token != first.refresh_token  # rotated
+        assert second.access_token != first.access_token
+        steps = [line.split(" -> ")[0].split(" ", 1)[-1] for line in transcript]
+        base, path = mcp_url.split("/api/v1/mcp")[0], urllib.parse.urlsplit(mcp_url).path
+        origin = (
+            f"{urllib.parse.urlsplit(mcp_url).scheme}://{urllib.parse.urlsplit(mcp_url).netloc}"
+        )
+        issuer_path = urllib.parse.urlsplit(base).path
+        for expected in (
+            mcp_url,
+            f"{origin}/.well-known/oauth-protected-resource{path}",
+            f"{origin}/.well-known/oauth-authorization-server{issuer_path}",
+            f"{base}/oauth/register",
+            f"{base}/oauth/token",
+        ):
+            assert expected in steps, (expected, transcript)
+        assert f"POST {mcp_url} -> 401" in transcript
+        assert sum(s == f"{base}/oauth/token" for s in steps) == 2  # the code, then a refresh
+        # Revocation: the grant ends; the MCP endpoint answers 401 with the challenge.
+        status, answer = post_oauth_form(f"{base}/oauth/revoke", {"token": second.refresh_token})
+        assert (status, answer) == (200, {})
+        status, headers = mcp_with_token(mcp_url, second.access_token)
+        assert status == 401
+        assert headers["WWW-Authenticate"] == (
+            f'Bearer resource_metadata="{origin}/.well-known/oauth-protected-resource{path}", '
+            'scope="notes:read", error="invalid_token"'
+        )
+        status, _ = mcp_with_token(mcp_url, first.access_token)
+        assert status == 401
+        return transcript
+
+    def test_the_sdk_authorises_itself_directly(self, tmp_path):
+        with running(tmp_path / "srv") as server:
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            server.request(
+                "POST",
+                f"{API}/notes",
+                {"path": "notes/garden.md", "content": "# Garden\n\nPlant tomatoes in May."},
+                owner_headers(setup),
+            )
+            self.check(f"{server.url}{API}/mcp", setup["apiKey"], tmp_path)
+            _, _, keys = server.request("GET", f"{API}/auth/keys", headers=owner_headers(setup))
+            assert keys["data"]["keys"] == []  # revoked
+
+    def test_the_sdk_authorises_itself_through_a_relay(self, tmp_path):
+        relay = Server(tmp_path / "relay", "relay", env={"SERVICE_RELAY_TIMEOUT": "10"})
+        try:
+            with running(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url}) as server:
+                wait_for(lambda: relay_servers(relay) == 1)
+                setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+                server.request(
+                    "POST",
+                    f"{API}/notes",
+                    {"path": "notes/garden.md", "content": "# Garden\n\nPlant tomatoes in May."},
+                    owner_headers(setup),
+                )
+                url = setup["links"]["relayApiBase"] + "/mcp"
+                assert url.startswith(f"{relay.url}/r/")
+                transcript = self.check(url, setup["apiKey"], tmp_path)
+                assert all(
+                    line.startswith(("consent", "authorize")) or relay.url in line
+                    for line in transcript
+                )
+        finally:
+            relay.stop()
 
 
 class TestCli:

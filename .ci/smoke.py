@@ -15,6 +15,7 @@ import subprocess
 import sys
 import tempfile
 import threading
+import urllib.error
 import urllib.parse
 import urllib.request
 
@@ -100,6 +101,31 @@ def main() -> int:
             with urllib.request.urlopen(req, timeout=20) as resp:
                 tool_hits = json.loads(resp.read())["result"]["structuredContent"]["results"]
             check([r["path"] for r in tool_hits] == [note["path"]], tool_hits)
+            # Grants (issue 19): a read key for one folder, a share link, the OAuth metadata.
+            body = {"name": "smoke", "scope": "read", "folder": "notes/smoke"}
+            grant = call(base, "POST", "/auth/keys", key, body)
+            seen = call(base, "GET", "/notes", grant["key"])["notes"]
+            check([n["path"] for n in seen] == [note["path"]], seen)
+            try:
+                call(
+                    base,
+                    "POST",
+                    "/notes",
+                    grant["key"],
+                    {"path": "notes/smoke/x.md", "content": ""},
+                )
+                check(False, "a read key created a note")
+            except urllib.error.HTTPError as e:
+                e.close()
+                check(e.code == 403, e.code)
+            link = call(base, "POST", "/shares", key, {"path": note["path"]})["url"]
+            token = link.rsplit("/s/", 1)[1]
+            check(call(base, "GET", f"/shared/{token}")["title"] == "Debian", link)
+            origin = base.rsplit("/api/v1", 1)[0]
+            with urllib.request.urlopen(
+                origin + "/.well-known/oauth-authorization-server", timeout=20
+            ) as r:
+                check(json.loads(r.read())["issuer"] == origin, "OAuth metadata")
             proc.send_signal(signal.SIGTERM)
             status = proc.wait(20)
             reader.join(5)
@@ -109,7 +135,10 @@ def main() -> int:
             if proc.poll() is None:
                 proc.kill()
                 proc.wait()
-    print("smoke: start, setup, link, create, search, MCP tool call, stop (SIGTERM -> 0): ok")
+    print(
+        "smoke: start, setup, link, create, search, MCP tool call, a folder key, a share link, "
+        "OAuth metadata, stop (SIGTERM -> 0): ok"
+    )
     return 0
 
 
