@@ -6269,16 +6269,23 @@ def visible_attachment(store: Any, raw: Any, principal: Principal | None = None)
     return path
 
 
-def visible_folder(raw: Any, principal: Principal | None = None, top: str = NOTES) -> str:
-    """Return the folder a listing of `raw` shows a grant: raw itself inside its folder, the
-    grant's folder for an ancestor of it; 404 for any other folder. `top` (notes or
-    attachments) by default."""
+def visible_folder(
+    svc: Service, raw: Any, principal: Principal | None = None, top: str = NOTES
+) -> str:
+    """Return the folder a listing of `raw` shows a grant: raw itself inside its folder (no
+    symbolic link on the way), the grant's folder for an ancestor of it; 404 for any other
+    folder. `top` (notes or attachments) by default."""
     principal = principal or request_principal()
     own = principal.folder if top == NOTES else principal.attachments_folder
     if own and isinstance(raw, str) and {".", ".."} & set(raw.split("/")):
         raise not_found(f"no folder at {raw[:MAX_PATH_CHARS]}")
     folder = (folder_path if top == NOTES else attachment_folder)(raw or top)
-    if not own or folder == own or folder.startswith(own + "/"):
+    if not own or folder == own:
+        return folder
+    if folder.startswith(own + "/"):
+        base = svc.attachments.base
+        on_disk = svc.notes.on_disk if top == NOTES else (lambda p: base / p)
+        _no_link_below(on_disk, own, folder, "folder")
         return folder
     if folder == top or own.startswith(folder + "/"):
         return own
@@ -6290,7 +6297,7 @@ def granted_tree(
 ) -> dict:
     """Return the tree of a folder as the request's grant sees it (`depth` and `count` as
     NoteStore.tree takes them): a folder above the grant's own holds only the way down."""
-    folder = visible_folder(raw)  # a folder grant's own, or 404
+    folder = visible_folder(svc, raw)  # a folder grant's own, or 404
     asked = folder_path(raw)
     if folder == asked:
         return svc.notes.tree(folder, depth, count)
@@ -6460,16 +6467,31 @@ def fetch_client_metadata(
     if not addrs or refused:
         shown = refused[0] if refused else "nothing"
         raise ValueError(f"{parts.hostname} resolves to {shown}, which is not a public address")
-    deadline = time.monotonic() + timeout
+    deadline, opened = time.monotonic() + timeout, []
 
     class Pinned(http.client.HTTPSConnection):
         def connect(self) -> None:  # to the address checked; TLS still names the host
             sock = socket.create_connection((str(addrs[0]), self.port), timeout)
-            self.sock = self._context.wrap_socket(sock, server_hostname=self.host)
+            self.sock = self._context.wrap_socket(
+                sock, server_hostname=self.host, do_handshake_on_connect=False
+            )
+            opened.append(self.sock)  # the response keeps it after the connection lets go
+            self.sock.do_handshake()
 
     conn = Pinned(
         parts.hostname, port, timeout=timeout, context=context or ssl.create_default_context()
     )
+    expired = threading.Event()
+
+    def cut() -> None:  # the socket's time-out bounds each read; this, the whole fetch
+        expired.set()
+        for sock in opened:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    watchdog = threading.Timer(timeout, cut)
+    watchdog.daemon = True
+    watchdog.start()
     try:
         target = urllib.parse.urlunsplit(("", "", parts.path, parts.query, ""))
         conn.request("GET", target, headers={"Accept": "application/json"})
@@ -6489,10 +6511,15 @@ def fetch_client_metadata(
         if len(raw) > limit:
             raise ValueError(f"it is over {limit} bytes")
     except (OSError, http.client.HTTPException, ssl.SSLError) as e:
+        if expired.is_set():
+            raise ValueError(f"it took over {timeout:g} s") from None
         reason = "timed out" if isinstance(e, (socket.timeout, TimeoutError)) else type(e).__name__
         raise ValueError(f"it could not be fetched ({reason})") from None
     finally:
+        watchdog.cancel()
         conn.close()
+    if expired.is_set():  # cut short: what arrived is not the document
+        raise ValueError(f"it took over {timeout:g} s")
     try:
         doc = json.loads(raw.decode("utf-8"))
     except (UnicodeDecodeError, ValueError):
@@ -6656,12 +6683,13 @@ class GrantStore:
 
     def counts(self) -> dict:
         """Return how many grants there are of each kind, and registered OAuth clients."""
-        data = self.state.read()
-        kinds = collections.Counter(g["kind"] for g in data.get("grants", []))
+        data, now = self.state.read(), self.clock()
+        live = [g for g in data.get("grants", []) if _epoch(g.get("expiresAt")) > now]
+        kinds = collections.Counter(g["kind"] for g in live)
         return {
             "key": kinds["key"],
             "oauth": kinds["oauth"],
-            "share": len(data.get("shares", [])),
+            "share": sum(_epoch(s["expiresAt"]) > now for s in data.get("shares", [])),
             "oauthClients": len(data.get("oauthClients", {})),
         }
 
@@ -6710,10 +6738,11 @@ class GrantStore:
         def change(data: dict) -> None:
             clients = data.setdefault("oauthClients", {})
             stale = now - OAUTH_CLIENT_UNUSED_DAYS * 86400
+            holding = {g["client"]["id"] for g in data.get("grants", []) if g["kind"] == "oauth"}
             for cid in [
                 c
                 for c, r in clients.items()
-                if _epoch(r.get("lastUsedAt") or r["createdAt"]) < stale
+                if _epoch(r.get("lastUsedAt") or r["createdAt"]) < stale and c not in holding
             ]:
                 del clients[cid]
             unused = sorted(
@@ -6934,6 +6963,9 @@ class GrantStore:
                 if scope and parse_oauth_scope(scope) == "write" and g["scope"] != "write":
                     return "scope", g
                 g["usedRefresh"] = [*g.get("usedRefresh", []), h][-20:]
+                client = data.get("oauthClients", {}).get(client_id)
+                if client is not None:  # in use: never dropped as unused
+                    client["lastUsedAt"] = iso(now)
                 return "ok", self._tokens(g, now)
             return "gone", None
 
@@ -6991,13 +7023,17 @@ class GrantStore:
         return {**{k: share[k] for k in keys}, "createdBy": share.get("grantId") or "owner"}
 
     def shares(self, principal: Principal) -> list:
-        """Return the share links a principal sees: a grant its own, the owner all."""
+        """Return the share links a principal sees: a grant its own (while their notes are
+        in its folder), the owner all."""
         now = self.clock()
         return [
             self.share_record(s)
             for s in self.state.read().get("shares", [])
             if _epoch(s["expiresAt"]) > now
-            and (principal.kind == "owner" or s.get("grantId") == principal.grant_id)
+            and (
+                principal.kind == "owner"
+                or (s.get("grantId") == principal.grant_id and principal.sees(s["path"]))
+            )
         ]
 
     def revoke_share(self, share_id: str, principal: Principal) -> bool:
@@ -7015,14 +7051,21 @@ class GrantStore:
         self.state.update(change)
         return True
 
-    def shared(self, token: str) -> dict | None:
-        """Return the live share a token opens (None: unknown, expired or revoked)."""
+    def shared(self, token: str) -> tuple | None:
+        """Return (the live share a token opens, whom it reads as: the owner, or the grant
+        that made it); None when unknown, expired or revoked, or when that grant is."""
         if not SHARE_TOKEN_RE.match(token or ""):
             return None
         h, now = key_hash(token), self.clock()
-        for s in self.state.read().get("shares", []):
+        data = self.state.read()
+        for s in data.get("shares", []):
             if hmac.compare_digest(s["tokenHash"], h) and _epoch(s["expiresAt"]) > now:
-                return s
+                if not s.get("grantId"):
+                    return s, OWNER
+                for g in data.get("grants", []):
+                    if g["id"] == s["grantId"] and _epoch(g.get("expiresAt")) > now:
+                        return s, Principal(g["kind"], g["scope"], g.get("folder") or "", g["id"])
+                return None
         return None
 
     def on_note_event(self, event: str, path: str, detail: Any) -> None:
@@ -7790,12 +7833,16 @@ def tool(
 
 def available_tools(svc: Service, writes: bool) -> list:
     """Return the tools this app offers: read-only ones, write ones when `writes` and the
-    request's grant may write, each only while its plugin is on."""
-    writes = writes and request_principal().allows("write")
+    request's grant may write, each only while its plugin is on. A folder grant gets the
+    built-in tools only: they keep it in its folder, a plugin's tool may not."""
+    who = request_principal()
+    writes = writes and who.allows("write")
     return [
         t
         for t in svc.tools.values()
-        if (writes or t.read_only) and (not t.plugin or svc.plugin_enabled(t.plugin))
+        if (writes or t.read_only)
+        and (not t.plugin or svc.plugin_enabled(t.plugin))
+        and (not who.folder or TOOLS.get(t.name) is t)
     ]
 
 
@@ -10133,7 +10180,7 @@ def _hit_lines(data: dict) -> str:
 )
 def tool_search_notes(svc: Service, query: str, limit: int = 10, folder: str = "") -> dict:
     parsed = Query(query)
-    folder = visible_folder(folder or NOTES)  # a folder grant's by default
+    folder = visible_folder(svc, folder or NOTES)  # a folder grant's by default
     total, hits = svc.index.search(parsed, "" if folder == NOTES else folder, limit, 0)
     results = [{"path": p, "title": t, "snippet": sn, "score": sc} for p, t, sc, sn in hits]
     return {"results": results, "total": total}
@@ -16405,7 +16452,7 @@ def create_note(svc: Service) -> dict:
 
 def list_notes(svc: Service) -> dict:
     raw = query_str("folder") or NOTES
-    folder = visible_folder(raw)  # a folder grant's own, or 404
+    folder = visible_folder(svc, raw)  # a folder grant's own, or 404
     asked = folder_path(raw)
     limit = query_int("limit", 100, 1, 1000)
     offset = query_int("offset", 0, 0, 10**9)
@@ -16633,7 +16680,7 @@ def get_attachment(svc: Service, path: str):
 
 def list_attachments(svc: Service) -> dict:
     raw = query_str("folder") or ATTACHMENTS
-    folder = visible_folder(raw, top=ATTACHMENTS)  # a folder grant's own, or 404
+    folder = visible_folder(svc, raw, top=ATTACHMENTS)  # a folder grant's own, or 404
     asked = attachment_folder(raw)
     limit = query_int("limit", 100, 1, 1000)
     offset = query_int("offset", 0, 0, 10**9)
@@ -16841,7 +16888,7 @@ def list_changes(svc: Service) -> dict:
 def search_notes(svc: Service) -> dict:
     started = time.perf_counter()
     query = Query(query_str("q"))
-    folder = visible_folder(query_str("folder") or NOTES)  # a folder grant's by default
+    folder = visible_folder(svc, query_str("folder") or NOTES)  # a folder grant's by default
     folder = "" if folder == NOTES else folder
     limit = query_int("limit", 20, 1, 100)
     offset = query_int("offset", 0, 0, 10000)
@@ -17153,7 +17200,9 @@ def _tools_call(svc: Service, name: Any, arguments: Any) -> dict:
     offered = {t.name: t for t in available_tools(svc, svc.config.mcp_write)}
     if name not in offered:
         known = svc.tools.get(name)
-        if known is not None and not known.read_only and not svc.config.mcp_write:
+        if known is not None and request_principal().folder and TOOLS.get(name) is not known:
+            why = f"{name} is a plugin's tool: a connection to one folder gets the built-in tools"
+        elif known is not None and not known.read_only and not svc.config.mcp_write:
             why = f"{name} changes notes: the owner has not allowed that (SERVICE_MCP_WRITE)"
         elif known is not None and not known.read_only:
             why = f"{name} changes notes: this connection was granted reading only"
@@ -17574,20 +17623,33 @@ def _public_limit(svc: Service) -> str:
     return addr
 
 
-def _shared_note(svc: Service, token: str) -> dict:
+def _shared_note(svc: Service, token: str) -> tuple:
+    """Return (the shared note's record, whom the link reads as). A link made by a grant
+    reads as that grant: only while the note is in its folder, only what it may see."""
     addr = _public_limit(svc)
     bottle.response.set_header("X-Robots-Tag", "noindex, nofollow")
     bottle.response.set_header("Referrer-Policy", "no-referrer")
-    share = svc.grants.shared(token)
-    if share is None:
+    found = svc.grants.shared(token)
+    if found is None:
         svc.grants.share_misses.fail(addr)
         raise not_found("nothing is shared at this link (it may have expired or been revoked)")
+    share, reader = found
     try:
-        return svc.notes.get(share["path"])
+        return svc.notes.get(visible_note(svc.notes, share["path"], reader)), reader
     except ApiError as e:
         if e.status_code == 404:
             raise not_found("the shared note no longer exists") from None
         raise
+
+
+def _readable_attachments(svc: Service, rec: dict, reader: Principal) -> dict:
+    """Return {href: attachment path} of the attachments a share link of rec may load: the
+    ones it links, that the link's reader may see."""
+    found = {}
+    for href, path in shared_attachments(rec["path"], rec["content"]).items():
+        with contextlib.suppress(ApiError):
+            found[href] = visible_attachment(svc.attachments, path, reader)
+    return found
 
 
 def shared_attachments(path: str, text: str) -> dict:
@@ -17610,19 +17672,20 @@ def shared_attachments(path: str, text: str) -> dict:
 
 
 def get_shared(svc: Service, token: str) -> dict:
-    rec = _shared_note(svc, token)
+    rec, reader = _shared_note(svc, token)
     return {
         "title": rec["title"],
         "content": rec["content"],
         "modified": rec["modified"],
-        "attachments": shared_attachments(rec["path"], rec["content"]),
+        "attachments": _readable_attachments(svc, rec, reader),
     }
 
 
 def get_shared_attachment(svc: Service, token: str, path: str):
-    """An attachment the shared note links (no other), as GET /attachments/:path serves it."""
-    rec = _shared_note(svc, token)
-    if path not in shared_attachments(rec["path"], rec["content"]).values():
+    """An attachment the shared note links (no other) and its link's reader may see, as
+    GET /attachments/:path serves it."""
+    rec, reader = _shared_note(svc, token)
+    if path not in _readable_attachments(svc, rec, reader).values():
         raise not_found("the shared note links no such attachment")
     return get_attachment(svc, path)
 

@@ -2059,9 +2059,12 @@ class WebSession:
         expect(self.page.locator("#path")).to_contain_text(path)
 
     def dialog_choose(self, value: str) -> None:
-        self.page.wait_for_selector("#dlg[open]")
-        self.page.click(f'#dlg-buttons button[data-value="{value}"]')
-        self.page.wait_for_selector("#dlg", state="hidden")
+        """Answer the open dialog, then wait until it is answered: closed, or (a question
+        asked from another dialog, such as the keys screen) back to what it showed before."""
+        button = self.page.locator(f'#dlg[open] #dlg-buttons button[data-value="{value}"]')
+        button.evaluate("b => { b.dataset.chosen = '1'; }")
+        button.click()
+        self.page.wait_for_function("() => !document.querySelector('#dlg[open] [data-chosen]')")
 
     def api_calls(self, suffix: str) -> list:
         return [r for r in self.requests if urllib.parse.urlsplit(r.url).path.endswith(suffix)]
@@ -2384,7 +2387,8 @@ def oauth_error(resp, status: int, error: str) -> str:
 class LocalTls:
     """A loopback HTTPS stand-in for a client's metadata host (a self-signed certificate).
 
-    `routes`: path -> (status, headers, body, seconds to stall before the body).
+    `routes`: path -> (status, headers, body, seconds to stall before the body[, seconds
+    between the body's bytes]).
     """
 
     def __init__(self, tmp: Path):
@@ -2420,7 +2424,7 @@ class LocalTls:
 
         class Handler(http.server.BaseHTTPRequestHandler):
             def do_GET(self):
-                status, headers, body, pause = tls.routes.get(self.path, (404, {}, b"", 0))
+                status, headers, body, pause, *drip = tls.routes.get(self.path, (404, {}, b"", 0))
                 self.send_response(status)
                 for name, value in headers.items():
                     self.send_header(name, value)
@@ -2429,7 +2433,10 @@ class LocalTls:
                 if pause:
                     time.sleep(pause)
                 with contextlib.suppress(OSError):
-                    self.wfile.write(body)
+                    for part in [body[i : i + 1] for i in range(len(body))] if drip else [body]:
+                        self.wfile.write(part)
+                        self.wfile.flush()
+                        time.sleep(drip[0] if drip else 0)
 
             def log_message(self, *args):
                 pass
@@ -6623,6 +6630,59 @@ class TestFolderGrants:
             everything = paths_in(data(call(owner)))
             assert everything - set(filter(inside_family, everything)), url
 
+    def test_a_symbolic_link_in_the_folder_lists_nothing_outside_it(self, family, root):
+        _, member = family
+        (root / "notes/family/link").symlink_to(root / "notes/work", target_is_directory=True)
+        (root / "attachments/family/link").symlink_to(root / "attachments/work")
+        for url in (
+            "/notes?folder=notes/family/link",
+            "/folders/tree/notes%2Ffamily%2Flink",
+            "/folders/tree/notes%2Ffamily%2Flink%2F?depth=1",
+            "/search?q=apple&folder=notes/family/link",
+            "/attachments?folder=attachments/family/link",
+        ):
+            resp = member.get(API + url, status="*")
+            assert resp.status_int == 404, url
+            assert "notes/work" not in resp.text, url
+            assert "w.png" not in resp.text, url
+        answer = rpc(
+            member,
+            "tools/call",
+            {"name": "list_folder", "arguments": {"path": "notes/family/link"}},
+        )
+        assert "notes/work" not in json.dumps(answer)
+        answer = rpc(
+            member,
+            "tools/call",
+            {
+                "name": "search_notes",
+                "arguments": {"query": "apple", "folder": "notes/family/link"},
+            },
+        )
+        assert "notes/work" not in json.dumps(answer)
+
+    def test_a_plugins_tool_is_not_offered_to_a_folder_grant(self, make_app, root):
+        folder = root / ".notesvc" / "plugins"
+        folder.mkdir(parents=True)
+        (folder / "everything.py").write_text(
+            "import notesvc\n"
+            "@notesvc.tool('all_paths', 'every path')\n"
+            "def all_paths(svc):\n"
+            "    return {'paths': svc.index.paths()}\n"
+            "PLUGIN = notesvc.Plugin(name='everything')\n"
+        )
+        client = with_key(make_app())
+        put_note(client, "notes/work/secret.md", "s")
+        put_note(client, "notes/family/a.md", "a")
+        assert "all_paths" in listed_tools(client)
+        member = as_key(client, new_grant(client, "read", "notes/family")["key"])
+        reader = as_key(client, new_grant(client, "read")["key"])
+        assert "all_paths" not in listed_tools(member)
+        assert "all_paths" in listed_tools(reader)  # a grant to everything may use it
+        answer = rpc(member, "tools/call", {"name": "all_paths", "arguments": {}})
+        assert "notes/work/secret.md" not in json.dumps(answer)
+        assert "plugin's tool" in json.dumps(answer)
+
     def test_listings_count_only_the_folder(self, family):
         _, member = family
         assert data(member.get(f"{API}/notes"))["total"] == 2
@@ -6904,6 +6964,38 @@ class TestShareLinks:
         assert_error(anon.get(f"{API}/shared/{self.token(third)}", status=404), 404, "NOT_FOUND")
         put_note(client, "notes/recipes/pie.md", "a new note at the same path")  # not shared
         assert_error(anon.get(f"{API}/shared/{self.token(third)}", status=404), 404, "NOT_FOUND")
+
+    def test_a_folder_keys_link_reads_as_that_key(self, client, anon, root):
+        upload(client, "attachments/work/secret.png", data=PNG + b"secret")
+        upload(client, "attachments/family/p.png")
+        member = as_key(client, new_grant(client, "write", "notes/family")["key"])
+        text = "![a](/attachments/work/secret.png)\n![b](../../attachments/family/p.png)\n"
+        member.post_json(f"{API}/notes", {"path": "notes/family/leak.md", "content": text})
+        token = self.token(
+            data(member.post_json(f"{API}/shares", {"path": "notes/family/leak.md"}))
+        )
+        shared = data(anon.get(f"{API}/shared/{token}"))
+        assert shared["attachments"] == {
+            "../../attachments/family/p.png": "attachments/family/p.png"
+        }
+        anon.get(f"{API}/shared/{token}/attachments/attachments/family/p.png", status=200)
+        for path in ("attachments/work/secret.png", "attachments%2Fwork%2Fsecret.png"):
+            got = anon.get(f"{API}/shared/{token}/attachments/{path}", status=404)
+            assert b"secret" not in got.body
+        # Moved out of the key's folder by the owner: the link reads nothing, and the key's
+        # list of links does not name where the note went.
+        client.patch_json(note_url("notes/family/leak.md") + "/move", {"path": "notes/work/l.md"})
+        assert_error(anon.get(f"{API}/shared/{token}", status=404), 404, "NOT_FOUND")
+        assert data(member.get(f"{API}/shares"))["shares"] == []
+        client.patch_json(note_url("notes/work/l.md") + "/move", {"path": "notes/family/l.md"})
+        assert data(anon.get(f"{API}/shared/{token}"))["content"] == text
+        # The key expires: its links end with it.
+        state_file = root / ".notesvc" / "state.json"
+        state = json.loads(state_file.read_text())
+        state["grants"][0]["expiresAt"] = "2020-01-01T00:00:00.000Z"
+        state_file.write_text(json.dumps(state))
+        assert_error(anon.get(f"{API}/shared/{token}", status=404), 404, "NOT_FOUND")
+        assert data(client.get(f"{API}/security/config"))["grants"]["key"] == 0
 
     def test_a_moved_note_keeps_its_link(self, shared, anon):
         client, d = shared
@@ -7584,6 +7676,7 @@ class TestClientMetadataDocuments:
                 "/moved": (302, {"Location": tls.url("/app.json")}, b"", 0),
                 "/big": (200, {}, b"{" + b" " * 70000 + b"}", 0),
                 "/slow": (200, {}, b"{}", 2),
+                "/drip": (200, {}, b"{" + b" " * 60 + b"}", 0, 0.1),  # never a read time-out
                 "/list": (200, {}, b"[]", 0),
                 "/text": (200, {}, b"hello", 0),
                 "/gone": (410, {}, b"", 0),
@@ -7596,8 +7689,12 @@ class TestClientMetadataDocuments:
             with pytest.raises(ValueError, match="over 65536 bytes"):
                 tls.fetch("/big")
             started = time.monotonic()
-            with pytest.raises(ValueError, match="timed out"):
+            with pytest.raises(ValueError, match=r"timed out|took over"):
                 tls.fetch("/slow", timeout=0.5)
+            assert time.monotonic() - started < 2
+            started = time.monotonic()  # a byte now and then: the whole fetch is timed
+            with pytest.raises(ValueError, match=r"took over 0\.5 s"):
+                tls.fetch("/drip", timeout=0.5)
             assert time.monotonic() - started < 2
             with pytest.raises(ValueError, match="not a JSON object"):
                 tls.fetch("/list")
