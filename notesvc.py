@@ -9912,10 +9912,10 @@ def rewrite_links(
 def update_links(svc: Service, old: str, new: str, linking: set) -> list:
     """Rewrite the links to `old` (a note or an attachment) in each linking note (one atomic
     write each); a moved note's own relative links are rebased too."""
-    note = old.startswith(f"{NOTES}/")
-    resolver = LinkResolver(
-        [*svc.index.paths(), *([old] if note else [])],
-        [*svc.attachments.paths(), *([] if note else [old])],
+    note, sees = old.startswith(f"{NOTES}/"), request_principal().sees
+    resolver = LinkResolver(  # a folder grant's: what the rewritten text shows is its own
+        [p for p in [*svc.index.paths(), *([old] if note else [])] if sees(p)],
+        [p for p in [*svc.attachments.paths(), *([] if note else [old])] if sees(p)],
     )
     changed = []
     for source in sorted(linking | ({new} if note else set())):
@@ -12404,6 +12404,9 @@ async function connect(typed) {
     }
     const remember = $("remember").checked || getItem("local", "notesvc.key") !== null;
     setItem(remember ? "local" : "session", "notesvc.key", state.key);
+    // Beside the key, the API it opens: the consent page offers the key only to that API
+    // (on a relay's origin, other servers' consent pages share this storage).
+    setItem(remember ? "local" : "session", "notesvc.keyFor", state.base);
     $("key").value = "";
     $("login").hidden = true;
     $("app").hidden = false;
@@ -12420,8 +12423,10 @@ function toKeyScreen(message) {
   keepDraft();
   feedRun++;
   state.key = "";
-  removeItem("session", "notesvc.key");
-  removeItem("local", "notesvc.key");
+  for (const kind of ["session", "local"]) {
+    removeItem(kind, "notesvc.key");
+    removeItem(kind, "notesvc.keyFor");
+  }
   $("app").hidden = true;
   $("login").hidden = false;
   $("login-msg").textContent = message || "";
@@ -15084,9 +15089,15 @@ async function load() {
   $("host").textContent = facts.redirectHost;
   if (!facts.writeAllowed) $("write-row").classList.add("hidden");
   else if (facts.scope === "write") $("scope-write").checked = true;
-  let kept = ""; // the web client's key on this origin, if it keeps one (session or device)
+  // The web client's key on this origin (session or device), offered only when it was kept
+  // for this very server's API: on a relay, every server's consent page has this origin.
+  let kept = "";
   try {
-    kept = sessionStorage.getItem("notesvc.key") || localStorage.getItem("notesvc.key") || "";
+    for (const store of [sessionStorage, localStorage]) {
+      if (!kept && store.getItem("notesvc.keyFor") === api) {
+        kept = store.getItem("notesvc.key") || "";
+      }
+    }
   } catch (e) {
     /* storage is off in this browser */
   }

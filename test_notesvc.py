@@ -6666,6 +6666,19 @@ class TestFolderGrants:
         )
         assert "notes/work" not in json.dumps(answer)
 
+    def test_a_move_with_updated_links_tells_nothing_of_other_folders(self, family):
+        _, member = family
+        text = "[a](../work/c.md) [b](../work/nothere.md) ![c](../../attachments/work/w.png)"
+        put_note(member, "notes/family/probe.md", text)
+        moved = data(
+            member.patch_json(
+                note_url("notes/family/probe.md") + "/move",
+                {"path": "notes/family/sub/probe.md", "updateLinks": True},
+            )
+        )
+        assert moved["content"] == text  # an existing note elsewhere is not told by a rewrite
+        assert "notes/family/sub/probe.md" not in moved.get("linksUpdated", [])
+
     def test_a_plugins_tool_is_not_offered_to_a_folder_grant(self, make_app, root):
         folder = root / ".notesvc" / "plugins"
         folder.mkdir(parents=True)
@@ -11553,6 +11566,58 @@ class TestWebClient:
         assert "kumquat" in on_disk.read_text()
         assert {u.startswith(relay.url + "/") for u in requested} == {True}
         assert f"{relay.url}/r/{setup['serverId']}{API}/folders/tree?depth=1" in requested
+
+    def test_another_servers_consent_page_on_the_relay_never_gets_the_key(self, browser, tmp_path):
+        """On a relay every server's consent page shares the relay's origin, where the web
+        client keeps its key: only the page of the server that key opens offers it."""
+        relay = Server(tmp_path / "relay", "relay")
+        mine = Server(tmp_path / "mine", env={"SERVICE_RELAY_URL": relay.url})
+        other = Server(tmp_path / "other", env={"SERVICE_RELAY_URL": relay.url})
+        try:
+            wait_for(lambda: relay_servers(relay) == 2)
+            setup = mine.request("GET", f"{API}/system/setup")[2]["data"]
+            sids = {
+                "mine": setup["serverId"],
+                "other": other.request("GET", f"{API}/system/setup")[2]["data"]["serverId"],
+            }
+
+            def consent_url(sid: str) -> str:
+                reg = relay.request(
+                    "POST", f"/r/{sid}/oauth/register", {"redirect_uris": [CALLBACK]}
+                )[2]
+                _, challenge = pkce_pair()
+                q = urllib.parse.urlencode(
+                    {
+                        "response_type": "code",
+                        "client_id": reg["client_id"],
+                        "redirect_uri": CALLBACK,
+                        "code_challenge": challenge,
+                        "code_challenge_method": "S256",
+                        "resource": f"{relay.url}/r/{sid}{API}/mcp",
+                    }
+                )
+                return f"{relay.url}/r/{sid}/oauth/authorize?{q}"
+
+            for remember in (False, True):
+                s = WebSession(browser, tmp_path, "phone")
+                page = s.page
+                page.goto(setup["links"]["connect"]["hosted"])
+                if remember:
+                    page.check("#remember")
+                page.fill("#key", setup["apiKey"])
+                page.click("#connect")
+                page.wait_for_selector("#app", state="visible")
+                page.goto(consent_url(sids["other"]))  # the same tab: its session storage
+                expect(page.locator("#ask")).to_be_visible()
+                assert page.input_value("#key") == ""
+                page.goto(consent_url(sids["mine"]))
+                expect(page.locator("#ask")).to_be_visible()
+                assert page.input_value("#key") == setup["apiKey"]
+                s.close()
+        finally:
+            other.stop()
+            mine.stop()
+            relay.stop()
 
 
 class TestWebClientGrants:
