@@ -13995,6 +13995,38 @@ class TestCli:
 class TestCliSafety:
     """Issue 10, items 6, 10, 11, 13: the CLI is safe as root, honest, and self-explaining."""
 
+    @pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="needs /proc")
+    @pytest.mark.parametrize("options", [["-I", "-Xfaulthandler"], ["-Xfaulthandler"]])
+    def test_the_script_runs_as_the_module_with_the_same_options(self, tmp_path, options):
+        """`python notesvc.py` hands over (same process) to an interpreter that imports the
+        file as `notesvc`, so the script's syntax tree is not kept; its options go along."""
+        (tmp_path / "cwd").mkdir()
+        (tmp_path / "cwd" / "secrets.py").write_text("raise SystemExit('shadowed')\n")
+        args = ["--root", str(tmp_path / "r"), "--host", "127.0.0.1", "--port", "0"]
+        proc = subprocess.Popen(
+            [sys.executable, *options, NOTESVC, *args],
+            cwd=tmp_path / "cwd",  # a module here never shadows the standard library's
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            lines = []
+            for line in proc.stderr:
+                lines.append(line)
+                if "listening on" in line:
+                    break
+            assert any("listening on" in line for line in lines), lines
+            argv = Path(f"/proc/{proc.pid}/cmdline").read_bytes().split(b"\0")[:-1]
+            dash_c = argv.index(b"-c")
+            assert argv[0] == sys.executable.encode()
+            assert set(map(str.encode, options)) <= set(argv[1:dash_c])
+            assert argv[dash_c + 2 :] == [os.path.abspath(NOTESVC).encode(), *map(str.encode, args)]
+        finally:
+            proc.terminate()
+            assert proc.wait(30) == 0
+            proc.stderr.close()
+
     @pytest.mark.parametrize("command", ["audit", "rotate-key"])
     def test_command_on_root_without_state_refuses_and_creates_nothing(self, tmp_path, command):
         typo = tmp_path / "typo"
