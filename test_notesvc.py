@@ -12931,19 +12931,25 @@ class TestServer:
             assert body["data"]["setupComplete"] is True
 
     def test_falls_back_to_wsgiref_without_waitress(self, tmp_path):
-        code = (
-            "import sys, runpy; sys.modules['waitress'] = None;"
-            "sys.modules['waitress.server'] = None;"
-            "sys.argv = ['notesvc', '--host', '127.0.0.1', '--port', '0',"
-            f" '--root', {str(tmp_path)!r}];"
-            f"runpy.run_path({NOTESVC!r}, run_name='__main__')"
-        )
+        hidden = tmp_path / "no-waitress" / "waitress"  # found first, and fails as if absent
+        hidden.mkdir(parents=True)
+        (hidden / "__init__.py").write_text("raise ImportError('waitress is hidden here')\n")
+        path = os.pathsep.join([str(hidden.parent), os.environ.get("PYTHONPATH", "")])
         proc = subprocess.Popen(
-            [sys.executable, "-c", code],
+            [
+                sys.executable,
+                NOTESVC,
+                "--host",
+                "127.0.0.1",
+                "--port",
+                "0",
+                "--root",
+                str(tmp_path / "root"),
+            ],
             stderr=subprocess.PIPE,
             stdout=subprocess.DEVNULL,
             text=True,
-            env={**os.environ, "SERVICE_RESCAN_SECONDS": "0"},
+            env={**os.environ, "SERVICE_RESCAN_SECONDS": "0", "PYTHONPATH": path},
         )
         try:
             lines = []
