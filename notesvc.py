@@ -213,6 +213,15 @@ def _url(raw: str) -> str:
     return raw
 
 
+def _domain(raw: str) -> str:
+    """Parse a DNS name (SERVICE_RELAY_DOMAIN): lower-case labels, at least two of them."""
+    name = raw.strip().lower().rstrip(".")
+    label = r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?"
+    if name and (len(name) > 200 or not re.fullmatch(rf"{label}(?:\.{label})+", name)):
+        raise ValueError(f"{raw!r} is not a domain name such as relay.example.org")
+    return name
+
+
 def _origins(raw: str) -> tuple:
     origins = tuple(o.strip().rstrip("/") for o in raw.split(",") if o.strip())
     for origin in origins:
@@ -457,6 +466,14 @@ SETTINGS = (
         "relay role: registrations accepted per client address and minute",
     ),
     Setting(
+        "relay_domain",
+        "SERVICE_RELAY_DOMAIN",
+        "",
+        "",
+        _domain,
+        "relay role: serve each server on its own origin <serverId>.<domain> (wildcard DNS)",
+    ),
+    Setting(
         "relay_max_idle_per_address",
         "SERVICE_RELAY_MAX_IDLE_PER_ADDRESS",
         "",
@@ -569,6 +586,7 @@ class Config:
     relay_max_queue: int
     relay_timeout: float
     relay_registrations_per_minute: int
+    relay_domain: str
     relay_max_idle_per_address: int
     max_attachment_bytes: int
     transcribe_url: str
@@ -792,12 +810,6 @@ def redact(secret: str, keep: int = 4) -> str:
         return ""
     prefix = KEY_PREFIX if secret.startswith(KEY_PREFIX) else ""
     return f"{prefix}…{secret[-keep:]}" if len(secret) > keep + len(prefix) + 4 else "…"
-
-
-def new_relay_code() -> str:
-    alphabet = "ABCDEFGHJKMNPQRSTVWXYZ23456789"
-    chars = [secrets.choice(alphabet) for _ in range(12)]
-    return "-".join("".join(chars[i : i + 4]) for i in (0, 4, 8))
 
 
 def fsync_dir(folder: Path) -> None:
@@ -1084,6 +1096,23 @@ def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not allowed in JSON")
 
 
+# Blank text (CONTRACT 3): nothing left once every Unicode White_Space character and every
+# C0/C1 control character is removed. The OpenAPI document states the same rule as a pattern
+# (one character outside this class), so a schema-valid value is never refused as empty.
+BLANK_CLASS = r"\u0000-\u0020\u007f-\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
+NOT_BLANK_PATTERN = f"[^{BLANK_CLASS}]"
+_NOT_BLANK_RE = re.compile(NOT_BLANK_PATTERN)
+
+
+def is_blank(text: str) -> bool:
+    """Return whether text holds nothing but white space and control characters.
+
+    >>> is_blank(" \u001e\u3000"), is_blank("\u200bx")
+    (True, False)
+    """
+    return _NOT_BLANK_RE.search(text) is None
+
+
 def field(body: dict, name: str, kind: type = str, required: bool = True, max_len: int = 0):
     """Return body[name] checked for type (and length for strings); 400 otherwise."""
     if name not in body or body[name] is None:
@@ -1099,6 +1128,24 @@ def field(body: dict, name: str, kind: type = str, required: bool = True, max_le
 
 
 _TYPE_NAMES = {str: "string", int: "whole number", bool: "boolean", dict: "object", list: "list"}
+
+
+def request_header(name: str, default: Any = None) -> Any:
+    """Return a request header's text: its UTF-8 reading, else the bytes as Latin-1 text.
+
+    Never raises (bottle's get_header does on bytes that are not UTF-8): such a value
+    matches no ETag and parses as no range, so Range, If-Range and If-None-Match act as if
+    absent, and an If-Match made of them fails as any other mismatch.
+    """
+    environ = bottle.request.environ
+    key = name.upper().replace("-", "_")
+    raw = environ.get(key if key in ("CONTENT_TYPE", "CONTENT_LENGTH") else "HTTP_" + key)
+    if raw is None:
+        return default
+    try:
+        return raw.encode("latin-1").decode("utf-8")
+    except UnicodeError:
+        return raw
 
 
 def query_str(name: str, default: str = "") -> str:
@@ -2592,6 +2639,10 @@ class HistoryStore:
     """
 
     HEAD = "head"
+    # Where the versions a move brought in were saved (lines "<version id> <path>"): a folder
+    # grant sees only those saved inside its folder. A version not named was saved at the
+    # path the history folder belongs to.
+    ORIGINS = "origins"
 
     def __init__(self, folder: Path, max_versions: int, days: int, clock: Callable = time.time):
         self.folder = folder
@@ -2767,13 +2818,17 @@ class HistoryStore:
         self._changed(src)
         self._changed(dst)
         ids = [v for v in self.ids(src) if until_us is None or int(v[:16]) <= until_us]
+        origins = self._origins(src)
+        came = {vid: origins.get(vid, old) for vid in ids}
         if not copy and until_us is None and src.is_dir() and not dst.exists():
-            os.replace(src, dst)  # the whole folder, head included
+            os.replace(src, dst)  # the whole folder, head and origins included
             fsync_dir(self.folder)
+            self._write_origins(dst, {**origins, **came})
             return
         if not ids:
             return
         dst = self._folder(new)
+        self._write_origins(dst, {**self._origins(dst), **came})  # before the versions land
         for vid in ids:
             if (dst / vid).exists():  # the same id: the same content
                 if not copy:
@@ -2790,6 +2845,26 @@ class HistoryStore:
             self.drop_head(old)
             with contextlib.suppress(OSError):
                 src.rmdir()
+
+    def _origins(self, folder: Path) -> dict:
+        """Return {version id: the path it was saved at} for versions moved into folder."""
+        try:
+            text = (folder / self.ORIGINS).read_text("utf-8")
+        except (OSError, UnicodeDecodeError):
+            return {}
+        pairs = (line.partition(" ") for line in text.splitlines())
+        return {vid: path for vid, _, path in pairs if VERSION_ID_RE.match(vid) and path}
+
+    def _write_origins(self, folder: Path, origins: dict) -> None:
+        """Keep the origins of the versions still in folder (atomic, private)."""
+        here = set(self._list(folder))
+        lines = "".join(f"{v} {p}\n" for v, p in sorted(origins.items()) if v in here)
+        if lines:
+            atomic_write(folder / self.ORIGINS, lines.encode("utf-8"), mode=0o600)
+
+    def saved_at(self, path: str, vid: str) -> str:
+        """Return the path the note had when version vid of the note at path was saved."""
+        return self._origins(self.dir_of(path)).get(vid, path)
 
     # -- the copy of the current content ----------------------------------------------
 
@@ -2846,10 +2921,14 @@ class HistoryStore:
             "reason": m.group(2),
         }
 
-    def versions(self, path: str) -> list:
-        """Return the note's versions, newest first (no content)."""
+    def versions(self, path: str, sees: Callable | None = None) -> list:
+        """Return the note's versions, newest first (no content); with `sees`, only those
+        saved at a path sees(path) accepts (a folder grant's)."""
         folder, found = self.dir_of(path), []
+        origins = self._origins(folder) if sees else {}
         for vid in reversed(self.ids(folder)):
+            if sees and not sees(origins.get(vid, path)):
+                continue
             with contextlib.suppress(OSError):  # pruned meanwhile
                 found.append(self.describe(vid, os.stat(folder / vid).st_size))
         return found
@@ -2869,6 +2948,9 @@ class HistoryStore:
         many versions were removed."""
         removed = self.prune(folder)
         self._changed(folder)  # what the disk says from now on
+        if not self.ids(folder):
+            with contextlib.suppress(OSError):
+                os.unlink(folder / self.ORIGINS)
         for vid in self.ids(folder) if fix_modes else ():
             with contextlib.suppress(OSError):
                 if stat.S_IMODE(os.stat(folder / vid).st_mode) != 0o600:
@@ -5927,6 +6009,17 @@ def relay_server_id(token: str) -> str:
     return base64.b32encode(digest).decode("ascii").lower()[:20]
 
 
+def relay_code_of(token: str) -> str:
+    """Return the relay code a relay token certifies (CONTRACT 22): like the server id,
+    nobody without the token can claim it, on any relay.
+
+    >>> relay_code_of("x" * 43) == relay_code_of("x" * 43) != relay_server_id("x" * 43)[:16]
+    True
+    """
+    digest = hashlib.sha256(b"notesvc-relay-code:" + token.encode("utf-8")).digest()
+    return base64.b32encode(digest).decode("ascii").lower()[:16]
+
+
 class StateError(Exception):
     """The state file exists but cannot be used (start-up stops with its message)."""
 
@@ -5980,6 +6073,10 @@ class StateStore:
             if data.get("serverId"):
                 log.warning("the server id changes once (it now derives from a relay token)")
         data["serverId"] = relay_server_id(data["relayToken"])
+        code = relay_code_of(data["relayToken"])
+        if data.get("relayCode", code) != code:  # a random code of 0.1: connect links change
+            log.warning("the relay code changes once (it now derives from the relay token)")
+        data["relayCode"] = code
         if data.get("keyHash"):
             return
         key, now = new_key(), iso(utcnow())
@@ -5992,7 +6089,6 @@ class StateStore:
             keyCreatedAt=now,
             setupComplete=False,
             linkedClients=[],
-            relayCode=new_relay_code(),
         )
 
     def _signature(self) -> tuple | None:
@@ -6052,14 +6148,10 @@ class StateStore:
 
 
 def rotate_key(data: dict) -> str:
-    """Give the state a new key and relay code; return the key (shown once)."""
+    """Give the state a new key; return the key (shown once). The relay code stays: it
+    derives from the relay token, and only finds the server (it opens nothing)."""
     key = new_key()
-    data.update(
-        keyHash=key_hash(key),
-        keyHint=key[-4:],
-        keyCreatedAt=iso(utcnow()),
-        relayCode=new_relay_code(),
-    )
+    data.update(keyHash=key_hash(key), keyHint=key[-4:], keyCreatedAt=iso(utcnow()))
     if data.get("setupComplete"):
         data.pop("apiKey", None)
     else:
@@ -7362,11 +7454,28 @@ class Service:
     def relay_url(self, environ: dict) -> str:
         return self.config.relay_url or self.base_url(environ)
 
+    def relay_origin(self) -> str:
+        """Return this server's own origin on its relay, https://<serverId>.<domain>, when
+        the relay it is paired with has per-server origins (else "")."""
+        if not self.config.relay_url:
+            return ""
+        known = self.state.read().get("relayOrigin") or {}
+        return known.get("origin", "") if known.get("relay") == self.config.relay_url else ""
+
+    def relay_base(self, environ: dict) -> str:
+        """Return where browsers and links reach this server through its relay: its own
+        origin there, else {relay}/r/<serverId> (path-based)."""
+        origin = self.relay_origin()
+        return origin or f"{self.relay_url(environ)}/r/{self.state.read()['serverId']}"
+
     def issuer(self, environ: dict) -> str:
-        """Return the OAuth issuer (and share-link base) a request sees: the base URL, or
-        {relay}/r/<serverId> for one that came through a relay or the /r/<id> prefix."""
+        """Return the OAuth issuer (and share-link base) a request sees: the base URL, the
+        server's own origin on its relay for a request that came that way, or
+        {relay}/r/<serverId> for one that came through a relay's or this server's /r/<id>."""
         script = environ.get("SCRIPT_NAME", "")
         if environ.get("notesvc.relayed") and self.config.relay_url:
+            if environ.get("notesvc.relay_origin"):
+                return environ["notesvc.relay_origin"]
             return self.config.relay_url + script
         return self.base_url(environ) + script
 
@@ -8422,7 +8531,7 @@ def validate_channel_config(provider: ChannelProvider, config: Any) -> dict:
     out = {}
     for f in provider.fields:
         value = config.get(f.name)
-        if value is None or value == "" or value == []:
+        if value is None or value == [] or (isinstance(value, str) and is_blank(value)):
             if f.required:
                 raise bad_request(f"config.{f.name} is required for {provider.name}")
             out[f.name] = f.empty()
@@ -12204,8 +12313,13 @@ const enc = encodeURIComponent;
 const NARROW = window.matchMedia("(max-width: 799px)");
 
 // -- storage: the key for the session (or this device, if asked); drafts on this device --
+// On a relay's shared origin (a relay without per-server origins, which marks the page)
+// every server's page shares one storage: nothing is kept there at all.
+
+const SHARED_ORIGIN = document.documentElement.dataset.origin === "shared";
 
 function storage(kind) {
+  if (SHARED_ORIGIN) return null;
   try {
     return kind === "local" ? window.localStorage : window.sessionStorage;
   } catch (e) {
@@ -12240,6 +12354,7 @@ function removeItem(kind, name) {
 const state = {
   base: "", // the API base on this origin: /api/v1, or /r/<serverId>/api/v1
   key: "",
+  keyBase: "", // the API base the key was given for: it is sent nowhere else
   path: null, // the open note
   etag: null, // the ETag the editor's text was loaded from (sent as If-Match)
   saved: "", // the note's text as last loaded or saved
@@ -12322,6 +12437,9 @@ async function api(method, path, body, headers, opts) {
   if (!state.base || !ownOrigin(url)) {
     throw new Problem(0, "REFUSED", "Refused: the API is not on this page's origin.");
   }
+  if (state.key && state.keyBase !== state.base) {
+    throw new Problem(0, "REFUSED", "Refused: this key was given for another server.");
+  }
   const h = Object.assign({"X-Service-Key": state.key}, headers || {});
   const raw = body instanceof Blob; // an upload goes as it is, with its own type
   if (body !== undefined && !raw) h["Content-Type"] = "application/json";
@@ -12403,6 +12521,11 @@ async function resolveBase(code) {
         : "Pairing failed" + (j.error ? ": " + j.error.message : "."),
     );
   }
+  const origin = String(j.data.origin || "");
+  if (origin && !ownOrigin(origin) && /^https?:\/\/[a-z2-7]{20}\./.test(origin)) {
+    location.assign(origin + "/"); // that server's own page on its relay: its key goes there
+    throw new Error("Opening that server's own page…");
+  }
   const given = String(j.data.relayApiBase || "").replace(/\/$/, "");
   if (given && ownOrigin(given)) return new URL(given, location.href).pathname.replace(/\/$/, "");
   const id = String(j.data.serverId || ""); // the server's relay prefix, on this origin
@@ -12418,6 +12541,17 @@ function relayCodeGiven() {
   ).trim();
 }
 
+// The key kept on this device (session or local storage) and the API base it was given for.
+function keptKey() {
+  for (const kind of ["session", "local"]) {
+    const key = getItem(kind, "notesvc.key");
+    const base = getItem(kind, "notesvc.keyFor");
+    if (key && base && ownOrigin(base) && !/^[a-z]+:/i.test(base)) return {key, base};
+  }
+  return null;
+}
+
+// Connect with the key typed, else the one kept for the same API base (never another's).
 async function connect(typed) {
   const msg = $("login-msg");
   msg.textContent = "";
@@ -12428,12 +12562,16 @@ async function connect(typed) {
       try {
         state.base = await resolveBase(code);
       } catch (e) {
-        // A code changes when the key is rotated: a server this device knows is still there.
-        if (!state.base) throw e;
+        if (!state.base) throw e; // an old code: a server this device knows is still there
       }
     }
     if (!state.base) state.base = new URL("api/v1", location.href).pathname;
-    if (typed) state.key = $("key").value.trim();
+    const kept = keptKey();
+    const given = typed ? $("key").value.trim() : "";
+    if (given) state.key = given;
+    else if (kept && kept.base === state.base) state.key = kept.key;
+    else state.key = "";
+    state.keyBase = state.key ? state.base : "";
     if (!state.key) {
       msg.textContent = "Paste the API key first.";
       return;
@@ -12487,6 +12625,7 @@ function toKeyScreen(message) {
   keepDraft();
   feedRun++;
   state.key = "";
+  state.keyBase = "";
   for (const kind of ["session", "local"]) {
     removeItem(kind, "notesvc.key");
     removeItem(kind, "notesvc.keyFor");
@@ -13146,16 +13285,34 @@ async function findAttachment(name) {
 }
 
 // An attachment needs the key, which an <img src> cannot send: fetch it, show it as a blob.
+// A blob: URL is a document of this origin when opened alone, so only a picture, a sound or
+// a video keeps its type; an SVG (which may hold script) is shown from a data: URL instead,
+// whose document, opened alone, has no origin of its own to read.
 const attachmentUrls = new Map();
 function attachmentUrl(path) {
   if (!attachmentUrls.has(path)) {
     const url = api("GET", "/attachments/" + enc(path), undefined, undefined, {blob: true}).then(
-      (r) => URL.createObjectURL(r.blob),
+      (r) => inertUrl(r.blob, path),
     );
     url.catch(() => attachmentUrls.delete(path));
     attachmentUrls.set(path, url);
   }
   return attachmentUrls.get(path);
+}
+
+function inertUrl(blob, path) {
+  const type = (blob.type || "").toLowerCase().split(";")[0].trim();
+  if (type === "image/svg+xml" || /\.svg$/i.test(path)) {
+    return new Promise((resolve, reject) => {
+      const reader = new FileReader(); // a relay sends an SVG as octet-stream: say what it is
+      reader.onload = () => resolve(reader.result);
+      reader.onerror = () => reject(reader.error);
+      reader.readAsDataURL(new Blob([blob], {type: "image/svg+xml"}));
+    });
+  }
+  const passive = /^(image|audio|video)\/[a-z0-9.+-]+$/.test(type) && !/(xml|html)/.test(type);
+  const safe = passive ? blob : new Blob([blob], {type: "application/octet-stream"});
+  return URL.createObjectURL(safe);
 }
 
 // [[Name]] resolves as the server does: a path, else the first note of that file name.
@@ -14481,10 +14638,16 @@ wire();
 (function boot() {
   const code = new URLSearchParams(location.search).get("relayCode");
   if (code) $("relay-code").value = code;
-  state.base = getItem("local", "notesvc.base") || "";
+  if (SHARED_ORIGIN) {
+    $("shared-origin").hidden = false;
+    $("remember").closest("label").hidden = true;
+  }
+  const kept = keptKey();
+  state.base = kept ? kept.base : getItem("local", "notesvc.base") || "";
   if (!ownOrigin(state.base) || /^[a-z]+:/i.test(state.base)) state.base = "";
-  state.key = getItem("session", "notesvc.key") || getItem("local", "notesvc.key") || "";
-  if (state.key) connect(false);
+  // A pairing code may name any server: the page waits for a person to connect, and then
+  // sends the kept key only if the code resolves to the API base it was kept for.
+  if (kept && !code) connect(false);
   else $("key").focus();
 })();
 """
@@ -14765,6 +14928,10 @@ WEB_PAGE = """
     your notes. Leave it off on a shared device.</p>
   <button id="connect" class="primary" type="button">Connect</button>
   <p id="login-msg" class="err" role="alert"></p>
+  <p id="shared-origin" class="hint" hidden>This relay gives all its servers one address, so
+    this page keeps nothing on this device: the key is asked for each time, and offline use
+    and pairing are off. The relay's operator can give each server its own address
+    (SERVICE_RELAY_DOMAIN).</p>
   <details id="relay-box">
     <summary>Connecting through a relay?</summary>
     <label for="relay-code">Relay code (from the server's connect link)</label>
@@ -15157,7 +15324,8 @@ async function load() {
   // for this very server's API: on a relay, every server's consent page has this origin.
   let kept = "";
   try {
-    for (const store of [sessionStorage, localStorage]) {
+    const shared = document.documentElement.dataset.origin === "shared"; // a relay's: keep off
+    for (const store of shared ? [] : [sessionStorage, localStorage]) {
       if (!kept && store.getItem("notesvc.keyFor") === api) {
         kept = store.getItem("notesvc.key") || "";
       }
@@ -15267,6 +15435,41 @@ def share_page_headers() -> dict:
     }
 
 
+def shared_origin_page(page: str) -> str:
+    """Return a page marked for a relay's shared origin (a relay without a domain): its
+    script then keeps nothing in browser storage, since every server's page shares it."""
+    return page.replace('<html lang="en"', '<html lang="en" data-origin="shared"', 1)
+
+
+# -- the relay's own page (a relay with per-server origins opens no server on its host) --
+
+RELAY_LANDING_CSS = (
+    "body{font:16px/1.5 system-ui,sans-serif;max-width:34em;margin:3em auto;padding:0 1em}"
+)
+RELAY_LANDING_PAGE = f"""<!doctype html>
+<html lang="en"><head><meta charset="utf-8">
+<meta name="viewport" content="width=device-width, initial-scale=1">
+<meta name="robots" content="noindex">
+<title>notesvc relay</title><style>{RELAY_LANDING_CSS}</style></head>
+<body>
+<h1>notesvc relay</h1>
+<p>This relay passes requests between people and their own notes servers. It keeps no
+notes and no keys, and this page opens nothing of any server.</p>
+<p>To open your notes, use the link your server gives you (its web client, or
+<code>links.connect.hosted</code> in its setup payload): each server has its own address
+here, <code>https://&lt;server id&gt;.&lt;this relay&gt;</code>.</p>
+</body></html>
+""".encode()
+RELAY_LANDING_HEADERS = {
+    "Content-Type": "text/html; charset=utf-8",
+    "Content-Security-Policy": f"default-src 'none'; style-src {_csp_hash(RELAY_LANDING_CSS)}; "
+    "frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "public, max-age=3600",
+}
+
+
 # == Relay ====================================================================
 #
 # A relay lets a server behind NAT be reached without an open port. The server
@@ -15289,8 +15492,14 @@ def share_page_headers() -> dict:
 
 RELAY_POLL_WAIT = 25.0  # seconds a poll is held open
 RELAY_EXPIRY = 90.0  # a server not polling for this long is offline
-RELAY_CODE_TTL = 600.0  # seconds a relay code -> server id mapping is kept
+RELAY_CODE_TTL = 600.0  # a server sends its relay code again at least every third of this
 RELAY_MAX_HEAD = 16384  # bytes of request line and headers
+# Lingering close after an early error (413, 431, a bad Content-Length), by the server and
+# the relay alike (CONTRACT 3): bounded in bytes and in time, so it costs no more than the
+# connection it keeps.
+LINGER_MAX_BYTES = 64 * 1024 * 1024
+LINGER_SECONDS = 10.0
+LINGER_IDLE_SECONDS = 2.0
 RELAY_ID_RE = re.compile(r"^[a-z2-7]{20}$")
 RELAY_CODE_RE = re.compile(r"^[A-Za-z0-9-]{1,64}$")
 _TOKEN_CHARS_RE = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
@@ -15333,6 +15542,7 @@ class RelayRequest:
     body: bytes
     peer: str
     keep_alive: bool
+    server_id: str = ""  # the server whose own origin (Host) the request came to
 
     def header(self, name: str, default: str = "") -> str:
         name = name.lower()
@@ -15421,16 +15631,24 @@ class _RelayServer:
     pollers: deque = dataclasses.field(default_factory=deque)  # futures of waiting polls
     waiting: dict = dataclasses.field(default_factory=dict)  # request id -> future of reply
     last_seen: float = 0.0
+    code: str = ""  # its relay code, once it gave one (held while it is registered)
 
 
 class RelayHub:
-    """Registered servers, their queued requests and waiting clients (one event loop)."""
+    """Registered servers, their queued requests and waiting clients (one event loop).
+
+    A relay code maps only to the server whose token it derives from: nobody can take
+    another's code. A code is held while its server is registered here, or for
+    RELAY_CODE_TTL after a code call (a relay process behind a load balancer that hashes
+    on the code holds codes of servers registered with its peers); code calls count
+    toward the registration rate limit, and at most relay_max_servers codes are held
+    beyond those of the servers registered here.
+    """
 
     def __init__(self, config: Config):
         self.config = config
         self.servers: dict = {}
-        self.codes: dict = {}  # relay code -> (server id, expires at)
-        self.code_of: dict = {}  # server id -> its latest relay code
+        self.codes: dict = {}  # relay code -> (server id, held until: monotonic seconds)
         self.registrations: dict = {}  # client address -> deque of times
         self.closed = False
 
@@ -15446,13 +15664,15 @@ class RelayHub:
         for sid in [s for s, v in self.servers.items() if now - v.last_seen > RELAY_EXPIRY]:
             if not self.servers[sid].pollers:
                 self._drop(sid)
-        for code in [c for c, (_, until) in self.codes.items() if until < now]:
-            sid = self.codes.pop(code)[0]
-            if self.code_of.get(sid) == code:
-                del self.code_of[sid]
+        for code in [c for c, (sid, until) in self.codes.items() if until < now]:
+            slot = self.servers.get(self.codes[code][0])
+            if slot is None or slot.code != code:
+                del self.codes[code]
 
     def _drop(self, sid: str) -> None:
         slot = self.servers.pop(sid)
+        if self.codes.get(slot.code, ("",))[0] == sid:
+            del self.codes[slot.code]
         for fut in slot.waiting.values():  # their clients get a 504 now, not after a time-out
             if not fut.done():
                 fut.set_result(None)
@@ -15466,6 +15686,7 @@ class RelayHub:
         now = time.monotonic()
         self._rate_limit(addr, now)
         self.check_token(server_id, token)
+        self._check_code(relay_code, token)
         self._expire(now)
         slot = self.servers.get(server_id)
         if slot is None:
@@ -15479,7 +15700,10 @@ class RelayHub:
             slot = self.servers[server_id] = _RelayServer()
         slot.last_seen = now
         if relay_code:
-            self._map_code(relay_code, server_id)
+            if slot.code and slot.code != relay_code.lower():
+                self.codes.pop(slot.code, None)
+            slot.code = relay_code.lower()
+            self.codes[slot.code] = (server_id, now + RELAY_CODE_TTL)
 
     def _rate_limit(self, addr: str, now: float) -> None:
         if len(self.registrations) > 10000:
@@ -15497,21 +15721,33 @@ class RelayHub:
             )
         q.append(now)
 
-    def set_code(self, relay_code: str, server_id: str, token: str) -> None:
-        self.check_token(server_id, token)
-        self._map_code(relay_code, server_id)
+    @staticmethod
+    def _check_code(relay_code: str, token: str) -> None:
+        if relay_code and not hmac.compare_digest(relay_code.lower(), relay_code_of(token)):
+            raise ApiError(403, "FORBIDDEN", "this relay token does not certify that relay code")
 
-    def _map_code(self, relay_code: str, server_id: str) -> None:
-        """Map a relay code to a server for RELAY_CODE_TTL; the server's old code goes."""
-        old = self.code_of.get(server_id)
-        if old and old != relay_code and self.codes.get(old, ("",))[0] == server_id:
-            del self.codes[old]
-        self.code_of[server_id] = relay_code
-        self.codes[relay_code] = (server_id, time.monotonic() + RELAY_CODE_TTL)
+    def set_code(self, relay_code: str, server_id: str, token: str, addr: str) -> None:
+        """Hold a code for RELAY_CODE_TTL (a code call is a registration of the code)."""
+        now = time.monotonic()
+        self._rate_limit(addr, now)
+        self.check_token(server_id, token)
+        self._check_code(relay_code, token)
+        self._expire(now)
+        code = relay_code.lower()
+        held = sum(1 for c, (sid, _) in self.codes.items() if c != self._code_of(sid))
+        if code not in self.codes and held >= self.config.relay_max_servers:
+            raise ApiError(
+                429, "RATE_LIMITED", "the relay holds its maximum of codes", {"Retry-After": "60"}
+            )
+        self.codes[code] = (server_id, now + RELAY_CODE_TTL)
+
+    def _code_of(self, server_id: str) -> str:
+        slot = self.servers.get(server_id)
+        return slot.code if slot is not None else ""
 
     def pair(self, relay_code: str) -> str:
         self._expire(time.monotonic())
-        entry = self.codes.get(relay_code.upper()) or self.codes.get(relay_code)
+        entry = self.codes.get(relay_code.lower())
         if entry is None:
             raise not_found("no server is paired under this relay code")
         return entry[0]
@@ -15613,22 +15849,42 @@ class RelayServer:
         self.hub = RelayHub(config)
         self.by_addr: dict = {}  # peer address -> {conn: None} (insertion order: oldest first)
         self.server: asyncio.AbstractServer | None = None
+        self.domain = config.relay_domain  # "": no per-server origins (pages path-based)
+        assets = re.compile("^(" + "|".join(map(re.escape, WEB_ASSETS)) + ")$")
+        prefixed = r"^/r/([^/]+)"
+        # The relay's own host: its API for servers, the path-based JSON routes of every
+        # server (/r/<id>/api/v1, MCP, OAuth's token endpoints and metadata), and pages:
+        # with a domain, a landing page and redirects to each server's own origin; without
+        # one, the pages themselves, which then keep nothing in the browser (CONTRACT 22).
         self.routes = (
             ("GET", re.compile(r"^/health$"), self.health),
-            ("GET", re.compile(r"^/$"), self.web_client),
-            ("GET", re.compile("^(" + "|".join(map(re.escape, WEB_ASSETS)) + ")$"), self.web_asset),
+            ("GET", re.compile(r"^/relay/v1/info$"), self.info),
             ("POST", re.compile(r"^/relay/v1/register/([^/]+)$"), self.register),
             ("GET", re.compile(r"^/relay/v1/poll/([^/]+)$"), self.poll),
             ("POST", re.compile(r"^/relay/v1/reply/([^/]+)/([^/]+)$"), self.reply),
             ("POST", re.compile(r"^/relay/v1/code/([^/]+)$"), self.set_code),
             ("GET", re.compile(r"^/relay/v1/pair/([^/]+)$"), self.pair),
-            ("*", re.compile(r"^/r/([^/]+)(/api/v1(?:/.*)?)$", re.S), self.forward),
-            # OAuth for MCP clients and share links (CONTRACT 21): the server's metadata and
-            # token endpoints are forwarded; the consent and share pages are the relay's own.
+            ("*", re.compile(prefixed + r"(/api/v1(?:/.*)?)$", re.S), self.forward),
             ("GET", RELAYED_WELL_KNOWN_RE, self.forward_well_known),
-            ("POST", re.compile(r"^/r/([^/]+)(/oauth/(?:token|register|revoke))$"), self.forward),
-            ("GET", re.compile(r"^/r/([^/]+)/oauth/authorize$"), self.consent_page),
-            ("GET", re.compile(r"^/r/([^/]+)/s/[A-Za-z0-9_-]{1,64}$"), self.share_page),
+            ("POST", re.compile(prefixed + r"(/oauth/(?:token|register|revoke))$"), self.forward),
+            ("GET", assets, self.web_asset),
+            ("GET", re.compile(r"^/$"), self.landing if self.domain else self.web_client),
+            ("GET", re.compile(prefixed + r"(/oauth/authorize)$"), self.consent_page),
+            ("GET", re.compile(prefixed + r"(/s/[A-Za-z0-9_-]{1,64})$"), self.share_page),
+            ("GET", re.compile(prefixed + r"(/)$"), self.to_origin),
+        )
+        # A server's own origin, <serverId>.<domain>: its pages (the relay's copies), and its
+        # API, WebDAV, OAuth and metadata forwarded as that server's own paths.
+        self.origin_routes = (
+            ("*", re.compile(r"^(/api/v1(?:/.*)?)$", re.S), self.forward_origin),
+            ("*", re.compile(r"^(/dav(?:/.*)?)$", re.S), self.forward_origin),
+            ("POST", re.compile(r"^(/oauth/(?:token|register|revoke))$"), self.forward_origin),
+            ("GET", re.compile(r"^(/\.well-known/[a-z-]+(?:/.*)?)$"), self.forward_origin),
+            ("GET", re.compile(r"^/relay/v1/pair/([^/]+)$"), self.pair),
+            ("GET", assets, self.web_asset),
+            ("GET", re.compile(r"^/$"), self.web_client),
+            ("GET", re.compile(r"^/oauth/authorize$"), self.consent_page),
+            ("GET", re.compile(r"^/s/[A-Za-z0-9_-]{1,64}$"), self.share_page),
         )
 
     # -- connections ---------------------------------------------------------------
@@ -15687,6 +15943,7 @@ class RelayServer:
             return False
         except asyncio.LimitOverrunError:
             await self._send(writer, *self._error(431, "the request head is too large"), False)
+            await self._linger(reader, writer, LINGER_MAX_BYTES)
             return False
         conn.busy = True
         try:
@@ -15696,6 +15953,8 @@ class RelayServer:
                 )
             except _Refuse as e:
                 await self._send(writer, *self._error(e.status, e.message), False)
+                conn.busy = False
+                await self._linger(reader, writer, LINGER_MAX_BYTES)
                 return False
             limit = self._body_limit(path)
             if length > limit:
@@ -15707,6 +15966,8 @@ class RelayServer:
                     ),
                     False,
                 )
+                conn.busy = False
+                await self._linger(reader, writer, min(length, LINGER_MAX_BYTES))
                 return False
             try:
                 body = (
@@ -15729,6 +15990,30 @@ class RelayServer:
             return keep_alive
         finally:
             conn.busy = False
+
+    @staticmethod
+    async def _linger(reader, writer, budget: int) -> None:
+        """After an early error: shut the sending side (the answer is out), then read and
+        discard what the client still sends, up to `budget` bytes, LINGER_SECONDS in all
+        and LINGER_IDLE_SECONDS between reads, so that a client writing its whole body
+        before reading gets the answer instead of a reset (nginx's lingering_close)."""
+        try:
+            if writer.can_write_eof():
+                writer.write_eof()
+        except (OSError, RuntimeError):
+            return
+        deadline = time.monotonic() + LINGER_SECONDS
+        while budget > 0:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                return
+            try:
+                chunk = await asyncio.wait_for(reader.read(65536), min(left, LINGER_IDLE_SECONDS))
+            except (asyncio.TimeoutError, OSError, asyncio.LimitOverrunError, ValueError):
+                return
+            if not chunk:
+                return
+            budget -= len(chunk)
 
     async def _send(self, writer, status: int, headers: list, body: bytes, keep_alive: bool):
         writer.write(http_response(status, headers, body, keep_alive))
@@ -15771,9 +16056,20 @@ class RelayServer:
             body = error_body(code, message)
         return status, [("Content-Type", JSON_TYPE), *(headers or {}).items()], body
 
+    def origin_server(self, req: RelayRequest) -> str:
+        """Return the server id a request's Host names as <serverId>.<domain> ("": the
+        relay's own host, or a relay without a domain)."""
+        if not self.domain:
+            return ""
+        host = req.header("Host").lower().rstrip(".")
+        name = host[: host.rindex(":")] if re.search(r":\d+$", host) else host
+        sid, dot, rest = name.partition(".")
+        return sid if dot and rest == self.domain and RELAY_ID_RE.match(sid) else ""
+
     async def _route(self, req: RelayRequest) -> tuple:
         allowed = []
-        for method, pattern, handler in self.routes:
+        req.server_id = self.origin_server(req)
+        for method, pattern, handler in self.origin_routes if req.server_id else self.routes:
             m = pattern.match(req.path)
             if not m:
                 continue
@@ -15847,28 +16143,81 @@ class RelayServer:
             "queued": sum(len(slot.queue) for slot in self.hub.servers.values()),
         }
 
-    def web_client(self, req: RelayRequest) -> tuple:
-        headers = [
-            ("Content-Type", "text/html; charset=utf-8"),
-            *web_client_headers().items(),
-        ]
-        return 200, headers, web_client_page().encode("utf-8")
+    def info(self, req: RelayRequest) -> dict:
+        """What a server needs to name its pages: per-server origins, and where."""
+        return {
+            "domain": self.domain or None,
+            "perServerOrigins": bool(self.domain),
+            "publicUrl": self.config.public_url or self.base_url(req),
+        }
 
-    def _page(self, server_id: str, page: str, headers: dict) -> tuple:
-        if not RELAY_ID_RE.match(server_id):
-            raise not_found("no such server on this relay")
+    def server_origin(self, req: RelayRequest, server_id: str) -> str:
+        """Return https://<serverId>.<domain>[:port]: the scheme and port of the relay's
+        SERVICE_PUBLIC_URL, else of the address the request came to."""
+        parts = urllib.parse.urlsplit(self.config.public_url or self.base_url(req))
+        port = f":{parts.port}" if parts.port else ""
+        return f"{parts.scheme}://{server_id}.{self.domain}{port}"
+
+    def _html(self, page: str, headers: dict, shared: bool) -> tuple:
+        if shared:  # the shared origin of a relay without a domain: keep nothing (22)
+            page = shared_origin_page(page)
         ctype = ("Content-Type", "text/html; charset=utf-8")
         return 200, [ctype, *headers.items()], page.encode("utf-8")
 
-    def consent_page(self, req: RelayRequest, server_id: str) -> tuple:
-        return self._page(server_id, consent_page(), consent_page_headers())
+    def web_client(self, req: RelayRequest) -> tuple:
+        return self._html(web_client_page(), web_client_headers(), not req.server_id)
 
-    def share_page(self, req: RelayRequest, server_id: str) -> tuple:
-        return self._page(server_id, share_page(), share_page_headers())
+    def landing(self, req: RelayRequest) -> tuple:
+        """The relay's own page: an old connect link (?relayCode=) goes on to its server's
+        origin; otherwise a page that opens nothing of any server."""
+        code = urllib.parse.parse_qs(req.query).get("relayCode", [""])[0]
+        if code:
+            if not RELAY_CODE_RE.match(code):
+                raise bad_request("a relay code is 1-64 letters, digits and dashes")
+            return self._redirect(self.server_origin(req, self.hub.pair(code)) + "/")
+        return 200, list(RELAY_LANDING_HEADERS.items()), RELAY_LANDING_PAGE
+
+    def to_origin(self, req: RelayRequest, server_id: str, rest: str) -> tuple:
+        """An old browser link under /r/<serverId>/ (the client, the consent page, a share
+        link): the same path and query on the server's own origin; without a domain the
+        consent and share pages are served here, keeping nothing."""
+        if not RELAY_ID_RE.match(server_id):
+            raise not_found("no such server on this relay")
+        if not self.domain:
+            page = consent_page if rest == "/oauth/authorize" else share_page
+            if rest == "/":
+                raise not_found("open the relay's own page with your server's connect link")
+            head = consent_page_headers if rest == "/oauth/authorize" else share_page_headers
+            return self._html(page(), head(), True)
+        target = self.server_origin(req, server_id) + rest
+        return self._redirect(target + (f"?{req.query}" if req.query else ""))
+
+    @staticmethod
+    def _redirect(location: str) -> tuple:
+        headers = [
+            ("Location", location),
+            ("Cache-Control", "no-store"),
+            ("Content-Type", JSON_TYPE),
+        ]
+        return 302, headers, success_body({"location": location})
+
+    def consent_page(self, req: RelayRequest, server_id: str = "", rest: str = "") -> tuple:
+        if not req.server_id:
+            return self.to_origin(req, server_id, rest)
+        return self._html(consent_page(), consent_page_headers(), False)
+
+    def share_page(self, req: RelayRequest, server_id: str = "", rest: str = "") -> tuple:
+        if not req.server_id:
+            return self.to_origin(req, server_id, rest)
+        return self._html(share_page(), share_page_headers(), False)
 
     async def forward_well_known(self, req: RelayRequest, name: str, server_id: str, rest):
         """/.well-known/<name>/r/<id>[/...] is server <id>'s own /.well-known/<name>[/...]."""
         return await self.forward(req, server_id, f"/.well-known/{name}{rest or ''}")
+
+    async def forward_origin(self, req: RelayRequest, path: str) -> tuple:
+        """A request to a server's own origin: forwarded as its own path, no prefix."""
+        return await self.forward(req, req.server_id, path, prefix="")
 
     def web_asset(self, req: RelayRequest, path: str) -> tuple:
         return 200, list(web_asset_headers(path).items()), WEB_ASSETS[path][1]()
@@ -15881,7 +16230,7 @@ class RelayServer:
             raise bad_request("the server id must be 20 characters of a-z and 2-7")
         if code and not RELAY_CODE_RE.match(code):
             raise bad_request("a relay code is 1-64 letters, digits and dashes")
-        self.hub.register(server_id, token, code.upper(), self.client_addr(req))
+        self.hub.register(server_id, token, code, self.client_addr(req))
         return {"registered": True, "serverId": server_id}
 
     async def poll(self, req: RelayRequest, server_id: str):
@@ -15908,14 +16257,20 @@ class RelayServer:
         if not RELAY_CODE_RE.match(code):
             raise bad_request("a relay code is 1-64 letters, digits and dashes")
         server_id = field(body, "serverId", max_len=64)
-        self.hub.set_code(code.upper(), server_id, field(body, "token", max_len=256))
-        return {"relayCode": code.upper(), "serverId": server_id}
+        token = field(body, "token", max_len=256)
+        self.hub.set_code(code, server_id, token, self.client_addr(req))
+        return {"relayCode": code.lower(), "serverId": server_id}
 
     def pair(self, req: RelayRequest, code: str) -> dict:
         server_id = self.hub.pair(code)
+        if self.domain:
+            origin = self.server_origin(req, server_id)
+            return {"serverId": server_id, "relayApiBase": f"{origin}{API}", "origin": origin}
         return {"serverId": server_id, "relayApiBase": f"{self.base_url(req)}/r/{server_id}{API}"}
 
-    async def forward(self, req: RelayRequest, server_id: str, rest: str) -> tuple:
+    async def forward(self, req: RelayRequest, server_id: str, rest: str, prefix=None) -> tuple:
+        """Hand a request to server_id as its path `rest`; `prefix` is what the server sees
+        in front of it: /r/<serverId> on the relay's host, nothing on its own origin."""
         headers = [[k, v] for k, v in req.headers if k.lower() not in HOP_BY_HOP]
         answer = await self.hub.forward(
             server_id,
@@ -15928,6 +16283,7 @@ class RelayServer:
                 "client": self.client_addr(req),
                 "scheme": urllib.parse.urlsplit(self.base_url(req)).scheme,
                 "host": req.header("Host"),
+                "prefix": f"/r/{server_id}" if prefix is None else prefix,
             },
         )
         download = relayed_download(req.method, rest, answer["status"])
@@ -15935,38 +16291,34 @@ class RelayServer:
         return answer["status"], headers, answer["body"]
 
 
-def relay_answer_headers(path: str, headers: list, download: bool = False) -> list:
-    """Return a forwarded answer's headers as an API answer: JSON, nosniff, sandboxed.
+RELAY_PASSED_HEADERS = frozenset(
+    "cache-control vary etag last-modified location retry-after www-authenticate content-range "
+    "accept-ranges allow dav lock-token x-request-id content-disposition".split()
+)
 
-    A registered server cannot publish script or cookies on the relay's origin. An
-    attachment's bytes (`download`: a 2xx answer to GET /api/v1/attachments/...) keep
-    their type when it is one a browser does not run as a page (else they become
-    application/octet-stream) and always go out as `Content-Disposition: attachment`,
-    under the same sandbox.
+
+def relay_answer_headers(path: str, headers: list, download: bool = False) -> list:
+    """Return a forwarded answer's headers: a type the route may answer, an allowlist of the
+    rest, nosniff and a sandbox (CONTRACT 22).
+
+    A registered server cannot publish a page, script or cookies on the relay's origins:
+    its Content-Type is kept only when its media type is exactly one the route answers
+    (JSON; XML under /dav/; a zip for export.zip; for file bytes (`download`) an image,
+    audio, video, PDF or plain text, else application/octet-stream, always as an
+    attachment), and only the headers a client of the API needs pass.
     """
-    keep = []
-    ctype = JSON_TYPE
-    for name, value in headers:
-        lower = name.lower()
-        if lower == "content-type":
-            if path.endswith("/openapi.json") and "json" in value.lower():
-                ctype = value
-            elif download:
-                ctype = _download_type(value)
-            continue
-        if (
-            lower in HOP_BY_HOP
-            or lower in ("set-cookie", "content-security-policy", "x-content-type-options")
-            or lower in ("content-disposition", "refresh", "link")
-            or lower.startswith("access-control-")
-            or not _TOKEN_CHARS_RE.match(name)
-            or "\r" in value
-            or "\n" in value
-        ):
-            continue
-        keep.append((name, value))
+    given = next((v for k, v in headers if k.lower() == "content-type"), "")
+    keep = [
+        (name, value)
+        for name, value in headers
+        if name.lower() in RELAY_PASSED_HEADERS
+        and _TOKEN_CHARS_RE.match(name)
+        and not re.search(r"[\x00-\x1f\x7f]", value)
+    ]
+    ctype = _relayed_type(path, given, download)
     if download:
         name = re.sub(r"[^A-Za-z0-9._-]+", "_", path.rsplit("/", 1)[-1])[:100] or "download"
+        keep = [(k, v) for k, v in keep if k.lower() != "content-disposition"]
         keep.append(("Content-Disposition", f'attachment; filename="{name}"'))
     return [
         ("Content-Type", ctype),
@@ -15976,22 +16328,41 @@ def relay_answer_headers(path: str, headers: list, download: bool = False) -> li
     ]
 
 
-def _download_type(value: str) -> str:
-    """Return the type an attachment goes out as through a relay: its own when it is one of
-    the attachment types a browser does not run as a page, else application/octet-stream."""
-    ctype = value.split(";")[0].strip().lower()
-    safe = ctype in ATTACHMENT_TYPES.values() and ctype not in ACTIVE_TYPES
-    return ctype if safe else "application/octet-stream"
+def _relayed_type(path: str, given: str, download: bool) -> str:
+    """Return the Content-Type a forwarded answer goes out with (see relay_answer_headers)."""
+    media = given.split(";")[0].strip().lower()
+    if download:
+        return _download_type(media)
+    if media in ("application/xml", "text/xml") and re.match(r"^/dav(/|$)", path):
+        return f"{media}; charset=utf-8"
+    if media == "application/zip" and path == f"{API}/export.zip":
+        return media
+    return JSON_TYPE
+
+
+def _download_type(media: str) -> str:
+    """Return the type file bytes go out as through a relay: an image, audio, video, PDF or
+    plain text keeps its own (never one a browser runs as a page), else octet-stream."""
+    passive = media.split("/")[0] in ("image", "audio", "video") or media in (
+        "application/pdf",
+        "text/plain",
+    )
+    safe = (
+        passive and media not in ACTIVE_TYPES and re.fullmatch(r"[a-z0-9.+-]+/[a-z0-9.+-]+", media)
+    )
+    return media if safe else "application/octet-stream"
 
 
 def relayed_download(method: str, path: str, status: int) -> bool:
-    """Return whether a forwarded answer is an attachment's bytes (not an API answer)."""
+    """Return whether a forwarded answer is file bytes (not an API answer): an attachment,
+    a shared note's attachment, or a file under /dav/ (not a collection's XML)."""
     return (
         method in ("GET", "HEAD")
         and 200 <= status < 300
         and (
             path.startswith(f"{API}/attachments/")
             or re.match(rf"^{API}/shared/[^/]+/attachments/", path) is not None
+            or (re.match(r"^/dav/.*[^/]$", path) is not None)
         )
     )
 
@@ -16098,6 +16469,25 @@ class RelayClient:
         if status != 200:
             raise RelayRefused(status, _relay_message(answer, status))
         self._registered_code, self._code_sent_at = code, time.monotonic()
+        self._learn_origin(sid)
+
+    def _learn_origin(self, sid: str) -> None:
+        """Ask the relay whether it gives servers their own origins, and remember this
+        server's (links, share URLs and the OAuth issuer name it; CONTRACT 22)."""
+        status, answer = self._call("GET", "/relay/v1/info")
+        info = answer.get("data") if status == 200 and isinstance(answer, dict) else None
+        origin = ""
+        if isinstance(info, dict) and info.get("perServerOrigins") and info.get("domain"):
+            parts = urllib.parse.urlsplit(str(info.get("publicUrl") or self.url))
+            domain = str(info["domain"]).lower()
+            if parts.scheme in ("http", "https") and valid_host(f"{sid}.{domain}"):
+                port = f":{parts.port}" if parts.port else ""
+                origin = f"{parts.scheme}://{sid}.{domain}{port}"
+        known = {"relay": self.url, "origin": origin}
+        if self.svc.state.read().get("relayOrigin") != known:
+            self.svc.state.update(lambda data: data.update(relayOrigin=known))
+            if origin:
+                log.info("relay: this server's own origin there is %s", origin)
 
     def _run(self) -> None:
         backoff = 1.0
@@ -16158,9 +16548,11 @@ class RelayClient:
         """Run one relayed request through the app in-process; return (status, headers, body)."""
         body = base64.b64decode(request.get("body", ""))
         sid = self.svc.state.read()["serverId"]
+        # "" when the request came to this server's own origin on the relay, else /r/<id>
+        on_origin = request.get("prefix") == "" and bool(self.svc.relay_origin())
         environ = {
             "REQUEST_METHOD": request["method"],
-            "SCRIPT_NAME": f"/r/{sid}",
+            "SCRIPT_NAME": "" if on_origin else f"/r/{sid}",
             "PATH_INFO": request["path"].encode("utf-8").decode("latin-1"),
             "QUERY_STRING": request.get("query", ""),
             "SERVER_NAME": "relay",
@@ -16176,6 +16568,7 @@ class RelayClient:
             "wsgi.run_once": False,
             "CONTENT_LENGTH": str(len(body)),
             "notesvc.relayed": True,
+            "notesvc.relay_origin": self.svc.relay_origin() if on_origin else "",
         }
         for name, value in request.get("headers", []):
             key = name.upper().replace("-", "_")
@@ -16260,8 +16653,9 @@ def get_setup(svc: Service) -> dict:
         and (not cfg.setup_local_only or is_loopback(svc.client_addr(env)))
     )
     key = st.get("apiKey", "") if show_key else KEY_PREFIX + "…" + st.get("keyHint", "")
-    direct, relayed = f"{url}{API}", f"{relay}/r/{server_id}{API}"
-    own_client = f"{relay}/" if cfg.pairing == "relay" else f"{url}/"
+    direct, relayed = f"{url}{API}", f"{svc.relay_base(env)}{API}"
+    own_client = f"{svc.relay_base(env) if svc.relay_origin() else relay}/"
+    own_client = own_client if cfg.pairing == "relay" else f"{url}/"
     client = cfg.client_url or own_client
     test_client = cfg.test_client_url or own_client
     payload = {
@@ -16506,7 +16900,7 @@ def rotate_api_key(svc: Service) -> dict:
 
 
 def _if_match() -> str | None:
-    return bottle.request.get_header("If-Match")
+    return request_header("If-Match")
 
 
 def _note_response(rec: dict) -> dict:
@@ -16589,7 +16983,7 @@ def put_attachment(svc: Service, path: str) -> bytes:
             "UNSUPPORTED_MEDIA_TYPE",
             f"PUT takes the file's own bytes; send a multipart form to POST {API}/attachments",
         )
-    if_match, if_none_match = _if_match(), bottle.request.get_header("If-None-Match")
+    if_match, if_none_match = _if_match(), request_header("If-None-Match")
     svc.attachments.check(path, if_match, if_none_match)  # before the body is read
     limit = svc.config.max_attachment_bytes
     read, _ = request_body_reader(limit, "SERVICE_MAX_ATTACHMENT_BYTES")
@@ -16607,7 +17001,7 @@ def post_attachment(svc: Service) -> bytes:
     becomes name-2.ext, name-3.ext...)."""
     import email.message
 
-    header = bottle.request.get_header("Content-Type") or ""
+    header = request_header("Content-Type") or ""
     parsed = email.message.Message()
     parsed["Content-Type"] = header
     if parsed.get_content_type() != "multipart/form-data":
@@ -16719,8 +17113,8 @@ def get_attachment(svc: Service, path: str):
     f, st = svc.attachments.open(path)
     try:
         rec = svc.attachments.record(path, st)
-        etag, size, req, resp = rec["etag"], st.st_size, bottle.request, bottle.response
-        none_match = req.get_header("If-None-Match")
+        etag, size, resp = rec["etag"], st.st_size, bottle.response
+        none_match = request_header("If-None-Match")
         if none_match:
             tags = {t.strip().removeprefix("W/") for t in none_match.split(",")}
             if "*" in tags or etag in tags:
@@ -16729,8 +17123,8 @@ def get_attachment(svc: Service, path: str):
                 resp.set_header("ETag", etag)
                 return b""
         first, last, status = 0, size - 1, 200
-        if_range = req.get_header("If-Range")
-        wanted = req.get_header("Range")
+        if_range = request_header("If-Range")
+        wanted = request_header("Range")
         if wanted and size and (if_range is None or if_range.strip() == etag):
             found = byte_range(wanted, size)
             if found:
@@ -16822,10 +17216,21 @@ def _page() -> tuple:
     return query_int("limit", 100, 1, 1000), query_int("offset", 0, 0, 10**9)
 
 
+def _version_seen(svc: Service, path: str, version_id: str) -> str:
+    """Return version_id when the request's grant sees the path it was saved at (a folder
+    grant: inside its folder, whatever the note's path is now); 404 otherwise."""
+    if VERSION_ID_RE.match(version_id) and not request_principal().sees(
+        svc.history.saved_at(path, version_id)
+    ):
+        raise not_found(f"no version {version_id} of {path}")
+    return version_id
+
+
 def list_versions(svc: Service, path: str) -> dict:
     path = visible_note(svc.notes, path)
     limit, offset = _page()
-    versions = svc.history.versions(path)
+    principal = request_principal()
+    versions = svc.history.versions(path, principal.sees if principal.folder else None)
     if not versions and not svc.notes.exists(path):
         raise not_found(f"no note and no history at {path}")
     page = versions[offset : offset + limit]
@@ -16837,7 +17242,7 @@ def get_version(svc: Service, path: str, version_id: str) -> dict:
         with contextlib.suppress(ApiError):  # named like one (notes/x.md/versions/y.md)
             return get_note(svc, f"{path}/versions/{version_id}")
     path = visible_note(svc.notes, path)
-    data = svc.history.read(path, version_id)
+    data = svc.history.read(path, _version_seen(svc, path, version_id))
     return {
         **svc.history.describe(version_id, len(data)),
         "path": path,
@@ -16848,17 +17253,19 @@ def get_version(svc: Service, path: str, version_id: str) -> dict:
 def diff_version(svc: Service, path: str, version_id: str) -> dict:
     path = visible_note(svc.notes, path)
     against = query_str("against", "current") or "current"
-    old = svc.history.read(path, version_id).decode("utf-8", "replace")
+    old = svc.history.read(path, _version_seen(svc, path, version_id)).decode("utf-8", "replace")
     if against == "current":
         new = svc.notes.get(path)["content"]
     else:
-        new = svc.history.read(path, against).decode("utf-8", "replace")
+        new = svc.history.read(path, _version_seen(svc, path, against))
+        new = new.decode("utf-8", "replace")
     diff = unified_diff(old, new, f"{path}@{version_id}", f"{path}@{against}")
     return {"path": path, "id": version_id, "against": against, "diff": diff}
 
 
 def restore_version(svc: Service, path: str, version_id: str) -> dict:
     path = visible_note(svc.notes, path)
+    version_id = _version_seen(svc, path, version_id)
     return _note_response(svc.notes.restore_version(path, version_id, _if_match()))
 
 
@@ -16985,7 +17392,7 @@ def search_notes(svc: Service) -> dict:
 def agent_chat(svc: Service) -> dict:
     body = read_json(svc.config.max_body_bytes)
     message = field(body, "message", max_len=MAX_MESSAGE_CHARS)
-    if not message.strip():
+    if is_blank(message):
         raise bad_request("'message' must not be empty")
     note = body.get("notePath")
     if note is not None:
@@ -17320,10 +17727,8 @@ def create_channel(svc: Service) -> dict:
         raise bad_request(f"'provider' must be one of {', '.join(svc.channel_providers)}")
     config = validate_channel_config(provider, body.get("config", {}))
     title = field(body, "name", required=False, max_len=100) or f"{name} channel"
-    env = bottle.request.environ
     # Through a relay (or this server's own /r/<id> prefix) the hook must go that way too.
-    relayed = env.get("notesvc.relayed") and svc.config.relay_url
-    base = (svc.config.relay_url if relayed else svc.base_url(env)) + env.get("SCRIPT_NAME", "")
+    base = svc.issuer(bottle.request.environ)
     channel = {
         "id": "ch_" + secrets.token_hex(6),
         "provider": name,
@@ -17361,7 +17766,7 @@ def patch_channel(svc: Service, channel_id: str) -> dict:
     if not body:
         raise bad_request("nothing to change: send name and/or config")
     title = field(body, "name", required=False, max_len=100)
-    if title is not None and not _printable(title).strip():
+    if title is not None and is_blank(title):
         raise bad_request("'name' must not be empty")
     changes = field(body, "config", dict, required=False)
 
@@ -17375,8 +17780,8 @@ def patch_channel(svc: Service, channel_id: str) -> dict:
             if "mode" not in stored and any(f.name == "mode" for f in provider.fields):
                 stored = {**stored, "mode": "webhook"}  # stored before modes: a webhook
             channel["config"] = validate_channel_config(provider, {**stored, **changes})
-        if title is not None:
-            channel["name"] = _printable(title)
+        if title is not None:  # only invisible characters: the name it had stays
+            channel["name"] = _printable(title) or channel["name"]
         return channel
 
     channel = _change_channel(svc, channel_id, merge)
@@ -17631,7 +18036,7 @@ def _grant_folder(body: dict) -> str | None:
 def create_scoped_key(svc: Service) -> dict:
     body = read_json(svc.config.max_body_bytes)
     raw = field(body, "name", max_len=100)
-    if not raw:
+    if is_blank(raw):
         raise bad_request("'name' must not be empty")
     name = _clean_name(raw, "unnamed key")  # control characters never reach a listing
     scope = field(body, "scope")
@@ -17655,11 +18060,10 @@ def revoke_scoped_key(svc: Service, grant_id: str) -> dict:
 
 
 def share_url(svc: Service, environ: dict, token: str) -> str:
-    """Return a share link: {relay}/r/<serverId>/s/<token> in relay mode, else <base>/s/<token>."""
+    """Return a share link: in relay mode on the server's relay origin (or {relay}/r/<id>),
+    else <base>/s/<token>."""
     if svc.config.pairing == "relay":
-        relayed = environ.get("notesvc.relayed") and svc.config.relay_url
-        relay = svc.config.relay_url if relayed else svc.relay_url(environ)
-        return f"{relay}/r/{svc.state.read()['serverId']}/s/{token}"
+        return f"{svc.relay_base(environ)}/s/{token}"
     return f"{svc.issuer(environ)}/s/{token}"
 
 
@@ -17800,6 +18204,18 @@ def mcp_resource(svc: Service, environ: dict) -> str:
     return svc.issuer(environ) + API + "/mcp"
 
 
+def oauth_issuers(svc: Service, environ: dict) -> dict:
+    """Return {MCP resource: issuer} a request may grant for: its own, and on the server's
+    own relay origin also the relay's path-based one, whose authorisation page now
+    redirects there (connectors set up before per-server origins keep their URLs)."""
+    issuer = svc.issuer(environ)
+    found = {issuer + API + "/mcp": issuer}
+    if environ.get("notesvc.relay_origin"):
+        old = f"{svc.config.relay_url}/r/{svc.state.read()['serverId']}"
+        found[old + API + "/mcp"] = old
+    return found
+
+
 def protected_resource_metadata(svc: Service) -> bytes:
     """RFC 9728 metadata of the MCP endpoint."""
     env = bottle.request.environ
@@ -17858,7 +18274,7 @@ def _form(max_bytes: int = 65536) -> dict:
         if name in params:
             raise OAuthError("invalid_request", f"'{name[:40]}' is given twice")
         params[name] = value
-    basic = req.get_header("Authorization", "")
+    basic = request_header("Authorization", "")
     if basic[:6].lower() == "basic " and "client_id" not in params:  # a client id sent that way
         with contextlib.suppress(ValueError, UnicodeDecodeError):
             decoded = base64.b64decode(basic[6:].strip(), validate=True).decode("utf-8")
@@ -17969,7 +18385,9 @@ def oauth_consent(svc: Service) -> dict:
         )
     }
     client = _check_client(svc, q["client_id"], q["redirect_uri"])
-    issuer, resource = svc.issuer(env), mcp_resource(svc, env)
+    issuers = oauth_issuers(svc, env)
+    resource = q["resource"] if q["resource"] in issuers else mcp_resource(svc, env)
+    issuer = issuers[resource]
     problem = ""
     if q["response_type"] != "code":
         problem = "response_type must be code"
@@ -18023,10 +18441,11 @@ def approve_oauth(svc: Service) -> dict:
     wanted = parse_oauth_scope(scope)
     if wanted == "write" and not svc.config.mcp_write:
         raise ApiError(403, "FORBIDDEN", "notes:write needs SERVICE_MCP_WRITE=true on the server")
-    if resource != mcp_resource(svc, env):
+    issuers = oauth_issuers(svc, env)
+    if resource not in issuers:
         raise bad_request(f"'resource' must be this server's MCP URL, {mcp_resource(svc, env)}")
     grant = {"challenge": challenge, "scope": wanted, "folder": folder, "resource": resource}
-    redirect = svc.grants.approve(client, redirect_uri, grant, state, svc.issuer(env))
+    redirect = svc.grants.approve(client, redirect_uri, grant, state, issuers[resource])
     log.info("OAuth request of %s approved (%s)", log_safe(client["name"], 100), wanted)
     return {"redirect": redirect}
 
@@ -18036,10 +18455,10 @@ def approve_oauth(svc: Service) -> dict:
 
 def pair_relay_code(svc: Service, code: str) -> dict:
     st = svc.state.read()
-    if not hmac.compare_digest(code.upper().encode(), st["relayCode"].encode()):
+    if not hmac.compare_digest(code.lower().encode(), st["relayCode"].encode()):
         raise not_found("no server is paired under this relay code")
-    relay = svc.relay_url(bottle.request.environ)
-    return {"serverId": st["serverId"], "relayApiBase": f"{relay}/r/{st['serverId']}{API}"}
+    relay = svc.relay_base(bottle.request.environ)
+    return {"serverId": st["serverId"], "relayApiBase": f"{relay}{API}"}
 
 
 # -- the built-in web client (GET /) ----------------------------------------------------
@@ -18132,11 +18551,13 @@ def _channel_body(svc: Service) -> dict:
             return {"enum": list(f.choices)}
         if f.kind == "folder":
             return {**FOLDER_PATH_SCHEMA, "maxLength": MAX_CONFIG_CHARS}
-        # printable and single-line on the server; said here as printable ASCII
+        # printable and single-line on the server; said here as printable ASCII, and a
+        # required one not blank
         return {
             "type": "string",
             "minLength": int(f.required),
-            "pattern": f"^[ -~]{{0,{MAX_CONFIG_CHARS}}}$",
+            "maxLength": MAX_CONFIG_CHARS,
+            "pattern": "^[ -~]*[!-~][ -~]*$" if f.required else "^[ -~]*$",
         }
 
     def config(provider: ChannelProvider) -> dict:
@@ -18346,7 +18767,7 @@ ROUTES = (
                 "type": "string",
                 "minLength": 1,
                 "maxLength": MAX_MESSAGE_CHARS,
-                "pattern": r"\S",
+                "pattern": NOT_BLANK_PATTERN,
             },
             notePath=_NOTE_PATH,
             channel={"enum": sorted(svc.channel_providers)},  # this app's providers
@@ -18531,7 +18952,7 @@ ROUTES = (
             "minProperties": 1,
             "additionalProperties": False,
             "properties": {
-                "name": {**_STR, "minLength": 1, "maxLength": 100},
+                "name": {**_STR, "minLength": 1, "maxLength": 100, "pattern": NOT_BLANK_PATTERN},
                 "config": {"type": "object"},
             },
         },
@@ -18662,7 +19083,13 @@ ROUTES = (
         summary="Create a scoped key (read or write, optionally one folder); shown once",
         body=_obj(
             ["name", "scope"],
-            name={**_STR, "minLength": 1, "maxLength": 100, "description": "printable text"},
+            name={
+                **_STR,
+                "minLength": 1,
+                "maxLength": 100,
+                "pattern": NOT_BLANK_PATTERN,
+                "description": "printable text",
+            },
             scope={"enum": ["read", "write"]},
             folder=_FOLDER_PATH,
             expiresInDays={"type": "integer", "minimum": 1, "maximum": 3650},
@@ -19332,6 +19759,9 @@ def _hardened(listener_class: type) -> type:
             jsonrpc = bool(answers and answers(path))
             limit = adj.max_request_body_size - 1
             self.request.error = _EnvelopedError(self.request.error, limit, setting, jsonrpc)
+            # refused before its body was read: drain what the client still sends (Channel)
+            declared = getattr(self.request, "content_length", 0) or 0
+            self.channel.linger_budget = min(declared or LINGER_MAX_BYTES, LINGER_MAX_BYTES)
             super().execute()
 
     class Parser(waitress.parser.HTTPRequestParser):
@@ -19349,8 +19779,58 @@ def _hardened(listener_class: type) -> type:
                 )
 
     class Channel(waitress.channel.HTTPChannel):
+        """Closes after an early error like nginx's lingering_close: the answer sent and the
+        sending side shut, it reads and discards what the client still sends (at most
+        linger_budget bytes, LINGER_SECONDS, LINGER_IDLE_SECONDS between reads) before
+        closing, so a client that writes its whole body before reading (urllib) gets the
+        413 instead of a reset."""
+
         error_task_class = JsonErrorTask
         parser_class = Parser
+        linger_budget = 0  # bytes still drained once the early error's answer is out
+        linger_until = 0.0  # while lingering: the monotonic time it ends at the latest
+
+        def handle_close(self) -> None:
+            answered = self.connected and not self.total_outbufs_len  # the whole answer is out
+            if self.linger_budget > 0 and not self.linger_until and answered:
+                try:
+                    self.socket.shutdown(socket.SHUT_WR)
+                except OSError:
+                    pass
+                else:
+                    self.linger_until = time.monotonic() + LINGER_SECONDS
+                    self.will_close = self.close_when_flushed = False
+                    self.last_activity = time.time()
+                    return
+            super().handle_close()
+
+        def readable(self) -> bool:
+            if not self.linger_until:
+                return super().readable()
+            idle = time.time() - self.last_activity > LINGER_IDLE_SECONDS
+            if idle or time.monotonic() > self.linger_until:
+                self.will_close = True  # closed by handle_write, on this loop's next turn
+                return False
+            return True
+
+        def writable(self) -> bool:
+            return self.will_close if self.linger_until else super().writable()
+
+        def handle_read(self) -> None:
+            if not self.linger_until:
+                return super().handle_read()
+            try:
+                data = self.recv(65536)  # b"" at the client's end: recv closed the channel
+            except OSError:
+                data = b""
+            if data:
+                self.last_activity = time.time()
+                self.linger_budget -= len(data)
+                if self.linger_budget <= 0:
+                    self.will_close = True
+            elif self.connected:
+                super().handle_close()
+            return None
 
     class Listener(listener_class):
         channel_class = Channel

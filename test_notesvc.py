@@ -418,9 +418,14 @@ def hold_idle_connections(port: int, count: int) -> list:
     return socks
 
 
-def open_fds(pid: int) -> int:
-    """How many files (sockets included) process pid has open (Linux /proc)."""
-    return len(os.listdir(f"/proc/{pid}/fd"))
+def open_sockets(pid: int) -> int:
+    """How many sockets process pid has open (Linux /proc). Sockets only: the files a
+    starting server opens and closes meanwhile (its index, its state) would blur the count."""
+    found = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile
+            found += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+    return found
 
 
 def closed_by_peer(socks: list) -> int:
@@ -1748,7 +1753,7 @@ def test_two_relays_behind_nginx_share_the_servers(tmp_path):
         "http { access_log off; client_body_temp_path tmp; proxy_temp_path tmp;\n" + conf + "\n}\n"
     )
     (tmp_path / "tmp").mkdir()
-    env = {"SERVICE_TRUST_PROXY": "true"}
+    env = {"SERVICE_TRUST_PROXY": "true", "SERVICE_RELAY_DOMAIN": DOMAIN}
     relays = [Server(tmp_path / f"relay{i}", "relay", env=env, port=p) for i, p in enumerate(ports)]
     nginx = subprocess.Popen(
         [NGINX, "-p", str(tmp_path), "-c", "nginx.conf"], stderr=subprocess.PIPE, text=True
@@ -1775,8 +1780,22 @@ def test_two_relays_behind_nginx_share_the_servers(tmp_path):
             setup = server.request("GET", f"{API}/system/setup")[2]["data"]
             code = setup["pairing"]["relayCode"]
             with urllib.request.urlopen(f"{url}/relay/v1/pair/{code}", timeout=10) as resp:
-                base = json.loads(resp.read())["data"]["relayApiBase"]
-            assert base == f"{url}/r/{setup['serverId']}/api/v1"
+                origin = json.loads(resp.read())["data"]["origin"]
+            sid = setup["serverId"]
+            assert origin == f"http://{sid}.{DOMAIN}:{front}"
+            # By Host: the server's own origin reaches the relay process that holds it.
+            host = f"{sid}.{DOMAIN}:{front}"
+            status, _, raw = host_request(front, host, "GET", f"{API}/system/setup")
+            assert (status, json.loads(raw)["data"]["serverId"]) == (200, sid)
+            status, _, raw = host_request(
+                front, host, "GET", "/.well-known/oauth-authorization-server"
+            )
+            assert json.loads(raw)["issuer"] == origin
+            status, _, raw = host_request(
+                front, "127.0.0.1", "GET", f"/.well-known/oauth-authorization-server/r/{sid}"
+            )
+            assert status == 200
+            base = f"{url}/r/{sid}/api/v1"  # and the path-based JSON routes
             key = {"X-Service-Key": setup["apiKey"], "Content-Type": "application/json"}
             note = json.dumps({"path": f"notes/n{n}.md", "content": f"# Note {n}"}).encode()
             req = urllib.request.Request(f"{base}/notes", note, key, method="POST")
@@ -1805,6 +1824,7 @@ class FakeRelayServer:
         self.relay, self.source = relay, source
         self.token = base64.urlsafe_b64encode(os.urandom(32)).decode().rstrip("=")
         self.server_id = notesvc.relay_server_id(self.token)
+        self.code = notesvc.relay_code_of(self.token)
 
     def call(self, method: str, path: str, body=None, token: str | None = None):
         conn = http.client.HTTPConnection(
@@ -1825,7 +1845,7 @@ class FakeRelayServer:
 
     def register(self, server_id: str | None = None) -> int:
         sid = server_id or self.server_id
-        body = {"token": self.token, "relayCode": "CODE-" + sid[:6].upper()}
+        body = {"token": self.token, "relayCode": self.code}
         return self.call("POST", f"/relay/v1/register/{sid}", body)[0]
 
     def poll(self, server_id: str | None = None):
@@ -4191,6 +4211,53 @@ class TestAttachments:
 
 
 class TestServerAttachments:
+    def test_header_bytes_that_are_not_utf8_act_as_absent(self, tmp_path):
+        with running(tmp_path) as server:
+            owner = {"X-Service-Key": make_state(tmp_path)["apiKey"]}
+            req = urllib.request.Request(
+                server.url + att_url("attachments/a.png"),
+                PNG,
+                {**owner, "Content-Type": "image/png"},
+                method="PUT",
+            )
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                assert resp.status == 201
+            body = {"path": "notes/a.md", "content": "![a](../attachments/a.png)\n"}
+            assert server.request("POST", f"{API}/notes", body, owner)[0] == 201
+            share = server.request("POST", f"{API}/shares", {"path": "notes/a.md"}, owner)[2]
+            token = share["data"]["url"].rsplit("/", 1)[1]
+            key = owner["X-Service-Key"].encode()
+            for path, credential in (
+                (att_url("attachments/a.png"), b"X-Service-Key: " + key + b"\r\n"),
+                (f"{API}/shared/{token}/attachments/attachments/a.png", b""),
+            ):
+                for header in (
+                    b"Range: bytes=\xff\xfe-\x80",
+                    b"If-Range: \xc3\x28",
+                    b"If-None-Match: \xff",
+                    b"Range: bytes=0-3\r\nIf-Range: \xe2\x82",
+                ):
+                    request = (
+                        f"GET {path} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n".encode()
+                        + credential
+                        + header
+                        + b"\r\n\r\n"
+                    )
+                    status, _, data = raw_http(server.port, request)
+                    assert (status, data) == (200, PNG), (path, header)
+            # If-Match of such bytes matches nothing: 412, never a write and never a 500.
+            request = (
+                f"PUT {note_url('notes/a.md')} HTTP/1.1\r\nHost: x\r\nConnection: close\r\n"
+                "Content-Type: application/json\r\nContent-Length: 15\r\n".encode()
+                + b"X-Service-Key: "
+                + key
+                + b"\r\nIf-Match: \xff\xfe\r\n\r\n"
+                + b'{"content":"x"}'
+            )
+            status, _, data = raw_http(server.port, request)
+            assert status == 412, data
+            assert (tmp_path / "notes" / "a.md").read_text() == body["content"]
+
     def test_uploads_get_their_own_body_limit_and_others_keep_theirs(self, tmp_path):
         env = {"SERVICE_MAX_BODY_BYTES": "4096", "SERVICE_MAX_ATTACHMENT_BYTES": "65536"}
         with running(tmp_path, "--auth-mode", "none", env=env) as server:
@@ -4902,6 +4969,58 @@ class TestChanges:
 
 class TestHistoryServer:
     """History and the change feed on real servers: crashes, long-polls, the relay."""
+
+    def test_a_folder_grant_sees_no_version_saved_before_the_move_into_its_folder(self, tmp_path):
+        with running(tmp_path) as server:
+            owner = {"X-Service-Key": make_state(tmp_path)["apiKey"]}
+            secret = "# Plan\n\nthe safe's code is 4711\n"
+            body = {"path": "notes/private/plan.md", "content": secret}
+            assert server.request("POST", f"{API}/notes", body, owner)[0] == 201
+            url = note_url("notes/private/plan.md")
+            assert (
+                server.request("PUT", url, {"content": "# Plan\n\nnothing here\n"}, owner)[0] == 200
+            )
+            moved = {"path": "notes/family/plan.md"}
+            assert server.request("PATCH", url + "/move", moved, owner)[0] == 200
+            url = note_url("notes/family/plan.md")
+            for text in ("# Plan\n\nfor all\n", "# Plan\n\nfor all, again\n"):
+                assert server.request("PUT", url, {"content": text}, owner)[0] == 200
+            grant = {"name": "family", "scope": "write", "folder": "notes/family"}
+            status, _, made = server.request("POST", f"{API}/auth/keys", grant, owner)
+            family = {"X-Service-Key": made["data"]["key"]}
+            everything = server.request("GET", url + "/versions", None, owner)[2]["data"]
+            seen = server.request("GET", url + "/versions", None, family)[2]["data"]
+            before = {v["id"] for v in everything["versions"]} - {v["id"] for v in seen["versions"]}
+            assert before
+            assert seen["total"] == len(seen["versions"]) >= 1
+            for v in everything["versions"]:  # the owner still sees the whole history
+                text = server.request("GET", f"{url}/versions/{v['id']}", None, owner)[2]
+                assert text["success"]
+            leaked = [
+                server.request("GET", f"{url}/versions/{v['id']}", None, family)[2]["data"][
+                    "content"
+                ]
+                for v in seen["versions"]
+            ]
+            assert not any("4711" in text for text in leaked)
+            after = seen["versions"][0]["id"]
+            for vid in before:  # every way of reading an older version is 404 for the grant
+                for method, path in (
+                    ("GET", f"{url}/versions/{vid}"),
+                    ("GET", f"{url}/versions/{vid}/diff"),
+                    ("GET", f"{url}/versions/{after}/diff?against={vid}"),
+                    ("POST", f"{url}/versions/{vid}/restore"),
+                ):
+                    status, _, answer = server.request(method, path, None, family)
+                    assert (status, answer["error"]["code"]) == (404, "NOT_FOUND"), path
+                    assert "4711" not in json.dumps(answer)
+            assert server.request("GET", f"{url}/versions/{after}/diff", None, family)[0] == 200
+            assert (
+                "4711"
+                in server.request("GET", f"{url}/versions/{min(before)}", None, owner)[2]["data"][
+                    "content"
+                ]
+            )
 
     def test_sigkill_during_puts_leaves_old_or_new_and_the_history_whole(self, tmp_path):
         root = tmp_path / "srv"
@@ -6085,11 +6204,13 @@ class TestAuth:
         assert stat.S_IMODE(os.stat(folder / "state.json").st_mode) == 0o600
         assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
 
-    def test_rotate_replaces_key_and_relay_code(self, anon, client):
-        old_code = anon.app.service.state.read()["relayCode"]
+    def test_rotate_replaces_the_key_and_keeps_the_derived_relay_code(self, anon, client):
+        st = anon.app.service.state.read()
+        old_code = st["relayCode"]
+        assert old_code == notesvc.relay_code_of(st["relayToken"])  # it finds, it opens nothing
         new = data(client.post(f"{API}/auth/rotate"))
         assert re.fullmatch(r"nsk_[A-Za-z0-9_-]{43}", new["apiKey"])
-        assert new["relayCode"] != old_code
+        assert new["relayCode"] == old_code
         assert_error(client.post(f"{API}/auth/verify", status=401), 401, "UNAUTHORIZED")
         assert data(with_key(anon, new["apiKey"]).post(f"{API}/auth/verify"))["valid"]
 
@@ -6590,7 +6711,11 @@ class TestScopedKeys:
 
     def test_a_name_of_control_characters_is_cleaned(self, client):
         assert new_grant(client, name="\x07\x1b[31mtab\u2028")["name"] == "[31mtab"
-        assert new_grant(client, name="\x07\x08")["name"] == "unnamed key"
+        assert new_grant(client, name="\u200b\u2060")["name"] == "unnamed key"  # invisible
+        body = {"name": "\x07\x08", "scope": "read"}  # blank: refused, as the schema says
+        assert_error(
+            client.post_json(f"{API}/auth/keys", body, status=400), 400, "VALIDATION_ERROR"
+        )
 
     def test_the_owner_alone_lists_every_grant(self, client):
         new_grant(client, "read")
@@ -10649,7 +10774,8 @@ class TestWebClientPage:
         relay = Server(tmp_path / "relay", "relay")
         try:
             head, body = relay_raw_get(relay, "/")
-            assert body == anon.get("/").body
+            # a relay without a domain: the same page, marked to keep nothing in storage
+            assert body == notesvc.shared_origin_page(anon.get("/").text).encode()
             assert f"Content-Security-Policy: {notesvc.WEB_CSP}" in head
             for path in notesvc.WEB_ASSETS:
                 head, body = relay_raw_get(relay, path)
@@ -11568,9 +11694,9 @@ class TestWebClient:
         assert {u.startswith(relay.url + "/") for u in requested} == {True}
         assert f"{relay.url}/r/{setup['serverId']}{API}/folders/tree?depth=1" in requested
 
-    def test_another_servers_consent_page_on_the_relay_never_gets_the_key(self, browser, tmp_path):
-        """On a relay every server's consent page shares the relay's origin, where the web
-        client keeps its key: only the page of the server that key opens offers it."""
+    def test_a_relays_shared_origin_keeps_no_key_for_any_page(self, browser, tmp_path):
+        """On a relay without a domain every server's pages share the relay's origin: the
+        web client keeps nothing there, so no other server's page can find a key."""
         relay = Server(tmp_path / "relay", "relay")
         mine = Server(tmp_path / "mine", env={"SERVICE_RELAY_URL": relay.url})
         other = Server(tmp_path / "other", env={"SERVICE_RELAY_URL": relay.url})
@@ -11599,22 +11725,25 @@ class TestWebClient:
                 )
                 return f"{relay.url}/r/{sid}/oauth/authorize?{q}"
 
-            for remember in (False, True):
-                s = WebSession(browser, tmp_path, "phone")
-                page = s.page
-                page.goto(setup["links"]["connect"]["hosted"])
-                if remember:
-                    page.check("#remember")
-                page.fill("#key", setup["apiKey"])
-                page.click("#connect")
-                page.wait_for_selector("#app", state="visible")
-                page.goto(consent_url(sids["other"]))  # the same tab: its session storage
+            s = WebSession(browser, tmp_path, "phone")
+            page = s.page
+            page.goto(setup["links"]["connect"]["hosted"])
+            expect(page.locator("#shared-origin")).to_be_visible()  # says why, and the fix
+            expect(page.locator("#remember")).to_be_hidden()
+            page.fill("#key", setup["apiKey"])
+            page.click("#connect")
+            page.wait_for_selector("#app", state="visible")
+            page.wait_for_selector("#tree button, #tree .empty")
+            stored = "() => [localStorage.length, sessionStorage.length, document.cookie]"
+            assert page.evaluate(stored) == [0, 0, ""]
+            for sid in sids.values():
+                page.goto(consent_url(sid))  # the same tab
                 expect(page.locator("#ask")).to_be_visible()
                 assert page.input_value("#key") == ""
-                page.goto(consent_url(sids["mine"]))
-                expect(page.locator("#ask")).to_be_visible()
-                assert page.input_value("#key") == setup["apiKey"]
-                s.close()
+            page.goto(setup["links"]["connect"]["hosted"])  # back: the key is asked again
+            expect(page.locator("#login")).to_be_visible()
+            assert page.evaluate(stored) == [0, 0, ""]
+            s.close()
         finally:
             other.stop()
             mine.stop()
@@ -12008,13 +12137,14 @@ class TestRelay:
         }
         assert relay.request("GET", "/relay/v1/pair/AAAA-BBBB-CCCC")[0] == 404
 
-    def test_rotating_the_key_re_registers_the_new_code(self, pair):
+    def test_rotating_the_key_keeps_the_code_paired(self, pair):
         relay, _, setup = pair
         status, _, body = self.via(relay, setup, "POST", "/auth/rotate")
         assert status == 200
-        code = body["data"]["relayCode"]
-        wait_for(lambda: relay.request("GET", f"/relay/v1/pair/{code}")[0] == 200)
-        assert relay.request("GET", f"/relay/v1/pair/{setup['pairing']['relayCode']}")[0] == 404
+        assert body["data"]["relayCode"] == setup["pairing"]["relayCode"]
+        status, _, body = relay.request("GET", f"/relay/v1/pair/{setup['pairing']['relayCode']}")
+        assert status == 200
+        assert body["data"]["serverId"] == setup["serverId"]
 
     def test_server_stopping_gives_504(self, pair):
         relay, server, setup = pair
@@ -12130,7 +12260,7 @@ class TestRelay:
         st = make_app().app.service.state.read()
         assert st["serverId"] == notesvc.relay_server_id(st["relayToken"])
         assert st["keyHash"] == old["keyHash"]  # the key survives
-        assert st["relayCode"] == old["relayCode"]
+        assert st["relayCode"] == notesvc.relay_code_of(st["relayToken"])  # changes once
 
     def test_registrations_are_rate_limited_per_address(self, tmp_path):
         env = {"SERVICE_RELAY_REGISTRATIONS_PER_MINUTE": "5"}
@@ -12455,8 +12585,8 @@ class TestRelayAttachments:
         assert ("Content-Type", "image/jpeg") in download
         assert ("Content-Disposition", 'attachment; filename="a_b.jpg"') in download
         answer = notesvc.relay_answer_headers("/api/v1/attachments/attachments/a.jpg", served)
-        assert ("Content-Type", notesvc.JSON_TYPE) in answer
-        assert not any(k == "Content-Disposition" for k, _ in answer)
+        assert ("Content-Type", notesvc.JSON_TYPE) in answer  # an API answer is JSON, whatever
+        assert ("Content-Disposition", 'inline; filename="a"') in answer  # on the allowlist
         assert notesvc.relayed_download("GET", "/api/v1/attachments/attachments/a.jpg", 206)
         for args in (
             ("GET", "/api/v1/attachments/attachments/a.jpg", 404),
@@ -12511,8 +12641,8 @@ class TestGrantsThroughTheRelay:
         base = f"{relay.url}/r/{sid}"
         # The consent page is the relay's own copy, whatever the server would send.
         status, headers, page = get_raw(f"{base}/oauth/authorize?client_id=x")
-        assert status == 200
-        assert page == notesvc.consent_page().encode()
+        assert status == 200  # a relay without a domain: the page keeps nothing in storage
+        assert page == notesvc.shared_origin_page(notesvc.consent_page()).encode()
         assert headers["X-Frame-Options"] == "DENY"
         assert "frame-ancestors 'none'" in headers["Content-Security-Policy"]
         assert get_raw(f"{relay.url}/r/NOT-AN-ID/oauth/authorize")[0] == 404
@@ -12575,7 +12705,7 @@ class TestGrantsThroughTheRelay:
         assert url.startswith(f"{relay.url}/r/{sid}/s/")
         status, headers, page = get_raw(url)
         assert status == 200
-        assert page == notesvc.share_page().encode()
+        assert page == notesvc.shared_origin_page(notesvc.share_page()).encode()
         assert headers["Referrer-Policy"] == "no-referrer"
         assert "noindex" in headers["X-Robots-Tag"]
         token = url.rsplit("/", 1)[1]
@@ -12590,6 +12720,481 @@ class TestGrantsThroughTheRelay:
         # A share made directly in relay mode names the relay too.
         status, _, direct = server.request("POST", f"{API}/shares", {"path": "notes/p.md"}, owner)
         assert direct["data"]["url"].startswith(f"{relay.url}/r/{sid}/s/")
+
+
+DOMAIN = "relay.test"
+
+
+def host_request(port: int, host: str, method: str, path: str, body=None, headers=None) -> tuple:
+    """Return (status, headers, raw body) of one request to 127.0.0.1:port with this Host."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        hdrs = {"Host": host, **(headers or {})}
+        payload = None
+        if body is not None:
+            payload = body if isinstance(body, bytes) else json.dumps(body).encode()
+            hdrs.setdefault("Content-Type", "application/json")
+        conn.request(method, path, payload, hdrs)
+        resp = conn.getresponse()
+        return resp.status, resp.headers, resp.read()
+    finally:
+        conn.close()
+
+
+class Stranger(FakeRelayServer):
+    """Another person's server on the same relay: it records every request it is handed
+    (what a page of someone else's would send it) and answers each with an empty 200."""
+
+    def __init__(self, relay: Server):
+        super().__init__(relay)
+        self.seen: list = []
+        self.stopped = threading.Event()
+        assert self.register() == 200
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stopped.is_set():
+            with contextlib.suppress(OSError):
+                status, _, body = self.poll()
+                if status == 200:
+                    request = body["data"]
+                    self.seen.append(request)
+                    answer = json.dumps({"success": True, "data": {}}).encode()
+                    self.reply(request["id"], 200, [["Content-Type", "application/json"]], answer)
+
+    def keys_seen(self) -> list:
+        """Every credential a request handed to this server carried."""
+        found = []
+        for request in self.seen:
+            for name, value in request["headers"]:
+                if name.lower() in ("x-service-key", "authorization", "x-api-key"):
+                    found.append(value)
+            found += re.findall(
+                r"ns[kdg]_[A-Za-z0-9_-]{20,}", base64.b64decode(request["body"]).decode("latin-1")
+            )
+        return found
+
+    def close(self) -> None:
+        self.stopped.set()
+
+
+@pytest.fixture
+def origins(tmp_path):
+    """A relay with per-server origins (SERVICE_RELAY_DOMAIN=relay.test) and a real server
+    paired with it; yields (relay, server, setup, the server's origin)."""
+    env = {"SERVICE_RELAY_DOMAIN": DOMAIN, "SERVICE_RELAY_TIMEOUT": "5"}
+    relay = Server(tmp_path / "relay", "relay", env=env)
+    server = Server(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url})
+    try:
+        wait_for(lambda: relay_servers(relay) == 1)
+        origin = f"http://{server_id_of(server)}.{DOMAIN}:{relay.port}"
+        setup = wait_for(lambda: _setup_on(server, origin))
+        yield relay, server, setup, origin
+    finally:
+        server.stop()
+        relay.stop()
+
+
+def server_id_of(server: Server) -> str:
+    return server.request("GET", f"{API}/system/setup")[2]["data"]["serverId"]
+
+
+def _setup_on(server: Server, origin: str):
+    """The setup payload once the server has learnt its origin on the relay (else None)."""
+    setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+    return setup if setup["links"]["relayApiBase"] == f"{origin}{API}" else None
+
+
+class TestRelayOrigins:
+    """SERVICE_RELAY_DOMAIN: every server on its own origin, codes no one else can take,
+    answers the relay vets; against a real relay and real servers (Host headers)."""
+
+    def test_links_share_urls_and_oauth_name_the_servers_own_origin(self, origins):
+        relay, server, setup, origin = origins
+        host = urllib.parse.urlsplit(origin).netloc
+        key = {"X-Service-Key": setup["apiKey"]}
+        links = setup["links"]
+        assert links["apiBase"] == links["relayApiBase"] == f"{origin}{API}"
+        code = setup["pairing"]["relayCode"]
+        assert links["connect"]["hosted"] == f"{origin}/?relayCode={code}"
+        assert links["directApiBase"] == f"{server.url}{API}"  # the LAN route stays
+        status, _, raw = host_request(
+            relay.port, f"127.0.0.1:{relay.port}", "GET", "/relay/v1/info"
+        )
+        assert status == 200
+        assert json.loads(raw)["data"] == {
+            "domain": DOMAIN,
+            "perServerOrigins": True,
+            "publicUrl": relay.url,
+        }
+        # The API on the origin, as the server's own paths.
+        status, _, raw = host_request(relay.port, host, "POST", f"{API}/auth/verify", headers=key)
+        assert status == 200
+        assert json.loads(raw)["data"]["serverId"] == setup["serverId"]
+        body = {"path": "notes/p.md", "content": "# P\n\nshared"}
+        assert host_request(relay.port, host, "POST", f"{API}/notes", body, key)[0] == 201
+        status, _, raw = host_request(
+            relay.port, host, "POST", f"{API}/shares", {"path": "notes/p.md"}, key
+        )
+        assert status == 201
+        share = json.loads(raw)["data"]["url"]
+        assert share.startswith(f"{origin}/s/")
+        token = share.rsplit("/", 1)[1]
+        status, headers, page = host_request(relay.port, host, "GET", f"/s/{token}")
+        assert status == 200
+        assert page == notesvc.share_page().encode()  # storage allowed: its own origin
+        status, _, raw = host_request(relay.port, host, "GET", f"{API}/shared/{token}")
+        assert json.loads(raw)["data"]["content"] == "# P\n\nshared"
+        # A share made through the server directly names the relay origin too.
+        status, _, body = server.request("POST", f"{API}/shares", {"path": "notes/p.md"}, key)
+        assert body["data"]["url"].startswith(f"{origin}/s/")
+        # OAuth: issuer, endpoints, resource and the 401's metadata URL on the origin.
+        status, _, raw = host_request(
+            relay.port, host, "GET", "/.well-known/oauth-authorization-server"
+        )
+        meta = json.loads(raw)
+        assert meta["issuer"] == origin
+        assert meta["authorization_endpoint"] == f"{origin}/oauth/authorize"
+        status, headers, _ = host_request(relay.port, host, "POST", f"{API}/mcp", b"{}")
+        assert status == 401
+        assert (
+            f'resource_metadata="{origin}/.well-known/oauth-protected-resource/api/v1/mcp"'
+            in (headers["WWW-Authenticate"])
+        )
+        status, headers, page = host_request(relay.port, host, "GET", "/oauth/authorize?x=1")
+        assert status == 200
+        assert page == notesvc.consent_page().encode()
+        assert headers["X-Frame-Options"] == "DENY"
+        status, headers, page = host_request(relay.port, host, "GET", "/")
+        assert page == notesvc.web_client_page().encode()
+        assert 'data-origin="shared"' not in page.decode()
+        # The path-based JSON routes stay, with their own issuer (connectors set up before).
+        status, _, body = relay.request(
+            "POST", f"/r/{setup['serverId']}{API}/auth/verify", None, key
+        )
+        assert status == 200
+        status, _, raw = get_raw(
+            f"{relay.url}/.well-known/oauth-authorization-server/r/{setup['serverId']}"
+        )
+        assert json.loads(raw)["issuer"] == f"{relay.url}/r/{setup['serverId']}"
+
+    def test_the_relays_own_host_opens_no_server(self, origins):
+        relay, _, setup, origin = origins
+        sid, code = setup["serverId"], setup["pairing"]["relayCode"]
+        status, headers, page = get_raw(f"{relay.url}/")
+        assert status == 200
+        assert page == notesvc.RELAY_LANDING_PAGE
+        assert b"<script" not in page
+        assert headers["Content-Security-Policy"].startswith("default-src 'none'")
+        # Old connect links and old browser links go on to the server's own origin.
+        for old, new in (
+            (f"/?relayCode={code}", f"{origin}/"),
+            (f"/?relayCode={code.upper()}", f"{origin}/"),
+            (f"/r/{sid}/", f"{origin}/"),
+            (
+                f"/r/{sid}/oauth/authorize?client_id=a&state=b",
+                f"{origin}/oauth/authorize?client_id=a&state=b",
+            ),
+            (f"/r/{sid}/s/tok_en-1", f"{origin}/s/tok_en-1"),
+        ):
+            status, headers, _ = host_request(relay.port, f"127.0.0.1:{relay.port}", "GET", old)
+            assert (status, headers["Location"]) == (302, new), old
+        assert host_request(relay.port, DOMAIN, "GET", "/?relayCode=zzzzzzzzzzzzzzzz")[0] == 404
+        assert host_request(relay.port, DOMAIN, "GET", "/r/NOT-AN-ID/")[0] == 404
+        # The relay's host forwards nothing but the path-based routes.
+        for path in (f"{API}/health", "/dav/notes/", "/s/abc", "/oauth/authorize"):
+            assert host_request(relay.port, DOMAIN, "GET", path)[0] == 404, path
+        # A name that is not <serverId>.<domain> is the relay's own host.
+        for host in (
+            f"evil.{DOMAIN}",
+            f"{sid}.other.test",
+            f"x.{sid}.{DOMAIN}",
+            f"{sid}.{DOMAIN}.evil",
+        ):
+            assert host_request(relay.port, host, "GET", f"{API}/health")[0] == 404, host
+
+    def test_old_connectors_authorise_on_the_origin_with_their_path_based_resource(self, origins):
+        relay, _, setup, origin = origins
+        sid, host = setup["serverId"], urllib.parse.urlsplit(origin).netloc
+        old_base = f"{relay.url}/r/{sid}"
+        status, _, raw = relay.request(
+            "POST", f"/r/{sid}/oauth/register", {"redirect_uris": [CALLBACK], "client_name": "Old"}
+        )
+        client_id = raw["client_id"]
+        verifier, challenge = pkce_pair()
+        query = urllib.parse.urlencode(
+            {
+                "response_type": "code",
+                "client_id": client_id,
+                "redirect_uri": CALLBACK,
+                "state": "s1",
+                "code_challenge": challenge,
+                "code_challenge_method": "S256",
+                "resource": f"{old_base}/api/v1/mcp",
+            }
+        )
+        status, _, raw = host_request(relay.port, host, "GET", f"{API}/oauth/consent?{query}")
+        assert status == 200, raw
+        assert json.loads(raw)["data"]["resource"] == f"{old_base}/api/v1/mcp"
+        approve = {
+            "clientId": client_id,
+            "redirectUri": CALLBACK,
+            "state": "s1",
+            "codeChallenge": challenge,
+            "scope": "notes:read",
+            "resource": f"{old_base}/api/v1/mcp",
+        }
+        key = {"X-Service-Key": setup["apiKey"]}
+        status, _, raw = host_request(
+            relay.port, host, "POST", f"{API}/oauth/approve", approve, key
+        )
+        assert status == 200, raw
+        redirect = json.loads(raw)["data"]["redirect"]
+        params = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(redirect).query))
+        assert params["iss"] == old_base
+        form = urllib.parse.urlencode(
+            {
+                "grant_type": "authorization_code",
+                "code": params["code"],
+                "redirect_uri": CALLBACK,
+                "client_id": client_id,
+                "code_verifier": verifier,
+                "resource": f"{old_base}/api/v1/mcp",
+            }
+        ).encode()
+        req = urllib.request.Request(
+            f"{old_base}/oauth/token", form, {"Content-Type": "application/x-www-form-urlencoded"}
+        )
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            token = json.loads(resp.read())["access_token"]
+        ping = {"jsonrpc": "2.0", "id": 1, "method": "ping"}
+        status, _, body = relay.request(
+            "POST", f"/r/{sid}{API}/mcp", ping, {"Authorization": f"Bearer {token}"}
+        )
+        assert (status, body["result"]) == (200, {})
+        # Another server's resource is refused on this origin.
+        approve["resource"] = f"{relay.url}/r/{'a' * 20}/api/v1/mcp"
+        assert (
+            host_request(relay.port, host, "POST", f"{API}/oauth/approve", approve, key)[0] == 400
+        )
+
+    def test_a_code_belongs_to_the_server_whose_token_it_derives_from(self, origins):
+        relay, _, setup, _ = origins
+        code = setup["pairing"]["relayCode"]
+        stranger = FakeRelayServer(relay)
+        assert stranger.register() == 200
+        # Taking the owner's (public) code: on register and on the code call, 403.
+        body = {"token": stranger.token, "relayCode": code}
+        assert stranger.call("POST", f"/relay/v1/register/{stranger.server_id}", body)[0] == 403
+        body = {"serverId": stranger.server_id, "token": stranger.token}
+        status, _, answer = stranger.call("POST", f"/relay/v1/code/{code}", body)
+        assert (status, answer["error"]["code"]) == (403, "FORBIDDEN")
+        status, _, body = relay.request("GET", f"/relay/v1/pair/{code}")
+        assert body["data"]["serverId"] == setup["serverId"]
+        # Its own code it may map; a made-up one it may not.
+        body = {"serverId": stranger.server_id, "token": stranger.token}
+        assert stranger.call("POST", f"/relay/v1/code/{stranger.code}", body)[0] == 200
+        assert stranger.call("POST", "/relay/v1/code/MADE-UP-CODE", body)[0] == 403
+
+    def test_code_calls_count_as_registrations_and_the_codes_held_are_capped(self, tmp_path):
+        """A code call is a registration of the code (behind a load balancer that hashes on
+        the code, the server's own registration lives in another relay process): it counts
+        toward the per-address limit, expires, and the codes held are capped."""
+        env = {"SERVICE_RELAY_REGISTRATIONS_PER_MINUTE": "5", "SERVICE_RELAY_MAX_SERVERS": "2"}
+        with running(tmp_path, "relay", env=env) as relay:
+            held = []
+            for n in range(3):
+                fake = FakeRelayServer(relay, source=f"127.0.0.{n + 3}")
+                body = {"serverId": fake.server_id, "token": fake.token}
+                held.append(fake.call("POST", f"/relay/v1/code/{fake.code}", body)[0])
+                if n == 0:
+                    first = fake
+            assert held == [200, 200, 429]  # at most SERVICE_RELAY_MAX_SERVERS codes
+            status, _, body = relay.request("GET", f"/relay/v1/pair/{first.code}")
+            assert (status, body["data"]["serverId"]) == (200, first.server_id)
+            # The same code again holds nothing more; every call counts toward the limit.
+            body = {"serverId": first.server_id, "token": first.token}
+            answers = [
+                first.call("POST", f"/relay/v1/code/{first.code}", body)[0] for _ in range(5)
+            ]
+            assert answers == [200] * 4 + [429]
+            # A registered server's code is its own, whatever the cap on the others.
+            other = FakeRelayServer(relay, source="127.0.0.9")
+            assert other.register() == 200
+            assert relay.request("GET", f"/relay/v1/pair/{other.code}")[0] == 200
+
+    def test_a_server_cannot_make_the_relay_serve_a_page(self, tmp_path):
+        env = {"SERVICE_RELAY_DOMAIN": DOMAIN, "SERVICE_RELAY_TIMEOUT": "5"}
+        with running(tmp_path, "relay", env=env) as relay:
+            evil = FakeRelayServer(relay)
+            assert evil.register() == 200
+            hostile = [
+                ["Content-Type", "text/html; x=json"],
+                ["X-Frame-Options", "ALLOWALL"],
+                ["Set-Cookie", "a=b"],
+                ["Refresh", "0; url=https://evil.example/"],
+                ["Link", "<https://evil.example/x.css>; rel=stylesheet"],
+                ["Content-Security-Policy", "default-src *"],
+                ["Access-Control-Allow-Origin", "*"],
+                ["Service-Worker-Allowed", "/"],
+                ["ETag", '"e1"'],
+                ["X-Request-Id", "r1"],
+                ["Retry-After", "3"],
+            ]
+            body = b"<script>alert(1)</script>"
+            for host, path in (
+                (f"{evil.server_id}.{DOMAIN}:{relay.port}", f"{API}/openapi.json"),
+                (f"127.0.0.1:{relay.port}", f"/r/{evil.server_id}{API}/openapi.json"),
+                (f"{evil.server_id}.{DOMAIN}", "/dav/notes/a.html"),
+                (f"{evil.server_id}.{DOMAIN}", f"{API}/export.zip"),
+            ):
+                answers: dict = {}
+
+                def client(host=host, path=path, answers=answers):
+                    answers["r"] = host_request(relay.port, host, "GET", path)
+
+                t = threading.Thread(target=client)
+                t.start()
+                status, _, polled = evil.poll()
+                assert status == 200
+                assert evil.reply(polled["data"]["id"], 200, hostile, body) == 200
+                t.join(10)
+                status, headers, raw = answers["r"]
+                assert status == 200
+                assert raw == body  # the bytes pass; nothing makes them a page
+                ctype = headers["Content-Type"]
+                assert ctype in (notesvc.JSON_TYPE, "application/octet-stream"), (path, ctype)
+                assert headers["X-Content-Type-Options"] == "nosniff"
+                assert headers["Content-Security-Policy"] == notesvc.RELAY_ANSWER_CSP
+                names = {k.lower() for k in headers}
+                for dropped in ("x-frame-options", "set-cookie", "refresh", "link"):
+                    assert dropped not in names, (path, dropped)
+                assert "access-control-allow-origin" not in names
+                assert "service-worker-allowed" not in names
+                assert (headers["ETag"], headers["X-Request-Id"], headers["Retry-After"]) == (
+                    '"e1"',
+                    "r1",
+                    "3",
+                )
+
+
+@pytest.fixture(scope="class")
+def relay_browser():
+    """Chromium resolving *.relay.test (and relay.test) to loopback: per-server origins."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    if not CHROMIUM:
+        pytest.skip("no Chromium on this machine")
+    rules = f"--host-resolver-rules=MAP *.{DOMAIN} 127.0.0.1, MAP {DOMAIN} 127.0.0.1"
+    with sync_api.sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=[*CHROMIUM_ARGS, rules])
+        try:
+            yield chromium
+        finally:
+            chromium.close()
+
+
+class TestRelayOriginsInChromium:
+    """The attack run's F1 and F3, in Chromium against a real relay: a stranger's server on
+    the same relay must receive no key, and an SVG must not become a page of the origin."""
+
+    def test_a_strangers_code_delivers_no_key(self, relay_browser, origins, tmp_path):
+        relay, _, setup, origin = origins
+        stranger = Stranger(relay)
+        try:
+            s = WebSession(relay_browser, tmp_path, "phone")
+            page = s.page
+            # The owner signs in on the server's own origin and keeps the key there.
+            page.goto(setup["links"]["connect"]["hosted"])
+            expect(page.locator("#login")).to_be_visible()  # a code in the URL: no auto-connect
+            expect(page.locator("#shared-origin")).to_be_hidden()
+            page.check("#remember")
+            page.fill("#key", setup["apiKey"])
+            page.click("#connect")
+            page.wait_for_selector("#tree button, #tree .empty")
+            assert urllib.parse.urlsplit(page.url).netloc == urllib.parse.urlsplit(origin).netloc
+            assert page.evaluate("localStorage.getItem('notesvc.keyFor')") == API
+            # The attack: one visit to the relay with the stranger's code.
+            page.goto(f"http://{DOMAIN}:{relay.port}/?relayCode={stranger.code}")
+            stranger_origin = f"http://{stranger.server_id}.{DOMAIN}:{relay.port}"
+            page.wait_for_url(f"{stranger_origin}/")
+            expect(page.locator("#login")).to_be_visible()  # another origin: nothing kept
+            assert page.evaluate("localStorage.length") == 0
+            page.click("#connect")  # even a click sends nothing without a key typed
+            expect(page.locator("#login-msg")).to_contain_text("Paste the API key")
+            # Belt and braces, on the owner's origin: a code there for the stranger's server
+            # never sends the kept key; it leaves for the stranger's own page instead.
+            page.goto(f"{origin}/?relayCode={stranger.code}")
+            expect(page.locator("#login")).to_be_visible()
+            page.click("#connect")
+            page.wait_for_url(f"{stranger_origin}/")
+            # And the owner's own code on the owner's origin: one click, the kept key.
+            page.goto(setup["links"]["connect"]["hosted"])
+            expect(page.locator("#login")).to_be_visible()
+            page.click("#connect")
+            page.wait_for_selector("#tree button, #tree .empty")
+            s.shot("relay-origin")
+            assert unexpected(s.close()) == []
+            time.sleep(0.5)  # the stranger's poller hands over anything still in flight
+        finally:
+            stranger.close()
+        assert stranger.keys_seen() == []
+
+    def test_an_svg_attachment_never_runs_on_the_origin(self, relay_browser, origins, tmp_path):
+        relay, server, setup, origin = origins
+        host = urllib.parse.urlsplit(origin).netloc
+        key = {"X-Service-Key": setup["apiKey"]}
+        svg = (
+            b'<svg xmlns="http://www.w3.org/2000/svg" width="20" height="20">'
+            b'<rect width="20" height="20" fill="red"/><script>'
+            b"try { document.title = 'stolen:' + localStorage.getItem('notesvc.key'); }"
+            b" catch (e) { document.title = 'refused'; }</script></svg>"
+        )
+        path = urllib.parse.quote("attachments/family/x.svg", safe="")
+        status, _, _ = host_request(
+            relay.port,
+            host,
+            "PUT",
+            f"{API}/attachments/{path}",
+            svg,
+            {**key, "Content-Type": "image/svg+xml"},
+        )
+        assert status == 201
+        note = {"path": "notes/pic.md", "content": "# Pic\n\n![[attachments/family/x.svg|x]]\n"}
+        assert host_request(relay.port, host, "POST", f"{API}/notes", note, key)[0] == 201
+        s = WebSession(relay_browser, tmp_path, "desktop")
+        page = s.page
+        page.goto(f"{origin}/")
+        page.check("#remember")
+        page.fill("#key", setup["apiKey"])
+        page.click("#connect")
+        s.tree_open("notes/pic.md")
+        img = page.locator("#view img[alt='x']")
+        expect(img).to_have_js_property("naturalWidth", 20)  # it shows
+        src = img.get_attribute("src")
+        assert src.startswith("data:image/svg+xml"), src[:40]  # never a blob: of this origin
+        # Opened alone (a new tab), it has no origin of ours to read.
+        other = s.context.new_page()
+        with contextlib.suppress(Exception):
+            other.goto(src)
+        title = other.title()
+        assert "nsk_" not in title
+        # Straight from the API (the relay's answer), it is a download, never a page.
+        status, headers, _ = host_request(
+            relay.port, host, "GET", f"{API}/attachments/{path}", headers=key
+        )
+        assert headers["Content-Type"] == "application/octet-stream"
+        assert headers["Content-Disposition"].startswith("attachment")
+        assert "nsk_" not in (page.title() + other.title())
+        s.close()
+        # On the server's own address the SVG comes typed image/svg+xml: shown the same way.
+        s = WebSession(relay_browser, tmp_path, "desktop")
+        s.login(f"{server.url}/", setup["apiKey"])
+        s.tree_open("notes/pic.md")
+        img = s.page.locator("#view img[alt='x']")
+        expect(img).to_have_js_property("naturalWidth", 20)
+        assert img.get_attribute("src").startswith("data:image/svg+xml")
+        assert unexpected(s.close()) == []
 
 
 class TestSystem:
@@ -12702,6 +13307,55 @@ class TestOpenApi:
 
 
 class TestEdge:
+    def test_a_body_over_the_limit_gets_its_413_even_when_written_before_reading(self, tmp_path):
+        """urllib writes the whole body before it reads: the server lingers (keeps reading
+        and discarding for a bounded time) instead of closing into a reset."""
+        env = {"SERVICE_MAX_BODY_BYTES": "65536"}
+        with running(tmp_path, "--auth-mode", "none", env=env) as server:
+            body = json.dumps({"path": "notes/big.md", "content": "x" * 2_000_000}).encode()
+            for _ in range(5):
+                req = urllib.request.Request(
+                    f"{server.url}{API}/notes", body, {"Content-Type": "application/json"}
+                )
+                with pytest.raises(urllib.error.HTTPError) as refused:
+                    urllib.request.urlopen(req, timeout=30)
+                with refused.value as answer:
+                    assert answer.code == 413
+                    assert json.loads(answer.read())["error"]["code"] == "PAYLOAD_TOO_LARGE"
+            assert server.request("GET", f"{API}/health")[0] == 200
+            # Bounded: a client that stops sending is closed after the idle bound.
+            with socket.create_connection(("127.0.0.1", server.port), timeout=10) as sock:
+                sock.sendall(
+                    f"POST {API}/notes HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\n"
+                    "Content-Length: 900000\r\n\r\n".encode()
+                )
+                answer = b""
+                started = time.monotonic()
+                while True:
+                    chunk = sock.recv(65536)
+                    if not chunk:
+                        break
+                    answer += chunk
+                assert answer.startswith(b"HTTP/1.1 413")
+                assert time.monotonic() - started < notesvc.LINGER_IDLE_SECONDS + 3
+
+    def test_the_relay_lingers_after_its_own_413_too(self, tmp_path):
+        env = {"SERVICE_MAX_BODY_BYTES": "65536"}
+        with running(tmp_path, "relay", env=env) as relay:
+            body = json.dumps({"path": "notes/big.md", "content": "x" * 8_000_000}).encode()
+            for _ in range(5):
+                req = urllib.request.Request(
+                    f"{relay.url}/r/{'a' * 20}{API}/notes",
+                    body,
+                    {"Content-Type": "application/json"},
+                )
+                with pytest.raises(urllib.error.HTTPError) as refused:
+                    urllib.request.urlopen(req, timeout=30)
+                with refused.value as answer:
+                    assert answer.code == 413
+                    assert json.loads(answer.read())["error"]["code"] == "PAYLOAD_TOO_LARGE"
+            assert relay.request("GET", "/health")[0] == 200
+
     def test_trusted_proxy_gives_https_links_real_clients_and_their_own_lockout(self, tmp_path):
         env = {"SERVICE_TRUST_PROXY": "true", "SERVICE_SETUP_LOCAL_ONLY": "true"}
         with running(tmp_path, env=env) as server, ForwardingProxy(server.url) as proxy:
@@ -12861,9 +13515,9 @@ class TestEdge:
         with running(tmp_path) as server:
             socks = []
             try:
-                before = open_fds(server.proc.pid)
+                before = open_sockets(server.proc.pid)
                 socks = hold_idle_connections(server.port, 300)
-                wait_for(lambda: open_fds(server.proc.pid) >= before + 300)  # all taken in
+                wait_for(lambda: open_sockets(server.proc.pid) >= before + 300)  # all taken in
                 status, seconds = timed_health(server.port)
                 assert status == 200
                 assert seconds < 1.0
@@ -13001,6 +13655,106 @@ class TestServer:
             server.stop()
 
 
+FRESH_FUZZ = os.environ.get("NOTESVC_FUZZ") == "fresh"
+
+# Strings a person would call empty: White_Space and control characters only (CONTRACT 3).
+BLANK_PROBES = [" ", "\t\n", "\u001e", "\u001c\u001f", "\x00", "\x7f", "\u0085", "\u00a0"]
+BLANK_PROBES += ["\u1680", "\u2007", "\u2028", "\u202f", "\u205f", "\u3000", " \u3000\r "]
+KEPT_PROBES = ["x", "\u200bx", "é", " a ", "\u00ad", "\u2060"]
+
+
+def body_string_schemas(doc: dict):
+    """Yield (operation id, field name, schema) of every string field of every JSON body."""
+
+    def walk(schema: dict, name: str):
+        if not isinstance(schema, dict):
+            return
+        if schema.get("type") == "string" or "pattern" in schema:
+            yield name, schema
+        for key, sub in (schema.get("properties") or {}).items():
+            yield from walk(sub, key)
+        for sub in schema.get("oneOf", []) + schema.get("anyOf", []) + schema.get("allOf", []):
+            yield from walk(sub, name)
+
+    for methods in doc["paths"].values():
+        for op in methods.values():
+            content = (op.get("requestBody") or {}).get("content", {})
+            schema = content.get("application/json", {}).get("schema")
+            for name, field in walk(schema or {}, ""):
+                yield op.get("operationId"), name, field
+
+
+def schema_accepts(schema: dict, value: str) -> bool:
+    """Whether a string passes a string schema's length and pattern (as JSON Schema says)."""
+    if len(value) < schema.get("minLength", 0) or len(value) > schema.get("maxLength", 10**9):
+        return False
+    return "pattern" not in schema or re.search(schema["pattern"], value) is not None
+
+
+class TestBlankRule:
+    """The OpenAPI document and the server call the same strings empty (CONTRACT 3)."""
+
+    def test_blank_is_white_space_and_control_characters_for_every_character(self):
+        for code in range(0x10000):
+            ch = chr(code)
+            expected = ch.isspace() or unicodedata.category(ch) == "Cc"
+            assert notesvc.is_blank(ch) == expected, hex(code)
+
+    def test_every_pattern_of_the_document_agrees_with_the_server_on_blank_strings(self, client):
+        doc = client.get(f"{API}/openapi.json").json
+        not_blank = [
+            (op, name, schema)
+            for op, name, schema in body_string_schemas(doc)
+            if schema.get("pattern") == notesvc.NOT_BLANK_PATTERN
+        ]
+        assert {(op, name) for op, name, _ in not_blank} >= {
+            ("agent_chat", "message"),
+            ("create_scoped_key", "name"),
+            ("patch_channel", "name"),
+        }
+        for op, name, schema in not_blank:
+            for probe in BLANK_PROBES:
+                assert not schema_accepts(schema, probe), (op, name, probe)
+            for probe in KEPT_PROBES:
+                assert schema_accepts(schema, probe), (op, name, probe)
+
+    def test_schema_valid_strings_are_never_refused_as_empty(self, client):
+        doc = client.get(f"{API}/openapi.json").json
+        schemas = {(op, name): schema for op, name, schema in body_string_schemas(doc)}
+        channel = client.post_json(f"{API}/channels", {"provider": "web"}, status=201).json
+        cases = [
+            ("agent_chat", "message", "POST", f"{API}/agent/chat", lambda v: {"message": v}),
+            (
+                "create_scoped_key",
+                "name",
+                "POST",
+                f"{API}/auth/keys",
+                lambda v: {"name": v, "scope": "read"},
+            ),
+            (
+                "patch_channel",
+                "name",
+                "PATCH",
+                f"{API}/channels/{channel['data']['id']}",
+                lambda v: {"name": v},
+            ),
+        ]
+        for op, name, method, url, body in cases:
+            schema = schemas[(op, name)]
+            for probe in BLANK_PROBES + KEPT_PROBES:
+                resp = client.request(
+                    url,
+                    method=method,
+                    body=json.dumps(body(probe)).encode(),
+                    content_type="application/json",
+                    expect_errors=True,
+                )
+                valid = schema_accepts(schema, probe)
+                assert (resp.status_int < 400) == valid, (op, probe, resp.status_int, resp.text)
+                if not valid:
+                    assert_error(resp, 400, "VALIDATION_ERROR")
+
+
 class TestSchemathesis:
     def test_api_conforms_to_its_openapi_document(self, make_app):
         schemathesis = pytest.importorskip("schemathesis")
@@ -13047,6 +13801,10 @@ class TestSchemathesis:
                 database=None,
                 suppress_health_check=list(hypothesis.HealthCheck),
                 phases=[hypothesis.Phase.explicit, hypothesis.Phase.generate],
+                # CI is deterministic: the same examples every run. NOTESVC_FUZZ=fresh draws
+                # new ones (a failure prints the blob that reproduces it).
+                derandomize=not FRESH_FUZZ,
+                print_blob=True,
             )
             @hypothesis.given(case=operation.as_strategy())
             def check(case):

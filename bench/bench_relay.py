@@ -1,17 +1,24 @@
 """Benchmark: the relay under many servers, against direct access (not run by the tests).
 
     python bench/bench_relay.py --servers 1000
+    python bench/bench_relay.py --servers 1000 --slow413 10000
     python bench/bench_relay.py --servers 5000 --hold 60
     python bench/bench_relay.py --servers 1000 --attackers 1000
 
-Starts a real relay (`notesvc.py relay`), one real notesvc server registered with it, and
-N simulated servers: one asyncio process holding N long-polls (each from its own
-loopback source address, 50 per address) that answers its own share of the traffic.
-Then it measures, in one run:
+Starts a real relay (`notesvc.py relay`, with per-server origins under relay.test), one
+real notesvc server registered with it, and N simulated servers: one asyncio process
+holding N long-polls (each from its own loopback source address, 50 per address) that
+answers its own share of the traffic. Then it measures, in one run:
 
-- latency of one client, request by request, direct to the real server and through the
-  relay (p50/p95/p99 and the added milliseconds);
-- requests/s through the relay with 16 concurrent clients spread over all the servers;
+- latency of one client, request by request, direct to the real server, through the
+  relay by path (/r/<id>/api/v1/...) and through the relay by Host (the server's own
+  origin, <id>.relay.test) (p50/p95/p99 and the milliseconds each adds);
+- requests/s through the relay with 16 concurrent clients spread over all the servers,
+  by path and by Host;
+- with --slow413 K: K clients that declare a body over the relay's limit and then write
+  it slowly (each gets its 413 at once; the relay lingers, reading what they still send,
+  for a bounded time): the relay's RssAnon against its idle figure, and the latency of
+  another client meanwhile;
 - the relay's private memory (RssAnon) and CPU time, and every error;
 - with --attackers A: A idle connections from one address held open during the run;
 - with --hold S: the N servers stay connected S seconds while clients keep asking, and
@@ -74,8 +81,10 @@ def proc_figures(pid: int) -> dict:
 # -- a tiny HTTP/1.1 client on asyncio streams (keep-alive) -------------------------------
 
 
-async def http(reader, writer, method: str, path: str, body: bytes = b"", headers=None):
-    head = [f"{method} {path} HTTP/1.1", "Host: relay"]
+async def http(
+    reader, writer, method: str, path: str, body: bytes = b"", headers=None, host: str = "relay"
+):
+    head = [f"{method} {path} HTTP/1.1", f"Host: {host}"]
     head += [f"{k}: {v}" for k, v in (headers or {}).items()]
     if body or method == "POST":
         head.append(f"Content-Length: {len(body)}")
@@ -116,7 +125,7 @@ async def simulate(port: int, n: int, ready_file: str) -> None:
         sid = notesvc.relay_server_id(token)
         source = f"127.1.{i // 50 // 250}.{i // 50 % 250 + 1}"
         reader, writer = await open_conn(port, source)
-        body = json.dumps({"token": token, "relayCode": f"SIM-{i}"}).encode()
+        body = json.dumps({"token": token, "relayCode": notesvc.relay_code_of(token)}).encode()
         hdrs = {"Content-Type": "application/json"}
         for _ in range(20):
             status, _ = await http(reader, writer, "POST", f"/relay/v1/register/{sid}", body, hdrs)
@@ -162,12 +171,16 @@ async def simulate(port: int, n: int, ready_file: str) -> None:
 # -- clients ------------------------------------------------------------------------------
 
 
-async def latency(port: int, path_of, count: int, key: str) -> list:
+DOMAIN = "relay.test"
+
+
+async def latency(port: int, path_of, count: int, key: str, host_of=None) -> list:
     reader, writer = await open_conn(port, "127.0.0.1")
     times, errors = [], 0
     for i in range(count):
         started = time.perf_counter()
-        status, _ = await http(reader, writer, "GET", path_of(i), b"", {"X-Service-Key": key})
+        host = host_of(i) if host_of else "relay"
+        status, _ = await http(reader, writer, "GET", path_of(i), b"", {"X-Service-Key": key}, host)
         times.append((time.perf_counter() - started) * 1000)
         errors += status != 200
     writer.close()
@@ -175,6 +188,7 @@ async def latency(port: int, path_of, count: int, key: str) -> list:
 
 
 async def load(port: int, paths: list, seconds: float, key: str, clients: int = 16) -> tuple:
+    """paths: (Host, path) pairs, taken in turn by `clients` concurrent clients."""
     done, errors, times = 0, 0, []
     deadline = time.monotonic() + seconds
 
@@ -184,9 +198,10 @@ async def load(port: int, paths: list, seconds: float, key: str, clients: int = 
         i = c
         while time.monotonic() < deadline:
             started = time.perf_counter()
+            host, path = paths[i % len(paths)]
             try:
                 status, _ = await http(
-                    reader, writer, "GET", paths[i % len(paths)], b"", {"X-Service-Key": key}
+                    reader, writer, "GET", path, b"", {"X-Service-Key": key}, host
                 )
             except (OSError, asyncio.IncompleteReadError):
                 errors += 1
@@ -221,6 +236,79 @@ async def attack(port: int, count: int) -> list:
     return socks
 
 
+async def slow_413s(port: int, count: int, limit: int, key: str, sid: str) -> dict:
+    """`count` slow writers over the relay's limit (500 at a time, 50 per source address),
+    while another client asks through the relay every 20 ms; return what was seen."""
+    head = (
+        f"POST /r/{sid}/api/v1/notes HTTP/1.1\r\nHost: relay\r\n"
+        f"Content-Type: application/json\r\nContent-Length: {limit * 4}\r\n\r\n"
+    ).encode()
+    chunk = b"x" * 4096
+    refused = errors = 0
+    started = 0
+    done = asyncio.Event()
+
+    async def writer_(n: int) -> None:
+        nonlocal refused, errors
+        source = f"127.4.{n // 50 // 250 % 250}.{n // 50 % 250 + 1}"
+        try:
+            reader, writer = await open_conn(port, source)
+            writer.write(head)
+            await writer.drain()
+            status_line = await asyncio.wait_for(reader.readline(), 10)
+            refused += status_line.startswith(b"HTTP/1.1 413")
+            for _ in range(10):  # then 4 KB every 100 ms: a slow writer
+                writer.write(chunk)
+                await writer.drain()
+                await asyncio.sleep(0.1)
+            writer.close()
+        except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError):
+            errors += 1
+
+    async def pool() -> None:
+        nonlocal started
+        running: set = set()
+        while started < count:
+            while len(running) < 500 and started < count:
+                running.add(asyncio.create_task(writer_(started)))
+                started += 1
+            _, running = await asyncio.wait(running, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.gather(*running)
+        done.set()
+
+    async def probe() -> list:
+        reader, writer = await open_conn(port, "127.0.0.1")
+        times = []
+        while not done.is_set():
+            t = time.perf_counter()
+            await http(
+                reader, writer, "GET", f"/r/{sid}/api/v1/health", b"", {"X-Service-Key": key}
+            )
+            times.append((time.perf_counter() - t) * 1000)
+            await asyncio.sleep(0.02)
+        writer.close()
+        return times
+
+    peak = 0.0
+
+    async def sample() -> None:
+        nonlocal peak
+        while not done.is_set():
+            peak = max(peak, proc_figures_of_port(port).get("rss_mb", 0))
+            await asyncio.sleep(0.25)
+
+    begun = time.monotonic()
+    _, times, _ = await asyncio.gather(pool(), probe(), sample())
+    return {
+        "count": count,
+        "refused": refused,
+        "errors": errors,
+        "seconds": time.monotonic() - begun,
+        "probe": times,
+        "peak_mb": peak,
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--servers", type=int, default=100, help="simulated servers")
@@ -228,6 +316,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=10, help="length of the load phase")
     ap.add_argument("--hold", type=float, default=0, help="keep the servers S seconds more")
     ap.add_argument("--attackers", type=int, default=0, help="idle connections from one address")
+    ap.add_argument("--slow413", type=int, default=0, help="slow writers over the body limit")
     ap.add_argument("--simulate", nargs=3, metavar=("PORT", "N", "READY"), help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.simulate:
@@ -242,6 +331,7 @@ def main() -> None:
         relay_env = {
             "SERVICE_RELAY_MAX_SERVERS": str(args.servers + 100),
             "SERVICE_RELAY_TIMEOUT": "30",
+            "SERVICE_RELAY_DOMAIN": DOMAIN,
         }
         relay, relay_port = start("relay", env=relay_env)
         relay_url = f"http://127.0.0.1:{relay_port}"
@@ -295,21 +385,49 @@ async def measure(args, relay_port: int, direct_port: int, key: str, sid: str, i
     attackers = await attack(relay_port, args.attackers) if args.attackers else []
     out["attackers_open"] = len(attackers)
     note = "/api/v1/health"
+    origin = f"{sid}.{DOMAIN}:{relay_port}"
     direct, e1 = await latency(direct_port, lambda i: note, args.requests, key)
-    relayed, e2 = await latency(relay_port, lambda i: f"/r/{sid}{note}", args.requests, key)
-    out["direct"] = direct
-    out["relayed"] = relayed
+    # by path and by Host, alternating rounds so that neither gets a warmer relay
+    relayed, by_host, e2 = [], [], 0
+    for _ in range(5):
+        times, e = await latency(relay_port, lambda i: f"/r/{sid}{note}", args.requests // 5, key)
+        relayed += times
+        times, e3 = await latency(
+            relay_port, lambda i: note, args.requests // 5, key, lambda i: origin
+        )
+        by_host += times
+        e2 += e + e3
+    out["direct"], out["relayed"], out["by_host"] = direct, relayed, by_host
     out["latency_errors"] = e1 + e2
-    paths = [f"/r/{s}/api/v1/health" for s in ids] + [f"/r/{sid}/api/v1/health"]
+    everyone = [*ids, sid]
+    paths = [("relay", f"/r/{s}{note}") for s in everyone]
     rps, errors, times = await load(relay_port, paths, args.seconds, key)
     out["rps"], out["load_errors"], out["load_times"] = rps, errors, times
+    hosts = [(f"{s}.{DOMAIN}:{relay_port}", note) for s in everyone]
+    rps, errors, times = await load(relay_port, hosts, args.seconds, key)
+    out["rps_host"], out["load_errors"], out["load_times_host"] = (
+        rps,
+        out["load_errors"] + errors,
+        times,
+    )
     if args.hold:
         _, hold_errors, _ = await load(relay_port, paths, args.hold, key, clients=2)
         out["hold_errors"] = hold_errors
     out["relay"] = proc_figures_of_port(relay_port)
+    if args.slow413:
+        out["before_413"] = proc_figures_of_port(relay_port)
+        out["slow413"] = await slow_413s(relay_port, args.slow413, 1048576, key, sid)
+        await asyncio.sleep(notesvc_linger() + 1)  # the last lingering connections close
+        out["after_413"] = proc_figures_of_port(relay_port)
     for w in attackers:
         w.close()
     return out
+
+
+def notesvc_linger() -> float:
+    import notesvc
+
+    return notesvc.LINGER_SECONDS
 
 
 def proc_figures_of_port(port: int) -> dict:
@@ -325,26 +443,48 @@ def proc_figures_of_port(port: int) -> dict:
 
 
 def report(args, f: dict) -> None:
-    d, r = f["direct"], f["relayed"]
+    d, r, h = f["direct"], f["relayed"], f["by_host"]
     print(
         f"\nrelay with {args.servers} simulated servers + 1 real (connected in {f['connect_s']} s)"
     )
-    print(f"{'':22}{'p50':>8}{'p95':>8}{'p99':>8}  ms")
-    for name, values in (("direct", d), ("through the relay", r)):
-        print(f"{name:22}{pct(values, 50):8.2f}{pct(values, 95):8.2f}{pct(values, 99):8.2f}")
-    added = [pct(r, p) - pct(d, p) for p in (50, 95, 99)]
-    print(f"{'added by the relay':22}{added[0]:8.2f}{added[1]:8.2f}{added[2]:8.2f}")
-    lt = f["load_times"]
+    print(f"{'':30}{'p50':>8}{'p95':>8}{'p99':>8}  ms")
+    for name, values in (
+        ("direct", d),
+        ("relay, by path /r/<id>", r),
+        ("relay, by Host <id>.domain", h),
+    ):
+        print(f"{name:30}{pct(values, 50):8.2f}{pct(values, 95):8.2f}{pct(values, 99):8.2f}")
+    for name, values in (("added by path", r), ("added by Host", h)):
+        added = [pct(values, p) - pct(d, p) for p in (50, 95, 99)]
+        print(f"{name:30}{added[0]:8.2f}{added[1]:8.2f}{added[2]:8.2f}")
+    more = [pct(h, p) - pct(r, p) for p in (50, 99)]
     print(
-        f"16 clients over all servers: {f['rps']:.0f} requests/s, "
-        f"p50 {pct(lt, 50):.1f} ms, p99 {pct(lt, 99):.1f} ms"
+        f"Host against path: p50 {more[0]:+.2f} ms (goal <= 0.2), p99 {more[1]:+.2f} ms (goal <= 2)"
     )
+    for name, rps, lt in (
+        ("by path", f["rps"], f["load_times"]),
+        ("by Host", f["rps_host"], f["load_times_host"]),
+    ):
+        print(
+            f"16 clients over all servers, {name}: {rps:.0f} requests/s, "
+            f"p50 {pct(lt, 50):.1f} ms, p99 {pct(lt, 99):.1f} ms"
+        )
     print(
         f"relay RssAnon {f['relay'].get('rss_mb')} MB "
         f"(idle before: {f['relay_idle']['rss_mb']} MB), CPU {f['relay'].get('cpu_s')} s"
     )
     if args.attackers:
         print(f"attacker connections opened from one address: {f['attackers_open']}")
+    if args.slow413:
+        w = f["slow413"]
+        before, after = f["before_413"]["rss_mb"], f["after_413"]["rss_mb"]
+        print(
+            f"{w['count']} slow writers over the limit in {w['seconds']:.0f} s: "
+            f"{w['refused']} got their 413, {w['errors']} errors; relay RssAnon "
+            f"{before} MB before, peak {w['peak_mb']} MB (+{w['peak_mb'] - before:.1f}, "
+            f"goal <= 10), {after} MB after; another client meanwhile: "
+            f"p50 {pct(w['probe'], 50):.1f} ms, p99 {pct(w['probe'], 99):.1f} ms (goal <= 50)"
+        )
     errors = f["latency_errors"] + f["load_errors"] + f["register_errors"] + f.get("hold_errors", 0)
     held = f" (held {args.hold:.0f} s more)" if args.hold else ""
     print(f"errors: {errors}{held}")
