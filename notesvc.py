@@ -1172,6 +1172,17 @@ def query_int(name: str, default: int, lo: int, hi: int) -> int:
 _MALLOC_TRIM: list = []  # glibc's malloc_trim, looked up once ([None] where there is none)
 
 
+def settle_after_start() -> None:
+    """Once started: freeze what start-up made (this module's functions, tables and pages:
+    the collector's full passes would walk them on every run, a pause of tens of
+    milliseconds on a busy server or relay), then give the free memory back."""
+    import gc
+
+    gc.collect()
+    gc.freeze()
+    release_memory()
+
+
 def release_memory() -> None:
     """Give the C heap's free pages back to the system (glibc's malloc_trim). Compiling this
     module at start (about 35 MB, freed at once), a start-up check or a merge leave memory
@@ -15500,6 +15511,7 @@ RELAY_MAX_HEAD = 16384  # bytes of request line and headers
 LINGER_MAX_BYTES = 64 * 1024 * 1024
 LINGER_SECONDS = 10.0
 LINGER_IDLE_SECONDS = 2.0
+RELAY_MAX_LINGERING = 128  # connections a relay lingers on at once (the rest close at once)
 RELAY_ID_RE = re.compile(r"^[a-z2-7]{20}$")
 RELAY_CODE_RE = re.compile(r"^[A-Za-z0-9-]{1,64}$")
 _TOKEN_CHARS_RE = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
@@ -15563,13 +15575,7 @@ def parse_request_head(head: bytes, peer: str) -> tuple:
     Strict: one request line, CRLF lines, token field names, no obs-fold, at most one
     Content-Length and no Transfer-Encoding (chunked bodies are refused, never guessed).
     """
-    import email.parser
-    import http.client
-
-    try:
-        text = head.decode("latin-1")
-    except UnicodeDecodeError:  # pragma: no cover - latin-1 decodes every byte
-        raise _Refuse(400, "the request head is not text") from None
+    text = head.decode("latin-1")  # every byte decodes
     lines = text.split("\r\n")
     if lines[-2:] != ["", ""]:
         raise _Refuse(400, "the request head must end with an empty CRLF line")
@@ -15578,20 +15584,22 @@ def parse_request_head(head: bytes, peer: str) -> tuple:
     if not m:
         raise _Refuse(400, "malformed request line")
     method, target, minor = m.groups()
+    headers = []
     for line in lines[1:]:
         if line[:1] in (" ", "\t"):
             raise _Refuse(400, "folded header lines (obs-fold) are not accepted")
-        name, sep, _ = line.partition(":")
+        name, sep, value = line.partition(":")
         if not sep or not _TOKEN_CHARS_RE.match(name):
             raise _Refuse(400, "malformed header line")
         if "\n" in line or "\r" in line:
             raise _Refuse(400, "bare CR or LF in a header line")
-    msg = email.parser.Parser(_class=http.client.HTTPMessage).parsestr(
-        "\r\n".join(lines[1:]) + "\r\n\r\n"
-    )
-    headers = [(k, v.strip()) for k, v in msg.items()]
-    lengths = msg.get_all("Content-Length") or []
-    if msg.get_all("Transfer-Encoding"):
+        headers.append((name, value.strip(" \t")))
+
+    def all_of(wanted: str) -> list:
+        return [v for k, v in headers if k.lower() == wanted]
+
+    lengths = all_of("content-length")
+    if all_of("transfer-encoding"):
         raise _Refuse(
             411, "chunked or encoded request bodies are not accepted; send Content-Length"
         )
@@ -15599,10 +15607,10 @@ def parse_request_head(head: bytes, peer: str) -> tuple:
         raise _Refuse(400, "more than one Content-Length")
     length = 0
     if lengths:
-        if not re.fullmatch(r"\d{1,18}", lengths[0].strip()):
+        if not re.fullmatch(r"\d{1,18}", lengths[0]):
             raise _Refuse(400, "Content-Length is not a whole number")
-        length = int(lengths[0].strip())
-    connection = (msg.get("Connection") or "").lower()
+        length = int(lengths[0])
+    connection = ",".join(all_of("connection")).lower()
     keep_alive = "close" not in connection if minor == "1" else "keep-alive" in connection
     raw_path, _, query = target.partition("?")
     try:
@@ -15651,6 +15659,7 @@ class RelayHub:
         self.codes: dict = {}  # relay code -> (server id, held until: monotonic seconds)
         self.registrations: dict = {}  # client address -> deque of times
         self.closed = False
+        self._expired_at = -1.0
 
     def close(self) -> None:
         """Wake every long-poll and waiting client (the relay is stopping)."""
@@ -15661,6 +15670,11 @@ class RelayHub:
                     fut.set_result(None)
 
     def _expire(self, now: float) -> None:
+        """Drop servers not seen for RELAY_EXPIRY and codes past their time (at most once a
+        second: it walks them all)."""
+        if now - self._expired_at < 1.0:
+            return
+        self._expired_at = now
         for sid in [s for s, v in self.servers.items() if now - v.last_seen > RELAY_EXPIRY]:
             if not self.servers[sid].pollers:
                 self._drop(sid)
@@ -15848,6 +15862,7 @@ class RelayServer:
         self.config, self.started = config, time.time()
         self.hub = RelayHub(config)
         self.by_addr: dict = {}  # peer address -> {conn: None} (insertion order: oldest first)
+        self.lingering = 0  # connections draining a refused body (_linger)
         self.server: asyncio.AbstractServer | None = None
         self.domain = config.relay_domain  # "": no per-server origins (pages path-based)
         assets = re.compile("^(" + "|".join(map(re.escape, WEB_ASSETS)) + ")$")
@@ -15991,17 +16006,28 @@ class RelayServer:
         finally:
             conn.busy = False
 
-    @staticmethod
-    async def _linger(reader, writer, budget: int) -> None:
+    async def _linger(self, reader, writer, budget: int) -> None:
         """After an early error: shut the sending side (the answer is out), then read and
         discard what the client still sends, up to `budget` bytes, LINGER_SECONDS in all
         and LINGER_IDLE_SECONDS between reads, so that a client writing its whole body
-        before reading gets the answer instead of a reset (nginx's lingering_close)."""
+        before reading gets the answer instead of a reset (nginx's lingering_close). At
+        most RELAY_MAX_LINGERING connections linger at once: a flood of them costs no
+        more memory than that."""
+        if self.lingering >= RELAY_MAX_LINGERING:
+            return
         try:
             if writer.can_write_eof():
                 writer.write_eof()
         except (OSError, RuntimeError):
             return
+        self.lingering += 1
+        try:
+            await self._drain(reader, budget)
+        finally:
+            self.lingering -= 1
+
+    @staticmethod
+    async def _drain(reader, budget: int) -> None:
         deadline = time.monotonic() + LINGER_SECONDS
         while budget > 0:
             left = deadline - time.monotonic()
@@ -20137,7 +20163,7 @@ def cmd_serve(config: Config) -> int:
             record = effective_record(config, server.effective_port)
             atomic_write(effective, json.dumps(record, indent=2).encode("utf-8"), mode=0o600)
             print_banner(config, app.service.state.read(), server.effective_port)
-            release_memory()  # what compiling this module and starting up left free
+            settle_after_start()  # what compiling this module and starting up left free
             server.run()
         except KeyboardInterrupt:
             log.info("stopping")
@@ -20166,7 +20192,7 @@ def cmd_relay(config: Config) -> int:
             port = await relay.start()
         except OSError as e:
             raise ConfigError(f"cannot listen on {config.host}:{config.port}: {e.strerror}") from e
-        release_memory()  # what compiling this module left free
+        settle_after_start()  # what compiling this module left free
         host = config.host if config.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
         print(
             f"notesvc {__version__} relay\n  listening on http://{host}:{port}"

@@ -244,12 +244,14 @@ async def slow_413s(port: int, count: int, limit: int, key: str, sid: str) -> di
         f"Content-Type: application/json\r\nContent-Length: {limit * 4}\r\n\r\n"
     ).encode()
     chunk = b"x" * 4096
-    refused = errors = 0
+    refused = errors = cut = 0
     started = 0
     done = asyncio.Event()
 
     async def writer_(n: int) -> None:
-        nonlocal refused, errors
+        """One slow writer: its head, its 413, then 4 KB every 100 ms for a second (it
+        stays a second even when the relay closes on it: the flood's rate is the same)."""
+        nonlocal refused, errors, cut
         source = f"127.4.{n // 50 // 250 % 250}.{n // 50 % 250 + 1}"
         try:
             reader, writer = await open_conn(port, source)
@@ -257,13 +259,19 @@ async def slow_413s(port: int, count: int, limit: int, key: str, sid: str) -> di
             await writer.drain()
             status_line = await asyncio.wait_for(reader.readline(), 10)
             refused += status_line.startswith(b"HTTP/1.1 413")
-            for _ in range(10):  # then 4 KB every 100 ms: a slow writer
-                writer.write(chunk)
-                await writer.drain()
-                await asyncio.sleep(0.1)
-            writer.close()
         except (OSError, asyncio.IncompleteReadError, asyncio.TimeoutError):
             errors += 1
+            return
+        closed = False
+        for _ in range(10):
+            if not closed:
+                try:
+                    writer.write(chunk)
+                    await writer.drain()
+                except OSError:
+                    closed, cut = True, cut + 1
+            await asyncio.sleep(0.1)
+        writer.close()
 
     async def pool() -> None:
         nonlocal started
@@ -277,17 +285,22 @@ async def slow_413s(port: int, count: int, limit: int, key: str, sid: str) -> di
         done.set()
 
     async def probe() -> list:
-        reader, writer = await open_conn(port, "127.0.0.1")
-        times = []
-        while not done.is_set():
-            t = time.perf_counter()
-            await http(
-                reader, writer, "GET", f"/r/{sid}/api/v1/health", b"", {"X-Service-Key": key}
-            )
-            times.append((time.perf_counter() - t) * 1000)
-            await asyncio.sleep(0.02)
-        writer.close()
-        return times
+        """Another client, in a process of its own (this one is busy with the writers)."""
+        out = Path(tempfile.mkdtemp()) / "probe.json"
+        proc = await asyncio.create_subprocess_exec(
+            sys.executable,
+            __file__,
+            "--probe",
+            str(port),
+            sid,
+            key,
+            str(out),
+            stdin=asyncio.subprocess.PIPE,
+        )
+        await done.wait()
+        proc.stdin.close()
+        await proc.wait()
+        return json.loads(out.read_text())
 
     peak = 0.0
 
@@ -303,10 +316,28 @@ async def slow_413s(port: int, count: int, limit: int, key: str, sid: str) -> di
         "count": count,
         "refused": refused,
         "errors": errors,
+        "cut": cut,
         "seconds": time.monotonic() - begun,
         "probe": times,
         "peak_mb": peak,
     }
+
+
+def probe_process(port: int, sid: str, key: str, out: str) -> None:
+    """GET /health through the relay every 20 ms until stdin closes; write the times."""
+    import http.client
+
+    stop = threading.Event()
+    threading.Thread(target=lambda: (sys.stdin.read(), stop.set()), daemon=True).start()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    times = []
+    while not stop.is_set():
+        started = time.perf_counter()
+        conn.request("GET", f"/r/{sid}/api/v1/health", headers={"X-Service-Key": key})
+        conn.getresponse().read()
+        times.append((time.perf_counter() - started) * 1000)
+        time.sleep(0.02)
+    Path(out).write_text(json.dumps(times))
 
 
 def main() -> None:
@@ -318,7 +349,12 @@ def main() -> None:
     ap.add_argument("--attackers", type=int, default=0, help="idle connections from one address")
     ap.add_argument("--slow413", type=int, default=0, help="slow writers over the body limit")
     ap.add_argument("--simulate", nargs=3, metavar=("PORT", "N", "READY"), help=argparse.SUPPRESS)
+    ap.add_argument("--probe", nargs=4, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.probe:
+        port, sid, key, out = args.probe
+        probe_process(int(port), sid, key, out)
+        return
     if args.simulate:
         port, n, ready = args.simulate
         asyncio.run(simulate(int(port), int(n), ready))
@@ -480,7 +516,8 @@ def report(args, f: dict) -> None:
         before, after = f["before_413"]["rss_mb"], f["after_413"]["rss_mb"]
         print(
             f"{w['count']} slow writers over the limit in {w['seconds']:.0f} s: "
-            f"{w['refused']} got their 413, {w['errors']} errors; relay RssAnon "
+            f"{w['refused']} got their 413, {w['errors']} errors, {w['cut']} cut short "
+            f"(over the relay's lingering cap); relay RssAnon "
             f"{before} MB before, peak {w['peak_mb']} MB (+{w['peak_mb'] - before:.1f}, "
             f"goal <= 10), {after} MB after; another client meanwhile: "
             f"p50 {pct(w['probe'], 50):.1f} ms, p99 {pct(w['probe'], 99):.1f} ms (goal <= 50)"
