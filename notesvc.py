@@ -11346,7 +11346,8 @@ def run_audit(svc: Service) -> dict:
 # One self-contained page: inline CSS and JS (allowed by their hashes in the CSP), no
 # CDN, no build step. It uses only the public API. Data goes in as text nodes only.
 
-WEB_CSS = """
+# --- begin web/app.css ---
+WEB_CSS = r"""
 :root {
   color-scheme: light dark;
   --bg: #ffffff;
@@ -12311,7 +12312,9 @@ dialog .new-key button,
   border-radius: 8px;
 }
 """
+# --- end web/app.css ---
 
+# --- begin web/core.js ---
 WEB_JS_START = r"""
 "use strict";
 // notesvc's web client: one page, no build step, only the public API.
@@ -12807,7 +12810,9 @@ async function reveal(path) {
 }
 
 """
+# --- end web/core.js ---
 
+# --- begin web/markdown.js ---
 MARKDOWN_JS = r"""
 // -- Markdown: a small renderer that builds DOM nodes, so no HTML in a note can run ----------
 // (MARKDOWN_JS, shared with the share page: each page brings its own link(), wikiLink()
@@ -13132,7 +13137,9 @@ function resolveRelative(href, from) {
 }
 
 """
+# --- end web/markdown.js ---
 
+# --- begin web/app.js ---
 WEB_JS_REST = r"""
 function link(href, label, ctx, markdown) {
   href = href.trim();
@@ -14662,7 +14669,9 @@ wire();
   else $("key").focus();
 })();
 """
+# --- end web/app.js ---
 
+# --- begin web/grants.js ---
 WEB_GRANTS_JS = r"""
 // -- keys, connections and share links (what a grant may do shapes the page) --------------
 // The API key holds every scope; a scoped key (or a folder key) sees only what it may use:
@@ -14888,10 +14897,12 @@ function wireGrants() {
 }
 wireGrants();
 """
+# --- end web/grants.js ---
 
 WEB_JS = WEB_JS_START + MARKDOWN_JS + WEB_JS_REST + WEB_GRANTS_JS
 
-WEB_PAGE = """
+# --- begin web/app.html ---
+WEB_PAGE = r"""
 <!doctype html>
 <html lang="en">
 <head>
@@ -15072,6 +15083,7 @@ WEB_PAGE = """
 </body>
 </html>
 """
+# --- end web/app.html ---
 
 
 def _csp_hash(text: str) -> str:
@@ -15206,7 +15218,8 @@ def web_client_headers() -> dict:
 # same bytes (never HTML forwarded from a server), and their scripts find the API beside
 # them on their own origin (/api/v1, or /r/<serverId>/api/v1 on a relay).
 
-PAGE_CSS = """
+# --- begin web/page.css ---
+PAGE_CSS = r"""
 *{box-sizing:border-box}
 body{margin:0;font:16px/1.5 system-ui,sans-serif;color:#1d232a;background:#f6f7f9}
 main{max-width:42em;margin:0 auto;padding:1.2em}
@@ -15229,7 +15242,9 @@ mark{background:#fff0a0}
 article{background:#1a1f25;border-color:#2c333b}pre{background:#232a31}.muted{color:#a6b0ba}
 input{background:#1a1f25;color:#e4e8ec}.err{color:#ff8a80}}
 """
+# --- end web/page.css ---
 
+# --- begin web/share.js ---
 SHARE_JS = r"""
 // The link is {base}/s/<token>; the note comes from {base}/api/v1/shared/<token>. The
 // web client's renderer (MARKDOWN_JS) draws it; what a link or an image may reach is
@@ -15290,8 +15305,10 @@ async function showShared() {
 }
 showShared();
 """
+# --- end web/share.js ---
 
-SHARE_PAGE = """<!doctype html>
+# --- begin web/share.html ---
+SHARE_PAGE = r"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <meta name="robots" content="noindex, nofollow"><meta name="referrer" content="no-referrer">
@@ -15299,7 +15316,9 @@ SHARE_PAGE = """<!doctype html>
 <main><p id="msg" class="err" role="alert"></p><article id="note"></article>
 <p id="meta" class="muted"></p></main><script>{js}</script></body></html>
 """
+# --- end web/share.html ---
 
+# --- begin web/consent.js ---
 CONSENT_JS = r"""
 "use strict";
 const $ = (id) => document.getElementById(id);
@@ -15375,8 +15394,10 @@ $("deny").onclick = () => { if (facts) location.assign(facts.deny); };
 $("return").onclick = () => { if (back) location.assign(back); };
 load();
 """
+# --- end web/consent.js ---
 
-CONSENT_PAGE = """<!doctype html>
+# --- begin web/consent.html ---
+CONSENT_PAGE = r"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <meta name="robots" content="noindex, nofollow"><meta name="referrer" content="no-referrer">
@@ -15402,6 +15423,7 @@ read, create and change your notes</label></fieldset>
 <div id="back" class="hidden row"><button id="return">Return to the app</button></div>
 </main><script>{js}</script></body></html>
 """
+# --- end web/consent.html ---
 
 _SHARE_SCRIPT = '"use strict";\n' + MARKDOWN_JS + SHARE_JS
 
@@ -15454,14 +15476,14 @@ def shared_origin_page(page: str) -> str:
 
 # -- the relay's own page (a relay with per-server origins opens no server on its host) --
 
-RELAY_LANDING_CSS = (
-    "body{font:16px/1.5 system-ui,sans-serif;max-width:34em;margin:3em auto;padding:0 1em}"
-)
-RELAY_LANDING_PAGE = f"""<!doctype html>
+# --- begin web/landing.html ---
+RELAY_LANDING_HTML = r"""<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <meta name="robots" content="noindex">
-<title>notesvc relay</title><style>{RELAY_LANDING_CSS}</style></head>
+<title>notesvc relay</title>
+<style>body{font:16px/1.5 system-ui,sans-serif;max-width:34em;margin:3em auto;padding:0 1em}</style>
+</head>
 <body>
 <h1>notesvc relay</h1>
 <p>This relay passes requests between people and their own notes servers. It keeps no
@@ -15470,7 +15492,10 @@ notes and no keys, and this page opens nothing of any server.</p>
 <code>links.connect.hosted</code> in its setup payload): each server has its own address
 here, <code>https://&lt;server id&gt;.&lt;this relay&gt;</code>.</p>
 </body></html>
-""".encode()
+"""
+# --- end web/landing.html ---
+RELAY_LANDING_CSS = RELAY_LANDING_HTML.split("<style>")[1].split("</style>")[0]
+RELAY_LANDING_PAGE = RELAY_LANDING_HTML.encode()
 RELAY_LANDING_HEADERS = {
     "Content-Type": "text/html; charset=utf-8",
     "Content-Security-Policy": f"default-src 'none'; style-src {_csp_hash(RELAY_LANDING_CSS)}; "

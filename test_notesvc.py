@@ -15015,6 +15015,19 @@ class TestCliSafety:
 
 
 class TestDocs:
+    def test_the_web_sources_are_what_notesvc_py_carries(self):
+        """web/ is embedded by .ci/embed_web.py: --check fails on any difference."""
+        done = subprocess.run(
+            [sys.executable, str(HERE / ".ci" / "embed_web.py"), "--check"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+        assert done.returncode == 0, done.stderr
+        for name in ("app.html", "app.css", "app.js", "markdown.js", "consent.js", "share.js"):
+            assert (HERE / "web" / name).is_file(), name
+        assert notesvc.MARKDOWN_JS == (HERE / "web" / "markdown.js").read_text("utf-8")
+
     def test_readme_example_plugin_works(self, make_app, root):
         readme = (HERE / "README.md").read_text()
         code = re.search(r"```python\n(import notesvc\n.*?)```", readme, re.S).group(1)

@@ -1,0 +1,1528 @@
+
+function link(href, label, ctx, markdown) {
+  href = href.trim();
+  let a;
+  if (/^(https?:|mailto:)/i.test(href)) {
+    a = el("a", {href, target: "_blank", rel: "noopener noreferrer"});
+  } else {
+    const path = /^[a-z][a-z0-9+.-]*:|^\/\/|^#/i.test(href)
+      ? null
+      : resolveRelative(href, ctx.from);
+    if (path && path.startsWith("attachments/") && features.attachments) {
+      a = attachmentLink(path, path);
+    } else if (!path || !path.startsWith("notes/") || !path.endsWith(".md")) {
+      a = el("span"); // another scheme, or nothing this page can open: the text alone
+    } else {
+      a = el("a", {
+        href: "#",
+        "data-note": path,
+        onclick: (e) => {
+          e.preventDefault();
+          act(() => openNote(path))();
+        },
+      });
+    }
+  }
+  if (markdown) inline(label, a, ctx);
+  else a.textContent = label;
+  return a;
+}
+
+function wikiLink(target, label, ctx, embed) {
+  const name = target.split("#")[0].trim();
+  if (isAttachmentName(name) && features.attachments) {
+    const found = findAttachment(name);
+    const shown = label && !/^\d+(x\d+)?$/.test(label.trim()) ? label.trim() : fileName(name);
+    if (embed && IMAGE_EXT.test(name)) return attachmentImage(found, shown);
+    const a = attachmentLink(found, name);
+    a.textContent = shown;
+    return a;
+  }
+  return el(
+    "a",
+    {
+      href: "#",
+      "data-wiki": name,
+      onclick: (e) => {
+        e.preventDefault();
+        act(() => openWiki(name, ctx.from))();
+      },
+    },
+    (label || target).trim(),
+  );
+}
+
+function image(alt, src, ctx) {
+  // Images load only from this server (the CSP allows no other); others show as a link.
+  if (/^(https?:)/i.test(src)) return link(src, alt ? "image: " + alt : src, ctx);
+  const path = /^[a-z][a-z0-9+.-]*:|^\/\//i.test(src) ? null : resolveRelative(src, ctx.from);
+  if (!path || !path.startsWith("attachments/") || !features.attachments) {
+    return document.createTextNode(alt ? "[image: " + alt + "]" : "[image]");
+  }
+  if (!IMAGE_EXT.test(path)) {
+    const a = attachmentLink(path, path);
+    a.textContent = alt || fileName(path);
+    return a;
+  }
+  return attachmentImage(Promise.resolve(path), alt || fileName(path));
+}
+
+const IMAGE_EXT = /\.(png|jpe?g|gif|webp|avif|bmp|ico|svg)$/i;
+const MEDIA_EXT = /\.(mp3|m4a|aac|ogg|oga|opus|wav|flac|weba|mp4|m4v|mov|webm)$/i;
+const VIDEO_EXT = /\.(mp4|m4v|mov|webm)$/i;
+
+function fileName(path) {
+  return path.split("/").pop();
+}
+
+function isAttachmentName(name) {
+  const ext = /\.([a-z0-9]{1,5})$/i.exec(fileName(name));
+  return !!ext && ext[1].toLowerCase() !== "md";
+}
+
+function attachmentImage(found, alt) {
+  const img = el("img", {alt, loading: "lazy"});
+  Promise.resolve(found)
+    .then((path) => {
+      if (!path) throw new Error("not found");
+      img.dataset.attachment = path;
+      return attachmentUrl(path);
+    })
+    .then(
+      (url) => {
+        img.src = url;
+      },
+      () => img.replaceWith(document.createTextNode("[image not found: " + alt + "]")),
+    );
+  return img;
+}
+
+// A link to an attachment: audio and video play in the page, other files are downloaded
+// (never opened as a page of this origin).
+function attachmentLink(found, name) {
+  const a = el("a", {href: "#", class: MEDIA_EXT.test(name) ? "file media" : "file"});
+  if (typeof found === "string") a.dataset.attachment = found;
+  a.addEventListener("click", (e) => {
+    e.preventDefault();
+    act(() => openAttachment(found, a))();
+  });
+  return a;
+}
+
+async function openAttachment(found, a) {
+  const path = await found;
+  if (!path) throw new Error("There is no attachment of that name.");
+  if (MEDIA_EXT.test(path)) {
+    const url = await attachmentUrl(path);
+    const player = el(VIDEO_EXT.test(path) ? "video" : "audio", {controls: true, class: "media"});
+    player.src = url;
+    player.setAttribute("aria-label", fileName(path));
+    a.replaceWith(player);
+    player.play().catch(() => {});
+    return;
+  }
+  const {blob} = await api("GET", "/attachments/" + enc(path), undefined, undefined, {blob: true});
+  const url = URL.createObjectURL(new Blob([blob], {type: "application/octet-stream"}));
+  const save = el("a", {href: url, download: fileName(path), hidden: true});
+  document.body.append(save);
+  save.click();
+  save.remove();
+  setTimeout(() => URL.revokeObjectURL(url), 60000);
+}
+
+// ![[photo.jpg]] names a file: a path, else the first attachment of that name (as the
+// server resolves it), from one listing of the attachments kept for a minute.
+let attachmentNames = null;
+let attachmentNamesAt = 0;
+async function findAttachment(name) {
+  if (name.includes("/")) {
+    const path = name.replace(/^\/+/, "");
+    return path.startsWith("attachments/") ? path : "attachments/" + path;
+  }
+  if (!attachmentNames || Date.now() - attachmentNamesAt > 60000) {
+    attachmentNamesAt = Date.now();
+    attachmentNames = (async () => {
+      const names = new Map();
+      const paths = [];
+      for (let offset = 0; offset < 20000; offset += 1000) {
+        const {data} = await api("GET", "/attachments?limit=1000&offset=" + offset);
+        paths.push(...data.attachments.map((x) => x.path));
+        if (offset + 1000 >= data.total) break;
+      }
+      for (const p of paths.sort()) {
+        const key = fileName(p).toLowerCase();
+        if (!names.has(key)) names.set(key, p);
+      }
+      return names;
+    })();
+  }
+  const names = await attachmentNames.catch(() => new Map());
+  return names.get(name.toLowerCase()) || null;
+}
+
+// An attachment needs the key, which an <img src> cannot send: fetch it, show it as a blob.
+// A blob: URL is a document of this origin when opened alone, so only a picture, a sound or
+// a video keeps its type; an SVG (which may hold script) is shown from a data: URL instead,
+// whose document, opened alone, has no origin of its own to read.
+const attachmentUrls = new Map();
+function attachmentUrl(path) {
+  if (!attachmentUrls.has(path)) {
+    const url = api("GET", "/attachments/" + enc(path), undefined, undefined, {blob: true}).then(
+      (r) => inertUrl(r.blob, path),
+    );
+    url.catch(() => attachmentUrls.delete(path));
+    attachmentUrls.set(path, url);
+  }
+  return attachmentUrls.get(path);
+}
+
+function inertUrl(blob, path) {
+  const type = (blob.type || "").toLowerCase().split(";")[0].trim();
+  if (type === "image/svg+xml" || /\.svg$/i.test(path)) {
+    return new Promise((resolve, reject) => {
+      const reader = new FileReader(); // a relay sends an SVG as octet-stream: say what it is
+      reader.onload = () => resolve(reader.result);
+      reader.onerror = () => reject(reader.error);
+      reader.readAsDataURL(new Blob([blob], {type: "image/svg+xml"}));
+    });
+  }
+  const passive = /^(image|audio|video)\/[a-z0-9.+-]+$/.test(type) && !/(xml|html)/.test(type);
+  const safe = passive ? blob : new Blob([blob], {type: "application/octet-stream"});
+  return URL.createObjectURL(safe);
+}
+
+// [[Name]] resolves as the server does: a path, else the first note of that file name.
+async function openWiki(name, from) {
+  let target = name.replace(/\.md$/i, "");
+  if (target.includes("/")) {
+    target = target.replace(/^\/+/, "");
+    return openNote((target.startsWith("notes/") ? target : "notes/" + target) + ".md");
+  }
+  const {data} = await api("GET", "/search?limit=100&q=" + enc(target.replace(/["*()-]/g, " ")));
+  const want = target.toLowerCase();
+  const found = data.results
+    .map((h) => h.path)
+    .filter((p) => nameOf(p).toLowerCase() === want)
+    .sort();
+  if (found.length) return openNote(found[0]);
+  const guess = (from ? folderOf(from) : "notes") + "/" + target + ".md";
+  for (const path of new Set([guess, "notes/" + target + ".md"])) {
+    try {
+      await api("GET", "/notes/" + enc(path));
+      return openNote(path);
+    } catch (e) {
+      if (e.status !== 404) throw e;
+    }
+  }
+  const choice = await choose("No note named “" + target + "”", "Create " + guess + "?", [
+    ["create", "Create it", "primary"],
+    ["cancel", "Cancel"],
+  ]);
+  if (choice === "create") await createNote(guess);
+  return undefined;
+}
+
+// -- dialogs ---------------------------------------------------------------------------------
+
+let dialogDone = null;
+function dialog(title, body, buttons, initial) {
+  const d = $("dlg");
+  if (dialogDone) dialogDone("cancel"); // one dialog at a time: the one open gives way
+  $("dlg-title").textContent = title;
+  $("dlg-body").replaceChildren(
+    ...(Array.isArray(body) ? body : [body]).map((b) =>
+      typeof b === "string" ? el("p", {}, b) : b,
+    ),
+  );
+  return new Promise((resolve) => {
+    dialogDone = (value) => {
+      dialogDone = null;
+      if (d.open) d.close();
+      resolve(value);
+    };
+    $("dlg-buttons").replaceChildren(
+      ...buttons.map(([value, label, cls]) =>
+        el(
+          "button",
+          {
+            type: "button",
+            class: cls || null,
+            "data-value": value,
+            onclick: () => dialogDone(value),
+          },
+          label,
+        ),
+      ),
+    );
+    d.showModal();
+    const focus =
+      initial ||
+      d.querySelector("#dlg-body input") ||
+      d.querySelector("button.primary") ||
+      d.querySelector("button");
+    if (focus) focus.focus();
+  });
+}
+function choose(title, text, buttons) {
+  return dialog(title, text, buttons);
+}
+
+// -- the open note -----------------------------------------------------------------------------
+
+const editor = () => $("editor");
+function dirty() {
+  return state.path !== null && editor().value !== state.saved;
+}
+
+function updateDirty() {
+  const s = $("status");
+  if (dirty()) {
+    s.replaceChildren(
+      el("span", {"aria-hidden": "true"}, "● "),
+      el("span", {class: "word"}, "Unsaved"),
+    );
+    s.className = "dirty";
+  } else if (s.className === "dirty") {
+    s.textContent = "";
+    s.className = "";
+  }
+  $("save").disabled = !state.path;
+  $("save").classList.toggle("clean", !dirty());
+}
+
+function draftKey(path) {
+  return "notesvc.draft:" + state.base + "|" + path;
+}
+function readDraft(path) {
+  try {
+    return JSON.parse(getItem("local", draftKey(path)) || "null");
+  } catch (e) {
+    return null;
+  }
+}
+function keepDraft() {
+  if (!state.path) return;
+  if (dirty()) {
+    setItem(
+      "local",
+      draftKey(state.path),
+      JSON.stringify({content: editor().value, etag: state.etag, at: Date.now()}),
+    );
+  } else {
+    removeItem("local", draftKey(state.path));
+  }
+}
+let draftTimer = 0;
+function scheduleDraft() {
+  clearTimeout(draftTimer);
+  draftTimer = setTimeout(keepDraft, 300);
+}
+function dropDraft() {
+  if (state.path) removeItem("local", draftKey(state.path));
+  $("draft").hidden = true;
+}
+
+// Ask before unsaved text would be lost; resolve to true when it is fine to go on.
+async function confirmLeave(what) {
+  if (!dirty()) return true;
+  const choice = await choose(
+    "Unsaved changes",
+    "“" + state.title + "” has changes that are not saved.",
+    [
+      ["save", "Save", "primary"],
+      ["discard", "Discard"],
+      ["cancel", "Cancel"],
+    ],
+  );
+  if (choice === "save") return save(false);
+  if (choice === "discard") {
+    dropDraft();
+    editor().value = state.saved;
+    updateDirty();
+    return true;
+  }
+  return false;
+}
+
+function showNote(rec) {
+  state.path = rec.path;
+  state.etag = rec.etag;
+  state.saved = rec.content;
+  state.title = rec.title || nameOf(rec.path);
+  editor().value = rec.content;
+  $("title").textContent = state.title;
+  $("path").textContent = rec.path + " · " + ago(rec.modified);
+  $("path").title = rec.path;
+  $("empty").hidden = true;
+  $("note-bar").hidden = false;
+  $("conflict").hidden = true;
+  $("conflict-text").textContent = "This note changed elsewhere.";
+  $("draft").hidden = true;
+  $("status").textContent = "";
+  $("status").className = "";
+  $("about").disabled = false;
+  $("about-label").textContent = "About this note: " + state.title;
+  setItem("session", "notesvc.open", rec.path);
+}
+
+async function openNote(path, opts) {
+  opts = opts || {};
+  if (path !== state.path && !(await confirmLeave())) return false;
+  const {data} = await api("GET", "/notes/" + enc(path));
+  showNote(data);
+  const draft = readDraft(data.path);
+  if (draft && draft.content !== data.content) {
+    editor().value = draft.content;
+    state.etag = draft.etag || data.etag; // a save meets the conflict if the note moved on
+    $("draft-text").textContent =
+      "Your unsaved draft from " +
+      new Date(draft.at).toLocaleString() +
+      " is back." +
+      (draft.etag && draft.etag !== data.etag ? " The note has changed since then." : "");
+    $("draft").hidden = false;
+    setEditing(true);
+  } else {
+    if (draft) dropDraft();
+    setEditing(!!opts.edit);
+  }
+  updateDirty();
+  showPane("note");
+  loadBacklinks(data.path);
+  reveal(data.path).catch(() => {});
+  return true;
+}
+
+function closeNote() {
+  state.path = null;
+  state.etag = null;
+  state.saved = "";
+  editor().value = "";
+  $("note-bar").hidden = true;
+  $("title").textContent = "";
+  $("path").textContent = "";
+  $("view").replaceChildren();
+  $("view").hidden = true;
+  editor().hidden = true;
+  $("backlinks").hidden = true;
+  $("conflict").hidden = true;
+  $("draft").hidden = true;
+  $("empty").hidden = false;
+  $("about").checked = false;
+  $("about").disabled = true;
+  $("about-label").textContent = "About this note";
+  removeItem("session", "notesvc.open");
+  markCurrent();
+}
+
+function setEditing(on) {
+  state.editing = on;
+  editor().hidden = !on;
+  $("view").hidden = on;
+  $("edit").textContent = on ? "View" : "Edit";
+  $("edit").setAttribute("aria-pressed", String(on));
+  if (!on) renderView();
+}
+
+function renderView() {
+  const onTask = writable() ? toggleTask : null; // a read key ticks nothing
+  const view = renderMarkdown(editor().value, {from: state.path, onTask});
+  $("view").replaceChildren(...view.childNodes);
+}
+
+// A checkbox ticked in the formatted view changes its line; saved at once (with If-Match)
+// unless there are other unsaved changes, which it then joins.
+async function toggleTask(n, box) {
+  const lines = editor().value.split("\n");
+  const line = lines[n] || "";
+  const flipped = line.replace(
+    /^(\s*(?:[-*+]|\d{1,9}[.)])\s+)\[([ xX])\]/,
+    (_, lead, mark) => lead + (mark === " " ? "[x]" : "[ ]"),
+  );
+  if (flipped === line) {
+    box.checked = !box.checked;
+    return;
+  }
+  const before = dirty();
+  lines[n] = flipped;
+  editor().value = lines.join("\n");
+  if (before) {
+    updateDirty();
+    scheduleDraft();
+    toast("Ticked: Save to keep it with your other changes.");
+    return;
+  }
+  if (!(await act(() => save(false))())) {
+    editor().value = state.saved;
+    updateDirty();
+    renderView();
+  }
+}
+
+function showConflict(gone) {
+  $("conflict-text").textContent = gone
+    ? "This note was deleted or moved elsewhere."
+    : "This note changed elsewhere.";
+  $("conflict").hidden = false;
+  $("status").textContent = "Not saved";
+  $("status").className = "dirty";
+}
+
+// A write of this page's own is under way: the feed's news of the open note waits for it
+// (the news may be that very write), then the note is looked at once.
+async function writing(fn) {
+  state.writes = (state.writes || 0) + 1;
+  try {
+    return await fn();
+  } finally {
+    state.writes--;
+    if (!state.writes && state.recheck) {
+      state.recheck = false;
+      checkOpenNote().catch(() => {});
+    }
+  }
+}
+
+async function save(force) {
+  return state.path ? writing(() => saveNow(force)) : false;
+}
+
+async function saveNow(force) {
+  const content = editor().value;
+  try {
+    let r;
+    try {
+      r = await api(
+        "PUT",
+        "/notes/" + enc(state.path),
+        {content},
+        force ? {} : {"If-Match": state.etag},
+      );
+    } catch (e) {
+      if (e.status !== 404 || !force) throw e;
+      r = await api("POST", "/notes", {path: state.path, content}); // keep mine: write it again
+      loadTree().catch(() => {});
+    }
+    state.saved = content;
+    state.etag = r.data.etag;
+    state.title = r.data.title || state.title;
+    $("title").textContent = state.title;
+    $("path").textContent = r.data.path + " · " + ago(r.data.modified);
+    dropDraft();
+    $("conflict").hidden = true;
+    $("status").textContent = "Saved";
+    $("status").className = "";
+    if (!state.editing) renderView();
+    return true;
+  } catch (e) {
+    if (e.status === 412 || e.status === 404) {
+      showConflict(e.status === 404);
+      return false;
+    }
+    throw e;
+  }
+}
+
+async function reloadTheirs() {
+  dropDraft();
+  const path = state.path;
+  state.saved = editor().value; // nothing to ask about: the person chose theirs
+  try {
+    await openNote(path);
+  } catch (e) {
+    if (e.status !== 404) throw e;
+    closeNote();
+    showPane("notes");
+    await loadTree();
+    toast(path + " is no longer there");
+  }
+}
+
+// The open note may have changed elsewhere: take the new text when nothing is unsaved,
+// otherwise say so and let the person choose.
+async function checkOpenNote() {
+  const path = state.path;
+  if (!path || !state.key) return;
+  let r;
+  try {
+    r = await api("GET", "/notes/" + enc(path));
+  } catch (e) {
+    if (e.status === 404 && path === state.path) showConflict(true);
+    return;
+  }
+  if (path !== state.path || r.data.etag === state.etag) return;
+  if (dirty()) {
+    showConflict(false);
+    return;
+  }
+  const editing = state.editing;
+  showNote(r.data);
+  setEditing(editing);
+  updateDirty();
+  toast("“" + state.title + "” changed elsewhere: this is the new text");
+}
+
+let lastLook = 0;
+async function lookAgain() {
+  // Back to the page after a while: the tree and the open note may have moved on.
+  if (Date.now() - lastLook < 10000 || !state.key || $("app").hidden) return;
+  lastLook = Date.now();
+  await Promise.all([loadTree(), checkOpenNote()]);
+}
+
+function offerNew() {
+  const input = el("input", {
+    type: "text",
+    id: "new-path",
+    autocomplete: "off",
+    spellcheck: "false",
+    placeholder: "folder/name",
+  });
+  const own = state.grant && state.grant.folder; // a folder key writes in its folder
+  const folder = (state.path ? folderOf(state.path) : own || "").replace(/^notes\/?/, "");
+  input.value = folder ? folder + "/" : "";
+  input.addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && dialogDone) dialogDone("create");
+  });
+  return dialog(
+    "New note",
+    [
+      el("label", {for: "new-path"}, "Name (folders with /)"),
+      input,
+      el("p", {class: "muted"}, "It is saved as notes/<name>.md."),
+    ],
+    [
+      ["cancel", "Cancel"],
+      ["create", "Create", "primary"],
+    ],
+    input,
+  ).then((v) => (v === "create" ? input.value.trim() : null));
+}
+
+function toNotePath(name) {
+  let path = name.trim().replace(/^\/+/, "");
+  if (!path.startsWith("notes/")) path = "notes/" + path;
+  if (!/\.md$/i.test(path)) path += ".md";
+  return path;
+}
+
+async function newNote() {
+  if (!(await confirmLeave())) return;
+  const name = await offerNew();
+  if (name) await createNote(toNotePath(name));
+}
+
+async function createNote(path) {
+  const {data} = await api("POST", "/notes", {path, content: "# " + nameOf(path) + "\n\n"});
+  state.saved = editor().value; // already asked
+  await openNote(data.path, {edit: true});
+  const ed = editor();
+  ed.focus();
+  ed.setSelectionRange(ed.value.length, ed.value.length);
+}
+
+async function moveNote() {
+  if (!state.path) return;
+  if (dirty() && !(await save(false))) return;
+  const input = el("input", {
+    type: "text",
+    id: "move-path",
+    autocomplete: "off",
+    spellcheck: "false",
+  });
+  input.value = state.path.replace(/^notes\//, "").replace(/\.md$/, "");
+  const links = el("input", {type: "checkbox", id: "move-links"});
+  links.checked = true;
+  input.addEventListener("keydown", (e) => {
+    if (e.key === "Enter" && dialogDone) dialogDone("move");
+  });
+  const v = await dialog(
+    "Move or rename",
+    [
+      el("label", {for: "move-path"}, "New name (folders with /)"),
+      input,
+      el("label", {class: "check"}, links, " Update links to it in other notes"),
+    ],
+    [
+      ["cancel", "Cancel"],
+      ["move", "Move", "primary"],
+    ],
+    input,
+  );
+  if (v !== "move") return;
+  const to = toNotePath(input.value);
+  if (to === state.path) return;
+  mine(state.path);
+  const {data} = await api(
+    "PATCH",
+    "/notes/" + enc(state.path) + "/move",
+    {path: to, updateLinks: links.checked},
+    {"If-Match": state.etag},
+  );
+  state.saved = editor().value;
+  await openNote(data.path);
+  await loadTree();
+  toast("Moved to " + data.path);
+}
+
+async function deleteNote() {
+  if (!state.path) return;
+  const v = await choose(
+    "Move to trash?",
+    "“" + state.title + "” goes to the trash, where it can be restored.",
+    [
+      ["cancel", "Cancel"],
+      ["delete", "Move to trash", "primary"],
+    ],
+  );
+  if (v !== "delete") return;
+  const path = state.path;
+  mine(path);
+  try {
+    await api("DELETE", "/notes/" + enc(path), undefined, {"If-Match": state.etag});
+  } catch (e) {
+    if (e.status === 412) throw new Error("It changed elsewhere: reload it before deleting.");
+    throw e;
+  }
+  dropDraft();
+  closeNote();
+  showPane("notes");
+  await loadTree();
+  toast(
+    "Moved " + nameOf(path) + " to the trash",
+    false,
+    features.history ? ["Undo", () => undoDelete(path)] : null,
+  );
+}
+
+async function loadBacklinks(path) {
+  const box = $("backlinks");
+  box.hidden = true;
+  let r;
+  try {
+    r = await api("GET", "/plugins/backlinks/" + enc(path));
+  } catch (e) {
+    return;
+  } // the plugin may be off
+  if (path !== state.path) return;
+  const list = r.data.backlinks || r.data.notes || [];
+  if (!list.length) return;
+  const items = list.map((n) =>
+    el(
+      "li",
+      {},
+      el(
+        "button",
+        {type: "button", class: "link", onclick: act(() => openNote(n.path))},
+        n.title || n.path,
+      ),
+    ),
+  );
+  box.replaceChildren(el("strong", {}, "Linked from"), el("ul", {}, ...items));
+  box.hidden = false;
+}
+
+// -- history and the trash (where the server keeps them) ----------------------------------
+
+function when(iso) {
+  const t = Date.parse(iso);
+  return t ? new Date(t).toLocaleString() : iso;
+}
+
+function sizeText(n) {
+  return n < 1024
+    ? n + " B"
+    : n < 1048576
+      ? (n / 1024).toFixed(1) + " KB"
+      : (n / 1048576).toFixed(1) + " MB";
+}
+
+function diffView(diff) {
+  const pre = el("pre", {class: "diff"});
+  for (const line of diff.split("\n")) {
+    const cls = /^\+(?!\+\+)/.test(line) ? "add" : /^-(?!--)/.test(line) ? "del" : null;
+    pre.append(el("span", {class: cls}, line + "\n"));
+  }
+  return pre;
+}
+
+async function showHistory() {
+  if (!state.path) return;
+  const path = state.path;
+  const {data} = await api("GET", "/notes/" + enc(path) + "/versions?limit=50");
+  const base = "/notes/" + enc(path) + "/versions/";
+  const list = el("ul", {class: "list", id: "versions"});
+  const detail = el("div", {id: "version-detail"});
+  for (const v of data.versions) {
+    const view = act(async () => {
+      const r = await api("GET", base + enc(v.id));
+      detail.replaceChildren(
+        el("h3", {}, "Saved " + when(v.savedAt)),
+        el("pre", {}, r.data.content),
+      );
+    });
+    const diff = act(async () => {
+      const r = await api("GET", base + enc(v.id) + "/diff?against=current");
+      detail.replaceChildren(
+        el("h3", {}, "From " + when(v.savedAt) + " to now"),
+        r.data.diff ? diffView(r.data.diff) : el("p", {}, "The same as now."),
+      );
+    });
+    const restore = act(async () => {
+      dialogDone("cancel");
+      if (!(await confirmLeave())) return;
+      await writing(async () => {
+        const r = await api("POST", base + enc(v.id) + "/restore", undefined, {
+          "If-Match": state.etag,
+        });
+        dropDraft();
+        showNote(r.data);
+        setEditing(false);
+        updateDirty();
+      });
+      toast("Restored the version of " + when(v.savedAt));
+    });
+    list.append(
+      el(
+        "li",
+        {"data-version": v.id},
+        el(
+          "span",
+          {},
+          when(v.savedAt),
+          el("small", {class: "muted"}, " · " + v.reason + " · " + sizeText(v.size)),
+        ),
+        el(
+          "span",
+          {class: "actions"},
+          el("button", {type: "button", onclick: view}, "View"),
+          el("button", {type: "button", onclick: diff}, "Diff"),
+          writable() ? el("button", {type: "button", onclick: restore}, "Restore") : null,
+        ),
+      ),
+    );
+  }
+  if (!data.versions.length) list.append(el("li", {class: "muted"}, "No earlier versions yet."));
+  await dialog("History of " + state.title, [list, detail], [["cancel", "Close"]]);
+}
+
+async function restoreFromTrash(item, to) {
+  try {
+    const r = await api(
+      "POST",
+      "/trash/" + enc(item.id) + "/restore",
+      to ? {path: to} : undefined,
+    );
+    return r.data;
+  } catch (e) {
+    if (e.status !== 409) throw e;
+    const input = el("input", {
+      type: "text",
+      id: "restore-path",
+      autocomplete: "off",
+      spellcheck: "false",
+    });
+    input.value = item.path.replace(/(\.\w+)$/, " (restored)$1");
+    const v = await dialog(
+      "Restore under another name",
+      [e.message, el("label", {for: "restore-path"}, "Restore as"), input],
+      [
+        ["cancel", "Cancel"],
+        ["restore", "Restore", "primary"],
+      ],
+      input,
+    );
+    return v === "restore" ? restoreFromTrash(item, input.value.trim()) : null;
+  }
+}
+
+async function showTrash() {
+  const {data} = await api("GET", "/trash?limit=100");
+  const list = el("ul", {class: "list", id: "trash-items"});
+  const detail = el("div", {id: "trash-detail"});
+  for (const item of data.items) {
+    const view = act(async () => {
+      const r = await api("GET", "/trash/" + enc(item.id));
+      detail.replaceChildren(el("h3", {}, item.path), el("pre", {}, r.data.content || ""));
+    });
+    const restore = act(async () => {
+      dialogDone("cancel");
+      const rec = await restoreFromTrash(item);
+      if (!rec) return;
+      await loadTree();
+      toast("Restored " + rec.path);
+      if (rec.path.startsWith("notes/")) await openNote(rec.path);
+    });
+    const purge = act(async () => {
+      await api("DELETE", "/trash/" + enc(item.id));
+      row.remove();
+    });
+    const row = el(
+      "li",
+      {"data-trash": item.id},
+      el(
+        "span",
+        {},
+        item.path,
+        el("small", {class: "muted"}, " · deleted " + when(item.deletedAt)),
+      ),
+      el(
+        "span",
+        {class: "actions"},
+        item.path.endsWith(".md") ? el("button", {type: "button", onclick: view}, "View") : null,
+        writable() ? el("button", {type: "button", onclick: restore}, "Restore") : null,
+        state.grant ? null : el( // purging for good is the owner's alone
+          "button",
+          {
+            type: "button",
+            class: "danger",
+            onclick: purge,
+            "aria-label": "Delete forever: " + item.path,
+          },
+          "Delete",
+        ),
+      ),
+    );
+    list.append(row);
+  }
+  if (!data.items.length) list.append(el("li", {class: "muted"}, "The trash is empty."));
+  await dialog("Trash", [list, detail], [["cancel", "Close"]]);
+}
+
+// Undo a delete: the newest trash item with that path comes back.
+async function undoDelete(path) {
+  const {data} = await api("GET", "/trash?limit=50");
+  const item = data.items.find((i) => i.path === path);
+  if (!item) throw new Error("It is no longer in the trash.");
+  const rec = await restoreFromTrash(item);
+  if (!rec) return;
+  await loadTree();
+  await openNote(rec.path);
+}
+
+// -- attachments: a photo, a file, a pasted image ------------------------------------------
+
+function relativeTo(from, path) {
+  // The link a note at `from` writes to `path`, so other Markdown editors find it too.
+  const a = folderOf(from).split("/");
+  const b = path.split("/");
+  let i = 0;
+  while (i < a.length && i < b.length - 1 && a[i] === b[i]) i++;
+  return "../".repeat(a.length - i) + b.slice(i).map(enc).join("/");
+}
+
+function attachmentPath(file) {
+  const now = new Date();
+  const stamp = now.toISOString().replace(/[-:]/g, "").replace("T", "-").slice(0, 15);
+  const dot = file.name.lastIndexOf(".");
+  const ext = (
+    dot > 0 ? file.name.slice(dot + 1) : file.type.split("/")[1] || "bin"
+  ).toLowerCase();
+  const stem =
+    (dot > 0 ? file.name.slice(0, dot) : file.name || "file")
+      .normalize("NFKD")
+      .replace(/[^\w-]+/g, "-")
+      .replace(/^-+|-+$/g, "")
+      .slice(0, 60) || "file";
+  const folder = folderOf(state.path).replace(/^notes\/?/, "");
+  return (
+    "attachments/" +
+    (folder ? folder + "/" : "") +
+    stamp +
+    "-" +
+    stem +
+    "." +
+    ext.replace(/[^\w]/g, "")
+  );
+}
+
+// PUT the file's bytes; never over another file (If-None-Match: *): a taken name gets -2, -3…
+async function upload(file) {
+  const path = attachmentPath(file);
+  for (let n = 1; ; n++) {
+    const tried = n === 1 ? path : path.replace(/(\.\w+)$/, "-" + n + "$1");
+    try {
+      const r = await api("PUT", "/attachments/" + enc(tried), file, {
+        "Content-Type": file.type || "application/octet-stream",
+        "If-None-Match": "*",
+      });
+      return r.data;
+    } catch (e) {
+      if (e.status !== 412 || n >= 5) throw e;
+    }
+  }
+}
+
+async function attach(files) {
+  if (!state.path || !files.length) return;
+  if (!state.editing) setEditing(true);
+  const ed = editor();
+  for (const file of files) {
+    toast("Uploading " + (file.name || "the image") + "…");
+    const data = await upload(file);
+    const label = (file.name || "image").replace(/[[\]]/g, "");
+    const md =
+      (/^image\//.test(data.contentType) ? "!" : "") +
+      "[" +
+      label +
+      "](" +
+      relativeTo(state.path, data.path) +
+      ")";
+    const at = ed.selectionStart === undefined ? ed.value.length : ed.selectionEnd;
+    const before = ed.value.slice(0, at);
+    const insert = (before && !before.endsWith("\n") ? "\n" : "") + md + "\n";
+    ed.value = before + insert + ed.value.slice(at);
+    ed.setSelectionRange(at + insert.length, at + insert.length);
+    toast("Attached " + data.path + ": Save to keep the link");
+  }
+  updateDirty();
+  scheduleDraft();
+}
+
+// -- the change feed: the tree and the open note follow edits made elsewhere ----------------
+
+let feedRun = 0; // one follower at a time: a new connection starts a new one
+// Notes this page is moving or deleting itself: the feed's report of it is no news.
+const own = new Set();
+function mine(path) {
+  own.add(path);
+  setTimeout(() => own.delete(path), 30000);
+}
+const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+let treeTimer = 0;
+function treeSoon() {
+  clearTimeout(treeTimer);
+  treeTimer = setTimeout(() => loadTree().catch(() => {}), 300);
+}
+
+function cursorAfterGone(e) {
+  // A 410 says where the server's changes end: from there on, after listing again.
+  const last = e.error && (e.error.last !== undefined ? e.error.last : null);
+  if (Number.isInteger(last)) return last;
+  const m = /since=(\d+)/.exec(e.message || "");
+  return m ? parseInt(m[1], 10) : null;
+}
+
+async function changeCursor() {
+  let since = 0;
+  for (let page = 0; page < 20; page++) {
+    let r;
+    try {
+      r = await api("GET", "/changes?wait=0&limit=1000&since=" + since);
+    } catch (e) {
+      if (e.status === 410) return cursorAfterGone(e);
+      throw e;
+    }
+    since = r.data.last;
+    if (!r.data.more) return since;
+  }
+  return since;
+}
+
+function applyChange(c) {
+  if (c.kind !== "updated") treeSoon(); // the tree shows names, not contents
+  if (!state.path || own.has(c.from || c.path)) return;
+  if (c.kind === "moved" && c.from === state.path) {
+    // Follow it at once (a later change in the same batch may name the new path); unsaved
+    // text stays and will be saved there.
+    removeItem("local", draftKey(state.path));
+    state.path = c.path;
+    $("path").textContent = c.path;
+    $("path").title = c.path;
+    setItem("session", "notesvc.open", c.path);
+    keepDraft();
+    loadBacklinks(c.path);
+    reveal(c.path).catch(() => {});
+    if (!dirty()) checkOpenNote().catch(() => {}); // a move may rewrite its links
+    toast("“" + state.title + "” moved to " + c.path);
+  } else if (c.path === state.path) {
+    if (c.kind === "deleted" && !dirty()) {
+      closeNote();
+      toast(
+        c.path + " was deleted elsewhere",
+        false,
+        features.history ? ["Undo", () => undoDelete(c.path)] : null,
+      );
+    } else if (c.kind === "deleted") {
+      showConflict(true);
+    } else if (c.etag !== state.etag) {
+      // Perhaps our own write: look when it is done.
+      if (state.writes) state.recheck = true;
+      else checkOpenNote().catch(() => {});
+    }
+  }
+}
+
+async function followChanges() {
+  const run = ++feedRun;
+  const alive = () => run === feedRun && state.key && !$("app").hidden;
+  let since = null;
+  let pause = 1000;
+  while (alive()) {
+    try {
+      if (since === null) since = await changeCursor();
+      if (since === null) return; // this server gives no cursor: coming back to the page refreshes
+      const r = await api("GET", "/changes?wait=20&limit=1000&since=" + since);
+      if (!alive()) return;
+      for (const c of r.data.changes) applyChange(c);
+      since = r.data.last;
+      pause = 1000;
+      if (r.data.retryAfter) await sleep(r.data.retryAfter * 1000); // too many feeds waiting
+    } catch (e) {
+      if (e.status === 401 || e.status === 429) return;
+      if (e.status === 410) {
+        since = cursorAfterGone(e);
+        treeSoon();
+        checkOpenNote().catch(() => {});
+        continue;
+      }
+      await sleep(pause); // offline, or the server restarts: try again, less and less often
+      pause = Math.min(pause * 2, 30000);
+    }
+  }
+}
+
+// What this server offers, from its OpenAPI document (an older one has the core only).
+async function readFeatures() {
+  try {
+    const {json} = await api("GET", "/openapi.json", undefined, undefined, {raw: true});
+    const paths = Object.keys((json && json.paths) || {});
+    const has = (end) => paths.some((p) => p.endsWith(end));
+    features.history = has("/trash") && has("/versions");
+    features.attachments = has("/attachments");
+    features.changes = has("/changes");
+  } catch (e) {
+    /* the core only */
+  }
+  $("menu-trash").hidden = !features.history;
+  $("history").hidden = !features.history;
+  $("attach").hidden = !features.attachments || !writable();
+  $("photo").hidden =
+    !features.attachments || !writable() || !matchMedia("(pointer: coarse)").matches; // a camera
+}
+
+// -- search ----------------------------------------------------------------------------------
+
+function fold(s) {
+  // lower case without accents, the same length (in UTF-16 units) as s
+  return s
+    .split("")
+    .map((c) => c.normalize("NFD")[0].toLowerCase()[0])
+    .join("");
+}
+
+function highlight(text, words) {
+  const frag = document.createDocumentFragment();
+  const folded = fold(text);
+  const marks = [];
+  for (const w of words) {
+    let at = 0;
+    for (;;) {
+      const i = folded.indexOf(w, at);
+      if (i < 0) break;
+      if (i === 0 || !/[\p{L}\p{N}]/u.test(folded[i - 1])) marks.push([i, i + w.length]);
+      at = i + 1;
+    }
+  }
+  marks.sort((a, b) => a[0] - b[0]);
+  let last = 0;
+  for (const [s, e] of marks) {
+    if (s < last) continue;
+    let end = e; // run on to the end of the word: "key" marks "keys"
+    while (end < text.length && /[\p{L}\p{N}]/u.test(text[end])) end++;
+    frag.append(text.slice(last, s), el("mark", {}, text.slice(s, end)));
+    last = end;
+  }
+  frag.append(text.slice(last));
+  return frag;
+}
+
+// A snippet is raw Markdown: leave out the marks that only make it harder to read.
+function plainSnippet(text) {
+  return text
+    .replace(/\]\([^)\s]*\)/g, "]")
+    .replace(/\[[ xX]\]/g, "")
+    .replace(/\[\[|\]\]|[[\]]|\*\*|__|`+|~~|==/g, "")
+    .replace(/(^|\s)(#{1,6}|>|[-*+]|\|[-:| ]*\|?)(?=\s)/g, "$1")
+    .replace(/\s+/g, " ")
+    .trim();
+}
+
+function queryWords(q) {
+  return fold(q)
+    .replace(/(^|\s)-\S+/g, " ")
+    .replace(/["*()]/g, " ")
+    .split(/\s+/)
+    .filter((w) => w && w !== "or" && w.length > 1)
+    .map((w) => (w.length > 4 ? w.replace(/(es|s)$/, "") : w));
+}
+
+let searchSeq = 0;
+let searchTimer = 0;
+async function runSearch() {
+  clearTimeout(searchTimer);
+  const q = $("search").value.trim();
+  if (!q) {
+    endSearch(false);
+    return;
+  }
+  const seq = ++searchSeq;
+  $("app").classList.add("searching");
+  showPane("search");
+  const {data} = await api("GET", "/search?limit=50&q=" + enc(q));
+  if (seq !== searchSeq) return;
+  const words = queryWords(q);
+  $("search-hint").hidden = true;
+  $("results-info").textContent =
+    (data.total === 1 ? "1 note" : data.total + " notes") +
+    " · " +
+    (data.tookMs < 10 ? data.tookMs.toFixed(1) : Math.round(data.tookMs)) +
+    " ms";
+  $("results").replaceChildren(
+    ...data.results.map((hit, i) =>
+      el(
+        "li",
+        {},
+        el(
+          "button",
+          {
+            type: "button",
+            id: "hit-" + i,
+            "data-path": hit.path,
+            onclick: act(() => openNote(hit.path)),
+          },
+          el("span", {class: "t"}, highlight(hit.title, words)),
+          el("span", {class: "p"}, hit.path),
+          el("span", {class: "s"}, highlight(plainSnippet(hit.snippet), words)),
+        ),
+      ),
+    ),
+  );
+  if (!data.results.length)
+    $("results").appendChild(
+      el("li", {class: "muted"}, "Nothing found. Try fewer words, or pre* for a prefix."),
+    );
+}
+
+function endSearch(focusTree) {
+  searchSeq++;
+  $("search").value = "";
+  $("app").classList.remove("searching");
+  $("results").replaceChildren();
+  $("results-info").textContent = "";
+  $("search-hint").hidden = false;
+  if (NARROW.matches) showPane("notes");
+  if (focusTree) {
+    const target =
+      $("tree").querySelector("button[aria-current=true]") || $("tree").querySelector("button");
+    if (target) target.focus();
+  }
+}
+
+function moveInResults(step) {
+  const buttons = Array.from($("results").querySelectorAll("button"));
+  if (!buttons.length) return;
+  const at = buttons.indexOf(document.activeElement);
+  const next = at < 0 ? (step > 0 ? 0 : buttons.length - 1) : at + step;
+  if (next < 0) {
+    $("search").focus();
+    return;
+  }
+  buttons[Math.min(next, buttons.length - 1)].focus();
+}
+
+// -- quick capture: a line in today's note --------------------------------------------------
+
+async function capture() {
+  const input = $("capture");
+  const text = input.value.trim();
+  if (!text) return;
+  const now = new Date();
+  const stamp =
+    String(now.getHours()).padStart(2, "0") + ":" + String(now.getMinutes()).padStart(2, "0");
+  for (let attempt = 0; attempt < 3; attempt++) {
+    const today = await api("POST", "/plugins/daily/today");
+    const note = today.data;
+    const content =
+      note.content + (note.content.endsWith("\n") ? "" : "\n") + "- " + stamp + " " + text + "\n";
+    const done = await writing(async () => {
+      try {
+        await api("PUT", "/notes/" + enc(note.path), {content}, {"If-Match": note.etag});
+      } catch (e) {
+        if (e.status === 412) return false; // written meanwhile: read it again
+        throw e;
+      }
+      if (state.path === note.path && !dirty()) await openNote(note.path);
+      return true;
+    });
+    if (!done) continue;
+    input.value = "";
+    toast("Added to " + nameOf(note.path));
+    await loadTree();
+    return;
+  }
+  throw new Error("Today's note keeps changing; try again.");
+}
+
+// -- ask -----------------------------------------------------------------------------------
+
+async function ask() {
+  const input = $("chat-input");
+  const message = input.value.trim();
+  if (!message) return;
+  const log = $("chat-log");
+  const about = $("about").checked && state.path;
+  log.appendChild(
+    el(
+      "div",
+      {class: "msg me"},
+      message,
+      about ? el("small", {class: "muted"}, "\nabout " + state.title) : null,
+    ),
+  );
+  const pending = el("div", {class: "msg"}, el("span", {class: "muted"}, "Thinking…"));
+  log.appendChild(pending);
+  log.scrollTop = log.scrollHeight;
+  input.value = "";
+  const body = {message, channel: "web"};
+  if (about) body.notePath = state.path;
+  try {
+    const {data} = await api("POST", "/agent/chat", body);
+    const parts = [renderMarkdown(data.reply || "", {from: state.path})];
+    if (data.sources && data.sources.length) {
+      parts.push(el("div", {class: "hint", "aria-hidden": "true"}, "Sources"));
+      parts.push(
+        el(
+          "ul",
+          {class: "sources", "aria-label": "Sources"},
+          ...data.sources.map((s) =>
+            el(
+              "li",
+              {},
+              el(
+                "button",
+                {
+                  type: "button",
+                  class: "link",
+                  "data-path": s.path,
+                  onclick: act(() => openNote(s.path)),
+                },
+                s.title || s.path,
+              ),
+            ),
+          ),
+        ),
+      );
+    }
+    pending.replaceChildren(...parts);
+  } catch (e) {
+    pending.replaceChildren(el("span", {class: "err"}, e.message));
+  }
+  log.scrollTop = log.scrollHeight;
+}
+
+// -- start: wire the controls, connect with what this tab (or device) remembers ------------
+
+async function start() {
+  setSide(getItem("local", "notesvc.ui.side") !== "closed");
+  await Promise.all([loadTree(), readFeatures()]);
+  if (features.changes) followChanges();
+  const last = getItem("session", "notesvc.open");
+  if (last) {
+    try {
+      await openNote(last);
+    } catch (e) {
+      closeNote();
+    }
+  }
+  if (NARROW.matches) {
+    const pane = getItem("session", "notesvc.pane");
+    showPane(pane && (pane !== "note" || state.path) ? pane : state.path ? "note" : "notes", true);
+    history.replaceState({pane: $("app").dataset.pane}, "");
+  }
+}
+
+function wire() {
+  $("connect").addEventListener("click", () => connect(true));
+  $("key").addEventListener("keydown", (e) => {
+    if (e.key === "Enter") connect(true);
+  });
+  $("relay-code").addEventListener("keydown", (e) => {
+    if (e.key === "Enter") connect(true);
+  });
+  $("remember").addEventListener("change", () => {
+    $("remember-warn").hidden = !$("remember").checked;
+  });
+  $("logout").addEventListener("click", act(logout));
+  for (const id of ["new", "empty-new", "menu-new"]) $(id).addEventListener("click", act(newNote));
+  $("menu-refresh").addEventListener(
+    "click",
+    act(async () => {
+      await loadTree();
+      if (state.path && !dirty()) await openNote(state.path);
+    }),
+  );
+  $("save").addEventListener(
+    "click",
+    act(() => save(false)),
+  );
+  $("overwrite").addEventListener(
+    "click",
+    act(() => save(true)),
+  );
+  $("reload").addEventListener("click", act(reloadTheirs));
+  $("draft-discard").addEventListener("click", act(reloadTheirs));
+  $("edit").addEventListener("click", () => {
+    setEditing(!state.editing);
+    if (state.editing) editor().focus();
+  });
+  $("back").addEventListener("click", () => showPane("notes"));
+  $("move").addEventListener("click", act(moveNote));
+  $("history").addEventListener("click", act(showHistory));
+  $("menu-trash").addEventListener("click", act(showTrash));
+  $("attach").addEventListener("click", () => $("attach-file").click());
+  $("photo").addEventListener("click", () => $("attach-photo").click());
+  for (const id of ["attach-file", "attach-photo"]) {
+    $(id).addEventListener(
+      "change",
+      act(async () => {
+        const files = Array.from($(id).files);
+        $(id).value = "";
+        await attach(files);
+      }),
+    );
+  }
+  editor().addEventListener("paste", (e) => {
+    const files = Array.from((e.clipboardData && e.clipboardData.files) || []);
+    if (!files.length || !features.attachments) return;
+    e.preventDefault();
+    act(() => attach(files))();
+  });
+  editor().addEventListener("drop", (e) => {
+    const files = Array.from((e.dataTransfer && e.dataTransfer.files) || []);
+    if (!files.length || !features.attachments) return;
+    e.preventDefault();
+    act(() => attach(files))();
+  });
+  $("delete").addEventListener("click", act(deleteNote));
+  editor().addEventListener("input", () => {
+    updateDirty();
+    scheduleDraft();
+  });
+  editor().addEventListener("focus", () => $("app").classList.add("typing"));
+  editor().addEventListener("blur", () => $("app").classList.remove("typing"));
+  $("search").addEventListener("input", () => {
+    clearTimeout(searchTimer);
+    searchTimer = setTimeout(act(runSearch), 250);
+  });
+  $("search").addEventListener("keydown", (e) => {
+    if (e.key === "Enter") {
+      e.preventDefault();
+      act(runSearch)();
+    } else if (e.key === "ArrowDown") {
+      e.preventDefault();
+      moveInResults(1);
+    } else if (e.key === "Escape") {
+      e.preventDefault();
+      endSearch(true);
+    }
+  });
+  $("search").addEventListener("focus", () => {
+    if (NARROW.matches && $("search").value) showPane("search");
+  });
+  $("results").addEventListener("keydown", (e) => {
+    if (e.key === "ArrowDown") {
+      e.preventDefault();
+      moveInResults(1);
+    } else if (e.key === "ArrowUp") {
+      e.preventDefault();
+      moveInResults(-1);
+    } else if (e.key === "Escape") {
+      e.preventDefault();
+      endSearch(true);
+    }
+  });
+  $("results-close").addEventListener("click", () => endSearch(true));
+  $("capture-add").addEventListener("click", act(capture));
+  $("capture").addEventListener("keydown", (e) => {
+    if (e.key === "Enter") act(capture)();
+  });
+  $("chat-send").addEventListener("click", act(ask));
+  $("chat-input").addEventListener("keydown", (e) => {
+    if (e.key === "Enter") act(ask)();
+  });
+  $("toggle-ask").addEventListener("click", () =>
+    setSide($("main").classList.contains("side-closed")),
+  );
+  for (const b of document.querySelectorAll(".tabs button")) {
+    b.addEventListener("click", () => {
+      showPane(b.dataset.pane);
+      if (b.dataset.pane === "search") $("search").focus();
+      if (b.dataset.pane === "ask") $("chat-input").focus();
+    });
+  }
+  $("dlg").addEventListener("cancel", (e) => {
+    e.preventDefault();
+    if (dialogDone) dialogDone("cancel");
+  });
+  // Menus close when something is chosen or the click lands elsewhere.
+  document.addEventListener("click", (e) => {
+    for (const m of document.querySelectorAll("details.menu[open]")) {
+      if (!m.contains(e.target) || e.target.closest(".menu-list button")) m.open = false;
+    }
+  });
+  document.addEventListener("keydown", (e) => {
+    const typing = /^(INPUT|TEXTAREA|SELECT)$/.test(document.activeElement.tagName);
+    if ((e.ctrlKey || e.metaKey) && e.key.toLowerCase() === "s") {
+      e.preventDefault();
+      if (state.path) act(() => save(false))();
+    } else if (e.key === "/" && !typing && !$("app").hidden && !$("dlg").open) {
+      e.preventDefault();
+      $("search").focus();
+      $("search").select();
+    } else if (e.key === "Escape") {
+      for (const m of document.querySelectorAll("details.menu[open]")) {
+        m.open = false;
+        m.querySelector("summary").focus();
+      }
+    }
+  });
+  window.addEventListener("beforeunload", (e) => {
+    keepDraft();
+    if (dirty()) {
+      e.preventDefault();
+      e.returnValue = "";
+    }
+  });
+  document.addEventListener("visibilitychange", () => {
+    if (document.hidden) keepDraft();
+    else act(lookAgain)();
+  });
+  window.addEventListener("popstate", (e) => {
+    if (e.state && e.state.pane) showPane(e.state.pane, true);
+  });
+  if (window.visualViewport) window.visualViewport.addEventListener("resize", fitViewport);
+  NARROW.addEventListener("change", () => {
+    if (!NARROW.matches) $("app").classList.toggle("searching", !!$("search").value.trim());
+  });
+  new MutationObserver(() => setItem("session", "notesvc.pane", $("app").dataset.pane)).observe(
+    $("app"),
+    {attributes: true, attributeFilter: ["data-pane"]},
+  );
+}
+
+wire();
+(function boot() {
+  const code = new URLSearchParams(location.search).get("relayCode");
+  if (code) $("relay-code").value = code;
+  if (SHARED_ORIGIN) {
+    $("shared-origin").hidden = false;
+    $("remember").closest("label").hidden = true;
+  }
+  const kept = keptKey();
+  state.base = kept ? kept.base : getItem("local", "notesvc.base") || "";
+  if (!ownOrigin(state.base) || /^[a-z]+:/i.test(state.base)) state.base = "";
+  // A pairing code may name any server: the page waits for a person to connect, and then
+  // sends the kept key only if the code resolves to the API base it was kept for.
+  if (kept && !code) connect(false);
+  else $("key").focus();
+})();

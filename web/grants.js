@@ -1,0 +1,224 @@
+
+// -- keys, connections and share links (what a grant may do shapes the page) --------------
+// The API key holds every scope; a scoped key (or a folder key) sees only what it may use:
+// a read key gets no editing, a folder key only its folder (the server filters the rest).
+
+function writable() {
+  return !state.grant || state.grant.scope !== "read";
+}
+
+function applyGrant(grant) {
+  state.grant = grant || null;
+  const owner = !state.grant;
+  const write = writable();
+  for (const id of ["edit", "save", "new", "empty-new", "menu-new", "move", "delete"]) {
+    $(id).hidden = !write;
+  }
+  const daily = owner || !state.grant.folder || state.grant.folder === "notes/daily";
+  $("app").querySelector(".capture").hidden = !write || !daily; // today's note is notes/daily
+  $("menu-keys").hidden = !owner;
+  $("share").hidden = !write;
+  if (!write) {
+    $("attach").hidden = true;
+    $("photo").hidden = true;
+  }
+  $("app").dataset.scope = owner ? "admin" : state.grant.scope;
+  if (state.grant && state.grant.folder) $("app").dataset.folder = state.grant.folder;
+}
+
+async function copyText(text, what) {
+  try {
+    await navigator.clipboard.writeText(text);
+    toast(what + " copied");
+  } catch (e) {
+    toast("Select it and copy it yourself: this browser did not allow copying", true);
+  }
+}
+
+function shownOnce(label, value, id) {
+  const input = el("input", {type: "text", id, readonly: true, spellcheck: "false"});
+  input.value = value;
+  input.addEventListener("focus", () => input.select());
+  return el(
+    "div",
+    {class: "once"},
+    el("label", {for: id}, label),
+    input,
+    el("button", {type: "button", onclick: () => copyText(value, label)}, "Copy"),
+  );
+}
+
+function grantRow(g, list) {
+  const what = [
+    g.scope === "write" ? "read and write" : "read only",
+    g.folder ? "only " + g.folder : "all notes",
+    g.expiresAt ? "expires " + when(g.expiresAt) : "never expires",
+    g.lastUsedAt ? "used " + ago(g.lastUsedAt) : "never used",
+  ];
+  const revoke = act(async () => {
+    const sure = await choose(
+      "Revoke “" + g.name + "”?",
+      g.kind === "oauth"
+        ? "This app is disconnected at once; it must ask you again to come back."
+        : "This key stops working at once, and the share links it made end.",
+      [
+        ["cancel", "Cancel"],
+        ["revoke", "Revoke", "danger"],
+      ],
+    );
+    if (sure === "revoke") await api("DELETE", "/auth/keys/" + enc(g.id));
+    await showKeys();
+  });
+  list.append(
+    el(
+      "li",
+      {"data-grant": g.id},
+      el(
+        "span",
+        {},
+        el("strong", {}, g.name),
+        el("small", {class: "muted"}, " · " + what.join(" · ")),
+      ),
+      el(
+        "span",
+        {class: "actions"},
+        el("button", {type: "button", class: "danger", onclick: revoke}, "Revoke"),
+      ),
+    ),
+  );
+}
+
+async function showKeys(made) {
+  const [{data}, shares] = await Promise.all([api("GET", "/auth/keys"), api("GET", "/shares")]);
+  const keys = el("ul", {class: "list", id: "keys-list"});
+  const apps = el("ul", {class: "list", id: "connections-list"});
+  for (const g of data.keys) grantRow(g, g.kind === "oauth" ? apps : keys);
+  if (!keys.children.length) keys.append(el("li", {class: "muted"}, "No scoped keys yet."));
+  if (!apps.children.length) {
+    apps.append(el("li", {class: "muted"}, "No app is connected (Claude, ChatGPT…)."));
+  }
+  const links = el("ul", {class: "list", id: "shares-list"});
+  for (const s of shares.data.shares) links.append(shareRow(s, showKeys));
+  if (!links.children.length) links.append(el("li", {class: "muted"}, "No share links."));
+  const name = el("input", {type: "text", id: "key-name", placeholder: "family tablet"});
+  const scope = el(
+    "select",
+    {id: "key-scope"},
+    el("option", {value: "read"}, "read only"),
+    el("option", {value: "write"}, "read and write"),
+  );
+  const folder = el("input", {type: "text", id: "key-folder", placeholder: "notes/family"});
+  const days = el(
+    "select",
+    {id: "key-days"},
+    el("option", {value: "30"}, "in 30 days"),
+    el("option", {value: "365"}, "in a year"),
+    el("option", {value: ""}, "never"),
+  );
+  const create = act(async () => {
+    const body = {name: name.value.trim() || "key", scope: scope.value};
+    let f = folder.value.trim().replace(/\/+$/, "");
+    if (f) body.folder = f.startsWith("notes") ? f : "notes/" + f.replace(/^\/+/, "");
+    if (days.value) body.expiresInDays = Number(days.value);
+    const r = await api("POST", "/auth/keys", body);
+    await showKeys(r.data);
+  });
+  const form = el(
+    "div",
+    {class: "new-key"},
+    el("h3", {}, "New key"),
+    el("label", {for: "key-name"}, "Name"),
+    name,
+    el("label", {for: "key-scope"}, "It may"),
+    scope,
+    el("label", {for: "key-folder"}, "Only this folder (optional)"),
+    folder,
+    el("label", {for: "key-days"}, "Expires"),
+    days,
+    el("button", {type: "button", id: "key-create", class: "primary", onclick: create}, "Create"),
+  );
+  const body = [];
+  if (made) {
+    body.push(
+      el("p", {class: "warn"}, "Copy the new key now: it is shown this once."),
+      shownOnce("Key “" + made.name + "”", made.key, "new-key"),
+    );
+  }
+  body.push(
+    el("h3", {}, "Keys"),
+    keys,
+    el("h3", {}, "Connected apps"),
+    apps,
+    el("h3", {}, "Share links"),
+    links,
+    form,
+  );
+  await dialog("Keys and connections", body, [["cancel", "Close"]]);
+}
+
+function shareRow(s, after) {
+  const revoke = act(async () => {
+    await api("DELETE", "/shares/" + enc(s.id));
+    toast("The link no longer opens " + nameOf(s.path));
+    await after();
+  });
+  return el(
+    "li",
+    {"data-share": s.id},
+    el(
+      "span",
+      {},
+      nameOf(s.path),
+      el("small", {class: "muted"}, " · expires " + when(s.expiresAt)),
+    ),
+    el(
+      "span",
+      {class: "actions"},
+      el("button", {type: "button", class: "danger", onclick: revoke}, "Revoke"),
+    ),
+  );
+}
+
+async function shareNote(made) {
+  if (!state.path) return;
+  const path = state.path;
+  const {data} = await api("GET", "/shares");
+  const list = el("ul", {class: "list", id: "share-links"});
+  for (const s of data.shares) if (s.path === path) list.append(shareRow(s, () => shareNote()));
+  if (!list.children.length) list.append(el("li", {class: "muted"}, "Not shared yet."));
+  const days = el(
+    "select",
+    {id: "share-days"},
+    el("option", {value: "1"}, "in a day"),
+    el("option", {value: "7", selected: true}, "in a week"),
+    el("option", {value: "30"}, "in 30 days"),
+    el("option", {value: "365"}, "in a year"),
+  );
+  const create = act(async () => {
+    const r = await api("POST", "/shares", {path, expiresInDays: Number(days.value)});
+    await shareNote(r.data);
+  });
+  const body = [
+    el(
+      "p",
+      {},
+      "Anyone with a link reads this note, formatted, without a key, until it expires " +
+        "or you revoke it. Other notes stay private.",
+    ),
+  ];
+  if (made) body.push(shownOnce("Link", made.url, "share-url"));
+  body.push(
+    el("label", {for: "share-days"}, "A new link expires"),
+    days,
+    el("button", {type: "button", id: "share-create", class: "primary", onclick: create}, "Create"),
+    el("h3", {}, "Links to this note"),
+    list,
+  );
+  await dialog("Share " + (state.title || nameOf(path)), body, [["cancel", "Close"]]);
+}
+
+function wireGrants() {
+  $("menu-keys").addEventListener("click", act(() => showKeys()));
+  $("share").addEventListener("click", act(() => shareNote()));
+}
+wireGrants();
