@@ -12393,9 +12393,6 @@ function ago(iso) {
   return new Date(t).toLocaleDateString();
 }
 
-function nameOf(path) {
-  return path.split("/").pop().replace(/\.md$/, "");
-}
 let toastTimer = 0;
 function toast(text, bad, action) {
   const t = $("toast");
@@ -12433,11 +12430,7 @@ class Problem extends Error {
 }
 
 function ownOrigin(url) {
-  try {
-    return new URL(url, location.href).origin === location.origin;
-  } catch (e) {
-    return false;
-  }
+  return sameOrigin(url, location.href);
 }
 
 function lockoutMessage(retryAfter) {
@@ -12535,16 +12528,13 @@ async function resolveBase(code) {
         : "Pairing failed" + (j.error ? ": " + j.error.message : "."),
     );
   }
-  const origin = String(j.data.origin || "");
-  if (origin && !ownOrigin(origin) && /^https?:\/\/[a-z2-7]{20}\./.test(origin)) {
-    location.assign(origin + "/"); // that server's own page on its relay: its key goes there
+  const target = pairTarget(j.data, location.href);
+  if (target && target.open) {
+    location.assign(target.open); // that server's own page on its relay: its key goes there
     throw new Error("Opening that server's own page…");
   }
-  const given = String(j.data.relayApiBase || "").replace(/\/$/, "");
-  if (given && ownOrigin(given)) return new URL(given, location.href).pathname.replace(/\/$/, "");
-  const id = String(j.data.serverId || ""); // the server's relay prefix, on this origin
-  if (!/^[A-Za-z0-9_-]{1,64}$/.test(id)) throw new Error("Pairing failed.");
-  return "/r/" + id + "/api/v1";
+  if (!target) throw new Error("Pairing failed.");
+  return target.base;
 }
 
 function relayCodeGiven() {
@@ -12557,12 +12547,11 @@ function relayCodeGiven() {
 
 // The key kept on this device (session or local storage) and the API base it was given for.
 function keptKey() {
-  for (const kind of ["session", "local"]) {
-    const key = getItem(kind, "notesvc.key");
-    const base = getItem(kind, "notesvc.keyFor");
-    if (key && base && ownOrigin(base) && !/^[a-z]+:/i.test(base)) return {key, base};
-  }
-  return null;
+  const pairs = ["session", "local"].map((kind) => [
+    getItem(kind, "notesvc.key"),
+    getItem(kind, "notesvc.keyFor"),
+  ]);
+  return keptEntry(pairs, location.href);
 }
 
 // Connect with the key typed, else the one kept for the same API base (never another's).
@@ -12580,11 +12569,7 @@ async function connect(typed) {
       }
     }
     if (!state.base) state.base = new URL("api/v1", location.href).pathname;
-    const kept = keptKey();
-    const given = typed ? $("key").value.trim() : "";
-    if (given) state.key = given;
-    else if (kept && kept.base === state.base) state.key = kept.key;
-    else state.key = "";
+    state.key = keyFor(state.base, typed ? $("key").value.trim() : "", keptKey());
     state.keyBase = state.key ? state.base : "";
     if (!state.key) {
       msg.textContent = "Paste the API key first.";
@@ -12812,6 +12797,145 @@ async function reveal(path) {
 """
 # --- end web/core.js ---
 
+# --- begin web/paths.js ---
+PATHS_JS = r"""
+// -- paths and names (pure: no page; node --test web/) -------------------------------------
+
+// A note's name: its file name without .md.
+function nameOf(path) {
+  return path.split("/").pop().replace(/\.md$/, "");
+}
+
+function fileName(path) {
+  return path.split("/").pop();
+}
+
+// Whether a name is a file other than a note (it has an extension, and it is not .md).
+function isAttachmentName(name) {
+  const ext = /\.([a-z0-9]{1,5})$/i.exec(fileName(name));
+  return !!ext && ext[1].toLowerCase() !== "md";
+}
+
+// The note path a person's "folder/name" means: under notes/, ending in .md.
+function toNotePath(name) {
+  let path = name.trim().replace(/^\/+/, "");
+  if (!path.startsWith("notes/")) path = "notes/" + path;
+  if (!/\.md$/i.test(path)) path += ".md";
+  return path;
+}
+
+// The link a note at `from` writes to `path`, so other Markdown editors find it too.
+function relativeTo(from, path) {
+  const a = from.split("/").slice(0, -1);
+  const b = path.split("/");
+  let i = 0;
+  while (i < a.length && i < b.length - 1 && a[i] === b[i]) i++;
+  return "../".repeat(a.length - i) + b.slice(i).map(encodeURIComponent).join("/");
+}
+
+// Lower case without accents, the same length (in UTF-16 units) as s.
+function fold(s) {
+  return s
+    .split("")
+    .map((c) => c.normalize("NFD")[0].toLowerCase()[0])
+    .join("");
+}
+
+// The words of a search query to highlight in its snippets (as the server matches them).
+function queryWords(q) {
+  return fold(q)
+    .replace(/(^|\s)-\S+/g, " ")
+    .replace(/["*()]/g, " ")
+    .split(/\s+/)
+    .filter((w) => w && w !== "or" && w.length > 1)
+    .map((w) => (w.length > 4 ? w.replace(/(es|s)$/, "") : w));
+}
+
+// A snippet's Markdown as plain text.
+function plainSnippet(text) {
+  return text
+    .replace(/\]\([^)\s]*\)/g, "]")
+    .replace(/\[[ xX]\]/g, "")
+    .replace(/\[\[|\]\]|[[\]]|\*\*|__|`+|~~|==/g, "")
+    .replace(/(^|\s)(#{1,6}|>|[-*+]|\|[-:| ]*\|?)(?=\s)/g, "$1")
+    .replace(/\s+/g, " ")
+    .trim();
+}
+
+function sizeText(n) {
+  return n < 1024
+    ? n + " B"
+    : n < 1048576
+      ? (n / 1024).toFixed(1) + " KB"
+      : (n / 1048576).toFixed(1) + " MB";
+}
+
+if (typeof module !== "undefined") {
+  module.exports = {
+    nameOf,
+    fileName,
+    isAttachmentName,
+    toNotePath,
+    relativeTo,
+    fold,
+    queryWords,
+    plainSnippet,
+    sizeText,
+  };
+}
+"""
+# --- end web/paths.js ---
+# --- begin web/keys.js ---
+KEYS_JS = r"""
+// -- keys: which key goes where (pure: no page, no storage; node --test web/) ---------------
+// A key is kept on a device together with the API base it was given for, and is sent to
+// that base only. A pairing code may name any server: what it resolves to decides where
+// the page talks, never which key it sends.
+
+// Whether url (absolute or relative to `here`) has the origin of `here`.
+function sameOrigin(url, here) {
+  try {
+    return new URL(url, here).origin === new URL(here).origin;
+  } catch (e) {
+    return false;
+  }
+}
+
+// The first kept [key, base] pair that is whole and names an API on this origin (as a
+// path: a kept absolute URL is never trusted); null when there is none.
+function keptEntry(pairs, here) {
+  for (const [key, base] of pairs) {
+    if (key && base && sameOrigin(base, here) && !/^[a-z][a-z0-9+.-]*:/i.test(base)) {
+      return {key, base};
+    }
+  }
+  return null;
+}
+
+// The key to send to `base`: the one typed, else the kept one if it was kept for `base`.
+function keyFor(base, typed, kept) {
+  if (typed) return typed;
+  return kept && kept.base === base ? kept.key : "";
+}
+
+// Where a pairing answer ({serverId, relayApiBase, origin?}) leads: {open: <another
+// server's own page>} to go to, {base: <API path on this origin>}, or null.
+function pairTarget(data, here) {
+  const origin = String((data && data.origin) || "");
+  if (origin && !sameOrigin(origin, here) && /^https?:\/\/[a-z2-7]{20}\.[^/?#]+$/.test(origin)) {
+    return {open: origin + "/"};
+  }
+  const given = String((data && data.relayApiBase) || "").replace(/\/$/, "");
+  if (given && sameOrigin(given, here)) {
+    return {base: new URL(given, here).pathname.replace(/\/$/, "")};
+  }
+  const id = String((data && data.serverId) || ""); // the server's relay prefix, here
+  return /^[A-Za-z0-9_-]{1,64}$/.test(id) ? {base: "/r/" + id + "/api/v1"} : null;
+}
+
+if (typeof module !== "undefined") module.exports = {sameOrigin, keptEntry, keyFor, pairTarget};
+"""
+# --- end web/keys.js ---
 # --- begin web/markdown.js ---
 MARKDOWN_JS = r"""
 // -- Markdown: a small renderer that builds DOM nodes, so no HTML in a note can run ----------
@@ -13136,6 +13260,10 @@ function resolveRelative(href, from) {
   return /^(notes|attachments)\//.test(path) ? path : null;
 }
 
+
+if (typeof module !== "undefined") {
+  module.exports = {el, folderOf, renderMarkdown, resolveRelative, safeDecode};
+}
 """
 # --- end web/markdown.js ---
 
@@ -13212,15 +13340,6 @@ function image(alt, src, ctx) {
 const IMAGE_EXT = /\.(png|jpe?g|gif|webp|avif|bmp|ico|svg)$/i;
 const MEDIA_EXT = /\.(mp3|m4a|aac|ogg|oga|opus|wav|flac|weba|mp4|m4v|mov|webm)$/i;
 const VIDEO_EXT = /\.(mp4|m4v|mov|webm)$/i;
-
-function fileName(path) {
-  return path.split("/").pop();
-}
-
-function isAttachmentName(name) {
-  const ext = /\.([a-z0-9]{1,5})$/i.exec(fileName(name));
-  return !!ext && ext[1].toLowerCase() !== "md";
-}
 
 function attachmentImage(found, alt) {
   const img = el("img", {alt, loading: "lazy"});
@@ -13740,13 +13859,6 @@ function offerNew() {
   ).then((v) => (v === "create" ? input.value.trim() : null));
 }
 
-function toNotePath(name) {
-  let path = name.trim().replace(/^\/+/, "");
-  if (!path.startsWith("notes/")) path = "notes/" + path;
-  if (!/\.md$/i.test(path)) path += ".md";
-  return path;
-}
-
 async function newNote() {
   if (!(await confirmLeave())) return;
   const name = await offerNew();
@@ -13868,14 +13980,6 @@ async function loadBacklinks(path) {
 function when(iso) {
   const t = Date.parse(iso);
   return t ? new Date(t).toLocaleString() : iso;
-}
-
-function sizeText(n) {
-  return n < 1024
-    ? n + " B"
-    : n < 1048576
-      ? (n / 1024).toFixed(1) + " KB"
-      : (n / 1048576).toFixed(1) + " MB";
 }
 
 function diffView(diff) {
@@ -14042,15 +14146,6 @@ async function undoDelete(path) {
 }
 
 // -- attachments: a photo, a file, a pasted image ------------------------------------------
-
-function relativeTo(from, path) {
-  // The link a note at `from` writes to `path`, so other Markdown editors find it too.
-  const a = folderOf(from).split("/");
-  const b = path.split("/");
-  let i = 0;
-  while (i < a.length && i < b.length - 1 && a[i] === b[i]) i++;
-  return "../".repeat(a.length - i) + b.slice(i).map(enc).join("/");
-}
 
 function attachmentPath(file) {
   const now = new Date();
@@ -14244,14 +14339,6 @@ async function readFeatures() {
 
 // -- search ----------------------------------------------------------------------------------
 
-function fold(s) {
-  // lower case without accents, the same length (in UTF-16 units) as s
-  return s
-    .split("")
-    .map((c) => c.normalize("NFD")[0].toLowerCase()[0])
-    .join("");
-}
-
 function highlight(text, words) {
   const frag = document.createDocumentFragment();
   const folded = fold(text);
@@ -14279,25 +14366,6 @@ function highlight(text, words) {
 }
 
 // A snippet is raw Markdown: leave out the marks that only make it harder to read.
-function plainSnippet(text) {
-  return text
-    .replace(/\]\([^)\s]*\)/g, "]")
-    .replace(/\[[ xX]\]/g, "")
-    .replace(/\[\[|\]\]|[[\]]|\*\*|__|`+|~~|==/g, "")
-    .replace(/(^|\s)(#{1,6}|>|[-*+]|\|[-:| ]*\|?)(?=\s)/g, "$1")
-    .replace(/\s+/g, " ")
-    .trim();
-}
-
-function queryWords(q) {
-  return fold(q)
-    .replace(/(^|\s)-\S+/g, " ")
-    .replace(/["*()]/g, " ")
-    .split(/\s+/)
-    .filter((w) => w && w !== "or" && w.length > 1)
-    .map((w) => (w.length > 4 ? w.replace(/(es|s)$/, "") : w));
-}
-
 let searchSeq = 0;
 let searchTimer = 0;
 async function runSearch() {
@@ -14899,7 +14967,9 @@ wireGrants();
 """
 # --- end web/grants.js ---
 
-WEB_JS = WEB_JS_START + MARKDOWN_JS + WEB_JS_REST + WEB_GRANTS_JS
+# One script, in this order: core.js ("use strict", the page's state, storage and API),
+# the pure modules (paths.js, keys.js, markdown.js; node --test web/), app.js, grants.js.
+WEB_JS = WEB_JS_START + PATHS_JS + KEYS_JS + MARKDOWN_JS + WEB_JS_REST + WEB_GRANTS_JS
 
 # --- begin web/app.html ---
 WEB_PAGE = r"""

@@ -15015,6 +15015,15 @@ class TestCliSafety:
 
 
 class TestDocs:
+    @pytest.mark.skipif(not shutil.which("node"), reason="no node (apt install nodejs)")
+    def test_the_web_clients_logic_passes_its_own_tests(self):
+        tests = sorted(str(p) for p in (HERE / "web" / "test").glob("*.test.js"))
+        assert len(tests) >= 3
+        done = subprocess.run(
+            ["node", "--test", *tests], capture_output=True, text=True, timeout=120, cwd=HERE
+        )
+        assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
+
     def test_the_web_sources_are_what_notesvc_py_carries(self):
         """web/ is embedded by .ci/embed_web.py: --check fails on any difference."""
         done = subprocess.run(
@@ -15026,7 +15035,7 @@ class TestDocs:
         assert done.returncode == 0, done.stderr
         for name in ("app.html", "app.css", "app.js", "markdown.js", "consent.js", "share.js"):
             assert (HERE / "web" / name).is_file(), name
-        assert notesvc.MARKDOWN_JS == (HERE / "web" / "markdown.js").read_text("utf-8")
+        assert (HERE / "web" / "markdown.js").read_text("utf-8") == notesvc.MARKDOWN_JS
 
     def test_readme_example_plugin_works(self, make_app, root):
         readme = (HERE / "README.md").read_text()

@@ -21,6 +21,8 @@ SOURCES = {
     "app.html": "WEB_PAGE",
     "app.css": "WEB_CSS",
     "core.js": "WEB_JS_START",
+    "paths.js": "PATHS_JS",
+    "keys.js": "KEYS_JS",
     "markdown.js": "MARKDOWN_JS",
     "app.js": "WEB_JS_REST",
     "grants.js": "WEB_GRANTS_JS",

@@ -71,15 +71,6 @@ const IMAGE_EXT = /\.(png|jpe?g|gif|webp|avif|bmp|ico|svg)$/i;
 const MEDIA_EXT = /\.(mp3|m4a|aac|ogg|oga|opus|wav|flac|weba|mp4|m4v|mov|webm)$/i;
 const VIDEO_EXT = /\.(mp4|m4v|mov|webm)$/i;
 
-function fileName(path) {
-  return path.split("/").pop();
-}
-
-function isAttachmentName(name) {
-  const ext = /\.([a-z0-9]{1,5})$/i.exec(fileName(name));
-  return !!ext && ext[1].toLowerCase() !== "md";
-}
-
 function attachmentImage(found, alt) {
   const img = el("img", {alt, loading: "lazy"});
   Promise.resolve(found)
@@ -598,13 +589,6 @@ function offerNew() {
   ).then((v) => (v === "create" ? input.value.trim() : null));
 }
 
-function toNotePath(name) {
-  let path = name.trim().replace(/^\/+/, "");
-  if (!path.startsWith("notes/")) path = "notes/" + path;
-  if (!/\.md$/i.test(path)) path += ".md";
-  return path;
-}
-
 async function newNote() {
   if (!(await confirmLeave())) return;
   const name = await offerNew();
@@ -726,14 +710,6 @@ async function loadBacklinks(path) {
 function when(iso) {
   const t = Date.parse(iso);
   return t ? new Date(t).toLocaleString() : iso;
-}
-
-function sizeText(n) {
-  return n < 1024
-    ? n + " B"
-    : n < 1048576
-      ? (n / 1024).toFixed(1) + " KB"
-      : (n / 1048576).toFixed(1) + " MB";
 }
 
 function diffView(diff) {
@@ -900,15 +876,6 @@ async function undoDelete(path) {
 }
 
 // -- attachments: a photo, a file, a pasted image ------------------------------------------
-
-function relativeTo(from, path) {
-  // The link a note at `from` writes to `path`, so other Markdown editors find it too.
-  const a = folderOf(from).split("/");
-  const b = path.split("/");
-  let i = 0;
-  while (i < a.length && i < b.length - 1 && a[i] === b[i]) i++;
-  return "../".repeat(a.length - i) + b.slice(i).map(enc).join("/");
-}
 
 function attachmentPath(file) {
   const now = new Date();
@@ -1102,14 +1069,6 @@ async function readFeatures() {
 
 // -- search ----------------------------------------------------------------------------------
 
-function fold(s) {
-  // lower case without accents, the same length (in UTF-16 units) as s
-  return s
-    .split("")
-    .map((c) => c.normalize("NFD")[0].toLowerCase()[0])
-    .join("");
-}
-
 function highlight(text, words) {
   const frag = document.createDocumentFragment();
   const folded = fold(text);
@@ -1137,25 +1096,6 @@ function highlight(text, words) {
 }
 
 // A snippet is raw Markdown: leave out the marks that only make it harder to read.
-function plainSnippet(text) {
-  return text
-    .replace(/\]\([^)\s]*\)/g, "]")
-    .replace(/\[[ xX]\]/g, "")
-    .replace(/\[\[|\]\]|[[\]]|\*\*|__|`+|~~|==/g, "")
-    .replace(/(^|\s)(#{1,6}|>|[-*+]|\|[-:| ]*\|?)(?=\s)/g, "$1")
-    .replace(/\s+/g, " ")
-    .trim();
-}
-
-function queryWords(q) {
-  return fold(q)
-    .replace(/(^|\s)-\S+/g, " ")
-    .replace(/["*()]/g, " ")
-    .split(/\s+/)
-    .filter((w) => w && w !== "or" && w.length > 1)
-    .map((w) => (w.length > 4 ? w.replace(/(es|s)$/, "") : w));
-}
-
 let searchSeq = 0;
 let searchTimer = 0;
 async function runSearch() {

@@ -76,9 +76,6 @@ function ago(iso) {
   return new Date(t).toLocaleDateString();
 }
 
-function nameOf(path) {
-  return path.split("/").pop().replace(/\.md$/, "");
-}
 let toastTimer = 0;
 function toast(text, bad, action) {
   const t = $("toast");
@@ -116,11 +113,7 @@ class Problem extends Error {
 }
 
 function ownOrigin(url) {
-  try {
-    return new URL(url, location.href).origin === location.origin;
-  } catch (e) {
-    return false;
-  }
+  return sameOrigin(url, location.href);
 }
 
 function lockoutMessage(retryAfter) {
@@ -218,16 +211,13 @@ async function resolveBase(code) {
         : "Pairing failed" + (j.error ? ": " + j.error.message : "."),
     );
   }
-  const origin = String(j.data.origin || "");
-  if (origin && !ownOrigin(origin) && /^https?:\/\/[a-z2-7]{20}\./.test(origin)) {
-    location.assign(origin + "/"); // that server's own page on its relay: its key goes there
+  const target = pairTarget(j.data, location.href);
+  if (target && target.open) {
+    location.assign(target.open); // that server's own page on its relay: its key goes there
     throw new Error("Opening that server's own page…");
   }
-  const given = String(j.data.relayApiBase || "").replace(/\/$/, "");
-  if (given && ownOrigin(given)) return new URL(given, location.href).pathname.replace(/\/$/, "");
-  const id = String(j.data.serverId || ""); // the server's relay prefix, on this origin
-  if (!/^[A-Za-z0-9_-]{1,64}$/.test(id)) throw new Error("Pairing failed.");
-  return "/r/" + id + "/api/v1";
+  if (!target) throw new Error("Pairing failed.");
+  return target.base;
 }
 
 function relayCodeGiven() {
@@ -240,12 +230,11 @@ function relayCodeGiven() {
 
 // The key kept on this device (session or local storage) and the API base it was given for.
 function keptKey() {
-  for (const kind of ["session", "local"]) {
-    const key = getItem(kind, "notesvc.key");
-    const base = getItem(kind, "notesvc.keyFor");
-    if (key && base && ownOrigin(base) && !/^[a-z]+:/i.test(base)) return {key, base};
-  }
-  return null;
+  const pairs = ["session", "local"].map((kind) => [
+    getItem(kind, "notesvc.key"),
+    getItem(kind, "notesvc.keyFor"),
+  ]);
+  return keptEntry(pairs, location.href);
 }
 
 // Connect with the key typed, else the one kept for the same API base (never another's).
@@ -263,11 +252,7 @@ async function connect(typed) {
       }
     }
     if (!state.base) state.base = new URL("api/v1", location.href).pathname;
-    const kept = keptKey();
-    const given = typed ? $("key").value.trim() : "";
-    if (given) state.key = given;
-    else if (kept && kept.base === state.base) state.key = kept.key;
-    else state.key = "";
+    state.key = keyFor(state.base, typed ? $("key").value.trim() : "", keptKey());
     state.keyBase = state.key ? state.base : "";
     if (!state.key) {
       msg.textContent = "Paste the API key first.";

@@ -321,3 +321,7 @@ function resolveRelative(href, from) {
   return /^(notes|attachments)\//.test(path) ? path : null;
 }
 
+
+if (typeof module !== "undefined") {
+  module.exports = {el, folderOf, renderMarkdown, resolveRelative, safeDecode};
+}

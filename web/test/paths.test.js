@@ -1,0 +1,75 @@
+"use strict";
+// node --test web/test/: names and paths (web/paths.js).
+const test = require("node:test");
+const assert = require("node:assert/strict");
+const paths = require("../paths.js");
+
+test("toNotePath: what a person types becomes a note path", () => {
+  for (const [typed, want] of [
+    ["ideas", "notes/ideas.md"],
+    ["  kitchen/pie ", "notes/kitchen/pie.md"],
+    ["/notes/a.md", "notes/a.md"],
+    ["notes/A.MD", "notes/A.MD"],
+  ]) {
+    assert.equal(paths.toNotePath(typed), want);
+  }
+});
+
+test("relativeTo: the link one note writes to another, as other editors read it", () => {
+  for (const [from, to, want] of [
+    ["notes/a.md", "notes/b.md", "b.md"],
+    ["notes/home/keys.md", "notes/kitchen/pancakes.md", "../kitchen/pancakes.md"],
+    ["notes/a.md", "attachments/x/y z.png", "../attachments/x/y%20z.png"],
+    ["notes/x/y/z.md", "notes/x/w.md", "../w.md"],
+  ]) {
+    assert.equal(paths.relativeTo(from, to), want);
+  }
+});
+
+test("names: a note's name, a file's name, attachments", () => {
+  assert.equal(paths.nameOf("notes/kitchen/Pie crust.md"), "Pie crust");
+  assert.equal(paths.fileName("attachments/a/b.png"), "b.png");
+  for (const [name, attachment] of [
+    ["photo.JPG", true],
+    ["a/b.pdf", true],
+    ["note.md", false],
+    ["README", false],
+    ["x.toolong", false],
+  ]) {
+    assert.equal(paths.isAttachmentName(name), attachment, name);
+  }
+});
+
+test("fold keeps the length, so highlights land where the words are", () => {
+  for (const s of ["Crème Brûlée", "ÉÀÇ", "straße", "日本語"]) {
+    assert.equal(paths.fold(s).length, s.length, s);
+  }
+  assert.equal(paths.fold("Crème"), "creme");
+});
+
+test("queryWords: what search highlights; excluded words and OR left out", () => {
+  // a plural's ending dropped: a prefix of every form of the word
+  assert.deepEqual(paths.queryWords('"blue jar" -red pancakes OR crêpes a'), [
+    "blue",
+    "jar",
+    "pancak",
+    "crep",
+  ]);
+});
+
+test("plainSnippet: Markdown marks dropped", () => {
+  assert.equal(
+    paths.plainSnippet("## Keys\n- [x] give **one** to [Anna](notes/a.md) `now`"),
+    "Keys give one to Anna now",
+  );
+});
+
+test("sizeText", () => {
+  assert.deepEqual([0, 1023, 1024, 1536, 1048576 * 3].map(paths.sizeText), [
+    "0 B",
+    "1023 B",
+    "1.0 KB",
+    "1.5 KB",
+    "3.0 MB",
+  ]);
+});
