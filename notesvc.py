@@ -4620,21 +4620,76 @@ def write_segment(
     the merged file then has one average, today's). Postings and term strings stream to
     the file (impacts through a temporary file in folder), so merging big segments needs
     memory for their dictionaries and per-note arrays, not for their postings.
+
+    The steps follow the file: postings (ids, then impacts), the term table, the
+    dictionary of stems and surface words, each note's tokens, its path and title, then
+    the per-note columns and the footer.
     """
     out = _FileWriter(f, _SEGMENT_MAGIC)
+    remaps, n = _renumber_notes(sources, skips)
+    norms = _norms(sources, remaps, avg) if avg else None
+    plan = _TermPlan.of(sources, dels)
+    terms, tid_rank, stems, tids = _write_postings_of_terms(
+        out, plan, sources, skips, dels, remaps, norms, cancel, folder
+    )
+    out.section("terms", terms.tobytes())
+    out.section("tid_rank", tid_rank.tobytes())
+    surfaces = _write_dictionary(out, plan, sources, terms, stems, tids)
+    dictionary = len(tids)
+    del stems, tids
+    columns = _write_tokens(out, plan, sources, remaps, avg, cancel)
+    _write_paths_and_titles(out, sources, remaps)
+    by_path = array.array("I", map(_SECOND, heapq.merge(*map(_path_order, sources, remaps))))
+    dls, avgs = columns["dl"], columns["avg"]
+    for name, arr in (("by_path", by_path), *columns.items()):
+        out.section(name, arr.tobytes())
+    spans = []
+    for fld in (0, 1):
+        values = avgs[fld::2]
+        spans.append([min(values), max(values)] if len(values) else [1.0, 1.0])
+    out.finish(
+        {
+            "docs": n,
+            "terms": plan.nt,
+            "dict": dictionary,
+            "surfaces": surfaces,
+            "lens": [sum(dls[0::2]), sum(dls[1::2])],
+            "avg_range": spans,
+        }
+    )
+    return remaps
+
+
+def _renumber_notes(sources: list, skips: list) -> tuple:
+    """Return (per source, its note ids -> the segment's (-1: dropped); the live count).
+    Notes keep their order, so every map increases."""
     remaps, n = [], 0
-    for src, skip in zip(sources, skips):  # notes keep their order: every map increases
+    for src, skip in zip(sources, skips):
         remap = array.array("i", [-1]) * src.n
         for d in range(src.n):
             if d not in skip:
                 remap[d] = n
                 n += 1
         remaps.append(remap)
-    norms = _norms(sources, remaps, avg) if avg else None
-    single = len(sources) == 1
-    if single:  # one source keeps its term numbers
-        nt, trans = sources[0].term_count(), [None]
-    else:  # number the kept terms commonest first: short term chars for common words
+    return remaps, n
+
+
+@dataclasses.dataclass
+class _TermPlan:
+    """How a segment numbers its terms: one source keeps its numbers; several get theirs
+    anew, the commonest first (short term characters for common words), through `rank`
+    (merged term -> new number, -1: dropped) and `trans` (per source, a str.translate
+    table from its term characters to the new ones, filled as the terms are written)."""
+
+    single: bool
+    nt: int  # terms the segment keeps
+    rank: Any = None
+    trans: list = dataclasses.field(default_factory=lambda: [None])
+
+    @classmethod
+    def of(cls, sources: list, dels: list) -> _TermPlan:
+        if len(sources) == 1:
+            return cls(True, sources[0].term_count())
         df_b, df_t = array.array("I"), array.array("I")
         for _, parts in _merged_terms(sources):
             body, title = _live_df(sources, dels, parts)
@@ -4645,31 +4700,37 @@ def write_segment(
         rank = array.array("i", [-1]) * len(df_b)
         for r, g in enumerate(kept):
             rank[g] = r
-        nt = len(kept)
-        del kept, df_b, df_t
         trans = [array.array("I", bytes(4 * (src.term_count() + 0x900))) for src in sources]
         for table in trans:
             table[ord(_OVERFLOW)] = ord(_OVERFLOW)
+        return cls(False, len(kept), rank, trans)
+
+
+def _write_postings_of_terms(out, plan, sources, skips, dels, remaps, norms, cancel, folder):
+    """Write the sections "ids" and "imps" (the impacts pass through a temporary file in
+    folder until the ids are out); return (terms: each term's start and count per field,
+    tid_rank, the stems in merged order, their term numbers)."""
+    nt = plan.nt
     terms = array.array("I", bytes(16 * nt))
     tid_rank = array.array("I", bytes(4 * nt))
     stems, tids = [], array.array("I")
-    with tempfile.TemporaryFile(dir=folder) as spill:  # the impacts, until the ids are out
+    with tempfile.TemporaryFile(dir=folder) as spill:
         out.begin("ids")
         start = 0
         for g, (stem_, parts) in enumerate(_merged_terms(sources)):
             if cancel is not None and not g % 1024 and cancel.is_set():
                 raise _Cancelled
-            if single:
+            if plan.single:
                 if not any(_live_df(sources, dels, parts)):
                     continue
                 tid = sources[0].key_number(parts[0][1])
             else:
-                tid = rank[g]
+                tid = plan.rank[g]
                 if tid < 0:
                     continue
                 cp = ord(_term_char_of(tid))
                 for i, k in parts:
-                    trans[i][ord(sources[i].char(k))] = cp
+                    plan.trans[i][ord(sources[i].char(k))] = cp
             tid_rank[tid] = len(stems)
             stems.append(stem_)
             tids.append(tid)
@@ -4685,31 +4746,40 @@ def write_segment(
         for chunk in iter(functools.partial(spill.read, 1 << 20), b""):
             out.write(chunk)
         out.end("imps")
-    out.section("terms", terms.tobytes())
-    out.section("tid_rank", tid_rank.tobytes())
+    return terms, tid_rank, stems, tids
+
+
+def _write_dictionary(out, plan, sources, terms, stems, tids) -> int:
+    """Write the stems and the surface words (the forms that occur, for prefix* and the
+    snippets) of the live terms; return how many surface words."""
     words, surf_tids = [], []
     last = None
     streams = [_tagged(src.sorted_surfaces(), i) for i, src in enumerate(sources)]
     for w, i, k in heapq.merge(*streams):
         if w == last:
             continue
-        if single:
+        if plan.single:
             tid = sources[0].key_number(k)
-            alive = tid < nt and (terms[4 * tid + 1] or terms[4 * tid + 3])
+            alive = tid < plan.nt and (terms[4 * tid + 1] or terms[4 * tid + 3])
         else:
-            cp = trans[i][ord(sources[i].char(k))]
+            cp = plan.trans[i][ord(sources[i].char(k))]
             alive, tid = cp != 0, _term_number(chr(cp)) if cp else 0
         if alive:
             last = w
             words.append(w)
             surf_tids.append(tid)
     _write_tables(out, stems, tids, words, surf_tids)
-    surfaces, dictionary = len(surf_tids), len(tids)
-    del stems, tids, words, surf_tids
+    return len(surf_tids)
+
+
+def _write_tokens(out, plan, sources, remaps, avg, cancel) -> dict:
+    """Write the section "tokens" (each live note's token string, body then title, in the
+    segment's term characters); return the per-note columns gathered on the way: size,
+    mtime, dl, avg and tok_off, in the order they are written."""
     sizes, mtimes = array.array("Q"), array.array("q")
     dls, avgs, tok_off = array.array("I"), array.array("f"), array.array("Q", [0])
     out.begin("tokens")
-    for src, remap, table in zip(sources, remaps, trans):
+    for src, remap, table in zip(sources, remaps, plan.trans):
         if cancel is not None and cancel.is_set():
             raise _Cancelled
         raw_tokens = table is None and isinstance(src, DiskSegment)
@@ -4730,6 +4800,12 @@ def write_segment(
             sizes.append(size)
             mtimes.append(mtime)
     out.end("tokens")
+    return {"size": sizes, "mtime": mtimes, "dl": dls, "avg": avgs, "tok_off": tok_off}
+
+
+def _write_paths_and_titles(out, sources, remaps) -> None:
+    """Write the sections "paths" and "titles", each with its offsets ("path_off",
+    "title_off")."""
     for name, getter in (("paths", "path_bytes"), ("titles", "title_bytes")):
         off = array.array("I", [0])
         out.begin(name)
@@ -4742,32 +4818,6 @@ def write_segment(
                     off.append(off[-1] + len(raw))
         out.end(name)
         out.section(name[:-1] + "_off", off.tobytes())
-    streams = [_path_order(src, remap) for src, remap in zip(sources, remaps)]
-    by_path = array.array("I", map(_SECOND, heapq.merge(*streams)))
-    for name, arr in (
-        ("by_path", by_path),
-        ("size", sizes),
-        ("mtime", mtimes),
-        ("dl", dls),
-        ("avg", avgs),
-        ("tok_off", tok_off),
-    ):
-        out.section(name, arr.tobytes())
-    spans = []
-    for fld in (0, 1):
-        values = avgs[fld::2]
-        spans.append([min(values), max(values)] if len(values) else [1.0, 1.0])
-    out.finish(
-        {
-            "docs": n,
-            "terms": nt,
-            "dict": dictionary,
-            "surfaces": surfaces,
-            "lens": [sum(dls[0::2]), sum(dls[1::2])],
-            "avg_range": spans,
-        }
-    )
-    return remaps
 
 
 def _blob(raw: bytes, end: int, bounds, typecode: str) -> array.array:
