@@ -27,7 +27,7 @@ Outline (``grep -n '^# ==' notesvc.py``), in the order the data flows:
 
 from __future__ import annotations
 
-__version__ = "0.1.0"
+__version__ = "0.2.0"
 
 import argparse
 import array

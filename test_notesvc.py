@@ -9400,10 +9400,10 @@ class TestTools:
 
     def test_every_tool_is_listed_documented_and_tested(self, tools):
         assert listed_tools(tools) == set(notesvc.TOOLS)
-        readme = (HERE / "README.md").read_text()
+        reference = (HERE / "docs" / "api.md").read_text()
         tests = [name for name in dir(type(self)) if name.startswith("test_tool_")]
         for name in notesvc.TOOLS:
-            assert f"`{name}`" in readme, name
+            assert f"`{name}`" in reference, name
             longer = [o for o in notesvc.TOOLS if o != name and o.startswith(name + "_")]
             mine = [
                 t
@@ -15037,9 +15037,9 @@ class TestDocs:
             assert (HERE / "web" / name).is_file(), name
         assert (HERE / "web" / "markdown.js").read_text("utf-8") == notesvc.MARKDOWN_JS
 
-    def test_readme_example_plugin_works(self, make_app, root):
-        readme = (HERE / "README.md").read_text()
-        code = re.search(r"```python\n(import notesvc\n.*?)```", readme, re.S).group(1)
+    def test_the_documented_example_plugin_works(self, make_app, root):
+        api = (HERE / "docs" / "api.md").read_text()
+        code = re.search(r"```python\n(import notesvc\n.*?)```", api, re.S).group(1)
         assert len([line for line in code.splitlines() if line.strip()]) <= 10
         (root / ".notesvc" / "plugins").mkdir(parents=True)
         (root / ".notesvc" / "plugins" / "wordcount.py").write_text(code)
@@ -15048,12 +15048,70 @@ class TestDocs:
         put_note(client, "notes/b.md", "four five")
         assert data(client.get(f"{API}/plugins/wordcount/totals")) == {"words": 5, "notes": 2}
 
-    def test_readme_documents_every_setting(self):
-        readme = (HERE / "README.md").read_text()
+    def test_every_setting_is_documented(self):
+        reference = (HERE / "docs" / "configuration.md").read_text()
         for s in notesvc.SETTINGS:
-            assert f"`{s.env}`" in readme, s.env
+            assert f"`{s.env}`" in reference, s.env
             if s.flag:
-                assert f"`{s.flag}`" in readme, s.flag
+                assert f"`{s.flag}`" in reference, s.flag
+
+    def test_readme_is_a_guide_and_its_links_resolve(self):
+        readme = (HERE / "README.md").read_text()
+        assert len(readme.splitlines()) <= 450
+        documents = [HERE / "README.md", *sorted((HERE / "docs").glob("*.md"))]
+        documents.append(HERE / "bench" / "README.md")
+        for doc in documents:
+            text = doc.read_text()
+            # nothing a user of the project cannot see: no issue numbers, no outside documents
+            outside = re.search(r"\bissue \d|\bCONTRACT\b|\bthe contract\b", text)
+            assert outside is None, doc.name
+            prose = re.sub(r"```.*?```|`[^`\n]*`", "", text, flags=re.S)  # examples aside
+            for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", prose):
+                if "://" not in target:
+                    assert (doc.parent / target).exists(), f"{doc.name}: {target}"
+        first_run = readme[readme.index("## First run") : readme.index("## On a Raspberry Pi")]
+        assert "from other devices" in first_run
+        assert "Connect" in first_run
+
+    @pytest.mark.slow
+    @pytest.mark.real_server
+    def test_the_venv_command_installs_and_runs_as_written(self, tmp_path):
+        """README's second command, in a copy of the project (it needs PyPI or a wheel cache)."""
+        readme = (HERE / "README.md").read_text()
+        command = re.findall(r"```sh\n(.*?)```", readme, re.S)[1].strip()
+        for name in ("notesvc.py", "pyproject.toml", "README.md", "LICENSE"):
+            shutil.copy(HERE / name, tmp_path / name)
+        env = {
+            **os.environ,
+            "SERVICE_PORT": "0",
+            "SERVICE_HOST": "127.0.0.1",
+            "SERVICE_NOTES_ROOT": str(tmp_path / "data"),
+            "PIP_DISABLE_PIP_VERSION_CHECK": "1",
+        }
+        proc = subprocess.Popen(
+            ["bash", "-c", command],
+            cwd=tmp_path,
+            env=env,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        try:
+            lines = []
+            deadline = time.monotonic() + 240
+            for line in proc.stderr:
+                lines.append(line)
+                if re.search(r"listening on http://127\.0\.0\.1:\d+", line):
+                    break
+                assert time.monotonic() < deadline, "".join(lines[-20:])
+            assert any(f"notesvc {notesvc.__version__} serving" in x for x in lines), lines[-20:]
+        finally:
+            proc.terminate()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                proc.wait(20)
+            if proc.poll() is None:
+                proc.kill()
+            proc.stderr.close()
 
     def test_readme_starts_with_the_debian_command_then_the_venv_ones(self):
         readme = (HERE / "README.md").read_text()
@@ -15092,13 +15150,14 @@ class TestDocs:
         key_line = next(line for line in journal.splitlines() if "key:" in line)
         assert f"```\n   {key_line}\n   ```" in readme  # indented in a list item
 
-    def test_readme_lists_every_subcommand_and_the_proxy_example(self):
+    def test_every_subcommand_and_the_proxy_example_are_documented(self):
         readme = (HERE / "README.md").read_text()
+        reference = (HERE / "docs" / "configuration.md").read_text()
         for command in notesvc.COMMANDS:
-            assert re.search(rf"^\| `{command}`", readme, re.M), command
+            assert re.search(rf"^\| `{command}`", reference, re.M), command
         caddyfile = (HERE / "deploy" / "Caddyfile").read_text()
         assert "reverse_proxy 127.0.0.1:3000" in caddyfile
-        proxy = readme[readme.index("## Behind a reverse proxy") :]
+        proxy = reference[reference.index("## Behind a reverse proxy") :]
         assert "SERVICE_TRUST_PROXY=true" in proxy
         assert "SERVICE_PUBLIC_URL=https://" in proxy
         for kept in ("notes/", ".notesvc/state.json", ".notesvc/trash/", ".notesvc/effective.json"):
