@@ -46,11 +46,12 @@ import webtest
 import notesvc
 
 HERE = Path(__file__).resolve().parent
+
+
 NOTESVC = str(HERE / "notesvc.py")
+
+
 API = "/api/v1"
-
-
-# -- fixtures and helpers ---------------------------------------------------------
 
 
 # Outbound channel calls go nowhere unless a test points them at a stand-in: a closed
@@ -130,23 +131,30 @@ def data(resp) -> dict:
     return resp.json["data"]
 
 
-def sample_url(route: notesvc.Route | str) -> str:
-    """Return a concrete URL for a route rule (placeholders filled)."""
-    rule = route if isinstance(route, str) else route.rule
-    url = re.sub(r"<path(?::path)?>", "notes%2Fx.md", rule)
-    return re.sub(r"<(\w+)(?::[^>]*)?>", "x", url)
+RUNNING_TEST: list = [None]  # the test being run (its markers are checked below)
 
 
-def tmp_path_factory_root(root: Path) -> Path:
-    """Return a fresh notes root beside `root` (another app in the same test)."""
-    other = root.parent / f"other-{len(list(root.parent.glob('other-*')))}"
-    return other
+@pytest.fixture(autouse=True)
+def _the_running_test(request):
+    RUNNING_TEST[0] = request.node
+    yield
+    RUNNING_TEST[0] = None
+
+
+def must_be_marked(marker: str) -> None:
+    """Fail a test that starts a real process (or a browser) without saying so: the fast
+    loop (`-m "not slow"`) must hold none of them."""
+    node = RUNNING_TEST[0]
+    if node is not None:
+        assert node.get_closest_marker(marker), f"{node.nodeid} needs @pytest.mark.{marker}"
+        assert node.get_closest_marker("slow"), f"{node.nodeid} needs @pytest.mark.slow"
 
 
 class Server:
     """A real `python notesvc.py` process on a free loopback port."""
 
     def __init__(self, root: Path, *args: str, env: dict | None = None, port: int = 0):
+        must_be_marked("real_server")
         cmd = [sys.executable, NOTESVC, *args, "--host", "127.0.0.1", "--port", str(port)]
         cmd += [] if args[:1] == ("relay",) else ["--root", str(root)]  # a relay has no root
         full_env = {**os.environ, "SERVICE_RESCAN_SECONDS": "0", **(env or {})}
@@ -205,302 +213,6 @@ def running(root: Path, *args: str, env: dict | None = None, port: int = 0):
         server.stop()
 
 
-def run_cli(*args: str, env: dict | None = None, timeout: float = 30):
-    full_env = {k: v for k, v in os.environ.items() if not k.startswith("SERVICE_")}
-    full_env.update(env or {})
-    return subprocess.run(
-        [sys.executable, NOTESVC, *args],
-        capture_output=True,
-        text=True,
-        env=full_env,
-        timeout=timeout,
-    )
-
-
-# -- configuration ------------------------------------------------------------------
-
-
-# -- envelope and errors -----------------------------------------------------------------
-
-
-def _boom(svc):
-    raise RuntimeError("secret internals /etc/passwd")
-
-
-def _echo(svc):
-    return {"body": notesvc.read_json(svc.config.max_body_bytes)}
-
-
-# -- setup payload ---------------------------------------------------------------------------
-
-
-SETUP_FIELDS = [
-    "serverId",
-    "apiKey",
-    "setupComplete",
-    "version",
-    "auth.method",
-    "auth.header",
-    "auth.note",
-    "pairing.mode",
-    "pairing.relayCode",
-    "pairing.relayUrl",
-    "server.url",
-    "server.port",
-    "server.host",
-    "server.cors",
-    "links.setupApi",
-    "links.health",
-    "links.apiBase",
-    "links.directApiBase",
-    "links.relayApiBase",
-    "links.connect.testHosted",
-    "links.connect.hosted",
-    "links.connect.localDevUi",
-    "instructions",
-]
-
-
-def dig(obj: dict, dotted: str):
-    for part in dotted.split("."):
-        obj = obj[part]
-    return obj
-
-
-# -- auth ---------------------------------------------------------------------------------
-
-
-def route_id(route: notesvc.Route) -> str:
-    return f"{route.method} {route.rule}"
-
-
-PROTECTED_ROUTES = [r for r in notesvc.ROUTES if not r.public]
-PUBLIC_ROUTES = [r for r in notesvc.ROUTES if r.public]
-
-
-def refuses_missing_and_wrong_key(anon, method: str, rule: str) -> None:
-    wrong = with_key(anon, "nsk_" + "A" * 43)
-    for app, who in ((anon, "no key"), (wrong, "a wrong key")):
-        resp = app.request(sample_url(rule), method=method, status="*", expect_errors=True)
-        assert resp.status_int == 401, f"{method} {rule} with {who}: {resp.status}"
-        if anon.app.answers_jsonrpc(rule):  # /mcp answers JSON-RPC: the same refusal, its shape
-            assert resp.json["error"]["data"] == {"status": 401, "code": "UNAUTHORIZED"}
-        else:
-            assert_error(resp, 401, "UNAUTHORIZED")
-
-
-# -- system ----------------------------------------------------------------------------------
-
-
-# -- CORS ----------------------------------------------------------------------------------
-
-
-# -- self-relay and OpenAPI ---------------------------------------------------------------
-
-
-# -- command line ------------------------------------------------------------------------
-
-
-# -- the HTTP edge: proxies, lockout, connection floods, waitress's own answers ------------
-
-
-class ForwardingProxy:
-    """A reverse proxy on loopback that forwards like Caddy does.
-
-    It replaces X-Forwarded-For with the client it saw and sets X-Forwarded-Proto
-    (`https`: it stands for a TLS proxy) and X-Forwarded-Host (the Host it was asked for).
-    Loopback stands in for the internet: a client from 127.0.0.N is reported as
-    203.0.113.N. `source` is the proxy's own address toward the server.
-    """
-
-    def __init__(self, upstream: str, source: str = "127.0.0.1"):
-        target = urllib.parse.urlsplit(upstream)
-        hop = {"connection", "keep-alive", "transfer-encoding", "content-length", "date", "server"}
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args):
-                pass
-
-            def forward(self):
-                length = int(self.headers.get("Content-Length") or 0)
-                body = self.rfile.read(length) if length else None
-                headers = {
-                    k: v
-                    for k, v in self.headers.items()
-                    if k.lower() not in hop and not k.lower().startswith("x-forwarded-")
-                }
-                headers["X-Forwarded-For"] = "203.0.113." + self.client_address[0].split(".")[-1]
-                headers["X-Forwarded-Proto"] = "https"
-                headers["X-Forwarded-Host"] = self.headers.get("Host", "")
-                conn = http.client.HTTPConnection(
-                    target.hostname, target.port, timeout=10, source_address=(source, 0)
-                )
-                try:
-                    conn.request(self.command, self.path, body, headers)
-                    resp = conn.getresponse()
-                    payload = resp.read()
-                finally:
-                    conn.close()
-                self.send_response(resp.status)
-                for k, v in resp.getheaders():
-                    if k.lower() not in hop:
-                        self.send_header(k, v)
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                self.wfile.write(payload)
-
-            do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = forward
-
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.httpd.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
-        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
-
-    def __enter__(self) -> ForwardingProxy:
-        self.thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.httpd.shutdown()
-        self.httpd.server_close()
-        self.thread.join(5)
-
-
-def call(base: str, method: str, path: str, headers: dict | None = None, source="127.0.0.1"):
-    """Return (status, parsed JSON body) for one request from a chosen loopback address."""
-    url = urllib.parse.urlsplit(base)
-    conn = http.client.HTTPConnection(
-        url.hostname, url.port, timeout=10, source_address=(source, 0)
-    )
-    try:
-        conn.request(method, path, headers=headers or {})
-        resp = conn.getresponse()
-        return resp.status, json.loads(resp.read() or b"null")
-    finally:
-        conn.close()
-
-
-def raw_http(port: int, request: bytes, timeout: float = 5.0) -> tuple:
-    """Send raw bytes; return (status, headers as a lower-cased dict, body bytes)."""
-    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
-        sock.sendall(request)
-        data = b""
-        while b"\r\n\r\n" not in data:
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            data += chunk
-        head, _, body = data.partition(b"\r\n\r\n")
-        lines = head.decode("latin-1").split("\r\n")
-        headers = dict(
-            (k.strip().lower(), v.strip()) for k, v in (h.split(":", 1) for h in lines[1:])
-        )
-        while len(body) < int(headers.get("content-length", 0)):
-            chunk = sock.recv(65536)
-            if not chunk:
-                break
-            body += chunk
-    return int(lines[0].split()[1]), headers, body
-
-
-def hold_idle_connections(port: int, count: int) -> list:
-    """Open `count` connections that never finish a request (half send nothing at all)."""
-    socks = []
-    for i in range(count):
-        sock = socket.create_connection(("127.0.0.1", port), timeout=5)
-        socks.append(sock)
-        if i % 4 == 1:
-            sock.sendall(b"GET /api/v1/hea")  # an unfinished request line
-        elif i % 4 == 3:
-            sock.sendall(b"GET /api/v1/health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
-    return socks
-
-
-def open_sockets(pid: int) -> int:
-    """How many sockets process pid has open (Linux /proc). Sockets only: the files a
-    starting server opens and closes meanwhile (its index, its state) would blur the count."""
-    found = 0
-    for fd in os.listdir(f"/proc/{pid}/fd"):
-        with contextlib.suppress(OSError):  # closed meanwhile
-            found += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
-    return found
-
-
-def closed_by_peer(socks: list) -> int:
-    """How many of socks the other end has closed (read nothing: peeks at the EOF)."""
-    poller = select.poll()
-    for sock in socks:
-        poller.register(sock, select.POLLIN)
-    ready = {fd for fd, _ in poller.poll(0)}
-    return sum(s.fileno() in ready and s.recv(1, socket.MSG_PEEK) == b"" for s in socks)
-
-
-def timed_health(port: int) -> tuple:
-    """Return (status, seconds) of one fresh GET /api/v1/health."""
-    started = time.monotonic()
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
-    try:
-        conn.request("GET", f"{API}/health")
-        status = conn.getresponse().status
-    finally:
-        conn.close()
-    return status, time.monotonic() - started
-
-
-@pytest.fixture
-def many_files():
-    """Let this process hold a few hundred sockets."""
-    import resource
-
-    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft != resource.RLIM_INFINITY and soft < 2048:
-        resource.setrlimit(resource.RLIMIT_NOFILE, (min(2048, hard), hard))
-    yield
-    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
-
-
-@pytest.fixture(scope="class")
-def small_bodies(tmp_path_factory):
-    """One real server taking bodies of at most 2048 bytes (shared by a class's tests)."""
-    root = tmp_path_factory.mktemp("small-bodies")
-    with running(root, env={"SERVICE_MAX_BODY_BYTES": "2048"}) as server:
-        yield server
-
-
-def make_state(root: Path) -> dict:
-    """Give root a notesvc state (state.json only, as a first start leaves it); return it."""
-    return notesvc.StateStore(root / ".notesvc").read()
-
-
-def tree_snapshot(root: Path) -> dict:
-    """Every path under root with what a write would change (mode, owner, mtime, size)."""
-    snap = {}
-    for path in [root, *sorted(root.rglob("*"))]:
-        st = os.lstat(path)
-        snap[str(path)] = (st.st_mode, st.st_uid, st.st_gid, st.st_mtime_ns, st.st_size)
-    return snap
-
-
-def system_python_with_bottle() -> str | None:
-    """Return /usr/bin/python3 when it imports bottle and waitress by itself (Debian's)."""
-    exe = "/usr/bin/python3"
-    if not os.path.exists(exe):
-        return None
-    probe = subprocess.run([exe, "-I", "-c", "import bottle, waitress"], capture_output=True)
-    return exe if probe.returncode == 0 else None
-
-
-MARKER_PLUGIN = """
-import pathlib
-pathlib.Path({marker!r}).write_text("plugin code ran")
-"""
-
-
-# -- notes ---------------------------------------------------------------------------
-
-
 def note_url(path: str) -> str:
     return f"{API}/notes/" + urllib.parse.quote(path, safe="")
 
@@ -509,1210 +221,14 @@ def put_note(client, path: str, content: str = "text"):
     return client.post_json(f"{API}/notes", {"path": path, "content": content}, status=201)
 
 
-HOSTILE_PATHS = [
-    ("../etc/passwd.md", "start with notes/"),
-    ("notes/../../etc/passwd.md", "'..'"),
-    ("notes/a/../../x.md", "'..'"),
-    ("notes/./x.md", "'.'"),
-    ("/etc/passwd.md", "relative"),
-    ("/notes/x.md", "relative"),
-    ("notes\\..\\x.md", "backslash"),
-    ("notes/a\\b.md", "backslash"),
-    ("notes/x\x00.md", "control"),
-    ("notes/x\n.md", "control"),
-    ("notes/.hidden.md", "hidden"),
-    ("notes/.git/config.md", "hidden"),
-    ("notes/.md", "hidden"),
-    ("notes//x.md", "empty segment"),
-    ("notes/x.txt", ".md"),
-    ("notes", ".md"),
-    ("notes/", "empty segment"),
-    ("other/x.md", "start with notes/"),
-    ("x.md", "start with notes/"),
-    ("notes/a:b.md", "forbidden"),
-    ("notes/a*b.md", "forbidden"),
-    ("notes/a?b.md", "forbidden"),
-    ('notes/a"b.md', "forbidden"),
-    ("notes/a<b>.md", "forbidden"),
-    ("notes/a|b.md", "forbidden"),
-    ("notes/" + "x" * 256 + ".md", "255 bytes"),
-    ("notes/" + "é" * 130 + ".md", "255 bytes"),
-    ("notes/" + "/".join(["abcdefgh"] * 60) + ".md", "512"),
-    ("", "empty"),
-    ("notes/invoice\u202egpj.md", "bidi"),
-    ("notes/a\u202ab.md", "bidi"),
-    ("notes/\u2066x\u2069.md", "bidi"),
-    ("notes/a\u200bb.md", "zero-width"),
-    ("notes/a\u200d/b.md", "zero-width"),
-    ("notes/x\u2060.md", "zero-width"),
-    ("notes/\ufeffx.md", "zero-width"),
-]
-
-
-SLOW_PLUGIN = """
-import pathlib
-import time
-import notesvc
-
-def build(notes):
-    pathlib.Path(__file__).with_name("slow.started").touch()  # for the test to see
-    time.sleep(1.5)  # a plugin's slow computation over the notes
-    return len(notes)
-
-def count(svc):
-    return {"notes": notesvc.derived(svc, "slow-count", build)}
-
-PLUGIN = notesvc.Plugin(name="slow", routes=(notesvc.PluginRoute("GET", "/count", count),))
-"""
-
-MiB = 1024 * 1024
-BRACKET_NOTES = {  # 1 MiB notes that made the link scan quadratic
-    "notes/open.md": "[" * MiB,
-    "notes/wiki.md": "[[" * (MiB // 2),
-    "notes/mixed.md": ("[](" * (MiB // 3) + "[[a|" + "](x.md" * 1000)[:MiB],
-}
-
-
-def timed(fn, *args):
-    started = time.perf_counter()
-    result = fn(*args)
-    return result, time.perf_counter() - started
-
-
-def tree_paths(node: dict) -> list:
-    return [node["path"]] + [p for child in node.get("children", []) for p in tree_paths(child)]
-
-
-# -- folders ----------------------------------------------------------------------------
-
-
-# -- attachments ---------------------------------------------------------------------------
-
-PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 8  # 2056 bytes, every byte value
-
-
-def att_url(path: str) -> str:
-    return f"{API}/attachments/{urllib.parse.quote(path, safe='')}"
-
-
-def multipart(*parts: tuple, boundary: str = "b0undary-1234") -> tuple:
-    """Return (body, content type) of a form: parts are (name, value[, filename[, type]])."""
-    out = b""
-    for part in parts:
-        name, value = part[0], part[1]
-        value = value if isinstance(value, bytes) else value.encode()
-        head = f'Content-Disposition: form-data; name="{name}"'
-        if len(part) > 2:
-            ctype = part[3] if len(part) > 3 else "application/octet-stream"
-            head += f'; filename="{part[2]}"\r\nContent-Type: {ctype}'
-        out += f"--{boundary}\r\n{head}\r\n\r\n".encode() + value + b"\r\n"
-    out += f"--{boundary}--\r\n".encode()
-    return out, f"multipart/form-data; boundary={boundary}"
-
-
-def post_form(client, body: bytes, ctype: str, status: int = 201):
-    """POST a form as it is (WebTest's post() would encode a multipart body again)."""
-    return client.request(
-        f"{API}/attachments",
-        method="POST",
-        body=body,
-        headers={"Content-Type": ctype},
-        status=status,
-    )
-
-
-def upload(client, path: str, data: bytes = PNG, status: int = 201, **headers):
-    return client.put(
-        att_url(path),
-        data,
-        headers={"Content-Type": "application/octet-stream", **headers},
-        status=status,
-    )
-
-
-def leftovers(root: Path) -> list:
-    """Return temp files under the attachments and the notes (the state folder's index
-    cache has its own, written in the background)."""
-    return [
-        p
-        for top in (root / "attachments", root / "notes")
-        for p in top.rglob("*")
-        if p.name.startswith(".tmp-")
-    ]
-
-
-# -- search ------------------------------------------------------------------------------
-
-
-# -- history, trash and the change feed -------------------------------------------------
-
-
-def versions_of(client, path: str, status: int = 200, **params) -> dict:
-    query = f"?{urllib.parse.urlencode(params)}" if params else ""
-    return data(client.get(note_url(path) + "/versions" + query, status=status))
-
-
-def versions_of_raw(client, path: str, status: int):
-    return client.get(note_url(path) + "/versions", status=status)
-
-
-def version_contents(client, path: str) -> list:
-    """Return the contents of a note's versions, newest first."""
-    found = versions_of(client, path)["versions"]
-    return [data(client.get(f"{note_url(path)}/versions/{v['id']}"))["content"] for v in found]
-
-
-def feed(client, since: int = 0, **params) -> dict:
-    query = urllib.parse.urlencode({"since": since, **params})
-    return data(client.get(f"{API}/changes?{query}"))
-
-
-def update(client, path: str, content: str, **kwargs):
-    return client.put_json(note_url(path), {"content": content}, **kwargs)
-
-
-def web_channel(client) -> dict:
-    return data(client.post_json(f"{API}/channels", {"provider": "web", "config": {}}, status=201))
-
-
-def save_by_channel(client, channel: dict, text: str) -> dict:
-    anon = webtest.TestApp(client.app)
-    headers = {"X-Service-Channel-Secret": channel["secret"]}
-    return data(anon.post_json(f"{API}/channels/webhook/web", web_update(text), headers=headers))
-
-
-def trash_items(client) -> list:
-    return data(client.get(f"{API}/trash"))["items"]
-
-
-def plant_in_trash(root: Path, path: str, content: bytes, when: float | None = None) -> Path:
-    """Put a file into the trash the way a delete does (attachments' deletes included)."""
-    stamp = time.strftime("%Y%m%dT%H%M%S.000000Z", time.gmtime(when or time.time()))
-    target = root / ".notesvc" / "trash" / stamp / path
-    target.parent.mkdir(parents=True, exist_ok=True)
-    target.write_bytes(content)
-    return target
-
-
-def long_poll(server: Server, since: int, wait: float, prefix: str = "", headers=None) -> tuple:
-    """Return (status, headers, data, seconds) of one change-feed request."""
-    started = time.monotonic()
-    status, hdrs, body = server.request(
-        "GET", f"{prefix}{API}/changes?since={since}&wait={wait}", headers=headers
-    )
-    return status, hdrs, (body or {}).get("data"), time.monotonic() - started
-
-
-def feed_waiting(server: Server, prefix: str = "", headers=None) -> int:
-    return server.request("GET", f"{prefix}{API}/system/info", headers=headers)[2]["data"][
-        "changes"
-    ]["waiting"]
-
-
 def search(client, q: str, status: int = 200, **params) -> dict:
     resp = client.get(f"{API}/search", {"q": q, **params}, status=status)
     return resp.json["data"] if status == 200 else resp
 
 
-def hits(client, q: str, **params) -> list:
-    return [r["path"] for r in search(client, q, **params)["results"]]
-
-
-# -- the index against a brute-force BM25; its files, crashes and restarts ------------------
-
-REF_WORDS = (
-    "apple apples banana bananas cherry garden gardens gardening kitchen keys key spare blue "
-    "flowerpot drawer window windows running runs run walked walking walk river mountain coffee "
-    "recipe recipes the a of and to in note notes meeting meetings plan plans zebra yak "
-    "xylophone quokka narwhal pelican otter heron café crème brûlée"
-).split()
-
-
-def make_ref_notes(rnd: random.Random, n: int, start: int = 0) -> dict:
-    """Return {path: text} of n generated notes over REF_WORDS (some without a heading)."""
-    notes = {}
-    for i in range(start, start + n):
-        folder = rnd.choice(["notes", "notes/work", "notes/home", "notes/work/deep"])
-        vocab = REF_WORDS[: rnd.choice((20, 40, len(REF_WORDS)))]
-        body = " ".join(rnd.choice(vocab) for _ in range(rnd.randint(3, 80)))
-        if rnd.random() < 0.8:
-            title = " ".join(rnd.choice(REF_WORDS) for _ in range(rnd.randint(1, 3)))
-            body = f"# {title}\n\n{body}\n"
-        notes[f"{folder}/n{i:05d}.md"] = body
-    return notes
-
-
-def write_notes(root: Path, notes: dict) -> None:
-    for path, text in notes.items():
-        target = root / path
-        target.parent.mkdir(parents=True, exist_ok=True)
-        target.write_text(text, encoding="utf-8")
-
-
-class ReferenceBM25:
-    """A brute-force BM25 over notesvc's tokens: every fast path must give its answers.
-
-    Score: for each clause, alternative and term (a phrase's terms one by one, a prefix's
-    expansions), in body (weight 1) and title (weight 2): idf * tf (k1 + 1) / (tf + k1 (1 - b
-    + b dl / avgdl)), with Lucene's idf, k1 1.2, b 0.75; ties ordered by path.
-    """
-
-    def __init__(self, notes: dict):
-        self.docs = {}
-        words: set = set()
-        for path, text in notes.items():
-            text = unicodedata.normalize("NFC", text)
-            title = notesvc.note_title(text, path)
-            self.docs[path] = (notesvc.tokenize(text), notesvc.tokenize(title))
-            for part in (text, title):
-                words.update(re.findall(r"\w+", notesvc.fold(part)))
-        self.words = sorted(words)
-        self.n = len(self.docs)
-        self.df: list = [{}, {}]
-        for toks in self.docs.values():
-            for f in (0, 1):
-                for t in set(toks[f]):
-                    self.df[f][t] = self.df[f].get(t, 0) + 1
-        self.avg = [max(sum(len(t[f]) for t in self.docs.values()) / self.n, 1.0) for f in (0, 1)]
-
-    def _resolve(self, alt: tuple) -> tuple:
-        kind, arg = alt
-        if kind == "prefix":  # the first 1024 words, their stems, commonest 64 in bodies
-            first = [w for w in self.words if w.startswith(arg)][:1024]
-            stems = sorted({notesvc.stem(w) for w in first})
-            return kind, sorted(stems, key=lambda s: (-self.df[0].get(s, 0), s))[:64]
-        return kind, [arg] if kind == "word" else list(arg)
-
-    @staticmethod
-    def _matches(toks: tuple, alt: tuple) -> bool:
-        kind, stems = alt
-        if kind != "phrase":
-            return any(s in toks[0] or s in toks[1] for s in stems)
-        k = len(stems)
-        return any(field[i : i + k] == stems for field in toks for i in range(len(field) - k + 1))
-
-    def _score(self, toks: tuple, clauses: list) -> float:
-        score = 0.0
-        for clause in clauses:
-            for _, stems in clause:
-                for s in stems:
-                    for f, weight in ((0, 1.0), (1, 2.0)):
-                        tf = toks[f].count(s)
-                        if tf:
-                            df = self.df[f][s]
-                            idf = math.log(1 + (self.n - df + 0.5) / (df + 0.5))
-                            norm = 1.2 * (1 - 0.75 + 0.75 * len(toks[f]) / self.avg[f])
-                            score += weight * idf * tf * 2.2 / (tf + norm)
-        return score
-
-    def search(self, q: str, folder: str = "") -> tuple:
-        query = notesvc.Query(q)
-        clauses = [[self._resolve(a) for a in clause] for clause in query.clauses]
-        excludes = [self._resolve(a) for a in query.excludes]
-        prefix = folder.rstrip("/") + "/" if folder else ""
-        found = []
-        for path, toks in self.docs.items():
-            if not path.startswith(prefix):
-                continue
-            wanted = all(any(self._matches(toks, a) for a in c) for c in clauses)
-            if wanted and not any(self._matches(toks, a) for a in excludes):
-                found.append((self._score(toks, clauses), path))
-        found.sort(key=lambda h: (-h[0], h[1]))
-        return len(found), found
-
-
-def assert_answers_like(index: notesvc.SearchIndex, ref: ReferenceBM25, q: str, folder=""):
-    total, results = index.search(notesvc.Query(q), folder, 10, 0)
-    want_total, want = ref.search(q, folder)
-    assert total == want_total, q
-    assert len(results) == min(10, want_total), q
-    for i, (path, _, score, _) in enumerate(results):
-        best = want[i][0]
-        assert abs(score - best) <= max(1e-4 * best, 6e-5), (q, i, path, score, want[i])
-        if path != want[i][1]:  # only equal scores may come in another order
-            tied = {p for s, p in want if abs(s - best) <= 1e-9 * max(best, 1.0)}
-            assert path in tied, (q, i, path, want[:10])
-
-
-def ref_queries(rnd: random.Random, notes: dict) -> list:
-    """Single words (common, rare, folded forms), AND, OR, exclusions, prefixes, phrases."""
-    qs = ["apple", "keys", "key", "garden", "the", "zebra", "café", "CREME", "runs", "walking"]
-    qs += ["ap*", "gard*", "ke*", "wa*", "run*", "me*", "cr*", "zz*"]
-    for _ in range(12):
-        qs.append(" ".join(rnd.sample(REF_WORDS[:30], rnd.choice((2, 3)))))
-        qs.append(f"{rnd.choice(REF_WORDS)} OR {rnd.choice(REF_WORDS)}")
-        qs.append(f"{rnd.choice(REF_WORDS[:20])} -{rnd.choice(REF_WORDS[:20])}")
-        prefix = rnd.choice([w for w in REF_WORDS[10:40] if len(w) > 3])[:3]
-        qs.append(f"{rnd.choice(REF_WORDS[:10])} {prefix}*")
-    bodies = sorted(notes.values())
-    for _ in range(12):
-        words = re.findall(r"\w+", rnd.choice(bodies))
-        if len(words) > 3:
-            j = rnd.randrange(len(words) - 2)
-            qs.append(f'"{words[j]} {words[j + 1]}"')
-            qs.append(f'{words[j]} -"{words[j + 1]} {words[j + 2]}"')
-    return qs
-
-
-@pytest.fixture
-def disk_index(tmp_path):
-    """A SearchIndex kept under tmp_path/.notesvc, reading notes from tmp_path/notes."""
-    state = tmp_path / ".notesvc"
-    state.mkdir()
-    (tmp_path / "notes").mkdir()
-    index = notesvc.SearchIndex.open(state, notesvc.NoteStore(tmp_path / "notes", state / "trash"))
-    yield index
-    index.close()
-
-
-def change_notes(rnd: random.Random, index, notes: dict, root: Path, count: int) -> None:
-    """Rewrite count notes on disk and in the index, the way the API's listener does."""
-    for path in rnd.sample(sorted(notes), count):
-        text = " ".join(rnd.choice(REF_WORDS) for _ in range(rnd.randint(1, 60)))
-        if rnd.random() < 0.5:
-            text = f"# {rnd.choice(REF_WORDS)} title\n{text}"
-        notes[path] = text
-        (root / path).write_text(text, encoding="utf-8")
-        st = (root / path).stat()
-        index.add(path, text, st.st_size, st.st_mtime_ns)
-
-
-def remove_notes(rnd: random.Random, index, notes: dict, root: Path, count: int) -> None:
-    for path in rnd.sample(sorted(notes), count):
-        del notes[path]
-        (root / path).unlink()
-        index.remove(path)
-
-
-def index_files(root: Path) -> list:
-    return sorted(p.name for p in (root / ".notesvc" / "index").iterdir())
-
-
-def damage_index(root: Path, damage: str) -> None:
-    state = root / ".notesvc"
-    segment = next(p for p in sorted((state / "index").iterdir()) if p.suffix == ".seg")
-    raw = segment.read_bytes()
-    commit = state / "index.cache"
-    if damage == "commit truncated":
-        commit.write_bytes(commit.read_bytes()[:-7])
-    elif damage == "commit random bytes":
-        commit.write_bytes(os.urandom(commit.stat().st_size))
-    elif damage == "commit flipped byte":
-        data = bytearray(commit.read_bytes())
-        data[len(data) // 3] ^= 0x55
-        commit.write_bytes(bytes(data))
-    elif damage == "segment truncated":
-        segment.write_bytes(raw[: len(raw) // 2])
-    elif damage == "segment random bytes":
-        segment.write_bytes(os.urandom(len(raw)))
-    elif damage == "segment flipped bytes":  # the frame is intact: only the checksum tells
-        data = bytearray(raw)
-        for at in range(64, len(data) // 2, 97):
-            data[at] ^= 0xFF
-        segment.write_bytes(bytes(data))
-    elif damage == "segment empty":
-        segment.write_bytes(b"")
-    elif damage == "segment missing":
-        segment.unlink()
-    elif damage == "segment of another index":
-        vocab = notesvc._Vocab()
-        seg = notesvc.MemorySegment(vocab)
-        seg.add(vocab.analyse("notes/zz.md", "unrelated words only", 20, 1), (3.0, 1.0))
-        with open(segment, "wb") as f:
-            notesvc.write_segment(f, [seg], [set()], [({}, {})])
-
-
-def wait_until(predicate, timeout: float = 30, step: float = 0.002):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        value = predicate()
-        if value:
-            return value
-        time.sleep(step)
-    raise AssertionError("timed out waiting")
-
-
-def temp_files(index_dir: Path) -> list:
-    with contextlib.suppress(FileNotFoundError):
-        return [p for p in index_dir.iterdir() if p.name.startswith(".tmp-")]
-    return []
-
-
-def unique_notes(n: int, start: int = 0) -> dict:
-    """Notes that each hold the word "common" and a word of their own (u<number>x)."""
-    return {
-        f"notes/d{i % 7}/n{i:05d}.md": f"# Note {i}\n\ncommon words u{i}x and then some more "
-        f"filler text {i % 13} to make it a note"
-        for i in range(start, start + n)
-    }
-
-
-def assert_server_answers(server, notes: dict) -> None:
-    status, _, body = server.request("GET", f"{API}/search?q=common&limit=1")
-    assert status == 200
-    assert body["data"]["total"] == len(notes)
-    for path in sorted(notes)[:: max(1, len(notes) // 25)]:
-        word = re.search(r"u\d+x", notes[path]).group(0)
-        _, _, body = server.request("GET", f"{API}/search?q={word}")
-        assert [r["path"] for r in body["data"]["results"]] == [path], word
-
-
-# -- agent and channels: loopback stand-ins for the outside services -------------------------
-
-
-class FakeUpstream:
-    """A loopback HTTP server speaking the OpenAI chat-completions and /audio/transcriptions,
-    Telegram Bot API and WhatsApp Cloud API formats.
-
-    `requests` records what it is sent (chat completions, sendMessage, WhatsApp messages,
-    transcriptions); the Bot API's own bookkeeping, which pollers call in the background
-    (getUpdates, setWebhook, deleteWebhook, getFile), goes to `bot_calls`, and GETs
-    (file and media downloads) to `downloads`. Telegram updates queued with push() are
-    handed out by getUpdates with Telegram's offset rules and long-poll time-out (held at
-    most `max_hold` seconds); setWebhook makes getUpdates answer 409 until deleteWebhook.
-    """
-
-    BOT_METHODS = ("getUpdates", "setWebhook", "deleteWebhook", "getFile", "getMe")
-    WHATSAPP_TOKEN = "EAAG-whatsapp-token"
-
-    def __init__(self):
-        self.requests: list = []
-        self.bot_calls: list = []
-        self.downloads: list = []
-        self.status = 200
-        self.delay = 0.0
-        self.reply = "The spare keys are under the blue flowerpot (notes/home/keys.md)."
-        self.raw = None  # bytes to answer instead of the usual JSON
-        self.updates: list = []  # queued Telegram updates (push)
-        self.next_update_id = 500000
-        self.max_hold = 1.0
-        self.polls = 0
-        self.poll_status = 200  # getUpdates answers this (e.g. 401: a revoked token)
-        self.poll_error = "Unauthorized"  # ... with this description
-        self.webhook: dict | None = None
-        self.webhook_error = ""  # setWebhook refuses with this description
-        self.files: dict = {}  # Telegram file_id -> (file_path, bytes)
-        self.media: dict = {}  # WhatsApp media id -> (mime type, bytes)
-        self.transcript = "Remember to buy oat milk and call the plumber."
-        self.closed = False
-        self.cond = threading.Condition()
-        fake = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            protocol_version = "HTTP/1.1"
-
-            def log_message(self, *args):
-                pass
-
-            def _send(self, status: int, payload: bytes, ctype: str = "application/json"):
-                self.send_response(status)
-                self.send_header("Content-Type", ctype)
-                self.send_header("Content-Length", str(len(payload)))
-                self.end_headers()
-                with contextlib.suppress(OSError):
-                    self.wfile.write(payload)
-
-            def do_POST(self):
-                length = int(self.headers.get("Content-Length", 0))
-                raw = self.rfile.read(length)
-                path = self.path.split("?")[0]
-                method = path.rsplit("/", 1)[-1]
-                if path.endswith("/audio/transcriptions"):
-                    form = fake.parse_form(raw, self.headers.get("Content-Type", ""))
-                    fake.requests.append(
-                        {"path": self.path, "headers": dict(self.headers), "form": form}
-                    )
-                    if "file" not in form:
-                        return self._send(400, b'{"error": {"message": "no file"}}')
-                    return self._send(200, json.dumps({"text": fake.transcript}).encode())
-                body = json.loads(raw or b"null")
-                if path.startswith("/bot") and method in fake.BOT_METHODS:
-                    fake.bot_calls.append({"path": self.path, "json": body})
-                    status, answer = fake.bot_api(method, body)
-                    return self._send(status, json.dumps(answer).encode())
-                fake.requests.append(
-                    {"path": self.path, "headers": dict(self.headers), "json": body}
-                )
-                time.sleep(fake.delay)
-                payload = (
-                    fake.raw
-                    if fake.raw is not None
-                    else json.dumps(fake.answer(self.path, body)).encode()
-                )
-                self._send(fake.status, payload)
-
-            def do_GET(self):
-                path = urllib.parse.unquote(self.path.split("?")[0])
-                fake.downloads.append({"path": path, "headers": dict(self.headers)})
-                m = re.match(r"^/file/bot[^/]+/(.+)$", path)
-                if m:
-                    found = [data for p, data in fake.files.values() if p == m.group(1)]
-                    if not found:
-                        return self._send(404, b'{"ok": false, "description": "Not Found"}')
-                    return self._send(200, found[0], "application/octet-stream")
-                bearer = self.headers.get("Authorization") == f"Bearer {fake.WHATSAPP_TOKEN}"
-                m = re.match(r"^/v21\.0/([^/]+)$", path)
-                if m and m.group(1) in fake.media:
-                    if not bearer:
-                        return self._send(401, b'{"error": {"code": 190}}')
-                    mime, data = fake.media[m.group(1)]
-                    info = {
-                        "messaging_product": "whatsapp",
-                        "url": f"{fake.url}/whatsapp-media/{m.group(1)}?ext=1",
-                        "mime_type": mime,
-                        "file_size": len(data),
-                        "id": m.group(1),
-                    }
-                    return self._send(200, json.dumps(info).encode())
-                m = re.match(r"^/whatsapp-media/([^/]+)$", path)
-                if m and m.group(1) in fake.media:
-                    if not bearer:
-                        return self._send(401, b"")
-                    mime, data = fake.media[m.group(1)]
-                    return self._send(200, data, mime)
-                self._send(404, b'{"error": "unknown path"}')
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(
-            target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
-        ).start()
-
-    @staticmethod
-    def parse_form(raw: bytes, ctype: str) -> dict:
-        """Return {name: (filename, bytes)} of a multipart/form-data body."""
-        import email.parser
-        import email.policy
-
-        msg = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
-            f"Content-Type: {ctype}\r\n\r\n".encode() + raw
-        )
-        if not msg.is_multipart():
-            return {}
-        return {
-            part.get_param("name", header="content-disposition"): (
-                part.get_filename(),
-                part.get_payload(decode=True),
-            )
-            for part in msg.iter_parts()
-        }
-
-    def push(self, update: dict) -> int:
-        """Queue a Telegram update for getUpdates; return its update_id."""
-        with self.cond:
-            self.next_update_id += 1
-            self.updates.append({**update, "update_id": self.next_update_id})
-            self.cond.notify_all()
-            return self.next_update_id
-
-    def add_file(self, file_id: str, file_path: str, data: bytes) -> None:
-        self.files[file_id] = (file_path, data)
-
-    def bot_api(self, method: str, body: dict) -> tuple:
-        if method == "getUpdates":
-            if self.poll_status != 200:
-                answer = {
-                    "ok": False,
-                    "error_code": self.poll_status,
-                    "description": self.poll_error,
-                }
-                return self.poll_status, answer
-            if self.webhook is not None:
-                return 409, {
-                    "ok": False,
-                    "error_code": 409,
-                    "description": "Conflict: can't use getUpdates method while webhook is "
-                    "active; use deleteWebhook to delete the webhook first",
-                }
-            offset = body.get("offset", 0)
-            deadline = time.monotonic() + min(body.get("timeout", 0), self.max_hold)
-            with self.cond:
-                self.polls += 1
-                self.updates = [u for u in self.updates if u["update_id"] >= offset]
-                while not self.updates and not self.closed:
-                    left = deadline - time.monotonic()
-                    if left <= 0:
-                        break
-                    self.cond.wait(left)
-                return 200, {"ok": True, "result": list(self.updates[:100])}
-        if method == "setWebhook":
-            if self.webhook_error:
-                return 400, {"ok": False, "error_code": 400, "description": self.webhook_error}
-            self.webhook = body
-            return 200, {"ok": True, "result": True, "description": "Webhook was set"}
-        if method == "deleteWebhook":
-            self.webhook = None
-            return 200, {"ok": True, "result": True, "description": "Webhook was deleted"}
-        if method == "getFile":
-            found = self.files.get(body.get("file_id"))
-            if found is None:
-                return 400, {
-                    "ok": False,
-                    "error_code": 400,
-                    "description": "Bad Request: invalid file_id",
-                }
-            return 200, {
-                "ok": True,
-                "result": {
-                    "file_id": body["file_id"],
-                    "file_unique_id": "u" + body["file_id"],
-                    "file_size": len(found[1]),
-                    "file_path": found[0],
-                },
-            }
-        return 200, {"ok": True, "result": {"id": 1, "is_bot": True, "username": "notes_bot"}}
-
-    def answer(self, path: str, body: dict) -> dict:
-        path = path.split("?")[0]
-        if path.endswith("/chat/completions"):
-            return {
-                "id": "chatcmpl-1",
-                "object": "chat.completion",
-                "created": 1700000000,
-                "model": body["model"] + "-served",
-                "choices": [
-                    {
-                        "index": 0,
-                        "message": {"role": "assistant", "content": self.reply},
-                        "finish_reason": "stop",
-                    }
-                ],
-                "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
-            }
-        if "/sendMessage" in path:
-            return {
-                "ok": True,
-                "result": {"message_id": 7, "chat": {"id": body["chat_id"]}, "text": body["text"]},
-            }
-        if path.endswith("/messages"):
-            return {
-                "messaging_product": "whatsapp",
-                "contacts": [{"input": body["to"], "wa_id": body["to"]}],
-                "messages": [{"id": "wamid.HBgLMTY1MDM4Nzk0MzkVAgARGBI3"}],
-            }
-        return {"error": "unknown path"}
-
-    def sent(self) -> list:
-        """Return the texts sent through sendMessage and WhatsApp /messages, in order."""
-        out = []
-        for r in self.requests:
-            body = r.get("json") or {}
-            if "/sendMessage" in r["path"]:
-                out.append(body["text"])
-            elif r["path"].endswith("/messages"):
-                out.append(body["text"]["body"])
-        return out
-
-    def close(self):
-        with self.cond:
-            self.closed = True
-            self.cond.notify_all()
-        self.server.shutdown()
-        self.server.server_close()
-
-
-@pytest.fixture
-def upstream():
-    fake = FakeUpstream()
-    yield fake
-    fake.close()
-
-
-def closed_port_url() -> str:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    return f"http://127.0.0.1:{port}/v1"
-
-
-KEYS_NOTE = (
-    "# Keys\n\nThe car key hangs by the door. Spare keys are under the blue flowerpot.\n"
-    "Ask Anna if they are gone."
-)
-
-
-def seed_notes(client):
-    put_note(client, "notes/home/keys.md", KEYS_NOTE)
-    put_note(client, "notes/garden.md", "# Garden\n\nPlant tomatoes in May. Water them daily.")
-    put_note(client, "notes/work.md", "# Work\n\nThe meeting is on Tuesday at ten.")
-
-
-def telegram_update(text, chat_id=42, **extra):
-    message = {
-        "message_id": 11,
-        "from": {"id": chat_id, "is_bot": False, "first_name": "Ada", "language_code": "en"},
-        "chat": {"id": chat_id, "first_name": "Ada", "type": "private"},
-        "date": 1763731200,
-        **extra,
-    }
-    if text is not None:
-        message["text"] = text
-    return {"update_id": 100001, "message": message}
-
-
-def whatsapp_update(text, number="15551234567"):
-    message = {"from": number, "id": "wamid.ID", "timestamp": "1763731200"}
-    if text is None:  # no text and nothing to capture: a shared location
-        message.update(type="location", location={"latitude": 52.52, "longitude": 13.40})
-    else:
-        message.update(type="text", text={"body": text})
-    return {
-        "object": "whatsapp_business_account",
-        "entry": [
-            {
-                "id": "102290129340398",
-                "changes": [
-                    {
-                        "value": {
-                            "messaging_product": "whatsapp",
-                            "metadata": {
-                                "display_phone_number": "15550783881",
-                                "phone_number_id": "106540352242922",
-                            },
-                            "contacts": [{"profile": {"name": "Ada"}, "wa_id": number}],
-                            "messages": [message],
-                        },
-                        "field": "messages",
-                    }
-                ],
-            }
-        ],
-    }
-
-
-def web_update(text, sender="page"):
-    return {"text": text, "sender": sender} if text is not None else {"sender": sender}
-
-
-UPDATES = {"telegram": telegram_update, "whatsapp": whatsapp_update, "web": web_update}
-MINIMAL_CONFIG = {
-    "telegram": {"botToken": "123456:ABC-telegram-token"},
-    "whatsapp": {
-        "accessToken": "EAAG-whatsapp-token",
-        "phoneNumberId": "106540352242922",
-        "verifyToken": "verify-me-please",
-    },
-    "web": {},
-}
-
-
-# -- capture: photos, voice and files from the channels, commands, polling, reminders ----------
-
-OGG = b"OggS\x00\x02" + bytes(range(200))
-
-
-def photo_update(*sizes: tuple, caption: str | None = None, chat_id: int = 42) -> dict:
-    """A Telegram photo message: sizes are (file_id, width, height, file_size)."""
-    photo = [
-        {"file_id": f, "file_unique_id": f"u{f}", "width": w, "height": h, "file_size": n}
-        for f, w, h, n in sizes
-    ]
-    extra = {"caption": caption} if caption else {}
-    return telegram_update(None, chat_id, photo=photo, **extra)
-
-
-def today_note(client, folder: str = "notes/daily") -> Path:
-    day = notesvc.local_now(client.app.service).date()
-    return client.app.service.config.root / folder / f"{day:%Y-%m-%d}.md"
-
-
-def whatsapp_media(kind: str, media_id: str, number: str = "15551234567", **fields) -> dict:
-    update = whatsapp_update("x", number)
-    message = update["entry"][0]["changes"][0]["value"]["messages"][0]
-    del message["text"]
-    message.update(type=kind, **{kind: {"id": media_id, **fields}})
-    return update
-
-
-def whatsapp_signature(body: bytes, secret: str) -> str:
-    import hashlib
-    import hmac
-
-    return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
-
-
-class FakeClock:
-    """An injectable clock for the reminder scheduler."""
-
-    def __init__(self, when: float):
-        self.now = when
-
-    def __call__(self) -> float:
-        return self.now
-
-
-def at(text: str, zone: str = "Europe/Paris") -> float:
-    return notesvc.timestamp_of(
-        notesvc.dt.datetime.strptime(text, "%Y-%m-%d %H:%M"), notesvc.time_zone(zone)
-    )
-
-
-# -- JWT ----------------------------------------------------------------------------------
-
-JWT_SECRET = "k3y-" + "Zq8vN2xR7mL4pT9wB5cJ1hF6dG0sY3aE"
-
-
-def forge(claims: dict, header: dict | None = None, secret: str = JWT_SECRET, digest=None) -> str:
-    import base64
-    import hashlib
-    import hmac
-
-    def b64(obj) -> str:
-        raw = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
-        return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
-
-    head = b64(header or {"alg": "HS256", "typ": "JWT"})
-    body = b64(claims)
-    sig = hmac.new(secret.encode(), f"{head}.{body}".encode(), digest or hashlib.sha256)
-    return f"{head}.{body}.{b64(sig.digest())}"
-
-
-# -- security audit ---------------------------------------------------------------------------
-
-
-def audit(app) -> dict:
-    return data(with_key(app).get(f"{API}/security/audit"))
-
-
-def ids(report) -> set:
-    return {f["id"] for f in report["findings"]}
-
-
-def expected_score(findings: list) -> int:
-    """The documented formula, from the findings' severities."""
-    count = collections.Counter(f["severity"] for f in findings)
-    raw = 100 - 40 * count["critical"] - 20 * count["high"] - 10 * count["medium"]
-    return max(0, raw - 3 * count["low"])
-
-
-def _open_state_files(app, root: Path) -> None:
-    os.chmod(root / ".notesvc" / "state.json", 0o644)
-
-
-def _open_notes_folder(app, root: Path) -> None:
-    os.chmod(root / "notes", 0o777)
-
-
-def _a_plugin_file(app, root: Path) -> None:
-    plugins = root / ".notesvc" / "plugins"
-    plugins.mkdir(mode=0o700, exist_ok=True)
-    (plugins / "planted.py").write_text("x = 1\n")
-    os.chmod(plugins / "planted.py", 0o600)
-
-
-def _telegram_channel_without_allowlist(app, root: Path) -> None:
-    body = {"provider": "telegram", "config": {"botToken": "1:x"}}
-    with_key(app).post_json(f"{API}/channels", body, status=201)
-
-
-def _webhook_secret_in_a_query_string(app, root: Path) -> None:
-    body = {"provider": "telegram", "config": {"botToken": "1:x", "allowedChatIds": [42]}}
-    ch = data(with_key(app).post_json(f"{API}/channels", body, status=201))
-    url = f"{API}/channels/webhook/telegram?secret={ch['secret']}"
-    assert data(webtest.TestApp(app.app).post_json(url, {"update_id": 1}))["handled"] is False
-
-
-def _whatsapp_channel_without_app_secret(app, root: Path) -> None:
-    config = {**MINIMAL_CONFIG["whatsapp"], "allowedNumbers": ["15551234567"]}
-    body = {"provider": "whatsapp", "config": config}
-    with_key(app).post_json(f"{API}/channels", body, status=201)
-
-
-def _an_old_key(app, root: Path) -> None:
-    state_file = root / ".notesvc" / "state.json"
-    state = json.loads(state_file.read_text())
-    state["keyCreatedAt"] = "2020-01-01T00:00:00.000Z"
-    state_file.write_text(json.dumps(state))
-
-
-def _a_write_key_without_expiry(app, root: Path) -> None:
-    body = {"name": "helper", "scope": "write"}
-    with_key(app).post_json(f"{API}/auth/keys", body, status=201)
-
-
-def _an_old_share_link(app, root: Path) -> None:
-    put_note(with_key(app), "notes/old.md", "old")
-    with_key(app).post_json(f"{API}/shares", {"path": "notes/old.md", "expiresInDays": 365})
-    state_file = root / ".notesvc" / "state.json"
-    state = json.loads(state_file.read_text())
-    state["shares"][0]["createdAt"] = "2020-01-01T00:00:00.000Z"
-    state_file.write_text(json.dumps(state))
-
-
-def _many_oauth_clients(app, root: Path) -> None:
-    for i in range(21):  # from 21 addresses: registration is rate-limited per address
-        webtest.TestApp(app.app, extra_environ={"REMOTE_ADDR": f"198.51.100.{i}"}).post_json(
-            "/oauth/register", {"redirect_uris": ["https://app.example/cb"]}, status=201
-        )
-
-
-@dataclasses.dataclass(frozen=True)
-class Firing:
-    """A configuration in which an audit check fires, and the id its finding must match."""
-
-    id: str  # a regular expression
-    env: dict = dataclasses.field(default_factory=dict)  # SERVICE_* settings over the safe ones
-    change: typing.Callable | None = None  # change(app, root) after the start
-    linked: bool = True  # a client has linked (setup complete)
-
-
-# For every audit check: a configuration in which it fires. The rest of the configuration
-# is the safe one (loopback, linked, private folders), in which it must not.
-FIRING_CONFIGURATIONS = {
-    "auth_off": Firing("auth-off", {"SERVICE_AUTH_MODE": "none"}),
-    "setup_exposed": Firing("setup-exposed", {"SERVICE_HOST": "0.0.0.0"}, linked=False),
-    "cors_wildcard": Firing("cors-wildcard", {"SERVICE_CORS_ORIGINS": "*"}),
-    "jwt_secret": Firing(
-        "jwt-secret-weak", {"SERVICE_AUTH_MODE": "jwt", "SERVICE_JWT_SECRET": "a" * 40}
-    ),
-    "state_private": Firing("state-readable-file", change=_open_state_files),
-    "notes_folder": Firing("notes-writable", change=_open_notes_folder),
-    "plugins": Firing("plugin-planted", change=_a_plugin_file),
-    "channel_allowlists": Firing(r"channel-open-\S+", change=_telegram_channel_without_allowlist),
-    "query_secrets": Firing("secret-in-query", change=_webhook_secret_in_a_query_string),
-    "channel_signatures": Firing(
-        r"channel-unsigned-\S+", change=_whatsapp_channel_without_app_secret
-    ),
-    "plain_http_upstreams": Firing(
-        "relay-plain-http", {"SERVICE_RELAY_URL": "http://relay.example.org"}
-    ),
-    "relay_in_transit": Firing(
-        "relay-sees-transit", {"SERVICE_RELAY_URL": "https://relay.example.org"}
-    ),
-    "key_age": Firing("key-old", change=_an_old_key),
-    "plain_http_bind": Firing("plain-http-all-interfaces", {"SERVICE_HOST": "0.0.0.0"}),
-    "tool_writes": Firing(
-        "tool-writes-without-auth", {"SERVICE_AUTH_MODE": "none", "SERVICE_MCP_WRITE": "true"}
-    ),
-    "history_off": Firing("history-off", {"SERVICE_HISTORY_MAX_VERSIONS": "0"}),
-    "grants": Firing("grant-write-forever", change=_a_write_key_without_expiry),
-    "share_links": Firing("share-links-old", change=_an_old_share_link),
-    "oauth_clients": Firing("oauth-clients-many", change=_many_oauth_clients),
-}
-
-
-# -- plugins ----------------------------------------------------------------------------------
-
-HELLO_PLUGIN = """
-import notesvc
-
-SAVED = []
-
-def remember(svc, path, content):
-    SAVED.append(path)
-
-def hello(svc):
-    return {"hello": "world", "saved": SAVED}
-
-PLUGIN = notesvc.Plugin(
-    name="hello", version="0.1.0", description="says hello",
-    hooks={"note_saved": remember},
-    routes=(notesvc.PluginRoute("GET", "/greeting", hello),),
-)
-"""
-
-BROKEN_HOOK_PLUGIN = """
-import notesvc
-
-def explode(svc, path, content):
-    raise RuntimeError("boom in a hook")
-
-PLUGIN = notesvc.Plugin(name="explosive", hooks={"note_saved": explode})
-"""
-
-
-RECORDER_PLUGIN = """
-import notesvc
-
-CALLS = []
-
-def saved(svc, path, content):
-    CALLS.append(["note_saved", path, content])
-
-def moved(svc, old_path, new_path):
-    CALLS.append(["note_moved", old_path, new_path])
-
-def deleted(svc, path):
-    CALLS.append(["note_deleted", path])
-
-def restored(svc, path, content):
-    CALLS.append(["note_restored", path, content])
-
-def calls(svc):
-    return {"calls": CALLS}
-
-PLUGIN = notesvc.Plugin(
-    name="recorder",
-    hooks={
-        "note_saved": saved,
-        "note_moved": moved,
-        "note_deleted": deleted,
-        "note_restored": restored,
-    },
-    routes=(notesvc.PluginRoute("GET", "/calls", calls),),
-)
-"""
-
-
-# -- tools: what MCP clients and the agent call ------------------------------------------------
-
-
-def rpc(client, method: str, params: dict | None = None, status: int | str = 200, **headers):
-    """POST one JSON-RPC request (handshake era) to /mcp; return the parsed answer."""
-    body: dict = {"jsonrpc": "2.0", "id": 1, "method": method}
-    if params is not None:
-        body["params"] = params
-    resp = client.post(
-        f"{API}/mcp",
-        json.dumps(body),
-        headers={"Content-Type": "application/json", **headers},
-        status=status,
-        expect_errors=True,
-    )
-    return resp.json if resp.body else None
-
-
-def call_tool(client, name: str, **arguments) -> dict:
-    """Return the result of tools/call through /mcp."""
-    answer = rpc(client, "tools/call", {"name": name, "arguments": arguments})
-    assert "error" not in answer, answer
-    result = answer["result"]
-    assert isinstance(result["structuredContent"], dict)
-    assert [c["type"] for c in result["content"]] == ["text"]
-    return result
-
-
-def ok_tool(client, name: str, **arguments) -> dict:
-    result = call_tool(client, name, **arguments)
-    assert result["isError"] is False, result
-    return result["structuredContent"]
-
-
-def tool_refused(client, name: str, code: str, **arguments) -> str:
-    """Assert a tool call ends in an isError result with this code; return its message."""
-    result = call_tool(client, name, **arguments)
-    assert result["isError"] is True, result
-    error = result["structuredContent"]["error"]
-    assert error["code"] == code, error
-    assert result["content"][0]["text"] == f"Error ({code}): {error['message']}"
-    assert "Traceback" not in json.dumps(result)
-    return error["message"]
-
-
-def listed_tools(client) -> set:
-    return {t["name"] for t in rpc(client, "tools/list")["result"]["tools"]}
-
-
-TOOL_PLUGIN = """
-import notesvc
-
-EVENTS = []
-
-def saved(svc, path, content):
-    EVENTS.append(["saved", path])
-
-def moved(svc, old, new):
-    EVENTS.append(["moved", old, new])
-
-def deleted(svc, path):
-    EVENTS.append(["deleted", path])
-
-def events(svc):
-    return {"events": EVENTS}
-
-@notesvc.tool("word_count", "Count the words of a note.", {"path": {"type": "string"}}, ("path",))
-def word_count(svc, path):
-    return {"path": path, "words": len(svc.notes.get(notesvc.note_path(path))["content"].split())}
-
-@notesvc.tool("explode", "Fails.")
-def explode(svc):
-    raise RuntimeError("secret internals /etc/passwd")
-
-PLUGIN = notesvc.Plugin(
-    name="toolbox",
-    hooks={"note_saved": saved, "note_moved": moved, "note_deleted": deleted},
-    routes=(notesvc.PluginRoute("GET", "/events", events),),
-)
-"""
-
-
-class ToolModel(FakeUpstream):
-    """A loopback model speaking chat-completions tool calling. Each answer follows the
-    script: a step is a function of the messages so far returning either the reply text or
-    a list of (tool name, arguments) calls; past the script it answers `reply`."""
-
-    def __init__(self, *script):
-        super().__init__()
-        self.script = list(script)
-        self.refuse_tools = False  # answer HTTP 400 to a request that offers tools
-
-    def answer(self, path: str, body: dict) -> dict:
-        if not path.endswith("/chat/completions"):
-            return super().answer(path, body)
-        self.status = 400 if self.refuse_tools and "tools" in body else 200
-        if self.status == 400:
-            return {"error": {"message": "this model does not support tools"}}
-        step = self.script.pop(0) if self.script else (lambda messages: self.reply)
-        out = step(body["messages"])
-        if isinstance(out, int):  # this answer fails with that HTTP status
-            self.status = out
-            return {"error": {"message": "the model fell over"}}
-        answer = super().answer(path, body)
-        if isinstance(out, str):
-            answer["choices"][0]["message"]["content"] = out
-            return answer
-        calls = [
-            {
-                "id": f"call_{len(self.requests)}_{i}",
-                "type": "function",
-                "function": {
-                    "name": name,
-                    "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments),
-                },
-            }
-            for i, (name, arguments) in enumerate(out)
-        ]
-        answer["choices"][0] = {
-            "index": 0,
-            "message": {"role": "assistant", "content": None, "tool_calls": calls},
-            "finish_reason": "tool_calls",
-        }
-        return answer
-
-
-def last_tool_results(messages: list) -> list:
-    """Return the contents of the `role: tool` messages after the last assistant message."""
-    out = []
-    for message in reversed(messages):
-        if message["role"] != "tool":
-            break
-        out.insert(0, message["content"])
-    return out
-
-
-GARDEN_NOTES = {
-    "notes/garden/decisions.md": "# Garden decisions\n\nWe decided to grow only heirloom "
-    "tomatoes this year.\n\nThe greenhouse stays closed until April.",
-    "notes/garden/budget.md": "# Garden budget\n\nAt most 200 euros for seeds; the garden "
-    "decision about the greenhouse heater waits for the budget.",
-    "notes/shopping.md": "# Shopping list\n\n- bread\n- eggs\n",
-}
-
-
-# -- OpenAPI with a third-party checker ---------------------------------------------------------
-
-
-# -- relay -------------------------------------------------------------------------------------
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-def wait_for(predicate, timeout: float = 15.0, step: float = 0.1):
+def wait_for(predicate, timeout: float = 15.0, step: float = 0.05):
+    """Return predicate()'s first true value, asked every `step` seconds; fail after
+    `timeout` (a wait on the thing itself, never a fixed sleep)."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         value = predicate()
@@ -1720,974 +236,6 @@ def wait_for(predicate, timeout: float = 15.0, step: float = 0.1):
             return value
         time.sleep(step)
     raise AssertionError("condition not met in time")
-
-
-def relay_servers(relay: Server) -> int:
-    try:
-        return relay.request("GET", "/health")[2]["data"]["servers"]
-    except OSError:
-        return 0
-
-
-NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
-
-
-@pytest.mark.skipif(not NGINX, reason="nginx is not installed (apt install nginx)")
-def test_two_relays_behind_nginx_share_the_servers(tmp_path):
-    """deploy/nginx-relay.conf: servers and clients spread over two relay processes."""
-    ports = [free_port(), free_port()]
-    front = free_port()
-    conf = (HERE / "deploy" / "nginx-relay.conf").read_text()
-    conf = conf.replace("127.0.0.1:8441", f"127.0.0.1:{ports[0]}")
-    conf = conf.replace("127.0.0.1:8442", f"127.0.0.1:{ports[1]}")
-    conf = re.sub(
-        r"    listen 443 ssl;\n.*?ssl_certificate_key [^\n]*\n",
-        f"    listen 127.0.0.1:{front};\n",
-        conf,
-        flags=re.S,
-    )
-    (tmp_path / "logs").mkdir()
-    (tmp_path / "nginx.conf").write_text(
-        "daemon off; master_process off; pid nginx.pid; error_log logs/error.log warn;\n"
-        "events { worker_connections 1024; }\n"
-        "http { access_log off; client_body_temp_path tmp; proxy_temp_path tmp;\n" + conf + "\n}\n"
-    )
-    (tmp_path / "tmp").mkdir()
-    env = {"SERVICE_TRUST_PROXY": "true", "SERVICE_RELAY_DOMAIN": DOMAIN}
-    relays = [Server(tmp_path / f"relay{i}", "relay", env=env, port=p) for i, p in enumerate(ports)]
-    nginx = subprocess.Popen(
-        [NGINX, "-p", str(tmp_path), "-c", "nginx.conf"], stderr=subprocess.PIPE, text=True
-    )
-    servers = []
-    try:
-        url = f"http://127.0.0.1:{front}"
-
-        def up() -> bool:
-            assert nginx.poll() is None, nginx.stderr.read()
-            with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as resp:
-                return resp.status == 200
-            return False
-
-        wait_for(up)
-        for i in range(10):  # until both relays hold a server (consistent hashing decides)
-            servers.append(Server(tmp_path / f"srv{i}", env={"SERVICE_RELAY_URL": url}))
-            held = len(servers)
-            wait_for(lambda held=held: sum(map(relay_servers, relays)) == held)
-            if len(servers) >= 2 and all(map(relay_servers, relays)):
-                break
-        assert all(map(relay_servers, relays)), "every server landed on one relay"
-        for n, server in enumerate(servers):
-            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
-            code = setup["pairing"]["relayCode"]
-            with urllib.request.urlopen(f"{url}/relay/v1/pair/{code}", timeout=10) as resp:
-                origin = json.loads(resp.read())["data"]["origin"]
-            sid = setup["serverId"]
-            assert origin == f"http://{sid}.{DOMAIN}:{front}"
-            # By Host: the server's own origin reaches the relay process that holds it.
-            host = f"{sid}.{DOMAIN}:{front}"
-            status, _, raw = host_request(front, host, "GET", f"{API}/system/setup")
-            assert (status, json.loads(raw)["data"]["serverId"]) == (200, sid)
-            status, _, raw = host_request(
-                front, host, "GET", "/.well-known/oauth-authorization-server"
-            )
-            assert json.loads(raw)["issuer"] == origin
-            status, _, raw = host_request(
-                front, "127.0.0.1", "GET", f"/.well-known/oauth-authorization-server/r/{sid}"
-            )
-            assert status == 200
-            base = f"{url}/r/{sid}/api/v1"  # and the path-based JSON routes
-            key = {"X-Service-Key": setup["apiKey"], "Content-Type": "application/json"}
-            note = json.dumps({"path": f"notes/n{n}.md", "content": f"# Note {n}"}).encode()
-            req = urllib.request.Request(f"{base}/notes", note, key, method="POST")
-            with urllib.request.urlopen(req, timeout=10) as resp:
-                assert resp.status == 201
-            req = urllib.request.Request(f"{base}/notes/notes%2Fn{n}.md", headers=key)
-            with urllib.request.urlopen(req, timeout=10) as resp:
-                assert json.loads(resp.read())["data"]["title"] == f"Note {n}"
-            req = urllib.request.Request(f"{base}/system/info", headers=key)
-            with urllib.request.urlopen(req, timeout=10) as resp:
-                assert json.loads(resp.read())["data"]["connection"]["state"] == "connected"
-    finally:
-        for server in servers:
-            server.stop()
-        nginx.terminate()
-        nginx.wait(10)
-        nginx.stderr.close()
-        for relay in relays:
-            relay.stop()
-
-
-class FakeRelayServer:
-    """A server as the relay sees it: its own token and id, raw relay protocol calls."""
-
-    def __init__(self, relay: Server, source: str = "127.0.0.1"):
-        self.relay, self.source = relay, source
-        self.token = base64.urlsafe_b64encode(os.urandom(32)).decode().rstrip("=")
-        self.server_id = notesvc.relay_server_id(self.token)
-        self.code = notesvc.relay_code_of(self.token)
-
-    def call(self, method: str, path: str, body=None, token: str | None = None):
-        conn = http.client.HTTPConnection(
-            "127.0.0.1", self.relay.port, timeout=40, source_address=(self.source, 0)
-        )
-        try:
-            headers = {"X-Relay-Token": self.token if token is None else token}
-            payload = None
-            if body is not None:
-                payload = json.dumps(body).encode()
-                headers["Content-Type"] = "application/json"
-            conn.request(method, path, payload, headers)
-            resp = conn.getresponse()
-            raw = resp.read()
-            return resp.status, resp.headers, json.loads(raw) if raw else None
-        finally:
-            conn.close()
-
-    def register(self, server_id: str | None = None) -> int:
-        sid = server_id or self.server_id
-        body = {"token": self.token, "relayCode": self.code}
-        return self.call("POST", f"/relay/v1/register/{sid}", body)[0]
-
-    def poll(self, server_id: str | None = None):
-        return self.call("GET", f"/relay/v1/poll/{server_id or self.server_id}")
-
-    def open_poll(self) -> socket.socket:
-        """Start a long-poll on a raw socket and leave it waiting."""
-        s = socket.socket()
-        s.settimeout(5)
-        s.bind((self.source, 0))
-        s.connect(("127.0.0.1", self.relay.port))
-        s.sendall(
-            f"GET /relay/v1/poll/{self.server_id} HTTP/1.1\r\nHost: relay\r\n"
-            f"X-Relay-Token: {self.token}\r\n\r\n".encode()
-        )
-        return s
-
-    def reply(self, request_id: str, status: int, headers: list, body: bytes) -> int:
-        answer = {"status": status, "headers": headers, "body": base64.b64encode(body).decode()}
-        return self.call("POST", f"/relay/v1/reply/{self.server_id}/{request_id}", answer)[0]
-
-
-def relay_queued(relay: Server, fake: FakeRelayServer) -> int:
-    return relay.request("GET", "/health")[2]["data"].get("queued", 0)
-
-
-def recv_all(s: socket.socket) -> bytes:
-    """Read until the peer closes (or 5 s pass); b'' when it closed at once."""
-    chunks = []
-    with contextlib.suppress(socket.timeout, ConnectionResetError):
-        while True:
-            chunk = s.recv(65536)
-            if not chunk:
-                break
-            chunks.append(chunk)
-    return b"".join(chunks)
-
-
-def relay_raw_get(relay: Server, path: str) -> tuple:
-    """GET on a raw socket; return (head as text, body bytes) exactly as the relay sent them."""
-    with socket.create_connection(("127.0.0.1", relay.port), timeout=10) as s:
-        s.sendall(f"GET {path} HTTP/1.1\r\nHost: relay\r\nConnection: close\r\n\r\n".encode())
-        raw = recv_all(s)
-    head, _, body = raw.partition(b"\r\n\r\n")
-    return head.decode("latin-1"), body
-
-
-def png_size(data: bytes) -> tuple:
-    """Return (width, height) of a PNG, checking its signature, chunk CRCs and pixel data."""
-    assert data[:8] == b"\x89PNG\r\n\x1a\n"
-    pos, chunks = 8, {}
-    while pos < len(data):
-        length = int.from_bytes(data[pos : pos + 4], "big")
-        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
-        crc = int.from_bytes(data[pos + 8 + length : pos + 12 + length], "big")
-        assert zlib.crc32(kind + body) == crc
-        chunks[kind] = body
-        pos += 12 + length
-    width, height = (
-        int.from_bytes(chunks[b"IHDR"][:4], "big"),
-        int.from_bytes(chunks[b"IHDR"][4:8], "big"),
-    )
-    assert len(zlib.decompress(chunks[b"IDAT"])) == height * (1 + width * 3)
-    assert b"IEND" in chunks
-    return width, height
-
-
-# -- the built-in web client, in a real browser ------------------------------------------------
-
-CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMIUM_ARGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
-PHONE = {"viewport": {"width": 390, "height": 844}, "has_touch": True, "is_mobile": True}
-DESKTOP = {"viewport": {"width": 1280, "height": 800}}
-DEVICES = {"phone": PHONE, "desktop": DESKTOP}
-SEED_NOTES = {
-    "home/keys.md": "# Spare keys\n\nThe spare keys are in the blue kumquat jar on the shelf.\n\n"
-    "- [ ] copy the garage key\n- [x] give one to Anna\n\n"
-    "See [[pancakes]] and [the recipe](../kitchen/pancakes.md).\n",
-    "kitchen/pancakes.md": "# Pancakes\n\n1. Flour, eggs and milk.\n2. Whisk **well**.\n\n"
-    "| step | minutes |\n|---|--:|\n| rest | 10 |\n| fry | 2 |\n",
-    "todo.md": "# Todo\n\n- buy oat milk\n",
-}
-
-# The accessibility check: every visible control has a name, and every visible text meets
-# WCAG AA contrast against the background it is drawn on (alpha composited up the tree).
-A11Y_AUDIT = r"""() => {
-  const problems = [];
-  const shown = (e) => {
-    const r = e.getBoundingClientRect(), s = getComputedStyle(e);
-    return r.width > 0 && r.height > 0 && s.visibility !== "hidden" && s.display !== "none";
-  };
-  const nameOf = (e) => {
-    const label = (e.getAttribute("aria-label") || "").trim();
-    if (label) return label;
-    const by = e.getAttribute("aria-labelledby");
-    const text = (els) => els.map((l) => l.textContent).join(" ").trim();
-    if (by) return text(by.split(" ").map((id) => document.getElementById(id)));
-    if (e.labels && e.labels.length) return text([...e.labels]);
-    if (/^(BUTTON|SUMMARY|A)$/.test(e.tagName)) return e.textContent.trim();
-    return (e.getAttribute("title") || "").trim();
-  };
-  for (const e of document.querySelectorAll("button, input, textarea, select, summary, a[href]")) {
-    if (shown(e) && !nameOf(e)) problems.push("no accessible name: " + e.outerHTML.slice(0, 90));
-  }
-  const rgba = (c) => {
-    const m = /rgba?\(([^)]+)\)/.exec(c);
-    if (!m) return [0, 0, 0, 0];
-    const p = m[1].split(/[ ,\/]+/).filter(Boolean).map(parseFloat);
-    return [p[0], p[1], p[2], p.length > 3 ? p[3] : 1];
-  };
-  const lum = (c) => {
-    const f = (v) => {
-      v /= 255;
-      return v <= 0.03928 ? v / 12.92 : Math.pow((v + 0.055) / 1.055, 2.4);
-    };
-    return 0.2126 * f(c[0]) + 0.7152 * f(c[1]) + 0.0722 * f(c[2]);
-  };
-  const over = (top, under) => [0, 1, 2].map((i) => top[i] * top[3] + under[i] * (1 - top[3]));
-  const backdrop = (e) => {
-    const layers = [];
-    for (let n = e; n; n = n.parentElement) {
-      const c = rgba(getComputedStyle(n).backgroundColor);
-      if (c[3] > 0) { layers.push(c); if (c[3] >= 1) break; }
-    }
-    let bg = matchMedia("(prefers-color-scheme: dark)").matches ? [0, 0, 0] : [255, 255, 255];
-    for (const c of layers.reverse()) bg = over(c, bg);
-    return bg;
-  };
-  const ratio = (a, b) => {
-    const x = lum(a), y = lum(b);
-    return (Math.max(x, y) + 0.05) / (Math.min(x, y) + 0.05);
-  };
-  const check = (e, color, what) => {
-    const s = getComputedStyle(e);
-    const bg = backdrop(e);
-    const r = ratio(over(rgba(color), bg), bg);
-    const size = parseFloat(s.fontSize), bold = parseInt(s.fontWeight, 10) >= 700;
-    const need = size >= 24 || (bold && size >= 18.66) ? 3 : 4.5;
-    if (r < need) problems.push(what + " contrast " + r.toFixed(2) + " < " + need + ": " +
-      (e.id ? "#" + e.id + " " : "") +
-      JSON.stringify((e.textContent || e.placeholder).trim().slice(0, 40)));
-  };
-  const walk = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);
-  const seen = new Set();
-  while (walk.nextNode()) {
-    const e = walk.currentNode.parentElement;
-    if (!walk.currentNode.textContent.trim() || seen.has(e) || !shown(e)) continue;
-    if (e.closest(":disabled, [aria-hidden=true], svg")) continue;  // WCAG exempts disabled ones
-    seen.add(e);
-    check(e, getComputedStyle(e).color, "text");
-  }
-  for (const e of document.querySelectorAll("input[placeholder], textarea[placeholder]")) {
-    if (!shown(e) || e.value || e.disabled) continue;
-    check(e, getComputedStyle(e, "::placeholder").color, "placeholder");
-  }
-  return problems;
-}"""
-
-
-@pytest.fixture(scope="class")
-def browser():
-    """One Chromium for the class (each test gets its own context)."""
-    sync_api = pytest.importorskip("playwright.sync_api")
-    if not CHROMIUM:
-        pytest.skip("no Chromium on this machine")
-    with sync_api.sync_playwright() as pw:
-        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
-        try:
-            yield chromium
-        finally:
-            chromium.close()
-
-
-def expect(locator):
-    from playwright.sync_api import expect as playwright_expect
-
-    return playwright_expect(locator)
-
-
-class WebSession:
-    """A browser context on the page of a real server, with the errors it logs."""
-
-    def __init__(self, browser, tmp_path: Path, device: str = "phone", **context):
-        self.context = browser.new_context(**DEVICES[device], **context)
-        self.context.set_default_timeout(10_000)
-        self.page = self.context.new_page()
-        self.device, self.tmp_path = device, tmp_path
-        self.errors: list = []
-        self.requests: list = []
-        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
-        self.page.on("console", lambda m: m.type == "error" and self.errors.append(m.text))
-        self.page.on("request", lambda r: self.requests.append(r))
-        self.failed: list = []  # (status, method, URL) of every answer >= 400
-        self.page.on(
-            "response",
-            lambda r: r.status >= 400 and self.failed.append((r.status, r.request.method, r.url)),
-        )
-
-    def login(self, url: str, key: str) -> None:
-        self.page.goto(url)
-        self.page.fill("#key", key)
-        self.page.click("#connect")
-        self.page.wait_for_selector("#app", state="visible")
-        self.page.wait_for_selector("#tree button, #tree .empty")
-
-    def shot(self, name: str) -> Path:
-        path = self.tmp_path / f"{name}-{self.device}.png"
-        self.page.screenshot(path=str(path))
-        return path
-
-    def tap(self, selector: str) -> None:
-        """Click (desktop) or tap (phone) the element."""
-        if self.device == "phone":
-            self.page.tap(selector)
-        else:
-            self.page.click(selector)
-
-    def tree_open(self, path: str) -> None:
-        """Open a note from the tree, opening its folders first (Notes pane on a phone)."""
-        if self.device == "phone" and self.page.get_attribute("#app", "data-pane") != "notes":
-            self.tap(".tabs button[data-pane=notes]")
-        parts = path.split("/")
-        for i in range(2, len(parts)):
-            folder = self.page.locator(f'#tree button.dir[data-path="{"/".join(parts[:i])}"]')
-            if folder.get_attribute("aria-expanded") != "true":
-                folder.click()
-        self.page.click(f'#tree button.note[data-path="{path}"]')
-        expect(self.page.locator("#path")).to_contain_text(path)
-
-    def dialog_choose(self, value: str) -> None:
-        """Answer the open dialog, then wait until it is answered: closed, or (a question
-        asked from another dialog, such as the keys screen) back to what it showed before."""
-        button = self.page.locator(f'#dlg[open] #dlg-buttons button[data-value="{value}"]')
-        button.evaluate("b => { b.dataset.chosen = '1'; }")
-        button.click()
-        self.page.wait_for_function("() => !document.querySelector('#dlg[open] [data-chosen]')")
-
-    def api_calls(self, suffix: str) -> list:
-        return [r for r in self.requests if urllib.parse.urlsplit(r.url).path.endswith(suffix)]
-
-    def close(self) -> list:
-        self.context.close()
-        # The browser logs every non-2xx fetch; those the test caused on purpose are named.
-        return self.errors
-
-
-@pytest.fixture
-def web(browser, tmp_path):
-    """A real server with a few notes, and a function opening a logged-in browser session."""
-    root = tmp_path / "root"
-    for rel, text in SEED_NOTES.items():
-        (root / "notes" / rel).parent.mkdir(parents=True, exist_ok=True)
-        (root / "notes" / rel).write_text(text)
-    server = Server(root)
-    setup = server.request("GET", f"{API}/system/setup")[2]["data"]
-    sessions = []
-
-    def open_session(device: str = "phone", login: bool = True, **context) -> WebSession:
-        session = WebSession(browser, tmp_path, device, **context)
-        sessions.append(session)
-        if login:
-            session.login(setup["links"]["connect"]["hosted"], setup["apiKey"])
-        return session
-
-    open_session.server, open_session.setup, open_session.root = server, setup, root
-    try:
-        yield open_session
-    finally:
-        for s in sessions:
-            with contextlib.suppress(Exception):
-                s.context.close()
-        server.stop()
-
-
-def needs(server: Server, path: str, what: str) -> None:
-    """Skip unless the server's OpenAPI document has the path (a feature of another issue)."""
-    doc = server.request("GET", f"{API}/openapi.json")[2]
-    if f"{API}{path}" not in doc["paths"]:
-        pytest.skip(f"not on this server yet: {what}")
-
-
-def unexpected(errors: list, *allowed: str) -> list:
-    return [e for e in errors if not any(f"status of {a}" in e for a in allowed)]
-
-
-class EvilRelay:
-    """A loopback stand-in for a hostile relay: records every request, answers any pairing
-    with an API base of its own, and allows any origin (so only the page can refuse it)."""
-
-    def __init__(self):
-        self.requests: list = []
-        evil = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def log_message(self, *args):
-                pass
-
-            def answer(self):
-                evil.requests.append((self.command, self.path, dict(self.headers)))
-                body = json.dumps(
-                    {
-                        "success": True,
-                        "data": {
-                            "serverId": "evil",
-                            "relayApiBase": f"{evil.url}/r/evil/api/v1",
-                            "valid": True,
-                            "setupComplete": True,
-                        },
-                    }
-                ).encode()
-                self.send_response(200)
-                self.send_header("Access-Control-Allow-Origin", "*")
-                self.send_header("Access-Control-Allow-Headers", "*")
-                self.send_header("Access-Control-Allow-Methods", "*")
-                self.send_header("Content-Type", "application/json")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_OPTIONS = answer
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
-        threading.Thread(
-            target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
-        ).start()
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-
-
-# -- MCP: POST /api/v1/mcp ---------------------------------------------------------------------
-
-MODERN = "2026-07-28"
-
-
-def modern_meta(version: str = MODERN) -> dict:
-    return {
-        "io.modelcontextprotocol/protocolVersion": version,
-        "io.modelcontextprotocol/clientCapabilities": {},
-        "io.modelcontextprotocol/clientInfo": {"name": "test", "version": "1"},
-    }
-
-
-def modern(client, method, params=None, status="*", headers=None, version=MODERN, **extra):
-    """POST one 2026-07-28 request (its _meta and headers filled in); return the response."""
-    params = {"_meta": modern_meta(version), **(params or {})}
-    hdrs = {
-        "Content-Type": "application/json",
-        "MCP-Protocol-Version": version,
-        "Mcp-Method": method,
-    }
-    if method == "tools/call":
-        hdrs["Mcp-Name"] = params.get("name", "")
-    hdrs.update(headers or {})
-    body = {"jsonrpc": "2.0", "id": "m-1", "method": method, "params": params, **extra}
-    return client.post(
-        f"{API}/mcp", json.dumps(body), headers=hdrs, status=status, expect_errors=True
-    )
-
-
-def raw_mcp(client, body: bytes | str, status="*", **headers):
-    hdrs = {"Content-Type": "application/json", **headers}
-    body = body.encode() if isinstance(body, str) else body
-    return client.post(f"{API}/mcp", body, headers=hdrs, status=status, expect_errors=True)
-
-
-def rpc_error(resp, status: int, code: int) -> dict:
-    """Assert a JSON-RPC error answer (no envelope, no traceback); return its error."""
-    assert resp.status_int == status, resp.text
-    assert resp.content_type == "application/json"
-    body = resp.json
-    assert set(body) == {"jsonrpc", "id", "error"}
-    assert body["jsonrpc"] == "2.0"
-    assert body["error"]["code"] == code, body
-    assert body["error"]["message"]
-    assert "Traceback" not in resp.text
-    return body["error"]
-
-
-def sdk_session(url: str, headers: dict, mode: str, steps):
-    """Run `steps(client)` in an official MCP SDK session with a real server; return its result."""
-    import asyncio
-
-    client_module = pytest.importorskip("mcp.client.client")
-    transport = pytest.importorskip("mcp.client.streamable_http")
-    httpx2 = pytest.importorskip("httpx2")
-
-    async def main():
-        async with httpx2.AsyncClient(headers=headers, timeout=30) as http:
-            connection = transport.streamable_http_client(url, http_client=http)
-            async with client_module.Client(connection, mode=mode) as session:
-                return await steps(session)
-
-    return asyncio.run(main())
-
-
-def post_rpc(server: Server, path: str, body, headers: dict | None = None) -> tuple:
-    """POST a JSON-RPC body to a real server or relay; return (status, headers, answer)."""
-    return server.request("POST", path, body, headers)
-
-
-# -- grants: scoped keys, folder grants, share links, OAuth for MCP clients -------------
-
-
-def new_grant(client, scope: str = "read", folder: str | None = None, **extra) -> dict:
-    """Create a scoped key with the API key; return its record (with the key)."""
-    body = {"name": f"{scope} key", "scope": scope, **extra}  # extra may name it
-    if folder is not None:
-        body["folder"] = folder
-    return data(client.post_json(f"{API}/auth/keys", body, status=201))
-
-
-def as_key(app: webtest.TestApp, key: str, **environ: str) -> webtest.TestApp:
-    return webtest.TestApp(app.app, extra_environ={"HTTP_X_SERVICE_KEY": key, **environ})
-
-
-def all_routes(app: webtest.TestApp) -> list:
-    return list(app.app.service.routes)
-
-
-SCOPED_ROUTES = [r for r in notesvc.ROUTES if not r.public]
-SCOPE_ORDER = {"read": 0, "write": 1, "admin": 2}
-
-
-@pytest.fixture(scope="module")
-def scope_keys(tmp_path_factory):
-    """One app for the scope tests, with a read and a write key (no lockout)."""
-    cfg = notesvc.load_config(
-        env=make_env(tmp_path_factory.mktemp("scopes") / "root", SERVICE_HOST="127.0.0.1")
-    )
-    wsgi = notesvc.create_app(cfg)
-    wsgi.service.lockout = notesvc.Lockout(limit=10**9)
-    owner = webtest.TestApp(
-        wsgi, extra_environ={"HTTP_X_SERVICE_KEY": wsgi.service.state.read()["apiKey"]}
-    )
-    made = {s: new_grant(owner, s)["key"] for s in ("read", "write")}
-    yield wsgi, made
-    wsgi.service.close()
-
-
-FOLDER_NOTES = {
-    "notes/family/a.md": "# Apple pie\n\nGrandma's apple pie #common, see [[c]].\n"
-    "⏰ 2099-01-01 09:00 bake\n",
-    "notes/family/sub/b.md": "# Birthdays\n\napple birthday list #common\n",
-    "notes/work/c.md": "# Contract\n\nsecret apple contract #common #work, see [[a]].\n"
-    "⏰ 2099-01-01 10:00 sign\n",
-    "notes/familyx/d.md": "# Neighbour\n\napple neighbour folder, not the family #common\n",
-    "notes/top.md": "# Top\n\napple at the top #common\n",
-}
-
-
-LISTING_CALLS = [
-    ("GET", "/notes", None),
-    ("GET", "/notes?folder=notes", None),
-    ("GET", "/notes?folder=notes/family/sub", None),
-    ("GET", "/folders/tree", None),
-    ("GET", "/folders/tree/notes", None),
-    ("GET", "/search?q=apple", None),
-    ("GET", "/search?q=apple&folder=notes", None),
-    ("GET", "/search?q=apple%20OR%20contract%20OR%20neighbour", None),
-    ("GET", "/plugins/tags", None),
-    ("GET", "/plugins/tags/common", None),
-    ("GET", "/plugins/backlinks/notes%2Ffamily%2Fa.md", None),
-    ("POST", "/agent/chat", {"message": "apple contract neighbour top"}),
-    ("POST", "/agent/chat", {"message": "apple", "notePath": "notes/family/a.md"}),
-    ("GET", "/shares", None),
-    ("GET", "/attachments", None),
-    ("GET", "/attachments?folder=attachments", None),
-    ("GET", "/reminders", None),
-    ("GET", "/trash", None),
-    ("GET", "/changes?since=0", None),
-    ("GET", "/folders/tree?depth=1", None),
-    ("GET", "/folders/tree?depth=2", None),
-]
-
-
-def paths_in(answer) -> set:
-    """Every note or attachment path mentioned anywhere in an answer (keys, values, text)."""
-    text = json.dumps(answer, ensure_ascii=False)
-    return set(re.findall(r"(?:notes/[\w./-]+?\.md|attachments/[\w./-]+?\.png)", text))
-
-
-def inside_family(path: str) -> bool:
-    return path.startswith(("notes/family/", "attachments/family/"))
-
-
-def pkce_pair() -> tuple:
-    verifier = secrets.token_urlsafe(48)
-    digest = hashlib.sha256(verifier.encode()).digest()
-    return verifier, base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
-
-
-CALLBACK = "http://127.0.0.1:9/callback"
-
-
-def register_client(anon, uris=(CALLBACK,), addr: str = "198.51.100.1", **extra) -> dict:
-    app = webtest.TestApp(anon.app, extra_environ={"REMOTE_ADDR": addr})
-    body = {"redirect_uris": list(uris), "client_name": "Pocket assistant", **extra}
-    return app.post_json("/oauth/register", body, status=201).json
-
-
-def mcp_url(anon) -> str:
-    return anon.get("/.well-known/oauth-protected-resource").json["resource"]
-
-
-def approve(client, cid: str, scope="notes:read", folder=None, redirect=CALLBACK, state="st8"):
-    """Approve as the owner; return (code, verifier, redirect query)."""
-    verifier, challenge = pkce_pair()
-    body = {
-        "clientId": cid,
-        "redirectUri": redirect,
-        "state": state,
-        "codeChallenge": challenge,
-        "scope": scope,
-        "resource": mcp_url(client),
-    }
-    if folder:
-        body["folder"] = folder
-    target = data(client.post_json(f"{API}/oauth/approve", body))["redirect"]
-    query = urllib.parse.parse_qs(urllib.parse.urlsplit(target).query)
-    return query["code"][0], verifier, query
-
-
-def token_call(anon, status="*", **form):
-    return anon.post("/oauth/token", form, status=status)
-
-
-def tokens_for(client, anon, scope="notes:read", folder=None) -> tuple:
-    """Register, approve and redeem; return (client id, token answer)."""
-    cid = register_client(anon)["client_id"]
-    code, verifier, _ = approve(client, cid, scope, folder)
-    answer = token_call(
-        anon,
-        200,
-        grant_type="authorization_code",
-        code=code,
-        client_id=cid,
-        redirect_uri=CALLBACK,
-        code_verifier=verifier,
-        resource=mcp_url(anon),
-    ).json
-    return cid, answer
-
-
-def oauth_error(resp, status: int, error: str) -> str:
-    assert resp.status_int == status, resp.text
-    assert resp.content_type == "application/json"
-    assert resp.headers["Cache-Control"] == "no-store"
-    assert resp.json["error"] == error, resp.json
-    return resp.json["error_description"]
-
-
-class LocalTls:
-    """A loopback HTTPS stand-in for a client's metadata host (a self-signed certificate).
-
-    `routes`: path -> (status, headers, body, seconds to stall before the body[, seconds
-    between the body's bytes]).
-    """
-
-    def __init__(self, tmp: Path):
-        if not shutil.which("openssl"):
-            pytest.skip("openssl is needed to make a test certificate")
-        cert, key = tmp / "cert.pem", tmp / "key.pem"
-        subprocess.run(
-            [
-                "openssl",
-                "req",
-                "-x509",
-                "-newkey",
-                "rsa:2048",
-                "-nodes",
-                "-days",
-                "1",
-                "-subj",
-                "/CN=localhost",
-                "-addext",
-                "subjectAltName=DNS:localhost",
-                "-keyout",
-                str(key),
-                "-out",
-                str(cert),
-            ],
-            check=True,
-            capture_output=True,
-            timeout=60,
-        )
-        self.context = ssl.create_default_context(cafile=str(cert))
-        self.routes: dict = {}
-        tls = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):
-                status, headers, body, pause, *drip = tls.routes.get(self.path, (404, {}, b"", 0))
-                self.send_response(status)
-                for name, value in headers.items():
-                    self.send_header(name, value)
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                if pause:
-                    time.sleep(pause)
-                with contextlib.suppress(OSError):
-                    for part in [body[i : i + 1] for i in range(len(body))] if drip else [body]:
-                        self.wfile.write(part)
-                        self.wfile.flush()
-                        time.sleep(drip[0] if drip else 0)
-
-            def log_message(self, *args):
-                pass
-
-        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
-        server_ctx.load_cert_chain(str(cert), str(key))
-        self.httpd.socket = server_ctx.wrap_socket(self.httpd.socket, server_side=True)
-        self.port = self.httpd.server_address[1]
-        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
-
-    def url(self, path: str) -> str:
-        return f"https://localhost:{self.port}{path}"
-
-    @staticmethod
-    def loopback(host, port, **kwargs) -> list:
-        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
-
-    def fetch(self, path: str, **kwargs) -> dict:
-        """fetch_client_metadata with this loopback host counted as public."""
-        return notesvc.fetch_client_metadata(
-            self.url(path),
-            resolve=self.loopback,
-            allow=lambda ip: True,
-            context=self.context,
-            **kwargs,
-        )
-
-    def close(self):
-        self.httpd.shutdown()
-        self.httpd.server_close()
-
-
-def owner_headers(setup: dict) -> dict:
-    return {"X-Service-Key": setup["apiKey"]}
-
-
-def post_oauth_form(url: str, form: dict) -> tuple:
-    """POST a form; return (status, parsed JSON)."""
-    body = urllib.parse.urlencode(form).encode()
-    req = urllib.request.Request(url, body, {"Content-Type": "application/x-www-form-urlencoded"})
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return resp.status, json.loads(resp.read())
-    except urllib.error.HTTPError as e:
-        with e:
-            return e.code, json.loads(e.read() or b"null")
-
-
-def get_raw(url: str) -> tuple:
-    """GET a URL; return (status, headers, bytes)."""
-    try:
-        with urllib.request.urlopen(url, timeout=30) as resp:
-            return resp.status, resp.headers, resp.read()
-    except urllib.error.HTTPError as e:
-        with e:
-            return e.code, e.headers, e.read()
-
-
-class Callback:
-    """A loopback stand-in for an OAuth client's redirect URI: records what reaches it."""
-
-    def __init__(self):
-        self.hits: list = []
-        self.arrived = threading.Event()
-        cb = self
-
-        class Handler(http.server.BaseHTTPRequestHandler):
-            def do_GET(self):
-                if self.path.startswith("/callback"):  # not the browser's /favicon.ico
-                    cb.hits.append(self.path)
-                    cb.arrived.set()
-                body = b"<!doctype html><title>back in the app</title><p>done</p>"
-                self.send_response(200)
-                self.send_header("Content-Type", "text/html")
-                self.send_header("Content-Length", str(len(body)))
-                self.end_headers()
-                self.wfile.write(body)
-
-            def log_message(self, *args):
-                pass
-
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
-        self.server.daemon_threads = True
-        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/callback"
-        threading.Thread(target=self.server.serve_forever, daemon=True).start()
-
-    def query(self, timeout: float = 15) -> dict:
-        assert self.arrived.wait(timeout), "nothing reached the redirect URI"
-        self.arrived.clear()
-        return urllib.parse.parse_qs(urllib.parse.urlsplit(self.hits[-1]).query)
-
-    def close(self):
-        self.server.shutdown()
-        self.server.server_close()
-
-
-def tiny_png() -> bytes:
-    """A real 1x1 PNG (a browser decodes it)."""
-    import struct
-    import zlib
-
-    def chunk(kind: bytes, body: bytes) -> bytes:
-        crc = struct.pack(">I", zlib.crc32(kind + body) & 0xFFFFFFFF)
-        return struct.pack(">I", len(body)) + kind + body + crc
-
-    header = struct.pack(">IIBBBBB", 1, 1, 8, 2, 0, 0, 0)
-    pixels = zlib.compress(b"\x00\xc0\x30\x30")
-    return (
-        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", pixels) + chunk(b"IEND", b"")
-    )
-
-
-def bearer(app: webtest.TestApp, token: str) -> webtest.TestApp:
-    return webtest.TestApp(app.app, extra_environ={"HTTP_AUTHORIZATION": f"Bearer {token}"})
-
-
-def sdk_oauth_session(mcp_url: str, key: str, steps, scope: str = "notes:read"):
-    """Run `steps(session, provider)` in an official MCP SDK session that authorises itself
-    with the SDK's OAuth client (mcp.client.auth): it registers, is sent to the consent
-    page, where the owner's approval is given with the key (POST /api/v1/oauth/approve, as
-    the page does), and redeems the code. Returns (steps' result, transcript, storage)."""
-    import asyncio
-
-    auth = pytest.importorskip("mcp.client.auth")
-    shared = pytest.importorskip("mcp.shared.auth")
-    client_module = pytest.importorskip("mcp.client.client")
-    transport = pytest.importorskip("mcp.client.streamable_http")
-    httpx2 = pytest.importorskip("httpx2")
-    transcript: list = []
-    approved: dict = {}
-
-    class Storage(auth.TokenStorage):
-        tokens = client = None
-
-        async def get_tokens(self):
-            return self.tokens
-
-        async def set_tokens(self, tokens):
-            self.tokens = tokens
-
-        async def get_client_info(self):
-            return self.client
-
-        async def set_client_info(self, client):
-            self.client = client
-
-    def approve_as_owner(url: str) -> None:
-        ask = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(url).query))
-        api = url.split("/oauth/authorize")[0] + API
-        body = {
-            "clientId": ask["client_id"],
-            "redirectUri": ask["redirect_uri"],
-            "state": ask["state"],
-            "codeChallenge": ask["code_challenge"],
-            "scope": scope,
-            "resource": ask["resource"],
-        }
-        req = urllib.request.Request(
-            f"{api}/oauth/approve",
-            json.dumps(body).encode(),
-            {"Content-Type": "application/json", "X-Service-Key": key},
-            method="POST",
-        )
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            redirect = json.loads(resp.read())["data"]["redirect"]
-        approved.update(urllib.parse.parse_qsl(urllib.parse.urlsplit(redirect).query))
-        transcript.append(f"consent: {ask['client_id']} asked {ask.get('scope')}; approved {scope}")
-
-    async def redirect_handler(url: str) -> None:
-        transcript.append(f"authorize: {url.split('?')[0]}")
-        await asyncio.get_running_loop().run_in_executor(None, approve_as_owner, url)
-
-    async def callback_handler():
-        return shared.AuthorizationCodeResult(
-            code=approved["code"], state=approved.get("state"), iss=approved.get("iss")
-        )
-
-    async def record(response) -> None:
-        request = response.request
-        transcript.append(f"{request.method} {request.url} -> {response.status_code}")
-
-    storage = Storage()
-    provider = auth.OAuthClientProvider(
-        server_url=mcp_url,
-        client_metadata=shared.OAuthClientMetadata(
-            client_name="notesvc SDK test", redirect_uris=[CALLBACK]
-        ),
-        storage=storage,
-        redirect_handler=redirect_handler,
-        callback_handler=callback_handler,
-    )
-
-    async def main():
-        async with httpx2.AsyncClient(
-            auth=provider, timeout=30, event_hooks={"response": [record]}
-        ) as http:
-            connection = transport.streamable_http_client(mcp_url, http_client=http)
-            async with client_module.Client(connection, mode="legacy") as session:
-                return await steps(session, provider)
-
-    return asyncio.run(main()), transcript, storage
-
-
-def mcp_with_token(url: str, token: str) -> tuple:
-    """POST tools/list with a bearer token; return (status, headers)."""
-    body = json.dumps({"jsonrpc": "2.0", "id": 9, "method": "tools/list"}).encode()
-    req = urllib.request.Request(
-        url,
-        body,
-        {
-            "Content-Type": "application/json",
-            "Authorization": f"Bearer {token}",
-            "MCP-Protocol-Version": "2025-11-25",
-        },
-        method="POST",
-    )
-    try:
-        with urllib.request.urlopen(req, timeout=30) as resp:
-            return resp.status, resp.headers
-    except urllib.error.HTTPError as e:
-        with e:
-            return e.code, e.headers
-
-
-# -- the tests, class by class in the order of notesvc.py's sections --------------------
 
 
 class TestConfig:
@@ -2750,6 +298,18 @@ class TestConfig:
             check=True,
         )
         assert out.stdout.strip() == "[]"
+
+
+def _boom(svc):
+    raise RuntimeError("secret internals /etc/passwd")
+
+
+def _echo(svc):
+    return {"body": notesvc.read_json(svc.config.max_body_bytes)}
+
+
+def ids(report) -> set:
+    return {f["id"] for f in report["findings"]}
 
 
 class TestEnvelope:
@@ -3130,6 +690,46 @@ class TestIfMatch:
         assert data(client.get(note_url("notes/race.md")))["content"] == winner
 
 
+HOSTILE_PATHS = [
+    ("../etc/passwd.md", "start with notes/"),
+    ("notes/../../etc/passwd.md", "'..'"),
+    ("notes/a/../../x.md", "'..'"),
+    ("notes/./x.md", "'.'"),
+    ("/etc/passwd.md", "relative"),
+    ("/notes/x.md", "relative"),
+    ("notes\\..\\x.md", "backslash"),
+    ("notes/a\\b.md", "backslash"),
+    ("notes/x\x00.md", "control"),
+    ("notes/x\n.md", "control"),
+    ("notes/.hidden.md", "hidden"),
+    ("notes/.git/config.md", "hidden"),
+    ("notes/.md", "hidden"),
+    ("notes//x.md", "empty segment"),
+    ("notes/x.txt", ".md"),
+    ("notes", ".md"),
+    ("notes/", "empty segment"),
+    ("other/x.md", "start with notes/"),
+    ("x.md", "start with notes/"),
+    ("notes/a:b.md", "forbidden"),
+    ("notes/a*b.md", "forbidden"),
+    ("notes/a?b.md", "forbidden"),
+    ('notes/a"b.md', "forbidden"),
+    ("notes/a<b>.md", "forbidden"),
+    ("notes/a|b.md", "forbidden"),
+    ("notes/" + "x" * 256 + ".md", "255 bytes"),
+    ("notes/" + "é" * 130 + ".md", "255 bytes"),
+    ("notes/" + "/".join(["abcdefgh"] * 60) + ".md", "512"),
+    ("", "empty"),
+    ("notes/invoice\u202egpj.md", "bidi"),
+    ("notes/a\u202ab.md", "bidi"),
+    ("notes/\u2066x\u2069.md", "bidi"),
+    ("notes/a\u200bb.md", "zero-width"),
+    ("notes/a\u200d/b.md", "zero-width"),
+    ("notes/x\u2060.md", "zero-width"),
+    ("notes/\ufeffx.md", "zero-width"),
+]
+
+
 class TestHostilePaths:
     @pytest.mark.parametrize(("path", "rule"), HOSTILE_PATHS)
     def test_body_path_is_refused_naming_the_rule(self, client, root, path, rule):
@@ -3200,6 +800,54 @@ class TestHostilePaths:
         assert_error(resp, 409, "CONFLICT")
 
 
+SLOW_PLUGIN = """
+import pathlib
+import time
+import notesvc
+
+def build(notes):
+    pathlib.Path(__file__).with_name("slow.started").touch()  # for the test to see
+    time.sleep(1.5)  # a plugin's slow computation over the notes
+    return len(notes)
+
+def count(svc):
+    return {"notes": notesvc.derived(svc, "slow-count", build)}
+
+PLUGIN = notesvc.Plugin(name="slow", routes=(notesvc.PluginRoute("GET", "/count", count),))
+"""
+
+
+MiB = 1024 * 1024
+
+
+BRACKET_NOTES = {  # 1 MiB notes that made the link scan quadratic
+    "notes/open.md": "[" * MiB,
+    "notes/wiki.md": "[[" * (MiB // 2),
+    "notes/mixed.md": ("[](" * (MiB // 3) + "[[a|" + "](x.md" * 1000)[:MiB],
+}
+
+
+def timed(fn, *args):
+    started = time.perf_counter()
+    result = fn(*args)
+    return result, time.perf_counter() - started
+
+
+def tree_paths(node: dict) -> list:
+    return [node["path"]] + [p for child in node.get("children", []) for p in tree_paths(child)]
+
+
+def leftovers(root: Path) -> list:
+    """Return temp files under the attachments and the notes (the state folder's index
+    cache has its own, written in the background)."""
+    return [
+        p
+        for top in (root / "attachments", root / "notes")
+        for p in top.rglob("*")
+        if p.name.startswith(".tmp-")
+    ]
+
+
 class TestStorageSafety:
     """Huge notes, full disks, NFD names and crash leftovers (issue 10, items 4, 9, 10)."""
 
@@ -3258,6 +906,8 @@ class TestStorageSafety:
         _, took = timed(client.get, f"{API}/plugins/tags")
         assert took < 1.0, f"tags took {took:.2f} s"
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_search_is_answered_while_links_and_plugins_build(self, tmp_path):
         plugins = tmp_path / ".notesvc" / "plugins"
         plugins.mkdir(parents=True)
@@ -3312,6 +962,8 @@ class TestStorageSafety:
         with pytest.raises(PermissionError), notesvc.disk_writes():
             raise PermissionError(errno.EACCES, "denied")
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_full_disk_is_507_and_changes_nothing_real_server(self, tmp_path):
         if os.geteuid() != 0 or not shutil.which("mount"):
             pytest.skip("mounting a small tmpfs needs root")
@@ -3651,6 +1303,8 @@ class TestFolderDepth:
 
 
 class TestServerNotes:
+    pytestmark = [pytest.mark.real_server, pytest.mark.slow]
+
     def test_concurrent_if_match_increments_lose_nothing(self, tmp_path):
         with running(tmp_path, "--auth-mode", "none") as server:
             status, _, _ = server.request(
@@ -3741,6 +1395,48 @@ class TestServerNotes:
             _, _, body = again.request("GET", f"{API}/notes")
             assert body["data"]["total"] == 20
         assert [p for p in notes.iterdir() if p.name.startswith(".tmp-")] == []
+
+
+PNG = b"\x89PNG\r\n\x1a\n" + bytes(range(256)) * 8  # 2056 bytes, every byte value
+
+
+def att_url(path: str) -> str:
+    return f"{API}/attachments/{urllib.parse.quote(path, safe='')}"
+
+
+def multipart(*parts: tuple, boundary: str = "b0undary-1234") -> tuple:
+    """Return (body, content type) of a form: parts are (name, value[, filename[, type]])."""
+    out = b""
+    for part in parts:
+        name, value = part[0], part[1]
+        value = value if isinstance(value, bytes) else value.encode()
+        head = f'Content-Disposition: form-data; name="{name}"'
+        if len(part) > 2:
+            ctype = part[3] if len(part) > 3 else "application/octet-stream"
+            head += f'; filename="{part[2]}"\r\nContent-Type: {ctype}'
+        out += f"--{boundary}\r\n{head}\r\n\r\n".encode() + value + b"\r\n"
+    out += f"--{boundary}--\r\n".encode()
+    return out, f"multipart/form-data; boundary={boundary}"
+
+
+def post_form(client, body: bytes, ctype: str, status: int = 201):
+    """POST a form as it is (WebTest's post() would encode a multipart body again)."""
+    return client.request(
+        f"{API}/attachments",
+        method="POST",
+        body=body,
+        headers={"Content-Type": ctype},
+        status=status,
+    )
+
+
+def upload(client, path: str, data: bytes = PNG, status: int = 201, **headers):
+    return client.put(
+        att_url(path),
+        data,
+        headers={"Content-Type": "application/octet-stream", **headers},
+        status=status,
+    )
 
 
 class TestAttachments:
@@ -4210,7 +1906,37 @@ class TestAttachments:
             assert_error(anon.request(url, method=method, status=401), 401, "UNAUTHORIZED")
 
 
+def raw_http(port: int, request: bytes, timeout: float = 5.0) -> tuple:
+    """Send raw bytes; return (status, headers as a lower-cased dict, body bytes)."""
+    with socket.create_connection(("127.0.0.1", port), timeout=timeout) as sock:
+        sock.sendall(request)
+        data = b""
+        while b"\r\n\r\n" not in data:
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            data += chunk
+        head, _, body = data.partition(b"\r\n\r\n")
+        lines = head.decode("latin-1").split("\r\n")
+        headers = dict(
+            (k.strip().lower(), v.strip()) for k, v in (h.split(":", 1) for h in lines[1:])
+        )
+        while len(body) < int(headers.get("content-length", 0)):
+            chunk = sock.recv(65536)
+            if not chunk:
+                break
+            body += chunk
+    return int(lines[0].split()[1]), headers, body
+
+
+def make_state(root: Path) -> dict:
+    """Give root a notesvc state (state.json only, as a first start leaves it); return it."""
+    return notesvc.StateStore(root / ".notesvc").read()
+
+
 class TestServerAttachments:
+    pytestmark = [pytest.mark.real_server, pytest.mark.slow]
+
     def test_header_bytes_that_are_not_utf8_act_as_absent(self, tmp_path):
         with running(tmp_path) as server:
             owner = {"X-Service-Key": make_state(tmp_path)["apiKey"]}
@@ -4342,6 +2068,199 @@ class TestServerAttachments:
             assert "Traceback" not in "".join(server.lines)
         finally:
             subprocess.run(["umount", str(disk)], capture_output=True, timeout=10)
+
+
+def tmp_path_factory_root(root: Path) -> Path:
+    """Return a fresh notes root beside `root` (another app in the same test)."""
+    other = root.parent / f"other-{len(list(root.parent.glob('other-*')))}"
+    return other
+
+
+def versions_of(client, path: str, status: int = 200, **params) -> dict:
+    query = f"?{urllib.parse.urlencode(params)}" if params else ""
+    return data(client.get(note_url(path) + "/versions" + query, status=status))
+
+
+def versions_of_raw(client, path: str, status: int):
+    return client.get(note_url(path) + "/versions", status=status)
+
+
+def version_contents(client, path: str) -> list:
+    """Return the contents of a note's versions, newest first."""
+    found = versions_of(client, path)["versions"]
+    return [data(client.get(f"{note_url(path)}/versions/{v['id']}"))["content"] for v in found]
+
+
+def feed(client, since: int = 0, **params) -> dict:
+    query = urllib.parse.urlencode({"since": since, **params})
+    return data(client.get(f"{API}/changes?{query}"))
+
+
+def update(client, path: str, content: str, **kwargs):
+    return client.put_json(note_url(path), {"content": content}, **kwargs)
+
+
+def web_channel(client) -> dict:
+    return data(client.post_json(f"{API}/channels", {"provider": "web", "config": {}}, status=201))
+
+
+def save_by_channel(client, channel: dict, text: str) -> dict:
+    anon = webtest.TestApp(client.app)
+    headers = {"X-Service-Channel-Secret": channel["secret"]}
+    return data(anon.post_json(f"{API}/channels/webhook/web", web_update(text), headers=headers))
+
+
+def web_update(text, sender="page"):
+    return {"text": text, "sender": sender} if text is not None else {"sender": sender}
+
+
+CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
+
+
+CHROMIUM_ARGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+PHONE = {"viewport": {"width": 390, "height": 844}, "has_touch": True, "is_mobile": True}
+
+
+DESKTOP = {"viewport": {"width": 1280, "height": 800}}
+
+
+DEVICES = {"phone": PHONE, "desktop": DESKTOP}
+
+
+SEED_NOTES = {
+    "home/keys.md": "# Spare keys\n\nThe spare keys are in the blue kumquat jar on the shelf.\n\n"
+    "- [ ] copy the garage key\n- [x] give one to Anna\n\n"
+    "See [[pancakes]] and [the recipe](../kitchen/pancakes.md).\n",
+    "kitchen/pancakes.md": "# Pancakes\n\n1. Flour, eggs and milk.\n2. Whisk **well**.\n\n"
+    "| step | minutes |\n|---|--:|\n| rest | 10 |\n| fry | 2 |\n",
+    "todo.md": "# Todo\n\n- buy oat milk\n",
+}
+
+
+@pytest.fixture(scope="class")
+def browser():
+    """One Chromium for the class (each test gets its own context)."""
+    sync_api = pytest.importorskip("playwright.sync_api")
+    if not CHROMIUM:
+        pytest.skip("no Chromium on this machine")
+    with sync_api.sync_playwright() as pw:
+        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        try:
+            yield chromium
+        finally:
+            chromium.close()
+
+
+def expect(locator):
+    from playwright.sync_api import expect as playwright_expect
+
+    return playwright_expect(locator)
+
+
+class WebSession:
+    """A browser context on the page of a real server, with the errors it logs."""
+
+    def __init__(self, browser, tmp_path: Path, device: str = "phone", **context):
+        must_be_marked("browser")
+        self.context = browser.new_context(**DEVICES[device], **context)
+        self.context.set_default_timeout(10_000)
+        self.page = self.context.new_page()
+        self.device, self.tmp_path = device, tmp_path
+        self.errors: list = []
+        self.requests: list = []
+        self.page.on("pageerror", lambda e: self.errors.append(str(e)))
+        self.page.on("console", lambda m: m.type == "error" and self.errors.append(m.text))
+        self.page.on("request", lambda r: self.requests.append(r))
+        self.failed: list = []  # (status, method, URL) of every answer >= 400
+        self.page.on(
+            "response",
+            lambda r: r.status >= 400 and self.failed.append((r.status, r.request.method, r.url)),
+        )
+
+    def login(self, url: str, key: str) -> None:
+        self.page.goto(url)
+        self.page.fill("#key", key)
+        self.page.click("#connect")
+        self.page.wait_for_selector("#app", state="visible")
+        self.page.wait_for_selector("#tree button, #tree .empty")
+
+    def shot(self, name: str) -> Path:
+        path = self.tmp_path / f"{name}-{self.device}.png"
+        self.page.screenshot(path=str(path))
+        return path
+
+    def tap(self, selector: str) -> None:
+        """Click (desktop) or tap (phone) the element."""
+        if self.device == "phone":
+            self.page.tap(selector)
+        else:
+            self.page.click(selector)
+
+    def tree_open(self, path: str) -> None:
+        """Open a note from the tree, opening its folders first (Notes pane on a phone)."""
+        if self.device == "phone" and self.page.get_attribute("#app", "data-pane") != "notes":
+            self.tap(".tabs button[data-pane=notes]")
+        parts = path.split("/")
+        for i in range(2, len(parts)):
+            folder = self.page.locator(f'#tree button.dir[data-path="{"/".join(parts[:i])}"]')
+            if folder.get_attribute("aria-expanded") != "true":
+                folder.click()
+        self.page.click(f'#tree button.note[data-path="{path}"]')
+        expect(self.page.locator("#path")).to_contain_text(path)
+
+    def dialog_choose(self, value: str) -> None:
+        """Answer the open dialog, then wait until it is answered: closed, or (a question
+        asked from another dialog, such as the keys screen) back to what it showed before."""
+        button = self.page.locator(f'#dlg[open] #dlg-buttons button[data-value="{value}"]')
+        button.evaluate("b => { b.dataset.chosen = '1'; }")
+        button.click()
+        self.page.wait_for_function("() => !document.querySelector('#dlg[open] [data-chosen]')")
+
+    def api_calls(self, suffix: str) -> list:
+        return [r for r in self.requests if urllib.parse.urlsplit(r.url).path.endswith(suffix)]
+
+    def close(self) -> list:
+        self.context.close()
+        # The browser logs every non-2xx fetch; those the test caused on purpose are named.
+        return self.errors
+
+
+@pytest.fixture
+def web(browser, tmp_path):
+    """A real server with a few notes, and a function opening a logged-in browser session."""
+    root = tmp_path / "root"
+    for rel, text in SEED_NOTES.items():
+        (root / "notes" / rel).parent.mkdir(parents=True, exist_ok=True)
+        (root / "notes" / rel).write_text(text)
+    server = Server(root)
+    setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+    sessions = []
+
+    def open_session(device: str = "phone", login: bool = True, **context) -> WebSession:
+        session = WebSession(browser, tmp_path, device, **context)
+        sessions.append(session)
+        if login:
+            session.login(setup["links"]["connect"]["hosted"], setup["apiKey"])
+        return session
+
+    open_session.server, open_session.setup, open_session.root = server, setup, root
+    try:
+        yield open_session
+    finally:
+        for s in sessions:
+            with contextlib.suppress(Exception):
+                s.context.close()
+        server.stop()
 
 
 class TestHistory:
@@ -4629,6 +2548,19 @@ class TestHistory:
         assert sync["maxWaiters"] == 4
 
 
+def trash_items(client) -> list:
+    return data(client.get(f"{API}/trash"))["items"]
+
+
+def plant_in_trash(root: Path, path: str, content: bytes, when: float | None = None) -> Path:
+    """Put a file into the trash the way a delete does (attachments' deletes included)."""
+    stamp = time.strftime("%Y%m%dT%H%M%S.000000Z", time.gmtime(when or time.time()))
+    target = root / ".notesvc" / "trash" / stamp / path
+    target.parent.mkdir(parents=True, exist_ok=True)
+    target.write_bytes(content)
+    return target
+
+
 class TestTrash:
     def test_list_read_restore_and_purge(self, client, root):
         put_note(client, "notes/t/one.md", "# One")
@@ -4824,6 +2756,12 @@ class TestTrash:
         assert list(outside.iterdir()) == []
 
 
+def at(text: str, zone: str = "Europe/Paris") -> float:
+    return notesvc.timestamp_of(
+        notesvc.dt.datetime.strptime(text, "%Y-%m-%d %H:%M"), notesvc.time_zone(zone)
+    )
+
+
 class TestChanges:
     def test_every_kind_of_change_in_order(self, client):
         assert feed(client) == {"changes": [], "last": 0, "more": False}
@@ -4967,8 +2905,32 @@ class TestChanges:
                 notesvc.load_config(env={f"SERVICE_{name}": "-1"})
 
 
+def long_poll(server: Server, since: int, wait: float, prefix: str = "", headers=None) -> tuple:
+    """Return (status, headers, data, seconds) of one change-feed request."""
+    started = time.monotonic()
+    status, hdrs, body = server.request(
+        "GET", f"{prefix}{API}/changes?since={since}&wait={wait}", headers=headers
+    )
+    return status, hdrs, (body or {}).get("data"), time.monotonic() - started
+
+
+def feed_waiting(server: Server, prefix: str = "", headers=None) -> int:
+    return server.request("GET", f"{prefix}{API}/system/info", headers=headers)[2]["data"][
+        "changes"
+    ]["waiting"]
+
+
+def relay_servers(relay: Server) -> int:
+    try:
+        return relay.request("GET", "/health")[2]["data"]["servers"]
+    except OSError:
+        return 0
+
+
 class TestHistoryServer:
     """History and the change feed on real servers: crashes, long-polls, the relay."""
+
+    pytestmark = [pytest.mark.real_server, pytest.mark.slow]
 
     def test_a_folder_grant_sees_no_version_saved_before_the_move_into_its_folder(self, tmp_path):
         with running(tmp_path) as server:
@@ -5370,6 +3332,10 @@ class TestTokenizer:
         assert notesvc.bm25_idf(10, 1) > notesvc.bm25_idf(10, 5)
 
 
+def hits(client, q: str, **params) -> list:
+    return [r["path"] for r in search(client, q, **params)["results"]]
+
+
 class TestSearch:
     @pytest.fixture
     def corpus(self, client):
@@ -5585,11 +3551,176 @@ class TestSearchIndexLive:
         assert info["index"]["terms"] >= 2
 
 
+REF_WORDS = (
+    "apple apples banana bananas cherry garden gardens gardening kitchen keys key spare blue "
+    "flowerpot drawer window windows running runs run walked walking walk river mountain coffee "
+    "recipe recipes the a of and to in note notes meeting meetings plan plans zebra yak "
+    "xylophone quokka narwhal pelican otter heron café crème brûlée"
+).split()
+
+
+def make_ref_notes(rnd: random.Random, n: int, start: int = 0) -> dict:
+    """Return {path: text} of n generated notes over REF_WORDS (some without a heading)."""
+    notes = {}
+    for i in range(start, start + n):
+        folder = rnd.choice(["notes", "notes/work", "notes/home", "notes/work/deep"])
+        vocab = REF_WORDS[: rnd.choice((20, 40, len(REF_WORDS)))]
+        body = " ".join(rnd.choice(vocab) for _ in range(rnd.randint(3, 80)))
+        if rnd.random() < 0.8:
+            title = " ".join(rnd.choice(REF_WORDS) for _ in range(rnd.randint(1, 3)))
+            body = f"# {title}\n\n{body}\n"
+        notes[f"{folder}/n{i:05d}.md"] = body
+    return notes
+
+
+def write_notes(root: Path, notes: dict) -> None:
+    for path, text in notes.items():
+        target = root / path
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(text, encoding="utf-8")
+
+
+class ReferenceBM25:
+    """A brute-force BM25 over notesvc's tokens: every fast path must give its answers.
+
+    Score: for each clause, alternative and term (a phrase's terms one by one, a prefix's
+    expansions), in body (weight 1) and title (weight 2): idf * tf (k1 + 1) / (tf + k1 (1 - b
+    + b dl / avgdl)), with Lucene's idf, k1 1.2, b 0.75; ties ordered by path.
+    """
+
+    def __init__(self, notes: dict):
+        self.docs = {}
+        words: set = set()
+        for path, text in notes.items():
+            text = unicodedata.normalize("NFC", text)
+            title = notesvc.note_title(text, path)
+            self.docs[path] = (notesvc.tokenize(text), notesvc.tokenize(title))
+            for part in (text, title):
+                words.update(re.findall(r"\w+", notesvc.fold(part)))
+        self.words = sorted(words)
+        self.n = len(self.docs)
+        self.df: list = [{}, {}]
+        for toks in self.docs.values():
+            for f in (0, 1):
+                for t in set(toks[f]):
+                    self.df[f][t] = self.df[f].get(t, 0) + 1
+        self.avg = [max(sum(len(t[f]) for t in self.docs.values()) / self.n, 1.0) for f in (0, 1)]
+
+    def _resolve(self, alt: tuple) -> tuple:
+        kind, arg = alt
+        if kind == "prefix":  # the first 1024 words, their stems, commonest 64 in bodies
+            first = [w for w in self.words if w.startswith(arg)][:1024]
+            stems = sorted({notesvc.stem(w) for w in first})
+            return kind, sorted(stems, key=lambda s: (-self.df[0].get(s, 0), s))[:64]
+        return kind, [arg] if kind == "word" else list(arg)
+
+    @staticmethod
+    def _matches(toks: tuple, alt: tuple) -> bool:
+        kind, stems = alt
+        if kind != "phrase":
+            return any(s in toks[0] or s in toks[1] for s in stems)
+        k = len(stems)
+        return any(field[i : i + k] == stems for field in toks for i in range(len(field) - k + 1))
+
+    def _score(self, toks: tuple, clauses: list) -> float:
+        score = 0.0
+        for clause in clauses:
+            for _, stems in clause:
+                for s in stems:
+                    for f, weight in ((0, 1.0), (1, 2.0)):
+                        tf = toks[f].count(s)
+                        if tf:
+                            df = self.df[f][s]
+                            idf = math.log(1 + (self.n - df + 0.5) / (df + 0.5))
+                            norm = 1.2 * (1 - 0.75 + 0.75 * len(toks[f]) / self.avg[f])
+                            score += weight * idf * tf * 2.2 / (tf + norm)
+        return score
+
+    def search(self, q: str, folder: str = "") -> tuple:
+        query = notesvc.Query(q)
+        clauses = [[self._resolve(a) for a in clause] for clause in query.clauses]
+        excludes = [self._resolve(a) for a in query.excludes]
+        prefix = folder.rstrip("/") + "/" if folder else ""
+        found = []
+        for path, toks in self.docs.items():
+            if not path.startswith(prefix):
+                continue
+            wanted = all(any(self._matches(toks, a) for a in c) for c in clauses)
+            if wanted and not any(self._matches(toks, a) for a in excludes):
+                found.append((self._score(toks, clauses), path))
+        found.sort(key=lambda h: (-h[0], h[1]))
+        return len(found), found
+
+
+def assert_answers_like(index: notesvc.SearchIndex, ref: ReferenceBM25, q: str, folder=""):
+    total, results = index.search(notesvc.Query(q), folder, 10, 0)
+    want_total, want = ref.search(q, folder)
+    assert total == want_total, q
+    assert len(results) == min(10, want_total), q
+    for i, (path, _, score, _) in enumerate(results):
+        best = want[i][0]
+        assert abs(score - best) <= max(1e-4 * best, 6e-5), (q, i, path, score, want[i])
+        if path != want[i][1]:  # only equal scores may come in another order
+            tied = {p for s, p in want if abs(s - best) <= 1e-9 * max(best, 1.0)}
+            assert path in tied, (q, i, path, want[:10])
+
+
+def ref_queries(rnd: random.Random, notes: dict) -> list:
+    """Single words (common, rare, folded forms), AND, OR, exclusions, prefixes, phrases."""
+    qs = ["apple", "keys", "key", "garden", "the", "zebra", "café", "CREME", "runs", "walking"]
+    qs += ["ap*", "gard*", "ke*", "wa*", "run*", "me*", "cr*", "zz*"]
+    for _ in range(12):
+        qs.append(" ".join(rnd.sample(REF_WORDS[:30], rnd.choice((2, 3)))))
+        qs.append(f"{rnd.choice(REF_WORDS)} OR {rnd.choice(REF_WORDS)}")
+        qs.append(f"{rnd.choice(REF_WORDS[:20])} -{rnd.choice(REF_WORDS[:20])}")
+        prefix = rnd.choice([w for w in REF_WORDS[10:40] if len(w) > 3])[:3]
+        qs.append(f"{rnd.choice(REF_WORDS[:10])} {prefix}*")
+    bodies = sorted(notes.values())
+    for _ in range(12):
+        words = re.findall(r"\w+", rnd.choice(bodies))
+        if len(words) > 3:
+            j = rnd.randrange(len(words) - 2)
+            qs.append(f'"{words[j]} {words[j + 1]}"')
+            qs.append(f'{words[j]} -"{words[j + 1]} {words[j + 2]}"')
+    return qs
+
+
+@pytest.fixture
+def disk_index(tmp_path):
+    """A SearchIndex kept under tmp_path/.notesvc, reading notes from tmp_path/notes."""
+    state = tmp_path / ".notesvc"
+    state.mkdir()
+    (tmp_path / "notes").mkdir()
+    index = notesvc.SearchIndex.open(state, notesvc.NoteStore(tmp_path / "notes", state / "trash"))
+    yield index
+    index.close()
+
+
+def change_notes(rnd: random.Random, index, notes: dict, root: Path, count: int) -> None:
+    """Rewrite count notes on disk and in the index, the way the API's listener does."""
+    for path in rnd.sample(sorted(notes), count):
+        text = " ".join(rnd.choice(REF_WORDS) for _ in range(rnd.randint(1, 60)))
+        if rnd.random() < 0.5:
+            text = f"# {rnd.choice(REF_WORDS)} title\n{text}"
+        notes[path] = text
+        (root / path).write_text(text, encoding="utf-8")
+        st = (root / path).stat()
+        index.add(path, text, st.st_size, st.st_mtime_ns)
+
+
+def remove_notes(rnd: random.Random, index, notes: dict, root: Path, count: int) -> None:
+    for path in rnd.sample(sorted(notes), count):
+        del notes[path]
+        (root / path).unlink()
+        index.remove(path)
+
+
 class TestSearchReference:
     """The index's top-10 (paths, order, scores) equals a brute-force BM25's, whatever its
     segments look like: one bulk segment, changes in memory, flushed files with deletions,
     a merge, a reopened index."""
 
+    @pytest.mark.slow
     @pytest.mark.parametrize("seed", [1, 2])
     def test_every_stage_answers_like_brute_force_bm25(self, disk_index, tmp_path, seed):
         rnd = random.Random(seed)
@@ -5630,6 +3761,7 @@ class TestSearchReference:
         assert (synced["read"], synced["removed"]) == (0, 0)
         reopened.close()
 
+    @pytest.mark.slow
     def test_scores_stay_exact_when_the_average_length_drifts(self, disk_index, tmp_path):
         rnd = random.Random(5)
         notes = make_ref_notes(rnd, 200)
@@ -5645,9 +3777,48 @@ class TestSearchReference:
             assert_answers_like(disk_index, ref, q)
 
 
+def index_files(root: Path) -> list:
+    return sorted(p.name for p in (root / ".notesvc" / "index").iterdir())
+
+
+def damage_index(root: Path, damage: str) -> None:
+    state = root / ".notesvc"
+    segment = next(p for p in sorted((state / "index").iterdir()) if p.suffix == ".seg")
+    raw = segment.read_bytes()
+    commit = state / "index.cache"
+    if damage == "commit truncated":
+        commit.write_bytes(commit.read_bytes()[:-7])
+    elif damage == "commit random bytes":
+        commit.write_bytes(os.urandom(commit.stat().st_size))
+    elif damage == "commit flipped byte":
+        data = bytearray(commit.read_bytes())
+        data[len(data) // 3] ^= 0x55
+        commit.write_bytes(bytes(data))
+    elif damage == "segment truncated":
+        segment.write_bytes(raw[: len(raw) // 2])
+    elif damage == "segment random bytes":
+        segment.write_bytes(os.urandom(len(raw)))
+    elif damage == "segment flipped bytes":  # the frame is intact: only the checksum tells
+        data = bytearray(raw)
+        for at in range(64, len(data) // 2, 97):
+            data[at] ^= 0xFF
+        segment.write_bytes(bytes(data))
+    elif damage == "segment empty":
+        segment.write_bytes(b"")
+    elif damage == "segment missing":
+        segment.unlink()
+    elif damage == "segment of another index":
+        vocab = notesvc._Vocab()
+        seg = notesvc.MemorySegment(vocab)
+        seg.add(vocab.analyse("notes/zz.md", "unrelated words only", 20, 1), (3.0, 1.0))
+        with open(segment, "wb") as f:
+            notesvc.write_segment(f, [seg], [set()], [({}, {})])
+
+
 class TestSearchSegments:
     """Segment files, the commit file, merges, damage and a full disk (in process)."""
 
+    @pytest.mark.slow
     def test_changes_while_merging_are_kept(self, make_app, root):
         rnd = random.Random(9)
         notes = make_ref_notes(rnd, 1200)
@@ -5722,6 +3893,7 @@ class TestSearchSegments:
             "segment of another index",
         ],
     )
+    @pytest.mark.slow
     def test_damaged_index_is_discarded_and_rebuilt(self, make_app, root, damage, caplog):
         rnd = random.Random(4)
         notes = make_ref_notes(rnd, 200)
@@ -5789,6 +3961,7 @@ class TestSearchSegments:
         for path in [*index_dir.iterdir(), root / ".notesvc" / "index.cache"]:
             assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
 
+    @pytest.mark.slow
     def test_cold_start_bulk_path_indexes_thousands_of_notes(self, make_app, root, caplog):
         rnd = random.Random(8)
         notes = make_ref_notes(rnd, 4500)
@@ -5859,6 +4032,8 @@ class TestSearchSegments:
 
 
 class TestServerSearch:
+    pytestmark = [pytest.mark.real_server, pytest.mark.slow]
+
     def test_concurrent_searches_during_writes_never_error(self, tmp_path):
         with running(tmp_path, "--auth-mode", "none") as server:
             for i in range(20):
@@ -5914,9 +4089,36 @@ class TestServerSearch:
             assert [r["path"] for r in found] == ["notes/dropped.md"]
 
 
+def temp_files(index_dir: Path) -> list:
+    with contextlib.suppress(FileNotFoundError):
+        return [p for p in index_dir.iterdir() if p.name.startswith(".tmp-")]
+    return []
+
+
+def unique_notes(n: int, start: int = 0) -> dict:
+    """Notes that each hold the word "common" and a word of their own (u<number>x)."""
+    return {
+        f"notes/d{i % 7}/n{i:05d}.md": f"# Note {i}\n\ncommon words u{i}x and then some more "
+        f"filler text {i % 13} to make it a note"
+        for i in range(start, start + n)
+    }
+
+
+def assert_server_answers(server, notes: dict) -> None:
+    status, _, body = server.request("GET", f"{API}/search?q=common&limit=1")
+    assert status == 200
+    assert body["data"]["total"] == len(notes)
+    for path in sorted(notes)[:: max(1, len(notes) // 25)]:
+        word = re.search(r"u\d+x", notes[path]).group(0)
+        _, _, body = server.request("GET", f"{API}/search?q={word}")
+        assert [r["path"] for r in body["data"]["results"]] == [path], word
+
+
 class TestServerSearchSegments:
     """Real servers: SIGKILL during a segment write and during a merge, then a restart that
     answers exactly what the files say; a restart that answers before its check."""
+
+    pytestmark = [pytest.mark.real_server, pytest.mark.slow]
 
     def test_sigkill_during_a_segment_write_then_restart(self, tmp_path):
         notes = unique_notes(3000)
@@ -5924,7 +4126,7 @@ class TestServerSearchSegments:
         index_dir = tmp_path / ".notesvc" / "index"
         server = Server(tmp_path, "--auth-mode", "none", env={"SERVICE_RESCAN_SECONDS": "1"})
         try:  # the first check reads every note and writes a segment file in the background
-            wait_until(lambda: temp_files(index_dir))
+            wait_for(lambda: temp_files(index_dir), timeout=30, step=0.002)
             server.proc.kill()
             server.proc.wait(10)
         finally:
@@ -5945,11 +4147,13 @@ class TestServerSearchSegments:
                 _, _, body = server.request("GET", f"{API}/system/info")
                 return body["data"]["index"]["lastSync"]
 
-            wait_until(lambda: len([p for p in index_dir.iterdir() if p.suffix == ".seg"]) >= 3)
+            wait_for(
+                lambda: len([p for p in index_dir.iterdir() if p.suffix == ".seg"]) >= 3, timeout=30
+            )
             # Killed while the index writes a file: the merge's, or on a busy machine the last
             # bulk segment's (the merge can finish before a poll sees it): either way the
             # restart must answer exactly what the files say.
-            wait_until(lambda: temp_files(index_dir) or synced(), step=0.002)
+            wait_for(lambda: temp_files(index_dir) or synced(), timeout=30, step=0.002)
             server.proc.kill()
             server.proc.wait(10)
         finally:
@@ -5997,11 +4201,44 @@ class TestServerSearchSegments:
                 _, _, body = again.request("GET", f"{API}/search?q=edited0")
                 return body["data"]["total"] == 500
 
-            wait_until(edited, timeout=60, step=0.05)
+            wait_for(edited, timeout=60, step=0.05)
             assert_server_answers(again, notes)
             _, _, info = again.request("GET", f"{API}/system/info")
             assert info["data"]["index"]["lastSync"]["read"] == 4999
             assert info["data"]["index"]["lastSync"]["removed"] == 1
+
+
+SETUP_FIELDS = [
+    "serverId",
+    "apiKey",
+    "setupComplete",
+    "version",
+    "auth.method",
+    "auth.header",
+    "auth.note",
+    "pairing.mode",
+    "pairing.relayCode",
+    "pairing.relayUrl",
+    "server.url",
+    "server.port",
+    "server.host",
+    "server.cors",
+    "links.setupApi",
+    "links.health",
+    "links.apiBase",
+    "links.directApiBase",
+    "links.relayApiBase",
+    "links.connect.testHosted",
+    "links.connect.hosted",
+    "links.connect.localDevUi",
+    "instructions",
+]
+
+
+def dig(obj: dict, dotted: str):
+    for part in dotted.split("."):
+        obj = obj[part]
+    return obj
 
 
 class TestSetup:
@@ -6147,6 +4384,47 @@ class TestSetup:
         assert first["pairing"]["relayCode"] == second["pairing"]["relayCode"]
 
 
+def sample_url(route: notesvc.Route | str) -> str:
+    """Return a concrete URL for a route rule (placeholders filled)."""
+    rule = route if isinstance(route, str) else route.rule
+    url = re.sub(r"<path(?::path)?>", "notes%2Fx.md", rule)
+    return re.sub(r"<(\w+)(?::[^>]*)?>", "x", url)
+
+
+def run_cli(*args: str, env: dict | None = None, timeout: float = 30):
+    must_be_marked("real_server")
+    full_env = {k: v for k, v in os.environ.items() if not k.startswith("SERVICE_")}
+    full_env.update(env or {})
+    return subprocess.run(
+        [sys.executable, NOTESVC, *args],
+        capture_output=True,
+        text=True,
+        env=full_env,
+        timeout=timeout,
+    )
+
+
+def route_id(route: notesvc.Route) -> str:
+    return f"{route.method} {route.rule}"
+
+
+PROTECTED_ROUTES = [r for r in notesvc.ROUTES if not r.public]
+
+
+PUBLIC_ROUTES = [r for r in notesvc.ROUTES if r.public]
+
+
+def refuses_missing_and_wrong_key(anon, method: str, rule: str) -> None:
+    wrong = with_key(anon, "nsk_" + "A" * 43)
+    for app, who in ((anon, "no key"), (wrong, "a wrong key")):
+        resp = app.request(sample_url(rule), method=method, status="*", expect_errors=True)
+        assert resp.status_int == 401, f"{method} {rule} with {who}: {resp.status}"
+        if anon.app.answers_jsonrpc(rule):  # /mcp answers JSON-RPC: the same refusal, its shape
+            assert resp.json["error"]["data"] == {"status": 401, "code": "UNAUTHORIZED"}
+        else:
+            assert_error(resp, 401, "UNAUTHORIZED")
+
+
 class TestAuth:
     def test_the_route_table_has_protected_and_public_routes(self):
         assert len(PROTECTED_ROUTES) >= 5
@@ -6156,6 +4434,7 @@ class TestAuth:
     def test_every_protected_route_refuses_missing_and_wrong_key(self, anon, route):
         refuses_missing_and_wrong_key(anon, route.method, route.rule)
 
+    @pytest.mark.slow
     def test_every_documented_secured_operation_refuses_missing_and_wrong_key(self, make_app):
         """Routes from outside the table too (plugins, providers): as the OpenAPI says."""
         doc = make_app().get(f"{API}/openapi.json").json
@@ -6341,6 +4620,7 @@ class TestAuth:
             anon.post(f"{API}/auth/verify", status=401)  # and without a key: nothing leaks
         assert data(with_key(anon).post(f"{API}/auth/verify"))["valid"] is True
 
+    @pytest.mark.slow
     def test_key_check_takes_as_long_however_much_of_the_key_is_right(self, anon):
         """Wrong keys sharing all but the last character with the real key are refused as
         fast as keys wrong from the first character: nothing to learn from the timing.
@@ -6389,6 +4669,8 @@ class TestAuth:
         assert abs(shift) < 0.25 * median, (shift, median)
         assert 0.8 < ratio < 1.25, ratio
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_rotate_key_cli_while_serving(self, anon, root):
         old = key_of(anon)
         client = with_key(anon, old)
@@ -6408,6 +4690,28 @@ class TestAuth:
         assert [c["name"] for c in state["linkedClients"]] == ["laptop", "tablet"]
         # The setup payload never shows the rotated key once setup is complete.
         assert new not in anon.get(f"{API}/system/setup").text
+
+
+JWT_SECRET = "k3y-" + "Zq8vN2xR7mL4pT9wB5cJ1hF6dG0sY3aE"
+
+
+def forge(claims: dict, header: dict | None = None, secret: str = JWT_SECRET, digest=None) -> str:
+    import base64
+    import hashlib
+    import hmac
+
+    def b64(obj) -> str:
+        raw = obj if isinstance(obj, bytes) else json.dumps(obj).encode()
+        return base64.urlsafe_b64encode(raw).rstrip(b"=").decode()
+
+    head = b64(header or {"alg": "HS256", "typ": "JWT"})
+    body = b64(claims)
+    sig = hmac.new(secret.encode(), f"{head}.{body}".encode(), digest or hashlib.sha256)
+    return f"{head}.{body}.{b64(sig.digest())}"
+
+
+def bearer(app: webtest.TestApp, token: str) -> webtest.TestApp:
+    return webtest.TestApp(app.app, extra_environ={"HTTP_AUTHORIZATION": f"Bearer {token}"})
 
 
 class TestJwt:
@@ -6502,6 +4806,41 @@ class TestJwt:
             f"{API}/auth/verify", headers={"Authorization": f"Bearer {token}"}, status=401
         )
         assert_error(resp, 401, "UNAUTHORIZED")
+
+
+def new_grant(client, scope: str = "read", folder: str | None = None, **extra) -> dict:
+    """Create a scoped key with the API key; return its record (with the key)."""
+    body = {"name": f"{scope} key", "scope": scope, **extra}  # extra may name it
+    if folder is not None:
+        body["folder"] = folder
+    return data(client.post_json(f"{API}/auth/keys", body, status=201))
+
+
+def as_key(app: webtest.TestApp, key: str, **environ: str) -> webtest.TestApp:
+    return webtest.TestApp(app.app, extra_environ={"HTTP_X_SERVICE_KEY": key, **environ})
+
+
+def all_routes(app: webtest.TestApp) -> list:
+    return list(app.app.service.routes)
+
+
+SCOPED_ROUTES = [r for r in notesvc.ROUTES if not r.public]
+
+
+@pytest.fixture(scope="module")
+def scope_keys(tmp_path_factory):
+    """One app for the scope tests, with a read and a write key (no lockout)."""
+    cfg = notesvc.load_config(
+        env=make_env(tmp_path_factory.mktemp("scopes") / "root", SERVICE_HOST="127.0.0.1")
+    )
+    wsgi = notesvc.create_app(cfg)
+    wsgi.service.lockout = notesvc.Lockout(limit=10**9)
+    owner = webtest.TestApp(
+        wsgi, extra_environ={"HTTP_X_SERVICE_KEY": wsgi.service.state.read()["apiKey"]}
+    )
+    made = {s: new_grant(owner, s)["key"] for s in ("read", "write")}
+    yield wsgi, made
+    wsgi.service.close()
 
 
 class TestGrantScopes:
@@ -6730,6 +5069,85 @@ class TestScopedKeys:
             "share": 0,
             "oauthClients": 0,
         }
+
+
+def call(base: str, method: str, path: str, headers: dict | None = None, source="127.0.0.1"):
+    """Return (status, parsed JSON body) for one request from a chosen loopback address."""
+    url = urllib.parse.urlsplit(base)
+    conn = http.client.HTTPConnection(
+        url.hostname, url.port, timeout=10, source_address=(source, 0)
+    )
+    try:
+        conn.request(method, path, headers=headers or {})
+        resp = conn.getresponse()
+        return resp.status, json.loads(resp.read() or b"null")
+    finally:
+        conn.close()
+
+
+def rpc(client, method: str, params: dict | None = None, status: int | str = 200, **headers):
+    """POST one JSON-RPC request (handshake era) to /mcp; return the parsed answer."""
+    body: dict = {"jsonrpc": "2.0", "id": 1, "method": method}
+    if params is not None:
+        body["params"] = params
+    resp = client.post(
+        f"{API}/mcp",
+        json.dumps(body),
+        headers={"Content-Type": "application/json", **headers},
+        status=status,
+        expect_errors=True,
+    )
+    return resp.json if resp.body else None
+
+
+def listed_tools(client) -> set:
+    return {t["name"] for t in rpc(client, "tools/list")["result"]["tools"]}
+
+
+FOLDER_NOTES = {
+    "notes/family/a.md": "# Apple pie\n\nGrandma's apple pie #common, see [[c]].\n"
+    "⏰ 2099-01-01 09:00 bake\n",
+    "notes/family/sub/b.md": "# Birthdays\n\napple birthday list #common\n",
+    "notes/work/c.md": "# Contract\n\nsecret apple contract #common #work, see [[a]].\n"
+    "⏰ 2099-01-01 10:00 sign\n",
+    "notes/familyx/d.md": "# Neighbour\n\napple neighbour folder, not the family #common\n",
+    "notes/top.md": "# Top\n\napple at the top #common\n",
+}
+
+
+LISTING_CALLS = [
+    ("GET", "/notes", None),
+    ("GET", "/notes?folder=notes", None),
+    ("GET", "/notes?folder=notes/family/sub", None),
+    ("GET", "/folders/tree", None),
+    ("GET", "/folders/tree/notes", None),
+    ("GET", "/search?q=apple", None),
+    ("GET", "/search?q=apple&folder=notes", None),
+    ("GET", "/search?q=apple%20OR%20contract%20OR%20neighbour", None),
+    ("GET", "/plugins/tags", None),
+    ("GET", "/plugins/tags/common", None),
+    ("GET", "/plugins/backlinks/notes%2Ffamily%2Fa.md", None),
+    ("POST", "/agent/chat", {"message": "apple contract neighbour top"}),
+    ("POST", "/agent/chat", {"message": "apple", "notePath": "notes/family/a.md"}),
+    ("GET", "/shares", None),
+    ("GET", "/attachments", None),
+    ("GET", "/attachments?folder=attachments", None),
+    ("GET", "/reminders", None),
+    ("GET", "/trash", None),
+    ("GET", "/changes?since=0", None),
+    ("GET", "/folders/tree?depth=1", None),
+    ("GET", "/folders/tree?depth=2", None),
+]
+
+
+def paths_in(answer) -> set:
+    """Every note or attachment path mentioned anywhere in an answer (keys, values, text)."""
+    text = json.dumps(answer, ensure_ascii=False)
+    return set(re.findall(r"(?:notes/[\w./-]+?\.md|attachments/[\w./-]+?\.png)", text))
+
+
+def inside_family(path: str) -> bool:
+    return path.startswith(("notes/family/", "attachments/family/"))
 
 
 class TestFolderGrants:
@@ -6994,20 +5412,21 @@ class TestFolderGrants:
     def test_a_waiting_feed_waits_past_changes_it_may_not_see(self, family):
         owner, member = family
         last = data(member.get(f"{API}/changes?since=0"))["last"]
+        journal = owner.app.service.journal
+        answer: dict = {}
 
-        def later():
-            time.sleep(0.3)
-            put_note(owner, "notes/work/x.md", "not theirs")
-            time.sleep(0.3)
-            put_note(owner, "notes/family/x.md", "theirs")
+        def feed():
+            answer["seen"] = data(member.get(f"{API}/changes?since={last}&wait=10"))
 
-        writer = threading.Thread(target=later)
-        writer.start()
-        started = time.monotonic()
-        seen = data(member.get(f"{API}/changes?since={last}&wait=5"))
-        writer.join()
-        assert [c["path"] for c in seen["changes"]] == ["notes/family/x.md"]
-        assert 0.5 < time.monotonic() - started < 5
+        reader = threading.Thread(target=feed)
+        reader.start()
+        wait_for(lambda: journal.waiting() == 1)  # the member's feed is waiting
+        put_note(owner, "notes/work/x.md", "not theirs")
+        reader.join(0.5)  # woken by a change it may not see, it waits on: no answer
+        assert reader.is_alive()
+        put_note(owner, "notes/family/x.md", "theirs")
+        reader.join(10)
+        assert [c["path"] for c in answer["seen"]["changes"]] == ["notes/family/x.md"]
 
     def test_a_symbolic_link_out_of_the_folder_leads_nowhere(self, family, root):
         _, member = family
@@ -7256,6 +5675,72 @@ class TestShareLinks:
         assert self.token(d) not in text
 
 
+def pkce_pair() -> tuple:
+    verifier = secrets.token_urlsafe(48)
+    digest = hashlib.sha256(verifier.encode()).digest()
+    return verifier, base64.urlsafe_b64encode(digest).rstrip(b"=").decode()
+
+
+CALLBACK = "http://127.0.0.1:9/callback"
+
+
+def register_client(anon, uris=(CALLBACK,), addr: str = "198.51.100.1", **extra) -> dict:
+    app = webtest.TestApp(anon.app, extra_environ={"REMOTE_ADDR": addr})
+    body = {"redirect_uris": list(uris), "client_name": "Pocket assistant", **extra}
+    return app.post_json("/oauth/register", body, status=201).json
+
+
+def mcp_url(anon) -> str:
+    return anon.get("/.well-known/oauth-protected-resource").json["resource"]
+
+
+def approve(client, cid: str, scope="notes:read", folder=None, redirect=CALLBACK, state="st8"):
+    """Approve as the owner; return (code, verifier, redirect query)."""
+    verifier, challenge = pkce_pair()
+    body = {
+        "clientId": cid,
+        "redirectUri": redirect,
+        "state": state,
+        "codeChallenge": challenge,
+        "scope": scope,
+        "resource": mcp_url(client),
+    }
+    if folder:
+        body["folder"] = folder
+    target = data(client.post_json(f"{API}/oauth/approve", body))["redirect"]
+    query = urllib.parse.parse_qs(urllib.parse.urlsplit(target).query)
+    return query["code"][0], verifier, query
+
+
+def token_call(anon, status="*", **form):
+    return anon.post("/oauth/token", form, status=status)
+
+
+def tokens_for(client, anon, scope="notes:read", folder=None) -> tuple:
+    """Register, approve and redeem; return (client id, token answer)."""
+    cid = register_client(anon)["client_id"]
+    code, verifier, _ = approve(client, cid, scope, folder)
+    answer = token_call(
+        anon,
+        200,
+        grant_type="authorization_code",
+        code=code,
+        client_id=cid,
+        redirect_uri=CALLBACK,
+        code_verifier=verifier,
+        resource=mcp_url(anon),
+    ).json
+    return cid, answer
+
+
+def oauth_error(resp, status: int, error: str) -> str:
+    assert resp.status_int == status, resp.text
+    assert resp.content_type == "application/json"
+    assert resp.headers["Cache-Control"] == "no-store"
+    assert resp.json["error"] == error, resp.json
+    return resp.json["error_description"]
+
+
 class TestOAuth:
     def test_metadata_documents(self, anon):
         prm = anon.get("/.well-known/oauth-protected-resource").json
@@ -7354,6 +5839,7 @@ class TestOAuth:
         resp = anon.post("/oauth/register", huge, {"Content-Type": "application/json"}, status=413)
         oauth_error(resp, 413, "invalid_client_metadata")
 
+    @pytest.mark.slow
     def test_a_registration_flood_stops_at_the_cap(self, anon):
         one = webtest.TestApp(anon.app, extra_environ={"REMOTE_ADDR": "198.51.100.200"})
         body = {"redirect_uris": [CALLBACK]}
@@ -7372,6 +5858,7 @@ class TestOAuth:
         oauth_error(resp, 503, "temporarily_unavailable")
         assert len(anon.app.service.state.read()["oauthClients"]) == notesvc.MAX_OAUTH_CLIENTS
 
+    @pytest.mark.slow
     def test_at_the_cap_old_never_used_clients_give_way(self, anon, root):
         for i in range(notesvc.MAX_OAUTH_CLIENTS):
             register_client(anon, addr=f"10.7.{i // 200}.{i % 200}")
@@ -7742,6 +6229,92 @@ class TestOAuth:
             assert resp.body == notesvc.consent_page().encode()
 
 
+class LocalTls:
+    """A loopback HTTPS stand-in for a client's metadata host (a self-signed certificate).
+
+    `routes`: path -> (status, headers, body, seconds to stall before the body[, seconds
+    between the body's bytes]).
+    """
+
+    def __init__(self, tmp: Path):
+        if not shutil.which("openssl"):
+            pytest.skip("openssl is needed to make a test certificate")
+        cert, key = tmp / "cert.pem", tmp / "key.pem"
+        subprocess.run(
+            [
+                "openssl",
+                "req",
+                "-x509",
+                "-newkey",
+                "rsa:2048",
+                "-nodes",
+                "-days",
+                "1",
+                "-subj",
+                "/CN=localhost",
+                "-addext",
+                "subjectAltName=DNS:localhost",
+                "-keyout",
+                str(key),
+                "-out",
+                str(cert),
+            ],
+            check=True,
+            capture_output=True,
+            timeout=60,
+        )
+        self.context = ssl.create_default_context(cafile=str(cert))
+        self.routes: dict = {}
+        tls = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                status, headers, body, pause, *drip = tls.routes.get(self.path, (404, {}, b"", 0))
+                self.send_response(status)
+                for name, value in headers.items():
+                    self.send_header(name, value)
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                if pause:
+                    time.sleep(pause)
+                with contextlib.suppress(OSError):
+                    for part in [body[i : i + 1] for i in range(len(body))] if drip else [body]:
+                        self.wfile.write(part)
+                        self.wfile.flush()
+                        time.sleep(drip[0] if drip else 0)
+
+            def log_message(self, *args):
+                pass
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        server_ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        server_ctx.load_cert_chain(str(cert), str(key))
+        self.httpd.socket = server_ctx.wrap_socket(self.httpd.socket, server_side=True)
+        self.port = self.httpd.server_address[1]
+        threading.Thread(target=self.httpd.serve_forever, daemon=True).start()
+
+    def url(self, path: str) -> str:
+        return f"https://localhost:{self.port}{path}"
+
+    @staticmethod
+    def loopback(host, port, **kwargs) -> list:
+        return [(socket.AF_INET, socket.SOCK_STREAM, 6, "", ("127.0.0.1", port))]
+
+    def fetch(self, path: str, **kwargs) -> dict:
+        """fetch_client_metadata with this loopback host counted as public."""
+        return notesvc.fetch_client_metadata(
+            self.url(path),
+            resolve=self.loopback,
+            allow=lambda ip: True,
+            context=self.context,
+            **kwargs,
+        )
+
+    def close(self):
+        self.httpd.shutdown()
+        self.httpd.server_close()
+
+
 class TestClientMetadataDocuments:
     @pytest.mark.parametrize(
         "url",
@@ -7801,6 +6374,7 @@ class TestClientMetadataDocuments:
         for ip in ("100.64.0.1", "198.18.0.1", "fc00::1", "::ffff:10.0.0.1", "255.255.255.255"):
             assert not notesvc.public_address(ipaddress.ip_address(ip)), ip
 
+    @pytest.mark.slow
     def test_fetching_safely(self, tmp_path):
         tls = LocalTls(tmp_path)
         doc = {
@@ -7882,7 +6456,13 @@ class TestClientMetadataDocuments:
             svc.close()
 
 
+def owner_headers(setup: dict) -> dict:
+    return {"X-Service-Key": setup["apiKey"]}
+
+
 class TestGrantsLive:
+    pytestmark = [pytest.mark.real_server, pytest.mark.slow]
+
     def test_a_key_revoked_while_in_use_is_refused_on_its_next_request(self, tmp_path):
         with running(tmp_path, env={"SERVICE_THREADS": "4"}) as server:
             setup = server.request("GET", f"{API}/system/setup")[2]["data"]
@@ -7932,6 +6512,7 @@ class TestGrantsLive:
 class TestStructure:
     """The module's shape: sections in data-flow order, and what the Service owns."""
 
+    @pytest.mark.slow
     def test_no_section_uses_a_name_defined_in_a_later_one(self):
         import ast
         import bisect
@@ -8027,6 +6608,284 @@ class TestStructure:
         assert search(client, "kumquat")["total"] == 0  # not indexed yet
         svc.sync_index()  # what the rescan runs
         assert search(client, "kumquat")["total"] == 1
+
+
+class FakeUpstream:
+    """A loopback HTTP server speaking the OpenAI chat-completions and /audio/transcriptions,
+    Telegram Bot API and WhatsApp Cloud API formats.
+
+    `requests` records what it is sent (chat completions, sendMessage, WhatsApp messages,
+    transcriptions); the Bot API's own bookkeeping, which pollers call in the background
+    (getUpdates, setWebhook, deleteWebhook, getFile), goes to `bot_calls`, and GETs
+    (file and media downloads) to `downloads`. Telegram updates queued with push() are
+    handed out by getUpdates with Telegram's offset rules and long-poll time-out (held at
+    most `max_hold` seconds); setWebhook makes getUpdates answer 409 until deleteWebhook.
+    """
+
+    BOT_METHODS = ("getUpdates", "setWebhook", "deleteWebhook", "getFile", "getMe")
+    WHATSAPP_TOKEN = "EAAG-whatsapp-token"
+
+    def __init__(self):
+        self.requests: list = []
+        self.bot_calls: list = []
+        self.downloads: list = []
+        self.status = 200
+        self.delay = 0.0
+        self.reply = "The spare keys are under the blue flowerpot (notes/home/keys.md)."
+        self.raw = None  # bytes to answer instead of the usual JSON
+        self.updates: list = []  # queued Telegram updates (push)
+        self.next_update_id = 500000
+        self.max_hold = 1.0
+        self.polls = 0
+        self.poll_status = 200  # getUpdates answers this (e.g. 401: a revoked token)
+        self.poll_error = "Unauthorized"  # ... with this description
+        self.webhook: dict | None = None
+        self.webhook_error = ""  # setWebhook refuses with this description
+        self.files: dict = {}  # Telegram file_id -> (file_path, bytes)
+        self.media: dict = {}  # WhatsApp media id -> (mime type, bytes)
+        self.transcript = "Remember to buy oat milk and call the plumber."
+        self.closed = False
+        self.cond = threading.Condition()
+        fake = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def _send(self, status: int, payload: bytes, ctype: str = "application/json"):
+                self.send_response(status)
+                self.send_header("Content-Type", ctype)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                with contextlib.suppress(OSError):
+                    self.wfile.write(payload)
+
+            def do_POST(self):
+                length = int(self.headers.get("Content-Length", 0))
+                raw = self.rfile.read(length)
+                path = self.path.split("?")[0]
+                method = path.rsplit("/", 1)[-1]
+                if path.endswith("/audio/transcriptions"):
+                    form = fake.parse_form(raw, self.headers.get("Content-Type", ""))
+                    fake.requests.append(
+                        {"path": self.path, "headers": dict(self.headers), "form": form}
+                    )
+                    if "file" not in form:
+                        return self._send(400, b'{"error": {"message": "no file"}}')
+                    return self._send(200, json.dumps({"text": fake.transcript}).encode())
+                body = json.loads(raw or b"null")
+                if path.startswith("/bot") and method in fake.BOT_METHODS:
+                    fake.bot_calls.append({"path": self.path, "json": body})
+                    status, answer = fake.bot_api(method, body)
+                    return self._send(status, json.dumps(answer).encode())
+                fake.requests.append(
+                    {"path": self.path, "headers": dict(self.headers), "json": body}
+                )
+                time.sleep(fake.delay)
+                payload = (
+                    fake.raw
+                    if fake.raw is not None
+                    else json.dumps(fake.answer(self.path, body)).encode()
+                )
+                self._send(fake.status, payload)
+
+            def do_GET(self):
+                path = urllib.parse.unquote(self.path.split("?")[0])
+                fake.downloads.append({"path": path, "headers": dict(self.headers)})
+                m = re.match(r"^/file/bot[^/]+/(.+)$", path)
+                if m:
+                    found = [data for p, data in fake.files.values() if p == m.group(1)]
+                    if not found:
+                        return self._send(404, b'{"ok": false, "description": "Not Found"}')
+                    return self._send(200, found[0], "application/octet-stream")
+                bearer = self.headers.get("Authorization") == f"Bearer {fake.WHATSAPP_TOKEN}"
+                m = re.match(r"^/v21\.0/([^/]+)$", path)
+                if m and m.group(1) in fake.media:
+                    if not bearer:
+                        return self._send(401, b'{"error": {"code": 190}}')
+                    mime, data = fake.media[m.group(1)]
+                    info = {
+                        "messaging_product": "whatsapp",
+                        "url": f"{fake.url}/whatsapp-media/{m.group(1)}?ext=1",
+                        "mime_type": mime,
+                        "file_size": len(data),
+                        "id": m.group(1),
+                    }
+                    return self._send(200, json.dumps(info).encode())
+                m = re.match(r"^/whatsapp-media/([^/]+)$", path)
+                if m and m.group(1) in fake.media:
+                    if not bearer:
+                        return self._send(401, b"")
+                    mime, data = fake.media[m.group(1)]
+                    return self._send(200, data, mime)
+                self._send(404, b'{"error": "unknown path"}')
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+        ).start()
+
+    @staticmethod
+    def parse_form(raw: bytes, ctype: str) -> dict:
+        """Return {name: (filename, bytes)} of a multipart/form-data body."""
+        import email.parser
+        import email.policy
+
+        msg = email.parser.BytesParser(policy=email.policy.HTTP).parsebytes(
+            f"Content-Type: {ctype}\r\n\r\n".encode() + raw
+        )
+        if not msg.is_multipart():
+            return {}
+        return {
+            part.get_param("name", header="content-disposition"): (
+                part.get_filename(),
+                part.get_payload(decode=True),
+            )
+            for part in msg.iter_parts()
+        }
+
+    def push(self, update: dict) -> int:
+        """Queue a Telegram update for getUpdates; return its update_id."""
+        with self.cond:
+            self.next_update_id += 1
+            self.updates.append({**update, "update_id": self.next_update_id})
+            self.cond.notify_all()
+            return self.next_update_id
+
+    def add_file(self, file_id: str, file_path: str, data: bytes) -> None:
+        self.files[file_id] = (file_path, data)
+
+    def bot_api(self, method: str, body: dict) -> tuple:
+        if method == "getUpdates":
+            if self.poll_status != 200:
+                answer = {
+                    "ok": False,
+                    "error_code": self.poll_status,
+                    "description": self.poll_error,
+                }
+                return self.poll_status, answer
+            if self.webhook is not None:
+                return 409, {
+                    "ok": False,
+                    "error_code": 409,
+                    "description": "Conflict: can't use getUpdates method while webhook is "
+                    "active; use deleteWebhook to delete the webhook first",
+                }
+            offset = body.get("offset", 0)
+            deadline = time.monotonic() + min(body.get("timeout", 0), self.max_hold)
+            with self.cond:
+                self.polls += 1
+                self.updates = [u for u in self.updates if u["update_id"] >= offset]
+                while not self.updates and not self.closed:
+                    left = deadline - time.monotonic()
+                    if left <= 0:
+                        break
+                    self.cond.wait(left)
+                return 200, {"ok": True, "result": list(self.updates[:100])}
+        if method == "setWebhook":
+            if self.webhook_error:
+                return 400, {"ok": False, "error_code": 400, "description": self.webhook_error}
+            self.webhook = body
+            return 200, {"ok": True, "result": True, "description": "Webhook was set"}
+        if method == "deleteWebhook":
+            self.webhook = None
+            return 200, {"ok": True, "result": True, "description": "Webhook was deleted"}
+        if method == "getFile":
+            found = self.files.get(body.get("file_id"))
+            if found is None:
+                return 400, {
+                    "ok": False,
+                    "error_code": 400,
+                    "description": "Bad Request: invalid file_id",
+                }
+            return 200, {
+                "ok": True,
+                "result": {
+                    "file_id": body["file_id"],
+                    "file_unique_id": "u" + body["file_id"],
+                    "file_size": len(found[1]),
+                    "file_path": found[0],
+                },
+            }
+        return 200, {"ok": True, "result": {"id": 1, "is_bot": True, "username": "notes_bot"}}
+
+    def answer(self, path: str, body: dict) -> dict:
+        path = path.split("?")[0]
+        if path.endswith("/chat/completions"):
+            return {
+                "id": "chatcmpl-1",
+                "object": "chat.completion",
+                "created": 1700000000,
+                "model": body["model"] + "-served",
+                "choices": [
+                    {
+                        "index": 0,
+                        "message": {"role": "assistant", "content": self.reply},
+                        "finish_reason": "stop",
+                    }
+                ],
+                "usage": {"prompt_tokens": 10, "completion_tokens": 5, "total_tokens": 15},
+            }
+        if "/sendMessage" in path:
+            return {
+                "ok": True,
+                "result": {"message_id": 7, "chat": {"id": body["chat_id"]}, "text": body["text"]},
+            }
+        if path.endswith("/messages"):
+            return {
+                "messaging_product": "whatsapp",
+                "contacts": [{"input": body["to"], "wa_id": body["to"]}],
+                "messages": [{"id": "wamid.HBgLMTY1MDM4Nzk0MzkVAgARGBI3"}],
+            }
+        return {"error": "unknown path"}
+
+    def sent(self) -> list:
+        """Return the texts sent through sendMessage and WhatsApp /messages, in order."""
+        out = []
+        for r in self.requests:
+            body = r.get("json") or {}
+            if "/sendMessage" in r["path"]:
+                out.append(body["text"])
+            elif r["path"].endswith("/messages"):
+                out.append(body["text"]["body"])
+        return out
+
+    def close(self):
+        with self.cond:
+            self.closed = True
+            self.cond.notify_all()
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def upstream():
+    fake = FakeUpstream()
+    yield fake
+    fake.close()
+
+
+def closed_port_url() -> str:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return f"http://127.0.0.1:{port}/v1"
+
+
+KEYS_NOTE = (
+    "# Keys\n\nThe car key hangs by the door. Spare keys are under the blue flowerpot.\n"
+    "Ask Anna if they are gone."
+)
+
+
+def seed_notes(client):
+    put_note(client, "notes/home/keys.md", KEYS_NOTE)
+    put_note(client, "notes/garden.md", "# Garden\n\nPlant tomatoes in May. Water them daily.")
+    put_note(client, "notes/work.md", "# Work\n\nThe meeting is on Tuesday at ten.")
 
 
 class TestAgent:
@@ -8270,6 +7129,63 @@ class TestAgent:
         sent = upstream.requests[-1]
         assert sent["path"] == "/v1/chat/completions"
         assert sent["headers"]["Authorization"] == "Bearer sk-wins"
+
+
+def telegram_update(text, chat_id=42, **extra):
+    message = {
+        "message_id": 11,
+        "from": {"id": chat_id, "is_bot": False, "first_name": "Ada", "language_code": "en"},
+        "chat": {"id": chat_id, "first_name": "Ada", "type": "private"},
+        "date": 1763731200,
+        **extra,
+    }
+    if text is not None:
+        message["text"] = text
+    return {"update_id": 100001, "message": message}
+
+
+def whatsapp_update(text, number="15551234567"):
+    message = {"from": number, "id": "wamid.ID", "timestamp": "1763731200"}
+    if text is None:  # no text and nothing to capture: a shared location
+        message.update(type="location", location={"latitude": 52.52, "longitude": 13.40})
+    else:
+        message.update(type="text", text={"body": text})
+    return {
+        "object": "whatsapp_business_account",
+        "entry": [
+            {
+                "id": "102290129340398",
+                "changes": [
+                    {
+                        "value": {
+                            "messaging_product": "whatsapp",
+                            "metadata": {
+                                "display_phone_number": "15550783881",
+                                "phone_number_id": "106540352242922",
+                            },
+                            "contacts": [{"profile": {"name": "Ada"}, "wa_id": number}],
+                            "messages": [message],
+                        },
+                        "field": "messages",
+                    }
+                ],
+            }
+        ],
+    }
+
+
+UPDATES = {"telegram": telegram_update, "whatsapp": whatsapp_update, "web": web_update}
+
+
+MINIMAL_CONFIG = {
+    "telegram": {"botToken": "123456:ABC-telegram-token"},
+    "whatsapp": {
+        "accessToken": "EAAG-whatsapp-token",
+        "phoneNumberId": "106540352242922",
+        "verifyToken": "verify-me-please",
+    },
+    "web": {},
+}
 
 
 class TestChannels:
@@ -8549,6 +7465,8 @@ class TestChannels:
         )
         assert "Plant tomatoes in May." in data(resp)["reply"]
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_webhook_url_through_a_real_relay_carries_the_prefix(self, tmp_path):
         relay = Server(tmp_path / "relay", "relay", env={"SERVICE_RELAY_TIMEOUT": "5"})
         server = Server(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url})
@@ -8724,6 +7642,43 @@ class TestChannels:
             assert data(changed)["config"]["allowedBirds"] == ["crow"]
         finally:
             notesvc.CHANNEL_PROVIDERS.pop("pigeon", None)
+
+
+OGG = b"OggS\x00\x02" + bytes(range(200))
+
+
+def photo_update(*sizes: tuple, caption: str | None = None, chat_id: int = 42) -> dict:
+    """A Telegram photo message: sizes are (file_id, width, height, file_size)."""
+    photo = [
+        {"file_id": f, "file_unique_id": f"u{f}", "width": w, "height": h, "file_size": n}
+        for f, w, h, n in sizes
+    ]
+    extra = {"caption": caption} if caption else {}
+    return telegram_update(None, chat_id, photo=photo, **extra)
+
+
+def today_note(client, folder: str = "notes/daily") -> Path:
+    day = notesvc.local_now(client.app.service).date()
+    return client.app.service.config.root / folder / f"{day:%Y-%m-%d}.md"
+
+
+def whatsapp_media(kind: str, media_id: str, number: str = "15551234567", **fields) -> dict:
+    update = whatsapp_update("x", number)
+    message = update["entry"][0]["changes"][0]["value"]["messages"][0]
+    del message["text"]
+    message.update(type=kind, **{kind: {"id": media_id, **fields}})
+    return update
+
+
+def whatsapp_signature(body: bytes, secret: str) -> str:
+    import hashlib
+    import hmac
+
+    return "sha256=" + hmac.new(secret.encode(), body, hashlib.sha256).hexdigest()
+
+
+def audit(app) -> dict:
+    return data(with_key(app).get(f"{API}/security/audit"))
 
 
 class TestCapture:
@@ -9155,7 +8110,7 @@ class TestPolling:
         wait_for(lambda: pollers.running() == [], timeout=5)
         assert time.monotonic() - started < 2
         upstream.push(telegram_update("/save while off"))
-        time.sleep(0.3)
+        assert [u["message"]["text"] for u in upstream.updates] == ["/save while off"]  # untaken
         assert not today_note(client).exists()
         client.post(f"{API}/channels/{ch['id']}/toggle")  # on again: what waited arrives
         wait_for(lambda: today_note(client).exists())
@@ -9181,6 +8136,7 @@ class TestPolling:
         logged = "\n".join(r.getMessage() for r in caplog.records)
         assert "ABC-telegram-token" not in logged + json.dumps(status)
 
+    @pytest.mark.slow
     def test_another_poller_of_the_same_bot_is_not_fought(self, client, upstream):
         upstream.poll_status = 409
         upstream.poll_error = (
@@ -9190,12 +8146,18 @@ class TestPolling:
         ch = self.create(client)
         url = f"{API}/channels/{ch['id']}"
         wait_for(lambda: "status" in data(client.get(url)))
+        failed = time.monotonic()
         assert "only one bot instance" in data(client.get(url))["status"]["error"]
-        time.sleep(0.5)  # backing off: one or two tries, no deleteWebhook
-        polls = [c for c in upstream.bot_calls if c["path"].endswith("/getUpdates")]
-        assert len(polls) <= 2
+
+        def polls() -> int:
+            return len([c for c in upstream.bot_calls if c["path"].endswith("/getUpdates")])
+
+        wait_for(lambda: polls() >= 2, timeout=10)  # it tries again ...
+        assert time.monotonic() - failed >= 0.5  # ... after backing off, not at once
         assert not any(c["path"].endswith("/deleteWebhook") for c in upstream.bot_calls)
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_polling_delivers_each_update_once_across_a_restart(self, tmp_path, upstream):
         env = {"SERVICE_TELEGRAM_API_BASE": upstream.url}
         root = tmp_path / "root"
@@ -9213,11 +8175,22 @@ class TestPolling:
         upstream.push(telegram_update("/save gamma"))
         with running(root, "--auth-mode", "none", env=env):
             wait_for(lambda: len(upstream.sent()) == 3)
-            time.sleep(1.5)  # a poll or two more: nothing is handed over again
+            polls = upstream.polls
+            wait_for(lambda: upstream.polls >= polls + 2)  # two polls more: nothing again
         daily = next((root / "notes" / "daily").glob("*.md")).read_text()
         for word in ("alpha", "beta", "gamma"):
             assert len(re.findall(rf"^- \d\d:\d\d {word}$", daily, re.M)) == 1, daily
         assert len(upstream.sent()) == 3
+
+
+class FakeClock:
+    """An injectable clock for the reminder scheduler."""
+
+    def __init__(self, when: float):
+        self.now = when
+
+    def __call__(self) -> float:
+        return self.now
 
 
 class TestReminders:
@@ -9382,13 +8355,73 @@ class TestReminders:
             },
         }
         client.post_json(f"{API}/channels", body, status=201)
-        now = notesvc.local_now(client.app.service)
-        if now.second >= 58:  # keep inside the minute the reminder names
-            time.sleep(61 - now.second)
-            now = notesvc.local_now(client.app.service)
+        # inside the minute the reminder names: not in its last two seconds
+        now = wait_for(
+            lambda: (n := notesvc.local_now(client.app.service)).second < 58 and n, timeout=5
+        )
         put_note(client, "notes/now.md", f"# Now\n\n- stretch ⏰ {now:%Y-%m-%d %H:%M}\n")
         wait_for(lambda: self.reminders_sent(upstream), timeout=10)
         assert "stretch" in self.reminders_sent(upstream)[0]
+
+
+def call_tool(client, name: str, **arguments) -> dict:
+    """Return the result of tools/call through /mcp."""
+    answer = rpc(client, "tools/call", {"name": name, "arguments": arguments})
+    assert "error" not in answer, answer
+    result = answer["result"]
+    assert isinstance(result["structuredContent"], dict)
+    assert [c["type"] for c in result["content"]] == ["text"]
+    return result
+
+
+def ok_tool(client, name: str, **arguments) -> dict:
+    result = call_tool(client, name, **arguments)
+    assert result["isError"] is False, result
+    return result["structuredContent"]
+
+
+def tool_refused(client, name: str, code: str, **arguments) -> str:
+    """Assert a tool call ends in an isError result with this code; return its message."""
+    result = call_tool(client, name, **arguments)
+    assert result["isError"] is True, result
+    error = result["structuredContent"]["error"]
+    assert error["code"] == code, error
+    assert result["content"][0]["text"] == f"Error ({code}): {error['message']}"
+    assert "Traceback" not in json.dumps(result)
+    return error["message"]
+
+
+TOOL_PLUGIN = """
+import notesvc
+
+EVENTS = []
+
+def saved(svc, path, content):
+    EVENTS.append(["saved", path])
+
+def moved(svc, old, new):
+    EVENTS.append(["moved", old, new])
+
+def deleted(svc, path):
+    EVENTS.append(["deleted", path])
+
+def events(svc):
+    return {"events": EVENTS}
+
+@notesvc.tool("word_count", "Count the words of a note.", {"path": {"type": "string"}}, ("path",))
+def word_count(svc, path):
+    return {"path": path, "words": len(svc.notes.get(notesvc.note_path(path))["content"].split())}
+
+@notesvc.tool("explode", "Fails.")
+def explode(svc):
+    raise RuntimeError("secret internals /etc/passwd")
+
+PLUGIN = notesvc.Plugin(
+    name="toolbox",
+    hooks={"note_saved": saved, "note_moved": moved, "note_deleted": deleted},
+    routes=(notesvc.PluginRoute("GET", "/events", events),),
+)
+"""
 
 
 class TestTools:
@@ -9857,6 +8890,69 @@ class TestTools:
         tool_refused(tools, "fetch", "NOT_FOUND", id="notes/none.md")
 
 
+class ToolModel(FakeUpstream):
+    """A loopback model speaking chat-completions tool calling. Each answer follows the
+    script: a step is a function of the messages so far returning either the reply text or
+    a list of (tool name, arguments) calls; past the script it answers `reply`."""
+
+    def __init__(self, *script):
+        super().__init__()
+        self.script = list(script)
+        self.refuse_tools = False  # answer HTTP 400 to a request that offers tools
+
+    def answer(self, path: str, body: dict) -> dict:
+        if not path.endswith("/chat/completions"):
+            return super().answer(path, body)
+        self.status = 400 if self.refuse_tools and "tools" in body else 200
+        if self.status == 400:
+            return {"error": {"message": "this model does not support tools"}}
+        step = self.script.pop(0) if self.script else (lambda messages: self.reply)
+        out = step(body["messages"])
+        if isinstance(out, int):  # this answer fails with that HTTP status
+            self.status = out
+            return {"error": {"message": "the model fell over"}}
+        answer = super().answer(path, body)
+        if isinstance(out, str):
+            answer["choices"][0]["message"]["content"] = out
+            return answer
+        calls = [
+            {
+                "id": f"call_{len(self.requests)}_{i}",
+                "type": "function",
+                "function": {
+                    "name": name,
+                    "arguments": arguments if isinstance(arguments, str) else json.dumps(arguments),
+                },
+            }
+            for i, (name, arguments) in enumerate(out)
+        ]
+        answer["choices"][0] = {
+            "index": 0,
+            "message": {"role": "assistant", "content": None, "tool_calls": calls},
+            "finish_reason": "tool_calls",
+        }
+        return answer
+
+
+def last_tool_results(messages: list) -> list:
+    """Return the contents of the `role: tool` messages after the last assistant message."""
+    out = []
+    for message in reversed(messages):
+        if message["role"] != "tool":
+            break
+        out.insert(0, message["content"])
+    return out
+
+
+GARDEN_NOTES = {
+    "notes/garden/decisions.md": "# Garden decisions\n\nWe decided to grow only heirloom "
+    "tomatoes this year.\n\nThe greenhouse stays closed until April.",
+    "notes/garden/budget.md": "# Garden budget\n\nAt most 200 euros for seeds; the garden "
+    "decision about the greenhouse heater waits for the budget.",
+    "notes/shopping.md": "# Shopping list\n\n- bread\n- eggs\n",
+}
+
+
 class TestAgentTools:
     """The `openai` provider's tool loop against a stand-in model on loopback."""
 
@@ -10086,6 +9182,35 @@ class TestLocalAgent:
         assert d["reply"].splitlines()[1] == "• The spare car key is at Anna's. — notes/open.md"
 
 
+HELLO_PLUGIN = """
+import notesvc
+
+SAVED = []
+
+def remember(svc, path, content):
+    SAVED.append(path)
+
+def hello(svc):
+    return {"hello": "world", "saved": SAVED}
+
+PLUGIN = notesvc.Plugin(
+    name="hello", version="0.1.0", description="says hello",
+    hooks={"note_saved": remember},
+    routes=(notesvc.PluginRoute("GET", "/greeting", hello),),
+)
+"""
+
+
+BROKEN_HOOK_PLUGIN = """
+import notesvc
+
+def explode(svc, path, content):
+    raise RuntimeError("boom in a hook")
+
+PLUGIN = notesvc.Plugin(name="explosive", hooks={"note_saved": explode})
+"""
+
+
 class TestPlugins:
     @pytest.fixture
     def plugin_app(self, make_app, root):
@@ -10258,6 +9383,39 @@ class TestPlugins:
         assert "/api/v1/plugins/daily/today" in doc["paths"]
 
 
+RECORDER_PLUGIN = """
+import notesvc
+
+CALLS = []
+
+def saved(svc, path, content):
+    CALLS.append(["note_saved", path, content])
+
+def moved(svc, old_path, new_path):
+    CALLS.append(["note_moved", old_path, new_path])
+
+def deleted(svc, path):
+    CALLS.append(["note_deleted", path])
+
+def restored(svc, path, content):
+    CALLS.append(["note_restored", path, content])
+
+def calls(svc):
+    return {"calls": CALLS}
+
+PLUGIN = notesvc.Plugin(
+    name="recorder",
+    hooks={
+        "note_saved": saved,
+        "note_moved": moved,
+        "note_deleted": deleted,
+        "note_restored": restored,
+    },
+    routes=(notesvc.PluginRoute("GET", "/calls", calls),),
+)
+"""
+
+
 class TestPluginHooks:
     """Each hook in notesvc.HOOKS reaches a third-party plugin with its documented arguments.
 
@@ -10379,6 +9537,119 @@ class TestPluginHooks:
             ["note_deleted", "notes/q.md"],
             ["note_saved", "notes/q.md", "taken"],
         ]
+
+
+def expected_score(findings: list) -> int:
+    """The documented formula, from the findings' severities."""
+    count = collections.Counter(f["severity"] for f in findings)
+    raw = 100 - 40 * count["critical"] - 20 * count["high"] - 10 * count["medium"]
+    return max(0, raw - 3 * count["low"])
+
+
+def _open_state_files(app, root: Path) -> None:
+    os.chmod(root / ".notesvc" / "state.json", 0o644)
+
+
+def _open_notes_folder(app, root: Path) -> None:
+    os.chmod(root / "notes", 0o777)
+
+
+def _a_plugin_file(app, root: Path) -> None:
+    plugins = root / ".notesvc" / "plugins"
+    plugins.mkdir(mode=0o700, exist_ok=True)
+    (plugins / "planted.py").write_text("x = 1\n")
+    os.chmod(plugins / "planted.py", 0o600)
+
+
+def _telegram_channel_without_allowlist(app, root: Path) -> None:
+    body = {"provider": "telegram", "config": {"botToken": "1:x"}}
+    with_key(app).post_json(f"{API}/channels", body, status=201)
+
+
+def _webhook_secret_in_a_query_string(app, root: Path) -> None:
+    body = {"provider": "telegram", "config": {"botToken": "1:x", "allowedChatIds": [42]}}
+    ch = data(with_key(app).post_json(f"{API}/channels", body, status=201))
+    url = f"{API}/channels/webhook/telegram?secret={ch['secret']}"
+    assert data(webtest.TestApp(app.app).post_json(url, {"update_id": 1}))["handled"] is False
+
+
+def _whatsapp_channel_without_app_secret(app, root: Path) -> None:
+    config = {**MINIMAL_CONFIG["whatsapp"], "allowedNumbers": ["15551234567"]}
+    body = {"provider": "whatsapp", "config": config}
+    with_key(app).post_json(f"{API}/channels", body, status=201)
+
+
+def _an_old_key(app, root: Path) -> None:
+    state_file = root / ".notesvc" / "state.json"
+    state = json.loads(state_file.read_text())
+    state["keyCreatedAt"] = "2020-01-01T00:00:00.000Z"
+    state_file.write_text(json.dumps(state))
+
+
+def _a_write_key_without_expiry(app, root: Path) -> None:
+    body = {"name": "helper", "scope": "write"}
+    with_key(app).post_json(f"{API}/auth/keys", body, status=201)
+
+
+def _an_old_share_link(app, root: Path) -> None:
+    put_note(with_key(app), "notes/old.md", "old")
+    with_key(app).post_json(f"{API}/shares", {"path": "notes/old.md", "expiresInDays": 365})
+    state_file = root / ".notesvc" / "state.json"
+    state = json.loads(state_file.read_text())
+    state["shares"][0]["createdAt"] = "2020-01-01T00:00:00.000Z"
+    state_file.write_text(json.dumps(state))
+
+
+def _many_oauth_clients(app, root: Path) -> None:
+    for i in range(21):  # from 21 addresses: registration is rate-limited per address
+        webtest.TestApp(app.app, extra_environ={"REMOTE_ADDR": f"198.51.100.{i}"}).post_json(
+            "/oauth/register", {"redirect_uris": ["https://app.example/cb"]}, status=201
+        )
+
+
+@dataclasses.dataclass(frozen=True)
+class Firing:
+    """A configuration in which an audit check fires, and the id its finding must match."""
+
+    id: str  # a regular expression
+    env: dict = dataclasses.field(default_factory=dict)  # SERVICE_* settings over the safe ones
+    change: typing.Callable | None = None  # change(app, root) after the start
+    linked: bool = True  # a client has linked (setup complete)
+
+
+# For every audit check: a configuration in which it fires. The rest of the configuration
+# is the safe one (loopback, linked, private folders), in which it must not.
+FIRING_CONFIGURATIONS = {
+    "auth_off": Firing("auth-off", {"SERVICE_AUTH_MODE": "none"}),
+    "setup_exposed": Firing("setup-exposed", {"SERVICE_HOST": "0.0.0.0"}, linked=False),
+    "cors_wildcard": Firing("cors-wildcard", {"SERVICE_CORS_ORIGINS": "*"}),
+    "jwt_secret": Firing(
+        "jwt-secret-weak", {"SERVICE_AUTH_MODE": "jwt", "SERVICE_JWT_SECRET": "a" * 40}
+    ),
+    "state_private": Firing("state-readable-file", change=_open_state_files),
+    "notes_folder": Firing("notes-writable", change=_open_notes_folder),
+    "plugins": Firing("plugin-planted", change=_a_plugin_file),
+    "channel_allowlists": Firing(r"channel-open-\S+", change=_telegram_channel_without_allowlist),
+    "query_secrets": Firing("secret-in-query", change=_webhook_secret_in_a_query_string),
+    "channel_signatures": Firing(
+        r"channel-unsigned-\S+", change=_whatsapp_channel_without_app_secret
+    ),
+    "plain_http_upstreams": Firing(
+        "relay-plain-http", {"SERVICE_RELAY_URL": "http://relay.example.org"}
+    ),
+    "relay_in_transit": Firing(
+        "relay-sees-transit", {"SERVICE_RELAY_URL": "https://relay.example.org"}
+    ),
+    "key_age": Firing("key-old", change=_an_old_key),
+    "plain_http_bind": Firing("plain-http-all-interfaces", {"SERVICE_HOST": "0.0.0.0"}),
+    "tool_writes": Firing(
+        "tool-writes-without-auth", {"SERVICE_AUTH_MODE": "none", "SERVICE_MCP_WRITE": "true"}
+    ),
+    "history_off": Firing("history-off", {"SERVICE_HISTORY_MAX_VERSIONS": "0"}),
+    "grants": Firing("grant-write-forever", change=_a_write_key_without_expiry),
+    "share_links": Firing("share-links-old", change=_an_old_share_link),
+    "oauth_clients": Firing("oauth-clients-many", change=_many_oauth_clients),
+}
 
 
 class TestSecurity:
@@ -10670,6 +9941,8 @@ class TestSecurity:
         order = [notesvc.SEVERITIES.index(r["severity"]) for r in recs]
         assert order == sorted(order)
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_audit_cli_exit_status(self, tmp_path, make_app):
         make_app(tmp_path / "a")
         make_app(tmp_path / "b")
@@ -10679,6 +9952,47 @@ class TestSecurity:
         assert "score" in bad.stdout
         good = run_cli("audit", "--root", str(tmp_path / "b"), env={"SERVICE_HOST": "127.0.0.1"})
         assert good.returncode == 0, good.stdout
+
+
+def recv_all(s: socket.socket) -> bytes:
+    """Read until the peer closes (or 5 s pass); b'' when it closed at once."""
+    chunks = []
+    with contextlib.suppress(socket.timeout, ConnectionResetError):
+        while True:
+            chunk = s.recv(65536)
+            if not chunk:
+                break
+            chunks.append(chunk)
+    return b"".join(chunks)
+
+
+def relay_raw_get(relay: Server, path: str) -> tuple:
+    """GET on a raw socket; return (head as text, body bytes) exactly as the relay sent them."""
+    with socket.create_connection(("127.0.0.1", relay.port), timeout=10) as s:
+        s.sendall(f"GET {path} HTTP/1.1\r\nHost: relay\r\nConnection: close\r\n\r\n".encode())
+        raw = recv_all(s)
+    head, _, body = raw.partition(b"\r\n\r\n")
+    return head.decode("latin-1"), body
+
+
+def png_size(data: bytes) -> tuple:
+    """Return (width, height) of a PNG, checking its signature, chunk CRCs and pixel data."""
+    assert data[:8] == b"\x89PNG\r\n\x1a\n"
+    pos, chunks = 8, {}
+    while pos < len(data):
+        length = int.from_bytes(data[pos : pos + 4], "big")
+        kind, body = data[pos + 4 : pos + 8], data[pos + 8 : pos + 8 + length]
+        crc = int.from_bytes(data[pos + 8 + length : pos + 12 + length], "big")
+        assert zlib.crc32(kind + body) == crc
+        chunks[kind] = body
+        pos += 12 + length
+    width, height = (
+        int.from_bytes(chunks[b"IHDR"][:4], "big"),
+        int.from_bytes(chunks[b"IHDR"][4:8], "big"),
+    )
+    assert len(zlib.decompress(chunks[b"IDAT"])) == height * (1 + width * 3)
+    assert b"IEND" in chunks
+    return width, height
 
 
 class TestWebClientPage:
@@ -10770,6 +10084,8 @@ class TestWebClientPage:
         anon.get("/icon.png", status=404)
         anon.get("/manifest.webmanifest/..%2f..%2fetc%2fpasswd", status=404)
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_the_relay_serves_the_same_page_manifest_and_icons(self, anon, tmp_path):
         relay = Server(tmp_path / "relay", "relay")
         try:
@@ -10790,7 +10106,174 @@ class TestWebClientPage:
             relay.stop()
 
 
+# The accessibility check: every visible control has a name, and every visible text meets
+# WCAG AA contrast against the background it is drawn on (alpha composited up the tree).
+A11Y_AUDIT = r"""() => {
+  const problems = [];
+  const shown = (e) => {
+    const r = e.getBoundingClientRect(), s = getComputedStyle(e);
+    return r.width > 0 && r.height > 0 && s.visibility !== "hidden" && s.display !== "none";
+  };
+  const nameOf = (e) => {
+    const label = (e.getAttribute("aria-label") || "").trim();
+    if (label) return label;
+    const by = e.getAttribute("aria-labelledby");
+    const text = (els) => els.map((l) => l.textContent).join(" ").trim();
+    if (by) return text(by.split(" ").map((id) => document.getElementById(id)));
+    if (e.labels && e.labels.length) return text([...e.labels]);
+    if (/^(BUTTON|SUMMARY|A)$/.test(e.tagName)) return e.textContent.trim();
+    return (e.getAttribute("title") || "").trim();
+  };
+  for (const e of document.querySelectorAll("button, input, textarea, select, summary, a[href]")) {
+    if (shown(e) && !nameOf(e)) problems.push("no accessible name: " + e.outerHTML.slice(0, 90));
+  }
+  const rgba = (c) => {
+    const m = /rgba?\(([^)]+)\)/.exec(c);
+    if (!m) return [0, 0, 0, 0];
+    const p = m[1].split(/[ ,\/]+/).filter(Boolean).map(parseFloat);
+    return [p[0], p[1], p[2], p.length > 3 ? p[3] : 1];
+  };
+  const lum = (c) => {
+    const f = (v) => {
+      v /= 255;
+      return v <= 0.03928 ? v / 12.92 : Math.pow((v + 0.055) / 1.055, 2.4);
+    };
+    return 0.2126 * f(c[0]) + 0.7152 * f(c[1]) + 0.0722 * f(c[2]);
+  };
+  const over = (top, under) => [0, 1, 2].map((i) => top[i] * top[3] + under[i] * (1 - top[3]));
+  const backdrop = (e) => {
+    const layers = [];
+    for (let n = e; n; n = n.parentElement) {
+      const c = rgba(getComputedStyle(n).backgroundColor);
+      if (c[3] > 0) { layers.push(c); if (c[3] >= 1) break; }
+    }
+    let bg = matchMedia("(prefers-color-scheme: dark)").matches ? [0, 0, 0] : [255, 255, 255];
+    for (const c of layers.reverse()) bg = over(c, bg);
+    return bg;
+  };
+  const ratio = (a, b) => {
+    const x = lum(a), y = lum(b);
+    return (Math.max(x, y) + 0.05) / (Math.min(x, y) + 0.05);
+  };
+  const check = (e, color, what) => {
+    const s = getComputedStyle(e);
+    const bg = backdrop(e);
+    const r = ratio(over(rgba(color), bg), bg);
+    const size = parseFloat(s.fontSize), bold = parseInt(s.fontWeight, 10) >= 700;
+    const need = size >= 24 || (bold && size >= 18.66) ? 3 : 4.5;
+    if (r < need) problems.push(what + " contrast " + r.toFixed(2) + " < " + need + ": " +
+      (e.id ? "#" + e.id + " " : "") +
+      JSON.stringify((e.textContent || e.placeholder).trim().slice(0, 40)));
+  };
+  const walk = document.createTreeWalker(document.body, NodeFilter.SHOW_TEXT);
+  const seen = new Set();
+  while (walk.nextNode()) {
+    const e = walk.currentNode.parentElement;
+    if (!walk.currentNode.textContent.trim() || seen.has(e) || !shown(e)) continue;
+    if (e.closest(":disabled, [aria-hidden=true], svg")) continue;  // WCAG exempts disabled ones
+    seen.add(e);
+    check(e, getComputedStyle(e).color, "text");
+  }
+  for (const e of document.querySelectorAll("input[placeholder], textarea[placeholder]")) {
+    if (!shown(e) || e.value || e.disabled) continue;
+    check(e, getComputedStyle(e, "::placeholder").color, "placeholder");
+  }
+  return problems;
+}"""
+
+
+def needs(server: Server, path: str, what: str) -> None:
+    """Skip unless the server's OpenAPI document has the path (a feature of another issue)."""
+    doc = server.request("GET", f"{API}/openapi.json")[2]
+    if f"{API}{path}" not in doc["paths"]:
+        pytest.skip(f"not on this server yet: {what}")
+
+
+def unexpected(errors: list, *allowed: str) -> list:
+    return [e for e in errors if not any(f"status of {a}" in e for a in allowed)]
+
+
+class EvilRelay:
+    """A loopback stand-in for a hostile relay: records every request, answers any pairing
+    with an API base of its own, and allows any origin (so only the page can refuse it)."""
+
+    def __init__(self):
+        self.requests: list = []
+        evil = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def answer(self):
+                evil.requests.append((self.command, self.path, dict(self.headers)))
+                body = json.dumps(
+                    {
+                        "success": True,
+                        "data": {
+                            "serverId": "evil",
+                            "relayApiBase": f"{evil.url}/r/evil/api/v1",
+                            "valid": True,
+                            "setupComplete": True,
+                        },
+                    }
+                ).encode()
+                self.send_response(200)
+                self.send_header("Access-Control-Allow-Origin", "*")
+                self.send_header("Access-Control-Allow-Headers", "*")
+                self.send_header("Access-Control-Allow-Methods", "*")
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = do_OPTIONS = answer
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
+        threading.Thread(
+            target=self.server.serve_forever, kwargs={"poll_interval": 0.02}, daemon=True
+        ).start()
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+DOMAIN = "relay.test"
+
+
+@pytest.fixture
+def origins(tmp_path):
+    """A relay with per-server origins (SERVICE_RELAY_DOMAIN=relay.test) and a real server
+    paired with it; yields (relay, server, setup, the server's origin)."""
+    env = {"SERVICE_RELAY_DOMAIN": DOMAIN, "SERVICE_RELAY_TIMEOUT": "5"}
+    relay = Server(tmp_path / "relay", "relay", env=env)
+    server = Server(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url})
+    try:
+        wait_for(lambda: relay_servers(relay) == 1)
+        origin = f"http://{server_id_of(server)}.{DOMAIN}:{relay.port}"
+        setup = wait_for(lambda: _setup_on(server, origin))
+        yield relay, server, setup, origin
+    finally:
+        server.stop()
+        relay.stop()
+
+
+def server_id_of(server: Server) -> str:
+    return server.request("GET", f"{API}/system/setup")[2]["data"]["serverId"]
+
+
+def _setup_on(server: Server, origin: str):
+    """The setup payload once the server has learnt its origin on the relay (else None)."""
+    setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+    return setup if setup["links"]["relayApiBase"] == f"{origin}{API}" else None
+
+
 class TestWebClient:
+    pytestmark = [pytest.mark.browser, pytest.mark.real_server, pytest.mark.slow]
+
     @pytest.mark.parametrize("device", ["phone", "desktop"])
     def test_connect_open_formatted_edit_and_save(self, web, device):
         s = web(device)
@@ -11750,8 +11233,22 @@ class TestWebClient:
             relay.stop()
 
 
+def post_oauth_form(url: str, form: dict) -> tuple:
+    """POST a form; return (status, parsed JSON)."""
+    body = urllib.parse.urlencode(form).encode()
+    req = urllib.request.Request(url, body, {"Content-Type": "application/x-www-form-urlencoded"})
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, json.loads(resp.read())
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, json.loads(e.read() or b"null")
+
+
 class TestWebClientGrants:
     """The keys screen, the Share action, and a scoped key's page (issue 19, item 6)."""
+
+    pytestmark = [pytest.mark.browser, pytest.mark.real_server, pytest.mark.slow]
 
     def test_keys_and_connections(self, web):
         s = web("desktop")
@@ -11873,8 +11370,64 @@ class TestWebClientGrants:
         assert unexpected(s.close()) == []
 
 
+class Callback:
+    """A loopback stand-in for an OAuth client's redirect URI: records what reaches it."""
+
+    def __init__(self):
+        self.hits: list = []
+        self.arrived = threading.Event()
+        cb = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            def do_GET(self):
+                if self.path.startswith("/callback"):  # not the browser's /favicon.ico
+                    cb.hits.append(self.path)
+                    cb.arrived.set()
+                body = b"<!doctype html><title>back in the app</title><p>done</p>"
+                self.send_response(200)
+                self.send_header("Content-Type", "text/html")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+            def log_message(self, *args):
+                pass
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/callback"
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def query(self, timeout: float = 15) -> dict:
+        assert self.arrived.wait(timeout), "nothing reached the redirect URI"
+        self.arrived.clear()
+        return urllib.parse.parse_qs(urllib.parse.urlsplit(self.hits[-1]).query)
+
+    def close(self):
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def tiny_png() -> bytes:
+    """A real 1x1 PNG (a browser decodes it)."""
+    import struct
+    import zlib
+
+    def chunk(kind: bytes, body: bytes) -> bytes:
+        crc = struct.pack(">I", zlib.crc32(kind + body) & 0xFFFFFFFF)
+        return struct.pack(">I", len(body)) + kind + body + crc
+
+    header = struct.pack(">IIBBBBB", 1, 1, 8, 2, 0, 0, 0)
+    pixels = zlib.compress(b"\x00\xc0\x30\x30")
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", header) + chunk(b"IDAT", pixels) + chunk(b"IEND", b"")
+    )
+
+
 class TestGrantPages:
     """The consent page and the share page in a real browser."""
+
+    pytestmark = [pytest.mark.browser, pytest.mark.real_server, pytest.mark.slow]
 
     @pytest.fixture
     def browser(self):
@@ -12071,6 +11624,86 @@ class TestSelfRelay:
         assert_error(anon.get("/relay/v1/pair/AAAA-BBBB-CCCC", status=404), 404, "NOT_FOUND")
 
 
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+NGINX = shutil.which("nginx") or ("/usr/sbin/nginx" if os.path.exists("/usr/sbin/nginx") else None)
+
+
+class FakeRelayServer:
+    """A server as the relay sees it: its own token and id, raw relay protocol calls."""
+
+    def __init__(self, relay: Server, source: str = "127.0.0.1"):
+        self.relay, self.source = relay, source
+        self.token = base64.urlsafe_b64encode(os.urandom(32)).decode().rstrip("=")
+        self.server_id = notesvc.relay_server_id(self.token)
+        self.code = notesvc.relay_code_of(self.token)
+
+    def call(self, method: str, path: str, body=None, token: str | None = None):
+        conn = http.client.HTTPConnection(
+            "127.0.0.1", self.relay.port, timeout=40, source_address=(self.source, 0)
+        )
+        try:
+            headers = {"X-Relay-Token": self.token if token is None else token}
+            payload = None
+            if body is not None:
+                payload = json.dumps(body).encode()
+                headers["Content-Type"] = "application/json"
+            conn.request(method, path, payload, headers)
+            resp = conn.getresponse()
+            raw = resp.read()
+            return resp.status, resp.headers, json.loads(raw) if raw else None
+        finally:
+            conn.close()
+
+    def register(self, server_id: str | None = None) -> int:
+        sid = server_id or self.server_id
+        body = {"token": self.token, "relayCode": self.code}
+        return self.call("POST", f"/relay/v1/register/{sid}", body)[0]
+
+    def poll(self, server_id: str | None = None):
+        return self.call("GET", f"/relay/v1/poll/{server_id or self.server_id}")
+
+    def open_poll(self) -> socket.socket:
+        """Start a long-poll on a raw socket and leave it waiting."""
+        s = socket.socket()
+        s.settimeout(5)
+        s.bind((self.source, 0))
+        s.connect(("127.0.0.1", self.relay.port))
+        s.sendall(
+            f"GET /relay/v1/poll/{self.server_id} HTTP/1.1\r\nHost: relay\r\n"
+            f"X-Relay-Token: {self.token}\r\n\r\n".encode()
+        )
+        return s
+
+    def reply(self, request_id: str, status: int, headers: list, body: bytes) -> int:
+        answer = {"status": status, "headers": headers, "body": base64.b64encode(body).decode()}
+        return self.call("POST", f"/relay/v1/reply/{self.server_id}/{request_id}", answer)[0]
+
+
+def relay_queued(relay: Server, fake: FakeRelayServer) -> int:
+    return relay.request("GET", "/health")[2]["data"].get("queued", 0)
+
+
+def host_request(port: int, host: str, method: str, path: str, body=None, headers=None) -> tuple:
+    """Return (status, headers, raw body) of one request to 127.0.0.1:port with this Host."""
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
+    try:
+        hdrs = {"Host": host, **(headers or {})}
+        payload = None
+        if body is not None:
+            payload = body if isinstance(body, bytes) else json.dumps(body).encode()
+            hdrs.setdefault("Content-Type", "application/json")
+        conn.request(method, path, payload, hdrs)
+        resp = conn.getresponse()
+        return resp.status, resp.headers, resp.read()
+    finally:
+        conn.close()
+
+
 class TestRelay:
     @pytest.fixture
     def pair(self, tmp_path):
@@ -12089,6 +11722,8 @@ class TestRelay:
         hdrs = {"X-Service-Key": setup["apiKey"] if key is None else key, **(headers or {})}
         return relay.request(method, f"/r/{setup['serverId']}{API}{path}", body, hdrs)
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_read_write_and_errors_through_the_relay(self, pair):
         relay, server, setup = pair
         assert setup["links"]["relayApiBase"] == f"{relay.url}/r/{setup['serverId']}/api/v1"
@@ -12113,6 +11748,8 @@ class TestRelay:
         status, _, body = self.via(relay, setup, "GET", "/system/info")
         assert body["data"]["connection"]["state"] == "connected"
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_raw_bytes_pass_unchanged(self, pair):
         relay, _, setup = pair
         req = urllib.request.Request(
@@ -12127,6 +11764,8 @@ class TestRelay:
         assert "UTF-8" in json.loads(err.value.read())["error"]["message"]
         err.value.close()
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_pair_lookup(self, pair):
         relay, _, setup = pair
         status, _, body = relay.request("GET", f"/relay/v1/pair/{setup['pairing']['relayCode']}")
@@ -12137,6 +11776,8 @@ class TestRelay:
         }
         assert relay.request("GET", "/relay/v1/pair/AAAA-BBBB-CCCC")[0] == 404
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_rotating_the_key_keeps_the_code_paired(self, pair):
         relay, _, setup = pair
         status, _, body = self.via(relay, setup, "POST", "/auth/rotate")
@@ -12146,6 +11787,8 @@ class TestRelay:
         assert status == 200
         assert body["data"]["serverId"] == setup["serverId"]
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_server_stopping_gives_504(self, pair):
         relay, server, setup = pair
         server.stop()
@@ -12155,6 +11798,8 @@ class TestRelay:
         assert body["error"]["code"] == "UPSTREAM_TIMEOUT"
         assert time.monotonic() - started < 10
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_unknown_server_is_504_and_relay_serves_no_server_pages(self, pair):
         relay = pair[0]
         assert relay.request("GET", f"/r/{'a' * 20}{API}/health")[0] == 504
@@ -12163,6 +11808,8 @@ class TestRelay:
         assert status == 404
         assert body["error"]["code"] == "NOT_FOUND"
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_relay_restart_server_reconnects(self, tmp_path):
         port = free_port()
         relay = Server(tmp_path / "relay", "relay", port=port)
@@ -12180,6 +11827,8 @@ class TestRelay:
             server.stop()
             relay.stop()
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_queue_limit_and_tokens(self, tmp_path):
         env = {"SERVICE_RELAY_MAX_QUEUE": "2", "SERVICE_RELAY_TIMEOUT": "2"}
         with running(tmp_path, "relay", env=env) as relay:
@@ -12217,6 +11866,8 @@ class TestRelay:
             t.join(10)
             assert results[-1] == 200
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_ids_cannot_be_hijacked_even_after_a_restart(self, tmp_path):
         port = free_port()
         relay = Server(tmp_path / "relay", "relay", port=port)
@@ -12262,6 +11913,8 @@ class TestRelay:
         assert st["keyHash"] == old["keyHash"]  # the key survives
         assert st["relayCode"] == notesvc.relay_code_of(st["relayToken"])  # changes once
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_registrations_are_rate_limited_per_address(self, tmp_path):
         env = {"SERVICE_RELAY_REGISTRATIONS_PER_MINUTE": "5"}
         with running(tmp_path, "relay", env=env) as relay:
@@ -12270,6 +11923,8 @@ class TestRelay:
             other = FakeRelayServer(relay, source="127.0.0.2")
             assert other.register() == 200  # another address has its own budget
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_a_refused_server_says_so(self, tmp_path):
         env = {"SERVICE_RELAY_MAX_SERVERS": "1"}
         with running(tmp_path / "relay", "relay", env=env) as relay:
@@ -12285,6 +11940,8 @@ class TestRelay:
                 assert "maximum" in info["lastError"]
                 wait_for(lambda: any("refused this server" in line for line in server.lines))
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_two_hundred_long_polls_do_not_block_a_client(self, pair):
         relay, _, setup = pair
         fakes = [FakeRelayServer(relay, source=f"127.0.1.{i % 200 + 1}") for i in range(200)]
@@ -12303,6 +11960,8 @@ class TestRelay:
             for s in socks:
                 s.close()
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_a_note_of_the_largest_size_passes_both_ways(self, pair):
         relay, server, setup = pair
         limit = 1048576
@@ -12329,6 +11988,8 @@ class TestRelay:
         assert got["data"]["content"] == content
         assert headers["Content-Type"].startswith("application/json")
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_an_over_limit_body_is_413_at_once(self, pair):
         relay, _, setup = pair
         with socket.create_connection(("127.0.0.1", relay.port), timeout=5) as s:
@@ -12345,6 +12006,8 @@ class TestRelay:
         assert body["error"]["code"] == "PAYLOAD_TOO_LARGE"
         assert "1048576" in body["error"]["message"]
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_forwarded_answers_are_api_answers(self, tmp_path):
         with running(tmp_path, "relay") as relay:
             fake = FakeRelayServer(relay)
@@ -12375,6 +12038,8 @@ class TestRelay:
         assert not any(h.startswith(("set-cookie", "access-control-")) for h in lines)
         assert got == page
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     @pytest.mark.parametrize(
         ("head", "status"),
         [
@@ -12397,6 +12062,8 @@ class TestRelay:
             assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["success"] is False
             assert relay.request("GET", "/health")[0] == 200
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_keep_alive_serves_several_requests_on_one_connection(self, tmp_path):
         with running(tmp_path, "relay") as relay:
             conn = http.client.HTTPConnection("127.0.0.1", relay.port, timeout=5)
@@ -12407,6 +12074,8 @@ class TestRelay:
                 assert json.loads(resp.read())["data"]["role"] == "relay"
             conn.close()
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_idle_connections_from_one_address_are_capped(self, tmp_path):
         env = {"SERVICE_RELAY_MAX_IDLE_PER_ADDRESS": "16"}
         with running(tmp_path, "relay", env=env) as relay:
@@ -12428,6 +12097,8 @@ class TestRelay:
                 for s in socks:
                     s.close()
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_relay_serves_its_own_copy_of_the_web_client(self, pair):
         relay, _server, setup = pair
         with urllib.request.urlopen(relay.url + "/", timeout=10) as resp:
@@ -12438,6 +12109,96 @@ class TestRelay:
         assert setup["links"]["connect"]["hosted"] == (
             f"{relay.url}/?relayCode={setup['pairing']['relayCode']}"
         )
+
+    @pytest.mark.real_server
+    @pytest.mark.slow
+    @pytest.mark.skipif(not NGINX, reason="nginx is not installed (apt install nginx)")
+    def test_two_relays_behind_nginx_share_the_servers(self, tmp_path):
+        """deploy/nginx-relay.conf: servers and clients spread over two relay processes."""
+        ports = [free_port(), free_port()]
+        front = free_port()
+        conf = (HERE / "deploy" / "nginx-relay.conf").read_text()
+        conf = conf.replace("127.0.0.1:8441", f"127.0.0.1:{ports[0]}")
+        conf = conf.replace("127.0.0.1:8442", f"127.0.0.1:{ports[1]}")
+        conf = re.sub(
+            r"    listen 443 ssl;\n.*?ssl_certificate_key [^\n]*\n",
+            f"    listen 127.0.0.1:{front};\n",
+            conf,
+            flags=re.S,
+        )
+        (tmp_path / "logs").mkdir()
+        (tmp_path / "nginx.conf").write_text(
+            "daemon off; master_process off; pid nginx.pid; error_log logs/error.log warn;\n"
+            "events { worker_connections 1024; }\n"
+            "http { access_log off; client_body_temp_path tmp; proxy_temp_path tmp;\n"
+            + conf
+            + "\n}\n"
+        )
+        (tmp_path / "tmp").mkdir()
+        env = {"SERVICE_TRUST_PROXY": "true", "SERVICE_RELAY_DOMAIN": DOMAIN}
+        relays = [
+            Server(tmp_path / f"relay{i}", "relay", env=env, port=p) for i, p in enumerate(ports)
+        ]
+        nginx = subprocess.Popen(
+            [NGINX, "-p", str(tmp_path), "-c", "nginx.conf"], stderr=subprocess.PIPE, text=True
+        )
+        servers = []
+        try:
+            url = f"http://127.0.0.1:{front}"
+
+            def up() -> bool:
+                assert nginx.poll() is None, nginx.stderr.read()
+                with contextlib.suppress(OSError), urllib.request.urlopen(url, timeout=2) as resp:
+                    return resp.status == 200
+                return False
+
+            wait_for(up)
+            for i in range(10):  # until both relays hold a server (consistent hashing decides)
+                servers.append(Server(tmp_path / f"srv{i}", env={"SERVICE_RELAY_URL": url}))
+                held = len(servers)
+                wait_for(lambda held=held: sum(map(relay_servers, relays)) == held)
+                if len(servers) >= 2 and all(map(relay_servers, relays)):
+                    break
+            assert all(map(relay_servers, relays)), "every server landed on one relay"
+            for n, server in enumerate(servers):
+                setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+                code = setup["pairing"]["relayCode"]
+                with urllib.request.urlopen(f"{url}/relay/v1/pair/{code}", timeout=10) as resp:
+                    origin = json.loads(resp.read())["data"]["origin"]
+                sid = setup["serverId"]
+                assert origin == f"http://{sid}.{DOMAIN}:{front}"
+                # By Host: the server's own origin reaches the relay process that holds it.
+                host = f"{sid}.{DOMAIN}:{front}"
+                status, _, raw = host_request(front, host, "GET", f"{API}/system/setup")
+                assert (status, json.loads(raw)["data"]["serverId"]) == (200, sid)
+                status, _, raw = host_request(
+                    front, host, "GET", "/.well-known/oauth-authorization-server"
+                )
+                assert json.loads(raw)["issuer"] == origin
+                status, _, raw = host_request(
+                    front, "127.0.0.1", "GET", f"/.well-known/oauth-authorization-server/r/{sid}"
+                )
+                assert status == 200
+                base = f"{url}/r/{sid}/api/v1"  # and the path-based JSON routes
+                key = {"X-Service-Key": setup["apiKey"], "Content-Type": "application/json"}
+                note = json.dumps({"path": f"notes/n{n}.md", "content": f"# Note {n}"}).encode()
+                req = urllib.request.Request(f"{base}/notes", note, key, method="POST")
+                with urllib.request.urlopen(req, timeout=10) as resp:
+                    assert resp.status == 201
+                req = urllib.request.Request(f"{base}/notes/notes%2Fn{n}.md", headers=key)
+                with urllib.request.urlopen(req, timeout=10) as resp:
+                    assert json.loads(resp.read())["data"]["title"] == f"Note {n}"
+                req = urllib.request.Request(f"{base}/system/info", headers=key)
+                with urllib.request.urlopen(req, timeout=10) as resp:
+                    assert json.loads(resp.read())["data"]["connection"]["state"] == "connected"
+        finally:
+            for server in servers:
+                server.stop()
+            nginx.terminate()
+            nginx.wait(10)
+            nginx.stderr.close()
+            for relay in relays:
+                relay.stop()
 
 
 class TestRelayAttachments:
@@ -12469,6 +12230,8 @@ class TestRelayAttachments:
         except urllib.error.HTTPError as e:
             return e.code, e.headers, e.read()
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_an_attachment_of_the_relays_limit_passes_both_ways(self, pair):
         relay, _, setup, root = pair
         prefix = f"/r/{setup['serverId']}{API}"
@@ -12499,6 +12262,8 @@ class TestRelayAttachments:
         assert status == 201, body
         assert json.loads(body)["data"]["path"] == "attachments/cam/a.jpg"
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_larger_ones_are_413_at_once_both_ways(self, pair):
         relay, server, setup, _ = pair
         prefix = f"/r/{setup['serverId']}{API}"
@@ -12535,6 +12300,8 @@ class TestRelayAttachments:
         assert status == 206
         assert got == big[: self.LIMIT // 2]
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     @pytest.mark.parametrize(
         ("served", "shown"),
         [
@@ -12597,7 +12364,19 @@ class TestRelayAttachments:
             assert not notesvc.relayed_download(*args)
 
 
+def get_raw(url: str) -> tuple:
+    """GET a URL; return (status, headers, bytes)."""
+    try:
+        with urllib.request.urlopen(url, timeout=30) as resp:
+            return resp.status, resp.headers, resp.read()
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, e.headers, e.read()
+
+
 class TestGrantsThroughTheRelay:
+    pytestmark = [pytest.mark.real_server, pytest.mark.slow]
+
     @pytest.fixture
     def pair(self, tmp_path):
         relay = Server(tmp_path / "relay", "relay", env={"SERVICE_RELAY_TIMEOUT": "5"})
@@ -12722,93 +12501,11 @@ class TestGrantsThroughTheRelay:
         assert direct["data"]["url"].startswith(f"{relay.url}/r/{sid}/s/")
 
 
-DOMAIN = "relay.test"
-
-
-def host_request(port: int, host: str, method: str, path: str, body=None, headers=None) -> tuple:
-    """Return (status, headers, raw body) of one request to 127.0.0.1:port with this Host."""
-    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)
-    try:
-        hdrs = {"Host": host, **(headers or {})}
-        payload = None
-        if body is not None:
-            payload = body if isinstance(body, bytes) else json.dumps(body).encode()
-            hdrs.setdefault("Content-Type", "application/json")
-        conn.request(method, path, payload, hdrs)
-        resp = conn.getresponse()
-        return resp.status, resp.headers, resp.read()
-    finally:
-        conn.close()
-
-
-class Stranger(FakeRelayServer):
-    """Another person's server on the same relay: it records every request it is handed
-    (what a page of someone else's would send it) and answers each with an empty 200."""
-
-    def __init__(self, relay: Server):
-        super().__init__(relay)
-        self.seen: list = []
-        self.stopped = threading.Event()
-        assert self.register() == 200
-        self.thread = threading.Thread(target=self._serve, daemon=True)
-        self.thread.start()
-
-    def _serve(self) -> None:
-        while not self.stopped.is_set():
-            with contextlib.suppress(OSError):
-                status, _, body = self.poll()
-                if status == 200:
-                    request = body["data"]
-                    self.seen.append(request)
-                    answer = json.dumps({"success": True, "data": {}}).encode()
-                    self.reply(request["id"], 200, [["Content-Type", "application/json"]], answer)
-
-    def keys_seen(self) -> list:
-        """Every credential a request handed to this server carried."""
-        found = []
-        for request in self.seen:
-            for name, value in request["headers"]:
-                if name.lower() in ("x-service-key", "authorization", "x-api-key"):
-                    found.append(value)
-            found += re.findall(
-                r"ns[kdg]_[A-Za-z0-9_-]{20,}", base64.b64decode(request["body"]).decode("latin-1")
-            )
-        return found
-
-    def close(self) -> None:
-        self.stopped.set()
-
-
-@pytest.fixture
-def origins(tmp_path):
-    """A relay with per-server origins (SERVICE_RELAY_DOMAIN=relay.test) and a real server
-    paired with it; yields (relay, server, setup, the server's origin)."""
-    env = {"SERVICE_RELAY_DOMAIN": DOMAIN, "SERVICE_RELAY_TIMEOUT": "5"}
-    relay = Server(tmp_path / "relay", "relay", env=env)
-    server = Server(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url})
-    try:
-        wait_for(lambda: relay_servers(relay) == 1)
-        origin = f"http://{server_id_of(server)}.{DOMAIN}:{relay.port}"
-        setup = wait_for(lambda: _setup_on(server, origin))
-        yield relay, server, setup, origin
-    finally:
-        server.stop()
-        relay.stop()
-
-
-def server_id_of(server: Server) -> str:
-    return server.request("GET", f"{API}/system/setup")[2]["data"]["serverId"]
-
-
-def _setup_on(server: Server, origin: str):
-    """The setup payload once the server has learnt its origin on the relay (else None)."""
-    setup = server.request("GET", f"{API}/system/setup")[2]["data"]
-    return setup if setup["links"]["relayApiBase"] == f"{origin}{API}" else None
-
-
 class TestRelayOrigins:
     """SERVICE_RELAY_DOMAIN: every server on its own origin, codes no one else can take,
     answers the relay vets; against a real relay and real servers (Host headers)."""
+
+    pytestmark = [pytest.mark.real_server, pytest.mark.slow]
 
     def test_links_share_urls_and_oauth_name_the_servers_own_origin(self, origins):
         relay, server, setup, origin = origins
@@ -13079,6 +12776,44 @@ class TestRelayOrigins:
                 )
 
 
+class Stranger(FakeRelayServer):
+    """Another person's server on the same relay: it records every request it is handed
+    (what a page of someone else's would send it) and answers each with an empty 200."""
+
+    def __init__(self, relay: Server):
+        super().__init__(relay)
+        self.seen: list = []
+        self.stopped = threading.Event()
+        assert self.register() == 200
+        self.thread = threading.Thread(target=self._serve, daemon=True)
+        self.thread.start()
+
+    def _serve(self) -> None:
+        while not self.stopped.is_set():
+            with contextlib.suppress(OSError):
+                status, _, body = self.poll()
+                if status == 200:
+                    request = body["data"]
+                    self.seen.append(request)
+                    answer = json.dumps({"success": True, "data": {}}).encode()
+                    self.reply(request["id"], 200, [["Content-Type", "application/json"]], answer)
+
+    def keys_seen(self) -> list:
+        """Every credential a request handed to this server carried."""
+        found = []
+        for request in self.seen:
+            for name, value in request["headers"]:
+                if name.lower() in ("x-service-key", "authorization", "x-api-key"):
+                    found.append(value)
+            found += re.findall(
+                r"ns[kdg]_[A-Za-z0-9_-]{20,}", base64.b64decode(request["body"]).decode("latin-1")
+            )
+        return found
+
+    def close(self) -> None:
+        self.stopped.set()
+
+
 @pytest.fixture(scope="class")
 def relay_browser():
     """Chromium resolving *.relay.test (and relay.test) to loopback: per-server origins."""
@@ -13097,6 +12832,8 @@ def relay_browser():
 class TestRelayOriginsInChromium:
     """The attack run's F1 and F3, in Chromium against a real relay: a stranger's server on
     the same relay must receive no key, and an SVG must not become a page of the origin."""
+
+    pytestmark = [pytest.mark.browser, pytest.mark.real_server, pytest.mark.slow]
 
     def test_a_strangers_code_delivers_no_key(self, relay_browser, origins, tmp_path):
         relay, _, setup, origin = origins
@@ -13134,8 +12871,7 @@ class TestRelayOriginsInChromium:
             page.click("#connect")
             page.wait_for_selector("#tree button, #tree .empty")
             s.shot("relay-origin")
-            assert unexpected(s.close()) == []
-            time.sleep(0.5)  # the stranger's poller hands over anything still in flight
+            assert unexpected(s.close()) == []  # each request was answered: seen before that
         finally:
             stranger.close()
         assert stranger.keys_seen() == []
@@ -13306,7 +13042,137 @@ class TestOpenApi:
         assert "security" not in doc["paths"]["/api/v1/system/info"]["get"]
 
 
+class ForwardingProxy:
+    """A reverse proxy on loopback that forwards like Caddy does.
+
+    It replaces X-Forwarded-For with the client it saw and sets X-Forwarded-Proto
+    (`https`: it stands for a TLS proxy) and X-Forwarded-Host (the Host it was asked for).
+    Loopback stands in for the internet: a client from 127.0.0.N is reported as
+    203.0.113.N. `source` is the proxy's own address toward the server.
+    """
+
+    def __init__(self, upstream: str, source: str = "127.0.0.1"):
+        target = urllib.parse.urlsplit(upstream)
+        hop = {"connection", "keep-alive", "transfer-encoding", "content-length", "date", "server"}
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def forward(self):
+                length = int(self.headers.get("Content-Length") or 0)
+                body = self.rfile.read(length) if length else None
+                headers = {
+                    k: v
+                    for k, v in self.headers.items()
+                    if k.lower() not in hop and not k.lower().startswith("x-forwarded-")
+                }
+                headers["X-Forwarded-For"] = "203.0.113." + self.client_address[0].split(".")[-1]
+                headers["X-Forwarded-Proto"] = "https"
+                headers["X-Forwarded-Host"] = self.headers.get("Host", "")
+                conn = http.client.HTTPConnection(
+                    target.hostname, target.port, timeout=10, source_address=(source, 0)
+                )
+                try:
+                    conn.request(self.command, self.path, body, headers)
+                    resp = conn.getresponse()
+                    payload = resp.read()
+                finally:
+                    conn.close()
+                self.send_response(resp.status)
+                for k, v in resp.getheaders():
+                    if k.lower() not in hop:
+                        self.send_header(k, v)
+                self.send_header("Content-Length", str(len(payload)))
+                self.end_headers()
+                self.wfile.write(payload)
+
+            do_GET = do_POST = do_PUT = do_PATCH = do_DELETE = forward
+
+        self.httpd = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.httpd.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.httpd.server_address[1]}"
+        self.thread = threading.Thread(target=self.httpd.serve_forever, daemon=True)
+
+    def __enter__(self) -> ForwardingProxy:
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.httpd.shutdown()
+        self.httpd.server_close()
+        self.thread.join(5)
+
+
+def hold_idle_connections(port: int, count: int) -> list:
+    """Open `count` connections that never finish a request (half send nothing at all)."""
+    socks = []
+    for i in range(count):
+        sock = socket.create_connection(("127.0.0.1", port), timeout=5)
+        socks.append(sock)
+        if i % 4 == 1:
+            sock.sendall(b"GET /api/v1/hea")  # an unfinished request line
+        elif i % 4 == 3:
+            sock.sendall(b"GET /api/v1/health HTTP/1.1\r\nHost: 127.0.0.1\r\nX-Slow: ")
+    return socks
+
+
+def open_sockets(pid: int) -> int:
+    """How many sockets process pid has open (Linux /proc). Sockets only: the files a
+    starting server opens and closes meanwhile (its index, its state) would blur the count."""
+    found = 0
+    for fd in os.listdir(f"/proc/{pid}/fd"):
+        with contextlib.suppress(OSError):  # closed meanwhile
+            found += os.readlink(f"/proc/{pid}/fd/{fd}").startswith("socket:")
+    return found
+
+
+def closed_by_peer(socks: list) -> int:
+    """How many of socks the other end has closed (read nothing: peeks at the EOF)."""
+    poller = select.poll()
+    for sock in socks:
+        poller.register(sock, select.POLLIN)
+    ready = {fd for fd, _ in poller.poll(0)}
+    return sum(s.fileno() in ready and s.recv(1, socket.MSG_PEEK) == b"" for s in socks)
+
+
+def timed_health(port: int) -> tuple:
+    """Return (status, seconds) of one fresh GET /api/v1/health."""
+    started = time.monotonic()
+    conn = http.client.HTTPConnection("127.0.0.1", port, timeout=5)
+    try:
+        conn.request("GET", f"{API}/health")
+        status = conn.getresponse().status
+    finally:
+        conn.close()
+    return status, time.monotonic() - started
+
+
+@pytest.fixture
+def many_files():
+    """Let this process hold a few hundred sockets."""
+    import resource
+
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != resource.RLIM_INFINITY and soft < 2048:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (min(2048, hard), hard))
+    yield
+    resource.setrlimit(resource.RLIMIT_NOFILE, (soft, hard))
+
+
+@pytest.fixture(scope="class")
+def small_bodies(tmp_path_factory):
+    """One real server taking bodies of at most 2048 bytes (shared by a class's tests)."""
+    root = tmp_path_factory.mktemp("small-bodies")
+    with running(root, env={"SERVICE_MAX_BODY_BYTES": "2048"}) as server:
+        yield server
+
+
 class TestEdge:
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_a_body_over_the_limit_gets_its_413_even_when_written_before_reading(self, tmp_path):
         """urllib writes the whole body before it reads: the server lingers (keeps reading
         and discarding for a bounded time) instead of closing into a reset."""
@@ -13339,6 +13205,8 @@ class TestEdge:
                 assert answer.startswith(b"HTTP/1.1 413")
                 assert time.monotonic() - started < notesvc.LINGER_IDLE_SECONDS + 3
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_the_relay_lingers_after_its_own_413_too(self, tmp_path):
         env = {"SERVICE_MAX_BODY_BYTES": "65536"}
         with running(tmp_path, "relay", env=env) as relay:
@@ -13356,6 +13224,8 @@ class TestEdge:
                     assert json.loads(answer.read())["error"]["code"] == "PAYLOAD_TOO_LARGE"
             assert relay.request("GET", "/health")[0] == 200
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_trusted_proxy_gives_https_links_real_clients_and_their_own_lockout(self, tmp_path):
         env = {"SERVICE_TRUST_PROXY": "true", "SERVICE_SETUP_LOCAL_ONLY": "true"}
         with running(tmp_path, env=env) as server, ForwardingProxy(server.url) as proxy:
@@ -13380,6 +13250,8 @@ class TestEdge:
             assert call(proxy.url, "POST", f"{API}/auth/verify", right, "127.0.0.6")[0] == 200
             assert server.request("POST", f"{API}/auth/verify", headers=right)[0] == 200
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_forwarded_headers_from_an_untrusted_peer_are_ignored(self, tmp_path):
         env = {"SERVICE_TRUST_PROXY": "127.0.0.2", "SERVICE_SETUP_LOCAL_ONLY": "true"}
         with running(tmp_path, env=env) as server:
@@ -13406,6 +13278,8 @@ class TestEdge:
                 right = {"X-Service-Key": key}
                 assert call(proxy.url, "POST", f"{API}/auth/verify", right, "127.0.0.5")[0] == 200
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_relayed_failures_never_lock_out_a_loopback_client(self, tmp_path):
         relay = Server(tmp_path / "relay", "relay", env={"SERVICE_RELAY_TIMEOUT": "5"})
         server = Server(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url})
@@ -13426,6 +13300,8 @@ class TestEdge:
             server.stop()
             relay.stop()
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_rebinding_host_gets_the_key_redacted_from_the_real_server(self, tmp_path):
         with running(tmp_path) as server:
             key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
@@ -13439,6 +13315,8 @@ class TestEdge:
             assert payload["apiKey"] == "nsk_…" + key[-4:]
             assert key not in body.decode()
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     @pytest.mark.parametrize(
         ("case", "headers", "body", "status", "code"),
         [
@@ -13496,6 +13374,8 @@ class TestEdge:
         chunked += f"{len(small):x}\r\n".encode() + small + b"\r\n0\r\n\r\n"
         assert raw_http(server.port, chunked)[0] == 201
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_control_characters_in_the_path_are_escaped_in_the_log(self, tmp_path):
         with running(tmp_path) as server:
             status, _, _ = raw_http(
@@ -13511,6 +13391,8 @@ class TestEdge:
             assert "\\r\\nFORGED GET /ok 200\\x1b[2J" in forged[0]
             assert "\x1b" not in "".join(server.lines)
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_300_idle_connections_do_not_keep_the_owner_out(self, tmp_path, many_files):
         with running(tmp_path) as server:
             socks = []
@@ -13525,6 +13407,8 @@ class TestEdge:
                 for sock in socks:
                     sock.close()
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_a_flood_over_max_connections_closes_the_oldest_idle(self, tmp_path, many_files):
         with running(tmp_path, env={"SERVICE_MAX_CONNECTIONS": "50"}) as server:
             socks = []
@@ -13546,6 +13430,8 @@ class TestEdge:
                 for sock in socks:
                     sock.close()
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_idle_connections_are_closed_after_the_idle_timeout(self, tmp_path):
         with running(tmp_path, env={"SERVICE_IDLE_TIMEOUT": "1"}) as server:
             sock = socket.create_connection(("127.0.0.1", server.port), timeout=5)
@@ -13559,6 +13445,8 @@ class TestEdge:
 
 
 class TestServer:
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_real_server_round_trip(self, tmp_path):
         with running(tmp_path) as server:
             banner = "".join(server.lines)
@@ -13585,6 +13473,8 @@ class TestServer:
             assert status == 200
             assert body["data"]["setupComplete"] is True
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_falls_back_to_wsgiref_without_waitress(self, tmp_path):
         hidden = tmp_path / "no-waitress" / "waitress"  # found first, and fails as if absent
         hidden.mkdir(parents=True)
@@ -13640,12 +13530,16 @@ class TestServer:
         assert out.stdout.split() == ["NotesApp", "True"]
         assert (tmp_path / ".notesvc" / "state.json").exists()
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_second_process_on_same_root_refuses(self, tmp_path):
         with running(tmp_path):
             out = run_cli("--root", str(tmp_path), "--port", "0", "--host", "127.0.0.1")
             assert out.returncode == 2
             assert "already serving" in out.stderr
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_sigterm_stops_cleanly(self, tmp_path):
         server = Server(tmp_path)
         try:
@@ -13655,11 +13549,12 @@ class TestServer:
             server.stop()
 
 
-FRESH_FUZZ = os.environ.get("NOTESVC_FUZZ") == "fresh"
-
 # Strings a person would call empty: White_Space and control characters only (CONTRACT 3).
 BLANK_PROBES = [" ", "\t\n", "\u001e", "\u001c\u001f", "\x00", "\x7f", "\u0085", "\u00a0"]
+
 BLANK_PROBES += ["\u1680", "\u2007", "\u2028", "\u202f", "\u205f", "\u3000", " \u3000\r "]
+
+
 KEPT_PROBES = ["x", "\u200bx", "é", " a ", "\u00ad", "\u2060"]
 
 
@@ -13755,7 +13650,12 @@ class TestBlankRule:
                     assert_error(resp, 400, "VALIDATION_ERROR")
 
 
+FRESH_FUZZ = os.environ.get("NOTESVC_FUZZ") == "fresh"
+
+
 class TestSchemathesis:
+    pytestmark = pytest.mark.slow
+
     def test_api_conforms_to_its_openapi_document(self, make_app):
         schemathesis = pytest.importorskip("schemathesis")
         hypothesis = pytest.importorskip("hypothesis")
@@ -13814,6 +13714,53 @@ class TestSchemathesis:
             check()
             tested += 1
         assert tested >= 20
+
+
+MODERN = "2026-07-28"
+
+
+def modern_meta(version: str = MODERN) -> dict:
+    return {
+        "io.modelcontextprotocol/protocolVersion": version,
+        "io.modelcontextprotocol/clientCapabilities": {},
+        "io.modelcontextprotocol/clientInfo": {"name": "test", "version": "1"},
+    }
+
+
+def modern(client, method, params=None, status="*", headers=None, version=MODERN, **extra):
+    """POST one 2026-07-28 request (its _meta and headers filled in); return the response."""
+    params = {"_meta": modern_meta(version), **(params or {})}
+    hdrs = {
+        "Content-Type": "application/json",
+        "MCP-Protocol-Version": version,
+        "Mcp-Method": method,
+    }
+    if method == "tools/call":
+        hdrs["Mcp-Name"] = params.get("name", "")
+    hdrs.update(headers or {})
+    body = {"jsonrpc": "2.0", "id": "m-1", "method": method, "params": params, **extra}
+    return client.post(
+        f"{API}/mcp", json.dumps(body), headers=hdrs, status=status, expect_errors=True
+    )
+
+
+def raw_mcp(client, body: bytes | str, status="*", **headers):
+    hdrs = {"Content-Type": "application/json", **headers}
+    body = body.encode() if isinstance(body, str) else body
+    return client.post(f"{API}/mcp", body, headers=hdrs, status=status, expect_errors=True)
+
+
+def rpc_error(resp, status: int, code: int) -> dict:
+    """Assert a JSON-RPC error answer (no envelope, no traceback); return its error."""
+    assert resp.status_int == status, resp.text
+    assert resp.content_type == "application/json"
+    body = resp.json
+    assert set(body) == {"jsonrpc", "id", "error"}
+    assert body["jsonrpc"] == "2.0"
+    assert body["error"]["code"] == code, body
+    assert body["error"]["message"]
+    assert "Traceback" not in resp.text
+    return body["error"]
 
 
 class TestMcp:
@@ -14277,8 +14224,32 @@ class TestMcp:
             notesvc.load_config(env=env)
 
 
+def sdk_session(url: str, headers: dict, mode: str, steps):
+    """Run `steps(client)` in an official MCP SDK session with a real server; return its result."""
+    import asyncio
+
+    client_module = pytest.importorskip("mcp.client.client")
+    transport = pytest.importorskip("mcp.client.streamable_http")
+    httpx2 = pytest.importorskip("httpx2")
+
+    async def main():
+        async with httpx2.AsyncClient(headers=headers, timeout=30) as http:
+            connection = transport.streamable_http_client(url, http_client=http)
+            async with client_module.Client(connection, mode=mode) as session:
+                return await steps(session)
+
+    return asyncio.run(main())
+
+
+def post_rpc(server: Server, path: str, body, headers: dict | None = None) -> tuple:
+    """POST a JSON-RPC body to a real server or relay; return (status, headers, answer)."""
+    return server.request("POST", path, body, headers)
+
+
 class TestMcpServer:
     """A real `python notesvc.py` (and a real relay): the official SDK, limits, the relay."""
+
+    pytestmark = [pytest.mark.real_server, pytest.mark.slow]
 
     @pytest.fixture
     def server(self, tmp_path):
@@ -14627,8 +14598,118 @@ class TestGrantsOnMcp:
             model.close()
 
 
+def sdk_oauth_session(mcp_url: str, key: str, steps, scope: str = "notes:read"):
+    """Run `steps(session, provider)` in an official MCP SDK session that authorises itself
+    with the SDK's OAuth client (mcp.client.auth): it registers, is sent to the consent
+    page, where the owner's approval is given with the key (POST /api/v1/oauth/approve, as
+    the page does), and redeems the code. Returns (steps' result, transcript, storage)."""
+    import asyncio
+
+    auth = pytest.importorskip("mcp.client.auth")
+    shared = pytest.importorskip("mcp.shared.auth")
+    client_module = pytest.importorskip("mcp.client.client")
+    transport = pytest.importorskip("mcp.client.streamable_http")
+    httpx2 = pytest.importorskip("httpx2")
+    transcript: list = []
+    approved: dict = {}
+
+    class Storage(auth.TokenStorage):
+        tokens = client = None
+
+        async def get_tokens(self):
+            return self.tokens
+
+        async def set_tokens(self, tokens):
+            self.tokens = tokens
+
+        async def get_client_info(self):
+            return self.client
+
+        async def set_client_info(self, client):
+            self.client = client
+
+    def approve_as_owner(url: str) -> None:
+        ask = dict(urllib.parse.parse_qsl(urllib.parse.urlsplit(url).query))
+        api = url.split("/oauth/authorize")[0] + API
+        body = {
+            "clientId": ask["client_id"],
+            "redirectUri": ask["redirect_uri"],
+            "state": ask["state"],
+            "codeChallenge": ask["code_challenge"],
+            "scope": scope,
+            "resource": ask["resource"],
+        }
+        req = urllib.request.Request(
+            f"{api}/oauth/approve",
+            json.dumps(body).encode(),
+            {"Content-Type": "application/json", "X-Service-Key": key},
+            method="POST",
+        )
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            redirect = json.loads(resp.read())["data"]["redirect"]
+        approved.update(urllib.parse.parse_qsl(urllib.parse.urlsplit(redirect).query))
+        transcript.append(f"consent: {ask['client_id']} asked {ask.get('scope')}; approved {scope}")
+
+    async def redirect_handler(url: str) -> None:
+        transcript.append(f"authorize: {url.split('?')[0]}")
+        await asyncio.get_running_loop().run_in_executor(None, approve_as_owner, url)
+
+    async def callback_handler():
+        return shared.AuthorizationCodeResult(
+            code=approved["code"], state=approved.get("state"), iss=approved.get("iss")
+        )
+
+    async def record(response) -> None:
+        request = response.request
+        transcript.append(f"{request.method} {request.url} -> {response.status_code}")
+
+    storage = Storage()
+    provider = auth.OAuthClientProvider(
+        server_url=mcp_url,
+        client_metadata=shared.OAuthClientMetadata(
+            client_name="notesvc SDK test", redirect_uris=[CALLBACK]
+        ),
+        storage=storage,
+        redirect_handler=redirect_handler,
+        callback_handler=callback_handler,
+    )
+
+    async def main():
+        async with httpx2.AsyncClient(
+            auth=provider, timeout=30, event_hooks={"response": [record]}
+        ) as http:
+            connection = transport.streamable_http_client(mcp_url, http_client=http)
+            async with client_module.Client(connection, mode="legacy") as session:
+                return await steps(session, provider)
+
+    return asyncio.run(main()), transcript, storage
+
+
+def mcp_with_token(url: str, token: str) -> tuple:
+    """POST tools/list with a bearer token; return (status, headers)."""
+    body = json.dumps({"jsonrpc": "2.0", "id": 9, "method": "tools/list"}).encode()
+    req = urllib.request.Request(
+        url,
+        body,
+        {
+            "Content-Type": "application/json",
+            "Authorization": f"Bearer {token}",
+            "MCP-Protocol-Version": "2025-11-25",
+        },
+        method="POST",
+    )
+    try:
+        with urllib.request.urlopen(req, timeout=30) as resp:
+            return resp.status, resp.headers
+    except urllib.error.HTTPError as e:
+        with e:
+            return e.code, e.headers
+
+
 class TestSdkOAuth:
     """The official MCP SDK's OAuth client is the judge: directly and through a real relay."""
+
+    pytestmark = [pytest.mark.real_server, pytest.mark.slow]
 
     def session(self, mcp_url: str, key: str):
         async def steps(session, provider):
@@ -14716,6 +14797,8 @@ class TestSdkOAuth:
 
 
 class TestCli:
+    pytestmark = [pytest.mark.real_server, pytest.mark.slow]
+
     @pytest.mark.parametrize(
         ("args", "env", "names"),
         [
@@ -14757,9 +14840,35 @@ class TestCli:
         assert "Traceback" not in out.stderr
 
 
+def tree_snapshot(root: Path) -> dict:
+    """Every path under root with what a write would change (mode, owner, mtime, size)."""
+    snap = {}
+    for path in [root, *sorted(root.rglob("*"))]:
+        st = os.lstat(path)
+        snap[str(path)] = (st.st_mode, st.st_uid, st.st_gid, st.st_mtime_ns, st.st_size)
+    return snap
+
+
+def system_python_with_bottle() -> str | None:
+    """Return /usr/bin/python3 when it imports bottle and waitress by itself (Debian's)."""
+    exe = "/usr/bin/python3"
+    if not os.path.exists(exe):
+        return None
+    probe = subprocess.run([exe, "-I", "-c", "import bottle, waitress"], capture_output=True)
+    return exe if probe.returncode == 0 else None
+
+
+MARKER_PLUGIN = """
+import pathlib
+pathlib.Path({marker!r}).write_text("plugin code ran")
+"""
+
+
 class TestCliSafety:
     """Issue 10, items 6, 10, 11, 13: the CLI is safe as root, honest, and self-explaining."""
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     @pytest.mark.skipif(not Path("/proc/self/cmdline").exists(), reason="needs /proc")
     @pytest.mark.parametrize("options", [["-I", "-Xfaulthandler"], ["-Xfaulthandler"]])
     def test_the_script_runs_as_the_module_with_the_same_options(self, tmp_path, options):
@@ -14792,6 +14901,8 @@ class TestCliSafety:
             assert proc.wait(30) == 0
             proc.stderr.close()
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     @pytest.mark.parametrize("command", ["audit", "rotate-key"])
     def test_command_on_root_without_state_refuses_and_creates_nothing(self, tmp_path, command):
         typo = tmp_path / "typo"
@@ -14804,6 +14915,8 @@ class TestCliSafety:
         assert out.stdout == ""
         assert not typo.exists()
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_subcommand_help_lists_only_the_flags_it_reads(self):
         flags = {s.flag for s in notesvc.SETTINGS if s.flag}
         for command in notesvc.COMMANDS:
@@ -14824,6 +14937,8 @@ class TestCliSafety:
         assert "SERVICE_RELAY_TIMEOUT" in relay
         assert "SERVICE_JWT_SECRET" not in relay
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_flag_of_another_command_is_refused_in_one_line(self, tmp_path):
         make_state(tmp_path)
         out = run_cli("--pairing", "relay", "rotate-key", "--root", str(tmp_path))
@@ -14831,12 +14946,16 @@ class TestCliSafety:
         assert len(out.stderr.strip().splitlines()) == 1
         assert "--pairing does not apply to rotate-key" in out.stderr
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_rotate_key_ignores_variables_it_does_not_read(self, tmp_path):
         make_state(tmp_path)
         out = run_cli("rotate-key", "--root", str(tmp_path), env={"SERVICE_AUTH_MODE": "jwt"})
         assert out.returncode == 0, out.stderr
         assert re.fullmatch(r"nsk_[A-Za-z0-9_-]{43}", out.stdout.strip())
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_audit_never_runs_plugin_code_and_writes_nothing(self, tmp_path):
         root = tmp_path / "root"
         make_state(root)
@@ -14856,6 +14975,8 @@ class TestCliSafety:
         assert tree_snapshot(root) == before  # nothing created, rewritten or re-owned
         assert "no server is running on this root" in out.stdout.splitlines()[1]
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_audit_reads_the_running_servers_effective_settings(self, tmp_path):
         secret = "Zq8vN3xR7tLp2Wc9Hs5Kd1Fg6Jm4Yb0Ue"
         env = {"SERVICE_AUTH_MODE": "jwt", "SERVICE_JWT_SECRET": secret}
@@ -14888,6 +15009,8 @@ class TestCliSafety:
         assert "no server is running on this root" in out.stdout.splitlines()[1]
         assert "(cors-wildcard)" not in out.stdout
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     @pytest.mark.skipif(os.name != "posix" or os.geteuid() != 0, reason="needs root")
     def test_rotate_key_as_root_writes_the_state_as_its_owner(self, tmp_path):
         folder = tmp_path / ".notesvc"
@@ -14916,6 +15039,8 @@ class TestCliSafety:
         assert re.search(r"run: sudo -u \S+ .*rotate-key --root ", err[0]), err
         assert (tmp_path / ".notesvc" / "state.json").read_bytes() == before
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     @pytest.mark.skipif(os.name != "posix" or os.geteuid() != 0, reason="needs root")
     def test_rotate_key_as_a_real_other_user_refuses(self, tmp_path):
         python = system_python_with_bottle()
@@ -14943,6 +15068,8 @@ class TestCliSafety:
         finally:
             shutil.rmtree(root)
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_banner_without_a_terminal_shows_no_key(self, tmp_path):
         with running(tmp_path) as server:
             banner = "".join(server.lines)
@@ -14953,6 +15080,8 @@ class TestCliSafety:
             assert "open the setup URL on this machine" in banner
             assert f"setup:  {server.url}{API}/system/setup" in banner
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     @pytest.mark.skipif(not hasattr(os, "openpty"), reason="needs a pseudo-terminal")
     def test_banner_on_a_terminal_shows_the_key(self, tmp_path):
         master, slave = os.openpty()
@@ -14989,6 +15118,8 @@ class TestCliSafety:
             proc.wait(10)
             os.close(master)
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_missing_bottle_prints_one_line_and_exits_2(self, tmp_path):
         # -I -S: no user or site packages, so neither pip's nor Debian's bottle is found.
         probe = subprocess.run([sys.executable, "-I", "-S", "-c", "import bottle"])
@@ -15015,6 +15146,7 @@ class TestCliSafety:
 
 
 class TestDocs:
+    @pytest.mark.slow
     @pytest.mark.skipif(not shutil.which("node"), reason="no node (apt install nodejs)")
     def test_the_web_clients_logic_passes_its_own_tests(self):
         tests = sorted(str(p) for p in (HERE / "web" / "test").glob("*.test.js"))
@@ -15073,8 +15205,8 @@ class TestDocs:
         assert "from other devices" in first_run
         assert "Connect" in first_run
 
-    @pytest.mark.slow
     @pytest.mark.real_server
+    @pytest.mark.slow
     def test_the_venv_command_installs_and_runs_as_written(self, tmp_path):
         """README's second command, in a copy of the project (it needs PyPI or a wheel cache)."""
         readme = (HERE / "README.md").read_text()
