@@ -482,6 +482,14 @@ SETTINGS = (
         "relay role: idle connections kept per client address (the oldest closed first)",
     ),
     Setting(
+        "pairing_ttl",
+        "SERVICE_PAIRING_TTL",
+        "",
+        "600",
+        _int_range(10, 86400),
+        "seconds a device pairing's one-time secret lives",
+    ),
+    Setting(
         "max_attachment_bytes",
         "SERVICE_MAX_ATTACHMENT_BYTES",
         "",
@@ -517,13 +525,14 @@ SETTINGS = (
 SERVER_COMMANDS = ("serve", "audit")
 _NETWORK_COMMANDS = ("serve", "audit", "relay")
 COMMANDS_OF_SETTING = {
-    "root": ("serve", "audit", "rotate-key"),
-    "log_level": ("serve", "audit", "rotate-key", "relay"),
+    "root": ("serve", "audit", "rotate-key", "pair"),
+    "log_level": ("serve", "audit", "rotate-key", "pair", "relay"),
+    # `pair` names the address a phone opens, as the banner does
+    **dict.fromkeys(("host", "port", "public_url"), (*_NETWORK_COMMANDS, "pair")),
+    "pairing_ttl": ("serve", "audit", "pair"),
+    "relay_url": ("serve", "audit", "pair"),
     **dict.fromkeys(
         (
-            "host",
-            "port",
-            "public_url",
             "trust_proxy",
             "threads",
             "max_body_bytes",
@@ -588,6 +597,7 @@ class Config:
     relay_registrations_per_minute: int
     relay_domain: str
     relay_max_idle_per_address: int
+    pairing_ttl: int
     max_attachment_bytes: int
     transcribe_url: str
     transcribe_model: str
@@ -948,6 +958,80 @@ def is_loopback(addr: str) -> bool:
         return ipaddress.ip_address(addr.strip("[]")).is_loopback
     except ValueError:
         return False
+
+
+def lan_address() -> str:
+    """Return this machine's address on its network (the one its default route leaves
+    from; no packet is sent), or "" when it has none."""
+    for family, probe in ((socket.AF_INET, "192.0.2.1"), (socket.AF_INET6, "2001:db8::1")):
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as s:
+                s.connect((probe, 9))
+                addr = s.getsockname()[0]
+        except OSError:
+            continue
+        if not is_loopback(addr):
+            return addr if family == socket.AF_INET else f"[{addr}]"
+    return ""
+
+
+@functools.lru_cache(maxsize=4)
+def mdns_name(timeout: float = 1.5) -> str:
+    """Return <host>.local when this machine answers to it over mDNS (Avahi, Bonjour),
+    else "" (asked once, at most `timeout` seconds)."""
+    short = (socket.gethostname() or "").split(".")[0].lower()
+    if not re.fullmatch(r"[a-z0-9](?:[a-z0-9-]{0,61}[a-z0-9])?", short):
+        return ""
+    found: list = []
+
+    def look() -> None:
+        with contextlib.suppress(OSError, UnicodeError):
+            found.extend(socket.getaddrinfo(f"{short}.local", None, type=socket.SOCK_STREAM))
+
+    probe = threading.Thread(target=look, daemon=True)
+    probe.start()
+    probe.join(timeout)
+    real = [info for info in found if not is_loopback(info[4][0])]
+    return f"{short}.local" if real else ""
+
+
+def phone_url(config: Config, port: int | None = None) -> str:
+    """Return the address a phone on the same network opens: SERVICE_PUBLIC_URL, else
+    http://<host>.local:<port> when mDNS answers for this machine, else its LAN address
+    (loopback when it listens on loopback only)."""
+    if config.public_url:
+        return config.public_url
+    port = port or config.port
+    if config.host not in ("0.0.0.0", "::", ""):
+        host = config.host
+        return f"http://{f'[{host}]' if ':' in host else host}:{port}"
+    name = mdns_name() or lan_address() or "127.0.0.1"
+    return f"http://{name}:{port}"
+
+
+HOME_NETS = tuple(
+    ipaddress.ip_network(n)
+    for n in (
+        "127.0.0.0/8",
+        "10.0.0.0/8",
+        "172.16.0.0/12",
+        "192.168.0.0/16",
+        "169.254.0.0/16",
+        "::1/128",
+        "fe80::/10",
+        "fc00::/7",
+    )
+)
+
+
+def is_home_network(addr: str) -> bool:
+    """Return whether an address is loopback, private (RFC 1918, fc00::/7) or link-local:
+    a client on this machine or on its own network."""
+    ip = ip_of(addr) if addr else None
+    if ip is None:
+        return False
+    ip = getattr(ip, "ipv4_mapped", None) or ip
+    return any(ip.version == net.version and ip in net for net in HOME_NETS)
 
 
 _UNPRINTABLE_RE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
@@ -6105,6 +6189,7 @@ class StateStore:
         self.path = folder / "state.json"
         self.owner = owner  # (uid, gid) the files are written as (root acting for the owner)
         self.readonly = readonly
+        self.permission_hint = ""  # what to run instead when writing is not allowed
         self._lock = threading.RLock()
         self._data: dict = {}
         self._sig: tuple | None = None
@@ -6206,6 +6291,15 @@ class StateStore:
             atomic_write(self.path, write, mode=0o600)
             self._data, self._sig = data, self._signature()
             return result
+
+
+def relay_origin_of(config: Config, state: dict) -> str:
+    """Return a server's own origin on its relay (learnt when it registered), or "" when
+    its relay has no per-server origins or it has none configured."""
+    if not config.relay_url:
+        return ""
+    known = state.get("relayOrigin") or {}
+    return known.get("origin", "") if known.get("relay") == config.relay_url else ""
 
 
 def rotate_key(data: dict) -> str:
@@ -6374,6 +6468,9 @@ class RateLimit:
 SCOPES = ("read", "write", "admin")  # each includes the ones before it
 SCOPE_RANK = {scope: rank for rank, scope in enumerate(SCOPES)}
 GRANT_KEY_PREFIX = "nsg_"
+DEVICE_KEY_PREFIX = "nsd_"  # a device's key, from a pairing it claimed (CONTRACT 23)
+MAX_PAIRINGS = 50  # pairings waiting to be claimed at once
+PAIRING_SECRET_RE = re.compile(r"^[a-z2-7]{26}$")  # 128 bits, base32: typed in groups of 4
 ACCESS_PREFIX, REFRESH_PREFIX, CODE_PREFIX = "nsa_", "nsr_", "nsc_"
 OAUTH_SCOPES = ("notes:read", "notes:write")
 OAUTH_SCOPE_OF = {"read": "notes:read", "write": "notes:read notes:write"}
@@ -6398,7 +6495,7 @@ CIMD_TIMEOUT, CIMD_MAX_BYTES, CIMD_CACHE_SECONDS = 5.0, 65536, 3600.0
 class Principal:
     """Who a request acts for: the owner (API key, JWT, auth off) or one grant."""
 
-    kind: str  # "owner", "key" (a scoped key) or "oauth" (an MCP client's token)
+    kind: str  # "owner", "key" (a scoped key), "device" (a paired device) or "oauth"
     scope: str  # read, write or admin
     folder: str = ""  # "notes/family": the grant sees that folder only; "" everything
     grant_id: str = ""
@@ -6788,14 +6885,16 @@ class GrantStore:
         return index
 
     def principal(self, secret: str) -> Principal | None:
-        """Return the grant a scoped key or an access token stands for (None: no such live one)."""
-        if not secret.startswith((GRANT_KEY_PREFIX, ACCESS_PREFIX)) or len(secret) > 128:
+        """Return the grant a scoped key, a device key or an access token stands for (None:
+        no such live one)."""
+        keys = (GRANT_KEY_PREFIX, DEVICE_KEY_PREFIX)
+        if not secret.startswith((*keys, ACCESS_PREFIX)) or len(secret) > 128:
             return None
         entry = self._index().get(key_hash(secret))
         if entry is None or self.clock() >= entry[2]:
             return None
         kind, principal, _ = entry
-        if (kind == "key") != secret.startswith(GRANT_KEY_PREFIX):
+        if (kind == "key") != secret.startswith(keys):
             return None
         self._used[principal.grant_id] = self.clock()
         if self.clock() - self._flushed > LAST_USED_FLUSH:
@@ -6873,6 +6972,81 @@ class GrantStore:
         self._add_grant(grant)
         log.info("scoped key %s (%s%s) created", grant["id"], scope, f" {folder}" if folder else "")
         return self._public(grant), key
+
+    # -- devices: a pairing's one-time secret, claimed for a device key ------------------
+
+    def create_pairing(self, name: str, scope: str, folder: str | None, ttl: int) -> tuple:
+        """Return (the pairing's record, its one-time secret): 128 random bits, kept only
+        as their SHA-256, good once within ttl seconds."""
+        secret = base64.b32encode(secrets.token_bytes(16)).decode("ascii").lower().rstrip("=")
+        now = self.clock()
+        pairing = {
+            "id": "pa_" + secrets.token_hex(6),
+            "secretHash": key_hash(secret),
+            "name": name,
+            "scope": scope,
+            "folder": folder,
+            "createdAt": iso(now),
+            "expiresAt": iso(now + ttl),
+        }
+
+        def change(data: dict) -> None:
+            live = [p for p in data.get("pairings", []) if _epoch(p["expiresAt"]) > now]
+            if len(live) >= MAX_PAIRINGS:
+                raise ApiError(
+                    409, "CONFLICT", f"{MAX_PAIRINGS} pairings wait already; let them expire"
+                )
+            data["pairings"] = [*live, pairing]
+
+        self.state.update(change)
+        log.info("pairing %s (%s%s) made", pairing["id"], scope, f" {folder}" if folder else "")
+        return {k: v for k, v in pairing.items() if k != "secretHash"}, secret
+
+    def claim(self, secret: str, device_name: str) -> tuple | None:
+        """Return (the new device's record, its key) for a live pairing's secret, which is
+        used up; None for a secret that is unknown, used or expired."""
+        wanted = key_hash(re.sub(r"[\s-]", "", secret).lower())
+        now = self.clock()
+        key = DEVICE_KEY_PREFIX + secrets.token_urlsafe(32)
+
+        def change(data: dict) -> dict | None:
+            pairings = [p for p in data.get("pairings", []) if _epoch(p["expiresAt"]) > now]
+            found = next(
+                (p for p in pairings if hmac.compare_digest(p["secretHash"], wanted)), None
+            )
+            data["pairings"] = [p for p in pairings if p is not found]
+            if found is None:
+                return None
+            grants = [g for g in data.get("grants", []) if _epoch(g.get("expiresAt")) > now]
+            if len(grants) >= MAX_GRANTS:
+                raise ApiError(
+                    409, "CONFLICT", f"{MAX_GRANTS} grants exist already; revoke some first"
+                )
+            device = {
+                "id": "dv_" + secrets.token_hex(6),
+                "kind": "device",
+                "name": device_name or found["name"],
+                "scope": found["scope"],
+                "folder": found["folder"],
+                "createdAt": iso(now),
+                "expiresAt": None,
+                "lastUsedAt": iso(now),
+                "keyHash": key_hash(key),
+                "pairing": found["id"],
+            }
+            data["grants"] = [*grants, device]
+            return device
+
+        if not any(  # a wrong secret writes nothing
+            hmac.compare_digest(p["secretHash"], wanted)
+            for p in self.state.read().get("pairings", [])
+        ):
+            return None
+        device = self.state.update(change)
+        if device is None:
+            return None
+        log.info("device %s claimed pairing %s", device["id"], device["pairing"])
+        return self._public(device), key
 
     def revoke(self, grant_id: str) -> bool:
         """Revoke a key or an OAuth grant (and the share links it made); False if unknown."""
@@ -7237,14 +7411,14 @@ class GrantStore:
 
     def shares(self, principal: Principal) -> list:
         """Return the share links a principal sees: a grant its own (while their notes are
-        in its folder), the owner all."""
+        in its folder), the owner (and an admin device) all."""
         now = self.clock()
         return [
             self.share_record(s)
             for s in self.state.read().get("shares", [])
             if _epoch(s["expiresAt"]) > now
             and (
-                principal.kind == "owner"
+                principal.allows("admin")
                 or (s.get("grantId") == principal.grant_id and principal.sees(s["path"]))
             )
         ]
@@ -7252,7 +7426,7 @@ class GrantStore:
     def revoke_share(self, share_id: str, principal: Principal) -> bool:
         def mine(s: dict) -> bool:
             return s["id"] == share_id and (
-                principal.kind == "owner" or s.get("grantId") == principal.grant_id
+                principal.allows("admin") or s.get("grantId") == principal.grant_id
             )
 
         if not any(map(mine, self.state.read().get("shares", []))):
@@ -7518,10 +7692,7 @@ class Service:
     def relay_origin(self) -> str:
         """Return this server's own origin on its relay, https://<serverId>.<domain>, when
         the relay it is paired with has per-server origins (else "")."""
-        if not self.config.relay_url:
-            return ""
-        known = self.state.read().get("relayOrigin") or {}
-        return known.get("origin", "") if known.get("relay") == self.config.relay_url else ""
+        return relay_origin_of(self.config, self.state.read())
 
     def relay_base(self, environ: dict) -> str:
         """Return where browsers and links reach this server through its relay: its own
@@ -7587,6 +7758,10 @@ class Service:
                     raise ApiError(401, "UNAUTHORIZED", f"OAuth tokens are good for {API}/mcp only")
                 if grant is not None and (grant.kind != "oauth" or grant.resource == mcp_url):
                     self.lockout.succeed(addr)
+                    if key_only and grant.allows("admin"):  # an admin device: not these
+                        raise ApiError(
+                            403, "FORBIDDEN", f"this needs the API key itself ({KEY_HEADER})"
+                        )
                     return grant
             self.lockout.fail(addr)
         headers = f"{KEY_HEADER}, Authorization: Bearer or X-API-Key" if mcp else KEY_HEADER
@@ -8988,6 +9163,8 @@ def redact_channel(channel: dict, providers: Mapping[str, ChannelProvider]) -> d
         k: (redact(v) if k in secret_fields and v else v) for k, v in channel["config"].items()
     }
     shown = {k: v for k, v in channel.items() if k != "refusedSenders"}  # GET /channels/:id
+    if "binding" in shown:  # its code is never shown again: only until when it lives
+        shown["binding"] = {"until": shown["binding"].get("until")}
     return {**shown, "secret": redact(channel["secret"]), "config": config}
 
 
@@ -9086,6 +9263,42 @@ def _deliver(svc: Service, channel: dict, prov: ChannelProvider, sender: str, re
 
 
 REFUSED_KEPT = 10  # refused senders remembered per channel (GET /channels/:id)
+BIND_SECONDS = 600  # a bind code connects the first chat that sends it within this
+BOUND_TEXT = (
+    "Connected: what you send here goes to your notes. /save <text> keeps it in today's "
+    "note; /help lists the rest."
+)
+
+
+def new_binding() -> tuple:
+    """Return (a bind code to send to the bot, the record kept of it: its hash, its time)."""
+    code = base64.b32encode(secrets.token_bytes(10)).decode("ascii").lower()[:12]
+    return code, {"codeHash": key_hash(code), "until": iso(time.time() + BIND_SECONDS)}
+
+
+def binds(binding: dict, text: str) -> bool:
+    """Return whether a message is the binding's live code (alone, or after /start as a
+    t.me/<bot>?start=<code> link sends it)."""
+    m = re.fullmatch(r"\s*(?:/start(?:@\w+)?\s+)?([a-z2-7]{12})\s*", text or "", re.I)
+    return (
+        m is not None
+        and _epoch(binding.get("until")) > time.time()
+        and hmac.compare_digest(key_hash(m.group(1).lower()), binding.get("codeHash", ""))
+    )
+
+
+def bind_chat(svc: Service, channel: dict, prov: ChannelProvider, sender: str, name: str):
+    """Make the chat that sent the bind code the channel's only allowed one (the code is
+    used up: a second chat sending it is a refused sender)."""
+    bound = {"id": _printable(sender), "name": _printable(name or ""), "at": iso(utcnow())}
+
+    def apply(channels: list, i: int) -> None:
+        channels[i].pop("binding", None)
+        channels[i]["config"][prov.allow] = [bound["id"]]
+        channels[i]["boundChat"] = bound
+
+    _change_channel(svc, channel["id"], apply)
+    log.info("channel %s: bound to chat %s", channel["id"], bound["id"])
 
 
 def refuse_sender(svc: Service, channel: dict, prov: ChannelProvider, sender, name) -> None:
@@ -9178,9 +9391,15 @@ def process_update(svc: Service, channel: dict, prov: ChannelProvider, update: d
     if not messages:
         return {"handled": False, "reason": "the update holds no text message"}
     allowed = channel["config"].get(prov.allow) if prov.allow else None
+    binding = channel.get("binding")  # a code waits for the chat it connects
     results = []
     for sender, text, name, media in messages[:5]:
-        if allowed and sender not in allowed:
+        if binding and binds(binding, text):
+            bind_chat(svc, channel, prov, sender, name)
+            results.append(_deliver(svc, channel, prov, sender, BOUND_TEXT))
+            binding = allowed = None
+            continue
+        if (binding and not allowed) or (allowed and sender not in allowed):
             refuse_sender(svc, channel, prov, sender, name)
             results.append({"handled": False, "reason": "sender not allowed"})
             continue
@@ -12361,6 +12580,58 @@ dialog .new-key button,
   padding: 0.4rem 0.6rem;
   border-radius: 8px;
 }
+/* devices: the QR code to scan, the copy fallback's field, a joined device */
+img.qr {
+  display: block;
+  width: min(70vw, 260px);
+  height: auto;
+  margin: 0.5rem auto;
+  padding: 8px;
+  background: #ffffff;
+  border-radius: 8px;
+  image-rendering: pixelated;
+}
+.offscreen {
+  position: fixed;
+  top: 0;
+  left: -10000px;
+  width: 1px;
+  height: 1px;
+  opacity: 0;
+}
+.ok {
+  color: var(--fg);
+  background: var(--add-bg);
+  padding: 0.4rem 0.6rem;
+  border-radius: 8px;
+  font-weight: 600;
+}
+#setup-box,
+#pair-box {
+  margin: 1rem 0 1.5rem;
+  padding: 0.8rem 1rem 1rem;
+  border: 1px solid var(--line);
+  border-radius: 12px;
+  background: var(--surface);
+}
+#setup-box .primary,
+#pair-box .primary {
+  margin-top: 0.75rem;
+  width: 100%;
+}
+dialog .row {
+  display: flex;
+  gap: 0.5rem;
+  flex-wrap: wrap;
+  margin: 0.5rem 0;
+}
+dialog ol {
+  padding-left: 1.3rem;
+}
+#code-box button {
+  margin-top: 0.5rem;
+  min-height: 44px;
+}
 """
 # --- end web/app.css ---
 
@@ -12446,6 +12717,9 @@ function ago(iso) {
 let toastTimer = 0;
 function toast(text, bad, action) {
   const t = $("toast");
+  // A modal dialog sits above everything else: a message then shows inside it, not under.
+  const host = $("dlg").open ? $("dlg") : document.body;
+  if (t.parentNode !== host) host.append(t);
   t.textContent = text;
   if (action) {
     const [label, fn] = action;
@@ -12983,7 +13257,14 @@ function pairTarget(data, here) {
   return /^[A-Za-z0-9_-]{1,64}$/.test(id) ? {base: "/r/" + id + "/api/v1"} : null;
 }
 
-if (typeof module !== "undefined") module.exports = {sameOrigin, keptEntry, keyFor, pairTarget};
+// A pairing secret as a person types it: groups of four, lower case.
+function groupCode(secret) {
+  return (String(secret).toLowerCase().replace(/[^a-z2-7]/g, "").match(/.{1,4}/g) || []).join("-");
+}
+
+if (typeof module !== "undefined") {
+  module.exports = {sameOrigin, keptEntry, keyFor, pairTarget, groupCode};
+}
 """
 # --- end web/keys.js ---
 # --- begin web/markdown.js ---
@@ -14774,6 +15055,20 @@ wire();
 (function boot() {
   const code = new URLSearchParams(location.search).get("relayCode");
   if (code) $("relay-code").value = code;
+  const pairing = pairingInUrl();
+  if (pairing) {
+    // the secret leaves the address bar and the history at once: it is good once
+    history.replaceState(history.state, "", location.pathname + location.search);
+    $("pair-box").dataset.secret = pairing;
+    $("pair-name").placeholder = "the name it was given, or " + deviceGuess();
+    $("pair-box").hidden = false;
+    if (SHARED_ORIGIN) {
+      $("pair-msg").textContent =
+        "This relay gives all its servers one address, where nothing can be kept: open " +
+        "the link on the server's own address instead.";
+      $("pair-join").disabled = true;
+    }
+  }
   if (SHARED_ORIGIN) {
     $("shared-origin").hidden = false;
     $("remember").closest("label").hidden = true;
@@ -14783,8 +15078,9 @@ wire();
   if (!ownOrigin(state.base) || /^[a-z]+:/i.test(state.base)) state.base = "";
   // A pairing code may name any server: the page waits for a person to connect, and then
   // sends the kept key only if the code resolves to the API base it was kept for.
-  if (kept && !code) connect(false);
-  else $("key").focus();
+  if (kept && !code && !pairing) connect(false);
+  else if (!pairing && !kept && !SHARED_ORIGIN) offerSetup();
+  else if (!pairing) $("key").focus();
 })();
 """
 # --- end web/app.js ---
@@ -14792,16 +15088,21 @@ wire();
 # --- begin web/grants.js ---
 WEB_GRANTS_JS = r"""
 // -- keys, connections and share links (what a grant may do shapes the page) --------------
-// The API key holds every scope; a scoped key (or a folder key) sees only what it may use:
-// a read key gets no editing, a folder key only its folder (the server filters the rest).
+// The API key holds every scope, and so does an admin device; a scoped key (or a folder
+// key or device) sees only what it may use: a read key gets no editing, a folder key only
+// its folder (the server filters the rest).
 
 function writable() {
   return !state.grant || state.grant.scope !== "read";
 }
 
+function ownerLike() {
+  return !state.grant || (state.grant.scope === "admin" && !state.grant.folder);
+}
+
 function applyGrant(grant) {
   state.grant = grant || null;
-  const owner = !state.grant;
+  const owner = ownerLike();
   const write = writable();
   for (const id of ["edit", "save", "new", "empty-new", "menu-new", "move", "delete"]) {
     $(id).hidden = !write;
@@ -14809,22 +15110,43 @@ function applyGrant(grant) {
   const daily = owner || !state.grant.folder || state.grant.folder === "notes/daily";
   $("app").querySelector(".capture").hidden = !write || !daily; // today's note is notes/daily
   $("menu-keys").hidden = !owner;
+  $("menu-telegram").hidden = !owner;
   $("share").hidden = !write;
   if (!write) {
     $("attach").hidden = true;
     $("photo").hidden = true;
   }
-  $("app").dataset.scope = owner ? "admin" : state.grant.scope;
+  $("app").dataset.scope = state.grant ? state.grant.scope : "admin";
   if (state.grant && state.grant.folder) $("app").dataset.folder = state.grant.folder;
 }
 
-async function copyText(text, what) {
+// Copy: the Clipboard API where the page is a secure context, else (plain HTTP on a home
+// network) the selection and the browser's copy command.
+async function copyText(text, what, field) {
   try {
     await navigator.clipboard.writeText(text);
     toast(what + " copied");
+    return;
   } catch (e) {
-    toast("Select it and copy it yourself: this browser did not allow copying", true);
+    /* no Clipboard API here: the selection instead */
   }
+  const box =
+    field || el("textarea", {class: "offscreen", readonly: true, "aria-hidden": "true"});
+  if (!field) {
+    box.value = text;
+    ($("dlg").open ? $("dlg") : document.body).append(box);
+  }
+  box.focus();
+  box.select();
+  let done = false;
+  try {
+    done = document.execCommand("copy");
+  } catch (e) {
+    done = false;
+  }
+  if (!field) box.remove();
+  if (done) toast(what + " copied");
+  else toast("Select it and copy it yourself: this browser did not allow copying", true);
 }
 
 function shownOnce(label, value, id) {
@@ -14836,13 +15158,15 @@ function shownOnce(label, value, id) {
     {class: "once"},
     el("label", {for: id}, label),
     input,
-    el("button", {type: "button", onclick: () => copyText(value, label)}, "Copy"),
+    el("button", {type: "button", onclick: () => copyText(value, label, input)}, "Copy"),
   );
 }
 
+const SCOPE_TEXT = {admin: "everything", write: "read and write", read: "read only"};
+
 function grantRow(g, list) {
   const what = [
-    g.scope === "write" ? "read and write" : "read only",
+    SCOPE_TEXT[g.scope] || g.scope,
     g.folder ? "only " + g.folder : "all notes",
     g.expiresAt ? "expires " + when(g.expiresAt) : "never expires",
     g.lastUsedAt ? "used " + ago(g.lastUsedAt) : "never used",
@@ -14852,7 +15176,9 @@ function grantRow(g, list) {
       "Revoke “" + g.name + "”?",
       g.kind === "oauth"
         ? "This app is disconnected at once; it must ask you again to come back."
-        : "This key stops working at once, and the share links it made end.",
+        : g.kind === "device"
+          ? "This device is signed out at once, and the share links it made end."
+          : "This key stops working at once, and the share links it made end.",
       [
         ["cancel", "Cancel"],
         ["revoke", "Revoke", "danger"],
@@ -14884,8 +15210,12 @@ async function showKeys(made) {
   const [{data}, shares] = await Promise.all([api("GET", "/auth/keys"), api("GET", "/shares")]);
   const keys = el("ul", {class: "list", id: "keys-list"});
   const apps = el("ul", {class: "list", id: "connections-list"});
-  for (const g of data.keys) grantRow(g, g.kind === "oauth" ? apps : keys);
+  const devices = el("ul", {class: "list", id: "devices-list"});
+  for (const g of data.keys) {
+    grantRow(g, g.kind === "oauth" ? apps : g.kind === "device" ? devices : keys);
+  }
   if (!keys.children.length) keys.append(el("li", {class: "muted"}, "No scoped keys yet."));
+  if (!devices.children.length) devices.append(el("li", {class: "muted"}, "No device yet."));
   if (!apps.children.length) {
     apps.append(el("li", {class: "muted"}, "No app is connected (Claude, ChatGPT…)."));
   }
@@ -14937,6 +15267,22 @@ async function showKeys(made) {
     );
   }
   body.push(
+    el("h3", {}, "Devices"),
+    devices,
+    el(
+      "div",
+      {class: "row"},
+      el(
+        "button",
+        {type: "button", id: "add-device", class: "primary", onclick: act(() => addDevice(false))},
+        "Add a device",
+      ),
+      el(
+        "button",
+        {type: "button", id: "add-folder", onclick: act(() => addDevice(true))},
+        "Give someone a folder",
+      ),
+    ),
     el("h3", {}, "Keys"),
     keys,
     el("h3", {}, "Connected apps"),
@@ -14945,7 +15291,7 @@ async function showKeys(made) {
     links,
     form,
   );
-  await dialog("Keys and connections", body, [["cancel", "Close"]]);
+  await dialog("Keys and devices", body, [["cancel", "Close"]]);
 }
 
 function shareRow(s, after) {
@@ -15011,15 +15357,446 @@ async function shareNote(made) {
 
 function wireGrants() {
   $("menu-keys").addEventListener("click", act(() => showKeys()));
+  $("menu-telegram").addEventListener("click", act(() => showTelegram()));
   $("share").addEventListener("click", act(() => shareNote()));
 }
 wireGrants();
 """
 # --- end web/grants.js ---
+# --- begin web/devices.js ---
+WEB_DEVICES_JS = r"""
+// -- devices: a phone joins by scanning a code; a new server is set up from its page ------
+// A pairing is a one-time secret in a link's fragment (#pair=…), never in a URL a server
+// or a log keeps. Claiming it gives this browser a device key of its own, kept (with the
+// API base it was given for) on this device only.
+
+function pairingInUrl() {
+  const m = /^#pair=([A-Za-z2-7-]{26,40})$/.exec(location.hash);
+  return m ? m[1] : "";
+}
+
+function deviceGuess() {
+  const ua = navigator.userAgent || "";
+  if (/iPhone/.test(ua)) return "iPhone";
+  if (/iPad/.test(ua)) return "iPad";
+  if (/Android/.test(ua)) return /Mobile/.test(ua) ? "Android phone" : "Android tablet";
+  if (/Macintosh/.test(ua)) return "Mac";
+  if (/Windows/.test(ua)) return "Windows computer";
+  return "Computer";
+}
+
+// Keep a device key for base: on this device, in the origin's own storage (never on a
+// relay's shared origin, where storage is off).
+function keepDevice(base, claimed) {
+  for (const kind of ["session", "local"]) {
+    removeItem(kind, "notesvc.key");
+    removeItem(kind, "notesvc.keyFor");
+  }
+  setItem("local", "notesvc.key", claimed.key);
+  setItem("local", "notesvc.keyFor", base);
+  const d = claimed.device || {};
+  setItem("local", "notesvc.device", JSON.stringify({id: d.id, name: d.name, scope: d.scope}));
+}
+
+async function claim(secret, name) {
+  const base = new URL("api/v1", location.href).pathname;
+  let r;
+  try {
+    r = await fetch(base + "/auth/devices/claim", {
+      method: "POST",
+      mode: "same-origin",
+      credentials: "omit",
+      cache: "no-store",
+      headers: {"Content-Type": "application/json"},
+      body: JSON.stringify({secret, deviceName: name}),
+    });
+  } catch (e) {
+    throw new Error("Cannot reach the server. Check the connection and try again.");
+  }
+  const j = await r.json().catch(() => ({}));
+  if (r.status === 404) {
+    throw new Error(
+      "This code was used already or has expired: ask for a new one (another device " +
+        "shows it under Keys and devices → Add a device).",
+    );
+  }
+  if (!r.ok || !j.data) {
+    throw new Error(j.error ? j.error.message : "The server answered " + r.status + ".");
+  }
+  return {base, claimed: j.data};
+}
+
+async function joinWithPairing() {
+  const msg = $("pair-msg");
+  msg.textContent = "";
+  $("pair-join").disabled = true;
+  try {
+    const secret = $("pair-box").dataset.secret;
+    const {base, claimed} = await claim(secret, $("pair-name").value.trim()); // "": its given name
+    keepDevice(base, claimed);
+    $("pair-box").hidden = true;
+    state.base = base;
+    await connect(false);
+  } catch (e) {
+    msg.textContent = e.message || String(e);
+  } finally {
+    $("pair-join").disabled = false;
+  }
+}
+
+// First run: the setup payload shows the key to this browser (on this machine or its own
+// network): make an admin pairing with it, claim it as this browser's device, link.
+async function setUpServer() {
+  const msg = $("setup-msg");
+  msg.textContent = "";
+  $("setup").disabled = true;
+  try {
+    const base = new URL("api/v1", location.href).pathname;
+    const setup = await (await fetch(base + "/system/setup", {cache: "no-store"})).json();
+    const key = setup.data && setup.data.apiKey;
+    if (!setup.data || !setup.data.browserSetup || !/^nsk_[A-Za-z0-9_-]{43}$/.test(key || "")) {
+      throw new Error("This server is set up already: connect with its key, or scan a code.");
+    }
+    const name = $("setup-name").value.trim() || deviceGuess();
+    state.base = base;
+    state.key = key; // the API key, for these two calls only
+    state.keyBase = base;
+    const pairing = await api("POST", "/auth/devices/pairings", {name, scope: "admin"});
+    const {claimed} = await claim(pairing.data.secret, name);
+    keepDevice(base, claimed);
+    state.key = claimed.key;
+    await api("POST", "/auth/link", {clientName: "web client on " + name});
+    $("setup-box").hidden = true;
+    await connect(false);
+    await dialog(
+      "Keep this key safe",
+      [
+        el(
+          "p",
+          {},
+          "Your server is ready, and this browser is signed in as “" + name + "”. " +
+            "Other devices join by scanning a code: Keys and devices → Add a device.",
+        ),
+        el(
+          "p",
+          {class: "warn"},
+          "This is the server's API key. It is shown this once: keep it in a password " +
+            "manager. Lost it? On the server, run: python3 notesvc.py rotate-key",
+        ),
+        shownOnce("API key", key, "setup-key"),
+      ],
+      [["done", "I have kept it", "primary"]],
+    );
+  } catch (e) {
+    state.key = "";
+    state.keyBase = "";
+    msg.textContent = e.message || String(e);
+  } finally {
+    $("setup").disabled = false;
+  }
+}
+
+async function offerSetup() {
+  try {
+    const base = new URL("api/v1", location.href).pathname;
+    const r = await fetch(base + "/system/setup", {cache: "no-store", mode: "same-origin"});
+    const j = await r.json();
+    if (j.data && j.data.browserSetup) {
+      $("setup-name").value = deviceGuess();
+      $("setup-box").hidden = false;
+      $("setup").focus();
+    }
+  } catch (e) {
+    /* not a notes server's own page (a relay's): the key screen as it is */
+  }
+}
+
+// The picture of a pairing or a bot link: the server's QR code, else the link and a code to
+// type (when the server has no QR encoder).
+function pairingView(made, what) {
+  const parts = [];
+  if (made.qrSvg) {
+    const img = el("img", {
+      class: "qr",
+      id: "pair-qr",
+      alt: "QR code of the link to " + what,
+      src: "data:image/svg+xml;charset=utf-8," + encodeURIComponent(made.qrSvg),
+    });
+    parts.push(img);
+  }
+  parts.push(shownOnce("Link", made.url, "pair-url"));
+  if (made.secret) {
+    parts.push(
+      el(
+        "p",
+        {class: "muted"},
+        "Or open this server's page on the device and type the code: ",
+        el("code", {id: "pair-code"}, groupCode(made.secret)),
+      ),
+    );
+  }
+  return parts;
+}
+
+// "Add a device" (any scope; admin is everything) and "Give someone a folder".
+async function addDevice(folderOnly) {
+  const name = el("input", {
+    type: "text",
+    id: "device-name",
+    placeholder: folderOnly ? "Anna's phone" : "my tablet",
+  });
+  const scope = el(
+    "select",
+    {id: "device-scope"},
+    ...(folderOnly ? [] : [el("option", {value: "admin"}, "everything, like this device")]),
+    el("option", {value: "write"}, "read and write"),
+    el("option", {value: "read"}, "read only"),
+  );
+  const folder = el("input", {type: "text", id: "device-folder", placeholder: "notes/family"});
+  const fields = [
+    el("label", {for: "device-name"}, "Name"),
+    name,
+    el("label", {for: "device-scope"}, "It may"),
+    scope,
+  ];
+  if (folderOnly) fields.push(el("label", {for: "device-folder"}, "Only this folder"), folder);
+  for (;;) {
+    const go = await dialog(folderOnly ? "Give someone a folder" : "Add a device", fields, [
+      ["cancel", "Cancel"],
+      ["make", "Show the code", "primary"],
+    ]);
+    if (go !== "make") return showKeys();
+    const body = {
+      name: name.value.trim() || (folderOnly ? "folder" : "device"),
+      scope: scope.value,
+    };
+    try {
+      if (folderOnly) {
+        const f = folder.value.trim().replace(/\/+$/, "").replace(/^\/+/, "");
+        if (!f) throw new Error("Name the folder to give, e.g. notes/family.");
+        body.folder = f.startsWith("notes") ? f : "notes/" + f;
+      }
+      const {data} = await api("POST", "/auth/devices/pairings", body);
+      return showPairing(data);
+    } catch (e) {
+      if (e instanceof Problem && (e.status === 401 || e.status === 429)) throw e;
+      dialogProblem(fields, e); // in the dialog, which opens again with what was typed
+    }
+  }
+}
+
+async function showPairing(made) {
+  const until = new Date(made.expiresAt);
+  const status = el(
+    "p",
+    {id: "pair-status", role: "status"},
+    "Scan it with the other device's camera. It works once, until " +
+      until.toLocaleTimeString([], {hour: "2-digit", minute: "2-digit"}) + ".",
+  );
+  const shown = dialog(
+    "Scan to join",
+    [...pairingView(made, "join this server"), status],
+    [["cancel", "Done"]],
+  );
+  let watching = true;
+  shown.then(() => (watching = false));
+  while (watching && Date.now() < until.getTime()) {
+    await sleep(2000);
+    if (!watching) break;
+    const {data} = await api("GET", "/auth/keys");
+    const joined = data.keys.find((g) => g.kind === "device" && g.createdAt >= made.createdAt);
+    if (joined) {
+      status.textContent = "“" + joined.name + "” joined.";
+      status.className = "ok";
+      break;
+    }
+  }
+  await shown;
+  return showKeys();
+}
+
+// -- Telegram: paste the bot's token, send it a code, connected ---------------------------
+
+async function telegramChannels() {
+  const {data} = await api("GET", "/channels");
+  return data.channels.filter((c) => c.provider === "telegram");
+}
+
+async function showTelegram() {
+  const [channel] = await telegramChannels();
+  if (!channel) return connectTelegram();
+  const bound = channel.boundChat;
+  const lines = [
+    el(
+      "p",
+      {},
+      el("strong", {}, channel.name),
+      channel.enabled ? "" : " (switched off)",
+      bound ? " saves what “" + (bound.name || bound.id) + "” sends it." : " waits for a chat.",
+    ),
+  ];
+  if (channel.status && channel.status.ok === false) {
+    lines.push(el("p", {class: "err"}, "Telegram: " + channel.status.error));
+  }
+  const choice = await dialog("Telegram", lines, [
+    ["close", "Close"],
+    ["bind", "Connect another chat"],
+    ["toggle", channel.enabled ? "Switch off" : "Switch on"],
+    ["remove", "Remove", "danger"],
+  ]);
+  if (choice === "bind") {
+    const {data} = await api("POST", "/channels/" + enc(channel.id) + "/bind");
+    return waitForChat(channel.id, data);
+  }
+  if (choice === "toggle") {
+    await api("POST", "/channels/" + enc(channel.id) + "/toggle");
+    return showTelegram();
+  }
+  if (choice === "remove") {
+    const sure = await choose(
+      "Remove " + channel.name + "?",
+      "The bot stops saving to your notes.",
+      [
+        ["cancel", "Cancel"],
+        ["remove", "Remove", "danger"],
+      ],
+    );
+    if (sure === "remove") {
+      await api("DELETE", "/channels/" + enc(channel.id));
+      toast("Telegram removed");
+    }
+  }
+  return undefined;
+}
+
+async function connectTelegram() {
+  const token = el("input", {
+    type: "text",
+    id: "tg-token",
+    autocomplete: "off",
+    spellcheck: "false",
+    placeholder: "123456789:AA…",
+  });
+  const body = [
+    el(
+      "ol",
+      {},
+      el("li", {}, "In Telegram, open @BotFather and send /newbot; give it a name."),
+      el("li", {}, "BotFather answers with a token: paste it here."),
+    ),
+    el("label", {for: "tg-token"}, "Bot token"),
+    token,
+  ];
+  for (;;) {
+    const go = await dialog("Connect Telegram", body, [
+      ["cancel", "Cancel"],
+      ["connect", "Connect", "primary"],
+    ]);
+    if (go !== "connect") return undefined;
+    let made;
+    try {
+      made = await api("POST", "/channels/connect/telegram", {botToken: token.value.trim()});
+    } catch (e) {
+      if (e instanceof Problem && (e.status === 401 || e.status === 429)) throw e;
+      dialogProblem(body, e); // shown in the dialog, which opens again with the token kept
+      continue;
+    }
+    return waitForChat(made.data.channel.id, made.data);
+  }
+}
+
+// An error of a dialog's own action, shown inside that dialog the next time it opens.
+function dialogProblem(body, e) {
+  let p = body.find((b) => b.id === "dlg-error");
+  if (!p) {
+    p = el("p", {id: "dlg-error", class: "err", role: "alert"});
+    body.push(p);
+  }
+  p.textContent = e && e.message ? e.message : String(e);
+}
+
+async function waitForChat(id, made) {
+  const until = new Date(made.bindUntil);
+  const status = el(
+    "p",
+    {id: "tg-status", role: "status"},
+    "Waiting for the first message… (the code works until " +
+      until.toLocaleTimeString([], {hour: "2-digit", minute: "2-digit"}) + ")",
+  );
+  const bot = made.link
+    ? el("a", {href: made.link, target: "_blank", rel: "noopener"}, "@" + made.bot)
+    : "your bot";
+  const parts = [el("p", {}, "Open ", bot, " in Telegram and press Start.")];
+  if (made.qrSvg) {
+    parts.push(
+      el("img", {
+        class: "qr",
+        id: "tg-qr",
+        alt: "QR code of the link to the bot",
+        src: "data:image/svg+xml;charset=utf-8," + encodeURIComponent(made.qrSvg),
+      }),
+      el("p", {class: "muted"}, "On a computer? Scan this with your phone's camera."),
+    );
+  }
+  const code = el("code", {id: "tg-code"}, made.bindCode);
+  parts.push(el("p", {}, "Or send the bot this code: ", code));
+  parts.push(status);
+  const shown = dialog("Connect Telegram", parts, [["cancel", "Done"]]);
+  let watching = true;
+  shown.then(() => (watching = false));
+  while (watching && Date.now() < until.getTime()) {
+    await sleep(1500);
+    if (!watching) break;
+    const {data} = await api("GET", "/channels/" + enc(id));
+    if (data.boundChat) {
+      status.textContent = "Connected to " + (data.boundChat.name || data.boundChat.id) + ".";
+      status.className = "ok";
+      break;
+    }
+  }
+  return shown;
+}
+
+// A code typed from another device's screen (where no camera can scan it).
+async function joinWithCode() {
+  const msg = $("join-msg");
+  msg.textContent = "";
+  const code = $("join-code").value.replace(/[^A-Za-z2-7]/g, "").toLowerCase();
+  if (code.length !== 26) {
+    msg.textContent = "A code is 26 letters and digits (groups of four): check it and try again.";
+    return;
+  }
+  $("join").disabled = true;
+  try {
+    const {base, claimed} = await claim(code, "");
+    keepDevice(base, claimed);
+    state.base = base;
+    await connect(false);
+  } catch (e) {
+    msg.textContent = e.message || String(e);
+  } finally {
+    $("join").disabled = false;
+  }
+}
+
+function wireDevices() {
+  $("setup").addEventListener("click", setUpServer);
+  $("pair-join").addEventListener("click", joinWithPairing);
+  $("join").addEventListener("click", joinWithCode);
+  $("join-code").addEventListener("keydown", (e) => {
+    if (e.key === "Enter") joinWithCode();
+  });
+}
+wireDevices();
+"""
+# --- end web/devices.js ---
 
 # One script, in this order: core.js ("use strict", the page's state, storage and API),
-# the pure modules (paths.js, keys.js, markdown.js; node --test web/), app.js, grants.js.
-WEB_JS = WEB_JS_START + PATHS_JS + KEYS_JS + MARKDOWN_JS + WEB_JS_REST + WEB_GRANTS_JS
+# the pure modules (paths.js, keys.js, markdown.js; node --test web/), app.js, grants.js,
+# devices.js.
+WEB_JS = (
+    WEB_JS_START + PATHS_JS + KEYS_JS + MARKDOWN_JS + WEB_JS_REST + WEB_GRANTS_JS + WEB_DEVICES_JS
+)
 
 # --- begin web/app.html ---
 WEB_PAGE = r"""
@@ -15061,8 +15838,24 @@ WEB_PAGE = r"""
 
 <div id="login">
   <h1><svg aria-hidden="true"><use href="#i-logo"/></svg>notesvc</h1>
-  <p>Your notes, on your own server. Paste the API key from the server's setup page or its
-    start-up banner.</p>
+  <div id="setup-box" hidden>
+    <p>This notes server is new. Set it up from this browser: it becomes this browser's
+      own, and you get its key to keep safe.</p>
+    <label for="setup-name">This device's name</label>
+    <input id="setup-name" type="text" autocomplete="off" maxlength="100">
+    <button id="setup" class="primary" type="button">Set up this server</button>
+    <p id="setup-msg" class="err" role="alert"></p>
+    <p class="hint">Or connect with the key below.</p>
+  </div>
+  <div id="pair-box" hidden>
+    <p>You were invited to a notes server. Join it from this device: no key to type.</p>
+    <label for="pair-name">This device's name (optional)</label>
+    <input id="pair-name" type="text" autocomplete="off" maxlength="100">
+    <button id="pair-join" class="primary" type="button">Join</button>
+    <p id="pair-msg" class="err" role="alert"></p>
+  </div>
+  <p id="key-intro">Your notes, on your own server. Scan the code another of your devices
+    shows (<em>Keys and devices → Add a device</em>), or paste the API key.</p>
   <label for="key">API key</label>
   <input id="key" type="password" autocomplete="off" spellcheck="false" placeholder="nsk_…">
   <label class="check"><input id="remember" type="checkbox"> Remember on this device</label>
@@ -15074,6 +15867,14 @@ WEB_PAGE = r"""
     this page keeps nothing on this device: the key is asked for each time, and offline use
     and pairing are off. The relay's operator can give each server its own address
     (SERVICE_RELAY_DOMAIN).</p>
+  <details id="code-box">
+    <summary>Have a code from another device?</summary>
+    <label for="join-code">Code (from Keys and devices → Add a device)</label>
+    <input id="join-code" type="text" autocomplete="off" spellcheck="false"
+      autocapitalize="none" placeholder="abcd-efgh-…">
+    <button id="join" type="button">Join</button>
+    <p id="join-msg" class="err" role="alert"></p>
+  </details>
   <details id="relay-box">
     <summary>Connecting through a relay?</summary>
     <label for="relay-code">Relay code (from the server's connect link)</label>
@@ -15097,7 +15898,8 @@ WEB_PAGE = r"""
         <button id="menu-new" type="button">New note</button>
         <button id="menu-refresh" type="button">Refresh</button>
         <button id="menu-trash" type="button" hidden>Trash</button>
-        <button id="menu-keys" type="button" hidden>Keys and connections</button>
+        <button id="menu-keys" type="button" hidden>Keys and devices</button>
+        <button id="menu-telegram" type="button" hidden>Telegram</button>
         <button id="logout" type="button">Log out</button>
       </div>
     </details>
@@ -15445,7 +16247,7 @@ const $ = (id) => document.getElementById(id);
 const ask = new URLSearchParams(location.search);
 // This page is {base}/oauth/authorize; the API is {base}/api/v1 on this same origin.
 const api = location.pathname.replace(/\/oauth\/authorize\/?$/, "") + "/api/v1";
-let facts = null, back = "";
+let facts = null, back = "", signedIn = "";
 
 function say(text) { $("msg").textContent = text; }
 
@@ -15472,19 +16274,29 @@ async function load() {
   else if (facts.scope === "write") $("scope-write").checked = true;
   // The web client's key on this origin (session or device), offered only when it was kept
   // for this very server's API: on a relay, every server's consent page has this origin.
-  let kept = "";
+  let kept = "", device = null;
   try {
     const shared = document.documentElement.dataset.origin === "shared"; // a relay's: keep off
     for (const store of shared ? [] : [sessionStorage, localStorage]) {
       if (!kept && store.getItem("notesvc.keyFor") === api) {
         kept = store.getItem("notesvc.key") || "";
+        if (kept.startsWith("nsd_")) device = JSON.parse(store.getItem("notesvc.device") || "null");
       }
     }
   } catch (e) {
     /* storage is off in this browser */
   }
-  if (kept) $("key").value = kept;
   $("ask").classList.remove("hidden");
+  if (kept && device && device.scope === "admin") {
+    // This browser is an admin device of this very server: it approves as itself.
+    signedIn = kept;
+    $("device").textContent = device.name || "this device";
+    $("signed-in").classList.remove("hidden");
+    $("key-row").classList.add("hidden");
+    $("allow").focus();
+    return;
+  }
+  if (kept && !kept.startsWith("nsd_")) $("key").value = kept;
   $("key").focus();
 }
 
@@ -15499,7 +16311,8 @@ async function allow() {
   $("allow").disabled = true;
   try {
     const r = await fetch(api + "/oauth/approve", {method: "POST", mode: "same-origin",
-      headers: {"Content-Type": "application/json", "X-Service-Key": $("key").value.trim()},
+      headers: {"Content-Type": "application/json",
+        "X-Service-Key": signedIn || $("key").value.trim()},
       body: JSON.stringify(body)});
     const j = await r.json().catch(() => null);
     if (r.ok && j && j.success) { location.assign(j.data.redirect); return; }
@@ -15536,8 +16349,9 @@ read and search your notes</label>
 read, create and change your notes</label></fieldset>
 <label for="folder">Only this folder (leave empty for all notes)</label>
 <input id="folder" type="text" autocomplete="off" placeholder="notes/family">
-<label for="key">Your API key (it stays on this page and your server)</label>
-<input id="key" type="password" autocomplete="off" placeholder="nsk_...">
+<p id="signed-in" class="hidden">Signed in as <span id="device" class="who"></span>.</p>
+<div id="key-row"><label for="key">Your API key (it stays on this page and your server)</label>
+<input id="key" type="password" autocomplete="off" placeholder="nsk_..."></div>
 <div class="row"><button id="allow" class="go">Allow</button>
 <button id="deny">Deny</button></div></div>
 <div id="back" class="hidden row"><button id="return">Return to the app</button></div>
@@ -15552,7 +16366,7 @@ def _page_csp(script: str) -> str:
     return (
         "default-src 'none'; "
         f"script-src {_csp_hash(script)}; style-src {_csp_hash(PAGE_CSS)}; "
-        "connect-src 'self'; img-src 'self'; base-uri 'none'; "
+        "connect-src 'self'; img-src 'self' data:; base-uri 'none'; "
         "form-action 'none'; frame-ancestors 'none'"
     )
 
@@ -16814,6 +17628,22 @@ def names_this_machine(config: Config, host: str) -> bool:
     return name in names
 
 
+def browser_setup_allowed(svc: Service, env: dict) -> bool:
+    """Return whether the web client may set this server up from this request: setup not
+    done, the key shown to it, the client on this machine or its own network, and never
+    through a relay (CONTRACT 23)."""
+    cfg, st = svc.config, svc.state.read()
+    addr = svc.client_addr(env)
+    return (
+        not st.get("setupComplete")
+        and not env.get("notesvc.relayed")
+        and not env.get("SCRIPT_NAME")
+        and names_this_machine(cfg, request_host(cfg, env))
+        and is_home_network(addr)
+        and (not cfg.setup_local_only or is_loopback(addr))
+    )
+
+
 def get_setup(svc: Service) -> dict:
     env, cfg, st = bottle.request.environ, svc.config, svc.state.read()
     url, relay = svc.base_url(env), svc.relay_url(env)
@@ -16833,6 +17663,7 @@ def get_setup(svc: Service) -> dict:
         "serverId": server_id,
         "apiKey": key,
         "setupComplete": complete,
+        "browserSetup": show_key and browser_setup_allowed(svc, env),
         "version": __version__,
         "auth": {
             "method": cfg.auth_mode,
@@ -17014,6 +17845,9 @@ def verify_key(svc: Service) -> dict:
     who = request_principal()
     if who.kind != "owner":  # a scoped key learns how far it may go (the web client asks)
         answer["grant"] = {"kind": who.kind, "scope": who.scope, "folder": who.folder or None}
+        if who.kind == "device":  # "Signed in as <device>"
+            mine = [g for g in svc.grants.grants() if g["id"] == who.grant_id]
+            answer["grant"]["name"] = mine[0]["name"] if mine else "this device"
     return answer
 
 
@@ -17898,6 +18732,11 @@ def create_channel(svc: Service) -> dict:
         raise bad_request(f"'provider' must be one of {', '.join(svc.channel_providers)}")
     config = validate_channel_config(provider, body.get("config", {}))
     title = field(body, "name", required=False, max_len=100) or f"{name} channel"
+    return add_channel(svc, name, config, title)
+
+
+def add_channel(svc: Service, name: str, config: dict, title: str, **extra) -> dict:
+    """Store a new channel (config already checked) and start what it needs; return it."""
     # Through a relay (or this server's own /r/<id> prefix) the hook must go that way too.
     base = svc.issuer(bottle.request.environ)
     channel = {
@@ -17909,12 +18748,78 @@ def create_channel(svc: Service) -> dict:
         "webhookUrl": f"{base}{API}/channels/webhook/{name}",
         "secret": secrets.token_urlsafe(24),
         "config": config,
+        **extra,
     }
     svc.state.update(lambda data: data.setdefault("channels", []).append(channel))
     log.info("channel %s (%s) created", channel["id"], name)
     channel = configure_channel(svc, channel)  # Telegram webhook mode: setWebhook
     svc.pollers.sync()
     return channel
+
+
+TELEGRAM_TOKEN_RE = re.compile(r"^[0-9]{1,20}:[A-Za-z0-9_-]{1,200}$")  # BotFather's shape
+
+
+def connect_telegram(svc: Service) -> dict:
+    """POST /channels/connect/telegram {botToken, name?}: the web client's "Connect
+    Telegram". The token is checked with getMe first (refused: 400, Telegram unreachable:
+    502; nothing is stored either way); then a polling channel that no chat may use until
+    one sends the bind code (10 minutes), which connects that chat alone."""
+    body = read_json(svc.config.max_body_bytes)
+    token = field(body, "botToken", max_len=MAX_CONFIG_CHARS).strip()
+    if not TELEGRAM_TOKEN_RE.match(token):
+        raise bad_request("'botToken' must be the token BotFather gave you (123456:ABC...)")
+    try:
+        bot = telegram_call(svc, {"botToken": token}, "getMe", {}, timeout=15)
+    except TelegramError as e:
+        raise bad_request(
+            f"Telegram refused this token ({e}); copy it again from @BotFather"
+        ) from None
+    except UpstreamError as e:
+        raise ApiError(502, "UPSTREAM_ERROR", f"Telegram cannot be reached: {e}") from None
+    bot = bot if isinstance(bot, dict) else {}
+    username = _printable(str(bot.get("username") or ""), 64)
+    title = field(body, "name", required=False, max_len=100) or f"@{username or 'telegram'}"
+    config = validate_channel_config(
+        svc.channel_providers["telegram"],
+        {"botToken": token, "mode": "polling", "notify": True},
+    )
+    code, binding = new_binding()
+    channel = add_channel(svc, "telegram", config, title, binding=binding, bot=username)
+    return bind_answer(svc, channel, code, binding)
+
+
+def bind_answer(svc: Service, channel: dict, code: str, binding: dict) -> dict:
+    """Return what the web client shows to connect a chat: the code, the bot's t.me link
+    that sends it (and its QR code), until when it works."""
+    username = channel.get("bot") or ""
+    link = f"https://t.me/{username}?start={code}" if username else ""
+    answer = {
+        "channel": redact_channel(channel, svc.channel_providers),
+        "bindCode": code,
+        "bindUntil": binding["until"],
+        "bot": username,
+        "link": link,
+    }
+    svg = qr_svg(link) if link else None
+    if svg:
+        answer["qrSvg"] = svg
+    return answer
+
+
+def bind_channel(svc: Service, channel_id: str) -> dict:
+    """POST /channels/:id/bind: a new bind code; the next chat to send it replaces the
+    allowed chats (the ones allowed now keep working until then)."""
+    code, binding = new_binding()
+
+    def apply(channels: list, i: int) -> dict:
+        if channels[i]["provider"] != "telegram":
+            raise bad_request("only a Telegram channel is connected by a code")
+        channels[i]["binding"] = binding
+        return channels[i]
+
+    channel = _change_channel(svc, channel_id, apply)
+    return bind_answer(svc, channel, code, binding)
 
 
 def get_channel(svc: Service, channel_id: str) -> dict:
@@ -18222,6 +19127,87 @@ def create_scoped_key(svc: Service) -> dict:
 
 def list_scoped_keys(svc: Service) -> dict:
     return {"keys": svc.grants.grants()}
+
+
+# -- devices: a phone joins by scanning a code (CONTRACT 23) ---------------------------
+
+
+def qr_svg(text: str) -> str | None:
+    """Return text as a QR code in SVG (segno, when installed; else None)."""
+    try:
+        import segno
+    except ImportError:
+        return None
+    out = io.BytesIO()  # a whole SVG document (with its namespace): it also works as an <img>
+    segno.make(text, error="m").save(
+        out, kind="svg", xmldecl=False, nl=False, scale=5, border=2, dark="#111"
+    )
+    return out.getvalue().decode("utf-8")
+
+
+def pairing_origin(config: Config, state: dict, environ: dict | None) -> str:
+    """Return the origin a pairing's link opens: SERVICE_PUBLIC_URL's, else the server's
+    own origin on its relay, else the request's (outside a request: the address the
+    banner gives phones)."""
+    url = config.public_url or relay_origin_of(config, state)
+    if not url:
+        url = base_url_of(config, environ) if environ is not None else phone_url(config)
+    parts = urllib.parse.urlsplit(url)
+    return f"{parts.scheme}://{parts.netloc}"
+
+
+def new_pairing(
+    config: Config, grants: GrantStore, name: str, scope: str, folder: str | None, environ
+) -> dict:
+    """Make a pairing; return {id, name, scope, folder, createdAt, expiresAt, secret,
+    url[, qrSvg]}: the secret travels only in the link's fragment."""
+    if scope not in SCOPES:
+        raise bad_request("'scope' must be read, write or admin")
+    if scope == "admin" and folder:
+        raise bad_request("an admin device sees every note: leave out 'folder', or choose write")
+    record, secret = grants.create_pairing(name, scope, folder, config.pairing_ttl)
+    url = f"{pairing_origin(config, grants.state.read(), environ)}/#pair={secret}"
+    answer = {**record, "secret": secret, "url": url}
+    svg = qr_svg(url)
+    if svg:
+        answer["qrSvg"] = svg
+    return answer
+
+
+def create_pairing(svc: Service) -> dict:
+    body = read_json(svc.config.max_body_bytes)
+    name = _clean_name(field(body, "name", required=False, max_len=100), "device")
+    scope = field(body, "scope", required=False) or "write"
+    folder = _grant_folder(body)
+    return new_pairing(svc.config, svc.grants, name, scope, folder, bottle.request.environ)
+
+
+def claim_device(svc: Service) -> dict:
+    """POST /auth/devices/claim (public): a pairing's secret for a device key, once.
+
+    Failures count toward the lockout like wrong keys. The secret is refused in a URL,
+    where logs and proxies keep it.
+    """
+    env = bottle.request.environ
+    if "secret" in bottle.request.query or "pair" in bottle.request.query:
+        raise bad_request("send the pairing secret in the JSON body, never in the URL")
+    addr = svc.client_addr(env)
+    svc.check_lockout(addr)
+    body = read_json(svc.config.max_body_bytes)
+    secret = field(body, "secret", max_len=64)
+    name = _clean_name(field(body, "deviceName", required=False, max_len=100), "")
+    found = svc.grants.claim(secret, name) if len(secret) <= 64 else None
+    if found is None:
+        svc.lockout.fail(addr)
+        raise not_found("this pairing code is unknown, used or expired: make a new one")
+    svc.lockout.succeed(addr)
+    record, key = found
+    return {
+        "key": key,
+        "deviceId": record["id"],
+        "device": record,
+        "apiBase": svc.issuer(env) + API,
+    }
 
 
 def revoke_scoped_key(svc: Service, grant_id: str) -> dict:
@@ -19098,6 +20084,29 @@ ROUTES = (
         scope="admin",
     ),
     Route(
+        "POST",
+        "/channels/connect/telegram",
+        connect_telegram,
+        summary="Connect a Telegram bot: its token checked (getMe), then a one-time code "
+        "that connects the first chat to send it",
+        body=_obj(
+            ["botToken"],
+            botToken={**_STR, "pattern": TELEGRAM_TOKEN_RE.pattern},
+            name={**_STR, "maxLength": 100},
+        ),
+        status=201,
+        tag="channels",
+        scope="admin",
+    ),
+    Route(
+        "POST",
+        "/channels/<channel_id>/bind",
+        bind_channel,
+        summary="A new one-time code: the next Telegram chat to send it becomes the allowed one",
+        tag="channels",
+        scope="admin",
+    ),
+    Route(
         "DELETE",
         "/channels/<channel_id>",
         delete_channel,
@@ -19246,6 +20255,35 @@ ROUTES = (
         params={"path": FOLDER_PATH_PARAM, "depth": _DEPTH},
         tag="folders",
         scope="read",
+    ),
+    Route(
+        "POST",
+        "/auth/devices/pairings",
+        create_pairing,
+        summary="Pair a device: a one-time secret (its link and QR code) for a device key",
+        body=_obj(
+            [],
+            name={**_STR, "maxLength": 100},
+            scope={"enum": list(SCOPES)},
+            folder=_FOLDER_PATH,
+        ),
+        status=201,
+        tag="auth",
+        scope="admin",
+    ),
+    Route(
+        "POST",
+        "/auth/devices/claim",
+        claim_device,
+        public=True,
+        summary="Claim a pairing's secret (from the link's fragment) for a device key, once",
+        body=_obj(
+            ["secret"],
+            secret={**_STR, "minLength": 1, "maxLength": 64},
+            deviceName={**_STR, "maxLength": 100},
+        ),
+        status=201,
+        tag="auth",
     ),
     Route(
         "POST",
@@ -19801,6 +20839,7 @@ class _Parser(argparse.ArgumentParser):
 COMMAND_HELP = {
     "serve": "serve the API (the default)",
     "rotate-key": "print a new API key; the old one stops working (works while serving)",
+    "pair": "add a device: print a one-time link and its QR code to scan (works while serving)",
     "audit": "print the security audit of this root's server; exit 1 on a critical finding",
     "relay": "run a relay only (serves /relay/v1/*, /r/<serverId>/api/v1/*, /health)",
 }
@@ -19846,7 +20885,23 @@ def build_parser() -> argparse.ArgumentParser:
             formatter_class=argparse.RawDescriptionHelpFormatter,
         )
         add_flags(p, name, argparse.SUPPRESS)
+        for flag, options in COMMAND_ARGS.get(name, {}).items():
+            p.add_argument(flag, **options)
     return parser
+
+
+# a subcommand's own flags (not settings): the handler gets them as its second argument
+COMMAND_ARGS = {
+    "pair": {
+        "--scope": {
+            "choices": SCOPES,
+            "default": "write",
+            "help": "what the device may do (default: write; admin: also keys and settings)",
+        },
+        "--folder": {"help": "only this folder, e.g. notes/family (not with --scope admin)"},
+        "--name": {"default": "device", "help": "the device's name in the list of devices"},
+    }
+}
 
 
 def take_process_lock(config: Config) -> int:
@@ -20248,26 +21303,45 @@ def print_banner(config: Config, state: dict, port: int) -> None:
     host = config.host if config.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
     host = f"[{host}]" if ":" in host else host
     url = config.public_url or f"http://{host}:{port}"
+    terminal = _is_terminal(sys.stderr)
+    phone = phone_url(config, port)
     lines = [
         f"notesvc {__version__} serving {config.notes_dir}",
         f"  listening on http://{host}:{port} (bind {config.host or '*'}:{port})",
+        (
+            f"  on your phone: {phone}" + ("  (or scan the code below)" if terminal else "")
+            if not is_loopback(config.host)
+            else f"  in a browser on this machine: {phone}  (phones need --host 0.0.0.0)"
+        ),
         f"  API:    {url}{API}",
         f"  setup:  {url}{API}/system/setup",
     ]
-    if config.host in ("0.0.0.0", "::", ""):
-        lines.append(f"  from other devices: http://{platform.node() or 'this-host'}:{port}")
     if state.get("setupComplete"):
-        lines.append(f"  setup complete; lost the key? run: {_self_command()} rotate-key")
-    else:
-        if _is_terminal(sys.stderr):
-            lines.append(f"  key:    {state.get('apiKey', '')}  (shown until setup completes)")
-        else:  # a journal or a log file keeps what it is given: no key there
-            lines.append(
-                "  key:    not logged; open the setup URL on this machine, "
-                f"or run: {_self_command()} rotate-key"
-            )
-        lines.append(f"  link:   curl -X POST -H '{KEY_HEADER}: <key>' {url}{API}/auth/link")
+        lines.append(f"  add a device: {_self_command()} pair")
+        lines.append(f"  lost the key? run: {_self_command()} rotate-key")
+    elif terminal:
+        lines.append("  first:  open that address in a browser: it sets this server up")
+        lines.append(f"  key:    {state.get('apiKey', '')}  (shown until setup completes)")
+    else:  # a journal or a log file keeps what it is given: no key there
+        lines.append("  first:  open that address in a browser: it sets this server up")
+        lines.append(
+            "  key:    not logged; open the setup URL on this machine, "
+            f"or run: {_self_command()} rotate-key"
+        )
     print("\n".join(lines), file=sys.stderr, flush=True)
+    if terminal:  # a journal keeps text, not pictures
+        print_qr(phone, sys.stderr)
+
+
+def print_qr(text: str, out: Any) -> bool:
+    """Print text as a QR code of Unicode blocks (segno, when installed); False without."""
+    try:
+        import segno
+    except ImportError:
+        return False
+    segno.make(text, error="m").terminal(out=out, compact=True)
+    out.flush()
+    return True
 
 
 def _self_command() -> str:
@@ -20370,8 +21444,8 @@ def _user_name(uid: int) -> str:
         return f"#{uid}"  # sudo -u takes a numeric id this way
 
 
-def cmd_rotate_key(config: Config) -> int:
-    """Print a new key; the state is written as the state folder's owner.
+def _owned_state(config: Config, command: str) -> StateStore:
+    """Return the root's state, written as the state folder's owner.
 
     Root writes it as that owner (chown before the atomic rename); another user stops
     with the sudo line to use, so the service never finds its state owned by someone else.
@@ -20381,22 +21455,57 @@ def cmd_rotate_key(config: Config) -> int:
     name = _user_name(folder.st_uid)
     hint = (
         f"the state at {config.state_dir} belongs to {name}; run: "
-        f"sudo -u {name} {_self_command()} rotate-key --root {config.root}"
+        f"sudo -u {name} {_self_command()} {command} --root {config.root}"
     )
     owner = None
     if euid != folder.st_uid:
         if euid != 0:
             raise ConfigError(hint)
         owner = (folder.st_uid, folder.st_gid)
+    store = StateStore.open_existing(config.state_dir, owner=owner)
+    store.permission_hint = hint
+    return store
+
+
+def cmd_rotate_key(config: Config) -> int:
+    """Print a new key (written as the state folder's owner, see _owned_state)."""
+    store = _owned_state(config, "rotate-key")
     try:
-        key = StateStore.open_existing(config.state_dir, owner=owner).update(rotate_key)
+        key = store.update(rotate_key)
     except PermissionError:
-        raise ConfigError(hint) from None
+        raise ConfigError(store.permission_hint) from None
     print(key)
     print(
         "The old key stopped working; a running notesvc picks this one up at once.",
         file=sys.stderr,
     )
+    return 0
+
+
+def cmd_pair(config: Config, args: argparse.Namespace) -> int:
+    """Print a one-time pairing link and its QR code (a running server honours it at once:
+    it reads the state file again when it changes)."""
+    store = _owned_state(config, "pair")
+    running = running_server(config)
+    if running and running[1]:  # the address the running server's banner gives phones
+        config = config_from_record(running[1], config.root)
+    name = _clean_name(args.name, "device")
+    raw = (args.folder or "").strip().strip("/")
+    try:
+        folder = folder_path(raw if raw.startswith(NOTES) else f"{NOTES}/{raw}") if raw else None
+        made = new_pairing(config, GrantStore(store), name, args.scope, folder, None)
+    except PermissionError:
+        raise ConfigError(store.permission_hint) from None
+    except ApiError as e:
+        raise ConfigError(e.message) from None
+    minutes = max(1, round(config.pairing_ttl / 60))
+    where = f", folder {folder}" if folder else ""
+    print(f"Scan this with the phone's camera, or open the link (good once, {minutes} min):")
+    if not print_qr(made["url"], sys.stdout):
+        code = "-".join(made["secret"][i : i + 4] for i in range(0, len(made["secret"]), 4))
+        print(f"  (install python3-segno for a QR code; or type the code {code})")
+    print(made["url"])
+    print(f"The device may {args.scope}{where}; it is listed, and revoked, as {name!r}.")
     return 0
 
 
@@ -20456,6 +21565,7 @@ def cmd_audit(config: Config) -> int:
 COMMANDS = {
     "serve": cmd_serve,
     "rotate-key": cmd_rotate_key,
+    "pair": cmd_pair,
     "audit": cmd_audit,
     "relay": cmd_relay,
 }
@@ -20484,6 +21594,8 @@ def main(argv: list | None = None) -> int:
                 f"no notesvc state at {config.state_dir} "
                 "(start the server there first, or check --root)"
             )
+        if command in COMMAND_ARGS:
+            return COMMANDS[command](config, args)
         return COMMANDS[command](config)
     except (ConfigError, StateError) as e:
         print(f"notesvc: error: {e}", file=sys.stderr)

@@ -6,16 +6,18 @@ import base64
 import collections
 import contextlib
 import dataclasses
+import datetime as dt
 import gzip
 import hashlib
 import http.client
 import http.server
+import importlib.util
 import io
 import itertools
 import json
+import logging
 import math
 import os
-import platform
 import random
 import re
 import secrets
@@ -5150,6 +5152,264 @@ def inside_family(path: str) -> bool:
     return path.startswith(("notes/family/", "attachments/family/"))
 
 
+def pair(client, status: int = 201, **body) -> dict:
+    """Make a pairing with the API key; return its answer."""
+    resp = client.post_json(
+        f"{API}/auth/devices/pairings", {"scope": "write", **body}, status=status
+    )
+    return resp.json["data"] if status == 201 else resp
+
+
+def claim(anon, secret: str, status: int = 201, name: str = "Pixel", **environ) -> dict:
+    resp = anon.post_json(
+        f"{API}/auth/devices/claim",
+        {"secret": secret, "deviceName": name},
+        status=status,
+        extra_environ=environ or None,
+    )
+    return resp.json["data"] if status == 201 else resp
+
+
+class TestDevices:
+    """Pairings and device keys: a one-time secret in a link's fragment, a key per device."""
+
+    def test_a_pairing_is_a_one_time_link_and_its_qr_code(self, client, anon):
+        made = pair(client, name="Anna's phone", scope="read", folder="notes/family")
+        assert re.fullmatch(r"[a-z2-7]{26}", made["secret"])  # 128 bits
+        assert made["url"] == f"http://localhost:80/#pair={made['secret']}"
+        assert made["scope"] == "read"
+        assert made["folder"] == "notes/family"
+        expires = dt.datetime.fromisoformat(made["expiresAt"].replace("Z", "+00:00"))
+        assert 590 <= (expires - dt.datetime.now(dt.timezone.utc)).total_seconds() <= 600
+        if importlib.util.find_spec("segno"):
+            assert made["qrSvg"].startswith("<svg")
+        state = json.dumps(client.app.service.state.read())
+        assert made["secret"] not in state  # only its SHA-256 is kept
+
+    def test_claiming_gives_a_device_key_with_the_pairings_scope_and_folder(self, client, anon):
+        put_note(client, "notes/family/list.md", "# List")
+        put_note(client, "notes/work/plan.md", "# Plan")
+        made = pair(client, name="Anna's phone", scope="write", folder="notes/family")
+        got = claim(anon, made["secret"].upper(), name="Anna's\x07 Pixel")
+        assert re.fullmatch(r"nsd_[A-Za-z0-9_-]{43}", got["key"])
+        assert got["apiBase"] == f"http://localhost:80{API}"
+        device = with_key(anon, got["key"])
+        grant = data(device.post(f"{API}/auth/verify"))["grant"]
+        assert grant == {
+            "kind": "device",
+            "scope": "write",
+            "folder": "notes/family",
+            "name": "Anna's Pixel",
+        }
+        assert data(device.get(note_url("notes/family/list.md")))["title"] == "List"
+        assert_error(device.get(note_url("notes/work/plan.md"), status=404), 404, "NOT_FOUND")
+        put_note(device, "notes/family/new.md", "mine")
+        assert_error(device.get(f"{API}/auth/keys", status=403), 403, "FORBIDDEN")
+        listed = [k for k in data(client.get(f"{API}/auth/keys"))["keys"] if k["kind"] == "device"]
+        assert [(k["id"], k["name"], k["scope"]) for k in listed] == [
+            (got["deviceId"], "Anna's Pixel", "write")
+        ]
+        assert listed[0]["lastUsedAt"]
+        # used once: never again, for anyone
+        assert_error(
+            anon.post_json(f"{API}/auth/devices/claim", {"secret": made["secret"]}, status=404),
+            404,
+            "NOT_FOUND",
+        )
+
+    def test_a_secret_is_good_only_on_the_server_that_made_it(self, client, make_app, root):
+        other = make_app(tmp_path_factory_root(root))
+        made = pair(client)
+        assert_error(claim(other, made["secret"], status=404), 404, "NOT_FOUND")
+        claim(client, made["secret"])  # still good where it was made
+
+    def test_a_revoked_device_is_out_on_its_next_request(self, client, anon):
+        got = claim(anon, pair(client)["secret"])
+        device = with_key(anon, got["key"])
+        device.post(f"{API}/auth/verify")
+        assert data(client.delete(f"{API}/auth/keys/{got['deviceId']}"))["revoked"]
+        assert_error(device.post(f"{API}/auth/verify", status=401), 401, "UNAUTHORIZED")
+
+    def test_an_admin_device_is_the_owner_but_for_the_key_itself(self, client, anon):
+        got = claim(anon, pair(client, scope="admin")["secret"])
+        device = with_key(anon, got["key"])
+        assert data(device.post(f"{API}/auth/verify"))["grant"]["scope"] == "admin"
+        data(device.get(f"{API}/auth/keys"))
+        data(device.get(f"{API}/security/audit"))
+        put_note(client, "notes/s.md")
+        shared = data(client.post_json(f"{API}/shares", {"path": "notes/s.md"}))
+        assert [s["id"] for s in data(device.get(f"{API}/shares"))["shares"]] == [shared["id"]]
+        for url in (f"{API}/auth/rotate", f"{API}/auth/token"):
+            assert_error(device.post(url, status=403), 403, "FORBIDDEN")
+
+    @pytest.mark.parametrize(
+        ("body", "status"),
+        [
+            ({"scope": "admin", "folder": "notes/family"}, 400),  # admin sees every note
+            ({"scope": "owner"}, 400),
+            ({"scope": "write", "folder": "notes/../etc"}, 400),
+            ({"scope": "write", "name": 7}, 400),
+        ],
+    )
+    def test_bad_pairings_are_refused(self, client, body, status):
+        resp = client.post_json(f"{API}/auth/devices/pairings", body, status=status)
+        assert_error(resp, status, "VALIDATION_ERROR")
+
+    def test_only_the_admin_makes_pairings(self, client, anon):
+        anon.post_json(f"{API}/auth/devices/pairings", {"scope": "read"}, status=401)
+        for scope in ("read", "write"):
+            key = with_key(anon, new_grant(client, scope)["key"])
+            resp = key.post_json(f"{API}/auth/devices/pairings", {"scope": "read"}, status=403)
+            assert "admin" in assert_error(resp, 403, "FORBIDDEN")["message"]
+        writer = with_key(anon, claim(anon, pair(client, scope="write")["secret"])["key"])
+        writer.post_json(f"{API}/auth/devices/pairings", {"scope": "read"}, status=403)
+
+    def test_an_expired_secret_is_404(self, client, anon):
+        made = pair(client)
+        grants = client.app.service.grants
+        grants.clock = lambda: time.time() + client.app.service.config.pairing_ttl + 1
+        assert_error(claim(anon, made["secret"], status=404), 404, "NOT_FOUND")
+        grants.clock = time.time  # gone for good: expired pairings are dropped
+        assert_error(claim(anon, made["secret"], status=404), 404, "NOT_FOUND")
+
+    def test_a_secret_in_a_url_is_refused_and_never_logged(self, client, anon, caplog):
+        made = pair(client)
+        caplog.set_level(logging.DEBUG)
+        resp = anon.post_json(
+            f"{API}/auth/devices/claim?secret={made['secret']}",
+            {"secret": made["secret"]},
+            status=400,
+        )
+        assert "body" in assert_error(resp, 400, "VALIDATION_ERROR")["message"]
+        claim(anon, made["secret"])  # still good: the refused call used nothing up
+        logged = "\n".join(r.getMessage() for r in caplog.records)
+        assert made["secret"] not in logged
+        assert made["secret"][:13] not in logged
+
+    def test_guessing_secrets_locks_the_address_out(self, client, anon):
+        made = pair(client)
+        guesser = {"REMOTE_ADDR": "203.0.113.9"}
+        for _ in range(10):
+            claim(anon, "a" * 26, status=404, **guesser)
+        resp = anon.post_json(
+            f"{API}/auth/devices/claim",
+            {"secret": made["secret"]},
+            status=429,
+            extra_environ=guesser,
+        )
+        assert_error(resp, 429, "RATE_LIMITED")
+        assert int(resp.headers["Retry-After"]) >= 1
+        claim(anon, made["secret"], **{"REMOTE_ADDR": "203.0.113.10"})  # others are not
+
+    @pytest.mark.parametrize(
+        ("env", "remote", "offered"),
+        [
+            ({}, "127.0.0.1", True),
+            ({}, "192.168.1.20", True),
+            ({}, "fd12::5", True),
+            ({}, "203.0.113.5", False),  # beyond the home network
+            ({"SERVICE_SETUP_LOCAL_ONLY": "true"}, "192.168.1.20", False),
+            ({"SERVICE_SETUP_LOCAL_ONLY": "true"}, "127.0.0.1", True),
+        ],
+    )
+    def test_the_browser_may_set_up_only_a_new_server_at_home(self, make_app, env, remote, offered):
+        app = make_app(**env)
+        setup = data(app.get(f"{API}/system/setup", extra_environ={"REMOTE_ADDR": remote}))
+        assert setup["browserSetup"] is offered
+        sid = setup["serverId"]  # through the /r/<id> prefix (a relay's path): never
+        assert not data(
+            app.get(f"/r/{sid}{API}/system/setup", extra_environ={"REMOTE_ADDR": remote})
+        )["browserSetup"]
+        with_key(app).post(f"{API}/auth/link")
+        assert not data(app.get(f"{API}/system/setup"))["browserSetup"]
+
+
+class TestTelegramConnect:
+    """ "Connect Telegram": the token checked first, then a code that binds one chat."""
+
+    @pytest.fixture
+    def tg(self, make_app, upstream):
+        return with_key(make_app(SERVICE_TELEGRAM_API_BASE=upstream.url)), upstream
+
+    def connect(self, client, status=201, token="123456:ABC-good") -> dict:
+        resp = client.post_json(
+            f"{API}/channels/connect/telegram", {"botToken": token}, status=status
+        )
+        return resp.json["data"] if status == 201 else resp
+
+    def test_a_refused_token_stores_nothing(self, tg):
+        client, upstream = tg
+        upstream.refused_token = "123456:ABC-bad"
+        resp = self.connect(client, 400, token="123456:ABC-bad")
+        assert "Unauthorized" in assert_error(resp, 400, "VALIDATION_ERROR")["message"]
+        assert data(client.get(f"{API}/channels"))["channels"] == []
+        assert "ABC-bad" not in resp.text
+
+    def test_telegram_unreachable_is_502_and_stores_nothing(self, make_app):
+        client = with_key(make_app(SERVICE_TELEGRAM_API_BASE=closed_port_url()))
+        resp = self.connect(client, 502)
+        assert_error(resp, 502, "UPSTREAM_ERROR")
+        assert data(client.get(f"{API}/channels"))["channels"] == []
+
+    def test_the_first_chat_to_send_the_code_is_the_only_one_allowed(self, tg):
+        client, upstream = tg
+        made = self.connect(client)
+        code = made["bindCode"]
+        assert re.fullmatch(r"[a-z2-7]{12}", code)
+        assert made["link"] == f"https://t.me/notes_bot?start={code}"
+        ch = made["channel"]
+        assert ch["config"]["mode"] == "polling"
+        assert ch["config"]["allowedChatIds"] == []
+        assert ch["name"] == "@notes_bot"
+        url = f"{API}/channels/{ch['id']}"
+        shown = data(client.get(url))
+        assert set(shown["binding"]) == {"until"}  # the code is never shown again
+        assert code not in json.dumps(shown)
+        # before the code: nobody, though the allowlist is empty
+        upstream.push(telegram_update("/save sneaky", chat_id=7))
+        wait_for(lambda: data(client.get(url))["refusedSenders"])
+        upstream.push(telegram_update(f"/start {code}", chat_id=42))
+        wait_for(lambda: "boundChat" in data(client.get(url)))
+        bound = data(client.get(url))
+        assert bound["boundChat"]["id"] == "42"
+        assert bound["boundChat"]["name"] == "Ada"
+        assert bound["config"]["allowedChatIds"] == ["42"]
+        assert "binding" not in bound
+        wait_for(lambda: any("Connected" in t for t in upstream.sent()))
+        upstream.push(telegram_update(code, chat_id=9))  # a second chat with the same code
+        wait_for(lambda: "9" in [r["sender"] for r in data(client.get(url))["refusedSenders"]])
+        upstream.push(telegram_update("/save oat milk", chat_id=42))
+        wait_for(lambda: today_note(client).exists())
+        assert "oat milk" in today_note(client).read_text()
+        assert "sneaky" not in today_note(client).read_text()
+
+    def test_a_new_code_rebinds_and_an_expired_one_binds_nothing(self, tg):
+        client, upstream = tg
+        ch = self.connect(client)["channel"]
+        url = f"{API}/channels/{ch['id']}"
+        again = data(client.post(f"{url}/bind"))
+        svc = client.app.service
+
+        def expire(data_: dict) -> None:
+            for c in data_["channels"]:
+                c["binding"]["until"] = "2000-01-01T00:00:00Z"
+
+        svc.state.update(expire)
+        upstream.push(telegram_update(f"/start {again['bindCode']}", chat_id=42))
+        wait_for(lambda: data(client.get(url))["refusedSenders"])
+        assert "boundChat" not in data(client.get(url))
+        fresh = data(client.post(f"{url}/bind"))
+        upstream.push(telegram_update(fresh["bindCode"], chat_id=43))
+        wait_for(lambda: "boundChat" in data(client.get(url)))
+        assert data(client.get(url))["config"]["allowedChatIds"] == ["43"]
+
+    def test_bind_refuses_other_channels(self, client):
+        web = data(client.post_json(f"{API}/channels", {"provider": "web"}, status=201))
+        resp = client.post(f"{API}/channels/{web['id']}/bind", status=400)
+        assert_error(resp, 400, "VALIDATION_ERROR")
+        assert_error(client.post(f"{API}/channels/ch_nope/bind", status=404), 404, "NOT_FOUND")
+
+
 class TestFolderGrants:
     @pytest.fixture
     def family(self, client):
@@ -6639,6 +6899,7 @@ class FakeUpstream:
         self.polls = 0
         self.poll_status = 200  # getUpdates answers this (e.g. 401: a revoked token)
         self.poll_error = "Unauthorized"  # ... with this description
+        self.refused_token = ""  # every Bot API call with this token answers 401
         self.webhook: dict | None = None
         self.webhook_error = ""  # setWebhook refuses with this description
         self.files: dict = {}  # Telegram file_id -> (file_path, bytes)
@@ -6678,6 +6939,13 @@ class FakeUpstream:
                 body = json.loads(raw or b"null")
                 if path.startswith("/bot") and method in fake.BOT_METHODS:
                     fake.bot_calls.append({"path": self.path, "json": body})
+                    if fake.refused_token and path.startswith(f"/bot{fake.refused_token}/"):
+                        unauthorized = {
+                            "ok": False,
+                            "error_code": 401,
+                            "description": "Unauthorized",
+                        }
+                        return self._send(401, json.dumps(unauthorized).encode())
                     status, answer = fake.bot_api(method, body)
                     return self._send(status, json.dumps(answer).encode())
                 fake.requests.append(
@@ -11245,6 +11513,210 @@ def post_oauth_form(url: str, form: dict) -> tuple:
             return e.code, json.loads(e.read() or b"null")
 
 
+ZBARIMG = shutil.which("zbarimg")
+
+
+def decode_qr(png: Path) -> str:
+    """Return the text of the QR code in a picture (Debian's zbarimg: a real decoder)."""
+    done = subprocess.run(
+        [ZBARIMG, "--quiet", "--raw", str(png)], capture_output=True, text=True, timeout=30
+    )
+    assert done.returncode == 0, done.stderr
+    return done.stdout.strip()
+
+
+class TestDevicesInChromium:
+    """A phone joins by scanning: real servers, Chromium at 390x844, the QR code decoded by
+    zbarimg from a screenshot."""
+
+    pytestmark = [pytest.mark.browser, pytest.mark.real_server, pytest.mark.slow]
+
+    def set_up_from_the_page(self, browser, tmp_path, server) -> WebSession:
+        s = WebSession(browser, tmp_path, "phone")
+        s.page.goto(server.url + "/")
+        s.page.fill("#setup-name", "Ada's phone")
+        s.page.click("#setup")
+        expect(s.page.locator("#dlg-title")).to_have_text("Keep this key safe")
+        s.dialog_choose("done")
+        expect(s.page.locator("#app")).to_be_visible()
+        return s
+
+    def test_the_consent_page_signs_in_with_this_browsers_admin_device(self, browser, tmp_path):
+        server = Server(tmp_path / "srv")
+        callback = Callback()
+        try:
+            s = self.set_up_from_the_page(browser, tmp_path, server)
+            status, _, reg = server.request(
+                "POST", "/oauth/register", {"redirect_uris": [callback.url], "client_name": "Far"}
+            )
+            assert status == 201
+            _, challenge = pkce_pair()
+            query = urllib.parse.urlencode(
+                {
+                    "response_type": "code",
+                    "client_id": reg["client_id"],
+                    "redirect_uri": callback.url,
+                    "state": "s1",
+                    "code_challenge": challenge,
+                    "code_challenge_method": "S256",
+                }
+            )
+            page = s.page
+            page.goto(f"{server.url}/oauth/authorize?{query}")
+            expect(page.locator("#signed-in")).to_contain_text("Signed in as Ada's phone")
+            expect(page.locator("#key")).to_be_hidden()  # no key to paste
+            assert page.evaluate("localStorage.getItem('notesvc.key')").startswith("nsd_")
+            page.click("#allow")
+            back = callback.query()  # approved with the device's key: a code for the app
+            assert back["state"] == ["s1"]
+            assert back["code"][0].startswith("nsc_")
+            assert unexpected(s.close()) == []
+        finally:
+            callback.close()
+            server.stop()
+
+    def test_a_new_server_is_set_up_from_the_phone_and_a_second_phone_joins(
+        self, browser, tmp_path
+    ):
+        server = Server(tmp_path / "srv")
+        try:
+            first = WebSession(browser, tmp_path, "phone")
+            page = first.page
+            page.goto(server.url + "/")
+            expect(page.locator("#setup-box")).to_be_visible()
+            first.shot("first-run")
+            page.fill("#setup-name", "Ada's phone")
+            page.click("#setup")
+            expect(page.locator("#dlg-title")).to_have_text("Keep this key safe")
+            api_key = page.input_value("#setup-key")
+            assert re.fullmatch(r"nsk_[A-Za-z0-9_-]{43}", api_key)
+            first.dialog_choose("done")
+            expect(page.locator("#app")).to_be_visible()
+            kept = page.evaluate("localStorage.getItem('notesvc.key')")
+            assert kept.startswith("nsd_")  # the browser keeps a device key, not the API key
+            assert api_key not in json.dumps(page.evaluate("Object.assign({}, localStorage)"))
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            assert setup["setupComplete"]
+            assert setup["apiKey"] != api_key  # redacted from now on
+            assert not setup["browserSetup"]
+            # Add a device: the QR code on the screen is the link, decoded by a real decoder.
+            page.click("#menu summary")
+            page.click("#menu-keys")
+            page.click("#add-device")
+            page.fill("#device-name", "Second phone")
+            first.dialog_choose("make")
+            qr = page.locator("#pair-qr")
+            expect(qr).to_be_visible()
+            url = page.input_value("#pair-url")
+            assert url.startswith(server.url + "/#pair=")
+            if ZBARIMG:
+                shot = tmp_path / "pair-qr.png"
+                qr.screenshot(path=str(shot))
+                assert decode_qr(shot) == url
+            first.shot("pairing")
+            started = time.monotonic()
+            second = WebSession(browser, tmp_path, "phone")
+            other = second.page
+            other.goto(url)
+            expect(other.locator("#pair-box")).to_be_visible()
+            assert "#pair=" not in other.url  # out of the address bar and the history
+            other.click("#pair-join")
+            expect(other.locator("#app")).to_be_visible()
+            other.click("#new")
+            other.fill("#new-path", "from/second")
+            second.dialog_choose("create")
+            expect(other.locator("#path")).to_contain_text("notes/from/second.md")
+            took = time.monotonic() - started
+            print(f"pairing to first note on the second device: {took:.1f} s of page time")
+            assert (tmp_path / "srv" / "notes" / "from" / "second.md").exists()
+            expect(page.locator("#pair-status")).to_contain_text("joined", timeout=10_000)
+            devices = [
+                k
+                for k in server.request(
+                    "GET", f"{API}/auth/keys", headers={"X-Service-Key": api_key}
+                )[2]["data"]["keys"]
+                if k["kind"] == "device"
+            ]
+            assert sorted(d["name"] for d in devices) == ["Ada's phone", "Second phone"]
+            # the link is good once
+            third = WebSession(browser, tmp_path, "phone")
+            third.page.goto(url)
+            third.page.click("#pair-join")
+            expect(third.page.locator("#pair-msg")).to_contain_text("used already")
+            assert unexpected(first.close(), "404") == []
+            assert unexpected(second.close()) == []
+            assert unexpected(third.close(), "404") == []
+        finally:
+            server.stop()
+
+    def test_a_folder_pairing_lands_in_its_folder(self, browser, tmp_path):
+        root = tmp_path / "srv"
+        (root / "notes" / "family").mkdir(parents=True)
+        (root / "notes" / "family" / "list.md").write_text("# Shopping\n\n- bread\n")
+        (root / "notes" / "private.md").write_text("# Private\n")
+        server = Server(root)
+        try:
+            key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
+            owner = WebSession(browser, tmp_path, "desktop")
+            owner.login(server.url + "/", key)
+            page = owner.page
+            page.click("#menu summary")
+            page.click("#menu-keys")
+            page.click("#add-folder")
+            page.fill("#device-name", "Anna")
+            page.fill("#device-folder", "family")
+            page.select_option("#device-scope", "write")
+            owner.dialog_choose("make")
+            code = page.locator("#pair-code")
+            expect(code).to_have_text(re.compile(r"^([a-z2-7]{4}-){6}[a-z2-7]{2}$"))
+            anna = WebSession(browser, tmp_path, "phone")  # no camera: the code is typed
+            anna.page.goto(server.url + "/")
+            anna.page.click("#code-box summary")
+            anna.page.fill("#join-code", code.text_content().upper().replace("-", " "))
+            anna.page.click("#join")
+            expect(anna.page.locator("#app")).to_be_visible()
+            expect(anna.page.locator("#tree")).to_contain_text("family")
+            expect(anna.page.locator("#tree")).not_to_contain_text("private")
+            assert anna.page.get_attribute("#app", "data-folder") == "notes/family"
+            expect(anna.page.locator("#menu-keys")).to_be_hidden()
+            assert unexpected(owner.close()) == []
+            assert unexpected(anna.close()) == []
+        finally:
+            server.stop()
+
+    def test_telegram_connects_from_the_page(self, browser, tmp_path, upstream):
+        server = Server(tmp_path / "srv", env={"SERVICE_TELEGRAM_API_BASE": upstream.url})
+        try:
+            key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
+            s = WebSession(browser, tmp_path, "phone")
+            s.login(server.url + "/", key)
+            page = s.page
+            page.click("#menu summary")
+            page.click("#menu-telegram")
+            upstream.refused_token = "111:bad"
+            page.fill("#tg-token", "111:bad")
+            s.dialog_choose("connect")
+            expect(page.locator("#dlg-error")).to_contain_text("refused this token")
+            expect(page.locator("#tg-token")).to_have_value("111:bad")  # kept, to correct
+            page.fill("#tg-token", "222:good-token")
+            s.dialog_choose("connect")
+            code = page.locator("#tg-code")
+            expect(code).to_have_text(re.compile(r"^[a-z2-7]{12}$"))
+            expect(page.locator("#dlg-body a")).to_have_attribute(
+                "href", f"https://t.me/notes_bot?start={code.text_content()}"
+            )
+            s.shot("telegram")
+            upstream.push(telegram_update(f"/start {code.text_content()}", chat_id=42))
+            expect(page.locator("#tg-status")).to_contain_text("Connected to Ada", timeout=15_000)
+            s.dialog_choose("cancel")
+            page.click("#menu summary")
+            page.click("#menu-telegram")
+            expect(page.locator("#dlg-body")).to_contain_text("saves what “Ada” sends it")
+            assert unexpected(s.close(), "400") == []
+        finally:
+            server.stop()
+
+
 class TestWebClientGrants:
     """The keys screen, the Share action, and a scoped key's page (issue 19, item 6)."""
 
@@ -11281,7 +11753,7 @@ class TestWebClientGrants:
         assert status == 200
         page.click("#menu summary")
         page.click("#menu-keys")
-        expect(page.locator("#dlg-title")).to_have_text("Keys and connections")
+        expect(page.locator("#dlg-title")).to_have_text("Keys and devices")
         expect(page.locator("#connections-list")).to_contain_text("Pocket AI")
         expect(page.locator("#keys-list")).to_contain_text("No scoped keys yet")
         page.fill("#key-name", "kitchen tablet")
@@ -12835,6 +13307,39 @@ class TestRelayOriginsInChromium:
 
     pytestmark = [pytest.mark.browser, pytest.mark.real_server, pytest.mark.slow]
 
+    def test_copy_works_on_plain_http_and_errors_show_in_their_dialog(
+        self, relay_browser, tmp_path
+    ):
+        server = Server(tmp_path / "srv")
+        try:
+            key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
+            s = WebSession(relay_browser, tmp_path, "phone")
+            page = s.page
+            url = f"http://{DOMAIN}:{server.port}/"  # a name, plain HTTP: no secure context
+            page.goto(url)
+            assert page.evaluate("window.isSecureContext") is False
+            assert page.evaluate("typeof navigator.clipboard") == "undefined"
+            page.fill("#key", key)
+            page.click("#connect")
+            expect(page.locator("#app")).to_be_visible()
+            page.click("#menu summary")
+            page.click("#menu-keys")
+            page.click("#add-device")
+            s.dialog_choose("make")
+            page.click("#dlg-body .once button")
+            toast = page.locator("#dlg #toast")  # inside the dialog, above its backdrop
+            expect(toast).to_have_text("Link copied")
+            expect(toast).to_be_visible()
+            s.dialog_choose("cancel")
+            page.click("#add-folder")
+            page.fill("#device-name", "Anna")
+            s.dialog_choose("make")  # no folder named: the dialog says so, and keeps the name
+            expect(page.locator("#dlg #dlg-error")).to_contain_text("Name the folder")
+            expect(page.locator("#device-name")).to_have_value("Anna")
+            assert unexpected(s.close()) == []
+        finally:
+            server.stop()
+
     def test_a_strangers_code_delivers_no_key(self, relay_browser, origins, tmp_path):
         relay, _, setup, origin = origins
         stranger = Stranger(relay)
@@ -13669,11 +14174,14 @@ class TestSchemathesis:
         # rules), except for two rules JSON Schema cannot say: a search query's grammar
         # (`a OR`, only `-word`s, an odd quote, no letter or digit) and PUT's optional body
         # `path`, which must equal the note's own. Only those operations skip the check.
+        from schemathesis.checks import not_a_server_error
         from schemathesis.specs.openapi.checks import positive_data_acceptance
 
         beyond_json_schema = {
             "search_notes": [positive_data_acceptance],
             "update_note": [positive_data_acceptance],
+            # its documented 502: Telegram is out of reach from the tests (no stand-in here)
+            "connect_telegram": [not_a_server_error],
         }
 
         schema = schemathesis.openapi.from_wsgi("/api/v1/openapi.json", wsgi)
@@ -14799,6 +15307,32 @@ class TestSdkOAuth:
 class TestCli:
     pytestmark = [pytest.mark.real_server, pytest.mark.slow]
 
+    def test_pair_prints_a_link_the_running_server_honours_at_once(self, tmp_path):
+        with running(tmp_path) as server:
+            done = run_cli("pair", "--root", str(tmp_path), "--scope", "read", "--name", "Tablet")
+            assert done.returncode == 0, done.stderr
+            found = re.search(r"(http://\S+)/#pair=([a-z2-7]{26})\n", done.stdout)
+            origin, secret = found.groups()
+            assert origin.endswith(f":{server.port}")  # the running server's, as its banner
+            if importlib.util.find_spec("segno"):
+                assert "▄" in done.stdout  # a QR code in Unicode blocks
+            started = time.monotonic()
+            status, _, body = server.request(
+                "POST", f"{API}/auth/devices/claim", {"secret": secret, "deviceName": "Tab"}
+            )
+            assert status == 201
+            assert time.monotonic() - started < 1.0
+            assert body["data"]["device"]["scope"] == "read"
+            assert secret not in done.stderr + "".join(server.lines)
+        refused = run_cli("pair", "--root", str(tmp_path), "--scope", "admin", "--folder", "x")
+        assert refused.returncode == 2
+        assert refused.stderr.startswith("notesvc: error: an admin device sees every note")
+        assert refused.stdout == ""
+        nothing = run_cli("pair", "--root", str(tmp_path / "none"))
+        assert nothing.returncode == 2
+        assert "no notesvc state" in nothing.stderr
+        assert not (tmp_path / "none").exists()
+
     @pytest.mark.parametrize(
         ("args", "env", "names"),
         [
@@ -15202,8 +15736,8 @@ class TestDocs:
                 if "://" not in target:
                     assert (doc.parent / target).exists(), f"{doc.name}: {target}"
         first_run = readme[readme.index("## First run") : readme.index("## On a Raspberry Pi")]
-        assert "from other devices" in first_run
-        assert "Connect" in first_run
+        assert "on your phone" in first_run
+        assert "Set up this server" in first_run
 
     @pytest.mark.real_server
     @pytest.mark.slow
@@ -15249,7 +15783,7 @@ class TestDocs:
         readme = (HERE / "README.md").read_text()
         blocks = re.findall(r"```sh\n(.*?)```", readme, re.S)
         assert blocks[0].strip() == (
-            "sudo apt install python3-bottle python3-waitress && python3 notesvc.py"
+            "sudo apt install python3-bottle python3-waitress python3-segno && python3 notesvc.py"
         )
         assert blocks[1].strip() == (
             "python3 -m venv .venv && .venv/bin/pip install . && .venv/bin/notesvc"
@@ -15265,7 +15799,7 @@ class TestDocs:
         key = re.search(r"nsk_[A-Za-z0-9_-]{43}", sample).group(0)
         config = notesvc.load_config(env={"SERVICE_NOTES_ROOT": "/home/pi/data"})
         state = {"setupComplete": False, "apiKey": key}
-        host = f"http://{platform.node() or 'this-host'}:3000"
+        phone = notesvc.phone_url(config, 3000)  # this machine's, as a phone would open it
 
         class Terminal(io.StringIO):
             def isatty(self) -> bool:
@@ -15274,7 +15808,11 @@ class TestDocs:
         terminal = Terminal()
         monkeypatch.setattr(sys, "stderr", terminal)
         notesvc.print_banner(config, state, 3000)
-        assert terminal.getvalue().replace(host, "http://raspberrypi:3000") == sample
+        text, _, qr = terminal.getvalue().partition("█")  # the words, then the QR code
+        text = text[: text.rindex("\n") + 1]
+        assert text.replace(phone, "http://raspberrypi.local:3000") == sample
+        if importlib.util.find_spec("segno"):
+            assert qr  # a terminal gets the phone's address as a QR code too
         monkeypatch.undo()
         notesvc.print_banner(config, state, 3000)  # to pytest's capture: no terminal
         journal = capsys.readouterr().err

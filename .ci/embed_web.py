@@ -26,6 +26,7 @@ SOURCES = {
     "markdown.js": "MARKDOWN_JS",
     "app.js": "WEB_JS_REST",
     "grants.js": "WEB_GRANTS_JS",
+    "devices.js": "WEB_DEVICES_JS",
     "page.css": "PAGE_CSS",
     "share.html": "SHARE_PAGE",
     "share.js": "SHARE_JS",

@@ -126,6 +126,16 @@ def main() -> int:
                 origin + "/.well-known/oauth-authorization-server", timeout=20
             ) as r:
                 check(json.loads(r.read())["issuer"] == origin, "OAuth metadata")
+            # A device pairing; its QR code with Debian's python3-segno when installed.
+            made = call(base, "POST", "/auth/devices/pairings", key, {"scope": "read"})
+            try:
+                import segno  # noqa: F401 - only whether Debian's is there
+            except ImportError:
+                pass
+            else:
+                check(made.get("qrSvg", "").startswith("<svg"), "a QR code (python3-segno)")
+            claimed = call(base, "POST", "/auth/devices/claim", "", {"secret": made["secret"]})
+            check(claimed["key"].startswith("nsd_"), claimed)
             proc.send_signal(signal.SIGTERM)
             status = proc.wait(20)
             reader.join(5)
@@ -137,7 +147,7 @@ def main() -> int:
                 proc.wait()
     print(
         "smoke: start, setup, link, create, search, MCP tool call, a folder key, a share link, "
-        "OAuth metadata, stop (SIGTERM -> 0): ok"
+        "OAuth metadata, a device pairing, stop (SIGTERM -> 0): ok"
     )
     return 0
 

@@ -1454,6 +1454,20 @@ wire();
 (function boot() {
   const code = new URLSearchParams(location.search).get("relayCode");
   if (code) $("relay-code").value = code;
+  const pairing = pairingInUrl();
+  if (pairing) {
+    // the secret leaves the address bar and the history at once: it is good once
+    history.replaceState(history.state, "", location.pathname + location.search);
+    $("pair-box").dataset.secret = pairing;
+    $("pair-name").placeholder = "the name it was given, or " + deviceGuess();
+    $("pair-box").hidden = false;
+    if (SHARED_ORIGIN) {
+      $("pair-msg").textContent =
+        "This relay gives all its servers one address, where nothing can be kept: open " +
+        "the link on the server's own address instead.";
+      $("pair-join").disabled = true;
+    }
+  }
   if (SHARED_ORIGIN) {
     $("shared-origin").hidden = false;
     $("remember").closest("label").hidden = true;
@@ -1463,6 +1477,7 @@ wire();
   if (!ownOrigin(state.base) || /^[a-z]+:/i.test(state.base)) state.base = "";
   // A pairing code may name any server: the page waits for a person to connect, and then
   // sends the kept key only if the code resolves to the API base it was kept for.
-  if (kept && !code) connect(false);
-  else $("key").focus();
+  if (kept && !code && !pairing) connect(false);
+  else if (!pairing && !kept && !SHARED_ORIGIN) offerSetup();
+  else if (!pairing) $("key").focus();
 })();

@@ -4,7 +4,7 @@ const $ = (id) => document.getElementById(id);
 const ask = new URLSearchParams(location.search);
 // This page is {base}/oauth/authorize; the API is {base}/api/v1 on this same origin.
 const api = location.pathname.replace(/\/oauth\/authorize\/?$/, "") + "/api/v1";
-let facts = null, back = "";
+let facts = null, back = "", signedIn = "";
 
 function say(text) { $("msg").textContent = text; }
 
@@ -31,19 +31,29 @@ async function load() {
   else if (facts.scope === "write") $("scope-write").checked = true;
   // The web client's key on this origin (session or device), offered only when it was kept
   // for this very server's API: on a relay, every server's consent page has this origin.
-  let kept = "";
+  let kept = "", device = null;
   try {
     const shared = document.documentElement.dataset.origin === "shared"; // a relay's: keep off
     for (const store of shared ? [] : [sessionStorage, localStorage]) {
       if (!kept && store.getItem("notesvc.keyFor") === api) {
         kept = store.getItem("notesvc.key") || "";
+        if (kept.startsWith("nsd_")) device = JSON.parse(store.getItem("notesvc.device") || "null");
       }
     }
   } catch (e) {
     /* storage is off in this browser */
   }
-  if (kept) $("key").value = kept;
   $("ask").classList.remove("hidden");
+  if (kept && device && device.scope === "admin") {
+    // This browser is an admin device of this very server: it approves as itself.
+    signedIn = kept;
+    $("device").textContent = device.name || "this device";
+    $("signed-in").classList.remove("hidden");
+    $("key-row").classList.add("hidden");
+    $("allow").focus();
+    return;
+  }
+  if (kept && !kept.startsWith("nsd_")) $("key").value = kept;
   $("key").focus();
 }
 
@@ -58,7 +68,8 @@ async function allow() {
   $("allow").disabled = true;
   try {
     const r = await fetch(api + "/oauth/approve", {method: "POST", mode: "same-origin",
-      headers: {"Content-Type": "application/json", "X-Service-Key": $("key").value.trim()},
+      headers: {"Content-Type": "application/json",
+        "X-Service-Key": signedIn || $("key").value.trim()},
       body: JSON.stringify(body)});
     const j = await r.json().catch(() => null);
     if (r.ok && j && j.success) { location.assign(j.data.redirect); return; }

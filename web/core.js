@@ -79,6 +79,9 @@ function ago(iso) {
 let toastTimer = 0;
 function toast(text, bad, action) {
   const t = $("toast");
+  // A modal dialog sits above everything else: a message then shows inside it, not under.
+  const host = $("dlg").open ? $("dlg") : document.body;
+  if (t.parentNode !== host) host.append(t);
   t.textContent = text;
   if (action) {
     const [label, fn] = action;

@@ -1,15 +1,20 @@
 
 // -- keys, connections and share links (what a grant may do shapes the page) --------------
-// The API key holds every scope; a scoped key (or a folder key) sees only what it may use:
-// a read key gets no editing, a folder key only its folder (the server filters the rest).
+// The API key holds every scope, and so does an admin device; a scoped key (or a folder
+// key or device) sees only what it may use: a read key gets no editing, a folder key only
+// its folder (the server filters the rest).
 
 function writable() {
   return !state.grant || state.grant.scope !== "read";
 }
 
+function ownerLike() {
+  return !state.grant || (state.grant.scope === "admin" && !state.grant.folder);
+}
+
 function applyGrant(grant) {
   state.grant = grant || null;
-  const owner = !state.grant;
+  const owner = ownerLike();
   const write = writable();
   for (const id of ["edit", "save", "new", "empty-new", "menu-new", "move", "delete"]) {
     $(id).hidden = !write;
@@ -17,22 +22,43 @@ function applyGrant(grant) {
   const daily = owner || !state.grant.folder || state.grant.folder === "notes/daily";
   $("app").querySelector(".capture").hidden = !write || !daily; // today's note is notes/daily
   $("menu-keys").hidden = !owner;
+  $("menu-telegram").hidden = !owner;
   $("share").hidden = !write;
   if (!write) {
     $("attach").hidden = true;
     $("photo").hidden = true;
   }
-  $("app").dataset.scope = owner ? "admin" : state.grant.scope;
+  $("app").dataset.scope = state.grant ? state.grant.scope : "admin";
   if (state.grant && state.grant.folder) $("app").dataset.folder = state.grant.folder;
 }
 
-async function copyText(text, what) {
+// Copy: the Clipboard API where the page is a secure context, else (plain HTTP on a home
+// network) the selection and the browser's copy command.
+async function copyText(text, what, field) {
   try {
     await navigator.clipboard.writeText(text);
     toast(what + " copied");
+    return;
   } catch (e) {
-    toast("Select it and copy it yourself: this browser did not allow copying", true);
+    /* no Clipboard API here: the selection instead */
   }
+  const box =
+    field || el("textarea", {class: "offscreen", readonly: true, "aria-hidden": "true"});
+  if (!field) {
+    box.value = text;
+    ($("dlg").open ? $("dlg") : document.body).append(box);
+  }
+  box.focus();
+  box.select();
+  let done = false;
+  try {
+    done = document.execCommand("copy");
+  } catch (e) {
+    done = false;
+  }
+  if (!field) box.remove();
+  if (done) toast(what + " copied");
+  else toast("Select it and copy it yourself: this browser did not allow copying", true);
 }
 
 function shownOnce(label, value, id) {
@@ -44,13 +70,15 @@ function shownOnce(label, value, id) {
     {class: "once"},
     el("label", {for: id}, label),
     input,
-    el("button", {type: "button", onclick: () => copyText(value, label)}, "Copy"),
+    el("button", {type: "button", onclick: () => copyText(value, label, input)}, "Copy"),
   );
 }
 
+const SCOPE_TEXT = {admin: "everything", write: "read and write", read: "read only"};
+
 function grantRow(g, list) {
   const what = [
-    g.scope === "write" ? "read and write" : "read only",
+    SCOPE_TEXT[g.scope] || g.scope,
     g.folder ? "only " + g.folder : "all notes",
     g.expiresAt ? "expires " + when(g.expiresAt) : "never expires",
     g.lastUsedAt ? "used " + ago(g.lastUsedAt) : "never used",
@@ -60,7 +88,9 @@ function grantRow(g, list) {
       "Revoke “" + g.name + "”?",
       g.kind === "oauth"
         ? "This app is disconnected at once; it must ask you again to come back."
-        : "This key stops working at once, and the share links it made end.",
+        : g.kind === "device"
+          ? "This device is signed out at once, and the share links it made end."
+          : "This key stops working at once, and the share links it made end.",
       [
         ["cancel", "Cancel"],
         ["revoke", "Revoke", "danger"],
@@ -92,8 +122,12 @@ async function showKeys(made) {
   const [{data}, shares] = await Promise.all([api("GET", "/auth/keys"), api("GET", "/shares")]);
   const keys = el("ul", {class: "list", id: "keys-list"});
   const apps = el("ul", {class: "list", id: "connections-list"});
-  for (const g of data.keys) grantRow(g, g.kind === "oauth" ? apps : keys);
+  const devices = el("ul", {class: "list", id: "devices-list"});
+  for (const g of data.keys) {
+    grantRow(g, g.kind === "oauth" ? apps : g.kind === "device" ? devices : keys);
+  }
   if (!keys.children.length) keys.append(el("li", {class: "muted"}, "No scoped keys yet."));
+  if (!devices.children.length) devices.append(el("li", {class: "muted"}, "No device yet."));
   if (!apps.children.length) {
     apps.append(el("li", {class: "muted"}, "No app is connected (Claude, ChatGPT…)."));
   }
@@ -145,6 +179,22 @@ async function showKeys(made) {
     );
   }
   body.push(
+    el("h3", {}, "Devices"),
+    devices,
+    el(
+      "div",
+      {class: "row"},
+      el(
+        "button",
+        {type: "button", id: "add-device", class: "primary", onclick: act(() => addDevice(false))},
+        "Add a device",
+      ),
+      el(
+        "button",
+        {type: "button", id: "add-folder", onclick: act(() => addDevice(true))},
+        "Give someone a folder",
+      ),
+    ),
     el("h3", {}, "Keys"),
     keys,
     el("h3", {}, "Connected apps"),
@@ -153,7 +203,7 @@ async function showKeys(made) {
     links,
     form,
   );
-  await dialog("Keys and connections", body, [["cancel", "Close"]]);
+  await dialog("Keys and devices", body, [["cancel", "Close"]]);
 }
 
 function shareRow(s, after) {
@@ -219,6 +269,7 @@ async function shareNote(made) {
 
 function wireGrants() {
   $("menu-keys").addEventListener("click", act(() => showKeys()));
+  $("menu-telegram").addEventListener("click", act(() => showTelegram()));
   $("share").addEventListener("click", act(() => shareNote()));
 }
 wireGrants();

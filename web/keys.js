@@ -45,4 +45,11 @@ function pairTarget(data, here) {
   return /^[A-Za-z0-9_-]{1,64}$/.test(id) ? {base: "/r/" + id + "/api/v1"} : null;
 }
 
-if (typeof module !== "undefined") module.exports = {sameOrigin, keptEntry, keyFor, pairTarget};
+// A pairing secret as a person types it: groups of four, lower case.
+function groupCode(secret) {
+  return (String(secret).toLowerCase().replace(/[^a-z2-7]/g, "").match(/.{1,4}/g) || []).join("-");
+}
+
+if (typeof module !== "undefined") {
+  module.exports = {sameOrigin, keptEntry, keyFor, pairTarget, groupCode};
+}

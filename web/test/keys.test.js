@@ -2,7 +2,7 @@
 // node --test web/test/: which key goes where (web/keys.js).
 const test = require("node:test");
 const assert = require("node:assert/strict");
-const {sameOrigin, keptEntry, keyFor, pairTarget} = require("../keys.js");
+const {sameOrigin, keptEntry, keyFor, pairTarget, groupCode} = require("../keys.js");
 
 const HERE = "https://abcdefghijklmnopqrst.relay.example/?relayCode=x";
 const STRANGER = "https://zzzzzzzzzzzzzzzzzzzz.relay.example";
@@ -82,4 +82,10 @@ test("pairTarget: another server's own origin is opened, never talked to from he
   for (const [data, want] of cases) {
     assert.deepEqual(pairTarget(data, HERE), want, JSON.stringify(data));
   }
+});
+
+test("groupCode: a pairing secret in groups of four, as a person types it", () => {
+  assert.equal(groupCode("ABCDEFGHIJKLMNOPQRSTUVWXYZ"), "abcd-efgh-ijkl-mnop-qrst-uvwx-yz");
+  assert.equal(groupCode("ab cd-ef"), "abcd-ef");
+  assert.equal(groupCode(""), "");
 });
