@@ -719,6 +719,13 @@ class DiskFull(ApiError, OSError):
         return f"{self.message} ({self.strerror})"
 
 
+class PreconditionFailed(ApiError):
+    """412: If-Match named another version of the note than the one there."""
+
+    def __init__(self, message: str):
+        super().__init__(412, "PRECONDITION_FAILED", message)
+
+
 def bad_request(message: str) -> ApiError:
     return ApiError(400, "VALIDATION_ERROR", message)
 
@@ -1777,6 +1784,196 @@ def note_title(text: str, path: str) -> str:
     return path.rsplit("/", 1)[-1][:-3]
 
 
+_FENCE_RE = re.compile(r"^(```|~~~)[^\n]*\n.*?^\1[^\n]*$", re.M | re.S)
+_CODE_SPAN_RE = re.compile(r"`[^`\n]*`")
+_TAG_RE = re.compile(r"(?<![\w#&/\[])#((?:\d*[^\W\d_])[\w/-]*)")
+_FRONT_MATTER_RE = re.compile(r"\A---[ \t]*\n(.*?)\n---[ \t]*(?:\n|\Z)", re.S)
+
+
+def note_tags(text: str) -> set:
+    """Return a note's tags: #tags outside code, and front matter `tags:`, lower-cased (in
+    its first MAX_SCAN_CHARS; every pattern here runs in linear time).
+
+    >>> sorted(note_tags("---\\ntags: [Work, home]\\n---\\n# Title #todo\\n#idea `#code` x#no #42"))
+    ['home', 'idea', 'todo', 'work']
+    """
+    tags = set()
+    text = text[:MAX_SCAN_CHARS]
+    fm = _FRONT_MATTER_RE.match(text)
+    if fm:
+        text = text[fm.end() :]
+        lines = fm.group(1).splitlines()
+        for i, line in enumerate(lines):
+            m = re.match(r"^tags:\s*(.*)$", line)
+            if not m:
+                continue
+            value = m.group(1).strip()
+            if value:
+                tags |= {t.strip(" '\"#") for t in value.strip("[]").split(",")}
+            for item in lines[i + 1 :]:
+                m = re.match(r"^\s*-\s*(.+)$", item)
+                if not m:
+                    break
+                tags.add(m.group(1).strip(" '\"#"))
+    body = _CODE_SPAN_RE.sub(" ", _FENCE_RE.sub(" ", text))
+    tags |= {m.group(1).rstrip("/-") for m in _TAG_RE.finditer(body)}
+    return {t.lower() for t in tags if t}
+
+
+PREVIEW_CHARS = 160
+_PREVIEW_DROP = (
+    (re.compile(r"!\[[^\]\n]*\]\([^)\n]*\)"), ""),  # images
+    (re.compile(r"!?\[\[([^\]|\n]*\|)?([^\]\n]*)\]\]"), r"\2"),  # [[wiki|links]], ![[embeds]]
+    (re.compile(r"\[([^\]\n]*)\]\([^)\n]*\)"), r"\1"),  # [links](to)
+    (re.compile(r"^\s{0,3}(?:#{1,6}\s+|>\s?|[-*+]\s+(?:\[[ xX]\]\s+)?|\d{1,9}[.)]\s+)", re.M), ""),
+    (re.compile(r"^\s*(?:```|~~~).*$|^\s*\|?[-:| ]{3,}\|?\s*$", re.M), ""),  # fences, rules
+    (re.compile(r"(\*\*|__|~~|==|`+|\*|_)(?=\S)(.+?)(?<=\S)\1"), r"\2"),  # emphasis, code
+    (re.compile(r"\|"), " "),  # table cells
+)
+
+
+def note_preview(text: str) -> str:
+    """Return a note's first PREVIEW_CHARS characters after its title, as plain text.
+
+    >>> note_preview("---\\ntags: [a]\\n---\\n# Pie\\n\\n- [ ] **2** eggs, see [the shop](s.md)")
+    '2 eggs, see the shop'
+    """
+    text = text[: PREVIEW_CHARS * 8]
+    fm = _FRONT_MATTER_RE.match(text)
+    if fm:
+        text = text[fm.end() :]
+    lines = text.split("\n")
+    first = next((i for i, line in enumerate(lines) if line.strip()), len(lines))
+    body = "\n".join(lines[first + 1 :])  # the title: a heading, else the first line
+    for pattern, replacement in _PREVIEW_DROP:
+        body = pattern.sub(replacement, body)
+    return " ".join(body.split())[:PREVIEW_CHARS]
+
+
+# -- three-way merges and names from titles (CONTRACT 24) ------------------------------
+
+
+def _diff(base: list, other: list) -> difflib.SequenceMatcher:
+    """Return the line matcher of base to other, lines compared without their endings (a
+    note saved with CRLF changes nothing)."""
+    strip = [x.rstrip("\r\n") for x in base], [x.rstrip("\r\n") for x in other]
+    return difflib.SequenceMatcher(None, *strip, autojunk=False)
+
+
+def _overlap(a: tuple, b: tuple) -> bool:
+    """Whether two changes touch the same base lines (two insertions at one place do)."""
+    if a[0] == a[1] and b[0] == b[1]:
+        return a[0] == b[0]
+    if a[0] == a[1]:
+        return b[0] < a[0] < b[1]
+    if b[0] == b[1]:
+        return a[0] < b[0] < a[1]
+    return a[0] < b[1] and b[0] < a[1]
+
+
+def _already_made(h: tuple, changes: list) -> bool:
+    """Whether an insertion is part of a change the other side made right there (an edit
+    sent again after it was merged): its lines end that change where it inserts after
+    it, or begin it where it inserts before it."""
+    if h[0] != h[1] or not h[2]:
+        return False
+    wanted, n = [x.rstrip("\r\n") for x in h[2]], len(h[2])
+    for g in changes:
+        if g[3] == h[3] or g[0] == g[1] or len(g[2]) < n:
+            continue
+        lines = [x.rstrip("\r\n") for x in g[2]]
+        if (g[1] == h[0] and lines[-n:] == wanted) or (g[0] == h[0] and lines[:n] == wanted):
+            return True
+    return False
+
+
+def _apply(base: list, lo: int, hi: int, hunks: list) -> list:
+    """Return base[lo:hi] with hunks (start, end, lines; inside that range, in order)."""
+    out, at = [], lo
+    for i1, i2, lines, _ in hunks:
+        out += base[at:i1] + lines
+        at = i2
+    return out + base[at:hi]
+
+
+def merge3(base: str, current: str, edit: str) -> tuple:
+    """Return (the merged text, whether any change of the edit overlapped one of current's)
+    of a three-way line merge: changes on one side are kept, identical changes on both sides
+    once, overlapping different ones are a conflict (the current text wins there). Lines
+    neither side changed keep current's endings.
+
+    >>> merge3("a\\nb\\nc\\n", "A\\nb\\nc\\n", "a\\nb\\nC\\n")
+    ('A\\nb\\nC\\n', False)
+    >>> merge3("a\\n", "b\\n", "c\\n")[1]
+    True
+    """
+    b, c, e = (t.splitlines(keepends=True) for t in (base, current, edit))
+    for side in (c, e):  # a last line without its newline, followed by more: add it
+        if side and not side[-1].endswith(("\n", "\r")):
+            side[-1] += "\n"
+    to_current = _diff(b, c)
+    kept = b[:]  # base lines as current has them, where it kept them
+    for i, j, n in to_current.get_matching_blocks():
+        kept[i : i + n] = c[j : j + n]
+    changes = [
+        (i1, i2, other[j1:j2], side)
+        for side, other, matcher in ((0, c, to_current), (1, e, _diff(b, e)))
+        for tag, i1, i2, j1, j2 in matcher.get_opcodes()
+        if tag != "equal"
+    ]
+    changes = [h for h in changes if not _already_made(h, changes)]
+    changes.sort(key=lambda h: (h[0], h[1], h[3]))
+    groups: list = []
+    for h in changes:
+        if groups and any(_overlap(h, g) for g in groups[-1]):
+            groups[-1].append(h)
+        else:
+            groups.append([h])
+    out, at, conflict = [], 0, False
+    for group in groups:
+        lo, hi = min(g[0] for g in group), max(g[1] for g in group)
+        out += kept[at:lo]
+        ours = [g for g in group if g[3] == 0]
+        edited = [g for g in group if g[3] == 1]
+        if ours and edited:
+            mine, theirs = _apply(b, lo, hi, ours), _apply(b, lo, hi, edited)
+            conflict = conflict or [x.rstrip("\r\n") for x in mine] != [
+                x.rstrip("\r\n") for x in theirs
+            ]
+            out += mine
+        else:
+            out += _apply(b, lo, hi, ours or edited)
+        at = hi
+    out += kept[at:]
+    return "".join(out), conflict
+
+
+_NAME_DROP_RE = re.compile(
+    r'[\x00-\x1f\x7f-\x9f/\\:*?"<>|\u200b-\u200d\u2060\ufeff\u202a-\u202e\u2066-\u2069]'
+)
+_ANY_HEADING_RE = re.compile(r"^ {0,3}#{1,6}[ \t]+(\S[^\n]*?)[ \t#]*$", re.M)
+
+
+def title_filename(text: str) -> str:
+    """Return the file name (without .md) a note without a path gets from its text: its
+    first heading, else its first line, made a safe name of at most 80 characters and 200
+    bytes ("untitled" when nothing is left).
+
+    >>> title_filename("\\n  Buy milk: 2 l / 3 eggs?  \\n"), title_filename("## ...\\n")
+    ('Buy milk 2 l 3 eggs', 'untitled')
+    """
+    fm = _FRONT_MATTER_RE.match(text)
+    body = text[fm.end() :] if fm else text
+    heading = _ANY_HEADING_RE.search(body[: PREVIEW_CHARS * 64])
+    first = next((line for line in body.splitlines() if line.strip()), "")
+    name = unicodedata.normalize("NFC", heading.group(1) if heading else first)
+    name = " ".join(_NAME_DROP_RE.sub(" ", name).split())
+    name = name.lstrip(".").rstrip(". ")[:80]
+    while len(name.encode("utf-8")) > 200:
+        name = name[:-1]
+    return name.rstrip(". ") or "untitled"
+
+
 def _sort_key(name: str) -> tuple:
     return (name.casefold(), name)
 
@@ -1828,6 +2025,7 @@ class NoteStore:
         self.trash = trash
         self.history = history  # what each change replaced (None: nothing kept)
         self.journal = journal  # the change feed (None: nothing recorded)
+        self._recent: dict = {}  # folder -> (journal's last entry, paths newest first)
         self._observed = False  # the rescan has run once (observe())
         self._tree = threading.RLock()
         self._stripes = [threading.RLock() for _ in range(self.STRIPES)]
@@ -1985,6 +2183,25 @@ class NoteStore:
         """Return every note path under a folder path, sorted."""
         return sorted({path for path, _ in self._entries(folder)})
 
+    def by_modified(self, folder: str = NOTES) -> list:
+        """Return every note path under a folder, newest first. Kept until the next change
+        the journal records (every write here, and every external edit the rescan finds),
+        so a phone asking again and again for its list pays for the files' stat once."""
+        seen = self.journal.last if self.journal is not None else None
+        kept = self._recent.get(folder)
+        if kept is not None and seen is not None and kept[0] == seen:
+            return kept[1]
+        found = []
+        for path, e in self._entries(folder):
+            with contextlib.suppress(OSError):  # removed meanwhile
+                found.append((-e.stat().st_mtime_ns, path))
+        paths = [path for _, path in sorted(found)]
+        if seen is not None:
+            if len(self._recent) >= 16:
+                self._recent.pop(next(iter(self._recent)))
+            self._recent[folder] = (seen, paths)
+        return paths
+
     def scan(self) -> dict:
         """Return {note path: (size, mtime_ns)} for every note (the rescan's view)."""
         out = {}
@@ -2000,17 +2217,28 @@ class NoteStore:
         """Return (bytes, stat) of a note found by scan() (404 when gone), for the indexer."""
         return self._read(path, trusted=True)
 
-    def list_page(self, folder: str, limit: int, offset: int) -> dict:
+    def list_page(
+        self, folder: str, limit: int, offset: int, sort: str = "path", fields: Iterable = ()
+    ) -> dict:
+        """Return a page of note records (no content): by path, or newest first (`sort`
+        "modified"); `fields` may add each note's `preview` and `tags`."""
         if folder != NOTES and not os.path.isdir(self.file_of(folder)):
             raise not_found(f"no folder at {folder}")
-        paths = self.walk(folder)
+        paths = self.by_modified(folder) if sort == "modified" else self.walk(folder)
         page = []
         for path in paths[offset : offset + limit]:
             try:
                 data, st = self._read(path)
             except ApiError:  # removed between the walk and the read
                 continue
-            page.append(self.record(path, data, st, content=False))
+            rec = self.record(path, data, st, content=False)
+            if "preview" in fields or "tags" in fields:
+                text = data.decode("utf-8", "replace")
+                if "preview" in fields:
+                    rec["preview"] = note_preview(text)
+                if "tags" in fields:
+                    rec["tags"] = sorted(note_tags(text))
+            page.append(rec)
         return {"notes": page, "total": len(paths), "limit": limit, "offset": offset}
 
     def tree(
@@ -2080,11 +2308,9 @@ class NoteStore:
         current = make_etag(data) if data is not None else None
         wanted = {t if t.startswith('"') else f'"{t}"' for t in tags}
         if current is None or current not in wanted:
-            raise ApiError(
-                412,
-                "PRECONDITION_FAILED",
+            raise PreconditionFailed(
                 "the note changed since you read it (If-Match does not match its ETag); "
-                "read it again and retry",
+                "read it again and retry"
             )
 
     def create(self, path: str, content: str) -> dict:
@@ -2122,18 +2348,82 @@ class NoteStore:
                     folder.rmdir()
             raise
 
-    def update(self, path: str, content: str, if_match: str | None = None) -> dict:
+    def update(
+        self, path: str, content: str, if_match: str | None = None, reason: str = "updated"
+    ) -> dict:
         data = self.encode(content)
         with self.locked(path):
             old, seen = self._read(path)
             self.check_match(if_match, old)
             target = self.file_of(path)
-            with self._changing(path, old, "updated", (target, seen)) as first:
+            with self._changing(path, old, reason, (target, seen)) as first:
                 atomic_write(target, data, before_replace=first)
             st = os.stat(target)
             self._notify("saved", path, (content, st))
             self._record("updated", path, data)
             return self.record(path, data, st)
+
+    def version_with(self, path: str, etag: str) -> bytes | None:
+        """Return the content of the note's kept version whose ETag is etag (None: no such
+        version: another note's, or one the retention dropped)."""
+        if self.history is None or not re.fullmatch(r'"[0-9a-f]{32}"', etag or ""):
+            return None
+        folder = self.history.dir_of(path)
+        for vid in reversed(self.history.ids(folder)):
+            if vid.endswith(etag[1:-1]):
+                with contextlib.suppress(ApiError):
+                    return self.history.read(path, vid)
+        return None
+
+    def merge(self, path: str, base: str, content: str, conflict_name: str) -> dict:
+        """Write an edit that started from the version `base` (an ETag): as it is when the
+        note is still that version; else merged line-wise three ways with what changed
+        since (one atomic write, `merged` in history). When the changes overlap, or `base`
+        is unknown, the note stays as it is and the edit is kept beside it as a conflict
+        copy: 409 with its path. Returns {note, merged}."""
+        self.encode(content)  # too large, not text: refused before anything
+        for _ in range(5):  # another write may land in between: merge with that one
+            raw, _ = self._read(path)
+            if make_etag(raw) == base:
+                with contextlib.suppress(PreconditionFailed):
+                    return {"note": self.update(path, content, base), "merged": False}
+                continue
+            current = self.decode(path, raw)
+            old = self.version_with(path, base)
+            merged, clash = (
+                merge3(old.decode("utf-8", "replace"), current, content) if old else ("", True)
+            )
+            if clash:
+                break
+            with contextlib.suppress(PreconditionFailed):
+                rec = self.update(path, merged, make_etag(raw), reason="merged")
+                return {"note": rec, "merged": True}
+        copy = self.create_beside(path, conflict_name, content)
+        err = ApiError(
+            409,
+            "CONFLICT",
+            f"{path} changed where this edit did too: it stays as it was, and the edit is "
+            f"kept, whole, as {copy['path']}",
+        )
+        err.extra = {"path": path, "conflictPath": copy["path"]}
+        raise err
+
+    def create_beside(self, path: str, note: str, content: str) -> dict:
+        """Create `<name> (<note>).md` beside path (` 2`, ` 3`... when taken)."""
+        folder, name = path.rsplit("/", 1)
+        return self.create_named(folder, f"{name[:-3]} ({note})", content)
+
+    def create_named(self, folder: str, name: str, content: str) -> dict:
+        """Create the note `<folder>/<name>.md`, or `<name> 2.md`, `<name> 3.md`... when
+        taken (never overwriting: each try is an exclusive create)."""
+        for n in range(1, 1000):
+            candidate = name if n == 1 else f"{name} {n}"
+            try:
+                return self.create(note_path(f"{folder}/{candidate}.md"), content)
+            except ApiError as e:
+                if e.status_code != 409:
+                    raise
+        raise ApiError(409, "CONFLICT", f"too many notes named {name} in {folder}")
 
     def append(self, path: str, line: str, heading: str) -> dict:
         """Append a line to a note, creating it with a heading when missing (one atomic write)."""
@@ -2712,7 +3002,16 @@ class AttachmentStore:
 # itself when deleted (Trash), and a numbered entry in the change feed (ChangeJournal).
 
 DAY_SECONDS = 86400
-VERSION_REASONS = ("updated", "moved", "deleted", "external", "restored", "linksRewritten")
+VERSION_REASONS = (
+    "updated",
+    "moved",
+    "deleted",
+    "external",
+    "restored",
+    "linksRewritten",
+    "merged",
+    "dav",
+)
 VERSION_ID_RE = re.compile(r"^(\d{16})-(" + "|".join(VERSION_REASONS) + r")-([0-9a-f]{32})$")
 
 
@@ -7513,6 +7812,56 @@ def _rid() -> str:
         return "-"
 
 
+class Idempotency:
+    """The answers to recent writes sent with an Idempotency-Key header: a client replaying
+    its outbox after a lost answer gets the first answer again, and nothing is done twice
+    (no second note, no second conflict copy). Memory only; a day at most, and at most
+    IDEMPOTENCY_BYTES of answers (the oldest go first)."""
+
+    def __init__(self, clock: Callable = time.monotonic):
+        self.clock = clock
+        self._kept: collections.OrderedDict = collections.OrderedDict()
+        self._bytes = 0
+        self._lock = threading.Lock()
+
+    @staticmethod
+    def key(route: Any, environ: dict) -> tuple | None:
+        raw = environ.get("HTTP_IDEMPOTENCY_KEY", "")
+        if not raw:
+            return None
+        if not re.fullmatch(r"[!-~]{1,100}", raw):
+            raise bad_request("Idempotency-Key must be 1-100 printable ASCII characters")
+        who = environ.get("notesvc.principal", OWNER)
+        where = environ.get("SCRIPT_NAME", "") + environ.get("PATH_INFO", "")
+        return (who.grant_id or who.kind, route.method, where, raw)
+
+    def get(self, key: tuple) -> tuple | None:
+        with self._lock:
+            self._expire()
+            found = self._kept.get(key)
+            return found[1] if found else None
+
+    def put(self, key: tuple, status: int, headers: list, body: bytes) -> None:
+        if len(body) > IDEMPOTENCY_BYTES // 8:
+            return
+        with self._lock:
+            self._kept[key] = (self.clock(), (status, headers, body))
+            self._bytes += len(body)
+            self._expire()
+
+    def _expire(self) -> None:
+        now = self.clock()
+        while self._kept:
+            at, answer = next(iter(self._kept.values()))
+            if now - at < DAY_SECONDS and self._bytes <= IDEMPOTENCY_BYTES:
+                break
+            self._kept.popitem(last=False)
+            self._bytes -= len(answer[2])
+
+
+IDEMPOTENCY_BYTES = 8 << 20
+
+
 class Service:
     """Everything one running app shares across its threads.
 
@@ -7543,6 +7892,7 @@ class Service:
         self.plugin_build_lock = threading.RLock()  # derived(): one build at a time
         self.routes: tuple = ()  # the app's Route table (NotesApp sets it)
         self.relay_client: Any = None  # a RelayClient while `serve` is connected to a relay
+        self.idempotency = Idempotency()
         self.query_secret_seen_at = 0.0  # last webhook call that carried ?secret=
         self.service_uid = os.geteuid() if hasattr(os, "geteuid") else -1  # the audit's
         self.recorded_secrets: dict | None = None  # the audit: a running server's figures
@@ -10450,41 +10800,6 @@ builtin_plugin(
         ),
     )
 )
-
-_FENCE_RE = re.compile(r"^(```|~~~)[^\n]*\n.*?^\1[^\n]*$", re.M | re.S)
-_CODE_SPAN_RE = re.compile(r"`[^`\n]*`")
-_TAG_RE = re.compile(r"(?<![\w#&/\[])#((?:\d*[^\W\d_])[\w/-]*)")
-_FRONT_MATTER_RE = re.compile(r"\A---[ \t]*\n(.*?)\n---[ \t]*(?:\n|\Z)", re.S)
-
-
-def note_tags(text: str) -> set:
-    """Return a note's tags: #tags outside code, and front matter `tags:`, lower-cased (in
-    its first MAX_SCAN_CHARS; every pattern here runs in linear time).
-
-    >>> sorted(note_tags("---\\ntags: [Work, home]\\n---\\n# Title #todo\\n#idea `#code` x#no #42"))
-    ['home', 'idea', 'todo', 'work']
-    """
-    tags = set()
-    text = text[:MAX_SCAN_CHARS]
-    fm = _FRONT_MATTER_RE.match(text)
-    if fm:
-        text = text[fm.end() :]
-        lines = fm.group(1).splitlines()
-        for i, line in enumerate(lines):
-            m = re.match(r"^tags:\s*(.*)$", line)
-            if not m:
-                continue
-            value = m.group(1).strip()
-            if value:
-                tags |= {t.strip(" '\"#") for t in value.strip("[]").split(",")}
-            for item in lines[i + 1 :]:
-                m = re.match(r"^\s*-\s*(.+)$", item)
-                if not m:
-                    break
-                tags.add(m.group(1).strip(" '\"#"))
-    body = _CODE_SPAN_RE.sub(" ", _FENCE_RE.sub(" ", text))
-    tags |= {m.group(1).rstrip("/-") for m in _TAG_RE.finditer(body)}
-    return {t.lower() for t in tags if t}
 
 
 def tag_map(svc: Service) -> dict:
@@ -17913,15 +18228,30 @@ def _note_response(rec: dict) -> dict:
     return rec
 
 
+INBOX = f"{NOTES}/inbox"  # where a note without a path goes (a folder grant: its folder)
+
+
 def create_note(svc: Service) -> dict:
+    """POST /notes: {path, content}, or {content, folder?} named from its title."""
     body = read_json(svc.config.max_body_bytes)
-    path = visible_note(svc.notes, field(body, "path"))
     content = field(body, "content")
-    rec = svc.notes.create(path, content)
+    if body.get("path") is None:
+        principal = request_principal()
+        raw = field(body, "folder", required=False) or principal.folder or INBOX
+        if principal.folder and raw == NOTES:
+            raw = principal.folder
+        folder = visible_folder(svc, raw)
+        rec = svc.notes.create_named(folder, title_filename(content), content)
+    else:
+        rec = svc.notes.create(visible_note(svc.notes, field(body, "path")), content)
+    path = rec["path"]
     script = bottle.request.environ.get("SCRIPT_NAME", "")
     location = f"{script}{API}/notes/{urllib.parse.quote(path, safe='')}"
     bottle.response.set_header("Location", location)
     return _note_response(rec)
+
+
+LIST_FIELDS = ("title", "preview", "modified", "tags")  # a listing's ?fields= (CONTRACT 24)
 
 
 def list_notes(svc: Service) -> dict:
@@ -17930,8 +18260,17 @@ def list_notes(svc: Service) -> dict:
     asked = folder_path(raw)
     limit = query_int("limit", 100, 1, 1000)
     offset = query_int("offset", 0, 0, 10**9)
+    sort = query_str("sort", "path") or "path"
+    if sort not in ("path", "modified"):
+        raise bad_request("'sort' must be path (the default) or modified (newest first)")
+    fields = [f for f in query_str("fields").split(",") if f]
+    unknown = sorted(set(fields) - set(LIST_FIELDS))
+    if unknown:
+        raise bad_request(
+            f"unknown field(s) {', '.join(unknown)}: ask for {', '.join(LIST_FIELDS)}"
+        )
     try:
-        return svc.notes.list_page(folder, limit, offset)
+        return svc.notes.list_page(folder, limit, offset, sort, fields)
     except ApiError as e:  # the folder a grant sees from one of its ancestors is not there yet
         if e.status_code != 404 or folder == asked:
             raise
@@ -17959,6 +18298,33 @@ def move_note(svc: Service, path: str) -> dict:
     new = visible_note(svc.notes, field(body, "path"))  # a folder grant moves within its folder
     relink = bool(field(body, "updateLinks", bool, required=False))
     return _note_response(move_and_relink(svc, path, new, _if_match(), relink))
+
+
+def merge_note(svc: Service, path: str) -> dict:
+    """POST /notes/:path/merge {base, content}: an edit that started from version `base`,
+    merged with what changed since (CONTRACT 24); 409 with `conflictPath` when it clashed."""
+    path = visible_note(svc.notes, path)
+    body = read_json(svc.config.max_body_bytes)
+    base = field(body, "base", max_len=100)
+    content = field(body, "content")
+    base = base if base.startswith('"') else f'"{base}"'
+    name = _clean_name(field(body, "clientName", required=False, max_len=100), "")
+    who = title_filename(name or principal_name(svc, request_principal()))
+    when = utcnow().strftime("%Y-%m-%d %H-%M UTC")
+    done = svc.notes.merge(path, base, content, f"conflict {who} {when}")
+    bottle.response.set_header("ETag", done["note"]["etag"])
+    return done
+
+
+def principal_name(svc: Service, principal: Principal) -> str:
+    """Return who a request acts for, as a person would name it: a device's or a key's
+    name, an app's; "owner" for the API key."""
+    if principal.kind == "owner":
+        return "owner"
+    for g in svc.grants.grants():
+        if g["id"] == principal.grant_id:
+            return (g.get("client") or {}).get("name") or g["name"]
+    return principal.kind
 
 
 def delete_note(svc: Service, path: str) -> dict:
@@ -19651,6 +20017,7 @@ class Route:
     # stops the app from starting
     jsonrpc: bool = False  # answers JSON-RPC 2.0, errors too; callers checked by
     # authenticate_mcp, which also takes OAuth access tokens (the MCP endpoint only)
+    idempotent: bool = False  # an Idempotency-Key header makes a repeat answer as the first
 
     @property
     def rule(self) -> str:
@@ -19786,8 +20153,10 @@ ROUTES = (
         "POST",
         "/notes",
         create_note,
-        summary="Create a note (409 if it exists)",
-        body=_obj(["path", "content"], path=_NOTE_PATH, content=_STR),
+        summary="Create a note (409 if it exists); without a path, named from its title in "
+        "`folder` (notes/inbox by default)",
+        body=_obj(["content"], path=_NOTE_PATH, content=_STR, folder=_FOLDER_PATH),
+        idempotent=True,
         status=201,
         tag="notes",
         scope="write",
@@ -19796,8 +20165,17 @@ ROUTES = (
         "GET",
         "/notes",
         list_notes,
-        summary="List notes by path",
-        params={"folder": _FOLDER_PATH, "limit": _int(1, 1000, 100), "offset": _int(0, 10**9, 0)},
+        summary="List notes by path, or newest first; with titles, previews and tags",
+        params={
+            "folder": _FOLDER_PATH,
+            "limit": _int(1, 1000, 100),
+            "offset": _int(0, 10**9, 0),
+            "sort": {"enum": ["path", "modified"], "default": "path"},
+            "fields": {
+                "type": "string",
+                "pattern": "^((title|preview|modified|tags)(,(title|preview|modified|tags))*)?$",
+            },
+        },
         tag="notes",
         scope="read",
     ),
@@ -19873,6 +20251,23 @@ ROUTES = (
         params={"path": NOTE_PATH_PARAM},
         tag="notes",
         scope="write",
+    ),
+    Route(
+        "POST",
+        "/notes/<path:path>/merge",
+        merge_note,
+        summary="Save an edit made from version `base`: merged three ways with what changed "
+        "since; 409 keeps it as a conflict copy",
+        body=_obj(
+            ["base", "content"],
+            base={**_STR, "minLength": 1, "maxLength": 100},
+            content=_STR,
+            clientName={**_STR, "maxLength": 100},
+        ),
+        params={"path": NOTE_PATH_PARAM},
+        tag="notes",
+        scope="write",
+        idempotent=True,
     ),
     Route(
         "PATCH",
@@ -20661,8 +21056,22 @@ def _callback(svc: Service, route: Route) -> Callable:
                     f"this needs the {route.scope} scope; this key holds {principal.scope}",
                 )
             env["notesvc.principal"] = principal
+        once = svc.idempotency.key(route, env) if route.idempotent else None
+        if once is not None:
+            done = svc.idempotency.get(once)
+            if done is not None:  # an outbox sent it again: the first answer, nothing redone
+                status, headers, body = done
+                bottle.response.status = status
+                for name, value in headers:
+                    bottle.response.set_header(name, value)
+                return body
         try:
             result = route.handler(svc, **kwargs)
+        except ApiError as e:  # (an HTTPResponse too: before that clause)
+            if once is not None and e.status_code == 409:  # a conflict copy: kept once
+                headers = [("Content-Type", JSON_TYPE)]
+                svc.idempotency.put(once, e.status_code, headers, render_error(e))
+            raise
         except bottle.HTTPResponse:
             raise
         except Exception:
@@ -20670,7 +21079,14 @@ def _callback(svc: Service, route: Route) -> Callable:
             log.exception("request %s failed in %s", rid, route.handler.__name__)
             raise ApiError(500, "INTERNAL_ERROR", f"internal error; request id {rid}") from None
         if isinstance(result, dict):
-            return ok(result, route.status)
+            result = ok(result, route.status)
+            if once is not None:
+                kept = [
+                    (k, v)
+                    for k, v in bottle.response.headerlist
+                    if k in ("Content-Type", "ETag", "Location")
+                ]
+                svc.idempotency.put(once, bottle.response.status_code, kept, result)
         return result
 
     callback.__name__ = route.handler.__name__

@@ -445,12 +445,13 @@ class TestNotes:
     @pytest.mark.parametrize(
         "body",
         [
-            {"content": "x"},
             {"path": "notes/a.md"},
             {"path": 5, "content": "x"},
             {"path": "notes/a.md", "content": 5},
             {"path": "notes/a.md", "content": ["x"]},
-            {"path": None, "content": "x"},
+            {"content": "x", "folder": 7},
+            {"content": "x", "folder": "notes/../etc"},
+            {"content": "x", "folder": "attachments/x"},
         ],
     )
     def test_create_with_missing_or_ill_typed_field_is_400(self, client, body):
@@ -617,6 +618,239 @@ class TestNotes:
         (root / "notes" / "ext.md").unlink()
         client.get(note_url("notes/ext.md"), status=404)
         assert data(client.get(f"{API}/notes"))["total"] == 1
+
+
+class TestNotesForPeople:
+    """Notes without paths, listings by date with titles and previews (CONTRACT 24)."""
+
+    @pytest.mark.parametrize(
+        ("content", "name"),
+        [
+            ("# Apple pie\n\nflour\n", "Apple pie"),
+            ("\n\nBuy milk: 2 l / 3 eggs?\nmore\n", "Buy milk 2 l 3 eggs"),
+            ("some intro\n\n## Plan for May\n", "Plan for May"),
+            ("---\ntitle: x\n---\nAfter the front matter\n", "After the front matter"),
+            ("#!?*\n", "#!"),
+            ("...\n", "untitled"),
+            ("", "untitled"),
+            ("\u202eevil\u202c name\u200b\n", "evil name"),
+            ("# שלום עולם\n", "שלום עולם"),
+            ("# 🍎 pie 🥧\n", "🍎 pie 🥧"),
+            ("# Cafe\u0301\n", "Café"),
+            ("   ..hidden.  \n", "hidden"),
+        ],
+    )
+    def test_a_note_without_a_path_is_named_from_its_title(self, client, content, name):
+        rec = data(client.post_json(f"{API}/notes", {"content": content}, status=201))
+        assert rec["path"] == f"notes/inbox/{name}.md"
+        assert rec["content"] == content
+
+    def test_long_titles_are_cut_and_taken_names_numbered(self, client, root):
+        long = "word " * 1000
+        rec = data(client.post_json(f"{API}/notes", {"content": long}, status=201))
+        name = rec["path"][len("notes/inbox/") : -3]
+        assert len(name) <= 80
+        assert len(name.encode()) <= 200
+        put_note(client, "notes/ideas/Pie.md", "# Pie\n\nmine")
+        paths = [
+            data(client.post_json(f"{API}/notes", {"content": "# Pie\n", "folder": "notes/ideas"}))[
+                "path"
+            ]
+            for _ in range(2)
+        ]
+        assert paths == ["notes/ideas/Pie 2.md", "notes/ideas/Pie 3.md"]
+        assert (root / "notes" / "ideas" / "Pie.md").read_text() == "# Pie\n\nmine"  # untouched
+
+    def test_a_folder_key_writes_into_its_own_folder(self, client, anon):
+        key = with_key(anon, new_grant(client, "write", "notes/family")["key"])
+        rec = data(key.post_json(f"{API}/notes", {"content": "# Gifts\n"}, status=201))
+        assert rec["path"] == "notes/family/Gifts.md"
+        rec = data(key.post_json(f"{API}/notes", {"content": "# Up\n", "folder": "notes"}))
+        assert rec["path"] == "notes/family/Up.md"
+        resp = key.post_json(
+            f"{API}/notes", {"content": "# Out\n", "folder": "notes/work"}, status=404
+        )
+        assert_error(resp, 404, "NOT_FOUND")
+
+    def test_the_listing_for_people_newest_first_with_previews_and_tags(self, client, root):
+        for i, name in enumerate(("old", "mid", "new")):
+            put_note(client, f"notes/{name}.md", f"# {name.title()}\n\n**Note** {i} #tag{i}\n")
+            os.utime(root / "notes" / f"{name}.md", (1_700_000_000 + i, 1_700_000_000 + i))
+        listing = data(client.get(f"{API}/notes?sort=modified&fields=title,preview,modified,tags"))
+        assert [n["title"] for n in listing["notes"]] == ["New", "Mid", "Old"]
+        assert listing["notes"][0]["preview"] == "Note 2 #tag2"
+        assert listing["notes"][0]["tags"] == ["tag2"]
+        assert "content" not in listing["notes"][0]
+        plain = data(client.get(f"{API}/notes"))
+        assert [n["path"] for n in plain["notes"]] == [
+            "notes/mid.md",
+            "notes/new.md",
+            "notes/old.md",
+        ]
+        assert "preview" not in plain["notes"][0]
+        for bad in ("sort=size", "fields=content", "fields=title,secret"):
+            assert_error(client.get(f"{API}/notes?{bad}", status=400), 400, "VALIDATION_ERROR")
+
+
+MERGE_CASES = [
+    # (what, base, current, edit, merged text or None for a conflict)
+    ("disjoint", "a\nb\nc\nd\n", "A\nb\nc\nd\n", "a\nb\nc\nD\n", "A\nb\nc\nD\n"),
+    ("adjacent lines", "a\nb\nc\n", "A\nb\nc\n", "a\nB\nc\n", "A\nB\nc\n"),
+    ("the same line", "a\nb\nc\n", "a\nX\nc\n", "a\nY\nc\n", None),
+    ("the same change twice", "a\nb\n", "a\nB\n", "a\nB\n", "a\nB\n"),
+    ("a deletion and an edit elsewhere", "a\nb\nc\n", "a\nc\n", "a\nb\nC\n", "a\nC\n"),
+    ("a deletion of what the edit changed", "a\nb\nc\n", "a\nc\n", "a\nB\nc\n", None),
+    ("both append", "a\n", "a\nb\n", "a\nc\n", None),
+    ("one appends, one prepends", "a\n", "a\nz\n", "0\na\n", "0\na\nz\n"),
+    ("CRLF against LF", "a\nb\nc\n", "a\r\nb\r\nc\r\n", "a\nb\nC\n", "a\r\nb\r\nC\n"),
+    ("no newline at the end", "a\nb", "a\nb\nc", "A\nb", "A\nb\nc\n"),
+    ("an empty base", "", "x\n", "x\n", "x\n"),
+    ("nothing changed", "a\n", "a\n", "a\n", "a\n"),
+    ("an applied edit sent again", "a\nb\n", "a\nB\nc\n", "a\nb\nc\n", "a\nB\nc\n"),
+]
+
+
+class TestMerge:
+    """POST /notes/:path/merge: an edit made from an older version, merged three ways."""
+
+    @pytest.mark.parametrize(
+        ("what", "base", "current", "edit", "merged"), MERGE_CASES, ids=[c[0] for c in MERGE_CASES]
+    )
+    def test_merge3(self, what, base, current, edit, merged):
+        text, clash = notesvc.merge3(base, current, edit)
+        if merged is None:
+            assert clash
+            assert text.replace("\r", "") != edit.replace("\r", "")  # current's side kept
+        else:
+            assert (text, clash) == (merged, False)
+
+    def etag_after(self, client, path: str, content: str) -> str:
+        return put_note(client, path, content).json["data"]["etag"]
+
+    @pytest.mark.parametrize(
+        ("what", "base", "current", "edit", "merged"),
+        [c for c in MERGE_CASES if c[1]],
+        ids=[c[0] for c in MERGE_CASES if c[1]],
+    )
+    def test_merge_over_http(self, client, root, what, base, current, edit, merged):
+        url = note_url("notes/m.md")
+        start = self.etag_after(client, "notes/m.md", base)
+        client.put_json(url, {"content": current})
+        resp = client.post_json(
+            f"{url}/merge", {"base": start, "content": edit}, status=409 if merged is None else 200
+        )
+        if merged is None:
+            err = assert_error(resp, 409, "CONFLICT")
+            assert err["path"] == "notes/m.md"
+            assert re.fullmatch(
+                r"notes/m \(conflict owner \d{4}-\d\d-\d\d \d\d-\d\d UTC\)\.md", err["conflictPath"]
+            )
+            assert (root / err["conflictPath"]).read_text() == edit  # the edit is safe
+            assert (root / "notes" / "m.md").read_text() == current  # and nothing else changed
+        else:
+            got = data(resp)
+            assert got["merged"] == (merged != edit or current != base)
+            assert (root / "notes" / "m.md").read_bytes().decode() == merged
+            assert resp.headers["ETag"] == got["note"]["etag"]
+
+    def test_a_current_base_is_a_plain_write_and_a_merge_is_a_version(self, client):
+        url = note_url("notes/m.md")
+        base = self.etag_after(client, "notes/m.md", "a\nb\n")
+        got = data(client.post_json(f"{url}/merge", {"base": base, "content": "a\nB\n"}))
+        assert got["merged"] is False
+        client.put_json(url, {"content": "A\nB\n"})
+        got = data(
+            client.post_json(f"{url}/merge", {"base": got["note"]["etag"], "content": "a\nB\nc\n"})
+        )
+        assert got == {**got, "merged": True}
+        assert got["note"]["content"] == "A\nB\nc\n"
+        reasons = [v["reason"] for v in data(client.get(f"{url}/versions"))["versions"]]
+        assert reasons[0] == "merged"
+
+    def test_a_base_from_another_note_or_gone_from_history_is_a_conflict(self, make_app, root):
+        client = with_key(make_app(SERVICE_HISTORY_MAX_VERSIONS="0"))
+        other = self.etag_after(client, "notes/other.md", "x\n")
+        url = note_url("notes/m.md")
+        self.etag_after(client, "notes/m.md", "a\n")
+        client.put_json(url, {"content": "b\n"})
+        for base in (other, '"' + "0" * 32 + '"'):
+            resp = client.post_json(f"{url}/merge", {"base": base, "content": "c\n"}, status=409)
+            copy = assert_error(resp, 409, "CONFLICT")["conflictPath"]
+            assert (root / copy).read_text() == "c\n"
+        assert (root / "notes" / "m.md").read_text() == "b\n"
+
+    def test_two_devices_autosaving_at_once_lose_nothing(self, client, root):
+        url = note_url("notes/m.md")
+        lines = [f"line {i}\n" for i in range(20)]
+        base = self.etag_after(client, "notes/m.md", "".join(lines))
+        edits = []
+        for k in range(2):  # each changes its own half
+            mine = lines[:]
+            for i in range(k * 10, k * 10 + 10):
+                mine[i] = f"line {i} by device {k}\n"
+            edits.append("".join(mine))
+        results = []
+
+        def save(edit):
+            results.append(client.post_json(f"{url}/merge", {"base": base, "content": edit}).json)
+
+        threads = [threading.Thread(target=save, args=(e,)) for e in edits]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        text = (root / "notes" / "m.md").read_text()
+        assert all(f"line {i} by device {i // 10}" in text for i in range(20))
+        assert not list((root / "notes").glob("m (conflict*"))
+
+    def test_an_outbox_replayed_twice_does_nothing_twice(self, client, root):
+        url = note_url("notes/m.md")
+        base = self.etag_after(client, "notes/m.md", "a\nb\n")
+        client.put_json(url, {"content": "a\nB\n"})
+        once = {"Idempotency-Key": "outbox-7"}
+        first = client.post_json(
+            f"{url}/merge", {"base": base, "content": "a\nb\nc\n"}, headers=once
+        )
+        again = client.post_json(
+            f"{url}/merge", {"base": base, "content": "a\nb\nc\n"}, headers=once
+        )
+        assert first.json == again.json
+        assert (root / "notes" / "m.md").read_text() == "a\nB\nc\n"
+        # without the key, a replay of an applied edit merges to the same text: no paragraph twice
+        client.post_json(f"{url}/merge", {"base": base, "content": "a\nb\nc\n"})
+        assert (root / "notes" / "m.md").read_text() == "a\nB\nc\n"
+        made = {"Idempotency-Key": "outbox-8"}
+        for _ in range(2):
+            client.post_json(f"{API}/notes", {"content": "# Offline\n"}, headers=made, status=201)
+        assert sorted(p.name for p in (root / "notes" / "inbox").iterdir()) == ["Offline.md"]
+        bad = {"Idempotency-Key": "x" * 101}
+        resp = client.post_json(f"{API}/notes", {"content": "# B\n"}, headers=bad, status=400)
+        assert_error(resp, 400, "VALIDATION_ERROR")
+
+    @pytest.mark.parametrize(
+        ("body", "status"),
+        [
+            ({"content": "x"}, 400),
+            ({"base": 7, "content": "x"}, 400),
+            ({"base": '"abc"', "content": 5}, 400),
+            ({"base": "x" * 101, "content": "x"}, 400),
+        ],
+    )
+    def test_bad_merges_are_refused(self, client, body, status):
+        put_note(client, "notes/m.md", "a\n")
+        resp = client.post_json(f"{note_url('notes/m.md')}/merge", body, status=status)
+        assert_error(resp, status, "VALIDATION_ERROR")
+
+    def test_a_merge_needs_the_note_and_write(self, client, anon):
+        resp = client.post_json(
+            f"{note_url('notes/none.md')}/merge", {"base": '"x"', "content": "x"}, status=404
+        )
+        assert_error(resp, 404, "NOT_FOUND")
+        put_note(client, "notes/m.md", "a\n")
+        reader = with_key(anon, new_grant(client, "read")["key"])
+        reader.post_json(
+            f"{note_url('notes/m.md')}/merge", {"base": '"x"', "content": "x"}, status=403
+        )
 
 
 class TestIfMatch:
