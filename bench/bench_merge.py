@@ -97,9 +97,7 @@ def main() -> None:
             time.sleep(2)  # and its merges have settled
             url = "/notes/" + urllib.parse.quote("notes/big.md", safe="")
             lines = [f"{k:03d} {paragraph(rnd, 12)}\n" for k in range(130)]  # ~10 KB
-            _, made, _ = call(
-                "POST", "/notes", key, {"path": "notes/big.md", "content": "".join(lines)}
-            )
+            call("POST", "/notes", key, {"path": "notes/big.md", "content": "".join(lines)})
             etags = []
             for v in range(50):  # 50 versions
                 lines[v % 130] = f"{v % 130:03d} edited {v} {paragraph(rnd, 10)}\n"
