@@ -2365,9 +2365,13 @@ class NoteStore:
 
     def version_with(self, path: str, etag: str) -> bytes | None:
         """Return the content of the note's kept version whose ETag is etag (None: no such
-        version: another note's, or one the retention dropped)."""
+        version: another note's, or one the retention dropped). The history's copy of the
+        note counts: another program may have replaced it before the rescan kept it."""
         if self.history is None or not re.fullmatch(r'"[0-9a-f]{32}"', etag or ""):
             return None
+        head = self.history.read_head(path) if self.history.enabled else None
+        if head is not None and make_etag(head) == etag:
+            return head
         folder = self.history.dir_of(path)
         for vid in reversed(self.history.ids(folder)):
             if vid.endswith(etag[1:-1]):
@@ -11932,6 +11936,7 @@ def run_audit(svc: Service) -> dict:
 
 # --- begin web/app.css ---
 WEB_CSS = r"""
+
 :root {
   color-scheme: light dark;
   --bg: #ffffff;
@@ -12279,6 +12284,82 @@ main.side-closed #pane-ask {
 .pane-tools button {
   flex: 1;
 }
+/* the recent list: title, a line of the text, when */
+.list-head {
+  margin: 0.75rem 0 0.25rem;
+  font-size: 0.8rem;
+  font-weight: 700;
+  letter-spacing: 0.04em;
+  text-transform: uppercase;
+  color: var(--muted);
+}
+details > summary.list-head {
+  cursor: pointer;
+  min-height: 32px;
+  display: flex;
+  align-items: center;
+}
+#recent {
+  list-style: none;
+  margin: 0;
+  padding: 0;
+}
+#recent li.muted {
+  padding: 0.5rem 0.4rem;
+  color: var(--muted);
+}
+.recent-note {
+  display: grid;
+  grid-template-columns: minmax(0, 1fr) auto;
+  column-gap: 0.5rem;
+  width: 100%;
+  min-height: 44px;
+  text-align: left;
+  background: none;
+  border: 0;
+  border-bottom: 1px solid var(--line);
+  border-radius: 0;
+  padding: 0.5rem 0.4rem;
+  color: var(--fg);
+}
+.recent-note:hover {
+  background: var(--hover);
+}
+.recent-note[aria-current="true"] {
+  background: var(--hover);
+  box-shadow: inset 3px 0 0 var(--accent);
+}
+.recent-note strong {
+  overflow: hidden;
+  text-overflow: ellipsis;
+  white-space: nowrap;
+}
+.recent-note small {
+  grid-column: 2;
+  grid-row: 1;
+  font-size: 0.8rem;
+  white-space: nowrap;
+}
+.recent-note .preview {
+  grid-column: 1 / -1;
+  color: var(--muted);
+  font-size: 0.9rem;
+  overflow: hidden;
+  display: -webkit-box;
+  -webkit-line-clamp: 2;
+  -webkit-box-orient: vertical;
+}
+#offline-state {
+  align-self: center;
+  font-size: 0.8rem;
+  padding: 0.2rem 0.6rem;
+  border-radius: 999px;
+  background: var(--warn-bg);
+  white-space: nowrap;
+}
+#offline-state.ready {
+  background: var(--add-bg);
+}
 #tree ul {
   list-style: none;
   margin: 0;
@@ -12414,7 +12495,11 @@ main.side-closed #pane-ask {
   color: var(--muted);
   white-space: nowrap;
 }
+/* typed, not saved yet: autosave sends it in a second (quiet); a save that failed: loud */
 #status.dirty {
+  color: var(--muted);
+}
+#status.bad {
   color: var(--err);
   font-weight: 600;
 }
@@ -12547,11 +12632,26 @@ main.side-closed #pane-ask {
   list-style: none;
   margin-left: -1.4em;
 }
-.md li.task > input {
-  width: 18px;
-  height: 18px;
-  margin: 0 0.45em 0 0;
-  vertical-align: -3px;
+/* A task is a 44 px row: the whole row (its label) ticks the box. */
+.md li.task > label {
+  display: flex;
+  align-items: flex-start;
+  gap: 0.6em;
+  min-height: 44px;
+  padding: 10px 0;
+  box-sizing: border-box;
+  cursor: pointer;
+}
+.md li.task input {
+  flex: none;
+  width: 24px;
+  height: 24px;
+  margin: -1px 0 0;
+  accent-color: var(--accent);
+  cursor: pointer;
+}
+.md li.task:has(input:checked) > label {
+  color: var(--muted);
 }
 .md hr {
   border: 0;
@@ -12832,11 +12932,63 @@ dialog pre {
   font-size: 0.9rem;
 }
 
-.diff .add {
-  background: var(--add-bg);
+/* history: a timeline, and what changed word by word */
+ol.timeline {
+  list-style: none;
+  margin: 0.5rem 0;
+  padding: 0 0 0 0.9rem;
+  border-left: 2px solid var(--line);
+  max-height: 45vh;
+  overflow: auto;
 }
-.diff .del {
+ol.timeline li {
+  position: relative;
+  display: flex;
+  flex-wrap: wrap;
+  align-items: center;
+  gap: 0.3rem 0.5rem;
+  padding: 0.4rem 0;
+}
+ol.timeline li::before {
+  content: "";
+  position: absolute;
+  left: calc(-0.9rem - 6px);
+  top: 0.95rem;
+  width: 10px;
+  height: 10px;
+  border-radius: 50%;
+  background: var(--accent);
+}
+ol.timeline .when {
+  display: flex;
+  flex-direction: column;
+  flex: 1 1 10rem;
+  min-width: 0;
+}
+ol.timeline .actions {
+  display: flex;
+  gap: 0.3rem;
+}
+p.words {
+  white-space: pre-wrap;
+  overflow-wrap: anywhere;
+  max-height: 40vh;
+  overflow: auto;
+  background: var(--code);
+  padding: 0.5rem;
+  border-radius: 8px;
+  font-size: 0.9rem;
+}
+p.words ins {
+  background: var(--add-bg);
+  text-decoration: underline;
+}
+p.words del {
   background: var(--del-bg);
+  text-decoration: line-through;
+}
+p.words .gap {
+  color: var(--muted);
 }
 dialog .list .actions {
   display: flex;
@@ -12847,11 +12999,23 @@ dialog h3 {
   font-size: 1rem;
   margin: 0.75rem 0 0.25rem;
 }
+#toast {
+  display: flex;
+  align-items: center;
+  gap: 0.5rem;
+}
+#toast[hidden] {
+  display: none;
+}
 #toast button {
   color: inherit;
-  text-decoration: underline;
-  min-height: 0;
-  padding: 0 0.25rem;
+  background: none;
+  border: 1px solid currentColor;
+  font-weight: 700;
+  min-height: 44px;
+  min-width: 64px;
+  padding: 0 0.9rem;
+  margin-left: auto;
 }
 .md audio,
 .md video {
@@ -12947,7 +13111,7 @@ dialog ol {
   margin-top: 0.5rem;
   min-height: 44px;
 }
-"""
+"""[1:]
 # --- end web/app.css ---
 
 # --- begin web/core.js ---
@@ -13049,12 +13213,12 @@ function toast(text, bad, action) {
   t.setAttribute("role", bad ? "alert" : "status");
   t.hidden = false;
   clearTimeout(toastTimer);
-  toastTimer = setTimeout(
-    () => {
-      t.hidden = true;
-    },
-    bad || action ? 8000 : 3000,
-  );
+  // An action (Undo) waits 15 s, and longer while a finger or the focus is on it.
+  const hide = () => {
+    if (t.matches(":hover, :focus-within")) toastTimer = setTimeout(hide, 2000);
+    else t.hidden = true;
+  };
+  toastTimer = setTimeout(hide, action ? 15000 : bad ? 8000 : 3000);
 }
 
 // -- the API -------------------------------------------------------------------------------
@@ -13100,11 +13264,7 @@ async function api(method, path, body, headers, opts) {
       body: body === undefined || raw ? body : JSON.stringify(body),
     });
   } catch (e) {
-    throw new Problem(
-      0,
-      "NETWORK",
-      "Cannot reach the server. Check the connection and try again.",
-    );
+    throw new Problem(0, "NETWORK", "Cannot reach the server. Check the connection and try again.");
   }
   if (opts.blob && r.ok) return {blob: await r.blob(), status: r.status};
   if (opts.raw && r.ok) return {json: await r.json(), status: r.status};
@@ -13217,8 +13377,13 @@ async function connect(typed) {
     let v;
     try {
       v = await api("POST", "/auth/verify", undefined, undefined, {login: true});
+      setItem("local", "notesvc.grant", JSON.stringify(v.data.grant || null));
     } catch (e) {
-      if (e.status === 404) {
+      if (e.status === 0 && offlineOn() && state.keyBase === state.base) {
+        // out of reach, and this device keeps the notes: open them from the copy
+        const grant = JSON.parse(getItem("local", "notesvc.grant") || "null");
+        v = {data: {grant, setupComplete: true}};
+      } else if (e.status === 404) {
         state.base = "";
         removeItem("local", "notesvc.base");
         $("relay-box").open = true;
@@ -13226,13 +13391,14 @@ async function connect(typed) {
           "No notes server answers here. Open your server's connect link, " +
             "or enter its relay code.",
         );
-      }
-      if (e.status === 401)
+      } else if (e.status === 401) {
         throw new Error(
           "That key was not accepted. Check it and try again " +
             "(a rotated key stops working at once).",
         );
-      throw e;
+      } else {
+        throw e;
+      }
     }
     applyGrant(v.data.grant); // a scoped key: only what it may do
     if (!v.data.setupComplete && !v.data.grant) {
@@ -13262,6 +13428,10 @@ async function connect(typed) {
 function toKeyScreen(message) {
   keepDraft();
   feedRun++;
+  if (offlineOn()) {
+    removeItem("local", "notesvc.offline"); // the key stopped working: no copy stays
+    wipeOffline().catch(() => {});
+  }
   state.key = "";
   state.keyBase = "";
   for (const kind of ["session", "local"]) {
@@ -13317,7 +13487,13 @@ function treeUrl(folder) {
 }
 
 async function fillFolder(folder, ul) {
-  const {data} = await api("GET", treeUrl(folder));
+  let data;
+  try {
+    data = (await api("GET", treeUrl(folder))).data;
+  } catch (e) {
+    if (e.status !== 0 || !offlineOn()) throw e;
+    data = await mirrorTree(folder); // out of reach: the copy on this device
+  }
   const items = (data.children || []).map(treeItem);
   ul.replaceChildren(...items.map((i) => i.li));
   if (!items.length) {
@@ -13395,10 +13571,10 @@ function treeItem(node) {
 }
 
 async function loadTree() {
+  loadRecent().catch(() => {});
   const ul = el("ul");
   await fillFolder("notes", ul);
-  const focused =
-    $("tree").contains(document.activeElement) && document.activeElement.dataset.path;
+  const focused = $("tree").contains(document.activeElement) && document.activeElement.dataset.path;
   $("tree").replaceChildren(ul);
   markCurrent();
   if (focused) {
@@ -13409,7 +13585,46 @@ async function loadTree() {
   performance.mark("notesvc:tree-shown");
 }
 
+// The notes by date, newest first: title, a line of the text, when (the way people find
+// what they just wrote; the folders are below it).
+async function loadRecent() {
+  let notes;
+  try {
+    const {data} = await api("GET", "/notes?sort=modified&fields=title,preview,modified&limit=30");
+    notes = data.notes;
+  } catch (e) {
+    if (e.status !== 0 || !offlineOn()) throw e;
+    notes = await mirrorRecent(30);
+  }
+  const items = notes.map((n) =>
+    el(
+      "li",
+      {},
+      el(
+        "button",
+        {
+          type: "button",
+          class: "recent-note",
+          "data-path": n.path,
+          onclick: act(() => openNote(n.path)),
+        },
+        el("strong", {}, n.title || nameOf(n.path)),
+        el("span", {class: "preview"}, n.preview || ""),
+        el("small", {class: "muted"}, ago(n.modified)),
+      ),
+    ),
+  );
+  if (!items.length)
+    items.push(el("li", {class: "muted"}, "No notes yet: start one with New note."));
+  $("recent").replaceChildren(...items);
+  markCurrent();
+}
+
 function markCurrent() {
+  for (const b of $("recent").querySelectorAll("button.recent-note")) {
+    if (b.dataset.path === state.path) b.setAttribute("aria-current", "true");
+    else b.removeAttribute("aria-current");
+  }
   for (const b of $("tree").querySelectorAll("button.note")) {
     if (b.dataset.path === state.path) b.setAttribute("aria-current", "true");
     else b.removeAttribute("aria-current");
@@ -13432,8 +13647,7 @@ async function reveal(path) {
     await loadTree();
   else markCurrent();
 }
-
-"""
+"""[1:]
 # --- end web/core.js ---
 
 # --- begin web/paths.js ---
@@ -13522,7 +13736,7 @@ if (typeof module !== "undefined") {
     sizeText,
   };
 }
-"""
+"""[1:]
 # --- end web/paths.js ---
 # --- begin web/keys.js ---
 KEYS_JS = r"""
@@ -13574,14 +13788,285 @@ function pairTarget(data, here) {
 
 // A pairing secret as a person types it: groups of four, lower case.
 function groupCode(secret) {
-  return (String(secret).toLowerCase().replace(/[^a-z2-7]/g, "").match(/.{1,4}/g) || []).join("-");
+  return (
+    String(secret)
+      .toLowerCase()
+      .replace(/[^a-z2-7]/g, "")
+      .match(/.{1,4}/g) || []
+  ).join("-");
 }
 
 if (typeof module !== "undefined") {
   module.exports = {sameOrigin, keptEntry, keyFor, pairTarget, groupCode};
 }
-"""
+"""[1:]
 # --- end web/keys.js ---
+# --- begin web/merge.js ---
+MERGE_JS = r"""
+// -- diffs and merges (pure: no page; node --test web/) -----------------------------------
+// The same three-way line merge as the server's (merge3 in notesvc.py): the page uses it
+// when the person typed on while a save was on its way and the server merged in someone
+// else's change meanwhile. The word diff draws a version against another on a phone.
+
+// Myers' diff of two arrays (by ===): the matching runs, as [aStart, bStart, length].
+function matches(a, b) {
+  const n = a.length;
+  const m = b.length;
+  const max = n + m;
+  const v = new Int32Array(2 * max + 2);
+  const trace = [];
+  let done = false;
+  for (let d = 0; d <= max && !done; d++) {
+    trace.push(v.slice());
+    for (let k = -d; k <= d; k += 2) {
+      const i = k + max;
+      let x = k === -d || (k !== d && v[i - 1] < v[i + 1]) ? v[i + 1] : v[i - 1] + 1;
+      let y = x - k;
+      while (x < n && y < m && a[x] === b[y]) {
+        x++;
+        y++;
+      }
+      v[i] = x;
+      if (x >= n && y >= m) {
+        done = true;
+        break;
+      }
+    }
+  }
+  // walk back through the trace: the snakes are the matching runs
+  const runs = [];
+  let x = n;
+  let y = m;
+  for (let d = trace.length - 1; d >= 0 && (x > 0 || y > 0); d--) {
+    const vd = trace[d];
+    const k = x - y;
+    const i = k + max;
+    const prevK = k === -d || (k !== d && vd[i - 1] < vd[i + 1]) ? k + 1 : k - 1;
+    const prevX = d === 0 ? 0 : vd[prevK + max];
+    const prevY = prevX - prevK;
+    const startX = d === 0 ? 0 : prevK === k + 1 ? prevX : prevX + 1;
+    const startY = startX - k;
+    if (x > startX) runs.push([startX, startY, x - startX]);
+    x = d === 0 ? 0 : prevX;
+    y = d === 0 ? 0 : prevY;
+  }
+  return runs.reverse().filter((r) => r[2] > 0);
+}
+
+// The changes from a to b: [aStart, aEnd, bStart, bEnd] of every region that differs.
+function changes(a, b) {
+  const out = [];
+  let i = 0;
+  let j = 0;
+  for (const [x, y, len] of [...matches(a, b), [a.length, b.length, 0]]) {
+    if (x > i || y > j) out.push([i, x, j, y]);
+    i = x + len;
+    j = y + len;
+  }
+  return out;
+}
+
+function splitLines(text) {
+  const lines = text.match(/[^\n]*\n|[^\n]+$/g) || [];
+  return lines;
+}
+
+const bare = (line) => line.replace(/\r?\n$/, "");
+
+function overlap(a, b) {
+  if (a[0] === a[1] && b[0] === b[1]) return a[0] === b[0];
+  if (a[0] === a[1]) return b[0] < a[0] && a[0] < b[1];
+  if (b[0] === b[1]) return a[0] < b[0] && b[0] < a[1];
+  return a[0] < b[1] && b[0] < a[1];
+}
+
+function alreadyMade(h, all) {
+  if (h[0] !== h[1] || !h[2].length) return false;
+  const wanted = h[2].map(bare).join("\n");
+  const n = h[2].length;
+  return all.some((g) => {
+    if (g[3] === h[3] || g[0] === g[1] || g[2].length < n) return false;
+    const lines = g[2].map(bare);
+    return (
+      (g[1] === h[0] && lines.slice(-n).join("\n") === wanted) ||
+      (g[0] === h[0] && lines.slice(0, n).join("\n") === wanted)
+    );
+  });
+}
+
+function apply(base, lo, hi, hunks) {
+  const out = [];
+  let at = lo;
+  for (const [i1, i2, lines] of hunks) {
+    out.push(...base.slice(at, i1), ...lines);
+    at = i2;
+  }
+  return out.concat(base.slice(at, hi));
+}
+
+// {text, conflict}: a three-way line merge of base, current and edit. Changes on one side
+// are kept, identical changes on both sides once, overlapping different ones are a
+// conflict (current's side is kept there). Line endings do not count as changes.
+function merge3(base, current, edit) {
+  const b = splitLines(base);
+  const c = splitLines(current);
+  const e = splitLines(edit);
+  for (const side of [c, e]) {
+    if (side.length && !side[side.length - 1].endsWith("\n")) side[side.length - 1] += "\n";
+  }
+  const kb = b.map(bare);
+  const kept = b.slice();
+  for (const [x, y, len] of matches(kb, c.map(bare))) {
+    for (let k = 0; k < len; k++) kept[x + k] = c[y + k];
+  }
+  let all = [];
+  for (const [side, other] of [
+    [0, c],
+    [1, e],
+  ]) {
+    for (const [i1, i2, j1, j2] of changes(kb, other.map(bare))) {
+      all.push([i1, i2, other.slice(j1, j2), side]);
+    }
+  }
+  all = all.filter((h) => !alreadyMade(h, all));
+  all.sort((p, q) => p[0] - q[0] || p[1] - q[1] || p[3] - q[3]);
+  const groups = [];
+  for (const h of all) {
+    const last = groups[groups.length - 1];
+    if (last && last.some((g) => overlap(h, g))) last.push(h);
+    else groups.push([h]);
+  }
+  const out = [];
+  let at = 0;
+  let conflict = false;
+  for (const group of groups) {
+    const lo = Math.min(...group.map((g) => g[0]));
+    const hi = Math.max(...group.map((g) => g[1]));
+    out.push(...kept.slice(at, lo));
+    const ours = group.filter((g) => g[3] === 0);
+    const theirs = group.filter((g) => g[3] === 1);
+    if (ours.length && theirs.length) {
+      const mine = apply(b, lo, hi, ours);
+      const edited = apply(b, lo, hi, theirs);
+      if (mine.map(bare).join("\n") !== edited.map(bare).join("\n")) conflict = true;
+      out.push(...mine);
+    } else {
+      out.push(...apply(b, lo, hi, ours.length ? ours : theirs));
+    }
+    at = hi;
+  }
+  out.push(...kept.slice(at));
+  return {text: out.join(""), conflict};
+}
+
+// The difference between two texts word by word: [{op: "same"|"add"|"del", text}], the
+// runs joined, so a version reads as one text with what changed marked in it.
+function wordDiff(before, after) {
+  const split = (t) => t.match(/\s+|[^\s]+/g) || [];
+  const a = split(before);
+  const b = split(after);
+  const raw = [];
+  let i = 0;
+  let j = 0;
+  for (const [x, y, len] of [...matches(a, b), [a.length, b.length, 0]]) {
+    if (i < x) raw.push({op: "del", text: a.slice(i, x).join("")});
+    if (j < y) raw.push({op: "add", text: b.slice(j, y).join("")});
+    for (let k = x; k < x + len; k++) raw.push({op: "same", text: a[k]});
+    i = x + len;
+    j = y + len;
+  }
+  // One change reads as one: a space between two changes joins them (the words struck
+  // out together, then the words put in), as a person would mark up a text.
+  const out = [];
+  const push = (op, text) => {
+    const last = out[out.length - 1];
+    if (!text) return;
+    if (last && last.op === op) last.text += text;
+    else out.push({op, text});
+  };
+  let del = "";
+  let add = "";
+  const flush = () => {
+    push("del", del);
+    push("add", add);
+    del = add = "";
+  };
+  raw.forEach((part, k) => {
+    const next = raw[k + 1];
+    if (part.op === "del") del += part.text;
+    else if (part.op === "add") add += part.text;
+    else if ((del || add) && /^\s+$/.test(part.text) && next && next.op !== "same") {
+      del += part.text;
+      add += part.text;
+    } else {
+      flush();
+      push("same", part.text);
+    }
+  });
+  flush();
+  return out;
+}
+
+if (typeof module !== "undefined") module.exports = {matches, changes, merge3, wordDiff};
+"""[1:]
+# --- end web/merge.js ---
+# --- begin web/outbox.js ---
+OUTBOX_JS = r"""
+// -- the outbox (pure: no page; node --test web/) ----------------------------------------
+// What was written while the server could not be reached, in order, sent when it can be.
+// An item is {id, kind, key, ...}: `key` is its Idempotency-Key, so an item sent twice
+// (its answer lost) is done once. Kinds: "save" {path, base, content} (through merge, from
+// the version it started from), "create" {local, folder, content} (a new note, named by
+// the server; `local` stands for its path until then), "capture" {text, files} (today's
+// note, from the share sheet).
+
+// Queue a save; an unsent save of the same note takes the new text (it keeps the version
+// the edits started from), and so does the unsent create of a note not sent yet.
+function queueSave(items, path, base, content, newId) {
+  const out = items.slice();
+  const create = out.findIndex((i) => i.kind === "create" && i.local === path && !i.sent);
+  if (create >= 0) {
+    out[create] = {...out[create], content, key: newId()};
+    return out;
+  }
+  const at = out.findIndex((i) => i.kind === "save" && i.path === path && !i.sent);
+  if (at >= 0) out[at] = {...out[at], content, key: newId()};
+  else out.push({id: newId(), kind: "save", key: newId(), path, base, content});
+  return out;
+}
+
+function queueCreate(items, local, folder, content, newId) {
+  return [...items, {id: newId(), kind: "create", key: newId(), local, folder, content}];
+}
+
+function queueCapture(items, text, files, newId) {
+  return [...items, {id: newId(), kind: "capture", key: newId(), text, files: files || []}];
+}
+
+// The item sent: gone from the queue. A create's answer gives the note its path: later
+// saves of it go there, from the version the server made.
+function settle(items, item, answer) {
+  return items
+    .filter((i) => i.id !== item.id)
+    .map((i) =>
+      item.kind === "create" && i.kind === "save" && i.path === item.local
+        ? {...i, path: answer.path, base: answer.etag}
+        : i,
+    );
+}
+
+// What the page says about the queue.
+function waiting(items) {
+  const n = items.length;
+  if (!n) return "";
+  return n === 1 ? "1 change waits to be sent" : n + " changes wait to be sent";
+}
+
+if (typeof module !== "undefined") {
+  module.exports = {queueSave, queueCreate, queueCapture, settle, waiting};
+}
+"""[1:]
+# --- end web/outbox.js ---
 # --- begin web/markdown.js ---
 MARKDOWN_JS = r"""
 // -- Markdown: a small renderer that builds DOM nodes, so no HTML in a note can run ----------
@@ -13683,11 +14168,7 @@ function blocks(lines, out, ctx) {
         el(
           "pre",
           {},
-          el(
-            "code",
-            {class: m[2] ? "lang-" + m[2].replace(/[^\w-]/g, "") : null},
-            body.join("\n"),
-          ),
+          el("code", {class: m[2] ? "lang-" + m[2].replace(/[^\w-]/g, "") : null}, body.join("\n")),
         ),
       );
     } else if ((m = HEADING_RE.exec(t))) {
@@ -13739,6 +14220,7 @@ function list(lines, i, out, ctx) {
     listEl.setAttribute("start", String(parseInt(first[2], 10)));
   out.appendChild(listEl);
   let li = null;
+  let body = null; // where the item's text goes: a task's text is inside its label
   while (i < lines.length) {
     const t = lines[i].t;
     if (!t.trim()) {
@@ -13756,10 +14238,12 @@ function list(lines, i, out, ctx) {
       if (ind < indent) return i;
       if (ind > indent && li) {
         i = list(lines, i, li, ctx);
+        body = li; // text after a nested list goes after it
         continue;
       }
       if (/\d/.test(m[2]) !== ordered) return i;
       li = el("li");
+      body = li;
       let content = m[3] || "";
       const task = /^\[([ xX])\](?:\s+|$)/.exec(content);
       if (task) {
@@ -13773,16 +14257,17 @@ function list(lines, i, out, ctx) {
         box.checked = task[1] !== " ";
         box.disabled = !ctx.onTask;
         if (ctx.onTask) box.addEventListener("change", () => ctx.onTask(n, box));
-        li.appendChild(box);
+        body = el("span");
+        li.appendChild(el("label", {}, box, body));
         content = content.slice(task[0].length);
       }
-      inline(content, li, ctx);
+      inline(content, body, ctx);
       listEl.appendChild(li);
       i++;
     } else if (li && (/^\s/.test(t) || !startsBlock(t))) {
       // the item's text goes on
-      li.appendChild(el("br"));
-      inline(t.trim(), li, ctx);
+      body.appendChild(el("br"));
+      inline(t.trim(), body, ctx);
       i++;
     } else {
       return i;
@@ -13906,11 +14391,10 @@ function resolveRelative(href, from) {
   return /^(notes|attachments)\//.test(path) ? path : null;
 }
 
-
 if (typeof module !== "undefined") {
   module.exports = {el, folderOf, renderMarkdown, resolveRelative, safeDecode};
 }
-"""
+"""[1:]
 # --- end web/markdown.js ---
 
 # --- begin web/app.js ---
@@ -14178,7 +14662,7 @@ function choose(title, text, buttons) {
 
 const editor = () => $("editor");
 function dirty() {
-  return state.path !== null && editor().value !== state.saved;
+  return (state.path !== null || state.blank) && editor().value !== state.saved;
 }
 
 function updateDirty() {
@@ -14193,7 +14677,7 @@ function updateDirty() {
     s.textContent = "";
     s.className = "";
   }
-  $("save").disabled = !state.path;
+  $("save").disabled = !state.path && !state.blank;
   $("save").classList.toggle("clean", !dirty());
 }
 
@@ -14229,19 +14713,28 @@ function dropDraft() {
   $("draft").hidden = true;
 }
 
-// Ask before unsaved text would be lost; resolve to true when it is fine to go on.
-async function confirmLeave(what) {
+// Before the page leaves a note: what was typed is saved now (autosave may not have run
+// yet). Only when that fails does it ask; resolve to true when it is fine to go on.
+async function confirmLeave() {
   if (!dirty()) return true;
+  clearTimeout(saveTimer);
+  let why = "";
+  try {
+    if (await save(false)) return true;
+  } catch (e) {
+    why = " " + ((e.error && e.error.message) || "The server could not be reached.");
+  }
+  if (!dirty()) return false; // kept as a conflict copy: the page says where
   const choice = await choose(
-    "Unsaved changes",
-    "“" + state.title + "” has changes that are not saved.",
+    "Not saved",
+    "“" + state.title + "” could not be saved." + why,
     [
-      ["save", "Save", "primary"],
-      ["discard", "Discard"],
-      ["cancel", "Cancel"],
+      ["retry", "Try again", "primary"],
+      ["discard", "Discard changes"],
+      ["cancel", "Stay"],
     ],
   );
-  if (choice === "save") return save(false);
+  if (choice === "retry") return confirmLeave();
   if (choice === "discard") {
     dropDraft();
     editor().value = state.saved;
@@ -14263,7 +14756,6 @@ function showNote(rec) {
   $("empty").hidden = true;
   $("note-bar").hidden = false;
   $("conflict").hidden = true;
-  $("conflict-text").textContent = "This note changed elsewhere.";
   $("draft").hidden = true;
   $("status").textContent = "";
   $("status").className = "";
@@ -14275,7 +14767,13 @@ function showNote(rec) {
 async function openNote(path, opts) {
   opts = opts || {};
   if (path !== state.path && !(await confirmLeave())) return false;
-  const {data} = await api("GET", "/notes/" + enc(path));
+  let data;
+  try {
+    data = (await api("GET", "/notes/" + enc(path))).data;
+  } catch (e) {
+    data = e.status === 0 && offlineOn() ? await mirrorGet(path) : null;
+    if (!data) throw e;
+  }
   showNote(data);
   const draft = readDraft(data.path);
   if (draft && draft.content !== data.content) {
@@ -14301,6 +14799,7 @@ async function openNote(path, opts) {
 
 function closeNote() {
   state.path = null;
+  state.blank = false;
   state.etag = null;
   state.saved = "";
   editor().value = "";
@@ -14313,6 +14812,8 @@ function closeNote() {
   $("backlinks").hidden = true;
   $("conflict").hidden = true;
   $("draft").hidden = true;
+  $("status").textContent = "";
+  $("status").className = "";
   $("empty").hidden = false;
   $("about").checked = false;
   $("about").disabled = true;
@@ -14349,15 +14850,8 @@ async function toggleTask(n, box) {
     box.checked = !box.checked;
     return;
   }
-  const before = dirty();
   lines[n] = flipped;
   editor().value = lines.join("\n");
-  if (before) {
-    updateDirty();
-    scheduleDraft();
-    toast("Ticked: Save to keep it with your other changes.");
-    return;
-  }
   if (!(await act(() => save(false))())) {
     editor().value = state.saved;
     updateDirty();
@@ -14365,13 +14859,22 @@ async function toggleTask(n, box) {
   }
 }
 
-function showConflict(gone) {
+// The banner over a note: "gone" (deleted or moved elsewhere while edited here: reload or
+// keep mine) or "copy" (both changed the same lines: where this edit was kept).
+function showConflict(gone, copy) {
   $("conflict-text").textContent = gone
     ? "This note was deleted or moved elsewhere."
-    : "This note changed elsewhere.";
+    : "Someone changed the same lines meanwhile. This is their version; yours is kept, " +
+      "whole, as “" +
+      nameOf(copy) +
+      "”.";
+  $("conflict").dataset.copy = copy || "";
+  for (const id of ["reload", "overwrite"]) $(id).hidden = !gone;
+  for (const id of ["open-copy", "conflict-ok"]) $(id).hidden = !!gone;
   $("conflict").hidden = false;
+  if (!gone) return;
   $("status").textContent = "Not saved";
-  $("status").className = "dirty";
+  $("status").className = "bad";
 }
 
 // A write of this page's own is under way: the feed's news of the open note waits for it
@@ -14390,42 +14893,173 @@ async function writing(fn) {
 }
 
 async function save(force) {
-  return state.path ? writing(() => saveNow(force)) : false;
+  return state.path || state.blank ? writing(() => saveNow(force)) : false;
 }
 
+function newId() {
+  return crypto.randomUUID ? crypto.randomUUID() : String(Date.now()) + Math.random();
+}
+
+// Save the editor's text: through merge, from the version it was loaded as (what changed
+// elsewhere meanwhile is merged in; overlapping changes keep this edit as a conflict copy).
+// A new note's first save creates it, named from its first line. `force`: keep mine.
 async function saveNow(force) {
   const content = editor().value;
+  if (state.blank) return createFromText(content);
+  if (state.path.startsWith("new:")) return keepOffline(state.path, content); // not sent yet
+  if (content === state.saved && !force) return true;
+  const path = state.path;
+  let r;
   try {
-    let r;
-    try {
+    if (force) {
+      r = await api("PUT", "/notes/" + enc(path), {content});
+      r = {data: {note: r.data, merged: false}};
+    } else {
       r = await api(
-        "PUT",
-        "/notes/" + enc(state.path),
-        {content},
-        force ? {} : {"If-Match": state.etag},
+        "POST",
+        "/notes/" + enc(path) + "/merge",
+        {base: state.etag, content, clientName: deviceName()},
+        {"Idempotency-Key": newId()},
       );
-    } catch (e) {
-      if (e.status !== 404 || !force) throw e;
-      r = await api("POST", "/notes", {path: state.path, content}); // keep mine: write it again
-      loadTree().catch(() => {});
     }
-    state.saved = content;
-    state.etag = r.data.etag;
-    state.title = r.data.title || state.title;
-    $("title").textContent = state.title;
-    $("path").textContent = r.data.path + " · " + ago(r.data.modified);
-    dropDraft();
-    $("conflict").hidden = true;
-    $("status").textContent = "Saved";
-    $("status").className = "";
-    if (!state.editing) renderView();
-    return true;
   } catch (e) {
-    if (e.status === 412 || e.status === 404) {
-      showConflict(e.status === 404);
+    if (e.status === 0 && offlineOn()) return keepOffline(path, content);
+    if (e.status === 409 && e.error && e.error.conflictPath) return clashed(e.error);
+    if (e.status === 404 && force) {
+      r = await api("POST", "/notes", {path, content}); // gone: keep mine, write it again
+      r = {data: {note: r.data, merged: false}};
+      loadTree().catch(() => {});
+    } else if (e.status === 404) {
+      showConflict(true);
       return false;
+    } else {
+      throw e;
     }
+  }
+  if (path === state.path) saved(r.data.note, content);
+  return true;
+}
+
+// The server has `note`; the editor sent `sent`. What was merged in shows in the editor,
+// without losing what was typed since (merged here too, three ways).
+function saved(note, sent) {
+  state.etag = note.etag;
+  if (note.content !== sent) {
+    const now = editor().value;
+    editor().value = now === sent ? note.content : merge3(sent, note.content, now).text;
+    if (!state.editing) renderView();
+  }
+  state.saved = note.content;
+  state.title = note.title || state.title;
+  $("title").textContent = state.title;
+  $("path").textContent = note.path + " · " + ago(note.modified);
+  mirrorPut(note);
+  if (editor().value === state.saved) dropDraft();
+  $("conflict").hidden = true;
+  $("status").textContent = "Saved";
+  $("status").className = "";
+  updateDirty();
+  if (!state.editing) renderView();
+}
+
+// Both changed the same lines: the note keeps the other change; this edit is kept whole
+// beside it. Show the note as it is, and say where this edit went.
+async function clashed(err) {
+  dropDraft();
+  state.saved = editor().value;
+  await openNote(err.path);
+  showConflict(false, err.conflictPath);
+  loadTree().catch(() => {});
+  loadRecent().catch(() => {});
+  return false;
+}
+
+async function createFromText(content) {
+  if (!content.trim()) return true;
+  const own = state.grant && state.grant.folder;
+  const body = {content};
+  if (own) body.folder = own;
+  let r;
+  try {
+    r = await api("POST", "/notes", body, {"Idempotency-Key": state.newKey});
+  } catch (e) {
+    if (e.status === 0 && offlineOn()) return keepOffline(null, content);
     throw e;
+  }
+  state.blank = false;
+  mine(r.data.path);
+  state.path = r.data.path;
+  setItem("session", "notesvc.open", state.path);
+  saved(r.data, content);
+  loadTree().catch(() => {});
+  return true;
+}
+
+// Autosave: a second after the last keystroke, or every 3 s while typing goes on, never
+// more than one request a second; and when the page is hidden (a small note then goes out
+// even as the page closes; a large one waits in this browser for the next visit). A new
+// note waits for its first line to be finished (or five quiet seconds): that line names it.
+let saveTimer = 0;
+let lastSave = 0;
+let dirtySince = 0;
+function scheduleSave() {
+  clearTimeout(saveTimer);
+  const now = Date.now();
+  if (!dirtySince) dirtySince = now;
+  const naming = state.blank && !/\S[^\n]*\n/.test(editor().value);
+  let wait = naming ? 5000 : Math.min(1000, dirtySince + 3000 - now);
+  wait = Math.max(wait, lastSave + 1000 - now, 0);
+  saveTimer = setTimeout(autosave, wait);
+}
+let saveFailures = 0;
+async function autosave() {
+  dirtySince = 0;
+  if (!dirty()) return;
+  if (state.writes) return scheduleSave(); // one at a time: the next one after this
+  lastSave = Date.now();
+  $("status").textContent = "Saving…";
+  try {
+    await save(false);
+    saveFailures = 0;
+  } catch (e) {
+    // Kept in this browser meanwhile; tried again, less and less often; said once.
+    keepDraft();
+    saveFailures++;
+    $("status").textContent = e.status === 0 ? "Not saved: no connection" : "Not saved";
+    $("status").className = "bad";
+    if (saveFailures === 1 && e.status !== 0 && e.status !== 401) toast(e.message, true);
+    clearTimeout(saveTimer);
+    saveTimer = setTimeout(autosave, Math.min(60000, 5000 * saveFailures));
+    return;
+  }
+  if (dirty()) scheduleSave(); // typed on meanwhile
+}
+function saveAsThePageHides() {
+  if (!dirty() || !state.path || state.blank) return keepDraft();
+  const content = editor().value;
+  if (new Blob([content]).size > 64 * 1024 || !state.key || state.keyBase !== state.base) {
+    return keepDraft();
+  }
+  keepDraft(); // until the next visit sees it saved
+  fetch(state.base + "/notes/" + enc(state.path) + "/merge", {
+    method: "POST",
+    keepalive: true,
+    mode: "same-origin",
+    credentials: "omit",
+    headers: {
+      "Content-Type": "application/json",
+      "X-Service-Key": state.key,
+      "Idempotency-Key": newId(),
+    },
+    body: JSON.stringify({base: state.etag, content, clientName: deviceName()}),
+  }).catch(() => {});
+}
+
+function deviceName() {
+  try {
+    return JSON.parse(getItem("local", "notesvc.device") || "{}").name || "web client";
+  } catch (e) {
+    return "web client";
   }
 }
 
@@ -14457,10 +15091,7 @@ async function checkOpenNote() {
     return;
   }
   if (path !== state.path || r.data.etag === state.etag) return;
-  if (dirty()) {
-    showConflict(false);
-    return;
-  }
+  if (dirty()) return save(false); // merged with what is typed here
   const editing = state.editing;
   showNote(r.data);
   setEditing(editing);
@@ -14476,48 +15107,29 @@ async function lookAgain() {
   await Promise.all([loadTree(), checkOpenNote()]);
 }
 
-function offerNew() {
-  const input = el("input", {
-    type: "text",
-    id: "new-path",
-    autocomplete: "off",
-    spellcheck: "false",
-    placeholder: "folder/name",
-  });
-  const own = state.grant && state.grant.folder; // a folder key writes in its folder
-  const folder = (state.path ? folderOf(state.path) : own || "").replace(/^notes\/?/, "");
-  input.value = folder ? folder + "/" : "";
-  input.addEventListener("keydown", (e) => {
-    if (e.key === "Enter" && dialogDone) dialogDone("create");
-  });
-  return dialog(
-    "New note",
-    [
-      el("label", {for: "new-path"}, "Name (folders with /)"),
-      input,
-      el("p", {class: "muted"}, "It is saved as notes/<name>.md."),
-    ],
-    [
-      ["cancel", "Cancel"],
-      ["create", "Create", "primary"],
-    ],
-    input,
-  ).then((v) => (v === "create" ? input.value.trim() : null));
-}
-
-async function newNote() {
-  if (!(await confirmLeave())) return;
-  const name = await offerNew();
-  if (name) await createNote(toNotePath(name));
-}
-
+// A [[link]] to a note that is not there yet: create it where the link says.
 async function createNote(path) {
   const {data} = await api("POST", "/notes", {path, content: "# " + nameOf(path) + "\n\n"});
-  state.saved = editor().value; // already asked
+  mine(data.path);
+  await loadTree();
   await openNote(data.path, {edit: true});
-  const ed = editor();
-  ed.focus();
-  ed.setSelectionRange(ed.value.length, ed.value.length);
+}
+
+// A new note is written first: no path to choose; its first line names it when it is
+// first saved (in notes/inbox, or a folder key's own folder).
+async function newNote() {
+  if (!(await confirmLeave())) return;
+  closeNote();
+  state.blank = true;
+  state.newKey = newId(); // its create, sent again after a lost answer, is made once
+  $("empty").hidden = true;
+  $("note-bar").hidden = false;
+  $("title").textContent = "New note";
+  $("path").textContent = "The first line is its title";
+  setEditing(true);
+  updateDirty();
+  showPane("note");
+  editor().focus();
 }
 
 async function moveNote() {
@@ -14628,35 +15240,74 @@ function when(iso) {
   return t ? new Date(t).toLocaleString() : iso;
 }
 
-function diffView(diff) {
-  const pre = el("pre", {class: "diff"});
-  for (const line of diff.split("\n")) {
-    const cls = /^\+(?!\+\+)/.test(line) ? "add" : /^-(?!--)/.test(line) ? "del" : null;
-    pre.append(el("span", {class: cls}, line + "\n"));
-  }
-  return pre;
+// Why a version was kept, in words.
+const REASONS = {
+  updated: "edited",
+  merged: "merged with an edit from another device",
+  external: "changed outside notesvc",
+  moved: "before a move",
+  deleted: "before it was deleted",
+  restored: "before a restore",
+  linksRewritten: "links updated",
+  dav: "saved by another app",
+};
+
+function dayAndTime(iso) {
+  const t = new Date(iso);
+  const days = Math.round(
+    (new Date().setHours(0, 0, 0, 0) - new Date(t).setHours(0, 0, 0, 0)) / 864e5,
+  );
+  const time = t.toLocaleTimeString([], {hour: "2-digit", minute: "2-digit"});
+  if (days === 0) return "Today, " + time;
+  if (days === 1) return "Yesterday, " + time;
+  return t.toLocaleDateString([], {weekday: "short", day: "numeric", month: "short"}) + ", " + time;
 }
 
+// What changed, word by word; long unchanged stretches shrink to their ends.
+function wordDiffView(before, after) {
+  const out = el("p", {class: "words"});
+  const parts = wordDiff(before, after);
+  parts.forEach((part, i) => {
+    if (part.op !== "same") {
+      out.append(el(part.op === "add" ? "ins" : "del", {}, part.text));
+      return;
+    }
+    const t = part.text;
+    const head = i > 0 ? 80 : 0; // after a change: its context
+    const tail = i < parts.length - 1 ? 80 : 0; // before one
+    if (t.length <= head + tail + 40) out.append(t);
+    else out.append(t.slice(0, head), el("span", {class: "gap"}, " … "), t.slice(t.length - tail));
+  });
+  return out;
+}
+
+// The history as a timeline: when, why, and what changed since, word by word; restore in
+// one tap.
 async function showHistory() {
   if (!state.path) return;
   const path = state.path;
   const {data} = await api("GET", "/notes/" + enc(path) + "/versions?limit=50");
   const base = "/notes/" + enc(path) + "/versions/";
-  const list = el("ul", {class: "list", id: "versions"});
+  const list = el("ol", {class: "timeline", id: "versions"});
   const detail = el("div", {id: "version-detail"});
   for (const v of data.versions) {
+    const changes = act(async () => {
+      const r = await api("GET", base + enc(v.id));
+      const now = editor().value;
+      detail.replaceChildren(
+        el("h3", {}, "From " + dayAndTime(v.savedAt) + " to now"),
+        r.data.content === now
+          ? el("p", {}, "The same as now.")
+          : wordDiffView(r.data.content, now),
+        el("p", {class: "muted"}, "Struck out: only then. Underlined: only now."),
+      );
+      detail.scrollIntoView({block: "nearest"});
+    });
     const view = act(async () => {
       const r = await api("GET", base + enc(v.id));
       detail.replaceChildren(
-        el("h3", {}, "Saved " + when(v.savedAt)),
+        el("h3", {}, "As it was " + dayAndTime(v.savedAt)),
         el("pre", {}, r.data.content),
-      );
-    });
-    const diff = act(async () => {
-      const r = await api("GET", base + enc(v.id) + "/diff?against=current");
-      detail.replaceChildren(
-        el("h3", {}, "From " + when(v.savedAt) + " to now"),
-        r.data.diff ? diffView(r.data.diff) : el("p", {}, "The same as now."),
       );
     });
     const restore = act(async () => {
@@ -14671,7 +15322,7 @@ async function showHistory() {
         setEditing(false);
         updateDirty();
       });
-      toast("Restored the version of " + when(v.savedAt));
+      toast("Restored the version of " + dayAndTime(v.savedAt));
     });
     list.append(
       el(
@@ -14679,15 +15330,15 @@ async function showHistory() {
         {"data-version": v.id},
         el(
           "span",
-          {},
-          when(v.savedAt),
-          el("small", {class: "muted"}, " · " + v.reason + " · " + sizeText(v.size)),
+          {class: "when"},
+          el("strong", {}, dayAndTime(v.savedAt)),
+          el("small", {class: "muted"}, (REASONS[v.reason] || v.reason) + " · " + sizeText(v.size)),
         ),
         el(
           "span",
           {class: "actions"},
+          el("button", {type: "button", onclick: changes}, "Changes"),
           el("button", {type: "button", onclick: view}, "View"),
-          el("button", {type: "button", onclick: diff}, "Diff"),
           writable() ? el("button", {type: "button", onclick: restore}, "Restore") : null,
         ),
       ),
@@ -14699,11 +15350,7 @@ async function showHistory() {
 
 async function restoreFromTrash(item, to) {
   try {
-    const r = await api(
-      "POST",
-      "/trash/" + enc(item.id) + "/restore",
-      to ? {path: to} : undefined,
-    );
+    const r = await api("POST", "/trash/" + enc(item.id) + "/restore", to ? {path: to} : undefined);
     return r.data;
   } catch (e) {
     if (e.status !== 409) throw e;
@@ -14762,16 +15409,19 @@ async function showTrash() {
         {class: "actions"},
         item.path.endsWith(".md") ? el("button", {type: "button", onclick: view}, "View") : null,
         writable() ? el("button", {type: "button", onclick: restore}, "Restore") : null,
-        state.grant ? null : el( // purging for good is the owner's alone
-          "button",
-          {
-            type: "button",
-            class: "danger",
-            onclick: purge,
-            "aria-label": "Delete forever: " + item.path,
-          },
-          "Delete",
-        ),
+        state.grant
+          ? null
+          : el(
+              // purging for good is the owner's alone
+              "button",
+              {
+                type: "button",
+                class: "danger",
+                onclick: purge,
+                "aria-label": "Delete forever: " + item.path,
+              },
+              "Delete",
+            ),
       ),
     );
     list.append(row);
@@ -14797,9 +15447,7 @@ function attachmentPath(file) {
   const now = new Date();
   const stamp = now.toISOString().replace(/[-:]/g, "").replace("T", "-").slice(0, 15);
   const dot = file.name.lastIndexOf(".");
-  const ext = (
-    dot > 0 ? file.name.slice(dot + 1) : file.type.split("/")[1] || "bin"
-  ).toLowerCase();
+  const ext = (dot > 0 ? file.name.slice(dot + 1) : file.type.split("/")[1] || "bin").toLowerCase();
   const stem =
     (dot > 0 ? file.name.slice(0, dot) : file.name || "file")
       .normalize("NFKD")
@@ -14876,6 +15524,11 @@ function treeSoon() {
   clearTimeout(treeTimer);
   treeTimer = setTimeout(() => loadTree().catch(() => {}), 300);
 }
+let recentTimer = 0;
+function recentSoon() {
+  clearTimeout(recentTimer);
+  recentTimer = setTimeout(() => loadRecent().catch(() => {}), 1500);
+}
 
 function cursorAfterGone(e) {
   // A 410 says where the server's changes end: from there on, after listing again.
@@ -14902,7 +15555,9 @@ async function changeCursor() {
 }
 
 function applyChange(c) {
-  if (c.kind !== "updated") treeSoon(); // the tree shows names, not contents
+  if (offlineOn()) mirrorChange(c).catch(() => {});
+  if (c.kind === "modified") recentSoon(); // the recent list's order; the tree is the same
+  else treeSoon(); // the tree's names (and the recent list)
   if (!state.path || own.has(c.from || c.path)) return;
   if (c.kind === "moved" && c.from === state.path) {
     // Follow it at once (a later change in the same batch may name the new path); unsaved
@@ -15092,6 +15747,24 @@ async function capture() {
   const input = $("capture");
   const text = input.value.trim();
   if (!text) return;
+  let path;
+  try {
+    path = await appendToToday(text);
+  } catch (e) {
+    if (e.status !== 0 || !offlineOn()) throw e;
+    offline.items = queueCapture(offline.items, text, [], newId); // sent when it can be
+    await saveOutbox();
+    input.value = "";
+    toast("Kept on this device: it goes to today's note when the server can be reached");
+    return;
+  }
+  input.value = "";
+  toast("Added to " + nameOf(path));
+  await loadTree();
+}
+
+// Append a timed line to today's note (the daily plugin's); return its path.
+async function appendToToday(text) {
   const now = new Date();
   const stamp =
     String(now.getHours()).padStart(2, "0") + ":" + String(now.getMinutes()).padStart(2, "0");
@@ -15110,11 +15783,7 @@ async function capture() {
       if (state.path === note.path && !dirty()) await openNote(note.path);
       return true;
     });
-    if (!done) continue;
-    input.value = "";
-    toast("Added to " + nameOf(note.path));
-    await loadTree();
-    return;
+    if (done) return note.path;
   }
   throw new Error("Today's note keeps changing; try again.");
 }
@@ -15180,8 +15849,20 @@ async function ask() {
 
 async function start() {
   setSide(getItem("local", "notesvc.ui.side") !== "closed");
-  await Promise.all([loadTree(), readFeatures()]);
+  offlineMenu();
+  if (offlineOn()) await loadOutbox();
+  await Promise.all([
+    loadTree(),
+    readFeatures().catch((e) => (offlineOn() ? null : Promise.reject(e))),
+  ]);
   if (features.changes) followChanges();
+  if (offlineOn()) {
+    sendOutbox().catch(() => {}); // what waits (the share sheet's too) goes now
+    if (new URLSearchParams(location.search).has("shared")) {
+      history.replaceState(history.state, "", location.pathname);
+      toast("Shared: it goes to today's note");
+    }
+  }
   const last = getItem("session", "notesvc.open");
   if (last) {
     try {
@@ -15226,6 +15907,11 @@ function wire() {
     act(() => save(true)),
   );
   $("reload").addEventListener("click", act(reloadTheirs));
+  $("open-copy").addEventListener(
+    "click",
+    act(() => openNote($("conflict").dataset.copy)),
+  );
+  $("conflict-ok").addEventListener("click", () => ($("conflict").hidden = true));
   $("draft-discard").addEventListener("click", act(reloadTheirs));
   $("edit").addEventListener("click", () => {
     setEditing(!state.editing);
@@ -15263,6 +15949,7 @@ function wire() {
   editor().addEventListener("input", () => {
     updateDirty();
     scheduleDraft();
+    if (writable()) scheduleSave();
   });
   editor().addEventListener("focus", () => $("app").classList.add("typing"));
   editor().addEventListener("blur", () => $("app").classList.remove("typing"));
@@ -15350,7 +16037,7 @@ function wire() {
     }
   });
   document.addEventListener("visibilitychange", () => {
-    if (document.hidden) keepDraft();
+    if (document.hidden) saveAsThePageHides();
     else act(lookAgain)();
   });
   window.addEventListener("popstate", (e) => {
@@ -15397,7 +16084,7 @@ wire();
   else if (!pairing && !kept && !SHARED_ORIGIN) offerSetup();
   else if (!pairing) $("key").focus();
 })();
-"""
+"""[1:]
 # --- end web/app.js ---
 
 # --- begin web/grants.js ---
@@ -15445,8 +16132,7 @@ async function copyText(text, what, field) {
   } catch (e) {
     /* no Clipboard API here: the selection instead */
   }
-  const box =
-    field || el("textarea", {class: "offscreen", readonly: true, "aria-hidden": "true"});
+  const box = field || el("textarea", {class: "offscreen", readonly: true, "aria-hidden": "true"});
   if (!field) {
     box.value = text;
     ($("dlg").open ? $("dlg") : document.body).append(box);
@@ -15671,13 +16357,429 @@ async function shareNote(made) {
 }
 
 function wireGrants() {
-  $("menu-keys").addEventListener("click", act(() => showKeys()));
-  $("menu-telegram").addEventListener("click", act(() => showTelegram()));
-  $("share").addEventListener("click", act(() => shareNote()));
+  $("menu-keys").addEventListener(
+    "click",
+    act(() => showKeys()),
+  );
+  $("menu-telegram").addEventListener(
+    "click",
+    act(() => showTelegram()),
+  );
+  $("share").addEventListener(
+    "click",
+    act(() => shareNote()),
+  );
 }
 wireGrants();
-"""
+"""[1:]
 # --- end web/grants.js ---
+# --- begin web/offline.js ---
+WEB_OFFLINE_JS = r"""
+// -- offline: the notes kept on this device (opt-in, per device) ---------------------------
+// "Keep notes on this device" mirrors the notes this key sees into IndexedDB, keeps the app
+// in a service worker, and queues what is written while the server cannot be reached (the
+// outbox, sent through merge when it can be). It needs a secure context (HTTPS, a relay's
+// per-server origin, or localhost): elsewhere the option says so and stays off. Turning
+// it off deletes the copy. A key that stops working wipes it.
+
+const offline = {db: null, items: [], sending: false};
+
+function offlineOn() {
+  return !!state.base && getItem("local", "notesvc.offline") === state.base;
+}
+
+function offlinePossible() {
+  return (
+    window.isSecureContext &&
+    "serviceWorker" in navigator &&
+    "indexedDB" in window &&
+    !SHARED_ORIGIN
+  );
+}
+
+function idb() {
+  if (offline.db) return Promise.resolve(offline.db);
+  return new Promise((resolve, reject) => {
+    const open = indexedDB.open("notesvc", 1);
+    open.onupgradeneeded = () => {
+      open.result.createObjectStore("notes", {keyPath: "path"});
+      open.result.createObjectStore("meta");
+    };
+    open.onsuccess = () => resolve((offline.db = open.result));
+    open.onerror = () => reject(open.error);
+  });
+}
+
+// One request on one store, as a promise.
+async function stored(name, mode, fn) {
+  const db = await idb();
+  return new Promise((resolve, reject) => {
+    const tx = db.transaction(name, mode);
+    const req = fn(tx.objectStore(name));
+    tx.oncomplete = () => resolve(req && req.result);
+    tx.onerror = () => reject(tx.error);
+  });
+}
+
+async function mirrorPut(note) {
+  if (!offlineOn() || !note || !note.path) return;
+  const kept = {path: note.path, title: note.title, etag: note.etag, modified: note.modified};
+  kept.content =
+    note.content !== undefined ? note.content : ((await mirrorGet(note.path)) || {}).content;
+  await stored("notes", "readwrite", (s) => s.put(kept));
+}
+async function mirrorGet(path) {
+  return stored("notes", "readonly", (s) => s.get(path));
+}
+async function mirrorAll() {
+  return (await stored("notes", "readonly", (s) => s.getAll())) || [];
+}
+async function mirrorDrop(path) {
+  await stored("notes", "readwrite", (s) => s.delete(path));
+}
+async function mirrorRecent(limit) {
+  const all = await mirrorAll();
+  all.sort((a, b) => (a.modified < b.modified ? 1 : a.modified > b.modified ? -1 : 0));
+  return all.slice(0, limit).map((n) => ({
+    ...n,
+    preview: plainSnippet((n.content || "").split("\n").slice(1).join(" ")).slice(0, 160),
+  }));
+}
+
+// The tree of a folder, from the copy (as GET /folders/tree?depth=1 has it).
+async function mirrorTree(folder) {
+  const folders = new Map();
+  const notes = [];
+  for (const n of await mirrorAll()) {
+    if (!n.path.startsWith(folder + "/")) continue;
+    const rest = n.path.slice(folder.length + 1).split("/");
+    if (rest.length === 1) notes.push({type: "note", name: rest[0], path: n.path});
+    else folders.set(rest[0], (folders.get(rest[0]) || 0) + 1);
+  }
+  const byName = (a, b) => a.name.localeCompare(b.name);
+  const dirs = [...folders].map(([name, count]) => ({
+    type: "folder",
+    name,
+    path: folder + "/" + name,
+    count,
+  }));
+  return {children: [...dirs.sort(byName), ...notes.sort(byName)]};
+}
+
+async function loadOutbox() {
+  offline.items = offlineOn()
+    ? (await stored("meta", "readonly", (s) => s.get("outbox"))) || []
+    : [];
+  showWaiting();
+}
+async function saveOutbox() {
+  await stored("meta", "readwrite", (s) => s.put(offline.items, "outbox"));
+  showWaiting();
+}
+
+function showWaiting() {
+  const box = $("offline-state");
+  const text = offlineOn()
+    ? [navigator.onLine ? "" : "Offline", waiting(offline.items)].filter(Boolean).join(" · ")
+    : "";
+  box.textContent = text;
+  box.hidden = !text;
+}
+
+// The server cannot be reached: keep the text on this device, to send when it can be.
+async function keepOffline(path, content) {
+  if (path === null) {
+    const local = "new:" + newId();
+    offline.items = queueCreate(
+      offline.items,
+      local,
+      (state.grant && state.grant.folder) || "",
+      content,
+      newId,
+    );
+    state.blank = false;
+    state.path = local;
+    state.etag = null;
+  } else {
+    offline.items = queueSave(offline.items, path, state.etag, content, newId);
+  }
+  state.saved = content;
+  const title = (content.split("\n").find((l) => l.trim()) || "untitled").replace(/^#+\s*/, "");
+  await mirrorPut({
+    path: state.path,
+    title,
+    content,
+    etag: state.etag,
+    modified: new Date().toISOString(),
+  });
+  await saveOutbox();
+  $("status").textContent = "Kept on this device";
+  $("status").className = "";
+  updateDirty();
+  return true;
+}
+
+// Send what waits, in order, once each (the idempotency keys make a resend harmless).
+async function sendOutbox() {
+  if (!offlineOn() || offline.sending || !navigator.onLine) return;
+  offline.sending = true;
+  try {
+    await loadOutbox();
+    while (offline.items.length) {
+      const item = offline.items[0];
+      let answer;
+      try {
+        answer = await sendItem(item);
+      } catch (e) {
+        if (e.status === 0) break; // still out of reach: later
+        toast("Could not send a change kept on this device: " + e.message, true);
+        answer = null; // refused for good (too large, not allowed): dropped, said
+      }
+      if (item.kind === "create" && answer && state.path === item.local) {
+        state.path = answer.path;
+        state.etag = answer.etag;
+        $("path").textContent = answer.path;
+      }
+      if (item.kind === "create" && answer) await mirrorDrop(item.local);
+      offline.items = answer ? settle(offline.items, item, answer) : offline.items.slice(1);
+      await saveOutbox();
+    }
+  } finally {
+    offline.sending = false;
+    showWaiting();
+  }
+  if (!offline.items.length) loadTree().catch(() => {});
+}
+
+async function sendItem(item) {
+  const once = {"Idempotency-Key": item.key};
+  if (item.kind === "create") {
+    const body = {content: item.content};
+    if (item.folder) body.folder = item.folder;
+    const {data} = await api("POST", "/notes", body, once);
+    await mirrorPut(data);
+    return data;
+  }
+  if (item.kind === "capture") {
+    let text = item.text;
+    for (const file of item.files || []) {
+      const up = await upload(file);
+      text += (text ? " " : "") + "![" + (file.name || "image") + "](../../" + up.path + ")";
+    }
+    if (text) await appendToToday(text);
+    return {};
+  }
+  try {
+    const {data} = await api(
+      "POST",
+      "/notes/" + enc(item.path) + "/merge",
+      {base: item.base, content: item.content, clientName: deviceName()},
+      once,
+    );
+    await mirrorPut(data.note);
+    if (state.path === item.path && editor().value === item.content) saved(data.note, item.content);
+    return data.note;
+  } catch (e) {
+    if (e.status === 409 && e.error && e.error.conflictPath) {
+      toast(
+        "“" +
+          nameOf(item.path) +
+          "” changed meanwhile: your edit is kept as " +
+          nameOf(e.error.conflictPath),
+      );
+      return {};
+    }
+    if (e.status !== 404) throw e;
+    const {data} = await api("POST", "/notes", {content: item.content}, once); // deleted: kept anew
+    toast("“" + nameOf(item.path) + "” was deleted meanwhile: your text is kept as " + data.path);
+    return data;
+  }
+}
+
+// The change feed keeps the copy current.
+async function mirrorChange(c) {
+  if (c.kind === "deleted" || c.kind === "moved") await mirrorDrop(c.from || c.path);
+  if (c.kind === "deleted") return;
+  try {
+    const {data} = await api("GET", "/notes/" + enc(c.path));
+    await mirrorPut(data);
+  } catch (e) {
+    if (e.status === 404) await mirrorDrop(c.path);
+  }
+}
+
+// The first copy: every note the key sees, a few at a time.
+async function copyAll() {
+  const paths = [];
+  for (let offset = 0; ; offset += 1000) {
+    const {data} = await api("GET", "/notes?limit=1000&offset=" + offset);
+    paths.push(...data.notes.map((n) => n.path));
+    if (offset + 1000 >= data.total) break;
+  }
+  let done = 0;
+  const box = $("offline-state");
+  box.hidden = false;
+  const worker = async () => {
+    while (paths.length) {
+      const path = paths.pop();
+      const {data} = await api("GET", "/notes/" + enc(path));
+      await mirrorPut(data);
+      done++;
+      if (done % 25 === 0) box.textContent = "Keeping notes on this device… " + done;
+    }
+  };
+  await Promise.all(Array.from({length: 6}, worker));
+  box.textContent = "Kept on this device: " + done + " notes";
+  performance.mark("notesvc:offline-copied");
+}
+
+async function enableOffline() {
+  if (!offlinePossible()) {
+    await dialog(
+      "Keep notes on this device",
+      [
+        el(
+          "p",
+          {},
+          SHARED_ORIGIN
+            ? "This relay gives all its servers one address, where nothing can be kept."
+            : "This needs a secure connection: open the notes by HTTPS (a relay's own " +
+                "address for this server, or a proxy with a certificate), or on this " +
+                "computer as http://localhost.",
+        ),
+      ],
+      [["cancel", "Close"]],
+    );
+    return;
+  }
+  await navigator.serviceWorker.register("sw.js");
+  setItem("local", "notesvc.offline", state.base);
+  await stored("meta", "readwrite", (s) => s.put({key: state.key, base: state.base}, "device"));
+  offlineMenu();
+  await copyAll();
+  toast("Your notes are kept on this device: they open without a connection");
+}
+
+async function disableOffline() {
+  removeItem("local", "notesvc.offline");
+  await wipeOffline();
+  offlineMenu();
+  toast("The copy on this device is deleted");
+}
+
+async function wipeOffline() {
+  offline.items = [];
+  if (offline.db) offline.db.close();
+  offline.db = null;
+  if ("indexedDB" in window) indexedDB.deleteDatabase("notesvc");
+  if ("serviceWorker" in navigator) {
+    for (const r of await navigator.serviceWorker.getRegistrations()) await r.unregister();
+  }
+  showWaiting();
+}
+
+function offlineMenu() {
+  $("menu-offline").hidden = false;
+  $("menu-offline").textContent = offlineOn()
+    ? "Stop keeping notes on this device"
+    : "Keep notes on this device";
+}
+
+function wireOffline() {
+  $("menu-offline").addEventListener(
+    "click",
+    act(() => (offlineOn() ? disableOffline() : enableOffline())),
+  );
+  window.addEventListener("online", () => act(sendOutbox)());
+  window.addEventListener("offline", showWaiting);
+}
+wireOffline();
+"""[1:]
+# --- end web/offline.js ---
+# --- begin web/sw.js ---
+SW_JS = r"""
+"use strict";
+// notesvc's service worker (served at ./sw.js beside the page; only where the person turned
+// "Keep notes on this device" on, in a secure context). It keeps the app itself for offline
+// starts, and takes what the share sheet sends: the notes and the outbox live in IndexedDB,
+// where the page reads and writes them; this worker only adds shared items to the outbox.
+
+const APP = "notesvc-app";
+const SHELL = ["./", "manifest.webmanifest", "icon.svg", "icon-192.png", "icon-512.png"];
+
+self.addEventListener("install", (event) => {
+  event.waitUntil(caches.open(APP).then((cache) => cache.addAll(SHELL)));
+  self.skipWaiting();
+});
+
+self.addEventListener("activate", (event) => event.waitUntil(self.clients.claim()));
+
+self.addEventListener("fetch", (event) => {
+  const url = new URL(event.request.url);
+  if (url.origin !== self.location.origin) return;
+  const here = new URL("./", self.registration.scope).pathname;
+  if (event.request.method === "POST" && url.pathname === here + "share-target") {
+    event.respondWith(shared(event.request));
+    return;
+  }
+  const shell = SHELL.map((p) => new URL(p, self.registration.scope).pathname);
+  if (event.request.method !== "GET" || !shell.includes(url.pathname)) return; // the API
+  // the app: the network's when it answers (kept for next time), else the kept copy
+  event.respondWith(
+    fetch(event.request)
+      .then((answer) => {
+        if (answer.ok) {
+          const copy = answer.clone();
+          caches.open(APP).then((cache) => cache.put(event.request, copy));
+        }
+        return answer;
+      })
+      .catch(() =>
+        caches.match(event.request, {ignoreSearch: true}).then((kept) => kept || Response.error()),
+      ),
+  );
+});
+
+// The share sheet's POST: text, a link and images, kept in the outbox for the page to send
+// to today's note (now, or when the server can be reached).
+async function shared(request) {
+  const form = await request.formData();
+  const text = ["title", "text", "url"]
+    .map((name) => String(form.get(name) || "").trim())
+    .filter((value, i, all) => value && all.indexOf(value) === i)
+    .join(" ");
+  const files = form.getAll("image").filter((f) => f && f.size);
+  const db = await openBox();
+  await new Promise((resolve, reject) => {
+    const tx = db.transaction("meta", "readwrite");
+    const store = tx.objectStore("meta");
+    const read = store.get("outbox");
+    read.onsuccess = () => {
+      const items = read.result || [];
+      const id = () => (self.crypto.randomUUID ? self.crypto.randomUUID() : String(Math.random()));
+      items.push({id: id(), kind: "capture", key: id(), text, files});
+      store.put(items, "outbox");
+    };
+    tx.oncomplete = resolve;
+    tx.onerror = () => reject(tx.error);
+  });
+  db.close();
+  return Response.redirect(new URL("./?shared=1", self.registration.scope).href, 303);
+}
+
+function openBox() {
+  return new Promise((resolve, reject) => {
+    const open = indexedDB.open("notesvc", 1);
+    open.onupgradeneeded = () => {
+      open.result.createObjectStore("notes", {keyPath: "path"});
+      open.result.createObjectStore("meta");
+    };
+    open.onsuccess = () => resolve(open.result);
+    open.onerror = () => reject(open.error);
+  });
+}
+"""[1:]
+# --- end web/sw.js ---
 # --- begin web/devices.js ---
 WEB_DEVICES_JS = r"""
 // -- devices: a phone joins by scanning a code; a new server is set up from its page ------
@@ -15789,7 +16891,9 @@ async function setUpServer() {
         el(
           "p",
           {},
-          "Your server is ready, and this browser is signed in as “" + name + "”. " +
+          "Your server is ready, and this browser is signed in as “" +
+            name +
+            "”. " +
             "Other devices join by scanning a code: Keys and devices → Add a device.",
         ),
         el(
@@ -15906,7 +17010,8 @@ async function showPairing(made) {
     "p",
     {id: "pair-status", role: "status"},
     "Scan it with the other device's camera. It works once, until " +
-      until.toLocaleTimeString([], {hour: "2-digit", minute: "2-digit"}) + ".",
+      until.toLocaleTimeString([], {hour: "2-digit", minute: "2-digit"}) +
+      ".",
   );
   const shown = dialog(
     "Scan to join",
@@ -16036,7 +17141,8 @@ async function waitForChat(id, made) {
     "p",
     {id: "tg-status", role: "status"},
     "Waiting for the first message… (the code works until " +
-      until.toLocaleTimeString([], {hour: "2-digit", minute: "2-digit"}) + ")",
+      until.toLocaleTimeString([], {hour: "2-digit", minute: "2-digit"}) +
+      ")",
   );
   const bot = made.link
     ? el("a", {href: made.link, target: "_blank", rel: "noopener"}, "@" + made.bot)
@@ -16076,7 +17182,9 @@ async function waitForChat(id, made) {
 async function joinWithCode() {
   const msg = $("join-msg");
   msg.textContent = "";
-  const code = $("join-code").value.replace(/[^A-Za-z2-7]/g, "").toLowerCase();
+  const code = $("join-code")
+    .value.replace(/[^A-Za-z2-7]/g, "")
+    .toLowerCase();
   if (code.length !== 26) {
     msg.textContent = "A code is 26 letters and digits (groups of four): check it and try again.";
     return;
@@ -16103,18 +17211,30 @@ function wireDevices() {
   });
 }
 wireDevices();
-"""
+"""[1:]
 # --- end web/devices.js ---
 
 # One script, in this order: core.js ("use strict", the page's state, storage and API),
-# the pure modules (paths.js, keys.js, markdown.js; node --test web/), app.js, grants.js,
-# devices.js.
-WEB_JS = (
-    WEB_JS_START + PATHS_JS + KEYS_JS + MARKDOWN_JS + WEB_JS_REST + WEB_GRANTS_JS + WEB_DEVICES_JS
+# the pure modules (paths.js, keys.js, merge.js, outbox.js, markdown.js; node --test web/),
+# app.js, grants.js, devices.js, offline.js.
+WEB_JS = "".join(
+    (
+        WEB_JS_START,
+        PATHS_JS,
+        KEYS_JS,
+        MERGE_JS,
+        OUTBOX_JS,
+        MARKDOWN_JS,
+        WEB_JS_REST,
+        WEB_GRANTS_JS,
+        WEB_DEVICES_JS,
+        WEB_OFFLINE_JS,
+    )
 )
 
 # --- begin web/app.html ---
 WEB_PAGE = r"""
+
 <!doctype html>
 <html lang="en">
 <head>
@@ -16213,6 +17333,7 @@ WEB_PAGE = r"""
         <button id="menu-new" type="button">New note</button>
         <button id="menu-refresh" type="button">Refresh</button>
         <button id="menu-trash" type="button" hidden>Trash</button>
+        <button id="menu-offline" type="button" hidden>Keep notes on this device</button>
         <button id="menu-keys" type="button" hidden>Keys and devices</button>
         <button id="menu-telegram" type="button" hidden>Telegram</button>
         <button id="logout" type="button">Log out</button>
@@ -16227,8 +17348,14 @@ WEB_PAGE = r"""
         <input id="capture" type="text" placeholder="Capture to today's note…" enterkeyhint="send">
         <button id="capture-add" type="button">Add</button>
       </div>
-      <div class="pane-tools"><button id="new" type="button">New note</button></div>
-      <div id="tree"></div>
+      <div class="pane-tools"><button id="new" type="button">New note</button>
+        <span id="offline-state" role="status" hidden></span></div>
+      <h2 class="list-head">Recent</h2>
+      <ul id="recent" class="recent"></ul>
+      <details id="folders" open>
+        <summary class="list-head">Folders</summary>
+        <div id="tree"></div>
+      </details>
     </nav>
 
     <section id="pane-search" class="pane" aria-label="Search results">
@@ -16267,7 +17394,9 @@ WEB_PAGE = r"""
       <div id="conflict" class="banner" role="alert" hidden>
         <span id="conflict-text">This note changed elsewhere.</span>
         <button id="reload" type="button">Reload theirs</button>
-        <button id="overwrite" type="button">Keep mine</button></div>
+        <button id="overwrite" type="button">Keep mine</button>
+        <button id="open-copy" type="button" hidden>Open yours</button>
+        <button id="conflict-ok" type="button" hidden>OK</button></div>
       <div id="draft" class="banner" role="status" hidden><span id="draft-text"></span>
         <button id="draft-discard" type="button">Discard draft</button></div>
       <article id="view" class="md" hidden></article>
@@ -16319,7 +17448,7 @@ WEB_PAGE = r"""
 <script>{js}</script>
 </body>
 </html>
-"""
+"""[1:]
 # --- end web/app.html ---
 
 
@@ -16398,6 +17527,19 @@ def web_manifest() -> bytes:
             "start_url": ".",
             "scope": ".",
             "display": "standalone",
+            # the share sheet (an installed app, in a secure context): its service worker
+            # takes the POST and keeps it for today's note (CONTRACT 24)
+            "share_target": {
+                "action": "share-target",
+                "method": "POST",
+                "enctype": "multipart/form-data",
+                "params": {
+                    "title": "title",
+                    "text": "text",
+                    "url": "url",
+                    "files": [{"name": "image", "accept": ["image/*"]}],
+                },
+            },
             "background_color": "#ffffff",
             "theme_color": WEB_ACCENT,
             "icons": [
@@ -16422,15 +17564,21 @@ WEB_ASSETS: dict = {
     "/icon-192.png": ("image/png", lambda: web_icon_png(192)),
     "/icon-512.png": ("image/png", lambda: web_icon_png(512)),
     "/apple-touch-icon.png": ("image/png", lambda: web_icon_png(180)),
+    # the service worker: a worker cannot be inline; its policy lets it fetch this origin
+    "/sw.js": ("text/javascript; charset=utf-8", lambda: SW_JS.encode("utf-8")),
 }
 
 
 def web_asset_headers(path: str) -> dict:
-    """Return the headers of a public asset: cacheable, typed, and inert if opened alone."""
+    """Return the headers of a public asset: cacheable, typed, and inert if opened alone
+    (the service worker: checked for a new version at every start, allowed to fetch)."""
+    worker = path == "/sw.js"
     return {
         "Content-Type": WEB_ASSETS[path][0],
-        "Cache-Control": "public, max-age=86400",
-        "Content-Security-Policy": "default-src 'none'",
+        "Cache-Control": "no-cache" if worker else "public, max-age=86400",
+        "Content-Security-Policy": "default-src 'none'; connect-src 'self'"
+        if worker
+        else "default-src 'none'",
         "X-Content-Type-Options": "nosniff",
     }
 
@@ -16457,6 +17605,7 @@ def web_client_headers() -> dict:
 
 # --- begin web/page.css ---
 PAGE_CSS = r"""
+
 *{box-sizing:border-box}
 body{margin:0;font:16px/1.5 system-ui,sans-serif;color:#1d232a;background:#f6f7f9}
 main{max-width:42em;margin:0 auto;padding:1.2em}
@@ -16478,7 +17627,7 @@ mark{background:#fff0a0}
 @media (prefers-color-scheme:dark){body{background:#111418;color:#e4e8ec}
 article{background:#1a1f25;border-color:#2c333b}pre{background:#232a31}.muted{color:#a6b0ba}
 input{background:#1a1f25;color:#e4e8ec}.err{color:#ff8a80}}
-"""
+"""[1:]
 # --- end web/page.css ---
 
 # --- begin web/share.js ---
@@ -16541,18 +17690,19 @@ async function showShared() {
   return undefined;
 }
 showShared();
-"""
+"""[1:]
 # --- end web/share.js ---
 
 # --- begin web/share.html ---
-SHARE_PAGE = r"""<!doctype html>
+SHARE_PAGE = r"""
+<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <meta name="robots" content="noindex, nofollow"><meta name="referrer" content="no-referrer">
 <title>Shared note</title><link rel="icon" href="data:,"><style>{css}</style></head><body>
 <main><p id="msg" class="err" role="alert"></p><article id="note"></article>
 <p id="meta" class="muted"></p></main><script>{js}</script></body></html>
-"""
+"""[1:]
 # --- end web/share.html ---
 
 # --- begin web/consent.js ---
@@ -16562,23 +17712,43 @@ const $ = (id) => document.getElementById(id);
 const ask = new URLSearchParams(location.search);
 // This page is {base}/oauth/authorize; the API is {base}/api/v1 on this same origin.
 const api = location.pathname.replace(/\/oauth\/authorize\/?$/, "") + "/api/v1";
-let facts = null, back = "", signedIn = "";
+let facts = null,
+  back = "",
+  signedIn = "";
 
-function say(text) { $("msg").textContent = text; }
+function say(text) {
+  $("msg").textContent = text;
+}
 
 async function load() {
   const params = new URLSearchParams();
-  ["client_id", "redirect_uri", "response_type", "state", "code_challenge",
-   "code_challenge_method", "scope", "resource"].forEach((name) => {
-    if (ask.has(name)) params.set(name, ask.get(name)); });
-  let r, j = null;
-  try { r = await fetch(api + "/oauth/consent?" + params, {mode: "same-origin"});
-        j = await r.json(); }
-  catch (e) { say("The notes server cannot be reached right now."); return; }
+  [
+    "client_id",
+    "redirect_uri",
+    "response_type",
+    "state",
+    "code_challenge",
+    "code_challenge_method",
+    "scope",
+    "resource",
+  ].forEach((name) => {
+    if (ask.has(name)) params.set(name, ask.get(name));
+  });
+  let r,
+    j = null;
+  try {
+    r = await fetch(api + "/oauth/consent?" + params, {mode: "same-origin"});
+    j = await r.json();
+  } catch (e) {
+    say("The notes server cannot be reached right now.");
+    return;
+  }
   if (!r.ok || !j || !j.success) {
     say(j && j.error ? j.error.message : "This request cannot be answered.");
     if (j && j.error && j.error.redirect) {
-      back = j.error.redirect; $("back").classList.remove("hidden"); }
+      back = j.error.redirect;
+      $("back").classList.remove("hidden");
+    }
     return;
   }
   facts = j.data;
@@ -16589,7 +17759,8 @@ async function load() {
   else if (facts.scope === "write") $("scope-write").checked = true;
   // The web client's key on this origin (session or device), offered only when it was kept
   // for this very server's API: on a relay, every server's consent page has this origin.
-  let kept = "", device = null;
+  let kept = "",
+    device = null;
   try {
     const shared = document.documentElement.dataset.origin === "shared"; // a relay's: keep off
     for (const store of shared ? [] : [sessionStorage, localStorage]) {
@@ -16617,35 +17788,56 @@ async function load() {
 
 async function allow() {
   say("");
-  const body = {clientId: facts.client.id, redirectUri: facts.redirectUri,
-    codeChallenge: ask.get("code_challenge") || "", resource: facts.resource,
-    scope: $("scope-write").checked ? "notes:read notes:write" : "notes:read"};
+  const body = {
+    clientId: facts.client.id,
+    redirectUri: facts.redirectUri,
+    codeChallenge: ask.get("code_challenge") || "",
+    resource: facts.resource,
+    scope: $("scope-write").checked ? "notes:read notes:write" : "notes:read",
+  };
   if (ask.get("state")) body.state = ask.get("state");
   let folder = $("folder").value.trim().replace(/\/+$/, "");
   if (folder) body.folder = folder.startsWith("notes/") ? folder : "notes/" + folder;
   $("allow").disabled = true;
   try {
-    const r = await fetch(api + "/oauth/approve", {method: "POST", mode: "same-origin",
-      headers: {"Content-Type": "application/json",
-        "X-Service-Key": signedIn || $("key").value.trim()},
-      body: JSON.stringify(body)});
+    const r = await fetch(api + "/oauth/approve", {
+      method: "POST",
+      mode: "same-origin",
+      headers: {
+        "Content-Type": "application/json",
+        "X-Service-Key": signedIn || $("key").value.trim(),
+      },
+      body: JSON.stringify(body),
+    });
     const j = await r.json().catch(() => null);
-    if (r.ok && j && j.success) { location.assign(j.data.redirect); return; }
+    if (r.ok && j && j.success) {
+      location.assign(j.data.redirect);
+      return;
+    }
     say(j && j.error ? j.error.message : "Not allowed.");
-  } catch (e) { say("The notes server cannot be reached right now."); }
+  } catch (e) {
+    say("The notes server cannot be reached right now.");
+  }
   $("allow").disabled = false;
 }
 
 $("allow").onclick = allow;
-$("key").onkeydown = (e) => { if (e.key === "Enter") allow(); };
-$("deny").onclick = () => { if (facts) location.assign(facts.deny); };
-$("return").onclick = () => { if (back) location.assign(back); };
+$("key").onkeydown = (e) => {
+  if (e.key === "Enter") allow();
+};
+$("deny").onclick = () => {
+  if (facts) location.assign(facts.deny);
+};
+$("return").onclick = () => {
+  if (back) location.assign(back);
+};
 load();
-"""
+"""[1:]
 # --- end web/consent.js ---
 
 # --- begin web/consent.html ---
-CONSENT_PAGE = r"""<!doctype html>
+CONSENT_PAGE = r"""
+<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <meta name="robots" content="noindex, nofollow"><meta name="referrer" content="no-referrer">
@@ -16671,7 +17863,7 @@ read, create and change your notes</label></fieldset>
 <button id="deny">Deny</button></div></div>
 <div id="back" class="hidden row"><button id="return">Return to the app</button></div>
 </main><script>{js}</script></body></html>
-"""
+"""[1:]
 # --- end web/consent.html ---
 
 _SHARE_SCRIPT = '"use strict";\n' + MARKDOWN_JS + SHARE_JS
@@ -16726,7 +17918,8 @@ def shared_origin_page(page: str) -> str:
 # -- the relay's own page (a relay with per-server origins opens no server on its host) --
 
 # --- begin web/landing.html ---
-RELAY_LANDING_HTML = r"""<!doctype html>
+RELAY_LANDING_HTML = r"""
+<!doctype html>
 <html lang="en"><head><meta charset="utf-8">
 <meta name="viewport" content="width=device-width, initial-scale=1">
 <meta name="robots" content="noindex">
@@ -16741,7 +17934,7 @@ notes and no keys, and this page opens nothing of any server.</p>
 <code>links.connect.hosted</code> in its setup payload): each server has its own address
 here, <code>https://&lt;server id&gt;.&lt;this relay&gt;</code>.</p>
 </body></html>
-"""
+"""[1:]
 # --- end web/landing.html ---
 RELAY_LANDING_CSS = RELAY_LANDING_HTML.split("<style>")[1].split("</style>")[0]
 RELAY_LANDING_PAGE = RELAY_LANDING_HTML.encode()

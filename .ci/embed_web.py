@@ -27,6 +27,10 @@ SOURCES = {
     "app.js": "WEB_JS_REST",
     "grants.js": "WEB_GRANTS_JS",
     "devices.js": "WEB_DEVICES_JS",
+    "merge.js": "MERGE_JS",
+    "outbox.js": "OUTBOX_JS",
+    "offline.js": "WEB_OFFLINE_JS",
+    "sw.js": "SW_JS",
     "page.css": "PAGE_CSS",
     "share.html": "SHARE_PAGE",
     "share.js": "SHARE_JS",
@@ -40,7 +44,10 @@ def block(name: str, constant: str, text: str) -> str:
     """Return the marker block that carries web/<name> as constant."""
     if '"""' in text or text.endswith("\\"):
         raise SystemExit(f'web/{name}: cannot hold """ or end with a backslash')
-    return f'# --- begin web/{name} ---\n{constant} = r"""{text}"""\n# --- end web/{name} ---\n'
+    # the text starts on the line after the opening quotes (the [1:] drops that newline),
+    # so no line of notesvc.py is longer than the file's own
+    begin, end = f"# --- begin web/{name} ---\n", f"# --- end web/{name} ---\n"
+    return f'{begin}{constant} = r"""\n{text}"""[1:]\n{end}'
 
 
 def embed(source: str) -> tuple:

@@ -1,4 +1,3 @@
-
 function link(href, label, ctx, markdown) {
   href = href.trim();
   let a;
@@ -262,7 +261,7 @@ function choose(title, text, buttons) {
 
 const editor = () => $("editor");
 function dirty() {
-  return state.path !== null && editor().value !== state.saved;
+  return (state.path !== null || state.blank) && editor().value !== state.saved;
 }
 
 function updateDirty() {
@@ -277,7 +276,7 @@ function updateDirty() {
     s.textContent = "";
     s.className = "";
   }
-  $("save").disabled = !state.path;
+  $("save").disabled = !state.path && !state.blank;
   $("save").classList.toggle("clean", !dirty());
 }
 
@@ -313,19 +312,28 @@ function dropDraft() {
   $("draft").hidden = true;
 }
 
-// Ask before unsaved text would be lost; resolve to true when it is fine to go on.
-async function confirmLeave(what) {
+// Before the page leaves a note: what was typed is saved now (autosave may not have run
+// yet). Only when that fails does it ask; resolve to true when it is fine to go on.
+async function confirmLeave() {
   if (!dirty()) return true;
+  clearTimeout(saveTimer);
+  let why = "";
+  try {
+    if (await save(false)) return true;
+  } catch (e) {
+    why = " " + ((e.error && e.error.message) || "The server could not be reached.");
+  }
+  if (!dirty()) return false; // kept as a conflict copy: the page says where
   const choice = await choose(
-    "Unsaved changes",
-    "“" + state.title + "” has changes that are not saved.",
+    "Not saved",
+    "“" + state.title + "” could not be saved." + why,
     [
-      ["save", "Save", "primary"],
-      ["discard", "Discard"],
-      ["cancel", "Cancel"],
+      ["retry", "Try again", "primary"],
+      ["discard", "Discard changes"],
+      ["cancel", "Stay"],
     ],
   );
-  if (choice === "save") return save(false);
+  if (choice === "retry") return confirmLeave();
   if (choice === "discard") {
     dropDraft();
     editor().value = state.saved;
@@ -347,7 +355,6 @@ function showNote(rec) {
   $("empty").hidden = true;
   $("note-bar").hidden = false;
   $("conflict").hidden = true;
-  $("conflict-text").textContent = "This note changed elsewhere.";
   $("draft").hidden = true;
   $("status").textContent = "";
   $("status").className = "";
@@ -359,7 +366,13 @@ function showNote(rec) {
 async function openNote(path, opts) {
   opts = opts || {};
   if (path !== state.path && !(await confirmLeave())) return false;
-  const {data} = await api("GET", "/notes/" + enc(path));
+  let data;
+  try {
+    data = (await api("GET", "/notes/" + enc(path))).data;
+  } catch (e) {
+    data = e.status === 0 && offlineOn() ? await mirrorGet(path) : null;
+    if (!data) throw e;
+  }
   showNote(data);
   const draft = readDraft(data.path);
   if (draft && draft.content !== data.content) {
@@ -385,6 +398,7 @@ async function openNote(path, opts) {
 
 function closeNote() {
   state.path = null;
+  state.blank = false;
   state.etag = null;
   state.saved = "";
   editor().value = "";
@@ -397,6 +411,8 @@ function closeNote() {
   $("backlinks").hidden = true;
   $("conflict").hidden = true;
   $("draft").hidden = true;
+  $("status").textContent = "";
+  $("status").className = "";
   $("empty").hidden = false;
   $("about").checked = false;
   $("about").disabled = true;
@@ -433,15 +449,8 @@ async function toggleTask(n, box) {
     box.checked = !box.checked;
     return;
   }
-  const before = dirty();
   lines[n] = flipped;
   editor().value = lines.join("\n");
-  if (before) {
-    updateDirty();
-    scheduleDraft();
-    toast("Ticked: Save to keep it with your other changes.");
-    return;
-  }
   if (!(await act(() => save(false))())) {
     editor().value = state.saved;
     updateDirty();
@@ -449,13 +458,22 @@ async function toggleTask(n, box) {
   }
 }
 
-function showConflict(gone) {
+// The banner over a note: "gone" (deleted or moved elsewhere while edited here: reload or
+// keep mine) or "copy" (both changed the same lines: where this edit was kept).
+function showConflict(gone, copy) {
   $("conflict-text").textContent = gone
     ? "This note was deleted or moved elsewhere."
-    : "This note changed elsewhere.";
+    : "Someone changed the same lines meanwhile. This is their version; yours is kept, " +
+      "whole, as “" +
+      nameOf(copy) +
+      "”.";
+  $("conflict").dataset.copy = copy || "";
+  for (const id of ["reload", "overwrite"]) $(id).hidden = !gone;
+  for (const id of ["open-copy", "conflict-ok"]) $(id).hidden = !!gone;
   $("conflict").hidden = false;
+  if (!gone) return;
   $("status").textContent = "Not saved";
-  $("status").className = "dirty";
+  $("status").className = "bad";
 }
 
 // A write of this page's own is under way: the feed's news of the open note waits for it
@@ -474,42 +492,173 @@ async function writing(fn) {
 }
 
 async function save(force) {
-  return state.path ? writing(() => saveNow(force)) : false;
+  return state.path || state.blank ? writing(() => saveNow(force)) : false;
 }
 
+function newId() {
+  return crypto.randomUUID ? crypto.randomUUID() : String(Date.now()) + Math.random();
+}
+
+// Save the editor's text: through merge, from the version it was loaded as (what changed
+// elsewhere meanwhile is merged in; overlapping changes keep this edit as a conflict copy).
+// A new note's first save creates it, named from its first line. `force`: keep mine.
 async function saveNow(force) {
   const content = editor().value;
+  if (state.blank) return createFromText(content);
+  if (state.path.startsWith("new:")) return keepOffline(state.path, content); // not sent yet
+  if (content === state.saved && !force) return true;
+  const path = state.path;
+  let r;
   try {
-    let r;
-    try {
+    if (force) {
+      r = await api("PUT", "/notes/" + enc(path), {content});
+      r = {data: {note: r.data, merged: false}};
+    } else {
       r = await api(
-        "PUT",
-        "/notes/" + enc(state.path),
-        {content},
-        force ? {} : {"If-Match": state.etag},
+        "POST",
+        "/notes/" + enc(path) + "/merge",
+        {base: state.etag, content, clientName: deviceName()},
+        {"Idempotency-Key": newId()},
       );
-    } catch (e) {
-      if (e.status !== 404 || !force) throw e;
-      r = await api("POST", "/notes", {path: state.path, content}); // keep mine: write it again
-      loadTree().catch(() => {});
     }
-    state.saved = content;
-    state.etag = r.data.etag;
-    state.title = r.data.title || state.title;
-    $("title").textContent = state.title;
-    $("path").textContent = r.data.path + " · " + ago(r.data.modified);
-    dropDraft();
-    $("conflict").hidden = true;
-    $("status").textContent = "Saved";
-    $("status").className = "";
-    if (!state.editing) renderView();
-    return true;
   } catch (e) {
-    if (e.status === 412 || e.status === 404) {
-      showConflict(e.status === 404);
+    if (e.status === 0 && offlineOn()) return keepOffline(path, content);
+    if (e.status === 409 && e.error && e.error.conflictPath) return clashed(e.error);
+    if (e.status === 404 && force) {
+      r = await api("POST", "/notes", {path, content}); // gone: keep mine, write it again
+      r = {data: {note: r.data, merged: false}};
+      loadTree().catch(() => {});
+    } else if (e.status === 404) {
+      showConflict(true);
       return false;
+    } else {
+      throw e;
     }
+  }
+  if (path === state.path) saved(r.data.note, content);
+  return true;
+}
+
+// The server has `note`; the editor sent `sent`. What was merged in shows in the editor,
+// without losing what was typed since (merged here too, three ways).
+function saved(note, sent) {
+  state.etag = note.etag;
+  if (note.content !== sent) {
+    const now = editor().value;
+    editor().value = now === sent ? note.content : merge3(sent, note.content, now).text;
+    if (!state.editing) renderView();
+  }
+  state.saved = note.content;
+  state.title = note.title || state.title;
+  $("title").textContent = state.title;
+  $("path").textContent = note.path + " · " + ago(note.modified);
+  mirrorPut(note);
+  if (editor().value === state.saved) dropDraft();
+  $("conflict").hidden = true;
+  $("status").textContent = "Saved";
+  $("status").className = "";
+  updateDirty();
+  if (!state.editing) renderView();
+}
+
+// Both changed the same lines: the note keeps the other change; this edit is kept whole
+// beside it. Show the note as it is, and say where this edit went.
+async function clashed(err) {
+  dropDraft();
+  state.saved = editor().value;
+  await openNote(err.path);
+  showConflict(false, err.conflictPath);
+  loadTree().catch(() => {});
+  loadRecent().catch(() => {});
+  return false;
+}
+
+async function createFromText(content) {
+  if (!content.trim()) return true;
+  const own = state.grant && state.grant.folder;
+  const body = {content};
+  if (own) body.folder = own;
+  let r;
+  try {
+    r = await api("POST", "/notes", body, {"Idempotency-Key": state.newKey});
+  } catch (e) {
+    if (e.status === 0 && offlineOn()) return keepOffline(null, content);
     throw e;
+  }
+  state.blank = false;
+  mine(r.data.path);
+  state.path = r.data.path;
+  setItem("session", "notesvc.open", state.path);
+  saved(r.data, content);
+  loadTree().catch(() => {});
+  return true;
+}
+
+// Autosave: a second after the last keystroke, or every 3 s while typing goes on, never
+// more than one request a second; and when the page is hidden (a small note then goes out
+// even as the page closes; a large one waits in this browser for the next visit). A new
+// note waits for its first line to be finished (or five quiet seconds): that line names it.
+let saveTimer = 0;
+let lastSave = 0;
+let dirtySince = 0;
+function scheduleSave() {
+  clearTimeout(saveTimer);
+  const now = Date.now();
+  if (!dirtySince) dirtySince = now;
+  const naming = state.blank && !/\S[^\n]*\n/.test(editor().value);
+  let wait = naming ? 5000 : Math.min(1000, dirtySince + 3000 - now);
+  wait = Math.max(wait, lastSave + 1000 - now, 0);
+  saveTimer = setTimeout(autosave, wait);
+}
+let saveFailures = 0;
+async function autosave() {
+  dirtySince = 0;
+  if (!dirty()) return;
+  if (state.writes) return scheduleSave(); // one at a time: the next one after this
+  lastSave = Date.now();
+  $("status").textContent = "Saving…";
+  try {
+    await save(false);
+    saveFailures = 0;
+  } catch (e) {
+    // Kept in this browser meanwhile; tried again, less and less often; said once.
+    keepDraft();
+    saveFailures++;
+    $("status").textContent = e.status === 0 ? "Not saved: no connection" : "Not saved";
+    $("status").className = "bad";
+    if (saveFailures === 1 && e.status !== 0 && e.status !== 401) toast(e.message, true);
+    clearTimeout(saveTimer);
+    saveTimer = setTimeout(autosave, Math.min(60000, 5000 * saveFailures));
+    return;
+  }
+  if (dirty()) scheduleSave(); // typed on meanwhile
+}
+function saveAsThePageHides() {
+  if (!dirty() || !state.path || state.blank) return keepDraft();
+  const content = editor().value;
+  if (new Blob([content]).size > 64 * 1024 || !state.key || state.keyBase !== state.base) {
+    return keepDraft();
+  }
+  keepDraft(); // until the next visit sees it saved
+  fetch(state.base + "/notes/" + enc(state.path) + "/merge", {
+    method: "POST",
+    keepalive: true,
+    mode: "same-origin",
+    credentials: "omit",
+    headers: {
+      "Content-Type": "application/json",
+      "X-Service-Key": state.key,
+      "Idempotency-Key": newId(),
+    },
+    body: JSON.stringify({base: state.etag, content, clientName: deviceName()}),
+  }).catch(() => {});
+}
+
+function deviceName() {
+  try {
+    return JSON.parse(getItem("local", "notesvc.device") || "{}").name || "web client";
+  } catch (e) {
+    return "web client";
   }
 }
 
@@ -541,10 +690,7 @@ async function checkOpenNote() {
     return;
   }
   if (path !== state.path || r.data.etag === state.etag) return;
-  if (dirty()) {
-    showConflict(false);
-    return;
-  }
+  if (dirty()) return save(false); // merged with what is typed here
   const editing = state.editing;
   showNote(r.data);
   setEditing(editing);
@@ -560,48 +706,29 @@ async function lookAgain() {
   await Promise.all([loadTree(), checkOpenNote()]);
 }
 
-function offerNew() {
-  const input = el("input", {
-    type: "text",
-    id: "new-path",
-    autocomplete: "off",
-    spellcheck: "false",
-    placeholder: "folder/name",
-  });
-  const own = state.grant && state.grant.folder; // a folder key writes in its folder
-  const folder = (state.path ? folderOf(state.path) : own || "").replace(/^notes\/?/, "");
-  input.value = folder ? folder + "/" : "";
-  input.addEventListener("keydown", (e) => {
-    if (e.key === "Enter" && dialogDone) dialogDone("create");
-  });
-  return dialog(
-    "New note",
-    [
-      el("label", {for: "new-path"}, "Name (folders with /)"),
-      input,
-      el("p", {class: "muted"}, "It is saved as notes/<name>.md."),
-    ],
-    [
-      ["cancel", "Cancel"],
-      ["create", "Create", "primary"],
-    ],
-    input,
-  ).then((v) => (v === "create" ? input.value.trim() : null));
-}
-
-async function newNote() {
-  if (!(await confirmLeave())) return;
-  const name = await offerNew();
-  if (name) await createNote(toNotePath(name));
-}
-
+// A [[link]] to a note that is not there yet: create it where the link says.
 async function createNote(path) {
   const {data} = await api("POST", "/notes", {path, content: "# " + nameOf(path) + "\n\n"});
-  state.saved = editor().value; // already asked
+  mine(data.path);
+  await loadTree();
   await openNote(data.path, {edit: true});
-  const ed = editor();
-  ed.focus();
-  ed.setSelectionRange(ed.value.length, ed.value.length);
+}
+
+// A new note is written first: no path to choose; its first line names it when it is
+// first saved (in notes/inbox, or a folder key's own folder).
+async function newNote() {
+  if (!(await confirmLeave())) return;
+  closeNote();
+  state.blank = true;
+  state.newKey = newId(); // its create, sent again after a lost answer, is made once
+  $("empty").hidden = true;
+  $("note-bar").hidden = false;
+  $("title").textContent = "New note";
+  $("path").textContent = "The first line is its title";
+  setEditing(true);
+  updateDirty();
+  showPane("note");
+  editor().focus();
 }
 
 async function moveNote() {
@@ -712,35 +839,74 @@ function when(iso) {
   return t ? new Date(t).toLocaleString() : iso;
 }
 
-function diffView(diff) {
-  const pre = el("pre", {class: "diff"});
-  for (const line of diff.split("\n")) {
-    const cls = /^\+(?!\+\+)/.test(line) ? "add" : /^-(?!--)/.test(line) ? "del" : null;
-    pre.append(el("span", {class: cls}, line + "\n"));
-  }
-  return pre;
+// Why a version was kept, in words.
+const REASONS = {
+  updated: "edited",
+  merged: "merged with an edit from another device",
+  external: "changed outside notesvc",
+  moved: "before a move",
+  deleted: "before it was deleted",
+  restored: "before a restore",
+  linksRewritten: "links updated",
+  dav: "saved by another app",
+};
+
+function dayAndTime(iso) {
+  const t = new Date(iso);
+  const days = Math.round(
+    (new Date().setHours(0, 0, 0, 0) - new Date(t).setHours(0, 0, 0, 0)) / 864e5,
+  );
+  const time = t.toLocaleTimeString([], {hour: "2-digit", minute: "2-digit"});
+  if (days === 0) return "Today, " + time;
+  if (days === 1) return "Yesterday, " + time;
+  return t.toLocaleDateString([], {weekday: "short", day: "numeric", month: "short"}) + ", " + time;
 }
 
+// What changed, word by word; long unchanged stretches shrink to their ends.
+function wordDiffView(before, after) {
+  const out = el("p", {class: "words"});
+  const parts = wordDiff(before, after);
+  parts.forEach((part, i) => {
+    if (part.op !== "same") {
+      out.append(el(part.op === "add" ? "ins" : "del", {}, part.text));
+      return;
+    }
+    const t = part.text;
+    const head = i > 0 ? 80 : 0; // after a change: its context
+    const tail = i < parts.length - 1 ? 80 : 0; // before one
+    if (t.length <= head + tail + 40) out.append(t);
+    else out.append(t.slice(0, head), el("span", {class: "gap"}, " … "), t.slice(t.length - tail));
+  });
+  return out;
+}
+
+// The history as a timeline: when, why, and what changed since, word by word; restore in
+// one tap.
 async function showHistory() {
   if (!state.path) return;
   const path = state.path;
   const {data} = await api("GET", "/notes/" + enc(path) + "/versions?limit=50");
   const base = "/notes/" + enc(path) + "/versions/";
-  const list = el("ul", {class: "list", id: "versions"});
+  const list = el("ol", {class: "timeline", id: "versions"});
   const detail = el("div", {id: "version-detail"});
   for (const v of data.versions) {
+    const changes = act(async () => {
+      const r = await api("GET", base + enc(v.id));
+      const now = editor().value;
+      detail.replaceChildren(
+        el("h3", {}, "From " + dayAndTime(v.savedAt) + " to now"),
+        r.data.content === now
+          ? el("p", {}, "The same as now.")
+          : wordDiffView(r.data.content, now),
+        el("p", {class: "muted"}, "Struck out: only then. Underlined: only now."),
+      );
+      detail.scrollIntoView({block: "nearest"});
+    });
     const view = act(async () => {
       const r = await api("GET", base + enc(v.id));
       detail.replaceChildren(
-        el("h3", {}, "Saved " + when(v.savedAt)),
+        el("h3", {}, "As it was " + dayAndTime(v.savedAt)),
         el("pre", {}, r.data.content),
-      );
-    });
-    const diff = act(async () => {
-      const r = await api("GET", base + enc(v.id) + "/diff?against=current");
-      detail.replaceChildren(
-        el("h3", {}, "From " + when(v.savedAt) + " to now"),
-        r.data.diff ? diffView(r.data.diff) : el("p", {}, "The same as now."),
       );
     });
     const restore = act(async () => {
@@ -755,7 +921,7 @@ async function showHistory() {
         setEditing(false);
         updateDirty();
       });
-      toast("Restored the version of " + when(v.savedAt));
+      toast("Restored the version of " + dayAndTime(v.savedAt));
     });
     list.append(
       el(
@@ -763,15 +929,15 @@ async function showHistory() {
         {"data-version": v.id},
         el(
           "span",
-          {},
-          when(v.savedAt),
-          el("small", {class: "muted"}, " · " + v.reason + " · " + sizeText(v.size)),
+          {class: "when"},
+          el("strong", {}, dayAndTime(v.savedAt)),
+          el("small", {class: "muted"}, (REASONS[v.reason] || v.reason) + " · " + sizeText(v.size)),
         ),
         el(
           "span",
           {class: "actions"},
+          el("button", {type: "button", onclick: changes}, "Changes"),
           el("button", {type: "button", onclick: view}, "View"),
-          el("button", {type: "button", onclick: diff}, "Diff"),
           writable() ? el("button", {type: "button", onclick: restore}, "Restore") : null,
         ),
       ),
@@ -783,11 +949,7 @@ async function showHistory() {
 
 async function restoreFromTrash(item, to) {
   try {
-    const r = await api(
-      "POST",
-      "/trash/" + enc(item.id) + "/restore",
-      to ? {path: to} : undefined,
-    );
+    const r = await api("POST", "/trash/" + enc(item.id) + "/restore", to ? {path: to} : undefined);
     return r.data;
   } catch (e) {
     if (e.status !== 409) throw e;
@@ -846,16 +1008,19 @@ async function showTrash() {
         {class: "actions"},
         item.path.endsWith(".md") ? el("button", {type: "button", onclick: view}, "View") : null,
         writable() ? el("button", {type: "button", onclick: restore}, "Restore") : null,
-        state.grant ? null : el( // purging for good is the owner's alone
-          "button",
-          {
-            type: "button",
-            class: "danger",
-            onclick: purge,
-            "aria-label": "Delete forever: " + item.path,
-          },
-          "Delete",
-        ),
+        state.grant
+          ? null
+          : el(
+              // purging for good is the owner's alone
+              "button",
+              {
+                type: "button",
+                class: "danger",
+                onclick: purge,
+                "aria-label": "Delete forever: " + item.path,
+              },
+              "Delete",
+            ),
       ),
     );
     list.append(row);
@@ -881,9 +1046,7 @@ function attachmentPath(file) {
   const now = new Date();
   const stamp = now.toISOString().replace(/[-:]/g, "").replace("T", "-").slice(0, 15);
   const dot = file.name.lastIndexOf(".");
-  const ext = (
-    dot > 0 ? file.name.slice(dot + 1) : file.type.split("/")[1] || "bin"
-  ).toLowerCase();
+  const ext = (dot > 0 ? file.name.slice(dot + 1) : file.type.split("/")[1] || "bin").toLowerCase();
   const stem =
     (dot > 0 ? file.name.slice(0, dot) : file.name || "file")
       .normalize("NFKD")
@@ -960,6 +1123,11 @@ function treeSoon() {
   clearTimeout(treeTimer);
   treeTimer = setTimeout(() => loadTree().catch(() => {}), 300);
 }
+let recentTimer = 0;
+function recentSoon() {
+  clearTimeout(recentTimer);
+  recentTimer = setTimeout(() => loadRecent().catch(() => {}), 1500);
+}
 
 function cursorAfterGone(e) {
   // A 410 says where the server's changes end: from there on, after listing again.
@@ -986,7 +1154,9 @@ async function changeCursor() {
 }
 
 function applyChange(c) {
-  if (c.kind !== "updated") treeSoon(); // the tree shows names, not contents
+  if (offlineOn()) mirrorChange(c).catch(() => {});
+  if (c.kind === "modified") recentSoon(); // the recent list's order; the tree is the same
+  else treeSoon(); // the tree's names (and the recent list)
   if (!state.path || own.has(c.from || c.path)) return;
   if (c.kind === "moved" && c.from === state.path) {
     // Follow it at once (a later change in the same batch may name the new path); unsaved
@@ -1176,6 +1346,24 @@ async function capture() {
   const input = $("capture");
   const text = input.value.trim();
   if (!text) return;
+  let path;
+  try {
+    path = await appendToToday(text);
+  } catch (e) {
+    if (e.status !== 0 || !offlineOn()) throw e;
+    offline.items = queueCapture(offline.items, text, [], newId); // sent when it can be
+    await saveOutbox();
+    input.value = "";
+    toast("Kept on this device: it goes to today's note when the server can be reached");
+    return;
+  }
+  input.value = "";
+  toast("Added to " + nameOf(path));
+  await loadTree();
+}
+
+// Append a timed line to today's note (the daily plugin's); return its path.
+async function appendToToday(text) {
   const now = new Date();
   const stamp =
     String(now.getHours()).padStart(2, "0") + ":" + String(now.getMinutes()).padStart(2, "0");
@@ -1194,11 +1382,7 @@ async function capture() {
       if (state.path === note.path && !dirty()) await openNote(note.path);
       return true;
     });
-    if (!done) continue;
-    input.value = "";
-    toast("Added to " + nameOf(note.path));
-    await loadTree();
-    return;
+    if (done) return note.path;
   }
   throw new Error("Today's note keeps changing; try again.");
 }
@@ -1264,8 +1448,20 @@ async function ask() {
 
 async function start() {
   setSide(getItem("local", "notesvc.ui.side") !== "closed");
-  await Promise.all([loadTree(), readFeatures()]);
+  offlineMenu();
+  if (offlineOn()) await loadOutbox();
+  await Promise.all([
+    loadTree(),
+    readFeatures().catch((e) => (offlineOn() ? null : Promise.reject(e))),
+  ]);
   if (features.changes) followChanges();
+  if (offlineOn()) {
+    sendOutbox().catch(() => {}); // what waits (the share sheet's too) goes now
+    if (new URLSearchParams(location.search).has("shared")) {
+      history.replaceState(history.state, "", location.pathname);
+      toast("Shared: it goes to today's note");
+    }
+  }
   const last = getItem("session", "notesvc.open");
   if (last) {
     try {
@@ -1310,6 +1506,11 @@ function wire() {
     act(() => save(true)),
   );
   $("reload").addEventListener("click", act(reloadTheirs));
+  $("open-copy").addEventListener(
+    "click",
+    act(() => openNote($("conflict").dataset.copy)),
+  );
+  $("conflict-ok").addEventListener("click", () => ($("conflict").hidden = true));
   $("draft-discard").addEventListener("click", act(reloadTheirs));
   $("edit").addEventListener("click", () => {
     setEditing(!state.editing);
@@ -1347,6 +1548,7 @@ function wire() {
   editor().addEventListener("input", () => {
     updateDirty();
     scheduleDraft();
+    if (writable()) scheduleSave();
   });
   editor().addEventListener("focus", () => $("app").classList.add("typing"));
   editor().addEventListener("blur", () => $("app").classList.remove("typing"));
@@ -1434,7 +1636,7 @@ function wire() {
     }
   });
   document.addEventListener("visibilitychange", () => {
-    if (document.hidden) keepDraft();
+    if (document.hidden) saveAsThePageHides();
     else act(lookAgain)();
   });
   window.addEventListener("popstate", (e) => {

@@ -1,26 +1,45 @@
-
 "use strict";
 const $ = (id) => document.getElementById(id);
 const ask = new URLSearchParams(location.search);
 // This page is {base}/oauth/authorize; the API is {base}/api/v1 on this same origin.
 const api = location.pathname.replace(/\/oauth\/authorize\/?$/, "") + "/api/v1";
-let facts = null, back = "", signedIn = "";
+let facts = null,
+  back = "",
+  signedIn = "";
 
-function say(text) { $("msg").textContent = text; }
+function say(text) {
+  $("msg").textContent = text;
+}
 
 async function load() {
   const params = new URLSearchParams();
-  ["client_id", "redirect_uri", "response_type", "state", "code_challenge",
-   "code_challenge_method", "scope", "resource"].forEach((name) => {
-    if (ask.has(name)) params.set(name, ask.get(name)); });
-  let r, j = null;
-  try { r = await fetch(api + "/oauth/consent?" + params, {mode: "same-origin"});
-        j = await r.json(); }
-  catch (e) { say("The notes server cannot be reached right now."); return; }
+  [
+    "client_id",
+    "redirect_uri",
+    "response_type",
+    "state",
+    "code_challenge",
+    "code_challenge_method",
+    "scope",
+    "resource",
+  ].forEach((name) => {
+    if (ask.has(name)) params.set(name, ask.get(name));
+  });
+  let r,
+    j = null;
+  try {
+    r = await fetch(api + "/oauth/consent?" + params, {mode: "same-origin"});
+    j = await r.json();
+  } catch (e) {
+    say("The notes server cannot be reached right now.");
+    return;
+  }
   if (!r.ok || !j || !j.success) {
     say(j && j.error ? j.error.message : "This request cannot be answered.");
     if (j && j.error && j.error.redirect) {
-      back = j.error.redirect; $("back").classList.remove("hidden"); }
+      back = j.error.redirect;
+      $("back").classList.remove("hidden");
+    }
     return;
   }
   facts = j.data;
@@ -31,7 +50,8 @@ async function load() {
   else if (facts.scope === "write") $("scope-write").checked = true;
   // The web client's key on this origin (session or device), offered only when it was kept
   // for this very server's API: on a relay, every server's consent page has this origin.
-  let kept = "", device = null;
+  let kept = "",
+    device = null;
   try {
     const shared = document.documentElement.dataset.origin === "shared"; // a relay's: keep off
     for (const store of shared ? [] : [sessionStorage, localStorage]) {
@@ -59,27 +79,47 @@ async function load() {
 
 async function allow() {
   say("");
-  const body = {clientId: facts.client.id, redirectUri: facts.redirectUri,
-    codeChallenge: ask.get("code_challenge") || "", resource: facts.resource,
-    scope: $("scope-write").checked ? "notes:read notes:write" : "notes:read"};
+  const body = {
+    clientId: facts.client.id,
+    redirectUri: facts.redirectUri,
+    codeChallenge: ask.get("code_challenge") || "",
+    resource: facts.resource,
+    scope: $("scope-write").checked ? "notes:read notes:write" : "notes:read",
+  };
   if (ask.get("state")) body.state = ask.get("state");
   let folder = $("folder").value.trim().replace(/\/+$/, "");
   if (folder) body.folder = folder.startsWith("notes/") ? folder : "notes/" + folder;
   $("allow").disabled = true;
   try {
-    const r = await fetch(api + "/oauth/approve", {method: "POST", mode: "same-origin",
-      headers: {"Content-Type": "application/json",
-        "X-Service-Key": signedIn || $("key").value.trim()},
-      body: JSON.stringify(body)});
+    const r = await fetch(api + "/oauth/approve", {
+      method: "POST",
+      mode: "same-origin",
+      headers: {
+        "Content-Type": "application/json",
+        "X-Service-Key": signedIn || $("key").value.trim(),
+      },
+      body: JSON.stringify(body),
+    });
     const j = await r.json().catch(() => null);
-    if (r.ok && j && j.success) { location.assign(j.data.redirect); return; }
+    if (r.ok && j && j.success) {
+      location.assign(j.data.redirect);
+      return;
+    }
     say(j && j.error ? j.error.message : "Not allowed.");
-  } catch (e) { say("The notes server cannot be reached right now."); }
+  } catch (e) {
+    say("The notes server cannot be reached right now.");
+  }
   $("allow").disabled = false;
 }
 
 $("allow").onclick = allow;
-$("key").onkeydown = (e) => { if (e.key === "Enter") allow(); };
-$("deny").onclick = () => { if (facts) location.assign(facts.deny); };
-$("return").onclick = () => { if (back) location.assign(back); };
+$("key").onkeydown = (e) => {
+  if (e.key === "Enter") allow();
+};
+$("deny").onclick = () => {
+  if (facts) location.assign(facts.deny);
+};
+$("return").onclick = () => {
+  if (back) location.assign(back);
+};
 load();

@@ -1,4 +1,3 @@
-
 "use strict";
 // notesvc's web client: one page, no build step, only the public API.
 // Requests, the key included, go only to the origin this page was loaded from: a relayUrl
@@ -96,12 +95,12 @@ function toast(text, bad, action) {
   t.setAttribute("role", bad ? "alert" : "status");
   t.hidden = false;
   clearTimeout(toastTimer);
-  toastTimer = setTimeout(
-    () => {
-      t.hidden = true;
-    },
-    bad || action ? 8000 : 3000,
-  );
+  // An action (Undo) waits 15 s, and longer while a finger or the focus is on it.
+  const hide = () => {
+    if (t.matches(":hover, :focus-within")) toastTimer = setTimeout(hide, 2000);
+    else t.hidden = true;
+  };
+  toastTimer = setTimeout(hide, action ? 15000 : bad ? 8000 : 3000);
 }
 
 // -- the API -------------------------------------------------------------------------------
@@ -147,11 +146,7 @@ async function api(method, path, body, headers, opts) {
       body: body === undefined || raw ? body : JSON.stringify(body),
     });
   } catch (e) {
-    throw new Problem(
-      0,
-      "NETWORK",
-      "Cannot reach the server. Check the connection and try again.",
-    );
+    throw new Problem(0, "NETWORK", "Cannot reach the server. Check the connection and try again.");
   }
   if (opts.blob && r.ok) return {blob: await r.blob(), status: r.status};
   if (opts.raw && r.ok) return {json: await r.json(), status: r.status};
@@ -264,8 +259,13 @@ async function connect(typed) {
     let v;
     try {
       v = await api("POST", "/auth/verify", undefined, undefined, {login: true});
+      setItem("local", "notesvc.grant", JSON.stringify(v.data.grant || null));
     } catch (e) {
-      if (e.status === 404) {
+      if (e.status === 0 && offlineOn() && state.keyBase === state.base) {
+        // out of reach, and this device keeps the notes: open them from the copy
+        const grant = JSON.parse(getItem("local", "notesvc.grant") || "null");
+        v = {data: {grant, setupComplete: true}};
+      } else if (e.status === 404) {
         state.base = "";
         removeItem("local", "notesvc.base");
         $("relay-box").open = true;
@@ -273,13 +273,14 @@ async function connect(typed) {
           "No notes server answers here. Open your server's connect link, " +
             "or enter its relay code.",
         );
-      }
-      if (e.status === 401)
+      } else if (e.status === 401) {
         throw new Error(
           "That key was not accepted. Check it and try again " +
             "(a rotated key stops working at once).",
         );
-      throw e;
+      } else {
+        throw e;
+      }
     }
     applyGrant(v.data.grant); // a scoped key: only what it may do
     if (!v.data.setupComplete && !v.data.grant) {
@@ -309,6 +310,10 @@ async function connect(typed) {
 function toKeyScreen(message) {
   keepDraft();
   feedRun++;
+  if (offlineOn()) {
+    removeItem("local", "notesvc.offline"); // the key stopped working: no copy stays
+    wipeOffline().catch(() => {});
+  }
   state.key = "";
   state.keyBase = "";
   for (const kind of ["session", "local"]) {
@@ -364,7 +369,13 @@ function treeUrl(folder) {
 }
 
 async function fillFolder(folder, ul) {
-  const {data} = await api("GET", treeUrl(folder));
+  let data;
+  try {
+    data = (await api("GET", treeUrl(folder))).data;
+  } catch (e) {
+    if (e.status !== 0 || !offlineOn()) throw e;
+    data = await mirrorTree(folder); // out of reach: the copy on this device
+  }
   const items = (data.children || []).map(treeItem);
   ul.replaceChildren(...items.map((i) => i.li));
   if (!items.length) {
@@ -442,10 +453,10 @@ function treeItem(node) {
 }
 
 async function loadTree() {
+  loadRecent().catch(() => {});
   const ul = el("ul");
   await fillFolder("notes", ul);
-  const focused =
-    $("tree").contains(document.activeElement) && document.activeElement.dataset.path;
+  const focused = $("tree").contains(document.activeElement) && document.activeElement.dataset.path;
   $("tree").replaceChildren(ul);
   markCurrent();
   if (focused) {
@@ -456,7 +467,46 @@ async function loadTree() {
   performance.mark("notesvc:tree-shown");
 }
 
+// The notes by date, newest first: title, a line of the text, when (the way people find
+// what they just wrote; the folders are below it).
+async function loadRecent() {
+  let notes;
+  try {
+    const {data} = await api("GET", "/notes?sort=modified&fields=title,preview,modified&limit=30");
+    notes = data.notes;
+  } catch (e) {
+    if (e.status !== 0 || !offlineOn()) throw e;
+    notes = await mirrorRecent(30);
+  }
+  const items = notes.map((n) =>
+    el(
+      "li",
+      {},
+      el(
+        "button",
+        {
+          type: "button",
+          class: "recent-note",
+          "data-path": n.path,
+          onclick: act(() => openNote(n.path)),
+        },
+        el("strong", {}, n.title || nameOf(n.path)),
+        el("span", {class: "preview"}, n.preview || ""),
+        el("small", {class: "muted"}, ago(n.modified)),
+      ),
+    ),
+  );
+  if (!items.length)
+    items.push(el("li", {class: "muted"}, "No notes yet: start one with New note."));
+  $("recent").replaceChildren(...items);
+  markCurrent();
+}
+
 function markCurrent() {
+  for (const b of $("recent").querySelectorAll("button.recent-note")) {
+    if (b.dataset.path === state.path) b.setAttribute("aria-current", "true");
+    else b.removeAttribute("aria-current");
+  }
   for (const b of $("tree").querySelectorAll("button.note")) {
     if (b.dataset.path === state.path) b.setAttribute("aria-current", "true");
     else b.removeAttribute("aria-current");
@@ -479,4 +529,3 @@ async function reveal(path) {
     await loadTree();
   else markCurrent();
 }
-

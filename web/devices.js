@@ -1,4 +1,3 @@
-
 // -- devices: a phone joins by scanning a code; a new server is set up from its page ------
 // A pairing is a one-time secret in a link's fragment (#pair=…), never in a URL a server
 // or a log keeps. Claiming it gives this browser a device key of its own, kept (with the
@@ -108,7 +107,9 @@ async function setUpServer() {
         el(
           "p",
           {},
-          "Your server is ready, and this browser is signed in as “" + name + "”. " +
+          "Your server is ready, and this browser is signed in as “" +
+            name +
+            "”. " +
             "Other devices join by scanning a code: Keys and devices → Add a device.",
         ),
         el(
@@ -225,7 +226,8 @@ async function showPairing(made) {
     "p",
     {id: "pair-status", role: "status"},
     "Scan it with the other device's camera. It works once, until " +
-      until.toLocaleTimeString([], {hour: "2-digit", minute: "2-digit"}) + ".",
+      until.toLocaleTimeString([], {hour: "2-digit", minute: "2-digit"}) +
+      ".",
   );
   const shown = dialog(
     "Scan to join",
@@ -355,7 +357,8 @@ async function waitForChat(id, made) {
     "p",
     {id: "tg-status", role: "status"},
     "Waiting for the first message… (the code works until " +
-      until.toLocaleTimeString([], {hour: "2-digit", minute: "2-digit"}) + ")",
+      until.toLocaleTimeString([], {hour: "2-digit", minute: "2-digit"}) +
+      ")",
   );
   const bot = made.link
     ? el("a", {href: made.link, target: "_blank", rel: "noopener"}, "@" + made.bot)
@@ -395,7 +398,9 @@ async function waitForChat(id, made) {
 async function joinWithCode() {
   const msg = $("join-msg");
   msg.textContent = "";
-  const code = $("join-code").value.replace(/[^A-Za-z2-7]/g, "").toLowerCase();
+  const code = $("join-code")
+    .value.replace(/[^A-Za-z2-7]/g, "")
+    .toLowerCase();
   if (code.length !== 26) {
     msg.textContent = "A code is 26 letters and digits (groups of four): check it and try again.";
     return;

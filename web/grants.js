@@ -1,4 +1,3 @@
-
 // -- keys, connections and share links (what a grant may do shapes the page) --------------
 // The API key holds every scope, and so does an admin device; a scoped key (or a folder
 // key or device) sees only what it may use: a read key gets no editing, a folder key only
@@ -42,8 +41,7 @@ async function copyText(text, what, field) {
   } catch (e) {
     /* no Clipboard API here: the selection instead */
   }
-  const box =
-    field || el("textarea", {class: "offscreen", readonly: true, "aria-hidden": "true"});
+  const box = field || el("textarea", {class: "offscreen", readonly: true, "aria-hidden": "true"});
   if (!field) {
     box.value = text;
     ($("dlg").open ? $("dlg") : document.body).append(box);
@@ -268,8 +266,17 @@ async function shareNote(made) {
 }
 
 function wireGrants() {
-  $("menu-keys").addEventListener("click", act(() => showKeys()));
-  $("menu-telegram").addEventListener("click", act(() => showTelegram()));
-  $("share").addEventListener("click", act(() => shareNote()));
+  $("menu-keys").addEventListener(
+    "click",
+    act(() => showKeys()),
+  );
+  $("menu-telegram").addEventListener(
+    "click",
+    act(() => showTelegram()),
+  );
+  $("share").addEventListener(
+    "click",
+    act(() => shareNote()),
+  );
 }
 wireGrants();

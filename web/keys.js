@@ -1,4 +1,3 @@
-
 // -- keys: which key goes where (pure: no page, no storage; node --test web/) ---------------
 // A key is kept on a device together with the API base it was given for, and is sent to
 // that base only. A pairing code may name any server: what it resolves to decides where
@@ -47,7 +46,12 @@ function pairTarget(data, here) {
 
 // A pairing secret as a person types it: groups of four, lower case.
 function groupCode(secret) {
-  return (String(secret).toLowerCase().replace(/[^a-z2-7]/g, "").match(/.{1,4}/g) || []).join("-");
+  return (
+    String(secret)
+      .toLowerCase()
+      .replace(/[^a-z2-7]/g, "")
+      .match(/.{1,4}/g) || []
+  ).join("-");
 }
 
 if (typeof module !== "undefined") {

@@ -1,4 +1,3 @@
-
 // -- Markdown: a small renderer that builds DOM nodes, so no HTML in a note can run ----------
 // (MARKDOWN_JS, shared with the share page: each page brings its own link(), wikiLink()
 // and image(), which decide what a link or an image may reach.)
@@ -98,11 +97,7 @@ function blocks(lines, out, ctx) {
         el(
           "pre",
           {},
-          el(
-            "code",
-            {class: m[2] ? "lang-" + m[2].replace(/[^\w-]/g, "") : null},
-            body.join("\n"),
-          ),
+          el("code", {class: m[2] ? "lang-" + m[2].replace(/[^\w-]/g, "") : null}, body.join("\n")),
         ),
       );
     } else if ((m = HEADING_RE.exec(t))) {
@@ -154,6 +149,7 @@ function list(lines, i, out, ctx) {
     listEl.setAttribute("start", String(parseInt(first[2], 10)));
   out.appendChild(listEl);
   let li = null;
+  let body = null; // where the item's text goes: a task's text is inside its label
   while (i < lines.length) {
     const t = lines[i].t;
     if (!t.trim()) {
@@ -171,10 +167,12 @@ function list(lines, i, out, ctx) {
       if (ind < indent) return i;
       if (ind > indent && li) {
         i = list(lines, i, li, ctx);
+        body = li; // text after a nested list goes after it
         continue;
       }
       if (/\d/.test(m[2]) !== ordered) return i;
       li = el("li");
+      body = li;
       let content = m[3] || "";
       const task = /^\[([ xX])\](?:\s+|$)/.exec(content);
       if (task) {
@@ -188,16 +186,17 @@ function list(lines, i, out, ctx) {
         box.checked = task[1] !== " ";
         box.disabled = !ctx.onTask;
         if (ctx.onTask) box.addEventListener("change", () => ctx.onTask(n, box));
-        li.appendChild(box);
+        body = el("span");
+        li.appendChild(el("label", {}, box, body));
         content = content.slice(task[0].length);
       }
-      inline(content, li, ctx);
+      inline(content, body, ctx);
       listEl.appendChild(li);
       i++;
     } else if (li && (/^\s/.test(t) || !startsBlock(t))) {
       // the item's text goes on
-      li.appendChild(el("br"));
-      inline(t.trim(), li, ctx);
+      body.appendChild(el("br"));
+      inline(t.trim(), body, ctx);
       i++;
     } else {
       return i;
@@ -320,7 +319,6 @@ function resolveRelative(href, from) {
   const path = parts.join("/");
   return /^(notes|attachments)\//.test(path) ? path : null;
 }
-
 
 if (typeof module !== "undefined") {
   module.exports = {el, folderOf, renderMarkdown, resolveRelative, safeDecode};

@@ -1,4 +1,3 @@
-
 // -- paths and names (pure: no page; node --test web/) -------------------------------------
 
 // A note's name: its file name without .md.

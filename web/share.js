@@ -1,4 +1,3 @@
-
 // The link is {base}/s/<token>; the note comes from {base}/api/v1/shared/<token>. The
 // web client's renderer (MARKDOWN_JS) draws it; what a link or an image may reach is
 // decided here: pages on the web, and the attachments this note links, nothing else.

@@ -24,11 +24,29 @@ test("sameOrigin: relative paths are here; other hosts, ports and schemes are no
 });
 
 test("keptEntry: the first whole pair that names an API path on this origin", () => {
-  assert.deepEqual(keptEntry([[null, null], ["nsk_a", "/api/v1"]], HERE), {
-    key: "nsk_a",
-    base: "/api/v1",
-  });
-  assert.deepEqual(keptEntry([["nsk_s", "/r/s/api/v1"], ["nsk_a", "/api/v1"]], HERE).key, "nsk_s");
+  assert.deepEqual(
+    keptEntry(
+      [
+        [null, null],
+        ["nsk_a", "/api/v1"],
+      ],
+      HERE,
+    ),
+    {
+      key: "nsk_a",
+      base: "/api/v1",
+    },
+  );
+  assert.deepEqual(
+    keptEntry(
+      [
+        ["nsk_s", "/r/s/api/v1"],
+        ["nsk_a", "/api/v1"],
+      ],
+      HERE,
+    ).key,
+    "nsk_s",
+  );
   for (const pairs of [
     [["nsk_a", null]], // a key without the base it was given for is never used
     [[null, "/api/v1"]],
@@ -58,10 +76,7 @@ test("keyFor: a typed key goes where it was typed; a kept one only to its own ba
 test("pairTarget: another server's own origin is opened, never talked to from here", () => {
   const cases = [
     [{serverId: "zzzzzzzzzzzzzzzzzzzz", origin: STRANGER}, {open: STRANGER + "/"}],
-    [
-      {serverId: "abcdefghijklmnopqrst", relayApiBase: "/api/v1"},
-      {base: "/api/v1"},
-    ],
+    [{serverId: "abcdefghijklmnopqrst", relayApiBase: "/api/v1"}, {base: "/api/v1"}],
     [
       {
         serverId: "abcdefghijklmnopqrst",

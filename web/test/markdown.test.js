@@ -103,6 +103,11 @@ test("lists and tasks: each box knows its line", () => {
   const ticked = [];
   const root = renderMarkdown("- [ ] one\n- [x] two\n1. first", {onTask: (n) => ticked.push(n)});
   assert.equal(root.children.map(show).join(" "), md("- [ ] one\n- [x] two\n1. first"));
+  // the box and its text are one label: a tap on the words ticks it
+  assert.equal(
+    md("- [ ] one *two*\n  three"),
+    'ul(li.task(label(input[type=checkbox]() span("one " em("two") br() "three"))))',
+  );
   const boxes = [];
   const walk = (n) => {
     if (n.tagName === "input") boxes.push(n);

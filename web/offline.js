@@ -1,0 +1,319 @@
+// -- offline: the notes kept on this device (opt-in, per device) ---------------------------
+// "Keep notes on this device" mirrors the notes this key sees into IndexedDB, keeps the app
+// in a service worker, and queues what is written while the server cannot be reached (the
+// outbox, sent through merge when it can be). It needs a secure context (HTTPS, a relay's
+// per-server origin, or localhost): elsewhere the option says so and stays off. Turning
+// it off deletes the copy. A key that stops working wipes it.
+
+const offline = {db: null, items: [], sending: false};
+
+function offlineOn() {
+  return !!state.base && getItem("local", "notesvc.offline") === state.base;
+}
+
+function offlinePossible() {
+  return (
+    window.isSecureContext &&
+    "serviceWorker" in navigator &&
+    "indexedDB" in window &&
+    !SHARED_ORIGIN
+  );
+}
+
+function idb() {
+  if (offline.db) return Promise.resolve(offline.db);
+  return new Promise((resolve, reject) => {
+    const open = indexedDB.open("notesvc", 1);
+    open.onupgradeneeded = () => {
+      open.result.createObjectStore("notes", {keyPath: "path"});
+      open.result.createObjectStore("meta");
+    };
+    open.onsuccess = () => resolve((offline.db = open.result));
+    open.onerror = () => reject(open.error);
+  });
+}
+
+// One request on one store, as a promise.
+async function stored(name, mode, fn) {
+  const db = await idb();
+  return new Promise((resolve, reject) => {
+    const tx = db.transaction(name, mode);
+    const req = fn(tx.objectStore(name));
+    tx.oncomplete = () => resolve(req && req.result);
+    tx.onerror = () => reject(tx.error);
+  });
+}
+
+async function mirrorPut(note) {
+  if (!offlineOn() || !note || !note.path) return;
+  const kept = {path: note.path, title: note.title, etag: note.etag, modified: note.modified};
+  kept.content =
+    note.content !== undefined ? note.content : ((await mirrorGet(note.path)) || {}).content;
+  await stored("notes", "readwrite", (s) => s.put(kept));
+}
+async function mirrorGet(path) {
+  return stored("notes", "readonly", (s) => s.get(path));
+}
+async function mirrorAll() {
+  return (await stored("notes", "readonly", (s) => s.getAll())) || [];
+}
+async function mirrorDrop(path) {
+  await stored("notes", "readwrite", (s) => s.delete(path));
+}
+async function mirrorRecent(limit) {
+  const all = await mirrorAll();
+  all.sort((a, b) => (a.modified < b.modified ? 1 : a.modified > b.modified ? -1 : 0));
+  return all.slice(0, limit).map((n) => ({
+    ...n,
+    preview: plainSnippet((n.content || "").split("\n").slice(1).join(" ")).slice(0, 160),
+  }));
+}
+
+// The tree of a folder, from the copy (as GET /folders/tree?depth=1 has it).
+async function mirrorTree(folder) {
+  const folders = new Map();
+  const notes = [];
+  for (const n of await mirrorAll()) {
+    if (!n.path.startsWith(folder + "/")) continue;
+    const rest = n.path.slice(folder.length + 1).split("/");
+    if (rest.length === 1) notes.push({type: "note", name: rest[0], path: n.path});
+    else folders.set(rest[0], (folders.get(rest[0]) || 0) + 1);
+  }
+  const byName = (a, b) => a.name.localeCompare(b.name);
+  const dirs = [...folders].map(([name, count]) => ({
+    type: "folder",
+    name,
+    path: folder + "/" + name,
+    count,
+  }));
+  return {children: [...dirs.sort(byName), ...notes.sort(byName)]};
+}
+
+async function loadOutbox() {
+  offline.items = offlineOn()
+    ? (await stored("meta", "readonly", (s) => s.get("outbox"))) || []
+    : [];
+  showWaiting();
+}
+async function saveOutbox() {
+  await stored("meta", "readwrite", (s) => s.put(offline.items, "outbox"));
+  showWaiting();
+}
+
+function showWaiting() {
+  const box = $("offline-state");
+  const text = offlineOn()
+    ? [navigator.onLine ? "" : "Offline", waiting(offline.items)].filter(Boolean).join(" · ")
+    : "";
+  box.textContent = text;
+  box.hidden = !text;
+}
+
+// The server cannot be reached: keep the text on this device, to send when it can be.
+async function keepOffline(path, content) {
+  if (path === null) {
+    const local = "new:" + newId();
+    offline.items = queueCreate(
+      offline.items,
+      local,
+      (state.grant && state.grant.folder) || "",
+      content,
+      newId,
+    );
+    state.blank = false;
+    state.path = local;
+    state.etag = null;
+  } else {
+    offline.items = queueSave(offline.items, path, state.etag, content, newId);
+  }
+  state.saved = content;
+  const title = (content.split("\n").find((l) => l.trim()) || "untitled").replace(/^#+\s*/, "");
+  await mirrorPut({
+    path: state.path,
+    title,
+    content,
+    etag: state.etag,
+    modified: new Date().toISOString(),
+  });
+  await saveOutbox();
+  $("status").textContent = "Kept on this device";
+  $("status").className = "";
+  updateDirty();
+  return true;
+}
+
+// Send what waits, in order, once each (the idempotency keys make a resend harmless).
+async function sendOutbox() {
+  if (!offlineOn() || offline.sending || !navigator.onLine) return;
+  offline.sending = true;
+  try {
+    await loadOutbox();
+    while (offline.items.length) {
+      const item = offline.items[0];
+      let answer;
+      try {
+        answer = await sendItem(item);
+      } catch (e) {
+        if (e.status === 0) break; // still out of reach: later
+        toast("Could not send a change kept on this device: " + e.message, true);
+        answer = null; // refused for good (too large, not allowed): dropped, said
+      }
+      if (item.kind === "create" && answer && state.path === item.local) {
+        state.path = answer.path;
+        state.etag = answer.etag;
+        $("path").textContent = answer.path;
+      }
+      if (item.kind === "create" && answer) await mirrorDrop(item.local);
+      offline.items = answer ? settle(offline.items, item, answer) : offline.items.slice(1);
+      await saveOutbox();
+    }
+  } finally {
+    offline.sending = false;
+    showWaiting();
+  }
+  if (!offline.items.length) loadTree().catch(() => {});
+}
+
+async function sendItem(item) {
+  const once = {"Idempotency-Key": item.key};
+  if (item.kind === "create") {
+    const body = {content: item.content};
+    if (item.folder) body.folder = item.folder;
+    const {data} = await api("POST", "/notes", body, once);
+    await mirrorPut(data);
+    return data;
+  }
+  if (item.kind === "capture") {
+    let text = item.text;
+    for (const file of item.files || []) {
+      const up = await upload(file);
+      text += (text ? " " : "") + "![" + (file.name || "image") + "](../../" + up.path + ")";
+    }
+    if (text) await appendToToday(text);
+    return {};
+  }
+  try {
+    const {data} = await api(
+      "POST",
+      "/notes/" + enc(item.path) + "/merge",
+      {base: item.base, content: item.content, clientName: deviceName()},
+      once,
+    );
+    await mirrorPut(data.note);
+    if (state.path === item.path && editor().value === item.content) saved(data.note, item.content);
+    return data.note;
+  } catch (e) {
+    if (e.status === 409 && e.error && e.error.conflictPath) {
+      toast(
+        "“" +
+          nameOf(item.path) +
+          "” changed meanwhile: your edit is kept as " +
+          nameOf(e.error.conflictPath),
+      );
+      return {};
+    }
+    if (e.status !== 404) throw e;
+    const {data} = await api("POST", "/notes", {content: item.content}, once); // deleted: kept anew
+    toast("“" + nameOf(item.path) + "” was deleted meanwhile: your text is kept as " + data.path);
+    return data;
+  }
+}
+
+// The change feed keeps the copy current.
+async function mirrorChange(c) {
+  if (c.kind === "deleted" || c.kind === "moved") await mirrorDrop(c.from || c.path);
+  if (c.kind === "deleted") return;
+  try {
+    const {data} = await api("GET", "/notes/" + enc(c.path));
+    await mirrorPut(data);
+  } catch (e) {
+    if (e.status === 404) await mirrorDrop(c.path);
+  }
+}
+
+// The first copy: every note the key sees, a few at a time.
+async function copyAll() {
+  const paths = [];
+  for (let offset = 0; ; offset += 1000) {
+    const {data} = await api("GET", "/notes?limit=1000&offset=" + offset);
+    paths.push(...data.notes.map((n) => n.path));
+    if (offset + 1000 >= data.total) break;
+  }
+  let done = 0;
+  const box = $("offline-state");
+  box.hidden = false;
+  const worker = async () => {
+    while (paths.length) {
+      const path = paths.pop();
+      const {data} = await api("GET", "/notes/" + enc(path));
+      await mirrorPut(data);
+      done++;
+      if (done % 25 === 0) box.textContent = "Keeping notes on this device… " + done;
+    }
+  };
+  await Promise.all(Array.from({length: 6}, worker));
+  box.textContent = "Kept on this device: " + done + " notes";
+  performance.mark("notesvc:offline-copied");
+}
+
+async function enableOffline() {
+  if (!offlinePossible()) {
+    await dialog(
+      "Keep notes on this device",
+      [
+        el(
+          "p",
+          {},
+          SHARED_ORIGIN
+            ? "This relay gives all its servers one address, where nothing can be kept."
+            : "This needs a secure connection: open the notes by HTTPS (a relay's own " +
+                "address for this server, or a proxy with a certificate), or on this " +
+                "computer as http://localhost.",
+        ),
+      ],
+      [["cancel", "Close"]],
+    );
+    return;
+  }
+  await navigator.serviceWorker.register("sw.js");
+  setItem("local", "notesvc.offline", state.base);
+  await stored("meta", "readwrite", (s) => s.put({key: state.key, base: state.base}, "device"));
+  offlineMenu();
+  await copyAll();
+  toast("Your notes are kept on this device: they open without a connection");
+}
+
+async function disableOffline() {
+  removeItem("local", "notesvc.offline");
+  await wipeOffline();
+  offlineMenu();
+  toast("The copy on this device is deleted");
+}
+
+async function wipeOffline() {
+  offline.items = [];
+  if (offline.db) offline.db.close();
+  offline.db = null;
+  if ("indexedDB" in window) indexedDB.deleteDatabase("notesvc");
+  if ("serviceWorker" in navigator) {
+    for (const r of await navigator.serviceWorker.getRegistrations()) await r.unregister();
+  }
+  showWaiting();
+}
+
+function offlineMenu() {
+  $("menu-offline").hidden = false;
+  $("menu-offline").textContent = offlineOn()
+    ? "Stop keeping notes on this device"
+    : "Keep notes on this device";
+}
+
+function wireOffline() {
+  $("menu-offline").addEventListener(
+    "click",
+    act(() => (offlineOn() ? disableOffline() : enableOffline())),
+  );
+  window.addEventListener("online", () => act(sendOutbox)());
+  window.addEventListener("offline", showWaiting);
+}
+wireOffline();

@@ -1,0 +1,53 @@
+// -- the outbox (pure: no page; node --test web/) ----------------------------------------
+// What was written while the server could not be reached, in order, sent when it can be.
+// An item is {id, kind, key, ...}: `key` is its Idempotency-Key, so an item sent twice
+// (its answer lost) is done once. Kinds: "save" {path, base, content} (through merge, from
+// the version it started from), "create" {local, folder, content} (a new note, named by
+// the server; `local` stands for its path until then), "capture" {text, files} (today's
+// note, from the share sheet).
+
+// Queue a save; an unsent save of the same note takes the new text (it keeps the version
+// the edits started from), and so does the unsent create of a note not sent yet.
+function queueSave(items, path, base, content, newId) {
+  const out = items.slice();
+  const create = out.findIndex((i) => i.kind === "create" && i.local === path && !i.sent);
+  if (create >= 0) {
+    out[create] = {...out[create], content, key: newId()};
+    return out;
+  }
+  const at = out.findIndex((i) => i.kind === "save" && i.path === path && !i.sent);
+  if (at >= 0) out[at] = {...out[at], content, key: newId()};
+  else out.push({id: newId(), kind: "save", key: newId(), path, base, content});
+  return out;
+}
+
+function queueCreate(items, local, folder, content, newId) {
+  return [...items, {id: newId(), kind: "create", key: newId(), local, folder, content}];
+}
+
+function queueCapture(items, text, files, newId) {
+  return [...items, {id: newId(), kind: "capture", key: newId(), text, files: files || []}];
+}
+
+// The item sent: gone from the queue. A create's answer gives the note its path: later
+// saves of it go there, from the version the server made.
+function settle(items, item, answer) {
+  return items
+    .filter((i) => i.id !== item.id)
+    .map((i) =>
+      item.kind === "create" && i.kind === "save" && i.path === item.local
+        ? {...i, path: answer.path, base: answer.etag}
+        : i,
+    );
+}
+
+// What the page says about the queue.
+function waiting(items) {
+  const n = items.length;
+  if (!n) return "";
+  return n === 1 ? "1 change waits to be sent" : n + " changes wait to be sent";
+}
+
+if (typeof module !== "undefined") {
+  module.exports = {queueSave, queueCreate, queueCapture, settle, waiting};
+}

@@ -1,0 +1,80 @@
+"use strict";
+// notesvc's service worker (served at ./sw.js beside the page; only where the person turned
+// "Keep notes on this device" on, in a secure context). It keeps the app itself for offline
+// starts, and takes what the share sheet sends: the notes and the outbox live in IndexedDB,
+// where the page reads and writes them; this worker only adds shared items to the outbox.
+
+const APP = "notesvc-app";
+const SHELL = ["./", "manifest.webmanifest", "icon.svg", "icon-192.png", "icon-512.png"];
+
+self.addEventListener("install", (event) => {
+  event.waitUntil(caches.open(APP).then((cache) => cache.addAll(SHELL)));
+  self.skipWaiting();
+});
+
+self.addEventListener("activate", (event) => event.waitUntil(self.clients.claim()));
+
+self.addEventListener("fetch", (event) => {
+  const url = new URL(event.request.url);
+  if (url.origin !== self.location.origin) return;
+  const here = new URL("./", self.registration.scope).pathname;
+  if (event.request.method === "POST" && url.pathname === here + "share-target") {
+    event.respondWith(shared(event.request));
+    return;
+  }
+  const shell = SHELL.map((p) => new URL(p, self.registration.scope).pathname);
+  if (event.request.method !== "GET" || !shell.includes(url.pathname)) return; // the API
+  // the app: the network's when it answers (kept for next time), else the kept copy
+  event.respondWith(
+    fetch(event.request)
+      .then((answer) => {
+        if (answer.ok) {
+          const copy = answer.clone();
+          caches.open(APP).then((cache) => cache.put(event.request, copy));
+        }
+        return answer;
+      })
+      .catch(() =>
+        caches.match(event.request, {ignoreSearch: true}).then((kept) => kept || Response.error()),
+      ),
+  );
+});
+
+// The share sheet's POST: text, a link and images, kept in the outbox for the page to send
+// to today's note (now, or when the server can be reached).
+async function shared(request) {
+  const form = await request.formData();
+  const text = ["title", "text", "url"]
+    .map((name) => String(form.get(name) || "").trim())
+    .filter((value, i, all) => value && all.indexOf(value) === i)
+    .join(" ");
+  const files = form.getAll("image").filter((f) => f && f.size);
+  const db = await openBox();
+  await new Promise((resolve, reject) => {
+    const tx = db.transaction("meta", "readwrite");
+    const store = tx.objectStore("meta");
+    const read = store.get("outbox");
+    read.onsuccess = () => {
+      const items = read.result || [];
+      const id = () => (self.crypto.randomUUID ? self.crypto.randomUUID() : String(Math.random()));
+      items.push({id: id(), kind: "capture", key: id(), text, files});
+      store.put(items, "outbox");
+    };
+    tx.oncomplete = resolve;
+    tx.onerror = () => reject(tx.error);
+  });
+  db.close();
+  return Response.redirect(new URL("./?shared=1", self.registration.scope).href, 303);
+}
+
+function openBox() {
+  return new Promise((resolve, reject) => {
+    const open = indexedDB.open("notesvc", 1);
+    open.onupgradeneeded = () => {
+      open.result.createObjectStore("notes", {keyPath: "path"});
+      open.result.createObjectStore("meta");
+    };
+    open.onsuccess = () => resolve(open.result);
+    open.onerror = () => reject(open.error);
+  });
+}

@@ -1,0 +1,62 @@
+"use strict";
+// node --test web/test/: the outbox (web/outbox.js).
+const test = require("node:test");
+const assert = require("node:assert/strict");
+const {queueSave, queueCreate, queueCapture, settle, waiting} = require("../outbox.js");
+
+function ids() {
+  let n = 0;
+  return () => "k" + ++n;
+}
+
+test("saves of one note become one, from the version the first started from", () => {
+  const id = ids();
+  let q = queueSave([], "notes/a.md", '"v1"', "one", id);
+  q = queueSave(q, "notes/b.md", '"w1"', "other", id);
+  q = queueSave(q, "notes/a.md", '"v2"', "one two", id);
+  assert.deepEqual(
+    q.map((i) => [i.path, i.base, i.content]),
+    [
+      ["notes/a.md", '"v1"', "one two"],
+      ["notes/b.md", '"w1"', "other"],
+    ],
+  );
+  assert.notEqual(q[0].key, "k2"); // new text: a new key, never the answer to the old one
+  assert.equal(waiting(q), "2 changes wait to be sent");
+  assert.equal(waiting([]), "");
+});
+
+test("a save already sent is not changed: the next one queues behind it", () => {
+  const id = ids();
+  let q = queueSave([], "notes/a.md", '"v1"', "one", id);
+  q = [{...q[0], sent: true}];
+  q = queueSave(q, "notes/a.md", '"v1"', "one two", id);
+  assert.equal(q.length, 2);
+});
+
+test("a note made offline keeps its edits in its create, then gets its path", () => {
+  const id = ids();
+  let q = queueCreate([], "new:1", "notes/inbox", "# Shopping", id);
+  q = queueSave(q, "new:1", null, "# Shopping\n- milk", id);
+  assert.equal(q.length, 1);
+  assert.equal(q[0].content, "# Shopping\n- milk");
+  q = [{...q[0], sent: true}];
+  q = queueSave(q, "new:1", null, "# Shopping\n- milk\n- eggs", id);
+  q = queueCapture(q, "a shared link", [], id);
+  q = settle(q, q[0], {path: "notes/inbox/Shopping.md", etag: '"s1"'});
+  assert.deepEqual(
+    q.map((i) => [i.kind, i.path, i.base]),
+    [
+      ["save", "notes/inbox/Shopping.md", '"s1"'],
+      ["capture", undefined, undefined],
+    ],
+  );
+});
+
+test("every item has its own idempotency key", () => {
+  const id = ids();
+  let q = queueSave([], "notes/a.md", '"v1"', "x", id);
+  q = queueCreate(q, "new:2", "notes/inbox", "y", id);
+  q = queueCapture(q, "z", [], id);
+  assert.equal(new Set(q.map((i) => i.key)).size, 3);
+});
