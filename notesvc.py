@@ -7825,6 +7825,7 @@ class Idempotency:
     def __init__(self, clock: Callable = time.monotonic):
         self.clock = clock
         self._kept: collections.OrderedDict = collections.OrderedDict()
+        self._running: dict = {}  # key -> [its lock, requests holding or waiting]
         self._bytes = 0
         self._lock = threading.Lock()
 
@@ -7838,6 +7839,27 @@ class Idempotency:
         who = environ.get("notesvc.principal", OWNER)
         where = environ.get("SCRIPT_NAME", "") + environ.get("PATH_INFO", "")
         return (who.grant_id or who.kind, route.method, where, raw)
+
+    @contextlib.contextmanager
+    def running(self, key: tuple | None):
+        """Hold the key while its request runs: the same key sent again at once (two tabs
+        sending one outbox) waits for the first answer instead of doing it twice."""
+        if key is None:
+            yield
+            return
+        with self._lock:
+            held = self._running.setdefault(key, [threading.Lock(), 0])
+            held[1] += 1
+        got = held[0].acquire(timeout=60)
+        try:
+            yield
+        finally:
+            if got:
+                held[0].release()
+            with self._lock:
+                held[1] -= 1
+                if not held[1]:
+                    del self._running[key]
 
     def get(self, key: tuple) -> tuple | None:
         with self._lock:
@@ -12351,6 +12373,7 @@ details > summary.list-head {
 }
 #offline-state {
   align-self: center;
+  flex: none;
   font-size: 0.8rem;
   padding: 0.2rem 0.6rem;
   border-radius: 999px;
@@ -13392,6 +13415,7 @@ async function connect(typed) {
             "or enter its relay code.",
         );
       } else if (e.status === 401) {
+        if (!typed) await forgetOffline(); // the key this device kept: no copy stays
         throw new Error(
           "That key was not accepted. Check it and try again " +
             "(a rotated key stops working at once).",
@@ -13428,10 +13452,7 @@ async function connect(typed) {
 function toKeyScreen(message) {
   keepDraft();
   feedRun++;
-  if (offlineOn()) {
-    removeItem("local", "notesvc.offline"); // the key stopped working: no copy stays
-    wipeOffline().catch(() => {});
-  }
+  forgetOffline().catch(() => {}); // the key stopped working: no copy stays
   state.key = "";
   state.keyBase = "";
   for (const kind of ["session", "local"]) {
@@ -14017,8 +14038,8 @@ OUTBOX_JS = r"""
 // An item is {id, kind, key, ...}: `key` is its Idempotency-Key, so an item sent twice
 // (its answer lost) is done once. Kinds: "save" {path, base, content} (through merge, from
 // the version it started from), "create" {local, folder, content} (a new note, named by
-// the server; `local` stands for its path until then), "capture" {text, files} (today's
-// note, from the share sheet).
+// the server; `local` stands for its path until then), "capture" {text, files, at} (today's
+// note: the capture box, the share sheet).
 
 // Queue a save; an unsent save of the same note takes the new text (it keeps the version
 // the edits started from), and so does the unsent create of a note not sent yet.
@@ -14039,8 +14060,10 @@ function queueCreate(items, local, folder, content, newId) {
   return [...items, {id: newId(), kind: "create", key: newId(), local, folder, content}];
 }
 
-function queueCapture(items, text, files, newId) {
-  return [...items, {id: newId(), kind: "capture", key: newId(), text, files: files || []}];
+// `at`: when it was captured (its time in today's note), not when it is sent.
+function queueCapture(items, text, files, newId, at) {
+  const item = {id: newId(), kind: "capture", key: newId(), text, files: files || [], at};
+  return [...items, item];
 }
 
 // The item sent: gone from the queue. A create's answer gives the note its path: later
@@ -15454,7 +15477,7 @@ function attachmentPath(file) {
       .replace(/[^\w-]+/g, "-")
       .replace(/^-+|-+$/g, "")
       .slice(0, 60) || "file";
-  const folder = folderOf(state.path).replace(/^notes\/?/, "");
+  const folder = state.path ? folderOf(state.path).replace(/^notes\/?/, "") : "";
   return (
     "attachments/" +
     (folder ? folder + "/" : "") +
@@ -15467,15 +15490,16 @@ function attachmentPath(file) {
 }
 
 // PUT the file's bytes; never over another file (If-None-Match: *): a taken name gets -2, -3…
-async function upload(file) {
+// `once`: an Idempotency-Key (the outbox's): sent again after a lost answer, the upload is
+// made once.
+async function upload(file, once) {
   const path = attachmentPath(file);
   for (let n = 1; ; n++) {
     const tried = n === 1 ? path : path.replace(/(\.\w+)$/, "-" + n + "$1");
+    const headers = {"Content-Type": file.type || "application/octet-stream", "If-None-Match": "*"};
+    if (once) headers["Idempotency-Key"] = once + ":" + n;
     try {
-      const r = await api("PUT", "/attachments/" + enc(tried), file, {
-        "Content-Type": file.type || "application/octet-stream",
-        "If-None-Match": "*",
-      });
+      const r = await api("PUT", "/attachments/" + enc(tried), file, headers);
       return r.data;
     } catch (e) {
       if (e.status !== 412 || n >= 5) throw e;
@@ -15752,7 +15776,8 @@ async function capture() {
     path = await appendToToday(text);
   } catch (e) {
     if (e.status !== 0 || !offlineOn()) throw e;
-    offline.items = queueCapture(offline.items, text, [], newId); // sent when it can be
+    await loadOutbox();
+    offline.items = queueCapture(offline.items, text, [], newId, Date.now()); // sent when it can be
     await saveOutbox();
     input.value = "";
     toast("Kept on this device: it goes to today's note when the server can be reached");
@@ -15764,18 +15789,24 @@ async function capture() {
 }
 
 // Append a timed line to today's note (the daily plugin's); return its path.
-async function appendToToday(text) {
-  const now = new Date();
+// `text`: the line, or a function of today's path giving it. `once`: an Idempotency-Key
+// (the outbox's): a capture sent again after a lost answer is added once (each attempt has
+// its own key, so an answer kept for one is found again). `at`: when it was captured.
+async function appendToToday(text, once, at) {
+  const now = at ? new Date(at) : new Date();
   const stamp =
     String(now.getHours()).padStart(2, "0") + ":" + String(now.getMinutes()).padStart(2, "0");
   for (let attempt = 0; attempt < 3; attempt++) {
     const today = await api("POST", "/plugins/daily/today");
     const note = today.data;
+    const line = typeof text === "function" ? text(note.path) : text;
     const content =
-      note.content + (note.content.endsWith("\n") ? "" : "\n") + "- " + stamp + " " + text + "\n";
+      note.content + (note.content.endsWith("\n") ? "" : "\n") + "- " + stamp + " " + line + "\n";
+    const headers = {"If-Match": note.etag};
+    if (once) headers["Idempotency-Key"] = once + ":" + attempt;
     const done = await writing(async () => {
       try {
-        await api("PUT", "/notes/" + enc(note.path), {content}, {"If-Match": note.etag});
+        await api("PUT", "/notes/" + enc(note.path), {content}, headers);
       } catch (e) {
         if (e.status === 412) return false; // written meanwhile: read it again
         throw e;
@@ -16056,6 +16087,15 @@ function wire() {
 wire();
 (function boot() {
   const code = new URLSearchParams(location.search).get("relayCode");
+  if (new URLSearchParams(location.search).get("share") === "off") {
+    // the share sheet reached the server itself: no worker here to keep what was shared
+    history.replaceState(history.state, "", location.pathname);
+    toast(
+      "Sharing to notesvc needs “Keep notes on this device” (in the menu): turn it on, " +
+        "then share again.",
+      true,
+    );
+  }
   if (code) $("relay-code").value = code;
   const pairing = pairingInUrl();
   if (pairing) {
@@ -16475,19 +16515,26 @@ async function loadOutbox() {
 async function saveOutbox() {
   await stored("meta", "readwrite", (s) => s.put(offline.items, "outbox"));
   showWaiting();
+  if (offline.tabs) offline.tabs.postMessage("outbox"); // the other tabs show it too
 }
 
+// The badge in the bar, on every pane: "Offline", "2 to send" (its title says it whole).
 function showWaiting() {
   const box = $("offline-state");
-  const text = offlineOn()
-    ? [navigator.onLine ? "" : "Offline", waiting(offline.items)].filter(Boolean).join(" · ")
-    : "";
-  box.textContent = text;
-  box.hidden = !text;
+  const on = offlineOn();
+  const n = on ? offline.items.length : 0;
+  const off = on && !navigator.onLine;
+  box.textContent = [off ? "Offline" : "", n ? n + " to send" : ""].filter(Boolean).join(" · ");
+  box.title = [off ? "No connection: your notes open from this device" : "", waiting(offline.items)]
+    .filter(Boolean)
+    .join(". ");
+  box.className = "";
+  box.hidden = !box.textContent;
 }
 
 // The server cannot be reached: keep the text on this device, to send when it can be.
 async function keepOffline(path, content) {
+  await loadOutbox(); // another tab may have added to it, or sent it
   if (path === null) {
     const local = "new:" + newId();
     offline.items = queueCreate(
@@ -16519,9 +16566,16 @@ async function keepOffline(path, content) {
   return true;
 }
 
-// Send what waits, in order, once each (the idempotency keys make a resend harmless).
+// Send what waits, in order, once each (the idempotency keys make a resend harmless); one
+// tab at a time (the others find the outbox done).
 async function sendOutbox() {
   if (!offlineOn() || offline.sending || !navigator.onLine) return;
+  if (!navigator.locks) return sendWaiting();
+  return navigator.locks.request("notesvc-outbox", {ifAvailable: true}, (lock) =>
+    lock ? sendWaiting() : null,
+  );
+}
+async function sendWaiting() {
   offline.sending = true;
   try {
     await loadOutbox();
@@ -16531,9 +16585,16 @@ async function sendOutbox() {
       try {
         answer = await sendItem(item);
       } catch (e) {
-        if (e.status === 0) break; // still out of reach: later
+        const refused = e.status >= 400 && e.status < 500 && e.status !== 408 && e.status !== 429;
+        if (!refused) break; // out of reach, or the server is unwell: later, as it is
+        // refused for good (too large, no longer allowed): out of the queue, and said; an
+        // edit of a note stays in this browser as its draft
+        if (item.kind === "save") {
+          const draft = {content: item.content, etag: item.base, at: Date.now()};
+          setItem("local", draftKey(item.path), JSON.stringify(draft));
+        }
         toast("Could not send a change kept on this device: " + e.message, true);
-        answer = null; // refused for good (too large, not allowed): dropped, said
+        answer = null;
       }
       if (item.kind === "create" && answer && state.path === item.local) {
         state.path = answer.path;
@@ -16561,12 +16622,31 @@ async function sendItem(item) {
     return data;
   }
   if (item.kind === "capture") {
+    const files = [];
     let text = item.text;
-    for (const file of item.files || []) {
-      const up = await upload(file);
-      text += (text ? " " : "") + "![" + (file.name || "image") + "](../../" + up.path + ")";
+    for (const [i, file] of (item.files || []).entries()) {
+      const name = (file.name || "image").replace(/[[\]]/g, "");
+      try {
+        files.push([name, (await upload(file, item.key + ":file" + i)).path]);
+      } catch (e) {
+        if (e.status !== 413 && e.status !== 400) throw e;
+        // too large (or not allowed): the text still goes; the page says why the file did not
+        const limit = /over (\d+) bytes/.exec(e.message || "");
+        const why = limit ? "this server takes files up to " + sizeText(+limit[1]) : e.message;
+        toast(
+          "“" + name + "” (" + sizeText(file.size) + ") was not added: " + why + ". " +
+            (text ? "The text is in today's note." : ""),
+          true,
+        );
+      }
     }
-    if (text) await appendToToday(text);
+    if (!text && !files.length) return {};
+    // the images' links are relative to today's note, wherever the daily plugin keeps it
+    const line = (notePath) =>
+      [text, ...files.map(([name, path]) => "![" + name + "](" + relativeTo(notePath, path) + ")")]
+        .filter(Boolean)
+        .join(" ");
+    await appendToToday(line, item.key, item.at);
     return {};
   }
   try {
@@ -16617,20 +16697,25 @@ async function copyAll() {
     if (offset + 1000 >= data.total) break;
   }
   let done = 0;
+  const total = paths.length;
   const box = $("offline-state");
   box.hidden = false;
+  box.title = "Copying your notes to this device";
   const worker = async () => {
     while (paths.length) {
       const path = paths.pop();
       const {data} = await api("GET", "/notes/" + enc(path));
       await mirrorPut(data);
       done++;
-      if (done % 25 === 0) box.textContent = "Keeping notes on this device… " + done;
+      if (done % 25 === 0) box.textContent = "Copying " + done + "/" + total;
     }
   };
   await Promise.all(Array.from({length: 6}, worker));
-  box.textContent = "Kept on this device: " + done + " notes";
+  box.textContent = done + " notes kept";
+  box.title = done + " notes kept on this device";
+  box.className = "ready";
   performance.mark("notesvc:offline-copied");
+  setTimeout(showWaiting, 5000);
 }
 
 async function enableOffline() {
@@ -16654,6 +16739,13 @@ async function enableOffline() {
   }
   await navigator.serviceWorker.register("sw.js");
   setItem("local", "notesvc.offline", state.base);
+  if (getItem("local", "notesvc.key") === null) {
+    // the app opens without the server (and from the share sheet): this device keeps the
+    // key, as "Remember" would, until the option is turned off
+    setItem("local", "notesvc.key", state.key);
+    setItem("local", "notesvc.keyFor", state.base);
+    setItem("local", "notesvc.offlineKey", "1");
+  }
   await stored("meta", "readwrite", (s) => s.put({key: state.key, base: state.base}, "device"));
   offlineMenu();
   await copyAll();
@@ -16662,9 +16754,22 @@ async function enableOffline() {
 
 async function disableOffline() {
   removeItem("local", "notesvc.offline");
+  if (getItem("local", "notesvc.offlineKey") === "1") {
+    for (const name of ["notesvc.key", "notesvc.keyFor", "notesvc.offlineKey"]) {
+      removeItem("local", name); // kept for this option only: this tab keeps it
+    }
+  }
   await wipeOffline();
   offlineMenu();
   toast("The copy on this device is deleted");
+}
+
+// The key this device kept was refused (revoked, rotated): the copy goes with it.
+async function forgetOffline() {
+  if (!offlineOn()) return;
+  removeItem("local", "notesvc.offline");
+  removeItem("local", "notesvc.offlineKey");
+  await wipeOffline();
 }
 
 async function wipeOffline() {
@@ -16692,6 +16797,10 @@ function wireOffline() {
   );
   window.addEventListener("online", () => act(sendOutbox)());
   window.addEventListener("offline", showWaiting);
+  if ("BroadcastChannel" in window) {
+    offline.tabs = new BroadcastChannel("notesvc-outbox");
+    offline.tabs.onmessage = () => loadOutbox().catch(() => {});
+  }
 }
 wireOffline();
 """[1:]
@@ -16757,7 +16866,7 @@ async function shared(request) {
     read.onsuccess = () => {
       const items = read.result || [];
       const id = () => (self.crypto.randomUUID ? self.crypto.randomUUID() : String(Math.random()));
-      items.push({id: id(), kind: "capture", key: id(), text, files});
+      items.push({id: id(), kind: "capture", key: id(), text, files, at: Date.now()});
       store.put(items, "outbox");
     };
     tx.oncomplete = resolve;
@@ -17324,6 +17433,7 @@ WEB_PAGE = r"""
     <label class="sr" for="search">Search notes</label>
     <input id="search" type="search" placeholder="Search  ( / )" autocomplete="off"
       enterkeyhint="search" aria-controls="results">
+    <span id="offline-state" role="status" hidden></span>
     <button id="toggle-ask" type="button" class="plain" aria-expanded="true"
       aria-controls="pane-ask">Ask</button>
     <details class="menu" id="menu">
@@ -17348,8 +17458,7 @@ WEB_PAGE = r"""
         <input id="capture" type="text" placeholder="Capture to today's note…" enterkeyhint="send">
         <button id="capture-add" type="button">Add</button>
       </div>
-      <div class="pane-tools"><button id="new" type="button">New note</button>
-        <span id="offline-state" role="status" hidden></span></div>
+      <div class="pane-tools"><button id="new" type="button">New note</button></div>
       <h2 class="list-head">Recent</h2>
       <ul id="recent" class="recent"></ul>
       <details id="folders" open>
@@ -17460,7 +17569,7 @@ WEB_CSP = (
     "default-src 'none'; "
     f"script-src {_csp_hash(WEB_JS)}; style-src {_csp_hash(WEB_CSS)}; "
     "connect-src 'self'; img-src 'self' data: blob:; media-src blob:; manifest-src 'self'; "
-    "base-uri 'none'; "
+    "worker-src 'self'; base-uri 'none'; "
     "form-action 'none'; frame-ancestors 'none'"
 )
 
@@ -21230,6 +21339,16 @@ def web_asset_route(path: str) -> Route:
     return Route("GET", path, get_asset, public=True, api=False, tag="pages", media=media)
 
 
+def share_target_without_worker(svc: Service) -> bytes:
+    """POST /share-target reaches the server only where no service worker took it (the
+    option "Keep notes on this device" is off): the page is sent back to say so. The
+    shared text is not kept: this request carries no key."""
+    bottle.response.status = 303
+    bottle.response.set_header("Location", "./?share=off")
+    bottle.response.set_header("Cache-Control", "no-store")
+    return b""
+
+
 def get_openapi(svc: Service):
     bottle.response.content_type = JSON_TYPE
     return to_json(openapi_document(svc, svc.base_url(bottle.request.environ)))
@@ -21444,6 +21563,7 @@ ROUTES = (
         params={"path": NOTE_PATH_PARAM},
         tag="notes",
         scope="write",
+        idempotent=True,
     ),
     Route(
         "POST",
@@ -21599,6 +21719,7 @@ ROUTES = (
         status=201,
         tag="attachments",
         scope="write",
+        idempotent=True,
     ),
     Route(
         "PATCH",
@@ -22062,6 +22183,18 @@ ROUTES = (
         "POST", "/oauth/revoke", oauth_revoke, public=True, api=False, tag="oauth", enveloped=False
     ),
     *(web_asset_route(path) for path in WEB_ASSETS),
+    Route(
+        "POST",
+        "/share-target",
+        share_target_without_worker,
+        summary="The share sheet without the offline worker: 303 to the page, which says so",
+        status=303,
+        media="text/plain",
+        public=True,
+        api=False,
+        tag="pages",
+        enveloped=False,
+    ),
 )
 
 
@@ -22250,47 +22383,54 @@ def _callback(svc: Service, route: Route) -> Callable:
                 )
             env["notesvc.principal"] = principal
         once = svc.idempotency.key(route, env) if route.idempotent else None
-        if once is not None:
-            done = svc.idempotency.get(once)
-            if done is not None:  # an outbox sent it again: the first answer, nothing redone
-                status, headers, body = done
-                bottle.response.status = status
-                for name, value in headers:
-                    bottle.response.set_header(name, value)
-                return body
-        try:
-            result = route.handler(svc, **kwargs)
-        except ApiError as e:  # (an HTTPResponse too: before that clause)
-            if once is not None and e.status_code == 409:  # a conflict copy: kept once
-                headers = [("Content-Type", JSON_TYPE)]
-                svc.idempotency.put(once, e.status_code, headers, render_error(e))
-            raise
-        except bottle.HTTPResponse:
-            raise
-        except Exception:
-            rid = bottle.request.environ.get("notesvc.request_id", "-")
-            log.exception("request %s failed in %s", rid, route.handler.__name__)
-            raise ApiError(500, "INTERNAL_ERROR", f"internal error; request id {rid}") from None
-        if isinstance(result, dict):
-            result = ok(result, route.status)
-            if once is not None:
-                kept = [
-                    (k, v)
-                    for k, v in bottle.response.headerlist
-                    if k in ("Content-Type", "ETag", "Location")
-                ]
-                svc.idempotency.put(once, bottle.response.status_code, kept, result)
-        return result
+        with svc.idempotency.running(once):
+            return _answer_once(svc, route, kwargs, once)
 
     callback.__name__ = route.handler.__name__
     return callback
+
+
+def _answer_once(svc: Service, route: Route, kwargs: dict, once: tuple | None):
+    """Run the route's handler: its answer as the envelope (kept for its Idempotency-Key,
+    when it has one, and given again for that key)."""
+    if once is not None:
+        done = svc.idempotency.get(once)
+        if done is not None:  # an outbox sent it again: the first answer, nothing redone
+            status, headers, body = done
+            bottle.response.status = status
+            for name, value in headers:
+                bottle.response.set_header(name, value)
+            return body
+    try:
+        result = route.handler(svc, **kwargs)
+    except ApiError as e:  # (an HTTPResponse too: before that clause)
+        if once is not None and e.status_code == 409:  # a conflict copy: kept once
+            headers = [("Content-Type", JSON_TYPE)]
+            svc.idempotency.put(once, e.status_code, headers, render_error(e))
+        raise
+    except bottle.HTTPResponse:
+        raise
+    except Exception:
+        rid = bottle.request.environ.get("notesvc.request_id", "-")
+        log.exception("request %s failed in %s", rid, route.handler.__name__)
+        raise ApiError(500, "INTERNAL_ERROR", f"internal error; request id {rid}") from None
+    if isinstance(result, dict):
+        result = ok(result, route.status)
+        if once is not None:
+            kept = [
+                (k, v)
+                for k, v in bottle.response.headerlist
+                if k in ("Content-Type", "ETag", "Location")
+            ]
+            svc.idempotency.put(once, bottle.response.status_code, kept, result)
+    return result
 
 
 _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{8,64}$")
 _SHARE_PATH_RE = re.compile(r"(/s/|/shared/)[^/]+")  # share tokens never reach the log
 CORS_HEADERS = (
     "X-Service-Key, Content-Type, Authorization, If-Match, If-None-Match, Range, If-Range, "
-    "X-API-Key, MCP-Protocol-Version, Mcp-Method, Mcp-Name"  # the last four: /mcp
+    "X-API-Key, Idempotency-Key, MCP-Protocol-Version, Mcp-Method, Mcp-Name"  # last 4: /mcp
 )
 CORS_EXPOSE = "ETag, Location, X-Request-Id, Retry-After, Content-Range, Content-Disposition"
 CORS_METHODS = "GET, POST, PUT, PATCH, DELETE, OPTIONS"

@@ -838,6 +838,23 @@ class TestMerge:
         resp = client.post_json(f"{API}/notes", {"content": "# B\n"}, headers=bad, status=400)
         assert_error(resp, 400, "VALIDATION_ERROR")
 
+    def test_one_key_sent_twice_at_once_is_done_once(self, client, root):
+        # two tabs sending one outbox: the second waits for the first's answer
+        once = {"Idempotency-Key": "outbox-9"}
+        answers = []
+
+        def create():
+            resp = client.post_json(f"{API}/notes", {"content": "# Twice\n"}, headers=once)
+            answers.append(resp.json)
+
+        threads = [threading.Thread(target=create) for _ in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert [p.name for p in (root / "notes" / "inbox").iterdir()] == ["Twice.md"]
+        assert all(a == answers[0] for a in answers)
+
     @pytest.mark.parametrize(
         ("body", "status"),
         [
@@ -2394,14 +2411,20 @@ SEED_NOTES = {
 }
 
 
+# A name for loopback that is not "localhost" or 127.0.0.1: plain HTTP there is not a
+# secure context, as a LAN address is not.
+PLAIN_HTTP_HOST = "notes.lan.test"
+
+
 @pytest.fixture(scope="class")
 def browser():
     """One Chromium for the class (each test gets its own context)."""
     sync_api = pytest.importorskip("playwright.sync_api")
     if not CHROMIUM:
         pytest.skip("no Chromium on this machine")
+    rules = f"--host-resolver-rules=MAP {PLAIN_HTTP_HOST} 127.0.0.1"
     with sync_api.sync_playwright() as pw:
-        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_ARGS)
+        chromium = pw.chromium.launch(executable_path=CHROMIUM, args=[*CHROMIUM_ARGS, rules])
         try:
             yield chromium
         finally:
@@ -11809,6 +11832,185 @@ def decode_qr(png: Path) -> str:
     )
     assert done.returncode == 0, done.stderr
     return done.stdout.strip()
+
+
+def todays_note(root: Path) -> Path | None:
+    """The note the share sheet wrote to (the only one mentioning what it shares)."""
+    found = [p for p in (root / "notes").rglob("*.md") if "Worth reading" in p.read_text()]
+    return found[0] if found else None
+
+
+def share_to(s: WebSession, url: str, *files: tuple):
+    """Share a page's title, text and link and the files (name, bytes) to the app at url,
+    as the share sheet does: a top-level multipart POST to its share-target, from outside
+    it. Returns the tab the app opens in (its errors join the session's)."""
+    tab = s.context.new_page()
+    tab.on("pageerror", lambda e: s.errors.append(str(e)))
+    tab.on("console", lambda m: m.type == "error" and s.errors.append(m.text))
+    tab.set_content(
+        f'<form method="POST" action="{url}/share-target" enctype="multipart/form-data">'
+        '<input name="title" value="A page"><input name="text" value="Worth reading">'
+        '<input name="url" value="https://example.com/read">'
+        '<input type="file" name="image" multiple></form>'
+    )
+    if files:
+        for name, content in files:
+            (s.tmp_path / name).write_bytes(content)
+        tab.set_input_files("input[type=file]", [s.tmp_path / name for name, _ in files])
+    tab.evaluate("document.forms[0].submit()")
+    return tab
+
+
+class TestOfflineInChromium:
+    """Keep notes on this device (a secure context: http://127.0.0.1 is one): the app and
+    the notes open without the server; what is written meanwhile lands once, when it is
+    back; the share sheet's POST is kept for today's note."""
+
+    pytestmark = [pytest.mark.browser, pytest.mark.real_server, pytest.mark.slow]
+
+    def keep_offline(self, s: WebSession) -> None:
+        page = s.page
+        page.click("#menu summary")
+        page.click("#menu-offline")
+        expect(page.locator("#toast")).to_contain_text("kept on this device", timeout=20_000)
+        page.wait_for_function("navigator.serviceWorker.controller !== null")
+
+    def test_edit_two_and_create_one_offline_reload_then_all_land_once(self, web):
+        s = web("phone")
+        page = s.page
+        self.keep_offline(s)
+        expect(page.locator("#offline-state")).to_have_text("3 notes kept")
+        s.context.set_offline(True)
+        s.tree_open("notes/todo.md")
+        page.click("#edit")
+        page.fill("#editor", "# Todo\n\n- buy oat milk\n- written offline\n")
+        page.click("#save")
+        expect(page.locator("#status")).to_have_text("Kept on this device")
+        s.tap("#back")
+        s.tree_open("notes/kitchen/pancakes.md")
+        page.click("#edit")
+        page.fill("#editor", "# Pancakes\n\nOffline batter.\n")
+        page.click("#save")
+        expect(page.locator("#status")).to_have_text("Kept on this device")
+        s.tap("#back")
+        s.tap("#new")
+        page.keyboard.type("Made offline\n\non the train")
+        page.click("#save")
+        expect(page.locator("#status")).to_have_text("Kept on this device")
+        expect(page.locator("#offline-state")).to_have_text("Offline · 3 to send")
+        title = page.get_attribute("#offline-state", "title")
+        assert title.endswith("3 changes wait to be sent")
+        s.tap("#back")
+        s.shot("offline")
+        # Reloaded without a connection: the app and the notes still open.
+        page.reload()
+        page.wait_for_selector("#app", state="visible")
+        expect(page.locator("#recent")).to_contain_text("Made offline")
+        s.tree_open("notes/todo.md")
+        expect(page.locator("#view")).to_contain_text("written offline")
+        expect(page.locator("#offline-state")).to_contain_text("3 to send")
+        assert "written offline" not in (web.root / "notes/todo.md").read_text()
+        # Back online: everything lands, once.
+        s.context.set_offline(False)
+        page.evaluate("window.dispatchEvent(new Event('online'))")
+        expect(page.locator("#offline-state")).to_be_hidden(timeout=15_000)
+        todo = web.root / "notes/todo.md"
+        assert todo.read_text() == "# Todo\n\n- buy oat milk\n- written offline\n"
+        pancakes = (web.root / "notes/kitchen/pancakes.md").read_text()
+        assert pancakes == "# Pancakes\n\nOffline batter.\n"
+        (made,) = (web.root / "notes/inbox").iterdir()
+        assert made.name == "Made offline.md"
+        assert made.read_text() == "Made offline\n\non the train"
+        page.reload()  # and again: nothing waits, nothing is sent twice
+        page.wait_for_selector("#app", state="visible")
+        assert "to send" not in page.inner_text("#offline-state")
+        assert [p.name for p in (web.root / "notes/inbox").iterdir()] == ["Made offline.md"]
+        offline_noise = ("ERR_INTERNET_DISCONNECTED", "ERR_FAILED", "status of 0")
+        errors = [e for e in s.close() if not any(n in e for n in offline_noise)]
+        assert errors == []
+
+    def test_the_share_sheet_puts_text_and_an_image_in_todays_note(self, web):
+        s = web("phone")
+        self.keep_offline(s)
+        tab = share_to(s, web.server.url, ("photo.png", PNG))
+        expect(tab.locator("#toast")).to_contain_text("Shared")
+        assert "shared" not in tab.url
+        today = wait_for(lambda: todays_note(web.root))
+        text = wait_for(lambda: "photo.png" in today.read_text() and today.read_text())
+        assert "A page Worth reading https://example.com/read" in text
+        (image,) = re.findall(r"!\[photo.png\]\(\.\./\.\./(attachments/[^)]+)\)", text)
+        assert (web.root / image).read_bytes() == PNG
+        tab.screenshot(path=str(s.tmp_path / "shared-phone.png"))
+        tab.close()
+        # Offline, the share waits with the other changes and goes when the server is back.
+        s.context.set_offline(True)
+        tab = share_to(s, web.server.url, ("later.png", PNG))
+        tab.wait_for_selector("#app", state="visible")
+        expect(tab.locator("#offline-state")).to_contain_text("1 to send")
+        s.context.set_offline(False)
+        tab.evaluate("window.dispatchEvent(new Event('online'))")
+        wait_for(lambda: "later.png" in today.read_text())
+        expect(tab.locator("#offline-state")).to_be_hidden()
+        assert today.read_text().count("Worth reading") == 2
+        offline_noise = ("ERR_INTERNET_DISCONNECTED", "ERR_FAILED", "status of 0")
+        assert [e for e in s.close() if not any(n in e for n in offline_noise)] == []
+
+    def test_an_image_over_the_limit_is_refused_with_a_clear_message(self, web):
+        s = web("phone")
+        self.keep_offline(s)
+        big = b"\x89PNG\r\n\x1a\n" + bytes(30 * 1024 * 1024)
+        tab = share_to(s, web.server.url, ("huge.png", big))
+        expect(tab.locator("#toast")).to_contain_text(
+            re.compile(r"“huge.png” \(30.0 MB\) was not added: this server takes files up to 20"),
+            timeout=20_000,
+        )
+        today = wait_for(lambda: todays_note(web.root))
+        text = today.read_text()
+        assert "huge.png" not in text
+        assert not list(web.root.glob("attachments/**/huge*"))
+        assert unexpected(s.close(), 413) == []
+
+    def test_without_the_worker_the_share_sheet_is_told_what_to_turn_on(self, web):
+        s = web("phone")
+        tab = share_to(s, web.server.url)
+        expect(tab.locator("#toast")).to_contain_text("needs “Keep notes on this device”")
+        assert "share=" not in tab.url
+        assert unexpected(s.close()) == []
+
+    def test_a_revoked_key_wipes_the_copy_on_this_device(self, web):
+        key = {"X-Service-Key": web.setup["apiKey"]}
+        body = {"name": "phone", "scope": "write"}
+        grant = web.server.request("POST", f"{API}/auth/keys", body, key)[2]["data"]
+        s = web("phone", login=False)
+        s.login(web.setup["links"]["connect"]["hosted"], grant["key"])
+        page = s.page
+        self.keep_offline(s)
+        assert "notesvc" in page.evaluate("indexedDB.databases().then(d => d.map(x => x.name))")
+        gone = web.server.request("DELETE", f"{API}/auth/keys/{grant['id']}", headers=key)
+        assert gone[0] == 200
+        page.reload()  # the next contact: the key is refused
+        expect(page.locator("#login")).to_be_visible()
+        wait_for(
+            lambda: (
+                "notesvc"
+                not in page.evaluate("indexedDB.databases().then(d => d.map(x => x.name))")
+            )
+        )
+        assert page.evaluate("navigator.serviceWorker.getRegistrations().then(r => r.length)") == 0
+        assert page.evaluate("localStorage.getItem('notesvc.offline')") is None
+        assert unexpected(s.close(), 401) == []
+
+    def test_on_plain_http_elsewhere_the_option_says_why_it_stays_off(self, web):
+        s = web("phone", login=False)
+        page = s.page
+        # the same server by another name than 127.0.0.1 or localhost: not a secure context
+        url = web.setup["links"]["connect"]["hosted"].replace("127.0.0.1", PLAIN_HTTP_HOST)
+        s.login(url, web.setup["apiKey"])
+        page.click("#menu summary")
+        page.click("#menu-offline")
+        expect(page.locator("#dlg")).to_contain_text("needs a secure connection")
+        assert page.evaluate("window.isSecureContext") is False
+        assert unexpected(s.close()) == []
 
 
 class TestDevicesInChromium:

@@ -1053,7 +1053,7 @@ function attachmentPath(file) {
       .replace(/[^\w-]+/g, "-")
       .replace(/^-+|-+$/g, "")
       .slice(0, 60) || "file";
-  const folder = folderOf(state.path).replace(/^notes\/?/, "");
+  const folder = state.path ? folderOf(state.path).replace(/^notes\/?/, "") : "";
   return (
     "attachments/" +
     (folder ? folder + "/" : "") +
@@ -1066,15 +1066,16 @@ function attachmentPath(file) {
 }
 
 // PUT the file's bytes; never over another file (If-None-Match: *): a taken name gets -2, -3…
-async function upload(file) {
+// `once`: an Idempotency-Key (the outbox's): sent again after a lost answer, the upload is
+// made once.
+async function upload(file, once) {
   const path = attachmentPath(file);
   for (let n = 1; ; n++) {
     const tried = n === 1 ? path : path.replace(/(\.\w+)$/, "-" + n + "$1");
+    const headers = {"Content-Type": file.type || "application/octet-stream", "If-None-Match": "*"};
+    if (once) headers["Idempotency-Key"] = once + ":" + n;
     try {
-      const r = await api("PUT", "/attachments/" + enc(tried), file, {
-        "Content-Type": file.type || "application/octet-stream",
-        "If-None-Match": "*",
-      });
+      const r = await api("PUT", "/attachments/" + enc(tried), file, headers);
       return r.data;
     } catch (e) {
       if (e.status !== 412 || n >= 5) throw e;
@@ -1351,7 +1352,8 @@ async function capture() {
     path = await appendToToday(text);
   } catch (e) {
     if (e.status !== 0 || !offlineOn()) throw e;
-    offline.items = queueCapture(offline.items, text, [], newId); // sent when it can be
+    await loadOutbox();
+    offline.items = queueCapture(offline.items, text, [], newId, Date.now()); // sent when it can be
     await saveOutbox();
     input.value = "";
     toast("Kept on this device: it goes to today's note when the server can be reached");
@@ -1363,18 +1365,24 @@ async function capture() {
 }
 
 // Append a timed line to today's note (the daily plugin's); return its path.
-async function appendToToday(text) {
-  const now = new Date();
+// `text`: the line, or a function of today's path giving it. `once`: an Idempotency-Key
+// (the outbox's): a capture sent again after a lost answer is added once (each attempt has
+// its own key, so an answer kept for one is found again). `at`: when it was captured.
+async function appendToToday(text, once, at) {
+  const now = at ? new Date(at) : new Date();
   const stamp =
     String(now.getHours()).padStart(2, "0") + ":" + String(now.getMinutes()).padStart(2, "0");
   for (let attempt = 0; attempt < 3; attempt++) {
     const today = await api("POST", "/plugins/daily/today");
     const note = today.data;
+    const line = typeof text === "function" ? text(note.path) : text;
     const content =
-      note.content + (note.content.endsWith("\n") ? "" : "\n") + "- " + stamp + " " + text + "\n";
+      note.content + (note.content.endsWith("\n") ? "" : "\n") + "- " + stamp + " " + line + "\n";
+    const headers = {"If-Match": note.etag};
+    if (once) headers["Idempotency-Key"] = once + ":" + attempt;
     const done = await writing(async () => {
       try {
-        await api("PUT", "/notes/" + enc(note.path), {content}, {"If-Match": note.etag});
+        await api("PUT", "/notes/" + enc(note.path), {content}, headers);
       } catch (e) {
         if (e.status === 412) return false; // written meanwhile: read it again
         throw e;
@@ -1655,6 +1663,15 @@ function wire() {
 wire();
 (function boot() {
   const code = new URLSearchParams(location.search).get("relayCode");
+  if (new URLSearchParams(location.search).get("share") === "off") {
+    // the share sheet reached the server itself: no worker here to keep what was shared
+    history.replaceState(history.state, "", location.pathname);
+    toast(
+      "Sharing to notesvc needs “Keep notes on this device” (in the menu): turn it on, " +
+        "then share again.",
+      true,
+    );
+  }
   if (code) $("relay-code").value = code;
   const pairing = pairingInUrl();
   if (pairing) {

@@ -274,6 +274,7 @@ async function connect(typed) {
             "or enter its relay code.",
         );
       } else if (e.status === 401) {
+        if (!typed) await forgetOffline(); // the key this device kept: no copy stays
         throw new Error(
           "That key was not accepted. Check it and try again " +
             "(a rotated key stops working at once).",
@@ -310,10 +311,7 @@ async function connect(typed) {
 function toKeyScreen(message) {
   keepDraft();
   feedRun++;
-  if (offlineOn()) {
-    removeItem("local", "notesvc.offline"); // the key stopped working: no copy stays
-    wipeOffline().catch(() => {});
-  }
+  forgetOffline().catch(() => {}); // the key stopped working: no copy stays
   state.key = "";
   state.keyBase = "";
   for (const kind of ["session", "local"]) {

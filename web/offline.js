@@ -98,19 +98,26 @@ async function loadOutbox() {
 async function saveOutbox() {
   await stored("meta", "readwrite", (s) => s.put(offline.items, "outbox"));
   showWaiting();
+  if (offline.tabs) offline.tabs.postMessage("outbox"); // the other tabs show it too
 }
 
+// The badge in the bar, on every pane: "Offline", "2 to send" (its title says it whole).
 function showWaiting() {
   const box = $("offline-state");
-  const text = offlineOn()
-    ? [navigator.onLine ? "" : "Offline", waiting(offline.items)].filter(Boolean).join(" · ")
-    : "";
-  box.textContent = text;
-  box.hidden = !text;
+  const on = offlineOn();
+  const n = on ? offline.items.length : 0;
+  const off = on && !navigator.onLine;
+  box.textContent = [off ? "Offline" : "", n ? n + " to send" : ""].filter(Boolean).join(" · ");
+  box.title = [off ? "No connection: your notes open from this device" : "", waiting(offline.items)]
+    .filter(Boolean)
+    .join(". ");
+  box.className = "";
+  box.hidden = !box.textContent;
 }
 
 // The server cannot be reached: keep the text on this device, to send when it can be.
 async function keepOffline(path, content) {
+  await loadOutbox(); // another tab may have added to it, or sent it
   if (path === null) {
     const local = "new:" + newId();
     offline.items = queueCreate(
@@ -142,9 +149,16 @@ async function keepOffline(path, content) {
   return true;
 }
 
-// Send what waits, in order, once each (the idempotency keys make a resend harmless).
+// Send what waits, in order, once each (the idempotency keys make a resend harmless); one
+// tab at a time (the others find the outbox done).
 async function sendOutbox() {
   if (!offlineOn() || offline.sending || !navigator.onLine) return;
+  if (!navigator.locks) return sendWaiting();
+  return navigator.locks.request("notesvc-outbox", {ifAvailable: true}, (lock) =>
+    lock ? sendWaiting() : null,
+  );
+}
+async function sendWaiting() {
   offline.sending = true;
   try {
     await loadOutbox();
@@ -154,9 +168,16 @@ async function sendOutbox() {
       try {
         answer = await sendItem(item);
       } catch (e) {
-        if (e.status === 0) break; // still out of reach: later
+        const refused = e.status >= 400 && e.status < 500 && e.status !== 408 && e.status !== 429;
+        if (!refused) break; // out of reach, or the server is unwell: later, as it is
+        // refused for good (too large, no longer allowed): out of the queue, and said; an
+        // edit of a note stays in this browser as its draft
+        if (item.kind === "save") {
+          const draft = {content: item.content, etag: item.base, at: Date.now()};
+          setItem("local", draftKey(item.path), JSON.stringify(draft));
+        }
         toast("Could not send a change kept on this device: " + e.message, true);
-        answer = null; // refused for good (too large, not allowed): dropped, said
+        answer = null;
       }
       if (item.kind === "create" && answer && state.path === item.local) {
         state.path = answer.path;
@@ -184,12 +205,31 @@ async function sendItem(item) {
     return data;
   }
   if (item.kind === "capture") {
+    const files = [];
     let text = item.text;
-    for (const file of item.files || []) {
-      const up = await upload(file);
-      text += (text ? " " : "") + "![" + (file.name || "image") + "](../../" + up.path + ")";
+    for (const [i, file] of (item.files || []).entries()) {
+      const name = (file.name || "image").replace(/[[\]]/g, "");
+      try {
+        files.push([name, (await upload(file, item.key + ":file" + i)).path]);
+      } catch (e) {
+        if (e.status !== 413 && e.status !== 400) throw e;
+        // too large (or not allowed): the text still goes; the page says why the file did not
+        const limit = /over (\d+) bytes/.exec(e.message || "");
+        const why = limit ? "this server takes files up to " + sizeText(+limit[1]) : e.message;
+        toast(
+          "“" + name + "” (" + sizeText(file.size) + ") was not added: " + why + ". " +
+            (text ? "The text is in today's note." : ""),
+          true,
+        );
+      }
     }
-    if (text) await appendToToday(text);
+    if (!text && !files.length) return {};
+    // the images' links are relative to today's note, wherever the daily plugin keeps it
+    const line = (notePath) =>
+      [text, ...files.map(([name, path]) => "![" + name + "](" + relativeTo(notePath, path) + ")")]
+        .filter(Boolean)
+        .join(" ");
+    await appendToToday(line, item.key, item.at);
     return {};
   }
   try {
@@ -240,20 +280,25 @@ async function copyAll() {
     if (offset + 1000 >= data.total) break;
   }
   let done = 0;
+  const total = paths.length;
   const box = $("offline-state");
   box.hidden = false;
+  box.title = "Copying your notes to this device";
   const worker = async () => {
     while (paths.length) {
       const path = paths.pop();
       const {data} = await api("GET", "/notes/" + enc(path));
       await mirrorPut(data);
       done++;
-      if (done % 25 === 0) box.textContent = "Keeping notes on this device… " + done;
+      if (done % 25 === 0) box.textContent = "Copying " + done + "/" + total;
     }
   };
   await Promise.all(Array.from({length: 6}, worker));
-  box.textContent = "Kept on this device: " + done + " notes";
+  box.textContent = done + " notes kept";
+  box.title = done + " notes kept on this device";
+  box.className = "ready";
   performance.mark("notesvc:offline-copied");
+  setTimeout(showWaiting, 5000);
 }
 
 async function enableOffline() {
@@ -277,6 +322,13 @@ async function enableOffline() {
   }
   await navigator.serviceWorker.register("sw.js");
   setItem("local", "notesvc.offline", state.base);
+  if (getItem("local", "notesvc.key") === null) {
+    // the app opens without the server (and from the share sheet): this device keeps the
+    // key, as "Remember" would, until the option is turned off
+    setItem("local", "notesvc.key", state.key);
+    setItem("local", "notesvc.keyFor", state.base);
+    setItem("local", "notesvc.offlineKey", "1");
+  }
   await stored("meta", "readwrite", (s) => s.put({key: state.key, base: state.base}, "device"));
   offlineMenu();
   await copyAll();
@@ -285,9 +337,22 @@ async function enableOffline() {
 
 async function disableOffline() {
   removeItem("local", "notesvc.offline");
+  if (getItem("local", "notesvc.offlineKey") === "1") {
+    for (const name of ["notesvc.key", "notesvc.keyFor", "notesvc.offlineKey"]) {
+      removeItem("local", name); // kept for this option only: this tab keeps it
+    }
+  }
   await wipeOffline();
   offlineMenu();
   toast("The copy on this device is deleted");
+}
+
+// The key this device kept was refused (revoked, rotated): the copy goes with it.
+async function forgetOffline() {
+  if (!offlineOn()) return;
+  removeItem("local", "notesvc.offline");
+  removeItem("local", "notesvc.offlineKey");
+  await wipeOffline();
 }
 
 async function wipeOffline() {
@@ -315,5 +380,9 @@ function wireOffline() {
   );
   window.addEventListener("online", () => act(sendOutbox)());
   window.addEventListener("offline", showWaiting);
+  if ("BroadcastChannel" in window) {
+    offline.tabs = new BroadcastChannel("notesvc-outbox");
+    offline.tabs.onmessage = () => loadOutbox().catch(() => {});
+  }
 }
 wireOffline();

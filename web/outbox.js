@@ -3,8 +3,8 @@
 // An item is {id, kind, key, ...}: `key` is its Idempotency-Key, so an item sent twice
 // (its answer lost) is done once. Kinds: "save" {path, base, content} (through merge, from
 // the version it started from), "create" {local, folder, content} (a new note, named by
-// the server; `local` stands for its path until then), "capture" {text, files} (today's
-// note, from the share sheet).
+// the server; `local` stands for its path until then), "capture" {text, files, at} (today's
+// note: the capture box, the share sheet).
 
 // Queue a save; an unsent save of the same note takes the new text (it keeps the version
 // the edits started from), and so does the unsent create of a note not sent yet.
@@ -25,8 +25,10 @@ function queueCreate(items, local, folder, content, newId) {
   return [...items, {id: newId(), kind: "create", key: newId(), local, folder, content}];
 }
 
-function queueCapture(items, text, files, newId) {
-  return [...items, {id: newId(), kind: "capture", key: newId(), text, files: files || []}];
+// `at`: when it was captured (its time in today's note), not when it is sent.
+function queueCapture(items, text, files, newId, at) {
+  const item = {id: newId(), kind: "capture", key: newId(), text, files: files || [], at};
+  return [...items, item];
 }
 
 // The item sent: gone from the queue. A create's answer gives the note its path: later

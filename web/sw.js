@@ -57,7 +57,7 @@ async function shared(request) {
     read.onsuccess = () => {
       const items = read.result || [];
       const id = () => (self.crypto.randomUUID ? self.crypto.randomUUID() : String(Math.random()));
-      items.push({id: id(), kind: "capture", key: id(), text, files});
+      items.push({id: id(), kind: "capture", key: id(), text, files, at: Date.now()});
       store.put(items, "outbox");
     };
     tx.oncomplete = resolve;
