@@ -27,7 +27,7 @@ Outline (``grep -n '^# ==' notesvc.py``), in the order the data flows:
 
 from __future__ import annotations
 
-__version__ = "0.2.0"
+__version__ = "0.3.0"
 
 import argparse
 import array
@@ -1853,11 +1853,95 @@ def note_preview(text: str) -> str:
 # -- three-way merges and names from titles (CONTRACT 24) ------------------------------
 
 
-def _diff(base: list, other: list) -> difflib.SequenceMatcher:
+MERGE_MAX_EDITS = 500  # lines added or removed between two versions that a merge follows
+
+
+class _LineDiff:
+    """What two lists of lines share, as difflib's get_matching_blocks/get_opcodes say it,
+    found by Myers' O(ND) algorithm after the common start and end are set aside (an edit
+    is mostly one place in a long note). Beyond MERGE_MAX_EDITS changed lines the middle
+    counts as replaced whole: a merge there becomes a conflict copy, never a long stall."""
+
+    def __init__(self, a: list, b: list):
+        n, m = len(a), len(b)
+        pre = 0
+        while pre < n and pre < m and a[pre] == b[pre]:
+            pre += 1
+        suf = 0
+        while suf < n - pre and suf < m - pre and a[n - 1 - suf] == b[m - 1 - suf]:
+            suf += 1
+        middle = _myers(a[pre : n - suf], b[pre : m - suf], MERGE_MAX_EDITS) or []
+        blocks = [(0, 0, pre)] + [(i + pre, j + pre, k) for i, j, k in middle]
+        blocks.append((n - suf, m - suf, suf))
+        joined: list = []
+        for i, j, k in blocks:
+            if (
+                k
+                and joined
+                and joined[-1][0] + joined[-1][2] == i
+                and joined[-1][1] + joined[-1][2] == j
+            ):
+                joined[-1] = (joined[-1][0], joined[-1][1], joined[-1][2] + k)
+            elif k:
+                joined.append((i, j, k))
+        self.blocks = [*joined, (n, m, 0)]
+
+    def get_matching_blocks(self) -> list:
+        return self.blocks
+
+    def get_opcodes(self) -> list:
+        ops, i, j = [], 0, 0
+        for ai, bj, size in self.blocks:
+            if i < ai or j < bj:
+                tag = "replace" if i < ai and j < bj else "delete" if i < ai else "insert"
+                ops.append((tag, i, ai, j, bj))
+            if size:
+                ops.append(("equal", ai, ai + size, bj, bj + size))
+            i, j = ai + size, bj + size
+        return ops
+
+
+def _myers(a: list, b: list, limit: int) -> list | None:
+    """Return the matching blocks (i, j, size) of a shortest edit script from a to b, or
+    None when it takes more than `limit` lines added and removed."""
+    n, m = len(a), len(b)
+    if not n or not m:
+        return []
+    v, trace = {1: 0}, []
+    for d in range(min(n + m, limit) + 1):
+        trace.append(v.copy())
+        for k in range(-d, d + 1, 2):
+            x = v[k + 1] if k == -d or (k != d and v[k - 1] < v[k + 1]) else v[k - 1] + 1
+            y = x - k
+            while x < n and y < m and a[x] == b[y]:
+                x, y = x + 1, y + 1
+            v[k] = x
+            if x >= n and y >= m:
+                return _snakes(trace, n, m)
+    return None
+
+
+def _snakes(trace: list, x: int, y: int) -> list:
+    """Walk Myers' trace back from (x, y): the diagonal runs, first to last."""
+    blocks = []
+    for d in range(len(trace) - 1, 0, -1):
+        v, k = trace[d], x - y
+        prev = k + 1 if k == -d or (k != d and v[k - 1] < v[k + 1]) else k - 1
+        px = v[prev]
+        py = px - prev
+        sx = px if prev == k + 1 else px + 1  # where this step's run begins
+        if x > sx:
+            blocks.append((sx, sx - k, x - sx))
+        x, y = px, py
+    if x > 0:
+        blocks.append((0, 0, x))
+    return blocks[::-1]
+
+
+def _diff(base: list, other: list) -> _LineDiff:
     """Return the line matcher of base to other, lines compared without their endings (a
     note saved with CRLF changes nothing)."""
-    strip = [x.rstrip("\r\n") for x in base], [x.rstrip("\r\n") for x in other]
-    return difflib.SequenceMatcher(None, *strip, autojunk=False)
+    return _LineDiff([x.rstrip("\r\n") for x in base], [x.rstrip("\r\n") for x in other])
 
 
 def _overlap(a: tuple, b: tuple) -> bool:
@@ -2387,13 +2471,15 @@ class NoteStore:
         copy: 409 with its path. Returns {note, merged}."""
         self.encode(content)  # too large, not text: refused before anything
         for _ in range(5):  # another write may land in between: merge with that one
-            raw, _ = self._read(path)
+            raw, st = self._read(path)
             if make_etag(raw) == base:
                 with contextlib.suppress(PreconditionFailed):
                     return {"note": self.update(path, content, base), "merged": False}
                 continue
             current = self.decode(path, raw)
             old = self.version_with(path, base)
+            if old is None and current == content:  # nothing to keep apart: already so
+                return {"note": self.record(path, raw, st), "merged": False}
             merged, clash = (
                 merge3(old.decode("utf-8", "replace"), current, content) if old else ("", True)
             )
@@ -2413,9 +2499,13 @@ class NoteStore:
         raise err
 
     def create_beside(self, path: str, note: str, content: str) -> dict:
-        """Create `<name> (<note>).md` beside path (` 2`, ` 3`... when taken)."""
+        """Create `<name> (<note>).md` beside path (` 2`, ` 3`... when taken); a long name
+        is shortened to leave room, so the copy always fits the 255-byte rule."""
         folder, name = path.rsplit("/", 1)
-        return self.create_named(folder, f"{name[:-3]} ({note})", content)
+        tail = f" ({note})"
+        room = MAX_SEGMENT_BYTES - len(".md 999") - len(tail.encode())
+        stem = name[:-3].encode()[: max(room, 1)].decode("utf-8", "ignore").rstrip() or "note"
+        return self.create_named(folder, stem + tail, content)
 
     def create_named(self, folder: str, name: str, content: str) -> dict:
         """Create the note `<folder>/<name>.md`, or `<name> 2.md`, `<name> 3.md`... when
@@ -12191,7 +12281,9 @@ mark {
   height: 28px;
 }
 #search {
-  flex: 1;
+  flex: 1 1 0;
+  width: 0; /* its own width never widens the bar: it takes what is left */
+  min-width: 0;
   max-width: 36rem;
   min-height: 40px;
   margin-right: auto;
@@ -13297,7 +13389,11 @@ async function api(method, path, body, headers, opts) {
   } catch (e) {
     /* not JSON */
   }
-  if (r.ok && j && j.success) return {data: j.data, etag: r.headers.get("ETag"), status: r.status};
+  if (r.ok && j && j.success) {
+    // the server answers again: what waits on this device goes now
+    if (offline.items.length && !offline.sending) sendOutbox().catch(() => {});
+    return {data: j.data, etag: r.headers.get("ETag"), status: r.status};
+  }
   const err = (j && j.error) || {
     code: "HTTP_" + r.status,
     message: "The server answered " + r.status + ".",
@@ -13311,6 +13407,7 @@ async function api(method, path, body, headers, opts) {
       r.status === 401
         ? "The key was not accepted: it may have been rotated. Paste the current key."
         : message,
+      r.status,
     );
   }
   throw problem;
@@ -13402,7 +13499,7 @@ async function connect(typed) {
       v = await api("POST", "/auth/verify", undefined, undefined, {login: true});
       setItem("local", "notesvc.grant", JSON.stringify(v.data.grant || null));
     } catch (e) {
-      if (e.status === 0 && offlineOn() && state.keyBase === state.base) {
+      if (unreachable(e) && offlineOn() && state.keyBase === state.base) {
         // out of reach, and this device keeps the notes: open them from the copy
         const grant = JSON.parse(getItem("local", "notesvc.grant") || "null");
         v = {data: {grant, setupComplete: true}};
@@ -13449,10 +13546,11 @@ async function connect(typed) {
   }
 }
 
-function toKeyScreen(message) {
+function toKeyScreen(message, status) {
   keepDraft();
   feedRun++;
-  forgetOffline().catch(() => {}); // the key stopped working: no copy stays
+  // the key stopped working: no copy stays (too many tries is not that: the copy stays)
+  if (status === 401) forgetOffline().catch(() => {});
   state.key = "";
   state.keyBase = "";
   for (const kind of ["session", "local"]) {
@@ -13467,6 +13565,13 @@ function toKeyScreen(message) {
 
 async function logout() {
   if (!(await confirmLeave("Log out"))) return;
+  await sendOutbox().catch(() => {}); // what waits goes first, if it can
+  if (!(await letWaitingGo("Log out"))) return;
+  if (offlineOn()) {
+    // the next key on this device starts from nothing of this one's
+    removeItem("local", "notesvc.offline");
+    await wipeOffline().catch(() => {});
+  }
   for (const kind of ["local", "session"]) {
     const s = storage(kind);
     if (!s) continue;
@@ -13512,7 +13617,7 @@ async function fillFolder(folder, ul) {
   try {
     data = (await api("GET", treeUrl(folder))).data;
   } catch (e) {
-    if (e.status !== 0 || !offlineOn()) throw e;
+    if (!unreachable(e) || !offlineOn()) throw e;
     data = await mirrorTree(folder); // out of reach: the copy on this device
   }
   const items = (data.children || []).map(treeItem);
@@ -13614,7 +13719,7 @@ async function loadRecent() {
     const {data} = await api("GET", "/notes?sort=modified&fields=title,preview,modified&limit=30");
     notes = data.notes;
   } catch (e) {
-    if (e.status !== 0 || !offlineOn()) throw e;
+    if (!unreachable(e) || !offlineOn()) throw e;
     notes = await mirrorRecent(30);
   }
   const items = notes.map((n) =>
@@ -13829,18 +13934,42 @@ MERGE_JS = r"""
 // when the person typed on while a save was on its way and the server merged in someone
 // else's change meanwhile. The word diff draws a version against another on a phone.
 
-// Myers' diff of two arrays (by ===): the matching runs, as [aStart, bStart, length].
+// Past this many differences a diff gives up on the middle: it is one change there (a
+// merge then keeps both sides apart, a word diff marks it all), in bounded time and memory.
+const MAX_EDITS = 2000;
+
+// Myers' diff of two arrays (by ===): the matching runs, as [aStart, bStart, length]. The
+// common start and end are matched first; the middle is searched at most MAX_EDITS deep.
 function matches(a, b) {
+  let pre = 0;
+  while (pre < a.length && pre < b.length && a[pre] === b[pre]) pre++;
+  let suf = 0;
+  while (
+    suf < a.length - pre &&
+    suf < b.length - pre &&
+    a[a.length - 1 - suf] === b[b.length - 1 - suf]
+  )
+    suf++;
+  const mid = myers(a.slice(pre, a.length - suf), b.slice(pre, b.length - suf)) || [];
+  const runs = [[0, 0, pre], ...mid.map(([x, y, len]) => [x + pre, y + pre, len])];
+  runs.push([a.length - suf, b.length - suf, suf]);
+  return runs.filter((r) => r[2] > 0);
+}
+
+// The runs of a against b, or null past MAX_EDITS. Each depth keeps only its own diagonals
+// (2d + 3 of them), so the memory is the square of the differences, not of the lengths.
+function myers(a, b) {
   const n = a.length;
   const m = b.length;
   const max = n + m;
-  const v = new Int32Array(2 * max + 2);
+  const v = new Int32Array(2 * max + 3);
   const trace = [];
-  let done = false;
+  let done = max === 0;
   for (let d = 0; d <= max && !done; d++) {
-    trace.push(v.slice());
+    if (d > MAX_EDITS) return null;
+    trace.push(v.slice(max - d, max + d + 3)); // diagonals -d-1 .. d+1
     for (let k = -d; k <= d; k += 2) {
-      const i = k + max;
+      const i = k + max + 1;
       let x = k === -d || (k !== d && v[i - 1] < v[i + 1]) ? v[i + 1] : v[i - 1] + 1;
       let y = x - k;
       while (x < n && y < m && a[x] === b[y]) {
@@ -13860,10 +13989,10 @@ function matches(a, b) {
   let y = m;
   for (let d = trace.length - 1; d >= 0 && (x > 0 || y > 0); d--) {
     const vd = trace[d];
+    const at = (k) => vd[k + d + 1];
     const k = x - y;
-    const i = k + max;
-    const prevK = k === -d || (k !== d && vd[i - 1] < vd[i + 1]) ? k + 1 : k - 1;
-    const prevX = d === 0 ? 0 : vd[prevK + max];
+    const prevK = k === -d || (k !== d && at(k - 1) < at(k + 1)) ? k + 1 : k - 1;
+    const prevX = d === 0 ? 0 : at(prevK);
     const prevY = prevX - prevK;
     const startX = d === 0 ? 0 : prevK === k + 1 ? prevX : prevX + 1;
     const startY = startX - k;
@@ -14067,15 +14196,33 @@ function queueCapture(items, text, files, newId, at) {
 }
 
 // The item sent: gone from the queue. A create's answer gives the note its path: later
-// saves of it go there, from the version the server made.
+// saves of it go there, from the version the server made; a later save of a note just
+// saved starts from the version that save made (its text already holds the earlier edit).
 function settle(items, item, answer) {
+  const made = answer && answer.etag;
   return items
     .filter((i) => i.id !== item.id)
-    .map((i) =>
-      item.kind === "create" && i.kind === "save" && i.path === item.local
-        ? {...i, path: answer.path, base: answer.etag}
-        : i,
-    );
+    .map((i) => {
+      if (i.kind !== "save") return i;
+      if (item.kind === "create" && i.path === item.local) {
+        return {...i, path: answer.path, base: answer.etag};
+      }
+      if (item.kind === "save" && made && i.path === item.path && answer.path === item.path) {
+        return {...i, base: answer.etag};
+      }
+      return i;
+    });
+}
+
+// Before an item goes out it is marked sent: a later edit of the same note queues anew
+// instead of changing text that may already be on the server.
+function markSent(items, item) {
+  return items.map((i) => (i.id === item.id ? {...i, sent: true} : i));
+}
+
+// The first item that may go now: the share sheet's items wait until the person says yes.
+function nextItem(items) {
+  return items.find((i) => !i.ask) || null;
 }
 
 // What the page says about the queue.
@@ -14086,7 +14233,7 @@ function waiting(items) {
 }
 
 if (typeof module !== "undefined") {
-  module.exports = {queueSave, queueCreate, queueCapture, settle, waiting};
+  module.exports = {queueSave, queueCreate, queueCapture, settle, markSent, nextItem, waiting};
 }
 """[1:]
 # --- end web/outbox.js ---
@@ -14704,9 +14851,12 @@ function updateDirty() {
   $("save").classList.toggle("clean", !dirty());
 }
 
+// A note not created yet keeps its draft under this name (one at a time).
+const NEW_NOTE = "(new note)";
 function draftKey(path) {
   return "notesvc.draft:" + state.base + "|" + path;
 }
+const draftName = () => (state.blank ? NEW_NOTE : state.path);
 function readDraft(path) {
   try {
     return JSON.parse(getItem("local", draftKey(path)) || "null");
@@ -14715,15 +14865,18 @@ function readDraft(path) {
   }
 }
 function keepDraft() {
-  if (!state.path) return;
+  const name = draftName();
+  if (!name) return;
   if (dirty()) {
     setItem(
       "local",
-      draftKey(state.path),
+      draftKey(name),
       JSON.stringify({content: editor().value, etag: state.etag, at: Date.now()}),
     );
-  } else {
-    removeItem("local", draftKey(state.path));
+  } else if (!state.blank && state.key) {
+    // saved: no draft (a new note's goes when it is created; with no key, what the copy
+    // on this device left as drafts stays)
+    removeItem("local", draftKey(name));
   }
 }
 let draftTimer = 0;
@@ -14732,7 +14885,8 @@ function scheduleDraft() {
   draftTimer = setTimeout(keepDraft, 300);
 }
 function dropDraft() {
-  if (state.path) removeItem("local", draftKey(state.path));
+  const name = draftName();
+  if (name) removeItem("local", draftKey(name));
   $("draft").hidden = true;
 }
 
@@ -14748,15 +14902,11 @@ async function confirmLeave() {
     why = " " + ((e.error && e.error.message) || "The server could not be reached.");
   }
   if (!dirty()) return false; // kept as a conflict copy: the page says where
-  const choice = await choose(
-    "Not saved",
-    "“" + state.title + "” could not be saved." + why,
-    [
-      ["retry", "Try again", "primary"],
-      ["discard", "Discard changes"],
-      ["cancel", "Stay"],
-    ],
-  );
+  const choice = await choose("Not saved", "“" + state.title + "” could not be saved." + why, [
+    ["retry", "Try again", "primary"],
+    ["discard", "Discard changes"],
+    ["cancel", "Stay"],
+  ]);
   if (choice === "retry") return confirmLeave();
   if (choice === "discard") {
     dropDraft();
@@ -14767,12 +14917,44 @@ async function confirmLeave() {
   return false;
 }
 
+// Put new text in the editor where the cursor stays on the words it was at (a change
+// elsewhere in the note moves it only by what was put in or taken out before it).
+function replaceText(text) {
+  const ed = editor();
+  const old = ed.value;
+  if (old === text) return;
+  const [a, b] = [ed.selectionStart, ed.selectionEnd];
+  let p = 0;
+  while (p < old.length && p < text.length && old[p] === text[p]) p++;
+  let q = 0;
+  while (
+    q < old.length - p &&
+    q < text.length - p &&
+    old[old.length - 1 - q] === text[text.length - 1 - q]
+  )
+    q++;
+  const at = (i) =>
+    i <= p ? i : i >= old.length - q ? i + text.length - old.length : text.length - q;
+  ed.value = text;
+  if (document.activeElement === ed) ed.setSelectionRange(at(a), at(b));
+}
+
+// A textarea holds lines ending in \n only: a note written with \r\n is shown with \n and
+// saved back with \r\n, so opening it changes nothing.
+const toEditor = (text) => text.replace(/\r\n?/g, "\n");
+function fromEditor(text) {
+  return state.crlf ? text.replace(/\n/g, "\r\n") : text;
+}
+
 function showNote(rec) {
+  const again = rec.path === state.path; // the same note, newer: the cursor stays
   state.path = rec.path;
   state.etag = rec.etag;
-  state.saved = rec.content;
+  state.crlf = rec.content.includes("\r\n");
+  state.saved = toEditor(rec.content);
   state.title = rec.title || nameOf(rec.path);
-  editor().value = rec.content;
+  if (again) replaceText(state.saved);
+  else editor().value = state.saved;
   $("title").textContent = state.title;
   $("path").textContent = rec.path + " · " + ago(rec.modified);
   $("path").title = rec.path;
@@ -14794,12 +14976,12 @@ async function openNote(path, opts) {
   try {
     data = (await api("GET", "/notes/" + enc(path))).data;
   } catch (e) {
-    data = e.status === 0 && offlineOn() ? await mirrorGet(path) : null;
+    data = unreachable(e) && offlineOn() ? await mirrorGet(path) : null;
     if (!data) throw e;
   }
   showNote(data);
   const draft = readDraft(data.path);
-  if (draft && draft.content !== data.content) {
+  if (draft && draft.content !== state.saved) {
     editor().value = draft.content;
     state.etag = draft.etag || data.etag; // a save meets the conflict if the note moved on
     $("draft-text").textContent =
@@ -14825,6 +15007,7 @@ function closeNote() {
   state.blank = false;
   state.etag = null;
   state.saved = "";
+  state.crlf = false;
   editor().value = "";
   $("note-bar").hidden = true;
   $("title").textContent = "";
@@ -14876,7 +15059,9 @@ async function toggleTask(n, box) {
   lines[n] = flipped;
   editor().value = lines.join("\n");
   if (!(await act(() => save(false))())) {
-    editor().value = state.saved;
+    const now = editor().value.split("\n"); // not saved: that tick is undone, nothing else
+    if (now[n] === flipped) now[n] = line;
+    editor().value = now.join("\n");
     updateDirty();
     renderView();
   }
@@ -14915,8 +15100,13 @@ async function writing(fn) {
   }
 }
 
+// One save at a time, in order: each starts from the version the one before it made.
+let saveChain = Promise.resolve();
 async function save(force) {
-  return state.path || state.blank ? writing(() => saveNow(force)) : false;
+  if (!state.path && !state.blank) return false;
+  const run = saveChain.then(() => writing(() => saveNow(force)));
+  saveChain = run.catch(() => {});
+  return run;
 }
 
 function newId() {
@@ -14935,21 +15125,20 @@ async function saveNow(force) {
   let r;
   try {
     if (force) {
-      r = await api("PUT", "/notes/" + enc(path), {content});
+      r = await api("PUT", "/notes/" + enc(path), {content: fromEditor(content)});
       r = {data: {note: r.data, merged: false}};
     } else {
-      r = await api(
-        "POST",
-        "/notes/" + enc(path) + "/merge",
-        {base: state.etag, content, clientName: deviceName()},
-        {"Idempotency-Key": newId()},
-      );
+      r = await api("POST", "/notes/" + enc(path) + "/merge", {
+        base: state.etag,
+        content: fromEditor(content),
+        clientName: deviceName(),
+      });
     }
   } catch (e) {
-    if (e.status === 0 && offlineOn()) return keepOffline(path, content);
-    if (e.status === 409 && e.error && e.error.conflictPath) return clashed(e.error);
+    if (unreachable(e) && offlineOn()) return keepOffline(path, content);
+    if (e.status === 409 && e.error && e.error.conflictPath) return clashed(e.error, path, content);
     if (e.status === 404 && force) {
-      r = await api("POST", "/notes", {path, content}); // gone: keep mine, write it again
+      r = await api("POST", "/notes", {path, content: fromEditor(content)}); // gone: keep mine
       r = {data: {note: r.data, merged: false}};
       loadTree().catch(() => {});
     } else if (e.status === 404) {
@@ -14967,12 +15156,16 @@ async function saveNow(force) {
 // without losing what was typed since (merged here too, three ways).
 function saved(note, sent) {
   state.etag = note.etag;
-  if (note.content !== sent) {
+  const theirs = toEditor(note.content);
+  let kept = false;
+  if (theirs !== sent) {
     const now = editor().value;
-    editor().value = now === sent ? note.content : merge3(sent, note.content, now).text;
+    const m = now === sent ? {text: theirs} : merge3(sent, theirs, now);
+    kept = !!m.conflict; // typed here over what was merged in: the editor keeps it, unsaved
+    if (!kept) replaceText(m.text);
     if (!state.editing) renderView();
   }
-  state.saved = note.content;
+  state.saved = theirs;
   state.title = note.title || state.title;
   $("title").textContent = state.title;
   $("path").textContent = note.path + " · " + ago(note.modified);
@@ -14982,16 +15175,30 @@ function saved(note, sent) {
   $("status").textContent = "Saved";
   $("status").className = "";
   updateDirty();
+  if (kept) scheduleSave(); // the next save merges it on the server (a copy if it overlaps)
   if (!state.editing) renderView();
 }
 
 // Both changed the same lines: the note keeps the other change; this edit is kept whole
 // beside it. Show the note as it is, and say where this edit went.
-async function clashed(err) {
-  dropDraft();
-  state.saved = editor().value;
-  await openNote(err.path);
-  showConflict(false, err.conflictPath);
+async function clashed(err, path, sent) {
+  const now = editor().value;
+  if (path === state.path) {
+    dropDraft();
+    state.saved = now;
+    if (now !== sent) {
+      // typed on while the save was on its way: the copy holds all of it
+      await api("PUT", "/notes/" + enc(err.conflictPath), {content: fromEditor(now)}).catch(
+        () => {},
+      );
+    }
+    await openNote(err.path);
+    showConflict(false, err.conflictPath);
+  } else {
+    toast(
+      "“" + nameOf(path) + "” changed meanwhile: your edit is kept as " + nameOf(err.conflictPath),
+    );
+  }
   loadTree().catch(() => {});
   loadRecent().catch(() => {});
   return false;
@@ -15006,14 +15213,19 @@ async function createFromText(content) {
   try {
     r = await api("POST", "/notes", body, {"Idempotency-Key": state.newKey});
   } catch (e) {
-    if (e.status === 0 && offlineOn()) return keepOffline(null, content);
+    if (unreachable(e) && offlineOn()) return keepOffline(null, content);
     throw e;
   }
+  removeItem("local", draftKey(NEW_NOTE));
   state.blank = false;
   mine(r.data.path);
   state.path = r.data.path;
   setItem("session", "notesvc.open", state.path);
-  saved(r.data, content);
+  // the answer may be an earlier try's (the same key, its answer lost): the editor keeps
+  // what was typed since, and saves it through merge from the version that was made
+  state.crlf = false;
+  saved(r.data, toEditor(r.data.content));
+  if (dirty()) scheduleSave();
   loadTree().catch(() => {});
   return true;
 }
@@ -15048,9 +15260,9 @@ async function autosave() {
     // Kept in this browser meanwhile; tried again, less and less often; said once.
     keepDraft();
     saveFailures++;
-    $("status").textContent = e.status === 0 ? "Not saved: no connection" : "Not saved";
+    $("status").textContent = unreachable(e) ? "Not saved: no connection" : "Not saved";
     $("status").className = "bad";
-    if (saveFailures === 1 && e.status !== 0 && e.status !== 401) toast(e.message, true);
+    if (saveFailures === 1 && !unreachable(e) && e.status !== 401) toast(e.message, true);
     clearTimeout(saveTimer);
     saveTimer = setTimeout(autosave, Math.min(60000, 5000 * saveFailures));
     return;
@@ -15058,7 +15270,8 @@ async function autosave() {
   if (dirty()) scheduleSave(); // typed on meanwhile
 }
 function saveAsThePageHides() {
-  if (!dirty() || !state.path || state.blank) return keepDraft();
+  // (a save on its way would make this one's base stale: the draft waits for the next visit)
+  if (!dirty() || !state.path || state.blank || state.writes) return keepDraft();
   const content = editor().value;
   if (new Blob([content]).size > 64 * 1024 || !state.key || state.keyBase !== state.base) {
     return keepDraft();
@@ -15074,7 +15287,11 @@ function saveAsThePageHides() {
       "X-Service-Key": state.key,
       "Idempotency-Key": newId(),
     },
-    body: JSON.stringify({base: state.etag, content, clientName: deviceName()}),
+    body: JSON.stringify({
+      base: state.etag,
+      content: fromEditor(content),
+      clientName: deviceName(),
+    }),
   }).catch(() => {});
 }
 
@@ -15149,6 +15366,13 @@ async function newNote() {
   $("note-bar").hidden = false;
   $("title").textContent = "New note";
   $("path").textContent = "The first line is its title";
+  const draft = readDraft(NEW_NOTE);
+  if (draft && draft.content.trim()) {
+    editor().value = draft.content; // written here before and never saved: it is back
+    $("draft-text").textContent =
+      "Your new note from " + new Date(draft.at).toLocaleString() + " is back.";
+    $("draft").hidden = false;
+  }
   setEditing(true);
   updateDirty();
   showPane("note");
@@ -15580,7 +15804,8 @@ async function changeCursor() {
 
 function applyChange(c) {
   if (offlineOn()) mirrorChange(c).catch(() => {});
-  if (c.kind === "modified") recentSoon(); // the recent list's order; the tree is the same
+  if (c.kind === "modified")
+    recentSoon(); // the recent list's order; the tree is the same
   else treeSoon(); // the tree's names (and the recent list)
   if (!state.path || own.has(c.from || c.path)) return;
   if (c.kind === "moved" && c.from === state.path) {
@@ -15775,7 +16000,7 @@ async function capture() {
   try {
     path = await appendToToday(text);
   } catch (e) {
-    if (e.status !== 0 || !offlineOn()) throw e;
+    if (!unreachable(e) || !offlineOn()) throw e;
     await loadOutbox();
     offline.items = queueCapture(offline.items, text, [], newId, Date.now()); // sent when it can be
     await saveOutbox();
@@ -15881,18 +16106,18 @@ async function ask() {
 async function start() {
   setSide(getItem("local", "notesvc.ui.side") !== "closed");
   offlineMenu();
-  if (offlineOn()) await loadOutbox();
+  if (offlineOn()) await loadOutboxOrSay();
   await Promise.all([
     loadTree(),
     readFeatures().catch((e) => (offlineOn() ? null : Promise.reject(e))),
   ]);
   if (features.changes) followChanges();
   if (offlineOn()) {
-    sendOutbox().catch(() => {}); // what waits (the share sheet's too) goes now
+    sendOutbox().catch(() => {}); // what waits goes now
     if (new URLSearchParams(location.search).has("shared")) {
       history.replaceState(history.state, "", location.pathname);
-      toast("Shared: it goes to today's note");
     }
+    act(askShared)(); // the share sheet's items, once the person says yes
   }
   const last = getItem("session", "notesvc.open");
   if (last) {
@@ -15901,6 +16126,8 @@ async function start() {
     } catch (e) {
       closeNote();
     }
+  } else if (readDraft(NEW_NOTE) && writable()) {
+    await newNote(); // a new note that was never saved: its text is back
   }
   if (NARROW.matches) {
     const pane = getItem("session", "notesvc.pane");
@@ -15943,7 +16170,16 @@ function wire() {
     act(() => openNote($("conflict").dataset.copy)),
   );
   $("conflict-ok").addEventListener("click", () => ($("conflict").hidden = true));
-  $("draft-discard").addEventListener("click", act(reloadTheirs));
+  $("draft-discard").addEventListener(
+    "click",
+    act(() => {
+      if (!state.blank) return reloadTheirs();
+      dropDraft(); // a new note's draft: the page starts blank again
+      editor().value = "";
+      updateDirty();
+      return undefined;
+    }),
+  );
   $("edit").addEventListener("click", () => {
     setEditing(!state.editing);
     if (state.editing) editor().focus();
@@ -16118,6 +16354,7 @@ wire();
   const kept = keptKey();
   state.base = kept ? kept.base : getItem("local", "notesvc.base") || "";
   if (!ownOrigin(state.base) || /^[a-z]+:/i.test(state.base)) state.base = "";
+  if (getItem("local", "notesvc.wipe")) forgetOffline().catch(() => {}); // one cut short
   // A pairing code may name any server: the page waits for a person to connect, and then
   // sends the kept key only if the code resolves to the API base it was kept for.
   if (kept && !code && !pairing) connect(false);
@@ -16428,6 +16665,12 @@ function offlineOn() {
   return !!state.base && getItem("local", "notesvc.offline") === state.base;
 }
 
+// The server cannot be reached: no answer at all, or the relay's word that the server
+// behind it is not there (502, 503, 504).
+function unreachable(e) {
+  return e.status === 0 || e.status === 502 || e.status === 503 || e.status === 504;
+}
+
 function offlinePossible() {
   return (
     window.isSecureContext &&
@@ -16475,6 +16718,7 @@ async function mirrorAll() {
   return (await stored("notes", "readonly", (s) => s.getAll())) || [];
 }
 async function mirrorDrop(path) {
+  if (!offlineOn()) return;
   await stored("notes", "readwrite", (s) => s.delete(path));
 }
 async function mirrorRecent(limit) {
@@ -16512,7 +16756,17 @@ async function loadOutbox() {
     : [];
   showWaiting();
 }
+// At start: a browser that refuses IndexedDB (private mode, storage full) still opens the
+// notes from the server; the page says the copy cannot be read.
+async function loadOutboxOrSay() {
+  try {
+    await loadOutbox();
+  } catch (e) {
+    toast("The notes kept on this device cannot be read here: " + (e.message || e), true);
+  }
+}
 async function saveOutbox() {
+  if (!offlineOn()) return; // the copy was let go meanwhile: nothing is kept again
   await stored("meta", "readwrite", (s) => s.put(offline.items, "outbox"));
   showWaiting();
   if (offline.tabs) offline.tabs.postMessage("outbox"); // the other tabs show it too
@@ -16560,6 +16814,7 @@ async function keepOffline(path, content) {
     modified: new Date().toISOString(),
   });
   await saveOutbox();
+  loadRecent().catch(() => {}); // the list shows it too (from this device's copy)
   $("status").textContent = "Kept on this device";
   $("status").className = "";
   updateDirty();
@@ -16579,14 +16834,15 @@ async function sendWaiting() {
   offline.sending = true;
   try {
     await loadOutbox();
-    while (offline.items.length) {
-      const item = offline.items[0];
+    for (let item = nextItem(offline.items); item && offlineOn();) {
+      offline.items = markSent(offline.items, item); // a later edit queues anew
+      await saveOutbox();
       let answer;
       try {
         answer = await sendItem(item);
       } catch (e) {
-        const refused = e.status >= 400 && e.status < 500 && e.status !== 408 && e.status !== 429;
-        if (!refused) break; // out of reach, or the server is unwell: later, as it is
+        const refused = e.status >= 400 && e.status < 500 && ![401, 408, 429].includes(e.status);
+        if (!refused) break; // out of reach, the server unwell, the key refused: later, as it is
         // refused for good (too large, no longer allowed): out of the queue, and said; an
         // edit of a note stays in this browser as its draft
         if (item.kind === "save") {
@@ -16602,8 +16858,11 @@ async function sendWaiting() {
         $("path").textContent = answer.path;
       }
       if (item.kind === "create" && answer) await mirrorDrop(item.local);
-      offline.items = answer ? settle(offline.items, item, answer) : offline.items.slice(1);
+      if (!offlineOn()) break; // the key stopped working meanwhile: what waits became drafts
+      await loadOutbox(); // this tab's own edits made meanwhile are in it
+      offline.items = settle(offline.items, item, answer || {});
       await saveOutbox();
+      item = nextItem(offline.items);
     }
   } finally {
     offline.sending = false;
@@ -16634,7 +16893,13 @@ async function sendItem(item) {
         const limit = /over (\d+) bytes/.exec(e.message || "");
         const why = limit ? "this server takes files up to " + sizeText(+limit[1]) : e.message;
         toast(
-          "“" + name + "” (" + sizeText(file.size) + ") was not added: " + why + ". " +
+          "“" +
+            name +
+            "” (" +
+            sizeText(file.size) +
+            ") was not added: " +
+            why +
+            ". " +
             (text ? "The text is in today's note." : ""),
           true,
         );
@@ -16737,7 +17002,10 @@ async function enableOffline() {
     );
     return;
   }
+  await idb(); // a browser that refuses IndexedDB says so here, before anything is kept
+  await wipeOffline(); // whatever another key left on this device is not this key's
   await navigator.serviceWorker.register("sw.js");
+  if (navigator.storage && navigator.storage.persist) navigator.storage.persist().catch(() => {});
   setItem("local", "notesvc.offline", state.base);
   if (getItem("local", "notesvc.key") === null) {
     // the app opens without the server (and from the share sheet): this device keeps the
@@ -16746,13 +17014,14 @@ async function enableOffline() {
     setItem("local", "notesvc.keyFor", state.base);
     setItem("local", "notesvc.offlineKey", "1");
   }
-  await stored("meta", "readwrite", (s) => s.put({key: state.key, base: state.base}, "device"));
   offlineMenu();
   await copyAll();
   toast("Your notes are kept on this device: they open without a connection");
 }
 
 async function disableOffline() {
+  await sendOutbox().catch(() => {}); // what waits goes first, if it can
+  if (!(await letWaitingGo("Stop keeping notes on this device"))) return;
   removeItem("local", "notesvc.offline");
   if (getItem("local", "notesvc.offlineKey") === "1") {
     for (const name of ["notesvc.key", "notesvc.keyFor", "notesvc.offlineKey"]) {
@@ -16764,14 +17033,55 @@ async function disableOffline() {
   toast("The copy on this device is deleted");
 }
 
-// The key this device kept was refused (revoked, rotated): the copy goes with it.
-async function forgetOffline() {
-  if (!offlineOn()) return;
-  removeItem("local", "notesvc.offline");
-  removeItem("local", "notesvc.offlineKey");
-  await wipeOffline();
+// Changes not sent yet, before the copy is deleted: resolve to true when the person lets
+// them go (or there are none).
+async function letWaitingGo(title) {
+  if (!offlineOn()) return true;
+  await loadOutbox().catch(() => {});
+  if (!offline.items.length) return true;
+  const choice = await choose(
+    title,
+    waiting(offline.items) +
+      ": the server could not be reached. They are lost if the copy on this device is deleted now.",
+    [
+      ["cancel", "Keep them", "primary"],
+      ["delete", "Delete them"],
+    ],
+  );
+  return choice === "delete";
 }
 
+// The key this device kept was refused (revoked, rotated): the copy goes with it; what was
+// written here and not sent yet stays in this browser as drafts (a note's edit reopens
+// with it; new notes and shared text as one new note's draft), for the next key to send.
+async function forgetOffline() {
+  if (!offlineOn() && getItem("local", "notesvc.wipe") !== state.base) return;
+  setItem("local", "notesvc.wipe", state.base); // finished at the next start if cut short
+  removeItem("local", "notesvc.offline");
+  removeItem("local", "notesvc.offlineKey");
+  const items = await stored("meta", "readonly", (s) => s.get("outbox")); // (unread: kept)
+  const loose = [];
+  for (const item of items || []) {
+    if (item.kind === "save") {
+      const draft = {content: item.content, etag: item.base, at: Date.now()};
+      setItem("local", draftKey(item.path), JSON.stringify(draft));
+    } else if (item.kind === "create") {
+      loose.push(item.content);
+    } else if (item.text && !item.ask) {
+      loose.push(item.text);
+    }
+  }
+  if (loose.length) {
+    const old = readDraft(NEW_NOTE);
+    if (old) loose.unshift(old.content);
+    const draft = {content: loose.join("\n\n"), at: Date.now()};
+    setItem("local", draftKey(NEW_NOTE), JSON.stringify(draft));
+  }
+  await wipeOffline();
+  removeItem("local", "notesvc.wipe");
+}
+
+// Everything this option kept: the copy, the outbox, the worker and the app's cache.
 async function wipeOffline() {
   offline.items = [];
   if (offline.db) offline.db.close();
@@ -16780,7 +17090,31 @@ async function wipeOffline() {
   if ("serviceWorker" in navigator) {
     for (const r of await navigator.serviceWorker.getRegistrations()) await r.unregister();
   }
+  if ("caches" in window) for (const name of await caches.keys()) await caches.delete(name);
   showWaiting();
+}
+
+// What the share sheet brought waits for a yes here: any web page can post to the share
+// address, so nothing reaches today's note until the person has seen it.
+async function askShared() {
+  await loadOutbox();
+  for (const item of offline.items.filter((i) => i.ask)) {
+    const files = (item.files || []).map((f) => f.name || "image");
+    const body = [el("p", {}, "Add this to today's note?")];
+    if (item.text) body.push(el("blockquote", {class: "shared-text"}, item.text.slice(0, 500)));
+    if (files.length) body.push(el("p", {}, "With " + files.join(", ")));
+    const yes =
+      (await dialog("Shared to notesvc", body, [
+        ["add", "Add to today's note", "primary"],
+        ["drop", "Discard"],
+      ])) === "add";
+    await loadOutbox();
+    offline.items = yes
+      ? offline.items.map((i) => (i.id === item.id ? {...i, ask: false} : i))
+      : offline.items.filter((i) => i.id !== item.id);
+    await saveOutbox();
+  }
+  sendOutbox().catch(() => {});
 }
 
 function offlineMenu() {
@@ -16833,31 +17167,42 @@ self.addEventListener("fetch", (event) => {
   }
   const shell = SHELL.map((p) => new URL(p, self.registration.scope).pathname);
   if (event.request.method !== "GET" || !shell.includes(url.pathname)) return; // the API
-  // the app: the network's when it answers (kept for next time), else the kept copy
+  // the app: the network's when it answers (kept for next time), else the kept copy (also
+  // when a relay answers for a server it cannot reach: 502, 503, 504)
+  const kept = (answer) =>
+    caches.match(event.request, {ignoreSearch: true}).then((k) => k || answer || Response.error());
   event.respondWith(
     fetch(event.request)
       .then((answer) => {
         if (answer.ok) {
           const copy = answer.clone();
           caches.open(APP).then((cache) => cache.put(event.request, copy));
+          return answer;
         }
-        return answer;
+        return answer.status >= 502 && answer.status <= 504 ? kept(answer) : answer;
       })
-      .catch(() =>
-        caches.match(event.request, {ignoreSearch: true}).then((kept) => kept || Response.error()),
-      ),
+      .catch(() => kept(null)),
   );
 });
 
+// What one share may keep on this device: the server's own limit refuses larger files later.
+const MAX_FILES = 10;
+const MAX_BYTES = 100 * 1024 * 1024;
+
 // The share sheet's POST: text, a link and images, kept in the outbox for the page to send
-// to today's note (now, or when the server can be reached).
+// to today's note once the person has said yes there (any web page can post a form to this
+// address: nothing it sends goes anywhere unseen).
 async function shared(request) {
   const form = await request.formData();
   const text = ["title", "text", "url"]
     .map((name) => String(form.get(name) || "").trim())
     .filter((value, i, all) => value && all.indexOf(value) === i)
     .join(" ");
-  const files = form.getAll("image").filter((f) => f && f.size);
+  let room = MAX_BYTES;
+  const files = form
+    .getAll("image")
+    .filter((f) => f && f.size && (room -= f.size) >= 0)
+    .slice(0, MAX_FILES);
   const db = await openBox();
   await new Promise((resolve, reject) => {
     const tx = db.transaction("meta", "readwrite");
@@ -16866,7 +17211,7 @@ async function shared(request) {
     read.onsuccess = () => {
       const items = read.result || [];
       const id = () => (self.crypto.randomUUID ? self.crypto.randomUUID() : String(Math.random()));
-      items.push({id: id(), kind: "capture", key: id(), text, files, at: Date.now()});
+      items.push({id: id(), kind: "capture", key: id(), text, files, at: Date.now(), ask: true});
       store.put(items, "outbox");
     };
     tx.oncomplete = resolve;

@@ -280,9 +280,12 @@ function updateDirty() {
   $("save").classList.toggle("clean", !dirty());
 }
 
+// A note not created yet keeps its draft under this name (one at a time).
+const NEW_NOTE = "(new note)";
 function draftKey(path) {
   return "notesvc.draft:" + state.base + "|" + path;
 }
+const draftName = () => (state.blank ? NEW_NOTE : state.path);
 function readDraft(path) {
   try {
     return JSON.parse(getItem("local", draftKey(path)) || "null");
@@ -291,15 +294,18 @@ function readDraft(path) {
   }
 }
 function keepDraft() {
-  if (!state.path) return;
+  const name = draftName();
+  if (!name) return;
   if (dirty()) {
     setItem(
       "local",
-      draftKey(state.path),
+      draftKey(name),
       JSON.stringify({content: editor().value, etag: state.etag, at: Date.now()}),
     );
-  } else {
-    removeItem("local", draftKey(state.path));
+  } else if (!state.blank && state.key) {
+    // saved: no draft (a new note's goes when it is created; with no key, what the copy
+    // on this device left as drafts stays)
+    removeItem("local", draftKey(name));
   }
 }
 let draftTimer = 0;
@@ -308,7 +314,8 @@ function scheduleDraft() {
   draftTimer = setTimeout(keepDraft, 300);
 }
 function dropDraft() {
-  if (state.path) removeItem("local", draftKey(state.path));
+  const name = draftName();
+  if (name) removeItem("local", draftKey(name));
   $("draft").hidden = true;
 }
 
@@ -324,15 +331,11 @@ async function confirmLeave() {
     why = " " + ((e.error && e.error.message) || "The server could not be reached.");
   }
   if (!dirty()) return false; // kept as a conflict copy: the page says where
-  const choice = await choose(
-    "Not saved",
-    "“" + state.title + "” could not be saved." + why,
-    [
-      ["retry", "Try again", "primary"],
-      ["discard", "Discard changes"],
-      ["cancel", "Stay"],
-    ],
-  );
+  const choice = await choose("Not saved", "“" + state.title + "” could not be saved." + why, [
+    ["retry", "Try again", "primary"],
+    ["discard", "Discard changes"],
+    ["cancel", "Stay"],
+  ]);
   if (choice === "retry") return confirmLeave();
   if (choice === "discard") {
     dropDraft();
@@ -343,12 +346,44 @@ async function confirmLeave() {
   return false;
 }
 
+// Put new text in the editor where the cursor stays on the words it was at (a change
+// elsewhere in the note moves it only by what was put in or taken out before it).
+function replaceText(text) {
+  const ed = editor();
+  const old = ed.value;
+  if (old === text) return;
+  const [a, b] = [ed.selectionStart, ed.selectionEnd];
+  let p = 0;
+  while (p < old.length && p < text.length && old[p] === text[p]) p++;
+  let q = 0;
+  while (
+    q < old.length - p &&
+    q < text.length - p &&
+    old[old.length - 1 - q] === text[text.length - 1 - q]
+  )
+    q++;
+  const at = (i) =>
+    i <= p ? i : i >= old.length - q ? i + text.length - old.length : text.length - q;
+  ed.value = text;
+  if (document.activeElement === ed) ed.setSelectionRange(at(a), at(b));
+}
+
+// A textarea holds lines ending in \n only: a note written with \r\n is shown with \n and
+// saved back with \r\n, so opening it changes nothing.
+const toEditor = (text) => text.replace(/\r\n?/g, "\n");
+function fromEditor(text) {
+  return state.crlf ? text.replace(/\n/g, "\r\n") : text;
+}
+
 function showNote(rec) {
+  const again = rec.path === state.path; // the same note, newer: the cursor stays
   state.path = rec.path;
   state.etag = rec.etag;
-  state.saved = rec.content;
+  state.crlf = rec.content.includes("\r\n");
+  state.saved = toEditor(rec.content);
   state.title = rec.title || nameOf(rec.path);
-  editor().value = rec.content;
+  if (again) replaceText(state.saved);
+  else editor().value = state.saved;
   $("title").textContent = state.title;
   $("path").textContent = rec.path + " · " + ago(rec.modified);
   $("path").title = rec.path;
@@ -370,12 +405,12 @@ async function openNote(path, opts) {
   try {
     data = (await api("GET", "/notes/" + enc(path))).data;
   } catch (e) {
-    data = e.status === 0 && offlineOn() ? await mirrorGet(path) : null;
+    data = unreachable(e) && offlineOn() ? await mirrorGet(path) : null;
     if (!data) throw e;
   }
   showNote(data);
   const draft = readDraft(data.path);
-  if (draft && draft.content !== data.content) {
+  if (draft && draft.content !== state.saved) {
     editor().value = draft.content;
     state.etag = draft.etag || data.etag; // a save meets the conflict if the note moved on
     $("draft-text").textContent =
@@ -401,6 +436,7 @@ function closeNote() {
   state.blank = false;
   state.etag = null;
   state.saved = "";
+  state.crlf = false;
   editor().value = "";
   $("note-bar").hidden = true;
   $("title").textContent = "";
@@ -452,7 +488,9 @@ async function toggleTask(n, box) {
   lines[n] = flipped;
   editor().value = lines.join("\n");
   if (!(await act(() => save(false))())) {
-    editor().value = state.saved;
+    const now = editor().value.split("\n"); // not saved: that tick is undone, nothing else
+    if (now[n] === flipped) now[n] = line;
+    editor().value = now.join("\n");
     updateDirty();
     renderView();
   }
@@ -491,8 +529,13 @@ async function writing(fn) {
   }
 }
 
+// One save at a time, in order: each starts from the version the one before it made.
+let saveChain = Promise.resolve();
 async function save(force) {
-  return state.path || state.blank ? writing(() => saveNow(force)) : false;
+  if (!state.path && !state.blank) return false;
+  const run = saveChain.then(() => writing(() => saveNow(force)));
+  saveChain = run.catch(() => {});
+  return run;
 }
 
 function newId() {
@@ -511,21 +554,20 @@ async function saveNow(force) {
   let r;
   try {
     if (force) {
-      r = await api("PUT", "/notes/" + enc(path), {content});
+      r = await api("PUT", "/notes/" + enc(path), {content: fromEditor(content)});
       r = {data: {note: r.data, merged: false}};
     } else {
-      r = await api(
-        "POST",
-        "/notes/" + enc(path) + "/merge",
-        {base: state.etag, content, clientName: deviceName()},
-        {"Idempotency-Key": newId()},
-      );
+      r = await api("POST", "/notes/" + enc(path) + "/merge", {
+        base: state.etag,
+        content: fromEditor(content),
+        clientName: deviceName(),
+      });
     }
   } catch (e) {
-    if (e.status === 0 && offlineOn()) return keepOffline(path, content);
-    if (e.status === 409 && e.error && e.error.conflictPath) return clashed(e.error);
+    if (unreachable(e) && offlineOn()) return keepOffline(path, content);
+    if (e.status === 409 && e.error && e.error.conflictPath) return clashed(e.error, path, content);
     if (e.status === 404 && force) {
-      r = await api("POST", "/notes", {path, content}); // gone: keep mine, write it again
+      r = await api("POST", "/notes", {path, content: fromEditor(content)}); // gone: keep mine
       r = {data: {note: r.data, merged: false}};
       loadTree().catch(() => {});
     } else if (e.status === 404) {
@@ -543,12 +585,16 @@ async function saveNow(force) {
 // without losing what was typed since (merged here too, three ways).
 function saved(note, sent) {
   state.etag = note.etag;
-  if (note.content !== sent) {
+  const theirs = toEditor(note.content);
+  let kept = false;
+  if (theirs !== sent) {
     const now = editor().value;
-    editor().value = now === sent ? note.content : merge3(sent, note.content, now).text;
+    const m = now === sent ? {text: theirs} : merge3(sent, theirs, now);
+    kept = !!m.conflict; // typed here over what was merged in: the editor keeps it, unsaved
+    if (!kept) replaceText(m.text);
     if (!state.editing) renderView();
   }
-  state.saved = note.content;
+  state.saved = theirs;
   state.title = note.title || state.title;
   $("title").textContent = state.title;
   $("path").textContent = note.path + " · " + ago(note.modified);
@@ -558,16 +604,30 @@ function saved(note, sent) {
   $("status").textContent = "Saved";
   $("status").className = "";
   updateDirty();
+  if (kept) scheduleSave(); // the next save merges it on the server (a copy if it overlaps)
   if (!state.editing) renderView();
 }
 
 // Both changed the same lines: the note keeps the other change; this edit is kept whole
 // beside it. Show the note as it is, and say where this edit went.
-async function clashed(err) {
-  dropDraft();
-  state.saved = editor().value;
-  await openNote(err.path);
-  showConflict(false, err.conflictPath);
+async function clashed(err, path, sent) {
+  const now = editor().value;
+  if (path === state.path) {
+    dropDraft();
+    state.saved = now;
+    if (now !== sent) {
+      // typed on while the save was on its way: the copy holds all of it
+      await api("PUT", "/notes/" + enc(err.conflictPath), {content: fromEditor(now)}).catch(
+        () => {},
+      );
+    }
+    await openNote(err.path);
+    showConflict(false, err.conflictPath);
+  } else {
+    toast(
+      "“" + nameOf(path) + "” changed meanwhile: your edit is kept as " + nameOf(err.conflictPath),
+    );
+  }
   loadTree().catch(() => {});
   loadRecent().catch(() => {});
   return false;
@@ -582,14 +642,19 @@ async function createFromText(content) {
   try {
     r = await api("POST", "/notes", body, {"Idempotency-Key": state.newKey});
   } catch (e) {
-    if (e.status === 0 && offlineOn()) return keepOffline(null, content);
+    if (unreachable(e) && offlineOn()) return keepOffline(null, content);
     throw e;
   }
+  removeItem("local", draftKey(NEW_NOTE));
   state.blank = false;
   mine(r.data.path);
   state.path = r.data.path;
   setItem("session", "notesvc.open", state.path);
-  saved(r.data, content);
+  // the answer may be an earlier try's (the same key, its answer lost): the editor keeps
+  // what was typed since, and saves it through merge from the version that was made
+  state.crlf = false;
+  saved(r.data, toEditor(r.data.content));
+  if (dirty()) scheduleSave();
   loadTree().catch(() => {});
   return true;
 }
@@ -624,9 +689,9 @@ async function autosave() {
     // Kept in this browser meanwhile; tried again, less and less often; said once.
     keepDraft();
     saveFailures++;
-    $("status").textContent = e.status === 0 ? "Not saved: no connection" : "Not saved";
+    $("status").textContent = unreachable(e) ? "Not saved: no connection" : "Not saved";
     $("status").className = "bad";
-    if (saveFailures === 1 && e.status !== 0 && e.status !== 401) toast(e.message, true);
+    if (saveFailures === 1 && !unreachable(e) && e.status !== 401) toast(e.message, true);
     clearTimeout(saveTimer);
     saveTimer = setTimeout(autosave, Math.min(60000, 5000 * saveFailures));
     return;
@@ -634,7 +699,8 @@ async function autosave() {
   if (dirty()) scheduleSave(); // typed on meanwhile
 }
 function saveAsThePageHides() {
-  if (!dirty() || !state.path || state.blank) return keepDraft();
+  // (a save on its way would make this one's base stale: the draft waits for the next visit)
+  if (!dirty() || !state.path || state.blank || state.writes) return keepDraft();
   const content = editor().value;
   if (new Blob([content]).size > 64 * 1024 || !state.key || state.keyBase !== state.base) {
     return keepDraft();
@@ -650,7 +716,11 @@ function saveAsThePageHides() {
       "X-Service-Key": state.key,
       "Idempotency-Key": newId(),
     },
-    body: JSON.stringify({base: state.etag, content, clientName: deviceName()}),
+    body: JSON.stringify({
+      base: state.etag,
+      content: fromEditor(content),
+      clientName: deviceName(),
+    }),
   }).catch(() => {});
 }
 
@@ -725,6 +795,13 @@ async function newNote() {
   $("note-bar").hidden = false;
   $("title").textContent = "New note";
   $("path").textContent = "The first line is its title";
+  const draft = readDraft(NEW_NOTE);
+  if (draft && draft.content.trim()) {
+    editor().value = draft.content; // written here before and never saved: it is back
+    $("draft-text").textContent =
+      "Your new note from " + new Date(draft.at).toLocaleString() + " is back.";
+    $("draft").hidden = false;
+  }
   setEditing(true);
   updateDirty();
   showPane("note");
@@ -1156,7 +1233,8 @@ async function changeCursor() {
 
 function applyChange(c) {
   if (offlineOn()) mirrorChange(c).catch(() => {});
-  if (c.kind === "modified") recentSoon(); // the recent list's order; the tree is the same
+  if (c.kind === "modified")
+    recentSoon(); // the recent list's order; the tree is the same
   else treeSoon(); // the tree's names (and the recent list)
   if (!state.path || own.has(c.from || c.path)) return;
   if (c.kind === "moved" && c.from === state.path) {
@@ -1351,7 +1429,7 @@ async function capture() {
   try {
     path = await appendToToday(text);
   } catch (e) {
-    if (e.status !== 0 || !offlineOn()) throw e;
+    if (!unreachable(e) || !offlineOn()) throw e;
     await loadOutbox();
     offline.items = queueCapture(offline.items, text, [], newId, Date.now()); // sent when it can be
     await saveOutbox();
@@ -1457,18 +1535,18 @@ async function ask() {
 async function start() {
   setSide(getItem("local", "notesvc.ui.side") !== "closed");
   offlineMenu();
-  if (offlineOn()) await loadOutbox();
+  if (offlineOn()) await loadOutboxOrSay();
   await Promise.all([
     loadTree(),
     readFeatures().catch((e) => (offlineOn() ? null : Promise.reject(e))),
   ]);
   if (features.changes) followChanges();
   if (offlineOn()) {
-    sendOutbox().catch(() => {}); // what waits (the share sheet's too) goes now
+    sendOutbox().catch(() => {}); // what waits goes now
     if (new URLSearchParams(location.search).has("shared")) {
       history.replaceState(history.state, "", location.pathname);
-      toast("Shared: it goes to today's note");
     }
+    act(askShared)(); // the share sheet's items, once the person says yes
   }
   const last = getItem("session", "notesvc.open");
   if (last) {
@@ -1477,6 +1555,8 @@ async function start() {
     } catch (e) {
       closeNote();
     }
+  } else if (readDraft(NEW_NOTE) && writable()) {
+    await newNote(); // a new note that was never saved: its text is back
   }
   if (NARROW.matches) {
     const pane = getItem("session", "notesvc.pane");
@@ -1519,7 +1599,16 @@ function wire() {
     act(() => openNote($("conflict").dataset.copy)),
   );
   $("conflict-ok").addEventListener("click", () => ($("conflict").hidden = true));
-  $("draft-discard").addEventListener("click", act(reloadTheirs));
+  $("draft-discard").addEventListener(
+    "click",
+    act(() => {
+      if (!state.blank) return reloadTheirs();
+      dropDraft(); // a new note's draft: the page starts blank again
+      editor().value = "";
+      updateDirty();
+      return undefined;
+    }),
+  );
   $("edit").addEventListener("click", () => {
     setEditing(!state.editing);
     if (state.editing) editor().focus();
@@ -1694,6 +1783,7 @@ wire();
   const kept = keptKey();
   state.base = kept ? kept.base : getItem("local", "notesvc.base") || "";
   if (!ownOrigin(state.base) || /^[a-z]+:/i.test(state.base)) state.base = "";
+  if (getItem("local", "notesvc.wipe")) forgetOffline().catch(() => {}); // one cut short
   // A pairing code may name any server: the page waits for a person to connect, and then
   // sends the kept key only if the code resolves to the API base it was kept for.
   if (kept && !code && !pairing) connect(false);

@@ -156,7 +156,11 @@ async function api(method, path, body, headers, opts) {
   } catch (e) {
     /* not JSON */
   }
-  if (r.ok && j && j.success) return {data: j.data, etag: r.headers.get("ETag"), status: r.status};
+  if (r.ok && j && j.success) {
+    // the server answers again: what waits on this device goes now
+    if (offline.items.length && !offline.sending) sendOutbox().catch(() => {});
+    return {data: j.data, etag: r.headers.get("ETag"), status: r.status};
+  }
   const err = (j && j.error) || {
     code: "HTTP_" + r.status,
     message: "The server answered " + r.status + ".",
@@ -170,6 +174,7 @@ async function api(method, path, body, headers, opts) {
       r.status === 401
         ? "The key was not accepted: it may have been rotated. Paste the current key."
         : message,
+      r.status,
     );
   }
   throw problem;
@@ -261,7 +266,7 @@ async function connect(typed) {
       v = await api("POST", "/auth/verify", undefined, undefined, {login: true});
       setItem("local", "notesvc.grant", JSON.stringify(v.data.grant || null));
     } catch (e) {
-      if (e.status === 0 && offlineOn() && state.keyBase === state.base) {
+      if (unreachable(e) && offlineOn() && state.keyBase === state.base) {
         // out of reach, and this device keeps the notes: open them from the copy
         const grant = JSON.parse(getItem("local", "notesvc.grant") || "null");
         v = {data: {grant, setupComplete: true}};
@@ -308,10 +313,11 @@ async function connect(typed) {
   }
 }
 
-function toKeyScreen(message) {
+function toKeyScreen(message, status) {
   keepDraft();
   feedRun++;
-  forgetOffline().catch(() => {}); // the key stopped working: no copy stays
+  // the key stopped working: no copy stays (too many tries is not that: the copy stays)
+  if (status === 401) forgetOffline().catch(() => {});
   state.key = "";
   state.keyBase = "";
   for (const kind of ["session", "local"]) {
@@ -326,6 +332,13 @@ function toKeyScreen(message) {
 
 async function logout() {
   if (!(await confirmLeave("Log out"))) return;
+  await sendOutbox().catch(() => {}); // what waits goes first, if it can
+  if (!(await letWaitingGo("Log out"))) return;
+  if (offlineOn()) {
+    // the next key on this device starts from nothing of this one's
+    removeItem("local", "notesvc.offline");
+    await wipeOffline().catch(() => {});
+  }
   for (const kind of ["local", "session"]) {
     const s = storage(kind);
     if (!s) continue;
@@ -371,7 +384,7 @@ async function fillFolder(folder, ul) {
   try {
     data = (await api("GET", treeUrl(folder))).data;
   } catch (e) {
-    if (e.status !== 0 || !offlineOn()) throw e;
+    if (!unreachable(e) || !offlineOn()) throw e;
     data = await mirrorTree(folder); // out of reach: the copy on this device
   }
   const items = (data.children || []).map(treeItem);
@@ -473,7 +486,7 @@ async function loadRecent() {
     const {data} = await api("GET", "/notes?sort=modified&fields=title,preview,modified&limit=30");
     notes = data.notes;
   } catch (e) {
-    if (e.status !== 0 || !offlineOn()) throw e;
+    if (!unreachable(e) || !offlineOn()) throw e;
     notes = await mirrorRecent(30);
   }
   const items = notes.map((n) =>

@@ -3,18 +3,42 @@
 // when the person typed on while a save was on its way and the server merged in someone
 // else's change meanwhile. The word diff draws a version against another on a phone.
 
-// Myers' diff of two arrays (by ===): the matching runs, as [aStart, bStart, length].
+// Past this many differences a diff gives up on the middle: it is one change there (a
+// merge then keeps both sides apart, a word diff marks it all), in bounded time and memory.
+const MAX_EDITS = 2000;
+
+// Myers' diff of two arrays (by ===): the matching runs, as [aStart, bStart, length]. The
+// common start and end are matched first; the middle is searched at most MAX_EDITS deep.
 function matches(a, b) {
+  let pre = 0;
+  while (pre < a.length && pre < b.length && a[pre] === b[pre]) pre++;
+  let suf = 0;
+  while (
+    suf < a.length - pre &&
+    suf < b.length - pre &&
+    a[a.length - 1 - suf] === b[b.length - 1 - suf]
+  )
+    suf++;
+  const mid = myers(a.slice(pre, a.length - suf), b.slice(pre, b.length - suf)) || [];
+  const runs = [[0, 0, pre], ...mid.map(([x, y, len]) => [x + pre, y + pre, len])];
+  runs.push([a.length - suf, b.length - suf, suf]);
+  return runs.filter((r) => r[2] > 0);
+}
+
+// The runs of a against b, or null past MAX_EDITS. Each depth keeps only its own diagonals
+// (2d + 3 of them), so the memory is the square of the differences, not of the lengths.
+function myers(a, b) {
   const n = a.length;
   const m = b.length;
   const max = n + m;
-  const v = new Int32Array(2 * max + 2);
+  const v = new Int32Array(2 * max + 3);
   const trace = [];
-  let done = false;
+  let done = max === 0;
   for (let d = 0; d <= max && !done; d++) {
-    trace.push(v.slice());
+    if (d > MAX_EDITS) return null;
+    trace.push(v.slice(max - d, max + d + 3)); // diagonals -d-1 .. d+1
     for (let k = -d; k <= d; k += 2) {
-      const i = k + max;
+      const i = k + max + 1;
       let x = k === -d || (k !== d && v[i - 1] < v[i + 1]) ? v[i + 1] : v[i - 1] + 1;
       let y = x - k;
       while (x < n && y < m && a[x] === b[y]) {
@@ -34,10 +58,10 @@ function matches(a, b) {
   let y = m;
   for (let d = trace.length - 1; d >= 0 && (x > 0 || y > 0); d--) {
     const vd = trace[d];
+    const at = (k) => vd[k + d + 1];
     const k = x - y;
-    const i = k + max;
-    const prevK = k === -d || (k !== d && vd[i - 1] < vd[i + 1]) ? k + 1 : k - 1;
-    const prevX = d === 0 ? 0 : vd[prevK + max];
+    const prevK = k === -d || (k !== d && at(k - 1) < at(k + 1)) ? k + 1 : k - 1;
+    const prevX = d === 0 ? 0 : at(prevK);
     const prevY = prevX - prevK;
     const startX = d === 0 ? 0 : prevK === k + 1 ? prevX : prevX + 1;
     const startY = startX - k;

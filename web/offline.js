@@ -11,6 +11,12 @@ function offlineOn() {
   return !!state.base && getItem("local", "notesvc.offline") === state.base;
 }
 
+// The server cannot be reached: no answer at all, or the relay's word that the server
+// behind it is not there (502, 503, 504).
+function unreachable(e) {
+  return e.status === 0 || e.status === 502 || e.status === 503 || e.status === 504;
+}
+
 function offlinePossible() {
   return (
     window.isSecureContext &&
@@ -58,6 +64,7 @@ async function mirrorAll() {
   return (await stored("notes", "readonly", (s) => s.getAll())) || [];
 }
 async function mirrorDrop(path) {
+  if (!offlineOn()) return;
   await stored("notes", "readwrite", (s) => s.delete(path));
 }
 async function mirrorRecent(limit) {
@@ -95,7 +102,17 @@ async function loadOutbox() {
     : [];
   showWaiting();
 }
+// At start: a browser that refuses IndexedDB (private mode, storage full) still opens the
+// notes from the server; the page says the copy cannot be read.
+async function loadOutboxOrSay() {
+  try {
+    await loadOutbox();
+  } catch (e) {
+    toast("The notes kept on this device cannot be read here: " + (e.message || e), true);
+  }
+}
 async function saveOutbox() {
+  if (!offlineOn()) return; // the copy was let go meanwhile: nothing is kept again
   await stored("meta", "readwrite", (s) => s.put(offline.items, "outbox"));
   showWaiting();
   if (offline.tabs) offline.tabs.postMessage("outbox"); // the other tabs show it too
@@ -143,6 +160,7 @@ async function keepOffline(path, content) {
     modified: new Date().toISOString(),
   });
   await saveOutbox();
+  loadRecent().catch(() => {}); // the list shows it too (from this device's copy)
   $("status").textContent = "Kept on this device";
   $("status").className = "";
   updateDirty();
@@ -162,14 +180,15 @@ async function sendWaiting() {
   offline.sending = true;
   try {
     await loadOutbox();
-    while (offline.items.length) {
-      const item = offline.items[0];
+    for (let item = nextItem(offline.items); item && offlineOn();) {
+      offline.items = markSent(offline.items, item); // a later edit queues anew
+      await saveOutbox();
       let answer;
       try {
         answer = await sendItem(item);
       } catch (e) {
-        const refused = e.status >= 400 && e.status < 500 && e.status !== 408 && e.status !== 429;
-        if (!refused) break; // out of reach, or the server is unwell: later, as it is
+        const refused = e.status >= 400 && e.status < 500 && ![401, 408, 429].includes(e.status);
+        if (!refused) break; // out of reach, the server unwell, the key refused: later, as it is
         // refused for good (too large, no longer allowed): out of the queue, and said; an
         // edit of a note stays in this browser as its draft
         if (item.kind === "save") {
@@ -185,8 +204,11 @@ async function sendWaiting() {
         $("path").textContent = answer.path;
       }
       if (item.kind === "create" && answer) await mirrorDrop(item.local);
-      offline.items = answer ? settle(offline.items, item, answer) : offline.items.slice(1);
+      if (!offlineOn()) break; // the key stopped working meanwhile: what waits became drafts
+      await loadOutbox(); // this tab's own edits made meanwhile are in it
+      offline.items = settle(offline.items, item, answer || {});
       await saveOutbox();
+      item = nextItem(offline.items);
     }
   } finally {
     offline.sending = false;
@@ -217,7 +239,13 @@ async function sendItem(item) {
         const limit = /over (\d+) bytes/.exec(e.message || "");
         const why = limit ? "this server takes files up to " + sizeText(+limit[1]) : e.message;
         toast(
-          "“" + name + "” (" + sizeText(file.size) + ") was not added: " + why + ". " +
+          "“" +
+            name +
+            "” (" +
+            sizeText(file.size) +
+            ") was not added: " +
+            why +
+            ". " +
             (text ? "The text is in today's note." : ""),
           true,
         );
@@ -320,7 +348,10 @@ async function enableOffline() {
     );
     return;
   }
+  await idb(); // a browser that refuses IndexedDB says so here, before anything is kept
+  await wipeOffline(); // whatever another key left on this device is not this key's
   await navigator.serviceWorker.register("sw.js");
+  if (navigator.storage && navigator.storage.persist) navigator.storage.persist().catch(() => {});
   setItem("local", "notesvc.offline", state.base);
   if (getItem("local", "notesvc.key") === null) {
     // the app opens without the server (and from the share sheet): this device keeps the
@@ -329,13 +360,14 @@ async function enableOffline() {
     setItem("local", "notesvc.keyFor", state.base);
     setItem("local", "notesvc.offlineKey", "1");
   }
-  await stored("meta", "readwrite", (s) => s.put({key: state.key, base: state.base}, "device"));
   offlineMenu();
   await copyAll();
   toast("Your notes are kept on this device: they open without a connection");
 }
 
 async function disableOffline() {
+  await sendOutbox().catch(() => {}); // what waits goes first, if it can
+  if (!(await letWaitingGo("Stop keeping notes on this device"))) return;
   removeItem("local", "notesvc.offline");
   if (getItem("local", "notesvc.offlineKey") === "1") {
     for (const name of ["notesvc.key", "notesvc.keyFor", "notesvc.offlineKey"]) {
@@ -347,14 +379,55 @@ async function disableOffline() {
   toast("The copy on this device is deleted");
 }
 
-// The key this device kept was refused (revoked, rotated): the copy goes with it.
-async function forgetOffline() {
-  if (!offlineOn()) return;
-  removeItem("local", "notesvc.offline");
-  removeItem("local", "notesvc.offlineKey");
-  await wipeOffline();
+// Changes not sent yet, before the copy is deleted: resolve to true when the person lets
+// them go (or there are none).
+async function letWaitingGo(title) {
+  if (!offlineOn()) return true;
+  await loadOutbox().catch(() => {});
+  if (!offline.items.length) return true;
+  const choice = await choose(
+    title,
+    waiting(offline.items) +
+      ": the server could not be reached. They are lost if the copy on this device is deleted now.",
+    [
+      ["cancel", "Keep them", "primary"],
+      ["delete", "Delete them"],
+    ],
+  );
+  return choice === "delete";
 }
 
+// The key this device kept was refused (revoked, rotated): the copy goes with it; what was
+// written here and not sent yet stays in this browser as drafts (a note's edit reopens
+// with it; new notes and shared text as one new note's draft), for the next key to send.
+async function forgetOffline() {
+  if (!offlineOn() && getItem("local", "notesvc.wipe") !== state.base) return;
+  setItem("local", "notesvc.wipe", state.base); // finished at the next start if cut short
+  removeItem("local", "notesvc.offline");
+  removeItem("local", "notesvc.offlineKey");
+  const items = await stored("meta", "readonly", (s) => s.get("outbox")); // (unread: kept)
+  const loose = [];
+  for (const item of items || []) {
+    if (item.kind === "save") {
+      const draft = {content: item.content, etag: item.base, at: Date.now()};
+      setItem("local", draftKey(item.path), JSON.stringify(draft));
+    } else if (item.kind === "create") {
+      loose.push(item.content);
+    } else if (item.text && !item.ask) {
+      loose.push(item.text);
+    }
+  }
+  if (loose.length) {
+    const old = readDraft(NEW_NOTE);
+    if (old) loose.unshift(old.content);
+    const draft = {content: loose.join("\n\n"), at: Date.now()};
+    setItem("local", draftKey(NEW_NOTE), JSON.stringify(draft));
+  }
+  await wipeOffline();
+  removeItem("local", "notesvc.wipe");
+}
+
+// Everything this option kept: the copy, the outbox, the worker and the app's cache.
 async function wipeOffline() {
   offline.items = [];
   if (offline.db) offline.db.close();
@@ -363,7 +436,31 @@ async function wipeOffline() {
   if ("serviceWorker" in navigator) {
     for (const r of await navigator.serviceWorker.getRegistrations()) await r.unregister();
   }
+  if ("caches" in window) for (const name of await caches.keys()) await caches.delete(name);
   showWaiting();
+}
+
+// What the share sheet brought waits for a yes here: any web page can post to the share
+// address, so nothing reaches today's note until the person has seen it.
+async function askShared() {
+  await loadOutbox();
+  for (const item of offline.items.filter((i) => i.ask)) {
+    const files = (item.files || []).map((f) => f.name || "image");
+    const body = [el("p", {}, "Add this to today's note?")];
+    if (item.text) body.push(el("blockquote", {class: "shared-text"}, item.text.slice(0, 500)));
+    if (files.length) body.push(el("p", {}, "With " + files.join(", ")));
+    const yes =
+      (await dialog("Shared to notesvc", body, [
+        ["add", "Add to today's note", "primary"],
+        ["drop", "Discard"],
+      ])) === "add";
+    await loadOutbox();
+    offline.items = yes
+      ? offline.items.map((i) => (i.id === item.id ? {...i, ask: false} : i))
+      : offline.items.filter((i) => i.id !== item.id);
+    await saveOutbox();
+  }
+  sendOutbox().catch(() => {});
 }
 
 function offlineMenu() {

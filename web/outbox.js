@@ -32,15 +32,33 @@ function queueCapture(items, text, files, newId, at) {
 }
 
 // The item sent: gone from the queue. A create's answer gives the note its path: later
-// saves of it go there, from the version the server made.
+// saves of it go there, from the version the server made; a later save of a note just
+// saved starts from the version that save made (its text already holds the earlier edit).
 function settle(items, item, answer) {
+  const made = answer && answer.etag;
   return items
     .filter((i) => i.id !== item.id)
-    .map((i) =>
-      item.kind === "create" && i.kind === "save" && i.path === item.local
-        ? {...i, path: answer.path, base: answer.etag}
-        : i,
-    );
+    .map((i) => {
+      if (i.kind !== "save") return i;
+      if (item.kind === "create" && i.path === item.local) {
+        return {...i, path: answer.path, base: answer.etag};
+      }
+      if (item.kind === "save" && made && i.path === item.path && answer.path === item.path) {
+        return {...i, base: answer.etag};
+      }
+      return i;
+    });
+}
+
+// Before an item goes out it is marked sent: a later edit of the same note queues anew
+// instead of changing text that may already be on the server.
+function markSent(items, item) {
+  return items.map((i) => (i.id === item.id ? {...i, sent: true} : i));
+}
+
+// The first item that may go now: the share sheet's items wait until the person says yes.
+function nextItem(items) {
+  return items.find((i) => !i.ask) || null;
 }
 
 // What the page says about the queue.
@@ -51,5 +69,5 @@ function waiting(items) {
 }
 
 if (typeof module !== "undefined") {
-  module.exports = {queueSave, queueCreate, queueCapture, settle, waiting};
+  module.exports = {queueSave, queueCreate, queueCapture, settle, markSent, nextItem, waiting};
 }

@@ -24,31 +24,42 @@ self.addEventListener("fetch", (event) => {
   }
   const shell = SHELL.map((p) => new URL(p, self.registration.scope).pathname);
   if (event.request.method !== "GET" || !shell.includes(url.pathname)) return; // the API
-  // the app: the network's when it answers (kept for next time), else the kept copy
+  // the app: the network's when it answers (kept for next time), else the kept copy (also
+  // when a relay answers for a server it cannot reach: 502, 503, 504)
+  const kept = (answer) =>
+    caches.match(event.request, {ignoreSearch: true}).then((k) => k || answer || Response.error());
   event.respondWith(
     fetch(event.request)
       .then((answer) => {
         if (answer.ok) {
           const copy = answer.clone();
           caches.open(APP).then((cache) => cache.put(event.request, copy));
+          return answer;
         }
-        return answer;
+        return answer.status >= 502 && answer.status <= 504 ? kept(answer) : answer;
       })
-      .catch(() =>
-        caches.match(event.request, {ignoreSearch: true}).then((kept) => kept || Response.error()),
-      ),
+      .catch(() => kept(null)),
   );
 });
 
+// What one share may keep on this device: the server's own limit refuses larger files later.
+const MAX_FILES = 10;
+const MAX_BYTES = 100 * 1024 * 1024;
+
 // The share sheet's POST: text, a link and images, kept in the outbox for the page to send
-// to today's note (now, or when the server can be reached).
+// to today's note once the person has said yes there (any web page can post a form to this
+// address: nothing it sends goes anywhere unseen).
 async function shared(request) {
   const form = await request.formData();
   const text = ["title", "text", "url"]
     .map((name) => String(form.get(name) || "").trim())
     .filter((value, i, all) => value && all.indexOf(value) === i)
     .join(" ");
-  const files = form.getAll("image").filter((f) => f && f.size);
+  let room = MAX_BYTES;
+  const files = form
+    .getAll("image")
+    .filter((f) => f && f.size && (room -= f.size) >= 0)
+    .slice(0, MAX_FILES);
   const db = await openBox();
   await new Promise((resolve, reject) => {
     const tx = db.transaction("meta", "readwrite");
@@ -57,7 +68,7 @@ async function shared(request) {
     read.onsuccess = () => {
       const items = read.result || [];
       const id = () => (self.crypto.randomUUID ? self.crypto.randomUUID() : String(Math.random()));
-      items.push({id: id(), kind: "capture", key: id(), text, files, at: Date.now()});
+      items.push({id: id(), kind: "capture", key: id(), text, files, at: Date.now(), ask: true});
       store.put(items, "outbox");
     };
     tx.oncomplete = resolve;

@@ -91,3 +91,21 @@ test("wordDiff: what changed, word by word, the rest as it was", () => {
   assert.equal(joined(wordDiff(a, b), "add"), a);
   assert.equal(joined(wordDiff(a, b), "del"), b);
 });
+
+test("a diff of two unrelated long texts is bounded: one change in the middle", () => {
+  const words = (seed, n) =>
+    Array.from({length: n}, (_, i) => "w" + ((i * 7919 + seed * 104729) % 100003));
+  const a = ["same", ...words(1, 60000), "end"];
+  const b = ["same", ...words(2, 60000), "end"];
+  const started = Date.now();
+  assert.deepEqual(matches(a, b), [
+    [0, 0, 1],
+    [60001, 60001, 1],
+  ]);
+  assert.ok(Date.now() - started < 5000);
+  const diff = wordDiff(a.join(" "), b.join(" "));
+  assert.equal(diff.filter((p) => p.op === "same").length, 2);
+  // a merge past the bound keeps the page's text and calls it a conflict, never a mix
+  const m = merge3(a.join("\n"), b.join("\n"), ["same", ...words(3, 60000), "end"].join("\n"));
+  assert.equal(m.conflict, true);
+});

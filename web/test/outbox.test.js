@@ -2,7 +2,15 @@
 // node --test web/test/: the outbox (web/outbox.js).
 const test = require("node:test");
 const assert = require("node:assert/strict");
-const {queueSave, queueCreate, queueCapture, settle, waiting} = require("../outbox.js");
+const {
+  queueSave,
+  queueCreate,
+  queueCapture,
+  settle,
+  markSent,
+  nextItem,
+  waiting,
+} = require("../outbox.js");
 
 function ids() {
   let n = 0;
@@ -59,4 +67,26 @@ test("every item has its own idempotency key", () => {
   q = queueCreate(q, "new:2", "notes/inbox", "y", id);
   q = queueCapture(q, "z", [], id);
   assert.equal(new Set(q.map((i) => i.key)).size, 3);
+});
+
+test("a save on its way is not changed: the next edit queues anew, from the version it made", () => {
+  const id = ids();
+  let q = queueSave([], "notes/a.md", '"v1"', "one", id);
+  q = markSent(q, q[0]);
+  q = queueSave(q, "notes/a.md", '"v1"', "one two", id);
+  assert.equal(q.length, 2);
+  assert.equal(q[0].content, "one");
+  q = settle(q, q[0], {path: "notes/a.md", etag: '"v2"'});
+  assert.deepEqual(
+    q.map((i) => [i.path, i.base, i.content]),
+    [["notes/a.md", '"v2"', "one two"]],
+  );
+});
+
+test("the share sheet's items wait for a yes; the others go past them", () => {
+  const id = ids();
+  const held = {id: "s", kind: "capture", key: "s", text: "from a web page", ask: true};
+  const q = queueSave([held], "notes/a.md", '"v1"', "one", id);
+  assert.equal(nextItem(q).path, "notes/a.md");
+  assert.equal(nextItem([held]), null);
 });
