@@ -15804,7 +15804,7 @@ async function changeCursor() {
 
 function applyChange(c) {
   if (offlineOn()) mirrorChange(c).catch(() => {});
-  if (c.kind === "modified")
+  if (c.kind === "updated" || c.kind === "modified")
     recentSoon(); // the recent list's order; the tree is the same
   else treeSoon(); // the tree's names (and the recent list)
   if (!state.path || own.has(c.from || c.path)) return;
@@ -16966,16 +16966,33 @@ async function copyAll() {
   const box = $("offline-state");
   box.hidden = false;
   box.title = "Copying your notes to this device";
+  // kept 50 at a time, one transaction each (a transaction per note costs the page more
+  // than the requests do)
+  let batch = [];
+  const flush = async () => {
+    const notes = batch;
+    batch = [];
+    const kept = notes.map((n) => ({
+      path: n.path,
+      title: n.title,
+      etag: n.etag,
+      modified: n.modified,
+      content: n.content,
+    }));
+    await stored("notes", "readwrite", (s) => kept.forEach((n) => s.put(n)));
+  };
   const worker = async () => {
     while (paths.length) {
       const path = paths.pop();
       const {data} = await api("GET", "/notes/" + enc(path));
-      await mirrorPut(data);
+      batch.push(data);
+      if (batch.length >= 50) await flush();
       done++;
       if (done % 25 === 0) box.textContent = "Copying " + done + "/" + total;
     }
   };
   await Promise.all(Array.from({length: 6}, worker));
+  await flush();
   box.textContent = done + " notes kept";
   box.title = done + " notes kept on this device";
   box.className = "ready";

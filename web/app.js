@@ -1233,7 +1233,7 @@ async function changeCursor() {
 
 function applyChange(c) {
   if (offlineOn()) mirrorChange(c).catch(() => {});
-  if (c.kind === "modified")
+  if (c.kind === "updated" || c.kind === "modified")
     recentSoon(); // the recent list's order; the tree is the same
   else treeSoon(); // the tree's names (and the recent list)
   if (!state.path || own.has(c.from || c.path)) return;

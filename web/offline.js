@@ -312,16 +312,33 @@ async function copyAll() {
   const box = $("offline-state");
   box.hidden = false;
   box.title = "Copying your notes to this device";
+  // kept 50 at a time, one transaction each (a transaction per note costs the page more
+  // than the requests do)
+  let batch = [];
+  const flush = async () => {
+    const notes = batch;
+    batch = [];
+    const kept = notes.map((n) => ({
+      path: n.path,
+      title: n.title,
+      etag: n.etag,
+      modified: n.modified,
+      content: n.content,
+    }));
+    await stored("notes", "readwrite", (s) => kept.forEach((n) => s.put(n)));
+  };
   const worker = async () => {
     while (paths.length) {
       const path = paths.pop();
       const {data} = await api("GET", "/notes/" + enc(path));
-      await mirrorPut(data);
+      batch.push(data);
+      if (batch.length >= 50) await flush();
       done++;
       if (done % 25 === 0) box.textContent = "Copying " + done + "/" + total;
     }
   };
   await Promise.all(Array.from({length: 6}, worker));
+  await flush();
   box.textContent = done + " notes kept";
   box.title = done + " notes kept on this device";
   box.className = "ready";
