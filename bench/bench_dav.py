@@ -1,0 +1,562 @@
+"""Benchmark: notesvc's WebDAV (/dav/) against WsgiDAV and rclone's server (not run by the tests).
+
+    python bench/bench_dav.py                    # all three; ~2 min on 2 cores
+    python bench/bench_dav.py --only peers       # WsgiDAV and rclone alone (no notesvc)
+    python bench/bench_dav.py --only notesvc --seconds 3 --rounds 100
+
+The tree: the first --notes notes of /work/shared/bench/corpus.py's real-text corpus
+(--corpus, built there when missing), written as notes/f<NN>/<name>.md (50 folders, note i
+in folder i % 50) plus every one of them again in notes/big/ (the folder of --notes notes).
+notesvc gets it in its root; each peer gets a copy of that notes/ subtree, so all three
+serve the same bytes. All three run at once, on loopback, in the same run:
+
+- notesvc: `notesvc.py --root <root>` (SERVICE_RESCAN_SECONDS=0, as the other benches),
+  at /dav/, HTTP Basic with the API key as password, checked on every request;
+- WsgiDAV (the Python peer; pip install wsgidav cheroot): its filesystem provider on
+  cheroot under the same interpreter, `--auth anonymous --no-config -q` (no request log);
+- rclone (the Go peer): `rclone serve webdav <dir>` with its defaults (no auth; it keeps
+  directory listings 5 min, --dir-cache-time).
+
+The rows, each checked for its status (PROPFIND 207, GET 200, PUT 200/201/204 — RFC 9110
+allows 200 or 204 for an overwrite; the API's PUT 200), and every other answer counted as
+an error:
+
+- PROPFIND Depth: 1 of notes/big/ with the prop body rclone and Obsidian's plugins send
+  (resourcetype, getcontentlength, getlastmodified, getetag, getcontenttype);
+- GET of a note of notes/f00/ (in turn);
+- PUT of a note of notes/f01/ (in turn; new bytes each time: the note's text plus a line;
+  each client its own notes, unless --notes is under 400: then clients share notes, and
+  rclone answers 423 to a PUT while another one writes the same file);
+- and, notesvc only, the reference for PUT's price: `PUT /api/v1/notes/<path>` with
+  {"content": ...} and X-Service-Key, on the same notes.
+
+Each row is measured twice: one client, sequential (--rounds requests, PROPFIND a quarter of
+that; the three servers asked in turn, request by request, so noise hits all alike) for
+p50/p99; then 8 concurrent clients (threads, a keep-alive http.client connection each) for
+--seconds per server and row, one server at a time, for req/s (with the server's CPU ms a
+request: the clients are Python on the same cores). Before any of it, each server is warmed
+up and checked: the PROPFIND lists --notes + 1 entries, a GET gives the file's bytes, a PUT
+is read back. After the run, each server's RssAnon.
+
+Goals (issue text): ahead of WsgiDAV on every row (here: lower p50 and higher req/s); within
+2x of rclone's server on PROPFIND and GET (p50 at most 2x, req/s at least half); PUT may pay
+for history and fsync, and states that price against a PUT to the API.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import http.client
+import importlib.metadata
+import importlib.util
+import json
+import os
+import re
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.parse
+import urllib.request
+from collections import Counter
+from dataclasses import dataclass, field
+from pathlib import Path
+
+HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from bench_offline import corpus_notes  # noqa: E402
+from bench_relay import pct, proc_figures, start  # noqa: E402
+
+FOLDERS = 50
+CLIENTS = 8
+RCLONE = shutil.which("rclone") or "/usr/bin/rclone"
+PROPFIND_BODY = (
+    b'<?xml version="1.0"?><d:propfind xmlns:d="DAV:"><d:prop><d:resourcetype/>'
+    b"<d:getcontentlength/><d:getlastmodified/><d:getetag/><d:getcontenttype/>"
+    b"</d:prop></d:propfind>"
+)
+# row -> (label, statuses that count as answered)
+ROWS = {
+    "propfind": ("PROPFIND depth 1, notes/big/", {207}),
+    "get": ("GET a note", {200}),
+    "put": ("PUT a note", {200, 201, 204}),
+    "api_put": ("ref.: PUT to the API", {200}),
+}
+PHASES = (("propfind",), ("get",), ("put", "api_put"))  # rows asked in turn, sequentially
+
+
+# -- the tree -------------------------------------------------------------------------------
+
+
+def seed_tree(root: Path, notes: list) -> dict:
+    """Write notes/f<NN>/<name>.md (note i in folder i % 50) and notes/big/<name>.md under
+    `root`; return the paths (relative to root) to GET (f00) and to PUT (f01), and `n`."""
+    tree: dict = {"get": [], "put": [], "n": len(notes)}
+    for i, (rel, text) in enumerate(notes):
+        stem = Path(rel).stem
+        for folder in (f"f{i % FOLDERS:02d}", "big"):
+            path, k = f"notes/{folder}/{stem}.md", 2
+            while (root / path).exists():
+                path, k = f"notes/{folder}/{stem}-{k}.md", k + 1
+            (root / path).parent.mkdir(parents=True, exist_ok=True)
+            (root / path).write_text(text, encoding="utf-8")
+            if folder == "f00":
+                tree["get"].append(path)
+            elif folder == "f01":
+                tree["put"].append(path)
+    tree["text"] = {p: (root / p).read_bytes() for p in tree["get"] + tree["put"]}
+    return tree
+
+
+# -- servers --------------------------------------------------------------------------------
+
+
+@dataclass
+class Server:
+    name: str
+    proc: subprocess.Popen
+    port: int
+    prefix: str = ""  # where the tree is in its URLs: "/dav" for notesvc
+    headers: dict = field(default_factory=dict)  # auth, when it asks for any
+    key: str = ""
+    version: str = ""
+
+    def connect(self) -> http.client.HTTPConnection:
+        return http.client.HTTPConnection("127.0.0.1", self.port, timeout=60)
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def wait_listening(proc: subprocess.Popen, port: int, name: str, seconds: float = 30) -> None:
+    deadline = time.monotonic() + seconds
+    while time.monotonic() < deadline:
+        if proc.poll() is not None:
+            raise SystemExit(f"{name} exited at start ({proc.returncode})")
+        try:
+            socket.create_connection(("127.0.0.1", port), timeout=1).close()
+            return
+        except OSError:
+            time.sleep(0.05)
+    raise SystemExit(f"{name} did not listen on {port} within {seconds:.0f} s")
+
+
+def start_wsgidav(folder: Path) -> Server:
+    """WsgiDAV's filesystem provider over `folder`, on cheroot, under this interpreter."""
+    if importlib.util.find_spec("wsgidav") is None:
+        raise SystemExit("no WsgiDAV here: pip install wsgidav cheroot")
+    port = free_port()
+    cmd = [sys.executable, "-m", "wsgidav.server.server_cli", "--host", "127.0.0.1"]
+    cmd += ["--port", str(port), "--root", str(folder), "--auth", "anonymous", "--no-config"]
+    proc = subprocess.Popen(
+        [*cmd, "-q"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=folder
+    )
+    wait_listening(proc, port, "WsgiDAV")
+    return Server("WsgiDAV", proc, port, version=importlib.metadata.version("wsgidav"))
+
+
+def start_rclone(folder: Path) -> Server:
+    """`rclone serve webdav` over `folder`, with its defaults."""
+    if not Path(RCLONE).exists():
+        raise SystemExit("no rclone here: apt-get install rclone")
+    port = free_port()
+    proc = subprocess.Popen(
+        [RCLONE, "serve", "webdav", str(folder), "--addr", f"127.0.0.1:{port}"],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+    )
+    wait_listening(proc, port, "rclone")
+    out = subprocess.run([RCLONE, "version"], capture_output=True, text=True, check=False)
+    return Server("rclone", proc, port, version=out.stdout.split("\n", 1)[0].split()[-1])
+
+
+def stop(server: Server) -> None:
+    if server.proc.poll() is None:
+        server.proc.terminate()
+        try:
+            server.proc.wait(10)
+        except subprocess.TimeoutExpired:
+            server.proc.kill()
+            server.proc.wait()
+
+
+# -- notesvc: its /dav/ and, for PUT's price, the API's PUT ----------------------------------
+
+
+def start_notesvc(root: Path) -> Server:
+    """A real notesvc server on `root`; WebDAV by Basic auth with the key (any user name)."""
+    proc, port = start("--root", str(root), env={"SERVICE_RESCAN_SECONDS": "0"})
+    url = f"http://127.0.0.1:{port}/api/v1/system/setup"
+    with urllib.request.urlopen(url, timeout=60) as resp:
+        key = json.loads(resp.read())["data"]["apiKey"]
+    basic = base64.b64encode(f"bench:{key}".encode()).decode()
+    version = re.search(r'^__version__ = "([^"]+)"', (HERE.parent / "notesvc.py").read_text(), re.M)
+    return Server(
+        "notesvc",
+        proc,
+        port,
+        prefix="/dav",
+        headers={"Authorization": f"Basic {basic}"},
+        key=key,
+        version=version.group(1) if version else "",
+    )
+
+
+def api_put_request(server: Server, tree: dict):
+    """The reference for PUT's price: `PUT /api/v1/notes/<path>` {"content"}, the same notes."""
+
+    def make(client: int, i: int) -> tuple:
+        path = pick(tree["put"], client, i)
+        text = tree["text"][path].decode() + f"\nedit {client}.{i} by the API\n"
+        headers = {"X-Service-Key": server.key, "Content-Type": "application/json"}
+        body = json.dumps({"content": text}).encode()
+        return "PUT", "/api/v1/notes/" + urllib.parse.quote(path, safe=""), body, headers
+
+    return make
+
+
+def settle_notesvc(server: Server) -> None:
+    """Its index caught up with the tree before anything is timed."""
+    conn = server.connect()
+    conn.request("GET", "/api/v1/search?q=the&limit=1", headers={"X-Service-Key": server.key})
+    conn.getresponse().read()
+    conn.close()
+    time.sleep(1)
+
+
+# -- requests -------------------------------------------------------------------------------
+
+
+def pick(paths: list, client: int, i: int) -> str:
+    """The i-th path of `client`'s own share (client c takes paths c, c + 8, ...)."""
+    mine = paths[client::CLIENTS] or paths
+    return mine[i % len(mine)]
+
+
+def dav_request(server: Server, row: str, tree: dict):
+    """Return make(client, i) -> (method, url, body, headers) for a WebDAV row."""
+    base = server.headers
+
+    def propfind(client: int, i: int) -> tuple:
+        headers = {**base, "Depth": "1", "Content-Type": 'application/xml; charset="utf-8"'}
+        return "PROPFIND", f"{server.prefix}/notes/big/", PROPFIND_BODY, headers
+
+    def get(client: int, i: int) -> tuple:
+        path = pick(tree["get"], client, i)
+        return "GET", server.prefix + "/" + urllib.parse.quote(path), None, base
+
+    def put(client: int, i: int) -> tuple:
+        path = pick(tree["put"], client, i)
+        body = tree["text"][path] + f"\nedit {client}.{i}\n".encode()
+        headers = {**base, "Content-Type": "text/markdown"}
+        return "PUT", server.prefix + "/" + urllib.parse.quote(path), body, headers
+
+    return {"propfind": propfind, "get": get, "put": put}[row]
+
+
+def ask(conn: http.client.HTTPConnection, req: tuple) -> tuple:
+    """Send one request; return its status, its body and the ms it took."""
+    method, url, body, headers = req
+    started = time.perf_counter()
+    conn.request(method, url, body, headers)
+    resp = conn.getresponse()
+    data = resp.read()
+    return resp.status, data, (time.perf_counter() - started) * 1000
+
+
+def check(server: Server, tree: dict) -> list:
+    """Warm the server up and check its answers; return what was wrong."""
+    conn, wrong = server.connect(), []
+    status, data, _ = ask(conn, dav_request(server, "propfind", tree)(0, 0))
+    entries = len(re.findall(rb"<(?:[\w-]+:)?response[\s>]", data))
+    if status != 207 or entries != tree["n"] + 1:
+        wrong.append(
+            f"PROPFIND notes/big/: {status}, {entries} entries (want 207, {tree['n'] + 1})"
+        )
+    path = tree["get"][0]
+    status, data, _ = ask(conn, dav_request(server, "get", tree)(0, 0))
+    if status != 200 or data != tree["text"][path]:
+        wrong.append(f"GET {path}: {status}, {len(data)} bytes (want 200, the file's bytes)")
+    req = dav_request(server, "put", tree)(0, 0)
+    status, _, _ = ask(conn, req)
+    _, back, _ = ask(conn, ("GET", req[1], None, server.headers))
+    if status not in ROWS["put"][1] or back != req[2]:
+        wrong.append(f"PUT {req[1]}: {status}, read back {'as sent' if back == req[2] else 'not'}")
+    for row, count in (("propfind", 5), ("get", 50), ("put", 20)):
+        make = dav_request(server, row, tree)
+        for i in range(count):
+            ask(conn, make(0, i))
+    conn.close()
+    return wrong
+
+
+def sequential(targets: list, count: int) -> dict:
+    """Ask each target `count` times, one client each, the targets in turn request by
+    request; return {(server, row): {"times", "errors"}} (errors: a Counter of what came
+    back instead: a status, or an exception's name)."""
+    conns = [t["server"].connect() for t in targets]
+    out = {(t["server"].name, t["row"]): {"times": [], "errors": Counter()} for t in targets}
+    for i in range(count):
+        for t, conn in zip(targets, conns):
+            res = out[(t["server"].name, t["row"])]
+            try:
+                status, _, ms = ask(conn, t["make"](0, i))
+            except (OSError, http.client.HTTPException) as e:
+                res["errors"][type(e).__name__] += 1
+                conn.close()
+                continue
+            res["times"].append(ms)
+            if status not in ROWS[t["row"]][1]:
+                res["errors"][status] += 1
+    for conn in conns:
+        conn.close()
+    return out
+
+
+def under_load(target: dict, seconds: float) -> dict:
+    """8 clients (threads, a keep-alive connection each) asking for `seconds`; return req/s,
+    the times, the errors, the server's CPU ms a request and this process's CPU share."""
+    server, row, make = target["server"], target["row"], target["make"]
+    wanted = ROWS[row][1]
+    times: list = [[] for _ in range(CLIENTS)]
+    errors = [Counter() for _ in range(CLIENTS)]
+    spans: list = [None] * CLIENTS
+    barrier = threading.Barrier(CLIENTS + 1)
+
+    def client(c: int) -> None:
+        conn = server.connect()
+        barrier.wait()
+        begun = time.monotonic()
+        i = 0
+        while time.monotonic() - begun < seconds:
+            try:
+                status, _, ms = ask(conn, make(c, i))
+            except (OSError, http.client.HTTPException) as e:
+                errors[c][type(e).__name__] += 1
+                conn.close()
+                continue
+            times[c].append(ms)
+            if status not in wanted:
+                errors[c][status] += 1
+            i += 1
+        spans[c] = (begun, time.monotonic())
+        conn.close()
+
+    threads = [threading.Thread(target=client, args=(c,)) for c in range(CLIENTS)]
+    for t in threads:
+        t.start()
+    cpu_before, ours_before = proc_figures(server.proc.pid)["cpu_s"], sum(os.times()[:2])
+    barrier.wait()
+    for t in threads:
+        t.join()
+    cpu = proc_figures(server.proc.pid)["cpu_s"] - cpu_before
+    ours = sum(os.times()[:2]) - ours_before
+    every = [ms for chunk in times for ms in chunk]
+    wall = max(e for _, e in spans) - min(b for b, _ in spans)
+    done = max(len(every), 1)
+    return {
+        "rate": len(every) / wall,
+        "times": every,
+        "errors": sum(errors, Counter()),
+        "cpu_ms": cpu * 1000 / done,
+        "client_share": ours / (ours + cpu) if ours + cpu else float("nan"),
+    }
+
+
+# -- the report -----------------------------------------------------------------------------
+
+
+def figures(results: dict, name: str, row: str) -> tuple:
+    """(p50, p99, req/s) of one server's row; NaNs where it was not measured."""
+    r = results.get((name, row))
+    if not r:
+        return (float("nan"),) * 3
+    return pct(r["seq"]["times"], 50), pct(r["seq"]["times"], 99), r["load"]["rate"]
+
+
+def verdict(ok: bool) -> str:
+    return "met" if ok else "MISSED"
+
+
+def print_table(results: dict, servers: list, tree: dict, args) -> None:
+    names = [s.name for s in servers]
+    print(
+        f"\n{tree['n']} notes of real text ({args.corpus}) in {FOLDERS} folders, and all of them"
+        f" again in notes/big/; {args.rounds} sequential requests a row ({args.rounds // 4}"
+        f" PROPFIND), then {CLIENTS} clients for {args.seconds:g} s"
+    )
+    print(f"(load average at the end: {' '.join(f'{x:.1f}' for x in os.getloadavg())})")
+    head = "".join(f"{f'{s.name} {s.version}':>27}" for s in servers)
+    print(f"\n{'':30}{head}")
+    print(f"{'':30}" + f"{'p50':>9}{'p99':>8}{'req/s':>10}" * len(servers) + "   (ms)")
+    rows = [row for row in ROWS if any((name, row) in results for name in names)]
+    for row in rows:
+        label, cells = ROWS[row][0], ""
+        for name in names:
+            if (name, row) in results:
+                p50, p99, rate = figures(results, name, row)
+                cells += f"{p50:9.2f}{p99:8.2f}{rate:10.0f}"
+            else:
+                cells += f"{'-':>9}{'-':>8}{'-':>10}"
+        print(f"{label:30}{cells}")
+    print(f"\nunder load ({CLIENTS} clients): p50 / p99 ms, the server's CPU ms a request")
+    print(f"{'':30}" + f"{'p50':>9}{'p99':>8}{'CPU ms':>10}" * len(servers))
+    for row in rows:
+        label, cells = ROWS[row][0], ""
+        for name in names:
+            r = results.get((name, row))
+            if r:
+                load = r["load"]
+                cells += (
+                    f"{pct(load['times'], 50):9.2f}{pct(load['times'], 99):8.2f}"
+                    f"{load['cpu_ms']:10.2f}"
+                )
+            else:
+                cells += f"{'-':>9}{'-':>8}{'-':>10}"
+        print(f"{label:30}{cells}")
+    if len(tree["put"]) < CLIENTS:
+        print(f"(only {len(tree['put'])} notes in notes/f01/: the {CLIENTS} clients share them)")
+    shares = [r["load"]["client_share"] for r in results.values()]
+    print(
+        f"(the clients are Python threads on the same cores: this process took"
+        f" {min(shares):.0%}-{max(shares):.0%} of the client + server CPU under load)"
+    )
+
+
+def print_ratios(results: dict, peers: list) -> None:
+    print("\nratios, notesvc / peer (p50 and p99: below 1 is faster; req/s: above 1 is more)")
+    for peer in peers:
+        for row in ("propfind", "get", "put"):
+            ours, theirs = figures(results, "notesvc", row), figures(results, peer, row)
+            p50, p99, rate = (a / b for a, b in zip(ours, theirs))
+            print(
+                f"  / {peer:8} {ROWS[row][0]:30} p50 {p50:6.2f}  p99 {p99:6.2f}  req/s {rate:6.2f}"
+            )
+
+
+def print_verdicts(results: dict, peers: list) -> None:
+    if "WsgiDAV" in peers:
+        print("\ngoal: ahead of WsgiDAV on every row (lower p50, higher req/s)")
+        for row in ("propfind", "get", "put"):
+            ours, theirs = figures(results, "notesvc", row), figures(results, "WsgiDAV", row)
+            ok = ours[0] < theirs[0] and ours[2] > theirs[2]
+            print(f"  {ROWS[row][0]:30} {verdict(ok)}")
+    if "rclone" in peers:
+        print("goal: within 2x of rclone on PROPFIND and GET (p50 <= 2x, req/s >= 0.5x)")
+        for row in ("propfind", "get"):
+            ours, theirs = figures(results, "notesvc", row), figures(results, "rclone", row)
+            ok = ours[0] <= 2 * theirs[0] and ours[2] >= theirs[2] / 2
+            print(f"  {ROWS[row][0]:30} {verdict(ok)}")
+    dav, api = figures(results, "notesvc", "put"), figures(results, "notesvc", "api_put")
+    print(
+        f"PUT's price (history and fsync), reported: WebDAV PUT p50 {dav[0]:.2f} ms,"
+        f" {dav[0] / api[0]:.2f}x the API's PUT ({api[0]:.2f} ms); req/s {dav[2]:.0f}"
+        f" against {api[2]:.0f} ({dav[2] / api[2]:.2f}x)"
+    )
+
+
+def report(results: dict, servers: list, memory: dict, tree: dict, args) -> None:
+    print_table(results, servers, tree, args)
+    names = [s.name for s in servers]
+    peers = [n for n in names if n != "notesvc"]
+    if "notesvc" in names:
+        if peers:
+            print_ratios(results, peers)
+        print_verdicts(results, peers)
+    else:
+        print("\nnotesvc not run (--only peers): no ratios, no verdicts")
+    print("\nRssAnon after the run: " + ", ".join(f"{n} {mb} MB" for n, mb in memory.items()))
+    auth = "; notesvc checks Basic auth on every request" if "notesvc" in names else ""
+    if peers:
+        print(f"the peers serve without auth{auth}; rclone keeps listings 5 min (its default)")
+    errors = {k: r["seq"]["errors"] + r["load"]["errors"] for k, r in results.items()}
+    print(f"errors: {sum(sum(c.values()) for c in errors.values())}")
+    for (name, row), counts in errors.items():
+        if counts:
+            what = ", ".join(f"{n} x {status}" for status, n in counts.most_common())
+            print(f"  {name} {ROWS[row][0]}: {what}")
+
+
+# -- the run --------------------------------------------------------------------------------
+
+
+def start_servers(root: Path, only: str) -> list:
+    """Start the servers `only` names, each over its own copy of notes/; return them."""
+    servers = []
+    try:
+        if only in ("all", "notesvc"):
+            servers.append(start_notesvc(root))
+        for name, starter in (("WsgiDAV", start_wsgidav), ("rclone", start_rclone)):
+            if only in ("all", "peers"):
+                folder = root.parent / name
+                shutil.copytree(root / "notes", folder / "notes")
+                servers.append(starter(folder))
+    except BaseException:
+        for s in servers:
+            stop(s)
+        raise
+    return servers
+
+
+def targets_of(servers: list, tree: dict) -> list:
+    out = []
+    for s in servers:
+        for row in ("propfind", "get", "put"):
+            out.append({"server": s, "row": row, "make": dav_request(s, row, tree)})
+        if s.name == "notesvc":
+            out.append({"server": s, "row": "api_put", "make": api_put_request(s, tree)})
+    return out
+
+
+def measure(servers: list, tree: dict, args) -> tuple:
+    """Check and warm up every server, then run the rows; return results and RssAnon."""
+    for s in servers:
+        if s.name == "notesvc":
+            settle_notesvc(s)
+        wrong = check(s, tree)
+        if wrong:
+            hint = " (no /dav/ yet? try --only peers)" if s.name == "notesvc" else ""
+            raise SystemExit(f"{s.name} answered wrong{hint}:\n  " + "\n  ".join(wrong))
+    targets = targets_of(servers, tree)
+    results: dict = {}
+    for phase in PHASES:
+        ts = [t for t in targets if t["row"] in phase]
+        count = args.rounds // 4 if phase == ("propfind",) else args.rounds
+        for key, seq in sequential(ts, count).items():
+            results[key] = {"seq": seq}
+        for t in ts:
+            results[(t["server"].name, t["row"])]["load"] = under_load(t, args.seconds)
+    memory = {s.name: proc_figures(s.proc.pid)["rss_mb"] for s in servers}
+    return results, memory
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--notes", type=int, default=1000, help="notes in the tree, and in big/")
+    ap.add_argument("--corpus", type=Path, default=Path("~/corpus/1k").expanduser())
+    ap.add_argument("--seconds", type=float, default=5, help="each row under load, a server")
+    ap.add_argument("--rounds", type=int, default=200, help="sequential requests a row")
+    ap.add_argument("--only", choices=("all", "peers", "notesvc"), default="all")
+    args = ap.parse_args()
+    notes = corpus_notes(args.corpus, args.notes)
+    with tempfile.TemporaryDirectory() as tmp:
+        root = Path(tmp) / "notesvc"
+        tree = seed_tree(root, notes)
+        servers = start_servers(root, args.only)
+        try:
+            results, memory = measure(servers, tree, args)
+        finally:
+            for s in servers:
+                stop(s)
+    report(results, servers, memory, tree, args)
+
+
+if __name__ == "__main__":
+    main()
