@@ -1715,6 +1715,24 @@ def attachment_path(raw: Any) -> str:
     return path
 
 
+def note_file_path(raw: Any) -> str:
+    """Return the path of a file kept beside the notes (`notes/<...>.<ext>` with an
+    attachment's extension: the image a vault keeps next to its notes, put there over
+    WebDAV), NFC-normalised; 400 otherwise.
+
+    >>> note_file_path("notes/trip/photo.JPG")
+    'notes/trip/photo.JPG'
+    """
+    if not isinstance(raw, str):
+        raise bad_request("the file path must be a string")
+    path = unicodedata.normalize("NFC", raw)
+    segments = _check_segments(path, "file", NOTES)
+    base, dot, ext = segments[-1].rpartition(".")
+    if len(segments) < 2 or not dot or not base or ext.lower() not in ATTACHMENT_TYPES:
+        raise bad_request(f"no file of an attachment's kind at {path[:MAX_PATH_CHARS]}")
+    return path
+
+
 def attachment_folder(raw: Any) -> str:
     """Return an attachment folder path (`attachments` or `attachments/...`); 400 otherwise."""
     if not isinstance(raw, str):
@@ -6972,6 +6990,19 @@ def visible_attachment(store: Any, raw: Any, principal: Principal | None = None)
     return path
 
 
+def visible_note_file(store: Any, raw: Any, principal: Principal | None = None) -> str:
+    """Return a checked path of a file beside the notes that the grant may see; 404 outside
+    its folder, as for notes."""
+    principal = principal or request_principal()
+    if not principal.folder:
+        return note_file_path(raw)
+    if _escapes(raw, principal.folder):
+        raise not_found(f"no attachment at {str(raw)[:MAX_PATH_CHARS]}")
+    path = note_file_path(raw)
+    _no_link_below(lambda p: store.base / p, principal.folder, path, "attachment")
+    return path
+
+
 def visible_folder(
     svc: Service, raw: Any, principal: Principal | None = None, top: str = NOTES
 ) -> str:
@@ -8031,6 +8062,8 @@ class Service:
         self.journal = ChangeJournal(state / "changes.log")
         self.notes = NoteStore(config.notes_dir, state / "trash", self.history, self.journal)
         self.attachments = AttachmentStore(config.root / ATTACHMENTS, config.state_dir / "trash")
+        # the other files beside the notes (an image in a vault, put there over WebDAV)
+        self.note_files = AttachmentStore(config.notes_dir, config.state_dir / "trash")
         self.grants = GrantStore(self.state)  # scoped keys, OAuth grants, share links
         # Background components of later sections, composed by build_service():
         self.pollers: Any = None  # ChannelPollers: a thread per channel in polling mode
@@ -14601,7 +14634,7 @@ function link(href, label, ctx, markdown) {
 function wikiLink(target, label, ctx, embed) {
   const name = target.split("#")[0].trim();
   if (isAttachmentName(name) && features.attachments) {
-    const found = findAttachment(name);
+    const found = findAttachment(name, ctx.from);
     const shown = label && !/^\d+(x\d+)?$/.test(label.trim()) ? label.trim() : fileName(name);
     if (embed && IMAGE_EXT.test(name)) return attachmentImage(found, shown);
     const a = attachmentLink(found, name);
@@ -14626,7 +14659,9 @@ function image(alt, src, ctx) {
   // Images load only from this server (the CSP allows no other); others show as a link.
   if (/^(https?:)/i.test(src)) return link(src, alt ? "image: " + alt : src, ctx);
   const path = /^[a-z][a-z0-9+.-]*:|^\/\//i.test(src) ? null : resolveRelative(src, ctx.from);
-  if (!path || !path.startsWith("attachments/") || !features.attachments) {
+  // an attachment, or a file beside the note (a vault's image, put there over WebDAV)
+  const beside = path && path.startsWith("notes/") && !/\.md$/i.test(path);
+  if (!path || !(path.startsWith("attachments/") || beside) || !features.attachments) {
     return document.createTextNode(alt ? "[image: " + alt + "]" : "[image]");
   }
   if (!IMAGE_EXT.test(path)) {
@@ -14695,10 +14730,12 @@ async function openAttachment(found, a) {
 // server resolves it), from one listing of the attachments kept for a minute.
 let attachmentNames = null;
 let attachmentNamesAt = 0;
-async function findAttachment(name) {
+async function findAttachment(name, from) {
   if (name.includes("/")) {
     const path = name.replace(/^\/+/, "");
-    return path.startsWith("attachments/") ? path : "attachments/" + path;
+    return path.startsWith("attachments/") || path.startsWith("notes/")
+      ? path
+      : "attachments/" + path;
   }
   if (!attachmentNames || Date.now() - attachmentNamesAt > 60000) {
     attachmentNamesAt = Date.now();
@@ -14718,7 +14755,8 @@ async function findAttachment(name) {
     })();
   }
   const names = await attachmentNames.catch(() => new Map());
-  return names.get(name.toLowerCase()) || null;
+  // not among the attachments: the file beside the note (how a vault keeps its images)
+  return names.get(name.toLowerCase()) || (from ? folderOf(from) + "/" + name : null);
 }
 
 // An attachment needs the key, which an <img src> cannot send: fetch it, show it as a blob.
@@ -20153,11 +20191,16 @@ def _file_chunks(f: Any, length: int):
 
 
 def get_attachment(svc: Service, path: str):
-    """The file's bytes, with ETag, Range, Content-Disposition and a sandbox policy."""
-    path = visible_attachment(svc.attachments, path)
-    f, st = svc.attachments.open(path)
+    """The file's bytes, with ETag, Range, Content-Disposition and a sandbox policy. A path
+    under notes/ is a file kept beside the notes (a vault's image, put there over WebDAV)."""
+    store = svc.note_files if str(path).startswith(NOTES + "/") else svc.attachments
+    if store is svc.note_files:
+        path = visible_note_file(store, path)
+    else:
+        path = visible_attachment(store, path)
+    f, st = store.open(path)
     try:
-        rec = svc.attachments.record(path, st)
+        rec = store.record(path, st)
         etag, size, resp = rec["etag"], st.st_size, bottle.response
         none_match = request_header("If-None-Match")
         if none_match:
@@ -21734,8 +21777,7 @@ class DavState:
     (by their stat, so a listing reads each note once until it changes)."""
 
     def __init__(self, svc: Service):
-        self.files = AttachmentStore(svc.notes.root, svc.config.state_dir / "trash")
-        self.files.root = svc.notes.root  # other files under notes/, with the notes' trash
+        self.files = svc.note_files  # the other files under notes/, with the notes' trash
         self.props_file = svc.config.state_dir / "dav-properties.json"
         self.lock = threading.RLock()
         self.locks: dict = {}
@@ -22405,7 +22447,13 @@ def dav_get(svc: Service, dav: DavState, item: DavItem, ctx: dict):
                 "Allow": "OPTIONS, PROPFIND, PROPPATCH, DELETE, MKCOL, COPY, MOVE, LOCK, UNLOCK"
             },
         )
-    etag, size, resp = dav_etag(dav, item), item.st.st_size, bottle.response
+    resp, data = bottle.response, None
+    if item.is_note:  # read once: its ETag and its bytes are of the same version
+        with open(item.file, "rb") as f:
+            data = f.read()
+        etag, size = make_etag(data), len(data)
+    else:
+        etag, size = attachment_etag(item.st), item.st.st_size
     kind = NOTE_TYPE if item.path.endswith(".md") else content_type_of(item.path)
     none_match = request_header("If-None-Match")
     if none_match and (
@@ -22434,6 +22482,8 @@ def dav_get(svc: Service, dav: DavState, item: DavItem, ctx: dict):
         resp.set_header(name, value)
     if ctx["method"] == "HEAD":
         return b""
+    if data is not None:
+        return data[first : last + 1]
     f = open(item.file, "rb")  # noqa: SIM115 - closed by _file_chunks
     f.seek(first)
     return _file_chunks(f, last - first + 1)

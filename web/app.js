@@ -30,7 +30,7 @@ function link(href, label, ctx, markdown) {
 function wikiLink(target, label, ctx, embed) {
   const name = target.split("#")[0].trim();
   if (isAttachmentName(name) && features.attachments) {
-    const found = findAttachment(name);
+    const found = findAttachment(name, ctx.from);
     const shown = label && !/^\d+(x\d+)?$/.test(label.trim()) ? label.trim() : fileName(name);
     if (embed && IMAGE_EXT.test(name)) return attachmentImage(found, shown);
     const a = attachmentLink(found, name);
@@ -55,7 +55,9 @@ function image(alt, src, ctx) {
   // Images load only from this server (the CSP allows no other); others show as a link.
   if (/^(https?:)/i.test(src)) return link(src, alt ? "image: " + alt : src, ctx);
   const path = /^[a-z][a-z0-9+.-]*:|^\/\//i.test(src) ? null : resolveRelative(src, ctx.from);
-  if (!path || !path.startsWith("attachments/") || !features.attachments) {
+  // an attachment, or a file beside the note (a vault's image, put there over WebDAV)
+  const beside = path && path.startsWith("notes/") && !/\.md$/i.test(path);
+  if (!path || !(path.startsWith("attachments/") || beside) || !features.attachments) {
     return document.createTextNode(alt ? "[image: " + alt + "]" : "[image]");
   }
   if (!IMAGE_EXT.test(path)) {
@@ -124,10 +126,12 @@ async function openAttachment(found, a) {
 // server resolves it), from one listing of the attachments kept for a minute.
 let attachmentNames = null;
 let attachmentNamesAt = 0;
-async function findAttachment(name) {
+async function findAttachment(name, from) {
   if (name.includes("/")) {
     const path = name.replace(/^\/+/, "");
-    return path.startsWith("attachments/") ? path : "attachments/" + path;
+    return path.startsWith("attachments/") || path.startsWith("notes/")
+      ? path
+      : "attachments/" + path;
   }
   if (!attachmentNames || Date.now() - attachmentNamesAt > 60000) {
     attachmentNamesAt = Date.now();
@@ -147,7 +151,8 @@ async function findAttachment(name) {
     })();
   }
   const names = await attachmentNames.catch(() => new Map());
-  return names.get(name.toLowerCase()) || null;
+  // not among the attachments: the file beside the note (how a vault keeps its images)
+  return names.get(name.toLowerCase()) || (from ? folderOf(from) + "/" + name : null);
 }
 
 // An attachment needs the key, which an <img src> cannot send: fetch it, show it as a blob.
