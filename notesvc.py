@@ -21965,8 +21965,8 @@ def dav_grant_sees(principal: Principal, path: str, write: bool = False) -> bool
         return True
     own = (principal.folder, principal.attachments_folder)
     inside = any(path.startswith(f + "/") for f in own)
-    if write:
-        return inside
+    if write:  # (its folder itself too: a new folder key's first MKCOL makes it)
+        return inside or path in own
     return inside or path in own or any(not path or f.startswith(path + "/") for f in own)
 
 

@@ -16661,6 +16661,12 @@ class TestDav:
         mine("COPY", "notes/family/list.md", status=403, Destination="/dav/notes/l.md")
         mine("PUT", "notes/family/new.md", b"bread", status=201)
         assert sorted(p.name for p in (root / "notes/private").iterdir()) == ["diary.md"]
+        # a new folder key's folder is not there yet: its first MKCOL makes it
+        fresh = Dav(client, new_grant(client, "write", folder="notes/trip")["key"])
+        fresh("PUT", "notes/trip/plan.md", b"x", status=409)
+        fresh("MKCOL", "notes/trip", status=201)
+        fresh("PUT", "notes/trip/plan.md", b"x", status=201)
+        fresh("MKCOL", "notes/elsewhere", status=403)
 
     def test_two_writers_with_one_old_etag_the_second_is_412(self, client, dav, root):
         etag = dav("PUT", "notes/a.md", b"v1", status=201).headers["ETag"]
