@@ -1145,13 +1145,15 @@ class TestStorageSafety:
         resolver = notesvc.LinkResolver(["notes/x.md", "notes/a.md"])
 
         def scan(size: int) -> float:
+            """This thread's CPU seconds for the scans: what the other tests running beside
+            it (another worker, their servers) do to the machine does not count."""
             text = (unit * (size // len(unit) + 1))[:size]
-            started = time.perf_counter()
+            started = time.thread_time()
             resolver.links(text, "notes/s.md")
             notesvc.rewrite_links(text, "notes/s.md", "notes/x.md", "notes/y.md", resolver)
             notesvc.note_tags(text)
             notesvc.note_title(text, "notes/s.md")
-            return time.perf_counter() - started
+            return time.thread_time() - started
 
         small, big = scan(100 * 1024), scan(MiB)  # rewrite_links reads the whole MiB
         assert big < 1.0, f"{unit!r}: {big:.2f} s for 1 MiB"
@@ -8690,7 +8692,8 @@ class TestPolling:
         client.delete(f"{API}/channels/{ch['id']}")
         wait_for(lambda: pollers.running() == [], timeout=5)
         offsets = client.app.service.config.state_dir / "channel-offsets.json"
-        assert ch["id"] not in json.loads(offsets.read_text())
+        # (no file: no offset was kept yet, for any channel)
+        assert ch["id"] not in json.loads(offsets.read_text() if offsets.exists() else "{}")
         # Switching to webhook mode stops polling too, and sets the webhook.
         ch = self.create(client)
         wait_for(lambda: pollers.running() == [ch["id"]])
@@ -16783,13 +16786,12 @@ class TestDavJudges:
             assert ran == passed, (suite, done.stdout)
         assert done.returncode == 0
 
-    def sync_both_ways(self, tmp_path: Path, server: Server, env: dict) -> None:
+    def sync_both_ways(self, tmp_path: Path, root: Path, server: Server, env: dict) -> None:
         """rclone sync of a vault up, edits through the API, sync down, check clean."""
         local = tmp_path / "vault"
         files = a_vault(local)
         owner = {"X-Service-Key": server.key}
         rclone(env, "sync", str(local), ":webdav:notes/vault")
-        root = tmp_path / "root"
         for rel, body in files.items():
             assert (root / "notes/vault" / rel).read_bytes() == body, rel
         notes = server.request("GET", f"{API}/notes?folder=notes/vault&limit=1000", None, owner)
@@ -16815,26 +16817,19 @@ class TestDavJudges:
             pytest.skip("no rclone on this machine (Debian: apt install rclone)")
         with running(tmp_path / "root") as server:
             server.key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
-            self.sync_both_ways(tmp_path, server, rclone_env(f"{server.url}/dav/", server.key))
+            dav = rclone_env(f"{server.url}/dav/", server.key)
+            self.sync_both_ways(tmp_path, tmp_path / "root", server, dav)
             assert not any("Traceback" in line for line in server.lines)
 
-    def test_rclone_through_a_relays_per_server_origin(self, tmp_path):
+    def test_rclone_through_a_relays_per_server_origin(self, tmp_path, origins):
         if not RCLONE:
             pytest.skip("no rclone on this machine (Debian: apt install rclone)")
-        env = {"SERVICE_RELAY_DOMAIN": DOMAIN, "SERVICE_RELAY_TIMEOUT": "20"}
-        relay = Server(tmp_path / "relay", "relay", env=env)
-        server = Server(tmp_path / "root", env={"SERVICE_RELAY_URL": relay.url})
-        try:
-            wait_for(lambda: relay_servers(relay) == 1)
-            origin = f"http://{server_id_of(server)}.{DOMAIN}:{relay.port}"
-            server.key = wait_for(lambda: _setup_on(server, origin))["apiKey"]
-            # the origin's name resolves nowhere here: rclone asks the relay for it by name,
-            # as a proxy (absolute-form requests), and the relay serves that origin
-            dav = rclone_env(f"{origin}/dav/", server.key, proxy=relay.url)
-            self.sync_both_ways(tmp_path, server, dav)
-        finally:
-            server.stop()
-            relay.stop()
+        relay, server, setup, origin = origins
+        server.key = setup["apiKey"]
+        # the origin's name resolves nowhere here: rclone asks the relay for it by name, as
+        # a proxy (absolute-form requests), and the relay serves that origin
+        dav = rclone_env(f"{origin}/dav/", server.key, proxy=relay.url)
+        self.sync_both_ways(tmp_path, tmp_path / "srv", server, dav)
 
     def test_a_cadaver_session(self, tmp_path):
         if not CADAVER:

@@ -358,15 +358,7 @@ function replaceText(text) {
   const old = ed.value;
   if (old === text) return;
   const [a, b] = [ed.selectionStart, ed.selectionEnd];
-  let p = 0;
-  while (p < old.length && p < text.length && old[p] === text[p]) p++;
-  let q = 0;
-  while (
-    q < old.length - p &&
-    q < text.length - p &&
-    old[old.length - 1 - q] === text[text.length - 1 - q]
-  )
-    q++;
+  const [p, q] = commonEnds(old, text);
   const at = (i) =>
     i <= p ? i : i >= old.length - q ? i + text.length - old.length : text.length - q;
   ed.value = text;

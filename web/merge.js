@@ -3,13 +3,9 @@
 // when the person typed on while a save was on its way and the server merged in someone
 // else's change meanwhile. The word diff draws a version against another on a phone.
 
-// Past this many differences a diff gives up on the middle: it is one change there (a
-// merge then keeps both sides apart, a word diff marks it all), in bounded time and memory.
-const MAX_EDITS = 2000;
-
-// Myers' diff of two arrays (by ===): the matching runs, as [aStart, bStart, length]. The
-// common start and end are matched first; the middle is searched at most MAX_EDITS deep.
-function matches(a, b) {
+// How long a and b (arrays or strings) are the same from the start, and then from the end
+// (never overlapping the start).
+function commonEnds(a, b) {
   let pre = 0;
   while (pre < a.length && pre < b.length && a[pre] === b[pre]) pre++;
   let suf = 0;
@@ -19,6 +15,17 @@ function matches(a, b) {
     a[a.length - 1 - suf] === b[b.length - 1 - suf]
   )
     suf++;
+  return [pre, suf];
+}
+
+// Past this many differences a diff gives up on the middle: it is one change there (a
+// merge then keeps both sides apart, a word diff marks it all), in bounded time and memory.
+const MAX_EDITS = 2000;
+
+// Myers' diff of two arrays (by ===): the matching runs, as [aStart, bStart, length]. The
+// common start and end are matched first; the middle is searched at most MAX_EDITS deep.
+function matches(a, b) {
+  const [pre, suf] = commonEnds(a, b);
   const mid = myers(a.slice(pre, a.length - suf), b.slice(pre, b.length - suf)) || [];
   const runs = [[0, 0, pre], ...mid.map(([x, y, len]) => [x + pre, y + pre, len])];
   runs.push([a.length - suf, b.length - suf, suf]);
@@ -226,4 +233,5 @@ function wordDiff(before, after) {
   return out;
 }
 
-if (typeof module !== "undefined") module.exports = {matches, changes, merge3, wordDiff};
+if (typeof module !== "undefined")
+  module.exports = {commonEnds, matches, changes, merge3, wordDiff};
