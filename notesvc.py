@@ -21878,7 +21878,7 @@ _DAV_START = threading.Lock()
 @dataclasses.dataclass
 class DavItem:
     path: str  # "" (the root), "notes", "notes/a/b.md", "attachments/x.png"
-    file: Path | None  # on disk (None: the root)
+    file: str | None  # on disk (None: the root)
     st: os.stat_result | None  # None: nothing there
 
     @property
@@ -21939,22 +21939,20 @@ def dav_item(svc: Service, path: str) -> DavItem:
     """Return what is at a checked path; a symbolic link anywhere on the way is 403."""
     if not path:
         return DavItem("", None, None)
-    base = svc.notes.base
-    file = svc.notes.on_disk(path) if path.startswith(NOTES) else base / path
-    top = base / path.split("/", 1)[0]
+    base = str(svc.notes.base)
+    file = str(svc.notes.on_disk(path)) if path.startswith(NOTES) else f"{base}/{path}"
+    top = f"{base}/{path.split('/', 1)[0]}"
     at = top
-    for part in file.relative_to(top).parts:
-        at = at / part
+    for part in file[len(top) + 1 :].split("/") if len(file) > len(top) else ():
+        at = f"{at}/{part}"
         if os.path.islink(at):
             raise DavError(403, f"/dav/{path} leads through a symbolic link")
     try:
-        st = os.stat(file)
+        st = os.stat(file)  # (attachments/ before the first upload: None, a folder all the same)
     except (FileNotFoundError, NotADirectoryError):
         st = None
     if st is not None and not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
         raise DavError(403, f"/dav/{path} is neither a file nor a folder")
-    if st is None and path in DAV_TOPS:
-        st = None  # attachments/ before the first upload: an empty folder all the same
     return DavItem(path, file, st)
 
 
@@ -21970,8 +21968,19 @@ def dav_grant_sees(principal: Principal, path: str, write: bool = False) -> bool
     return inside or path in own or any(not path or f.startswith(path + "/") for f in own)
 
 
+@functools.lru_cache(maxsize=4096)
+def _quoted_folder(path: str) -> str:
+    return urllib.parse.quote(path)
+
+
 def dav_href(script: str, path: str, folder: bool) -> str:
-    href = f"{script}{DAV_PREFIX}/" + urllib.parse.quote(path)
+    """The URL path of a resource (a folder's ends in /); a folder's part is quoted once for
+    all its entries."""
+    parent, _, name = path.rpartition("/")
+    quoted = (
+        f"{_quoted_folder(parent)}/{urllib.parse.quote(name)}" if parent else _quoted_folder(path)
+    )
+    href = f"{script}{DAV_PREFIX}/{quoted}"
     return href + "/" if folder and path else href
 
 
@@ -22038,24 +22047,33 @@ def _empty_prop(tag: str) -> str:
 
 
 def _http_date(ts: float) -> str:
-    return bottle.http_date(ts)
+    """RFC 9110's date (its English names whatever the locale)."""
+    t = time.gmtime(ts)
+    day = ("Mon", "Tue", "Wed", "Thu", "Fri", "Sat", "Sun")[t.tm_wday]
+    month = ("Jan", "Feb", "Mar", "Apr", "May", "Jun", "Jul", "Aug", "Sep", "Oct", "Nov", "Dec")
+    clock = f"{t.tm_hour:02d}:{t.tm_min:02d}:{t.tm_sec:02d}"
+    return f"{day}, {t.tm_mday:02d} {month[t.tm_mon - 1]} {t.tm_year} {clock} GMT"
+
+
+_SUPPORTED_LOCK = "<D:supportedlock>{}</D:supportedlock>".format(
+    "".join(
+        f"<D:lockentry><D:lockscope><D:{scope}/></D:lockscope>"
+        "<D:locktype><D:write/></D:locktype></D:lockentry>"
+        for scope in ("exclusive", "shared")
+    )
+)
 
 
 def dav_live(dav: DavState, item: DavItem, name: str) -> str | None:
     """Return the XML of a live property of item (None when it has no such property)."""
-    folder = item.is_dir
     st = item.st
+    folder = st is None or stat.S_ISDIR(st.st_mode) if item.path not in DAV_TOPS else True
     if name == "displayname":
         return f"<D:displayname>{_xesc(item.path.rsplit('/', 1)[-1])}</D:displayname>"
     if name == "resourcetype":
         return "<D:resourcetype><D:collection/></D:resourcetype>" if folder else "<D:resourcetype/>"
     if name == "supportedlock":
-        entry = (
-            "<D:lockentry><D:lockscope><D:{}/></D:lockscope>"
-            "<D:locktype><D:write/></D:locktype></D:lockentry>"
-        )
-        both = entry.format("exclusive") + entry.format("shared")
-        return f"<D:supportedlock>{both}</D:supportedlock>"
+        return _SUPPORTED_LOCK
     if name == "lockdiscovery":
         return dav_lockdiscovery(dav.locks_on(item.path))
     if st is None:
@@ -22115,29 +22133,30 @@ def dav_multistatus(parts: Iterable[str]) -> bytes:
 
 def dav_children(svc: Service, item: DavItem, principal: Principal) -> list:
     """Return the items in a folder the grant may see (the root: notes/ and attachments/)."""
-    if not item.path:
-        names = list(DAV_TOPS)
-    else:
-        try:
-            names = sorted(os.listdir(item.file))
-        except (FileNotFoundError, NotADirectoryError):
-            names = []
-        names = [n for n in names if not (n.startswith(TEMP_PREFIX) and n.endswith(TEMP_SUFFIX))]
     out = []
-    for name in names:
-        path = f"{item.path}/{_nfc(name)}" if item.path else name
+    if not item.path:
+        for top in DAV_TOPS:
+            if dav_grant_sees(principal, top):
+                out.append(dav_item(svc, top))
+        return out
+    try:
+        with os.scandir(item.file) as found:
+            entries = sorted(found, key=lambda e: e.name)
+    except (FileNotFoundError, NotADirectoryError):
+        entries = []
+    for e in entries:
+        name = e.name
+        if name.startswith(TEMP_PREFIX) and name.endswith(TEMP_SUFFIX):
+            continue  # a write under way
+        path = f"{item.path}/{_nfc(name)}"
         if not dav_grant_sees(principal, path):
             continue
-        file = item.file / name if item.file is not None else svc.notes.base / name
         try:
-            st = os.lstat(file)
+            st = e.stat(follow_symlinks=False)
         except OSError:
-            st = None if path in DAV_TOPS else False
-        if st is False or (
-            st is not None and not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode))
-        ):
-            continue  # links, pipes, sockets: not shown
-        out.append(DavItem(path, file, st))
+            continue
+        if stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode):  # (no links, pipes)
+            out.append(DavItem(path, e.path, st))
     return out
 
 
@@ -22256,12 +22275,13 @@ def dav_parent_ready(svc: Service, path: str) -> None:
         raise DavError(409, f"/dav/{parent}/ is not a folder: create it first (MKCOL)")
 
 
-def dav_keep_folder(item_path: str, folder: Path) -> None:
+def dav_keep_folder(item: DavItem) -> None:
     """The stores remove a folder a delete or move left empty; a WebDAV client made it and
     expects it to stay."""
-    if "/" in item_path and not folder.exists():
+    folder = os.path.dirname(item.file)
+    if "/" in item.path and not os.path.exists(folder):
         with disk_writes():
-            folder.mkdir(parents=True, exist_ok=True)
+            os.makedirs(folder, exist_ok=True)
 
 
 def dav_write_file(
@@ -22367,7 +22387,7 @@ def dav_propfind(svc: Service, dav: DavState, item: DavItem, ctx: dict):
             if child.tag == "{DAV:}propname":
                 mode = "propname"
             elif child.tag == "{DAV:}prop":
-                mode, wanted = "prop", [c.tag for c in child]
+                mode, wanted = "prop", [(c.tag, *_dav_name(c.tag)) for c in child]
     if not item.exists:
         raise DavError(404, f"nothing at /dav/{item.path}")
     items = [item]
@@ -22381,7 +22401,7 @@ def dav_propfind(svc: Service, dav: DavState, item: DavItem, ctx: dict):
 
 
 def dav_props(dav: DavState, item: DavItem, mode: str, wanted: list) -> str:
-    dead = dav.props_of(item.path)
+    dead = dav.props_of(item.path) if dav.props else {}
     if mode == "propname":
         names = [f"<D:{n}/>" for n in _DAV_LIVE if dav_live(dav, item, n) is not None]
         return dav_propstat(names + [_empty_prop(t) for t in dead], [])
@@ -22389,8 +22409,7 @@ def dav_props(dav: DavState, item: DavItem, mode: str, wanted: list) -> str:
         found = [x for n in _DAV_LIVE if (x := dav_live(dav, item, n)) is not None]
         return dav_propstat(found + list(dead.values()), [])
     found, missing = [], []
-    for tag in wanted:
-        ns, local = _dav_name(tag)
+    for tag, ns, local in wanted:
         value = dav_live(dav, item, local) if ns == "DAV:" else None
         if value is None:
             value = dead.get(tag)
@@ -22519,7 +22538,7 @@ def dav_delete_method(svc: Service, dav: DavState, item: DavItem, ctx: dict):
         _check_etag(_if_match(), dav_etag(dav, item), "file")
     dav_unlocked(dav, item.path, ctx["tokens"], below=True)
     dav_delete(svc, dav, item)
-    dav_keep_folder(item.path, item.file.parent)
+    dav_keep_folder(item)
     bottle.response.status = 204
     return b""
 
@@ -22532,9 +22551,9 @@ def dav_mkcol(svc: Service, dav: DavState, item: DavItem, ctx: dict):
     dav_parent_ready(svc, item.path)
     dav_unlocked(dav, item.path.rsplit("/", 1)[0], ctx["tokens"])
     with disk_writes():
-        item.file.parent.mkdir(parents=True, exist_ok=True)  # notes/ or attachments/ itself
+        os.makedirs(os.path.dirname(item.file), exist_ok=True)  # attachments/ itself, at first
         os.mkdir(item.file)
-    fsync_dir(item.file.parent)
+    fsync_dir(Path(os.path.dirname(item.file)))
     bottle.response.status = 201
     return b""
 
@@ -22585,7 +22604,7 @@ def dav_copy_move(svc: Service, dav: DavState, item: DavItem, ctx: dict):
         dav_delete(svc, dav, target)
     dav_copy(svc, dav, item, dst, move, depth)
     if move:
-        dav_keep_folder(item.path, item.file.parent)
+        dav_keep_folder(item)
     bottle.response.status = 204 if target.exists else 201
     return b""
 
