@@ -11618,6 +11618,22 @@ class TestWebClient:
 
     # -- with the attachments of CONTRACT 20 (issue 17) -------------------------------------
 
+    def test_a_vaults_images_beside_its_notes_show_in_the_note(self, web):
+        # as Obsidian keeps them, put there over WebDAV: beside the note, linked two ways
+        png = notesvc.web_icon_png(192)
+        (web.root / "notes/home/photo.png").write_bytes(png)
+        (web.root / "notes/home/vault.md").write_text(
+            "# Vault\n\n![a photo](photo.png)\n\n![[photo.png]]\n"
+        )
+        s = web("phone")
+        page = s.page
+        s.tree_open("notes/home/vault.md")
+        for img in (page.locator("#view img[alt='a photo']"), page.locator("#view img").nth(1)):
+            expect(img).to_have_attribute("src", re.compile("^blob:"))
+            expect(img).to_have_js_property("naturalWidth", 192)
+        assert "not found" not in page.inner_text("#view")
+        assert unexpected(s.close()) == []
+
     def test_images_show_and_files_photos_and_pastes_are_attached(self, web):
         needs(web.server, "/attachments", "attachments (issue 17)")
         png = notesvc.web_icon_png(192)
