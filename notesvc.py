@@ -21728,8 +21728,13 @@ DAV_METHODS = (
 )
 DAV_MAX_XML = 1 << 20  # a PROPFIND, PROPPATCH or LOCK body
 DAV_LOCK_SECONDS = 600  # a lock asked for without a timeout (or an infinite one)
-DAV_LOCK_MAX_SECONDS = 24 * 3600
+DAV_LOCK_MAX_SECONDS = 3600  # clients refresh what they keep longer
 DAV_LOCKS_MAX = 10000
+DAV_LOCKS_PER_KEY = 100  # one key's locks at once (the owner's too)
+DAV_LOCKS_PER_PATH = 16  # shared locks on one resource
+DAV_PROPS_PER_PATH = 100  # dead properties: how many a resource keeps...
+DAV_PROPS_BYTES_PER_PATH = 64 * 1024  # ...in how many characters...
+DAV_PROPS_PATHS = 10000  # ...on how many resources
 XML_TYPE = "application/xml; charset=utf-8"
 NOTE_TYPE = "text/markdown; charset=utf-8"
 _DAV_LIVE = (
@@ -21778,6 +21783,7 @@ class DavState:
 
     def __init__(self, svc: Service):
         self.files = svc.note_files  # the other files under notes/, with the notes' trash
+        self.grants = svc.grants  # a revoked key's locks end with it
         self.props_file = svc.config.state_dir / "dav-properties.json"
         self.lock = threading.RLock()
         self.locks: dict = {}
@@ -21790,10 +21796,15 @@ class DavState:
     # -- locks ------------------------------------------------------------------------
 
     def live_locks(self) -> list:
+        """The locks held now: not expired, and their key not revoked."""
+        if not self.locks:
+            return []
         now = time.monotonic()
+        keys = {g["id"] for g in self.grants.grants()}
         with self.lock:
-            for token in [t for t, lk in self.locks.items() if lk.expires <= now]:
-                del self.locks[token]
+            for token, lk in list(self.locks.items()):
+                if lk.expires <= now or (lk.holder != "owner" and lk.holder not in keys):
+                    del self.locks[token]
             return list(self.locks.values())
 
     def locks_on(self, path: str, below: bool = False) -> list:
@@ -21821,6 +21832,15 @@ class DavState:
                     kept.pop(name, None)
                 else:
                     kept[name] = xml
+            size = sum(len(k) + len(v) for k, v in kept.items())
+            if len(kept) > DAV_PROPS_PER_PATH or size > DAV_PROPS_BYTES_PER_PATH:
+                raise DavError(
+                    507,
+                    f"a resource keeps at most {DAV_PROPS_PER_PATH} properties of "
+                    f"{DAV_PROPS_BYTES_PER_PATH // 1024} KiB in all",
+                )
+            if len(self.props) >= DAV_PROPS_PATHS and path not in self.props:
+                raise DavError(507, f"properties are kept for {DAV_PROPS_PATHS} resources at most")
             if kept:
                 self.props[path] = kept
             else:
@@ -21996,20 +22016,42 @@ def dav_body(limit: int = DAV_MAX_XML) -> bytes:
     return b"".join(parts)
 
 
+DAV_XML_DEPTH = 32  # elements within elements: a property's value, an owner
+
+
 def dav_xml(body: bytes):
     """Return the parsed XML body (None when empty); 400 for a DTD or an entity declaration
-    (refused before parsing: nothing is expanded or fetched) and for XML that is not well
-    formed."""
+    (refused in any encoding, before anything is expanded or fetched), for XML nested
+    deeper than DAV_XML_DEPTH and for XML that is not well formed."""
     if not body.strip():
         return None
-    if _DOCTYPE_RE.search(body):
+    if _DOCTYPE_RE.search(body):  # (UTF-8 and ASCII: refused before the parser starts)
         raise DavError(400, "XML with a DTD or entity declarations is not accepted")
     import xml.etree.ElementTree as ET  # (only WebDAV reads XML: imported on first use)
+    import xml.parsers.expat
 
+    def refuse(*_args) -> None:
+        raise DavError(400, "XML with a DTD or entity declarations is not accepted")
+
+    # A first pass with expat's own handlers: a DTD stops it where it starts, in whatever
+    # encoding the body is (UTF-16 hides "<!DOCTYPE" from the check above), so ElementTree
+    # below only ever reads XML without one.
+    scan = xml.parsers.expat.ParserCreate()
+    scan.StartDoctypeDeclHandler = refuse
+    scan.EntityDeclHandler = refuse
+    scan.ExternalEntityRefHandler = refuse
     try:
-        return ET.fromstring(body)  # noqa: S314 - no DTD reaches here (refused above)
-    except ET.ParseError as e:
+        scan.Parse(body, True)
+        root = ET.fromstring(body)  # noqa: S314 - no DTD (refused above)
+    except (xml.parsers.expat.ExpatError, ET.ParseError) as e:
         raise DavError(400, f"the XML body is not well formed: {e}") from None
+    level = [(root, 1)]
+    while level:  # (iteratively: a deep body must not reach a recursive step)
+        elem, depth = level.pop()
+        if depth > DAV_XML_DEPTH:
+            raise DavError(400, f"the XML body is nested deeper than {DAV_XML_DEPTH} elements")
+        level.extend((child, depth + 1) for child in elem)
+    return root
 
 
 def _dav_name(tag: str) -> tuple:
@@ -22040,7 +22082,8 @@ def _empty_prop(tag: str) -> str:
         return f"<D:{local}/>"
     if not ns:
         return f'<{local} xmlns=""/>'
-    return f'<X:{local} xmlns:X="{_xesc(ns)}"/>'
+    quoted = _xesc(ns).replace("\n", "&#10;").replace("\r", "&#13;").replace("\t", "&#9;")
+    return f'<X:{local} xmlns:X="{quoted}"/>'
 
 
 # -- properties ---------------------------------------------------------------------------------
@@ -22131,6 +22174,16 @@ def dav_multistatus(parts: Iterable[str]) -> bytes:
     return body.encode("utf-8")
 
 
+def dav_shown_name(name: str) -> bool:
+    """Whether a name on disk can be listed: UTF-8 (a name that is not comes decoded with
+    surrogates) and no control characters."""
+    try:
+        name.encode("utf-8")
+    except UnicodeEncodeError:
+        return False
+    return not any(ord(c) < 32 or 0x7F <= ord(c) < 0xA0 for c in name)
+
+
 def dav_children(svc: Service, item: DavItem, principal: Principal) -> list:
     """Return the items in a folder the grant may see (the root: notes/ and attachments/)."""
     out = []
@@ -22148,6 +22201,8 @@ def dav_children(svc: Service, item: DavItem, principal: Principal) -> list:
         name = e.name
         if name.startswith(TEMP_PREFIX) and name.endswith(TEMP_SUFFIX):
             continue  # a write under way
+        if not dav_shown_name(name):
+            continue  # a name no path may hold (control characters, bytes that are not UTF-8)
         path = f"{item.path}/{_nfc(name)}"
         if not dav_grant_sees(principal, path):
             continue
@@ -22166,7 +22221,7 @@ _IF_LIST_RE = re.compile(r"\s*(?:<([^>]*)>\s*)?\(([^)]*)\)")
 _IF_COND_RE = re.compile(r"\s*(Not\s+)?(?:<([^>]*)>|\[([^\]]*)\])", re.I)
 
 
-def dav_if(svc: Service, dav: DavState, item: DavItem, script: str) -> set:
+def dav_if(svc: Service, dav: DavState, item: DavItem, ctx: dict) -> set:
     """Evaluate the If header (RFC 4918 10.4) for the request; 412 when it is false. Return
     the lock tokens it names (a write on a locked resource needs its token among them)."""
     header = request_header("If")
@@ -22201,13 +22256,15 @@ def dav_if(svc: Service, dav: DavState, item: DavItem, script: str) -> set:
         if tag is None:
             return item
         path = urllib.parse.urlsplit(tag).path
-        prefix = f"{script}{DAV_PREFIX}"
+        prefix = f"{ctx['script']}{DAV_PREFIX}"
+        nothing = DavItem("\0", None, None)  # another server's, or one this key cannot see
         if not path.startswith(prefix):
-            return DavItem("\0", None, None)  # another resource: nothing holds
+            return nothing
         try:
-            return dav_item(svc, dav_checked(urllib.parse.unquote(path[len(prefix) :])))
+            checked = dav_checked(urllib.parse.unquote(path[len(prefix) :]))
+            return dav_item(svc, checked) if dav_grant_sees(ctx["principal"], checked) else nothing
         except ApiError:
-            return DavItem("\0", None, None)
+            return nothing
 
     if not any(all(holds(resource(tag), *c) for c in conds) for tag, conds in lists):
         raise DavError(412, "the If header's conditions do not hold")
@@ -22332,6 +22389,34 @@ def dav_delete(svc: Service, dav: DavState, item: DavItem) -> None:
     else:
         dav_store(svc, dav, item.path).delete(item.path)
     dav.drop_props(item.path)
+
+
+def dav_can_place(svc: Service, src: DavItem, dst: str, depth: str) -> None:
+    """Refuse a copy or move before it starts: each file it would write must be one its new
+    place takes (a note: UTF-8, the body limit; under attachments/: an attachment's
+    extension; any file: the attachment limit), so it never stops halfway."""
+    if src.is_dir:
+        for child in dav_children(svc, src, OWNER) if depth != "0" else ():
+            name = child.path.rsplit("/", 1)[-1]
+            dav_can_place(svc, child, dav_checked(f"{dst}/{name}"), depth)
+        return
+    size, note = src.st.st_size, dav_is_note(dst)
+    limit = svc.config.max_body_bytes if note else svc.config.max_attachment_bytes
+    if size > limit:
+        raise DavError(413, f"/dav/{src.path} is over {limit} bytes, the limit at /dav/{dst}")
+    if note and not src.is_note:
+        with open(src.file, "rb") as f:
+            try:
+                f.read().decode("utf-8")
+            except UnicodeDecodeError:
+                raise DavError(
+                    415, f"/dav/{dst} would be a note: its bytes must be UTF-8"
+                ) from None
+    if dst.startswith(ATTACHMENTS + "/") and not dst.rsplit("/", 1)[-1].startswith("."):
+        try:
+            attachment_path(dst)
+        except ApiError as e:
+            raise DavError(403, e.message) from None
 
 
 def dav_copy(svc: Service, dav: DavState, src: DavItem, dst: str, move: bool, depth: str):
@@ -22589,6 +22674,8 @@ def dav_copy_move(svc: Service, dav: DavState, item: DavItem, ctx: dict):
         raise DavError(403, "this key may not write there")
     if not dst or dst in DAV_TOPS or dst == item.path or dst.startswith(item.path + "/"):
         raise DavError(403, "a resource cannot be copied or moved onto itself or into itself")
+    if item.path.startswith(dst + "/"):
+        raise DavError(403, "a resource cannot replace the folder that holds it")
     depth = (request_header("Depth") or "infinity").lower()
     if depth not in ("0", "infinity") or (move and depth != "infinity"):
         raise DavError(400, "Depth is 0 or infinity (a MOVE: infinity)")
@@ -22598,9 +22685,10 @@ def dav_copy_move(svc: Service, dav: DavState, item: DavItem, ctx: dict):
     dav_unlocked(dav, dst, ctx["tokens"], below=True)
     dav_parent_ready(svc, dst)
     target = dav_item(svc, dst)
+    if target.exists and overwrite == "F":
+        raise DavError(412, f"/dav/{dst} exists and Overwrite is F")
+    dav_can_place(svc, item, dst, depth)  # before anything changes, the target included
     if target.exists:
-        if overwrite == "F":
-            raise DavError(412, f"/dav/{dst} exists and Overwrite is F")
         dav_delete(svc, dav, target)
     dav_copy(svc, dav, item, dst, move, depth)
     if move:
@@ -22635,14 +22723,18 @@ def dav_lock(svc: Service, dav: DavState, item: DavItem, ctx: dict):
         held = dav.locks_on(item.path, below=depth == "infinity")
         if any(not shared or lk.scope == "exclusive" for lk in held):
             raise DavError(423, f"/dav/{item.path} is locked", "no-conflicting-lock")
-        if len(dav.live_locks()) >= DAV_LOCKS_MAX:
+        if len(held) >= DAV_LOCKS_PER_PATH:
+            raise DavError(423, f"/dav/{item.path} holds {len(held)} locks: no more")
+        every = dav.live_locks()
+        if sum(lk.holder == ctx["holder"] for lk in every) >= DAV_LOCKS_PER_KEY:
+            raise DavError(507, f"this key holds {DAV_LOCKS_PER_KEY} locks: unlock some first")
+        if len(every) >= DAV_LOCKS_MAX:
             raise DavError(503, "too many locks are held: try again later")
         created = False
         if not item.exists:  # an unmapped URL: locked as an empty file (RFC 4918 7.3)
             dav_parent_ready(svc, item.path)
             dav_write_file(svc, dav, item.path, lambda n: b"", if_none_match="*")
             created = True
-        principal = ctx["principal"]
         lk = DavLock(
             token=f"urn:uuid:{uuid.uuid4()}",
             path=item.path,
@@ -22650,7 +22742,7 @@ def dav_lock(svc: Service, dav: DavState, item: DavItem, ctx: dict):
             owner=dav_owner(owner) if owner is not None else "",
             seconds=seconds,
             expires=time.monotonic() + seconds,
-            holder=principal.grant_id or principal.kind,
+            holder=ctx["holder"],
             scope="shared" if shared else "exclusive",
         )
         dav.locks[lk.token] = lk
@@ -22682,9 +22774,8 @@ def dav_unlock(svc: Service, dav: DavState, item: DavItem, ctx: dict):
         lk = dav.locks.get(token)
         if lk is None or not lk.covers(item.path):
             raise DavError(409, "no such lock on this resource", "lock-token-matches-request-uri")
-        principal = ctx["principal"]
-        if lk.holder != (principal.grant_id or principal.kind):
-            raise DavError(403, "the lock was taken by another key")
+        if lk.holder != ctx["holder"] and not ctx["principal"].allows("admin"):
+            raise DavError(403, "the lock was taken by another key")  # (the owner may end it)
         del dav.locks[token]
     bottle.response.status = 204
     return b""
@@ -22781,8 +22872,18 @@ def dav_answer(svc: Service, env: dict, method: str, raw: str):
     item = dav_item(svc, path)
     script = env.get("SCRIPT_NAME", "")
     ctx = {"method": method, "principal": principal, "script": script}
-    ctx["tokens"] = dav_if(svc, dav, item, script) if write or request_header("If") else set()
+    ctx["holder"] = dav_holder(principal)
+    tokens = dav_if(svc, dav, item, ctx) if write or request_header("If") else set()
+    # a token counts for the key that took the lock only (lockdiscovery shows it to all)
+    ctx["tokens"] = {
+        t for t in tokens if (lk := dav.locks.get(t)) is None or lk.holder == ctx["holder"]
+    }
     return DAV_HANDLERS[method](svc, dav, item, ctx)
+
+
+def dav_holder(principal: Principal) -> str:
+    """Who holds a lock: "owner" for the API key, else the key's grant id."""
+    return principal.grant_id or "owner"
 
 
 def dav_error(e: ApiError) -> bottle.HTTPResponse:
@@ -24378,8 +24479,14 @@ class _BodyLimit:
 _UPLOAD_RE = re.compile(rf"^(?:/r/[^/]+)?{API}/attachments(?:/.*)?$", re.S)
 
 
+_DAV_PUT_RE = re.compile(rf"^(?:/r/[^/]+)?{DAV_PREFIX}/.*(?<!\.md)$", re.S)
+
+
 def attachment_upload(method: str, path: str) -> bool:
-    """Return whether a request uploads an attachment (its body may be the larger kind)."""
+    """Return whether a request uploads an attachment (its body may be the larger kind): to
+    the API's attachments, or a file that is not a note over WebDAV."""
+    if method == "PUT" and _DAV_PUT_RE.match((path or "").split("?", 1)[0]):
+        return True
     return method in ("PUT", "POST") and bool(_UPLOAD_RE.match(path or ""))
 
 
