@@ -2104,6 +2104,28 @@ def _nfc(name: str) -> str:
     return name if name.isascii() else unicodedata.normalize("NFC", name)
 
 
+def disk_path(base: Path, path: str) -> Path:
+    """Return where an (NFC) path under base is on disk (see NoteStore.on_disk)."""
+    target = base / path
+    if path.isascii() or os.path.lexists(target):
+        return target
+    at = base
+    segments = path.split("/")
+    for i, seg in enumerate(segments):
+        step = at / seg
+        if not os.path.lexists(step):
+            try:
+                names = sorted(os.listdir(at)) if not seg.isascii() else []
+            except OSError:
+                names = []
+            same = [n for n in names if unicodedata.normalize("NFC", n) == seg]
+            if not same:
+                return step.joinpath(*segments[i + 1 :])
+            step = at / same[0]
+        at = step
+    return at
+
+
 class NoteStore:
     """Markdown files under <root>/notes: the source of truth, read from disk every time.
 
@@ -2154,24 +2176,7 @@ class NoteStore:
         there is matched to an entry that normalises to it (NFD names from macOS or
         Syncthing), so such a note is read and written in place under its own name.
         """
-        target = self.base / path
-        if path.isascii() or os.path.lexists(target):
-            return target
-        at = self.base
-        segments = path.split("/")
-        for i, seg in enumerate(segments):
-            step = at / seg
-            if not os.path.lexists(step):
-                try:
-                    names = sorted(os.listdir(at)) if not seg.isascii() else []
-                except OSError:
-                    names = []
-                same = [n for n in names if unicodedata.normalize("NFC", n) == seg]
-                if not same:
-                    return step.joinpath(*segments[i + 1 :])
-                step = at / same[0]
-            at = step
-        return at
+        return disk_path(self.base, path)
 
     @contextlib.contextmanager
     def locked(self, *paths: str, tree: bool = False):
@@ -2849,17 +2854,18 @@ class AttachmentStore:
 
     MAX_SIBLINGS = 1000  # numbered names tried for an upload that must not overwrite
 
-    def __init__(self, root: Path, trash: Path):
+    def __init__(self, root: Path, trash: Path, nfd_names: bool = False):
         self.root = root.resolve()  # <root>/attachments (created on the first upload)
         self.base = self.root.parent
         self.trash = trash
+        self.nfd_names = nfd_names  # names on disk matched as the notes' are (see on_disk)
         self._lock = threading.RLock()  # one change of the tree at a time
 
     # -- reading -------------------------------------------------------------------
 
     def file_of(self, path: str) -> Path:
         """Return the file of a checked path; 400 when it resolves outside attachments/."""
-        target = self.base / path
+        target = disk_path(self.base, path) if self.nfd_names else self.base / path
         real = os.path.realpath(target)
         if real != str(self.root) and not real.startswith(str(self.root) + os.sep):
             raise bad_request("the path resolves outside the attachments folder (symbolic link?)")
@@ -8063,7 +8069,9 @@ class Service:
         self.notes = NoteStore(config.notes_dir, state / "trash", self.history, self.journal)
         self.attachments = AttachmentStore(config.root / ATTACHMENTS, config.state_dir / "trash")
         # the other files beside the notes (an image in a vault, put there over WebDAV)
-        self.note_files = AttachmentStore(config.notes_dir, config.state_dir / "trash")
+        self.note_files = AttachmentStore(
+            config.notes_dir, config.state_dir / "trash", nfd_names=True
+        )
         self.grants = GrantStore(self.state)  # scoped keys, OAuth grants, share links
         # Background components of later sections, composed by build_service():
         self.pollers: Any = None  # ChannelPollers: a thread per channel in polling mode
@@ -15193,7 +15201,6 @@ async function saveNow(force) {
 // The server has `note`; the editor sent `sent`. What was merged in shows in the editor,
 // without losing what was typed since (merged here too, three ways).
 function saved(note, sent) {
-  state.etag = note.etag;
   const theirs = toEditor(note.content);
   let kept = false;
   if (theirs !== sent) {
@@ -15203,6 +15210,9 @@ function saved(note, sent) {
     if (!kept) replaceText(m.text);
     if (!state.editing) renderView();
   }
+  // kept: the next save starts from the version this one started from, so the server
+  // merges the other change in again (or keeps a copy), never writes over it
+  if (!kept) state.etag = note.etag;
   state.saved = theirs;
   state.title = note.title || state.title;
   $("title").textContent = state.title;
@@ -15225,10 +15235,13 @@ async function clashed(err, path, sent) {
     dropDraft();
     state.saved = now;
     if (now !== sent) {
-      // typed on while the save was on its way: the copy holds all of it
-      await api("PUT", "/notes/" + enc(err.conflictPath), {content: fromEditor(now)}).catch(
-        () => {},
-      );
+      // typed on while the save was on its way: the copy holds all of it (or, when the copy
+      // cannot be written, this browser keeps it as the note's draft, shown on opening)
+      try {
+        await api("PUT", "/notes/" + enc(err.conflictPath), {content: fromEditor(now)});
+      } catch (e) {
+        setItem("local", draftKey(err.path), JSON.stringify({content: now, at: Date.now()}));
+      }
     }
     await openNote(err.path);
     showConflict(false, err.conflictPath);
@@ -16039,9 +16052,8 @@ async function capture() {
     path = await appendToToday(text);
   } catch (e) {
     if (!unreachable(e) || !offlineOn()) throw e;
-    await loadOutbox();
-    offline.items = queueCapture(offline.items, text, [], newId, Date.now()); // sent when it can be
-    await saveOutbox();
+    const at = Date.now();
+    await updateOutbox((items) => queueCapture(items, text, [], newId, at)); // sent when it can be
     input.value = "";
     toast("Kept on this device: it goes to today's note when the server can be reached");
     return;
@@ -16803,11 +16815,27 @@ async function loadOutboxOrSay() {
     toast("The notes kept on this device cannot be read here: " + (e.message || e), true);
   }
 }
-async function saveOutbox() {
-  if (!offlineOn()) return; // the copy was let go meanwhile: nothing is kept again
-  await stored("meta", "readwrite", (s) => s.put(offline.items, "outbox"));
+// Change the outbox as one step: read, change, write in one IndexedDB transaction, so a
+// change made meanwhile (this tab's sender, another tab, the share sheet's worker) is never
+// written over with an older list. Resolves to the list as written.
+async function updateOutbox(change) {
+  if (!offlineOn()) return offline.items; // the copy was let go meanwhile: nothing is kept
+  const db = await idb();
+  offline.items = await new Promise((resolve, reject) => {
+    const tx = db.transaction("meta", "readwrite");
+    const store = tx.objectStore("meta");
+    const read = store.get("outbox");
+    let items = [];
+    read.onsuccess = () => {
+      items = change(read.result || []);
+      store.put(items, "outbox");
+    };
+    tx.oncomplete = () => resolve(items);
+    tx.onerror = () => reject(tx.error);
+  });
   showWaiting();
   if (offline.tabs) offline.tabs.postMessage("outbox"); // the other tabs show it too
+  return offline.items;
 }
 
 // The badge in the bar, on every pane: "Offline", "2 to send" (its title says it whole).
@@ -16826,32 +16854,27 @@ function showWaiting() {
 
 // The server cannot be reached: keep the text on this device, to send when it can be.
 async function keepOffline(path, content) {
-  await loadOutbox(); // another tab may have added to it, or sent it
+  const raw = fromEditor(content); // (a CRLF note keeps its line endings)
   if (path === null) {
     const local = "new:" + newId();
-    offline.items = queueCreate(
-      offline.items,
-      local,
-      (state.grant && state.grant.folder) || "",
-      content,
-      newId,
-    );
+    const folder = (state.grant && state.grant.folder) || "";
+    await updateOutbox((items) => queueCreate(items, local, folder, raw, newId));
     state.blank = false;
     state.path = local;
     state.etag = null;
   } else {
-    offline.items = queueSave(offline.items, path, state.etag, content, newId);
+    const base = state.etag;
+    await updateOutbox((items) => queueSave(items, path, base, raw, newId));
   }
   state.saved = content;
   const title = (content.split("\n").find((l) => l.trim()) || "untitled").replace(/^#+\s*/, "");
   await mirrorPut({
     path: state.path,
     title,
-    content,
+    content: raw,
     etag: state.etag,
     modified: new Date().toISOString(),
   });
-  await saveOutbox();
   loadRecent().catch(() => {}); // the list shows it too (from this device's copy)
   $("status").textContent = "Kept on this device";
   $("status").className = "";
@@ -16873,8 +16896,7 @@ async function sendWaiting() {
   try {
     await loadOutbox();
     for (let item = nextItem(offline.items); item && offlineOn();) {
-      offline.items = markSent(offline.items, item); // a later edit queues anew
-      await saveOutbox();
+      await updateOutbox((items) => markSent(items, item)); // a later edit queues anew
       let answer;
       try {
         answer = await sendItem(item);
@@ -16897,10 +16919,7 @@ async function sendWaiting() {
       }
       if (item.kind === "create" && answer) await mirrorDrop(item.local);
       if (!offlineOn()) break; // the key stopped working meanwhile: what waits became drafts
-      await loadOutbox(); // this tab's own edits made meanwhile are in it
-      offline.items = settle(offline.items, item, answer || {});
-      await saveOutbox();
-      item = nextItem(offline.items);
+      item = nextItem(await updateOutbox((items) => settle(items, item, answer || {})));
     }
   } finally {
     offline.sending = false;
@@ -16960,7 +16979,8 @@ async function sendItem(item) {
       once,
     );
     await mirrorPut(data.note);
-    if (state.path === item.path && editor().value === item.content) saved(data.note, item.content);
+    const typed = toEditor(item.content);
+    if (state.path === item.path && editor().value === typed) saved(data.note, typed);
     return data.note;
   } catch (e) {
     if (e.status === 409 && e.error && e.error.conflictPath) {
@@ -17158,16 +17178,19 @@ async function askShared() {
     const body = [el("p", {}, "Add this to today's note?")];
     if (item.text) body.push(el("blockquote", {class: "shared-text"}, item.text.slice(0, 500)));
     if (files.length) body.push(el("p", {}, "With " + files.join(", ")));
+    if (item.dropped) {
+      body.push(el("p", {class: "muted"}, item.dropped + " more file(s) were too large to keep."));
+    }
     const yes =
       (await dialog("Shared to notesvc", body, [
         ["add", "Add to today's note", "primary"],
         ["drop", "Discard"],
       ])) === "add";
-    await loadOutbox();
-    offline.items = yes
-      ? offline.items.map((i) => (i.id === item.id ? {...i, ask: false} : i))
-      : offline.items.filter((i) => i.id !== item.id);
-    await saveOutbox();
+    await updateOutbox((items) =>
+      yes
+        ? items.map((i) => (i.id === item.id ? {...i, ask: false} : i))
+        : items.filter((i) => i.id !== item.id),
+    );
   }
   sendOutbox().catch(() => {});
 }
@@ -17254,10 +17277,11 @@ async function shared(request) {
     .filter((value, i, all) => value && all.indexOf(value) === i)
     .join(" ");
   let room = MAX_BYTES;
-  const files = form
-    .getAll("image")
-    .filter((f) => f && f.size && (room -= f.size) >= 0)
+  const given = form.getAll("image").filter((f) => f && f.size);
+  const files = given
+    .filter((f) => f.size <= room && (room -= f.size) >= 0) // (one too large: the rest may go)
     .slice(0, MAX_FILES);
+  const dropped = given.length - files.length;
   const db = await openBox();
   await new Promise((resolve, reject) => {
     const tx = db.transaction("meta", "readwrite");
@@ -17266,7 +17290,16 @@ async function shared(request) {
     read.onsuccess = () => {
       const items = read.result || [];
       const id = () => (self.crypto.randomUUID ? self.crypto.randomUUID() : String(Math.random()));
-      items.push({id: id(), kind: "capture", key: id(), text, files, at: Date.now(), ask: true});
+      items.push({
+        id: id(),
+        kind: "capture",
+        key: id(),
+        text,
+        files,
+        dropped,
+        at: Date.now(),
+        ask: true,
+      });
       store.put(items, "outbox");
     };
     tx.oncomplete = resolve;
@@ -18564,7 +18597,10 @@ def parse_request_head(head: bytes, peer: str) -> tuple:
     method, target, minor = m.groups()
     authority = ""
     if not target.startswith("/"):  # absolute-form (RFC 9112 3.2.2): its authority is the Host
-        url = urllib.parse.urlsplit(target)
+        try:
+            url = urllib.parse.urlsplit(target)
+        except ValueError:  # (a broken IPv6 literal, say)
+            raise _Refuse(400, "malformed request line") from None
         authority, target = url.netloc, (url.path or "/") + (f"?{url.query}" if url.query else "")
         if not authority or "@" in authority or not target.startswith("/"):
             raise _Refuse(400, "malformed request line")
@@ -21734,7 +21770,8 @@ DAV_LOCKS_PER_KEY = 100  # one key's locks at once (the owner's too)
 DAV_LOCKS_PER_PATH = 16  # shared locks on one resource
 DAV_PROPS_PER_PATH = 100  # dead properties: how many a resource keeps...
 DAV_PROPS_BYTES_PER_PATH = 64 * 1024  # ...in how many characters...
-DAV_PROPS_PATHS = 10000  # ...on how many resources
+DAV_PROPS_PATHS = 10000  # ...on how many resources...
+DAV_PROPS_BYTES = 8 << 20  # ...and in how many characters in all
 XML_TYPE = "application/xml; charset=utf-8"
 NOTE_TYPE = "text/markdown; charset=utf-8"
 _DAV_LIVE = (
@@ -21841,11 +21878,29 @@ class DavState:
                 )
             if len(self.props) >= DAV_PROPS_PATHS and path not in self.props:
                 raise DavError(507, f"properties are kept for {DAV_PROPS_PATHS} resources at most")
+            before = sum(len(k) + len(x) for k, x in self.props.get(path, {}).items())
+            if self.props_bytes - before + size > DAV_PROPS_BYTES:
+                raise DavError(507, f"properties are kept up to {DAV_PROPS_BYTES >> 20} MiB in all")
             if kept:
                 self.props[path] = kept
             else:
                 self.props.pop(path, None)
             self._save_props()
+
+    def props_room(self, src: str) -> None:
+        """507 when a copy of src (and what is below it) would pass the properties' bounds."""
+        with self.lock:
+            carried = [v for p, v in self.props.items() if p == src or p.startswith(src + "/")]
+            size = sum(len(k) + len(x) for v in carried for k, x in v.items())
+            if carried and (
+                len(self.props) + len(carried) > DAV_PROPS_PATHS
+                or self.props_bytes + size > DAV_PROPS_BYTES
+            ):
+                raise DavError(507, "no room left for the properties this copy would carry")
+
+    @property
+    def props_bytes(self) -> int:
+        return sum(len(k) + len(x) for v in self.props.values() for k, x in v.items())
 
     def carry_props(self, src: str, dst: str, keep_source: bool) -> None:
         """A move (or copy) of src to dst takes its properties and its children's along."""
@@ -21858,6 +21913,13 @@ class DavState:
                     del self.props[p]
                 self.props[dst + p[len(src) :]] = dict(v)
             self._save_props()
+
+    def drop_locks(self, path: str) -> None:
+        """A resource deleted or moved away takes its locks (and those below it) along."""
+        with self.lock:
+            for token, lk in list(self.locks.items()):
+                if lk.path == path or lk.path.startswith(path + "/"):
+                    del self.locks[token]
 
     def drop_props(self, path: str) -> None:
         with self.lock:
@@ -22133,7 +22195,10 @@ def dav_live(dav: DavState, item: DavItem, name: str) -> str | None:
         kind = NOTE_TYPE if item.path.endswith(".md") else content_type_of(item.path)
         return f"<D:getcontenttype>{kind}</D:getcontenttype>"
     if name == "getetag":
-        return f"<D:getetag>{_xesc(dav_etag(dav, item))}</D:getetag>"
+        try:
+            return f"<D:getetag>{_xesc(dav_etag(dav, item))}</D:getetag>"
+        except OSError:  # deleted while the listing was made
+            return None
     return None
 
 
@@ -22423,7 +22488,7 @@ def dav_copy(svc: Service, dav: DavState, src: DavItem, dst: str, move: bool, de
     """Copy or move src to dst (not there: the caller made room)."""
     if src.is_dir:
         with disk_writes():
-            os.mkdir(svc.notes.base / dst if not dst.startswith(NOTES) else svc.notes.on_disk(dst))
+            os.makedirs(svc.notes.on_disk(dst), exist_ok=True)
         if depth != "0" or move:
             for child in dav_children(svc, src, OWNER):
                 name = child.path.rsplit("/", 1)[-1]
@@ -22623,6 +22688,9 @@ def dav_delete_method(svc: Service, dav: DavState, item: DavItem, ctx: dict):
         _check_etag(_if_match(), dav_etag(dav, item), "file")
     dav_unlocked(dav, item.path, ctx["tokens"], below=True)
     dav_delete(svc, dav, item)
+    dav.drop_locks(item.path)  # (RFC 4918 9.6.1)
+    if item.is_dir and os.path.lexists(item.file):
+        raise DavError(409, f"/dav/{item.path}/ holds files whose names no path may hold")
     dav_keep_folder(item)
     bottle.response.status = 204
     return b""
@@ -22688,10 +22756,13 @@ def dav_copy_move(svc: Service, dav: DavState, item: DavItem, ctx: dict):
     if target.exists and overwrite == "F":
         raise DavError(412, f"/dav/{dst} exists and Overwrite is F")
     dav_can_place(svc, item, dst, depth)  # before anything changes, the target included
+    if not move:
+        dav.props_room(item.path)
     if target.exists:
         dav_delete(svc, dav, target)
     dav_copy(svc, dav, item, dst, move, depth)
     if move:
+        dav.drop_locks(item.path)  # (RFC 4918 9.9.4)
         dav_keep_folder(item)
     bottle.response.status = 204 if target.exists else 201
     return b""

@@ -17030,3 +17030,38 @@ class TestDavMisuse:
         wrong = '<http://localhost/dav/notes/work/secret.md> (["0"])'
         for header in (guess, wrong):  # the same answer, right guess or wrong
             mine("PROPFIND", "notes/family", status=412, Depth="0", If=header)
+
+    def test_a_deleted_or_moved_resource_takes_its_locks_along(self, client, dav):
+        other = Dav(client, new_grant(client, "write")["key"])
+        for verb, extra in (("DELETE", {}), ("MOVE", {"Destination": "/dav/notes/b.md"})):
+            dav("PUT", "notes/a.md", b"a", status=201)
+            token = dav("LOCK", "notes/a.md", LOCKINFO, status=200).headers["Lock-Token"]
+            dav(verb, "notes/a.md", status=201 if verb == "MOVE" else 204, If=f"({token})", **extra)
+            other("PUT", "notes/a.md", b"free again", status=201)  # no lock is left behind
+            other("DELETE", "notes/a.md", status=204)
+
+    def test_files_in_a_folder_named_in_nfd_are_written_in_place(self, client, dav, root):
+        nfd = unicodedata.normalize("NFD", "Café")
+        (root / "notes" / nfd).mkdir(parents=True)
+        (root / "notes" / nfd / "photo.png").write_bytes(PNG)
+        dav("PUT", "notes/Café/photo.png", PNG + b"new", status=204)
+        assert os.listdir(root / "notes") == [nfd]  # no second, NFC folder beside it
+        assert (root / "notes" / nfd / "photo.png").read_bytes() == PNG + b"new"
+        got = client.get(
+            f"{API}/attachments/" + urllib.parse.quote("notes/Café/photo.png", safe="")
+        )
+        assert got.body == PNG + b"new"
+        dav("DELETE", "notes/Café/photo.png", status=204)
+
+    def test_a_broken_absolute_form_request_line_is_400(self):
+        for line in (
+            b"GET http://[::1/x HTTP/1.1",
+            b"GET http:///x HTTP/1.1",
+            b"GET http://u@h/x HTTP/1.1",
+        ):
+            with pytest.raises(notesvc._Refuse):
+                notesvc.parse_request_head(line + b"\r\nHost: a\r\n\r\n", "127.0.0.1")
+        method, path, *_ = notesvc.parse_request_head(
+            b"PROPFIND http://abc.relay.test:8/dav/notes/ HTTP/1.1\r\nHost: x\r\n\r\n", "127.0.0.1"
+        )
+        assert (method, path) == ("PROPFIND", "/dav/notes/")

@@ -581,7 +581,6 @@ async function saveNow(force) {
 // The server has `note`; the editor sent `sent`. What was merged in shows in the editor,
 // without losing what was typed since (merged here too, three ways).
 function saved(note, sent) {
-  state.etag = note.etag;
   const theirs = toEditor(note.content);
   let kept = false;
   if (theirs !== sent) {
@@ -591,6 +590,9 @@ function saved(note, sent) {
     if (!kept) replaceText(m.text);
     if (!state.editing) renderView();
   }
+  // kept: the next save starts from the version this one started from, so the server
+  // merges the other change in again (or keeps a copy), never writes over it
+  if (!kept) state.etag = note.etag;
   state.saved = theirs;
   state.title = note.title || state.title;
   $("title").textContent = state.title;
@@ -613,10 +615,13 @@ async function clashed(err, path, sent) {
     dropDraft();
     state.saved = now;
     if (now !== sent) {
-      // typed on while the save was on its way: the copy holds all of it
-      await api("PUT", "/notes/" + enc(err.conflictPath), {content: fromEditor(now)}).catch(
-        () => {},
-      );
+      // typed on while the save was on its way: the copy holds all of it (or, when the copy
+      // cannot be written, this browser keeps it as the note's draft, shown on opening)
+      try {
+        await api("PUT", "/notes/" + enc(err.conflictPath), {content: fromEditor(now)});
+      } catch (e) {
+        setItem("local", draftKey(err.path), JSON.stringify({content: now, at: Date.now()}));
+      }
     }
     await openNote(err.path);
     showConflict(false, err.conflictPath);
@@ -1427,9 +1432,8 @@ async function capture() {
     path = await appendToToday(text);
   } catch (e) {
     if (!unreachable(e) || !offlineOn()) throw e;
-    await loadOutbox();
-    offline.items = queueCapture(offline.items, text, [], newId, Date.now()); // sent when it can be
-    await saveOutbox();
+    const at = Date.now();
+    await updateOutbox((items) => queueCapture(items, text, [], newId, at)); // sent when it can be
     input.value = "";
     toast("Kept on this device: it goes to today's note when the server can be reached");
     return;

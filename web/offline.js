@@ -111,11 +111,27 @@ async function loadOutboxOrSay() {
     toast("The notes kept on this device cannot be read here: " + (e.message || e), true);
   }
 }
-async function saveOutbox() {
-  if (!offlineOn()) return; // the copy was let go meanwhile: nothing is kept again
-  await stored("meta", "readwrite", (s) => s.put(offline.items, "outbox"));
+// Change the outbox as one step: read, change, write in one IndexedDB transaction, so a
+// change made meanwhile (this tab's sender, another tab, the share sheet's worker) is never
+// written over with an older list. Resolves to the list as written.
+async function updateOutbox(change) {
+  if (!offlineOn()) return offline.items; // the copy was let go meanwhile: nothing is kept
+  const db = await idb();
+  offline.items = await new Promise((resolve, reject) => {
+    const tx = db.transaction("meta", "readwrite");
+    const store = tx.objectStore("meta");
+    const read = store.get("outbox");
+    let items = [];
+    read.onsuccess = () => {
+      items = change(read.result || []);
+      store.put(items, "outbox");
+    };
+    tx.oncomplete = () => resolve(items);
+    tx.onerror = () => reject(tx.error);
+  });
   showWaiting();
   if (offline.tabs) offline.tabs.postMessage("outbox"); // the other tabs show it too
+  return offline.items;
 }
 
 // The badge in the bar, on every pane: "Offline", "2 to send" (its title says it whole).
@@ -134,32 +150,27 @@ function showWaiting() {
 
 // The server cannot be reached: keep the text on this device, to send when it can be.
 async function keepOffline(path, content) {
-  await loadOutbox(); // another tab may have added to it, or sent it
+  const raw = fromEditor(content); // (a CRLF note keeps its line endings)
   if (path === null) {
     const local = "new:" + newId();
-    offline.items = queueCreate(
-      offline.items,
-      local,
-      (state.grant && state.grant.folder) || "",
-      content,
-      newId,
-    );
+    const folder = (state.grant && state.grant.folder) || "";
+    await updateOutbox((items) => queueCreate(items, local, folder, raw, newId));
     state.blank = false;
     state.path = local;
     state.etag = null;
   } else {
-    offline.items = queueSave(offline.items, path, state.etag, content, newId);
+    const base = state.etag;
+    await updateOutbox((items) => queueSave(items, path, base, raw, newId));
   }
   state.saved = content;
   const title = (content.split("\n").find((l) => l.trim()) || "untitled").replace(/^#+\s*/, "");
   await mirrorPut({
     path: state.path,
     title,
-    content,
+    content: raw,
     etag: state.etag,
     modified: new Date().toISOString(),
   });
-  await saveOutbox();
   loadRecent().catch(() => {}); // the list shows it too (from this device's copy)
   $("status").textContent = "Kept on this device";
   $("status").className = "";
@@ -181,8 +192,7 @@ async function sendWaiting() {
   try {
     await loadOutbox();
     for (let item = nextItem(offline.items); item && offlineOn();) {
-      offline.items = markSent(offline.items, item); // a later edit queues anew
-      await saveOutbox();
+      await updateOutbox((items) => markSent(items, item)); // a later edit queues anew
       let answer;
       try {
         answer = await sendItem(item);
@@ -205,10 +215,7 @@ async function sendWaiting() {
       }
       if (item.kind === "create" && answer) await mirrorDrop(item.local);
       if (!offlineOn()) break; // the key stopped working meanwhile: what waits became drafts
-      await loadOutbox(); // this tab's own edits made meanwhile are in it
-      offline.items = settle(offline.items, item, answer || {});
-      await saveOutbox();
-      item = nextItem(offline.items);
+      item = nextItem(await updateOutbox((items) => settle(items, item, answer || {})));
     }
   } finally {
     offline.sending = false;
@@ -268,7 +275,8 @@ async function sendItem(item) {
       once,
     );
     await mirrorPut(data.note);
-    if (state.path === item.path && editor().value === item.content) saved(data.note, item.content);
+    const typed = toEditor(item.content);
+    if (state.path === item.path && editor().value === typed) saved(data.note, typed);
     return data.note;
   } catch (e) {
     if (e.status === 409 && e.error && e.error.conflictPath) {
@@ -466,16 +474,19 @@ async function askShared() {
     const body = [el("p", {}, "Add this to today's note?")];
     if (item.text) body.push(el("blockquote", {class: "shared-text"}, item.text.slice(0, 500)));
     if (files.length) body.push(el("p", {}, "With " + files.join(", ")));
+    if (item.dropped) {
+      body.push(el("p", {class: "muted"}, item.dropped + " more file(s) were too large to keep."));
+    }
     const yes =
       (await dialog("Shared to notesvc", body, [
         ["add", "Add to today's note", "primary"],
         ["drop", "Discard"],
       ])) === "add";
-    await loadOutbox();
-    offline.items = yes
-      ? offline.items.map((i) => (i.id === item.id ? {...i, ask: false} : i))
-      : offline.items.filter((i) => i.id !== item.id);
-    await saveOutbox();
+    await updateOutbox((items) =>
+      yes
+        ? items.map((i) => (i.id === item.id ? {...i, ask: false} : i))
+        : items.filter((i) => i.id !== item.id),
+    );
   }
   sendOutbox().catch(() => {});
 }

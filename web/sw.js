@@ -56,10 +56,11 @@ async function shared(request) {
     .filter((value, i, all) => value && all.indexOf(value) === i)
     .join(" ");
   let room = MAX_BYTES;
-  const files = form
-    .getAll("image")
-    .filter((f) => f && f.size && (room -= f.size) >= 0)
+  const given = form.getAll("image").filter((f) => f && f.size);
+  const files = given
+    .filter((f) => f.size <= room && (room -= f.size) >= 0) // (one too large: the rest may go)
     .slice(0, MAX_FILES);
+  const dropped = given.length - files.length;
   const db = await openBox();
   await new Promise((resolve, reject) => {
     const tx = db.transaction("meta", "readwrite");
@@ -68,7 +69,16 @@ async function shared(request) {
     read.onsuccess = () => {
       const items = read.result || [];
       const id = () => (self.crypto.randomUUID ? self.crypto.randomUUID() : String(Math.random()));
-      items.push({id: id(), kind: "capture", key: id(), text, files, at: Date.now(), ask: true});
+      items.push({
+        id: id(),
+        kind: "capture",
+        key: id(),
+        text,
+        files,
+        dropped,
+        at: Date.now(),
+        ask: true,
+      });
       store.put(items, "outbox");
     };
     tx.oncomplete = resolve;
