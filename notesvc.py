@@ -15021,6 +15021,7 @@ async function openNote(path, opts) {
   let data;
   try {
     data = (await api("GET", "/notes/" + enc(path))).data;
+    if (offlineOn()) mirrorPut(data).catch(() => {}); // the copy takes what the server has
   } catch (e) {
     data = unreachable(e) && offlineOn() ? await mirrorGet(path) : null;
     if (!data) throw e;
