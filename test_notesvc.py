@@ -2521,7 +2521,11 @@ class WebSession:
         """Write a new note as a person does (New note, type, Ctrl+S); return its path."""
         self.tap("#new")
         expect(self.page.locator("#editor")).to_be_focused()
-        self.page.keyboard.type(text)
+        # (the first line at once: a loaded machine can stall typing past the five quiet
+        # seconds after which a new note takes its name from the words typed so far)
+        first, _, rest = text.partition("\n")
+        self.page.keyboard.insert_text(first + ("\n" if _ else ""))
+        self.page.keyboard.type(rest)
         self.page.keyboard.press("Control+s")
         expect(self.page.locator("#status")).to_have_text("Saved")
         return self.page.inner_text("#path").split(" · ")[0]
@@ -11977,7 +11981,8 @@ class TestOfflineInChromium:
         expect(page.locator("#status")).to_have_text("Kept on this device")
         s.tap("#back")
         s.tap("#new")
-        page.keyboard.type("Made offline\n\non the train")
+        page.keyboard.insert_text("Made offline\n")  # (its name, at once: see write_new)
+        page.keyboard.type("\non the train")
         page.click("#save")
         expect(page.locator("#status")).to_have_text("Kept on this device")
         expect(page.locator("#offline-state")).to_have_text("Offline · 3 to send")
