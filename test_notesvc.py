@@ -2445,6 +2445,18 @@ SEED_NOTES = {
 PLAIN_HTTP_HOST = "notes.lan.test"
 
 
+# A browser test's marks. Its group keeps every browser test on one xdist worker, one after
+# another: two Chromiums at once on two cores starve each other's timers (a pause in typing
+# long enough to name a new note from its first letter was seen), while the other worker
+# runs everything else.
+BROWSER_TESTS = [
+    pytest.mark.browser,
+    pytest.mark.real_server,
+    pytest.mark.slow,
+    pytest.mark.xdist_group("browser"),
+]
+
+
 @pytest.fixture(scope="class")
 def browser():
     """One Chromium for the class (each test gets its own context)."""
@@ -10852,7 +10864,7 @@ def _setup_on(server: Server, origin: str):
 
 
 class TestWebClient:
-    pytestmark = [pytest.mark.browser, pytest.mark.real_server, pytest.mark.slow]
+    pytestmark = BROWSER_TESTS
 
     @pytest.mark.parametrize("device", ["phone", "desktop"])
     def test_connect_open_formatted_edit_and_save(self, web, device):
@@ -11279,7 +11291,11 @@ class TestWebClient:
         expect(
             page.locator('#tree button.note[data-path="notes/recipes/pancakes.md"]')
         ).to_have_count(0)
-        assert unexpected(s.close()) == []
+        # The deleted note's folder goes with it (emptied): a refresh of the tree or the
+        # open note racing the change feed may ask for one of them once, and hear 404.
+        gone = [url for status, _, url in s.failed if status == 404]
+        assert all("recipes" in urllib.parse.unquote(url) for url in gone), s.failed
+        assert unexpected(s.close(), *(["404"] if gone else [])) == []
 
     def test_quick_capture_appends_to_todays_note(self, web):
         s = web("phone")
@@ -11953,7 +11969,7 @@ class TestOfflineInChromium:
     the notes open without the server; what is written meanwhile lands once, when it is
     back; the share sheet's POST is kept for today's note."""
 
-    pytestmark = [pytest.mark.browser, pytest.mark.real_server, pytest.mark.slow]
+    pytestmark = BROWSER_TESTS
 
     def keep_offline(self, s: WebSession) -> None:
         page = s.page
@@ -12138,7 +12154,7 @@ class TestDevicesInChromium:
     """A phone joins by scanning: real servers, Chromium at 390x844, the QR code decoded by
     zbarimg from a screenshot."""
 
-    pytestmark = [pytest.mark.browser, pytest.mark.real_server, pytest.mark.slow]
+    pytestmark = BROWSER_TESTS
 
     def set_up_from_the_page(self, browser, tmp_path, server) -> WebSession:
         s = WebSession(browser, tmp_path, "phone")
@@ -12329,7 +12345,7 @@ class TestDevicesInChromium:
 class TestWebClientGrants:
     """The keys screen, the Share action, and a scoped key's page (issue 19, item 6)."""
 
-    pytestmark = [pytest.mark.browser, pytest.mark.real_server, pytest.mark.slow]
+    pytestmark = BROWSER_TESTS
 
     def test_keys_and_connections(self, web):
         s = web("desktop")
@@ -12508,7 +12524,7 @@ def tiny_png() -> bytes:
 class TestGrantPages:
     """The consent page and the share page in a real browser."""
 
-    pytestmark = [pytest.mark.browser, pytest.mark.real_server, pytest.mark.slow]
+    pytestmark = BROWSER_TESTS
 
     @pytest.fixture
     def browser(self):
@@ -13914,7 +13930,7 @@ class TestRelayOriginsInChromium:
     """The attack run's F1 and F3, in Chromium against a real relay: a stranger's server on
     the same relay must receive no key, and an SVG must not become a page of the origin."""
 
-    pytestmark = [pytest.mark.browser, pytest.mark.real_server, pytest.mark.slow]
+    pytestmark = BROWSER_TESTS
 
     def test_copy_works_on_plain_http_and_errors_show_in_their_dialog(
         self, relay_browser, tmp_path
