@@ -1693,6 +1693,19 @@ def shown_inline(content_type: str) -> bool:
     return content_type.split("/")[0] in ("image", "audio", "video") or content_type == "text/plain"
 
 
+def _file_path(raw: Any, what: str, top: str) -> tuple:
+    """Return (path, extension) of a file path under top, NFC-normalised and checked by the
+    path rules; 400 naming the broken rule, or a last segment that is not name.extension."""
+    if not isinstance(raw, str):
+        raise bad_request(f"the {what} path must be a string")
+    path = unicodedata.normalize("NFC", raw)
+    segments = _check_segments(path, what, top)
+    base, dot, ext = segments[-1].rpartition(".")
+    if len(segments) < 2 or not dot or not base:
+        raise bad_request(f"the {what} path must look like {top}/<name>.<extension>")
+    return path, ext
+
+
 def attachment_path(raw: Any) -> str:
     """Return an attachment path (attachments/<segments>.<ext>, an allowed extension),
     NFC-normalised; 400 naming the broken rule otherwise.
@@ -1700,13 +1713,7 @@ def attachment_path(raw: Any) -> str:
     >>> attachment_path("attachments/trip/IMG_0001.JPG")
     'attachments/trip/IMG_0001.JPG'
     """
-    if not isinstance(raw, str):
-        raise bad_request("the attachment path must be a string")
-    path = unicodedata.normalize("NFC", raw)
-    segments = _check_segments(path, "attachment", ATTACHMENTS)
-    base, dot, ext = segments[-1].rpartition(".")
-    if len(segments) < 2 or not dot or not base:
-        raise bad_request(f"the attachment path must look like {ATTACHMENTS}/<name>.<extension>")
+    path, ext = _file_path(raw, "attachment", ATTACHMENTS)
     if ext.lower() not in ATTACHMENT_TYPES:
         raise bad_request(
             f"files ending .{ext[:16]} are not accepted as attachments; allowed: "
@@ -1723,12 +1730,8 @@ def note_file_path(raw: Any) -> str:
     >>> note_file_path("notes/trip/photo.JPG")
     'notes/trip/photo.JPG'
     """
-    if not isinstance(raw, str):
-        raise bad_request("the file path must be a string")
-    path = unicodedata.normalize("NFC", raw)
-    segments = _check_segments(path, "file", NOTES)
-    base, dot, ext = segments[-1].rpartition(".")
-    if len(segments) < 2 or not dot or not base or ext.lower() not in ATTACHMENT_TYPES:
+    path, ext = _file_path(raw, "file", NOTES)
+    if ext.lower() not in ATTACHMENT_TYPES:
         raise bad_request(f"no file of an attachment's kind at {path[:MAX_PATH_CHARS]}")
     return path
 
