@@ -515,6 +515,22 @@ SETTINGS = (
         _timezone,
         "time zone of daily notes and reminders (default: the system's)",
     ),
+    Setting(
+        "max_import_bytes",
+        "SERVICE_MAX_IMPORT_BYTES",
+        "",
+        "268435456",
+        _int_range(1024, 1 << 40),
+        "largest import upload (bytes)",
+    ),
+    Setting(
+        "max_import_expanded_bytes",
+        "SERVICE_MAX_IMPORT_EXPANDED_BYTES",
+        "",
+        "2147483648",
+        _int_range(1024, 1 << 44),
+        "the most an imported archive may expand to (bytes)",
+    ),
     Setting("log_level", "SERVICE_LOG_LEVEL", "--log-level", "info", _log_level, "log level"),
 )
 
@@ -525,8 +541,11 @@ SETTINGS = (
 SERVER_COMMANDS = ("serve", "audit")
 _NETWORK_COMMANDS = ("serve", "audit", "relay")
 COMMANDS_OF_SETTING = {
-    "root": ("serve", "audit", "rotate-key", "pair"),
-    "log_level": ("serve", "audit", "rotate-key", "pair", "relay"),
+    "root": ("serve", "audit", "rotate-key", "pair", "import", "export"),
+    "log_level": ("serve", "audit", "rotate-key", "pair", "relay", "import", "export"),
+    **dict.fromkeys(
+        ("max_import_bytes", "max_import_expanded_bytes"), (*SERVER_COMMANDS, "import")
+    ),
     # `pair` names the address a phone opens, as the banner does
     **dict.fromkeys(("host", "port", "public_url"), (*_NETWORK_COMMANDS, "pair")),
     "pairing_ttl": ("serve", "audit", "pair"),
@@ -603,6 +622,8 @@ class Config:
     transcribe_model: str
     transcribe_api_key: str
     timezone: str
+    max_import_bytes: int
+    max_import_expanded_bytes: int
     log_level: str
 
     @property
@@ -11403,6 +11424,1460 @@ def tool_fetch(svc: Service, id: str) -> dict:
         "url": note_url(svc, rec["path"]),
         "metadata": {k: rec[k] for k in ("etag", "modified", "size")},
     }
+
+
+# == Import and export ==========================================================
+#
+# Bring every note you have, take them all with you (CONTRACT 26). An import reads a
+# source (a folder, a zip, a tar, an .enex stream), refuses a hostile one before anything
+# is written, turns each format's notes into Markdown drafts, names them (never over
+# anything: a taken name gets " 2"), rewrites the links between them, and writes each
+# note with one atomic create through the NoteStore, so the index, the history and the
+# change feed see it. A dry run stops before the writes and reports the same plan.
+
+IMPORT_KINDS = ("keep", "evernote", "notion", "obsidian", "joplin", "files", "notesvc")
+EXPORT_MANIFEST = "notesvc-export.json"
+BOMB_RATIO = 100  # an entry may expand to at most this many times its compressed size...
+BOMB_MIN_BYTES = 1 << 20  # ...once it expands past a mebibyte (smaller ones cannot harm)
+IMPORT_TEXT_TYPES = ("md", "markdown", "txt", "text")
+_WINDOWS_NAMES = frozenset(
+    ["con", "prn", "aux", "nul"] + [f"{p}{n}" for p in ("com", "lpt") for n in range(1, 10)]
+)
+_NOTION_ID_RE = re.compile(r"\s+[0-9a-f]{32}$|\s+[0-9a-f]{8}(?:-[0-9a-f]{4}){3}-[0-9a-f]{12}$")
+_LINK_TOKEN_RE = re.compile("\x00([^\x00\x01]*)\x01([^\x00]*)\x00")
+_DRIVE_RE = re.compile(r"^[A-Za-z]:")
+
+
+def refused(message: str, status: int = 400) -> ApiError:
+    """An archive refused whole, before anything was written."""
+    code = {413: "PAYLOAD_TOO_LARGE", 415: "UNSUPPORTED_MEDIA_TYPE"}.get(status, "VALIDATION_ERROR")
+    return ApiError(status, code, f"nothing was imported: {message}")
+
+
+def import_segment(name: str, fallback: str = "untitled") -> str:
+    """Return one path segment made safe from any name: no control, bidi, zero-width or
+    forbidden characters, no leading dot, no trailing dot or space, not a name Windows
+    reserves, at most 200 bytes.
+
+    >>> import_segment("CON"), import_segment("a/b: c?\\x07"), import_segment("...")
+    ('CON_', 'a b c', 'untitled')
+    """
+    name = unicodedata.normalize("NFC", name)
+    name = "".join(
+        " " if ord(ch) < 32 or 0x7F <= ord(ch) < 0xA0 or ch in _FORBIDDEN or ch == "/" else ch
+        for ch in name
+        if ch not in _BIDI_CONTROLS and ch not in _ZERO_WIDTH
+    )
+    name = " ".join(name.split()).lstrip(".").rstrip(". ")
+    while len(name.encode("utf-8")) > 200:
+        name = name[:-1].rstrip(". ")
+    if name.split(".")[0].casefold() in _WINDOWS_NAMES:
+        stem, dot, ext = name.partition(".")
+        name = f"{stem}_{dot}{ext}"
+    return name or fallback
+
+
+def link_token(target: str, fallback: str) -> str:
+    """Return a link's place-holder in a draft: replaced by the path `target` (a source
+    name) gets, relative to the note, or by `fallback` when the import holds no such file."""
+    return f"\x00{target}\x01{fallback}\x00"
+
+
+@dataclasses.dataclass
+class ImportEntry:
+    """One file of an import's source."""
+
+    name: str  # its path inside the source, `/`-separated, NFC
+    size: int
+    open: Callable[[], Any]  # -> a binary file object
+    mtime: float | None = None
+
+
+class ImportSource:
+    """The files of a source (a folder, a zip or a tar), checked whole when opened: zip
+    slip, absolute names, drive letters, links and zip bombs refuse it (400 / 413) before
+    anything is read further, let alone written."""
+
+    def __init__(self, entries: list, kind_hint: str = "", closer: Callable | None = None):
+        self.entries = entries
+        self.by_name = {e.name: e for e in entries}
+        self.kind_hint = kind_hint
+        self._closer = closer
+
+    def close(self) -> None:
+        if self._closer:
+            self._closer()
+
+    def read(self, entry: ImportEntry, limit: int | None = None) -> bytes:
+        with entry.open() as f:
+            data = f.read(-1 if limit is None else limit + 1)
+        if limit is not None and len(data) > limit:
+            raise ValueError(f"over {limit} bytes")
+        return data
+
+    @staticmethod
+    def clean_name(raw: str) -> str | None:
+        """Return an entry's name, None for a folder entry; raise when it leaves the source."""
+        name = unicodedata.normalize("NFC", raw.replace("\\", "/"))
+        if name.endswith("/"):
+            return None
+        if name.startswith("/") or _DRIVE_RE.match(name) or "\x00" in name:
+            raise refused(f"the archive names a file outside itself: {log_safe(raw, 120)}")
+        parts = [p for p in name.split("/") if p not in ("", ".")]
+        if ".." in parts:
+            raise refused(f"the archive names a file outside itself: {log_safe(raw, 120)}")
+        return "/".join(parts) or None
+
+    @classmethod
+    def from_zip(cls, file: Any, expanded_limit: int) -> ImportSource:
+        import zipfile
+
+        try:
+            zf = zipfile.ZipFile(file)
+            infos = zf.infolist()
+        except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+            raise refused(f"the file is not a readable zip ({e})") from None
+        entries, total = [], 0
+        for info in infos:
+            name = cls.clean_name(info.filename)
+            mode = info.external_attr >> 16
+            if stat.S_ISLNK(mode):
+                raise refused(f"the archive holds a symbolic link: {log_safe(info.filename, 120)}")
+            if name is None or info.is_dir():
+                continue
+            total += info.file_size
+            if total > expanded_limit:
+                raise refused(
+                    f"the archive expands to more than {expanded_limit} bytes "
+                    "(SERVICE_MAX_IMPORT_EXPANDED_BYTES)",
+                    413,
+                )
+            if info.file_size > BOMB_MIN_BYTES and info.file_size > BOMB_RATIO * max(
+                1, info.compress_size
+            ):
+                raise refused(
+                    f"{log_safe(name, 120)} expands more than {BOMB_RATIO} times (a zip bomb?)",
+                    413,
+                )
+            mtime = None
+            with contextlib.suppress(ValueError, OverflowError):
+                mtime = time.mktime((*info.date_time, 0, 0, -1))
+            entries.append(
+                ImportEntry(name, info.file_size, functools.partial(zf.open, info), mtime)
+            )
+        return cls(entries, closer=zf.close)
+
+    @classmethod
+    def from_tar(cls, file: Any, expanded_limit: int, packed: int) -> ImportSource:
+        import tarfile
+
+        try:
+            tf = tarfile.open(fileobj=file, mode="r:*")  # noqa: SIM115 (closed by close())
+            members = tf.getmembers()
+        except (tarfile.TarError, OSError, EOFError, ValueError) as e:
+            raise refused(f"the file is not a readable tar ({e})") from None
+        entries, total = [], 0
+        for m in members:
+            name = cls.clean_name(m.name)
+            if m.issym() or m.islnk():
+                raise refused(f"the archive holds a link: {log_safe(m.name, 120)}")
+            if name is None or m.isdir():
+                continue
+            if not m.isfile():
+                raise refused(f"the archive holds a device or a pipe: {log_safe(m.name, 120)}")
+            total += m.size
+            if total > expanded_limit or total > BOMB_RATIO * max(packed, BOMB_MIN_BYTES):
+                raise refused(
+                    f"the archive expands to more than {min(expanded_limit, total - 1)} bytes "
+                    "(SERVICE_MAX_IMPORT_EXPANDED_BYTES, or 100 times its size)",
+                    413,
+                )
+            entries.append(ImportEntry(name, m.size, functools.partial(tf.extractfile, m), m.mtime))
+        return cls(entries, kind_hint="joplin", closer=tf.close)
+
+    @classmethod
+    def from_folder(cls, folder: Path, skipped: list) -> ImportSource:
+        entries = []
+        for top, dirs, files in os.walk(folder):
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            for d in list(dirs):
+                if os.path.islink(os.path.join(top, d)):
+                    dirs.remove(d)
+                    skipped.append(_skip(_rel(folder, top, d), "a symbolic link (not followed)"))
+            for f in sorted(files):
+                full = os.path.join(top, f)
+                rel = _rel(folder, top, f)
+                if f.startswith("."):
+                    continue
+                if os.path.islink(full):
+                    skipped.append(_skip(rel, "a symbolic link (not followed)"))
+                    continue
+                st = os.stat(full)
+                if stat.S_ISREG(st.st_mode):
+                    opener = functools.partial(open, full, "rb")
+                    entries.append(ImportEntry(rel, st.st_size, opener, st.st_mtime))
+        return cls(entries)
+
+
+def _rel(folder: Path, top: str, name: str) -> str:
+    return unicodedata.normalize("NFC", os.path.relpath(os.path.join(top, name), folder)).replace(
+        os.sep, "/"
+    )
+
+
+def _skip(source: str, reason: str) -> dict:
+    return {"source": source, "reason": reason}
+
+
+def sniff_import(head: bytes, filename: str = "") -> str:
+    """Return what a single uploaded file holds: zip, tar, enex or keep (one .json)."""
+    lower = filename.lower()
+    if head.startswith((b"PK\x03\x04", b"PK\x05\x06")):
+        return "zip"
+    if head[257:262] == b"ustar" or lower.endswith((".jex", ".tar")):
+        return "tar"
+    text = head.lstrip(b"\xef\xbb\xbf \t\r\n")
+    if text.startswith(b"<") or lower.endswith(".enex"):
+        return "enex"
+    if text.startswith(b"{") or lower.endswith(".json"):
+        return "keep"
+    if lower.endswith((".md", ".txt", ".markdown")):
+        return "text"
+    raise refused("send a zip, an Evernote .enex, a Joplin .jex or a Keep .json", 415)
+
+
+def import_kind(source: ImportSource) -> str:
+    """Return which program made a source, from the names and shapes of its files."""
+    names = source.by_name
+    if EXPORT_MANIFEST in names:
+        return "notesvc"
+    if source.kind_hint:
+        return source.kind_hint
+    if any(n.endswith(".enex") for n in names):
+        return "evernote"
+    if any(n == ".obsidian" or n.startswith(".obsidian/") or "/.obsidian/" in n for n in names):
+        return "obsidian"
+    jsons = [n for n in names if n.endswith(".json")]
+    if any("/Keep/" in f"/{n}" for n in jsons):
+        return "keep"
+    notion = sum(
+        1 for n in names if _NOTION_ID_RE.search(posixpath.splitext(n.rsplit("/", 1)[-1])[0])
+    )
+    if notion and notion * 2 >= sum(1 for n in names if n.endswith((".md", ".csv"))):
+        return "notion"
+    for n in jsons[:3]:
+        with contextlib.suppress(Exception):
+            head = source.read(names[n], 1 << 20)
+            if b'"textContent"' in head or b'"listContent"' in head:
+                return "keep"
+    return "files"
+
+
+@dataclasses.dataclass
+class Draft:
+    """A note or a file on its way in."""
+
+    source: str  # its name in the source (the report's `source`)
+    want: str  # the path it would like (its final one, but for " 2")
+    text: str = ""  # a note's Markdown; links as link_token()s
+    open: Callable | None = None  # a file's bytes (None: a note)
+    size: int = 0
+    path: str = ""  # the path it gets
+
+
+class ImportPlan:
+    """Names the drafts (never over a note or file, nor over another draft), resolves the
+    links between them, and writes them (or, in a dry run, only counts)."""
+
+    def __init__(self, svc: Any, into: str, dry_run: bool, progress: Callable | None = None):
+        self.svc, self.into, self.dry_run = svc, into, dry_run
+        self.files_into = ATTACHMENTS + into[len(NOTES) :]
+        self.taken: set = set()  # casefolded paths given out in this import
+        self.by_source: dict = {}  # source name -> path it got
+        self.created = self.renamed = self.attachments = 0
+        self.skipped: list = []
+        self.progress = progress or (lambda plan: None)
+        self.max_note = svc.config.max_body_bytes
+
+    # -- naming ---------------------------------------------------------------------------
+
+    def _exists(self, path: str) -> bool:
+        base = self.svc.config.root
+        return os.path.lexists(disk_path(base, path)) or os.path.lexists(
+            disk_path(base, path[:-3] + ".md") if path.endswith(".md") else base / "\x00"
+        )
+
+    def name(self, draft: Draft) -> str:
+        """Give the draft its path: the one it wants, else `<name> 2`, `<name> 3`..."""
+        folder, _, leaf = draft.want.rpartition("/")
+        stem, dot, ext = leaf.rpartition(".") if "." in leaf[1:] else (leaf, "", "")
+        for n in range(1, 10000):
+            tail = f" {n}" if n > 1 else ""
+            short = stem
+            while len(f"{short}{tail}{dot}{ext}".encode()) > MAX_SEGMENT_BYTES:
+                short = short[:-1]
+            path = f"{folder}/{short}{tail}{dot}{ext}"
+            if path.casefold() not in self.taken and not self._exists(path):
+                break
+        else:
+            raise ApiError(409, "CONFLICT", f"too many files named {leaf} in {folder}")
+        self.taken.add(path.casefold())
+        draft.path = path
+        self.by_source[draft.source] = path
+        if path != draft.want:
+            self.renamed += 1
+        return path
+
+    # -- links ----------------------------------------------------------------------------
+
+    def render(self, draft: Draft) -> str:
+        """Return a note's text with its link tokens made relative paths."""
+        here = posixpath.dirname(draft.path)
+
+        def link(m: re.Match) -> str:
+            target = self.by_source.get(m.group(1))
+            if target is None:
+                return m.group(2)
+            return urllib.parse.quote(posixpath.relpath(target, here), safe="/#")
+
+        return _LINK_TOKEN_RE.sub(link, draft.text)
+
+    # -- writing --------------------------------------------------------------------------
+
+    def add_file(self, draft: Draft) -> None:
+        """Write a named file draft (see name())."""
+        path = draft.path
+        self.attachments += 1
+        if not self.dry_run:
+            store = self.svc.attachments if path.startswith(ATTACHMENTS) else self.svc.note_files
+
+            def copy(f) -> None:
+                with draft.open() as src:
+                    shutil.copyfileobj(src, f, BODY_CHUNK)
+
+            rec, _ = store.place(store.spool(copy), path, unique=True)
+            if rec["path"] != path:
+                self.by_source[draft.source] = rec["path"]
+        self.progress(self)
+
+    def add_note(self, draft: Draft) -> None:
+        """Write a named note draft, its links resolved."""
+        text = self.render(draft)
+        if len(text.encode("utf-8", "surrogatepass")) > self.max_note:
+            self.skipped.append(_skip(draft.source, "over SERVICE_MAX_BODY_BYTES"))
+            self.taken.discard(draft.path.casefold())
+            return
+        self.created += 1
+        if not self.dry_run:
+            try:
+                self.svc.notes.create(draft.path, text)
+            except ApiError as e:  # taken since it was named: the next free name
+                if e.status_code != 409:
+                    raise
+                folder, leaf = draft.path.rsplit("/", 1)
+                self.svc.notes.create_named(folder, leaf[:-3], text)
+        self.progress(self)
+
+    def skip(self, source: str, reason: str) -> None:
+        self.skipped.append(_skip(source, reason))
+
+    def report(self, kind: str) -> dict:
+        return {
+            "created": self.created,
+            "renamed": self.renamed,
+            "attachments": self.attachments,
+            "skipped": self.skipped,
+            "into": self.into,
+            "kind": kind,
+            "dryRun": self.dry_run,
+        }
+
+
+def _decode_text(data: bytes) -> str:
+    """Return a text file's text: UTF-8 (a BOM kept, as the bytes say), else Windows-1252."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return data.decode("cp1252", "replace")
+
+
+def _front_matter(fields: dict) -> str:
+    """Return YAML front matter for what Markdown can't say ('' when there is nothing)."""
+    lines = []
+    for key, value in fields.items():
+        if value in (None, "", [], False):
+            continue
+        if isinstance(value, list):
+            items = ", ".join(json.dumps(v, ensure_ascii=False) for v in value)
+            lines.append(f"{key}: [{items}]")
+        elif value is True:
+            lines.append(f"{key}: true")
+        else:
+            lines.append(f"{key}: {json.dumps(str(value), ensure_ascii=False)}")
+    return "---\n" + "\n".join(lines) + "\n---\n" if lines else ""
+
+
+def _iso_or_none(seconds: Any) -> str | None:
+    try:
+        return iso(float(seconds)) if seconds else None
+    except (TypeError, ValueError, OverflowError, OSError):
+        return None
+
+
+# -- folders of Markdown: Obsidian, Notion, plain files, notesvc's own export ---------------
+
+
+def _note_name_of(name: str) -> tuple:
+    """Return (stem, extension) of a source file name, lower-case extension."""
+    stem, dot, ext = name.rpartition(".")
+    return (stem, ext.lower()) if dot and stem else (name, "")
+
+
+def _target_segments(name: str, strip_ids: bool) -> list:
+    segments = []
+    for seg in name.split("/"):
+        if strip_ids:
+            stem, ext = _note_name_of(seg)
+            stem = _NOTION_ID_RE.sub("", stem) or stem
+            seg = f"{stem}.{ext}" if ext else stem
+        segments.append(import_segment(seg))
+    return segments
+
+
+def _relink(text: str, source: str, known: Mapping) -> str:
+    """Return a Markdown note's text with its links to files of the import as tokens."""
+    here = posixpath.dirname(source)
+
+    def md(m: re.Match) -> str:
+        href = m.group(2)
+        target = _md_target(href)
+        if target is None or "://" in target:
+            return m.group(0)
+        inner = urllib.parse.unquote(target.strip("<>"))
+        resolved = posixpath.normpath(posixpath.join(here, inner)) if here else inner
+        resolved = unicodedata.normalize("NFC", resolved)
+        if resolved not in known:
+            return m.group(0)
+        rest = href[len(target) :]
+        return f"{m.group(1)}{link_token(resolved, target)}{rest}{m.group(3)}"
+
+    return _MDLINK_RE.sub(md, text)
+
+
+def plan_tree(plan: ImportPlan, source: ImportSource, kind: str) -> None:
+    """Import a tree of Markdown and files (Obsidian, Notion, any folder, notesvc's export)."""
+    strip_ids = kind == "notion"
+    own = kind == "notesvc"
+    principal_folder = getattr(plan, "grant_folder", "")
+    notes, files = [], []
+    for entry in source.entries:
+        name = entry.name
+        leaf = name.rsplit("/", 1)[-1]
+        stem, ext = _note_name_of(leaf)
+        if name == EXPORT_MANIFEST:
+            continue
+        if any(seg.startswith(".") for seg in name.split("/")):
+            if not name.startswith(".obsidian/"):
+                plan.skip(name, "a hidden file")
+            continue
+        if own:
+            top = name.split("/", 1)[0]
+            want = name
+            try:
+                if top == NOTES and ext == "md":
+                    want = note_path(name)
+                elif top in (NOTES, ATTACHMENTS) and ext in ATTACHMENT_TYPES:
+                    want = (attachment_path if top == ATTACHMENTS else note_file_path)(name)
+                else:
+                    plan.skip(name, "not a note or a file of a notesvc export")
+                    continue
+            except ApiError as e:
+                plan.skip(name, e.message)
+                continue
+            if principal_folder and not Principal("key", "write", principal_folder).sees(want):
+                plan.skip(name, "outside the folder this key may write")
+                continue
+            (notes if ext == "md" else files).append((entry, want))
+            continue
+        if ext == "csv" and strip_ids:
+            notes.append((entry, None))
+            continue
+        if ext in IMPORT_TEXT_TYPES:
+            segs = _target_segments(name, strip_ids)
+            segs[-1] = import_segment(_note_name_of(segs[-1])[0]) + ".md"
+            notes.append((entry, "/".join([plan.into, *segs])))
+        elif ext in ATTACHMENT_TYPES:
+            segs = _target_segments(name, strip_ids)
+            files.append((entry, "/".join([plan.files_into, *segs])))
+        else:
+            plan.skip(name, f"files ending .{ext or '(none)'} are not imported")
+    if strip_ids:  # a database's CSV: `_all.csv` only where its plain twin is missing
+        names = {e.name for e, _ in notes}
+        kept = []
+        for entry, want in notes:
+            twin = entry.name[: -len("_all.csv")] + ".csv"
+            if want is None and entry.name.endswith("_all.csv") and twin in names:
+                continue
+            kept.append((entry, want))
+        notes = kept
+    drafts = []
+    for entry, want in files:
+        drafts.append(Draft(entry.name, want, open=entry.open, size=entry.size))
+    for entry, want in notes:
+        if entry.size > plan.max_note * 4:
+            plan.skip(entry.name, "over SERVICE_MAX_BODY_BYTES")
+            continue
+        text = _decode_text(source.read(entry))
+        if want is None:  # a Notion database
+            stem = _note_name_of(entry.name.rsplit("/", 1)[-1])[0]
+            stem = _NOTION_ID_RE.sub("", stem.removesuffix("_all")) or stem
+            segs = _target_segments(entry.name, True)[:-1]
+            want = "/".join([plan.into, *segs, import_segment(stem) + ".md"])
+            text = csv_to_markdown(stem, text)
+        drafts.append(Draft(entry.name, want, text=text))
+    for d in drafts:
+        plan.name(d)
+    known = {d.source for d in drafts}
+    for d in drafts:
+        if d.open is not None:
+            plan.add_file(d)
+    for d in drafts:
+        if d.open is None:
+            if not own:
+                d.text = _relink(d.text, d.source, known)
+                if kind == "obsidian":
+                    d.text = _rename_wikilinks(d.text, plan)
+            plan.add_note(d)
+
+
+def _rename_wikilinks(text: str, plan: ImportPlan) -> str:
+    """Point [[wikilinks]] at the new name of a note the import had to rename."""
+    renamed = {}
+    for src, path in plan.by_source.items():
+        old = _note_name_of(src.rsplit("/", 1)[-1])[0]
+        new = _note_name_of(path.rsplit("/", 1)[-1])[0]
+        if old != new and path.endswith(".md"):
+            renamed.setdefault(old.casefold(), new)
+    if not renamed:
+        return text
+
+    def fix(m: re.Match) -> str:
+        target = m.group(1)
+        new = renamed.get(target.strip().casefold())
+        if new is None:
+            return m.group(0)
+        rest = m.group(2) or ""
+        return f"[[{new}{rest if '|' in rest else rest + '|' + target}]]"
+
+    return _WIKILINK_RE.sub(fix, text)
+
+
+def csv_to_markdown(title: str, text: str) -> str:
+    """Return a Notion database's CSV as a note: its name as the title, a Markdown table."""
+    import csv
+
+    rows = list(csv.reader(io.StringIO(text.lstrip("\ufeff"))))
+    rows = [r for r in rows if any(c.strip() for c in r)]
+    if not rows:
+        return f"# {title}\n"
+    width = max(len(r) for r in rows)
+
+    def cell(c: str) -> str:
+        return " ".join(c.replace("|", "\\|").split())
+
+    lines = [f"# {title}", ""]
+    for i, r in enumerate(rows):
+        lines.append("| " + " | ".join(cell(c) for c in r + [""] * (width - len(r))) + " |")
+        if i == 0:
+            lines.append("|" + " --- |" * width)
+    return "\n".join(lines) + "\n"
+
+
+# -- Google Keep (Takeout) --------------------------------------------------------------------
+
+KEEP_COLOURS = {"DEFAULT", ""}
+
+
+def keep_note(data: Any) -> tuple:
+    """Return (title, Markdown, reason to skip or None) of one Keep note's JSON."""
+    if not isinstance(data, dict):
+        return "", "", "not a Keep note (a JSON object was expected)"
+    if data.get("isTrashed") is True:
+        return "", "", "in Keep's trash"
+
+    def text_of(key: str) -> str:
+        v = data.get(key)
+        return v if isinstance(v, str) else ""
+
+    title = text_of("title").strip()
+    body = text_of("textContent").replace("\r\n", "\n")
+    items = data.get("listContent")
+    tasks = []
+    if isinstance(items, list):
+        for item in items:
+            if isinstance(item, dict) and isinstance(item.get("text"), str):
+                mark = "x" if item.get("isChecked") is True else " "
+                tasks.append(f"- [{mark}] {' '.join(item['text'].split())}")
+    labels = [
+        str(lb["name"]).replace(",", " ").strip()
+        for lb in data.get("labels") or []
+        if isinstance(lb, dict) and isinstance(lb.get("name"), str) and lb["name"].strip()
+    ]
+
+    def usec(key: str) -> str | None:
+        v = data.get(key)
+        return _iso_or_none(v / 1e6) if isinstance(v, (int, float)) and v > 0 else None
+
+    colour = text_of("color").upper()
+    meta = {
+        "tags": labels,
+        "created": usec("createdTimestampUsec"),
+        "updated": usec("userEditedTimestampUsec"),
+        "pinned": data.get("isPinned") is True,
+        "archived": data.get("isArchived") is True,
+        "color": colour.lower() if colour not in KEEP_COLOURS else "",
+        "source": "Google Keep",
+    }
+    parts = [f"# {title}" if title else ""]
+    if body.strip():
+        parts.append(body.strip("\n"))
+    if tasks:
+        parts.append("\n".join(tasks))
+    for a in data.get("attachments") or []:
+        if isinstance(a, dict) and isinstance(a.get("filePath"), str):
+            leaf = a["filePath"].replace("\\", "/").rsplit("/", 1)[-1]
+            bang = "!" if str(a.get("mimetype", "image")).startswith("image") else ""
+            parts.append(f"{bang}[{leaf}]({link_token(leaf, leaf)})")
+    links = []
+    for a in data.get("annotations") or []:
+        if isinstance(a, dict) and isinstance(a.get("url"), str) and a["url"].startswith("http"):
+            label = " ".join(str(a.get("title") or a["url"]).split()).replace("]", ")")
+            links.append(f"- [{label}]({a['url']})")
+    if links:
+        parts.append("\n".join(links))
+    md = "\n\n".join(p for p in parts if p).strip("\n") + "\n"
+    return title, _front_matter(meta) + md, None
+
+
+def plan_keep(plan: ImportPlan, source: ImportSource) -> None:
+    """Import a Keep Takeout: each note's .json (its .html twin is the same note), the files
+    they attach (every other file is kept as an attachment too)."""
+    jsons, files = [], []
+    for entry in source.entries:
+        leaf = entry.name.rsplit("/", 1)[-1]
+        ext = _note_name_of(leaf)[1]
+        if ext == "json":
+            jsons.append(entry)
+        elif ext == "html" or leaf == "Labels.txt":
+            continue  # the .json beside it holds the same note
+        elif ext in ATTACHMENT_TYPES:
+            files.append(entry)
+        else:
+            plan.skip(entry.name, f"files ending .{ext or '(none)'} are not imported")
+    drafts = []
+    for entry in files:
+        leaf = import_segment(entry.name.rsplit("/", 1)[-1])
+        d = Draft(entry.name.rsplit("/", 1)[-1], f"{plan.files_into}/{leaf}", open=entry.open)
+        plan.name(d)
+        drafts.append(d)
+    for entry in jsons:
+        try:
+            data = json.loads(source.read(entry, plan.max_note * 4))
+        except (ValueError, UnicodeDecodeError) as e:
+            plan.skip(entry.name, f"not valid JSON ({str(e)[:80]})")
+            continue
+        title, text, reason = keep_note(data)
+        if reason:
+            plan.skip(entry.name, reason)
+            continue
+        name = import_segment(title_filename(title or text.split("---\n", 2)[-1]))
+        d = Draft(entry.name, f"{plan.into}/{name}.md", text=text)
+        plan.name(d)
+        drafts.append(d)
+    for d in drafts:
+        (plan.add_file if d.open else plan.add_note)(d)
+
+
+# -- Evernote (.enex, read as a stream) --------------------------------------------------------
+
+
+ENML_BLOCKS = frozenset(
+    "div p h1 h2 h3 h4 h5 h6 li blockquote center section article header footer dl dt dd "
+    "address pre".split()
+)
+ENML_MARKS = {"b": "**", "strong": "**", "i": "*", "em": "*", "s": "~~", "strike": "~~"}
+ENML_MARKS.update({"del": "~~", "code": "`", "tt": "`"})
+
+
+@functools.cache
+def _enml_parser() -> type:
+    """Return the ENML parser class (html.parser is imported on the first import only)."""
+    import html.parser
+
+    class EnmlToMarkdown(html.parser.HTMLParser):
+        """ENML (Evernote's XHTML) to Markdown: blocks, headings, emphasis, links, lists,
+        checkboxes (en-todo), tables, code blocks, quotes and media (en-media, by hash)."""
+
+        BLOCKS, MARKS = ENML_BLOCKS, ENML_MARKS
+        HIDDEN = ("en-crypt", "style", "script", "title", "head")
+
+        def __init__(self, media: Callable[[dict], str]):
+            super().__init__(convert_charrefs=True)
+            self.media = media
+            self.lines: list = []
+            self.inline: list = []
+            self.prefix = ""  # a block's mark: "## ", "- ", "1. ", "- [ ] "
+            self.lists: list = []  # [tag, items so far]
+            self.quote = 0
+            self.depth = 0  # open blocks
+            self.code_at = -1  # the depth a code block opened at (-1: none)
+            self.tables: list = []  # tables being read (rows of cells of pieces), innermost last
+            self.hrefs: list = []
+            self.hidden = 0
+
+        @property
+        def code(self) -> bool:
+            return self.code_at >= 0
+
+        def _put(self, text: str) -> None:
+            if self.hidden:
+                return
+            if self.tables:
+                rows = self.tables[-1]
+                if not rows:
+                    rows.append([])
+                if not rows[-1]:
+                    rows[-1].append([])
+                rows[-1][-1].append(text)
+            else:
+                self.inline.append(text)
+
+        def _flush(self, blank: bool = False) -> None:
+            text = "".join(self.inline)
+            self.inline = []
+            lead = "> " * self.quote
+            if self.code:
+                self.lines.append(lead + text)
+                return
+            text = " ".join(text.split())
+            if text or self.prefix.strip():
+                self.lines.append(lead + self.prefix + text)
+                self.prefix = ""
+            elif blank:
+                self.lines.append(lead.rstrip())
+
+        def _mark(self, tag: str) -> str:
+            if tag[:1] == "h" and tag[1:].isdigit():
+                return "#" * int(tag[1]) + " "
+            if tag == "li" and self.lists:
+                kind = self.lists[-1]
+                kind[1] += 1
+                indent = "   " * (len(self.lists) - 1)
+                return indent + ("- " if kind[0] == "ul" else f"{kind[1]}. ")
+            return ""
+
+        def handle_starttag(self, tag: str, attrs: list) -> None:
+            a = {k: v or "" for k, v in attrs}
+            if tag in self.HIDDEN:
+                if tag == "en-crypt":
+                    self._put("(encrypted text, not imported)")
+                self.hidden += 1
+                return
+            if self.tables and tag in ("tr", "td", "th", "table"):
+                rows = self.tables[-1]
+                if tag == "tr":
+                    rows.append([])
+                elif tag in ("td", "th"):
+                    if not rows:
+                        rows.append([])
+                    rows[-1].append([])
+                else:
+                    self.tables.append([])
+                return
+            if tag == "table":
+                self._flush()
+                self.tables.append([])
+                return
+            if tag in self.BLOCKS or tag in ("ul", "ol", "hr"):
+                if self.code:
+                    if tag in self.BLOCKS:
+                        self.depth += 1
+                    return
+                if not self.tables:
+                    self._flush()
+            if tag in self.BLOCKS:
+                self.depth += 1
+                codeblock = "-en-codeblock:true" in a.get("style", "").replace(" ", "")
+                if (tag == "pre" or codeblock) and not self.tables:
+                    self.lines.append("> " * self.quote + "```")
+                    self.code_at = self.depth
+                    return
+                if tag == "blockquote":
+                    self.quote += 1
+                elif not self.tables:
+                    self.prefix = self._mark(tag) + self.prefix
+            elif tag in ("ul", "ol"):
+                self.lists.append([tag, 0])
+            elif tag == "hr":
+                self.lines.append("---")
+            elif tag == "br":
+                if self.tables:
+                    self._put(" ")
+                else:
+                    self._flush(blank=True)
+            elif tag in self.MARKS and not self.code:
+                self._put(self.MARKS[tag])
+            elif tag == "a":
+                self.hrefs.append(a.get("href", ""))
+                if self.hrefs[-1]:
+                    self._put("[")
+            elif tag == "en-todo":
+                mark = "[x] " if a.get("checked", "").lower() == "true" else "[ ] "
+                if self.tables or self.prefix.lstrip()[:1] in ("-",) or self.prefix[:1].isdigit():
+                    self._put(mark) if self.tables else setattr(self, "prefix", self.prefix + mark)
+                else:
+                    self.prefix = self.prefix + "- " + mark
+            elif tag == "en-media":
+                self._put(self.media(a))
+            elif tag == "img" and a.get("src", "").startswith(("http://", "https://")):
+                alt = a.get("alt", "").replace("]", ")")
+                self._put(f"![{alt}]({a['src'].replace(' ', '%20')})")
+
+        def handle_startendtag(self, tag: str, attrs: list) -> None:
+            self.handle_starttag(tag, attrs)
+            if tag in self.BLOCKS or tag in ("a", "ul", "ol", "table", "tr", "td", "th"):
+                self.handle_endtag(tag)
+
+        def handle_endtag(self, tag: str) -> None:
+            if tag in self.HIDDEN:
+                self.hidden = max(0, self.hidden - 1)
+                return
+            if self.tables and tag in ("tr", "td", "th", "table"):
+                if tag == "table":
+                    rows = self.tables.pop()
+                    if self.tables:  # an inner table: its text into the outer cell
+                        self._put(" ".join("".join(p for c in r for p in c) for r in rows))
+                    else:
+                        self._table(rows)
+                return
+            if tag in self.BLOCKS:
+                if self.code:
+                    if self.depth != self.code_at or self.inline:
+                        self._flush()  # a line of the code block
+                    if self.depth == self.code_at:
+                        self.lines.append("> " * self.quote + "```")
+                        self.code_at = -1
+                    self.depth = max(0, self.depth - 1)
+                    return
+                self.depth = max(0, self.depth - 1)
+                if not self.tables:
+                    self._flush(blank=tag == "p")
+                if tag == "blockquote":
+                    self.quote = max(0, self.quote - 1)
+            elif tag in ("ul", "ol") and self.lists:
+                self._flush()
+                self.lists.pop()
+            elif tag in self.MARKS and not self.code:
+                self._put(self.MARKS[tag])
+            elif tag == "a":
+                href = self.hrefs.pop() if self.hrefs else ""
+                if href:
+                    self._put(f"]({href.replace(' ', '%20').replace(')', '%29')})")
+
+        def handle_data(self, data: str) -> None:
+            self._put(data.replace("|", "\\|") if self.tables else data)
+
+        def _table(self, rows: list) -> None:
+            rows = [[" ".join("".join(c).split()) for c in r] for r in rows if r]
+            if not rows:
+                return
+            width = max(len(r) for r in rows)
+            if self.lines and self.lines[-1]:
+                self.lines.append("")
+            for i, r in enumerate(rows):
+                self.lines.append("| " + " | ".join(r + [""] * (width - len(r))) + " |")
+                if i == 0:
+                    self.lines.append("|" + " --- |" * width)
+            self.lines.append("")
+
+        def markdown(self) -> str:
+            self._flush()
+            text = "\n".join(self.lines)
+            text = re.sub(r"(?<![*~])(\*\*\*\*|~~~~)(?![*~])", "", text)  # emphasis of nothing
+            text = re.sub(r"\n{3,}", "\n\n", text)
+            return text.strip("\n") + "\n"
+
+    return EnmlToMarkdown
+
+
+def enml_to_markdown(enml: str, media: Callable[[dict], str]) -> str:
+    """Return the Markdown of an ENML note body; media(attrs) writes an en-media element.
+
+    >>> enml = '<div><en-todo checked="true"/>milk</div><div><b>x</b></div>'
+    >>> enml_to_markdown(f"<en-note>{enml}</en-note>", str)
+    '- [x] milk\\n**x**\\n'
+    """
+    parser = _enml_parser()(media)
+    parser.feed(enml)
+    parser.close()
+    return parser.markdown()
+
+
+def _enex_time(text: str) -> str | None:
+    try:
+        return iso(
+            dt.datetime.strptime(text.strip(), "%Y%m%dT%H%M%SZ").replace(tzinfo=dt.timezone.utc)
+        )
+    except ValueError:
+        return None
+
+
+class EnexReader:
+    """Reads an .enex as a stream (expat, fed in chunks): one note at a time, each
+    resource decoded from base64 into a spooled file as it arrives, so a 200 MB export
+    never sits in memory. The external DOCTYPE is accepted and never fetched; an internal
+    DTD subset (where entity bombs live) refuses the file; HTML entities are mapped."""
+
+    def __init__(self, on_note: Callable[[dict], None], spool: Callable[[], Any]):
+        import xml.parsers.expat
+
+        self.on_note, self.spool = on_note, spool
+        p = xml.parsers.expat.ParserCreate()
+        p.SetParamEntityParsing(xml.parsers.expat.XML_PARAM_ENTITY_PARSING_NEVER)
+        p.UseForeignDTD(False)
+        p.StartDoctypeDeclHandler = self._doctype
+        p.EntityDeclHandler = self._entity
+        p.SkippedEntityHandler = self._skipped_entity
+        p.StartElementHandler = self._start
+        p.EndElementHandler = self._end
+        p.CharacterDataHandler = self._text
+        p.buffer_text = True
+        self.parser, self.error = p, xml.parsers.expat.ExpatError
+        self.path: list = []
+        self.note: dict | None = None
+        self.text: list = []
+        self.res: dict | None = None
+        self.b64 = b""
+
+    def _doctype(self, name, system_id, public_id, has_internal_subset) -> None:
+        if has_internal_subset:
+            raise refused("the .enex declares its own DTD (entities are not accepted)")
+
+    def _entity(self, *args) -> None:
+        raise refused("the .enex declares entities (not accepted)")
+
+    def _skipped_entity(self, name: str, is_parameter: bool) -> None:
+        import html.entities
+
+        code = html.entities.name2codepoint.get(name)
+        if code is not None and not is_parameter:
+            self._text(chr(code))
+
+    def _start(self, tag: str, attrs: dict) -> None:
+        self.path.append(tag)
+        if tag == "note":
+            self.note = {"title": "", "tags": [], "resources": [], "content": ""}
+        elif tag == "resource" and self.note is not None:
+            self.res = {
+                "mime": "",
+                "name": "",
+                "md5": hashlib.md5(usedforsecurity=False),
+                "size": 0,
+            }
+            self.res["file"] = self.spool()
+        elif tag == "data" and self.res is not None:
+            self.b64 = b""
+        self.text = []
+
+    def _text(self, data: str) -> None:
+        if self.path[-1:] == ["data"] and self.res is not None:
+            raw = self.b64 + "".join(data.split()).encode("ascii", "ignore")
+            cut = len(raw) - len(raw) % 4
+            self.b64 = raw[cut:]
+            try:
+                chunk = base64.b64decode(raw[:cut])
+            except ValueError:
+                chunk = b""
+            self.res["md5"].update(chunk)
+            self.res["size"] += len(chunk)
+            if self.res["file"] is not None:
+                self.res["file"].write(chunk)
+        else:
+            self.text.append(data)
+
+    def _end(self, tag: str) -> None:
+        text = "".join(self.text)
+        self.text = []
+        self.path.pop()
+        note, res = self.note, self.res
+        if note is None:
+            return
+        if res is not None and tag != "resource":
+            if tag == "mime":
+                res["mime"] = text.strip()
+            elif tag == "file-name":
+                res["name"] = text.strip()
+            return
+        if tag == "resource" and res is not None:
+            res["hash"] = res.pop("md5").hexdigest()
+            note["resources"].append(res)
+            self.res = None
+        elif tag in ("title", "content", "created", "updated"):
+            note[tag] = text
+        elif tag == "tag":
+            note["tags"].append(text.strip())
+        elif tag in ("source-url", "author"):
+            note[tag] = text.strip()
+        elif tag == "note":
+            self.note = None
+            self.on_note(note)
+
+    def feed(self, data: bytes, final: bool = False) -> None:
+        try:
+            self.parser.Parse(data, final)
+        except self.error as e:
+            raise refused(f"the .enex is not well-formed XML ({e})") from None
+
+
+MIME_EXTENSIONS = {v: k for k, v in ATTACHMENT_TYPES.items()}
+
+
+def plan_enex(plan: ImportPlan, read: Callable[[int], bytes], name: str) -> None:
+    """Import an .enex read from read(n) as it arrives: each note written when its end
+    tag is read."""
+    spool_dir = plan.svc.config.state_dir
+
+    def spool():
+        return None if plan.dry_run else tempfile.TemporaryFile(dir=spool_dir)
+
+    count = [0]
+
+    def on_note(note: dict) -> None:
+        count[0] += 1
+        title = " ".join(note["title"].split())
+        label = f"{name}: {title or 'note ' + str(count[0])}"
+        by_hash = {}
+        drafts = []
+        for r in note["resources"]:
+            leaf = import_segment(r["name"] or r["hash"])
+            ext = _note_name_of(leaf)[1]
+            if ext not in ATTACHMENT_TYPES:
+                guess = MIME_EXTENSIONS.get(r["mime"])
+                if guess is None:
+                    plan.skip(
+                        f"{label}: {leaf}", f"files of type {r['mime'] or '?'} are not imported"
+                    )
+                    by_hash[r["hash"]] = (leaf, None, r)
+                    continue
+                leaf = f"{leaf}.{guess}"
+            f = r["file"]
+
+            def opener(f=f):
+                f.seek(0)
+                return contextlib.nullcontext(f) if False else _NoClose(f)
+
+            d = Draft(f"{label}: {leaf}#{r['hash']}", f"{plan.files_into}/{leaf}", open=opener)
+            plan.name(d)
+            by_hash[r["hash"]] = (leaf, d, r)
+            drafts.append(d)
+
+        def media(attrs: dict) -> str:
+            found = by_hash.get((attrs.get("hash") or "").lower())
+            if found is None:
+                return ""
+            leaf, d, r = found
+            if d is None:
+                return f"({leaf}: not imported)"
+            bang = "!" if r["mime"].startswith("image/") else ""
+            return f"{bang}[{leaf}]({link_token(d.source, leaf)})"
+
+        try:
+            body = enml_to_markdown(note["content"], media)
+        except Exception as e:  # a broken note is skipped, the rest come in
+            plan.skip(label, f"its content could not be read ({type(e).__name__})")
+            body = None
+        if body is not None:
+            meta = {
+                "tags": [t for t in note["tags"] if t],
+                "created": _enex_time(note.get("created", "")),
+                "updated": _enex_time(note.get("updated", "")),
+                "source_url": note.get("source-url"),
+                "author": note.get("author"),
+                "source": "Evernote",
+            }
+            text = _front_matter(meta) + (f"# {title}\n\n" if title else "") + body
+            stem = import_segment(title_filename(title or body))
+            d = Draft(label, f"{plan.into}/{stem}.md", text=text)
+            plan.name(d)
+            for f in drafts:
+                plan.add_file(f)
+            plan.add_note(d)
+        for r in note["resources"]:
+            if r["file"] is not None:
+                r["file"].close()
+
+    reader = EnexReader(on_note, spool)
+    while chunk := read(BODY_CHUNK):
+        reader.feed(chunk)
+    reader.feed(b"", final=True)
+
+
+class _NoClose:
+    """A file handed to a `with` that must stay open (a spooled resource is closed later)."""
+
+    def __init__(self, f: Any):
+        self.f = f
+
+    def __enter__(self):
+        return self.f
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+
+# -- Joplin (.jex: a tar of items, each Markdown with its properties below) --------------------
+
+JOPLIN_NOTE, JOPLIN_FOLDER, JOPLIN_RESOURCE, JOPLIN_TAG, JOPLIN_NOTE_TAG = 1, 2, 4, 5, 6
+_JOPLIN_PROP_RE = re.compile(r"^([a-z_]+): ?(.*)$")
+_JOPLIN_LINK_RE = re.compile(r"\(:/([0-9a-f]{32})\)")
+
+
+def joplin_item(text: str) -> tuple:
+    """Return (title, body, properties) of one Joplin item file."""
+    lines = text.rstrip("\n").split("\n")
+    props: dict = {}
+    i = len(lines)
+    while i > 0:
+        m = _JOPLIN_PROP_RE.match(lines[i - 1])
+        if not m:
+            if lines[i - 1] == "" and props:
+                i -= 1
+            break
+        props[m.group(1)] = m.group(2)
+        i -= 1
+    head = lines[:i]
+    title = head[0] if head else ""
+    body = "\n".join(head[2:] if len(head) > 1 and head[1] == "" else head[1:])
+    return title, body.rstrip("\n"), props
+
+
+def plan_joplin(plan: ImportPlan, source: ImportSource) -> None:
+    """Import a Joplin export: notebooks as folders, tags, to-dos, resources, dates."""
+    items: dict = {}
+    files: dict = {}
+    for entry in source.entries:
+        name = entry.name
+        if name.startswith("resources/"):
+            files[_note_name_of(name.rsplit("/", 1)[-1])[0]] = entry
+            continue
+        if not name.endswith(".md"):
+            plan.skip(name, "not a Joplin item")
+            continue
+        try:
+            title, body, props = joplin_item(_decode_text(source.read(entry, plan.max_note * 4)))
+        except ValueError:
+            plan.skip(name, "over SERVICE_MAX_BODY_BYTES")
+            continue
+        items[props.get("id", name[:-3])] = (title, body, props, name)
+    kind = {i: int(p.get("type_", "0") or 0) for i, (_, _, p, _) in items.items()}
+    folders = {i: v for i, v in items.items() if kind[i] == JOPLIN_FOLDER}
+
+    def folder_of(pid: str, depth: int = 0) -> list:
+        if pid not in folders or depth > 32:
+            return []
+        title, _, props, _ = folders[pid]
+        return [*folder_of(props.get("parent_id", ""), depth + 1), import_segment(title)]
+
+    tags = {i: v[0] for i, v in items.items() if kind[i] == JOPLIN_TAG}
+    note_tags: dict = {}
+    for i, (_, _, props, _) in items.items():
+        if kind[i] == JOPLIN_NOTE_TAG and props.get("tag_id") in tags:
+            note_tags.setdefault(props.get("note_id"), []).append(tags[props["tag_id"]])
+    drafts = []
+    for rid, (title, _, props, name) in items.items():
+        if kind[rid] != JOPLIN_RESOURCE:
+            continue
+        entry = files.get(rid)
+        ext = (props.get("file_extension") or "").lower() or MIME_EXTENSIONS.get(
+            props.get("mime", ""), ""
+        )
+        if entry is None:
+            plan.skip(name, "its file is missing from the export")
+            continue
+        if ext not in ATTACHMENT_TYPES:
+            plan.skip(name, f"files ending .{ext or '(none)'} are not imported")
+            continue
+        stem = import_segment(_note_name_of(title)[0] if title else rid)
+        d = Draft(rid, f"{plan.files_into}/{stem}.{ext}", open=entry.open, size=entry.size)
+        plan.name(d)
+        drafts.append(d)
+    for nid, (title, body, props, name) in items.items():
+        if kind[nid] != JOPLIN_NOTE:
+            if kind[nid] not in (JOPLIN_FOLDER, JOPLIN_RESOURCE, JOPLIN_TAG, JOPLIN_NOTE_TAG):
+                plan.skip(name, "a Joplin item that is not a note (settings, revisions...)")
+            continue
+        if props.get("is_conflict") == "1":
+            plan.skip(name, "a Joplin conflict copy")
+            continue
+        todo = props.get("is_todo") == "1"
+        done = todo and props.get("todo_completed", "0") not in ("", "0")
+        meta = {
+            "tags": sorted(note_tags.get(nid, [])),
+            "created": props.get("user_created_time") or props.get("created_time"),
+            "updated": props.get("user_updated_time") or props.get("updated_time"),
+            "source_url": props.get("source_url"),
+            "author": props.get("author"),
+            "source": "Joplin",
+        }
+        body = _JOPLIN_LINK_RE.sub(lambda m: f"({link_token(m.group(1), ':/' + m.group(1))})", body)
+        heading = f"- [{'x' if done else ' '}] {title}" if todo else f"# {title}"
+        text = _front_matter(meta) + (heading + "\n\n" if title else "") + body + "\n"
+        segs = folder_of(props.get("parent_id", ""))
+        stem = import_segment(title_filename(title or body))
+        d = Draft(nid, "/".join([plan.into, *segs, stem + ".md"]), text=text)
+        plan.name(d)
+        drafts.append(d)
+    for d in drafts:
+        if d.open:
+            plan.add_file(d)
+    for d in drafts:
+        if not d.open:
+            plan.add_note(d)
+
+
+IMPORT_PLANNERS = {
+    "keep": plan_keep,
+    "joplin": plan_joplin,
+    "notion": functools.partial(plan_tree, kind="notion"),
+    "obsidian": functools.partial(plan_tree, kind="obsidian"),
+    "files": functools.partial(plan_tree, kind="files"),
+    "notesvc": functools.partial(plan_tree, kind="notesvc"),
+}
+
+
+def import_into(svc: Any, raw: Any, kind: str, principal: Principal) -> str:
+    """Return the folder an import goes to: `into`, or notes/imported/<kind> (a folder
+    grant's: <its folder>/imported/<kind>); a folder outside a grant's own is 404."""
+    if raw in (None, ""):
+        return f"{principal.folder or NOTES}/imported/{kind}"
+    folder = folder_path(raw if str(raw).startswith(NOTES) else f"{NOTES}/{str(raw).strip('/')}")
+    own = principal.folder
+    if own and folder != own and not folder.startswith(own + "/"):
+        raise not_found(f"no folder at {folder} (this key writes in {own} only)")
+    if own:
+        _no_link_below(svc.notes.on_disk, own, folder, "folder")
+    return folder
+
+
+def run_import(
+    svc: Any,
+    file: Any,
+    filename: str,
+    into: Any,
+    dry_run: bool,
+    principal: Principal = OWNER,
+    progress: Callable | None = None,
+) -> dict:
+    """Import one file (a zip, a tar/.jex, an .enex, a Keep .json or a note); return the
+    report. Refusals (400, 413, 415) come before anything is written."""
+    head = file.read(512)
+    file.seek(0)
+    form = sniff_import(head, filename)
+    limit = svc.config.max_import_expanded_bytes
+    leaf = import_segment(filename.replace("\\", "/").rsplit("/", 1)[-1] or "import")
+    if form == "enex":
+        return _import_enex(svc, [(leaf, file.read)], into, dry_run, principal, progress)
+    if form in ("keep", "text"):
+        size = file.seek(0, io.SEEK_END)
+        file.seek(0)
+        name = leaf if "." in leaf else f"{leaf}.{'json' if form == 'keep' else 'md'}"
+        opener = functools.partial(_NoClose, file)
+        source = ImportSource([ImportEntry(name, size, opener)], "keep" if form == "keep" else "")
+    elif form == "tar":
+        packed = file.seek(0, io.SEEK_END) or 1
+        file.seek(0)
+        source = ImportSource.from_tar(file, limit, packed)
+    else:
+        source = ImportSource.from_zip(file, limit)
+    try:
+        return import_source(svc, source, into, dry_run, principal, progress)
+    finally:
+        source.close()
+
+
+def import_source(
+    svc: Any,
+    source: ImportSource,
+    into: Any,
+    dry_run: bool,
+    principal: Principal = OWNER,
+    progress: Callable | None = None,
+) -> dict:
+    """Import the files of a checked source (see run_import)."""
+    kind = import_kind(source)
+    if kind == "evernote":
+        files = [(e.name, e) for e in source.entries if e.name.endswith(".enex")]
+        readers = [(n, _ChunkReader(e)) for n, e in files]
+        return _import_enex(svc, readers, into, dry_run, principal, progress)
+    where = NOTES if kind == "notesvc" else import_into(svc, into, kind, principal)
+    plan = ImportPlan(svc, where, dry_run, progress)
+    plan.grant_folder = principal.folder
+    IMPORT_PLANNERS[kind](plan, source)
+    return plan.report(kind)
+
+
+class _ChunkReader:
+    """read(n) over an entry opened on first use (an .enex inside a zip)."""
+
+    def __init__(self, entry: ImportEntry):
+        self.entry, self.f = entry, None
+
+    def __call__(self, n: int) -> bytes:
+        if self.f is None:
+            self.f = self.entry.open()
+        data = self.f.read(n)
+        if not data:
+            self.f.close()
+        return data
+
+
+def _import_enex(svc, readers: list, into, dry_run, principal, progress) -> dict:
+    plan = ImportPlan(svc, import_into(svc, into, "evernote", principal), dry_run, progress)
+    for name, read in readers:
+        try:
+            plan_enex(plan, read, name)
+        except ApiError as e:
+            if not (plan.created or plan.attachments) or e.status_code != 400:
+                raise
+            plan.skip(name, f"stopped: {e.message.removeprefix('nothing was imported: ')}")
+    return plan.report("evernote")
+
+
+def import_path(svc: Any, path: Path, into: Any, dry_run: bool, progress=None) -> dict:
+    """Import a folder or a file on this machine (the command line, on its own)."""
+    if path.is_dir():
+        skipped: list = []
+        source = ImportSource.from_folder(path, skipped)
+        total = sum(e.size for e in source.entries)
+        if total > svc.config.max_import_expanded_bytes:
+            raise refused(
+                f"the folder holds more than {svc.config.max_import_expanded_bytes} bytes "
+                "(SERVICE_MAX_IMPORT_EXPANDED_BYTES)",
+                413,
+            )
+        report = import_source(svc, source, into, dry_run, OWNER, progress)
+        report["skipped"] = skipped + report["skipped"]
+        return report
+    with open(path, "rb") as f:
+        return run_import(svc, f, path.name, into, dry_run, OWNER, progress)
+
+
+# -- export: a zip of everything a key sees -----------------------------------------------------
+
+STORED_TYPES = frozenset(  # already compressed: stored as they are
+    [
+        *("jpg", "jpeg", "png", "gif", "webp", "avif", "heic", "heif", "mp3", "m4a", "aac"),
+        *("ogg", "oga", "opus", "mp4", "m4v", "mov", "webm", "zip", "gz", "pdf", "docx", "xlsx"),
+    ]
+)
+
+
+def export_files(root: Path, principal: Principal = OWNER) -> Iterable:
+    """Yield (name in the zip, file, stat) of every note, attachment and other file the
+    grant sees (hidden files, temp files and symbolic links left out), in path order."""
+    tops = (
+        [principal.folder, principal.attachments_folder]
+        if principal.folder
+        else [NOTES, ATTACHMENTS]
+    )
+    for top in tops:
+        base = root / top
+        for folder, dirs, files in os.walk(base):
+            dirs[:] = sorted(
+                d
+                for d in dirs
+                if not d.startswith(".") and not os.path.islink(os.path.join(folder, d))
+            )
+            rel = os.path.relpath(folder, root).replace(os.sep, "/")
+            for name in sorted(files):
+                if name.startswith("."):
+                    continue
+                full = os.path.join(folder, name)
+                try:
+                    st = os.lstat(full)
+                except OSError:
+                    continue
+                if stat.S_ISREG(st.st_mode):
+                    yield unicodedata.normalize("NFC", f"{rel}/{name}"), full, st
+
+
+class _ZipOut(io.RawIOBase):
+    """Where a streamed zip is written: taken away in chunks (not seekable, so zipfile
+    writes data descriptors and never goes back)."""
+
+    def __init__(self):
+        self.parts: list = []
+        self.pos = 0
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, b) -> int:
+        self.parts.append(bytes(b))
+        self.pos += len(b)
+        return len(b)
+
+    def tell(self) -> int:
+        return self.pos
+
+    def seek(self, *args) -> int:
+        raise OSError("not seekable")
+
+    def take(self) -> bytes:
+        data, self.parts = b"".join(self.parts), []
+        return data
+
+
+def export_zip(root: Path, principal: Principal = OWNER, progress: Callable | None = None):
+    """Yield a zip of what export_files() lists, with each file's modification time and a
+    notesvc-export.json manifest, in chunks (nothing is held whole)."""
+    import zipfile
+
+    out = _ZipOut()
+    counts = {"notes": 0, "files": 0, "bytes": 0}
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED, compresslevel=6) as zf:
+        for name, full, st in export_files(root, principal):
+            when = time.localtime(max(st.st_mtime, 315532800.0))[:6]  # zip's dates start 1980
+            info = zipfile.ZipInfo(name, date_time=when)
+            ext = name.rpartition(".")[2].lower()
+            info.compress_type = zipfile.ZIP_STORED if ext in STORED_TYPES else zipfile.ZIP_DEFLATED
+            info.external_attr = 0o644 << 16
+            info.file_size = st.st_size
+            try:
+                src = open(full, "rb")  # noqa: SIM115 (closed below)
+            except OSError:  # gone since it was listed
+                continue
+            with src, zf.open(info, "w", force_zip64=st.st_size >= 1 << 31) as dst:
+                while chunk := src.read(BODY_CHUNK * 4):
+                    dst.write(chunk)
+                    if out.pos >= BODY_CHUNK * 4:
+                        yield out.take()
+            counts["notes" if name.endswith(".md") and name.startswith(NOTES) else "files"] += 1
+            counts["bytes"] += st.st_size
+            if progress:
+                progress(counts)
+            if out.pos >= BODY_CHUNK:
+                yield out.take()
+        manifest = {
+            "format": "notesvc-export",
+            "version": 1,
+            "notesvc": __version__,
+            "exportedAt": iso(utcnow()),
+            "folder": principal.folder or None,
+            **counts,
+        }
+        zf.writestr(EXPORT_MANIFEST, json.dumps(manifest, indent=2) + "\n")
+    yield out.take()
 
 
 # == Security audit ===========================================================
@@ -22977,6 +24452,134 @@ def dav_error(e: ApiError) -> bottle.HTTPResponse:
     return bottle.HTTPResponse(body.encode("utf-8"), e.status_code, headers)
 
 
+# -- import and export (CONTRACT 26) -----------------------------------------------------------
+
+IMPORT_BODY_TYPES = {  # a raw body's type -> the file name it stands for
+    "application/zip": "import.zip",
+    "application/x-zip-compressed": "import.zip",
+    "application/xml": "import.enex",
+    "text/xml": "import.enex",
+    "application/enex+xml": "import.enex",
+    "application/x-tar": "import.jex",
+    "application/json": "import.json",
+    "text/markdown": "import.md",
+    "text/plain": "import.txt",
+    "application/octet-stream": "",
+}
+
+
+def _yes(raw: Any, name: str) -> bool:
+    value = str(raw or "").strip().lower()
+    if value in ("", "0", "false", "no"):
+        return False
+    if value in ("1", "true", "yes"):
+        return True
+    raise bad_request(f"'{name}' must be true or false")
+
+
+def post_import(svc: Service) -> bytes:
+    """POST /import: a zip, .enex, .jex or Keep .json, as the multipart field `file` (with
+    `into`, `dryRun`) or as the raw body (?into=&dryRun=); 201, a dry run 200."""
+    import email.message
+
+    parsed = email.message.Message()
+    parsed["Content-Type"] = request_header("Content-Type") or ""
+    ctype = parsed.get_content_type()
+    limit = svc.config.max_import_bytes
+    fields = {"into": query_str("into"), "dryRun": query_str("dryRun")}
+    if ctype != "multipart/form-data" and ctype not in IMPORT_BODY_TYPES:
+        raise ApiError(
+            415,
+            "UNSUPPORTED_MEDIA_TYPE",
+            "send the file as multipart/form-data (field file), or as a raw body of type "
+            "application/zip, application/xml (.enex) or application/x-tar (.jex)",
+        )
+    with disk_writes():
+        spool = tempfile.TemporaryFile(dir=svc.config.state_dir)  # noqa: SIM115 (closed below)
+    try:
+        with disk_writes():
+            if ctype == "multipart/form-data":
+                filename = _receive_import_form(svc, parsed, spool, fields)
+            else:
+                filename = IMPORT_BODY_TYPES[ctype]
+                read, _ = request_body_reader(limit, "SERVICE_MAX_IMPORT_BYTES")
+                while chunk := read(BODY_CHUNK):
+                    spool.write(chunk)
+            spool.flush()
+        spool.seek(0)
+        dry = _yes(fields["dryRun"], "dryRun")
+        into = fields["into"] or None
+        report = run_import(svc, spool, filename, into, dry, request_principal())
+    finally:
+        spool.close()
+    log.info(
+        "request %s: import%s of %d notes and %d files into %s (%d skipped)",
+        _rid(),
+        " (dry run)" if dry else "",
+        report["created"],
+        report["attachments"],
+        report["into"],
+        len(report["skipped"]),
+    )
+    return ok(report, 200 if dry else 201)
+
+
+def _receive_import_form(svc: Service, parsed: Any, spool: Any, fields: dict) -> str:
+    """Read a multipart import: its `file` into spool, `into` and `dryRun` into fields;
+    return the file's name."""
+    limit = svc.config.max_import_bytes
+    read, _ = request_body_reader(limit + MULTIPART_SLACK, "SERVICE_MAX_IMPORT_BYTES")
+    reader = MultipartReader(read, str(parsed.get_param("boundary") or ""))
+    form: dict = {"into": bytearray(), "dryRun": bytearray(), "file": None}
+
+    def part(name: str, filename: Any, headers: Any):
+        if name in ("into", "dryRun"):
+            return form[name].extend, 2048, lambda: bad_request(f"'{name}' is too long")
+        if name != "file":
+            return None
+        if form["file"] is not None:
+            raise bad_request("send one part named 'file'")
+        form["file"] = str(filename or "")
+        return spool.write, limit, lambda: too_large(limit, "SERVICE_MAX_IMPORT_BYTES")
+
+    reader.parts(part)
+    if form["file"] is None:
+        raise bad_request("the form has no part named 'file'")
+    for name in ("into", "dryRun"):
+        if form[name]:
+            try:
+                fields[name] = bytes(form[name]).decode("utf-8").strip()
+            except UnicodeDecodeError:
+                raise bad_request(f"'{name}' is not valid UTF-8") from None
+    return form["file"]
+
+
+def get_export(svc: Service):
+    """GET /export.zip: the notes, attachments and other files the key sees, streamed."""
+    principal = request_principal()
+    if bottle.request.environ.get("notesvc.relayed"):  # the relay carries bounded answers
+        total = sum(st.st_size for _, _, st in export_files(svc.config.root, principal))
+        if total > svc.config.max_body_bytes:
+            raise too_large_for_relay(total, svc.config.max_body_bytes)
+    stamp = utcnow().strftime("%Y-%m-%d")
+    resp = bottle.response
+    resp.content_type = "application/zip"
+    resp.set_header("Content-Disposition", f'attachment; filename="notesvc-export-{stamp}.zip"')
+    resp.set_header("Cache-Control", "no-store")
+    log.info("request %s: export of %s", _rid(), principal.folder or "every note")
+    return export_zip(svc.config.root, principal)
+
+
+def too_large_for_relay(size: int, limit: int) -> ApiError:
+    return ApiError(
+        413,
+        "PAYLOAD_TOO_LARGE",
+        f"the export holds {size} bytes, more than the relay carries ({limit}, "
+        "SERVICE_MAX_BODY_BYTES): export on the server's own address, or run "
+        "python3 notesvc.py export OUT.zip there",
+    )
+
+
 # -- the built-in web client (GET /) ----------------------------------------------------
 
 
@@ -23411,6 +25014,33 @@ ROUTES = (
         tag="attachments",
         scope="write",
         idempotent=True,
+    ),
+    Route(
+        "POST",
+        "/import",
+        post_import,
+        summary="Import notes from Keep, Evernote, Notion, Obsidian, Joplin or a zip of Markdown "
+        "(multipart: file, into, dryRun; or the raw zip/.enex/.jex); never overwrites",
+        body=_obj(
+            ["file"],
+            file={"type": "string", "format": "binary"},
+            into={**_STR, "maxLength": 2048},
+            dryRun={"type": "boolean"},
+        ),
+        body_media="multipart/form-data",
+        params={"into": {**_STR, "maxLength": 2048}, "dryRun": {"type": "boolean"}},
+        status=201,
+        tag="notes",
+        scope="write",
+    ),
+    Route(
+        "GET",
+        "/export.zip",
+        get_export,
+        summary="A zip of every note, attachment and file the key sees, with a manifest",
+        media="application/zip",
+        tag="notes",
+        scope="read",
     ),
     Route(
         "PATCH",
@@ -24286,6 +25916,9 @@ COMMAND_HELP = {
     "pair": "add a device: print a one-time link and its QR code to scan (works while serving)",
     "audit": "print the security audit of this root's server; exit 1 on a critical finding",
     "relay": "run a relay only (serves /relay/v1/*, /r/<serverId>/api/v1/*, /health)",
+    "import": "bring notes from Keep, Evernote, Notion, Obsidian, Joplin or a folder "
+    "(works while serving)",
+    "export": "write every note, attachment and file to a zip (works while serving)",
 }
 
 
@@ -24344,7 +25977,20 @@ COMMAND_ARGS = {
         },
         "--folder": {"help": "only this folder, e.g. notes/family (not with --scope admin)"},
         "--name": {"default": "device", "help": "the device's name in the list of devices"},
-    }
+    },
+    "import": {
+        "source": {
+            "help": "a Keep Takeout (folder or zip), an Evernote .enex, a Notion export zip, "
+            "an Obsidian vault, a Joplin .jex, a notesvc export, or any folder or zip of "
+            ".md/.txt files"
+        },
+        "--into": {"help": "the folder to put them in (default: notes/imported/<source kind>)"},
+        "--dry-run": {
+            "action": "store_true",
+            "help": "write nothing; say what would be created, renamed and skipped",
+        },
+    },
+    "export": {"out": {"metavar": "OUT.zip", "help": "the zip to write (not overwritten)"}},
 }
 
 
@@ -24435,18 +26081,16 @@ def _hardened(listener_class: type) -> type:
             super().execute()
 
     class Parser(waitress.parser.HTTPRequestParser):
-        """Attachment uploads may be SERVICE_MAX_ATTACHMENT_BYTES; every other body keeps
-        SERVICE_MAX_BODY_BYTES, refused (413) from its declared length before it is read."""
+        """Attachment uploads may be SERVICE_MAX_ATTACHMENT_BYTES, imports
+        SERVICE_MAX_IMPORT_BYTES; every other body keeps SERVICE_MAX_BODY_BYTES, refused
+        (413) from its declared length before it is read."""
 
         def parse_header(self, header_plus):
             super().parse_header(header_plus)
-            smaller = getattr(self.adj, "notesvc_body_size", None)
-            if smaller and not attachment_upload(self.command, self.path):
-                self.adj = _BodyLimit(self.adj, smaller, "SERVICE_MAX_BODY_BYTES")
-            elif smaller:
-                self.adj = _BodyLimit(
-                    self.adj, self.adj.max_request_body_size, "SERVICE_MAX_ATTACHMENT_BYTES"
-                )
+            limits = getattr(self.adj, "notesvc_limits", None)
+            if limits:
+                size, setting = limits[upload_kind(self.command, self.path)]
+                self.adj = _BodyLimit(self.adj, size, setting)
 
     class Channel(waitress.channel.HTTPChannel):
         """Closes after an early error like nginx's lingering_close: the answer sent and the
@@ -24557,12 +26201,17 @@ _UPLOAD_RE = re.compile(rf"^(?:/r/[^/]+)?{API}/attachments(?:/.*)?$", re.S)
 _DAV_PUT_RE = re.compile(rf"^(?:/r/[^/]+)?{DAV_PREFIX}/.*(?<!\.md)$", re.S)
 
 
-def attachment_upload(method: str, path: str) -> bool:
-    """Return whether a request uploads an attachment (its body may be the larger kind): to
-    the API's attachments, or a file that is not a note over WebDAV."""
+_IMPORT_RE = re.compile(rf"^(?:/r/[^/]+)?{API}/import(?:\?.*)?$", re.S)
+
+
+def upload_kind(method: str, path: str) -> str:
+    """Return which limit a request's body has: "import" (POST /import), "attachment" (the
+    API's attachments, or a file that is not a note over WebDAV) or "" (the others)."""
+    if method == "POST" and _IMPORT_RE.match(path or ""):
+        return "import"
     if method == "PUT" and _DAV_PUT_RE.match((path or "").split("?", 1)[0]):
-        return True
-    return method in ("PUT", "POST") and bool(_UPLOAD_RE.match(path or ""))
+        return "attachment"
+    return "attachment" if method in ("PUT", "POST") and _UPLOAD_RE.match(path or "") else ""
 
 
 def _raise_open_files_limit(wanted: int) -> None:
@@ -24704,7 +26353,11 @@ def make_server(app: Callable, config: Config):
         server.run = server.serve_forever
         server.close = server.shutdown
         return server
-    max_body = max(config.max_body_bytes, config.max_attachment_bytes + MULTIPART_SLACK)
+    max_body = max(
+        config.max_body_bytes,
+        config.max_attachment_bytes + MULTIPART_SLACK,
+        config.max_import_bytes + MULTIPART_SLACK,
+    )
     _raise_open_files_limit(config.max_connections + 256)
     sockets: dict = {}
     server = waitress.server.create_server(
@@ -24740,7 +26393,17 @@ def make_server(app: Callable, config: Config):
             if isinstance(listener, waitress.server.BaseWSGIServer):
                 listener.__class__ = _hardened(type(listener))
                 # the limit of every body but an attachment's (Parser, in _hardened)
-                listener.adj.notesvc_body_size = config.max_body_bytes + 1
+                listener.adj.notesvc_limits = {
+                    "": (config.max_body_bytes + 1, "SERVICE_MAX_BODY_BYTES"),
+                    "attachment": (
+                        config.max_attachment_bytes + MULTIPART_SLACK + 1,
+                        "SERVICE_MAX_ATTACHMENT_BYTES",
+                    ),
+                    "import": (
+                        config.max_import_bytes + MULTIPART_SLACK + 1,
+                        "SERVICE_MAX_IMPORT_BYTES",
+                    ),
+                }
     except (AttributeError, ImportError, TypeError) as e:
         log.warning("this waitress differs (%s): no guard against connection floods", e)
         for listener in sockets.values():  # one limit then: SERVICE_MAX_BODY_BYTES
@@ -25012,14 +26675,200 @@ def cmd_audit(config: Config) -> int:
     return 1 if report["summary"]["critical"] else 0
 
 
+class Progress:
+    """Prints a progress line at most every `every` seconds (and never on a quick run)."""
+
+    def __init__(self, every: float = 2.0, out: Any = None):
+        self.every, self.out = every, out or sys.stderr
+        self.next = time.monotonic() + every
+
+    def __call__(self, line: Callable[[], str]) -> None:
+        now = time.monotonic()
+        if now >= self.next:
+            self.next = now + self.every
+            print(line(), file=self.out, flush=True)
+
+
+def print_import_report(report: dict) -> None:
+    dry = report["dryRun"]
+    verb = "would create" if dry else "created"
+    print(
+        f"{'Dry run: ' if dry else ''}{verb} {report['created']} notes and "
+        f"{report['attachments']} files in {report['into']} (from {report['kind']}); "
+        f"{report['renamed']} renamed to a free name, {len(report['skipped'])} skipped"
+    )
+    for s in report["skipped"][:50]:
+        print(f"  skipped {s['source']}: {s['reason']}")
+    if len(report["skipped"]) > 50:
+        print(f"  ... and {len(report['skipped']) - 50} more")
+    if dry:
+        print("Nothing was written. Run again without --dry-run to import.")
+
+
+def cmd_import(config: Config, args: argparse.Namespace) -> int:
+    """Import a folder or a file; a running server does it itself (its index, history and
+    change feed see every note), else this process does, holding the root's lock."""
+    source = Path(args.source).expanduser()
+    if not source.exists():
+        raise ConfigError(f"no file or folder at {source}")
+    into = args.into
+    running = running_server(config)
+    if running:
+        report = _import_through_server(config, running, source, into, args.dry_run)
+    else:
+        lock = take_process_lock(config)
+        svc = Service(config, PLUGINS, *provider_registries(PLUGINS))
+        try:
+            svc.start()
+            tick = Progress()
+
+            def progress(plan: ImportPlan) -> None:
+                tick(lambda: f"  {plan.created} notes and {plan.attachments} files so far...")
+
+            try:
+                report = import_path(svc, source, into, args.dry_run, progress)
+            except ApiError as e:
+                raise ConfigError(e.message) from None
+        finally:
+            svc.close()
+            os.close(lock)
+    print_import_report(report)
+    return 0
+
+
+def _import_through_server(
+    config: Config, running: tuple, source: Path, into: Any, dry_run: bool
+) -> dict:
+    """Send the import to the server holding the root: as a zip (a folder is zipped first)
+    with a write key made for it and revoked after."""
+    import http.client
+    import zipfile
+
+    pid, record = running
+    if not record:
+        raise ConfigError(f"a server (pid {pid}) is starting on this root; try again in a moment")
+    served = config_from_record(record, config.root)
+    host = served.host if served.host not in ("0.0.0.0", "::", "") else "127.0.0.1"
+    port = int(record.get("port") or served.port)
+    grants = GrantStore(_owned_state(config, "import"))
+    try:
+        made, key = grants.create_key("import (command line)", "write", None, 1 / 24)
+    except PermissionError:
+        raise ConfigError(grants.state.permission_hint) from None
+    tick = Progress()
+    try:
+        with contextlib.ExitStack() as stack:
+            if source.is_dir():
+                body = stack.enter_context(tempfile.TemporaryFile())
+                with zipfile.ZipFile(body, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+                    for path in sorted(source.rglob("*")):
+                        rel = path.relative_to(source).as_posix()
+                        if path.is_symlink() or not path.is_file():
+                            continue
+                        if any(p.startswith(".") and p != ".obsidian" for p in rel.split("/")):
+                            continue
+                        zf.write(path, rel)
+                        tick(functools.partial("  packing {}...".format, rel[:60]))
+                ctype = "application/zip"
+            else:
+                body = stack.enter_context(open(source, "rb"))
+                head = body.read(512)
+                form = sniff_import(head, source.name) if head else "zip"
+                ctype = {
+                    "zip": "application/zip",
+                    "tar": "application/x-tar",
+                    "enex": "application/xml",
+                    "keep": "application/json",
+                    "text": "text/markdown",
+                }[form]
+            size = body.seek(0, io.SEEK_END)
+            body.seek(0)
+            query = urllib.parse.urlencode(
+                {"into": into or "", "dryRun": "true" if dry_run else "false"}
+            )
+            print(f"A server (pid {pid}) holds this root: it does the import.", file=sys.stderr)
+            conn = http.client.HTTPConnection(host, port, timeout=3600)
+            conn.putrequest("POST", f"{API}/import?{query}")
+            conn.putheader("Authorization", f"Bearer {key}")
+            conn.putheader("Content-Type", ctype)
+            conn.putheader("Content-Length", str(size))
+            conn.endheaders()
+            sent = 0
+            while chunk := body.read(1 << 20):
+                conn.send(chunk)
+                sent += len(chunk)
+                tick(functools.partial("  sent {} of {} MB...".format, sent >> 20, size >> 20))
+            started = time.monotonic()
+            done = threading.Event()
+
+            def waiting() -> None:
+                while not done.wait(2.0):
+                    print(
+                        f"  the server is importing ({time.monotonic() - started:.0f} s)...",
+                        file=sys.stderr,
+                        flush=True,
+                    )
+
+            threading.Thread(target=waiting, daemon=True).start()
+            try:
+                resp = conn.getresponse()
+                answer = json.loads(resp.read() or b"{}")
+            finally:
+                done.set()
+                conn.close()
+    except (OSError, http.client.HTTPException, ValueError) as e:
+        raise ConfigError(f"the server on {host}:{port} could not be reached ({e})") from None
+    finally:
+        grants.revoke(made["id"])
+    if resp.status >= 400:
+        message = (answer.get("error") or {}).get("message") or f"HTTP {resp.status}"
+        raise ConfigError(f"the server refused the import: {message}")
+    return answer.get("data", answer)
+
+
+def cmd_export(config: Config, args: argparse.Namespace) -> int:
+    """Write a zip of every note, attachment and file (what GET /export.zip sends)."""
+    out = Path(args.out).expanduser()
+    if out.exists():
+        raise ConfigError(f"{out} exists already; name another file (nothing is overwritten)")
+    if out.suffix.lower() != ".zip":
+        raise ConfigError(f"{out}: the export is a zip; name a file ending .zip")
+    tick = Progress()
+    part = out.with_name(out.name + ".part")
+    counts: dict = {}
+
+    def progress(c: dict) -> None:
+        counts.update(c)
+        tick(lambda: f"  {c['notes']} notes and {c['files']} files so far...")
+
+    try:
+        with open(part, "xb") as f:
+            for chunk in export_zip(config.root, OWNER, progress):
+                f.write(chunk)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(part, out)
+    except BaseException:
+        with contextlib.suppress(OSError):
+            part.unlink()
+        raise
+    print(
+        f"Exported {counts.get('notes', 0)} notes and {counts.get('files', 0)} files "
+        f"to {out} ({out.stat().st_size} bytes)."
+    )
+    return 0
+
+
 COMMANDS = {
     "serve": cmd_serve,
     "rotate-key": cmd_rotate_key,
     "pair": cmd_pair,
     "audit": cmd_audit,
     "relay": cmd_relay,
+    "import": cmd_import,
+    "export": cmd_export,
 }
-CREATING_COMMANDS = ("serve", "relay")  # the others refuse a root without state
+CREATING_COMMANDS = ("serve", "relay", "import")  # the others refuse a root without state
 
 
 def main(argv: list | None = None) -> int:

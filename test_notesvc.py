@@ -17089,3 +17089,492 @@ class TestDavMisuse:
             b"PROPFIND http://abc.relay.test:8/dav/notes/ HTTP/1.1\r\nHost: x\r\n\r\n", "127.0.0.1"
         )
         assert (method, path) == ("PROPFIND", "/dav/notes/")
+
+
+# -- import and export (CONTRACT 26) -----------------------------------------------------------
+
+PNG = base64.b64decode(
+    "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
+)
+
+
+def zip_of(files: dict, symlinks: dict | None = None) -> bytes:
+    """A zip of {name: bytes or str}; symlinks {name: target} as Info-ZIP stores them."""
+    import zipfile
+
+    buf = io.BytesIO()
+    with zipfile.ZipFile(buf, "w", zipfile.ZIP_DEFLATED) as zf:
+        for name, body in files.items():
+            zf.writestr(name, body.encode() if isinstance(body, str) else body)
+        for name, target in (symlinks or {}).items():
+            info = zipfile.ZipInfo(name)
+            info.external_attr = (stat.S_IFLNK | 0o777) << 16
+            zf.writestr(info, target)
+    return buf.getvalue()
+
+
+def tar_of(files: dict, symlinks: dict | None = None) -> bytes:
+    import tarfile
+
+    buf = io.BytesIO()
+    with tarfile.open(fileobj=buf, mode="w") as tf:
+        for name, body in files.items():
+            raw = body.encode() if isinstance(body, str) else body
+            info = tarfile.TarInfo(name)
+            info.size, info.mtime = len(raw), 1700000000
+            tf.addfile(info, io.BytesIO(raw))
+        for name, target in (symlinks or {}).items():
+            info = tarfile.TarInfo(name)
+            info.type, info.linkname = tarfile.SYMTYPE, target
+            tf.addfile(info)
+    return buf.getvalue()
+
+
+def keep_json(**fields) -> str:
+    """One note as Google Takeout writes Keep notes (Takeout/Keep/<title>.json)."""
+    note = {
+        "color": "DEFAULT",
+        "isTrashed": False,
+        "isPinned": False,
+        "isArchived": False,
+        "title": "",
+        "userEditedTimestampUsec": 1700000000000000,
+        "createdTimestampUsec": 1690000000000000,
+    }
+    note.update(fields)
+    return json.dumps(note)
+
+
+KEEP_TAKEOUT = {
+    "Takeout/archive_browser.html": "<html></html>",
+    "Takeout/Keep/Labels.txt": "Shopping\nTravel\n",
+    "Takeout/Keep/Groceries.json": keep_json(
+        title="Groceries",
+        color="YELLOW",
+        isPinned=True,
+        labels=[{"name": "Shopping"}],
+        listContent=[
+            {"text": "Milk", "textHtml": "<p>Milk</p>", "isChecked": False},
+            {"text": "Eggs", "textHtml": "<p>Eggs</p>", "isChecked": True},
+        ],
+    ),
+    "Takeout/Keep/Groceries.html": "<html>the same note</html>",
+    "Takeout/Keep/Lisbon trip.json": keep_json(
+        title="Lisbon trip",
+        textContent="Tram 28 early.\nPastéis de Belém!",
+        isArchived=True,
+        labels=[{"name": "Travel"}],
+        attachments=[{"filePath": "1a2b3c4d.png", "mimetype": "image/png"}],
+        annotations=[
+            {
+                "description": "",
+                "source": "WEBLINK",
+                "title": "Tram 28",
+                "url": "https://example.org/28",
+            }
+        ],
+    ),
+    "Takeout/Keep/1a2b3c4d.png": PNG,
+    "Takeout/Keep/2023-05-01T10_00_00.000+02_00.json": keep_json(textContent="Call the plumber"),
+    "Takeout/Keep/Old.json": keep_json(title="Old", textContent="gone", isTrashed=True),
+    "Takeout/Keep/Broken.json": '{"title": "Broken", "textContent": ',
+}
+
+
+def enex_export() -> bytes:
+    b64 = base64.b64encode(PNG).decode()
+    wrapped = "\n".join(b64[i : i + 40] for i in range(0, len(b64), 40))
+    return (
+        ENEX_TEMPLATE.replace("{md5}", hashlib.md5(PNG).hexdigest()).replace("{b64}", wrapped)
+    ).encode()
+
+
+NOTION_ID = "0123456789abcdef0123456789abcdef"
+NOTION_SUB = "fedcba9876543210fedcba9876543210"
+NOTION_DB = "11112222333344445555666677778888"
+NOTION_EXPORT = {
+    f"Projects {NOTION_ID}.md": (
+        "# Projects\n\nSee [Roadmap](Projects%20"
+        f"{NOTION_ID}/Roadmap%20{NOTION_SUB}.md) and the "
+        f"[tasks](Projects%20{NOTION_ID}/Tasks%20{NOTION_DB}.csv).\n\n"
+        f"![diagram](Projects%20{NOTION_ID}/diagram.png)\n"
+    ),
+    f"Projects {NOTION_ID}/Roadmap {NOTION_SUB}.md": "# Roadmap\n\nQ1: ship\n",
+    f"Projects {NOTION_ID}/diagram.png": PNG,
+    f"Projects {NOTION_ID}/Tasks {NOTION_DB}.csv": "\ufeffName,Status,Due\nWrite,Done,2024-01-02\nTest|it,Doing,\n",
+    f"Projects {NOTION_ID}/Tasks {NOTION_DB}_all.csv": "Name,Status,Due\nWrite,Done,2024-01-02\n",
+}
+
+OBSIDIAN_VAULT = {
+    ".obsidian/app.json": "{}",
+    ".obsidian/workspace.json": "{}",
+    "Daily/2024-01-01.md": "# Monday\n\nIdeas: [[Ideas]], [[Ideas|my ideas]] and ![[pic.png]]\n"
+    "[rel](../Ideas.md)\n",
+    "Ideas.md": "# Ideas\n\n- a garden\n",
+    "assets/pic.png": PNG,
+    "plain.txt": "just text\n",
+    "tool.exe": b"MZ\x00\x00",
+}
+
+
+def joplin_item(title: str, body: str, **props) -> str:
+    head = f"{title}\n\n{body}\n\n" if title or body else ""
+    return head + "\n".join(f"{k}: {v}" for k, v in props.items())
+
+
+J_FOLDER, J_NOTE, J_TODO, J_RES, J_TAG, J_NT = (c * 32 for c in "abcdef")
+JOPLIN_JEX = {
+    f"{J_FOLDER}.md": joplin_item("Work", "", id=J_FOLDER, parent_id="", type_=2),
+    f"{J_NOTE}.md": joplin_item(
+        "Meeting",
+        f"Agenda\n\n![chart](:/{J_RES})",
+        id=J_NOTE,
+        parent_id=J_FOLDER,
+        created_time="2022-03-04T05:06:07.000Z",
+        updated_time="2022-03-05T05:06:07.000Z",
+        user_created_time="2022-03-04T05:06:07.000Z",
+        user_updated_time="2022-03-05T05:06:07.000Z",
+        is_conflict=0,
+        is_todo=0,
+        todo_completed=0,
+        source_url="",
+        type_=1,
+    ),
+    f"{J_TODO}.md": joplin_item(
+        "File taxes", "", id=J_TODO, parent_id="", is_todo=1, todo_completed=1650000000000, type_=1
+    ),
+    f"{J_RES}.md": joplin_item(
+        "chart.png", "", id=J_RES, mime="image/png", file_extension="png", type_=4
+    ),
+    f"resources/{J_RES}.png": PNG,
+    f"{J_TAG}.md": joplin_item("urgent", "", id=J_TAG, type_=5),
+    f"{J_NT}.md": joplin_item("", "", id=J_NT, note_id=J_NOTE, tag_id=J_TAG, type_=6),
+}
+
+
+def import_file(client, body: bytes, name: str, status: int = 201, **fields) -> dict:
+    """POST a file to /import as a form (field file, and into / dryRun)."""
+    parts = [(k, str(v).lower() if isinstance(v, bool) else v) for k, v in fields.items()]
+    form, ctype = multipart(*parts, ("file", body, name))
+    resp = client.request(
+        f"{API}/import", method="POST", body=form, headers={"Content-Type": ctype}, status=status
+    )
+    return data(resp) if status < 300 else resp.json
+
+
+def note_text(root: Path, path: str) -> str:
+    return (root / path).read_text("utf-8")
+
+
+def all_files(root: Path) -> dict:
+    found = {}
+    for top in ("notes", "attachments"):
+        for p in sorted((root / top).rglob("*")):
+            if p.is_file() and not any(s.startswith(".") for s in p.relative_to(root).parts):
+                found[p.relative_to(root).as_posix()] = p.read_bytes()
+    return found
+
+
+class TestImport:
+    """POST /import: each source's notes as Markdown, never over anything, refusals first."""
+
+    def test_keep_takeout(self, client, root):
+        report = import_file(client, zip_of(KEEP_TAKEOUT), "takeout-20231105.zip")
+        assert report["into"] == "notes/imported/keep" and report["kind"] == "keep"
+        assert (report["created"], report["attachments"], report["renamed"]) == (3, 1, 0)
+        reasons = {s["source"]: s["reason"] for s in report["skipped"]}
+        assert reasons["Takeout/Keep/Old.json"] == "in Keep's trash"
+        assert reasons["Takeout/Keep/Broken.json"].startswith("not valid JSON")
+        groceries = note_text(root, "notes/imported/keep/Groceries.md")
+        assert groceries == (
+            '---\ntags: ["Shopping"]\ncreated: "2023-07-22T04:26:40.000Z"\n'
+            'updated: "2023-11-14T22:13:20.000Z"\npinned: true\ncolor: "yellow"\n'
+            'source: "Google Keep"\n---\n# Groceries\n\n- [ ] Milk\n- [x] Eggs\n'
+        )
+        trip = note_text(root, "notes/imported/keep/Lisbon trip.md")
+        assert "archived: true" in trip and "Tram 28 early.\nPastéis de Belém!" in trip
+        assert "![1a2b3c4d.png](../../../attachments/imported/keep/1a2b3c4d.png)" in trip
+        assert "- [Tram 28](https://example.org/28)" in trip
+        assert (root / "attachments/imported/keep/1a2b3c4d.png").read_bytes() == PNG
+        assert note_text(root, "notes/imported/keep/Call the plumber.md").endswith(
+            "---\nCall the plumber\n"
+        )
+        assert search(client, "plumber")["results"][0]["path"].endswith("Call the plumber.md")
+        kinds = [c["kind"] for c in feed(client)["changes"]]
+        assert kinds.count("created") == 3
+
+    def test_a_dry_run_reports_the_same_and_writes_nothing(self, client, root):
+        body = zip_of(KEEP_TAKEOUT)
+        dry = import_file(client, body, "takeout.zip", status=200, dryRun=True)
+        assert dry["dryRun"] is True
+        assert not (root / "notes/imported").exists()
+        assert not (root / "attachments/imported").exists()
+        assert feed(client)["changes"] == []
+        real = import_file(client, body, "takeout.zip")
+        assert {**dry, "dryRun": False} == real
+
+    def test_never_overwrites_a_taken_name(self, client, root):
+        client.post_json(
+            f"{API}/notes", {"path": "notes/imported/keep/Groceries.md", "content": "mine\n"}
+        )
+        report = import_file(client, zip_of(KEEP_TAKEOUT), "takeout.zip")
+        assert report["renamed"] == 1
+        assert note_text(root, "notes/imported/keep/Groceries.md") == "mine\n"
+        assert "- [x] Eggs" in note_text(root, "notes/imported/keep/Groceries 2.md")
+        again = import_file(client, zip_of(KEEP_TAKEOUT), "takeout.zip")
+        assert again["renamed"] == 4  # three notes and the picture, each once more
+        assert (root / "attachments/imported/keep/1a2b3c4d 2.png").read_bytes() == PNG
+        trip = note_text(root, "notes/imported/keep/Lisbon trip 2.md")
+        assert "(../../../attachments/imported/keep/1a2b3c4d%202.png)" in trip
+
+    def test_evernote_enex(self, client, root):
+        report = import_file(client, enex_export(), "My Notes.enex", into="notes/from evernote")
+        assert (report["created"], report["attachments"], report["kind"]) == (2, 1, "evernote")
+        text = note_text(root, "notes/from evernote/Recipe & notes 2.md")
+        assert text.startswith(
+            '---\ntags: ["cooking", "family"]\ncreated: "2020-01-02T03:04:05.000Z"\n'
+            'updated: "2023-11-04T10:10:10.000Z"\nsource_url: "https://example.org/pie"\n'
+            'author: "Ann"\nsource: "Evernote"\n---\n# Recipe & notes 2\n\n## Apple pie\n'
+        )
+        assert "**Bake** at 180°C, see [the site](https://example.org/pie)." in text
+        assert "- [x] Buy apples\n- [ ] Buy butter\n" in text
+        assert "- flour\n- sugar\n" in text
+        assert "| Step | Minutes |\n| --- | --- |\n| Bake | 45 |" in text
+        assert "![pie.png](../../attachments/from%20evernote/pie.png)" in text
+        assert "```\nx = 1\ny = 2\n```" in text
+        assert (root / "attachments/from evernote/pie.png").read_bytes() == PNG
+        assert note_text(root, "notes/from evernote/Second.md").endswith("# Second\n\nJust text\n")
+
+    def test_enex_entities_and_dtds(self, client, root):
+        bomb = (
+            '<?xml version="1.0"?><!DOCTYPE en-export [<!ENTITY a "aaaaaaaaaa">'
+            '<!ENTITY b "&a;&a;&a;&a;&a;&a;&a;&a;&a;&a;">]><en-export><note><title>&b;</title>'
+            "<content><![CDATA[<en-note>x</en-note>]]></content></note></en-export>"
+        )
+        resp = import_file(client, bomb.encode(), "bomb.enex", status=400)
+        assert (
+            "DTD" in resp["error"]["message"] and "nothing was imported" in resp["error"]["message"]
+        )
+        external = (
+            '<?xml version="1.0"?><!DOCTYPE en-export SYSTEM "http://127.0.0.1:9/x.dtd">'
+            "<en-export><note><title>caf&eacute; &unknownthing;</title><content><![CDATA["
+            "<en-note>&lt;b&gt; &hearts;</en-note>]]></content></note></en-export>"
+        )
+        report = import_file(client, external.encode(), "ext.enex")
+        assert report["created"] == 1
+        assert "café" in note_text(root, "notes/imported/evernote/café.md")
+        broken = b'<?xml version="1.0"?><en-export><note><title>x</title></en-export'
+        resp = import_file(client, broken, "broken.enex", status=400)
+        assert "not well-formed" in resp["error"]["message"]
+        assert not (root / "notes/imported/evernote/x.md").exists()
+
+    def test_notion_export(self, client, root):
+        report = import_file(client, zip_of(NOTION_EXPORT), "Export-1234.zip")
+        assert report["kind"] == "notion"
+        assert (report["created"], report["attachments"]) == (3, 1)
+        base = "notes/imported/notion"
+        projects = note_text(root, f"{base}/Projects.md")
+        assert "[Roadmap](Projects/Roadmap.md)" in projects
+        assert "[tasks](Projects/Tasks.md)" in projects
+        assert "![diagram](../../../attachments/imported/notion/Projects/diagram.png)" in projects
+        assert note_text(root, f"{base}/Projects/Tasks.md") == (
+            "# Tasks\n\n| Name | Status | Due |\n| --- | --- | --- |\n"
+            "| Write | Done | 2024-01-02 |\n| Test\\|it | Doing |  |\n"
+        )
+        assert not (root / f"{base}/Projects/Tasks_all.md").exists()
+
+    def test_obsidian_vault(self, client, root):
+        client.post_json(
+            f"{API}/notes", {"path": "notes/imported/obsidian/Ideas.md", "content": "x\n"}
+        )
+        report = import_file(client, zip_of(OBSIDIAN_VAULT), "vault.zip")
+        assert report["kind"] == "obsidian" and report["renamed"] == 1
+        assert (report["created"], report["attachments"]) == (3, 1)
+        assert {s["source"] for s in report["skipped"]} == {"tool.exe"}
+        base = "notes/imported/obsidian"
+        daily = note_text(root, f"{base}/Daily/2024-01-01.md")
+        assert "[[Ideas 2|Ideas]], [[Ideas 2|my ideas]] and ![[pic.png]]" in daily
+        assert "[rel](../Ideas%202.md)" in daily
+        assert note_text(root, f"{base}/Ideas 2.md") == "# Ideas\n\n- a garden\n"
+        assert note_text(root, f"{base}/plain.md") == "just text\n"
+        assert (root / "attachments/imported/obsidian/assets/pic.png").read_bytes() == PNG
+
+    def test_joplin_jex(self, client, root):
+        report = import_file(client, tar_of(JOPLIN_JEX), "export.jex")
+        assert report["kind"] == "joplin"
+        assert (report["created"], report["attachments"], report["skipped"]) == (2, 1, [])
+        meeting = note_text(root, "notes/imported/joplin/Work/Meeting.md")
+        assert 'tags: ["urgent"]' in meeting and 'created: "2022-03-04T05:06:07.000Z"' in meeting
+        assert (
+            "# Meeting\n\nAgenda\n\n![chart](../../../../attachments/imported/joplin/chart.png)"
+            in meeting
+        )
+        todo = note_text(root, "notes/imported/joplin/File taxes.md")
+        assert "- [x] File taxes" in todo
+
+    def test_names_that_are_not_paths(self, client, root):
+        files = {
+            "CON.md": "reserved\n",
+            "a\x07b?.md": "control\n",
+            ("x" * 300) + ".md": "long\n",
+            "same.md": "one\n",
+            "Same.md": "two\n",
+        }
+        report = import_file(client, zip_of(files), "files.zip", into="notes/odd")
+        assert report["kind"] == "files" and report["created"] == 5
+        names = sorted(p.name for p in (root / "notes/odd").iterdir())
+        assert "CON_.md" in names and "a b.md" in names and "same.md" in names
+        assert "Same 2.md" in names  # one name on a case-blind disk (Finder, Windows)
+        assert any(len(n.encode()) <= 255 and n.startswith("xxxx") for n in names)
+
+    def test_a_notesvc_export_comes_back_byte_for_byte(self, client, root, make_app, tmp_path):
+        client.post_json(f"{API}/notes", {"path": "notes/a/b.md", "content": "# B\r\n\r\ncrlf\r\n"})
+        client.post_json(f"{API}/notes", {"path": "notes/ünï/ç.md", "content": "\ufeffbom\n"})
+        client.put(f"{API}/attachments/attachments/pics/p.png", PNG, content_type="image/png")
+        (root / "notes/a/side.png").write_bytes(PNG)
+        (root / "notes/.hidden.md").write_text("secret\n")
+        resp = client.get(f"{API}/export.zip")
+        assert resp.content_type == "application/zip"
+        assert "attachment" in resp.headers["Content-Disposition"]
+        import zipfile
+
+        zf = zipfile.ZipFile(io.BytesIO(resp.body))
+        names = zf.namelist()
+        assert "notesvc-export.json" in names and "notes/.hidden.md" not in names
+        manifest = json.loads(zf.read("notesvc-export.json"))
+        assert (manifest["notes"], manifest["files"]) == (2, 2)
+        other = with_key(make_app(tmp_path / "other"))
+        report = import_file(other, resp.body, "export.zip")
+        assert report["kind"] == "notesvc" and report["renamed"] == 0
+        before = {k: v for k, v in all_files(root).items()}
+        assert all_files(tmp_path / "other") == before
+
+    def test_a_folder_grant_imports_and_exports_its_folder_only(self, client, anon, root):
+        client.post_json(f"{API}/notes", {"path": "notes/other/x.md", "content": "not yours\n"})
+        rec = new_grant(client, "write", "notes/family")
+        family = as_key(anon, rec["key"])
+        report = import_file(family, zip_of(KEEP_TAKEOUT), "takeout.zip")
+        assert report["into"] == "notes/family/imported/keep"
+        assert (root / "attachments/family/imported/keep/1a2b3c4d.png").is_file()
+        resp = import_file(family, zip_of(KEEP_TAKEOUT), "t.zip", status=404, into="notes/other")
+        assert resp["error"]["code"] == "NOT_FOUND"
+        import zipfile
+
+        exported = zipfile.ZipFile(io.BytesIO(family.get(f"{API}/export.zip").body)).namelist()
+        assert "notes/other/x.md" not in exported
+        assert "notes/family/imported/keep/Groceries.md" in exported
+        # a notesvc export with notes outside the folder: those are skipped
+        everything = client.get(f"{API}/export.zip").body
+        report = import_file(family, everything, "all.zip")
+        assert "notes/other/x.md" in {s["source"] for s in report["skipped"]}
+        reader = as_key(anon, new_grant(client, "read")["key"])
+        import_file(reader, zip_of(KEEP_TAKEOUT), "t.zip", status=403)
+
+    @pytest.mark.parametrize(
+        "name",
+        ["../evil.md", "/etc/evil.md", "C:/evil.md", "a/../../evil.md", "..\\evil.md"],
+    )
+    def test_zip_slip_is_refused_whole(self, client, root, name):
+        body = zip_of({"good.md": "fine\n", name: "evil\n"})
+        resp = import_file(client, body, "slip.zip", status=400)
+        assert "outside itself" in resp["error"]["message"]
+        assert not (root / "notes/imported").exists()
+        assert not (root.parent / "evil.md").exists()
+
+    def test_links_in_archives_are_refused(self, client, root):
+        resp = import_file(
+            client, zip_of({"a.md": "x\n"}, {"link.md": "/etc/passwd"}), "l.zip", status=400
+        )
+        assert "symbolic link" in resp["error"]["message"]
+        resp = import_file(
+            client, tar_of(JOPLIN_JEX, {"evil.md": "/etc/passwd"}), "l.jex", status=400
+        )
+        assert "link" in resp["error"]["message"]
+        assert not (root / "notes/imported").exists()
+
+    def test_zip_bombs_are_refused(self, client, make_app, tmp_path):
+        bomb = zip_of({"a.md": "fine\n", "zeros.md": b"\0" * (8 << 20)})
+        resp = import_file(client, bomb, "bomb.zip", status=413)
+        assert "100 times" in resp["error"]["message"]
+        small = with_key(make_app(SERVICE_MAX_IMPORT_EXPANDED_BYTES="4096"))
+        body = zip_of({f"n{i}.md": os.urandom(1000).hex() for i in range(5)})
+        resp = import_file(small, body, "big.zip", status=413)
+        assert "SERVICE_MAX_IMPORT_EXPANDED_BYTES" in resp["error"]["message"]
+
+    def test_an_upload_over_the_limit(self, make_app):
+        small = with_key(make_app(SERVICE_MAX_IMPORT_BYTES="2048"))
+        resp = import_file(small, os.urandom(4096), "x.zip", status=413)
+        assert resp["error"]["code"] == "PAYLOAD_TOO_LARGE"
+        resp = small.post(
+            f"{API}/import", os.urandom(4096), content_type="application/zip", status=413
+        )
+        assert "SERVICE_MAX_IMPORT_BYTES" in resp.json["error"]["message"]
+
+    def test_bad_input(self, client, root):
+        assert import_file(client, b"hello", "x.exe", status=415)["error"]["code"] == (
+            "UNSUPPORTED_MEDIA_TYPE"
+        )
+        resp = client.post(f"{API}/import", b"x", content_type="image/png", status=415)
+        assert_error(resp, 415, "UNSUPPORTED_MEDIA_TYPE")
+        resp = import_file(client, b"PK\x03\x04broken", "x.zip", status=400)
+        assert "not a readable zip" in resp["error"]["message"]
+        form, ctype = multipart(("into", "notes/x"))
+        resp = client.request(
+            f"{API}/import", method="POST", body=form, headers={"Content-Type": ctype}, status=400
+        )
+        assert "file" in resp.json["error"]["message"]
+        resp = import_file(client, zip_of({"a.md": "x"}), "a.zip", status=400, dryRun="maybe")
+        assert "dryRun" in resp["error"]["message"]
+        resp = import_file(client, zip_of({"a.md": "x"}), "a.zip", status=400, into="notes/../x")
+        resp = client.post(
+            f"{API}/import?into=notes/raw",
+            zip_of({"r.md": "raw\n"}),
+            content_type="application/zip",
+            status=201,
+        )
+        assert (
+            data(resp)["into"] == "notes/raw" and (root / "notes/raw/r.md").read_text() == "raw\n"
+        )
+        resp = client.post(
+            f"{API}/import", enex_export(), content_type="application/xml", status=201
+        )
+        assert data(resp)["kind"] == "evernote"
+        resp = client.post(
+            f"{API}/import", tar_of(JOPLIN_JEX), content_type="application/x-tar", status=201
+        )
+        assert data(resp)["kind"] == "joplin"
+
+
+ENEX_TEMPLATE = """<?xml version="1.0" encoding="UTF-8"?>
+<!DOCTYPE en-export SYSTEM "http://xml.evernote.com/pub/evernote-export4.dtd">
+<en-export export-date="20231105T101010Z" application="Evernote" version="10.63.2">
+  <note>
+    <title>Recipe &amp; notes&nbsp;2</title>
+    <created>20200102T030405Z</created>
+    <updated>20231104T101010Z</updated>
+    <tag>cooking</tag><tag>family</tag>
+    <note-attributes><author>Ann</author><source-url>https://example.org/pie</source-url></note-attributes>
+    <content><![CDATA[<?xml version="1.0" encoding="UTF-8"?>
+<!DOCTYPE en-note SYSTEM "http://xml.evernote.com/pub/enml2.dtd">
+<en-note><h2>Apple pie</h2><div><b>Bake</b> at 180&deg;C, see <a href="https://example.org/pie">the site</a>.</div>
+<div><en-todo checked="true"/>Buy apples</div><div><en-todo checked="false"/>Buy butter</div>
+<ul><li>flour</li><li>sugar</li></ul>
+<table><tr><td>Step</td><td>Minutes</td></tr><tr><td>Bake</td><td>45</td></tr></table>
+<div><en-media hash="{md5}" type="image/png"/></div>
+<div style="-en-codeblock:true"><div>x = 1</div><div>y = 2</div></div>
+</en-note>]]></content>
+    <resource>
+      <data encoding="base64">
+{b64}
+      </data>
+      <mime>image/png</mime>
+      <resource-attributes><file-name>pie.png</file-name></resource-attributes>
+    </resource>
+  </note>
+  <note>
+    <title>Second</title>
+    <created>20210101T000000Z</created>
+    <content><![CDATA[<en-note><div>Just text</div></en-note>]]></content>
+  </note>
+</en-export>
+"""
