@@ -17093,7 +17093,7 @@ class TestDavMisuse:
 
 # -- import and export (CONTRACT 26) -----------------------------------------------------------
 
-PNG = base64.b64decode(
+TINY_PNG = base64.b64decode(
     "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="
 )
 
@@ -17174,7 +17174,7 @@ KEEP_TAKEOUT = {
             }
         ],
     ),
-    "Takeout/Keep/1a2b3c4d.png": PNG,
+    "Takeout/Keep/1a2b3c4d.png": TINY_PNG,
     "Takeout/Keep/2023-05-01T10_00_00.000+02_00.json": keep_json(textContent="Call the plumber"),
     "Takeout/Keep/Old.json": keep_json(title="Old", textContent="gone", isTrashed=True),
     "Takeout/Keep/Broken.json": '{"title": "Broken", "textContent": ',
@@ -17182,10 +17182,10 @@ KEEP_TAKEOUT = {
 
 
 def enex_export() -> bytes:
-    b64 = base64.b64encode(PNG).decode()
+    b64 = base64.b64encode(TINY_PNG).decode()
     wrapped = "\n".join(b64[i : i + 40] for i in range(0, len(b64), 40))
     return (
-        ENEX_TEMPLATE.replace("{md5}", hashlib.md5(PNG).hexdigest()).replace("{b64}", wrapped)
+        ENEX_TEMPLATE.replace("{md5}", hashlib.md5(TINY_PNG).hexdigest()).replace("{b64}", wrapped)
     ).encode()
 
 
@@ -17200,7 +17200,7 @@ NOTION_EXPORT = {
         f"![diagram](Projects%20{NOTION_ID}/diagram.png)\n"
     ),
     f"Projects {NOTION_ID}/Roadmap {NOTION_SUB}.md": "# Roadmap\n\nQ1: ship\n",
-    f"Projects {NOTION_ID}/diagram.png": PNG,
+    f"Projects {NOTION_ID}/diagram.png": TINY_PNG,
     f"Projects {NOTION_ID}/Tasks {NOTION_DB}.csv": "\ufeffName,Status,Due\nWrite,Done,2024-01-02\nTest|it,Doing,\n",
     f"Projects {NOTION_ID}/Tasks {NOTION_DB}_all.csv": "Name,Status,Due\nWrite,Done,2024-01-02\n",
 }
@@ -17211,7 +17211,7 @@ OBSIDIAN_VAULT = {
     "Daily/2024-01-01.md": "# Monday\n\nIdeas: [[Ideas]], [[Ideas|my ideas]] and ![[pic.png]]\n"
     "[rel](../Ideas.md)\n",
     "Ideas.md": "# Ideas\n\n- a garden\n",
-    "assets/pic.png": PNG,
+    "assets/pic.png": TINY_PNG,
     "plain.txt": "just text\n",
     "tool.exe": b"MZ\x00\x00",
 }
@@ -17246,7 +17246,7 @@ JOPLIN_JEX = {
     f"{J_RES}.md": joplin_item(
         "chart.png", "", id=J_RES, mime="image/png", file_extension="png", type_=4
     ),
-    f"resources/{J_RES}.png": PNG,
+    f"resources/{J_RES}.png": TINY_PNG,
     f"{J_TAG}.md": joplin_item("urgent", "", id=J_TAG, type_=5),
     f"{J_NT}.md": joplin_item("", "", id=J_NT, note_id=J_NOTE, tag_id=J_TAG, type_=6),
 }
@@ -17295,7 +17295,7 @@ class TestImport:
         assert "archived: true" in trip and "Tram 28 early.\nPastéis de Belém!" in trip
         assert "![1a2b3c4d.png](../../../attachments/imported/keep/1a2b3c4d.png)" in trip
         assert "- [Tram 28](https://example.org/28)" in trip
-        assert (root / "attachments/imported/keep/1a2b3c4d.png").read_bytes() == PNG
+        assert (root / "attachments/imported/keep/1a2b3c4d.png").read_bytes() == TINY_PNG
         assert note_text(root, "notes/imported/keep/Call the plumber.md").endswith(
             "---\nCall the plumber\n"
         )
@@ -17323,7 +17323,7 @@ class TestImport:
         assert "- [x] Eggs" in note_text(root, "notes/imported/keep/Groceries 2.md")
         again = import_file(client, zip_of(KEEP_TAKEOUT), "takeout.zip")
         assert again["renamed"] == 4  # three notes and the picture, each once more
-        assert (root / "attachments/imported/keep/1a2b3c4d 2.png").read_bytes() == PNG
+        assert (root / "attachments/imported/keep/1a2b3c4d 2.png").read_bytes() == TINY_PNG
         trip = note_text(root, "notes/imported/keep/Lisbon trip 2.md")
         assert "(../../../attachments/imported/keep/1a2b3c4d%202.png)" in trip
 
@@ -17342,7 +17342,7 @@ class TestImport:
         assert "| Step | Minutes |\n| --- | --- |\n| Bake | 45 |" in text
         assert "![pie.png](../../attachments/from%20evernote/pie.png)" in text
         assert "```\nx = 1\ny = 2\n```" in text
-        assert (root / "attachments/from evernote/pie.png").read_bytes() == PNG
+        assert (root / "attachments/from evernote/pie.png").read_bytes() == TINY_PNG
         assert note_text(root, "notes/from evernote/Second.md").endswith("# Second\n\nJust text\n")
 
     def test_enex_entities_and_dtds(self, client, root):
@@ -17397,7 +17397,7 @@ class TestImport:
         assert "[rel](../Ideas%202.md)" in daily
         assert note_text(root, f"{base}/Ideas 2.md") == "# Ideas\n\n- a garden\n"
         assert note_text(root, f"{base}/plain.md") == "just text\n"
-        assert (root / "attachments/imported/obsidian/assets/pic.png").read_bytes() == PNG
+        assert (root / "attachments/imported/obsidian/assets/pic.png").read_bytes() == TINY_PNG
 
     def test_joplin_jex(self, client, root):
         report = import_file(client, tar_of(JOPLIN_JEX), "export.jex")
@@ -17430,8 +17430,8 @@ class TestImport:
     def test_a_notesvc_export_comes_back_byte_for_byte(self, client, root, make_app, tmp_path):
         client.post_json(f"{API}/notes", {"path": "notes/a/b.md", "content": "# B\r\n\r\ncrlf\r\n"})
         client.post_json(f"{API}/notes", {"path": "notes/ünï/ç.md", "content": "\ufeffbom\n"})
-        client.put(f"{API}/attachments/attachments/pics/p.png", PNG, content_type="image/png")
-        (root / "notes/a/side.png").write_bytes(PNG)
+        client.put(f"{API}/attachments/attachments/pics/p.png", TINY_PNG, content_type="image/png")
+        (root / "notes/a/side.png").write_bytes(TINY_PNG)
         (root / "notes/.hidden.md").write_text("secret\n")
         resp = client.get(f"{API}/export.zip")
         assert resp.content_type == "application/zip"
@@ -17578,3 +17578,109 @@ ENEX_TEMPLATE = """<?xml version="1.0" encoding="UTF-8"?>
   </note>
 </en-export>
 """
+
+
+@pytest.mark.real_server
+@pytest.mark.slow
+class TestImportCommand:
+    """`notesvc import` / `export`: on their own, and handing the import to a running server."""
+
+    def test_on_its_own_the_dry_run_and_the_real_run_agree(self, tmp_path):
+        vault = tmp_path / "vault"
+        for name, body in OBSIDIAN_VAULT.items():
+            (vault / name).parent.mkdir(parents=True, exist_ok=True)
+            (vault / name).write_bytes(body if isinstance(body, bytes) else body.encode())
+        (vault / "link.md").symlink_to("/etc/passwd")
+        root = tmp_path / "root"
+        dry = run_cli("import", str(vault), "--root", str(root), "--dry-run")
+        assert dry.returncode == 0, dry.stderr
+        assert "Dry run: would create 3 notes and 1 files in notes/imported/obsidian" in dry.stdout
+        assert "skipped link.md: a symbolic link (not followed)" in dry.stdout
+        assert not (root / "notes/imported").exists()
+        real = run_cli("import", str(vault), "--root", str(root))
+        assert real.returncode == 0, real.stderr
+        assert real.stdout.splitlines()[0] == dry.stdout.splitlines()[0].replace(
+            "Dry run: would create", "created"
+        )
+        assert (root / "notes/imported/obsidian/Ideas.md").read_text() == "# Ideas\n\n- a garden\n"
+        out = tmp_path / "all.zip"
+        done = run_cli("export", str(out), "--root", str(root))
+        assert done.returncode == 0, done.stderr
+        assert "Exported 3 notes and 1 files" in done.stdout
+        again = run_cli("export", str(out), "--root", str(root))
+        assert again.returncode == 2 and "exists already" in again.stderr
+        missing = run_cli("import", str(tmp_path / "nothing"), "--root", str(root))
+        assert missing.returncode == 2 and "no file or folder" in missing.stderr
+        slip = tmp_path / "slip.zip"
+        slip.write_bytes(zip_of({"../evil.md": "x"}))
+        refused = run_cli("import", str(slip), "--root", str(root))
+        assert refused.returncode == 2 and "outside itself" in refused.stderr
+
+    def test_a_running_server_does_the_import(self, tmp_path):
+        root = tmp_path / "root"
+        takeout = tmp_path / "takeout.zip"
+        takeout.write_bytes(zip_of(KEEP_TAKEOUT))
+        with running(root) as server:
+            key = json.loads((root / ".notesvc/state.json").read_text())["apiKey"]
+            owner = {"X-Service-Key": key}
+            out = run_cli("import", str(takeout), "--root", str(root), "--into", "notes/keep")
+            assert out.returncode == 0, out.stderr
+            assert "it does the import" in out.stderr
+            assert out.stdout.startswith("created 3 notes and 1 files in notes/keep")
+            status, _, body = server.request("GET", f"{API}/search?q=plumber", headers=owner)
+            assert status == 200 and body["data"]["results"][0]["path"].startswith("notes/keep/")
+            status, _, body = server.request("GET", f"{API}/changes", headers=owner)
+            assert [c["kind"] for c in body["data"]["changes"]].count("created") == 3
+            status, _, body = server.request("GET", f"{API}/auth/keys", headers=owner)
+            assert body["data"]["keys"] == []  # the key made for the import is gone
+            dry = run_cli("import", str(takeout), "--root", str(root), "--dry-run")
+            assert dry.returncode == 0 and dry.stdout.startswith("Dry run: would create 3")
+            export = tmp_path / "out.zip"
+            done = run_cli("export", str(export), "--root", str(root))
+            assert done.returncode == 0, done.stderr
+            import zipfile
+
+            names = zipfile.ZipFile(export).namelist()
+            assert "notes/keep/Groceries.md" in names and "notesvc-export.json" in names
+
+
+class TestImportInChromium:
+    """The menu's Import (choose, see the dry run, confirm) and Export, on a phone."""
+
+    pytestmark = BROWSER_TESTS
+
+    def test_import_a_takeout_then_export_everything(self, web, tmp_path):
+        s = web("phone")
+        page = s.page
+        takeout = tmp_path / "takeout-2023.zip"
+        takeout.write_bytes(zip_of(KEEP_TAKEOUT))
+        page.click("#menu summary")
+        page.click("#menu-import")
+        page.set_input_files("#import-file", str(takeout))
+        s.dialog_choose("check")
+        expect(page.locator("#import-summary")).to_have_text(
+            "Would bring in 3 notes and 1 file into notes/imported/keep."
+        )
+        expect(page.locator("#import-skipped")).to_contain_text("in Keep's trash")
+        s.shot("import-dry-run")
+        assert not (web.root / "notes/imported").exists()
+        s.dialog_choose("import")
+        expect(page.locator("#import-summary")).to_have_text(
+            "Brought in 3 notes and 1 file into notes/imported/keep."
+        )
+        s.shot("import-done")
+        s.dialog_choose("ok")
+        assert "- [x] Eggs" in (web.root / "notes/imported/keep/Groceries.md").read_text()
+        expect(page.locator("#tree")).to_contain_text("imported")
+        page.click("#menu summary")
+        with page.expect_download() as got:
+            page.click("#menu-export")
+        path = tmp_path / "export.zip"
+        got.value.save_as(path)
+        expect(page.locator("#export-progress")).to_contain_text("Saved")
+        import zipfile
+
+        names = zipfile.ZipFile(path).namelist()
+        assert "notes/imported/keep/Groceries.md" in names
+        assert "attachments/imported/keep/1a2b3c4d.png" in names
+        assert s.errors == []

@@ -27,6 +27,7 @@ SOURCES = {
     "app.js": "WEB_JS_REST",
     "grants.js": "WEB_GRANTS_JS",
     "devices.js": "WEB_DEVICES_JS",
+    "transfer.js": "WEB_TRANSFER_JS",
     "merge.js": "MERGE_JS",
     "outbox.js": "OUTBOX_JS",
     "offline.js": "WEB_OFFLINE_JS",

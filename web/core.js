@@ -114,6 +114,22 @@ class Problem extends Error {
   }
 }
 
+// Read an answer's body, calling progress(bytes so far) as it comes.
+async function readAll(r, progress) {
+  if (!r.body || !r.body.getReader) return r.blob();
+  const reader = r.body.getReader();
+  const parts = [];
+  let n = 0;
+  for (;;) {
+    const {done, value} = await reader.read();
+    if (done) break;
+    parts.push(value);
+    n += value.length;
+    progress(n);
+  }
+  return new Blob(parts, {type: r.headers.get("Content-Type") || ""});
+}
+
 function ownOrigin(url) {
   return sameOrigin(url, location.href);
 }
@@ -148,7 +164,12 @@ async function api(method, path, body, headers, opts) {
   } catch (e) {
     throw new Problem(0, "NETWORK", "Cannot reach the server. Check the connection and try again.");
   }
-  if (opts.blob && r.ok) return {blob: await r.blob(), status: r.status};
+  if (opts.blob && r.ok) {
+    return {
+      blob: opts.progress ? await readAll(r, opts.progress) : await r.blob(),
+      status: r.status,
+    };
+  }
   if (opts.raw && r.ok) return {json: await r.json(), status: r.status};
   let j = null;
   try {

@@ -22,6 +22,7 @@ function applyGrant(grant) {
   $("app").querySelector(".capture").hidden = !write || !daily; // today's note is notes/daily
   $("menu-keys").hidden = !owner;
   $("menu-telegram").hidden = !owner;
+  $("menu-import").hidden = !write;
   $("share").hidden = !write;
   if (!write) {
     $("attach").hidden = true;
