@@ -11702,10 +11702,21 @@ class ImportPlan:
     # -- naming ---------------------------------------------------------------------------
 
     def _exists(self, path: str) -> bool:
-        base = self.svc.config.root
-        return os.path.lexists(disk_path(base, path)) or os.path.lexists(
-            disk_path(base, path[:-3] + ".md") if path.endswith(".md") else base / "\x00"
-        )
+        return os.path.lexists(disk_path(self.svc.config.root, path))
+
+    @staticmethod
+    def _unfit(draft: Draft) -> str | None:
+        """Return why a named draft's path breaks a path rule (too long, say), or None."""
+        try:
+            if draft.path.startswith(ATTACHMENTS + "/"):
+                attachment_path(draft.path)
+            elif draft.open is not None:
+                note_file_path(draft.path)
+            else:
+                note_path(draft.path)
+        except ApiError as e:
+            return e.message
+        return None
 
     def name(self, draft: Draft) -> str:
         """Give the draft its path: the one it wants, else `<name> 2`, `<name> 3`..."""
@@ -11747,6 +11758,10 @@ class ImportPlan:
     def add_file(self, draft: Draft) -> None:
         """Write a named file draft (see name())."""
         path = draft.path
+        unfit = self._unfit(draft)
+        if unfit:
+            self.skip(draft.source, unfit)
+            return
         self.attachments += 1
         if not self.dry_run:
             store = self.svc.attachments if path.startswith(ATTACHMENTS) else self.svc.note_files
@@ -11763,9 +11778,11 @@ class ImportPlan:
     def add_note(self, draft: Draft) -> None:
         """Write a named note draft, its links resolved."""
         text = self.render(draft)
+        unfit = self._unfit(draft)
         if len(text.encode("utf-8", "surrogatepass")) > self.max_note:
-            self.skipped.append(_skip(draft.source, "over SERVICE_MAX_BODY_BYTES"))
-            self.taken.discard(draft.path.casefold())
+            unfit = "over SERVICE_MAX_BODY_BYTES"
+        if unfit:
+            self.skip(draft.source, unfit)
             return
         self.created += 1
         if not self.dry_run:
@@ -19303,6 +19320,15 @@ function sendImport(file, into, dryRun, progress) {
   });
 }
 
+// A file over what this address takes: say where a larger one goes.
+function tooLarge(e) {
+  if (!(e instanceof Problem) || e.status !== 413) return e;
+  const hint =
+    " A larger file goes in on the server's own address (at home), or on the server with: " +
+    "python3 notesvc.py import FILE";
+  return new Problem(413, e.code, e.message + hint);
+}
+
 function importSummary(r) {
   const verb = r.dryRun ? "Would bring in " : "Brought in ";
   const lines = [
@@ -19370,7 +19396,7 @@ async function showImport() {
           sent < 0 ? "Reading the archive…" : "Sending " + mb(sent) + " of " + mb(total) + "…";
       });
     } catch (e) {
-      dialogProblem(body, e);
+      dialogProblem(body, tooLarge(e));
       continue;
     }
     const yes = await dialog("Import notes", importSummary(report), [
@@ -19397,7 +19423,7 @@ async function showImport() {
     } catch (e) {
       await dialog(
         "Import notes",
-        [el("p", {class: "err", role: "alert"}, e.message)],
+        [el("p", {class: "err", role: "alert"}, tooLarge(e).message)],
         [["ok", "OK"]],
       );
       return;

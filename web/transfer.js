@@ -43,6 +43,15 @@ function sendImport(file, into, dryRun, progress) {
   });
 }
 
+// A file over what this address takes: say where a larger one goes.
+function tooLarge(e) {
+  if (!(e instanceof Problem) || e.status !== 413) return e;
+  const hint =
+    " A larger file goes in on the server's own address (at home), or on the server with: " +
+    "python3 notesvc.py import FILE";
+  return new Problem(413, e.code, e.message + hint);
+}
+
 function importSummary(r) {
   const verb = r.dryRun ? "Would bring in " : "Brought in ";
   const lines = [
@@ -110,7 +119,7 @@ async function showImport() {
           sent < 0 ? "Reading the archive…" : "Sending " + mb(sent) + " of " + mb(total) + "…";
       });
     } catch (e) {
-      dialogProblem(body, e);
+      dialogProblem(body, tooLarge(e));
       continue;
     }
     const yes = await dialog("Import notes", importSummary(report), [
@@ -137,7 +146,7 @@ async function showImport() {
     } catch (e) {
       await dialog(
         "Import notes",
-        [el("p", {class: "err", role: "alert"}, e.message)],
+        [el("p", {class: "err", role: "alert"}, tooLarge(e).message)],
         [["ok", "OK"]],
       );
       return;
