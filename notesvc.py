@@ -5653,6 +5653,9 @@ class SearchIndex:
         self._segs: list = []  # DiskSegment, or MemorySegment not yet written; oldest first
         self._live = MemorySegment()
         self.generation = 0  # bumps on every change
+        # (generation it holds for, {folder: notes beneath it}): rebuilt after bulk changes,
+        # kept up to date by single adds and removals (folder_counts)
+        self._folder_counts: tuple = (-1, None)
         self._touched: dict = {}  # path -> generation of its last change (for bulk_add)
         self._bulks = 0
         self._names = itertools.count(1)
@@ -5702,19 +5705,54 @@ class SearchIndex:
         """Index (or re-index) one note."""
         with self._lock:
             doc = self._live.vocab.analyse(path, text, size, mtime)
-            self._drop(path)
+            was = self.generation
+            existed = self._drop(path)
             self._live.add(doc, self._averages())
             self._changed(path)
+            self._recount(path, 0 if existed else 1, was)
             full = self._live.n >= FLUSH_DOCS or self._live.tokens >= FLUSH_TOKENS
         if full:
             self._wake.set()
 
     def remove(self, path: str) -> bool:
         with self._lock:
+            was = self.generation
             if not self._drop(path):
                 return False
             self._changed(path)
+            self._recount(path, -1, was)
             return True
+
+    def _recount(self, path: str, delta: int, was: int) -> None:
+        """Keep the folder counts current through one change made at generation `was`
+        (under the lock; counts of another generation are left to be rebuilt)."""
+        at, counts = self._folder_counts
+        if counts is None or at != was:
+            return
+        folder = path
+        while "/" in folder:
+            folder = folder.rpartition("/")[0]
+            counts[folder] += delta
+        self._folder_counts = (self.generation, counts)
+
+    def folder_counts(self) -> Mapping:
+        """Return {folder path: notes beneath it, at any depth}: kept up to date by single
+        changes, counted again from the index only after bulk ones."""
+        with self._lock:
+            at, counts = self._folder_counts
+            if counts is not None and at == self.generation:
+                return counts
+            generation, snapshot = self.generation, self._snapshot()
+        counts = collections.Counter()
+        for path, _, _ in self._entries(snapshot):
+            folder = path
+            while "/" in folder:
+                folder = folder.rpartition("/")[0]
+                counts[folder] += 1
+        with self._lock:
+            if self.generation == generation:
+                self._folder_counts = (generation, counts)
+        return counts
 
     def move(self, old: str, new: str, size: int, mtime: int) -> None:
         """Index a moved note under its new path (its text is read from there)."""
@@ -22015,17 +22053,9 @@ def delete_attachment(svc: Service, path: str) -> dict:
 
 
 def indexed_counts(svc: Service) -> Callable:
-    """Return count(folder path) -> notes beneath it, from the index (read on first call)."""
-    by_folder: dict = {}
-
-    def count(folder: str) -> int:
-        if not by_folder:
-            by_folder.update(collections.Counter(p.rpartition("/")[0] for p in svc.index.paths()))
-            by_folder.setdefault("", 0)  # read once, even when there are no notes
-        inside = folder + "/"
-        return sum(n for f, n in by_folder.items() if f == folder or f.startswith(inside))
-
-    return count
+    """Return count(folder path) -> notes beneath it, from the index's folder counts."""
+    counts = svc.index.folder_counts()
+    return lambda folder: counts.get(folder, 0)
 
 
 def get_tree(svc: Service) -> dict:

@@ -17702,3 +17702,24 @@ class TestImportInChromium:
         assert "notes/imported/keep/Groceries.md" in names
         assert "attachments/imported/keep/1a2b3c4d.png" in names
         assert s.errors == []
+
+
+class TestFolderCounts:
+    def test_counts_follow_single_changes_and_match_a_recount(self):
+        index = notesvc.SearchIndex()
+        for i in range(30):
+            index.add(f"notes/a/b{i % 3}/n{i}.md", f"note {i}", 6, i)
+        counts = dict(index.folder_counts())
+        assert counts["notes"] == 30
+        assert counts["notes/a"] == 30
+        assert counts["notes/a/b1"] == 10
+        index.add("notes/a/b1/n1.md", "changed", 7, 99)  # an update: no new note
+        index.add("notes/c/new.md", "new", 3, 1)
+        index.remove("notes/a/b2/n2.md")
+        index.move("notes/a/b0/n0.md", "notes/c/n0.md", 6, 1)  # not readable: removed only
+        kept = dict(index.folder_counts())
+        index._folder_counts = (-1, None)  # counted again from the index
+        assert {k: v for k, v in kept.items() if v} == dict(index.folder_counts())
+        assert kept["notes/c"] == 1
+        assert kept["notes/a/b2"] == 9
+        assert kept["notes"] == 29

@@ -248,7 +248,13 @@ def run_cli(args: list, sample_rss: bool = False) -> dict:
     if rc:
         print("".join(out), "\n".join(line for _, line in lines), file=sys.stderr)
         raise SystemExit(f"notesvc.py {' '.join(args[:2])} failed ({rc})")
-    return {"wall": wall, "lines": lines, "stdout": "".join(out), "early": early, "peak": sampler.peak}
+    return {
+        "wall": wall,
+        "lines": lines,
+        "stdout": "".join(out),
+        "early": early,
+        "peak": sampler.peak,
+    }
 
 
 # -- the inputs ----------------------------------------------------------------------------
@@ -300,9 +306,7 @@ def make_takeout(out: Path, notes: list, images: Path, names: list, rng: random.
             }
             if i % 10 == 7:  # a checklist: the body's non-empty lines
                 items = [ln.strip() for ln in body.splitlines() if ln.strip()][:40]
-                data["listContent"] = [
-                    {"text": t, "isChecked": rng.random() < 0.3} for t in items
-                ]
+                data["listContent"] = [{"text": t, "isChecked": rng.random() < 0.3} for t in items]
             else:
                 data["textContent"] = body
             if every and i % every == 0 and attached < len(names):
@@ -365,7 +369,7 @@ def make_enex(out: Path, notes: list, target: int, rng: random.Random) -> dict:
             res, media = [], []
             for _ in range(1 if rng.random() < 0.7 else 2):
                 data = fake_image(rng, rng.randint(1_000_000, 3_000_000), True)
-                md5 = hashlib.md5(data).hexdigest()
+                md5 = hashlib.md5(data, usedforsecurity=False).hexdigest()
                 b64 = base64.encodebytes(data).decode("ascii")
                 name = f"scan-{counts['resources']}.png"
                 res.append(
@@ -487,7 +491,9 @@ def bench_keep(tmp: Path, notes: list, n_images: int, rows: list, rng: random.Ra
     )
     for t, line in run["lines"]:
         print(f"    {t:6.2f} s  {line[:110]}")
-    rows.append(("Keep import, CLI alone", f"{run['wall']:.1f} s", "", "", "<= 60 s", run["wall"] <= 60))
+    rows.append(
+        ("Keep import, CLI alone", f"{run['wall']:.1f} s", "", "", "<= 60 s", run["wall"] <= 60)
+    )
     rows.append(
         (
             "  CLI largest gap between stderr lines",
@@ -613,7 +619,9 @@ def bench_export(tmp: Path, corpus: Path, notes: list, images: Path, rows: list)
     finally:
         server.stop()
     started = time.monotonic()
-    subprocess.run(["zip", "-qr", str(tmp / "ref2.zip"), "notes", "attachments"], cwd=root, check=True)
+    subprocess.run(
+        ["zip", "-qr", str(tmp / "ref2.zip"), "notes", "attachments"], cwd=root, check=True
+    )
     ref2 = time.monotonic() - started
     sizes = {p: p.stat().st_size / 1e6 for p in (ref_zip, cli_zip, http_zip)}
     entries = {p: len(zipfile.ZipFile(p).namelist()) for p in (ref_zip, cli_zip, http_zip)}
@@ -625,7 +633,14 @@ def bench_export(tmp: Path, corpus: Path, notes: list, images: Path, rows: list)
         flush=True,
     )
     rows.append(
-        ("ref.: zip -qr notes attachments", f"{ref:.2f} s", f"{sizes[ref_zip]:.1f} MB", "1.00", "", None)
+        (
+            "ref.: zip -qr notes attachments",
+            f"{ref:.2f} s",
+            f"{sizes[ref_zip]:.1f} MB",
+            "1.00",
+            "",
+            None,
+        )
     )
     for label, secs, p in (
         ("export, CLI (whole process)", run["wall"], cli_zip),
@@ -645,9 +660,7 @@ def bench_export(tmp: Path, corpus: Path, notes: list, images: Path, rows: list)
 
 def print_table(rows: list) -> None:
     head = ("measure", "value", "reference", "ratio", "goal", "met?")
-    table = [head] + [
-        (*r[:5], "" if r[5] is None else ("yes" if r[5] else "NO")) for r in rows
-    ]
+    table = [head] + [(*r[:5], "" if r[5] is None else ("yes" if r[5] else "NO")) for r in rows]
     widths = [max(len(str(r[i])) for r in table) for i in range(len(head))]
     for i, r in enumerate(table):
         print("  ".join(str(c).ljust(w) for c, w in zip(r, widths, strict=True)).rstrip())

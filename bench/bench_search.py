@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import http.client
 import json
 import os
 import random
@@ -42,6 +43,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.parse
 import urllib.request
 from pathlib import Path
 
@@ -276,10 +278,10 @@ def child_notesvc(root: Path, queries: dict, repeat: int) -> dict:
     }
 
 
-def start_server(root: Path, env: dict):
+def start_server(root: Path, env: dict, auth_mode: str = "none"):
     """Start `notesvc.py serve` on root; return (process, port, start time)."""
     cmd = [sys.executable, str(HERE.parent / "notesvc.py"), "--root", str(root)]
-    cmd += ["--host", "127.0.0.1", "--port", "0", "--auth-mode", "none"]
+    cmd += ["--host", "127.0.0.1", "--port", "0", "--auth-mode", auth_mode]
     full_env = {k: v for k, v in os.environ.items() if not k.startswith("SERVICE_")}
     full_env.update(env)
     started = time.perf_counter()
@@ -415,15 +417,615 @@ def memory_goal(n: int) -> float:
     return 50.0 if n <= 10_000 else 70.0 if n <= 50_000 else 90.0
 
 
+# --- real text (--corpus real), the real server over HTTP (--http), tantivy -------------
+
+SHARED_BENCH = HERE.parent.parent / "shared" / "bench"  # /work/shared/bench: corpus.py
+TOKEN_RE = re.compile(r"[^\W_]+")  # the corpus's own rule (shared/bench/common.py)
+STOP_WORDS = frozenset(
+    """a about above after again against all am an and any are as at be because been before
+    being below between both but by can could did do does doing down during each few for from
+    further had has have having he her here hers herself him himself his how i if in into is
+    it its itself just me more most my myself no nor not now of off on once only or other our
+    ours ourselves out over own same she should so some such than that the their theirs them
+    themselves then there these they this those through to too under until up very was we
+    were what when where which while who whom why will with would you your yours yourself
+    yourselves also may must shall might one two use used using see set get gets new""".split()
+)
+KINDS = ("common word", "rare word", "2-3 word AND", "phrase", "prefix")
+
+
+def size_label(n: int) -> str:
+    return f"{n // 1000}k" if n % 1000 == 0 else str(n)
+
+
+def real_corpus(n: int, folder: str | None, script: Path) -> Path:
+    """The folder of an N-note corpus of real text (shared/bench/corpus.py), built when
+    missing; never inside this repository."""
+    out = Path(folder).expanduser() if folder else Path.home() / "corpus" / size_label(n)
+    if HERE.parent == out.resolve() or HERE.parent in out.resolve().parents:
+        raise SystemExit(f"{out}: keep a corpus outside the repository")
+    if not (out / "manifest.json").exists():
+        print(f"building the real-text corpus: {script} --n {n} --out {out}", flush=True)
+        subprocess.run([sys.executable, str(script), "--n", str(n), "--out", str(out)], check=True)
+    manifest = json.loads((out / "manifest.json").read_text())
+    if manifest["n"] != n:
+        raise SystemExit(f"{out} holds {manifest['n']} notes, not {n}")
+    return out
+
+
+def note_paths(root: Path) -> list:
+    """Every note's path ("notes/..."), sorted as strings."""
+    return sorted(p.relative_to(root).as_posix() for p in (root / "notes").rglob("*.md"))
+
+
+def read_vocabulary(corpus: Path) -> dict:
+    """term -> number of notes holding it (the corpus's vocab.tsv)."""
+    df: dict = {}
+    if not (corpus / "vocab.tsv").exists():  # the synthetic corpus: count here
+        for path in note_paths(corpus):
+            for t in set(TOKEN_RE.findall((corpus / path).read_text(encoding="utf-8").lower())):
+                df[t] = df.get(t, 0) + 1
+        return df
+    with open(corpus / "vocab.tsv", encoding="utf-8") as f:
+        for line in f:
+            term, count, _total = line.rstrip("\n").split("\t")
+            df[term] = int(count)
+    return df
+
+
+def is_word(t: str) -> bool:
+    return t.isascii() and t.isalpha() and len(t) >= 3 and t not in STOP_WORDS
+
+
+def make_real_queries(corpus: Path, n: int, per_kind: int, seed: int = 11) -> dict:
+    """Queries drawn from the corpus's real vocabulary and notes, deterministic (seeded):
+    rare = a word in 2-20 notes; common = a word in > 10 % of the notes (no stop word);
+    AND = 2-3 mid-frequency words (0.2-5 % of the notes) of one real note; phrase = two
+    adjacent words of a real note (not both stop words); prefix = the first 3-5 letters of
+    a word in >= 0.1 % of the notes, then *."""
+    rnd = random.Random(seed)
+    df = read_vocabulary(corpus)
+    common = sorted(t for t, d in df.items() if d > 0.10 * n and is_word(t))
+    rare = sorted(t for t, d in df.items() if 2 <= d <= 20 and is_word(t) and len(t) >= 4)
+    prefixes = sorted(t for t, d in df.items() if d >= 0.001 * n and is_word(t) and len(t) >= 6)
+    paths = note_paths(corpus)
+    ands, phrases = [], []
+    for path in rnd.sample(paths, min(len(paths), 20 * per_kind)):
+        if len(ands) >= per_kind and len(phrases) >= per_kind:
+            break
+        tokens = TOKEN_RE.findall((corpus / path).read_text(encoding="utf-8").lower())
+        mid = sorted({t for t in tokens if is_word(t) and 0.002 * n <= df.get(t, 0) <= 0.05 * n})
+        if len(ands) < per_kind and len(mid) >= 3:
+            ands.append(" ".join(rnd.sample(mid, rnd.choice((2, 3)))))
+        pairs = [
+            (a, b)
+            for a, b in zip(tokens, tokens[1:])
+            if a.isascii() and a.isalpha() and b.isascii() and b.isalpha()
+            if not (a in STOP_WORDS and b in STOP_WORDS)
+        ]
+        if len(phrases) < per_kind and pairs:
+            a, b = rnd.choice(pairs)
+            phrases.append(f'"{a} {b}"')
+    queries = {
+        "common word": [rnd.choice(common) for _ in range(per_kind)],
+        "rare word": [rnd.choice(rare) for _ in range(per_kind)],
+        "2-3 word AND": ands,
+        "phrase": phrases,
+        "prefix": [],
+    }
+    for _ in range(per_kind):
+        word = rnd.choice(prefixes)
+        queries["prefix"].append(word[: rnd.randint(3, min(5, len(word) - 1))] + "*")
+    return queries
+
+
+def rarest_word(corpus: Path, path: str) -> str:
+    """The word of that note in the fewest notes (a search for it finds the note)."""
+    df = read_vocabulary(corpus)
+    tokens = TOKEN_RE.findall((corpus / path).read_text(encoding="utf-8").lower())
+    words = [t for t in tokens if is_word(t)] or [t for t in tokens if t.isalpha()]
+    return min(words, key=lambda t: (df.get(t, 0), t))
+
+
+def build_fts5(root: Path, db_path: Path) -> float:
+    """FTS5's first build of the notes under root: read the files, insert, commit (s)."""
+    if db_path.exists():
+        db_path.unlink()
+    t = time.perf_counter()
+    db = sqlite3.connect(db_path)
+    db.execute(
+        "CREATE VIRTUAL TABLE notes USING fts5(path UNINDEXED, title, body, "
+        "tokenize='porter unicode61 remove_diacritics 2')"
+    )
+    with db:
+        for folder, _dirs, files in os.walk(root / "notes"):
+            for name in files:
+                p = os.path.join(folder, name)
+                with open(p, encoding="utf-8") as f:
+                    body = f.read()
+                title = body.split("\n", 1)[0].lstrip("# ")
+                rel = os.path.relpath(p, root).replace(os.sep, "/")
+                db.execute("INSERT INTO notes VALUES (?, ?, ?)", (rel, title, body))
+    db.close()
+    return time.perf_counter() - t
+
+
+class Client:
+    """One keep-alive HTTP/1.1 connection (http.client), reconnecting when it is closed."""
+
+    def __init__(self, port: int, headers: dict | None = None):
+        self.port, self.headers = port, dict(headers or {})
+        self.conn = http.client.HTTPConnection("127.0.0.1", port, timeout=300)
+
+    def request(self, method: str, path: str, body: bytes | None = None) -> tuple:
+        headers = dict(self.headers)
+        if body is not None:
+            headers["Content-Type"] = "application/json"
+        for attempt in (0, 1):
+            try:
+                self.conn.request(method, path, body=body, headers=headers)
+                r = self.conn.getresponse()
+                return r.status, r.read()
+            except (http.client.HTTPException, ConnectionError):
+                self.conn.close()
+                self.conn = http.client.HTTPConnection("127.0.0.1", self.port, timeout=300)
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    def get(self, path: str) -> bytes:
+        status, body = self.request("GET", path)
+        if status != 200:
+            raise RuntimeError(f"GET {path}: {status} {body[:300]!r}")
+        return body
+
+    def close(self) -> None:
+        self.conn.close()
+
+
+def search_path(prefix: str, q: str, limit: int = 10) -> str:
+    return f"{prefix}?q={urllib.parse.quote(q, safe='')}&limit={limit}"
+
+
+def tree_rss(pid: int) -> dict:
+    """RssAnon of the process and the sum over it and its children (a helper process)."""
+    own = proc_status(pid)
+    total = own["RssAnon"]
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        with contextlib.suppress(OSError):
+            for child in (task / "children").read_text().split():
+                with contextlib.suppress(OSError, KeyError):
+                    total += proc_status(child)["RssAnon"]
+    return {"rss_anon": own["RssAnon"], "rss_file": own["RssFile"], "rss_anon_tree": total}
+
+
+def server_key(root: Path) -> dict:
+    state = json.loads((root / ".notesvc" / "state.json").read_text())
+    return {"X-Service-Key": state["apiKey"]}
+
+
+def stop(proc) -> None:
+    proc.terminate()
+    try:
+        proc.wait(60)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait(10)
+
+
+def start_fts5_server(db_path: Path, threads: int):
+    cmd = [sys.executable, str(HERE / "fts5_server.py"), "--db", str(db_path)]
+    cmd += ["--threads", str(threads)]
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)
+    for line in proc.stderr:
+        m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", line)
+        if m:
+            threading.Thread(target=proc.stderr.read, daemon=True).start()
+            return proc, int(m.group(1))
+    raise RuntimeError("the FTS5 server did not start")
+
+
+def empty_start_to_health() -> float:
+    """A server's process start to /api/v1/health on an empty root (the interpreter's and
+    the module's own start, not the index's)."""
+    with tempfile.TemporaryDirectory() as empty:
+        proc, port, started = start_server(Path(empty), {"SERVICE_RESCAN_SECONDS": "0"})
+        try:
+            return first_answer(port, "/api/v1/health", started)
+        finally:
+            stop(proc)
+
+
+def measure_first_start(root: Path, last: str, word: str) -> dict:
+    """A server's first start on a folder of notes without .notesvc/: from process start
+    until a search for a word of the last note (sorted path order) finds that note."""
+    proc, port, started = start_server(root, {"SERVICE_RESCAN_SECONDS": "0"}, "api-key")
+    try:
+        listening = time.perf_counter() - started
+        client, polls = Client(port, server_key(root)), 0
+        while True:
+            polls += 1
+            status, body = client.request("GET", search_path("/api/v1/search", word, 100))
+            if status == 200:
+                results = json.loads(body)["data"]["results"]
+                if any(r["path"] == last for r in results):
+                    done = time.perf_counter() - started
+                    break
+            time.sleep(0.05)
+        time.sleep(5)
+        mem = tree_rss(proc.pid)
+        client.close()
+        return {"listening": listening, "complete": done, "polls": polls, **mem}
+    finally:
+        stop(proc)
+
+
+def timed_requests(client: Client, paths: list) -> list:
+    out = []
+    for p in paths:
+        t = time.perf_counter()
+        client.get(p)
+        out.append(time.perf_counter() - t)
+    return out
+
+
+def load(url: str, seconds: int, conns: int, headers: dict, put_body: str | None) -> dict:
+    """Requests per second with `conns` concurrent keep-alive connections for `seconds`:
+    wrk (one client thread, its own process) when installed, else a Python client of
+    `conns` threads in a child process. PUT bodies differ by a counter (a real change)."""
+    if shutil.which("wrk"):
+        with tempfile.NamedTemporaryFile("w", suffix=".lua", delete=False) as f:
+            for k, v in headers.items():
+                f.write(f'wrk.headers["{k}"] = "{v}"\n')
+            if put_body is not None:
+                escaped = json.dumps(put_body)[1:-1]
+                f.write(
+                    'wrk.headers["Content-Type"] = "application/json"\n'
+                    f"local base = [==[{escaped}]==]\nlocal n = 0\n"
+                    "request = function()\n  n = n + 1\n"
+                    '  return wrk.format("PUT", nil, nil, \'{"content": "\' .. base .. '
+                    "'\\\\nedit ' .. n .. '\"}')\nend\n"
+                )
+        try:
+            cmd = ["wrk", "-t1", f"-c{conns}", f"-d{seconds}s", "-s", f.name, url]
+            out = subprocess.run(cmd, capture_output=True, text=True, check=True).stdout
+        finally:
+            os.unlink(f.name)
+        rps = float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))
+        bad = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+        errors = re.search(r"Socket errors: (.*)", out)
+        return {
+            "client": "wrk -t1",
+            "rps": rps,
+            "non_2xx": int(bad.group(1)) if bad else 0,
+            "socket_errors": errors.group(1) if errors else "",
+        }
+    spec = json.dumps(
+        {"url": url, "seconds": seconds, "conns": conns, "headers": headers, "put_body": put_body}
+    )
+    out = subprocess.run(
+        [sys.executable, __file__, "--child", "load", "--queries", spec],
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout
+    return json.loads(out.strip().splitlines()[-1])
+
+
+def child_load(spec: dict) -> dict:
+    """The Python load generator: `conns` threads, one keep-alive connection each."""
+    parsed = urllib.parse.urlsplit(spec["url"])
+    path = parsed.path + (f"?{parsed.query}" if parsed.query else "")
+    stop_at = time.perf_counter() + spec["seconds"]
+    counts, errors = [0] * spec["conns"], [0] * spec["conns"]
+
+    def worker(i):
+        client, n = Client(parsed.port, spec["headers"]), 0
+        while time.perf_counter() < stop_at:
+            n += 1
+            body = None
+            if spec["put_body"] is not None:
+                body = json.dumps({"content": spec["put_body"] + f"\nedit {i} {n}"}).encode()
+            status, _ = client.request("PUT" if body else "GET", path, body)
+            counts[i] += 1
+            errors[i] += status >= 300
+        client.close()
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(spec["conns"])]
+    t = time.perf_counter()
+    for th in threads:
+        th.start()
+    for th in threads:
+        th.join()
+    return {
+        "client": f"python, {spec['conns']} threads",
+        "rps": sum(counts) / (time.perf_counter() - t),
+        "non_2xx": sum(errors),
+        "socket_errors": "",
+    }
+
+
+def tantivy_query(tantivy, index, schema, q: str):
+    if q.endswith("*"):  # the query parser has no prefix*: a regex on the (stemmed) terms
+        pattern = re.escape(q[:-1]) + ".*"
+        return tantivy.Query.boolean_query(
+            [
+                (tantivy.Occur.Should, tantivy.Query.regex_query(schema, field, pattern))
+                for field in ("title", "body")
+            ]
+        )
+    return index.parse_query(q, ["title", "body"], {"title": 2.0}, conjunction_by_default=True)
+
+
+def child_tantivy(root: Path, queries: dict, repeat: int) -> dict:
+    """tantivy (the Python binding) in process: an in-RAM index of the same notes (en_stem
+    tokenizer), top-10 with a snippet of the body, as FTS5's reference does."""
+    import tantivy
+
+    builder = tantivy.SchemaBuilder()
+    builder.add_text_field("path", stored=True, tokenizer_name="raw")
+    builder.add_text_field("title", stored=True, tokenizer_name="en_stem")
+    builder.add_text_field("body", stored=True, tokenizer_name="en_stem")
+    schema = builder.build()
+    index = tantivy.Index(schema)
+    t = time.perf_counter()
+    writer = index.writer(heap_size=100_000_000, num_threads=1)
+    for path in note_paths(root):
+        body = (root / path).read_text(encoding="utf-8")
+        title = body.split("\n", 1)[0].lstrip("# ")
+        writer.add_document(tantivy.Document(path=path, title=title, body=body))
+    writer.commit()
+    writer.wait_merging_threads()
+    build = time.perf_counter() - t
+    index.reload()
+    searcher = index.searcher()
+
+    def run(q):
+        query = tantivy_query(tantivy, index, schema, q)
+        gen = tantivy.SnippetGenerator.create(searcher, query, schema, "body")
+        out = []
+        for _score, address in searcher.search(query, 10, count=False).hits:
+            doc = searcher.doc(address)
+            out.append((doc["path"][0], gen.snippet_from_doc(doc).fragment()))
+        return out
+
+    return {
+        "version": getattr(tantivy, "__version__", "?"),
+        "build": build,
+        "queries": measure_queries(run, queries, repeat),
+    }
+
+
+def run_http(args, corpus: Path | None, work: Path) -> dict:
+    """The real server over HTTP against FTS5 behind Bottle (and tantivy in process)."""
+    res: dict = {"n": args.notes, "corpus": args.corpus}
+    root = work / "root"
+    if root.exists():
+        shutil.rmtree(root)
+    root.mkdir(parents=True)
+    if corpus is not None:
+        shutil.copytree(corpus / "notes", root / "notes")
+        queries = make_real_queries(corpus, args.notes, args.per_kind)
+    else:
+        info = make_corpus(root, args.notes)
+        queries = make_queries(info, args.per_kind)
+        corpus = root
+    qfile = work / "queries.json"
+    qfile.write_text(json.dumps(queries))
+    paths = note_paths(root)
+    last, word = paths[-1], rarest_word(corpus, paths[-1])
+    res["queries_per_kind"] = {k: len(v) for k, v in queries.items()}
+    res["load_before"] = os.getloadavg()
+    print(f"{len(paths)} notes in {root}; queries {res['queries_per_kind']}", flush=True)
+
+    # first start on a folder without .notesvc/, against FTS5's build of the same notes
+    os.sync()
+    res["health_start"] = empty_start_to_health()
+    res["first_start"] = measure_first_start(root, last, word)
+    res["first_start"]["word"], res["first_start"]["last"] = word, last
+    db_path = work / "fts.db"
+    os.sync()
+    res["fts5_build"] = build_fts5(root, db_path)
+    print(
+        f"first start: {res['first_start']}, /health on an empty root "
+        f"{res['health_start']:.2f} s, FTS5 build {res['fts5_build']:.2f} s",
+        flush=True,
+    )
+
+    # the restarted server: memory, search latency, tree, health, req/s
+    proc, port, started = start_server(root, {"SERVICE_RESCAN_SECONDS": "0"}, "api-key")
+    fproc, fport = start_fts5_server(db_path, args.threads)
+    try:
+        headers = server_key(root)
+        ns = Client(port, headers)
+        while True:
+            status, _ = ns.request("GET", search_path("/api/v1/search", word))
+            if status == 200:
+                break
+            time.sleep(0.05)
+        res["restart_first_search"] = time.perf_counter() - started
+        time.sleep(5)
+        res["mem_after_first"] = tree_rss(proc.pid)
+        count = {"n": 0}
+
+        def run_ns(q):
+            ns.get(search_path("/api/v1/search", q))
+            count["n"] += 1
+            if count["n"] == 800:
+                res["mem_after_800"] = tree_rss(proc.pid)
+
+        res["notesvc"] = measure_queries(run_ns, queries, args.repeat)
+        res["mem_after_all"] = tree_rss(proc.pid)
+        res["queries_sent"] = count["n"]
+        res.setdefault("mem_after_800", res["mem_after_all"])  # fewer queries than 800
+        print("notesvc over HTTP: done", flush=True)
+        ref = Client(fport)
+        res["fts5"] = measure_queries(
+            lambda q: ref.get(search_path("/search", q)), queries, args.repeat
+        )
+        res["fts5_server_rss_anon"] = proc_status(fproc.pid)["RssAnon"]
+        print("FTS5 over HTTP: done", flush=True)
+        res["bare"] = percentiles(timed_requests(ref, ["/bare"] * 300))
+        tree, health = [], []
+        for _ in range(300):  # interleaved, one keep-alive client
+            tree += timed_requests(ns, ["/api/v1/folders/tree?depth=1"])
+            health += timed_requests(ns, ["/api/v1/health"])
+        res["tree"], res["health"] = percentiles(tree), percentiles(health)
+        note = paths[len(paths) // 2]
+        note_url = "/api/v1/notes/" + urllib.parse.quote(note, safe="/")
+        ns.get(note_url)
+        content = (root / note).read_text(encoding="utf-8")
+        ns.close()
+        ref.close()
+        base = "http://127.0.0.1"
+        res["load_note"] = note
+        res["rps_get"] = load(f"{base}:{port}{note_url}", args.seconds, 16, headers, None)
+        res["rps_bare"] = load(f"{base}:{fport}/bare", args.seconds, 16, {}, None)
+        res["rps_put"] = load(f"{base}:{port}{note_url}", args.seconds, 16, headers, content)
+        res["mem_after_load"] = tree_rss(proc.pid)
+        print("load: done", flush=True)
+    finally:
+        stop(proc)
+        stop(fproc)
+    try:
+        import tantivy  # noqa: F401
+    except ImportError:
+        res["tantivy"] = None
+        print("tantivy is not importable (pip install tantivy): skipped", flush=True)
+    else:
+        res["tantivy"] = run_child("tantivy", root, qfile, args.repeat)
+        print("tantivy: done", flush=True)
+    res["load_after"] = os.getloadavg()
+    return res
+
+
+def report_http(res: dict) -> list:
+    """Print the table of goals; return its rows."""
+    n = res["n"]
+    ns, fts, tv = res["notesvc"], res["fts5"], res["tantivy"]
+    rows = []
+
+    def row(measure, ours, ref, unit, goal="", met=None):
+        rows.append(
+            {
+                "measure": measure,
+                "notesvc": ours,
+                "reference": ref,
+                "unit": unit,
+                "ratio": ours / ref if ref else None,
+                "goal": goal,
+                "met": met,
+            }
+        )
+
+    for kind in KINDS:
+        for p in ("p50", "p95"):
+            ours, ref = ns[kind][p], fts[kind][p]
+            row(f"{kind} {p} × FTS5/HTTP", ours, ref, "ms", "<= 1.0x", ours <= ref)
+    if tv:
+        for kind in KINDS:
+            row(
+                f"{kind} p50 × tantivy",
+                ns[kind]["p50"],
+                tv["queries"][kind]["p50"],
+                "ms",
+                "reported",
+            )
+    goal = memory_goal(n)
+    for key, label in (
+        ("mem_after_first", "5 s after 1st search"),
+        ("mem_after_800", "after 800 queries"),
+    ):
+        ours = res[key]["rss_anon"]
+        row(f"RssAnon, {label}", ours, None, "MB", f"<= {goal:.0f} MB", ours <= goal)
+    fs = res["first_start"]["complete"] - res["health_start"]
+    row(
+        "first start × FTS5 build",
+        fs,
+        res["fts5_build"],
+        "s",
+        "<= 2.5x",
+        fs <= 2.5 * res["fts5_build"],
+    )
+    t50, h50 = res["tree"]["p50"], res["health"]["p50"]
+    row("tree?depth=1 p50 × health", t50, h50, "ms", "<= 4x", t50 <= 4 * h50)
+    g, b, pt = res["rps_get"]["rps"], res["rps_bare"]["rps"], res["rps_put"]["rps"]
+    row("GET note req/s × bare", g, b, "req/s", ">= 0.6x", g >= 0.6 * b)
+    row("PUT note req/s × bare", pt, b, "req/s", "reported")
+
+    print(
+        f"\n{size_label(n)} notes, corpus: {res['corpus']}; load average "
+        f"{' '.join(f'{x:.2f}' for x in res['load_before'])} before, "
+        f"{' '.join(f'{x:.2f}' for x in res['load_after'])} after"
+    )
+    print(f"{'measure':<32} {'notesvc':>10} {'reference':>10} {'ratio':>7}  {'goal':<11} met?")
+    for r in rows:
+        ref = f"{r['reference']:>10.2f}" if r["reference"] is not None else f"{'':>10}"
+        ratio = f"{r['ratio']:>7.2f}" if r["ratio"] is not None else f"{'':>7}"
+        met = "" if r["met"] is None else "met" if r["met"] else "MISSED"
+        print(
+            f"{r['measure']:<32} {r['notesvc']:>10.2f} {ref} {ratio}  {r['goal']:<11} {met}"
+            f"  ({r['unit']})"
+        )
+    fst = res["first_start"]
+    print(
+        f"\nfirst start: listening after {fst['listening']:.2f} s, the last note ({fst['last']},"
+        f" '{fst['word']}') found after {fst['complete']:.2f} s, minus {res['health_start']:.2f}"
+        f" s (an empty root's start to /health); that server's RssAnon 5 s later "
+        f"{fst['rss_anon']:.1f} MB (with children {fst['rss_anon_tree']:.1f}).\n"
+        f"restarted server: first search {res['restart_first_search']:.2f} s after process "
+        f"start; RssAnon {res['mem_after_first']['rss_anon']:.1f} / "
+        f"{res['mem_after_800']['rss_anon']:.1f} / {res['mem_after_all']['rss_anon']:.1f} / "
+        f"{res['mem_after_load']['rss_anon']:.1f} MB (5 s after the first search / after 800 "
+        f"queries / after all {res['queries_sent']} / after the req/s runs; RssFile "
+        f"{res['mem_after_all']['rss_file']:.1f} MB); FTS5 server RssAnon "
+        f"{res['fts5_server_rss_anon']:.1f} MB.\n"
+        f"bare route p50 {res['bare']['p50']:.2f} ms, /health p50 {res['health']['p50']:.2f} ms,"
+        f" tree p95 {res['tree']['p95']:.2f} ms. req/s with 16 connections "
+        f"({res['rps_get']['client']}, {res['rps_get']}; bare {res['rps_bare']}; "
+        f"PUT {res['rps_put']})."
+    )
+    if tv:
+        print(
+            f"tantivy {tv['version']}: in-RAM build {tv['build']:.2f} s (FTS5 "
+            f"{res['fts5_build']:.2f} s); p50 / p95 per kind, ms: "
+            + ", ".join(f"{k} {v['p50']:.3f} / {v['p95']:.3f}" for k, v in tv["queries"].items())
+        )
+    else:
+        print("tantivy: skipped (not importable)")
+    return rows
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--notes", type=int, default=10000)
     ap.add_argument("--per-kind", type=int, default=100, help="queries per kind")
     ap.add_argument("--repeat", type=int, default=3, help="timed passes over the queries")
     ap.add_argument("--root", help="keep the corpus in this folder (reused when it is there)")
+    ap.add_argument(
+        "--corpus",
+        choices=("synthetic", "real"),
+        default="synthetic",
+        help="synthetic (made here) or real English text (shared/bench/corpus.py)",
+    )
+    ap.add_argument("--corpus-dir", help="real-text corpus folder (default ~/corpus/<n>)")
+    ap.add_argument("--corpus-script", default=str(SHARED_BENCH / "corpus.py"))
+    ap.add_argument(
+        "--http",
+        action="store_true",
+        help="the real server over HTTP against FTS5 behind Bottle (bench/fts5_server.py), "
+        "tantivy in process when importable, memory, first start, tree, req/s",
+    )
+    ap.add_argument("--workdir", help="--http: the work folder (default: a temporary one)")
+    ap.add_argument("--threads", type=int, default=8, help="--http: the FTS5 server's threads")
+    ap.add_argument("--seconds", type=int, default=10, help="--http: seconds per req/s run")
+    ap.add_argument("--json", help="write the results (and the table) as JSON to this file")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--queries", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.child == "load":
+        print(json.dumps(child_load(json.loads(args.queries))))
+        return
     if args.child:
         queries = json.loads(Path(args.queries).read_text()) if args.queries else {}
         root = Path(args.root)
@@ -431,9 +1033,28 @@ def main() -> None:
             result = child_build(root)
         elif args.child == "notesvc":
             result = child_notesvc(root, queries, args.repeat)
+        elif args.child == "tantivy":
+            result = child_tantivy(root, queries, args.repeat)
         else:
             result = child_fts5(root, queries, args.repeat, args.child)
         print(json.dumps(result))
+        return
+    corpus = None
+    if args.corpus == "real":
+        corpus = real_corpus(args.notes, args.corpus_dir, Path(args.corpus_script))
+    if args.http:
+        with contextlib.ExitStack() as stack:
+            if args.workdir:
+                work = Path(args.workdir)
+                work.mkdir(parents=True, exist_ok=True)
+            else:
+                work = Path(stack.enter_context(tempfile.TemporaryDirectory()))
+            res = run_http(args, corpus, work)
+        if args.json:  # before the report, which could fail
+            Path(args.json).write_text(json.dumps({"results": res}, indent=1))
+        rows = report_http(res)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"results": res, "table": rows}, indent=1))
         return
     with contextlib.ExitStack() as stack:
         if args.root:
@@ -444,8 +1065,12 @@ def main() -> None:
         qfile = root / "queries.json"
         t = time.perf_counter()
         if not qfile.exists() or not (root / "notes").exists():
-            info = make_corpus(root, args.notes)
-            qfile.write_text(json.dumps(make_queries(info, args.per_kind)))
+            if corpus is not None:  # a copy: the servers write .notesvc/ next to notes/
+                shutil.copytree(corpus / "notes", root / "notes", dirs_exist_ok=True)
+                queries = make_real_queries(corpus, args.notes, args.per_kind)
+            else:
+                queries = make_queries(make_corpus(root, args.notes), args.per_kind)
+            qfile.write_text(json.dumps(queries))
         queries = json.loads(qfile.read_text())
         files = list((root / "notes").rglob("*.md"))
         size = sum(p.stat().st_size for p in files) / 1e6
@@ -463,7 +1088,10 @@ def main() -> None:
         for engine in ("notesvc", "fts5", "fts5+count", "fts5-bare"):
             res[engine] = run_child(engine, root, qfile, args.repeat)
             print(f"{engine}: done", flush=True)
+    res["corpus"] = args.corpus
     report(args.notes, res)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"results": res}, indent=1))
 
 
 def report(n: int, res: dict) -> None:
