@@ -850,8 +850,38 @@ def redact(secret: str, keep: int = 4) -> str:
     return f"{prefix}…{secret[-keep:]}" if len(secret) > keep + len(prefix) + 4 else "…"
 
 
+_BATCH = threading.local()  # a thread inside deferred_sync(): its flushes wait
+
+
+def flush_each() -> bool:
+    """Return whether this thread flushes each write as it goes (see deferred_sync)."""
+    return not getattr(_BATCH, "deferred", False)
+
+
+@contextlib.contextmanager
+def deferred_sync():
+    """Within: the files, folders and journal entries this thread writes are each still
+    written atomically (temp file, rename) but not flushed one by one; the file system is
+    synced when sync_batch() is called and at the end (an import of 10,000 notes pays a
+    few syncs instead of 40,000 fsyncs)."""
+    _BATCH.deferred = True
+    try:
+        yield
+    finally:
+        _BATCH.deferred = False
+        sync_batch()
+
+
+def sync_batch() -> None:
+    """Make everything written so far durable (one sync of the file systems)."""
+    if hasattr(os, "sync"):
+        os.sync()
+
+
 def fsync_dir(folder: Path) -> None:
     """Make a rename inside folder durable (no-op where folders cannot be opened)."""
+    if not flush_each():
+        return
     try:
         fd = os.open(folder, os.O_RDONLY)
     except OSError:  # pragma: no cover - Windows
@@ -919,7 +949,8 @@ def _atomic_write(
             else:
                 f.write(data)
             f.flush()
-            os.fsync(f.fileno())
+            if flush_each():
+                os.fsync(f.fileno())
         if mode is None:
             try:
                 mode = os.stat(path).st_mode & 0o777
@@ -3012,7 +3043,8 @@ class AttachmentStore:
                 with os.fdopen(fd, "wb") as f:
                     write(f)
                     f.flush()
-                    os.fsync(f.fileno())
+                    if flush_each():
+                        os.fsync(f.fileno())
             except BaseException:
                 with contextlib.suppress(OSError):
                     os.unlink(tmp)
@@ -3875,7 +3907,8 @@ class ChangeJournal:
                             _allocate(fd, self._end, len(line) + self.RESERVE)
                             self._allocated = self._end + len(line) + self.RESERVE
                         os.pwrite(fd, line, self._end)
-                        _fdatasync(fd)
+                        if flush_each():
+                            _fdatasync(fd)
                     self._end += len(line)
                 except OSError as e:
                     log.error("changes.log: could not store change %d (%s)", seq, e)
@@ -11493,6 +11526,7 @@ EXPORT_MANIFEST = "notesvc-export.json"
 BOMB_RATIO = 100  # an entry may expand to at most this many times its compressed size...
 BOMB_MIN_BYTES = 1 << 20  # ...once it expands past a mebibyte (smaller ones cannot harm)
 IMPORT_TEXT_TYPES = ("md", "markdown", "txt", "text")
+IMPORT_SYNC_NOTES = 500  # writes between two syncs of an import (and at least each second)
 _WINDOWS_NAMES = frozenset(
     ["con", "prn", "aux", "nul"] + [f"{p}{n}" for p in ("com", "lpt") for n in range(1, 10)]
 )
@@ -11732,7 +11766,7 @@ class Draft:
 
     source: str  # its name in the source (the report's `source`)
     want: str  # the path it would like (its final one, but for " 2")
-    text: str = ""  # a note's Markdown; links as link_token()s
+    text: Any = ""  # a note's Markdown (or a function reading it); links as link_token()s
     open: Callable | None = None  # a file's bytes (None: a note)
     size: int = 0
     path: str = ""  # the path it gets
@@ -11751,6 +11785,26 @@ class ImportPlan:
         self.skipped: list = []
         self.progress = progress or (lambda plan: None)
         self.max_note = svc.config.max_body_bytes
+        self.read = 0  # source files looked at so far (for progress lines)
+        self._synced, self._unsynced = time.monotonic(), 0
+
+    def writing(self):
+        """The context the writes happen in: flushed per batch, not per note (see
+        deferred_sync); a dry run writes nothing."""
+        return contextlib.nullcontext() if self.dry_run else deferred_sync()
+
+    def _wrote(self) -> None:
+        """Count one write; sync the batch every IMPORT_SYNC_NOTES writes or second."""
+        self._unsynced += 1
+        now = time.monotonic()
+        if self._unsynced >= IMPORT_SYNC_NOTES or now - self._synced >= 1.0:
+            sync_batch()
+            self._synced, self._unsynced = time.monotonic(), 0
+
+    def looked(self) -> None:
+        """Count one source file read while planning (progress before the first write)."""
+        self.read += 1
+        self.progress(self)
 
     # -- naming ---------------------------------------------------------------------------
 
@@ -11826,11 +11880,15 @@ class ImportPlan:
             rec, _ = store.place(store.spool(copy), path, unique=True)
             if rec["path"] != path:
                 self.by_source[draft.source] = rec["path"]
+            self._wrote()
         self.progress(self)
 
     def add_note(self, draft: Draft) -> None:
         """Write a named note draft, its links resolved."""
+        if callable(draft.text):  # read only now: the plan holds names, not texts
+            draft.text = draft.text()
         text = self.render(draft)
+        draft.text = ""
         unfit = self._unfit(draft)
         if len(text.encode("utf-8", "surrogatepass")) > self.max_note:
             unfit = "over SERVICE_MAX_BODY_BYTES"
@@ -11846,6 +11904,7 @@ class ImportPlan:
                     raise
                 folder, leaf = draft.path.rsplit("/", 1)
                 self.svc.notes.create_named(folder, leaf[:-3], text)
+            self._wrote()
         self.progress(self)
 
     def skip(self, source: str, reason: str) -> None:
@@ -11990,46 +12049,60 @@ def plan_tree(plan: ImportPlan, source: ImportSource, kind: str) -> None:
                 continue
             kept.append((entry, want))
         notes = kept
-    drafts = []
-    for entry, want in files:
-        drafts.append(Draft(entry.name, want, open=entry.open, size=entry.size))
+    drafts = [Draft(e.name, want, open=e.open, size=e.size) for e, want in files]
+    links: list = []  # (the sources imported, renamed notes' names): known once all are named
     for entry, want in notes:
         if entry.size > plan.max_note * 4:
             plan.skip(entry.name, "over SERVICE_MAX_BODY_BYTES")
             continue
-        text = _decode_text(source.read(entry))
+        title = None
         if want is None:  # a Notion database
             stem = _note_name_of(entry.name.rsplit("/", 1)[-1])[0]
-            stem = _NOTION_ID_RE.sub("", stem.removesuffix("_all")) or stem
+            title = _NOTION_ID_RE.sub("", stem.removesuffix("_all")) or stem
             segs = _target_segments(entry.name, True)[:-1]
-            want = "/".join([plan.into, *segs, import_segment(stem) + ".md"])
-            text = csv_to_markdown(stem, text)
-        drafts.append(Draft(entry.name, want, text=text))
+            want = "/".join([plan.into, *segs, import_segment(title) + ".md"])
+        load = functools.partial(_tree_text, source, entry, title, None if own else links)
+        drafts.append(Draft(entry.name, want, text=load))
     for d in drafts:
         plan.name(d)
-    known = {d.source for d in drafts}
-    for d in drafts:
-        if d.open is not None:
-            plan.add_file(d)
-    for d in drafts:
-        if d.open is None:
-            if not own:
-                d.text = _relink(d.text, d.source, known)
-                if kind == "obsidian":
-                    d.text = _rename_wikilinks(d.text, plan)
-            plan.add_note(d)
+        plan.looked()
+    links.extend([{d.source for d in drafts}, _renamed_notes(plan) if kind == "obsidian" else {}])
+    with plan.writing():
+        for d in drafts:
+            if d.open is not None:
+                plan.add_file(d)
+        for d in drafts:
+            if d.open is None:
+                plan.add_note(d)
 
 
-def _rename_wikilinks(text: str, plan: ImportPlan) -> str:
-    """Point [[wikilinks]] at the new name of a note the import had to rename."""
-    renamed = {}
+def _tree_text(source: ImportSource, entry: ImportEntry, csv_title, links) -> str:
+    """Return a note of a tree as it is imported: its text (a database's CSV as a table),
+    its links to what the import holds as tokens, wikilinks to renamed notes renamed."""
+    text = _decode_text(source.read(entry))
+    if csv_title is not None:
+        text = csv_to_markdown(csv_title, text)
+    if links:
+        known, renamed = links
+        text = _relink(text, entry.name, known)
+        if renamed:
+            text = _rename_wikilinks(text, renamed)
+    return text
+
+
+def _renamed_notes(plan: ImportPlan) -> dict:
+    """Return {old note name, casefolded: its new name} of the notes the import renamed."""
+    renamed: dict = {}
     for src, path in plan.by_source.items():
         old = _note_name_of(src.rsplit("/", 1)[-1])[0]
         new = _note_name_of(path.rsplit("/", 1)[-1])[0]
         if old != new and path.endswith(".md"):
             renamed.setdefault(old.casefold(), new)
-    if not renamed:
-        return text
+    return renamed
+
+
+def _rename_wikilinks(text: str, renamed: Mapping) -> str:
+    """Point [[wikilinks]] at the new name of a note the import had to rename."""
 
     def fix(m: re.Match) -> str:
         target = m.group(1)
@@ -12161,11 +12234,18 @@ def plan_keep(plan: ImportPlan, source: ImportSource) -> None:
             plan.skip(entry.name, reason)
             continue
         name = import_segment(title_filename(title or text.split("---\n", 2)[-1]))
-        d = Draft(entry.name, f"{plan.into}/{name}.md", text=text)
+        load = functools.partial(_keep_text, source, entry)  # read again when written
+        d = Draft(entry.name, f"{plan.into}/{name}.md", text=load)
         plan.name(d)
+        plan.looked()
         drafts.append(d)
-    for d in drafts:
-        (plan.add_file if d.open else plan.add_note)(d)
+    with plan.writing():
+        for d in drafts:
+            (plan.add_file if d.open else plan.add_note)(d)
+
+
+def _keep_text(source: ImportSource, entry: ImportEntry) -> str:
+    return keep_note(json.loads(source.read(entry)))[1]
 
 
 # -- Evernote (.enex, read as a stream) --------------------------------------------------------
@@ -12587,9 +12667,10 @@ def plan_enex(plan: ImportPlan, read: Callable[[int], bytes], name: str) -> None
                 r["file"].close()
 
     reader = EnexReader(on_note, spool)
-    while chunk := read(BODY_CHUNK):
-        reader.feed(chunk)
-    reader.feed(b"", final=True)
+    with plan.writing():
+        while chunk := read(BODY_CHUNK):
+            reader.feed(chunk)
+        reader.feed(b"", final=True)
 
 
 class _NoClose:
@@ -12707,12 +12788,13 @@ def plan_joplin(plan: ImportPlan, source: ImportSource) -> None:
         d = Draft(nid, "/".join([plan.into, *segs, stem + ".md"]), text=text)
         plan.name(d)
         drafts.append(d)
-    for d in drafts:
-        if d.open:
-            plan.add_file(d)
-    for d in drafts:
-        if not d.open:
-            plan.add_note(d)
+    with plan.writing():
+        for d in drafts:
+            if d.open:
+                plan.add_file(d)
+        for d in drafts:
+            if not d.open:
+                plan.add_note(d)
 
 
 IMPORT_PLANNERS = {
@@ -26996,7 +27078,12 @@ def cmd_import(config: Config, args: argparse.Namespace) -> int:
             tick = Progress()
 
             def progress(plan: ImportPlan) -> None:
-                tick(lambda: f"  {plan.created} notes and {plan.attachments} files so far...")
+                tick(
+                    lambda: (
+                        f"  read {plan.read} files; wrote {plan.created} notes and "
+                        f"{plan.attachments} files so far..."
+                    )
+                )
 
             try:
                 report = import_path(svc, source, into, args.dry_run, progress)
