@@ -61,7 +61,6 @@ import secrets
 import shutil
 import socket
 import stat
-import string
 import struct
 import sys
 import tempfile
@@ -4044,7 +4043,7 @@ def expire_loop(notes: NoteStore, trash: Trash, stop: threading.Event, every: fl
 
 K1, B = 1.2, 0.75  # BM25 saturation and length normalisation (Lucene's defaults)
 TITLE_WEIGHT = 2.0  # a title hit counts twice a body hit
-INDEX_FORMAT = ("notesvc-segments", 3, K1, B, TITLE_WEIGHT, "stem-1")
+INDEX_FORMAT = ("notesvc-segments", 3, K1, B, TITLE_WEIGHT, "porter2-1")
 MAX_QUERY_CHARS = 512
 MAX_PREFIX_TERMS = 64  # expansions of one prefix* (most frequent first)
 SNIPPET_CHARS = 240
@@ -4054,29 +4053,6 @@ SNIPPET_CHARS = 240
 _WORD_RE = re.compile(r"\w+")
 _ASCII_WORD_RE = re.compile(r"\w+", re.ASCII)  # the same tokens on ASCII text, faster
 _MARKS_RE = re.compile("[\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe2f]")
-_NOT_PLURAL = frozenset(
-    [
-        "news",
-        "always",
-        "perhaps",
-        "does",
-        "goes",
-        "series",
-        "species",
-        "physics",
-        "politics",
-        "mathematics",
-        "economics",
-        "ethics",
-        "lens",
-        "chaos",
-        "canvas",
-        "atlas",
-        "alias",
-        "bias",
-        "gas",
-    ]
-)
 
 
 def fold(text: str) -> str:
@@ -4091,60 +4067,225 @@ def fold(text: str) -> str:
     return text
 
 
-_VC = str.maketrans(  # letters to vowel/consonant (a capital is a consonant, as it was)
-    {ch: "v" if ch in "aeiouy" else "c" for ch in string.ascii_letters}
+# Porter2, the Snowball English stemmer (snowballstem.org/algorithms/english), as its
+# reference english.sbl defines it today; checked against the project's word list (every
+# 15th pair is in docs/porter2-sample.txt). A "Y" is a y that acts as a consonant: a first
+# letter, or one after a vowel; it is not a vowel.
+_P2_VOWELS = frozenset("aeiouy")
+_P2_NOT_SHORT_END = frozenset("aeiouywxY")  # a short syllable's last letter is none of these
+_P2_VOWEL_RE = re.compile("[aeiouy]")
+_P2_REGION_RE = re.compile("[^aeiouy]*[aeiouy]+[^aeiouy]")  # to just past a vowel-consonant
+_P2_WORDS = {  # whole words with a stem of their own (or none)
+    "skis": "ski",
+    "skies": "sky",
+    "idly": "idl",
+    "gently": "gentl",
+    "ugly": "ugli",
+    "early": "earli",
+    "only": "onli",
+    "singly": "singl",
+    **dict.fromkeys(["sky", "news", "howe", "atlas", "cosmos", "bias", "andes"]),
+}
+# R1 starts after these (generous/general, not gener-ous/gen-eral), not after the first
+# vowel-consonant pair.
+_P2_R1_PREFIXES = (
+    "gener",
+    "commun",
+    "arsen",
+    "past",
+    "univers",
+    "later",
+    "emerg",
+    "organ",
+    "inter",
 )
-_VOWEL_RE = re.compile("[aeiouy]")
+_P2_1B = ("eedly", "ingly", "edly", "eed", "ing", "ed")  # longest first
+_P2_ING_KEEP = frozenset(["inn", "out", "cann", "herr", "earr", "even"])  # inning, outing...
+_P2_DOUBLES = ("bb", "dd", "ff", "gg", "mm", "nn", "pp", "rr", "tt")
+_P2_STEP2 = {
+    "tional": "tion",
+    "enci": "ence",
+    "anci": "ance",
+    "abli": "able",
+    "entli": "ent",
+    "izer": "ize",
+    "ization": "ize",
+    "ational": "ate",
+    "ation": "ate",
+    "ator": "ate",
+    "alism": "al",
+    "aliti": "al",
+    "alli": "al",
+    "fulness": "ful",
+    "ousli": "ous",
+    "ousness": "ous",
+    "iveness": "ive",
+    "iviti": "ive",
+    "biliti": "ble",
+    "bli": "ble",
+    "ogist": "og",
+    "ogi": "og",  # after an l only
+    "fulli": "ful",
+    "lessli": "less",
+    "li": "",  # after one of c d e g h k m n r t only
+}
+_P2_STEP3 = {
+    "tional": "tion",
+    "ational": "ate",
+    "alize": "al",
+    "icate": "ic",
+    "iciti": "ic",
+    "ical": "ic",
+    "ful": "",
+    "ness": "",
+    "ative": "",  # in R2 only
+}
+_P2_STEP4 = "al ance ence er ic able ible ant ement ment ent ism ate iti ous ive ize ion".split()
+_P2_STEP2_ENDS, _P2_STEP3_ENDS, _P2_STEP4_ENDS = (  # longest first: the first match wins
+    tuple(sorted(table, key=len, reverse=True)) for table in (_P2_STEP2, _P2_STEP3, _P2_STEP4)
+)
 
 
-def _measure(word: str) -> int:
-    """Porter's m: the number of vowel-consonant sequences in word (a y after the first
-    letter counts as a vowel)."""
-    form = word.translate(_VC)
-    if word[:1] == "y":
-        form = "c" + form[1:]
-    return form.count("vc")
+def _p2_suffix(word: str, suffixes: tuple) -> str | None:
+    """Return the first of suffixes (longest first) that word ends with, or None."""
+    if word.endswith(suffixes):  # one test in C for the many words that end in none
+        for suffix in suffixes:
+            if word.endswith(suffix):
+                return suffix
+    return None
 
 
-def _ends_cvc(word: str) -> bool:
-    return (
-        len(word) >= 3
-        and word[-1] not in "aeiouwxy"
-        and word[-2] in "aeiouy"
-        and word[-3] not in "aeiou"
-    )
+def _p2_short(word: str) -> bool:
+    """Whether word ends in a short syllable: consonant-vowel-consonant (the last not w, x
+    or Y), or vowel-consonant as the whole word; "past" counts too (pasted, pasting)."""
+    n = len(word)
+    if (
+        n >= 3
+        and word[-1] not in _P2_NOT_SHORT_END
+        and word[-2] in _P2_VOWELS
+        and word[-3] not in _P2_VOWELS
+    ):
+        return True
+    if n == 2 and word[0] in _P2_VOWELS and word[1] not in _P2_VOWELS:
+        return True
+    return word.endswith("past")
 
 
-def stem(word: str) -> str:
-    """Return a light English stem: plurals and -ing/-ed folded, little else.
-
-    >>> [stem(w) for w in ["running", "runs", "keys", "cities", "pies", "pi", "making", "news"]]
-    ['run', 'run', 'key', 'city', 'pie', 'pi', 'make', 'news']
-    """
-    if len(word) <= 3 or not word.isalpha() or not word.isascii() or word in _NOT_PLURAL:
+def _porter2(word: str) -> str:
+    """Return the Porter2 stem of a word of lower-case ASCII letters (and apostrophes)."""
+    if word in _P2_WORDS:
+        return _P2_WORDS[word] or word
+    if len(word) < 3:
         return word
-    if word.endswith("s"):
-        if word.endswith("ies"):
-            word = word[:-1] if len(word) == 4 else word[:-3] + "y"
-        elif word.endswith(("sses", "xes", "zzes", "ches", "shes")):
-            word = word[:-2]
-        elif not word.endswith(("ss", "us", "is")):
-            word = word[:-1]
-    if word.endswith("eed"):
-        return word[:-1] if _measure(word[:-3]) > 0 else word
-    for suffix in ("ing", "ed"):
-        if not word.endswith(suffix):
-            continue
-        base = word[: -len(suffix)]
-        if len(base) >= 2 and _VOWEL_RE.search(base):
-            if len(base) >= 4 and base[-1] == base[-2] and base[-1] not in "aeioulsz":
-                return base[:-1]  # running -> run, stopped -> stop
-            if (_measure(base) == 1 and _ends_cvc(base)) or (
-                len(base) == 2 and base[0] in "aeiou" and base[1] not in "aeiouy"
-            ):
-                return base + "e"  # making -> make, used -> use
-            return base
-    return word
+    if word[0] == "'":
+        word = word[1:]
+    if "y" in word:  # a consonant y becomes Y: the first letter, or after a vowel
+        chars = list(word)
+        if chars[0] == "y":
+            chars[0] = "Y"
+        for i in range(1, len(chars)):
+            if chars[i] == "y" and chars[i - 1] in _P2_VOWELS:
+                chars[i] = "Y"
+        word = "".join(chars)
+    # R1: after the first consonant that follows a vowel (or a special prefix); R2: the same
+    # again, in R1. Both are kept as offsets: the steps only shorten the word's end.
+    n = len(word)
+    if word.startswith(_P2_R1_PREFIXES):
+        p1 = next(len(p) for p in _P2_R1_PREFIXES if word.startswith(p))
+    else:
+        m = _P2_REGION_RE.match(word)
+        p1 = m.end() if m else n
+    m = _P2_REGION_RE.match(word, p1)
+    p2 = m.end() if m else n
+    # Step 0: a possessive 's, or an apostrophe at the end
+    if "'" in word:
+        for tail in ("'s'", "'s", "'"):
+            if word.endswith(tail):
+                word = word[: -len(tail)]
+                break
+    # Step 1a: plurals
+    if word.endswith("sses"):
+        word = word[:-2]
+    elif word.endswith(("ied", "ies")):
+        word = word[:-2] if len(word) > 4 else word[:-1]  # cries -> cri, ties -> tie
+    elif (
+        word.endswith("s")
+        and not word.endswith(("us", "ss"))
+        and _P2_VOWEL_RE.search(word, 0, len(word) - 2)
+    ):
+        word = word[:-1]  # gaps -> gap, but gas
+    # Step 1b: -eed, -ed, -ing (and -edly, -ingly)
+    suffix = _p2_suffix(word, _P2_1B)
+    if suffix:
+        s = len(word) - len(suffix)
+        base = word[:s]
+        if suffix in ("eed", "eedly"):
+            if s >= p1 and base not in ("proc", "exc", "succ"):
+                word = base + "ee"
+        elif suffix == "ing" and s == 2 and base[1] == "y" and base[0] not in _P2_VOWELS:
+            word = base[0] + "ie"  # dying -> die, lying -> lie
+        elif suffix == "ing" and base in _P2_ING_KEEP:
+            pass  # inning, outing, canning, herring, earring, evening
+        elif _P2_VOWEL_RE.search(base):
+            word = base
+            if base.endswith(("at", "bl", "iz")):
+                word = base + "e"  # luxuriated -> luxuriate
+            elif base.endswith(_P2_DOUBLES):
+                if not (len(base) == 3 and base[0] in "aeo"):  # hopping -> hop; but add, egg
+                    word = base[:-1]
+            elif s == p1 and _p2_short(base):
+                word = base + "e"  # hoped -> hope
+    # Step 1c: a final y after a consonant (not the first letter) becomes i
+    if len(word) > 2 and word[-1] in "yY" and word[-2] not in _P2_VOWELS:
+        word = word[:-1] + "i"
+    # Step 2: derivational suffixes in R1
+    suffix = _p2_suffix(word, _P2_STEP2_ENDS)
+    if suffix is not None:
+        s = len(word) - len(suffix)
+        if s >= p1:
+            if suffix == "ogi":
+                if word[s - 1 : s] == "l":
+                    word = word[:s] + "og"
+            elif suffix == "li":
+                if s > 0 and word[s - 1] in "cdeghkmnrt":
+                    word = word[:s]
+            else:
+                word = word[:s] + _P2_STEP2[suffix]
+    # Step 3
+    suffix = _p2_suffix(word, _P2_STEP3_ENDS)
+    if suffix is not None:
+        s = len(word) - len(suffix)
+        if s >= p1 and (suffix != "ative" or s >= p2):
+            word = word[:s] + _P2_STEP3[suffix]
+    # Step 4: suffixes in R2
+    suffix = _p2_suffix(word, _P2_STEP4_ENDS)
+    if suffix is not None:
+        s = len(word) - len(suffix)
+        if s >= p2 and (suffix != "ion" or word[s - 1 : s] in ("s", "t")):
+            word = word[:s]
+    # Step 5: a final e, or the second l of a final ll
+    if word.endswith("e"):
+        s = len(word) - 1
+        if s >= p2 or (s >= p1 and not _p2_short(word[:s])):
+            word = word[:s]
+    elif word.endswith("ll") and len(word) - 1 >= p2:
+        word = word[:-1]
+    return word.replace("Y", "y")
+
+
+@functools.lru_cache(maxsize=65536)
+def stem(word: str) -> str:
+    """Return the Porter2 (Snowball English) stem of a folded word; a word that is not all
+    ASCII lower-case letters, or has 2 letters or fewer, comes back unchanged.
+
+    >>> [stem(w) for w in ["running", "runs", "keys", "cities", "generously", "news", "café"]]
+    ['run', 'run', 'key', 'citi', 'generous', 'news', 'café']
+    >>> [stem(w) for w in ["informing", "informed", "information", "dying", "x86", "is"]]
+    ['inform', 'inform', 'inform', 'die', 'x86', 'is']
+    """
+    if len(word) <= 2 or not word.isascii() or not word.isalpha() or not word.islower():
+        return word
+    return _porter2(word)
 
 
 def tokenize(text: str) -> list:

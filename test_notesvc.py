@@ -3652,6 +3652,50 @@ class TestTokenizer:
     def test_unrelated_words_stay_apart(self, a, b):
         assert notesvc.tokenize(a) != notesvc.tokenize(b)
 
+    @pytest.mark.parametrize(
+        ("word", "expected"),
+        [
+            ("informing", "inform"),
+            ("informed", "inform"),
+            ("information", "inform"),
+            ("running", "run"),
+            ("hopping", "hop"),
+            ("hoped", "hope"),
+            ("cities", "citi"),
+            ("ties", "tie"),
+            ("generously", "generous"),
+            ("general", "general"),
+            ("communism", "communism"),
+            ("connections", "connect"),
+            ("relational", "relat"),
+            ("happiness", "happi"),
+            ("dying", "die"),
+            ("skies", "sky"),
+            ("early", "earli"),
+            ("inning", "inning"),
+            ("proceeding", "proceed"),
+            ("succeeded", "succeed"),
+            ("agreed", "agre"),
+            ("saying", "say"),
+            ("news", "news"),
+            ("gas", "gas"),
+            ("by", "by"),
+            ("x86", "x86"),  # digits and mixed tokens stay as they are
+            ("2024", "2024"),
+            ("naïve", "naïve"),  # only ASCII words are stemmed (fold() strips accents first)
+        ],
+    )
+    def test_porter2_stems(self, word, expected):
+        assert notesvc.stem(word) == expected
+
+    def test_porter2_matches_the_snowball_word_list(self):
+        """Every 15th pair of Snowball's English word list (docs/porter2-sample.txt)."""
+        lines = (HERE / "docs" / "porter2-sample.txt").read_text().splitlines()
+        pairs = [line.split() for line in lines if line and not line.startswith("#")]
+        assert len(pairs) > 2500
+        wrong = [(w, s, notesvc.stem(w)) for w, s in pairs if notesvc.stem(w) != s]
+        assert wrong == []
+
     def test_bm25_idf_is_positive_and_falls_with_df(self):
         assert notesvc.bm25_idf(10, 10) > 0
         assert notesvc.bm25_idf(10, 1) > notesvc.bm25_idf(10, 5)
@@ -4239,6 +4283,26 @@ class TestSearchSegments:
         again.app.service.close()
         third = make_app()  # the rebuilt index is whole again: nothing to read
         assert third.app.service.last_sync["read"] == 0
+
+    def test_an_index_of_another_stemmer_is_rebuilt(self, make_app, root, caplog, monkeypatch):
+        notes = {
+            f"notes/n{i}.md": f"# Note {i}\n\nShared generously, item {i}.\n" for i in range(30)
+        }
+        write_notes(root, notes)
+        with monkeypatch.context() as m:  # an index written by an older stemmer (here: none)
+            m.setattr(notesvc, "INDEX_FORMAT", (*notesvc.INDEX_FORMAT[:-1], "stem-1"))
+            m.setattr(notesvc, "stem", lambda word: word)
+            app = make_app()
+            assert app.app.service.index.search(notesvc.Query("generous"))[0] == 0
+            app.app.service.close()
+        caplog.clear()
+        again = make_app()
+        assert again.app.service.last_sync["read"] == 30  # every note read again
+        assert again.app.service.index.search(notesvc.Query("generous"))[0] == 30
+        said = " ".join(r.getMessage() for r in caplog.records)
+        assert "an index of another format" in said
+        assert "discarded, rebuilding" in said
+        again.app.service.close()
 
     @pytest.mark.skipif(not hasattr(os, "mkfifo"), reason="needs named pipes")
     @pytest.mark.parametrize("count", [1, 60])  # one by one, and the bulk path
