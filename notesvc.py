@@ -4043,15 +4043,16 @@ def expire_loop(notes: NoteStore, trash: Trash, stop: threading.Event, every: fl
 
 K1, B = 1.2, 0.75  # BM25 saturation and length normalisation (Lucene's defaults)
 TITLE_WEIGHT = 2.0  # a title hit counts twice a body hit
-INDEX_FORMAT = ("notesvc-segments", 3, K1, B, TITLE_WEIGHT, "porter2-1")
+INDEX_FORMAT = ("notesvc-segments", 3, K1, B, TITLE_WEIGHT, "porter2-words-1")
 MAX_QUERY_CHARS = 512
 MAX_PREFIX_TERMS = 64  # expansions of one prefix* (most frequent first)
 SNIPPET_CHARS = 240
 
 # -- text analysis ------------------------------------------------------------
 
-_WORD_RE = re.compile(r"\w+")
-_ASCII_WORD_RE = re.compile(r"\w+", re.ASCII)  # the same tokens on ASCII text, faster
+# Words: letters and digits; `_` separates (snake_case is two words, as for FTS5's unicode61)
+_WORD_RE = re.compile(r"[^\W_]+")
+_ASCII_WORD_RE = re.compile(r"[^\W_]+", re.ASCII)  # the same tokens on ASCII text, faster
 _MARKS_RE = re.compile("[\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe2f]")
 
 
@@ -4273,7 +4274,7 @@ def _porter2(word: str) -> str:
     return word.replace("Y", "y")
 
 
-@functools.lru_cache(maxsize=65536)
+@functools.lru_cache(maxsize=16384)  # the common words of queries and edits: ~2.5 MB
 def stem(word: str) -> str:
     """Return the Porter2 (Snowball English) stem of a folded word; a word that is not all
     ASCII lower-case letters, or has 2 letters or fewer, comes back unchanged.
@@ -4507,7 +4508,7 @@ def _has(ids, d: int) -> int:
     return i if i < len(ids) and ids[i] == d else -1
 
 
-_ASCII_SPACES = bytes(c if (chr(c).isalnum() and c < 128) or c == 95 else 32 for c in range(256))
+_ASCII_SPACES = bytes(c if chr(c).isalnum() and c < 128 else 32 for c in range(256))
 
 
 class _Vocab:
@@ -6122,8 +6123,11 @@ class SearchIndex:
             changed, removed, known, sizes = self._check(files)
             if observe is not None:
                 # `known` empty means "the index was rebuilt" to observe(); a None entry
-                # keeps it truthy when the index held notes but none of these changed ones
-                observe(changed, removed, known | ({None} if had_notes else set()), present)
+                # keeps it truthy when the index held notes but none of these changed ones;
+                # many changes (a first start): the history's copies are synced once
+                many = len(changed) > 50 or (bool(present) and not had_notes)
+                with deferred_sync() if many else contextlib.nullcontext():
+                    observe(changed, removed, known | ({None} if had_notes else set()), present)
             for path in removed:
                 with notes.locked(path):
                     if not notes.exists(path):
