@@ -2295,11 +2295,19 @@ class NoteStore:
             fd = os.open(target, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0))
         except (FileNotFoundError, NotADirectoryError, IsADirectoryError):
             raise not_found(f"no note at {path}") from None
-        with open(fd, "rb") as f:
+        try:  # os.read on the descriptor: no buffered file's isatty and seek calls
             st = os.fstat(fd)
             if not stat.S_ISREG(st.st_mode):
                 raise not_found(f"no note at {path}")
-            return f.read(), st
+            data = os.read(fd, st.st_size + 1)
+            if len(data) > st.st_size or len(data) < st.st_size:  # it changed meanwhile
+                parts = [data]
+                while chunk := os.read(fd, 1 << 20):
+                    parts.append(chunk)
+                data = b"".join(parts)
+            return data, st
+        finally:
+            os.close(fd)
 
     @staticmethod
     def decode(path: str, data: bytes) -> str:

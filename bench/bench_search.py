@@ -475,9 +475,9 @@ def note_paths(root: Path) -> list:
 
 
 def read_vocabulary(corpus: Path) -> dict:
-    """term -> number of notes holding it, counted over the notes with \\w+ as a word: the
-    corpus's vocab.tsv splits at "_" (so does FTS5's unicode61) but notesvc does not, so
-    the queries are drawn from words that both engines see whole."""
+    """term -> number of notes holding it, counted over the notes with \\w+ as a word. The
+    corpus's vocab.tsv splits at "_" (as FTS5's unicode61 does; notesvc before 208fdec did
+    not): an alphabetic \\w+ word (is_word) is one whole word for every engine."""
     df: dict = {}
     for path in note_paths(corpus):
         for t in set(WORD_RE.findall((corpus / path).read_text(encoding="utf-8").lower())):
@@ -833,6 +833,17 @@ def child_tantivy(root: Path, queries: dict, repeat: int) -> dict:
 def run_http(args, corpus: Path | None, work: Path) -> dict:
     """The real server over HTTP against FTS5 behind Bottle (and tantivy in process)."""
     res: dict = {"n": args.notes, "corpus": args.corpus}
+    with contextlib.suppress(OSError, subprocess.CalledProcessError):
+        git = ["git", "-C", str(HERE.parent)]
+        res["notesvc_commit"] = subprocess.run(
+            [*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip() + (
+            "+dirty"
+            if subprocess.run(
+                [*git, "diff", "--quiet", "HEAD", "--", "notesvc.py"], check=False
+            ).returncode
+            else ""
+        )
     root = work / "root"
     if root.exists():
         shutil.rmtree(root)
@@ -851,7 +862,11 @@ def run_http(args, corpus: Path | None, work: Path) -> dict:
     last, word = paths[-1], rarest_word(df, root, paths[-1])
     res["queries_per_kind"] = {k: len(v) for k, v in queries.items()}
     res["load_before"] = os.getloadavg()
-    print(f"{len(paths)} notes in {root}; queries {res['queries_per_kind']}", flush=True)
+    print(
+        f"{len(paths)} notes in {root}; queries {res['queries_per_kind']}; notesvc "
+        f"{res.get('notesvc_commit', '?')}",
+        flush=True,
+    )
 
     # first start on a folder without .notesvc/, against FTS5's build of the same notes
     os.sync()
