@@ -4406,7 +4406,7 @@ class Query:
 
 @functools.lru_cache(maxsize=256)
 def _skip_tokens(n: int, ascii_only: bool) -> re.Pattern:
-    return re.compile(r"\W*(?:\w+\W+){" + str(n) + "}", re.ASCII if ascii_only else 0)
+    return re.compile(r"[\W_]*(?:[^\W_]+[\W_]+){" + str(n) + "}", re.ASCII if ascii_only else 0)
 
 
 def _token_offset(text: str, k: int) -> int | None:

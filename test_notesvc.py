@@ -17787,3 +17787,25 @@ class TestFolderCounts:
         assert kept["notes/c"] == 1
         assert kept["notes/a/b2"] == 9
         assert kept["notes"] == 29
+
+
+class TestWords:
+    def test_underscores_separate_words_and_snippets_stay_on_them(self, client):
+        body = (
+            "# C locale\n\n"
+            + "filler words here " * 40
+            + "call nl_langinfo(CODESET) then gain_analysis\n"
+        )
+        client.post_json(f"{API}/notes", {"path": "notes/c.md", "content": body})
+        hit = search(client, "langinfo")["results"][0]
+        assert hit["path"] == "notes/c.md"
+        assert "nl_langinfo" in hit["snippet"]
+        assert search(client, '"nl langinfo"')["results"][0]["path"] == "notes/c.md"
+        assert search(client, "gain")["results"][0]["path"] == "notes/c.md"
+
+    def test_porter2_folds_what_people_type(self, client):
+        client.post_json(
+            f"{API}/notes", {"path": "notes/i.md", "content": "# Memo\n\nWe informed them.\n"}
+        )
+        for q in ("informing", "information", "inform", "INFORMED"):
+            assert [r["path"] for r in search(client, q)["results"]] == ["notes/i.md"], q
