@@ -27220,6 +27220,10 @@ def cmd_import(config: Config, args: argparse.Namespace) -> int:
     if not source.exists():
         raise ConfigError(f"no file or folder at {source}")
     into = args.into
+    what = "checking" if args.dry_run else "importing"
+    print(
+        f"notesvc: {what} {source} (a line every 2 s while it works)", file=sys.stderr, flush=True
+    )
     running = running_server(config)
     if running:
         report = _import_through_server(config, running, source, into, args.dry_run)
