@@ -2760,6 +2760,16 @@ class NoteStore:
         except OSError as e:
             log.warning("history: could not keep %s as it was (%s)", log_safe(path), e)
 
+    def history_is_empty(self) -> bool:
+        """Return whether the history holds nothing yet (a first start on these notes)."""
+        if self.history is None or not self.history.enabled:
+            return True
+        try:
+            with os.scandir(self.history.folder) as found:
+                return next(found, None) is None
+        except FileNotFoundError:
+            return True
+
     def observe(
         self, changed: list, removed: list, known: Mapping, present: Iterable[str] = ()
     ) -> None:
@@ -2800,7 +2810,7 @@ class NoteStore:
         if first and history.enabled:
             seen = set(changed)
             for path in present:
-                if path in seen or (history.dir_of(path) / history.HEAD).exists():
+                if path in seen or history.has_head(path):
                     continue
                 with self.locked(path):
                     try:
@@ -3215,6 +3225,138 @@ def _etag_hex(data: bytes) -> str:
     return make_etag(data)[1:-1]
 
 
+class HeadStoreError(Exception):
+    """The copies' database could not be used (it is only a cache: the caller goes on)."""
+
+
+class HeadStore:
+    """The notes' contents as last written or seen (HistoryStore's "heads"): the starting
+    point from which an edit made by another program is kept as a version.
+
+    One SQLite file in the history folder, each copy zlib-compressed and keyed by its note
+    path, with its ETag (a copy that does not match it is unknown): 10,000 notes are one
+    file of about a third of their size, not 10,000 folders and files. WAL, synchronous
+    NORMAL (a cache: never fsynced on its own). A history kept by an older version (a
+    `head` file in each note's folder) is moved in when the file is first opened.
+    """
+
+    NAME = "heads.db"
+    LEGACY = "head"  # the per-folder copy of versions up to 0.3
+
+    def __init__(self, file: Path, history: Path):
+        self.file, self.history = file, history
+        self._db: Any = None
+        self._lock = threading.Lock()
+
+    def _conn(self) -> Any:
+        if self._db is not None:
+            return self._db
+        import sqlite3
+
+        try:
+            self.history.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fresh = not self.file.exists()
+            os.close(os.open(self.file, os.O_RDWR | os.O_CREAT, 0o600))  # its WAL: the same
+            db = sqlite3.connect(str(self.file), check_same_thread=False, isolation_level=None)
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute("PRAGMA cache_size=-256")
+            db.execute("PRAGMA wal_autocheckpoint=256")  # the log stays near a mebibyte
+            db.execute("PRAGMA journal_size_limit=1048576")
+            db.execute(
+                "CREATE TABLE IF NOT EXISTS heads "
+                "(path TEXT PRIMARY KEY, dir TEXT NOT NULL, etag TEXT NOT NULL, data BLOB)"
+            )
+            db.execute("CREATE INDEX IF NOT EXISTS heads_dir ON heads (dir)")
+        except (sqlite3.Error, OSError) as e:
+            raise HeadStoreError(f"{self.file}: {e}") from None
+        self._db = db
+        if fresh:
+            self._migrate()
+        return db
+
+    def open(self) -> None:
+        """Open the file now (a start: an older history's copies move in here)."""
+        with self._lock:
+            self._conn()
+
+    def _run(self, sql: str, args: tuple = ()) -> list:
+        import sqlite3
+
+        with self._lock:
+            try:
+                return self._conn().execute(sql, args).fetchall()
+            except sqlite3.Error as e:
+                raise HeadStoreError(str(e)) from None
+
+    def put(self, path: str, folder: str, etag: str, data: bytes) -> None:
+        packed = zlib.compress(data, 6)
+        self._run(
+            "INSERT OR REPLACE INTO heads (path, dir, etag, data) VALUES (?, ?, ?, ?)",
+            (path, folder, etag, packed),
+        )
+
+    def get(self, path: str) -> bytes | None:
+        found = self._run("SELECT etag, data FROM heads WHERE path = ?", (path,))
+        if not found:
+            return None
+        try:
+            data = zlib.decompress(found[0][1])
+        except (zlib.error, TypeError):
+            return None
+        return data if make_etag(data) == found[0][0] else None
+
+    def has(self, path: str) -> bool:
+        return bool(self._run("SELECT 1 FROM heads WHERE path = ?", (path,)))
+
+    def path_of(self, folder: str) -> str | None:
+        found = self._run("SELECT path FROM heads WHERE dir = ? LIMIT 1", (folder,))
+        return found[0][0] if found else None
+
+    def drop(self, path: str) -> None:
+        self._run("DELETE FROM heads WHERE path = ?", (path,))
+
+    def close(self) -> None:
+        with self._lock:
+            if self._db is not None:
+                with contextlib.suppress(Exception):
+                    self._db.close()
+                self._db = None
+
+    def _migrate(self) -> None:
+        """Move the per-folder copies of an older history in (under the lock, once)."""
+        moved = 0
+        try:
+            entries = [e for e in os.scandir(self.history) if len(e.name) == 32 and e.is_dir()]
+        except OSError:
+            return
+        db = self._db
+        db.execute("BEGIN")
+        for e in entries:
+            legacy = os.path.join(e.path, self.LEGACY)
+            try:
+                with open(legacy, "rb") as f:
+                    raw = f.read()
+            except OSError:
+                continue
+            line, _, data = raw.partition(b"\n")
+            path = line[33:].decode("utf-8", "replace")
+            if path and line[:32] == _etag_hex(data).encode():
+                db.execute(
+                    "INSERT OR REPLACE INTO heads (path, dir, etag, data) VALUES (?, ?, ?, ?)",
+                    (path, e.name, make_etag(data), zlib.compress(data, 6)),
+                )
+                moved += 1
+        db.execute("COMMIT")
+        for e in entries:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(e.path, self.LEGACY))
+            with contextlib.suppress(OSError):
+                os.rmdir(e.path)  # a folder that held only the copy
+        if moved:
+            log.info("history: %d copies of notes moved into %s", moved, self.file.name)
+
+
 class HistoryStore:
     """Past contents of the notes: <state>/history/<key of the note's path>/<version id>.
 
@@ -3228,7 +3370,6 @@ class HistoryStore:
     note's lock (NoteStore's); the retention sweep only removes.
     """
 
-    HEAD = "head"
     # Where the versions a move brought in were saved (lines "<version id> <path>"): a folder
     # grant sees only those saved inside its folder. A version not named was saved at the
     # path the history folder belongs to.
@@ -3236,6 +3377,7 @@ class HistoryStore:
 
     def __init__(self, folder: Path, max_versions: int, days: int, clock: Callable = time.time):
         self.folder = folder
+        self.heads = HeadStore(folder / HeadStore.NAME, folder)
         self.max_versions = max_versions
         self.days = days
         self.clock = clock  # injectable: retention by age is tested with another clock
@@ -3460,43 +3602,39 @@ class HistoryStore:
 
     def write_head(self, path: str, data: bytes, etag: str | None = None) -> None:
         """Remember data (whose etag may be given) as the note's content as last written
-        or seen (best effort)."""
+        or seen (best effort: a copy that cannot be kept is dropped, never left stale)."""
         if not self.enabled:
             return
-        try:  # rewritten in place: a torn copy fails its etag check, as a missing one.
-            # Not truncated to 0 first: ext4 flushes a file truncated and rewritten.
-            fd = os.open(self._folder(path) / self.HEAD, os.O_WRONLY | os.O_CREAT, 0o600)
-            try:
-                blob = f"{(etag or make_etag(data))[1:-1]} {path}\n".encode() + data
-                os.pwrite(fd, blob, 0)
-                os.ftruncate(fd, len(blob))
-            finally:
-                os.close(fd)
-        except OSError as e:  # a stale copy would pass for the current content: drop it
+        try:
+            self.heads.put(path, self.dir_of(path).name, etag or make_etag(data), data)
+        except (OSError, HeadStoreError) as e:
             log.warning("history: could not keep a copy of %s (%s)", log_safe(path), e)
-            self.drop_head(path)
+            with contextlib.suppress(OSError, HeadStoreError):
+                self.heads.drop(path)
 
     def read_head(self, path: str) -> bytes | None:
         """Return the note's content as last written or seen, None when unknown."""
         try:
-            raw = (self.dir_of(path) / self.HEAD).read_bytes()
-        except OSError:
+            return self.heads.get(path)
+        except (OSError, HeadStoreError):
             return None
-        line, _, data = raw.partition(b"\n")
-        return data if line[:32] == _etag_hex(data).encode() else None
+
+    def has_head(self, path: str) -> bool:
+        try:
+            return self.heads.has(path)
+        except (OSError, HeadStoreError):
+            return False
 
     def head_path(self, folder: Path) -> str | None:
-        """Return the note path a history folder's copy belongs to (None without one)."""
+        """Return the note path a history folder belongs to (None when no copy says)."""
         try:
-            with open(folder / self.HEAD, "rb") as f:
-                line = f.readline(MAX_PATH_CHARS * 4 + 64)
-        except OSError:
+            return self.heads.path_of(folder.name)
+        except (OSError, HeadStoreError):
             return None
-        return line[33:].rstrip(b"\n").decode("utf-8", "replace") or None
 
     def drop_head(self, path: str) -> None:
-        with contextlib.suppress(OSError):
-            os.unlink(self.dir_of(path) / self.HEAD)
+        with contextlib.suppress(OSError, HeadStoreError):
+            self.heads.drop(path)
 
     # -- reading ------------------------------------------------------------------
 
@@ -6129,13 +6267,17 @@ class SearchIndex:
             files = notes.scan()
             present, had_notes = list(files), bool(self.stats().get("documents"))
             changed, removed, known, sizes = self._check(files)
-            if observe is not None:
-                # `known` empty means "the index was rebuilt" to observe(); a None entry
-                # keeps it truthy when the index held notes but none of these changed ones;
-                # many changes (a first start): the history's copies are synced once
-                many = len(changed) > 50 or (bool(present) and not had_notes)
+            # `known` empty means "the index was rebuilt" to observe(); a None entry keeps it
+            # truthy when the index held notes but none of these changed ones. Many changes:
+            # the history's copies are synced once, not each on its own. On a first start
+            # (no index, no history) the index is built before they are made, so searches
+            # answer sooner: they are only the starting point for later outside edits
+            seen = known | ({None} if had_notes else set())
+            many = len(changed) > 50 or (bool(present) and not had_notes)
+            late = not had_notes and notes.history_is_empty()  # a first start
+            if observe is not None and not late:
                 with deferred_sync() if many else contextlib.nullcontext():
-                    observe(changed, removed, known | ({None} if had_notes else set()), present)
+                    observe(changed, removed, seen, present)
             for path in removed:
                 with notes.locked(path):
                     if not notes.exists(path):
@@ -6148,6 +6290,9 @@ class SearchIndex:
                         for item in _read_items(notes, [path]):
                             self.add(*item)
             took = time.perf_counter() - started
+            if observe is not None and late:
+                with deferred_sync() if many else contextlib.nullcontext():
+                    observe(changed, removed, seen, present)
             if changed or removed:
                 log.info(
                     "index: %d notes read, %d removed in %.2f s", len(changed), len(removed), took
@@ -8347,6 +8492,8 @@ class Service:
         swept = self.notes.sweep_temp_files() + self.attachments.sweep_temp_files()
         if swept:
             log.info("removed %d temp files left by an interrupted write", swept)
+        if self.history.enabled:
+            self.history.heads.open()  # an older history's copies move in, once
         self.index = SearchIndex.open(self.config.state_dir, self.notes)
         self.notes.listeners.append(self._on_note_event)
         self.notes.after.append(self._run_hooks)
@@ -8446,6 +8593,7 @@ class Service:
             self._threads = []
             self.index.close()  # the last flush and commit
             self.grants.flush(force=True)
+        self.history.heads.close()
 
     # -- request context ------------------------------------------------------
 

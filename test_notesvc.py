@@ -17809,3 +17809,45 @@ class TestWords:
         )
         for q in ("informing", "information", "inform", "INFORMED"):
             assert [r["path"] for r in search(client, q)["results"]] == ["notes/i.md"], q
+
+
+class TestHeadStore:
+    """The history's copies of the notes as last seen: one compressed SQLite file."""
+
+    def test_an_older_historys_copies_move_into_one_file(self, make_app, root):
+        path, old = "notes/a/plan.md", b"# Plan\n\nthe text before\n"
+        (root / "notes/a").mkdir(parents=True)
+        (root / path).write_bytes(old)
+        history = root / ".notesvc/history"
+        folder = history / hashlib.sha256(path.encode()).hexdigest()[:32]
+        folder.mkdir(parents=True)
+        etag = notesvc.make_etag(old)[1:-1]
+        (folder / "head").write_bytes(f"{etag} {path}\n".encode() + old)
+        (root / path).write_bytes(b"# Plan\n\nchanged by another program\n")
+        client = with_key(make_app())  # its first check finds the outside edit
+        svc = client.app.service
+        assert not (folder / "head").exists()
+        assert (history / "heads.db").is_file()
+        assert stat.S_IMODE((history / "heads.db").stat().st_mode) == 0o600
+        assert version_contents(client, path) == [old.decode()]  # what the edit replaced
+        assert svc.history.read_head(path) == (root / path).read_bytes()
+
+    def test_a_first_start_keeps_a_small_starting_copy(self, make_app, root):
+        words = "garden kitchen river mountain coffee recipe letter market".split()
+        total = 0
+        for i in range(300):
+            text = f"# Note {i}\n\n" + " ".join(words[(i + k) % 8] for k in range(300)) + "\n"
+            (root / f"notes/f{i % 10}").mkdir(parents=True, exist_ok=True)
+            (root / f"notes/f{i % 10}/n{i}.md").write_text(text)
+            total += len(text)
+        client = with_key(make_app())
+        svc = client.app.service
+        svc.sync_index()
+        history = root / ".notesvc/history"
+        assert len(list(history.iterdir())) <= 3  # heads.db (and its log): no folder per note
+        svc.history.heads.close()  # the log folded into the file, as at a stop
+        used = sum(p.stat().st_size for p in history.rglob("*") if p.is_file())
+        assert used <= 0.5 * total, (used, total)
+        assert svc.history.read_head("notes/f3/n3.md") == (root / "notes/f3/n3.md").read_bytes()
+        svc.history.heads.put("notes/f3/n3.md", "x" * 32, '"0000"', b"torn")
+        assert svc.history.read_head("notes/f3/n3.md") is None  # a copy unlike its ETag
