@@ -11836,7 +11836,7 @@ _LINK_TOKEN_RE = re.compile("\x00([^\x00\x01]*)\x01([^\x00]*)\x00")
 _DRIVE_RE = re.compile(r"^[A-Za-z]:")
 
 
-def refused(message: str, status: int = 400) -> ApiError:
+def import_refused(message: str, status: int = 400) -> ApiError:
     """An archive refused whole, before anything was written."""
     code = {413: "PAYLOAD_TOO_LARGE", 415: "UNSUPPORTED_MEDIA_TYPE"}.get(status, "VALIDATION_ERROR")
     return ApiError(status, code, f"nothing was imported: {message}")
@@ -11910,10 +11910,10 @@ class ImportSource:
         if name.endswith("/"):
             return None
         if name.startswith("/") or _DRIVE_RE.match(name) or "\x00" in name:
-            raise refused(f"the archive names a file outside itself: {log_safe(raw, 120)}")
+            raise import_refused(f"the archive names a file outside itself: {log_safe(raw, 120)}")
         parts = [p for p in name.split("/") if p not in ("", ".")]
         if ".." in parts:
-            raise refused(f"the archive names a file outside itself: {log_safe(raw, 120)}")
+            raise import_refused(f"the archive names a file outside itself: {log_safe(raw, 120)}")
         return "/".join(parts) or None
 
     @classmethod
@@ -11924,18 +11924,20 @@ class ImportSource:
             zf = zipfile.ZipFile(file)
             infos = zf.infolist()
         except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
-            raise refused(f"the file is not a readable zip ({e})") from None
+            raise import_refused(f"the file is not a readable zip ({e})") from None
         entries, total = [], 0
         for info in infos:
             name = cls.clean_name(info.filename)
             mode = info.external_attr >> 16
             if stat.S_ISLNK(mode):
-                raise refused(f"the archive holds a symbolic link: {log_safe(info.filename, 120)}")
+                raise import_refused(
+                    f"the archive holds a symbolic link: {log_safe(info.filename, 120)}"
+                )
             if name is None or info.is_dir():
                 continue
             total += info.file_size
             if total > expanded_limit:
-                raise refused(
+                raise import_refused(
                     f"the archive expands to more than {expanded_limit} bytes "
                     "(SERVICE_MAX_IMPORT_EXPANDED_BYTES)",
                     413,
@@ -11943,7 +11945,7 @@ class ImportSource:
             if info.file_size > BOMB_MIN_BYTES and info.file_size > BOMB_RATIO * max(
                 1, info.compress_size
             ):
-                raise refused(
+                raise import_refused(
                     f"{log_safe(name, 120)} expands more than {BOMB_RATIO} times (a zip bomb?)",
                     413,
                 )
@@ -11963,19 +11965,21 @@ class ImportSource:
             tf = tarfile.open(fileobj=file, mode="r:*")  # noqa: SIM115 (closed by close())
             members = tf.getmembers()
         except (tarfile.TarError, OSError, EOFError, ValueError) as e:
-            raise refused(f"the file is not a readable tar ({e})") from None
+            raise import_refused(f"the file is not a readable tar ({e})") from None
         entries, total = [], 0
         for m in members:
             name = cls.clean_name(m.name)
             if m.issym() or m.islnk():
-                raise refused(f"the archive holds a link: {log_safe(m.name, 120)}")
+                raise import_refused(f"the archive holds a link: {log_safe(m.name, 120)}")
             if name is None or m.isdir():
                 continue
             if not m.isfile():
-                raise refused(f"the archive holds a device or a pipe: {log_safe(m.name, 120)}")
+                raise import_refused(
+                    f"the archive holds a device or a pipe: {log_safe(m.name, 120)}"
+                )
             total += m.size
             if total > expanded_limit or total > BOMB_RATIO * max(packed, BOMB_MIN_BYTES):
-                raise refused(
+                raise import_refused(
                     f"the archive expands to more than {min(expanded_limit, total - 1)} bytes "
                     "(SERVICE_MAX_IMPORT_EXPANDED_BYTES, or 100 times its size)",
                     413,
@@ -12031,7 +12035,7 @@ def sniff_import(head: bytes, filename: str = "") -> str:
         return "keep"
     if lower.endswith((".md", ".txt", ".markdown")):
         return "text"
-    raise refused("send a zip, an Evernote .enex, a Joplin .jex or a Keep .json", 415)
+    raise import_refused("send a zip, an Evernote .enex, a Joplin .jex or a Keep .json", 415)
 
 
 def import_kind(source: ImportSource) -> str:
@@ -12812,10 +12816,10 @@ class EnexReader:
 
     def _doctype(self, name, system_id, public_id, has_internal_subset) -> None:
         if has_internal_subset:
-            raise refused("the .enex declares its own DTD (entities are not accepted)")
+            raise import_refused("the .enex declares its own DTD (entities are not accepted)")
 
     def _entity(self, *args) -> None:
-        raise refused("the .enex declares entities (not accepted)")
+        raise import_refused("the .enex declares entities (not accepted)")
 
     def _skipped_entity(self, name: str, is_parameter: bool) -> None:
         import html.entities
@@ -12887,7 +12891,7 @@ class EnexReader:
         try:
             self.parser.Parse(data, final)
         except self.error as e:
-            raise refused(f"the .enex is not well-formed XML ({e})") from None
+            raise import_refused(f"the .enex is not well-formed XML ({e})") from None
 
 
 MIME_EXTENSIONS = {v: k for k, v in ATTACHMENT_TYPES.items()}
@@ -13213,7 +13217,7 @@ def import_path(svc: Any, path: Path, into: Any, dry_run: bool, progress=None) -
         source = ImportSource.from_folder(path, skipped)
         total = sum(e.size for e in source.entries)
         if total > svc.config.max_import_expanded_bytes:
-            raise refused(
+            raise import_refused(
                 f"the folder holds more than {svc.config.max_import_expanded_bytes} bytes "
                 "(SERVICE_MAX_IMPORT_EXPANDED_BYTES)",
                 413,
@@ -25695,6 +25699,7 @@ ROUTES = (
         get_export,
         summary="A zip of every note, attachment and file the key sees, with a manifest",
         media="application/zip",
+        enveloped=False,
         tag="notes",
         scope="read",
     ),
