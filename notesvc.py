@@ -2880,8 +2880,10 @@ class NoteStore:
         history, removed = self.history, 0
         if history is None:
             return 0
-        for folder in history.folders():
-            path = history.head_path(folder)
+        folders = history.folders()
+        owners = history.head_paths(folders)
+        for folder in folders:
+            path = owners.get(folder)
             try:
                 path = note_path(path) if path is not None else None
             except ApiError:
@@ -3233,9 +3235,9 @@ class HeadStore:
     """The notes' contents as last written or seen (HistoryStore's "heads"): the starting
     point from which an edit made by another program is kept as a version.
 
-    One SQLite file in the history folder, each copy zlib-compressed and keyed by its note
-    path, with its ETag (a copy that does not match it is unknown): 10,000 notes are one
-    file of about a third of their size, not 10,000 folders and files. WAL, synchronous
+    One SQLite file in the history folder, each copy zlib-compressed (its checksum tells a
+    damaged copy, which counts as unknown) and keyed by its note path: 10,000 notes are one
+    file of under half their size, not 10,000 folders and files. WAL, synchronous
     NORMAL (a cache: never fsynced on its own). A history kept by an older version (a
     `head` file in each note's folder) is moved in when the file is first opened.
     """
@@ -3264,10 +3266,9 @@ class HeadStore:
             db.execute("PRAGMA wal_autocheckpoint=256")  # the log stays near a mebibyte
             db.execute("PRAGMA journal_size_limit=1048576")
             db.execute(
-                "CREATE TABLE IF NOT EXISTS heads "
-                "(path TEXT PRIMARY KEY, dir TEXT NOT NULL, etag TEXT NOT NULL, data BLOB)"
+                "CREATE TABLE IF NOT EXISTS copies (path TEXT PRIMARY KEY, data BLOB NOT NULL) "
+                "WITHOUT ROWID"
             )
-            db.execute("CREATE INDEX IF NOT EXISTS heads_dir ON heads (dir)")
         except (sqlite3.Error, OSError) as e:
             raise HeadStoreError(f"{self.file}: {e}") from None
         self._db = db
@@ -3280,41 +3281,40 @@ class HeadStore:
         with self._lock:
             self._conn()
 
-    def _run(self, sql: str, args: tuple = ()) -> list:
+    def _run(self, sql: str, args: tuple = (), create: bool = False) -> list:
+        """Run one statement; without `create`, a store not made yet holds nothing."""
         import sqlite3
 
         with self._lock:
+            if self._db is None and not create and not self.file.exists():
+                return []
             try:
                 return self._conn().execute(sql, args).fetchall()
             except sqlite3.Error as e:
                 raise HeadStoreError(str(e)) from None
 
-    def put(self, path: str, folder: str, etag: str, data: bytes) -> None:
-        packed = zlib.compress(data, 6)
-        self._run(
-            "INSERT OR REPLACE INTO heads (path, dir, etag, data) VALUES (?, ?, ?, ?)",
-            (path, folder, etag, packed),
-        )
+    def put(self, path: str, data: bytes) -> None:
+        packed = zlib.compress(data, 9)  # its Adler-32 tells a damaged copy (get: None)
+        sql = "INSERT OR REPLACE INTO copies (path, data) VALUES (?, ?)"
+        self._run(sql, (path, packed), create=True)
 
     def get(self, path: str) -> bytes | None:
-        found = self._run("SELECT etag, data FROM heads WHERE path = ?", (path,))
+        found = self._run("SELECT data FROM copies WHERE path = ?", (path,))
         if not found:
             return None
         try:
-            data = zlib.decompress(found[0][1])
+            return zlib.decompress(found[0][0])
         except (zlib.error, TypeError):
             return None
-        return data if make_etag(data) == found[0][0] else None
 
     def has(self, path: str) -> bool:
-        return bool(self._run("SELECT 1 FROM heads WHERE path = ?", (path,)))
+        return bool(self._run("SELECT 1 FROM copies WHERE path = ?", (path,)))
 
-    def path_of(self, folder: str) -> str | None:
-        found = self._run("SELECT path FROM heads WHERE dir = ? LIMIT 1", (folder,))
-        return found[0][0] if found else None
+    def paths(self) -> list:
+        return [row[0] for row in self._run("SELECT path FROM copies")]
 
     def drop(self, path: str) -> None:
-        self._run("DELETE FROM heads WHERE path = ?", (path,))
+        self._run("DELETE FROM copies WHERE path = ?", (path,))
 
     def close(self) -> None:
         with self._lock:
@@ -3343,8 +3343,8 @@ class HeadStore:
             path = line[33:].decode("utf-8", "replace")
             if path and line[:32] == _etag_hex(data).encode():
                 db.execute(
-                    "INSERT OR REPLACE INTO heads (path, dir, etag, data) VALUES (?, ?, ?, ?)",
-                    (path, e.name, make_etag(data), zlib.compress(data, 6)),
+                    "INSERT OR REPLACE INTO copies (path, data) VALUES (?, ?)",
+                    (path, zlib.compress(data, 9)),
                 )
                 moved += 1
         db.execute("COMMIT")
@@ -3606,7 +3606,7 @@ class HistoryStore:
         if not self.enabled:
             return
         try:
-            self.heads.put(path, self.dir_of(path).name, etag or make_etag(data), data)
+            self.heads.put(path, data)
         except (OSError, HeadStoreError) as e:
             log.warning("history: could not keep a copy of %s (%s)", log_safe(path), e)
             with contextlib.suppress(OSError, HeadStoreError):
@@ -3625,12 +3625,20 @@ class HistoryStore:
         except (OSError, HeadStoreError):
             return False
 
-    def head_path(self, folder: Path) -> str | None:
-        """Return the note path a history folder belongs to (None when no copy says)."""
+    def head_paths(self, folders: Iterable[Path]) -> dict:
+        """Return {history folder: the note path it belongs to} for the folders a copy
+        tells (the folder name is a hash of the path)."""
+        wanted = {f.name: f for f in folders}
         try:
-            return self.heads.path_of(folder.name)
+            paths = self.heads.paths()
         except (OSError, HeadStoreError):
-            return None
+            return {}
+        found = {}
+        for path in paths:
+            folder = wanted.get(self.dir_of(path).name)
+            if folder is not None:
+                found[folder] = path
+        return found
 
     def drop_head(self, path: str) -> None:
         with contextlib.suppress(OSError, HeadStoreError):

@@ -17851,5 +17851,7 @@ class TestHeadStore:
         used = sum(p.stat().st_size for p in history.rglob("*") if p.is_file())
         assert used <= 0.5 * total, (used, total)
         assert svc.history.read_head("notes/f3/n3.md") == (root / "notes/f3/n3.md").read_bytes()
-        svc.history.heads.put("notes/f3/n3.md", "x" * 32, '"0000"', b"torn")
-        assert svc.history.read_head("notes/f3/n3.md") is None  # a copy unlike its ETag
+        svc.history.heads._run(
+            "UPDATE copies SET data = ? WHERE path = ?", (b"x\x9c torn", "notes/f3/n3.md")
+        )
+        assert svc.history.read_head("notes/f3/n3.md") is None  # a damaged copy: unknown
