@@ -17851,7 +17851,6 @@ class TestHeadStore:
         used = sum(p.stat().st_size for p in history.rglob("*") if p.is_file())
         assert used <= 0.5 * total, (used, total)
         assert svc.history.read_head("notes/f3/n3.md") == (root / "notes/f3/n3.md").read_bytes()
-        svc.history.heads._run(
-            "UPDATE copies SET data = ? WHERE path = ?", (b"x\x9c torn", "notes/f3/n3.md")
-        )
+        assert svc.history.heads._run("SELECT count(*) FROM pack")[0][0] == 3  # 100 a pack
+        svc.history.heads._run("UPDATE pack SET data = ?", (b"x\x9c torn",))
         assert svc.history.read_head("notes/f3/n3.md") is None  # a damaged copy: unknown
