@@ -3296,9 +3296,21 @@ class HeadStore:
         return db
 
     def open(self) -> None:
-        """Open the file now (a start: an older history's copies move in here)."""
+        """Open the file at start when it exists, or when an older history's copies are
+        there to move in (else it is made by the first copy kept)."""
         with self._lock:
-            self._conn()
+            if self.file.exists() or self._legacy_present():
+                self._conn()
+
+    def _legacy_present(self) -> bool:
+        try:
+            with os.scandir(self.history) as entries:
+                return any(
+                    len(e.name) == 32 and os.path.exists(os.path.join(e.path, self.LEGACY))
+                    for e in entries
+                )
+        except OSError:
+            return False
 
     def _run(self, sql: str, args: tuple = (), create: bool = False) -> list:
         """Run one statement; without `create`, a store not made yet holds nothing."""
@@ -8567,7 +8579,10 @@ class Service:
         if swept:
             log.info("removed %d temp files left by an interrupted write", swept)
         if self.history.enabled:
-            self.history.heads.open()  # an older history's copies move in, once
+            try:
+                self.history.heads.open()  # an older history's copies move in, once
+            except HeadStoreError as e:  # only a cache: serve without it (a full disk?)
+                log.warning("history: the copies of the notes are not available: %s", e)
         self.index = SearchIndex.open(self.config.state_dir, self.notes)
         self.notes.listeners.append(self._on_note_event)
         self.notes.after.append(self._run_hooks)
