@@ -26583,6 +26583,10 @@ class NotesApp:
             else:
                 body = self._dispatch(environ, respond, method, cors)
         finally:
+            spooled = environ.get("bottle.request.body")  # Bottle's temp file of a body
+            if spooled is not None and not isinstance(spooled, io.BytesIO):  # over 100 KB
+                with contextlib.suppress(Exception):
+                    spooled.close()
             if log.isEnabledFor(logging.INFO):
                 try:  # WSGI hands the path over as latin-1; log the UTF-8 it was
                     shown = path.encode("latin-1").decode("utf-8")

@@ -1180,20 +1180,20 @@ class TestStorageSafety:
             assert took < 2.0, f"creating {path} took {took:.2f} s"
         resp, took = timed(client.get, f"{API}/plugins/backlinks/notes%2Ftarget.md")
         assert sorted(b["path"] for b in data(resp)["backlinks"]) == sorted(BRACKET_NOTES)
-        assert took < 1.0, f"backlinks took {took:.2f} s"
+        assert took < 2.0, f"backlinks took {took:.2f} s"
         resp, took = timed(
             client.patch_json,
             note_url("notes/target.md") + "/move",
             {"path": "notes/moved.md", "updateLinks": True},
         )
         assert sorted(data(resp)["linksUpdated"]) == sorted(BRACKET_NOTES)
-        assert took < 1.0, f"the move took {took:.2f} s"
+        assert took < 2.0, f"the move took {took:.2f} s"
         assert data(client.get(note_url("notes/open.md")))["content"].startswith("[[moved]] zebra")
         resp, took = timed(client.get, f"{API}/search?q=zebra")
         assert data(resp)["total"] == 4
-        assert took < 1.0, f"search took {took:.2f} s"
+        assert took < 2.0, f"search took {took:.2f} s"
         _, took = timed(client.get, f"{API}/plugins/tags")
-        assert took < 1.0, f"tags took {took:.2f} s"
+        assert took < 2.0, f"tags took {took:.2f} s"
 
     @pytest.mark.real_server
     @pytest.mark.slow
