@@ -33,6 +33,7 @@ import sys
 import tempfile
 import threading
 import time
+import types
 import typing
 import unicodedata
 import urllib.error
@@ -372,6 +373,41 @@ class TestEnvelope:
         assert resp.headers["X-Request-Id"] == "trace-1234abcd"
         resp = anon.get(f"{API}/health", headers={"X-Request-Id": "bad id\x01"})
         assert resp.headers["X-Request-Id"] != "bad id\x01"
+
+    def test_request_log_lines_are_written_together_and_warnings_at_once(self):
+        stream = io.StringIO()
+        handler = notesvc.BatchedLogHandler(stream)
+        handler.setFormatter(logging.Formatter("%(levelname)s %(message)s"))
+        logger = logging.getLogger("notesvc-test-batched")
+        logger.propagate, logger.level = False, logging.INFO
+        logger.addHandler(handler)
+        try:
+            logger.info("GET /one")
+            assert stream.getvalue() == ""  # waits for the writer thread
+            logger.warning("careful")  # flushes what waits, in order, and itself
+            assert stream.getvalue() == "INFO GET /one\nWARNING careful\n"
+            logger.info("GET /two")
+            deadline = time.monotonic() + 5
+            while "GET /two" not in stream.getvalue() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            assert stream.getvalue().endswith("INFO GET /two\n")
+            logger.info("GET /three")
+            handler.flush()  # what logging.shutdown does at exit
+            assert stream.getvalue().endswith("INFO GET /three\n")
+        finally:
+            logger.removeHandler(handler)
+
+    def test_a_channel_runs_waitress_own_readable_and_writable(self):
+        """The I/O loop asks every channel at every turn, holding the GIL: a Python frame
+        more there cost a third of the requests per second. Only a lingering channel
+        (after an early 413) gets its own, on the instance."""
+        import waitress.channel
+        import waitress.server
+
+        listener = notesvc._hardened(waitress.server.TcpWSGIServer)
+        channel = listener.channel_class
+        for name in ("readable", "writable", "handle_read"):
+            assert getattr(channel, name) is getattr(waitress.channel.HTTPChannel, name)
 
     def test_protected_responses_are_no_store(self, client):
         assert client.get(f"{API}/system/info").headers["Cache-Control"] == "no-store"
@@ -1067,6 +1103,71 @@ class TestHostilePaths:
         listed = data(client.get(f"{API}/notes"))
         assert listed["total"] == 0  # links are not followed in listings
         assert "secret" not in client.get(f"{API}/folders/tree").text
+
+    def test_a_link_inside_the_folder_is_read_and_one_planted_later_is_refused(
+        self, client, root, tmp_path
+    ):
+        """The descriptor is opened, then the kernel says where it leads (/proc/self/fd on
+        Linux): a link that stays inside is read, one leading out is 400, and a note read
+        before (kept by the read cache) that becomes such a link is refused, not served."""
+        put_note(client, "notes/real/a.md", "# A\n\ninside")
+        os.symlink(root / "notes" / "real", root / "notes" / "alias")
+        assert data(client.get(note_url("notes/alias/a.md")))["content"] == "# A\n\ninside"
+        outside = tmp_path / "outside"
+        outside.mkdir()
+        (outside / "b.md").write_text("top secret")
+        put_note(client, "notes/b.md", "mine")
+        old = time.time() - 60
+        os.utime(root / "notes" / "b.md", (old, old))
+        store = client.app.service.notes
+        store.cache.RACY_SECONDS = 0  # ctime cannot be set back: keep it even though new
+        assert data(client.get(note_url("notes/b.md")))["content"] == "mine"
+        assert "notes/b.md" in store.cache._items
+        os.unlink(root / "notes" / "b.md")
+        os.symlink(outside / "b.md", root / "notes" / "b.md")
+        resp = client.get(note_url("notes/b.md"), status=400)
+        assert "outside" in assert_error(resp, 400, "VALIDATION_ERROR")["message"]
+        assert "top secret" not in resp.text
+        os.symlink(outside / "gone", root / "notes" / "dangling.md")  # 400, not 404
+        assert_error(client.get(note_url("notes/dangling.md"), status=400), 400, "VALIDATION_ERROR")
+
+    def test_the_read_cache_gives_a_note_again_only_while_its_file_is_unchanged(self, client, root):
+        store = client.app.service.notes
+        put_note(client, "notes/c.md", "# C\n\none")
+        path = root / "notes" / "c.md"
+        assert data(client.get(note_url("notes/c.md")))["content"] == "# C\n\none"
+        assert "notes/c.md" not in store.cache._items  # written just now: racy, not kept
+        store.cache.RACY_SECONDS = 0
+        client.get(note_url("notes/c.md"))
+        assert "notes/c.md" in store.cache._items
+        mtime = path.stat().st_mtime_ns
+        with open(path, "r+b") as f:  # another editor, in place, same size, same mtime
+            f.write(b"# C\n\ntwo")
+        os.utime(path, ns=(mtime, mtime))
+        got = data(client.get(note_url("notes/c.md")))
+        assert got["content"] == "# C\n\ntwo"  # ctime changed: read again
+        assert got["etag"] == notesvc.make_etag(b"# C\n\ntwo")
+        update(client, "notes/c.md", "# C\n\nthree")  # our own write: a new inode
+        assert data(client.get(note_url("notes/c.md")))["content"] == "# C\n\nthree"
+        path.unlink()
+        assert_error(client.get(note_url("notes/c.md"), status=404), 404, "NOT_FOUND")
+
+    def test_the_read_cache_holds_at_most_its_budget(self):
+        cache = notesvc.ReadCache()
+        cache.RACY_SECONDS = 0
+        cache.MAX_BYTES = 1000
+        for i in range(30):
+            fake = types.SimpleNamespace(
+                st_dev=1, st_ino=i, st_size=100, st_mtime_ns=0, st_ctime_ns=0
+            )
+            cache.put(f"notes/{i}.md", fake, {"content": "x" * 100})
+        assert len(cache._items) == 10 and cache._bytes == 1000
+        assert list(cache._items)[0] == "notes/20.md"  # the least recent went first
+        big = types.SimpleNamespace(
+            st_dev=1, st_ino=99, st_size=cache.MAX_NOTE_BYTES + 1, st_mtime_ns=0, st_ctime_ns=0
+        )
+        cache.put("notes/big.md", big, {})
+        assert "notes/big.md" not in cache._items
 
     def test_move_target_is_checked_too(self, client, root, tmp_path):
         put_note(client, "notes/a.md")
