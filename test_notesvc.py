@@ -1161,8 +1161,9 @@ class TestHostilePaths:
                 st_dev=1, st_ino=i, st_size=100, st_mtime_ns=0, st_ctime_ns=0
             )
             cache.put(f"notes/{i}.md", fake, {"content": "x" * 100})
-        assert len(cache._items) == 10 and cache._bytes == 1000
-        assert list(cache._items)[0] == "notes/20.md"  # the least recent went first
+        assert len(cache._items) == 10
+        assert cache._bytes == 1000
+        assert next(iter(cache._items)) == "notes/20.md"  # the least recent went first
         big = types.SimpleNamespace(
             st_dev=1, st_ino=99, st_size=cache.MAX_NOTE_BYTES + 1, st_mtime_ns=0, st_ctime_ns=0
         )
