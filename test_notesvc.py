@@ -16227,6 +16227,8 @@ class TestCliSafety:
             assert argv[0] == sys.executable.encode()
             assert set(map(str.encode, options)) <= set(argv[1:dash_c])
             assert argv[dash_c + 2 :] == [os.path.abspath(NOTESVC).encode(), *map(str.encode, args)]
+            environ = Path(f"/proc/{proc.pid}/environ").read_bytes().split(b"\0")
+            assert b"MALLOC_ARENA_MAX=1" in environ  # one malloc arena, not one per thread
         finally:
             proc.terminate()
             assert proc.wait(30) == 0
