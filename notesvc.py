@@ -6783,12 +6783,17 @@ class SearchIndex:
             for c in self._comps(seg, si, alt[1], keys, weights)
         ]
         scores = dict.fromkeys(cands, 0.0)
+        ordered = None
         for w, ids, imps, *_ in comps:
-            if len(ids) > 4 * len(cands):
-                for d in cands:
-                    i = _has(ids, d)
-                    if i >= 0:
-                        scores[d] += w * imps[i]
+            if len(ids) > 4 * len(cands):  # look each candidate up, left to right
+                ordered = ordered or sorted(cands)
+                at, end = 0, len(ids)
+                for d in ordered:
+                    at = bisect.bisect_left(ids, d, at)
+                    if at == end:
+                        break
+                    if ids[at] == d:
+                        scores[d] += w * imps[at]
             else:
                 for d, imp in zip(ids, imps):
                     if d in scores:
