@@ -5083,7 +5083,7 @@ class MemorySegment:
     def find(self, path: str):
         return self.ids.get(path)
 
-    def phrase(self, cands: Iterable, chars: list, rare: int, f: int) -> list:
+    def phrase(self, cands: Iterable, chars: list, f: int) -> list:
         """Return the candidates whose field holds the term chars in a row."""
         docs, needle = self.docs, "".join(chars)
         return [d for d in cands if needle in docs[d][4 + f]]
@@ -5354,35 +5354,18 @@ class DiskSegment:
                 return d
         return None
 
-    def phrase(self, cands: Iterable, chars: list, rare: int, f: int) -> list:
-        """Return the candidates whose field holds the term chars in a row.
-
-        rare: the position of a term much rarer than the others, or -1. Then the search
-        starts at that term (a regular expression, whose first byte is found at C speed)
-        and the terms before it are compared where it matched; a phrase of common words
-        is one mmap.find per candidate.
-        """
+    def phrase(self, cands: Iterable, chars: list, f: int) -> list:
+        """Return the candidates whose field holds the term chars in a row: one mmap.find
+        per candidate (C's substring search skips on the needle's last byte; starting at a
+        rare term instead and comparing what precedes it in Python measured slower, 24.5
+        against 29.8 ms at p95 on 100k real notes)."""
         cands = list(cands)
         first, last = self._tok_spans[f]
         base, mm = self.text["tokens"], self.mm
-        if rare < 0:
-            starts = map(base.__add__, map(first.__getitem__, cands))
-            ends = map(base.__add__, map(last.__getitem__, cands))
-            found = map(mm.find, itertools.repeat("".join(chars).encode()), starts, ends)
-            return list(itertools.compress(cands, map(_NOT_MINUS_ONE, found)))
-        head = "".join(chars[:rare]).encode()
-        search = re.compile(re.escape("".join(chars[rare:]).encode())).search
-        starts = map((base + len(head)).__add__, map(first.__getitem__, cands))
+        starts = map(base.__add__, map(first.__getitem__, cands))
         ends = map(base.__add__, map(last.__getitem__, cands))
-        out = []
-        for d, m in zip(cands, map(search, itertools.repeat(mm), starts, ends)):
-            while m is not None:  # only where the rare part matched: compare what precedes
-                at = m.start()
-                if mm[at - len(head) : at] == head:
-                    out.append(d)
-                    break
-                m = search(mm, at + 1, base + last[d])
-        return out
+        found = map(mm.find, itertools.repeat("".join(chars).encode()), starts, ends)
+        return list(itertools.compress(cands, map(_NOT_MINUS_ONE, found)))
 
     @functools.cached_property
     def _tok_spans(self) -> tuple:
@@ -6527,10 +6510,11 @@ class SearchIndex:
             if observe is not None and not late:
                 with deferred_sync() if many else contextlib.nullcontext():
                     observe(changed, removed, seen, present)
+            gone = 0  # a note created again while the scan ran is kept, not counted
             for path in removed:
                 with notes.locked(path):
                     if not notes.exists(path):
-                        self.remove(path)
+                        gone += self.remove(path)
             if len(changed) > 50:
                 self._bulk_read(notes, changed, known, sizes)
             else:
@@ -6542,11 +6526,9 @@ class SearchIndex:
             if observe is not None and late:
                 with deferred_sync() if many else contextlib.nullcontext():
                     observe(changed, removed, seen, present)
-            if changed or removed:
-                log.info(
-                    "index: %d notes read, %d removed in %.2f s", len(changed), len(removed), took
-                )
-            return {"read": len(changed), "removed": len(removed), "seconds": round(took, 3)}
+            if changed or gone:
+                log.info("index: %d notes read, %d removed in %.2f s", len(changed), gone, took)
+            return {"read": len(changed), "removed": gone, "seconds": round(took, 3)}
 
     def _bulk_read(self, notes: NoteStore, paths: list, known: set, sizes: dict) -> None:
         """Read and index many notes, a segment file per batch (BULK_CHUNK_NOTES notes or
@@ -6715,16 +6697,13 @@ class SearchIndex:
             for f in (0, 1):
                 lists = [seg.postings(k, f) for k in ks]
                 if all(lists):
-                    rare = min(range(len(ks)), key=lambda i: len(lists[i][0]))
                     lists = sorted((p[0] for p in lists), key=len)
-                    if len(ks) < 2 or 4 * len(lists[0]) > len(lists[1]):
-                        rare = -1  # no term stands out: search the whole phrase
                     cands = lists[0]
                     if within is not None and len(within) < len(cands):
                         cands = within
                     elif len(lists[1]) <= 16 * len(cands):  # the notes holding both terms
                         cands = set(cands).intersection(lists[1])
-                    found.update(seg.phrase(cands, chars, rare, f))
+                    found.update(seg.phrase(cands, chars, f))
             return found
         for s in stems:
             k = keys[s][si]
