@@ -3893,6 +3893,20 @@ class TestSearch:
         assert len(result["snippet"]) <= 240
         assert result["snippet"].startswith("…")
 
+    def test_a_snippet_finds_the_token_where_a_tokenizer_would(self):
+        """_token_offset skips tokens with one regular expression (possessive on 3.11):
+        it must land where the k-th word starts, never inside a word split in two."""
+        rnd = random.Random(3)
+        words = ["alpha", "beta_x", "Ünïcode", "x", "a1", "—", "...", "C++", "foo-bar", "\n"]
+        for _ in range(300):
+            text = " ".join(rnd.choice(words) for _ in range(rnd.randint(0, 260)))
+            starts = [m.start() for m in notesvc._WORD_RE.finditer(text)]
+            for k in {0, 1, 5, 99, 100, 101, 250, len(starts) - 1, len(starts), len(starts) + 3}:
+                if k >= 0:
+                    want = starts[k] if k < len(starts) else None
+                    assert notesvc._token_offset(text, k) == want, (k, text[:60])
+        assert notesvc._token_offset("abc", 1) is None  # one word is not two
+
     @pytest.mark.parametrize(
         ("q", "says"),
         [
