@@ -1115,30 +1115,23 @@ class BatchedLogHandler(logging.StreamHandler):
     A line per request written at once is a system call per request, and each one hands
     the GIL to another thread: 15 % of a busy server's requests per second. Warnings and
     errors flush what is waiting and are written at once; the rest goes out on the
-    writer thread, at exit (logging.shutdown flushes every handler), or past 64 KiB.
+    writer thread, which also formats it, at exit (logging.shutdown flushes every
+    handler), or past MAX_WAITING lines.
     """
 
     LOG_BATCH_SECONDS = 0.2
-    MAX_WAITING = 64 << 10
+    MAX_WAITING = 512  # lines
 
     def __init__(self, stream=None):
         super().__init__(stream)
-        self._waiting: list = []
-        self._size = 0
+        self._waiting: list = []  # records, formatted when written
         self._due = threading.Event()
         self._writer: threading.Thread | None = None
 
     def emit(self, record: logging.LogRecord) -> None:
-        try:
-            line = self.format(record) + self.terminator
-        except Exception:
-            self.handleError(record)
-            return
-        with self.lock:
-            self._waiting.append(line)
-            self._size += len(line)
-            now = record.levelno >= logging.WARNING or self._size > self.MAX_WAITING
-            if now:
+        with self.lock:  # formatted when written: by the writer thread, off the request
+            self._waiting.append(record)
+            if record.levelno >= logging.WARNING or len(self._waiting) > self.MAX_WAITING:
                 self._write()
             elif len(self._waiting) == 1:
                 if self._writer is None:
@@ -1156,13 +1149,20 @@ class BatchedLogHandler(logging.StreamHandler):
             self.flush()
 
     def _write(self) -> None:  # under self.lock
-        if self._waiting:
-            text, self._waiting, self._size = "".join(self._waiting), [], 0
+        if not self._waiting:
+            return
+        records, self._waiting = self._waiting, []
+        lines = []
+        for record in records:
             try:
-                self.stream.write(text)
-                self.stream.flush()
-            except (OSError, ValueError):  # stderr closed: the lines are dropped
-                pass
+                lines.append(self.format(record) + self.terminator)
+            except Exception:
+                self.handleError(record)
+        try:
+            self.stream.write("".join(lines))
+            self.stream.flush()
+        except (OSError, ValueError):  # stderr closed: the lines are dropped
+            pass
 
     def flush(self) -> None:
         with self.lock:
