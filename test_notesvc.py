@@ -409,6 +409,34 @@ class TestEnvelope:
         for name in ("readable", "writable", "handle_read"):
             assert getattr(channel, name) is getattr(waitress.channel.HTTPChannel, name)
 
+    def test_the_state_read_without_its_lock_never_goes_back_in_time(self, tmp_path):
+        """Requests read the state without its lock (a stat, then the kept copy): while
+        another thread updates it, each reader sees each change once it is written and
+        never an older state after a newer one."""
+        store = notesvc.StateStore(tmp_path / "state")
+        store.update(lambda d: d.__setitem__("n", 0))
+        seen: dict = {i: [] for i in range(4)}
+        done = threading.Event()
+
+        def reader(i: int) -> None:
+            while not done.is_set():
+                seen[i].append(store.read()["n"])
+
+        threads = [threading.Thread(target=reader, args=(i,)) for i in seen]
+        for t in threads:
+            t.start()
+        try:
+            for n in range(1, 60):
+                store.update(lambda d, n=n: d.__setitem__("n", n))
+                assert store.read()["n"] == n  # the writer's own next read sees it
+        finally:
+            done.set()
+            for t in threads:
+                t.join(10)
+        for values in seen.values():
+            assert values == sorted(values)
+        assert store.read()["n"] == 59
+
     def test_protected_responses_are_no_store(self, client):
         assert client.get(f"{API}/system/info").headers["Cache-Control"] == "no-store"
         resp = client.get(f"{API}/nope", status=404)
