@@ -899,12 +899,15 @@ def run_http(args, corpus: Path | None, work: Path) -> dict:
         time.sleep(5)
         res["mem_after_first"] = tree_rss(proc.pid)
         count = {"n": 0}
+        res["mem_every_400"] = []  # RssAnon over the queries: bounded, or growing?
 
         def run_ns(q):
             ns.get(search_path("/api/v1/search", q))
             count["n"] += 1
             if count["n"] == 800:
                 res["mem_after_800"] = tree_rss(proc.pid)
+            if count["n"] % 400 == 0:
+                res["mem_every_400"].append(round(tree_rss(proc.pid)["rss_anon"], 1))
 
         res["notesvc"] = measure_queries(run_ns, queries, args.repeat)
         res["mem_after_all"] = tree_rss(proc.pid)
@@ -1032,7 +1035,8 @@ def report_http(res: dict) -> list:
         f"{res['mem_after_800']['rss_anon']:.1f} / {res['mem_after_all']['rss_anon']:.1f} / "
         f"{res['mem_after_load']['rss_anon']:.1f} MB (5 s after the first search / after 800 "
         f"queries / after all {res['queries_sent']} / after the req/s runs; RssFile "
-        f"{res['mem_after_all']['rss_file']:.1f} MB); FTS5 server RssAnon "
+        f"{res['mem_after_all']['rss_file']:.1f} MB; every 400 queries: "
+        f"{', '.join(map(str, res.get('mem_every_400', [])))}); FTS5 server RssAnon "
         f"{res['fts5_server_rss_anon']:.1f} MB.\n"
         f"bare route p50 {res['bare']['p50']:.2f} ms, /health p50 {res['health']['p50']:.2f} ms,"
         f" tree p95 {res['tree']['p95']:.2f} ms. req/s with 16 connections "
