@@ -4736,9 +4736,16 @@ class TestServerSearchSegments:
 
             wait_for(edited, timeout=60, step=0.05)
             assert_server_answers(again, notes)
-            _, _, info = again.request("GET", f"{API}/system/info")
-            assert info["data"]["index"]["lastSync"]["read"] == 4999
-            assert info["data"]["index"]["lastSync"]["removed"] == 1
+
+            def synced():  # the first edits are found while the check reads the rest
+                _, _, info = again.request("GET", f"{API}/system/info")
+                return info["data"]["index"]["lastSync"]
+
+            assert wait_for(synced, timeout=60, step=0.05) == {
+                **synced(),
+                "read": 4999,
+                "removed": 1,
+            }
 
 
 SETUP_FIELDS = [
