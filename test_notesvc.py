@@ -397,6 +397,53 @@ class TestEnvelope:
         finally:
             logger.removeHandler(handler)
 
+    def test_a_quick_request_line_reads_as_logging_writes_it_and_keeps_its_turn(self):
+        """main() sends each request's line straight to its handler (no LogRecord): the
+        line is the one logging would have written, and lines stay in order."""
+        stream = io.StringIO()
+        handler = notesvc.BatchedLogHandler(stream)
+        handler.setFormatter(logging.Formatter(notesvc.LOG_FORMAT))
+        args = ("GET", "/api/v1/health", "200", 0.25, "0123456789abcdef")
+        for created in (1764244800.0, 1764244800.9996, 1764244801.5):
+            record = logging.LogRecord(
+                "notesvc", logging.INFO, __file__, 1, "%s %s %s %.1fms %s", args, None
+            )
+            record.created, record.msecs = created, int((created - int(created)) * 1000) + 0.0
+            handler.handle(record)
+            handler.quick(created, "%s %s %s %.1fms %s", args)
+        handler.emit(
+            logging.makeLogRecord(
+                {"name": "notesvc", "levelno": 30, "levelname": "WARNING", "msg": "last"}
+            )
+        )
+        lines = stream.getvalue().splitlines()
+        assert len(lines) == 7
+        assert lines[-1].endswith("WARNING notesvc: last")
+        assert lines[0:6:2] == lines[1:6:2]
+        assert lines[0].endswith(" INFO notesvc: GET /api/v1/health 200 0.2ms 0123456789abcdef")
+        # Only while main()'s handler alone writes the log: else logging, as usual.
+        saved = notesvc._QUICK_LOG, logging.root.handlers[:], logging.root.level
+        try:
+            notesvc._QUICK_LOG = handler
+            logging.root.handlers[:] = [handler]
+            logging.root.setLevel(logging.INFO)
+            notesvc.quick_info("%s", "quick")
+            own = logging.StreamHandler(io.StringIO())
+            notesvc.log.addHandler(own)
+            try:
+                notesvc.quick_info("%s", "through logging")
+            finally:
+                notesvc.log.removeHandler(own)
+            assert own.stream.getvalue() == "through logging\n"
+            handler.flush()
+            quick, logged = stream.getvalue().splitlines()[-2:]
+            assert quick.endswith("INFO notesvc: quick")
+            assert logged.endswith("INFO notesvc: through logging")  # propagated, in turn
+        finally:
+            notesvc._QUICK_LOG = saved[0]
+            logging.root.handlers[:] = saved[1]
+            logging.root.setLevel(saved[2])
+
     def test_a_channel_runs_waitress_own_readable_and_writable(self):
         """The I/O loop asks every channel at every turn, holding the GIL: a Python frame
         more there cost a third of the requests per second. Only a lingering channel
