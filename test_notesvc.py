@@ -4608,6 +4608,18 @@ class TestSearchSegments:
         assert counts.get(None) == counts.get(10) == counts.get(-1) == 0
         assert len(counts.counts) == 10
 
+    def test_a_string_table_made_word_by_word_is_the_one_made_from_a_list(self):
+        words = sorted(
+            {"".join(random.Random(i).choices("abcé🙂z", k=i % 9 + 1)) for i in range(300)}
+        )
+        table = notesvc._StringTable()
+        for w in words:
+            table.append(w)
+        assert len(table) == len(words)
+        made, listed = notesvc._text_table(table), notesvc._text_table(words)
+        assert (bytes(made[0]), made[1], bytes(made[2])) == listed
+        assert notesvc._text_table(notesvc._StringTable())[1].tolist() == [0]
+
     def test_full_disk_while_writing_a_segment_keeps_serving(self, tmp_path, caplog):
         if os.geteuid() != 0 or not shutil.which("mount"):
             pytest.skip("mounting a small tmpfs needs root")
