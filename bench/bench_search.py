@@ -35,7 +35,9 @@ missing, or --corpus-dir; never inside the repository) and queries drawn from it
 vocabulary (make_real_queries); the in-process mode above works on it too. --http copies the
 notes into a work folder and measures: a real server's first start on them (no .notesvc/)
 until a search finds the last note, minus an empty root's start to /health, against FTS5's
-build of the same notes; the restarted server's RssAnon 5 s after its first search and after
+build of the same notes; once that server's background merges are done (its index folder
+unchanged for 5 s; a server merging answers several times slower), the restarted server's
+RssAnon 5 s after its first search and after
 800 queries; query latency per kind over keep-alive HTTP (one client, best of --repeat) against
 FTS5 behind Bottle under waitress (bench/fts5_server.py, --threads 8 like notesvc); tantivy in
 process as an anchor when `import tantivy` works (skipped otherwise); /folders/tree?depth=1
@@ -689,9 +691,36 @@ def measure_first_start(root: Path, last: str, word: str) -> dict:
         time.sleep(5)
         mem = tree_rss(proc.pid)
         client.close()
-        return {"listening": listening, "complete": done, "cpu": cpu, "polls": polls, **mem}
+        settled = wait_for_merges(root / ".notesvc" / "index")
+        return {
+            "listening": listening,
+            "complete": done,
+            "cpu": cpu,
+            "polls": polls,
+            "merges_done_after": settled,
+            **mem,
+        }
     finally:
         stop(proc)
+
+
+def wait_for_merges(folder: Path, quiet: float = 5.0, limit: float = 300.0) -> float:
+    """Wait until the index folder's files (names and sizes) stay the same for `quiet`
+    seconds: the first start's background merges are done, and the restarted server opens
+    a settled index, as a server restarted later does. Return the seconds waited."""
+    t0 = time.perf_counter()
+    last, since = None, t0
+    while time.perf_counter() - t0 < limit:
+        try:
+            now = sorted((p.name, p.stat().st_size) for p in folder.iterdir())
+        except OSError:  # a file renamed or removed while listed: a merge is under way
+            now = None
+        if now is None or now != last:
+            last, since = now, time.perf_counter()
+        elif time.perf_counter() - since >= quiet:
+            break
+        time.sleep(0.25)
+    return time.perf_counter() - t0
 
 
 def timed_requests(client: Client, paths: list) -> list:
@@ -1029,7 +1058,8 @@ def report_http(res: dict) -> list:
         f"\nfirst start: listening after {fst['listening']:.2f} s, the last note ({fst['last']},"
         f" '{fst['word']}') found after {fst['complete']:.2f} s, minus {res['health_start']:.2f}"
         f" s (an empty root's start to /health); that server's RssAnon 5 s later "
-        f"{fst['rss_anon']:.1f} MB (with children {fst['rss_anon_tree']:.1f}).\n"
+        f"{fst['rss_anon']:.1f} MB (with children {fst['rss_anon_tree']:.1f}); its merges"
+        f" done {fst.get('merges_done_after', 0):.0f} s after that.\n"
         f"restarted server: first search {res['restart_first_search']:.2f} s after process "
         f"start; RssAnon {res['mem_after_first']['rss_anon']:.1f} / "
         f"{res['mem_after_800']['rss_anon']:.1f} / {res['mem_after_all']['rss_anon']:.1f} / "
