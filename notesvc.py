@@ -33,6 +33,7 @@ import argparse
 import array
 import asyncio
 import base64
+import binascii
 import bisect
 import collections
 import contextlib
@@ -59,6 +60,7 @@ import posixpath
 import random
 import re
 import secrets
+import select
 import shutil
 import socket
 import stat
@@ -6229,7 +6231,12 @@ def index_helper(notes_root: str, folder: str) -> None:
     for line in sys.stdin:
         name = None
         try:
-            vocab, docs, avg = _analyse_batch(_read_items(notes, json.loads(line)["paths"]), stems)
+            request = json.loads(line)
+            if "merge" in request:  # {"merge": {files, skips, dels, avg}}: see SearchIndex.merge
+                name, reply = _merge_for_server(request["merge"], Path(folder))
+                print(json.dumps(reply), flush=True)
+                continue
+            vocab, docs, avg = _analyse_batch(_read_items(notes, request["paths"]), stems)
             if docs:
                 fd, name = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX, dir=folder)
                 with os.fdopen(fd, "wb") as f:
@@ -6243,6 +6250,43 @@ def index_helper(notes_root: str, folder: str) -> None:
                     os.unlink(name)
             reply = {"error": f"{type(e).__name__}: {e}"[:300]}
         print(json.dumps(reply), flush=True)
+
+
+def _merge_for_server(job: dict, folder: Path) -> tuple:
+    """Merge segment files of folder as SearchIndex.merge asks (in the helper process);
+    return (the temp file written, the reply: its name and each source's note id map)."""
+    sources, dels = [], []
+    for name, pairs in zip(job["files"], job["dels"]):
+        if not re.fullmatch(r"\d{8}\.seg", name):
+            raise ValueError(f"not a segment file: {name!r}")
+        sources.append(DiskSegment(folder / name))
+        counts = (_DeletedCounts(sources[-1].nt), _DeletedCounts(sources[-1].nt))
+        for c, flat in zip(counts, pairs):
+            c.load(array.array("I", flat))
+        dels.append(counts)
+    skips = [set(skip) for skip in job["skips"]]
+    fd, name = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX, dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            remaps = write_segment(f, sources, skips, dels, None, folder, tuple(job["avg"]))
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(name)
+        raise
+    maps = [base64.b64encode(remap.tobytes()).decode() for remap in remaps]
+    return name, {"file": name, "remaps": maps}
+
+
+def _readable(f, timeout: float) -> bool:
+    """Return whether f has something to read within timeout seconds (poll: a descriptor
+    past 1024, as a busy server has, is out of select()'s range)."""
+    if hasattr(select, "poll"):
+        watch = select.poll()
+        watch.register(f, select.POLLIN)
+        return bool(watch.poll(timeout * 1000))
+    return bool(select.select([f], [], [], timeout)[0])
 
 
 def _stop_helper(helper) -> None:
@@ -6363,6 +6407,8 @@ class SearchIndex:
         self.notes = notes
         self._base = str(notes.base) if notes is not None else ""
         self._segs: list = []  # DiskSegment, or MemorySegment not yet written; oldest first
+        self._merger = None  # the helper process writing merges, while they run
+        self._merger_lock = threading.RLock()  # one merge at a time through it
         self._live = MemorySegment()
         self.generation = 0  # bumps on every change
         # (generation it holds for, {folder: notes beneath it}): rebuilt after bulk changes,
@@ -6716,10 +6762,12 @@ class SearchIndex:
                 self._bulks -= 1
             self._wake.set()
 
-    def _start_helper(self, notes: NoteStore):
-        """Start an index_helper process; None where it cannot help (one core, no file)."""
+    def _start_helper(self, notes: NoteStore, merging: bool = False):
+        """Start an index_helper process; None where it cannot help (no file; one core,
+        except for merges, which it takes off this process's GIL even there)."""
         module = globals().get("__file__")
-        if self.folder is None or (os.cpu_count() or 1) < 2 or not module or not sys.executable:
+        one_core = (os.cpu_count() or 1) < 2 and not merging
+        if self.folder is None or one_core or not module or not sys.executable:
             return None
         import subprocess
 
@@ -6728,7 +6776,8 @@ class SearchIndex:
             helper = subprocess.Popen(  # noqa: S603 (this interpreter and this file)
                 cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, close_fds=True
             )
-            log.info("index: a helper process (pid %d) analyses every other batch", helper.pid)
+            what = "merges segment files" if merging else "analyses every other batch"
+            log.info("index: a helper process (pid %d) %s", helper.pid, what)
             return helper
         except OSError as e:
             log.warning("index: no helper process (%s); indexing on one core", e)
@@ -7236,7 +7285,8 @@ class SearchIndex:
         return []
 
     def merge(self, sources: list) -> bool:
-        """Merge segment files into one (without the lock), then swap it in and commit."""
+        """Merge segment files into one (without the lock), then swap it in and commit.
+        The helper process writes the merged file when it can (merge_elsewhere)."""
         with self._lock:
             skips = [set(s.deleted) for s in sources]
             dels = [(s.del_df[0].copy(), s.del_df[1].copy()) for s in sources]
@@ -7244,12 +7294,14 @@ class SearchIndex:
         if any(s.n > len(skip) for s, skip in zip(sources, skips)):
             with self._lock:
                 avg = self._averages()
-            remaps = []
-            new = self._write(
-                lambda f: remaps.extend(
-                    write_segment(f, sources, skips, dels, self._stop, self.folder, avg)
+            new, remaps = self.merge_elsewhere(sources, skips, dels, avg)
+            if new is None and not self._stop.is_set():
+                remaps = []
+                new = self._write(
+                    lambda f: remaps.extend(
+                        write_segment(f, sources, skips, dels, self._stop, self.folder, avg)
+                    )
                 )
-            )
             if new is None:
                 return False
         with self._commit_lock:
@@ -7272,6 +7324,79 @@ class SearchIndex:
             with contextlib.suppress(OSError):
                 s.file.unlink()
         return True
+
+    def merge_elsewhere(self, sources: list, skips: list, dels: list, avg: tuple) -> tuple:
+        """Have the helper process write a merge: return (the merged segment, installed,
+        and each source's note id map), or (None, None) where it cannot (then the caller
+        merges here). A merge is Python from end to end: in this process it would hold the
+        GIL for most of every switch interval, and a 100k index's searches measured up to
+        17 times slower while one ran; its memory would stay in this process's heap."""
+        if not all(isinstance(s, DiskSegment) for s in sources) or self.notes is None:
+            return None, None
+        if not self._merger_lock.acquire(blocking=False):  # it is busy with another merge
+            return None, None
+        try:
+            return self._merge_in_helper(sources, skips, dels, avg)
+        finally:
+            self._merger_lock.release()
+
+    def _merge_in_helper(self, sources: list, skips: list, dels: list, avg: tuple) -> tuple:
+        helper = self._merger
+        if helper is None or helper.poll() is not None:
+            helper = self._merger = self._start_helper(self.notes, merging=True)
+            if helper is None:
+                return None, None
+        reply: dict = {}
+        job = {
+            "files": [s.name for s in sources],
+            "skips": [sorted(skip) for skip in skips],
+            "dels": [[c.pairs().tolist() for c in pair] for pair in dels],
+            "avg": list(avg),
+        }
+        try:
+            helper.stdin.write(json.dumps({"merge": job}) + "\n")
+            helper.stdin.flush()
+            while not _readable(helper.stdout, 0.5):
+                if self._stop.is_set() or helper.poll() is not None:  # closing: not now
+                    raise ValueError("stopped")
+            reply = json.loads(helper.stdout.readline() or '{"error": "it stopped"}')
+            if reply.get("error") or not reply.get("file"):
+                raise ValueError(reply.get("error") or "no file")
+            remaps = []
+            for src, text in zip(sources, reply["remaps"]):
+                remap = array.array("i")
+                remap.frombytes(base64.b64decode(text))
+                if len(remap) != src.n:
+                    raise ValueError("a note id map does not add up")
+                remaps.append(remap)
+            if len(remaps) != len(sources):
+                raise ValueError("a note id map is missing")
+            new = self._install(reply["file"])
+            if new is None:
+                raise ValueError("its file is unusable")
+            return new, remaps
+        except (OSError, ValueError, KeyError, TypeError, binascii.Error) as e:
+            if not self._stop.is_set():
+                log.warning("index helper process: %s; merging in this process", e)
+            self._stop_merger()
+            if isinstance(reply, dict) and reply.get("file"):
+                self._discard_temp(reply["file"])
+            return None, None
+
+    def _stop_merger(self) -> None:
+        """Stop the merging helper (at once when closing); the next merge starts another."""
+        with self._merger_lock if not self._stop.is_set() else contextlib.nullcontext():
+            helper, self._merger = self._merger, None
+        if helper is not None:
+            if self._stop.is_set():
+                helper.kill()
+            _stop_helper(helper)
+
+    def _discard_temp(self, name) -> None:
+        tmp = Path(str(name))
+        if tmp.parent == self.folder and tmp.name.startswith(TEMP_PREFIX):
+            with contextlib.suppress(OSError):
+                tmp.unlink()
 
     def verify(self) -> None:
         """Check the segment files opened at start against their checksums; a damaged one
@@ -7301,11 +7426,14 @@ class SearchIndex:
         elif self._dirty and due:
             self._commit()
         merged = False
-        while not self._stop.is_set() and not self._bulks:
-            sources = self._pick_merge()
-            if not sources or not self.merge(sources):
-                break
-            merged = True
+        try:
+            while not self._stop.is_set() and not self._bulks:
+                sources = self._pick_merge()
+                if not sources or not self.merge(sources):
+                    break
+                merged = True
+        finally:
+            self._stop_merger()  # started for these merges: not kept between them
         if merged:
             release_memory()
 
@@ -7334,6 +7462,7 @@ class SearchIndex:
         self._wake.set()
         if self._thread is not None:
             self._thread.join(120)
+        self._stop_merger()
         if self.folder is not None:
             self.flush()
             self._commit()

@@ -4563,6 +4563,11 @@ class TestSearchSegments:
         assert len(svc.index._segs) == 1
         for q in ("apple", '"spare blue"', "gard*"):
             assert_answers_like(svc.index, ref, q)
+        # The merge was written by a helper process (off the server's GIL), stopped after.
+        assert "merges segment files" in caplog.text
+        assert "merging in this process" not in caplog.text
+        assert svc.index._merger is None
+        assert not list((svc.config.state_dir / "index").glob(notesvc.TEMP_PREFIX + "*"))
 
     def test_deleted_counts_are_four_bytes_a_term_and_come_back_after_a_restart(
         self, make_app, root
@@ -4619,6 +4624,35 @@ class TestSearchSegments:
         made, listed = notesvc._text_table(table), notesvc._text_table(words)
         assert (bytes(made[0]), made[1], bytes(made[2])) == listed
         assert notesvc._text_table(notesvc._StringTable())[1].tolist() == [0]
+
+    def test_a_merge_the_helper_cannot_write_is_written_by_the_server(self, root, tmp_path, caplog):
+        """The helper opens the segment files by name; one gone from the folder (the index
+        still has it mapped) makes it fail: the index merges it itself, nothing lost."""
+        rnd = random.Random(21)
+        notes = make_ref_notes(rnd, 4500)
+        write_notes(root, notes)
+        caplog.set_level("INFO", logger="notesvc")
+        store = notesvc.NoteStore(root / "notes", tmp_path / "trash")
+        (tmp_path / "index").mkdir()
+        index = notesvc.SearchIndex(tmp_path / "index", store)  # no background thread
+        try:
+            index.sync(store)
+            files = [s for s in index._segs if isinstance(s, notesvc.DiskSegment)]
+            assert len(files) == 3
+            assert index.merge(files[:2])  # through the helper, kept for the next merge
+            assert "merges segment files" in caplog.text
+            files = [s for s in index._segs if isinstance(s, notesvc.DiskSegment)]
+            files[0].file.unlink()
+            assert index.merge(files)
+            assert "merging in this process" in caplog.text
+            assert [type(s) for s in index._segs] == [notesvc.DiskSegment]
+            ref = ReferenceBM25(notes)
+            for q in ("apple", "the keys", '"spare blue"', "gard*", "zebra -apple"):
+                assert_answers_like(index, ref, q)
+            assert not list((tmp_path / "index").glob(notesvc.TEMP_PREFIX + "*"))
+        finally:
+            index.close()
+        assert index._merger is None
 
     def test_full_disk_while_writing_a_segment_keeps_serving(self, tmp_path, caplog):
         if os.geteuid() != 0 or not shutil.which("mount"):
