@@ -4929,6 +4929,7 @@ COMMIT_SECONDS = 30.0  # other changes reach the disk within this
 BULK_CHUNK_NOTES = 2000  # notes analysed per segment file when many are (re)read...
 BULK_CHUNK_CHARS = 8_000_000  # ...or this much text
 MERGE_FACTOR = 3  # segments of one size class merged at once
+MERGE_HELPER_NOTES = 2000  # a merge of this many notes or more: in the helper process
 MAX_DELETED = 0.3  # a segment with this share of deleted notes is rewritten
 STEM_CACHE = 100_000  # words whose stems one bulk remembers (the common ones come first)
 _OVERFLOW = "\xff"  # the term char of stems past the last code point (not indexed)
@@ -6408,7 +6409,7 @@ class SearchIndex:
         self._base = str(notes.base) if notes is not None else ""
         self._segs: list = []  # DiskSegment, or MemorySegment not yet written; oldest first
         self._merger = None  # the helper process writing merges, while they run
-        self._merger_lock = threading.RLock()  # one merge at a time through it
+        self._merger_lock = threading.RLock()  # one merge at a time (and through it)
         self._live = MemorySegment()
         self.generation = 0  # bumps on every change
         # (generation it holds for, {folder: notes beneath it}): rebuilt after bulk changes,
@@ -7286,8 +7287,15 @@ class SearchIndex:
 
     def merge(self, sources: list) -> bool:
         """Merge segment files into one (without the lock), then swap it in and commit.
-        The helper process writes the merged file when it can (merge_elsewhere)."""
+        The helper process writes the merged file when it can (merge_elsewhere). One merge
+        at a time: two threads could pick the same files."""
+        with self._merger_lock:
+            return self._merge(sources)
+
+    def _merge(self, sources: list) -> bool:
         with self._lock:
+            if any(s not in self._segs for s in sources):  # merged or dropped meanwhile
+                return False
             skips = [set(s.deleted) for s in sources]
             dels = [(s.del_df[0].copy(), s.del_df[1].copy()) for s in sources]
         new = remaps = None
@@ -7333,14 +7341,8 @@ class SearchIndex:
         17 times slower while one ran; its memory would stay in this process's heap."""
         if not all(isinstance(s, DiskSegment) for s in sources) or self.notes is None:
             return None, None
-        if not self._merger_lock.acquire(blocking=False):  # it is busy with another merge
+        if sum(s.n for s in sources) < MERGE_HELPER_NOTES:  # quicker here than a process
             return None, None
-        try:
-            return self._merge_in_helper(sources, skips, dels, avg)
-        finally:
-            self._merger_lock.release()
-
-    def _merge_in_helper(self, sources: list, skips: list, dels: list, avg: tuple) -> tuple:
         helper = self._merger
         if helper is None or helper.poll() is not None:
             helper = self._merger = self._start_helper(self.notes, merging=True)
