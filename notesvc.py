@@ -3127,6 +3127,7 @@ class NoteStore:
                     if not os.path.isfile(self.on_disk(path)):
                         history.drop_head(path)
             removed += history.sweep(folder, fix_modes)
+        history.collect()
         return removed
 
     def _prune(self, folder: Path) -> None:
@@ -3462,25 +3463,17 @@ def _etag_hex(data: bytes) -> str:
 
 
 class HeadStoreError(Exception):
-    """The copies' database could not be used (it is only a cache: the caller goes on)."""
+    """A store's SQLite file could not be used (the heads: only a cache, the caller goes
+    on; the packed versions: their loose files stay until a pack is written)."""
 
 
-class HeadStore:
-    """The notes' contents as last written or seen (HistoryStore's "heads"): the starting
-    point from which an edit made by another program is kept as a version.
+class _SqliteStore:
+    """One SQLite file in the history folder, opened at its first use: WAL, private (its
+    log too), SCHEMA made when missing. SYNCHRONOUS says what a commit costs: NORMAL for a
+    cache, FULL for what must survive a power cut."""
 
-    One SQLite file in the history folder, keyed by note path: a copy written by a save is
-    its own zlib-compressed bytes; the first copies of many notes (a first start) are
-    slices of packs of PACK_NOTES notes compressed together (git's packs are the model).
-    zlib's checksum tells a damaged copy, which counts as unknown. 10,000 notes are one
-    file of under half their size, not 10,000 folders and files. WAL, synchronous
-    NORMAL (a cache: never fsynced on its own). A history kept by an older version (a
-    `head` file in each note's folder) is moved in when the file is first opened.
-    """
-
-    NAME = "heads.db"
-    LEGACY = "head"  # the per-folder copy of versions up to 0.3
-    PACK_NOTES = 100  # first copies compressed together (a third of their size, not 0.42)
+    SCHEMA: tuple = ()
+    SYNCHRONOUS = "NORMAL"
 
     def __init__(self, file: Path, history: Path):
         self.file, self.history = file, history
@@ -3498,22 +3491,82 @@ class HeadStore:
             os.close(os.open(self.file, os.O_RDWR | os.O_CREAT, 0o600))  # its WAL: the same
             db = sqlite3.connect(str(self.file), check_same_thread=False, isolation_level=None)
             db.execute("PRAGMA journal_mode=WAL")
-            db.execute("PRAGMA synchronous=NORMAL")
+            db.execute(f"PRAGMA synchronous={self.SYNCHRONOUS}")
             db.execute("PRAGMA cache_size=-256")
             db.execute("PRAGMA wal_autocheckpoint=256")  # the log stays near a mebibyte
             db.execute("PRAGMA journal_size_limit=1048576")
-            # a copy is its own compressed bytes, or a slice of a pack's (first copies)
-            db.execute(
-                "CREATE TABLE IF NOT EXISTS copy (path TEXT PRIMARY KEY, data BLOB, "
-                "pack INTEGER, start INTEGER, size INTEGER)"
-            )
-            db.execute("CREATE TABLE IF NOT EXISTS pack (id INTEGER PRIMARY KEY, data BLOB)")
+            for sql in self.SCHEMA:
+                db.execute(sql)
         except (sqlite3.Error, OSError) as e:
             raise HeadStoreError(f"{self.file}: {e}") from None
         self._db = db
         if fresh:
             self._migrate()
         return db
+
+    def _migrate(self) -> None:
+        """Bring in what an older version kept otherwise (under the lock, once)."""
+
+    def _run(self, sql: str, args: tuple = (), create: bool = False) -> list:
+        """Run one statement; without `create`, a store not made yet holds nothing."""
+        import sqlite3
+
+        with self._lock:
+            if self._db is None and not create and not self.file.exists():
+                return []
+            try:
+                return self._conn().execute(sql, args).fetchall()
+            except sqlite3.Error as e:
+                raise HeadStoreError(str(e)) from None
+
+    @contextlib.contextmanager
+    def _transaction(self):
+        """One transaction on the store, made when missing: all of it or nothing."""
+        import sqlite3
+
+        with self._lock:
+            try:
+                db = self._conn()
+                db.execute("BEGIN IMMEDIATE")
+                try:
+                    yield db
+                    db.execute("COMMIT")
+                except BaseException:
+                    db.execute("ROLLBACK")
+                    raise
+            except sqlite3.Error as e:
+                raise HeadStoreError(str(e)) from None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._db is not None:
+                with contextlib.suppress(Exception):
+                    self._db.close()
+                self._db = None
+
+
+class HeadStore(_SqliteStore):
+    """The notes' contents as last written or seen (HistoryStore's "heads"): the starting
+    point from which an edit made by another program is kept as a version.
+
+    One SQLite file in the history folder, keyed by note path: a copy written by a save is
+    its own zlib-compressed bytes; the first copies of many notes (a first start) are
+    slices of packs of PACK_NOTES notes compressed together (git's packs are the model).
+    zlib's checksum tells a damaged copy, which counts as unknown. 10,000 notes are one
+    file of under half their size, not 10,000 folders and files. Synchronous NORMAL (a
+    cache: never fsynced on its own). A history kept by an older version (a `head` file
+    in each note's folder) is moved in when the file is first opened.
+    """
+
+    NAME = "heads.db"
+    LEGACY = "head"  # the per-folder copy of versions up to 0.3
+    PACK_NOTES = 100  # first copies compressed together (a third of their size, not 0.42)
+    # a copy is its own compressed bytes, or a slice of a pack's (first copies)
+    SCHEMA = (
+        "CREATE TABLE IF NOT EXISTS copy (path TEXT PRIMARY KEY, data BLOB, "
+        "pack INTEGER, start INTEGER, size INTEGER)",
+        "CREATE TABLE IF NOT EXISTS pack (id INTEGER PRIMARY KEY, data BLOB)",
+    )
 
     def open(self) -> None:
         """Open the file at start when it exists, or when an older history's copies are
@@ -3532,18 +3585,6 @@ class HeadStore:
         except OSError:
             return False
 
-    def _run(self, sql: str, args: tuple = (), create: bool = False) -> list:
-        """Run one statement; without `create`, a store not made yet holds nothing."""
-        import sqlite3
-
-        with self._lock:
-            if self._db is None and not create and not self.file.exists():
-                return []
-            try:
-                return self._conn().execute(sql, args).fetchall()
-            except sqlite3.Error as e:
-                raise HeadStoreError(str(e)) from None
-
     def put(self, path: str, data: bytes) -> None:
         packed = zlib.compress(data, 9)  # its Adler-32 tells a damaged copy (get: None)
         sql = "INSERT OR REPLACE INTO copy (path, data) VALUES (?, ?)"
@@ -3552,8 +3593,6 @@ class HeadStore:
     def put_new(self, items: list) -> None:
         """Keep the first copies of notes [(path, bytes)] as one compressed pack; a note
         that has a copy already (a save meanwhile) keeps it."""
-        import sqlite3
-
         if not items:
             return
         packed = zlib.compress(b"".join(data for _, data in items), 9)
@@ -3561,22 +3600,12 @@ class HeadStore:
         for path, data in items:
             rows.append((path, at, len(data)))
             at += len(data)
-        with self._lock:
-            try:
-                db = self._conn()
-                db.execute("BEGIN")
-                try:
-                    pack = db.execute("INSERT INTO pack (data) VALUES (?)", (packed,)).lastrowid
-                    db.executemany(
-                        "INSERT OR IGNORE INTO copy (path, pack, start, size) VALUES (?, ?, ?, ?)",
-                        [(path, pack, start, size) for path, start, size in rows],
-                    )
-                    db.execute("COMMIT")
-                except BaseException:
-                    db.execute("ROLLBACK")
-                    raise
-            except sqlite3.Error as e:
-                raise HeadStoreError(str(e)) from None
+        with self._transaction() as db:
+            pack = db.execute("INSERT INTO pack (data) VALUES (?)", (packed,)).lastrowid
+            db.executemany(
+                "INSERT OR IGNORE INTO copy (path, pack, start, size) VALUES (?, ?, ?, ?)",
+                [(path, pack, start, size) for path, start, size in rows],
+            )
 
     def get(self, path: str) -> bytes | None:
         found = self._run("SELECT data, pack, start, size FROM copy WHERE path = ?", (path,))
@@ -3604,13 +3633,6 @@ class HeadStore:
     def prune(self) -> None:
         """Drop the packs no copy needs any more (a sweep's work)."""
         self._run("DELETE FROM pack WHERE id NOT IN (SELECT pack FROM copy WHERE pack > 0)")
-
-    def close(self) -> None:
-        with self._lock:
-            if self._db is not None:
-                with contextlib.suppress(Exception):
-                    self._db.close()
-                self._db = None
 
     def _migrate(self) -> None:
         """Move the per-folder copies of an older history in (under the lock, once)."""
@@ -3646,6 +3668,184 @@ class HeadStore:
             log.info("history: %d copies of notes moved into %s", moved, self.file.name)
 
 
+class VersionPacks(_SqliteStore):
+    """The versions that have settled, out of their loose files (git's loose objects and
+    packs are the model): a save keeps its version as a loose file (a hard link of the
+    replaced note: nothing copied), and the retention sweep moves the versions older than
+    HistoryStore.PACK_AFTER in here, so that a long history costs a fraction of its
+    versions' size and no file each.
+
+    A version's content is an `object` named by its ETag (the version id ends with it: the
+    start of its SHA-256), kept once however many versions in any history hold it. The
+    objects of one note's history are compressed together, oldest first (a `pack` of up to
+    PACK_BYTES; each sweep that brings new versions of the note rewrites its pack with
+    them): consecutive versions share most of their text, so each costs about what it
+    changed. An object is a slice of its pack, checked against its name when read: a
+    damaged one is never shown as a version. Synchronous FULL: a loose file is removed
+    only once its version is durable here. What the retention drops is collected by
+    collect(), which also rewrites the packs that are mostly dead.
+    """
+
+    NAME = "versions.db"
+    SYNCHRONOUS = "FULL"
+    PACK_BYTES = 1 << 20  # a pack's objects, uncompressed (reading one decompresses its pack)
+    SCHEMA = (
+        "CREATE TABLE IF NOT EXISTS version (folder TEXT, vid TEXT, "
+        "PRIMARY KEY (folder, vid)) WITHOUT ROWID",
+        "CREATE TABLE IF NOT EXISTS object (id TEXT PRIMARY KEY, pack INTEGER, "
+        "start INTEGER, size INTEGER) WITHOUT ROWID",
+        "CREATE TABLE IF NOT EXISTS pack (id INTEGER PRIMARY KEY, size INTEGER, data BLOB)",
+    )
+    # a version's object: its id's last 32 characters (the ETag)
+    _OBJECTS = (
+        "SELECT v.vid, o.id, o.pack, o.start, o.size FROM version v "
+        "JOIN object o ON o.id = substr(v.vid, -32) WHERE v.folder = ?"
+    )
+
+    def ids(self, folder: str) -> dict:
+        """Return {version id: size} of the versions packed for a history folder (name)."""
+        return {row[0]: row[4] for row in self._run(self._OBJECTS, (folder,))}
+
+    def folders(self) -> list:
+        return [row[0] for row in self._run("SELECT DISTINCT folder FROM version")]
+
+    def read(self, folder: str, vid: str) -> bytes | None:
+        """Return a packed version's content (None: not packed here, or damaged)."""
+        found = self._run(self._OBJECTS + " AND v.vid = ?", (folder, vid))
+        if not found:
+            return None
+        data = self._slices(found[0][2], [found[0][1:]]).get(found[0][1])
+        if data is None:
+            log.error("history: version %s in %s is damaged", vid, self.file)
+        return data
+
+    def _slices(self, pack: int, objects: list, db: Any = None) -> dict:
+        """Return {object id: content} of objects [(id, pack, start, size)] in one pack,
+        each checked against its id (a damaged one is left out)."""
+        blob = (db.execute if db else self._run)("SELECT data FROM pack WHERE id = ?", (pack,))
+        blob = blob.fetchall() if db else blob
+        end = max(start + size for _, _, start, size in objects)
+        try:  # only as much of the pack as these objects need
+            whole = zlib.decompressobj().decompress(blob[0][0], end) if blob else b""
+        except (zlib.error, TypeError):
+            whole = b""
+        found = {}
+        for oid, _, start, size in objects:
+            data = whole[start : start + size]
+            if len(data) == size and _etag_hex(data) == oid:
+                found[oid] = data
+        return found
+
+    def add(self, folder: str, versions: list) -> None:
+        """Keep versions [(version id, content)] of one history folder in one transaction:
+        its pack is rewritten with the new contents (or they make new packs, past
+        PACK_BYTES)."""
+        with self._transaction() as db:
+            old = db.execute(self._OBJECTS, (folder,)).fetchall()
+            objects = {vid[-32:]: (vid, data) for vid, data in versions}
+            if sum(n for *_, n in old) + sum(len(d) for _, d in versions) <= self.PACK_BYTES:
+                by_pack: dict = {}
+                for _, *obj in old:
+                    by_pack.setdefault(obj[1], []).append(obj)
+                first = {oid: vid for vid, oid, *_ in sorted(old, reverse=True)}
+                for pack, objs in by_pack.items():
+                    for oid, data in self._slices(pack, objs, db).items():
+                        objects.setdefault(oid, (first[oid], data))
+            else:  # only what is not kept yet
+                for oid in list(objects):
+                    if db.execute("SELECT 1 FROM object WHERE id = ?", (oid,)).fetchone():
+                        del objects[oid]
+            ordered = sorted(objects.items(), key=lambda item: item[1][0])  # oldest first
+            packs: list = [[]]
+            for oid, (_, data) in ordered:
+                if packs[-1] and sum(len(d) for _, d in packs[-1]) + len(data) > self.PACK_BYTES:
+                    packs.append([])
+                packs[-1].append((oid, data))
+            for pack in packs:
+                if pack:
+                    self._write_pack(db, pack)
+            db.executemany(
+                "INSERT OR IGNORE INTO version (folder, vid) VALUES (?, ?)",
+                [(folder, vid) for vid, _ in versions],
+            )
+
+    @staticmethod
+    def _write_pack(db: Any, objects: list) -> None:
+        """Write objects [(id, content)] as one pack (within the caller's transaction)."""
+        raw = b"".join(data for _, data in objects)
+        pack = db.execute(
+            "INSERT INTO pack (size, data) VALUES (?, ?)", (len(raw), zlib.compress(raw, 9))
+        ).lastrowid
+        rows, at = [], 0
+        for oid, data in objects:
+            rows.append((oid, pack, at, len(data)))
+            at += len(data)
+        db.executemany(
+            "INSERT OR REPLACE INTO object (id, pack, start, size) VALUES (?, ?, ?, ?)", rows
+        )
+
+    def drop(self, folder: str, vids: Iterable[str]) -> None:
+        vids = list(vids)
+        if vids and self.file.exists():
+            with self._transaction() as db:
+                db.executemany(
+                    "DELETE FROM version WHERE folder = ? AND vid = ?", [(folder, v) for v in vids]
+                )
+
+    def move(self, src: str, dst: str, vids: list | None, copy: bool) -> None:
+        """Give history folder dst the versions `vids` of src (all when None), moved or, with
+        `copy`, shared (a version already in dst has the same content: its id says so)."""
+        if not self.file.exists() or vids == []:
+            return
+        with self._transaction() as db:
+            rows = db.execute("SELECT vid FROM version WHERE folder = ?", (src,)).fetchall()
+            if vids is not None:
+                wanted = set(vids)
+                rows = [row for row in rows if row[0] in wanted]
+            db.executemany(
+                "INSERT OR IGNORE INTO version (folder, vid) VALUES (?, ?)",
+                [(dst, vid) for (vid,) in rows],
+            )
+            if not copy:
+                db.executemany(
+                    "DELETE FROM version WHERE folder = ? AND vid = ?", [(src, v) for (v,) in rows]
+                )
+
+    def collect(self) -> None:
+        """Drop the objects no version names and the packs no object is in; rewrite a pack
+        whose live objects are under half of it (a sweep's work)."""
+        if not self.file.exists():
+            return
+        with self._transaction() as db:
+            db.execute("DELETE FROM object WHERE id NOT IN (SELECT substr(vid, -32) FROM version)")
+            db.execute("DELETE FROM pack WHERE id NOT IN (SELECT pack FROM object)")
+            thin = db.execute(
+                "SELECT p.id FROM pack p JOIN object o ON o.pack = p.id "
+                "GROUP BY p.id HAVING 2 * SUM(o.size) < MAX(p.size)"
+            ).fetchall()
+            for (pack,) in thin:
+                live = db.execute(
+                    "SELECT id, pack, start, size FROM object WHERE pack = ? ORDER BY start",
+                    (pack,),
+                ).fetchall()
+                found = self._slices(pack, live, db)
+                if len(found) < len(live):
+                    continue  # damaged: never rewritten as if whole
+                self._write_pack(db, [(oid, found[oid]) for oid, *_ in live])
+                db.execute("DELETE FROM pack WHERE id = ?", (pack,))
+
+    def usage(self) -> tuple:
+        """Return (versions, bytes on disk) of the packed history."""
+        if not self.file.exists():
+            return 0, 0
+        versions = self._run("SELECT count(*) FROM version")[0][0]
+        size = 0
+        for suffix in ("", "-wal"):
+            with contextlib.suppress(OSError):
+                size += os.stat(f"{self.file}{suffix}").st_size
+        return versions, size
+
+
 class HistoryStore:
     """Past contents of the notes: <state>/history/<key of the note's path>/<version id>.
 
@@ -3663,10 +3863,13 @@ class HistoryStore:
     # grant sees only those saved inside its folder. A version not named was saved at the
     # path the history folder belongs to.
     ORIGINS = "origins"
+    PACK_AFTER = 3600  # seconds a version stays a loose file before a sweep packs it
 
     def __init__(self, folder: Path, max_versions: int, days: int, clock: Callable = time.time):
         self.folder = folder
         self.heads = HeadStore(folder / HeadStore.NAME, folder)
+        self.packs = VersionPacks(folder / VersionPacks.NAME, folder)
+        self._pack_lock = threading.Lock()  # packing a folder's versions, or moving them
         self.max_versions = max_versions
         self.days = days
         self.clock = clock  # injectable: retention by age is tested with another clock
@@ -3682,14 +3885,21 @@ class HistoryStore:
         return self.folder / hashlib.sha256(path.encode("utf-8")).hexdigest()[:32]
 
     def folders(self) -> list:
+        """Return the notes' history folders: those on disk and those only packed."""
         try:
-            return [
-                Path(e.path)
-                for e in os.scandir(self.folder)
-                if len(e.name) == 32 and e.is_dir(follow_symlinks=False)
-            ]
+            with os.scandir(self.folder) as entries:
+                names = {
+                    e.name for e in entries if len(e.name) == 32 and e.is_dir(follow_symlinks=False)
+                }
         except FileNotFoundError:
             return []
+        with contextlib.suppress(HeadStoreError):
+            names.update(self.packs.folders())
+        return [self.folder / name for name in sorted(names)]
+
+    def close(self) -> None:
+        self.heads.close()
+        self.packs.close()
 
     def ids(self, folder: Path) -> list:
         """Return the version ids in a history folder, oldest first."""
@@ -3697,14 +3907,23 @@ class HistoryStore:
             cached = self._ids.get(folder.name)
             if cached is not None:
                 return list(cached)
-        return self._list(folder)
+        return sorted({*self._loose(folder), *self._packed(folder)})
 
     @staticmethod
-    def _list(folder: Path) -> list:
+    def _loose(folder: Path) -> list:
+        """Return the ids of the versions kept as files in folder."""
         try:
-            return sorted(n for n in os.listdir(folder) if VERSION_ID_RE.match(n))
+            return [n for n in os.listdir(folder) if VERSION_ID_RE.match(n)]
         except (FileNotFoundError, NotADirectoryError):
             return []
+
+    def _packed(self, folder: Path) -> dict:
+        """Return {id: size} of the versions of folder that were packed."""
+        try:
+            return self.packs.ids(folder.name)
+        except HeadStoreError as e:
+            log.error("history: the packed versions cannot be read (%s)", e)
+            return {}
 
     def _cached_ids(self, folder: Path) -> list:
         """ids() remembered: only under the note's lock, where its history changes."""
@@ -3821,13 +4040,18 @@ class HistoryStore:
             return 0
         ids = self.ids(folder)
         cutoff = (self.clock() - self.days * DAY_SECONDS) * 1_000_000
-        removed = []
+        removed, packed = [], []
         for vid in ids[: max(0, len(ids) - self.max_versions)]:  # oldest first
             if self.days and int(vid[:16]) >= cutoff:
                 break
-            with contextlib.suppress(FileNotFoundError):
+            try:
                 os.unlink(folder / vid)
+            except FileNotFoundError:
+                packed.append(vid)
             removed.append(vid)
+        if packed:
+            with contextlib.suppress(HeadStoreError):  # kept, to be dropped by the next sweep
+                self.packs.drop(folder.name, packed)
         if removed:
             self._changed(folder, dropped=removed)
         return len(removed)
@@ -3835,14 +4059,24 @@ class HistoryStore:
     def relocate(self, old: str, new: str, until_us: int | None = None, copy: bool = False):
         """Give the note at `new` the history of `old` (a move, a restore elsewhere): the
         versions saved up to until_us (all when None), moved, or linked when `copy`."""
+        with self._pack_lock:  # a sweep packs no version of these folders meanwhile
+            try:
+                self._relocate(old, new, until_us, copy)
+            except HeadStoreError as e:  # the packed ones stay under `old` (the caller logs)
+                raise OSError(f"the packed versions: {e}") from None
+
+    def _relocate(self, old: str, new: str, until_us: int | None, copy: bool):
         src, dst = self.dir_of(old), self.dir_of(new)
         self._changed(src)
         self._changed(dst)
         ids = [v for v in self.ids(src) if until_us is None or int(v[:16]) <= until_us]
+        packed = self._packed(src)
         origins = self._origins(src)
         came = {vid: origins.get(vid, old) for vid in ids}
         if not copy and until_us is None and src.is_dir() and not dst.exists():
-            os.replace(src, dst)  # the whole folder, head and origins included
+            if packed:
+                self.packs.move(src.name, dst.name, None, copy=False)
+            os.replace(src, dst)  # the whole folder, origins included
             fsync_dir(self.folder)
             self._write_origins(dst, {**origins, **came})
             return
@@ -3850,7 +4084,10 @@ class HistoryStore:
             return
         dst = self._folder(new)
         self._write_origins(dst, {**self._origins(dst), **came})  # before the versions land
+        self.packs.move(src.name, dst.name, [v for v in ids if v in packed], copy)
         for vid in ids:
+            if vid in packed and not (src / vid).exists():
+                continue
             if (dst / vid).exists():  # the same id: the same content
                 if not copy:
                     os.unlink(src / vid)
@@ -3878,7 +4115,7 @@ class HistoryStore:
 
     def _write_origins(self, folder: Path, origins: dict) -> None:
         """Keep the origins of the versions still in folder (atomic, private)."""
-        here = set(self._list(folder))
+        here = {*self._loose(folder), *self._packed(folder)}
         lines = "".join(f"{v} {p}\n" for v, p in sorted(origins.items()) if v in here)
         if lines:
             atomic_write(folder / self.ORIGINS, lines.encode("utf-8"), mode=0o600)
@@ -3960,21 +4197,32 @@ class HistoryStore:
         saved at a path sees(path) accepts (a folder grant's)."""
         folder, found = self.dir_of(path), []
         origins = self._origins(folder) if sees else {}
+        packed = self._packed(folder)
         for vid in reversed(self.ids(folder)):
             if sees and not sees(origins.get(vid, path)):
                 continue
             with contextlib.suppress(OSError):  # pruned meanwhile
-                found.append(self.describe(vid, os.stat(folder / vid).st_size))
+                size = packed[vid] if vid in packed else os.stat(folder / vid).st_size
+                found.append(self.describe(vid, size))
         return found
 
     def read(self, path: str, vid: str) -> bytes:
         """Return a version's content; 400 for a malformed id, 404 for an unknown one."""
         if not VERSION_ID_RE.match(vid):
             raise bad_request(f"{vid[:80]!r} is not a version id (see GET .../versions)")
+        folder = self.dir_of(path)
         try:
-            return (self.dir_of(path) / vid).read_bytes()
+            return (folder / vid).read_bytes()
         except (FileNotFoundError, NotADirectoryError):
-            raise not_found(f"no version {vid} of {path}") from None
+            pass
+        try:
+            data = self.packs.read(folder.name, vid)
+        except HeadStoreError as e:
+            log.error("history: the packed versions cannot be read (%s)", e)
+            data = None
+        if data is None:
+            raise not_found(f"no version {vid} of {path}")
+        return data
 
     def sweep(self, folder: Path, fix_modes: bool = False) -> int:
         """Apply the retention to one folder (and make its versions private: a crash in
@@ -3982,6 +4230,7 @@ class HistoryStore:
         many versions were removed."""
         removed = self.prune(folder)
         self._changed(folder)  # what the disk says from now on
+        self.pack(folder)
         if not self.ids(folder):
             with contextlib.suppress(OSError):
                 os.unlink(folder / self.ORIGINS)
@@ -3993,8 +4242,40 @@ class HistoryStore:
             folder.rmdir()  # only when nothing is left in it
         return removed
 
+    def pack(self, folder: Path) -> int:
+        """Move the versions of a history folder older than PACK_AFTER from their files into
+        the packs (durably, then the files are removed); return how many."""
+        cutoff = (self.clock() - self.PACK_AFTER) * 1_000_000
+        with self._pack_lock:
+            loose = sorted(v for v in self._loose(folder) if int(v[:16]) < cutoff)
+            versions = []
+            for vid in loose:
+                with contextlib.suppress(OSError):  # pruned meanwhile
+                    data = (folder / vid).read_bytes()
+                    if _etag_hex(data) == vid[-32:]:  # else damaged: left as it is
+                        versions.append((vid, data))
+            if not versions:
+                return 0
+            try:
+                self.packs.add(folder.name, versions)
+            except HeadStoreError as e:  # a full disk: they stay files, nothing lost
+                log.warning("history: versions not packed (%s)", e)
+                return 0
+            for vid, _ in versions:
+                with contextlib.suppress(OSError):
+                    os.unlink(folder / vid)
+        return len(versions)
+
+    def collect(self) -> None:
+        """Drop what the packs hold for no version any more (a sweep's work)."""
+        try:
+            self.packs.collect()
+        except HeadStoreError as e:
+            log.warning("history: the packs were not tidied (%s)", e)
+
     def usage(self) -> dict:
-        """Return {notes, versions, bytes} of the history (the copies' bytes included)."""
+        """Return {notes, versions, bytes} of the history (the copies' and packs' bytes
+        included)."""
         notes = versions = size = 0
         for folder in self.folders():
             notes += 1
@@ -4003,6 +4284,9 @@ class HistoryStore:
                     with contextlib.suppress(OSError):
                         size += e.stat(follow_symlinks=False).st_size
                     versions += bool(VERSION_ID_RE.match(e.name))
+        with contextlib.suppress(HeadStoreError):
+            packed, packed_bytes = self.packs.usage()
+            versions, size = versions + packed, size + packed_bytes
         return {"notes": notes, "versions": versions, "bytes": size}
 
 
@@ -9110,7 +9394,7 @@ class Service:
             self._threads = []
             self.index.close()  # the last flush and commit
             self.grants.flush(force=True)
-        self.history.heads.close()
+        self.history.close()
 
     # -- request context ------------------------------------------------------
 

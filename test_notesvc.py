@@ -18149,3 +18149,195 @@ class TestHeadStore:
         assert svc.history.heads._run("SELECT count(*) FROM pack")[0][0] == 3  # 100 a pack
         svc.history.heads._run("UPDATE pack SET data = ?", (b"x\x9c torn",))
         assert svc.history.read_head("notes/f3/n3.md") is None  # a damaged copy: unknown
+
+
+def history_folder_of(root: Path, path: str) -> Path:
+    return root / ".notesvc/history" / hashlib.sha256(path.encode()).hexdigest()[:32]
+
+
+def loose_versions(root: Path) -> list:
+    """Return the versions kept as files anywhere in the history."""
+    history = root / ".notesvc/history"
+    return [f for f in history.rglob("*") if f.is_file() and notesvc.VERSION_ID_RE.match(f.name)]
+
+
+class TestVersionPacks:
+    """Versions a sweep found settled move from their files into one compressed,
+    content-addressed SQLite file (git's loose objects and packs)."""
+
+    @staticmethod
+    def edited(make_app, edits: int = 30, **settings):
+        """A note edited `edits` times, a line changed each time; the app's clock in hand."""
+        client = with_key(make_app(**settings))
+        svc = client.app.service
+        now = [time.time()]
+        svc.history.clock = lambda: now[0]
+        lines = [
+            f"Line {i}: the garden by the river needs water and some care.\n" for i in range(300)
+        ]
+        put_note(client, "notes/long.md", "# Long\n\n" + "".join(lines))
+        for i in range(edits):
+            lines[(i * 37) % 300] = f"Line changed in edit {i}.\n"
+            update(client, "notes/long.md", "# Long\n\n" + "".join(lines))
+        return client, svc, now
+
+    def test_a_settled_history_is_packed_to_a_fraction_and_reads_the_same(self, make_app, root):
+        client, svc, now = self.edited(make_app)
+        before = versions_of(client, "notes/long.md")
+        contents = version_contents(client, "notes/long.md")
+        loose_bytes = sum(f.stat().st_size for f in loose_versions(root))
+        assert before["total"] == len(loose_versions(root)) == 30
+        svc.notes.sweep_history()  # younger than an hour: they stay files
+        assert len(loose_versions(root)) == 30
+        now[0] += 2 * 3600
+        svc.notes.sweep_history()
+        assert loose_versions(root) == []
+        assert not history_folder_of(root, "notes/long.md").exists()  # no folder, no file each
+        db = root / ".notesvc/history/versions.db"
+        assert stat.S_IMODE(db.stat().st_mode) == 0o600
+        svc.history.close()  # the log folded into the file, as at a stop
+        assert db.stat().st_size <= loose_bytes / 10, (db.stat().st_size, loose_bytes)
+        assert versions_of(client, "notes/long.md") == before  # ids, sizes, etags, reasons
+        assert version_contents(client, "notes/long.md") == contents
+        first, last = before["versions"][-1]["id"], before["versions"][0]["id"]
+        diff = data(client.get(f"{note_url('notes/long.md')}/versions/{first}/diff?against={last}"))
+        assert "+Line changed in edit 28." in diff["diff"]
+        info = data(client.get(f"{API}/system/info"))["history"]
+        assert (info["notes"], info["versions"]) == (1, 30)
+        etag = client.get(note_url("notes/long.md")).headers["ETag"]
+        client.post(
+            f"{note_url('notes/long.md')}/versions/{first}/restore", headers={"If-Match": etag}
+        )
+        assert data(client.get(note_url("notes/long.md")))["content"] == contents[-1]
+        assert versions_of(client, "notes/long.md")["total"] == 31  # a new loose one, beside
+
+    def test_the_same_content_is_kept_once(self, make_app, root):
+        client = with_key(make_app())
+        svc = client.app.service
+        now = [time.time()]
+        svc.history.clock = lambda: now[0]
+        for name in ("a", "b", "c"):
+            put_note(client, f"notes/{name}.md", "# Template\n\nthe same first text\n")
+            update(client, f"notes/{name}.md", f"# {name}\n\nits own text\n")
+        now[0] += 2 * 3600
+        svc.notes.sweep_history()
+        packs = svc.history.packs
+        assert packs._run("SELECT count(*) FROM version")[0][0] == 3
+        assert packs._run("SELECT count(*) FROM object")[0][0] == 1
+        for name in ("a", "b", "c"):
+            assert version_contents(client, f"notes/{name}.md") == [
+                "# Template\n\nthe same first text\n"
+            ]
+
+    def test_retention_drops_packed_versions_and_tidies_the_packs(self, make_app, root):
+        client, svc, now = self.edited(make_app, SERVICE_HISTORY_DAYS="1")
+        contents = version_contents(client, "notes/long.md")
+        now[0] += 2 * 3600
+        svc.notes.sweep_history()
+        packs = svc.history.packs
+        assert packs._run("SELECT count(*) FROM pack")[0][0] == 1
+        (whole,) = packs._run("SELECT size FROM pack")[0]
+        now[0] += 2 * 86400
+        svc.history.max_versions = 5
+        assert svc.notes.sweep_history() == 25
+        assert version_contents(client, "notes/long.md") == contents[:5]
+        assert packs._run("SELECT count(*) FROM object")[0][0] == 5  # the others collected
+        (size,) = packs._run("SELECT size FROM pack")[0]  # rewritten: mostly dead
+        assert size < whole / 2
+        current = data(client.get(note_url("notes/long.md")))["content"]
+        update(client, "notes/long.md", "# Long\n\nshort now\n")  # a save applies it too
+        assert version_contents(client, "notes/long.md") == [current, *contents[:4]]
+        client.delete(note_url("notes/long.md"))
+        svc.history.max_versions = 1
+        now[0] += 2 * 86400
+        svc.notes.sweep_history()
+        assert versions_of(client, "notes/long.md")["total"] == 1
+
+    def test_a_packed_history_follows_its_note_across_moves_and_restores(self, make_app, root):
+        client, svc, now = self.edited(make_app, edits=3)
+        contents = version_contents(client, "notes/long.md")
+        now[0] += 2 * 3600
+        svc.notes.sweep_history()
+        assert loose_versions(root) == []
+        client.patch_json(f"{note_url('notes/long.md')}/move", {"path": "notes/moved.md"})
+        assert version_contents(client, "notes/moved.md")[1:] == contents  # and "moved"
+        versions_of_raw(client, "notes/long.md", 404)  # nothing left under the old path
+        now[0] += 2 * 3600
+        svc.notes.sweep_history()  # the "moved" version packed too: all in the packs
+        client.delete(note_url("notes/moved.md"))
+        put_note(client, "notes/moved.md", "someone else's note now")
+        item = data(client.get(f"{API}/trash"))["items"][0]
+        client.post_json(f"{API}/trash/{item['id']}/restore", {"path": "notes/back.md"})
+        assert version_contents(client, "notes/back.md")[-3:] == contents  # copied along
+        assert version_contents(client, "notes/moved.md")[-3:] == contents  # and still there
+
+    def test_a_damaged_pack_shows_no_wrong_version(self, make_app, root, caplog):
+        client, svc, now = self.edited(make_app, edits=3)
+        now[0] += 2 * 3600
+        svc.notes.sweep_history()
+        packs = svc.history.packs
+        (data_,) = packs._run("SELECT data FROM pack")[0]
+        torn = zlib.compress(zlib.decompress(data_).replace(b"garden", b"GARDEN", 1), 9)
+        packs._run("UPDATE pack SET data = ?", (torn,))
+        found = versions_of(client, "notes/long.md")["versions"]
+        oldest = found[-1]["id"]  # its text comes first in the pack: the one changed
+        resp = client.get(f"{note_url('notes/long.md')}/versions/{oldest}", status=404)
+        assert_error(resp, 404, "NOT_FOUND")
+        assert "damaged" in caplog.text
+        assert data(client.get(f"{note_url('notes/long.md')}/versions/{found[0]['id']}"))["content"]
+
+    def test_versions_stay_files_when_the_packs_cannot_be_written(self, make_app, root, caplog):
+        client, svc, now = self.edited(make_app, edits=3)
+        contents = version_contents(client, "notes/long.md")
+        (root / ".notesvc/history/versions.db").mkdir()  # not a file: SQLite cannot open it
+        now[0] += 2 * 3600
+        svc.notes.sweep_history()
+        assert len(loose_versions(root)) == 3
+        assert version_contents(client, "notes/long.md") == contents
+        assert "not packed" in caplog.text
+        client.patch_json(f"{note_url('notes/long.md')}/move", {"path": "notes/moved.md"})
+        assert version_contents(client, "notes/moved.md")[1:] == contents  # files move on
+
+    def test_a_crash_between_packing_and_removing_the_files_lists_each_version_once(
+        self, make_app, root
+    ):
+        client, svc, now = self.edited(make_app, edits=3)
+        before = versions_of(client, "notes/long.md")
+        files = {f: f.read_bytes() for f in loose_versions(root)}
+        now[0] += 2 * 3600
+        svc.notes.sweep_history()
+        for f, raw in files.items():  # as if the process had died before the unlinks
+            f.parent.mkdir(mode=0o700, exist_ok=True)
+            f.write_bytes(raw)
+        svc.history._changed(next(iter(files)).parent)
+        assert versions_of(client, "notes/long.md") == before
+        svc.notes.sweep_history()
+        assert loose_versions(root) == []
+        assert versions_of(client, "notes/long.md") == before
+
+
+@pytest.mark.real_server
+@pytest.mark.slow
+def test_a_server_packs_an_older_historys_version_files_and_keeps_them_across_a_kill(tmp_path):
+    """A history written before packs (one file per version, days old) is packed by the
+    server's first sweep; a SIGKILL right after loses none of it."""
+    root, path = tmp_path / "srv", "notes/old.md"
+    (root / "notes").mkdir(parents=True)
+    (root / path).write_text("# Old\n\nnow\n")
+    folder = history_folder_of(root, path)
+    folder.mkdir(parents=True)
+    texts = [f"# Old\n\nversion {i}\n" + "the same long paragraph again. " * 50 for i in range(20)]
+    start_us = int((time.time() - 3 * 86400) * 1_000_000)
+    for i, text in enumerate(texts):
+        raw = text.encode()
+        (folder / f"{start_us + i:016d}-updated-{notesvc.make_etag(raw)[1:-1]}").write_bytes(raw)
+    url = note_url(path) + "/versions"
+    with running(root, "--auth-mode", "none") as server:
+        wait_for(lambda: not loose_versions(root), timeout=20)
+        server.proc.kill()
+        server.proc.wait(10)
+    with running(root, "--auth-mode", "none") as server:
+        found = server.request("GET", url + "?limit=100")[2]["data"]["versions"]
+        assert len(found) == 20
+        got = [server.request("GET", f"{url}/{v['id']}")[2]["data"]["content"] for v in found]
+        assert got == texts[::-1]
