@@ -3490,6 +3490,8 @@ class _SqliteStore:
             fresh = not self.file.exists()
             os.close(os.open(self.file, os.O_RDWR | os.O_CREAT, 0o600))  # its WAL: the same
             db = sqlite3.connect(str(self.file), check_same_thread=False, isolation_level=None)
+            if fresh:  # pages freed by deletions can go back to the file system (shrink())
+                db.execute("PRAGMA auto_vacuum=INCREMENTAL")
             db.execute("PRAGMA journal_mode=WAL")
             db.execute(f"PRAGMA synchronous={self.SYNCHRONOUS}")
             db.execute("PRAGMA cache_size=-256")
@@ -3534,6 +3536,20 @@ class _SqliteStore:
                 except BaseException:
                     db.execute("ROLLBACK")
                     raise
+            except sqlite3.Error as e:
+                raise HeadStoreError(str(e)) from None
+
+    def _shrink(self) -> None:
+        """Give the pages deletions freed back to the file system (a file made before
+        auto_vacuum was set keeps them for its next rows). executescript runs the pragma to
+        its end: execute() would free one page."""
+        import sqlite3
+
+        with self._lock:
+            if self._db is None and not self.file.exists():
+                return
+            try:
+                self._conn().executescript("PRAGMA incremental_vacuum")
             except sqlite3.Error as e:
                 raise HeadStoreError(str(e)) from None
 
@@ -3633,6 +3649,7 @@ class HeadStore(_SqliteStore):
     def prune(self) -> None:
         """Drop the packs no copy needs any more (a sweep's work)."""
         self._run("DELETE FROM pack WHERE id NOT IN (SELECT pack FROM copy WHERE pack > 0)")
+        self._shrink()
 
     def _migrate(self) -> None:
         """Move the per-folder copies of an older history in (under the lock, once)."""
@@ -3833,6 +3850,7 @@ class VersionPacks(_SqliteStore):
                     continue  # damaged: never rewritten as if whole
                 self._write_pack(db, [(oid, found[oid]) for oid, *_ in live])
                 db.execute("DELETE FROM pack WHERE id = ?", (pack,))
+        self._shrink()
 
     def usage(self) -> tuple:
         """Return (versions, bytes on disk) of the packed history."""

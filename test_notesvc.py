@@ -18237,9 +18237,14 @@ class TestVersionPacks:
         packs = svc.history.packs
         assert packs._run("SELECT count(*) FROM pack")[0][0] == 1
         (whole,) = packs._run("SELECT size FROM pack")[0]
+        svc.history.close()  # the log folded into the file, as at a stop
+        db = root / ".notesvc/history/versions.db"
+        full = db.stat().st_size
         now[0] += 2 * 86400
         svc.history.max_versions = 5
         assert svc.notes.sweep_history() == 25
+        svc.history.close()
+        assert db.stat().st_size < full  # the freed pages went back
         assert version_contents(client, "notes/long.md") == contents[:5]
         assert packs._run("SELECT count(*) FROM object")[0][0] == 5  # the others collected
         (size,) = packs._run("SELECT size FROM pack")[0]  # rewritten: mostly dead

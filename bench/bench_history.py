@@ -75,6 +75,23 @@ def tree_size(folder: Path) -> tuple:
     return files, size, blocks
 
 
+def wait_idle(pid: int, timeout: float = 60) -> None:
+    """Wait until the process used under 2 % of a core for a second (its start is done)."""
+    ticks = os.sysconf("SC_CLK_TCK")
+
+    def cpu() -> float:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+        return (int(fields[11]) + int(fields[12])) / ticks
+
+    deadline, last = time.monotonic() + timeout, cpu()
+    while time.monotonic() < deadline:
+        time.sleep(1)
+        now = cpu()
+        if now - last < 0.02:
+            return
+        last = now
+
+
 def read_versions(port: int, picks: list, key: str) -> dict:
     """Time `GET .../versions/:id` of each (path, id): p50/p95 in ms."""
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
@@ -99,12 +116,14 @@ def main() -> None:
     ap.add_argument("--corpus-dir", help="a corpus of 10,000 notes (default ~/corpus/10k)")
     ap.add_argument("--reads", type=int, default=300)
     ap.add_argument("--json", help="write the results here")
+    ap.add_argument("--keep", help="work in this (empty) folder and keep it")
     args = ap.parse_args()
     corpus = real_corpus(10000, args.corpus_dir, SHARED_BENCH / "corpus.py")
     paths = note_paths(corpus)[: args.notes]
     rnd = random.Random(5)
     res: dict = {"notes": len(paths), "edits": args.edits}
-    with tempfile.TemporaryDirectory() as work:
+    with tempfile.TemporaryDirectory() as temp:
+        work = args.keep or temp
         root, repo = Path(work) / "root", Path(work) / "git"
         for path in paths:
             for top in (root, repo):
@@ -144,6 +163,7 @@ def main() -> None:
             found = json.loads(conn.getresponse().read())["data"]["versions"]
             picks.append((path, rnd.choice(found)["id"]))
         conn.close()
+        wait_idle(proc.pid)
         res["readLoose"] = read_versions(port, picks, key)
         proc.terminate()
         proc.wait(30)
@@ -181,6 +201,7 @@ def main() -> None:
 
         proc, port = start(str(root))
         try:
+            wait_idle(proc.pid)
             res["readPacked"] = read_versions(port, picks, key)
         finally:
             proc.terminate()
