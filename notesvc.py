@@ -3706,39 +3706,58 @@ class VersionPacks(_SqliteStore):
     NAME = "versions.db"
     SYNCHRONOUS = "FULL"
     PACK_BYTES = 1 << 20  # a pack's objects, uncompressed (reading one decompresses its pack)
+    # A version id <microseconds>-<reason>-<ETag> is kept as its parts (26 bytes, not 58):
+    # `at`, `reason` (its index in VERSION_REASONS) and `object` (the ETag's 16 bytes);
+    # a history folder as its name's 16 bytes.
     SCHEMA = (
-        "CREATE TABLE IF NOT EXISTS version (folder TEXT, vid TEXT, "
-        "PRIMARY KEY (folder, vid)) WITHOUT ROWID",
-        "CREATE TABLE IF NOT EXISTS object (id TEXT PRIMARY KEY, pack INTEGER, "
+        "CREATE TABLE IF NOT EXISTS version (folder BLOB, at INTEGER, reason INTEGER, "
+        "object BLOB, PRIMARY KEY (folder, at, object)) WITHOUT ROWID",
+        "CREATE TABLE IF NOT EXISTS object (id BLOB PRIMARY KEY, pack INTEGER, "
         "start INTEGER, size INTEGER) WITHOUT ROWID",
         "CREATE TABLE IF NOT EXISTS pack (id INTEGER PRIMARY KEY, size INTEGER, data BLOB)",
     )
-    # a version's object: its id's last 32 characters (the ETag)
     _OBJECTS = (
-        "SELECT v.vid, o.id, o.pack, o.start, o.size FROM version v "
-        "JOIN object o ON o.id = substr(v.vid, -32) WHERE v.folder = ?"
+        "SELECT v.at, v.reason, o.id, o.pack, o.start, o.size FROM version v "
+        "JOIN object o ON o.id = v.object WHERE v.folder = ?"
     )
+
+    @staticmethod
+    def _parts(vid: str) -> tuple:
+        """Return (at, reason, object) of a version id."""
+        at, reason, etag = vid.split("-")
+        return int(at), VERSION_REASONS.index(reason), bytes.fromhex(etag)
+
+    @staticmethod
+    def _vids(rows: Iterable) -> list:
+        """Return rows (at, reason, object, ...) as (version id, object, ...)."""
+        return [
+            (f"{at:016d}-{VERSION_REASONS[reason]}-{oid.hex()}", oid, *rest)
+            for at, reason, oid, *rest in rows
+        ]
 
     def ids(self, folder: str) -> dict:
         """Return {version id: size} of the versions packed for a history folder (name)."""
-        return {row[0]: row[4] for row in self._run(self._OBJECTS, (folder,))}
+        rows = self._run(self._OBJECTS, (bytes.fromhex(folder),))
+        return {row[0]: row[4] for row in self._vids(rows)}
 
     def folders(self) -> list:
-        return [row[0] for row in self._run("SELECT DISTINCT folder FROM version")]
+        return [row[0].hex() for row in self._run("SELECT DISTINCT folder FROM version")]
 
     def read(self, folder: str, vid: str) -> bytes | None:
         """Return a packed version's content (None: not packed here, or damaged)."""
-        found = self._run(self._OBJECTS + " AND v.vid = ?", (folder, vid))
+        at, reason, oid = self._parts(vid)
+        sql = self._OBJECTS + " AND v.at = ? AND v.reason = ? AND v.object = ?"
+        found = self._vids(self._run(sql, (bytes.fromhex(folder), at, reason, oid)))
         if not found:
             return None
-        data = self._slices(found[0][2], [found[0][1:]]).get(found[0][1])
+        data = self._slices(found[0][2], [found[0][1:]]).get(oid)
         if data is None:
             log.error("history: version %s in %s is damaged", vid, self.file)
         return data
 
     def _slices(self, pack: int, objects: list, db: Any = None) -> dict:
-        """Return {object id: content} of objects [(id, pack, start, size)] in one pack,
-        each checked against its id (a damaged one is left out)."""
+        """Return {object: content} of objects [(object, pack, start, size)] in one pack,
+        each checked against its name (a damaged one is left out)."""
         blob = (db.execute if db else self._run)("SELECT data FROM pack WHERE id = ?", (pack,))
         blob = blob.fetchall() if db else blob
         end = max(start + size for _, _, start, size in objects)
@@ -3749,7 +3768,7 @@ class VersionPacks(_SqliteStore):
         found = {}
         for oid, _, start, size in objects:
             data = whole[start : start + size]
-            if len(data) == size and _etag_hex(data) == oid:
+            if len(data) == size and hashlib.sha256(data).digest()[:16] == oid:
                 found[oid] = data
         return found
 
@@ -3757,9 +3776,10 @@ class VersionPacks(_SqliteStore):
         """Keep versions [(version id, content)] of one history folder in one transaction:
         its pack is rewritten with the new contents (or they make new packs, past
         PACK_BYTES)."""
+        name = bytes.fromhex(folder)
         with self._transaction() as db:
-            old = db.execute(self._OBJECTS, (folder,)).fetchall()
-            objects = {vid[-32:]: (vid, data) for vid, data in versions}
+            old = self._vids(db.execute(self._OBJECTS, (name,)).fetchall())
+            objects = {bytes.fromhex(vid[-32:]): (vid, data) for vid, data in versions}
             if sum(n for *_, n in old) + sum(len(d) for _, d in versions) <= self.PACK_BYTES:
                 by_pack: dict = {}
                 for _, *obj in old:
@@ -3782,13 +3802,13 @@ class VersionPacks(_SqliteStore):
                 if pack:
                     self._write_pack(db, pack)
             db.executemany(
-                "INSERT OR IGNORE INTO version (folder, vid) VALUES (?, ?)",
-                [(folder, vid) for vid, _ in versions],
+                "INSERT OR IGNORE INTO version (folder, at, reason, object) VALUES (?, ?, ?, ?)",
+                [(name, *self._parts(vid)) for vid, _ in versions],
             )
 
     @staticmethod
     def _write_pack(db: Any, objects: list) -> None:
-        """Write objects [(id, content)] as one pack (within the caller's transaction)."""
+        """Write objects [(object, content)] as one pack (within the caller's transaction)."""
         raw = b"".join(data for _, data in objects)
         pack = db.execute(
             "INSERT INTO pack (size, data) VALUES (?, ?)", (len(raw), zlib.compress(raw, 9))
@@ -3802,11 +3822,12 @@ class VersionPacks(_SqliteStore):
         )
 
     def drop(self, folder: str, vids: Iterable[str]) -> None:
-        vids = list(vids)
+        name, vids = bytes.fromhex(folder), list(vids)
         if vids and self.file.exists():
             with self._transaction() as db:
                 db.executemany(
-                    "DELETE FROM version WHERE folder = ? AND vid = ?", [(folder, v) for v in vids]
+                    "DELETE FROM version WHERE folder = ? AND at = ? AND object = ?",
+                    [(name, at, oid) for at, _, oid in map(self._parts, vids)],
                 )
 
     def move(self, src: str, dst: str, vids: list | None, copy: bool) -> None:
@@ -3814,18 +3835,21 @@ class VersionPacks(_SqliteStore):
         `copy`, shared (a version already in dst has the same content: its id says so)."""
         if not self.file.exists() or vids == []:
             return
+        old, new = bytes.fromhex(src), bytes.fromhex(dst)
         with self._transaction() as db:
-            rows = db.execute("SELECT vid FROM version WHERE folder = ?", (src,)).fetchall()
+            sql = "SELECT at, reason, object FROM version WHERE folder = ?"
+            rows = db.execute(sql, (old,)).fetchall()
             if vids is not None:
                 wanted = set(vids)
-                rows = [row for row in rows if row[0] in wanted]
+                rows = [row for row, (vid, *_) in zip(rows, self._vids(rows)) if vid in wanted]
             db.executemany(
-                "INSERT OR IGNORE INTO version (folder, vid) VALUES (?, ?)",
-                [(dst, vid) for (vid,) in rows],
+                "INSERT OR IGNORE INTO version (folder, at, reason, object) VALUES (?, ?, ?, ?)",
+                [(new, *row) for row in rows],
             )
             if not copy:
                 db.executemany(
-                    "DELETE FROM version WHERE folder = ? AND vid = ?", [(src, v) for (v,) in rows]
+                    "DELETE FROM version WHERE folder = ? AND at = ? AND object = ?",
+                    [(old, at, oid) for at, _, oid in rows],
                 )
 
     def collect(self) -> None:
@@ -3834,7 +3858,7 @@ class VersionPacks(_SqliteStore):
         if not self.file.exists():
             return
         with self._transaction() as db:
-            db.execute("DELETE FROM object WHERE id NOT IN (SELECT substr(vid, -32) FROM version)")
+            db.execute("DELETE FROM object WHERE id NOT IN (SELECT object FROM version)")
             db.execute("DELETE FROM pack WHERE id NOT IN (SELECT pack FROM object)")
             thin = db.execute(
                 "SELECT p.id FROM pack p JOIN object o ON o.pack = p.id "
