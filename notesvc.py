@@ -3889,16 +3889,17 @@ class VersionPacks(_SqliteStore):
 
 
 class HistoryStore:
-    """Past contents of the notes: <state>/history/<key of the note's path>/<version id>.
+    """Past contents of the notes: <state>/history/<key of the note's path>/<version id>,
+    until the retention sweep packs them (VersionPacks, after PACK_AFTER seconds).
 
     A version id is `<microseconds since the epoch, 16 digits>-<reason>-<etag>`: ids sort by
-    age and say what a version is, so listing a history reads no file. Beside the versions,
-    `head` is a copy of the note as notesvc last wrote or saw it (first line: its etag and
-    path), so that a change made by another program, found by the rescan, still keeps the
-    content it replaced; it is a cache, checked against its etag and not fsynced. A content
-    about to be replaced by a rename is linked, not copied (no data written). Retention: a
-    note's newest `max_versions`, and every version younger than `days`. Callers hold the
-    note's lock (NoteStore's); the retention sweep only removes.
+    age and say what a version is, so listing a history reads no content. The heads
+    (HeadStore) hold a copy of each note as notesvc last wrote or saw it, so that a change
+    made by another program, found by the rescan, still keeps the content it replaced; a
+    cache, checked and not fsynced. A content about to be replaced by a rename is linked,
+    not copied (no data written). Retention: a note's newest `max_versions`, and every
+    version younger than `days`. Callers hold the note's lock (NoteStore's); the sweep only
+    removes and packs (what a move does meanwhile waits for it: _pack_lock).
     """
 
     # Where the versions a move brought in were saved (lines "<version id> <path>"): a folder
