@@ -3706,11 +3706,10 @@ class VersionPacks(_SqliteStore):
     NAME = "versions.db"
     SYNCHRONOUS = "FULL"
     PACK_BYTES = 1 << 20  # a pack's objects, uncompressed (reading one decompresses its pack)
-    # A version id <microseconds>-<reason>-<ETag> is kept as its parts (26 bytes, not 58):
-    # `at`, `reason` (its index in VERSION_REASONS) and `object` (the ETag's 16 bytes);
-    # a history folder as its name's 16 bytes.
+    # A version id <microseconds>-<reason>-<ETag> is kept as its parts: `at`, `reason`
+    # and `object` (the ETag's 16 bytes); a history folder as its name's 16 bytes.
     SCHEMA = (
-        "CREATE TABLE IF NOT EXISTS version (folder BLOB, at INTEGER, reason INTEGER, "
+        "CREATE TABLE IF NOT EXISTS version (folder BLOB, at INTEGER, reason TEXT, "
         "object BLOB, PRIMARY KEY (folder, at, object)) WITHOUT ROWID",
         "CREATE TABLE IF NOT EXISTS object (id BLOB PRIMARY KEY, pack INTEGER, "
         "start INTEGER, size INTEGER) WITHOUT ROWID",
@@ -3725,15 +3724,12 @@ class VersionPacks(_SqliteStore):
     def _parts(vid: str) -> tuple:
         """Return (at, reason, object) of a version id."""
         at, reason, etag = vid.split("-")
-        return int(at), VERSION_REASONS.index(reason), bytes.fromhex(etag)
+        return int(at), reason, bytes.fromhex(etag)
 
     @staticmethod
     def _vids(rows: Iterable) -> list:
         """Return rows (at, reason, object, ...) as (version id, object, ...)."""
-        return [
-            (f"{at:016d}-{VERSION_REASONS[reason]}-{oid.hex()}", oid, *rest)
-            for at, reason, oid, *rest in rows
-        ]
+        return [(f"{at:016d}-{reason}-{oid.hex()}", oid, *rest) for at, reason, oid, *rest in rows]
 
     def ids(self, folder: str) -> dict:
         """Return {version id: size} of the versions packed for a history folder (name)."""
@@ -3746,23 +3742,32 @@ class VersionPacks(_SqliteStore):
     def read(self, folder: str, vid: str) -> bytes | None:
         """Return a packed version's content (None: not packed here, or damaged)."""
         at, reason, oid = self._parts(vid)
-        sql = self._OBJECTS + " AND v.at = ? AND v.reason = ? AND v.object = ?"
-        found = self._vids(self._run(sql, (bytes.fromhex(folder), at, reason, oid)))
+        sql = (  # one statement: the object's row and its pack from one snapshot
+            "SELECT o.id, o.pack, o.start, o.size, p.data FROM version v "
+            "JOIN object o ON o.id = v.object JOIN pack p ON p.id = o.pack "
+            "WHERE v.folder = ? AND v.at = ? AND v.reason = ? AND v.object = ?"
+        )
+        found = self._run(sql, (bytes.fromhex(folder), at, reason, oid))
         if not found:
             return None
-        data = self._slices(found[0][2], [found[0][1:]]).get(oid)
+        data = self._unpack(found[0][4], [found[0][:4]]).get(oid)
         if data is None:
             log.error("history: version %s in %s is damaged", vid, self.file)
         return data
 
-    def _slices(self, pack: int, objects: list, db: Any = None) -> dict:
+    def _slices(self, db: Any, pack: int, objects: list) -> dict:
         """Return {object: content} of objects [(object, pack, start, size)] in one pack,
-        each checked against its name (a damaged one is left out)."""
-        blob = (db.execute if db else self._run)("SELECT data FROM pack WHERE id = ?", (pack,))
-        blob = blob.fetchall() if db else blob
+        read within the caller's transaction (see _unpack)."""
+        blob = db.execute("SELECT data FROM pack WHERE id = ?", (pack,)).fetchone()
+        return self._unpack(blob[0] if blob else None, objects)
+
+    @staticmethod
+    def _unpack(blob: bytes | None, objects: list) -> dict:
+        """Return {object: content} of objects [(object, pack, start, size)] in the pack
+        `blob`, each checked against its name (a damaged one is left out)."""
         end = max(start + size for _, _, start, size in objects)
         try:  # only as much of the pack as these objects need
-            whole = zlib.decompressobj().decompress(blob[0][0], end) if blob else b""
+            whole = zlib.decompressobj().decompress(blob, end) if blob else b""
         except (zlib.error, TypeError):
             whole = b""
         found = {}
@@ -3786,11 +3791,13 @@ class VersionPacks(_SqliteStore):
                     by_pack.setdefault(obj[1], []).append(obj)
                 first = {oid: vid for vid, oid, *_ in sorted(old, reverse=True)}
                 for pack, objs in by_pack.items():
-                    for oid, data in self._slices(pack, objs, db).items():
+                    for oid, data in self._slices(db, pack, objs).items():
                         objects.setdefault(oid, (first[oid], data))
-            else:  # only what is not kept yet
+            else:  # only what is not kept whole yet (a damaged copy is replaced)
                 for oid in list(objects):
-                    if db.execute("SELECT 1 FROM object WHERE id = ?", (oid,)).fetchone():
+                    sql = "SELECT id, pack, start, size FROM object WHERE id = ?"
+                    row = db.execute(sql, (oid,)).fetchone()
+                    if row and self._slices(db, row[1], [row]):
                         del objects[oid]
             ordered = sorted(objects.items(), key=lambda item: item[1][0])  # oldest first
             packs: list = [[]]
@@ -3869,7 +3876,7 @@ class VersionPacks(_SqliteStore):
                     "SELECT id, pack, start, size FROM object WHERE pack = ? ORDER BY start",
                     (pack,),
                 ).fetchall()
-                found = self._slices(pack, live, db)
+                found = self._slices(db, pack, live)
                 if len(found) < len(live):
                     continue  # damaged: never rewritten as if whole
                 self._write_pack(db, [(oid, found[oid]) for oid, *_ in live])
@@ -3960,11 +3967,14 @@ class HistoryStore:
         except (FileNotFoundError, NotADirectoryError):
             return []
 
-    def _packed(self, folder: Path) -> dict:
-        """Return {id: size} of the versions of folder that were packed."""
+    def _packed(self, folder: Path, strict: bool = False) -> dict:
+        """Return {id: size} of the versions of folder that were packed (none when the
+        packs cannot be read, logged; `strict`: HeadStoreError then)."""
         try:
             return self.packs.ids(folder.name)
         except HeadStoreError as e:
+            if strict:
+                raise
             log.error("history: the packed versions cannot be read (%s)", e)
             return {}
 
@@ -4116,9 +4126,7 @@ class HistoryStore:
         packed = self._packed(src)
         origins = self._origins(src)
         came = {vid: origins.get(vid, old) for vid in ids}
-        if not copy and until_us is None and src.is_dir() and not dst.exists():
-            if packed:
-                self.packs.move(src.name, dst.name, None, copy=False)
+        if not copy and until_us is None and not packed and src.is_dir() and not dst.exists():
             os.replace(src, dst)  # the whole folder, origins included
             fsync_dir(self.folder)
             self._write_origins(dst, {**origins, **came})
@@ -4126,7 +4134,9 @@ class HistoryStore:
         if not ids:
             return
         dst = self._folder(new)
-        self._write_origins(dst, {**self._origins(dst), **came})  # before the versions land
+        # the origins before the versions land (a crash in between: the versions stay in
+        # src with theirs); the packed ones first, the files after (src's origins stay)
+        self._write_origins(dst, {**self._origins(dst), **came}, landing=ids)
         self.packs.move(src.name, dst.name, [v for v in ids if v in packed], copy)
         for vid in ids:
             if vid in packed and not (src / vid).exists():
@@ -4156,9 +4166,14 @@ class HistoryStore:
         pairs = (line.partition(" ") for line in text.splitlines())
         return {vid: path for vid, _, path in pairs if VERSION_ID_RE.match(vid) and path}
 
-    def _write_origins(self, folder: Path, origins: dict) -> None:
-        """Keep the origins of the versions still in folder (atomic, private)."""
-        here = {*self._loose(folder), *self._packed(folder)}
+    def _write_origins(self, folder: Path, origins: dict, landing: Iterable = ()) -> None:
+        """Keep the origins of the versions in folder and of those `landing` there next
+        (atomic, private). While the packs cannot be read, all are kept: an origin too many
+        is never read, one too few would show a version to a folder grant."""
+        try:
+            here = {*self._loose(folder), *self._packed(folder, strict=True), *landing}
+        except HeadStoreError:
+            here = set(origins)
         lines = "".join(f"{v} {p}\n" for v, p in sorted(origins.items()) if v in here)
         if lines:
             atomic_write(folder / self.ORIGINS, lines.encode("utf-8"), mode=0o600)
@@ -4244,9 +4259,14 @@ class HistoryStore:
         for vid in reversed(self.ids(folder)):
             if sees and not sees(origins.get(vid, path)):
                 continue
-            with contextlib.suppress(OSError):  # pruned meanwhile
+            try:
                 size = packed[vid] if vid in packed else os.stat(folder / vid).st_size
-                found.append(self.describe(vid, size))
+            except OSError:  # packed meanwhile, or pruned
+                packed = self._packed(folder)
+                if vid not in packed:
+                    continue
+                size = packed[vid]
+            found.append(self.describe(vid, size))
         return found
 
     def read(self, path: str, vid: str) -> bytes:
@@ -4274,9 +4294,10 @@ class HistoryStore:
         removed = self.prune(folder)
         self._changed(folder)  # what the disk says from now on
         self.pack(folder)
-        if not self.ids(folder):
-            with contextlib.suppress(OSError):
-                os.unlink(folder / self.ORIGINS)
+        with contextlib.suppress(HeadStoreError):  # only when surely no version is left
+            if not self._loose(folder) and not self._packed(folder, strict=True):
+                with contextlib.suppress(OSError):
+                    os.unlink(folder / self.ORIGINS)
         for vid in self.ids(folder) if fix_modes else ():
             with contextlib.suppress(OSError):
                 if stat.S_IMODE(os.stat(folder / vid).st_mode) != 0o600:
@@ -4304,10 +4325,17 @@ class HistoryStore:
             except HeadStoreError as e:  # a full disk: they stay files, nothing lost
                 log.warning("history: versions not packed (%s)", e)
                 return 0
+            gone = []  # removed meanwhile by a save's retention (which holds no pack lock)
             for vid, _ in versions:
-                with contextlib.suppress(OSError):
+                try:
                     os.unlink(folder / vid)
-        return len(versions)
+                except FileNotFoundError:
+                    gone.append(vid)
+                except OSError:
+                    pass
+            with contextlib.suppress(HeadStoreError):
+                self.packs.drop(folder.name, gone)
+        return len(versions) - len(gone)
 
     def collect(self) -> None:
         """Drop what the packs hold for no version any more (a sweep's work)."""

@@ -18346,3 +18346,161 @@ def test_a_server_packs_an_older_historys_version_files_and_keeps_them_across_a_
         assert len(found) == 20
         got = [server.request("GET", f"{url}/{v['id']}")[2]["data"]["content"] for v in found]
         assert got == texts[::-1]
+
+
+class TestVersionPacksRaces:
+    """What a folder grant may see, and what a sweep racing a save, a move or a read
+    does, when versions are packed (found by a review of the packs)."""
+
+    @staticmethod
+    def app(make_app):
+        client = with_key(make_app())
+        svc = client.app.service
+        now = [time.time()]
+        svc.history.clock = lambda: now[0]
+        return client, svc, now
+
+    @staticmethod
+    def family_sees(client, path: str) -> list:
+        grant = {"name": "family", "scope": "read", "folder": "notes/family"}
+        family = with_key(
+            client, data(client.post_json(f"{API}/auth/keys", grant, status=201))["key"]
+        )
+        seen = versions_of(family, path)["versions"]
+        return [data(family.get(f"{note_url(path)}/versions/{v['id']}"))["content"] for v in seen]
+
+    def private_note(self, make_app):
+        client, svc, now = self.app(make_app)
+        put_note(client, "notes/private/plan.md", "# Plan\n\nthe safe's code is 4711\n")
+        update(client, "notes/private/plan.md", "# Plan\n\nnothing here\n")
+        return client, svc, now
+
+    @staticmethod
+    def move(client, new: str = "notes/family/plan.md"):
+        client.patch_json(f"{note_url('notes/private/plan.md')}/move", {"path": new})
+
+    def test_a_packed_history_moved_into_a_grants_folder_shows_it_nothing_from_before(
+        self, make_app, root
+    ):
+        client, svc, now = self.private_note(make_app)
+        now[0] += 2 * 3600
+        svc.notes.sweep_history()
+        assert not history_folder_of(root, "notes/private/plan.md").exists()  # only packed
+        self.move(client)
+        assert len(version_contents(client, "notes/family/plan.md")) == 2  # the owner: all
+        assert not any("4711" in t for t in self.family_sees(client, "notes/family/plan.md"))
+
+    @pytest.mark.parametrize("packed", [False, True])
+    def test_a_restore_from_the_trash_into_a_grants_folder_shows_it_nothing_from_before(
+        self, make_app, root, packed
+    ):
+        client, svc, now = self.private_note(make_app)
+        if packed:
+            now[0] += 2 * 3600
+            svc.notes.sweep_history()
+        client.delete(note_url("notes/private/plan.md"))
+        item = data(client.get(f"{API}/trash"))["items"][0]
+        client.post_json(f"{API}/trash/{item['id']}/restore", {"path": "notes/family/plan.md"})
+        assert any("4711" in t for t in version_contents(client, "notes/family/plan.md"))
+        assert not any("4711" in t for t in self.family_sees(client, "notes/family/plan.md"))
+
+    def test_a_sweep_that_cannot_read_the_packs_keeps_the_origins(
+        self, make_app, root, monkeypatch
+    ):
+        client, svc, now = self.private_note(make_app)
+        self.move(client)
+        now[0] += 2 * 3600
+        svc.notes.sweep_history()  # all packed: the folder stays for its origins
+        folder = history_folder_of(root, "notes/family/plan.md")
+        assert (folder / "origins").exists()
+
+        def broken(*args, **kwargs):
+            raise notesvc.HeadStoreError("disk I/O error")
+
+        with monkeypatch.context() as m:  # versions.db unreadable for one sweep
+            m.setattr(svc.history.packs, "_run", broken)
+            svc.notes.sweep_history()
+        assert (folder / "origins").exists()
+        assert not any("4711" in t for t in self.family_sees(client, "notes/family/plan.md"))
+
+    def test_a_move_that_fails_halfway_shows_a_grant_nothing_from_before(
+        self, make_app, root, monkeypatch
+    ):
+        client, svc, now = self.private_note(make_app)
+        now[0] += 2 * 3600
+        svc.notes.sweep_history()
+        move = svc.history.packs.move
+
+        def move_then_fail(*args, **kwargs):  # a kill or a failed rename after the commit
+            move(*args, **kwargs)
+            raise OSError("the process stops here")
+
+        monkeypatch.setattr(svc.history.packs, "move", move_then_fail)
+        self.move(client)
+        assert not any("4711" in t for t in self.family_sees(client, "notes/family/plan.md"))
+
+    def test_a_version_read_while_a_sweep_rewrites_its_pack_is_still_read(
+        self, make_app, root, monkeypatch
+    ):
+        client, svc, now = self.app(make_app)
+        put_note(client, "notes/a.md", "# A\n\none\n")
+        update(client, "notes/a.md", "# A\n\ntwo\n")
+        now[0] += 2 * 3600
+        svc.notes.sweep_history()
+        update(client, "notes/a.md", "# A\n\nthree\n")
+        etag = notesvc.make_etag(b"# A\n\none\n")
+        (vid,) = [
+            v["id"] for v in versions_of(client, "notes/a.md")["versions"] if v["etag"] == etag
+        ]
+        now[0] += 2 * 3600
+        unpack, inside = notesvc.VersionPacks._unpack, []
+
+        def sweep_first(blob, objects):  # the read has its row: the sweep rewrites the pack
+            if not inside:
+                inside.append(True)
+                svc.notes.sweep_history()
+            return unpack(blob, objects)
+
+        monkeypatch.setattr(notesvc.VersionPacks, "_unpack", staticmethod(sweep_first))
+        got = data(client.get(f"{note_url('notes/a.md')}/versions/{vid}"))
+        assert got["content"] == "# A\n\none\n"
+        assert inside
+
+    def test_a_version_the_retention_drops_while_it_is_packed_stays_dropped(
+        self, make_app, root, monkeypatch
+    ):
+        client, svc, now = self.app(make_app)
+        svc.history.max_versions, svc.history.days = 2, 0
+        put_note(client, "notes/a.md", "v0")
+        for i in (1, 2):
+            update(client, "notes/a.md", f"v{i}")
+        now[0] += 2 * 3600
+        add = svc.history.packs.add
+
+        def save_meanwhile(folder, versions):  # a save under the note's lock: v0 dropped
+            update(client, "notes/a.md", "v3")
+            return add(folder, versions)
+
+        monkeypatch.setattr(svc.history.packs, "add", save_meanwhile)
+        svc.history.pack(history_folder_of(root, "notes/a.md"))
+        svc.history._changed(history_folder_of(root, "notes/a.md"))
+        assert version_contents(client, "notes/a.md") == ["v2", "v1"]
+
+    def test_a_damaged_copy_in_the_packs_is_replaced_not_trusted(self, make_app, root, monkeypatch):
+        client, svc, now = self.app(make_app)
+        put_note(client, "notes/a.md", "shared text")
+        update(client, "notes/a.md", "a2")
+        now[0] += 2 * 3600
+        svc.notes.sweep_history()
+        packs = svc.history.packs
+        (raw,) = packs._run("SELECT data FROM pack")[0]
+        torn = zlib.compress(zlib.decompress(raw).replace(b"shared", b"SHARED"), 9)
+        packs._run("UPDATE pack SET data = ?", (torn,))
+        put_note(client, "notes/b.md", "shared text")
+        update(client, "notes/b.md", "b2")
+        monkeypatch.setattr(notesvc.VersionPacks, "PACK_BYTES", 4)  # a history past 1 MiB
+        now[0] += 2 * 3600
+        svc.notes.sweep_history()
+        assert loose_versions(root) == []
+        assert version_contents(client, "notes/b.md") == ["shared text"]
+        assert version_contents(client, "notes/a.md") == ["shared text"]  # mended too
