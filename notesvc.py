@@ -3455,7 +3455,13 @@ VERSION_REASONS = (
     "merged",
     "dav",
 )
-VERSION_ID_RE = re.compile(r"^(\d{16})-(" + "|".join(VERSION_REASONS) + r")-([0-9a-f]{32})$")
+VERSION_ID_RE = re.compile(r"^(\d{16})-(" + "|".join(VERSION_REASONS) + r")-([0-9a-f]{32})\Z")
+
+
+def json_pattern(rx: re.Pattern) -> str:
+    """Return an id's pattern as JSON Schema writes it: `$` for Python's `\\Z` (an id's
+    patterns end in `\\Z`: `$` would also match before a final newline)."""
+    return rx.pattern[:-2] + "$" if rx.pattern.endswith("\\Z") else rx.pattern
 
 
 def _etag_hex(data: bytes) -> str:
@@ -3867,19 +3873,23 @@ class VersionPacks(_SqliteStore):
         with self._transaction() as db:
             db.execute("DELETE FROM object WHERE id NOT IN (SELECT object FROM version)")
             db.execute("DELETE FROM pack WHERE id NOT IN (SELECT pack FROM object)")
-            thin = db.execute(
-                "SELECT p.id FROM pack p JOIN object o ON o.pack = p.id "
-                "GROUP BY p.id HAVING 2 * SUM(o.size) < MAX(p.size)"
-            ).fetchall()
-            for (pack,) in thin:
-                live = db.execute(
-                    "SELECT id, pack, start, size FROM object WHERE pack = ? ORDER BY start",
-                    (pack,),
-                ).fetchall()
-                found = self._slices(db, pack, live)
-                if len(found) < len(live):
+            thin = {
+                pack
+                for (pack,) in db.execute(
+                    "SELECT p.id FROM pack p JOIN object o ON o.pack = p.id "
+                    "GROUP BY p.id HAVING 2 * SUM(o.size) < MAX(p.size) LIMIT 100"
+                )
+            }  # (at most 100 a sweep: the store's lock is held meanwhile)
+            live: dict = {}
+            for row in db.execute("SELECT id, pack, start, size FROM object") if thin else ():
+                if row[1] in thin:
+                    live.setdefault(row[1], []).append(row)
+            for pack, objects in live.items():
+                found = self._slices(db, pack, objects)
+                if len(found) < len(objects):
                     continue  # damaged: never rewritten as if whole
-                self._write_pack(db, [(oid, found[oid]) for oid, *_ in live])
+                objects.sort(key=lambda row: row[2])
+                self._write_pack(db, [(oid, found[oid]) for oid, *_ in objects])
                 db.execute("DELETE FROM pack WHERE id = ?", (pack,))
         self._shrink()
 
@@ -3977,6 +3987,14 @@ class HistoryStore:
                 raise
             log.error("history: the packed versions cannot be read (%s)", e)
             return {}
+
+    def _packed_again(self, folder: Path) -> dict:
+        """_packed(strict), asked twice: a busy or locked file is often free again."""
+        try:
+            return self._packed(folder, strict=True)
+        except HeadStoreError:
+            time.sleep(0.05)
+            return self._packed(folder, strict=True)
 
     def _cached_ids(self, folder: Path) -> list:
         """ids() remembered: only under the note's lock, where its history changes."""
@@ -4093,18 +4111,17 @@ class HistoryStore:
             return 0
         ids = self.ids(folder)
         cutoff = (self.clock() - self.days * DAY_SECONDS) * 1_000_000
-        removed, packed = [], []
+        removed = []
         for vid in ids[: max(0, len(ids) - self.max_versions)]:  # oldest first
             if self.days and int(vid[:16]) >= cutoff:
                 break
-            try:
+            with contextlib.suppress(FileNotFoundError):
                 os.unlink(folder / vid)
-            except FileNotFoundError:
-                packed.append(vid)
             removed.append(vid)
+        packed = self._packed(folder) if removed else {}  # (a crash may leave one in both)
         if packed:
             with contextlib.suppress(HeadStoreError):  # kept, to be dropped by the next sweep
-                self.packs.drop(folder.name, packed)
+                self.packs.drop(folder.name, [vid for vid in removed if vid in packed])
         if removed:
             self._changed(folder, dropped=removed)
         return len(removed)
@@ -4122,14 +4139,20 @@ class HistoryStore:
         src, dst = self.dir_of(old), self.dir_of(new)
         self._changed(src)
         self._changed(dst)
-        ids = [v for v in self.ids(src) if until_us is None or int(v[:16]) <= until_us]
-        packed = self._packed(src)
+        try:
+            packed, known = self._packed_again(src), True
+        except HeadStoreError as e:  # the files move; what the packs hold stays in src
+            log.error("history: packed versions of %s stay under that path (%s)", log_safe(old), e)
+            packed, known = {}, False
+        ids = sorted({*self._loose(src), *packed})
+        ids = [v for v in ids if until_us is None or int(v[:16]) <= until_us]
         origins = self._origins(src)
         came = {vid: origins.get(vid, old) for vid in ids}
-        if not copy and until_us is None and not packed and src.is_dir() and not dst.exists():
+        whole = not copy and until_us is None and known and not packed
+        if whole and src.is_dir() and not dst.exists():
+            self._write_origins(src, {**origins, **came})  # what `old` means, before the move
             os.replace(src, dst)  # the whole folder, origins included
             fsync_dir(self.folder)
-            self._write_origins(dst, {**origins, **came})
             return
         if not ids:
             return
@@ -4158,12 +4181,15 @@ class HistoryStore:
                 src.rmdir()
 
     def _origins(self, folder: Path) -> dict:
-        """Return {version id: the path it was saved at} for versions moved into folder."""
+        """Return {version id: the path it was saved at} for versions moved into folder;
+        OSError when the file is there but cannot be read (never taken for "none")."""
         try:
             text = (folder / self.ORIGINS).read_text("utf-8")
-        except (OSError, UnicodeDecodeError):
+        except (FileNotFoundError, NotADirectoryError):
             return {}
-        pairs = (line.partition(" ") for line in text.splitlines())
+        except UnicodeDecodeError as e:
+            raise OSError(f"{folder / self.ORIGINS}: {e}") from None
+        pairs = (line.partition(" ") for line in text.split("\n"))  # a path may hold U+2028
         return {vid: path for vid, _, path in pairs if VERSION_ID_RE.match(vid) and path}
 
     def _write_origins(self, folder: Path, origins: dict, landing: Iterable = ()) -> None:
@@ -4179,8 +4205,15 @@ class HistoryStore:
             atomic_write(folder / self.ORIGINS, lines.encode("utf-8"), mode=0o600)
 
     def saved_at(self, path: str, vid: str) -> str:
-        """Return the path the note had when version vid of the note at path was saved."""
-        return self._origins(self.dir_of(path)).get(vid, path)
+        """Return the path the note had when version vid of the note at path was saved
+        ("" when that cannot be read: no folder grant sees it)."""
+        try:
+            return self._origins(self.dir_of(path)).get(vid, path)
+        except OSError as e:
+            log.error(
+                "history: where the versions of %s were saved is unknown (%s)", log_safe(path), e
+            )
+            return ""
 
     # -- the copy of the current content ----------------------------------------------
 
@@ -4254,7 +4287,13 @@ class HistoryStore:
         """Return the note's versions, newest first (no content); with `sees`, only those
         saved at a path sees(path) accepts (a folder grant's)."""
         folder, found = self.dir_of(path), []
-        origins = self._origins(folder) if sees else {}
+        try:
+            origins = self._origins(folder) if sees else {}
+        except OSError as e:  # a grant sees none of them rather than too many
+            log.error(
+                "history: where the versions of %s were saved is unknown (%s)", log_safe(path), e
+            )
+            return []
         packed = self._packed(folder)
         for vid in reversed(self.ids(folder)):
             if sees and not sees(origins.get(vid, path)):
@@ -4294,7 +4333,7 @@ class HistoryStore:
         removed = self.prune(folder)
         self._changed(folder)  # what the disk says from now on
         self.pack(folder)
-        with contextlib.suppress(HeadStoreError):  # only when surely no version is left
+        with self._pack_lock, contextlib.suppress(HeadStoreError):  # no move lands meanwhile
             if not self._loose(folder) and not self._packed(folder, strict=True):
                 with contextlib.suppress(OSError):
                     os.unlink(folder / self.ORIGINS)
@@ -4308,34 +4347,40 @@ class HistoryStore:
 
     def pack(self, folder: Path) -> int:
         """Move the versions of a history folder older than PACK_AFTER from their files into
-        the packs (durably, then the files are removed); return how many."""
+        the packs (durably, then the files are removed), about PACK_BYTES at a time (a move
+        or a read waits for one batch at most); return how many."""
         cutoff = (self.clock() - self.PACK_AFTER) * 1_000_000
-        with self._pack_lock:
-            loose = sorted(v for v in self._loose(folder) if int(v[:16]) < cutoff)
-            versions = []
-            for vid in loose:
-                with contextlib.suppress(OSError):  # pruned meanwhile
-                    data = (folder / vid).read_bytes()
-                    if _etag_hex(data) == vid[-32:]:  # else damaged: left as it is
-                        versions.append((vid, data))
-            if not versions:
-                return 0
-            try:
-                self.packs.add(folder.name, versions)
-            except HeadStoreError as e:  # a full disk: they stay files, nothing lost
-                log.warning("history: versions not packed (%s)", e)
-                return 0
-            gone = []  # removed meanwhile by a save's retention (which holds no pack lock)
-            for vid, _ in versions:
+        loose = sorted(v for v in self._loose(folder) if int(v[:16]) < cutoff)
+        done, at = 0, 0
+        while at < len(loose):
+            with self._pack_lock:
+                versions, size = [], 0
+                while at < len(loose) and size < VersionPacks.PACK_BYTES:
+                    vid, at = loose[at], at + 1
+                    with contextlib.suppress(OSError):  # pruned or moved meanwhile
+                        data = (folder / vid).read_bytes()
+                        if _etag_hex(data) == vid[-32:]:  # else damaged: left as it is
+                            versions.append((vid, data))
+                            size += len(data)
+                if not versions:
+                    continue
                 try:
-                    os.unlink(folder / vid)
-                except FileNotFoundError:
-                    gone.append(vid)
-                except OSError:
-                    pass
-            with contextlib.suppress(HeadStoreError):
-                self.packs.drop(folder.name, gone)
-        return len(versions) - len(gone)
+                    self.packs.add(folder.name, versions)
+                except HeadStoreError as e:  # a full disk: they stay files, nothing lost
+                    log.warning("history: versions not packed (%s)", e)
+                    return done
+                gone = []  # removed meanwhile by a save's retention (which holds no pack lock)
+                for vid, _ in versions:
+                    try:
+                        os.unlink(folder / vid)
+                    except FileNotFoundError:
+                        gone.append(vid)
+                    except OSError:
+                        pass
+                with contextlib.suppress(HeadStoreError):
+                    self.packs.drop(folder.name, gone)
+                done += len(versions) - len(gone)
+        return done
 
     def collect(self) -> None:
         """Drop what the packs hold for no version any more (a sweep's work)."""
@@ -4363,7 +4408,7 @@ class HistoryStore:
 
 TRASH_TOPS = (NOTES, ATTACHMENTS)  # what a trash folder holds: notes and attachments
 TRASH_STAMP = "%Y%m%dT%H%M%S.%fZ"  # a trash folder's name: when its item was deleted (UTC)
-TRASH_ID_RE = re.compile(r"^([0-9A-Za-z]{1,64})-([0-9a-f]{16})$")
+TRASH_ID_RE = re.compile(r"^([0-9A-Za-z]{1,64})-([0-9a-f]{16})\Z")
 
 
 def move_to_trash(src: Path, trash: Path, path: str, guard: Any = None) -> dict:
@@ -8162,7 +8207,7 @@ SCOPE_RANK = {scope: rank for rank, scope in enumerate(SCOPES)}
 GRANT_KEY_PREFIX = "nsg_"
 DEVICE_KEY_PREFIX = "nsd_"  # a device's key, from a pairing it claimed (CONTRACT 23)
 MAX_PAIRINGS = 50  # pairings waiting to be claimed at once
-PAIRING_SECRET_RE = re.compile(r"^[a-z2-7]{26}$")  # 128 bits, base32: typed in groups of 4
+PAIRING_SECRET_RE = re.compile(r"^[a-z2-7]{26}\Z")  # 128 bits, base32: typed in groups of 4
 ACCESS_PREFIX, REFRESH_PREFIX, CODE_PREFIX = "nsa_", "nsr_", "nsc_"
 OAUTH_SCOPES = ("notes:read", "notes:write")
 OAUTH_SCOPE_OF = {"read": "notes:read", "write": "notes:read notes:write"}
@@ -8177,9 +8222,9 @@ MAX_GRANTS = 500  # keys and OAuth grants
 MAX_SHARES = 1000
 MAX_CODES = 1000  # authorisation codes outstanding
 LAST_USED_FLUSH = 300.0  # seconds between writes of the grants' lastUsedAt
-SHARE_TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{22}$")  # 16 random bytes: 128 bits
-PKCE_RE = re.compile(r"^[A-Za-z0-9._~-]{43,128}$")  # a verifier (RFC 7636 4.1)
-CHALLENGE_RE = re.compile(r"^[A-Za-z0-9_-]{43}$")  # BASE64URL(SHA-256(verifier))
+SHARE_TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{22}\Z")  # 16 random bytes: 128 bits
+PKCE_RE = re.compile(r"^[A-Za-z0-9._~-]{43,128}\Z")  # a verifier (RFC 7636 4.1)
+CHALLENGE_RE = re.compile(r"^[A-Za-z0-9_-]{43}\Z")  # BASE64URL(SHA-256(verifier))
 CIMD_TIMEOUT, CIMD_MAX_BYTES, CIMD_CACHE_SECONDS = 5.0, 65536, 3600.0
 
 
@@ -9956,7 +10001,7 @@ def matching(stems: set, passages: list) -> list:
 # allows writes (SERVICE_MCP_WRITE, SERVICE_AGENT_WRITE). The built-ins register at the
 # end of Plugins, like the built-in plugins (two of them use the links and tags plugins).
 
-TOOL_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}$")  # what MCP and OpenAI both accept
+TOOL_NAME_RE = re.compile(r"^[A-Za-z0-9_-]{1,64}\Z")  # what MCP and OpenAI both accept
 
 
 @dataclasses.dataclass(frozen=True)
@@ -11857,7 +11902,7 @@ HOOKS = ("note_saved", "note_moved", "note_deleted", "note_restored")
 # note_deleted(svc, path)
 # note_restored(svc, path, content) after a note is restored from the trash or a version
 #                                   (note_saved is not called for it)
-PLUGIN_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,31}$")
+PLUGIN_NAME_RE = re.compile(r"^[a-z][a-z0-9-]{0,31}\Z")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -21540,9 +21585,9 @@ LINGER_MAX_BYTES = 64 * 1024 * 1024
 LINGER_SECONDS = 10.0
 LINGER_IDLE_SECONDS = 2.0
 RELAY_MAX_LINGERING = 128  # connections a relay lingers on at once (the rest close at once)
-RELAY_ID_RE = re.compile(r"^[a-z2-7]{20}$")
-RELAY_CODE_RE = re.compile(r"^[A-Za-z0-9-]{1,64}$")
-_TOKEN_CHARS_RE = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+$")
+RELAY_ID_RE = re.compile(r"^[a-z2-7]{20}\Z")
+RELAY_CODE_RE = re.compile(r"^[A-Za-z0-9-]{1,64}\Z")
+_TOKEN_CHARS_RE = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")
 HOP_BY_HOP = frozenset(
     "connection keep-alive proxy-authenticate proxy-authorization te trailers "
     "transfer-encoding upgrade host content-length".split()
@@ -23887,7 +23932,7 @@ def add_channel(svc: Service, name: str, config: dict, title: str, **extra) -> d
     return channel
 
 
-TELEGRAM_TOKEN_RE = re.compile(r"^[0-9]{1,20}:[A-Za-z0-9_-]{1,200}$")  # BotFather's shape
+TELEGRAM_TOKEN_RE = re.compile(r"^[0-9]{1,20}:[A-Za-z0-9_-]{1,200}\Z")  # BotFather's shape
 
 
 def connect_telegram(svc: Service) -> dict:
@@ -26188,10 +26233,10 @@ _STR = {"type": "string"}
 _NOTE_PATH, _FOLDER_PATH = NOTE_PATH_SCHEMA, FOLDER_PATH_SCHEMA
 _VERSION_ID = {
     "type": "string",
-    "pattern": VERSION_ID_RE.pattern,
+    "pattern": json_pattern(VERSION_ID_RE),
     "description": "from .../versions",
 }
-_TRASH_ID = {"type": "string", "pattern": TRASH_ID_RE.pattern, "description": "from /trash"}
+_TRASH_ID = {"type": "string", "pattern": json_pattern(TRASH_ID_RE), "description": "from /trash"}
 
 
 def _int(lo: int, hi: int, default: int) -> dict:
@@ -26346,7 +26391,7 @@ ROUTES = (
             "version_id": _VERSION_ID,
             "against": {
                 "type": "string",
-                "pattern": f"^(current|{VERSION_ID_RE.pattern[1:-1]})$",
+                "pattern": f"^(current|{json_pattern(VERSION_ID_RE)[1:-1]})$",
                 "default": "current",
             },
         },
@@ -26654,7 +26699,7 @@ ROUTES = (
         "that connects the first chat to send it",
         body=_obj(
             ["botToken"],
-            botToken={**_STR, "pattern": TELEGRAM_TOKEN_RE.pattern},
+            botToken={**_STR, "pattern": json_pattern(TELEGRAM_TOKEN_RE)},
             name={**_STR, "maxLength": 100},
         ),
         status=201,
@@ -27280,7 +27325,7 @@ def _answer_once(svc: Service, route: Route, kwargs: dict, once: tuple | None):
     return result
 
 
-_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{8,64}$")
+_REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{8,64}\Z")
 # Request ids name a request in the log, they guard nothing: a seeded generator, not a
 # system call for each (os.urandom hands the GIL to another thread every time).
 _REQUEST_IDS = random.Random(os.urandom(16))  # noqa: S311 - not a secret

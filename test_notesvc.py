@@ -18504,3 +18504,175 @@ class TestVersionPacksRaces:
         assert loose_versions(root) == []
         assert version_contents(client, "notes/b.md") == ["shared text"]
         assert version_contents(client, "notes/a.md") == ["shared text"]  # mended too
+
+
+class TestVersionPacksOrigins:
+    """Where each version was saved, through crashes, races and odd ids (a second review)."""
+
+    app = staticmethod(TestVersionPacksRaces.app)
+    family_sees = staticmethod(TestVersionPacksRaces.family_sees)
+    private_note = TestVersionPacksRaces.private_note
+    move = staticmethod(TestVersionPacksRaces.move)
+
+    def test_a_version_id_with_a_trailing_newline_reads_a_packed_version_past_origins(
+        self, make_app, root
+    ):
+        client, svc, now = self.private_note(make_app)
+        now[0] += 2 * 3600
+        svc.notes.sweep_history()
+        self.move(client)
+        (secret,) = [
+            v["id"]
+            for v in versions_of(client, "notes/family/plan.md")["versions"]
+            if "4711"
+            in data(client.get(f"{note_url('notes/family/plan.md')}/versions/{v['id']}"))["content"]
+        ]
+        grant = {"name": "family", "scope": "read", "folder": "notes/family"}
+        family = with_key(
+            client, data(client.post_json(f"{API}/auth/keys", grant, status=201))["key"]
+        )
+        family.get(f"{note_url('notes/family/plan.md')}/versions/{secret}", status=404)
+        resp = family.get(
+            f"{note_url('notes/family/plan.md')}/versions/{secret}%0A", expect_errors=True
+        )
+        assert "4711" not in resp.text, resp.text[:300]
+
+    def test_a_whole_folder_move_that_fails_after_the_rename_keeps_the_origins(
+        self, make_app, root, monkeypatch
+    ):
+        client, svc, now = self.private_note(make_app)  # loose versions: a whole-folder rename
+        write = svc.history._write_origins
+
+        def fail_once(*args, **kwargs):  # a kill (or ENOSPC) right after os.replace
+            monkeypatch.setattr(svc.history, "_write_origins", write)
+            raise OSError(28, "No space left on device")
+
+        monkeypatch.setattr(svc.history, "_write_origins", fail_once)
+        self.move(client)
+        assert not any("4711" in t for t in self.family_sees(client, "notes/family/plan.md"))
+
+    def test_a_sweep_racing_a_move_in_keeps_the_origins(self, make_app, root, monkeypatch):
+        client, svc, now = self.app(make_app)
+        put_note(client, "notes/family/a.md", "# A\n")
+        update(client, "notes/family/a.md", "# A\n\nv2\n")
+        client.patch_json(f"{note_url('notes/family/a.md')}/move", {"path": "notes/family/plan.md"})
+        now[0] += 2 * 3600
+        svc.notes.sweep_history()  # packed: the folder stays for its origins
+        client.patch_json(f"{note_url('notes/family/plan.md')}/move", {"path": "notes/family/x.md"})
+        assert [f.name for f in history_folder_of(root, "notes/family/plan.md").iterdir()] == [
+            "origins"
+        ]  # left behind by the move: the next sweep removes it
+        put_note(client, "notes/private/plan.md", "# Plan\n\nthe safe's code is 4711\n")
+        update(client, "notes/private/plan.md", "# Plan\n\nnothing here\n")
+        target = history_folder_of(root, "notes/family/plan.md")
+        packed, done = svc.history._packed, []
+
+        def move_in_meanwhile(folder, strict=False):  # the sweep found the folder empty
+            found = packed(folder, strict)
+            if strict and folder == target and not done:  # a move, from another request
+                done.append(threading.Thread(target=self.move, args=(client,)))
+                done[0].start()
+                done[0].join(1.0)  # it lands now, unless it waits for the sweep's check
+            return found
+
+        monkeypatch.setattr(svc.history, "_packed", move_in_meanwhile)
+        svc.notes.sweep_history()
+        done[0].join(10)
+        assert not any("4711" in t for t in self.family_sees(client, "notes/family/plan.md"))
+
+    def test_a_move_while_the_packs_cannot_be_read_leaves_no_version_behind(
+        self, make_app, root, monkeypatch
+    ):
+        client, svc, now = self.private_note(make_app)
+        self.move(client)  # into the family folder: origins say where they were saved
+        now[0] += 2 * 3600
+        svc.notes.sweep_history()
+        update(client, "notes/family/plan.md", "# Plan\n\nfamily text\n")
+        update(client, "notes/family/plan.md", "# Plan\n\nfamily text, again\n")  # a loose one
+        before = version_contents(client, "notes/family/plan.md")
+        assert len(before) == 3
+        ids, failed = svc.history.packs.ids, []
+
+        def fail_once(folder):
+            if not failed:
+                failed.append(True)
+                raise notesvc.HeadStoreError("database is locked")
+            return ids(folder)
+
+        monkeypatch.setattr(svc.history.packs, "ids", fail_once)
+        client.patch_json(
+            f"{note_url('notes/family/plan.md')}/move", {"path": "notes/family/other.md"}
+        )
+        assert failed  # the packs failed once, and were read again
+        assert version_contents(client, "notes/family/other.md")[1:] == before  # none behind
+        put_note(client, "notes/family/plan.md", "# a new note, where the old one was\n")
+        assert not any("4711" in t for t in self.family_sees(client, "notes/family/plan.md"))
+
+    def test_origins_that_cannot_be_read_show_a_grant_nothing(self, make_app, root, monkeypatch):
+        client, svc, now = self.private_note(make_app)
+        self.move(client)
+        origins = history_folder_of(root, "notes/family/plan.md") / "origins"
+        assert origins.exists()
+        read_text = Path.read_text
+
+        def emfile(self, *args, **kwargs):  # too many open files, an I/O error
+            if self == origins:
+                raise OSError(24, "Too many open files")
+            return read_text(self, *args, **kwargs)
+
+        monkeypatch.setattr(Path, "read_text", emfile)
+        assert not any("4711" in t for t in self.family_sees(client, "notes/family/plan.md"))
+
+    def test_a_version_loose_and_packed_stays_dropped_by_the_retention(self, make_app, root):
+        client, svc, now = self.app(make_app)
+        svc.history.max_versions, svc.history.days = 2, 0
+        put_note(client, "notes/a.md", "v0")
+        for i in (1, 2):
+            update(client, "notes/a.md", f"v{i}")
+        files = {f: f.read_bytes() for f in loose_versions(root)}
+        now[0] += 2 * 3600
+        svc.notes.sweep_history()
+        for f, raw in files.items():  # a kill between the pack's commit and the unlinks
+            f.parent.mkdir(mode=0o700, exist_ok=True)
+            f.write_bytes(raw)
+        svc.history._changed(next(iter(files)).parent)
+        update(client, "notes/a.md", "v3")  # its retention drops v0
+        svc.history._changed(next(iter(files)).parent)
+        assert version_contents(client, "notes/a.md") == ["v2", "v1"]
+
+    def test_an_origin_path_with_a_line_separator_is_read_whole(self, make_app, root):
+        client, svc, now = self.app(make_app)
+        odd = "notes/family\u2028x/plan.md"  # U+2028: a path may hold it, splitlines() splits
+        put_note(client, odd, "# Plan\n\nthe safe's code is 4711\n")
+        update(client, odd, "# Plan\n\nnothing here\n")
+        client.patch_json(f"{note_url(odd)}/move", {"path": "notes/family/plan.md"})
+        assert (
+            svc.history.saved_at(
+                "notes/family/plan.md",
+                versions_of(client, "notes/family/plan.md")["versions"][-1]["id"],
+            )
+            == odd
+        )
+
+    def test_a_large_old_history_is_packed_a_bounded_batch_at_a_time(
+        self, make_app, root, monkeypatch
+    ):
+        client, svc, now = self.app(make_app)
+        svc.history.max_versions = 1000
+        monkeypatch.setattr(notesvc.VersionPacks, "PACK_BYTES", 64 * 1024)
+        folder = history_folder_of(root, "notes/old.md")
+        folder.mkdir(parents=True)
+        start = int((now[0] - 86400) * 1_000_000)
+        for i in range(400):  # 400 x 8 KiB, one file each (a history from before packs)
+            raw = (f"version {i}\n" + "x" * 8192).encode()
+            (folder / f"{start + i:016d}-updated-{notesvc._etag_hex(raw)}").write_bytes(raw)
+        add, held = svc.history.packs.add, []
+
+        def measured(name, versions):  # what one transaction (the store's lock) takes in
+            held.append(sum(len(d) for _, d in versions))
+            return add(name, versions)
+
+        monkeypatch.setattr(svc.history.packs, "add", measured)
+        svc.notes.sweep_history()
+        assert loose_versions(root) == []
+        assert max(held) <= 4 * notesvc.VersionPacks.PACK_BYTES, held  # not all 3.2 MB at once
