@@ -18540,7 +18540,7 @@ class TestVersionPacksOrigins:
     def test_a_whole_folder_move_that_fails_after_the_rename_keeps_the_origins(
         self, make_app, root, monkeypatch
     ):
-        client, svc, now = self.private_note(make_app)  # loose versions: a whole-folder rename
+        client, svc, _now = self.private_note(make_app)  # loose versions: a whole-folder rename
         write = svc.history._write_origins
 
         def fail_once(*args, **kwargs):  # a kill (or ENOSPC) right after os.replace
@@ -18609,7 +18609,7 @@ class TestVersionPacksOrigins:
         assert not any("4711" in t for t in self.family_sees(client, "notes/family/plan.md"))
 
     def test_origins_that_cannot_be_read_show_a_grant_nothing(self, make_app, root, monkeypatch):
-        client, svc, now = self.private_note(make_app)
+        client, _svc, _now = self.private_note(make_app)
         self.move(client)
         origins = history_folder_of(root, "notes/family/plan.md") / "origins"
         assert origins.exists()
@@ -18641,7 +18641,7 @@ class TestVersionPacksOrigins:
         assert version_contents(client, "notes/a.md") == ["v2", "v1"]
 
     def test_an_origin_path_with_a_line_separator_is_read_whole(self, make_app, root):
-        client, svc, now = self.app(make_app)
+        client, svc, _now = self.app(make_app)
         odd = "notes/family\u2028x/plan.md"  # U+2028: a path may hold it, splitlines() splits
         put_note(client, odd, "# Plan\n\nthe safe's code is 4711\n")
         update(client, odd, "# Plan\n\nnothing here\n")
@@ -18657,7 +18657,7 @@ class TestVersionPacksOrigins:
     def test_a_large_old_history_is_packed_a_bounded_batch_at_a_time(
         self, make_app, root, monkeypatch
     ):
-        client, svc, now = self.app(make_app)
+        _client, svc, now = self.app(make_app)
         svc.history.max_versions = 1000
         monkeypatch.setattr(notesvc.VersionPacks, "PACK_BYTES", 64 * 1024)
         folder = history_folder_of(root, "notes/old.md")
