@@ -2767,10 +2767,11 @@ class NoteStore:
             self._record("updated", path, data)
             return self.record(path, data, st)
 
-    def version_with(self, path: str, etag: str) -> bytes | None:
+    def version_with(self, path: str, etag: str, sees: Callable | None = None) -> bytes | None:
         """Return the content of the note's kept version whose ETag is etag (None: no such
-        version: another note's, or one the retention dropped). The history's copy of the
-        note counts: another program may have replaced it before the rescan kept it."""
+        version: another note's, or one the retention dropped; with `sees`, one saved at a
+        path sees() refuses: a folder grant's). The history's copy of the note counts:
+        another program may have replaced it before the rescan kept it."""
         if self.history is None or not re.fullmatch(r'"[0-9a-f]{32}"', etag or ""):
             return None
         head = self.history.read_head(path) if self.history.enabled else None
@@ -2780,15 +2781,20 @@ class NoteStore:
         for vid in reversed(self.history.ids(folder)):
             if vid.endswith(etag[1:-1]):
                 with contextlib.suppress(ApiError):
-                    return self.history.read(path, vid)
+                    data = self.history.read(path, vid)  # then checked (see _version_seen)
+                    if sees is None or sees(self.history.saved_at(path, vid)):
+                        return data
         return None
 
-    def merge(self, path: str, base: str, content: str, conflict_name: str) -> dict:
+    def merge(
+        self, path: str, base: str, content: str, conflict_name: str, sees: Callable | None = None
+    ) -> dict:
         """Write an edit that started from the version `base` (an ETag): as it is when the
         note is still that version; else merged line-wise three ways with what changed
         since (one atomic write, `merged` in history). When the changes overlap, or `base`
-        is unknown, the note stays as it is and the edit is kept beside it as a conflict
-        copy: 409 with its path. Returns {note, merged}."""
+        is unknown (or, with `sees`, a version saved where a folder grant cannot read), the
+        note stays as it is and the edit is kept beside it as a conflict copy: 409 with its
+        path. Returns {note, merged}."""
         self.encode(content)  # too large, not text: refused before anything
         for _ in range(5):  # another write may land in between: merge with that one
             raw, st = self._read(path)
@@ -2797,7 +2803,7 @@ class NoteStore:
                     return {"note": self.update(path, content, base), "merged": False}
                 continue
             current = self.decode(path, raw)
-            old = self.version_with(path, base)
+            old = self.version_with(path, base, sees)
             if old is None and current == content:  # nothing to keep apart: already so
                 return {"note": self.record(path, raw, st), "merged": False}
             merged, clash = (
@@ -3052,13 +3058,18 @@ class NoteStore:
                         keep_new(path, data)
         history.write_heads(new)
 
-    def restore_version(self, path: str, vid: str, if_match: str | None = None) -> dict:
+    def restore_version(
+        self, path: str, vid: str, if_match: str | None = None, check: Callable | None = None
+    ) -> dict:
         """Make a version the note's content again (recreating a deleted note); the content
-        it replaces becomes a version itself. 412 when If-Match does not match the note."""
+        it replaces becomes a version itself. 412 when If-Match does not match the note.
+        `check`: called once the version was read (a grant's: it raises when not seen)."""
         if self.history is None:
             raise not_found(f"no version {vid} of {path}")
         with self.locked(path, tree=True):
             data = self.history.read(path, vid)
+            if check is not None:
+                check()
             target = self.file_of(path)
             try:
                 old, seen = self._read(path)
@@ -3455,7 +3466,7 @@ VERSION_REASONS = (
     "merged",
     "dav",
 )
-VERSION_ID_RE = re.compile(r"^(\d{16})-(" + "|".join(VERSION_REASONS) + r")-([0-9a-f]{32})\Z")
+VERSION_ID_RE = re.compile(r"^([0-9]{16})-(" + "|".join(VERSION_REASONS) + r")-([0-9a-f]{32})\Z")
 
 
 def json_pattern(rx: re.Pattern) -> str:
@@ -3479,6 +3490,7 @@ class _SqliteStore:
     cache, FULL for what must survive a power cut."""
 
     SCHEMA: tuple = ()
+    FORMAT = 0  # a file's PRAGMA user_version; another one is refused (HeadStoreError)
     SYNCHRONOUS = "NORMAL"
 
     def __init__(self, file: Path, history: Path):
@@ -3503,6 +3515,12 @@ class _SqliteStore:
             db.execute("PRAGMA cache_size=-256")
             db.execute("PRAGMA wal_autocheckpoint=256")  # the log stays near a mebibyte
             db.execute("PRAGMA journal_size_limit=1048576")
+            found = db.execute("PRAGMA user_version").fetchone()[0]
+            if fresh:
+                db.execute(f"PRAGMA user_version={self.FORMAT}")
+            elif found != self.FORMAT:
+                db.close()
+                raise HeadStoreError(f"{self.file}: format {found}, not {self.FORMAT}")
             for sql in self.SCHEMA:
                 db.execute(sql)
         except (sqlite3.Error, OSError) as e:
@@ -3710,6 +3728,7 @@ class VersionPacks(_SqliteStore):
     """
 
     NAME = "versions.db"
+    FORMAT = 1
     SYNCHRONOUS = "FULL"
     PACK_BYTES = 1 << 20  # a pack's objects, uncompressed (reading one decompresses its pack)
     # A version id <microseconds>-<reason>-<ETag> is kept as its parts: `at`, `reason`
@@ -3734,8 +3753,17 @@ class VersionPacks(_SqliteStore):
 
     @staticmethod
     def _vids(rows: Iterable) -> list:
-        """Return rows (at, reason, object, ...) as (version id, object, ...)."""
-        return [(f"{at:016d}-{reason}-{oid.hex()}", oid, *rest) for at, reason, oid, *rest in rows]
+        """Return rows (at, reason, object, ...) as (version id, object, ...), the rows
+        that hold a version id's parts (a damaged row is left out)."""
+        return [
+            (f"{at:016d}-{reason}-{oid.hex()}", oid, *rest)
+            for at, reason, oid, *rest in rows
+            if type(at) is int
+            and 0 <= at < 10**16
+            and reason in VERSION_REASONS
+            and type(oid) is bytes
+            and len(oid) == 16
+        ]
 
     def ids(self, folder: str) -> dict:
         """Return {version id: size} of the versions packed for a history folder (name)."""
@@ -3771,11 +3799,11 @@ class VersionPacks(_SqliteStore):
     def _unpack(blob: bytes | None, objects: list) -> dict:
         """Return {object: content} of objects [(object, pack, start, size)] in the pack
         `blob`, each checked against its name (a damaged one is left out)."""
-        end = max(start + size for _, _, start, size in objects)
         try:  # only as much of the pack as these objects need
+            end = max(start + size for _, _, start, size in objects)
             whole = zlib.decompressobj().decompress(blob, end) if blob else b""
-        except (zlib.error, TypeError):
-            whole = b""
+        except (zlib.error, TypeError, ValueError):  # damaged
+            return {}
         found = {}
         for oid, _, start, size in objects:
             data = whole[start : start + size]
@@ -4287,6 +4315,8 @@ class HistoryStore:
         """Return the note's versions, newest first (no content); with `sees`, only those
         saved at a path sees(path) accepts (a folder grant's)."""
         folder, found = self.dir_of(path), []
+        ids = self.ids(folder)  # before the origins: those of a version are there before it
+        packed = self._packed(folder)
         try:
             origins = self._origins(folder) if sees else {}
         except OSError as e:  # a grant sees none of them rather than too many
@@ -4294,8 +4324,7 @@ class HistoryStore:
                 "history: where the versions of %s were saved is unknown (%s)", log_safe(path), e
             )
             return []
-        packed = self._packed(folder)
-        for vid in reversed(self.ids(folder)):
+        for vid in reversed(ids):
             if sees and not sees(origins.get(vid, path)):
                 continue
             try:
@@ -4875,13 +4904,18 @@ def expire_loop(notes: NoteStore, trash: Trash, stop: threading.Event, every: fl
     """Apply the retention of history and trash now, then every `every` s until stop."""
     first = True
     while True:
+        removed = purged = 0
         try:
-            removed, purged = notes.sweep_history(fix_modes=first), trash.purge_expired()
+            removed = notes.sweep_history(fix_modes=first)
             first = False
-            if removed or purged:
-                log.info("retention: %d versions and %d trash items removed", removed, purged)
         except Exception:
-            log.exception("retention sweep failed; trying again in %.0f s", every)
+            log.exception("history's retention sweep failed; trying again in %.0f s", every)
+        try:  # on its own: a history that cannot be swept still lets the trash be purged
+            purged = trash.purge_expired()
+        except Exception:
+            log.exception("trash purge failed; trying again in %.0f s", every)
+        if removed or purged:
+            log.info("retention: %d versions and %d trash items removed", removed, purged)
         if stop.wait(every):
             return
 
@@ -23123,7 +23157,9 @@ def merge_note(svc: Service, path: str) -> dict:
     name = _clean_name(field(body, "clientName", required=False, max_len=100), "")
     who = title_filename(name or principal_name(svc, request_principal()))
     when = utcnow().strftime("%Y-%m-%d %H-%M UTC")
-    done = svc.notes.merge(path, base, content, f"conflict {who} {when}")
+    principal = request_principal()  # a folder grant merges from versions it may read
+    sees = principal.sees if principal.folder else None
+    done = svc.notes.merge(path, base, content, f"conflict {who} {when}", sees)
     bottle.response.set_header("ETag", done["note"]["etag"])
     return done
 
@@ -23398,12 +23434,21 @@ def _page() -> tuple:
 
 def _version_seen(svc: Service, path: str, version_id: str) -> str:
     """Return version_id when the request's grant sees the path it was saved at (a folder
-    grant: inside its folder, whatever the note's path is now); 404 otherwise."""
+    grant: inside its folder, whatever the note's path is now); 404 otherwise. Asked after
+    the version was read: a version's origin is written before it lands in a folder, so a
+    move landing in between cannot show a grant a version from elsewhere."""
     if VERSION_ID_RE.match(version_id) and not request_principal().sees(
         svc.history.saved_at(path, version_id)
     ):
         raise not_found(f"no version {version_id} of {path}")
     return version_id
+
+
+def _read_version(svc: Service, path: str, version_id: str) -> bytes:
+    """Return a version the request's grant sees (read, then checked: _version_seen)."""
+    data = svc.history.read(path, version_id)
+    _version_seen(svc, path, version_id)
+    return data
 
 
 def list_versions(svc: Service, path: str) -> dict:
@@ -23422,7 +23467,7 @@ def get_version(svc: Service, path: str, version_id: str) -> dict:
         with contextlib.suppress(ApiError):  # named like one (notes/x.md/versions/y.md)
             return get_note(svc, f"{path}/versions/{version_id}")
     path = visible_note(svc.notes, path)
-    data = svc.history.read(path, _version_seen(svc, path, version_id))
+    data = _read_version(svc, path, version_id)
     return {
         **svc.history.describe(version_id, len(data)),
         "path": path,
@@ -23433,20 +23478,19 @@ def get_version(svc: Service, path: str, version_id: str) -> dict:
 def diff_version(svc: Service, path: str, version_id: str) -> dict:
     path = visible_note(svc.notes, path)
     against = query_str("against", "current") or "current"
-    old = svc.history.read(path, _version_seen(svc, path, version_id)).decode("utf-8", "replace")
+    old = _read_version(svc, path, version_id).decode("utf-8", "replace")
     if against == "current":
         new = svc.notes.get(path)["content"]
     else:
-        new = svc.history.read(path, _version_seen(svc, path, against))
-        new = new.decode("utf-8", "replace")
+        new = _read_version(svc, path, against).decode("utf-8", "replace")
     diff = unified_diff(old, new, f"{path}@{version_id}", f"{path}@{against}")
     return {"path": path, "id": version_id, "against": against, "diff": diff}
 
 
 def restore_version(svc: Service, path: str, version_id: str) -> dict:
     path = visible_note(svc.notes, path)
-    version_id = _version_seen(svc, path, version_id)
-    return _note_response(svc.notes.restore_version(path, version_id, _if_match()))
+    seen = functools.partial(_version_seen, svc, path, version_id)
+    return _note_response(svc.notes.restore_version(path, version_id, _if_match(), seen))
 
 
 def _trashed(svc: Service, item_id: str) -> Any:

@@ -25,6 +25,7 @@ import secrets
 import select
 import shutil
 import socket
+import sqlite3
 import ssl
 import stat
 import statistics
@@ -18676,3 +18677,158 @@ class TestVersionPacksOrigins:
         svc.notes.sweep_history()
         assert loose_versions(root) == []
         assert max(held) <= 4 * notesvc.VersionPacks.PACK_BYTES, held  # not all 3.2 MB at once
+
+
+class TestVersionPacksAttacks:
+    """What a third review of the packs found (an attacker's ids, races, a power cut)."""
+
+    app = staticmethod(TestVersionPacksRaces.app)
+    private_note = TestVersionPacksRaces.private_note
+    move = staticmethod(TestVersionPacksRaces.move)
+
+    @staticmethod
+    def family_key(client):
+        grant = {"name": "family", "scope": "write", "folder": "notes/family"}
+        return with_key(
+            client, data(client.post_json(f"{API}/auth/keys", grant, status=201))["key"]
+        )
+
+    def secret_moved_in(self, make_app, packed: bool = True):
+        client, svc, now = self.private_note(make_app)
+        if packed:
+            now[0] += 2 * 3600
+            svc.notes.sweep_history()
+        self.move(client)
+        (secret,) = [
+            v["id"]
+            for v in versions_of(client, "notes/family/plan.md")["versions"]
+            if "4711"
+            in data(client.get(f"{note_url('notes/family/plan.md')}/versions/{v['id']}"))["content"]
+        ]
+        return client, svc, now, secret
+
+    @pytest.mark.parametrize("how", ["get", "diff", "against", "restore"])
+    def test_a_version_id_in_other_digits_reads_a_packed_version_past_origins(
+        self, make_app, root, how
+    ):
+        client, _svc, _now, secret = self.secret_moved_in(make_app)
+        family = self.family_key(client)
+        url = f"{note_url('notes/family/plan.md')}/versions"
+        family.get(f"{url}/{secret}", status=404)
+        odd = "".join(chr(0xFF10 + int(c)) for c in secret[:16]) + secret[16:]  # fullwidth
+        assert not notesvc.VERSION_ID_RE.match(odd)  # an id's digits are ASCII
+        assert odd != secret
+        q = urllib.parse.quote
+        if how == "get":
+            text = family.get(f"{url}/{q(odd)}", expect_errors=True).text
+        elif how == "diff":
+            text = family.get(f"{url}/{q(odd)}/diff", expect_errors=True).text
+        elif how == "against":
+            update(family, "notes/family/plan.md", "# Plan\n\nthe family's text\n")
+            update(family, "notes/family/plan.md", "# Plan\n\nthe family's, again\n")
+            (mine,) = [v["id"] for v in versions_of(family, "notes/family/plan.md")["versions"]]
+            text = family.get(f"{url}/{mine}/diff?against={q(odd)}", expect_errors=True).text
+        else:
+            etag = family.get(note_url("notes/family/plan.md")).headers["ETag"]
+            family.post(f"{url}/{q(odd)}/restore", headers={"If-Match": etag}, expect_errors=True)
+            text = family.get(note_url("notes/family/plan.md")).text
+        assert "4711" not in text, text[:300]
+
+    @pytest.mark.parametrize("packed", [False, True])
+    def test_a_listing_racing_a_move_in_shows_no_version_from_outside(
+        self, make_app, root, monkeypatch, packed
+    ):
+        client, svc, now = self.private_note(make_app)
+        if packed:
+            now[0] += 2 * 3600
+            svc.notes.sweep_history()
+        family = self.family_key(client)
+        put_note(client, "notes/family/other.md", "# Other\n")  # the grant sees something
+        target = history_folder_of(root, "notes/family/plan.md")
+        origins, moved = svc.history._origins, []
+
+        def move_meanwhile(folder):  # the owner moves the note in right after this read
+            found = origins(folder)
+            if folder == target and not moved:
+                moved.append(threading.Thread(target=self.move, args=(client,)))
+                moved[0].start()
+                moved[0].join(10)
+            return found
+
+        monkeypatch.setattr(svc.history, "_origins", move_meanwhile)
+        resp = family.get(f"{note_url('notes/family/plan.md')}/versions", expect_errors=True)
+        assert moved
+        assert not moved[0].is_alive()
+        secret = notesvc._etag_hex(b"# Plan\n\nthe safe's code is 4711\n")
+        assert secret not in resp.text, resp.text[:400]  # its etag: 4 digits to guess
+
+    @pytest.mark.parametrize("packed", [False, True])
+    def test_a_read_racing_a_move_in_shows_no_version_from_outside(
+        self, make_app, root, monkeypatch, packed
+    ):
+        client, svc, now = self.private_note(make_app)
+        if packed:
+            now[0] += 2 * 3600
+            svc.notes.sweep_history()
+        (secret,) = [  # its id, as a listing that raced a move in showed it (see above)
+            v["id"]
+            for v in versions_of(client, "notes/private/plan.md")["versions"]
+            if "4711"
+            in data(client.get(f"{note_url('notes/private/plan.md')}/versions/{v['id']}"))[
+                "content"
+            ]
+        ]
+        family = self.family_key(client)
+        read, moved = svc.history.read, []
+
+        def move_meanwhile(path, vid):  # the owner moves the note in just before this read
+            if not moved:
+                moved.append(threading.Thread(target=self.move, args=(client,)))
+                moved[0].start()
+                moved[0].join(10)
+            return read(path, vid)
+
+        monkeypatch.setattr(svc.history, "read", move_meanwhile)
+        url = f"{note_url('notes/family/plan.md')}/versions/{secret}"
+        resp = family.get(url, expect_errors=True)
+        assert moved
+        assert not moved[0].is_alive()
+        assert "4711" not in resp.text, resp.text[:300]
+
+    def test_a_merge_based_on_a_version_from_outside_tells_a_grant_nothing(self, make_app, root):
+        client, _svc, _now = self.private_note(make_app)
+        self.move(client)  # loose or packed alike: merge reads versions past their origins
+        family = self.family_key(client)
+        secret = notesvc.make_etag(b"# Plan\n\nthe safe's code is 4711\n")  # its etag, as a
+        url = f"{note_url('notes/family/plan.md')}/merge"  # listing that raced a move showed
+        answers = []
+        for guess in ("1234", "4711"):  # right: "merged"; wrong: 409 (an oracle on the text)
+            body = {"base": secret, "content": f"# Plan\n\nthe safe's code is {guess}\n\nmore\n"}
+            answers.append(family.post_json(url, body, expect_errors=True).status_int)
+        assert answers[0] == answers[1], answers
+
+    def test_a_versions_db_of_another_format_answers_no_500(self, make_app, root):
+        client, svc, now = self.app(make_app)
+        put_note(client, "notes/a.md", "# A\n\none\n")
+        update(client, "notes/a.md", "# A\n\ntwo\n")
+        db = root / ".notesvc/history/versions.db"
+        other = sqlite3.connect(db)  # the same tables, other types (ids as hex text)
+        other.execute("CREATE TABLE version (folder, at, reason, object)")
+        other.execute("CREATE TABLE object (id, pack, start, size)")
+        other.execute("CREATE TABLE pack (id INTEGER PRIMARY KEY, size, data)")
+        folder = bytes.fromhex(history_folder_of(root, "notes/a.md").name)
+        other.execute(
+            "INSERT INTO version VALUES (?, 1700000000000000, 'updated', ?)", (folder, "ab" * 16)
+        )
+        other.execute("INSERT INTO object VALUES (?, 1, NULL, NULL)", ("ab" * 16,))
+        other.execute("INSERT INTO pack VALUES (1, 5, 'hello')")
+        other.commit()
+        other.close()
+        url = f"{note_url('notes/a.md')}/versions"
+        assert client.get(url, expect_errors=True).status_int < 500
+        odd = "1700000000000000-updated-" + "ab" * 16
+        assert client.get(f"{url}/{odd}", expect_errors=True).status_int < 500
+        moved = f"{note_url('notes/a.md')}/move"
+        assert client.patch_json(moved, {"path": "notes/b.md"}, expect_errors=True).status_int < 500
+        now[0] += 2 * 3600
+        svc.notes.sweep_history()  # raised: every sweep (and the trash's purge) stops here
