@@ -18370,15 +18370,36 @@ class TestVersionPacksRaces:
         seen = versions_of(family, path)["versions"]
         return [data(family.get(f"{note_url(path)}/versions/{v['id']}"))["content"] for v in seen]
 
-    def private_note(self, make_app):
+    def private_note(self, make_app, packed: bool = False):
         client, svc, now = self.app(make_app)
         put_note(client, "notes/private/plan.md", "# Plan\n\nthe safe's code is 4711\n")
         update(client, "notes/private/plan.md", "# Plan\n\nnothing here\n")
+        if packed:  # an hour on, swept: its versions packed
+            now[0] += 2 * 3600
+            svc.notes.sweep_history()
         return client, svc, now
 
     @staticmethod
     def move(client, new: str = "notes/family/plan.md"):
         client.patch_json(f"{note_url('notes/private/plan.md')}/move", {"path": new})
+
+    @staticmethod
+    def family_key(client):
+        grant = {"name": "family", "scope": "write", "folder": "notes/family"}
+        return with_key(
+            client, data(client.post_json(f"{API}/auth/keys", grant, status=201))["key"]
+        )
+
+    def secret_moved_in(self, make_app, packed: bool = True):
+        client, svc, now = self.private_note(make_app, packed)
+        self.move(client)
+        (secret,) = [
+            v["id"]
+            for v in versions_of(client, "notes/family/plan.md")["versions"]
+            if "4711"
+            in data(client.get(f"{note_url('notes/family/plan.md')}/versions/{v['id']}"))["content"]
+        ]
+        return client, svc, now, secret
 
     def test_a_packed_history_moved_into_a_grants_folder_shows_it_nothing_from_before(
         self, make_app, root
@@ -18395,10 +18416,7 @@ class TestVersionPacksRaces:
     def test_a_restore_from_the_trash_into_a_grants_folder_shows_it_nothing_from_before(
         self, make_app, root, packed
     ):
-        client, svc, now = self.private_note(make_app)
-        if packed:
-            now[0] += 2 * 3600
-            svc.notes.sweep_history()
+        client, _svc, _now = self.private_note(make_app, packed)
         client.delete(note_url("notes/private/plan.md"))
         item = data(client.get(f"{API}/trash"))["items"][0]
         client.post_json(f"{API}/trash/{item['id']}/restore", {"path": "notes/family/plan.md"})
@@ -18512,26 +18530,16 @@ class TestVersionPacksOrigins:
 
     app = staticmethod(TestVersionPacksRaces.app)
     family_sees = staticmethod(TestVersionPacksRaces.family_sees)
+    family_key = staticmethod(TestVersionPacksRaces.family_key)
     private_note = TestVersionPacksRaces.private_note
+    secret_moved_in = TestVersionPacksRaces.secret_moved_in
     move = staticmethod(TestVersionPacksRaces.move)
 
     def test_a_version_id_with_a_trailing_newline_reads_a_packed_version_past_origins(
         self, make_app, root
     ):
-        client, svc, now = self.private_note(make_app)
-        now[0] += 2 * 3600
-        svc.notes.sweep_history()
-        self.move(client)
-        (secret,) = [
-            v["id"]
-            for v in versions_of(client, "notes/family/plan.md")["versions"]
-            if "4711"
-            in data(client.get(f"{note_url('notes/family/plan.md')}/versions/{v['id']}"))["content"]
-        ]
-        grant = {"name": "family", "scope": "read", "folder": "notes/family"}
-        family = with_key(
-            client, data(client.post_json(f"{API}/auth/keys", grant, status=201))["key"]
-        )
+        client, _svc, _now, secret = self.secret_moved_in(make_app)
+        family = self.family_key(client)
         family.get(f"{note_url('notes/family/plan.md')}/versions/{secret}", status=404)
         resp = family.get(
             f"{note_url('notes/family/plan.md')}/versions/{secret}%0A", expect_errors=True
@@ -18683,29 +18691,10 @@ class TestVersionPacksAttacks:
     """What a third review of the packs found (an attacker's ids, races, a power cut)."""
 
     app = staticmethod(TestVersionPacksRaces.app)
+    family_key = staticmethod(TestVersionPacksRaces.family_key)
     private_note = TestVersionPacksRaces.private_note
+    secret_moved_in = TestVersionPacksRaces.secret_moved_in
     move = staticmethod(TestVersionPacksRaces.move)
-
-    @staticmethod
-    def family_key(client):
-        grant = {"name": "family", "scope": "write", "folder": "notes/family"}
-        return with_key(
-            client, data(client.post_json(f"{API}/auth/keys", grant, status=201))["key"]
-        )
-
-    def secret_moved_in(self, make_app, packed: bool = True):
-        client, svc, now = self.private_note(make_app)
-        if packed:
-            now[0] += 2 * 3600
-            svc.notes.sweep_history()
-        self.move(client)
-        (secret,) = [
-            v["id"]
-            for v in versions_of(client, "notes/family/plan.md")["versions"]
-            if "4711"
-            in data(client.get(f"{note_url('notes/family/plan.md')}/versions/{v['id']}"))["content"]
-        ]
-        return client, svc, now, secret
 
     @pytest.mark.parametrize("how", ["get", "diff", "against", "restore"])
     def test_a_version_id_in_other_digits_reads_a_packed_version_past_origins(
@@ -18738,10 +18727,7 @@ class TestVersionPacksAttacks:
     def test_a_listing_racing_a_move_in_shows_no_version_from_outside(
         self, make_app, root, monkeypatch, packed
     ):
-        client, svc, now = self.private_note(make_app)
-        if packed:
-            now[0] += 2 * 3600
-            svc.notes.sweep_history()
+        client, svc, _now = self.private_note(make_app, packed)
         family = self.family_key(client)
         put_note(client, "notes/family/other.md", "# Other\n")  # the grant sees something
         target = history_folder_of(root, "notes/family/plan.md")
@@ -18766,10 +18752,7 @@ class TestVersionPacksAttacks:
     def test_a_read_racing_a_move_in_shows_no_version_from_outside(
         self, make_app, root, monkeypatch, packed
     ):
-        client, svc, now = self.private_note(make_app)
-        if packed:
-            now[0] += 2 * 3600
-            svc.notes.sweep_history()
+        client, svc, _now = self.private_note(make_app, packed)
         (secret,) = [  # its id, as a listing that raced a move in showed it (see above)
             v["id"]
             for v in versions_of(client, "notes/private/plan.md")["versions"]
