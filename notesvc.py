@@ -4025,8 +4025,16 @@ class HistoryStore:
             return self._packed(folder, strict=True)
 
     def _cached_ids(self, folder: Path) -> list:
-        """ids() remembered: only under the note's lock, where its history changes."""
-        found = self.ids(folder)
+        """ids() remembered: only under the note's lock, where its history changes (not
+        while the packs cannot be read: the files alone are not all of it)."""
+        with self._lock:
+            cached = self._ids.get(folder.name)
+            if cached is not None:
+                return list(cached)
+        try:
+            found = sorted({*self._loose(folder), *self._packed(folder, strict=True)})
+        except HeadStoreError:
+            return self.ids(folder)
         with self._lock:
             if folder.name not in self._ids:
                 if len(self._ids) >= 4096:
