@@ -3880,9 +3880,10 @@ class VersionPacks(_SqliteStore):
         with self._transaction() as db:
             sql = "SELECT at, reason, object FROM version WHERE folder = ?"
             rows = db.execute(sql, (old,)).fetchall()
-            if vids is not None:
+            if vids is not None:  # each row with its own id (a damaged row has none)
                 wanted = set(vids)
-                rows = [row for row, (vid, *_) in zip(rows, self._vids(rows)) if vid in wanted]
+                named = [(row, self._vids([row])) for row in rows]
+                rows = [row for row, got in named if got and got[0][0] in wanted]
             db.executemany(
                 "INSERT OR IGNORE INTO version (folder, at, reason, object) VALUES (?, ?, ?, ?)",
                 [(new, *row) for row in rows],

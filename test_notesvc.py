@@ -18790,6 +18790,30 @@ class TestVersionPacksAttacks:
             answers.append(family.post_json(url, body, expect_errors=True).status_int)
         assert answers[0] == answers[1], answers
 
+    def test_a_move_with_a_damaged_packed_row_takes_every_version_along(self, make_app, root):
+        client, svc, now = self.app(make_app)
+        put_note(client, "notes/a.md", "v0")
+        for i in (1, 2, 3):
+            now[0] += 1
+            update(client, "notes/a.md", f"v{i}")
+        now[0] += 2 * 3600
+        svc.notes.sweep_history()
+        assert loose_versions(root) == []
+        before = version_contents(client, "notes/a.md")
+        assert before == ["v2", "v1", "v0"]
+        name = bytes.fromhex(history_folder_of(root, "notes/a.md").name)
+        (at0, oid0), (at1, _) = svc.history.packs._run(
+            "SELECT at, object FROM version ORDER BY at LIMIT 2"
+        )
+        with svc.history.packs._transaction() as db:  # a row _vids leaves out (damaged)
+            db.execute(
+                "INSERT INTO version VALUES (?, ?, 'renamed', ?)", (name, (at0 + at1) // 2, oid0)
+            )
+        assert version_contents(client, "notes/a.md") == before  # left out, as it should be
+        client.patch_json(f"{note_url('notes/a.md')}/move", {"path": "notes/b.md"})
+        assert version_contents(client, "notes/b.md")[1:] == before
+        versions_of_raw(client, "notes/a.md", 404)  # nothing readable left behind
+
     def test_a_versions_db_of_another_format_answers_no_500(self, make_app, root):
         client, svc, now = self.app(make_app)
         put_note(client, "notes/a.md", "# A\n\none\n")
