@@ -18839,3 +18839,38 @@ class TestVersionPacksAttacks:
         assert client.patch_json(moved, {"path": "notes/b.md"}, expect_errors=True).status_int < 500
         now[0] += 2 * 3600
         svc.notes.sweep_history()  # raised: every sweep (and the trash's purge) stops here
+
+
+@pytest.mark.real_server
+@pytest.mark.slow
+def test_a_server_killed_while_it_packs_an_old_history_loses_no_version(tmp_path):
+    """SIGKILL a server in the middle of its first sweep's packing (some versions packed,
+    some still files): after a restart every version reads back whole."""
+    root, path = tmp_path / "srv", "notes/big.md"
+    (root / "notes").mkdir(parents=True)
+    (root / path).write_text("# Big\n\nnow\n")
+    folder = history_folder_of(root, path)
+    folder.mkdir(parents=True)
+    rnd = random.Random(3)
+    start_us = int((time.time() - 3 * 86400) * 1_000_000)
+    texts = {}
+    for i in range(600):  # 12 MB that zlib cannot shrink much: a dozen batches to pack
+        raw = f"# Big {i}\n\n".encode() + rnd.randbytes(20_000).hex().encode()[:20_000]
+        vid = f"{start_us + i:016d}-updated-{notesvc._etag_hex(raw)}"
+        (folder / vid).write_bytes(raw)
+        texts[vid] = raw.decode()
+    server = Server(root, "--auth-mode", "none", env={"SERVICE_HISTORY_MAX_VERSIONS": "1000"})
+    try:
+        wait_for(lambda: len(loose_versions(root)) < 600, timeout=20, step=0.002)
+        server.proc.kill()  # mid-sweep: no clean-up
+        server.proc.wait(10)
+    finally:
+        server.stop()
+    left = len(loose_versions(root))
+    url = note_url(path) + "/versions"
+    with running(root, "--auth-mode", "none", env={"SERVICE_HISTORY_MAX_VERSIONS": "1000"}) as s:
+        found = s.request("GET", url + "?limit=1000")[2]["data"]["versions"]
+        assert {v["id"] for v in found} == set(texts), left
+        for v in found[::37]:
+            assert s.request("GET", f"{url}/{v['id']}")[2]["data"]["content"] == texts[v["id"]]
+    assert 0 < left < 600  # it was killed in the middle
