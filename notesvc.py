@@ -5352,7 +5352,9 @@ def _snippet(text: str, toks: str, needles: list) -> str:
 #
 # Each segment numbers its own terms; a note's terms are kept as a string of term chars
 # (U+0100 upward, one per token, UTF-8 on disk), so a phrase check is a substring search
-# (mmap.find) and a match's position is its token index.
+# (mmap.find) and a match's position is its token index. A segment file also lists the
+# notes of each adjacent pair of its commoner terms (PAIR_COMMON, PAIR_TERMS): a phrase of
+# common words starts from that list instead.
 #
 # Scores are exact BM25 over the live notes: N, df and the average field lengths are summed
 # over the segments at query time, deleted notes subtracted. Postings hold impacts computed
@@ -5376,6 +5378,16 @@ MERGE_HELPER_NOTES = 2000  # a merge of this many notes or more: in the helper p
 MAX_DELETED = 0.3  # a segment with this share of deleted notes is rewritten
 STEM_CACHE = 100_000  # words whose stems one bulk remembers (the common ones come first)
 _OVERFLOW = "\xff"  # the term char of stems past the last code point (not indexed)
+# Phrases of common words: a segment file keeps, for each adjacent pair of terms among its
+# first PAIR_TERMS (numbered commonest first by a merge) of which one is among the first
+# PAIR_COMMON, the notes holding that pair in a field: "the file" is a list read, not a
+# substring search in 40 % of the notes. Their term chars are U+0100-02FF, and U+0100-017F:
+# in UTF-8 a lead byte C4-CB, and C4-C5, then a continuation byte.
+PAIR_COMMON, PAIR_TERMS = 128, 512
+_PAIR_RE = re.compile(
+    rb"(?=((?:[\xc4\xc5][\x80-\xbf])(?:[\xc4-\xcb][\x80-\xbf])"
+    rb"|(?:[\xc6-\xcb][\x80-\xbf])(?:[\xc4\xc5][\x80-\xbf])))"
+)
 _APPEND = array.array.append
 _FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
 _NOT_MINUS_ONE = (-1).__ne__
@@ -5649,6 +5661,9 @@ class MemorySegment:
     def find(self, path: str):
         return self.ids.get(path)
 
+    def pair_ids(self, keys: list, f: int) -> None:
+        return None  # few notes: the substring search is quick
+
     def phrase(self, cands: Iterable, chars: list, f: int) -> list:
         """Return the candidates whose field holds the term chars in a row."""
         docs, needle = self.docs, "".join(chars)
@@ -5786,6 +5801,7 @@ class DiskSegment:
             setattr(self, "_" + name, arr)
         if len(self._ids) != len(self._imps):
             raise IndexFileError(f"{path.name}: postings do not add up")
+        self._pairs = self._pair_lists(meta, bounds, view)
         self.sparse = {
             kind: self.mm[slice(*_span(bounds[kind + "_sparse"]))].decode().split("\n")[:-1]
             for kind in ("dict", "surf")
@@ -5793,6 +5809,38 @@ class DiskSegment:
         self.deleted: set = set()
         self.del_df: tuple = (_DeletedCounts(self.nt), _DeletedCounts(self.nt))
         self.del_lens = [0, 0]
+
+    def _pair_lists(self, meta: dict, bounds: dict, view: memoryview) -> tuple | None:
+        """Return (pair keys, list offsets, note ids), or None for a file without them (0.4
+        and before) or with other PAIR_COMMON, PAIR_TERMS: its phrases are found the slower way."""
+        if meta.get("pair_terms") != [PAIR_COMMON, PAIR_TERMS]:
+            return None
+        arrays = []
+        for name in ("pair_keys", "pair_off", "pair_ids"):
+            start, length = bounds.get(name, (-1, -1))
+            if start < 16 or length < 0 or start + length > self.body_end or start % 8:
+                raise IndexFileError(f"{self.name}: section {name} is out of bounds")
+            if length % 4:
+                raise IndexFileError(f"{self.name}: section {name} has a torn item")
+            arrays.append(view[start : start + length].cast("I"))
+        keys, off, ids = arrays
+        if len(off) != len(keys) + 1 or off[-1] != len(ids):
+            raise IndexFileError(f"{self.name}: section pair_off does not add up")
+        return keys, off, ids
+
+    def pair_ids(self, keys: list, f: int) -> list | None:
+        """Return the note ids (deleted ones included) of each adjacent pair of keys that
+        has a list in field f, or None when none has: notes holding the phrase are among
+        each list's (exactly those, for a phrase of two words)."""
+        if self._pairs is None:
+            return None
+        listed, off, ids = self._pairs
+        out = []
+        for a, b in zip(keys, keys[1:]):
+            if max(a, b) < PAIR_TERMS and min(a, b) < PAIR_COMMON:
+                i = _has(listed, _pair_key(a, b, f))
+                out.append(ids[off[i] : off[i + 1]] if i >= 0 else ids[0:0])
+        return out or None
 
     def verify(self) -> None:
         """Check the whole file against its checksum (reads it, does not map it)."""
@@ -6213,6 +6261,44 @@ def _write_tables(out: _FileWriter, stems: list, tids: list, words: list, surf_t
     out.section("surf_tid", array.array("I", surf_tids).tobytes())
 
 
+def _pair_key(a: int, b: int, fld: int) -> int:
+    """Return the key of the list of term a followed by term b in field fld."""
+    return (a * PAIR_TERMS + b) * 2 + fld
+
+
+class _PairPostings:
+    """The notes of each adjacent pair of a segment's commoner terms (_PAIR_RE), per field,
+    gathered note by note from the token strings as they are written (ids ascending)."""
+
+    def __init__(self):
+        self.found: tuple = ({}, {})  # per field: the pair's 4 UTF-8 bytes -> note ids
+
+    def add(self, d: int, fld: int, raw: bytes) -> None:
+        if len(raw) < 4:
+            return
+        found = self.found[fld]
+        for pair in set(_PAIR_RE.findall(raw)):
+            ids = found.get(pair)
+            if ids is None:
+                found[pair] = ids = array.array("I")
+            ids.append(d)
+
+    def write(self, out: _FileWriter) -> None:
+        """Write the sections "pair_keys" (each list's pair_key, ascending), "pair_off"
+        (where each list starts, and the end) and "pair_ids" (the lists)."""
+        lists = []
+        for fld in (0, 1):
+            for pair, ids in self.found[fld].items():
+                a = ((pair[0] & 0x1F) << 6 | (pair[1] & 0x3F)) - 0x100  # _term_number
+                b = ((pair[2] & 0x1F) << 6 | (pair[3] & 0x3F)) - 0x100
+                lists.append((_pair_key(a, b, fld), ids))
+        lists.sort(key=_FIRST)
+        out.section("pair_keys", array.array("I", map(_FIRST, lists)).tobytes())
+        sizes = (len(ids) for _, ids in lists)
+        out.section("pair_off", array.array("I", itertools.accumulate(sizes, initial=0)))
+        out.section("pair_ids", *(ids for _, ids in lists))
+
+
 def write_batch(f, docs: list, vocab: _Vocab, avg: tuple) -> None:
     """Write analysed notes (Doc, in this order) as one segment file to f: the bulk build's
     fast path, with no Python work per posting beyond C-level maps and one sort per field.
@@ -6267,7 +6353,12 @@ def write_batch(f, docs: list, vocab: _Vocab, avg: tuple) -> None:
     toks = [t.encode() for doc in docs for t in (doc.toks, doc.title_toks)]
     out.section("tokens", *toks)
     out.section("tok_off", array.array("Q", itertools.accumulate(map(len, toks), initial=0)))
+    pairs = _PairPostings()
+    for i, raw in enumerate(toks):
+        pairs.add(i >> 1, i & 1, raw)
     del toks
+    pairs.write(out)
+    del pairs
     paths = [doc.path.encode() for doc in docs]
     titles = [doc.title.encode() for doc in docs]
     for name, strings in (("paths", paths), ("titles", titles)):
@@ -6288,6 +6379,7 @@ def write_batch(f, docs: list, vocab: _Vocab, avg: tuple) -> None:
             "surfaces": len(words),
             "lens": [sum(dls[0::2]), sum(dls[1::2])],
             "avg_range": [[avg[0], avg[0]], [avg[1], avg[1]]],
+            "pair_terms": [PAIR_COMMON, PAIR_TERMS],
         }
     )
 
@@ -6320,7 +6412,10 @@ def write_segment(
     surfaces = _write_dictionary(out, plan, sources, terms, stems, tids)
     dictionary = len(tids)
     del stems, tids
-    columns = _write_tokens(out, plan, sources, remaps, avg, cancel)
+    pairs = _PairPostings()
+    columns = _write_tokens(out, plan, sources, remaps, avg, cancel, pairs)
+    pairs.write(out)
+    del pairs
     _write_paths_and_titles(out, sources, remaps)
     by_path = array.array("I", map(_SECOND, heapq.merge(*map(_path_order, sources, remaps))))
     dls, avgs = columns["dl"], columns["avg"]
@@ -6338,6 +6433,7 @@ def write_segment(
             "surfaces": surfaces,
             "lens": [sum(dls[0::2]), sum(dls[1::2])],
             "avg_range": spans,
+            "pair_terms": [PAIR_COMMON, PAIR_TERMS],
         }
     )
     return remaps
@@ -6455,10 +6551,10 @@ def _write_dictionary(out, plan, sources, terms, stems, tids) -> int:
     return len(surf_tids)
 
 
-def _write_tokens(out, plan, sources, remaps, avg, cancel) -> dict:
+def _write_tokens(out, plan, sources, remaps, avg, cancel, pairs: _PairPostings) -> dict:
     """Write the section "tokens" (each live note's token string, body then title, in the
-    segment's term characters); return the per-note columns gathered on the way: size,
-    mtime, dl, avg and tok_off, in the order they are written."""
+    segment's term characters), handing each to pairs; return the per-note columns gathered
+    on the way: size, mtime, dl, avg and tok_off, in the order they are written."""
     sizes, mtimes = array.array("Q"), array.array("q")
     dls, avgs, tok_off = array.array("I"), array.array("f"), array.array("Q", [0])
     out.begin("tokens")
@@ -6476,6 +6572,7 @@ def _write_tokens(out, plan, sources, remaps, avg, cancel) -> dict:
                     text = src.tok_text(d, fld)
                     raw = (text if table is None else text.translate(table)).encode()
                 out.write(raw)
+                pairs.add(remap[d], fld, raw)
                 tok_off.append(tok_off[-1] + len(raw))
                 dls.append(src.dl(d, fld))
                 avgs.append(avg[fld] if avg else src.avg_then(d, fld))
@@ -7333,7 +7430,14 @@ class SearchIndex:
             chars = list(map(seg.char, ks))
             for f in (0, 1):
                 lists = [seg.postings(k, f) for k in ks]
-                if all(lists):
+                if not all(lists):
+                    continue
+                pairs = seg.pair_ids(ks, f)
+                if pairs is not None:  # common words: the notes holding a pair of them
+                    ids = min(pairs, key=len)
+                    cands = ids if within is None else within.intersection(ids)
+                    found.update(cands if len(ks) == 2 else seg.phrase(cands, chars, f))
+                else:
                     lists = sorted((p[0] for p in lists), key=len)
                     cands = lists[0]
                     if within is not None and len(within) < len(cands):

@@ -4377,6 +4377,167 @@ def damage_index(root: Path, damage: str) -> None:
             notesvc.write_segment(f, [seg], [set()], [({}, {})])
 
 
+PAIR_VOCAB = [f"w{i}x" for i in range(700)]  # words that are their own stems
+
+
+def pair_notes(rnd: random.Random, n: int) -> dict:
+    """Notes over 700 words with Zipf-like frequencies: a merge numbers them commonest
+    first, so phrases fall on every side of PAIR_COMMON and PAIR_TERMS."""
+    weights = [1 / (i + 1) for i in range(len(PAIR_VOCAB))]
+    notes = {}
+    for i in range(n):
+        words = rnd.choices(PAIR_VOCAB, weights, k=rnd.randint(2, 120))
+        title = " ".join(rnd.choices(PAIR_VOCAB, weights, k=rnd.randint(1, 4)))
+        notes[f"notes/p{i:04d}.md"] = f"# {title}\n\n{' '.join(words)}\n"
+    return notes
+
+
+def phrase_queries(rnd: random.Random, notes: dict, seg) -> dict:
+    """Return {phrase query: kind}: phrases found in the notes' bodies and titles and
+    made-up ones, of 2 and 3 words, whose pairs have a list (kind "pairs") or not."""
+    texts = sorted(notes.values())
+    out = {}
+    while len(out) < 160:
+        words = re.findall(r"w\d+x", rnd.choice(texts))
+        size = rnd.choice((2, 2, 3))
+        if len(words) < size:
+            continue
+        if rnd.random() < 0.7:
+            j = rnd.randrange(len(words) - size + 1)
+            words = words[j : j + size]
+        else:
+            words = rnd.sample(PAIR_VOCAB[:600], size)
+        keys = seg.keys(words)
+        listed = None not in keys and seg.pair_ids(keys, 0) is not None
+        out[f'"{" ".join(words)}"'] = "pairs" if listed else "search"
+    return out
+
+
+def read_footer(path: Path) -> dict:
+    raw = path.read_bytes()
+    size = notesvc._TRAILER.unpack(raw[-notesvc._TRAILER.size :])[0]
+    return json.loads(raw[-notesvc._TRAILER.size - size : -notesvc._TRAILER.size])
+
+
+def rewrite_footer(path: Path, footer: dict) -> None:
+    """Write a segment file's footer again at its length (padded with spaces), so the
+    commit file still names the file: what another version could have written."""
+    raw = path.read_bytes()
+    size, _, magic = notesvc._TRAILER.unpack(raw[-notesvc._TRAILER.size :])
+    text = json.dumps(footer, separators=(",", ":")).encode()
+    assert len(text) <= size
+    text = text.ljust(size)
+    body = raw[: -notesvc._TRAILER.size - size]
+    path.write_bytes(body + text + notesvc._TRAILER.pack(size, zlib.crc32(text), magic))
+
+
+class TestPhrasePairs:
+    """A segment file lists the notes of each pair of its commoner terms; phrases answered
+    from those lists are the brute-force BM25's, and a file without them still answers."""
+
+    def build(self, disk_index, tmp_path, n: int = 400) -> tuple:
+        notes = pair_notes(random.Random(11), n)
+        write_notes(tmp_path, notes)
+        assert disk_index.sync()["read"] == n
+        notes["notes/extra.md"] = "w0x w1x w2x"  # in a second file, to merge
+        write_notes(tmp_path, {"notes/extra.md": notes["notes/extra.md"]})
+        st = (tmp_path / "notes/extra.md").stat()
+        disk_index.add("notes/extra.md", notes["notes/extra.md"], st.st_size, st.st_mtime_ns)
+        assert disk_index.flush()
+        files = [s for s in disk_index._segs if isinstance(s, notesvc.DiskSegment)]
+        assert disk_index.merge(files)  # one file, its terms numbered commonest first
+        seg = disk_index._segs[0]
+        assert isinstance(seg, notesvc.DiskSegment)
+        return notes, seg
+
+    def test_phrases_from_pair_lists_answer_like_brute_force(self, disk_index, tmp_path):
+        notes, seg = self.build(disk_index, tmp_path)
+        assert seg.nt > notesvc.PAIR_TERMS  # terms past the lists' range too
+        queries = phrase_queries(random.Random(4), notes, seg)
+        kinds = collections.Counter(queries.values())
+        assert kinds["pairs"] >= 40, kinds
+        assert kinds["search"] >= 20, kinds
+        ref = ReferenceBM25(notes)
+        for q in queries:
+            assert_answers_like(disk_index, ref, q)
+        rnd = random.Random(5)
+        remove_notes(rnd, disk_index, notes, tmp_path, 60)  # deleted in the file
+        ref = ReferenceBM25(notes)
+        for q in queries:
+            assert_answers_like(disk_index, ref, q)
+
+    def test_a_pair_list_is_exactly_the_notes_holding_the_pair(self, disk_index, tmp_path):
+        notes, seg = self.build(disk_index, tmp_path)
+        terms = {w: k for w, k in zip(PAIR_VOCAB, seg.keys(PAIR_VOCAB)) if k is not None}
+        paths = [seg.path(d) for d in range(seg.n)]
+        common = [w for w in PAIR_VOCAB if terms.get(w, 10**9) < notesvc.PAIR_COMMON][:6]
+        middle = [
+            w for w in PAIR_VOCAB if notesvc.PAIR_COMMON <= terms.get(w, -1) < notesvc.PAIR_TERMS
+        ][:6]
+        assert len(common) == 6
+        assert len(middle) == 6
+        fields = {  # each note's body and title as notesvc reads them
+            p: (notesvc.tokenize(t), notesvc.tokenize(notesvc.note_title(t, p)))
+            for p, t in notes.items()
+        }
+        for a, b in [*itertools.product(common, common + middle), *zip(middle, common)]:
+            for f in (0, 1):
+                want = {p for p, toks in fields.items() if (a, b) in zip(toks[f], toks[f][1:])}
+                (ids,) = seg.pair_ids([terms[a], terms[b]], f)
+                assert {paths[d] for d in ids} == want, (a, b, f)
+        for a, b in itertools.product(middle, middle):  # neither among the commonest
+            assert seg.pair_ids([terms[a], terms[b]], 0) is None
+
+    def test_a_file_without_pair_lists_still_answers_phrases(self, disk_index, tmp_path):
+        notes, seg = self.build(disk_index, tmp_path)
+        queries = phrase_queries(random.Random(6), notes, seg)
+        before = {q: disk_index.search(notesvc.Query(q), "", 10, 0) for q in queries}
+        path = seg.file
+        disk_index.close()
+        footer = read_footer(path)  # now as 0.4 wrote it: no pair lists
+        del footer["pair_terms"]
+        for name in ("pair_keys", "pair_off", "pair_ids"):
+            del footer["sections"][name]
+        rewrite_footer(path, footer)
+        index = notesvc.SearchIndex.open(tmp_path / ".notesvc", disk_index.notes)
+        try:
+            (old,) = [s for s in index._segs if isinstance(s, notesvc.DiskSegment)]
+            assert old._pairs is None
+            assert old.pair_ids([0, 1], 0) is None
+            for q, want in before.items():
+                assert index.search(notesvc.Query(q), "", 10, 0) == want, q
+            assert index.sync()["read"] == 0  # kept, not read again
+        finally:
+            index.close()
+
+    @pytest.mark.parametrize("damage", ["bounds", "offsets", "torn"])
+    def test_damaged_pair_lists_drop_the_file_and_its_notes_are_read_again(
+        self, disk_index, tmp_path, damage
+    ):
+        notes, seg = self.build(disk_index, tmp_path)
+        path = seg.file
+        disk_index.close()
+        footer = read_footer(path)
+        start, length = footer["sections"]["pair_off"]
+        if damage == "bounds":
+            footer["sections"]["pair_ids"][0] = 8
+        elif damage == "offsets":
+            footer["sections"]["pair_off"] = [start, length - 4]
+        else:
+            footer["sections"]["pair_keys"][1] -= 2
+        rewrite_footer(path, footer)
+        with pytest.raises(notesvc.IndexFileError):
+            notesvc.DiskSegment(path)
+        index = notesvc.SearchIndex.open(tmp_path / ".notesvc", disk_index.notes)
+        try:
+            assert index.sync()["read"] == len(notes)
+            ref = ReferenceBM25(notes)
+            for q in list(phrase_queries(random.Random(7), notes, index._segs[0]))[:30]:
+                assert_answers_like(index, ref, q)
+        finally:
+            index.close()
+
+
 class TestSearchSegments:
     """Segment files, the commit file, merges, damage and a full disk (in process)."""
 
