@@ -5384,6 +5384,7 @@ _OVERFLOW = "\xff"  # the term char of stems past the last code point (not index
 # substring search in 40 % of the notes. Their term chars are U+0100-02FF, and U+0100-017F:
 # in UTF-8 a lead byte C4-CB, and C4-C5, then a continuation byte.
 PAIR_COMMON, PAIR_TERMS = 128, 512
+PAIR_SPILL_IDS = 1 << 20  # pair list entries a segment writer holds before it spills them
 _PAIR_RE = re.compile(
     rb"(?=((?:[\xc4\xc5][\x80-\xbf])(?:[\xc4-\xcb][\x80-\xbf])"
     rb"|(?:[\xc6-\xcb][\x80-\xbf])(?:[\xc4\xc5][\x80-\xbf])))"
@@ -6268,24 +6269,38 @@ def _pair_key(a: int, b: int, fld: int) -> int:
 
 class _PairPostings:
     """The notes of each adjacent pair of a segment's commoner terms (_PAIR_RE), per field,
-    gathered note by note from the token strings as they are written (ids ascending)."""
+    gathered note by note from the token strings as they are written (ids ascending).
 
-    def __init__(self):
+    Past PAIR_SPILL_IDS held, the lists so far go to a temporary file in `folder` as one
+    run, sorted by key, and write() merges the runs: a merge of 100k notes (7.4 million
+    ids) holds a few MB of them, not 50.
+    """
+
+    _HEAD = struct.Struct("<II")  # a list in a run: its key and length, then its ids
+
+    def __init__(self, folder: Path | None = None):
         self.found: tuple = ({}, {})  # per field: the pair's 4 UTF-8 bytes -> note ids
+        self.held = 0
+        self.folder = folder
+        self.spill = None  # the runs' temporary file
+        self.runs: list = []  # (start, end) of each run in it
 
     def add(self, d: int, fld: int, raw: bytes) -> None:
         if len(raw) < 4:
             return
         found = self.found[fld]
-        for pair in set(_PAIR_RE.findall(raw)):
+        pairs = set(_PAIR_RE.findall(raw))
+        for pair in pairs:
             ids = found.get(pair)
             if ids is None:
                 found[pair] = ids = array.array("I")
             ids.append(d)
+        self.held += len(pairs)
+        if self.held > PAIR_SPILL_IDS and self.folder is not None:
+            self._spill()
 
-    def write(self, out: _FileWriter) -> None:
-        """Write the sections "pair_keys" (each list's pair_key, ascending), "pair_off"
-        (where each list starts, and the end) and "pair_ids" (the lists)."""
+    def _sorted(self) -> list:
+        """Return [(pair_key, ids)] of the lists held, by key."""
         lists = []
         for fld in (0, 1):
             for pair, ids in self.found[fld].items():
@@ -6293,10 +6308,68 @@ class _PairPostings:
                 b = ((pair[2] & 0x1F) << 6 | (pair[3] & 0x3F)) - 0x100
                 lists.append((_pair_key(a, b, fld), ids))
         lists.sort(key=_FIRST)
-        out.section("pair_keys", array.array("I", map(_FIRST, lists)).tobytes())
-        sizes = (len(ids) for _, ids in lists)
-        out.section("pair_off", array.array("I", itertools.accumulate(sizes, initial=0)))
-        out.section("pair_ids", *(ids for _, ids in lists))
+        return lists
+
+    def _spill(self) -> None:
+        if self.spill is None:
+            self.spill = tempfile.TemporaryFile(dir=self.folder)  # noqa: SIM115 - close()
+        start = self.spill.seek(0, os.SEEK_END)
+        for key, ids in self._sorted():
+            self.spill.write(self._HEAD.pack(key, len(ids)))
+            self.spill.write(ids)
+        self.runs.append((start, self.spill.tell()))
+        self.found, self.held = ({}, {}), 0
+
+    def _run(self, pos: int, end: int) -> Iterable:
+        """Yield (key, ids as bytes) of the run at pos..end of the temporary file."""
+        fd, buf, at = self.spill.fileno(), b"", 0
+
+        def have(n: int) -> None:
+            nonlocal buf, at, pos
+            while len(buf) - at < n:
+                chunk = os.pread(fd, min(max(n, 1 << 18), end - pos), pos)
+                if not chunk:
+                    raise OSError("a run of pair lists ended early")
+                buf, at, pos = buf[at:] + chunk, 0, pos + len(chunk)
+
+        while pos < end or at < len(buf):
+            have(self._HEAD.size)
+            key, n = self._HEAD.unpack_from(buf, at)
+            at += self._HEAD.size
+            have(4 * n)
+            yield key, buf[at : at + 4 * n]
+            at += 4 * n
+
+    def write(self, out: _FileWriter) -> None:
+        """Write the sections "pair_keys" (each list's pair_key, ascending), "pair_off"
+        (where each list starts, and the end) and "pair_ids" (the lists)."""
+        if not self.runs:
+            lists = self._sorted()
+            out.section("pair_keys", array.array("I", map(_FIRST, lists)))
+            sizes = (len(ids) for _, ids in lists)
+            out.section("pair_off", array.array("I", itertools.accumulate(sizes, initial=0)))
+            out.section("pair_ids", *(ids for _, ids in lists))
+            return
+        self._spill()
+        self.spill.flush()
+        keys, off = array.array("I"), array.array("I", [0])
+        runs = [self._run(*span) for span in self.runs]
+        out.begin("pair_ids")  # a key's lists, run after run: its ids ascending
+        for key, lists in itertools.groupby(heapq.merge(*runs, key=_FIRST), key=_FIRST):
+            n = 0
+            for _, ids in lists:
+                out.write(ids)
+                n += len(ids) // 4
+            keys.append(key)
+            off.append(off[-1] + n)
+        out.end("pair_ids")
+        out.section("pair_keys", keys)
+        out.section("pair_off", off)
+
+    def close(self) -> None:
+        if self.spill is not None:
+            self.spill.close()
+            self.spill = None
 
 
 def write_batch(f, docs: list, vocab: _Vocab, avg: tuple) -> None:
@@ -6412,9 +6485,12 @@ def write_segment(
     surfaces = _write_dictionary(out, plan, sources, terms, stems, tids)
     dictionary = len(tids)
     del stems, tids
-    pairs = _PairPostings()
-    columns = _write_tokens(out, plan, sources, remaps, avg, cancel, pairs)
-    pairs.write(out)
+    pairs = _PairPostings(folder)
+    try:
+        columns = _write_tokens(out, plan, sources, remaps, avg, cancel, pairs)
+        pairs.write(out)
+    finally:
+        pairs.close()
     del pairs
     _write_paths_and_titles(out, sources, remaps)
     by_path = array.array("I", map(_SECOND, heapq.merge(*map(_path_order, sources, remaps))))

@@ -4450,7 +4450,12 @@ class TestPhrasePairs:
         assert isinstance(seg, notesvc.DiskSegment)
         return notes, seg
 
-    def test_phrases_from_pair_lists_answer_like_brute_force(self, disk_index, tmp_path):
+    @pytest.mark.parametrize("spill", [None, 37])
+    def test_phrases_from_pair_lists_answer_like_brute_force(
+        self, disk_index, tmp_path, monkeypatch, spill
+    ):
+        if spill:  # the merge writes its pair lists in runs of 37 ids to a file, then merges
+            monkeypatch.setattr(notesvc, "PAIR_SPILL_IDS", spill)
         notes, seg = self.build(disk_index, tmp_path)
         assert seg.nt > notesvc.PAIR_TERMS  # terms past the lists' range too
         queries = phrase_queries(random.Random(4), notes, seg)
@@ -4466,7 +4471,12 @@ class TestPhrasePairs:
         for q in queries:
             assert_answers_like(disk_index, ref, q)
 
-    def test_a_pair_list_is_exactly_the_notes_holding_the_pair(self, disk_index, tmp_path):
+    @pytest.mark.parametrize("spill", [None, 37])
+    def test_a_pair_list_is_exactly_the_notes_holding_the_pair(
+        self, disk_index, tmp_path, monkeypatch, spill
+    ):
+        if spill:
+            monkeypatch.setattr(notesvc, "PAIR_SPILL_IDS", spill)
         notes, seg = self.build(disk_index, tmp_path)
         terms = {w: k for w, k in zip(PAIR_VOCAB, seg.keys(PAIR_VOCAB)) if k is not None}
         paths = [seg.path(d) for d in range(seg.n)]
