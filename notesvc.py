@@ -6426,12 +6426,7 @@ def write_batch(f, docs: list, vocab: _Vocab, avg: tuple) -> None:
     toks = [t.encode() for doc in docs for t in (doc.toks, doc.title_toks)]
     out.section("tokens", *toks)
     out.section("tok_off", array.array("Q", itertools.accumulate(map(len, toks), initial=0)))
-    pairs = _PairPostings()
-    for i, raw in enumerate(toks):
-        pairs.add(i >> 1, i & 1, raw)
-    del toks
-    pairs.write(out)
-    del pairs
+    del toks  # no pair lists: a first build's files are small, and merged soon
     paths = [doc.path.encode() for doc in docs]
     titles = [doc.title.encode() for doc in docs]
     for name, strings in (("paths", paths), ("titles", titles)):
@@ -6452,7 +6447,6 @@ def write_batch(f, docs: list, vocab: _Vocab, avg: tuple) -> None:
             "surfaces": len(words),
             "lens": [sum(dls[0::2]), sum(dls[1::2])],
             "avg_range": [[avg[0], avg[0]], [avg[1], avg[1]]],
-            "pair_terms": [PAIR_COMMON, PAIR_TERMS],
         }
     )
 

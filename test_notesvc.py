@@ -4439,6 +4439,8 @@ class TestPhrasePairs:
         notes = pair_notes(random.Random(11), n)
         write_notes(tmp_path, notes)
         assert disk_index.sync()["read"] == n
+        (bulk,) = disk_index._segs[:1]
+        assert bulk._pairs is None  # a first build's file: none (merged soon)
         notes["notes/extra.md"] = "w0x w1x w2x"  # in a second file, to merge
         write_notes(tmp_path, {"notes/extra.md": notes["notes/extra.md"]})
         st = (tmp_path / "notes/extra.md").stat()
