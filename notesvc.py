@@ -5385,6 +5385,7 @@ _OVERFLOW = "\xff"  # the term char of stems past the last code point (not index
 # in UTF-8 a lead byte C4-CB, and C4-C5, then a continuation byte.
 PAIR_COMMON, PAIR_TERMS = 128, 512
 PAIR_SPILL_IDS = 1 << 20  # pair list entries a segment writer holds before it spills them
+PAIR_REWRITE_NOTES = 10_000  # a file this big without pair lists is written again with them
 _PAIR_RE = re.compile(
     rb"(?=((?:[\xc4\xc5][\x80-\xbf])(?:[\xc4-\xcb][\x80-\xbf])"
     rb"|(?:[\xc6-\xcb][\x80-\xbf])(?:[\xc4\xc5][\x80-\xbf])))"
@@ -7888,7 +7889,9 @@ class SearchIndex:
 
     def _pick_merge(self) -> list:
         """Return segments to merge: one mostly deleted, or those of the smallest size class
-        (live notes, in powers of MERGE_FACTOR) that has MERGE_FACTOR of them."""
+        (live notes, in powers of MERGE_FACTOR) that has MERGE_FACTOR of them, or else the
+        smallest file of PAIR_REWRITE_NOTES live notes or more without pair lists (0.4's,
+        which no merge may take for long): written again once, with them."""
         with self._lock:
             segs = [s for s in self._segs if isinstance(s, DiskSegment)]
         tiers = collections.defaultdict(list)
@@ -7900,7 +7903,8 @@ class SearchIndex:
         for tier in sorted(tiers):
             if len(tiers[tier]) >= MERGE_FACTOR:
                 return tiers[tier]
-        return []
+        bare = [s for s in segs if s._pairs is None and s.n - len(s.deleted) >= PAIR_REWRITE_NOTES]
+        return [min(bare, key=lambda s: s.n)] if bare else []
 
     def merge(self, sources: list) -> bool:
         """Merge segment files into one (without the lock), then swap it in and commit.

@@ -4522,6 +4522,26 @@ class TestPhrasePairs:
         finally:
             index.close()
 
+    def test_a_big_file_without_pair_lists_is_written_again_once(
+        self, disk_index, tmp_path, monkeypatch
+    ):
+        notes = pair_notes(random.Random(12), 300)
+        write_notes(tmp_path, notes)
+        assert disk_index.sync()["read"] == 300
+        (bulk,) = disk_index._segs[:1]
+        assert bulk._pairs is None
+        assert disk_index._pick_merge() == []  # under PAIR_REWRITE_NOTES: left as it is
+        monkeypatch.setattr(notesvc, "PAIR_REWRITE_NOTES", 250)
+        assert disk_index._pick_merge() == [bulk]
+        assert disk_index.merge([bulk])
+        (seg,) = [s for s in disk_index._segs if isinstance(s, notesvc.DiskSegment)]
+        assert seg is not bulk
+        assert seg._pairs is not None
+        assert disk_index._pick_merge() == []  # once
+        ref = ReferenceBM25(notes)
+        for q in list(phrase_queries(random.Random(8), notes, seg))[:40]:
+            assert_answers_like(disk_index, ref, q)
+
     @pytest.mark.parametrize("damage", ["bounds", "offsets", "torn"])
     def test_damaged_pair_lists_drop_the_file_and_its_notes_are_read_again(
         self, disk_index, tmp_path, damage
