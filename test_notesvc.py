@@ -9245,15 +9245,15 @@ class TestPolling:
         wait_for(lambda: pollers.running() == [ch["id"]] and upstream.polls)
         started = time.monotonic()
         client.post(f"{API}/channels/{ch['id']}/toggle")
-        wait_for(lambda: pollers.running() == [], timeout=5)
-        assert time.monotonic() - started < 2
+        wait_for(lambda: pollers.running() == [], timeout=10)
+        assert time.monotonic() - started < 10  # not the poll's 30 s hold (a loaded CI: slack)
         upstream.push(telegram_update("/save while off"))
         assert [u["message"]["text"] for u in upstream.updates] == ["/save while off"]  # untaken
         assert not today_note(client).exists()
         client.post(f"{API}/channels/{ch['id']}/toggle")  # on again: what waited arrives
         wait_for(lambda: today_note(client).exists())
         client.delete(f"{API}/channels/{ch['id']}")
-        wait_for(lambda: pollers.running() == [], timeout=5)
+        wait_for(lambda: pollers.running() == [], timeout=10)
         offsets = client.app.service.config.state_dir / "channel-offsets.json"
         # (no file: no offset was kept yet, for any channel)
         assert ch["id"] not in json.loads(offsets.read_text() if offsets.exists() else "{}")
@@ -9261,7 +9261,7 @@ class TestPolling:
         ch = self.create(client)
         wait_for(lambda: pollers.running() == [ch["id"]])
         client.patch_json(f"{API}/channels/{ch['id']}", {"config": {"mode": "webhook"}})
-        wait_for(lambda: pollers.running() == [], timeout=5)
+        wait_for(lambda: pollers.running() == [], timeout=10)
         assert upstream.webhook["secret_token"] == ch["secret"]
 
     def test_a_refused_token_is_shown_as_the_channel_status(self, client, upstream, caplog):
