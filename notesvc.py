@@ -5386,6 +5386,7 @@ _OVERFLOW = "\xff"  # the term char of stems past the last code point (not index
 PAIR_COMMON, PAIR_TERMS = 128, 512
 PAIR_SPILL_IDS = 1 << 20  # pair list entries a segment writer holds before it spills them
 PAIR_REWRITE_NOTES = 10_000  # a file this big without pair lists is written again with them
+PAIR_REWRITE_RETRY = 3600.0  # seconds before a file whose rewrite failed is tried again
 _PAIR_RE = re.compile(
     rb"(?=((?:[\xc4\xc5][\x80-\xbf])(?:[\xc4-\xcb][\x80-\xbf])"
     rb"|(?:[\xc6-\xcb][\x80-\xbf])(?:[\xc4\xc5][\x80-\xbf])))"
@@ -5841,7 +5842,10 @@ class DiskSegment:
         for a, b in zip(keys, keys[1:]):
             if max(a, b) < PAIR_TERMS and min(a, b) < PAIR_COMMON:
                 i = _has(listed, _pair_key(a, b, f))
-                out.append(ids[off[i] : off[i + 1]] if i >= 0 else ids[0:0])
+                found = ids[off[i] : off[i + 1]] if i >= 0 else ids[0:0]
+                if len(found) and found[-1] >= self.n:  # ascending: a damaged list
+                    return None  # (the substring search instead)
+                out.append(found)
         return out or None
 
     def verify(self) -> None:
@@ -7021,6 +7025,7 @@ class SearchIndex:
         self._segs: list = []  # DiskSegment, or MemorySegment not yet written; oldest first
         self._merger = None  # the helper process writing merges, while they run
         self._merger_lock = threading.RLock()  # one merge at a time (and through it)
+        self._pair_rewrites: dict = {}  # file name -> when it was last picked to get pair lists
         self._live = MemorySegment()
         self.generation = 0  # bumps on every change
         # (generation it holds for, {folder: notes beneath it}): rebuilt after bulk changes,
@@ -7503,19 +7508,20 @@ class SearchIndex:
                 lists = [seg.postings(k, f) for k in ks]
                 if not all(lists):
                     continue
+                lists = sorted((p[0] for p in lists), key=len)
                 pairs = seg.pair_ids(ks, f)
-                if pairs is not None:  # common words: the notes holding a pair of them
-                    ids = min(pairs, key=len)
-                    cands = ids if within is None else within.intersection(ids)
-                    found.update(cands if len(ks) == 2 else seg.phrase(cands, chars, f))
-                else:
-                    lists = sorted((p[0] for p in lists), key=len)
-                    cands = lists[0]
-                    if within is not None and len(within) < len(cands):
-                        cands = within
-                    elif len(lists[1]) <= 16 * len(cands):  # the notes holding both terms
-                        cands = set(cands).intersection(lists[1])
-                    found.update(seg.phrase(cands, chars, f))
+                if pairs is not None and (len(ks) == 2 or len(min(pairs, key=len)) < len(lists[0])):
+                    lists = [min(pairs, key=len)]  # common words: the notes holding a pair
+                cands = lists[0]
+                if within is not None:  # (the notes of the clauses before)
+                    if len(cands) > 4 * len(within):
+                        cands = [d for d in within if _has(cands, d) >= 0]
+                    else:
+                        cands = within.intersection(cands)
+                elif len(lists) > 1 and len(lists[1]) <= 16 * len(cands):  # holding both terms
+                    cands = set(cands).intersection(lists[1])
+                exact = len(ks) == 2 and pairs is not None  # a pair's list is the phrase's
+                found.update(cands if exact else seg.phrase(cands, chars, f))
             return found
         for s in stems:
             k = keys[s][si]
@@ -7890,8 +7896,9 @@ class SearchIndex:
     def _pick_merge(self) -> list:
         """Return segments to merge: one mostly deleted, or those of the smallest size class
         (live notes, in powers of MERGE_FACTOR) that has MERGE_FACTOR of them, or else the
-        smallest file of PAIR_REWRITE_NOTES live notes or more without pair lists (0.4's,
-        which no merge may take for long): written again once, with them."""
+        smallest file of PAIR_REWRITE_NOTES live notes or more written without pair lists
+        (0.4's, which no merge may take for long): written again once, with them (a failed
+        rewrite waits PAIR_REWRITE_RETRY)."""
         with self._lock:
             segs = [s for s in self._segs if isinstance(s, DiskSegment)]
         tiers = collections.defaultdict(list)
@@ -7903,8 +7910,19 @@ class SearchIndex:
         for tier in sorted(tiers):
             if len(tiers[tier]) >= MERGE_FACTOR:
                 return tiers[tier]
-        bare = [s for s in segs if s._pairs is None and s.n - len(s.deleted) >= PAIR_REWRITE_NOTES]
-        return [min(bare, key=lambda s: s.n)] if bare else []
+        now = time.monotonic()
+        bare = [
+            s
+            for s in segs
+            if "pair_terms" not in s.meta  # (a file of other PAIR_ settings: left to merges)
+            and s.n - len(s.deleted) >= PAIR_REWRITE_NOTES
+            and now - self._pair_rewrites.get(s.name, -PAIR_REWRITE_RETRY) >= PAIR_REWRITE_RETRY
+        ]
+        if not bare:
+            return []
+        pick = min(bare, key=lambda s: s.n)
+        self._pair_rewrites[pick.name] = now  # a rewrite that fails waits before the next
+        return [pick]
 
     def merge(self, sources: list) -> bool:
         """Merge segment files into one (without the lock), then swap it in and commit.

@@ -8,6 +8,7 @@ import collections
 import contextlib
 import dataclasses
 import datetime as dt
+import errno
 import gzip
 import hashlib
 import http.client
@@ -4431,6 +4432,11 @@ def rewrite_footer(path: Path, footer: dict) -> None:
     path.write_bytes(body + text + notesvc._TRAILER.pack(size, zlib.crc32(text), magic))
 
 
+def bounds_of(path: Path, section: str) -> list:
+    """Return [start, length] of a section of a segment file, from its footer."""
+    return read_footer(path)["sections"][section]
+
+
 class TestPhrasePairs:
     """A segment file lists the notes of each pair of its commoner terms; phrases answered
     from those lists are the brute-force BM25's, and a file without them still answers."""
@@ -4541,6 +4547,127 @@ class TestPhrasePairs:
         ref = ReferenceBM25(notes)
         for q in list(phrase_queries(random.Random(8), notes, seg))[:40]:
             assert_answers_like(disk_index, ref, q)
+
+    def test_a_phrase_after_another_clause_keeps_to_that_clause_on_every_path(
+        self, disk_index, tmp_path
+    ):
+        notes = {
+            "notes/n1.md": "a b",  # the phrase, without c
+            **{f"notes/t{i}/a x b.md": "zzz" for i in range(3)},  # a and b in titles only
+            **{f"notes/c{i}.md": "c c" for i in range(2)},
+            **{f"notes/f{i}.md": "filler" for i in range(60)},
+        }
+        write_notes(tmp_path, notes)
+        ref = ReferenceBM25(notes)
+        queries = ['c "a b"', '"a b" c', 'c "a b" -zzz', 'filler OR c "a b"']
+        memory = notesvc.SearchIndex()
+        for path, text in notes.items():
+            memory.add(path, text, len(text), 1)
+        assert disk_index.sync()["read"] == len(notes)
+        (bulk,) = [s for s in disk_index._segs if isinstance(s, notesvc.DiskSegment)]
+        assert bulk._pairs is None  # the substring search
+        for q in queries:
+            assert_answers_like(memory, ref, q)
+            assert_answers_like(disk_index, ref, q)
+        assert disk_index.merge([bulk])
+        assert disk_index._segs[0]._pairs is not None  # the pair lists
+        for q in queries:
+            assert_answers_like(disk_index, ref, q)
+
+    def test_a_rare_word_in_a_longer_phrase_still_narrows_the_search(
+        self, disk_index, tmp_path, monkeypatch
+    ):
+        words = PAIR_VOCAB[:601]
+        notes = {f"notes/n{i}.md": f"out of the blue {words[i]} {words[i + 1]}" for i in range(600)}
+        notes["notes/rare.md"] = "out of the zebra"
+        write_notes(tmp_path, notes)
+        assert disk_index.sync()["read"] == len(notes)
+        disk_index.add("notes/extra.md", "out of the blue", 15, 1)  # a second file...
+        assert disk_index.flush()
+        files = [s for s in disk_index._segs if isinstance(s, notesvc.DiskSegment)]
+        assert disk_index.merge(files)  # ...so that the merge numbers terms commonest first
+        seg = disk_index._segs[0]
+        keys = seg.keys(["of", "the", "zebra"])
+        assert keys[2] >= notesvc.PAIR_TERMS  # numbered after 600 commoner words
+        assert len(seg.pair_ids(keys, 0)) == 1  # "of the" has a list; "the zebra" none
+        checked = []
+        phrase = notesvc.DiskSegment.phrase
+
+        def counted(self, cands, chars, f):  # the search itself, its candidates counted
+            cands = list(cands)
+            checked.append(len(cands))
+            return phrase(self, cands, chars, f)
+
+        monkeypatch.setattr(notesvc.DiskSegment, "phrase", counted)
+        total, hits = disk_index.search(notesvc.Query('"of the zebra"'), "", 10, 0)
+        assert (total, [h[0] for h in hits]) == (1, ["notes/rare.md"])
+        assert max(checked) == 1  # from zebra's one note, not the 601 holding "of the"
+
+    def test_a_failed_rewrite_waits_and_other_settings_files_are_left_to_merges(
+        self, disk_index, tmp_path, monkeypatch
+    ):
+        notes = pair_notes(random.Random(13), 300)
+        write_notes(tmp_path, notes)
+        assert disk_index.sync()["read"] == 300
+        monkeypatch.setattr(notesvc, "PAIR_REWRITE_NOTES", 250)
+        calls = []
+
+        def full(*args, **kwargs):  # a full disk, as the writer meets it
+            calls.append(1)
+            raise OSError(errno.ENOSPC, "No space left on device")
+
+        monkeypatch.setattr(notesvc, "write_segment", full)
+        for _ in range(5):
+            disk_index.maintain(force=True)
+        assert len(calls) == 1  # tried once: not again within PAIR_REWRITE_RETRY
+        monkeypatch.setattr(notesvc, "PAIR_REWRITE_RETRY", 0.0)
+        disk_index.maintain(force=True)
+        assert len(calls) == 2
+        monkeypatch.undo()
+        (bulk,) = [s for s in disk_index._segs if isinstance(s, notesvc.DiskSegment)]
+        assert disk_index.merge([bulk])  # the disk has room again
+        path = disk_index._segs[0].file
+        disk_index.close()
+        footer = read_footer(path)
+        footer["pair_terms"] = [64, 256]  # written by another version's settings
+        rewrite_footer(path, footer)
+        index = notesvc.SearchIndex.open(tmp_path / ".notesvc", disk_index.notes)
+        try:
+            monkeypatch.setattr(notesvc, "PAIR_REWRITE_NOTES", 250)
+            (seg,) = [s for s in index._segs if isinstance(s, notesvc.DiskSegment)]
+            assert seg._pairs is None
+            assert index._pick_merge() == []  # no rewrite (a rewrite could loop on it)
+            ref = ReferenceBM25(notes)
+            for q in list(phrase_queries(random.Random(9), notes, seg))[:30]:
+                assert_answers_like(index, ref, q)
+        finally:
+            index.close()
+
+    def test_a_list_naming_a_note_past_the_file_is_not_trusted(self, disk_index, tmp_path):
+        notes, seg = self.build(disk_index, tmp_path)
+        words = ["w0x", "w1x"]
+        keys = seg.keys(words)
+        (ids,) = seg.pair_ids(keys, 0)
+        assert len(ids) > 1
+        listed, off, _ = seg._pairs
+        i = listed.tolist().index(notesvc._pair_key(*keys, 0))
+        at = int(bounds_of(seg.file, "pair_ids")[0]) + 4 * (off[i + 1] - 1)
+        path = seg.file
+        disk_index.close()
+        raw = bytearray(path.read_bytes())
+        raw[at : at + 4] = (seg.n + 5).to_bytes(4, sys.byteorder)  # past the last note
+        path.write_bytes(bytes(raw))
+        index = notesvc.SearchIndex.open(tmp_path / ".notesvc", disk_index.notes)
+        try:
+            (damaged,) = [s for s in index._segs if isinstance(s, notesvc.DiskSegment)]
+            assert damaged.pair_ids(keys, 0) is None  # the substring search instead
+            ref = ReferenceBM25(notes)
+            for offset in (0, len(ids) - 2):
+                total, _ = index.search(notesvc.Query('"w0x w1x"'), "", 10, offset)
+                assert total == ref.search('"w0x w1x"', "")[0]
+            assert_answers_like(index, ref, '"w0x w1x"')
+        finally:
+            index.close()
 
     @pytest.mark.parametrize("damage", ["bounds", "offsets", "torn"])
     def test_damaged_pair_lists_drop_the_file_and_its_notes_are_read_again(
