@@ -5814,7 +5814,7 @@ class DiskSegment:
         self.del_lens = [0, 0]
 
     def _pair_lists(self, meta: dict, bounds: dict, view: memoryview) -> tuple | None:
-        """Return (pair keys, list offsets, note ids), or None for a file without them (0.4
+        """Return (pair keys, list offsets, note ids), or None for a file without them (0.3
         and before) or with other PAIR_COMMON, PAIR_TERMS: its phrases are found the slower way."""
         if meta.get("pair_terms") != [PAIR_COMMON, PAIR_TERMS]:
             return None
@@ -7897,7 +7897,7 @@ class SearchIndex:
         """Return segments to merge: one mostly deleted, or those of the smallest size class
         (live notes, in powers of MERGE_FACTOR) that has MERGE_FACTOR of them, or else the
         smallest file of PAIR_REWRITE_NOTES live notes or more written without pair lists
-        (0.4's, which no merge may take for long): written again once, with them (a failed
+        (0.3's, which no merge may take for long): written again once, with them (a failed
         rewrite waits PAIR_REWRITE_RETRY)."""
         with self._lock:
             segs = [s for s in self._segs if isinstance(s, DiskSegment)]

@@ -4512,7 +4512,7 @@ class TestPhrasePairs:
         before = {q: disk_index.search(notesvc.Query(q), "", 10, 0) for q in queries}
         path = seg.file
         disk_index.close()
-        footer = read_footer(path)  # now as 0.4 wrote it: no pair lists
+        footer = read_footer(path)  # now as 0.3 wrote it: no pair lists
         del footer["pair_terms"]
         for name in ("pair_keys", "pair_off", "pair_ids"):
             del footer["sections"][name]
