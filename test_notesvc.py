@@ -9560,6 +9560,54 @@ class TestReminders:
         assert len(self.reminders_sent(upstream)) == 1
         assert "- a ⏰ 2031-01-06 11:00" in self.reminders_sent(upstream)[0]
 
+    def test_only_the_notes_that_changed_are_read_again(self, client, upstream, root):
+        svc = client.app.service
+        for i in range(30):
+            put_note(client, f"notes/n{i:02}.md", f"# N{i}\n\nplain note {i}\n")
+        put_note(client, "notes/a.md", "- a ⏰ 2031-01-06 09:00\n")
+        sched = self.scheduler(client, "2031-01-06 08:00")
+        read = []
+        document = svc.index.document
+        svc.index.document = lambda path: read.append(path) or document(path)
+        sched.tick()
+        assert len(read) == 31  # the first look reads every note
+        del read[:]
+        sched.tick()
+        assert read == []  # nothing changed: nothing read
+        client.put_json(note_url("notes/n05.md"), {"content": "# N5\n\n- b ⏰ 2031-01-06 10:00\n"})
+        client.patch_json(note_url("notes/a.md") + "/move", {"path": "notes/moved/a.md"})
+        (root / "notes" / "n07.md").write_text("- c ⏰ 2031-01-06 11:00\n")
+        svc.sync_index()  # an edit by another program, as the rescan finds it
+        client.delete(note_url("notes/n09.md"))
+        sched.tick()
+        assert sorted(read) == ["notes/moved/a.md", "notes/n05.md", "notes/n07.md"]
+        assert [(r["path"], r["wall"]) for r in sched.upcoming()] == [
+            ("notes/moved/a.md", "2031-01-06 09:00"),
+            ("notes/n05.md", "2031-01-06 10:00"),
+            ("notes/n07.md", "2031-01-06 11:00"),
+        ]
+        client.put_json(note_url("notes/n05.md"), {"content": "# N5\n\nno reminder now\n"})
+        client.delete(note_url("notes/moved/a.md"))
+        sched.clock.now = at("2031-01-06 12:00")
+        sched.tick()
+        sent = self.reminders_sent(upstream)
+        assert len(sent) == 1 and "- c ⏰ 2031-01-06 11:00" in sent[0]
+
+    def test_a_note_written_through_the_api_is_read_again_even_unchanged(self, client, upstream):
+        svc = client.app.service
+        put_note(client, "notes/a.md", "- a ⏰ 2031-01-06 09:00\n")
+        sched = self.scheduler(client, "2031-01-06 08:00")
+        sched.tick()
+        svc.notes.after.append(sched._note_changed)  # what start() does
+        read = []
+        document = svc.index.document
+        svc.index.document = lambda path: read.append(path) or document(path)
+        put_note(client, "notes/b.md", "no reminder\n")
+        sched._written.add("notes/a.md")  # as if written in the same clock tick, same size
+        sched.tick()
+        assert sorted(read) == ["notes/a.md", "notes/b.md"]
+        assert [r["path"] for r in sched.upcoming()] == ["notes/a.md"]
+
     def test_front_matter_and_only_notifying_channels(self, client, upstream):
         body = {
             "provider": "whatsapp",
