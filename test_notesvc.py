@@ -9591,7 +9591,8 @@ class TestReminders:
         sched.clock.now = at("2031-01-06 12:00")
         sched.tick()
         sent = self.reminders_sent(upstream)
-        assert len(sent) == 1 and "- c ⏰ 2031-01-06 11:00" in sent[0]
+        (only,) = sent
+        assert "- c ⏰ 2031-01-06 11:00" in only
 
     def test_a_note_written_through_the_api_is_read_again_even_unchanged(self, client, upstream):
         svc = client.app.service
