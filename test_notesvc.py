@@ -9609,6 +9609,28 @@ class TestReminders:
         assert sorted(read) == ["notes/a.md", "notes/b.md"]
         assert [r["path"] for r in sched.upcoming()] == ["notes/a.md"]
 
+    def test_while_the_index_reads_many_notes_in_the_loop_waits_to_look(
+        self, client, upstream, root
+    ):
+        svc = client.app.service
+        put_note(client, "notes/a.md", "- a ⏰ 2031-01-06 09:00\n")
+        sched = self.scheduler(client, "2031-01-06 08:00")
+        sched.tick()
+        for i in range(80):  # a restored backup: more than a rescan reads one by one
+            (root / "notes" / f"r{i:02}.md").write_text(f"- r{i} ⏰ 2031-01-06 09:00\n")
+        seen = []
+        bulk_add = svc.index.bulk_add
+        svc.index.bulk_add = lambda *a: seen.append(svc.index.reading) or bulk_add(*a)
+        assert svc.index.reading is False
+        svc.sync_index()
+        assert seen
+        assert all(seen)  # what the loop asks before it looks
+        sched.clock.now = at("2031-01-06 09:00")
+        sched.tick(refresh=False)  # from the notes as last looked at
+        assert len(self.reminders_sent(upstream)) == 1
+        sched.tick()
+        assert len(self.reminders_sent(upstream)) == 81
+
     def test_front_matter_and_only_notifying_channels(self, client, upstream):
         body = {
             "provider": "whatsapp",
