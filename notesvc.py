@@ -7364,7 +7364,7 @@ class SearchIndex:
                     if not notes.exists(path):
                         gone += self.remove(path)
             if len(changed) > 50:
-                self._bulk_read(notes, changed, known, files)
+                self._bulk_read(notes, changed, known, files, aside=had_notes)
             else:
                 for path in changed:
                     with notes.locked(path):  # no API write can slip in between
@@ -7378,11 +7378,16 @@ class SearchIndex:
                 log.info("index: %d notes read, %d removed in %.2f s", len(changed), gone, took)
             return {"read": len(changed), "removed": gone, "seconds": round(took, 3)}
 
-    def _bulk_read(self, notes: NoteStore, paths: list, known: set, sigs: dict) -> None:
+    def _bulk_read(
+        self, notes: NoteStore, paths: list, known: set, sigs: dict, aside: bool = False
+    ) -> None:
         """Read and index many notes, a segment file per batch (BULK_CHUNK_NOTES notes or
         BULK_CHUNK_CHARS bytes, by their (size, ...) in sigs); with two cores or more, a
         helper process analyses every other batch (index_helper), so a first build takes
-        two cores."""
+        two cores. `aside`: the index answers meanwhile (a restart's check found many notes
+        changed: a restored backup, a `touch` of everything), so the helper analyses every
+        batch, at half the speed, and this process only installs its files: analysing a
+        batch here took 25 MB more at its peak, and searches shared the GIL with it."""
         batches: deque = deque([[]])
         chars = 0
         for path in paths:
@@ -7404,6 +7409,9 @@ class SearchIndex:
                     )
                     pump.start()
                 for pumping in (True, False):
+                    if pumping and pump is not None and aside:
+                        pump.join()  # the batches it gave back are done on the second pass
+                        continue
                     while not self._stop.is_set():  # closing: the next sync goes on
                         try:
                             batch = batches.popleft()

@@ -4889,6 +4889,21 @@ class TestSearchSegments:
         assert "merging in this process" not in caplog.text
         assert svc.index._merger is None
         assert not list((svc.config.state_dir / "index").glob(notesvc.TEMP_PREFIX + "*"))
+        # A restart that finds every note changed (a `touch` of everything): the helper
+        # analyses every batch, and this process only installs its files.
+        svc.close()
+        later = time.time_ns() + 10**9
+        for path in root.joinpath("notes").rglob("*.md"):
+            os.utime(path, ns=(later, later))
+        caplog.clear()
+        again = make_app().app.service
+        assert again.last_sync["read"] == 4500
+        if (os.cpu_count() or 1) > 1:
+            assert "4500 notes in" in caplog.text
+            assert "(3 batches by the helper process)" in caplog.text
+        for q in ("apple", "the keys", '"spare blue"', "gard*", "zebra -apple"):
+            assert_answers_like(again.index, ref, q)
+        again.close()
 
     def test_deleted_counts_are_four_bytes_a_term_and_come_back_after_a_restart(
         self, make_app, root
