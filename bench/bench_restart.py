@@ -95,6 +95,8 @@ def run(notesvc: str, root: Path, seconds: float, settle: bool = False) -> dict:
             now = phase[0] = "settled"
             if settle:
                 break
+        if settle and "reading" not in marks and time.monotonic() - started >= 20:
+            break  # an index that reads nothing: settled already
         peaks[now] = round(max(peaks.get(now, 0.0), anon), 1)
         new = index_stamp(root)
         if new != stamp:
