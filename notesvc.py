@@ -6999,11 +6999,12 @@ class _Match:
 
 
 def _note_key(path: str, sig: tuple) -> int:
-    """Hash a note's path and (size, mtime): 64 bits, also where str hashes have 32."""
-    key = hash((path, *sig))
+    """Hash a note's path and (size, mtime) into 64 bits (blake2b where str hashes have 32:
+    100,000 notes would hold a pair of paths whose hashes collide)."""
     if sys.hash_info.width >= 64:
-        return key
-    return (key << 32) ^ (hash((sig[1], path, sig[0])) & 0xFFFFFFFF)
+        return hash((path, *sig))
+    text = f"{path}\0{sig[0]}\0{sig[1]}".encode("utf-8", "surrogatepass")
+    return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little", signed=True)
 
 
 class _NoteTexts(Sequence):
@@ -7019,8 +7020,7 @@ class _NoteTexts(Sequence):
         return len(self._entries)
 
     def __getitem__(self, i: int) -> IndexedNote:
-        path, seg, d = self._entries[i]
-        return self._index._document(path, seg.title(d))
+        return self._index._document(*self._entries[i])
 
 
 class SearchIndex:
@@ -7264,25 +7264,26 @@ class SearchIndex:
         return self._bulks > 0
 
     def note_keys(self) -> tuple:
-        """Return (generation, an iterator of (key, path) over every indexed note), the key an
-        int that changes with the note's file (its path, size and mtime hashed): for callers
-        that keep what they made of each note and read again only what changed (document)."""
+        """Return (generation, an iterator of (key, path, read) over every indexed note): the
+        key an int that changes with the note's file (its path, size and mtime hashed), read()
+        its (path, title, text) as documents() gives it. For callers that keep what they made
+        of each note and read again only what changed."""
         with self._lock:
             generation, snapshot = self.generation, self._snapshot()
         return generation, (
-            (_note_key(path, seg.sig(d)), path) for path, seg, d in self._entries(snapshot)
+            (_note_key(path, seg.sig(d)), path, functools.partial(self._document, path, seg, d))
+            for path, seg, d in self._entries(snapshot)
         )
 
     def document(self, path: str) -> IndexedNote | None:
         """Return (path, title, text) of an indexed note (as documents() gives it), or None."""
         with self._lock:
             found = self._locate(path)
-            title = found[0].title(found[1]) if found else None
-        return None if title is None else self._document(path, title)
+        return None if found is None else self._document(path, *found)
 
-    def _document(self, path: str, title: str) -> IndexedNote:
+    def _document(self, path: str, seg, d: int) -> IndexedNote:
         text = self._read(path, 4 * MAX_SCAN_CHARS) or ""
-        return IndexedNote(path, title, text[:MAX_SCAN_CHARS])
+        return IndexedNote(path, seg.title(d), text[:MAX_SCAN_CHARS])
 
     def stem_weights(self, stems: Iterable[str]) -> dict:
         """Return {stem: its IDF in note bodies} for the stems that are in the index."""
@@ -12023,6 +12024,7 @@ class ReminderScheduler:
         self._by_path: dict = {}  # note path -> its reminders (notes that have some)
         self._keys: array.array = array.array("q")  # each note's key when last read
         self._written: set = set()  # notes written through the API since the last look
+        self._written_lock = threading.Lock()
         self._fired: dict = {}  # id -> when it was sent (persisted)
         self._scheduled: dict = {}  # id -> due, known before it was due (persisted)
         self._tries: dict = {}  # id -> (tries, next try) while no channel took it
@@ -12041,7 +12043,10 @@ class ReminderScheduler:
             self._thread.join(20)
 
     def _note_changed(self, event: str, path: str, detail: Any = None) -> None:
-        self._written.add(path)  # read again even if its size and mtime came out the same
+        with self._written_lock:  # read again even if its size and mtime came out the same
+            self._written.add(path)
+            if event == "moved":
+                self._written.add(detail[0])
         self._wake.set()
 
     def _run(self) -> None:
@@ -12084,39 +12089,48 @@ class ReminderScheduler:
 
     # -- the schedule -----------------------------------------------------------------
 
-    def _refresh(self) -> None:
-        """Bring the reminders in line with the notes when the index changed: only the notes
-        whose file changed since the last look are read (at 100,000 notes, reading them all
-        after every save took a second of CPU)."""
+    def _refresh(self, full: bool = True) -> None:
+        """Bring the reminders in line with the notes: after the index changed, the notes
+        whose file changed since the last look (at 100,000 notes, reading them all after
+        every save took a second of CPU); the notes written through the API in any case
+        (`full` false: only those, while the index reads many notes in)."""
         if not self._loaded:
             self._load()
         index = self.svc.index
-        if index.generation == self._generation:
-            return
-        written, self._written = self._written, set()
+        with self._written_lock:
+            written, self._written = self._written, set()
         try:
-            self._read_changed(index, written)
+            if full and index.generation != self._generation:
+                self._read_changed(index, written)
+            elif written:
+                for path in written:
+                    self._take_note(path, index.document(path))
+                self._found = {r["id"]: r for found in self._by_path.values() for r in found}
         except BaseException:
-            self._written |= written  # looked at again next time
+            with self._written_lock:
+                self._written |= written  # looked at again next time
             raise
+
+    def _take_note(self, path: str, note: IndexedNote | None) -> bool:
+        """Take the reminders of a note read (None: gone); return whether it has some."""
+        found = []
+        if note is not None and ("⏰" in note.text or "remind:" in note.text):
+            found = note_reminders(path, note.title, note.text, time_zone(self.svc.config.timezone))
+        if found:
+            self._by_path[path] = found
+        else:
+            self._by_path.pop(path, None)
+        return bool(found)
 
     def _read_changed(self, index: SearchIndex, written: set) -> None:
         generation, keys = index.note_keys()
-        zone = time_zone(self.svc.config.timezone)
         known, fresh, kept = set(self._keys), array.array("q"), set()
-        for key, path in keys:
+        for key, path, read in keys:
             fresh.append(key)
             if key in known and path not in written:
                 if path in self._by_path:
                     kept.add(path)
-                continue
-            note = index.document(path)
-            text = note.text if note is not None else ""
-            found = []
-            if "⏰" in text or "remind:" in text:
-                found = note_reminders(path, note.title, text, zone)
-            if found:
-                self._by_path[path] = found
+            elif self._take_note(path, read()):
                 kept.add(path)
         self._by_path = {path: found for path, found in self._by_path.items() if path in kept}
         self._found = {r["id"]: r for found in self._by_path.values() for r in found}
@@ -12129,8 +12143,7 @@ class ReminderScheduler:
             now = self.clock()
             due, wait, changed = [], 3600.0, False
             with self._data_lock:
-                if refresh:
-                    self._refresh()
+                self._refresh(full=refresh)
                 for rid, r in self._found.items():
                     if rid in self._fired:
                         continue
@@ -12148,7 +12161,11 @@ class ReminderScheduler:
                             wait = min(wait, retry_at - now)
                         else:
                             due.append((r, tries))
-                for book in (self._scheduled, self._fired):  # edited or deleted: cancelled
+                # edited or deleted: cancelled, once all the notes were looked at (not from
+                # an index still being read in: a first build, a discarded index)
+                for book in (
+                    (self._scheduled, self._fired) if refresh and self.svc.last_sync else ()
+                ):
                     for rid in [rid for rid in book if rid not in self._found]:
                         del book[rid]
                         changed = True

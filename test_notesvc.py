@@ -9496,8 +9496,17 @@ class TestReminders:
         """Give the app a scheduler on a clock the test sets (ticked by the test itself)."""
         svc = client.app.service
         svc.reminders.close()
+        svc.notes.after.remove(svc.reminders._note_changed)
         svc.reminders = notesvc.ReminderScheduler(svc, clock=FakeClock(at(when)))
+        svc.notes.after.append(svc.reminders._note_changed)  # as start() does, without its thread
         return svc.reminders
+
+    @staticmethod
+    def reads(svc) -> list:
+        """Spy on the index's reads of note files: the list of paths read from now on."""
+        read, index_read = [], svc.index._read
+        svc.index._read = lambda path, *a: read.append(path) or index_read(path, *a)
+        return read
 
     def reminders_sent(self, upstream) -> list:
         return [t for t in upstream.sent() if t.startswith("⏰")]
@@ -9581,9 +9590,7 @@ class TestReminders:
             put_note(client, f"notes/n{i:02}.md", f"# N{i}\n\nplain note {i}\n")
         put_note(client, "notes/a.md", "- a ⏰ 2031-01-06 09:00\n")
         sched = self.scheduler(client, "2031-01-06 08:00")
-        read = []
-        document = svc.index.document
-        svc.index.document = lambda path: read.append(path) or document(path)
+        read = self.reads(svc)
         sched.tick()
         assert len(read) == 31  # the first look reads every note
         del read[:]
@@ -9594,6 +9601,7 @@ class TestReminders:
         (root / "notes" / "n07.md").write_text("- c ⏰ 2031-01-06 11:00\n")
         svc.sync_index()  # an edit by another program, as the rescan finds it
         client.delete(note_url("notes/n09.md"))
+        del read[:]  # (the index reads a moved note too)
         sched.tick()
         assert sorted(read) == ["notes/moved/a.md", "notes/n05.md", "notes/n07.md"]
         assert [(r["path"], r["wall"]) for r in sched.upcoming()] == [
@@ -9609,20 +9617,23 @@ class TestReminders:
         (only,) = sent
         assert "- c ⏰ 2031-01-06 11:00" in only
 
-    def test_a_note_written_through_the_api_is_read_again_even_unchanged(self, client, upstream):
+    def test_an_edit_that_kept_size_and_mtime_is_read_again(self, client, upstream, root):
+        """A clock that ticks coarsely: the edit leaves the file's size and mtime as they
+        were, and the scheduler looks at the notes between the index taking the edit and
+        the write's hook (which runs once the note's lock is let go)."""
         svc = client.app.service
         put_note(client, "notes/a.md", "- a ⏰ 2031-01-06 09:00\n")
         sched = self.scheduler(client, "2031-01-06 08:00")
         sched.tick()
-        svc.notes.after.append(sched._note_changed)  # what start() does
-        read = []
-        document = svc.index.document
-        svc.index.document = lambda path: read.append(path) or document(path)
-        put_note(client, "notes/b.md", "no reminder\n")
-        sched._written.add("notes/a.md")  # as if written in the same clock tick, same size
+        note = root / "notes" / "a.md"
+        st = note.stat()
+        note.write_text("- a ⏰ 2031-01-06 10:00\n")  # the same size
+        os.utime(note, ns=(st.st_atime_ns, st.st_mtime_ns))  # in the same clock tick
+        svc.index.add("notes/a.md", note.read_text(), st.st_size, st.st_mtime_ns)
+        sched.tick()  # the index changed, the note's key did not
+        sched._note_changed("saved", "notes/a.md")  # the write's hook, afterwards
         sched.tick()
-        assert sorted(read) == ["notes/a.md", "notes/b.md"]
-        assert [r["path"] for r in sched.upcoming()] == ["notes/a.md"]
+        assert [r["wall"] for r in sched.upcoming()] == ["2031-01-06 10:00"]
 
     def test_while_the_index_reads_many_notes_in_the_loop_waits_to_look(
         self, client, upstream, root
@@ -9645,6 +9656,33 @@ class TestReminders:
         assert len(self.reminders_sent(upstream)) == 1
         sched.tick()
         assert len(self.reminders_sent(upstream)) == 81
+
+    def test_while_the_index_reads_notes_in_a_deleted_note_is_cancelled_and_none_lost(
+        self, client, upstream
+    ):
+        svc = client.app.service
+        put_note(client, "notes/a.md", "- a ⏰ 2031-01-06 09:00\n")
+        put_note(client, "notes/b.md", "- b ⏰ 2031-01-06 09:00\n")
+        sched = self.scheduler(client, "2031-01-06 08:00")
+        sched.tick()
+        booked = json.loads(sched.path.read_text())["scheduled"]
+        assert len(booked) == 2
+        client.delete(note_url("notes/a.md"))
+        # A scheduler that looks while the index is read in (a first build, a discarded
+        # index) sees few notes or none: it cancels nothing it has not seen gone
+        again = self.scheduler(client, "2031-01-06 08:00")
+        svc.index._bulks += 1
+        try:
+            again.tick(refresh=not svc.index.reading)
+        finally:
+            svc.index._bulks -= 1
+        assert json.loads(again.path.read_text())["scheduled"] == booked
+        sched = self.scheduler(client, "2031-01-06 08:00")
+        sched.tick()
+        client.delete(note_url("notes/b.md"))
+        sched.clock.now = at("2031-01-06 09:00")
+        sched.tick(refresh=False)  # the deleted note is read again even so
+        assert self.reminders_sent(upstream) == []
 
     def test_front_matter_and_only_notifying_channels(self, client, upstream):
         body = {
