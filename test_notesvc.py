@@ -9684,6 +9684,17 @@ class TestReminders:
         sched.tick(refresh=False)  # the deleted note is read again even so
         assert self.reminders_sent(upstream) == []
 
+    @pytest.mark.parametrize("width", [64, 32])
+    def test_note_keys_are_64_bits_where_str_hashes_have_32(self, monkeypatch, width):
+        info = types.SimpleNamespace(width=width)
+        monkeypatch.setattr(notesvc, "sys", types.SimpleNamespace(hash_info=info))
+        key = notesvc._note_key
+        keys = [key(f"notes/{i}.md", (10, 7)) for i in range(2000)]
+        keys += [key("notes/0.md", (11, 7)), key("notes/0.md", (10, 8))]
+        assert len(set(keys)) == len(keys)
+        assert key("notes/0.md", (10, 7)) == keys[0]
+        assert array.array("q", keys)  # each fits the 8 bytes it is kept in
+
     def test_front_matter_and_only_notifying_channels(self, client, upstream):
         body = {
             "provider": "whatsapp",
