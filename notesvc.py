@@ -1719,6 +1719,13 @@ def note_path(raw: Any) -> str:
     """
     if not isinstance(raw, str):
         raise bad_request("the note path must be a string")
+    return _note_path(raw)
+
+
+@functools.lru_cache(maxsize=512)  # a phone reads the same few notes again and again
+def _note_path(raw: str) -> str:
+    """note_path of a string: a path that passed is kept (512 at most: 256 KB), a
+    refused one raises again each time (lru_cache keeps no exception)."""
     path = unicodedata.normalize("NFC", raw)
     segments = _check_segments(path, "note")
     if len(segments) < 2 or not path.endswith(".md") or segments[-1] == ".md":
@@ -2317,6 +2324,9 @@ class ReadCache:
     leave every field of the signature as it was. Our own writes rename a new file into
     place (a new inode); ctime changes with any write, chmod or rename and cannot be set
     back. At most MAX_BYTES of content, notes up to MAX_NOTE_BYTES, least recent out first.
+
+    A note read again also keeps its GET's answer, encoded once (`answer`): encoding the
+    envelope was a fifth of a GET's time. Its bytes count toward MAX_BYTES too.
     """
 
     MAX_BYTES = 4 << 20
@@ -2325,7 +2335,8 @@ class ReadCache:
 
     def __init__(self):
         self._lock = threading.Lock()
-        self._items: collections.OrderedDict = collections.OrderedDict()  # path -> (sig, rec)
+        # path -> (sig, rec, [the GET's envelope as bytes, once asked for; else None])
+        self._items: collections.OrderedDict = collections.OrderedDict()
         self._bytes = 0
 
     @staticmethod
@@ -2334,6 +2345,27 @@ class ReadCache:
 
     def get(self, path: str, target: Path | str) -> dict | None:
         """Return a copy of the kept record of path while its file is unchanged, else None."""
+        entry = self._fresh(path, target)
+        return None if entry is None else dict(entry[1])
+
+    def answer(self, path: str, target: Path | str) -> tuple | None:
+        """Return (etag, the success envelope of the record as bytes) while the file of
+        path is unchanged, else None; the envelope is encoded at the first ask and kept."""
+        entry = self._fresh(path, target)
+        if entry is None:
+            return None
+        _, rec, box = entry
+        body = box[0]
+        if body is None:
+            body = success_body(rec)
+            with self._lock:
+                if self._items.get(path) is entry and box[0] is None:
+                    box[0] = body
+                    self._bytes += len(body)
+                    self._trim()
+        return rec["etag"], body
+
+    def _fresh(self, path: str, target: Path | str) -> tuple | None:
         entry = self._items.get(path)
         if entry is None:
             return None
@@ -2345,7 +2377,16 @@ class ReadCache:
             return None
         with contextlib.suppress(KeyError):  # one C call: no lock (put may have dropped it)
             self._items.move_to_end(path)
-        return dict(entry[1])
+        return entry
+
+    @staticmethod
+    def _size(entry: tuple) -> int:
+        return entry[0][2] + len(entry[2][0] or b"")
+
+    def _trim(self) -> None:  # under the lock
+        while self._bytes > self.MAX_BYTES:
+            _, old = self._items.popitem(last=False)
+            self._bytes -= self._size(old)
 
     def put(self, path: str, st: os.stat_result, rec: dict) -> None:
         size = st.st_size
@@ -2355,12 +2396,10 @@ class ReadCache:
         with self._lock:
             old = self._items.pop(path, None)
             if old is not None:
-                self._bytes -= old[0][2]
-            self._items[path] = (self.signature(st), rec)
+                self._bytes -= self._size(old)
+            self._items[path] = (self.signature(st), rec, [None])
             self._bytes += size
-            while self._bytes > self.MAX_BYTES:
-                _, (sig, _) = self._items.popitem(last=False)
-                self._bytes -= sig[2]
+            self._trim()
 
 
 _PROC_FD = os.path.isdir("/proc/self/fd")  # Linux: where a descriptor leads
@@ -2548,9 +2587,19 @@ class NoteStore:
             rec["content"] = text
         return rec
 
+    def _where(self, path: str) -> Path | str:
+        return f"{self._base_text}{os.sep}{path}" if path.isascii() else self.on_disk(path)
+
+    def answer(self, path: str) -> tuple:
+        """Return (etag, GET's success envelope as bytes) of a note: kept while unchanged."""
+        kept = self.cache.answer(path, self._where(path))
+        if kept is not None:
+            return kept
+        rec = self.get(path)
+        return rec["etag"], success_body(rec)
+
     def get(self, path: str) -> dict:
-        where = f"{self._base_text}{os.sep}{path}" if path.isascii() else self.on_disk(path)
-        rec = self.cache.get(path, where)
+        rec = self.cache.get(path, self._where(path))
         if rec is not None:
             return rec
         data, st = self._read(path)
@@ -23440,8 +23489,11 @@ def list_notes(svc: Service) -> dict:
         return {"notes": [], "total": 0, "limit": limit, "offset": offset}
 
 
-def get_note(svc: Service, path: str) -> dict:
-    return _note_response(svc.notes.get(visible_note(svc.notes, path)))
+def get_note(svc: Service, path: str) -> bytes:
+    etag, body = svc.notes.answer(visible_note(svc.notes, path))
+    bottle.response.set_header("ETag", etag)
+    bottle.response.content_type = JSON_TYPE
+    return body
 
 
 def update_note(svc: Service, path: str) -> dict:
@@ -27691,6 +27743,8 @@ _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{8,64}\Z")
 # system call for each (os.urandom hands the GIL to another thread every time).
 _REQUEST_IDS = random.Random(os.urandom(16))  # noqa: S311 - not a secret
 _SHARE_PATH_RE = re.compile(r"(/s/|/shared/)[^/]+")  # share tokens never reach the log
+_RELAY_PREFIX_RE = re.compile(r"^/r/[^/]+(?=/)")
+_RELAYED_RE = re.compile(r"^/r/([^/]+)(/.*)?$")
 CORS_HEADERS = (
     "X-Service-Key, Content-Type, Authorization, If-Match, If-None-Match, Range, If-Range, "
     "X-API-Key, Idempotency-Key, MCP-Protocol-Version, Mcp-Method, Mcp-Name"  # last 4: /mcp
@@ -27727,7 +27781,9 @@ class NotesApp:
     def answers_jsonrpc(self, path: str) -> bool:
         """Return whether a request path (under /r/<id> or not) is a route answering JSON-RPC,
         whose every failure is then a JSON-RPC error (render_error, waitress's refusals)."""
-        return re.sub(r"^/r/[^/]+(?=/)", "", path) in self._jsonrpc_rules
+        if path.startswith("/r/"):
+            path = _RELAY_PREFIX_RE.sub("", path)
+        return path in self._jsonrpc_rules
 
     def _cors_origin(self, origin: str) -> str:
         allowed = self.service.config.cors
@@ -27807,10 +27863,10 @@ class NotesApp:
             path = environ.get("PATH_INFO", "").encode("latin-1").decode("utf-8")
         except UnicodeError:
             return _plain_error(respond, 400, "VALIDATION_ERROR", "the URL path is not UTF-8")
-        known = RELAYED_WELL_KNOWN_RE.match(path)
+        known = path.startswith("/.well-known/") and RELAYED_WELL_KNOWN_RE.match(path)
         if known:  # RFC 8414 / 9728: the issuer's path follows the well-known name
             path = f"/r/{known.group(2)}/.well-known/{known.group(1)}{known.group(3) or ''}"
-        m = re.match(r"^/r/([^/]+)(/.*)?$", path)
+        m = path.startswith("/r/") and _RELAYED_RE.match(path)
         if m:
             if m.group(1) != self.service.state.read()["serverId"]:
                 message = "no such server on this relay"
@@ -28337,8 +28393,10 @@ def make_server(app: Callable, config: Config):
             (channel, "error_task_class"),
             (channel, "parser_class"),
             (task, "execute"),
+            (waitress.task.ThreadedTaskDispatcher, "queue_logger"),
         ):
             getattr(cls, name)
+        server.task_dispatcher.queue_logger = QueueNotice(config.threads)
         for listener in sockets.values():
             if isinstance(listener, waitress.server.BaseWSGIServer):
                 listener.__class__ = _hardened(type(listener))
@@ -28360,6 +28418,39 @@ def make_server(app: Callable, config: Config):
             with contextlib.suppress(AttributeError):
                 listener.adj.max_request_body_size = config.max_body_bytes + 1
     return server
+
+
+class QueueNotice:
+    """waitress's "Task queue depth is N", said at most once a minute, with how often.
+
+    waitress warns each time a request finds every thread busy, on its I/O thread and
+    written at once: a phone's burst makes a line per request, 8,000 in 14 s under 16
+    connections, and writing them took a fifth of the server's requests per second.
+    """
+
+    EVERY_SECONDS = 60.0
+
+    def __init__(self, threads: int):
+        self.threads = threads
+        self.waited = self.deepest = 0  # since the last notice
+        self.quiet_until = 0.0
+
+    def warning(self, msg: str, *args) -> None:  # waitress: warning("...%d", depth)
+        depth = args[0] if args and isinstance(args[0], int) else 1
+        self.waited += 1
+        self.deepest = max(self.deepest, depth)
+        now = time.monotonic()
+        if now < self.quiet_until:
+            return
+        self.quiet_until = now + self.EVERY_SECONDS
+        waited, deepest, self.waited, self.deepest = self.waited, self.deepest, 0, 0
+        log.warning(
+            "%d request(s) waited for a free thread (SERVICE_THREADS=%d, at most %d "
+            "waiting) since the last such line; if answers are slow, raise it",
+            waited,
+            self.threads,
+            deepest,
+        )
 
 
 def print_banner(config: Config, state: dict, port: int) -> None:

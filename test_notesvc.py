@@ -5,6 +5,7 @@ from __future__ import annotations
 import array
 import base64
 import collections
+import concurrent.futures
 import contextlib
 import dataclasses
 import datetime as dt
@@ -1247,6 +1248,30 @@ class TestHostilePaths:
         )
         cache.put("notes/big.md", big, {})
         assert "notes/big.md" not in cache._items
+
+    def test_the_read_cache_keeps_a_gets_answer_once_and_counts_it(self, tmp_path):
+        cache = notesvc.ReadCache()
+        cache.RACY_SECONDS = 0
+        files = {}
+        for name in ("a", "b"):
+            files[name] = tmp_path / f"{name}.md"
+            files[name].write_text(name * 100)
+            os.utime(files[name], (time.time() - 60,) * 2)
+        rec = {"path": "notes/a.md", "etag": '"ea"', "content": "a" * 100}
+        assert cache.answer("notes/a.md", files["a"]) is None  # nothing kept yet
+        cache.put("notes/a.md", files["a"].stat(), rec)
+        etag, body = cache.answer("notes/a.md", files["a"])
+        assert etag == '"ea"'
+        assert json.loads(body) == {"success": True, "data": rec}
+        assert cache._bytes == 100 + len(body)
+        assert cache.answer("notes/a.md", files["a"])[1] is body  # encoded once
+        cache.MAX_BYTES = 100 + len(body) + 99  # b's 100 bytes do not fit beside a's answer
+        cache.put("notes/b.md", files["b"].stat(), {"etag": '"eb"'})
+        assert list(cache._items) == ["notes/b.md"]
+        assert cache._bytes == 100
+        cache.put("notes/a.md", files["a"].stat(), rec)
+        files["a"].write_text("c" * 100)  # changed on disk: no answer kept for it
+        assert cache.answer("notes/a.md", files["a"]) is None
 
     def test_move_target_is_checked_too(self, client, root, tmp_path):
         put_note(client, "notes/a.md")
@@ -15475,6 +15500,45 @@ class TestServer:
             proc.terminate()
             proc.wait(10)
             proc.stderr.close()
+
+    @pytest.mark.real_server
+    @pytest.mark.slow
+    def test_busy_threads_say_so_once_not_per_request(self, tmp_path):
+        """waitress warns "Task queue depth is N" for each request that finds every thread
+        busy; the server says it once, with how many waited, until a minute has passed."""
+        with running(tmp_path, env={"SERVICE_THREADS": "1"}) as server:
+
+            def burst(_):
+                for _ in range(15):
+                    assert server.request("GET", f"{API}/health")[0] == 200
+
+            with concurrent.futures.ThreadPoolExecutor(16) as pool:
+                list(pool.map(burst, range(16)))
+            said = wait_for(lambda: [x for x in server.lines if "waited for a free thread" in x])
+            time.sleep(0.5)  # a second line would be written at once too
+            assert len([x for x in server.lines if "waited for a free thread" in x]) == 1
+            assert "SERVICE_THREADS=1" in said[0]
+            assert not [x for x in server.lines if "Task queue depth" in x]
+            assert sum(f"GET {API}/health 200" in x for x in server.lines) == 16 * 15
+
+    def test_queue_notice_counts_what_it_kept_quiet(self, caplog):
+        notice = notesvc.QueueNotice(8)
+        with caplog.at_level(logging.WARNING, logger="notesvc"):
+            for depth in (1, 3, 2) * 40:
+                notice.warning("Task queue depth is %d", depth)
+            assert [r.getMessage() for r in caplog.records] == [
+                "1 request(s) waited for a free thread (SERVICE_THREADS=8, at most 1 waiting) "
+                "since the last such line; if answers are slow, raise it"
+            ]
+            notice.quiet_until = 0.0  # a minute later
+            notice.warning("Task queue depth is %d")  # no depth given: counted as one
+        assert (
+            caplog.records[-1]
+            .getMessage()
+            .startswith(
+                "120 request(s) waited for a free thread (SERVICE_THREADS=8, at most 3 waiting)"
+            )
+        )
 
     def test_module_app_is_built_on_first_use(self, tmp_path):
         code = "import notesvc; print(type(notesvc.app).__name__, notesvc.app is notesvc.app)"
