@@ -5351,9 +5351,23 @@ def _skip_tokens(n: int, ascii_only: bool) -> re.Pattern:
     return re.compile(pattern, re.ASCII if ascii_only else 0)
 
 
+# ASCII letters and digits as they are, every other byte a space: an ASCII text's tokens
+# ([A-Za-z0-9]+) as words that bytes.split finds
+_ASCII_TOKEN_BYTES = bytes(c if chr(c).isascii() and chr(c).isalnum() else 32 for c in range(256))
+SPLIT_TOKENS_UP_TO = 2000  # deeper: the regex, without a bytes object per token skipped
+
+
 def _token_offset(text: str, k: int) -> int | None:
-    """Return where token k (0-based) of text starts, skipping tokens in C-level steps."""
-    pos, ascii_only = 0, text.isascii()
+    """Return where token k (0-based) of text starts, skipping tokens in C-level steps.
+
+    An ASCII text up to SPLIT_TOKENS_UP_TO tokens in: its separators made spaces, split k
+    times, token k starts where the rest does (half the regex's time on real notes).
+    """
+    ascii_only = text.isascii()
+    if ascii_only and k <= SPLIT_TOKENS_UP_TO:
+        rest = text.encode("ascii").translate(_ASCII_TOKEN_BYTES).split(None, k)
+        return len(text) - len(rest[k]) if len(rest) > k else None
+    pos = 0
     while k > 0:
         n = min(k, 100)
         m = _skip_tokens(n, ascii_only).match(text, pos)

@@ -3996,11 +3996,18 @@ class TestSearch:
         assert len(result["snippet"]) <= 240
         assert result["snippet"].startswith("…")
 
-    def test_a_snippet_finds_the_token_where_a_tokenizer_would(self):
-        """_token_offset skips tokens with one regular expression (possessive on 3.11):
-        it must land where the k-th word starts, never inside a word split in two."""
+    @pytest.mark.parametrize("split_up_to", [2000, 50])  # 50: both ways in one text
+    @pytest.mark.parametrize("ascii_only", [False, True])
+    def test_a_snippet_finds_the_token_where_a_tokenizer_would(
+        self, monkeypatch, ascii_only, split_up_to
+    ):
+        """_token_offset skips tokens with one regular expression (possessive on 3.11), or
+        for ASCII text by splitting it: it must land where the k-th word starts, never
+        inside a word split in two."""
+        monkeypatch.setattr(notesvc, "SPLIT_TOKENS_UP_TO", split_up_to)
         rnd = random.Random(3)
-        words = ["alpha", "beta_x", "Ünïcode", "x", "a1", "—", "...", "C++", "foo-bar", "\n"]
+        words = ["alpha", "beta_x", "x", "a1", "...", "C++", "foo-bar", "\n", "\x1f", "\t~"]
+        words += [] if ascii_only else ["Ünïcode", "—"]
         for _ in range(300):
             text = " ".join(rnd.choice(words) for _ in range(rnd.randint(0, 260)))
             starts = [m.start() for m in notesvc._WORD_RE.finditer(text)]
