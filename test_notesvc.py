@@ -15526,7 +15526,7 @@ class TestServer:
             assert len([x for x in server.lines if "waited for a free thread" in x]) == 1
             assert "SERVICE_THREADS=1" in said[0]
             assert not [x for x in server.lines if "Task queue depth" in x]
-            assert sum(f"GET {API}/health 200" in x for x in server.lines) == 16 * 15
+            wait_for(lambda: sum(f"GET {API}/health 200" in x for x in server.lines) == 16 * 15)
 
     def test_queue_notice_counts_what_it_kept_quiet(self, caplog):
         notice = notesvc.QueueNotice(8)
