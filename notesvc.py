@@ -5353,21 +5353,31 @@ def _skip_tokens(n: int, ascii_only: bool) -> re.Pattern:
 
 
 # ASCII letters and digits as they are, every other byte a space: an ASCII text's tokens
-# ([A-Za-z0-9]+) as words that bytes.split finds
+# ([A-Za-z0-9]+) as words that bytes.split finds. The UTF-8 table keeps the bytes of every
+# other character too; which of those are separators is decided per text (_utf8_words).
 _ASCII_TOKEN_BYTES = bytes(c if chr(c).isascii() and chr(c).isalnum() else 32 for c in range(256))
+_UTF8_TOKEN_BYTES = bytes(c if c >= 0x80 or chr(c).isalnum() else 32 for c in range(256))
+_ASCII_BYTES = bytes(range(0x80))
 SPLIT_TOKENS_UP_TO = 2000  # deeper: the regex, without a bytes object per token skipped
 
 
 def _token_offset(text: str, k: int) -> int | None:
     """Return where token k (0-based) of text starts, skipping tokens in C-level steps.
 
-    An ASCII text up to SPLIT_TOKENS_UP_TO tokens in: its separators made spaces, split k
-    times, token k starts where the rest does (half the regex's time on real notes).
+    Up to SPLIT_TOKENS_UP_TO tokens in, the text's bytes with every separator made spaces
+    are split k times: token k starts where the rest does (half the regex's time on ASCII
+    notes, a third on the others). Deeper, a regular expression skips 100 tokens a step.
     """
     ascii_only = text.isascii()
-    if ascii_only and k <= SPLIT_TOKENS_UP_TO:
-        rest = text.encode("ascii").translate(_ASCII_TOKEN_BYTES).split(None, k)
-        return len(text) - len(rest[k]) if len(rest) > k else None
+    if k <= SPLIT_TOKENS_UP_TO:
+        if ascii_only:
+            rest = text.encode("ascii").translate(_ASCII_TOKEN_BYTES).split(None, k)
+            return len(text) - len(rest[k]) if len(rest) > k else None
+        raw = text.encode("utf-8", "surrogatepass")
+        rest = _utf8_words(raw).split(None, k)
+        if len(rest) <= k:
+            return None
+        return len(raw[: len(raw) - len(rest[k])].decode("utf-8", "surrogatepass"))
     pos = 0
     while k > 0:
         n = min(k, 100)
@@ -5379,6 +5389,22 @@ def _token_offset(text: str, k: int) -> int | None:
     return m.start() if m else None
 
 
+def _utf8_words(raw: bytes) -> bytes:
+    """Return UTF-8 bytes with each separator (any character that is not a letter or a
+    digit, as [^\\W_] means) made as many spaces as it has bytes: tokens stay where they
+    were, and split() finds them. The text's few distinct non-ASCII characters are looked
+    at once each; UTF-8 never matches a character inside another one."""
+    words = raw.translate(_UTF8_TOKEN_BYTES)
+    for char in set(raw.translate(None, _ASCII_BYTES).decode("utf-8", "surrogatepass")):
+        if not char.isalnum():
+            sep = char.encode("utf-8", "surrogatepass")
+            words = words.replace(sep, b" " * len(sep))
+    return words
+
+
+_LAST_SPACE_RE = re.compile(r".*\s", re.DOTALL)  # matched within bounds: up to the last space
+
+
 def _snippet(text: str, toks: str, needles: list) -> str:
     """Return up to SNIPPET_CHARS of the body around the first match of the best needle."""
     index = -1
@@ -5388,10 +5414,10 @@ def _snippet(text: str, toks: str, needles: list) -> str:
             break
     start = 0
     at = _token_offset(text, index) if index > 0 else None
-    if at is not None:
-        start = max(0, at - 60)
-        while start > 0 and not text[start - 1].isspace() and at - start < 90:
-            start -= 1
+    if at is not None:  # 60 characters before the match, back to a space (90 at most)
+        lo, start = max(0, at - 90), max(0, at - 60)
+        space = _LAST_SPACE_RE.match(text, lo, start)
+        start = space.end() if space else lo
     end = start + SNIPPET_CHARS + 40
     window = " ".join(text[start:end].split())
     lead = "…" if start > 0 else ""
@@ -6989,6 +7015,15 @@ def _stop_helper(helper) -> None:
         helper.stdout.close()
 
 
+def _best(scores: dict, m: int) -> tuple:
+    """Return ([(score, id)] of the m best of {id: score}, in no order, the best score left
+    out or 0.0). All of them, unsorted, when they are m or fewer."""
+    if len(scores) <= m:
+        return [(a, d) for d, a in scores.items()], 0.0
+    items = heapq.nlargest(m + 1, scores.items(), key=_SECOND)
+    return [(a, d) for d, a in items[:m]], items[m][1]
+
+
 class _Match:
     """One segment's candidates for a query, with approximate scores (stored impacts)."""
 
@@ -6999,10 +7034,10 @@ class _Match:
         self._single: dict = {}
 
     def top(self, m: int) -> tuple:
-        """Return ([(approx, id)] best first, bound on the approx of every other candidate)."""
+        """Return ([(approx, id)] of the m best, in no order, bound on the approx of every
+        other candidate). A rare word's few candidates are all taken, unsorted."""
         if self.scores is not None:
-            items = heapq.nlargest(m + 1, self.scores.items(), key=_SECOND)
-            return [(a, d) for d, a in items[:m]], (items[m][1] if len(items) > m else 0.0)
+            return _best(self.scores, m)
         return self._top_single(m)
 
     def count_single(self) -> None:
@@ -7034,8 +7069,9 @@ class _Match:
             w, ids, imps = self.body[:3]
             deleted = self.seg.deleted
             want = m + len(scores) + len(deleted) + 1
-            idx = heapq.nlargest(want, range(len(ids)), key=imps.__getitem__)
-            if len(idx) < len(ids):
+            idx = range(len(ids))
+            if want < len(ids):
+                idx = heapq.nlargest(want, idx, key=imps.__getitem__)
                 bound = w * imps[idx[-1]]
             taken = set()
             for i in idx:
@@ -7048,10 +7084,8 @@ class _Match:
                     i = _has(ids, d)
                     if i >= 0:
                         scores[d] += w * imps[i]
-        items = heapq.nlargest(m + 1, scores.items(), key=_SECOND)
-        if len(items) > m:
-            bound = max(bound, items[m][1])
-        return [(a, d) for d, a in items[:m]], bound
+        top, beyond = _best(scores, m)
+        return top, max(bound, beyond)
 
     def exact(self, d: int, avg: tuple) -> float:
         seg, score = self.seg, 0.0
@@ -7100,7 +7134,7 @@ class SearchIndex:
         self.folder = folder  # <state>/index, or None: in memory only
         self.commit_file = folder.parent / "index.cache" if folder else None
         self.notes = notes
-        self._base = str(notes.base) if notes is not None else ""
+        self._base = os.path.join(str(notes.base), "") if notes is not None else ""  # ends in /
         self._segs: list = []  # DiskSegment, or MemorySegment not yet written; oldest first
         self._merger = None  # the helper process writing merges, while they run
         self._merger_lock = threading.RLock()  # one merge at a time (and through it)
@@ -7829,7 +7863,7 @@ class SearchIndex:
         flags = os.O_RDONLY | _NOFOLLOW_NONBLOCK
         try:
             try:  # the common case without pathlib: the name on disk is the path
-                fd = os.open(os.path.join(self._base, path), flags)
+                fd = os.open(self._base + path, flags)
             except FileNotFoundError:
                 if path.isascii():
                     return None

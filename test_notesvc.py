@@ -3996,18 +3996,43 @@ class TestSearch:
         assert len(result["snippet"]) <= 240
         assert result["snippet"].startswith("…")
 
+    def test_a_snippet_starts_after_a_space_before_its_match(self):
+        """The snippet's start: 60 characters before the match, moved back to just after
+        a space, 90 characters before it at most (the start of the note when nearer)."""
+
+        def expected(text: str, at: int) -> int:
+            start = max(0, at - 60)
+            while start > 0 and not text[start - 1].isspace() and at - start < 90:
+                start -= 1
+            return start
+
+        rnd = random.Random(5)
+        words = ["a", "word", "x" * 40, "y" * 70, "\u00a0", "\u3000", "\n", "—", "é"]
+        for _ in range(400):
+            text = "".join(rnd.choice(words) + rnd.choice(["", " "]) for _ in range(60))
+            text += " needle and the rest"
+            at = text.index("needle")
+            toks = "".join(chr(0x100 + (w == "needle")) for w in notesvc._WORD_RE.findall(text))
+            snippet = notesvc._snippet(text, toks, [chr(0x101)])
+            start, body = expected(text, at), snippet.removeprefix("…").removesuffix("…")
+            assert snippet.startswith("…") == (start > 0)
+            assert len(body) > 20
+            assert " ".join(text[start:].split()).startswith(body), snippet
+
     @pytest.mark.parametrize("split_up_to", [2000, 50])  # 50: both ways in one text
     @pytest.mark.parametrize("ascii_only", [False, True])
     def test_a_snippet_finds_the_token_where_a_tokenizer_would(
         self, monkeypatch, ascii_only, split_up_to
     ):
-        """_token_offset skips tokens with one regular expression (possessive on 3.11), or
-        for ASCII text by splitting it: it must land where the k-th word starts, never
-        inside a word split in two."""
+        """_token_offset skips tokens by splitting the text's bytes, or deeper in with one
+        regular expression (possessive on 3.11): it must land where the k-th word starts,
+        never inside a word split in two, whatever characters separate the words."""
         monkeypatch.setattr(notesvc, "SPLIT_TOKENS_UP_TO", split_up_to)
         rnd = random.Random(3)
         words = ["alpha", "beta_x", "x", "a1", "...", "C++", "foo-bar", "\n", "\x1f", "\t~"]
-        words += [] if ascii_only else ["Ünïcode", "—"]
+        if not ascii_only:  # letters and digits of other scripts; separators of 2-4 bytes
+            words += ["Ünïcode", "—", "l’été", "straße", "漢字", "٣٤", "Ⅻ", "a\u0301b", "😀x"]
+            words += ["\u00a0", "\u2028", "«»", "x\ud800y", "\x85", "café…"]
         for _ in range(300):
             text = " ".join(rnd.choice(words) for _ in range(rnd.randint(0, 260)))
             starts = [m.start() for m in notesvc._WORD_RE.finditer(text)]
