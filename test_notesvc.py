@@ -12,6 +12,7 @@ import datetime as dt
 import errno
 import gzip
 import hashlib
+import heapq
 import http.client
 import http.server
 import importlib.util
@@ -20,6 +21,7 @@ import itertools
 import json
 import logging
 import math
+import operator
 import os
 import random
 import re
@@ -3995,6 +3997,19 @@ class TestSearch:
         assert "needle" in result["snippet"]
         assert len(result["snippet"]) <= 240
         assert result["snippet"].startswith("…")
+
+    @pytest.mark.parametrize("size", [0, 5, 16, 511, 512, 513, 2000])
+    def test_the_largest_are_heapq_s_whether_sorted_or_heaped(self, size):
+        """_largest sorts up to SORT_UP_TO items and uses heapq beyond: the same list either
+        way, equal scores (many here) in their original order."""
+        rnd = random.Random(size)
+        scores = {d: float(rnd.randint(0, 9)) for d in range(size)}
+        for n in (1, 15, size + 1):
+            want = heapq.nlargest(n, scores.items(), key=operator.itemgetter(1))
+            assert notesvc._largest(n, scores.items(), operator.itemgetter(1)) == want
+            ids = range(size)
+            want = heapq.nlargest(n, ids, key=scores.__getitem__)
+            assert notesvc._largest(n, ids, scores.__getitem__) == want
 
     def test_a_snippet_starts_after_a_space_before_its_match(self):
         """The snippet's start: 60 characters before the match, moved back to just after
