@@ -38,7 +38,8 @@ until a search finds the last note, minus an empty root's start to /health, agai
 build of the same notes; once that server's background merges are done (its index folder
 unchanged for 5 s; a server merging answers several times slower), the restarted server's
 RssAnon 5 s after its first search and after
-800 queries; query latency per kind over keep-alive HTTP (one client, best of --repeat) against
+800 queries; query latency per kind over keep-alive HTTP (one client, best of --repeat, the
+two servers' tries alternating query by query: measure_paired) against
 FTS5 behind Bottle under waitress (bench/fts5_server.py, --threads 8 like notesvc); tantivy in
 process as an anchor when `import tantivy` works (skipped otherwise); /folders/tree?depth=1
 against /health; req/s with 16 keep-alive connections (wrk -t1 when installed, else a Python
@@ -198,6 +199,28 @@ def measure_queries(run, queries: dict, repeat: int) -> dict:
                 run(q)
                 best[i] = min(best[i], time.perf_counter() - t)
         out[kind] = percentiles(best)
+    return out
+
+
+def measure_paired(runs: dict, queries: dict, repeat: int) -> dict:
+    """measure_queries for several engines at once: each query's tries alternate between
+    them (the order turned round at every query), so a machine that slows down for a while
+    slows every engine alike instead of the one whose turn it was. {name: per kind}."""
+    names = list(runs)
+    out: dict = {name: {} for name in names}
+    for kind, qs in queries.items():
+        for q in qs:  # warm-up pass
+            for name in names:
+                runs[name](q)
+        best = {name: [float("inf")] * len(qs) for name in names}
+        for r in range(repeat):
+            for i, q in enumerate(qs):
+                for name in names if (i + r) % 2 == 0 else names[::-1]:
+                    t = time.perf_counter()
+                    runs[name](q)
+                    best[name][i] = min(best[name][i], time.perf_counter() - t)
+        for name in names:
+            out[name][kind] = percentiles(best[name])
     return out
 
 
@@ -938,17 +961,18 @@ def run_http(args, corpus: Path | None, work: Path) -> dict:
             if count["n"] % 400 == 0:
                 res["mem_every_400"].append(round(tree_rss(proc.pid)["rss_anon"], 1))
 
-        res["notesvc"] = measure_queries(run_ns, queries, args.repeat)
+        ref = Client(fport)
+        paired = measure_paired(
+            {"notesvc": run_ns, "fts5": lambda q: ref.get(search_path("/search", q))},
+            queries,
+            args.repeat,
+        )
+        res["notesvc"], res["fts5"] = paired["notesvc"], paired["fts5"]
         res["mem_after_all"] = tree_rss(proc.pid)
         res["queries_sent"] = count["n"]
         res.setdefault("mem_after_800", res["mem_after_all"])  # fewer queries than 800
-        print("notesvc over HTTP: done", flush=True)
-        ref = Client(fport)
-        res["fts5"] = measure_queries(
-            lambda q: ref.get(search_path("/search", q)), queries, args.repeat
-        )
         res["fts5_server_rss_anon"] = proc_status(fproc.pid)["RssAnon"]
-        print("FTS5 over HTTP: done", flush=True)
+        print("notesvc and FTS5 over HTTP, query by query in turn: done", flush=True)
         res["bare"] = percentiles(timed_requests(ref, ["/bare"] * 300))
         tree, health = [], []
         for _ in range(300):  # interleaved, one keep-alive client
