@@ -39,7 +39,8 @@ build of the same notes; once that server's background merges are done (its inde
 unchanged for 5 s; a server merging answers several times slower), the restarted server's
 RssAnon 5 s after its first search and after
 800 queries; query latency per kind over keep-alive HTTP (one client, best of --repeat, the
-two servers' tries alternating query by query: measure_paired) against
+two servers' passes taking turns; then again with each query's tries taking turns, reported
+as "in turn": measure_paired) against
 FTS5 behind Bottle under waitress (bench/fts5_server.py, --threads 8 like notesvc); tantivy in
 process as an anchor when `import tantivy` works (skipped otherwise); /folders/tree?depth=1
 against /health; req/s with 16 keep-alive connections (wrk -t1 when installed, else a Python
@@ -202,10 +203,15 @@ def measure_queries(run, queries: dict, repeat: int) -> dict:
     return out
 
 
-def measure_paired(runs: dict, queries: dict, repeat: int) -> dict:
-    """measure_queries for several engines at once: each query's tries alternate between
-    them (the order turned round at every query), so a machine that slows down for a while
-    slows every engine alike instead of the one whose turn it was. {name: per kind}."""
+def measure_paired(runs: dict, queries: dict, repeat: int, by_query: bool = False) -> dict:
+    """measure_queries for several engines at once, {name: per kind}: their passes over a
+    kind's queries take turns (the order turned round at every pass), so a machine that
+    slows down for a while slows each engine alike instead of the one whose turn it was.
+
+    `by_query`: the turns are each query's tries instead, so every request meets a server
+    whose caches the other one has just used: a search as a person makes it, now and then,
+    rather than one of a run of searches (each engine slower; ours more: it runs more
+    Python per request, and more of it falls out of the CPU's caches)."""
     names = list(runs)
     out: dict = {name: {} for name in names}
     for kind, qs in queries.items():
@@ -213,12 +219,21 @@ def measure_paired(runs: dict, queries: dict, repeat: int) -> dict:
             for name in names:
                 runs[name](q)
         best = {name: [float("inf")] * len(qs) for name in names}
+
+        def timed(name: str, i: int, q: str, best: dict = best) -> None:
+            t = time.perf_counter()
+            runs[name](q)
+            best[name][i] = min(best[name][i], time.perf_counter() - t)
+
         for r in range(repeat):
-            for i, q in enumerate(qs):
-                for name in names if (i + r) % 2 == 0 else names[::-1]:
-                    t = time.perf_counter()
-                    runs[name](q)
-                    best[name][i] = min(best[name][i], time.perf_counter() - t)
+            if by_query:
+                for i, q in enumerate(qs):
+                    for name in names if (i + r) % 2 == 0 else names[::-1]:
+                        timed(name, i, q)
+            else:
+                for name in names if r % 2 == 0 else names[::-1]:
+                    for i, q in enumerate(qs):
+                        timed(name, i, q)
         for name in names:
             out[name][kind] = percentiles(best[name])
     return out
@@ -962,17 +977,16 @@ def run_http(args, corpus: Path | None, work: Path) -> dict:
                 res["mem_every_400"].append(round(tree_rss(proc.pid)["rss_anon"], 1))
 
         ref = Client(fport)
-        paired = measure_paired(
-            {"notesvc": run_ns, "fts5": lambda q: ref.get(search_path("/search", q))},
-            queries,
-            args.repeat,
-        )
+        engines = {"notesvc": run_ns, "fts5": lambda q: ref.get(search_path("/search", q))}
+        paired = measure_paired(engines, queries, args.repeat)
         res["notesvc"], res["fts5"] = paired["notesvc"], paired["fts5"]
         res["mem_after_all"] = tree_rss(proc.pid)
         res["queries_sent"] = count["n"]
         res.setdefault("mem_after_800", res["mem_after_all"])  # fewer queries than 800
         res["fts5_server_rss_anon"] = proc_status(fproc.pid)["RssAnon"]
-        print("notesvc and FTS5 over HTTP, query by query in turn: done", flush=True)
+        print("notesvc and FTS5 over HTTP, pass by pass in turn: done", flush=True)
+        res["by_query"] = measure_paired(engines, queries, args.repeat, by_query=True)
+        print("the same, query by query in turn: done", flush=True)
         res["bare"] = percentiles(timed_requests(ref, ["/bare"] * 300))
         tree, health = [], []
         for _ in range(300):  # interleaved, one keep-alive client
@@ -1030,6 +1044,10 @@ def report_http(res: dict) -> list:
         for p in ("p50", "p95"):
             ours, ref = ns[kind][p], fts[kind][p]
             row(f"{kind} {p} × FTS5/HTTP", ours, ref, "ms", "<= 1.0x", ours <= ref)
+    alone = res.get("by_query")  # each request after one to the other server
+    for kind in KINDS if alone else ():
+        ours, ref = alone["notesvc"][kind]["p50"], alone["fts5"][kind]["p50"]
+        row(f"{kind} p50, in turn × FTS5", ours, ref, "ms", "reported")
     if tv:
         for kind in KINDS:
             row(
