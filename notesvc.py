@@ -12551,13 +12551,35 @@ class LinkResolver:
 
     def links(self, text: str, source: str) -> set:
         """Return the paths a note's text links to (in its first MAX_SCAN_CHARS)."""
-        text = text[:MAX_SCAN_CHARS]
-        out = {self.wikilink(m.group(1)) for m in _WIKILINK_RE.finditer(text)}
-        targets = map(_md_target, (m.group(2) for m in _MDLINK_RE.finditer(text)))
-        out |= {self.mdlink(t, source) for t in targets if t}
+        return self.resolve(link_refs(text), source)
+
+    def resolve(self, refs: tuple, source: str) -> set:
+        """Return the paths link_refs' (wikilinks, Markdown targets) of `source` lead to."""
+        wikis, targets = refs
+        out = {self.wikilink(w) for w in wikis} | {self.mdlink(t, source) for t in targets}
         out.discard(None)
         out.discard(source)
         return out
+
+
+def link_refs(text: str) -> tuple:
+    """Return a note's links as written: ([[wikilink]] targets, Markdown link targets), each
+    once, in its first MAX_SCAN_CHARS; LinkResolver.resolve says where they lead."""
+    text = text[:MAX_SCAN_CHARS]
+    wikis = dict.fromkeys(m.group(1) for m in _WIKILINK_RE.finditer(text))
+    targets = map(_md_target, (m.group(2) for m in _MDLINK_RE.finditer(text)))
+    return tuple(wikis), tuple(dict.fromkeys(t for t in targets if t))
+
+
+class _Kept:
+    """What a plugin keeps between looks: the index generation it holds for, its answer, the
+    key of every note (8 bytes each: path, size and mtime hashed) and what it took of the
+    notes that gave something."""
+
+    __slots__ = ("generation", "keys", "taken", "value")
+
+    def __init__(self, generation: int, value: Any, keys: array.array, taken: dict):
+        self.generation, self.value, self.keys, self.taken = generation, value, keys, taken
 
 
 def derived(svc: Service, name: str, build: Callable) -> Any:
@@ -12580,20 +12602,63 @@ def derived(svc: Service, name: str, build: Callable) -> Any:
         return value
 
 
-def link_graph(svc: Service) -> dict:
-    """Return {note path: set of notes linking to it}, cached until the index changes."""
+def derived_per_note(svc: Service, name: str, take: Callable, combine: Callable) -> Any:
+    """Return combine([every indexed path], {path: take(text)}), kept until the index changes:
+    derived() for data that is made of what each note gives.
 
-    def build(notes: list) -> dict:
-        resolver = LinkResolver(getattr(notes, "paths", None) or [p for p, _, _ in notes])
+    take(text) says what a note gives (None or empty: nothing); it is asked again only for
+    the notes whose key changed since the last look (the index's note keys: path, size and
+    mtime hashed), so after a save at 100,000 notes one note is read, not every one, and no
+    more than one note's text is held at a time. The index lock is held only to take the
+    snapshot; looks take turns, like derived()'s builds.
+    """
+    slot = ("per note", name)  # beside derived()'s names: a plugin may use any string
+    kept = svc.plugin_cache.get(slot)
+    if kept and kept.generation == svc.index.generation:
+        return kept.value
+    with svc.plugin_build_lock:
+        kept = svc.plugin_cache.get(slot)
+        if kept and kept.generation == svc.index.generation:
+            return kept.value
+        generation, notes = svc.index.note_keys()
+        known = set(kept.keys) if kept else set()
+        before = kept.taken if kept else {}
+        keys, taken, paths = array.array("q"), {}, []
+        for key, path, read in notes:
+            keys.append(key)
+            paths.append(path)
+            if key in known:
+                if path in before:
+                    taken[path] = before[path]
+                continue
+            note = read()
+            got = take(note.text[:MAX_SCAN_CHARS]) if note is not None else None
+            if got:
+                taken[path] = got
+        del known
+        value = combine(paths, taken)
+        svc.plugin_cache[slot] = _Kept(generation, value, keys, taken)
+        return value
+
+
+def link_graph(svc: Service) -> dict:
+    """Return {note path: set of notes linking to it}, cached until the index changes.
+
+    Each note's links are kept as written and resolved again at every look: a note added
+    or moved changes where another note's [[name]] leads without that note changing."""
+
+    def take(text: str) -> tuple | None:
+        return link_refs(text) if "[[" in text or ".md" in text else None
+
+    def combine(paths: list, refs: dict) -> dict:
+        resolver = LinkResolver(paths)
         graph: dict = collections.defaultdict(set)
-        for path, _, text in notes:
-            text = text[:MAX_SCAN_CHARS]
-            if "[[" in text or ".md" in text:
-                for target in resolver.links(text, path):
-                    graph[target].add(path)
+        for path, written in refs.items():
+            for target in resolver.resolve(written, path):
+                graph[target].add(path)
         return graph
 
-    return derived(svc, "links", build)
+    return derived_per_note(svc, "links", take, combine)
 
 
 def rewrite_links(
@@ -12749,15 +12814,17 @@ builtin_plugin(
 def tag_map(svc: Service) -> dict:
     """Return {tag: sorted note paths}, cached until the index changes."""
 
-    def build(notes: list) -> dict:
+    def take(text: str) -> tuple | None:
+        return tuple(note_tags(text)) if "#" in text or text.startswith("---") else None
+
+    def combine(paths: list, found: dict) -> dict:
         tags: dict = collections.defaultdict(list)
-        for path, _, text in sorted(notes):
-            if "#" in text or text.startswith("---"):
-                for tag in note_tags(text):
-                    tags[tag].append(path)
+        for path in sorted(found):
+            for tag in found[path]:
+                tags[tag].append(path)
         return tags
 
-    return derived(svc, "tags", build)
+    return derived_per_note(svc, "tags", take, combine)
 
 
 def _visible_tags(svc: Service) -> dict:

@@ -10774,6 +10774,63 @@ class TestPlugins:
         )
         assert_error(client.get(f"{API}/plugins/tags/nope", status=404), 404, "NOT_FOUND")
 
+    def test_tags_and_backlinks_follow_each_change_reading_only_the_changed_notes(
+        self, client, root, make_app, monkeypatch
+    ):
+        """The tags and backlinks kept between looks are read again only for the notes
+        whose file changed, yet answer as a server starting on the same notes would: a
+        note's [[name]] leads elsewhere once another note takes that name first."""
+        svc = client.app.service
+        reads, here = [], threading.get_ident()  # not the reminders' thread
+        document = svc.index._document
+
+        def counted(path, *rest):
+            if threading.get_ident() == here:
+                reads.append(path)
+            return document(path, *rest)
+
+        monkeypatch.setattr(svc.index, "_document", counted)
+
+        def answers(app) -> tuple:
+            tags = data(app.get(f"{API}/plugins/tags"))["tags"]
+            tagged = {t["tag"]: data(app.get(f"{API}/plugins/tags/{t['tag']}")) for t in tags}
+            linked = {
+                p: data(app.get(f"{API}/plugins/backlinks/{urllib.parse.quote(p, safe='')}"))
+                for p in ("notes/b/target.md", "notes/a/target.md", "notes/plain.md")
+                if (root / p).exists()
+            }
+            return tags, tagged, linked
+
+        def same_as_a_fresh_start() -> None:
+            assert answers(client) == answers(with_key(make_app()))
+
+        for i in range(20):
+            put_note(client, f"notes/filler/{i}.md", f"# Filler {i}\n\nnothing to see")
+        put_note(client, "notes/b/target.md", "# Target B #work")
+        put_note(client, "notes/links.md", "see [[target]] and [p](plain.md) #idea")
+        put_note(client, "notes/plain.md", "---\ntags: [home]\n---\nplain")
+        reads.clear()
+        same_as_a_fresh_start()
+        assert len(set(reads)) == 23  # the first look reads every note
+        reads.clear()
+        put_note(client, "notes/a/target.md", "# Target A #work #new")  # sorts first
+        client.put_json(note_url("notes/plain.md"), {"content": "no tags now"})
+        same_as_a_fresh_start()
+        assert sorted(set(reads)) == ["notes/a/target.md", "notes/plain.md"]
+        linked = data(client.get(f"{API}/plugins/backlinks/notes%2Fa%2Ftarget.md"))
+        assert [b["path"] for b in linked["backlinks"]] == ["notes/links.md"]
+        client.delete(note_url("notes/a/target.md"))
+        (root / "notes/links.md").write_text("edited elsewhere #idea #outside\n[[target]]")
+        svc.sync_index()  # what the rescan runs (the reminders' first look reads every note)
+        reads.clear()
+        same_as_a_fresh_start()
+        assert sorted(set(reads)) == ["notes/links.md"]
+        assert "outside" in {t["tag"] for t in data(client.get(f"{API}/plugins/tags"))["tags"]}
+        reads.clear()
+        client.patch_json(note_url("notes/b/target.md") + "/move", {"path": "notes/c/goal.md"})
+        same_as_a_fresh_start()
+        assert sorted(set(reads)) == ["notes/c/goal.md"]
+
     def test_move_with_update_links_rewrites_every_linking_note(self, client, root):
         put_note(client, "notes/old/target.md", "# Target\n\nsee [other](../other.md)")
         put_note(client, "notes/other.md", "# Other")
