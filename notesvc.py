@@ -5359,25 +5359,23 @@ _ASCII_TOKEN_BYTES = bytes(c if chr(c).isascii() and chr(c).isalnum() else 32 fo
 _UTF8_TOKEN_BYTES = bytes(c if c >= 0x80 or chr(c).isalnum() else 32 for c in range(256))
 _ASCII_BYTES = bytes(range(0x80))
 SPLIT_TOKENS_UP_TO = 2000  # deeper: the regex, without a bytes object per token skipped
+SPLIT_CHARS = 1 << 16  # the split looks this far into a note at most...
+SPLIT_WORK = 1 << 20  # ...and replaces at most this many bytes (kinds of separators by size)
 
 
 def _token_offset(text: str, k: int) -> int | None:
     """Return where token k (0-based) of text starts, skipping tokens in C-level steps.
 
-    Up to SPLIT_TOKENS_UP_TO tokens in, the text's bytes with every separator made spaces
-    are split k times: token k starts where the rest does (half the regex's time on ASCII
-    notes, a third on the others). Deeper, a regular expression skips 100 tokens a step.
+    Up to SPLIT_TOKENS_UP_TO tokens in, within SPLIT_CHARS, the text's bytes with every
+    separator made spaces are split k times: token k starts where the rest does (half the
+    regex's time on ASCII notes, a third on the others). Deeper, or in a note of many kinds
+    of separators (a table of symbols), a regular expression skips 100 tokens a step.
     """
     ascii_only = text.isascii()
     if k <= SPLIT_TOKENS_UP_TO:
-        if ascii_only:
-            rest = text.encode("ascii").translate(_ASCII_TOKEN_BYTES).split(None, k)
-            return len(text) - len(rest[k]) if len(rest) > k else None
-        raw = text.encode("utf-8", "surrogatepass")
-        rest = _utf8_words(raw).split(None, k)
-        if len(rest) <= k:
-            return None
-        return len(raw[: len(raw) - len(rest[k])].decode("utf-8", "surrogatepass"))
+        at = _split_offset(text, k, ascii_only)
+        if at != -1:
+            return at
     pos = 0
     while k > 0:
         n = min(k, 100)
@@ -5389,16 +5387,39 @@ def _token_offset(text: str, k: int) -> int | None:
     return m.start() if m else None
 
 
-def _utf8_words(raw: bytes) -> bytes:
+def _split_offset(text: str, k: int, ascii_only: bool) -> int | None:
+    """_token_offset by splitting the text's first SPLIT_CHARS; -1 when it cannot tell
+    (token k lies further, or splitting would cost more than SPLIT_WORK)."""
+    head = text[:SPLIT_CHARS]
+    if ascii_only:
+        raw = None
+        words = head.encode("ascii").translate(_ASCII_TOKEN_BYTES)
+    else:
+        raw = head.encode("utf-8", "surrogatepass")
+        words = _utf8_words(raw)
+        if words is None:
+            return -1
+    rest = words.split(None, k)
+    if len(rest) <= k:
+        return None if len(head) == len(text) else -1
+    at = len(words) - len(rest[k])
+    return at if raw is None else len(raw[:at].decode("utf-8", "surrogatepass"))
+
+
+def _utf8_words(raw: bytes) -> bytes | None:
     """Return UTF-8 bytes with each separator (any character that is not a letter or a
     digit, as [^\\W_] means) made as many spaces as it has bytes: tokens stay where they
     were, and split() finds them. The text's few distinct non-ASCII characters are looked
-    at once each; UTF-8 never matches a character inside another one."""
+    at once each; UTF-8 never matches a character inside another one. None when their
+    replacing would pass over more than SPLIT_WORK bytes."""
     words = raw.translate(_UTF8_TOKEN_BYTES)
-    for char in set(raw.translate(None, _ASCII_BYTES).decode("utf-8", "surrogatepass")):
-        if not char.isalnum():
-            sep = char.encode("utf-8", "surrogatepass")
-            words = words.replace(sep, b" " * len(sep))
+    others = set(raw.translate(None, _ASCII_BYTES).decode("utf-8", "surrogatepass"))
+    separators = [char for char in others if not char.isalnum()]
+    if len(separators) * len(raw) > SPLIT_WORK:
+        return None
+    for char in separators:
+        sep = char.encode("utf-8", "surrogatepass")
+        words = words.replace(sep, b" " * len(sep))
     return words
 
 
@@ -7374,14 +7395,21 @@ class SearchIndex:
     def note_keys(self) -> tuple:
         """Return (generation, an iterator of (key, path, read) over every indexed note): the
         key an int that changes with the note's file (its path, size and mtime hashed), read()
-        its (path, title, text) as documents() gives it. For callers that keep what they made
-        of each note and read again only what changed."""
+        its (path, title, text) as documents() gives it, or None when the file cannot be read
+        now. For callers that keep what they made of each note and read again only what
+        changed: they keep nothing under a key of None (a note changed in the last
+        ReadCache.RACY_SECONDS: a second save in the same clock tick, of the same size, would
+        leave its key as it was) and nothing of a note read() could not read."""
         with self._lock:
             generation, snapshot = self.generation, self._snapshot()
-        return generation, (
-            (_note_key(path, seg.sig(d)), path, functools.partial(self._document, path, seg, d))
-            for path, seg, d in self._entries(snapshot)
-        )
+        settled = time.time_ns() - int(ReadCache.RACY_SECONDS * 1e9)
+
+        def keyed(path: str, seg, d: int) -> tuple:
+            sig = seg.sig(d)
+            key = _note_key(path, sig) if sig[1] < settled else None
+            return key, path, functools.partial(self._document, path, seg, d, None)
+
+        return generation, (keyed(*entry) for entry in self._entries(snapshot))
 
     def document(self, path: str) -> IndexedNote | None:
         """Return (path, title, text) of an indexed note (as documents() gives it), or None."""
@@ -7389,8 +7417,12 @@ class SearchIndex:
             found = self._locate(path)
         return None if found is None else self._document(path, *found)
 
-    def _document(self, path: str, seg, d: int) -> IndexedNote:
-        text = self._read(path, 4 * MAX_SCAN_CHARS) or ""
+    def _document(self, path: str, seg, d: int, unread: Any = "") -> IndexedNote | None:
+        """Return (path, title, text) of an indexed note; its text `unread` ("") when the
+        file cannot be read, or None itself for an `unread` of None."""
+        text = self._read(path, 4 * MAX_SCAN_CHARS)
+        if text is None:
+            return None if unread is None else IndexedNote(path, seg.title(d), unread)
         return IndexedNote(path, seg.title(d), text[:MAX_SCAN_CHARS])
 
     def stem_weights(self, stems: Iterable[str]) -> dict:
@@ -12247,11 +12279,19 @@ class ReminderScheduler:
         _, keys = index.note_keys()
         known, fresh, kept = set(self._keys), array.array("q"), set()
         for key, path, read in keys:
-            fresh.append(key)
-            if key in known and path not in written:
+            if key is not None and key in known and path not in written:
+                fresh.append(key)
                 if path in self._by_path:
                     kept.add(path)
-            elif self._take_note(path, read()):
+                continue
+            note = read()
+            if note is None:  # unreadable now: its reminders stay, and it is read next time
+                if path in self._by_path:
+                    kept.add(path)
+                continue
+            if key is not None:  # a key of None: changed too lately to be remembered
+                fresh.append(key)
+            if self._take_note(path, note):
                 kept.add(path)
         self._by_path = {path: found for path, found in self._by_path.items() if path in kept}
         self._found = {r["id"]: r for found in self._by_path.values() for r in found}
@@ -12625,14 +12665,20 @@ def derived_per_note(svc: Service, name: str, take: Callable, combine: Callable)
         before = kept.taken if kept else {}
         keys, taken, paths = array.array("q"), {}, []
         for key, path, read in notes:
-            keys.append(key)
             paths.append(path)
-            if key in known:
+            if key is not None and key in known:
+                keys.append(key)
                 if path in before:
                     taken[path] = before[path]
                 continue
             note = read()
-            got = take(note.text[:MAX_SCAN_CHARS]) if note is not None else None
+            if note is None:  # unreadable now: what it gave last time, and read next time
+                if path in before:
+                    taken[path] = before[path]
+                continue
+            if key is not None:  # remembered: read again once its file changes
+                keys.append(key)
+            got = take(note.text[:MAX_SCAN_CHARS])
             if got:
                 taken[path] = got
         del known
@@ -12648,7 +12694,8 @@ def link_graph(svc: Service) -> dict:
     or moved changes where another note's [[name]] leads without that note changing."""
 
     def take(text: str) -> tuple | None:
-        return link_refs(text) if "[[" in text or ".md" in text else None
+        refs = link_refs(text) if "[[" in text or ".md" in text else ((), ())
+        return refs if any(refs) else None
 
     def combine(paths: list, refs: dict) -> dict:
         resolver = LinkResolver(paths)

@@ -4034,15 +4034,31 @@ class TestSearch:
             assert len(body) > 20
             assert " ".join(text[start:].split()).startswith(body), snippet
 
+    def test_a_table_of_symbols_gets_its_snippet_at_once(self):
+        """A note of thousands of kinds of separators (a table of symbols) would cost the
+        split one pass over the note for each: the regex takes it instead."""
+        chars = [chr(c) for c in range(0x2000, 0x2C00) if not chr(c).isalnum()]
+        text = "# Symbols\n" + "\n".join(f"U+{ord(c):04X} {c} dagger déjà" for c in chars)
+        started = time.thread_time()
+        at = notesvc._token_offset(text, 1500)
+        took = time.thread_time() - started
+        assert at == [m.start() for m in notesvc._WORD_RE.finditer(text)][1500]
+        assert took < 0.05, f"{took:.3f} s"  # 0.9 s with one pass per separator
+
+    @pytest.mark.parametrize("small", [False, True])  # the split looks 200 characters in
     @pytest.mark.parametrize("split_up_to", [2000, 50])  # 50: both ways in one text
     @pytest.mark.parametrize("ascii_only", [False, True])
     def test_a_snippet_finds_the_token_where_a_tokenizer_would(
-        self, monkeypatch, ascii_only, split_up_to
+        self, monkeypatch, ascii_only, split_up_to, small
     ):
         """_token_offset skips tokens by splitting the text's bytes, or deeper in with one
         regular expression (possessive on 3.11): it must land where the k-th word starts,
-        never inside a word split in two, whatever characters separate the words."""
+        never inside a word split in two, whatever characters separate the words, and
+        wherever the split gives up (SPLIT_CHARS, SPLIT_WORK)."""
         monkeypatch.setattr(notesvc, "SPLIT_TOKENS_UP_TO", split_up_to)
+        if small:
+            monkeypatch.setattr(notesvc, "SPLIT_CHARS", 200)
+            monkeypatch.setattr(notesvc, "SPLIT_WORK", 1500)
         rnd = random.Random(3)
         words = ["alpha", "beta_x", "x", "a1", "...", "C++", "foo-bar", "\n", "\x1f", "\t~"]
         if not ascii_only:  # letters and digits of other scripts; separators of 2-4 bytes
@@ -9656,7 +9672,10 @@ class TestReminders:
         assert len(self.reminders_sent(upstream)) == 1
         assert "- a ⏰ 2031-01-06 11:00" in self.reminders_sent(upstream)[0]
 
-    def test_only_the_notes_that_changed_are_read_again(self, client, upstream, root):
+    def test_only_the_notes_that_changed_are_read_again(self, client, upstream, root, monkeypatch):
+        """(Notes written just now are read at every look while RACY_SECONDS old: here every
+        key is remembered at once; test_a_second_save_in_the_same_clock_tick... tests that.)"""
+        monkeypatch.setattr(notesvc.ReadCache, "RACY_SECONDS", 0.0)
         svc = client.app.service
         for i in range(30):
             put_note(client, f"notes/n{i:02}.md", f"# N{i}\n\nplain note {i}\n")
@@ -10780,6 +10799,7 @@ class TestPlugins:
         """The tags and backlinks kept between looks are read again only for the notes
         whose file changed, yet answer as a server starting on the same notes would: a
         note's [[name]] leads elsewhere once another note takes that name first."""
+        monkeypatch.setattr(notesvc.ReadCache, "RACY_SECONDS", 0.0)  # every key remembered
         svc = client.app.service
         reads, here = [], threading.get_ident()  # not the reminders' thread
         document = svc.index._document
@@ -10830,6 +10850,47 @@ class TestPlugins:
         client.patch_json(note_url("notes/b/target.md") + "/move", {"path": "notes/c/goal.md"})
         same_as_a_fresh_start()
         assert sorted(set(reads)) == ["notes/c/goal.md"]
+
+    def test_a_second_save_in_the_same_clock_tick_is_not_missed(self, client, root, make_app):
+        """A note's key is its path, size and mtime: a save of the same size in the same
+        clock tick (coarse timestamps: FAT, network shares, older kernels) keeps it. A note
+        changed in the last RACY_SECONDS is therefore read again at every look."""
+        svc = client.app.service
+
+        def tags(app) -> set:
+            return {t["tag"] for t in data(app.get(f"{API}/plugins/tags"))["tags"]}
+
+        put_note(client, "notes/n.md", "hello #alpha")
+        assert tags(client) == {"alpha"}
+        note = root / "notes/n.md"
+        before = os.stat(note)
+        client.put_json(note_url("notes/n.md"), {"content": "hello #omega"})
+        os.utime(note, ns=(before.st_atime_ns, before.st_mtime_ns))  # the same tick
+        after = os.stat(note)
+        assert (after.st_size, after.st_mtime_ns) == (before.st_size, before.st_mtime_ns)
+        svc.index.add("notes/n.md", note.read_text(), after.st_size, after.st_mtime_ns)
+        put_note(client, "notes/other.md", "the index moves on")
+        assert tags(client) == tags(with_key(make_app())) == {"omega"}
+
+    def test_a_note_unreadable_for_one_look_is_read_at_the_next(
+        self, client, make_app, monkeypatch
+    ):
+        svc = client.app.service
+        monkeypatch.setattr(notesvc.ReadCache, "RACY_SECONDS", 0.0)  # every key remembered
+        put_note(client, "notes/n.md", "hello #alpha [[other]]")
+        put_note(client, "notes/other.md", "x")
+        read = svc.index._read
+        monkeypatch.setattr(
+            svc.index, "_read", lambda p, *a: None if p == "notes/n.md" else read(p, *a)
+        )
+        data(client.get(f"{API}/plugins/tags"))  # EMFILE, EIO... during this look
+        data(client.get(f"{API}/plugins/backlinks/notes%2Fother.md"))
+        monkeypatch.setattr(svc.index, "_read", read)
+        put_note(client, "notes/third.md", "y")  # the index changes; that note does not
+        fresh = with_key(make_app())
+        for url in (f"{API}/plugins/tags", f"{API}/plugins/backlinks/notes%2Fother.md"):
+            assert data(client.get(url)) == data(fresh.get(url))
+        assert data(client.get(f"{API}/plugins/tags/alpha"))["notes"][0]["path"] == "notes/n.md"
 
     def test_move_with_update_links_rewrites_every_linking_note(self, client, root):
         put_note(client, "notes/old/target.md", "# Target\n\nsee [other](../other.md)")
