@@ -5368,7 +5368,7 @@ def _token_offset(text: str, k: int) -> int | None:
 
     Up to SPLIT_TOKENS_UP_TO tokens in, within SPLIT_CHARS, the text's bytes with every
     separator made spaces are split k times: token k starts where the rest does (half the
-    regex's time on ASCII notes, a third on the others). Deeper, or in a note of many kinds
+    regex's time on ASCII notes, a third less on the others). Deeper, or in a note of many kinds
     of separators (a table of symbols), a regular expression skips 100 tokens a step.
     """
     ascii_only = text.isascii()
