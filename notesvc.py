@@ -12808,16 +12808,23 @@ def move_and_relink(
 
 
 def attachment_linkers(svc: Service, path: str) -> set:
-    """Return the notes that link to an attachment (Markdown links, images, ![[embeds]])."""
-    name = path.rsplit("/", 1)[-1]
-    quoted = urllib.parse.quote(name)
+    """Return the notes that link to an attachment (Markdown links, images, ![[embeds]]).
+
+    Each note's links that may name an attachment are kept as written (derived_per_note:
+    after a save, one note is read again, not all of them) and resolved at every look,
+    against the attachments there are now."""
+
+    def take(text: str) -> tuple | None:
+        if "[[" not in text and "](" not in text:
+            return None
+        wikis, targets = link_refs(text)
+        wikis = tuple(w for w in wikis if _attachment_name(w.strip()))  # as wikilink() tells
+        targets = tuple(t for t in targets if not t.rstrip(">").casefold().endswith(".md"))
+        return (wikis, targets) if wikis or targets else None
+
+    refs = derived_per_note(svc, "attachment links", take, lambda _paths, refs: refs)
     resolver = LinkResolver(svc.index.paths(), [*svc.attachments.paths(), path])
-    _, notes = svc.index.documents()
-    return {
-        source
-        for source, _, text in notes
-        if (name in text or quoted in text) and path in resolver.links(text, source)
-    }
+    return {source for source, written in refs.items() if path in resolver.resolve(written, source)}
 
 
 # -- built-in plugins -----------------------------------------------------------------------

@@ -2296,6 +2296,29 @@ class TestAttachments:
         assert "linksUpdated" not in plain
         assert "2026/sea.jpg" in (root / "notes/index.md").read_text()
 
+    def test_move_finds_the_links_as_the_notes_are_now(self, client, root, monkeypatch):
+        # The notes' links are kept between moves: an edit in between is seen. (Every
+        # note is just written: without the racy-clean wait they are kept at once.)
+        monkeypatch.setattr(notesvc.ReadCache, "RACY_SECONDS", 0)
+        upload(client, "attachments/a.jpg")
+        put_note(client, "notes/one.md", "![a](../attachments/a.jpg)\n")
+        put_note(client, "notes/two.md", "no link yet\n")
+        put_note(client, "notes/three.md", "a [[note]] and [b](b.md)\n")
+        url = att_url("attachments/a.jpg")
+        moved = data(
+            client.patch_json(url + "/move", {"path": "attachments/b.jpg", "updateLinks": True})
+        )
+        assert moved["linksUpdated"] == ["notes/one.md"]
+        client.put_json(note_url("notes/two.md"), {"content": "now ![[b.jpg]]\n"})
+        client.put_json(note_url("notes/one.md"), {"content": "the link is gone\n"})
+        url = att_url("attachments/b.jpg")
+        moved = data(
+            client.patch_json(url + "/move", {"path": "attachments/c.jpg", "updateLinks": True})
+        )
+        assert moved["linksUpdated"] == ["notes/two.md"]
+        assert (root / "notes/two.md").read_text() == "now ![[c.jpg]]\n"
+        assert (root / "notes/three.md").read_text() == "a [[note]] and [b](b.md)\n"
+
     def test_move_refusals(self, client, root):
         rec = data(upload(client, "attachments/a.jpg"))
         upload(client, "attachments/b.jpg", b"other")
