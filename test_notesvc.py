@@ -2761,6 +2761,9 @@ class WebSession:
 
     def write_new(self, text: str) -> str:
         """Write a new note as a person does (New note, type, Ctrl+S); return its path."""
+        # The phone in the person's hand: with two contexts open, the other page may hold
+        # the browser's focus, and an element of a page without it is never focused.
+        self.page.bring_to_front()
         self.tap("#new")
         expect(self.page.locator("#editor")).to_be_focused()
         # (the first line at once: a loaded machine can stall typing past the five quiet
