@@ -5287,6 +5287,7 @@ class Query:
         self.text = text
         self.clauses: list = []
         self.excludes: list = []
+        self.typed: dict = {}  # a word's stem: the word as typed, lowercased (for snippets)
         self._parse(text)
 
     def _parse(self, text: str) -> None:
@@ -5309,6 +5310,9 @@ class Query:
             alt = self._alternative(raw, quoted=not word)
             if alt is None:
                 continue
+            words = _WORD_RE.findall(raw) if alt[0] == "word" else ()
+            if len(words) == 1 and tokenize(words[0]) == [alt[1]]:  # the word is its term
+                self.typed.setdefault(alt[1], words[0].lower())
             if negative:
                 if pending_or:
                     raise bad_request("an -exclusion cannot be part of an OR")
@@ -5426,15 +5430,36 @@ def _utf8_words(raw: bytes) -> bytes | None:
 _LAST_SPACE_RE = re.compile(r".*\s", re.DOTALL)  # matched within bounds: up to the last space
 
 
-def _snippet(text: str, toks: str, needles: list) -> str:
-    """Return up to SNIPPET_CHARS of the body around the first match of the best needle."""
-    index = -1
+def _typed_offset(text: str, word: str) -> int | None:
+    """Return where the word first stands whole in text's first SPLIT_CHARS, case aside
+    (None: nowhere, or lowercasing changes the text's length and so its offsets)."""
+    head = text[:SPLIT_CHARS]
+    low = head.lower()
+    if len(low) != len(head):
+        return None
+    at, n = low.find(word), len(word)
+    while at >= 0:
+        if not (at and low[at - 1].isalnum()) and not low[at + n : at + n + 1].isalnum():
+            return at
+        at = low.find(word, at + n)
+    return None
+
+
+def _snippet(text: str, toks: str, needles: dict) -> str:
+    """Return up to SNIPPET_CHARS of the body around the first match of the best needle:
+    where the word stands as it was typed (one find in C), else its first token of any
+    form (the tokens counted)."""
+    index, needle = -1, ""
     for needle in needles:
         index = toks.find(needle)
         if index >= 0:
             break
     start = 0
-    at = _token_offset(text, index) if index > 0 else None
+    at = None
+    if index > 0:
+        typed = needles[needle]
+        at = _typed_offset(text, typed) if typed else None
+        at = _token_offset(text, index) if at is None else at
     if at is not None:  # 60 characters before the match, back to a space (90 at most)
         lo, start = max(0, at - 90), max(0, at - 60)
         space = _LAST_SPACE_RE.match(text, lo, start)
@@ -7874,13 +7899,14 @@ class SearchIndex:
             hits = []
             for score, path, seg, d in ranked:
                 if seg not in needles:
-                    needles[seg] = self._needles(seg, segs.index(seg), clauses, keys)
+                    needles[seg] = self._needles(seg, segs.index(seg), clauses, keys, query.typed)
                 hits.append((path, seg.title(d), round(score, 4), seg.toks(d, 0), needles[seg]))
         return total, [(p, t, s, self._snippet(p, toks, nd)) for p, t, s, toks, nd in hits]
 
     @staticmethod
-    def _needles(seg, si: int, clauses: list, keys: dict) -> list:
-        """Return the query's term strings in a segment, phrases and rarest words first."""
+    def _needles(seg, si: int, clauses: list, keys: dict, typed: dict) -> dict:
+        """Return the query's term strings in a segment, phrases and rarest words first,
+        each with the word as typed ("" for a phrase or a prefix)."""
         found = []
         for kind, stems in (alt for clause in clauses for alt in clause):
             groups = [[s] for s in stems[:8]] if kind == "prefix" else [stems]
@@ -7888,11 +7914,15 @@ class SearchIndex:
                 ks = [keys[s][si] for s in group]
                 if None not in ks:
                     p = seg.postings(ks[0], 0)
-                    found.append(("".join(map(seg.char, ks)), len(p[0]) if p else 0))
+                    word = typed.get(group[0], "") if kind == "word" else ""
+                    found.append(("".join(map(seg.char, ks)), len(p[0]) if p else 0, word))
         found.sort(key=lambda x: (-len(x[0]), x[1]))
-        return list(dict.fromkeys(needle for needle, _ in found))
+        needles: dict = {}
+        for needle, _, word in found:
+            needles.setdefault(needle, word)
+        return needles
 
-    def _snippet(self, path: str, toks: str, needles: list) -> str:
+    def _snippet(self, path: str, toks: str, needles: dict) -> str:
         text = self._read(path)
         if text is None:
             return ""

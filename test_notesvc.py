@@ -4024,6 +4024,26 @@ class TestSearch:
         assert len(result["snippet"]) <= 240
         assert result["snippet"].startswith("…")
 
+    def test_a_snippet_shows_the_word_as_typed_else_its_first_form(self, client):
+        """A word's snippet is around where it stands as typed (case aside, whole, `_`
+        separating), else around the first word of the same stem; a text whose lowercase
+        is longer than itself (İ) is counted token by token."""
+        far = " ".join(f"filler{i}" for i in range(60))
+        text = f"# Legs\n\n{far} they RUN here {far} overrunning my_running {far} end"
+        put_note(client, "notes/run.md", text)
+        put_note(client, "notes/istanbul.md", f"# İstanbul\n\n{text}")
+
+        def snippet(q: str, path: str = "notes/run.md") -> str:
+            found = {r["path"]: r["snippet"] for r in search(client, q)["results"]}
+            return found[path]
+
+        assert "my_running" in snippet("running")  # not inside "overrunning"
+        assert "my_running" in snippet("RUNNING")
+        assert "they RUN here" in snippet("runs")  # not typed anywhere: its first form
+        assert "they RUN here" in snippet("run")
+        assert "they RUN here" in snippet("running", "notes/istanbul.md")
+        assert "my_running" in snippet('"my running"')  # a phrase: its tokens counted
+
     @pytest.mark.parametrize("size", [0, 5, 16, 511, 512, 513, 2000])
     def test_the_largest_are_heapq_s_whether_sorted_or_heaped(self, size):
         """_largest sorts up to SORT_UP_TO items and uses heapq beyond: the same list either
@@ -4054,7 +4074,8 @@ class TestSearch:
             text += " needle and the rest"
             at = text.index("needle")
             toks = "".join(chr(0x100 + (w == "needle")) for w in notesvc._WORD_RE.findall(text))
-            snippet = notesvc._snippet(text, toks, [chr(0x101)])
+            snippet = notesvc._snippet(text, toks, {chr(0x101): ""})  # the tokens counted
+            assert notesvc._snippet(text, toks, {chr(0x101): "needle"}) == snippet  # as typed
             start, body = expected(text, at), snippet.removeprefix("…").removesuffix("…")
             assert snippet.startswith("…") == (start > 0)
             assert len(body) > 20
