@@ -11959,11 +11959,14 @@ class ChannelPollers:
     def start(self) -> None:
         self.sync()
 
-    def sync(self) -> None:
-        """Run a poller for each enabled polling channel and for none other."""
+    def sync(self, join: float = 0.0) -> None:
+        """Run a poller for each enabled polling channel and for none other; join: wait up
+        to that many seconds for the pollers stopped to be done (before a webhook is set:
+        a getUpdates that met it would delete it)."""
         svc = self.svc
         if svc.readonly:
             return
+        stopped = []
         wanted = {}
         for c in _channels(svc):
             prov = svc.channel_providers.get(c["provider"])
@@ -11977,6 +11980,7 @@ class ChannelPollers:
             for cid, poller in list(self._pollers.items()):
                 if cid not in wanted or wanted[cid][1] != poller.signature:
                     poller.stop()
+                    stopped.append(poller)
                     del self._pollers[cid]
                     if cid in wanted:  # its credentials changed: the new one waits for it
                         prov, sig = wanted[cid]
@@ -11984,6 +11988,9 @@ class ChannelPollers:
             for cid, (prov, sig) in wanted.items():
                 if cid not in self._pollers:
                     self._pollers[cid] = ChannelPoller(self, cid, prov, sig).start()
+        deadline = time.monotonic() + join
+        for poller in stopped if join > 0 else ():
+            poller.thread.join(max(0.0, deadline - time.monotonic()))
         known = {c["id"] for c in _channels(svc)}
         with self._offsets_lock:  # a deleted channel's offset goes with it
             offsets = self._read_offsets()
@@ -12064,7 +12071,7 @@ class ChannelPoller:
         try:
             while not self.stopping.is_set():
                 channel = _channel(svc, self.channel_id)
-                if channel is None or not channel["enabled"]:
+                if channel is None or not channel["enabled"] or channel_mode(channel) != "polling":
                     return
                 try:
                     batch = self.prov.poll(
@@ -24660,9 +24667,9 @@ def patch_channel(svc: Service, channel_id: str) -> dict:
 
     channel = _change_channel(svc, channel_id, merge)
     log.info("channel %s changed", channel_id)
+    svc.pollers.sync(join=15)  # a poller that goes is done before a webhook is set
     if changes is not None:
         channel = configure_channel(svc, channel)  # webhook mode: setWebhook again
-    svc.pollers.sync()
     return redact_channel(channel, svc.channel_providers)
 
 

@@ -9541,6 +9541,29 @@ class TestPolling:
         wait_for(lambda: pollers.running() == [], timeout=10)
         assert upstream.webhook["secret_token"] == ch["secret"]
 
+    def test_switching_to_webhook_mode_keeps_the_webhook_from_the_stopping_poller(
+        self, client, upstream
+    ):
+        """A poller between two getUpdates when the webhook is set would meet it (409) and
+        delete it: the PATCH stops the poller, and waits for it, before setWebhook."""
+        upstream.max_hold = 0.0  # every getUpdates answers at once: the poller never rests
+        for i in range(6):
+            ch = self.create(client)
+            if i % 2:  # else at once: its first getUpdates may still be on its way
+                before = upstream.polls
+                wait_for(lambda before=before: upstream.polls >= before + 3)
+            url = f"{API}/channels/{ch['id']}"
+            client.patch_json(url, {"config": {"mode": "webhook"}})
+            assert client.app.service.pollers.running() == []
+            calls = [c["path"].rsplit("/", 1)[-1] for c in upstream.bot_calls]
+            assert calls[-1] == "setWebhook"
+            time.sleep(0.2)  # nothing comes after it
+            assert [c["path"].rsplit("/", 1)[-1] for c in upstream.bot_calls] == calls
+            assert upstream.webhook["secret_token"] == ch["secret"]
+            assert data(client.get(url))["status"]["ok"] is True
+            client.delete(url)
+            upstream.webhook = None
+
     def test_a_refused_token_is_shown_as_the_channel_status(self, client, upstream, caplog):
         upstream.poll_status = 401
         ch = self.create(client)
