@@ -16800,6 +16800,7 @@ const state = {
   title: "",
   editing: false,
   expanded: new Set(JSON.parse(getItem("session", "notesvc.expanded") || "[]")),
+  moves: 0, // panes shown so far: what the page restores at start waits for no one
 };
 
 // What this server offers beyond the core API (read from its OpenAPI document at start).
@@ -17118,6 +17119,7 @@ function showPane(name, fromHistory) {
   const app = $("app");
   if (app.dataset.pane === name) return;
   app.dataset.pane = name;
+  state.moves++;
   for (const b of document.querySelectorAll(".tabs button")) {
     if (b.dataset.pane === name) b.setAttribute("aria-current", "page");
     else b.removeAttribute("aria-current");
@@ -19647,6 +19649,7 @@ async function ask() {
 async function start() {
   setSide(getItem("local", "notesvc.ui.side") !== "closed");
   offlineMenu();
+  const moves = state.moves;
   if (offlineOn()) await loadOutboxOrSay();
   await Promise.all([
     loadTree(),
@@ -19660,6 +19663,9 @@ async function start() {
     }
     act(askShared)(); // the share sheet's items, once the person says yes
   }
+  // What this tab had open comes back, unless the person already went somewhere while the
+  // tree and the features loaded (a tap on New note is not undone by the restore).
+  if (state.moves !== moves || state.path || state.blank) return;
   const last = getItem("session", "notesvc.open");
   if (last) {
     try {

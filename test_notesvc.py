@@ -12867,6 +12867,29 @@ class TestWebClient:
         # (a missing embed is looked for beside the note too: that answer is a 404)
         assert unexpected(s.close(), 404) == []
 
+    def test_a_tap_while_the_page_still_starts_is_not_undone_by_its_restore(self, web):
+        # (CI once tapped New note while the page still read the server's features: the
+        # start then restored the pane it remembered, the list, and the editor was gone)
+        s = web("phone", login=False)
+        page = s.page
+        held = []
+        page.route("**/openapi.json", lambda route: held.append(route))  # the features answer waits
+        s.login(web.server.url + "/", web.setup["apiKey"])
+        wait_for(lambda: held or page.wait_for_timeout(50))
+        s.tap("#new")
+        expect(page.locator("#editor")).to_be_focused()
+        held[0].continue_()
+        page.unroute("**/openapi.json")
+        wait_for(lambda: page.evaluate("!document.getElementById('history').hidden"))
+        assert page.get_attribute("#app", "data-pane") == "note"
+        expect(page.locator("#editor")).to_be_focused()
+        page.keyboard.insert_text("Quick one\n")
+        page.keyboard.type("typed at once")
+        page.keyboard.press("Control+s")
+        expect(page.locator("#status")).to_have_text("Saved")
+        assert (web.root / "notes/inbox/Quick one.md").read_text().endswith("typed at once")
+        assert unexpected(s.close()) == []
+
     def test_foreign_relay_url_never_gets_a_request(self, web):
         evil = EvilRelay()
         try:

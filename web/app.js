@@ -1537,6 +1537,7 @@ async function ask() {
 async function start() {
   setSide(getItem("local", "notesvc.ui.side") !== "closed");
   offlineMenu();
+  const moves = state.moves;
   if (offlineOn()) await loadOutboxOrSay();
   await Promise.all([
     loadTree(),
@@ -1550,6 +1551,9 @@ async function start() {
     }
     act(askShared)(); // the share sheet's items, once the person says yes
   }
+  // What this tab had open comes back, unless the person already went somewhere while the
+  // tree and the features loaded (a tap on New note is not undone by the restore).
+  if (state.moves !== moves || state.path || state.blank) return;
   const last = getItem("session", "notesvc.open");
   if (last) {
     try {

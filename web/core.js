@@ -57,6 +57,7 @@ const state = {
   title: "",
   editing: false,
   expanded: new Set(JSON.parse(getItem("session", "notesvc.expanded") || "[]")),
+  moves: 0, // panes shown so far: what the page restores at start waits for no one
 };
 
 // What this server offers beyond the core API (read from its OpenAPI document at start).
@@ -375,6 +376,7 @@ function showPane(name, fromHistory) {
   const app = $("app");
   if (app.dataset.pane === name) return;
   app.dataset.pane = name;
+  state.moves++;
   for (const b of document.querySelectorAll(".tabs button")) {
     if (b.dataset.pane === name) b.setAttribute("aria-current", "page");
     else b.removeAttribute("aria-current");
