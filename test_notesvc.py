@@ -12890,6 +12890,32 @@ class TestWebClient:
         assert (web.root / "notes/inbox/Quick one.md").read_text().endswith("typed at once")
         assert unexpected(s.close()) == []
 
+    def test_a_note_opened_before_the_features_are_read_shows_its_embeds(self, web):
+        # (a CI-like run under load opened a note before the server's features were read:
+        # its embedded photo was rendered as if the server had no attachments)
+        needs(web.server, "/attachments", "attachments (issue 17)")
+        path = "attachments/inbox/2026-01-02/090000-photo.png"
+        headers = {"X-Service-Key": web.setup["apiKey"], "Content-Type": "image/png"}
+        url = web.server.url + f"{API}/attachments/" + urllib.parse.quote(path, safe="")
+        request = urllib.request.Request(url, notesvc.web_icon_png(192), headers, method="PUT")
+        with urllib.request.urlopen(request, timeout=10) as resp:
+            assert resp.status == 201
+        body = {"path": "notes/photo.md", "content": "# Photo\n\n![[090000-photo.png|it]]\n"}
+        web.server.request("POST", f"{API}/notes", body, {"X-Service-Key": web.setup["apiKey"]})
+        s = web("desktop", login=False)
+        page = s.page
+        held = []
+        page.route("**/openapi.json", lambda route: held.append(route))  # the answer waits
+        s.login(web.server.url + "/", web.setup["apiKey"])
+        wait_for(lambda: held or page.wait_for_timeout(50))
+        with page.expect_response(lambda r: r.url.endswith("photo.md")):  # it is not held
+            page.click('#tree button.note[data-path="notes/photo.md"]')
+        held[0].continue_()
+        page.unroute("**/openapi.json")
+        expect(page.locator("#path")).to_contain_text("notes/photo.md")
+        expect(page.locator("#view img[alt='it']")).to_have_js_property("naturalWidth", 192)
+        assert unexpected(s.close()) == []
+
     def test_foreign_relay_url_never_gets_a_request(self, web):
         evil = EvilRelay()
         try:

@@ -406,6 +406,7 @@ async function openNote(path, opts) {
     data = unreachable(e) && offlineOn() ? await mirrorGet(path) : null;
     if (!data) throw e;
   }
+  await featuresRead.catch(() => {}); // its embeds are shown as what this server offers
   showNote(data);
   const draft = readDraft(data.path);
   if (draft && draft.content !== state.saved) {
@@ -1301,6 +1302,8 @@ async function followChanges() {
 }
 
 // What this server offers, from its OpenAPI document (an older one has the core only).
+// The features, read once at start; a note opened before their answer waits for it.
+let featuresRead = Promise.resolve();
 async function readFeatures() {
   try {
     const {json} = await api("GET", "/openapi.json", undefined, undefined, {raw: true});
@@ -1539,9 +1542,10 @@ async function start() {
   offlineMenu();
   const moves = state.moves;
   if (offlineOn()) await loadOutboxOrSay();
+  featuresRead = readFeatures();
   await Promise.all([
     loadTree(),
-    readFeatures().catch((e) => (offlineOn() ? null : Promise.reject(e))),
+    featuresRead.catch((e) => (offlineOn() ? null : Promise.reject(e))),
   ]);
   if (features.changes) followChanges();
   if (offlineOn()) {
