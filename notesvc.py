@@ -24990,7 +24990,7 @@ def new_pairing(
 
 
 def create_pairing(svc: Service) -> dict:
-    body = read_json(svc.config.max_body_bytes)
+    body = read_json(svc.config.max_body_bytes, required=False)  # every field has a default
     name = _clean_name(field(body, "name", required=False, max_len=100), "device")
     scope = field(body, "scope", required=False) or "write"
     folder = _grant_folder(body)
@@ -27509,12 +27509,17 @@ ROUTES = (
         "/auth/devices/pairings",
         create_pairing,
         summary="Pair a device: a one-time secret (its link and QR code) for a device key",
-        body=_obj(
-            [],
-            name={**_STR, "maxLength": 100},
-            scope={"enum": list(SCOPES)},
-            folder=_FOLDER_PATH,
-        ),
+        body={
+            **_obj(
+                [],
+                name={**_STR, "maxLength": 100},
+                scope={"enum": list(SCOPES)},
+                folder=_FOLDER_PATH,
+            ),
+            # an admin device sees every note: it takes no folder (400 otherwise)
+            "if": {"required": ["scope"], "properties": {"scope": {"const": "admin"}}},
+            "then": {"not": {"required": ["folder"]}},
+        },
         status=201,
         tag="auth",
         scope="admin",
