@@ -25098,7 +25098,8 @@ def revoke_scoped_key(svc: Service, grant_id: str) -> dict:
     gone = svc.grants.revoke(grant_id, cascade=cascade)
     if not gone:
         raise not_found(f"no key or OAuth grant {grant_id}")
-    return {"id": grant_id, "revoked": True, "alsoRevoked": gone[1:]}
+    answer = {"id": grant_id, "revoked": True}
+    return {**answer, "alsoRevoked": gone[1:]} if cascade else answer
 
 
 def share_url(svc: Service, environ: dict, token: str) -> str:

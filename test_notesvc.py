@@ -6097,6 +6097,7 @@ class TestScopedKeys:
             "key",
             "kind",
             "lastUsedAt",
+            "createdBy",
         }
         assert (rec["scope"], rec["folder"], rec["kind"]) == ("write", "notes/family", "key")
         days = (notesvc._epoch(rec["expiresAt"]) - notesvc._epoch(rec["createdAt"])) / 86400
@@ -6455,7 +6456,7 @@ class TestDevices:
         waiting = pair(device, scope="admin", name="Thief's laptop")
         owners = pair(client, scope="read")
         revoked = data(client.delete(f"{API}/auth/keys/{dev_id}"))
-        assert revoked == {"id": dev_id, "revoked": True, "alsoRevoked": []}
+        assert revoked == {"id": dev_id, "revoked": True}
         assert_error(claim(anon, waiting["secret"], status=404), 404, "NOT_FOUND")
         assert not any(
             p.get("createdBy") == dev_id
@@ -6484,7 +6485,10 @@ class TestDevices:
         put_note(client, "notes/s.md")
         link = data(device.post_json(f"{API}/shares", {"path": "notes/s.md"}, status=201))
         # plain revoke of the other device: what it made stays, shown as made by it
-        assert data(client.delete(f"{API}/auth/keys/{other_id}"))["alsoRevoked"] == []
+        assert data(client.delete(f"{API}/auth/keys/{other_id}")) == {
+            "id": other_id,
+            "revoked": True,
+        }
         with_key(anon, others_key["key"]).get(f"{API}/notes")
         keys = {k["id"]: k for k in data(client.get(f"{API}/auth/keys"))["keys"]}
         assert keys[others_key["id"]]["createdBy"] == other_id
@@ -7583,6 +7587,7 @@ class TestOAuth:
                 "createdAt": grants[0]["createdAt"],
                 "expiresAt": grants[0]["expiresAt"],
                 "lastUsedAt": None,
+                "createdBy": "owner",
                 "client": {"id": cid, "name": "Pocket assistant"},
             }
         ]
@@ -17288,7 +17293,7 @@ class TestCli:
             status, _, body = server.request(
                 "DELETE", f"{API}/auth/keys/{laptop['deviceId']}", headers=owner
             )
-            assert (status, body["data"]["alsoRevoked"]) == (200, [])
+            assert (status, body["data"]) == (200, {"id": laptop["deviceId"], "revoked": True})
             status, _, body = server.request("POST", claim_url, {"secret": waiting})
             assert status == 404
             assert body["error"]["code"] == "NOT_FOUND"
