@@ -13678,6 +13678,54 @@ class TestWebClientGrants:
         expect(page.locator("#connections-list")).to_contain_text("No app is connected")
         assert unexpected(s.close()) == []
 
+    def test_a_device_shows_what_it_made_and_one_tap_revokes_it_all(self, web):
+        server, owner = web.server, owner_headers(web.setup)
+
+        def post(path: str, body: dict, headers: dict | None = None) -> dict:
+            status, _, answer = server.request("POST", f"{API}{path}", body, headers)
+            assert status == 201, answer
+            return answer["data"]
+
+        def joined(made_by: dict, name: str, scope: str) -> dict:
+            made = post("/auth/devices/pairings", {"scope": scope}, made_by)
+            return post("/auth/devices/claim", {"secret": made["secret"], "deviceName": name})
+
+        s = web("desktop")
+        page = s.page
+        own = post("/auth/keys", {"name": "own key", "scope": "read"}, owner)
+        laptop = joined(owner, "Ada's laptop", "admin")
+        as_laptop = {"X-Service-Key": laptop["key"]}
+        garden = post("/auth/keys", {"name": "garden key", "scope": "write"}, as_laptop)
+        kid = joined(as_laptop, "Kid's phone", "read")
+        page.click("#menu summary")
+        page.click("#menu-keys")
+        expect(page.locator("#keys-list li", has_text="own key")).to_contain_text("made by you")
+        expect(page.locator("#keys-list li", has_text="garden key")).to_contain_text(
+            "made by “Ada's laptop”"
+        )
+        devices = page.locator("#devices-list")
+        expect(devices.locator("li", has_text="Kid's phone")).to_contain_text(
+            "made by “Ada's laptop”"
+        )
+        row = devices.locator("li", has_text="Ada's laptop · ")
+        expect(row).to_contain_text("made 2")
+        row.scroll_into_view_if_needed()
+        s.shot("keys-made-by")
+        row.locator("button", has_text="Revoke").click()
+        expect(page.locator("#revoke-made")).to_contain_text("It made 2 keys, devices or apps")
+        expect(page.locator("#revoke-made")).to_contain_text("“garden key”, “Kid's phone”")
+        s.shot("revoke-made")
+        s.dialog_choose("cascade")
+        expect(page.locator("#dlg-title")).to_have_text("Keys and devices")
+        expect(page.locator("#devices-list")).not_to_contain_text("Ada's laptop")
+        expect(page.locator("#devices-list")).not_to_contain_text("Kid's phone")
+        expect(page.locator("#keys-list")).not_to_contain_text("garden key")
+        expect(page.locator("#keys-list")).to_contain_text("own key")
+        for key, status in ((laptop, 401), (garden, 401), (kid, 401), (own, 200)):
+            headers = {"X-Service-Key": key["key"]}
+            assert server.request("GET", f"{API}/notes", headers=headers)[0] == status
+        assert unexpected(s.close()) == []
+
     def test_share_a_note_and_open_the_link_in_a_fresh_browser(self, web, browser):
         s = web("phone")
         page = s.page
