@@ -8715,6 +8715,20 @@ class Principal:
 
 OWNER = Principal("owner", "admin")
 
+# Who made a grant, a pairing or a share link (its `createdBy`): the owner's own key,
+# the command line on the server, or else the id of the grant (an admin device) that did.
+MADE_BY_OWNER, MADE_BY_CLI = "owner", "cli"
+
+
+def made_by(principal: Principal) -> str:
+    """Return the `createdBy` of what a principal makes: "owner" or its grant's id."""
+    return principal.grant_id or MADE_BY_OWNER
+
+
+def made_by_grant(created_by: Any) -> bool:
+    """Return whether a `createdBy` names a grant (not the owner, the CLI, or unknown)."""
+    return isinstance(created_by, str) and created_by not in (MADE_BY_OWNER, MADE_BY_CLI)
+
 
 def request_principal() -> Principal:
     """Return who the current request acts for (the owner outside a protected request)."""
@@ -9143,6 +9157,7 @@ class GrantStore:
             "createdAt": g["createdAt"],
             "expiresAt": g.get("expiresAt"),
             "lastUsedAt": iso(last) if last else g.get("lastUsedAt"),
+            "createdBy": g.get("createdBy"),  # null: made before it was recorded
         }
         if g["kind"] == "oauth":
             rec["client"] = dict(g["client"])
@@ -9165,8 +9180,11 @@ class GrantStore:
 
         self.state.update(change)
 
-    def create_key(self, name: str, scope: str, folder: str | None, days: int | None) -> tuple:
-        """Return (the key's record, the key itself) of a new scoped key."""
+    def create_key(
+        self, name: str, scope: str, folder: str | None, days: int | None, *, created_by: str
+    ) -> tuple:
+        """Return (the key's record, the key itself) of a new scoped key; created_by is
+        "owner", "cli" or the id of the grant that made it."""
         key, now = GRANT_KEY_PREFIX + secrets.token_urlsafe(32), self.clock()
         grant = {
             "id": "gr_" + secrets.token_hex(6),
@@ -9178,6 +9196,7 @@ class GrantStore:
             "expiresAt": iso(now + days * 86400) if days else None,
             "lastUsedAt": None,
             "keyHash": key_hash(key),
+            "createdBy": created_by,
         }
         self._add_grant(grant)
         log.info("scoped key %s (%s%s) created", grant["id"], scope, f" {folder}" if folder else "")
@@ -9185,9 +9204,12 @@ class GrantStore:
 
     # -- devices: a pairing's one-time secret, claimed for a device key ------------------
 
-    def create_pairing(self, name: str, scope: str, folder: str | None, ttl: int) -> tuple:
+    def create_pairing(
+        self, name: str, scope: str, folder: str | None, ttl: int, *, created_by: str
+    ) -> tuple:
         """Return (the pairing's record, its one-time secret): 128 random bits, kept only
-        as their SHA-256, good once within ttl seconds."""
+        as their SHA-256, good once within ttl seconds, and only while the grant that made
+        it (created_by, when not "owner" or "cli") is live."""
         secret = base64.b32encode(secrets.token_bytes(16)).decode("ascii").lower().rstrip("=")
         now = self.clock()
         pairing = {
@@ -9198,6 +9220,7 @@ class GrantStore:
             "folder": folder,
             "createdAt": iso(now),
             "expiresAt": iso(now + ttl),
+            "createdBy": created_by,
         }
 
         def change(data: dict) -> None:
@@ -9228,6 +9251,9 @@ class GrantStore:
             if found is None:
                 return None
             grants = [g for g in data.get("grants", []) if _epoch(g.get("expiresAt")) > now]
+            maker = found.get("createdBy")  # absent: a pairing made before it was recorded
+            if made_by_grant(maker) and not any(g["id"] == maker for g in grants):
+                return None  # the device that made it is revoked (or expired): used up
             if len(grants) >= MAX_GRANTS:
                 raise ApiError(
                     409, "CONFLICT", f"{MAX_GRANTS} grants exist already; revoke some first"
@@ -9243,6 +9269,7 @@ class GrantStore:
                 "lastUsedAt": iso(now),
                 "keyHash": key_hash(key),
                 "pairing": found["id"],
+                "createdBy": maker,  # whoever made the pairing made the device
             }
             data["grants"] = [*grants, device]
             return device
@@ -9258,25 +9285,49 @@ class GrantStore:
         log.info("device %s claimed pairing %s", device["id"], device["pairing"])
         return self._public(device), key
 
-    def revoke(self, grant_id: str) -> bool:
-        """Revoke a key or an OAuth grant (and the share links it made); False if unknown."""
+    @staticmethod
+    def _made_by(grants: list, grant_id: str) -> list:
+        """Return the ids of the grants grant_id made, and those they made, and so on."""
+        made, found = [], {grant_id}
+        while True:
+            more = [g["id"] for g in grants if g.get("createdBy") in found and g["id"] not in found]
+            if not more:
+                return made
+            made += more
+            found.update(more)
 
-        def change(data: dict) -> bool:
+    def revoke(self, grant_id: str, cascade: bool = False) -> list:
+        """Revoke a key or an OAuth grant, the share links it made and the pairings it made
+        that wait to be claimed; with cascade also the grants it made (devices, keys, OAuth
+        grants, and theirs in turn). Return the ids revoked, grant_id first ([]: unknown)."""
+
+        def change(data: dict) -> list:
             grants = data.get("grants", [])
-            kept = [g for g in grants if g["id"] != grant_id]
-            if len(kept) == len(grants):
-                return False
-            data["grants"] = kept
-            data["shares"] = [s for s in data.get("shares", []) if s.get("grantId") != grant_id]
-            return True
+            if not any(g["id"] == grant_id for g in grants):
+                return []
+            gone = [grant_id, *(self._made_by(grants, grant_id) if cascade else [])]
+            data["grants"] = [g for g in grants if g["id"] not in gone]
+            data["shares"] = [s for s in data.get("shares", []) if s.get("grantId") not in gone]
+            pairings = data.get("pairings", [])
+            data["pairings"] = [p for p in pairings if p.get("createdBy") not in gone]
+            if len(data["pairings"]) < len(pairings):
+                log.info(
+                    "%d pairing(s) made by %s ended",
+                    len(pairings) - len(data["pairings"]),
+                    grant_id,
+                )
+            return gone
 
         if not any(g["id"] == grant_id for g in self.state.read().get("grants", [])):
-            return False
-        found = self.state.update(change)
-        self._used.pop(grant_id, None)
-        if found:
-            log.info("grant %s revoked", grant_id)
-        return found
+            return []
+        gone = self.state.update(change)
+        with self._lock:  # codes they approved are redeemed for nothing
+            for h in [h for h, c in self.codes.items() if c.get("createdBy") in gone]:
+                del self.codes[h]
+        for g in gone:
+            self._used.pop(g, None)
+            log.info("grant %s revoked", g)
+        return gone
 
     def counts(self) -> dict:
         """Return how many grants there are of each kind, and registered OAuth clients."""
@@ -9518,6 +9569,7 @@ class GrantStore:
             "lastUsedAt": None,
             "client": entry["client"],
             "resource": entry["resource"],
+            "createdBy": entry.get("createdBy"),
             "usedRefresh": [],
         }
         answer = self._tokens(grant, now)
@@ -19994,27 +20046,74 @@ function shownOnce(label, value, id) {
 
 const SCOPE_TEXT = {admin: "everything", write: "read and write", read: "read only"};
 
-function grantRow(g, list) {
+// Who made a grant or a share link (its createdBy): the owner, the command line on the
+// server, or a grant (an admin device) by id, named when it is still listed. Null (made
+// before this was recorded) says nothing.
+function madeByText(by, names) {
+  if (!by) return "";
+  if (by === "owner") return "made by you";
+  if (by === "cli") return "made on the server";
+  return names.has(by) ? "made by “" + names.get(by) + "”" : "made by a revoked device";
+}
+
+// The grants g made, and those they made in turn (what a cascade revoke takes with it).
+function madeBy(id, grants) {
+  const found = new Set([id]);
+  const made = [];
+  for (let more = true; more; ) {
+    more = false;
+    for (const g of grants) {
+      if (g.createdBy && found.has(g.createdBy) && !found.has(g.id)) {
+        found.add(g.id);
+        made.push(g);
+        more = true;
+      }
+    }
+  }
+  return made;
+}
+
+function grantRow(g, list, grants, names) {
+  const made = madeBy(g.id, grants);
   const what = [
     SCOPE_TEXT[g.scope] || g.scope,
     g.folder ? "only " + g.folder : "all notes",
     g.expiresAt ? "expires " + when(g.expiresAt) : "never expires",
     g.lastUsedAt ? "used " + ago(g.lastUsedAt) : "never used",
-  ];
+    madeByText(g.createdBy, names),
+    made.length ? "made " + made.length + " listed here" : "",
+  ].filter(Boolean);
   const revoke = act(async () => {
-    const sure = await choose(
-      "Revoke “" + g.name + "”?",
+    const text = [
       g.kind === "oauth"
         ? "This app is disconnected at once; it must ask you again to come back."
         : g.kind === "device"
-          ? "This device is signed out at once, and the share links it made end."
+          ? "This device is signed out at once, and the share links and unused pairing " +
+            "codes it made end."
           : "This key stops working at once, and the share links it made end.",
-      [
-        ["cancel", "Cancel"],
-        ["revoke", "Revoke", "danger"],
-      ],
-    );
+    ];
+    const buttons = [
+      ["cancel", "Cancel"],
+      ["revoke", "Revoke", made.length ? null : "danger"],
+    ];
+    if (made.length) {
+      text.push(
+        el(
+          "p",
+          {id: "revoke-made"},
+          "It made " +
+            made.length +
+            (made.length === 1 ? " key, device or app" : " keys, devices or apps") +
+            " that keep working unless you revoke them too: " +
+            made.map((m) => "“" + m.name + "”").join(", ") +
+            ".",
+        ),
+      );
+      buttons.push(["cascade", "Also revoke the " + made.length + " it made", "danger"]);
+    }
+    const sure = await choose("Revoke “" + g.name + "”?", text, buttons);
     if (sure === "revoke") await api("DELETE", "/auth/keys/" + enc(g.id));
+    if (sure === "cascade") await api("DELETE", "/auth/keys/" + enc(g.id) + "?cascade=true");
     await showKeys();
   });
   list.append(
@@ -20041,8 +20140,10 @@ async function showKeys(made) {
   const keys = el("ul", {class: "list", id: "keys-list"});
   const apps = el("ul", {class: "list", id: "connections-list"});
   const devices = el("ul", {class: "list", id: "devices-list"});
+  const names = new Map(data.keys.map((g) => [g.id, g.name]));
   for (const g of data.keys) {
-    grantRow(g, g.kind === "oauth" ? apps : g.kind === "device" ? devices : keys);
+    const list = g.kind === "oauth" ? apps : g.kind === "device" ? devices : keys;
+    grantRow(g, list, data.keys, names);
   }
   if (!keys.children.length) keys.append(el("li", {class: "muted"}, "No scoped keys yet."));
   if (!devices.children.length) devices.append(el("li", {class: "muted"}, "No device yet."));
@@ -20050,7 +20151,7 @@ async function showKeys(made) {
     apps.append(el("li", {class: "muted"}, "No app is connected (Claude, ChatGPT…)."));
   }
   const links = el("ul", {class: "list", id: "shares-list"});
-  for (const s of shares.data.shares) links.append(shareRow(s, showKeys));
+  for (const s of shares.data.shares) links.append(shareRow(s, showKeys, names));
   if (!links.children.length) links.append(el("li", {class: "muted"}, "No share links."));
   const name = el("input", {type: "text", id: "key-name", placeholder: "family tablet"});
   const scope = el(
@@ -20124,7 +20225,7 @@ async function showKeys(made) {
   await dialog("Keys and devices", body, [["cancel", "Close"]]);
 }
 
-function shareRow(s, after) {
+function shareRow(s, after, names) {
   const revoke = act(async () => {
     await api("DELETE", "/shares/" + enc(s.id));
     toast("The link no longer opens " + nameOf(s.path));
@@ -20137,7 +20238,12 @@ function shareRow(s, after) {
       "span",
       {},
       nameOf(s.path),
-      el("small", {class: "muted"}, " · expires " + when(s.expiresAt)),
+      el(
+        "small",
+        {class: "muted"},
+        " · expires " + when(s.expiresAt),
+        names && s.createdBy ? " · " + madeByText(s.createdBy, names) : "",
+      ),
     ),
     el(
       "span",
@@ -24935,7 +25041,11 @@ def create_scoped_key(svc: Service) -> dict:
         raise bad_request("'scope' must be read or write (the API key itself holds admin)")
     folder = _grant_folder(body)
     record, key = svc.grants.create_key(
-        name, scope, folder, _days(body, "expiresInDays", 3650, None)
+        name,
+        scope,
+        folder,
+        _days(body, "expiresInDays", 3650, None),
+        created_by=made_by(request_principal()),
     )
     return {**record, "key": key}
 
@@ -24972,15 +25082,23 @@ def pairing_origin(config: Config, state: dict, environ: dict | None) -> str:
 
 
 def new_pairing(
-    config: Config, grants: GrantStore, name: str, scope: str, folder: str | None, environ
+    config: Config,
+    grants: GrantStore,
+    name: str,
+    scope: str,
+    folder: str | None,
+    environ,
+    created_by: str,
 ) -> dict:
-    """Make a pairing; return {id, name, scope, folder, createdAt, expiresAt, secret,
-    url[, qrSvg]}: the secret travels only in the link's fragment."""
+    """Make a pairing; return {id, name, scope, folder, createdAt, expiresAt, createdBy,
+    secret, url[, qrSvg]}: the secret travels only in the link's fragment."""
     if scope not in SCOPES:
         raise bad_request("'scope' must be read, write or admin")
     if scope == "admin" and folder:
         raise bad_request("an admin device sees every note: leave out 'folder', or choose write")
-    record, secret = grants.create_pairing(name, scope, folder, config.pairing_ttl)
+    record, secret = grants.create_pairing(
+        name, scope, folder, config.pairing_ttl, created_by=created_by
+    )
     url = f"{pairing_origin(config, grants.state.read(), environ)}/#pair={secret}"
     answer = {**record, "secret": secret, "url": url}
     svg = qr_svg(url)
@@ -24994,7 +25112,9 @@ def create_pairing(svc: Service) -> dict:
     name = _clean_name(field(body, "name", required=False, max_len=100), "device")
     scope = field(body, "scope", required=False) or "write"
     folder = _grant_folder(body)
-    return new_pairing(svc.config, svc.grants, name, scope, folder, bottle.request.environ)
+    env = bottle.request.environ
+    made = made_by(request_principal())
+    return new_pairing(svc.config, svc.grants, name, scope, folder, env, made)
 
 
 def claim_device(svc: Service) -> dict:
@@ -25026,9 +25146,14 @@ def claim_device(svc: Service) -> dict:
 
 
 def revoke_scoped_key(svc: Service, grant_id: str) -> dict:
-    if not svc.grants.revoke(grant_id):
+    """DELETE /auth/keys/<id>[?cascade=true]: the grant, its share links and the pairings it
+    made that wait; with cascade also every grant it made (by `createdBy`, and theirs)."""
+    cascade = _yes(bottle.request.query.get("cascade"), "cascade")
+    gone = svc.grants.revoke(grant_id, cascade=cascade)
+    if not gone:
         raise not_found(f"no key or OAuth grant {grant_id}")
-    return {"id": grant_id, "revoked": True}
+    answer = {"id": grant_id, "revoked": True}
+    return {**answer, "alsoRevoked": gone[1:]} if cascade else answer
 
 
 def share_url(svc: Service, environ: dict, token: str) -> str:
@@ -25416,7 +25541,13 @@ def approve_oauth(svc: Service) -> dict:
     issuers = oauth_issuers(svc, env)
     if resource not in issuers:
         raise bad_request(f"'resource' must be this server's MCP URL, {mcp_resource(svc, env)}")
-    grant = {"challenge": challenge, "scope": wanted, "folder": folder, "resource": resource}
+    grant = {
+        "challenge": challenge,
+        "scope": wanted,
+        "folder": folder,
+        "resource": resource,
+        "createdBy": made_by(request_principal()),  # the owner, or the admin device
+    }
     redirect = svc.grants.approve(client, redirect_uri, grant, state, issuers[resource])
     log.info("OAuth request of %s approved (%s)", log_safe(client["name"], 100), wanted)
     return {"redirect": redirect}
@@ -27572,7 +27703,9 @@ ROUTES = (
         "DELETE",
         "/auth/keys/<grant_id>",
         revoke_scoped_key,
-        summary="Revoke a scoped key or an OAuth grant, at once",
+        summary="Revoke a scoped key, a device or an OAuth grant, at once (with the pairings "
+        "it made; cascade=true: also the grants it made)",
+        params={"cascade": {"type": "boolean"}},
         tag="grants",
         scope="admin",
     ),
@@ -28879,7 +29012,7 @@ def cmd_pair(config: Config, args: argparse.Namespace) -> int:
     raw = (args.folder or "").strip().strip("/")
     try:
         folder = folder_path(raw if raw.startswith(NOTES) else f"{NOTES}/{raw}") if raw else None
-        made = new_pairing(config, GrantStore(store), name, args.scope, folder, None)
+        made = new_pairing(config, GrantStore(store), name, args.scope, folder, None, MADE_BY_CLI)
     except PermissionError:
         raise ConfigError(store.permission_hint) from None
     except ApiError as e:
@@ -29034,7 +29167,9 @@ def _import_through_server(
     port = int(record.get("port") or served.port)
     grants = GrantStore(_owned_state(config, "import"))
     try:
-        made, key = grants.create_key("import (command line)", "write", None, 1 / 24)
+        made, key = grants.create_key(
+            "import (command line)", "write", None, 1 / 24, created_by=MADE_BY_CLI
+        )
     except PermissionError:
         raise ConfigError(grants.state.permission_hint) from None
     tick = Progress()

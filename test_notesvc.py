@@ -6098,6 +6098,7 @@ class TestScopedKeys:
             "key",
             "kind",
             "lastUsedAt",
+            "createdBy",
         }
         assert (rec["scope"], rec["folder"], rec["kind"]) == ("write", "notes/family", "key")
         days = (notesvc._epoch(rec["expiresAt"]) - notesvc._epoch(rec["createdAt"])) / 86400
@@ -6393,6 +6394,126 @@ class TestDevices:
         assert [s["id"] for s in data(device.get(f"{API}/shares"))["shares"]] == [shared["id"]]
         for url in (f"{API}/auth/rotate", f"{API}/auth/token"):
             assert_error(device.post(url, status=403), 403, "FORBIDDEN")
+
+    # -- who made what (createdBy), and what a revoked device leaves (issue 40, S7) ----
+
+    def admin_device(self, client, anon, name: str = "Admin phone") -> tuple:
+        """Return (the device's id, a client with its key) of an admin device."""
+        got = claim(anon, pair(client, scope="admin")["secret"], name=name)
+        return got["deviceId"], with_key(anon, got["key"])
+
+    def test_each_grant_records_who_made_it(self, client, anon):
+        by_owner = new_grant(client, "write")
+        assert by_owner["createdBy"] == "owner"
+        made = pair(client, scope="admin")
+        assert made["createdBy"] == "owner"
+        got = claim(anon, made["secret"], name="Admin phone")
+        dev_id, device = got["deviceId"], with_key(anon, got["key"])
+        assert got["device"]["createdBy"] == "owner"  # the owner's pairing: the owner's device
+        by_device = new_grant(device, "read")
+        assert by_device["createdBy"] == dev_id
+        its_pairing = pair(device, scope="read", name="Tablet")
+        assert its_pairing["createdBy"] == dev_id
+        tablet = claim(anon, its_pairing["secret"], name="Tablet")["deviceId"]
+        _, owners_app = tokens_for(client, anon)
+        _, devices_app = tokens_for(device, anon)
+        put_note(client, "notes/s.md")
+        shared = data(device.post_json(f"{API}/shares", {"path": "notes/s.md"}, status=201))
+        assert shared["createdBy"] == dev_id
+        keys = {k["id"]: k for k in data(client.get(f"{API}/auth/keys"))["keys"]}
+        assert keys[by_owner["id"]]["createdBy"] == "owner"
+        assert keys[dev_id]["createdBy"] == "owner"
+        assert keys[by_device["id"]]["createdBy"] == dev_id
+        assert keys[tablet]["createdBy"] == dev_id
+        oauth = {k["createdBy"] for k in keys.values() if k["kind"] == "oauth"}
+        assert oauth == {"owner", dev_id}
+        # never a secret in the listing
+        text = json.dumps(data(client.get(f"{API}/auth/keys")))
+        for secret in (by_owner["key"], by_device["key"], got["key"], its_pairing["secret"]):
+            assert secret not in text
+        for answer in (owners_app, devices_app):
+            assert answer["access_token"] not in text
+            assert answer["refresh_token"] not in text
+        assert "Hash" not in text
+
+    def test_old_records_without_a_maker_read_as_unknown(self, client, anon):
+        key = new_grant(client, "read")
+        made = pair(client, scope="write")
+
+        def forget(st: dict) -> None:
+            for item in [*st["grants"], *st["pairings"]]:
+                item.pop("createdBy", None)
+
+        client.app.service.state.update(forget)
+        got = claim(anon, made["secret"])  # an old pairing is still good
+        keys = {k["id"]: k for k in data(client.get(f"{API}/auth/keys"))["keys"]}
+        assert keys[key["id"]]["createdBy"] is None
+        assert keys[got["deviceId"]]["createdBy"] is None
+        revoked = data(client.delete(f"{API}/auth/keys/{key['id']}?cascade=true"))
+        assert revoked == {"id": key["id"], "revoked": True, "alsoRevoked": []}
+
+    def test_a_pairing_made_by_a_revoked_device_can_no_longer_be_claimed(self, client, anon):
+        dev_id, device = self.admin_device(client, anon)
+        waiting = pair(device, scope="admin", name="Thief's laptop")
+        owners = pair(client, scope="read")
+        revoked = data(client.delete(f"{API}/auth/keys/{dev_id}"))
+        assert revoked == {"id": dev_id, "revoked": True}
+        assert_error(claim(anon, waiting["secret"], status=404), 404, "NOT_FOUND")
+        assert not any(
+            p.get("createdBy") == dev_id
+            for p in client.app.service.state.read().get("pairings", [])
+        )
+        claim(anon, owners["secret"])  # the owner's pairings wait on
+
+    def test_a_pairing_whose_maker_is_gone_is_refused_at_claim(self, client, anon):
+        # whatever way the maker went (revoked, expired), its pairing is used up
+        grants = client.app.service.grants
+        _, secret = grants.create_pairing("x", "admin", None, 600, created_by="dv_0123456789ab")
+        assert_error(claim(anon, secret, status=404), 404, "NOT_FOUND")
+        assert client.app.service.state.read()["pairings"] == []
+
+    def test_cascade_revokes_what_the_device_made_and_only_that(self, client, anon):
+        mine = new_grant(client, "write")
+        dev_id, device = self.admin_device(client, anon)
+        other_id, other = self.admin_device(client, anon, "Other phone")
+        its_key = new_grant(device, "write")
+        its_phone = claim(anon, pair(device, scope="write")["secret"], name="Kid's phone")
+        sub = claim(anon, pair(device, scope="admin")["secret"], name="Second admin")
+        subs_key = new_grant(with_key(anon, sub["key"]), "read")  # made by what it made
+        _, app_tokens = tokens_for(device, anon)
+        others_key = new_grant(other, "read")
+        waiting = pair(device, scope="read")
+        put_note(client, "notes/s.md")
+        link = data(device.post_json(f"{API}/shares", {"path": "notes/s.md"}, status=201))
+        # plain revoke of the other device: what it made stays, shown as made by it
+        assert data(client.delete(f"{API}/auth/keys/{other_id}")) == {
+            "id": other_id,
+            "revoked": True,
+        }
+        with_key(anon, others_key["key"]).get(f"{API}/notes")
+        keys = {k["id"]: k for k in data(client.get(f"{API}/auth/keys"))["keys"]}
+        assert keys[others_key["id"]]["createdBy"] == other_id
+        # cascade: the device and everything it made, and what that made in turn
+        revoked = data(client.delete(f"{API}/auth/keys/{dev_id}?cascade=true"))
+        oauth = [k["id"] for k in keys.values() if k["kind"] == "oauth"]
+        made = {its_key["id"], its_phone["deviceId"], sub["deviceId"], subs_key["id"], *oauth}
+        assert revoked["id"] == dev_id
+        assert set(revoked["alsoRevoked"]) == made
+        left = {k["id"] for k in data(client.get(f"{API}/auth/keys"))["keys"]}
+        assert left == {mine["id"], others_key["id"]}
+        for key in (its_key["key"], its_phone["key"], sub["key"], subs_key["key"]):
+            assert_error(with_key(anon, key).get(f"{API}/notes", status=401), 401, "UNAUTHORIZED")
+        bearer = {"Authorization": f"Bearer {app_tokens['access_token']}"}
+        anon.post(f"{API}/mcp", "{}", headers=bearer, status=401)
+        assert_error(claim(anon, waiting["secret"], status=404), 404, "NOT_FOUND")
+        anon.get(f"{API}/shared/{link['url'].rsplit('/', 1)[1]}", status=404)
+        for key in (mine["key"], others_key["key"]):  # what others made works on
+            with_key(anon, key).get(f"{API}/notes")
+        assert_error(
+            client.delete(f"{API}/auth/keys/{mine['id']}?cascade=maybe", status=400),
+            400,
+            "VALIDATION_ERROR",
+        )
 
     @pytest.mark.parametrize(
         ("body", "status"),
@@ -7482,6 +7603,7 @@ class TestOAuth:
                 "createdAt": grants[0]["createdAt"],
                 "expiresAt": grants[0]["expiresAt"],
                 "lastUsedAt": None,
+                "createdBy": "owner",
                 "client": {"id": cid, "name": "Pocket assistant"},
             }
         ]
@@ -13572,6 +13694,54 @@ class TestWebClientGrants:
         expect(page.locator("#connections-list")).to_contain_text("No app is connected")
         assert unexpected(s.close()) == []
 
+    def test_a_device_shows_what_it_made_and_one_tap_revokes_it_all(self, web):
+        server, owner = web.server, owner_headers(web.setup)
+
+        def post(path: str, body: dict, headers: dict | None = None) -> dict:
+            status, _, answer = server.request("POST", f"{API}{path}", body, headers)
+            assert status == 201, answer
+            return answer["data"]
+
+        def joined(made_by: dict, name: str, scope: str) -> dict:
+            made = post("/auth/devices/pairings", {"scope": scope}, made_by)
+            return post("/auth/devices/claim", {"secret": made["secret"], "deviceName": name})
+
+        s = web("desktop")
+        page = s.page
+        own = post("/auth/keys", {"name": "own key", "scope": "read"}, owner)
+        laptop = joined(owner, "Ada's laptop", "admin")
+        as_laptop = {"X-Service-Key": laptop["key"]}
+        garden = post("/auth/keys", {"name": "garden key", "scope": "write"}, as_laptop)
+        kid = joined(as_laptop, "Kid's phone", "read")
+        page.click("#menu summary")
+        page.click("#menu-keys")
+        expect(page.locator("#keys-list li", has_text="own key")).to_contain_text("made by you")
+        expect(page.locator("#keys-list li", has_text="garden key")).to_contain_text(
+            "made by “Ada's laptop”"
+        )
+        devices = page.locator("#devices-list")
+        expect(devices.locator("li", has_text="Kid's phone")).to_contain_text(
+            "made by “Ada's laptop”"
+        )
+        row = devices.locator("li", has_text="Ada's laptop · ")
+        expect(row).to_contain_text("made 2")
+        row.scroll_into_view_if_needed()
+        s.shot("keys-made-by")
+        row.locator("button", has_text="Revoke").click()
+        expect(page.locator("#revoke-made")).to_contain_text("It made 2 keys, devices or apps")
+        expect(page.locator("#revoke-made")).to_contain_text("“garden key”, “Kid's phone”")
+        s.shot("revoke-made")
+        s.dialog_choose("cascade")
+        expect(page.locator("#dlg-title")).to_have_text("Keys and devices")
+        expect(page.locator("#devices-list")).not_to_contain_text("Ada's laptop")
+        expect(page.locator("#devices-list")).not_to_contain_text("Kid's phone")
+        expect(page.locator("#keys-list")).not_to_contain_text("garden key")
+        expect(page.locator("#keys-list")).to_contain_text("own key")
+        for key, status in ((laptop, 401), (garden, 401), (kid, 401), (own, 200)):
+            headers = {"X-Service-Key": key["key"]}
+            assert server.request("GET", f"{API}/notes", headers=headers)[0] == status
+        assert unexpected(s.close()) == []
+
     def test_share_a_note_and_open_the_link_in_a_fresh_browser(self, web, browser):
         s = web("phone")
         page = s.page
@@ -17161,6 +17331,45 @@ class TestCli:
         assert nothing.returncode == 2
         assert "no notesvc state" in nothing.stderr
         assert not (tmp_path / "none").exists()
+
+    def test_a_pairing_made_by_a_revoked_admin_device_cannot_be_claimed(self, tmp_path):
+        claim_url, pairings = f"{API}/auth/devices/claim", f"{API}/auth/devices/pairings"
+        with running(tmp_path) as server:
+            owner = owner_headers(server.request("GET", f"{API}/system/setup")[2]["data"])
+            done = run_cli("pair", "--root", str(tmp_path), "--scope", "admin", "--name", "Laptop")
+            assert done.returncode == 0, done.stderr
+            secret = re.search(r"#pair=([a-z2-7]{26})\n", done.stdout).group(1)
+            status, _, body = server.request("POST", claim_url, {"secret": secret})
+            assert status == 201
+            laptop = body["data"]
+            assert laptop["device"]["createdBy"] == "cli"  # made by `notesvc.py pair`
+            as_laptop = {"X-Service-Key": laptop["key"]}
+            status, _, body = server.request("POST", pairings, {"scope": "write"}, as_laptop)
+            assert status == 201
+            assert body["data"]["createdBy"] == laptop["deviceId"]
+            status, _, body = server.request(
+                "POST", claim_url, {"secret": body["data"]["secret"], "deviceName": "Kid"}
+            )
+            assert status == 201
+            kid = body["data"]  # claimed before the revocation: it stays, shown as the laptop's
+            status, _, body = server.request("POST", pairings, {"scope": "admin"}, as_laptop)
+            waiting = body["data"]["secret"]
+            status, _, body = server.request(
+                "DELETE", f"{API}/auth/keys/{laptop['deviceId']}", headers=owner
+            )
+            assert (status, body["data"]) == (200, {"id": laptop["deviceId"], "revoked": True})
+            status, _, body = server.request("POST", claim_url, {"secret": waiting})
+            assert status == 404
+            assert body["error"]["code"] == "NOT_FOUND"
+            keys = server.request("GET", f"{API}/auth/keys", headers=owner)[2]["data"]["keys"]
+            assert [(k["id"], k["createdBy"]) for k in keys] == [
+                (kid["deviceId"], laptop["deviceId"])
+            ]
+            status, _, _ = server.request(
+                "GET", f"{API}/notes", headers={"X-Service-Key": kid["key"]}
+            )
+            assert status == 200
+            assert waiting not in "".join(server.lines)
 
     @pytest.mark.parametrize(
         ("args", "env", "names"),

@@ -75,27 +75,74 @@ function shownOnce(label, value, id) {
 
 const SCOPE_TEXT = {admin: "everything", write: "read and write", read: "read only"};
 
-function grantRow(g, list) {
+// Who made a grant or a share link (its createdBy): the owner, the command line on the
+// server, or a grant (an admin device) by id, named when it is still listed. Null (made
+// before this was recorded) says nothing.
+function madeByText(by, names) {
+  if (!by) return "";
+  if (by === "owner") return "made by you";
+  if (by === "cli") return "made on the server";
+  return names.has(by) ? "made by “" + names.get(by) + "”" : "made by a revoked device";
+}
+
+// The grants g made, and those they made in turn (what a cascade revoke takes with it).
+function madeBy(id, grants) {
+  const found = new Set([id]);
+  const made = [];
+  for (let more = true; more; ) {
+    more = false;
+    for (const g of grants) {
+      if (g.createdBy && found.has(g.createdBy) && !found.has(g.id)) {
+        found.add(g.id);
+        made.push(g);
+        more = true;
+      }
+    }
+  }
+  return made;
+}
+
+function grantRow(g, list, grants, names) {
+  const made = madeBy(g.id, grants);
   const what = [
     SCOPE_TEXT[g.scope] || g.scope,
     g.folder ? "only " + g.folder : "all notes",
     g.expiresAt ? "expires " + when(g.expiresAt) : "never expires",
     g.lastUsedAt ? "used " + ago(g.lastUsedAt) : "never used",
-  ];
+    madeByText(g.createdBy, names),
+    made.length ? "made " + made.length + " listed here" : "",
+  ].filter(Boolean);
   const revoke = act(async () => {
-    const sure = await choose(
-      "Revoke “" + g.name + "”?",
+    const text = [
       g.kind === "oauth"
         ? "This app is disconnected at once; it must ask you again to come back."
         : g.kind === "device"
-          ? "This device is signed out at once, and the share links it made end."
+          ? "This device is signed out at once, and the share links and unused pairing " +
+            "codes it made end."
           : "This key stops working at once, and the share links it made end.",
-      [
-        ["cancel", "Cancel"],
-        ["revoke", "Revoke", "danger"],
-      ],
-    );
+    ];
+    const buttons = [
+      ["cancel", "Cancel"],
+      ["revoke", "Revoke", made.length ? null : "danger"],
+    ];
+    if (made.length) {
+      text.push(
+        el(
+          "p",
+          {id: "revoke-made"},
+          "It made " +
+            made.length +
+            (made.length === 1 ? " key, device or app" : " keys, devices or apps") +
+            " that keep working unless you revoke them too: " +
+            made.map((m) => "“" + m.name + "”").join(", ") +
+            ".",
+        ),
+      );
+      buttons.push(["cascade", "Also revoke the " + made.length + " it made", "danger"]);
+    }
+    const sure = await choose("Revoke “" + g.name + "”?", text, buttons);
     if (sure === "revoke") await api("DELETE", "/auth/keys/" + enc(g.id));
+    if (sure === "cascade") await api("DELETE", "/auth/keys/" + enc(g.id) + "?cascade=true");
     await showKeys();
   });
   list.append(
@@ -122,8 +169,10 @@ async function showKeys(made) {
   const keys = el("ul", {class: "list", id: "keys-list"});
   const apps = el("ul", {class: "list", id: "connections-list"});
   const devices = el("ul", {class: "list", id: "devices-list"});
+  const names = new Map(data.keys.map((g) => [g.id, g.name]));
   for (const g of data.keys) {
-    grantRow(g, g.kind === "oauth" ? apps : g.kind === "device" ? devices : keys);
+    const list = g.kind === "oauth" ? apps : g.kind === "device" ? devices : keys;
+    grantRow(g, list, data.keys, names);
   }
   if (!keys.children.length) keys.append(el("li", {class: "muted"}, "No scoped keys yet."));
   if (!devices.children.length) devices.append(el("li", {class: "muted"}, "No device yet."));
@@ -131,7 +180,7 @@ async function showKeys(made) {
     apps.append(el("li", {class: "muted"}, "No app is connected (Claude, ChatGPT…)."));
   }
   const links = el("ul", {class: "list", id: "shares-list"});
-  for (const s of shares.data.shares) links.append(shareRow(s, showKeys));
+  for (const s of shares.data.shares) links.append(shareRow(s, showKeys, names));
   if (!links.children.length) links.append(el("li", {class: "muted"}, "No share links."));
   const name = el("input", {type: "text", id: "key-name", placeholder: "family tablet"});
   const scope = el(
@@ -205,7 +254,7 @@ async function showKeys(made) {
   await dialog("Keys and devices", body, [["cancel", "Close"]]);
 }
 
-function shareRow(s, after) {
+function shareRow(s, after, names) {
   const revoke = act(async () => {
     await api("DELETE", "/shares/" + enc(s.id));
     toast("The link no longer opens " + nameOf(s.path));
@@ -218,7 +267,12 @@ function shareRow(s, after) {
       "span",
       {},
       nameOf(s.path),
-      el("small", {class: "muted"}, " · expires " + when(s.expiresAt)),
+      el(
+        "small",
+        {class: "muted"},
+        " · expires " + when(s.expiresAt),
+        names && s.createdBy ? " · " + madeByText(s.createdBy, names) : "",
+      ),
     ),
     el(
       "span",
