@@ -74,6 +74,7 @@ def make_env(root: Path, **env: str) -> dict:
         "SERVICE_RESCAN_SECONDS": "0",
         "SERVICE_TELEGRAM_API_BASE": NOWHERE,
         "SERVICE_WHATSAPP_API_BASE": NOWHERE,
+        "SERVICE_IMPORT_MIN_FREE_BYTES": "0",  # imports need no margin on a test's disk
     }
     base.update(env)
     return base
@@ -18853,9 +18854,10 @@ class TestImport:
         mib, gib = 1 << 20, 1 << 30
         disk = [usage(100 * gib, 100 * gib - 150 * mib, 150 * mib)]
         monkeypatch.setattr(shutil, "disk_usage", lambda path: disk[0])
-        client = with_key(make_app())
+        assert notesvc.load_config(env={}).import_min_free_bytes == 200 * mib
+        client = with_key(make_app(SERVICE_IMPORT_MIN_FREE_BYTES=str(200 * mib)))
         body = zip_of({"a.md": "a\n"})
-        for dry in (True, False):  # 150 MiB free: under the default 200 MiB
+        for dry in (True, False):  # 150 MiB free: under 200 MiB (and 5 % of 100 GiB)
             resp = import_file(client, body, "a.zip", status=507, dryRun=dry)
             err = resp["error"]
             assert err["code"] == "INSUFFICIENT_STORAGE"
@@ -19022,6 +19024,69 @@ class TestImportCommand:
             names = zipfile.ZipFile(export).namelist()
             assert "notes/keep/Groceries.md" in names
             assert "notesvc-export.json" in names
+
+    def test_a_folder_key_cannot_blow_up_an_import_on_a_real_server(self, tmp_path):
+        root = tmp_path / "root"
+        body = ("a note of ordinary length\n" * 80).encode()
+        one = {"name": "a.md", "data": body, "crc": zlib.crc32(body), "size": len(body)}
+        shared = raw_zip([one] + [{"name": "a.md", "at": 0}] * 199)  # as the attack sent it
+        mismatched = raw_zip([{**one, "local_name": "b.md"}])  # S4
+        with running(root, env={"SERVICE_IMPORT_MIN_FREE_BYTES": "0"}) as server:
+            key = json.loads((root / ".notesvc/state.json").read_text())["apiKey"]
+            owner = {"X-Service-Key": key}
+            grant = {"name": "family", "scope": "write", "folder": "notes/family"}
+            status, _, made = server.request("POST", f"{API}/auth/keys", grant, owner)
+            assert status == 201
+
+            def upload(zipped: bytes, dry: bool) -> tuple:
+                req = urllib.request.Request(
+                    f"{server.url}{API}/import?dryRun={str(dry).lower()}",
+                    zipped,
+                    {"Content-Type": "application/zip", "X-Service-Key": made["data"]["key"]},
+                    method="POST",
+                )
+                try:
+                    with urllib.request.urlopen(req, timeout=30) as resp:
+                        return resp.status, json.loads(resp.read())
+                except urllib.error.HTTPError as e:
+                    return e.code, json.loads(e.read())
+
+            for dry in (True, False):
+                status, answer = upload(shared, dry)
+                assert status == 413, answer
+                assert "share their bytes" in answer["error"]["message"]
+                status, answer = upload(letters_zip(300, 900 << 10), dry)
+                assert status == 413, answer
+                assert "more than 100 times its" in answer["error"]["message"]
+                status, answer = upload(mismatched, dry)
+                assert status == 400, answer
+                assert answer["error"]["code"] == "VALIDATION_ERROR"
+                assert "not a readable zip" in answer["error"]["message"]
+            status, _, changes = server.request("GET", f"{API}/changes?since=0", None, owner)
+            assert status == 200
+            assert changes["data"]["changes"] == []
+            assert all_files(root) == {}
+            assert "Traceback" not in "".join(server.lines)
+
+    def test_a_folder_larger_than_the_free_space_is_refused_before_anything_is_written(
+        self, tmp_path
+    ):
+        vault = tmp_path / "vault"
+        vault.mkdir()
+        (vault / "a.md").write_text("# A\n")
+        free = shutil.disk_usage(tmp_path).free
+        # a file declaring more than the disk holds (never copied: .bin is not imported, so
+        # that a regression cannot fill the disk; the declared sizes count all the same)
+        with open(vault / "sparse.bin", "wb") as f:
+            f.truncate(free + (1 << 30))
+        root = tmp_path / "root"
+        env = {"SERVICE_MAX_IMPORT_EXPANDED_BYTES": str(1 << 44)}
+        for dry in ((), ("--dry-run",)):
+            out = run_cli("import", str(vault), "--root", str(root), *dry, env=env)
+            assert out.returncode == 2, out.stderr
+            assert "SERVICE_IMPORT_MIN_FREE_BYTES" in out.stderr
+            assert "free some space first" in out.stderr
+        assert all_files(root) == {}
 
 
 class TestImportInChromium:
