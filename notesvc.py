@@ -13530,21 +13530,27 @@ class ImportSource:
         """Return the bytes its entries declare, together."""
         return sum(e.size for e in self.entries)
 
-    def verify(self, what: str) -> None:
+    def verify(self, what: str, progress: Callable | None = None) -> None:
         """Read every entry once, to its end, before anything is written: an entry that is
         not readable (S4: a name that differs from its local header, a bad CRC, truncated
         data, an unsupported method, a password) refuses the source with 400, one that gives
-        more than its header declares with 413, in a dry run as in the import."""
+        more than its header declares with 413, in a dry run as in the import. `progress`
+        is called as an ImportPlan's is, with the entries read so far."""
+        import types
+
+        done = types.SimpleNamespace(read=0, created=0, attachments=0)
         for e in self.entries:
             try:
                 with _CountedRead(e, (e.check or e.open)()) as f:
                     while f.read(BODY_CHUNK):
-                        pass
+                        if progress:
+                            progress(done)
             except unreadable_archive_errors() as err:
                 raise import_refused(
                     f"the file is not a readable {what} ({log_safe(e.name, 120)}: "
                     f"{log_safe(str(err), 200) or type(err).__name__})"
                 ) from None
+            done.read += 1
 
     def close(self) -> None:
         if self._closer:
@@ -14876,7 +14882,7 @@ def run_import(
             source = ImportSource.from_zip(file, limit, size or 1)
         try:
             import_room(svc, source.declared())
-            source.verify(form)
+            source.verify(form, progress)
         except ApiError:
             source.close()
             raise
