@@ -13476,7 +13476,7 @@ class ImportEntry:
     size: int  # as its header declares it: never more is read (see ImportSource)
     open: Callable[[], Any]  # -> a binary file object
     mtime: float | None = None
-    check: Callable[[], Any] | None = None  # -> its bytes and one more, if it holds more
+    check: Callable[[], Any] | None = None  # -> its bytes and more, if it holds more (a zip's)
 
 
 class _CountedRead:
