@@ -541,6 +541,14 @@ SETTINGS = (
         _int_range(1024, 1 << 44),
         "the most an imported archive may expand to (bytes)",
     ),
+    Setting(
+        "import_min_free_bytes",
+        "SERVICE_IMPORT_MIN_FREE_BYTES",
+        "",
+        "209715200",
+        _int_range(0, 1 << 62),
+        "free space an import leaves on the notes' disk, at least (or 5 % of it, if less)",
+    ),
     Setting("log_level", "SERVICE_LOG_LEVEL", "--log-level", "info", _log_level, "log level"),
 )
 
@@ -554,7 +562,8 @@ COMMANDS_OF_SETTING = {
     "root": ("serve", "audit", "rotate-key", "pair", "import", "export"),
     "log_level": ("serve", "audit", "rotate-key", "pair", "relay", "import", "export"),
     **dict.fromkeys(
-        ("max_import_bytes", "max_import_expanded_bytes"), (*SERVER_COMMANDS, "import")
+        ("max_import_bytes", "max_import_expanded_bytes", "import_min_free_bytes"),
+        (*SERVER_COMMANDS, "import"),
     ),
     # `pair` names the address a phone opens, as the banner does
     **dict.fromkeys(("host", "port", "public_url"), (*_NETWORK_COMMANDS, "pair")),
@@ -634,6 +643,7 @@ class Config:
     timezone: str
     max_import_bytes: int
     max_import_expanded_bytes: int
+    import_min_free_bytes: int
     log_level: str
 
     @property
@@ -13424,8 +13434,61 @@ _DRIVE_RE = re.compile(r"^[A-Za-z]:")
 
 def import_refused(message: str, status: int = 400) -> ApiError:
     """An archive refused whole, before anything was written."""
-    code = {413: "PAYLOAD_TOO_LARGE", 415: "UNSUPPORTED_MEDIA_TYPE"}.get(status, "VALIDATION_ERROR")
-    return ApiError(status, code, f"nothing was imported: {message}")
+    return ApiError(status, STATUS_CODES[status], f"nothing was imported: {message}")
+
+
+def import_budget(packed: int, limit: int) -> int:
+    """Return the most an upload of `packed` bytes may expand to, all its entries together:
+    100 times its size (a mebibyte at least: smaller cannot harm), never over `limit`
+    (SERVICE_MAX_IMPORT_EXPANDED_BYTES)."""
+    return min(limit, max(BOMB_RATIO * packed, BOMB_MIN_BYTES))
+
+
+def import_too_big(total: int, packed: int, limit: int) -> ApiError:
+    """413 for a source whose entries declare `total` bytes, over import_budget()."""
+    if total > limit:
+        return import_refused(
+            f"the archive expands to more than {limit} bytes (SERVICE_MAX_IMPORT_EXPANDED_BYTES)",
+            413,
+        )
+    return import_refused(
+        f"the archive expands to {total} bytes, more than {BOMB_RATIO} times its "
+        f"{packed} bytes (a zip bomb?)",
+        413,
+    )
+
+
+def unreadable_archive_errors() -> tuple:
+    """What zipfile, tarfile and their decompressors raise on a damaged or hostile archive
+    (a name that differs from its local header, a bad CRC, truncated or undecodable data,
+    an unsupported method, an encrypted entry): each is 400 "not a readable ...", never 500."""
+    import tarfile
+    import zipfile
+
+    errors = [zipfile.BadZipFile, zipfile.LargeZipFile, tarfile.TarError, zlib.error]
+    errors += [EOFError, NotImplementedError, RuntimeError, struct.error, OSError, ValueError]
+    with contextlib.suppress(ImportError):
+        import lzma
+
+        errors.append(lzma.LZMAError)
+    return tuple(errors)
+
+
+def import_room(svc: Any, need: int) -> None:
+    """Refuse (507) an import that would leave the notes' disk with less free than
+    min(5 % of it, SERVICE_IMPORT_MIN_FREE_BYTES) once its `need` bytes are written."""
+    try:
+        disk = shutil.disk_usage(svc.config.root)
+    except OSError:
+        return
+    margin = min(disk.total * 5 // 100, svc.config.import_min_free_bytes)
+    if disk.free - need < margin:
+        raise import_refused(
+            f"it would write up to {need} bytes and leave less than {margin} bytes free on the "
+            f"notes' disk ({disk.free} free now; the margin is 5 % of the disk or "
+            "SERVICE_IMPORT_MIN_FREE_BYTES, whichever is less): free some space first",
+            507,
+        )
 
 
 def import_segment(name: str, fallback: str = "untitled") -> str:
@@ -13462,9 +13525,40 @@ class ImportEntry:
     """One file of an import's source."""
 
     name: str  # its path inside the source, `/`-separated, NFC
-    size: int
+    size: int  # as its header declares it: never more is read (see ImportSource)
     open: Callable[[], Any]  # -> a binary file object
     mtime: float | None = None
+    check: Callable[[], Any] | None = None  # -> its bytes and more, if it holds more (a zip's)
+
+
+class _CountedRead:
+    """An entry's bytes as they are read: one byte past its declared size refuses the
+    import (a header that lies about the size), so no entry gives more than it declared and
+    the whole source no more than the sum checked when it was opened."""
+
+    def __init__(self, entry: ImportEntry, f: Any):
+        self.entry, self.f, self.seen = entry, f, 0
+
+    def read(self, n: int = -1) -> bytes:
+        allowed = self.entry.size + 1 - self.seen
+        data = self.f.read(allowed if n is None or n < 0 else min(n, allowed))
+        self.seen += len(data)
+        if self.seen > self.entry.size:
+            raise import_refused(
+                f"{log_safe(self.entry.name, 120)} holds more than the {self.entry.size} bytes "
+                "its header declares (a zip bomb?)",
+                413,
+            )
+        return data
+
+    def close(self) -> None:
+        self.f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
 
 
 class ImportSource:
@@ -13473,10 +13567,42 @@ class ImportSource:
     anything is read further, let alone written."""
 
     def __init__(self, entries: list, kind_hint: str = "", closer: Callable | None = None):
+        for e in entries:
+            e.open = functools.partial(self._counted, e, e.open)
         self.entries = entries
         self.by_name = {e.name: e for e in entries}
         self.kind_hint = kind_hint
         self._closer = closer
+
+    @staticmethod
+    def _counted(entry: ImportEntry, opener: Callable) -> _CountedRead:
+        return _CountedRead(entry, opener())
+
+    def declared(self) -> int:
+        """Return the bytes its entries declare, together."""
+        return sum(e.size for e in self.entries)
+
+    def verify(self, what: str, progress: Callable | None = None) -> None:
+        """Read every entry once, to its end, before anything is written: an entry that is
+        not readable (S4: a name that differs from its local header, a bad CRC, truncated
+        data, an unsupported method, a password) refuses the source with 400, one that gives
+        more than its header declares with 413, in a dry run as in the import. `progress`
+        is called as an ImportPlan's is, with the entries read so far."""
+        import types
+
+        done = types.SimpleNamespace(read=0, created=0, attachments=0)
+        for e in self.entries:
+            try:
+                with _CountedRead(e, (e.check or e.open)()) as f:
+                    while f.read(BODY_CHUNK):
+                        if progress:
+                            progress(done)
+            except unreadable_archive_errors() as err:
+                raise import_refused(
+                    f"the file is not a readable {what} ({log_safe(e.name, 120)}: "
+                    f"{log_safe(str(err), 200) or type(err).__name__})"
+                ) from None
+            done.read += 1
 
     def close(self) -> None:
         if self._closer:
@@ -13503,13 +13629,18 @@ class ImportSource:
         return "/".join(parts) or None
 
     @classmethod
-    def from_zip(cls, file: Any, expanded_limit: int) -> ImportSource:
+    def from_zip(cls, file: Any, expanded_limit: int, packed: int) -> ImportSource:
+        """Open a zip of `packed` bytes: refused whole when an entry leaves it or is a link,
+        when two entries share bytes (one local file named by many central-directory
+        entries: a zip bomb), when an entry expands more than 100 times, or when all of
+        them together declare more than import_budget()."""
+        import copy
         import zipfile
 
         try:
             zf = zipfile.ZipFile(file)
             infos = zf.infolist()
-        except (zipfile.BadZipFile, OSError, ValueError, EOFError) as e:
+        except unreadable_archive_errors() as e:
             raise import_refused(f"the file is not a readable zip ({e})") from None
         entries, total = [], 0
         for info in infos:
@@ -13519,58 +13650,103 @@ class ImportSource:
                 raise import_refused(
                     f"the archive holds a symbolic link: {log_safe(info.filename, 120)}"
                 )
-            if name is None or info.is_dir():
-                continue
             total += info.file_size
             if total > expanded_limit:
-                raise import_refused(
-                    f"the archive expands to more than {expanded_limit} bytes "
-                    "(SERVICE_MAX_IMPORT_EXPANDED_BYTES)",
-                    413,
-                )
+                raise import_too_big(total, packed, expanded_limit)
             if info.file_size > BOMB_MIN_BYTES and info.file_size > BOMB_RATIO * max(
                 1, info.compress_size
             ):
                 raise import_refused(
-                    f"{log_safe(name, 120)} expands more than {BOMB_RATIO} times (a zip bomb?)",
+                    f"{log_safe(info.filename, 120)} expands more than {BOMB_RATIO} times "
+                    "(a zip bomb?)",
                     413,
                 )
+            if name is None or info.is_dir():
+                continue
             mtime = None
             with contextlib.suppress(ValueError, OverflowError):
                 mtime = time.mktime((*info.date_time, 0, 0, -1))
+            # verify() reads through a copy declaring a mebibyte more, so that zipfile (which
+            # stops at the declared size, then checks the CRC) gives the byte past it: a
+            # size that lies is then seen as what it is
+            wider = copy.copy(info)
+            wider.file_size += BOMB_MIN_BYTES
             entries.append(
-                ImportEntry(name, info.file_size, functools.partial(zf.open, info), mtime)
+                ImportEntry(
+                    name,
+                    info.file_size,
+                    functools.partial(zf.open, info),
+                    mtime,
+                    functools.partial(zf.open, wider),
+                )
             )
+        if total > import_budget(packed, expanded_limit):
+            raise import_too_big(total, packed, expanded_limit)
+        cls._no_shared_bytes(file, infos)
         return cls(entries, closer=zf.close)
+
+    @staticmethod
+    def _no_shared_bytes(file: Any, infos: list) -> None:
+        """Refuse a zip whose entries share bytes: each entry's local header and data,
+        [header_offset, end of its compressed data), read from the local header itself,
+        must overlap no other's."""
+        spans = []
+        for info in infos:
+            file.seek(info.header_offset)
+            head = file.read(30)
+            if len(head) < 30 or head[:4] != b"PK\x03\x04":
+                raise import_refused(
+                    f"the file is not a readable zip ({log_safe(info.filename, 120)} has no "
+                    "local header where its directory entry points)"
+                )
+            name_len, extra_len = struct.unpack("<HH", head[26:30])
+            end = info.header_offset + 30 + name_len + extra_len + info.compress_size
+            spans.append((info.header_offset, end, info.filename))
+        spans.sort()
+        for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+            if start < end:
+                raise import_refused(
+                    f"entries {log_safe(first, 80)} and {log_safe(second, 80)} share their "
+                    "bytes in the archive (a zip bomb?)",
+                    413,
+                )
 
     @classmethod
     def from_tar(cls, file: Any, expanded_limit: int, packed: int) -> ImportSource:
+        """Open a tar (a .jex; compressed ones too) of `packed` bytes, one header at a
+        time: its members' declared sizes (a sparse member's full size) together may not
+        pass import_budget(), checked before the next header is looked for."""
         import tarfile
 
         try:
             tf = tarfile.open(fileobj=file, mode="r:*")  # noqa: SIM115 (closed by close())
-            members = tf.getmembers()
-        except (tarfile.TarError, OSError, EOFError, ValueError) as e:
+        except unreadable_archive_errors() as e:
             raise import_refused(f"the file is not a readable tar ({e})") from None
+        budget = import_budget(packed, expanded_limit)
         entries, total = [], 0
-        for m in members:
-            name = cls.clean_name(m.name)
-            if m.issym() or m.islnk():
-                raise import_refused(f"the archive holds a link: {log_safe(m.name, 120)}")
-            if name is None or m.isdir():
-                continue
-            if not m.isfile():
-                raise import_refused(
-                    f"the archive holds a device or a pipe: {log_safe(m.name, 120)}"
+        try:
+            for m in tf:
+                name = cls.clean_name(m.name)
+                if m.issym() or m.islnk():
+                    raise import_refused(f"the archive holds a link: {log_safe(m.name, 120)}")
+                total += m.size
+                if total > budget:
+                    raise import_too_big(total, packed, expanded_limit)
+                if name is None or m.isdir():
+                    continue
+                if not m.isfile():
+                    raise import_refused(
+                        f"the archive holds a device or a pipe: {log_safe(m.name, 120)}"
+                    )
+                entries.append(
+                    ImportEntry(name, m.size, functools.partial(tf.extractfile, m), m.mtime)
                 )
-            total += m.size
-            if total > expanded_limit or total > BOMB_RATIO * max(packed, BOMB_MIN_BYTES):
-                raise import_refused(
-                    f"the archive expands to more than {min(expanded_limit, total - 1)} bytes "
-                    "(SERVICE_MAX_IMPORT_EXPANDED_BYTES, or 100 times its size)",
-                    413,
-                )
-            entries.append(ImportEntry(name, m.size, functools.partial(tf.extractfile, m), m.mtime))
+        except unreadable_archive_errors() as e:
+            tf.close()
+            raise import_refused(f"the file is not a readable tar ({e})") from None
+        except ApiError:
+            tf.close()
+            raise
         return cls(entries, kind_hint="joplin", closer=tf.close)
 
     @classmethod
@@ -14492,9 +14668,14 @@ def plan_enex(plan: ImportPlan, read: Callable[[int], bytes], name: str) -> None
         return None if plan.dry_run else tempfile.TemporaryFile(dir=spool_dir)
 
     count = [0]
+    limit = plan.svc.config.max_import_expanded_bytes
+    seen = [0, 0]  # bytes read of the .enex, bytes of notes and files it gave
 
     def on_note(note: dict) -> None:
         count[0] += 1
+        seen[1] += len(note["content"]) + sum(r["size"] for r in note["resources"])
+        if seen[1] > import_budget(seen[0], limit):
+            raise import_too_big(seen[1], seen[0], limit)
         title = " ".join(note["title"].split())
         label = f"{name}: {title or 'note ' + str(count[0])}"
         by_hash = {}
@@ -14560,6 +14741,7 @@ def plan_enex(plan: ImportPlan, read: Callable[[int], bytes], name: str) -> None
     reader = EnexReader(on_note, spool)
     with plan.writing():
         while chunk := read(BODY_CHUNK):
+            seen[0] += len(chunk)
             reader.feed(chunk)
         reader.feed(b"", final=True)
 
@@ -14574,6 +14756,12 @@ class _NoClose:
         return self.f
 
     def __exit__(self, *exc) -> None:
+        pass
+
+    def read(self, n: int = -1) -> bytes:
+        return self.f.read(n)
+
+    def close(self) -> None:
         pass
 
 
@@ -14722,26 +14910,34 @@ def run_import(
     progress: Callable | None = None,
 ) -> dict:
     """Import one file (a zip, a tar/.jex, an .enex, a Keep .json or a note); return the
-    report. Refusals (400, 413, 415) come before anything is written."""
+    report. Refusals (400, 413, 415, 507) come before anything is written, in a dry run too:
+    an archive is opened (its entries' declared sizes bounded, together), the disk is asked
+    for room, then every entry is read once (a lying or unreadable one refuses it)."""
     head = file.read(512)
+    size = file.seek(0, io.SEEK_END)
     file.seek(0)
     form = sniff_import(head, filename)
     limit = svc.config.max_import_expanded_bytes
     leaf = import_segment(filename.replace("\\", "/").rsplit("/", 1)[-1] or "import")
     if form == "enex":
+        import_room(svc, size)
         return _import_enex(svc, [(leaf, file.read)], into, dry_run, principal, progress)
     if form in ("keep", "text"):
-        size = file.seek(0, io.SEEK_END)
-        file.seek(0)
         name = leaf if "." in leaf else f"{leaf}.{'json' if form == 'keep' else 'md'}"
         opener = functools.partial(_NoClose, file)
         source = ImportSource([ImportEntry(name, size, opener)], "keep" if form == "keep" else "")
-    elif form == "tar":
-        packed = file.seek(0, io.SEEK_END) or 1
-        file.seek(0)
-        source = ImportSource.from_tar(file, limit, packed)
+        import_room(svc, size)
     else:
-        source = ImportSource.from_zip(file, limit)
+        if form == "tar":
+            source = ImportSource.from_tar(file, limit, size or 1)
+        else:
+            source = ImportSource.from_zip(file, limit, size or 1)
+        try:
+            import_room(svc, source.declared())
+            source.verify(form, progress)
+        except ApiError:
+            source.close()
+            raise
     try:
         return import_source(svc, source, into, dry_run, principal, progress)
     finally:
@@ -14801,13 +14997,14 @@ def import_path(svc: Any, path: Path, into: Any, dry_run: bool, progress=None) -
     if path.is_dir():
         skipped: list = []
         source = ImportSource.from_folder(path, skipped)
-        total = sum(e.size for e in source.entries)
+        total = source.declared()
         if total > svc.config.max_import_expanded_bytes:
             raise import_refused(
                 f"the folder holds more than {svc.config.max_import_expanded_bytes} bytes "
                 "(SERVICE_MAX_IMPORT_EXPANDED_BYTES)",
                 413,
             )
+        import_room(svc, total)
         report = import_source(svc, source, into, dry_run, OWNER, progress)
         report["skipped"] = skipped + report["skipped"]
         return report

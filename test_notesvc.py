@@ -75,6 +75,7 @@ def make_env(root: Path, **env: str) -> dict:
         "SERVICE_RESCAN_SECONDS": "0",
         "SERVICE_TELEGRAM_API_BASE": NOWHERE,
         "SERVICE_WHATSAPP_API_BASE": NOWHERE,
+        "SERVICE_IMPORT_MIN_FREE_BYTES": "0",  # imports need no margin on a test's disk
     }
     base.update(env)
     return base
@@ -18553,6 +18554,56 @@ def tar_of(files: dict, symlinks: dict | None = None) -> bytes:
     return buf.getvalue()
 
 
+def raw_zip(members: list) -> bytes:
+    """A zip written byte by byte, to say what zipfile would not: each member a dict of
+    `name`, `data` (the bytes as stored), `method` (0 stored, 8 deflated), `crc`, `size`
+    (the size declared), optionally `flags`, `local_name` (another name in the local header)
+    or `at` (the index of an earlier member: this central-directory entry, the rest of its
+    fields that member's, points at its local header; no local file of its own)."""
+    import struct
+
+    out, central, offsets = bytearray(), bytearray(), []
+    for m in members:
+        m = {**members[m["at"]], **m} if "at" in m else m
+        name = m["name"].encode()
+        data = m.get("data", b"")
+        head = (m.get("flags", 0), m.get("method", 0), 0, 0x21, m["crc"], len(data), m["size"])
+        if "at" in m:
+            offset = offsets[m["at"]]
+        else:
+            offset = len(out)
+            local = m.get("local_name", m["name"]).encode()
+            out += struct.pack("<4sHHHHHLLLHH", b"PK\x03\x04", 20, *head, len(local), 0)
+            out += local + data
+        offsets.append(offset)
+        central += struct.pack(
+            "<4sHHHHHHLLLHHHHHLL", b"PK\x01\x02", 20, 20, *head, len(name), 0, 0, 0, 0, 0, offset
+        )
+        central += name
+    end = struct.pack(
+        "<4sHHHHLLH", b"PK\x05\x06", 0, 0, len(members), len(members), len(central), len(out), 0
+    )
+    return bytes(out + central + end)
+
+
+def deflated(data: bytes) -> bytes:
+    """Raw deflate, as a zip stores it."""
+    packer = zlib.compressobj(9, zlib.DEFLATED, -15)
+    return packer.compress(data) + packer.flush()
+
+
+def letters_zip(count: int, size: int) -> bytes:
+    """`count` notes of `size` bytes of one letter each: a tiny upload, a huge import."""
+    body = b"x" * size
+    packed, crc = deflated(body), zlib.crc32(body)
+    return raw_zip(
+        [
+            {"name": f"n{i:03}.md", "data": packed, "method": 8, "crc": crc, "size": size}
+            for i in range(count)
+        ]
+    )
+
+
 def keep_json(**fields) -> str:
     """One note as Google Takeout writes Keep notes (Takeout/Keep/<title>.json)."""
     note = {
@@ -18936,6 +18987,133 @@ class TestImport:
         resp = import_file(small, body, "big.zip", status=413)
         assert "SERVICE_MAX_IMPORT_EXPANDED_BYTES" in resp["error"]["message"]
 
+    # S3 / S4 of the third attack (issue 40): an archive is bounded as a whole, and an entry
+    # that cannot be read is 400, never 500; a refusal writes nothing, dry run or not.
+
+    @staticmethod
+    def assert_nothing_imported(client, root: Path) -> None:
+        assert all_files(root) == {}
+        assert not (root / "notes/imported").exists()
+        assert feed(client)["changes"] == []
+
+    def test_entries_sharing_one_local_file_are_refused(self, client, root):
+        body = ("a note of ordinary length\n" * 80).encode()
+        one = {"name": "a.md", "data": body, "crc": zlib.crc32(body), "size": len(body)}
+        bomb = raw_zip([one] + [{"name": "a.md", "at": 0}] * 49)
+        assert len(body) < 1 << 20  # no ratio trips: only the sharing refuses it
+        assert 50 * len(body) < 100 * len(bomb)
+        for dry in (True, False):
+            resp = import_file(client, bomb, "bomb.zip", status=413, dryRun=dry)
+            assert resp["error"]["code"] == "PAYLOAD_TOO_LARGE"
+            assert "share their bytes" in resp["error"]["message"]
+        self.assert_nothing_imported(client, root)
+
+    def test_many_small_entries_of_one_letter_are_refused_whole(self, client, root):
+        bomb = letters_zip(300, 900 << 10)  # 300 KB expanding to 270 MB; no entry over 1 MiB
+        for dry in (True, False):
+            resp = import_file(client, bomb, "letters.zip", status=413, dryRun=dry)
+            assert resp["error"]["code"] == "PAYLOAD_TOO_LARGE"
+            assert "more than 100 times its" in resp["error"]["message"]
+        resp = client.post(f"{API}/import", bomb, content_type="application/zip", status=413)
+        assert "zip bomb" in resp.json["error"]["message"]
+        self.assert_nothing_imported(client, root)
+        fine = letters_zip(3, 300 << 10)  # under a mebibyte in all: imported
+        assert import_file(client, fine, "fine.zip")["created"] == 3
+
+    def test_a_header_that_lies_about_the_size_is_refused(self, client, root):
+        real = b"a" * (4 << 20)
+        lie = {"name": "big.md", "data": deflated(real), "method": 8, "size": 100}
+        lie["crc"] = zlib.crc32(real[:100])  # what zipfile checks after reading 100 bytes
+        ok = {"name": "ok.md", "data": b"fine\n", "crc": zlib.crc32(b"fine\n"), "size": 5}
+        bomb = raw_zip([ok, lie])
+        for dry in (True, False):
+            resp = import_file(client, bomb, "lie.zip", status=413, dryRun=dry)
+            assert "more than the 100 bytes its header declares" in resp["error"]["message"]
+        self.assert_nothing_imported(client, root)
+
+    @pytest.mark.parametrize(
+        "member",
+        [
+            {"local_name": "b.md"},  # S4: the central directory and the local header differ
+            {"crc": 1},  # a bad CRC
+            {"method": 8, "data": b"\xff\xff not deflate"},  # zlib.error
+            {"method": 99},  # NotImplementedError: a method zipfile does not know
+            {"flags": 1},  # RuntimeError: encrypted
+            {"method": 8, "data": deflated(b"fine\n")[:2]},  # truncated: EOFError
+        ],
+        ids=["name", "crc", "deflate", "method", "encrypted", "truncated"],
+    )
+    def test_an_unreadable_entry_is_400_not_500(self, client, root, member):
+        body = b"fine\n"
+        good = {"name": "a.md", "data": body, "crc": zlib.crc32(body), "size": len(body)}
+        first = {"name": "first.md", "data": body, "crc": zlib.crc32(body), "size": len(body)}
+        broken = raw_zip([first, {**good, **member}])
+        for dry in (True, False):
+            resp = client.post(
+                f"{API}/import?dryRun={str(dry).lower()}",
+                broken,
+                content_type="application/zip",
+                status=400,
+            )
+            err = assert_error(resp, 400, "VALIDATION_ERROR")
+            assert err["message"].startswith("nothing was imported: the file is not a readable zip")
+        self.assert_nothing_imported(client, root)
+
+    def test_jex_tars_are_bounded_as_a_whole(self, client, root):
+        import tarfile
+
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode="w:gz") as tf:  # 60 KB expanding to 50 MiB
+            for i in range(50):
+                info = tarfile.TarInfo(f"{i:032x}.md")
+                info.size = 1 << 20
+                tf.addfile(info, io.BytesIO(b"x" * info.size))
+        resp = import_file(client, buf.getvalue(), "big.jex", status=413, dryRun=True)
+        assert "more than 100 times its" in resp["error"]["message"]
+        import_file(client, buf.getvalue(), "big.jex", status=413)
+        huge = io.BytesIO()  # a header declaring 16 GiB, and nothing behind it
+        with tarfile.open(fileobj=huge, mode="w", format=tarfile.GNU_FORMAT) as tf:
+            info = tarfile.TarInfo(f"{J_NOTE}.md")
+            info.size = 16 << 30
+            tf.addfile(info)
+        resp = import_file(client, huge.getvalue(), "huge.jex", status=413)
+        assert "SERVICE_MAX_IMPORT_EXPANDED_BYTES" in resp["error"]["message"]
+        cut = tar_of(JOPLIN_JEX)  # a member's data cut short: not readable, 400
+        cut = cut[: cut.index(b"IHDR")]
+        resp = import_file(client, cut, "cut.jex", status=400)
+        assert "not a readable tar" in resp["error"]["message"]
+        self.assert_nothing_imported(client, root)
+
+    def test_an_import_leaving_the_disk_under_its_margin_is_507(self, make_app, root, monkeypatch):
+        import collections
+
+        usage = collections.namedtuple("usage", "total used free")
+        mib, gib = 1 << 20, 1 << 30
+        disk = [usage(100 * gib, 100 * gib - 150 * mib, 150 * mib)]
+        monkeypatch.setattr(shutil, "disk_usage", lambda path: disk[0])
+        assert notesvc.load_config(env={}).import_min_free_bytes == 200 * mib
+        client = with_key(make_app(SERVICE_IMPORT_MIN_FREE_BYTES=str(200 * mib)))
+        body = zip_of({"a.md": "a\n"})
+        for dry in (True, False):  # 150 MiB free: under 200 MiB (and 5 % of 100 GiB)
+            resp = import_file(client, body, "a.zip", status=507, dryRun=dry)
+            err = resp["error"]
+            assert err["code"] == "INSUFFICIENT_STORAGE"
+            assert "SERVICE_IMPORT_MIN_FREE_BYTES" in err["message"]
+        resp = client.post(
+            f"{API}/import", enex_export(), content_type="application/xml", status=507
+        )
+        assert_error(resp, 507, "INSUFFICIENT_STORAGE")
+        self.assert_nothing_imported(client, root)
+        lower = with_key(make_app(SERVICE_IMPORT_MIN_FREE_BYTES=str(100 * mib)))
+        assert import_file(lower, body, "a.zip")["created"] == 1  # 150 MiB leave 100 MiB
+        small = [usage(gib, gib - 50 * mib, 50 * mib)]  # a 1 GiB disk: 5 % of it is the margin
+        disk[:] = small
+        huge = with_key(make_app(SERVICE_IMPORT_MIN_FREE_BYTES=str(10**18)))
+        resp = import_file(huge, body, "a.zip", status=507)
+        assert "leave less than 53687091 bytes free" in resp["error"]["message"]
+        disk[:] = [usage(gib, gib - 60 * mib, 60 * mib)]
+        assert import_file(huge, body, "b.zip", into="notes/b")["created"] == 1
+
     def test_an_upload_over_the_limit(self, make_app):
         small = with_key(make_app(SERVICE_MAX_IMPORT_BYTES="2048"))
         resp = import_file(small, os.urandom(4096), "x.zip", status=413)
@@ -19083,6 +19261,69 @@ class TestImportCommand:
             names = zipfile.ZipFile(export).namelist()
             assert "notes/keep/Groceries.md" in names
             assert "notesvc-export.json" in names
+
+    def test_a_folder_key_cannot_blow_up_an_import_on_a_real_server(self, tmp_path):
+        root = tmp_path / "root"
+        body = ("a note of ordinary length\n" * 80).encode()
+        one = {"name": "a.md", "data": body, "crc": zlib.crc32(body), "size": len(body)}
+        shared = raw_zip([one] + [{"name": "a.md", "at": 0}] * 199)  # as the attack sent it
+        mismatched = raw_zip([{**one, "local_name": "b.md"}])  # S4
+        with running(root, env={"SERVICE_IMPORT_MIN_FREE_BYTES": "0"}) as server:
+            key = json.loads((root / ".notesvc/state.json").read_text())["apiKey"]
+            owner = {"X-Service-Key": key}
+            grant = {"name": "family", "scope": "write", "folder": "notes/family"}
+            status, _, made = server.request("POST", f"{API}/auth/keys", grant, owner)
+            assert status == 201
+
+            def upload(zipped: bytes, dry: bool) -> tuple:
+                req = urllib.request.Request(
+                    f"{server.url}{API}/import?dryRun={str(dry).lower()}",
+                    zipped,
+                    {"Content-Type": "application/zip", "X-Service-Key": made["data"]["key"]},
+                    method="POST",
+                )
+                try:
+                    with urllib.request.urlopen(req, timeout=30) as resp:
+                        return resp.status, json.loads(resp.read())
+                except urllib.error.HTTPError as e:
+                    return e.code, json.loads(e.read())
+
+            for dry in (True, False):
+                status, answer = upload(shared, dry)
+                assert status == 413, answer
+                assert "share their bytes" in answer["error"]["message"]
+                status, answer = upload(letters_zip(300, 900 << 10), dry)
+                assert status == 413, answer
+                assert "more than 100 times its" in answer["error"]["message"]
+                status, answer = upload(mismatched, dry)
+                assert status == 400, answer
+                assert answer["error"]["code"] == "VALIDATION_ERROR"
+                assert "not a readable zip" in answer["error"]["message"]
+            status, _, changes = server.request("GET", f"{API}/changes?since=0", None, owner)
+            assert status == 200
+            assert changes["data"]["changes"] == []
+            assert all_files(root) == {}
+            assert "Traceback" not in "".join(server.lines)
+
+    def test_a_folder_larger_than_the_free_space_is_refused_before_anything_is_written(
+        self, tmp_path
+    ):
+        vault = tmp_path / "vault"
+        vault.mkdir()
+        (vault / "a.md").write_text("# A\n")
+        free = shutil.disk_usage(tmp_path).free
+        # a file declaring more than the disk holds (never copied: .bin is not imported, so
+        # that a regression cannot fill the disk; the declared sizes count all the same)
+        with open(vault / "sparse.bin", "wb") as f:
+            f.truncate(free + (1 << 30))
+        root = tmp_path / "root"
+        env = {"SERVICE_MAX_IMPORT_EXPANDED_BYTES": str(1 << 44)}
+        for dry in ((), ("--dry-run",)):
+            out = run_cli("import", str(vault), "--root", str(root), *dry, env=env)
+            assert out.returncode == 2, out.stderr
+            assert "SERVICE_IMPORT_MIN_FREE_BYTES" in out.stderr
+            assert "free some space first" in out.stderr
+        assert all_files(root) == {}
 
 
 class TestImportInChromium:
