@@ -22519,17 +22519,18 @@ RELAY_ID_RE = re.compile(r"^[a-z2-7]{20}\Z")
 RELAY_CODE_RE = re.compile(r"^[A-Za-z0-9-]{1,64}\Z")
 _TOKEN_CHARS_RE = re.compile(r"^[!#$%&'*+.^_`|~0-9A-Za-z-]+\Z")
 HOP_BY_HOP = frozenset(
-    "connection keep-alive proxy-authenticate proxy-authorization te trailers "
-    "transfer-encoding upgrade host content-length".split()
+    "connection keep-alive proxy-authenticate proxy-authorization te trailer trailers "
+    "transfer-encoding upgrade host content-length expect".split()
 )
 RELAY_ANSWER_CSP = "default-src 'none'; sandbox"
 RELAYED_WELL_KNOWN_RE = re.compile(
     r"^/\.well-known/(oauth-protected-resource|oauth-authorization-server|openid-configuration)"
     r"/r/([^/]+)(/.*)?$"
 )
-# A server's route that answers JSON-RPC (/mcp): the relay's own refusals of a request to it
-# (server offline, body too large) are JSON-RPC errors too (CONTRACT 3).
-RELAYED_JSONRPC_RE = re.compile(rf"^/r/[^/]+{API}/mcp$")
+# A server's route that answers JSON-RPC (/mcp, path-based or on its own origin): the
+# relay's own refusals of a request to it (server offline, body too large) are JSON-RPC
+# errors too (CONTRACT 3).
+RELAYED_JSONRPC_RE = re.compile(rf"^(?:/r/[^/]+)?{API}/mcp$")
 
 
 def _b64(data: bytes) -> str:
@@ -22576,7 +22577,9 @@ def parse_request_head(head: bytes, peer: str) -> tuple:
     """Return (method, path, query, headers, keep_alive, content_length) of a request head.
 
     Strict: one request line, CRLF lines, token field names, no obs-fold, at most one
-    Content-Length and no Transfer-Encoding (chunked bodies are refused, never guessed).
+    Content-Length, and Transfer-Encoding only as exactly `chunked` in one header with no
+    Content-Length beside it (CONTRACT 22: anything else is 400, never guessed); a chunked
+    body's content_length is -1 (read_chunked_body decodes it).
     """
     text = head.decode("latin-1")  # every byte decodes
     lines = text.split("\r\n")
@@ -22615,13 +22618,19 @@ def parse_request_head(head: bytes, peer: str) -> tuple:
         return [v for k, v in headers if k.lower() == wanted]
 
     lengths = all_of("content-length")
-    if all_of("transfer-encoding"):
-        raise _Refuse(
-            411, "chunked or encoded request bodies are not accepted; send Content-Length"
-        )
+    codings = all_of("transfer-encoding")
+    if codings:
+        # One way to find a body's end, or none: two headers, a list, another coding, or a
+        # Content-Length beside it could be read two ways (request smuggling).
+        if len(codings) > 1 or codings[0].lower() != "chunked":
+            raise _Refuse(400, "Transfer-Encoding must be exactly one header saying chunked")
+        if lengths:
+            raise _Refuse(400, "a request may not carry both Transfer-Encoding and Content-Length")
+        if minor == "0":
+            raise _Refuse(400, "HTTP/1.0 has no chunked request bodies")
     if len(lengths) > 1:
         raise _Refuse(400, "more than one Content-Length")
-    length = 0
+    length = -1 if codings else 0
     if lengths:
         if not re.fullmatch(r"\d{1,18}", lengths[0]):
             raise _Refuse(400, "Content-Length is not a whole number")
@@ -22634,6 +22643,65 @@ def parse_request_head(head: bytes, peer: str) -> tuple:
     except UnicodeDecodeError:
         raise _Refuse(400, "the URL path is not UTF-8") from None
     return method, path, query, headers, keep_alive, length
+
+
+RELAY_MAX_CHUNK_META = 8192  # bytes of a chunk-size line (with extensions), and of trailers
+
+
+async def _chunk_line(reader: asyncio.StreamReader, limit: int, status: int, what: str) -> bytes:
+    """Return one line of a chunked body without its CRLF: at most `limit` bytes with its
+    CRLF (else `status`), with no bare CR or LF in it (else 400)."""
+    try:
+        line = await reader.readuntil(b"\n")
+    except asyncio.LimitOverrunError:
+        raise _Refuse(status, f"{what} is over {limit} bytes") from None
+    if len(line) > limit:
+        raise _Refuse(status, f"{what} is over {limit} bytes")
+    if not line.endswith(b"\r\n") or b"\r" in line[:-2]:
+        raise _Refuse(400, "a chunked body's lines must end with CRLF (no bare CR or LF)")
+    return line[:-2]
+
+
+async def read_chunked_body(reader: asyncio.StreamReader, limit: int) -> bytes:
+    """Return a chunked request body, decoded (CONTRACT 22).
+
+    Chunk sizes are 1-16 hex digits, every line ends with CRLF, extensions and trailers
+    (RELAY_MAX_CHUNK_META bytes each line, the trailers in all) are read and dropped, and
+    the decoded bytes count against `limit` as they come: _Refuse 413 before a chunk that
+    would pass it is read, 400 for anything malformed, 431 for trailers too large.
+    """
+    body = bytearray()
+    while True:
+        line = await _chunk_line(reader, RELAY_MAX_CHUNK_META, 400, "a chunk-size line")
+        size, sep, _extensions = line.partition(b";")
+        if sep:
+            size = size.rstrip(b" \t")  # BWS before an extension (RFC 9112 7.1.1)
+        if not re.fullmatch(rb"[0-9A-Fa-f]{1,16}", size):
+            raise _Refuse(400, "a chunk size must be 1-16 hexadecimal digits")
+        n = int(size, 16)
+        if n == 0:
+            break
+        if len(body) + n > limit:
+            raise _Refuse(413, f"the body is over this relay's limit of {limit} bytes")
+        body += await reader.readexactly(n)
+        if await reader.readexactly(2) != b"\r\n":
+            raise _Refuse(400, "a chunk's data must be followed by CRLF")
+    left = RELAY_MAX_CHUNK_META
+    while True:  # trailer fields, dropped, up to the empty line
+        line = await _chunk_line(reader, left, 431, "the trailer section")
+        if not line:
+            return bytes(body)
+        left -= len(line) + 2
+        name, colon, _value = line.partition(b":")
+        if not colon or not _TOKEN_CHARS_RE.match(name.decode("latin-1")):
+            raise _Refuse(400, "malformed trailer line")
+
+
+def _expects_continue(headers: list, head: bytes) -> bool:
+    """Return whether an HTTP/1.1 client waits for `100 Continue` before its body (curl
+    and the Windows WebDAV client do, for a second or until told)."""
+    expect = ",".join(v for k, v in headers if k.lower() == "expect").lower()
+    return "100-continue" in expect and head.split(b"\r\n", 1)[0].endswith(b" HTTP/1.1")
 
 
 def http_response(status: int, headers: list, body: bytes, keep_alive: bool) -> bytes:
@@ -22987,7 +23055,8 @@ class RelayServer:
                 conn.busy = False
                 await self._linger(reader, writer, LINGER_MAX_BYTES)
                 return False
-            limit = self._body_limit(path)
+            host = next((v for k, v in headers if k.lower() == "host"), "")
+            limit = self._body_limit(path, host)
             if length > limit:
                 self._answer_too_large(path, headers)
                 await self._send(
@@ -23000,11 +23069,25 @@ class RelayServer:
                 conn.busy = False
                 await self._linger(reader, writer, min(length, LINGER_MAX_BYTES))
                 return False
+            if length and _expects_continue(headers, head):
+                writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")
             try:
-                body = (
-                    await asyncio.wait_for(reader.readexactly(length), timeout) if length else b""
-                )
+                if length < 0:  # chunked: decoded here, under the same limit and time
+                    body = await asyncio.wait_for(read_chunked_body(reader, limit), timeout)
+                else:
+                    body = (
+                        await asyncio.wait_for(reader.readexactly(length), timeout)
+                        if length
+                        else b""
+                    )
             except asyncio.TimeoutError:
+                return False
+            except _Refuse as e:
+                if e.status == 413:
+                    self._answer_too_large(path, headers)
+                await self._send(writer, *self._error(e.status, e.message, path=path), False)
+                conn.busy = False
+                await self._linger(reader, writer, LINGER_MAX_BYTES)
                 return False
             request = RelayRequest(method, path, query, headers, body, conn.peer, keep_alive)
             started = time.perf_counter()
@@ -23061,11 +23144,13 @@ class RelayServer:
         writer.write(http_response(status, headers, body, keep_alive))
         await asyncio.wait_for(writer.drain(), self.config.idle_timeout)
 
-    def _body_limit(self, path: str) -> int:
-        """Return the largest body accepted on a path: replies carry base64 answers."""
-        if path.startswith("/relay/v1/reply/"):
+    def _body_limit(self, path: str, host: str = "") -> int:
+        """Return the largest body accepted on a path: replies carry base64 answers; a
+        server's routes, path-based (/r/<id>/...) or on its own origin (any path of
+        <serverId>.<domain>), take SERVICE_MAX_BODY_BYTES alike; the relay's own JSON 64 KiB."""
+        if path.startswith("/relay/v1/reply/") and not self._server_of_host(host):
             return self.config.max_body_bytes * 2 + 65536
-        if path.startswith("/r/"):
+        if path.startswith("/r/") or self._server_of_host(host):
             return self.config.max_body_bytes
         return 65536
 
@@ -23101,9 +23186,13 @@ class RelayServer:
     def origin_server(self, req: RelayRequest) -> str:
         """Return the server id a request's Host names as <serverId>.<domain> ("": the
         relay's own host, or a relay without a domain)."""
+        return self._server_of_host(req.header("Host"))
+
+    def _server_of_host(self, host: str) -> str:
+        """Return the server id of a Host that is <serverId>.<domain>[:port] ("" if none)."""
         if not self.domain:
             return ""
-        host = req.header("Host").lower().rstrip(".")
+        host = host.lower().rstrip(".")
         name = host[: host.rindex(":")] if re.search(r":\d+$", host) else host
         sid, dot, rest = name.partition(".")
         return sid if dot and rest == self.domain and RELAY_ID_RE.match(sid) else ""
@@ -23330,13 +23419,59 @@ class RelayServer:
         )
         download = relayed_download(req.method, rest, answer["status"])
         headers = relay_answer_headers(rest, answer["headers"], download)
+        origins = self.own_origins(req, server_id)
+        headers = [
+            (k, v) for k, v in headers if k.lower() != "location" or relay_location_ok(v, origins)
+        ]
         return answer["status"], headers, answer["body"]
+
+    def own_origins(self, req: RelayRequest, server_id: str) -> set:
+        """Return the origins a forwarded answer's Location may name: the one the request
+        came to (as the client named it, and as the relay's SERVICE_PUBLIC_URL or trusted
+        proxy names it), and, with a domain, that server's own origin."""
+        scheme = urllib.parse.urlsplit(self.base_url(req)).scheme
+        found = {url_origin(self.base_url(req)), url_origin(f"{scheme}://{req.header('Host')}")}
+        if self.domain:
+            found.add(url_origin(self.server_origin(req, server_id)))
+        return found - {None}
 
 
 RELAY_PASSED_HEADERS = frozenset(
     "cache-control vary etag last-modified location retry-after www-authenticate content-range "
     "accept-ranges allow dav lock-token x-request-id content-disposition".split()
 )
+
+
+def url_origin(url: str):
+    """Return (scheme, host, port) of an absolute http(s) URL with no userinfo, else None."""
+    try:
+        parts = urllib.parse.urlsplit(url)
+        port = parts.port
+    except ValueError:
+        return None
+    if parts.scheme not in ("http", "https") or not parts.hostname or "@" in parts.netloc:
+        return None
+    return parts.scheme, parts.hostname, port or (443 if parts.scheme == "https" else 80)
+
+
+def relay_location_ok(location: str, origins: set) -> bool:
+    """Return whether a server's Location may pass the relay (S5: no open redirect).
+
+    It passes when relative (no scheme, no authority: a path, `?query` or `#fragment`)
+    or absolute on one of `origins`. Anything a browser could read as another host does
+    not: `//host`, a backslash (`/\\host`), whitespace or control bytes, userinfo, a
+    scheme other than http(s).
+    """
+    loc = location.strip(" \t")
+    if not loc or "\\" in loc or re.search(r"[\x00-\x20\x7f]", loc):
+        return False
+    try:
+        parts = urllib.parse.urlsplit(loc)
+    except ValueError:
+        return False
+    if not parts.scheme and not parts.netloc and not loc.startswith("//"):
+        return True
+    return url_origin(loc) in origins
 
 
 def relay_answer_headers(path: str, headers: list, download: bool = False) -> list:

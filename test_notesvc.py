@@ -14473,7 +14473,7 @@ class TestRelay:
     @pytest.mark.parametrize(
         ("head", "status"),
         [
-            (b"POST /health HTTP/1.1\r\nHost: r\r\nTransfer-Encoding: chunked\r\n\r\n", 411),
+            (b"POST /health HTTP/1.1\r\nHost: r\r\nTransfer-Encoding: gzip\r\n\r\n", 400),
             (b"GET /health HTTP/1.1\r\nHost: r\r\nX-A: 1\r\n  folded\r\n\r\n", 400),
             (b"POST /health HTTP/1.1\r\nContent-Length: 1\r\nContent-Length: 1\r\n\r\nx", 400),
             (b"POST /health HTTP/1.1\r\nContent-Length: -1\r\n\r\n", 400),
@@ -14490,6 +14490,126 @@ class TestRelay:
                 answer = recv_all(s)
             assert answer.startswith(f"HTTP/1.1 {status} ".encode())
             assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["success"] is False
+            assert relay.request("GET", "/health")[0] == 200
+
+    # -- chunked request bodies (S8, CONTRACT 22's correction) ------------------------------
+
+    @staticmethod
+    def exchange(port: int, data: bytes) -> tuple:
+        """Send `data`, shut the sending side, read until the relay closes: return (every
+        status the relay answered, the raw bytes). Fails if it never closes."""
+        with socket.create_connection(("127.0.0.1", port), timeout=10) as s:
+            s.sendall(data)
+            with contextlib.suppress(OSError):
+                s.shutdown(socket.SHUT_WR)
+            raw = b""
+            while True:
+                chunk = s.recv(65536)  # a socket.timeout here: the relay kept it open
+                if not chunk:
+                    break
+                raw += chunk
+        return [int(m) for m in re.findall(rb"HTTP/1\.1 (\d{3}) ", raw)], raw
+
+    @pytest.mark.real_server
+    @pytest.mark.slow
+    def test_a_chunked_body_is_decoded_and_forwarded_with_its_length(self, tmp_path):
+        with running(tmp_path, "relay") as relay:
+            fake = FakeRelayServer(relay)
+            assert fake.register() == 200
+            body = b'{"path": "notes/c.md", "content": "' + b"x" * 70000 + b'"}'
+            wire = (
+                f"PUT /r/{fake.server_id}{API}/notes/notes%2Fc.md HTTP/1.1\r\nHost: relay\r\n"
+                "Content-Type: application/json\r\nTransfer-Encoding:  CHUNKED \r\n"
+                "Trailer: X-Sum\r\nExpect: 100-continue\r\n\r\n"
+            ).encode()
+            wire += b"000000000000000a;name=value;x\r\n" + body[:10] + b"\r\n"  # 16 digits
+            wire += f"{len(body) - 10:X} ; ext\r\n".encode() + body[10:] + b"\r\n"
+            wire += b"0\r\nX-Sum: 1\r\nX-Other: 2\r\n\r\n"
+            wire += b"GET /health HTTP/1.1\r\nHost: relay\r\nConnection: close\r\n\r\n"
+            out: list = []
+            t = threading.Thread(target=lambda: out.append(self.exchange(relay.port, wire)))
+            t.start()
+            status, _, polled = fake.poll()
+            assert status == 200
+            request = polled["data"]
+            assert base64.b64decode(request["body"]) == body
+            names = {name.lower() for name, _ in request["headers"]}
+            assert names.isdisjoint({"transfer-encoding", "content-length", "trailer", "expect"})
+            assert "x-sum" not in names  # trailers are dropped
+            answer = [["Content-Type", "application/json"]]
+            assert fake.reply(request["id"], 200, answer, b"{}") == 200
+            t.join(15)
+            statuses, raw = out[0]
+            assert statuses == [100, 200, 200]  # Continue, the PUT, then the next request
+            assert b'"role":"relay"' in raw.replace(b" ", b"")
+
+    @pytest.mark.real_server
+    @pytest.mark.slow
+    def test_chunked_requests_that_could_be_read_two_ways_are_refused(self, tmp_path):
+        """CL.TE, TE.CL, TE.TE and malformed chunking: 400 (431, 413) and the connection
+        closed, nothing forwarded, and what follows on the connection never answered."""
+        env = {"SERVICE_MAX_BODY_BYTES": "65536"}
+        with running(tmp_path, "relay", env=env) as relay:
+            fake = FakeRelayServer(relay)
+            assert fake.register() == 200
+            head = f"POST /r/{fake.server_id}{API}/notes HTTP/1.1\r\nHost: relay\r\n"
+            smuggled = b"GET /health HTTP/1.1\r\nHost: relay\r\n\r\n"
+            good = b"5\r\nhello\r\n0\r\n\r\n"
+            cases = [
+                ("CL.TE", "Content-Length: 6\r\nTransfer-Encoding: chunked\r\n", good, 400),
+                ("TE.CL", "Transfer-Encoding: chunked\r\nContent-Length: 4\r\n", good, 400),
+                (
+                    "TE.TE",
+                    "Transfer-Encoding: chunked\r\nTransfer-Encoding: chunked\r\n",
+                    good,
+                    400,
+                ),
+                ("TE.TE", "Transfer-Encoding: chunked\r\nTransfer-Encoding: x\r\n", good, 400),
+                ("list", "Transfer-Encoding: chunked, identity\r\n", good, 400),
+                ("list", "Transfer-Encoding: identity, chunked\r\n", good, 400),
+                ("xchunked", "Transfer-Encoding: xchunked\r\n", good, 400),
+                ("gzip", "Transfer-Encoding: gzip\r\n", good, 400),
+                ("vtab", "Transfer-Encoding: \x0bchunked\r\n", good, 400),
+                ("space", "Transfer-Encoding : chunked\r\n", good, 400),
+                ("bare LF", "Transfer-Encoding: chunked\r\n", b"5\nhello\n0\n\n", 400),
+                ("bare CR", "Transfer-Encoding: chunked\r\n", b"5\rx\r\nhello\r\n0\r\n\r\n", 400),
+                ("LF after data", "Transfer-Encoding: chunked\r\n", b"5\r\nhello\n0\r\n\r\n", 400),
+                ("17 digits", "Transfer-Encoding: chunked\r\n", b"0" * 16 + good, 400),
+                ("0x", "Transfer-Encoding: chunked\r\n", b"0x5\r\nhello\r\n0\r\n\r\n", 400),
+                ("sign", "Transfer-Encoding: chunked\r\n", b"+5\r\nhello\r\n0\r\n\r\n", 400),
+                ("no size", "Transfer-Encoding: chunked\r\n", b";x\r\nhello\r\n0\r\n\r\n", 400),
+                ("data over", "Transfer-Encoding: chunked\r\n", b"5\r\nhelloXY\r\n0\r\n\r\n", 400),
+                ("long ext", "Transfer-Encoding: chunked\r\n", b"5;" + b"e" * 9000 + b"\r\n", 400),
+                (
+                    "trailers",
+                    "Transfer-Encoding: chunked\r\n",
+                    b"5\r\nhello\r\n0\r\n"
+                    + b"".join(b"X-%d: %s\r\n" % (n, b"t" * 5000) for n in (1, 2)),
+                    431,
+                ),
+                (
+                    "over the limit",
+                    "Transfer-Encoding: chunked\r\n",
+                    b"9c40\r\n" + b"a" * 40000 + b"\r\n9c40\r\n" + b"a" * 40000 + b"\r\n0\r\n\r\n",
+                    413,
+                ),
+                ("huge chunk", "Transfer-Encoding: chunked\r\n", b"ffffffffffffffff\r\n", 413),
+            ]
+            for name, headers, body, status in cases:
+                wire = (head + headers + "\r\n").encode("latin-1") + body + smuggled
+                started = time.monotonic()
+                statuses, raw = self.exchange(relay.port, wire)
+                assert statuses == [status], (name, raw[:300])
+                assert time.monotonic() - started < 5, name  # closed, not timed out
+                error = json.loads(raw.split(b"\r\n\r\n", 1)[1])["error"]
+                assert error["code"] != "UPSTREAM_TIMEOUT", name
+            # HTTP/1.0 has no chunked bodies
+            wire = (
+                f"POST /r/{fake.server_id}{API}/notes HTTP/1.0\r\n"
+                "Transfer-Encoding: chunked\r\n\r\n"
+            ).encode() + good
+            assert self.exchange(relay.port, wire)[0] == [400]
+            assert relay_queued(relay, fake) == 0  # nothing was handed on to the server
             assert relay.request("GET", "/health")[0] == 200
 
     @pytest.mark.real_server
@@ -15204,6 +15324,153 @@ class TestRelayOrigins:
                     "r1",
                     "3",
                 )
+
+    def test_a_servers_origin_takes_the_bodies_its_relay_path_takes(self, origins):
+        """S6: the same request gets the same limit on <serverId>.<domain> as on /r/<id>/
+        (the relay's SERVICE_MAX_BODY_BYTES, 1 MiB here), not the relay's own 64 KiB."""
+        relay, server, setup, origin = origins
+        sid, root = setup["serverId"], Path(server.proc.args[-1])
+        key = {"X-Service-Key": setup["apiKey"]}
+        limit = 1048576
+        text = ("# Long\n\n" + "Grüße, 🗝️ and a line of words.\n" * 4000)[:100_000]
+        image = PNG + os.urandom(1_000_000 - len(PNG))
+        archive = zip_of({"big.md": "# Big\n\n" + os.urandom(100_000).hex()})  # ~100 KB
+        assert len(archive) > 65536
+        for host, prefix in (
+            (urllib.parse.urlsplit(origin).netloc, ""),
+            (f"127.0.0.1:{relay.port}", f"/r/{sid}"),
+        ):
+            name = "origin" if not prefix else "path"
+            body = {"path": f"notes/long-{name}.md", "content": text}
+            status, headers, raw = host_request(
+                relay.port, host, "POST", f"{prefix}{API}/notes", body, key
+            )
+            assert status == 201, (host, raw[:300])
+            assert headers["Location"] == f"{prefix}{API}/notes/notes%2Flong-{name}.md"
+            assert (root / f"notes/long-{name}.md").read_text() == text
+            url = prefix + att_url(f"attachments/photo-{name}.png")
+            status, _, raw = host_request(
+                relay.port, host, "PUT", url, image, {**key, "Content-Type": "image/png"}
+            )
+            assert status == 201, (host, raw[:300])
+            status, _, got = host_request(relay.port, host, "GET", url, None, key)
+            assert (status, got) == (200, image)
+            status, _, raw = host_request(
+                relay.port,
+                host,
+                "POST",
+                f"{prefix}{API}/import?dryRun=true",
+                archive,
+                {**key, "Content-Type": "application/zip"},
+            )
+            assert status == 200, (host, raw[:300])
+            assert json.loads(raw)["data"]["created"] == 1
+            # One byte over: 413 at once, the same both ways.
+            with socket.create_connection(("127.0.0.1", relay.port), timeout=5) as s:
+                s.sendall(
+                    f"PUT {url} HTTP/1.1\r\nHost: {host}\r\nContent-Type: image/png\r\n"
+                    f"Content-Length: {limit + 1}\r\n\r\n".encode()
+                )
+                answer = recv_all(s)
+            assert answer.startswith(b"HTTP/1.1 413 "), (host, answer[:200])
+            assert str(limit) in json.loads(answer.split(b"\r\n\r\n", 1)[1])["error"]["message"]
+        # WebDAV is on the origin only: a PUT of a file over 64 KiB.
+        host = urllib.parse.urlsplit(origin).netloc
+        dav = {"Authorization": basic(setup["apiKey"]), "Content-Type": "image/png"}
+        status, _, raw = host_request(
+            relay.port, host, "PUT", "/dav/attachments/dav.png", image[:300_000], dav
+        )
+        assert status == 201, raw[:300]
+        assert (root / "attachments/dav.png").read_bytes() == image[:300_000]
+
+    def test_curl_uploads_chunked_through_both_hosts(self, origins, tmp_path):
+        """S8: `curl -T file -H 'Transfer-Encoding: chunked'` (how Finder and Windows send
+        uploads) through the relay stores the file; over the limit it is 413."""
+        curl = shutil.which("curl")
+        if not curl:
+            pytest.skip("no curl on this machine (Debian: apt install curl)")
+        relay, server, setup, origin = origins
+        sid, root, key = setup["serverId"], Path(server.proc.args[-1]), setup["apiKey"]
+        resolve = ["--resolve", f"{sid}.{DOMAIN}:{relay.port}:127.0.0.1"]
+        data = PNG + os.urandom(400_000)
+        (tmp_path / "photo.png").write_bytes(data)
+        (tmp_path / "big.bin").write_bytes(os.urandom(1048576 + 1))
+
+        def curl_put(url: str, name: str, auth: list) -> int:
+            command = [curl, "-sS", "-o", os.devnull, "-w", "%{http_code}", *resolve, *auth]
+            command += ["-H", "Transfer-Encoding: chunked", "-T", str(tmp_path / name), url]
+            done = subprocess.run(
+                command,
+                capture_output=True,
+                text=True,
+                timeout=60,
+                env={k: v for k, v in os.environ.items() if "proxy" not in k.lower()},
+            )
+            return int(done.stdout or 0)
+
+        header = ["-H", f"X-Service-Key: {key}", "-H", "Content-Type: image/png"]
+        for base, auth in (
+            (f"{relay.url}/r/{sid}{API}/attachments/attachments%2F", header),
+            (f"{origin}{API}/attachments/attachments%2F", header),
+            (f"{origin}/dav/attachments/", ["-u", f"me:{key}"]),
+        ):
+            name = f"c{len(list(root.glob('attachments/c*')))}.png"
+            assert curl_put(base + name, "photo.png", auth) == 201, base
+            assert (root / "attachments" / name).read_bytes() == data
+            assert curl_put(base + "big.bin", "big.bin", auth) == 413, base
+            assert not (root / "attachments/big.bin").exists()
+
+    def test_a_servers_location_passes_only_to_the_origin_the_request_came_to(self, tmp_path):
+        """S5: no open redirect on the relay's origins. A registered server (here a stand-in
+        speaking the relay's server protocol) answers 302 with a Location of its choice."""
+        env = {"SERVICE_RELAY_DOMAIN": DOMAIN, "SERVICE_RELAY_TIMEOUT": "5"}
+        with running(tmp_path, "relay", env=env) as relay:
+            evil = FakeRelayServer(relay)
+            assert evil.register() == 200
+            sid, port = evil.server_id, relay.port
+            shared, own = f"127.0.0.1:{port}", f"{sid}.{DOMAIN}:{port}"
+            other = f"http://{'a' * 20}.{DOMAIN}:{port}/"
+            foreign = [
+                "https://evil.example/",
+                "HTTPS://EVIL.EXAMPLE/login",
+                "//evil.example/x",
+                "///evil.example/x",
+                "/\\evil.example/x",
+                "\\\\evil.example",
+                "https:evil.example",
+                "javascript:alert(1)",
+                f"http://{shared}@evil.example/",
+                f"http://{own}@evil.example/",
+                f"http://{shared}.evil.example/",
+                other,
+            ]
+            relative = [f"/r/{sid}{API}/notes/notes%2Fa.md", f"{API}/x", "./x?y=1", "?page=2"]
+            for host, path, same, cross in (
+                (shared, f"/r/{sid}{API}/x", f"http://{shared}/r/{sid}{API}/x", f"http://{own}/"),
+                (own, f"{API}/x", f"http://{own}{API}/x", None),
+                (own, "/dav/notes/", f"http://{own}/dav/notes/a.md", None),
+            ):
+                # the server's own origin passes from its path-based routes; the relay's
+                # shared host is another origin for a request to the server's own
+                passes = relative + [same] + ([cross] if cross else [])
+                drops = foreign + ([] if cross else [f"http://{shared}/r/{sid}{API}/x"])
+                for location in passes + drops:
+                    answers: dict = {}
+
+                    def client(host=host, path=path, answers=answers):
+                        answers["r"] = host_request(port, host, "GET", path)
+
+                    t = threading.Thread(target=client)
+                    t.start()
+                    status, _, polled = evil.poll()
+                    assert status == 200
+                    headers = [["Location", location], ["Content-Type", "application/json"]]
+                    assert evil.reply(polled["data"]["id"], 302, headers, b"{}") == 200
+                    t.join(10)
+                    status, got, _ = answers["r"]
+                    assert status == 302
+                    expected = location if location in passes else None
+                    assert got.get("Location") == expected, (host, path, location)
 
 
 class Stranger(FakeRelayServer):
@@ -18298,6 +18565,27 @@ class TestDavJudges:
         # a proxy (absolute-form requests), and the relay serves that origin
         dav = rclone_env(f"{origin}/dav/", server.key, proxy=relay.url)
         self.sync_both_ways(tmp_path, tmp_path / "srv", server, dav)
+
+    def test_rclone_streams_a_file_chunked_through_a_relays_per_server_origin(
+        self, tmp_path, origins
+    ):
+        """S8: a stream of unknown size (`rclone rcat`) goes up as a chunked PUT, as Finder's
+        and Windows' uploads do; through the relay it is stored whole."""
+        if not RCLONE:
+            pytest.skip("no rclone on this machine (Debian: apt install rclone)")
+        relay, _, setup, origin = origins
+        dav = rclone_env(f"{origin}/dav/", setup["apiKey"], proxy=relay.url)
+        dav["RCLONE_WEBDAV_VENDOR"] = "owncloud"  # rclone streams (chunked) only to these
+        data = PNG + os.urandom(600_000)
+        done = subprocess.run(
+            [RCLONE, "rcat", "--streaming-upload-cutoff", "0", ":webdav:attachments/s.png"],
+            input=data,
+            capture_output=True,
+            env=dav,
+            timeout=120,
+        )
+        assert done.returncode == 0, done.stderr[-3000:]
+        assert (tmp_path / "srv/attachments/s.png").read_bytes() == data
 
     def test_a_file_over_the_json_limit_is_put_whole_and_a_note_is_not(self, tmp_path):
         # waitress refuses large bodies before the app sees them: a file over WebDAV has
