@@ -1375,13 +1375,14 @@ def setup_client_ip(config: Config, environ: dict) -> Any:
     hops = _forwarded_hops(environ)
     if not hops:
         return None
+    ip = None
     for hop in reversed(hops):
         ip = ip_of(hop)
         if ip is None:  # "unknown", an obfuscated name, junk: no client we can judge
             return None
         if not is_trusted_proxy(config, str(ip)):
-            return ip
-    return None  # every hop a proxy: nobody named the client
+            break
+    return ip  # else every hop a trusted proxy: the first one's client is theirs to say
 
 
 def in_container() -> bool:

@@ -5644,7 +5644,8 @@ class TestSetup:
             ({"X-Forwarded-For": "203.0.113.5, 127.0.0.1"}, False),  # a second trusted hop
             ({"X-Forwarded-For": "10.0.0.7, 127.0.0.1"}, True),
             ({"X-Forwarded-For": "unknown"}, False),
-            ({"X-Forwarded-For": "127.0.0.1"}, False),  # only proxies: nobody named the client
+            ({"X-Forwarded-For": "127.0.0.1"}, True),  # a trusted proxy's client on loopback
+            ({"X-Forwarded-For": "203.0.113.5, 127.0.0.1, 127.0.0.1"}, False),
             ({"Forwarded": 'for="[fd00::5]:4711";proto=https'}, True),
             ({"Forwarded": "for=203.0.113.5"}, False),
             ({"Forwarded": "for=_hidden"}, False),
@@ -11782,7 +11783,8 @@ class TestSecurity:
         ):
             app_root = tmp_path / f"quiet{i}"
             app = make_app(app_root, SERVICE_HOST=env.pop("SERVICE_HOST", "127.0.0.1"), **env)
-            with_key(app).post(f"{API}/auth/link", extra_environ=LOCAL)
+            home = {"REMOTE_ADDR": "192.168.1.9"}  # not the trusted proxy: a client at home
+            with_key(app).post(f"{API}/auth/link", extra_environ=home)
             os.chmod(app_root / "notes", 0o700)
             report = audit(app)
             assert all(f["severity"] == "info" for f in report["findings"]), report["findings"]
@@ -13685,6 +13687,41 @@ class TestDevicesInChromium:
         s.dialog_choose("done")
         expect(s.page.locator("#app")).to_be_visible()
         return s
+
+    def test_a_page_opened_from_elsewhere_says_why_and_what_to_do(self, browser, tmp_path):
+        """A new server reached from beyond its home network (through a proxy it trusts):
+        no *Set up this server*, the reason and the commands; the key, pasted, still works."""
+        server = Server(tmp_path / "srv", env={"SERVICE_TRUST_PROXY": "127.0.0.1"})
+        try:
+            with ForwardingProxy(server.url) as proxy:  # reports 203.0.113.1: a stranger
+                s = WebSession(browser, tmp_path, "phone")
+                page = s.page
+                page.goto(proxy.url + "/")
+                why = page.locator("#setup-why")
+                expect(why).to_contain_text("set up only from the server itself or its home")
+                expect(why).to_contain_text("python3 notesvc.py pair")
+                expect(why).to_contain_text("python3 notesvc.py rotate-key")
+                expect(page.locator("#setup-box")).to_be_hidden()
+                s.shot("setup-elsewhere")
+                state = json.loads((tmp_path / "srv/.notesvc/state.json").read_text())
+                s.login(proxy.url + "/", state["apiKey"])  # the owner's key, from the server
+                assert not server.request(
+                    "GET", f"{API}/system/setup", headers={"X-Forwarded-For": "127.0.0.1"}
+                )[2]["data"]["setupComplete"]  # the link was refused: setup waits
+                assert unexpected(s.close(), 403) == []
+            late = Server(tmp_path / "late", env={"SERVICE_SETUP_WINDOW": "0"})
+            try:
+                s = WebSession(browser, tmp_path, "phone")
+                s.page.goto(late.url + "/")
+                why = s.page.locator("#setup-why")
+                expect(why).to_contain_text("setup window has passed")
+                expect(why).to_contain_text("Restart the server")
+                expect(s.page.locator("#setup-box")).to_be_hidden()
+                assert unexpected(s.close()) == []
+            finally:
+                late.stop()
+        finally:
+            server.stop()
 
     def test_the_consent_page_signs_in_with_this_browsers_admin_device(self, browser, tmp_path):
         server = Server(tmp_path / "srv")
@@ -15909,8 +15946,9 @@ class TestEdge:
         env = {"SERVICE_TRUST_PROXY": "true", "SERVICE_SETUP_LOCAL_ONLY": "true"}
         with running(tmp_path, env=env) as server, ForwardingProxy(server.url) as proxy:
             setup = f"{API}/system/setup"
-            key = server.request("GET", setup)[2]["data"]["apiKey"]
-            assert re.fullmatch(r"nsk_[A-Za-z0-9_-]{43}", key)  # the owner, on this machine
+            key = json.loads((tmp_path / ".notesvc" / "state.json").read_text())["apiKey"]
+            # From the trusted proxy's own address, naming no client: not local either.
+            assert server.request("GET", setup)[2]["data"]["apiKey"] == "nsk_…" + key[-4:]
             status, body = call(proxy.url, "GET", setup, {"Host": "notes.example"}, "127.0.0.5")
             assert status == 200
             assert body["data"]["server"]["url"] == "https://notes.example"
@@ -15941,8 +15979,10 @@ class TestEdge:
             }
             setup = server.request("GET", f"{API}/system/setup", headers=forged)[2]["data"]
             assert setup["server"]["url"] == server.url  # 127.0.0.1 is not the named proxy
-            key = setup["apiKey"]
-            assert "…" not in key  # the client is the loopback peer, not 203.0.113.9
+            # ... and a forwarding header from a peer not named is never local for setup
+            assert setup["setupHere"] == {"allowed": False, "reason": "proxy"}
+            key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
+            assert setup["apiKey"] == "nsk_…" + key[-4:]
             for i in range(10):  # forged addresses do not spread the failures
                 hdrs = {"X-Service-Key": "nsk_x", "X-Forwarded-For": f"203.0.113.{i}"}
                 assert server.request("POST", f"{API}/auth/verify", headers=hdrs)[0] == 401
