@@ -18094,6 +18094,28 @@ class TestDocs:
         for kept in ("notes/", ".notesvc/state.json", ".notesvc/trash/", ".notesvc/effective.json"):
             assert f"`{kept}`" in readme[readme.index("## Backup and restore") :], kept
 
+    def test_every_proxy_example_names_the_client_and_the_readme_says_who_sets_up(self):
+        """Setup judges the client a trusted proxy names: every example in deploy/ names it
+        (Caddy's reverse_proxy sets X-Forwarded-For by itself; nginx is told to)."""
+        for path in sorted((HERE / "deploy").iterdir()):
+            text = path.read_text()
+            if "Caddyfile" in path.name:
+                assert "reverse_proxy" in text, path.name
+                assert "header_up -X-Forwarded-For" not in text, path.name
+            elif "proxy_pass" in text:
+                assert re.search(
+                    r"proxy_set_header X-Forwarded-For \$proxy_add_x_forwarded_for", text
+                )
+        readme = " ".join((HERE / "README.md").read_text().split())
+        for sentence in (
+            "Only a browser on the server itself or on its own network (home Wi-Fi) can set up a "
+            "new server, and only until the first device is set up. This holds for the API as "
+            "well:",
+            "A tunnel or proxy in front of notesvc that adds no `X-Forwarded-For` makes every "
+            "client look local;",
+        ):
+            assert sentence in readme
+
 
 # -- WebDAV (CONTRACT 25) --------------------------------------------------------------------
 
