@@ -203,6 +203,30 @@ def _bool(raw: str) -> bool:
     raise ValueError(f"{raw!r} is not true or false")
 
 
+def _setup_local_only(raw: str) -> str:
+    """Parse SERVICE_SETUP_LOCAL_ONLY: auto, or true / false (as _bool takes them)."""
+    word = raw.strip().lower()
+    return "auto" if word == "auto" else ("true" if _bool(raw) else "false")
+
+
+def _duration(lo: int, hi: int) -> Callable[[str], int]:
+    """Parse seconds: a whole number, or one with s, m or h after it (30m, 2h)."""
+    units = {"s": 1, "m": 60, "h": 3600}
+
+    def parse(raw: str) -> int:
+        text = raw.strip().lower()
+        unit = units.get(text[-1:], 0)
+        try:
+            value = int(text[:-1] if unit else text) * (unit or 1)
+        except ValueError:
+            raise ValueError(f"{raw!r} is not a number of seconds (or 30m, 2h)") from None
+        if not lo <= value <= hi:
+            raise ValueError(f"{value} seconds is outside {lo}..{hi}")
+        return value
+
+    return parse
+
+
 def _choice(*values: str) -> Callable[[str], str]:
     def parse(raw: str) -> str:
         word = raw.strip().lower()
@@ -331,9 +355,19 @@ SETTINGS = (
         "setup_local_only",
         "SERVICE_SETUP_LOCAL_ONLY",
         "",
-        "false",
-        _bool,
-        "show the key in the setup payload only to loopback clients",
+        "auto",
+        _setup_local_only,
+        "who may set up: true (loopback only), false (loopback and home networks) or auto "
+        "(loopback only on a VPS or in a container)",
+    ),
+    Setting(
+        "setup_window",
+        "SERVICE_SETUP_WINDOW",
+        "",
+        "30m",
+        _duration(0, 30 * 86400),
+        "how long after a start with setup incomplete the key is offered over HTTP "
+        "(seconds, or 30m, 2h; 0: never)",
     ),
     Setting(
         "pairing",
@@ -604,7 +638,8 @@ class Config:
     cors: tuple
     public_url: str
     trust_proxy: tuple
-    setup_local_only: bool
+    setup_local_only: str  # auto, true or false: see setup_loopback_only()
+    setup_window: int
     pairing: str
     relay_url: str
     client_url: str
@@ -1096,6 +1131,7 @@ HOME_NETS = tuple(
         "172.16.0.0/12",
         "192.168.0.0/16",
         "169.254.0.0/16",
+        "100.64.0.0/10",  # carrier-grade NAT: tailnets (Tailscale, Headscale)
         "::1/128",
         "fe80::/10",
         "fc00::/7",
@@ -1297,6 +1333,83 @@ def client_address(config: Config, environ: dict) -> str:
         if not is_trusted_proxy(config, found):
             break
     return found
+
+
+# Headers by which a proxy or a tunnel says whom it forwards for: from a peer that is not a
+# trusted proxy, any of them means the peer is not the client (CONTRACT corrections).
+FORWARDING_HEADERS = (
+    "HTTP_X_FORWARDED_FOR",
+    "HTTP_FORWARDED",
+    "HTTP_X_REAL_IP",
+    "HTTP_X_FORWARDED_HOST",
+    "HTTP_X_FORWARDED_PROTO",
+    "HTTP_VIA",
+    "HTTP_CF_CONNECTING_IP",
+    "HTTP_TRUE_CLIENT_IP",
+)
+_FORWARDED_FOR_RE = re.compile(r'(?:^|;)\s*for\s*=\s*("[^"]*"|[^;,\s]*)', re.IGNORECASE)
+
+
+def _forwarded_hops(environ: dict) -> list | None:
+    """Return the client addresses a trusted proxy reports, nearest last (its first
+    forwarding header of X-Forwarded-For, Forwarded, X-Real-IP), or None without one."""
+    xff = environ.get("HTTP_X_FORWARDED_FOR", "")
+    if xff.strip():
+        return [hop.strip() for hop in xff.split(",")]
+    forwarded = environ.get("HTTP_FORWARDED", "")
+    if forwarded.strip():
+        hops = []
+        for element in forwarded.split(","):
+            m = _FORWARDED_FOR_RE.search(element.strip())
+            hops.append(m.group(1).strip('"') if m else "")
+        return hops
+    real = environ.get("HTTP_X_REAL_IP", "")
+    return [real.strip()] if real.strip() else None
+
+
+def setup_client_ip(config: Config, environ: dict) -> Any:
+    """Return the client's address as setup judges it, or None when it cannot be known.
+
+    The TCP peer decides; a forwarded address counts only from a proxy SERVICE_TRUST_PROXY
+    names (the right-most hop that is not itself such a proxy). None: a relayed request,
+    a trusted proxy that names no parseable client, or any forwarding header from a peer
+    that is not a trusted proxy (a tunnel or proxy we were not told about).
+    """
+    if environ.get("notesvc.relayed"):
+        return None
+    peer = ip_of(environ.get("REMOTE_ADDR") or "")
+    if peer is None:
+        return None
+    if not is_trusted_proxy(config, str(peer)):
+        return None if any(environ.get(h) for h in FORWARDING_HEADERS) else peer
+    hops = _forwarded_hops(environ)
+    if not hops:
+        return None
+    ip = None
+    for hop in reversed(hops):
+        ip = ip_of(hop)
+        if ip is None:  # "unknown", an obfuscated name, junk: no client we can judge
+            return None
+        if not is_trusted_proxy(config, str(ip)):
+            break
+    return ip  # else every hop a trusted proxy: the first one's client is theirs to say
+
+
+def in_container() -> bool:
+    """Return whether this process runs in a Docker or Podman container."""
+    return os.path.exists("/.dockerenv") or os.path.exists("/run/.containerenv")
+
+
+def setup_loopback_only(mode: str, own_address: str, container: bool) -> bool:
+    """Return whether only loopback clients may set up (SERVICE_SETUP_LOCAL_ONLY).
+
+    auto: loopback only when this machine's own default-route address is outside the
+    home ranges (a VPS: its "neighbours" are strangers) or it runs in a container (every
+    client then arrives from the container network's private gateway); else home networks.
+    """
+    if mode in ("true", "false"):
+        return mode == "true"
+    return container or not is_home_network(own_address)
 
 
 def request_host(config: Config, environ: dict) -> str:
@@ -9282,6 +9395,9 @@ class GrantStore:
                 "createdBy": maker,  # whoever made the pairing made the device
             }
             data["grants"] = [*grants, device]
+            if found["scope"] == "admin" and found.get("createdBy") == MADE_BY_CLI:
+                data["setupComplete"] = True  # `pair` on the server: its owner set it up
+                data.pop("apiKey", None)
             return device
 
         if not any(  # a wrong secret writes nothing
@@ -9878,6 +9994,8 @@ class Service:
         self.config = config
         self.readonly = readonly
         self.started = time.time()
+        self.setup_opened = time.monotonic()  # the setup window runs from here
+        self._setup_loopback_only: bool | None = None  # decided once (setup_loopback_only)
         self.plugins = dict(plugins)
         self.agent_providers = dict(agent_providers)
         self.channel_providers = dict(channel_providers)
@@ -10042,6 +10160,45 @@ class Service:
     def client_addr(self, environ: dict) -> str:
         """Return the client's address (see client_address: proxies and the relay)."""
         return client_address(self.config, environ)
+
+    @property
+    def setup_loopback_only(self) -> bool:
+        """Whether only loopback clients may set up (SERVICE_SETUP_LOCAL_ONLY, auto decided
+        once from this machine's own address)."""
+        if self._setup_loopback_only is None:
+            mode = self.config.setup_local_only
+            auto = mode == "auto"
+            self._setup_loopback_only = setup_loopback_only(
+                mode, lan_address() if auto else "", auto and in_container()
+            )
+        return self._setup_loopback_only
+
+    def setup_here(self, environ: dict, check_host: bool = True) -> tuple:
+        """Return (allowed, reason): may this request see the full key, set up from the
+        page, or link with the setup key? reason is None when allowed, else one of
+        complete, relayed, proxy, remote, loopback-only, window, host.
+
+        The TCP peer decides (setup_client_ip), never a header; the Host check (against
+        DNS rebinding) comes on top, not instead.
+        """
+        if self.state.read().get("setupComplete"):
+            return False, "complete"
+        if environ.get("notesvc.relayed"):
+            return False, "relayed"
+        ip = setup_client_ip(self.config, environ)
+        if ip is None:
+            peer = ip_of(environ.get("REMOTE_ADDR") or "")
+            untrusted = peer is not None and not is_trusted_proxy(self.config, str(peer))
+            return False, "proxy" if untrusted else "remote"
+        if not is_home_network(str(ip)):
+            return False, "remote"
+        if self.setup_loopback_only and not ip.is_loopback:
+            return False, "loopback-only"
+        if time.monotonic() - self.setup_opened > self.config.setup_window:
+            return False, "window"
+        if check_host and not names_this_machine(self.config, request_host(self.config, environ)):
+            return False, "host"
+        return True, None
 
     def base_url(self, environ: dict) -> str:
         return base_url_of(self.config, environ)
@@ -15224,41 +15381,47 @@ def check_tool_writes(svc: Service) -> list:
 
 @audit_check
 def check_setup_exposed(svc: Service) -> list:
+    """An incomplete setup is critical once anything beyond loopback can reach the server:
+    bound to a non-loopback address, or registered with a relay."""
     cfg, st = svc.config, svc.state.read()
     if st.get("setupComplete") or cfg.auth_mode == "none":
         return []
-    if not _reachable_beyond_loopback(cfg):
+    relayed = bool(cfg.relay_url) and cfg.pairing == "relay"
+    finish = (
+        f"Set it up now from a browser on this machine or its home network, or run "
+        f"`{_self_command()} pair` (or rotate-key) on the server: either completes setup."
+    )
+    if not _reachable_beyond_loopback(cfg) and not relayed:
         return [
             finding(
                 "setup-incomplete",
                 "low",
                 "Setup is not complete",
-                "The key is shown by GET /system/setup until a client links; the "
-                "service listens on loopback only.",
-                "Link a client: POST /api/v1/auth/link with the key.",
+                "The key is offered by GET /system/setup to this machine until setup "
+                "completes; the service listens on loopback only.",
+                finish,
             )
         ]
-    if cfg.setup_local_only:
-        return [
-            finding(
-                "setup-incomplete",
-                "medium",
-                "Setup is not complete",
-                f"Reachable on {cfg.host}; the key is shown only to loopback clients "
-                "(SERVICE_SETUP_LOCAL_ONLY), but a proxy on this machine would count "
-                "as loopback.",
-                "Link a client now: POST /api/v1/auth/link with the key.",
-            )
-        ]
+    where = " and ".join(
+        part
+        for part in (
+            f"listens on {cfg.host or '*'}" if _reachable_beyond_loopback(cfg) else "",
+            f"is registered with the relay {_redact_url(cfg.relay_url)}" if relayed else "",
+        )
+        if part
+    )
+    who = "loopback" if svc.setup_loopback_only else "loopback and home-network"
     return [
         finding(
             "setup-exposed",
             "critical",
-            "The API key is publicly readable",
-            f"Setup is incomplete and the service listens on {cfg.host}: anyone who "
-            "reaches it can read the key from GET /api/v1/system/setup.",
-            "Link a client now (POST /api/v1/auth/link), or set "
-            "SERVICE_SETUP_LOCAL_ONLY=true, or bind to 127.0.0.1 until linked.",
+            "Setup is not complete on a reachable server",
+            f"Setup is incomplete and the service {where}: whoever sets it up first owns "
+            f"it. The key is offered only to {who} clients, for "
+            f"{_minutes(cfg.setup_window)} after a start, and never through a relay; a "
+            "proxy or tunnel in front that adds no forwarding header makes every client "
+            "look local.",
+            finish,
         )
     ]
 
@@ -16960,6 +17123,7 @@ img.qr {
   font-weight: 600;
 }
 #setup-box,
+#setup-elsewhere,
 #pair-box {
   margin: 1rem 0 1.5rem;
   padding: 0.8rem 1rem 1rem;
@@ -17304,7 +17468,11 @@ async function connect(typed) {
     }
     applyGrant(v.data.grant); // a scoped key: only what it may do
     if (!v.data.setupComplete && !v.data.grant) {
-      await api("POST", "/auth/link", {clientName: "web client"});
+      // Refused (403) away from the server and its home network: the key still works,
+      // and setup waits for the server's own `pair` or a browser at home.
+      await api("POST", "/auth/link", {clientName: "web client"}).catch((e) => {
+        if (e.status !== 403) throw e;
+      });
     }
     setItem("local", "notesvc.base", state.base);
     if (new URLSearchParams(location.search).has("relayCode")) {
@@ -21262,6 +21430,36 @@ async function setUpServer() {
   }
 }
 
+// A new server opened from where it may not be set up (setupHere.reason): why, and what to do.
+function whyNotSetUpHere(here) {
+  const onServer =
+    "On the server, run: python3 notesvc.py pair (a code to scan) or " +
+    "python3 notesvc.py rotate-key (a key to paste below).";
+  const there = here.url ? " (" + here.url + ")" : "";
+  const why = {
+    remote:
+      "This notes server is new, and it is set up only from the server itself or its home " +
+      "network, not from here. Open this page there" + there + ".",
+    "loopback-only":
+      "This notes server is new, and it is set up only from a browser on the server " +
+      "itself. Open this page there.",
+    relayed:
+      "This notes server is new, and it is never set up through a relay. Open its own " +
+      "address on the server or its home network.",
+    proxy:
+      "This notes server is new, and this page came through a proxy or tunnel it was not " +
+      "told to trust (SERVICE_TRUST_PROXY), so it cannot tell where you are. Open this " +
+      "page on the server or its home network.",
+    window:
+      "This notes server is new, and its setup window has passed (SERVICE_SETUP_WINDOW). " +
+      "Restart the server and open this page within it.",
+    host:
+      "This notes server is new. Open this page by the server's address (its IP address, " +
+      "localhost or its name), not by this name.",
+  }[here.reason];
+  return why ? why + " " + onServer : onServer;
+}
+
 async function offerSetup() {
   try {
     const base = new URL("api/v1", location.href).pathname;
@@ -21271,6 +21469,9 @@ async function offerSetup() {
       $("setup-name").value = deviceGuess();
       $("setup-box").hidden = false;
       $("setup").focus();
+    } else if (j.data && !j.data.setupComplete && j.data.setupHere) {
+      $("setup-why").textContent = whyNotSetUpHere(j.data.setupHere);
+      $("setup-elsewhere").hidden = false;
     }
   } catch (e) {
     /* not a notes server's own page (a relay's): the key screen as it is */
@@ -21814,6 +22015,10 @@ WEB_PAGE = r"""
     <input id="setup-name" type="text" autocomplete="off" maxlength="100">
     <button id="setup" class="primary" type="button">Set up this server</button>
     <p id="setup-msg" class="err" role="alert"></p>
+    <p class="hint">Or connect with the key below.</p>
+  </div>
+  <div id="setup-elsewhere" hidden>
+    <p id="setup-why"></p>
     <p class="hint">Or connect with the key below.</p>
   </div>
   <div id="pair-box" hidden>
@@ -23820,31 +24025,29 @@ def names_this_machine(config: Config, host: str) -> bool:
     return name in names
 
 
-def browser_setup_allowed(svc: Service, env: dict) -> bool:
-    """Return whether the web client may set this server up from this request: setup not
-    done, the key shown to it, the client on this machine or its own network, and never
-    through a relay (CONTRACT 23)."""
-    cfg, st = svc.config, svc.state.read()
-    addr = svc.client_addr(env)
-    return (
-        not st.get("setupComplete")
-        and not env.get("notesvc.relayed")
-        and not env.get("SCRIPT_NAME")
-        and names_this_machine(cfg, request_host(cfg, env))
-        and is_home_network(addr)
-        and (not cfg.setup_local_only or is_loopback(addr))
-    )
+SETUP_ELSEWHERE = "finish setup on this machine or its home network, or run `pair` on the server"
+
+
+def setup_here_facts(svc: Service, env: dict) -> dict:
+    """Return the setup payload's setupHere: {allowed, reason[, url]}; url is the address
+    to open instead, for a client that came over global IPv6 to a server with a home
+    IPv4 address."""
+    allowed, reason = svc.setup_here(env)
+    facts: dict = {"allowed": allowed, "reason": reason}
+    ip = setup_client_ip(svc.config, env) if reason == "remote" else None
+    if ip is not None and ip.version == 6:
+        own = lan_address()
+        if own and ":" not in own and is_home_network(own):
+            facts["url"] = f"http://{own}:{_server_port(env, svc.config)}"
+    return facts
 
 
 def get_setup(svc: Service) -> dict:
     env, cfg, st = bottle.request.environ, svc.config, svc.state.read()
     url, relay = svc.base_url(env), svc.relay_url(env)
     server_id, code, complete = st["serverId"], st["relayCode"], bool(st.get("setupComplete"))
-    show_key = (
-        not complete
-        and names_this_machine(cfg, request_host(cfg, env))  # defeats DNS rebinding
-        and (not cfg.setup_local_only or is_loopback(svc.client_addr(env)))
-    )
+    here = setup_here_facts(svc, env)
+    show_key = here["allowed"]
     key = st.get("apiKey", "") if show_key else KEY_PREFIX + "…" + st.get("keyHint", "")
     direct, relayed = f"{url}{API}", f"{svc.relay_base(env)}{API}"
     own_client = f"{svc.relay_base(env) if svc.relay_origin() else relay}/"
@@ -23855,7 +24058,8 @@ def get_setup(svc: Service) -> dict:
         "serverId": server_id,
         "apiKey": key,
         "setupComplete": complete,
-        "browserSetup": show_key and browser_setup_allowed(svc, env),
+        "browserSetup": show_key and not env.get("SCRIPT_NAME"),
+        "setupHere": here,
         "version": __version__,
         "auth": {
             "method": cfg.auth_mode,
@@ -23885,8 +24089,9 @@ def get_setup(svc: Service) -> dict:
     }
     if not complete:
         payload["instructions"] = [
-            "Copy apiKey: it is shown here only until setup completes"
-            + (" (and only to this machine)." if cfg.setup_local_only else "."),
+            "Copy apiKey: it is shown only to this machine"
+            + ("" if svc.setup_loopback_only else " and its home network")
+            + f", for {_minutes(cfg.setup_window)} after a start, until setup completes.",
             "Open links.connect.hosted (or testHosted) on your device: it fills in this server.",
             f"If prefill is unavailable, paste links.apiBase and the key into your client "
             f"(header {KEY_HEADER}).",
@@ -23894,6 +24099,12 @@ def get_setup(svc: Service) -> dict:
             "the key is redacted here from then on.",
         ]
     return payload
+
+
+def _minutes(seconds: int) -> str:
+    if seconds % 60:
+        return f"{seconds} seconds"
+    return "1 minute" if seconds == 60 else f"{seconds // 60} minutes"
 
 
 def _server_port(env: dict, cfg: Config) -> int:
@@ -23991,7 +24202,8 @@ def get_config(svc: Service) -> dict:
         "auth": {
             "mode": cfg.auth_mode,
             "header": KEY_HEADER,
-            "setupLocalOnly": cfg.setup_local_only,
+            "setupLocalOnly": svc.setup_loopback_only,
+            "setupWindowSeconds": cfg.setup_window,
             "lockout": limits["lockout"],
         },
         "connection": {
@@ -24044,6 +24256,19 @@ def verify_key(svc: Service) -> dict:
 
 
 def link_client(svc: Service) -> dict:
+    """POST /auth/link. Before setup, only from where the key may be offered
+    (Service.setup_here, the Host aside): elsewhere 403, not counted toward the lockout."""
+    env = bottle.request.environ
+    allowed, reason = svc.setup_here(env, check_host=False)
+    if not allowed and reason == "window":
+        raise ApiError(
+            403,
+            "FORBIDDEN",
+            "the setup window has passed: restart the server, or run `pair` (or "
+            "`rotate-key`) on the server",
+        )
+    if not allowed and reason != "complete":
+        raise ApiError(403, "FORBIDDEN", SETUP_ELSEWHERE)
     body = read_json(svc.config.max_body_bytes, required=False)
     name = field(body, "clientName", str, required=False, max_len=100) or "unnamed client"
     name = "".join(ch for ch in name if ch.isprintable()).strip() or "unnamed client"
@@ -25297,7 +25522,8 @@ def security_config(svc: Service) -> dict:
         },
         "setup": {
             "complete": bool(st.get("setupComplete")),
-            "localOnly": cfg.setup_local_only,
+            "localOnly": svc.setup_loopback_only,
+            "windowSeconds": cfg.setup_window,
             "linkedClients": len(st.get("linkedClients", [])),
         },
         "network": {"bindHost": cfg.host, **_network_facts(cfg), "pairingMode": cfg.pairing},
@@ -27390,7 +27616,14 @@ def _channel_body(svc: Service) -> dict:
 
 ROUTES = (
     Route("GET", "/health", get_health, public=True, summary="Liveness and version"),
-    Route("GET", "/system/setup", get_setup, public=True, summary="Setup and pairing payload"),
+    Route(
+        "GET",
+        "/system/setup",
+        get_setup,
+        public=True,
+        summary="Setup and pairing payload (the full key only where setupHere.allowed: this "
+        "machine or its home network, during the setup window)",
+    ),
     Route("GET", "/system/info", get_info, summary="Version, uptime, note counts", scope="admin"),
     Route(
         "GET",
@@ -27412,7 +27645,8 @@ ROUTES = (
         "POST",
         "/auth/link",
         link_client,
-        summary="Link a client; completes setup",
+        summary="Link a client; completes setup (before setup: 403 unless from this machine "
+        "or its home network)",
         body=_obj(clientName={"type": "string", "maxLength": 100}),
         tag="auth",
         scope="admin",
@@ -29321,13 +29555,20 @@ def _owned_state(config: Config, command: str) -> StateStore:
 def cmd_rotate_key(config: Config) -> int:
     """Print a new key (written as the state folder's owner, see _owned_state)."""
     store = _owned_state(config, "rotate-key")
+    was_complete = bool(store.read().get("setupComplete"))
+
+    def change(data: dict) -> str:
+        data["setupComplete"] = True  # run on the server: setup is done (key kept hashed)
+        return rotate_key(data)
+
     try:
-        key = store.update(rotate_key)
+        key = store.update(change)
     except PermissionError:
         raise ConfigError(store.permission_hint) from None
     print(key)
     print(
-        "The old key stopped working; a running notesvc picks this one up at once.",
+        "The old key stopped working; a running notesvc picks this one up at once."
+        + ("" if was_complete else " Setup is complete: the key is offered to no one now."),
         file=sys.stderr,
     )
     return 0

@@ -76,6 +76,9 @@ def make_env(root: Path, **env: str) -> dict:
         "SERVICE_TELEGRAM_API_BASE": NOWHERE,
         "SERVICE_WHATSAPP_API_BASE": NOWHERE,
         "SERVICE_IMPORT_MIN_FREE_BYTES": "0",  # imports need no margin on a test's disk
+        # who may set up: loopback and home networks, never `auto` (this machine's own
+        # address would decide)
+        "SERVICE_SETUP_LOCAL_ONLY": "false",
     }
     base.update(env)
     return base
@@ -109,6 +112,10 @@ def make_app(root):
 @pytest.fixture
 def anon(make_app):
     return make_app()
+
+
+LOCAL = {"REMOTE_ADDR": "127.0.0.1"}  # a client on this machine (WebTest sets no peer)
+KEY = "X-Service-Key"
 
 
 def key_of(app: webtest.TestApp) -> str:
@@ -168,7 +175,12 @@ class Server:
         must_be_marked("real_server")
         cmd = [sys.executable, NOTESVC, *args, "--host", "127.0.0.1", "--port", str(port)]
         cmd += [] if args[:1] == ("relay",) else ["--root", str(root)]  # a relay has no root
-        full_env = {**os.environ, "SERVICE_RESCAN_SECONDS": "0", **(env or {})}
+        full_env = {
+            **os.environ,
+            "SERVICE_RESCAN_SECONDS": "0",
+            "SERVICE_SETUP_LOCAL_ONLY": "false",  # never `auto`: see make_env
+            **(env or {}),
+        }
         self.proc = subprocess.Popen(
             cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=full_env
         )
@@ -5408,7 +5420,7 @@ class TestSetup:
         assert payload["version"] == notesvc.__version__
 
     def test_key_has_prefix_and_43_urlsafe_chars(self, anon):
-        key = data(anon.get(f"{API}/system/setup"))["apiKey"]
+        key = data(anon.get(f"{API}/system/setup", extra_environ=LOCAL))["apiKey"]
         assert re.fullmatch(r"nsk_[A-Za-z0-9_-]{43}", key)
 
     def test_relay_mode_links(self, anon):
@@ -5470,11 +5482,12 @@ class TestSetup:
 
     def test_link_completes_setup_and_redacts_key(self, anon, client):
         key = key_of(anon)
-        before = data(anon.get(f"{API}/system/setup"))
+        before = data(anon.get(f"{API}/system/setup", extra_environ=LOCAL))
         assert before["setupComplete"] is False
         assert before["apiKey"] == key
         assert before["instructions"]
-        linked = data(client.post_json(f"{API}/auth/link", {"clientName": "phone"}))
+        link = client.post_json(f"{API}/auth/link", {"clientName": "phone"}, extra_environ=LOCAL)
+        linked = data(link)
         assert linked["linked"] is True
         assert linked["setupComplete"] is True
         after = data(anon.get(f"{API}/system/setup"))
@@ -5488,7 +5501,8 @@ class TestSetup:
     def test_setup_local_only_hides_key_from_remote_clients(self, make_app):
         app = make_app(SERVICE_SETUP_LOCAL_ONLY="true")
         key = key_of(app)
-        remote = data(app.get(f"{API}/system/setup", extra_environ={"REMOTE_ADDR": "192.0.2.7"}))
+        home = {"REMOTE_ADDR": "192.168.1.7"}  # its own network: not loopback
+        remote = data(app.get(f"{API}/system/setup", extra_environ=home))
         assert remote["apiKey"] != key
         assert remote["apiKey"].startswith("nsk_…")
         local = data(app.get(f"{API}/system/setup", extra_environ={"REMOTE_ADDR": "127.0.0.1"}))
@@ -5513,7 +5527,7 @@ class TestSetup:
     def test_full_key_only_for_hosts_naming_this_machine(self, make_app, host, shown):
         app = make_app(SERVICE_PUBLIC_URL="https://notes.example")
         key = key_of(app)
-        p = data(app.get(f"{API}/system/setup", headers={"Host": host}))
+        p = data(app.get(f"{API}/system/setup", headers={"Host": host}, extra_environ=LOCAL))
         assert (p["apiKey"] == key) is shown
         if not shown:
             assert p["apiKey"] == "nsk_…" + key[-4:]
@@ -5521,19 +5535,351 @@ class TestSetup:
     def test_forwarded_host_counts_for_the_key_only_from_a_trusted_proxy(self, make_app):
         app = make_app(SERVICE_TRUST_PROXY="true")
         key = key_of(app)
-        rebind = {"Host": "127.0.0.1", "X-Forwarded-Host": "rebind.attacker.example"}
+        home = {"Host": "127.0.0.1", "X-Forwarded-For": "192.168.1.5"}
+        rebind = {**home, "X-Forwarded-Host": "rebind.attacker.example"}
         via_proxy = {"REMOTE_ADDR": "127.0.0.1"}
-        p = data(app.get(f"{API}/system/setup", headers=rebind, extra_environ=via_proxy))
-        assert p["apiKey"] != key  # the proxy was asked for the attacker's name
-        direct = {"REMOTE_ADDR": "192.0.2.7"}  # not a proxy: its X-Forwarded-Host is ignored
         assert (
-            data(app.get(f"{API}/system/setup", headers=rebind, extra_environ=direct))["apiKey"]
+            data(app.get(f"{API}/system/setup", headers=home, extra_environ=via_proxy))["apiKey"]
             == key
         )
+        p = data(app.get(f"{API}/system/setup", headers=rebind, extra_environ=via_proxy))
+        assert p["apiKey"] != key  # the proxy was asked for the attacker's name
+        assert p["setupHere"] == {"allowed": False, "reason": "host"}
+
+    # -- who may set up: the TCP peer decides, never a header ---------------------------
+
+    STRANGER = {"REMOTE_ADDR": "203.0.113.5"}  # beyond any home network
+
+    @pytest.mark.parametrize("host", ["127.0.0.1", "127.0.0.1:3000", "localhost", "[::1]:3000"])
+    def test_a_stranger_naming_this_machine_gets_no_key_and_cannot_link(self, make_app, host):
+        """S1: the Host header is the client's to write; it never earns the key."""
+        app = make_app()
+        key = key_of(app)
+        p = data(
+            app.get(f"{API}/system/setup", headers={"Host": host}, extra_environ=self.STRANGER)
+        )
+        assert p["apiKey"] == "nsk_…" + key[-4:]
+        assert p["browserSetup"] is False
+        assert p["setupHere"] == {"allowed": False, "reason": "remote"}
+        for _ in range(12):  # more than the lockout's 10: a refusal here is not a failure
+            resp = with_key(app).post(
+                f"{API}/auth/link", headers={"Host": host}, extra_environ=self.STRANGER, status=403
+            )
+            err = assert_error(resp, 403, "FORBIDDEN")
+            assert err["message"] == (
+                "finish setup on this machine or its home network, or run `pair` on the server"
+            )
+        assert not app.app.service.state.read()["setupComplete"]
+        assert data(with_key(app).get(f"{API}/notes", extra_environ=self.STRANGER)) is not None
+        # from home the same key links at once
+        with_key(app).post(f"{API}/auth/link", extra_environ={"REMOTE_ADDR": "192.168.1.5"})
+        assert app.app.service.state.read()["setupComplete"]
+
+    @pytest.mark.parametrize(
+        ("peer", "home"),
+        [
+            ("127.0.0.1", True),
+            ("127.8.9.10", True),
+            ("::1", True),
+            ("10.1.2.3", True),
+            ("172.16.5.4", True),
+            ("172.31.255.254", True),
+            ("172.32.0.1", False),
+            ("192.168.1.5", True),
+            ("100.64.1.2", True),  # a tailnet
+            ("100.127.255.254", True),
+            ("100.128.0.1", False),
+            ("169.254.3.4", True),
+            ("fd00::1", True),
+            ("fe80::1", True),
+            ("::ffff:192.168.1.5", True),  # IPv4-mapped, unwrapped
+            ("::ffff:203.0.113.5", False),
+            ("2a01:4f8::1", False),  # a global IPv6 address is not home
+            ("203.0.113.5", False),
+            ("8.8.8.8", False),
+            ("", False),  # no peer at all: not local
+        ],
+    )
+    def test_home_ranges_decide_by_the_peer(self, make_app, peer, home):
+        app = make_app()
+        key = key_of(app)
+        env = {"REMOTE_ADDR": peer} if peer else {}
+        p = data(app.get(f"{API}/system/setup", headers={"Host": "127.0.0.1"}, extra_environ=env))
+        assert (p["apiKey"] == key) is home
+        assert p["setupHere"]["allowed"] is home
+        assert p["browserSetup"] is home
+        if not home:
+            assert p["setupHere"]["reason"] == "remote"
+
+    @pytest.mark.parametrize(
+        "header",
+        [
+            ("X-Forwarded-For", "127.0.0.1"),
+            ("Forwarded", "for=127.0.0.1"),
+            ("X-Real-IP", "127.0.0.1"),
+            ("X-Forwarded-Host", "127.0.0.1"),
+            ("X-Forwarded-Proto", "http"),
+            ("Via", "1.1 tunnel"),
+            ("CF-Connecting-IP", "127.0.0.1"),
+            ("True-Client-IP", "127.0.0.1"),
+        ],
+    )
+    def test_a_forwarding_header_from_an_untrusted_peer_is_not_local(self, make_app, header):
+        """A proxy or tunnel nobody named in SERVICE_TRUST_PROXY: whoever it carries, the
+        loopback peer is not the client."""
+        app = make_app()
+        key = key_of(app)
+        p = data(app.get(f"{API}/system/setup", headers=dict([header]), extra_environ=LOCAL))
+        assert p["apiKey"] != key
+        assert p["setupHere"] == {"allowed": False, "reason": "proxy"}
+        resp = with_key(app).post(
+            f"{API}/auth/link", headers=dict([header]), extra_environ=LOCAL, status=403
+        )
+        assert_error(resp, 403, "FORBIDDEN")
+
+    @pytest.mark.parametrize(
+        ("headers", "shown"),
+        [
+            ({"X-Forwarded-For": "203.0.113.5"}, False),
+            ({"X-Forwarded-For": "192.168.1.5"}, True),
+            ({"X-Forwarded-For": "192.168.1.5, 203.0.113.5"}, False),  # the left is the client's
+            ({"X-Forwarded-For": "203.0.113.5, 127.0.0.1"}, False),  # a second trusted hop
+            ({"X-Forwarded-For": "10.0.0.7, 127.0.0.1"}, True),
+            ({"X-Forwarded-For": "unknown"}, False),
+            ({"X-Forwarded-For": "127.0.0.1"}, True),  # a trusted proxy's client on loopback
+            ({"X-Forwarded-For": "203.0.113.5, 127.0.0.1, 127.0.0.1"}, False),
+            ({"Forwarded": 'for="[fd00::5]:4711";proto=https'}, True),
+            ({"Forwarded": "for=203.0.113.5"}, False),
+            ({"Forwarded": "for=_hidden"}, False),
+            ({"X-Real-IP": "10.0.0.2"}, True),
+            ({"X-Real-IP": "203.0.113.5"}, False),
+            ({}, False),  # a trusted proxy that names no client
+            ({"X-Forwarded-Proto": "https"}, False),
+        ],
+    )
+    def test_a_trusted_proxy_names_the_client(self, make_app, headers, shown):
+        app = make_app(SERVICE_TRUST_PROXY="127.0.0.1")
+        key = key_of(app)
+        hdrs = {"Host": "127.0.0.1", **headers}
+        p = data(app.get(f"{API}/system/setup", headers=hdrs, extra_environ=LOCAL))
+        assert (p["apiKey"] == key) is shown
+        if not shown:
+            assert p["setupHere"] == {"allowed": False, "reason": "remote"}
+
+    def test_a_relayed_request_is_never_local(self, make_app):
+        app = make_app()
+        relayed = {**LOCAL, "notesvc.relayed": True}
+        p = data(app.get(f"{API}/system/setup", extra_environ=relayed))
+        assert p["apiKey"] != key_of(app)
+        assert p["setupHere"] == {"allowed": False, "reason": "relayed"}
+        assert_error(
+            with_key(app).post(f"{API}/auth/link", extra_environ=relayed, status=403),
+            403,
+            "FORBIDDEN",
+        )
+
+    def test_local_only_narrows_to_loopback(self, make_app):
+        app = make_app(SERVICE_SETUP_LOCAL_ONLY="true")
+        home = {"REMOTE_ADDR": "192.168.1.7"}
+        p = data(app.get(f"{API}/system/setup", extra_environ=home))
+        assert p["setupHere"] == {"allowed": False, "reason": "loopback-only"}
+        assert_error(
+            with_key(app).post(f"{API}/auth/link", extra_environ=home, status=403), 403, "FORBIDDEN"
+        )
+        assert data(app.get(f"{API}/system/setup", extra_environ=LOCAL))["setupHere"]["allowed"]
+
+    def test_the_key_is_offered_only_during_the_setup_window(self, make_app):
+        app = make_app(SERVICE_SETUP_WINDOW="1")
+        key = key_of(app)
+        assert data(app.get(f"{API}/system/setup", extra_environ=LOCAL))["apiKey"] == key
+
+        def closed() -> dict:
+            p = data(app.get(f"{API}/system/setup", extra_environ=LOCAL))
+            return p if p["setupHere"]["reason"] == "window" else {}
+
+        p = wait_for(closed, timeout=5)
+        assert p["apiKey"] == "nsk_…" + key[-4:]
+        assert p["browserSetup"] is False
+        err = assert_error(
+            with_key(app).post(f"{API}/auth/link", extra_environ=LOCAL, status=403),
+            403,
+            "FORBIDDEN",
+        )
+        assert "restart" in err["message"]
+        assert "pair" in err["message"]
+        # A start opens it again (the window runs from the start).
+        assert data(make_app().get(f"{API}/system/setup", extra_environ=LOCAL))["apiKey"] == key
+        never = make_app(SERVICE_SETUP_WINDOW="0")
+        assert data(never.get(f"{API}/system/setup", extra_environ=LOCAL))["apiKey"] != key
+
+    @pytest.mark.parametrize(
+        ("raw", "seconds"), [("1800", 1800), ("90s", 90), ("30m", 1800), ("2h", 7200), ("0", 0)]
+    )
+    def test_setup_window_values(self, root, raw, seconds):
+        cfg = notesvc.load_config(env=make_env(root, SERVICE_SETUP_WINDOW=raw))
+        assert cfg.setup_window == seconds
+        assert notesvc.load_config(env=make_env(root)).setup_window == 1800
+
+    @pytest.mark.parametrize("raw", ["soon", "-5", "30d", "m"])
+    def test_setup_window_refuses_what_is_not_a_duration(self, root, raw):
+        with pytest.raises(notesvc.ConfigError, match="SERVICE_SETUP_WINDOW"):
+            notesvc.load_config(env=make_env(root, SERVICE_SETUP_WINDOW=raw))
+
+    @pytest.mark.parametrize(
+        ("mode", "own", "container", "loopback_only"),
+        [
+            ("auto", "203.0.113.7", False, True),  # a VPS: its neighbours are strangers
+            ("auto", "192.168.1.20", False, False),  # a Pi at home
+            ("auto", "10.0.0.4", False, False),
+            ("auto", "100.101.102.103", False, False),  # on a tailnet
+            ("auto", "[fd00::4]", False, False),
+            ("auto", "[2a01:4f8::1]", False, True),
+            ("auto", "", False, True),  # no network at all
+            ("auto", "192.168.1.20", True, True),  # a container: all arrive via its gateway
+            ("true", "192.168.1.20", False, True),
+            ("false", "203.0.113.7", True, False),
+        ],
+    )
+    def test_auto_mode_decides_from_this_machine(self, mode, own, container, loopback_only):
+        assert notesvc.setup_loopback_only(mode, own, container) is loopback_only
+
+    @pytest.mark.parametrize(
+        ("raw", "mode"), [("", "false"), ("auto", "auto"), ("AUTO", "auto"), ("yes", "true")]
+    )
+    def test_setup_local_only_values(self, root, raw, mode):
+        env = make_env(root, SERVICE_SETUP_LOCAL_ONLY=raw)
+        assert notesvc.load_config(env=env).setup_local_only == mode
+        env.pop("SERVICE_SETUP_LOCAL_ONLY")
+        assert notesvc.load_config(env=env).setup_local_only == "auto"  # the default
+
+    def test_no_route_but_the_setup_payload_shows_the_key_and_only_at_home(self, make_app):
+        """Every GET route, as a stranger and at home, with and without the key: the full
+        setup key is in no answer but GET /system/setup's to the client at home."""
+        app = make_app()
+        key = key_of(app)
+        put_note(with_key(app), "notes/a.md", "a")
+        routes = [r for r in app.app.service.routes if r.method == "GET"]
+        assert len(routes) > 30
+        setup_rule = f"{API}/system/setup"
+        for who, env in (("stranger", self.STRANGER), ("home", LOCAL)):
+            for creds in ({}, {"X-Service-Key": key}):
+                for r in routes:
+                    url = sample_url(r)
+                    resp = app.get(url, headers=creds, extra_environ=env, status="*")
+                    seen = resp.body + str(resp.headers).encode()
+                    if r.rule == setup_rule and who == "home":
+                        assert key.encode() in seen
+                    else:
+                        assert key.encode() not in seen, f"{who} {r.method} {r.rule}"
+
+    def test_the_page_says_why_it_cannot_set_up_here(self):
+        """The web client shows setupHere's reason and what to do (pair, rotate-key)."""
+        devices = (HERE / "web" / "devices.js").read_text()
+        assert "setupHere" in devices
+        for reason in ("remote", "loopback-only", "relayed", "proxy", "window", "host"):
+            assert re.search(rf'(?:"{reason}"|\b{reason}):', devices), reason
+        assert "python3 notesvc.py pair" in devices
+        assert "python3 notesvc.py rotate-key" in devices
+        assert 'id="setup-elsewhere"' in (HERE / "web" / "app.html").read_text()
+
+    @pytest.mark.real_server
+    @pytest.mark.slow
+    def test_a_real_server_judges_the_client_a_trusted_proxy_names(self, tmp_path):
+        """S1 on a real server behind a (loopback) proxy it trusts: the forwarded address
+        decides, whatever Host says."""
+        setup, link = f"{API}/system/setup", f"{API}/auth/link"
+        env = {"SERVICE_TRUST_PROXY": "127.0.0.1"}
+        with running(tmp_path / "root", env=env) as server:
+            stranger = {"X-Forwarded-For": "203.0.113.5", "Host": "127.0.0.1"}
+            home = {"X-Forwarded-For": "192.168.1.5", "Host": "127.0.0.1"}
+            key = server.request("GET", setup, headers=home)[2]["data"]["apiKey"]
+            assert re.fullmatch(r"nsk_[A-Za-z0-9_-]{43}", key)
+            for headers in (stranger, {"Host": "localhost"}):  # the latter names no client
+                status, _, body = server.request("GET", setup, headers=headers)
+                assert status == 200
+                assert body["data"]["apiKey"] == "nsk_…" + key[-4:]
+                assert body["data"]["setupHere"] == {"allowed": False, "reason": "remote"}
+                assert key not in json.dumps(body)
+            status, _, body = server.request("POST", link, headers={**stranger, KEY: key})
+            assert status == 403
+            assert body["error"]["code"] == "FORBIDDEN"
+            assert "run `pair` on the server" in body["error"]["message"]
+            assert not server.request("GET", setup, headers=home)[2]["data"]["setupComplete"]
+            status, _, body = server.request("GET", f"{API}/notes", headers={**stranger, KEY: key})
+            assert status == 200  # the key itself works from anywhere; setup waits
+            status, _, body = server.request("POST", link, headers={**home, KEY: key})
+            assert status == 200
+            assert server.request("GET", setup, headers=home)[2]["data"]["setupComplete"]
+
+    @pytest.mark.real_server
+    @pytest.mark.slow
+    def test_a_real_server_trusts_no_forwarding_header_by_default(self, tmp_path):
+        with running(tmp_path / "root") as server:
+            setup = f"{API}/system/setup"
+            key = server.request("GET", setup)[2]["data"]["apiKey"]
+            assert re.fullmatch(r"nsk_[A-Za-z0-9_-]{43}", key)  # loopback, no header: local
+            for forwarded in ({"X-Forwarded-For": "127.0.0.1"}, {"Via": "1.1 tunnel"}):
+                body = server.request("GET", setup, headers=forwarded)[2]
+                assert body["data"]["apiKey"] != key
+                assert body["data"]["setupHere"]["reason"] == "proxy"
+
+    @pytest.mark.real_server
+    @pytest.mark.slow
+    def test_rotate_key_on_the_server_completes_setup(self, make_app, root):
+        app = make_app()
+        out = run_cli("rotate-key", "--root", str(root))
+        assert out.returncode == 0, out.stderr
+        new = out.stdout.strip()
+        assert "Setup is complete" in out.stderr
+        st = app.app.service.state.read()
+        assert st["setupComplete"] is True
+        assert "apiKey" not in st  # kept hashed only
+        assert st["keyHash"] == notesvc.key_hash(new)
+        p = data(app.get(f"{API}/system/setup", extra_environ=LOCAL))
+        assert p["setupComplete"] is True
+        assert p["apiKey"] == "nsk_…" + new[-4:]
+        assert data(with_key(app, new).post(f"{API}/auth/verify"))["valid"]
+
+    @pytest.mark.real_server
+    @pytest.mark.slow
+    def test_claiming_an_admin_pairing_made_by_pair_completes_setup(self, make_app, root):
+        app = make_app()
+        state = app.app.service.state
+        # an admin pairing made over the API with the setup key does not (link does)
+        made = data(with_key(app).post_json(f"{API}/auth/devices/pairings", {"scope": "admin"}))
+        claim(app, made["secret"], **self.STRANGER)
+        assert not state.read()["setupComplete"]
+        for scope, done in (("write", False), ("admin", True)):
+            out = run_cli("pair", "--root", str(root), "--scope", scope)
+            assert out.returncode == 0, out.stderr
+            secret = re.search(r"#pair=([a-z2-7]+)", out.stdout).group(1)
+            claim(app, secret, **self.STRANGER)  # made on the server: claimed from anywhere
+            assert bool(state.read()["setupComplete"]) is done, scope
+        assert "apiKey" not in state.read()
+
+    @pytest.mark.real_server
+    @pytest.mark.slow
+    @pytest.mark.parametrize(
+        "env",
+        [
+            {"SERVICE_HOST": "0.0.0.0"},
+            {"SERVICE_HOST": "127.0.0.1", "SERVICE_RELAY_URL": "https://relay.example.org"},
+        ],
+    )
+    def test_the_audit_command_calls_an_unfinished_reachable_setup_critical(
+        self, make_app, root, env
+    ):
+        make_app()  # a fresh root: setup incomplete
+        out = run_cli("audit", "--root", str(root), env=env)
+        assert out.returncode == 1, out.stdout + out.stderr  # a critical finding
+        assert "!! [critical] Setup is not complete on a reachable server (setup-exposed)" in (
+            out.stdout
+        )
+        assert "pair" in out.stdout
 
     def test_server_id_and_key_survive_restart(self, make_app, root):
-        first = data(make_app().get(f"{API}/system/setup"))
-        second = data(make_app().get(f"{API}/system/setup"))
+        first = data(make_app().get(f"{API}/system/setup", extra_environ=LOCAL))
+        second = data(make_app().get(f"{API}/system/setup", extra_environ=LOCAL))
         assert first["serverId"] == second["serverId"]
         assert first["apiKey"] == second["apiKey"]
         assert first["pairing"]["relayCode"] == second["pairing"]["relayCode"]
@@ -5618,8 +5964,8 @@ class TestAuth:
         }
 
     def test_link_records_clients_and_repeats_fine(self, client, root):
-        client.post_json(f"{API}/auth/link", {"clientName": "phone"})
-        client.post(f"{API}/auth/link")
+        client.post_json(f"{API}/auth/link", {"clientName": "phone"}, extra_environ=LOCAL)
+        client.post(f"{API}/auth/link", extra_environ=LOCAL)
         state = json.loads((root / ".notesvc" / "state.json").read_text())
         assert [c["name"] for c in state["linkedClients"]] == ["phone", "unnamed client"]
         assert state["setupComplete"] is True
@@ -5629,11 +5975,13 @@ class TestAuth:
     @pytest.mark.parametrize("body", [{"clientName": 5}, {"clientName": "x" * 101}])
     def test_link_rejects_bad_client_name(self, client, body):
         assert_error(
-            client.post_json(f"{API}/auth/link", body, status=400), 400, "VALIDATION_ERROR"
+            client.post_json(f"{API}/auth/link", body, status=400, extra_environ=LOCAL),
+            400,
+            "VALIDATION_ERROR",
         )
 
     def test_state_file_is_private(self, client, root):
-        client.post(f"{API}/auth/link")
+        client.post(f"{API}/auth/link", extra_environ=LOCAL)
         folder = root / ".notesvc"
         assert stat.S_IMODE(os.stat(folder / "state.json").st_mode) == 0o600
         assert stat.S_IMODE(os.stat(folder).st_mode) == 0o700
@@ -5829,7 +6177,7 @@ class TestAuth:
     def test_rotate_key_cli_while_serving(self, anon, root):
         old = key_of(anon)
         client = with_key(anon, old)
-        client.post_json(f"{API}/auth/link", {"clientName": "laptop"})
+        client.post_json(f"{API}/auth/link", {"clientName": "laptop"}, extra_environ=LOCAL)
         out = run_cli("rotate-key", "--root", str(root))
         assert out.returncode == 0, out.stderr
         new = out.stdout.strip()
@@ -5839,7 +6187,7 @@ class TestAuth:
         fresh = with_key(anon, new)
         assert data(fresh.post(f"{API}/auth/verify"))["setupComplete"] is True
         # A later write by the running app keeps the new key.
-        fresh.post_json(f"{API}/auth/link", {"clientName": "tablet"})
+        fresh.post_json(f"{API}/auth/link", {"clientName": "tablet"}, extra_environ=LOCAL)
         state = json.loads((root / ".notesvc" / "state.json").read_text())
         assert state["keyHash"] == notesvc.key_hash(new)
         assert [c["name"] for c in state["linkedClients"]] == ["laptop", "tablet"]
@@ -6609,7 +6957,7 @@ class TestDevices:
         assert not data(
             app.get(f"/r/{sid}{API}/system/setup", extra_environ={"REMOTE_ADDR": remote})
         )["browserSetup"]
-        with_key(app).post(f"{API}/auth/link")
+        with_key(app).post(f"{API}/auth/link", extra_environ=LOCAL)
         assert not data(app.get(f"{API}/system/setup"))["browserSetup"]
 
 
@@ -11478,7 +11826,7 @@ class TestSecurity:
     def safe(self, make_app, root):
         """A configuration with no finding: loopback, linked, private folders."""
         app = make_app(SERVICE_HOST="127.0.0.1")
-        with_key(app).post(f"{API}/auth/link")
+        with_key(app).post(f"{API}/auth/link", extra_environ=LOCAL)
         os.chmod(root / "notes", 0o700)
         return app
 
@@ -11507,14 +11855,14 @@ class TestSecurity:
         os.chmod(root / "notes", 0o755)
         report = notesvc.run_audit(app.app.service)
         assert {f["id"]: f["severity"] for f in report["findings"]} == {
+            "setup-exposed": "critical",  # registered with a relay: reachable from anywhere
             "cors-wildcard": "high",
             "jwt-secret-weak": "high",
             "relay-plain-http": "medium",
             "notes-readable": "low",
-            "setup-incomplete": "low",
             "relay-sees-transit": "info",
         }
-        assert report["score"] == expected_score(report["findings"]) == 100 - 20 - 20 - 10 - 3 - 3
+        assert report["score"] == expected_score(report["findings"]) == 100 - 40 - 20 - 20 - 10 - 3
         assert audit(app)["score"] == report["score"]  # the endpoint says the same
 
     def test_score_never_below_zero(self, make_app, root):
@@ -11574,15 +11922,43 @@ class TestSecurity:
         ):
             app_root = tmp_path / f"quiet{i}"
             app = make_app(app_root, SERVICE_HOST=env.pop("SERVICE_HOST", "127.0.0.1"), **env)
-            with_key(app).post(f"{API}/auth/link")
+            home = {"REMOTE_ADDR": "192.168.1.9"}  # not the trusted proxy: a client at home
+            with_key(app).post(f"{API}/auth/link", extra_environ=home)
             os.chmod(app_root / "notes", 0o700)
             report = audit(app)
             assert all(f["severity"] == "info" for f in report["findings"]), report["findings"]
 
-    def test_setup_local_only_lowers_the_exposure(self, make_app):
-        report = audit(make_app(SERVICE_HOST="0.0.0.0", SERVICE_SETUP_LOCAL_ONLY="true"))
-        assert "setup-exposed" not in ids(report)
-        assert "setup-incomplete" in ids(report)
+    @pytest.mark.parametrize(
+        "env",
+        [
+            {"SERVICE_HOST": "0.0.0.0"},
+            {"SERVICE_HOST": "0.0.0.0", "SERVICE_SETUP_LOCAL_ONLY": "true"},
+            {"SERVICE_HOST": "127.0.0.1", "SERVICE_RELAY_URL": "https://relay.example.org"},
+            {"SERVICE_HOST": "127.0.0.1", "SERVICE_RELAY_URL": "http://127.0.0.1:8441"},
+        ],
+    )
+    def test_an_incomplete_setup_reachable_beyond_loopback_is_critical(self, make_app, env):
+        """Bound beyond loopback or registered with a relay: whoever sets it up first owns
+        it, whatever SERVICE_SETUP_LOCAL_ONLY says (a proxy or tunnel can make anyone local)."""
+        report = audit(make_app(**env))
+        found = {f["id"]: f for f in report["findings"]}
+        assert found["setup-exposed"]["severity"] == "critical"
+        assert "setup-incomplete" not in found
+        assert "pair" in found["setup-exposed"]["recommendation"]
+        assert report["summary"]["critical"] >= 1
+
+    def test_an_incomplete_setup_on_loopback_alone_is_low(self, make_app):
+        found = {
+            f["id"]: f["severity"] for f in audit(make_app(SERVICE_HOST="127.0.0.1"))["findings"]
+        }
+        assert found["setup-incomplete"] == "low"
+        assert "setup-exposed" not in found
+        open_port = make_app(
+            SERVICE_HOST="127.0.0.1",
+            SERVICE_RELAY_URL="https://relay.example.org",
+            SERVICE_PAIRING_MODE="open-port",  # a relay named, but never registered with
+        )
+        assert "setup-exposed" not in ids(audit(open_port))
 
     def test_file_mode_checks(self, safe, root):
         os.chmod(root / ".notesvc" / "state.json", 0o644)
@@ -11715,7 +12091,7 @@ class TestSecurity:
             app_root = tmp_path / label
             app = make_app(app_root, **{"SERVICE_HOST": "127.0.0.1", **case.env})
             if case.linked:
-                with_key(app).post(f"{API}/auth/link")
+                with_key(app).post(f"{API}/auth/link", extra_environ=LOCAL)
             os.chmod(app_root / "notes", 0o700)
             if case.change:
                 case.change(app, app_root)
@@ -13451,6 +13827,41 @@ class TestDevicesInChromium:
         expect(s.page.locator("#app")).to_be_visible()
         return s
 
+    def test_a_page_opened_from_elsewhere_says_why_and_what_to_do(self, browser, tmp_path):
+        """A new server reached from beyond its home network (through a proxy it trusts):
+        no *Set up this server*, the reason and the commands; the key, pasted, still works."""
+        server = Server(tmp_path / "srv", env={"SERVICE_TRUST_PROXY": "127.0.0.1"})
+        try:
+            with ForwardingProxy(server.url) as proxy:  # reports 203.0.113.1: a stranger
+                s = WebSession(browser, tmp_path, "phone")
+                page = s.page
+                page.goto(proxy.url + "/")
+                why = page.locator("#setup-why")
+                expect(why).to_contain_text("set up only from the server itself or its home")
+                expect(why).to_contain_text("python3 notesvc.py pair")
+                expect(why).to_contain_text("python3 notesvc.py rotate-key")
+                expect(page.locator("#setup-box")).to_be_hidden()
+                s.shot("setup-elsewhere")
+                state = json.loads((tmp_path / "srv/.notesvc/state.json").read_text())
+                s.login(proxy.url + "/", state["apiKey"])  # the owner's key, from the server
+                assert not server.request(
+                    "GET", f"{API}/system/setup", headers={"X-Forwarded-For": "127.0.0.1"}
+                )[2]["data"]["setupComplete"]  # the link was refused: setup waits
+                assert unexpected(s.close(), 403) == []
+            late = Server(tmp_path / "late", env={"SERVICE_SETUP_WINDOW": "0"})
+            try:
+                s = WebSession(browser, tmp_path, "phone")
+                s.page.goto(late.url + "/")
+                why = s.page.locator("#setup-why")
+                expect(why).to_contain_text("setup window has passed")
+                expect(why).to_contain_text("Restart the server")
+                expect(s.page.locator("#setup-box")).to_be_hidden()
+                assert unexpected(s.close()) == []
+            finally:
+                late.stop()
+        finally:
+            server.stop()
+
     def test_the_consent_page_signs_in_with_this_browsers_admin_device(self, browser, tmp_path):
         server = Server(tmp_path / "srv")
         callback = Callback()
@@ -14177,6 +14588,35 @@ class TestRelay:
         assert body["error"]["code"] == "NOT_FOUND"
         status, _, body = self.via(relay, setup, "GET", "/system/info")
         assert body["data"]["connection"]["state"] == "connected"
+
+    @pytest.mark.real_server
+    @pytest.mark.slow
+    def test_the_setup_key_never_goes_through_the_relay(self, pair):
+        """S2: whatever Host a client sends through the relay, a new server's key stays
+        home and /auth/link through the relay is refused."""
+        relay, server, setup = pair
+        key, sid = setup["apiKey"], setup["serverId"]
+        assert re.fullmatch(r"nsk_[A-Za-z0-9_-]{43}", key)  # read directly, on loopback
+        hosts = [f"127.0.0.1:{server.port}", f"127.0.0.1:{relay.port}", "localhost", "[::1]"]
+        for host in hosts:
+            status, _, raw = host_request(relay.port, host, "GET", f"/r/{sid}{API}/system/setup")
+            assert status == 200, raw
+            assert key.encode() not in raw
+            body = json.loads(raw)["data"]
+            assert body["apiKey"] == "nsk_…" + key[-4:]
+            assert body["browserSetup"] is False
+            assert body["setupHere"] == {"allowed": False, "reason": "relayed"}
+            status, _, raw = host_request(
+                relay.port, host, "POST", f"/r/{sid}{API}/auth/link", {}, {KEY: key}
+            )
+            assert status == 403, raw
+            assert json.loads(raw)["error"]["code"] == "FORBIDDEN"
+        assert not server.request("GET", f"{API}/system/setup")[2]["data"]["setupComplete"]
+        # The audit of this running server, registered with a relay: critical.
+        out = run_cli("audit", "--root", server.proc.args[-1])
+        assert out.returncode == 1, out.stdout + out.stderr
+        assert "[critical] Setup is not complete on a reachable server" in out.stdout
+        assert "is registered with the relay" in out.stdout
 
     @pytest.mark.real_server
     @pytest.mark.slow
@@ -15960,8 +16400,9 @@ class TestEdge:
         env = {"SERVICE_TRUST_PROXY": "true", "SERVICE_SETUP_LOCAL_ONLY": "true"}
         with running(tmp_path, env=env) as server, ForwardingProxy(server.url) as proxy:
             setup = f"{API}/system/setup"
-            key = server.request("GET", setup)[2]["data"]["apiKey"]
-            assert re.fullmatch(r"nsk_[A-Za-z0-9_-]{43}", key)  # the owner, on this machine
+            key = json.loads((tmp_path / ".notesvc" / "state.json").read_text())["apiKey"]
+            # From the trusted proxy's own address, naming no client: not local either.
+            assert server.request("GET", setup)[2]["data"]["apiKey"] == "nsk_…" + key[-4:]
             status, body = call(proxy.url, "GET", setup, {"Host": "notes.example"}, "127.0.0.5")
             assert status == 200
             assert body["data"]["server"]["url"] == "https://notes.example"
@@ -15992,8 +16433,10 @@ class TestEdge:
             }
             setup = server.request("GET", f"{API}/system/setup", headers=forged)[2]["data"]
             assert setup["server"]["url"] == server.url  # 127.0.0.1 is not the named proxy
-            key = setup["apiKey"]
-            assert "…" not in key  # the client is the loopback peer, not 203.0.113.9
+            # ... and a forwarding header from a peer not named is never local for setup
+            assert setup["setupHere"] == {"allowed": False, "reason": "proxy"}
+            key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
+            assert setup["apiKey"] == "nsk_…" + key[-4:]
             for i in range(10):  # forged addresses do not spread the failures
                 hdrs = {"X-Service-Key": "nsk_x", "X-Forwarded-For": f"203.0.113.{i}"}
                 assert server.request("POST", f"{API}/auth/verify", headers=hdrs)[0] == 401
@@ -18155,6 +18598,28 @@ class TestDocs:
         assert "SERVICE_PUBLIC_URL=https://" in proxy
         for kept in ("notes/", ".notesvc/state.json", ".notesvc/trash/", ".notesvc/effective.json"):
             assert f"`{kept}`" in readme[readme.index("## Backup and restore") :], kept
+
+    def test_every_proxy_example_names_the_client_and_the_readme_says_who_sets_up(self):
+        """Setup judges the client a trusted proxy names: every example in deploy/ names it
+        (Caddy's reverse_proxy sets X-Forwarded-For by itself; nginx is told to)."""
+        for path in sorted((HERE / "deploy").iterdir()):
+            text = path.read_text()
+            if "Caddyfile" in path.name:
+                assert "reverse_proxy" in text, path.name
+                assert "header_up -X-Forwarded-For" not in text, path.name
+            elif "proxy_pass" in text:
+                assert re.search(
+                    r"proxy_set_header X-Forwarded-For \$proxy_add_x_forwarded_for", text
+                )
+        readme = " ".join((HERE / "README.md").read_text().split())
+        for sentence in (
+            "Only a browser on the server itself or on its own network (home Wi-Fi) can set up a "
+            "new server, and only until the first device is set up. This holds for the API as "
+            "well:",
+            "A tunnel or proxy in front of notesvc that adds no `X-Forwarded-For` makes every "
+            "client look local;",
+        ):
+            assert sentence in readme
 
 
 # -- WebDAV (CONTRACT 25) --------------------------------------------------------------------

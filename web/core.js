@@ -312,7 +312,11 @@ async function connect(typed) {
     }
     applyGrant(v.data.grant); // a scoped key: only what it may do
     if (!v.data.setupComplete && !v.data.grant) {
-      await api("POST", "/auth/link", {clientName: "web client"});
+      // Refused (403) away from the server and its home network: the key still works,
+      // and setup waits for the server's own `pair` or a browser at home.
+      await api("POST", "/auth/link", {clientName: "web client"}).catch((e) => {
+        if (e.status !== 403) throw e;
+      });
     }
     setItem("local", "notesvc.base", state.base);
     if (new URLSearchParams(location.search).has("relayCode")) {

@@ -131,6 +131,36 @@ async function setUpServer() {
   }
 }
 
+// A new server opened from where it may not be set up (setupHere.reason): why, and what to do.
+function whyNotSetUpHere(here) {
+  const onServer =
+    "On the server, run: python3 notesvc.py pair (a code to scan) or " +
+    "python3 notesvc.py rotate-key (a key to paste below).";
+  const there = here.url ? " (" + here.url + ")" : "";
+  const why = {
+    remote:
+      "This notes server is new, and it is set up only from the server itself or its home " +
+      "network, not from here. Open this page there" + there + ".",
+    "loopback-only":
+      "This notes server is new, and it is set up only from a browser on the server " +
+      "itself. Open this page there.",
+    relayed:
+      "This notes server is new, and it is never set up through a relay. Open its own " +
+      "address on the server or its home network.",
+    proxy:
+      "This notes server is new, and this page came through a proxy or tunnel it was not " +
+      "told to trust (SERVICE_TRUST_PROXY), so it cannot tell where you are. Open this " +
+      "page on the server or its home network.",
+    window:
+      "This notes server is new, and its setup window has passed (SERVICE_SETUP_WINDOW). " +
+      "Restart the server and open this page within it.",
+    host:
+      "This notes server is new. Open this page by the server's address (its IP address, " +
+      "localhost or its name), not by this name.",
+  }[here.reason];
+  return why ? why + " " + onServer : onServer;
+}
+
 async function offerSetup() {
   try {
     const base = new URL("api/v1", location.href).pathname;
@@ -140,6 +170,9 @@ async function offerSetup() {
       $("setup-name").value = deviceGuess();
       $("setup-box").hidden = false;
       $("setup").focus();
+    } else if (j.data && !j.data.setupComplete && j.data.setupHere) {
+      $("setup-why").textContent = whyNotSetUpHere(j.data.setupHere);
+      $("setup-elsewhere").hidden = false;
     }
   } catch (e) {
     /* not a notes server's own page (a relay's): the key screen as it is */
