@@ -1149,6 +1149,51 @@ def is_home_network(addr: str) -> bool:
     return any(ip.version == net.version and ip in net for net in HOME_NETS)
 
 
+def names_this_machine(config: Config, host: str) -> bool:
+    """Return whether a Host header names this machine, not a name anyone could point here.
+
+    An IP literal, localhost, the host name (`name`, `name.local`) or SERVICE_PUBLIC_URL's
+    host: a page on rebind.attacker.example that resolves to 127.0.0.1 is none of them.
+    """
+    if not valid_host(host):
+        return False
+    name = host[1 : host.index("]")] if host.startswith("[") else host.rsplit(":", 1)[0]
+    name = name.lower().rstrip(".")
+    if ip_of(name) is not None or name == "localhost":
+        return True
+    names = {(urllib.parse.urlsplit(config.public_url).hostname or "").lower()} - {""}
+    for node in (socket.gethostname(), platform.node()):
+        node = node.lower().rstrip(".")
+        if node:
+            short = node.split(".")[0]
+            names |= {node, f"{node}.local", short, f"{short}.local"}
+    return name in names
+
+
+def _minutes(seconds: int) -> str:
+    if seconds % 60:
+        return f"{seconds} seconds"
+    return "1 minute" if seconds == 60 else f"{seconds // 60} minutes"
+
+
+def _redact_url(url: str) -> str:
+    """Return url for display: userinfo dropped, query values (which may be keys) hidden."""
+    parts = urllib.parse.urlsplit(url)
+    netloc = parts.netloc.rpartition("@")[2]
+    query = "&".join(
+        f"{pair.partition('=')[0]}=…" if "=" in pair else "…"
+        for pair in parts.query.split("&")
+        if pair
+    )
+    return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=query, fragment=""))
+
+
+def _self_command() -> str:
+    """Return how the owner runs this program: the `notesvc` entry point or the file."""
+    argv0 = sys.argv[0] if sys.argv else ""
+    return argv0 if os.path.basename(argv0) == "notesvc" else "python3 notesvc.py"
+
+
 _UNPRINTABLE_RE = re.compile(r"[\x00-\x1f\x7f-\x9f\u2028\u2029]")
 
 
@@ -17467,9 +17512,10 @@ async function connect(typed) {
       }
     }
     applyGrant(v.data.grant); // a scoped key: only what it may do
-    if (!v.data.setupComplete && !v.data.grant) {
-      // Refused (403) away from the server and its home network: the key still works,
-      // and setup waits for the server's own `pair` or a browser at home.
+    if (!v.data.setupComplete && !v.data.grant && v.data.linkHere !== false) {
+      // Not asked away from the server and its home network (linkHere false; the link
+      // would be 403): the key still works, and setup waits for the server's own `pair`
+      // or a browser at home.
       await api("POST", "/auth/link", {clientName: "web client"}).catch((e) => {
         if (e.status !== 403) throw e;
       });
@@ -24004,27 +24050,6 @@ def get_health(svc: Service) -> dict:
     return {"status": "ok", "version": __version__, "uptimeSeconds": svc.uptime()}
 
 
-def names_this_machine(config: Config, host: str) -> bool:
-    """Return whether a Host header names this machine, not a name anyone could point here.
-
-    An IP literal, localhost, the host name (`name`, `name.local`) or SERVICE_PUBLIC_URL's
-    host: a page on rebind.attacker.example that resolves to 127.0.0.1 is none of them.
-    """
-    if not valid_host(host):
-        return False
-    name = host[1 : host.index("]")] if host.startswith("[") else host.rsplit(":", 1)[0]
-    name = name.lower().rstrip(".")
-    if ip_of(name) is not None or name == "localhost":
-        return True
-    names = {(urllib.parse.urlsplit(config.public_url).hostname or "").lower()} - {""}
-    for node in (socket.gethostname(), platform.node()):
-        node = node.lower().rstrip(".")
-        if node:
-            short = node.split(".")[0]
-            names |= {node, f"{node}.local", short, f"{short}.local"}
-    return name in names
-
-
 SETUP_ELSEWHERE = "finish setup on this machine or its home network, or run `pair` on the server"
 
 
@@ -24101,12 +24126,6 @@ def get_setup(svc: Service) -> dict:
     return payload
 
 
-def _minutes(seconds: int) -> str:
-    if seconds % 60:
-        return f"{seconds} seconds"
-    return "1 minute" if seconds == 60 else f"{seconds // 60} minutes"
-
-
 def _server_port(env: dict, cfg: Config) -> int:
     port = env.get("SERVER_PORT", "")
     return int(port) if str(port).isdigit() and cfg.port == 0 else cfg.port
@@ -24143,18 +24162,6 @@ def get_info(svc: Service) -> dict:
             "state": "self" if not svc.config.relay_url else "off",
         },
     }
-
-
-def _redact_url(url: str) -> str:
-    """Return url for display: userinfo dropped, query values (which may be keys) hidden."""
-    parts = urllib.parse.urlsplit(url)
-    netloc = parts.netloc.rpartition("@")[2]
-    query = "&".join(
-        f"{pair.partition('=')[0]}=…" if "=" in pair else "…"
-        for pair in parts.query.split("&")
-        if pair
-    )
-    return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=query, fragment=""))
 
 
 def _network_facts(cfg: Config) -> dict:
@@ -24247,6 +24254,8 @@ def verify_key(svc: Service) -> dict:
     st = svc.state.read()
     answer = {"valid": True, "serverId": st["serverId"], "setupComplete": bool(st["setupComplete"])}
     who = request_principal()
+    if not answer["setupComplete"] and who.kind == "owner":  # may this client link (setup)?
+        answer["linkHere"] = svc.setup_here(bottle.request.environ, check_host=False)[0]
     if who.kind != "owner":  # a scoped key learns how far it may go (the web client asks)
         answer["grant"] = {"kind": who.kind, "scope": who.scope, "folder": who.folder or None}
         if who.kind == "device":  # "Signed in as <device>"
@@ -29427,12 +29436,6 @@ def print_qr(text: str, out: Any) -> bool:
     segno.make(text, error="m").terminal(out=out, compact=True)
     out.flush()
     return True
-
-
-def _self_command() -> str:
-    """Return how the owner runs this program: the `notesvc` entry point or the file."""
-    argv0 = sys.argv[0] if sys.argv else ""
-    return argv0 if os.path.basename(argv0) == "notesvc" else "python3 notesvc.py"
 
 
 def _is_terminal(stream: Any) -> bool:

@@ -5961,7 +5961,12 @@ class TestAuth:
             "valid": True,
             "serverId": client.app.service.state.read()["serverId"],
             "setupComplete": False,
+            "linkHere": False,  # WebTest names no peer: not at home, so no link is tried
         }
+        home = data(client.post(f"{API}/auth/verify", extra_environ=LOCAL))
+        assert home["linkHere"] is True
+        client.post(f"{API}/auth/link", extra_environ=LOCAL)
+        assert "linkHere" not in data(client.post(f"{API}/auth/verify"))  # setup is done
 
     def test_link_records_clients_and_repeats_fine(self, client, root):
         client.post_json(f"{API}/auth/link", {"clientName": "phone"}, extra_environ=LOCAL)

@@ -311,9 +311,10 @@ async function connect(typed) {
       }
     }
     applyGrant(v.data.grant); // a scoped key: only what it may do
-    if (!v.data.setupComplete && !v.data.grant) {
-      // Refused (403) away from the server and its home network: the key still works,
-      // and setup waits for the server's own `pair` or a browser at home.
+    if (!v.data.setupComplete && !v.data.grant && v.data.linkHere !== false) {
+      // Not asked away from the server and its home network (linkHere false; the link
+      // would be 403): the key still works, and setup waits for the server's own `pair`
+      // or a browser at home.
       await api("POST", "/auth/link", {clientName: "web client"}).catch((e) => {
         if (e.status !== 403) throw e;
       });
