@@ -8,20 +8,25 @@ Outline (``grep -n '^# ==' notesvc.py``), in the order the data flows:
   Settings        the option table, the loader, the frozen Config
   Errors          ApiError, the envelope, the one renderer of every failure
   Helpers         clock, ids, atomic writes, host validation, JSON bodies
-  Notes           path rules, the note record, the store, locks; history, trash and
-                  the change journal (what every change leaves behind)
-  Search          tokenizer, BM25, the inverted index, its cache
-  State and auth  state.json, keys, JWT, lockout
+  Notes           path rules, attachments' rules, three-way merges and names from titles,
+                  the store and its locks; history, trash and the change journal (what
+                  every change leaves behind)
+  Search          text analysis, BM25, the query language, snippets, segments, persistence,
+                  the inverted index
+  State and auth  state.json, keys, JWT, lockout; grants (scoped keys, devices, OAuth)
   Service         the object every handler gets as `svc`: state, notes, index, registries
-  Providers       AGENT_PROVIDERS and CHANNEL_PROVIDERS (registries of small functions),
-                  the channel pipeline
-  Plugins         the Plugin record, loading, the built-ins (backlinks, tags, daily)
+  Providers       retrieval, TOOLS, AGENT_PROVIDERS and CHANNEL_PROVIDERS (registries of
+                  small functions), the channel pipeline, captures, polling, reminders
+  Plugins         the Plugin record, loading, links, the built-ins (backlinks, tags, daily)
+                  and the built-in tools
+  Import and export  Keep, Evernote, Notion, Obsidian, Joplin and folders in; a zip out
   Security audit  AUDIT_CHECKS and the score
   Web client      the one self-contained page, served by servers and relays alike
   Relay           `notesvc relay` on asyncio (RelayHub, RelayServer) and the server's
                   RelayClient
-  HTTP            handlers per endpoint group, the route
-                  table, OpenAPI, NotesApp (middleware) and create_app
+  HTTP            the Route record, then handlers per endpoint group
+  WebDAV          /dav/: the notes folder in other apps
+  Routes and app  the route table, OpenAPI, NotesApp (middleware) and create_app
   CLI             parser, cmd_* functions, main()
 """
 
@@ -837,7 +842,7 @@ def error_body(code: str, message: str, **extra: Any) -> bytes:
 def jsonrpc_error_body(status: int, code: str, message: str, **extra: Any) -> bytes:
     """Return a failure of a JSON-RPC route (/mcp) that its handler did not answer (auth,
     limits, method): a JSON-RPC 2.0 error (id null) with the HTTP status and the envelope's
-    code in `data` (CONTRACT 3)."""
+    code in `data` (docs/api.md)."""
     number = -32600 if status in (400, 413, 415) else -32603 if status >= 500 else -32000
     data = {"status": status, "code": code, **extra}
     error = {"code": number, "message": message, "data": data}
@@ -1214,6 +1219,7 @@ class BatchedLogHandler(logging.StreamHandler):
 
     LOG_BATCH_SECONDS = 0.2
     MAX_WAITING = 512  # lines
+    installed: BatchedLogHandler | None = None  # main()'s handler, for quick_info
 
     def __init__(self, stream=None):
         super().__init__(stream)
@@ -1301,7 +1307,6 @@ class BatchedLogHandler(logging.StreamHandler):
 
 
 LOG_FORMAT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
-_QUICK_LOG: BatchedLogHandler | None = None  # main()'s handler, for quick_info
 
 
 def quick_info(msg: str, *args) -> None:
@@ -1309,7 +1314,7 @@ def quick_info(msg: str, *args) -> None:
     when it is still the only one writing `log`'s lines (else, and in tests, as usual)."""
     if not log.isEnabledFor(logging.INFO):
         return
-    handler = _QUICK_LOG
+    handler = BatchedLogHandler.installed
     alone = handler is not None and logging.root.handlers == [handler] and not log.handlers
     plain = alone and log.propagate and handler.level <= logging.INFO
     if plain and not (log.filters or handler.filters or logging.root.filters):
@@ -1381,7 +1386,7 @@ def client_address(config: Config, environ: dict) -> str:
 
 
 # Headers by which a proxy or a tunnel says whom it forwards for: from a peer that is not a
-# trusted proxy, any of them means the peer is not the client (CONTRACT corrections).
+# trusted proxy, any of them means the peer is not the client (docs/design.md: Security).
 FORWARDING_HEADERS = (
     "HTTP_X_FORWARDED_FOR",
     "HTTP_FORWARDED",
@@ -1533,7 +1538,7 @@ def _no_constant(name: str) -> None:
     raise ValueError(f"{name} is not allowed in JSON")
 
 
-# Blank text (CONTRACT 3): nothing left once every Unicode White_Space character and every
+# Blank text (docs/api.md): nothing left once every Unicode White_Space character and every
 # C0/C1 control character is removed. The OpenAPI document states the same rule as a pattern
 # (one character outside this class), so a schema-valid value is never refused as empty.
 BLANK_CLASS = r"\u0000-\u0020\u007f-\u00a0\u1680\u2000-\u200a\u2028\u2029\u202f\u205f\u3000"
@@ -1828,7 +1833,7 @@ NOTES = "notes"
 MAX_PATH_CHARS = 512
 MAX_SEGMENT_BYTES = 255
 _FORBIDDEN = set('\\:*?"<>|')
-# Invisible characters that make a path read as another one (CONTRACT 6).
+# Invisible characters that make a path read as another one (docs/api.md: Notes).
 _BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
 _ZERO_WIDTH = frozenset("\u200b\u200c\u200d\u2060\ufeff")
 _CONTROL_RE = re.compile("[\x00-\x1f\x7f-\x9f]")
@@ -1973,11 +1978,35 @@ NOTE_PATH_PARAM = {
 FOLDER_PATH_PARAM = {**FOLDER_PATH_SCHEMA, "pattern": f"^{NOTES}(?:/{_segment(0, True)})*/?$"}
 
 
+def _missing_folders(folder: Path, top: Path) -> list:
+    """Return folder and its parents below top that do not exist yet, deepest first."""
+    missing = []
+    while folder != top and top in folder.parents and not folder.exists():
+        missing.append(folder)
+        folder = folder.parent
+    return missing
+
+
+def _remove_empty_folders(folder: Path, top: Path) -> None:
+    """Remove folder and its parents while they are empty, up to (not including) top."""
+    folder = Path(os.path.abspath(folder))
+    while folder != top and top in folder.parents:
+        try:
+            folder.rmdir()
+        except OSError:
+            return
+        folder = folder.parent
+
+
+def _nfc(name: str) -> str:
+    return name if name.isascii() else unicodedata.normalize("NFC", name)
+
+
 # -- attachments: files notes link to --------------------------------------------------
 
 ATTACHMENTS = "attachments"
 # The extensions accepted under attachments/ and the type each is served as: images,
-# audio, video, PDF, text, office documents and archives (CONTRACT 20).
+# audio, video, PDF, text, office documents and archives (docs/api.md: Attachments).
 ATTACHMENT_TYPES = {
     **dict.fromkeys(("jpg", "jpeg"), "image/jpeg"),
     "png": "image/png",
@@ -2226,7 +2255,7 @@ def note_preview(text: str) -> str:
     return " ".join(body.split())[:PREVIEW_CHARS]
 
 
-# -- three-way merges and names from titles (CONTRACT 24) ------------------------------
+# -- three-way merges and names from titles (docs/api.md: phone) ------------------------------
 
 
 MERGE_MAX_EDITS = 500  # lines added or removed between two versions that a merge follows
@@ -2438,28 +2467,7 @@ def _sort_key(name: str) -> tuple:
     return (name.casefold(), name)
 
 
-def _missing_folders(folder: Path, top: Path) -> list:
-    """Return folder and its parents below top that do not exist yet, deepest first."""
-    missing = []
-    while folder != top and top in folder.parents and not folder.exists():
-        missing.append(folder)
-        folder = folder.parent
-    return missing
-
-
-def _remove_empty_folders(folder: Path, top: Path) -> None:
-    """Remove folder and its parents while they are empty, up to (not including) top."""
-    folder = Path(os.path.abspath(folder))
-    while folder != top and top in folder.parents:
-        try:
-            folder.rmdir()
-        except OSError:
-            return
-        folder = folder.parent
-
-
-def _nfc(name: str) -> str:
-    return name if name.isascii() else unicodedata.normalize("NFC", name)
+# -- the store: notes on disk, their locks and the records read lately ---------------
 
 
 def disk_path(base: Path, path: str) -> Path:
@@ -5530,21 +5538,26 @@ def _skip_tokens(n: int, ascii_only: bool) -> re.Pattern:
 _ASCII_TOKEN_BYTES = bytes(c if chr(c).isascii() and chr(c).isalnum() else 32 for c in range(256))
 _UTF8_TOKEN_BYTES = bytes(c if c >= 0x80 or chr(c).isalnum() else 32 for c in range(256))
 _ASCII_BYTES = bytes(range(0x80))
-SPLIT_TOKENS_UP_TO = 2000  # deeper: the regex, without a bytes object per token skipped
-SPLIT_CHARS = 1 << 16  # the split looks this far into a note at most...
-SPLIT_WORK = 1 << 20  # ...and replaces at most this many bytes (kinds of separators by size)
+
+
+class Split:
+    """How far _token_offset splits a text in C-level steps before a regex takes over."""
+
+    TOKENS_UP_TO = 2000  # deeper: the regex, without a bytes object per token skipped
+    CHARS = 1 << 16  # the split looks this far into a note at most...
+    WORK = 1 << 20  # ...and replaces at most this many bytes (kinds of separators by size)
 
 
 def _token_offset(text: str, k: int) -> int | None:
     """Return where token k (0-based) of text starts, skipping tokens in C-level steps.
 
-    Up to SPLIT_TOKENS_UP_TO tokens in, within SPLIT_CHARS, the text's bytes with every
+    Up to Split.TOKENS_UP_TO tokens in, within Split.CHARS, the text's bytes with every
     separator made spaces are split k times: token k starts where the rest does (half the
     regex's time on ASCII notes, a third less on the others). Deeper, or in a note of many kinds
     of separators (a table of symbols), a regular expression skips 100 tokens a step.
     """
     ascii_only = text.isascii()
-    if k <= SPLIT_TOKENS_UP_TO:
+    if k <= Split.TOKENS_UP_TO:
         at = _split_offset(text, k, ascii_only)
         if at != -1:
             return at
@@ -5560,9 +5573,9 @@ def _token_offset(text: str, k: int) -> int | None:
 
 
 def _split_offset(text: str, k: int, ascii_only: bool) -> int | None:
-    """_token_offset by splitting the text's first SPLIT_CHARS; -1 when it cannot tell
-    (token k lies further, or splitting would cost more than SPLIT_WORK)."""
-    head = text[:SPLIT_CHARS]
+    """_token_offset by splitting the text's first Split.CHARS; -1 when it cannot tell
+    (token k lies further, or splitting would cost more than Split.WORK)."""
+    head = text[: Split.CHARS]
     if ascii_only:
         raw = None
         words = head.encode("ascii").translate(_ASCII_TOKEN_BYTES)
@@ -5583,11 +5596,11 @@ def _utf8_words(raw: bytes) -> bytes | None:
     digit, as [^\\W_] means) made as many spaces as it has bytes: tokens stay where they
     were, and split() finds them. The text's few distinct non-ASCII characters are looked
     at once each; UTF-8 never matches a character inside another one. None when their
-    replacing would pass over more than SPLIT_WORK bytes."""
+    replacing would pass over more than Split.WORK bytes."""
     words = raw.translate(_UTF8_TOKEN_BYTES)
     others = set(raw.translate(None, _ASCII_BYTES).decode("utf-8", "surrogatepass"))
     separators = [char for char in others if not char.isalnum()]
-    if len(separators) * len(raw) > SPLIT_WORK:
+    if len(separators) * len(raw) > Split.WORK:
         return None
     for char in separators:
         sep = char.encode("utf-8", "surrogatepass")
@@ -5599,9 +5612,9 @@ _LAST_SPACE_RE = re.compile(r".*\s", re.DOTALL)  # matched within bounds: up to 
 
 
 def _typed_offset(text: str, word: str) -> int | None:
-    """Return where the word first stands whole in text's first SPLIT_CHARS, case aside
+    """Return where the word first stands whole in text's first Split.CHARS, case aside
     (None: nowhere, or lowercasing changes the text's length and so its offsets)."""
-    head = text[:SPLIT_CHARS]
+    head = text[: Split.CHARS]
     low = head.lower()
     if len(low) != len(head):
         return None
@@ -5688,9 +5701,6 @@ _OVERFLOW = "\xff"  # the term char of stems past the last code point (not index
 # substring search in 40 % of the notes. Their term chars are U+0100-02FF, and U+0100-017F:
 # in UTF-8 a lead byte C4-CB, and C4-C5, then a continuation byte.
 PAIR_COMMON, PAIR_TERMS = 128, 512
-PAIR_SPILL_IDS = 1 << 20  # pair list entries a segment writer holds before it spills them
-PAIR_REWRITE_NOTES = 10_000  # a file this big without pair lists is written again with them
-PAIR_REWRITE_RETRY = 3600.0  # seconds before a file whose rewrite failed is tried again
 _PAIR_RE = re.compile(
     rb"(?=((?:[\xc4\xc5][\x80-\xbf])(?:[\xc4-\xcb][\x80-\xbf])"
     rb"|(?:[\xc6-\xcb][\x80-\xbf])(?:[\xc4\xc5][\x80-\xbf])))"
@@ -6580,12 +6590,13 @@ class _PairPostings:
     """The notes of each adjacent pair of a segment's commoner terms (_PAIR_RE), per field,
     gathered note by note from the token strings as they are written (ids ascending).
 
-    Past PAIR_SPILL_IDS held, the lists so far go to a temporary file in `folder` as one
+    Past SPILL_IDS held, the lists so far go to a temporary file in `folder` as one
     run, sorted by key, and write() merges the runs: a merge of 100k notes (7.4 million
     ids) holds a few MB of them, not 50.
     """
 
     _HEAD = struct.Struct("<II")  # a list in a run: its key and length, then its ids
+    SPILL_IDS = 1 << 20  # pair list entries a segment writer holds before it spills them
 
     def __init__(self, folder: Path | None = None):
         self.found: tuple = ({}, {})  # per field: the pair's 4 UTF-8 bytes -> note ids
@@ -6605,7 +6616,7 @@ class _PairPostings:
                 found[pair] = ids = array.array("I")
             ids.append(d)
         self.held += len(pairs)
-        if self.held > PAIR_SPILL_IDS and self.folder is not None:
+        if self.held > self.SPILL_IDS and self.folder is not None:
             self._spill()
 
     def _sorted(self) -> list:
@@ -7352,6 +7363,9 @@ class SearchIndex:
     its segments in <state_dir>/index/ and reads note texts (for snippets and moves) through
     the note store. Plugins and providers use the read methods, never the internals.
     """
+
+    PAIR_REWRITE_NOTES = 10_000  # a file this big without pair lists is written again with them
+    PAIR_REWRITE_RETRY = 3600.0  # seconds before a file whose rewrite failed is tried again
 
     def __init__(self, folder: Path | None = None, notes: NoteStore | None = None):
         self._lock = threading.RLock()
@@ -8299,13 +8313,13 @@ class SearchIndex:
         for tier in sorted(tiers):
             if len(tiers[tier]) >= MERGE_FACTOR:
                 return tiers[tier]
-        now = time.monotonic()
+        now, retry = time.monotonic(), self.PAIR_REWRITE_RETRY
         bare = [
             s
             for s in segs
             if "pair_terms" not in s.meta  # (a file of other PAIR_ settings: left to merges)
-            and s.n - len(s.deleted) >= PAIR_REWRITE_NOTES
-            and now - self._pair_rewrites.get(s.name, -PAIR_REWRITE_RETRY) >= PAIR_REWRITE_RETRY
+            and s.n - len(s.deleted) >= self.PAIR_REWRITE_NOTES
+            and now - self._pair_rewrites.get(s.name, -retry) >= retry
         ]
         if not bare:
             return []
@@ -8502,7 +8516,7 @@ class SearchIndex:
 
 
 def relay_server_id(token: str) -> str:
-    """Return the server id a relay token certifies (CONTRACT 13).
+    """Return the server id a relay token certifies (docs/design.md: relay).
 
     >>> relay_server_id("x" * 43)
     'w6p7juq57zv3akfa7qaw'
@@ -8512,7 +8526,7 @@ def relay_server_id(token: str) -> str:
 
 
 def relay_code_of(token: str) -> str:
-    """Return the relay code a relay token certifies (CONTRACT 22): like the server id,
+    """Return the relay code a relay token certifies (docs/design.md: relay): like the server id,
     nobody without the token can claim it, on any relay.
 
     >>> relay_code_of("x" * 43) == relay_code_of("x" * 43) != relay_server_id("x" * 43)[:16]
@@ -8824,7 +8838,8 @@ class RateLimit:
 
 # -- grants: who a request acts for, and how far it may go ---------------------------
 #
-# One mechanism lets others in exactly as far as the owner allows (CONTRACT 21): a grant
+# One mechanism lets others in exactly as far as the owner allows (docs/api.md: Let others
+# in): a grant
 # has a scope (read, write or admin) and optionally a folder, and is issued as a key
 # (nsg_...), as an OAuth token pair for an MCP client (nsa_... / nsr_...), or, for one
 # note, as a share link. Every secret is random and kept only as its SHA-256; the grants
@@ -8833,7 +8848,7 @@ class RateLimit:
 SCOPES = ("read", "write", "admin")  # each includes the ones before it
 SCOPE_RANK = {scope: rank for rank, scope in enumerate(SCOPES)}
 GRANT_KEY_PREFIX = "nsg_"
-DEVICE_KEY_PREFIX = "nsd_"  # a device's key, from a pairing it claimed (CONTRACT 23)
+DEVICE_KEY_PREFIX = "nsd_"  # a device's key, from a pairing it claimed (docs/api.md: Devices)
 MAX_PAIRINGS = 50  # pairings waiting to be claimed at once
 PAIRING_SECRET_RE = re.compile(r"^[a-z2-7]{26}\Z")  # 128 bits, base32: typed in groups of 4
 ACCESS_PREFIX, REFRESH_PREFIX, CODE_PREFIX = "nsa_", "nsr_", "nsc_"
@@ -13613,7 +13628,7 @@ def tool_fetch(svc: Service, id: str) -> dict:
 
 # == Import and export ==========================================================
 #
-# Bring every note you have, take them all with you (CONTRACT 26). An import reads a
+# Bring every note you have, take them all with you (docs/api.md: Import). An import reads a
 # source (a folder, a zip, a tar, an .enex stream), refuses a hostile one before anything
 # is written, turns each format's notes into Markdown drafts, names them (never over
 # anything: a taken name gets " 2"), rewrites the links between them, and writes each
@@ -21809,7 +21824,7 @@ wireDevices();
 # --- end web/devices.js ---
 # --- begin web/transfer.js ---
 WEB_TRANSFER_JS = r"""
-// -- bring notes in, take them all out (CONTRACT 26) ----------------------------------------
+// -- bring notes in, take them all out (docs/api.md: Import) --------------------------------------
 // Import: choose a file, see what the server would do (a dry run), then say yes. Export: a
 // zip of every note and file this key sees, downloaded with its progress shown.
 
@@ -22315,7 +22330,7 @@ def web_manifest() -> bytes:
             "scope": ".",
             "display": "standalone",
             # the share sheet (an installed app, in a secure context): its service worker
-            # takes the POST and keeps it for today's note (CONTRACT 24)
+            # takes the POST and keeps it for today's note (docs/api.md: phone)
             "share_target": {
                 "action": "share-target",
                 "method": "POST",
@@ -22384,7 +22399,7 @@ def web_client_headers() -> dict:
     }
 
 
-# -- the consent and share pages (CONTRACT 21) ----------------------------------------------
+# -- the consent and share pages (docs/api.md: Let others in) --------------------------------------
 #
 # Small pages of their own, each with its CSP hashes. Both are static: a relay serves the
 # same bytes (never HTML forwarded from a server), and their scripts find the API beside
@@ -22760,7 +22775,7 @@ RELAY_EXPIRY = 90.0  # a server not polling for this long is offline
 RELAY_CODE_TTL = 600.0  # a server sends its relay code again at least every third of this
 RELAY_MAX_HEAD = 16384  # bytes of request line and headers
 # Lingering close after an early error (413, 431, a bad Content-Length), by the server and
-# the relay alike (CONTRACT 3): bounded in bytes and in time, so it costs no more than the
+# the relay alike (docs/api.md): bounded in bytes and in time, so it costs no more than the
 # connection it keeps.
 LINGER_MAX_BYTES = 64 * 1024 * 1024
 LINGER_SECONDS = 10.0
@@ -22780,7 +22795,7 @@ RELAYED_WELL_KNOWN_RE = re.compile(
 )
 # A server's route that answers JSON-RPC (/mcp, path-based or on its own origin): the
 # relay's own refusals of a request to it (server offline, body too large) are JSON-RPC
-# errors too (CONTRACT 3).
+# errors too (docs/api.md).
 RELAYED_JSONRPC_RE = re.compile(rf"^(?:/r/[^/]+)?{API}/mcp$")
 
 
@@ -22829,7 +22844,7 @@ def parse_request_head(head: bytes, peer: str) -> tuple:
 
     Strict: one request line, CRLF lines, token field names, no obs-fold, at most one
     Content-Length, and Transfer-Encoding only as exactly `chunked` in one header with no
-    Content-Length beside it (CONTRACT 22: anything else is 400, never guessed); a chunked
+    Content-Length beside it (docs/design.md: relay: anything else is 400, never guessed); a chunked
     body's content_length is -1 (read_chunked_body decodes it).
     """
     text = head.decode("latin-1")  # every byte decodes
@@ -22914,7 +22929,7 @@ async def _chunk_line(reader: asyncio.StreamReader, limit: int, status: int, wha
 
 
 async def read_chunked_body(reader: asyncio.StreamReader, limit: int) -> bytes:
-    """Return a chunked request body, decoded (CONTRACT 22).
+    """Return a chunked request body, decoded (docs/design.md: relay).
 
     Chunk sizes are 1-16 hex digits, every line ends with CRLF, extensions and trailers
     (RELAY_MAX_CHUNK_META bytes each line, the trailers in all) are read and dropped, and
@@ -23205,7 +23220,7 @@ class RelayServer:
         # The relay's own host: its API for servers, the path-based JSON routes of every
         # server (/r/<id>/api/v1, MCP, OAuth's token endpoints and metadata), and pages:
         # with a domain, a landing page and redirects to each server's own origin; without
-        # one, the pages themselves, which then keep nothing in the browser (CONTRACT 22).
+        # one, the pages themselves, which then keep nothing in the browser (docs/design.md: relay).
         self.routes = (
             ("GET", re.compile(r"^/health$"), self.health),
             ("GET", re.compile(r"^/relay/v1/info$"), self.info),
@@ -23727,7 +23742,7 @@ def relay_location_ok(location: str, origins: set) -> bool:
 
 def relay_answer_headers(path: str, headers: list, download: bool = False) -> list:
     """Return a forwarded answer's headers: a type the route may answer, an allowlist of the
-    rest, nosniff and a sandbox (CONTRACT 22).
+    rest, nosniff and a sandbox (docs/design.md: relay).
 
     A registered server cannot publish a page, script or cookies on the relay's origins:
     its Content-Type is kept only when its media type is exactly one the route answers
@@ -23901,7 +23916,7 @@ class RelayClient:
 
     def _learn_origin(self, sid: str) -> None:
         """Ask the relay whether it gives servers their own origins, and remember this
-        server's (links, share URLs and the OAuth issuer name it; CONTRACT 22)."""
+        server's (links, share URLs and the OAuth issuer name it; docs/design.md: relay)."""
         status, answer = self._call("GET", "/relay/v1/info")
         info = answer.get("data") if status == 200 and isinstance(answer, dict) else None
         origin = ""
@@ -24041,6 +24056,36 @@ def _relay_message(answer: Any, status: int) -> str:
 
 
 # == HTTP =====================================================================
+
+
+# -- the route record: one row of the route table (at the end of this section) -------
+
+
+@dataclasses.dataclass(frozen=True)
+class Route:
+    method: str
+    path: str  # a Bottle rule; under /api/v1 unless `api` is False
+    handler: Callable
+    public: bool = False
+    summary: str = ""
+    body: dict | None = None  # JSON schema of the request body (OpenAPI)
+    params: dict | None = None  # query parameters: name -> JSON schema (OpenAPI)
+    status: int = 200  # the documented success status (handlers set it themselves)
+    api: bool = True
+    tag: str = "system"
+    media: str = "application/json"  # of the success answer
+    enveloped: bool = True  # False: the answer is the document itself (OpenAPI, a challenge)
+    body_media: str = "application/json"  # of the request body
+    key_only: bool = False  # needs the API key itself: a JWT may not mint tokens or rotate
+    scope: str = ""  # read, write or admin (docs/api.md: Let others in); a protected route
+    # without one stops the app from starting
+    jsonrpc: bool = False  # answers JSON-RPC 2.0, errors too; callers checked by
+    # authenticate_mcp, which also takes OAuth access tokens (the MCP endpoint only)
+    idempotent: bool = False  # an Idempotency-Key header makes a repeat answer as the first
+
+    @property
+    def rule(self) -> str:
+        return (API if self.api else "") + self.path
 
 
 # -- system ---------------------------------------------------------------------
@@ -24362,7 +24407,7 @@ def create_note(svc: Service) -> dict:
     return _note_response(rec)
 
 
-LIST_FIELDS = ("title", "preview", "modified", "tags")  # a listing's ?fields= (CONTRACT 24)
+LIST_FIELDS = ("title", "preview", "modified", "tags")  # a listing's ?fields= (docs/api.md: phone)
 
 
 def list_notes(svc: Service) -> dict:
@@ -24416,7 +24461,7 @@ def move_note(svc: Service, path: str) -> dict:
 
 def merge_note(svc: Service, path: str) -> dict:
     """POST /notes/:path/merge {base, content}: an edit that started from version `base`,
-    merged with what changed since (CONTRACT 24); 409 with `conflictPath` when it clashed."""
+    merged with what changed since (docs/api.md: phone); 409 with `conflictPath` when it clashed."""
     path = visible_note(svc.notes, path)
     body = read_json(svc.config.max_body_bytes)
     base = field(body, "base", max_len=100)
@@ -24972,8 +25017,8 @@ def authenticate_mcp(svc: Service, environ: dict) -> Principal:
     """Let a request to /mcp through or raise 403, 401 or 429: the one place /mcp's callers
     are checked. A page's Origin must be one SERVICE_CORS_ORIGINS allows (so a site that
     rebinds its name to this machine gets nowhere), then the key, which may come as
-    X-Service-Key, `Authorization: Bearer` or X-API-Key (CONTRACT 4), or an OAuth access
-    token issued for this URL (CONTRACT 21). Returns who the request acts for."""
+    X-Service-Key, `Authorization: Bearer` or X-API-Key (docs/api.md), or an OAuth access
+    token issued for this URL (docs/api.md: Let others in). Returns who the request acts for."""
     origin = environ.get("HTTP_ORIGIN", "")
     if origin and not cors_allows(svc.config, origin):
         raise ApiError(
@@ -25621,7 +25666,7 @@ def list_scoped_keys(svc: Service) -> dict:
     return {"keys": svc.grants.grants()}
 
 
-# -- devices: a phone joins by scanning a code (CONTRACT 23) ---------------------------
+# -- devices: a phone joins by scanning a code (docs/api.md: Devices) ---------------------------
 
 
 def qr_svg(text: str) -> str | None:
@@ -26131,7 +26176,147 @@ def pair_relay_code(svc: Service, code: str) -> dict:
     return {"serverId": st["serverId"], "relayApiBase": f"{relay}{API}"}
 
 
-# -- WebDAV: the notes folder in other apps (CONTRACT 25) -------------------------------------
+# -- import and export (docs/api.md: Import) -------------------------------------------------------
+
+IMPORT_BODY_TYPES = {  # a raw body's type -> the file name it stands for
+    "application/zip": "import.zip",
+    "application/x-zip-compressed": "import.zip",
+    "application/xml": "import.enex",
+    "text/xml": "import.enex",
+    "application/enex+xml": "import.enex",
+    "application/x-tar": "import.jex",
+    "application/json": "import.json",
+    "text/markdown": "import.md",
+    "text/plain": "import.txt",
+    "application/octet-stream": "",
+}
+
+
+def _yes(raw: Any, name: str) -> bool:
+    value = str(raw or "").strip().lower()
+    if value in ("", "0", "false", "no"):
+        return False
+    if value in ("1", "true", "yes"):
+        return True
+    raise bad_request(f"'{name}' must be true or false")
+
+
+def post_import(svc: Service) -> bytes:
+    """POST /import: a zip, .enex, .jex or Keep .json, as the multipart field `file` (with
+    `into`, `dryRun`) or as the raw body (?into=&dryRun=); 201, a dry run 200."""
+    import email.message
+
+    parsed = email.message.Message()
+    parsed["Content-Type"] = request_header("Content-Type") or ""
+    ctype = parsed.get_content_type()
+    limit = svc.config.max_import_bytes
+    fields = {"into": query_str("into"), "dryRun": query_str("dryRun")}
+    if ctype != "multipart/form-data" and ctype not in IMPORT_BODY_TYPES:
+        raise ApiError(
+            415,
+            "UNSUPPORTED_MEDIA_TYPE",
+            "send the file as multipart/form-data (field file), or as a raw body of type "
+            "application/zip, application/xml (.enex) or application/x-tar (.jex)",
+        )
+    with disk_writes():
+        spool = tempfile.TemporaryFile(dir=svc.config.state_dir)  # noqa: SIM115 (closed below)
+    try:
+        with disk_writes():
+            if ctype == "multipart/form-data":
+                filename = _receive_import_form(svc, parsed, spool, fields)
+            else:
+                filename = IMPORT_BODY_TYPES[ctype]
+                read, _ = request_body_reader(limit, "SERVICE_MAX_IMPORT_BYTES")
+                while chunk := read(BODY_CHUNK):
+                    spool.write(chunk)
+            spool.flush()
+        spool.seek(0)
+        dry = _yes(fields["dryRun"], "dryRun")
+        into = fields["into"] or None
+        report = run_import(svc, spool, filename, into, dry, request_principal())
+    finally:
+        spool.close()
+    log.info(
+        "request %s: import%s of %d notes and %d files into %s (%d skipped)",
+        _rid(),
+        " (dry run)" if dry else "",
+        report["created"],
+        report["attachments"],
+        report["into"],
+        len(report["skipped"]),
+    )
+    return ok(report, 200 if dry else 201)
+
+
+def _receive_import_form(svc: Service, parsed: Any, spool: Any, fields: dict) -> str:
+    """Read a multipart import: its `file` into spool, `into` and `dryRun` into fields;
+    return the file's name."""
+    limit = svc.config.max_import_bytes
+    read, _ = request_body_reader(limit + MULTIPART_SLACK, "SERVICE_MAX_IMPORT_BYTES")
+    reader = MultipartReader(read, str(parsed.get_param("boundary") or ""))
+    form: dict = {"into": bytearray(), "dryRun": bytearray(), "file": None}
+
+    def part(name: str, filename: Any, headers: Any):
+        if name in ("into", "dryRun"):
+            return form[name].extend, 2048, lambda: bad_request(f"'{name}' is too long")
+        if name != "file":
+            return None
+        if form["file"] is not None:
+            raise bad_request("send one part named 'file'")
+        form["file"] = str(filename or "")
+        return spool.write, limit, lambda: too_large(limit, "SERVICE_MAX_IMPORT_BYTES")
+
+    reader.parts(part)
+    if form["file"] is None:
+        raise bad_request("the form has no part named 'file'")
+    for name in ("into", "dryRun"):
+        if form[name]:
+            try:
+                fields[name] = bytes(form[name]).decode("utf-8").strip()
+            except UnicodeDecodeError:
+                raise bad_request(f"'{name}' is not valid UTF-8") from None
+    return form["file"]
+
+
+def get_export(svc: Service):
+    """GET /export.zip: the notes, attachments and other files the key sees, streamed."""
+    principal = request_principal()
+    if bottle.request.environ.get("notesvc.relayed"):  # the relay carries bounded answers
+        total = sum(st.st_size for _, _, st in export_files(svc.config.root, principal))
+        if total > svc.config.max_body_bytes:
+            raise too_large_for_relay(total, svc.config.max_body_bytes)
+    stamp = utcnow().strftime("%Y-%m-%d")
+    resp = bottle.response
+    resp.content_type = "application/zip"
+    resp.set_header("Content-Disposition", f'attachment; filename="notesvc-export-{stamp}.zip"')
+    resp.set_header("Cache-Control", "no-store")
+    log.info("request %s: export of %s", _rid(), principal.folder or "every note")
+    return export_zip(svc.config.root, principal)
+
+
+def too_large_for_relay(size: int, limit: int) -> ApiError:
+    return ApiError(
+        413,
+        "PAYLOAD_TOO_LARGE",
+        f"the export holds {size} bytes, more than the relay carries ({limit}, "
+        "SERVICE_MAX_BODY_BYTES): export on the server's own address, or run "
+        "python3 notesvc.py export OUT.zip there",
+    )
+
+
+# -- the built-in web client (GET /) ----------------------------------------------------
+
+
+def get_web_client(svc: Service):
+    bottle.response.content_type = "text/html; charset=utf-8"
+    for name, value in web_client_headers().items():
+        bottle.response.set_header(name, value)
+    return web_client_page()
+
+
+# == WebDAV ===================================================================
+#
+# The notes folder in other apps (docs/api.md: WebDAV): Finder, Windows, rclone, Obsidian.
 # /dav/notes/... and /dav/attachments/... for Obsidian (Remotely Save), Markor, Joplin,
 # rclone, Finder, Windows and davfs2. Every write goes through the stores: a `.md` file
 # under notes/ is a note (history with reason "dav", the index, the change feed, the trash);
@@ -27367,172 +27552,10 @@ def dav_error(e: ApiError) -> bottle.HTTPResponse:
     return bottle.HTTPResponse(body.encode("utf-8"), e.status_code, headers)
 
 
-# -- import and export (CONTRACT 26) -----------------------------------------------------------
-
-IMPORT_BODY_TYPES = {  # a raw body's type -> the file name it stands for
-    "application/zip": "import.zip",
-    "application/x-zip-compressed": "import.zip",
-    "application/xml": "import.enex",
-    "text/xml": "import.enex",
-    "application/enex+xml": "import.enex",
-    "application/x-tar": "import.jex",
-    "application/json": "import.json",
-    "text/markdown": "import.md",
-    "text/plain": "import.txt",
-    "application/octet-stream": "",
-}
-
-
-def _yes(raw: Any, name: str) -> bool:
-    value = str(raw or "").strip().lower()
-    if value in ("", "0", "false", "no"):
-        return False
-    if value in ("1", "true", "yes"):
-        return True
-    raise bad_request(f"'{name}' must be true or false")
-
-
-def post_import(svc: Service) -> bytes:
-    """POST /import: a zip, .enex, .jex or Keep .json, as the multipart field `file` (with
-    `into`, `dryRun`) or as the raw body (?into=&dryRun=); 201, a dry run 200."""
-    import email.message
-
-    parsed = email.message.Message()
-    parsed["Content-Type"] = request_header("Content-Type") or ""
-    ctype = parsed.get_content_type()
-    limit = svc.config.max_import_bytes
-    fields = {"into": query_str("into"), "dryRun": query_str("dryRun")}
-    if ctype != "multipart/form-data" and ctype not in IMPORT_BODY_TYPES:
-        raise ApiError(
-            415,
-            "UNSUPPORTED_MEDIA_TYPE",
-            "send the file as multipart/form-data (field file), or as a raw body of type "
-            "application/zip, application/xml (.enex) or application/x-tar (.jex)",
-        )
-    with disk_writes():
-        spool = tempfile.TemporaryFile(dir=svc.config.state_dir)  # noqa: SIM115 (closed below)
-    try:
-        with disk_writes():
-            if ctype == "multipart/form-data":
-                filename = _receive_import_form(svc, parsed, spool, fields)
-            else:
-                filename = IMPORT_BODY_TYPES[ctype]
-                read, _ = request_body_reader(limit, "SERVICE_MAX_IMPORT_BYTES")
-                while chunk := read(BODY_CHUNK):
-                    spool.write(chunk)
-            spool.flush()
-        spool.seek(0)
-        dry = _yes(fields["dryRun"], "dryRun")
-        into = fields["into"] or None
-        report = run_import(svc, spool, filename, into, dry, request_principal())
-    finally:
-        spool.close()
-    log.info(
-        "request %s: import%s of %d notes and %d files into %s (%d skipped)",
-        _rid(),
-        " (dry run)" if dry else "",
-        report["created"],
-        report["attachments"],
-        report["into"],
-        len(report["skipped"]),
-    )
-    return ok(report, 200 if dry else 201)
-
-
-def _receive_import_form(svc: Service, parsed: Any, spool: Any, fields: dict) -> str:
-    """Read a multipart import: its `file` into spool, `into` and `dryRun` into fields;
-    return the file's name."""
-    limit = svc.config.max_import_bytes
-    read, _ = request_body_reader(limit + MULTIPART_SLACK, "SERVICE_MAX_IMPORT_BYTES")
-    reader = MultipartReader(read, str(parsed.get_param("boundary") or ""))
-    form: dict = {"into": bytearray(), "dryRun": bytearray(), "file": None}
-
-    def part(name: str, filename: Any, headers: Any):
-        if name in ("into", "dryRun"):
-            return form[name].extend, 2048, lambda: bad_request(f"'{name}' is too long")
-        if name != "file":
-            return None
-        if form["file"] is not None:
-            raise bad_request("send one part named 'file'")
-        form["file"] = str(filename or "")
-        return spool.write, limit, lambda: too_large(limit, "SERVICE_MAX_IMPORT_BYTES")
-
-    reader.parts(part)
-    if form["file"] is None:
-        raise bad_request("the form has no part named 'file'")
-    for name in ("into", "dryRun"):
-        if form[name]:
-            try:
-                fields[name] = bytes(form[name]).decode("utf-8").strip()
-            except UnicodeDecodeError:
-                raise bad_request(f"'{name}' is not valid UTF-8") from None
-    return form["file"]
-
-
-def get_export(svc: Service):
-    """GET /export.zip: the notes, attachments and other files the key sees, streamed."""
-    principal = request_principal()
-    if bottle.request.environ.get("notesvc.relayed"):  # the relay carries bounded answers
-        total = sum(st.st_size for _, _, st in export_files(svc.config.root, principal))
-        if total > svc.config.max_body_bytes:
-            raise too_large_for_relay(total, svc.config.max_body_bytes)
-    stamp = utcnow().strftime("%Y-%m-%d")
-    resp = bottle.response
-    resp.content_type = "application/zip"
-    resp.set_header("Content-Disposition", f'attachment; filename="notesvc-export-{stamp}.zip"')
-    resp.set_header("Cache-Control", "no-store")
-    log.info("request %s: export of %s", _rid(), principal.folder or "every note")
-    return export_zip(svc.config.root, principal)
-
-
-def too_large_for_relay(size: int, limit: int) -> ApiError:
-    return ApiError(
-        413,
-        "PAYLOAD_TOO_LARGE",
-        f"the export holds {size} bytes, more than the relay carries ({limit}, "
-        "SERVICE_MAX_BODY_BYTES): export on the server's own address, or run "
-        "python3 notesvc.py export OUT.zip there",
-    )
-
-
-# -- the built-in web client (GET /) ----------------------------------------------------
-
-
-def get_web_client(svc: Service):
-    bottle.response.content_type = "text/html; charset=utf-8"
-    for name, value in web_client_headers().items():
-        bottle.response.set_header(name, value)
-    return web_client_page()
+# == Routes and app ===========================================================
 
 
 # -- route table --------------------------------------------------------------------
-
-
-@dataclasses.dataclass(frozen=True)
-class Route:
-    method: str
-    path: str  # a Bottle rule; under /api/v1 unless `api` is False
-    handler: Callable
-    public: bool = False
-    summary: str = ""
-    body: dict | None = None  # JSON schema of the request body (OpenAPI)
-    params: dict | None = None  # query parameters: name -> JSON schema (OpenAPI)
-    status: int = 200  # the documented success status (handlers set it themselves)
-    api: bool = True
-    tag: str = "system"
-    media: str = "application/json"  # of the success answer
-    enveloped: bool = True  # False: the answer is the document itself (OpenAPI, a challenge)
-    body_media: str = "application/json"  # of the request body
-    key_only: bool = False  # needs the API key itself: a JWT may not mint tokens or rotate
-    scope: str = ""  # read, write or admin (CONTRACT 21); a protected route without one
-    # stops the app from starting
-    jsonrpc: bool = False  # answers JSON-RPC 2.0, errors too; callers checked by
-    # authenticate_mcp, which also takes OAuth access tokens (the MCP endpoint only)
-    idempotent: bool = False  # an Idempotency-Key header makes a repeat answer as the first
-
-    @property
-    def rule(self) -> str:
-        return (API if self.api else "") + self.path
 
 
 def web_asset_route(path: str) -> Route:
@@ -28526,7 +28549,7 @@ def openapi_document(svc: Service, server_url: str) -> dict:
                 "default": {"description": "a JSON-RPC error object", "content": answer},
             }
             op["security"] = [{"apiKey": []}, {"bearerKey": []}, {"xApiKey": []}, {"bearerJwt": []}]
-            op["security"].append({"mcpOAuth": [OAUTH_SCOPES[0]]})  # CONTRACT 21
+            op["security"].append({"mcpOAuth": [OAUTH_SCOPES[0]]})  # docs/api.md: Let others in
         if r.public:
             op["security"] = []
         elif r.key_only:
@@ -29878,9 +29901,9 @@ def main(argv: list | None = None) -> int:
         config = load_config(env, **flags)
         # no log line shows a thread, process id or process name: not gathered per line
         logging.logThreads = logging.logProcesses = logging.logMultiprocessing = False
-        global _QUICK_LOG
-        _QUICK_LOG = BatchedLogHandler(sys.stderr)
-        logging.basicConfig(level=config.log_level, format=LOG_FORMAT, handlers=[_QUICK_LOG])
+        BatchedLogHandler.installed = BatchedLogHandler(sys.stderr)
+        handlers = [BatchedLogHandler.installed]
+        logging.basicConfig(level=config.log_level, format=LOG_FORMAT, handlers=handlers)
         if command not in CREATING_COMMANDS and not (config.state_dir / "state.json").is_file():
             raise ConfigError(
                 f"no notesvc state at {config.state_dir} "

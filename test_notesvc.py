@@ -442,9 +442,9 @@ class TestEnvelope:
         assert lines[0:6:2] == lines[1:6:2]
         assert lines[0].endswith(" INFO notesvc: GET /api/v1/health 200 0.2ms 0123456789abcdef")
         # Only while main()'s handler alone writes the log: else logging, as usual.
-        saved = notesvc._QUICK_LOG, logging.root.handlers[:], logging.root.level
+        saved = notesvc.BatchedLogHandler.installed, logging.root.handlers[:], logging.root.level
         try:
-            notesvc._QUICK_LOG = handler
+            notesvc.BatchedLogHandler.installed = handler
             logging.root.handlers[:] = [handler]
             logging.root.setLevel(logging.INFO)
             notesvc.quick_info("%s", "quick")
@@ -460,7 +460,7 @@ class TestEnvelope:
             assert quick.endswith("INFO notesvc: quick")
             assert logged.endswith("INFO notesvc: through logging")  # propagated, in turn
         finally:
-            notesvc._QUICK_LOG = saved[0]
+            notesvc.BatchedLogHandler.installed = saved[0]
             logging.root.handlers[:] = saved[1]
             logging.root.setLevel(saved[2])
 
@@ -752,7 +752,7 @@ class TestNotes:
 
 
 class TestNotesForPeople:
-    """Notes without paths, listings by date with titles and previews (CONTRACT 24)."""
+    """Notes without paths, listings by date with titles and previews (docs/api.md: phone)."""
 
     @pytest.mark.parametrize(
         ("content", "name"),
@@ -4115,11 +4115,11 @@ class TestSearch:
         """_token_offset skips tokens by splitting the text's bytes, or deeper in with one
         regular expression (possessive on 3.11): it must land where the k-th word starts,
         never inside a word split in two, whatever characters separate the words, and
-        wherever the split gives up (SPLIT_CHARS, SPLIT_WORK)."""
-        monkeypatch.setattr(notesvc, "SPLIT_TOKENS_UP_TO", split_up_to)
+        wherever the split gives up (Split.CHARS, Split.WORK)."""
+        monkeypatch.setattr(notesvc.Split, "TOKENS_UP_TO", split_up_to)
         if small:
-            monkeypatch.setattr(notesvc, "SPLIT_CHARS", 200)
-            monkeypatch.setattr(notesvc, "SPLIT_WORK", 1500)
+            monkeypatch.setattr(notesvc.Split, "CHARS", 200)
+            monkeypatch.setattr(notesvc.Split, "WORK", 1500)
         rnd = random.Random(3)
         words = ["alpha", "beta_x", "x", "a1", "...", "C++", "foo-bar", "\n", "\x1f", "\t~"]
         if not ascii_only:  # letters and digits of other scripts; separators of 2-4 bytes
@@ -4616,7 +4616,7 @@ class TestPhrasePairs:
         self, disk_index, tmp_path, monkeypatch, spill
     ):
         if spill:  # the merge writes its pair lists in runs of 37 ids to a file, then merges
-            monkeypatch.setattr(notesvc, "PAIR_SPILL_IDS", spill)
+            monkeypatch.setattr(notesvc._PairPostings, "SPILL_IDS", spill)
         notes, seg = self.build(disk_index, tmp_path)
         assert seg.nt > notesvc.PAIR_TERMS  # terms past the lists' range too
         queries = phrase_queries(random.Random(4), notes, seg)
@@ -4637,7 +4637,7 @@ class TestPhrasePairs:
         self, disk_index, tmp_path, monkeypatch, spill
     ):
         if spill:
-            monkeypatch.setattr(notesvc, "PAIR_SPILL_IDS", spill)
+            monkeypatch.setattr(notesvc._PairPostings, "SPILL_IDS", spill)
         notes, seg = self.build(disk_index, tmp_path)
         terms = {w: k for w, k in zip(PAIR_VOCAB, seg.keys(PAIR_VOCAB)) if k is not None}
         paths = [seg.path(d) for d in range(seg.n)]
@@ -4690,7 +4690,7 @@ class TestPhrasePairs:
         (bulk,) = disk_index._segs[:1]
         assert bulk._pairs is None
         assert disk_index._pick_merge() == []  # under PAIR_REWRITE_NOTES: left as it is
-        monkeypatch.setattr(notesvc, "PAIR_REWRITE_NOTES", 250)
+        monkeypatch.setattr(notesvc.SearchIndex, "PAIR_REWRITE_NOTES", 250)
         assert disk_index._pick_merge() == [bulk]
         assert disk_index.merge([bulk])
         (seg,) = [s for s in disk_index._segs if isinstance(s, notesvc.DiskSegment)]
@@ -4762,7 +4762,7 @@ class TestPhrasePairs:
         notes = pair_notes(random.Random(13), 300)
         write_notes(tmp_path, notes)
         assert disk_index.sync()["read"] == 300
-        monkeypatch.setattr(notesvc, "PAIR_REWRITE_NOTES", 250)
+        monkeypatch.setattr(notesvc.SearchIndex, "PAIR_REWRITE_NOTES", 250)
         calls = []
 
         def full(*args, **kwargs):  # a full disk, as the writer meets it
@@ -4773,7 +4773,7 @@ class TestPhrasePairs:
         for _ in range(5):
             disk_index.maintain(force=True)
         assert len(calls) == 1  # tried once: not again within PAIR_REWRITE_RETRY
-        monkeypatch.setattr(notesvc, "PAIR_REWRITE_RETRY", 0.0)
+        monkeypatch.setattr(notesvc.SearchIndex, "PAIR_REWRITE_RETRY", 0.0)
         disk_index.maintain(force=True)
         assert len(calls) == 2
         monkeypatch.undo()
@@ -4786,7 +4786,7 @@ class TestPhrasePairs:
         rewrite_footer(path, footer)
         index = notesvc.SearchIndex.open(tmp_path / ".notesvc", disk_index.notes)
         try:
-            monkeypatch.setattr(notesvc, "PAIR_REWRITE_NOTES", 250)
+            monkeypatch.setattr(notesvc.SearchIndex, "PAIR_REWRITE_NOTES", 250)
             (seg,) = [s for s in index._segs if isinstance(s, notesvc.DiskSegment)]
             assert seg._pairs is None
             assert index._pick_merge() == []  # no rewrite (a rewrite could loop on it)
@@ -9232,7 +9232,7 @@ class TestChannels:
             client, "telegram", telegram_update("/save buy milk"), ch["secret"], how="telegram"
         )
         assert data(resp) == {"handled": True, "delivered": True}
-        inbox = list((root / "notes" / "daily").glob("*.md"))  # CONTRACT 20: the daily note
+        inbox = list((root / "notes" / "daily").glob("*.md"))  # into the daily note
         assert len(inbox) == 1
         text = inbox[0].read_text()
         assert re.search(r"^- \d\d:\d\d buy milk$", text, re.M)
@@ -11635,7 +11635,7 @@ class TestPluginHooks:
         )
         last = self.calls(client)[-1]
         assert last[0] == "note_saved"
-        assert last[1].startswith("notes/daily/")  # CONTRACT 20: /save goes to the daily note
+        assert last[1].startswith("notes/daily/")  # /save goes to the daily note
         assert "buy milk" in last[2]
         # A refused write calls nothing.
         before = self.calls(client)
@@ -13106,7 +13106,7 @@ class TestWebClient:
         print(f"2,000-note tree shown {best:.0f} ms after navigation (best of 3: {timings})")
         assert best < 3000  # the goal is 1 s (bench/bench_web.py measures it); this is a guard
 
-    # -- with the history, trash and change feed of CONTRACT 18 (issue 13) ----------------
+    # -- with the history, trash and change feed of docs/api.md: History (issue 13) ----------------
 
     def test_history_lists_diffs_and_restores_a_version(self, web):
         needs(web.server, "/notes/{path}/versions", "history (issue 13)")
@@ -13250,7 +13250,7 @@ class TestWebClient:
         # 404: the page's own reads (backlinks, a look at the note) may meet the deletion
         assert unexpected(s.close(), 404) == []
 
-    # -- with the attachments of CONTRACT 20 (issue 17) -------------------------------------
+    # -- with the attachments of docs/api.md: Attachments (issue 17) -------------------------------
 
     def test_a_vaults_images_beside_its_notes_show_in_the_note(self, web):
         # as Obsidian keeps them, put there over WebDAV: beside the note, linked two ways
@@ -14937,7 +14937,7 @@ class TestRelay:
             assert json.loads(answer.split(b"\r\n\r\n", 1)[1])["success"] is False
             assert relay.request("GET", "/health")[0] == 200
 
-    # -- chunked request bodies (S8, CONTRACT 22's correction) ------------------------------
+    # -- chunked request bodies (S8) ------------------------------
 
     @staticmethod
     def exchange(port: int, data: bytes) -> tuple:
@@ -16767,7 +16767,7 @@ class TestServer:
             server.stop()
 
 
-# Strings a person would call empty: White_Space and control characters only (CONTRACT 3).
+# Strings a person would call empty: White_Space and control characters only (docs/api.md).
 BLANK_PROBES = [" ", "\t\n", "\u001e", "\u001c\u001f", "\x00", "\x7f", "\u0085", "\u00a0"]
 
 BLANK_PROBES += ["\u1680", "\u2007", "\u2028", "\u202f", "\u205f", "\u3000", " \u3000\r "]
@@ -16805,7 +16805,7 @@ def schema_accepts(schema: dict, value: str) -> bool:
 
 
 class TestBlankRule:
-    """The OpenAPI document and the server call the same strings empty (CONTRACT 3)."""
+    """The OpenAPI document and the server call the same strings empty (docs/api.md)."""
 
     def test_blank_is_white_space_and_control_characters_for_every_character(self):
         for code in range(0x10000):
@@ -18627,7 +18627,7 @@ class TestDocs:
             assert sentence in readme
 
 
-# -- WebDAV (CONTRACT 25) --------------------------------------------------------------------
+# -- WebDAV (docs/api.md: WebDAV) ------------------------------------------------------------------
 
 PROPFIND_BODY = (
     b'<?xml version="1.0"?><d:propfind xmlns:d="DAV:"><d:prop><d:resourcetype/>'
@@ -19273,7 +19273,7 @@ class TestDavMisuse:
         assert (method, path) == ("PROPFIND", "/dav/notes/")
 
 
-# -- import and export (CONTRACT 26) -----------------------------------------------------------
+# -- import and export (docs/api.md: Import) -------------------------------------------------------
 
 TINY_PNG = base64.b64decode(
     "iVBORw0KGgoAAAANSUhEUgAAAAEAAAABCAYAAAAfFcSJAAAADUlEQVR42mNk+M9QDwADhgGAWjR9awAAAABJRU5ErkJggg=="

@@ -1,4 +1,4 @@
-// -- bring notes in, take them all out (CONTRACT 26) ----------------------------------------
+// -- bring notes in, take them all out (docs/api.md: Import) --------------------------------------
 // Import: choose a file, see what the server would do (a dry run), then say yes. Export: a
 // zip of every note and file this key sees, downloaded with its progress shown.
 
