@@ -17182,6 +17182,16 @@ img.qr {
   border-radius: 8px;
   font-weight: 600;
 }
+#setup-why code {
+  font-family: ui-monospace, SFMono-Regular, Menlo, Consolas, monospace;
+  font-size: 0.92em;
+  background: var(--code);
+  padding: 0.1em 0.3em;
+  border-radius: 4px;
+  user-select: all;
+  white-space: nowrap;
+}
+
 #setup-box,
 #setup-elsewhere,
 #pair-box {
@@ -21531,7 +21541,10 @@ async function offerSetup() {
       $("setup-box").hidden = false;
       $("setup").focus();
     } else if (j.data && !j.data.setupComplete && j.data.setupHere) {
-      $("setup-why").textContent = whyNotSetUpHere(j.data.setupHere);
+      const why = whyNotSetUpHere(j.data.setupHere).split(/(python3 notesvc\.py [a-z-]+)/);
+      // the commands to type on the server, set as code (one tap selects them)
+      const parts = why.map((part, i) => (i % 2 ? el("code", {}, part) : part));
+      $("setup-why").replaceChildren(...parts);
       $("setup-elsewhere").hidden = false;
     }
   } catch (e) {

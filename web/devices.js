@@ -171,7 +171,10 @@ async function offerSetup() {
       $("setup-box").hidden = false;
       $("setup").focus();
     } else if (j.data && !j.data.setupComplete && j.data.setupHere) {
-      $("setup-why").textContent = whyNotSetUpHere(j.data.setupHere);
+      const why = whyNotSetUpHere(j.data.setupHere).split(/(python3 notesvc\.py [a-z-]+)/);
+      // the commands to type on the server, set as code (one tap selects them)
+      const parts = why.map((part, i) => (i % 2 ? el("code", {}, part) : part));
+      $("setup-why").replaceChildren(...parts);
       $("setup-elsewhere").hidden = false;
     }
   } catch (e) {
