@@ -2746,7 +2746,15 @@ class WebSession:
         self.page.goto(url)
         self.page.fill("#key", key)
         self.page.click("#connect")
-        self.page.wait_for_selector("#app", state="visible")
+        # The first page of a class's Chromium, started cold beside another worker's
+        # WebDAV judges, once took 10.6 s to sign in: the sign-in gets 30 s, and when it
+        # fails it says what the key screen showed (and leaves its picture).
+        try:
+            self.page.wait_for_selector("#app", state="visible", timeout=30_000)
+        except Exception:
+            self.shot("login-failed")
+            said = self.page.inner_text("#login-msg", timeout=1_000)
+            raise AssertionError(f"not signed in: {said!r}; logged {self.errors}") from None
         self.page.wait_for_selector("#tree button, #tree .empty")
 
     def shot(self, name: str) -> Path:
