@@ -1400,21 +1400,37 @@ FORWARDING_HEADERS = (
 _FORWARDED_FOR_RE = re.compile(r'(?:^|;)\s*for\s*=\s*("[^"]*"|[^;,\s]*)', re.IGNORECASE)
 
 
-def _forwarded_hops(environ: dict) -> list | None:
-    """Return the client addresses a trusted proxy reports, nearest last (its first
-    forwarding header of X-Forwarded-For, Forwarded, X-Real-IP), or None without one."""
+def _forwarded_hops(environ: dict) -> list:
+    """Return, for each forwarding header present (X-Forwarded-For, Forwarded,
+    X-Real-IP), the client addresses it reports, nearest last."""
+    found = []
     xff = environ.get("HTTP_X_FORWARDED_FOR", "")
     if xff.strip():
-        return [hop.strip() for hop in xff.split(",")]
+        found.append([hop.strip() for hop in xff.split(",")])
     forwarded = environ.get("HTTP_FORWARDED", "")
     if forwarded.strip():
         hops = []
         for element in forwarded.split(","):
             m = _FORWARDED_FOR_RE.search(element.strip())
             hops.append(m.group(1).strip('"') if m else "")
-        return hops
+        found.append(hops)
     real = environ.get("HTTP_X_REAL_IP", "")
-    return [real.strip()] if real.strip() else None
+    if real.strip():
+        found.append([real.strip()])
+    return found
+
+
+def _client_of_hops(config: Config, hops: list) -> Any:
+    """Return the right-most hop that is not a trusted proxy (or the first hop when all
+    are), or None when a hop on the way is not an address."""
+    ip = None
+    for hop in reversed(hops):
+        ip = ip_of(hop)
+        if ip is None:  # "unknown", an obfuscated name, junk: no client we can judge
+            return None
+        if not is_trusted_proxy(config, str(ip)):
+            break
+    return ip  # else every hop a trusted proxy: the first one's client is theirs to say
 
 
 def setup_client_ip(config: Config, environ: dict) -> Any:
@@ -1424,6 +1440,10 @@ def setup_client_ip(config: Config, environ: dict) -> Any:
     names (the right-most hop that is not itself such a proxy). None: a relayed request,
     a trusted proxy that names no parseable client, or any forwarding header from a peer
     that is not a trusted proxy (a tunnel or proxy we were not told about).
+
+    A proxy that writes only X-Real-IP or Forwarded passes the client's own
+    X-Forwarded-For on, so every one of the three headers present is judged and the
+    farthest from home wins (outside the home ranges, then not loopback).
     """
     if environ.get("notesvc.relayed"):
         return None
@@ -1432,17 +1452,10 @@ def setup_client_ip(config: Config, environ: dict) -> Any:
         return None
     if not is_trusted_proxy(config, str(peer)):
         return None if any(environ.get(h) for h in FORWARDING_HEADERS) else peer
-    hops = _forwarded_hops(environ)
-    if not hops:
+    clients = [_client_of_hops(config, hops) for hops in _forwarded_hops(environ)]
+    if not clients or None in clients:
         return None
-    ip = None
-    for hop in reversed(hops):
-        ip = ip_of(hop)
-        if ip is None:  # "unknown", an obfuscated name, junk: no client we can judge
-            return None
-        if not is_trusted_proxy(config, str(ip)):
-            break
-    return ip  # else every hop a trusted proxy: the first one's client is theirs to say
+    return max(clients, key=lambda ip: (not is_home_network(str(ip)), not ip.is_loopback))
 
 
 def in_container() -> bool:

@@ -5655,6 +5655,13 @@ class TestSetup:
             ({"X-Real-IP": "203.0.113.5"}, False),
             ({}, False),  # a trusted proxy that names no client
             ({"X-Forwarded-Proto": "https"}, False),
+            # A proxy that sets only X-Real-IP or Forwarded passes the client's own
+            # X-Forwarded-For on: every header a proxy may have written must name home.
+            ({"X-Forwarded-For": "127.0.0.1", "X-Real-IP": "203.0.113.5"}, False),
+            ({"X-Forwarded-For": "192.168.1.5", "Forwarded": "for=203.0.113.5"}, False),
+            ({"Forwarded": "for=10.0.0.2", "X-Real-IP": "203.0.113.5"}, False),
+            ({"X-Forwarded-For": "127.0.0.1", "X-Real-IP": "unknown"}, False),
+            ({"X-Forwarded-For": "192.168.1.5", "X-Real-IP": "192.168.1.5"}, True),
         ],
     )
     def test_a_trusted_proxy_names_the_client(self, make_app, headers, shown):
@@ -5810,6 +5817,28 @@ class TestSetup:
             status, _, body = server.request("POST", link, headers={**home, KEY: key})
             assert status == 200
             assert server.request("GET", setup, headers=home)[2]["data"]["setupComplete"]
+
+    @pytest.mark.real_server
+    @pytest.mark.slow
+    def test_a_client_forged_forwarded_for_loses_to_the_proxys_own_header(self, tmp_path):
+        """A trusted proxy that writes only X-Real-IP (a common nginx setup) or only
+        Forwarded (HAProxy's `option forwarded`) passes on whatever X-Forwarded-For the
+        client sent: a stranger's `X-Forwarded-For: 127.0.0.1` must not make it local."""
+        setup, link = f"{API}/system/setup", f"{API}/auth/link"
+        with running(tmp_path / "root", env={"SERVICE_TRUST_PROXY": "127.0.0.1"}) as server:
+            home = {"X-Forwarded-For": "192.168.1.5", "Host": "127.0.0.1"}
+            key = server.request("GET", setup, headers=home)[2]["data"]["apiKey"]
+            assert re.fullmatch(r"nsk_[A-Za-z0-9_-]{43}", key)
+            for proxys in ({"X-Real-IP": "203.0.113.5"}, {"Forwarded": "for=203.0.113.5"}):
+                forged = {"X-Forwarded-For": "127.0.0.1", "Host": "127.0.0.1", **proxys}
+                status, _, body = server.request("GET", setup, headers=forged)
+                assert status == 200
+                assert key not in json.dumps(body)
+                assert body["data"]["setupHere"] == {"allowed": False, "reason": "remote"}
+                status, _, body = server.request("POST", link, headers={**forged, KEY: key})
+                assert status == 403
+                assert body["error"]["code"] == "FORBIDDEN"
+            assert not server.request("GET", setup, headers=home)[2]["data"]["setupComplete"]
 
     @pytest.mark.real_server
     @pytest.mark.slow
