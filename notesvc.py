@@ -13791,6 +13791,62 @@ class _CountedRead:
         self.close()
 
 
+class _UnpackedTar:
+    """A compressed tar (gzip, bzip2, xz) as it unpacks, bounded like its members: the
+    headers tarfile reads whole into memory (a pax header, a GNU long name) count too, so
+    a few hundred packed bytes cannot become gigabytes. Past the import's budget (and a
+    mebibyte for the headers and padding), 413."""
+
+    def __init__(self, f: Any, bound: int, packed: int, limit: int):
+        self.f, self.bound, self.packed, self.limit = f, bound, packed, limit
+
+    @classmethod
+    def of(cls, file: Any, packed: int, budget: int, limit: int) -> Any:
+        """Return file itself when it is a plain tar, else its unpacking, bounded."""
+        head = file.read(6)
+        file.seek(0)
+        if head.startswith(b"\x1f\x8b"):
+            import gzip
+
+            unpacked = gzip.GzipFile(fileobj=file)
+        elif head.startswith(b"BZh"):
+            import bz2
+
+            unpacked = bz2.BZ2File(file)
+        elif head.startswith(b"\xfd7zXZ\x00"):
+            import lzma
+
+            unpacked = lzma.LZMAFile(file)  # noqa: SIM115 (closed by ImportSource.close)
+        else:
+            return file
+        return cls(unpacked, budget + BOMB_MIN_BYTES, packed, limit)
+
+    def _check(self) -> None:
+        at = self.f.tell()
+        if at > self.bound:
+            raise import_too_big(at, self.packed, self.limit)
+
+    def read(self, n: int = -1) -> bytes:
+        if n is None or n < 0:
+            n = self.bound + 1 - self.f.tell()
+        data = self.f.read(min(n, max(0, self.bound + 1 - self.f.tell())))
+        self._check()
+        return data
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        if whence == 0 and pos > self.bound:
+            raise import_too_big(pos, self.packed, self.limit)
+        at = self.f.seek(pos, whence)
+        self._check()
+        return at
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+    def close(self) -> None:
+        self.f.close()
+
+
 class ImportSource:
     """The files of a source (a folder, a zip or a tar), checked whole when opened: zip
     slip, absolute names, drive letters, links and zip bombs refuse it (400 / 413) before
@@ -13922,8 +13978,10 @@ class ImportSource:
         must overlap no other's."""
         spans = []
         for info in infos:
-            file.seek(info.header_offset)
-            head = file.read(30)
+            head = b""
+            if info.header_offset >= 0:  # < 0: a directory placed past where it is
+                file.seek(info.header_offset)
+                head = file.read(30)
             if len(head) < 30 or head[:4] != b"PK\x03\x04":
                 raise import_refused(
                     f"the file is not a readable zip ({log_safe(info.filename, 120)} has no "
@@ -13948,11 +14006,12 @@ class ImportSource:
         pass import_budget(), checked before the next header is looked for."""
         import tarfile
 
+        budget = import_budget(packed, expanded_limit)
         try:
-            tf = tarfile.open(fileobj=file, mode="r:*")  # noqa: SIM115 (closed by close())
+            unpacked = _UnpackedTar.of(file, packed, budget, expanded_limit)
+            tf = tarfile.open(fileobj=unpacked, mode="r:")  # noqa: SIM115 (closed by close())
         except unreadable_archive_errors() as e:
             raise import_refused(f"the file is not a readable tar ({e})") from None
-        budget = import_budget(packed, expanded_limit)
         entries, total = [], 0
         try:
             for m in tf:
@@ -13977,7 +14036,13 @@ class ImportSource:
         except ApiError:
             tf.close()
             raise
-        return cls(entries, kind_hint="joplin", closer=tf.close)
+
+        def close() -> None:
+            tf.close()
+            if unpacked is not file:  # a compressed tar: its unpacking too
+                unpacked.close()
+
+        return cls(entries, kind_hint="joplin", closer=close)
 
     @classmethod
     def from_folder(cls, folder: Path, skipped: list) -> ImportSource:

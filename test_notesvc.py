@@ -19871,6 +19871,48 @@ class TestImport:
         assert "not a readable tar" in resp["error"]["message"]
         self.assert_nothing_imported(client, root)
 
+    def test_a_directory_pointing_before_the_archive_is_400(self, client, root):
+        """A central directory whose recorded offset lies past where it is makes zipfile
+        place every local header before the file's start (a negative offset): 400."""
+        import struct
+
+        body = b"fine\n"
+        good = raw_zip([{"name": "a.md", "data": body, "crc": zlib.crc32(body), "size": 5}])
+        end = good.rindex(b"PK\x05\x06")
+        at = struct.unpack("<L", good[end + 16 : end + 20])[0]
+        broken = good[: end + 16] + struct.pack("<L", at + 50) + good[end + 20 :]
+        for dry in (True, False):
+            resp = client.post(
+                f"{API}/import?dryRun={str(dry).lower()}",
+                broken,
+                content_type="application/zip",
+                status=400,
+            )
+            err = assert_error(resp, 400, "VALIDATION_ERROR")
+            assert err["message"].startswith("nothing was imported: the file is not a readable zip")
+        self.assert_nothing_imported(client, root)
+
+    @pytest.mark.parametrize("pack", ["gz", "bz2", "xz"])
+    def test_a_compressed_tars_headers_are_bounded_too(self, client, root, pack):
+        """A pax header (or a GNU long name) is read whole into memory: in a compressed
+        tar, 40 MiB of one letter packs into a few hundred bytes. The tar as it unpacks is
+        bounded like its members, before the header is read."""
+        import tarfile
+
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode=f"w:{pack}", format=tarfile.PAX_FORMAT) as tf:
+            info = tarfile.TarInfo(f"{J_NOTE}.md")
+            info.pax_headers = {"comment": "z" * (40 << 20)}
+            info.size = 5
+            tf.addfile(info, io.BytesIO(b"fine\n"))
+        bomb = buf.getvalue()
+        assert len(bomb) < 200 << 10
+        for dry in (True, False):
+            resp = import_file(client, bomb, "bomb.jex", status=413, dryRun=dry)
+            assert resp["error"]["code"] == "PAYLOAD_TOO_LARGE"
+            assert "more than 100 times its" in resp["error"]["message"]
+        self.assert_nothing_imported(client, root)
+
     def test_an_import_leaving_the_disk_under_its_margin_is_507(self, make_app, root, monkeypatch):
         import collections
 
