@@ -9363,10 +9363,20 @@ class GrantStore:
         """Return every grant without its secrets (keys and OAuth grants)."""
         return [self._public(g) for g in self.state.read().get("grants", [])]
 
+    @staticmethod
+    def _check_maker(data: dict, maker: Any, now: float) -> None:
+        """Refuse (401) to record what a grant made once that grant is gone: a request that
+        passed its key check just before its key was revoked writes after the revoke."""
+        if made_by_grant(maker) and not any(
+            g["id"] == maker and _epoch(g.get("expiresAt")) > now for g in data.get("grants", [])
+        ):
+            raise ApiError(401, "UNAUTHORIZED", "the key this request came with was revoked")
+
     def _add_grant(self, grant: dict) -> None:
         now = self.clock()
 
         def change(data: dict) -> None:
+            self._check_maker(data, grant.get("createdBy"), now)
             live = [g for g in data.get("grants", []) if _epoch(g.get("expiresAt")) > now]
             if len(live) >= MAX_GRANTS:
                 raise ApiError(
@@ -9420,6 +9430,7 @@ class GrantStore:
         }
 
         def change(data: dict) -> None:
+            self._check_maker(data, created_by, now)
             live = [p for p in data.get("pairings", []) if _epoch(p["expiresAt"]) > now]
             if len(live) >= MAX_PAIRINGS:
                 raise ApiError(
@@ -9772,7 +9783,12 @@ class GrantStore:
             "usedRefresh": [],
         }
         answer = self._tokens(grant, now)
-        self._add_grant(grant)
+        try:
+            self._add_grant(grant)
+        except ApiError as e:
+            if e.status_code != 401:
+                raise
+            raise OAuthError("invalid_grant", "the key that approved this was revoked") from None
 
         def used(data: dict) -> None:
             record = data.get("oauthClients", {}).get(entry["client"]["id"])
@@ -9857,6 +9873,7 @@ class GrantStore:
         }
 
         def change(data: dict) -> None:
+            self._check_maker(data, share["grantId"], now)
             live = [s for s in data.get("shares", []) if _epoch(s["expiresAt"]) > now]
             if len(live) >= MAX_SHARES:
                 raise ApiError(409, "CONFLICT", f"{MAX_SHARES} share links exist; revoke some")

@@ -6850,10 +6850,60 @@ class TestDevices:
 
     def test_a_pairing_whose_maker_is_gone_is_refused_at_claim(self, client, anon):
         # whatever way the maker went (revoked, expired), its pairing is used up
+        dev_id, _ = self.admin_device(client, anon)
         grants = client.app.service.grants
-        _, secret = grants.create_pairing("x", "admin", None, 600, created_by="dv_0123456789ab")
+        _, secret = grants.create_pairing("x", "admin", None, 600, created_by=dev_id)
+
+        def expire(st: dict) -> None:  # the device's key expired (SERVICE_DEVICE_IDLE_DAYS)
+            for g in st["grants"]:
+                if g["id"] == dev_id:
+                    g["expiresAt"] = "2000-01-01T00:00:00.000Z"
+
+        client.app.service.state.update(expire)
         assert_error(claim(anon, secret, status=404), 404, "NOT_FOUND")
         assert client.app.service.state.read()["pairings"] == []
+
+    def test_what_a_revoked_grant_makes_meanwhile_is_refused(self, client, anon):
+        """A request of a device that passed its key check just before the device was
+        revoked (cascade or not) writes its key, share link or OAuth grant after it: the
+        maker must still be live then, or nothing is made."""
+        svc = client.app.service
+        dev_id, _ = self.admin_device(client, anon)
+        put_note(client, "notes/s.md")
+        data(client.delete(f"{API}/auth/keys/{dev_id}?cascade=true"))
+        before = svc.state.read()
+        with pytest.raises(notesvc.ApiError) as err:
+            svc.grants.create_key("late", "admin", None, None, created_by=dev_id)
+        assert err.value.status_code == 401
+        with pytest.raises(notesvc.ApiError) as err:
+            svc.grants.create_pairing("late", "admin", None, 600, created_by=dev_id)
+        assert err.value.status_code == 401
+        late = notesvc.Principal("device", "admin", grant_id=dev_id)
+        with pytest.raises(notesvc.ApiError) as err:
+            svc.grants.create_share("notes/s.md", 7, late)
+        assert err.value.status_code == 401
+        cid = register_client(anon)["client_id"]
+        verifier, challenge = pkce_pair()
+        client_rec = {"id": cid, "name": "Pocket assistant"}
+        grant = {"challenge": challenge, "scope": "read", "folder": None}
+        grant.update(resource=mcp_url(anon), createdBy=dev_id)
+        redirect = svc.grants.approve(client_rec, CALLBACK, grant, "", "http://localhost:80")
+        code = urllib.parse.parse_qs(urllib.parse.urlsplit(redirect).query)["code"][0]
+        resp = token_call(
+            anon,
+            400,
+            grant_type="authorization_code",
+            code=code,
+            client_id=cid,
+            redirect_uri=CALLBACK,
+            code_verifier=verifier,
+            resource=mcp_url(anon),
+        )
+        oauth_error(resp, 400, "invalid_grant")
+        after = svc.state.read()
+        for what in ("grants", "pairings", "shares"):
+            assert after.get(what, []) == before.get(what, []), what
+        new_grant(client, "read")  # the owner makes on
 
     def test_cascade_revokes_what_the_device_made_and_only_that(self, client, anon):
         mine = new_grant(client, "write")
