@@ -1400,21 +1400,37 @@ FORWARDING_HEADERS = (
 _FORWARDED_FOR_RE = re.compile(r'(?:^|;)\s*for\s*=\s*("[^"]*"|[^;,\s]*)', re.IGNORECASE)
 
 
-def _forwarded_hops(environ: dict) -> list | None:
-    """Return the client addresses a trusted proxy reports, nearest last (its first
-    forwarding header of X-Forwarded-For, Forwarded, X-Real-IP), or None without one."""
+def _forwarded_hops(environ: dict) -> list:
+    """Return, for each forwarding header present (X-Forwarded-For, Forwarded,
+    X-Real-IP), the client addresses it reports, nearest last."""
+    found = []
     xff = environ.get("HTTP_X_FORWARDED_FOR", "")
     if xff.strip():
-        return [hop.strip() for hop in xff.split(",")]
+        found.append([hop.strip() for hop in xff.split(",")])
     forwarded = environ.get("HTTP_FORWARDED", "")
     if forwarded.strip():
         hops = []
         for element in forwarded.split(","):
             m = _FORWARDED_FOR_RE.search(element.strip())
             hops.append(m.group(1).strip('"') if m else "")
-        return hops
+        found.append(hops)
     real = environ.get("HTTP_X_REAL_IP", "")
-    return [real.strip()] if real.strip() else None
+    if real.strip():
+        found.append([real.strip()])
+    return found
+
+
+def _client_of_hops(config: Config, hops: list) -> Any:
+    """Return the right-most hop that is not a trusted proxy (or the first hop when all
+    are), or None when a hop on the way is not an address."""
+    ip = None
+    for hop in reversed(hops):
+        ip = ip_of(hop)
+        if ip is None:  # "unknown", an obfuscated name, junk: no client we can judge
+            return None
+        if not is_trusted_proxy(config, str(ip)):
+            break
+    return ip  # else every hop a trusted proxy: the first one's client is theirs to say
 
 
 def setup_client_ip(config: Config, environ: dict) -> Any:
@@ -1424,6 +1440,10 @@ def setup_client_ip(config: Config, environ: dict) -> Any:
     names (the right-most hop that is not itself such a proxy). None: a relayed request,
     a trusted proxy that names no parseable client, or any forwarding header from a peer
     that is not a trusted proxy (a tunnel or proxy we were not told about).
+
+    A proxy that writes only X-Real-IP or Forwarded passes the client's own
+    X-Forwarded-For on, so every one of the three headers present is judged and the
+    farthest from home wins (outside the home ranges, then not loopback).
     """
     if environ.get("notesvc.relayed"):
         return None
@@ -1432,17 +1452,10 @@ def setup_client_ip(config: Config, environ: dict) -> Any:
         return None
     if not is_trusted_proxy(config, str(peer)):
         return None if any(environ.get(h) for h in FORWARDING_HEADERS) else peer
-    hops = _forwarded_hops(environ)
-    if not hops:
+    clients = [_client_of_hops(config, hops) for hops in _forwarded_hops(environ)]
+    if not clients or None in clients:
         return None
-    ip = None
-    for hop in reversed(hops):
-        ip = ip_of(hop)
-        if ip is None:  # "unknown", an obfuscated name, junk: no client we can judge
-            return None
-        if not is_trusted_proxy(config, str(ip)):
-            break
-    return ip  # else every hop a trusted proxy: the first one's client is theirs to say
+    return max(clients, key=lambda ip: (not is_home_network(str(ip)), not ip.is_loopback))
 
 
 def in_container() -> bool:
@@ -9350,10 +9363,20 @@ class GrantStore:
         """Return every grant without its secrets (keys and OAuth grants)."""
         return [self._public(g) for g in self.state.read().get("grants", [])]
 
+    @staticmethod
+    def _check_maker(data: dict, maker: Any, now: float) -> None:
+        """Refuse (401) to record what a grant made once that grant is gone: a request that
+        passed its key check just before its key was revoked writes after the revoke."""
+        if made_by_grant(maker) and not any(
+            g["id"] == maker and _epoch(g.get("expiresAt")) > now for g in data.get("grants", [])
+        ):
+            raise ApiError(401, "UNAUTHORIZED", "the key this request came with was revoked")
+
     def _add_grant(self, grant: dict) -> None:
         now = self.clock()
 
         def change(data: dict) -> None:
+            self._check_maker(data, grant.get("createdBy"), now)
             live = [g for g in data.get("grants", []) if _epoch(g.get("expiresAt")) > now]
             if len(live) >= MAX_GRANTS:
                 raise ApiError(
@@ -9407,6 +9430,7 @@ class GrantStore:
         }
 
         def change(data: dict) -> None:
+            self._check_maker(data, created_by, now)
             live = [p for p in data.get("pairings", []) if _epoch(p["expiresAt"]) > now]
             if len(live) >= MAX_PAIRINGS:
                 raise ApiError(
@@ -9759,7 +9783,12 @@ class GrantStore:
             "usedRefresh": [],
         }
         answer = self._tokens(grant, now)
-        self._add_grant(grant)
+        try:
+            self._add_grant(grant)
+        except ApiError as e:
+            if e.status_code != 401:
+                raise
+            raise OAuthError("invalid_grant", "the key that approved this was revoked") from None
 
         def used(data: dict) -> None:
             record = data.get("oauthClients", {}).get(entry["client"]["id"])
@@ -9844,6 +9873,7 @@ class GrantStore:
         }
 
         def change(data: dict) -> None:
+            self._check_maker(data, share["grantId"], now)
             live = [s for s in data.get("shares", []) if _epoch(s["expiresAt"]) > now]
             if len(live) >= MAX_SHARES:
                 raise ApiError(409, "CONFLICT", f"{MAX_SHARES} share links exist; revoke some")
@@ -13778,6 +13808,62 @@ class _CountedRead:
         self.close()
 
 
+class _UnpackedTar:
+    """A compressed tar (gzip, bzip2, xz) as it unpacks, bounded like its members: the
+    headers tarfile reads whole into memory (a pax header, a GNU long name) count too, so
+    a few hundred packed bytes cannot become gigabytes. Past the import's budget (and a
+    mebibyte for the headers and padding), 413."""
+
+    def __init__(self, f: Any, bound: int, packed: int, limit: int):
+        self.f, self.bound, self.packed, self.limit = f, bound, packed, limit
+
+    @classmethod
+    def of(cls, file: Any, packed: int, budget: int, limit: int) -> Any:
+        """Return file itself when it is a plain tar, else its unpacking, bounded."""
+        head = file.read(6)
+        file.seek(0)
+        if head.startswith(b"\x1f\x8b"):
+            import gzip
+
+            unpacked = gzip.GzipFile(fileobj=file)
+        elif head.startswith(b"BZh"):
+            import bz2
+
+            unpacked = bz2.BZ2File(file)
+        elif head.startswith(b"\xfd7zXZ\x00"):
+            import lzma
+
+            unpacked = lzma.LZMAFile(file)  # noqa: SIM115 (closed by ImportSource.close)
+        else:
+            return file
+        return cls(unpacked, budget + BOMB_MIN_BYTES, packed, limit)
+
+    def _check(self) -> None:
+        at = self.f.tell()
+        if at > self.bound:
+            raise import_too_big(at, self.packed, self.limit)
+
+    def read(self, n: int = -1) -> bytes:
+        if n is None or n < 0:
+            n = self.bound + 1 - self.f.tell()
+        data = self.f.read(min(n, max(0, self.bound + 1 - self.f.tell())))
+        self._check()
+        return data
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        if whence == 0 and pos > self.bound:
+            raise import_too_big(pos, self.packed, self.limit)
+        at = self.f.seek(pos, whence)
+        self._check()
+        return at
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+    def close(self) -> None:
+        self.f.close()
+
+
 class ImportSource:
     """The files of a source (a folder, a zip or a tar), checked whole when opened: zip
     slip, absolute names, drive letters, links and zip bombs refuse it (400 / 413) before
@@ -13909,8 +13995,10 @@ class ImportSource:
         must overlap no other's."""
         spans = []
         for info in infos:
-            file.seek(info.header_offset)
-            head = file.read(30)
+            head = b""
+            if info.header_offset >= 0:  # < 0: a directory placed past where it is
+                file.seek(info.header_offset)
+                head = file.read(30)
             if len(head) < 30 or head[:4] != b"PK\x03\x04":
                 raise import_refused(
                     f"the file is not a readable zip ({log_safe(info.filename, 120)} has no "
@@ -13935,11 +14023,12 @@ class ImportSource:
         pass import_budget(), checked before the next header is looked for."""
         import tarfile
 
+        budget = import_budget(packed, expanded_limit)
         try:
-            tf = tarfile.open(fileobj=file, mode="r:*")  # noqa: SIM115 (closed by close())
+            unpacked = _UnpackedTar.of(file, packed, budget, expanded_limit)
+            tf = tarfile.open(fileobj=unpacked, mode="r:")  # noqa: SIM115 (closed by close())
         except unreadable_archive_errors() as e:
             raise import_refused(f"the file is not a readable tar ({e})") from None
-        budget = import_budget(packed, expanded_limit)
         entries, total = [], 0
         try:
             for m in tf:
@@ -13964,7 +14053,13 @@ class ImportSource:
         except ApiError:
             tf.close()
             raise
-        return cls(entries, kind_hint="joplin", closer=tf.close)
+
+        def close() -> None:
+            tf.close()
+            if unpacked is not file:  # a compressed tar: its unpacking too
+                unpacked.close()
+
+        return cls(entries, kind_hint="joplin", closer=close)
 
     @classmethod
     def from_folder(cls, folder: Path, skipped: list) -> ImportSource:

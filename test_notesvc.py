@@ -5663,6 +5663,13 @@ class TestSetup:
             ({"X-Real-IP": "203.0.113.5"}, False),
             ({}, False),  # a trusted proxy that names no client
             ({"X-Forwarded-Proto": "https"}, False),
+            # A proxy that sets only X-Real-IP or Forwarded passes the client's own
+            # X-Forwarded-For on: every header a proxy may have written must name home.
+            ({"X-Forwarded-For": "127.0.0.1", "X-Real-IP": "203.0.113.5"}, False),
+            ({"X-Forwarded-For": "192.168.1.5", "Forwarded": "for=203.0.113.5"}, False),
+            ({"Forwarded": "for=10.0.0.2", "X-Real-IP": "203.0.113.5"}, False),
+            ({"X-Forwarded-For": "127.0.0.1", "X-Real-IP": "unknown"}, False),
+            ({"X-Forwarded-For": "192.168.1.5", "X-Real-IP": "192.168.1.5"}, True),
         ],
     )
     def test_a_trusted_proxy_names_the_client(self, make_app, headers, shown):
@@ -5818,6 +5825,28 @@ class TestSetup:
             status, _, body = server.request("POST", link, headers={**home, KEY: key})
             assert status == 200
             assert server.request("GET", setup, headers=home)[2]["data"]["setupComplete"]
+
+    @pytest.mark.real_server
+    @pytest.mark.slow
+    def test_a_client_forged_forwarded_for_loses_to_the_proxys_own_header(self, tmp_path):
+        """A trusted proxy that writes only X-Real-IP (a common nginx setup) or only
+        Forwarded (HAProxy's `option forwarded`) passes on whatever X-Forwarded-For the
+        client sent: a stranger's `X-Forwarded-For: 127.0.0.1` must not make it local."""
+        setup, link = f"{API}/system/setup", f"{API}/auth/link"
+        with running(tmp_path / "root", env={"SERVICE_TRUST_PROXY": "127.0.0.1"}) as server:
+            home = {"X-Forwarded-For": "192.168.1.5", "Host": "127.0.0.1"}
+            key = server.request("GET", setup, headers=home)[2]["data"]["apiKey"]
+            assert re.fullmatch(r"nsk_[A-Za-z0-9_-]{43}", key)
+            for proxys in ({"X-Real-IP": "203.0.113.5"}, {"Forwarded": "for=203.0.113.5"}):
+                forged = {"X-Forwarded-For": "127.0.0.1", "Host": "127.0.0.1", **proxys}
+                status, _, body = server.request("GET", setup, headers=forged)
+                assert status == 200
+                assert key not in json.dumps(body)
+                assert body["data"]["setupHere"] == {"allowed": False, "reason": "remote"}
+                status, _, body = server.request("POST", link, headers={**forged, KEY: key})
+                assert status == 403
+                assert body["error"]["code"] == "FORBIDDEN"
+            assert not server.request("GET", setup, headers=home)[2]["data"]["setupComplete"]
 
     @pytest.mark.real_server
     @pytest.mark.slow
@@ -6829,10 +6858,60 @@ class TestDevices:
 
     def test_a_pairing_whose_maker_is_gone_is_refused_at_claim(self, client, anon):
         # whatever way the maker went (revoked, expired), its pairing is used up
+        dev_id, _ = self.admin_device(client, anon)
         grants = client.app.service.grants
-        _, secret = grants.create_pairing("x", "admin", None, 600, created_by="dv_0123456789ab")
+        _, secret = grants.create_pairing("x", "admin", None, 600, created_by=dev_id)
+
+        def expire(st: dict) -> None:  # the device's key expired (SERVICE_DEVICE_IDLE_DAYS)
+            for g in st["grants"]:
+                if g["id"] == dev_id:
+                    g["expiresAt"] = "2000-01-01T00:00:00.000Z"
+
+        client.app.service.state.update(expire)
         assert_error(claim(anon, secret, status=404), 404, "NOT_FOUND")
         assert client.app.service.state.read()["pairings"] == []
+
+    def test_what_a_revoked_grant_makes_meanwhile_is_refused(self, client, anon):
+        """A request of a device that passed its key check just before the device was
+        revoked (cascade or not) writes its key, share link or OAuth grant after it: the
+        maker must still be live then, or nothing is made."""
+        svc = client.app.service
+        dev_id, _ = self.admin_device(client, anon)
+        put_note(client, "notes/s.md")
+        data(client.delete(f"{API}/auth/keys/{dev_id}?cascade=true"))
+        before = svc.state.read()
+        with pytest.raises(notesvc.ApiError) as err:
+            svc.grants.create_key("late", "admin", None, None, created_by=dev_id)
+        assert err.value.status_code == 401
+        with pytest.raises(notesvc.ApiError) as err:
+            svc.grants.create_pairing("late", "admin", None, 600, created_by=dev_id)
+        assert err.value.status_code == 401
+        late = notesvc.Principal("device", "admin", grant_id=dev_id)
+        with pytest.raises(notesvc.ApiError) as err:
+            svc.grants.create_share("notes/s.md", 7, late)
+        assert err.value.status_code == 401
+        cid = register_client(anon)["client_id"]
+        verifier, challenge = pkce_pair()
+        client_rec = {"id": cid, "name": "Pocket assistant"}
+        grant = {"challenge": challenge, "scope": "read", "folder": None}
+        grant.update(resource=mcp_url(anon), createdBy=dev_id)
+        redirect = svc.grants.approve(client_rec, CALLBACK, grant, "", "http://localhost:80")
+        code = urllib.parse.parse_qs(urllib.parse.urlsplit(redirect).query)["code"][0]
+        resp = token_call(
+            anon,
+            400,
+            grant_type="authorization_code",
+            code=code,
+            client_id=cid,
+            redirect_uri=CALLBACK,
+            code_verifier=verifier,
+            resource=mcp_url(anon),
+        )
+        oauth_error(resp, 400, "invalid_grant")
+        after = svc.state.read()
+        for what in ("grants", "pairings", "shares"):
+            assert after.get(what, []) == before.get(what, []), what
+        new_grant(client, "read")  # the owner makes on
 
     def test_cascade_revokes_what_the_device_made_and_only_that(self, client, anon):
         mine = new_grant(client, "write")
@@ -19848,6 +19927,48 @@ class TestImport:
         cut = cut[: cut.index(b"IHDR")]
         resp = import_file(client, cut, "cut.jex", status=400)
         assert "not a readable tar" in resp["error"]["message"]
+        self.assert_nothing_imported(client, root)
+
+    def test_a_directory_pointing_before_the_archive_is_400(self, client, root):
+        """A central directory whose recorded offset lies past where it is makes zipfile
+        place every local header before the file's start (a negative offset): 400."""
+        import struct
+
+        body = b"fine\n"
+        good = raw_zip([{"name": "a.md", "data": body, "crc": zlib.crc32(body), "size": 5}])
+        end = good.rindex(b"PK\x05\x06")
+        at = struct.unpack("<L", good[end + 16 : end + 20])[0]
+        broken = good[: end + 16] + struct.pack("<L", at + 50) + good[end + 20 :]
+        for dry in (True, False):
+            resp = client.post(
+                f"{API}/import?dryRun={str(dry).lower()}",
+                broken,
+                content_type="application/zip",
+                status=400,
+            )
+            err = assert_error(resp, 400, "VALIDATION_ERROR")
+            assert err["message"].startswith("nothing was imported: the file is not a readable zip")
+        self.assert_nothing_imported(client, root)
+
+    @pytest.mark.parametrize("pack", ["gz", "bz2", "xz"])
+    def test_a_compressed_tars_headers_are_bounded_too(self, client, root, pack):
+        """A pax header (or a GNU long name) is read whole into memory: in a compressed
+        tar, 40 MiB of one letter packs into a few hundred bytes. The tar as it unpacks is
+        bounded like its members, before the header is read."""
+        import tarfile
+
+        buf = io.BytesIO()
+        with tarfile.open(fileobj=buf, mode=f"w:{pack}", format=tarfile.PAX_FORMAT) as tf:
+            info = tarfile.TarInfo(f"{J_NOTE}.md")
+            info.pax_headers = {"comment": "z" * (40 << 20)}
+            info.size = 5
+            tf.addfile(info, io.BytesIO(b"fine\n"))
+        bomb = buf.getvalue()
+        assert len(bomb) < 200 << 10
+        for dry in (True, False):
+            resp = import_file(client, bomb, "bomb.jex", status=413, dryRun=dry)
+            assert resp["error"]["code"] == "PAYLOAD_TOO_LARGE"
+            assert "more than 100 times its" in resp["error"]["message"]
         self.assert_nothing_imported(client, root)
 
     def test_an_import_leaving_the_disk_under_its_margin_is_507(self, make_app, root, monkeypatch):
