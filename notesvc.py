@@ -11302,59 +11302,42 @@ def _registered_channel(name: str) -> tuple:
     return registry, registry[name]
 
 
-def channel_sender(name: str) -> Callable[[SendFn], SendFn]:
-    """Register the function that sends replies through channel provider `name`."""
+def channel_part(name: str, part: str, **extra: Any) -> Callable:
+    """Register one part of channel provider `name` (registered first): the decorated
+    function becomes its `part` (send, verify, poll, fetch or configure), with `extra`
+    fields beside it."""
 
-    def register(send: SendFn) -> SendFn:
+    def register(fn: Callable) -> Callable:
         registry, provider = _registered_channel(name)
-        registry[name] = dataclasses.replace(provider, send=send)
-        return send
+        registry[name] = dataclasses.replace(provider, **{part: fn}, **extra)
+        return fn
 
     return register
+
+
+def channel_sender(name: str) -> Callable[[SendFn], SendFn]:
+    """Register the function that sends replies through channel provider `name`."""
+    return channel_part(name, "send")
 
 
 def channel_verifier(name: str, params: tuple = ()) -> Callable:
     """Register the provider's answer to GET /channels/webhook/<name> (a subscription check)."""
-
-    def register(verify: Callable) -> Callable:
-        registry, provider = _registered_channel(name)
-        registry[name] = dataclasses.replace(provider, verify=verify, verify_params=params)
-        return verify
-
-    return register
+    return channel_part(name, "verify", verify_params=params)
 
 
 def channel_poller(name: str) -> Callable:
     """Register how provider `name` fetches its own updates (channels in polling mode)."""
-
-    def register(poll: Callable) -> Callable:
-        registry, provider = _registered_channel(name)
-        registry[name] = dataclasses.replace(provider, poll=poll)
-        return poll
-
-    return register
+    return channel_part(name, "poll")
 
 
 def channel_fetcher(name: str) -> Callable:
     """Register how provider `name` downloads the photos, voice and files of an update."""
-
-    def register(fetch: Callable) -> Callable:
-        registry, provider = _registered_channel(name)
-        registry[name] = dataclasses.replace(provider, fetch=fetch)
-        return fetch
-
-    return register
+    return channel_part(name, "fetch")
 
 
 def channel_configurer(name: str) -> Callable:
     """Register what provider `name` does when one of its channels is created or changed."""
-
-    def register(configure: Callable) -> Callable:
-        registry, provider = _registered_channel(name)
-        registry[name] = dataclasses.replace(provider, configure=configure)
-        return configure
-
-    return register
+    return channel_part(name, "configure")
 
 
 def channel_mode(channel: dict) -> str:
