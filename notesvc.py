@@ -2015,6 +2015,31 @@ def _nfc(name: str) -> str:
     return name if name.isascii() else unicodedata.normalize("NFC", name)
 
 
+def walk_entries(real: str, rel: str, keep: Callable[[str], bool]) -> Iterable:
+    """Yield (path, DirEntry) of the files below the folder `real` (known as `rel`) whose
+    NFC names `keep` takes; hidden entries and links are skipped, and a folder that
+    vanishes or can't be read is passed over."""
+    stack = [(real, rel)]
+    while stack:
+        real, rel = stack.pop()
+        try:
+            entries = list(os.scandir(real))
+        except (FileNotFoundError, NotADirectoryError, PermissionError):
+            continue
+        for e in entries:
+            if e.name.startswith(".") or e.is_symlink():
+                continue
+            name = _nfc(e.name)
+            if e.is_dir():
+                stack.append((e.path, f"{rel}/{name}"))
+            elif keep(name):
+                yield f"{rel}/{name}", e
+
+
+def _is_note_name(name: str) -> bool:
+    return name.endswith(".md") and len(name) > 3
+
+
 # -- attachments: files notes link to --------------------------------------------------
 
 ATTACHMENTS = "attachments"
@@ -2801,26 +2826,12 @@ class NoteStore:
     def exists(self, path: str) -> bool:
         return os.path.isfile(self.file_of(path))
 
-    def _entries(self, folder: str = NOTES):
+    def _entries(self, folder: str = NOTES) -> Iterable:
         """Yield (note path, DirEntry) under a folder path (hidden entries and links skipped).
 
         Paths are NFC whatever the names on disk.
         """
-        stack = [(str(self.on_disk(folder)), folder)]
-        while stack:
-            real, rel = stack.pop()
-            try:
-                entries = list(os.scandir(real))
-            except (FileNotFoundError, NotADirectoryError, PermissionError):
-                continue
-            for e in entries:
-                if e.name.startswith(".") or e.is_symlink():
-                    continue
-                name = _nfc(e.name)
-                if e.is_dir():
-                    stack.append((e.path, f"{rel}/{name}"))
-                elif name.endswith(".md") and len(name) > 3:
-                    yield f"{rel}/{name}", e
+        return walk_entries(str(self.on_disk(folder)), folder, _is_note_name)
 
     def walk(self, folder: str = NOTES) -> list:
         """Return every note path under a folder path, sorted."""
@@ -3416,6 +3427,10 @@ def _check_etag(if_match: str | None, current: str | None, what: str) -> None:
         )
 
 
+def _is_attachment_name(name: str) -> bool:
+    return name.rpartition(".")[2].lower() in ATTACHMENT_TYPES and "." in name[1:]
+
+
 class AttachmentStore:
     """Files under <root>/attachments: uploads, and photos, voice and files from channels.
 
@@ -3477,24 +3492,10 @@ class AttachmentStore:
             raise not_found(f"no attachment at {path}")
         return self.record(path, st)
 
-    def _entries(self, folder: str = ATTACHMENTS):
+    def _entries(self, folder: str = ATTACHMENTS) -> Iterable:
         """Yield (path, DirEntry) of the attachments under a folder (hidden entries, links and
         other extensions left out)."""
-        stack = [(str(self.base / folder), folder)]
-        while stack:
-            real, rel = stack.pop()
-            try:
-                entries = list(os.scandir(real))
-            except (FileNotFoundError, NotADirectoryError, PermissionError):
-                continue
-            for e in entries:
-                if e.name.startswith(".") or e.is_symlink():
-                    continue
-                name = _nfc(e.name)
-                if e.is_dir():
-                    stack.append((e.path, f"{rel}/{name}"))
-                elif name.rpartition(".")[2].lower() in ATTACHMENT_TYPES and "." in name[1:]:
-                    yield f"{rel}/{name}", e
+        return walk_entries(str(self.base / folder), folder, _is_attachment_name)
 
     def paths(self) -> list:
         """Return every attachment path, sorted."""
