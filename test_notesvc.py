@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import array
+import ast
 import base64
 import collections
 import concurrent.futures
@@ -53,12 +54,33 @@ from pathlib import Path
 import pytest
 import webtest
 
-import notesvc
-
 HERE = Path(__file__).resolve().parent
-
-
 NOTESVC = str(HERE / "notesvc.py")
+# Which notesvc the tests run: the shipped file (default), imported by its path whatever
+# else is installed, or with NOTESVC_FORM=package the modules in src/notesvc/ (.ci/build.py
+# writes those into notesvc.py). The tests that start real processes run notesvc.py.
+FORM = os.environ.get("NOTESVC_FORM", "artifact")
+if FORM == "package":
+    sys.path.insert(0, str(HERE / "src"))
+    import notesvc
+else:
+    import importlib.util as _util
+
+    _spec = _util.spec_from_file_location("notesvc", NOTESVC)
+    notesvc = sys.modules["notesvc"] = _util.module_from_spec(_spec)
+    _spec.loader.exec_module(notesvc)
+assert notesvc.__file__ == str(
+    HERE / ("src/notesvc/__init__.py" if FORM == "package" else "notesvc.py")
+)
+
+
+def patch_global(monkeypatch, name: str, value) -> None:
+    """Set a module-level name of notesvc for one test, in every module that holds it (the
+    one file, or each module of the package that defines or imports it)."""
+    old = getattr(notesvc, name)
+    for mod_name, module in list(sys.modules.items()):
+        if mod_name.split(".")[0] == "notesvc" and getattr(module, name, None) is old:
+            monkeypatch.setattr(module, name, value)
 
 
 API = "/api/v1"
@@ -171,9 +193,17 @@ def must_be_marked(marker: str) -> None:
 class Server:
     """A real `python notesvc.py` process on a free loopback port."""
 
-    def __init__(self, root: Path, *args: str, env: dict | None = None, port: int = 0):
+    def __init__(
+        self,
+        root: Path,
+        *args: str,
+        env: dict | None = None,
+        port: int = 0,
+        program: tuple = (NOTESVC,),
+        cwd: Path | None = None,
+    ):
         must_be_marked("real_server")
-        cmd = [sys.executable, NOTESVC, *args, "--host", "127.0.0.1", "--port", str(port)]
+        cmd = [sys.executable, *program, *args, "--host", "127.0.0.1", "--port", str(port)]
         cmd += [] if args[:1] == ("relay",) else ["--root", str(root)]  # a relay has no root
         full_env = {
             **os.environ,
@@ -182,7 +212,12 @@ class Server:
             **(env or {}),
         }
         self.proc = subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=full_env
+            cmd,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+            env=full_env,
+            cwd=cwd,
         )
         self.lines: list[str] = []
         self.ready = threading.Event()
@@ -228,8 +263,8 @@ class Server:
 
 
 @contextlib.contextmanager
-def running(root: Path, *args: str, env: dict | None = None, port: int = 0):
-    server = Server(root, *args, env=env, port=port)
+def running(root: Path, *args: str, env: dict | None = None, port: int = 0, **how):
+    server = Server(root, *args, env=env, port=port, **how)
     try:
         yield server
     finally:
@@ -3878,9 +3913,10 @@ class TestTokenizer:
     def test_doctests(self):
         import doctest
 
-        result = doctest.testmod(notesvc)
-        assert result.attempted >= 4
-        assert result.failed == 0
+        modules = [m for n, m in sorted(sys.modules.items()) if n.split(".")[0] == "notesvc"]
+        results = [doctest.testmod(m) for m in modules]  # the file, or each of the package's
+        assert sum(r.attempted for r in results) >= 4
+        assert sum(r.failed for r in results) == 0
 
     @pytest.mark.parametrize(
         ("a", "b"),
@@ -4777,7 +4813,7 @@ class TestPhrasePairs:
             calls.append(1)
             raise OSError(errno.ENOSPC, "No space left on device")
 
-        monkeypatch.setattr(notesvc, "write_segment", full)
+        patch_global(monkeypatch, "write_segment", full)
         for _ in range(5):
             disk_index.maintain(force=True)
         assert len(calls) == 1  # tried once: not again within PAIR_REWRITE_RETRY
@@ -4964,8 +5000,8 @@ class TestSearchSegments:
         }
         write_notes(root, notes)
         with monkeypatch.context() as m:  # an index written by an older stemmer (here: none)
-            m.setattr(notesvc, "INDEX_FORMAT", (*notesvc.INDEX_FORMAT[:-1], "stem-1"))
-            m.setattr(notesvc, "stem", lambda word: word)
+            patch_global(m, "INDEX_FORMAT", (*notesvc.INDEX_FORMAT[:-1], "stem-1"))
+            patch_global(m, "stem", lambda word: word)
             app = make_app()
             assert app.app.service.index.search(notesvc.Query("generous"))[0] == 0
             app.app.service.close()
@@ -5025,6 +5061,7 @@ class TestSearchSegments:
             assert stat.S_IMODE(path.stat().st_mode) == 0o600, path
 
     @pytest.mark.slow
+    @pytest.mark.forms  # the helper process starts by path from notesvc.py, by name from src/
     def test_cold_start_bulk_path_indexes_thousands_of_notes(self, make_app, root, caplog):
         rnd = random.Random(8)
         notes = make_ref_notes(rnd, 4500)
@@ -7423,6 +7460,53 @@ class TestFolderGrants:
         assert_error(member.get(note_url("notes/family/link/c.md"), status=404), 404, "NOT_FOUND")
         assert "notes/work" not in json.dumps(data(member.get(f"{API}/folders/tree")))
 
+    @pytest.mark.parametrize(
+        ("guard", "store", "inside", "outside", "bad", "what"),
+        [
+            ("visible_note", "notes", "notes/family/a.md", "notes/work/c.md", ".exe", "note"),
+            (
+                "visible_attachment",
+                "attachments",
+                "attachments/family/p.png",
+                "attachments/work/w.png",
+                ".exe",
+                "attachment",
+            ),
+            (
+                "visible_note_file",
+                "note_files",
+                "notes/family/i.png",
+                "notes/work/i.png",
+                ".exe",
+                "attachment",
+            ),
+        ],
+    )
+    def test_each_guard_checks_the_folder_then_the_path_then_links(
+        self, family, root, guard, store, inside, outside, bad, what
+    ):
+        owner, _ = family
+        svc = owner.app.service
+        check, where = getattr(notesvc, guard), getattr(svc, store)
+        member = notesvc.Principal("key", "write", "notes/family")
+        assert check(where, inside, member) == inside
+        assert check(where, outside, notesvc.OWNER) == outside
+        odd = outside.rsplit(".", 1)[0] + bad  # against the path's rules as well
+        for raw in (outside, odd, outside.replace("/work/", "/family/../work/"), None):
+            with pytest.raises(notesvc.ApiError) as e:
+                check(where, raw, member)
+            assert (e.value.status_code, e.value.message) == (404, f"no {what} at {raw}")
+        with pytest.raises(notesvc.ApiError) as e:  # inside: the path's own rules
+            check(where, inside.rsplit(".", 1)[0] + bad, member)
+        assert e.value.status_code == 400
+        top = inside.rsplit("/", 1)[0]
+        (root / top).mkdir(parents=True, exist_ok=True)
+        (root / top / "link").symlink_to(root / outside.rsplit("/", 1)[0])
+        linked = f"{top}/link/{outside.rsplit('/', 1)[1]}"
+        with pytest.raises(notesvc.ApiError) as e:
+            check(where, linked, member)
+        assert (e.value.status_code, e.value.message) == (404, f"no {what} at {linked}")
+
     def test_agent_sources_stay_inside(self, family):
         _, member = family
         d = data(member.post_json(f"{API}/agent/chat", {"message": "secret contract apple"}))
@@ -8510,7 +8594,11 @@ class TestStructure:
         src = Path(NOTESVC).read_text()
         tree = ast.parse(src)
         lines = src.splitlines()
-        banners = [i + 1 for i, line in enumerate(lines) if line.startswith("# == ")]
+        banners = [  # the sections; a seam `# == src/notesvc/<module>.py` starts a module
+            i + 1
+            for i, line in enumerate(lines)
+            if line.startswith("# == ") and not line.startswith("# == src/")
+        ]
 
         def section(lineno: int) -> int:
             return bisect.bisect_right(banners, lineno)
@@ -8598,6 +8686,190 @@ class TestStructure:
         assert search(client, "kumquat")["total"] == 0  # not indexed yet
         svc.sync_index()  # what the rescan runs
         assert search(client, "kumquat")["total"] == 1
+
+
+class TestHouse:
+    """Several files to write, one file to ship: src/notesvc/ is built into notesvc.py by
+    .ci/build.py, and both forms run (docs/contributing.md)."""
+
+    BUILD = str(HERE / ".ci" / "build.py")
+
+    def build(self, *args: str, root: Path = HERE) -> subprocess.CompletedProcess:
+        cmd = [sys.executable, self.BUILD, *args, "--root", str(root)]
+        return subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+
+    def test_where_maps_a_line_of_notesvc_py_to_its_source(self):
+        lines = Path(NOTESVC).read_text().splitlines()
+        asked = [
+            lines.index("def create_app(config: Config | None = None) -> NotesApp:") + 1,
+            lines.index("class NoteStore:") + 1,
+            lines.index("const state = {") + 1,  # web/core.js, embedded
+        ]
+        done = self.build("--where", *map(str, asked))
+        assert done.returncode == 0, done.stderr
+        found = re.findall(r"notesvc\.py:(\d+) -> (\S+):(\d+)", done.stdout)
+        assert [int(n) for n, _, _ in found] == asked
+        for n, path, line in found:
+            assert path.startswith(("src/notesvc/", "web/")), path
+            source = (HERE / path).read_text().splitlines()[int(line) - 1]
+            assert source == lines[int(n) - 1]
+        assert [p for _, p, _ in found][:2] == [
+            "src/notesvc/http/app.py",
+            "src/notesvc/notes/store.py",
+        ]
+        assert self.build("--where", str(len(lines) + 5)).returncode == 1
+
+    def test_the_outline_and_the_seams_are_in_notesvc_py(self):
+        text = Path(NOTESVC).read_text()
+        assert text.startswith("# Generated by .ci/build.py from src/notesvc/ and web/")
+        modules = re.findall(r"^# == src/notesvc/(\S+)\.py =", text, re.M)
+        order = (
+            [m.replace(".", "/") for m in notesvc.MODULES[1:]]
+            if hasattr(notesvc, "MODULES")
+            else modules
+        )
+        assert modules == order
+        assert len(modules) >= 30
+        for section in ("Settings", "Notes", "Search", "Service", "Web client", "WebDAV", "CLI"):
+            assert re.search(rf"^# == {section} =", text, re.M), section
+        assert not re.search(r"^\s*(from|import) notesvc\b", text, re.M)  # between modules
+        assert text.count("from __future__ import annotations") == 1
+
+    def test_no_source_file_is_over_the_size_tools_read(self):
+        sources = sorted((HERE / "src" / "notesvc").rglob("*.py"))
+        assert len(sources) >= 30
+        for path in sources:
+            assert path.stat().st_size < 1 << 20, path
+            assert len(path.read_text().splitlines()) <= 1600, path
+
+    @pytest.mark.slow
+    @pytest.mark.parametrize(
+        ("module", "line", "refusal"),
+        [
+            ("cli.py", "\n\ndef load_config():\n    pass\n", "load_config is defined in"),
+            ("settings.py", "\nfrom notesvc.cli import main\n", "comes before cli"),
+            ("errors.py", "\nfrom notesvc.settings import Config as C\n", "no `as`"),
+            ("errors.py", "\nfrom notesvc import settings\n", "not imported as objects"),
+            ("errors.py", "\nimport notesvc.settings\n", "write `from notesvc.<module>"),
+            ("errors.py", "\nfrom notesvc.settings import nothing_here\n", "defines no"),
+            ("settings.py", "\n\ndef f():\n    global log\n    log = None\n", "global log"),
+        ],
+    )
+    def test_the_build_refuses_what_would_split_the_two_forms(
+        self, tmp_path, module, line, refusal
+    ):
+        shutil.copytree(HERE / "src", tmp_path / "src")
+        shutil.copytree(HERE / "web", tmp_path / "web")
+        shutil.copy(NOTESVC, tmp_path / "notesvc.py")
+        with open(tmp_path / "src" / "notesvc" / module, "a") as f:
+            f.write(line)
+        done = self.build(root=tmp_path)
+        assert done.returncode == 1
+        assert refusal in done.stderr
+        assert done.stderr.startswith("build: src/notesvc/")  # names the file (and line)
+        assert (tmp_path / "notesvc.py").read_bytes() == Path(NOTESVC).read_bytes()
+
+    @pytest.mark.slow
+    def test_check_names_the_first_difference_and_a_build_mends_it(self, tmp_path):
+        shutil.copytree(HERE / "src", tmp_path / "src")
+        shutil.copytree(HERE / "web", tmp_path / "web")
+        shutil.copy(NOTESVC, tmp_path / "notesvc.py")
+        markdown = tmp_path / "web" / "markdown.js"
+        markdown.write_text(markdown.read_text() + "// one more line\n")
+        done = self.build("--check", root=tmp_path)
+        assert done.returncode == 1
+        assert "web/markdown.js" in done.stderr
+        assert "run python .ci/build.py" in done.stderr
+        assert self.build(root=tmp_path).returncode == 0
+        assert "// one more line" in (tmp_path / "notesvc.py").read_text()
+        assert self.build("--check", root=tmp_path).returncode == 0
+
+    def test_the_package_has_every_name_the_file_has(self):
+        """Plugins and embedders write `import notesvc`: the same names in both forms."""
+        code = (  # the file by its path, or the package from the folder that holds it
+            "import importlib.util as u, json, sys\n"
+            "f = sys.argv[1]\n"
+            "if f.endswith('.py'):\n"
+            "    s = u.spec_from_file_location('notesvc', f)\n"
+            "    sys.modules['notesvc'] = u.module_from_spec(s)\n"
+            "    s.loader.exec_module(sys.modules['notesvc'])\n"
+            "else:\n"
+            "    sys.path.insert(0, f)\n"
+            "import notesvc\n"
+            "print(notesvc.__file__)\n"
+            "print(json.dumps(sorted(vars(notesvc))))\n"
+        )
+
+        def names(where: str) -> tuple:
+            cmd = [sys.executable, "-c", code, where]
+            done = subprocess.run(
+                cmd, capture_output=True, text=True, timeout=60, cwd=HERE / "docs"
+            )
+            assert done.returncode == 0, done.stderr
+            file, listed = done.stdout.splitlines()
+            return file, {n for n in json.loads(listed) if not n.startswith("__")}
+
+        file, in_file = names(NOTESVC)
+        package_file, in_package = names(str(HERE / "src"))
+        assert (file, package_file) == (NOTESVC, str(HERE / "src/notesvc/__init__.py"))
+        modules = {"boot", "notes", "search", "providers", "transfer", "http", "MODULES"}
+        modules.add("TYPE_CHECKING")  # annotations only: the build drops those imports
+        modules |= {m.split(".")[-1] for m in self.modules()}
+        assert in_file - in_package == set()
+        assert in_package - in_file <= modules
+        for name in ("create_app", "load_config", "Plugin", "channel_sender", "TOOLS", "main"):
+            assert name in in_package
+
+    @staticmethod
+    def modules() -> list:
+        """Return MODULES of src/notesvc/__init__.py: the build's order."""
+        tree = ast.parse((HERE / "src" / "notesvc" / "__init__.py").read_text())
+        found = [
+            n.value for n in tree.body if isinstance(n, ast.Assign) and n.targets[0].id == "MODULES"
+        ]
+        return list(ast.literal_eval(found[0]))
+
+    @pytest.mark.slow
+    @pytest.mark.real_server
+    def test_python_m_notesvc_serves_the_same_page_from_the_package(self, tmp_path):
+        empty = tmp_path / "elsewhere"
+        empty.mkdir()
+        env = {"PYTHONPATH": str(HERE / "src")}
+        version = subprocess.run(
+            [sys.executable, "-m", "notesvc", "--version"],
+            capture_output=True,
+            text=True,
+            timeout=60,
+            cwd=empty,
+            env={**os.environ, **env},
+        )
+        assert version.stdout.strip() == f"notesvc {notesvc.__version__}"
+        with running(tmp_path / "root", program=("-m", "notesvc"), cwd=empty, env=env) as server:
+            assert server.request("GET", f"{API}/health")[0] == 200
+            with urllib.request.urlopen(server.url + "/", timeout=30) as resp:
+                page = resp.read().decode()
+            assert page == notesvc.web_client_page()
+            log = "".join(server.lines)
+            assert "python3 -m notesvc rotate-key" in log  # how this owner runs it
+            server.proc.send_signal(signal.SIGTERM)
+            assert server.proc.wait(15) == 0
+
+    @pytest.mark.slow
+    @pytest.mark.real_server
+    def test_notesvc_py_alone_in_an_empty_folder_serves(self, tmp_path):
+        alone = tmp_path / "pi"
+        alone.mkdir()
+        shutil.copy(NOTESVC, alone / "notesvc.py")
+        program = (str(alone / "notesvc.py"),)
+        with running(alone / "data", program=program, cwd=alone) as server:
+            status, _, body = server.request("GET", f"{API}/health")
+            assert (status, body["data"]["version"]) == (200, notesvc.__version__)
+            with urllib.request.urlopen(server.url + "/", timeout=30) as resp:
+                assert resp.read().decode() == notesvc.web_client_page()
+        assert sorted(p.name for p in alone.iterdir() if p.name != "__pycache__") == [
+            "data",
+            "notesvc.py",
+        ]
 
 
 class FakeUpstream:
@@ -10448,7 +10720,7 @@ class TestReminders:
     @pytest.mark.parametrize("width", [64, 32])
     def test_note_keys_are_64_bits_where_str_hashes_have_32(self, monkeypatch, width):
         info = types.SimpleNamespace(width=width)
-        monkeypatch.setattr(notesvc, "sys", types.SimpleNamespace(hash_info=info))
+        patch_global(monkeypatch, "sys", types.SimpleNamespace(hash_info=info))
         key = notesvc._note_key
         keys = [key(f"notes/{i}.md", (10, 7)) for i in range(2000)]
         keys += [key("notes/0.md", (11, 7)), key("notes/0.md", (10, 8))]
@@ -18537,9 +18809,9 @@ class TestDocs:
         assert done.returncode == 0, done.stdout[-3000:] + done.stderr[-2000:]
 
     def test_the_web_sources_are_what_notesvc_py_carries(self):
-        """web/ is embedded by .ci/embed_web.py: --check fails on any difference."""
+        """web/ is embedded by .ci/build.py: --check fails on any difference."""
         done = subprocess.run(
-            [sys.executable, str(HERE / ".ci" / "embed_web.py"), "--check"],
+            [sys.executable, str(HERE / ".ci" / "build.py"), "--check"],
             capture_output=True,
             text=True,
             timeout=60,
@@ -19048,6 +19320,110 @@ def a_vault(folder: Path, notes: int = 500) -> dict:
         (folder / rel).parent.mkdir(parents=True, exist_ok=True)
         (folder / rel).write_bytes(body)
     return files
+
+
+class TestConditionalDownloads:
+    """If-None-Match, Range and If-Range answered alike by the API's attachments and by
+    WebDAV's GET (one implementation: conditional_download)."""
+
+    @pytest.fixture(params=["api", "dav"])
+    def get(self, request, client, dav):
+        etag = data(upload(client, "attachments/v.png"))["etag"]
+        if request.param == "api":
+            raw = webtest.TestApp(client.app, lint=False)
+
+            def fetch(status, method="GET", **headers):
+                headers = {KEY: key_of(client), **headers}
+                url = att_url("attachments/v.png")
+                return raw.request(url, method=method, headers=headers, status=status)
+
+        else:
+
+            def fetch(status, method="GET", **headers):
+                headers = {k.replace("-", "_"): v for k, v in headers.items()}
+                return dav(method, "attachments/v.png", status=status, **headers)
+
+        return fetch, etag, request.param
+
+    def test_if_none_match_is_304_with_the_etag_alone(self, get):
+        fetch, etag, _ = get
+        for tags in (etag, "W/" + etag, f'"x", {etag}', "*"):
+            resp = fetch(304, **{"If-None-Match": tags})
+            assert resp.body == b""
+            assert resp.headers["ETag"] == etag
+            assert "Content-Range" not in resp.headers
+        resp = fetch(304, **{"If-None-Match": etag, "Range": "bytes=0-9"})  # before Range
+        assert "Content-Range" not in resp.headers
+        for tags in ('"other"', etag.strip('"')):  # no quotes: another tag
+            assert fetch(200, **{"If-None-Match": tags}).body == PNG
+
+    def test_a_stale_if_range_gives_the_whole_file(self, get):
+        fetch, etag, _ = get
+        for stale in ('"old"', "W/" + etag, "Wed, 21 Oct 2015 07:28:00 GMT"):
+            resp = fetch(200, Range="bytes=0-9", **{"If-Range": stale})
+            assert resp.body == PNG
+            assert "Content-Range" not in resp.headers
+        resp = fetch(200, Range=f"bytes={len(PNG)}-", **{"If-Range": '"old"'})  # not 416
+        assert resp.body == PNG
+        resp = fetch(206, Range="bytes=0-9", **{"If-Range": f" {etag} "})
+        assert resp.body == PNG[:10]
+        assert resp.headers["Content-Range"] == f"bytes 0-9/{len(PNG)}"
+
+    def test_a_range_outside_the_file_is_416_with_its_size(self, get):
+        fetch, _, _ = get
+        for outside in (f"bytes={len(PNG)}-", "bytes=-0", "bytes=99999-"):
+            resp = fetch(416, Range=outside)
+            assert resp.headers["Content-Range"] == f"bytes */{len(PNG)}"
+
+    def test_a_range_not_understood_gives_the_whole_file(self, get):
+        fetch, etag, _ = get
+        for whole in ("bytes=0-1,5-6", "pages=1-2", "bytes=9-3", "bytes=-"):
+            resp = fetch(200, Range=whole)
+            assert resp.body == PNG
+            assert resp.headers["Content-Length"] == str(len(PNG))
+            assert resp.headers["ETag"] == etag
+            assert resp.headers["Accept-Ranges"] == "bytes"
+
+    def test_head_sends_the_headers_of_the_get_and_no_body(self, get):
+        fetch, etag, _ = get
+        resp = fetch(206, "HEAD", Range="bytes=-5")
+        assert resp.body == b""
+        assert resp.headers["Content-Range"] == f"bytes {len(PNG) - 5}-{len(PNG) - 1}/{len(PNG)}"
+        assert resp.headers["Content-Length"] == "5"
+        assert resp.headers["Content-Security-Policy"] == notesvc.ATTACHMENT_CSP
+        assert fetch(304, "HEAD", **{"If-None-Match": etag}).body == b""
+
+    def test_where_the_two_differ(self, get):
+        # Kept as each side had it: WebDAV names Last-Modified, and takes a `*` anywhere in
+        # If-None-Match (inside a tag too) as a match; the API matches `*` alone.
+        fetch, _, side = get
+        resp = fetch(200)
+        assert ("Last-Modified" in resp.headers) == (side == "dav")
+        for odd in ('"a*b"', 'W/"*"'):
+            fetch(304 if side == "dav" else 200, **{"If-None-Match": odd})
+
+    def test_a_note_over_dav_in_parts(self, client, dav):
+        text = b"# N\n\nhello there\n"
+        put_note(client, "notes/n.md", text.decode())
+        etag = dav("GET", "notes/n.md").headers["ETag"]
+        part = dav("GET", "notes/n.md", Range="bytes=4-8", status=206)
+        assert part.body == text[4:9]
+        assert part.headers["Content-Range"] == f"bytes 4-8/{len(text)}"
+        assert dav("GET", "notes/n.md", If_None_Match=etag, status=304).body == b""
+        stale = dav("GET", "notes/n.md", Range="bytes=4-8", If_Range='"old"', status=200)
+        assert stale.body == text
+        assert dav("HEAD", "notes/n.md", Range="bytes=4-8", status=206).body == b""
+
+    def test_an_empty_file_is_whole_whatever_the_range(self, client, dav):
+        upload(client, "attachments/e.png", b"")
+        for resp in (
+            client.get(att_url("attachments/e.png"), headers={"Range": "bytes=0-9"}),
+            dav("GET", "attachments/e.png", Range="bytes=0-9"),
+        ):
+            assert resp.status_int == 200
+            assert resp.body == b""
+            assert resp.headers["Content-Length"] == "0"
+            assert "Content-Range" not in resp.headers
 
 
 class TestDavJudges:

@@ -4,12 +4,14 @@ Run as `/usr/bin/python3 -I .ci/smoke.py`: -I keeps the user's site-packages and
 PYTHON* variable out, so bottle and waitress come from python3-bottle / python3-waitress
 (/usr/lib/python3/dist-packages), never from a pip install. It starts a real server on a
 free loopback port with a temporary root, reads the setup payload, links, creates a note,
-searches it, and stops the server with SIGTERM (exit status 0 expected).
+searches it, and stops the server with SIGTERM (exit status 0 expected). notesvc.py runs
+as a user runs it: copied alone into an empty folder.
 """
 
 import json
 import os
 import re
+import shutil
 import signal
 import subprocess
 import sys
@@ -51,12 +53,16 @@ def main() -> int:
     for module in (bottle, waitress):
         if not module.__file__.startswith("/usr/lib/python3/dist-packages/"):
             raise SystemExit(f"smoke: {module.__name__} is not Debian's: {module.__file__}")
-    with tempfile.TemporaryDirectory(prefix="notesvc-smoke-") as root:
-        cmd = [sys.executable, "-I", NOTESVC, "--host", "127.0.0.1", "--port", "0"]
+    with tempfile.TemporaryDirectory(prefix="notesvc-smoke-") as folder:
+        # the one file, copied alone into an empty folder, as a user drops it onto a Pi
+        alone = os.path.join(folder, "notesvc.py")
+        shutil.copy(NOTESVC, alone)
+        root = os.path.join(folder, "data")
+        cmd = [sys.executable, "-I", alone, "--host", "127.0.0.1", "--port", "0"]
         cmd += ["--root", root]
         env = {"PATH": os.environ.get("PATH", "/usr/bin:/bin"), "SERVICE_RESCAN_SECONDS": "0"}
         proc = subprocess.Popen(
-            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
+            cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env, cwd=folder
         )
         lines, found = [], threading.Event()
         port = []

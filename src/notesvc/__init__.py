@@ -1,0 +1,71 @@
+"""notesvc as a package: the modules that .ci/build.py writes into the one file notesvc.py.
+
+Every name a module defines is a name of this package too (`notesvc.create_app`,
+`notesvc.Plugin`, `notesvc.channel_sender`, ...), as in notesvc.py, so plugins and embedders
+write `import notesvc` whichever form runs. docs/contributing.md says what lives where.
+"""
+
+from __future__ import annotations
+
+import importlib
+
+from notesvc.boot import __version__
+
+# The build's order, the order the data flows: each module uses only the ones before it
+# (`.ci/build.py` refuses anything else). notesvc.py holds them in this order.
+MODULES = (
+    "boot",
+    "settings",
+    "errors",
+    "helpers",
+    "notes.paths",
+    "notes.merge",
+    "notes.history",
+    "notes.store",
+    "search.text",
+    "search.segments",
+    "search.persistence",
+    "search.index",
+    "auth",
+    "grants",
+    "service",
+    "providers.base",
+    "providers.agent",
+    "providers.capture",
+    "providers.channels",
+    "providers.polling",
+    "providers.reminders",
+    "plugins",
+    "tools",
+    "transfer.plan",
+    "transfer.formats",
+    "transfer.export",
+    "audit",
+    "web",
+    "relay",
+    "http.route",
+    "http.api",
+    "http.integrations",
+    "http.dav",
+    "http.routes",
+    "http.app",
+    "cli",
+)
+
+for _name in MODULES:
+    _module = importlib.import_module(f"notesvc.{_name}")
+    globals().update({k: v for k, v in vars(_module).items() if not k.startswith("__")})
+del _name, _module
+
+
+def __getattr__(name: str):
+    # `notesvc.app`: built on first use, so importing the package touches no files.
+    if name == "app":
+        from notesvc.http.app import create_app
+
+        globals()["app"] = create_app()
+        return globals()["app"]
+    raise AttributeError(name)
+
+
+__all__ = ["__version__"]

@@ -1,0 +1,1140 @@
+"""Grants: who a request acts for (scoped keys, devices, OAuth) and how far it may go."""
+
+from __future__ import annotations
+
+import base64
+import collections
+import contextlib
+import dataclasses
+import datetime as dt
+import hashlib
+import hmac
+import ipaddress
+import json
+import math
+import os
+import re
+import secrets
+import socket
+import threading
+import time
+import unicodedata
+import urllib.parse
+from collections.abc import Iterable
+from typing import TYPE_CHECKING, Any, Callable
+
+from notesvc.auth import Lockout, RateLimit, StateError, StateStore
+from notesvc.boot import bottle, log
+from notesvc.errors import ApiError, not_found
+from notesvc.helpers import is_loopback, iso, key_hash, log_safe
+from notesvc.notes.paths import (
+    ATTACHMENTS,
+    MAX_PATH_CHARS,
+    NOTES,
+    attachment_folder,
+    attachment_path,
+    folder_path,
+    note_file_path,
+    note_path,
+)
+from notesvc.notes.store import NoteStore
+
+if TYPE_CHECKING:  # annotations only: these modules come later
+    from notesvc.service import Service
+
+
+# -- grants: who a request acts for, and how far it may go ---------------------------
+#
+# One mechanism lets others in exactly as far as the owner allows (docs/api.md: Let others
+# in): a grant
+# has a scope (read, write or admin) and optionally a folder, and is issued as a key
+# (nsg_...), as an OAuth token pair for an MCP client (nsa_... / nsr_...), or, for one
+# note, as a share link. Every secret is random and kept only as its SHA-256; the grants
+# live in the state file, so a revocation holds at once in every thread (and process).
+
+SCOPES = ("read", "write", "admin")  # each includes the ones before it
+SCOPE_RANK = {scope: rank for rank, scope in enumerate(SCOPES)}
+GRANT_KEY_PREFIX = "nsg_"
+DEVICE_KEY_PREFIX = "nsd_"  # a device's key, from a pairing it claimed (docs/api.md: Devices)
+MAX_PAIRINGS = 50  # pairings waiting to be claimed at once
+PAIRING_SECRET_RE = re.compile(r"^[a-z2-7]{26}\Z")  # 128 bits, base32: typed in groups of 4
+ACCESS_PREFIX, REFRESH_PREFIX, CODE_PREFIX = "nsa_", "nsr_", "nsc_"
+OAUTH_SCOPES = ("notes:read", "notes:write")
+OAUTH_SCOPE_OF = {"read": "notes:read", "write": "notes:read notes:write"}
+ACCESS_LIFETIME = 3600  # seconds an OAuth access token lives
+CODE_LIFETIME = 60  # seconds an authorisation code may be redeemed in (once)
+OAUTH_IDLE_DAYS = 90  # an OAuth grant whose refresh token goes unused this long expires
+MAX_OAUTH_CLIENTS = 100  # registered (DCR) clients kept at most
+OAUTH_CLIENT_UNUSED_DAYS = 30  # a registered client unused this long is dropped
+OAUTH_FRESH_CLIENT_SECONDS = 3600  # at the cap, never-used clients older than this give way
+REGISTRATIONS_PER_MINUTE = 10  # per client address
+MAX_GRANTS = 500  # keys and OAuth grants
+MAX_SHARES = 1000
+MAX_CODES = 1000  # authorisation codes outstanding
+LAST_USED_FLUSH = 300.0  # seconds between writes of the grants' lastUsedAt
+SHARE_TOKEN_RE = re.compile(r"^[A-Za-z0-9_-]{22}\Z")  # 16 random bytes: 128 bits
+PKCE_RE = re.compile(r"^[A-Za-z0-9._~-]{43,128}\Z")  # a verifier (RFC 7636 4.1)
+CHALLENGE_RE = re.compile(r"^[A-Za-z0-9_-]{43}\Z")  # BASE64URL(SHA-256(verifier))
+CIMD_TIMEOUT, CIMD_MAX_BYTES, CIMD_CACHE_SECONDS = 5.0, 65536, 3600.0
+
+
+@dataclasses.dataclass(frozen=True)
+class Principal:
+    """Who a request acts for: the owner (API key, JWT, auth off) or one grant."""
+
+    kind: str  # "owner", "key" (a scoped key), "device" (a paired device) or "oauth"
+    scope: str  # read, write or admin
+    folder: str = ""  # "notes/family": the grant sees that folder only; "" everything
+    grant_id: str = ""
+    resource: str = ""  # an OAuth token's audience: the MCP URL it was issued for
+
+    def allows(self, scope: str) -> bool:
+        return SCOPE_RANK[self.scope] >= SCOPE_RANK[scope]
+
+    @property
+    def attachments_folder(self) -> str:
+        """Return the attachments folder a folder grant sees (notes/x -> attachments/x)."""
+        return ATTACHMENTS + self.folder[len(NOTES) :] if self.folder else ""
+
+    def sees(self, path: str) -> bool:
+        """Return whether a note or attachment path lies inside the grant's folder."""
+        return not self.folder or path.startswith(
+            (self.folder + "/", self.attachments_folder + "/")
+        )
+
+
+OWNER = Principal("owner", "admin")
+
+# Who made a grant, a pairing or a share link (its `createdBy`): the owner's own key,
+# the command line on the server, or else the id of the grant (an admin device) that did.
+MADE_BY_OWNER, MADE_BY_CLI = "owner", "cli"
+
+
+def made_by(principal: Principal) -> str:
+    """Return the `createdBy` of what a principal makes: "owner" or its grant's id."""
+    return principal.grant_id or MADE_BY_OWNER
+
+
+def made_by_grant(created_by: Any) -> bool:
+    """Return whether a `createdBy` names a grant (not the owner, the CLI, or unknown)."""
+    return isinstance(created_by, str) and created_by not in (MADE_BY_OWNER, MADE_BY_CLI)
+
+
+def request_principal() -> Principal:
+    """Return who the current request acts for (the owner outside a protected request)."""
+    try:
+        return bottle.request.environ.get("notesvc.principal", OWNER)
+    except (AttributeError, RuntimeError, KeyError):
+        return OWNER
+
+
+def _escapes(raw: Any, top: str) -> bool:
+    """Return whether a raw path is not lexically inside folder `top` (or holds . or ..)."""
+    if not isinstance(raw, str):
+        return True
+    text = unicodedata.normalize("NFC", raw)
+    segments = text.split("/")
+    return not text.startswith(top + "/") or "." in segments or ".." in segments
+
+
+def _no_link_below(on_disk: Callable, top: str, path: str, what: str) -> None:
+    """Raise 404 when a symbolic link lies between folder `top` and `path` (on disk)."""
+    at = on_disk(top)
+    try:
+        parts = on_disk(path).relative_to(at).parts
+    except ValueError:
+        raise not_found(f"no {what} at {path}") from None
+    for part in parts:
+        at = at / part
+        if os.path.islink(at):
+            raise not_found(f"no {what} at {path}")
+
+
+def _visible(raw: Any, check_path: Callable, top: str, on_disk: Callable, what: str) -> str:
+    """Return `check_path(raw)` for a grant that sees folder `top` ("" everything); 404
+    ("no <what> at ...") outside it.
+
+    The folder test comes first, so `..`, another folder's file by any encoding, or a
+    symbolic link that leads out of the folder all answer as if nothing were there; then
+    the path's own rules (400), then no symbolic link below `top` on disk.
+    """
+    if not top:
+        return check_path(raw)
+    if _escapes(raw, top):
+        raise not_found(f"no {what} at {str(raw)[:MAX_PATH_CHARS]}")
+    path = check_path(raw)
+    _no_link_below(on_disk, top, path, what)
+    return path
+
+
+def visible_note(store: NoteStore, raw: Any, principal: Principal | None = None) -> str:
+    """Return a checked note path the request's grant may see: outside its folder 404."""
+    folder = (principal or request_principal()).folder
+    return _visible(raw, note_path, folder, store.on_disk, "note")
+
+
+def visible_attachment(store: Any, raw: Any, principal: Principal | None = None) -> str:
+    """Return a checked attachment path the request's grant may see (its folder's match
+    under attachments/); 404 outside it, as for notes."""
+    top = (principal or request_principal()).attachments_folder
+    return _visible(raw, attachment_path, top, lambda p: store.base / p, "attachment")
+
+
+def visible_note_file(store: Any, raw: Any, principal: Principal | None = None) -> str:
+    """Return a checked path of a file beside the notes that the grant may see; 404 outside
+    its folder, as for notes."""
+    folder = (principal or request_principal()).folder
+    return _visible(raw, note_file_path, folder, lambda p: store.base / p, "attachment")
+
+
+def visible_folder(
+    svc: Service, raw: Any, principal: Principal | None = None, top: str = NOTES
+) -> str:
+    """Return the folder a listing of `raw` shows a grant: raw itself inside its folder (no
+    symbolic link on the way), the grant's folder for an ancestor of it; 404 for any other
+    folder. `top` (notes or attachments) by default."""
+    principal = principal or request_principal()
+    own = principal.folder if top == NOTES else principal.attachments_folder
+    if own and isinstance(raw, str) and {".", ".."} & set(raw.split("/")):
+        raise not_found(f"no folder at {raw[:MAX_PATH_CHARS]}")
+    folder = (folder_path if top == NOTES else attachment_folder)(raw or top)
+    if not own or folder == own:
+        return folder
+    if folder.startswith(own + "/"):
+        base = svc.attachments.base
+        on_disk = svc.notes.on_disk if top == NOTES else (lambda p: base / p)
+        _no_link_below(on_disk, own, folder, "folder")
+        return folder
+    if folder == top or own.startswith(folder + "/"):
+        return own
+    raise not_found(f"no folder at {folder}")
+
+
+def granted_tree(
+    svc: Service, raw: Any, depth: int | None = None, count: Callable | None = None
+) -> dict:
+    """Return the tree of a folder as the request's grant sees it (`depth` and `count` as
+    NoteStore.tree takes them): a folder above the grant's own holds only the way down."""
+    folder = visible_folder(svc, raw)  # a folder grant's own, or 404
+    asked = folder_path(raw)
+    if folder == asked:
+        return svc.notes.tree(folder, depth, count)
+    way = folder.split("/")[asked.count("/") + 1 :]  # the folders from below asked to its own
+    left = None if depth is None else depth - len(way)
+    if left is not None and left < 0:  # the cut falls on the way down
+        path = "/".join([asked, *way[:depth]])
+        notes = count(folder) if count else len(svc.notes.walk(folder))
+        node = {"name": way[depth - 1], "path": path, "type": "folder", "count": notes}
+    else:
+        try:
+            node = svc.notes.tree(folder, left, count)
+        except ApiError as e:
+            if e.status_code != 404:
+                raise
+            node = {"name": way[-1], "path": folder, "type": "folder"}
+            node.update({"count": 0} if left == 0 else {"children": []})
+    while node["path"] != asked:
+        parent = node["path"].rsplit("/", 1)[0]
+        node = {
+            "name": parent.rsplit("/", 1)[-1],
+            "path": parent,
+            "type": "folder",
+            "children": [node],
+        }
+    return node
+
+
+def _epoch(text: Any) -> float:
+    """Return the time an ISO 8601 UTC stamp names; infinity for none (never expires)."""
+    if not text:
+        return math.inf
+    try:
+        when = dt.datetime.strptime(text, "%Y-%m-%dT%H:%M:%S.%fZ")
+    except (TypeError, ValueError):
+        return 0.0  # unreadable: treated as long expired
+    return when.replace(tzinfo=dt.timezone.utc).timestamp()
+
+
+def _clean_name(text: Any, fallback: str, limit: int = 100) -> str:
+    """Return a display name: printable characters only, trimmed, at most limit long."""
+    name = "".join(ch for ch in str(text or "") if ch.isprintable()).strip()[:limit]
+    return name or fallback
+
+
+class OAuthError(Exception):
+    """An OAuth failure, answered in OAuth's own JSON (RFC 6749 5.2, RFC 7591 3.2.2)."""
+
+    def __init__(self, error: str, description: str, status: int = 400, headers=None):
+        super().__init__(description)
+        self.error, self.description, self.status = error, description, status
+        self.headers = headers or {}
+
+
+def check_redirect_uri(uri: Any) -> str:
+    """Return a redirect URI a client may register: https, or http on a loopback host."""
+    if not isinstance(uri, str) or not uri or len(uri) > 2000:
+        raise OAuthError("invalid_redirect_uri", "a redirect URI is a URL of 1-2000 characters")
+    if any(ch.isspace() or not ch.isprintable() for ch in uri):
+        raise OAuthError("invalid_redirect_uri", "a redirect URI holds no spaces or controls")
+    parts = urllib.parse.urlsplit(uri)
+    try:
+        parts.port  # noqa: B018 - raises on a bad port
+    except ValueError:
+        raise OAuthError("invalid_redirect_uri", "the redirect URI has a bad port") from None
+    host = parts.hostname or ""
+    if "#" in uri or parts.username is not None or parts.password is not None or not host:
+        raise OAuthError(
+            "invalid_redirect_uri", "a redirect URI has a host and no #fragment or user info"
+        )
+    if parts.scheme == "https" or (
+        parts.scheme == "http" and (host == "localhost" or is_loopback(host))
+    ):
+        return uri
+    raise OAuthError(
+        "invalid_redirect_uri", "a redirect URI must be https, or http on a loopback host"
+    )
+
+
+def redirect_matches(registered: Iterable[str], uri: str) -> bool:
+    """Return whether uri is registered: exactly, or on loopback with any port (RFC 8252)."""
+    if uri in registered:
+        return True
+    p = urllib.parse.urlsplit(uri)
+    host = p.hostname or ""
+    if p.scheme != "http" or not (host == "localhost" or is_loopback(host)):
+        return False
+    return any(
+        (q.scheme, q.hostname, q.path, q.query) == ("http", host, p.path, p.query)
+        for q in map(urllib.parse.urlsplit, registered)
+    )
+
+
+def parse_oauth_scope(text: Any) -> str:
+    """Return the grant scope ("read" or "write") an OAuth scope string asks for; unknown
+    scopes are ignored (RFC 6749 3.3 lets the server grant less)."""
+    words = set(str(text or "").split())
+    return "write" if "notes:write" in words else "read"
+
+
+def pkce_matches(verifier: str, challenge: str) -> bool:
+    """Return whether BASE64URL(SHA-256(verifier)) is the challenge (S256, RFC 7636)."""
+    if not PKCE_RE.match(verifier or ""):
+        return False
+    digest = base64.urlsafe_b64encode(hashlib.sha256(verifier.encode()).digest()).rstrip(b"=")
+    return hmac.compare_digest(digest, challenge.encode())
+
+
+def mcp_challenge(mcp_url: str, error: str = "") -> str:
+    """Return the WWW-Authenticate value of a 401 on the MCP endpoint (RFC 9728 5.1): the
+    metadata URL is the MCP URL's origin, the well-known name, then the MCP URL's path."""
+    parts = urllib.parse.urlsplit(mcp_url)
+    meta = f"{parts.scheme}://{parts.netloc}/.well-known/oauth-protected-resource{parts.path}"
+    extra = f', error="{error}"' if error else ""
+    return f'Bearer resource_metadata="{meta}", scope="{OAUTH_SCOPES[0]}"{extra}'
+
+
+def public_address(ip: ipaddress.IPv4Address | ipaddress.IPv6Address) -> bool:
+    """Return whether an address is on the public internet (not loopback, private,
+    link-local, multicast, reserved or unspecified), IPv4-mapped IPv6 unwrapped."""
+    if ip.version == 6 and ip.ipv4_mapped:
+        ip = ip.ipv4_mapped
+    return ip.is_global and not (
+        ip.is_loopback
+        or ip.is_private
+        or ip.is_link_local
+        or ip.is_multicast
+        or ip.is_reserved
+        or ip.is_unspecified
+    )
+
+
+def fetch_client_metadata(
+    url: str,
+    resolve: Callable = socket.getaddrinfo,
+    allow: Callable = public_address,
+    context: Any = None,
+    timeout: float = CIMD_TIMEOUT,
+    limit: int = CIMD_MAX_BYTES,
+) -> dict:
+    """Return the JSON object a Client ID Metadata Document URL serves, fetched safely.
+
+    https only; the host's every address must pass `allow` after DNS resolution, and the
+    connection goes to the address checked (no second lookup a rebinding host could
+    answer differently); redirects are not followed; `timeout` seconds in all and `limit`
+    bytes at most. Raises ValueError saying why not.
+    """
+    import http.client  # outbound calls only: kept off the start-up path
+    import ssl
+
+    parts = urllib.parse.urlsplit(url)
+    if (
+        parts.scheme != "https"
+        or not parts.hostname
+        or parts.username is not None
+        or parts.fragment
+        or parts.path in ("", "/")
+    ):
+        raise ValueError("a client_id URL must be https, with a path and no user or #fragment")
+    try:
+        port = parts.port or 443
+        infos = resolve(parts.hostname, port, type=socket.SOCK_STREAM)
+        addrs = [ipaddress.ip_address(info[4][0].split("%")[0]) for info in infos]
+    except (OSError, UnicodeError, ValueError):
+        raise ValueError(f"{parts.hostname} does not resolve") from None
+    refused = [ip for ip in addrs if not allow(ip)]
+    if not addrs or refused:
+        shown = refused[0] if refused else "nothing"
+        raise ValueError(f"{parts.hostname} resolves to {shown}, which is not a public address")
+    deadline, opened = time.monotonic() + timeout, []
+
+    class Pinned(http.client.HTTPSConnection):
+        def connect(self) -> None:  # to the address checked; TLS still names the host
+            sock = socket.create_connection((str(addrs[0]), self.port), timeout)
+            self.sock = self._context.wrap_socket(
+                sock, server_hostname=self.host, do_handshake_on_connect=False
+            )
+            opened.append(self.sock)  # the response keeps it after the connection lets go
+            self.sock.do_handshake()
+
+    conn = Pinned(
+        parts.hostname, port, timeout=timeout, context=context or ssl.create_default_context()
+    )
+    expired = threading.Event()
+
+    def cut() -> None:  # the socket's time-out bounds each read; this, the whole fetch
+        expired.set()
+        for sock in opened:
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+    watchdog = threading.Timer(timeout, cut)
+    watchdog.daemon = True
+    watchdog.start()
+    try:
+        target = urllib.parse.urlunsplit(("", "", parts.path, parts.query, ""))
+        conn.request("GET", target, headers={"Accept": "application/json"})
+        resp = conn.getresponse()
+        if 300 <= resp.status < 400:
+            raise ValueError(f"it answered a redirect (HTTP {resp.status}); none is followed")
+        if resp.status != 200:
+            raise ValueError(f"it answered HTTP {resp.status}")
+        raw = b""
+        while len(raw) <= limit:
+            if time.monotonic() > deadline:
+                raise ValueError(f"it took over {timeout:g} s")
+            chunk = resp.read(min(16384, limit + 1 - len(raw)))
+            if not chunk:
+                break
+            raw += chunk
+        if len(raw) > limit:
+            raise ValueError(f"it is over {limit} bytes")
+    except (OSError, http.client.HTTPException, ssl.SSLError) as e:
+        if expired.is_set():
+            raise ValueError(f"it took over {timeout:g} s") from None
+        reason = "timed out" if isinstance(e, (socket.timeout, TimeoutError)) else type(e).__name__
+        raise ValueError(f"it could not be fetched ({reason})") from None
+    finally:
+        watchdog.cancel()
+        conn.close()
+    if expired.is_set():  # cut short: what arrived is not the document
+        raise ValueError(f"it took over {timeout:g} s")
+    try:
+        doc = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, ValueError):
+        raise ValueError("it is not JSON") from None
+    if not isinstance(doc, dict):
+        raise ValueError("it is not a JSON object")
+    return doc
+
+
+class GrantStore:
+    """Grants (scoped keys, OAuth grants), OAuth clients and share links.
+
+    Kept in the state file under "grants", "oauthClients" and "shares", so a change is
+    seen at once by every thread. Authorisation codes (60 s, single use), fetched client
+    metadata documents and rate counters live in memory. Lookups go through an index of
+    secret hashes rebuilt whenever the state changes.
+    """
+
+    def __init__(self, state: StateStore, clock: Callable = time.time):
+        self.state, self.clock = state, clock
+        self._lock = threading.Lock()
+        self._cache: tuple = (
+            None,
+            {},
+        )  # (state it was built from, hash -> (kind, principal, expires))
+        self._used: dict = {}  # grant id -> when it was last used, not yet written
+        self._flushed = clock()
+        self.codes: dict = {}  # code hash -> what the owner approved (memory only)
+        self.metadata: dict = {}  # client_id URL -> (fetched at, document)
+        self.registrations = RateLimit(REGISTRATIONS_PER_MINUTE)
+        self.public_hits = RateLimit(60)  # shared notes and consent facts, per address
+        self.share_misses = Lockout()  # unknown share tokens, per address
+
+    # -- authenticating -------------------------------------------------------------
+
+    def _index(self) -> dict:
+        data = self.state.read()
+        built_from, index = self._cache
+        if built_from is data:
+            return index
+        index = {}
+        for g in data.get("grants", []):
+            p = Principal(
+                g["kind"], g["scope"], g.get("folder") or "", g["id"], g.get("resource", "")
+            )
+            expires = _epoch(g.get("expiresAt"))
+            if g.get("keyHash"):
+                index[g["keyHash"]] = ("key", p, expires)
+            if g.get("accessHash"):
+                until = min(expires, _epoch(g.get("accessExpiresAt")))
+                index[g["accessHash"]] = ("access", p, until)
+        self._cache = (data, index)
+        return index
+
+    def principal(self, secret: str) -> Principal | None:
+        """Return the grant a scoped key, a device key or an access token stands for (None:
+        no such live one)."""
+        keys = (GRANT_KEY_PREFIX, DEVICE_KEY_PREFIX)
+        if not secret.startswith((*keys, ACCESS_PREFIX)) or len(secret) > 128:
+            return None
+        entry = self._index().get(key_hash(secret))
+        if entry is None or self.clock() >= entry[2]:
+            return None
+        kind, principal, _ = entry
+        if (kind == "key") != secret.startswith(keys):
+            return None
+        self._used[principal.grant_id] = self.clock()
+        if self.clock() - self._flushed > LAST_USED_FLUSH:
+            self.flush()
+        return principal
+
+    def flush(self, force: bool = False) -> None:
+        """Write the grants' lastUsedAt (every LAST_USED_FLUSH seconds at most, or now)."""
+        with self._lock:
+            if not force and self.clock() - self._flushed <= LAST_USED_FLUSH:
+                return
+            used, self._used, self._flushed = self._used, {}, self.clock()
+        if not used or self.state.readonly:
+            return
+
+        def change(data: dict) -> None:
+            for g in data.get("grants", []):
+                if g["id"] in used:
+                    g["lastUsedAt"] = iso(used[g["id"]])
+
+        try:
+            self.state.update(change)
+        except (OSError, StateError, ApiError) as e:
+            log.warning("could not record when grants were last used: %s", e)
+
+    # -- keys and grants --------------------------------------------------------------
+
+    def _public(self, g: dict) -> dict:
+        last = self._used.get(g["id"])
+        rec = {
+            "id": g["id"],
+            "kind": g["kind"],
+            "name": g["name"],
+            "scope": g["scope"],
+            "folder": g.get("folder"),
+            "createdAt": g["createdAt"],
+            "expiresAt": g.get("expiresAt"),
+            "lastUsedAt": iso(last) if last else g.get("lastUsedAt"),
+            "createdBy": g.get("createdBy"),  # null: made before it was recorded
+        }
+        if g["kind"] == "oauth":
+            rec["client"] = dict(g["client"])
+        return rec
+
+    def grants(self) -> list:
+        """Return every grant without its secrets (keys and OAuth grants)."""
+        return [self._public(g) for g in self.state.read().get("grants", [])]
+
+    @staticmethod
+    def _check_maker(data: dict, maker: Any, now: float) -> None:
+        """Refuse (401) to record what a grant made once that grant is gone: a request that
+        passed its key check just before its key was revoked writes after the revoke."""
+        if made_by_grant(maker) and not any(
+            g["id"] == maker and _epoch(g.get("expiresAt")) > now for g in data.get("grants", [])
+        ):
+            raise ApiError(401, "UNAUTHORIZED", "the key this request came with was revoked")
+
+    def _add_grant(self, grant: dict) -> None:
+        now = self.clock()
+
+        def change(data: dict) -> None:
+            self._check_maker(data, grant.get("createdBy"), now)
+            live = [g for g in data.get("grants", []) if _epoch(g.get("expiresAt")) > now]
+            if len(live) >= MAX_GRANTS:
+                raise ApiError(
+                    409, "CONFLICT", f"{MAX_GRANTS} grants exist already; revoke some first"
+                )
+            data["grants"] = [*live, grant]
+
+        self.state.update(change)
+
+    def create_key(
+        self, name: str, scope: str, folder: str | None, days: int | None, *, created_by: str
+    ) -> tuple:
+        """Return (the key's record, the key itself) of a new scoped key; created_by is
+        "owner", "cli" or the id of the grant that made it."""
+        key, now = GRANT_KEY_PREFIX + secrets.token_urlsafe(32), self.clock()
+        grant = {
+            "id": "gr_" + secrets.token_hex(6),
+            "kind": "key",
+            "name": name,
+            "scope": scope,
+            "folder": folder,
+            "createdAt": iso(now),
+            "expiresAt": iso(now + days * 86400) if days else None,
+            "lastUsedAt": None,
+            "keyHash": key_hash(key),
+            "createdBy": created_by,
+        }
+        self._add_grant(grant)
+        log.info("scoped key %s (%s%s) created", grant["id"], scope, f" {folder}" if folder else "")
+        return self._public(grant), key
+
+    # -- devices: a pairing's one-time secret, claimed for a device key ------------------
+
+    def create_pairing(
+        self, name: str, scope: str, folder: str | None, ttl: int, *, created_by: str
+    ) -> tuple:
+        """Return (the pairing's record, its one-time secret): 128 random bits, kept only
+        as their SHA-256, good once within ttl seconds, and only while the grant that made
+        it (created_by, when not "owner" or "cli") is live."""
+        secret = base64.b32encode(secrets.token_bytes(16)).decode("ascii").lower().rstrip("=")
+        now = self.clock()
+        pairing = {
+            "id": "pa_" + secrets.token_hex(6),
+            "secretHash": key_hash(secret),
+            "name": name,
+            "scope": scope,
+            "folder": folder,
+            "createdAt": iso(now),
+            "expiresAt": iso(now + ttl),
+            "createdBy": created_by,
+        }
+
+        def change(data: dict) -> None:
+            self._check_maker(data, created_by, now)
+            live = [p for p in data.get("pairings", []) if _epoch(p["expiresAt"]) > now]
+            if len(live) >= MAX_PAIRINGS:
+                raise ApiError(
+                    409, "CONFLICT", f"{MAX_PAIRINGS} pairings wait already; let them expire"
+                )
+            data["pairings"] = [*live, pairing]
+
+        self.state.update(change)
+        log.info("pairing %s (%s%s) made", pairing["id"], scope, f" {folder}" if folder else "")
+        return {k: v for k, v in pairing.items() if k != "secretHash"}, secret
+
+    def claim(self, secret: str, device_name: str) -> tuple | None:
+        """Return (the new device's record, its key) for a live pairing's secret, which is
+        used up; None for a secret that is unknown, used or expired."""
+        wanted = key_hash(re.sub(r"[\s-]", "", secret).lower())
+        now = self.clock()
+        key = DEVICE_KEY_PREFIX + secrets.token_urlsafe(32)
+
+        def change(data: dict) -> dict | None:
+            pairings = [p for p in data.get("pairings", []) if _epoch(p["expiresAt"]) > now]
+            found = next(
+                (p for p in pairings if hmac.compare_digest(p["secretHash"], wanted)), None
+            )
+            data["pairings"] = [p for p in pairings if p is not found]
+            if found is None:
+                return None
+            grants = [g for g in data.get("grants", []) if _epoch(g.get("expiresAt")) > now]
+            maker = found.get("createdBy")  # absent: a pairing made before it was recorded
+            if made_by_grant(maker) and not any(g["id"] == maker for g in grants):
+                return None  # the device that made it is revoked (or expired): used up
+            if len(grants) >= MAX_GRANTS:
+                raise ApiError(
+                    409, "CONFLICT", f"{MAX_GRANTS} grants exist already; revoke some first"
+                )
+            device = {
+                "id": "dv_" + secrets.token_hex(6),
+                "kind": "device",
+                "name": device_name or found["name"],
+                "scope": found["scope"],
+                "folder": found["folder"],
+                "createdAt": iso(now),
+                "expiresAt": None,
+                "lastUsedAt": iso(now),
+                "keyHash": key_hash(key),
+                "pairing": found["id"],
+                "createdBy": maker,  # whoever made the pairing made the device
+            }
+            data["grants"] = [*grants, device]
+            if found["scope"] == "admin" and found.get("createdBy") == MADE_BY_CLI:
+                data["setupComplete"] = True  # `pair` on the server: its owner set it up
+                data.pop("apiKey", None)
+            return device
+
+        if not any(  # a wrong secret writes nothing
+            hmac.compare_digest(p["secretHash"], wanted)
+            for p in self.state.read().get("pairings", [])
+        ):
+            return None
+        device = self.state.update(change)
+        if device is None:
+            return None
+        log.info("device %s claimed pairing %s", device["id"], device["pairing"])
+        return self._public(device), key
+
+    @staticmethod
+    def _made_by(grants: list, grant_id: str) -> list:
+        """Return the ids of the grants grant_id made, and those they made, and so on."""
+        made, found = [], {grant_id}
+        while True:
+            more = [g["id"] for g in grants if g.get("createdBy") in found and g["id"] not in found]
+            if not more:
+                return made
+            made += more
+            found.update(more)
+
+    def revoke(self, grant_id: str, cascade: bool = False) -> list:
+        """Revoke a key or an OAuth grant, the share links it made and the pairings it made
+        that wait to be claimed; with cascade also the grants it made (devices, keys, OAuth
+        grants, and theirs in turn). Return the ids revoked, grant_id first ([]: unknown)."""
+
+        def change(data: dict) -> list:
+            grants = data.get("grants", [])
+            if not any(g["id"] == grant_id for g in grants):
+                return []
+            gone = [grant_id, *(self._made_by(grants, grant_id) if cascade else [])]
+            data["grants"] = [g for g in grants if g["id"] not in gone]
+            data["shares"] = [s for s in data.get("shares", []) if s.get("grantId") not in gone]
+            pairings = data.get("pairings", [])
+            data["pairings"] = [p for p in pairings if p.get("createdBy") not in gone]
+            if len(data["pairings"]) < len(pairings):
+                log.info(
+                    "%d pairing(s) made by %s ended",
+                    len(pairings) - len(data["pairings"]),
+                    grant_id,
+                )
+            return gone
+
+        if not any(g["id"] == grant_id for g in self.state.read().get("grants", [])):
+            return []
+        gone = self.state.update(change)
+        with self._lock:  # codes they approved are redeemed for nothing
+            for h in [h for h, c in self.codes.items() if c.get("createdBy") in gone]:
+                del self.codes[h]
+        for g in gone:
+            self._used.pop(g, None)
+            log.info("grant %s revoked", g)
+        return gone
+
+    def counts(self) -> dict:
+        """Return how many grants there are of each kind, and registered OAuth clients."""
+        data, now = self.state.read(), self.clock()
+        live = [g for g in data.get("grants", []) if _epoch(g.get("expiresAt")) > now]
+        kinds = collections.Counter(g["kind"] for g in live)
+        return {
+            "key": kinds["key"],
+            "oauth": kinds["oauth"],
+            "share": sum(_epoch(s["expiresAt"]) > now for s in data.get("shares", [])),
+            "oauthClients": len(data.get("oauthClients", {})),
+        }
+
+    # -- OAuth clients ----------------------------------------------------------------
+
+    def register_client(self, meta: dict, addr: str) -> dict:
+        """Register a public client (RFC 7591); return its client information."""
+        wait = self.registrations.hit(addr)
+        if wait:
+            raise OAuthError(
+                "temporarily_unavailable",
+                f"too many registrations from this address; retry in {wait} s",
+                429,
+                {"Retry-After": str(wait)},
+            )
+        uris = meta.get("redirect_uris")
+        if not isinstance(uris, list) or not 1 <= len(uris) <= 10:
+            raise OAuthError("invalid_redirect_uri", "redirect_uris must list 1-10 URIs")
+        uris = [check_redirect_uri(u) for u in uris]
+        grant_types = meta.get("grant_types", ["authorization_code", "refresh_token"])
+        if not isinstance(grant_types, list) or not set(grant_types) <= {
+            "authorization_code",
+            "refresh_token",
+        }:
+            raise OAuthError(
+                "invalid_client_metadata", "grant_types may be authorization_code, refresh_token"
+            )
+        if meta.get("response_types", ["code"]) != ["code"]:
+            raise OAuthError("invalid_client_metadata", 'response_types may only be ["code"]')
+        for name in ("client_name", "client_uri", "scope", "token_endpoint_auth_method"):
+            if name in meta and not isinstance(meta[name], (str, type(None))):
+                raise OAuthError("invalid_client_metadata", f"{name} must be a string")
+        uri = meta.get("client_uri") or ""
+        if uri and (len(uri) > 2000 or urllib.parse.urlsplit(uri).scheme not in ("https", "http")):
+            raise OAuthError("invalid_client_metadata", "client_uri must be an http(s) URL")
+        now = self.clock()
+        client_id = "mcp_" + secrets.token_urlsafe(16)
+        record = {
+            "name": _clean_name(meta.get("client_name"), "unnamed client"),
+            "redirectUris": uris,
+            "uri": uri,
+            "createdAt": iso(now),
+            "lastUsedAt": None,
+        }
+
+        def change(data: dict) -> None:
+            clients = data.setdefault("oauthClients", {})
+            stale = now - OAUTH_CLIENT_UNUSED_DAYS * 86400
+            holding = {g["client"]["id"] for g in data.get("grants", []) if g["kind"] == "oauth"}
+            for cid in [
+                c
+                for c, r in clients.items()
+                if _epoch(r.get("lastUsedAt") or r["createdAt"]) < stale and c not in holding
+            ]:
+                del clients[cid]
+            unused = sorted(
+                (r["createdAt"], c)
+                for c, r in clients.items()
+                if not r.get("lastUsedAt")
+                and _epoch(r["createdAt"]) < now - OAUTH_FRESH_CLIENT_SECONDS
+            )
+            while len(clients) >= MAX_OAUTH_CLIENTS and unused:
+                del clients[unused.pop(0)[1]]
+            if len(clients) >= MAX_OAUTH_CLIENTS:
+                raise OAuthError(
+                    "temporarily_unavailable",
+                    f"this server holds its maximum of {MAX_OAUTH_CLIENTS} registered clients",
+                    503,
+                )
+            clients[client_id] = record
+
+        self.state.update(change)
+        log.info("OAuth client %s registered (%s)", client_id, log_safe(record["name"], 100))
+        answer = {
+            "client_id": client_id,
+            "client_id_issued_at": int(now),
+            "client_name": record["name"],
+            "redirect_uris": uris,
+            "grant_types": grant_types,
+            "response_types": ["code"],
+            "token_endpoint_auth_method": "none",
+        }
+        if meta.get("scope"):
+            answer["scope"] = " ".join(s for s in meta["scope"].split() if s in OAUTH_SCOPES)
+        if uri:
+            answer["client_uri"] = uri
+        return answer
+
+    def client(self, client_id: Any, fetch: Callable = fetch_client_metadata) -> dict:
+        """Return {id, name, redirectUris, uri} of a registered client or of a Client ID
+        Metadata Document (an https client_id, fetched and cached an hour); OAuthError if none."""
+        if not isinstance(client_id, str) or not client_id or len(client_id) > 2000:
+            raise OAuthError("invalid_client", "client_id is missing or too long", 401)
+        if not client_id.startswith("https://"):
+            record = self.state.read().get("oauthClients", {}).get(client_id)
+            if record is None:
+                raise OAuthError(
+                    "invalid_client", "no client is registered with that client_id", 401
+                )
+            return {"id": client_id, **record}
+        cached = self.metadata.get(client_id)
+        if cached and self.clock() - cached[0] < CIMD_CACHE_SECONDS:
+            return cached[1]
+        try:
+            doc = fetch(client_id)
+        except ValueError as e:
+            raise OAuthError(
+                "invalid_client", f"the client's metadata document: {e}", 401
+            ) from None
+        if doc.get("client_id") != client_id:
+            raise OAuthError(
+                "invalid_client", "the client's metadata document names another client_id", 401
+            )
+        uris = doc.get("redirect_uris")
+        if not isinstance(uris, list) or not 1 <= len(uris) <= 10:
+            raise OAuthError("invalid_client", "the client's metadata lists no redirect_uris", 401)
+        try:
+            uris = [check_redirect_uri(u) for u in uris]
+        except OAuthError as e:
+            raise OAuthError(
+                "invalid_client", f"the client's metadata: {e.description}", 401
+            ) from None
+        host = urllib.parse.urlsplit(client_id).hostname
+        client = {
+            "id": client_id,
+            "name": _clean_name(doc.get("client_name"), host),
+            "redirectUris": uris,
+            "uri": doc.get("client_uri") if isinstance(doc.get("client_uri"), str) else "",
+        }
+        if len(self.metadata) >= 64:
+            self.metadata.clear()
+        self.metadata[client_id] = (self.clock(), client)
+        return client
+
+    def check_request(self, client_id: Any, redirect_uri: Any) -> dict:
+        """Return the client of an authorisation request whose redirect URI it registered."""
+        client = self.client(client_id)
+        if not isinstance(redirect_uri, str) or not redirect_uri:
+            raise OAuthError("invalid_request", "redirect_uri is required")
+        if not redirect_matches(client["redirectUris"], redirect_uri):
+            raise OAuthError(
+                "invalid_request", "that redirect_uri is not registered for the client"
+            )
+        check_redirect_uri(redirect_uri)
+        return client
+
+    # -- authorisation codes and tokens -----------------------------------------------
+
+    def approve(self, client: dict, redirect_uri: str, grant: dict, state: str, issuer: str) -> str:
+        """Return the redirect (with code, state and iss) for an approved request.
+
+        grant: {challenge, scope, folder, resource}, what the code will be redeemed for.
+        """
+        code, now = CODE_PREFIX + secrets.token_urlsafe(32), self.clock()
+        with self._lock:
+            for h in [h for h, c in self.codes.items() if c["expires"] + CODE_LIFETIME < now]:
+                del self.codes[h]
+            if len(self.codes) >= MAX_CODES:
+                raise ApiError(429, "RATE_LIMITED", "too many approvals waiting; retry in a minute")
+            self.codes[key_hash(code)] = {
+                **grant,
+                "client": {"id": client["id"], "name": client["name"]},
+                "redirectUri": redirect_uri,
+                "expires": now + CODE_LIFETIME,
+                "used": False,
+                "grantId": None,
+            }
+        params = {"code": code, **({"state": state} if state else {}), "iss": issuer}
+        sep = "&" if urllib.parse.urlsplit(redirect_uri).query else "?"
+        return redirect_uri + sep + urllib.parse.urlencode(params)
+
+    def redeem(self, code: str, client_id: str, redirect_uri: str, verifier: str, resource) -> dict:
+        """Return the token answer for an authorisation code (single use, 60 s, bound to the
+        client, the redirect URI, the PKCE challenge and the resource); OAuthError if not."""
+        now = self.clock()
+        with self._lock:
+            entry = self.codes.get(key_hash(code or ""))
+            reused = entry is not None and entry["used"]
+            if entry is not None:
+                entry["used"] = True
+        if entry is None:
+            raise OAuthError("invalid_grant", "the code is unknown or expired")
+        if reused:  # a replayed code: what it was exchanged for is revoked (RFC 6749 4.1.2)
+            if entry["grantId"]:
+                self.revoke(entry["grantId"])
+            raise OAuthError("invalid_grant", "the code was used already")
+        if entry["expires"] < now:
+            raise OAuthError("invalid_grant", "the code is unknown or expired")
+        if client_id != entry["client"]["id"]:
+            raise OAuthError("invalid_grant", "the code was issued to another client")
+        if redirect_uri != entry["redirectUri"]:
+            raise OAuthError("invalid_grant", "redirect_uri differs from the authorisation's")
+        if not pkce_matches(verifier, entry["challenge"]):
+            raise OAuthError("invalid_grant", "the code_verifier does not match the challenge")
+        if resource and resource != entry["resource"]:
+            raise OAuthError("invalid_target", "resource differs from the authorisation's")
+        answer, grant_id = self._issue(entry)
+        entry["grantId"] = grant_id
+        return answer
+
+    def _tokens(self, grant: dict, now: float) -> dict:
+        access, refresh = (
+            ACCESS_PREFIX + secrets.token_urlsafe(32),
+            REFRESH_PREFIX + secrets.token_urlsafe(32),
+        )
+        grant.update(
+            accessHash=key_hash(access),
+            accessExpiresAt=iso(now + ACCESS_LIFETIME),
+            refreshHash=key_hash(refresh),
+            expiresAt=iso(now + OAUTH_IDLE_DAYS * 86400),
+        )
+        return {
+            "access_token": access,
+            "token_type": "Bearer",
+            "expires_in": ACCESS_LIFETIME,
+            "refresh_token": refresh,
+            "scope": OAUTH_SCOPE_OF[grant["scope"]],
+        }
+
+    def _issue(self, entry: dict) -> tuple:
+        now = self.clock()
+        grant = {
+            "id": "gr_" + secrets.token_hex(6),
+            "kind": "oauth",
+            "name": entry["client"]["name"],
+            "scope": entry["scope"],
+            "folder": entry["folder"],
+            "createdAt": iso(now),
+            "lastUsedAt": None,
+            "client": entry["client"],
+            "resource": entry["resource"],
+            "createdBy": entry.get("createdBy"),
+            "usedRefresh": [],
+        }
+        answer = self._tokens(grant, now)
+        try:
+            self._add_grant(grant)
+        except ApiError as e:
+            if e.status_code != 401:
+                raise
+            raise OAuthError("invalid_grant", "the key that approved this was revoked") from None
+
+        def used(data: dict) -> None:
+            record = data.get("oauthClients", {}).get(entry["client"]["id"])
+            if record is not None:
+                record["lastUsedAt"] = iso(now)
+
+        self.state.update(used)
+        log.info("OAuth grant %s issued to %s", grant["id"], log_safe(grant["name"], 100))
+        return answer, grant["id"]
+
+    def refresh(self, token: str, client_id: str, resource, scope) -> dict:
+        """Return new tokens for a refresh token, which is rotated; a refresh token used twice
+        revokes its whole grant (both tokens fail from then on)."""
+        h, now = key_hash(token or ""), self.clock()
+        known = any(
+            g.get("refreshHash") == h or h in g.get("usedRefresh", ())
+            for g in self.state.read().get("grants", [])
+        )
+        if not token or not known:
+            raise OAuthError("invalid_grant", "the refresh token is unknown, expired or revoked")
+
+        def change(data: dict) -> tuple:
+            grants = data.get("grants", [])
+            for i, g in enumerate(grants):
+                if h in g.get("usedRefresh", ()):
+                    del grants[i]
+                    return "reused", g
+                if g.get("refreshHash") != h:
+                    continue
+                if g["client"]["id"] != client_id:
+                    return "client", g
+                if _epoch(g.get("expiresAt")) <= now:
+                    return "expired", g
+                if resource and resource != g.get("resource"):
+                    return "resource", g
+                if scope and parse_oauth_scope(scope) == "write" and g["scope"] != "write":
+                    return "scope", g
+                g["usedRefresh"] = [*g.get("usedRefresh", []), h][-20:]
+                client = data.get("oauthClients", {}).get(client_id)
+                if client is not None:  # in use: never dropped as unused
+                    client["lastUsedAt"] = iso(now)
+                return "ok", self._tokens(g, now)
+            return "gone", None
+
+        outcome, detail = self.state.update(change)
+        if outcome == "ok":
+            return detail
+        if outcome == "reused":
+            log.warning("OAuth grant %s revoked: a refresh token was used twice", detail["id"])
+        errors = {
+            "reused": ("invalid_grant", "the refresh token was used already: the grant is revoked"),
+            "client": ("invalid_grant", "the refresh token was issued to another client"),
+            "expired": ("invalid_grant", "the grant expired; authorise again"),
+            "resource": ("invalid_target", "resource differs from the grant's"),
+            "scope": ("invalid_scope", "the grant does not hold notes:write"),
+            "gone": ("invalid_grant", "the refresh token is unknown, expired or revoked"),
+        }
+        raise OAuthError(*errors[outcome])
+
+    def revoke_token(self, token: str, client_id: str) -> None:
+        """Revoke the grant an access or refresh token belongs to (RFC 7009; unknown: nothing)."""
+        h = key_hash(token or "")
+        for g in self.state.read().get("grants", []):
+            if g.get("kind") == "oauth" and h in (g.get("accessHash"), g.get("refreshHash")):
+                if client_id and g["client"]["id"] != client_id:
+                    return
+                self.revoke(g["id"])
+                return
+
+    # -- share links ---------------------------------------------------------------
+
+    def create_share(self, path: str, days: int, principal: Principal) -> tuple:
+        """Return (the share's record, its token) of a new read-only link to one note."""
+        token, now = secrets.token_urlsafe(16), self.clock()
+        share = {
+            "id": "sh_" + secrets.token_hex(6),
+            "path": path,
+            "tokenHash": key_hash(token),
+            "createdAt": iso(now),
+            "expiresAt": iso(now + days * 86400),
+            "grantId": principal.grant_id or None,
+        }
+
+        def change(data: dict) -> None:
+            self._check_maker(data, share["grantId"], now)
+            live = [s for s in data.get("shares", []) if _epoch(s["expiresAt"]) > now]
+            if len(live) >= MAX_SHARES:
+                raise ApiError(409, "CONFLICT", f"{MAX_SHARES} share links exist; revoke some")
+            data["shares"] = [*live, share]
+
+        self.state.update(change)
+        return self.share_record(share), token
+
+    @staticmethod
+    def share_record(share: dict) -> dict:
+        keys = ("id", "path", "createdAt", "expiresAt")
+        return {**{k: share[k] for k in keys}, "createdBy": share.get("grantId") or "owner"}
+
+    def shares(self, principal: Principal) -> list:
+        """Return the share links a principal sees: a grant its own (while their notes are
+        in its folder), the owner (and an admin device) all."""
+        now = self.clock()
+        return [
+            self.share_record(s)
+            for s in self.state.read().get("shares", [])
+            if _epoch(s["expiresAt"]) > now
+            and (
+                principal.allows("admin")
+                or (s.get("grantId") == principal.grant_id and principal.sees(s["path"]))
+            )
+        ]
+
+    def revoke_share(self, share_id: str, principal: Principal) -> bool:
+        def mine(s: dict) -> bool:
+            return s["id"] == share_id and (
+                principal.allows("admin") or s.get("grantId") == principal.grant_id
+            )
+
+        if not any(map(mine, self.state.read().get("shares", []))):
+            return False
+
+        def change(data: dict) -> None:
+            data["shares"] = [s for s in data.get("shares", []) if not mine(s)]
+
+        self.state.update(change)
+        return True
+
+    def shared(self, token: str) -> tuple | None:
+        """Return (the live share a token opens, whom it reads as: the owner, or the grant
+        that made it); None when unknown, expired or revoked, or when that grant is."""
+        if not SHARE_TOKEN_RE.match(token or ""):
+            return None
+        h, now = key_hash(token), self.clock()
+        data = self.state.read()
+        for s in data.get("shares", []):
+            if hmac.compare_digest(s["tokenHash"], h) and _epoch(s["expiresAt"]) > now:
+                if not s.get("grantId"):
+                    return s, OWNER
+                for g in data.get("grants", []):
+                    if g["id"] == s["grantId"] and _epoch(g.get("expiresAt")) > now:
+                        return s, Principal(g["kind"], g["scope"], g.get("folder") or "", g["id"])
+                return None
+        return None
+
+    def on_note_event(self, event: str, path: str, detail: Any) -> None:
+        """Keep share links on their note: a move takes them along, a delete ends them."""
+        if event not in ("moved", "deleted") or self.state.readonly:
+            return
+        if not any(s["path"] == path for s in self.state.read().get("shares", [])):
+            return
+
+        def change(data: dict) -> None:
+            shares = data.get("shares", [])
+            if event == "deleted":
+                data["shares"] = [s for s in shares if s["path"] != path]
+            else:
+                for s in shares:
+                    if s["path"] == path:
+                        s["path"] = detail[0]
+
+        self.state.update(change)

@@ -1,0 +1,1 @@
+"""notesvc.http: see the modules beside this file."""

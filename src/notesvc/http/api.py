@@ -1,0 +1,844 @@
+"""Handlers of the notes API: system, auth, notes, attachments, folders, history, search,
+agent."""
+
+from __future__ import annotations
+
+import contextlib
+import functools
+import platform
+import secrets
+import threading
+import time
+import urllib.parse
+from typing import Any, Callable
+
+from notesvc.auth import JWT_LIFETIME, jwt_encode, rotate_key
+from notesvc.boot import API, KEY_HEADER, KEY_PREFIX, __version__, bottle, log
+from notesvc.errors import JSON_TYPE, ApiError, bad_request, not_found, ok
+from notesvc.grants import (
+    Principal,
+    _clean_name,
+    granted_tree,
+    request_principal,
+    visible_attachment,
+    visible_folder,
+    visible_note,
+    visible_note_file,
+)
+from notesvc.helpers import (
+    BODY_CHUNK,
+    MultipartReader,
+    _minutes,
+    _redact_url,
+    field,
+    is_blank,
+    is_home_network,
+    iso,
+    lan_address,
+    query_int,
+    query_str,
+    read_json,
+    request_body_reader,
+    request_header,
+    setup_client_ip,
+    too_large,
+    utcnow,
+)
+from notesvc.http.route import _file_chunks, conditional_download
+from notesvc.notes.history import VERSION_ID_RE, attachment_or_note_path, unified_diff
+from notesvc.notes.merge import title_filename
+from notesvc.notes.paths import ATTACHMENTS, NOTES, attachment_folder, folder_path, note_path
+from notesvc.plugins import attachment_linkers, move_and_relink, update_links
+from notesvc.providers.agent import ask_agent
+from notesvc.providers.base import MAX_MESSAGE_CHARS, MCP_VERSIONS
+from notesvc.relay import RELAY_WORKERS
+from notesvc.search.text import MAX_QUERY_CHARS, Query
+from notesvc.service import Service
+from notesvc.settings import Config
+
+# -- system ---------------------------------------------------------------------
+
+
+def get_health(svc: Service) -> dict:
+    return {"status": "ok", "version": __version__, "uptimeSeconds": svc.uptime()}
+
+
+SETUP_ELSEWHERE = "finish setup on this machine or its home network, or run `pair` on the server"
+
+
+def setup_here_facts(svc: Service, env: dict) -> dict:
+    """Return the setup payload's setupHere: {allowed, reason[, url]}; url is the address
+    to open instead, for a client that came over global IPv6 to a server with a home
+    IPv4 address."""
+    allowed, reason = svc.setup_here(env)
+    facts: dict = {"allowed": allowed, "reason": reason}
+    ip = setup_client_ip(svc.config, env) if reason == "remote" else None
+    if ip is not None and ip.version == 6:
+        own = lan_address()
+        if own and ":" not in own and is_home_network(own):
+            facts["url"] = f"http://{own}:{_server_port(env, svc.config)}"
+    return facts
+
+
+def get_setup(svc: Service) -> dict:
+    env, cfg, st = bottle.request.environ, svc.config, svc.state.read()
+    url, relay = svc.base_url(env), svc.relay_url(env)
+    server_id, code, complete = st["serverId"], st["relayCode"], bool(st.get("setupComplete"))
+    here = setup_here_facts(svc, env)
+    show_key = here["allowed"]
+    key = st.get("apiKey", "") if show_key else KEY_PREFIX + "…" + st.get("keyHint", "")
+    direct, relayed = f"{url}{API}", f"{svc.relay_base(env)}{API}"
+    own_client = f"{svc.relay_base(env) if svc.relay_origin() else relay}/"
+    own_client = own_client if cfg.pairing == "relay" else f"{url}/"
+    client = cfg.client_url or own_client
+    test_client = cfg.test_client_url or own_client
+    payload = {
+        "serverId": server_id,
+        "apiKey": key,
+        "setupComplete": complete,
+        "browserSetup": show_key and not env.get("SCRIPT_NAME"),
+        "setupHere": here,
+        "version": __version__,
+        "auth": {
+            "method": cfg.auth_mode,
+            "header": KEY_HEADER,
+            "note": f"Send the key in the {KEY_HEADER} header on every protected endpoint."
+            + ("" if cfg.auth_mode != "none" else " Auth is off (development only)."),
+        },
+        "pairing": {"mode": cfg.pairing, "relayCode": code, "relayUrl": relay},
+        "server": {
+            "url": url,
+            "port": _server_port(env, cfg),
+            "host": cfg.host,
+            "cors": list(cfg.cors),
+        },
+        "links": {
+            "setupApi": f"{direct}/system/setup",
+            "health": f"{direct}/health",
+            "apiBase": relayed if cfg.pairing == "relay" else direct,
+            "directApiBase": direct,
+            "relayApiBase": relayed,
+            "connect": {
+                "testHosted": _with_query(test_client, relayCode=code),
+                "hosted": _with_query(client, relayCode=code),
+                "localDevUi": _with_query(f"{url}/", relayCode=code, relayUrl=relay),
+            },
+        },
+    }
+    if not complete:
+        payload["instructions"] = [
+            "Copy apiKey: it is shown only to this machine"
+            + ("" if svc.setup_loopback_only else " and its home network")
+            + f", for {_minutes(cfg.setup_window)} after a start, until setup completes.",
+            "Open links.connect.hosted (or testHosted) on your device: it fills in this server.",
+            f"If prefill is unavailable, paste links.apiBase and the key into your client "
+            f"(header {KEY_HEADER}).",
+            f"Finish with POST {direct}/auth/link and the key in {KEY_HEADER}; "
+            "the key is redacted here from then on.",
+        ]
+    return payload
+
+
+def _server_port(env: dict, cfg: Config) -> int:
+    port = env.get("SERVER_PORT", "")
+    return int(port) if str(port).isdigit() and cfg.port == 0 else cfg.port
+
+
+def _with_query(url: str, **params: str) -> str:
+    sep = "&" if "?" in url else "?"
+    return url + sep + urllib.parse.urlencode(params)
+
+
+def get_info(svc: Service) -> dict:
+    count, size = svc.note_stats()
+    return {
+        "version": __version__,
+        "serverId": svc.state.read()["serverId"],
+        "uptimeSeconds": svc.uptime(),
+        "startedAt": iso(svc.started),
+        "python": platform.python_version(),
+        "platform": platform.platform(terse=True),
+        "notes": {"count": count, "bytes": size},
+        "attachments": dict(zip(("count", "bytes"), svc.attachments.stats())),
+        "history": {**svc.history.usage(), "maxVersions": svc.history.max_versions},
+        "trash": svc.trash.usage(),
+        "changes": {
+            "last": svc.journal.last,
+            "floor": svc.journal.floor,
+            "waiting": svc.journal.waiting(),
+        },
+        "index": {**svc.index.stats(), "lastSync": svc.last_sync},
+        "connection": svc.relay_client.status()
+        if svc.relay_client
+        else {
+            "url": svc.config.relay_url or "(this server)",
+            "state": "self" if not svc.config.relay_url else "off",
+        },
+    }
+
+
+def _network_facts(cfg: Config) -> dict:
+    """The network settings /system/config and /security/config both report."""
+    return {
+        "port": cfg.port,
+        "publicUrl": cfg.public_url,
+        "trustProxy": list(cfg.trust_proxy),
+        "cors": list(cfg.cors),
+    }
+
+
+def _limit_facts(svc: Service) -> dict:
+    cfg = svc.config
+    return {
+        "maxBodyBytes": cfg.max_body_bytes,
+        "maxAttachmentBytes": cfg.max_attachment_bytes,
+        "maxConnections": cfg.max_connections,
+        "idleTimeoutSeconds": cfg.idle_timeout,
+        "lockout": {
+            "failures": svc.lockout.limit,
+            "windowSeconds": svc.lockout.window,
+            "lockSeconds": svc.lockout.window,
+        },
+    }
+
+
+def _agent_facts(cfg: Config) -> dict:
+    return {
+        "provider": cfg.agent_provider,
+        "baseUrl": _redact_url(cfg.agent_base_url),
+        "apiKeySet": bool(cfg.agent_api_key),
+    }
+
+
+def get_config(svc: Service) -> dict:
+    cfg, limits = svc.config, _limit_facts(svc)
+    return {
+        "server": {
+            "host": cfg.host,
+            **_network_facts(cfg),
+            "threads": cfg.threads,
+            **{k: v for k, v in limits.items() if k != "lockout"},
+        },
+        "auth": {
+            "mode": cfg.auth_mode,
+            "header": KEY_HEADER,
+            "setupLocalOnly": svc.setup_loopback_only,
+            "setupWindowSeconds": cfg.setup_window,
+            "lockout": limits["lockout"],
+        },
+        "connection": {
+            "pairingMode": cfg.pairing,
+            "relayUrl": cfg.relay_url or "(this server)",
+            "clientUrl": cfg.client_url or "(built-in client)",
+            "testClientUrl": cfg.test_client_url or "(built-in client)",
+        },
+        "agent": {
+            **_agent_facts(cfg),
+            "model": cfg.agent_model,
+            "timeoutSeconds": cfg.agent_timeout,
+            "maxSteps": cfg.agent_max_steps,
+            "write": cfg.agent_write,
+        },
+        "mcp": {"path": f"{API}/mcp", "write": cfg.mcp_write, "protocolVersions": MCP_VERSIONS},
+        "search": {"engine": "notesvc-bm25", "maxQueryLength": MAX_QUERY_CHARS},
+        "sync": {
+            "rescanSeconds": cfg.rescan_seconds,
+            "notesRoot": "notes/",
+            "historyMaxVersions": cfg.history_max_versions,
+            "historyDays": cfg.history_days,
+            "trashDays": cfg.trash_days,
+            "maxWaiters": cfg.max_waiters,
+        },
+        "plugins": {"dir": cfg.plugins_dir or ".notesvc/plugins"},
+        "capture": {
+            "transcribeUrl": _redact_url(cfg.transcribe_url),
+            "transcribeModel": cfg.transcribe_model,
+            "transcribeApiKeySet": bool(cfg.transcribe_api_key),
+            "timeZone": cfg.timezone or "system",
+            "attachmentsRoot": f"{ATTACHMENTS}/",
+        },
+    }
+
+
+# -- auth / linking ---------------------------------------------------------------
+
+
+def verify_key(svc: Service) -> dict:
+    st = svc.state.read()
+    answer = {"valid": True, "serverId": st["serverId"], "setupComplete": bool(st["setupComplete"])}
+    who = request_principal()
+    if not answer["setupComplete"] and who.kind == "owner":  # may this client link (setup)?
+        answer["linkHere"] = svc.setup_here(bottle.request.environ, check_host=False)[0]
+    if who.kind != "owner":  # a scoped key learns how far it may go (the web client asks)
+        answer["grant"] = {"kind": who.kind, "scope": who.scope, "folder": who.folder or None}
+        if who.kind == "device":  # "Signed in as <device>"
+            mine = [g for g in svc.grants.grants() if g["id"] == who.grant_id]
+            answer["grant"]["name"] = mine[0]["name"] if mine else "this device"
+    return answer
+
+
+def link_client(svc: Service) -> dict:
+    """POST /auth/link. Before setup, only from where the key may be offered
+    (Service.setup_here, the Host aside): elsewhere 403, not counted toward the lockout."""
+    env = bottle.request.environ
+    allowed, reason = svc.setup_here(env, check_host=False)
+    if not allowed and reason == "window":
+        raise ApiError(
+            403,
+            "FORBIDDEN",
+            "the setup window has passed: restart the server, or run `pair` (or "
+            "`rotate-key`) on the server",
+        )
+    if not allowed and reason != "complete":
+        raise ApiError(403, "FORBIDDEN", SETUP_ELSEWHERE)
+    body = read_json(svc.config.max_body_bytes, required=False)
+    name = field(body, "clientName", str, required=False, max_len=100) or "unnamed client"
+    name = "".join(ch for ch in name if ch.isprintable()).strip() or "unnamed client"
+    now = iso(utcnow())
+    addr = svc.client_addr(bottle.request.environ)
+
+    def change(data: dict) -> str:
+        data["setupComplete"] = True
+        data.pop("apiKey", None)
+        clients = data.setdefault("linkedClients", [])
+        clients.append({"name": name, "linkedAt": now, "address": addr})
+        del clients[:-50]
+        return data["serverId"]
+
+    server_id = svc.state.update(change)
+    log.info("client %r linked from %s; setup complete", name, addr)
+    return {"linked": True, "setupComplete": True, "serverId": server_id, "linkedAt": now}
+
+
+def issue_token(svc: Service) -> dict:
+    if svc.config.auth_mode != "jwt":
+        raise ApiError(403, "FORBIDDEN", "tokens are issued only with SERVICE_AUTH_MODE=jwt")
+    st, now = svc.state.read(), int(time.time())
+    claims = {
+        "iss": f"notesvc:{st['serverId']}",
+        "sub": "owner",
+        "iat": now,
+        "nbf": now,
+        "exp": now + JWT_LIFETIME,
+        "jti": secrets.token_hex(8),
+        "kid": st["keyHash"][:16],  # rotating the key retires every token issued before
+    }
+    return {
+        "token": jwt_encode(claims, svc.config.jwt_secret),
+        "tokenType": "Bearer",
+        "expiresIn": JWT_LIFETIME,
+        "expiresAt": iso(claims["exp"]),
+    }
+
+
+def rotate_api_key(svc: Service) -> dict:
+    key = svc.state.update(rotate_key)
+    if svc.relay_client is not None:  # the relay code changed: tell the relay now
+        threading.Thread(target=svc.relay_client.register, daemon=True).start()
+    st = svc.state.read()
+    log.info("API key rotated through the API; the old key stops working now")
+    return {"apiKey": key, "relayCode": st["relayCode"], "rotatedAt": st["keyCreatedAt"]}
+
+
+# -- notes ---------------------------------------------------------------------------
+
+
+def _if_match() -> str | None:
+    return request_header("If-Match")
+
+
+def _note_response(rec: dict) -> dict:
+    bottle.response.set_header("ETag", rec["etag"])
+    return rec
+
+
+INBOX = f"{NOTES}/inbox"  # where a note without a path goes (a folder grant: its folder)
+
+
+def create_note(svc: Service) -> dict:
+    """POST /notes: {path, content}, or {content, folder?} named from its title."""
+    body = read_json(svc.config.max_body_bytes)
+    content = field(body, "content")
+    if body.get("path") is None:
+        principal = request_principal()
+        raw = field(body, "folder", required=False) or principal.folder or INBOX
+        if principal.folder and raw == NOTES:
+            raw = principal.folder
+        folder = visible_folder(svc, raw)
+        rec = svc.notes.create_named(folder, title_filename(content), content)
+    else:
+        rec = svc.notes.create(visible_note(svc.notes, field(body, "path")), content)
+    path = rec["path"]
+    script = bottle.request.environ.get("SCRIPT_NAME", "")
+    location = f"{script}{API}/notes/{urllib.parse.quote(path, safe='')}"
+    bottle.response.set_header("Location", location)
+    return _note_response(rec)
+
+
+LIST_FIELDS = ("title", "preview", "modified", "tags")  # a listing's ?fields= (docs/api.md: phone)
+
+
+def list_notes(svc: Service) -> dict:
+    raw = query_str("folder") or NOTES
+    folder = visible_folder(svc, raw)  # a folder grant's own, or 404
+    asked = folder_path(raw)
+    limit = query_int("limit", 100, 1, 1000)
+    offset = query_int("offset", 0, 0, 10**9)
+    sort = query_str("sort", "path") or "path"
+    if sort not in ("path", "modified"):
+        raise bad_request("'sort' must be path (the default) or modified (newest first)")
+    fields = [f for f in query_str("fields").split(",") if f]
+    unknown = sorted(set(fields) - set(LIST_FIELDS))
+    if unknown:
+        raise bad_request(
+            f"unknown field(s) {', '.join(unknown)}: ask for {', '.join(LIST_FIELDS)}"
+        )
+    try:
+        return svc.notes.list_page(folder, limit, offset, sort, fields)
+    except ApiError as e:  # the folder a grant sees from one of its ancestors is not there yet
+        if e.status_code != 404 or folder == asked:
+            raise
+        return {"notes": [], "total": 0, "limit": limit, "offset": offset}
+
+
+def get_note(svc: Service, path: str) -> bytes:
+    etag, body = svc.notes.answer(visible_note(svc.notes, path))
+    bottle.response.set_header("ETag", etag)
+    bottle.response.content_type = JSON_TYPE
+    return body
+
+
+def update_note(svc: Service, path: str) -> dict:
+    path = visible_note(svc.notes, path)
+    body = read_json(svc.config.max_body_bytes)
+    content = field(body, "content")
+    if body.get("path") is not None and note_path(field(body, "path")) != path:
+        raise bad_request(
+            f"PUT changes content only; to move or rename use PATCH {API}/notes/:path/move"
+        )
+    return _note_response(svc.notes.update(path, content, _if_match()))
+
+
+def move_note(svc: Service, path: str) -> dict:
+    path = visible_note(svc.notes, path)
+    body = read_json(svc.config.max_body_bytes)
+    new = visible_note(svc.notes, field(body, "path"))  # a folder grant moves within its folder
+    relink = bool(field(body, "updateLinks", bool, required=False))
+    return _note_response(move_and_relink(svc, path, new, _if_match(), relink))
+
+
+def merge_note(svc: Service, path: str) -> dict:
+    """POST /notes/:path/merge {base, content}: an edit that started from version `base`,
+    merged with what changed since (docs/api.md: phone); 409 with `conflictPath` when it clashed."""
+    path = visible_note(svc.notes, path)
+    body = read_json(svc.config.max_body_bytes)
+    base = field(body, "base", max_len=100)
+    content = field(body, "content")
+    base = base if base.startswith('"') else f'"{base}"'
+    name = _clean_name(field(body, "clientName", required=False, max_len=100), "")
+    who = title_filename(name or principal_name(svc, request_principal()))
+    when = utcnow().strftime("%Y-%m-%d %H-%M UTC")
+    principal = request_principal()  # a folder grant merges from versions it may read
+    sees = principal.sees if principal.folder else None
+    done = svc.notes.merge(path, base, content, f"conflict {who} {when}", sees)
+    bottle.response.set_header("ETag", done["note"]["etag"])
+    return done
+
+
+def principal_name(svc: Service, principal: Principal) -> str:
+    """Return who a request acts for, as a person would name it: a device's or a key's
+    name, an app's; "owner" for the API key."""
+    if principal.kind == "owner":
+        return "owner"
+    for g in svc.grants.grants():
+        if g["id"] == principal.grant_id:
+            return (g.get("client") or {}).get("name") or g["name"]
+    return principal.kind
+
+
+def delete_note(svc: Service, path: str) -> dict:
+    return svc.notes.delete(visible_note(svc.notes, path), _if_match())
+
+
+# -- attachments -------------------------------------------------------------------------
+
+MULTIPART_SLACK = 65536  # bytes of a form beyond its file: the boundaries, headers and path
+
+
+def _attachment_response(rec: dict, status: int) -> bytes:
+    bottle.response.set_header("ETag", rec["etag"])
+    script = bottle.request.environ.get("SCRIPT_NAME", "")
+    location = f"{script}{API}/attachments/{urllib.parse.quote(rec['path'], safe='')}"
+    bottle.response.set_header("Location", location)
+    return ok(rec, status)
+
+
+def put_attachment(svc: Service, path: str) -> bytes:
+    """PUT the raw bytes: 201 when created, 200 when replaced (If-Match, If-None-Match: *)."""
+    path = visible_attachment(svc.attachments, path)
+    ctype = bottle.request.content_type.split(";")[0].strip().lower()
+    if ctype.startswith("multipart/"):
+        raise ApiError(
+            415,
+            "UNSUPPORTED_MEDIA_TYPE",
+            f"PUT takes the file's own bytes; send a multipart form to POST {API}/attachments",
+        )
+    if_match, if_none_match = _if_match(), request_header("If-None-Match")
+    svc.attachments.check(path, if_match, if_none_match)  # before the body is read
+    limit = svc.config.max_attachment_bytes
+    read, _ = request_body_reader(limit, "SERVICE_MAX_ATTACHMENT_BYTES")
+
+    def copy(f) -> None:
+        while chunk := read(BODY_CHUNK):
+            f.write(chunk)
+
+    rec, created = svc.attachments.place(svc.attachments.spool(copy), path, if_match, if_none_match)
+    return _attachment_response(rec, 201 if created else 200)
+
+
+def post_attachment(svc: Service) -> bytes:
+    """POST multipart/form-data with `path` and `file`: 201; never overwrites (a taken path
+    becomes name-2.ext, name-3.ext...)."""
+    import email.message
+
+    header = request_header("Content-Type") or ""
+    parsed = email.message.Message()
+    parsed["Content-Type"] = header
+    if parsed.get_content_type() != "multipart/form-data":
+        raise ApiError(
+            415,
+            "UNSUPPORTED_MEDIA_TYPE",
+            "send multipart/form-data with the fields path and file "
+            f"(or PUT the raw bytes to {API}/attachments/:path)",
+        )
+    limit = svc.config.max_attachment_bytes
+    read, _ = request_body_reader(limit + MULTIPART_SLACK, "SERVICE_MAX_ATTACHMENT_BYTES")
+    reader = MultipartReader(read, str(parsed.get_param("boundary") or ""))
+    form: dict = {"path": bytearray(), "file": False}
+
+    def given_path() -> str:
+        try:
+            raw = bytes(form["path"]).decode("utf-8").strip()
+        except UnicodeDecodeError:
+            raise bad_request("'path' is not valid UTF-8") from None
+        if not raw:
+            raise bad_request("'path' is required (attachments/<name>.<extension>)")
+        return visible_attachment(svc.attachments, raw)
+
+    def receive(f) -> None:
+        def part(name: str, filename: Any, headers: Any):
+            if name == "path":
+                too_long = lambda: bad_request("'path' is longer than 2048 bytes")  # noqa: E731
+                return form["path"].extend, 2048, too_long
+            if name != "file":
+                return None
+            if form["file"]:
+                raise bad_request("send one part named 'file'")
+            form["file"] = True
+            if form["path"]:
+                given_path()  # a bad path is refused before the file is read
+            return f.write, limit, lambda: too_large(limit, "SERVICE_MAX_ATTACHMENT_BYTES")
+
+        reader.parts(part)
+
+    tmp = svc.attachments.spool(receive)
+    try:
+        if not form["file"]:
+            raise bad_request("the form has no part named 'file'")
+        path = given_path()
+    except BaseException:
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+        raise
+    rec, _ = svc.attachments.place(tmp, path, unique=True)
+    return _attachment_response(rec, 201)
+
+
+def get_attachment(svc: Service, path: str):
+    """The file's bytes, with ETag, Range, Content-Disposition and a sandbox policy. A path
+    under notes/ is a file kept beside the notes (a vault's image, put there over WebDAV)."""
+    store = svc.note_files if str(path).startswith(NOTES + "/") else svc.attachments
+    if store is svc.note_files:
+        path = visible_note_file(store, path)
+    else:
+        path = visible_attachment(store, path)
+    f, st = store.open(path)
+    try:
+        rec = store.record(path, st)
+        span = conditional_download(rec["etag"], st.st_size, rec["contentType"], path)
+        if span is None:  # 304
+            f.close()
+            return b""
+        first, length = span
+        f.seek(first)
+        return _file_chunks(f, length)
+    except BaseException:
+        f.close()
+        raise
+
+
+def list_attachments(svc: Service) -> dict:
+    raw = query_str("folder") or ATTACHMENTS
+    folder = visible_folder(svc, raw, top=ATTACHMENTS)  # a folder grant's own, or 404
+    asked = attachment_folder(raw)
+    limit = query_int("limit", 100, 1, 1000)
+    offset = query_int("offset", 0, 0, 10**9)
+    try:
+        return svc.attachments.list_page(folder, limit, offset)
+    except ApiError as e:  # the folder a grant sees from one of its ancestors is not there yet
+        if e.status_code != 404 or folder == asked:
+            raise
+        return {"attachments": [], "total": 0, "limit": limit, "offset": offset}
+
+
+def move_attachment(svc: Service, path: str) -> dict:
+    path = visible_attachment(svc.attachments, path)
+    body = read_json(svc.config.max_body_bytes)
+    new = visible_attachment(svc.attachments, field(body, "path"))
+    relink = field(body, "updateLinks", bool, required=False)
+    linking = (
+        set(filter(request_principal().sees, attachment_linkers(svc, path))) if relink else set()
+    )
+    rec = svc.attachments.move(path, new, _if_match())
+    if relink and new != path:
+        rec["linksUpdated"] = update_links(svc, path, new, linking)
+    bottle.response.set_header("ETag", rec["etag"])
+    return rec
+
+
+def delete_attachment(svc: Service, path: str) -> dict:
+    return svc.attachments.delete(visible_attachment(svc.attachments, path), _if_match())
+
+
+# -- folders ---------------------------------------------------------------------------
+
+
+def indexed_counts(svc: Service) -> Callable:
+    """Return count(folder path) -> notes beneath it, from the index's folder counts."""
+    counts = svc.index.folder_counts()
+    return lambda folder: counts.get(folder, 0)
+
+
+def get_tree(svc: Service) -> dict:
+    return granted_tree(svc, NOTES, query_int("depth", None, 1, 64), indexed_counts(svc))
+
+
+def get_subtree(svc: Service, path: str) -> dict:
+    return granted_tree(svc, path, query_int("depth", None, 1, 64), indexed_counts(svc))
+
+
+# -- history, trash and the change feed ----------------------------------------------------
+
+MAX_WAIT_SECONDS = 25  # a change-feed long-poll, below the relay's 30 s
+RETRY_AFTER_SECONDS = 1  # what a feed over the waiter cap is told
+MAX_SEQ = 10**10 - 1
+
+
+def _page() -> tuple:
+    return query_int("limit", 100, 1, 1000), query_int("offset", 0, 0, 10**9)
+
+
+def _version_seen(svc: Service, path: str, version_id: str) -> str:
+    """Return version_id when the request's grant sees the path it was saved at (a folder
+    grant: inside its folder, whatever the note's path is now); 404 otherwise. Asked after
+    the version was read: a version's origin is written before it lands in a folder, so a
+    move landing in between cannot show a grant a version from elsewhere."""
+    if VERSION_ID_RE.match(version_id) and not request_principal().sees(
+        svc.history.saved_at(path, version_id)
+    ):
+        raise not_found(f"no version {version_id} of {path}")
+    return version_id
+
+
+def _read_version(svc: Service, path: str, version_id: str) -> bytes:
+    """Return a version the request's grant sees (read, then checked: _version_seen)."""
+    data = svc.history.read(path, version_id)
+    _version_seen(svc, path, version_id)
+    return data
+
+
+def list_versions(svc: Service, path: str) -> dict:
+    path = visible_note(svc.notes, path)
+    limit, offset = _page()
+    principal = request_principal()
+    versions = svc.history.versions(path, principal.sees if principal.folder else None)
+    if not versions and not svc.notes.exists(path):
+        raise not_found(f"no note and no history at {path}")
+    page = versions[offset : offset + limit]
+    return {"versions": page, "total": len(versions), "limit": limit, "offset": offset}
+
+
+def get_version(svc: Service, path: str, version_id: str) -> dict:
+    if not VERSION_ID_RE.match(version_id):  # WSGI decodes %2F: maybe a note in a folder
+        with contextlib.suppress(ApiError):  # named like one (notes/x.md/versions/y.md)
+            return get_note(svc, f"{path}/versions/{version_id}")
+    path = visible_note(svc.notes, path)
+    data = _read_version(svc, path, version_id)
+    return {
+        **svc.history.describe(version_id, len(data)),
+        "path": path,
+        "content": data.decode("utf-8", "replace"),
+    }
+
+
+def diff_version(svc: Service, path: str, version_id: str) -> dict:
+    path = visible_note(svc.notes, path)
+    against = query_str("against", "current") or "current"
+    old = _read_version(svc, path, version_id).decode("utf-8", "replace")
+    if against == "current":
+        new = svc.notes.get(path)["content"]
+    else:
+        new = _read_version(svc, path, against).decode("utf-8", "replace")
+    diff = unified_diff(old, new, f"{path}@{version_id}", f"{path}@{against}")
+    return {"path": path, "id": version_id, "against": against, "diff": diff}
+
+
+def restore_version(svc: Service, path: str, version_id: str) -> dict:
+    path = visible_note(svc.notes, path)
+    seen = functools.partial(_version_seen, svc, path, version_id)
+    return _note_response(svc.notes.restore_version(path, version_id, _if_match(), seen))
+
+
+def _trashed(svc: Service, item_id: str) -> Any:
+    """Return a trash item the request's grant sees (a folder grant: its folder's); 404."""
+    item = svc.trash.find(item_id)
+    if not request_principal().sees(item.path):
+        raise not_found(f"no item {item_id} in the trash")
+    return item
+
+
+def list_trash(svc: Service) -> dict:
+    limit, offset = _page()
+    sees = request_principal().sees
+    items = [item for item in svc.trash.items() if sees(item.path)]
+    page = [item.describe() for item in items[offset : offset + limit]]
+    return {"items": page, "total": len(items), "limit": limit, "offset": offset}
+
+
+def get_trash_item(svc: Service, item_id: str) -> dict:
+    item = _trashed(svc, item_id)
+    content = None
+    if item.kind == "note":
+        try:
+            content = item.file.read_bytes().decode("utf-8", "replace")
+        except FileNotFoundError:  # purged meanwhile
+            raise not_found(f"no item {item_id} in the trash") from None
+    return {**item.describe(), "content": content}
+
+
+def restore_trash_item(svc: Service, item_id: str) -> dict:
+    body = read_json(svc.config.max_body_bytes, required=False)
+    item = _trashed(svc, item_id)
+    target = field(body, "path", required=False)
+    target = attachment_or_note_path(item.path if target is None else target)
+    if not request_principal().sees(target):  # a folder grant restores into its folder
+        raise not_found(f"no folder for {target}")
+    top = target.split("/", 1)[0]
+    if top != item.path.split("/", 1)[0]:
+        raise bad_request(f"a trashed {item.kind} is restored under {item.path.split('/')[0]}/")
+    if item.kind == "note":
+        return _note_response(svc.notes.restore_trashed(item, target))
+    rec = svc.attachments.restore(item.file, target)  # no history: the file goes back
+    svc.trash.emptied(item)
+    return rec
+
+
+def purge_trash_item(svc: Service, item_id: str) -> dict:
+    item = _trashed(svc, item_id)
+    svc.trash.purge(item)
+    return {"id": item.id, "purged": True}
+
+
+def _granted_changes(page: dict) -> dict:
+    """Return a page of the change feed as the request's grant sees it: a folder grant gets
+    its folder's changes, a move into it as a creation and a move out of it as a deletion."""
+    who = request_principal()
+    if not who.folder:
+        return page
+    seen = []
+    for c in page["changes"]:
+        inside, was = who.sees(c["path"]), c["kind"] == "moved" and who.sees(c.get("from", ""))
+        if c["kind"] == "moved" and inside and not was:
+            c = {**{k: v for k, v in c.items() if k != "from"}, "kind": "created"}
+        elif c["kind"] == "moved" and was and not inside:
+            c = {"seq": c["seq"], "kind": "deleted", "path": c["from"], "at": c["at"]}
+        elif not inside:
+            continue
+        seen.append(c)
+    return {**page, "changes": seen}
+
+
+def list_changes(svc: Service) -> dict:
+    since = query_int("since", 0, 0, MAX_SEQ)
+    wait = query_int("wait", 0, 0, MAX_WAIT_SECONDS)
+    limit = query_int("limit", 100, 1, 1000)
+    page = _granted_changes(svc.journal.read(since, limit))
+    if page["changes"] or not wait:
+        return page
+    # A waiting feed holds a worker thread: at most max_waiters at once, so the others
+    # keep serving (relayed requests have their own small pool: half of it).
+    if bottle.request.environ.get("notesvc.relayed"):
+        pool, cap = "relay", min(svc.config.max_waiters, RELAY_WORKERS // 2)
+    else:
+        pool, cap = "direct", svc.config.max_waiters
+    deadline = time.monotonic() + wait
+    while not page["changes"]:  # a folder grant waits on for a change it may see
+        came = svc.journal.wait_after(page["last"], deadline - time.monotonic(), pool, cap)
+        if came is None:
+            bottle.response.set_header("Retry-After", str(RETRY_AFTER_SECONDS))
+            return {**page, "retryAfter": RETRY_AFTER_SECONDS}
+        after = _granted_changes(svc.journal.read(page["last"], limit))
+        if not came or after["last"] == page["last"] or time.monotonic() >= deadline:
+            return after
+        page = after
+    return page
+
+
+# -- search --------------------------------------------------------------------------------
+
+
+def search_notes(svc: Service) -> dict:
+    started = time.perf_counter()
+    query = Query(query_str("q"))
+    folder = visible_folder(svc, query_str("folder") or NOTES)  # a folder grant's by default
+    folder = "" if folder == NOTES else folder
+    limit = query_int("limit", 20, 1, 100)
+    offset = query_int("offset", 0, 0, 10000)
+    total, hits = svc.index.search(query, folder, limit, offset)
+    results = [{"path": p, "title": t, "score": sc, "snippet": sn} for p, t, sc, sn in hits]
+    return {
+        "query": query.text,
+        "total": total,
+        "limit": limit,
+        "offset": offset,
+        "results": results,
+        "tookMs": round((time.perf_counter() - started) * 1000, 3),
+    }
+
+
+# -- agent ---------------------------------------------------------------------------------
+
+
+def agent_chat(svc: Service) -> dict:
+    body = read_json(svc.config.max_body_bytes)
+    message = field(body, "message", max_len=MAX_MESSAGE_CHARS)
+    if is_blank(message):
+        raise bad_request("'message' must not be empty")
+    note = body.get("notePath")
+    if note is not None:
+        note = visible_note(svc.notes, field(body, "notePath"))
+        if not svc.notes.exists(note):
+            raise not_found(f"no note at {note}")
+    channel = field(body, "channel", required=False)
+    if channel is not None and channel not in svc.channel_providers:
+        raise bad_request(f"'channel' must be one of {', '.join(svc.channel_providers)}")
+    return ask_agent(svc, message, note, request_principal().folder)
+
+
+def agent_status(svc: Service) -> dict:
+    provider = svc.agent_providers[svc.config.agent_provider]
+    return {
+        "enabled": provider.enabled,
+        "provider": provider.name,
+        "model": provider.model(svc.config),
+    }

@@ -1,0 +1,1196 @@
+"""The route table and OpenAPI."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Mapping
+
+from notesvc.boot import KEY_HEADER, __version__, bottle
+from notesvc.errors import ERROR_CODES, JSON_TYPE, to_json
+from notesvc.grants import OAUTH_SCOPES, SCOPES
+from notesvc.helpers import NOT_BLANK_PATTERN
+from notesvc.http.api import (
+    MAX_SEQ,
+    MAX_WAIT_SECONDS,
+    agent_chat,
+    agent_status,
+    create_note,
+    delete_attachment,
+    delete_note,
+    diff_version,
+    get_attachment,
+    get_config,
+    get_health,
+    get_info,
+    get_note,
+    get_setup,
+    get_subtree,
+    get_trash_item,
+    get_tree,
+    get_version,
+    issue_token,
+    link_client,
+    list_attachments,
+    list_changes,
+    list_notes,
+    list_trash,
+    list_versions,
+    merge_note,
+    move_attachment,
+    move_note,
+    post_attachment,
+    purge_trash_item,
+    put_attachment,
+    restore_trash_item,
+    restore_version,
+    rotate_api_key,
+    search_notes,
+    update_note,
+    verify_key,
+)
+from notesvc.http.integrations import (
+    TELEGRAM_TOKEN_RE,
+    approve_oauth,
+    authorization_server_metadata,
+    bind_channel,
+    claim_device,
+    connect_telegram,
+    create_channel,
+    create_pairing,
+    create_scoped_key,
+    create_share,
+    delete_channel,
+    get_channel,
+    get_consent_page,
+    get_export,
+    get_plugin,
+    get_share_page,
+    get_shared,
+    get_shared_attachment,
+    get_web_client,
+    list_channel_providers,
+    list_channels,
+    list_plugins,
+    list_reminders,
+    list_scoped_keys,
+    list_shares,
+    mcp_endpoint,
+    oauth_consent,
+    oauth_register,
+    oauth_revoke,
+    oauth_token,
+    pair_relay_code,
+    patch_channel,
+    post_import,
+    protected_resource_metadata,
+    receive_webhook,
+    revoke_scoped_key,
+    revoke_share,
+    security_audit,
+    security_config,
+    security_recommendations,
+    toggle_channel,
+    toggle_plugin,
+    verify_webhook,
+)
+from notesvc.http.route import Route
+from notesvc.notes.history import TRASH_ID_RE, VERSION_ID_RE, json_pattern
+from notesvc.notes.paths import (
+    ATTACHMENT_FOLDER_SCHEMA,
+    ATTACHMENT_PATH_PARAM,
+    ATTACHMENT_PATH_SCHEMA,
+    FOLDER_PATH_PARAM,
+    FOLDER_PATH_SCHEMA,
+    MAX_PATH_CHARS,
+    NOTE_PATH_PARAM,
+    NOTE_PATH_SCHEMA,
+)
+from notesvc.providers.base import MAX_MESSAGE_CHARS
+from notesvc.providers.channels import MAX_CONFIG_CHARS, ChannelProvider, ConfigField
+from notesvc.search.text import MAX_QUERY_CHARS
+from notesvc.service import Service
+from notesvc.web import WEB_ASSETS, web_asset_headers
+
+# == Routes and app ===========================================================
+
+
+# -- route table --------------------------------------------------------------------
+
+
+def web_asset_route(path: str) -> Route:
+    """Return the public route of one of the page's assets (manifest, icons)."""
+
+    def get_asset(svc: Service) -> bytes:
+        for name, value in web_asset_headers(path).items():
+            bottle.response.set_header(name, value)
+        return WEB_ASSETS[path][1]()
+
+    get_asset.__name__ = "get_" + re.sub(r"\W+", "_", path.strip("/"))
+    media = WEB_ASSETS[path][0]
+    return Route("GET", path, get_asset, public=True, api=False, tag="pages", media=media)
+
+
+def share_target_without_worker(svc: Service) -> bytes:
+    """POST /share-target reaches the server only where no service worker took it (the
+    option "Keep notes on this device" is off): the page is sent back to say so. The
+    shared text is not kept: this request carries no key."""
+    bottle.response.status = 303
+    bottle.response.set_header("Location", "./?share=off")
+    bottle.response.set_header("Cache-Control", "no-store")
+    return b""
+
+
+def get_openapi(svc: Service):
+    bottle.response.content_type = JSON_TYPE
+    return to_json(openapi_document(svc, svc.base_url(bottle.request.environ)))
+
+
+def _obj(required: Iterable[str] = (), **props: dict) -> dict:
+    return {"type": "object", "required": list(required), "properties": props}
+
+
+_STR = {"type": "string"}
+_NOTE_PATH, _FOLDER_PATH = NOTE_PATH_SCHEMA, FOLDER_PATH_SCHEMA
+_VERSION_ID = {
+    "type": "string",
+    "pattern": json_pattern(VERSION_ID_RE),
+    "description": "from .../versions",
+}
+_TRASH_ID = {"type": "string", "pattern": json_pattern(TRASH_ID_RE), "description": "from /trash"}
+
+
+def _int(lo: int, hi: int, default: int) -> dict:
+    return {"type": "integer", "minimum": lo, "maximum": hi, "default": default}
+
+
+_DEPTH = {"type": "integer", "minimum": 1, "maximum": 64}
+
+
+def _channel_body(svc: Service) -> dict:
+    """Return the schema of a channel's create body: one shape per registered provider."""
+
+    def prop(f: ConfigField) -> dict:
+        if f.kind == "list":
+            return {"type": "array", "items": {"type": ["string", "integer"]}, "maxItems": 1000}
+        if f.kind == "boolean":
+            return {"type": "boolean"}
+        if f.kind == "choice":
+            return {"enum": list(f.choices)}
+        if f.kind == "folder":
+            return {**FOLDER_PATH_SCHEMA, "maxLength": MAX_CONFIG_CHARS}
+        # printable and single-line on the server; said here as printable ASCII, and a
+        # required one not blank
+        return {
+            "type": "string",
+            "minLength": int(f.required),
+            "maxLength": MAX_CONFIG_CHARS,
+            "pattern": "^[ -~]*[!-~][ -~]*$" if f.required else "^[ -~]*$",
+        }
+
+    def config(provider: ChannelProvider) -> dict:
+        props = {f.name: prop(f) for f in provider.fields}
+        required = [f.name for f in provider.fields if f.required]
+        return {**_obj(required, **props), "additionalProperties": False}
+
+    return {
+        "oneOf": [
+            _obj(
+                ["provider", "config"] if any(f.required for f in p.fields) else ["provider"],
+                provider={"const": name},
+                name={"type": "string", "maxLength": 100},
+                config=config(p),
+            )
+            for name, p in sorted(svc.channel_providers.items())
+        ]
+    }
+
+
+ROUTES = (
+    Route("GET", "/health", get_health, public=True, summary="Liveness and version"),
+    Route(
+        "GET",
+        "/system/setup",
+        get_setup,
+        public=True,
+        summary="Setup and pairing payload (the full key only where setupHere.allowed: this "
+        "machine or its home network, during the setup window)",
+    ),
+    Route("GET", "/system/info", get_info, summary="Version, uptime, note counts", scope="admin"),
+    Route(
+        "GET",
+        "/system/config",
+        get_config,
+        summary="Non-secret runtime configuration",
+        scope="admin",
+    ),
+    Route(
+        "GET",
+        "/openapi.json",
+        get_openapi,
+        public=True,
+        summary="This document",
+        enveloped=False,
+    ),
+    Route("POST", "/auth/verify", verify_key, summary="Check a key", tag="auth", scope="read"),
+    Route(
+        "POST",
+        "/auth/link",
+        link_client,
+        summary="Link a client; completes setup (before setup: 403 unless from this machine "
+        "or its home network)",
+        body=_obj(clientName={"type": "string", "maxLength": 100}),
+        tag="auth",
+        scope="admin",
+    ),
+    Route(
+        "POST",
+        "/auth/rotate",
+        rotate_api_key,
+        summary="New key, shown once",
+        tag="auth",
+        key_only=True,
+        scope="admin",
+    ),
+    Route(
+        "POST",
+        "/auth/token",
+        issue_token,
+        summary="A one-hour JWT (jwt mode)",
+        tag="auth",
+        key_only=True,
+        scope="admin",
+    ),
+    Route(
+        "POST",
+        "/notes",
+        create_note,
+        summary="Create a note (409 if it exists); without a path, named from its title in "
+        "`folder` (notes/inbox by default)",
+        body=_obj(["content"], path=_NOTE_PATH, content=_STR, folder=_FOLDER_PATH),
+        idempotent=True,
+        status=201,
+        tag="notes",
+        scope="write",
+    ),
+    Route(
+        "GET",
+        "/notes",
+        list_notes,
+        summary="List notes by path, or newest first; with titles, previews and tags",
+        params={
+            "folder": _FOLDER_PATH,
+            "limit": _int(1, 1000, 100),
+            "offset": _int(0, 10**9, 0),
+            "sort": {"enum": ["path", "modified"], "default": "path"},
+            "fields": {
+                "type": "string",
+                "pattern": "^((title|preview|modified|tags)(,(title|preview|modified|tags))*)?$",
+            },
+        },
+        tag="notes",
+        scope="read",
+    ),
+    # before GET /notes/<path:path>, which would take ".../versions" as part of a path
+    Route(
+        "GET",
+        "/notes/<path:path>/versions",
+        list_versions,
+        summary="A note's versions, newest first (also of a deleted note)",
+        params={"path": NOTE_PATH_PARAM, "limit": _int(1, 1000, 100), "offset": _int(0, 10**9, 0)},
+        tag="history",
+        scope="read",
+    ),
+    Route(
+        "GET",
+        "/notes/<path:path>/versions/<version_id>",
+        get_version,
+        summary="One version with its content",
+        params={"path": NOTE_PATH_PARAM, "version_id": _VERSION_ID},
+        tag="history",
+        scope="read",
+    ),
+    Route(
+        "GET",
+        "/notes/<path:path>/versions/<version_id>/diff",
+        diff_version,
+        summary="Unified diff from a version to another one or to the current note",
+        params={
+            "path": NOTE_PATH_PARAM,
+            "version_id": _VERSION_ID,
+            "against": {
+                "type": "string",
+                "pattern": f"^(current|{json_pattern(VERSION_ID_RE)[1:-1]})$",
+                "default": "current",
+            },
+        },
+        tag="history",
+        scope="read",
+    ),
+    Route(
+        "POST",
+        "/notes/<path:path>/versions/<version_id>/restore",
+        restore_version,
+        summary="Make a version the note's content again (If-Match honoured; recreates a "
+        "deleted note); the replaced content becomes a version",
+        params={"path": NOTE_PATH_PARAM, "version_id": _VERSION_ID},
+        tag="history",
+        scope="write",
+    ),
+    Route(
+        "GET",
+        "/notes/<path:path>",
+        get_note,
+        summary="Read a note",
+        params={"path": NOTE_PATH_PARAM},
+        tag="notes",
+        scope="read",
+    ),
+    Route(
+        "PUT",
+        "/notes/<path:path>",
+        update_note,
+        summary="Replace a note's content (If-Match honoured)",
+        body=_obj(
+            ["content"],
+            content=_STR,
+            path={
+                **_NOTE_PATH,
+                "description": "optional, and then the note's own path: PUT never moves "
+                "a note (PATCH .../move does)",
+            },
+        ),
+        params={"path": NOTE_PATH_PARAM},
+        tag="notes",
+        scope="write",
+        idempotent=True,
+    ),
+    Route(
+        "POST",
+        "/notes/<path:path>/merge",
+        merge_note,
+        summary="Save an edit made from version `base`: merged three ways with what changed "
+        "since; 409 keeps it as a conflict copy",
+        body=_obj(
+            ["base", "content"],
+            base={**_STR, "minLength": 1, "maxLength": 100},
+            content=_STR,
+            clientName={**_STR, "maxLength": 100},
+        ),
+        params={"path": NOTE_PATH_PARAM},
+        tag="notes",
+        scope="write",
+        idempotent=True,
+    ),
+    Route(
+        "PATCH",
+        "/notes/<path:path>/move",
+        move_note,
+        summary="Move or rename a note; never overwrites",
+        body=_obj(["path"], path=_NOTE_PATH, updateLinks={"type": "boolean"}),
+        params={"path": NOTE_PATH_PARAM},
+        tag="notes",
+        scope="write",
+    ),
+    Route(
+        "DELETE",
+        "/notes/<path:path>",
+        delete_note,
+        summary="Move to trash",
+        params={"path": NOTE_PATH_PARAM},
+        tag="notes",
+        scope="write",
+    ),
+    Route(
+        "GET",
+        "/search",
+        search_notes,
+        summary='Full-text search (BM25): words, "phrases", prefix*, -exclude, OR',
+        params={
+            "q": {
+                "type": "string",
+                "minLength": 1,
+                "maxLength": MAX_QUERY_CHARS,
+                "description": 'words (all must match), "exact phrase", prefix*, -word, '
+                "a OR b; at least one word of letters or digits to search for",
+            },
+            "limit": _int(1, 100, 20),
+            "offset": _int(0, 10000, 0),
+            "folder": _FOLDER_PATH,
+        },
+        tag="search",
+        scope="read",
+    ),
+    Route(
+        "POST",
+        "/agent/chat",
+        agent_chat,
+        summary="Ask the agent about your notes",
+        body=lambda svc: _obj(
+            ["message"],
+            message={
+                "type": "string",
+                "minLength": 1,
+                "maxLength": MAX_MESSAGE_CHARS,
+                "pattern": NOT_BLANK_PATTERN,
+            },
+            notePath=_NOTE_PATH,
+            channel={"enum": sorted(svc.channel_providers)},  # this app's providers
+        ),
+        tag="agent",
+        scope="read",
+    ),
+    Route(
+        "GET",
+        "/agent/status",
+        agent_status,
+        summary="Agent provider and model",
+        tag="agent",
+        scope="read",
+    ),
+    Route(
+        "POST",
+        "/mcp",
+        mcp_endpoint,
+        summary="MCP (Model Context Protocol) server: the tools over JSON-RPC 2.0; the key "
+        "also as Authorization: Bearer or X-API-Key",
+        body={
+            "type": "object",
+            "required": ["jsonrpc", "method"],
+            "properties": {
+                "jsonrpc": {"const": "2.0"},
+                "id": {"type": ["string", "integer"]},
+                "method": {"type": "string", "minLength": 1},
+                "params": {"type": "object"},
+            },
+        },
+        tag="mcp",
+        enveloped=False,
+        jsonrpc=True,
+        scope="read",  # each write tool needs a grant that may write
+    ),
+    Route(
+        "GET",
+        "/attachments",
+        list_attachments,
+        summary="List attachments by path",
+        params={
+            "folder": ATTACHMENT_FOLDER_SCHEMA,
+            "limit": _int(1, 1000, 100),
+            "offset": _int(0, 10**9, 0),
+        },
+        tag="attachments",
+        scope="read",
+    ),
+    Route(
+        "POST",
+        "/attachments",
+        post_attachment,
+        summary="Upload a file (multipart: path, file); never overwrites: a taken name gets -2",
+        body=_obj(
+            ["path", "file"],
+            path=ATTACHMENT_PATH_SCHEMA,
+            file={"type": "string", "format": "binary"},
+        ),
+        body_media="multipart/form-data",
+        status=201,
+        tag="attachments",
+        scope="write",
+    ),
+    Route(
+        "GET",
+        "/attachments/<path:path>",
+        get_attachment,
+        summary="The file's bytes (ETag, Range; HTML and SVG only as downloads)",
+        params={"path": ATTACHMENT_PATH_PARAM},
+        media="*/*",  # the type of its extension (ATTACHMENT_TYPES)
+        enveloped=False,
+        tag="attachments",
+        scope="read",
+    ),
+    Route(
+        "PUT",
+        "/attachments/<path:path>",
+        put_attachment,
+        summary="Upload the raw bytes: 201 created, 200 replaced (If-Match, If-None-Match: *)",
+        body={"type": "string", "format": "binary"},
+        body_media="application/octet-stream",
+        params={"path": ATTACHMENT_PATH_PARAM},
+        status=201,
+        tag="attachments",
+        scope="write",
+        idempotent=True,
+    ),
+    Route(
+        "POST",
+        "/import",
+        post_import,
+        summary="Import notes from Keep, Evernote, Notion, Obsidian, Joplin or a zip of Markdown "
+        "(multipart: file, into, dryRun; or the raw zip/.enex/.jex); never overwrites",
+        body=_obj(
+            ["file"],
+            file={"type": "string", "format": "binary"},
+            into={**_STR, "maxLength": 2048},
+            dryRun={"type": "boolean"},
+        ),
+        body_media="multipart/form-data",
+        params={"into": {**_STR, "maxLength": 2048}, "dryRun": {"type": "boolean"}},
+        status=201,
+        tag="notes",
+        scope="write",
+    ),
+    Route(
+        "GET",
+        "/export.zip",
+        get_export,
+        summary="A zip of every note, attachment and file the key sees, with a manifest",
+        media="application/zip",
+        enveloped=False,
+        tag="notes",
+        scope="read",
+    ),
+    Route(
+        "PATCH",
+        "/attachments/<path:path>/move",
+        move_attachment,
+        summary="Move or rename an attachment (never overwrites); updateLinks rewrites links",
+        body=_obj(["path"], path=ATTACHMENT_PATH_SCHEMA, updateLinks={"type": "boolean"}),
+        params={"path": ATTACHMENT_PATH_PARAM},
+        tag="attachments",
+        scope="write",
+    ),
+    Route(
+        "DELETE",
+        "/attachments/<path:path>",
+        delete_attachment,
+        summary="Move an attachment to the trash",
+        params={"path": ATTACHMENT_PATH_PARAM},
+        tag="attachments",
+        scope="write",
+    ),
+    Route(
+        "GET",
+        "/reminders",
+        list_reminders,
+        summary="Reminders not sent yet (⏰ YYYY-MM-DD HH:MM lines, remind: in front matter)",
+        params={"limit": _int(1, 1000, 100), "offset": _int(0, 10**9, 0)},
+        tag="reminders",
+        scope="read",
+    ),
+    Route(
+        "GET",
+        "/channels/providers",
+        list_channel_providers,
+        summary="Channel providers and their config fields",
+        tag="channels",
+        scope="admin",
+    ),
+    Route(
+        "GET",
+        "/channels",
+        list_channels,
+        summary="Channels (secrets redacted)",
+        tag="channels",
+        scope="admin",
+    ),
+    Route(
+        "POST",
+        "/channels",
+        create_channel,
+        summary="Create a channel (the only answer showing its secret)",
+        body=_channel_body,
+        status=201,
+        tag="channels",
+        scope="admin",
+    ),
+    Route(
+        "POST",
+        "/channels/webhook/<provider>",
+        receive_webhook,
+        public=True,
+        summary="Inbound messages (shared secret in X-Service-Channel-Secret or ?secret=)",
+        body={"type": "object"},
+        tag="channels",
+    ),
+    Route(
+        "POST",
+        "/channels/<channel_id>/toggle",
+        toggle_channel,
+        summary="Switch on/off",
+        tag="channels",
+        scope="admin",
+    ),
+    Route(
+        "POST",
+        "/channels/connect/telegram",
+        connect_telegram,
+        summary="Connect a Telegram bot: its token checked (getMe), then a one-time code "
+        "that connects the first chat to send it",
+        body=_obj(
+            ["botToken"],
+            botToken={**_STR, "pattern": json_pattern(TELEGRAM_TOKEN_RE)},
+            name={**_STR, "maxLength": 100},
+        ),
+        status=201,
+        tag="channels",
+        scope="admin",
+    ),
+    Route(
+        "POST",
+        "/channels/<channel_id>/bind",
+        bind_channel,
+        summary="A new one-time code: the next Telegram chat to send it becomes the allowed one",
+        tag="channels",
+        scope="admin",
+    ),
+    Route(
+        "DELETE",
+        "/channels/<channel_id>",
+        delete_channel,
+        summary="Remove",
+        tag="channels",
+        scope="admin",
+    ),
+    Route(
+        "GET",
+        "/channels/<channel_id>",
+        get_channel,
+        summary="One channel (redacted) with the senders its allowlist refused lately",
+        tag="channels",
+        scope="admin",
+    ),
+    Route(
+        "PATCH",
+        "/channels/<channel_id>",
+        patch_channel,
+        summary="Change a channel's name or config keys (validated as on create)",
+        body={
+            "type": "object",
+            "minProperties": 1,
+            "additionalProperties": False,
+            "properties": {
+                "name": {**_STR, "minLength": 1, "maxLength": 100, "pattern": NOT_BLANK_PATTERN},
+                "config": {"type": "object"},
+            },
+        },
+        tag="channels",
+        scope="admin",
+    ),
+    Route("GET", "/plugins", list_plugins, summary="Plugins", tag="plugins", scope="read"),
+    Route(
+        "GET",
+        "/plugins/<name>",
+        get_plugin,
+        summary="One plugin (and its page)",
+        tag="plugins",
+        scope="read",
+    ),
+    Route(
+        "POST",
+        "/plugins/<name>/toggle",
+        toggle_plugin,
+        summary="Switch on/off",
+        tag="plugins",
+        scope="admin",
+    ),
+    Route(
+        "GET",
+        "/security/audit",
+        security_audit,
+        summary="Scored audit",
+        tag="security",
+        scope="admin",
+    ),
+    Route(
+        "GET",
+        "/security/config",
+        security_config,
+        summary="Settings in force",
+        tag="security",
+        scope="admin",
+    ),
+    Route(
+        "GET",
+        "/security/recommendations",
+        security_recommendations,
+        summary="What to fix, most severe first",
+        tag="security",
+        scope="admin",
+    ),
+    Route(
+        "GET",
+        "/folders/tree",
+        get_tree,
+        summary="Folder tree from the root (`depth`: levels listed; deeper folders get `count`)",
+        params={"depth": _DEPTH},
+        tag="folders",
+        scope="read",
+    ),
+    Route(
+        "GET",
+        "/trash",
+        list_trash,
+        summary="Deleted notes and attachments, the most recent first",
+        params={"limit": _int(1, 1000, 100), "offset": _int(0, 10**9, 0)},
+        tag="trash",
+        scope="read",
+    ),
+    Route(
+        "GET",
+        "/trash/<item_id>",
+        get_trash_item,
+        summary="One trashed item (a note's content included)",
+        params={"item_id": _TRASH_ID},
+        tag="trash",
+        scope="read",
+    ),
+    Route(
+        "POST",
+        "/trash/<item_id>/restore",
+        restore_trash_item,
+        summary="Put an item back, at its path or `path` (409 if taken); history comes along",
+        body=_obj(
+            path={
+                "type": "string",
+                "maxLength": MAX_PATH_CHARS,
+                "description": "where to restore it: a note path, or attachments/... for an "
+                "attachment (default: where it was)",
+            }
+        ),
+        params={"item_id": _TRASH_ID},
+        tag="trash",
+        scope="write",
+    ),
+    Route(
+        "DELETE",
+        "/trash/<item_id>",
+        purge_trash_item,
+        summary="Delete an item for good",
+        params={"item_id": _TRASH_ID},
+        tag="trash",
+        scope="admin",  # purging for good: the owner's alone
+    ),
+    Route(
+        "GET",
+        "/changes",
+        list_changes,
+        summary="The change feed: changes after `since`, or a wait of up to `wait` s for the "
+        "next (410 GONE with resetRequired when the journal no longer has `since`)",
+        params={
+            "since": _int(0, MAX_SEQ, 0),
+            "wait": _int(0, MAX_WAIT_SECONDS, 0),
+            "limit": _int(1, 1000, 100),
+        },
+        tag="changes",
+        scope="read",
+    ),
+    Route(
+        "GET",
+        "/folders/tree/<path:path>",
+        get_subtree,
+        summary="Subtree",
+        params={"path": FOLDER_PATH_PARAM, "depth": _DEPTH},
+        tag="folders",
+        scope="read",
+    ),
+    Route(
+        "POST",
+        "/auth/devices/pairings",
+        create_pairing,
+        summary="Pair a device: a one-time secret (its link and QR code) for a device key",
+        body={
+            **_obj(
+                [],
+                name={**_STR, "maxLength": 100},
+                scope={"enum": list(SCOPES)},
+                folder=_FOLDER_PATH,
+            ),
+            # an admin device sees every note: it takes no folder (400 otherwise)
+            "if": {"required": ["scope"], "properties": {"scope": {"const": "admin"}}},
+            "then": {"not": {"required": ["folder"]}},
+        },
+        status=201,
+        tag="auth",
+        scope="admin",
+    ),
+    Route(
+        "POST",
+        "/auth/devices/claim",
+        claim_device,
+        public=True,
+        summary="Claim a pairing's secret (from the link's fragment) for a device key, once",
+        body=_obj(
+            ["secret"],
+            secret={**_STR, "minLength": 1, "maxLength": 64},
+            deviceName={**_STR, "maxLength": 100},
+        ),
+        status=201,
+        tag="auth",
+    ),
+    Route(
+        "POST",
+        "/auth/keys",
+        create_scoped_key,
+        summary="Create a scoped key (read or write, optionally one folder); shown once",
+        body=_obj(
+            ["name", "scope"],
+            name={
+                **_STR,
+                "minLength": 1,
+                "maxLength": 100,
+                "pattern": NOT_BLANK_PATTERN,
+                "description": "printable text",
+            },
+            scope={"enum": ["read", "write"]},
+            folder=_FOLDER_PATH,
+            expiresInDays={"type": "integer", "minimum": 1, "maximum": 3650},
+        ),
+        status=201,
+        tag="grants",
+        scope="admin",
+    ),
+    Route(
+        "GET",
+        "/auth/keys",
+        list_scoped_keys,
+        summary="Scoped keys and OAuth grants (no secrets)",
+        tag="grants",
+        scope="admin",
+    ),
+    Route(
+        "DELETE",
+        "/auth/keys/<grant_id>",
+        revoke_scoped_key,
+        summary="Revoke a scoped key, a device or an OAuth grant, at once (with the pairings "
+        "it made; cascade=true: also the grants it made)",
+        params={"cascade": {"type": "boolean"}},
+        tag="grants",
+        scope="admin",
+    ),
+    Route(
+        "POST",
+        "/shares",
+        create_share,
+        summary="Share one note read-only by a link that expires",
+        body=_obj(
+            ["path"],
+            path=_NOTE_PATH,
+            expiresInDays={"type": "integer", "minimum": 1, "maximum": 365, "default": 7},
+        ),
+        status=201,
+        tag="grants",
+        scope="write",
+    ),
+    Route(
+        "GET",
+        "/shares",
+        list_shares,
+        summary="Live share links (a grant sees its own, the API key all)",
+        tag="grants",
+        scope="read",
+    ),
+    Route(
+        "DELETE",
+        "/shares/<share_id>",
+        revoke_share,
+        summary="Revoke a share link",
+        tag="grants",
+        scope="write",
+    ),
+    Route(
+        "GET",
+        "/shared/<token>",
+        get_shared,
+        public=True,
+        summary="A shared note (rate-limited per address) and the attachments it links",
+        tag="grants",
+    ),
+    Route(
+        "GET",
+        "/shared/<token>/attachments/<path:path>",
+        get_shared_attachment,
+        public=True,
+        summary="An attachment the shared note links (only those)",
+        params={"path": ATTACHMENT_PATH_PARAM},
+        tag="grants",
+        media="application/octet-stream",
+        enveloped=False,
+    ),
+    Route(
+        "GET",
+        "/oauth/consent",
+        oauth_consent,
+        public=True,
+        summary="What the consent page shows for an OAuth authorisation request",
+        params={
+            "client_id": {**_STR, "minLength": 1, "maxLength": 2000},
+            "redirect_uri": {**_STR, "minLength": 1, "maxLength": 2000},
+            "response_type": {"enum": ["code"]},
+            "state": {**_STR, "maxLength": 1024},
+            "code_challenge": {**_STR, "pattern": "^[A-Za-z0-9_-]{43}$"},
+            "code_challenge_method": {"enum": ["S256"]},
+            "scope": _STR,
+            "resource": _STR,
+        },
+        tag="grants",
+    ),
+    Route(
+        "POST",
+        "/oauth/approve",
+        approve_oauth,
+        summary="The owner approves an OAuth request: the redirect with its code",
+        body=_obj(
+            ["clientId", "redirectUri", "codeChallenge", "scope"],
+            clientId={**_STR, "minLength": 1, "maxLength": 2000},
+            redirectUri={**_STR, "minLength": 1, "maxLength": 2000},
+            state={**_STR, "maxLength": 1024},
+            codeChallenge={**_STR, "pattern": "^[A-Za-z0-9_-]{43}$"},
+            scope={"enum": ["notes:read", "notes:read notes:write"]},
+            resource=_STR,
+            folder=_FOLDER_PATH,
+        ),
+        tag="grants",
+        scope="admin",
+    ),
+    Route("GET", "/relay/v1/pair/<code>", pair_relay_code, public=True, api=False, tag="relay"),
+    Route("GET", "/", get_web_client, public=True, api=False, tag="pages", media="text/html"),
+    Route(
+        "GET", "/s/<token>", get_share_page, public=True, api=False, tag="pages", media="text/html"
+    ),
+    Route(
+        "GET",
+        "/oauth/authorize",
+        get_consent_page,
+        public=True,
+        api=False,
+        tag="pages",
+        media="text/html",
+    ),
+    Route(
+        "GET",
+        "/.well-known/oauth-protected-resource",
+        protected_resource_metadata,
+        public=True,
+        api=False,
+        tag="oauth",
+        enveloped=False,
+    ),
+    Route(
+        "GET",
+        "/.well-known/oauth-protected-resource/api/v1/mcp",
+        protected_resource_metadata,
+        public=True,
+        api=False,
+        tag="oauth",
+        enveloped=False,
+    ),
+    Route(
+        "GET",
+        "/.well-known/oauth-authorization-server",
+        authorization_server_metadata,
+        public=True,
+        api=False,
+        tag="oauth",
+        enveloped=False,
+    ),
+    Route(
+        "GET",
+        "/.well-known/openid-configuration",
+        authorization_server_metadata,
+        public=True,
+        api=False,
+        tag="oauth",
+        enveloped=False,
+    ),
+    Route(
+        "POST", "/oauth/token", oauth_token, public=True, api=False, tag="oauth", enveloped=False
+    ),
+    Route(
+        "POST",
+        "/oauth/register",
+        oauth_register,
+        public=True,
+        api=False,
+        tag="oauth",
+        enveloped=False,
+    ),
+    Route(
+        "POST", "/oauth/revoke", oauth_revoke, public=True, api=False, tag="oauth", enveloped=False
+    ),
+    *(web_asset_route(path) for path in WEB_ASSETS),
+    Route(
+        "POST",
+        "/share-target",
+        share_target_without_worker,
+        summary="The share sheet without the offline worker: 303 to the page, which says so",
+        status=303,
+        media="text/plain",
+        public=True,
+        api=False,
+        tag="pages",
+        enveloped=False,
+    ),
+)
+
+
+def channel_routes(providers: Mapping[str, ChannelProvider]) -> tuple:
+    """Return GET /channels/webhook/<name> for each provider that declares a check."""
+    routes = []
+    for name, provider in providers.items():
+        if provider.verify is None:
+            continue
+
+        def verify(svc: Service, _name: str = name):
+            return verify_webhook(svc, _name)
+
+        verify.__name__ = re.sub(r"\W+", "_", f"verify_{name}_webhook")
+        routes.append(
+            Route(
+                "GET",
+                f"/channels/webhook/{name}",
+                verify,
+                public=True,
+                summary=f"{name}'s subscription check",
+                params=dict.fromkeys(provider.verify_params, _STR),
+                tag="channels",
+                media="text/plain",
+                enveloped=False,
+            )
+        )
+    return tuple(routes)
+
+
+def openapi_path(rule: str) -> str:
+    """Return a Bottle rule as an OpenAPI path: <name> and <name:path> become {name}."""
+    return re.sub(r"<(\w+)(?::[^>]*)?>", r"{\1}", rule)
+
+
+_SEGMENT = {"type": "string", "minLength": 1}  # a path parameter without its own schema
+
+
+def openapi_document(svc: Service, server_url: str) -> dict:
+    """Return the OpenAPI 3.1 document of every /api/v1 route in the table."""
+    envelope_ok = _obj(["success", "data"], success={"const": True}, data={"type": "object"})
+    envelope_err = _obj(
+        ["success", "error"],
+        success={"const": False},
+        error=_obj(["code", "message"], code={"enum": list(ERROR_CODES)}, message=_STR),
+    )
+    paths: dict = {}
+    for r in svc.routes:
+        if not r.api:
+            continue
+        success = (
+            _json_content("Success")
+            if r.enveloped
+            else {r.media: {"schema": {"type": "object" if "json" in r.media else "string"}}}
+        )
+        op: dict = {
+            "operationId": r.handler.__name__,
+            "summary": r.summary or r.handler.__name__.replace("_", " "),
+            "tags": [r.tag],
+            "responses": {
+                **{
+                    str(code): {"description": "success", "content": success}
+                    for code in sorted({200, r.status})
+                },
+                "default": {
+                    "description": "the error envelope: 400, 401, 403, 404, 405, 409, 410, "
+                    "412, 413, 415, 429, 500, 502, 503, 504 or 507",
+                    "content": _json_content("Error"),
+                },
+            },
+        }
+        if r.jsonrpc:
+            answer = {"application/json": {"schema": {"type": "object"}}}
+            op["responses"] = {
+                "200": {"description": "the JSON-RPC answer", "content": answer},
+                "202": {"description": "a notification (or response), accepted"},
+                "default": {"description": "a JSON-RPC error object", "content": answer},
+            }
+            op["security"] = [{"apiKey": []}, {"bearerKey": []}, {"xApiKey": []}, {"bearerJwt": []}]
+            op["security"].append({"mcpOAuth": [OAUTH_SCOPES[0]]})  # docs/api.md: Let others in
+        if r.public:
+            op["security"] = []
+        elif r.key_only:
+            op["security"] = [{"apiKey": []}]
+        if not r.public:
+            op["x-scope"] = r.scope
+        schemas = r.params or {}  # a name of the rule's is a path parameter, others query
+        in_path = re.findall(r"<(\w+)(?::[^>]*)?>", r.path)
+        params = [
+            {"name": p, "in": "path", "required": True, "schema": schemas.get(p, _SEGMENT)}
+            for p in in_path
+        ]
+        params += [
+            {"name": n, "in": "query", "required": n == "q", "schema": schema}
+            for n, schema in schemas.items()
+            if n not in in_path
+        ]
+        if params:
+            op["parameters"] = params
+        body = r.body(svc) if callable(r.body) else r.body  # built per app and document
+        if body is not None:
+            op["requestBody"] = {
+                "required": bool(
+                    body.get("required") or body.get("oneOf") or body.get("minProperties")
+                ),
+                "content": {r.body_media: {"schema": body}},
+            }
+        paths.setdefault(openapi_path(r.rule), {})[r.method.lower()] = op
+    return {
+        "openapi": "3.1.0",
+        "info": {
+            "title": "notesvc",
+            "version": __version__,
+            "description": "A self-hosted notes server. Every answer is the envelope "
+            '{"success": true, "data": {...}} or {"success": false, "error": {code, message}}; '
+            "note paths in URLs are percent-encoded with / as %2F.",
+        },
+        "servers": [{"url": server_url}],
+        "paths": paths,
+        "components": {
+            "schemas": {"Success": envelope_ok, "Error": envelope_err},
+            "securitySchemes": {
+                "apiKey": {
+                    "type": "apiKey",
+                    "in": "header",
+                    "name": KEY_HEADER,
+                    "description": "the API key (admin), or a scoped key (nsg_...) holding "
+                    "the scope an operation's x-scope names (also as Authorization: Bearer)",
+                },
+                "mcpOAuth": {
+                    "type": "oauth2",
+                    "description": "OAuth 2.1 for MCP clients (PKCE S256, RFC 8707 resource); "
+                    "tokens are good for /api/v1/mcp only",
+                    "flows": {
+                        "authorizationCode": {
+                            "authorizationUrl": f"{server_url}/oauth/authorize",
+                            "tokenUrl": f"{server_url}/oauth/token",
+                            "refreshUrl": f"{server_url}/oauth/token",
+                            "scopes": {
+                                "notes:read": "read and search notes",
+                                "notes:write": "create and change notes (SERVICE_MCP_WRITE)",
+                            },
+                        }
+                    },
+                },
+                "bearerJwt": {"type": "http", "scheme": "bearer", "bearerFormat": "JWT"},
+                "bearerKey": {
+                    "type": "http",
+                    "scheme": "bearer",
+                    "description": "the API key as a bearer token (/mcp only)",
+                },
+                "xApiKey": {
+                    "type": "apiKey",
+                    "in": "header",
+                    "name": "X-API-Key",
+                    "description": "the API key (/mcp only)",
+                },
+            },
+        },
+        "security": [{"apiKey": []}, {"bearerJwt": []}],
+    }
+
+
+def _json_content(schema: str) -> dict:
+    return {"application/json": {"schema": {"$ref": f"#/components/schemas/{schema}"}}}

@@ -1,0 +1,1 @@
+"""notesvc.notes: see the modules beside this file."""

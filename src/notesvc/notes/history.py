@@ -1,0 +1,1519 @@
+"""History, the trash and the change journal: what every change leaves behind."""
+
+from __future__ import annotations
+
+import bisect
+import collections
+import contextlib
+import dataclasses
+import datetime as dt
+import difflib
+import errno
+import hashlib
+import json
+import os
+import re
+import shutil
+import stat
+import threading
+import time
+import zlib
+from collections.abc import Iterable
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Callable
+
+from notesvc.boot import API, log
+from notesvc.errors import DiskFull, bad_request, gone, not_found, to_json
+from notesvc.helpers import atomic_write, disk_writes, flush_each, fsync_dir, iso, log_safe, utcnow
+from notesvc.notes.paths import (
+    ATTACHMENTS,
+    NOTES,
+    _missing_folders,
+    _nfc,
+    _remove_empty_folders,
+    attachment_path,
+    make_etag,
+    note_path,
+)
+
+if TYPE_CHECKING:  # annotations only: these modules come later
+    from notesvc.notes.store import NoteStore
+
+
+# -- history, trash and the change journal ------------------------------------------------
+#
+# What NoteStore keeps of every change: the content it replaced (HistoryStore), the note
+# itself when deleted (Trash), and a numbered entry in the change feed (ChangeJournal).
+
+DAY_SECONDS = 86400
+VERSION_REASONS = (
+    "updated",
+    "moved",
+    "deleted",
+    "external",
+    "restored",
+    "linksRewritten",
+    "merged",
+    "dav",
+)
+VERSION_ID_RE = re.compile(r"^([0-9]{16})-(" + "|".join(VERSION_REASONS) + r")-([0-9a-f]{32})\Z")
+
+
+def json_pattern(rx: re.Pattern) -> str:
+    """Return an id's pattern as JSON Schema writes it: `$` for Python's `\\Z` (an id's
+    patterns end in `\\Z`: `$` would also match before a final newline)."""
+    return rx.pattern[:-2] + "$" if rx.pattern.endswith("\\Z") else rx.pattern
+
+
+def _etag_hex(data: bytes) -> str:
+    return make_etag(data)[1:-1]
+
+
+class HeadStoreError(Exception):
+    """A store's SQLite file could not be used (the heads: only a cache, the caller goes
+    on; the packed versions: their loose files stay until a pack is written)."""
+
+
+class _SqliteStore:
+    """One SQLite file in the history folder, opened at its first use: WAL, private (its
+    log too), SCHEMA made when missing. SYNCHRONOUS says what a commit costs: NORMAL for a
+    cache, FULL for what must survive a power cut."""
+
+    SCHEMA: tuple = ()
+    FORMAT = 0  # a file's PRAGMA user_version; another one is refused (HeadStoreError)
+    SYNCHRONOUS = "NORMAL"
+
+    def __init__(self, file: Path, history: Path):
+        self.file, self.history = file, history
+        self._db: Any = None
+        self._lock = threading.Lock()
+
+    def _conn(self) -> Any:
+        if self._db is not None:
+            return self._db
+        import sqlite3
+
+        try:
+            self.history.mkdir(parents=True, exist_ok=True, mode=0o700)
+            fresh = not self.file.exists()
+            os.close(os.open(self.file, os.O_RDWR | os.O_CREAT, 0o600))  # its WAL: the same
+            db = sqlite3.connect(str(self.file), check_same_thread=False, isolation_level=None)
+            if fresh:  # pages freed by deletions can go back to the file system (shrink())
+                db.execute("PRAGMA auto_vacuum=INCREMENTAL")
+            db.execute("PRAGMA journal_mode=WAL")
+            db.execute(f"PRAGMA synchronous={self.SYNCHRONOUS}")
+            db.execute("PRAGMA cache_size=-256")
+            db.execute("PRAGMA wal_autocheckpoint=256")  # the log stays near a mebibyte
+            db.execute("PRAGMA journal_size_limit=1048576")
+            found = db.execute("PRAGMA user_version").fetchone()[0]
+            if fresh:
+                db.execute(f"PRAGMA user_version={self.FORMAT}")
+            elif found != self.FORMAT:
+                db.close()
+                raise HeadStoreError(f"{self.file}: format {found}, not {self.FORMAT}")
+            for sql in self.SCHEMA:
+                db.execute(sql)
+        except (sqlite3.Error, OSError) as e:
+            raise HeadStoreError(f"{self.file}: {e}") from None
+        self._db = db
+        if fresh:
+            self._migrate()
+        return db
+
+    def _migrate(self) -> None:
+        """Bring in what an older version kept otherwise (under the lock, once)."""
+
+    def _run(self, sql: str, args: tuple = (), create: bool = False) -> list:
+        """Run one statement; without `create`, a store not made yet holds nothing."""
+        import sqlite3
+
+        with self._lock:
+            if self._db is None and not create and not self.file.exists():
+                return []
+            try:
+                return self._conn().execute(sql, args).fetchall()
+            except sqlite3.Error as e:
+                raise HeadStoreError(str(e)) from None
+
+    @contextlib.contextmanager
+    def _transaction(self):
+        """One transaction on the store, made when missing: all of it or nothing."""
+        import sqlite3
+
+        with self._lock:
+            try:
+                db = self._conn()
+                db.execute("BEGIN IMMEDIATE")
+                try:
+                    yield db
+                    db.execute("COMMIT")
+                except BaseException:
+                    db.execute("ROLLBACK")
+                    raise
+            except sqlite3.Error as e:
+                raise HeadStoreError(str(e)) from None
+
+    def _shrink(self) -> None:
+        """Give the pages deletions freed back to the file system (a file made before
+        auto_vacuum was set keeps them for its next rows). executescript runs the pragma to
+        its end: execute() would free one page."""
+        import sqlite3
+
+        with self._lock:
+            if self._db is None and not self.file.exists():
+                return
+            try:
+                self._conn().executescript("PRAGMA incremental_vacuum")
+            except sqlite3.Error as e:
+                raise HeadStoreError(str(e)) from None
+
+    def close(self) -> None:
+        with self._lock:
+            if self._db is not None:
+                with contextlib.suppress(Exception):
+                    self._db.close()
+                self._db = None
+
+
+class HeadStore(_SqliteStore):
+    """The notes' contents as last written or seen (HistoryStore's "heads"): the starting
+    point from which an edit made by another program is kept as a version.
+
+    One SQLite file in the history folder, keyed by note path: a copy written by a save is
+    its own zlib-compressed bytes; the first copies of many notes (a first start) are
+    slices of packs of PACK_NOTES notes compressed together (git's packs are the model).
+    zlib's checksum tells a damaged copy, which counts as unknown. 10,000 notes are one
+    file of under half their size, not 10,000 folders and files. Synchronous NORMAL (a
+    cache: never fsynced on its own). A history kept by an older version (a `head` file
+    in each note's folder) is moved in when the file is first opened.
+    """
+
+    NAME = "heads.db"
+    LEGACY = "head"  # the per-folder copy of versions up to 0.3
+    PACK_NOTES = 100  # first copies compressed together (a third of their size, not 0.42)
+    # a copy is its own compressed bytes, or a slice of a pack's (first copies)
+    SCHEMA = (
+        "CREATE TABLE IF NOT EXISTS copy (path TEXT PRIMARY KEY, data BLOB, "
+        "pack INTEGER, start INTEGER, size INTEGER)",
+        "CREATE TABLE IF NOT EXISTS pack (id INTEGER PRIMARY KEY, data BLOB)",
+    )
+
+    def open(self) -> None:
+        """Open the file at start when it exists, or when an older history's copies are
+        there to move in (else it is made by the first copy kept)."""
+        with self._lock:
+            if self.file.exists() or self._legacy_present():
+                self._conn()
+
+    def _legacy_present(self) -> bool:
+        try:
+            with os.scandir(self.history) as entries:
+                return any(
+                    len(e.name) == 32 and os.path.exists(os.path.join(e.path, self.LEGACY))
+                    for e in entries
+                )
+        except OSError:
+            return False
+
+    def put(self, path: str, data: bytes) -> None:
+        packed = zlib.compress(data, 9)  # its Adler-32 tells a damaged copy (get: None)
+        sql = "INSERT OR REPLACE INTO copy (path, data) VALUES (?, ?)"
+        self._run(sql, (path, packed), create=True)
+
+    def put_new(self, items: list) -> None:
+        """Keep the first copies of notes [(path, bytes)] as one compressed pack; a note
+        that has a copy already (a save meanwhile) keeps it."""
+        if not items:
+            return
+        packed = zlib.compress(b"".join(data for _, data in items), 9)
+        rows, at = [], 0
+        for path, data in items:
+            rows.append((path, at, len(data)))
+            at += len(data)
+        with self._transaction() as db:
+            pack = db.execute("INSERT INTO pack (data) VALUES (?)", (packed,)).lastrowid
+            db.executemany(
+                "INSERT OR IGNORE INTO copy (path, pack, start, size) VALUES (?, ?, ?, ?)",
+                [(path, pack, start, size) for path, start, size in rows],
+            )
+
+    def get(self, path: str) -> bytes | None:
+        found = self._run("SELECT data, pack, start, size FROM copy WHERE path = ?", (path,))
+        if not found:
+            return None
+        data, pack, start, size = found[0]
+        try:
+            if data is not None:
+                return zlib.decompress(data)
+            blob = self._run("SELECT data FROM pack WHERE id = ?", (pack,))
+            whole = zlib.decompress(blob[0][0]) if blob else b""
+        except (zlib.error, TypeError):
+            return None
+        return whole[start : start + size] if start + size <= len(whole) else None
+
+    def has(self, path: str) -> bool:
+        return bool(self._run("SELECT 1 FROM copy WHERE path = ?", (path,)))
+
+    def paths(self) -> list:
+        return [row[0] for row in self._run("SELECT path FROM copy")]
+
+    def drop(self, path: str) -> None:
+        self._run("DELETE FROM copy WHERE path = ?", (path,))
+
+    def prune(self) -> None:
+        """Drop the packs no copy needs any more (a sweep's work)."""
+        self._run("DELETE FROM pack WHERE id NOT IN (SELECT pack FROM copy WHERE pack > 0)")
+        self._shrink()
+
+    def _migrate(self) -> None:
+        """Move the per-folder copies of an older history in (under the lock, once)."""
+        moved = 0
+        try:
+            entries = [e for e in os.scandir(self.history) if len(e.name) == 32 and e.is_dir()]
+        except OSError:
+            return
+        db = self._db
+        db.execute("BEGIN")
+        for e in entries:
+            legacy = os.path.join(e.path, self.LEGACY)
+            try:
+                with open(legacy, "rb") as f:
+                    raw = f.read()
+            except OSError:
+                continue
+            line, _, data = raw.partition(b"\n")
+            path = line[33:].decode("utf-8", "replace")
+            if path and line[:32] == _etag_hex(data).encode():
+                db.execute(
+                    "INSERT OR REPLACE INTO copy (path, data) VALUES (?, ?)",
+                    (path, zlib.compress(data, 9)),
+                )
+                moved += 1
+        db.execute("COMMIT")
+        for e in entries:
+            with contextlib.suppress(OSError):
+                os.unlink(os.path.join(e.path, self.LEGACY))
+            with contextlib.suppress(OSError):
+                os.rmdir(e.path)  # a folder that held only the copy
+        if moved:
+            log.info("history: %d copies of notes moved into %s", moved, self.file.name)
+
+
+class VersionPacks(_SqliteStore):
+    """The versions that have settled, out of their loose files (git's loose objects and
+    packs are the model): a save keeps its version as a loose file (a hard link of the
+    replaced note: nothing copied), and the retention sweep moves the versions older than
+    HistoryStore.PACK_AFTER in here, so that a long history costs a fraction of its
+    versions' size and no file each.
+
+    A version's content is an `object` named by its ETag (the version id ends with it: the
+    start of its SHA-256), kept once however many versions in any history hold it. The
+    objects of one note's history are compressed together, oldest first (a `pack` of up to
+    PACK_BYTES; each sweep that brings new versions of the note rewrites its pack with
+    them): consecutive versions share most of their text, so each costs about what it
+    changed. An object is a slice of its pack, checked against its name when read: a
+    damaged one is never shown as a version. Synchronous FULL: a loose file is removed
+    only once its version is durable here. What the retention drops is collected by
+    collect(), which also rewrites the packs that are mostly dead.
+    """
+
+    NAME = "versions.db"
+    FORMAT = 1
+    SYNCHRONOUS = "FULL"
+    PACK_BYTES = 1 << 20  # a pack's objects, uncompressed (reading one decompresses its pack)
+    # A version id <microseconds>-<reason>-<ETag> is kept as its parts: `at`, `reason`
+    # and `object` (the ETag's 16 bytes); a history folder as its name's 16 bytes.
+    SCHEMA = (
+        "CREATE TABLE IF NOT EXISTS version (folder BLOB, at INTEGER, reason TEXT, "
+        "object BLOB, PRIMARY KEY (folder, at, object)) WITHOUT ROWID",
+        "CREATE TABLE IF NOT EXISTS object (id BLOB PRIMARY KEY, pack INTEGER, "
+        "start INTEGER, size INTEGER) WITHOUT ROWID",
+        "CREATE TABLE IF NOT EXISTS pack (id INTEGER PRIMARY KEY, size INTEGER, data BLOB)",
+    )
+    _OBJECTS = (
+        "SELECT v.at, v.reason, o.id, o.pack, o.start, o.size FROM version v "
+        "JOIN object o ON o.id = v.object WHERE v.folder = ?"
+    )
+
+    @staticmethod
+    def _parts(vid: str) -> tuple:
+        """Return (at, reason, object) of a version id."""
+        at, reason, etag = vid.split("-")
+        return int(at), reason, bytes.fromhex(etag)
+
+    @staticmethod
+    def _vids(rows: Iterable) -> list:
+        """Return rows (at, reason, object, ...) as (version id, object, ...), the rows
+        that hold a version id's parts (a damaged row is left out)."""
+        return [
+            (f"{at:016d}-{reason}-{oid.hex()}", oid, *rest)
+            for at, reason, oid, *rest in rows
+            if type(at) is int
+            and 0 <= at < 10**16
+            and reason in VERSION_REASONS
+            and type(oid) is bytes
+            and len(oid) == 16
+        ]
+
+    def ids(self, folder: str) -> dict:
+        """Return {version id: size} of the versions packed for a history folder (name)."""
+        rows = self._run(self._OBJECTS, (bytes.fromhex(folder),))
+        return {row[0]: row[4] for row in self._vids(rows)}
+
+    def folders(self) -> list:
+        return [row[0].hex() for row in self._run("SELECT DISTINCT folder FROM version")]
+
+    def read(self, folder: str, vid: str) -> bytes | None:
+        """Return a packed version's content (None: not packed here, or damaged)."""
+        at, reason, oid = self._parts(vid)
+        sql = (  # one statement: the object's row and its pack from one snapshot
+            "SELECT o.id, o.pack, o.start, o.size, p.data FROM version v "
+            "JOIN object o ON o.id = v.object JOIN pack p ON p.id = o.pack "
+            "WHERE v.folder = ? AND v.at = ? AND v.reason = ? AND v.object = ?"
+        )
+        found = self._run(sql, (bytes.fromhex(folder), at, reason, oid))
+        if not found:
+            return None
+        data = self._unpack(found[0][4], [found[0][:4]]).get(oid)
+        if data is None:
+            log.error("history: version %s in %s is damaged", vid, self.file)
+        return data
+
+    def _slices(self, db: Any, pack: int, objects: list) -> dict:
+        """Return {object: content} of objects [(object, pack, start, size)] in one pack,
+        read within the caller's transaction (see _unpack)."""
+        blob = db.execute("SELECT data FROM pack WHERE id = ?", (pack,)).fetchone()
+        return self._unpack(blob[0] if blob else None, objects)
+
+    @staticmethod
+    def _unpack(blob: bytes | None, objects: list) -> dict:
+        """Return {object: content} of objects [(object, pack, start, size)] in the pack
+        `blob`, each checked against its name (a damaged one is left out)."""
+        try:  # only as much of the pack as these objects need
+            end = max(start + size for _, _, start, size in objects)
+            whole = zlib.decompressobj().decompress(blob, end) if blob else b""
+        except (zlib.error, TypeError, ValueError):  # damaged
+            return {}
+        found = {}
+        for oid, _, start, size in objects:
+            data = whole[start : start + size]
+            if len(data) == size and hashlib.sha256(data).digest()[:16] == oid:
+                found[oid] = data
+        return found
+
+    def add(self, folder: str, versions: list) -> None:
+        """Keep versions [(version id, content)] of one history folder in one transaction:
+        its pack is rewritten with the new contents (or they make new packs, past
+        PACK_BYTES)."""
+        name = bytes.fromhex(folder)
+        with self._transaction() as db:
+            old = self._vids(db.execute(self._OBJECTS, (name,)).fetchall())
+            objects = {bytes.fromhex(vid[-32:]): (vid, data) for vid, data in versions}
+            if sum(n for *_, n in old) + sum(len(d) for _, d in versions) <= self.PACK_BYTES:
+                by_pack: dict = {}
+                for _, *obj in old:
+                    by_pack.setdefault(obj[1], []).append(obj)
+                first = {oid: vid for vid, oid, *_ in sorted(old, reverse=True)}
+                for pack, objs in by_pack.items():
+                    for oid, data in self._slices(db, pack, objs).items():
+                        objects.setdefault(oid, (first[oid], data))
+            else:  # only what is not kept whole yet (a damaged copy is replaced)
+                for oid in list(objects):
+                    sql = "SELECT id, pack, start, size FROM object WHERE id = ?"
+                    row = db.execute(sql, (oid,)).fetchone()
+                    if row and self._slices(db, row[1], [row]):
+                        del objects[oid]
+            ordered = sorted(objects.items(), key=lambda item: item[1][0])  # oldest first
+            packs: list = [[]]
+            for oid, (_, data) in ordered:
+                if packs[-1] and sum(len(d) for _, d in packs[-1]) + len(data) > self.PACK_BYTES:
+                    packs.append([])
+                packs[-1].append((oid, data))
+            for pack in packs:
+                if pack:
+                    self._write_pack(db, pack)
+            db.executemany(
+                "INSERT OR IGNORE INTO version (folder, at, reason, object) VALUES (?, ?, ?, ?)",
+                [(name, *self._parts(vid)) for vid, _ in versions],
+            )
+
+    @staticmethod
+    def _write_pack(db: Any, objects: list) -> None:
+        """Write objects [(object, content)] as one pack (within the caller's transaction)."""
+        raw = b"".join(data for _, data in objects)
+        pack = db.execute(
+            "INSERT INTO pack (size, data) VALUES (?, ?)", (len(raw), zlib.compress(raw, 9))
+        ).lastrowid
+        rows, at = [], 0
+        for oid, data in objects:
+            rows.append((oid, pack, at, len(data)))
+            at += len(data)
+        db.executemany(
+            "INSERT OR REPLACE INTO object (id, pack, start, size) VALUES (?, ?, ?, ?)", rows
+        )
+
+    def drop(self, folder: str, vids: Iterable[str]) -> None:
+        name, vids = bytes.fromhex(folder), list(vids)
+        if vids and self.file.exists():
+            with self._transaction() as db:
+                db.executemany(
+                    "DELETE FROM version WHERE folder = ? AND at = ? AND object = ?",
+                    [(name, at, oid) for at, _, oid in map(self._parts, vids)],
+                )
+
+    def move(self, src: str, dst: str, vids: list | None, copy: bool) -> None:
+        """Give history folder dst the versions `vids` of src (all when None), moved or, with
+        `copy`, shared (a version already in dst has the same content: its id says so)."""
+        if not self.file.exists() or vids == []:
+            return
+        old, new = bytes.fromhex(src), bytes.fromhex(dst)
+        with self._transaction() as db:
+            sql = "SELECT at, reason, object FROM version WHERE folder = ?"
+            rows = db.execute(sql, (old,)).fetchall()
+            if vids is not None:  # each row with its own id (a damaged row has none)
+                wanted = set(vids)
+                named = [(row, self._vids([row])) for row in rows]
+                rows = [row for row, got in named if got and got[0][0] in wanted]
+            db.executemany(
+                "INSERT OR IGNORE INTO version (folder, at, reason, object) VALUES (?, ?, ?, ?)",
+                [(new, *row) for row in rows],
+            )
+            if not copy:
+                db.executemany(
+                    "DELETE FROM version WHERE folder = ? AND at = ? AND object = ?",
+                    [(old, at, oid) for at, _, oid in rows],
+                )
+
+    def collect(self) -> None:
+        """Drop the objects no version names and the packs no object is in; rewrite a pack
+        whose live objects are under half of it (a sweep's work)."""
+        if not self.file.exists():
+            return
+        with self._transaction() as db:
+            db.execute("DELETE FROM object WHERE id NOT IN (SELECT object FROM version)")
+            db.execute("DELETE FROM pack WHERE id NOT IN (SELECT pack FROM object)")
+            thin = {
+                pack
+                for (pack,) in db.execute(
+                    "SELECT p.id FROM pack p JOIN object o ON o.pack = p.id "
+                    "GROUP BY p.id HAVING 2 * SUM(o.size) < MAX(p.size) LIMIT 100"
+                )
+            }  # (at most 100 a sweep: the store's lock is held meanwhile)
+            live: dict = {}
+            for row in db.execute("SELECT id, pack, start, size FROM object") if thin else ():
+                if row[1] in thin:
+                    live.setdefault(row[1], []).append(row)
+            for pack, objects in live.items():
+                found = self._slices(db, pack, objects)
+                if len(found) < len(objects):
+                    continue  # damaged: never rewritten as if whole
+                objects.sort(key=lambda row: row[2])
+                self._write_pack(db, [(oid, found[oid]) for oid, *_ in objects])
+                db.execute("DELETE FROM pack WHERE id = ?", (pack,))
+        self._shrink()
+
+    def usage(self) -> tuple:
+        """Return (versions, bytes on disk) of the packed history."""
+        if not self.file.exists():
+            return 0, 0
+        versions = self._run("SELECT count(*) FROM version")[0][0]
+        size = 0
+        for suffix in ("", "-wal"):
+            with contextlib.suppress(OSError):
+                size += os.stat(f"{self.file}{suffix}").st_size
+        return versions, size
+
+
+class HistoryStore:
+    """Past contents of the notes: <state>/history/<key of the note's path>/<version id>,
+    until the retention sweep packs them (VersionPacks, after PACK_AFTER seconds).
+
+    A version id is `<microseconds since the epoch, 16 digits>-<reason>-<etag>`: ids sort by
+    age and say what a version is, so listing a history reads no content. The heads
+    (HeadStore) hold a copy of each note as notesvc last wrote or saw it, so that a change
+    made by another program, found by the rescan, still keeps the content it replaced; a
+    cache, checked and not fsynced. A content about to be replaced by a rename is linked,
+    not copied (no data written). Retention: a note's newest `max_versions`, and every
+    version younger than `days`. Callers hold the note's lock (NoteStore's); the sweep only
+    removes and packs (what a move does meanwhile waits for it: _pack_lock).
+    """
+
+    # Where the versions a move brought in were saved (lines "<version id> <path>"): a folder
+    # grant sees only those saved inside its folder. A version not named was saved at the
+    # path the history folder belongs to.
+    ORIGINS = "origins"
+    PACK_AFTER = 3600  # seconds a version stays a loose file before a sweep packs it
+
+    def __init__(self, folder: Path, max_versions: int, days: int, clock: Callable = time.time):
+        self.folder = folder
+        self.heads = HeadStore(folder / HeadStore.NAME, folder)
+        self.packs = VersionPacks(folder / VersionPacks.NAME, folder)
+        self._pack_lock = threading.Lock()  # packing a folder's versions, or moving them
+        self.max_versions = max_versions
+        self.days = days
+        self.clock = clock  # injectable: retention by age is tested with another clock
+        self._last_us = 0
+        self._lock = threading.Lock()
+        self._ids: dict = {}  # folder name -> its version ids, oldest first (kept by keep())
+
+    @property
+    def enabled(self) -> bool:
+        return self.max_versions > 0
+
+    def dir_of(self, path: str) -> Path:
+        return self.folder / hashlib.sha256(path.encode("utf-8")).hexdigest()[:32]
+
+    def folders(self) -> list:
+        """Return the notes' history folders: those on disk and those only packed."""
+        try:
+            with os.scandir(self.folder) as entries:
+                names = {
+                    e.name for e in entries if len(e.name) == 32 and e.is_dir(follow_symlinks=False)
+                }
+        except FileNotFoundError:
+            return []
+        with contextlib.suppress(HeadStoreError):
+            names.update(self.packs.folders())
+        return [self.folder / name for name in sorted(names)]
+
+    def close(self) -> None:
+        self.heads.close()
+        self.packs.close()
+
+    def ids(self, folder: Path) -> list:
+        """Return the version ids in a history folder, oldest first."""
+        with self._lock:
+            cached = self._ids.get(folder.name)
+            if cached is not None:
+                return list(cached)
+        return sorted({*self._loose(folder), *self._packed(folder)})
+
+    @staticmethod
+    def _loose(folder: Path) -> list:
+        """Return the ids of the versions kept as files in folder."""
+        try:
+            return [n for n in os.listdir(folder) if VERSION_ID_RE.match(n)]
+        except (FileNotFoundError, NotADirectoryError):
+            return []
+
+    def _packed(self, folder: Path, strict: bool = False) -> dict:
+        """Return {id: size} of the versions of folder that were packed (none when the
+        packs cannot be read, logged; `strict`: HeadStoreError then)."""
+        try:
+            return self.packs.ids(folder.name)
+        except HeadStoreError as e:
+            if strict:
+                raise
+            log.error("history: the packed versions cannot be read (%s)", e)
+            return {}
+
+    def _packed_again(self, folder: Path) -> dict:
+        """_packed(strict), asked twice: a busy or locked file is often free again."""
+        try:
+            return self._packed(folder, strict=True)
+        except HeadStoreError:
+            time.sleep(0.05)
+            return self._packed(folder, strict=True)
+
+    def _cached_ids(self, folder: Path) -> list:
+        """ids() remembered: only under the note's lock, where its history changes (not
+        while the packs cannot be read: the files alone are not all of it)."""
+        with self._lock:
+            cached = self._ids.get(folder.name)
+            if cached is not None:
+                return list(cached)
+        try:
+            found = sorted({*self._loose(folder), *self._packed(folder, strict=True)})
+        except HeadStoreError:
+            return self.ids(folder)
+        with self._lock:
+            if folder.name not in self._ids:
+                if len(self._ids) >= 4096:
+                    self._ids.pop(next(iter(self._ids)))
+                self._ids[folder.name] = list(found)
+        return found
+
+    def _changed(self, folder: Path, added: str | None = None, dropped: Iterable = ()) -> None:
+        """Keep the remembered ids of a folder in step (None added, nothing dropped: forget)."""
+        with self._lock:
+            cached = self._ids.get(folder.name)
+            if cached is None:
+                return
+            if added is None and not dropped:
+                del self._ids[folder.name]
+                return
+            if added is not None:
+                cached.append(added)  # ids only grow: the newest goes last
+            for vid in dropped:
+                with contextlib.suppress(ValueError):
+                    cached.remove(vid)
+
+    def _folder(self, path: str) -> Path:
+        """Return the note's history folder, created (0700) when missing."""
+        folder = self.dir_of(path)
+        if not folder.is_dir():
+            with disk_writes():
+                self.folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+                folder.mkdir(mode=0o700, exist_ok=True)
+            fsync_dir(self.folder)
+        return folder
+
+    def _new_id(self, reason: str, etag: str) -> str:
+        with self._lock:  # strictly increasing: ids never collide and sort by age
+            us = max(int(self.clock() * 1_000_000), self._last_us + 1)
+            self._last_us = us
+        return f"{us:016d}-{reason}-{etag}"
+
+    # -- keeping a version (under the note's lock) -------------------------------------
+
+    def keep(self, path: str, data: bytes, reason: str, inode: tuple | None = None) -> str | None:
+        """Keep data, a note's content about to be replaced, as its newest version; return
+        the version's id (None when history is off or the newest version holds data).
+
+        inode: (file, stat as read) of the note when the change replaces the file by a
+        rename: its content is then linked, not copied, and durable only once durable()
+        was called (before the rename; the note's own fsync has flushed the journal by
+        then on most file systems, so that costs little). Raises DiskFull (507) with
+        nothing kept.
+        """
+        if not self.enabled:
+            return None
+        etag = _etag_hex(data)
+        for attempt in (1, 2):  # the sweep may remove an emptied folder in between
+            folder = self._folder(path)
+            ids = self._cached_ids(folder)
+            if ids and ids[-1].endswith(etag):
+                return None
+            vid = self._new_id(reason, etag)
+            try:
+                if inode is None or not self._link(inode, folder / vid):
+                    atomic_write(folder / vid, data, mode=0o600)
+                self._changed(folder, added=vid)
+                return vid
+            except FileNotFoundError:
+                self._changed(folder)
+                if attempt == 2:
+                    raise
+        return None  # pragma: no cover
+
+    @staticmethod
+    def _link(inode: tuple, target: Path) -> bool:
+        """Link a note's file as a version (the file is about to be replaced, not
+        rewritten); False when the file system cannot or another program changed the
+        file since it was read: then it is copied."""
+        source, seen = inode
+        try:
+            with disk_writes():
+                os.link(source, target)
+        except DiskFull:
+            raise
+        except OSError:  # no hard links here (FAT, some network file systems)
+            return False
+        st = os.stat(target)
+        if (st.st_ino, st.st_size, st.st_mtime_ns) != (seen.st_ino, seen.st_size, seen.st_mtime_ns):
+            os.unlink(target)
+            return False
+        return True  # durable once its folder is fsynced: see durable()
+
+    def durable(self, path: str) -> None:
+        """Make the versions kept for a note durable (fsync its history folder)."""
+        fsync_dir(self.dir_of(path))
+
+    def settle(self, path: str, vid: str) -> None:
+        """After the change a version was kept for: make it private, apply the retention."""
+        folder = self.dir_of(path)
+        with contextlib.suppress(OSError):  # a linked version had the note's mode
+            os.chmod(folder / vid, 0o600)
+        self.prune(folder)
+
+    def discard(self, path: str, vid: str) -> None:
+        """Drop a version kept for a change that then failed."""
+        with contextlib.suppress(OSError):
+            os.unlink(self.dir_of(path) / vid)
+        self._changed(self.dir_of(path), dropped=[vid])
+
+    def prune(self, folder: Path) -> int:
+        """Remove the versions past the newest max_versions that are older than `days`."""
+        if not self.enabled:
+            return 0
+        ids = self.ids(folder)
+        cutoff = (self.clock() - self.days * DAY_SECONDS) * 1_000_000
+        removed = []
+        for vid in ids[: max(0, len(ids) - self.max_versions)]:  # oldest first
+            if self.days and int(vid[:16]) >= cutoff:
+                break
+            with contextlib.suppress(FileNotFoundError):
+                os.unlink(folder / vid)
+            removed.append(vid)
+        packed = self._packed(folder) if removed else {}  # (a crash may leave one in both)
+        if packed:
+            with contextlib.suppress(HeadStoreError):  # kept, to be dropped by the next sweep
+                self.packs.drop(folder.name, [vid for vid in removed if vid in packed])
+        if removed:
+            self._changed(folder, dropped=removed)
+        return len(removed)
+
+    def relocate(self, old: str, new: str, until_us: int | None = None, copy: bool = False):
+        """Give the note at `new` the history of `old` (a move, a restore elsewhere): the
+        versions saved up to until_us (all when None), moved, or linked when `copy`."""
+        with self._pack_lock:  # a sweep packs no version of these folders meanwhile
+            try:
+                self._relocate(old, new, until_us, copy)
+            except HeadStoreError as e:  # the packed ones stay under `old` (the caller logs)
+                raise OSError(f"the packed versions: {e}") from None
+
+    def _relocate(self, old: str, new: str, until_us: int | None, copy: bool):
+        src, dst = self.dir_of(old), self.dir_of(new)
+        self._changed(src)
+        self._changed(dst)
+        try:
+            packed, known = self._packed_again(src), True
+        except HeadStoreError as e:  # the files move; what the packs hold stays in src
+            log.error("history: packed versions of %s stay under that path (%s)", log_safe(old), e)
+            packed, known = {}, False
+        ids = sorted({*self._loose(src), *packed})
+        ids = [v for v in ids if until_us is None or int(v[:16]) <= until_us]
+        origins = self._origins(src)
+        came = {vid: origins.get(vid, old) for vid in ids}
+        whole = not copy and until_us is None and known and not packed
+        if whole and src.is_dir() and not dst.exists():
+            self._write_origins(src, {**origins, **came})  # what `old` means, before the move
+            os.replace(src, dst)  # the whole folder, origins included
+            fsync_dir(self.folder)
+            return
+        if not ids:
+            return
+        dst = self._folder(new)
+        # the origins before the versions land (a crash in between: the versions stay in
+        # src with theirs); the packed ones first, the files after (src's origins stay)
+        self._write_origins(dst, {**self._origins(dst), **came}, landing=ids)
+        self.packs.move(src.name, dst.name, [v for v in ids if v in packed], copy)
+        for vid in ids:
+            if vid in packed and not (src / vid).exists():
+                continue
+            if (dst / vid).exists():  # the same id: the same content
+                if not copy:
+                    os.unlink(src / vid)
+            elif not copy:
+                os.replace(src / vid, dst / vid)
+            else:
+                try:
+                    os.link(src / vid, dst / vid)
+                except OSError:  # no hard links here
+                    atomic_write(dst / vid, (src / vid).read_bytes(), mode=0o600)
+        fsync_dir(dst)
+        if not copy:
+            self.drop_head(old)
+            with contextlib.suppress(OSError):
+                src.rmdir()
+
+    def _origins(self, folder: Path) -> dict:
+        """Return {version id: the path it was saved at} for versions moved into folder;
+        OSError when the file is there but cannot be read (never taken for "none")."""
+        try:
+            text = (folder / self.ORIGINS).read_text("utf-8")
+        except (FileNotFoundError, NotADirectoryError):
+            return {}
+        except UnicodeDecodeError as e:
+            raise OSError(f"{folder / self.ORIGINS}: {e}") from None
+        pairs = (line.partition(" ") for line in text.split("\n"))  # a path may hold U+2028
+        return {vid: path for vid, _, path in pairs if VERSION_ID_RE.match(vid) and path}
+
+    def _write_origins(self, folder: Path, origins: dict, landing: Iterable = ()) -> None:
+        """Keep the origins of the versions in folder and of those `landing` there next
+        (atomic, private). While the packs cannot be read, all are kept: an origin too many
+        is never read, one too few would show a version to a folder grant."""
+        try:
+            here = {*self._loose(folder), *self._packed(folder, strict=True), *landing}
+        except HeadStoreError:
+            here = set(origins)
+        lines = "".join(f"{v} {p}\n" for v, p in sorted(origins.items()) if v in here)
+        if lines:
+            atomic_write(folder / self.ORIGINS, lines.encode("utf-8"), mode=0o600)
+
+    def saved_at(self, path: str, vid: str) -> str:
+        """Return the path the note had when version vid of the note at path was saved
+        ("" when that cannot be read: no folder grant sees it)."""
+        try:
+            return self._origins(self.dir_of(path)).get(vid, path)
+        except OSError as e:
+            log.error(
+                "history: where the versions of %s were saved is unknown (%s)", log_safe(path), e
+            )
+            return ""
+
+    # -- the copy of the current content ----------------------------------------------
+
+    def write_head(self, path: str, data: bytes, etag: str | None = None) -> None:
+        """Remember data (whose etag may be given) as the note's content as last written
+        or seen (best effort: a copy that cannot be kept is dropped, never left stale)."""
+        if not self.enabled:
+            return
+        try:
+            self.heads.put(path, data)
+        except (OSError, HeadStoreError) as e:
+            log.warning("history: could not keep a copy of %s (%s)", log_safe(path), e)
+            with contextlib.suppress(OSError, HeadStoreError):
+                self.heads.drop(path)
+
+    def write_heads(self, items: list) -> None:
+        """Remember the first copies of many notes [(path, bytes)] at once (packed)."""
+        if not self.enabled or not items:
+            return
+        try:
+            self.heads.put_new(items)
+        except (OSError, HeadStoreError) as e:
+            log.warning("history: could not keep the copies of %d notes (%s)", len(items), e)
+
+    def read_head(self, path: str) -> bytes | None:
+        """Return the note's content as last written or seen, None when unknown."""
+        try:
+            return self.heads.get(path)
+        except (OSError, HeadStoreError):
+            return None
+
+    def has_head(self, path: str) -> bool:
+        try:
+            return self.heads.has(path)
+        except (OSError, HeadStoreError):
+            return False
+
+    def head_paths(self, folders: Iterable[Path]) -> dict:
+        """Return {history folder: the note path it belongs to} for the folders a copy
+        tells (the folder name is a hash of the path)."""
+        wanted = {f.name: f for f in folders}
+        try:
+            paths = self.heads.paths()
+        except (OSError, HeadStoreError):
+            return {}
+        found = {}
+        for path in paths:
+            folder = wanted.get(self.dir_of(path).name)
+            if folder is not None:
+                found[folder] = path
+        return found
+
+    def drop_head(self, path: str) -> None:
+        with contextlib.suppress(OSError, HeadStoreError):
+            self.heads.drop(path)
+
+    # -- reading ------------------------------------------------------------------
+
+    @staticmethod
+    def describe(vid: str, size: int) -> dict:
+        m = VERSION_ID_RE.match(vid)
+        return {
+            "id": vid,
+            "savedAt": iso(int(m.group(1)) / 1_000_000),
+            "size": size,
+            "etag": f'"{m.group(3)}"',
+            "reason": m.group(2),
+        }
+
+    def versions(self, path: str, sees: Callable | None = None) -> list:
+        """Return the note's versions, newest first (no content); with `sees`, only those
+        saved at a path sees(path) accepts (a folder grant's)."""
+        folder, found = self.dir_of(path), []
+        ids = self.ids(folder)  # before the origins: those of a version are there before it
+        packed = self._packed(folder)
+        try:
+            origins = self._origins(folder) if sees else {}
+        except OSError as e:  # a grant sees none of them rather than too many
+            log.error(
+                "history: where the versions of %s were saved is unknown (%s)", log_safe(path), e
+            )
+            return []
+        for vid in reversed(ids):
+            if sees and not sees(origins.get(vid, path)):
+                continue
+            try:
+                size = packed[vid] if vid in packed else os.stat(folder / vid).st_size
+            except OSError:  # packed meanwhile, or pruned
+                packed = self._packed(folder)
+                if vid not in packed:
+                    continue
+                size = packed[vid]
+            found.append(self.describe(vid, size))
+        return found
+
+    def read(self, path: str, vid: str) -> bytes:
+        """Return a version's content; 400 for a malformed id, 404 for an unknown one."""
+        if not VERSION_ID_RE.match(vid):
+            raise bad_request(f"{vid[:80]!r} is not a version id (see GET .../versions)")
+        folder = self.dir_of(path)
+        try:
+            return (folder / vid).read_bytes()
+        except (FileNotFoundError, NotADirectoryError):
+            pass
+        try:
+            data = self.packs.read(folder.name, vid)
+        except HeadStoreError as e:
+            log.error("history: the packed versions cannot be read (%s)", e)
+            data = None
+        if data is None:
+            raise not_found(f"no version {vid} of {path}")
+        return data
+
+    def sweep(self, folder: Path, fix_modes: bool = False) -> int:
+        """Apply the retention to one folder (and make its versions private: a crash in
+        settle() may have left one with its note's mode), remove it when empty; return how
+        many versions were removed."""
+        removed = self.prune(folder)
+        self._changed(folder)  # what the disk says from now on
+        self.pack(folder)
+        with self._pack_lock, contextlib.suppress(HeadStoreError):  # no move lands meanwhile
+            if not self._loose(folder) and not self._packed(folder, strict=True):
+                with contextlib.suppress(OSError):
+                    os.unlink(folder / self.ORIGINS)
+        for vid in self.ids(folder) if fix_modes else ():
+            with contextlib.suppress(OSError):
+                if stat.S_IMODE(os.stat(folder / vid).st_mode) != 0o600:
+                    os.chmod(folder / vid, 0o600)
+        with contextlib.suppress(OSError):
+            folder.rmdir()  # only when nothing is left in it
+        return removed
+
+    def pack(self, folder: Path) -> int:
+        """Move the versions of a history folder older than PACK_AFTER from their files into
+        the packs (durably, then the files are removed), about PACK_BYTES at a time (a move
+        or a read waits for one batch at most); return how many."""
+        cutoff = (self.clock() - self.PACK_AFTER) * 1_000_000
+        loose = sorted(v for v in self._loose(folder) if int(v[:16]) < cutoff)
+        done, at = 0, 0
+        while at < len(loose):
+            with self._pack_lock:
+                versions, size = [], 0
+                while at < len(loose) and size < VersionPacks.PACK_BYTES:
+                    vid, at = loose[at], at + 1
+                    with contextlib.suppress(OSError):  # pruned or moved meanwhile
+                        data = (folder / vid).read_bytes()
+                        if _etag_hex(data) == vid[-32:]:  # else damaged: left as it is
+                            versions.append((vid, data))
+                            size += len(data)
+                if not versions:
+                    continue
+                try:
+                    self.packs.add(folder.name, versions)
+                except HeadStoreError as e:  # a full disk: they stay files, nothing lost
+                    log.warning("history: versions not packed (%s)", e)
+                    return done
+                gone = []  # removed meanwhile by a save's retention (which holds no pack lock)
+                for vid, _ in versions:
+                    try:
+                        os.unlink(folder / vid)
+                    except FileNotFoundError:
+                        gone.append(vid)
+                    except OSError:
+                        pass
+                with contextlib.suppress(HeadStoreError):
+                    self.packs.drop(folder.name, gone)
+                done += len(versions) - len(gone)
+        return done
+
+    def collect(self) -> None:
+        """Drop what the packs hold for no version any more (a sweep's work)."""
+        try:
+            self.packs.collect()
+        except HeadStoreError as e:
+            log.warning("history: the packs were not tidied (%s)", e)
+
+    def usage(self) -> dict:
+        """Return {notes, versions, bytes} of the history (the copies' and packs' bytes
+        included)."""
+        notes = versions = size = 0
+        for folder in self.folders():
+            notes += 1
+            with contextlib.suppress(OSError):
+                for e in os.scandir(folder):
+                    with contextlib.suppress(OSError):
+                        size += e.stat(follow_symlinks=False).st_size
+                    versions += bool(VERSION_ID_RE.match(e.name))
+        with contextlib.suppress(HeadStoreError):
+            packed, packed_bytes = self.packs.usage()
+            versions, size = versions + packed, size + packed_bytes
+        return {"notes": notes, "versions": versions, "bytes": size}
+
+
+TRASH_TOPS = (NOTES, ATTACHMENTS)  # what a trash folder holds: notes and attachments
+TRASH_STAMP = "%Y%m%dT%H%M%S.%fZ"  # a trash folder's name: when its item was deleted (UTC)
+TRASH_ID_RE = re.compile(r"^([0-9A-Za-z]{1,64})-([0-9a-f]{16})\Z")
+
+
+def move_to_trash(src: Path, trash: Path, path: str, guard: Any = None) -> dict:
+    """Move src into the trash as <trash>/<UTC stamp>/<path> (new folders private, the
+    rename made durable) inside `guard`; return {trash, trashId}. A failure (507 on a
+    full disk) leaves the trash as it was."""
+    stamp = utcnow().strftime(TRASH_STAMP)
+    dst = trash / stamp / path
+    made = _missing_folders(dst.parent, trash.parent)
+    try:
+        with guard or contextlib.nullcontext(), disk_writes():
+            for folder in reversed(made):  # private, as all of the state folder
+                folder.mkdir(mode=0o700, exist_ok=True)
+            os.replace(src, dst)
+    except BaseException:
+        for folder in made:  # deepest first
+            with contextlib.suppress(OSError):
+                folder.rmdir()
+        raise
+    fsync_dir(dst.parent)
+    fsync_dir(src.parent)
+    return {"trash": f".notesvc/trash/{stamp}/{path}", "trashId": trash_id(stamp, path)}
+
+
+def trash_id(stamp: str, path: str) -> str:
+    """Return a trash item's id: its folder's letters and digits, a hash of its path."""
+    digest = hashlib.sha256(f"{stamp}/{path}".encode("utf-8", "surrogateescape")).hexdigest()
+    return re.sub(r"[^0-9A-Za-z]", "", stamp)[:64] + "-" + digest[:16]
+
+
+@dataclasses.dataclass(frozen=True)
+class TrashItem:
+    id: str
+    path: str  # notes/... or attachments/..., as it was before the delete
+    file: Path
+    deleted: float  # seconds since the epoch
+    size: int
+
+    @property
+    def kind(self) -> str:
+        return "note" if self.path.startswith(NOTES + "/") else "attachment"
+
+    def describe(self) -> dict:
+        return {
+            "id": self.id,
+            "path": self.path,
+            "kind": self.kind,
+            "deletedAt": iso(self.deleted),
+            "size": self.size,
+        }
+
+
+class Trash:
+    """Deleted notes and attachments: <state>/trash/<UTC stamp>/<path>, where the deletes
+    put them. Items older than `days` are purged by purge_expired() (0: kept until purged
+    by hand); restoring a note is NoteStore's (history, journal, index), restoring an
+    attachment moves its file back.
+    """
+
+    def __init__(self, folder: Path, days: int, clock: Callable = time.time):
+        self.folder = folder
+        self.days = days
+        self.clock = clock  # injectable, as the history's
+
+    def _stamps(self) -> list:
+        try:
+            return [
+                e
+                for e in os.scandir(self.folder)
+                if not e.name.startswith(".") and e.is_dir(follow_symlinks=False)
+            ]
+        except FileNotFoundError:
+            return []
+
+    @staticmethod
+    def _deleted_at(entry: os.DirEntry) -> float:
+        try:
+            return (
+                dt.datetime.strptime(entry.name, TRASH_STAMP)
+                .replace(tzinfo=dt.timezone.utc)
+                .timestamp()
+            )
+        except ValueError:  # a folder named otherwise: its own time
+            return entry.stat(follow_symlinks=False).st_mtime
+
+    def _items_in(self, entry: os.DirEntry) -> list:
+        deleted, items = self._deleted_at(entry), []
+        for top in TRASH_TOPS:
+            stack = [(os.path.join(entry.path, top), top)]
+            while stack:
+                real, rel = stack.pop()
+                try:
+                    children = list(os.scandir(real))
+                except (FileNotFoundError, NotADirectoryError, PermissionError):
+                    continue
+                for e in children:
+                    if e.name.startswith(".") or e.is_symlink():
+                        continue
+                    name = f"{rel}/{_nfc(e.name)}"
+                    if e.is_dir():
+                        stack.append((e.path, name))
+                    else:
+                        with contextlib.suppress(OSError):
+                            size = e.stat().st_size
+                            items.append(
+                                TrashItem(
+                                    trash_id(entry.name, name), name, Path(e.path), deleted, size
+                                )
+                            )
+        return items
+
+    def items(self) -> list:
+        """Return every item in the trash, the most recently deleted first."""
+        found = [item for entry in self._stamps() for item in self._items_in(entry)]
+        return sorted(found, key=lambda i: (-i.deleted, i.path))
+
+    def find(self, item_id: str) -> TrashItem:
+        """Return the item of an id; 400 for a malformed id, 404 for an unknown one."""
+        m = TRASH_ID_RE.match(item_id)
+        if not m:
+            raise bad_request(f"{item_id[:80]!r} is not a trash item id (see GET {API}/trash)")
+        for entry in self._stamps():
+            if re.sub(r"[^0-9A-Za-z]", "", entry.name)[:64] == m.group(1):
+                for item in self._items_in(entry):
+                    if item.id == item_id:
+                        return item
+        raise not_found(f"no item {item_id} in the trash")
+
+    def purge(self, item: TrashItem) -> None:
+        with contextlib.suppress(FileNotFoundError):
+            os.unlink(item.file)
+        self.emptied(item)
+
+    def purge_expired(self) -> int:
+        """Remove the trash folders older than `days`; return how many items went."""
+        if not self.days:
+            return 0
+        cutoff, purged = self.clock() - self.days * DAY_SECONDS, 0
+        for entry in self._stamps():
+            if self._deleted_at(entry) < cutoff:
+                purged += len(self._items_in(entry))
+                shutil.rmtree(entry.path, ignore_errors=True)  # never follows links
+        return purged
+
+    def emptied(self, item: TrashItem) -> None:
+        """After an item left: remove the folders it leaves empty."""
+        _remove_empty_folders(item.file.parent, self.folder)
+
+    def usage(self) -> dict:
+        items = [item for entry in self._stamps() for item in self._items_in(entry)]
+        return {"items": len(items), "bytes": sum(i.size for i in items)}
+
+
+def attachment_or_note_path(raw: Any) -> str:
+    """Return a checked path under notes/ or attachments/ (a trash item's destination)."""
+    if isinstance(raw, str) and raw.startswith(f"{ATTACHMENTS}/"):
+        return attachment_path(raw)
+    return note_path(raw)
+
+
+CHANGE_KINDS = ("created", "updated", "moved", "deleted", "restored")
+
+
+def _allocate(fd: int, offset: int, length: int) -> None:
+    """Allocate length bytes of a file from offset, so writing there later needs no space."""
+    if hasattr(os, "posix_fallocate"):
+        try:
+            os.posix_fallocate(fd, offset, length)
+            return
+        except OSError as e:
+            if e.errno not in (errno.EOPNOTSUPP, errno.EINVAL, errno.ENOSYS):
+                raise
+    os.pwrite(fd, bytes(length), offset)
+
+
+_fdatasync = getattr(os, "fdatasync", os.fsync)
+
+
+def _change_of(line: bytes, after: int) -> tuple | None:
+    """Return a journal line as an entry tuple, None when it is not one (a torn write)."""
+    try:
+        d = json.loads(line)
+    except (ValueError, UnicodeDecodeError):
+        return None
+    if (
+        not isinstance(d, dict)
+        or not isinstance(d.get("seq"), int)
+        or d["seq"] <= after
+        or d.get("kind") not in CHANGE_KINDS
+        or not isinstance(d.get("path"), str)
+    ):
+        return None
+    return (d["seq"], d["kind"], d["path"], d.get("from"), d.get("etag"), d.get("at", ""))
+
+
+def change_record(entry: tuple) -> dict:
+    seq, kind, path, origin, etag, at = entry
+    rec = {"seq": seq, "kind": kind, "path": path}
+    if origin is not None:
+        rec["from"] = origin
+    if etag is not None:
+        rec["etag"] = etag
+    rec["at"] = at
+    return rec
+
+
+class ChangeJournal:
+    """Every change to the notes, numbered in order: <state>/changes.log.
+
+    A header line {"floor": F}, then one JSON object a line. A cursor below F (compacted
+    away) or above the last number cannot be answered for (410). An entry is written and
+    fdatasync'ed before anyone learns of it, under one lock, so numbers are given, stored
+    and seen in one order. Room for entries is allocated in the file ahead of time:
+    reserve() (507 on a full disk) comes before a change, so recording a change once made
+    never fails for want of space. The newest entries stay in memory; the file is
+    compacted to the newest `keep` when it holds twice as many.
+    """
+
+    RESERVE = 16384  # bytes allocated ahead
+    ENTRY_MAX = 8192  # an entry's line is at most ~4.3 KB (two 512-character paths)
+
+    def __init__(self, path: Path, keep: int = 10000, clock: Callable = time.time):
+        self.path = path
+        self.keep = keep  # injectable, as the clock: compaction is tested with a small one
+        self.clock = clock
+        self.floor = 0
+        self.last = 0
+        self.fresh = False  # this run created it: the first rescan is its starting point
+        self._cond = threading.Condition()
+        self._seqs: list = []
+        self._entries: list = []  # (seq, kind, path, from, etag, at), oldest first
+        self._open = False  # open() found or made the file: entries are stored
+        self._end = 0  # where the next line goes
+        self._allocated = 0  # the file's bytes (zeros past _end)
+        self._promised = 0  # entries reserve() made room for, not yet appended
+        self._compact_at = 0  # after a failed compaction: when to try again
+        self._waiting: collections.Counter = collections.Counter()
+        self._closed = False
+
+    def open(self) -> ChangeJournal:
+        """Read the journal, creating it when missing; a torn last line is dropped."""
+        with self._cond:
+            try:
+                raw = self.path.read_bytes()
+            except FileNotFoundError:
+                self.fresh = True
+                self._rewrite([], 0)
+                return self
+            lines = raw.split(b"\0", 1)[0].split(b"\n")
+            try:
+                header = json.loads(lines[0])
+                floor = header["floor"] if isinstance(header, dict) else None
+            except (ValueError, UnicodeDecodeError):
+                floor = None
+            entries, end, after = [], len(lines[0]) + 1, floor if isinstance(floor, int) else -1
+            for line in lines[1:-1]:  # the last piece is what follows the last newline
+                entry = _change_of(line, after)
+                if entry is None:
+                    break
+                entries.append(entry)
+                end, after = end + len(line) + 1, entry[0]
+            if not isinstance(floor, int) or floor < 0:
+                log.warning(
+                    "changes.log: unreadable header; the feed starts over (410 for clients)"
+                )
+                self._rewrite([], max(0, after))
+                return self
+            self.floor, self.last = floor, after if entries else floor
+            self._entries, self._seqs = entries, [e[0] for e in entries]
+            with self._file() as fd:
+                os.ftruncate(fd, end)  # a torn line and the old allowance go
+            self._open, self._end, self._allocated = True, end, end
+            if len(entries) > self.keep:
+                self._compact()
+        return self
+
+    def _rewrite(self, entries: list, floor: int) -> None:
+        """Write the journal anew (atomically) with these entries above floor."""
+        lines = [to_json({"notesvc": "changes", "floor": floor}) + b"\n"]
+        lines += [to_json(change_record(e)) + b"\n" for e in entries]
+        content = b"".join(lines)
+        room = self.RESERVE + self._promised * self.ENTRY_MAX
+
+        def write(f) -> None:
+            f.write(content)
+            f.flush()
+            _allocate(f.fileno(), len(content), room)
+
+        atomic_write(self.path, write, mode=0o600)
+        self._open, self._end, self._allocated = True, len(content), len(content) + room
+        self.floor, self.last = floor, max(floor, entries[-1][0] if entries else floor)
+        self._entries, self._seqs = list(entries), [e[0] for e in entries]
+
+    @contextlib.contextmanager
+    def _file(self):
+        """Open the journal for one operation (no descriptor is held between them)."""
+        fd = os.open(self.path, os.O_RDWR)
+        try:
+            yield fd
+        finally:
+            os.close(fd)
+
+    def _compact(self) -> None:
+        kept = self._entries[-self.keep :]
+        try:
+            self._rewrite(kept, kept[0][0] - 1 if kept else self.last)
+        except OSError as e:  # the old file stays good; try again after a while
+            log.warning("changes.log: could not compact it (%s)", e)
+            self._compact_at = len(self._entries) + max(1, self.keep // 10)
+
+    def reserve(self) -> None:
+        """Make room for one more entry before a change; DiskFull (507) when there is none.
+        The change then calls append() or, when it failed, release()."""
+        with self._cond:
+            if not self._open:
+                return
+            need = (self._promised + 1) * self.ENTRY_MAX
+            if self._allocated - self._end < need:
+                with disk_writes(), self._file() as fd:
+                    _allocate(fd, self._end, need + self.RESERVE)
+                self._allocated = self._end + need + self.RESERVE
+            self._promised += 1
+
+    def release(self) -> None:
+        with self._cond:
+            self._promised = max(0, self._promised - 1)
+
+    def append(
+        self,
+        kind: str,
+        path: str,
+        etag: str | None = None,
+        origin: str | None = None,
+        reserved: bool = True,
+    ) -> int:
+        """Record a change that was made, wake the waiting feeds; return its number."""
+        with self._cond:
+            if reserved:
+                self._promised = max(0, self._promised - 1)
+            seq = self.last + 1
+            entry = (seq, kind, path, origin, etag, iso(self.clock()))
+            if self._open:
+                line = to_json(change_record(entry)) + b"\n"
+                try:
+                    with self._file() as fd:
+                        if self._end + len(line) > self._allocated:  # not reserved: the rescan
+                            _allocate(fd, self._end, len(line) + self.RESERVE)
+                            self._allocated = self._end + len(line) + self.RESERVE
+                        os.pwrite(fd, line, self._end)
+                        if flush_each():
+                            _fdatasync(fd)
+                    self._end += len(line)
+                except OSError as e:
+                    log.error("changes.log: could not store change %d (%s)", seq, e)
+            self.last = seq
+            self._seqs.append(seq)
+            self._entries.append(entry)
+            if len(self._entries) > max(2 * self.keep, self._compact_at):
+                self._compact()
+            self._cond.notify_all()
+            return seq
+
+    def reset(self) -> None:
+        """Forget the entries: every cursor from before answers 410 (re-list)."""
+        with self._cond:
+            try:
+                self._rewrite([], self.last)
+            except OSError as e:
+                log.warning("changes.log: could not reset it (%s)", e)
+                self.floor, self._entries, self._seqs = self.last, [], []
+            self._cond.notify_all()
+
+    def read(self, since: int, limit: int) -> dict:
+        """Return {changes, last, more}: the changes after `since` (at most limit); 410
+        when the journal no longer holds them (or never did: a cursor from the future)."""
+        with self._cond:
+            if since < self.floor:
+                raise gone(
+                    f"changes up to {self.floor} were compacted away; list the notes again "
+                    f"and follow from since={self.last}"
+                )
+            if since > self.last:
+                raise gone(
+                    f"this server's changes end at {self.last}; list the notes again and "
+                    f"follow from since={self.last}"
+                )
+            i = bisect.bisect_right(self._seqs, since)
+            chunk = self._entries[i : i + limit]
+            more = i + limit < len(self._entries)
+        return {
+            "changes": [change_record(e) for e in chunk],
+            "last": chunk[-1][0] if chunk else since,
+            "more": more,
+        }
+
+    def wait_after(self, since: int, timeout: float, pool: str, cap: int) -> bool | None:
+        """Wait up to timeout s for a change after `since`; return whether one came, or
+        None at once when `pool` already has `cap` waiters (each holds a worker thread)."""
+        with self._cond:
+            if self._waiting[pool] >= cap:
+                return None
+            self._waiting[pool] += 1
+            try:
+                return self._cond.wait_for(lambda: self.last > since or self._closed, timeout)
+            finally:
+                self._waiting[pool] -= 1
+
+    def waiting(self) -> int:
+        with self._cond:
+            return sum(self._waiting.values())
+
+    def close(self) -> None:
+        """Wake every waiter: the server stops."""
+        with self._cond:
+            self._closed = True
+            self._cond.notify_all()
+
+
+MAX_DIFF_LINES = 5000  # difflib is quadratic on some inputs: past this, one plain hunk
+
+
+def _diff_range(start: int, length: int) -> str:
+    """Return a unified diff's range (as difflib writes it) of `length` lines from `start`."""
+    if length == 1:
+        return str(start + 1)
+    return f"{start + 1 if length else start},{length}"
+
+
+def unified_diff(a: str, b: str, from_name: str, to_name: str) -> str:
+    """Return the unified diff from text a to text b, in time linear in their size past
+    MAX_DIFF_LINES changed lines (the changed middle is then one hunk, not minimal)."""
+    x, y = a.splitlines(keepends=True), b.splitlines(keepends=True)
+    head = 0
+    while head < min(len(x), len(y)) and x[head] == y[head]:
+        head += 1
+    tail = 0
+    while tail < min(len(x), len(y)) - head and x[-1 - tail] == y[-1 - tail]:
+        tail += 1
+    if max(len(x), len(y)) - head - tail > MAX_DIFF_LINES:
+        old, new = x[head : len(x) - tail], y[head : len(y) - tail]
+        lines = [
+            f"--- {from_name}\n",
+            f"+++ {to_name}\n",
+            f"@@ -{_diff_range(head, len(old))} +{_diff_range(head, len(new))} @@\n",
+            *("-" + line for line in old),
+            *("+" + line for line in new),
+        ]
+    else:  # only the changed middle, with its context, goes through difflib
+        lo = max(0, head - 3)
+        x_end, y_end = len(x) - max(0, tail - 3), len(y) - max(0, tail - 3)
+        lines = []
+        for line in difflib.unified_diff(x[lo:x_end], y[lo:y_end], from_name, to_name):
+            if line.startswith("@@"):
+                line = re.sub(
+                    r"([-+])(\d+)", lambda m: f"{m.group(1)}{int(m.group(2)) + lo}", line, count=2
+                )
+            lines.append(line)
+    return "".join(
+        line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in lines
+    )
+
+
+def expire_loop(notes: NoteStore, trash: Trash, stop: threading.Event, every: float = 3600) -> None:
+    """Apply the retention of history and trash now, then every `every` s until stop."""
+    first = True
+    while True:
+        removed = purged = 0
+        try:
+            removed = notes.sweep_history(fix_modes=first)
+            first = False
+        except Exception:
+            log.exception("history's retention sweep failed; trying again in %.0f s", every)
+        try:  # on its own: a history that cannot be swept still lets the trash be purged
+            purged = trash.purge_expired()
+        except Exception:
+            log.exception("trash purge failed; trying again in %.0f s", every)
+        if removed or purged:
+            log.info("retention: %d versions and %d trash items removed", removed, purged)
+        if stop.wait(every):
+            return

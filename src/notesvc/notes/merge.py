@@ -1,0 +1,219 @@
+"""Three-way merges and names from titles."""
+
+from __future__ import annotations
+
+import re
+import unicodedata
+
+from notesvc.notes.paths import _FRONT_MATTER_RE, PREVIEW_CHARS
+
+# -- three-way merges and names from titles (docs/api.md: phone) ------------------------------
+
+
+MERGE_MAX_EDITS = 500  # lines added or removed between two versions that a merge follows
+
+
+class _LineDiff:
+    """What two lists of lines share, as difflib's get_matching_blocks/get_opcodes say it,
+    found by Myers' O(ND) algorithm after the common start and end are set aside (an edit
+    is mostly one place in a long note). Beyond MERGE_MAX_EDITS changed lines the middle
+    counts as replaced whole: a merge there becomes a conflict copy, never a long stall."""
+
+    def __init__(self, a: list, b: list):
+        n, m = len(a), len(b)
+        pre = 0
+        while pre < n and pre < m and a[pre] == b[pre]:
+            pre += 1
+        suf = 0
+        while suf < n - pre and suf < m - pre and a[n - 1 - suf] == b[m - 1 - suf]:
+            suf += 1
+        middle = _myers(a[pre : n - suf], b[pre : m - suf], MERGE_MAX_EDITS) or []
+        blocks = [(0, 0, pre)] + [(i + pre, j + pre, k) for i, j, k in middle]
+        blocks.append((n - suf, m - suf, suf))
+        joined: list = []
+        for i, j, k in blocks:
+            if (
+                k
+                and joined
+                and joined[-1][0] + joined[-1][2] == i
+                and joined[-1][1] + joined[-1][2] == j
+            ):
+                joined[-1] = (joined[-1][0], joined[-1][1], joined[-1][2] + k)
+            elif k:
+                joined.append((i, j, k))
+        self.blocks = [*joined, (n, m, 0)]
+
+    def get_matching_blocks(self) -> list:
+        return self.blocks
+
+    def get_opcodes(self) -> list:
+        ops, i, j = [], 0, 0
+        for ai, bj, size in self.blocks:
+            if i < ai or j < bj:
+                tag = "replace" if i < ai and j < bj else "delete" if i < ai else "insert"
+                ops.append((tag, i, ai, j, bj))
+            if size:
+                ops.append(("equal", ai, ai + size, bj, bj + size))
+            i, j = ai + size, bj + size
+        return ops
+
+
+def _myers(a: list, b: list, limit: int) -> list | None:
+    """Return the matching blocks (i, j, size) of a shortest edit script from a to b, or
+    None when it takes more than `limit` lines added and removed."""
+    n, m = len(a), len(b)
+    if not n or not m:
+        return []
+    v, trace = {1: 0}, []
+    for d in range(min(n + m, limit) + 1):
+        trace.append(v.copy())
+        for k in range(-d, d + 1, 2):
+            x = v[k + 1] if k == -d or (k != d and v[k - 1] < v[k + 1]) else v[k - 1] + 1
+            y = x - k
+            while x < n and y < m and a[x] == b[y]:
+                x, y = x + 1, y + 1
+            v[k] = x
+            if x >= n and y >= m:
+                return _snakes(trace, n, m)
+    return None
+
+
+def _snakes(trace: list, x: int, y: int) -> list:
+    """Walk Myers' trace back from (x, y): the diagonal runs, first to last."""
+    blocks = []
+    for d in range(len(trace) - 1, 0, -1):
+        v, k = trace[d], x - y
+        prev = k + 1 if k == -d or (k != d and v[k - 1] < v[k + 1]) else k - 1
+        px = v[prev]
+        py = px - prev
+        sx = px if prev == k + 1 else px + 1  # where this step's run begins
+        if x > sx:
+            blocks.append((sx, sx - k, x - sx))
+        x, y = px, py
+    if x > 0:
+        blocks.append((0, 0, x))
+    return blocks[::-1]
+
+
+def _diff(base: list, other: list) -> _LineDiff:
+    """Return the line matcher of base to other, lines compared without their endings (a
+    note saved with CRLF changes nothing)."""
+    return _LineDiff([x.rstrip("\r\n") for x in base], [x.rstrip("\r\n") for x in other])
+
+
+def _overlap(a: tuple, b: tuple) -> bool:
+    """Whether two changes touch the same base lines (two insertions at one place do)."""
+    if a[0] == a[1] and b[0] == b[1]:
+        return a[0] == b[0]
+    if a[0] == a[1]:
+        return b[0] < a[0] < b[1]
+    if b[0] == b[1]:
+        return a[0] < b[0] < a[1]
+    return a[0] < b[1] and b[0] < a[1]
+
+
+def _already_made(h: tuple, changes: list) -> bool:
+    """Whether an insertion is part of a change the other side made right there (an edit
+    sent again after it was merged): its lines end that change where it inserts after
+    it, or begin it where it inserts before it."""
+    if h[0] != h[1] or not h[2]:
+        return False
+    wanted, n = [x.rstrip("\r\n") for x in h[2]], len(h[2])
+    for g in changes:
+        if g[3] == h[3] or g[0] == g[1] or len(g[2]) < n:
+            continue
+        lines = [x.rstrip("\r\n") for x in g[2]]
+        if (g[1] == h[0] and lines[-n:] == wanted) or (g[0] == h[0] and lines[:n] == wanted):
+            return True
+    return False
+
+
+def _apply(base: list, lo: int, hi: int, hunks: list) -> list:
+    """Return base[lo:hi] with hunks (start, end, lines; inside that range, in order)."""
+    out, at = [], lo
+    for i1, i2, lines, _ in hunks:
+        out += base[at:i1] + lines
+        at = i2
+    return out + base[at:hi]
+
+
+def merge3(base: str, current: str, edit: str) -> tuple:
+    """Return (the merged text, whether any change of the edit overlapped one of current's)
+    of a three-way line merge: changes on one side are kept, identical changes on both sides
+    once, overlapping different ones are a conflict (the current text wins there). Lines
+    neither side changed keep current's endings.
+
+    >>> merge3("a\\nb\\nc\\n", "A\\nb\\nc\\n", "a\\nb\\nC\\n")
+    ('A\\nb\\nC\\n', False)
+    >>> merge3("a\\n", "b\\n", "c\\n")[1]
+    True
+    """
+    b, c, e = (t.splitlines(keepends=True) for t in (base, current, edit))
+    for side in (c, e):  # a last line without its newline, followed by more: add it
+        if side and not side[-1].endswith(("\n", "\r")):
+            side[-1] += "\n"
+    to_current = _diff(b, c)
+    kept = b[:]  # base lines as current has them, where it kept them
+    for i, j, n in to_current.get_matching_blocks():
+        kept[i : i + n] = c[j : j + n]
+    changes = [
+        (i1, i2, other[j1:j2], side)
+        for side, other, matcher in ((0, c, to_current), (1, e, _diff(b, e)))
+        for tag, i1, i2, j1, j2 in matcher.get_opcodes()
+        if tag != "equal"
+    ]
+    changes = [h for h in changes if not _already_made(h, changes)]
+    changes.sort(key=lambda h: (h[0], h[1], h[3]))
+    groups: list = []
+    for h in changes:
+        if groups and any(_overlap(h, g) for g in groups[-1]):
+            groups[-1].append(h)
+        else:
+            groups.append([h])
+    out, at, conflict = [], 0, False
+    for group in groups:
+        lo, hi = min(g[0] for g in group), max(g[1] for g in group)
+        out += kept[at:lo]
+        ours = [g for g in group if g[3] == 0]
+        edited = [g for g in group if g[3] == 1]
+        if ours and edited:
+            mine, theirs = _apply(b, lo, hi, ours), _apply(b, lo, hi, edited)
+            conflict = conflict or [x.rstrip("\r\n") for x in mine] != [
+                x.rstrip("\r\n") for x in theirs
+            ]
+            out += mine
+        else:
+            out += _apply(b, lo, hi, ours or edited)
+        at = hi
+    out += kept[at:]
+    return "".join(out), conflict
+
+
+_NAME_DROP_RE = re.compile(
+    r'[\x00-\x1f\x7f-\x9f/\\:*?"<>|\u200b-\u200d\u2060\ufeff\u202a-\u202e\u2066-\u2069]'
+)
+_ANY_HEADING_RE = re.compile(r"^ {0,3}#{1,6}[ \t]+(\S[^\n]*?)[ \t#]*$", re.M)
+
+
+def title_filename(text: str) -> str:
+    """Return the file name (without .md) a note without a path gets from its text: its
+    first heading, else its first line, made a safe name of at most 80 characters and 200
+    bytes ("untitled" when nothing is left).
+
+    >>> title_filename("\\n  Buy milk: 2 l / 3 eggs?  \\n"), title_filename("## ...\\n")
+    ('Buy milk 2 l 3 eggs', 'untitled')
+    """
+    fm = _FRONT_MATTER_RE.match(text)
+    body = text[fm.end() :] if fm else text
+    heading = _ANY_HEADING_RE.search(body[: PREVIEW_CHARS * 64])
+    first = next((line for line in body.splitlines() if line.strip()), "")
+    name = unicodedata.normalize("NFC", heading.group(1) if heading else first)
+    name = " ".join(_NAME_DROP_RE.sub(" ", name).split())
+    name = name.lstrip(".").rstrip(". ")[:80]
+    while len(name.encode("utf-8")) > 200:
+        name = name[:-1]
+    return name.rstrip(". ") or "untitled"
+
+
+def _sort_key(name: str) -> tuple:
+    return (name.casefold(), name)

@@ -1,0 +1,1 @@
+"""notesvc.providers: see the modules beside this file."""

@@ -1,0 +1,1 @@
+"""notesvc.search: see the modules beside this file."""

@@ -1,0 +1,1 @@
+"""notesvc.transfer: see the modules beside this file."""

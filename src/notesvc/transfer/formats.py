@@ -1,0 +1,1045 @@
+"""The importers: folders (Obsidian, Notion), Keep, Evernote, Joplin."""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import datetime as dt
+import functools
+import hashlib
+import io
+import json
+import posixpath
+import re
+import tempfile
+import unicodedata
+import urllib.parse
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Callable
+
+from notesvc.errors import ApiError, not_found
+from notesvc.grants import OWNER, Principal, _no_link_below
+from notesvc.helpers import BODY_CHUNK, iso
+from notesvc.notes.merge import title_filename
+from notesvc.notes.paths import (
+    ATTACHMENT_TYPES,
+    ATTACHMENTS,
+    NOTES,
+    attachment_path,
+    folder_path,
+    note_file_path,
+    note_path,
+)
+from notesvc.plugins import _MDLINK_RE, _WIKILINK_RE, _md_target
+from notesvc.transfer.plan import (
+    _NOTION_ID_RE,
+    EXPORT_MANIFEST,
+    IMPORT_TEXT_TYPES,
+    Draft,
+    ImportEntry,
+    ImportPlan,
+    ImportSource,
+    _decode_text,
+    _front_matter,
+    _iso_or_none,
+    import_budget,
+    import_kind,
+    import_refused,
+    import_room,
+    import_segment,
+    import_too_big,
+    link_token,
+    sniff_import,
+)
+
+# -- folders of Markdown: Obsidian, Notion, plain files, notesvc's own export ---------------
+
+
+def _note_name_of(name: str) -> tuple:
+    """Return (stem, extension) of a source file name, lower-case extension."""
+    stem, dot, ext = name.rpartition(".")
+    return (stem, ext.lower()) if dot and stem else (name, "")
+
+
+def _target_segments(name: str, strip_ids: bool) -> list:
+    segments = []
+    for seg in name.split("/"):
+        if strip_ids:
+            stem, ext = _note_name_of(seg)
+            stem = _NOTION_ID_RE.sub("", stem) or stem
+            seg = f"{stem}.{ext}" if ext else stem
+        segments.append(import_segment(seg))
+    return segments
+
+
+def _relink(text: str, source: str, known: Mapping) -> str:
+    """Return a Markdown note's text with its links to files of the import as tokens."""
+    here = posixpath.dirname(source)
+
+    def md(m: re.Match) -> str:
+        href = m.group(2)
+        target = _md_target(href)
+        if target is None or "://" in target:
+            return m.group(0)
+        inner = urllib.parse.unquote(target.strip("<>"))
+        resolved = posixpath.normpath(posixpath.join(here, inner)) if here else inner
+        resolved = unicodedata.normalize("NFC", resolved)
+        if resolved not in known:
+            return m.group(0)
+        rest = href[len(target) :]
+        return f"{m.group(1)}{link_token(resolved, target)}{rest}{m.group(3)}"
+
+    return _MDLINK_RE.sub(md, text)
+
+
+def plan_tree(plan: ImportPlan, source: ImportSource, kind: str) -> None:
+    """Import a tree of Markdown and files (Obsidian, Notion, any folder, notesvc's export)."""
+    strip_ids = kind == "notion"
+    own = kind == "notesvc"
+    principal_folder = getattr(plan, "grant_folder", "")
+    notes, files = [], []
+    for entry in source.entries:
+        name = entry.name
+        leaf = name.rsplit("/", 1)[-1]
+        stem, ext = _note_name_of(leaf)
+        if name == EXPORT_MANIFEST:
+            continue
+        if any(seg.startswith(".") for seg in name.split("/")):
+            if not name.startswith(".obsidian/"):
+                plan.skip(name, "a hidden file")
+            continue
+        if own:
+            top = name.split("/", 1)[0]
+            want = name
+            try:
+                if top == NOTES and ext == "md":
+                    want = note_path(name)
+                elif top in (NOTES, ATTACHMENTS) and ext in ATTACHMENT_TYPES:
+                    want = (attachment_path if top == ATTACHMENTS else note_file_path)(name)
+                else:
+                    plan.skip(name, "not a note or a file of a notesvc export")
+                    continue
+            except ApiError as e:
+                plan.skip(name, e.message)
+                continue
+            if principal_folder and not Principal("key", "write", principal_folder).sees(want):
+                plan.skip(name, "outside the folder this key may write")
+                continue
+            (notes if ext == "md" else files).append((entry, want))
+            continue
+        if ext == "csv" and strip_ids:
+            notes.append((entry, None))
+            continue
+        if ext in IMPORT_TEXT_TYPES:
+            segs = _target_segments(name, strip_ids)
+            segs[-1] = import_segment(_note_name_of(segs[-1])[0]) + ".md"
+            notes.append((entry, "/".join([plan.into, *segs])))
+        elif ext in ATTACHMENT_TYPES:
+            segs = _target_segments(name, strip_ids)
+            files.append((entry, "/".join([plan.files_into, *segs])))
+        else:
+            plan.skip(name, f"files ending .{ext or '(none)'} are not imported")
+    if strip_ids:  # a database's CSV: `_all.csv` only where its plain twin is missing
+        names = {e.name for e, _ in notes}
+        kept = []
+        for entry, want in notes:
+            twin = entry.name[: -len("_all.csv")] + ".csv"
+            if want is None and entry.name.endswith("_all.csv") and twin in names:
+                continue
+            kept.append((entry, want))
+        notes = kept
+    drafts = [Draft(e.name, want, open=e.open, size=e.size) for e, want in files]
+    links: list = []  # (the sources imported, renamed notes' names): known once all are named
+    for entry, want in notes:
+        if entry.size > plan.max_note * 4:
+            plan.skip(entry.name, "over SERVICE_MAX_BODY_BYTES")
+            continue
+        title = None
+        if want is None:  # a Notion database
+            stem = _note_name_of(entry.name.rsplit("/", 1)[-1])[0]
+            title = _NOTION_ID_RE.sub("", stem.removesuffix("_all")) or stem
+            segs = _target_segments(entry.name, True)[:-1]
+            want = "/".join([plan.into, *segs, import_segment(title) + ".md"])
+        load = functools.partial(_tree_text, source, entry, title, None if own else links)
+        drafts.append(Draft(entry.name, want, text=load))
+    for d in drafts:
+        plan.name(d)
+        plan.looked()
+    links.extend([{d.source for d in drafts}, _renamed_notes(plan) if kind == "obsidian" else {}])
+    with plan.writing():
+        for d in drafts:
+            if d.open is not None:
+                plan.add_file(d)
+        for d in drafts:
+            if d.open is None:
+                plan.add_note(d)
+
+
+def _tree_text(source: ImportSource, entry: ImportEntry, csv_title, links) -> str:
+    """Return a note of a tree as it is imported: its text (a database's CSV as a table),
+    its links to what the import holds as tokens, wikilinks to renamed notes renamed."""
+    text = _decode_text(source.read(entry))
+    if csv_title is not None:
+        text = csv_to_markdown(csv_title, text)
+    if links:
+        known, renamed = links
+        text = _relink(text, entry.name, known)
+        if renamed:
+            text = _rename_wikilinks(text, renamed)
+    return text
+
+
+def _renamed_notes(plan: ImportPlan) -> dict:
+    """Return {old note name, casefolded: its new name} of the notes the import renamed."""
+    renamed: dict = {}
+    for src, path in plan.by_source.items():
+        old = _note_name_of(src.rsplit("/", 1)[-1])[0]
+        new = _note_name_of(path.rsplit("/", 1)[-1])[0]
+        if old != new and path.endswith(".md"):
+            renamed.setdefault(old.casefold(), new)
+    return renamed
+
+
+def _rename_wikilinks(text: str, renamed: Mapping) -> str:
+    """Point [[wikilinks]] at the new name of a note the import had to rename."""
+
+    def fix(m: re.Match) -> str:
+        target = m.group(1)
+        new = renamed.get(target.strip().casefold())
+        if new is None:
+            return m.group(0)
+        rest = m.group(2) or ""
+        return f"[[{new}{rest if '|' in rest else rest + '|' + target}]]"
+
+    return _WIKILINK_RE.sub(fix, text)
+
+
+def csv_to_markdown(title: str, text: str) -> str:
+    """Return a Notion database's CSV as a note: its name as the title, a Markdown table."""
+    import csv
+
+    rows = list(csv.reader(io.StringIO(text.lstrip("\ufeff"))))
+    rows = [r for r in rows if any(c.strip() for c in r)]
+    if not rows:
+        return f"# {title}\n"
+    width = max(len(r) for r in rows)
+
+    def cell(c: str) -> str:
+        return " ".join(c.replace("|", "\\|").split())
+
+    lines = [f"# {title}", ""]
+    for i, r in enumerate(rows):
+        lines.append("| " + " | ".join(cell(c) for c in r + [""] * (width - len(r))) + " |")
+        if i == 0:
+            lines.append("|" + " --- |" * width)
+    return "\n".join(lines) + "\n"
+
+
+# -- Google Keep (Takeout) --------------------------------------------------------------------
+
+KEEP_COLOURS = {"DEFAULT", ""}
+
+
+def keep_note(data: Any) -> tuple:
+    """Return (title, Markdown, reason to skip or None) of one Keep note's JSON."""
+    if not isinstance(data, dict):
+        return "", "", "not a Keep note (a JSON object was expected)"
+    if data.get("isTrashed") is True:
+        return "", "", "in Keep's trash"
+
+    def text_of(key: str) -> str:
+        v = data.get(key)
+        return v if isinstance(v, str) else ""
+
+    title = text_of("title").strip()
+    body = text_of("textContent").replace("\r\n", "\n")
+    items = data.get("listContent")
+    tasks = []
+    if isinstance(items, list):
+        for item in items:
+            if isinstance(item, dict) and isinstance(item.get("text"), str):
+                mark = "x" if item.get("isChecked") is True else " "
+                tasks.append(f"- [{mark}] {' '.join(item['text'].split())}")
+    labels = [
+        str(lb["name"]).replace(",", " ").strip()
+        for lb in data.get("labels") or []
+        if isinstance(lb, dict) and isinstance(lb.get("name"), str) and lb["name"].strip()
+    ]
+
+    def usec(key: str) -> str | None:
+        v = data.get(key)
+        return _iso_or_none(v / 1e6) if isinstance(v, (int, float)) and v > 0 else None
+
+    colour = text_of("color").upper()
+    meta = {
+        "tags": labels,
+        "created": usec("createdTimestampUsec"),
+        "updated": usec("userEditedTimestampUsec"),
+        "pinned": data.get("isPinned") is True,
+        "archived": data.get("isArchived") is True,
+        "color": colour.lower() if colour not in KEEP_COLOURS else "",
+        "source": "Google Keep",
+    }
+    parts = [f"# {title}" if title else ""]
+    if body.strip():
+        parts.append(body.strip("\n"))
+    if tasks:
+        parts.append("\n".join(tasks))
+    for a in data.get("attachments") or []:
+        if isinstance(a, dict) and isinstance(a.get("filePath"), str):
+            leaf = a["filePath"].replace("\\", "/").rsplit("/", 1)[-1]
+            bang = "!" if str(a.get("mimetype", "image")).startswith("image") else ""
+            parts.append(f"{bang}[{leaf}]({link_token(leaf, leaf)})")
+    links = []
+    for a in data.get("annotations") or []:
+        if isinstance(a, dict) and isinstance(a.get("url"), str) and a["url"].startswith("http"):
+            label = " ".join(str(a.get("title") or a["url"]).split()).replace("]", ")")
+            links.append(f"- [{label}]({a['url']})")
+    if links:
+        parts.append("\n".join(links))
+    md = "\n\n".join(p for p in parts if p).strip("\n") + "\n"
+    return title, _front_matter(meta) + md, None
+
+
+def plan_keep(plan: ImportPlan, source: ImportSource) -> None:
+    """Import a Keep Takeout: each note's .json (its .html twin is the same note), the files
+    they attach (every other file is kept as an attachment too)."""
+    jsons, files = [], []
+    for entry in source.entries:
+        leaf = entry.name.rsplit("/", 1)[-1]
+        ext = _note_name_of(leaf)[1]
+        if ext == "json":
+            jsons.append(entry)
+        elif ext == "html" or leaf == "Labels.txt":
+            continue  # the .json beside it holds the same note
+        elif ext in ATTACHMENT_TYPES:
+            files.append(entry)
+        else:
+            plan.skip(entry.name, f"files ending .{ext or '(none)'} are not imported")
+    drafts = []
+    for entry in files:
+        leaf = import_segment(entry.name.rsplit("/", 1)[-1])
+        d = Draft(entry.name.rsplit("/", 1)[-1], f"{plan.files_into}/{leaf}", open=entry.open)
+        plan.name(d)
+        drafts.append(d)
+    for entry in jsons:
+        try:
+            data = json.loads(source.read(entry, plan.max_note * 4))
+        except (ValueError, UnicodeDecodeError) as e:
+            plan.skip(entry.name, f"not valid JSON ({str(e)[:80]})")
+            continue
+        title, text, reason = keep_note(data)
+        if reason:
+            plan.skip(entry.name, reason)
+            continue
+        name = import_segment(title_filename(title or text.split("---\n", 2)[-1]))
+        load = functools.partial(_keep_text, source, entry)  # read again when written
+        d = Draft(entry.name, f"{plan.into}/{name}.md", text=load)
+        plan.name(d)
+        plan.looked()
+        drafts.append(d)
+    with plan.writing():
+        for d in drafts:
+            (plan.add_file if d.open else plan.add_note)(d)
+
+
+def _keep_text(source: ImportSource, entry: ImportEntry) -> str:
+    return keep_note(json.loads(source.read(entry)))[1]
+
+
+# -- Evernote (.enex, read as a stream) --------------------------------------------------------
+
+
+ENML_BLOCKS = frozenset(
+    "div p h1 h2 h3 h4 h5 h6 li blockquote center section article header footer dl dt dd "
+    "address pre".split()
+)
+ENML_MARKS = {"b": "**", "strong": "**", "i": "*", "em": "*", "s": "~~", "strike": "~~"}
+ENML_MARKS.update({"del": "~~", "code": "`", "tt": "`"})
+
+
+@functools.cache
+def _enml_parser() -> type:
+    """Return the ENML parser class (html.parser is imported on the first import only)."""
+    import html.parser
+
+    class EnmlToMarkdown(html.parser.HTMLParser):
+        """ENML (Evernote's XHTML) to Markdown: blocks, headings, emphasis, links, lists,
+        checkboxes (en-todo), tables, code blocks, quotes and media (en-media, by hash)."""
+
+        BLOCKS, MARKS = ENML_BLOCKS, ENML_MARKS
+        HIDDEN = ("en-crypt", "style", "script", "title", "head")
+
+        def __init__(self, media: Callable[[dict], str]):
+            super().__init__(convert_charrefs=True)
+            self.media = media
+            self.lines: list = []
+            self.inline: list = []
+            self.prefix = ""  # a block's mark: "## ", "- ", "1. ", "- [ ] "
+            self.lists: list = []  # [tag, items so far]
+            self.quote = 0
+            self.depth = 0  # open blocks
+            self.code_at = -1  # the depth a code block opened at (-1: none)
+            self.tables: list = []  # tables being read (rows of cells of pieces), innermost last
+            self.hrefs: list = []
+            self.hidden = 0
+
+        @property
+        def code(self) -> bool:
+            return self.code_at >= 0
+
+        def _put(self, text: str) -> None:
+            if self.hidden:
+                return
+            if self.tables:
+                rows = self.tables[-1]
+                if not rows:
+                    rows.append([])
+                if not rows[-1]:
+                    rows[-1].append([])
+                rows[-1][-1].append(text)
+            else:
+                self.inline.append(text)
+
+        def _flush(self, blank: bool = False) -> None:
+            text = "".join(self.inline)
+            self.inline = []
+            lead = "> " * self.quote
+            if self.code:
+                self.lines.append(lead + text)
+                return
+            text = " ".join(text.split())
+            if text or self.prefix.strip():
+                self.lines.append(lead + self.prefix + text)
+                self.prefix = ""
+            elif blank:
+                self.lines.append(lead.rstrip())
+
+        def _mark(self, tag: str) -> str:
+            if tag[:1] == "h" and tag[1:].isdigit():
+                return "#" * int(tag[1]) + " "
+            if tag == "li" and self.lists:
+                kind = self.lists[-1]
+                kind[1] += 1
+                indent = "   " * (len(self.lists) - 1)
+                return indent + ("- " if kind[0] == "ul" else f"{kind[1]}. ")
+            return ""
+
+        def handle_starttag(self, tag: str, attrs: list) -> None:
+            a = {k: v or "" for k, v in attrs}
+            if tag in self.HIDDEN:
+                if tag == "en-crypt":
+                    self._put("(encrypted text, not imported)")
+                self.hidden += 1
+                return
+            if self.tables and tag in ("tr", "td", "th", "table"):
+                rows = self.tables[-1]
+                if tag == "tr":
+                    rows.append([])
+                elif tag in ("td", "th"):
+                    if not rows:
+                        rows.append([])
+                    rows[-1].append([])
+                else:
+                    self.tables.append([])
+                return
+            if tag == "table":
+                self._flush()
+                self.tables.append([])
+                return
+            if tag in self.BLOCKS or tag in ("ul", "ol", "hr"):
+                if self.code:
+                    if tag in self.BLOCKS:
+                        self.depth += 1
+                    return
+                if not self.tables:
+                    self._flush()
+            if tag in self.BLOCKS:
+                self.depth += 1
+                codeblock = "-en-codeblock:true" in a.get("style", "").replace(" ", "")
+                if (tag == "pre" or codeblock) and not self.tables:
+                    self.lines.append("> " * self.quote + "```")
+                    self.code_at = self.depth
+                    return
+                if tag == "blockquote":
+                    self.quote += 1
+                elif not self.tables:
+                    self.prefix = self._mark(tag) + self.prefix
+            elif tag in ("ul", "ol"):
+                self.lists.append([tag, 0])
+            elif tag == "hr":
+                self.lines.append("---")
+            elif tag == "br":
+                if self.tables:
+                    self._put(" ")
+                else:
+                    self._flush(blank=True)
+            elif tag in self.MARKS and not self.code:
+                self._put(self.MARKS[tag])
+            elif tag == "a":
+                self.hrefs.append(a.get("href", ""))
+                if self.hrefs[-1]:
+                    self._put("[")
+            elif tag == "en-todo":
+                mark = "[x] " if a.get("checked", "").lower() == "true" else "[ ] "
+                if self.tables or self.prefix.lstrip()[:1] in ("-",) or self.prefix[:1].isdigit():
+                    self._put(mark) if self.tables else setattr(self, "prefix", self.prefix + mark)
+                else:
+                    self.prefix = self.prefix + "- " + mark
+            elif tag == "en-media":
+                self._put(self.media(a))
+            elif tag == "img" and a.get("src", "").startswith(("http://", "https://")):
+                alt = a.get("alt", "").replace("]", ")")
+                self._put(f"![{alt}]({a['src'].replace(' ', '%20')})")
+
+        def handle_startendtag(self, tag: str, attrs: list) -> None:
+            self.handle_starttag(tag, attrs)
+            if tag in self.BLOCKS or tag in ("a", "ul", "ol", "table", "tr", "td", "th"):
+                self.handle_endtag(tag)
+
+        def handle_endtag(self, tag: str) -> None:
+            if tag in self.HIDDEN:
+                self.hidden = max(0, self.hidden - 1)
+                return
+            if self.tables and tag in ("tr", "td", "th", "table"):
+                if tag == "table":
+                    rows = self.tables.pop()
+                    if self.tables:  # an inner table: its text into the outer cell
+                        self._put(" ".join("".join(p for c in r for p in c) for r in rows))
+                    else:
+                        self._table(rows)
+                return
+            if tag in self.BLOCKS:
+                if self.code:
+                    if self.depth != self.code_at or self.inline:
+                        self._flush()  # a line of the code block
+                    if self.depth == self.code_at:
+                        self.lines.append("> " * self.quote + "```")
+                        self.code_at = -1
+                    self.depth = max(0, self.depth - 1)
+                    return
+                self.depth = max(0, self.depth - 1)
+                if not self.tables:
+                    self._flush(blank=tag == "p")
+                if tag == "blockquote":
+                    self.quote = max(0, self.quote - 1)
+            elif tag in ("ul", "ol") and self.lists:
+                self._flush()
+                self.lists.pop()
+            elif tag in self.MARKS and not self.code:
+                self._put(self.MARKS[tag])
+            elif tag == "a":
+                href = self.hrefs.pop() if self.hrefs else ""
+                if href:
+                    self._put(f"]({href.replace(' ', '%20').replace(')', '%29')})")
+
+        def handle_data(self, data: str) -> None:
+            self._put(data.replace("|", "\\|") if self.tables else data)
+
+        def _table(self, rows: list) -> None:
+            rows = [[" ".join("".join(c).split()) for c in r] for r in rows if r]
+            if not rows:
+                return
+            width = max(len(r) for r in rows)
+            if self.lines and self.lines[-1]:
+                self.lines.append("")
+            for i, r in enumerate(rows):
+                self.lines.append("| " + " | ".join(r + [""] * (width - len(r))) + " |")
+                if i == 0:
+                    self.lines.append("|" + " --- |" * width)
+            self.lines.append("")
+
+        def markdown(self) -> str:
+            self._flush()
+            text = "\n".join(self.lines)
+            text = re.sub(r"(?<![*~])(\*\*\*\*|~~~~)(?![*~])", "", text)  # emphasis of nothing
+            text = re.sub(r"\n{3,}", "\n\n", text)
+            return text.strip("\n") + "\n"
+
+    return EnmlToMarkdown
+
+
+def enml_to_markdown(enml: str, media: Callable[[dict], str]) -> str:
+    """Return the Markdown of an ENML note body; media(attrs) writes an en-media element.
+
+    >>> enml = '<div><en-todo checked="true"/>milk</div><div><b>x</b></div>'
+    >>> enml_to_markdown(f"<en-note>{enml}</en-note>", str)
+    '- [x] milk\\n**x**\\n'
+    """
+    parser = _enml_parser()(media)
+    parser.feed(enml)
+    parser.close()
+    return parser.markdown()
+
+
+def _enex_time(text: str) -> str | None:
+    try:
+        return iso(
+            dt.datetime.strptime(text.strip(), "%Y%m%dT%H%M%SZ").replace(tzinfo=dt.timezone.utc)
+        )
+    except ValueError:
+        return None
+
+
+class EnexReader:
+    """Reads an .enex as a stream (expat, fed in chunks): one note at a time, each
+    resource decoded from base64 into a spooled file as it arrives, so a 200 MB export
+    never sits in memory. The external DOCTYPE is accepted and never fetched; an internal
+    DTD subset (where entity bombs live) refuses the file; HTML entities are mapped."""
+
+    def __init__(self, on_note: Callable[[dict], None], spool: Callable[[], Any]):
+        import xml.parsers.expat
+
+        self.on_note, self.spool = on_note, spool
+        p = xml.parsers.expat.ParserCreate()
+        p.SetParamEntityParsing(xml.parsers.expat.XML_PARAM_ENTITY_PARSING_NEVER)
+        p.UseForeignDTD(False)
+        p.StartDoctypeDeclHandler = self._doctype
+        p.EntityDeclHandler = self._entity
+        p.SkippedEntityHandler = self._skipped_entity
+        p.StartElementHandler = self._start
+        p.EndElementHandler = self._end
+        p.CharacterDataHandler = self._text
+        p.buffer_text = True
+        self.parser, self.error = p, xml.parsers.expat.ExpatError
+        self.path: list = []
+        self.note: dict | None = None
+        self.text: list = []
+        self.res: dict | None = None
+        self.b64 = b""
+
+    def _doctype(self, name, system_id, public_id, has_internal_subset) -> None:
+        if has_internal_subset:
+            raise import_refused("the .enex declares its own DTD (entities are not accepted)")
+
+    def _entity(self, *args) -> None:
+        raise import_refused("the .enex declares entities (not accepted)")
+
+    def _skipped_entity(self, name: str, is_parameter: bool) -> None:
+        import html.entities
+
+        code = html.entities.name2codepoint.get(name)
+        if code is not None and not is_parameter:
+            self._text(chr(code))
+
+    def _start(self, tag: str, attrs: dict) -> None:
+        self.path.append(tag)
+        if tag == "note":
+            self.note = {"title": "", "tags": [], "resources": [], "content": ""}
+        elif tag == "resource" and self.note is not None:
+            self.res = {
+                "mime": "",
+                "name": "",
+                "md5": hashlib.md5(usedforsecurity=False),
+                "size": 0,
+            }
+            self.res["file"] = self.spool()
+        elif tag == "data" and self.res is not None:
+            self.b64 = b""
+        self.text = []
+
+    def _text(self, data: str) -> None:
+        if self.path[-1:] == ["data"] and self.res is not None:
+            raw = self.b64 + "".join(data.split()).encode("ascii", "ignore")
+            cut = len(raw) - len(raw) % 4
+            self.b64 = raw[cut:]
+            try:
+                chunk = base64.b64decode(raw[:cut])
+            except ValueError:
+                chunk = b""
+            self.res["md5"].update(chunk)
+            self.res["size"] += len(chunk)
+            if self.res["file"] is not None:
+                self.res["file"].write(chunk)
+        else:
+            self.text.append(data)
+
+    def _end(self, tag: str) -> None:
+        text = "".join(self.text)
+        self.text = []
+        self.path.pop()
+        note, res = self.note, self.res
+        if note is None:
+            return
+        if res is not None and tag != "resource":
+            if tag == "mime":
+                res["mime"] = text.strip()
+            elif tag == "file-name":
+                res["name"] = text.strip()
+            return
+        if tag == "resource" and res is not None:
+            res["hash"] = res.pop("md5").hexdigest()
+            note["resources"].append(res)
+            self.res = None
+        elif tag in ("title", "content", "created", "updated"):
+            note[tag] = text
+        elif tag == "tag":
+            note["tags"].append(text.strip())
+        elif tag in ("source-url", "author"):
+            note[tag] = text.strip()
+        elif tag == "note":
+            self.note = None
+            self.on_note(note)
+
+    def feed(self, data: bytes, final: bool = False) -> None:
+        try:
+            self.parser.Parse(data, final)
+        except self.error as e:
+            raise import_refused(f"the .enex is not well-formed XML ({e})") from None
+
+
+MIME_EXTENSIONS = {v: k for k, v in ATTACHMENT_TYPES.items()}
+
+
+def plan_enex(plan: ImportPlan, read: Callable[[int], bytes], name: str) -> None:
+    """Import an .enex read from read(n) as it arrives: each note written when its end
+    tag is read."""
+    spool_dir = plan.svc.config.state_dir
+
+    def spool():
+        return None if plan.dry_run else tempfile.TemporaryFile(dir=spool_dir)
+
+    count = [0]
+    limit = plan.svc.config.max_import_expanded_bytes
+    seen = [0, 0]  # bytes read of the .enex, bytes of notes and files it gave
+
+    def on_note(note: dict) -> None:
+        count[0] += 1
+        seen[1] += len(note["content"]) + sum(r["size"] for r in note["resources"])
+        if seen[1] > import_budget(seen[0], limit):
+            raise import_too_big(seen[1], seen[0], limit)
+        title = " ".join(note["title"].split())
+        label = f"{name}: {title or 'note ' + str(count[0])}"
+        by_hash = {}
+        drafts = []
+        for r in note["resources"]:
+            leaf = import_segment(r["name"] or r["hash"])
+            ext = _note_name_of(leaf)[1]
+            if ext not in ATTACHMENT_TYPES:
+                guess = MIME_EXTENSIONS.get(r["mime"])
+                if guess is None:
+                    plan.skip(
+                        f"{label}: {leaf}", f"files of type {r['mime'] or '?'} are not imported"
+                    )
+                    by_hash[r["hash"]] = (leaf, None, r)
+                    continue
+                leaf = f"{leaf}.{guess}"
+            f = r["file"]
+
+            def opener(f=f):
+                f.seek(0)
+                return contextlib.nullcontext(f) if False else _NoClose(f)
+
+            d = Draft(f"{label}: {leaf}#{r['hash']}", f"{plan.files_into}/{leaf}", open=opener)
+            plan.name(d)
+            by_hash[r["hash"]] = (leaf, d, r)
+            drafts.append(d)
+
+        def media(attrs: dict) -> str:
+            found = by_hash.get((attrs.get("hash") or "").lower())
+            if found is None:
+                return ""
+            leaf, d, r = found
+            if d is None:
+                return f"({leaf}: not imported)"
+            bang = "!" if r["mime"].startswith("image/") else ""
+            return f"{bang}[{leaf}]({link_token(d.source, leaf)})"
+
+        try:
+            body = enml_to_markdown(note["content"], media)
+        except Exception as e:  # a broken note is skipped, the rest come in
+            plan.skip(label, f"its content could not be read ({type(e).__name__})")
+            body = None
+        if body is not None:
+            meta = {
+                "tags": [t for t in note["tags"] if t],
+                "created": _enex_time(note.get("created", "")),
+                "updated": _enex_time(note.get("updated", "")),
+                "source_url": note.get("source-url"),
+                "author": note.get("author"),
+                "source": "Evernote",
+            }
+            text = _front_matter(meta) + (f"# {title}\n\n" if title else "") + body
+            stem = import_segment(title_filename(title or body))
+            d = Draft(label, f"{plan.into}/{stem}.md", text=text)
+            plan.name(d)
+            for f in drafts:
+                plan.add_file(f)
+            plan.add_note(d)
+        for r in note["resources"]:
+            if r["file"] is not None:
+                r["file"].close()
+
+    reader = EnexReader(on_note, spool)
+    with plan.writing():
+        while chunk := read(BODY_CHUNK):
+            seen[0] += len(chunk)
+            reader.feed(chunk)
+        reader.feed(b"", final=True)
+
+
+class _NoClose:
+    """A file handed to a `with` that must stay open (a spooled resource is closed later)."""
+
+    def __init__(self, f: Any):
+        self.f = f
+
+    def __enter__(self):
+        return self.f
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def read(self, n: int = -1) -> bytes:
+        return self.f.read(n)
+
+    def close(self) -> None:
+        pass
+
+
+# -- Joplin (.jex: a tar of items, each Markdown with its properties below) --------------------
+
+JOPLIN_NOTE, JOPLIN_FOLDER, JOPLIN_RESOURCE, JOPLIN_TAG, JOPLIN_NOTE_TAG = 1, 2, 4, 5, 6
+_JOPLIN_PROP_RE = re.compile(r"^([a-z_]+): ?(.*)$")
+_JOPLIN_LINK_RE = re.compile(r"\(:/([0-9a-f]{32})\)")
+
+
+def joplin_item(text: str) -> tuple:
+    """Return (title, body, properties) of one Joplin item file."""
+    lines = text.rstrip("\n").split("\n")
+    props: dict = {}
+    i = len(lines)
+    while i > 0:
+        m = _JOPLIN_PROP_RE.match(lines[i - 1])
+        if not m:
+            if lines[i - 1] == "" and props:
+                i -= 1
+            break
+        props[m.group(1)] = m.group(2)
+        i -= 1
+    head = lines[:i]
+    title = head[0] if head else ""
+    body = "\n".join(head[2:] if len(head) > 1 and head[1] == "" else head[1:])
+    return title, body.rstrip("\n"), props
+
+
+def plan_joplin(plan: ImportPlan, source: ImportSource) -> None:
+    """Import a Joplin export: notebooks as folders, tags, to-dos, resources, dates."""
+    items: dict = {}
+    files: dict = {}
+    for entry in source.entries:
+        name = entry.name
+        if name.startswith("resources/"):
+            files[_note_name_of(name.rsplit("/", 1)[-1])[0]] = entry
+            continue
+        if not name.endswith(".md"):
+            plan.skip(name, "not a Joplin item")
+            continue
+        try:
+            title, body, props = joplin_item(_decode_text(source.read(entry, plan.max_note * 4)))
+        except ValueError:
+            plan.skip(name, "over SERVICE_MAX_BODY_BYTES")
+            continue
+        items[props.get("id", name[:-3])] = (title, body, props, name)
+    kind = {i: int(p.get("type_", "0") or 0) for i, (_, _, p, _) in items.items()}
+    folders = {i: v for i, v in items.items() if kind[i] == JOPLIN_FOLDER}
+
+    def folder_of(pid: str, depth: int = 0) -> list:
+        if pid not in folders or depth > 32:
+            return []
+        title, _, props, _ = folders[pid]
+        return [*folder_of(props.get("parent_id", ""), depth + 1), import_segment(title)]
+
+    tags = {i: v[0] for i, v in items.items() if kind[i] == JOPLIN_TAG}
+    note_tags: dict = {}
+    for i, (_, _, props, _) in items.items():
+        if kind[i] == JOPLIN_NOTE_TAG and props.get("tag_id") in tags:
+            note_tags.setdefault(props.get("note_id"), []).append(tags[props["tag_id"]])
+    drafts = []
+    for rid, (title, _, props, name) in items.items():
+        if kind[rid] != JOPLIN_RESOURCE:
+            continue
+        entry = files.get(rid)
+        ext = (props.get("file_extension") or "").lower() or MIME_EXTENSIONS.get(
+            props.get("mime", ""), ""
+        )
+        if entry is None:
+            plan.skip(name, "its file is missing from the export")
+            continue
+        if ext not in ATTACHMENT_TYPES:
+            plan.skip(name, f"files ending .{ext or '(none)'} are not imported")
+            continue
+        stem = import_segment(_note_name_of(title)[0] if title else rid)
+        d = Draft(rid, f"{plan.files_into}/{stem}.{ext}", open=entry.open, size=entry.size)
+        plan.name(d)
+        drafts.append(d)
+    for nid, (title, body, props, name) in items.items():
+        if kind[nid] != JOPLIN_NOTE:
+            if kind[nid] not in (JOPLIN_FOLDER, JOPLIN_RESOURCE, JOPLIN_TAG, JOPLIN_NOTE_TAG):
+                plan.skip(name, "a Joplin item that is not a note (settings, revisions...)")
+            continue
+        if props.get("is_conflict") == "1":
+            plan.skip(name, "a Joplin conflict copy")
+            continue
+        todo = props.get("is_todo") == "1"
+        done = todo and props.get("todo_completed", "0") not in ("", "0")
+        meta = {
+            "tags": sorted(note_tags.get(nid, [])),
+            "created": props.get("user_created_time") or props.get("created_time"),
+            "updated": props.get("user_updated_time") or props.get("updated_time"),
+            "source_url": props.get("source_url"),
+            "author": props.get("author"),
+            "source": "Joplin",
+        }
+        body = _JOPLIN_LINK_RE.sub(lambda m: f"({link_token(m.group(1), ':/' + m.group(1))})", body)
+        heading = f"- [{'x' if done else ' '}] {title}" if todo else f"# {title}"
+        text = _front_matter(meta) + (heading + "\n\n" if title else "") + body + "\n"
+        segs = folder_of(props.get("parent_id", ""))
+        stem = import_segment(title_filename(title or body))
+        d = Draft(nid, "/".join([plan.into, *segs, stem + ".md"]), text=text)
+        plan.name(d)
+        drafts.append(d)
+    with plan.writing():
+        for d in drafts:
+            if d.open:
+                plan.add_file(d)
+        for d in drafts:
+            if not d.open:
+                plan.add_note(d)
+
+
+IMPORT_PLANNERS = {
+    "keep": plan_keep,
+    "joplin": plan_joplin,
+    "notion": functools.partial(plan_tree, kind="notion"),
+    "obsidian": functools.partial(plan_tree, kind="obsidian"),
+    "files": functools.partial(plan_tree, kind="files"),
+    "notesvc": functools.partial(plan_tree, kind="notesvc"),
+}
+
+
+def import_into(svc: Any, raw: Any, kind: str, principal: Principal) -> str:
+    """Return the folder an import goes to: `into`, or notes/imported/<kind> (a folder
+    grant's: <its folder>/imported/<kind>); a folder outside a grant's own is 404."""
+    if raw in (None, ""):
+        return f"{principal.folder or NOTES}/imported/{kind}"
+    folder = folder_path(raw if str(raw).startswith(NOTES) else f"{NOTES}/{str(raw).strip('/')}")
+    own = principal.folder
+    if own and folder != own and not folder.startswith(own + "/"):
+        raise not_found(f"no folder at {folder} (this key writes in {own} only)")
+    if own:
+        _no_link_below(svc.notes.on_disk, own, folder, "folder")
+    return folder
+
+
+def run_import(
+    svc: Any,
+    file: Any,
+    filename: str,
+    into: Any,
+    dry_run: bool,
+    principal: Principal = OWNER,
+    progress: Callable | None = None,
+) -> dict:
+    """Import one file (a zip, a tar/.jex, an .enex, a Keep .json or a note); return the
+    report. Refusals (400, 413, 415, 507) come before anything is written, in a dry run too:
+    an archive is opened (its entries' declared sizes bounded, together), the disk is asked
+    for room, then every entry is read once (a lying or unreadable one refuses it)."""
+    head = file.read(512)
+    size = file.seek(0, io.SEEK_END)
+    file.seek(0)
+    form = sniff_import(head, filename)
+    limit = svc.config.max_import_expanded_bytes
+    leaf = import_segment(filename.replace("\\", "/").rsplit("/", 1)[-1] or "import")
+    if form == "enex":
+        import_room(svc, size)
+        return _import_enex(svc, [(leaf, file.read)], into, dry_run, principal, progress)
+    if form in ("keep", "text"):
+        name = leaf if "." in leaf else f"{leaf}.{'json' if form == 'keep' else 'md'}"
+        opener = functools.partial(_NoClose, file)
+        source = ImportSource([ImportEntry(name, size, opener)], "keep" if form == "keep" else "")
+        import_room(svc, size)
+    else:
+        if form == "tar":
+            source = ImportSource.from_tar(file, limit, size or 1)
+        else:
+            source = ImportSource.from_zip(file, limit, size or 1)
+        try:
+            import_room(svc, source.declared())
+            source.verify(form, progress)
+        except ApiError:
+            source.close()
+            raise
+    try:
+        return import_source(svc, source, into, dry_run, principal, progress)
+    finally:
+        source.close()
+
+
+def import_source(
+    svc: Any,
+    source: ImportSource,
+    into: Any,
+    dry_run: bool,
+    principal: Principal = OWNER,
+    progress: Callable | None = None,
+) -> dict:
+    """Import the files of a checked source (see run_import)."""
+    kind = import_kind(source)
+    if kind == "evernote":
+        files = [(e.name, e) for e in source.entries if e.name.endswith(".enex")]
+        readers = [(n, _ChunkReader(e)) for n, e in files]
+        return _import_enex(svc, readers, into, dry_run, principal, progress)
+    where = NOTES if kind == "notesvc" else import_into(svc, into, kind, principal)
+    plan = ImportPlan(svc, where, dry_run, progress)
+    plan.grant_folder = principal.folder
+    IMPORT_PLANNERS[kind](plan, source)
+    return plan.report(kind)
+
+
+class _ChunkReader:
+    """read(n) over an entry opened on first use (an .enex inside a zip)."""
+
+    def __init__(self, entry: ImportEntry):
+        self.entry, self.f = entry, None
+
+    def __call__(self, n: int) -> bytes:
+        if self.f is None:
+            self.f = self.entry.open()
+        data = self.f.read(n)
+        if not data:
+            self.f.close()
+        return data
+
+
+def _import_enex(svc, readers: list, into, dry_run, principal, progress) -> dict:
+    plan = ImportPlan(svc, import_into(svc, into, "evernote", principal), dry_run, progress)
+    for name, read in readers:
+        try:
+            plan_enex(plan, read, name)
+        except ApiError as e:
+            if not (plan.created or plan.attachments) or e.status_code != 400:
+                raise
+            plan.skip(name, f"stopped: {e.message.removeprefix('nothing was imported: ')}")
+    return plan.report("evernote")
+
+
+def import_path(svc: Any, path: Path, into: Any, dry_run: bool, progress=None) -> dict:
+    """Import a folder or a file on this machine (the command line, on its own)."""
+    if path.is_dir():
+        skipped: list = []
+        source = ImportSource.from_folder(path, skipped)
+        total = source.declared()
+        if total > svc.config.max_import_expanded_bytes:
+            raise import_refused(
+                f"the folder holds more than {svc.config.max_import_expanded_bytes} bytes "
+                "(SERVICE_MAX_IMPORT_EXPANDED_BYTES)",
+                413,
+            )
+        import_room(svc, total)
+        report = import_source(svc, source, into, dry_run, OWNER, progress)
+        report["skipped"] = skipped + report["skipped"]
+        return report
+    with open(path, "rb") as f:
+        return run_import(svc, f, path.name, into, dry_run, OWNER, progress)

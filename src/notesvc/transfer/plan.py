@@ -1,0 +1,710 @@
+"""Imports: the plan, its bounds, and writing it through the stores."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import functools
+import json
+import os
+import posixpath
+import re
+import shutil
+import stat
+import struct
+import time
+import unicodedata
+import urllib.parse
+import zlib
+from pathlib import Path
+from typing import Any, Callable
+
+from notesvc.errors import STATUS_CODES, ApiError
+from notesvc.helpers import BODY_CHUNK, deferred_sync, iso, log_safe, sync_batch
+from notesvc.notes.paths import (
+    _BIDI_CONTROLS,
+    _FORBIDDEN,
+    _ZERO_WIDTH,
+    ATTACHMENTS,
+    MAX_SEGMENT_BYTES,
+    NOTES,
+    attachment_path,
+    note_file_path,
+    note_path,
+)
+from notesvc.notes.store import disk_path
+
+# == Import and export ==========================================================
+#
+# Bring every note you have, take them all with you (docs/api.md: Import). An import reads a
+# source (a folder, a zip, a tar, an .enex stream), refuses a hostile one before anything
+# is written, turns each format's notes into Markdown drafts, names them (never over
+# anything: a taken name gets " 2"), rewrites the links between them, and writes each
+# note with one atomic create through the NoteStore, so the index, the history and the
+# change feed see it. A dry run stops before the writes and reports the same plan.
+
+IMPORT_KINDS = ("keep", "evernote", "notion", "obsidian", "joplin", "files", "notesvc")
+EXPORT_MANIFEST = "notesvc-export.json"
+BOMB_RATIO = 100  # an entry may expand to at most this many times its compressed size...
+BOMB_MIN_BYTES = 1 << 20  # ...once it expands past a mebibyte (smaller ones cannot harm)
+IMPORT_TEXT_TYPES = ("md", "markdown", "txt", "text")
+IMPORT_SYNC_NOTES = 500  # writes between two syncs of an import (and at least each second)
+_WINDOWS_NAMES = frozenset(
+    ["con", "prn", "aux", "nul"] + [f"{p}{n}" for p in ("com", "lpt") for n in range(1, 10)]
+)
+_NOTION_ID_RE = re.compile(r"\s+[0-9a-f]{32}$|\s+[0-9a-f]{8}(?:-[0-9a-f]{4}){3}-[0-9a-f]{12}$")
+_LINK_TOKEN_RE = re.compile("\x00([^\x00\x01]*)\x01([^\x00]*)\x00")
+_DRIVE_RE = re.compile(r"^[A-Za-z]:")
+
+
+def import_refused(message: str, status: int = 400) -> ApiError:
+    """An archive refused whole, before anything was written."""
+    return ApiError(status, STATUS_CODES[status], f"nothing was imported: {message}")
+
+
+def import_budget(packed: int, limit: int) -> int:
+    """Return the most an upload of `packed` bytes may expand to, all its entries together:
+    100 times its size (a mebibyte at least: smaller cannot harm), never over `limit`
+    (SERVICE_MAX_IMPORT_EXPANDED_BYTES)."""
+    return min(limit, max(BOMB_RATIO * packed, BOMB_MIN_BYTES))
+
+
+def import_too_big(total: int, packed: int, limit: int) -> ApiError:
+    """413 for a source whose entries declare `total` bytes, over import_budget()."""
+    if total > limit:
+        return import_refused(
+            f"the archive expands to more than {limit} bytes (SERVICE_MAX_IMPORT_EXPANDED_BYTES)",
+            413,
+        )
+    return import_refused(
+        f"the archive expands to {total} bytes, more than {BOMB_RATIO} times its "
+        f"{packed} bytes (a zip bomb?)",
+        413,
+    )
+
+
+def unreadable_archive_errors() -> tuple:
+    """What zipfile, tarfile and their decompressors raise on a damaged or hostile archive
+    (a name that differs from its local header, a bad CRC, truncated or undecodable data,
+    an unsupported method, an encrypted entry): each is 400 "not a readable ...", never 500."""
+    import tarfile
+    import zipfile
+
+    errors = [zipfile.BadZipFile, zipfile.LargeZipFile, tarfile.TarError, zlib.error]
+    errors += [EOFError, NotImplementedError, RuntimeError, struct.error, OSError, ValueError]
+    with contextlib.suppress(ImportError):
+        import lzma
+
+        errors.append(lzma.LZMAError)
+    return tuple(errors)
+
+
+def import_room(svc: Any, need: int) -> None:
+    """Refuse (507) an import that would leave the notes' disk with less free than
+    min(5 % of it, SERVICE_IMPORT_MIN_FREE_BYTES) once its `need` bytes are written."""
+    try:
+        disk = shutil.disk_usage(svc.config.root)
+    except OSError:
+        return
+    margin = min(disk.total * 5 // 100, svc.config.import_min_free_bytes)
+    if disk.free - need < margin:
+        raise import_refused(
+            f"it would write up to {need} bytes and leave less than {margin} bytes free on the "
+            f"notes' disk ({disk.free} free now; the margin is 5 % of the disk or "
+            "SERVICE_IMPORT_MIN_FREE_BYTES, whichever is less): free some space first",
+            507,
+        )
+
+
+def import_segment(name: str, fallback: str = "untitled") -> str:
+    """Return one path segment made safe from any name: no control, bidi, zero-width or
+    forbidden characters, no leading dot, no trailing dot or space, not a name Windows
+    reserves, at most 200 bytes.
+
+    >>> import_segment("CON"), import_segment("a/b: c?\\x07"), import_segment("...")
+    ('CON_', 'a b c', 'untitled')
+    """
+    name = unicodedata.normalize("NFC", name)
+    name = "".join(
+        " " if ord(ch) < 32 or 0x7F <= ord(ch) < 0xA0 or ch in _FORBIDDEN or ch == "/" else ch
+        for ch in name
+        if ch not in _BIDI_CONTROLS and ch not in _ZERO_WIDTH
+    )
+    name = " ".join(name.split()).lstrip(".").rstrip(". ")
+    while len(name.encode("utf-8")) > 200:
+        name = name[:-1].rstrip(". ")
+    if name.split(".")[0].casefold() in _WINDOWS_NAMES:
+        stem, dot, ext = name.partition(".")
+        name = f"{stem}_{dot}{ext}"
+    return name or fallback
+
+
+def link_token(target: str, fallback: str) -> str:
+    """Return a link's place-holder in a draft: replaced by the path `target` (a source
+    name) gets, relative to the note, or by `fallback` when the import holds no such file."""
+    return f"\x00{target}\x01{fallback}\x00"
+
+
+@dataclasses.dataclass
+class ImportEntry:
+    """One file of an import's source."""
+
+    name: str  # its path inside the source, `/`-separated, NFC
+    size: int  # as its header declares it: never more is read (see ImportSource)
+    open: Callable[[], Any]  # -> a binary file object
+    mtime: float | None = None
+    check: Callable[[], Any] | None = None  # -> its bytes and more, if it holds more (a zip's)
+
+
+class _CountedRead:
+    """An entry's bytes as they are read: one byte past its declared size refuses the
+    import (a header that lies about the size), so no entry gives more than it declared and
+    the whole source no more than the sum checked when it was opened."""
+
+    def __init__(self, entry: ImportEntry, f: Any):
+        self.entry, self.f, self.seen = entry, f, 0
+
+    def read(self, n: int = -1) -> bytes:
+        allowed = self.entry.size + 1 - self.seen
+        data = self.f.read(allowed if n is None or n < 0 else min(n, allowed))
+        self.seen += len(data)
+        if self.seen > self.entry.size:
+            raise import_refused(
+                f"{log_safe(self.entry.name, 120)} holds more than the {self.entry.size} bytes "
+                "its header declares (a zip bomb?)",
+                413,
+            )
+        return data
+
+    def close(self) -> None:
+        self.f.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+
+class _UnpackedTar:
+    """A compressed tar (gzip, bzip2, xz) as it unpacks, bounded like its members: the
+    headers tarfile reads whole into memory (a pax header, a GNU long name) count too, so
+    a few hundred packed bytes cannot become gigabytes. Past the import's budget (and a
+    mebibyte for the headers and padding), 413."""
+
+    def __init__(self, f: Any, bound: int, packed: int, limit: int):
+        self.f, self.bound, self.packed, self.limit = f, bound, packed, limit
+
+    @classmethod
+    def of(cls, file: Any, packed: int, budget: int, limit: int) -> Any:
+        """Return file itself when it is a plain tar, else its unpacking, bounded."""
+        head = file.read(6)
+        file.seek(0)
+        if head.startswith(b"\x1f\x8b"):
+            import gzip
+
+            unpacked = gzip.GzipFile(fileobj=file)
+        elif head.startswith(b"BZh"):
+            import bz2
+
+            unpacked = bz2.BZ2File(file)
+        elif head.startswith(b"\xfd7zXZ\x00"):
+            import lzma
+
+            unpacked = lzma.LZMAFile(file)  # noqa: SIM115 (closed by ImportSource.close)
+        else:
+            return file
+        return cls(unpacked, budget + BOMB_MIN_BYTES, packed, limit)
+
+    def _check(self) -> None:
+        at = self.f.tell()
+        if at > self.bound:
+            raise import_too_big(at, self.packed, self.limit)
+
+    def read(self, n: int = -1) -> bytes:
+        if n is None or n < 0:
+            n = self.bound + 1 - self.f.tell()
+        data = self.f.read(min(n, max(0, self.bound + 1 - self.f.tell())))
+        self._check()
+        return data
+
+    def seek(self, pos: int, whence: int = 0) -> int:
+        if whence == 0 and pos > self.bound:
+            raise import_too_big(pos, self.packed, self.limit)
+        at = self.f.seek(pos, whence)
+        self._check()
+        return at
+
+    def tell(self) -> int:
+        return self.f.tell()
+
+    def close(self) -> None:
+        self.f.close()
+
+
+class ImportSource:
+    """The files of a source (a folder, a zip or a tar), checked whole when opened: zip
+    slip, absolute names, drive letters, links and zip bombs refuse it (400 / 413) before
+    anything is read further, let alone written."""
+
+    def __init__(self, entries: list, kind_hint: str = "", closer: Callable | None = None):
+        for e in entries:
+            e.open = functools.partial(self._counted, e, e.open)
+        self.entries = entries
+        self.by_name = {e.name: e for e in entries}
+        self.kind_hint = kind_hint
+        self._closer = closer
+
+    @staticmethod
+    def _counted(entry: ImportEntry, opener: Callable) -> _CountedRead:
+        return _CountedRead(entry, opener())
+
+    def declared(self) -> int:
+        """Return the bytes its entries declare, together."""
+        return sum(e.size for e in self.entries)
+
+    def verify(self, what: str, progress: Callable | None = None) -> None:
+        """Read every entry once, to its end, before anything is written: an entry that is
+        not readable (S4: a name that differs from its local header, a bad CRC, truncated
+        data, an unsupported method, a password) refuses the source with 400, one that gives
+        more than its header declares with 413, in a dry run as in the import. `progress`
+        is called as an ImportPlan's is, with the entries read so far."""
+        import types
+
+        done = types.SimpleNamespace(read=0, created=0, attachments=0)
+        for e in self.entries:
+            try:
+                with _CountedRead(e, (e.check or e.open)()) as f:
+                    while f.read(BODY_CHUNK):
+                        if progress:
+                            progress(done)
+            except unreadable_archive_errors() as err:
+                raise import_refused(
+                    f"the file is not a readable {what} ({log_safe(e.name, 120)}: "
+                    f"{log_safe(str(err), 200) or type(err).__name__})"
+                ) from None
+            done.read += 1
+
+    def close(self) -> None:
+        if self._closer:
+            self._closer()
+
+    def read(self, entry: ImportEntry, limit: int | None = None) -> bytes:
+        with entry.open() as f:
+            data = f.read(-1 if limit is None else limit + 1)
+        if limit is not None and len(data) > limit:
+            raise ValueError(f"over {limit} bytes")
+        return data
+
+    @staticmethod
+    def clean_name(raw: str) -> str | None:
+        """Return an entry's name, None for a folder entry; raise when it leaves the source."""
+        name = unicodedata.normalize("NFC", raw.replace("\\", "/"))
+        if name.endswith("/"):
+            return None
+        if name.startswith("/") or _DRIVE_RE.match(name) or "\x00" in name:
+            raise import_refused(f"the archive names a file outside itself: {log_safe(raw, 120)}")
+        parts = [p for p in name.split("/") if p not in ("", ".")]
+        if ".." in parts:
+            raise import_refused(f"the archive names a file outside itself: {log_safe(raw, 120)}")
+        return "/".join(parts) or None
+
+    @classmethod
+    def from_zip(cls, file: Any, expanded_limit: int, packed: int) -> ImportSource:
+        """Open a zip of `packed` bytes: refused whole when an entry leaves it or is a link,
+        when two entries share bytes (one local file named by many central-directory
+        entries: a zip bomb), when an entry expands more than 100 times, or when all of
+        them together declare more than import_budget()."""
+        import copy
+        import zipfile
+
+        try:
+            zf = zipfile.ZipFile(file)
+            infos = zf.infolist()
+        except unreadable_archive_errors() as e:
+            raise import_refused(f"the file is not a readable zip ({e})") from None
+        entries, total = [], 0
+        for info in infos:
+            name = cls.clean_name(info.filename)
+            mode = info.external_attr >> 16
+            if stat.S_ISLNK(mode):
+                raise import_refused(
+                    f"the archive holds a symbolic link: {log_safe(info.filename, 120)}"
+                )
+            total += info.file_size
+            if total > expanded_limit:
+                raise import_too_big(total, packed, expanded_limit)
+            if info.file_size > BOMB_MIN_BYTES and info.file_size > BOMB_RATIO * max(
+                1, info.compress_size
+            ):
+                raise import_refused(
+                    f"{log_safe(info.filename, 120)} expands more than {BOMB_RATIO} times "
+                    "(a zip bomb?)",
+                    413,
+                )
+            if name is None or info.is_dir():
+                continue
+            mtime = None
+            with contextlib.suppress(ValueError, OverflowError):
+                mtime = time.mktime((*info.date_time, 0, 0, -1))
+            # verify() reads through a copy declaring a mebibyte more, so that zipfile (which
+            # stops at the declared size, then checks the CRC) gives the byte past it: a
+            # size that lies is then seen as what it is
+            wider = copy.copy(info)
+            wider.file_size += BOMB_MIN_BYTES
+            entries.append(
+                ImportEntry(
+                    name,
+                    info.file_size,
+                    functools.partial(zf.open, info),
+                    mtime,
+                    functools.partial(zf.open, wider),
+                )
+            )
+        if total > import_budget(packed, expanded_limit):
+            raise import_too_big(total, packed, expanded_limit)
+        cls._no_shared_bytes(file, infos)
+        return cls(entries, closer=zf.close)
+
+    @staticmethod
+    def _no_shared_bytes(file: Any, infos: list) -> None:
+        """Refuse a zip whose entries share bytes: each entry's local header and data,
+        [header_offset, end of its compressed data), read from the local header itself,
+        must overlap no other's."""
+        spans = []
+        for info in infos:
+            head = b""
+            if info.header_offset >= 0:  # < 0: a directory placed past where it is
+                file.seek(info.header_offset)
+                head = file.read(30)
+            if len(head) < 30 or head[:4] != b"PK\x03\x04":
+                raise import_refused(
+                    f"the file is not a readable zip ({log_safe(info.filename, 120)} has no "
+                    "local header where its directory entry points)"
+                )
+            name_len, extra_len = struct.unpack("<HH", head[26:30])
+            end = info.header_offset + 30 + name_len + extra_len + info.compress_size
+            spans.append((info.header_offset, end, info.filename))
+        spans.sort()
+        for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
+            if start < end:
+                raise import_refused(
+                    f"entries {log_safe(first, 80)} and {log_safe(second, 80)} share their "
+                    "bytes in the archive (a zip bomb?)",
+                    413,
+                )
+
+    @classmethod
+    def from_tar(cls, file: Any, expanded_limit: int, packed: int) -> ImportSource:
+        """Open a tar (a .jex; compressed ones too) of `packed` bytes, one header at a
+        time: its members' declared sizes (a sparse member's full size) together may not
+        pass import_budget(), checked before the next header is looked for."""
+        import tarfile
+
+        budget = import_budget(packed, expanded_limit)
+        try:
+            unpacked = _UnpackedTar.of(file, packed, budget, expanded_limit)
+            tf = tarfile.open(fileobj=unpacked, mode="r:")  # noqa: SIM115 (closed by close())
+        except unreadable_archive_errors() as e:
+            raise import_refused(f"the file is not a readable tar ({e})") from None
+        entries, total = [], 0
+        try:
+            for m in tf:
+                name = cls.clean_name(m.name)
+                if m.issym() or m.islnk():
+                    raise import_refused(f"the archive holds a link: {log_safe(m.name, 120)}")
+                total += m.size
+                if total > budget:
+                    raise import_too_big(total, packed, expanded_limit)
+                if name is None or m.isdir():
+                    continue
+                if not m.isfile():
+                    raise import_refused(
+                        f"the archive holds a device or a pipe: {log_safe(m.name, 120)}"
+                    )
+                entries.append(
+                    ImportEntry(name, m.size, functools.partial(tf.extractfile, m), m.mtime)
+                )
+        except unreadable_archive_errors() as e:
+            tf.close()
+            raise import_refused(f"the file is not a readable tar ({e})") from None
+        except ApiError:
+            tf.close()
+            raise
+
+        def close() -> None:
+            tf.close()
+            if unpacked is not file:  # a compressed tar: its unpacking too
+                unpacked.close()
+
+        return cls(entries, kind_hint="joplin", closer=close)
+
+    @classmethod
+    def from_folder(cls, folder: Path, skipped: list) -> ImportSource:
+        entries = []
+        for top, dirs, files in os.walk(folder):
+            dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+            for d in list(dirs):
+                if os.path.islink(os.path.join(top, d)):
+                    dirs.remove(d)
+                    skipped.append(_skip(_rel(folder, top, d), "a symbolic link (not followed)"))
+            for f in sorted(files):
+                full = os.path.join(top, f)
+                rel = _rel(folder, top, f)
+                if f.startswith("."):
+                    continue
+                if os.path.islink(full):
+                    skipped.append(_skip(rel, "a symbolic link (not followed)"))
+                    continue
+                st = os.stat(full)
+                if stat.S_ISREG(st.st_mode):
+                    opener = functools.partial(open, full, "rb")
+                    entries.append(ImportEntry(rel, st.st_size, opener, st.st_mtime))
+        return cls(entries, "obsidian" if (folder / ".obsidian").is_dir() else "")
+
+
+def _rel(folder: Path, top: str, name: str) -> str:
+    return unicodedata.normalize("NFC", os.path.relpath(os.path.join(top, name), folder)).replace(
+        os.sep, "/"
+    )
+
+
+def _skip(source: str, reason: str) -> dict:
+    return {"source": source, "reason": reason}
+
+
+def sniff_import(head: bytes, filename: str = "") -> str:
+    """Return what a single uploaded file holds: zip, tar, enex or keep (one .json)."""
+    lower = filename.lower()
+    if head.startswith((b"PK\x03\x04", b"PK\x05\x06")):
+        return "zip"
+    if head[257:262] == b"ustar" or lower.endswith((".jex", ".tar")):
+        return "tar"
+    text = head.lstrip(b"\xef\xbb\xbf \t\r\n")
+    if text.startswith(b"<") or lower.endswith(".enex"):
+        return "enex"
+    if text.startswith(b"{") or lower.endswith(".json"):
+        return "keep"
+    if lower.endswith((".md", ".txt", ".markdown")):
+        return "text"
+    raise import_refused("send a zip, an Evernote .enex, a Joplin .jex or a Keep .json", 415)
+
+
+def import_kind(source: ImportSource) -> str:
+    """Return which program made a source, from the names and shapes of its files."""
+    names = source.by_name
+    if EXPORT_MANIFEST in names:
+        return "notesvc"
+    if source.kind_hint:
+        return source.kind_hint
+    if any(n.endswith(".enex") for n in names):
+        return "evernote"
+    if any(n == ".obsidian" or n.startswith(".obsidian/") or "/.obsidian/" in n for n in names):
+        return "obsidian"
+    jsons = [n for n in names if n.endswith(".json")]
+    if any("/Keep/" in f"/{n}" for n in jsons):
+        return "keep"
+    notion = sum(
+        1 for n in names if _NOTION_ID_RE.search(posixpath.splitext(n.rsplit("/", 1)[-1])[0])
+    )
+    if notion and notion * 2 >= sum(1 for n in names if n.endswith((".md", ".csv"))):
+        return "notion"
+    for n in jsons[:3]:
+        with contextlib.suppress(Exception):
+            head = source.read(names[n], 1 << 20)
+            if b'"textContent"' in head or b'"listContent"' in head:
+                return "keep"
+    return "files"
+
+
+@dataclasses.dataclass
+class Draft:
+    """A note or a file on its way in."""
+
+    source: str  # its name in the source (the report's `source`)
+    want: str  # the path it would like (its final one, but for " 2")
+    text: Any = ""  # a note's Markdown (or a function reading it); links as link_token()s
+    open: Callable | None = None  # a file's bytes (None: a note)
+    size: int = 0
+    path: str = ""  # the path it gets
+
+
+class ImportPlan:
+    """Names the drafts (never over a note or file, nor over another draft), resolves the
+    links between them, and writes them (or, in a dry run, only counts)."""
+
+    def __init__(self, svc: Any, into: str, dry_run: bool, progress: Callable | None = None):
+        self.svc, self.into, self.dry_run = svc, into, dry_run
+        self.files_into = ATTACHMENTS + into[len(NOTES) :]
+        self.taken: set = set()  # casefolded paths given out in this import
+        self.by_source: dict = {}  # source name -> path it got
+        self.created = self.renamed = self.attachments = 0
+        self.skipped: list = []
+        self.progress = progress or (lambda plan: None)
+        self.max_note = svc.config.max_body_bytes
+        self.read = 0  # source files looked at so far (for progress lines)
+        self._synced, self._unsynced = time.monotonic(), 0
+
+    def writing(self):
+        """The context the writes happen in: flushed per batch, not per note (see
+        deferred_sync); a dry run writes nothing."""
+        return contextlib.nullcontext() if self.dry_run else deferred_sync()
+
+    def _wrote(self) -> None:
+        """Count one write; sync the batch every IMPORT_SYNC_NOTES writes or second."""
+        self._unsynced += 1
+        now = time.monotonic()
+        if self._unsynced >= IMPORT_SYNC_NOTES or now - self._synced >= 1.0:
+            sync_batch()
+            self._synced, self._unsynced = time.monotonic(), 0
+
+    def looked(self) -> None:
+        """Count one source file read while planning (progress before the first write)."""
+        self.read += 1
+        self.progress(self)
+
+    # -- naming ---------------------------------------------------------------------------
+
+    def _exists(self, path: str) -> bool:
+        return os.path.lexists(disk_path(self.svc.config.root, path))
+
+    @staticmethod
+    def _unfit(draft: Draft) -> str | None:
+        """Return why a named draft's path breaks a path rule (too long, say), or None."""
+        try:
+            if draft.path.startswith(ATTACHMENTS + "/"):
+                attachment_path(draft.path)
+            elif draft.open is not None:
+                note_file_path(draft.path)
+            else:
+                note_path(draft.path)
+        except ApiError as e:
+            return e.message
+        return None
+
+    def name(self, draft: Draft) -> str:
+        """Give the draft its path: the one it wants, else `<name> 2`, `<name> 3`..."""
+        folder, _, leaf = draft.want.rpartition("/")
+        stem, dot, ext = leaf.rpartition(".") if "." in leaf[1:] else (leaf, "", "")
+        for n in range(1, 10000):
+            tail = f" {n}" if n > 1 else ""
+            short = stem
+            while len(f"{short}{tail}{dot}{ext}".encode()) > MAX_SEGMENT_BYTES:
+                short = short[:-1]
+            path = f"{folder}/{short}{tail}{dot}{ext}"
+            if path.casefold() not in self.taken and not self._exists(path):
+                break
+        else:
+            raise ApiError(409, "CONFLICT", f"too many files named {leaf} in {folder}")
+        self.taken.add(path.casefold())
+        draft.path = path
+        self.by_source[draft.source] = path
+        if path != draft.want:
+            self.renamed += 1
+        return path
+
+    # -- links ----------------------------------------------------------------------------
+
+    def render(self, draft: Draft) -> str:
+        """Return a note's text with its link tokens made relative paths."""
+        here = posixpath.dirname(draft.path)
+
+        def link(m: re.Match) -> str:
+            target = self.by_source.get(m.group(1))
+            if target is None:
+                return m.group(2)
+            return urllib.parse.quote(posixpath.relpath(target, here), safe="/#")
+
+        return _LINK_TOKEN_RE.sub(link, draft.text)
+
+    # -- writing --------------------------------------------------------------------------
+
+    def add_file(self, draft: Draft) -> None:
+        """Write a named file draft (see name())."""
+        path = draft.path
+        unfit = self._unfit(draft)
+        if unfit:
+            self.skip(draft.source, unfit)
+            return
+        self.attachments += 1
+        if not self.dry_run:
+            store = self.svc.attachments if path.startswith(ATTACHMENTS) else self.svc.note_files
+
+            def copy(f) -> None:
+                with draft.open() as src:
+                    shutil.copyfileobj(src, f, BODY_CHUNK)
+
+            rec, _ = store.place(store.spool(copy), path, unique=True)
+            if rec["path"] != path:
+                self.by_source[draft.source] = rec["path"]
+            self._wrote()
+        self.progress(self)
+
+    def add_note(self, draft: Draft) -> None:
+        """Write a named note draft, its links resolved."""
+        if callable(draft.text):  # read only now: the plan holds names, not texts
+            draft.text = draft.text()
+        text = self.render(draft)
+        draft.text = ""
+        unfit = self._unfit(draft)
+        if len(text.encode("utf-8", "surrogatepass")) > self.max_note:
+            unfit = "over SERVICE_MAX_BODY_BYTES"
+        if unfit:
+            self.skip(draft.source, unfit)
+            return
+        self.created += 1
+        if not self.dry_run:
+            try:
+                self.svc.notes.create(draft.path, text)
+            except ApiError as e:  # taken since it was named: the next free name
+                if e.status_code != 409:
+                    raise
+                folder, leaf = draft.path.rsplit("/", 1)
+                self.svc.notes.create_named(folder, leaf[:-3], text)
+            self._wrote()
+        self.progress(self)
+
+    def skip(self, source: str, reason: str) -> None:
+        self.skipped.append(_skip(source, reason))
+
+    def report(self, kind: str) -> dict:
+        return {
+            "created": self.created,
+            "renamed": self.renamed,
+            "attachments": self.attachments,
+            "skipped": self.skipped,
+            "into": self.into,
+            "kind": kind,
+            "dryRun": self.dry_run,
+        }
+
+
+def _decode_text(data: bytes) -> str:
+    """Return a text file's text: UTF-8 (a BOM kept, as the bytes say), else Windows-1252."""
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError:
+        return data.decode("cp1252", "replace")
+
+
+def _front_matter(fields: dict) -> str:
+    """Return YAML front matter for what Markdown can't say ('' when there is nothing)."""
+    lines = []
+    for key, value in fields.items():
+        if value in (None, "", [], False):
+            continue
+        if isinstance(value, list):
+            items = ", ".join(json.dumps(v, ensure_ascii=False) for v in value)
+            lines.append(f"{key}: [{items}]")
+        elif value is True:
+            lines.append(f"{key}: true")
+        else:
+            lines.append(f"{key}: {json.dumps(str(value), ensure_ascii=False)}")
+    return "---\n" + "\n".join(lines) + "\n---\n" if lines else ""
+
+
+def _iso_or_none(seconds: Any) -> str | None:
+    try:
+        return iso(float(seconds)) if seconds else None
+    except (TypeError, ValueError, OverflowError, OSError):
+        return None

@@ -1,0 +1,300 @@
+"""The web client: one self-contained page, served by servers and relays alike."""
+
+from __future__ import annotations
+
+import base64
+import functools
+import hashlib
+import zlib
+from collections.abc import Iterable
+from pathlib import Path
+
+from notesvc.errors import to_json
+
+# == Web client =================================================================
+#
+# One self-contained page: inline CSS and JS (allowed by their hashes in the CSP), no
+# CDN, no build step. It uses only the public API. Data goes in as text nodes only.
+
+
+def web_source(name: str) -> str:
+    """Return the text of web/<name>. Only the package calls this: in notesvc.py the build
+    has put each file's text in place of its call. Installed, the files are the package's
+    assets (notesvc/assets/); in a checkout, web/ beside src/."""
+    here = Path(__file__).resolve()
+    for folder in (here.parent / "assets", here.parents[2] / "web"):
+        if (folder / name).is_file():
+            return (folder / name).read_text(encoding="utf-8")
+    raise FileNotFoundError(f"web/{name} is not installed beside {here.parent}")
+
+
+WEB_CSS = web_source("app.css")
+
+WEB_JS_START = web_source("core.js")
+
+PATHS_JS = web_source("paths.js")
+KEYS_JS = web_source("keys.js")
+MERGE_JS = web_source("merge.js")
+OUTBOX_JS = web_source("outbox.js")
+MARKDOWN_JS = web_source("markdown.js")
+ORDER_JS = web_source("order.js")
+AUTOSAVE_JS = web_source("autosave.js")
+DRAFTS_JS = web_source("drafts.js")
+
+WEB_JS_REST = web_source("app.js")
+
+WEB_GRANTS_JS = web_source("grants.js")
+WEB_OFFLINE_JS = web_source("offline.js")
+SW_JS = web_source("sw.js")
+WEB_DEVICES_JS = web_source("devices.js")
+WEB_TRANSFER_JS = web_source("transfer.js")
+
+# One script, in this order: core.js ("use strict", the page's state, storage and API),
+# the pure modules (paths.js, keys.js, merge.js, outbox.js, markdown.js, order.js,
+# autosave.js, drafts.js; node --test web/), app.js, grants.js, devices.js, transfer.js,
+# offline.js.
+WEB_JS = "".join(
+    (
+        WEB_JS_START,
+        PATHS_JS,
+        KEYS_JS,
+        MERGE_JS,
+        OUTBOX_JS,
+        MARKDOWN_JS,
+        ORDER_JS,
+        AUTOSAVE_JS,
+        DRAFTS_JS,
+        WEB_JS_REST,
+        WEB_GRANTS_JS,
+        WEB_DEVICES_JS,
+        WEB_TRANSFER_JS,
+        WEB_OFFLINE_JS,
+    )
+)
+
+WEB_PAGE = web_source("app.html")
+
+
+def _csp_hash(text: str) -> str:
+    return "'sha256-" + base64.b64encode(hashlib.sha256(text.encode()).digest()).decode() + "'"
+
+
+WEB_CSP = (
+    "default-src 'none'; "
+    f"script-src {_csp_hash(WEB_JS)}; style-src {_csp_hash(WEB_CSS)}; "
+    "connect-src 'self'; img-src 'self' data: blob:; media-src blob:; manifest-src 'self'; "
+    "worker-src 'self'; base-uri 'none'; "
+    "form-action 'none'; frame-ancestors 'none'"
+)
+
+# -- the app's manifest and icons: "Add to Home Screen" gives an app with its own icon ------
+
+WEB_ACCENT = "#0a58ca"
+WEB_ICON_SVG = f"""<svg xmlns="http://www.w3.org/2000/svg" viewBox="0 0 48 48">
+<rect width="48" height="48" rx="11" fill="{WEB_ACCENT}"/>
+<path d="M14 9h15l7 7v23H14z" fill="#fff"/><path d="M29 9v7h7" fill="#c9dcf7"/>
+<path d="M18 22h14M18 28h14M18 34h9" stroke="{WEB_ACCENT}" stroke-width="3"
+ stroke-linecap="round"/></svg>
+"""
+
+
+def _png(size: int, rows: Iterable[bytes]) -> bytes:
+    """Return an RGB PNG of size x size from its rows of pixels."""
+
+    def chunk(kind: bytes, data: bytes) -> bytes:
+        crc = zlib.crc32(kind + data).to_bytes(4, "big")
+        return len(data).to_bytes(4, "big") + kind + data + crc
+
+    head = size.to_bytes(4, "big") * 2 + bytes([8, 2, 0, 0, 0])  # 8-bit RGB
+    pixels = zlib.compress(b"".join(b"\x00" + row for row in rows), 9)
+    return (
+        b"\x89PNG\r\n\x1a\n" + chunk(b"IHDR", head) + chunk(b"IDAT", pixels) + chunk(b"IEND", b"")
+    )
+
+
+@functools.cache
+def web_icon_png(size: int) -> bytes:
+    """Return the icon of WEB_ICON_SVG as a size x size PNG, full-bleed (the sheet stays in
+    the middle 80%, a maskable icon's safe zone), painted in spans of colour, not pixels."""
+    blue, white, fold = bytes.fromhex(WEB_ACCENT[1:]), b"\xff\xff\xff", bytes.fromhex("c9dcf7")
+
+    def px(u: float) -> int:  # icon units (0-48) to pixels
+        return max(0, min(size, round(u / 48 * size)))
+
+    rows = []
+    for y in range(size):
+        v = (y + 0.5) / size * 48
+        spans = []  # (from, to, colour) in icon units, later ones painted over earlier ones
+        if 9 <= v < 39:
+            spans.append((14, 36 if v >= 16 else 29 + (v - 9), white))
+            if v < 16:
+                spans.append((29, 29 + (v - 9), fold))
+        for line_y, x0, x1 in ((22, 18, 32), (28, 18, 32), (34, 18, 27)):
+            if abs(v - line_y) < 1.5:
+                spans.append((x0 - 1.5, x1 + 1.5, blue))
+        row = bytearray(blue * size)
+        for u0, u1, colour in spans:
+            a, b = px(u0), px(u1)
+            row[a * 3 : b * 3] = colour * (b - a)
+        rows.append(bytes(row))
+    return _png(size, rows)
+
+
+def web_manifest() -> bytes:
+    """Return the web app manifest (paths relative to it, so it works under any prefix)."""
+    return to_json(
+        {
+            "name": "notesvc",
+            "short_name": "notesvc",
+            "description": "Your notes, on your own server",
+            "start_url": ".",
+            "scope": ".",
+            "display": "standalone",
+            # the share sheet (an installed app, in a secure context): its service worker
+            # takes the POST and keeps it for today's note (docs/api.md: phone)
+            "share_target": {
+                "action": "share-target",
+                "method": "POST",
+                "enctype": "multipart/form-data",
+                "params": {
+                    "title": "title",
+                    "text": "text",
+                    "url": "url",
+                    "files": [{"name": "image", "accept": ["image/*"]}],
+                },
+            },
+            "background_color": "#ffffff",
+            "theme_color": WEB_ACCENT,
+            "icons": [
+                {"src": "icon.svg", "sizes": "any", "type": "image/svg+xml"},
+                {"src": "icon-192.png", "sizes": "192x192", "type": "image/png"},
+                {"src": "icon-512.png", "sizes": "512x512", "type": "image/png"},
+                {
+                    "src": "icon-512.png",
+                    "sizes": "512x512",
+                    "type": "image/png",
+                    "purpose": "maskable",
+                },
+            ],
+        }
+    )
+
+
+# path -> (content type, a function giving the bytes): served by the app and by the relay
+WEB_ASSETS: dict = {
+    "/manifest.webmanifest": ("application/manifest+json", web_manifest),
+    "/icon.svg": ("image/svg+xml", lambda: WEB_ICON_SVG.encode("utf-8")),
+    "/icon-192.png": ("image/png", lambda: web_icon_png(192)),
+    "/icon-512.png": ("image/png", lambda: web_icon_png(512)),
+    "/apple-touch-icon.png": ("image/png", lambda: web_icon_png(180)),
+    # the service worker: a worker cannot be inline; its policy lets it fetch this origin
+    "/sw.js": ("text/javascript; charset=utf-8", lambda: SW_JS.encode("utf-8")),
+}
+
+
+def web_asset_headers(path: str) -> dict:
+    """Return the headers of a public asset: cacheable, typed, and inert if opened alone
+    (the service worker: checked for a new version at every start, allowed to fetch)."""
+    worker = path == "/sw.js"
+    return {
+        "Content-Type": WEB_ASSETS[path][0],
+        "Cache-Control": "no-cache" if worker else "public, max-age=86400",
+        "Content-Security-Policy": "default-src 'none'; connect-src 'self'"
+        if worker
+        else "default-src 'none'",
+        "X-Content-Type-Options": "nosniff",
+    }
+
+
+def web_client_page() -> str:
+    """Return the page: the same bytes on a server and on a relay."""
+    return WEB_PAGE.replace("{css}", WEB_CSS).replace("{js}", WEB_JS)
+
+
+def web_client_headers() -> dict:
+    """Return the headers that lock the page down (its CSP allows only its own hashes)."""
+    return {
+        "Content-Security-Policy": WEB_CSP,
+        "Referrer-Policy": "no-referrer",
+        "X-Frame-Options": "DENY",
+    }
+
+
+# -- the consent and share pages (docs/api.md: Let others in) --------------------------------------
+#
+# Small pages of their own, each with its CSP hashes. Both are static: a relay serves the
+# same bytes (never HTML forwarded from a server), and their scripts find the API beside
+# them on their own origin (/api/v1, or /r/<serverId>/api/v1 on a relay).
+
+PAGE_CSS = web_source("page.css")
+
+SHARE_JS = web_source("share.js")
+
+SHARE_PAGE = web_source("share.html")
+
+CONSENT_JS = web_source("consent.js")
+
+CONSENT_PAGE = web_source("consent.html")
+
+_SHARE_SCRIPT = '"use strict";\n' + MARKDOWN_JS + SHARE_JS
+
+
+def _page_csp(script: str) -> str:
+    return (
+        "default-src 'none'; "
+        f"script-src {_csp_hash(script)}; style-src {_csp_hash(PAGE_CSS)}; "
+        "connect-src 'self'; img-src 'self' data:; base-uri 'none'; "
+        "form-action 'none'; frame-ancestors 'none'"
+    )
+
+
+def consent_page() -> str:
+    """Return the OAuth consent page: the same bytes on a server and on a relay."""
+    return CONSENT_PAGE.replace("{css}", PAGE_CSS).replace("{js}", CONSENT_JS)
+
+
+def consent_page_headers() -> dict:
+    """Return the consent page's headers: it can never be framed, and sends no referrer."""
+    return {
+        "Content-Security-Policy": _page_csp(CONSENT_JS),
+        "Referrer-Policy": "no-referrer",
+        "X-Frame-Options": "DENY",
+        "X-Robots-Tag": "noindex, nofollow",
+        "Cache-Control": "no-store",
+    }
+
+
+def share_page() -> str:
+    """Return the read-only share page (the note itself is fetched by its script)."""
+    return SHARE_PAGE.replace("{css}", PAGE_CSS).replace("{js}", _SHARE_SCRIPT)
+
+
+def share_page_headers() -> dict:
+    return {
+        "Content-Security-Policy": _page_csp(_SHARE_SCRIPT),
+        "Referrer-Policy": "no-referrer",
+        "X-Frame-Options": "DENY",
+        "X-Robots-Tag": "noindex, nofollow",
+        "Cache-Control": "no-store",
+    }
+
+
+def shared_origin_page(page: str) -> str:
+    """Return a page marked for a relay's shared origin (a relay without a domain): its
+    script then keeps nothing in browser storage, since every server's page shares it."""
+    return page.replace('<html lang="en"', '<html lang="en" data-origin="shared"', 1)
+
+
+# -- the relay's own page (a relay with per-server origins opens no server on its host) --
+
+RELAY_LANDING_HTML = web_source("landing.html")
+RELAY_LANDING_CSS = RELAY_LANDING_HTML.split("<style>")[1].split("</style>")[0]
+RELAY_LANDING_PAGE = RELAY_LANDING_HTML.encode()
+RELAY_LANDING_HEADERS = {
+    "Content-Type": "text/html; charset=utf-8",
+    "Content-Security-Policy": f"default-src 'none'; style-src {_csp_hash(RELAY_LANDING_CSS)}; "
+    "frame-ancestors 'none'",
+    "X-Content-Type-Options": "nosniff",
+    "Referrer-Policy": "no-referrer",
+    "Cache-Control": "public, max-age=3600",
+}
