@@ -8957,47 +8957,41 @@ def _no_link_below(on_disk: Callable, top: str, path: str, what: str) -> None:
             raise not_found(f"no {what} at {path}")
 
 
-def visible_note(store: NoteStore, raw: Any, principal: Principal | None = None) -> str:
-    """Return a checked note path the request's grant may see: outside its folder 404.
+def _visible(raw: Any, check_path: Callable, top: str, on_disk: Callable, what: str) -> str:
+    """Return `check_path(raw)` for a grant that sees folder `top` ("" everything); 404
+    ("no <what> at ...") outside it.
 
-    The folder test comes first, so `..`, another folder's note by any encoding, or a
-    symbolic link that leads out of the folder all answer as if nothing were there.
+    The folder test comes first, so `..`, another folder's file by any encoding, or a
+    symbolic link that leads out of the folder all answer as if nothing were there; then
+    the path's own rules (400), then no symbolic link below `top` on disk.
     """
-    principal = principal or request_principal()
-    if not principal.folder:
-        return note_path(raw)
-    if _escapes(raw, principal.folder):
-        raise not_found(f"no note at {str(raw)[:MAX_PATH_CHARS]}")
-    path = note_path(raw)
-    _no_link_below(store.on_disk, principal.folder, path, "note")
+    if not top:
+        return check_path(raw)
+    if _escapes(raw, top):
+        raise not_found(f"no {what} at {str(raw)[:MAX_PATH_CHARS]}")
+    path = check_path(raw)
+    _no_link_below(on_disk, top, path, what)
     return path
+
+
+def visible_note(store: NoteStore, raw: Any, principal: Principal | None = None) -> str:
+    """Return a checked note path the request's grant may see: outside its folder 404."""
+    folder = (principal or request_principal()).folder
+    return _visible(raw, note_path, folder, store.on_disk, "note")
 
 
 def visible_attachment(store: Any, raw: Any, principal: Principal | None = None) -> str:
     """Return a checked attachment path the request's grant may see (its folder's match
     under attachments/); 404 outside it, as for notes."""
-    principal = principal or request_principal()
-    if not principal.folder:
-        return attachment_path(raw)
-    top = principal.attachments_folder
-    if _escapes(raw, top):
-        raise not_found(f"no attachment at {str(raw)[:MAX_PATH_CHARS]}")
-    path = attachment_path(raw)
-    _no_link_below(lambda p: store.base / p, top, path, "attachment")
-    return path
+    top = (principal or request_principal()).attachments_folder
+    return _visible(raw, attachment_path, top, lambda p: store.base / p, "attachment")
 
 
 def visible_note_file(store: Any, raw: Any, principal: Principal | None = None) -> str:
     """Return a checked path of a file beside the notes that the grant may see; 404 outside
     its folder, as for notes."""
-    principal = principal or request_principal()
-    if not principal.folder:
-        return note_file_path(raw)
-    if _escapes(raw, principal.folder):
-        raise not_found(f"no attachment at {str(raw)[:MAX_PATH_CHARS]}")
-    path = note_file_path(raw)
-    _no_link_below(lambda p: store.base / p, principal.folder, path, "attachment")
-    return path
+    folder = (principal or request_principal()).folder
+    return _visible(raw, note_file_path, folder, lambda p: store.base / p, "attachment")
 
 
 def visible_folder(

@@ -7423,6 +7423,53 @@ class TestFolderGrants:
         assert_error(member.get(note_url("notes/family/link/c.md"), status=404), 404, "NOT_FOUND")
         assert "notes/work" not in json.dumps(data(member.get(f"{API}/folders/tree")))
 
+    @pytest.mark.parametrize(
+        ("guard", "store", "inside", "outside", "bad", "what"),
+        [
+            ("visible_note", "notes", "notes/family/a.md", "notes/work/c.md", ".exe", "note"),
+            (
+                "visible_attachment",
+                "attachments",
+                "attachments/family/p.png",
+                "attachments/work/w.png",
+                ".exe",
+                "attachment",
+            ),
+            (
+                "visible_note_file",
+                "note_files",
+                "notes/family/i.png",
+                "notes/work/i.png",
+                ".exe",
+                "attachment",
+            ),
+        ],
+    )
+    def test_each_guard_checks_the_folder_then_the_path_then_links(
+        self, family, root, guard, store, inside, outside, bad, what
+    ):
+        owner, _ = family
+        svc = owner.app.service
+        check, where = getattr(notesvc, guard), getattr(svc, store)
+        member = notesvc.Principal("key", "write", "notes/family")
+        assert check(where, inside, member) == inside
+        assert check(where, outside, notesvc.OWNER) == outside
+        odd = outside.rsplit(".", 1)[0] + bad  # against the path's rules as well
+        for raw in (outside, odd, outside.replace("/work/", "/family/../work/"), None):
+            with pytest.raises(notesvc.ApiError) as e:
+                check(where, raw, member)
+            assert (e.value.status_code, e.value.message) == (404, f"no {what} at {raw}")
+        with pytest.raises(notesvc.ApiError) as e:  # inside: the path's own rules
+            check(where, inside.rsplit(".", 1)[0] + bad, member)
+        assert e.value.status_code == 400
+        top = inside.rsplit("/", 1)[0]
+        (root / top).mkdir(parents=True, exist_ok=True)
+        (root / top / "link").symlink_to(root / outside.rsplit("/", 1)[0])
+        linked = f"{top}/link/{outside.rsplit('/', 1)[1]}"
+        with pytest.raises(notesvc.ApiError) as e:
+            check(where, linked, member)
+        assert (e.value.status_code, e.value.message) == (404, f"no {what} at {linked}")
+
     def test_agent_sources_stay_inside(self, family):
         _, member = family
         d = data(member.post_json(f"{API}/agent/chat", {"message": "secret contract apple"}))
