@@ -24174,6 +24174,116 @@ class Route:
         return (API if self.api else "") + self.path
 
 
+# -- conditional GET and byte ranges: a file's download (attachments, WebDAV's GET) -------
+
+
+_RANGE_RE = re.compile(r"\s*bytes\s*=\s*(\d{0,19})\s*-\s*(\d{0,19})\s*")
+
+
+def byte_range(header: str, size: int) -> tuple | None:
+    """Return (first, last) of a single `bytes=` range within size bytes; None to send the
+    whole file (no range, several ranges, or one not understood); 416 when it is outside.
+
+    >>> byte_range("bytes=0-99", 1000), byte_range("bytes=-10", 1000), byte_range("bytes=9-", 10)
+    ((0, 99), (990, 999), (9, 9))
+    """
+    m = _RANGE_RE.fullmatch(header)
+    if not m or not (m.group(1) or m.group(2)):
+        return None
+    first, last = m.groups()
+    if not first:
+        start, end = max(0, size - int(last)), size - 1
+        if int(last) == 0:
+            start = size
+    else:
+        start = int(first)
+        end = min(int(last), size - 1) if last else size - 1
+        if last and int(last) < start:
+            return None
+    if start >= size:
+        raise ApiError(
+            416,
+            "VALIDATION_ERROR",
+            f"the range is outside the file's {size} bytes",
+            {"Content-Range": f"bytes */{size}"},
+        )
+    return start, end
+
+
+def content_disposition(path: str, content_type: str) -> str:
+    """Return the Content-Disposition of a download: inline only for types shown in place."""
+    kind = "inline" if shown_inline(content_type) else "attachment"
+    name = path.rsplit("/", 1)[-1]
+    plain = re.sub(r"[^A-Za-z0-9._ -]+", "_", name)
+    return f"{kind}; filename=\"{plain}\"; filename*=UTF-8''{urllib.parse.quote(name)}"
+
+
+def _file_chunks(f: Any, length: int):
+    try:
+        while length > 0:
+            chunk = f.read(min(BODY_CHUNK, length))
+            if not chunk:
+                return
+            length -= len(chunk)
+            yield chunk
+    finally:
+        f.close()
+
+
+def _none_match(header: str | None, etag: str, star_anywhere: bool = False) -> bool:
+    """Return whether an If-None-Match names `etag` (weakly or not) or is `*`; with
+    `star_anywhere`, a `*` anywhere in it matches too (as WebDAV's GET has always had it)."""
+    if not header:
+        return False
+    tags = {t.strip().removeprefix("W/") for t in header.split(",")}
+    return "*" in tags or etag in tags or (star_anywhere and "*" in header)
+
+
+def conditional_download(
+    etag: str,
+    size: int,
+    content_type: str,
+    path: str,
+    headers: tuple = (),
+    star_anywhere: bool = False,
+) -> tuple | None:
+    """Set the status and headers of a file's download (`size` bytes, `etag`); return
+    (first, length) of the bytes to send, or None for a 304 (no body).
+
+    If-None-Match naming the ETag (or `*`) is 304 with the ETag alone. Else one `bytes=`
+    Range, honoured when If-Range is absent or is this very ETag, is 206 with
+    Content-Range; a range past the end 416 (`Content-Range: bytes */size`); any other
+    Range, or a stale If-Range, the whole file (200). Either carries ETag, `headers`
+    (name, value pairs), Accept-Ranges, Content-Length, Content-Disposition and the
+    sandbox policy. If-Modified-Since is not looked at.
+    """
+    resp = bottle.response
+    if _none_match(request_header("If-None-Match"), etag, star_anywhere):
+        resp.status = 304
+        resp.set_header("ETag", etag)
+        return None
+    first, last, status = 0, size - 1, 200
+    wanted, if_range = request_header("Range"), request_header("If-Range")
+    if wanted and size and (if_range is None or if_range.strip() == etag):
+        found = byte_range(wanted, size)
+        if found:
+            (first, last), status = found, 206
+            resp.set_header("Content-Range", f"bytes {first}-{last}/{size}")
+    resp.status = status
+    resp.content_type = content_type
+    length = max(0, last - first + 1)
+    for name, value in (
+        ("ETag", etag),
+        *headers,
+        ("Accept-Ranges", "bytes"),
+        ("Content-Length", str(length)),
+        ("Content-Disposition", content_disposition(path, content_type)),
+        ("Content-Security-Policy", ATTACHMENT_CSP),
+    ):
+        resp.set_header(name, value)
+    return first, length
+
+
 # -- system ---------------------------------------------------------------------
 
 
@@ -24672,59 +24782,6 @@ def post_attachment(svc: Service) -> bytes:
     return _attachment_response(rec, 201)
 
 
-_RANGE_RE = re.compile(r"\s*bytes\s*=\s*(\d{0,19})\s*-\s*(\d{0,19})\s*")
-
-
-def byte_range(header: str, size: int) -> tuple | None:
-    """Return (first, last) of a single `bytes=` range within size bytes; None to send the
-    whole file (no range, several ranges, or one not understood); 416 when it is outside.
-
-    >>> byte_range("bytes=0-99", 1000), byte_range("bytes=-10", 1000), byte_range("bytes=9-", 10)
-    ((0, 99), (990, 999), (9, 9))
-    """
-    m = _RANGE_RE.fullmatch(header)
-    if not m or not (m.group(1) or m.group(2)):
-        return None
-    first, last = m.groups()
-    if not first:
-        start, end = max(0, size - int(last)), size - 1
-        if int(last) == 0:
-            start = size
-    else:
-        start = int(first)
-        end = min(int(last), size - 1) if last else size - 1
-        if last and int(last) < start:
-            return None
-    if start >= size:
-        raise ApiError(
-            416,
-            "VALIDATION_ERROR",
-            f"the range is outside the file's {size} bytes",
-            {"Content-Range": f"bytes */{size}"},
-        )
-    return start, end
-
-
-def content_disposition(path: str, content_type: str) -> str:
-    """Return the Content-Disposition of a download: inline only for types shown in place."""
-    kind = "inline" if shown_inline(content_type) else "attachment"
-    name = path.rsplit("/", 1)[-1]
-    plain = re.sub(r"[^A-Za-z0-9._ -]+", "_", name)
-    return f"{kind}; filename=\"{plain}\"; filename*=UTF-8''{urllib.parse.quote(name)}"
-
-
-def _file_chunks(f: Any, length: int):
-    try:
-        while length > 0:
-            chunk = f.read(min(BODY_CHUNK, length))
-            if not chunk:
-                return
-            length -= len(chunk)
-            yield chunk
-    finally:
-        f.close()
-
-
 def get_attachment(svc: Service, path: str):
     """The file's bytes, with ETag, Range, Content-Disposition and a sandbox policy. A path
     under notes/ is a file kept beside the notes (a vault's image, put there over WebDAV)."""
@@ -24736,35 +24793,13 @@ def get_attachment(svc: Service, path: str):
     f, st = store.open(path)
     try:
         rec = store.record(path, st)
-        etag, size, resp = rec["etag"], st.st_size, bottle.response
-        none_match = request_header("If-None-Match")
-        if none_match:
-            tags = {t.strip().removeprefix("W/") for t in none_match.split(",")}
-            if "*" in tags or etag in tags:
-                f.close()
-                resp.status = 304
-                resp.set_header("ETag", etag)
-                return b""
-        first, last, status = 0, size - 1, 200
-        if_range = request_header("If-Range")
-        wanted = request_header("Range")
-        if wanted and size and (if_range is None or if_range.strip() == etag):
-            found = byte_range(wanted, size)
-            if found:
-                (first, last), status = found, 206
-                resp.set_header("Content-Range", f"bytes {first}-{last}/{size}")
-        resp.status = status
-        resp.content_type = rec["contentType"]
-        for name, value in (
-            ("ETag", etag),
-            ("Accept-Ranges", "bytes"),
-            ("Content-Length", str(max(0, last - first + 1))),
-            ("Content-Disposition", content_disposition(path, rec["contentType"])),
-            ("Content-Security-Policy", ATTACHMENT_CSP),
-        ):
-            resp.set_header(name, value)
+        span = conditional_download(rec["etag"], st.st_size, rec["contentType"], path)
+        if span is None:  # 304
+            f.close()
+            return b""
+        first, length = span
         f.seek(first)
-        return _file_chunks(f, last - first + 1)
+        return _file_chunks(f, length)
     except BaseException:
         f.close()
         raise
@@ -27281,7 +27316,7 @@ def dav_get(svc: Service, dav: DavState, item: DavItem, ctx: dict):
                 "Allow": "OPTIONS, PROPFIND, PROPPATCH, DELETE, MKCOL, COPY, MOVE, LOCK, UNLOCK"
             },
         )
-    resp, data = bottle.response, None
+    data = None
     if item.is_note:  # read once: its ETag and its bytes are of the same version
         with open(item.file, "rb") as f:
             data = f.read()
@@ -27289,38 +27324,16 @@ def dav_get(svc: Service, dav: DavState, item: DavItem, ctx: dict):
     else:
         etag, size = attachment_etag(item.st), item.st.st_size
     kind = NOTE_TYPE if item.path.endswith(".md") else content_type_of(item.path)
-    none_match = request_header("If-None-Match")
-    if none_match and (
-        "*" in none_match or etag in {t.strip().removeprefix("W/") for t in none_match.split(",")}
-    ):
-        resp.status = 304
-        resp.set_header("ETag", etag)
+    modified = (("Last-Modified", _http_date(item.st.st_mtime)),)
+    span = conditional_download(etag, size, kind, item.path, modified, star_anywhere=True)
+    if span is None or ctx["method"] == "HEAD":
         return b""
-    first, last, status = 0, size - 1, 200
-    wanted, if_range = request_header("Range"), request_header("If-Range")
-    if wanted and size and (if_range is None or if_range.strip() == etag):
-        found = byte_range(wanted, size)
-        if found:
-            (first, last), status = found, 206
-            resp.set_header("Content-Range", f"bytes {first}-{last}/{size}")
-    resp.status = status
-    resp.content_type = kind
-    for name, value in (
-        ("ETag", etag),
-        ("Last-Modified", _http_date(item.st.st_mtime)),
-        ("Accept-Ranges", "bytes"),
-        ("Content-Length", str(max(0, last - first + 1))),
-        ("Content-Disposition", content_disposition(item.path, kind)),
-        ("Content-Security-Policy", ATTACHMENT_CSP),
-    ):
-        resp.set_header(name, value)
-    if ctx["method"] == "HEAD":
-        return b""
+    first, length = span
     if data is not None:
-        return data[first : last + 1]
+        return data[first : first + length]
     f = open(item.file, "rb")  # noqa: SIM115 - closed by _file_chunks
     f.seek(first)
-    return _file_chunks(f, last - first + 1)
+    return _file_chunks(f, length)
 
 
 def dav_put(svc: Service, dav: DavState, item: DavItem, ctx: dict):
