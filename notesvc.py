@@ -18674,6 +18674,208 @@ if (typeof module !== "undefined") {
 }
 """[1:]
 # --- end web/markdown.js ---
+# --- begin web/order.js ---
+ORDER_JS = r"""
+// -- the order of lists (pure: no page; node --test web/) -----------------------------------
+// The server orders the recent list (newest first) and the tree (folders, then notes, by
+// name); the copy on this device (offline) is ordered the same way here. [[Name]] and
+// ![[file]] name the first of their name in path order, as the server resolves them.
+const noteOrder = (() => {
+  // Newest first by `modified` (ISO 8601 strings: their order is their time's); a new list.
+  function newestFirst(notes) {
+    return notes
+      .slice()
+      .sort((a, b) => (a.modified < b.modified ? 1 : a.modified > b.modified ? -1 : 0));
+  }
+
+  // A folder's listing (as GET /folders/tree?depth=1 has it) from every note path: its
+  // folders (each with how many notes it holds, at any depth), then its notes, by name.
+  function folderListing(paths, folder) {
+    const folders = new Map();
+    const notes = [];
+    for (const path of paths) {
+      if (!path.startsWith(folder + "/")) continue;
+      const rest = path.slice(folder.length + 1).split("/");
+      if (rest.length === 1) notes.push({type: "note", name: rest[0], path});
+      else folders.set(rest[0], (folders.get(rest[0]) || 0) + 1);
+    }
+    const byName = (a, b) => a.name.localeCompare(b.name);
+    const dirs = [...folders].map(([name, count]) => ({
+      type: "folder",
+      name,
+      path: folder + "/" + name,
+      count,
+    }));
+    return {children: [...dirs.sort(byName), ...notes.sort(byName)]};
+  }
+
+  // The first path (in path order) of each name: name(path), in lower case -> path.
+  function firstOfEachName(paths, name) {
+    const first = new Map();
+    for (const path of paths.slice().sort()) {
+      const key = name(path).toLowerCase();
+      if (!first.has(key)) first.set(key, path);
+    }
+    return first;
+  }
+
+  return {newestFirst, folderListing, firstOfEachName};
+})();
+
+if (typeof module !== "undefined") module.exports = noteOrder;
+"""[1:]
+# --- end web/order.js ---
+# --- begin web/autosave.js ---
+AUTOSAVE_JS = r"""
+// -- autosave: when the open note is saved (pure: no page, no timers; node --test web/) -----
+// A second after the last keystroke, or every 3 s while typing goes on, never more than one
+// request a second; a failed save is tried again, less and less often. A new note waits for
+// its first line to be finished (or five quiet seconds): that line names it. As the page
+// hides, a small note goes out at once (a request that outlives the page); a large one waits
+// in this browser, as its draft, for the next visit. Times are in milliseconds.
+const saveTiming = (() => {
+  // Whether a new note's first line is still being written.
+  function naming(blank, text) {
+    return blank && !/\S[^\n]*\n/.test(text);
+  }
+
+  // How long to wait before saving, `now`: typing began at dirtySince (unsaved since), the
+  // last save started at lastSave.
+  function wait(now, dirtySince, lastSave, isNaming) {
+    const due = isNaming ? 5000 : Math.min(1000, dirtySince + 3000 - now);
+    return Math.max(due, lastSave + 1000 - now, 0);
+  }
+
+  // How long to wait after the n-th failure in a row (n >= 1).
+  function retry(failures) {
+    return Math.min(60000, 5000 * failures);
+  }
+
+  // As the page hides: whether the text also goes to the server now (it is always kept as
+  // the draft). Not when nothing is unsaved, no note is open or a new one is being written,
+  // a save is on its way (its base would be stale), the text is over 64 KiB (a request that
+  // outlives the page is limited), or the key is not the one kept for this server.
+  function sendsAsThePageHides(o) {
+    if (!o.dirty || !o.path || o.blank || o.writes) return false;
+    return o.bytes <= 64 * 1024 && !!o.key && o.keyBase === o.base;
+  }
+
+  return {naming, wait, retry, sendsAsThePageHides};
+})();
+
+if (typeof module !== "undefined") module.exports = saveTiming;
+"""[1:]
+# --- end web/autosave.js ---
+# --- begin web/drafts.js ---
+DRAFTS_JS = r"""
+// -- drafts: what this browser keeps of unsaved text (pure: no page, no storage; node --test web/)
+// A draft is {content, etag, at}, kept in localStorage under key(base, name): `etag` is the
+// version the text started from (none for a new note), `at` when it was kept. A note's draft
+// is named by its path; a note not created yet has one draft, named NEW_NOTE. The page reads
+// and writes the storage; this says under which name, in what form, and when.
+const drafts = (() => {
+  const NEW_NOTE = "(new note)";
+
+  function key(base, name) {
+    return "notesvc.draft:" + base + "|" + name;
+  }
+
+  // The open note's draft name: NEW_NOTE while a new note is written, else its path (none
+  // when no note is open).
+  function nameFor(blank, path) {
+    return blank ? NEW_NOTE : path;
+  }
+
+  // What is kept: the stored text of a draft (no etag: a new note, or a copy's).
+  function record(content, etag, at) {
+    return JSON.stringify({content, etag, at});
+  }
+
+  // The stored text read back: a draft, or null (none, or not readable).
+  function parse(text) {
+    try {
+      return JSON.parse(text || "null");
+    } catch (e) {
+      return null;
+    }
+  }
+
+  // As the page keeps the open note's text (typing stopped, the page hides or closes, a save
+  // failed): "keep" unsaved text as its draft; "drop" the draft of a note that is saved; ""
+  // leaves the storage as it is: a new note's draft goes only when the server made the note,
+  // and with no key what the copy on this device left as drafts stays.
+  function onKeep(name, dirty, blank, hasKey) {
+    if (!name) return "";
+    if (dirty) return "keep";
+    return !blank && hasKey ? "drop" : "";
+  }
+
+  // A note opened with a draft: "restore" the draft when it holds other text than the note,
+  // "drop" it when it holds the same, "" when there is none.
+  function onOpen(draft, saved) {
+    if (draft && draft.content !== saved) return "restore";
+    return draft ? "drop" : "";
+  }
+
+  // A new note started: its draft comes back when it holds any words.
+  function restoresNew(draft) {
+    return !!(draft && draft.content.trim());
+  }
+
+  // What the page says of a note's draft that is back (etag: the note's version now).
+  function notice(draft, etag) {
+    const moved = draft.etag && draft.etag !== etag;
+    return (
+      "Your unsaved draft from " +
+      new Date(draft.at).toLocaleString() +
+      " is back." +
+      (moved ? " The note has changed since then." : "")
+    );
+  }
+
+  // ... and of a new note's.
+  function newNotice(draft) {
+    return "Your new note from " + new Date(draft.at).toLocaleString() + " is back.";
+  }
+
+  // The outbox let go (its key refused): each unsent edit of a note becomes that note's
+  // draft; the new notes and shared text become one new note's draft, after what that draft
+  // held (`old`). Resolves to {notes: [[path, record]], newNote: record or null}.
+  function fromOutbox(items, old, at) {
+    const notes = [];
+    const loose = [];
+    for (const item of items || []) {
+      if (item.kind === "save") {
+        notes.push([item.path, record(item.content, item.base, at)]);
+      } else if (item.kind === "create") {
+        loose.push(item.content);
+      } else if (item.text && !item.ask) {
+        loose.push(item.text);
+      }
+    }
+    if (!loose.length) return {notes, newNote: null};
+    if (old) loose.unshift(old.content);
+    return {notes, newNote: record(loose.join("\n\n"), undefined, at)};
+  }
+
+  return {
+    NEW_NOTE,
+    key,
+    nameFor,
+    record,
+    parse,
+    onKeep,
+    onOpen,
+    restoresNew,
+    notice,
+    newNotice,
+    fromOutbox,
+  };
+})();
+
+if (typeof module !== "undefined") module.exports = drafts;
+"""[1:]
+# --- end web/drafts.js ---
 
 # --- begin web/app.js ---
 WEB_JS_REST = r"""
@@ -18815,18 +19017,13 @@ async function findAttachment(name, from) {
   if (!attachmentNames || Date.now() - attachmentNamesAt > 60000) {
     attachmentNamesAt = Date.now();
     attachmentNames = (async () => {
-      const names = new Map();
       const paths = [];
       for (let offset = 0; offset < 20000; offset += 1000) {
         const {data} = await api("GET", "/attachments?limit=1000&offset=" + offset);
         paths.push(...data.attachments.map((x) => x.path));
         if (offset + 1000 >= data.total) break;
       }
-      for (const p of paths.sort()) {
-        const key = fileName(p).toLowerCase();
-        if (!names.has(key)) names.set(key, p);
-      }
-      return names;
+      return noteOrder.firstOfEachName(paths, fileName);
     })();
   }
   const names = await attachmentNames.catch(() => new Map());
@@ -18873,12 +19070,9 @@ async function openWiki(name, from) {
     return openNote((target.startsWith("notes/") ? target : "notes/" + target) + ".md");
   }
   const {data} = await api("GET", "/search?limit=100&q=" + enc(target.replace(/["*()-]/g, " ")));
-  const want = target.toLowerCase();
-  const found = data.results
-    .map((h) => h.path)
-    .filter((p) => nameOf(p).toLowerCase() === want)
-    .sort();
-  if (found.length) return openNote(found[0]);
+  const paths = data.results.map((h) => h.path);
+  const found = noteOrder.firstOfEachName(paths, nameOf).get(target.toLowerCase());
+  if (found) return openNote(found);
   const guess = (from ? folderOf(from) : "notes") + "/" + target + ".md";
   for (const path of new Set([guess, "notes/" + target + ".md"])) {
     try {
@@ -18964,31 +19158,22 @@ function updateDirty() {
   $("save").classList.toggle("clean", !dirty());
 }
 
-// A note not created yet keeps its draft under this name (one at a time).
-const NEW_NOTE = "(new note)";
+// Drafts on this device (web/drafts.js): a note not created yet keeps its draft under
+// NEW_NOTE (one at a time).
+const NEW_NOTE = drafts.NEW_NOTE;
 function draftKey(path) {
-  return "notesvc.draft:" + state.base + "|" + path;
+  return drafts.key(state.base, path);
 }
-const draftName = () => (state.blank ? NEW_NOTE : state.path);
+const draftName = () => drafts.nameFor(state.blank, state.path);
 function readDraft(path) {
-  try {
-    return JSON.parse(getItem("local", draftKey(path)) || "null");
-  } catch (e) {
-    return null;
-  }
+  return drafts.parse(getItem("local", draftKey(path)));
 }
 function keepDraft() {
   const name = draftName();
-  if (!name) return;
-  if (dirty()) {
-    setItem(
-      "local",
-      draftKey(name),
-      JSON.stringify({content: editor().value, etag: state.etag, at: Date.now()}),
-    );
-  } else if (!state.blank && state.key) {
-    // saved: no draft (a new note's goes when it is created; with no key, what the copy
-    // on this device left as drafts stays)
+  const step = drafts.onKeep(name, dirty(), state.blank, !!state.key);
+  if (step === "keep") {
+    setItem("local", draftKey(name), drafts.record(editor().value, state.etag, Date.now()));
+  } else if (step === "drop") {
     removeItem("local", draftKey(name));
   }
 }
@@ -19088,18 +19273,15 @@ async function openNote(path, opts) {
   await featuresRead.catch(() => {}); // its embeds are shown as what this server offers
   showNote(data);
   const draft = readDraft(data.path);
-  if (draft && draft.content !== state.saved) {
+  const step = drafts.onOpen(draft, state.saved);
+  if (step === "restore") {
     editor().value = draft.content;
     state.etag = draft.etag || data.etag; // a save meets the conflict if the note moved on
-    $("draft-text").textContent =
-      "Your unsaved draft from " +
-      new Date(draft.at).toLocaleString() +
-      " is back." +
-      (draft.etag && draft.etag !== data.etag ? " The note has changed since then." : "");
+    $("draft-text").textContent = drafts.notice(draft, data.etag);
     $("draft").hidden = false;
     setEditing(true);
   } else {
-    if (draft) dropDraft();
+    if (step === "drop") dropDraft();
     setEditing(!!opts.edit);
   }
   updateDirty();
@@ -19301,7 +19483,7 @@ async function clashed(err, path, sent) {
       try {
         await api("PUT", "/notes/" + enc(err.conflictPath), {content: fromEditor(now)});
       } catch (e) {
-        setItem("local", draftKey(err.path), JSON.stringify({content: now, at: Date.now()}));
+        setItem("local", draftKey(err.path), drafts.record(now, undefined, Date.now()));
       }
     }
     await openNote(err.path);
@@ -19353,10 +19535,8 @@ function scheduleSave() {
   clearTimeout(saveTimer);
   const now = Date.now();
   if (!dirtySince) dirtySince = now;
-  const naming = state.blank && !/\S[^\n]*\n/.test(editor().value);
-  let wait = naming ? 5000 : Math.min(1000, dirtySince + 3000 - now);
-  wait = Math.max(wait, lastSave + 1000 - now, 0);
-  saveTimer = setTimeout(autosave, wait);
+  const naming = saveTiming.naming(state.blank, editor().value);
+  saveTimer = setTimeout(autosave, saveTiming.wait(now, dirtySince, lastSave, naming));
 }
 let saveFailures = 0;
 async function autosave() {
@@ -19376,19 +19556,25 @@ async function autosave() {
     $("status").className = "bad";
     if (saveFailures === 1 && !unreachable(e) && e.status !== 401) toast(e.message, true);
     clearTimeout(saveTimer);
-    saveTimer = setTimeout(autosave, Math.min(60000, 5000 * saveFailures));
+    saveTimer = setTimeout(autosave, saveTiming.retry(saveFailures));
     return;
   }
   if (dirty()) scheduleSave(); // typed on meanwhile
 }
 function saveAsThePageHides() {
-  // (a save on its way would make this one's base stale: the draft waits for the next visit)
-  if (!dirty() || !state.path || state.blank || state.writes) return keepDraft();
   const content = editor().value;
-  if (new Blob([content]).size > 64 * 1024 || !state.key || state.keyBase !== state.base) {
-    return keepDraft();
-  }
-  keepDraft(); // until the next visit sees it saved
+  const send = saveTiming.sendsAsThePageHides({
+    dirty: dirty(),
+    path: state.path,
+    blank: state.blank,
+    writes: state.writes,
+    bytes: new Blob([content]).size,
+    key: state.key,
+    keyBase: state.keyBase,
+    base: state.base,
+  });
+  keepDraft(); // either way: until the next visit sees it saved
+  if (!send) return;
   fetch(state.base + "/notes/" + enc(state.path) + "/merge", {
     method: "POST",
     keepalive: true,
@@ -19479,10 +19665,9 @@ async function newNote() {
   $("title").textContent = "New note";
   $("path").textContent = "The first line is its title";
   const draft = readDraft(NEW_NOTE);
-  if (draft && draft.content.trim()) {
+  if (drafts.restoresNew(draft)) {
     editor().value = draft.content; // written here before and never saved: it is back
-    $("draft-text").textContent =
-      "Your new note from " + new Date(draft.at).toLocaleString() + " is back.";
+    $("draft-text").textContent = drafts.newNotice(draft);
     $("draft").hidden = false;
   }
   setEditing(true);
@@ -20895,8 +21080,7 @@ async function mirrorDrop(path) {
   await stored("notes", "readwrite", (s) => s.delete(path));
 }
 async function mirrorRecent(limit) {
-  const all = await mirrorAll();
-  all.sort((a, b) => (a.modified < b.modified ? 1 : a.modified > b.modified ? -1 : 0));
+  const all = noteOrder.newestFirst(await mirrorAll());
   return all.slice(0, limit).map((n) => ({
     ...n,
     preview: plainSnippet((n.content || "").split("\n").slice(1).join(" ")).slice(0, 160),
@@ -20905,22 +21089,8 @@ async function mirrorRecent(limit) {
 
 // The tree of a folder, from the copy (as GET /folders/tree?depth=1 has it).
 async function mirrorTree(folder) {
-  const folders = new Map();
-  const notes = [];
-  for (const n of await mirrorAll()) {
-    if (!n.path.startsWith(folder + "/")) continue;
-    const rest = n.path.slice(folder.length + 1).split("/");
-    if (rest.length === 1) notes.push({type: "note", name: rest[0], path: n.path});
-    else folders.set(rest[0], (folders.get(rest[0]) || 0) + 1);
-  }
-  const byName = (a, b) => a.name.localeCompare(b.name);
-  const dirs = [...folders].map(([name, count]) => ({
-    type: "folder",
-    name,
-    path: folder + "/" + name,
-    count,
-  }));
-  return {children: [...dirs.sort(byName), ...notes.sort(byName)]};
+  const paths = (await mirrorAll()).map((n) => n.path);
+  return noteOrder.folderListing(paths, folder);
 }
 
 async function loadOutbox() {
@@ -21029,8 +21199,7 @@ async function sendWaiting() {
         // refused for good (too large, no longer allowed): out of the queue, and said; an
         // edit of a note stays in this browser as its draft
         if (item.kind === "save") {
-          const draft = {content: item.content, etag: item.base, at: Date.now()};
-          setItem("local", draftKey(item.path), JSON.stringify(draft));
+          setItem("local", draftKey(item.path), drafts.record(item.content, item.base, Date.now()));
         }
         toast("Could not send a change kept on this device: " + e.message, true);
         answer = null;
@@ -21258,23 +21427,9 @@ async function forgetOffline() {
   removeItem("local", "notesvc.offline");
   removeItem("local", "notesvc.offlineKey");
   const items = await stored("meta", "readonly", (s) => s.get("outbox")); // (unread: kept)
-  const loose = [];
-  for (const item of items || []) {
-    if (item.kind === "save") {
-      const draft = {content: item.content, etag: item.base, at: Date.now()};
-      setItem("local", draftKey(item.path), JSON.stringify(draft));
-    } else if (item.kind === "create") {
-      loose.push(item.content);
-    } else if (item.text && !item.ask) {
-      loose.push(item.text);
-    }
-  }
-  if (loose.length) {
-    const old = readDraft(NEW_NOTE);
-    if (old) loose.unshift(old.content);
-    const draft = {content: loose.join("\n\n"), at: Date.now()};
-    setItem("local", draftKey(NEW_NOTE), JSON.stringify(draft));
-  }
+  const kept = drafts.fromOutbox(items, readDraft(NEW_NOTE), Date.now());
+  for (const [path, draft] of kept.notes) setItem("local", draftKey(path), draft);
+  if (kept.newNote) setItem("local", draftKey(NEW_NOTE), kept.newNote);
   await wipeOffline();
   removeItem("local", "notesvc.wipe");
 }
@@ -22102,8 +22257,9 @@ wireTransfer();
 # --- end web/transfer.js ---
 
 # One script, in this order: core.js ("use strict", the page's state, storage and API),
-# the pure modules (paths.js, keys.js, merge.js, outbox.js, markdown.js; node --test web/),
-# app.js, grants.js, devices.js, transfer.js, offline.js.
+# the pure modules (paths.js, keys.js, merge.js, outbox.js, markdown.js, order.js,
+# autosave.js, drafts.js; node --test web/), app.js, grants.js, devices.js, transfer.js,
+# offline.js.
 WEB_JS = "".join(
     (
         WEB_JS_START,
@@ -22112,6 +22268,9 @@ WEB_JS = "".join(
         MERGE_JS,
         OUTBOX_JS,
         MARKDOWN_JS,
+        ORDER_JS,
+        AUTOSAVE_JS,
+        DRAFTS_JS,
         WEB_JS_REST,
         WEB_GRANTS_JS,
         WEB_DEVICES_JS,

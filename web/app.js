@@ -136,18 +136,13 @@ async function findAttachment(name, from) {
   if (!attachmentNames || Date.now() - attachmentNamesAt > 60000) {
     attachmentNamesAt = Date.now();
     attachmentNames = (async () => {
-      const names = new Map();
       const paths = [];
       for (let offset = 0; offset < 20000; offset += 1000) {
         const {data} = await api("GET", "/attachments?limit=1000&offset=" + offset);
         paths.push(...data.attachments.map((x) => x.path));
         if (offset + 1000 >= data.total) break;
       }
-      for (const p of paths.sort()) {
-        const key = fileName(p).toLowerCase();
-        if (!names.has(key)) names.set(key, p);
-      }
-      return names;
+      return noteOrder.firstOfEachName(paths, fileName);
     })();
   }
   const names = await attachmentNames.catch(() => new Map());
@@ -194,12 +189,9 @@ async function openWiki(name, from) {
     return openNote((target.startsWith("notes/") ? target : "notes/" + target) + ".md");
   }
   const {data} = await api("GET", "/search?limit=100&q=" + enc(target.replace(/["*()-]/g, " ")));
-  const want = target.toLowerCase();
-  const found = data.results
-    .map((h) => h.path)
-    .filter((p) => nameOf(p).toLowerCase() === want)
-    .sort();
-  if (found.length) return openNote(found[0]);
+  const paths = data.results.map((h) => h.path);
+  const found = noteOrder.firstOfEachName(paths, nameOf).get(target.toLowerCase());
+  if (found) return openNote(found);
   const guess = (from ? folderOf(from) : "notes") + "/" + target + ".md";
   for (const path of new Set([guess, "notes/" + target + ".md"])) {
     try {
@@ -285,31 +277,22 @@ function updateDirty() {
   $("save").classList.toggle("clean", !dirty());
 }
 
-// A note not created yet keeps its draft under this name (one at a time).
-const NEW_NOTE = "(new note)";
+// Drafts on this device (web/drafts.js): a note not created yet keeps its draft under
+// NEW_NOTE (one at a time).
+const NEW_NOTE = drafts.NEW_NOTE;
 function draftKey(path) {
-  return "notesvc.draft:" + state.base + "|" + path;
+  return drafts.key(state.base, path);
 }
-const draftName = () => (state.blank ? NEW_NOTE : state.path);
+const draftName = () => drafts.nameFor(state.blank, state.path);
 function readDraft(path) {
-  try {
-    return JSON.parse(getItem("local", draftKey(path)) || "null");
-  } catch (e) {
-    return null;
-  }
+  return drafts.parse(getItem("local", draftKey(path)));
 }
 function keepDraft() {
   const name = draftName();
-  if (!name) return;
-  if (dirty()) {
-    setItem(
-      "local",
-      draftKey(name),
-      JSON.stringify({content: editor().value, etag: state.etag, at: Date.now()}),
-    );
-  } else if (!state.blank && state.key) {
-    // saved: no draft (a new note's goes when it is created; with no key, what the copy
-    // on this device left as drafts stays)
+  const step = drafts.onKeep(name, dirty(), state.blank, !!state.key);
+  if (step === "keep") {
+    setItem("local", draftKey(name), drafts.record(editor().value, state.etag, Date.now()));
+  } else if (step === "drop") {
     removeItem("local", draftKey(name));
   }
 }
@@ -409,18 +392,15 @@ async function openNote(path, opts) {
   await featuresRead.catch(() => {}); // its embeds are shown as what this server offers
   showNote(data);
   const draft = readDraft(data.path);
-  if (draft && draft.content !== state.saved) {
+  const step = drafts.onOpen(draft, state.saved);
+  if (step === "restore") {
     editor().value = draft.content;
     state.etag = draft.etag || data.etag; // a save meets the conflict if the note moved on
-    $("draft-text").textContent =
-      "Your unsaved draft from " +
-      new Date(draft.at).toLocaleString() +
-      " is back." +
-      (draft.etag && draft.etag !== data.etag ? " The note has changed since then." : "");
+    $("draft-text").textContent = drafts.notice(draft, data.etag);
     $("draft").hidden = false;
     setEditing(true);
   } else {
-    if (draft) dropDraft();
+    if (step === "drop") dropDraft();
     setEditing(!!opts.edit);
   }
   updateDirty();
@@ -622,7 +602,7 @@ async function clashed(err, path, sent) {
       try {
         await api("PUT", "/notes/" + enc(err.conflictPath), {content: fromEditor(now)});
       } catch (e) {
-        setItem("local", draftKey(err.path), JSON.stringify({content: now, at: Date.now()}));
+        setItem("local", draftKey(err.path), drafts.record(now, undefined, Date.now()));
       }
     }
     await openNote(err.path);
@@ -674,10 +654,8 @@ function scheduleSave() {
   clearTimeout(saveTimer);
   const now = Date.now();
   if (!dirtySince) dirtySince = now;
-  const naming = state.blank && !/\S[^\n]*\n/.test(editor().value);
-  let wait = naming ? 5000 : Math.min(1000, dirtySince + 3000 - now);
-  wait = Math.max(wait, lastSave + 1000 - now, 0);
-  saveTimer = setTimeout(autosave, wait);
+  const naming = saveTiming.naming(state.blank, editor().value);
+  saveTimer = setTimeout(autosave, saveTiming.wait(now, dirtySince, lastSave, naming));
 }
 let saveFailures = 0;
 async function autosave() {
@@ -697,19 +675,25 @@ async function autosave() {
     $("status").className = "bad";
     if (saveFailures === 1 && !unreachable(e) && e.status !== 401) toast(e.message, true);
     clearTimeout(saveTimer);
-    saveTimer = setTimeout(autosave, Math.min(60000, 5000 * saveFailures));
+    saveTimer = setTimeout(autosave, saveTiming.retry(saveFailures));
     return;
   }
   if (dirty()) scheduleSave(); // typed on meanwhile
 }
 function saveAsThePageHides() {
-  // (a save on its way would make this one's base stale: the draft waits for the next visit)
-  if (!dirty() || !state.path || state.blank || state.writes) return keepDraft();
   const content = editor().value;
-  if (new Blob([content]).size > 64 * 1024 || !state.key || state.keyBase !== state.base) {
-    return keepDraft();
-  }
-  keepDraft(); // until the next visit sees it saved
+  const send = saveTiming.sendsAsThePageHides({
+    dirty: dirty(),
+    path: state.path,
+    blank: state.blank,
+    writes: state.writes,
+    bytes: new Blob([content]).size,
+    key: state.key,
+    keyBase: state.keyBase,
+    base: state.base,
+  });
+  keepDraft(); // either way: until the next visit sees it saved
+  if (!send) return;
   fetch(state.base + "/notes/" + enc(state.path) + "/merge", {
     method: "POST",
     keepalive: true,
@@ -800,10 +784,9 @@ async function newNote() {
   $("title").textContent = "New note";
   $("path").textContent = "The first line is its title";
   const draft = readDraft(NEW_NOTE);
-  if (draft && draft.content.trim()) {
+  if (drafts.restoresNew(draft)) {
     editor().value = draft.content; // written here before and never saved: it is back
-    $("draft-text").textContent =
-      "Your new note from " + new Date(draft.at).toLocaleString() + " is back.";
+    $("draft-text").textContent = drafts.newNotice(draft);
     $("draft").hidden = false;
   }
   setEditing(true);

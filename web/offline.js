@@ -68,8 +68,7 @@ async function mirrorDrop(path) {
   await stored("notes", "readwrite", (s) => s.delete(path));
 }
 async function mirrorRecent(limit) {
-  const all = await mirrorAll();
-  all.sort((a, b) => (a.modified < b.modified ? 1 : a.modified > b.modified ? -1 : 0));
+  const all = noteOrder.newestFirst(await mirrorAll());
   return all.slice(0, limit).map((n) => ({
     ...n,
     preview: plainSnippet((n.content || "").split("\n").slice(1).join(" ")).slice(0, 160),
@@ -78,22 +77,8 @@ async function mirrorRecent(limit) {
 
 // The tree of a folder, from the copy (as GET /folders/tree?depth=1 has it).
 async function mirrorTree(folder) {
-  const folders = new Map();
-  const notes = [];
-  for (const n of await mirrorAll()) {
-    if (!n.path.startsWith(folder + "/")) continue;
-    const rest = n.path.slice(folder.length + 1).split("/");
-    if (rest.length === 1) notes.push({type: "note", name: rest[0], path: n.path});
-    else folders.set(rest[0], (folders.get(rest[0]) || 0) + 1);
-  }
-  const byName = (a, b) => a.name.localeCompare(b.name);
-  const dirs = [...folders].map(([name, count]) => ({
-    type: "folder",
-    name,
-    path: folder + "/" + name,
-    count,
-  }));
-  return {children: [...dirs.sort(byName), ...notes.sort(byName)]};
+  const paths = (await mirrorAll()).map((n) => n.path);
+  return noteOrder.folderListing(paths, folder);
 }
 
 async function loadOutbox() {
@@ -202,8 +187,7 @@ async function sendWaiting() {
         // refused for good (too large, no longer allowed): out of the queue, and said; an
         // edit of a note stays in this browser as its draft
         if (item.kind === "save") {
-          const draft = {content: item.content, etag: item.base, at: Date.now()};
-          setItem("local", draftKey(item.path), JSON.stringify(draft));
+          setItem("local", draftKey(item.path), drafts.record(item.content, item.base, Date.now()));
         }
         toast("Could not send a change kept on this device: " + e.message, true);
         answer = null;
@@ -431,23 +415,9 @@ async function forgetOffline() {
   removeItem("local", "notesvc.offline");
   removeItem("local", "notesvc.offlineKey");
   const items = await stored("meta", "readonly", (s) => s.get("outbox")); // (unread: kept)
-  const loose = [];
-  for (const item of items || []) {
-    if (item.kind === "save") {
-      const draft = {content: item.content, etag: item.base, at: Date.now()};
-      setItem("local", draftKey(item.path), JSON.stringify(draft));
-    } else if (item.kind === "create") {
-      loose.push(item.content);
-    } else if (item.text && !item.ask) {
-      loose.push(item.text);
-    }
-  }
-  if (loose.length) {
-    const old = readDraft(NEW_NOTE);
-    if (old) loose.unshift(old.content);
-    const draft = {content: loose.join("\n\n"), at: Date.now()};
-    setItem("local", draftKey(NEW_NOTE), JSON.stringify(draft));
-  }
+  const kept = drafts.fromOutbox(items, readDraft(NEW_NOTE), Date.now());
+  for (const [path, draft] of kept.notes) setItem("local", draftKey(path), draft);
+  if (kept.newNote) setItem("local", draftKey(NEW_NOTE), kept.newNote);
   await wipeOffline();
   removeItem("local", "notesvc.wipe");
 }
