@@ -17615,7 +17615,7 @@ async function connect(typed) {
         throw e;
       }
     }
-    applyGrant(v.data.grant); // a scoped key: only what it may do
+    grants.applyGrant(v.data.grant); // a scoped key: only what it may do
     if (!v.data.setupComplete && !v.data.grant && v.data.linkHere !== false) {
       // Not asked away from the server and its home network (linkHere false; the link
       // would be 403): the key still works, and setup waits for the server's own `pair`
@@ -19327,7 +19327,7 @@ function setEditing(on) {
 }
 
 function renderView() {
-  const onTask = writable() ? toggleTask : null; // a read key ticks nothing
+  const onTask = grants.writable() ? toggleTask : null; // a read key ticks nothing
   const view = renderMarkdown(editor().value, {from: state.path, onTask});
   $("view").replaceChildren(...view.childNodes);
 }
@@ -19883,7 +19883,7 @@ async function showHistory() {
           {class: "actions"},
           el("button", {type: "button", onclick: changes}, "Changes"),
           el("button", {type: "button", onclick: view}, "View"),
-          writable() ? el("button", {type: "button", onclick: restore}, "Restore") : null,
+          grants.writable() ? el("button", {type: "button", onclick: restore}, "Restore") : null,
         ),
       ),
     );
@@ -19952,7 +19952,7 @@ async function showTrash() {
         "span",
         {class: "actions"},
         item.path.endsWith(".md") ? el("button", {type: "button", onclick: view}, "View") : null,
-        writable() ? el("button", {type: "button", onclick: restore}, "Restore") : null,
+        grants.writable() ? el("button", {type: "button", onclick: restore}, "Restore") : null,
         state.grant
           ? null
           : el(
@@ -20181,9 +20181,11 @@ async function readFeatures() {
   }
   $("menu-trash").hidden = !features.history;
   $("history").hidden = !features.history;
-  $("attach").hidden = !features.attachments || !writable();
+  $("attach").hidden = !features.attachments || !grants.writable();
   $("photo").hidden =
-    !features.attachments || !writable() || !matchMedia("(pointer: coarse)").matches; // a camera
+    !features.attachments ||
+    !grants.writable() ||
+    !matchMedia("(pointer: coarse)").matches; // a camera
 }
 
 // -- search ----------------------------------------------------------------------------------
@@ -20429,7 +20431,7 @@ async function start() {
     } catch (e) {
       closeNote();
     }
-  } else if (readDraft(NEW_NOTE) && writable()) {
+  } else if (readDraft(NEW_NOTE) && grants.writable()) {
     await newNote(); // a new note that was never saved: its text is back
   }
   if (NARROW.matches) {
@@ -20519,7 +20521,7 @@ function wire() {
   editor().addEventListener("input", () => {
     updateDirty();
     scheduleDraft();
-    if (writable()) scheduleSave();
+    if (grants.writable()) scheduleSave();
   });
   editor().addEventListener("focus", () => $("app").classList.add("typing"));
   editor().addEventListener("blur", () => $("app").classList.remove("typing"));
@@ -20673,339 +20675,353 @@ WEB_GRANTS_JS = r"""
 // The API key holds every scope, and so does an admin device; a scoped key (or a folder
 // key or device) sees only what it may use: a read key gets no editing, a folder key only
 // its folder (the server filters the rest).
+// One name, grants: what the other files call (writable, applyGrant, shownOnce, showKeys).
 
-function writable() {
-  return !state.grant || state.grant.scope !== "read";
-}
-
-function ownerLike() {
-  return !state.grant || (state.grant.scope === "admin" && !state.grant.folder);
-}
-
-function applyGrant(grant) {
-  state.grant = grant || null;
-  const owner = ownerLike();
-  const write = writable();
-  for (const id of ["edit", "save", "new", "empty-new", "menu-new", "move", "delete"]) {
-    $(id).hidden = !write;
+const grants = (() => {
+  function writable() {
+    return !state.grant || state.grant.scope !== "read";
   }
-  const daily = owner || !state.grant.folder || state.grant.folder === "notes/daily";
-  $("app").querySelector(".capture").hidden = !write || !daily; // today's note is notes/daily
-  $("menu-keys").hidden = !owner;
-  $("menu-telegram").hidden = !owner;
-  $("menu-import").hidden = !write;
-  $("share").hidden = !write;
-  if (!write) {
-    $("attach").hidden = true;
-    $("photo").hidden = true;
+
+  function ownerLike() {
+    return !state.grant || (state.grant.scope === "admin" && !state.grant.folder);
   }
-  $("app").dataset.scope = state.grant ? state.grant.scope : "admin";
-  if (state.grant && state.grant.folder) $("app").dataset.folder = state.grant.folder;
-}
 
-// Copy: the Clipboard API where the page is a secure context, else (plain HTTP on a home
-// network) the selection and the browser's copy command.
-async function copyText(text, what, field) {
-  try {
-    await navigator.clipboard.writeText(text);
-    toast(what + " copied");
-    return;
-  } catch (e) {
-    /* no Clipboard API here: the selection instead */
+  function applyGrant(grant) {
+    state.grant = grant || null;
+    const owner = ownerLike();
+    const write = writable();
+    for (const id of ["edit", "save", "new", "empty-new", "menu-new", "move", "delete"]) {
+      $(id).hidden = !write;
+    }
+    const daily = owner || !state.grant.folder || state.grant.folder === "notes/daily";
+    $("app").querySelector(".capture").hidden = !write || !daily; // today's note is notes/daily
+    $("menu-keys").hidden = !owner;
+    $("menu-telegram").hidden = !owner;
+    $("menu-import").hidden = !write;
+    $("share").hidden = !write;
+    if (!write) {
+      $("attach").hidden = true;
+      $("photo").hidden = true;
+    }
+    $("app").dataset.scope = state.grant ? state.grant.scope : "admin";
+    if (state.grant && state.grant.folder) $("app").dataset.folder = state.grant.folder;
   }
-  const box = field || el("textarea", {class: "offscreen", readonly: true, "aria-hidden": "true"});
-  if (!field) {
-    box.value = text;
-    ($("dlg").open ? $("dlg") : document.body).append(box);
+
+  // Copy: the Clipboard API where the page is a secure context, else (plain HTTP on a home
+  // network) the selection and the browser's copy command.
+  async function copyText(text, what, field) {
+    try {
+      await navigator.clipboard.writeText(text);
+      toast(what + " copied");
+      return;
+    } catch (e) {
+      /* no Clipboard API here: the selection instead */
+    }
+    const box =
+      field || el("textarea", {class: "offscreen", readonly: true, "aria-hidden": "true"});
+    if (!field) {
+      box.value = text;
+      ($("dlg").open ? $("dlg") : document.body).append(box);
+    }
+    box.focus();
+    box.select();
+    let done = false;
+    try {
+      done = document.execCommand("copy");
+    } catch (e) {
+      done = false;
+    }
+    if (!field) box.remove();
+    if (done) toast(what + " copied");
+    else toast("Select it and copy it yourself: this browser did not allow copying", true);
   }
-  box.focus();
-  box.select();
-  let done = false;
-  try {
-    done = document.execCommand("copy");
-  } catch (e) {
-    done = false;
+
+  function shownOnce(label, value, id) {
+    const input = el("input", {type: "text", id, readonly: true, spellcheck: "false"});
+    input.value = value;
+    input.addEventListener("focus", () => input.select());
+    return el(
+      "div",
+      {class: "once"},
+      el("label", {for: id}, label),
+      input,
+      el("button", {type: "button", onclick: () => copyText(value, label, input)}, "Copy"),
+    );
   }
-  if (!field) box.remove();
-  if (done) toast(what + " copied");
-  else toast("Select it and copy it yourself: this browser did not allow copying", true);
-}
 
-function shownOnce(label, value, id) {
-  const input = el("input", {type: "text", id, readonly: true, spellcheck: "false"});
-  input.value = value;
-  input.addEventListener("focus", () => input.select());
-  return el(
-    "div",
-    {class: "once"},
-    el("label", {for: id}, label),
-    input,
-    el("button", {type: "button", onclick: () => copyText(value, label, input)}, "Copy"),
-  );
-}
+  const SCOPE_TEXT = {admin: "everything", write: "read and write", read: "read only"};
 
-const SCOPE_TEXT = {admin: "everything", write: "read and write", read: "read only"};
+  // Who made a grant or a share link (its createdBy): the owner, the command line on the
+  // server, or a grant (an admin device) by id, named when it is still listed. Null (made
+  // before this was recorded) says nothing.
+  function madeByText(by, names) {
+    if (!by) return "";
+    if (by === "owner") return "made by you";
+    if (by === "cli") return "made on the server";
+    return names.has(by) ? "made by “" + names.get(by) + "”" : "made by a revoked device";
+  }
 
-// Who made a grant or a share link (its createdBy): the owner, the command line on the
-// server, or a grant (an admin device) by id, named when it is still listed. Null (made
-// before this was recorded) says nothing.
-function madeByText(by, names) {
-  if (!by) return "";
-  if (by === "owner") return "made by you";
-  if (by === "cli") return "made on the server";
-  return names.has(by) ? "made by “" + names.get(by) + "”" : "made by a revoked device";
-}
-
-// The grants g made, and those they made in turn (what a cascade revoke takes with it).
-function madeBy(id, grants) {
-  const found = new Set([id]);
-  const made = [];
-  for (let more = true; more; ) {
-    more = false;
-    for (const g of grants) {
-      if (g.createdBy && found.has(g.createdBy) && !found.has(g.id)) {
-        found.add(g.id);
-        made.push(g);
-        more = true;
+  // The grants g made, and those they made in turn (what a cascade revoke takes with it).
+  function madeBy(id, grants) {
+    const found = new Set([id]);
+    const made = [];
+    for (let more = true; more; ) {
+      more = false;
+      for (const g of grants) {
+        if (g.createdBy && found.has(g.createdBy) && !found.has(g.id)) {
+          found.add(g.id);
+          made.push(g);
+          more = true;
+        }
       }
     }
+    return made;
   }
-  return made;
-}
 
-function grantRow(g, list, grants, names) {
-  const made = madeBy(g.id, grants);
-  const what = [
-    SCOPE_TEXT[g.scope] || g.scope,
-    g.folder ? "only " + g.folder : "all notes",
-    g.expiresAt ? "expires " + when(g.expiresAt) : "never expires",
-    g.lastUsedAt ? "used " + ago(g.lastUsedAt) : "never used",
-    madeByText(g.createdBy, names),
-    made.length ? "made " + made.length + " listed here" : "",
-  ].filter(Boolean);
-  const revoke = act(async () => {
-    const text = [
-      g.kind === "oauth"
-        ? "This app is disconnected at once; it must ask you again to come back."
-        : g.kind === "device"
-          ? "This device is signed out at once, and the share links and unused pairing " +
-            "codes it made end."
-          : "This key stops working at once, and the share links it made end.",
-    ];
-    const buttons = [
-      ["cancel", "Cancel"],
-      ["revoke", "Revoke", made.length ? null : "danger"],
-    ];
-    if (made.length) {
-      text.push(
+  function grantRow(g, list, grants, names) {
+    const made = madeBy(g.id, grants);
+    const what = [
+      SCOPE_TEXT[g.scope] || g.scope,
+      g.folder ? "only " + g.folder : "all notes",
+      g.expiresAt ? "expires " + when(g.expiresAt) : "never expires",
+      g.lastUsedAt ? "used " + ago(g.lastUsedAt) : "never used",
+      madeByText(g.createdBy, names),
+      made.length ? "made " + made.length + " listed here" : "",
+    ].filter(Boolean);
+    const revoke = act(async () => {
+      const text = [
+        g.kind === "oauth"
+          ? "This app is disconnected at once; it must ask you again to come back."
+          : g.kind === "device"
+            ? "This device is signed out at once, and the share links and unused pairing " +
+              "codes it made end."
+            : "This key stops working at once, and the share links it made end.",
+      ];
+      const buttons = [
+        ["cancel", "Cancel"],
+        ["revoke", "Revoke", made.length ? null : "danger"],
+      ];
+      if (made.length) {
+        text.push(
+          el(
+            "p",
+            {id: "revoke-made"},
+            "It made " +
+              made.length +
+              (made.length === 1 ? " key, device or app" : " keys, devices or apps") +
+              " that keep working unless you revoke them too: " +
+              made.map((m) => "“" + m.name + "”").join(", ") +
+              ".",
+          ),
+        );
+        buttons.push(["cascade", "Also revoke the " + made.length + " it made", "danger"]);
+      }
+      const sure = await choose("Revoke “" + g.name + "”?", text, buttons);
+      if (sure === "revoke") await api("DELETE", "/auth/keys/" + enc(g.id));
+      if (sure === "cascade") await api("DELETE", "/auth/keys/" + enc(g.id) + "?cascade=true");
+      await showKeys();
+    });
+    list.append(
+      el(
+        "li",
+        {"data-grant": g.id},
         el(
-          "p",
-          {id: "revoke-made"},
-          "It made " +
-            made.length +
-            (made.length === 1 ? " key, device or app" : " keys, devices or apps") +
-            " that keep working unless you revoke them too: " +
-            made.map((m) => "“" + m.name + "”").join(", ") +
-            ".",
+          "span",
+          {},
+          el("strong", {}, g.name),
+          el("small", {class: "muted"}, " · " + what.join(" · ")),
         ),
-      );
-      buttons.push(["cascade", "Also revoke the " + made.length + " it made", "danger"]);
+        el(
+          "span",
+          {class: "actions"},
+          el("button", {type: "button", class: "danger", onclick: revoke}, "Revoke"),
+        ),
+      ),
+    );
+  }
+
+  async function showKeys(made) {
+    const [{data}, shares] = await Promise.all([api("GET", "/auth/keys"), api("GET", "/shares")]);
+    const keys = el("ul", {class: "list", id: "keys-list"});
+    const apps = el("ul", {class: "list", id: "connections-list"});
+    const devices = el("ul", {class: "list", id: "devices-list"});
+    const names = new Map(data.keys.map((g) => [g.id, g.name]));
+    for (const g of data.keys) {
+      const list = g.kind === "oauth" ? apps : g.kind === "device" ? devices : keys;
+      grantRow(g, list, data.keys, names);
     }
-    const sure = await choose("Revoke “" + g.name + "”?", text, buttons);
-    if (sure === "revoke") await api("DELETE", "/auth/keys/" + enc(g.id));
-    if (sure === "cascade") await api("DELETE", "/auth/keys/" + enc(g.id) + "?cascade=true");
-    await showKeys();
-  });
-  list.append(
-    el(
+    if (!keys.children.length) keys.append(el("li", {class: "muted"}, "No scoped keys yet."));
+    if (!devices.children.length) devices.append(el("li", {class: "muted"}, "No device yet."));
+    if (!apps.children.length) {
+      apps.append(el("li", {class: "muted"}, "No app is connected (Claude, ChatGPT…)."));
+    }
+    const links = el("ul", {class: "list", id: "shares-list"});
+    for (const s of shares.data.shares) links.append(shareRow(s, showKeys, names));
+    if (!links.children.length) links.append(el("li", {class: "muted"}, "No share links."));
+    const name = el("input", {type: "text", id: "key-name", placeholder: "family tablet"});
+    const scope = el(
+      "select",
+      {id: "key-scope"},
+      el("option", {value: "read"}, "read only"),
+      el("option", {value: "write"}, "read and write"),
+    );
+    const folder = el("input", {type: "text", id: "key-folder", placeholder: "notes/family"});
+    const days = el(
+      "select",
+      {id: "key-days"},
+      el("option", {value: "30"}, "in 30 days"),
+      el("option", {value: "365"}, "in a year"),
+      el("option", {value: ""}, "never"),
+    );
+    const create = act(async () => {
+      const body = {name: name.value.trim() || "key", scope: scope.value};
+      let f = folder.value.trim().replace(/\/+$/, "");
+      if (f) body.folder = f.startsWith("notes") ? f : "notes/" + f.replace(/^\/+/, "");
+      if (days.value) body.expiresInDays = Number(days.value);
+      const r = await api("POST", "/auth/keys", body);
+      await showKeys(r.data);
+    });
+    const form = el(
+      "div",
+      {class: "new-key"},
+      el("h3", {}, "New key"),
+      el("label", {for: "key-name"}, "Name"),
+      name,
+      el("label", {for: "key-scope"}, "It may"),
+      scope,
+      el("label", {for: "key-folder"}, "Only this folder (optional)"),
+      folder,
+      el("label", {for: "key-days"}, "Expires"),
+      days,
+      el("button", {type: "button", id: "key-create", class: "primary", onclick: create}, "Create"),
+    );
+    const body = [];
+    if (made) {
+      body.push(
+        el("p", {class: "warn"}, "Copy the new key now: it is shown this once."),
+        shownOnce("Key “" + made.name + "”", made.key, "new-key"),
+      );
+    }
+    body.push(
+      el("h3", {}, "Devices"),
+      devices,
+      el(
+        "div",
+        {class: "row"},
+        el(
+          "button",
+          {
+            type: "button",
+            id: "add-device",
+            class: "primary",
+            onclick: act(() => addDevice(false)),
+          },
+          "Add a device",
+        ),
+        el(
+          "button",
+          {type: "button", id: "add-folder", onclick: act(() => addDevice(true))},
+          "Give someone a folder",
+        ),
+      ),
+      el("h3", {}, "Keys"),
+      keys,
+      el("h3", {}, "Connected apps"),
+      apps,
+      el("h3", {}, "Share links"),
+      links,
+      form,
+    );
+    await dialog("Keys and devices", body, [["cancel", "Close"]]);
+  }
+
+  function shareRow(s, after, names) {
+    const revoke = act(async () => {
+      await api("DELETE", "/shares/" + enc(s.id));
+      toast("The link no longer opens " + nameOf(s.path));
+      await after();
+    });
+    return el(
       "li",
-      {"data-grant": g.id},
+      {"data-share": s.id},
       el(
         "span",
         {},
-        el("strong", {}, g.name),
-        el("small", {class: "muted"}, " · " + what.join(" · ")),
+        nameOf(s.path),
+        el(
+          "small",
+          {class: "muted"},
+          " · expires " + when(s.expiresAt),
+          names && s.createdBy ? " · " + madeByText(s.createdBy, names) : "",
+        ),
       ),
       el(
         "span",
         {class: "actions"},
         el("button", {type: "button", class: "danger", onclick: revoke}, "Revoke"),
       ),
-    ),
-  );
-}
-
-async function showKeys(made) {
-  const [{data}, shares] = await Promise.all([api("GET", "/auth/keys"), api("GET", "/shares")]);
-  const keys = el("ul", {class: "list", id: "keys-list"});
-  const apps = el("ul", {class: "list", id: "connections-list"});
-  const devices = el("ul", {class: "list", id: "devices-list"});
-  const names = new Map(data.keys.map((g) => [g.id, g.name]));
-  for (const g of data.keys) {
-    const list = g.kind === "oauth" ? apps : g.kind === "device" ? devices : keys;
-    grantRow(g, list, data.keys, names);
-  }
-  if (!keys.children.length) keys.append(el("li", {class: "muted"}, "No scoped keys yet."));
-  if (!devices.children.length) devices.append(el("li", {class: "muted"}, "No device yet."));
-  if (!apps.children.length) {
-    apps.append(el("li", {class: "muted"}, "No app is connected (Claude, ChatGPT…)."));
-  }
-  const links = el("ul", {class: "list", id: "shares-list"});
-  for (const s of shares.data.shares) links.append(shareRow(s, showKeys, names));
-  if (!links.children.length) links.append(el("li", {class: "muted"}, "No share links."));
-  const name = el("input", {type: "text", id: "key-name", placeholder: "family tablet"});
-  const scope = el(
-    "select",
-    {id: "key-scope"},
-    el("option", {value: "read"}, "read only"),
-    el("option", {value: "write"}, "read and write"),
-  );
-  const folder = el("input", {type: "text", id: "key-folder", placeholder: "notes/family"});
-  const days = el(
-    "select",
-    {id: "key-days"},
-    el("option", {value: "30"}, "in 30 days"),
-    el("option", {value: "365"}, "in a year"),
-    el("option", {value: ""}, "never"),
-  );
-  const create = act(async () => {
-    const body = {name: name.value.trim() || "key", scope: scope.value};
-    let f = folder.value.trim().replace(/\/+$/, "");
-    if (f) body.folder = f.startsWith("notes") ? f : "notes/" + f.replace(/^\/+/, "");
-    if (days.value) body.expiresInDays = Number(days.value);
-    const r = await api("POST", "/auth/keys", body);
-    await showKeys(r.data);
-  });
-  const form = el(
-    "div",
-    {class: "new-key"},
-    el("h3", {}, "New key"),
-    el("label", {for: "key-name"}, "Name"),
-    name,
-    el("label", {for: "key-scope"}, "It may"),
-    scope,
-    el("label", {for: "key-folder"}, "Only this folder (optional)"),
-    folder,
-    el("label", {for: "key-days"}, "Expires"),
-    days,
-    el("button", {type: "button", id: "key-create", class: "primary", onclick: create}, "Create"),
-  );
-  const body = [];
-  if (made) {
-    body.push(
-      el("p", {class: "warn"}, "Copy the new key now: it is shown this once."),
-      shownOnce("Key “" + made.name + "”", made.key, "new-key"),
     );
   }
-  body.push(
-    el("h3", {}, "Devices"),
-    devices,
-    el(
-      "div",
-      {class: "row"},
+
+  async function shareNote(made) {
+    if (!state.path) return;
+    const path = state.path;
+    const {data} = await api("GET", "/shares");
+    const list = el("ul", {class: "list", id: "share-links"});
+    for (const s of data.shares) if (s.path === path) list.append(shareRow(s, () => shareNote()));
+    if (!list.children.length) list.append(el("li", {class: "muted"}, "Not shared yet."));
+    const days = el(
+      "select",
+      {id: "share-days"},
+      el("option", {value: "1"}, "in a day"),
+      el("option", {value: "7", selected: true}, "in a week"),
+      el("option", {value: "30"}, "in 30 days"),
+      el("option", {value: "365"}, "in a year"),
+    );
+    const create = act(async () => {
+      const r = await api("POST", "/shares", {path, expiresInDays: Number(days.value)});
+      await shareNote(r.data);
+    });
+    const body = [
+      el(
+        "p",
+        {},
+        "Anyone with a link reads this note, formatted, without a key, until it expires " +
+          "or you revoke it. Other notes stay private.",
+      ),
+    ];
+    if (made) body.push(shownOnce("Link", made.url, "share-url"));
+    body.push(
+      el("label", {for: "share-days"}, "A new link expires"),
+      days,
       el(
         "button",
-        {type: "button", id: "add-device", class: "primary", onclick: act(() => addDevice(false))},
-        "Add a device",
+        {type: "button", id: "share-create", class: "primary", onclick: create},
+        "Create",
       ),
-      el(
-        "button",
-        {type: "button", id: "add-folder", onclick: act(() => addDevice(true))},
-        "Give someone a folder",
-      ),
-    ),
-    el("h3", {}, "Keys"),
-    keys,
-    el("h3", {}, "Connected apps"),
-    apps,
-    el("h3", {}, "Share links"),
-    links,
-    form,
-  );
-  await dialog("Keys and devices", body, [["cancel", "Close"]]);
-}
+      el("h3", {}, "Links to this note"),
+      list,
+    );
+    await dialog("Share " + (state.title || nameOf(path)), body, [["cancel", "Close"]]);
+  }
 
-function shareRow(s, after, names) {
-  const revoke = act(async () => {
-    await api("DELETE", "/shares/" + enc(s.id));
-    toast("The link no longer opens " + nameOf(s.path));
-    await after();
-  });
-  return el(
-    "li",
-    {"data-share": s.id},
-    el(
-      "span",
-      {},
-      nameOf(s.path),
-      el(
-        "small",
-        {class: "muted"},
-        " · expires " + when(s.expiresAt),
-        names && s.createdBy ? " · " + madeByText(s.createdBy, names) : "",
-      ),
-    ),
-    el(
-      "span",
-      {class: "actions"},
-      el("button", {type: "button", class: "danger", onclick: revoke}, "Revoke"),
-    ),
-  );
-}
-
-async function shareNote(made) {
-  if (!state.path) return;
-  const path = state.path;
-  const {data} = await api("GET", "/shares");
-  const list = el("ul", {class: "list", id: "share-links"});
-  for (const s of data.shares) if (s.path === path) list.append(shareRow(s, () => shareNote()));
-  if (!list.children.length) list.append(el("li", {class: "muted"}, "Not shared yet."));
-  const days = el(
-    "select",
-    {id: "share-days"},
-    el("option", {value: "1"}, "in a day"),
-    el("option", {value: "7", selected: true}, "in a week"),
-    el("option", {value: "30"}, "in 30 days"),
-    el("option", {value: "365"}, "in a year"),
-  );
-  const create = act(async () => {
-    const r = await api("POST", "/shares", {path, expiresInDays: Number(days.value)});
-    await shareNote(r.data);
-  });
-  const body = [
-    el(
-      "p",
-      {},
-      "Anyone with a link reads this note, formatted, without a key, until it expires " +
-        "or you revoke it. Other notes stay private.",
-    ),
-  ];
-  if (made) body.push(shownOnce("Link", made.url, "share-url"));
-  body.push(
-    el("label", {for: "share-days"}, "A new link expires"),
-    days,
-    el("button", {type: "button", id: "share-create", class: "primary", onclick: create}, "Create"),
-    el("h3", {}, "Links to this note"),
-    list,
-  );
-  await dialog("Share " + (state.title || nameOf(path)), body, [["cancel", "Close"]]);
-}
-
-function wireGrants() {
-  $("menu-keys").addEventListener(
-    "click",
-    act(() => showKeys()),
-  );
-  $("menu-telegram").addEventListener(
-    "click",
-    act(() => showTelegram()),
-  );
-  $("share").addEventListener(
-    "click",
-    act(() => shareNote()),
-  );
-}
-wireGrants();
+  function wireGrants() {
+    $("menu-keys").addEventListener(
+      "click",
+      act(() => showKeys()),
+    );
+    $("menu-telegram").addEventListener(
+      "click",
+      act(() => showTelegram()),
+    );
+    $("share").addEventListener(
+      "click",
+      act(() => shareNote()),
+    );
+  }
+  wireGrants();
+  return {writable, applyGrant, shownOnce, showKeys};
+})();
 """[1:]
 # --- end web/grants.js ---
 # --- begin web/offline.js ---
@@ -21722,7 +21738,7 @@ async function setUpServer() {
           "This is the server's API key. It is shown this once: keep it in a password " +
             "manager. Lost it? On the server, run: python3 notesvc.py rotate-key",
         ),
-        shownOnce("API key", key, "setup-key"),
+        grants.shownOnce("API key", key, "setup-key"),
       ],
       [["done", "I have kept it", "primary"]],
     );
@@ -21799,7 +21815,7 @@ function pairingView(made, what) {
     });
     parts.push(img);
   }
-  parts.push(shownOnce("Link", made.url, "pair-url"));
+  parts.push(grants.shownOnce("Link", made.url, "pair-url"));
   if (made.secret) {
     parts.push(
       el(
@@ -21840,7 +21856,7 @@ async function addDevice(folderOnly) {
       ["cancel", "Cancel"],
       ["make", "Show the code", "primary"],
     ]);
-    if (go !== "make") return showKeys();
+    if (go !== "make") return grants.showKeys();
     const body = {
       name: name.value.trim() || (folderOnly ? "folder" : "device"),
       scope: scope.value,
@@ -21888,7 +21904,7 @@ async function showPairing(made) {
     }
   }
   await shown;
-  return showKeys();
+  return grants.showKeys();
 }
 
 // -- Telegram: paste the bot's token, send it a code, connected ---------------------------
@@ -22074,185 +22090,192 @@ WEB_TRANSFER_JS = r"""
 // -- bring notes in, take them all out (docs/api.md: Import) --------------------------------------
 // Import: choose a file, see what the server would do (a dry run), then say yes. Export: a
 // zip of every note and file this key sees, downloaded with its progress shown.
+// No name of its own: nothing else calls it (it wires its menu items itself).
 
-const IMPORT_TYPES = ".zip,.enex,.jex,.json,.md,.txt";
+(() => {
+  const IMPORT_TYPES = ".zip,.enex,.jex,.json,.md,.txt";
 
-function mb(bytes) {
-  return (bytes / 1048576).toFixed(bytes < 10485760 ? 1 : 0) + " MB";
-}
-
-// POST the file to /import (multipart), reporting the upload's progress; resolves the
-// report, rejects with a Problem as api() does.
-function sendImport(file, into, dryRun, progress) {
-  const url = state.base + "/import";
-  if (!state.base || !ownOrigin(url) || (state.key && state.keyBase !== state.base)) {
-    return Promise.reject(new Problem(0, "REFUSED", "Refused: the API is not this page's."));
+  function mb(bytes) {
+    return (bytes / 1048576).toFixed(bytes < 10485760 ? 1 : 0) + " MB";
   }
-  const form = new FormData();
-  form.append("dryRun", dryRun ? "true" : "false");
-  if (into) form.append("into", into);
-  form.append("file", file, file.name);
-  return new Promise((resolve, reject) => {
-    const x = new XMLHttpRequest();
-    x.open("POST", url);
-    x.setRequestHeader("X-Service-Key", state.key);
-    x.upload.onprogress = (e) => {
-      if (e.lengthComputable) progress(e.loaded, e.total);
-    };
-    x.upload.onload = () => progress(-1, file.size);
-    x.onerror = () => reject(new Problem(0, "NETWORK", "Cannot reach the server."));
-    x.onload = () => {
-      let j = null;
-      try {
-        j = JSON.parse(x.responseText);
-      } catch (e) {
-        /* not JSON */
+
+  // POST the file to /import (multipart), reporting the upload's progress; resolves the
+  // report, rejects with a Problem as api() does.
+  function sendImport(file, into, dryRun, progress) {
+    const url = state.base + "/import";
+    if (!state.base || !ownOrigin(url) || (state.key && state.keyBase !== state.base)) {
+      return Promise.reject(new Problem(0, "REFUSED", "Refused: the API is not this page's."));
+    }
+    const form = new FormData();
+    form.append("dryRun", dryRun ? "true" : "false");
+    if (into) form.append("into", into);
+    form.append("file", file, file.name);
+    return new Promise((resolve, reject) => {
+      const x = new XMLHttpRequest();
+      x.open("POST", url);
+      x.setRequestHeader("X-Service-Key", state.key);
+      x.upload.onprogress = (e) => {
+        if (e.lengthComputable) progress(e.loaded, e.total);
+      };
+      x.upload.onload = () => progress(-1, file.size);
+      x.onerror = () => reject(new Problem(0, "NETWORK", "Cannot reach the server."));
+      x.onload = () => {
+        let j = null;
+        try {
+          j = JSON.parse(x.responseText);
+        } catch (e) {
+          /* not JSON */
+        }
+        if (x.status < 300 && j && j.success) return resolve(j.data);
+        const err = (j && j.error) || {code: "HTTP_" + x.status, message: "HTTP " + x.status};
+        reject(new Problem(x.status, err.code, err.message));
+      };
+      x.send(form);
+    });
+  }
+
+  // A file over what this address takes: say where a larger one goes.
+  function tooLarge(e) {
+    if (!(e instanceof Problem) || e.status !== 413) return e;
+    const hint =
+      " A larger file goes in on the server's own address (at home), or on the server with: " +
+      "python3 notesvc.py import FILE";
+    return new Problem(413, e.code, e.message + hint);
+  }
+
+  function importSummary(r) {
+    const verb = r.dryRun ? "Would bring in " : "Brought in ";
+    const lines = [
+      el(
+        "p",
+        {id: "import-summary"},
+        verb +
+          r.created +
+          (r.created === 1 ? " note" : " notes") +
+          " and " +
+          r.attachments +
+          (r.attachments === 1 ? " file" : " files") +
+          " into " +
+          r.into +
+          ".",
+      ),
+    ];
+    if (r.renamed) {
+      lines.push(el("p", {}, r.renamed + " get a free name (“ 2”): nothing is ever overwritten."));
+    }
+    if (r.skipped.length) {
+      const list = el("ul", {id: "import-skipped", class: "skipped"});
+      for (const s of r.skipped.slice(0, 20)) list.append(el("li", {}, s.source + ": " + s.reason));
+      if (r.skipped.length > 20)
+        list.append(el("li", {}, "… and " + (r.skipped.length - 20) + " more"));
+      lines.push(el("p", {}, r.skipped.length + " left out:"), list);
+    }
+    return lines;
+  }
+
+  async function showImport() {
+    const input = el("input", {type: "file", id: "import-file", accept: IMPORT_TYPES});
+    const into = el("input", {type: "text", id: "import-into", placeholder: "notes/imported/…"});
+    const body = [
+      el(
+        "p",
+        {},
+        "From Google Keep (a Takeout zip), Evernote (.enex), Notion (the export zip), Obsidian " +
+          "(the vault as a zip), Joplin (.jex), or any zip of Markdown. You see what would " +
+          "happen before anything is written.",
+      ),
+      el("label", {for: "import-file"}, "File"),
+      input,
+      el("label", {for: "import-into"}, "Into folder (optional)"),
+      into,
+    ];
+    for (;;) {
+      const go = await dialog("Import notes", body, [
+        ["cancel", "Cancel"],
+        ["check", "Check", "primary"],
+      ]);
+      if (go !== "check") return;
+      const file = input.files && input.files[0];
+      if (!file) {
+        dialogProblem(body, "Choose a file first.");
+        continue;
       }
-      if (x.status < 300 && j && j.success) return resolve(j.data);
-      const err = (j && j.error) || {code: "HTTP_" + x.status, message: "HTTP " + x.status};
-      reject(new Problem(x.status, err.code, err.message));
-    };
-    x.send(form);
-  });
-}
-
-// A file over what this address takes: say where a larger one goes.
-function tooLarge(e) {
-  if (!(e instanceof Problem) || e.status !== 413) return e;
-  const hint =
-    " A larger file goes in on the server's own address (at home), or on the server with: " +
-    "python3 notesvc.py import FILE";
-  return new Problem(413, e.code, e.message + hint);
-}
-
-function importSummary(r) {
-  const verb = r.dryRun ? "Would bring in " : "Brought in ";
-  const lines = [
-    el(
-      "p",
-      {id: "import-summary"},
-      verb +
-        r.created +
-        (r.created === 1 ? " note" : " notes") +
-        " and " +
-        r.attachments +
-        (r.attachments === 1 ? " file" : " files") +
-        " into " +
-        r.into +
-        ".",
-    ),
-  ];
-  if (r.renamed) {
-    lines.push(el("p", {}, r.renamed + " get a free name (“ 2”): nothing is ever overwritten."));
-  }
-  if (r.skipped.length) {
-    const list = el("ul", {id: "import-skipped", class: "skipped"});
-    for (const s of r.skipped.slice(0, 20)) list.append(el("li", {}, s.source + ": " + s.reason));
-    if (r.skipped.length > 20)
-      list.append(el("li", {}, "… and " + (r.skipped.length - 20) + " more"));
-    lines.push(el("p", {}, r.skipped.length + " left out:"), list);
-  }
-  return lines;
-}
-
-async function showImport() {
-  const input = el("input", {type: "file", id: "import-file", accept: IMPORT_TYPES});
-  const into = el("input", {type: "text", id: "import-into", placeholder: "notes/imported/…"});
-  const body = [
-    el(
-      "p",
-      {},
-      "From Google Keep (a Takeout zip), Evernote (.enex), Notion (the export zip), Obsidian " +
-        "(the vault as a zip), Joplin (.jex), or any zip of Markdown. You see what would " +
-        "happen before anything is written.",
-    ),
-    el("label", {for: "import-file"}, "File"),
-    input,
-    el("label", {for: "import-into"}, "Into folder (optional)"),
-    into,
-  ];
-  for (;;) {
-    const go = await dialog("Import notes", body, [
-      ["cancel", "Cancel"],
-      ["check", "Check", "primary"],
-    ]);
-    if (go !== "check") return;
-    const file = input.files && input.files[0];
-    if (!file) {
-      dialogProblem(body, "Choose a file first.");
-      continue;
-    }
-    const folder = into.value.trim();
-    let report;
-    const status = el("p", {id: "import-progress", role: "status"}, "Checking " + file.name + "…");
-    dialog("Import notes", [status], [["cancel", "Cancel"]]);
-    try {
-      report = await sendImport(file, folder, true, (sent, total) => {
-        status.textContent =
-          sent < 0 ? "Reading the archive…" : "Sending " + mb(sent) + " of " + mb(total) + "…";
-      });
-    } catch (e) {
-      dialogProblem(body, tooLarge(e));
-      continue;
-    }
-    const yes = await dialog("Import notes", importSummary(report), [
-      ["cancel", "Cancel"],
-      ["import", "Import " + report.created + " notes", "primary"],
-    ]);
-    if (yes !== "import") return;
-    const doing = el("p", {id: "import-progress", role: "status"}, "Sending…");
-    dialog("Importing…", [doing], [["cancel", "Hide"]]);
-    let done;
-    try {
-      done = await sendImport(file, folder, false, (sent, total) => {
-        doing.textContent =
-          sent < 0
-            ? "Writing the notes…"
-            : "Sending " +
-              mb(sent) +
-              " of " +
-              mb(total) +
-              " (" +
-              Math.round((100 * sent) / total) +
-              " %)…";
-      });
-    } catch (e) {
-      await dialog(
-        "Import notes",
-        [el("p", {class: "err", role: "alert"}, tooLarge(e).message)],
-        [["ok", "OK"]],
+      const folder = into.value.trim();
+      let report;
+      const status = el(
+        "p",
+        {id: "import-progress", role: "status"},
+        "Checking " + file.name + "…",
       );
+      dialog("Import notes", [status], [["cancel", "Cancel"]]);
+      try {
+        report = await sendImport(file, folder, true, (sent, total) => {
+          status.textContent =
+            sent < 0 ? "Reading the archive…" : "Sending " + mb(sent) + " of " + mb(total) + "…";
+        });
+      } catch (e) {
+        dialogProblem(body, tooLarge(e));
+        continue;
+      }
+      const yes = await dialog("Import notes", importSummary(report), [
+        ["cancel", "Cancel"],
+        ["import", "Import " + report.created + " notes", "primary"],
+      ]);
+      if (yes !== "import") return;
+      const doing = el("p", {id: "import-progress", role: "status"}, "Sending…");
+      dialog("Importing…", [doing], [["cancel", "Hide"]]);
+      let done;
+      try {
+        done = await sendImport(file, folder, false, (sent, total) => {
+          doing.textContent =
+            sent < 0
+              ? "Writing the notes…"
+              : "Sending " +
+                mb(sent) +
+                " of " +
+                mb(total) +
+                " (" +
+                Math.round((100 * sent) / total) +
+                " %)…";
+        });
+      } catch (e) {
+        await dialog(
+          "Import notes",
+          [el("p", {class: "err", role: "alert"}, tooLarge(e).message)],
+          [["ok", "OK"]],
+        );
+        return;
+      }
+      await loadTree();
+      await dialog("Imported", importSummary(done), [["ok", "OK", "primary"]]);
       return;
     }
-    await loadTree();
-    await dialog("Imported", importSummary(done), [["ok", "OK", "primary"]]);
-    return;
   }
-}
 
-async function exportAll() {
-  const status = el("p", {id: "export-progress", role: "status"}, "Preparing the zip…");
-  dialog("Export all notes", [status], [["cancel", "Hide"]]);
-  const got = await api("GET", "/export.zip", undefined, undefined, {
-    blob: true,
-    progress: (n) => (status.textContent = "Downloading… " + mb(n)),
-  });
-  const a = el("a", {
-    href: URL.createObjectURL(got.blob),
-    download: "notesvc-export-" + new Date().toISOString().slice(0, 10) + ".zip",
-  });
-  document.body.append(a);
-  a.click();
-  a.remove();
-  setTimeout(() => URL.revokeObjectURL(a.href), 60000);
-  status.textContent = "Saved " + mb(got.blob.size) + ": every note, picture and file, as a zip.";
-}
+  async function exportAll() {
+    const status = el("p", {id: "export-progress", role: "status"}, "Preparing the zip…");
+    dialog("Export all notes", [status], [["cancel", "Hide"]]);
+    const got = await api("GET", "/export.zip", undefined, undefined, {
+      blob: true,
+      progress: (n) => (status.textContent = "Downloading… " + mb(n)),
+    });
+    const a = el("a", {
+      href: URL.createObjectURL(got.blob),
+      download: "notesvc-export-" + new Date().toISOString().slice(0, 10) + ".zip",
+    });
+    document.body.append(a);
+    a.click();
+    a.remove();
+    setTimeout(() => URL.revokeObjectURL(a.href), 60000);
+    status.textContent = "Saved " + mb(got.blob.size) + ": every note, picture and file, as a zip.";
+  }
 
-function wireTransfer() {
-  $("menu-import").addEventListener("click", act(showImport));
-  $("menu-export").addEventListener("click", act(exportAll));
-}
-wireTransfer();
+  function wireTransfer() {
+    $("menu-import").addEventListener("click", act(showImport));
+    $("menu-export").addEventListener("click", act(exportAll));
+  }
+  wireTransfer();
+})();
 """[1:]
 # --- end web/transfer.js ---
 

@@ -446,7 +446,7 @@ function setEditing(on) {
 }
 
 function renderView() {
-  const onTask = writable() ? toggleTask : null; // a read key ticks nothing
+  const onTask = grants.writable() ? toggleTask : null; // a read key ticks nothing
   const view = renderMarkdown(editor().value, {from: state.path, onTask});
   $("view").replaceChildren(...view.childNodes);
 }
@@ -1002,7 +1002,7 @@ async function showHistory() {
           {class: "actions"},
           el("button", {type: "button", onclick: changes}, "Changes"),
           el("button", {type: "button", onclick: view}, "View"),
-          writable() ? el("button", {type: "button", onclick: restore}, "Restore") : null,
+          grants.writable() ? el("button", {type: "button", onclick: restore}, "Restore") : null,
         ),
       ),
     );
@@ -1071,7 +1071,7 @@ async function showTrash() {
         "span",
         {class: "actions"},
         item.path.endsWith(".md") ? el("button", {type: "button", onclick: view}, "View") : null,
-        writable() ? el("button", {type: "button", onclick: restore}, "Restore") : null,
+        grants.writable() ? el("button", {type: "button", onclick: restore}, "Restore") : null,
         state.grant
           ? null
           : el(
@@ -1300,9 +1300,11 @@ async function readFeatures() {
   }
   $("menu-trash").hidden = !features.history;
   $("history").hidden = !features.history;
-  $("attach").hidden = !features.attachments || !writable();
+  $("attach").hidden = !features.attachments || !grants.writable();
   $("photo").hidden =
-    !features.attachments || !writable() || !matchMedia("(pointer: coarse)").matches; // a camera
+    !features.attachments ||
+    !grants.writable() ||
+    !matchMedia("(pointer: coarse)").matches; // a camera
 }
 
 // -- search ----------------------------------------------------------------------------------
@@ -1548,7 +1550,7 @@ async function start() {
     } catch (e) {
       closeNote();
     }
-  } else if (readDraft(NEW_NOTE) && writable()) {
+  } else if (readDraft(NEW_NOTE) && grants.writable()) {
     await newNote(); // a new note that was never saved: its text is back
   }
   if (NARROW.matches) {
@@ -1638,7 +1640,7 @@ function wire() {
   editor().addEventListener("input", () => {
     updateDirty();
     scheduleDraft();
-    if (writable()) scheduleSave();
+    if (grants.writable()) scheduleSave();
   });
   editor().addEventListener("focus", () => $("app").classList.add("typing"));
   editor().addEventListener("blur", () => $("app").classList.remove("typing"));

@@ -310,7 +310,7 @@ async function connect(typed) {
         throw e;
       }
     }
-    applyGrant(v.data.grant); // a scoped key: only what it may do
+    grants.applyGrant(v.data.grant); // a scoped key: only what it may do
     if (!v.data.setupComplete && !v.data.grant && v.data.linkHere !== false) {
       // Not asked away from the server and its home network (linkHere false; the link
       // would be 403): the key still works, and setup waits for the server's own `pair`

@@ -118,7 +118,7 @@ async function setUpServer() {
           "This is the server's API key. It is shown this once: keep it in a password " +
             "manager. Lost it? On the server, run: python3 notesvc.py rotate-key",
         ),
-        shownOnce("API key", key, "setup-key"),
+        grants.shownOnce("API key", key, "setup-key"),
       ],
       [["done", "I have kept it", "primary"]],
     );
@@ -195,7 +195,7 @@ function pairingView(made, what) {
     });
     parts.push(img);
   }
-  parts.push(shownOnce("Link", made.url, "pair-url"));
+  parts.push(grants.shownOnce("Link", made.url, "pair-url"));
   if (made.secret) {
     parts.push(
       el(
@@ -236,7 +236,7 @@ async function addDevice(folderOnly) {
       ["cancel", "Cancel"],
       ["make", "Show the code", "primary"],
     ]);
-    if (go !== "make") return showKeys();
+    if (go !== "make") return grants.showKeys();
     const body = {
       name: name.value.trim() || (folderOnly ? "folder" : "device"),
       scope: scope.value,
@@ -284,7 +284,7 @@ async function showPairing(made) {
     }
   }
   await shown;
-  return showKeys();
+  return grants.showKeys();
 }
 
 // -- Telegram: paste the bot's token, send it a code, connected ---------------------------

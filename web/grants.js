@@ -2,336 +2,350 @@
 // The API key holds every scope, and so does an admin device; a scoped key (or a folder
 // key or device) sees only what it may use: a read key gets no editing, a folder key only
 // its folder (the server filters the rest).
+// One name, grants: what the other files call (writable, applyGrant, shownOnce, showKeys).
 
-function writable() {
-  return !state.grant || state.grant.scope !== "read";
-}
-
-function ownerLike() {
-  return !state.grant || (state.grant.scope === "admin" && !state.grant.folder);
-}
-
-function applyGrant(grant) {
-  state.grant = grant || null;
-  const owner = ownerLike();
-  const write = writable();
-  for (const id of ["edit", "save", "new", "empty-new", "menu-new", "move", "delete"]) {
-    $(id).hidden = !write;
+const grants = (() => {
+  function writable() {
+    return !state.grant || state.grant.scope !== "read";
   }
-  const daily = owner || !state.grant.folder || state.grant.folder === "notes/daily";
-  $("app").querySelector(".capture").hidden = !write || !daily; // today's note is notes/daily
-  $("menu-keys").hidden = !owner;
-  $("menu-telegram").hidden = !owner;
-  $("menu-import").hidden = !write;
-  $("share").hidden = !write;
-  if (!write) {
-    $("attach").hidden = true;
-    $("photo").hidden = true;
+
+  function ownerLike() {
+    return !state.grant || (state.grant.scope === "admin" && !state.grant.folder);
   }
-  $("app").dataset.scope = state.grant ? state.grant.scope : "admin";
-  if (state.grant && state.grant.folder) $("app").dataset.folder = state.grant.folder;
-}
 
-// Copy: the Clipboard API where the page is a secure context, else (plain HTTP on a home
-// network) the selection and the browser's copy command.
-async function copyText(text, what, field) {
-  try {
-    await navigator.clipboard.writeText(text);
-    toast(what + " copied");
-    return;
-  } catch (e) {
-    /* no Clipboard API here: the selection instead */
+  function applyGrant(grant) {
+    state.grant = grant || null;
+    const owner = ownerLike();
+    const write = writable();
+    for (const id of ["edit", "save", "new", "empty-new", "menu-new", "move", "delete"]) {
+      $(id).hidden = !write;
+    }
+    const daily = owner || !state.grant.folder || state.grant.folder === "notes/daily";
+    $("app").querySelector(".capture").hidden = !write || !daily; // today's note is notes/daily
+    $("menu-keys").hidden = !owner;
+    $("menu-telegram").hidden = !owner;
+    $("menu-import").hidden = !write;
+    $("share").hidden = !write;
+    if (!write) {
+      $("attach").hidden = true;
+      $("photo").hidden = true;
+    }
+    $("app").dataset.scope = state.grant ? state.grant.scope : "admin";
+    if (state.grant && state.grant.folder) $("app").dataset.folder = state.grant.folder;
   }
-  const box = field || el("textarea", {class: "offscreen", readonly: true, "aria-hidden": "true"});
-  if (!field) {
-    box.value = text;
-    ($("dlg").open ? $("dlg") : document.body).append(box);
+
+  // Copy: the Clipboard API where the page is a secure context, else (plain HTTP on a home
+  // network) the selection and the browser's copy command.
+  async function copyText(text, what, field) {
+    try {
+      await navigator.clipboard.writeText(text);
+      toast(what + " copied");
+      return;
+    } catch (e) {
+      /* no Clipboard API here: the selection instead */
+    }
+    const box =
+      field || el("textarea", {class: "offscreen", readonly: true, "aria-hidden": "true"});
+    if (!field) {
+      box.value = text;
+      ($("dlg").open ? $("dlg") : document.body).append(box);
+    }
+    box.focus();
+    box.select();
+    let done = false;
+    try {
+      done = document.execCommand("copy");
+    } catch (e) {
+      done = false;
+    }
+    if (!field) box.remove();
+    if (done) toast(what + " copied");
+    else toast("Select it and copy it yourself: this browser did not allow copying", true);
   }
-  box.focus();
-  box.select();
-  let done = false;
-  try {
-    done = document.execCommand("copy");
-  } catch (e) {
-    done = false;
+
+  function shownOnce(label, value, id) {
+    const input = el("input", {type: "text", id, readonly: true, spellcheck: "false"});
+    input.value = value;
+    input.addEventListener("focus", () => input.select());
+    return el(
+      "div",
+      {class: "once"},
+      el("label", {for: id}, label),
+      input,
+      el("button", {type: "button", onclick: () => copyText(value, label, input)}, "Copy"),
+    );
   }
-  if (!field) box.remove();
-  if (done) toast(what + " copied");
-  else toast("Select it and copy it yourself: this browser did not allow copying", true);
-}
 
-function shownOnce(label, value, id) {
-  const input = el("input", {type: "text", id, readonly: true, spellcheck: "false"});
-  input.value = value;
-  input.addEventListener("focus", () => input.select());
-  return el(
-    "div",
-    {class: "once"},
-    el("label", {for: id}, label),
-    input,
-    el("button", {type: "button", onclick: () => copyText(value, label, input)}, "Copy"),
-  );
-}
+  const SCOPE_TEXT = {admin: "everything", write: "read and write", read: "read only"};
 
-const SCOPE_TEXT = {admin: "everything", write: "read and write", read: "read only"};
+  // Who made a grant or a share link (its createdBy): the owner, the command line on the
+  // server, or a grant (an admin device) by id, named when it is still listed. Null (made
+  // before this was recorded) says nothing.
+  function madeByText(by, names) {
+    if (!by) return "";
+    if (by === "owner") return "made by you";
+    if (by === "cli") return "made on the server";
+    return names.has(by) ? "made by “" + names.get(by) + "”" : "made by a revoked device";
+  }
 
-// Who made a grant or a share link (its createdBy): the owner, the command line on the
-// server, or a grant (an admin device) by id, named when it is still listed. Null (made
-// before this was recorded) says nothing.
-function madeByText(by, names) {
-  if (!by) return "";
-  if (by === "owner") return "made by you";
-  if (by === "cli") return "made on the server";
-  return names.has(by) ? "made by “" + names.get(by) + "”" : "made by a revoked device";
-}
-
-// The grants g made, and those they made in turn (what a cascade revoke takes with it).
-function madeBy(id, grants) {
-  const found = new Set([id]);
-  const made = [];
-  for (let more = true; more; ) {
-    more = false;
-    for (const g of grants) {
-      if (g.createdBy && found.has(g.createdBy) && !found.has(g.id)) {
-        found.add(g.id);
-        made.push(g);
-        more = true;
+  // The grants g made, and those they made in turn (what a cascade revoke takes with it).
+  function madeBy(id, grants) {
+    const found = new Set([id]);
+    const made = [];
+    for (let more = true; more; ) {
+      more = false;
+      for (const g of grants) {
+        if (g.createdBy && found.has(g.createdBy) && !found.has(g.id)) {
+          found.add(g.id);
+          made.push(g);
+          more = true;
+        }
       }
     }
+    return made;
   }
-  return made;
-}
 
-function grantRow(g, list, grants, names) {
-  const made = madeBy(g.id, grants);
-  const what = [
-    SCOPE_TEXT[g.scope] || g.scope,
-    g.folder ? "only " + g.folder : "all notes",
-    g.expiresAt ? "expires " + when(g.expiresAt) : "never expires",
-    g.lastUsedAt ? "used " + ago(g.lastUsedAt) : "never used",
-    madeByText(g.createdBy, names),
-    made.length ? "made " + made.length + " listed here" : "",
-  ].filter(Boolean);
-  const revoke = act(async () => {
-    const text = [
-      g.kind === "oauth"
-        ? "This app is disconnected at once; it must ask you again to come back."
-        : g.kind === "device"
-          ? "This device is signed out at once, and the share links and unused pairing " +
-            "codes it made end."
-          : "This key stops working at once, and the share links it made end.",
-    ];
-    const buttons = [
-      ["cancel", "Cancel"],
-      ["revoke", "Revoke", made.length ? null : "danger"],
-    ];
-    if (made.length) {
-      text.push(
+  function grantRow(g, list, grants, names) {
+    const made = madeBy(g.id, grants);
+    const what = [
+      SCOPE_TEXT[g.scope] || g.scope,
+      g.folder ? "only " + g.folder : "all notes",
+      g.expiresAt ? "expires " + when(g.expiresAt) : "never expires",
+      g.lastUsedAt ? "used " + ago(g.lastUsedAt) : "never used",
+      madeByText(g.createdBy, names),
+      made.length ? "made " + made.length + " listed here" : "",
+    ].filter(Boolean);
+    const revoke = act(async () => {
+      const text = [
+        g.kind === "oauth"
+          ? "This app is disconnected at once; it must ask you again to come back."
+          : g.kind === "device"
+            ? "This device is signed out at once, and the share links and unused pairing " +
+              "codes it made end."
+            : "This key stops working at once, and the share links it made end.",
+      ];
+      const buttons = [
+        ["cancel", "Cancel"],
+        ["revoke", "Revoke", made.length ? null : "danger"],
+      ];
+      if (made.length) {
+        text.push(
+          el(
+            "p",
+            {id: "revoke-made"},
+            "It made " +
+              made.length +
+              (made.length === 1 ? " key, device or app" : " keys, devices or apps") +
+              " that keep working unless you revoke them too: " +
+              made.map((m) => "“" + m.name + "”").join(", ") +
+              ".",
+          ),
+        );
+        buttons.push(["cascade", "Also revoke the " + made.length + " it made", "danger"]);
+      }
+      const sure = await choose("Revoke “" + g.name + "”?", text, buttons);
+      if (sure === "revoke") await api("DELETE", "/auth/keys/" + enc(g.id));
+      if (sure === "cascade") await api("DELETE", "/auth/keys/" + enc(g.id) + "?cascade=true");
+      await showKeys();
+    });
+    list.append(
+      el(
+        "li",
+        {"data-grant": g.id},
         el(
-          "p",
-          {id: "revoke-made"},
-          "It made " +
-            made.length +
-            (made.length === 1 ? " key, device or app" : " keys, devices or apps") +
-            " that keep working unless you revoke them too: " +
-            made.map((m) => "“" + m.name + "”").join(", ") +
-            ".",
+          "span",
+          {},
+          el("strong", {}, g.name),
+          el("small", {class: "muted"}, " · " + what.join(" · ")),
         ),
-      );
-      buttons.push(["cascade", "Also revoke the " + made.length + " it made", "danger"]);
+        el(
+          "span",
+          {class: "actions"},
+          el("button", {type: "button", class: "danger", onclick: revoke}, "Revoke"),
+        ),
+      ),
+    );
+  }
+
+  async function showKeys(made) {
+    const [{data}, shares] = await Promise.all([api("GET", "/auth/keys"), api("GET", "/shares")]);
+    const keys = el("ul", {class: "list", id: "keys-list"});
+    const apps = el("ul", {class: "list", id: "connections-list"});
+    const devices = el("ul", {class: "list", id: "devices-list"});
+    const names = new Map(data.keys.map((g) => [g.id, g.name]));
+    for (const g of data.keys) {
+      const list = g.kind === "oauth" ? apps : g.kind === "device" ? devices : keys;
+      grantRow(g, list, data.keys, names);
     }
-    const sure = await choose("Revoke “" + g.name + "”?", text, buttons);
-    if (sure === "revoke") await api("DELETE", "/auth/keys/" + enc(g.id));
-    if (sure === "cascade") await api("DELETE", "/auth/keys/" + enc(g.id) + "?cascade=true");
-    await showKeys();
-  });
-  list.append(
-    el(
+    if (!keys.children.length) keys.append(el("li", {class: "muted"}, "No scoped keys yet."));
+    if (!devices.children.length) devices.append(el("li", {class: "muted"}, "No device yet."));
+    if (!apps.children.length) {
+      apps.append(el("li", {class: "muted"}, "No app is connected (Claude, ChatGPT…)."));
+    }
+    const links = el("ul", {class: "list", id: "shares-list"});
+    for (const s of shares.data.shares) links.append(shareRow(s, showKeys, names));
+    if (!links.children.length) links.append(el("li", {class: "muted"}, "No share links."));
+    const name = el("input", {type: "text", id: "key-name", placeholder: "family tablet"});
+    const scope = el(
+      "select",
+      {id: "key-scope"},
+      el("option", {value: "read"}, "read only"),
+      el("option", {value: "write"}, "read and write"),
+    );
+    const folder = el("input", {type: "text", id: "key-folder", placeholder: "notes/family"});
+    const days = el(
+      "select",
+      {id: "key-days"},
+      el("option", {value: "30"}, "in 30 days"),
+      el("option", {value: "365"}, "in a year"),
+      el("option", {value: ""}, "never"),
+    );
+    const create = act(async () => {
+      const body = {name: name.value.trim() || "key", scope: scope.value};
+      let f = folder.value.trim().replace(/\/+$/, "");
+      if (f) body.folder = f.startsWith("notes") ? f : "notes/" + f.replace(/^\/+/, "");
+      if (days.value) body.expiresInDays = Number(days.value);
+      const r = await api("POST", "/auth/keys", body);
+      await showKeys(r.data);
+    });
+    const form = el(
+      "div",
+      {class: "new-key"},
+      el("h3", {}, "New key"),
+      el("label", {for: "key-name"}, "Name"),
+      name,
+      el("label", {for: "key-scope"}, "It may"),
+      scope,
+      el("label", {for: "key-folder"}, "Only this folder (optional)"),
+      folder,
+      el("label", {for: "key-days"}, "Expires"),
+      days,
+      el("button", {type: "button", id: "key-create", class: "primary", onclick: create}, "Create"),
+    );
+    const body = [];
+    if (made) {
+      body.push(
+        el("p", {class: "warn"}, "Copy the new key now: it is shown this once."),
+        shownOnce("Key “" + made.name + "”", made.key, "new-key"),
+      );
+    }
+    body.push(
+      el("h3", {}, "Devices"),
+      devices,
+      el(
+        "div",
+        {class: "row"},
+        el(
+          "button",
+          {
+            type: "button",
+            id: "add-device",
+            class: "primary",
+            onclick: act(() => addDevice(false)),
+          },
+          "Add a device",
+        ),
+        el(
+          "button",
+          {type: "button", id: "add-folder", onclick: act(() => addDevice(true))},
+          "Give someone a folder",
+        ),
+      ),
+      el("h3", {}, "Keys"),
+      keys,
+      el("h3", {}, "Connected apps"),
+      apps,
+      el("h3", {}, "Share links"),
+      links,
+      form,
+    );
+    await dialog("Keys and devices", body, [["cancel", "Close"]]);
+  }
+
+  function shareRow(s, after, names) {
+    const revoke = act(async () => {
+      await api("DELETE", "/shares/" + enc(s.id));
+      toast("The link no longer opens " + nameOf(s.path));
+      await after();
+    });
+    return el(
       "li",
-      {"data-grant": g.id},
+      {"data-share": s.id},
       el(
         "span",
         {},
-        el("strong", {}, g.name),
-        el("small", {class: "muted"}, " · " + what.join(" · ")),
+        nameOf(s.path),
+        el(
+          "small",
+          {class: "muted"},
+          " · expires " + when(s.expiresAt),
+          names && s.createdBy ? " · " + madeByText(s.createdBy, names) : "",
+        ),
       ),
       el(
         "span",
         {class: "actions"},
         el("button", {type: "button", class: "danger", onclick: revoke}, "Revoke"),
       ),
-    ),
-  );
-}
-
-async function showKeys(made) {
-  const [{data}, shares] = await Promise.all([api("GET", "/auth/keys"), api("GET", "/shares")]);
-  const keys = el("ul", {class: "list", id: "keys-list"});
-  const apps = el("ul", {class: "list", id: "connections-list"});
-  const devices = el("ul", {class: "list", id: "devices-list"});
-  const names = new Map(data.keys.map((g) => [g.id, g.name]));
-  for (const g of data.keys) {
-    const list = g.kind === "oauth" ? apps : g.kind === "device" ? devices : keys;
-    grantRow(g, list, data.keys, names);
-  }
-  if (!keys.children.length) keys.append(el("li", {class: "muted"}, "No scoped keys yet."));
-  if (!devices.children.length) devices.append(el("li", {class: "muted"}, "No device yet."));
-  if (!apps.children.length) {
-    apps.append(el("li", {class: "muted"}, "No app is connected (Claude, ChatGPT…)."));
-  }
-  const links = el("ul", {class: "list", id: "shares-list"});
-  for (const s of shares.data.shares) links.append(shareRow(s, showKeys, names));
-  if (!links.children.length) links.append(el("li", {class: "muted"}, "No share links."));
-  const name = el("input", {type: "text", id: "key-name", placeholder: "family tablet"});
-  const scope = el(
-    "select",
-    {id: "key-scope"},
-    el("option", {value: "read"}, "read only"),
-    el("option", {value: "write"}, "read and write"),
-  );
-  const folder = el("input", {type: "text", id: "key-folder", placeholder: "notes/family"});
-  const days = el(
-    "select",
-    {id: "key-days"},
-    el("option", {value: "30"}, "in 30 days"),
-    el("option", {value: "365"}, "in a year"),
-    el("option", {value: ""}, "never"),
-  );
-  const create = act(async () => {
-    const body = {name: name.value.trim() || "key", scope: scope.value};
-    let f = folder.value.trim().replace(/\/+$/, "");
-    if (f) body.folder = f.startsWith("notes") ? f : "notes/" + f.replace(/^\/+/, "");
-    if (days.value) body.expiresInDays = Number(days.value);
-    const r = await api("POST", "/auth/keys", body);
-    await showKeys(r.data);
-  });
-  const form = el(
-    "div",
-    {class: "new-key"},
-    el("h3", {}, "New key"),
-    el("label", {for: "key-name"}, "Name"),
-    name,
-    el("label", {for: "key-scope"}, "It may"),
-    scope,
-    el("label", {for: "key-folder"}, "Only this folder (optional)"),
-    folder,
-    el("label", {for: "key-days"}, "Expires"),
-    days,
-    el("button", {type: "button", id: "key-create", class: "primary", onclick: create}, "Create"),
-  );
-  const body = [];
-  if (made) {
-    body.push(
-      el("p", {class: "warn"}, "Copy the new key now: it is shown this once."),
-      shownOnce("Key “" + made.name + "”", made.key, "new-key"),
     );
   }
-  body.push(
-    el("h3", {}, "Devices"),
-    devices,
-    el(
-      "div",
-      {class: "row"},
+
+  async function shareNote(made) {
+    if (!state.path) return;
+    const path = state.path;
+    const {data} = await api("GET", "/shares");
+    const list = el("ul", {class: "list", id: "share-links"});
+    for (const s of data.shares) if (s.path === path) list.append(shareRow(s, () => shareNote()));
+    if (!list.children.length) list.append(el("li", {class: "muted"}, "Not shared yet."));
+    const days = el(
+      "select",
+      {id: "share-days"},
+      el("option", {value: "1"}, "in a day"),
+      el("option", {value: "7", selected: true}, "in a week"),
+      el("option", {value: "30"}, "in 30 days"),
+      el("option", {value: "365"}, "in a year"),
+    );
+    const create = act(async () => {
+      const r = await api("POST", "/shares", {path, expiresInDays: Number(days.value)});
+      await shareNote(r.data);
+    });
+    const body = [
+      el(
+        "p",
+        {},
+        "Anyone with a link reads this note, formatted, without a key, until it expires " +
+          "or you revoke it. Other notes stay private.",
+      ),
+    ];
+    if (made) body.push(shownOnce("Link", made.url, "share-url"));
+    body.push(
+      el("label", {for: "share-days"}, "A new link expires"),
+      days,
       el(
         "button",
-        {type: "button", id: "add-device", class: "primary", onclick: act(() => addDevice(false))},
-        "Add a device",
+        {type: "button", id: "share-create", class: "primary", onclick: create},
+        "Create",
       ),
-      el(
-        "button",
-        {type: "button", id: "add-folder", onclick: act(() => addDevice(true))},
-        "Give someone a folder",
-      ),
-    ),
-    el("h3", {}, "Keys"),
-    keys,
-    el("h3", {}, "Connected apps"),
-    apps,
-    el("h3", {}, "Share links"),
-    links,
-    form,
-  );
-  await dialog("Keys and devices", body, [["cancel", "Close"]]);
-}
+      el("h3", {}, "Links to this note"),
+      list,
+    );
+    await dialog("Share " + (state.title || nameOf(path)), body, [["cancel", "Close"]]);
+  }
 
-function shareRow(s, after, names) {
-  const revoke = act(async () => {
-    await api("DELETE", "/shares/" + enc(s.id));
-    toast("The link no longer opens " + nameOf(s.path));
-    await after();
-  });
-  return el(
-    "li",
-    {"data-share": s.id},
-    el(
-      "span",
-      {},
-      nameOf(s.path),
-      el(
-        "small",
-        {class: "muted"},
-        " · expires " + when(s.expiresAt),
-        names && s.createdBy ? " · " + madeByText(s.createdBy, names) : "",
-      ),
-    ),
-    el(
-      "span",
-      {class: "actions"},
-      el("button", {type: "button", class: "danger", onclick: revoke}, "Revoke"),
-    ),
-  );
-}
-
-async function shareNote(made) {
-  if (!state.path) return;
-  const path = state.path;
-  const {data} = await api("GET", "/shares");
-  const list = el("ul", {class: "list", id: "share-links"});
-  for (const s of data.shares) if (s.path === path) list.append(shareRow(s, () => shareNote()));
-  if (!list.children.length) list.append(el("li", {class: "muted"}, "Not shared yet."));
-  const days = el(
-    "select",
-    {id: "share-days"},
-    el("option", {value: "1"}, "in a day"),
-    el("option", {value: "7", selected: true}, "in a week"),
-    el("option", {value: "30"}, "in 30 days"),
-    el("option", {value: "365"}, "in a year"),
-  );
-  const create = act(async () => {
-    const r = await api("POST", "/shares", {path, expiresInDays: Number(days.value)});
-    await shareNote(r.data);
-  });
-  const body = [
-    el(
-      "p",
-      {},
-      "Anyone with a link reads this note, formatted, without a key, until it expires " +
-        "or you revoke it. Other notes stay private.",
-    ),
-  ];
-  if (made) body.push(shownOnce("Link", made.url, "share-url"));
-  body.push(
-    el("label", {for: "share-days"}, "A new link expires"),
-    days,
-    el("button", {type: "button", id: "share-create", class: "primary", onclick: create}, "Create"),
-    el("h3", {}, "Links to this note"),
-    list,
-  );
-  await dialog("Share " + (state.title || nameOf(path)), body, [["cancel", "Close"]]);
-}
-
-function wireGrants() {
-  $("menu-keys").addEventListener(
-    "click",
-    act(() => showKeys()),
-  );
-  $("menu-telegram").addEventListener(
-    "click",
-    act(() => showTelegram()),
-  );
-  $("share").addEventListener(
-    "click",
-    act(() => shareNote()),
-  );
-}
-wireGrants();
+  function wireGrants() {
+    $("menu-keys").addEventListener(
+      "click",
+      act(() => showKeys()),
+    );
+    $("menu-telegram").addEventListener(
+      "click",
+      act(() => showTelegram()),
+    );
+    $("share").addEventListener(
+      "click",
+      act(() => shareNote()),
+    );
+  }
+  wireGrants();
+  return {writable, applyGrant, shownOnce, showKeys};
+})();

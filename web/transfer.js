@@ -1,182 +1,189 @@
 // -- bring notes in, take them all out (docs/api.md: Import) --------------------------------------
 // Import: choose a file, see what the server would do (a dry run), then say yes. Export: a
 // zip of every note and file this key sees, downloaded with its progress shown.
+// No name of its own: nothing else calls it (it wires its menu items itself).
 
-const IMPORT_TYPES = ".zip,.enex,.jex,.json,.md,.txt";
+(() => {
+  const IMPORT_TYPES = ".zip,.enex,.jex,.json,.md,.txt";
 
-function mb(bytes) {
-  return (bytes / 1048576).toFixed(bytes < 10485760 ? 1 : 0) + " MB";
-}
-
-// POST the file to /import (multipart), reporting the upload's progress; resolves the
-// report, rejects with a Problem as api() does.
-function sendImport(file, into, dryRun, progress) {
-  const url = state.base + "/import";
-  if (!state.base || !ownOrigin(url) || (state.key && state.keyBase !== state.base)) {
-    return Promise.reject(new Problem(0, "REFUSED", "Refused: the API is not this page's."));
+  function mb(bytes) {
+    return (bytes / 1048576).toFixed(bytes < 10485760 ? 1 : 0) + " MB";
   }
-  const form = new FormData();
-  form.append("dryRun", dryRun ? "true" : "false");
-  if (into) form.append("into", into);
-  form.append("file", file, file.name);
-  return new Promise((resolve, reject) => {
-    const x = new XMLHttpRequest();
-    x.open("POST", url);
-    x.setRequestHeader("X-Service-Key", state.key);
-    x.upload.onprogress = (e) => {
-      if (e.lengthComputable) progress(e.loaded, e.total);
-    };
-    x.upload.onload = () => progress(-1, file.size);
-    x.onerror = () => reject(new Problem(0, "NETWORK", "Cannot reach the server."));
-    x.onload = () => {
-      let j = null;
-      try {
-        j = JSON.parse(x.responseText);
-      } catch (e) {
-        /* not JSON */
+
+  // POST the file to /import (multipart), reporting the upload's progress; resolves the
+  // report, rejects with a Problem as api() does.
+  function sendImport(file, into, dryRun, progress) {
+    const url = state.base + "/import";
+    if (!state.base || !ownOrigin(url) || (state.key && state.keyBase !== state.base)) {
+      return Promise.reject(new Problem(0, "REFUSED", "Refused: the API is not this page's."));
+    }
+    const form = new FormData();
+    form.append("dryRun", dryRun ? "true" : "false");
+    if (into) form.append("into", into);
+    form.append("file", file, file.name);
+    return new Promise((resolve, reject) => {
+      const x = new XMLHttpRequest();
+      x.open("POST", url);
+      x.setRequestHeader("X-Service-Key", state.key);
+      x.upload.onprogress = (e) => {
+        if (e.lengthComputable) progress(e.loaded, e.total);
+      };
+      x.upload.onload = () => progress(-1, file.size);
+      x.onerror = () => reject(new Problem(0, "NETWORK", "Cannot reach the server."));
+      x.onload = () => {
+        let j = null;
+        try {
+          j = JSON.parse(x.responseText);
+        } catch (e) {
+          /* not JSON */
+        }
+        if (x.status < 300 && j && j.success) return resolve(j.data);
+        const err = (j && j.error) || {code: "HTTP_" + x.status, message: "HTTP " + x.status};
+        reject(new Problem(x.status, err.code, err.message));
+      };
+      x.send(form);
+    });
+  }
+
+  // A file over what this address takes: say where a larger one goes.
+  function tooLarge(e) {
+    if (!(e instanceof Problem) || e.status !== 413) return e;
+    const hint =
+      " A larger file goes in on the server's own address (at home), or on the server with: " +
+      "python3 notesvc.py import FILE";
+    return new Problem(413, e.code, e.message + hint);
+  }
+
+  function importSummary(r) {
+    const verb = r.dryRun ? "Would bring in " : "Brought in ";
+    const lines = [
+      el(
+        "p",
+        {id: "import-summary"},
+        verb +
+          r.created +
+          (r.created === 1 ? " note" : " notes") +
+          " and " +
+          r.attachments +
+          (r.attachments === 1 ? " file" : " files") +
+          " into " +
+          r.into +
+          ".",
+      ),
+    ];
+    if (r.renamed) {
+      lines.push(el("p", {}, r.renamed + " get a free name (“ 2”): nothing is ever overwritten."));
+    }
+    if (r.skipped.length) {
+      const list = el("ul", {id: "import-skipped", class: "skipped"});
+      for (const s of r.skipped.slice(0, 20)) list.append(el("li", {}, s.source + ": " + s.reason));
+      if (r.skipped.length > 20)
+        list.append(el("li", {}, "… and " + (r.skipped.length - 20) + " more"));
+      lines.push(el("p", {}, r.skipped.length + " left out:"), list);
+    }
+    return lines;
+  }
+
+  async function showImport() {
+    const input = el("input", {type: "file", id: "import-file", accept: IMPORT_TYPES});
+    const into = el("input", {type: "text", id: "import-into", placeholder: "notes/imported/…"});
+    const body = [
+      el(
+        "p",
+        {},
+        "From Google Keep (a Takeout zip), Evernote (.enex), Notion (the export zip), Obsidian " +
+          "(the vault as a zip), Joplin (.jex), or any zip of Markdown. You see what would " +
+          "happen before anything is written.",
+      ),
+      el("label", {for: "import-file"}, "File"),
+      input,
+      el("label", {for: "import-into"}, "Into folder (optional)"),
+      into,
+    ];
+    for (;;) {
+      const go = await dialog("Import notes", body, [
+        ["cancel", "Cancel"],
+        ["check", "Check", "primary"],
+      ]);
+      if (go !== "check") return;
+      const file = input.files && input.files[0];
+      if (!file) {
+        dialogProblem(body, "Choose a file first.");
+        continue;
       }
-      if (x.status < 300 && j && j.success) return resolve(j.data);
-      const err = (j && j.error) || {code: "HTTP_" + x.status, message: "HTTP " + x.status};
-      reject(new Problem(x.status, err.code, err.message));
-    };
-    x.send(form);
-  });
-}
-
-// A file over what this address takes: say where a larger one goes.
-function tooLarge(e) {
-  if (!(e instanceof Problem) || e.status !== 413) return e;
-  const hint =
-    " A larger file goes in on the server's own address (at home), or on the server with: " +
-    "python3 notesvc.py import FILE";
-  return new Problem(413, e.code, e.message + hint);
-}
-
-function importSummary(r) {
-  const verb = r.dryRun ? "Would bring in " : "Brought in ";
-  const lines = [
-    el(
-      "p",
-      {id: "import-summary"},
-      verb +
-        r.created +
-        (r.created === 1 ? " note" : " notes") +
-        " and " +
-        r.attachments +
-        (r.attachments === 1 ? " file" : " files") +
-        " into " +
-        r.into +
-        ".",
-    ),
-  ];
-  if (r.renamed) {
-    lines.push(el("p", {}, r.renamed + " get a free name (“ 2”): nothing is ever overwritten."));
-  }
-  if (r.skipped.length) {
-    const list = el("ul", {id: "import-skipped", class: "skipped"});
-    for (const s of r.skipped.slice(0, 20)) list.append(el("li", {}, s.source + ": " + s.reason));
-    if (r.skipped.length > 20)
-      list.append(el("li", {}, "… and " + (r.skipped.length - 20) + " more"));
-    lines.push(el("p", {}, r.skipped.length + " left out:"), list);
-  }
-  return lines;
-}
-
-async function showImport() {
-  const input = el("input", {type: "file", id: "import-file", accept: IMPORT_TYPES});
-  const into = el("input", {type: "text", id: "import-into", placeholder: "notes/imported/…"});
-  const body = [
-    el(
-      "p",
-      {},
-      "From Google Keep (a Takeout zip), Evernote (.enex), Notion (the export zip), Obsidian " +
-        "(the vault as a zip), Joplin (.jex), or any zip of Markdown. You see what would " +
-        "happen before anything is written.",
-    ),
-    el("label", {for: "import-file"}, "File"),
-    input,
-    el("label", {for: "import-into"}, "Into folder (optional)"),
-    into,
-  ];
-  for (;;) {
-    const go = await dialog("Import notes", body, [
-      ["cancel", "Cancel"],
-      ["check", "Check", "primary"],
-    ]);
-    if (go !== "check") return;
-    const file = input.files && input.files[0];
-    if (!file) {
-      dialogProblem(body, "Choose a file first.");
-      continue;
-    }
-    const folder = into.value.trim();
-    let report;
-    const status = el("p", {id: "import-progress", role: "status"}, "Checking " + file.name + "…");
-    dialog("Import notes", [status], [["cancel", "Cancel"]]);
-    try {
-      report = await sendImport(file, folder, true, (sent, total) => {
-        status.textContent =
-          sent < 0 ? "Reading the archive…" : "Sending " + mb(sent) + " of " + mb(total) + "…";
-      });
-    } catch (e) {
-      dialogProblem(body, tooLarge(e));
-      continue;
-    }
-    const yes = await dialog("Import notes", importSummary(report), [
-      ["cancel", "Cancel"],
-      ["import", "Import " + report.created + " notes", "primary"],
-    ]);
-    if (yes !== "import") return;
-    const doing = el("p", {id: "import-progress", role: "status"}, "Sending…");
-    dialog("Importing…", [doing], [["cancel", "Hide"]]);
-    let done;
-    try {
-      done = await sendImport(file, folder, false, (sent, total) => {
-        doing.textContent =
-          sent < 0
-            ? "Writing the notes…"
-            : "Sending " +
-              mb(sent) +
-              " of " +
-              mb(total) +
-              " (" +
-              Math.round((100 * sent) / total) +
-              " %)…";
-      });
-    } catch (e) {
-      await dialog(
-        "Import notes",
-        [el("p", {class: "err", role: "alert"}, tooLarge(e).message)],
-        [["ok", "OK"]],
+      const folder = into.value.trim();
+      let report;
+      const status = el(
+        "p",
+        {id: "import-progress", role: "status"},
+        "Checking " + file.name + "…",
       );
+      dialog("Import notes", [status], [["cancel", "Cancel"]]);
+      try {
+        report = await sendImport(file, folder, true, (sent, total) => {
+          status.textContent =
+            sent < 0 ? "Reading the archive…" : "Sending " + mb(sent) + " of " + mb(total) + "…";
+        });
+      } catch (e) {
+        dialogProblem(body, tooLarge(e));
+        continue;
+      }
+      const yes = await dialog("Import notes", importSummary(report), [
+        ["cancel", "Cancel"],
+        ["import", "Import " + report.created + " notes", "primary"],
+      ]);
+      if (yes !== "import") return;
+      const doing = el("p", {id: "import-progress", role: "status"}, "Sending…");
+      dialog("Importing…", [doing], [["cancel", "Hide"]]);
+      let done;
+      try {
+        done = await sendImport(file, folder, false, (sent, total) => {
+          doing.textContent =
+            sent < 0
+              ? "Writing the notes…"
+              : "Sending " +
+                mb(sent) +
+                " of " +
+                mb(total) +
+                " (" +
+                Math.round((100 * sent) / total) +
+                " %)…";
+        });
+      } catch (e) {
+        await dialog(
+          "Import notes",
+          [el("p", {class: "err", role: "alert"}, tooLarge(e).message)],
+          [["ok", "OK"]],
+        );
+        return;
+      }
+      await loadTree();
+      await dialog("Imported", importSummary(done), [["ok", "OK", "primary"]]);
       return;
     }
-    await loadTree();
-    await dialog("Imported", importSummary(done), [["ok", "OK", "primary"]]);
-    return;
   }
-}
 
-async function exportAll() {
-  const status = el("p", {id: "export-progress", role: "status"}, "Preparing the zip…");
-  dialog("Export all notes", [status], [["cancel", "Hide"]]);
-  const got = await api("GET", "/export.zip", undefined, undefined, {
-    blob: true,
-    progress: (n) => (status.textContent = "Downloading… " + mb(n)),
-  });
-  const a = el("a", {
-    href: URL.createObjectURL(got.blob),
-    download: "notesvc-export-" + new Date().toISOString().slice(0, 10) + ".zip",
-  });
-  document.body.append(a);
-  a.click();
-  a.remove();
-  setTimeout(() => URL.revokeObjectURL(a.href), 60000);
-  status.textContent = "Saved " + mb(got.blob.size) + ": every note, picture and file, as a zip.";
-}
+  async function exportAll() {
+    const status = el("p", {id: "export-progress", role: "status"}, "Preparing the zip…");
+    dialog("Export all notes", [status], [["cancel", "Hide"]]);
+    const got = await api("GET", "/export.zip", undefined, undefined, {
+      blob: true,
+      progress: (n) => (status.textContent = "Downloading… " + mb(n)),
+    });
+    const a = el("a", {
+      href: URL.createObjectURL(got.blob),
+      download: "notesvc-export-" + new Date().toISOString().slice(0, 10) + ".zip",
+    });
+    document.body.append(a);
+    a.click();
+    a.remove();
+    setTimeout(() => URL.revokeObjectURL(a.href), 60000);
+    status.textContent = "Saved " + mb(got.blob.size) + ": every note, picture and file, as a zip.";
+  }
 
-function wireTransfer() {
-  $("menu-import").addEventListener("click", act(showImport));
-  $("menu-export").addEventListener("click", act(exportAll));
-}
-wireTransfer();
+  function wireTransfer() {
+    $("menu-import").addEventListener("click", act(showImport));
+    $("menu-export").addEventListener("click", act(exportAll));
+  }
+  wireTransfer();
+})();
