@@ -7,13 +7,17 @@ Run it:   python notesvc.py            (serves ./data on http://0.0.0.0:3000)
 Help:     python notesvc.py --help
 Embed:    notesvc.create_app(load_config(...)) is a WSGI application.
 
+This file is written by .ci/build.py from the modules in src/notesvc/ (one `# ==
+src/notesvc/<module>.py` line starts each) and the pages in web/; docs/contributing.md says
+what lives where, and `python .ci/build.py --where LINE` maps a line here to its source.
+
 Outline (``grep -n '^# ==' notesvc.py``), in the order the data flows:
   Settings        the option table, the loader, the frozen Config
   Errors          ApiError, the envelope, the one renderer of every failure
   Helpers         clock, ids, atomic writes, host validation, JSON bodies
-  Notes           path rules, attachments' rules, three-way merges and names from titles,
-                  the store and its locks; history, trash and the change journal (what
-                  every change leaves behind)
+  Notes           path rules, attachments' rules, three-way merges and names from titles;
+                  history, trash and the change journal (what every change leaves
+                  behind); the store and its locks
   Search          text analysis, BM25, the query language, snippets, segments, persistence,
                   the inverted index
   State and auth  state.json, keys, JWT, lockout; grants (scoped keys, devices, OAuth)

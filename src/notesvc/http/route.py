@@ -1,4 +1,5 @@
-"""The Route record: one row of the route table."""
+"""The Route record (one row of the route table), and conditional GET and byte ranges for
+attachments and WebDAV."""
 
 from __future__ import annotations
 
