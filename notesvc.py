@@ -5223,8 +5223,9 @@ def fold(text: str) -> str:
 
 # Porter2, the Snowball English stemmer (snowballstem.org/algorithms/english), as its
 # reference english.sbl defines it today; checked against the project's word list (every
-# 15th pair is in docs/porter2-sample.txt). A "Y" is a y that acts as a consonant: a first
-# letter, or one after a vowel; it is not a vowel.
+# 15th pair is in docs/porter2-sample.txt). The description's tables are the tables below,
+# its steps the _p2_step* functions, run in order by _P2_STEPS. A "Y" is a y that acts as a
+# consonant: a first letter, or one after a vowel; it is not a vowel.
 _P2_VOWELS = frozenset("aeiouy")
 _P2_NOT_SHORT_END = frozenset("aeiouywxY")  # a short syllable's last letter is none of these
 _P2_VOWEL_RE = re.compile("[aeiouy]")
@@ -5253,50 +5254,71 @@ _P2_R1_PREFIXES = (
     "organ",
     "inter",
 )
+_P2_STEP0 = ("'s'", "'s", "'")  # longest first
+_P2_1A = ("sses", "ied", "ies", "us", "ss", "s")  # longest first
 _P2_1B = ("eedly", "ingly", "edly", "eed", "ing", "ed")  # longest first
+_P2_EED_KEEP = frozenset(["proc", "exc", "succ"])  # proceed, exceed, succeed
 _P2_ING_KEEP = frozenset(["inn", "out", "cann", "herr", "earr", "even"])  # inning, outing...
+_P2_1B_ADD_E = ("at", "bl", "iz")  # luxuriated -> luxuriate
 _P2_DOUBLES = ("bb", "dd", "ff", "gg", "mm", "nn", "pp", "rr", "tt")
-_P2_STEP2 = {
-    "tional": "tion",
-    "enci": "ence",
-    "anci": "ance",
-    "abli": "able",
-    "entli": "ent",
-    "izer": "ize",
-    "ization": "ize",
-    "ational": "ate",
-    "ation": "ate",
-    "ator": "ate",
-    "alism": "al",
-    "aliti": "al",
-    "alli": "al",
-    "fulness": "ful",
-    "ousli": "ous",
-    "ousness": "ous",
-    "iveness": "ive",
-    "iviti": "ive",
-    "biliti": "ble",
-    "bli": "ble",
-    "ogist": "og",
-    "ogi": "og",  # after an l only
-    "fulli": "ful",
-    "lessli": "less",
-    "li": "",  # after one of c d e g h k m n r t only
-}
-_P2_STEP3 = {
-    "tional": "tion",
-    "ational": "ate",
-    "alize": "al",
-    "icate": "ic",
-    "iciti": "ic",
-    "ical": "ic",
-    "ful": "",
-    "ness": "",
-    "ative": "",  # in R2 only
-}
-_P2_STEP4 = "al ance ence er ic able ible ant ement ment ent ism ate iti ous ive ize ion".split()
-_P2_STEP2_ENDS, _P2_STEP3_ENDS, _P2_STEP4_ENDS = (  # longest first: the first match wins
-    tuple(sorted(table, key=len, reverse=True)) for table in (_P2_STEP2, _P2_STEP3, _P2_STEP4)
+
+
+def _p2_rules(*rows: tuple) -> dict:
+    """Return a step's rows (suffix, replacement, region, letters) as suffix -> (replacement,
+    region, letters), longest suffix first.
+
+    The longest suffix a word ends with is the one the step looks at: it is replaced when it
+    starts in the region (1: R1, 2: R2) and, where letters are given, follows one of them;
+    otherwise the step leaves the word as it is.
+    """
+    return {
+        suffix: (replacement, region, frozenset(letters) if letters else None)
+        for suffix, replacement, region, letters in sorted(rows, key=lambda r: -len(r[0]))
+    }
+
+
+_P2_STEP2 = _p2_rules(  # derivational suffixes in R1
+    ("tional", "tion", 1, ""),
+    ("enci", "ence", 1, ""),
+    ("anci", "ance", 1, ""),
+    ("abli", "able", 1, ""),
+    ("entli", "ent", 1, ""),
+    ("izer", "ize", 1, ""),
+    ("ization", "ize", 1, ""),
+    ("ational", "ate", 1, ""),
+    ("ation", "ate", 1, ""),
+    ("ator", "ate", 1, ""),
+    ("alism", "al", 1, ""),
+    ("aliti", "al", 1, ""),
+    ("alli", "al", 1, ""),
+    ("fulness", "ful", 1, ""),
+    ("ousli", "ous", 1, ""),
+    ("ousness", "ous", 1, ""),
+    ("iveness", "ive", 1, ""),
+    ("iviti", "ive", 1, ""),
+    ("biliti", "ble", 1, ""),
+    ("bli", "ble", 1, ""),
+    ("ogist", "og", 1, ""),
+    ("ogi", "og", 1, "l"),
+    ("fulli", "ful", 1, ""),
+    ("lessli", "less", 1, ""),
+    ("li", "", 1, "cdeghkmnrt"),
+)
+_P2_STEP3 = _p2_rules(
+    ("tional", "tion", 1, ""),
+    ("ational", "ate", 1, ""),
+    ("alize", "al", 1, ""),
+    ("icate", "ic", 1, ""),
+    ("iciti", "ic", 1, ""),
+    ("ical", "ic", 1, ""),
+    ("ful", "", 1, ""),
+    ("ness", "", 1, ""),
+    ("ative", "", 2, ""),
+)
+_P2_STEP4 = _p2_rules(  # suffixes in R2
+    *((suffix, "", 2, "") for suffix in "al ance ence er ic able ible ant ement ment ent".split()),
+    *((suffix, "", 2, "") for suffix in "ism ate iti ous ive ize".split()),
+    ("ion", "", 2, "st"),
 )
 
 
@@ -5325,6 +5347,136 @@ def _p2_short(word: str) -> bool:
     return word.endswith("past")
 
 
+def _p2_mark_y(word: str) -> str:
+    """Return word with each consonant y as Y: the first letter, or one after a vowel."""
+    chars = list(word)
+    if chars[0] == "y":
+        chars[0] = "Y"
+    for i in range(1, len(chars)):
+        if chars[i] == "y" and chars[i - 1] in _P2_VOWELS:
+            chars[i] = "Y"
+    return "".join(chars)
+
+
+def _p2_regions(word: str) -> tuple:
+    """Return (p1, p2), where R1 and R2 start: R1 after the first consonant that follows a
+    vowel (or after a special prefix), R2 the same again in R1; len(word) for an empty one.
+    Offsets stay right as the steps go: they only shorten the word's end."""
+    n = len(word)
+    if word.startswith(_P2_R1_PREFIXES):
+        p1 = next(len(p) for p in _P2_R1_PREFIXES if word.startswith(p))
+    else:
+        m = _P2_REGION_RE.match(word)
+        p1 = m.end() if m else n
+    m = _P2_REGION_RE.match(word, p1)
+    return p1, (m.end() if m else n)
+
+
+def _p2_step0(word: str, p1: int, p2: int) -> str:
+    """Step 0: return word without a possessive 's, or an apostrophe at the end."""
+    return word[: -len(_p2_suffix(word, _P2_STEP0))]
+
+
+def _p2_step1a(word: str, p1: int, p2: int) -> str:
+    """Step 1a, plurals: sses -> ss; ied, ies -> i (ie after one letter: ties -> tie); s goes
+    after a vowel that is not just before it (gaps -> gap, but gas); us and ss stay."""
+    suffix = _p2_suffix(word, _P2_1A)
+    if suffix == "sses":
+        return word[:-2]
+    if suffix in ("ied", "ies"):
+        return word[:-2] if len(word) > 4 else word[:-1]  # cries -> cri, ties -> tie
+    if suffix == "s" and _P2_VOWEL_RE.search(word, 0, len(word) - 2):
+        return word[:-1]
+    return word
+
+
+def _p2_step1b(word: str, p1: int, p2: int) -> str:
+    """Step 1b: eed, eedly -> ee in R1 (not proceed, exceed, succeed); ed, edly, ing, ingly
+    go after a vowel, then _p2_step1b_end tidies what is left (dying -> die, inning stays)."""
+    suffix = _p2_suffix(word, _P2_1B)
+    s = len(word) - len(suffix)
+    base = word[:s]
+    if suffix in ("eed", "eedly"):
+        return base + "ee" if s >= p1 and base not in _P2_EED_KEEP else word
+    if suffix == "ing":
+        if s == 2 and base[1] == "y" and base[0] not in _P2_VOWELS:
+            return base[0] + "ie"  # dying -> die, lying -> lie
+        if base in _P2_ING_KEEP:
+            return word  # inning, outing, canning, herring, earring, evening
+    if not _P2_VOWEL_RE.search(base):
+        return word
+    return _p2_step1b_end(base, p1)
+
+
+def _p2_step1b_end(base: str, p1: int) -> str:
+    """Return what step 1b left: at, bl, iz gain an e; a double letter loses one (hopping ->
+    hop; but add, egg, off); a short word gains an e (hoped -> hope)."""
+    if base.endswith(_P2_1B_ADD_E):
+        return base + "e"
+    if base.endswith(_P2_DOUBLES):
+        return base if len(base) == 3 and base[0] in "aeo" else base[:-1]
+    if len(base) == p1 and _p2_short(base):
+        return base + "e"
+    return base
+
+
+def _p2_step1c(word: str, p1: int, p2: int) -> str:
+    """Step 1c: a final y after a consonant (not the first letter) becomes i."""
+    if len(word) > 2 and word[-2] not in _P2_VOWELS:
+        return word[:-1] + "i"
+    return word
+
+
+def _p2_replace(word: str, rules: dict, p1: int, p2: int) -> str:
+    """Return word with the longest of rules' suffixes it ends with replaced, where that
+    row's region and letters allow (see _p2_rules)."""
+    for suffix in rules:
+        if word.endswith(suffix):
+            replacement, region, letters = rules[suffix]
+            s = len(word) - len(suffix)
+            if s >= (p1 if region == 1 else p2) and (letters is None or word[s - 1 : s] in letters):
+                return word[:s] + replacement
+            return word
+    return word
+
+
+def _p2_step2(word: str, p1: int, p2: int) -> str:
+    """Step 2: derivational suffixes in R1 (_P2_STEP2)."""
+    return _p2_replace(word, _P2_STEP2, p1, p2)
+
+
+def _p2_step3(word: str, p1: int, p2: int) -> str:
+    """Step 3: more derivational suffixes in R1, ative in R2 (_P2_STEP3)."""
+    return _p2_replace(word, _P2_STEP3, p1, p2)
+
+
+def _p2_step4(word: str, p1: int, p2: int) -> str:
+    """Step 4: suffixes in R2, ion after s or t (_P2_STEP4)."""
+    return _p2_replace(word, _P2_STEP4, p1, p2)
+
+
+def _p2_step5(word: str, p1: int, p2: int) -> str:
+    """Step 5: a final e goes in R2, or in R1 after no short syllable; so does the second l
+    of a final ll in R2."""
+    s = len(word) - 1
+    if word.endswith("e"):
+        return word[:s] if s >= p2 or (s >= p1 and not _p2_short(word[:s])) else word
+    return word[:s] if s >= p2 else word
+
+
+# The steps in order, each with the endings it acts on: a word ending in none skips it.
+_P2_STEPS = (
+    (_P2_STEP0, _p2_step0),
+    (_P2_1A, _p2_step1a),
+    (_P2_1B, _p2_step1b),
+    (("y", "Y"), _p2_step1c),
+    (tuple(_P2_STEP2), _p2_step2),
+    (tuple(_P2_STEP3), _p2_step3),
+    (tuple(_P2_STEP4), _p2_step4),
+    (("e", "ll"), _p2_step5),
+)
+
+
 def _porter2(word: str) -> str:
     """Return the Porter2 stem of a word of lower-case ASCII letters (and apostrophes)."""
     if word in _P2_WORDS:
@@ -5333,97 +5485,12 @@ def _porter2(word: str) -> str:
         return word
     if word[0] == "'":
         word = word[1:]
-    if "y" in word:  # a consonant y becomes Y: the first letter, or after a vowel
-        chars = list(word)
-        if chars[0] == "y":
-            chars[0] = "Y"
-        for i in range(1, len(chars)):
-            if chars[i] == "y" and chars[i - 1] in _P2_VOWELS:
-                chars[i] = "Y"
-        word = "".join(chars)
-    # R1: after the first consonant that follows a vowel (or a special prefix); R2: the same
-    # again, in R1. Both are kept as offsets: the steps only shorten the word's end.
-    n = len(word)
-    if word.startswith(_P2_R1_PREFIXES):
-        p1 = next(len(p) for p in _P2_R1_PREFIXES if word.startswith(p))
-    else:
-        m = _P2_REGION_RE.match(word)
-        p1 = m.end() if m else n
-    m = _P2_REGION_RE.match(word, p1)
-    p2 = m.end() if m else n
-    # Step 0: a possessive 's, or an apostrophe at the end
-    if "'" in word:
-        for tail in ("'s'", "'s", "'"):
-            if word.endswith(tail):
-                word = word[: -len(tail)]
-                break
-    # Step 1a: plurals
-    if word.endswith("sses"):
-        word = word[:-2]
-    elif word.endswith(("ied", "ies")):
-        word = word[:-2] if len(word) > 4 else word[:-1]  # cries -> cri, ties -> tie
-    elif (
-        word.endswith("s")
-        and not word.endswith(("us", "ss"))
-        and _P2_VOWEL_RE.search(word, 0, len(word) - 2)
-    ):
-        word = word[:-1]  # gaps -> gap, but gas
-    # Step 1b: -eed, -ed, -ing (and -edly, -ingly)
-    suffix = _p2_suffix(word, _P2_1B)
-    if suffix:
-        s = len(word) - len(suffix)
-        base = word[:s]
-        if suffix in ("eed", "eedly"):
-            if s >= p1 and base not in ("proc", "exc", "succ"):
-                word = base + "ee"
-        elif suffix == "ing" and s == 2 and base[1] == "y" and base[0] not in _P2_VOWELS:
-            word = base[0] + "ie"  # dying -> die, lying -> lie
-        elif suffix == "ing" and base in _P2_ING_KEEP:
-            pass  # inning, outing, canning, herring, earring, evening
-        elif _P2_VOWEL_RE.search(base):
-            word = base
-            if base.endswith(("at", "bl", "iz")):
-                word = base + "e"  # luxuriated -> luxuriate
-            elif base.endswith(_P2_DOUBLES):
-                if not (len(base) == 3 and base[0] in "aeo"):  # hopping -> hop; but add, egg
-                    word = base[:-1]
-            elif s == p1 and _p2_short(base):
-                word = base + "e"  # hoped -> hope
-    # Step 1c: a final y after a consonant (not the first letter) becomes i
-    if len(word) > 2 and word[-1] in "yY" and word[-2] not in _P2_VOWELS:
-        word = word[:-1] + "i"
-    # Step 2: derivational suffixes in R1
-    suffix = _p2_suffix(word, _P2_STEP2_ENDS)
-    if suffix is not None:
-        s = len(word) - len(suffix)
-        if s >= p1:
-            if suffix == "ogi":
-                if word[s - 1 : s] == "l":
-                    word = word[:s] + "og"
-            elif suffix == "li":
-                if s > 0 and word[s - 1] in "cdeghkmnrt":
-                    word = word[:s]
-            else:
-                word = word[:s] + _P2_STEP2[suffix]
-    # Step 3
-    suffix = _p2_suffix(word, _P2_STEP3_ENDS)
-    if suffix is not None:
-        s = len(word) - len(suffix)
-        if s >= p1 and (suffix != "ative" or s >= p2):
-            word = word[:s] + _P2_STEP3[suffix]
-    # Step 4: suffixes in R2
-    suffix = _p2_suffix(word, _P2_STEP4_ENDS)
-    if suffix is not None:
-        s = len(word) - len(suffix)
-        if s >= p2 and (suffix != "ion" or word[s - 1 : s] in ("s", "t")):
-            word = word[:s]
-    # Step 5: a final e, or the second l of a final ll
-    if word.endswith("e"):
-        s = len(word) - 1
-        if s >= p2 or (s >= p1 and not _p2_short(word[:s])):
-            word = word[:s]
-    elif word.endswith("ll") and len(word) - 1 >= p2:
-        word = word[:-1]
+    if "y" in word:
+        word = _p2_mark_y(word)
+    p1, p2 = _p2_regions(word)
+    for endings, step in _P2_STEPS:
+        if word.endswith(endings):
+            word = step(word, p1, p2)
     return word.replace("Y", "y")
 
 
@@ -14310,6 +14377,16 @@ class ImportPlan:
             self._wrote()
         self.progress(self)
 
+    def add_all(self, drafts: list) -> None:
+        """Write named drafts in one batch: the files first, then the notes."""
+        with self.writing():
+            for d in drafts:
+                if d.open is not None:
+                    self.add_file(d)
+            for d in drafts:
+                if d.open is None:
+                    self.add_note(d)
+
     def skip(self, source: str, reason: str) -> None:
         self.skipped.append(_skip(source, reason))
 
@@ -14399,62 +14476,89 @@ def _relink(text: str, source: str, known: Mapping) -> str:
 
 def plan_tree(plan: ImportPlan, source: ImportSource, kind: str) -> None:
     """Import a tree of Markdown and files (Obsidian, Notion, any folder, notesvc's export)."""
-    strip_ids = kind == "notion"
-    own = kind == "notesvc"
-    principal_folder = getattr(plan, "grant_folder", "")
     notes, files = [], []
     for entry in source.entries:
-        name = entry.name
-        leaf = name.rsplit("/", 1)[-1]
-        stem, ext = _note_name_of(leaf)
-        if name == EXPORT_MANIFEST:
-            continue
-        if any(seg.startswith(".") for seg in name.split("/")):
-            if not name.startswith(".obsidian/"):
-                plan.skip(name, "a hidden file")
-            continue
-        if own:
-            top = name.split("/", 1)[0]
-            want = name
-            try:
-                if top == NOTES and ext == "md":
-                    want = note_path(name)
-                elif top in (NOTES, ATTACHMENTS) and ext in ATTACHMENT_TYPES:
-                    want = (attachment_path if top == ATTACHMENTS else note_file_path)(name)
-                else:
-                    plan.skip(name, "not a note or a file of a notesvc export")
-                    continue
-            except ApiError as e:
-                plan.skip(name, e.message)
-                continue
-            if principal_folder and not Principal("key", "write", principal_folder).sees(want):
-                plan.skip(name, "outside the folder this key may write")
-                continue
-            (notes if ext == "md" else files).append((entry, want))
-            continue
-        if ext == "csv" and strip_ids:
-            notes.append((entry, None))
-            continue
-        if ext in IMPORT_TEXT_TYPES:
-            segs = _target_segments(name, strip_ids)
-            segs[-1] = import_segment(_note_name_of(segs[-1])[0]) + ".md"
-            notes.append((entry, "/".join([plan.into, *segs])))
-        elif ext in ATTACHMENT_TYPES:
-            segs = _target_segments(name, strip_ids)
-            files.append((entry, "/".join([plan.files_into, *segs])))
-        else:
-            plan.skip(name, f"files ending .{ext or '(none)'} are not imported")
-    if strip_ids:  # a database's CSV: `_all.csv` only where its plain twin is missing
-        names = {e.name for e, _ in notes}
-        kept = []
-        for entry, want in notes:
-            twin = entry.name[: -len("_all.csv")] + ".csv"
-            if want is None and entry.name.endswith("_all.csv") and twin in names:
-                continue
-            kept.append((entry, want))
-        notes = kept
+        place = _tree_place(plan, entry.name, kind)
+        if place is not None:
+            is_note, want = place
+            (notes if is_note else files).append((entry, want))
+    if kind == "notion":
+        notes = _without_csv_twins(notes)
     drafts = [Draft(e.name, want, open=e.open, size=e.size) for e, want in files]
     links: list = []  # (the sources imported, renamed notes' names): known once all are named
+    drafts += _tree_note_drafts(plan, source, notes, None if kind == "notesvc" else links)
+    for d in drafts:
+        plan.name(d)
+        plan.looked()
+    links.extend([{d.source for d in drafts}, _renamed_notes(plan) if kind == "obsidian" else {}])
+    plan.add_all(drafts)
+
+
+def _tree_place(plan: ImportPlan, name: str, kind: str) -> tuple | None:
+    """Return (whether it is a note, where it goes) of a file of a tree, or None for one the
+    import skips (the plan says why). A Notion database's CSV goes to None: it is named by
+    its title later."""
+    ext = _note_name_of(name.rsplit("/", 1)[-1])[1]
+    if name == EXPORT_MANIFEST:
+        return None
+    if any(seg.startswith(".") for seg in name.split("/")):
+        if not name.startswith(".obsidian/"):
+            plan.skip(name, "a hidden file")
+        return None
+    if kind == "notesvc":
+        return _own_export_place(plan, name, ext)
+    strip_ids = kind == "notion"
+    if ext == "csv" and strip_ids:
+        return True, None
+    if ext in IMPORT_TEXT_TYPES:
+        segs = _target_segments(name, strip_ids)
+        segs[-1] = import_segment(_note_name_of(segs[-1])[0]) + ".md"
+        return True, "/".join([plan.into, *segs])
+    if ext in ATTACHMENT_TYPES:
+        return False, "/".join([plan.files_into, *_target_segments(name, strip_ids)])
+    plan.skip(name, f"files ending .{ext or '(none)'} are not imported")
+    return None
+
+
+def _own_export_place(plan: ImportPlan, name: str, ext: str) -> tuple | None:
+    """Return (whether it is a note, its path) of a file of notesvc's own export, kept where
+    the export had it, or None for one the import skips (the plan says why)."""
+    top = name.split("/", 1)[0]
+    try:
+        if top == NOTES and ext == "md":
+            want = note_path(name)
+        elif top in (NOTES, ATTACHMENTS) and ext in ATTACHMENT_TYPES:
+            want = (attachment_path if top == ATTACHMENTS else note_file_path)(name)
+        else:
+            plan.skip(name, "not a note or a file of a notesvc export")
+            return None
+    except ApiError as e:
+        plan.skip(name, e.message)
+        return None
+    folder = getattr(plan, "grant_folder", "")
+    if folder and not Principal("key", "write", folder).sees(want):
+        plan.skip(name, "outside the folder this key may write")
+        return None
+    return ext == "md", want
+
+
+def _without_csv_twins(notes: list) -> list:
+    """Return a Notion import's (entry, path) notes less each database's `_all.csv` whose
+    plain twin is there too."""
+    names = {e.name for e, _ in notes}
+    kept = []
+    for entry, want in notes:
+        twin = entry.name[: -len("_all.csv")] + ".csv"
+        if want is None and entry.name.endswith("_all.csv") and twin in names:
+            continue
+        kept.append((entry, want))
+    return kept
+
+
+def _tree_note_drafts(plan: ImportPlan, source: ImportSource, notes: list, links) -> list:
+    """Return the drafts of a tree's (entry, path) notes, each read when written (a Notion
+    database's CSV named by its title); one over the size limit is skipped."""
+    drafts = []
     for entry, want in notes:
         if entry.size > plan.max_note * 4:
             plan.skip(entry.name, "over SERVICE_MAX_BODY_BYTES")
@@ -14465,19 +14569,9 @@ def plan_tree(plan: ImportPlan, source: ImportSource, kind: str) -> None:
             title = _NOTION_ID_RE.sub("", stem.removesuffix("_all")) or stem
             segs = _target_segments(entry.name, True)[:-1]
             want = "/".join([plan.into, *segs, import_segment(title) + ".md"])
-        load = functools.partial(_tree_text, source, entry, title, None if own else links)
+        load = functools.partial(_tree_text, source, entry, title, links)
         drafts.append(Draft(entry.name, want, text=load))
-    for d in drafts:
-        plan.name(d)
-        plan.looked()
-    links.extend([{d.source for d in drafts}, _renamed_notes(plan) if kind == "obsidian" else {}])
-    with plan.writing():
-        for d in drafts:
-            if d.open is not None:
-                plan.add_file(d)
-        for d in drafts:
-            if d.open is None:
-                plan.add_note(d)
+    return drafts
 
 
 def _tree_text(source: ImportSource, entry: ImportEntry, csv_title, links) -> str:
@@ -14551,20 +14645,43 @@ def keep_note(data: Any) -> tuple:
         return "", "", "not a Keep note (a JSON object was expected)"
     if data.get("isTrashed") is True:
         return "", "", "in Keep's trash"
+    title = _keep_str(data, "title").strip()
+    body = _keep_str(data, "textContent").replace("\r\n", "\n")
+    tasks = _keep_tasks(data.get("listContent"))
+    meta = _keep_meta(data)
+    parts = [f"# {title}" if title else ""]
+    if body.strip():
+        parts.append(body.strip("\n"))
+    if tasks:
+        parts.append("\n".join(tasks))
+    parts += _keep_attachments(data)
+    links = _keep_links(data)
+    if links:
+        parts.append("\n".join(links))
+    md = "\n\n".join(p for p in parts if p).strip("\n") + "\n"
+    return title, _front_matter(meta) + md, None
 
-    def text_of(key: str) -> str:
-        v = data.get(key)
-        return v if isinstance(v, str) else ""
 
-    title = text_of("title").strip()
-    body = text_of("textContent").replace("\r\n", "\n")
-    items = data.get("listContent")
+def _keep_str(data: dict, key: str) -> str:
+    """Return a Keep note's text field, '' where it is missing or not text."""
+    v = data.get(key)
+    return v if isinstance(v, str) else ""
+
+
+def _keep_tasks(items: Any) -> list:
+    """Return a Keep checklist (listContent) as Markdown task lines."""
     tasks = []
     if isinstance(items, list):
         for item in items:
             if isinstance(item, dict) and isinstance(item.get("text"), str):
                 mark = "x" if item.get("isChecked") is True else " "
                 tasks.append(f"- [{mark}] {' '.join(item['text'].split())}")
+    return tasks
+
+
+def _keep_meta(data: dict) -> dict:
+    """Return the front matter of a Keep note: its labels as tags, dates, pin, archive,
+    colour (none for the default)."""
     labels = [
         str(lb["name"]).replace(",", " ").strip()
         for lb in data.get("labels") or []
@@ -14575,8 +14692,8 @@ def keep_note(data: Any) -> tuple:
         v = data.get(key)
         return _iso_or_none(v / 1e6) if isinstance(v, (int, float)) and v > 0 else None
 
-    colour = text_of("color").upper()
-    meta = {
+    colour = _keep_str(data, "color").upper()
+    return {
         "tags": labels,
         "created": usec("createdTimestampUsec"),
         "updated": usec("userEditedTimestampUsec"),
@@ -14585,25 +14702,27 @@ def keep_note(data: Any) -> tuple:
         "color": colour.lower() if colour not in KEEP_COLOURS else "",
         "source": "Google Keep",
     }
-    parts = [f"# {title}" if title else ""]
-    if body.strip():
-        parts.append(body.strip("\n"))
-    if tasks:
-        parts.append("\n".join(tasks))
+
+
+def _keep_attachments(data: dict) -> list:
+    """Return a Keep note's links to its attached files (an image shown, as `![...]`)."""
+    lines = []
     for a in data.get("attachments") or []:
         if isinstance(a, dict) and isinstance(a.get("filePath"), str):
             leaf = a["filePath"].replace("\\", "/").rsplit("/", 1)[-1]
             bang = "!" if str(a.get("mimetype", "image")).startswith("image") else ""
-            parts.append(f"{bang}[{leaf}]({link_token(leaf, leaf)})")
+            lines.append(f"{bang}[{leaf}]({link_token(leaf, leaf)})")
+    return lines
+
+
+def _keep_links(data: dict) -> list:
+    """Return the web links Keep saw in a note (its annotations) as a Markdown list."""
     links = []
     for a in data.get("annotations") or []:
         if isinstance(a, dict) and isinstance(a.get("url"), str) and a["url"].startswith("http"):
             label = " ".join(str(a.get("title") or a["url"]).split()).replace("]", ")")
             links.append(f"- [{label}]({a['url']})")
-    if links:
-        parts.append("\n".join(links))
-    md = "\n\n".join(p for p in parts if p).strip("\n") + "\n"
-    return title, _front_matter(meta) + md, None
+    return links
 
 
 def plan_keep(plan: ImportPlan, source: ImportSource) -> None:
@@ -15130,6 +15249,16 @@ def joplin_item(text: str) -> tuple:
 
 def plan_joplin(plan: ImportPlan, source: ImportSource) -> None:
     """Import a Joplin export: notebooks as folders, tags, to-dos, resources, dates."""
+    items, files = _joplin_items(plan, source)
+    kind = {i: int(p.get("type_", "0") or 0) for i, (_, _, p, _) in items.items()}
+    drafts = _joplin_resource_drafts(plan, items, kind, files)
+    drafts += _joplin_note_drafts(plan, items, kind)
+    plan.add_all(drafts)
+
+
+def _joplin_items(plan: ImportPlan, source: ImportSource) -> tuple:
+    """Return ({id: (title, body, properties, source name)} of the export's items, {id: the
+    entry} of its resources' files); a file that is neither is skipped."""
     items: dict = {}
     files: dict = {}
     for entry in source.entries:
@@ -15146,20 +15275,11 @@ def plan_joplin(plan: ImportPlan, source: ImportSource) -> None:
             plan.skip(name, "over SERVICE_MAX_BODY_BYTES")
             continue
         items[props.get("id", name[:-3])] = (title, body, props, name)
-    kind = {i: int(p.get("type_", "0") or 0) for i, (_, _, p, _) in items.items()}
-    folders = {i: v for i, v in items.items() if kind[i] == JOPLIN_FOLDER}
+    return items, files
 
-    def folder_of(pid: str, depth: int = 0) -> list:
-        if pid not in folders or depth > 32:
-            return []
-        title, _, props, _ = folders[pid]
-        return [*folder_of(props.get("parent_id", ""), depth + 1), import_segment(title)]
 
-    tags = {i: v[0] for i, v in items.items() if kind[i] == JOPLIN_TAG}
-    note_tags: dict = {}
-    for i, (_, _, props, _) in items.items():
-        if kind[i] == JOPLIN_NOTE_TAG and props.get("tag_id") in tags:
-            note_tags.setdefault(props.get("note_id"), []).append(tags[props["tag_id"]])
+def _joplin_resource_drafts(plan: ImportPlan, items: dict, kind: dict, files: dict) -> list:
+    """Return the named drafts of the export's resources (its attached files)."""
     drafts = []
     for rid, (title, _, props, name) in items.items():
         if kind[rid] != JOPLIN_RESOURCE:
@@ -15178,7 +15298,17 @@ def plan_joplin(plan: ImportPlan, source: ImportSource) -> None:
         d = Draft(rid, f"{plan.files_into}/{stem}.{ext}", open=entry.open, size=entry.size)
         plan.name(d)
         drafts.append(d)
-    for nid, (title, body, props, name) in items.items():
+    return drafts
+
+
+def _joplin_note_drafts(plan: ImportPlan, items: dict, kind: dict) -> list:
+    """Return the named drafts of the export's notes and to-dos; other items (settings,
+    revisions, conflict copies) are skipped."""
+    folders = {i: v for i, v in items.items() if kind[i] == JOPLIN_FOLDER}
+    note_tags = _joplin_note_tags(items, kind)
+    drafts = []
+    for nid, item in items.items():
+        _, _, props, name = item
         if kind[nid] != JOPLIN_NOTE:
             if kind[nid] not in (JOPLIN_FOLDER, JOPLIN_RESOURCE, JOPLIN_TAG, JOPLIN_NOTE_TAG):
                 plan.skip(name, "a Joplin item that is not a note (settings, revisions...)")
@@ -15186,31 +15316,50 @@ def plan_joplin(plan: ImportPlan, source: ImportSource) -> None:
         if props.get("is_conflict") == "1":
             plan.skip(name, "a Joplin conflict copy")
             continue
-        todo = props.get("is_todo") == "1"
-        done = todo and props.get("todo_completed", "0") not in ("", "0")
-        meta = {
-            "tags": sorted(note_tags.get(nid, [])),
-            "created": props.get("user_created_time") or props.get("created_time"),
-            "updated": props.get("user_updated_time") or props.get("updated_time"),
-            "source_url": props.get("source_url"),
-            "author": props.get("author"),
-            "source": "Joplin",
-        }
-        body = _JOPLIN_LINK_RE.sub(lambda m: f"({link_token(m.group(1), ':/' + m.group(1))})", body)
-        heading = f"- [{'x' if done else ' '}] {title}" if todo else f"# {title}"
-        text = _front_matter(meta) + (heading + "\n\n" if title else "") + body + "\n"
-        segs = folder_of(props.get("parent_id", ""))
-        stem = import_segment(title_filename(title or body))
-        d = Draft(nid, "/".join([plan.into, *segs, stem + ".md"]), text=text)
+        d = _joplin_note_draft(plan, nid, item, folders, sorted(note_tags.get(nid, [])))
         plan.name(d)
         drafts.append(d)
-    with plan.writing():
-        for d in drafts:
-            if d.open:
-                plan.add_file(d)
-        for d in drafts:
-            if not d.open:
-                plan.add_note(d)
+    return drafts
+
+
+def _joplin_note_tags(items: dict, kind: dict) -> dict:
+    """Return {note id: the titles of its tags} of the export's note-tag items."""
+    tags = {i: v[0] for i, v in items.items() if kind[i] == JOPLIN_TAG}
+    note_tags: dict = {}
+    for i, (_, _, props, _) in items.items():
+        if kind[i] == JOPLIN_NOTE_TAG and props.get("tag_id") in tags:
+            note_tags.setdefault(props.get("note_id"), []).append(tags[props["tag_id"]])
+    return note_tags
+
+
+def _joplin_folder(folders: dict, pid: str, depth: int = 0) -> list:
+    """Return the folder segments of a notebook and the notebooks above it (32 at most)."""
+    if pid not in folders or depth > 32:
+        return []
+    title, _, props, _ = folders[pid]
+    return [*_joplin_folder(folders, props.get("parent_id", ""), depth + 1), import_segment(title)]
+
+
+def _joplin_note_draft(plan: ImportPlan, nid: str, item: tuple, folders: dict, tags: list) -> Draft:
+    """Return the draft of a Joplin note in its notebook's folder: its properties as front
+    matter, a to-do's title as a task, links to resources as link tokens."""
+    title, body, props, _ = item
+    todo = props.get("is_todo") == "1"
+    done = todo and props.get("todo_completed", "0") not in ("", "0")
+    meta = {
+        "tags": tags,
+        "created": props.get("user_created_time") or props.get("created_time"),
+        "updated": props.get("user_updated_time") or props.get("updated_time"),
+        "source_url": props.get("source_url"),
+        "author": props.get("author"),
+        "source": "Joplin",
+    }
+    body = _JOPLIN_LINK_RE.sub(lambda m: f"({link_token(m.group(1), ':/' + m.group(1))})", body)
+    heading = f"- [{'x' if done else ' '}] {title}" if todo else f"# {title}"
+    text = _front_matter(meta) + (heading + "\n\n" if title else "") + body + "\n"
+    segs = _joplin_folder(folders, props.get("parent_id", ""))
+    stem = import_segment(title_filename(title or body))
+    return Draft(nid, "/".join([plan.into, *segs, stem + ".md"]), text=text)
 
 
 IMPORT_PLANNERS = {
@@ -23183,23 +23332,46 @@ def parse_request_head(head: bytes, peer: str) -> tuple:
     if lines[-2:] != ["", ""]:
         raise _Refuse(400, "the request head must end with an empty CRLF line")
     lines = lines[:-2]
-    m = re.fullmatch(
-        r"([A-Z]{1,16}) (/[!-~]*|[Hh][Tt][Tt][Pp][Ss]?://[!-~]+) HTTP/1\.([01])", lines[0]
-    )
+    method, target, minor, authority = _parse_request_line(lines[0])
+    headers = _parse_header_lines(lines[1:])
+    if authority:
+        headers = [(k, v) for k, v in headers if k.lower() != "host"] + [("Host", authority)]
+    length = _request_body_length(headers, minor)
+    connection = ",".join(v for k, v in headers if k.lower() == "connection").lower()
+    keep_alive = "close" not in connection if minor == "1" else "keep-alive" in connection
+    raw_path, _, query = target.partition("?")
+    try:
+        path = urllib.parse.unquote_to_bytes(raw_path).decode("utf-8")
+    except UnicodeDecodeError:
+        raise _Refuse(400, "the URL path is not UTF-8") from None
+    return method, path, query, headers, keep_alive, length
+
+
+def _parse_request_line(line: str) -> tuple:
+    """Return (method, target, HTTP minor version, authority) of a request line; the target
+    of an absolute-form one (RFC 9112 3.2.2) is its path and query, its authority the Host
+    ('' for the usual origin-form)."""
+    m = re.fullmatch(r"([A-Z]{1,16}) (/[!-~]*|[Hh][Tt][Tt][Pp][Ss]?://[!-~]+) HTTP/1\.([01])", line)
     if not m:
         raise _Refuse(400, "malformed request line")
     method, target, minor = m.groups()
-    authority = ""
-    if not target.startswith("/"):  # absolute-form (RFC 9112 3.2.2): its authority is the Host
-        try:
-            url = urllib.parse.urlsplit(target)
-        except ValueError:  # (a broken IPv6 literal, say)
-            raise _Refuse(400, "malformed request line") from None
-        authority, target = url.netloc, (url.path or "/") + (f"?{url.query}" if url.query else "")
-        if not authority or "@" in authority or not target.startswith("/"):
-            raise _Refuse(400, "malformed request line")
+    if target.startswith("/"):
+        return method, target, minor, ""
+    try:
+        url = urllib.parse.urlsplit(target)
+    except ValueError:  # (a broken IPv6 literal, say)
+        raise _Refuse(400, "malformed request line") from None
+    authority, target = url.netloc, (url.path or "/") + (f"?{url.query}" if url.query else "")
+    if not authority or "@" in authority or not target.startswith("/"):
+        raise _Refuse(400, "malformed request line")
+    return method, target, minor, authority
+
+
+def _parse_header_lines(lines: list) -> list:
+    """Return [(name, value)] of a request's header lines, refusing obs-fold, a name that is
+    not a token and a bare CR or LF."""
     headers = []
-    for line in lines[1:]:
+    for line in lines:
         if line[:1] in (" ", "\t"):
             raise _Refuse(400, "folded header lines (obs-fold) are not accepted")
         name, sep, value = line.partition(":")
@@ -23208,14 +23380,14 @@ def parse_request_head(head: bytes, peer: str) -> tuple:
         if "\n" in line or "\r" in line:
             raise _Refuse(400, "bare CR or LF in a header line")
         headers.append((name, value.strip(" \t")))
-    if authority:
-        headers = [(k, v) for k, v in headers if k.lower() != "host"] + [("Host", authority)]
+    return headers
 
-    def all_of(wanted: str) -> list:
-        return [v for k, v in headers if k.lower() == wanted]
 
-    lengths = all_of("content-length")
-    codings = all_of("transfer-encoding")
+def _request_body_length(headers: list, minor: str) -> int:
+    """Return a request's Content-Length (0 without one; -1 for a chunked body), refusing
+    any framing that could be read two ways."""
+    lengths = [v for k, v in headers if k.lower() == "content-length"]
+    codings = [v for k, v in headers if k.lower() == "transfer-encoding"]
     if codings:
         # One way to find a body's end, or none: two headers, a list, another coding, or a
         # Content-Length beside it could be read two ways (request smuggling).
@@ -23227,19 +23399,11 @@ def parse_request_head(head: bytes, peer: str) -> tuple:
             raise _Refuse(400, "HTTP/1.0 has no chunked request bodies")
     if len(lengths) > 1:
         raise _Refuse(400, "more than one Content-Length")
-    length = -1 if codings else 0
-    if lengths:
-        if not re.fullmatch(r"\d{1,18}", lengths[0]):
-            raise _Refuse(400, "Content-Length is not a whole number")
-        length = int(lengths[0])
-    connection = ",".join(all_of("connection")).lower()
-    keep_alive = "close" not in connection if minor == "1" else "keep-alive" in connection
-    raw_path, _, query = target.partition("?")
-    try:
-        path = urllib.parse.unquote_to_bytes(raw_path).decode("utf-8")
-    except UnicodeDecodeError:
-        raise _Refuse(400, "the URL path is not UTF-8") from None
-    return method, path, query, headers, keep_alive, length
+    if not lengths:
+        return -1 if codings else 0
+    if not re.fullmatch(r"\d{1,18}", lengths[0]):
+        raise _Refuse(400, "Content-Length is not a whole number")
+    return int(lengths[0])
 
 
 RELAY_MAX_CHUNK_META = 8192  # bytes of a chunk-size line (with extensions), and of trailers

@@ -95,62 +95,89 @@ def _relink(text: str, source: str, known: Mapping) -> str:
 
 def plan_tree(plan: ImportPlan, source: ImportSource, kind: str) -> None:
     """Import a tree of Markdown and files (Obsidian, Notion, any folder, notesvc's export)."""
-    strip_ids = kind == "notion"
-    own = kind == "notesvc"
-    principal_folder = getattr(plan, "grant_folder", "")
     notes, files = [], []
     for entry in source.entries:
-        name = entry.name
-        leaf = name.rsplit("/", 1)[-1]
-        stem, ext = _note_name_of(leaf)
-        if name == EXPORT_MANIFEST:
-            continue
-        if any(seg.startswith(".") for seg in name.split("/")):
-            if not name.startswith(".obsidian/"):
-                plan.skip(name, "a hidden file")
-            continue
-        if own:
-            top = name.split("/", 1)[0]
-            want = name
-            try:
-                if top == NOTES and ext == "md":
-                    want = note_path(name)
-                elif top in (NOTES, ATTACHMENTS) and ext in ATTACHMENT_TYPES:
-                    want = (attachment_path if top == ATTACHMENTS else note_file_path)(name)
-                else:
-                    plan.skip(name, "not a note or a file of a notesvc export")
-                    continue
-            except ApiError as e:
-                plan.skip(name, e.message)
-                continue
-            if principal_folder and not Principal("key", "write", principal_folder).sees(want):
-                plan.skip(name, "outside the folder this key may write")
-                continue
-            (notes if ext == "md" else files).append((entry, want))
-            continue
-        if ext == "csv" and strip_ids:
-            notes.append((entry, None))
-            continue
-        if ext in IMPORT_TEXT_TYPES:
-            segs = _target_segments(name, strip_ids)
-            segs[-1] = import_segment(_note_name_of(segs[-1])[0]) + ".md"
-            notes.append((entry, "/".join([plan.into, *segs])))
-        elif ext in ATTACHMENT_TYPES:
-            segs = _target_segments(name, strip_ids)
-            files.append((entry, "/".join([plan.files_into, *segs])))
-        else:
-            plan.skip(name, f"files ending .{ext or '(none)'} are not imported")
-    if strip_ids:  # a database's CSV: `_all.csv` only where its plain twin is missing
-        names = {e.name for e, _ in notes}
-        kept = []
-        for entry, want in notes:
-            twin = entry.name[: -len("_all.csv")] + ".csv"
-            if want is None and entry.name.endswith("_all.csv") and twin in names:
-                continue
-            kept.append((entry, want))
-        notes = kept
+        place = _tree_place(plan, entry.name, kind)
+        if place is not None:
+            is_note, want = place
+            (notes if is_note else files).append((entry, want))
+    if kind == "notion":
+        notes = _without_csv_twins(notes)
     drafts = [Draft(e.name, want, open=e.open, size=e.size) for e, want in files]
     links: list = []  # (the sources imported, renamed notes' names): known once all are named
+    drafts += _tree_note_drafts(plan, source, notes, None if kind == "notesvc" else links)
+    for d in drafts:
+        plan.name(d)
+        plan.looked()
+    links.extend([{d.source for d in drafts}, _renamed_notes(plan) if kind == "obsidian" else {}])
+    plan.add_all(drafts)
+
+
+def _tree_place(plan: ImportPlan, name: str, kind: str) -> tuple | None:
+    """Return (whether it is a note, where it goes) of a file of a tree, or None for one the
+    import skips (the plan says why). A Notion database's CSV goes to None: it is named by
+    its title later."""
+    ext = _note_name_of(name.rsplit("/", 1)[-1])[1]
+    if name == EXPORT_MANIFEST:
+        return None
+    if any(seg.startswith(".") for seg in name.split("/")):
+        if not name.startswith(".obsidian/"):
+            plan.skip(name, "a hidden file")
+        return None
+    if kind == "notesvc":
+        return _own_export_place(plan, name, ext)
+    strip_ids = kind == "notion"
+    if ext == "csv" and strip_ids:
+        return True, None
+    if ext in IMPORT_TEXT_TYPES:
+        segs = _target_segments(name, strip_ids)
+        segs[-1] = import_segment(_note_name_of(segs[-1])[0]) + ".md"
+        return True, "/".join([plan.into, *segs])
+    if ext in ATTACHMENT_TYPES:
+        return False, "/".join([plan.files_into, *_target_segments(name, strip_ids)])
+    plan.skip(name, f"files ending .{ext or '(none)'} are not imported")
+    return None
+
+
+def _own_export_place(plan: ImportPlan, name: str, ext: str) -> tuple | None:
+    """Return (whether it is a note, its path) of a file of notesvc's own export, kept where
+    the export had it, or None for one the import skips (the plan says why)."""
+    top = name.split("/", 1)[0]
+    try:
+        if top == NOTES and ext == "md":
+            want = note_path(name)
+        elif top in (NOTES, ATTACHMENTS) and ext in ATTACHMENT_TYPES:
+            want = (attachment_path if top == ATTACHMENTS else note_file_path)(name)
+        else:
+            plan.skip(name, "not a note or a file of a notesvc export")
+            return None
+    except ApiError as e:
+        plan.skip(name, e.message)
+        return None
+    folder = getattr(plan, "grant_folder", "")
+    if folder and not Principal("key", "write", folder).sees(want):
+        plan.skip(name, "outside the folder this key may write")
+        return None
+    return ext == "md", want
+
+
+def _without_csv_twins(notes: list) -> list:
+    """Return a Notion import's (entry, path) notes less each database's `_all.csv` whose
+    plain twin is there too."""
+    names = {e.name for e, _ in notes}
+    kept = []
+    for entry, want in notes:
+        twin = entry.name[: -len("_all.csv")] + ".csv"
+        if want is None and entry.name.endswith("_all.csv") and twin in names:
+            continue
+        kept.append((entry, want))
+    return kept
+
+
+def _tree_note_drafts(plan: ImportPlan, source: ImportSource, notes: list, links) -> list:
+    """Return the drafts of a tree's (entry, path) notes, each read when written (a Notion
+    database's CSV named by its title); one over the size limit is skipped."""
+    drafts = []
     for entry, want in notes:
         if entry.size > plan.max_note * 4:
             plan.skip(entry.name, "over SERVICE_MAX_BODY_BYTES")
@@ -161,19 +188,9 @@ def plan_tree(plan: ImportPlan, source: ImportSource, kind: str) -> None:
             title = _NOTION_ID_RE.sub("", stem.removesuffix("_all")) or stem
             segs = _target_segments(entry.name, True)[:-1]
             want = "/".join([plan.into, *segs, import_segment(title) + ".md"])
-        load = functools.partial(_tree_text, source, entry, title, None if own else links)
+        load = functools.partial(_tree_text, source, entry, title, links)
         drafts.append(Draft(entry.name, want, text=load))
-    for d in drafts:
-        plan.name(d)
-        plan.looked()
-    links.extend([{d.source for d in drafts}, _renamed_notes(plan) if kind == "obsidian" else {}])
-    with plan.writing():
-        for d in drafts:
-            if d.open is not None:
-                plan.add_file(d)
-        for d in drafts:
-            if d.open is None:
-                plan.add_note(d)
+    return drafts
 
 
 def _tree_text(source: ImportSource, entry: ImportEntry, csv_title, links) -> str:
@@ -247,20 +264,43 @@ def keep_note(data: Any) -> tuple:
         return "", "", "not a Keep note (a JSON object was expected)"
     if data.get("isTrashed") is True:
         return "", "", "in Keep's trash"
+    title = _keep_str(data, "title").strip()
+    body = _keep_str(data, "textContent").replace("\r\n", "\n")
+    tasks = _keep_tasks(data.get("listContent"))
+    meta = _keep_meta(data)
+    parts = [f"# {title}" if title else ""]
+    if body.strip():
+        parts.append(body.strip("\n"))
+    if tasks:
+        parts.append("\n".join(tasks))
+    parts += _keep_attachments(data)
+    links = _keep_links(data)
+    if links:
+        parts.append("\n".join(links))
+    md = "\n\n".join(p for p in parts if p).strip("\n") + "\n"
+    return title, _front_matter(meta) + md, None
 
-    def text_of(key: str) -> str:
-        v = data.get(key)
-        return v if isinstance(v, str) else ""
 
-    title = text_of("title").strip()
-    body = text_of("textContent").replace("\r\n", "\n")
-    items = data.get("listContent")
+def _keep_str(data: dict, key: str) -> str:
+    """Return a Keep note's text field, '' where it is missing or not text."""
+    v = data.get(key)
+    return v if isinstance(v, str) else ""
+
+
+def _keep_tasks(items: Any) -> list:
+    """Return a Keep checklist (listContent) as Markdown task lines."""
     tasks = []
     if isinstance(items, list):
         for item in items:
             if isinstance(item, dict) and isinstance(item.get("text"), str):
                 mark = "x" if item.get("isChecked") is True else " "
                 tasks.append(f"- [{mark}] {' '.join(item['text'].split())}")
+    return tasks
+
+
+def _keep_meta(data: dict) -> dict:
+    """Return the front matter of a Keep note: its labels as tags, dates, pin, archive,
+    colour (none for the default)."""
     labels = [
         str(lb["name"]).replace(",", " ").strip()
         for lb in data.get("labels") or []
@@ -271,8 +311,8 @@ def keep_note(data: Any) -> tuple:
         v = data.get(key)
         return _iso_or_none(v / 1e6) if isinstance(v, (int, float)) and v > 0 else None
 
-    colour = text_of("color").upper()
-    meta = {
+    colour = _keep_str(data, "color").upper()
+    return {
         "tags": labels,
         "created": usec("createdTimestampUsec"),
         "updated": usec("userEditedTimestampUsec"),
@@ -281,25 +321,27 @@ def keep_note(data: Any) -> tuple:
         "color": colour.lower() if colour not in KEEP_COLOURS else "",
         "source": "Google Keep",
     }
-    parts = [f"# {title}" if title else ""]
-    if body.strip():
-        parts.append(body.strip("\n"))
-    if tasks:
-        parts.append("\n".join(tasks))
+
+
+def _keep_attachments(data: dict) -> list:
+    """Return a Keep note's links to its attached files (an image shown, as `![...]`)."""
+    lines = []
     for a in data.get("attachments") or []:
         if isinstance(a, dict) and isinstance(a.get("filePath"), str):
             leaf = a["filePath"].replace("\\", "/").rsplit("/", 1)[-1]
             bang = "!" if str(a.get("mimetype", "image")).startswith("image") else ""
-            parts.append(f"{bang}[{leaf}]({link_token(leaf, leaf)})")
+            lines.append(f"{bang}[{leaf}]({link_token(leaf, leaf)})")
+    return lines
+
+
+def _keep_links(data: dict) -> list:
+    """Return the web links Keep saw in a note (its annotations) as a Markdown list."""
     links = []
     for a in data.get("annotations") or []:
         if isinstance(a, dict) and isinstance(a.get("url"), str) and a["url"].startswith("http"):
             label = " ".join(str(a.get("title") or a["url"]).split()).replace("]", ")")
             links.append(f"- [{label}]({a['url']})")
-    if links:
-        parts.append("\n".join(links))
-    md = "\n\n".join(p for p in parts if p).strip("\n") + "\n"
-    return title, _front_matter(meta) + md, None
+    return links
 
 
 def plan_keep(plan: ImportPlan, source: ImportSource) -> None:
@@ -826,6 +868,16 @@ def joplin_item(text: str) -> tuple:
 
 def plan_joplin(plan: ImportPlan, source: ImportSource) -> None:
     """Import a Joplin export: notebooks as folders, tags, to-dos, resources, dates."""
+    items, files = _joplin_items(plan, source)
+    kind = {i: int(p.get("type_", "0") or 0) for i, (_, _, p, _) in items.items()}
+    drafts = _joplin_resource_drafts(plan, items, kind, files)
+    drafts += _joplin_note_drafts(plan, items, kind)
+    plan.add_all(drafts)
+
+
+def _joplin_items(plan: ImportPlan, source: ImportSource) -> tuple:
+    """Return ({id: (title, body, properties, source name)} of the export's items, {id: the
+    entry} of its resources' files); a file that is neither is skipped."""
     items: dict = {}
     files: dict = {}
     for entry in source.entries:
@@ -842,20 +894,11 @@ def plan_joplin(plan: ImportPlan, source: ImportSource) -> None:
             plan.skip(name, "over SERVICE_MAX_BODY_BYTES")
             continue
         items[props.get("id", name[:-3])] = (title, body, props, name)
-    kind = {i: int(p.get("type_", "0") or 0) for i, (_, _, p, _) in items.items()}
-    folders = {i: v for i, v in items.items() if kind[i] == JOPLIN_FOLDER}
+    return items, files
 
-    def folder_of(pid: str, depth: int = 0) -> list:
-        if pid not in folders or depth > 32:
-            return []
-        title, _, props, _ = folders[pid]
-        return [*folder_of(props.get("parent_id", ""), depth + 1), import_segment(title)]
 
-    tags = {i: v[0] for i, v in items.items() if kind[i] == JOPLIN_TAG}
-    note_tags: dict = {}
-    for i, (_, _, props, _) in items.items():
-        if kind[i] == JOPLIN_NOTE_TAG and props.get("tag_id") in tags:
-            note_tags.setdefault(props.get("note_id"), []).append(tags[props["tag_id"]])
+def _joplin_resource_drafts(plan: ImportPlan, items: dict, kind: dict, files: dict) -> list:
+    """Return the named drafts of the export's resources (its attached files)."""
     drafts = []
     for rid, (title, _, props, name) in items.items():
         if kind[rid] != JOPLIN_RESOURCE:
@@ -874,7 +917,17 @@ def plan_joplin(plan: ImportPlan, source: ImportSource) -> None:
         d = Draft(rid, f"{plan.files_into}/{stem}.{ext}", open=entry.open, size=entry.size)
         plan.name(d)
         drafts.append(d)
-    for nid, (title, body, props, name) in items.items():
+    return drafts
+
+
+def _joplin_note_drafts(plan: ImportPlan, items: dict, kind: dict) -> list:
+    """Return the named drafts of the export's notes and to-dos; other items (settings,
+    revisions, conflict copies) are skipped."""
+    folders = {i: v for i, v in items.items() if kind[i] == JOPLIN_FOLDER}
+    note_tags = _joplin_note_tags(items, kind)
+    drafts = []
+    for nid, item in items.items():
+        _, _, props, name = item
         if kind[nid] != JOPLIN_NOTE:
             if kind[nid] not in (JOPLIN_FOLDER, JOPLIN_RESOURCE, JOPLIN_TAG, JOPLIN_NOTE_TAG):
                 plan.skip(name, "a Joplin item that is not a note (settings, revisions...)")
@@ -882,31 +935,50 @@ def plan_joplin(plan: ImportPlan, source: ImportSource) -> None:
         if props.get("is_conflict") == "1":
             plan.skip(name, "a Joplin conflict copy")
             continue
-        todo = props.get("is_todo") == "1"
-        done = todo and props.get("todo_completed", "0") not in ("", "0")
-        meta = {
-            "tags": sorted(note_tags.get(nid, [])),
-            "created": props.get("user_created_time") or props.get("created_time"),
-            "updated": props.get("user_updated_time") or props.get("updated_time"),
-            "source_url": props.get("source_url"),
-            "author": props.get("author"),
-            "source": "Joplin",
-        }
-        body = _JOPLIN_LINK_RE.sub(lambda m: f"({link_token(m.group(1), ':/' + m.group(1))})", body)
-        heading = f"- [{'x' if done else ' '}] {title}" if todo else f"# {title}"
-        text = _front_matter(meta) + (heading + "\n\n" if title else "") + body + "\n"
-        segs = folder_of(props.get("parent_id", ""))
-        stem = import_segment(title_filename(title or body))
-        d = Draft(nid, "/".join([plan.into, *segs, stem + ".md"]), text=text)
+        d = _joplin_note_draft(plan, nid, item, folders, sorted(note_tags.get(nid, [])))
         plan.name(d)
         drafts.append(d)
-    with plan.writing():
-        for d in drafts:
-            if d.open:
-                plan.add_file(d)
-        for d in drafts:
-            if not d.open:
-                plan.add_note(d)
+    return drafts
+
+
+def _joplin_note_tags(items: dict, kind: dict) -> dict:
+    """Return {note id: the titles of its tags} of the export's note-tag items."""
+    tags = {i: v[0] for i, v in items.items() if kind[i] == JOPLIN_TAG}
+    note_tags: dict = {}
+    for i, (_, _, props, _) in items.items():
+        if kind[i] == JOPLIN_NOTE_TAG and props.get("tag_id") in tags:
+            note_tags.setdefault(props.get("note_id"), []).append(tags[props["tag_id"]])
+    return note_tags
+
+
+def _joplin_folder(folders: dict, pid: str, depth: int = 0) -> list:
+    """Return the folder segments of a notebook and the notebooks above it (32 at most)."""
+    if pid not in folders or depth > 32:
+        return []
+    title, _, props, _ = folders[pid]
+    return [*_joplin_folder(folders, props.get("parent_id", ""), depth + 1), import_segment(title)]
+
+
+def _joplin_note_draft(plan: ImportPlan, nid: str, item: tuple, folders: dict, tags: list) -> Draft:
+    """Return the draft of a Joplin note in its notebook's folder: its properties as front
+    matter, a to-do's title as a task, links to resources as link tokens."""
+    title, body, props, _ = item
+    todo = props.get("is_todo") == "1"
+    done = todo and props.get("todo_completed", "0") not in ("", "0")
+    meta = {
+        "tags": tags,
+        "created": props.get("user_created_time") or props.get("created_time"),
+        "updated": props.get("user_updated_time") or props.get("updated_time"),
+        "source_url": props.get("source_url"),
+        "author": props.get("author"),
+        "source": "Joplin",
+    }
+    body = _JOPLIN_LINK_RE.sub(lambda m: f"({link_token(m.group(1), ':/' + m.group(1))})", body)
+    heading = f"- [{'x' if done else ' '}] {title}" if todo else f"# {title}"
+    text = _front_matter(meta) + (heading + "\n\n" if title else "") + body + "\n"
+    segs = _joplin_folder(folders, props.get("parent_id", ""))
+    stem = import_segment(title_filename(title or body))
+    return Draft(nid, "/".join([plan.into, *segs, stem + ".md"]), text=text)
 
 
 IMPORT_PLANNERS = {

@@ -664,6 +664,16 @@ class ImportPlan:
             self._wrote()
         self.progress(self)
 
+    def add_all(self, drafts: list) -> None:
+        """Write named drafts in one batch: the files first, then the notes."""
+        with self.writing():
+            for d in drafts:
+                if d.open is not None:
+                    self.add_file(d)
+            for d in drafts:
+                if d.open is None:
+                    self.add_note(d)
+
     def skip(self, source: str, reason: str) -> None:
         self.skipped.append(_skip(source, reason))
 
