@@ -5205,8 +5205,9 @@ def fold(text: str) -> str:
 
 # Porter2, the Snowball English stemmer (snowballstem.org/algorithms/english), as its
 # reference english.sbl defines it today; checked against the project's word list (every
-# 15th pair is in docs/porter2-sample.txt). A "Y" is a y that acts as a consonant: a first
-# letter, or one after a vowel; it is not a vowel.
+# 15th pair is in docs/porter2-sample.txt). The description's tables are the tables below,
+# its steps the _p2_step* functions, run in order by _P2_STEPS. A "Y" is a y that acts as a
+# consonant: a first letter, or one after a vowel; it is not a vowel.
 _P2_VOWELS = frozenset("aeiouy")
 _P2_NOT_SHORT_END = frozenset("aeiouywxY")  # a short syllable's last letter is none of these
 _P2_VOWEL_RE = re.compile("[aeiouy]")
@@ -5235,50 +5236,71 @@ _P2_R1_PREFIXES = (
     "organ",
     "inter",
 )
+_P2_STEP0 = ("'s'", "'s", "'")  # longest first
+_P2_1A = ("sses", "ied", "ies", "us", "ss", "s")  # longest first
 _P2_1B = ("eedly", "ingly", "edly", "eed", "ing", "ed")  # longest first
+_P2_EED_KEEP = frozenset(["proc", "exc", "succ"])  # proceed, exceed, succeed
 _P2_ING_KEEP = frozenset(["inn", "out", "cann", "herr", "earr", "even"])  # inning, outing...
+_P2_1B_ADD_E = ("at", "bl", "iz")  # luxuriated -> luxuriate
 _P2_DOUBLES = ("bb", "dd", "ff", "gg", "mm", "nn", "pp", "rr", "tt")
-_P2_STEP2 = {
-    "tional": "tion",
-    "enci": "ence",
-    "anci": "ance",
-    "abli": "able",
-    "entli": "ent",
-    "izer": "ize",
-    "ization": "ize",
-    "ational": "ate",
-    "ation": "ate",
-    "ator": "ate",
-    "alism": "al",
-    "aliti": "al",
-    "alli": "al",
-    "fulness": "ful",
-    "ousli": "ous",
-    "ousness": "ous",
-    "iveness": "ive",
-    "iviti": "ive",
-    "biliti": "ble",
-    "bli": "ble",
-    "ogist": "og",
-    "ogi": "og",  # after an l only
-    "fulli": "ful",
-    "lessli": "less",
-    "li": "",  # after one of c d e g h k m n r t only
-}
-_P2_STEP3 = {
-    "tional": "tion",
-    "ational": "ate",
-    "alize": "al",
-    "icate": "ic",
-    "iciti": "ic",
-    "ical": "ic",
-    "ful": "",
-    "ness": "",
-    "ative": "",  # in R2 only
-}
-_P2_STEP4 = "al ance ence er ic able ible ant ement ment ent ism ate iti ous ive ize ion".split()
-_P2_STEP2_ENDS, _P2_STEP3_ENDS, _P2_STEP4_ENDS = (  # longest first: the first match wins
-    tuple(sorted(table, key=len, reverse=True)) for table in (_P2_STEP2, _P2_STEP3, _P2_STEP4)
+
+
+def _p2_rules(*rows: tuple) -> dict:
+    """Return a step's rows (suffix, replacement, region, letters) as suffix -> (replacement,
+    region, letters), longest suffix first.
+
+    The longest suffix a word ends with is the one the step looks at: it is replaced when it
+    starts in the region (1: R1, 2: R2) and, where letters are given, follows one of them;
+    otherwise the step leaves the word as it is.
+    """
+    return {
+        suffix: (replacement, region, frozenset(letters) if letters else None)
+        for suffix, replacement, region, letters in sorted(rows, key=lambda r: -len(r[0]))
+    }
+
+
+_P2_STEP2 = _p2_rules(  # derivational suffixes in R1
+    ("tional", "tion", 1, ""),
+    ("enci", "ence", 1, ""),
+    ("anci", "ance", 1, ""),
+    ("abli", "able", 1, ""),
+    ("entli", "ent", 1, ""),
+    ("izer", "ize", 1, ""),
+    ("ization", "ize", 1, ""),
+    ("ational", "ate", 1, ""),
+    ("ation", "ate", 1, ""),
+    ("ator", "ate", 1, ""),
+    ("alism", "al", 1, ""),
+    ("aliti", "al", 1, ""),
+    ("alli", "al", 1, ""),
+    ("fulness", "ful", 1, ""),
+    ("ousli", "ous", 1, ""),
+    ("ousness", "ous", 1, ""),
+    ("iveness", "ive", 1, ""),
+    ("iviti", "ive", 1, ""),
+    ("biliti", "ble", 1, ""),
+    ("bli", "ble", 1, ""),
+    ("ogist", "og", 1, ""),
+    ("ogi", "og", 1, "l"),
+    ("fulli", "ful", 1, ""),
+    ("lessli", "less", 1, ""),
+    ("li", "", 1, "cdeghkmnrt"),
+)
+_P2_STEP3 = _p2_rules(
+    ("tional", "tion", 1, ""),
+    ("ational", "ate", 1, ""),
+    ("alize", "al", 1, ""),
+    ("icate", "ic", 1, ""),
+    ("iciti", "ic", 1, ""),
+    ("ical", "ic", 1, ""),
+    ("ful", "", 1, ""),
+    ("ness", "", 1, ""),
+    ("ative", "", 2, ""),
+)
+_P2_STEP4 = _p2_rules(  # suffixes in R2
+    *((suffix, "", 2, "") for suffix in "al ance ence er ic able ible ant ement ment ent".split()),
+    *((suffix, "", 2, "") for suffix in "ism ate iti ous ive ize".split()),
+    ("ion", "", 2, "st"),
 )
 
 
@@ -5307,6 +5329,136 @@ def _p2_short(word: str) -> bool:
     return word.endswith("past")
 
 
+def _p2_mark_y(word: str) -> str:
+    """Return word with each consonant y as Y: the first letter, or one after a vowel."""
+    chars = list(word)
+    if chars[0] == "y":
+        chars[0] = "Y"
+    for i in range(1, len(chars)):
+        if chars[i] == "y" and chars[i - 1] in _P2_VOWELS:
+            chars[i] = "Y"
+    return "".join(chars)
+
+
+def _p2_regions(word: str) -> tuple:
+    """Return (p1, p2), where R1 and R2 start: R1 after the first consonant that follows a
+    vowel (or after a special prefix), R2 the same again in R1; len(word) for an empty one.
+    Offsets stay right as the steps go: they only shorten the word's end."""
+    n = len(word)
+    if word.startswith(_P2_R1_PREFIXES):
+        p1 = next(len(p) for p in _P2_R1_PREFIXES if word.startswith(p))
+    else:
+        m = _P2_REGION_RE.match(word)
+        p1 = m.end() if m else n
+    m = _P2_REGION_RE.match(word, p1)
+    return p1, (m.end() if m else n)
+
+
+def _p2_step0(word: str, p1: int, p2: int) -> str:
+    """Step 0: return word without a possessive 's, or an apostrophe at the end."""
+    return word[: -len(_p2_suffix(word, _P2_STEP0))]
+
+
+def _p2_step1a(word: str, p1: int, p2: int) -> str:
+    """Step 1a, plurals: sses -> ss; ied, ies -> i (ie after one letter: ties -> tie); s goes
+    after a vowel that is not just before it (gaps -> gap, but gas); us and ss stay."""
+    suffix = _p2_suffix(word, _P2_1A)
+    if suffix == "sses":
+        return word[:-2]
+    if suffix in ("ied", "ies"):
+        return word[:-2] if len(word) > 4 else word[:-1]  # cries -> cri, ties -> tie
+    if suffix == "s" and _P2_VOWEL_RE.search(word, 0, len(word) - 2):
+        return word[:-1]
+    return word
+
+
+def _p2_step1b(word: str, p1: int, p2: int) -> str:
+    """Step 1b: eed, eedly -> ee in R1 (not proceed, exceed, succeed); ed, edly, ing, ingly
+    go after a vowel, then _p2_step1b_end tidies what is left (dying -> die, inning stays)."""
+    suffix = _p2_suffix(word, _P2_1B)
+    s = len(word) - len(suffix)
+    base = word[:s]
+    if suffix in ("eed", "eedly"):
+        return base + "ee" if s >= p1 and base not in _P2_EED_KEEP else word
+    if suffix == "ing":
+        if s == 2 and base[1] == "y" and base[0] not in _P2_VOWELS:
+            return base[0] + "ie"  # dying -> die, lying -> lie
+        if base in _P2_ING_KEEP:
+            return word  # inning, outing, canning, herring, earring, evening
+    if not _P2_VOWEL_RE.search(base):
+        return word
+    return _p2_step1b_end(base, p1)
+
+
+def _p2_step1b_end(base: str, p1: int) -> str:
+    """Return what step 1b left: at, bl, iz gain an e; a double letter loses one (hopping ->
+    hop; but add, egg, off); a short word gains an e (hoped -> hope)."""
+    if base.endswith(_P2_1B_ADD_E):
+        return base + "e"
+    if base.endswith(_P2_DOUBLES):
+        return base if len(base) == 3 and base[0] in "aeo" else base[:-1]
+    if len(base) == p1 and _p2_short(base):
+        return base + "e"
+    return base
+
+
+def _p2_step1c(word: str, p1: int, p2: int) -> str:
+    """Step 1c: a final y after a consonant (not the first letter) becomes i."""
+    if len(word) > 2 and word[-2] not in _P2_VOWELS:
+        return word[:-1] + "i"
+    return word
+
+
+def _p2_replace(word: str, rules: dict, p1: int, p2: int) -> str:
+    """Return word with the longest of rules' suffixes it ends with replaced, where that
+    row's region and letters allow (see _p2_rules)."""
+    for suffix in rules:
+        if word.endswith(suffix):
+            replacement, region, letters = rules[suffix]
+            s = len(word) - len(suffix)
+            if s >= (p1 if region == 1 else p2) and (letters is None or word[s - 1 : s] in letters):
+                return word[:s] + replacement
+            return word
+    return word
+
+
+def _p2_step2(word: str, p1: int, p2: int) -> str:
+    """Step 2: derivational suffixes in R1 (_P2_STEP2)."""
+    return _p2_replace(word, _P2_STEP2, p1, p2)
+
+
+def _p2_step3(word: str, p1: int, p2: int) -> str:
+    """Step 3: more derivational suffixes in R1, ative in R2 (_P2_STEP3)."""
+    return _p2_replace(word, _P2_STEP3, p1, p2)
+
+
+def _p2_step4(word: str, p1: int, p2: int) -> str:
+    """Step 4: suffixes in R2, ion after s or t (_P2_STEP4)."""
+    return _p2_replace(word, _P2_STEP4, p1, p2)
+
+
+def _p2_step5(word: str, p1: int, p2: int) -> str:
+    """Step 5: a final e goes in R2, or in R1 after no short syllable; so does the second l
+    of a final ll in R2."""
+    s = len(word) - 1
+    if word.endswith("e"):
+        return word[:s] if s >= p2 or (s >= p1 and not _p2_short(word[:s])) else word
+    return word[:s] if s >= p2 else word
+
+
+# The steps in order, each with the endings it acts on: a word ending in none skips it.
+_P2_STEPS = (
+    (_P2_STEP0, _p2_step0),
+    (_P2_1A, _p2_step1a),
+    (_P2_1B, _p2_step1b),
+    (("y", "Y"), _p2_step1c),
+    (tuple(_P2_STEP2), _p2_step2),
+    (tuple(_P2_STEP3), _p2_step3),
+    (tuple(_P2_STEP4), _p2_step4),
+    (("e", "ll"), _p2_step5),
+)
+
+
 def _porter2(word: str) -> str:
     """Return the Porter2 stem of a word of lower-case ASCII letters (and apostrophes)."""
     if word in _P2_WORDS:
@@ -5315,97 +5467,12 @@ def _porter2(word: str) -> str:
         return word
     if word[0] == "'":
         word = word[1:]
-    if "y" in word:  # a consonant y becomes Y: the first letter, or after a vowel
-        chars = list(word)
-        if chars[0] == "y":
-            chars[0] = "Y"
-        for i in range(1, len(chars)):
-            if chars[i] == "y" and chars[i - 1] in _P2_VOWELS:
-                chars[i] = "Y"
-        word = "".join(chars)
-    # R1: after the first consonant that follows a vowel (or a special prefix); R2: the same
-    # again, in R1. Both are kept as offsets: the steps only shorten the word's end.
-    n = len(word)
-    if word.startswith(_P2_R1_PREFIXES):
-        p1 = next(len(p) for p in _P2_R1_PREFIXES if word.startswith(p))
-    else:
-        m = _P2_REGION_RE.match(word)
-        p1 = m.end() if m else n
-    m = _P2_REGION_RE.match(word, p1)
-    p2 = m.end() if m else n
-    # Step 0: a possessive 's, or an apostrophe at the end
-    if "'" in word:
-        for tail in ("'s'", "'s", "'"):
-            if word.endswith(tail):
-                word = word[: -len(tail)]
-                break
-    # Step 1a: plurals
-    if word.endswith("sses"):
-        word = word[:-2]
-    elif word.endswith(("ied", "ies")):
-        word = word[:-2] if len(word) > 4 else word[:-1]  # cries -> cri, ties -> tie
-    elif (
-        word.endswith("s")
-        and not word.endswith(("us", "ss"))
-        and _P2_VOWEL_RE.search(word, 0, len(word) - 2)
-    ):
-        word = word[:-1]  # gaps -> gap, but gas
-    # Step 1b: -eed, -ed, -ing (and -edly, -ingly)
-    suffix = _p2_suffix(word, _P2_1B)
-    if suffix:
-        s = len(word) - len(suffix)
-        base = word[:s]
-        if suffix in ("eed", "eedly"):
-            if s >= p1 and base not in ("proc", "exc", "succ"):
-                word = base + "ee"
-        elif suffix == "ing" and s == 2 and base[1] == "y" and base[0] not in _P2_VOWELS:
-            word = base[0] + "ie"  # dying -> die, lying -> lie
-        elif suffix == "ing" and base in _P2_ING_KEEP:
-            pass  # inning, outing, canning, herring, earring, evening
-        elif _P2_VOWEL_RE.search(base):
-            word = base
-            if base.endswith(("at", "bl", "iz")):
-                word = base + "e"  # luxuriated -> luxuriate
-            elif base.endswith(_P2_DOUBLES):
-                if not (len(base) == 3 and base[0] in "aeo"):  # hopping -> hop; but add, egg
-                    word = base[:-1]
-            elif s == p1 and _p2_short(base):
-                word = base + "e"  # hoped -> hope
-    # Step 1c: a final y after a consonant (not the first letter) becomes i
-    if len(word) > 2 and word[-1] in "yY" and word[-2] not in _P2_VOWELS:
-        word = word[:-1] + "i"
-    # Step 2: derivational suffixes in R1
-    suffix = _p2_suffix(word, _P2_STEP2_ENDS)
-    if suffix is not None:
-        s = len(word) - len(suffix)
-        if s >= p1:
-            if suffix == "ogi":
-                if word[s - 1 : s] == "l":
-                    word = word[:s] + "og"
-            elif suffix == "li":
-                if s > 0 and word[s - 1] in "cdeghkmnrt":
-                    word = word[:s]
-            else:
-                word = word[:s] + _P2_STEP2[suffix]
-    # Step 3
-    suffix = _p2_suffix(word, _P2_STEP3_ENDS)
-    if suffix is not None:
-        s = len(word) - len(suffix)
-        if s >= p1 and (suffix != "ative" or s >= p2):
-            word = word[:s] + _P2_STEP3[suffix]
-    # Step 4: suffixes in R2
-    suffix = _p2_suffix(word, _P2_STEP4_ENDS)
-    if suffix is not None:
-        s = len(word) - len(suffix)
-        if s >= p2 and (suffix != "ion" or word[s - 1 : s] in ("s", "t")):
-            word = word[:s]
-    # Step 5: a final e, or the second l of a final ll
-    if word.endswith("e"):
-        s = len(word) - 1
-        if s >= p2 or (s >= p1 and not _p2_short(word[:s])):
-            word = word[:s]
-    elif word.endswith("ll") and len(word) - 1 >= p2:
-        word = word[:-1]
+    if "y" in word:
+        word = _p2_mark_y(word)
+    p1, p2 = _p2_regions(word)
+    for endings, step in _P2_STEPS:
+        if word.endswith(endings):
+            word = step(word, p1, p2)
     return word.replace("Y", "y")
 
 

@@ -3951,6 +3951,37 @@ class TestTokenizer:
         wrong = [(w, s, notesvc.stem(w)) for w, s in pairs if notesvc.stem(w) != s]
         assert wrong == []
 
+    @pytest.mark.parametrize(
+        ("word", "expected"),
+        [  # the apostrophe pairs of Snowball's English word list (stem() passes letters only)
+            ("'", "'"),
+            ("''", "''"),
+            ("'''", "'"),
+            ("'a", "'a"),
+            ("'a'", "a"),
+            ("'aa", "aa"),
+            ("'aa'", "aa"),
+            ("'as", "as"),
+            ("'as'", "as"),
+            ("'s", "'s"),
+            ("'s'", "s"),
+            ("a'", "a'"),
+            ("a''", "a'"),
+            ("aa'", "aa"),
+            ("there's", "there"),
+            ("there's'", "there"),
+        ],
+    )
+    def test_porter2_drops_apostrophes_as_snowball_does(self, word, expected):
+        assert notesvc._porter2(word) == expected
+
+    def test_porter2_suffix_tables_put_the_longest_first(self):
+        """A step looks at the longest suffix a word ends with: the first one its table lists."""
+        tables = [notesvc._P2_STEP0, notesvc._P2_1A, notesvc._P2_1B]
+        tables += [tuple(t) for t in (notesvc._P2_STEP2, notesvc._P2_STEP3, notesvc._P2_STEP4)]
+        for table in tables:
+            assert list(table) == sorted(table, key=len, reverse=True)
+
     def test_bm25_idf_is_positive_and_falls_with_df(self):
         assert notesvc.bm25_idf(10, 10) > 0
         assert notesvc.bm25_idf(10, 1) > notesvc.bm25_idf(10, 5)
