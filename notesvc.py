@@ -14337,6 +14337,16 @@ class ImportPlan:
             self._wrote()
         self.progress(self)
 
+    def add_all(self, drafts: list) -> None:
+        """Write named drafts in one batch: the files first, then the notes."""
+        with self.writing():
+            for d in drafts:
+                if d.open is not None:
+                    self.add_file(d)
+            for d in drafts:
+                if d.open is None:
+                    self.add_note(d)
+
     def skip(self, source: str, reason: str) -> None:
         self.skipped.append(_skip(source, reason))
 
@@ -14425,62 +14435,89 @@ def _relink(text: str, source: str, known: Mapping) -> str:
 
 def plan_tree(plan: ImportPlan, source: ImportSource, kind: str) -> None:
     """Import a tree of Markdown and files (Obsidian, Notion, any folder, notesvc's export)."""
-    strip_ids = kind == "notion"
-    own = kind == "notesvc"
-    principal_folder = getattr(plan, "grant_folder", "")
     notes, files = [], []
     for entry in source.entries:
-        name = entry.name
-        leaf = name.rsplit("/", 1)[-1]
-        stem, ext = _note_name_of(leaf)
-        if name == EXPORT_MANIFEST:
-            continue
-        if any(seg.startswith(".") for seg in name.split("/")):
-            if not name.startswith(".obsidian/"):
-                plan.skip(name, "a hidden file")
-            continue
-        if own:
-            top = name.split("/", 1)[0]
-            want = name
-            try:
-                if top == NOTES and ext == "md":
-                    want = note_path(name)
-                elif top in (NOTES, ATTACHMENTS) and ext in ATTACHMENT_TYPES:
-                    want = (attachment_path if top == ATTACHMENTS else note_file_path)(name)
-                else:
-                    plan.skip(name, "not a note or a file of a notesvc export")
-                    continue
-            except ApiError as e:
-                plan.skip(name, e.message)
-                continue
-            if principal_folder and not Principal("key", "write", principal_folder).sees(want):
-                plan.skip(name, "outside the folder this key may write")
-                continue
-            (notes if ext == "md" else files).append((entry, want))
-            continue
-        if ext == "csv" and strip_ids:
-            notes.append((entry, None))
-            continue
-        if ext in IMPORT_TEXT_TYPES:
-            segs = _target_segments(name, strip_ids)
-            segs[-1] = import_segment(_note_name_of(segs[-1])[0]) + ".md"
-            notes.append((entry, "/".join([plan.into, *segs])))
-        elif ext in ATTACHMENT_TYPES:
-            segs = _target_segments(name, strip_ids)
-            files.append((entry, "/".join([plan.files_into, *segs])))
-        else:
-            plan.skip(name, f"files ending .{ext or '(none)'} are not imported")
-    if strip_ids:  # a database's CSV: `_all.csv` only where its plain twin is missing
-        names = {e.name for e, _ in notes}
-        kept = []
-        for entry, want in notes:
-            twin = entry.name[: -len("_all.csv")] + ".csv"
-            if want is None and entry.name.endswith("_all.csv") and twin in names:
-                continue
-            kept.append((entry, want))
-        notes = kept
+        place = _tree_place(plan, entry.name, kind)
+        if place is not None:
+            is_note, want = place
+            (notes if is_note else files).append((entry, want))
+    if kind == "notion":
+        notes = _without_csv_twins(notes)
     drafts = [Draft(e.name, want, open=e.open, size=e.size) for e, want in files]
     links: list = []  # (the sources imported, renamed notes' names): known once all are named
+    drafts += _tree_note_drafts(plan, source, notes, None if kind == "notesvc" else links)
+    for d in drafts:
+        plan.name(d)
+        plan.looked()
+    links.extend([{d.source for d in drafts}, _renamed_notes(plan) if kind == "obsidian" else {}])
+    plan.add_all(drafts)
+
+
+def _tree_place(plan: ImportPlan, name: str, kind: str) -> tuple | None:
+    """Return (whether it is a note, where it goes) of a file of a tree, or None for one the
+    import skips (the plan says why). A Notion database's CSV goes to None: it is named by
+    its title later."""
+    ext = _note_name_of(name.rsplit("/", 1)[-1])[1]
+    if name == EXPORT_MANIFEST:
+        return None
+    if any(seg.startswith(".") for seg in name.split("/")):
+        if not name.startswith(".obsidian/"):
+            plan.skip(name, "a hidden file")
+        return None
+    if kind == "notesvc":
+        return _own_export_place(plan, name, ext)
+    strip_ids = kind == "notion"
+    if ext == "csv" and strip_ids:
+        return True, None
+    if ext in IMPORT_TEXT_TYPES:
+        segs = _target_segments(name, strip_ids)
+        segs[-1] = import_segment(_note_name_of(segs[-1])[0]) + ".md"
+        return True, "/".join([plan.into, *segs])
+    if ext in ATTACHMENT_TYPES:
+        return False, "/".join([plan.files_into, *_target_segments(name, strip_ids)])
+    plan.skip(name, f"files ending .{ext or '(none)'} are not imported")
+    return None
+
+
+def _own_export_place(plan: ImportPlan, name: str, ext: str) -> tuple | None:
+    """Return (whether it is a note, its path) of a file of notesvc's own export, kept where
+    the export had it, or None for one the import skips (the plan says why)."""
+    top = name.split("/", 1)[0]
+    try:
+        if top == NOTES and ext == "md":
+            want = note_path(name)
+        elif top in (NOTES, ATTACHMENTS) and ext in ATTACHMENT_TYPES:
+            want = (attachment_path if top == ATTACHMENTS else note_file_path)(name)
+        else:
+            plan.skip(name, "not a note or a file of a notesvc export")
+            return None
+    except ApiError as e:
+        plan.skip(name, e.message)
+        return None
+    folder = getattr(plan, "grant_folder", "")
+    if folder and not Principal("key", "write", folder).sees(want):
+        plan.skip(name, "outside the folder this key may write")
+        return None
+    return ext == "md", want
+
+
+def _without_csv_twins(notes: list) -> list:
+    """Return a Notion import's (entry, path) notes less each database's `_all.csv` whose
+    plain twin is there too."""
+    names = {e.name for e, _ in notes}
+    kept = []
+    for entry, want in notes:
+        twin = entry.name[: -len("_all.csv")] + ".csv"
+        if want is None and entry.name.endswith("_all.csv") and twin in names:
+            continue
+        kept.append((entry, want))
+    return kept
+
+
+def _tree_note_drafts(plan: ImportPlan, source: ImportSource, notes: list, links) -> list:
+    """Return the drafts of a tree's (entry, path) notes, each read when written (a Notion
+    database's CSV named by its title); one over the size limit is skipped."""
+    drafts = []
     for entry, want in notes:
         if entry.size > plan.max_note * 4:
             plan.skip(entry.name, "over SERVICE_MAX_BODY_BYTES")
@@ -14491,19 +14528,9 @@ def plan_tree(plan: ImportPlan, source: ImportSource, kind: str) -> None:
             title = _NOTION_ID_RE.sub("", stem.removesuffix("_all")) or stem
             segs = _target_segments(entry.name, True)[:-1]
             want = "/".join([plan.into, *segs, import_segment(title) + ".md"])
-        load = functools.partial(_tree_text, source, entry, title, None if own else links)
+        load = functools.partial(_tree_text, source, entry, title, links)
         drafts.append(Draft(entry.name, want, text=load))
-    for d in drafts:
-        plan.name(d)
-        plan.looked()
-    links.extend([{d.source for d in drafts}, _renamed_notes(plan) if kind == "obsidian" else {}])
-    with plan.writing():
-        for d in drafts:
-            if d.open is not None:
-                plan.add_file(d)
-        for d in drafts:
-            if d.open is None:
-                plan.add_note(d)
+    return drafts
 
 
 def _tree_text(source: ImportSource, entry: ImportEntry, csv_title, links) -> str:
