@@ -14604,20 +14604,43 @@ def keep_note(data: Any) -> tuple:
         return "", "", "not a Keep note (a JSON object was expected)"
     if data.get("isTrashed") is True:
         return "", "", "in Keep's trash"
+    title = _keep_str(data, "title").strip()
+    body = _keep_str(data, "textContent").replace("\r\n", "\n")
+    tasks = _keep_tasks(data.get("listContent"))
+    meta = _keep_meta(data)
+    parts = [f"# {title}" if title else ""]
+    if body.strip():
+        parts.append(body.strip("\n"))
+    if tasks:
+        parts.append("\n".join(tasks))
+    parts += _keep_attachments(data)
+    links = _keep_links(data)
+    if links:
+        parts.append("\n".join(links))
+    md = "\n\n".join(p for p in parts if p).strip("\n") + "\n"
+    return title, _front_matter(meta) + md, None
 
-    def text_of(key: str) -> str:
-        v = data.get(key)
-        return v if isinstance(v, str) else ""
 
-    title = text_of("title").strip()
-    body = text_of("textContent").replace("\r\n", "\n")
-    items = data.get("listContent")
+def _keep_str(data: dict, key: str) -> str:
+    """Return a Keep note's text field, '' where it is missing or not text."""
+    v = data.get(key)
+    return v if isinstance(v, str) else ""
+
+
+def _keep_tasks(items: Any) -> list:
+    """Return a Keep checklist (listContent) as Markdown task lines."""
     tasks = []
     if isinstance(items, list):
         for item in items:
             if isinstance(item, dict) and isinstance(item.get("text"), str):
                 mark = "x" if item.get("isChecked") is True else " "
                 tasks.append(f"- [{mark}] {' '.join(item['text'].split())}")
+    return tasks
+
+
+def _keep_meta(data: dict) -> dict:
+    """Return the front matter of a Keep note: its labels as tags, dates, pin, archive,
+    colour (none for the default)."""
     labels = [
         str(lb["name"]).replace(",", " ").strip()
         for lb in data.get("labels") or []
@@ -14628,8 +14651,8 @@ def keep_note(data: Any) -> tuple:
         v = data.get(key)
         return _iso_or_none(v / 1e6) if isinstance(v, (int, float)) and v > 0 else None
 
-    colour = text_of("color").upper()
-    meta = {
+    colour = _keep_str(data, "color").upper()
+    return {
         "tags": labels,
         "created": usec("createdTimestampUsec"),
         "updated": usec("userEditedTimestampUsec"),
@@ -14638,25 +14661,27 @@ def keep_note(data: Any) -> tuple:
         "color": colour.lower() if colour not in KEEP_COLOURS else "",
         "source": "Google Keep",
     }
-    parts = [f"# {title}" if title else ""]
-    if body.strip():
-        parts.append(body.strip("\n"))
-    if tasks:
-        parts.append("\n".join(tasks))
+
+
+def _keep_attachments(data: dict) -> list:
+    """Return a Keep note's links to its attached files (an image shown, as `![...]`)."""
+    lines = []
     for a in data.get("attachments") or []:
         if isinstance(a, dict) and isinstance(a.get("filePath"), str):
             leaf = a["filePath"].replace("\\", "/").rsplit("/", 1)[-1]
             bang = "!" if str(a.get("mimetype", "image")).startswith("image") else ""
-            parts.append(f"{bang}[{leaf}]({link_token(leaf, leaf)})")
+            lines.append(f"{bang}[{leaf}]({link_token(leaf, leaf)})")
+    return lines
+
+
+def _keep_links(data: dict) -> list:
+    """Return the web links Keep saw in a note (its annotations) as a Markdown list."""
     links = []
     for a in data.get("annotations") or []:
         if isinstance(a, dict) and isinstance(a.get("url"), str) and a["url"].startswith("http"):
             label = " ".join(str(a.get("title") or a["url"]).split()).replace("]", ")")
             links.append(f"- [{label}]({a['url']})")
-    if links:
-        parts.append("\n".join(links))
-    md = "\n\n".join(p for p in parts if p).strip("\n") + "\n"
-    return title, _front_matter(meta) + md, None
+    return links
 
 
 def plan_keep(plan: ImportPlan, source: ImportSource) -> None:
