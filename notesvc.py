@@ -15208,6 +15208,16 @@ def joplin_item(text: str) -> tuple:
 
 def plan_joplin(plan: ImportPlan, source: ImportSource) -> None:
     """Import a Joplin export: notebooks as folders, tags, to-dos, resources, dates."""
+    items, files = _joplin_items(plan, source)
+    kind = {i: int(p.get("type_", "0") or 0) for i, (_, _, p, _) in items.items()}
+    drafts = _joplin_resource_drafts(plan, items, kind, files)
+    drafts += _joplin_note_drafts(plan, items, kind)
+    plan.add_all(drafts)
+
+
+def _joplin_items(plan: ImportPlan, source: ImportSource) -> tuple:
+    """Return ({id: (title, body, properties, source name)} of the export's items, {id: the
+    entry} of its resources' files); a file that is neither is skipped."""
     items: dict = {}
     files: dict = {}
     for entry in source.entries:
@@ -15224,20 +15234,11 @@ def plan_joplin(plan: ImportPlan, source: ImportSource) -> None:
             plan.skip(name, "over SERVICE_MAX_BODY_BYTES")
             continue
         items[props.get("id", name[:-3])] = (title, body, props, name)
-    kind = {i: int(p.get("type_", "0") or 0) for i, (_, _, p, _) in items.items()}
-    folders = {i: v for i, v in items.items() if kind[i] == JOPLIN_FOLDER}
+    return items, files
 
-    def folder_of(pid: str, depth: int = 0) -> list:
-        if pid not in folders or depth > 32:
-            return []
-        title, _, props, _ = folders[pid]
-        return [*folder_of(props.get("parent_id", ""), depth + 1), import_segment(title)]
 
-    tags = {i: v[0] for i, v in items.items() if kind[i] == JOPLIN_TAG}
-    note_tags: dict = {}
-    for i, (_, _, props, _) in items.items():
-        if kind[i] == JOPLIN_NOTE_TAG and props.get("tag_id") in tags:
-            note_tags.setdefault(props.get("note_id"), []).append(tags[props["tag_id"]])
+def _joplin_resource_drafts(plan: ImportPlan, items: dict, kind: dict, files: dict) -> list:
+    """Return the named drafts of the export's resources (its attached files)."""
     drafts = []
     for rid, (title, _, props, name) in items.items():
         if kind[rid] != JOPLIN_RESOURCE:
@@ -15256,7 +15257,17 @@ def plan_joplin(plan: ImportPlan, source: ImportSource) -> None:
         d = Draft(rid, f"{plan.files_into}/{stem}.{ext}", open=entry.open, size=entry.size)
         plan.name(d)
         drafts.append(d)
-    for nid, (title, body, props, name) in items.items():
+    return drafts
+
+
+def _joplin_note_drafts(plan: ImportPlan, items: dict, kind: dict) -> list:
+    """Return the named drafts of the export's notes and to-dos; other items (settings,
+    revisions, conflict copies) are skipped."""
+    folders = {i: v for i, v in items.items() if kind[i] == JOPLIN_FOLDER}
+    note_tags = _joplin_note_tags(items, kind)
+    drafts = []
+    for nid, item in items.items():
+        _, _, props, name = item
         if kind[nid] != JOPLIN_NOTE:
             if kind[nid] not in (JOPLIN_FOLDER, JOPLIN_RESOURCE, JOPLIN_TAG, JOPLIN_NOTE_TAG):
                 plan.skip(name, "a Joplin item that is not a note (settings, revisions...)")
@@ -15264,31 +15275,50 @@ def plan_joplin(plan: ImportPlan, source: ImportSource) -> None:
         if props.get("is_conflict") == "1":
             plan.skip(name, "a Joplin conflict copy")
             continue
-        todo = props.get("is_todo") == "1"
-        done = todo and props.get("todo_completed", "0") not in ("", "0")
-        meta = {
-            "tags": sorted(note_tags.get(nid, [])),
-            "created": props.get("user_created_time") or props.get("created_time"),
-            "updated": props.get("user_updated_time") or props.get("updated_time"),
-            "source_url": props.get("source_url"),
-            "author": props.get("author"),
-            "source": "Joplin",
-        }
-        body = _JOPLIN_LINK_RE.sub(lambda m: f"({link_token(m.group(1), ':/' + m.group(1))})", body)
-        heading = f"- [{'x' if done else ' '}] {title}" if todo else f"# {title}"
-        text = _front_matter(meta) + (heading + "\n\n" if title else "") + body + "\n"
-        segs = folder_of(props.get("parent_id", ""))
-        stem = import_segment(title_filename(title or body))
-        d = Draft(nid, "/".join([plan.into, *segs, stem + ".md"]), text=text)
+        d = _joplin_note_draft(plan, nid, item, folders, sorted(note_tags.get(nid, [])))
         plan.name(d)
         drafts.append(d)
-    with plan.writing():
-        for d in drafts:
-            if d.open:
-                plan.add_file(d)
-        for d in drafts:
-            if not d.open:
-                plan.add_note(d)
+    return drafts
+
+
+def _joplin_note_tags(items: dict, kind: dict) -> dict:
+    """Return {note id: the titles of its tags} of the export's note-tag items."""
+    tags = {i: v[0] for i, v in items.items() if kind[i] == JOPLIN_TAG}
+    note_tags: dict = {}
+    for i, (_, _, props, _) in items.items():
+        if kind[i] == JOPLIN_NOTE_TAG and props.get("tag_id") in tags:
+            note_tags.setdefault(props.get("note_id"), []).append(tags[props["tag_id"]])
+    return note_tags
+
+
+def _joplin_folder(folders: dict, pid: str, depth: int = 0) -> list:
+    """Return the folder segments of a notebook and the notebooks above it (32 at most)."""
+    if pid not in folders or depth > 32:
+        return []
+    title, _, props, _ = folders[pid]
+    return [*_joplin_folder(folders, props.get("parent_id", ""), depth + 1), import_segment(title)]
+
+
+def _joplin_note_draft(plan: ImportPlan, nid: str, item: tuple, folders: dict, tags: list) -> Draft:
+    """Return the draft of a Joplin note in its notebook's folder: its properties as front
+    matter, a to-do's title as a task, links to resources as link tokens."""
+    title, body, props, _ = item
+    todo = props.get("is_todo") == "1"
+    done = todo and props.get("todo_completed", "0") not in ("", "0")
+    meta = {
+        "tags": tags,
+        "created": props.get("user_created_time") or props.get("created_time"),
+        "updated": props.get("user_updated_time") or props.get("updated_time"),
+        "source_url": props.get("source_url"),
+        "author": props.get("author"),
+        "source": "Joplin",
+    }
+    body = _JOPLIN_LINK_RE.sub(lambda m: f"({link_token(m.group(1), ':/' + m.group(1))})", body)
+    heading = f"- [{'x' if done else ' '}] {title}" if todo else f"# {title}"
+    text = _front_matter(meta) + (heading + "\n\n" if title else "") + body + "\n"
+    segs = _joplin_folder(folders, props.get("parent_id", ""))
+    stem = import_segment(title_filename(title or body))
+    return Draft(nid, "/".join([plan.into, *segs, stem + ".md"]), text=text)
 
 
 IMPORT_PLANNERS = {
