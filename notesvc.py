@@ -23093,23 +23093,46 @@ def parse_request_head(head: bytes, peer: str) -> tuple:
     if lines[-2:] != ["", ""]:
         raise _Refuse(400, "the request head must end with an empty CRLF line")
     lines = lines[:-2]
-    m = re.fullmatch(
-        r"([A-Z]{1,16}) (/[!-~]*|[Hh][Tt][Tt][Pp][Ss]?://[!-~]+) HTTP/1\.([01])", lines[0]
-    )
+    method, target, minor, authority = _parse_request_line(lines[0])
+    headers = _parse_header_lines(lines[1:])
+    if authority:
+        headers = [(k, v) for k, v in headers if k.lower() != "host"] + [("Host", authority)]
+    length = _request_body_length(headers, minor)
+    connection = ",".join(v for k, v in headers if k.lower() == "connection").lower()
+    keep_alive = "close" not in connection if minor == "1" else "keep-alive" in connection
+    raw_path, _, query = target.partition("?")
+    try:
+        path = urllib.parse.unquote_to_bytes(raw_path).decode("utf-8")
+    except UnicodeDecodeError:
+        raise _Refuse(400, "the URL path is not UTF-8") from None
+    return method, path, query, headers, keep_alive, length
+
+
+def _parse_request_line(line: str) -> tuple:
+    """Return (method, target, HTTP minor version, authority) of a request line; the target
+    of an absolute-form one (RFC 9112 3.2.2) is its path and query, its authority the Host
+    ('' for the usual origin-form)."""
+    m = re.fullmatch(r"([A-Z]{1,16}) (/[!-~]*|[Hh][Tt][Tt][Pp][Ss]?://[!-~]+) HTTP/1\.([01])", line)
     if not m:
         raise _Refuse(400, "malformed request line")
     method, target, minor = m.groups()
-    authority = ""
-    if not target.startswith("/"):  # absolute-form (RFC 9112 3.2.2): its authority is the Host
-        try:
-            url = urllib.parse.urlsplit(target)
-        except ValueError:  # (a broken IPv6 literal, say)
-            raise _Refuse(400, "malformed request line") from None
-        authority, target = url.netloc, (url.path or "/") + (f"?{url.query}" if url.query else "")
-        if not authority or "@" in authority or not target.startswith("/"):
-            raise _Refuse(400, "malformed request line")
+    if target.startswith("/"):
+        return method, target, minor, ""
+    try:
+        url = urllib.parse.urlsplit(target)
+    except ValueError:  # (a broken IPv6 literal, say)
+        raise _Refuse(400, "malformed request line") from None
+    authority, target = url.netloc, (url.path or "/") + (f"?{url.query}" if url.query else "")
+    if not authority or "@" in authority or not target.startswith("/"):
+        raise _Refuse(400, "malformed request line")
+    return method, target, minor, authority
+
+
+def _parse_header_lines(lines: list) -> list:
+    """Return [(name, value)] of a request's header lines, refusing obs-fold, a name that is
+    not a token and a bare CR or LF."""
     headers = []
-    for line in lines[1:]:
+    for line in lines:
         if line[:1] in (" ", "\t"):
             raise _Refuse(400, "folded header lines (obs-fold) are not accepted")
         name, sep, value = line.partition(":")
@@ -23118,14 +23141,14 @@ def parse_request_head(head: bytes, peer: str) -> tuple:
         if "\n" in line or "\r" in line:
             raise _Refuse(400, "bare CR or LF in a header line")
         headers.append((name, value.strip(" \t")))
-    if authority:
-        headers = [(k, v) for k, v in headers if k.lower() != "host"] + [("Host", authority)]
+    return headers
 
-    def all_of(wanted: str) -> list:
-        return [v for k, v in headers if k.lower() == wanted]
 
-    lengths = all_of("content-length")
-    codings = all_of("transfer-encoding")
+def _request_body_length(headers: list, minor: str) -> int:
+    """Return a request's Content-Length (0 without one; -1 for a chunked body), refusing
+    any framing that could be read two ways."""
+    lengths = [v for k, v in headers if k.lower() == "content-length"]
+    codings = [v for k, v in headers if k.lower() == "transfer-encoding"]
     if codings:
         # One way to find a body's end, or none: two headers, a list, another coding, or a
         # Content-Length beside it could be read two ways (request smuggling).
@@ -23137,19 +23160,11 @@ def parse_request_head(head: bytes, peer: str) -> tuple:
             raise _Refuse(400, "HTTP/1.0 has no chunked request bodies")
     if len(lengths) > 1:
         raise _Refuse(400, "more than one Content-Length")
-    length = -1 if codings else 0
-    if lengths:
-        if not re.fullmatch(r"\d{1,18}", lengths[0]):
-            raise _Refuse(400, "Content-Length is not a whole number")
-        length = int(lengths[0])
-    connection = ",".join(all_of("connection")).lower()
-    keep_alive = "close" not in connection if minor == "1" else "keep-alive" in connection
-    raw_path, _, query = target.partition("?")
-    try:
-        path = urllib.parse.unquote_to_bytes(raw_path).decode("utf-8")
-    except UnicodeDecodeError:
-        raise _Refuse(400, "the URL path is not UTF-8") from None
-    return method, path, query, headers, keep_alive, length
+    if not lengths:
+        return -1 if codings else 0
+    if not re.fullmatch(r"\d{1,18}", lengths[0]):
+        raise _Refuse(400, "Content-Length is not a whole number")
+    return int(lengths[0])
 
 
 RELAY_MAX_CHUNK_META = 8192  # bytes of a chunk-size line (with extensions), and of trailers
