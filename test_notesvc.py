@@ -18896,6 +18896,10 @@ class TestDocs:
         command = re.findall(r"```sh\n(.*?)```", readme, re.S)[1].strip()
         for name in ("notesvc.py", "pyproject.toml", "README.md", "LICENSE"):
             shutil.copy(HERE / name, tmp_path / name)
+        for folder in ("src", "web"):  # the package pip installs, and its assets
+            shutil.copytree(
+                HERE / folder, tmp_path / folder, ignore=shutil.ignore_patterns("__pycache__")
+            )
         env = {
             **os.environ,
             "SERVICE_PORT": "0",
