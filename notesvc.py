@@ -17541,7 +17541,7 @@ async function api(method, path, body, headers, opts) {
   }
   if (r.ok && j && j.success) {
     // the server answers again: what waits on this device goes now
-    if (offline.items.length && !offline.sending) sendOutbox().catch(() => {});
+    if (offline.store.items.length && !offline.store.sending) sendOutbox().catch(() => {});
     return {data: j.data, etag: r.headers.get("ETag"), status: r.status};
   }
   const err = (j && j.error) || {
@@ -17703,7 +17703,7 @@ async function connect(typed) {
 
 function toKeyScreen(message, status) {
   keepDraft();
-  feedRun++;
+  stopFeed();
   // the key stopped working: no copy stays (too many tries is not that: the copy stays)
   if (status === 401) forgetOffline().catch(() => {});
   state.key = "";
@@ -18405,7 +18405,7 @@ if (typeof module !== "undefined") {
 MARKDOWN_JS = r"""
 // -- Markdown: a small renderer that builds DOM nodes, so no HTML in a note can run ----------
 // (MARKDOWN_JS, shared with the share page: each page brings its own link(), wikiLink()
-// and image(), which decide what a link or an image may reach.)
+// and image(), in the ctx it renders with, which decide what a link or an image may reach.)
 
 function el(tag, attrs, ...children) {
   const e = document.createElement(tag);
@@ -18670,11 +18670,11 @@ function inline(text, parent, ctx) {
     add(text.slice(last, embed ? m.index - 1 : m.index));
     last = re.lastIndex;
     if (m[1] !== undefined) parent.appendChild(el("code", {}, m[2].replace(/^ (.*) $/, "$1")));
-    else if (m[3] !== undefined) parent.appendChild(image(m[3], m[4], ctx));
-    else if (m[5] !== undefined) parent.appendChild(wikiLink(m[5], m[6], ctx, embed));
-    else if (m[7] !== undefined) parent.appendChild(link(m[8], m[7], ctx, true));
-    else if (m[9] !== undefined) parent.appendChild(link(m[9], m[9].replace(/^mailto:/, ""), ctx));
-    else if (m[10] !== undefined) parent.appendChild(link(m[10], m[10], ctx));
+    else if (m[3] !== undefined) parent.appendChild(ctx.image(m[3], m[4], ctx));
+    else if (m[5] !== undefined) parent.appendChild(ctx.wikiLink(m[5], m[6], ctx, embed));
+    else if (m[7] !== undefined) parent.appendChild(ctx.link(m[8], m[7], ctx, true));
+    else if (m[9] !== undefined) parent.appendChild(ctx.link(m[9], m[9].replace(/^mailto:/, ""), ctx));
+    else if (m[10] !== undefined) parent.appendChild(ctx.link(m[10], m[10], ctx));
     else if (m[11] !== undefined) {
       const e = el("strong");
       inline(m[12], e, ctx);
@@ -18935,7 +18935,7 @@ if (typeof module !== "undefined") module.exports = drafts;
 
 # --- begin web/app.js ---
 WEB_JS_REST = r"""
-function link(href, label, ctx, markdown) {
+function link(href, label, ctx, rich) {
   href = href.trim();
   let a;
   if (/^(https?:|mailto:)/i.test(href)) {
@@ -18959,7 +18959,7 @@ function link(href, label, ctx, markdown) {
       });
     }
   }
-  if (markdown) inline(label, a, ctx);
+  if (rich) inline(label, a, ctx);
   else a.textContent = label;
   return a;
 }
@@ -19384,7 +19384,7 @@ function setEditing(on) {
 
 function renderView() {
   const onTask = grants.writable() ? toggleTask : null; // a read key ticks nothing
-  const view = renderMarkdown(editor().value, {from: state.path, onTask});
+  const view = renderMarkdown(editor().value, {from: state.path, onTask, link, wikiLink, image});
   $("view").replaceChildren(...view.childNodes);
 }
 
@@ -20113,6 +20113,11 @@ async function attach(files) {
 // -- the change feed: the tree and the open note follow edits made elsewhere ----------------
 
 let feedRun = 0; // one follower at a time: a new connection starts a new one
+
+// Stops the follower (the key stopped working: the next connection starts a new one).
+function stopFeed() {
+  feedRun++;
+}
 // Notes this page is moving or deleting itself: the feed's report of it is no news.
 const own = new Set();
 function mine(path) {
@@ -20424,7 +20429,7 @@ async function ask() {
   if (about) body.notePath = state.path;
   try {
     const {data} = await api("POST", "/agent/chat", body);
-    const parts = [renderMarkdown(data.reply || "", {from: state.path})];
+    const parts = [renderMarkdown(data.reply || "", {from: state.path, link, wikiLink, image})];
     if (data.sources && data.sources.length) {
       parts.push(el("div", {class: "hint", "aria-hidden": "true"}, "Sources"));
       parts.push(
@@ -20681,47 +20686,6 @@ function wire() {
   );
 }
 
-wire();
-(function boot() {
-  const code = new URLSearchParams(location.search).get("relayCode");
-  if (new URLSearchParams(location.search).get("share") === "off") {
-    // the share sheet reached the server itself: no worker here to keep what was shared
-    history.replaceState(history.state, "", location.pathname);
-    toast(
-      "Sharing to notesvc needs “Keep notes on this device” (in the menu): turn it on, " +
-        "then share again.",
-      true,
-    );
-  }
-  if (code) $("relay-code").value = code;
-  const pairing = pairingInUrl();
-  if (pairing) {
-    // the secret leaves the address bar and the history at once: it is good once
-    history.replaceState(history.state, "", location.pathname + location.search);
-    $("pair-box").dataset.secret = pairing;
-    $("pair-name").placeholder = "the name it was given, or " + deviceGuess();
-    $("pair-box").hidden = false;
-    if (SHARED_ORIGIN) {
-      $("pair-msg").textContent =
-        "This relay gives all its servers one address, where nothing can be kept: open " +
-        "the link on the server's own address instead.";
-      $("pair-join").disabled = true;
-    }
-  }
-  if (SHARED_ORIGIN) {
-    $("shared-origin").hidden = false;
-    $("remember").closest("label").hidden = true;
-  }
-  const kept = keptKey();
-  state.base = kept ? kept.base : getItem("local", "notesvc.base") || "";
-  if (!ownOrigin(state.base) || /^[a-z]+:/i.test(state.base)) state.base = "";
-  if (getItem("local", "notesvc.wipe")) forgetOffline().catch(() => {}); // one cut short
-  // A pairing code may name any server: the page waits for a person to connect, and then
-  // sends the kept key only if the code resolves to the API base it was kept for.
-  if (kept && !code && !pairing) connect(false);
-  else if (!pairing && !kept && !SHARED_ORIGIN) offerSetup();
-  else if (!pairing) $("key").focus();
-})();
 """[1:]
 # --- end web/app.js ---
 
@@ -21075,8 +21039,7 @@ const grants = (() => {
       act(() => shareNote()),
     );
   }
-  wireGrants();
-  return {writable, applyGrant, shownOnce, showKeys};
+  return {writable, applyGrant, shownOnce, showKeys, wireGrants};
 })();
 """[1:]
 # --- end web/grants.js ---
@@ -21089,7 +21052,7 @@ WEB_OFFLINE_JS = r"""
 // per-server origin, or localhost): elsewhere the option says so and stays off. Turning
 // it off deletes the copy. A key that stops working wipes it.
 
-const offline = {db: null, items: [], sending: false};
+const store = {db: null, items: [], sending: false};
 
 function offlineOn() {
   return !!state.base && getItem("local", "notesvc.offline") === state.base;
@@ -21111,14 +21074,14 @@ function offlinePossible() {
 }
 
 function idb() {
-  if (offline.db) return Promise.resolve(offline.db);
+  if (store.db) return Promise.resolve(store.db);
   return new Promise((resolve, reject) => {
     const open = indexedDB.open("notesvc", 1);
     open.onupgradeneeded = () => {
       open.result.createObjectStore("notes", {keyPath: "path"});
       open.result.createObjectStore("meta");
     };
-    open.onsuccess = () => resolve((offline.db = open.result));
+    open.onsuccess = () => resolve((store.db = open.result));
     open.onerror = () => reject(open.error);
   });
 }
@@ -21166,7 +21129,7 @@ async function mirrorTree(folder) {
 }
 
 async function loadOutbox() {
-  offline.items = offlineOn()
+  store.items = offlineOn()
     ? (await stored("meta", "readonly", (s) => s.get("outbox"))) || []
     : [];
   showWaiting();
@@ -21184,9 +21147,9 @@ async function loadOutboxOrSay() {
 // change made meanwhile (this tab's sender, another tab, the share sheet's worker) is never
 // written over with an older list. Resolves to the list as written.
 async function updateOutbox(change) {
-  if (!offlineOn()) return offline.items; // the copy was let go meanwhile: nothing is kept
+  if (!offlineOn()) return store.items; // the copy was let go meanwhile: nothing is kept
   const db = await idb();
-  offline.items = await new Promise((resolve, reject) => {
+  store.items = await new Promise((resolve, reject) => {
     const tx = db.transaction("meta", "readwrite");
     const store = tx.objectStore("meta");
     const read = store.get("outbox");
@@ -21199,18 +21162,18 @@ async function updateOutbox(change) {
     tx.onerror = () => reject(tx.error);
   });
   showWaiting();
-  if (offline.tabs) offline.tabs.postMessage("outbox"); // the other tabs show it too
-  return offline.items;
+  if (store.tabs) store.tabs.postMessage("outbox"); // the other tabs show it too
+  return store.items;
 }
 
 // The badge in the bar, on every pane: "Offline", "2 to send" (its title says it whole).
 function showWaiting() {
   const box = $("offline-state");
   const on = offlineOn();
-  const n = on ? offline.items.length : 0;
+  const n = on ? store.items.length : 0;
   const off = on && !navigator.onLine;
   box.textContent = [off ? "Offline" : "", n ? n + " to send" : ""].filter(Boolean).join(" · ");
-  box.title = [off ? "No connection: your notes open from this device" : "", waiting(offline.items)]
+  box.title = [off ? "No connection: your notes open from this device" : "", waiting(store.items)]
     .filter(Boolean)
     .join(". ");
   box.className = "";
@@ -21250,17 +21213,17 @@ async function keepOffline(path, content) {
 // Send what waits, in order, once each (the idempotency keys make a resend harmless); one
 // tab at a time (the others find the outbox done).
 async function sendOutbox() {
-  if (!offlineOn() || offline.sending || !navigator.onLine) return;
+  if (!offlineOn() || store.sending || !navigator.onLine) return;
   if (!navigator.locks) return sendWaiting();
   return navigator.locks.request("notesvc-outbox", {ifAvailable: true}, (lock) =>
     lock ? sendWaiting() : null,
   );
 }
 async function sendWaiting() {
-  offline.sending = true;
+  store.sending = true;
   try {
     await loadOutbox();
-    for (let item = nextItem(offline.items); item && offlineOn();) {
+    for (let item = nextItem(store.items); item && offlineOn();) {
       await updateOutbox((items) => markSent(items, item)); // a later edit queues anew
       let answer;
       try {
@@ -21286,10 +21249,10 @@ async function sendWaiting() {
       item = nextItem(await updateOutbox((items) => settle(items, item, answer || {})));
     }
   } finally {
-    offline.sending = false;
+    store.sending = false;
     showWaiting();
   }
-  if (!offline.items.length) loadTree().catch(() => {});
+  if (!store.items.length) loadTree().catch(() => {});
 }
 
 async function sendItem(item) {
@@ -21477,10 +21440,10 @@ async function disableOffline() {
 async function letWaitingGo(title) {
   if (!offlineOn()) return true;
   await loadOutbox().catch(() => {});
-  if (!offline.items.length) return true;
+  if (!store.items.length) return true;
   const choice = await choose(
     title,
-    waiting(offline.items) +
+    waiting(store.items) +
       ": the server could not be reached. They are lost if the copy on this device is deleted now.",
     [
       ["cancel", "Keep them", "primary"],
@@ -21508,9 +21471,9 @@ async function forgetOffline() {
 
 // Everything this option kept: the copy, the outbox, the worker and the app's cache.
 async function wipeOffline() {
-  offline.items = [];
-  if (offline.db) offline.db.close();
-  offline.db = null;
+  store.items = [];
+  if (store.db) store.db.close();
+  store.db = null;
   if ("indexedDB" in window) indexedDB.deleteDatabase("notesvc");
   if ("serviceWorker" in navigator) {
     for (const r of await navigator.serviceWorker.getRegistrations()) await r.unregister();
@@ -21523,7 +21486,7 @@ async function wipeOffline() {
 // address, so nothing reaches today's note until the person has seen it.
 async function askShared() {
   await loadOutbox();
-  for (const item of offline.items.filter((i) => i.ask)) {
+  for (const item of store.items.filter((i) => i.ask)) {
     const files = (item.files || []).map((f) => f.name || "image");
     const body = [el("p", {}, "Add this to today's note?")];
     if (item.text) body.push(el("blockquote", {class: "shared-text"}, item.text.slice(0, 500)));
@@ -21560,11 +21523,10 @@ function wireOffline() {
   window.addEventListener("online", () => act(sendOutbox)());
   window.addEventListener("offline", showWaiting);
   if ("BroadcastChannel" in window) {
-    offline.tabs = new BroadcastChannel("notesvc-outbox");
-    offline.tabs.onmessage = () => loadOutbox().catch(() => {});
+    store.tabs = new BroadcastChannel("notesvc-outbox");
+    store.tabs.onmessage = () => loadOutbox().catch(() => {});
   }
 }
-wireOffline();
 """[1:]
 # --- end web/offline.js ---
 # --- begin web/sw.js ---
@@ -22138,7 +22100,6 @@ function wireDevices() {
     if (e.key === "Enter") joinWithCode();
   });
 }
-wireDevices();
 """[1:]
 # --- end web/devices.js ---
 # --- begin web/transfer.js ---
@@ -22334,11 +22295,63 @@ WEB_TRANSFER_JS = r"""
 })();
 """[1:]
 # --- end web/transfer.js ---
+# --- begin web/main.js ---
+WEB_MAIN_JS = r"""
+// -- the page starts here: every file before this one only defines -------------------------
+// Wire the page's controls, then start: the kept key connects, a pairing link offers to
+// join, or the setup (or the key) is asked for.
+
+(() => {
+  wire();
+  grants.wireGrants();
+  wireDevices();
+  wireOffline();
+  const code = new URLSearchParams(location.search).get("relayCode");
+  if (new URLSearchParams(location.search).get("share") === "off") {
+    // the share sheet reached the server itself: no worker here to keep what was shared
+    history.replaceState(history.state, "", location.pathname);
+    toast(
+      "Sharing to notesvc needs “Keep notes on this device” (in the menu): turn it on, " +
+        "then share again.",
+      true,
+    );
+  }
+  if (code) $("relay-code").value = code;
+  const pairing = pairingInUrl();
+  if (pairing) {
+    // the secret leaves the address bar and the history at once: it is good once
+    history.replaceState(history.state, "", location.pathname + location.search);
+    $("pair-box").dataset.secret = pairing;
+    $("pair-name").placeholder = "the name it was given, or " + deviceGuess();
+    $("pair-box").hidden = false;
+    if (SHARED_ORIGIN) {
+      $("pair-msg").textContent =
+        "This relay gives all its servers one address, where nothing can be kept: open " +
+        "the link on the server's own address instead.";
+      $("pair-join").disabled = true;
+    }
+  }
+  if (SHARED_ORIGIN) {
+    $("shared-origin").hidden = false;
+    $("remember").closest("label").hidden = true;
+  }
+  const kept = keptKey();
+  state.base = kept ? kept.base : getItem("local", "notesvc.base") || "";
+  if (!ownOrigin(state.base) || /^[a-z]+:/i.test(state.base)) state.base = "";
+  if (getItem("local", "notesvc.wipe")) forgetOffline().catch(() => {}); // one cut short
+  // A pairing code may name any server: the page waits for a person to connect, and then
+  // sends the kept key only if the code resolves to the API base it was kept for.
+  if (kept && !code && !pairing) connect(false);
+  else if (!pairing && !kept && !SHARED_ORIGIN) offerSetup();
+  else if (!pairing) $("key").focus();
+})();
+"""[1:]
+# --- end web/main.js ---
 
 # One script, in this order: core.js ("use strict", the page's state, storage and API),
 # the pure modules (paths.js, keys.js, merge.js, outbox.js, markdown.js, order.js,
 # autosave.js, drafts.js; node --test web/), app.js, grants.js, devices.js, transfer.js,
-# offline.js.
+# offline.js, and last main.js, where the page starts (the files before it only define).
 WEB_JS = "".join(
     (
         WEB_JS_START,
@@ -22355,6 +22368,7 @@ WEB_JS = "".join(
         WEB_DEVICES_JS,
         WEB_TRANSFER_JS,
         WEB_OFFLINE_JS,
+        WEB_MAIN_JS,
     )
 )
 
@@ -22777,12 +22791,12 @@ function attachmentOf(src) {
   return shared + "/attachments/" + path.split("/").map(encodeURIComponent).join("/");
 }
 
-function link(href, label, ctx, markdown) {
+function link(href, label, ctx, rich) {
   href = href.trim();
   const a = /^(https?:|mailto:)/i.test(href)
     ? el("a", {href, target: "_blank", rel: "noopener noreferrer nofollow"})
     : el("span"); // another note of the owner's: not shared, so the text alone
-  if (markdown) inline(label, a, ctx);
+  if (rich) inline(label, a, ctx);
   else a.textContent = label;
   return a;
 }
@@ -22816,7 +22830,7 @@ async function showShared() {
   }
   document.title = j.data.title;
   linked = j.data.attachments || {};
-  document.getElementById("note").replaceChildren(renderMarkdown(j.data.content, {}));
+  document.getElementById("note").replaceChildren(renderMarkdown(j.data.content, {link, wikiLink, image}));
   document.getElementById("meta").textContent =
     "Shared read-only · last changed " + new Date(j.data.modified).toLocaleString();
   return undefined;

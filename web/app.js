@@ -1,4 +1,4 @@
-function link(href, label, ctx, markdown) {
+function link(href, label, ctx, rich) {
   href = href.trim();
   let a;
   if (/^(https?:|mailto:)/i.test(href)) {
@@ -22,7 +22,7 @@ function link(href, label, ctx, markdown) {
       });
     }
   }
-  if (markdown) inline(label, a, ctx);
+  if (rich) inline(label, a, ctx);
   else a.textContent = label;
   return a;
 }
@@ -447,7 +447,7 @@ function setEditing(on) {
 
 function renderView() {
   const onTask = grants.writable() ? toggleTask : null; // a read key ticks nothing
-  const view = renderMarkdown(editor().value, {from: state.path, onTask});
+  const view = renderMarkdown(editor().value, {from: state.path, onTask, link, wikiLink, image});
   $("view").replaceChildren(...view.childNodes);
 }
 
@@ -1176,6 +1176,11 @@ async function attach(files) {
 // -- the change feed: the tree and the open note follow edits made elsewhere ----------------
 
 let feedRun = 0; // one follower at a time: a new connection starts a new one
+
+// Stops the follower (the key stopped working: the next connection starts a new one).
+function stopFeed() {
+  feedRun++;
+}
 // Notes this page is moving or deleting itself: the feed's report of it is no news.
 const own = new Set();
 function mine(path) {
@@ -1487,7 +1492,7 @@ async function ask() {
   if (about) body.notePath = state.path;
   try {
     const {data} = await api("POST", "/agent/chat", body);
-    const parts = [renderMarkdown(data.reply || "", {from: state.path})];
+    const parts = [renderMarkdown(data.reply || "", {from: state.path, link, wikiLink, image})];
     if (data.sources && data.sources.length) {
       parts.push(el("div", {class: "hint", "aria-hidden": "true"}, "Sources"));
       parts.push(
@@ -1744,44 +1749,3 @@ function wire() {
   );
 }
 
-wire();
-(function boot() {
-  const code = new URLSearchParams(location.search).get("relayCode");
-  if (new URLSearchParams(location.search).get("share") === "off") {
-    // the share sheet reached the server itself: no worker here to keep what was shared
-    history.replaceState(history.state, "", location.pathname);
-    toast(
-      "Sharing to notesvc needs “Keep notes on this device” (in the menu): turn it on, " +
-        "then share again.",
-      true,
-    );
-  }
-  if (code) $("relay-code").value = code;
-  const pairing = pairingInUrl();
-  if (pairing) {
-    // the secret leaves the address bar and the history at once: it is good once
-    history.replaceState(history.state, "", location.pathname + location.search);
-    $("pair-box").dataset.secret = pairing;
-    $("pair-name").placeholder = "the name it was given, or " + deviceGuess();
-    $("pair-box").hidden = false;
-    if (SHARED_ORIGIN) {
-      $("pair-msg").textContent =
-        "This relay gives all its servers one address, where nothing can be kept: open " +
-        "the link on the server's own address instead.";
-      $("pair-join").disabled = true;
-    }
-  }
-  if (SHARED_ORIGIN) {
-    $("shared-origin").hidden = false;
-    $("remember").closest("label").hidden = true;
-  }
-  const kept = keptKey();
-  state.base = kept ? kept.base : getItem("local", "notesvc.base") || "";
-  if (!ownOrigin(state.base) || /^[a-z]+:/i.test(state.base)) state.base = "";
-  if (getItem("local", "notesvc.wipe")) forgetOffline().catch(() => {}); // one cut short
-  // A pairing code may name any server: the page waits for a person to connect, and then
-  // sends the kept key only if the code resolves to the API base it was kept for.
-  if (kept && !code && !pairing) connect(false);
-  else if (!pairing && !kept && !SHARED_ORIGIN) offerSetup();
-  else if (!pairing) $("key").focus();
-})();

@@ -180,7 +180,7 @@ async function api(method, path, body, headers, opts) {
   }
   if (r.ok && j && j.success) {
     // the server answers again: what waits on this device goes now
-    if (offline.items.length && !offline.sending) sendOutbox().catch(() => {});
+    if (offline.store.items.length && !offline.store.sending) sendOutbox().catch(() => {});
     return {data: j.data, etag: r.headers.get("ETag"), status: r.status};
   }
   const err = (j && j.error) || {
@@ -342,7 +342,7 @@ async function connect(typed) {
 
 function toKeyScreen(message, status) {
   keepDraft();
-  feedRun++;
+  stopFeed();
   // the key stopped working: no copy stays (too many tries is not that: the copy stays)
   if (status === 401) forgetOffline().catch(() => {});
   state.key = "";

@@ -462,4 +462,3 @@ function wireDevices() {
     if (e.key === "Enter") joinWithCode();
   });
 }
-wireDevices();

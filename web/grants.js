@@ -346,6 +346,5 @@ const grants = (() => {
       act(() => shareNote()),
     );
   }
-  wireGrants();
-  return {writable, applyGrant, shownOnce, showKeys};
+  return {writable, applyGrant, shownOnce, showKeys, wireGrants};
 })();

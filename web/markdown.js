@@ -1,6 +1,6 @@
 // -- Markdown: a small renderer that builds DOM nodes, so no HTML in a note can run ----------
 // (MARKDOWN_JS, shared with the share page: each page brings its own link(), wikiLink()
-// and image(), which decide what a link or an image may reach.)
+// and image(), in the ctx it renders with, which decide what a link or an image may reach.)
 
 function el(tag, attrs, ...children) {
   const e = document.createElement(tag);
@@ -265,11 +265,11 @@ function inline(text, parent, ctx) {
     add(text.slice(last, embed ? m.index - 1 : m.index));
     last = re.lastIndex;
     if (m[1] !== undefined) parent.appendChild(el("code", {}, m[2].replace(/^ (.*) $/, "$1")));
-    else if (m[3] !== undefined) parent.appendChild(image(m[3], m[4], ctx));
-    else if (m[5] !== undefined) parent.appendChild(wikiLink(m[5], m[6], ctx, embed));
-    else if (m[7] !== undefined) parent.appendChild(link(m[8], m[7], ctx, true));
-    else if (m[9] !== undefined) parent.appendChild(link(m[9], m[9].replace(/^mailto:/, ""), ctx));
-    else if (m[10] !== undefined) parent.appendChild(link(m[10], m[10], ctx));
+    else if (m[3] !== undefined) parent.appendChild(ctx.image(m[3], m[4], ctx));
+    else if (m[5] !== undefined) parent.appendChild(ctx.wikiLink(m[5], m[6], ctx, embed));
+    else if (m[7] !== undefined) parent.appendChild(ctx.link(m[8], m[7], ctx, true));
+    else if (m[9] !== undefined) parent.appendChild(ctx.link(m[9], m[9].replace(/^mailto:/, ""), ctx));
+    else if (m[10] !== undefined) parent.appendChild(ctx.link(m[10], m[10], ctx));
     else if (m[11] !== undefined) {
       const e = el("strong");
       inline(m[12], e, ctx);

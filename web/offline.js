@@ -5,7 +5,7 @@
 // per-server origin, or localhost): elsewhere the option says so and stays off. Turning
 // it off deletes the copy. A key that stops working wipes it.
 
-const offline = {db: null, items: [], sending: false};
+const store = {db: null, items: [], sending: false};
 
 function offlineOn() {
   return !!state.base && getItem("local", "notesvc.offline") === state.base;
@@ -27,14 +27,14 @@ function offlinePossible() {
 }
 
 function idb() {
-  if (offline.db) return Promise.resolve(offline.db);
+  if (store.db) return Promise.resolve(store.db);
   return new Promise((resolve, reject) => {
     const open = indexedDB.open("notesvc", 1);
     open.onupgradeneeded = () => {
       open.result.createObjectStore("notes", {keyPath: "path"});
       open.result.createObjectStore("meta");
     };
-    open.onsuccess = () => resolve((offline.db = open.result));
+    open.onsuccess = () => resolve((store.db = open.result));
     open.onerror = () => reject(open.error);
   });
 }
@@ -82,7 +82,7 @@ async function mirrorTree(folder) {
 }
 
 async function loadOutbox() {
-  offline.items = offlineOn()
+  store.items = offlineOn()
     ? (await stored("meta", "readonly", (s) => s.get("outbox"))) || []
     : [];
   showWaiting();
@@ -100,9 +100,9 @@ async function loadOutboxOrSay() {
 // change made meanwhile (this tab's sender, another tab, the share sheet's worker) is never
 // written over with an older list. Resolves to the list as written.
 async function updateOutbox(change) {
-  if (!offlineOn()) return offline.items; // the copy was let go meanwhile: nothing is kept
+  if (!offlineOn()) return store.items; // the copy was let go meanwhile: nothing is kept
   const db = await idb();
-  offline.items = await new Promise((resolve, reject) => {
+  store.items = await new Promise((resolve, reject) => {
     const tx = db.transaction("meta", "readwrite");
     const store = tx.objectStore("meta");
     const read = store.get("outbox");
@@ -115,18 +115,18 @@ async function updateOutbox(change) {
     tx.onerror = () => reject(tx.error);
   });
   showWaiting();
-  if (offline.tabs) offline.tabs.postMessage("outbox"); // the other tabs show it too
-  return offline.items;
+  if (store.tabs) store.tabs.postMessage("outbox"); // the other tabs show it too
+  return store.items;
 }
 
 // The badge in the bar, on every pane: "Offline", "2 to send" (its title says it whole).
 function showWaiting() {
   const box = $("offline-state");
   const on = offlineOn();
-  const n = on ? offline.items.length : 0;
+  const n = on ? store.items.length : 0;
   const off = on && !navigator.onLine;
   box.textContent = [off ? "Offline" : "", n ? n + " to send" : ""].filter(Boolean).join(" · ");
-  box.title = [off ? "No connection: your notes open from this device" : "", waiting(offline.items)]
+  box.title = [off ? "No connection: your notes open from this device" : "", waiting(store.items)]
     .filter(Boolean)
     .join(". ");
   box.className = "";
@@ -166,17 +166,17 @@ async function keepOffline(path, content) {
 // Send what waits, in order, once each (the idempotency keys make a resend harmless); one
 // tab at a time (the others find the outbox done).
 async function sendOutbox() {
-  if (!offlineOn() || offline.sending || !navigator.onLine) return;
+  if (!offlineOn() || store.sending || !navigator.onLine) return;
   if (!navigator.locks) return sendWaiting();
   return navigator.locks.request("notesvc-outbox", {ifAvailable: true}, (lock) =>
     lock ? sendWaiting() : null,
   );
 }
 async function sendWaiting() {
-  offline.sending = true;
+  store.sending = true;
   try {
     await loadOutbox();
-    for (let item = nextItem(offline.items); item && offlineOn();) {
+    for (let item = nextItem(store.items); item && offlineOn();) {
       await updateOutbox((items) => markSent(items, item)); // a later edit queues anew
       let answer;
       try {
@@ -202,10 +202,10 @@ async function sendWaiting() {
       item = nextItem(await updateOutbox((items) => settle(items, item, answer || {})));
     }
   } finally {
-    offline.sending = false;
+    store.sending = false;
     showWaiting();
   }
-  if (!offline.items.length) loadTree().catch(() => {});
+  if (!store.items.length) loadTree().catch(() => {});
 }
 
 async function sendItem(item) {
@@ -393,10 +393,10 @@ async function disableOffline() {
 async function letWaitingGo(title) {
   if (!offlineOn()) return true;
   await loadOutbox().catch(() => {});
-  if (!offline.items.length) return true;
+  if (!store.items.length) return true;
   const choice = await choose(
     title,
-    waiting(offline.items) +
+    waiting(store.items) +
       ": the server could not be reached. They are lost if the copy on this device is deleted now.",
     [
       ["cancel", "Keep them", "primary"],
@@ -424,9 +424,9 @@ async function forgetOffline() {
 
 // Everything this option kept: the copy, the outbox, the worker and the app's cache.
 async function wipeOffline() {
-  offline.items = [];
-  if (offline.db) offline.db.close();
-  offline.db = null;
+  store.items = [];
+  if (store.db) store.db.close();
+  store.db = null;
   if ("indexedDB" in window) indexedDB.deleteDatabase("notesvc");
   if ("serviceWorker" in navigator) {
     for (const r of await navigator.serviceWorker.getRegistrations()) await r.unregister();
@@ -439,7 +439,7 @@ async function wipeOffline() {
 // address, so nothing reaches today's note until the person has seen it.
 async function askShared() {
   await loadOutbox();
-  for (const item of offline.items.filter((i) => i.ask)) {
+  for (const item of store.items.filter((i) => i.ask)) {
     const files = (item.files || []).map((f) => f.name || "image");
     const body = [el("p", {}, "Add this to today's note?")];
     if (item.text) body.push(el("blockquote", {class: "shared-text"}, item.text.slice(0, 500)));
@@ -476,8 +476,7 @@ function wireOffline() {
   window.addEventListener("online", () => act(sendOutbox)());
   window.addEventListener("offline", showWaiting);
   if ("BroadcastChannel" in window) {
-    offline.tabs = new BroadcastChannel("notesvc-outbox");
-    offline.tabs.onmessage = () => loadOutbox().catch(() => {});
+    store.tabs = new BroadcastChannel("notesvc-outbox");
+    store.tabs.onmessage = () => loadOutbox().catch(() => {});
   }
 }
-wireOffline();

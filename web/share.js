@@ -11,12 +11,12 @@ function attachmentOf(src) {
   return shared + "/attachments/" + path.split("/").map(encodeURIComponent).join("/");
 }
 
-function link(href, label, ctx, markdown) {
+function link(href, label, ctx, rich) {
   href = href.trim();
   const a = /^(https?:|mailto:)/i.test(href)
     ? el("a", {href, target: "_blank", rel: "noopener noreferrer nofollow"})
     : el("span"); // another note of the owner's: not shared, so the text alone
-  if (markdown) inline(label, a, ctx);
+  if (rich) inline(label, a, ctx);
   else a.textContent = label;
   return a;
 }
@@ -50,7 +50,7 @@ async function showShared() {
   }
   document.title = j.data.title;
   linked = j.data.attachments || {};
-  document.getElementById("note").replaceChildren(renderMarkdown(j.data.content, {}));
+  document.getElementById("note").replaceChildren(renderMarkdown(j.data.content, {link, wikiLink, image}));
   document.getElementById("meta").textContent =
     "Shared read-only · last changed " + new Date(j.data.modified).toLocaleString();
   return undefined;
