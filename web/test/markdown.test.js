@@ -64,7 +64,9 @@ function show(node) {
 }
 const hooks = {link, wikiLink, image};
 const md = (text, ctx) =>
-  renderMarkdown(text, {...hooks, ...ctx}).children.map(show).join(" ");
+  renderMarkdown(text, {...hooks, ...ctx})
+    .children.map(show)
+    .join(" ");
 
 test("blocks: headings, paragraphs, rules, quotes, code", () => {
   for (const [text, want] of [
