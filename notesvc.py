@@ -19384,7 +19384,8 @@ const app = (() => {
     let data;
     try {
       data = (await core.api("GET", "/notes/" + core.enc(path))).data;
-      if (offline.offlineOn()) offline.mirrorPut(data).catch(() => {}); // the copy takes what the server has
+      // the copy takes what the server has
+      if (offline.offlineOn()) offline.mirrorPut(data).catch(() => {});
     } catch (e) {
       data = offline.unreachable(e) && offline.offlineOn() ? await offline.mirrorGet(path) : null;
       if (!data) throw e;
@@ -19533,7 +19534,8 @@ const app = (() => {
   async function saveNow(force) {
     const content = editor().value;
     if (state.blank) return createFromText(content);
-    if (state.path.startsWith("new:")) return offline.keepOffline(state.path, content); // not sent yet
+    // not sent yet
+    if (state.path.startsWith("new:")) return offline.keepOffline(state.path, content);
     if (content === state.saved && !force) return true;
     const path = state.path;
     let r;
@@ -19553,7 +19555,8 @@ const app = (() => {
       if (e.status === 409 && e.error && e.error.conflictPath)
         return clashed(e.error, path, content);
       if (e.status === 404 && force) {
-        r = await core.api("POST", "/notes", {path, content: fromEditor(content)}); // gone: keep mine
+        // gone: keep mine
+        r = await core.api("POST", "/notes", {path, content: fromEditor(content)});
         r = {data: {note: r.data, merged: false}};
         core.loadTree().catch(() => {});
       } else if (e.status === 404) {
@@ -20298,7 +20301,8 @@ const app = (() => {
     while (alive()) {
       try {
         if (since === null) since = await changeCursor();
-        if (since === null) return; // this server gives no cursor: coming back to the page refreshes
+        // this server gives no cursor: coming back to the page refreshes
+        if (since === null) return;
         const r = await core.api("GET", "/changes?wait=20&limit=1000&since=" + since);
         if (!alive()) return;
         for (const c of r.data.changes) applyChange(c);
@@ -20337,7 +20341,8 @@ const app = (() => {
     $("history").hidden = !core.features.history;
     $("attach").hidden = !core.features.attachments || !grants.writable();
     $("photo").hidden =
-      !core.features.attachments || !grants.writable() || !matchMedia("(pointer: coarse)").matches; // a camera
+      // a camera
+      !core.features.attachments || !grants.writable() || !matchMedia("(pointer: coarse)").matches;
   }
 
   // -- search ----------------------------------------------------------------------------------
@@ -20455,7 +20460,8 @@ const app = (() => {
     } catch (e) {
       if (!offline.unreachable(e) || !offline.offlineOn()) throw e;
       const at = Date.now();
-      await offline.updateOutbox((items) => outbox.queueCapture(items, text, [], newId, at)); // sent when it can be
+      // sent when it can be
+      await offline.updateOutbox((items) => outbox.queueCapture(items, text, [], newId, at));
       input.value = "";
       core.toast("Kept on this device: it goes to today's note when the server can be reached");
       return;
@@ -21467,7 +21473,8 @@ const offline = (() => {
         return {};
       }
       if (e.status !== 404) throw e;
-      const {data} = await core.api("POST", "/notes", {content: item.content}, once); // deleted: kept anew
+      // deleted: kept anew
+      const {data} = await core.api("POST", "/notes", {content: item.content}, once);
       core.toast(
         "“" +
           paths.nameOf(item.path) +
@@ -21596,7 +21603,8 @@ const offline = (() => {
     const choice = await app.choose(
       title,
       outbox.waiting(store.items) +
-        ": the server could not be reached. They are lost if the copy on this device is deleted now.",
+        ": the server could not be reached. They are lost if the copy on this device is " +
+        "deleted now.",
       [
         ["cancel", "Keep them", "primary"],
         ["delete", "Delete them"],
@@ -21891,7 +21899,8 @@ const devices = (() => {
     $("pair-join").disabled = true;
     try {
       const secret = $("pair-box").dataset.secret;
-      const {base, claimed} = await claim(secret, $("pair-name").value.trim()); // "": its given name
+      // "": its given name
+      const {base, claimed} = await claim(secret, $("pair-name").value.trim());
       keepDevice(base, claimed);
       $("pair-box").hidden = true;
       state.base = base;
@@ -22542,7 +22551,8 @@ WEB_MAIN_JS = r"""
   const kept = core.keptKey();
   state.base = kept ? kept.base : core.getItem("local", "notesvc.base") || "";
   if (!core.ownOrigin(state.base) || /^[a-z]+:/i.test(state.base)) state.base = "";
-  if (core.getItem("local", "notesvc.wipe")) offline.forgetOffline().catch(() => {}); // one cut short
+  // one cut short
+  if (core.getItem("local", "notesvc.wipe")) offline.forgetOffline().catch(() => {});
   // A pairing code may name any server: the page waits for a person to connect, and then
   // sends the kept key only if the code resolves to the API base it was kept for.
   if (kept && !code && !pairing) core.connect(false);

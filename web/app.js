@@ -395,7 +395,8 @@ const app = (() => {
     let data;
     try {
       data = (await core.api("GET", "/notes/" + core.enc(path))).data;
-      if (offline.offlineOn()) offline.mirrorPut(data).catch(() => {}); // the copy takes what the server has
+      // the copy takes what the server has
+      if (offline.offlineOn()) offline.mirrorPut(data).catch(() => {});
     } catch (e) {
       data = offline.unreachable(e) && offline.offlineOn() ? await offline.mirrorGet(path) : null;
       if (!data) throw e;
@@ -544,7 +545,8 @@ const app = (() => {
   async function saveNow(force) {
     const content = editor().value;
     if (state.blank) return createFromText(content);
-    if (state.path.startsWith("new:")) return offline.keepOffline(state.path, content); // not sent yet
+    // not sent yet
+    if (state.path.startsWith("new:")) return offline.keepOffline(state.path, content);
     if (content === state.saved && !force) return true;
     const path = state.path;
     let r;
@@ -564,7 +566,8 @@ const app = (() => {
       if (e.status === 409 && e.error && e.error.conflictPath)
         return clashed(e.error, path, content);
       if (e.status === 404 && force) {
-        r = await core.api("POST", "/notes", {path, content: fromEditor(content)}); // gone: keep mine
+        // gone: keep mine
+        r = await core.api("POST", "/notes", {path, content: fromEditor(content)});
         r = {data: {note: r.data, merged: false}};
         core.loadTree().catch(() => {});
       } else if (e.status === 404) {
@@ -1309,7 +1312,8 @@ const app = (() => {
     while (alive()) {
       try {
         if (since === null) since = await changeCursor();
-        if (since === null) return; // this server gives no cursor: coming back to the page refreshes
+        // this server gives no cursor: coming back to the page refreshes
+        if (since === null) return;
         const r = await core.api("GET", "/changes?wait=20&limit=1000&since=" + since);
         if (!alive()) return;
         for (const c of r.data.changes) applyChange(c);
@@ -1348,7 +1352,8 @@ const app = (() => {
     $("history").hidden = !core.features.history;
     $("attach").hidden = !core.features.attachments || !grants.writable();
     $("photo").hidden =
-      !core.features.attachments || !grants.writable() || !matchMedia("(pointer: coarse)").matches; // a camera
+      // a camera
+      !core.features.attachments || !grants.writable() || !matchMedia("(pointer: coarse)").matches;
   }
 
   // -- search ----------------------------------------------------------------------------------
@@ -1466,7 +1471,8 @@ const app = (() => {
     } catch (e) {
       if (!offline.unreachable(e) || !offline.offlineOn()) throw e;
       const at = Date.now();
-      await offline.updateOutbox((items) => outbox.queueCapture(items, text, [], newId, at)); // sent when it can be
+      // sent when it can be
+      await offline.updateOutbox((items) => outbox.queueCapture(items, text, [], newId, at));
       input.value = "";
       core.toast("Kept on this device: it goes to today's note when the server can be reached");
       return;

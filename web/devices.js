@@ -72,7 +72,8 @@ const devices = (() => {
     $("pair-join").disabled = true;
     try {
       const secret = $("pair-box").dataset.secret;
-      const {base, claimed} = await claim(secret, $("pair-name").value.trim()); // "": its given name
+      // "": its given name
+      const {base, claimed} = await claim(secret, $("pair-name").value.trim());
       keepDevice(base, claimed);
       $("pair-box").hidden = true;
       state.base = base;

@@ -40,7 +40,8 @@
   const kept = core.keptKey();
   state.base = kept ? kept.base : core.getItem("local", "notesvc.base") || "";
   if (!core.ownOrigin(state.base) || /^[a-z]+:/i.test(state.base)) state.base = "";
-  if (core.getItem("local", "notesvc.wipe")) offline.forgetOffline().catch(() => {}); // one cut short
+  // one cut short
+  if (core.getItem("local", "notesvc.wipe")) offline.forgetOffline().catch(() => {});
   // A pairing code may name any server: the page waits for a person to connect, and then
   // sends the kept key only if the code resolves to the API base it was kept for.
   if (kept && !code && !pairing) core.connect(false);

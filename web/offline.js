@@ -292,7 +292,8 @@ const offline = (() => {
         return {};
       }
       if (e.status !== 404) throw e;
-      const {data} = await core.api("POST", "/notes", {content: item.content}, once); // deleted: kept anew
+      // deleted: kept anew
+      const {data} = await core.api("POST", "/notes", {content: item.content}, once);
       core.toast(
         "“" +
           paths.nameOf(item.path) +
@@ -421,7 +422,8 @@ const offline = (() => {
     const choice = await app.choose(
       title,
       outbox.waiting(store.items) +
-        ": the server could not be reached. They are lost if the copy on this device is deleted now.",
+        ": the server could not be reached. They are lost if the copy on this device is " +
+        "deleted now.",
       [
         ["cancel", "Keep them", "primary"],
         ["delete", "Delete them"],
