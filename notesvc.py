@@ -17940,6 +17940,7 @@ const core = (() => {
   }
 
   return {
+    $,
     NARROW,
     Problem,
     SHARED_ORIGIN,
@@ -17961,6 +17962,7 @@ const core = (() => {
     reveal,
     setItem,
     setSide,
+    state,
     showPane,
     toast,
   };

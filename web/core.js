@@ -579,6 +579,7 @@ const core = (() => {
   }
 
   return {
+    $,
     NARROW,
     Problem,
     SHARED_ORIGIN,
@@ -600,6 +601,7 @@ const core = (() => {
     reveal,
     setItem,
     setSide,
+    state,
     showPane,
     toast,
   };
