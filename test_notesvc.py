@@ -8703,7 +8703,7 @@ class TestHouse:
         asked = [
             lines.index("def create_app(config: Config | None = None) -> NotesApp:") + 1,
             lines.index("class NoteStore:") + 1,
-            lines.index("const state = {") + 1,  # web/core.js, embedded
+            lines.index("const core = (() => {") + 1,  # web/core.js, embedded
         ]
         done = self.build("--where", *map(str, asked))
         assert done.returncode == 0, done.stderr
