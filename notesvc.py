@@ -17514,570 +17514,608 @@ WEB_JS_START = r"""
 // in the query string is ignored, and an API base on another origin is never used.
 // Text from notes and answers reaches the page as text nodes only (never as HTML).
 
-const $ = (id) => document.getElementById(id);
-const enc = encodeURIComponent;
-const NARROW = window.matchMedia("(max-width: 799px)");
+const core = (() => {
+  const $ = (id) => document.getElementById(id);
+  const enc = encodeURIComponent;
+  const NARROW = window.matchMedia("(max-width: 799px)");
 
-// -- storage: the key for the session (or this device, if asked); drafts on this device --
-// On a relay's shared origin (a relay without per-server origins, which marks the page)
-// every server's page shares one storage: nothing is kept there at all.
+  // -- storage: the key for the session (or this device, if asked); drafts on this device --
+  // On a relay's shared origin (a relay without per-server origins, which marks the page)
+  // every server's page shares one storage: nothing is kept there at all.
 
-const SHARED_ORIGIN = document.documentElement.dataset.origin === "shared";
+  const SHARED_ORIGIN = document.documentElement.dataset.origin === "shared";
 
-function storage(kind) {
-  if (SHARED_ORIGIN) return null;
-  try {
-    return kind === "local" ? window.localStorage : window.sessionStorage;
-  } catch (e) {
-    return null;
-  } // storage can be switched off; the page still works
-}
-function getItem(kind, name) {
-  const s = storage(kind);
-  try {
-    return s ? s.getItem(name) : null;
-  } catch (e) {
-    return null;
-  }
-}
-function setItem(kind, name, value) {
-  const s = storage(kind);
-  try {
-    if (s) s.setItem(name, value);
-  } catch (e) {
-    /* full or refused: not fatal */
-  }
-}
-function removeItem(kind, name) {
-  const s = storage(kind);
-  try {
-    if (s) s.removeItem(name);
-  } catch (e) {
-    /* ignore */
-  }
-}
-
-const state = {
-  base: "", // the API base on this origin: /api/v1, or /r/<serverId>/api/v1
-  key: "",
-  keyBase: "", // the API base the key was given for: it is sent nowhere else
-  path: null, // the open note
-  etag: null, // the ETag the editor's text was loaded from (sent as If-Match)
-  saved: "", // the note's text as last loaded or saved
-  title: "",
-  editing: false,
-  expanded: new Set(JSON.parse(getItem("session", "notesvc.expanded") || "[]")),
-  moves: 0, // panes shown so far: what the page restores at start waits for no one
-};
-
-// What this server offers beyond the core API (read from its OpenAPI document at start).
-const features = {history: false, attachments: false, changes: false};
-
-// -- small DOM helpers -------------------------------------------------------------------
-
-function ago(iso) {
-  const t = Date.parse(iso);
-  if (!t) return "";
-  const s = (Date.now() - t) / 1000;
-  if (s < 60) return "just now";
-  if (s < 3600) return Math.floor(s / 60) + " min ago";
-  if (s < 86400) return Math.floor(s / 3600) + " h ago";
-  if (s < 2 * 86400) return "yesterday";
-  return new Date(t).toLocaleDateString();
-}
-
-let toastTimer = 0;
-function toast(text, bad, action) {
-  const t = $("toast");
-  // A modal dialog sits above everything else: a message then shows inside it, not under.
-  const host = $("dlg").open ? $("dlg") : document.body;
-  if (t.parentNode !== host) host.append(t);
-  t.textContent = text;
-  if (action) {
-    const [label, fn] = action;
-    const run = act(fn);
-    const done = () => {
-      t.hidden = true;
-      run();
-    };
-    t.append(" ", el("button", {type: "button", class: "plain", onclick: done}, label));
-  }
-  t.className = bad ? "bad" : "";
-  t.setAttribute("role", bad ? "alert" : "status");
-  t.hidden = false;
-  clearTimeout(toastTimer);
-  // An action (Undo) waits 15 s, and longer while a finger or the focus is on it.
-  const hide = () => {
-    if (t.matches(":hover, :focus-within")) toastTimer = setTimeout(hide, 2000);
-    else t.hidden = true;
-  };
-  toastTimer = setTimeout(hide, action ? 15000 : bad ? 8000 : 3000);
-}
-
-// -- the API -------------------------------------------------------------------------------
-
-class Problem extends Error {
-  constructor(status, code, message, retryAfter) {
-    super(message);
-    this.status = status;
-    this.code = code;
-    this.retryAfter = retryAfter;
-  }
-}
-
-// Read an answer's body, calling progress(bytes so far) as it comes.
-async function readAll(r, progress) {
-  if (!r.body || !r.body.getReader) return r.blob();
-  const reader = r.body.getReader();
-  const parts = [];
-  let n = 0;
-  for (;;) {
-    const {done, value} = await reader.read();
-    if (done) break;
-    parts.push(value);
-    n += value.length;
-    progress(n);
-  }
-  return new Blob(parts, {type: r.headers.get("Content-Type") || ""});
-}
-
-function ownOrigin(url) {
-  return sameOrigin(url, location.href);
-}
-
-function lockoutMessage(retryAfter) {
-  const s = parseInt(retryAfter || "60", 10);
-  return "Too many wrong keys from this address: try again in " + s + " s.";
-}
-
-async function api(method, path, body, headers, opts) {
-  opts = opts || {};
-  const url = state.base + path;
-  if (!state.base || !ownOrigin(url)) {
-    throw new Problem(0, "REFUSED", "Refused: the API is not on this page's origin.");
-  }
-  if (state.key && state.keyBase !== state.base) {
-    throw new Problem(0, "REFUSED", "Refused: this key was given for another server.");
-  }
-  const h = Object.assign({"X-Service-Key": state.key}, headers || {});
-  const raw = body instanceof Blob; // an upload goes as it is, with its own type
-  if (body !== undefined && !raw) h["Content-Type"] = "application/json";
-  let r;
-  try {
-    r = await fetch(url, {
-      method,
-      headers: h,
-      mode: "same-origin",
-      credentials: "omit",
-      cache: "no-store",
-      body: body === undefined || raw ? body : JSON.stringify(body),
-    });
-  } catch (e) {
-    throw new Problem(0, "NETWORK", "Cannot reach the server. Check the connection and try again.");
-  }
-  if (opts.blob && r.ok) {
-    return {
-      blob: opts.progress ? await readAll(r, opts.progress) : await r.blob(),
-      status: r.status,
-    };
-  }
-  if (opts.raw && r.ok) return {json: await r.json(), status: r.status};
-  let j = null;
-  try {
-    j = await r.json();
-  } catch (e) {
-    /* not JSON */
-  }
-  if (r.ok && j && j.success) {
-    // the server answers again: what waits on this device goes now
-    if (offline.items.length && !offline.sending) sendOutbox().catch(() => {});
-    return {data: j.data, etag: r.headers.get("ETag"), status: r.status};
-  }
-  const err = (j && j.error) || {
-    code: "HTTP_" + r.status,
-    message: "The server answered " + r.status + ".",
-  };
-  const retry = r.headers.get("Retry-After");
-  const message = r.status === 429 ? lockoutMessage(retry) : err.message;
-  const problem = new Problem(r.status, err.code, message, retry);
-  problem.error = err; // the envelope's error, with any extra fields (410's resetRequired)
-  if (!opts.login && (r.status === 401 || r.status === 429)) {
-    toKeyScreen(
-      r.status === 401
-        ? "The key was not accepted: it may have been rotated. Paste the current key."
-        : message,
-      r.status,
-    );
-  }
-  throw problem;
-}
-
-// Run an event handler; show what went wrong instead of failing silently.
-function act(fn) {
-  return async (...args) => {
+  function storage(kind) {
+    if (SHARED_ORIGIN) return null;
     try {
-      return await fn(...args);
+      return kind === "local" ? window.localStorage : window.sessionStorage;
     } catch (e) {
-      if (e instanceof Problem && (e.status === 401 || e.status === 429)) return undefined;
-      toast(e && e.message ? e.message : String(e), true);
-      return undefined;
-    }
-  };
-}
-
-// -- connecting: the relay code, the key ---------------------------------------------------
-
-async function resolveBase(code) {
-  let r;
-  try {
-    r = await fetch(new URL("relay/v1/pair/" + enc(code), location.href).pathname, {
-      mode: "same-origin",
-      credentials: "omit",
-      cache: "no-store",
-    });
-  } catch (e) {
-    throw new Error("Cannot reach this address.");
+      return null;
+    } // storage can be switched off; the page still works
   }
-  const j = await r.json().catch(() => ({}));
-  if (!r.ok || !j.data) {
-    throw new Error(
-      j.error && r.status === 404
-        ? "The relay code is not known here: open the current connect link from your server."
-        : "Pairing failed" + (j.error ? ": " + j.error.message : "."),
-    );
-  }
-  const target = pairTarget(j.data, location.href);
-  if (target && target.open) {
-    location.assign(target.open); // that server's own page on its relay: its key goes there
-    throw new Error("Opening that server's own page…");
-  }
-  if (!target) throw new Error("Pairing failed.");
-  return target.base;
-}
-
-function relayCodeGiven() {
-  return (
-    new URLSearchParams(location.search).get("relayCode") ||
-    $("relay-code").value ||
-    ""
-  ).trim();
-}
-
-// The key kept on this device (session or local storage) and the API base it was given for.
-function keptKey() {
-  const pairs = ["session", "local"].map((kind) => [
-    getItem(kind, "notesvc.key"),
-    getItem(kind, "notesvc.keyFor"),
-  ]);
-  return keptEntry(pairs, location.href);
-}
-
-// Connect with the key typed, else the one kept for the same API base (never another's).
-async function connect(typed) {
-  const msg = $("login-msg");
-  msg.textContent = "";
-  $("connect").disabled = true;
-  try {
-    const code = relayCodeGiven();
-    if (code) {
-      try {
-        state.base = await resolveBase(code);
-      } catch (e) {
-        if (!state.base) throw e; // an old code: a server this device knows is still there
-      }
-    }
-    if (!state.base) state.base = new URL("api/v1", location.href).pathname;
-    state.key = keyFor(state.base, typed ? $("key").value.trim() : "", keptKey());
-    state.keyBase = state.key ? state.base : "";
-    if (!state.key) {
-      msg.textContent = "Paste the API key first.";
-      return;
-    }
-    let v;
-    try {
-      v = await api("POST", "/auth/verify", undefined, undefined, {login: true});
-      setItem("local", "notesvc.grant", JSON.stringify(v.data.grant || null));
-    } catch (e) {
-      if (unreachable(e) && offlineOn() && state.keyBase === state.base) {
-        // out of reach, and this device keeps the notes: open them from the copy
-        const grant = JSON.parse(getItem("local", "notesvc.grant") || "null");
-        v = {data: {grant, setupComplete: true}};
-      } else if (e.status === 404) {
-        state.base = "";
-        removeItem("local", "notesvc.base");
-        $("relay-box").open = true;
-        throw new Error(
-          "No notes server answers here. Open your server's connect link, " +
-            "or enter its relay code.",
-        );
-      } else if (e.status === 401) {
-        if (!typed) await forgetOffline(); // the key this device kept: no copy stays
-        throw new Error(
-          "That key was not accepted. Check it and try again " +
-            "(a rotated key stops working at once).",
-        );
-      } else {
-        throw e;
-      }
-    }
-    grants.applyGrant(v.data.grant); // a scoped key: only what it may do
-    if (!v.data.setupComplete && !v.data.grant && v.data.linkHere !== false) {
-      // Not asked away from the server and its home network (linkHere false; the link
-      // would be 403): the key still works, and setup waits for the server's own `pair`
-      // or a browser at home.
-      await api("POST", "/auth/link", {clientName: "web client"}).catch((e) => {
-        if (e.status !== 403) throw e;
-      });
-    }
-    setItem("local", "notesvc.base", state.base);
-    if (new URLSearchParams(location.search).has("relayCode")) {
-      history.replaceState(history.state, "", location.pathname); // the code has done its job
-    }
-    const remember = $("remember").checked || getItem("local", "notesvc.key") !== null;
-    setItem(remember ? "local" : "session", "notesvc.key", state.key);
-    // Beside the key, the API it opens: the consent page offers the key only to that API
-    // (on a relay's origin, other servers' consent pages share this storage).
-    setItem(remember ? "local" : "session", "notesvc.keyFor", state.base);
-    $("key").value = "";
-    $("login").hidden = true;
-    $("app").hidden = false;
-    fitViewport();
-    await act(start)(); // from here on, a failure is shown in the app, not on the key screen
-  } catch (e) {
-    msg.textContent = e.message || String(e);
-  } finally {
-    $("connect").disabled = false;
-  }
-}
-
-function toKeyScreen(message, status) {
-  keepDraft();
-  feedRun++;
-  // the key stopped working: no copy stays (too many tries is not that: the copy stays)
-  if (status === 401) forgetOffline().catch(() => {});
-  state.key = "";
-  state.keyBase = "";
-  for (const kind of ["session", "local"]) {
-    removeItem(kind, "notesvc.key");
-    removeItem(kind, "notesvc.keyFor");
-  }
-  $("app").hidden = true;
-  $("login").hidden = false;
-  $("login-msg").textContent = message || "";
-  $("key").focus();
-}
-
-async function logout() {
-  if (!(await confirmLeave("Log out"))) return;
-  await sendOutbox().catch(() => {}); // what waits goes first, if it can
-  if (!(await letWaitingGo("Log out"))) return;
-  if (offlineOn()) {
-    // the next key on this device starts from nothing of this one's
-    removeItem("local", "notesvc.offline");
-    await wipeOffline().catch(() => {});
-  }
-  for (const kind of ["local", "session"]) {
+  function getItem(kind, name) {
     const s = storage(kind);
-    if (!s) continue;
-    for (const name of Object.keys(s)) if (name.startsWith("notesvc.")) removeItem(kind, name);
-  }
-  state.path = null;
-  location.reload();
-}
-
-// -- the page's layout: panes on a phone, a side panel on a desktop ------------------------
-
-function showPane(name, fromHistory) {
-  const app = $("app");
-  if (app.dataset.pane === name) return;
-  app.dataset.pane = name;
-  state.moves++;
-  for (const b of document.querySelectorAll(".tabs button")) {
-    if (b.dataset.pane === name) b.setAttribute("aria-current", "page");
-    else b.removeAttribute("aria-current");
-  }
-  if (NARROW.matches && !fromHistory) history.pushState({pane: name}, "");
-}
-
-function fitViewport() {
-  // The keyboard on a phone shrinks the visual viewport: keep the bar (and Save) in view.
-  const vv = window.visualViewport;
-  if (vv) document.documentElement.style.setProperty("--app-h", Math.round(vv.height) + "px");
-}
-
-function setSide(open) {
-  $("main").classList.toggle("side-closed", !open);
-  $("toggle-ask").setAttribute("aria-expanded", String(open));
-  setItem("local", "notesvc.ui.side", open ? "open" : "closed");
-}
-
-// -- the tree: folders load lazily, one level at a time -------------------------------------
-
-function treeUrl(folder) {
-  return (folder === "notes" ? "/folders/tree" : "/folders/tree/" + enc(folder)) + "?depth=1";
-}
-
-async function fillFolder(folder, ul) {
-  let data;
-  try {
-    data = (await api("GET", treeUrl(folder))).data;
-  } catch (e) {
-    if (!unreachable(e) || !offlineOn()) throw e;
-    data = await mirrorTree(folder); // out of reach: the copy on this device
-  }
-  const items = (data.children || []).map(treeItem);
-  ul.replaceChildren(...items.map((i) => i.li));
-  if (!items.length) {
-    ul.appendChild(
-      el(
-        "li",
-        {class: "empty"},
-        folder === "notes" ? "No notes yet: start one with New note." : "Empty folder",
-      ),
-    );
-  }
-  await Promise.all(items.filter((i) => i.expand).map((i) => i.expand()));
-}
-
-function treeItem(node) {
-  const li = el("li");
-  if (node.type !== "folder") {
-    const b = el(
-      "button",
-      {
-        type: "button",
-        class: "note",
-        "data-path": node.path,
-        "aria-current": node.path === state.path ? "true" : null,
-      },
-      nameOf(node.path),
-    );
-    b.addEventListener(
-      "click",
-      act(() => openNote(node.path)),
-    );
-    li.appendChild(b);
-    return {li};
-  }
-  const b = el(
-    "button",
-    {type: "button", class: "dir", "aria-expanded": "false", "data-path": node.path},
-    el("span", {class: "caret", "aria-hidden": "true"}),
-    el("span", {}, node.name),
-    node.count === undefined ? null : el("span", {class: "count"}, String(node.count)),
-  );
-  if (node.count !== undefined)
-    b.setAttribute("aria-label", node.name + ", folder, " + node.count + " notes");
-  const sub = el("ul");
-  sub.hidden = true;
-  li.append(b, sub);
-  const expand = async () => {
-    b.setAttribute("aria-expanded", "true");
-    sub.hidden = false;
-    state.expanded.add(node.path);
-    if (node.children) {
-      // a server without ?depth sends the whole subtree
-      const items = node.children.map(treeItem);
-      sub.replaceChildren(...items.map((i) => i.li));
-      await Promise.all(items.filter((i) => i.expand).map((i) => i.expand()));
-    } else {
-      sub.replaceChildren(el("li", {class: "empty"}, "Loading…"));
-      await fillFolder(node.path, sub);
+    try {
+      return s ? s.getItem(name) : null;
+    } catch (e) {
+      return null;
     }
+  }
+  function setItem(kind, name, value) {
+    const s = storage(kind);
+    try {
+      if (s) s.setItem(name, value);
+    } catch (e) {
+      /* full or refused: not fatal */
+    }
+  }
+  function removeItem(kind, name) {
+    const s = storage(kind);
+    try {
+      if (s) s.removeItem(name);
+    } catch (e) {
+      /* ignore */
+    }
+  }
+
+  const state = {
+    base: "", // the API base on this origin: /api/v1, or /r/<serverId>/api/v1
+    key: "",
+    keyBase: "", // the API base the key was given for: it is sent nowhere else
+    path: null, // the open note
+    etag: null, // the ETag the editor's text was loaded from (sent as If-Match)
+    saved: "", // the note's text as last loaded or saved
+    title: "",
+    editing: false,
+    expanded: new Set(JSON.parse(getItem("session", "notesvc.expanded") || "[]")),
+    moves: 0, // panes shown so far: what the page restores at start waits for no one
   };
-  b.addEventListener(
-    "click",
-    act(async () => {
-      if (b.getAttribute("aria-expanded") === "true") {
-        b.setAttribute("aria-expanded", "false");
-        sub.hidden = true;
-        state.expanded.delete(node.path);
-      } else {
-        await expand();
+
+  // What this server offers beyond the core API (read from its OpenAPI document at start).
+  const features = {history: false, attachments: false, changes: false};
+
+  // -- small DOM helpers -------------------------------------------------------------------
+
+  function ago(iso) {
+    const t = Date.parse(iso);
+    if (!t) return "";
+    const s = (Date.now() - t) / 1000;
+    if (s < 60) return "just now";
+    if (s < 3600) return Math.floor(s / 60) + " min ago";
+    if (s < 86400) return Math.floor(s / 3600) + " h ago";
+    if (s < 2 * 86400) return "yesterday";
+    return new Date(t).toLocaleDateString();
+  }
+
+  let toastTimer = 0;
+  function toast(text, bad, action) {
+    const t = $("toast");
+    // A modal dialog sits above everything else: a message then shows inside it, not under.
+    const host = $("dlg").open ? $("dlg") : document.body;
+    if (t.parentNode !== host) host.append(t);
+    t.textContent = text;
+    if (action) {
+      const [label, fn] = action;
+      const run = act(fn);
+      const done = () => {
+        t.hidden = true;
+        run();
+      };
+      t.append(" ", markdown.el("button", {type: "button", class: "plain", onclick: done}, label));
+    }
+    t.className = bad ? "bad" : "";
+    t.setAttribute("role", bad ? "alert" : "status");
+    t.hidden = false;
+    clearTimeout(toastTimer);
+    // An action (Undo) waits 15 s, and longer while a finger or the focus is on it.
+    const hide = () => {
+      if (t.matches(":hover, :focus-within")) toastTimer = setTimeout(hide, 2000);
+      else t.hidden = true;
+    };
+    toastTimer = setTimeout(hide, action ? 15000 : bad ? 8000 : 3000);
+  }
+
+  // -- the API -------------------------------------------------------------------------------
+
+  class Problem extends Error {
+    constructor(status, code, message, retryAfter) {
+      super(message);
+      this.status = status;
+      this.code = code;
+      this.retryAfter = retryAfter;
+    }
+  }
+
+  // Read an answer's body, calling progress(bytes so far) as it comes.
+  async function readAll(r, progress) {
+    if (!r.body || !r.body.getReader) return r.blob();
+    const reader = r.body.getReader();
+    const parts = [];
+    let n = 0;
+    for (;;) {
+      const {done, value} = await reader.read();
+      if (done) break;
+      parts.push(value);
+      n += value.length;
+      progress(n);
+    }
+    return new Blob(parts, {type: r.headers.get("Content-Type") || ""});
+  }
+
+  function ownOrigin(url) {
+    return keys.sameOrigin(url, location.href);
+  }
+
+  function lockoutMessage(retryAfter) {
+    const s = parseInt(retryAfter || "60", 10);
+    return "Too many wrong keys from this address: try again in " + s + " s.";
+  }
+
+  async function api(method, path, body, headers, opts) {
+    opts = opts || {};
+    const url = state.base + path;
+    if (!state.base || !ownOrigin(url)) {
+      throw new Problem(0, "REFUSED", "Refused: the API is not on this page's origin.");
+    }
+    if (state.key && state.keyBase !== state.base) {
+      throw new Problem(0, "REFUSED", "Refused: this key was given for another server.");
+    }
+    const h = Object.assign({"X-Service-Key": state.key}, headers || {});
+    const raw = body instanceof Blob; // an upload goes as it is, with its own type
+    if (body !== undefined && !raw) h["Content-Type"] = "application/json";
+    let r;
+    try {
+      r = await fetch(url, {
+        method,
+        headers: h,
+        mode: "same-origin",
+        credentials: "omit",
+        cache: "no-store",
+        body: body === undefined || raw ? body : JSON.stringify(body),
+      });
+    } catch (e) {
+      throw new Problem(
+        0,
+        "NETWORK",
+        "Cannot reach the server. Check the connection and try again.",
+      );
+    }
+    if (opts.blob && r.ok) {
+      return {
+        blob: opts.progress ? await readAll(r, opts.progress) : await r.blob(),
+        status: r.status,
+      };
+    }
+    if (opts.raw && r.ok) return {json: await r.json(), status: r.status};
+    let j = null;
+    try {
+      j = await r.json();
+    } catch (e) {
+      /* not JSON */
+    }
+    if (r.ok && j && j.success) {
+      // the server answers again: what waits on this device goes now
+      if (offline.canSend()) offline.sendOutbox().catch(() => {});
+      return {data: j.data, etag: r.headers.get("ETag"), status: r.status};
+    }
+    const err = (j && j.error) || {
+      code: "HTTP_" + r.status,
+      message: "The server answered " + r.status + ".",
+    };
+    const retry = r.headers.get("Retry-After");
+    const message = r.status === 429 ? lockoutMessage(retry) : err.message;
+    const problem = new Problem(r.status, err.code, message, retry);
+    problem.error = err; // the envelope's error, with any extra fields (410's resetRequired)
+    if (!opts.login && (r.status === 401 || r.status === 429)) {
+      toKeyScreen(
+        r.status === 401
+          ? "The key was not accepted: it may have been rotated. Paste the current key."
+          : message,
+        r.status,
+      );
+    }
+    throw problem;
+  }
+
+  // Run an event handler; show what went wrong instead of failing silently.
+  function act(fn) {
+    return async (...args) => {
+      try {
+        return await fn(...args);
+      } catch (e) {
+        if (e instanceof Problem && (e.status === 401 || e.status === 429)) return undefined;
+        toast(e && e.message ? e.message : String(e), true);
+        return undefined;
       }
-      setItem("session", "notesvc.expanded", JSON.stringify([...state.expanded]));
-    }),
-  );
-  return {li, expand: state.expanded.has(node.path) ? expand : null};
-}
-
-async function loadTree() {
-  loadRecent().catch(() => {});
-  const ul = el("ul");
-  await fillFolder("notes", ul);
-  const focused = $("tree").contains(document.activeElement) && document.activeElement.dataset.path;
-  $("tree").replaceChildren(ul);
-  markCurrent();
-  if (focused) {
-    // Refreshed under the keyboard's feet: focus stays on the same entry.
-    const again = ul.querySelector('button[data-path="' + CSS.escape(focused) + '"]');
-    if (again) again.focus();
+    };
   }
-  performance.mark("notesvc:tree-shown");
-}
 
-// The notes by date, newest first: title, a line of the text, when (the way people find
-// what they just wrote; the folders are below it).
-async function loadRecent() {
-  let notes;
-  try {
-    const {data} = await api("GET", "/notes?sort=modified&fields=title,preview,modified&limit=30");
-    notes = data.notes;
-  } catch (e) {
-    if (!unreachable(e) || !offlineOn()) throw e;
-    notes = await mirrorRecent(30);
+  // -- connecting: the relay code, the key ---------------------------------------------------
+
+  async function resolveBase(code) {
+    let r;
+    try {
+      r = await fetch(new URL("relay/v1/pair/" + enc(code), location.href).pathname, {
+        mode: "same-origin",
+        credentials: "omit",
+        cache: "no-store",
+      });
+    } catch (e) {
+      throw new Error("Cannot reach this address.");
+    }
+    const j = await r.json().catch(() => ({}));
+    if (!r.ok || !j.data) {
+      throw new Error(
+        j.error && r.status === 404
+          ? "The relay code is not known here: open the current connect link from your server."
+          : "Pairing failed" + (j.error ? ": " + j.error.message : "."),
+      );
+    }
+    const target = keys.pairTarget(j.data, location.href);
+    if (target && target.open) {
+      location.assign(target.open); // that server's own page on its relay: its key goes there
+      throw new Error("Opening that server's own page…");
+    }
+    if (!target) throw new Error("Pairing failed.");
+    return target.base;
   }
-  const items = notes.map((n) =>
-    el(
-      "li",
-      {},
-      el(
+
+  function relayCodeGiven() {
+    return (
+      new URLSearchParams(location.search).get("relayCode") ||
+      $("relay-code").value ||
+      ""
+    ).trim();
+  }
+
+  // The key kept on this device (session or local storage) and the API base it was given for.
+  function keptKey() {
+    const pairs = ["session", "local"].map((kind) => [
+      getItem(kind, "notesvc.key"),
+      getItem(kind, "notesvc.keyFor"),
+    ]);
+    return keys.keptEntry(pairs, location.href);
+  }
+
+  // Connect with the key typed, else the one kept for the same API base (never another's).
+  async function connect(typed) {
+    const msg = $("login-msg");
+    msg.textContent = "";
+    $("connect").disabled = true;
+    try {
+      const code = relayCodeGiven();
+      if (code) {
+        try {
+          state.base = await resolveBase(code);
+        } catch (e) {
+          if (!state.base) throw e; // an old code: a server this device knows is still there
+        }
+      }
+      if (!state.base) state.base = new URL("api/v1", location.href).pathname;
+      state.key = keys.keyFor(state.base, typed ? $("key").value.trim() : "", keptKey());
+      state.keyBase = state.key ? state.base : "";
+      if (!state.key) {
+        msg.textContent = "Paste the API key first.";
+        return;
+      }
+      let v;
+      try {
+        v = await api("POST", "/auth/verify", undefined, undefined, {login: true});
+        setItem("local", "notesvc.grant", JSON.stringify(v.data.grant || null));
+      } catch (e) {
+        if (offline.unreachable(e) && offline.offlineOn() && state.keyBase === state.base) {
+          // out of reach, and this device keeps the notes: open them from the copy
+          const grant = JSON.parse(getItem("local", "notesvc.grant") || "null");
+          v = {data: {grant, setupComplete: true}};
+        } else if (e.status === 404) {
+          state.base = "";
+          removeItem("local", "notesvc.base");
+          $("relay-box").open = true;
+          throw new Error(
+            "No notes server answers here. Open your server's connect link, " +
+              "or enter its relay code.",
+          );
+        } else if (e.status === 401) {
+          if (!typed) await offline.forgetOffline(); // the key this device kept: no copy stays
+          throw new Error(
+            "That key was not accepted. Check it and try again " +
+              "(a rotated key stops working at once).",
+          );
+        } else {
+          throw e;
+        }
+      }
+      grants.applyGrant(v.data.grant); // a scoped key: only what it may do
+      if (!v.data.setupComplete && !v.data.grant && v.data.linkHere !== false) {
+        // Not asked away from the server and its home network (linkHere false; the link
+        // would be 403): the key still works, and setup waits for the server's own `pair`
+        // or a browser at home.
+        await api("POST", "/auth/link", {clientName: "web client"}).catch((e) => {
+          if (e.status !== 403) throw e;
+        });
+      }
+      setItem("local", "notesvc.base", state.base);
+      if (new URLSearchParams(location.search).has("relayCode")) {
+        history.replaceState(history.state, "", location.pathname); // the code has done its job
+      }
+      const remember = $("remember").checked || getItem("local", "notesvc.key") !== null;
+      setItem(remember ? "local" : "session", "notesvc.key", state.key);
+      // Beside the key, the API it opens: the consent page offers the key only to that API
+      // (on a relay's origin, other servers' consent pages share this storage).
+      setItem(remember ? "local" : "session", "notesvc.keyFor", state.base);
+      $("key").value = "";
+      $("login").hidden = true;
+      $("app").hidden = false;
+      fitViewport();
+      await act(app.start)(); // from here on, a failure is shown in the app, not on the key screen
+    } catch (e) {
+      msg.textContent = e.message || String(e);
+    } finally {
+      $("connect").disabled = false;
+    }
+  }
+
+  function toKeyScreen(message, status) {
+    app.keepDraft();
+    app.stopFeed();
+    // the key stopped working: no copy stays (too many tries is not that: the copy stays)
+    if (status === 401) offline.forgetOffline().catch(() => {});
+    state.key = "";
+    state.keyBase = "";
+    for (const kind of ["session", "local"]) {
+      removeItem(kind, "notesvc.key");
+      removeItem(kind, "notesvc.keyFor");
+    }
+    $("app").hidden = true;
+    $("login").hidden = false;
+    $("login-msg").textContent = message || "";
+    $("key").focus();
+  }
+
+  async function logout() {
+    if (!(await app.confirmLeave("Log out"))) return;
+    await offline.sendOutbox().catch(() => {}); // what waits goes first, if it can
+    if (!(await offline.letWaitingGo("Log out"))) return;
+    if (offline.offlineOn()) {
+      // the next key on this device starts from nothing of this one's
+      removeItem("local", "notesvc.offline");
+      await offline.wipeOffline().catch(() => {});
+    }
+    for (const kind of ["local", "session"]) {
+      const s = storage(kind);
+      if (!s) continue;
+      for (const name of Object.keys(s)) if (name.startsWith("notesvc.")) removeItem(kind, name);
+    }
+    state.path = null;
+    location.reload();
+  }
+
+  // -- the page's layout: panes on a phone, a side panel on a desktop ------------------------
+
+  function showPane(name, fromHistory) {
+    const pane = $("app");
+    if (pane.dataset.pane === name) return;
+    pane.dataset.pane = name;
+    state.moves++;
+    for (const b of document.querySelectorAll(".tabs button")) {
+      if (b.dataset.pane === name) b.setAttribute("aria-current", "page");
+      else b.removeAttribute("aria-current");
+    }
+    if (NARROW.matches && !fromHistory) history.pushState({pane: name}, "");
+  }
+
+  function fitViewport() {
+    // The keyboard on a phone shrinks the visual viewport: keep the bar (and Save) in view.
+    const vv = window.visualViewport;
+    if (vv) document.documentElement.style.setProperty("--app-h", Math.round(vv.height) + "px");
+  }
+
+  function setSide(open) {
+    $("main").classList.toggle("side-closed", !open);
+    $("toggle-ask").setAttribute("aria-expanded", String(open));
+    setItem("local", "notesvc.ui.side", open ? "open" : "closed");
+  }
+
+  // -- the tree: folders load lazily, one level at a time -------------------------------------
+
+  function treeUrl(folder) {
+    return (folder === "notes" ? "/folders/tree" : "/folders/tree/" + enc(folder)) + "?depth=1";
+  }
+
+  async function fillFolder(folder, ul) {
+    let data;
+    try {
+      data = (await api("GET", treeUrl(folder))).data;
+    } catch (e) {
+      if (!offline.unreachable(e) || !offline.offlineOn()) throw e;
+      data = await offline.mirrorTree(folder); // out of reach: the copy on this device
+    }
+    const items = (data.children || []).map(treeItem);
+    ul.replaceChildren(...items.map((i) => i.li));
+    if (!items.length) {
+      ul.appendChild(
+        markdown.el(
+          "li",
+          {class: "empty"},
+          folder === "notes" ? "No notes yet: start one with New note." : "Empty folder",
+        ),
+      );
+    }
+    await Promise.all(items.filter((i) => i.expand).map((i) => i.expand()));
+  }
+
+  function treeItem(node) {
+    const li = markdown.el("li");
+    if (node.type !== "folder") {
+      const b = markdown.el(
         "button",
         {
           type: "button",
-          class: "recent-note",
-          "data-path": n.path,
-          onclick: act(() => openNote(n.path)),
+          class: "note",
+          "data-path": node.path,
+          "aria-current": node.path === state.path ? "true" : null,
         },
-        el("strong", {}, n.title || nameOf(n.path)),
-        el("span", {class: "preview"}, n.preview || ""),
-        el("small", {class: "muted"}, ago(n.modified)),
+        paths.nameOf(node.path),
+      );
+      b.addEventListener(
+        "click",
+        act(() => app.openNote(node.path)),
+      );
+      li.appendChild(b);
+      return {li};
+    }
+    const b = markdown.el(
+      "button",
+      {type: "button", class: "dir", "aria-expanded": "false", "data-path": node.path},
+      markdown.el("span", {class: "caret", "aria-hidden": "true"}),
+      markdown.el("span", {}, node.name),
+      node.count === undefined ? null : markdown.el("span", {class: "count"}, String(node.count)),
+    );
+    if (node.count !== undefined)
+      b.setAttribute("aria-label", node.name + ", folder, " + node.count + " notes");
+    const sub = markdown.el("ul");
+    sub.hidden = true;
+    li.append(b, sub);
+    const expand = async () => {
+      b.setAttribute("aria-expanded", "true");
+      sub.hidden = false;
+      state.expanded.add(node.path);
+      if (node.children) {
+        // a server without ?depth sends the whole subtree
+        const items = node.children.map(treeItem);
+        sub.replaceChildren(...items.map((i) => i.li));
+        await Promise.all(items.filter((i) => i.expand).map((i) => i.expand()));
+      } else {
+        sub.replaceChildren(markdown.el("li", {class: "empty"}, "Loading…"));
+        await fillFolder(node.path, sub);
+      }
+    };
+    b.addEventListener(
+      "click",
+      act(async () => {
+        if (b.getAttribute("aria-expanded") === "true") {
+          b.setAttribute("aria-expanded", "false");
+          sub.hidden = true;
+          state.expanded.delete(node.path);
+        } else {
+          await expand();
+        }
+        setItem("session", "notesvc.expanded", JSON.stringify([...state.expanded]));
+      }),
+    );
+    return {li, expand: state.expanded.has(node.path) ? expand : null};
+  }
+
+  async function loadTree() {
+    loadRecent().catch(() => {});
+    const ul = markdown.el("ul");
+    await fillFolder("notes", ul);
+    const focused =
+      $("tree").contains(document.activeElement) && document.activeElement.dataset.path;
+    $("tree").replaceChildren(ul);
+    markCurrent();
+    if (focused) {
+      // Refreshed under the keyboard's feet: focus stays on the same entry.
+      const again = ul.querySelector('button[data-path="' + CSS.escape(focused) + '"]');
+      if (again) again.focus();
+    }
+    performance.mark("notesvc:tree-shown");
+  }
+
+  // The notes by date, newest first: title, a line of the text, when (the way people find
+  // what they just wrote; the folders are below it).
+  async function loadRecent() {
+    let notes;
+    try {
+      const {data} = await api(
+        "GET",
+        "/notes?sort=modified&fields=title,preview,modified&limit=30",
+      );
+      notes = data.notes;
+    } catch (e) {
+      if (!offline.unreachable(e) || !offline.offlineOn()) throw e;
+      notes = await offline.mirrorRecent(30);
+    }
+    const items = notes.map((n) =>
+      markdown.el(
+        "li",
+        {},
+        markdown.el(
+          "button",
+          {
+            type: "button",
+            class: "recent-note",
+            "data-path": n.path,
+            onclick: act(() => app.openNote(n.path)),
+          },
+          markdown.el("strong", {}, n.title || paths.nameOf(n.path)),
+          markdown.el("span", {class: "preview"}, n.preview || ""),
+          markdown.el("small", {class: "muted"}, ago(n.modified)),
+        ),
       ),
-    ),
-  );
-  if (!items.length)
-    items.push(el("li", {class: "muted"}, "No notes yet: start one with New note."));
-  $("recent").replaceChildren(...items);
-  markCurrent();
-}
-
-function markCurrent() {
-  for (const b of $("recent").querySelectorAll("button.recent-note")) {
-    if (b.dataset.path === state.path) b.setAttribute("aria-current", "true");
-    else b.removeAttribute("aria-current");
+    );
+    if (!items.length)
+      items.push(markdown.el("li", {class: "muted"}, "No notes yet: start one with New note."));
+    $("recent").replaceChildren(...items);
+    markCurrent();
   }
-  for (const b of $("tree").querySelectorAll("button.note")) {
-    if (b.dataset.path === state.path) b.setAttribute("aria-current", "true");
-    else b.removeAttribute("aria-current");
-  }
-}
 
-async function reveal(path) {
-  // Open the folders above a note, so the tree shows where it is.
-  const parts = path.split("/");
-  let changed = false;
-  for (let i = 2; i < parts.length; i++) {
-    const folder = parts.slice(0, i).join("/");
-    if (!state.expanded.has(folder)) {
-      state.expanded.add(folder);
-      changed = true;
+  function markCurrent() {
+    for (const b of $("recent").querySelectorAll("button.recent-note")) {
+      if (b.dataset.path === state.path) b.setAttribute("aria-current", "true");
+      else b.removeAttribute("aria-current");
+    }
+    for (const b of $("tree").querySelectorAll("button.note")) {
+      if (b.dataset.path === state.path) b.setAttribute("aria-current", "true");
+      else b.removeAttribute("aria-current");
     }
   }
-  setItem("session", "notesvc.expanded", JSON.stringify([...state.expanded]));
-  if (changed || !$("tree").querySelector('button.note[data-path="' + CSS.escape(path) + '"]'))
-    await loadTree();
-  else markCurrent();
-}
+
+  async function reveal(path) {
+    // Open the folders above a note, so the tree shows where it is.
+    const parts = path.split("/");
+    let changed = false;
+    for (let i = 2; i < parts.length; i++) {
+      const folder = parts.slice(0, i).join("/");
+      if (!state.expanded.has(folder)) {
+        state.expanded.add(folder);
+        changed = true;
+      }
+    }
+    setItem("session", "notesvc.expanded", JSON.stringify([...state.expanded]));
+    if (changed || !$("tree").querySelector('button.note[data-path="' + CSS.escape(path) + '"]'))
+      await loadTree();
+    else markCurrent();
+  }
+
+  return {
+    $,
+    NARROW,
+    Problem,
+    SHARED_ORIGIN,
+    act,
+    ago,
+    api,
+    connect,
+    enc,
+    features,
+    fitViewport,
+    getItem,
+    keptKey,
+    loadRecent,
+    loadTree,
+    logout,
+    markCurrent,
+    ownOrigin,
+    removeItem,
+    reveal,
+    setItem,
+    setSide,
+    state,
+    showPane,
+    toast,
+  };
+})();
 """[1:]
 # --- end web/core.js ---
 
@@ -18086,87 +18124,89 @@ PATHS_JS = r"""
 // -- paths and names (pure: no page; node --test web/) -------------------------------------
 
 // A note's name: its file name without .md.
-function nameOf(path) {
-  return path.split("/").pop().replace(/\.md$/, "");
-}
+const paths = (() => {
+  function nameOf(path) {
+    return path.split("/").pop().replace(/\.md$/, "");
+  }
 
-function fileName(path) {
-  return path.split("/").pop();
-}
+  function fileName(path) {
+    return path.split("/").pop();
+  }
 
-// Whether a name is a file other than a note (it has an extension, and it is not .md).
-function isAttachmentName(name) {
-  const ext = /\.([a-z0-9]{1,5})$/i.exec(fileName(name));
-  return !!ext && ext[1].toLowerCase() !== "md";
-}
+  // Whether a name is a file other than a note (it has an extension, and it is not .md).
+  function isAttachmentName(name) {
+    const ext = /\.([a-z0-9]{1,5})$/i.exec(fileName(name));
+    return !!ext && ext[1].toLowerCase() !== "md";
+  }
 
-// The note path a person's "folder/name" means: under notes/, ending in .md.
-function toNotePath(name) {
-  let path = name.trim().replace(/^\/+/, "");
-  if (!path.startsWith("notes/")) path = "notes/" + path;
-  if (!/\.md$/i.test(path)) path += ".md";
-  return path;
-}
+  // The note path a person's "folder/name" means: under notes/, ending in .md.
+  function toNotePath(name) {
+    let path = name.trim().replace(/^\/+/, "");
+    if (!path.startsWith("notes/")) path = "notes/" + path;
+    if (!/\.md$/i.test(path)) path += ".md";
+    return path;
+  }
 
-// The link a note at `from` writes to `path`, so other Markdown editors find it too.
-function relativeTo(from, path) {
-  const a = from.split("/").slice(0, -1);
-  const b = path.split("/");
-  let i = 0;
-  while (i < a.length && i < b.length - 1 && a[i] === b[i]) i++;
-  return "../".repeat(a.length - i) + b.slice(i).map(encodeURIComponent).join("/");
-}
+  // The link a note at `from` writes to `path`, so other Markdown editors find it too.
+  function relativeTo(from, path) {
+    const a = from.split("/").slice(0, -1);
+    const b = path.split("/");
+    let i = 0;
+    while (i < a.length && i < b.length - 1 && a[i] === b[i]) i++;
+    return "../".repeat(a.length - i) + b.slice(i).map(encodeURIComponent).join("/");
+  }
 
-// Lower case without accents, the same length (in UTF-16 units) as s.
-function fold(s) {
-  return s
-    .split("")
-    .map((c) => c.normalize("NFD")[0].toLowerCase()[0])
-    .join("");
-}
+  // Lower case without accents, the same length (in UTF-16 units) as s.
+  function fold(s) {
+    return s
+      .split("")
+      .map((c) => c.normalize("NFD")[0].toLowerCase()[0])
+      .join("");
+  }
 
-// The words of a search query to highlight in its snippets (as the server matches them).
-function queryWords(q) {
-  return fold(q)
-    .replace(/(^|\s)-\S+/g, " ")
-    .replace(/["*()]/g, " ")
-    .split(/\s+/)
-    .filter((w) => w && w !== "or" && w.length > 1)
-    .map((w) => (w.length > 4 ? w.replace(/(es|s)$/, "") : w));
-}
+  // The words of a search query to highlight in its snippets (as the server matches them).
+  function queryWords(q) {
+    return fold(q)
+      .replace(/(^|\s)-\S+/g, " ")
+      .replace(/["*()]/g, " ")
+      .split(/\s+/)
+      .filter((w) => w && w !== "or" && w.length > 1)
+      .map((w) => (w.length > 4 ? w.replace(/(es|s)$/, "") : w));
+  }
 
-// A snippet's Markdown as plain text.
-function plainSnippet(text) {
-  return text
-    .replace(/\]\([^)\s]*\)/g, "]")
-    .replace(/\[[ xX]\]/g, "")
-    .replace(/\[\[|\]\]|[[\]]|\*\*|__|`+|~~|==/g, "")
-    .replace(/(^|\s)(#{1,6}|>|[-*+]|\|[-:| ]*\|?)(?=\s)/g, "$1")
-    .replace(/\s+/g, " ")
-    .trim();
-}
+  // A snippet's Markdown as plain text.
+  function plainSnippet(text) {
+    return text
+      .replace(/\]\([^)\s]*\)/g, "]")
+      .replace(/\[[ xX]\]/g, "")
+      .replace(/\[\[|\]\]|[[\]]|\*\*|__|`+|~~|==/g, "")
+      .replace(/(^|\s)(#{1,6}|>|[-*+]|\|[-:| ]*\|?)(?=\s)/g, "$1")
+      .replace(/\s+/g, " ")
+      .trim();
+  }
 
-function sizeText(n) {
-  return n < 1024
-    ? n + " B"
-    : n < 1048576
-      ? (n / 1024).toFixed(1) + " KB"
-      : (n / 1048576).toFixed(1) + " MB";
-}
+  function sizeText(n) {
+    return n < 1024
+      ? n + " B"
+      : n < 1048576
+        ? (n / 1024).toFixed(1) + " KB"
+        : (n / 1048576).toFixed(1) + " MB";
+  }
 
-if (typeof module !== "undefined") {
-  module.exports = {
-    nameOf,
+  return {
     fileName,
-    isAttachmentName,
-    toNotePath,
-    relativeTo,
     fold,
-    queryWords,
+    isAttachmentName,
+    nameOf,
     plainSnippet,
+    queryWords,
+    relativeTo,
     sizeText,
+    toNotePath,
   };
-}
+})();
+
+if (typeof module !== "undefined") module.exports = paths;
 """[1:]
 # --- end web/paths.js ---
 # --- begin web/keys.js ---
@@ -18177,59 +18217,61 @@ KEYS_JS = r"""
 // the page talks, never which key it sends.
 
 // Whether url (absolute or relative to `here`) has the origin of `here`.
-function sameOrigin(url, here) {
-  try {
-    return new URL(url, here).origin === new URL(here).origin;
-  } catch (e) {
-    return false;
-  }
-}
-
-// The first kept [key, base] pair that is whole and names an API on this origin (as a
-// path: a kept absolute URL is never trusted); null when there is none.
-function keptEntry(pairs, here) {
-  for (const [key, base] of pairs) {
-    if (key && base && sameOrigin(base, here) && !/^[a-z][a-z0-9+.-]*:/i.test(base)) {
-      return {key, base};
+const keys = (() => {
+  function sameOrigin(url, here) {
+    try {
+      return new URL(url, here).origin === new URL(here).origin;
+    } catch (e) {
+      return false;
     }
   }
-  return null;
-}
 
-// The key to send to `base`: the one typed, else the kept one if it was kept for `base`.
-function keyFor(base, typed, kept) {
-  if (typed) return typed;
-  return kept && kept.base === base ? kept.key : "";
-}
-
-// Where a pairing answer ({serverId, relayApiBase, origin?}) leads: {open: <another
-// server's own page>} to go to, {base: <API path on this origin>}, or null.
-function pairTarget(data, here) {
-  const origin = String((data && data.origin) || "");
-  if (origin && !sameOrigin(origin, here) && /^https?:\/\/[a-z2-7]{20}\.[^/?#]+$/.test(origin)) {
-    return {open: origin + "/"};
+  // The first kept [key, base] pair that is whole and names an API on this origin (as a
+  // path: a kept absolute URL is never trusted); null when there is none.
+  function keptEntry(pairs, here) {
+    for (const [key, base] of pairs) {
+      if (key && base && sameOrigin(base, here) && !/^[a-z][a-z0-9+.-]*:/i.test(base)) {
+        return {key, base};
+      }
+    }
+    return null;
   }
-  const given = String((data && data.relayApiBase) || "").replace(/\/$/, "");
-  if (given && sameOrigin(given, here)) {
-    return {base: new URL(given, here).pathname.replace(/\/$/, "")};
+
+  // The key to send to `base`: the one typed, else the kept one if it was kept for `base`.
+  function keyFor(base, typed, kept) {
+    if (typed) return typed;
+    return kept && kept.base === base ? kept.key : "";
   }
-  const id = String((data && data.serverId) || ""); // the server's relay prefix, here
-  return /^[A-Za-z0-9_-]{1,64}$/.test(id) ? {base: "/r/" + id + "/api/v1"} : null;
-}
 
-// A pairing secret as a person types it: groups of four, lower case.
-function groupCode(secret) {
-  return (
-    String(secret)
-      .toLowerCase()
-      .replace(/[^a-z2-7]/g, "")
-      .match(/.{1,4}/g) || []
-  ).join("-");
-}
+  // Where a pairing answer ({serverId, relayApiBase, origin?}) leads: {open: <another
+  // server's own page>} to go to, {base: <API path on this origin>}, or null.
+  function pairTarget(data, here) {
+    const origin = String((data && data.origin) || "");
+    if (origin && !sameOrigin(origin, here) && /^https?:\/\/[a-z2-7]{20}\.[^/?#]+$/.test(origin)) {
+      return {open: origin + "/"};
+    }
+    const given = String((data && data.relayApiBase) || "").replace(/\/$/, "");
+    if (given && sameOrigin(given, here)) {
+      return {base: new URL(given, here).pathname.replace(/\/$/, "")};
+    }
+    const id = String((data && data.serverId) || ""); // the server's relay prefix, here
+    return /^[A-Za-z0-9_-]{1,64}$/.test(id) ? {base: "/r/" + id + "/api/v1"} : null;
+  }
 
-if (typeof module !== "undefined") {
-  module.exports = {sameOrigin, keptEntry, keyFor, pairTarget, groupCode};
-}
+  // A pairing secret as a person types it: groups of four, lower case.
+  function groupCode(secret) {
+    return (
+      String(secret)
+        .toLowerCase()
+        .replace(/[^a-z2-7]/g, "")
+        .match(/.{1,4}/g) || []
+    ).join("-");
+  }
+
+  return {groupCode, keptEntry, keyFor, pairTarget, sameOrigin};
+})();
+
+if (typeof module !== "undefined") module.exports = keys;
 """[1:]
 # --- end web/keys.js ---
 # --- begin web/merge.js ---
@@ -18241,236 +18283,239 @@ MERGE_JS = r"""
 
 // How long a and b (arrays or strings) are the same from the start, and then from the end
 // (never overlapping the start).
-function commonEnds(a, b) {
-  let pre = 0;
-  while (pre < a.length && pre < b.length && a[pre] === b[pre]) pre++;
-  let suf = 0;
-  while (
-    suf < a.length - pre &&
-    suf < b.length - pre &&
-    a[a.length - 1 - suf] === b[b.length - 1 - suf]
-  )
-    suf++;
-  return [pre, suf];
-}
+const merge = (() => {
+  function commonEnds(a, b) {
+    let pre = 0;
+    while (pre < a.length && pre < b.length && a[pre] === b[pre]) pre++;
+    let suf = 0;
+    while (
+      suf < a.length - pre &&
+      suf < b.length - pre &&
+      a[a.length - 1 - suf] === b[b.length - 1 - suf]
+    )
+      suf++;
+    return [pre, suf];
+  }
 
-// Past this many differences a diff gives up on the middle: it is one change there (a
-// merge then keeps both sides apart, a word diff marks it all), in bounded time and memory.
-const MAX_EDITS = 2000;
+  // Past this many differences a diff gives up on the middle: it is one change there (a
+  // merge then keeps both sides apart, a word diff marks it all), in bounded time and memory.
+  const MAX_EDITS = 2000;
 
-// Myers' diff of two arrays (by ===): the matching runs, as [aStart, bStart, length]. The
-// common start and end are matched first; the middle is searched at most MAX_EDITS deep.
-function matches(a, b) {
-  const [pre, suf] = commonEnds(a, b);
-  const mid = myers(a.slice(pre, a.length - suf), b.slice(pre, b.length - suf)) || [];
-  const runs = [[0, 0, pre], ...mid.map(([x, y, len]) => [x + pre, y + pre, len])];
-  runs.push([a.length - suf, b.length - suf, suf]);
-  return runs.filter((r) => r[2] > 0);
-}
+  // Myers' diff of two arrays (by ===): the matching runs, as [aStart, bStart, length]. The
+  // common start and end are matched first; the middle is searched at most MAX_EDITS deep.
+  function matches(a, b) {
+    const [pre, suf] = commonEnds(a, b);
+    const mid = myers(a.slice(pre, a.length - suf), b.slice(pre, b.length - suf)) || [];
+    const runs = [[0, 0, pre], ...mid.map(([x, y, len]) => [x + pre, y + pre, len])];
+    runs.push([a.length - suf, b.length - suf, suf]);
+    return runs.filter((r) => r[2] > 0);
+  }
 
-// The runs of a against b, or null past MAX_EDITS. Each depth keeps only its own diagonals
-// (2d + 3 of them), so the memory is the square of the differences, not of the lengths.
-function myers(a, b) {
-  const n = a.length;
-  const m = b.length;
-  const max = n + m;
-  const v = new Int32Array(2 * max + 3);
-  const trace = [];
-  let done = max === 0;
-  for (let d = 0; d <= max && !done; d++) {
-    if (d > MAX_EDITS) return null;
-    trace.push(v.slice(max - d, max + d + 3)); // diagonals -d-1 .. d+1
-    for (let k = -d; k <= d; k += 2) {
-      const i = k + max + 1;
-      let x = k === -d || (k !== d && v[i - 1] < v[i + 1]) ? v[i + 1] : v[i - 1] + 1;
-      let y = x - k;
-      while (x < n && y < m && a[x] === b[y]) {
-        x++;
-        y++;
+  // The runs of a against b, or null past MAX_EDITS. Each depth keeps only its own diagonals
+  // (2d + 3 of them), so the memory is the square of the differences, not of the lengths.
+  function myers(a, b) {
+    const n = a.length;
+    const m = b.length;
+    const max = n + m;
+    const v = new Int32Array(2 * max + 3);
+    const trace = [];
+    let done = max === 0;
+    for (let d = 0; d <= max && !done; d++) {
+      if (d > MAX_EDITS) return null;
+      trace.push(v.slice(max - d, max + d + 3)); // diagonals -d-1 .. d+1
+      for (let k = -d; k <= d; k += 2) {
+        const i = k + max + 1;
+        let x = k === -d || (k !== d && v[i - 1] < v[i + 1]) ? v[i + 1] : v[i - 1] + 1;
+        let y = x - k;
+        while (x < n && y < m && a[x] === b[y]) {
+          x++;
+          y++;
+        }
+        v[i] = x;
+        if (x >= n && y >= m) {
+          done = true;
+          break;
+        }
       }
-      v[i] = x;
-      if (x >= n && y >= m) {
-        done = true;
-        break;
+    }
+    // walk back through the trace: the snakes are the matching runs
+    const runs = [];
+    let x = n;
+    let y = m;
+    for (let d = trace.length - 1; d >= 0 && (x > 0 || y > 0); d--) {
+      const vd = trace[d];
+      const at = (k) => vd[k + d + 1];
+      const k = x - y;
+      const prevK = k === -d || (k !== d && at(k - 1) < at(k + 1)) ? k + 1 : k - 1;
+      const prevX = d === 0 ? 0 : at(prevK);
+      const prevY = prevX - prevK;
+      const startX = d === 0 ? 0 : prevK === k + 1 ? prevX : prevX + 1;
+      const startY = startX - k;
+      if (x > startX) runs.push([startX, startY, x - startX]);
+      x = d === 0 ? 0 : prevX;
+      y = d === 0 ? 0 : prevY;
+    }
+    return runs.reverse().filter((r) => r[2] > 0);
+  }
+
+  // The changes from a to b: [aStart, aEnd, bStart, bEnd] of every region that differs.
+  function changes(a, b) {
+    const out = [];
+    let i = 0;
+    let j = 0;
+    for (const [x, y, len] of [...matches(a, b), [a.length, b.length, 0]]) {
+      if (x > i || y > j) out.push([i, x, j, y]);
+      i = x + len;
+      j = y + len;
+    }
+    return out;
+  }
+
+  function splitLines(text) {
+    const lines = text.match(/[^\n]*\n|[^\n]+$/g) || [];
+    return lines;
+  }
+
+  const bare = (line) => line.replace(/\r?\n$/, "");
+
+  function overlap(a, b) {
+    if (a[0] === a[1] && b[0] === b[1]) return a[0] === b[0];
+    if (a[0] === a[1]) return b[0] < a[0] && a[0] < b[1];
+    if (b[0] === b[1]) return a[0] < b[0] && b[0] < a[1];
+    return a[0] < b[1] && b[0] < a[1];
+  }
+
+  function alreadyMade(h, all) {
+    if (h[0] !== h[1] || !h[2].length) return false;
+    const wanted = h[2].map(bare).join("\n");
+    const n = h[2].length;
+    return all.some((g) => {
+      if (g[3] === h[3] || g[0] === g[1] || g[2].length < n) return false;
+      const lines = g[2].map(bare);
+      return (
+        (g[1] === h[0] && lines.slice(-n).join("\n") === wanted) ||
+        (g[0] === h[0] && lines.slice(0, n).join("\n") === wanted)
+      );
+    });
+  }
+
+  function apply(base, lo, hi, hunks) {
+    const out = [];
+    let at = lo;
+    for (const [i1, i2, lines] of hunks) {
+      out.push(...base.slice(at, i1), ...lines);
+      at = i2;
+    }
+    return out.concat(base.slice(at, hi));
+  }
+
+  // {text, conflict}: a three-way line merge of base, current and edit. Changes on one side
+  // are kept, identical changes on both sides once, overlapping different ones are a
+  // conflict (current's side is kept there). Line endings do not count as changes.
+  function merge3(base, current, edit) {
+    const b = splitLines(base);
+    const c = splitLines(current);
+    const e = splitLines(edit);
+    for (const side of [c, e]) {
+      if (side.length && !side[side.length - 1].endsWith("\n")) side[side.length - 1] += "\n";
+    }
+    const kb = b.map(bare);
+    const kept = b.slice();
+    for (const [x, y, len] of matches(kb, c.map(bare))) {
+      for (let k = 0; k < len; k++) kept[x + k] = c[y + k];
+    }
+    let all = [];
+    for (const [side, other] of [
+      [0, c],
+      [1, e],
+    ]) {
+      for (const [i1, i2, j1, j2] of changes(kb, other.map(bare))) {
+        all.push([i1, i2, other.slice(j1, j2), side]);
       }
     }
-  }
-  // walk back through the trace: the snakes are the matching runs
-  const runs = [];
-  let x = n;
-  let y = m;
-  for (let d = trace.length - 1; d >= 0 && (x > 0 || y > 0); d--) {
-    const vd = trace[d];
-    const at = (k) => vd[k + d + 1];
-    const k = x - y;
-    const prevK = k === -d || (k !== d && at(k - 1) < at(k + 1)) ? k + 1 : k - 1;
-    const prevX = d === 0 ? 0 : at(prevK);
-    const prevY = prevX - prevK;
-    const startX = d === 0 ? 0 : prevK === k + 1 ? prevX : prevX + 1;
-    const startY = startX - k;
-    if (x > startX) runs.push([startX, startY, x - startX]);
-    x = d === 0 ? 0 : prevX;
-    y = d === 0 ? 0 : prevY;
-  }
-  return runs.reverse().filter((r) => r[2] > 0);
-}
-
-// The changes from a to b: [aStart, aEnd, bStart, bEnd] of every region that differs.
-function changes(a, b) {
-  const out = [];
-  let i = 0;
-  let j = 0;
-  for (const [x, y, len] of [...matches(a, b), [a.length, b.length, 0]]) {
-    if (x > i || y > j) out.push([i, x, j, y]);
-    i = x + len;
-    j = y + len;
-  }
-  return out;
-}
-
-function splitLines(text) {
-  const lines = text.match(/[^\n]*\n|[^\n]+$/g) || [];
-  return lines;
-}
-
-const bare = (line) => line.replace(/\r?\n$/, "");
-
-function overlap(a, b) {
-  if (a[0] === a[1] && b[0] === b[1]) return a[0] === b[0];
-  if (a[0] === a[1]) return b[0] < a[0] && a[0] < b[1];
-  if (b[0] === b[1]) return a[0] < b[0] && b[0] < a[1];
-  return a[0] < b[1] && b[0] < a[1];
-}
-
-function alreadyMade(h, all) {
-  if (h[0] !== h[1] || !h[2].length) return false;
-  const wanted = h[2].map(bare).join("\n");
-  const n = h[2].length;
-  return all.some((g) => {
-    if (g[3] === h[3] || g[0] === g[1] || g[2].length < n) return false;
-    const lines = g[2].map(bare);
-    return (
-      (g[1] === h[0] && lines.slice(-n).join("\n") === wanted) ||
-      (g[0] === h[0] && lines.slice(0, n).join("\n") === wanted)
-    );
-  });
-}
-
-function apply(base, lo, hi, hunks) {
-  const out = [];
-  let at = lo;
-  for (const [i1, i2, lines] of hunks) {
-    out.push(...base.slice(at, i1), ...lines);
-    at = i2;
-  }
-  return out.concat(base.slice(at, hi));
-}
-
-// {text, conflict}: a three-way line merge of base, current and edit. Changes on one side
-// are kept, identical changes on both sides once, overlapping different ones are a
-// conflict (current's side is kept there). Line endings do not count as changes.
-function merge3(base, current, edit) {
-  const b = splitLines(base);
-  const c = splitLines(current);
-  const e = splitLines(edit);
-  for (const side of [c, e]) {
-    if (side.length && !side[side.length - 1].endsWith("\n")) side[side.length - 1] += "\n";
-  }
-  const kb = b.map(bare);
-  const kept = b.slice();
-  for (const [x, y, len] of matches(kb, c.map(bare))) {
-    for (let k = 0; k < len; k++) kept[x + k] = c[y + k];
-  }
-  let all = [];
-  for (const [side, other] of [
-    [0, c],
-    [1, e],
-  ]) {
-    for (const [i1, i2, j1, j2] of changes(kb, other.map(bare))) {
-      all.push([i1, i2, other.slice(j1, j2), side]);
+    all = all.filter((h) => !alreadyMade(h, all));
+    all.sort((p, q) => p[0] - q[0] || p[1] - q[1] || p[3] - q[3]);
+    const groups = [];
+    for (const h of all) {
+      const last = groups[groups.length - 1];
+      if (last && last.some((g) => overlap(h, g))) last.push(h);
+      else groups.push([h]);
     }
-  }
-  all = all.filter((h) => !alreadyMade(h, all));
-  all.sort((p, q) => p[0] - q[0] || p[1] - q[1] || p[3] - q[3]);
-  const groups = [];
-  for (const h of all) {
-    const last = groups[groups.length - 1];
-    if (last && last.some((g) => overlap(h, g))) last.push(h);
-    else groups.push([h]);
-  }
-  const out = [];
-  let at = 0;
-  let conflict = false;
-  for (const group of groups) {
-    const lo = Math.min(...group.map((g) => g[0]));
-    const hi = Math.max(...group.map((g) => g[1]));
-    out.push(...kept.slice(at, lo));
-    const ours = group.filter((g) => g[3] === 0);
-    const theirs = group.filter((g) => g[3] === 1);
-    if (ours.length && theirs.length) {
-      const mine = apply(b, lo, hi, ours);
-      const edited = apply(b, lo, hi, theirs);
-      if (mine.map(bare).join("\n") !== edited.map(bare).join("\n")) conflict = true;
-      out.push(...mine);
-    } else {
-      out.push(...apply(b, lo, hi, ours.length ? ours : theirs));
+    const out = [];
+    let at = 0;
+    let conflict = false;
+    for (const group of groups) {
+      const lo = Math.min(...group.map((g) => g[0]));
+      const hi = Math.max(...group.map((g) => g[1]));
+      out.push(...kept.slice(at, lo));
+      const ours = group.filter((g) => g[3] === 0);
+      const theirs = group.filter((g) => g[3] === 1);
+      if (ours.length && theirs.length) {
+        const mine = apply(b, lo, hi, ours);
+        const edited = apply(b, lo, hi, theirs);
+        if (mine.map(bare).join("\n") !== edited.map(bare).join("\n")) conflict = true;
+        out.push(...mine);
+      } else {
+        out.push(...apply(b, lo, hi, ours.length ? ours : theirs));
+      }
+      at = hi;
     }
-    at = hi;
+    out.push(...kept.slice(at));
+    return {text: out.join(""), conflict};
   }
-  out.push(...kept.slice(at));
-  return {text: out.join(""), conflict};
-}
 
-// The difference between two texts word by word: [{op: "same"|"add"|"del", text}], the
-// runs joined, so a version reads as one text with what changed marked in it.
-function wordDiff(before, after) {
-  const split = (t) => t.match(/\s+|[^\s]+/g) || [];
-  const a = split(before);
-  const b = split(after);
-  const raw = [];
-  let i = 0;
-  let j = 0;
-  for (const [x, y, len] of [...matches(a, b), [a.length, b.length, 0]]) {
-    if (i < x) raw.push({op: "del", text: a.slice(i, x).join("")});
-    if (j < y) raw.push({op: "add", text: b.slice(j, y).join("")});
-    for (let k = x; k < x + len; k++) raw.push({op: "same", text: a[k]});
-    i = x + len;
-    j = y + len;
-  }
-  // One change reads as one: a space between two changes joins them (the words struck
-  // out together, then the words put in), as a person would mark up a text.
-  const out = [];
-  const push = (op, text) => {
-    const last = out[out.length - 1];
-    if (!text) return;
-    if (last && last.op === op) last.text += text;
-    else out.push({op, text});
-  };
-  let del = "";
-  let add = "";
-  const flush = () => {
-    push("del", del);
-    push("add", add);
-    del = add = "";
-  };
-  raw.forEach((part, k) => {
-    const next = raw[k + 1];
-    if (part.op === "del") del += part.text;
-    else if (part.op === "add") add += part.text;
-    else if ((del || add) && /^\s+$/.test(part.text) && next && next.op !== "same") {
-      del += part.text;
-      add += part.text;
-    } else {
-      flush();
-      push("same", part.text);
+  // The difference between two texts word by word: [{op: "same"|"add"|"del", text}], the
+  // runs joined, so a version reads as one text with what changed marked in it.
+  function wordDiff(before, after) {
+    const split = (t) => t.match(/\s+|[^\s]+/g) || [];
+    const a = split(before);
+    const b = split(after);
+    const raw = [];
+    let i = 0;
+    let j = 0;
+    for (const [x, y, len] of [...matches(a, b), [a.length, b.length, 0]]) {
+      if (i < x) raw.push({op: "del", text: a.slice(i, x).join("")});
+      if (j < y) raw.push({op: "add", text: b.slice(j, y).join("")});
+      for (let k = x; k < x + len; k++) raw.push({op: "same", text: a[k]});
+      i = x + len;
+      j = y + len;
     }
-  });
-  flush();
-  return out;
-}
+    // One change reads as one: a space between two changes joins them (the words struck
+    // out together, then the words put in), as a person would mark up a text.
+    const out = [];
+    const push = (op, text) => {
+      const last = out[out.length - 1];
+      if (!text) return;
+      if (last && last.op === op) last.text += text;
+      else out.push({op, text});
+    };
+    let del = "";
+    let add = "";
+    const flush = () => {
+      push("del", del);
+      push("add", add);
+      del = add = "";
+    };
+    raw.forEach((part, k) => {
+      const next = raw[k + 1];
+      if (part.op === "del") del += part.text;
+      else if (part.op === "add") add += part.text;
+      else if ((del || add) && /^\s+$/.test(part.text) && next && next.op !== "same") {
+        del += part.text;
+        add += part.text;
+      } else {
+        flush();
+        push("same", part.text);
+      }
+    });
+    flush();
+    return out;
+  }
 
-if (typeof module !== "undefined")
-  module.exports = {commonEnds, matches, changes, merge3, wordDiff};
+  return {changes, commonEnds, matches, merge3, wordDiff};
+})();
+
+if (typeof module !== "undefined") module.exports = merge;
 """[1:]
 # --- end web/merge.js ---
 # --- begin web/outbox.js ---
@@ -18485,398 +18530,407 @@ OUTBOX_JS = r"""
 
 // Queue a save; an unsent save of the same note takes the new text (it keeps the version
 // the edits started from), and so does the unsent create of a note not sent yet.
-function queueSave(items, path, base, content, newId) {
-  const out = items.slice();
-  const create = out.findIndex((i) => i.kind === "create" && i.local === path && !i.sent);
-  if (create >= 0) {
-    out[create] = {...out[create], content, key: newId()};
+const outbox = (() => {
+  function queueSave(items, path, base, content, newId) {
+    const out = items.slice();
+    const create = out.findIndex((i) => i.kind === "create" && i.local === path && !i.sent);
+    if (create >= 0) {
+      out[create] = {...out[create], content, key: newId()};
+      return out;
+    }
+    const at = out.findIndex((i) => i.kind === "save" && i.path === path && !i.sent);
+    if (at >= 0) out[at] = {...out[at], content, key: newId()};
+    else out.push({id: newId(), kind: "save", key: newId(), path, base, content});
     return out;
   }
-  const at = out.findIndex((i) => i.kind === "save" && i.path === path && !i.sent);
-  if (at >= 0) out[at] = {...out[at], content, key: newId()};
-  else out.push({id: newId(), kind: "save", key: newId(), path, base, content});
-  return out;
-}
 
-function queueCreate(items, local, folder, content, newId) {
-  return [...items, {id: newId(), kind: "create", key: newId(), local, folder, content}];
-}
+  function queueCreate(items, local, folder, content, newId) {
+    return [...items, {id: newId(), kind: "create", key: newId(), local, folder, content}];
+  }
 
-// `at`: when it was captured (its time in today's note), not when it is sent.
-function queueCapture(items, text, files, newId, at) {
-  const item = {id: newId(), kind: "capture", key: newId(), text, files: files || [], at};
-  return [...items, item];
-}
+  // `at`: when it was captured (its time in today's note), not when it is sent.
+  function queueCapture(items, text, files, newId, at) {
+    const item = {id: newId(), kind: "capture", key: newId(), text, files: files || [], at};
+    return [...items, item];
+  }
 
-// The item sent: gone from the queue. A create's answer gives the note its path: later
-// saves of it go there, from the version the server made; a later save of a note just
-// saved starts from the version that save made (its text already holds the earlier edit).
-function settle(items, item, answer) {
-  const made = answer && answer.etag;
-  return items
-    .filter((i) => i.id !== item.id)
-    .map((i) => {
-      if (i.kind !== "save") return i;
-      if (item.kind === "create" && i.path === item.local) {
-        return {...i, path: answer.path, base: answer.etag};
-      }
-      if (item.kind === "save" && made && i.path === item.path && answer.path === item.path) {
-        return {...i, base: answer.etag};
-      }
-      return i;
-    });
-}
+  // The item sent: gone from the queue. A create's answer gives the note its path: later
+  // saves of it go there, from the version the server made; a later save of a note just
+  // saved starts from the version that save made (its text already holds the earlier edit).
+  function settle(items, item, answer) {
+    const made = answer && answer.etag;
+    return items
+      .filter((i) => i.id !== item.id)
+      .map((i) => {
+        if (i.kind !== "save") return i;
+        if (item.kind === "create" && i.path === item.local) {
+          return {...i, path: answer.path, base: answer.etag};
+        }
+        if (item.kind === "save" && made && i.path === item.path && answer.path === item.path) {
+          return {...i, base: answer.etag};
+        }
+        return i;
+      });
+  }
 
-// Before an item goes out it is marked sent: a later edit of the same note queues anew
-// instead of changing text that may already be on the server.
-function markSent(items, item) {
-  return items.map((i) => (i.id === item.id ? {...i, sent: true} : i));
-}
+  // Before an item goes out it is marked sent: a later edit of the same note queues anew
+  // instead of changing text that may already be on the server.
+  function markSent(items, item) {
+    return items.map((i) => (i.id === item.id ? {...i, sent: true} : i));
+  }
 
-// The first item that may go now: the share sheet's items wait until the person says yes.
-function nextItem(items) {
-  return items.find((i) => !i.ask) || null;
-}
+  // The first item that may go now: the share sheet's items wait until the person says yes.
+  function nextItem(items) {
+    return items.find((i) => !i.ask) || null;
+  }
 
-// What the page says about the queue.
-function waiting(items) {
-  const n = items.length;
-  if (!n) return "";
-  return n === 1 ? "1 change waits to be sent" : n + " changes wait to be sent";
-}
+  // What the page says about the queue.
+  function waiting(items) {
+    const n = items.length;
+    if (!n) return "";
+    return n === 1 ? "1 change waits to be sent" : n + " changes wait to be sent";
+  }
 
-if (typeof module !== "undefined") {
-  module.exports = {queueSave, queueCreate, queueCapture, settle, markSent, nextItem, waiting};
-}
+  return {markSent, nextItem, queueCapture, queueCreate, queueSave, settle, waiting};
+})();
+
+if (typeof module !== "undefined") module.exports = outbox;
 """[1:]
 # --- end web/outbox.js ---
 # --- begin web/markdown.js ---
 MARKDOWN_JS = r"""
 // -- Markdown: a small renderer that builds DOM nodes, so no HTML in a note can run ----------
 // (MARKDOWN_JS, shared with the share page: each page brings its own link(), wikiLink()
-// and image(), which decide what a link or an image may reach.)
+// and image(), in the ctx it renders with, which decide what a link or an image may reach.)
 
-function el(tag, attrs, ...children) {
-  const e = document.createElement(tag);
-  for (const [k, v] of Object.entries(attrs || {})) {
-    if (v === false || v === null || v === undefined) continue;
-    if (k === "class") e.className = v;
-    else if (k === "onclick") e.addEventListener("click", v);
-    else e.setAttribute(k, v === true ? "" : v);
-  }
-  for (const c of children) {
-    if (c === null || c === undefined || c === false) continue;
-    e.appendChild(typeof c === "string" ? document.createTextNode(c) : c);
-  }
-  return e;
-}
-
-function folderOf(path) {
-  return path.split("/").slice(0, -1).join("/");
-}
-
-const LIST_RE = /^(\s*)([-*+]|\d{1,9}[.)])(?:\s+(.*)|$)/;
-const FENCE_RE = /^ {0,3}(`{3,}|~{3,})\s*([^`\s]*)/;
-const HEADING_RE = /^ {0,3}(#{1,6})(?:\s+(.*?))?(?:\s+#+)?\s*$/;
-const HR_RE = /^ {0,3}([-*_])(?:\s*\1){2,}\s*$/;
-const QUOTE_RE = /^ {0,3}> ?/;
-const TABLE_SEP_RE = /^\s*\|?\s*:?-+:?\s*(\|\s*:?-+:?\s*)*\|?\s*$/;
-
-// Inline syntax, one alternative per construct; the group numbers are used below.
-const INLINE_SOURCE = [
-  /(`+)([^`]|[^`][\s\S]*?[^`])\1(?!`)/.source, // 1, 2: code
-  /!\[([^\]\n]*)\]\(\s*<?([^)\s>]+)>?(?:\s+"[^"\n]*")?\s*\)/.source, // 3, 4: image
-  /\[\[([^\[\]|\n]+)(?:\|([^\[\]\n]+))?\]\]/.source, // 5, 6: wikilink
-  /\[([^\[\]\n]+)\]\(\s*<?([^)\s>]+)>?(?:\s+"[^"\n]*")?\s*\)/.source, // 7, 8: link
-  /<((?:https?|mailto):[^>\s]+)>/.source, // 9: autolink
-  /(https?:\/\/[^\s<]*[^\s<.,:;"')\]!?*_~])/.source, // 10: a bare URL
-  /(\*\*|__)(?=\S)([\s\S]*?\S)\11/.source, // 11, 12: strong
-  /(\*|_)(?=[^\s*_])([\s\S]*?[^\s\\])\13/.source, // 13, 14: emphasis
-  /~~(?=\S)([\s\S]*?\S)~~/.source, // 15: strike-through
-  /==(?=\S)([\s\S]*?\S)==/.source, // 16: highlight
-  /\\([\\`*_{}\[\]()#+\-.!|~<>=])/.source, // 17: an escape
-  /(\n)/.source, // 18: a line break
-].join("|");
-
-function renderMarkdown(text, ctx) {
-  ctx = ctx || {};
-  const lines = text
-    .replace(/\r\n?/g, "\n")
-    .split("\n")
-    .map((t, n) => ({t, n}));
-  const root = el("div", {class: "md"});
-  let start = 0;
-  if (lines.length > 2 && lines[0].t === "---") {
-    // front matter: shown small, as it is
-    const end = lines.findIndex((l, i) => i > 0 && (l.t === "---" || l.t === "..."));
-    if (end > 0) {
-      root.appendChild(
-        el(
-          "pre",
-          {class: "front"},
-          lines
-            .slice(1, end)
-            .map((l) => l.t)
-            .join("\n"),
-        ),
-      );
-      start = end + 1;
+const markdown = (() => {
+  function el(tag, attrs, ...children) {
+    const e = document.createElement(tag);
+    for (const [k, v] of Object.entries(attrs || {})) {
+      if (v === false || v === null || v === undefined) continue;
+      if (k === "class") e.className = v;
+      else if (k === "onclick") e.addEventListener("click", v);
+      else e.setAttribute(k, v === true ? "" : v);
     }
-  }
-  blocks(lines.slice(start), root, ctx);
-  return root;
-}
-
-function startsBlock(t) {
-  return (
-    FENCE_RE.test(t) || HEADING_RE.test(t) || HR_RE.test(t) || QUOTE_RE.test(t) || LIST_RE.test(t)
-  );
-}
-
-function blocks(lines, out, ctx) {
-  let i = 0;
-  while (i < lines.length) {
-    const t = lines[i].t;
-    let m;
-    if (!t.trim()) {
-      i++;
-      continue;
+    for (const c of children) {
+      if (c === null || c === undefined || c === false) continue;
+      e.appendChild(typeof c === "string" ? document.createTextNode(c) : c);
     }
-    if ((m = FENCE_RE.exec(t))) {
-      const close = new RegExp("^ {0,3}" + m[1][0] + "{" + m[1].length + ",}\\s*$");
-      const body = [];
-      for (i++; i < lines.length && !close.test(lines[i].t); i++) body.push(lines[i].t);
-      i++;
-      out.appendChild(
-        el(
-          "pre",
-          {},
-          el("code", {class: m[2] ? "lang-" + m[2].replace(/[^\w-]/g, "") : null}, body.join("\n")),
-        ),
-      );
-    } else if ((m = HEADING_RE.exec(t))) {
-      const h = el("h" + m[1].length);
-      inline(m[2] || "", h, ctx);
-      out.appendChild(h);
-      i++;
-    } else if (HR_RE.test(t)) {
-      out.appendChild(el("hr"));
-      i++;
-    } else if (QUOTE_RE.test(t)) {
-      const inner = [];
-      for (; i < lines.length && QUOTE_RE.test(lines[i].t); i++) {
-        inner.push({t: lines[i].t.replace(QUOTE_RE, ""), n: lines[i].n});
+    return e;
+  }
+
+  function folderOf(path) {
+    return path.split("/").slice(0, -1).join("/");
+  }
+
+  const LIST_RE = /^(\s*)([-*+]|\d{1,9}[.)])(?:\s+(.*)|$)/;
+  const FENCE_RE = /^ {0,3}(`{3,}|~{3,})\s*([^`\s]*)/;
+  const HEADING_RE = /^ {0,3}(#{1,6})(?:\s+(.*?))?(?:\s+#+)?\s*$/;
+  const HR_RE = /^ {0,3}([-*_])(?:\s*\1){2,}\s*$/;
+  const QUOTE_RE = /^ {0,3}> ?/;
+  const TABLE_SEP_RE = /^\s*\|?\s*:?-+:?\s*(\|\s*:?-+:?\s*)*\|?\s*$/;
+
+  // Inline syntax, one alternative per construct; the group numbers are used below.
+  const INLINE_SOURCE = [
+    /(`+)([^`]|[^`][\s\S]*?[^`])\1(?!`)/.source, // 1, 2: code
+    /!\[([^\]\n]*)\]\(\s*<?([^)\s>]+)>?(?:\s+"[^"\n]*")?\s*\)/.source, // 3, 4: image
+    /\[\[([^\[\]|\n]+)(?:\|([^\[\]\n]+))?\]\]/.source, // 5, 6: wikilink
+    /\[([^\[\]\n]+)\]\(\s*<?([^)\s>]+)>?(?:\s+"[^"\n]*")?\s*\)/.source, // 7, 8: link
+    /<((?:https?|mailto):[^>\s]+)>/.source, // 9: autolink
+    /(https?:\/\/[^\s<]*[^\s<.,:;"')\]!?*_~])/.source, // 10: a bare URL
+    /(\*\*|__)(?=\S)([\s\S]*?\S)\11/.source, // 11, 12: strong
+    /(\*|_)(?=[^\s*_])([\s\S]*?[^\s\\])\13/.source, // 13, 14: emphasis
+    /~~(?=\S)([\s\S]*?\S)~~/.source, // 15: strike-through
+    /==(?=\S)([\s\S]*?\S)==/.source, // 16: highlight
+    /\\([\\`*_{}\[\]()#+\-.!|~<>=])/.source, // 17: an escape
+    /(\n)/.source, // 18: a line break
+  ].join("|");
+
+  function renderMarkdown(text, ctx) {
+    ctx = ctx || {};
+    const lines = text
+      .replace(/\r\n?/g, "\n")
+      .split("\n")
+      .map((t, n) => ({t, n}));
+    const root = el("div", {class: "md"});
+    let start = 0;
+    if (lines.length > 2 && lines[0].t === "---") {
+      // front matter: shown small, as it is
+      const end = lines.findIndex((l, i) => i > 0 && (l.t === "---" || l.t === "..."));
+      if (end > 0) {
+        root.appendChild(
+          el(
+            "pre",
+            {class: "front"},
+            lines
+              .slice(1, end)
+              .map((l) => l.t)
+              .join("\n"),
+          ),
+        );
+        start = end + 1;
       }
-      const q = el("blockquote");
-      blocks(inner, q, ctx);
-      out.appendChild(q);
-    } else if (
-      i + 1 < lines.length &&
-      t.includes("|") &&
-      lines[i + 1].t.includes("-") &&
-      TABLE_SEP_RE.test(lines[i + 1].t)
-    ) {
-      i = table(lines, i, out, ctx);
-    } else if (LIST_RE.test(t)) {
-      i = list(lines, i, out, ctx);
-    } else {
-      const para = [t.trim()];
-      for (i++; i < lines.length && lines[i].t.trim() && !startsBlock(lines[i].t); i++)
-        para.push(lines[i].t.trim());
-      const p = el("p");
-      inline(para.join("\n"), p, ctx);
-      out.appendChild(p);
     }
+    blocks(lines.slice(start), root, ctx);
+    return root;
   }
-}
 
-function indentOf(s) {
-  return s.replace(/\t/g, "    ").length;
-}
+  function startsBlock(t) {
+    return (
+      FENCE_RE.test(t) || HEADING_RE.test(t) || HR_RE.test(t) || QUOTE_RE.test(t) || LIST_RE.test(t)
+    );
+  }
 
-function list(lines, i, out, ctx) {
-  const first = LIST_RE.exec(lines[i].t);
-  const indent = indentOf(first[1]);
-  const ordered = /\d/.test(first[2]);
-  const listEl = el(ordered ? "ol" : "ul");
-  if (ordered && parseInt(first[2], 10) !== 1)
-    listEl.setAttribute("start", String(parseInt(first[2], 10)));
-  out.appendChild(listEl);
-  let li = null;
-  let body = null; // where the item's text goes: a task's text is inside its label
-  while (i < lines.length) {
-    const t = lines[i].t;
-    if (!t.trim()) {
-      // a blank line: the list goes on if an item follows
-      let j = i;
-      while (j < lines.length && !lines[j].t.trim()) j++;
-      const next = j < lines.length ? LIST_RE.exec(lines[j].t) : null;
-      if (!next || indentOf(next[1]) < indent) return j;
-      i = j;
-      continue;
-    }
-    const m = LIST_RE.exec(t);
-    if (m && !HR_RE.test(t)) {
-      const ind = indentOf(m[1]);
-      if (ind < indent) return i;
-      if (ind > indent && li) {
-        i = list(lines, i, li, ctx);
-        body = li; // text after a nested list goes after it
+  function blocks(lines, out, ctx) {
+    let i = 0;
+    while (i < lines.length) {
+      const t = lines[i].t;
+      let m;
+      if (!t.trim()) {
+        i++;
         continue;
       }
-      if (/\d/.test(m[2]) !== ordered) return i;
-      li = el("li");
-      body = li;
-      let content = m[3] || "";
-      const task = /^\[([ xX])\](?:\s+|$)/.exec(content);
-      if (task) {
-        li.className = "task";
-        const n = lines[i].n;
-        const box = el("input", {
-          type: "checkbox",
-          "data-line": String(n),
-          "aria-label": content.slice(task[0].length).slice(0, 80) || "task",
-        });
-        box.checked = task[1] !== " ";
-        box.disabled = !ctx.onTask;
-        if (ctx.onTask) box.addEventListener("change", () => ctx.onTask(n, box));
-        body = el("span");
-        li.appendChild(el("label", {}, box, body));
-        content = content.slice(task[0].length);
+      if ((m = FENCE_RE.exec(t))) {
+        const close = new RegExp("^ {0,3}" + m[1][0] + "{" + m[1].length + ",}\\s*$");
+        const body = [];
+        for (i++; i < lines.length && !close.test(lines[i].t); i++) body.push(lines[i].t);
+        i++;
+        out.appendChild(
+          el(
+            "pre",
+            {},
+            el(
+              "code",
+              {class: m[2] ? "lang-" + m[2].replace(/[^\w-]/g, "") : null},
+              body.join("\n"),
+            ),
+          ),
+        );
+      } else if ((m = HEADING_RE.exec(t))) {
+        const h = el("h" + m[1].length);
+        inline(m[2] || "", h, ctx);
+        out.appendChild(h);
+        i++;
+      } else if (HR_RE.test(t)) {
+        out.appendChild(el("hr"));
+        i++;
+      } else if (QUOTE_RE.test(t)) {
+        const inner = [];
+        for (; i < lines.length && QUOTE_RE.test(lines[i].t); i++) {
+          inner.push({t: lines[i].t.replace(QUOTE_RE, ""), n: lines[i].n});
+        }
+        const q = el("blockquote");
+        blocks(inner, q, ctx);
+        out.appendChild(q);
+      } else if (
+        i + 1 < lines.length &&
+        t.includes("|") &&
+        lines[i + 1].t.includes("-") &&
+        TABLE_SEP_RE.test(lines[i + 1].t)
+      ) {
+        i = table(lines, i, out, ctx);
+      } else if (LIST_RE.test(t)) {
+        i = list(lines, i, out, ctx);
+      } else {
+        const para = [t.trim()];
+        for (i++; i < lines.length && lines[i].t.trim() && !startsBlock(lines[i].t); i++)
+          para.push(lines[i].t.trim());
+        const p = el("p");
+        inline(para.join("\n"), p, ctx);
+        out.appendChild(p);
       }
-      inline(content, body, ctx);
-      listEl.appendChild(li);
-      i++;
-    } else if (li && (/^\s/.test(t) || !startsBlock(t))) {
-      // the item's text goes on
-      body.appendChild(el("br"));
-      inline(t.trim(), body, ctx);
-      i++;
-    } else {
-      return i;
     }
   }
-  return i;
-}
 
-function splitRow(row) {
-  let s = row.trim();
-  if (s.startsWith("|")) s = s.slice(1);
-  if (s.endsWith("|") && !s.endsWith("\\|")) s = s.slice(0, -1);
-  return s
-    .replace(/\\\|/g, "\u0000")
-    .split("|")
-    .map((c) => c.replace(/\u0000/g, "|").trim());
-}
+  function indentOf(s) {
+    return s.replace(/\t/g, "    ").length;
+  }
 
-function table(lines, i, out, ctx) {
-  const head = splitRow(lines[i].t);
-  const align = splitRow(lines[i + 1].t).map((c) =>
-    c.endsWith(":") ? (c.startsWith(":") ? "al-c" : "al-r") : null,
-  );
-  const tr = el("tr");
-  head.forEach((c, k) => {
-    const th = el("th", {class: align[k]});
-    inline(c, th, ctx);
-    tr.appendChild(th);
-  });
-  const tbody = el("tbody");
-  for (i += 2; i < lines.length && lines[i].t.includes("|") && lines[i].t.trim(); i++) {
-    const row = el("tr");
-    const cells = splitRow(lines[i].t);
-    head.forEach((_, k) => {
-      const td = el("td", {class: align[k]});
-      inline(cells[k] || "", td, ctx);
-      row.appendChild(td);
+  function list(lines, i, out, ctx) {
+    const first = LIST_RE.exec(lines[i].t);
+    const indent = indentOf(first[1]);
+    const ordered = /\d/.test(first[2]);
+    const listEl = el(ordered ? "ol" : "ul");
+    if (ordered && parseInt(first[2], 10) !== 1)
+      listEl.setAttribute("start", String(parseInt(first[2], 10)));
+    out.appendChild(listEl);
+    let li = null;
+    let body = null; // where the item's text goes: a task's text is inside its label
+    while (i < lines.length) {
+      const t = lines[i].t;
+      if (!t.trim()) {
+        // a blank line: the list goes on if an item follows
+        let j = i;
+        while (j < lines.length && !lines[j].t.trim()) j++;
+        const next = j < lines.length ? LIST_RE.exec(lines[j].t) : null;
+        if (!next || indentOf(next[1]) < indent) return j;
+        i = j;
+        continue;
+      }
+      const m = LIST_RE.exec(t);
+      if (m && !HR_RE.test(t)) {
+        const ind = indentOf(m[1]);
+        if (ind < indent) return i;
+        if (ind > indent && li) {
+          i = list(lines, i, li, ctx);
+          body = li; // text after a nested list goes after it
+          continue;
+        }
+        if (/\d/.test(m[2]) !== ordered) return i;
+        li = el("li");
+        body = li;
+        let content = m[3] || "";
+        const task = /^\[([ xX])\](?:\s+|$)/.exec(content);
+        if (task) {
+          li.className = "task";
+          const n = lines[i].n;
+          const box = el("input", {
+            type: "checkbox",
+            "data-line": String(n),
+            "aria-label": content.slice(task[0].length).slice(0, 80) || "task",
+          });
+          box.checked = task[1] !== " ";
+          box.disabled = !ctx.onTask;
+          if (ctx.onTask) box.addEventListener("change", () => ctx.onTask(n, box));
+          body = el("span");
+          li.appendChild(el("label", {}, box, body));
+          content = content.slice(task[0].length);
+        }
+        inline(content, body, ctx);
+        listEl.appendChild(li);
+        i++;
+      } else if (li && (/^\s/.test(t) || !startsBlock(t))) {
+        // the item's text goes on
+        body.appendChild(el("br"));
+        inline(t.trim(), body, ctx);
+        i++;
+      } else {
+        return i;
+      }
+    }
+    return i;
+  }
+
+  function splitRow(row) {
+    let s = row.trim();
+    if (s.startsWith("|")) s = s.slice(1);
+    if (s.endsWith("|") && !s.endsWith("\\|")) s = s.slice(0, -1);
+    return s
+      .replace(/\\\|/g, "\u0000")
+      .split("|")
+      .map((c) => c.replace(/\u0000/g, "|").trim());
+  }
+
+  function table(lines, i, out, ctx) {
+    const head = splitRow(lines[i].t);
+    const align = splitRow(lines[i + 1].t).map((c) =>
+      c.endsWith(":") ? (c.startsWith(":") ? "al-c" : "al-r") : null,
+    );
+    const tr = el("tr");
+    head.forEach((c, k) => {
+      const th = el("th", {class: align[k]});
+      inline(c, th, ctx);
+      tr.appendChild(th);
     });
-    tbody.appendChild(row);
-  }
-  out.appendChild(el("div", {class: "table"}, el("table", {}, el("thead", {}, tr), tbody)));
-  return i;
-}
-
-function inline(text, parent, ctx) {
-  if (text.length > 20000) {
-    parent.appendChild(document.createTextNode(text));
-    return;
-  }
-  const re = new RegExp(INLINE_SOURCE, "g");
-  let last = 0;
-  let m;
-  const add = (s) => {
-    if (s) parent.appendChild(document.createTextNode(s));
-  };
-  while ((m = re.exec(text))) {
-    if (
-      m[13] === "_" &&
-      (/\w/.test(text[m.index - 1] || "") || /\w/.test(text[re.lastIndex] || ""))
-    ) {
-      re.lastIndex = m.index + 1; // snake_case is not emphasis
-      continue;
+    const tbody = el("tbody");
+    for (i += 2; i < lines.length && lines[i].t.includes("|") && lines[i].t.trim(); i++) {
+      const row = el("tr");
+      const cells = splitRow(lines[i].t);
+      head.forEach((_, k) => {
+        const td = el("td", {class: align[k]});
+        inline(cells[k] || "", td, ctx);
+        row.appendChild(td);
+      });
+      tbody.appendChild(row);
     }
-    // ![[name]] embeds what [[name]] links to (an image shows, a file is offered).
-    const embed = m[5] !== undefined && m.index > last && text[m.index - 1] === "!";
-    add(text.slice(last, embed ? m.index - 1 : m.index));
-    last = re.lastIndex;
-    if (m[1] !== undefined) parent.appendChild(el("code", {}, m[2].replace(/^ (.*) $/, "$1")));
-    else if (m[3] !== undefined) parent.appendChild(image(m[3], m[4], ctx));
-    else if (m[5] !== undefined) parent.appendChild(wikiLink(m[5], m[6], ctx, embed));
-    else if (m[7] !== undefined) parent.appendChild(link(m[8], m[7], ctx, true));
-    else if (m[9] !== undefined) parent.appendChild(link(m[9], m[9].replace(/^mailto:/, ""), ctx));
-    else if (m[10] !== undefined) parent.appendChild(link(m[10], m[10], ctx));
-    else if (m[11] !== undefined) {
-      const e = el("strong");
-      inline(m[12], e, ctx);
-      parent.appendChild(e);
-    } else if (m[13] !== undefined) {
-      const e = el("em");
-      inline(m[14], e, ctx);
-      parent.appendChild(e);
-    } else if (m[15] !== undefined) {
-      const e = el("del");
-      inline(m[15], e, ctx);
-      parent.appendChild(e);
-    } else if (m[16] !== undefined) {
-      const e = el("mark");
-      inline(m[16], e, ctx);
-      parent.appendChild(e);
-    } else if (m[17] !== undefined) add(m[17]);
-    else if (m[18] !== undefined) parent.appendChild(el("br"));
+    out.appendChild(el("div", {class: "table"}, el("table", {}, el("thead", {}, tr), tbody)));
+    return i;
   }
-  add(text.slice(last));
-}
 
-function safeDecode(s) {
-  try {
-    return decodeURIComponent(s);
-  } catch (e) {
-    return s;
+  function inline(text, parent, ctx) {
+    if (text.length > 20000) {
+      parent.appendChild(document.createTextNode(text));
+      return;
+    }
+    const re = new RegExp(INLINE_SOURCE, "g");
+    let last = 0;
+    let m;
+    const add = (s) => {
+      if (s) parent.appendChild(document.createTextNode(s));
+    };
+    while ((m = re.exec(text))) {
+      if (
+        m[13] === "_" &&
+        (/\w/.test(text[m.index - 1] || "") || /\w/.test(text[re.lastIndex] || ""))
+      ) {
+        re.lastIndex = m.index + 1; // snake_case is not emphasis
+        continue;
+      }
+      // ![[name]] embeds what [[name]] links to (an image shows, a file is offered).
+      const embed = m[5] !== undefined && m.index > last && text[m.index - 1] === "!";
+      add(text.slice(last, embed ? m.index - 1 : m.index));
+      last = re.lastIndex;
+      if (m[1] !== undefined) parent.appendChild(el("code", {}, m[2].replace(/^ (.*) $/, "$1")));
+      else if (m[3] !== undefined) parent.appendChild(ctx.image(m[3], m[4], ctx));
+      else if (m[5] !== undefined) parent.appendChild(ctx.wikiLink(m[5], m[6], ctx, embed));
+      else if (m[7] !== undefined) parent.appendChild(ctx.link(m[8], m[7], ctx, true));
+      else if (m[9] !== undefined)
+        parent.appendChild(ctx.link(m[9], m[9].replace(/^mailto:/, ""), ctx));
+      else if (m[10] !== undefined) parent.appendChild(ctx.link(m[10], m[10], ctx));
+      else if (m[11] !== undefined) {
+        const e = el("strong");
+        inline(m[12], e, ctx);
+        parent.appendChild(e);
+      } else if (m[13] !== undefined) {
+        const e = el("em");
+        inline(m[14], e, ctx);
+        parent.appendChild(e);
+      } else if (m[15] !== undefined) {
+        const e = el("del");
+        inline(m[15], e, ctx);
+        parent.appendChild(e);
+      } else if (m[16] !== undefined) {
+        const e = el("mark");
+        inline(m[16], e, ctx);
+        parent.appendChild(e);
+      } else if (m[17] !== undefined) add(m[17]);
+      else if (m[18] !== undefined) parent.appendChild(el("br"));
+    }
+    add(text.slice(last));
   }
-}
 
-// Return the note path (or attachment path) a relative link points at, or null.
-function resolveRelative(href, from) {
-  const target = safeDecode(href.split("#")[0].split("?")[0]);
-  if (!target) return null;
-  const parts = target.startsWith("/")
-    ? target.startsWith("/notes/") || target.startsWith("/attachments/")
-      ? []
-      : ["notes"]
-    : folderOf(from || "notes/x.md").split("/");
-  for (const seg of target.split("/")) {
-    if (seg === "" || seg === ".") continue;
-    if (seg === "..") {
-      if (!parts.length) return null;
-      parts.pop();
-    } else parts.push(seg);
+  function safeDecode(s) {
+    try {
+      return decodeURIComponent(s);
+    } catch (e) {
+      return s;
+    }
   }
-  const path = parts.join("/");
-  return /^(notes|attachments)\//.test(path) ? path : null;
-}
 
-if (typeof module !== "undefined") {
-  module.exports = {el, folderOf, renderMarkdown, resolveRelative, safeDecode};
-}
+  // Return the note path (or attachment path) a relative link points at, or null.
+  function resolveRelative(href, from) {
+    const target = safeDecode(href.split("#")[0].split("?")[0]);
+    if (!target) return null;
+    const parts = target.startsWith("/")
+      ? target.startsWith("/notes/") || target.startsWith("/attachments/")
+        ? []
+        : ["notes"]
+      : folderOf(from || "notes/x.md").split("/");
+    for (const seg of target.split("/")) {
+      if (seg === "" || seg === ".") continue;
+      if (seg === "..") {
+        if (!parts.length) return null;
+        parts.pop();
+      } else parts.push(seg);
+    }
+    const path = parts.join("/");
+    return /^(notes|attachments)\//.test(path) ? path : null;
+  }
+
+  return {el, folderOf, inline, renderMarkdown, resolveRelative, safeDecode};
+})();
+
+if (typeof module !== "undefined") module.exports = markdown;
 """[1:]
 # --- end web/markdown.js ---
 # --- begin web/order.js ---
@@ -18895,10 +18949,10 @@ const noteOrder = (() => {
 
   // A folder's listing (as GET /folders/tree?depth=1 has it) from every note path: its
   // folders (each with how many notes it holds, at any depth), then its notes, by name.
-  function folderListing(paths, folder) {
+  function folderListing(all, folder) {
     const folders = new Map();
     const notes = [];
-    for (const path of paths) {
+    for (const path of all) {
       if (!path.startsWith(folder + "/")) continue;
       const rest = path.slice(folder.length + 1).split("/");
       if (rest.length === 1) notes.push({type: "note", name: rest[0], path});
@@ -18915,9 +18969,9 @@ const noteOrder = (() => {
   }
 
   // The first path (in path order) of each name: name(path), in lower case -> path.
-  function firstOfEachName(paths, name) {
+  function firstOfEachName(all, name) {
     const first = new Map();
-    for (const path of paths.slice().sort()) {
+    for (const path of all.slice().sort()) {
       const key = name(path).toLowerCase();
       if (!first.has(key)) first.set(key, path);
     }
@@ -19084,1792 +19138,1831 @@ if (typeof module !== "undefined") module.exports = drafts;
 
 # --- begin web/app.js ---
 WEB_JS_REST = r"""
-function link(href, label, ctx, markdown) {
-  href = href.trim();
-  let a;
-  if (/^(https?:|mailto:)/i.test(href)) {
-    a = el("a", {href, target: "_blank", rel: "noopener noreferrer"});
-  } else {
-    const path = /^[a-z][a-z0-9+.-]*:|^\/\/|^#/i.test(href)
-      ? null
-      : resolveRelative(href, ctx.from);
-    if (path && path.startsWith("attachments/") && features.attachments) {
-      a = attachmentLink(path, path);
-    } else if (!path || !path.startsWith("notes/") || !path.endsWith(".md")) {
-      a = el("span"); // another scheme, or nothing this page can open: the text alone
+const app = (() => {
+  const {$, state} = core;
+  const {el} = markdown;
+  function link(href, label, ctx, rich) {
+    href = href.trim();
+    let a;
+    if (/^(https?:|mailto:)/i.test(href)) {
+      a = el("a", {href, target: "_blank", rel: "noopener noreferrer"});
     } else {
-      a = el("a", {
+      const path = /^[a-z][a-z0-9+.-]*:|^\/\/|^#/i.test(href)
+        ? null
+        : markdown.resolveRelative(href, ctx.from);
+      if (path && path.startsWith("attachments/") && core.features.attachments) {
+        a = attachmentLink(path, path);
+      } else if (!path || !path.startsWith("notes/") || !path.endsWith(".md")) {
+        a = el("span"); // another scheme, or nothing this page can open: the text alone
+      } else {
+        a = el("a", {
+          href: "#",
+          "data-note": path,
+          onclick: (e) => {
+            e.preventDefault();
+            core.act(() => openNote(path))();
+          },
+        });
+      }
+    }
+    if (rich) markdown.inline(label, a, ctx);
+    else a.textContent = label;
+    return a;
+  }
+
+  function wikiLink(target, label, ctx, embed) {
+    const name = target.split("#")[0].trim();
+    if (paths.isAttachmentName(name) && core.features.attachments) {
+      const found = findAttachment(name, ctx.from);
+      const shown =
+        label && !/^\d+(x\d+)?$/.test(label.trim()) ? label.trim() : paths.fileName(name);
+      if (embed && IMAGE_EXT.test(name)) return attachmentImage(found, shown);
+      const a = attachmentLink(found, name);
+      a.textContent = shown;
+      return a;
+    }
+    return el(
+      "a",
+      {
         href: "#",
-        "data-note": path,
+        "data-wiki": name,
         onclick: (e) => {
           e.preventDefault();
-          act(() => openNote(path))();
+          core.act(() => openWiki(name, ctx.from))();
         },
+      },
+      (label || target).trim(),
+    );
+  }
+
+  function image(alt, src, ctx) {
+    // Images load only from this server (the CSP allows no other); others show as a link.
+    if (/^(https?:)/i.test(src)) return link(src, alt ? "image: " + alt : src, ctx);
+    const path = /^[a-z][a-z0-9+.-]*:|^\/\//i.test(src)
+      ? null
+      : markdown.resolveRelative(src, ctx.from);
+    // an attachment, or a file beside the note (a vault's image, put there over WebDAV)
+    const beside = path && path.startsWith("notes/") && !/\.md$/i.test(path);
+    if (!path || !(path.startsWith("attachments/") || beside) || !core.features.attachments) {
+      return document.createTextNode(alt ? "[image: " + alt + "]" : "[image]");
+    }
+    if (!IMAGE_EXT.test(path)) {
+      const a = attachmentLink(path, path);
+      a.textContent = alt || paths.fileName(path);
+      return a;
+    }
+    return attachmentImage(Promise.resolve(path), alt || paths.fileName(path));
+  }
+
+  const IMAGE_EXT = /\.(png|jpe?g|gif|webp|avif|bmp|ico|svg)$/i;
+  const MEDIA_EXT = /\.(mp3|m4a|aac|ogg|oga|opus|wav|flac|weba|mp4|m4v|mov|webm)$/i;
+  const VIDEO_EXT = /\.(mp4|m4v|mov|webm)$/i;
+
+  function attachmentImage(found, alt) {
+    const img = el("img", {alt, loading: "lazy"});
+    Promise.resolve(found)
+      .then((path) => {
+        if (!path) throw new Error("not found");
+        img.dataset.attachment = path;
+        return attachmentUrl(path);
+      })
+      .then(
+        (url) => {
+          img.src = url;
+        },
+        () => img.replaceWith(document.createTextNode("[image not found: " + alt + "]")),
+      );
+    return img;
+  }
+
+  // A link to an attachment: audio and video play in the page, other files are downloaded
+  // (never opened as a page of this origin).
+  function attachmentLink(found, name) {
+    const a = el("a", {href: "#", class: MEDIA_EXT.test(name) ? "file media" : "file"});
+    if (typeof found === "string") a.dataset.attachment = found;
+    a.addEventListener("click", (e) => {
+      e.preventDefault();
+      core.act(() => openAttachment(found, a))();
+    });
+    return a;
+  }
+
+  async function openAttachment(found, a) {
+    const path = await found;
+    if (!path) throw new Error("There is no attachment of that name.");
+    if (MEDIA_EXT.test(path)) {
+      const url = await attachmentUrl(path);
+      const player = el(VIDEO_EXT.test(path) ? "video" : "audio", {controls: true, class: "media"});
+      player.src = url;
+      player.setAttribute("aria-label", paths.fileName(path));
+      a.replaceWith(player);
+      player.play().catch(() => {});
+      return;
+    }
+    const {blob} = await core.api("GET", "/attachments/" + core.enc(path), undefined, undefined, {
+      blob: true,
+    });
+    const url = URL.createObjectURL(new Blob([blob], {type: "application/octet-stream"}));
+    const save = el("a", {href: url, download: paths.fileName(path), hidden: true});
+    document.body.append(save);
+    save.click();
+    save.remove();
+    setTimeout(() => URL.revokeObjectURL(url), 60000);
+  }
+
+  // ![[photo.jpg]] names a file: a path, else the first attachment of that name (as the
+  // server resolves it), from one listing of the attachments kept for a minute.
+  let attachmentNames = null;
+  let attachmentNamesAt = 0;
+  async function findAttachment(name, from) {
+    if (name.includes("/")) {
+      const path = name.replace(/^\/+/, "");
+      return path.startsWith("attachments/") || path.startsWith("notes/")
+        ? path
+        : "attachments/" + path;
+    }
+    if (!attachmentNames || Date.now() - attachmentNamesAt > 60000) {
+      attachmentNamesAt = Date.now();
+      attachmentNames = (async () => {
+        const listed = [];
+        for (let offset = 0; offset < 20000; offset += 1000) {
+          const {data} = await core.api("GET", "/attachments?limit=1000&offset=" + offset);
+          listed.push(...data.attachments.map((x) => x.path));
+          if (offset + 1000 >= data.total) break;
+        }
+        return noteOrder.firstOfEachName(listed, paths.fileName);
+      })();
+    }
+    const names = await attachmentNames.catch(() => new Map());
+    // not among the attachments: the file beside the note (how a vault keeps its images)
+    return names.get(name.toLowerCase()) || (from ? markdown.folderOf(from) + "/" + name : null);
+  }
+
+  // An attachment needs the key, which an <img src> cannot send: fetch it, show it as a blob.
+  // A blob: URL is a document of this origin when opened alone, so only a picture, a sound or
+  // a video keeps its type; an SVG (which may hold script) is shown from a data: URL instead,
+  // whose document, opened alone, has no origin of its own to read.
+  const attachmentUrls = new Map();
+  function attachmentUrl(path) {
+    if (!attachmentUrls.has(path)) {
+      const url = core
+        .api("GET", "/attachments/" + core.enc(path), undefined, undefined, {blob: true})
+        .then((r) => inertUrl(r.blob, path));
+      url.catch(() => attachmentUrls.delete(path));
+      attachmentUrls.set(path, url);
+    }
+    return attachmentUrls.get(path);
+  }
+
+  function inertUrl(blob, path) {
+    const type = (blob.type || "").toLowerCase().split(";")[0].trim();
+    if (type === "image/svg+xml" || /\.svg$/i.test(path)) {
+      return new Promise((resolve, reject) => {
+        const reader = new FileReader(); // a relay sends an SVG as octet-stream: say what it is
+        reader.onload = () => resolve(reader.result);
+        reader.onerror = () => reject(reader.error);
+        reader.readAsDataURL(new Blob([blob], {type: "image/svg+xml"}));
       });
     }
+    const passive = /^(image|audio|video)\/[a-z0-9.+-]+$/.test(type) && !/(xml|html)/.test(type);
+    const safe = passive ? blob : new Blob([blob], {type: "application/octet-stream"});
+    return URL.createObjectURL(safe);
   }
-  if (markdown) inline(label, a, ctx);
-  else a.textContent = label;
-  return a;
-}
 
-function wikiLink(target, label, ctx, embed) {
-  const name = target.split("#")[0].trim();
-  if (isAttachmentName(name) && features.attachments) {
-    const found = findAttachment(name, ctx.from);
-    const shown = label && !/^\d+(x\d+)?$/.test(label.trim()) ? label.trim() : fileName(name);
-    if (embed && IMAGE_EXT.test(name)) return attachmentImage(found, shown);
-    const a = attachmentLink(found, name);
-    a.textContent = shown;
-    return a;
-  }
-  return el(
-    "a",
-    {
-      href: "#",
-      "data-wiki": name,
-      onclick: (e) => {
-        e.preventDefault();
-        act(() => openWiki(name, ctx.from))();
-      },
-    },
-    (label || target).trim(),
-  );
-}
-
-function image(alt, src, ctx) {
-  // Images load only from this server (the CSP allows no other); others show as a link.
-  if (/^(https?:)/i.test(src)) return link(src, alt ? "image: " + alt : src, ctx);
-  const path = /^[a-z][a-z0-9+.-]*:|^\/\//i.test(src) ? null : resolveRelative(src, ctx.from);
-  // an attachment, or a file beside the note (a vault's image, put there over WebDAV)
-  const beside = path && path.startsWith("notes/") && !/\.md$/i.test(path);
-  if (!path || !(path.startsWith("attachments/") || beside) || !features.attachments) {
-    return document.createTextNode(alt ? "[image: " + alt + "]" : "[image]");
-  }
-  if (!IMAGE_EXT.test(path)) {
-    const a = attachmentLink(path, path);
-    a.textContent = alt || fileName(path);
-    return a;
-  }
-  return attachmentImage(Promise.resolve(path), alt || fileName(path));
-}
-
-const IMAGE_EXT = /\.(png|jpe?g|gif|webp|avif|bmp|ico|svg)$/i;
-const MEDIA_EXT = /\.(mp3|m4a|aac|ogg|oga|opus|wav|flac|weba|mp4|m4v|mov|webm)$/i;
-const VIDEO_EXT = /\.(mp4|m4v|mov|webm)$/i;
-
-function attachmentImage(found, alt) {
-  const img = el("img", {alt, loading: "lazy"});
-  Promise.resolve(found)
-    .then((path) => {
-      if (!path) throw new Error("not found");
-      img.dataset.attachment = path;
-      return attachmentUrl(path);
-    })
-    .then(
-      (url) => {
-        img.src = url;
-      },
-      () => img.replaceWith(document.createTextNode("[image not found: " + alt + "]")),
-    );
-  return img;
-}
-
-// A link to an attachment: audio and video play in the page, other files are downloaded
-// (never opened as a page of this origin).
-function attachmentLink(found, name) {
-  const a = el("a", {href: "#", class: MEDIA_EXT.test(name) ? "file media" : "file"});
-  if (typeof found === "string") a.dataset.attachment = found;
-  a.addEventListener("click", (e) => {
-    e.preventDefault();
-    act(() => openAttachment(found, a))();
-  });
-  return a;
-}
-
-async function openAttachment(found, a) {
-  const path = await found;
-  if (!path) throw new Error("There is no attachment of that name.");
-  if (MEDIA_EXT.test(path)) {
-    const url = await attachmentUrl(path);
-    const player = el(VIDEO_EXT.test(path) ? "video" : "audio", {controls: true, class: "media"});
-    player.src = url;
-    player.setAttribute("aria-label", fileName(path));
-    a.replaceWith(player);
-    player.play().catch(() => {});
-    return;
-  }
-  const {blob} = await api("GET", "/attachments/" + enc(path), undefined, undefined, {blob: true});
-  const url = URL.createObjectURL(new Blob([blob], {type: "application/octet-stream"}));
-  const save = el("a", {href: url, download: fileName(path), hidden: true});
-  document.body.append(save);
-  save.click();
-  save.remove();
-  setTimeout(() => URL.revokeObjectURL(url), 60000);
-}
-
-// ![[photo.jpg]] names a file: a path, else the first attachment of that name (as the
-// server resolves it), from one listing of the attachments kept for a minute.
-let attachmentNames = null;
-let attachmentNamesAt = 0;
-async function findAttachment(name, from) {
-  if (name.includes("/")) {
-    const path = name.replace(/^\/+/, "");
-    return path.startsWith("attachments/") || path.startsWith("notes/")
-      ? path
-      : "attachments/" + path;
-  }
-  if (!attachmentNames || Date.now() - attachmentNamesAt > 60000) {
-    attachmentNamesAt = Date.now();
-    attachmentNames = (async () => {
-      const paths = [];
-      for (let offset = 0; offset < 20000; offset += 1000) {
-        const {data} = await api("GET", "/attachments?limit=1000&offset=" + offset);
-        paths.push(...data.attachments.map((x) => x.path));
-        if (offset + 1000 >= data.total) break;
-      }
-      return noteOrder.firstOfEachName(paths, fileName);
-    })();
-  }
-  const names = await attachmentNames.catch(() => new Map());
-  // not among the attachments: the file beside the note (how a vault keeps its images)
-  return names.get(name.toLowerCase()) || (from ? folderOf(from) + "/" + name : null);
-}
-
-// An attachment needs the key, which an <img src> cannot send: fetch it, show it as a blob.
-// A blob: URL is a document of this origin when opened alone, so only a picture, a sound or
-// a video keeps its type; an SVG (which may hold script) is shown from a data: URL instead,
-// whose document, opened alone, has no origin of its own to read.
-const attachmentUrls = new Map();
-function attachmentUrl(path) {
-  if (!attachmentUrls.has(path)) {
-    const url = api("GET", "/attachments/" + enc(path), undefined, undefined, {blob: true}).then(
-      (r) => inertUrl(r.blob, path),
-    );
-    url.catch(() => attachmentUrls.delete(path));
-    attachmentUrls.set(path, url);
-  }
-  return attachmentUrls.get(path);
-}
-
-function inertUrl(blob, path) {
-  const type = (blob.type || "").toLowerCase().split(";")[0].trim();
-  if (type === "image/svg+xml" || /\.svg$/i.test(path)) {
-    return new Promise((resolve, reject) => {
-      const reader = new FileReader(); // a relay sends an SVG as octet-stream: say what it is
-      reader.onload = () => resolve(reader.result);
-      reader.onerror = () => reject(reader.error);
-      reader.readAsDataURL(new Blob([blob], {type: "image/svg+xml"}));
-    });
-  }
-  const passive = /^(image|audio|video)\/[a-z0-9.+-]+$/.test(type) && !/(xml|html)/.test(type);
-  const safe = passive ? blob : new Blob([blob], {type: "application/octet-stream"});
-  return URL.createObjectURL(safe);
-}
-
-// [[Name]] resolves as the server does: a path, else the first note of that file name.
-async function openWiki(name, from) {
-  let target = name.replace(/\.md$/i, "");
-  if (target.includes("/")) {
-    target = target.replace(/^\/+/, "");
-    return openNote((target.startsWith("notes/") ? target : "notes/" + target) + ".md");
-  }
-  const {data} = await api("GET", "/search?limit=100&q=" + enc(target.replace(/["*()-]/g, " ")));
-  const paths = data.results.map((h) => h.path);
-  const found = noteOrder.firstOfEachName(paths, nameOf).get(target.toLowerCase());
-  if (found) return openNote(found);
-  const guess = (from ? folderOf(from) : "notes") + "/" + target + ".md";
-  for (const path of new Set([guess, "notes/" + target + ".md"])) {
-    try {
-      await api("GET", "/notes/" + enc(path));
-      return openNote(path);
-    } catch (e) {
-      if (e.status !== 404) throw e;
+  // [[Name]] resolves as the server does: a path, else the first note of that file name.
+  async function openWiki(name, from) {
+    let target = name.replace(/\.md$/i, "");
+    if (target.includes("/")) {
+      target = target.replace(/^\/+/, "");
+      return openNote((target.startsWith("notes/") ? target : "notes/" + target) + ".md");
     }
+    const {data} = await core.api(
+      "GET",
+      "/search?limit=100&q=" + core.enc(target.replace(/["*()-]/g, " ")),
+    );
+    const hits = data.results.map((h) => h.path);
+    const found = noteOrder.firstOfEachName(hits, paths.nameOf).get(target.toLowerCase());
+    if (found) return openNote(found);
+    const guess = (from ? markdown.folderOf(from) : "notes") + "/" + target + ".md";
+    for (const path of new Set([guess, "notes/" + target + ".md"])) {
+      try {
+        await core.api("GET", "/notes/" + core.enc(path));
+        return openNote(path);
+      } catch (e) {
+        if (e.status !== 404) throw e;
+      }
+    }
+    const choice = await choose("No note named “" + target + "”", "Create " + guess + "?", [
+      ["create", "Create it", "primary"],
+      ["cancel", "Cancel"],
+    ]);
+    if (choice === "create") await createNote(guess);
+    return undefined;
   }
-  const choice = await choose("No note named “" + target + "”", "Create " + guess + "?", [
-    ["create", "Create it", "primary"],
-    ["cancel", "Cancel"],
-  ]);
-  if (choice === "create") await createNote(guess);
-  return undefined;
-}
 
-// -- dialogs ---------------------------------------------------------------------------------
+  // -- dialogs ---------------------------------------------------------------------------------
 
-let dialogDone = null;
-function dialog(title, body, buttons, initial) {
-  const d = $("dlg");
-  if (dialogDone) dialogDone("cancel"); // one dialog at a time: the one open gives way
-  $("dlg-title").textContent = title;
-  $("dlg-body").replaceChildren(
-    ...(Array.isArray(body) ? body : [body]).map((b) =>
-      typeof b === "string" ? el("p", {}, b) : b,
-    ),
-  );
-  return new Promise((resolve) => {
-    dialogDone = (value) => {
-      dialogDone = null;
-      if (d.open) d.close();
-      resolve(value);
-    };
-    $("dlg-buttons").replaceChildren(
-      ...buttons.map(([value, label, cls]) =>
-        el(
-          "button",
-          {
-            type: "button",
-            class: cls || null,
-            "data-value": value,
-            onclick: () => dialogDone(value),
-          },
-          label,
-        ),
+  let dialogDone = null;
+  function dialog(title, body, buttons, initial) {
+    const d = $("dlg");
+    if (dialogDone) dialogDone("cancel"); // one dialog at a time: the one open gives way
+    $("dlg-title").textContent = title;
+    $("dlg-body").replaceChildren(
+      ...(Array.isArray(body) ? body : [body]).map((b) =>
+        typeof b === "string" ? el("p", {}, b) : b,
       ),
     );
-    d.showModal();
-    const focus =
-      initial ||
-      d.querySelector("#dlg-body input") ||
-      d.querySelector("button.primary") ||
-      d.querySelector("button");
-    if (focus) focus.focus();
-  });
-}
-function choose(title, text, buttons) {
-  return dialog(title, text, buttons);
-}
-
-// -- the open note -----------------------------------------------------------------------------
-
-const editor = () => $("editor");
-function dirty() {
-  return (state.path !== null || state.blank) && editor().value !== state.saved;
-}
-
-function updateDirty() {
-  const s = $("status");
-  if (dirty()) {
-    s.replaceChildren(
-      el("span", {"aria-hidden": "true"}, "● "),
-      el("span", {class: "word"}, "Unsaved"),
-    );
-    s.className = "dirty";
-  } else if (s.className === "dirty") {
-    s.textContent = "";
-    s.className = "";
+    return new Promise((resolve) => {
+      dialogDone = (value) => {
+        dialogDone = null;
+        if (d.open) d.close();
+        resolve(value);
+      };
+      $("dlg-buttons").replaceChildren(
+        ...buttons.map(([value, label, cls]) =>
+          el(
+            "button",
+            {
+              type: "button",
+              class: cls || null,
+              "data-value": value,
+              onclick: () => dialogDone(value),
+            },
+            label,
+          ),
+        ),
+      );
+      d.showModal();
+      const focus =
+        initial ||
+        d.querySelector("#dlg-body input") ||
+        d.querySelector("button.primary") ||
+        d.querySelector("button");
+      if (focus) focus.focus();
+    });
   }
-  $("save").disabled = !state.path && !state.blank;
-  $("save").classList.toggle("clean", !dirty());
-}
-
-// Drafts on this device (web/drafts.js): a note not created yet keeps its draft under
-// NEW_NOTE (one at a time).
-const NEW_NOTE = drafts.NEW_NOTE;
-function draftKey(path) {
-  return drafts.key(state.base, path);
-}
-const draftName = () => drafts.nameFor(state.blank, state.path);
-function readDraft(path) {
-  return drafts.parse(getItem("local", draftKey(path)));
-}
-function keepDraft() {
-  const name = draftName();
-  const step = drafts.onKeep(name, dirty(), state.blank, !!state.key);
-  if (step === "keep") {
-    setItem("local", draftKey(name), drafts.record(editor().value, state.etag, Date.now()));
-  } else if (step === "drop") {
-    removeItem("local", draftKey(name));
+  function choose(title, text, buttons) {
+    return dialog(title, text, buttons);
   }
-}
-let draftTimer = 0;
-function scheduleDraft() {
-  clearTimeout(draftTimer);
-  draftTimer = setTimeout(keepDraft, 300);
-}
-function dropDraft() {
-  const name = draftName();
-  if (name) removeItem("local", draftKey(name));
-  $("draft").hidden = true;
-}
 
-// Before the page leaves a note: what was typed is saved now (autosave may not have run
-// yet). Only when that fails does it ask; resolve to true when it is fine to go on.
-async function confirmLeave() {
-  if (!dirty()) return true;
-  clearTimeout(saveTimer);
-  let why = "";
-  try {
-    if (await save(false)) return true;
-  } catch (e) {
-    why = " " + ((e.error && e.error.message) || "The server could not be reached.");
+  // -- the open note -----------------------------------------------------------------------------
+
+  const editor = () => $("editor");
+  function dirty() {
+    return (state.path !== null || state.blank) && editor().value !== state.saved;
   }
-  if (!dirty()) return false; // kept as a conflict copy: the page says where
-  const choice = await choose("Not saved", "“" + state.title + "” could not be saved." + why, [
-    ["retry", "Try again", "primary"],
-    ["discard", "Discard changes"],
-    ["cancel", "Stay"],
-  ]);
-  if (choice === "retry") return confirmLeave();
-  if (choice === "discard") {
-    dropDraft();
-    editor().value = state.saved;
-    updateDirty();
-    return true;
+
+  function updateDirty() {
+    const s = $("status");
+    if (dirty()) {
+      s.replaceChildren(
+        el("span", {"aria-hidden": "true"}, "● "),
+        el("span", {class: "word"}, "Unsaved"),
+      );
+      s.className = "dirty";
+    } else if (s.className === "dirty") {
+      s.textContent = "";
+      s.className = "";
+    }
+    $("save").disabled = !state.path && !state.blank;
+    $("save").classList.toggle("clean", !dirty());
   }
-  return false;
-}
 
-// Put new text in the editor where the cursor stays on the words it was at (a change
-// elsewhere in the note moves it only by what was put in or taken out before it).
-function replaceText(text) {
-  const ed = editor();
-  const old = ed.value;
-  if (old === text) return;
-  const [a, b] = [ed.selectionStart, ed.selectionEnd];
-  const [p, q] = commonEnds(old, text);
-  const at = (i) =>
-    i <= p ? i : i >= old.length - q ? i + text.length - old.length : text.length - q;
-  ed.value = text;
-  if (document.activeElement === ed) ed.setSelectionRange(at(a), at(b));
-}
-
-// A textarea holds lines ending in \n only: a note written with \r\n is shown with \n and
-// saved back with \r\n, so opening it changes nothing.
-const toEditor = (text) => text.replace(/\r\n?/g, "\n");
-function fromEditor(text) {
-  return state.crlf ? text.replace(/\n/g, "\r\n") : text;
-}
-
-function showNote(rec) {
-  const again = rec.path === state.path; // the same note, newer: the cursor stays
-  state.path = rec.path;
-  state.etag = rec.etag;
-  state.crlf = rec.content.includes("\r\n");
-  state.saved = toEditor(rec.content);
-  state.title = rec.title || nameOf(rec.path);
-  if (again) replaceText(state.saved);
-  else editor().value = state.saved;
-  $("title").textContent = state.title;
-  $("path").textContent = rec.path + " · " + ago(rec.modified);
-  $("path").title = rec.path;
-  $("empty").hidden = true;
-  $("note-bar").hidden = false;
-  $("conflict").hidden = true;
-  $("draft").hidden = true;
-  $("status").textContent = "";
-  $("status").className = "";
-  $("about").disabled = false;
-  $("about-label").textContent = "About this note: " + state.title;
-  setItem("session", "notesvc.open", rec.path);
-}
-
-async function openNote(path, opts) {
-  opts = opts || {};
-  if (path !== state.path && !(await confirmLeave())) return false;
-  let data;
-  try {
-    data = (await api("GET", "/notes/" + enc(path))).data;
-    if (offlineOn()) mirrorPut(data).catch(() => {}); // the copy takes what the server has
-  } catch (e) {
-    data = unreachable(e) && offlineOn() ? await mirrorGet(path) : null;
-    if (!data) throw e;
+  // Drafts on this device (web/drafts.js): a note not created yet keeps its draft under
+  // NEW_NOTE (one at a time).
+  const NEW_NOTE = drafts.NEW_NOTE;
+  function draftKey(path) {
+    return drafts.key(state.base, path);
   }
-  await featuresRead.catch(() => {}); // its embeds are shown as what this server offers
-  showNote(data);
-  const draft = readDraft(data.path);
-  const step = drafts.onOpen(draft, state.saved);
-  if (step === "restore") {
-    editor().value = draft.content;
-    state.etag = draft.etag || data.etag; // a save meets the conflict if the note moved on
-    $("draft-text").textContent = drafts.notice(draft, data.etag);
-    $("draft").hidden = false;
-    setEditing(true);
-  } else {
-    if (step === "drop") dropDraft();
-    setEditing(!!opts.edit);
+  const draftName = () => drafts.nameFor(state.blank, state.path);
+  function readDraft(path) {
+    return drafts.parse(core.getItem("local", draftKey(path)));
   }
-  updateDirty();
-  showPane("note");
-  loadBacklinks(data.path);
-  reveal(data.path).catch(() => {});
-  return true;
-}
-
-function closeNote() {
-  state.path = null;
-  state.blank = false;
-  state.etag = null;
-  state.saved = "";
-  state.crlf = false;
-  editor().value = "";
-  $("note-bar").hidden = true;
-  $("title").textContent = "";
-  $("path").textContent = "";
-  $("view").replaceChildren();
-  $("view").hidden = true;
-  editor().hidden = true;
-  $("backlinks").hidden = true;
-  $("conflict").hidden = true;
-  $("draft").hidden = true;
-  $("status").textContent = "";
-  $("status").className = "";
-  $("empty").hidden = false;
-  $("about").checked = false;
-  $("about").disabled = true;
-  $("about-label").textContent = "About this note";
-  removeItem("session", "notesvc.open");
-  markCurrent();
-}
-
-function setEditing(on) {
-  state.editing = on;
-  editor().hidden = !on;
-  $("view").hidden = on;
-  $("edit").textContent = on ? "View" : "Edit";
-  $("edit").setAttribute("aria-pressed", String(on));
-  if (!on) renderView();
-}
-
-function renderView() {
-  const onTask = grants.writable() ? toggleTask : null; // a read key ticks nothing
-  const view = renderMarkdown(editor().value, {from: state.path, onTask});
-  $("view").replaceChildren(...view.childNodes);
-}
-
-// A checkbox ticked in the formatted view changes its line; saved at once (with If-Match)
-// unless there are other unsaved changes, which it then joins.
-async function toggleTask(n, box) {
-  const lines = editor().value.split("\n");
-  const line = lines[n] || "";
-  const flipped = line.replace(
-    /^(\s*(?:[-*+]|\d{1,9}[.)])\s+)\[([ xX])\]/,
-    (_, lead, mark) => lead + (mark === " " ? "[x]" : "[ ]"),
-  );
-  if (flipped === line) {
-    box.checked = !box.checked;
-    return;
-  }
-  lines[n] = flipped;
-  editor().value = lines.join("\n");
-  if (!(await act(() => save(false))())) {
-    const now = editor().value.split("\n"); // not saved: that tick is undone, nothing else
-    if (now[n] === flipped) now[n] = line;
-    editor().value = now.join("\n");
-    updateDirty();
-    renderView();
-  }
-}
-
-// The banner over a note: "gone" (deleted or moved elsewhere while edited here: reload or
-// keep mine) or "copy" (both changed the same lines: where this edit was kept).
-function showConflict(gone, copy) {
-  $("conflict-text").textContent = gone
-    ? "This note was deleted or moved elsewhere."
-    : "Someone changed the same lines meanwhile. This is their version; yours is kept, " +
-      "whole, as “" +
-      nameOf(copy) +
-      "”.";
-  $("conflict").dataset.copy = copy || "";
-  for (const id of ["reload", "overwrite"]) $(id).hidden = !gone;
-  for (const id of ["open-copy", "conflict-ok"]) $(id).hidden = !!gone;
-  $("conflict").hidden = false;
-  if (!gone) return;
-  $("status").textContent = "Not saved";
-  $("status").className = "bad";
-}
-
-// A write of this page's own is under way: the feed's news of the open note waits for it
-// (the news may be that very write), then the note is looked at once.
-async function writing(fn) {
-  state.writes = (state.writes || 0) + 1;
-  try {
-    return await fn();
-  } finally {
-    state.writes--;
-    if (!state.writes && state.recheck) {
-      state.recheck = false;
-      checkOpenNote().catch(() => {});
+  function keepDraft() {
+    const name = draftName();
+    const step = drafts.onKeep(name, dirty(), state.blank, !!state.key);
+    if (step === "keep") {
+      core.setItem("local", draftKey(name), drafts.record(editor().value, state.etag, Date.now()));
+    } else if (step === "drop") {
+      core.removeItem("local", draftKey(name));
     }
   }
-}
+  let draftTimer = 0;
+  function scheduleDraft() {
+    clearTimeout(draftTimer);
+    draftTimer = setTimeout(keepDraft, 300);
+  }
+  function dropDraft() {
+    const name = draftName();
+    if (name) core.removeItem("local", draftKey(name));
+    $("draft").hidden = true;
+  }
 
-// One save at a time, in order: each starts from the version the one before it made.
-let saveChain = Promise.resolve();
-async function save(force) {
-  if (!state.path && !state.blank) return false;
-  const run = saveChain.then(() => writing(() => saveNow(force)));
-  saveChain = run.catch(() => {});
-  return run;
-}
+  // Before the page leaves a note: what was typed is saved now (autosave may not have run
+  // yet). Only when that fails does it ask; resolve to true when it is fine to go on.
+  async function confirmLeave() {
+    if (!dirty()) return true;
+    clearTimeout(saveTimer);
+    let why = "";
+    try {
+      if (await save(false)) return true;
+    } catch (e) {
+      why = " " + ((e.error && e.error.message) || "The server could not be reached.");
+    }
+    if (!dirty()) return false; // kept as a conflict copy: the page says where
+    const choice = await choose("Not saved", "“" + state.title + "” could not be saved." + why, [
+      ["retry", "Try again", "primary"],
+      ["discard", "Discard changes"],
+      ["cancel", "Stay"],
+    ]);
+    if (choice === "retry") return confirmLeave();
+    if (choice === "discard") {
+      dropDraft();
+      editor().value = state.saved;
+      updateDirty();
+      return true;
+    }
+    return false;
+  }
 
-function newId() {
-  return crypto.randomUUID ? crypto.randomUUID() : String(Date.now()) + Math.random();
-}
+  // Put new text in the editor where the cursor stays on the words it was at (a change
+  // elsewhere in the note moves it only by what was put in or taken out before it).
+  function replaceText(text) {
+    const ed = editor();
+    const old = ed.value;
+    if (old === text) return;
+    const [a, b] = [ed.selectionStart, ed.selectionEnd];
+    const [p, q] = merge.commonEnds(old, text);
+    const at = (i) =>
+      i <= p ? i : i >= old.length - q ? i + text.length - old.length : text.length - q;
+    ed.value = text;
+    if (document.activeElement === ed) ed.setSelectionRange(at(a), at(b));
+  }
 
-// Save the editor's text: through merge, from the version it was loaded as (what changed
-// elsewhere meanwhile is merged in; overlapping changes keep this edit as a conflict copy).
-// A new note's first save creates it, named from its first line. `force`: keep mine.
-async function saveNow(force) {
-  const content = editor().value;
-  if (state.blank) return createFromText(content);
-  if (state.path.startsWith("new:")) return keepOffline(state.path, content); // not sent yet
-  if (content === state.saved && !force) return true;
-  const path = state.path;
-  let r;
-  try {
-    if (force) {
-      r = await api("PUT", "/notes/" + enc(path), {content: fromEditor(content)});
-      r = {data: {note: r.data, merged: false}};
+  // A textarea holds lines ending in \n only: a note written with \r\n is shown with \n and
+  // saved back with \r\n, so opening it changes nothing.
+  const toEditor = (text) => text.replace(/\r\n?/g, "\n");
+  function fromEditor(text) {
+    return state.crlf ? text.replace(/\n/g, "\r\n") : text;
+  }
+
+  function showNote(rec) {
+    const again = rec.path === state.path; // the same note, newer: the cursor stays
+    state.path = rec.path;
+    state.etag = rec.etag;
+    state.crlf = rec.content.includes("\r\n");
+    state.saved = toEditor(rec.content);
+    state.title = rec.title || paths.nameOf(rec.path);
+    if (again) replaceText(state.saved);
+    else editor().value = state.saved;
+    $("title").textContent = state.title;
+    $("path").textContent = rec.path + " · " + core.ago(rec.modified);
+    $("path").title = rec.path;
+    $("empty").hidden = true;
+    $("note-bar").hidden = false;
+    $("conflict").hidden = true;
+    $("draft").hidden = true;
+    $("status").textContent = "";
+    $("status").className = "";
+    $("about").disabled = false;
+    $("about-label").textContent = "About this note: " + state.title;
+    core.setItem("session", "notesvc.open", rec.path);
+  }
+
+  async function openNote(path, opts) {
+    opts = opts || {};
+    if (path !== state.path && !(await confirmLeave())) return false;
+    let data;
+    try {
+      data = (await core.api("GET", "/notes/" + core.enc(path))).data;
+      // the copy takes what the server has
+      if (offline.offlineOn()) offline.mirrorPut(data).catch(() => {});
+    } catch (e) {
+      data = offline.unreachable(e) && offline.offlineOn() ? await offline.mirrorGet(path) : null;
+      if (!data) throw e;
+    }
+    await featuresRead.catch(() => {}); // its embeds are shown as what this server offers
+    showNote(data);
+    const draft = readDraft(data.path);
+    const step = drafts.onOpen(draft, state.saved);
+    if (step === "restore") {
+      editor().value = draft.content;
+      state.etag = draft.etag || data.etag; // a save meets the conflict if the note moved on
+      $("draft-text").textContent = drafts.notice(draft, data.etag);
+      $("draft").hidden = false;
+      setEditing(true);
     } else {
-      r = await api("POST", "/notes/" + enc(path) + "/merge", {
+      if (step === "drop") dropDraft();
+      setEditing(!!opts.edit);
+    }
+    updateDirty();
+    core.showPane("note");
+    loadBacklinks(data.path);
+    core.reveal(data.path).catch(() => {});
+    return true;
+  }
+
+  function closeNote() {
+    state.path = null;
+    state.blank = false;
+    state.etag = null;
+    state.saved = "";
+    state.crlf = false;
+    editor().value = "";
+    $("note-bar").hidden = true;
+    $("title").textContent = "";
+    $("path").textContent = "";
+    $("view").replaceChildren();
+    $("view").hidden = true;
+    editor().hidden = true;
+    $("backlinks").hidden = true;
+    $("conflict").hidden = true;
+    $("draft").hidden = true;
+    $("status").textContent = "";
+    $("status").className = "";
+    $("empty").hidden = false;
+    $("about").checked = false;
+    $("about").disabled = true;
+    $("about-label").textContent = "About this note";
+    core.removeItem("session", "notesvc.open");
+    core.markCurrent();
+  }
+
+  function setEditing(on) {
+    state.editing = on;
+    editor().hidden = !on;
+    $("view").hidden = on;
+    $("edit").textContent = on ? "View" : "Edit";
+    $("edit").setAttribute("aria-pressed", String(on));
+    if (!on) renderView();
+  }
+
+  function renderView() {
+    const onTask = grants.writable() ? toggleTask : null; // a read key ticks nothing
+    const view = markdown.renderMarkdown(editor().value, {
+      from: state.path,
+      onTask,
+      link,
+      wikiLink,
+      image,
+    });
+    $("view").replaceChildren(...view.childNodes);
+  }
+
+  // A checkbox ticked in the formatted view changes its line; saved at once (with If-Match)
+  // unless there are other unsaved changes, which it then joins.
+  async function toggleTask(n, box) {
+    const lines = editor().value.split("\n");
+    const line = lines[n] || "";
+    const flipped = line.replace(
+      /^(\s*(?:[-*+]|\d{1,9}[.)])\s+)\[([ xX])\]/,
+      (_, lead, mark) => lead + (mark === " " ? "[x]" : "[ ]"),
+    );
+    if (flipped === line) {
+      box.checked = !box.checked;
+      return;
+    }
+    lines[n] = flipped;
+    editor().value = lines.join("\n");
+    if (!(await core.act(() => save(false))())) {
+      const now = editor().value.split("\n"); // not saved: that tick is undone, nothing else
+      if (now[n] === flipped) now[n] = line;
+      editor().value = now.join("\n");
+      updateDirty();
+      renderView();
+    }
+  }
+
+  // The banner over a note: "gone" (deleted or moved elsewhere while edited here: reload or
+  // keep mine) or "copy" (both changed the same lines: where this edit was kept).
+  function showConflict(gone, copy) {
+    $("conflict-text").textContent = gone
+      ? "This note was deleted or moved elsewhere."
+      : "Someone changed the same lines meanwhile. This is their version; yours is kept, " +
+        "whole, as “" +
+        paths.nameOf(copy) +
+        "”.";
+    $("conflict").dataset.copy = copy || "";
+    for (const id of ["reload", "overwrite"]) $(id).hidden = !gone;
+    for (const id of ["open-copy", "conflict-ok"]) $(id).hidden = !!gone;
+    $("conflict").hidden = false;
+    if (!gone) return;
+    $("status").textContent = "Not saved";
+    $("status").className = "bad";
+  }
+
+  // A write of this page's own is under way: the feed's news of the open note waits for it
+  // (the news may be that very write), then the note is looked at once.
+  async function writing(fn) {
+    state.writes = (state.writes || 0) + 1;
+    try {
+      return await fn();
+    } finally {
+      state.writes--;
+      if (!state.writes && state.recheck) {
+        state.recheck = false;
+        checkOpenNote().catch(() => {});
+      }
+    }
+  }
+
+  // One save at a time, in order: each starts from the version the one before it made.
+  let saveChain = Promise.resolve();
+  async function save(force) {
+    if (!state.path && !state.blank) return false;
+    const run = saveChain.then(() => writing(() => saveNow(force)));
+    saveChain = run.catch(() => {});
+    return run;
+  }
+
+  function newId() {
+    return crypto.randomUUID ? crypto.randomUUID() : String(Date.now()) + Math.random();
+  }
+
+  // Save the editor's text: through merge, from the version it was loaded as (what changed
+  // elsewhere meanwhile is merged in; overlapping changes keep this edit as a conflict copy).
+  // A new note's first save creates it, named from its first line. `force`: keep mine.
+  async function saveNow(force) {
+    const content = editor().value;
+    if (state.blank) return createFromText(content);
+    // not sent yet
+    if (state.path.startsWith("new:")) return offline.keepOffline(state.path, content);
+    if (content === state.saved && !force) return true;
+    const path = state.path;
+    let r;
+    try {
+      if (force) {
+        r = await core.api("PUT", "/notes/" + core.enc(path), {content: fromEditor(content)});
+        r = {data: {note: r.data, merged: false}};
+      } else {
+        r = await core.api("POST", "/notes/" + core.enc(path) + "/merge", {
+          base: state.etag,
+          content: fromEditor(content),
+          clientName: deviceName(),
+        });
+      }
+    } catch (e) {
+      if (offline.unreachable(e) && offline.offlineOn()) return offline.keepOffline(path, content);
+      if (e.status === 409 && e.error && e.error.conflictPath)
+        return clashed(e.error, path, content);
+      if (e.status === 404 && force) {
+        // gone: keep mine
+        r = await core.api("POST", "/notes", {path, content: fromEditor(content)});
+        r = {data: {note: r.data, merged: false}};
+        core.loadTree().catch(() => {});
+      } else if (e.status === 404) {
+        showConflict(true);
+        return false;
+      } else {
+        throw e;
+      }
+    }
+    if (path === state.path) saved(r.data.note, content);
+    return true;
+  }
+
+  // The server has `note`; the editor sent `sent`. What was merged in shows in the editor,
+  // without losing what was typed since (merged here too, three ways).
+  function saved(note, sent) {
+    const theirs = toEditor(note.content);
+    let kept = false;
+    if (theirs !== sent) {
+      const now = editor().value;
+      const m = now === sent ? {text: theirs} : merge.merge3(sent, theirs, now);
+      kept = !!m.conflict; // typed here over what was merged in: the editor keeps it, unsaved
+      if (!kept) replaceText(m.text);
+      if (!state.editing) renderView();
+    }
+    // kept: the next save starts from the version this one started from, so the server
+    // merges the other change in again (or keeps a copy), never writes over it
+    if (!kept) state.etag = note.etag;
+    state.saved = theirs;
+    state.title = note.title || state.title;
+    $("title").textContent = state.title;
+    $("path").textContent = note.path + " · " + core.ago(note.modified);
+    offline.mirrorPut(note);
+    if (editor().value === state.saved) dropDraft();
+    $("conflict").hidden = true;
+    $("status").textContent = "Saved";
+    $("status").className = "";
+    updateDirty();
+    if (kept) scheduleSave(); // the next save merges it on the server (a copy if it overlaps)
+    if (!state.editing) renderView();
+  }
+
+  // Both changed the same lines: the note keeps the other change; this edit is kept whole
+  // beside it. Show the note as it is, and say where this edit went.
+  async function clashed(err, path, sent) {
+    const now = editor().value;
+    if (path === state.path) {
+      dropDraft();
+      state.saved = now;
+      if (now !== sent) {
+        // typed on while the save was on its way: the copy holds all of it (or, when the copy
+        // cannot be written, this browser keeps it as the note's draft, shown on opening)
+        try {
+          await core.api("PUT", "/notes/" + core.enc(err.conflictPath), {content: fromEditor(now)});
+        } catch (e) {
+          core.setItem("local", draftKey(err.path), drafts.record(now, undefined, Date.now()));
+        }
+      }
+      await openNote(err.path);
+      showConflict(false, err.conflictPath);
+    } else {
+      core.toast(
+        "“" +
+          paths.nameOf(path) +
+          "” changed meanwhile: your edit is kept as " +
+          paths.nameOf(err.conflictPath),
+      );
+    }
+    core.loadTree().catch(() => {});
+    core.loadRecent().catch(() => {});
+    return false;
+  }
+
+  async function createFromText(content) {
+    if (!content.trim()) return true;
+    const own = state.grant && state.grant.folder;
+    const body = {content};
+    if (own) body.folder = own;
+    let r;
+    try {
+      r = await core.api("POST", "/notes", body, {"Idempotency-Key": state.newKey});
+    } catch (e) {
+      if (offline.unreachable(e) && offline.offlineOn()) return offline.keepOffline(null, content);
+      throw e;
+    }
+    core.removeItem("local", draftKey(NEW_NOTE));
+    state.blank = false;
+    mine(r.data.path);
+    state.path = r.data.path;
+    core.setItem("session", "notesvc.open", state.path);
+    // the answer may be an earlier try's (the same key, its answer lost): the editor keeps
+    // what was typed since, and saves it through merge from the version that was made
+    state.crlf = false;
+    saved(r.data, toEditor(r.data.content));
+    if (dirty()) scheduleSave();
+    core.loadTree().catch(() => {});
+    return true;
+  }
+
+  // Autosave: a second after the last keystroke, or every 3 s while typing goes on, never
+  // more than one request a second; and when the page is hidden (a small note then goes out
+  // even as the page closes; a large one waits in this browser for the next visit). A new
+  // note waits for its first line to be finished (or five quiet seconds): that line names it.
+  let saveTimer = 0;
+  let lastSave = 0;
+  let dirtySince = 0;
+  function scheduleSave() {
+    clearTimeout(saveTimer);
+    const now = Date.now();
+    if (!dirtySince) dirtySince = now;
+    const naming = saveTiming.naming(state.blank, editor().value);
+    saveTimer = setTimeout(autosave, saveTiming.wait(now, dirtySince, lastSave, naming));
+  }
+  let saveFailures = 0;
+  async function autosave() {
+    dirtySince = 0;
+    if (!dirty()) return;
+    if (state.writes) return scheduleSave(); // one at a time: the next one after this
+    lastSave = Date.now();
+    $("status").textContent = "Saving…";
+    try {
+      await save(false);
+      saveFailures = 0;
+    } catch (e) {
+      // Kept in this browser meanwhile; tried again, less and less often; said once.
+      keepDraft();
+      saveFailures++;
+      $("status").textContent = offline.unreachable(e) ? "Not saved: no connection" : "Not saved";
+      $("status").className = "bad";
+      if (saveFailures === 1 && !offline.unreachable(e) && e.status !== 401)
+        core.toast(e.message, true);
+      clearTimeout(saveTimer);
+      saveTimer = setTimeout(autosave, saveTiming.retry(saveFailures));
+      return;
+    }
+    if (dirty()) scheduleSave(); // typed on meanwhile
+  }
+  function saveAsThePageHides() {
+    const content = editor().value;
+    const send = saveTiming.sendsAsThePageHides({
+      dirty: dirty(),
+      path: state.path,
+      blank: state.blank,
+      writes: state.writes,
+      bytes: new Blob([content]).size,
+      key: state.key,
+      keyBase: state.keyBase,
+      base: state.base,
+    });
+    keepDraft(); // either way: until the next visit sees it saved
+    if (!send) return;
+    fetch(state.base + "/notes/" + core.enc(state.path) + "/merge", {
+      method: "POST",
+      keepalive: true,
+      mode: "same-origin",
+      credentials: "omit",
+      headers: {
+        "Content-Type": "application/json",
+        "X-Service-Key": state.key,
+        "Idempotency-Key": newId(),
+      },
+      body: JSON.stringify({
         base: state.etag,
         content: fromEditor(content),
         clientName: deviceName(),
-      });
-    }
-  } catch (e) {
-    if (unreachable(e) && offlineOn()) return keepOffline(path, content);
-    if (e.status === 409 && e.error && e.error.conflictPath) return clashed(e.error, path, content);
-    if (e.status === 404 && force) {
-      r = await api("POST", "/notes", {path, content: fromEditor(content)}); // gone: keep mine
-      r = {data: {note: r.data, merged: false}};
-      loadTree().catch(() => {});
-    } else if (e.status === 404) {
-      showConflict(true);
-      return false;
-    } else {
-      throw e;
+      }),
+    }).catch(() => {});
+  }
+
+  function deviceName() {
+    try {
+      return JSON.parse(core.getItem("local", "notesvc.device") || "{}").name || "web client";
+    } catch (e) {
+      return "web client";
     }
   }
-  if (path === state.path) saved(r.data.note, content);
-  return true;
-}
 
-// The server has `note`; the editor sent `sent`. What was merged in shows in the editor,
-// without losing what was typed since (merged here too, three ways).
-function saved(note, sent) {
-  const theirs = toEditor(note.content);
-  let kept = false;
-  if (theirs !== sent) {
-    const now = editor().value;
-    const m = now === sent ? {text: theirs} : merge3(sent, theirs, now);
-    kept = !!m.conflict; // typed here over what was merged in: the editor keeps it, unsaved
-    if (!kept) replaceText(m.text);
-    if (!state.editing) renderView();
-  }
-  // kept: the next save starts from the version this one started from, so the server
-  // merges the other change in again (or keeps a copy), never writes over it
-  if (!kept) state.etag = note.etag;
-  state.saved = theirs;
-  state.title = note.title || state.title;
-  $("title").textContent = state.title;
-  $("path").textContent = note.path + " · " + ago(note.modified);
-  mirrorPut(note);
-  if (editor().value === state.saved) dropDraft();
-  $("conflict").hidden = true;
-  $("status").textContent = "Saved";
-  $("status").className = "";
-  updateDirty();
-  if (kept) scheduleSave(); // the next save merges it on the server (a copy if it overlaps)
-  if (!state.editing) renderView();
-}
-
-// Both changed the same lines: the note keeps the other change; this edit is kept whole
-// beside it. Show the note as it is, and say where this edit went.
-async function clashed(err, path, sent) {
-  const now = editor().value;
-  if (path === state.path) {
+  async function reloadTheirs() {
     dropDraft();
-    state.saved = now;
-    if (now !== sent) {
-      // typed on while the save was on its way: the copy holds all of it (or, when the copy
-      // cannot be written, this browser keeps it as the note's draft, shown on opening)
-      try {
-        await api("PUT", "/notes/" + enc(err.conflictPath), {content: fromEditor(now)});
-      } catch (e) {
-        setItem("local", draftKey(err.path), drafts.record(now, undefined, Date.now()));
-      }
+    const path = state.path;
+    state.saved = editor().value; // nothing to ask about: the person chose theirs
+    try {
+      await openNote(path);
+    } catch (e) {
+      if (e.status !== 404) throw e;
+      closeNote();
+      core.showPane("notes");
+      await core.loadTree();
+      core.toast(path + " is no longer there");
     }
-    await openNote(err.path);
-    showConflict(false, err.conflictPath);
-  } else {
-    toast(
-      "“" + nameOf(path) + "” changed meanwhile: your edit is kept as " + nameOf(err.conflictPath),
-    );
   }
-  loadTree().catch(() => {});
-  loadRecent().catch(() => {});
-  return false;
-}
 
-async function createFromText(content) {
-  if (!content.trim()) return true;
-  const own = state.grant && state.grant.folder;
-  const body = {content};
-  if (own) body.folder = own;
-  let r;
-  try {
-    r = await api("POST", "/notes", body, {"Idempotency-Key": state.newKey});
-  } catch (e) {
-    if (unreachable(e) && offlineOn()) return keepOffline(null, content);
-    throw e;
-  }
-  removeItem("local", draftKey(NEW_NOTE));
-  state.blank = false;
-  mine(r.data.path);
-  state.path = r.data.path;
-  setItem("session", "notesvc.open", state.path);
-  // the answer may be an earlier try's (the same key, its answer lost): the editor keeps
-  // what was typed since, and saves it through merge from the version that was made
-  state.crlf = false;
-  saved(r.data, toEditor(r.data.content));
-  if (dirty()) scheduleSave();
-  loadTree().catch(() => {});
-  return true;
-}
-
-// Autosave: a second after the last keystroke, or every 3 s while typing goes on, never
-// more than one request a second; and when the page is hidden (a small note then goes out
-// even as the page closes; a large one waits in this browser for the next visit). A new
-// note waits for its first line to be finished (or five quiet seconds): that line names it.
-let saveTimer = 0;
-let lastSave = 0;
-let dirtySince = 0;
-function scheduleSave() {
-  clearTimeout(saveTimer);
-  const now = Date.now();
-  if (!dirtySince) dirtySince = now;
-  const naming = saveTiming.naming(state.blank, editor().value);
-  saveTimer = setTimeout(autosave, saveTiming.wait(now, dirtySince, lastSave, naming));
-}
-let saveFailures = 0;
-async function autosave() {
-  dirtySince = 0;
-  if (!dirty()) return;
-  if (state.writes) return scheduleSave(); // one at a time: the next one after this
-  lastSave = Date.now();
-  $("status").textContent = "Saving…";
-  try {
-    await save(false);
-    saveFailures = 0;
-  } catch (e) {
-    // Kept in this browser meanwhile; tried again, less and less often; said once.
-    keepDraft();
-    saveFailures++;
-    $("status").textContent = unreachable(e) ? "Not saved: no connection" : "Not saved";
-    $("status").className = "bad";
-    if (saveFailures === 1 && !unreachable(e) && e.status !== 401) toast(e.message, true);
-    clearTimeout(saveTimer);
-    saveTimer = setTimeout(autosave, saveTiming.retry(saveFailures));
-    return;
-  }
-  if (dirty()) scheduleSave(); // typed on meanwhile
-}
-function saveAsThePageHides() {
-  const content = editor().value;
-  const send = saveTiming.sendsAsThePageHides({
-    dirty: dirty(),
-    path: state.path,
-    blank: state.blank,
-    writes: state.writes,
-    bytes: new Blob([content]).size,
-    key: state.key,
-    keyBase: state.keyBase,
-    base: state.base,
-  });
-  keepDraft(); // either way: until the next visit sees it saved
-  if (!send) return;
-  fetch(state.base + "/notes/" + enc(state.path) + "/merge", {
-    method: "POST",
-    keepalive: true,
-    mode: "same-origin",
-    credentials: "omit",
-    headers: {
-      "Content-Type": "application/json",
-      "X-Service-Key": state.key,
-      "Idempotency-Key": newId(),
-    },
-    body: JSON.stringify({
-      base: state.etag,
-      content: fromEditor(content),
-      clientName: deviceName(),
-    }),
-  }).catch(() => {});
-}
-
-function deviceName() {
-  try {
-    return JSON.parse(getItem("local", "notesvc.device") || "{}").name || "web client";
-  } catch (e) {
-    return "web client";
-  }
-}
-
-async function reloadTheirs() {
-  dropDraft();
-  const path = state.path;
-  state.saved = editor().value; // nothing to ask about: the person chose theirs
-  try {
-    await openNote(path);
-  } catch (e) {
-    if (e.status !== 404) throw e;
-    closeNote();
-    showPane("notes");
-    await loadTree();
-    toast(path + " is no longer there");
-  }
-}
-
-// The open note may have changed elsewhere: take the new text when nothing is unsaved,
-// otherwise say so and let the person choose.
-async function checkOpenNote() {
-  const path = state.path;
-  if (!path || !state.key) return;
-  let r;
-  try {
-    r = await api("GET", "/notes/" + enc(path));
-  } catch (e) {
-    if (e.status === 404 && path === state.path) showConflict(true);
-    return;
-  }
-  if (path !== state.path || r.data.etag === state.etag) return;
-  if (dirty()) return save(false); // merged with what is typed here
-  const editing = state.editing;
-  showNote(r.data);
-  setEditing(editing);
-  updateDirty();
-  toast("“" + state.title + "” changed elsewhere: this is the new text");
-}
-
-let lastLook = 0;
-async function lookAgain() {
-  // Back to the page after a while: the tree and the open note may have moved on.
-  if (Date.now() - lastLook < 10000 || !state.key || $("app").hidden) return;
-  lastLook = Date.now();
-  await Promise.all([loadTree(), checkOpenNote()]);
-}
-
-// A [[link]] to a note that is not there yet: create it where the link says.
-async function createNote(path) {
-  const {data} = await api("POST", "/notes", {path, content: "# " + nameOf(path) + "\n\n"});
-  mine(data.path);
-  await loadTree();
-  await openNote(data.path, {edit: true});
-}
-
-// A new note is written first: no path to choose; its first line names it when it is
-// first saved (in notes/inbox, or a folder key's own folder).
-async function newNote() {
-  if (!(await confirmLeave())) return;
-  closeNote();
-  state.blank = true;
-  state.newKey = newId(); // its create, sent again after a lost answer, is made once
-  $("empty").hidden = true;
-  $("note-bar").hidden = false;
-  $("title").textContent = "New note";
-  $("path").textContent = "The first line is its title";
-  const draft = readDraft(NEW_NOTE);
-  if (drafts.restoresNew(draft)) {
-    editor().value = draft.content; // written here before and never saved: it is back
-    $("draft-text").textContent = drafts.newNotice(draft);
-    $("draft").hidden = false;
-  }
-  setEditing(true);
-  updateDirty();
-  showPane("note");
-  editor().focus();
-}
-
-async function moveNote() {
-  if (!state.path) return;
-  if (dirty() && !(await save(false))) return;
-  const input = el("input", {
-    type: "text",
-    id: "move-path",
-    autocomplete: "off",
-    spellcheck: "false",
-  });
-  input.value = state.path.replace(/^notes\//, "").replace(/\.md$/, "");
-  const links = el("input", {type: "checkbox", id: "move-links"});
-  links.checked = true;
-  input.addEventListener("keydown", (e) => {
-    if (e.key === "Enter" && dialogDone) dialogDone("move");
-  });
-  const v = await dialog(
-    "Move or rename",
-    [
-      el("label", {for: "move-path"}, "New name (folders with /)"),
-      input,
-      el("label", {class: "check"}, links, " Update links to it in other notes"),
-    ],
-    [
-      ["cancel", "Cancel"],
-      ["move", "Move", "primary"],
-    ],
-    input,
-  );
-  if (v !== "move") return;
-  const to = toNotePath(input.value);
-  if (to === state.path) return;
-  mine(state.path);
-  const {data} = await api(
-    "PATCH",
-    "/notes/" + enc(state.path) + "/move",
-    {path: to, updateLinks: links.checked},
-    {"If-Match": state.etag},
-  );
-  state.saved = editor().value;
-  await openNote(data.path);
-  await loadTree();
-  toast("Moved to " + data.path);
-}
-
-async function deleteNote() {
-  if (!state.path) return;
-  const v = await choose(
-    "Move to trash?",
-    "“" + state.title + "” goes to the trash, where it can be restored.",
-    [
-      ["cancel", "Cancel"],
-      ["delete", "Move to trash", "primary"],
-    ],
-  );
-  if (v !== "delete") return;
-  const path = state.path;
-  mine(path);
-  try {
-    await api("DELETE", "/notes/" + enc(path), undefined, {"If-Match": state.etag});
-  } catch (e) {
-    if (e.status === 412) throw new Error("It changed elsewhere: reload it before deleting.");
-    throw e;
-  }
-  dropDraft();
-  closeNote();
-  showPane("notes");
-  await loadTree();
-  toast(
-    "Moved " + nameOf(path) + " to the trash",
-    false,
-    features.history ? ["Undo", () => undoDelete(path)] : null,
-  );
-}
-
-async function loadBacklinks(path) {
-  const box = $("backlinks");
-  box.hidden = true;
-  let r;
-  try {
-    r = await api("GET", "/plugins/backlinks/" + enc(path));
-  } catch (e) {
-    return;
-  } // the plugin may be off
-  if (path !== state.path) return;
-  const list = r.data.backlinks || r.data.notes || [];
-  if (!list.length) return;
-  const items = list.map((n) =>
-    el(
-      "li",
-      {},
-      el(
-        "button",
-        {type: "button", class: "link", onclick: act(() => openNote(n.path))},
-        n.title || n.path,
-      ),
-    ),
-  );
-  box.replaceChildren(el("strong", {}, "Linked from"), el("ul", {}, ...items));
-  box.hidden = false;
-}
-
-// -- history and the trash (where the server keeps them) ----------------------------------
-
-function when(iso) {
-  const t = Date.parse(iso);
-  return t ? new Date(t).toLocaleString() : iso;
-}
-
-// Why a version was kept, in words.
-const REASONS = {
-  updated: "edited",
-  merged: "merged with an edit from another device",
-  external: "changed outside notesvc",
-  moved: "before a move",
-  deleted: "before it was deleted",
-  restored: "before a restore",
-  linksRewritten: "links updated",
-  dav: "saved by another app",
-};
-
-function dayAndTime(iso) {
-  const t = new Date(iso);
-  const days = Math.round(
-    (new Date().setHours(0, 0, 0, 0) - new Date(t).setHours(0, 0, 0, 0)) / 864e5,
-  );
-  const time = t.toLocaleTimeString([], {hour: "2-digit", minute: "2-digit"});
-  if (days === 0) return "Today, " + time;
-  if (days === 1) return "Yesterday, " + time;
-  return t.toLocaleDateString([], {weekday: "short", day: "numeric", month: "short"}) + ", " + time;
-}
-
-// What changed, word by word; long unchanged stretches shrink to their ends.
-function wordDiffView(before, after) {
-  const out = el("p", {class: "words"});
-  const parts = wordDiff(before, after);
-  parts.forEach((part, i) => {
-    if (part.op !== "same") {
-      out.append(el(part.op === "add" ? "ins" : "del", {}, part.text));
+  // The open note may have changed elsewhere: take the new text when nothing is unsaved,
+  // otherwise say so and let the person choose.
+  async function checkOpenNote() {
+    const path = state.path;
+    if (!path || !state.key) return;
+    let r;
+    try {
+      r = await core.api("GET", "/notes/" + core.enc(path));
+    } catch (e) {
+      if (e.status === 404 && path === state.path) showConflict(true);
       return;
     }
-    const t = part.text;
-    const head = i > 0 ? 80 : 0; // after a change: its context
-    const tail = i < parts.length - 1 ? 80 : 0; // before one
-    if (t.length <= head + tail + 40) out.append(t);
-    else out.append(t.slice(0, head), el("span", {class: "gap"}, " … "), t.slice(t.length - tail));
-  });
-  return out;
-}
-
-// The history as a timeline: when, why, and what changed since, word by word; restore in
-// one tap.
-async function showHistory() {
-  if (!state.path) return;
-  const path = state.path;
-  const {data} = await api("GET", "/notes/" + enc(path) + "/versions?limit=50");
-  const base = "/notes/" + enc(path) + "/versions/";
-  const list = el("ol", {class: "timeline", id: "versions"});
-  const detail = el("div", {id: "version-detail"});
-  for (const v of data.versions) {
-    const changes = act(async () => {
-      const r = await api("GET", base + enc(v.id));
-      const now = editor().value;
-      detail.replaceChildren(
-        el("h3", {}, "From " + dayAndTime(v.savedAt) + " to now"),
-        r.data.content === now
-          ? el("p", {}, "The same as now.")
-          : wordDiffView(r.data.content, now),
-        el("p", {class: "muted"}, "Struck out: only then. Underlined: only now."),
-      );
-      detail.scrollIntoView({block: "nearest"});
-    });
-    const view = act(async () => {
-      const r = await api("GET", base + enc(v.id));
-      detail.replaceChildren(
-        el("h3", {}, "As it was " + dayAndTime(v.savedAt)),
-        el("pre", {}, r.data.content),
-      );
-    });
-    const restore = act(async () => {
-      dialogDone("cancel");
-      if (!(await confirmLeave())) return;
-      await writing(async () => {
-        const r = await api("POST", base + enc(v.id) + "/restore", undefined, {
-          "If-Match": state.etag,
-        });
-        dropDraft();
-        showNote(r.data);
-        setEditing(false);
-        updateDirty();
-      });
-      toast("Restored the version of " + dayAndTime(v.savedAt));
-    });
-    list.append(
-      el(
-        "li",
-        {"data-version": v.id},
-        el(
-          "span",
-          {class: "when"},
-          el("strong", {}, dayAndTime(v.savedAt)),
-          el("small", {class: "muted"}, (REASONS[v.reason] || v.reason) + " · " + sizeText(v.size)),
-        ),
-        el(
-          "span",
-          {class: "actions"},
-          el("button", {type: "button", onclick: changes}, "Changes"),
-          el("button", {type: "button", onclick: view}, "View"),
-          grants.writable() ? el("button", {type: "button", onclick: restore}, "Restore") : null,
-        ),
-      ),
-    );
+    if (path !== state.path || r.data.etag === state.etag) return;
+    if (dirty()) return save(false); // merged with what is typed here
+    const editing = state.editing;
+    showNote(r.data);
+    setEditing(editing);
+    updateDirty();
+    core.toast("“" + state.title + "” changed elsewhere: this is the new text");
   }
-  if (!data.versions.length) list.append(el("li", {class: "muted"}, "No earlier versions yet."));
-  await dialog("History of " + state.title, [list, detail], [["cancel", "Close"]]);
-}
 
-async function restoreFromTrash(item, to) {
-  try {
-    const r = await api("POST", "/trash/" + enc(item.id) + "/restore", to ? {path: to} : undefined);
-    return r.data;
-  } catch (e) {
-    if (e.status !== 409) throw e;
+  let lastLook = 0;
+  async function lookAgain() {
+    // Back to the page after a while: the tree and the open note may have moved on.
+    if (Date.now() - lastLook < 10000 || !state.key || $("app").hidden) return;
+    lastLook = Date.now();
+    await Promise.all([core.loadTree(), checkOpenNote()]);
+  }
+
+  // A [[link]] to a note that is not there yet: create it where the link says.
+  async function createNote(path) {
+    const {data} = await core.api("POST", "/notes", {
+      path,
+      content: "# " + paths.nameOf(path) + "\n\n",
+    });
+    mine(data.path);
+    await core.loadTree();
+    await openNote(data.path, {edit: true});
+  }
+
+  // A new note is written first: no path to choose; its first line names it when it is
+  // first saved (in notes/inbox, or a folder key's own folder).
+  async function newNote() {
+    if (!(await confirmLeave())) return;
+    closeNote();
+    state.blank = true;
+    state.newKey = newId(); // its create, sent again after a lost answer, is made once
+    $("empty").hidden = true;
+    $("note-bar").hidden = false;
+    $("title").textContent = "New note";
+    $("path").textContent = "The first line is its title";
+    const draft = readDraft(NEW_NOTE);
+    if (drafts.restoresNew(draft)) {
+      editor().value = draft.content; // written here before and never saved: it is back
+      $("draft-text").textContent = drafts.newNotice(draft);
+      $("draft").hidden = false;
+    }
+    setEditing(true);
+    updateDirty();
+    core.showPane("note");
+    editor().focus();
+  }
+
+  async function moveNote() {
+    if (!state.path) return;
+    if (dirty() && !(await save(false))) return;
     const input = el("input", {
       type: "text",
-      id: "restore-path",
+      id: "move-path",
       autocomplete: "off",
       spellcheck: "false",
     });
-    input.value = item.path.replace(/(\.\w+)$/, " (restored)$1");
+    input.value = state.path.replace(/^notes\//, "").replace(/\.md$/, "");
+    const links = el("input", {type: "checkbox", id: "move-links"});
+    links.checked = true;
+    input.addEventListener("keydown", (e) => {
+      if (e.key === "Enter" && dialogDone) dialogDone("move");
+    });
     const v = await dialog(
-      "Restore under another name",
-      [e.message, el("label", {for: "restore-path"}, "Restore as"), input],
+      "Move or rename",
+      [
+        el("label", {for: "move-path"}, "New name (folders with /)"),
+        input,
+        el("label", {class: "check"}, links, " Update links to it in other notes"),
+      ],
       [
         ["cancel", "Cancel"],
-        ["restore", "Restore", "primary"],
+        ["move", "Move", "primary"],
       ],
       input,
     );
-    return v === "restore" ? restoreFromTrash(item, input.value.trim()) : null;
-  }
-}
-
-async function showTrash() {
-  const {data} = await api("GET", "/trash?limit=100");
-  const list = el("ul", {class: "list", id: "trash-items"});
-  const detail = el("div", {id: "trash-detail"});
-  for (const item of data.items) {
-    const view = act(async () => {
-      const r = await api("GET", "/trash/" + enc(item.id));
-      detail.replaceChildren(el("h3", {}, item.path), el("pre", {}, r.data.content || ""));
-    });
-    const restore = act(async () => {
-      dialogDone("cancel");
-      const rec = await restoreFromTrash(item);
-      if (!rec) return;
-      await loadTree();
-      toast("Restored " + rec.path);
-      if (rec.path.startsWith("notes/")) await openNote(rec.path);
-    });
-    const purge = act(async () => {
-      await api("DELETE", "/trash/" + enc(item.id));
-      row.remove();
-    });
-    const row = el(
-      "li",
-      {"data-trash": item.id},
-      el(
-        "span",
-        {},
-        item.path,
-        el("small", {class: "muted"}, " · deleted " + when(item.deletedAt)),
-      ),
-      el(
-        "span",
-        {class: "actions"},
-        item.path.endsWith(".md") ? el("button", {type: "button", onclick: view}, "View") : null,
-        grants.writable() ? el("button", {type: "button", onclick: restore}, "Restore") : null,
-        state.grant
-          ? null
-          : el(
-              // purging for good is the owner's alone
-              "button",
-              {
-                type: "button",
-                class: "danger",
-                onclick: purge,
-                "aria-label": "Delete forever: " + item.path,
-              },
-              "Delete",
-            ),
-      ),
+    if (v !== "move") return;
+    const to = paths.toNotePath(input.value);
+    if (to === state.path) return;
+    mine(state.path);
+    const {data} = await core.api(
+      "PATCH",
+      "/notes/" + core.enc(state.path) + "/move",
+      {path: to, updateLinks: links.checked},
+      {"If-Match": state.etag},
     );
-    list.append(row);
+    state.saved = editor().value;
+    await openNote(data.path);
+    await core.loadTree();
+    core.toast("Moved to " + data.path);
   }
-  if (!data.items.length) list.append(el("li", {class: "muted"}, "The trash is empty."));
-  await dialog("Trash", [list, detail], [["cancel", "Close"]]);
-}
 
-// Undo a delete: the newest trash item with that path comes back.
-async function undoDelete(path) {
-  const {data} = await api("GET", "/trash?limit=50");
-  const item = data.items.find((i) => i.path === path);
-  if (!item) throw new Error("It is no longer in the trash.");
-  const rec = await restoreFromTrash(item);
-  if (!rec) return;
-  await loadTree();
-  await openNote(rec.path);
-}
-
-// -- attachments: a photo, a file, a pasted image ------------------------------------------
-
-function attachmentPath(file) {
-  const now = new Date();
-  const stamp = now.toISOString().replace(/[-:]/g, "").replace("T", "-").slice(0, 15);
-  const dot = file.name.lastIndexOf(".");
-  const ext = (dot > 0 ? file.name.slice(dot + 1) : file.type.split("/")[1] || "bin").toLowerCase();
-  const stem =
-    (dot > 0 ? file.name.slice(0, dot) : file.name || "file")
-      .normalize("NFKD")
-      .replace(/[^\w-]+/g, "-")
-      .replace(/^-+|-+$/g, "")
-      .slice(0, 60) || "file";
-  const folder = state.path ? folderOf(state.path).replace(/^notes\/?/, "") : "";
-  return (
-    "attachments/" +
-    (folder ? folder + "/" : "") +
-    stamp +
-    "-" +
-    stem +
-    "." +
-    ext.replace(/[^\w]/g, "")
-  );
-}
-
-// PUT the file's bytes; never over another file (If-None-Match: *): a taken name gets -2, -3…
-// `once`: an Idempotency-Key (the outbox's): sent again after a lost answer, the upload is
-// made once.
-async function upload(file, once) {
-  const path = attachmentPath(file);
-  for (let n = 1; ; n++) {
-    const tried = n === 1 ? path : path.replace(/(\.\w+)$/, "-" + n + "$1");
-    const headers = {"Content-Type": file.type || "application/octet-stream", "If-None-Match": "*"};
-    if (once) headers["Idempotency-Key"] = once + ":" + n;
+  async function deleteNote() {
+    if (!state.path) return;
+    const v = await choose(
+      "Move to trash?",
+      "“" + state.title + "” goes to the trash, where it can be restored.",
+      [
+        ["cancel", "Cancel"],
+        ["delete", "Move to trash", "primary"],
+      ],
+    );
+    if (v !== "delete") return;
+    const path = state.path;
+    mine(path);
     try {
-      const r = await api("PUT", "/attachments/" + enc(tried), file, headers);
-      return r.data;
+      await core.api("DELETE", "/notes/" + core.enc(path), undefined, {"If-Match": state.etag});
     } catch (e) {
-      if (e.status !== 412 || n >= 5) throw e;
-    }
-  }
-}
-
-async function attach(files) {
-  if (!state.path || !files.length) return;
-  if (!state.editing) setEditing(true);
-  const ed = editor();
-  for (const file of files) {
-    toast("Uploading " + (file.name || "the image") + "…");
-    const data = await upload(file);
-    const label = (file.name || "image").replace(/[[\]]/g, "");
-    const md =
-      (/^image\//.test(data.contentType) ? "!" : "") +
-      "[" +
-      label +
-      "](" +
-      relativeTo(state.path, data.path) +
-      ")";
-    const at = ed.selectionStart === undefined ? ed.value.length : ed.selectionEnd;
-    const before = ed.value.slice(0, at);
-    const insert = (before && !before.endsWith("\n") ? "\n" : "") + md + "\n";
-    ed.value = before + insert + ed.value.slice(at);
-    ed.setSelectionRange(at + insert.length, at + insert.length);
-    toast("Attached " + data.path + ": Save to keep the link");
-  }
-  updateDirty();
-  scheduleDraft();
-}
-
-// -- the change feed: the tree and the open note follow edits made elsewhere ----------------
-
-let feedRun = 0; // one follower at a time: a new connection starts a new one
-// Notes this page is moving or deleting itself: the feed's report of it is no news.
-const own = new Set();
-function mine(path) {
-  own.add(path);
-  setTimeout(() => own.delete(path), 30000);
-}
-const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
-let treeTimer = 0;
-function treeSoon() {
-  clearTimeout(treeTimer);
-  treeTimer = setTimeout(() => loadTree().catch(() => {}), 300);
-}
-let recentTimer = 0;
-function recentSoon() {
-  clearTimeout(recentTimer);
-  recentTimer = setTimeout(() => loadRecent().catch(() => {}), 1500);
-}
-
-function cursorAfterGone(e) {
-  // A 410 says where the server's changes end: from there on, after listing again.
-  const last = e.error && (e.error.last !== undefined ? e.error.last : null);
-  if (Number.isInteger(last)) return last;
-  const m = /since=(\d+)/.exec(e.message || "");
-  return m ? parseInt(m[1], 10) : null;
-}
-
-async function changeCursor() {
-  let since = 0;
-  for (let page = 0; page < 20; page++) {
-    let r;
-    try {
-      r = await api("GET", "/changes?wait=0&limit=1000&since=" + since);
-    } catch (e) {
-      if (e.status === 410) return cursorAfterGone(e);
+      if (e.status === 412) throw new Error("It changed elsewhere: reload it before deleting.");
       throw e;
     }
-    since = r.data.last;
-    if (!r.data.more) return since;
+    dropDraft();
+    closeNote();
+    core.showPane("notes");
+    await core.loadTree();
+    core.toast(
+      "Moved " + paths.nameOf(path) + " to the trash",
+      false,
+      core.features.history ? ["Undo", () => undoDelete(path)] : null,
+    );
   }
-  return since;
-}
 
-function applyChange(c) {
-  if (offlineOn()) mirrorChange(c).catch(() => {});
-  if (c.kind === "updated" || c.kind === "modified")
-    recentSoon(); // the recent list's order; the tree is the same
-  else treeSoon(); // the tree's names (and the recent list)
-  if (!state.path || own.has(c.from || c.path)) return;
-  if (c.kind === "moved" && c.from === state.path) {
-    // Follow it at once (a later change in the same batch may name the new path); unsaved
-    // text stays and will be saved there.
-    removeItem("local", draftKey(state.path));
-    state.path = c.path;
-    $("path").textContent = c.path;
-    $("path").title = c.path;
-    setItem("session", "notesvc.open", c.path);
-    keepDraft();
-    loadBacklinks(c.path);
-    reveal(c.path).catch(() => {});
-    if (!dirty()) checkOpenNote().catch(() => {}); // a move may rewrite its links
-    toast("“" + state.title + "” moved to " + c.path);
-  } else if (c.path === state.path) {
-    if (c.kind === "deleted" && !dirty()) {
-      closeNote();
-      toast(
-        c.path + " was deleted elsewhere",
-        false,
-        features.history ? ["Undo", () => undoDelete(c.path)] : null,
-      );
-    } else if (c.kind === "deleted") {
-      showConflict(true);
-    } else if (c.etag !== state.etag) {
-      // Perhaps our own write: look when it is done.
-      if (state.writes) state.recheck = true;
-      else checkOpenNote().catch(() => {});
-    }
-  }
-}
-
-async function followChanges() {
-  const run = ++feedRun;
-  const alive = () => run === feedRun && state.key && !$("app").hidden;
-  let since = null;
-  let pause = 1000;
-  while (alive()) {
+  async function loadBacklinks(path) {
+    const box = $("backlinks");
+    box.hidden = true;
+    let r;
     try {
-      if (since === null) since = await changeCursor();
-      if (since === null) return; // this server gives no cursor: coming back to the page refreshes
-      const r = await api("GET", "/changes?wait=20&limit=1000&since=" + since);
-      if (!alive()) return;
-      for (const c of r.data.changes) applyChange(c);
-      since = r.data.last;
-      pause = 1000;
-      if (r.data.retryAfter) await sleep(r.data.retryAfter * 1000); // too many feeds waiting
+      r = await core.api("GET", "/plugins/backlinks/" + core.enc(path));
     } catch (e) {
-      if (e.status === 401 || e.status === 429) return;
-      if (e.status === 410) {
-        since = cursorAfterGone(e);
-        treeSoon();
-        checkOpenNote().catch(() => {});
-        continue;
-      }
-      await sleep(pause); // offline, or the server restarts: try again, less and less often
-      pause = Math.min(pause * 2, 30000);
-    }
-  }
-}
-
-// What this server offers, from its OpenAPI document (an older one has the core only).
-// The features, read once at start; a note opened before their answer waits for it.
-let featuresRead = Promise.resolve();
-async function readFeatures() {
-  try {
-    const {json} = await api("GET", "/openapi.json", undefined, undefined, {raw: true});
-    const paths = Object.keys((json && json.paths) || {});
-    const has = (end) => paths.some((p) => p.endsWith(end));
-    features.history = has("/trash") && has("/versions");
-    features.attachments = has("/attachments");
-    features.changes = has("/changes");
-  } catch (e) {
-    /* the core only */
-  }
-  $("menu-trash").hidden = !features.history;
-  $("history").hidden = !features.history;
-  $("attach").hidden = !features.attachments || !grants.writable();
-  $("photo").hidden =
-    !features.attachments ||
-    !grants.writable() ||
-    !matchMedia("(pointer: coarse)").matches; // a camera
-}
-
-// -- search ----------------------------------------------------------------------------------
-
-function highlight(text, words) {
-  const frag = document.createDocumentFragment();
-  const folded = fold(text);
-  const marks = [];
-  for (const w of words) {
-    let at = 0;
-    for (;;) {
-      const i = folded.indexOf(w, at);
-      if (i < 0) break;
-      if (i === 0 || !/[\p{L}\p{N}]/u.test(folded[i - 1])) marks.push([i, i + w.length]);
-      at = i + 1;
-    }
-  }
-  marks.sort((a, b) => a[0] - b[0]);
-  let last = 0;
-  for (const [s, e] of marks) {
-    if (s < last) continue;
-    let end = e; // run on to the end of the word: "key" marks "keys"
-    while (end < text.length && /[\p{L}\p{N}]/u.test(text[end])) end++;
-    frag.append(text.slice(last, s), el("mark", {}, text.slice(s, end)));
-    last = end;
-  }
-  frag.append(text.slice(last));
-  return frag;
-}
-
-// A snippet is raw Markdown: leave out the marks that only make it harder to read.
-let searchSeq = 0;
-let searchTimer = 0;
-async function runSearch() {
-  clearTimeout(searchTimer);
-  const q = $("search").value.trim();
-  if (!q) {
-    endSearch(false);
-    return;
-  }
-  const seq = ++searchSeq;
-  $("app").classList.add("searching");
-  showPane("search");
-  const {data} = await api("GET", "/search?limit=50&q=" + enc(q));
-  if (seq !== searchSeq) return;
-  const words = queryWords(q);
-  $("search-hint").hidden = true;
-  $("results-info").textContent =
-    (data.total === 1 ? "1 note" : data.total + " notes") +
-    " · " +
-    (data.tookMs < 10 ? data.tookMs.toFixed(1) : Math.round(data.tookMs)) +
-    " ms";
-  $("results").replaceChildren(
-    ...data.results.map((hit, i) =>
+      return;
+    } // the plugin may be off
+    if (path !== state.path) return;
+    const list = r.data.backlinks || r.data.notes || [];
+    if (!list.length) return;
+    const items = list.map((n) =>
       el(
         "li",
         {},
         el(
           "button",
-          {
-            type: "button",
-            id: "hit-" + i,
-            "data-path": hit.path,
-            onclick: act(() => openNote(hit.path)),
-          },
-          el("span", {class: "t"}, highlight(hit.title, words)),
-          el("span", {class: "p"}, hit.path),
-          el("span", {class: "s"}, highlight(plainSnippet(hit.snippet), words)),
+          {type: "button", class: "link", onclick: core.act(() => openNote(n.path))},
+          n.title || n.path,
         ),
       ),
-    ),
-  );
-  if (!data.results.length)
-    $("results").appendChild(
-      el("li", {class: "muted"}, "Nothing found. Try fewer words, or pre* for a prefix."),
     );
-}
-
-function endSearch(focusTree) {
-  searchSeq++;
-  $("search").value = "";
-  $("app").classList.remove("searching");
-  $("results").replaceChildren();
-  $("results-info").textContent = "";
-  $("search-hint").hidden = false;
-  if (NARROW.matches) showPane("notes");
-  if (focusTree) {
-    const target =
-      $("tree").querySelector("button[aria-current=true]") || $("tree").querySelector("button");
-    if (target) target.focus();
+    box.replaceChildren(el("strong", {}, "Linked from"), el("ul", {}, ...items));
+    box.hidden = false;
   }
-}
 
-function moveInResults(step) {
-  const buttons = Array.from($("results").querySelectorAll("button"));
-  if (!buttons.length) return;
-  const at = buttons.indexOf(document.activeElement);
-  const next = at < 0 ? (step > 0 ? 0 : buttons.length - 1) : at + step;
-  if (next < 0) {
-    $("search").focus();
-    return;
+  // -- history and the trash (where the server keeps them) ----------------------------------
+
+  function when(iso) {
+    const t = Date.parse(iso);
+    return t ? new Date(t).toLocaleString() : iso;
   }
-  buttons[Math.min(next, buttons.length - 1)].focus();
-}
 
-// -- quick capture: a line in today's note --------------------------------------------------
+  // Why a version was kept, in words.
+  const REASONS = {
+    updated: "edited",
+    merged: "merged with an edit from another device",
+    external: "changed outside notesvc",
+    moved: "before a move",
+    deleted: "before it was deleted",
+    restored: "before a restore",
+    linksRewritten: "links updated",
+    dav: "saved by another app",
+  };
 
-async function capture() {
-  const input = $("capture");
-  const text = input.value.trim();
-  if (!text) return;
-  let path;
-  try {
-    path = await appendToToday(text);
-  } catch (e) {
-    if (!unreachable(e) || !offlineOn()) throw e;
-    const at = Date.now();
-    await updateOutbox((items) => queueCapture(items, text, [], newId, at)); // sent when it can be
-    input.value = "";
-    toast("Kept on this device: it goes to today's note when the server can be reached");
-    return;
+  function dayAndTime(iso) {
+    const t = new Date(iso);
+    const days = Math.round(
+      (new Date().setHours(0, 0, 0, 0) - new Date(t).setHours(0, 0, 0, 0)) / 864e5,
+    );
+    const time = t.toLocaleTimeString([], {hour: "2-digit", minute: "2-digit"});
+    if (days === 0) return "Today, " + time;
+    if (days === 1) return "Yesterday, " + time;
+    return (
+      t.toLocaleDateString([], {weekday: "short", day: "numeric", month: "short"}) + ", " + time
+    );
   }
-  input.value = "";
-  toast("Added to " + nameOf(path));
-  await loadTree();
-}
 
-// Append a timed line to today's note (the daily plugin's); return its path.
-// `text`: the line, or a function of today's path giving it. `once`: an Idempotency-Key
-// (the outbox's): a capture sent again after a lost answer is added once (each attempt has
-// its own key, so an answer kept for one is found again). `at`: when it was captured.
-async function appendToToday(text, once, at) {
-  const now = at ? new Date(at) : new Date();
-  const stamp =
-    String(now.getHours()).padStart(2, "0") + ":" + String(now.getMinutes()).padStart(2, "0");
-  for (let attempt = 0; attempt < 3; attempt++) {
-    const today = await api("POST", "/plugins/daily/today");
-    const note = today.data;
-    const line = typeof text === "function" ? text(note.path) : text;
-    const content =
-      note.content + (note.content.endsWith("\n") ? "" : "\n") + "- " + stamp + " " + line + "\n";
-    const headers = {"If-Match": note.etag};
-    if (once) headers["Idempotency-Key"] = once + ":" + attempt;
-    const done = await writing(async () => {
-      try {
-        await api("PUT", "/notes/" + enc(note.path), {content}, headers);
-      } catch (e) {
-        if (e.status === 412) return false; // written meanwhile: read it again
-        throw e;
+  // What changed, word by word; long unchanged stretches shrink to their ends.
+  function wordDiffView(before, after) {
+    const out = el("p", {class: "words"});
+    const parts = merge.wordDiff(before, after);
+    parts.forEach((part, i) => {
+      if (part.op !== "same") {
+        out.append(el(part.op === "add" ? "ins" : "del", {}, part.text));
+        return;
       }
-      if (state.path === note.path && !dirty()) await openNote(note.path);
-      return true;
+      const t = part.text;
+      const head = i > 0 ? 80 : 0; // after a change: its context
+      const tail = i < parts.length - 1 ? 80 : 0; // before one
+      if (t.length <= head + tail + 40) out.append(t);
+      else
+        out.append(t.slice(0, head), el("span", {class: "gap"}, " … "), t.slice(t.length - tail));
     });
-    if (done) return note.path;
+    return out;
   }
-  throw new Error("Today's note keeps changing; try again.");
-}
 
-// -- ask -----------------------------------------------------------------------------------
-
-async function ask() {
-  const input = $("chat-input");
-  const message = input.value.trim();
-  if (!message) return;
-  const log = $("chat-log");
-  const about = $("about").checked && state.path;
-  log.appendChild(
-    el(
-      "div",
-      {class: "msg me"},
-      message,
-      about ? el("small", {class: "muted"}, "\nabout " + state.title) : null,
-    ),
-  );
-  const pending = el("div", {class: "msg"}, el("span", {class: "muted"}, "Thinking…"));
-  log.appendChild(pending);
-  log.scrollTop = log.scrollHeight;
-  input.value = "";
-  const body = {message, channel: "web"};
-  if (about) body.notePath = state.path;
-  try {
-    const {data} = await api("POST", "/agent/chat", body);
-    const parts = [renderMarkdown(data.reply || "", {from: state.path})];
-    if (data.sources && data.sources.length) {
-      parts.push(el("div", {class: "hint", "aria-hidden": "true"}, "Sources"));
-      parts.push(
+  // The history as a timeline: when, why, and what changed since, word by word; restore in
+  // one tap.
+  async function showHistory() {
+    if (!state.path) return;
+    const path = state.path;
+    const {data} = await core.api("GET", "/notes/" + core.enc(path) + "/versions?limit=50");
+    const base = "/notes/" + core.enc(path) + "/versions/";
+    const list = el("ol", {class: "timeline", id: "versions"});
+    const detail = el("div", {id: "version-detail"});
+    for (const v of data.versions) {
+      const changes = core.act(async () => {
+        const r = await core.api("GET", base + core.enc(v.id));
+        const now = editor().value;
+        detail.replaceChildren(
+          el("h3", {}, "From " + dayAndTime(v.savedAt) + " to now"),
+          r.data.content === now
+            ? el("p", {}, "The same as now.")
+            : wordDiffView(r.data.content, now),
+          el("p", {class: "muted"}, "Struck out: only then. Underlined: only now."),
+        );
+        detail.scrollIntoView({block: "nearest"});
+      });
+      const view = core.act(async () => {
+        const r = await core.api("GET", base + core.enc(v.id));
+        detail.replaceChildren(
+          el("h3", {}, "As it was " + dayAndTime(v.savedAt)),
+          el("pre", {}, r.data.content),
+        );
+      });
+      const restore = core.act(async () => {
+        dialogDone("cancel");
+        if (!(await confirmLeave())) return;
+        await writing(async () => {
+          const r = await core.api("POST", base + core.enc(v.id) + "/restore", undefined, {
+            "If-Match": state.etag,
+          });
+          dropDraft();
+          showNote(r.data);
+          setEditing(false);
+          updateDirty();
+        });
+        core.toast("Restored the version of " + dayAndTime(v.savedAt));
+      });
+      list.append(
         el(
-          "ul",
-          {class: "sources", "aria-label": "Sources"},
-          ...data.sources.map((s) =>
+          "li",
+          {"data-version": v.id},
+          el(
+            "span",
+            {class: "when"},
+            el("strong", {}, dayAndTime(v.savedAt)),
             el(
-              "li",
-              {},
-              el(
-                "button",
-                {
-                  type: "button",
-                  class: "link",
-                  "data-path": s.path,
-                  onclick: act(() => openNote(s.path)),
-                },
-                s.title || s.path,
-              ),
+              "small",
+              {class: "muted"},
+              (REASONS[v.reason] || v.reason) + " · " + paths.sizeText(v.size),
             ),
+          ),
+          el(
+            "span",
+            {class: "actions"},
+            el("button", {type: "button", onclick: changes}, "Changes"),
+            el("button", {type: "button", onclick: view}, "View"),
+            grants.writable() ? el("button", {type: "button", onclick: restore}, "Restore") : null,
           ),
         ),
       );
     }
-    pending.replaceChildren(...parts);
-  } catch (e) {
-    pending.replaceChildren(el("span", {class: "err"}, e.message));
+    if (!data.versions.length) list.append(el("li", {class: "muted"}, "No earlier versions yet."));
+    await dialog("History of " + state.title, [list, detail], [["cancel", "Close"]]);
   }
-  log.scrollTop = log.scrollHeight;
-}
 
-// -- start: wire the controls, connect with what this tab (or device) remembers ------------
-
-async function start() {
-  setSide(getItem("local", "notesvc.ui.side") !== "closed");
-  offlineMenu();
-  const moves = state.moves;
-  if (offlineOn()) await loadOutboxOrSay();
-  featuresRead = readFeatures();
-  await Promise.all([
-    loadTree(),
-    featuresRead.catch((e) => (offlineOn() ? null : Promise.reject(e))),
-  ]);
-  if (features.changes) followChanges();
-  if (offlineOn()) {
-    sendOutbox().catch(() => {}); // what waits goes now
-    if (new URLSearchParams(location.search).has("shared")) {
-      history.replaceState(history.state, "", location.pathname);
-    }
-    act(askShared)(); // the share sheet's items, once the person says yes
-  }
-  // What this tab had open comes back, unless the person already went somewhere while the
-  // tree and the features loaded (a tap on New note is not undone by the restore).
-  if (state.moves !== moves || state.path || state.blank) return;
-  const last = getItem("session", "notesvc.open");
-  if (last) {
+  async function restoreFromTrash(item, to) {
     try {
-      await openNote(last);
+      const r = await core.api(
+        "POST",
+        "/trash/" + core.enc(item.id) + "/restore",
+        to ? {path: to} : undefined,
+      );
+      return r.data;
     } catch (e) {
-      closeNote();
+      if (e.status !== 409) throw e;
+      const input = el("input", {
+        type: "text",
+        id: "restore-path",
+        autocomplete: "off",
+        spellcheck: "false",
+      });
+      input.value = item.path.replace(/(\.\w+)$/, " (restored)$1");
+      const v = await dialog(
+        "Restore under another name",
+        [e.message, el("label", {for: "restore-path"}, "Restore as"), input],
+        [
+          ["cancel", "Cancel"],
+          ["restore", "Restore", "primary"],
+        ],
+        input,
+      );
+      return v === "restore" ? restoreFromTrash(item, input.value.trim()) : null;
     }
-  } else if (readDraft(NEW_NOTE) && grants.writable()) {
-    await newNote(); // a new note that was never saved: its text is back
   }
-  if (NARROW.matches) {
-    const pane = getItem("session", "notesvc.pane");
-    showPane(pane && (pane !== "note" || state.path) ? pane : state.path ? "note" : "notes", true);
-    history.replaceState({pane: $("app").dataset.pane}, "");
-  }
-}
 
-function wire() {
-  $("connect").addEventListener("click", () => connect(true));
-  $("key").addEventListener("keydown", (e) => {
-    if (e.key === "Enter") connect(true);
-  });
-  $("relay-code").addEventListener("keydown", (e) => {
-    if (e.key === "Enter") connect(true);
-  });
-  $("remember").addEventListener("change", () => {
-    $("remember-warn").hidden = !$("remember").checked;
-  });
-  $("logout").addEventListener("click", act(logout));
-  for (const id of ["new", "empty-new", "menu-new"]) $(id).addEventListener("click", act(newNote));
-  $("menu-refresh").addEventListener(
-    "click",
-    act(async () => {
-      await loadTree();
-      if (state.path && !dirty()) await openNote(state.path);
-    }),
-  );
-  $("save").addEventListener(
-    "click",
-    act(() => save(false)),
-  );
-  $("overwrite").addEventListener(
-    "click",
-    act(() => save(true)),
-  );
-  $("reload").addEventListener("click", act(reloadTheirs));
-  $("open-copy").addEventListener(
-    "click",
-    act(() => openNote($("conflict").dataset.copy)),
-  );
-  $("conflict-ok").addEventListener("click", () => ($("conflict").hidden = true));
-  $("draft-discard").addEventListener(
-    "click",
-    act(() => {
-      if (!state.blank) return reloadTheirs();
-      dropDraft(); // a new note's draft: the page starts blank again
-      editor().value = "";
-      updateDirty();
-      return undefined;
-    }),
-  );
-  $("edit").addEventListener("click", () => {
-    setEditing(!state.editing);
-    if (state.editing) editor().focus();
-  });
-  $("back").addEventListener("click", () => showPane("notes"));
-  $("move").addEventListener("click", act(moveNote));
-  $("history").addEventListener("click", act(showHistory));
-  $("menu-trash").addEventListener("click", act(showTrash));
-  $("attach").addEventListener("click", () => $("attach-file").click());
-  $("photo").addEventListener("click", () => $("attach-photo").click());
-  for (const id of ["attach-file", "attach-photo"]) {
-    $(id).addEventListener(
-      "change",
-      act(async () => {
-        const files = Array.from($(id).files);
-        $(id).value = "";
-        await attach(files);
-      }),
+  async function showTrash() {
+    const {data} = await core.api("GET", "/trash?limit=100");
+    const list = el("ul", {class: "list", id: "trash-items"});
+    const detail = el("div", {id: "trash-detail"});
+    for (const item of data.items) {
+      const view = core.act(async () => {
+        const r = await core.api("GET", "/trash/" + core.enc(item.id));
+        detail.replaceChildren(el("h3", {}, item.path), el("pre", {}, r.data.content || ""));
+      });
+      const restore = core.act(async () => {
+        dialogDone("cancel");
+        const rec = await restoreFromTrash(item);
+        if (!rec) return;
+        await core.loadTree();
+        core.toast("Restored " + rec.path);
+        if (rec.path.startsWith("notes/")) await openNote(rec.path);
+      });
+      const purge = core.act(async () => {
+        await core.api("DELETE", "/trash/" + core.enc(item.id));
+        row.remove();
+      });
+      const row = el(
+        "li",
+        {"data-trash": item.id},
+        el(
+          "span",
+          {},
+          item.path,
+          el("small", {class: "muted"}, " · deleted " + when(item.deletedAt)),
+        ),
+        el(
+          "span",
+          {class: "actions"},
+          item.path.endsWith(".md") ? el("button", {type: "button", onclick: view}, "View") : null,
+          grants.writable() ? el("button", {type: "button", onclick: restore}, "Restore") : null,
+          state.grant
+            ? null
+            : el(
+                // purging for good is the owner's alone
+                "button",
+                {
+                  type: "button",
+                  class: "danger",
+                  onclick: purge,
+                  "aria-label": "Delete forever: " + item.path,
+                },
+                "Delete",
+              ),
+        ),
+      );
+      list.append(row);
+    }
+    if (!data.items.length) list.append(el("li", {class: "muted"}, "The trash is empty."));
+    await dialog("Trash", [list, detail], [["cancel", "Close"]]);
+  }
+
+  // Undo a delete: the newest trash item with that path comes back.
+  async function undoDelete(path) {
+    const {data} = await core.api("GET", "/trash?limit=50");
+    const item = data.items.find((i) => i.path === path);
+    if (!item) throw new Error("It is no longer in the trash.");
+    const rec = await restoreFromTrash(item);
+    if (!rec) return;
+    await core.loadTree();
+    await openNote(rec.path);
+  }
+
+  // -- attachments: a photo, a file, a pasted image ------------------------------------------
+
+  function attachmentPath(file) {
+    const now = new Date();
+    const stamp = now.toISOString().replace(/[-:]/g, "").replace("T", "-").slice(0, 15);
+    const dot = file.name.lastIndexOf(".");
+    const ext = (
+      dot > 0 ? file.name.slice(dot + 1) : file.type.split("/")[1] || "bin"
+    ).toLowerCase();
+    const stem =
+      (dot > 0 ? file.name.slice(0, dot) : file.name || "file")
+        .normalize("NFKD")
+        .replace(/[^\w-]+/g, "-")
+        .replace(/^-+|-+$/g, "")
+        .slice(0, 60) || "file";
+    const folder = state.path ? markdown.folderOf(state.path).replace(/^notes\/?/, "") : "";
+    return (
+      "attachments/" +
+      (folder ? folder + "/" : "") +
+      stamp +
+      "-" +
+      stem +
+      "." +
+      ext.replace(/[^\w]/g, "")
     );
   }
-  editor().addEventListener("paste", (e) => {
-    const files = Array.from((e.clipboardData && e.clipboardData.files) || []);
-    if (!files.length || !features.attachments) return;
-    e.preventDefault();
-    act(() => attach(files))();
-  });
-  editor().addEventListener("drop", (e) => {
-    const files = Array.from((e.dataTransfer && e.dataTransfer.files) || []);
-    if (!files.length || !features.attachments) return;
-    e.preventDefault();
-    act(() => attach(files))();
-  });
-  $("delete").addEventListener("click", act(deleteNote));
-  editor().addEventListener("input", () => {
-    updateDirty();
-    scheduleDraft();
-    if (grants.writable()) scheduleSave();
-  });
-  editor().addEventListener("focus", () => $("app").classList.add("typing"));
-  editor().addEventListener("blur", () => $("app").classList.remove("typing"));
-  $("search").addEventListener("input", () => {
-    clearTimeout(searchTimer);
-    searchTimer = setTimeout(act(runSearch), 250);
-  });
-  $("search").addEventListener("keydown", (e) => {
-    if (e.key === "Enter") {
-      e.preventDefault();
-      act(runSearch)();
-    } else if (e.key === "ArrowDown") {
-      e.preventDefault();
-      moveInResults(1);
-    } else if (e.key === "Escape") {
-      e.preventDefault();
-      endSearch(true);
-    }
-  });
-  $("search").addEventListener("focus", () => {
-    if (NARROW.matches && $("search").value) showPane("search");
-  });
-  $("results").addEventListener("keydown", (e) => {
-    if (e.key === "ArrowDown") {
-      e.preventDefault();
-      moveInResults(1);
-    } else if (e.key === "ArrowUp") {
-      e.preventDefault();
-      moveInResults(-1);
-    } else if (e.key === "Escape") {
-      e.preventDefault();
-      endSearch(true);
-    }
-  });
-  $("results-close").addEventListener("click", () => endSearch(true));
-  $("capture-add").addEventListener("click", act(capture));
-  $("capture").addEventListener("keydown", (e) => {
-    if (e.key === "Enter") act(capture)();
-  });
-  $("chat-send").addEventListener("click", act(ask));
-  $("chat-input").addEventListener("keydown", (e) => {
-    if (e.key === "Enter") act(ask)();
-  });
-  $("toggle-ask").addEventListener("click", () =>
-    setSide($("main").classList.contains("side-closed")),
-  );
-  for (const b of document.querySelectorAll(".tabs button")) {
-    b.addEventListener("click", () => {
-      showPane(b.dataset.pane);
-      if (b.dataset.pane === "search") $("search").focus();
-      if (b.dataset.pane === "ask") $("chat-input").focus();
-    });
-  }
-  $("dlg").addEventListener("cancel", (e) => {
-    e.preventDefault();
-    if (dialogDone) dialogDone("cancel");
-  });
-  // Menus close when something is chosen or the click lands elsewhere.
-  document.addEventListener("click", (e) => {
-    for (const m of document.querySelectorAll("details.menu[open]")) {
-      if (!m.contains(e.target) || e.target.closest(".menu-list button")) m.open = false;
-    }
-  });
-  document.addEventListener("keydown", (e) => {
-    const typing = /^(INPUT|TEXTAREA|SELECT)$/.test(document.activeElement.tagName);
-    if ((e.ctrlKey || e.metaKey) && e.key.toLowerCase() === "s") {
-      e.preventDefault();
-      if (state.path) act(() => save(false))();
-    } else if (e.key === "/" && !typing && !$("app").hidden && !$("dlg").open) {
-      e.preventDefault();
-      $("search").focus();
-      $("search").select();
-    } else if (e.key === "Escape") {
-      for (const m of document.querySelectorAll("details.menu[open]")) {
-        m.open = false;
-        m.querySelector("summary").focus();
+
+  // PUT the file's bytes; never over another file (If-None-Match: *): a taken name gets -2, -3…
+  // `once`: an Idempotency-Key (the outbox's): sent again after a lost answer, the upload is
+  // made once.
+  async function upload(file, once) {
+    const path = attachmentPath(file);
+    for (let n = 1; ; n++) {
+      const tried = n === 1 ? path : path.replace(/(\.\w+)$/, "-" + n + "$1");
+      const headers = {
+        "Content-Type": file.type || "application/octet-stream",
+        "If-None-Match": "*",
+      };
+      if (once) headers["Idempotency-Key"] = once + ":" + n;
+      try {
+        const r = await core.api("PUT", "/attachments/" + core.enc(tried), file, headers);
+        return r.data;
+      } catch (e) {
+        if (e.status !== 412 || n >= 5) throw e;
       }
     }
-  });
-  window.addEventListener("beforeunload", (e) => {
-    keepDraft();
-    if (dirty()) {
-      e.preventDefault();
-      e.returnValue = "";
-    }
-  });
-  document.addEventListener("visibilitychange", () => {
-    if (document.hidden) saveAsThePageHides();
-    else act(lookAgain)();
-  });
-  window.addEventListener("popstate", (e) => {
-    if (e.state && e.state.pane) showPane(e.state.pane, true);
-  });
-  if (window.visualViewport) window.visualViewport.addEventListener("resize", fitViewport);
-  NARROW.addEventListener("change", () => {
-    if (!NARROW.matches) $("app").classList.toggle("searching", !!$("search").value.trim());
-  });
-  new MutationObserver(() => setItem("session", "notesvc.pane", $("app").dataset.pane)).observe(
-    $("app"),
-    {attributes: true, attributeFilter: ["data-pane"]},
-  );
-}
+  }
 
-wire();
-(function boot() {
-  const code = new URLSearchParams(location.search).get("relayCode");
-  if (new URLSearchParams(location.search).get("share") === "off") {
-    // the share sheet reached the server itself: no worker here to keep what was shared
-    history.replaceState(history.state, "", location.pathname);
-    toast(
-      "Sharing to notesvc needs “Keep notes on this device” (in the menu): turn it on, " +
-        "then share again.",
-      true,
-    );
+  async function attach(files) {
+    if (!state.path || !files.length) return;
+    if (!state.editing) setEditing(true);
+    const ed = editor();
+    for (const file of files) {
+      core.toast("Uploading " + (file.name || "the image") + "…");
+      const data = await upload(file);
+      const label = (file.name || "image").replace(/[[\]]/g, "");
+      const md =
+        (/^image\//.test(data.contentType) ? "!" : "") +
+        "[" +
+        label +
+        "](" +
+        paths.relativeTo(state.path, data.path) +
+        ")";
+      const at = ed.selectionStart === undefined ? ed.value.length : ed.selectionEnd;
+      const before = ed.value.slice(0, at);
+      const insert = (before && !before.endsWith("\n") ? "\n" : "") + md + "\n";
+      ed.value = before + insert + ed.value.slice(at);
+      ed.setSelectionRange(at + insert.length, at + insert.length);
+      core.toast("Attached " + data.path + ": Save to keep the link");
+    }
+    updateDirty();
+    scheduleDraft();
   }
-  if (code) $("relay-code").value = code;
-  const pairing = pairingInUrl();
-  if (pairing) {
-    // the secret leaves the address bar and the history at once: it is good once
-    history.replaceState(history.state, "", location.pathname + location.search);
-    $("pair-box").dataset.secret = pairing;
-    $("pair-name").placeholder = "the name it was given, or " + deviceGuess();
-    $("pair-box").hidden = false;
-    if (SHARED_ORIGIN) {
-      $("pair-msg").textContent =
-        "This relay gives all its servers one address, where nothing can be kept: open " +
-        "the link on the server's own address instead.";
-      $("pair-join").disabled = true;
+
+  // -- the change feed: the tree and the open note follow edits made elsewhere ----------------
+
+  let feedRun = 0; // one follower at a time: a new connection starts a new one
+
+  // Stops the follower (the key stopped working: the next connection starts a new one).
+  function stopFeed() {
+    feedRun++;
+  }
+  // Notes this page is moving or deleting itself: the feed's report of it is no news.
+  const own = new Set();
+  function mine(path) {
+    own.add(path);
+    setTimeout(() => own.delete(path), 30000);
+  }
+  const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
+  let treeTimer = 0;
+  function treeSoon() {
+    clearTimeout(treeTimer);
+    treeTimer = setTimeout(() => core.loadTree().catch(() => {}), 300);
+  }
+  let recentTimer = 0;
+  function recentSoon() {
+    clearTimeout(recentTimer);
+    recentTimer = setTimeout(() => core.loadRecent().catch(() => {}), 1500);
+  }
+
+  function cursorAfterGone(e) {
+    // A 410 says where the server's changes end: from there on, after listing again.
+    const last = e.error && (e.error.last !== undefined ? e.error.last : null);
+    if (Number.isInteger(last)) return last;
+    const m = /since=(\d+)/.exec(e.message || "");
+    return m ? parseInt(m[1], 10) : null;
+  }
+
+  async function changeCursor() {
+    let since = 0;
+    for (let page = 0; page < 20; page++) {
+      let r;
+      try {
+        r = await core.api("GET", "/changes?wait=0&limit=1000&since=" + since);
+      } catch (e) {
+        if (e.status === 410) return cursorAfterGone(e);
+        throw e;
+      }
+      since = r.data.last;
+      if (!r.data.more) return since;
+    }
+    return since;
+  }
+
+  function applyChange(c) {
+    if (offline.offlineOn()) offline.mirrorChange(c).catch(() => {});
+    if (c.kind === "updated" || c.kind === "modified")
+      recentSoon(); // the recent list's order; the tree is the same
+    else treeSoon(); // the tree's names (and the recent list)
+    if (!state.path || own.has(c.from || c.path)) return;
+    if (c.kind === "moved" && c.from === state.path) {
+      // Follow it at once (a later change in the same batch may name the new path); unsaved
+      // text stays and will be saved there.
+      core.removeItem("local", draftKey(state.path));
+      state.path = c.path;
+      $("path").textContent = c.path;
+      $("path").title = c.path;
+      core.setItem("session", "notesvc.open", c.path);
+      keepDraft();
+      loadBacklinks(c.path);
+      core.reveal(c.path).catch(() => {});
+      if (!dirty()) checkOpenNote().catch(() => {}); // a move may rewrite its links
+      core.toast("“" + state.title + "” moved to " + c.path);
+    } else if (c.path === state.path) {
+      if (c.kind === "deleted" && !dirty()) {
+        closeNote();
+        core.toast(
+          c.path + " was deleted elsewhere",
+          false,
+          core.features.history ? ["Undo", () => undoDelete(c.path)] : null,
+        );
+      } else if (c.kind === "deleted") {
+        showConflict(true);
+      } else if (c.etag !== state.etag) {
+        // Perhaps our own write: look when it is done.
+        if (state.writes) state.recheck = true;
+        else checkOpenNote().catch(() => {});
+      }
     }
   }
-  if (SHARED_ORIGIN) {
-    $("shared-origin").hidden = false;
-    $("remember").closest("label").hidden = true;
+
+  async function followChanges() {
+    const run = ++feedRun;
+    const alive = () => run === feedRun && state.key && !$("app").hidden;
+    let since = null;
+    let pause = 1000;
+    while (alive()) {
+      try {
+        if (since === null) since = await changeCursor();
+        // this server gives no cursor: coming back to the page refreshes
+        if (since === null) return;
+        const r = await core.api("GET", "/changes?wait=20&limit=1000&since=" + since);
+        if (!alive()) return;
+        for (const c of r.data.changes) applyChange(c);
+        since = r.data.last;
+        pause = 1000;
+        if (r.data.retryAfter) await sleep(r.data.retryAfter * 1000); // too many feeds waiting
+      } catch (e) {
+        if (e.status === 401 || e.status === 429) return;
+        if (e.status === 410) {
+          since = cursorAfterGone(e);
+          treeSoon();
+          checkOpenNote().catch(() => {});
+          continue;
+        }
+        await sleep(pause); // offline, or the server restarts: try again, less and less often
+        pause = Math.min(pause * 2, 30000);
+      }
+    }
   }
-  const kept = keptKey();
-  state.base = kept ? kept.base : getItem("local", "notesvc.base") || "";
-  if (!ownOrigin(state.base) || /^[a-z]+:/i.test(state.base)) state.base = "";
-  if (getItem("local", "notesvc.wipe")) forgetOffline().catch(() => {}); // one cut short
-  // A pairing code may name any server: the page waits for a person to connect, and then
-  // sends the kept key only if the code resolves to the API base it was kept for.
-  if (kept && !code && !pairing) connect(false);
-  else if (!pairing && !kept && !SHARED_ORIGIN) offerSetup();
-  else if (!pairing) $("key").focus();
+
+  // What this server offers, from its OpenAPI document (an older one has the core only).
+  // The features, read once at start; a note opened before their answer waits for it.
+  let featuresRead = Promise.resolve();
+  async function readFeatures() {
+    try {
+      const {json} = await core.api("GET", "/openapi.json", undefined, undefined, {raw: true});
+      const routes = Object.keys((json && json.paths) || {});
+      const has = (end) => routes.some((p) => p.endsWith(end));
+      core.features.history = has("/trash") && has("/versions");
+      core.features.attachments = has("/attachments");
+      core.features.changes = has("/changes");
+    } catch (e) {
+      /* the core only */
+    }
+    $("menu-trash").hidden = !core.features.history;
+    $("history").hidden = !core.features.history;
+    $("attach").hidden = !core.features.attachments || !grants.writable();
+    $("photo").hidden =
+      // a camera
+      !core.features.attachments || !grants.writable() || !matchMedia("(pointer: coarse)").matches;
+  }
+
+  // -- search ----------------------------------------------------------------------------------
+
+  function highlight(text, words) {
+    const frag = document.createDocumentFragment();
+    const folded = paths.fold(text);
+    const marks = [];
+    for (const w of words) {
+      let at = 0;
+      for (;;) {
+        const i = folded.indexOf(w, at);
+        if (i < 0) break;
+        if (i === 0 || !/[\p{L}\p{N}]/u.test(folded[i - 1])) marks.push([i, i + w.length]);
+        at = i + 1;
+      }
+    }
+    marks.sort((a, b) => a[0] - b[0]);
+    let last = 0;
+    for (const [s, e] of marks) {
+      if (s < last) continue;
+      let end = e; // run on to the end of the word: "key" marks "keys"
+      while (end < text.length && /[\p{L}\p{N}]/u.test(text[end])) end++;
+      frag.append(text.slice(last, s), el("mark", {}, text.slice(s, end)));
+      last = end;
+    }
+    frag.append(text.slice(last));
+    return frag;
+  }
+
+  // A snippet is raw Markdown: leave out the marks that only make it harder to read.
+  let searchSeq = 0;
+  let searchTimer = 0;
+  async function runSearch() {
+    clearTimeout(searchTimer);
+    const q = $("search").value.trim();
+    if (!q) {
+      endSearch(false);
+      return;
+    }
+    const seq = ++searchSeq;
+    $("app").classList.add("searching");
+    core.showPane("search");
+    const {data} = await core.api("GET", "/search?limit=50&q=" + core.enc(q));
+    if (seq !== searchSeq) return;
+    const words = paths.queryWords(q);
+    $("search-hint").hidden = true;
+    $("results-info").textContent =
+      (data.total === 1 ? "1 note" : data.total + " notes") +
+      " · " +
+      (data.tookMs < 10 ? data.tookMs.toFixed(1) : Math.round(data.tookMs)) +
+      " ms";
+    $("results").replaceChildren(
+      ...data.results.map((hit, i) =>
+        el(
+          "li",
+          {},
+          el(
+            "button",
+            {
+              type: "button",
+              id: "hit-" + i,
+              "data-path": hit.path,
+              onclick: core.act(() => openNote(hit.path)),
+            },
+            el("span", {class: "t"}, highlight(hit.title, words)),
+            el("span", {class: "p"}, hit.path),
+            el("span", {class: "s"}, highlight(paths.plainSnippet(hit.snippet), words)),
+          ),
+        ),
+      ),
+    );
+    if (!data.results.length)
+      $("results").appendChild(
+        el("li", {class: "muted"}, "Nothing found. Try fewer words, or pre* for a prefix."),
+      );
+  }
+
+  function endSearch(focusTree) {
+    searchSeq++;
+    $("search").value = "";
+    $("app").classList.remove("searching");
+    $("results").replaceChildren();
+    $("results-info").textContent = "";
+    $("search-hint").hidden = false;
+    if (core.NARROW.matches) core.showPane("notes");
+    if (focusTree) {
+      const target =
+        $("tree").querySelector("button[aria-current=true]") || $("tree").querySelector("button");
+      if (target) target.focus();
+    }
+  }
+
+  function moveInResults(step) {
+    const buttons = Array.from($("results").querySelectorAll("button"));
+    if (!buttons.length) return;
+    const at = buttons.indexOf(document.activeElement);
+    const next = at < 0 ? (step > 0 ? 0 : buttons.length - 1) : at + step;
+    if (next < 0) {
+      $("search").focus();
+      return;
+    }
+    buttons[Math.min(next, buttons.length - 1)].focus();
+  }
+
+  // -- quick capture: a line in today's note --------------------------------------------------
+
+  async function capture() {
+    const input = $("capture");
+    const text = input.value.trim();
+    if (!text) return;
+    let path;
+    try {
+      path = await appendToToday(text);
+    } catch (e) {
+      if (!offline.unreachable(e) || !offline.offlineOn()) throw e;
+      const at = Date.now();
+      // sent when it can be
+      await offline.updateOutbox((items) => outbox.queueCapture(items, text, [], newId, at));
+      input.value = "";
+      core.toast("Kept on this device: it goes to today's note when the server can be reached");
+      return;
+    }
+    input.value = "";
+    core.toast("Added to " + paths.nameOf(path));
+    await core.loadTree();
+  }
+
+  // Append a timed line to today's note (the daily plugin's); return its path.
+  // `text`: the line, or a function of today's path giving it. `once`: an Idempotency-Key
+  // (the outbox's): a capture sent again after a lost answer is added once (each attempt has
+  // its own key, so an answer kept for one is found again). `at`: when it was captured.
+  async function appendToToday(text, once, at) {
+    const now = at ? new Date(at) : new Date();
+    const stamp =
+      String(now.getHours()).padStart(2, "0") + ":" + String(now.getMinutes()).padStart(2, "0");
+    for (let attempt = 0; attempt < 3; attempt++) {
+      const today = await core.api("POST", "/plugins/daily/today");
+      const note = today.data;
+      const line = typeof text === "function" ? text(note.path) : text;
+      const content =
+        note.content + (note.content.endsWith("\n") ? "" : "\n") + "- " + stamp + " " + line + "\n";
+      const headers = {"If-Match": note.etag};
+      if (once) headers["Idempotency-Key"] = once + ":" + attempt;
+      const done = await writing(async () => {
+        try {
+          await core.api("PUT", "/notes/" + core.enc(note.path), {content}, headers);
+        } catch (e) {
+          if (e.status === 412) return false; // written meanwhile: read it again
+          throw e;
+        }
+        if (state.path === note.path && !dirty()) await openNote(note.path);
+        return true;
+      });
+      if (done) return note.path;
+    }
+    throw new Error("Today's note keeps changing; try again.");
+  }
+
+  // -- ask -----------------------------------------------------------------------------------
+
+  async function ask() {
+    const input = $("chat-input");
+    const message = input.value.trim();
+    if (!message) return;
+    const log = $("chat-log");
+    const about = $("about").checked && state.path;
+    log.appendChild(
+      el(
+        "div",
+        {class: "msg me"},
+        message,
+        about ? el("small", {class: "muted"}, "\nabout " + state.title) : null,
+      ),
+    );
+    const pending = el("div", {class: "msg"}, el("span", {class: "muted"}, "Thinking…"));
+    log.appendChild(pending);
+    log.scrollTop = log.scrollHeight;
+    input.value = "";
+    const body = {message, channel: "web"};
+    if (about) body.notePath = state.path;
+    try {
+      const {data} = await core.api("POST", "/agent/chat", body);
+      const parts = [
+        markdown.renderMarkdown(data.reply || "", {from: state.path, link, wikiLink, image}),
+      ];
+      if (data.sources && data.sources.length) {
+        parts.push(el("div", {class: "hint", "aria-hidden": "true"}, "Sources"));
+        parts.push(
+          el(
+            "ul",
+            {class: "sources", "aria-label": "Sources"},
+            ...data.sources.map((s) =>
+              el(
+                "li",
+                {},
+                el(
+                  "button",
+                  {
+                    type: "button",
+                    class: "link",
+                    "data-path": s.path,
+                    onclick: core.act(() => openNote(s.path)),
+                  },
+                  s.title || s.path,
+                ),
+              ),
+            ),
+          ),
+        );
+      }
+      pending.replaceChildren(...parts);
+    } catch (e) {
+      pending.replaceChildren(el("span", {class: "err"}, e.message));
+    }
+    log.scrollTop = log.scrollHeight;
+  }
+
+  // -- start: wire the controls, connect with what this tab (or device) remembers ------------
+
+  async function start() {
+    core.setSide(core.getItem("local", "notesvc.ui.side") !== "closed");
+    offline.offlineMenu();
+    const moves = state.moves;
+    if (offline.offlineOn()) await offline.loadOutboxOrSay();
+    featuresRead = readFeatures();
+    await Promise.all([
+      core.loadTree(),
+      featuresRead.catch((e) => (offline.offlineOn() ? null : Promise.reject(e))),
+    ]);
+    if (core.features.changes) followChanges();
+    if (offline.offlineOn()) {
+      offline.sendOutbox().catch(() => {}); // what waits goes now
+      if (new URLSearchParams(location.search).has("shared")) {
+        history.replaceState(history.state, "", location.pathname);
+      }
+      core.act(offline.askShared)(); // the share sheet's items, once the person says yes
+    }
+    // What this tab had open comes back, unless the person already went somewhere while the
+    // tree and the features loaded (a tap on New note is not undone by the restore).
+    if (state.moves !== moves || state.path || state.blank) return;
+    const last = core.getItem("session", "notesvc.open");
+    if (last) {
+      try {
+        await openNote(last);
+      } catch (e) {
+        closeNote();
+      }
+    } else if (readDraft(NEW_NOTE) && grants.writable()) {
+      await newNote(); // a new note that was never saved: its text is back
+    }
+    if (core.NARROW.matches) {
+      const pane = core.getItem("session", "notesvc.pane");
+      core.showPane(
+        pane && (pane !== "note" || state.path) ? pane : state.path ? "note" : "notes",
+        true,
+      );
+      history.replaceState({pane: $("app").dataset.pane}, "");
+    }
+  }
+
+  function wire() {
+    $("connect").addEventListener("click", () => core.connect(true));
+    $("key").addEventListener("keydown", (e) => {
+      if (e.key === "Enter") core.connect(true);
+    });
+    $("relay-code").addEventListener("keydown", (e) => {
+      if (e.key === "Enter") core.connect(true);
+    });
+    $("remember").addEventListener("change", () => {
+      $("remember-warn").hidden = !$("remember").checked;
+    });
+    $("logout").addEventListener("click", core.act(core.logout));
+    for (const id of ["new", "empty-new", "menu-new"])
+      $(id).addEventListener("click", core.act(newNote));
+    $("menu-refresh").addEventListener(
+      "click",
+      core.act(async () => {
+        await core.loadTree();
+        if (state.path && !dirty()) await openNote(state.path);
+      }),
+    );
+    $("save").addEventListener(
+      "click",
+      core.act(() => save(false)),
+    );
+    $("overwrite").addEventListener(
+      "click",
+      core.act(() => save(true)),
+    );
+    $("reload").addEventListener("click", core.act(reloadTheirs));
+    $("open-copy").addEventListener(
+      "click",
+      core.act(() => openNote($("conflict").dataset.copy)),
+    );
+    $("conflict-ok").addEventListener("click", () => ($("conflict").hidden = true));
+    $("draft-discard").addEventListener(
+      "click",
+      core.act(() => {
+        if (!state.blank) return reloadTheirs();
+        dropDraft(); // a new note's draft: the page starts blank again
+        editor().value = "";
+        updateDirty();
+        return undefined;
+      }),
+    );
+    $("edit").addEventListener("click", () => {
+      setEditing(!state.editing);
+      if (state.editing) editor().focus();
+    });
+    $("back").addEventListener("click", () => core.showPane("notes"));
+    $("move").addEventListener("click", core.act(moveNote));
+    $("history").addEventListener("click", core.act(showHistory));
+    $("menu-trash").addEventListener("click", core.act(showTrash));
+    $("attach").addEventListener("click", () => $("attach-file").click());
+    $("photo").addEventListener("click", () => $("attach-photo").click());
+    for (const id of ["attach-file", "attach-photo"]) {
+      $(id).addEventListener(
+        "change",
+        core.act(async () => {
+          const files = Array.from($(id).files);
+          $(id).value = "";
+          await attach(files);
+        }),
+      );
+    }
+    editor().addEventListener("paste", (e) => {
+      const files = Array.from((e.clipboardData && e.clipboardData.files) || []);
+      if (!files.length || !core.features.attachments) return;
+      e.preventDefault();
+      core.act(() => attach(files))();
+    });
+    editor().addEventListener("drop", (e) => {
+      const files = Array.from((e.dataTransfer && e.dataTransfer.files) || []);
+      if (!files.length || !core.features.attachments) return;
+      e.preventDefault();
+      core.act(() => attach(files))();
+    });
+    $("delete").addEventListener("click", core.act(deleteNote));
+    editor().addEventListener("input", () => {
+      updateDirty();
+      scheduleDraft();
+      if (grants.writable()) scheduleSave();
+    });
+    editor().addEventListener("focus", () => $("app").classList.add("typing"));
+    editor().addEventListener("blur", () => $("app").classList.remove("typing"));
+    $("search").addEventListener("input", () => {
+      clearTimeout(searchTimer);
+      searchTimer = setTimeout(core.act(runSearch), 250);
+    });
+    $("search").addEventListener("keydown", (e) => {
+      if (e.key === "Enter") {
+        e.preventDefault();
+        core.act(runSearch)();
+      } else if (e.key === "ArrowDown") {
+        e.preventDefault();
+        moveInResults(1);
+      } else if (e.key === "Escape") {
+        e.preventDefault();
+        endSearch(true);
+      }
+    });
+    $("search").addEventListener("focus", () => {
+      if (core.NARROW.matches && $("search").value) core.showPane("search");
+    });
+    $("results").addEventListener("keydown", (e) => {
+      if (e.key === "ArrowDown") {
+        e.preventDefault();
+        moveInResults(1);
+      } else if (e.key === "ArrowUp") {
+        e.preventDefault();
+        moveInResults(-1);
+      } else if (e.key === "Escape") {
+        e.preventDefault();
+        endSearch(true);
+      }
+    });
+    $("results-close").addEventListener("click", () => endSearch(true));
+    $("capture-add").addEventListener("click", core.act(capture));
+    $("capture").addEventListener("keydown", (e) => {
+      if (e.key === "Enter") core.act(capture)();
+    });
+    $("chat-send").addEventListener("click", core.act(ask));
+    $("chat-input").addEventListener("keydown", (e) => {
+      if (e.key === "Enter") core.act(ask)();
+    });
+    $("toggle-ask").addEventListener("click", () =>
+      core.setSide($("main").classList.contains("side-closed")),
+    );
+    for (const b of document.querySelectorAll(".tabs button")) {
+      b.addEventListener("click", () => {
+        core.showPane(b.dataset.pane);
+        if (b.dataset.pane === "search") $("search").focus();
+        if (b.dataset.pane === "ask") $("chat-input").focus();
+      });
+    }
+    $("dlg").addEventListener("cancel", (e) => {
+      e.preventDefault();
+      if (dialogDone) dialogDone("cancel");
+    });
+    // Menus close when something is chosen or the click lands elsewhere.
+    document.addEventListener("click", (e) => {
+      for (const m of document.querySelectorAll("details.menu[open]")) {
+        if (!m.contains(e.target) || e.target.closest(".menu-list button")) m.open = false;
+      }
+    });
+    document.addEventListener("keydown", (e) => {
+      const typing = /^(INPUT|TEXTAREA|SELECT)$/.test(document.activeElement.tagName);
+      if ((e.ctrlKey || e.metaKey) && e.key.toLowerCase() === "s") {
+        e.preventDefault();
+        if (state.path) core.act(() => save(false))();
+      } else if (e.key === "/" && !typing && !$("app").hidden && !$("dlg").open) {
+        e.preventDefault();
+        $("search").focus();
+        $("search").select();
+      } else if (e.key === "Escape") {
+        for (const m of document.querySelectorAll("details.menu[open]")) {
+          m.open = false;
+          m.querySelector("summary").focus();
+        }
+      }
+    });
+    window.addEventListener("beforeunload", (e) => {
+      keepDraft();
+      if (dirty()) {
+        e.preventDefault();
+        e.returnValue = "";
+      }
+    });
+    document.addEventListener("visibilitychange", () => {
+      if (document.hidden) saveAsThePageHides();
+      else core.act(lookAgain)();
+    });
+    window.addEventListener("popstate", (e) => {
+      if (e.state && e.state.pane) core.showPane(e.state.pane, true);
+    });
+    if (window.visualViewport) window.visualViewport.addEventListener("resize", core.fitViewport);
+    core.NARROW.addEventListener("change", () => {
+      if (!core.NARROW.matches) $("app").classList.toggle("searching", !!$("search").value.trim());
+    });
+    new MutationObserver(() =>
+      core.setItem("session", "notesvc.pane", $("app").dataset.pane),
+    ).observe($("app"), {attributes: true, attributeFilter: ["data-pane"]});
+  }
+
+  return {
+    NEW_NOTE,
+    appendToToday,
+    choose,
+    confirmLeave,
+    deviceName,
+    dialog,
+    draftKey,
+    editor,
+    fromEditor,
+    keepDraft,
+    newId,
+    openNote,
+    readDraft,
+    saved,
+    sleep,
+    start,
+    stopFeed,
+    toEditor,
+    updateDirty,
+    upload,
+    when,
+    wire,
+  };
 })();
 """[1:]
 # --- end web/app.js ---
@@ -20883,6 +20976,8 @@ WEB_GRANTS_JS = r"""
 // One name, grants: what the other files call (writable, applyGrant, shownOnce, showKeys).
 
 const grants = (() => {
+  const {$, state} = core;
+  const {el} = markdown;
   function writable() {
     return !state.grant || state.grant.scope !== "read";
   }
@@ -20917,7 +21012,7 @@ const grants = (() => {
   async function copyText(text, what, field) {
     try {
       await navigator.clipboard.writeText(text);
-      toast(what + " copied");
+      core.toast(what + " copied");
       return;
     } catch (e) {
       /* no Clipboard API here: the selection instead */
@@ -20937,8 +21032,8 @@ const grants = (() => {
       done = false;
     }
     if (!field) box.remove();
-    if (done) toast(what + " copied");
-    else toast("Select it and copy it yourself: this browser did not allow copying", true);
+    if (done) core.toast(what + " copied");
+    else core.toast("Select it and copy it yourself: this browser did not allow copying", true);
   }
 
   function shownOnce(label, value, id) {
@@ -20967,12 +21062,12 @@ const grants = (() => {
   }
 
   // The grants g made, and those they made in turn (what a cascade revoke takes with it).
-  function madeBy(id, grants) {
+  function madeBy(id, all) {
     const found = new Set([id]);
     const made = [];
-    for (let more = true; more; ) {
+    for (let more = true; more;) {
       more = false;
-      for (const g of grants) {
+      for (const g of all) {
         if (g.createdBy && found.has(g.createdBy) && !found.has(g.id)) {
           found.add(g.id);
           made.push(g);
@@ -20983,17 +21078,17 @@ const grants = (() => {
     return made;
   }
 
-  function grantRow(g, list, grants, names) {
-    const made = madeBy(g.id, grants);
+  function grantRow(g, list, all, names) {
+    const made = madeBy(g.id, all);
     const what = [
       SCOPE_TEXT[g.scope] || g.scope,
       g.folder ? "only " + g.folder : "all notes",
-      g.expiresAt ? "expires " + when(g.expiresAt) : "never expires",
-      g.lastUsedAt ? "used " + ago(g.lastUsedAt) : "never used",
+      g.expiresAt ? "expires " + app.when(g.expiresAt) : "never expires",
+      g.lastUsedAt ? "used " + core.ago(g.lastUsedAt) : "never used",
       madeByText(g.createdBy, names),
       made.length ? "made " + made.length + " listed here" : "",
     ].filter(Boolean);
-    const revoke = act(async () => {
+    const revoke = core.act(async () => {
       const text = [
         g.kind === "oauth"
           ? "This app is disconnected at once; it must ask you again to come back."
@@ -21021,9 +21116,10 @@ const grants = (() => {
         );
         buttons.push(["cascade", "Also revoke the " + made.length + " it made", "danger"]);
       }
-      const sure = await choose("Revoke “" + g.name + "”?", text, buttons);
-      if (sure === "revoke") await api("DELETE", "/auth/keys/" + enc(g.id));
-      if (sure === "cascade") await api("DELETE", "/auth/keys/" + enc(g.id) + "?cascade=true");
+      const sure = await app.choose("Revoke “" + g.name + "”?", text, buttons);
+      if (sure === "revoke") await core.api("DELETE", "/auth/keys/" + core.enc(g.id));
+      if (sure === "cascade")
+        await core.api("DELETE", "/auth/keys/" + core.enc(g.id) + "?cascade=true");
       await showKeys();
     });
     list.append(
@@ -21046,17 +21142,21 @@ const grants = (() => {
   }
 
   async function showKeys(made) {
-    const [{data}, shares] = await Promise.all([api("GET", "/auth/keys"), api("GET", "/shares")]);
-    const keys = el("ul", {class: "list", id: "keys-list"});
+    const [{data}, shares] = await Promise.all([
+      core.api("GET", "/auth/keys"),
+      core.api("GET", "/shares"),
+    ]);
+    const keyList = el("ul", {class: "list", id: "keys-list"});
     const apps = el("ul", {class: "list", id: "connections-list"});
-    const devices = el("ul", {class: "list", id: "devices-list"});
+    const deviceList = el("ul", {class: "list", id: "devices-list"});
     const names = new Map(data.keys.map((g) => [g.id, g.name]));
     for (const g of data.keys) {
-      const list = g.kind === "oauth" ? apps : g.kind === "device" ? devices : keys;
+      const list = g.kind === "oauth" ? apps : g.kind === "device" ? deviceList : keyList;
       grantRow(g, list, data.keys, names);
     }
-    if (!keys.children.length) keys.append(el("li", {class: "muted"}, "No scoped keys yet."));
-    if (!devices.children.length) devices.append(el("li", {class: "muted"}, "No device yet."));
+    if (!keyList.children.length) keyList.append(el("li", {class: "muted"}, "No scoped keys yet."));
+    if (!deviceList.children.length)
+      deviceList.append(el("li", {class: "muted"}, "No device yet."));
     if (!apps.children.length) {
       apps.append(el("li", {class: "muted"}, "No app is connected (Claude, ChatGPT…)."));
     }
@@ -21078,12 +21178,12 @@ const grants = (() => {
       el("option", {value: "365"}, "in a year"),
       el("option", {value: ""}, "never"),
     );
-    const create = act(async () => {
+    const create = core.act(async () => {
       const body = {name: name.value.trim() || "key", scope: scope.value};
       let f = folder.value.trim().replace(/\/+$/, "");
       if (f) body.folder = f.startsWith("notes") ? f : "notes/" + f.replace(/^\/+/, "");
       if (days.value) body.expiresInDays = Number(days.value);
-      const r = await api("POST", "/auth/keys", body);
+      const r = await core.api("POST", "/auth/keys", body);
       await showKeys(r.data);
     });
     const form = el(
@@ -21109,7 +21209,7 @@ const grants = (() => {
     }
     body.push(
       el("h3", {}, "Devices"),
-      devices,
+      deviceList,
       el(
         "div",
         {class: "row"},
@@ -21119,31 +21219,31 @@ const grants = (() => {
             type: "button",
             id: "add-device",
             class: "primary",
-            onclick: act(() => addDevice(false)),
+            onclick: core.act(() => devices.addDevice(false)),
           },
           "Add a device",
         ),
         el(
           "button",
-          {type: "button", id: "add-folder", onclick: act(() => addDevice(true))},
+          {type: "button", id: "add-folder", onclick: core.act(() => devices.addDevice(true))},
           "Give someone a folder",
         ),
       ),
       el("h3", {}, "Keys"),
-      keys,
+      keyList,
       el("h3", {}, "Connected apps"),
       apps,
       el("h3", {}, "Share links"),
       links,
       form,
     );
-    await dialog("Keys and devices", body, [["cancel", "Close"]]);
+    await app.dialog("Keys and devices", body, [["cancel", "Close"]]);
   }
 
   function shareRow(s, after, names) {
-    const revoke = act(async () => {
-      await api("DELETE", "/shares/" + enc(s.id));
-      toast("The link no longer opens " + nameOf(s.path));
+    const revoke = core.act(async () => {
+      await core.api("DELETE", "/shares/" + core.enc(s.id));
+      core.toast("The link no longer opens " + paths.nameOf(s.path));
       await after();
     });
     return el(
@@ -21152,11 +21252,11 @@ const grants = (() => {
       el(
         "span",
         {},
-        nameOf(s.path),
+        paths.nameOf(s.path),
         el(
           "small",
           {class: "muted"},
-          " · expires " + when(s.expiresAt),
+          " · expires " + app.when(s.expiresAt),
           names && s.createdBy ? " · " + madeByText(s.createdBy, names) : "",
         ),
       ),
@@ -21171,7 +21271,7 @@ const grants = (() => {
   async function shareNote(made) {
     if (!state.path) return;
     const path = state.path;
-    const {data} = await api("GET", "/shares");
+    const {data} = await core.api("GET", "/shares");
     const list = el("ul", {class: "list", id: "share-links"});
     for (const s of data.shares) if (s.path === path) list.append(shareRow(s, () => shareNote()));
     if (!list.children.length) list.append(el("li", {class: "muted"}, "Not shared yet."));
@@ -21183,8 +21283,8 @@ const grants = (() => {
       el("option", {value: "30"}, "in 30 days"),
       el("option", {value: "365"}, "in a year"),
     );
-    const create = act(async () => {
-      const r = await api("POST", "/shares", {path, expiresInDays: Number(days.value)});
+    const create = core.act(async () => {
+      const r = await core.api("POST", "/shares", {path, expiresInDays: Number(days.value)});
       await shareNote(r.data);
     });
     const body = [
@@ -21207,25 +21307,24 @@ const grants = (() => {
       el("h3", {}, "Links to this note"),
       list,
     );
-    await dialog("Share " + (state.title || nameOf(path)), body, [["cancel", "Close"]]);
+    await app.dialog("Share " + (state.title || paths.nameOf(path)), body, [["cancel", "Close"]]);
   }
 
   function wireGrants() {
     $("menu-keys").addEventListener(
       "click",
-      act(() => showKeys()),
+      core.act(() => showKeys()),
     );
     $("menu-telegram").addEventListener(
       "click",
-      act(() => showTelegram()),
+      core.act(() => devices.showTelegram()),
     );
     $("share").addEventListener(
       "click",
-      act(() => shareNote()),
+      core.act(() => shareNote()),
     );
   }
-  wireGrants();
-  return {writable, applyGrant, shownOnce, showKeys};
+  return {writable, applyGrant, shownOnce, showKeys, wireGrants};
 })();
 """[1:]
 # --- end web/grants.js ---
@@ -21238,482 +21337,536 @@ WEB_OFFLINE_JS = r"""
 // per-server origin, or localhost): elsewhere the option says so and stays off. Turning
 // it off deletes the copy. A key that stops working wipes it.
 
-const offline = {db: null, items: [], sending: false};
+const offline = (() => {
+  const {$, state} = core;
+  const {el} = markdown;
+  const store = {db: null, items: [], sending: false};
 
-function offlineOn() {
-  return !!state.base && getItem("local", "notesvc.offline") === state.base;
-}
-
-// The server cannot be reached: no answer at all, or the relay's word that the server
-// behind it is not there (502, 503, 504).
-function unreachable(e) {
-  return e.status === 0 || e.status === 502 || e.status === 503 || e.status === 504;
-}
-
-function offlinePossible() {
-  return (
-    window.isSecureContext &&
-    "serviceWorker" in navigator &&
-    "indexedDB" in window &&
-    !SHARED_ORIGIN
-  );
-}
-
-function idb() {
-  if (offline.db) return Promise.resolve(offline.db);
-  return new Promise((resolve, reject) => {
-    const open = indexedDB.open("notesvc", 1);
-    open.onupgradeneeded = () => {
-      open.result.createObjectStore("notes", {keyPath: "path"});
-      open.result.createObjectStore("meta");
-    };
-    open.onsuccess = () => resolve((offline.db = open.result));
-    open.onerror = () => reject(open.error);
-  });
-}
-
-// One request on one store, as a promise.
-async function stored(name, mode, fn) {
-  const db = await idb();
-  return new Promise((resolve, reject) => {
-    const tx = db.transaction(name, mode);
-    const req = fn(tx.objectStore(name));
-    tx.oncomplete = () => resolve(req && req.result);
-    tx.onerror = () => reject(tx.error);
-  });
-}
-
-async function mirrorPut(note) {
-  if (!offlineOn() || !note || !note.path) return;
-  const kept = {path: note.path, title: note.title, etag: note.etag, modified: note.modified};
-  kept.content =
-    note.content !== undefined ? note.content : ((await mirrorGet(note.path)) || {}).content;
-  await stored("notes", "readwrite", (s) => s.put(kept));
-}
-async function mirrorGet(path) {
-  return stored("notes", "readonly", (s) => s.get(path));
-}
-async function mirrorAll() {
-  return (await stored("notes", "readonly", (s) => s.getAll())) || [];
-}
-async function mirrorDrop(path) {
-  if (!offlineOn()) return;
-  await stored("notes", "readwrite", (s) => s.delete(path));
-}
-async function mirrorRecent(limit) {
-  const all = noteOrder.newestFirst(await mirrorAll());
-  return all.slice(0, limit).map((n) => ({
-    ...n,
-    preview: plainSnippet((n.content || "").split("\n").slice(1).join(" ")).slice(0, 160),
-  }));
-}
-
-// The tree of a folder, from the copy (as GET /folders/tree?depth=1 has it).
-async function mirrorTree(folder) {
-  const paths = (await mirrorAll()).map((n) => n.path);
-  return noteOrder.folderListing(paths, folder);
-}
-
-async function loadOutbox() {
-  offline.items = offlineOn()
-    ? (await stored("meta", "readonly", (s) => s.get("outbox"))) || []
-    : [];
-  showWaiting();
-}
-// At start: a browser that refuses IndexedDB (private mode, storage full) still opens the
-// notes from the server; the page says the copy cannot be read.
-async function loadOutboxOrSay() {
-  try {
-    await loadOutbox();
-  } catch (e) {
-    toast("The notes kept on this device cannot be read here: " + (e.message || e), true);
+  function offlineOn() {
+    return !!state.base && core.getItem("local", "notesvc.offline") === state.base;
   }
-}
-// Change the outbox as one step: read, change, write in one IndexedDB transaction, so a
-// change made meanwhile (this tab's sender, another tab, the share sheet's worker) is never
-// written over with an older list. Resolves to the list as written.
-async function updateOutbox(change) {
-  if (!offlineOn()) return offline.items; // the copy was let go meanwhile: nothing is kept
-  const db = await idb();
-  offline.items = await new Promise((resolve, reject) => {
-    const tx = db.transaction("meta", "readwrite");
-    const store = tx.objectStore("meta");
-    const read = store.get("outbox");
-    let items = [];
-    read.onsuccess = () => {
-      items = change(read.result || []);
-      store.put(items, "outbox");
-    };
-    tx.oncomplete = () => resolve(items);
-    tx.onerror = () => reject(tx.error);
-  });
-  showWaiting();
-  if (offline.tabs) offline.tabs.postMessage("outbox"); // the other tabs show it too
-  return offline.items;
-}
 
-// The badge in the bar, on every pane: "Offline", "2 to send" (its title says it whole).
-function showWaiting() {
-  const box = $("offline-state");
-  const on = offlineOn();
-  const n = on ? offline.items.length : 0;
-  const off = on && !navigator.onLine;
-  box.textContent = [off ? "Offline" : "", n ? n + " to send" : ""].filter(Boolean).join(" · ");
-  box.title = [off ? "No connection: your notes open from this device" : "", waiting(offline.items)]
-    .filter(Boolean)
-    .join(". ");
-  box.className = "";
-  box.hidden = !box.textContent;
-}
-
-// The server cannot be reached: keep the text on this device, to send when it can be.
-async function keepOffline(path, content) {
-  const raw = fromEditor(content); // (a CRLF note keeps its line endings)
-  if (path === null) {
-    const local = "new:" + newId();
-    const folder = (state.grant && state.grant.folder) || "";
-    await updateOutbox((items) => queueCreate(items, local, folder, raw, newId));
-    state.blank = false;
-    state.path = local;
-    state.etag = null;
-  } else {
-    const base = state.etag;
-    await updateOutbox((items) => queueSave(items, path, base, raw, newId));
+  // The server cannot be reached: no answer at all, or the relay's word that the server
+  // behind it is not there (502, 503, 504).
+  function unreachable(e) {
+    return e.status === 0 || e.status === 502 || e.status === 503 || e.status === 504;
   }
-  state.saved = content;
-  const title = (content.split("\n").find((l) => l.trim()) || "untitled").replace(/^#+\s*/, "");
-  await mirrorPut({
-    path: state.path,
-    title,
-    content: raw,
-    etag: state.etag,
-    modified: new Date().toISOString(),
-  });
-  loadRecent().catch(() => {}); // the list shows it too (from this device's copy)
-  $("status").textContent = "Kept on this device";
-  $("status").className = "";
-  updateDirty();
-  return true;
-}
 
-// Send what waits, in order, once each (the idempotency keys make a resend harmless); one
-// tab at a time (the others find the outbox done).
-async function sendOutbox() {
-  if (!offlineOn() || offline.sending || !navigator.onLine) return;
-  if (!navigator.locks) return sendWaiting();
-  return navigator.locks.request("notesvc-outbox", {ifAvailable: true}, (lock) =>
-    lock ? sendWaiting() : null,
-  );
-}
-async function sendWaiting() {
-  offline.sending = true;
-  try {
-    await loadOutbox();
-    for (let item = nextItem(offline.items); item && offlineOn();) {
-      await updateOutbox((items) => markSent(items, item)); // a later edit queues anew
-      let answer;
-      try {
-        answer = await sendItem(item);
-      } catch (e) {
-        const refused = e.status >= 400 && e.status < 500 && ![401, 408, 429].includes(e.status);
-        if (!refused) break; // out of reach, the server unwell, the key refused: later, as it is
-        // refused for good (too large, no longer allowed): out of the queue, and said; an
-        // edit of a note stays in this browser as its draft
-        if (item.kind === "save") {
-          setItem("local", draftKey(item.path), drafts.record(item.content, item.base, Date.now()));
-        }
-        toast("Could not send a change kept on this device: " + e.message, true);
-        answer = null;
-      }
-      if (item.kind === "create" && answer && state.path === item.local) {
-        state.path = answer.path;
-        state.etag = answer.etag;
-        $("path").textContent = answer.path;
-      }
-      if (item.kind === "create" && answer) await mirrorDrop(item.local);
-      if (!offlineOn()) break; // the key stopped working meanwhile: what waits became drafts
-      item = nextItem(await updateOutbox((items) => settle(items, item, answer || {})));
-    }
-  } finally {
-    offline.sending = false;
+  function offlinePossible() {
+    return (
+      window.isSecureContext &&
+      "serviceWorker" in navigator &&
+      "indexedDB" in window &&
+      !core.SHARED_ORIGIN
+    );
+  }
+
+  function idb() {
+    if (store.db) return Promise.resolve(store.db);
+    return new Promise((resolve, reject) => {
+      const open = indexedDB.open("notesvc", 1);
+      open.onupgradeneeded = () => {
+        open.result.createObjectStore("notes", {keyPath: "path"});
+        open.result.createObjectStore("meta");
+      };
+      open.onsuccess = () => resolve((store.db = open.result));
+      open.onerror = () => reject(open.error);
+    });
+  }
+
+  // One request on one store, as a promise.
+  async function stored(name, mode, fn) {
+    const db = await idb();
+    return new Promise((resolve, reject) => {
+      const tx = db.transaction(name, mode);
+      const req = fn(tx.objectStore(name));
+      tx.oncomplete = () => resolve(req && req.result);
+      tx.onerror = () => reject(tx.error);
+    });
+  }
+
+  async function mirrorPut(note) {
+    if (!offlineOn() || !note || !note.path) return;
+    const kept = {path: note.path, title: note.title, etag: note.etag, modified: note.modified};
+    kept.content =
+      note.content !== undefined ? note.content : ((await mirrorGet(note.path)) || {}).content;
+    await stored("notes", "readwrite", (s) => s.put(kept));
+  }
+  async function mirrorGet(path) {
+    return stored("notes", "readonly", (s) => s.get(path));
+  }
+  async function mirrorAll() {
+    return (await stored("notes", "readonly", (s) => s.getAll())) || [];
+  }
+  async function mirrorDrop(path) {
+    if (!offlineOn()) return;
+    await stored("notes", "readwrite", (s) => s.delete(path));
+  }
+  async function mirrorRecent(limit) {
+    const all = noteOrder.newestFirst(await mirrorAll());
+    return all.slice(0, limit).map((n) => ({
+      ...n,
+      preview: paths.plainSnippet((n.content || "").split("\n").slice(1).join(" ")).slice(0, 160),
+    }));
+  }
+
+  // The tree of a folder, from the copy (as GET /folders/tree?depth=1 has it).
+  async function mirrorTree(folder) {
+    const all = (await mirrorAll()).map((n) => n.path);
+    return noteOrder.folderListing(all, folder);
+  }
+
+  async function loadOutbox() {
+    store.items = offlineOn()
+      ? (await stored("meta", "readonly", (s) => s.get("outbox"))) || []
+      : [];
     showWaiting();
   }
-  if (!offline.items.length) loadTree().catch(() => {});
-}
-
-async function sendItem(item) {
-  const once = {"Idempotency-Key": item.key};
-  if (item.kind === "create") {
-    const body = {content: item.content};
-    if (item.folder) body.folder = item.folder;
-    const {data} = await api("POST", "/notes", body, once);
-    await mirrorPut(data);
-    return data;
+  // At start: a browser that refuses IndexedDB (private mode, storage full) still opens the
+  // notes from the server; the page says the copy cannot be read.
+  async function loadOutboxOrSay() {
+    try {
+      await loadOutbox();
+    } catch (e) {
+      core.toast("The notes kept on this device cannot be read here: " + (e.message || e), true);
+    }
   }
-  if (item.kind === "capture") {
-    const files = [];
-    let text = item.text;
-    for (const [i, file] of (item.files || []).entries()) {
-      const name = (file.name || "image").replace(/[[\]]/g, "");
-      try {
-        files.push([name, (await upload(file, item.key + ":file" + i)).path]);
-      } catch (e) {
-        if (e.status !== 413 && e.status !== 400) throw e;
-        // too large (or not allowed): the text still goes; the page says why the file did not
-        const limit = /over (\d+) bytes/.exec(e.message || "");
-        const why = limit ? "this server takes files up to " + sizeText(+limit[1]) : e.message;
-        toast(
-          "“" +
-            name +
-            "” (" +
-            sizeText(file.size) +
-            ") was not added: " +
-            why +
-            ". " +
-            (text ? "The text is in today's note." : ""),
-          true,
+  // Change the outbox as one step: read, change, write in one IndexedDB transaction, so a
+  // change made meanwhile (this tab's sender, another tab, the share sheet's worker) is never
+  // written over with an older list. Resolves to the list as written.
+  async function updateOutbox(change) {
+    if (!offlineOn()) return store.items; // the copy was let go meanwhile: nothing is kept
+    const db = await idb();
+    store.items = await new Promise((resolve, reject) => {
+      const tx = db.transaction("meta", "readwrite");
+      const meta = tx.objectStore("meta");
+      const read = meta.get("outbox");
+      let items = [];
+      read.onsuccess = () => {
+        items = change(read.result || []);
+        meta.put(items, "outbox");
+      };
+      tx.oncomplete = () => resolve(items);
+      tx.onerror = () => reject(tx.error);
+    });
+    showWaiting();
+    if (store.tabs) store.tabs.postMessage("outbox"); // the other tabs show it too
+    return store.items;
+  }
+
+  // The badge in the bar, on every pane: "Offline", "2 to send" (its title says it whole).
+  function showWaiting() {
+    const box = $("offline-state");
+    const on = offlineOn();
+    const n = on ? store.items.length : 0;
+    const off = on && !navigator.onLine;
+    box.textContent = [off ? "Offline" : "", n ? n + " to send" : ""].filter(Boolean).join(" · ");
+    box.title = [
+      off ? "No connection: your notes open from this device" : "",
+      outbox.waiting(store.items),
+    ]
+      .filter(Boolean)
+      .join(". ");
+    box.className = "";
+    box.hidden = !box.textContent;
+  }
+
+  // The server cannot be reached: keep the text on this device, to send when it can be.
+  async function keepOffline(path, content) {
+    const raw = app.fromEditor(content); // (a CRLF note keeps its line endings)
+    if (path === null) {
+      const local = "new:" + app.newId();
+      const folder = (state.grant && state.grant.folder) || "";
+      await updateOutbox((items) => outbox.queueCreate(items, local, folder, raw, app.newId));
+      state.blank = false;
+      state.path = local;
+      state.etag = null;
+    } else {
+      const base = state.etag;
+      await updateOutbox((items) => outbox.queueSave(items, path, base, raw, app.newId));
+    }
+    state.saved = content;
+    const title = (content.split("\n").find((l) => l.trim()) || "untitled").replace(/^#+\s*/, "");
+    await mirrorPut({
+      path: state.path,
+      title,
+      content: raw,
+      etag: state.etag,
+      modified: new Date().toISOString(),
+    });
+    core.loadRecent().catch(() => {}); // the list shows it too (from this device's copy)
+    $("status").textContent = "Kept on this device";
+    $("status").className = "";
+    app.updateDirty();
+    return true;
+  }
+
+  // Send what waits, in order, once each (the idempotency keys make a resend harmless); one
+  // tab at a time (the others find the outbox done).
+  async function sendOutbox() {
+    if (!offlineOn() || store.sending || !navigator.onLine) return;
+    if (!navigator.locks) return sendWaiting();
+    return navigator.locks.request("notesvc-outbox", {ifAvailable: true}, (lock) =>
+      lock ? sendWaiting() : null,
+    );
+  }
+  async function sendWaiting() {
+    store.sending = true;
+    try {
+      await loadOutbox();
+      for (let item = outbox.nextItem(store.items); item && offlineOn();) {
+        await updateOutbox((items) => outbox.markSent(items, item)); // a later edit queues anew
+        let answer;
+        try {
+          answer = await sendItem(item);
+        } catch (e) {
+          const refused = e.status >= 400 && e.status < 500 && ![401, 408, 429].includes(e.status);
+          if (!refused) break; // out of reach, the server unwell, the key refused: later, as it is
+          // refused for good (too large, no longer allowed): out of the queue, and said; an
+          // edit of a note stays in this browser as its draft
+          if (item.kind === "save") {
+            core.setItem(
+              "local",
+              app.draftKey(item.path),
+              drafts.record(item.content, item.base, Date.now()),
+            );
+          }
+          core.toast("Could not send a change kept on this device: " + e.message, true);
+          answer = null;
+        }
+        if (item.kind === "create" && answer && state.path === item.local) {
+          state.path = answer.path;
+          state.etag = answer.etag;
+          $("path").textContent = answer.path;
+        }
+        if (item.kind === "create" && answer) await mirrorDrop(item.local);
+        if (!offlineOn()) break; // the key stopped working meanwhile: what waits became drafts
+        item = outbox.nextItem(
+          await updateOutbox((items) => outbox.settle(items, item, answer || {})),
         );
       }
+    } finally {
+      store.sending = false;
+      showWaiting();
     }
-    if (!text && !files.length) return {};
-    // the images' links are relative to today's note, wherever the daily plugin keeps it
-    const line = (notePath) =>
-      [text, ...files.map(([name, path]) => "![" + name + "](" + relativeTo(notePath, path) + ")")]
-        .filter(Boolean)
-        .join(" ");
-    await appendToToday(line, item.key, item.at);
-    return {};
+    if (!store.items.length) core.loadTree().catch(() => {});
   }
-  try {
-    const {data} = await api(
-      "POST",
-      "/notes/" + enc(item.path) + "/merge",
-      {base: item.base, content: item.content, clientName: deviceName()},
-      once,
-    );
-    await mirrorPut(data.note);
-    const typed = toEditor(item.content);
-    if (state.path === item.path && editor().value === typed) saved(data.note, typed);
-    return data.note;
-  } catch (e) {
-    if (e.status === 409 && e.error && e.error.conflictPath) {
-      toast(
-        "“" +
-          nameOf(item.path) +
-          "” changed meanwhile: your edit is kept as " +
-          nameOf(e.error.conflictPath),
-      );
+
+  async function sendItem(item) {
+    const once = {"Idempotency-Key": item.key};
+    if (item.kind === "create") {
+      const body = {content: item.content};
+      if (item.folder) body.folder = item.folder;
+      const {data} = await core.api("POST", "/notes", body, once);
+      await mirrorPut(data);
+      return data;
+    }
+    if (item.kind === "capture") {
+      const files = [];
+      let text = item.text;
+      for (const [i, file] of (item.files || []).entries()) {
+        const name = (file.name || "image").replace(/[[\]]/g, "");
+        try {
+          files.push([name, (await app.upload(file, item.key + ":file" + i)).path]);
+        } catch (e) {
+          if (e.status !== 413 && e.status !== 400) throw e;
+          // too large (or not allowed): the text still goes; the page says why the file did not
+          const limit = /over (\d+) bytes/.exec(e.message || "");
+          const why = limit
+            ? "this server takes files up to " + paths.sizeText(+limit[1])
+            : e.message;
+          core.toast(
+            "“" +
+              name +
+              "” (" +
+              paths.sizeText(file.size) +
+              ") was not added: " +
+              why +
+              ". " +
+              (text ? "The text is in today's note." : ""),
+            true,
+          );
+        }
+      }
+      if (!text && !files.length) return {};
+      // the images' links are relative to today's note, wherever the daily plugin keeps it
+      const line = (notePath) =>
+        [
+          text,
+          ...files.map(
+            ([name, path]) => "![" + name + "](" + paths.relativeTo(notePath, path) + ")",
+          ),
+        ]
+          .filter(Boolean)
+          .join(" ");
+      await app.appendToToday(line, item.key, item.at);
       return {};
     }
-    if (e.status !== 404) throw e;
-    const {data} = await api("POST", "/notes", {content: item.content}, once); // deleted: kept anew
-    toast("“" + nameOf(item.path) + "” was deleted meanwhile: your text is kept as " + data.path);
-    return data;
-  }
-}
-
-// The change feed keeps the copy current.
-async function mirrorChange(c) {
-  if (c.kind === "deleted" || c.kind === "moved") await mirrorDrop(c.from || c.path);
-  if (c.kind === "deleted") return;
-  try {
-    const {data} = await api("GET", "/notes/" + enc(c.path));
-    await mirrorPut(data);
-  } catch (e) {
-    if (e.status === 404) await mirrorDrop(c.path);
-  }
-}
-
-// The first copy: every note the key sees, a few at a time.
-async function copyAll() {
-  const paths = [];
-  for (let offset = 0; ; offset += 1000) {
-    const {data} = await api("GET", "/notes?limit=1000&offset=" + offset);
-    paths.push(...data.notes.map((n) => n.path));
-    if (offset + 1000 >= data.total) break;
-  }
-  let done = 0;
-  const total = paths.length;
-  const box = $("offline-state");
-  box.hidden = false;
-  box.title = "Copying your notes to this device";
-  // kept 50 at a time, one transaction each (a transaction per note costs the page more
-  // than the requests do)
-  let batch = [];
-  const flush = async () => {
-    const notes = batch;
-    batch = [];
-    const kept = notes.map((n) => ({
-      path: n.path,
-      title: n.title,
-      etag: n.etag,
-      modified: n.modified,
-      content: n.content,
-    }));
-    await stored("notes", "readwrite", (s) => kept.forEach((n) => s.put(n)));
-  };
-  const worker = async () => {
-    while (paths.length) {
-      const path = paths.pop();
-      const {data} = await api("GET", "/notes/" + enc(path));
-      batch.push(data);
-      if (batch.length >= 50) await flush();
-      done++;
-      if (done % 25 === 0) box.textContent = "Copying " + done + "/" + total;
+    try {
+      const {data} = await core.api(
+        "POST",
+        "/notes/" + core.enc(item.path) + "/merge",
+        {base: item.base, content: item.content, clientName: app.deviceName()},
+        once,
+      );
+      await mirrorPut(data.note);
+      const typed = app.toEditor(item.content);
+      if (state.path === item.path && app.editor().value === typed) app.saved(data.note, typed);
+      return data.note;
+    } catch (e) {
+      if (e.status === 409 && e.error && e.error.conflictPath) {
+        core.toast(
+          "“" +
+            paths.nameOf(item.path) +
+            "” changed meanwhile: your edit is kept as " +
+            paths.nameOf(e.error.conflictPath),
+        );
+        return {};
+      }
+      if (e.status !== 404) throw e;
+      // deleted: kept anew
+      const {data} = await core.api("POST", "/notes", {content: item.content}, once);
+      core.toast(
+        "“" +
+          paths.nameOf(item.path) +
+          "” was deleted meanwhile: your text is kept as " +
+          data.path,
+      );
+      return data;
     }
-  };
-  await Promise.all(Array.from({length: 6}, worker));
-  await flush();
-  box.textContent = done + " notes kept";
-  box.title = done + " notes kept on this device";
-  box.className = "ready";
-  performance.mark("notesvc:offline-copied");
-  setTimeout(showWaiting, 5000);
-}
+  }
 
-async function enableOffline() {
-  if (!offlinePossible()) {
-    await dialog(
-      "Keep notes on this device",
+  // The change feed keeps the copy current.
+  async function mirrorChange(c) {
+    if (c.kind === "deleted" || c.kind === "moved") await mirrorDrop(c.from || c.path);
+    if (c.kind === "deleted") return;
+    try {
+      const {data} = await core.api("GET", "/notes/" + core.enc(c.path));
+      await mirrorPut(data);
+    } catch (e) {
+      if (e.status === 404) await mirrorDrop(c.path);
+    }
+  }
+
+  // The first copy: every note the key sees, a few at a time.
+  async function copyAll() {
+    const all = [];
+    for (let offset = 0; ; offset += 1000) {
+      const {data} = await core.api("GET", "/notes?limit=1000&offset=" + offset);
+      all.push(...data.notes.map((n) => n.path));
+      if (offset + 1000 >= data.total) break;
+    }
+    let done = 0;
+    const total = all.length;
+    const box = $("offline-state");
+    box.hidden = false;
+    box.title = "Copying your notes to this device";
+    // kept 50 at a time, one transaction each (a transaction per note costs the page more
+    // than the requests do)
+    let batch = [];
+    const flush = async () => {
+      const notes = batch;
+      batch = [];
+      const kept = notes.map((n) => ({
+        path: n.path,
+        title: n.title,
+        etag: n.etag,
+        modified: n.modified,
+        content: n.content,
+      }));
+      await stored("notes", "readwrite", (s) => kept.forEach((n) => s.put(n)));
+    };
+    const worker = async () => {
+      while (all.length) {
+        const path = all.pop();
+        const {data} = await core.api("GET", "/notes/" + core.enc(path));
+        batch.push(data);
+        if (batch.length >= 50) await flush();
+        done++;
+        if (done % 25 === 0) box.textContent = "Copying " + done + "/" + total;
+      }
+    };
+    await Promise.all(Array.from({length: 6}, worker));
+    await flush();
+    box.textContent = done + " notes kept";
+    box.title = done + " notes kept on this device";
+    box.className = "ready";
+    performance.mark("notesvc:offline-copied");
+    setTimeout(showWaiting, 5000);
+  }
+
+  async function enableOffline() {
+    if (!offlinePossible()) {
+      await app.dialog(
+        "Keep notes on this device",
+        [
+          el(
+            "p",
+            {},
+            core.SHARED_ORIGIN
+              ? "This relay gives all its servers one address, where nothing can be kept."
+              : "This needs a secure connection: open the notes by HTTPS (a relay's own " +
+                  "address for this server, or a proxy with a certificate), or on this " +
+                  "computer as http://localhost.",
+          ),
+        ],
+        [["cancel", "Close"]],
+      );
+      return;
+    }
+    await idb(); // a browser that refuses IndexedDB says so here, before anything is kept
+    await wipeOffline(); // whatever another key left on this device is not this key's
+    await navigator.serviceWorker.register("sw.js");
+    if (navigator.storage && navigator.storage.persist) navigator.storage.persist().catch(() => {});
+    core.setItem("local", "notesvc.offline", state.base);
+    if (core.getItem("local", "notesvc.key") === null) {
+      // the app opens without the server (and from the share sheet): this device keeps the
+      // key, as "Remember" would, until the option is turned off
+      core.setItem("local", "notesvc.key", state.key);
+      core.setItem("local", "notesvc.keyFor", state.base);
+      core.setItem("local", "notesvc.offlineKey", "1");
+    }
+    offlineMenu();
+    await copyAll();
+    core.toast("Your notes are kept on this device: they open without a connection");
+  }
+
+  async function disableOffline() {
+    await sendOutbox().catch(() => {}); // what waits goes first, if it can
+    if (!(await letWaitingGo("Stop keeping notes on this device"))) return;
+    core.removeItem("local", "notesvc.offline");
+    if (core.getItem("local", "notesvc.offlineKey") === "1") {
+      for (const name of ["notesvc.key", "notesvc.keyFor", "notesvc.offlineKey"]) {
+        core.removeItem("local", name); // kept for this option only: this tab keeps it
+      }
+    }
+    await wipeOffline();
+    offlineMenu();
+    core.toast("The copy on this device is deleted");
+  }
+
+  // Changes not sent yet, before the copy is deleted: resolve to true when the person lets
+  // them go (or there are none).
+  async function letWaitingGo(title) {
+    if (!offlineOn()) return true;
+    await loadOutbox().catch(() => {});
+    if (!store.items.length) return true;
+    const choice = await app.choose(
+      title,
+      outbox.waiting(store.items) +
+        ": the server could not be reached. They are lost if the copy on this device is " +
+        "deleted now.",
       [
-        el(
-          "p",
-          {},
-          SHARED_ORIGIN
-            ? "This relay gives all its servers one address, where nothing can be kept."
-            : "This needs a secure connection: open the notes by HTTPS (a relay's own " +
-                "address for this server, or a proxy with a certificate), or on this " +
-                "computer as http://localhost.",
-        ),
+        ["cancel", "Keep them", "primary"],
+        ["delete", "Delete them"],
       ],
-      [["cancel", "Close"]],
     );
-    return;
+    return choice === "delete";
   }
-  await idb(); // a browser that refuses IndexedDB says so here, before anything is kept
-  await wipeOffline(); // whatever another key left on this device is not this key's
-  await navigator.serviceWorker.register("sw.js");
-  if (navigator.storage && navigator.storage.persist) navigator.storage.persist().catch(() => {});
-  setItem("local", "notesvc.offline", state.base);
-  if (getItem("local", "notesvc.key") === null) {
-    // the app opens without the server (and from the share sheet): this device keeps the
-    // key, as "Remember" would, until the option is turned off
-    setItem("local", "notesvc.key", state.key);
-    setItem("local", "notesvc.keyFor", state.base);
-    setItem("local", "notesvc.offlineKey", "1");
-  }
-  offlineMenu();
-  await copyAll();
-  toast("Your notes are kept on this device: they open without a connection");
-}
 
-async function disableOffline() {
-  await sendOutbox().catch(() => {}); // what waits goes first, if it can
-  if (!(await letWaitingGo("Stop keeping notes on this device"))) return;
-  removeItem("local", "notesvc.offline");
-  if (getItem("local", "notesvc.offlineKey") === "1") {
-    for (const name of ["notesvc.key", "notesvc.keyFor", "notesvc.offlineKey"]) {
-      removeItem("local", name); // kept for this option only: this tab keeps it
+  // The key this device kept was refused (revoked, rotated): the copy goes with it; what was
+  // written here and not sent yet stays in this browser as drafts (a note's edit reopens
+  // with it; new notes and shared text as one new note's draft), for the next key to send.
+  async function forgetOffline() {
+    if (!offlineOn() && core.getItem("local", "notesvc.wipe") !== state.base) return;
+    core.setItem("local", "notesvc.wipe", state.base); // finished at the next start if cut short
+    core.removeItem("local", "notesvc.offline");
+    core.removeItem("local", "notesvc.offlineKey");
+    const items = await stored("meta", "readonly", (s) => s.get("outbox")); // (unread: kept)
+    const kept = drafts.fromOutbox(items, app.readDraft(app.NEW_NOTE), Date.now());
+    for (const [path, draft] of kept.notes) core.setItem("local", app.draftKey(path), draft);
+    if (kept.newNote) core.setItem("local", app.draftKey(app.NEW_NOTE), kept.newNote);
+    await wipeOffline();
+    core.removeItem("local", "notesvc.wipe");
+  }
+
+  // Everything this option kept: the copy, the outbox, the worker and the app's cache.
+  async function wipeOffline() {
+    store.items = [];
+    if (store.db) store.db.close();
+    store.db = null;
+    if ("indexedDB" in window) indexedDB.deleteDatabase("notesvc");
+    if ("serviceWorker" in navigator) {
+      for (const r of await navigator.serviceWorker.getRegistrations()) await r.unregister();
+    }
+    if ("caches" in window) for (const name of await caches.keys()) await caches.delete(name);
+    showWaiting();
+  }
+
+  // What the share sheet brought waits for a yes here: any web page can post to the share
+  // address, so nothing reaches today's note until the person has seen it.
+  async function askShared() {
+    await loadOutbox();
+    for (const item of store.items.filter((i) => i.ask)) {
+      const files = (item.files || []).map((f) => f.name || "image");
+      const body = [el("p", {}, "Add this to today's note?")];
+      if (item.text) body.push(el("blockquote", {class: "shared-text"}, item.text.slice(0, 500)));
+      if (files.length) body.push(el("p", {}, "With " + files.join(", ")));
+      if (item.dropped) {
+        body.push(
+          el("p", {class: "muted"}, item.dropped + " more file(s) were too large to keep."),
+        );
+      }
+      const yes =
+        (await app.dialog("Shared to notesvc", body, [
+          ["add", "Add to today's note", "primary"],
+          ["drop", "Discard"],
+        ])) === "add";
+      await updateOutbox((items) =>
+        yes
+          ? items.map((i) => (i.id === item.id ? {...i, ask: false} : i))
+          : items.filter((i) => i.id !== item.id),
+      );
+    }
+    sendOutbox().catch(() => {});
+  }
+
+  function offlineMenu() {
+    $("menu-offline").hidden = false;
+    $("menu-offline").textContent = offlineOn()
+      ? "Stop keeping notes on this device"
+      : "Keep notes on this device";
+  }
+
+  function wireOffline() {
+    $("menu-offline").addEventListener(
+      "click",
+      core.act(() => (offlineOn() ? disableOffline() : enableOffline())),
+    );
+    window.addEventListener("online", () => core.act(sendOutbox)());
+    window.addEventListener("offline", showWaiting);
+    if ("BroadcastChannel" in window) {
+      store.tabs = new BroadcastChannel("notesvc-outbox");
+      store.tabs.onmessage = () => loadOutbox().catch(() => {});
     }
   }
-  await wipeOffline();
-  offlineMenu();
-  toast("The copy on this device is deleted");
-}
 
-// Changes not sent yet, before the copy is deleted: resolve to true when the person lets
-// them go (or there are none).
-async function letWaitingGo(title) {
-  if (!offlineOn()) return true;
-  await loadOutbox().catch(() => {});
-  if (!offline.items.length) return true;
-  const choice = await choose(
-    title,
-    waiting(offline.items) +
-      ": the server could not be reached. They are lost if the copy on this device is deleted now.",
-    [
-      ["cancel", "Keep them", "primary"],
-      ["delete", "Delete them"],
-    ],
-  );
-  return choice === "delete";
-}
-
-// The key this device kept was refused (revoked, rotated): the copy goes with it; what was
-// written here and not sent yet stays in this browser as drafts (a note's edit reopens
-// with it; new notes and shared text as one new note's draft), for the next key to send.
-async function forgetOffline() {
-  if (!offlineOn() && getItem("local", "notesvc.wipe") !== state.base) return;
-  setItem("local", "notesvc.wipe", state.base); // finished at the next start if cut short
-  removeItem("local", "notesvc.offline");
-  removeItem("local", "notesvc.offlineKey");
-  const items = await stored("meta", "readonly", (s) => s.get("outbox")); // (unread: kept)
-  const kept = drafts.fromOutbox(items, readDraft(NEW_NOTE), Date.now());
-  for (const [path, draft] of kept.notes) setItem("local", draftKey(path), draft);
-  if (kept.newNote) setItem("local", draftKey(NEW_NOTE), kept.newNote);
-  await wipeOffline();
-  removeItem("local", "notesvc.wipe");
-}
-
-// Everything this option kept: the copy, the outbox, the worker and the app's cache.
-async function wipeOffline() {
-  offline.items = [];
-  if (offline.db) offline.db.close();
-  offline.db = null;
-  if ("indexedDB" in window) indexedDB.deleteDatabase("notesvc");
-  if ("serviceWorker" in navigator) {
-    for (const r of await navigator.serviceWorker.getRegistrations()) await r.unregister();
+  // Whether what waits on this device can go now: something waits, and no send is on its way.
+  function canSend() {
+    return store.items.length > 0 && !store.sending;
   }
-  if ("caches" in window) for (const name of await caches.keys()) await caches.delete(name);
-  showWaiting();
-}
 
-// What the share sheet brought waits for a yes here: any web page can post to the share
-// address, so nothing reaches today's note until the person has seen it.
-async function askShared() {
-  await loadOutbox();
-  for (const item of offline.items.filter((i) => i.ask)) {
-    const files = (item.files || []).map((f) => f.name || "image");
-    const body = [el("p", {}, "Add this to today's note?")];
-    if (item.text) body.push(el("blockquote", {class: "shared-text"}, item.text.slice(0, 500)));
-    if (files.length) body.push(el("p", {}, "With " + files.join(", ")));
-    if (item.dropped) {
-      body.push(el("p", {class: "muted"}, item.dropped + " more file(s) were too large to keep."));
-    }
-    const yes =
-      (await dialog("Shared to notesvc", body, [
-        ["add", "Add to today's note", "primary"],
-        ["drop", "Discard"],
-      ])) === "add";
-    await updateOutbox((items) =>
-      yes
-        ? items.map((i) => (i.id === item.id ? {...i, ask: false} : i))
-        : items.filter((i) => i.id !== item.id),
-    );
-  }
-  sendOutbox().catch(() => {});
-}
-
-function offlineMenu() {
-  $("menu-offline").hidden = false;
-  $("menu-offline").textContent = offlineOn()
-    ? "Stop keeping notes on this device"
-    : "Keep notes on this device";
-}
-
-function wireOffline() {
-  $("menu-offline").addEventListener(
-    "click",
-    act(() => (offlineOn() ? disableOffline() : enableOffline())),
-  );
-  window.addEventListener("online", () => act(sendOutbox)());
-  window.addEventListener("offline", showWaiting);
-  if ("BroadcastChannel" in window) {
-    offline.tabs = new BroadcastChannel("notesvc-outbox");
-    offline.tabs.onmessage = () => loadOutbox().catch(() => {});
-  }
-}
-wireOffline();
+  return {
+    askShared,
+    canSend,
+    forgetOffline,
+    keepOffline,
+    letWaitingGo,
+    loadOutboxOrSay,
+    mirrorChange,
+    mirrorGet,
+    mirrorPut,
+    mirrorRecent,
+    mirrorTree,
+    offlineMenu,
+    offlineOn,
+    sendOutbox,
+    unreachable,
+    updateOutbox,
+    wipeOffline,
+    wireOffline,
+  };
+})();
 """[1:]
 # --- end web/offline.js ---
 # --- begin web/sw.js ---
@@ -21828,466 +21981,486 @@ WEB_DEVICES_JS = r"""
 // or a log keeps. Claiming it gives this browser a device key of its own, kept (with the
 // API base it was given for) on this device only.
 
-function pairingInUrl() {
-  const m = /^#pair=([A-Za-z2-7-]{26,40})$/.exec(location.hash);
-  return m ? m[1] : "";
-}
-
-function deviceGuess() {
-  const ua = navigator.userAgent || "";
-  if (/iPhone/.test(ua)) return "iPhone";
-  if (/iPad/.test(ua)) return "iPad";
-  if (/Android/.test(ua)) return /Mobile/.test(ua) ? "Android phone" : "Android tablet";
-  if (/Macintosh/.test(ua)) return "Mac";
-  if (/Windows/.test(ua)) return "Windows computer";
-  return "Computer";
-}
-
-// Keep a device key for base: on this device, in the origin's own storage (never on a
-// relay's shared origin, where storage is off).
-function keepDevice(base, claimed) {
-  for (const kind of ["session", "local"]) {
-    removeItem(kind, "notesvc.key");
-    removeItem(kind, "notesvc.keyFor");
+const devices = (() => {
+  const {$, state} = core;
+  const {el} = markdown;
+  function pairingInUrl() {
+    const m = /^#pair=([A-Za-z2-7-]{26,40})$/.exec(location.hash);
+    return m ? m[1] : "";
   }
-  setItem("local", "notesvc.key", claimed.key);
-  setItem("local", "notesvc.keyFor", base);
-  const d = claimed.device || {};
-  setItem("local", "notesvc.device", JSON.stringify({id: d.id, name: d.name, scope: d.scope}));
-}
 
-async function claim(secret, name) {
-  const base = new URL("api/v1", location.href).pathname;
-  let r;
-  try {
-    r = await fetch(base + "/auth/devices/claim", {
-      method: "POST",
-      mode: "same-origin",
-      credentials: "omit",
-      cache: "no-store",
-      headers: {"Content-Type": "application/json"},
-      body: JSON.stringify({secret, deviceName: name}),
-    });
-  } catch (e) {
-    throw new Error("Cannot reach the server. Check the connection and try again.");
+  function deviceGuess() {
+    const ua = navigator.userAgent || "";
+    if (/iPhone/.test(ua)) return "iPhone";
+    if (/iPad/.test(ua)) return "iPad";
+    if (/Android/.test(ua)) return /Mobile/.test(ua) ? "Android phone" : "Android tablet";
+    if (/Macintosh/.test(ua)) return "Mac";
+    if (/Windows/.test(ua)) return "Windows computer";
+    return "Computer";
   }
-  const j = await r.json().catch(() => ({}));
-  if (r.status === 404) {
-    throw new Error(
-      "This code was used already or has expired: ask for a new one (another device " +
-        "shows it under Keys and devices → Add a device).",
+
+  // Keep a device key for base: on this device, in the origin's own storage (never on a
+  // relay's shared origin, where storage is off).
+  function keepDevice(base, claimed) {
+    for (const kind of ["session", "local"]) {
+      core.removeItem(kind, "notesvc.key");
+      core.removeItem(kind, "notesvc.keyFor");
+    }
+    core.setItem("local", "notesvc.key", claimed.key);
+    core.setItem("local", "notesvc.keyFor", base);
+    const d = claimed.device || {};
+    core.setItem(
+      "local",
+      "notesvc.device",
+      JSON.stringify({id: d.id, name: d.name, scope: d.scope}),
     );
   }
-  if (!r.ok || !j.data) {
-    throw new Error(j.error ? j.error.message : "The server answered " + r.status + ".");
-  }
-  return {base, claimed: j.data};
-}
 
-async function joinWithPairing() {
-  const msg = $("pair-msg");
-  msg.textContent = "";
-  $("pair-join").disabled = true;
-  try {
-    const secret = $("pair-box").dataset.secret;
-    const {base, claimed} = await claim(secret, $("pair-name").value.trim()); // "": its given name
-    keepDevice(base, claimed);
-    $("pair-box").hidden = true;
-    state.base = base;
-    await connect(false);
-  } catch (e) {
-    msg.textContent = e.message || String(e);
-  } finally {
-    $("pair-join").disabled = false;
-  }
-}
-
-// First run: the setup payload shows the key to this browser (on this machine or its own
-// network): make an admin pairing with it, claim it as this browser's device, link.
-async function setUpServer() {
-  const msg = $("setup-msg");
-  msg.textContent = "";
-  $("setup").disabled = true;
-  try {
+  async function claim(secret, name) {
     const base = new URL("api/v1", location.href).pathname;
-    const setup = await (await fetch(base + "/system/setup", {cache: "no-store"})).json();
-    const key = setup.data && setup.data.apiKey;
-    if (!setup.data || !setup.data.browserSetup || !/^nsk_[A-Za-z0-9_-]{43}$/.test(key || "")) {
-      throw new Error("This server is set up already: connect with its key, or scan a code.");
+    let r;
+    try {
+      r = await fetch(base + "/auth/devices/claim", {
+        method: "POST",
+        mode: "same-origin",
+        credentials: "omit",
+        cache: "no-store",
+        headers: {"Content-Type": "application/json"},
+        body: JSON.stringify({secret, deviceName: name}),
+      });
+    } catch (e) {
+      throw new Error("Cannot reach the server. Check the connection and try again.");
     }
-    const name = $("setup-name").value.trim() || deviceGuess();
-    state.base = base;
-    state.key = key; // the API key, for these two calls only
-    state.keyBase = base;
-    const pairing = await api("POST", "/auth/devices/pairings", {name, scope: "admin"});
-    const {claimed} = await claim(pairing.data.secret, name);
-    keepDevice(base, claimed);
-    state.key = claimed.key;
-    await api("POST", "/auth/link", {clientName: "web client on " + name});
-    $("setup-box").hidden = true;
-    await connect(false);
-    await dialog(
-      "Keep this key safe",
-      [
+    const j = await r.json().catch(() => ({}));
+    if (r.status === 404) {
+      throw new Error(
+        "This code was used already or has expired: ask for a new one (another device " +
+          "shows it under Keys and devices → Add a device).",
+      );
+    }
+    if (!r.ok || !j.data) {
+      throw new Error(j.error ? j.error.message : "The server answered " + r.status + ".");
+    }
+    return {base, claimed: j.data};
+  }
+
+  async function joinWithPairing() {
+    const msg = $("pair-msg");
+    msg.textContent = "";
+    $("pair-join").disabled = true;
+    try {
+      const secret = $("pair-box").dataset.secret;
+      // "": its given name
+      const {base, claimed} = await claim(secret, $("pair-name").value.trim());
+      keepDevice(base, claimed);
+      $("pair-box").hidden = true;
+      state.base = base;
+      await core.connect(false);
+    } catch (e) {
+      msg.textContent = e.message || String(e);
+    } finally {
+      $("pair-join").disabled = false;
+    }
+  }
+
+  // First run: the setup payload shows the key to this browser (on this machine or its own
+  // network): make an admin pairing with it, claim it as this browser's device, link.
+  async function setUpServer() {
+    const msg = $("setup-msg");
+    msg.textContent = "";
+    $("setup").disabled = true;
+    try {
+      const base = new URL("api/v1", location.href).pathname;
+      const setup = await (await fetch(base + "/system/setup", {cache: "no-store"})).json();
+      const key = setup.data && setup.data.apiKey;
+      if (!setup.data || !setup.data.browserSetup || !/^nsk_[A-Za-z0-9_-]{43}$/.test(key || "")) {
+        throw new Error("This server is set up already: connect with its key, or scan a code.");
+      }
+      const name = $("setup-name").value.trim() || deviceGuess();
+      state.base = base;
+      state.key = key; // the API key, for these two calls only
+      state.keyBase = base;
+      const pairing = await core.api("POST", "/auth/devices/pairings", {name, scope: "admin"});
+      const {claimed} = await claim(pairing.data.secret, name);
+      keepDevice(base, claimed);
+      state.key = claimed.key;
+      await core.api("POST", "/auth/link", {clientName: "web client on " + name});
+      $("setup-box").hidden = true;
+      await core.connect(false);
+      await app.dialog(
+        "Keep this key safe",
+        [
+          el(
+            "p",
+            {},
+            "Your server is ready, and this browser is signed in as “" +
+              name +
+              "”. " +
+              "Other devices join by scanning a code: Keys and devices → Add a device.",
+          ),
+          el(
+            "p",
+            {class: "warn"},
+            "This is the server's API key. It is shown this once: keep it in a password " +
+              "manager. Lost it? On the server, run: python3 notesvc.py rotate-key",
+          ),
+          grants.shownOnce("API key", key, "setup-key"),
+        ],
+        [["done", "I have kept it", "primary"]],
+      );
+    } catch (e) {
+      state.key = "";
+      state.keyBase = "";
+      msg.textContent = e.message || String(e);
+    } finally {
+      $("setup").disabled = false;
+    }
+  }
+
+  // A new server opened from where it may not be set up (setupHere.reason): why, and what to do.
+  function whyNotSetUpHere(here) {
+    const onServer =
+      "On the server, run: python3 notesvc.py pair (a code to scan) or " +
+      "python3 notesvc.py rotate-key (a key to paste below).";
+    const there = here.url ? " (" + here.url + ")" : "";
+    const why = {
+      remote:
+        "This notes server is new, and it is set up only from the server itself or its home " +
+        "network, not from here. Open this page there" +
+        there +
+        ".",
+      "loopback-only":
+        "This notes server is new, and it is set up only from a browser on the server " +
+        "itself. Open this page there.",
+      relayed:
+        "This notes server is new, and it is never set up through a relay. Open its own " +
+        "address on the server or its home network.",
+      proxy:
+        "This notes server is new, and this page came through a proxy or tunnel it was not " +
+        "told to trust (SERVICE_TRUST_PROXY), so it cannot tell where you are. Open this " +
+        "page on the server or its home network.",
+      window:
+        "This notes server is new, and its setup window has passed (SERVICE_SETUP_WINDOW). " +
+        "Restart the server and open this page within it.",
+      host:
+        "This notes server is new. Open this page by the server's address (its IP address, " +
+        "localhost or its name), not by this name.",
+    }[here.reason];
+    return why ? why + " " + onServer : onServer;
+  }
+
+  async function offerSetup() {
+    try {
+      const base = new URL("api/v1", location.href).pathname;
+      const r = await fetch(base + "/system/setup", {cache: "no-store", mode: "same-origin"});
+      const j = await r.json();
+      if (j.data && j.data.browserSetup) {
+        $("setup-name").value = deviceGuess();
+        $("setup-box").hidden = false;
+        $("setup").focus();
+      } else if (j.data && !j.data.setupComplete && j.data.setupHere) {
+        const why = whyNotSetUpHere(j.data.setupHere).split(/(python3 notesvc\.py [a-z-]+)/);
+        // the commands to type on the server, set as code (one tap selects them)
+        const parts = why.map((part, i) => (i % 2 ? el("code", {}, part) : part));
+        $("setup-why").replaceChildren(...parts);
+        $("setup-elsewhere").hidden = false;
+      }
+    } catch (e) {
+      /* not a notes server's own page (a relay's): the key screen as it is */
+    }
+  }
+
+  // The picture of a pairing or a bot link: the server's QR code, else the link and a code to
+  // type (when the server has no QR encoder).
+  function pairingView(made, what) {
+    const parts = [];
+    if (made.qrSvg) {
+      const img = el("img", {
+        class: "qr",
+        id: "pair-qr",
+        alt: "QR code of the link to " + what,
+        src: "data:image/svg+xml;charset=utf-8," + encodeURIComponent(made.qrSvg),
+      });
+      parts.push(img);
+    }
+    parts.push(grants.shownOnce("Link", made.url, "pair-url"));
+    if (made.secret) {
+      parts.push(
         el(
           "p",
-          {},
-          "Your server is ready, and this browser is signed in as “" +
-            name +
-            "”. " +
-            "Other devices join by scanning a code: Keys and devices → Add a device.",
+          {class: "muted"},
+          "Or open this server's page on the device and type the code: ",
+          el("code", {id: "pair-code"}, keys.groupCode(made.secret)),
         ),
-        el(
-          "p",
-          {class: "warn"},
-          "This is the server's API key. It is shown this once: keep it in a password " +
-            "manager. Lost it? On the server, run: python3 notesvc.py rotate-key",
-        ),
-        grants.shownOnce("API key", key, "setup-key"),
-      ],
-      [["done", "I have kept it", "primary"]],
-    );
-  } catch (e) {
-    state.key = "";
-    state.keyBase = "";
-    msg.textContent = e.message || String(e);
-  } finally {
-    $("setup").disabled = false;
-  }
-}
-
-// A new server opened from where it may not be set up (setupHere.reason): why, and what to do.
-function whyNotSetUpHere(here) {
-  const onServer =
-    "On the server, run: python3 notesvc.py pair (a code to scan) or " +
-    "python3 notesvc.py rotate-key (a key to paste below).";
-  const there = here.url ? " (" + here.url + ")" : "";
-  const why = {
-    remote:
-      "This notes server is new, and it is set up only from the server itself or its home " +
-      "network, not from here. Open this page there" + there + ".",
-    "loopback-only":
-      "This notes server is new, and it is set up only from a browser on the server " +
-      "itself. Open this page there.",
-    relayed:
-      "This notes server is new, and it is never set up through a relay. Open its own " +
-      "address on the server or its home network.",
-    proxy:
-      "This notes server is new, and this page came through a proxy or tunnel it was not " +
-      "told to trust (SERVICE_TRUST_PROXY), so it cannot tell where you are. Open this " +
-      "page on the server or its home network.",
-    window:
-      "This notes server is new, and its setup window has passed (SERVICE_SETUP_WINDOW). " +
-      "Restart the server and open this page within it.",
-    host:
-      "This notes server is new. Open this page by the server's address (its IP address, " +
-      "localhost or its name), not by this name.",
-  }[here.reason];
-  return why ? why + " " + onServer : onServer;
-}
-
-async function offerSetup() {
-  try {
-    const base = new URL("api/v1", location.href).pathname;
-    const r = await fetch(base + "/system/setup", {cache: "no-store", mode: "same-origin"});
-    const j = await r.json();
-    if (j.data && j.data.browserSetup) {
-      $("setup-name").value = deviceGuess();
-      $("setup-box").hidden = false;
-      $("setup").focus();
-    } else if (j.data && !j.data.setupComplete && j.data.setupHere) {
-      const why = whyNotSetUpHere(j.data.setupHere).split(/(python3 notesvc\.py [a-z-]+)/);
-      // the commands to type on the server, set as code (one tap selects them)
-      const parts = why.map((part, i) => (i % 2 ? el("code", {}, part) : part));
-      $("setup-why").replaceChildren(...parts);
-      $("setup-elsewhere").hidden = false;
+      );
     }
-  } catch (e) {
-    /* not a notes server's own page (a relay's): the key screen as it is */
+    return parts;
   }
-}
 
-// The picture of a pairing or a bot link: the server's QR code, else the link and a code to
-// type (when the server has no QR encoder).
-function pairingView(made, what) {
-  const parts = [];
-  if (made.qrSvg) {
-    const img = el("img", {
-      class: "qr",
-      id: "pair-qr",
-      alt: "QR code of the link to " + what,
-      src: "data:image/svg+xml;charset=utf-8," + encodeURIComponent(made.qrSvg),
+  // "Add a device" (any scope; admin is everything) and "Give someone a folder".
+  async function addDevice(folderOnly) {
+    const name = el("input", {
+      type: "text",
+      id: "device-name",
+      placeholder: folderOnly ? "Anna's phone" : "my tablet",
     });
-    parts.push(img);
+    const scope = el(
+      "select",
+      {id: "device-scope"},
+      ...(folderOnly ? [] : [el("option", {value: "admin"}, "everything, like this device")]),
+      el("option", {value: "write"}, "read and write"),
+      el("option", {value: "read"}, "read only"),
+    );
+    const folder = el("input", {type: "text", id: "device-folder", placeholder: "notes/family"});
+    const fields = [
+      el("label", {for: "device-name"}, "Name"),
+      name,
+      el("label", {for: "device-scope"}, "It may"),
+      scope,
+    ];
+    if (folderOnly) fields.push(el("label", {for: "device-folder"}, "Only this folder"), folder);
+    for (;;) {
+      const go = await app.dialog(folderOnly ? "Give someone a folder" : "Add a device", fields, [
+        ["cancel", "Cancel"],
+        ["make", "Show the code", "primary"],
+      ]);
+      if (go !== "make") return grants.showKeys();
+      const body = {
+        name: name.value.trim() || (folderOnly ? "folder" : "device"),
+        scope: scope.value,
+      };
+      try {
+        if (folderOnly) {
+          const f = folder.value.trim().replace(/\/+$/, "").replace(/^\/+/, "");
+          if (!f) throw new Error("Name the folder to give, e.g. notes/family.");
+          body.folder = f.startsWith("notes") ? f : "notes/" + f;
+        }
+        const {data} = await core.api("POST", "/auth/devices/pairings", body);
+        return showPairing(data);
+      } catch (e) {
+        if (e instanceof core.Problem && (e.status === 401 || e.status === 429)) throw e;
+        dialogProblem(fields, e); // in the dialog, which opens again with what was typed
+      }
+    }
   }
-  parts.push(grants.shownOnce("Link", made.url, "pair-url"));
-  if (made.secret) {
-    parts.push(
+
+  async function showPairing(made) {
+    const until = new Date(made.expiresAt);
+    const status = el(
+      "p",
+      {id: "pair-status", role: "status"},
+      "Scan it with the other device's camera. It works once, until " +
+        until.toLocaleTimeString([], {hour: "2-digit", minute: "2-digit"}) +
+        ".",
+    );
+    const shown = app.dialog(
+      "Scan to join",
+      [...pairingView(made, "join this server"), status],
+      [["cancel", "Done"]],
+    );
+    let watching = true;
+    shown.then(() => (watching = false));
+    while (watching && Date.now() < until.getTime()) {
+      await app.sleep(2000);
+      if (!watching) break;
+      const {data} = await core.api("GET", "/auth/keys");
+      const joined = data.keys.find((g) => g.kind === "device" && g.createdAt >= made.createdAt);
+      if (joined) {
+        status.textContent = "“" + joined.name + "” joined.";
+        status.className = "ok";
+        break;
+      }
+    }
+    await shown;
+    return grants.showKeys();
+  }
+
+  // -- Telegram: paste the bot's token, send it a code, connected ---------------------------
+
+  async function telegramChannels() {
+    const {data} = await core.api("GET", "/channels");
+    return data.channels.filter((c) => c.provider === "telegram");
+  }
+
+  async function showTelegram() {
+    const [channel] = await telegramChannels();
+    if (!channel) return connectTelegram();
+    const bound = channel.boundChat;
+    const lines = [
       el(
         "p",
-        {class: "muted"},
-        "Or open this server's page on the device and type the code: ",
-        el("code", {id: "pair-code"}, groupCode(made.secret)),
+        {},
+        el("strong", {}, channel.name),
+        channel.enabled ? "" : " (switched off)",
+        bound ? " saves what “" + (bound.name || bound.id) + "” sends it." : " waits for a chat.",
       ),
-    );
-  }
-  return parts;
-}
-
-// "Add a device" (any scope; admin is everything) and "Give someone a folder".
-async function addDevice(folderOnly) {
-  const name = el("input", {
-    type: "text",
-    id: "device-name",
-    placeholder: folderOnly ? "Anna's phone" : "my tablet",
-  });
-  const scope = el(
-    "select",
-    {id: "device-scope"},
-    ...(folderOnly ? [] : [el("option", {value: "admin"}, "everything, like this device")]),
-    el("option", {value: "write"}, "read and write"),
-    el("option", {value: "read"}, "read only"),
-  );
-  const folder = el("input", {type: "text", id: "device-folder", placeholder: "notes/family"});
-  const fields = [
-    el("label", {for: "device-name"}, "Name"),
-    name,
-    el("label", {for: "device-scope"}, "It may"),
-    scope,
-  ];
-  if (folderOnly) fields.push(el("label", {for: "device-folder"}, "Only this folder"), folder);
-  for (;;) {
-    const go = await dialog(folderOnly ? "Give someone a folder" : "Add a device", fields, [
-      ["cancel", "Cancel"],
-      ["make", "Show the code", "primary"],
+    ];
+    if (channel.status && channel.status.ok === false) {
+      lines.push(el("p", {class: "err"}, "Telegram: " + channel.status.error));
+    }
+    const choice = await app.dialog("Telegram", lines, [
+      ["close", "Close"],
+      ["bind", "Connect another chat"],
+      ["toggle", channel.enabled ? "Switch off" : "Switch on"],
+      ["remove", "Remove", "danger"],
     ]);
-    if (go !== "make") return grants.showKeys();
-    const body = {
-      name: name.value.trim() || (folderOnly ? "folder" : "device"),
-      scope: scope.value,
-    };
-    try {
-      if (folderOnly) {
-        const f = folder.value.trim().replace(/\/+$/, "").replace(/^\/+/, "");
-        if (!f) throw new Error("Name the folder to give, e.g. notes/family.");
-        body.folder = f.startsWith("notes") ? f : "notes/" + f;
+    if (choice === "bind") {
+      const {data} = await core.api("POST", "/channels/" + core.enc(channel.id) + "/bind");
+      return waitForChat(channel.id, data);
+    }
+    if (choice === "toggle") {
+      await core.api("POST", "/channels/" + core.enc(channel.id) + "/toggle");
+      return showTelegram();
+    }
+    if (choice === "remove") {
+      const sure = await app.choose(
+        "Remove " + channel.name + "?",
+        "The bot stops saving to your notes.",
+        [
+          ["cancel", "Cancel"],
+          ["remove", "Remove", "danger"],
+        ],
+      );
+      if (sure === "remove") {
+        await core.api("DELETE", "/channels/" + core.enc(channel.id));
+        core.toast("Telegram removed");
       }
-      const {data} = await api("POST", "/auth/devices/pairings", body);
-      return showPairing(data);
-    } catch (e) {
-      if (e instanceof Problem && (e.status === 401 || e.status === 429)) throw e;
-      dialogProblem(fields, e); // in the dialog, which opens again with what was typed
     }
+    return undefined;
   }
-}
 
-async function showPairing(made) {
-  const until = new Date(made.expiresAt);
-  const status = el(
-    "p",
-    {id: "pair-status", role: "status"},
-    "Scan it with the other device's camera. It works once, until " +
-      until.toLocaleTimeString([], {hour: "2-digit", minute: "2-digit"}) +
-      ".",
-  );
-  const shown = dialog(
-    "Scan to join",
-    [...pairingView(made, "join this server"), status],
-    [["cancel", "Done"]],
-  );
-  let watching = true;
-  shown.then(() => (watching = false));
-  while (watching && Date.now() < until.getTime()) {
-    await sleep(2000);
-    if (!watching) break;
-    const {data} = await api("GET", "/auth/keys");
-    const joined = data.keys.find((g) => g.kind === "device" && g.createdAt >= made.createdAt);
-    if (joined) {
-      status.textContent = "“" + joined.name + "” joined.";
-      status.className = "ok";
-      break;
-    }
-  }
-  await shown;
-  return grants.showKeys();
-}
-
-// -- Telegram: paste the bot's token, send it a code, connected ---------------------------
-
-async function telegramChannels() {
-  const {data} = await api("GET", "/channels");
-  return data.channels.filter((c) => c.provider === "telegram");
-}
-
-async function showTelegram() {
-  const [channel] = await telegramChannels();
-  if (!channel) return connectTelegram();
-  const bound = channel.boundChat;
-  const lines = [
-    el(
-      "p",
-      {},
-      el("strong", {}, channel.name),
-      channel.enabled ? "" : " (switched off)",
-      bound ? " saves what “" + (bound.name || bound.id) + "” sends it." : " waits for a chat.",
-    ),
-  ];
-  if (channel.status && channel.status.ok === false) {
-    lines.push(el("p", {class: "err"}, "Telegram: " + channel.status.error));
-  }
-  const choice = await dialog("Telegram", lines, [
-    ["close", "Close"],
-    ["bind", "Connect another chat"],
-    ["toggle", channel.enabled ? "Switch off" : "Switch on"],
-    ["remove", "Remove", "danger"],
-  ]);
-  if (choice === "bind") {
-    const {data} = await api("POST", "/channels/" + enc(channel.id) + "/bind");
-    return waitForChat(channel.id, data);
-  }
-  if (choice === "toggle") {
-    await api("POST", "/channels/" + enc(channel.id) + "/toggle");
-    return showTelegram();
-  }
-  if (choice === "remove") {
-    const sure = await choose(
-      "Remove " + channel.name + "?",
-      "The bot stops saving to your notes.",
-      [
+  async function connectTelegram() {
+    const token = el("input", {
+      type: "text",
+      id: "tg-token",
+      autocomplete: "off",
+      spellcheck: "false",
+      placeholder: "123456789:AA…",
+    });
+    const body = [
+      el(
+        "ol",
+        {},
+        el("li", {}, "In Telegram, open @BotFather and send /newbot; give it a name."),
+        el("li", {}, "BotFather answers with a token: paste it here."),
+      ),
+      el("label", {for: "tg-token"}, "Bot token"),
+      token,
+    ];
+    for (;;) {
+      const go = await app.dialog("Connect Telegram", body, [
         ["cancel", "Cancel"],
-        ["remove", "Remove", "danger"],
-      ],
-    );
-    if (sure === "remove") {
-      await api("DELETE", "/channels/" + enc(channel.id));
-      toast("Telegram removed");
+        ["connect", "Connect", "primary"],
+      ]);
+      if (go !== "connect") return undefined;
+      let made;
+      try {
+        made = await core.api("POST", "/channels/connect/telegram", {botToken: token.value.trim()});
+      } catch (e) {
+        if (e instanceof core.Problem && (e.status === 401 || e.status === 429)) throw e;
+        dialogProblem(body, e); // shown in the dialog, which opens again with the token kept
+        continue;
+      }
+      return waitForChat(made.data.channel.id, made.data);
     }
   }
-  return undefined;
-}
 
-async function connectTelegram() {
-  const token = el("input", {
-    type: "text",
-    id: "tg-token",
-    autocomplete: "off",
-    spellcheck: "false",
-    placeholder: "123456789:AA…",
-  });
-  const body = [
-    el(
-      "ol",
-      {},
-      el("li", {}, "In Telegram, open @BotFather and send /newbot; give it a name."),
-      el("li", {}, "BotFather answers with a token: paste it here."),
-    ),
-    el("label", {for: "tg-token"}, "Bot token"),
-    token,
-  ];
-  for (;;) {
-    const go = await dialog("Connect Telegram", body, [
-      ["cancel", "Cancel"],
-      ["connect", "Connect", "primary"],
-    ]);
-    if (go !== "connect") return undefined;
-    let made;
+  // An error of a dialog's own action, shown inside that dialog the next time it opens.
+  function dialogProblem(body, e) {
+    let p = body.find((b) => b.id === "dlg-error");
+    if (!p) {
+      p = el("p", {id: "dlg-error", class: "err", role: "alert"});
+      body.push(p);
+    }
+    p.textContent = e && e.message ? e.message : String(e);
+  }
+
+  async function waitForChat(id, made) {
+    const until = new Date(made.bindUntil);
+    const status = el(
+      "p",
+      {id: "tg-status", role: "status"},
+      "Waiting for the first message… (the code works until " +
+        until.toLocaleTimeString([], {hour: "2-digit", minute: "2-digit"}) +
+        ")",
+    );
+    const bot = made.link
+      ? el("a", {href: made.link, target: "_blank", rel: "noopener"}, "@" + made.bot)
+      : "your bot";
+    const parts = [el("p", {}, "Open ", bot, " in Telegram and press Start.")];
+    if (made.qrSvg) {
+      parts.push(
+        el("img", {
+          class: "qr",
+          id: "tg-qr",
+          alt: "QR code of the link to the bot",
+          src: "data:image/svg+xml;charset=utf-8," + encodeURIComponent(made.qrSvg),
+        }),
+        el("p", {class: "muted"}, "On a computer? Scan this with your phone's camera."),
+      );
+    }
+    const code = el("code", {id: "tg-code"}, made.bindCode);
+    parts.push(el("p", {}, "Or send the bot this code: ", code));
+    parts.push(status);
+    const shown = app.dialog("Connect Telegram", parts, [["cancel", "Done"]]);
+    let watching = true;
+    shown.then(() => (watching = false));
+    while (watching && Date.now() < until.getTime()) {
+      await app.sleep(1500);
+      if (!watching) break;
+      const {data} = await core.api("GET", "/channels/" + core.enc(id));
+      if (data.boundChat) {
+        status.textContent = "Connected to " + (data.boundChat.name || data.boundChat.id) + ".";
+        status.className = "ok";
+        break;
+      }
+    }
+    return shown;
+  }
+
+  // A code typed from another device's screen (where no camera can scan it).
+  async function joinWithCode() {
+    const msg = $("join-msg");
+    msg.textContent = "";
+    const code = $("join-code")
+      .value.replace(/[^A-Za-z2-7]/g, "")
+      .toLowerCase();
+    if (code.length !== 26) {
+      msg.textContent = "A code is 26 letters and digits (groups of four): check it and try again.";
+      return;
+    }
+    $("join").disabled = true;
     try {
-      made = await api("POST", "/channels/connect/telegram", {botToken: token.value.trim()});
+      const {base, claimed} = await claim(code, "");
+      keepDevice(base, claimed);
+      state.base = base;
+      await core.connect(false);
     } catch (e) {
-      if (e instanceof Problem && (e.status === 401 || e.status === 429)) throw e;
-      dialogProblem(body, e); // shown in the dialog, which opens again with the token kept
-      continue;
-    }
-    return waitForChat(made.data.channel.id, made.data);
-  }
-}
-
-// An error of a dialog's own action, shown inside that dialog the next time it opens.
-function dialogProblem(body, e) {
-  let p = body.find((b) => b.id === "dlg-error");
-  if (!p) {
-    p = el("p", {id: "dlg-error", class: "err", role: "alert"});
-    body.push(p);
-  }
-  p.textContent = e && e.message ? e.message : String(e);
-}
-
-async function waitForChat(id, made) {
-  const until = new Date(made.bindUntil);
-  const status = el(
-    "p",
-    {id: "tg-status", role: "status"},
-    "Waiting for the first message… (the code works until " +
-      until.toLocaleTimeString([], {hour: "2-digit", minute: "2-digit"}) +
-      ")",
-  );
-  const bot = made.link
-    ? el("a", {href: made.link, target: "_blank", rel: "noopener"}, "@" + made.bot)
-    : "your bot";
-  const parts = [el("p", {}, "Open ", bot, " in Telegram and press Start.")];
-  if (made.qrSvg) {
-    parts.push(
-      el("img", {
-        class: "qr",
-        id: "tg-qr",
-        alt: "QR code of the link to the bot",
-        src: "data:image/svg+xml;charset=utf-8," + encodeURIComponent(made.qrSvg),
-      }),
-      el("p", {class: "muted"}, "On a computer? Scan this with your phone's camera."),
-    );
-  }
-  const code = el("code", {id: "tg-code"}, made.bindCode);
-  parts.push(el("p", {}, "Or send the bot this code: ", code));
-  parts.push(status);
-  const shown = dialog("Connect Telegram", parts, [["cancel", "Done"]]);
-  let watching = true;
-  shown.then(() => (watching = false));
-  while (watching && Date.now() < until.getTime()) {
-    await sleep(1500);
-    if (!watching) break;
-    const {data} = await api("GET", "/channels/" + enc(id));
-    if (data.boundChat) {
-      status.textContent = "Connected to " + (data.boundChat.name || data.boundChat.id) + ".";
-      status.className = "ok";
-      break;
+      msg.textContent = e.message || String(e);
+    } finally {
+      $("join").disabled = false;
     }
   }
-  return shown;
-}
 
-// A code typed from another device's screen (where no camera can scan it).
-async function joinWithCode() {
-  const msg = $("join-msg");
-  msg.textContent = "";
-  const code = $("join-code")
-    .value.replace(/[^A-Za-z2-7]/g, "")
-    .toLowerCase();
-  if (code.length !== 26) {
-    msg.textContent = "A code is 26 letters and digits (groups of four): check it and try again.";
-    return;
+  function wireDevices() {
+    $("setup").addEventListener("click", setUpServer);
+    $("pair-join").addEventListener("click", joinWithPairing);
+    $("join").addEventListener("click", joinWithCode);
+    $("join-code").addEventListener("keydown", (e) => {
+      if (e.key === "Enter") joinWithCode();
+    });
   }
-  $("join").disabled = true;
-  try {
-    const {base, claimed} = await claim(code, "");
-    keepDevice(base, claimed);
-    state.base = base;
-    await connect(false);
-  } catch (e) {
-    msg.textContent = e.message || String(e);
-  } finally {
-    $("join").disabled = false;
-  }
-}
 
-function wireDevices() {
-  $("setup").addEventListener("click", setUpServer);
-  $("pair-join").addEventListener("click", joinWithPairing);
-  $("join").addEventListener("click", joinWithCode);
-  $("join-code").addEventListener("keydown", (e) => {
-    if (e.key === "Enter") joinWithCode();
-  });
-}
-wireDevices();
+  return {
+    addDevice,
+    deviceGuess,
+    dialogProblem,
+    offerSetup,
+    pairingInUrl,
+    showTelegram,
+    wireDevices,
+  };
+})();
 """[1:]
 # --- end web/devices.js ---
 # --- begin web/transfer.js ---
@@ -22298,6 +22471,8 @@ WEB_TRANSFER_JS = r"""
 // No name of its own: nothing else calls it (it wires its menu items itself).
 
 (() => {
+  const {$, state} = core;
+  const {el} = markdown;
   const IMPORT_TYPES = ".zip,.enex,.jex,.json,.md,.txt";
 
   function mb(bytes) {
@@ -22308,8 +22483,8 @@ WEB_TRANSFER_JS = r"""
   // report, rejects with a Problem as api() does.
   function sendImport(file, into, dryRun, progress) {
     const url = state.base + "/import";
-    if (!state.base || !ownOrigin(url) || (state.key && state.keyBase !== state.base)) {
-      return Promise.reject(new Problem(0, "REFUSED", "Refused: the API is not this page's."));
+    if (!state.base || !core.ownOrigin(url) || (state.key && state.keyBase !== state.base)) {
+      return Promise.reject(new core.Problem(0, "REFUSED", "Refused: the API is not this page's."));
     }
     const form = new FormData();
     form.append("dryRun", dryRun ? "true" : "false");
@@ -22323,7 +22498,7 @@ WEB_TRANSFER_JS = r"""
         if (e.lengthComputable) progress(e.loaded, e.total);
       };
       x.upload.onload = () => progress(-1, file.size);
-      x.onerror = () => reject(new Problem(0, "NETWORK", "Cannot reach the server."));
+      x.onerror = () => reject(new core.Problem(0, "NETWORK", "Cannot reach the server."));
       x.onload = () => {
         let j = null;
         try {
@@ -22333,7 +22508,7 @@ WEB_TRANSFER_JS = r"""
         }
         if (x.status < 300 && j && j.success) return resolve(j.data);
         const err = (j && j.error) || {code: "HTTP_" + x.status, message: "HTTP " + x.status};
-        reject(new Problem(x.status, err.code, err.message));
+        reject(new core.Problem(x.status, err.code, err.message));
       };
       x.send(form);
     });
@@ -22341,11 +22516,11 @@ WEB_TRANSFER_JS = r"""
 
   // A file over what this address takes: say where a larger one goes.
   function tooLarge(e) {
-    if (!(e instanceof Problem) || e.status !== 413) return e;
+    if (!(e instanceof core.Problem) || e.status !== 413) return e;
     const hint =
       " A larger file goes in on the server's own address (at home), or on the server with: " +
       "python3 notesvc.py import FILE";
-    return new Problem(413, e.code, e.message + hint);
+    return new core.Problem(413, e.code, e.message + hint);
   }
 
   function importSummary(r) {
@@ -22395,14 +22570,14 @@ WEB_TRANSFER_JS = r"""
       into,
     ];
     for (;;) {
-      const go = await dialog("Import notes", body, [
+      const go = await app.dialog("Import notes", body, [
         ["cancel", "Cancel"],
         ["check", "Check", "primary"],
       ]);
       if (go !== "check") return;
       const file = input.files && input.files[0];
       if (!file) {
-        dialogProblem(body, "Choose a file first.");
+        devices.dialogProblem(body, "Choose a file first.");
         continue;
       }
       const folder = into.value.trim();
@@ -22412,23 +22587,23 @@ WEB_TRANSFER_JS = r"""
         {id: "import-progress", role: "status"},
         "Checking " + file.name + "…",
       );
-      dialog("Import notes", [status], [["cancel", "Cancel"]]);
+      app.dialog("Import notes", [status], [["cancel", "Cancel"]]);
       try {
         report = await sendImport(file, folder, true, (sent, total) => {
           status.textContent =
             sent < 0 ? "Reading the archive…" : "Sending " + mb(sent) + " of " + mb(total) + "…";
         });
       } catch (e) {
-        dialogProblem(body, tooLarge(e));
+        devices.dialogProblem(body, tooLarge(e));
         continue;
       }
-      const yes = await dialog("Import notes", importSummary(report), [
+      const yes = await app.dialog("Import notes", importSummary(report), [
         ["cancel", "Cancel"],
         ["import", "Import " + report.created + " notes", "primary"],
       ]);
       if (yes !== "import") return;
       const doing = el("p", {id: "import-progress", role: "status"}, "Sending…");
-      dialog("Importing…", [doing], [["cancel", "Hide"]]);
+      app.dialog("Importing…", [doing], [["cancel", "Hide"]]);
       let done;
       try {
         done = await sendImport(file, folder, false, (sent, total) => {
@@ -22444,23 +22619,23 @@ WEB_TRANSFER_JS = r"""
                 " %)…";
         });
       } catch (e) {
-        await dialog(
+        await app.dialog(
           "Import notes",
           [el("p", {class: "err", role: "alert"}, tooLarge(e).message)],
           [["ok", "OK"]],
         );
         return;
       }
-      await loadTree();
-      await dialog("Imported", importSummary(done), [["ok", "OK", "primary"]]);
+      await core.loadTree();
+      await app.dialog("Imported", importSummary(done), [["ok", "OK", "primary"]]);
       return;
     }
   }
 
   async function exportAll() {
     const status = el("p", {id: "export-progress", role: "status"}, "Preparing the zip…");
-    dialog("Export all notes", [status], [["cancel", "Hide"]]);
-    const got = await api("GET", "/export.zip", undefined, undefined, {
+    app.dialog("Export all notes", [status], [["cancel", "Hide"]]);
+    const got = await core.api("GET", "/export.zip", undefined, undefined, {
       blob: true,
       progress: (n) => (status.textContent = "Downloading… " + mb(n)),
     });
@@ -22476,18 +22651,72 @@ WEB_TRANSFER_JS = r"""
   }
 
   function wireTransfer() {
-    $("menu-import").addEventListener("click", act(showImport));
-    $("menu-export").addEventListener("click", act(exportAll));
+    $("menu-import").addEventListener("click", core.act(showImport));
+    $("menu-export").addEventListener("click", core.act(exportAll));
   }
   wireTransfer();
 })();
 """[1:]
 # --- end web/transfer.js ---
+# --- begin web/main.js ---
+WEB_MAIN_JS = r"""
+// -- the page starts here: every file before this one only defines -------------------------
+// Wire the page's controls, then start: the kept key connects, a pairing link offers to
+// join, or the setup (or the key) is asked for.
+
+(() => {
+  const {$, state} = core;
+  app.wire();
+  grants.wireGrants();
+  devices.wireDevices();
+  offline.wireOffline();
+  const code = new URLSearchParams(location.search).get("relayCode");
+  if (new URLSearchParams(location.search).get("share") === "off") {
+    // the share sheet reached the server itself: no worker here to keep what was shared
+    history.replaceState(history.state, "", location.pathname);
+    core.toast(
+      "Sharing to notesvc needs “Keep notes on this device” (in the menu): turn it on, " +
+        "then share again.",
+      true,
+    );
+  }
+  if (code) $("relay-code").value = code;
+  const pairing = devices.pairingInUrl();
+  if (pairing) {
+    // the secret leaves the address bar and the history at once: it is good once
+    history.replaceState(history.state, "", location.pathname + location.search);
+    $("pair-box").dataset.secret = pairing;
+    $("pair-name").placeholder = "the name it was given, or " + devices.deviceGuess();
+    $("pair-box").hidden = false;
+    if (core.SHARED_ORIGIN) {
+      $("pair-msg").textContent =
+        "This relay gives all its servers one address, where nothing can be kept: open " +
+        "the link on the server's own address instead.";
+      $("pair-join").disabled = true;
+    }
+  }
+  if (core.SHARED_ORIGIN) {
+    $("shared-origin").hidden = false;
+    $("remember").closest("label").hidden = true;
+  }
+  const kept = core.keptKey();
+  state.base = kept ? kept.base : core.getItem("local", "notesvc.base") || "";
+  if (!core.ownOrigin(state.base) || /^[a-z]+:/i.test(state.base)) state.base = "";
+  // one cut short
+  if (core.getItem("local", "notesvc.wipe")) offline.forgetOffline().catch(() => {});
+  // A pairing code may name any server: the page waits for a person to connect, and then
+  // sends the kept key only if the code resolves to the API base it was kept for.
+  if (kept && !code && !pairing) core.connect(false);
+  else if (!pairing && !kept && !core.SHARED_ORIGIN) devices.offerSetup();
+  else if (!pairing) $("key").focus();
+})();
+"""[1:]
+# --- end web/main.js ---
 
 # One script, in this order: core.js ("use strict", the page's state, storage and API),
 # the pure modules (paths.js, keys.js, merge.js, outbox.js, markdown.js, order.js,
 # autosave.js, drafts.js; node --test web/), app.js, grants.js, devices.js, transfer.js,
-# offline.js.
+# offline.js, and last main.js, where the page starts (the files before it only define).
 WEB_JS = "".join(
     (
         WEB_JS_START,
@@ -22504,6 +22733,7 @@ WEB_JS = "".join(
         WEB_DEVICES_JS,
         WEB_TRANSFER_JS,
         WEB_OFFLINE_JS,
+        WEB_MAIN_JS,
     )
 )
 
@@ -22916,61 +23146,67 @@ SHARE_JS = r"""
 // The link is {base}/s/<token>; the note comes from {base}/api/v1/shared/<token>. The
 // web client's renderer (MARKDOWN_JS) draws it; what a link or an image may reach is
 // decided here: pages on the web, and the attachments this note links, nothing else.
-const found = location.pathname.match(/^(.*)\/s\/([A-Za-z0-9_-]{1,64})\/?$/);
-const shared = found ? found[1] + "/api/v1/shared/" + found[2] : "";
-let linked = {}; // the note's href as written -> the attachment it names (the server's)
+// No name of its own: it draws the note as the page loads.
+(() => {
+  const {el} = markdown;
+  const found = location.pathname.match(/^(.*)\/s\/([A-Za-z0-9_-]{1,64})\/?$/);
+  const shared = found ? found[1] + "/api/v1/shared/" + found[2] : "";
+  let linked = {}; // the note's href as written -> the attachment it names (the server's)
 
-function attachmentOf(src) {
-  const path = Object.prototype.hasOwnProperty.call(linked, src) ? linked[src] : "";
-  if (typeof path !== "string" || !/^attachments\//.test(path)) return "";
-  return shared + "/attachments/" + path.split("/").map(encodeURIComponent).join("/");
-}
-
-function link(href, label, ctx, markdown) {
-  href = href.trim();
-  const a = /^(https?:|mailto:)/i.test(href)
-    ? el("a", {href, target: "_blank", rel: "noopener noreferrer nofollow"})
-    : el("span"); // another note of the owner's: not shared, so the text alone
-  if (markdown) inline(label, a, ctx);
-  else a.textContent = label;
-  return a;
-}
-
-function wikiLink(target, label, ctx, embed) {
-  return el("span", {}, (label || target).trim());
-}
-
-function image(alt, src, ctx) {
-  const url = attachmentOf(src.trim());
-  if (!url) return document.createTextNode(alt ? "[image: " + alt + "]" : "[image]");
-  return el("img", {src: url, alt: alt || "", loading: "lazy", referrerpolicy: "no-referrer"});
-}
-
-async function showShared() {
-  const say = (text) => {
-    document.getElementById("msg").textContent = text;
-  };
-  if (!shared) return say("This link is not valid.");
-  let r;
-  let j = null;
-  try {
-    r = await fetch(shared, {mode: "same-origin", credentials: "omit"});
-    j = await r.json();
-  } catch (e) {
-    return say("The notes server cannot be reached right now.");
+  function attachmentOf(src) {
+    const path = Object.prototype.hasOwnProperty.call(linked, src) ? linked[src] : "";
+    if (typeof path !== "string" || !/^attachments\//.test(path)) return "";
+    return shared + "/attachments/" + path.split("/").map(encodeURIComponent).join("/");
   }
-  if (r.status === 429) return say("Too many requests: try again in a minute.");
-  if (!r.ok || !j || !j.success) {
-    return say("Nothing is shared at this link: it may have expired or been revoked.");
+
+  function link(href, label, ctx, rich) {
+    href = href.trim();
+    const a = /^(https?:|mailto:)/i.test(href)
+      ? el("a", {href, target: "_blank", rel: "noopener noreferrer nofollow"})
+      : el("span"); // another note of the owner's: not shared, so the text alone
+    if (rich) markdown.inline(label, a, ctx);
+    else a.textContent = label;
+    return a;
   }
-  document.title = j.data.title;
-  linked = j.data.attachments || {};
-  document.getElementById("note").replaceChildren(renderMarkdown(j.data.content, {}));
-  document.getElementById("meta").textContent =
-    "Shared read-only · last changed " + new Date(j.data.modified).toLocaleString();
-  return undefined;
-}
-showShared();
+
+  function wikiLink(target, label, ctx, embed) {
+    return el("span", {}, (label || target).trim());
+  }
+
+  function image(alt, src, ctx) {
+    const url = attachmentOf(src.trim());
+    if (!url) return document.createTextNode(alt ? "[image: " + alt + "]" : "[image]");
+    return el("img", {src: url, alt: alt || "", loading: "lazy", referrerpolicy: "no-referrer"});
+  }
+
+  async function showShared() {
+    const say = (text) => {
+      document.getElementById("msg").textContent = text;
+    };
+    if (!shared) return say("This link is not valid.");
+    let r;
+    let j = null;
+    try {
+      r = await fetch(shared, {mode: "same-origin", credentials: "omit"});
+      j = await r.json();
+    } catch (e) {
+      return say("The notes server cannot be reached right now.");
+    }
+    if (r.status === 429) return say("Too many requests: try again in a minute.");
+    if (!r.ok || !j || !j.success) {
+      return say("Nothing is shared at this link: it may have expired or been revoked.");
+    }
+    document.title = j.data.title;
+    linked = j.data.attachments || {};
+    document
+      .getElementById("note")
+      .replaceChildren(markdown.renderMarkdown(j.data.content, {link, wikiLink, image}));
+    document.getElementById("meta").textContent =
+      "Shared read-only · last changed " + new Date(j.data.modified).toLocaleString();
+    return undefined;
+  }
+  showShared();
+})();
 """[1:]
 # --- end web/share.js ---
 

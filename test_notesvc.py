@@ -8734,7 +8734,7 @@ class TestHouse:
         asked = [
             lines.index("def create_app(config: Config | None = None) -> NotesApp:") + 1,
             lines.index("class NoteStore:") + 1,
-            lines.index("const state = {") + 1,  # web/core.js, embedded
+            lines.index("const core = (() => {") + 1,  # web/core.js, embedded
         ]
         done = self.build("--where", *map(str, asked))
         assert done.returncode == 0, done.stderr
@@ -13239,7 +13239,7 @@ class TestWebClient:
         s = web("desktop", login=False)
         page = s.page
         page.goto(web.server.url + "/")
-        render = lambda md: page.evaluate("(t) => renderMarkdown(t, {}).innerHTML", md)  # noqa: E731
+        render = lambda md: page.evaluate("(t) => markdown.renderMarkdown(t, {}).innerHTML", md)  # noqa: E731
         assert render("# T\n\npara *a* _b_\nline two") == (
             "<h1>T</h1><p>para <em>a</em> <em>b</em><br>line two</p>"
         )
@@ -13265,7 +13265,7 @@ class TestWebClient:
         # Pathological input renders in linear-ish time.
         took = page.evaluate(
             "() => { const t = performance.now(); "
-            "renderMarkdown('*_'.repeat(4000) + '['.repeat(3000), {}); "
+            "markdown.renderMarkdown('*_'.repeat(4000) + '['.repeat(3000), {}); "
             "return performance.now() - t; }"
         )
         assert took < 2000

@@ -5,6 +5,8 @@
 // One name, grants: what the other files call (writable, applyGrant, shownOnce, showKeys).
 
 const grants = (() => {
+  const {$, state} = core;
+  const {el} = markdown;
   function writable() {
     return !state.grant || state.grant.scope !== "read";
   }
@@ -39,7 +41,7 @@ const grants = (() => {
   async function copyText(text, what, field) {
     try {
       await navigator.clipboard.writeText(text);
-      toast(what + " copied");
+      core.toast(what + " copied");
       return;
     } catch (e) {
       /* no Clipboard API here: the selection instead */
@@ -59,8 +61,8 @@ const grants = (() => {
       done = false;
     }
     if (!field) box.remove();
-    if (done) toast(what + " copied");
-    else toast("Select it and copy it yourself: this browser did not allow copying", true);
+    if (done) core.toast(what + " copied");
+    else core.toast("Select it and copy it yourself: this browser did not allow copying", true);
   }
 
   function shownOnce(label, value, id) {
@@ -89,12 +91,12 @@ const grants = (() => {
   }
 
   // The grants g made, and those they made in turn (what a cascade revoke takes with it).
-  function madeBy(id, grants) {
+  function madeBy(id, all) {
     const found = new Set([id]);
     const made = [];
-    for (let more = true; more; ) {
+    for (let more = true; more;) {
       more = false;
-      for (const g of grants) {
+      for (const g of all) {
         if (g.createdBy && found.has(g.createdBy) && !found.has(g.id)) {
           found.add(g.id);
           made.push(g);
@@ -105,17 +107,17 @@ const grants = (() => {
     return made;
   }
 
-  function grantRow(g, list, grants, names) {
-    const made = madeBy(g.id, grants);
+  function grantRow(g, list, all, names) {
+    const made = madeBy(g.id, all);
     const what = [
       SCOPE_TEXT[g.scope] || g.scope,
       g.folder ? "only " + g.folder : "all notes",
-      g.expiresAt ? "expires " + when(g.expiresAt) : "never expires",
-      g.lastUsedAt ? "used " + ago(g.lastUsedAt) : "never used",
+      g.expiresAt ? "expires " + app.when(g.expiresAt) : "never expires",
+      g.lastUsedAt ? "used " + core.ago(g.lastUsedAt) : "never used",
       madeByText(g.createdBy, names),
       made.length ? "made " + made.length + " listed here" : "",
     ].filter(Boolean);
-    const revoke = act(async () => {
+    const revoke = core.act(async () => {
       const text = [
         g.kind === "oauth"
           ? "This app is disconnected at once; it must ask you again to come back."
@@ -143,9 +145,10 @@ const grants = (() => {
         );
         buttons.push(["cascade", "Also revoke the " + made.length + " it made", "danger"]);
       }
-      const sure = await choose("Revoke “" + g.name + "”?", text, buttons);
-      if (sure === "revoke") await api("DELETE", "/auth/keys/" + enc(g.id));
-      if (sure === "cascade") await api("DELETE", "/auth/keys/" + enc(g.id) + "?cascade=true");
+      const sure = await app.choose("Revoke “" + g.name + "”?", text, buttons);
+      if (sure === "revoke") await core.api("DELETE", "/auth/keys/" + core.enc(g.id));
+      if (sure === "cascade")
+        await core.api("DELETE", "/auth/keys/" + core.enc(g.id) + "?cascade=true");
       await showKeys();
     });
     list.append(
@@ -168,17 +171,21 @@ const grants = (() => {
   }
 
   async function showKeys(made) {
-    const [{data}, shares] = await Promise.all([api("GET", "/auth/keys"), api("GET", "/shares")]);
-    const keys = el("ul", {class: "list", id: "keys-list"});
+    const [{data}, shares] = await Promise.all([
+      core.api("GET", "/auth/keys"),
+      core.api("GET", "/shares"),
+    ]);
+    const keyList = el("ul", {class: "list", id: "keys-list"});
     const apps = el("ul", {class: "list", id: "connections-list"});
-    const devices = el("ul", {class: "list", id: "devices-list"});
+    const deviceList = el("ul", {class: "list", id: "devices-list"});
     const names = new Map(data.keys.map((g) => [g.id, g.name]));
     for (const g of data.keys) {
-      const list = g.kind === "oauth" ? apps : g.kind === "device" ? devices : keys;
+      const list = g.kind === "oauth" ? apps : g.kind === "device" ? deviceList : keyList;
       grantRow(g, list, data.keys, names);
     }
-    if (!keys.children.length) keys.append(el("li", {class: "muted"}, "No scoped keys yet."));
-    if (!devices.children.length) devices.append(el("li", {class: "muted"}, "No device yet."));
+    if (!keyList.children.length) keyList.append(el("li", {class: "muted"}, "No scoped keys yet."));
+    if (!deviceList.children.length)
+      deviceList.append(el("li", {class: "muted"}, "No device yet."));
     if (!apps.children.length) {
       apps.append(el("li", {class: "muted"}, "No app is connected (Claude, ChatGPT…)."));
     }
@@ -200,12 +207,12 @@ const grants = (() => {
       el("option", {value: "365"}, "in a year"),
       el("option", {value: ""}, "never"),
     );
-    const create = act(async () => {
+    const create = core.act(async () => {
       const body = {name: name.value.trim() || "key", scope: scope.value};
       let f = folder.value.trim().replace(/\/+$/, "");
       if (f) body.folder = f.startsWith("notes") ? f : "notes/" + f.replace(/^\/+/, "");
       if (days.value) body.expiresInDays = Number(days.value);
-      const r = await api("POST", "/auth/keys", body);
+      const r = await core.api("POST", "/auth/keys", body);
       await showKeys(r.data);
     });
     const form = el(
@@ -231,7 +238,7 @@ const grants = (() => {
     }
     body.push(
       el("h3", {}, "Devices"),
-      devices,
+      deviceList,
       el(
         "div",
         {class: "row"},
@@ -241,31 +248,31 @@ const grants = (() => {
             type: "button",
             id: "add-device",
             class: "primary",
-            onclick: act(() => addDevice(false)),
+            onclick: core.act(() => devices.addDevice(false)),
           },
           "Add a device",
         ),
         el(
           "button",
-          {type: "button", id: "add-folder", onclick: act(() => addDevice(true))},
+          {type: "button", id: "add-folder", onclick: core.act(() => devices.addDevice(true))},
           "Give someone a folder",
         ),
       ),
       el("h3", {}, "Keys"),
-      keys,
+      keyList,
       el("h3", {}, "Connected apps"),
       apps,
       el("h3", {}, "Share links"),
       links,
       form,
     );
-    await dialog("Keys and devices", body, [["cancel", "Close"]]);
+    await app.dialog("Keys and devices", body, [["cancel", "Close"]]);
   }
 
   function shareRow(s, after, names) {
-    const revoke = act(async () => {
-      await api("DELETE", "/shares/" + enc(s.id));
-      toast("The link no longer opens " + nameOf(s.path));
+    const revoke = core.act(async () => {
+      await core.api("DELETE", "/shares/" + core.enc(s.id));
+      core.toast("The link no longer opens " + paths.nameOf(s.path));
       await after();
     });
     return el(
@@ -274,11 +281,11 @@ const grants = (() => {
       el(
         "span",
         {},
-        nameOf(s.path),
+        paths.nameOf(s.path),
         el(
           "small",
           {class: "muted"},
-          " · expires " + when(s.expiresAt),
+          " · expires " + app.when(s.expiresAt),
           names && s.createdBy ? " · " + madeByText(s.createdBy, names) : "",
         ),
       ),
@@ -293,7 +300,7 @@ const grants = (() => {
   async function shareNote(made) {
     if (!state.path) return;
     const path = state.path;
-    const {data} = await api("GET", "/shares");
+    const {data} = await core.api("GET", "/shares");
     const list = el("ul", {class: "list", id: "share-links"});
     for (const s of data.shares) if (s.path === path) list.append(shareRow(s, () => shareNote()));
     if (!list.children.length) list.append(el("li", {class: "muted"}, "Not shared yet."));
@@ -305,8 +312,8 @@ const grants = (() => {
       el("option", {value: "30"}, "in 30 days"),
       el("option", {value: "365"}, "in a year"),
     );
-    const create = act(async () => {
-      const r = await api("POST", "/shares", {path, expiresInDays: Number(days.value)});
+    const create = core.act(async () => {
+      const r = await core.api("POST", "/shares", {path, expiresInDays: Number(days.value)});
       await shareNote(r.data);
     });
     const body = [
@@ -329,23 +336,22 @@ const grants = (() => {
       el("h3", {}, "Links to this note"),
       list,
     );
-    await dialog("Share " + (state.title || nameOf(path)), body, [["cancel", "Close"]]);
+    await app.dialog("Share " + (state.title || paths.nameOf(path)), body, [["cancel", "Close"]]);
   }
 
   function wireGrants() {
     $("menu-keys").addEventListener(
       "click",
-      act(() => showKeys()),
+      core.act(() => showKeys()),
     );
     $("menu-telegram").addEventListener(
       "click",
-      act(() => showTelegram()),
+      core.act(() => devices.showTelegram()),
     );
     $("share").addEventListener(
       "click",
-      act(() => shareNote()),
+      core.act(() => shareNote()),
     );
   }
-  wireGrants();
-  return {writable, applyGrant, shownOnce, showKeys};
+  return {writable, applyGrant, shownOnce, showKeys, wireGrants};
 })();

@@ -12,10 +12,10 @@ const noteOrder = (() => {
 
   // A folder's listing (as GET /folders/tree?depth=1 has it) from every note path: its
   // folders (each with how many notes it holds, at any depth), then its notes, by name.
-  function folderListing(paths, folder) {
+  function folderListing(all, folder) {
     const folders = new Map();
     const notes = [];
-    for (const path of paths) {
+    for (const path of all) {
       if (!path.startsWith(folder + "/")) continue;
       const rest = path.slice(folder.length + 1).split("/");
       if (rest.length === 1) notes.push({type: "note", name: rest[0], path});
@@ -32,9 +32,9 @@ const noteOrder = (() => {
   }
 
   // The first path (in path order) of each name: name(path), in lower case -> path.
-  function firstOfEachName(paths, name) {
+  function firstOfEachName(all, name) {
     const first = new Map();
-    for (const path of paths.slice().sort()) {
+    for (const path of all.slice().sort()) {
       const key = name(path).toLowerCase();
       if (!first.has(key)) first.set(key, path);
     }

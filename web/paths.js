@@ -1,84 +1,86 @@
 // -- paths and names (pure: no page; node --test web/) -------------------------------------
 
 // A note's name: its file name without .md.
-function nameOf(path) {
-  return path.split("/").pop().replace(/\.md$/, "");
-}
+const paths = (() => {
+  function nameOf(path) {
+    return path.split("/").pop().replace(/\.md$/, "");
+  }
 
-function fileName(path) {
-  return path.split("/").pop();
-}
+  function fileName(path) {
+    return path.split("/").pop();
+  }
 
-// Whether a name is a file other than a note (it has an extension, and it is not .md).
-function isAttachmentName(name) {
-  const ext = /\.([a-z0-9]{1,5})$/i.exec(fileName(name));
-  return !!ext && ext[1].toLowerCase() !== "md";
-}
+  // Whether a name is a file other than a note (it has an extension, and it is not .md).
+  function isAttachmentName(name) {
+    const ext = /\.([a-z0-9]{1,5})$/i.exec(fileName(name));
+    return !!ext && ext[1].toLowerCase() !== "md";
+  }
 
-// The note path a person's "folder/name" means: under notes/, ending in .md.
-function toNotePath(name) {
-  let path = name.trim().replace(/^\/+/, "");
-  if (!path.startsWith("notes/")) path = "notes/" + path;
-  if (!/\.md$/i.test(path)) path += ".md";
-  return path;
-}
+  // The note path a person's "folder/name" means: under notes/, ending in .md.
+  function toNotePath(name) {
+    let path = name.trim().replace(/^\/+/, "");
+    if (!path.startsWith("notes/")) path = "notes/" + path;
+    if (!/\.md$/i.test(path)) path += ".md";
+    return path;
+  }
 
-// The link a note at `from` writes to `path`, so other Markdown editors find it too.
-function relativeTo(from, path) {
-  const a = from.split("/").slice(0, -1);
-  const b = path.split("/");
-  let i = 0;
-  while (i < a.length && i < b.length - 1 && a[i] === b[i]) i++;
-  return "../".repeat(a.length - i) + b.slice(i).map(encodeURIComponent).join("/");
-}
+  // The link a note at `from` writes to `path`, so other Markdown editors find it too.
+  function relativeTo(from, path) {
+    const a = from.split("/").slice(0, -1);
+    const b = path.split("/");
+    let i = 0;
+    while (i < a.length && i < b.length - 1 && a[i] === b[i]) i++;
+    return "../".repeat(a.length - i) + b.slice(i).map(encodeURIComponent).join("/");
+  }
 
-// Lower case without accents, the same length (in UTF-16 units) as s.
-function fold(s) {
-  return s
-    .split("")
-    .map((c) => c.normalize("NFD")[0].toLowerCase()[0])
-    .join("");
-}
+  // Lower case without accents, the same length (in UTF-16 units) as s.
+  function fold(s) {
+    return s
+      .split("")
+      .map((c) => c.normalize("NFD")[0].toLowerCase()[0])
+      .join("");
+  }
 
-// The words of a search query to highlight in its snippets (as the server matches them).
-function queryWords(q) {
-  return fold(q)
-    .replace(/(^|\s)-\S+/g, " ")
-    .replace(/["*()]/g, " ")
-    .split(/\s+/)
-    .filter((w) => w && w !== "or" && w.length > 1)
-    .map((w) => (w.length > 4 ? w.replace(/(es|s)$/, "") : w));
-}
+  // The words of a search query to highlight in its snippets (as the server matches them).
+  function queryWords(q) {
+    return fold(q)
+      .replace(/(^|\s)-\S+/g, " ")
+      .replace(/["*()]/g, " ")
+      .split(/\s+/)
+      .filter((w) => w && w !== "or" && w.length > 1)
+      .map((w) => (w.length > 4 ? w.replace(/(es|s)$/, "") : w));
+  }
 
-// A snippet's Markdown as plain text.
-function plainSnippet(text) {
-  return text
-    .replace(/\]\([^)\s]*\)/g, "]")
-    .replace(/\[[ xX]\]/g, "")
-    .replace(/\[\[|\]\]|[[\]]|\*\*|__|`+|~~|==/g, "")
-    .replace(/(^|\s)(#{1,6}|>|[-*+]|\|[-:| ]*\|?)(?=\s)/g, "$1")
-    .replace(/\s+/g, " ")
-    .trim();
-}
+  // A snippet's Markdown as plain text.
+  function plainSnippet(text) {
+    return text
+      .replace(/\]\([^)\s]*\)/g, "]")
+      .replace(/\[[ xX]\]/g, "")
+      .replace(/\[\[|\]\]|[[\]]|\*\*|__|`+|~~|==/g, "")
+      .replace(/(^|\s)(#{1,6}|>|[-*+]|\|[-:| ]*\|?)(?=\s)/g, "$1")
+      .replace(/\s+/g, " ")
+      .trim();
+  }
 
-function sizeText(n) {
-  return n < 1024
-    ? n + " B"
-    : n < 1048576
-      ? (n / 1024).toFixed(1) + " KB"
-      : (n / 1048576).toFixed(1) + " MB";
-}
+  function sizeText(n) {
+    return n < 1024
+      ? n + " B"
+      : n < 1048576
+        ? (n / 1024).toFixed(1) + " KB"
+        : (n / 1048576).toFixed(1) + " MB";
+  }
 
-if (typeof module !== "undefined") {
-  module.exports = {
-    nameOf,
+  return {
     fileName,
-    isAttachmentName,
-    toNotePath,
-    relativeTo,
     fold,
-    queryWords,
+    isAttachmentName,
+    nameOf,
     plainSnippet,
+    queryWords,
+    relativeTo,
     sizeText,
+    toNotePath,
   };
-}
+})();
+
+if (typeof module !== "undefined") module.exports = paths;

@@ -4,6 +4,8 @@
 // No name of its own: nothing else calls it (it wires its menu items itself).
 
 (() => {
+  const {$, state} = core;
+  const {el} = markdown;
   const IMPORT_TYPES = ".zip,.enex,.jex,.json,.md,.txt";
 
   function mb(bytes) {
@@ -14,8 +16,8 @@
   // report, rejects with a Problem as api() does.
   function sendImport(file, into, dryRun, progress) {
     const url = state.base + "/import";
-    if (!state.base || !ownOrigin(url) || (state.key && state.keyBase !== state.base)) {
-      return Promise.reject(new Problem(0, "REFUSED", "Refused: the API is not this page's."));
+    if (!state.base || !core.ownOrigin(url) || (state.key && state.keyBase !== state.base)) {
+      return Promise.reject(new core.Problem(0, "REFUSED", "Refused: the API is not this page's."));
     }
     const form = new FormData();
     form.append("dryRun", dryRun ? "true" : "false");
@@ -29,7 +31,7 @@
         if (e.lengthComputable) progress(e.loaded, e.total);
       };
       x.upload.onload = () => progress(-1, file.size);
-      x.onerror = () => reject(new Problem(0, "NETWORK", "Cannot reach the server."));
+      x.onerror = () => reject(new core.Problem(0, "NETWORK", "Cannot reach the server."));
       x.onload = () => {
         let j = null;
         try {
@@ -39,7 +41,7 @@
         }
         if (x.status < 300 && j && j.success) return resolve(j.data);
         const err = (j && j.error) || {code: "HTTP_" + x.status, message: "HTTP " + x.status};
-        reject(new Problem(x.status, err.code, err.message));
+        reject(new core.Problem(x.status, err.code, err.message));
       };
       x.send(form);
     });
@@ -47,11 +49,11 @@
 
   // A file over what this address takes: say where a larger one goes.
   function tooLarge(e) {
-    if (!(e instanceof Problem) || e.status !== 413) return e;
+    if (!(e instanceof core.Problem) || e.status !== 413) return e;
     const hint =
       " A larger file goes in on the server's own address (at home), or on the server with: " +
       "python3 notesvc.py import FILE";
-    return new Problem(413, e.code, e.message + hint);
+    return new core.Problem(413, e.code, e.message + hint);
   }
 
   function importSummary(r) {
@@ -101,14 +103,14 @@
       into,
     ];
     for (;;) {
-      const go = await dialog("Import notes", body, [
+      const go = await app.dialog("Import notes", body, [
         ["cancel", "Cancel"],
         ["check", "Check", "primary"],
       ]);
       if (go !== "check") return;
       const file = input.files && input.files[0];
       if (!file) {
-        dialogProblem(body, "Choose a file first.");
+        devices.dialogProblem(body, "Choose a file first.");
         continue;
       }
       const folder = into.value.trim();
@@ -118,23 +120,23 @@
         {id: "import-progress", role: "status"},
         "Checking " + file.name + "…",
       );
-      dialog("Import notes", [status], [["cancel", "Cancel"]]);
+      app.dialog("Import notes", [status], [["cancel", "Cancel"]]);
       try {
         report = await sendImport(file, folder, true, (sent, total) => {
           status.textContent =
             sent < 0 ? "Reading the archive…" : "Sending " + mb(sent) + " of " + mb(total) + "…";
         });
       } catch (e) {
-        dialogProblem(body, tooLarge(e));
+        devices.dialogProblem(body, tooLarge(e));
         continue;
       }
-      const yes = await dialog("Import notes", importSummary(report), [
+      const yes = await app.dialog("Import notes", importSummary(report), [
         ["cancel", "Cancel"],
         ["import", "Import " + report.created + " notes", "primary"],
       ]);
       if (yes !== "import") return;
       const doing = el("p", {id: "import-progress", role: "status"}, "Sending…");
-      dialog("Importing…", [doing], [["cancel", "Hide"]]);
+      app.dialog("Importing…", [doing], [["cancel", "Hide"]]);
       let done;
       try {
         done = await sendImport(file, folder, false, (sent, total) => {
@@ -150,23 +152,23 @@
                 " %)…";
         });
       } catch (e) {
-        await dialog(
+        await app.dialog(
           "Import notes",
           [el("p", {class: "err", role: "alert"}, tooLarge(e).message)],
           [["ok", "OK"]],
         );
         return;
       }
-      await loadTree();
-      await dialog("Imported", importSummary(done), [["ok", "OK", "primary"]]);
+      await core.loadTree();
+      await app.dialog("Imported", importSummary(done), [["ok", "OK", "primary"]]);
       return;
     }
   }
 
   async function exportAll() {
     const status = el("p", {id: "export-progress", role: "status"}, "Preparing the zip…");
-    dialog("Export all notes", [status], [["cancel", "Hide"]]);
-    const got = await api("GET", "/export.zip", undefined, undefined, {
+    app.dialog("Export all notes", [status], [["cancel", "Hide"]]);
+    const got = await core.api("GET", "/export.zip", undefined, undefined, {
       blob: true,
       progress: (n) => (status.textContent = "Downloading… " + mb(n)),
     });
@@ -182,8 +184,8 @@
   }
 
   function wireTransfer() {
-    $("menu-import").addEventListener("click", act(showImport));
-    $("menu-export").addEventListener("click", act(exportAll));
+    $("menu-import").addEventListener("click", core.act(showImport));
+    $("menu-export").addEventListener("click", core.act(exportAll));
   }
   wireTransfer();
 })();

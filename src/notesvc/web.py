@@ -48,11 +48,12 @@ WEB_OFFLINE_JS = web_source("offline.js")
 SW_JS = web_source("sw.js")
 WEB_DEVICES_JS = web_source("devices.js")
 WEB_TRANSFER_JS = web_source("transfer.js")
+WEB_MAIN_JS = web_source("main.js")
 
 # One script, in this order: core.js ("use strict", the page's state, storage and API),
 # the pure modules (paths.js, keys.js, merge.js, outbox.js, markdown.js, order.js,
 # autosave.js, drafts.js; node --test web/), app.js, grants.js, devices.js, transfer.js,
-# offline.js.
+# offline.js, and last main.js, where the page starts (the files before it only define).
 WEB_JS = "".join(
     (
         WEB_JS_START,
@@ -69,6 +70,7 @@ WEB_JS = "".join(
         WEB_DEVICES_JS,
         WEB_TRANSFER_JS,
         WEB_OFFLINE_JS,
+        WEB_MAIN_JS,
     )
 )
 

@@ -31,20 +31,21 @@ global.document = {
   createElement: (tag) => new Node(tag),
   createTextNode: (text) => new Node("#text", text),
 };
-// Each page brings its own link(), wikiLink() and image(): these record what was asked.
-global.link = (href, label) => {
+// Each page brings its own link(), wikiLink() and image() (in the ctx it renders with):
+// these record what was asked.
+const link = (href, label) => {
   const a = new Node("a");
   a.setAttribute("href", href);
   a.appendChild(new Node("#text", label));
   return a;
 };
-global.wikiLink = (target, label, ctx, embed) => {
+const wikiLink = (target, label, ctx, embed) => {
   const a = new Node(embed ? "embed" : "wiki");
   a.setAttribute("target", target);
   a.appendChild(new Node("#text", label || target));
   return a;
 };
-global.image = (alt, src) => {
+const image = (alt, src) => {
   const img = new Node("img");
   img.setAttribute("alt", alt);
   img.setAttribute("src", src);
@@ -61,7 +62,11 @@ function show(node) {
   const cls = node.className ? "." + node.className.replace(/ /g, ".") : "";
   return node.tagName + cls + attrs + "(" + node.children.map(show).join(" ") + ")";
 }
-const md = (text, ctx) => renderMarkdown(text, ctx).children.map(show).join(" ");
+const hooks = {link, wikiLink, image};
+const md = (text, ctx) =>
+  renderMarkdown(text, {...hooks, ...ctx})
+    .children.map(show)
+    .join(" ");
 
 test("blocks: headings, paragraphs, rules, quotes, code", () => {
   for (const [text, want] of [
