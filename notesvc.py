@@ -1207,7 +1207,7 @@ def _self_command() -> str:
     """Return how the owner runs this program: the `notesvc` entry point, `python3 -m
     notesvc` (the package) or the file."""
     argv0 = sys.argv[0] if sys.argv else ""
-    if os.path.basename(argv0) == "__main__.py":
+    if argv0.endswith(os.path.join("notesvc", "__main__.py")):
         return "python3 -m notesvc"
     return argv0 if os.path.basename(argv0) == "notesvc" else "python3 notesvc.py"
 
