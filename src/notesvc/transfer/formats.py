@@ -401,8 +401,7 @@ def plan_keep(plan: ImportPlan, source: ImportSource) -> None:
     # every file of the archive by name: whether it is imported (a note links only to those)
     held = {e.name.rsplit("/", 1)[-1]: False for e in source.entries}
     held.update({d.source: True for d in drafts})
-    drafts += [_keep_note_draft(plan, source, e, held) for e in jsons]
-    drafts = [d for d in drafts if d is not None]
+    drafts += filter(None, map(functools.partial(_keep_note_draft, plan, source, held=held), jsons))
     with plan.writing():
         for d in drafts:
             (plan.add_file if d.open else plan.add_note)(d)
