@@ -20036,6 +20036,48 @@ class TestImport:
         kinds = [c["kind"] for c in feed(client)["changes"]]
         assert kinds.count("created") == 3
 
+    def test_a_keep_picture_the_takeout_lacks_is_named_and_never_a_dangling_link(
+        self, client, root
+    ):
+        takeout = {
+            "Takeout/Keep/Beach.json": keep_json(
+                title="Beach",
+                textContent="Sand!",
+                attachments=[
+                    {"filePath": "beach.jpg", "mimetype": "image/jpeg"},
+                    {"filePath": "sunset.jpeg", "mimetype": "image/jpeg"},  # the zip: .jpg
+                    {"filePath": "waves.3gp", "mimetype": "audio/3gpp"},
+                ],
+            ),
+            "Takeout/Keep/sunset.jpg": TINY_PNG,
+        }
+        body = zip_of(takeout)
+        dry = import_file(client, body, "takeout.zip", status=200, dryRun=True)
+        assert dry["missing"] == 2
+        assert dry["skipped"] == [
+            {
+                "source": "beach.jpg",
+                "reason": (
+                    "picture beach.jpg named by Takeout/Keep/Beach.json is not in the archive"
+                ),
+            },
+            {
+                "source": "waves.3gp",
+                "reason": "file waves.3gp named by Takeout/Keep/Beach.json is not in the archive",
+            },
+        ]
+        real = import_file(client, body, "takeout.zip")
+        assert {**dry, "dryRun": False} == real
+        text = note_text(root, "notes/imported/keep/Beach.md")
+        assert text.endswith(
+            "# Beach\n\nSand!\n\n(picture missing from the export: beach.jpg)\n\n"
+            "![sunset.jpg](../../../attachments/imported/keep/sunset.jpg)\n\n"
+            "(file missing from the export: waves.3gp)\n"
+        )
+        assert "](beach.jpg)" not in text
+        ok = import_file(client, zip_of(KEEP_TAKEOUT), "takeout.zip", status=200, dryRun=True)
+        assert (ok["missing"], len(ok["skipped"])) == (0, 2)  # the trashed and the broken note
+
     def test_a_dry_run_reports_the_same_and_writes_nothing(self, client, root):
         body = zip_of(KEEP_TAKEOUT)
         dry = import_file(client, body, "takeout.zip", status=200, dryRun=True)
@@ -20077,6 +20119,28 @@ class TestImport:
         assert "```\nx = 1\ny = 2\n```" in text
         assert (root / "attachments/from evernote/pie.png").read_bytes() == TINY_PNG
         assert note_text(root, "notes/from evernote/Second.md").endswith("# Second\n\nJust text\n")
+
+    def test_evernote_10_checklists_come_in_as_tasks_with_their_ticks(self, client, root, caplog):
+        caplog.set_level(logging.INFO, logger="notesvc")
+        report = import_file(client, EVERNOTE_10_ENEX.encode(), "Packing.enex")
+        assert "import of 1 note and 0 files into notes/imported/evernote" in caplog.text
+        assert (report["created"], report["skipped"]) == (1, [])
+        text = note_text(root, "notes/imported/evernote/Packing.md")
+        assert text.split("---\n", 2)[2] == (
+            "# Packing\n\n"
+            "Before the trip:\n"
+            "- [x] Passport\n"
+            "- [ ] Charger\n"
+            "   - [x] USB-C cable\n"
+            "   - [ ] Plug for the UK\n"
+            "- [ ] Sun cream\n"
+            "Shops:\n"
+            "- Chemist\n"
+            "   - aspirin\n"
+            "1. Pack\n"
+            "2. Go\n"
+            "- [x] Old style\n"
+        )
 
     def test_enex_entities_and_dtds(self, client, root):
         bomb = (
@@ -20452,6 +20516,33 @@ class TestImport:
         assert data(resp)["kind"] == "joplin"
 
 
+# Evernote 10 writes a checklist as a list styled `--en-todo:true`, each item ticked or not by
+# its own style, its text in a <div> (and the older <en-todo> still turns up in old notes)
+EVERNOTE_10_ENEX = """<?xml version="1.0" encoding="UTF-8"?>
+<!DOCTYPE en-export SYSTEM "http://xml.evernote.com/pub/evernote-export4.dtd">
+<en-export export-date="20240301T101010Z" application="Evernote" version="10.72.4">
+  <note>
+    <title>Packing</title>
+    <created>20240301T090000Z</created>
+    <updated>20240301T100000Z</updated>
+    <note-attributes></note-attributes>
+    <content><![CDATA[<?xml version="1.0" encoding="UTF-8" standalone="no"?>
+<!DOCTYPE en-note SYSTEM "http://xml.evernote.com/pub/enml2.dtd">\
+<en-note><div>Before the trip:</div>\
+<ul style="--en-todo:true;"><li style="--en-checked:true;"><div>Passport</div></li>\
+<li style="--en-checked:false;"><div>Charger</div><ul style="--en-todo: true;">\
+<li style="--en-checked: true;"><div>USB-C cable</div></li>\
+<li style="--en-checked:false;"><div>Plug for the UK</div></li></ul></li>\
+<li style="--en-checked:false;"><div>Sun cream</div></li></ul>\
+<div>Shops:</div><ul><li><div>Chemist</div><ul><li><div>aspirin</div></li></ul></li></ul>\
+<ol><li><div>Pack</div></li><li><div>Go</div></li></ol>\
+<div><en-todo checked="true"/>Old style</div></en-note>      ]]>
+    </content>
+  </note>
+</en-export>
+"""
+
+
 ENEX_TEMPLATE = """<?xml version="1.0" encoding="UTF-8"?>
 <!DOCTYPE en-export SYSTEM "http://xml.evernote.com/pub/evernote-export4.dtd">
 <en-export export-date="20231105T101010Z" application="Evernote" version="10.63.2">
@@ -20488,6 +20579,28 @@ ENEX_TEMPLATE = """<?xml version="1.0" encoding="UTF-8"?>
 """
 
 
+class TestImportMessages:
+    """What the import and export commands print: one note, two notes."""
+
+    def test_counts_of_one_are_singular(self, tmp_path, capsys):
+        assert [notesvc.plural(n, "note") for n in (0, 1, 2)] == ["0 notes", "1 note", "2 notes"]
+        report = {"created": 1, "attachments": 1, "renamed": 0, "skipped": [], "missing": 0}
+        notesvc.print_import_report({**report, "into": "notes/x", "kind": "keep", "dryRun": True})
+        out = capsys.readouterr().out
+        assert out.startswith("Dry run: would create 1 note and 1 file in notes/x (from keep);")
+        notesvc.print_import_report(
+            {**report, "created": 2, "missing": 1, "into": "n", "kind": "keep", "dryRun": False}
+        )
+        out = capsys.readouterr().out
+        assert out.startswith("created 2 notes and 1 file in n")
+        assert "(1 file named but not in the source)" in out
+        make_state(tmp_path)
+        (tmp_path / "notes").mkdir(exist_ok=True)
+        (tmp_path / "notes/only.md").write_text("# Only\n")
+        assert notesvc.main(["export", str(tmp_path / "all.zip"), "--root", str(tmp_path)]) == 0
+        assert capsys.readouterr().out.startswith("Exported 1 note and 0 files to ")
+
+
 @pytest.mark.real_server
 @pytest.mark.slow
 class TestImportCommand:
@@ -20502,7 +20615,7 @@ class TestImportCommand:
         root = tmp_path / "root"
         dry = run_cli("import", str(vault), "--root", str(root), "--dry-run")
         assert dry.returncode == 0, dry.stderr
-        assert "Dry run: would create 3 notes and 1 files in notes/imported/obsidian" in dry.stdout
+        assert "Dry run: would create 3 notes and 1 file in notes/imported/obsidian" in dry.stdout
         assert "skipped link.md: a symbolic link (not followed)" in dry.stdout
         assert not (root / "notes/imported").exists()
         real = run_cli("import", str(vault), "--root", str(root))
@@ -20514,7 +20627,7 @@ class TestImportCommand:
         out = tmp_path / "all.zip"
         done = run_cli("export", str(out), "--root", str(root))
         assert done.returncode == 0, done.stderr
-        assert "Exported 3 notes and 1 files" in done.stdout
+        assert "Exported 3 notes and 1 file" in done.stdout
         again = run_cli("export", str(out), "--root", str(root))
         assert again.returncode == 2
         assert "exists already" in again.stderr
@@ -20537,7 +20650,7 @@ class TestImportCommand:
             out = run_cli("import", str(takeout), "--root", str(root), "--into", "notes/keep")
             assert out.returncode == 0, out.stderr
             assert "it does the import" in out.stderr
-            assert out.stdout.startswith("created 3 notes and 1 files in notes/keep")
+            assert out.stdout.startswith("created 3 notes and 1 file in notes/keep")
             status, _, body = server.request("GET", f"{API}/search?q=plumber", headers=owner)
             assert status == 200
             assert body["data"]["results"][0]["path"].startswith("notes/keep/")

@@ -35,6 +35,7 @@ from notesvc.helpers import (
     iso,
     log_safe,
     phone_url,
+    plural,
     settle_after_start,
     utcnow,
 )
@@ -887,10 +888,12 @@ class Progress:
 def print_import_report(report: dict) -> None:
     dry = report["dryRun"]
     verb = "would create" if dry else "created"
+    missing = report.get("missing", 0)
     print(
-        f"{'Dry run: ' if dry else ''}{verb} {report['created']} notes and "
-        f"{report['attachments']} files in {report['into']} (from {report['kind']}); "
+        f"{'Dry run: ' if dry else ''}{verb} {plural(report['created'], 'note')} and "
+        f"{plural(report['attachments'], 'file')} in {report['into']} (from {report['kind']}); "
         f"{report['renamed']} renamed to a free name, {len(report['skipped'])} skipped"
+        + (f" ({plural(missing, 'file')} named but not in the source)" if missing else "")
     )
     for s in report["skipped"][:50]:
         print(f"  skipped {s['source']}: {s['reason']}")
@@ -924,8 +927,9 @@ def cmd_import(config: Config, args: argparse.Namespace) -> int:
             def progress(plan: ImportPlan) -> None:
                 tick(
                     lambda: (
-                        f"  read {plan.read} files; wrote {plan.created} notes and "
-                        f"{plan.attachments} files so far..."
+                        f"  read {plural(plan.read, 'file')}; wrote "
+                        f"{plural(plan.created, 'note')} and "
+                        f"{plural(plan.attachments, 'file')} so far..."
                     )
                 )
 
@@ -1045,7 +1049,7 @@ def cmd_export(config: Config, args: argparse.Namespace) -> int:
 
     def progress(c: dict) -> None:
         counts.update(c)
-        tick(lambda: f"  {c['notes']} notes and {c['files']} files so far...")
+        tick(lambda: f"  {plural(c['notes'], 'note')} and {plural(c['files'], 'file')} so far...")
 
     try:
         with open(part, "xb") as f:
@@ -1059,8 +1063,8 @@ def cmd_export(config: Config, args: argparse.Namespace) -> int:
             part.unlink()
         raise
     print(
-        f"Exported {counts.get('notes', 0)} notes and {counts.get('files', 0)} files "
-        f"to {out} ({out.stat().st_size} bytes)."
+        f"Exported {plural(counts.get('notes', 0), 'note')} and "
+        f"{plural(counts.get('files', 0), 'file')} to {out} ({out.stat().st_size} bytes)."
     )
     return 0
 

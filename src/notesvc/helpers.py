@@ -43,6 +43,16 @@ def iso(ts: dt.datetime | float) -> str:
     return ts.strftime("%Y-%m-%dT%H:%M:%S.") + f"{ts.microsecond // 1000:03d}Z"
 
 
+def plural(n: int, noun: str, many: str = "") -> str:
+    """Return a count with its noun, singular for one: plural(1, "note") is "1 note",
+    plural(2, "note") "2 notes" (`many` for a noun that takes more than an s).
+
+    >>> plural(1, "file"), plural(0, "file"), plural(3, "entry", "entries")
+    ('1 file', '0 files', '3 entries')
+    """
+    return f"{n} {noun if n == 1 else many or noun + 's'}"
+
+
 def new_key() -> str:
     return KEY_PREFIX + secrets.token_urlsafe(32)
 

@@ -46,6 +46,7 @@ from notesvc.helpers import (
     iso,
     log_safe,
     phone_url,
+    plural,
     query_int,
     query_str,
     read_json,
@@ -1386,11 +1387,11 @@ def post_import(svc: Service) -> bytes:
     finally:
         spool.close()
     log.info(
-        "request %s: import%s of %d notes and %d files into %s (%d skipped)",
+        "request %s: import%s of %s and %s into %s (%d skipped)",
         _rid(),
         " (dry run)" if dry else "",
-        report["created"],
-        report["attachments"],
+        plural(report["created"], "note"),
+        plural(report["attachments"], "file"),
         report["into"],
         len(report["skipped"]),
     )

@@ -258,8 +258,10 @@ def csv_to_markdown(title: str, text: str) -> str:
 KEEP_COLOURS = {"DEFAULT", ""}
 
 
-def keep_note(data: Any) -> tuple:
-    """Return (title, Markdown, reason to skip or None) of one Keep note's JSON."""
+def keep_note(data: Any, files: Mapping | None = None) -> tuple:
+    """Return (title, Markdown, reason to skip or None) of one Keep note's JSON. `files`
+    maps the names of the archive's files to whether they are imported (None: link every
+    attachment); see _keep_attachments."""
     if not isinstance(data, dict):
         return "", "", "not a Keep note (a JSON object was expected)"
     if data.get("isTrashed") is True:
@@ -273,7 +275,7 @@ def keep_note(data: Any) -> tuple:
         parts.append(body.strip("\n"))
     if tasks:
         parts.append("\n".join(tasks))
-    parts += _keep_attachments(data)
+    parts += _keep_attachments(data, files)
     links = _keep_links(data)
     if links:
         parts.append("\n".join(links))
@@ -323,14 +325,45 @@ def _keep_meta(data: dict) -> dict:
     }
 
 
-def _keep_attachments(data: dict) -> list:
-    """Return a Keep note's links to its attached files (an image shown, as `![...]`)."""
-    lines = []
-    for a in data.get("attachments") or []:
+def keep_attachments(data: Any) -> list:
+    """Return (file name, whether it is a picture) of each file a Keep note's JSON attaches."""
+    named = []
+    for a in (data.get("attachments") if isinstance(data, dict) else None) or []:
         if isinstance(a, dict) and isinstance(a.get("filePath"), str):
             leaf = a["filePath"].replace("\\", "/").rsplit("/", 1)[-1]
-            bang = "!" if str(a.get("mimetype", "image")).startswith("image") else ""
-            lines.append(f"{bang}[{leaf}]({link_token(leaf, leaf)})")
+            named.append((leaf, str(a.get("mimetype", "image")).startswith("image")))
+    return named
+
+
+def _keep_file(leaf: str, files: Mapping) -> str | None:
+    """Return the name of the archive's file that a Keep note's attachment names: the name
+    itself, else the one that differs only by case or by .jpg / .jpeg (Takeout writes
+    either); None when the archive has none."""
+    if leaf in files:
+        return leaf
+    stem, ext = _note_name_of(leaf)
+    same = {"jpeg": "jpg", "jpg": "jpg"}
+    want = (stem.casefold(), same.get(ext, ext))
+    for name in files:
+        other_stem, other_ext = _note_name_of(name)
+        if (other_stem.casefold(), same.get(other_ext, other_ext)) == want:
+            return name
+    return None
+
+
+def _keep_attachments(data: dict, files: Mapping | None) -> list:
+    """Return a Keep note's links to its attached files (an image shown, as `![...]`); one
+    the archive lacks is a plain mention, "(picture missing from the export: x.jpg)", and
+    one it holds but does not import "(x.3gp: not imported)": never a link to nothing."""
+    lines = []
+    for leaf, picture in keep_attachments(data):
+        found = leaf if files is None else _keep_file(leaf, files)
+        if found is None:
+            lines.append(f"({'picture' if picture else 'file'} missing from the export: {leaf})")
+        elif files is not None and not files[found]:
+            lines.append(f"({found}: not imported)")
+        else:
+            lines.append(f"{'!' if picture else ''}[{found}]({link_token(found, found)})")
     return lines
 
 
@@ -365,29 +398,50 @@ def plan_keep(plan: ImportPlan, source: ImportSource) -> None:
         d = Draft(entry.name.rsplit("/", 1)[-1], f"{plan.files_into}/{leaf}", open=entry.open)
         plan.name(d)
         drafts.append(d)
-    for entry in jsons:
-        try:
-            data = json.loads(source.read(entry, plan.max_note * 4))
-        except (ValueError, UnicodeDecodeError) as e:
-            plan.skip(entry.name, f"not valid JSON ({str(e)[:80]})")
-            continue
-        title, text, reason = keep_note(data)
-        if reason:
-            plan.skip(entry.name, reason)
-            continue
-        name = import_segment(title_filename(title or text.split("---\n", 2)[-1]))
-        load = functools.partial(_keep_text, source, entry)  # read again when written
-        d = Draft(entry.name, f"{plan.into}/{name}.md", text=load)
-        plan.name(d)
-        plan.looked()
-        drafts.append(d)
+    # every file of the archive by name: whether it is imported (a note links only to those)
+    held = {e.name.rsplit("/", 1)[-1]: False for e in source.entries}
+    held.update({d.source: True for d in drafts})
+    drafts += filter(None, map(functools.partial(_keep_note_draft, plan, source, held=held), jsons))
     with plan.writing():
         for d in drafts:
             (plan.add_file if d.open else plan.add_note)(d)
 
 
-def _keep_text(source: ImportSource, entry: ImportEntry) -> str:
-    return keep_note(json.loads(source.read(entry)))[1]
+def _keep_note_draft(
+    plan: ImportPlan, source: ImportSource, entry: ImportEntry, held: Mapping
+) -> Draft | None:
+    """Return the named draft of a Keep note's .json (None, and the plan says why, for one
+    skipped); the files it names that the archive lacks go in the report."""
+    try:
+        data = json.loads(source.read(entry, plan.max_note * 4))
+    except (ValueError, UnicodeDecodeError) as e:
+        plan.skip(entry.name, f"not valid JSON ({str(e)[:80]})")
+        return None
+    title, text, reason = keep_note(data, held)
+    if reason:
+        plan.skip(entry.name, reason)
+        return None
+    _keep_missing(plan, entry, data, held)
+    name = import_segment(title_filename(title or text.split("---\n", 2)[-1]))
+    load = functools.partial(_keep_text, source, entry, held)  # read again when written
+    d = Draft(entry.name, f"{plan.into}/{name}.md", text=load)
+    plan.name(d)
+    plan.looked()
+    return d
+
+
+def _keep_missing(plan: ImportPlan, entry: ImportEntry, data: dict, held: Mapping) -> None:
+    """Name in the plan's report (as skipped) each file a Keep note attaches that the
+    archive lacks: the dry run says so before the import."""
+    for leaf, picture in keep_attachments(data):
+        if _keep_file(leaf, held) is None:
+            what = "picture" if picture else "file"
+            plan.missing += 1
+            plan.skip(leaf, f"{what} {leaf} named by {entry.name} is not in the archive")
+
+
+def _keep_text(source: ImportSource, entry: ImportEntry, held: Mapping) -> str:
+    return keep_note(json.loads(source.read(entry)), held)[1]
 
 
 # -- Evernote (.enex, read as a stream) --------------------------------------------------------
@@ -399,6 +453,7 @@ ENML_BLOCKS = frozenset(
 )
 ENML_MARKS = {"b": "**", "strong": "**", "i": "*", "em": "*", "s": "~~", "strike": "~~"}
 ENML_MARKS.update({"del": "~~", "code": "`", "tt": "`"})
+_TASK_MARK_RE = re.compile(r"\[[ x]\] $")
 
 
 @functools.cache
@@ -458,15 +513,24 @@ def _enml_parser() -> type:
             elif blank:
                 self.lines.append(lead.rstrip())
 
-        def _mark(self, tag: str) -> str:
+        def _mark(self, tag: str, a: dict) -> str:
             if tag[:1] == "h" and tag[1:].isdigit():
                 return "#" * int(tag[1]) + " "
             if tag == "li" and self.lists:
                 kind = self.lists[-1]
                 kind[1] += 1
                 indent = "   " * (len(self.lists) - 1)
+                if kind[0] == "todo":  # Evernote 10's checklist: the item's style ticks it
+                    return indent + ("- [x] " if enml_style(a, "--en-checked") else "- [ ] ")
                 return indent + ("- " if kind[0] == "ul" else f"{kind[1]}. ")
             return ""
+
+        def _carries_item(self, tag: str) -> bool:
+            """Return whether a block opens as the first thing of a list item whose mark
+            waits for text (Evernote 10 writes `<li><div>text</div></li>`): it takes the
+            item's mark instead of leaving it on a line of its own."""
+            head = self.prefix.lstrip()[:1]
+            return tag in ("div", "p") and (head == "-" or head.isdigit())
 
         def handle_starttag(self, tag: str, attrs: list) -> None:
             a = {k: v or "" for k, v in attrs}
@@ -474,49 +538,63 @@ def _enml_parser() -> type:
                 if tag == "en-crypt":
                     self._put("(encrypted text, not imported)")
                 self.hidden += 1
-                return
-            if self.tables and tag in ("tr", "td", "th", "table"):
-                rows = self.tables[-1]
-                if tag == "tr":
-                    rows.append([])
-                elif tag in ("td", "th"):
-                    if not rows:
-                        rows.append([])
-                    rows[-1].append([])
-                else:
-                    self.tables.append([])
-                return
-            if tag == "table":
+            elif self.tables and tag in ("tr", "td", "th", "table"):
+                self._start_table_part(tag)
+            elif tag == "table":
                 self._flush()
                 self.tables.append([])
-                return
-            if tag in self.BLOCKS or tag in ("ul", "ol", "hr"):
-                if self.code:
-                    if tag in self.BLOCKS:
-                        self.depth += 1
-                    return
-                if not self.tables:
-                    self._flush()
-            if tag in self.BLOCKS:
-                self.depth += 1
-                codeblock = "-en-codeblock:true" in a.get("style", "").replace(" ", "")
-                if (tag == "pre" or codeblock) and not self.tables:
-                    self.lines.append("> " * self.quote + "```")
-                    self.code_at = self.depth
-                    return
-                if tag == "blockquote":
-                    self.quote += 1
-                elif not self.tables:
-                    self.prefix = self._mark(tag) + self.prefix
-            elif tag in ("ul", "ol"):
-                self.lists.append([tag, 0])
-            elif tag == "hr":
+            elif self.code and (tag in self.BLOCKS or tag in ("ul", "ol", "hr")):
+                self.depth += tag in self.BLOCKS  # a line of the code block
+            elif tag in self.BLOCKS:
+                self._start_block(tag, a)
+            elif tag in ("ul", "ol", "hr"):
+                self._flush_before(tag)
+                self._start_list(tag, a)
+            else:
+                self._start_inline(tag, a)
+
+        def _start_table_part(self, tag: str) -> None:
+            """A row, a cell, or a table inside a table's cell."""
+            rows = self.tables[-1]
+            if tag == "tr":
+                rows.append([])
+            elif tag in ("td", "th"):
+                if not rows:
+                    rows.append([])
+                rows[-1].append([])
+            else:
+                self.tables.append([])
+
+        def _flush_before(self, tag: str) -> None:
+            """End the line before a block, but for the first block of a list item."""
+            if not self.tables and (self.inline or not self._carries_item(tag)):
+                self._flush()
+
+        def _start_block(self, tag: str, a: dict) -> None:
+            """A block: a code block, a quote, a heading's or a list item's mark."""
+            self._flush_before(tag)
+            self.depth += 1
+            codeblock = "-en-codeblock:true" in a.get("style", "").replace(" ", "")
+            if (tag == "pre" or codeblock) and not self.tables:
+                self.lines.append("> " * self.quote + "```")
+                self.code_at = self.depth
+            elif tag == "blockquote":
+                self.quote += 1
+            elif not self.tables:
+                self.prefix = self._mark(tag, a) + self.prefix
+
+        def _start_list(self, tag: str, a: dict) -> None:
+            """A list (Evernote 10's checklist is a `ul` styled `--en-todo:true`), a rule."""
+            if tag == "hr":
                 self.lines.append("---")
-            elif tag == "br":
-                if self.tables:
-                    self._put(" ")
-                else:
-                    self._flush(blank=True)
+            else:
+                todo = tag == "ul" and enml_style(a, "--en-todo")
+                self.lists.append(["todo" if todo else tag, 0])
+
+        def _start_inline(self, tag: str, a: dict) -> None:
+            """A line break, emphasis, a link, a checkbox, a picture."""
+            if tag == "br":
+                self._put(" ") if self.tables else self._flush(blank=True)
             elif tag in self.MARKS and not self.code:
                 self._put(self.MARKS[tag])
             elif tag == "a":
@@ -524,16 +602,24 @@ def _enml_parser() -> type:
                 if self.hrefs[-1]:
                     self._put("[")
             elif tag == "en-todo":
-                mark = "[x] " if a.get("checked", "").lower() == "true" else "[ ] "
-                if self.tables or self.prefix.lstrip()[:1] in ("-",) or self.prefix[:1].isdigit():
-                    self._put(mark) if self.tables else setattr(self, "prefix", self.prefix + mark)
-                else:
-                    self.prefix = self.prefix + "- " + mark
+                self._start_todo(a)
             elif tag == "en-media":
                 self._put(self.media(a))
             elif tag == "img" and a.get("src", "").startswith(("http://", "https://")):
                 alt = a.get("alt", "").replace("]", ")")
                 self._put(f"![{alt}]({a['src'].replace(' ', '%20')})")
+
+        def _start_todo(self, a: dict) -> None:
+            """The older checkbox, `<en-todo checked="true"/>`: a task line's mark."""
+            mark = "[x] " if a.get("checked", "").lower() == "true" else "[ ] "
+            if _TASK_MARK_RE.search(self.prefix):  # in an Evernote 10 checklist's item
+                self.prefix = _TASK_MARK_RE.sub(mark, self.prefix)
+            elif self.tables:
+                self._put(mark)
+            elif self.prefix.lstrip()[:1] == "-" or self.prefix[:1].isdigit():
+                self.prefix = self.prefix + mark
+            else:
+                self.prefix = self.prefix + "- " + mark
 
         def handle_startendtag(self, tag: str, attrs: list) -> None:
             self.handle_starttag(tag, attrs)
@@ -600,6 +686,17 @@ def _enml_parser() -> type:
             return text.strip("\n") + "\n"
 
     return EnmlToMarkdown
+
+
+def enml_style(attrs: dict, name: str) -> bool:
+    """Return whether an element's inline style sets the custom property `name` to true, as
+    Evernote 10 marks a checklist (`<ul style="--en-todo:true;">`) and a ticked item
+    (`<li style="--en-checked:true;">`); spaces and case do not matter."""
+    for declaration in attrs.get("style", "").split(";"):
+        key, _, value = declaration.partition(":")
+        if key.strip().lower() == name:
+            return value.strip().lower() == "true"
+    return False
 
 
 def enml_to_markdown(enml: str, media: Callable[[dict], str]) -> str:

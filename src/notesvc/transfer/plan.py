@@ -20,7 +20,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from notesvc.errors import STATUS_CODES, ApiError
-from notesvc.helpers import BODY_CHUNK, deferred_sync, iso, log_safe, sync_batch
+from notesvc.helpers import BODY_CHUNK, deferred_sync, iso, log_safe, plural, sync_batch
 from notesvc.notes.paths import (
     _BIDI_CONTROLS,
     _FORBIDDEN,
@@ -170,8 +170,8 @@ class _CountedRead:
         self.seen += len(data)
         if self.seen > self.entry.size:
             raise import_refused(
-                f"{log_safe(self.entry.name, 120)} holds more than the {self.entry.size} bytes "
-                "its header declares (a zip bomb?)",
+                f"{log_safe(self.entry.name, 120)} holds more than the "
+                f"{plural(self.entry.size, 'byte')} its header declares (a zip bomb?)",
                 413,
             )
         return data
@@ -539,6 +539,7 @@ class ImportPlan:
         self.taken: set = set()  # casefolded paths given out in this import
         self.by_source: dict = {}  # source name -> path it got
         self.created = self.renamed = self.attachments = 0
+        self.missing = 0  # files notes name that the source lacks (each in `skipped` too)
         self.skipped: list = []
         self.progress = progress or (lambda plan: None)
         self.max_note = svc.config.max_body_bytes
@@ -683,6 +684,7 @@ class ImportPlan:
             "renamed": self.renamed,
             "attachments": self.attachments,
             "skipped": self.skipped,
+            "missing": self.missing,
             "into": self.into,
             "kind": kind,
             "dryRun": self.dry_run,
