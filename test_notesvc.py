@@ -10969,6 +10969,42 @@ class TestTools:
         assert ok_tool(tools, "read_note", path="notes/work.md", offset=None)["offset"] == 0
         assert len(ok_tool(tools, "read_note", path="notes/work.md", maxChars=5.0)["content"]) == 5
 
+    def test_each_argument_is_checked_by_every_rule_of_its_schema(self):
+        schema = {
+            "properties": {
+                "n": {"type": "integer", "minimum": 1, "maximum": 3},
+                "mode": {"type": "string", "enum": ["a", "b"]},
+                "tags": {"type": "array"},
+                "extra": {"type": "object"},
+                "anything": {},
+            },
+            "additionalProperties": False,
+        }
+
+        def refused(arguments) -> str:
+            with pytest.raises(notesvc.ApiError) as err:
+                notesvc.checked_arguments(schema, arguments)
+            assert err.value.status_code == 400
+            return err.value.message
+
+        assert refused(["n", 1]) == "the arguments must be a JSON object"
+        assert refused({"n": 0}) == "'n' must be from 1 to 3"
+        assert refused({"n": 2.5}) == "'n' must be an integer"
+        assert refused({"n": False}) == "'n' must be an integer"
+        assert refused({"mode": "c"}) == "'mode' must be one of a, b"
+        assert refused({"tags": "x"}) == "'tags' must be an array"
+        assert refused({"extra": []}) == "'extra' must be an object"
+        assert refused({"n": 1, "mode": "c", "tags": 1}) == "'mode' must be one of a, b"  # in order
+        given = {"n": 3.0, "mode": "b", "tags": [], "extra": {}, "anything": [1], "x": None}
+        assert notesvc.checked_arguments(schema, given) == {
+            "n": 3,
+            "mode": "b",
+            "tags": [],
+            "extra": {},
+            "anything": [1],
+        }
+        assert type(notesvc.checked_arguments(schema, {"n": 1.0})["n"]) is int
+
     def test_a_failing_plugin_tool_answers_with_the_request_id_only(self, make_app, root, caplog):
         (root / ".notesvc" / "plugins").mkdir(parents=True)
         (root / ".notesvc" / "plugins" / "toolbox.py").write_text(TOOL_PLUGIN)
