@@ -19719,6 +19719,25 @@ class TestDavMisuse:
         client.delete(f"{API}/auth/keys/{grant['id']}")  # a revoked key's locks end with it
         dav("PUT", "notes/f1.md", b"owner's", status=204)
 
+    def test_shared_locks_stop_at_the_limit_of_a_path_and_of_the_server(
+        self, client, dav, monkeypatch
+    ):
+        shared = LOCKINFO.replace(b"<d:exclusive/>", b"<d:shared/>")
+        dav("PUT", "notes/s.md", b"x", status=201)
+        for _ in range(notesvc.DAV_LOCKS_PER_PATH):
+            dav("LOCK", "notes/s.md", shared, status=200)
+        answer = dav("LOCK", "notes/s.md", shared, status=423)
+        assert f"holds {notesvc.DAV_LOCKS_PER_PATH} locks" in answer.text
+        dav("LOCK", "notes/s.md", LOCKINFO, status=423)  # nor an exclusive one
+        dav("PUT", "notes/e.md", b"x", status=201)
+        token = dav("LOCK", "notes/e.md", LOCKINFO, status=200).headers["Lock-Token"]
+        dav("LOCK", "notes/e.md", shared, status=423)  # not beside an exclusive lock
+        dav("LOCK", "notes/e.md", b"", status=200, If=f"({token})")  # a refresh is no new lock
+        patch_global(monkeypatch, "DAV_LOCKS_MAX", notesvc.DAV_LOCKS_PER_PATH + 1)
+        dav("PUT", "notes/t.md", b"x", status=201)
+        dav("LOCK", "notes/t.md", LOCKINFO, status=503)  # every lock of every key counts
+        dav("PUT", "notes/t.md", b"y", status=204)  # and none was taken
+
     def test_copy_or_move_onto_the_folder_holding_it_is_refused(self, client, dav, root):
         dav("MKCOL", "notes/t", status=201)
         dav("MKCOL", "notes/t/sub", status=201)
