@@ -20542,6 +20542,44 @@ ENEX_TEMPLATE = """<?xml version="1.0" encoding="UTF-8"?>
 """
 
 
+def test_a_folder_for_a_running_server_is_zipped_without_hidden_files_or_links(tmp_path):
+    import zipfile
+
+    folder = tmp_path / "vault"
+    files = {
+        "a.md": b"# A",
+        "sub/b.md": b"# B",
+        "sub/deeper/c.png": PNG,
+        ".obsidian/app.json": b"{}",
+        ".git/config": b"[core]",
+        "sub/.DS_Store": b"x",
+        ".hidden/d.md": b"# D",
+    }
+    for rel, body in files.items():
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        (folder / rel).write_bytes(body)
+    (folder / "empty").mkdir()
+    (folder / "link.md").symlink_to(folder / "a.md")
+    (folder / "linked").symlink_to(folder / "sub", target_is_directory=True)
+    ticks: list = []
+    out = io.BytesIO()
+    notesvc._zip_folder(folder, out, lambda line: ticks.append(line()))
+    with zipfile.ZipFile(out) as zf:
+        infos = zf.infolist()
+        assert [i.filename for i in infos] == [
+            ".obsidian/app.json",
+            "a.md",
+            "sub/b.md",
+            "sub/deeper/c.png",
+        ]
+        assert all(i.compress_type == zipfile.ZIP_STORED for i in infos)
+        assert {i.filename: zf.read(i) for i in infos} == {
+            name: files[name]
+            for name in (".obsidian/app.json", "a.md", "sub/b.md", "sub/deeper/c.png")
+        }
+    assert ticks == [f"  packing {i.filename}..." for i in infos]
+
+
 @pytest.mark.real_server
 @pytest.mark.slow
 class TestImportCommand:
