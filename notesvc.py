@@ -88,7 +88,7 @@ import zlib
 from collections import deque
 from collections.abc import Container, Iterable, Mapping, Sequence, Sized
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, BinaryIO, Callable
 
 try:
     import bottle  # noqa: F401 - the modules import it from here
@@ -8016,33 +8016,43 @@ class SearchIndex:
     def _alt_docs(self, seg, si: int, alt: tuple, keys: dict, within: set | None) -> set:
         """Return the notes of a segment matching one alternative (among `within`)."""
         kind, stems = alt
-        found: set = set()
+        ks = [keys[s][si] for s in stems]
         if kind == "phrase":
-            ks = [keys[s][si] for s in stems]
-            if None in ks:
-                return found
-            chars = list(map(seg.char, ks))
-            for f in (0, 1):
-                lists = [seg.postings(k, f) for k in ks]
-                if not all(lists):
-                    continue
-                lists = sorted((p[0] for p in lists), key=len)
-                pairs = seg.pair_ids(ks, f)
-                if pairs is not None and (len(ks) == 2 or len(min(pairs, key=len)) < len(lists[0])):
-                    lists = [min(pairs, key=len)]  # common words: the notes holding a pair
-                cands = lists[0]
-                if within is not None:  # (the notes of the clauses before)
-                    if len(cands) > 4 * len(within):
-                        cands = [d for d in within if _has(cands, d) >= 0]
-                    else:
-                        cands = within.intersection(cands)
-                elif len(lists) > 1 and len(lists[1]) <= 16 * len(cands):  # holding both terms
-                    cands = set(cands).intersection(lists[1])
-                exact = len(ks) == 2 and pairs is not None  # a pair's list is the phrase's
-                found.update(cands if exact else seg.phrase(cands, chars, f))
-            return found
-        for s in stems:
-            k = keys[s][si]
+            return set() if None in ks else self._phrase_docs(seg, ks, within)
+        return self._word_docs(seg, ks, within)
+
+    @staticmethod
+    def _phrase_docs(seg, ks: list, within: set | None) -> set:
+        """Return the notes of a segment holding the words of keys ks in a row, in the body
+        or the title (among `within`)."""
+        found: set = set()
+        chars = list(map(seg.char, ks))
+        for f in (0, 1):
+            lists = [seg.postings(k, f) for k in ks]
+            if not all(lists):
+                continue
+            lists = sorted((p[0] for p in lists), key=len)
+            pairs = seg.pair_ids(ks, f)
+            if pairs is not None and (len(ks) == 2 or len(min(pairs, key=len)) < len(lists[0])):
+                lists = [min(pairs, key=len)]  # common words: the notes holding a pair
+            cands = lists[0]
+            if within is not None:  # (the notes of the clauses before)
+                if len(cands) > 4 * len(within):
+                    cands = [d for d in within if _has(cands, d) >= 0]
+                else:
+                    cands = within.intersection(cands)
+            elif len(lists) > 1 and len(lists[1]) <= 16 * len(cands):  # holding both terms
+                cands = set(cands).intersection(lists[1])
+            exact = len(ks) == 2 and pairs is not None  # a pair's list is the phrase's
+            found.update(cands if exact else seg.phrase(cands, chars, f))
+        return found
+
+    @staticmethod
+    def _word_docs(seg, ks: list, within: set | None) -> set:
+        """Return the notes of a segment holding any of the keys ks (None: a word it lacks),
+        in the body or the title (among `within`)."""
+        found: set = set()
+        for k in ks:
             if k is None:
                 continue
             for f in (0, 1):
@@ -10990,30 +11000,38 @@ def checked_arguments(schema: dict, arguments: Any) -> dict:
     if unknown and schema.get("additionalProperties") is False:
         takes = ", ".join(props) or "no arguments"
         raise bad_request(f"unknown argument(s): {', '.join(unknown)}; this tool takes {takes}")
-    out = {}
-    for name, value in given.items():
-        rule = props.get(name, {})
-        kind = rule.get("type")
-        if kind == "integer" and isinstance(value, float) and value.is_integer():
-            value = int(value)
-        expected = _JSON_TYPES.get(kind)
-        if expected and (
-            not isinstance(value, expected) or (expected is int and isinstance(value, bool))
-        ):
-            raise bad_request(f"'{name}' must be a{'n' if kind[0] in 'aeio' else ''} {kind}")
-        if isinstance(value, str):
-            if len(value) < rule.get("minLength", 0):
-                raise bad_request(f"'{name}' must not be empty")
-            if len(value) > rule.get("maxLength", len(value)):
-                raise bad_request(f"'{name}' is longer than {rule['maxLength']} characters")
-        if isinstance(value, int) and not (
-            rule.get("minimum", value) <= value <= rule.get("maximum", value)
-        ):
-            raise bad_request(f"'{name}' must be from {rule['minimum']} to {rule['maximum']}")
-        if "enum" in rule and value not in rule["enum"]:
-            raise bad_request(f"'{name}' must be one of {', '.join(map(str, rule['enum']))}")
-        out[name] = value
-    return out
+    return {name: _checked_value(name, value, props.get(name, {})) for name, value in given.items()}
+
+
+def _checked_value(name: str, value: Any, rule: dict) -> Any:
+    """Return one argument checked against its rule in the schema (3.0 as 3 for an integer).
+    Raises 400 saying what is wrong."""
+    value = _checked_type(name, value, rule.get("type"))
+    if isinstance(value, str):
+        if len(value) < rule.get("minLength", 0):
+            raise bad_request(f"'{name}' must not be empty")
+        if len(value) > rule.get("maxLength", len(value)):
+            raise bad_request(f"'{name}' is longer than {rule['maxLength']} characters")
+    if isinstance(value, int) and not (
+        rule.get("minimum", value) <= value <= rule.get("maximum", value)
+    ):
+        raise bad_request(f"'{name}' must be from {rule['minimum']} to {rule['maximum']}")
+    if "enum" in rule and value not in rule["enum"]:
+        raise bad_request(f"'{name}' must be one of {', '.join(map(str, rule['enum']))}")
+    return value
+
+
+def _checked_type(name: str, value: Any, kind: Any) -> Any:
+    """Return a value of the JSON type `kind` (any when it names none), 3.0 as 3 for an
+    integer. Raises 400 naming the type."""
+    if kind == "integer" and isinstance(value, float) and value.is_integer():
+        value = int(value)
+    expected = _JSON_TYPES.get(kind)
+    if expected and (
+        not isinstance(value, expected) or (expected is int and isinstance(value, bool))
+    ):
+        raise bad_request(f"'{name}' must be a{'n' if kind[0] in 'aeio' else ''} {kind}")
+    return value
 
 
 def tool_error(code: str, message: str) -> dict:
@@ -28205,14 +28223,7 @@ def dav_lock(svc: Service, dav: DavState, item: DavItem, ctx: dict):
     root = dav_xml(dav_body())
     seconds = _lock_seconds()
     if root is None:  # a refresh: the If header names the lock
-        found = [lk for lk in dav.locks_on(item.path) if lk.token in ctx["tokens"]]
-        if not found:
-            raise DavError(
-                412, "a refresh names the lock in the If header", "lock-token-matches-request-uri"
-            )
-        for lk in found:
-            lk.seconds, lk.expires = seconds, time.monotonic() + seconds
-        return dav_lock_answer(found[0], 200)
+        return _dav_refresh_lock(dav, item, ctx, seconds)
     if root.tag != "{DAV:}lockinfo":
         raise DavError(400, "a LOCK body is a DAV:lockinfo element")
     scope = root.find("{DAV:}lockscope")
@@ -28224,16 +28235,7 @@ def dav_lock(svc: Service, dav: DavState, item: DavItem, ctx: dict):
     if not item.path or item.path in DAV_TOPS:
         raise DavError(403, "notes/ and attachments/ themselves cannot be locked")
     with dav.lock:
-        held = dav.locks_on(item.path, below=depth == "infinity")
-        if any(not shared or lk.scope == "exclusive" for lk in held):
-            raise DavError(423, f"/dav/{item.path} is locked", "no-conflicting-lock")
-        if len(held) >= DAV_LOCKS_PER_PATH:
-            raise DavError(423, f"/dav/{item.path} holds {len(held)} locks: no more")
-        every = dav.live_locks()
-        if sum(lk.holder == ctx["holder"] for lk in every) >= DAV_LOCKS_PER_KEY:
-            raise DavError(507, f"this key holds {DAV_LOCKS_PER_KEY} locks: unlock some first")
-        if len(every) >= DAV_LOCKS_MAX:
-            raise DavError(503, "too many locks are held: try again later")
+        _dav_lock_room(dav, item.path, depth, shared, ctx["holder"])
         created = False
         if not item.exists:  # an unmapped URL: locked as an empty file (RFC 4918 7.3)
             dav_parent_ready(svc, item.path)
@@ -28252,6 +28254,35 @@ def dav_lock(svc: Service, dav: DavState, item: DavItem, ctx: dict):
         dav.locks[lk.token] = lk
     bottle.response.set_header("Lock-Token", f"<{lk.token}>")
     return dav_lock_answer(lk, 201 if created else 200)
+
+
+def _dav_refresh_lock(dav: DavState, item: DavItem, ctx: dict, seconds: int) -> bytes:
+    """A LOCK without a body: the locks on item that the If header names last `seconds`
+    more (RFC 4918 9.10.2); 412 when it names none."""
+    found = [lk for lk in dav.locks_on(item.path) if lk.token in ctx["tokens"]]
+    if not found:
+        raise DavError(
+            412, "a refresh names the lock in the If header", "lock-token-matches-request-uri"
+        )
+    for lk in found:
+        lk.seconds, lk.expires = seconds, time.monotonic() + seconds
+    return dav_lock_answer(found[0], 200)
+
+
+def _dav_lock_room(dav: DavState, path: str, depth: str, shared: bool, holder: str) -> None:
+    """Raise unless a new lock on path may be taken (called holding dav.lock): 423 for a
+    conflicting lock or a path holding DAV_LOCKS_PER_PATH, 507 for a key holding
+    DAV_LOCKS_PER_KEY, 503 when DAV_LOCKS_MAX are held."""
+    held = dav.locks_on(path, below=depth == "infinity")
+    if any(not shared or lk.scope == "exclusive" for lk in held):
+        raise DavError(423, f"/dav/{path} is locked", "no-conflicting-lock")
+    if len(held) >= DAV_LOCKS_PER_PATH:
+        raise DavError(423, f"/dav/{path} holds {len(held)} locks: no more")
+    every = dav.live_locks()
+    if sum(lk.holder == holder for lk in every) >= DAV_LOCKS_PER_KEY:
+        raise DavError(507, f"this key holds {DAV_LOCKS_PER_KEY} locks: unlock some first")
+    if len(every) >= DAV_LOCKS_MAX:
+        raise DavError(503, "too many locks are held: try again later")
 
 
 def dav_owner(owner) -> str:
@@ -30616,7 +30647,6 @@ def _import_through_server(
     """Send the import to the server holding the root: as a zip (a folder is zipped first)
     with a write key made for it and revoked after."""
     import http.client
-    import zipfile
 
     pid, record = running
     if not record:
@@ -30636,15 +30666,7 @@ def _import_through_server(
         with contextlib.ExitStack() as stack:
             if source.is_dir():
                 body = stack.enter_context(tempfile.TemporaryFile())
-                with zipfile.ZipFile(body, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
-                    for path in sorted(source.rglob("*")):
-                        rel = path.relative_to(source).as_posix()
-                        if path.is_symlink() or not path.is_file():
-                            continue
-                        if any(p.startswith(".") and p != ".obsidian" for p in rel.split("/")):
-                            continue
-                        zf.write(path, rel)
-                        tick(functools.partial("  packing {}...".format, rel[:60]))
+                _zip_folder(source, body, tick)
                 ctype = "application/zip"
             else:
                 body = stack.enter_context(open(source, "rb"))
@@ -30700,6 +30722,22 @@ def _import_through_server(
         message = (answer.get("error") or {}).get("message") or f"HTTP {resp.status}"
         raise ConfigError(f"the server refused the import: {message}")
     return answer.get("data", answer)
+
+
+def _zip_folder(source: Path, out: BinaryIO, tick: Progress) -> None:
+    """Write the files under source to out as a zip (stored, not compressed), their paths
+    relative to it; symlinks and hidden files and folders are left out, .obsidian kept."""
+    import zipfile
+
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+        for path in sorted(source.rglob("*")):
+            rel = path.relative_to(source).as_posix()
+            if path.is_symlink() or not path.is_file():
+                continue
+            if any(p.startswith(".") and p != ".obsidian" for p in rel.split("/")):
+                continue
+            zf.write(path, rel)
+            tick(functools.partial("  packing {}...".format, rel[:60]))
 
 
 def cmd_export(config: Config, args: argparse.Namespace) -> int:

@@ -10966,6 +10966,42 @@ class TestTools:
         assert ok_tool(tools, "read_note", path="notes/work.md", offset=None)["offset"] == 0
         assert len(ok_tool(tools, "read_note", path="notes/work.md", maxChars=5.0)["content"]) == 5
 
+    def test_each_argument_is_checked_by_every_rule_of_its_schema(self):
+        schema = {
+            "properties": {
+                "n": {"type": "integer", "minimum": 1, "maximum": 3},
+                "mode": {"type": "string", "enum": ["a", "b"]},
+                "tags": {"type": "array"},
+                "extra": {"type": "object"},
+                "anything": {},
+            },
+            "additionalProperties": False,
+        }
+
+        def refused(arguments) -> str:
+            with pytest.raises(notesvc.ApiError) as err:
+                notesvc.checked_arguments(schema, arguments)
+            assert err.value.status_code == 400
+            return err.value.message
+
+        assert refused(["n", 1]) == "the arguments must be a JSON object"
+        assert refused({"n": 0}) == "'n' must be from 1 to 3"
+        assert refused({"n": 2.5}) == "'n' must be an integer"
+        assert refused({"n": False}) == "'n' must be an integer"
+        assert refused({"mode": "c"}) == "'mode' must be one of a, b"
+        assert refused({"tags": "x"}) == "'tags' must be an array"
+        assert refused({"extra": []}) == "'extra' must be an object"
+        assert refused({"n": 1, "mode": "c", "tags": 1}) == "'mode' must be one of a, b"  # in order
+        given = {"n": 3.0, "mode": "b", "tags": [], "extra": {}, "anything": [1], "x": None}
+        assert notesvc.checked_arguments(schema, given) == {
+            "n": 3,
+            "mode": "b",
+            "tags": [],
+            "extra": {},
+            "anything": [1],
+        }
+        assert type(notesvc.checked_arguments(schema, {"n": 1.0})["n"]) is int
+
     def test_a_failing_plugin_tool_answers_with_the_request_id_only(self, make_app, root, caplog):
         (root / ".notesvc" / "plugins").mkdir(parents=True)
         (root / ".notesvc" / "plugins" / "toolbox.py").write_text(TOOL_PLUGIN)
@@ -19684,6 +19720,25 @@ class TestDavMisuse:
         client.delete(f"{API}/auth/keys/{grant['id']}")  # a revoked key's locks end with it
         dav("PUT", "notes/f1.md", b"owner's", status=204)
 
+    def test_shared_locks_stop_at_the_limit_of_a_path_and_of_the_server(
+        self, client, dav, monkeypatch
+    ):
+        shared = LOCKINFO.replace(b"<d:exclusive/>", b"<d:shared/>")
+        dav("PUT", "notes/s.md", b"x", status=201)
+        for _ in range(notesvc.DAV_LOCKS_PER_PATH):
+            dav("LOCK", "notes/s.md", shared, status=200)
+        answer = dav("LOCK", "notes/s.md", shared, status=423)
+        assert f"holds {notesvc.DAV_LOCKS_PER_PATH} locks" in answer.text
+        dav("LOCK", "notes/s.md", LOCKINFO, status=423)  # nor an exclusive one
+        dav("PUT", "notes/e.md", b"x", status=201)
+        token = dav("LOCK", "notes/e.md", LOCKINFO, status=200).headers["Lock-Token"]
+        dav("LOCK", "notes/e.md", shared, status=423)  # not beside an exclusive lock
+        dav("LOCK", "notes/e.md", b"", status=200, If=f"({token})")  # a refresh is no new lock
+        patch_global(monkeypatch, "DAV_LOCKS_MAX", notesvc.DAV_LOCKS_PER_PATH + 1)
+        dav("PUT", "notes/t.md", b"x", status=201)
+        dav("LOCK", "notes/t.md", LOCKINFO, status=503)  # every lock of every key counts
+        dav("PUT", "notes/t.md", b"y", status=204)  # and none was taken
+
     def test_copy_or_move_onto_the_folder_holding_it_is_refused(self, client, dav, root):
         dav("MKCOL", "notes/t", status=201)
         dav("MKCOL", "notes/t/sub", status=201)
@@ -20599,6 +20654,44 @@ class TestImportMessages:
         (tmp_path / "notes/only.md").write_text("# Only\n")
         assert notesvc.main(["export", str(tmp_path / "all.zip"), "--root", str(tmp_path)]) == 0
         assert capsys.readouterr().out.startswith("Exported 1 note and 0 files to ")
+
+
+def test_a_folder_for_a_running_server_is_zipped_without_hidden_files_or_links(tmp_path):
+    import zipfile
+
+    folder = tmp_path / "vault"
+    files = {
+        "a.md": b"# A",
+        "sub/b.md": b"# B",
+        "sub/deeper/c.png": PNG,
+        ".obsidian/app.json": b"{}",
+        ".git/config": b"[core]",
+        "sub/.DS_Store": b"x",
+        ".hidden/d.md": b"# D",
+    }
+    for rel, body in files.items():
+        (folder / rel).parent.mkdir(parents=True, exist_ok=True)
+        (folder / rel).write_bytes(body)
+    (folder / "empty").mkdir()
+    (folder / "link.md").symlink_to(folder / "a.md")
+    (folder / "linked").symlink_to(folder / "sub", target_is_directory=True)
+    ticks: list = []
+    out = io.BytesIO()
+    notesvc._zip_folder(folder, out, lambda line: ticks.append(line()))
+    with zipfile.ZipFile(out) as zf:
+        infos = zf.infolist()
+        assert [i.filename for i in infos] == [
+            ".obsidian/app.json",
+            "a.md",
+            "sub/b.md",
+            "sub/deeper/c.png",
+        ]
+        assert all(i.compress_type == zipfile.ZIP_STORED for i in infos)
+        assert {i.filename: zf.read(i) for i in infos} == {
+            name: files[name]
+            for name in (".obsidian/app.json", "a.md", "sub/b.md", "sub/deeper/c.png")
+        }
+    assert ticks == [f"  packing {i.filename}..." for i in infos]
 
 
 @pytest.mark.real_server

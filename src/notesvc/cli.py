@@ -19,7 +19,7 @@ import time
 import urllib.parse
 import uuid
 from pathlib import Path
-from typing import Any, Callable
+from typing import Any, BinaryIO, Callable
 
 from notesvc.audit import _entropy_bits_per_char, run_audit
 from notesvc.auth import StateError, StateStore, rotate_key
@@ -950,7 +950,6 @@ def _import_through_server(
     """Send the import to the server holding the root: as a zip (a folder is zipped first)
     with a write key made for it and revoked after."""
     import http.client
-    import zipfile
 
     pid, record = running
     if not record:
@@ -970,15 +969,7 @@ def _import_through_server(
         with contextlib.ExitStack() as stack:
             if source.is_dir():
                 body = stack.enter_context(tempfile.TemporaryFile())
-                with zipfile.ZipFile(body, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
-                    for path in sorted(source.rglob("*")):
-                        rel = path.relative_to(source).as_posix()
-                        if path.is_symlink() or not path.is_file():
-                            continue
-                        if any(p.startswith(".") and p != ".obsidian" for p in rel.split("/")):
-                            continue
-                        zf.write(path, rel)
-                        tick(functools.partial("  packing {}...".format, rel[:60]))
+                _zip_folder(source, body, tick)
                 ctype = "application/zip"
             else:
                 body = stack.enter_context(open(source, "rb"))
@@ -1034,6 +1025,22 @@ def _import_through_server(
         message = (answer.get("error") or {}).get("message") or f"HTTP {resp.status}"
         raise ConfigError(f"the server refused the import: {message}")
     return answer.get("data", answer)
+
+
+def _zip_folder(source: Path, out: BinaryIO, tick: Progress) -> None:
+    """Write the files under source to out as a zip (stored, not compressed), their paths
+    relative to it; symlinks and hidden files and folders are left out, .obsidian kept."""
+    import zipfile
+
+    with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
+        for path in sorted(source.rglob("*")):
+            rel = path.relative_to(source).as_posix()
+            if path.is_symlink() or not path.is_file():
+                continue
+            if any(p.startswith(".") and p != ".obsidian" for p in rel.split("/")):
+                continue
+            zf.write(path, rel)
+            tick(functools.partial("  packing {}...".format, rel[:60]))
 
 
 def cmd_export(config: Config, args: argparse.Namespace) -> int:

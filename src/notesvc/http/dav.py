@@ -1063,14 +1063,7 @@ def dav_lock(svc: Service, dav: DavState, item: DavItem, ctx: dict):
     root = dav_xml(dav_body())
     seconds = _lock_seconds()
     if root is None:  # a refresh: the If header names the lock
-        found = [lk for lk in dav.locks_on(item.path) if lk.token in ctx["tokens"]]
-        if not found:
-            raise DavError(
-                412, "a refresh names the lock in the If header", "lock-token-matches-request-uri"
-            )
-        for lk in found:
-            lk.seconds, lk.expires = seconds, time.monotonic() + seconds
-        return dav_lock_answer(found[0], 200)
+        return _dav_refresh_lock(dav, item, ctx, seconds)
     if root.tag != "{DAV:}lockinfo":
         raise DavError(400, "a LOCK body is a DAV:lockinfo element")
     scope = root.find("{DAV:}lockscope")
@@ -1082,16 +1075,7 @@ def dav_lock(svc: Service, dav: DavState, item: DavItem, ctx: dict):
     if not item.path or item.path in DAV_TOPS:
         raise DavError(403, "notes/ and attachments/ themselves cannot be locked")
     with dav.lock:
-        held = dav.locks_on(item.path, below=depth == "infinity")
-        if any(not shared or lk.scope == "exclusive" for lk in held):
-            raise DavError(423, f"/dav/{item.path} is locked", "no-conflicting-lock")
-        if len(held) >= DAV_LOCKS_PER_PATH:
-            raise DavError(423, f"/dav/{item.path} holds {len(held)} locks: no more")
-        every = dav.live_locks()
-        if sum(lk.holder == ctx["holder"] for lk in every) >= DAV_LOCKS_PER_KEY:
-            raise DavError(507, f"this key holds {DAV_LOCKS_PER_KEY} locks: unlock some first")
-        if len(every) >= DAV_LOCKS_MAX:
-            raise DavError(503, "too many locks are held: try again later")
+        _dav_lock_room(dav, item.path, depth, shared, ctx["holder"])
         created = False
         if not item.exists:  # an unmapped URL: locked as an empty file (RFC 4918 7.3)
             dav_parent_ready(svc, item.path)
@@ -1110,6 +1094,35 @@ def dav_lock(svc: Service, dav: DavState, item: DavItem, ctx: dict):
         dav.locks[lk.token] = lk
     bottle.response.set_header("Lock-Token", f"<{lk.token}>")
     return dav_lock_answer(lk, 201 if created else 200)
+
+
+def _dav_refresh_lock(dav: DavState, item: DavItem, ctx: dict, seconds: int) -> bytes:
+    """A LOCK without a body: the locks on item that the If header names last `seconds`
+    more (RFC 4918 9.10.2); 412 when it names none."""
+    found = [lk for lk in dav.locks_on(item.path) if lk.token in ctx["tokens"]]
+    if not found:
+        raise DavError(
+            412, "a refresh names the lock in the If header", "lock-token-matches-request-uri"
+        )
+    for lk in found:
+        lk.seconds, lk.expires = seconds, time.monotonic() + seconds
+    return dav_lock_answer(found[0], 200)
+
+
+def _dav_lock_room(dav: DavState, path: str, depth: str, shared: bool, holder: str) -> None:
+    """Raise unless a new lock on path may be taken (called holding dav.lock): 423 for a
+    conflicting lock or a path holding DAV_LOCKS_PER_PATH, 507 for a key holding
+    DAV_LOCKS_PER_KEY, 503 when DAV_LOCKS_MAX are held."""
+    held = dav.locks_on(path, below=depth == "infinity")
+    if any(not shared or lk.scope == "exclusive" for lk in held):
+        raise DavError(423, f"/dav/{path} is locked", "no-conflicting-lock")
+    if len(held) >= DAV_LOCKS_PER_PATH:
+        raise DavError(423, f"/dav/{path} holds {len(held)} locks: no more")
+    every = dav.live_locks()
+    if sum(lk.holder == holder for lk in every) >= DAV_LOCKS_PER_KEY:
+        raise DavError(507, f"this key holds {DAV_LOCKS_PER_KEY} locks: unlock some first")
+    if len(every) >= DAV_LOCKS_MAX:
+        raise DavError(503, "too many locks are held: try again later")
 
 
 def dav_owner(owner) -> str:

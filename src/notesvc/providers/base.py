@@ -491,30 +491,38 @@ def checked_arguments(schema: dict, arguments: Any) -> dict:
     if unknown and schema.get("additionalProperties") is False:
         takes = ", ".join(props) or "no arguments"
         raise bad_request(f"unknown argument(s): {', '.join(unknown)}; this tool takes {takes}")
-    out = {}
-    for name, value in given.items():
-        rule = props.get(name, {})
-        kind = rule.get("type")
-        if kind == "integer" and isinstance(value, float) and value.is_integer():
-            value = int(value)
-        expected = _JSON_TYPES.get(kind)
-        if expected and (
-            not isinstance(value, expected) or (expected is int and isinstance(value, bool))
-        ):
-            raise bad_request(f"'{name}' must be a{'n' if kind[0] in 'aeio' else ''} {kind}")
-        if isinstance(value, str):
-            if len(value) < rule.get("minLength", 0):
-                raise bad_request(f"'{name}' must not be empty")
-            if len(value) > rule.get("maxLength", len(value)):
-                raise bad_request(f"'{name}' is longer than {rule['maxLength']} characters")
-        if isinstance(value, int) and not (
-            rule.get("minimum", value) <= value <= rule.get("maximum", value)
-        ):
-            raise bad_request(f"'{name}' must be from {rule['minimum']} to {rule['maximum']}")
-        if "enum" in rule and value not in rule["enum"]:
-            raise bad_request(f"'{name}' must be one of {', '.join(map(str, rule['enum']))}")
-        out[name] = value
-    return out
+    return {name: _checked_value(name, value, props.get(name, {})) for name, value in given.items()}
+
+
+def _checked_value(name: str, value: Any, rule: dict) -> Any:
+    """Return one argument checked against its rule in the schema (3.0 as 3 for an integer).
+    Raises 400 saying what is wrong."""
+    value = _checked_type(name, value, rule.get("type"))
+    if isinstance(value, str):
+        if len(value) < rule.get("minLength", 0):
+            raise bad_request(f"'{name}' must not be empty")
+        if len(value) > rule.get("maxLength", len(value)):
+            raise bad_request(f"'{name}' is longer than {rule['maxLength']} characters")
+    if isinstance(value, int) and not (
+        rule.get("minimum", value) <= value <= rule.get("maximum", value)
+    ):
+        raise bad_request(f"'{name}' must be from {rule['minimum']} to {rule['maximum']}")
+    if "enum" in rule and value not in rule["enum"]:
+        raise bad_request(f"'{name}' must be one of {', '.join(map(str, rule['enum']))}")
+    return value
+
+
+def _checked_type(name: str, value: Any, kind: Any) -> Any:
+    """Return a value of the JSON type `kind` (any when it names none), 3.0 as 3 for an
+    integer. Raises 400 naming the type."""
+    if kind == "integer" and isinstance(value, float) and value.is_integer():
+        value = int(value)
+    expected = _JSON_TYPES.get(kind)
+    if expected and (
+        not isinstance(value, expected) or (expected is int and isinstance(value, bool))
+    ):
+        raise bad_request(f"'{name}' must be a{'n' if kind[0] in 'aeio' else ''} {kind}")
+    return value
 
 
 def tool_error(code: str, message: str) -> dict:

@@ -904,33 +904,43 @@ class SearchIndex:
     def _alt_docs(self, seg, si: int, alt: tuple, keys: dict, within: set | None) -> set:
         """Return the notes of a segment matching one alternative (among `within`)."""
         kind, stems = alt
-        found: set = set()
+        ks = [keys[s][si] for s in stems]
         if kind == "phrase":
-            ks = [keys[s][si] for s in stems]
-            if None in ks:
-                return found
-            chars = list(map(seg.char, ks))
-            for f in (0, 1):
-                lists = [seg.postings(k, f) for k in ks]
-                if not all(lists):
-                    continue
-                lists = sorted((p[0] for p in lists), key=len)
-                pairs = seg.pair_ids(ks, f)
-                if pairs is not None and (len(ks) == 2 or len(min(pairs, key=len)) < len(lists[0])):
-                    lists = [min(pairs, key=len)]  # common words: the notes holding a pair
-                cands = lists[0]
-                if within is not None:  # (the notes of the clauses before)
-                    if len(cands) > 4 * len(within):
-                        cands = [d for d in within if _has(cands, d) >= 0]
-                    else:
-                        cands = within.intersection(cands)
-                elif len(lists) > 1 and len(lists[1]) <= 16 * len(cands):  # holding both terms
-                    cands = set(cands).intersection(lists[1])
-                exact = len(ks) == 2 and pairs is not None  # a pair's list is the phrase's
-                found.update(cands if exact else seg.phrase(cands, chars, f))
-            return found
-        for s in stems:
-            k = keys[s][si]
+            return set() if None in ks else self._phrase_docs(seg, ks, within)
+        return self._word_docs(seg, ks, within)
+
+    @staticmethod
+    def _phrase_docs(seg, ks: list, within: set | None) -> set:
+        """Return the notes of a segment holding the words of keys ks in a row, in the body
+        or the title (among `within`)."""
+        found: set = set()
+        chars = list(map(seg.char, ks))
+        for f in (0, 1):
+            lists = [seg.postings(k, f) for k in ks]
+            if not all(lists):
+                continue
+            lists = sorted((p[0] for p in lists), key=len)
+            pairs = seg.pair_ids(ks, f)
+            if pairs is not None and (len(ks) == 2 or len(min(pairs, key=len)) < len(lists[0])):
+                lists = [min(pairs, key=len)]  # common words: the notes holding a pair
+            cands = lists[0]
+            if within is not None:  # (the notes of the clauses before)
+                if len(cands) > 4 * len(within):
+                    cands = [d for d in within if _has(cands, d) >= 0]
+                else:
+                    cands = within.intersection(cands)
+            elif len(lists) > 1 and len(lists[1]) <= 16 * len(cands):  # holding both terms
+                cands = set(cands).intersection(lists[1])
+            exact = len(ks) == 2 and pairs is not None  # a pair's list is the phrase's
+            found.update(cands if exact else seg.phrase(cands, chars, f))
+        return found
+
+    @staticmethod
+    def _word_docs(seg, ks: list, within: set | None) -> set:
+        """Return the notes of a segment holding any of the keys ks (None: a word it lacks),
+        in the body or the title (among `within`)."""
+        found: set = set()
+        for k in ks:
             if k is None:
                 continue
             for f in (0, 1):
