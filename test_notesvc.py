@@ -14986,6 +14986,32 @@ class TestRelay:
 
     @pytest.mark.real_server
     @pytest.mark.slow
+    def test_the_page_and_json_come_gzipped_through_the_relay(self, pair):
+        """The relay forwards Accept-Encoding, lets the server's gzip through, and gzips
+        its own page (docs/api.md: Compression)."""
+        relay, _, setup = pair
+        gz = {"Accept-Encoding": "gzip"}
+        for i in range(30):
+            body = {"path": f"notes/rz/n{i:02}.md", "content": "relayed words " * 20}
+            assert self.via(relay, setup, "POST", "/notes", body)[0] == 201
+        path, key = f"/r/{setup['serverId']}{API}/notes", {"X-Service-Key": setup["apiKey"]}
+        status, h, plain = host_request(relay.port, "relay", "GET", path, headers=key)
+        assert status == 200
+        assert "Content-Encoding" not in h
+        status, h, packed = host_request(relay.port, "relay", "GET", path, headers={**key, **gz})
+        assert status == 200
+        assert json.loads(assert_gzipped(h, packed)) == json.loads(plain)
+        status, h, page = host_request(relay.port, "relay", "GET", "/")
+        assert status == 200
+        assert "Content-Encoding" not in h
+        assert "accept-encoding" in h["Vary"].lower()
+        status, h, packed = host_request(relay.port, "relay", "GET", "/", headers=gz)
+        assert assert_gzipped(h, packed) == page
+        refused = {"Accept-Encoding": "gzip;q=0"}
+        assert host_request(relay.port, "relay", "GET", "/", headers=refused)[2] == page
+
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_the_setup_key_never_goes_through_the_relay(self, pair):
         """S2: whatever Host a client sends through the relay, a new server's key stays
         home and /auth/link through the relay is refused."""
@@ -15739,6 +15765,14 @@ class TestRelayAttachments:
         answer = notesvc.relay_answer_headers("/api/v1/attachments/attachments/a.jpg", served)
         assert ("Content-Type", notesvc.JSON_TYPE) in answer  # an API answer is JSON, whatever
         assert ("Content-Disposition", 'inline; filename="a"') in answer  # on the allowlist
+        gzipped = [["Content-Type", "application/json"], ["Content-Encoding", "gzip"]]
+        assert ("Content-Encoding", "gzip") in notesvc.relay_answer_headers("/api/v1/x", gzipped)
+        for encoding in ("br", "gzip, gzip", "identity"):  # only the server's own gzip
+            coded = [["Content-Type", "application/json"], ["Content-Encoding", encoding]]
+            passed = notesvc.relay_answer_headers("/api/v1/x", coded)
+            assert not any(k == "Content-Encoding" for k, _ in passed)
+        attached = notesvc.relay_answer_headers("/api/v1/attachments/a.json", gzipped, True)
+        assert not any(k == "Content-Encoding" for k, _ in attached)  # never on file bytes
         assert notesvc.relayed_download("GET", "/api/v1/attachments/attachments/a.jpg", 206)
         for args in (
             ("GET", "/api/v1/attachments/attachments/a.jpg", 404),
@@ -15967,6 +16001,10 @@ class TestRelayOrigins:
         status, headers, page = get_raw(f"{relay.url}/")
         assert status == 200
         assert page == notesvc.RELAY_LANDING_PAGE
+        _, gz_headers, packed = host_request(
+            relay.port, f"127.0.0.1:{relay.port}", "GET", "/", headers={"Accept-Encoding": "gzip"}
+        )
+        assert assert_gzipped(gz_headers, packed) == notesvc.RELAY_LANDING_PAGE
         assert b"<script" not in page
         assert headers["Content-Security-Policy"].startswith("default-src 'none'")
         # Old connect links and old browser links go on to the server's own origin.
