@@ -254,22 +254,25 @@ def gzip_answer(environ: dict, status: str, headers: list, body: Iterable[bytes]
     vary = ",".join(v for k, v in headers if k.lower() == "vary").lower()
     if "accept-encoding" not in vary:
         headers.append(("Vary", "Accept-Encoding"))
-    if (
-        not status.startswith("200 ")
-        or environ.get("REQUEST_METHOD") == "HEAD"
-        or "content-encoding" in named
-        or "content-range" in named
-        or not compressible_type(named.get("content-type", ""))
-        or not isinstance(body, list)
-        or not all(isinstance(chunk, bytes) for chunk in body)
-        or sum(map(len, body)) < GZIP_MIN_BYTES
-        or not accepts_gzip(environ.get("HTTP_ACCEPT_ENCODING", ""))
-    ):
+    asked = environ.get("REQUEST_METHOD") != "HEAD" and accepts_gzip(
+        environ.get("HTTP_ACCEPT_ENCODING", "")
+    )
+    if not asked or not _whole_plain_answer(status, named, body):
         return body
     packed = gzip.compress(b"".join(body), 6)
     headers[:] = [(k, v) for k, v in headers if k.lower() != "content-length"]
     headers += [("Content-Encoding", "gzip"), ("Content-Length", str(len(packed)))]
     return [packed]
+
+
+def _whole_plain_answer(status: str, named: dict, body: Iterable[bytes]) -> bool:
+    """Return whether an answer is a whole 200 of a compressible type, not yet encoded,
+    held in memory and of at least GZIP_MIN_BYTES (a stream, a range: no)."""
+    if not status.startswith("200 ") or "content-encoding" in named or "content-range" in named:
+        return False
+    if not compressible_type(named.get("content-type", "")) or not isinstance(body, list):
+        return False
+    return all(isinstance(c, bytes) for c in body) and sum(map(len, body)) >= GZIP_MIN_BYTES
 
 
 def _plain_error(
