@@ -17560,7 +17560,11 @@ class TestSchemathesis:
             @hypothesis.given(case=operation.as_strategy())
             def check(case):
                 leave_out = beyond_json_schema.get(case.operation.definition.raw["operationId"], [])
-                case.call_and_validate(headers={"X-Service-Key": key}, excluded_checks=leave_out)
+                # schemathesis's WSGI transport asks for gzip (requests' default header) but
+                # never decodes it: this checks the JSON, so it asks for the bytes as they are
+                # (compression on the wire: TestCompression)
+                plain = {"X-Service-Key": key, "Accept-Encoding": "identity"}
+                case.call_and_validate(headers=plain, excluded_checks=leave_out)
 
             check()
             tested += 1
