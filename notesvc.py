@@ -54,6 +54,7 @@ import datetime as dt
 import difflib
 import errno
 import functools
+import gzip
 import hashlib
 import heapq
 import hmac
@@ -23592,6 +23593,70 @@ RELAY_LANDING_HEADERS = {
 }
 
 
+# -- compression: each page gzipped once, at start (docs/api.md: Compression) --------------
+
+_PAGES = {
+    "client": web_client_page,
+    "consent": consent_page,
+    "share": share_page,
+    "landing": lambda: RELAY_LANDING_HTML,
+}
+
+
+def accepts_gzip(accept_encoding: str) -> bool:
+    """Return whether an Accept-Encoding takes gzip: `gzip` (or `x-gzip`) with a q-value
+    above 0, or `*` above 0 when gzip is not named (`gzip;q=0` refuses it).
+
+    >>> accepts_gzip("gzip, deflate, br"), accepts_gzip("br;q=1.0, gzip;q=0.5, *;q=0.1")
+    (True, True)
+    >>> accepts_gzip(""), accepts_gzip("gzip;q=0"), accepts_gzip("*;q=1, gzip;q=0.000")
+    (False, False, False)
+    >>> accepts_gzip("identity"), accepts_gzip("*"), accepts_gzip("gzip;q=x")
+    (False, True, False)
+    """
+    named, star = None, None
+    for item in (accept_encoding or "").lower().split(","):
+        coding, _, params = item.partition(";")
+        coding = coding.strip()
+        if coding not in ("gzip", "x-gzip", "*"):
+            continue
+        q = 1.0
+        for param in params.split(";"):
+            name, _, value = param.partition("=")
+            if name.strip() == "q":
+                try:
+                    q = float(value.strip())
+                except ValueError:
+                    q = 0.0  # a q-value not understood takes nothing
+        if coding == "*":
+            star = q
+        else:
+            named = q if named is None else max(named, q)
+    chosen = named if named is not None else star
+    return chosen is not None and chosen > 0
+
+
+@functools.cache
+def page_bytes(name: str, shared: bool = False) -> tuple:
+    """Return (the bytes, their gzip at level 9) of a page ("client", "consent", "share",
+    "landing"), made on first use and kept: a server makes the client's at start, a relay
+    each on its first request. `shared`: marked for a relay's shared origin."""
+    page = _PAGES[name]()
+    raw = (shared_origin_page(page) if shared else page).encode("utf-8")
+    return raw, gzip.compress(raw, 9, mtime=0)
+
+
+def negotiated_page(name: str, accept_encoding: str, shared: bool = False) -> tuple:
+    """Return (body, headers) of a page for a request's Accept-Encoding: its gzip when
+    taken, else its bytes; Vary either way."""
+    raw, packed = page_bytes(name, shared)
+    headers = {"Vary": "Accept-Encoding"}
+    if accepts_gzip(accept_encoding):
+        headers["Content-Encoding"] = "gzip"
+        return packed, headers
+    return raw, headers
+
+
 # == src/notesvc/relay.py =====================================================
 # == Relay ====================================================================
 #
@@ -24413,14 +24478,18 @@ class RelayServer:
         port = f":{parts.port}" if parts.port else ""
         return f"{parts.scheme}://{server_id}.{self.domain}{port}"
 
-    def _html(self, page: str, headers: dict, shared: bool) -> tuple:
-        if shared:  # the shared origin of a relay without a domain: keep nothing (22)
-            page = shared_origin_page(page)
-        ctype = ("Content-Type", "text/html; charset=utf-8")
-        return 200, [ctype, *headers.items()], page.encode("utf-8")
+    @staticmethod
+    def _html(req: RelayRequest, page: str, headers: dict, shared: bool) -> tuple:
+        """A page of the relay's own: gzipped once, sent so to a client that takes it (a
+        HEAD as not); `shared`: the shared origin of a relay without a domain, where the
+        page keeps nothing (22)."""
+        asked = req.header("Accept-Encoding") if req.method != "HEAD" else ""
+        body, coding = negotiated_page(page, asked, shared)
+        ctype = {"Content-Type": "text/html; charset=utf-8"}
+        return 200, list({**ctype, **headers, **coding}.items()), body
 
     def web_client(self, req: RelayRequest) -> tuple:
-        return self._html(web_client_page(), web_client_headers(), not req.server_id)
+        return self._html(req, "client", web_client_headers(), not req.server_id)
 
     def landing(self, req: RelayRequest) -> tuple:
         """The relay's own page: an old connect link (?relayCode=) goes on to its server's
@@ -24430,7 +24499,7 @@ class RelayServer:
             if not RELAY_CODE_RE.match(code):
                 raise bad_request("a relay code is 1-64 letters, digits and dashes")
             return self._redirect(self.server_origin(req, self.hub.pair(code)) + "/")
-        return 200, list(RELAY_LANDING_HEADERS.items()), RELAY_LANDING_PAGE
+        return self._html(req, "landing", RELAY_LANDING_HEADERS, False)
 
     def to_origin(self, req: RelayRequest, server_id: str, rest: str) -> tuple:
         """An old browser link under /r/<serverId>/ (the client, the consent page, a share
@@ -24439,11 +24508,11 @@ class RelayServer:
         if not RELAY_ID_RE.match(server_id):
             raise not_found("no such server on this relay")
         if not self.domain:
-            page = consent_page if rest == "/oauth/authorize" else share_page
+            page = "consent" if rest == "/oauth/authorize" else "share"
             if rest == "/":
                 raise not_found("open the relay's own page with your server's connect link")
             head = consent_page_headers if rest == "/oauth/authorize" else share_page_headers
-            return self._html(page(), head(), True)
+            return self._html(req, page, head(), True)
         target = self.server_origin(req, server_id) + rest
         return self._redirect(target + (f"?{req.query}" if req.query else ""))
 
@@ -24459,12 +24528,12 @@ class RelayServer:
     def consent_page(self, req: RelayRequest, server_id: str = "", rest: str = "") -> tuple:
         if not req.server_id:
             return self.to_origin(req, server_id, rest)
-        return self._html(consent_page(), consent_page_headers(), False)
+        return self._html(req, "consent", consent_page_headers(), False)
 
     def share_page(self, req: RelayRequest, server_id: str = "", rest: str = "") -> tuple:
         if not req.server_id:
             return self.to_origin(req, server_id, rest)
-        return self._html(share_page(), share_page_headers(), False)
+        return self._html(req, "share", share_page_headers(), False)
 
     async def forward_well_known(self, req: RelayRequest, name: str, server_id: str, rest):
         """/.well-known/<name>/r/<id>[/...] is server <id>'s own /.well-known/<name>[/...]."""
@@ -24606,13 +24675,18 @@ def relay_answer_headers(path: str, headers: list, download: bool = False) -> li
     its Content-Type is kept only when its media type is exactly one the route answers
     (JSON; XML under /dav/; a zip for export.zip; for file bytes (`download`) an image,
     audio, video, PDF or plain text, else application/octet-stream, always as an
-    attachment), and only the headers a client of the API needs pass.
+    attachment), and only the headers a client of the API needs pass: Content-Encoding
+    only as `gzip` on an API answer (the server's, for the client's Accept-Encoding, which
+    the relay forwards; docs/api.md: Compression), never on file bytes.
     """
     given = next((v for k, v in headers if k.lower() == "content-type"), "")
     keep = [
         (name, value)
         for name, value in headers
-        if name.lower() in RELAY_PASSED_HEADERS
+        if (
+            name.lower() in RELAY_PASSED_HEADERS
+            or (name.lower() == "content-encoding" and value == "gzip" and not download)
+        )
         and _TOKEN_CHARS_RE.match(name)
         and not re.search(r"[\x00-\x1f\x7f]", value)
     ]
@@ -24941,10 +25015,37 @@ class Route:
     jsonrpc: bool = False  # answers JSON-RPC 2.0, errors too; callers checked by
     # authenticate_mcp, which also takes OAuth access tokens (the MCP endpoint only)
     idempotent: bool = False  # an Idempotency-Key header makes a repeat answer as the first
+    secret: bool = False  # its answer can carry a secret (a key, a token, a pairing's
+    # secret): never gzipped (docs/api.md: Compression)
 
     @property
     def rule(self) -> str:
         return (API if self.api else "") + self.path
+
+    @property
+    def gzip(self) -> bool:
+        """Return whether this route's answers may be gzipped: a page, script or JSON that
+        carries no secret (never a file's bytes, an export or WebDAV: those are no Route's)."""
+        return not self.secret and compressible_type(self.media)
+
+
+GZIP_MIN_BYTES = 1024  # smaller answers go as they are: gzip's header would eat the gain
+_COMPRESSIBLE_RE = re.compile(
+    r"^\s*(text/html|text/css|text/javascript|application/javascript|application/json"
+    r"|application/[a-z0-9.-]+\+json)\s*(;|$)",
+    re.I,
+)
+
+
+def compressible_type(content_type: str) -> bool:
+    """Return whether answers of a media type are gzipped when asked: pages, scripts and JSON.
+
+    >>> compressible_type("application/json"), compressible_type("text/html; charset=utf-8")
+    (True, True)
+    >>> compressible_type("image/png"), compressible_type("*/*"), compressible_type("")
+    (False, False, False)
+    """
+    return bool(_COMPRESSIBLE_RE.match(content_type or ""))
 
 
 # -- conditional GET and byte ranges: a file's download (attachments, WebDAV's GET) -------
@@ -25063,6 +25164,35 @@ def conditional_download(
 
 def get_health(svc: Service) -> dict:
     return {"status": "ok", "version": __version__, "uptimeSeconds": svc.uptime()}
+
+
+def server_features(svc: Service) -> dict:
+    """Return what this server offers beyond the core API, decided from its route table as
+    the web client decided it from openapi.json's paths (docs/api.md: Features)."""
+    rules = [r.rule for r in svc.routes if r.api]
+
+    def has(end: str) -> bool:
+        return any(rule.endswith(end) for rule in rules)
+
+    return {
+        "version": __version__,
+        "history": has("/trash") and has("/versions"),
+        "attachments": has("/attachments"),
+        "changes": has("/changes"),
+    }
+
+
+def get_features(svc: Service):
+    """GET /system/features: the small document a client reads instead of openapi.json; an
+    ETag of its bytes, and 304 to an If-None-Match that names it."""
+    doc = server_features(svc)
+    etag = '"' + hashlib.sha256(to_json(doc)).hexdigest()[:20] + '"'
+    bottle.response.set_header("ETag", etag)
+    bottle.response.set_header("Cache-Control", "no-cache")  # kept, asked again each time
+    if _none_match(bottle.request.get_header("If-None-Match"), etag):
+        bottle.response.status = 304
+        return b""
+    return doc
 
 
 SETUP_ELSEWHERE = "finish setup on this machine or its home network, or run `pair` on the server"
@@ -27201,10 +27331,14 @@ def too_large_for_relay(size: int, limit: int) -> ApiError:
 
 
 def get_web_client(svc: Service):
+    """GET /: the page, gzipped once at start and sent so when asked (a HEAD as not)."""
+    env = bottle.request.environ
+    asked = env.get("HTTP_ACCEPT_ENCODING", "") if env["REQUEST_METHOD"] != "HEAD" else ""
+    body, headers = negotiated_page("client", asked)
     bottle.response.content_type = "text/html; charset=utf-8"
-    for name, value in web_client_headers().items():
+    for name, value in {**web_client_headers(), **headers}.items():
         bottle.response.set_header(name, value)
-    return web_client_page()
+    return body
 
 
 # == src/notesvc/http/dav.py ==================================================
@@ -28541,6 +28675,15 @@ ROUTES = (
         public=True,
         summary="Setup and pairing payload (the full key only where setupHere.allowed: this "
         "machine or its home network, during the setup window)",
+        secret=True,
+    ),
+    Route(
+        "GET",
+        "/system/features",
+        get_features,
+        public=True,
+        summary="What this server offers (history, attachments, changes) and its version; "
+        "ETag, 304 to If-None-Match: read at start instead of this document",
     ),
     Route("GET", "/system/info", get_info, summary="Version, uptime, note counts", scope="admin"),
     Route(
@@ -28577,6 +28720,7 @@ ROUTES = (
         tag="auth",
         key_only=True,
         scope="admin",
+        secret=True,
     ),
     Route(
         "POST",
@@ -28586,6 +28730,7 @@ ROUTES = (
         tag="auth",
         key_only=True,
         scope="admin",
+        secret=True,
     ),
     Route(
         "POST",
@@ -28928,6 +29073,7 @@ ROUTES = (
         status=201,
         tag="channels",
         scope="admin",
+        secret=True,
     ),
     Route(
         "POST",
@@ -28960,6 +29106,7 @@ ROUTES = (
         status=201,
         tag="channels",
         scope="admin",
+        secret=True,
     ),
     Route(
         "POST",
@@ -28968,6 +29115,7 @@ ROUTES = (
         summary="A new one-time code: the next Telegram chat to send it becomes the allowed one",
         tag="channels",
         scope="admin",
+        secret=True,
     ),
     Route(
         "DELETE",
@@ -29138,6 +29286,7 @@ ROUTES = (
         status=201,
         tag="auth",
         scope="admin",
+        secret=True,
     ),
     Route(
         "POST",
@@ -29152,6 +29301,7 @@ ROUTES = (
         ),
         status=201,
         tag="auth",
+        secret=True,
     ),
     Route(
         "POST",
@@ -29174,6 +29324,7 @@ ROUTES = (
         status=201,
         tag="grants",
         scope="admin",
+        secret=True,
     ),
     Route(
         "GET",
@@ -29206,6 +29357,7 @@ ROUTES = (
         status=201,
         tag="grants",
         scope="write",
+        secret=True,
     ),
     Route(
         "GET",
@@ -29329,7 +29481,14 @@ ROUTES = (
         enveloped=False,
     ),
     Route(
-        "POST", "/oauth/token", oauth_token, public=True, api=False, tag="oauth", enveloped=False
+        "POST",
+        "/oauth/token",
+        oauth_token,
+        public=True,
+        api=False,
+        tag="oauth",
+        enveloped=False,
+        secret=True,
     ),
     Route(
         "POST",
@@ -29532,6 +29691,7 @@ def _callback(svc: Service, route: Route) -> Callable:
 
     def callback(**kwargs):
         env = bottle.request.environ
+        env["notesvc.gzip"] = route.gzip  # the middleware may compress its answer
         if route.jsonrpc:  # /mcp: Origin, then the key in any header AI clients use, or a token
             principal = authenticate_mcp(svc, env)
         elif not route.public:
@@ -29653,18 +29813,21 @@ class NotesApp:
         path = environ.get("PATH_INFO", "")
         environ["notesvc.jsonrpc"] = self.answers_jsonrpc(path)
         status_seen = []
+        held: list = []  # the answer's start, sent once its body is known (gzip_answer)
 
         def respond(status: str, headers: list, exc_info=None):
             status_seen.append(status)
             headers.append(("X-Request-Id", rid))
             headers.append(("X-Content-Type-Options", "nosniff"))
-            if path.startswith(API) or path.startswith("/r/"):
+            api = path.startswith(API) or path.startswith("/r/")
+            if api and not any(k.lower() == "cache-control" for k, _ in headers):
                 headers.append(("Cache-Control", "no-store"))
             if cors:
                 headers.append(("Access-Control-Allow-Origin", cors))
                 headers.append(("Access-Control-Expose-Headers", CORS_EXPOSE))
                 headers.append(("Vary", "Origin"))
-            return start_response(status, headers, exc_info)
+            held[:] = [status, headers, exc_info]
+            return _no_write
 
         try:
             length = environ.get("CONTENT_LENGTH", "")
@@ -29678,6 +29841,9 @@ class NotesApp:
                 )
             else:
                 body = self._dispatch(environ, respond, method, cors)
+            status, headers, exc_info = held
+            body = gzip_answer(environ, status, headers, body)
+            start_response(status, headers, exc_info)
         finally:
             spooled = environ.get("bottle.request.body")  # Bottle's temp file of a body
             if spooled is not None and not isinstance(spooled, io.BytesIO):  # over 100 KB
@@ -29727,6 +29893,44 @@ class NotesApp:
         return self.bottle(environ, respond)
 
 
+def _no_write(data: bytes) -> None:
+    raise RuntimeError("notesvc answers by returning its body, never by write()")
+
+
+def gzip_answer(environ: dict, status: str, headers: list, body: Iterable[bytes]):
+    """Return an answer's body, gzipped when its route allows it (a page, script or JSON
+    without a secret: `notesvc.gzip`), the client takes gzip, and it is a whole 200 of at
+    least GZIP_MIN_BYTES; `headers` (changed in place) then say so, with the new length.
+    Every answer such a route gives says `Vary: Accept-Encoding`. Left alone: a HEAD, a
+    stream (a file's chunks), a range, WebDAV and files (no such route); the ETag stays the
+    one of the bytes before compression (docs/api.md: Compression)."""
+    if not environ.get("notesvc.gzip"):
+        return body
+    named = {k.lower(): v for k, v in headers}
+    vary = ",".join(v for k, v in headers if k.lower() == "vary").lower()
+    if "accept-encoding" not in vary:
+        headers.append(("Vary", "Accept-Encoding"))
+    asked = environ.get("REQUEST_METHOD") != "HEAD" and accepts_gzip(
+        environ.get("HTTP_ACCEPT_ENCODING", "")
+    )
+    if not asked or not _whole_plain_answer(status, named, body):
+        return body
+    packed = gzip.compress(b"".join(body), 6)
+    headers[:] = [(k, v) for k, v in headers if k.lower() != "content-length"]
+    headers += [("Content-Encoding", "gzip"), ("Content-Length", str(len(packed)))]
+    return [packed]
+
+
+def _whole_plain_answer(status: str, named: dict, body: Iterable[bytes]) -> bool:
+    """Return whether an answer is a whole 200 of a compressible type, not yet encoded,
+    held in memory and of at least GZIP_MIN_BYTES (a stream, a range: no)."""
+    if not status.startswith("200 ") or "content-encoding" in named or "content-range" in named:
+        return False
+    if not compressible_type(named.get("content-type", "")) or not isinstance(body, list):
+        return False
+    return all(isinstance(c, bytes) for c in body) and sum(map(len, body)) >= GZIP_MIN_BYTES
+
+
 def _plain_error(
     respond: Callable, status: int, code: str, message: str, jsonrpc: bool = False
 ) -> list:
@@ -29741,6 +29945,7 @@ def _plain_error(
 def create_app(config: Config | None = None) -> NotesApp:
     """Return the WSGI application for config (the environment's when None)."""
     config = config or load_config()
+    page_bytes("client")  # the page and its gzip, made once now (docs/api.md: Compression)
     service = build_service(config).start()
     routes = ROUTES + channel_routes(service.channel_providers)
     return NotesApp(service, routes + plugin_routes(service.plugins.values()))

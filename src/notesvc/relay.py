@@ -40,16 +40,12 @@ from notesvc.providers.base import UpstreamError
 from notesvc.settings import Config
 from notesvc.web import (
     RELAY_LANDING_HEADERS,
-    RELAY_LANDING_PAGE,
     WEB_ASSETS,
-    consent_page,
     consent_page_headers,
-    share_page,
+    negotiated_page,
     share_page_headers,
-    shared_origin_page,
     web_asset_headers,
     web_client_headers,
-    web_client_page,
 )
 
 if TYPE_CHECKING:  # annotations only: these modules come later
@@ -876,14 +872,18 @@ class RelayServer:
         port = f":{parts.port}" if parts.port else ""
         return f"{parts.scheme}://{server_id}.{self.domain}{port}"
 
-    def _html(self, page: str, headers: dict, shared: bool) -> tuple:
-        if shared:  # the shared origin of a relay without a domain: keep nothing (22)
-            page = shared_origin_page(page)
-        ctype = ("Content-Type", "text/html; charset=utf-8")
-        return 200, [ctype, *headers.items()], page.encode("utf-8")
+    @staticmethod
+    def _html(req: RelayRequest, page: str, headers: dict, shared: bool) -> tuple:
+        """A page of the relay's own: gzipped once, sent so to a client that takes it (a
+        HEAD as not); `shared`: the shared origin of a relay without a domain, where the
+        page keeps nothing (22)."""
+        asked = req.header("Accept-Encoding") if req.method != "HEAD" else ""
+        body, coding = negotiated_page(page, asked, shared)
+        ctype = {"Content-Type": "text/html; charset=utf-8"}
+        return 200, list({**ctype, **headers, **coding}.items()), body
 
     def web_client(self, req: RelayRequest) -> tuple:
-        return self._html(web_client_page(), web_client_headers(), not req.server_id)
+        return self._html(req, "client", web_client_headers(), not req.server_id)
 
     def landing(self, req: RelayRequest) -> tuple:
         """The relay's own page: an old connect link (?relayCode=) goes on to its server's
@@ -893,7 +893,7 @@ class RelayServer:
             if not RELAY_CODE_RE.match(code):
                 raise bad_request("a relay code is 1-64 letters, digits and dashes")
             return self._redirect(self.server_origin(req, self.hub.pair(code)) + "/")
-        return 200, list(RELAY_LANDING_HEADERS.items()), RELAY_LANDING_PAGE
+        return self._html(req, "landing", RELAY_LANDING_HEADERS, False)
 
     def to_origin(self, req: RelayRequest, server_id: str, rest: str) -> tuple:
         """An old browser link under /r/<serverId>/ (the client, the consent page, a share
@@ -902,11 +902,11 @@ class RelayServer:
         if not RELAY_ID_RE.match(server_id):
             raise not_found("no such server on this relay")
         if not self.domain:
-            page = consent_page if rest == "/oauth/authorize" else share_page
+            page = "consent" if rest == "/oauth/authorize" else "share"
             if rest == "/":
                 raise not_found("open the relay's own page with your server's connect link")
             head = consent_page_headers if rest == "/oauth/authorize" else share_page_headers
-            return self._html(page(), head(), True)
+            return self._html(req, page, head(), True)
         target = self.server_origin(req, server_id) + rest
         return self._redirect(target + (f"?{req.query}" if req.query else ""))
 
@@ -922,12 +922,12 @@ class RelayServer:
     def consent_page(self, req: RelayRequest, server_id: str = "", rest: str = "") -> tuple:
         if not req.server_id:
             return self.to_origin(req, server_id, rest)
-        return self._html(consent_page(), consent_page_headers(), False)
+        return self._html(req, "consent", consent_page_headers(), False)
 
     def share_page(self, req: RelayRequest, server_id: str = "", rest: str = "") -> tuple:
         if not req.server_id:
             return self.to_origin(req, server_id, rest)
-        return self._html(share_page(), share_page_headers(), False)
+        return self._html(req, "share", share_page_headers(), False)
 
     async def forward_well_known(self, req: RelayRequest, name: str, server_id: str, rest):
         """/.well-known/<name>/r/<id>[/...] is server <id>'s own /.well-known/<name>[/...]."""
@@ -1069,13 +1069,18 @@ def relay_answer_headers(path: str, headers: list, download: bool = False) -> li
     its Content-Type is kept only when its media type is exactly one the route answers
     (JSON; XML under /dav/; a zip for export.zip; for file bytes (`download`) an image,
     audio, video, PDF or plain text, else application/octet-stream, always as an
-    attachment), and only the headers a client of the API needs pass.
+    attachment), and only the headers a client of the API needs pass: Content-Encoding
+    only as `gzip` on an API answer (the server's, for the client's Accept-Encoding, which
+    the relay forwards; docs/api.md: Compression), never on file bytes.
     """
     given = next((v for k, v in headers if k.lower() == "content-type"), "")
     keep = [
         (name, value)
         for name, value in headers
-        if name.lower() in RELAY_PASSED_HEADERS
+        if (
+            name.lower() in RELAY_PASSED_HEADERS
+            or (name.lower() == "content-encoding" and value == "gzip" and not download)
+        )
         and _TOKEN_CHARS_RE.match(name)
         and not re.search(r"[\x00-\x1f\x7f]", value)
     ]

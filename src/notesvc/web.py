@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import base64
 import functools
+import gzip
 import hashlib
 import zlib
 from collections.abc import Iterable
@@ -300,3 +301,67 @@ RELAY_LANDING_HEADERS = {
     "Referrer-Policy": "no-referrer",
     "Cache-Control": "public, max-age=3600",
 }
+
+
+# -- compression: each page gzipped once, at start (docs/api.md: Compression) --------------
+
+_PAGES = {
+    "client": web_client_page,
+    "consent": consent_page,
+    "share": share_page,
+    "landing": lambda: RELAY_LANDING_HTML,
+}
+
+
+def accepts_gzip(accept_encoding: str) -> bool:
+    """Return whether an Accept-Encoding takes gzip: `gzip` (or `x-gzip`) with a q-value
+    above 0, or `*` above 0 when gzip is not named (`gzip;q=0` refuses it).
+
+    >>> accepts_gzip("gzip, deflate, br"), accepts_gzip("br;q=1.0, gzip;q=0.5, *;q=0.1")
+    (True, True)
+    >>> accepts_gzip(""), accepts_gzip("gzip;q=0"), accepts_gzip("*;q=1, gzip;q=0.000")
+    (False, False, False)
+    >>> accepts_gzip("identity"), accepts_gzip("*"), accepts_gzip("gzip;q=x")
+    (False, True, False)
+    """
+    named, star = None, None
+    for item in (accept_encoding or "").lower().split(","):
+        coding, _, params = item.partition(";")
+        coding = coding.strip()
+        if coding not in ("gzip", "x-gzip", "*"):
+            continue
+        q = 1.0
+        for param in params.split(";"):
+            name, _, value = param.partition("=")
+            if name.strip() == "q":
+                try:
+                    q = float(value.strip())
+                except ValueError:
+                    q = 0.0  # a q-value not understood takes nothing
+        if coding == "*":
+            star = q
+        else:
+            named = q if named is None else max(named, q)
+    chosen = named if named is not None else star
+    return chosen is not None and chosen > 0
+
+
+@functools.cache
+def page_bytes(name: str, shared: bool = False) -> tuple:
+    """Return (the bytes, their gzip at level 9) of a page ("client", "consent", "share",
+    "landing"), made on first use and kept: a server makes the client's at start, a relay
+    each on its first request. `shared`: marked for a relay's shared origin."""
+    page = _PAGES[name]()
+    raw = (shared_origin_page(page) if shared else page).encode("utf-8")
+    return raw, gzip.compress(raw, 9, mtime=0)
+
+
+def negotiated_page(name: str, accept_encoding: str, shared: bool = False) -> tuple:
+    """Return (body, headers) of a page for a request's Accept-Encoding: its gzip when
+    taken, else its bytes; Vary either way."""
+    raw, packed = page_bytes(name, shared)
+    headers = {"Vary": "Accept-Encoding"}
+    if accepts_gzip(accept_encoding):
+        headers["Content-Encoding"] = "gzip"
+        return packed, headers
+    return raw, headers

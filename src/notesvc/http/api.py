@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import functools
+import hashlib
 import platform
 import secrets
 import threading
@@ -14,7 +15,7 @@ from typing import Any, Callable
 
 from notesvc.auth import JWT_LIFETIME, jwt_encode, rotate_key
 from notesvc.boot import API, KEY_HEADER, KEY_PREFIX, __version__, bottle, log
-from notesvc.errors import JSON_TYPE, ApiError, bad_request, not_found, ok
+from notesvc.errors import JSON_TYPE, ApiError, bad_request, not_found, ok, to_json
 from notesvc.grants import (
     Principal,
     _clean_name,
@@ -44,7 +45,7 @@ from notesvc.helpers import (
     too_large,
     utcnow,
 )
-from notesvc.http.route import _file_chunks, conditional_download
+from notesvc.http.route import _file_chunks, _none_match, conditional_download
 from notesvc.notes.history import VERSION_ID_RE, attachment_or_note_path, unified_diff
 from notesvc.notes.merge import title_filename
 from notesvc.notes.paths import ATTACHMENTS, NOTES, attachment_folder, folder_path, note_path
@@ -61,6 +62,35 @@ from notesvc.settings import Config
 
 def get_health(svc: Service) -> dict:
     return {"status": "ok", "version": __version__, "uptimeSeconds": svc.uptime()}
+
+
+def server_features(svc: Service) -> dict:
+    """Return what this server offers beyond the core API, decided from its route table as
+    the web client decided it from openapi.json's paths (docs/api.md: Features)."""
+    rules = [r.rule for r in svc.routes if r.api]
+
+    def has(end: str) -> bool:
+        return any(rule.endswith(end) for rule in rules)
+
+    return {
+        "version": __version__,
+        "history": has("/trash") and has("/versions"),
+        "attachments": has("/attachments"),
+        "changes": has("/changes"),
+    }
+
+
+def get_features(svc: Service):
+    """GET /system/features: the small document a client reads instead of openapi.json; an
+    ETag of its bytes, and 304 to an If-None-Match that names it."""
+    doc = server_features(svc)
+    etag = '"' + hashlib.sha256(to_json(doc)).hexdigest()[:20] + '"'
+    bottle.response.set_header("ETag", etag)
+    bottle.response.set_header("Cache-Control", "no-cache")  # kept, asked again each time
+    if _none_match(bottle.request.get_header("If-None-Match"), etag):
+        bottle.response.status = 304
+        return b""
+    return doc
 
 
 SETUP_ELSEWHERE = "finish setup on this machine or its home network, or run `pair` on the server"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import gzip
 import io
 import logging
 import os
@@ -18,12 +19,13 @@ from notesvc.grants import SCOPES
 from notesvc.helpers import log_safe, quick_info
 from notesvc.http.dav import DAV_METHODS, DAV_PREFIX, dav_callback
 from notesvc.http.integrations import authenticate_mcp, cors_allows, plugin_routes
-from notesvc.http.route import Route
+from notesvc.http.route import GZIP_MIN_BYTES, Route, compressible_type
 from notesvc.http.routes import ROUTES, channel_routes
 from notesvc.plugins import build_service
 from notesvc.relay import RELAYED_WELL_KNOWN_RE
 from notesvc.service import Service
 from notesvc.settings import Config, ConfigError, load_config
+from notesvc.web import accepts_gzip, page_bytes
 
 # -- the application ------------------------------------------------------------------
 
@@ -33,6 +35,7 @@ def _callback(svc: Service, route: Route) -> Callable:
 
     def callback(**kwargs):
         env = bottle.request.environ
+        env["notesvc.gzip"] = route.gzip  # the middleware may compress its answer
         if route.jsonrpc:  # /mcp: Origin, then the key in any header AI clients use, or a token
             principal = authenticate_mcp(svc, env)
         elif not route.public:
@@ -154,18 +157,21 @@ class NotesApp:
         path = environ.get("PATH_INFO", "")
         environ["notesvc.jsonrpc"] = self.answers_jsonrpc(path)
         status_seen = []
+        held: list = []  # the answer's start, sent once its body is known (gzip_answer)
 
         def respond(status: str, headers: list, exc_info=None):
             status_seen.append(status)
             headers.append(("X-Request-Id", rid))
             headers.append(("X-Content-Type-Options", "nosniff"))
-            if path.startswith(API) or path.startswith("/r/"):
+            api = path.startswith(API) or path.startswith("/r/")
+            if api and not any(k.lower() == "cache-control" for k, _ in headers):
                 headers.append(("Cache-Control", "no-store"))
             if cors:
                 headers.append(("Access-Control-Allow-Origin", cors))
                 headers.append(("Access-Control-Expose-Headers", CORS_EXPOSE))
                 headers.append(("Vary", "Origin"))
-            return start_response(status, headers, exc_info)
+            held[:] = [status, headers, exc_info]
+            return _no_write
 
         try:
             length = environ.get("CONTENT_LENGTH", "")
@@ -179,6 +185,9 @@ class NotesApp:
                 )
             else:
                 body = self._dispatch(environ, respond, method, cors)
+            status, headers, exc_info = held
+            body = gzip_answer(environ, status, headers, body)
+            start_response(status, headers, exc_info)
         finally:
             spooled = environ.get("bottle.request.body")  # Bottle's temp file of a body
             if spooled is not None and not isinstance(spooled, io.BytesIO):  # over 100 KB
@@ -228,6 +237,44 @@ class NotesApp:
         return self.bottle(environ, respond)
 
 
+def _no_write(data: bytes) -> None:
+    raise RuntimeError("notesvc answers by returning its body, never by write()")
+
+
+def gzip_answer(environ: dict, status: str, headers: list, body: Iterable[bytes]):
+    """Return an answer's body, gzipped when its route allows it (a page, script or JSON
+    without a secret: `notesvc.gzip`), the client takes gzip, and it is a whole 200 of at
+    least GZIP_MIN_BYTES; `headers` (changed in place) then say so, with the new length.
+    Every answer such a route gives says `Vary: Accept-Encoding`. Left alone: a HEAD, a
+    stream (a file's chunks), a range, WebDAV and files (no such route); the ETag stays the
+    one of the bytes before compression (docs/api.md: Compression)."""
+    if not environ.get("notesvc.gzip"):
+        return body
+    named = {k.lower(): v for k, v in headers}
+    vary = ",".join(v for k, v in headers if k.lower() == "vary").lower()
+    if "accept-encoding" not in vary:
+        headers.append(("Vary", "Accept-Encoding"))
+    asked = environ.get("REQUEST_METHOD") != "HEAD" and accepts_gzip(
+        environ.get("HTTP_ACCEPT_ENCODING", "")
+    )
+    if not asked or not _whole_plain_answer(status, named, body):
+        return body
+    packed = gzip.compress(b"".join(body), 6)
+    headers[:] = [(k, v) for k, v in headers if k.lower() != "content-length"]
+    headers += [("Content-Encoding", "gzip"), ("Content-Length", str(len(packed)))]
+    return [packed]
+
+
+def _whole_plain_answer(status: str, named: dict, body: Iterable[bytes]) -> bool:
+    """Return whether an answer is a whole 200 of a compressible type, not yet encoded,
+    held in memory and of at least GZIP_MIN_BYTES (a stream, a range: no)."""
+    if not status.startswith("200 ") or "content-encoding" in named or "content-range" in named:
+        return False
+    if not compressible_type(named.get("content-type", "")) or not isinstance(body, list):
+        return False
+    return all(isinstance(c, bytes) for c in body) and sum(map(len, body)) >= GZIP_MIN_BYTES
+
+
 def _plain_error(
     respond: Callable, status: int, code: str, message: str, jsonrpc: bool = False
 ) -> list:
@@ -242,6 +289,7 @@ def _plain_error(
 def create_app(config: Config | None = None) -> NotesApp:
     """Return the WSGI application for config (the environment's when None)."""
     config = config or load_config()
+    page_bytes("client")  # the page and its gzip, made once now (docs/api.md: Compression)
     service = build_service(config).start()
     routes = ROUTES + channel_routes(service.channel_providers)
     return NotesApp(service, routes + plugin_routes(service.plugins.values()))

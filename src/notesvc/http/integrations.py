@@ -98,10 +98,10 @@ from notesvc.transfer.formats import run_import
 from notesvc.web import (
     consent_page,
     consent_page_headers,
+    negotiated_page,
     share_page,
     share_page_headers,
     web_client_headers,
-    web_client_page,
 )
 
 # -- MCP: the tools over JSON-RPC 2.0 (Streamable HTTP, answered as JSON) -------------------
@@ -1458,7 +1458,11 @@ def too_large_for_relay(size: int, limit: int) -> ApiError:
 
 
 def get_web_client(svc: Service):
+    """GET /: the page, gzipped once at start and sent so when asked (a HEAD as not)."""
+    env = bottle.request.environ
+    asked = env.get("HTTP_ACCEPT_ENCODING", "") if env["REQUEST_METHOD"] != "HEAD" else ""
+    body, headers = negotiated_page("client", asked)
     bottle.response.content_type = "text/html; charset=utf-8"
-    for name, value in web_client_headers().items():
+    for name, value in {**web_client_headers(), **headers}.items():
         bottle.response.set_header(name, value)
-    return web_client_page()
+    return body

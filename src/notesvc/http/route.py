@@ -40,10 +40,37 @@ class Route:
     jsonrpc: bool = False  # answers JSON-RPC 2.0, errors too; callers checked by
     # authenticate_mcp, which also takes OAuth access tokens (the MCP endpoint only)
     idempotent: bool = False  # an Idempotency-Key header makes a repeat answer as the first
+    secret: bool = False  # its answer can carry a secret (a key, a token, a pairing's
+    # secret): never gzipped (docs/api.md: Compression)
 
     @property
     def rule(self) -> str:
         return (API if self.api else "") + self.path
+
+    @property
+    def gzip(self) -> bool:
+        """Return whether this route's answers may be gzipped: a page, script or JSON that
+        carries no secret (never a file's bytes, an export or WebDAV: those are no Route's)."""
+        return not self.secret and compressible_type(self.media)
+
+
+GZIP_MIN_BYTES = 1024  # smaller answers go as they are: gzip's header would eat the gain
+_COMPRESSIBLE_RE = re.compile(
+    r"^\s*(text/html|text/css|text/javascript|application/javascript|application/json"
+    r"|application/[a-z0-9.-]+\+json)\s*(;|$)",
+    re.I,
+)
+
+
+def compressible_type(content_type: str) -> bool:
+    """Return whether answers of a media type are gzipped when asked: pages, scripts and JSON.
+
+    >>> compressible_type("application/json"), compressible_type("text/html; charset=utf-8")
+    (True, True)
+    >>> compressible_type("image/png"), compressible_type("*/*"), compressible_type("")
+    (False, False, False)
+    """
+    return bool(_COMPRESSIBLE_RE.match(content_type or ""))
 
 
 # -- conditional GET and byte ranges: a file's download (attachments, WebDAV's GET) -------

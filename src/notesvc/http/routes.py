@@ -20,6 +20,7 @@ from notesvc.http.api import (
     diff_version,
     get_attachment,
     get_config,
+    get_features,
     get_health,
     get_info,
     get_note,
@@ -214,6 +215,15 @@ ROUTES = (
         public=True,
         summary="Setup and pairing payload (the full key only where setupHere.allowed: this "
         "machine or its home network, during the setup window)",
+        secret=True,
+    ),
+    Route(
+        "GET",
+        "/system/features",
+        get_features,
+        public=True,
+        summary="What this server offers (history, attachments, changes) and its version; "
+        "ETag, 304 to If-None-Match: read at start instead of this document",
     ),
     Route("GET", "/system/info", get_info, summary="Version, uptime, note counts", scope="admin"),
     Route(
@@ -250,6 +260,7 @@ ROUTES = (
         tag="auth",
         key_only=True,
         scope="admin",
+        secret=True,
     ),
     Route(
         "POST",
@@ -259,6 +270,7 @@ ROUTES = (
         tag="auth",
         key_only=True,
         scope="admin",
+        secret=True,
     ),
     Route(
         "POST",
@@ -601,6 +613,7 @@ ROUTES = (
         status=201,
         tag="channels",
         scope="admin",
+        secret=True,
     ),
     Route(
         "POST",
@@ -633,6 +646,7 @@ ROUTES = (
         status=201,
         tag="channels",
         scope="admin",
+        secret=True,
     ),
     Route(
         "POST",
@@ -641,6 +655,7 @@ ROUTES = (
         summary="A new one-time code: the next Telegram chat to send it becomes the allowed one",
         tag="channels",
         scope="admin",
+        secret=True,
     ),
     Route(
         "DELETE",
@@ -811,6 +826,7 @@ ROUTES = (
         status=201,
         tag="auth",
         scope="admin",
+        secret=True,
     ),
     Route(
         "POST",
@@ -825,6 +841,7 @@ ROUTES = (
         ),
         status=201,
         tag="auth",
+        secret=True,
     ),
     Route(
         "POST",
@@ -847,6 +864,7 @@ ROUTES = (
         status=201,
         tag="grants",
         scope="admin",
+        secret=True,
     ),
     Route(
         "GET",
@@ -879,6 +897,7 @@ ROUTES = (
         status=201,
         tag="grants",
         scope="write",
+        secret=True,
     ),
     Route(
         "GET",
@@ -1002,7 +1021,14 @@ ROUTES = (
         enveloped=False,
     ),
     Route(
-        "POST", "/oauth/token", oauth_token, public=True, api=False, tag="oauth", enveloped=False
+        "POST",
+        "/oauth/token",
+        oauth_token,
+        public=True,
+        api=False,
+        tag="oauth",
+        enveloped=False,
+        secret=True,
     ),
     Route(
         "POST",
