@@ -17677,6 +17677,15 @@ const core = (() => {
       /* full or refused: not fatal */
     }
   }
+  // The names kept in a storage that start with `prefix` (none when it is switched off).
+  function itemNames(kind, prefix) {
+    const s = storage(kind);
+    try {
+      return s ? Object.keys(s).filter((name) => name.startsWith(prefix)) : [];
+    } catch (e) {
+      return [];
+    }
+  }
   function removeItem(kind, name) {
     const s = storage(kind);
     try {
@@ -18229,6 +18238,7 @@ const core = (() => {
     features,
     fitViewport,
     getItem,
+    itemNames,
     keptKey,
     loadRecent,
     loadTree,
@@ -18672,8 +18682,10 @@ const outbox = (() => {
     return out;
   }
 
-  function queueCreate(items, local, folder, content, newId) {
-    return [...items, {id: newId(), kind: "create", key: newId(), local, folder, content}];
+  // `key`: the create's Idempotency-Key when the page already sent it once (the answer lost as
+  // the connection went): the server makes the note once.
+  function queueCreate(items, local, folder, content, newId, key) {
+    return [...items, {id: newId(), kind: "create", key: key || newId(), local, folder, content}];
   }
 
   // `at`: when it was captured (its time in today's note), not when it is sent.
@@ -19157,20 +19169,41 @@ if (typeof module !== "undefined") module.exports = saveTiming;
 DRAFTS_JS = r"""
 // -- drafts: what this browser keeps of unsaved text (pure: no page, no storage; node --test web/)
 // A draft is {content, etag, at}, kept in localStorage under key(base, name): `etag` is the
-// version the text started from (none for a new note), `at` when it was kept. A note's draft
-// is named by its path; a note not created yet has one draft, named NEW_NOTE. The page reads
+// version the text started from (none for a new note), `at` when it was kept. A draft
+// belongs to one note: a note's is named by its path; a note not on the server yet is
+// "new:<id>", where <id> is the Idempotency-Key of its create (and the outbox's `local` for
+// it), so sending it twice makes one note. A draft dies when its note's text is safe: on the
+// server (saved, merged, sent from the outbox) or handed to the outbox. *New note* is always
+// blank; a new note's draft left by a closed tab is sent at the next start. The page reads
 // and writes the storage; this says under which name, in what form, and when.
 const drafts = (() => {
+  const NEW = "new:";
+  // Older pages kept one draft for every new note under this name: read once, as before.
   const NEW_NOTE = "(new note)";
 
   function key(base, name) {
     return "notesvc.draft:" + base + "|" + name;
   }
 
-  // The open note's draft name: NEW_NOTE while a new note is written, else its path (none
-  // when no note is open).
-  function nameFor(blank, path) {
-    return blank ? NEW_NOTE : path;
+  // The name of a new note's draft (and its stand-in path until the server names it).
+  function newName(id) {
+    return NEW + id;
+  }
+
+  // Whether a draft (or an outbox path) is a note not on the server yet.
+  function isNew(name) {
+    return !!name && name.startsWith(NEW);
+  }
+
+  // The Idempotency-Key of a new note's create, from its name.
+  function createKey(name) {
+    return isNew(name) ? name.slice(NEW.length) : null;
+  }
+
+  // The open note's draft name: its own new name while a new note is written (`id`: its
+  // create's key), else its path (none when no note is open).
+  function nameFor(blank, path, id) {
+    return blank ? newName(id) : path;
   }
 
   // What is kept: the stored text of a draft (no etag: a new note, or a copy's).
@@ -19188,13 +19221,13 @@ const drafts = (() => {
   }
 
   // As the page keeps the open note's text (typing stopped, the page hides or closes, a save
-  // failed): "keep" unsaved text as its draft; "drop" the draft of a note that is saved; ""
-  // leaves the storage as it is: a new note's draft goes only when the server made the note,
-  // and with no key what the copy on this device left as drafts stays.
-  function onKeep(name, dirty, blank, hasKey) {
+  // failed, the outbox took it): "keep" unsaved text as its draft; "drop" the draft once
+  // nothing is unsaved (saved, merged, queued; a new note emptied); "" leaves the storage as
+  // it is: with no key, what the copy on this device left as drafts stays.
+  function onKeep(name, dirty, hasKey) {
     if (!name) return "";
     if (dirty) return "keep";
-    return !blank && hasKey ? "drop" : "";
+    return hasKey ? "drop" : "";
   }
 
   // A note opened with a draft: "restore" the draft when it holds other text than the note,
@@ -19204,7 +19237,32 @@ const drafts = (() => {
     return draft ? "drop" : "";
   }
 
-  // A new note started: its draft comes back when it holds any words.
+  // At the start, the drafts of new notes (`names`, of every draft kept for this server)
+  // that a closed tab left: each is sent now ("send"); one whose create waits in the outbox
+  // joins it there ("queue": what was typed since it was queued goes too); one with no words
+  // goes ("drop").
+  function onStart(names, read, items) {
+    const queued = new Set((items || []).filter((i) => i.kind === "create").map((i) => i.local));
+    const steps = [];
+    for (const name of names) {
+      if (!isNew(name)) continue;
+      const draft = read(name);
+      const empty = !draft || !String(draft.content || "").trim();
+      steps.push([name, empty ? "drop" : queued.has(name) ? "queue" : "send"]);
+    }
+    return steps;
+  }
+
+  // The outbox sent a note's text (`sent`, as the editor has it): its draft dies ("drop")
+  // when it holds that text; one holding more, typed since, stays for the next save, or
+  // ("move") becomes the draft of the note a create made (`created`).
+  function onSent(draft, sent, created) {
+    if (!draft) return "";
+    if (draft.content === sent) return "drop";
+    return created ? "move" : "";
+  }
+
+  // The one draft of an older page's new notes comes back (once) when it holds any words.
   function restoresNew(draft) {
     return !!(draft && draft.content.trim());
   }
@@ -19220,39 +19278,43 @@ const drafts = (() => {
     );
   }
 
-  // ... and of a new note's.
+  // ... and of an older page's new note's.
   function newNotice(draft) {
     return "Your new note from " + new Date(draft.at).toLocaleString() + " is back.";
   }
 
   // The outbox let go (its key refused): each unsent edit of a note becomes that note's
-  // draft; the new notes and shared text become one new note's draft, after what that draft
-  // held (`old`). Resolves to {notes: [[path, record]], newNote: record or null}.
-  function fromOutbox(items, old, at) {
-    const notes = [];
-    const loose = [];
+  // draft, each new note its own (under its new name: the next start sends it), and shared
+  // text one more new note's, named `loose`. Resolves to [[name, record]].
+  function fromOutbox(items, at, loose) {
+    const kept = [];
+    const shared = [];
     for (const item of items || []) {
       if (item.kind === "save") {
-        notes.push([item.path, record(item.content, item.base, at)]);
+        kept.push([item.path, record(item.content, item.base, at)]);
       } else if (item.kind === "create") {
-        loose.push(item.content);
+        kept.push([item.local, record(item.content, null, at)]);
       } else if (item.text && !item.ask) {
-        loose.push(item.text);
+        shared.push(item.text);
       }
     }
-    if (!loose.length) return {notes, newNote: null};
-    if (old) loose.unshift(old.content);
-    return {notes, newNote: record(loose.join("\n\n"), undefined, at)};
+    if (shared.length) kept.push([loose, record(shared.join("\n\n"), null, at)]);
+    return kept;
   }
 
   return {
     NEW_NOTE,
     key,
+    newName,
+    isNew,
+    createKey,
     nameFor,
     record,
     parse,
     onKeep,
     onOpen,
+    onStart,
+    onSent,
     restoresNew,
     notice,
     newNotice,
@@ -19556,19 +19618,21 @@ const app = (() => {
     $("save").classList.toggle("clean", !dirty());
   }
 
-  // Drafts on this device (web/drafts.js): a note not created yet keeps its draft under
-  // NEW_NOTE (one at a time).
+  // Drafts on this device (web/drafts.js): each belongs to one note; a note not created yet
+  // keeps its own under its new name ("new:" and its create's key), until the server (or the
+  // outbox) has its text.
   const NEW_NOTE = drafts.NEW_NOTE;
   function draftKey(path) {
     return drafts.key(state.base, path);
   }
-  const draftName = () => drafts.nameFor(state.blank, state.path);
+  const draftName = () => drafts.nameFor(state.blank, state.path, state.newKey);
   function readDraft(path) {
     return drafts.parse(core.getItem("local", draftKey(path)));
   }
   function keepDraft() {
+    clearTimeout(draftTimer);
     const name = draftName();
-    const step = drafts.onKeep(name, dirty(), state.blank, !!state.key);
+    const step = drafts.onKeep(name, dirty(), !!state.key);
     if (step === "keep") {
       core.setItem("local", draftKey(name), drafts.record(editor().value, state.etag, Date.now()));
     } else if (step === "drop") {
@@ -19921,7 +19985,7 @@ const app = (() => {
       if (offline.unreachable(e) && offline.offlineOn()) return offline.keepOffline(null, content);
       throw e;
     }
-    core.removeItem("local", draftKey(NEW_NOTE));
+    core.removeItem("local", draftKey(drafts.newName(state.newKey))); // the note is made
     state.blank = false;
     mine(r.data.path);
     state.path = r.data.path;
@@ -19933,6 +19997,72 @@ const app = (() => {
     if (dirty()) scheduleSave();
     core.loadTree().catch(() => {});
     return true;
+  }
+
+  // At the start: the new notes a closed tab was writing (their drafts, web/drafts.js) are
+  // sent now, each made once (its create's key: an answer lost as the tab closed is not
+  // made twice), or handed to the outbox when the server cannot be reached; the list shows
+  // them. Without a connection and the outbox, they wait here for the next start.
+  async function sendNewDrafts() {
+    if (!state.key || !grants.writable()) return;
+    const prefix = draftKey("");
+    const names = core.itemNames("local", prefix).map((k) => k.slice(prefix.length));
+    const queued = offline.offlineOn() ? offline.waiting() : [];
+    let made = 0;
+    for (const [name, step] of drafts.onStart(names, readDraft, queued)) {
+      const draft = readDraft(name);
+      if (step === "send") {
+        try {
+          await createDraft(name, draft);
+          made++;
+        } catch (e) {
+          if (!offline.unreachable(e))
+            core.toast("A new note kept here was not sent: " + e.message, true);
+          if (!offline.unreachable(e) || !offline.offlineOn()) continue; // kept for later
+          const folder = (state.grant && state.grant.folder) || "";
+          const once = drafts.createKey(name);
+          await offline.updateOutbox((items) =>
+            outbox.queueCreate(items, name, folder, draft.content, newId, once),
+          );
+        }
+      } else if (step === "queue") {
+        await offline.updateOutbox((items) =>
+          outbox.queueSave(items, name, null, draft.content, newId),
+        );
+      }
+      core.removeItem("local", draftKey(name));
+    }
+    if (made) core.loadTree().catch(() => {}); // (and the recent list)
+  }
+  async function createDraft(name, draft) {
+    const body = {content: draft.content};
+    if (state.grant && state.grant.folder) body.folder = state.grant.folder;
+    const once = {"Idempotency-Key": drafts.createKey(name)};
+    let note = (await core.api("POST", "/notes", body, once)).data;
+    mine(note.path);
+    if (toEditor(note.content) !== draft.content) {
+      // the answer of an earlier try (the tab closed as it went): what was typed since
+      // goes through merge
+      try {
+        const {data} = await core.api("POST", "/notes/" + core.enc(note.path) + "/merge", {
+          base: note.etag,
+          content: draft.content,
+          clientName: deviceName(),
+        });
+        note = data.note;
+      } catch (e) {
+        const copied = e.status === 409 && e.error && e.error.conflictPath; // kept as a copy
+        if (!copied && !offline.unreachable(e)) throw e;
+        // the note is made: the rest is its draft, back when it is opened
+        if (!copied)
+          core.setItem(
+            "local",
+            draftKey(note.path),
+            drafts.record(draft.content, note.etag, Date.now()),
+          );
+      }
+    }
+    if (offline.offlineOn()) offline.mirrorPut(note).catch(() => {});
   }
 
   // Autosave: a second after the last keystroke, or every 3 s while typing goes on, never
@@ -20079,11 +20209,16 @@ const app = (() => {
     $("note-bar").hidden = false;
     $("title").textContent = "New note";
     $("path").textContent = "The first line is its title";
+    // Always blank: a new note's draft is its own (sent at the start, or by the outbox).
+    // Only the one draft an older page kept for every new note comes back, once, as this
+    // note's own.
     const draft = readDraft(NEW_NOTE);
+    core.removeItem("local", draftKey(NEW_NOTE));
     if (drafts.restoresNew(draft)) {
-      editor().value = draft.content; // written here before and never saved: it is back
+      editor().value = draft.content;
       $("draft-text").textContent = drafts.newNotice(draft);
       $("draft").hidden = false;
+      keepDraft();
     }
     setEditing(true);
     updateDirty();
@@ -20459,30 +20594,63 @@ const app = (() => {
     }
   }
 
+  // A photo or file is an edit like typing: uploaded, its link put at the cursor, and the
+  // note autosaved on the same schedule (through the outbox when the connection goes after
+  // the upload). The upload itself needs the server: without it nothing is inserted and the
+  // page says so (the text typed meanwhile is kept as always).
   async function attach(files) {
-    if (!state.path || !files.length) return;
+    if (!files.length) return;
+    if (state.blank && !(await save(false).catch(() => false))) return;
+    if (state.blank) {
+      core.toast("Write the note's first line first (it names the note), then add the file.", true);
+      return;
+    }
+    if (!state.path) return;
+    if (drafts.isNew(state.path)) {
+      core.toast("This note waits to be sent: add files once it is on the server.", true);
+      return;
+    }
     if (!state.editing) setEditing(true);
     const ed = editor();
-    for (const file of files) {
-      core.toast("Uploading " + (file.name || "the image") + "…");
-      const data = await upload(file);
-      const label = (file.name || "image").replace(/[[\]]/g, "");
-      const md =
-        (/^image\//.test(data.contentType) ? "!" : "") +
-        "[" +
-        label +
-        "](" +
-        paths.relativeTo(state.path, data.path) +
-        ")";
-      const at = ed.selectionStart === undefined ? ed.value.length : ed.selectionEnd;
-      const before = ed.value.slice(0, at);
-      const insert = (before && !before.endsWith("\n") ? "\n" : "") + md + "\n";
-      ed.value = before + insert + ed.value.slice(at);
-      ed.setSelectionRange(at + insert.length, at + insert.length);
-      core.toast("Attached " + data.path + ": Save to keep the link");
+    const path = state.path;
+    try {
+      for (const file of files) {
+        const label = (file.name || "image").replace(/[[\]]/g, "");
+        core.toast("Uploading " + (file.name || "the image") + "…");
+        let data;
+        try {
+          data = await upload(file);
+        } catch (e) {
+          if (!offline.unreachable(e)) throw e;
+          core.toast(
+            "No connection: “" +
+              label +
+              "” was not added. Files and photos need the server; add it again once " +
+              "you are online.",
+            true,
+          );
+          return;
+        }
+        if (state.path !== path) return; // another note meanwhile: the file is kept, unlinked
+        const md =
+          (/^image\//.test(data.contentType) ? "!" : "") +
+          "[" +
+          label +
+          "](" +
+          paths.relativeTo(path, data.path) +
+          ")";
+        const at = ed.selectionStart === undefined ? ed.value.length : ed.selectionEnd;
+        const before = ed.value.slice(0, at);
+        const insert = (before && !before.endsWith("\n") ? "\n" : "") + md + "\n";
+        ed.value = before + insert + ed.value.slice(at);
+        ed.setSelectionRange(at + insert.length, at + insert.length);
+        core.toast("Attached " + data.path);
+      }
+    } finally {
+      updateDirty();
+      scheduleDraft();
+      if (dirty() && grants.writable()) scheduleSave(); // saved as typing is
     }
-    updateDirty();
-    scheduleDraft();
   }
 
   // -- the change feed: the tree and the open note follow edits made elsewhere ----------------
@@ -20853,6 +21021,7 @@ const app = (() => {
       featuresRead.catch((e) => (offline.offlineOn() ? null : Promise.reject(e))),
     ]);
     if (core.features.changes) followChanges();
+    await sendNewDrafts().catch(() => {}); // what a closed tab was writing goes now
     if (offline.offlineOn()) {
       offline.sendOutbox().catch(() => {}); // what waits goes now
       if (new URLSearchParams(location.search).has("shared")) {
@@ -20871,7 +21040,7 @@ const app = (() => {
         closeNote();
       }
     } else if (readDraft(NEW_NOTE) && grants.writable()) {
-      await newNote(); // a new note that was never saved: its text is back
+      await newNote(); // an older page's new note that was never saved: its text is back
     }
     if (core.NARROW.matches) {
       const pane = core.getItem("session", "notesvc.pane");
@@ -21068,7 +21237,6 @@ const app = (() => {
   }
 
   return {
-    NEW_NOTE,
     appendToToday,
     choose,
     confirmLeave,
@@ -21603,9 +21771,13 @@ const offline = (() => {
   async function keepOffline(path, content) {
     const raw = app.fromEditor(content); // (a CRLF note keeps its line endings)
     if (path === null) {
-      const local = "new:" + app.newId();
+      // named as its draft is, and sent with the key its create went out with (an answer
+      // lost as the connection went: the server makes it once)
+      const local = drafts.newName(state.newKey);
       const folder = (state.grant && state.grant.folder) || "";
-      await updateOutbox((items) => outbox.queueCreate(items, local, folder, raw, app.newId));
+      await updateOutbox((items) =>
+        outbox.queueCreate(items, local, folder, raw, app.newId, state.newKey),
+      );
       state.blank = false;
       state.path = local;
       state.etag = null;
@@ -21626,6 +21798,7 @@ const offline = (() => {
     $("status").textContent = "Kept on this device";
     $("status").className = "";
     app.updateDirty();
+    app.keepDraft(); // the outbox has the text: the draft goes (what was typed since stays)
     return true;
   }
 
@@ -21666,7 +21839,9 @@ const offline = (() => {
           state.path = answer.path;
           state.etag = answer.etag;
           $("path").textContent = answer.path;
+          core.setItem("session", "notesvc.open", answer.path);
         }
+        if (answer && answer.path) sent(item, answer);
         if (item.kind === "create" && answer) await mirrorDrop(item.local);
         if (!offlineOn()) break; // the key stopped working meanwhile: what waits became drafts
         item = outbox.nextItem(
@@ -21678,6 +21853,20 @@ const offline = (() => {
       showWaiting();
     }
     if (!store.items.length) core.loadTree().catch(() => {});
+  }
+
+  // The note's text is on the server: its draft dies when it holds that text; a new note's
+  // draft holding more (typed since) becomes the made note's draft.
+  function sent(item, answer) {
+    if (item.kind !== "create" && item.kind !== "save") return;
+    const name = item.kind === "create" ? item.local : item.path;
+    const draft = app.readDraft(name);
+    const step = drafts.onSent(draft, app.toEditor(item.content), item.kind === "create");
+    if (step === "move") {
+      const moved = drafts.record(draft.content, answer.etag, draft.at);
+      core.setItem("local", app.draftKey(answer.path), moved);
+    }
+    if (step) core.removeItem("local", app.draftKey(name));
   }
 
   async function sendItem(item) {
@@ -21901,9 +22090,10 @@ const offline = (() => {
     core.removeItem("local", "notesvc.offline");
     core.removeItem("local", "notesvc.offlineKey");
     const items = await stored("meta", "readonly", (s) => s.get("outbox")); // (unread: kept)
-    const kept = drafts.fromOutbox(items, app.readDraft(app.NEW_NOTE), Date.now());
-    for (const [path, draft] of kept.notes) core.setItem("local", app.draftKey(path), draft);
-    if (kept.newNote) core.setItem("local", app.draftKey(app.NEW_NOTE), kept.newNote);
+    const loose = drafts.newName(app.newId()); // shared text: one new note's
+    for (const [name, draft] of drafts.fromOutbox(items, Date.now(), loose)) {
+      core.setItem("local", app.draftKey(name), draft);
+    }
     await wipeOffline();
     core.removeItem("local", "notesvc.wipe");
   }
@@ -21969,6 +22159,11 @@ const offline = (() => {
     }
   }
 
+  // What waits on this device (as last read).
+  function waiting() {
+    return store.items;
+  }
+
   // Whether what waits on this device can go now: something waits, and no send is on its way.
   function canSend() {
     return store.items.length > 0 && !store.sending;
@@ -21991,6 +22186,7 @@ const offline = (() => {
     sendOutbox,
     unreachable,
     updateOutbox,
+    waiting,
     wipeOffline,
     wireOffline,
   };

@@ -288,19 +288,21 @@ const app = (() => {
     $("save").classList.toggle("clean", !dirty());
   }
 
-  // Drafts on this device (web/drafts.js): a note not created yet keeps its draft under
-  // NEW_NOTE (one at a time).
+  // Drafts on this device (web/drafts.js): each belongs to one note; a note not created yet
+  // keeps its own under its new name ("new:" and its create's key), until the server (or the
+  // outbox) has its text.
   const NEW_NOTE = drafts.NEW_NOTE;
   function draftKey(path) {
     return drafts.key(state.base, path);
   }
-  const draftName = () => drafts.nameFor(state.blank, state.path);
+  const draftName = () => drafts.nameFor(state.blank, state.path, state.newKey);
   function readDraft(path) {
     return drafts.parse(core.getItem("local", draftKey(path)));
   }
   function keepDraft() {
+    clearTimeout(draftTimer);
     const name = draftName();
-    const step = drafts.onKeep(name, dirty(), state.blank, !!state.key);
+    const step = drafts.onKeep(name, dirty(), !!state.key);
     if (step === "keep") {
       core.setItem("local", draftKey(name), drafts.record(editor().value, state.etag, Date.now()));
     } else if (step === "drop") {
@@ -653,7 +655,7 @@ const app = (() => {
       if (offline.unreachable(e) && offline.offlineOn()) return offline.keepOffline(null, content);
       throw e;
     }
-    core.removeItem("local", draftKey(NEW_NOTE));
+    core.removeItem("local", draftKey(drafts.newName(state.newKey))); // the note is made
     state.blank = false;
     mine(r.data.path);
     state.path = r.data.path;
@@ -665,6 +667,72 @@ const app = (() => {
     if (dirty()) scheduleSave();
     core.loadTree().catch(() => {});
     return true;
+  }
+
+  // At the start: the new notes a closed tab was writing (their drafts, web/drafts.js) are
+  // sent now, each made once (its create's key: an answer lost as the tab closed is not
+  // made twice), or handed to the outbox when the server cannot be reached; the list shows
+  // them. Without a connection and the outbox, they wait here for the next start.
+  async function sendNewDrafts() {
+    if (!state.key || !grants.writable()) return;
+    const prefix = draftKey("");
+    const names = core.itemNames("local", prefix).map((k) => k.slice(prefix.length));
+    const queued = offline.offlineOn() ? offline.waiting() : [];
+    let made = 0;
+    for (const [name, step] of drafts.onStart(names, readDraft, queued)) {
+      const draft = readDraft(name);
+      if (step === "send") {
+        try {
+          await createDraft(name, draft);
+          made++;
+        } catch (e) {
+          if (!offline.unreachable(e))
+            core.toast("A new note kept here was not sent: " + e.message, true);
+          if (!offline.unreachable(e) || !offline.offlineOn()) continue; // kept for later
+          const folder = (state.grant && state.grant.folder) || "";
+          const once = drafts.createKey(name);
+          await offline.updateOutbox((items) =>
+            outbox.queueCreate(items, name, folder, draft.content, newId, once),
+          );
+        }
+      } else if (step === "queue") {
+        await offline.updateOutbox((items) =>
+          outbox.queueSave(items, name, null, draft.content, newId),
+        );
+      }
+      core.removeItem("local", draftKey(name));
+    }
+    if (made) core.loadTree().catch(() => {}); // (and the recent list)
+  }
+  async function createDraft(name, draft) {
+    const body = {content: draft.content};
+    if (state.grant && state.grant.folder) body.folder = state.grant.folder;
+    const once = {"Idempotency-Key": drafts.createKey(name)};
+    let note = (await core.api("POST", "/notes", body, once)).data;
+    mine(note.path);
+    if (toEditor(note.content) !== draft.content) {
+      // the answer of an earlier try (the tab closed as it went): what was typed since
+      // goes through merge
+      try {
+        const {data} = await core.api("POST", "/notes/" + core.enc(note.path) + "/merge", {
+          base: note.etag,
+          content: draft.content,
+          clientName: deviceName(),
+        });
+        note = data.note;
+      } catch (e) {
+        const copied = e.status === 409 && e.error && e.error.conflictPath; // kept as a copy
+        if (!copied && !offline.unreachable(e)) throw e;
+        // the note is made: the rest is its draft, back when it is opened
+        if (!copied)
+          core.setItem(
+            "local",
+            draftKey(note.path),
+            drafts.record(draft.content, note.etag, Date.now()),
+          );
+      }
+    }
+    if (offline.offlineOn()) offline.mirrorPut(note).catch(() => {});
   }
 
   // Autosave: a second after the last keystroke, or every 3 s while typing goes on, never
@@ -811,11 +879,16 @@ const app = (() => {
     $("note-bar").hidden = false;
     $("title").textContent = "New note";
     $("path").textContent = "The first line is its title";
+    // Always blank: a new note's draft is its own (sent at the start, or by the outbox).
+    // Only the one draft an older page kept for every new note comes back, once, as this
+    // note's own.
     const draft = readDraft(NEW_NOTE);
+    core.removeItem("local", draftKey(NEW_NOTE));
     if (drafts.restoresNew(draft)) {
-      editor().value = draft.content; // written here before and never saved: it is back
+      editor().value = draft.content;
       $("draft-text").textContent = drafts.newNotice(draft);
       $("draft").hidden = false;
+      keepDraft();
     }
     setEditing(true);
     updateDirty();
@@ -1191,30 +1264,63 @@ const app = (() => {
     }
   }
 
+  // A photo or file is an edit like typing: uploaded, its link put at the cursor, and the
+  // note autosaved on the same schedule (through the outbox when the connection goes after
+  // the upload). The upload itself needs the server: without it nothing is inserted and the
+  // page says so (the text typed meanwhile is kept as always).
   async function attach(files) {
-    if (!state.path || !files.length) return;
+    if (!files.length) return;
+    if (state.blank && !(await save(false).catch(() => false))) return;
+    if (state.blank) {
+      core.toast("Write the note's first line first (it names the note), then add the file.", true);
+      return;
+    }
+    if (!state.path) return;
+    if (drafts.isNew(state.path)) {
+      core.toast("This note waits to be sent: add files once it is on the server.", true);
+      return;
+    }
     if (!state.editing) setEditing(true);
     const ed = editor();
-    for (const file of files) {
-      core.toast("Uploading " + (file.name || "the image") + "…");
-      const data = await upload(file);
-      const label = (file.name || "image").replace(/[[\]]/g, "");
-      const md =
-        (/^image\//.test(data.contentType) ? "!" : "") +
-        "[" +
-        label +
-        "](" +
-        paths.relativeTo(state.path, data.path) +
-        ")";
-      const at = ed.selectionStart === undefined ? ed.value.length : ed.selectionEnd;
-      const before = ed.value.slice(0, at);
-      const insert = (before && !before.endsWith("\n") ? "\n" : "") + md + "\n";
-      ed.value = before + insert + ed.value.slice(at);
-      ed.setSelectionRange(at + insert.length, at + insert.length);
-      core.toast("Attached " + data.path + ": Save to keep the link");
+    const path = state.path;
+    try {
+      for (const file of files) {
+        const label = (file.name || "image").replace(/[[\]]/g, "");
+        core.toast("Uploading " + (file.name || "the image") + "…");
+        let data;
+        try {
+          data = await upload(file);
+        } catch (e) {
+          if (!offline.unreachable(e)) throw e;
+          core.toast(
+            "No connection: “" +
+              label +
+              "” was not added. Files and photos need the server; add it again once " +
+              "you are online.",
+            true,
+          );
+          return;
+        }
+        if (state.path !== path) return; // another note meanwhile: the file is kept, unlinked
+        const md =
+          (/^image\//.test(data.contentType) ? "!" : "") +
+          "[" +
+          label +
+          "](" +
+          paths.relativeTo(path, data.path) +
+          ")";
+        const at = ed.selectionStart === undefined ? ed.value.length : ed.selectionEnd;
+        const before = ed.value.slice(0, at);
+        const insert = (before && !before.endsWith("\n") ? "\n" : "") + md + "\n";
+        ed.value = before + insert + ed.value.slice(at);
+        ed.setSelectionRange(at + insert.length, at + insert.length);
+        core.toast("Attached " + data.path);
+      }
+    } finally {
+      updateDirty();
+      scheduleDraft();
+      if (dirty() && grants.writable()) scheduleSave(); // saved as typing is
     }
-    updateDirty();
-    scheduleDraft();
   }
 
   // -- the change feed: the tree and the open note follow edits made elsewhere ----------------
@@ -1585,6 +1691,7 @@ const app = (() => {
       featuresRead.catch((e) => (offline.offlineOn() ? null : Promise.reject(e))),
     ]);
     if (core.features.changes) followChanges();
+    await sendNewDrafts().catch(() => {}); // what a closed tab was writing goes now
     if (offline.offlineOn()) {
       offline.sendOutbox().catch(() => {}); // what waits goes now
       if (new URLSearchParams(location.search).has("shared")) {
@@ -1603,7 +1710,7 @@ const app = (() => {
         closeNote();
       }
     } else if (readDraft(NEW_NOTE) && grants.writable()) {
-      await newNote(); // a new note that was never saved: its text is back
+      await newNote(); // an older page's new note that was never saved: its text is back
     }
     if (core.NARROW.matches) {
       const pane = core.getItem("session", "notesvc.pane");
@@ -1800,7 +1907,6 @@ const app = (() => {
   }
 
   return {
-    NEW_NOTE,
     appendToToday,
     choose,
     confirmLeave,

@@ -39,6 +39,15 @@ const core = (() => {
       /* full or refused: not fatal */
     }
   }
+  // The names kept in a storage that start with `prefix` (none when it is switched off).
+  function itemNames(kind, prefix) {
+    const s = storage(kind);
+    try {
+      return s ? Object.keys(s).filter((name) => name.startsWith(prefix)) : [];
+    } catch (e) {
+      return [];
+    }
+  }
   function removeItem(kind, name) {
     const s = storage(kind);
     try {
@@ -591,6 +600,7 @@ const core = (() => {
     features,
     fitViewport,
     getItem,
+    itemNames,
     keptKey,
     loadRecent,
     loadTree,

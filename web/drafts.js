@@ -1,19 +1,40 @@
 // -- drafts: what this browser keeps of unsaved text (pure: no page, no storage; node --test web/)
 // A draft is {content, etag, at}, kept in localStorage under key(base, name): `etag` is the
-// version the text started from (none for a new note), `at` when it was kept. A note's draft
-// is named by its path; a note not created yet has one draft, named NEW_NOTE. The page reads
+// version the text started from (none for a new note), `at` when it was kept. A draft
+// belongs to one note: a note's is named by its path; a note not on the server yet is
+// "new:<id>", where <id> is the Idempotency-Key of its create (and the outbox's `local` for
+// it), so sending it twice makes one note. A draft dies when its note's text is safe: on the
+// server (saved, merged, sent from the outbox) or handed to the outbox. *New note* is always
+// blank; a new note's draft left by a closed tab is sent at the next start. The page reads
 // and writes the storage; this says under which name, in what form, and when.
 const drafts = (() => {
+  const NEW = "new:";
+  // Older pages kept one draft for every new note under this name: read once, as before.
   const NEW_NOTE = "(new note)";
 
   function key(base, name) {
     return "notesvc.draft:" + base + "|" + name;
   }
 
-  // The open note's draft name: NEW_NOTE while a new note is written, else its path (none
-  // when no note is open).
-  function nameFor(blank, path) {
-    return blank ? NEW_NOTE : path;
+  // The name of a new note's draft (and its stand-in path until the server names it).
+  function newName(id) {
+    return NEW + id;
+  }
+
+  // Whether a draft (or an outbox path) is a note not on the server yet.
+  function isNew(name) {
+    return !!name && name.startsWith(NEW);
+  }
+
+  // The Idempotency-Key of a new note's create, from its name.
+  function createKey(name) {
+    return isNew(name) ? name.slice(NEW.length) : null;
+  }
+
+  // The open note's draft name: its own new name while a new note is written (`id`: its
+  // create's key), else its path (none when no note is open).
+  function nameFor(blank, path, id) {
+    return blank ? newName(id) : path;
   }
 
   // What is kept: the stored text of a draft (no etag: a new note, or a copy's).
@@ -31,13 +52,13 @@ const drafts = (() => {
   }
 
   // As the page keeps the open note's text (typing stopped, the page hides or closes, a save
-  // failed): "keep" unsaved text as its draft; "drop" the draft of a note that is saved; ""
-  // leaves the storage as it is: a new note's draft goes only when the server made the note,
-  // and with no key what the copy on this device left as drafts stays.
-  function onKeep(name, dirty, blank, hasKey) {
+  // failed, the outbox took it): "keep" unsaved text as its draft; "drop" the draft once
+  // nothing is unsaved (saved, merged, queued; a new note emptied); "" leaves the storage as
+  // it is: with no key, what the copy on this device left as drafts stays.
+  function onKeep(name, dirty, hasKey) {
     if (!name) return "";
     if (dirty) return "keep";
-    return !blank && hasKey ? "drop" : "";
+    return hasKey ? "drop" : "";
   }
 
   // A note opened with a draft: "restore" the draft when it holds other text than the note,
@@ -47,7 +68,32 @@ const drafts = (() => {
     return draft ? "drop" : "";
   }
 
-  // A new note started: its draft comes back when it holds any words.
+  // At the start, the drafts of new notes (`names`, of every draft kept for this server)
+  // that a closed tab left: each is sent now ("send"); one whose create waits in the outbox
+  // joins it there ("queue": what was typed since it was queued goes too); one with no words
+  // goes ("drop").
+  function onStart(names, read, items) {
+    const queued = new Set((items || []).filter((i) => i.kind === "create").map((i) => i.local));
+    const steps = [];
+    for (const name of names) {
+      if (!isNew(name)) continue;
+      const draft = read(name);
+      const empty = !draft || !String(draft.content || "").trim();
+      steps.push([name, empty ? "drop" : queued.has(name) ? "queue" : "send"]);
+    }
+    return steps;
+  }
+
+  // The outbox sent a note's text (`sent`, as the editor has it): its draft dies ("drop")
+  // when it holds that text; one holding more, typed since, stays for the next save, or
+  // ("move") becomes the draft of the note a create made (`created`).
+  function onSent(draft, sent, created) {
+    if (!draft) return "";
+    if (draft.content === sent) return "drop";
+    return created ? "move" : "";
+  }
+
+  // The one draft of an older page's new notes comes back (once) when it holds any words.
   function restoresNew(draft) {
     return !!(draft && draft.content.trim());
   }
@@ -63,39 +109,43 @@ const drafts = (() => {
     );
   }
 
-  // ... and of a new note's.
+  // ... and of an older page's new note's.
   function newNotice(draft) {
     return "Your new note from " + new Date(draft.at).toLocaleString() + " is back.";
   }
 
   // The outbox let go (its key refused): each unsent edit of a note becomes that note's
-  // draft; the new notes and shared text become one new note's draft, after what that draft
-  // held (`old`). Resolves to {notes: [[path, record]], newNote: record or null}.
-  function fromOutbox(items, old, at) {
-    const notes = [];
-    const loose = [];
+  // draft, each new note its own (under its new name: the next start sends it), and shared
+  // text one more new note's, named `loose`. Resolves to [[name, record]].
+  function fromOutbox(items, at, loose) {
+    const kept = [];
+    const shared = [];
     for (const item of items || []) {
       if (item.kind === "save") {
-        notes.push([item.path, record(item.content, item.base, at)]);
+        kept.push([item.path, record(item.content, item.base, at)]);
       } else if (item.kind === "create") {
-        loose.push(item.content);
+        kept.push([item.local, record(item.content, null, at)]);
       } else if (item.text && !item.ask) {
-        loose.push(item.text);
+        shared.push(item.text);
       }
     }
-    if (!loose.length) return {notes, newNote: null};
-    if (old) loose.unshift(old.content);
-    return {notes, newNote: record(loose.join("\n\n"), undefined, at)};
+    if (shared.length) kept.push([loose, record(shared.join("\n\n"), null, at)]);
+    return kept;
   }
 
   return {
     NEW_NOTE,
     key,
+    newName,
+    isNew,
+    createKey,
     nameFor,
     record,
     parse,
     onKeep,
     onOpen,
+    onStart,
+    onSent,
     restoresNew,
     notice,
     newNotice,

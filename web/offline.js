@@ -143,9 +143,13 @@ const offline = (() => {
   async function keepOffline(path, content) {
     const raw = app.fromEditor(content); // (a CRLF note keeps its line endings)
     if (path === null) {
-      const local = "new:" + app.newId();
+      // named as its draft is, and sent with the key its create went out with (an answer
+      // lost as the connection went: the server makes it once)
+      const local = drafts.newName(state.newKey);
       const folder = (state.grant && state.grant.folder) || "";
-      await updateOutbox((items) => outbox.queueCreate(items, local, folder, raw, app.newId));
+      await updateOutbox((items) =>
+        outbox.queueCreate(items, local, folder, raw, app.newId, state.newKey),
+      );
       state.blank = false;
       state.path = local;
       state.etag = null;
@@ -166,6 +170,7 @@ const offline = (() => {
     $("status").textContent = "Kept on this device";
     $("status").className = "";
     app.updateDirty();
+    app.keepDraft(); // the outbox has the text: the draft goes (what was typed since stays)
     return true;
   }
 
@@ -206,7 +211,9 @@ const offline = (() => {
           state.path = answer.path;
           state.etag = answer.etag;
           $("path").textContent = answer.path;
+          core.setItem("session", "notesvc.open", answer.path);
         }
+        if (answer && answer.path) sent(item, answer);
         if (item.kind === "create" && answer) await mirrorDrop(item.local);
         if (!offlineOn()) break; // the key stopped working meanwhile: what waits became drafts
         item = outbox.nextItem(
@@ -218,6 +225,20 @@ const offline = (() => {
       showWaiting();
     }
     if (!store.items.length) core.loadTree().catch(() => {});
+  }
+
+  // The note's text is on the server: its draft dies when it holds that text; a new note's
+  // draft holding more (typed since) becomes the made note's draft.
+  function sent(item, answer) {
+    if (item.kind !== "create" && item.kind !== "save") return;
+    const name = item.kind === "create" ? item.local : item.path;
+    const draft = app.readDraft(name);
+    const step = drafts.onSent(draft, app.toEditor(item.content), item.kind === "create");
+    if (step === "move") {
+      const moved = drafts.record(draft.content, answer.etag, draft.at);
+      core.setItem("local", app.draftKey(answer.path), moved);
+    }
+    if (step) core.removeItem("local", app.draftKey(name));
   }
 
   async function sendItem(item) {
@@ -441,9 +462,10 @@ const offline = (() => {
     core.removeItem("local", "notesvc.offline");
     core.removeItem("local", "notesvc.offlineKey");
     const items = await stored("meta", "readonly", (s) => s.get("outbox")); // (unread: kept)
-    const kept = drafts.fromOutbox(items, app.readDraft(app.NEW_NOTE), Date.now());
-    for (const [path, draft] of kept.notes) core.setItem("local", app.draftKey(path), draft);
-    if (kept.newNote) core.setItem("local", app.draftKey(app.NEW_NOTE), kept.newNote);
+    const loose = drafts.newName(app.newId()); // shared text: one new note's
+    for (const [name, draft] of drafts.fromOutbox(items, Date.now(), loose)) {
+      core.setItem("local", app.draftKey(name), draft);
+    }
     await wipeOffline();
     core.removeItem("local", "notesvc.wipe");
   }
@@ -509,6 +531,11 @@ const offline = (() => {
     }
   }
 
+  // What waits on this device (as last read).
+  function waiting() {
+    return store.items;
+  }
+
   // Whether what waits on this device can go now: something waits, and no send is on its way.
   function canSend() {
     return store.items.length > 0 && !store.sending;
@@ -531,6 +558,7 @@ const offline = (() => {
     sendOutbox,
     unreachable,
     updateOutbox,
+    waiting,
     wipeOffline,
     wireOffline,
   };

@@ -22,8 +22,10 @@ const outbox = (() => {
     return out;
   }
 
-  function queueCreate(items, local, folder, content, newId) {
-    return [...items, {id: newId(), kind: "create", key: newId(), local, folder, content}];
+  // `key`: the create's Idempotency-Key when the page already sent it once (the answer lost as
+  // the connection went): the server makes the note once.
+  function queueCreate(items, local, folder, content, newId, key) {
+    return [...items, {id: newId(), kind: "create", key: key || newId(), local, folder, content}];
   }
 
   // `at`: when it was captured (its time in today's note), not when it is sent.

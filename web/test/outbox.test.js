@@ -42,6 +42,13 @@ test("a save already sent is not changed: the next one queues behind it", () => 
   assert.equal(q.length, 2);
 });
 
+test("a create already sent once (its answer lost) is queued with the key it went with", () => {
+  const id = ids();
+  const q = queueCreate([], "new:k1", "notes/inbox", "# Shopping", id, "k1");
+  assert.equal(q[0].key, "k1"); // the server answers it as the first: made once
+  assert.notEqual(queueCreate([], "new:2", "", "x", id)[0].key, undefined); // else a new one
+});
+
 test("a note made offline keeps its edits in its create, then gets its path", () => {
   const id = ids();
   let q = queueCreate([], "new:1", "notes/inbox", "# Shopping", id);
