@@ -12626,7 +12626,9 @@ class TestWebClientPage:
     def test_page_is_small_self_contained_and_locked_down(self, anon):
         resp = anon.get("/")
         assert resp.content_type == "text/html"
-        assert len(gzip.compress(resp.body)) < 60_000  # the budget: one response < 60 KB gzipped
+        # the budget: one response < 64 KB gzipped, so a signed-in cold load (the page, the
+        # features, the list and the tree) stays under 80 KB on the wire (docs/design.md)
+        assert len(gzip.compress(resp.body)) < 64_000
         csp = resp.headers["Content-Security-Policy"]
         assert "default-src 'none'" in csp
         assert "unsafe-inline" not in csp
