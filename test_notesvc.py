@@ -7058,6 +7058,72 @@ class TestDevices:
         writer = with_key(anon, claim(anon, pair(client, scope="write")["secret"])["key"])
         writer.post_json(f"{API}/auth/devices/pairings", {"scope": "read"}, status=403)
 
+    # -- which address Add a device draws (the phone issue, 42 item 6) --------------------
+
+    ON_THIS_MACHINE = {
+        "REMOTE_ADDR": "127.0.0.1",
+        "HTTP_HOST": "127.0.0.1:3000",
+        "SERVER_PORT": "3000",
+    }
+
+    def where(self, app, environ: dict) -> tuple:
+        """(a pairing's link origin, via, the addresses answer) as environ's request sees them."""
+        key = with_key(app)
+        made = key.post_json(f"{API}/auth/devices/pairings", {}, extra_environ=environ)
+        got = data(key.get(f"{API}/auth/devices/addresses", extra_environ=environ))
+        assert made.json["data"]["url"].startswith(made.json["data"]["origin"] + "/#pair=")
+        assert got["phone"] == {k: made.json["data"][k] for k in ("origin", "via")}
+        return made.json["data"]["origin"], made.json["data"]["via"], got
+
+    @pytest.mark.parametrize("host", ["127.0.0.1:3000", "localhost:3000", "[::1]:3000"])
+    def test_a_page_on_loopback_draws_the_address_the_banner_gives_phones(self, make_app, host):
+        app = make_app(SERVICE_HOST="192.168.1.20", SERVICE_PORT="3000")
+        env = {**self.ON_THIS_MACHINE, "HTTP_HOST": host}
+        origin, via, _ = self.where(app, env)
+        assert (origin, via) == ("http://192.168.1.20:3000", "home")
+        # the same server opened by its LAN address: that address, as before
+        lan = {"REMOTE_ADDR": "192.168.1.30", "HTTP_HOST": "192.168.1.20:3000"}
+        assert self.where(app, lan)[:2] == ("http://192.168.1.20:3000", "page")
+
+    def test_listening_on_loopback_only_the_page_says_so(self, make_app):
+        app = make_app(SERVICE_HOST="127.0.0.1", SERVICE_PORT="3000")
+        origin, via, _ = self.where(app, self.ON_THIS_MACHINE)
+        assert (origin, via) == ("http://127.0.0.1:3000", "local")
+
+    def test_with_a_relay_a_loopback_page_draws_the_lan_else_the_relay(self, make_app):
+        relay, mine = "https://relay.example.org", "https://k3xq7.relay.example.org"
+        app = make_app(SERVICE_HOST="192.168.1.20", SERVICE_RELAY_URL=relay)
+        known = {"relay": relay, "origin": mine}
+        app.app.service.state.update(lambda d: d.update(relayOrigin=known))
+        assert self.where(app, self.ON_THIS_MACHINE)[:2] == ("http://192.168.1.20:3000", "home")
+        origin, via, got = self.where(app, {"REMOTE_ADDR": "192.168.1.30"})
+        assert (origin, via) == (mine, "relay")
+        assert got["mcpUrl"] == mine + "/api/v1/mcp"
+        only_here = make_app(SERVICE_HOST="127.0.0.1", SERVICE_RELAY_URL=relay)
+        only_here.app.service.state.update(lambda d: d.update(relayOrigin=known))
+        assert self.where(only_here, self.ON_THIS_MACHINE)[:2] == (mine, "relay")
+
+    def test_the_lan_address_goes_to_no_stranger(self, make_app, anon):
+        """A loopback Host from elsewhere (a forged header) or through the relay is no page
+        on this machine; a key that is not admin reads no address at all."""
+        app = make_app(SERVICE_HOST="192.168.1.20")
+        forged = {"REMOTE_ADDR": "203.0.113.5", "HTTP_HOST": "127.0.0.1:3000"}
+        assert self.where(app, forged)[:2] == ("http://127.0.0.1:3000", "local")
+        relayed = {**self.ON_THIS_MACHINE, "notesvc.relayed": True}
+        assert "192.168.1.20" not in json.dumps(self.where(app, relayed))
+        for scope in ("read", "write"):
+            other = with_key(app, new_grant(with_key(app), scope)["key"])
+            got = other.get(
+                f"{API}/auth/devices/addresses", extra_environ=self.ON_THIS_MACHINE, status=403
+            )
+            assert "192.168.1.20" not in got.text
+        anon_got = app.get(f"{API}/auth/devices/addresses", status=401)
+        assert "192.168.1.20" not in anon_got.text
+
+    def test_the_mcp_url_is_this_origins_without_a_relay(self, client):
+        got = data(client.get(f"{API}/auth/devices/addresses"))
+        assert got["mcpUrl"] == "http://localhost:80/api/v1/mcp"
+
     def test_an_expired_secret_is_404(self, client, anon):
         made = pair(client)
         grants = client.app.service.grants

@@ -40,9 +40,11 @@ from notesvc.helpers import (
     MultipartReader,
     _no_constant,
     base_url_of,
+    behind_trusted_proxy,
     disk_writes,
     field,
     is_blank,
+    is_loopback,
     iso,
     log_safe,
     phone_url,
@@ -51,8 +53,10 @@ from notesvc.helpers import (
     read_json,
     request_body_reader,
     request_header,
+    request_host,
     too_large,
     utcnow,
+    valid_host,
 )
 from notesvc.http.api import (
     MULTIPART_SLACK,
@@ -831,15 +835,44 @@ def qr_svg(text: str) -> str | None:
     return out.getvalue().decode("utf-8")
 
 
-def pairing_origin(config: Config, state: dict, environ: dict | None) -> str:
-    """Return the origin a pairing's link opens: SERVICE_PUBLIC_URL's, else the server's
-    own origin on its relay, else the request's (outside a request: the address the
-    banner gives phones)."""
-    url = config.public_url or relay_origin_of(config, state)
-    if not url:
-        url = base_url_of(config, environ) if environ is not None else phone_url(config)
+def page_on_loopback(config: Config, environ: dict) -> bool:
+    """Return whether the page asking was opened by a loopback name (127.0.0.1, ::1,
+    localhost) on this machine itself: never a relayed request, nor a proxied one."""
+    if environ.get("notesvc.relayed") or behind_trusted_proxy(config, environ):
+        return False
+    host = request_host(config, environ)
+    if not valid_host(host) or not is_loopback(environ.get("REMOTE_ADDR", "")):
+        return False
+    name = host[1 : host.index("]")] if host.startswith("[") else host.rsplit(":", 1)[0]
+    name = name.lower().rstrip(".")
+    return name == "localhost" or name.endswith(".localhost") or is_loopback(name)
+
+
+def pairing_origin(config: Config, state: dict, environ: dict | None) -> tuple:
+    """Return (origin, via): the origin a pairing's link opens and which one it is.
+
+    SERVICE_PUBLIC_URL's ("public"); on a page opened by a loopback name, the address the
+    banner gives phones ("home": a phone can't open 127.0.0.1); else the server's own
+    origin on its relay ("relay"); else the request's ("page"). Outside a request: the
+    banner's address. "local" is a loopback address that only this machine opens (a
+    server listening on loopback only, with no relay)."""
+    if config.public_url:
+        url, via = config.public_url, "public"
+    elif environ is None:
+        url, via = phone_url(config), "home"
+    else:
+        url, via = "", ""
+        if page_on_loopback(config, environ):
+            port = int(environ.get("SERVER_PORT") or 0) or config.port
+            url, via = phone_url(config, port), "home"
+        if not url or is_loopback(urllib.parse.urlsplit(url).hostname or ""):
+            url, via = relay_origin_of(config, state), "relay"
+        if not url:
+            url, via = base_url_of(config, environ), "page"
     parts = urllib.parse.urlsplit(url)
-    return f"{parts.scheme}://{parts.netloc}"
+    if via in ("home", "page") and is_loopback(parts.hostname or ""):
+        via = "local"
+    return f"{parts.scheme}://{parts.netloc}", via
 
 
 def new_pairing(
@@ -852,7 +885,7 @@ def new_pairing(
     created_by: str,
 ) -> dict:
     """Make a pairing; return {id, name, scope, folder, createdAt, expiresAt, createdBy,
-    secret, url[, qrSvg]}: the secret travels only in the link's fragment."""
+    secret, url, origin, via[, qrSvg]}: the secret travels only in the link's fragment."""
     if scope not in SCOPES:
         raise bad_request("'scope' must be read, write or admin")
     if scope == "admin" and folder:
@@ -860,8 +893,9 @@ def new_pairing(
     record, secret = grants.create_pairing(
         name, scope, folder, config.pairing_ttl, created_by=created_by
     )
-    url = f"{pairing_origin(config, grants.state.read(), environ)}/#pair={secret}"
-    answer = {**record, "secret": secret, "url": url}
+    origin, via = pairing_origin(config, grants.state.read(), environ)
+    url = f"{origin}/#pair={secret}"
+    answer = {**record, "secret": secret, "url": url, "origin": origin, "via": via}
     svg = qr_svg(url)
     if svg:
         answer["qrSvg"] = svg
@@ -876,6 +910,21 @@ def create_pairing(svc: Service) -> dict:
     env = bottle.request.environ
     made = made_by(request_principal())
     return new_pairing(svc.config, svc.grants, name, scope, folder, env, made)
+
+
+def get_addresses(svc: Service) -> dict:
+    """GET /auth/devices/addresses (admin): where a phone and an AI assistant reach this
+    server, as Add a device and Connect an AI assistant show them. The LAN address is
+    offered only here and in a pairing, both admin: never to a folder key or a stranger."""
+    env, cfg = bottle.request.environ, svc.config
+    origin, via = pairing_origin(cfg, svc.state.read(), env)
+    relayed = bool(cfg.relay_url) and cfg.pairing == "relay"
+    mcp = (svc.relay_base(env) if relayed else svc.issuer(env)) + API + "/mcp"
+    return {
+        "phone": {"origin": origin, "via": via},
+        "mcpUrl": mcp,
+        "mcpVia": ("relay" if relayed else "page"),
+    }
 
 
 def claim_device(svc: Service) -> dict:
