@@ -17576,6 +17576,11 @@ const core = (() => {
 
   // -- small DOM helpers -------------------------------------------------------------------
 
+  // "1 note", "3 notes": a count and its noun, the plural given when it is not noun + "s".
+  function counted(n, one, many) {
+    return n + " " + (n === 1 ? one : many || one + "s");
+  }
+
   function ago(iso) {
     const t = Date.parse(iso);
     if (!t) return "";
@@ -17910,10 +17915,12 @@ const core = (() => {
     if (vv) document.documentElement.style.setProperty("--app-h", Math.round(vv.height) + "px");
   }
 
+  // The Ask pane beside the note on a wide screen. Its answers live in the page only, so it
+  // starts empty, and closed (an empty pane takes no room): Ask in the bar, or a question
+  // asked, opens it.
   function setSide(open) {
     $("main").classList.toggle("side-closed", !open);
     $("toggle-ask").setAttribute("aria-expanded", String(open));
-    setItem("local", "notesvc.ui.side", open ? "open" : "closed");
   }
 
   // -- the tree: folders load lazily, one level at a time -------------------------------------
@@ -17972,7 +17979,7 @@ const core = (() => {
       node.count === undefined ? null : markdown.el("span", {class: "count"}, String(node.count)),
     );
     if (node.count !== undefined)
-      b.setAttribute("aria-label", node.name + ", folder, " + node.count + " notes");
+      b.setAttribute("aria-label", node.name + ", folder, " + counted(node.count, "note"));
     const sub = markdown.el("ul");
     sub.hidden = true;
     li.append(b, sub);
@@ -18097,6 +18104,7 @@ const core = (() => {
     ago,
     api,
     connect,
+    counted,
     enc,
     features,
     fitViewport,
@@ -20542,7 +20550,7 @@ const app = (() => {
     const words = paths.queryWords(q);
     $("search-hint").hidden = true;
     $("results-info").textContent =
-      (data.total === 1 ? "1 note" : data.total + " notes") +
+      core.counted(data.total, "note") +
       " · " +
       (data.tookMs < 10 ? data.tookMs.toFixed(1) : Math.round(data.tookMs)) +
       " ms";
@@ -20659,6 +20667,7 @@ const app = (() => {
     const input = $("chat-input");
     const message = input.value.trim();
     if (!message) return;
+    core.setSide(true); // asked (from a phone's tab, or after Ask in the bar): in view
     const log = $("chat-log");
     const about = $("about").checked && state.path;
     log.appendChild(
@@ -20715,7 +20724,7 @@ const app = (() => {
   // -- start: wire the controls, connect with what this tab (or device) remembers ------------
 
   async function start() {
-    core.setSide(core.getItem("local", "notesvc.ui.side") !== "closed");
+    core.setSide(false); // the Ask pane is empty: it opens when used
     offline.offlineMenu();
     const moves = state.moves;
     if (offline.offlineOn()) await offline.loadOutboxOrSay();
@@ -20880,9 +20889,11 @@ const app = (() => {
     $("chat-input").addEventListener("keydown", (e) => {
       if (e.key === "Enter") core.act(ask)();
     });
-    $("toggle-ask").addEventListener("click", () =>
-      core.setSide($("main").classList.contains("side-closed")),
-    );
+    $("toggle-ask").addEventListener("click", () => {
+      const open = $("main").classList.contains("side-closed");
+      core.setSide(open);
+      if (open) $("chat-input").focus();
+    });
     for (const b of document.querySelectorAll(".tabs button")) {
       b.addEventListener("click", () => {
         core.showPane(b.dataset.pane);
@@ -21107,8 +21118,7 @@ const grants = (() => {
             "p",
             {id: "revoke-made"},
             "It made " +
-              made.length +
-              (made.length === 1 ? " key, device or app" : " keys, devices or apps") +
+              core.counted(made.length, "key, device or app", "keys, devices or apps") +
               " that keep working unless you revoke them too: " +
               made.map((m) => "“" + m.name + "”").join(", ") +
               ".",
@@ -21141,10 +21151,58 @@ const grants = (() => {
     );
   }
 
+  // *Connect an AI assistant*: the MCP URL (the server's choice: its relay's when it has one)
+  // and where Claude and ChatGPT take it.
+  function assistantSection(where) {
+    const steps = el(
+      "ol",
+      {id: "mcp-steps"},
+      el(
+        "li",
+        {},
+        el("strong", {}, "Claude"),
+        " (claude.ai and its apps): Settings → Connectors → Add custom connector; paste the " +
+          "URL, Add, then Connect.",
+      ),
+      el(
+        "li",
+        {},
+        el("strong", {}, "ChatGPT"),
+        ": Settings → Connectors (turn on developer mode under Advanced) → Create; paste the " +
+          "URL, authentication OAuth.",
+      ),
+      el(
+        "li",
+        {},
+        "This server's page then asks you to allow it: read only, or read and write " +
+          "(SERVICE_MCP_WRITE=true on the server), all notes or one folder. It is listed " +
+          "above under Connected apps, where Revoke disconnects it.",
+      ),
+    );
+    const parts = [
+      el("h3", {}, "Connect an AI assistant"),
+      shownOnce("MCP URL", where.mcpUrl, "mcp-url"),
+      steps,
+    ];
+    if (where.mcpVia === "page") {
+      parts.push(
+        el(
+          "p",
+          {class: "muted", id: "mcp-reach"},
+          "Claude and ChatGPT connect from their own servers, so they reach this URL only " +
+            "if it is public. A relay gives this server a public address: see “Away from " +
+            "home: the relay” in README.",
+        ),
+      );
+    }
+    return parts;
+  }
+
   async function showKeys(made) {
-    const [{data}, shares] = await Promise.all([
+    const [{data}, shares, where] = await Promise.all([
       core.api("GET", "/auth/keys"),
       core.api("GET", "/shares"),
+      core.api("GET", "/auth/devices/addresses"),
     ]);
     const keyList = el("ul", {class: "list", id: "keys-list"});
     const apps = el("ul", {class: "list", id: "connections-list"});
@@ -21233,6 +21291,7 @@ const grants = (() => {
       keyList,
       el("h3", {}, "Connected apps"),
       apps,
+      ...assistantSection(where.data),
       el("h3", {}, "Share links"),
       links,
       form,
@@ -21268,6 +21327,25 @@ const grants = (() => {
     );
   }
 
+  // Whether a link's host is reached only at home: loopback, a private or link-local
+  // address, or a name only a home network knows (a single label, .local, .lan, .home.arpa).
+  function homeOnly(url) {
+    const host = new URL(url).hostname.toLowerCase().replace(/^\[|\]$/g, "");
+    if (/^(localhost|.*\.(localhost|local|lan|home\.arpa|internal))$/.test(host)) return true;
+    if (host.includes(":")) return /^(::1$|f[cd]|fe[89ab])/.test(host);
+    const ip = host.split(".").map(Number);
+    if (ip.length !== 4 || ip.some((n) => !(n >= 0 && n <= 255))) return !host.includes(".");
+    const [a, b] = ip;
+    return (
+      a === 10 ||
+      a === 127 ||
+      (a === 172 && b >= 16 && b < 32) ||
+      (a === 192 && b === 168) ||
+      (a === 169 && b === 254) ||
+      (a === 100 && b >= 64 && b < 128)
+    );
+  }
+
   async function shareNote(made) {
     if (!state.path) return;
     const path = state.path;
@@ -21296,6 +21374,19 @@ const grants = (() => {
       ),
     ];
     if (made) body.push(shownOnce("Link", made.url, "share-url"));
+    if (made && homeOnly(made.url)) {
+      body.push(
+        el(
+          "p",
+          {class: "warn", id: "share-home-only"},
+          "This link opens only at home: it names " +
+            new URL(made.url).host +
+            ", which the internet cannot reach. For a link that opens anywhere, connect " +
+            "this server to a relay (README: “Away from home: the relay”) and make the link " +
+            "from the relay's address.",
+        ),
+      );
+    }
     body.push(
       el("label", {for: "share-days"}, "A new link expires"),
       days,
@@ -21688,8 +21779,8 @@ const offline = (() => {
     };
     await Promise.all(Array.from({length: 6}, worker));
     await flush();
-    box.textContent = done + " notes kept";
-    box.title = done + " notes kept on this device";
+    box.textContent = core.counted(done, "note") + " kept";
+    box.title = core.counted(done, "note") + " kept on this device";
     box.className = "ready";
     performance.mark("notesvc:offline-copied");
     setTimeout(showWaiting, 5000);
@@ -21804,7 +21895,13 @@ const offline = (() => {
       if (files.length) body.push(el("p", {}, "With " + files.join(", ")));
       if (item.dropped) {
         body.push(
-          el("p", {class: "muted"}, item.dropped + " more file(s) were too large to keep."),
+          el(
+            "p",
+            {class: "muted"},
+            core.counted(item.dropped, "more file") +
+              (item.dropped === 1 ? " was" : " were") +
+              " too large to keep.",
+          ),
         );
       }
       const yes =
@@ -22244,8 +22341,35 @@ const devices = (() => {
     }
   }
 
+  // Which address a pairing's link opens, in words (the server chose it: see its `via`).
+  function reachText(made) {
+    const origin = made.origin || new URL(made.url).origin;
+    switch (made.via) {
+      case "home":
+        return "It opens this server on your home network: " + origin;
+      case "relay":
+        return "It opens this server through your relay: " + origin;
+      case "public":
+        return "It opens this server at its public address: " + origin;
+      case "local":
+        return (
+          "It opens " +
+          origin +
+          ", which only this computer reaches: a phone needs the server started with " +
+          "--host 0.0.0.0 (then its home-network address is shown here), or a relay."
+        );
+      default:
+        return "It opens this server at this page's address: " + origin;
+    }
+  }
+
   async function showPairing(made) {
     const until = new Date(made.expiresAt);
+    const reach = el(
+      "p",
+      {id: "pair-reach", class: made.via === "local" ? "warn" : "muted"},
+      reachText(made),
+    );
     const status = el(
       "p",
       {id: "pair-status", role: "status"},
@@ -22255,7 +22379,7 @@ const devices = (() => {
     );
     const shown = app.dialog(
       "Scan to join",
-      [...pairingView(made, "join this server"), status],
+      [...pairingView(made, "join this server"), reach, status],
       [["cancel", "Done"]],
     );
     let watching = true;
@@ -22530,18 +22654,19 @@ WEB_TRANSFER_JS = r"""
         "p",
         {id: "import-summary"},
         verb +
-          r.created +
-          (r.created === 1 ? " note" : " notes") +
+          core.counted(r.created, "note") +
           " and " +
-          r.attachments +
-          (r.attachments === 1 ? " file" : " files") +
+          core.counted(r.attachments, "file") +
           " into " +
           r.into +
           ".",
       ),
     ];
     if (r.renamed) {
-      lines.push(el("p", {}, r.renamed + " get a free name (“ 2”): nothing is ever overwritten."));
+      const get = r.renamed === 1 ? " gets" : " get";
+      lines.push(
+        el("p", {}, r.renamed + get + " a free name (“ 2”): nothing is ever overwritten."),
+      );
     }
     if (r.skipped.length) {
       const list = el("ul", {id: "import-skipped", class: "skipped"});
@@ -22599,7 +22724,7 @@ WEB_TRANSFER_JS = r"""
       }
       const yes = await app.dialog("Import notes", importSummary(report), [
         ["cancel", "Cancel"],
-        ["import", "Import " + report.created + " notes", "primary"],
+        ["import", "Import " + core.counted(report.created, "note"), "primary"],
       ]);
       if (yes !== "import") return;
       const doing = el("p", {id: "import-progress", role: "status"}, "Sending…");
@@ -26533,11 +26658,8 @@ def get_addresses(svc: Service) -> dict:
     origin, via = pairing_origin(cfg, svc.state.read(), env)
     relayed = bool(cfg.relay_url) and cfg.pairing == "relay"
     mcp = (svc.relay_base(env) if relayed else svc.issuer(env)) + API + "/mcp"
-    return {
-        "phone": {"origin": origin, "via": via},
-        "mcpUrl": mcp,
-        "mcpVia": ("relay" if relayed else "page"),
-    }
+    mcp_via = "relay" if relayed else "public" if cfg.public_url else "page"
+    return {"phone": {"origin": origin, "via": via}, "mcpUrl": mcp, "mcpVia": mcp_via}
 
 
 def claim_device(svc: Service) -> dict:

@@ -18,6 +18,7 @@ import http.client
 import http.server
 import importlib.util
 import io
+import ipaddress
 import itertools
 import json
 import logging
@@ -201,9 +202,10 @@ class Server:
         port: int = 0,
         program: tuple = (NOTESVC,),
         cwd: Path | None = None,
+        host: str = "127.0.0.1",  # 0.0.0.0: also on this machine's network (as phones need)
     ):
         must_be_marked("real_server")
-        cmd = [sys.executable, *program, *args, "--host", "127.0.0.1", "--port", str(port)]
+        cmd = [sys.executable, *program, *args, "--host", host, "--port", str(port)]
         cmd += [] if args[:1] == ("relay",) else ["--root", str(root)]  # a relay has no root
         full_env = {
             **os.environ,
@@ -7123,6 +7125,7 @@ class TestDevices:
     def test_the_mcp_url_is_this_origins_without_a_relay(self, client):
         got = data(client.get(f"{API}/auth/devices/addresses"))
         assert got["mcpUrl"] == "http://localhost:80/api/v1/mcp"
+        assert got["mcpVia"] == "page"
 
     def test_an_expired_secret_is_404(self, client, anon):
         made = pair(client)
@@ -12961,6 +12964,30 @@ class TestWebClient:
         assert web.server.request("GET", f"{API}/system/setup")[2]["data"]["setupComplete"]
         assert unexpected(s.close()) == []
 
+    def test_on_a_desktop_the_empty_ask_pane_takes_no_room_until_used(self, web):
+        s = web("desktop")  # 1280x800
+        page = s.page
+        s.tree_open("notes/kitchen/pancakes.md")
+
+        def width(sel: str) -> float:
+            return page.locator(sel).evaluate("e => e.getBoundingClientRect().width")
+
+        assert page.is_hidden("#pane-ask")
+        assert page.get_attribute("#toggle-ask", "aria-expanded") == "false"
+        assert width("#pane-note") >= 1280 - 320 - 2  # all but the tree's column
+        s.shot("ask-closed")
+        page.click("#toggle-ask")  # Ask in the bar: the pane opens, ready to type
+        expect(page.locator("#chat-input")).to_be_focused()
+        assert 280 <= width("#pane-ask") <= 384
+        page.fill("#chat-input", "where are the spare keys?")
+        page.keyboard.press("Enter")
+        expect(page.locator("#chat-log .msg:not(.me) ul.sources")).to_be_visible()
+        s.shot("ask-open")
+        page.reload()  # answers live in the page: it comes back empty, and closed
+        page.wait_for_selector("#tree button")
+        assert page.is_hidden("#pane-ask")
+        assert unexpected(s.close()) == []
+
     def test_phone_shows_one_pane_at_a_time_and_keeps_save_above_the_keyboard(self, web):
         s = web("phone")
         page = s.page
@@ -13136,6 +13163,9 @@ class TestWebClient:
         page = s.page
         s.tree_open("notes/kitchen/pancakes.md")
         assert not page.is_checked("#about")
+        assert page.is_hidden("#pane-ask")  # empty, it takes no room: Ask in the bar opens it
+        page.click("#toggle-ask")
+        expect(page.locator("#chat-input")).to_be_focused()
         page.fill("#chat-input", "where are the spare keys?")
         page.keyboard.press("Enter")
         answer = page.locator("#chat-log .msg:not(.me)").first
@@ -13464,8 +13494,7 @@ class TestWebClient:
                 page.keyboard.press("Enter")
                 page.wait_for_selector("#results mark")
                 problems += page.evaluate(A11Y_AUDIT)
-                if device == "phone":
-                    s.tap(".tabs button[data-pane=ask]")
+                s.tap(".tabs button[data-pane=ask]" if device == "phone" else "#toggle-ask")
                 page.fill("#chat-input", "spare keys?")
                 page.click("#chat-send")
                 page.wait_for_selector("#chat-log ul.sources")
@@ -14036,6 +14065,21 @@ def post_oauth_form(url: str, form: dict) -> tuple:
 ZBARIMG = shutil.which("zbarimg")
 
 
+def machine_address() -> str:
+    """This machine's address on its network (where its default route leaves), or "" when
+    it has none but loopback: what a test of the address given to phones expects."""
+    for family, probe in ((socket.AF_INET, "192.0.2.1"), (socket.AF_INET6, "2001:db8::1")):
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as sock:
+                sock.connect((probe, 9))
+                found = sock.getsockname()[0]
+        except OSError:
+            continue
+        if not ipaddress.ip_address(found).is_loopback:
+            return found
+    return ""
+
+
 def decode_qr(png: Path) -> str:
     """Return the text of the QR code in a picture (Debian's zbarimg: a real decoder)."""
     done = subprocess.run(
@@ -14428,6 +14472,53 @@ class TestDevicesInChromium:
         finally:
             server.stop()
 
+    def test_add_a_device_on_the_servers_own_browser_draws_an_address_a_phone_opens(
+        self, browser, tmp_path
+    ):
+        """Opened on http://127.0.0.1:<port> (the server's own browser), Add a device draws
+        the address the banner gives phones, and says so; Keys and devices shows the MCP URL.
+        A machine with no address but loopback gets the documented fallback: 127.0.0.1,
+        with the page saying that only this computer reaches it."""
+        server = Server(tmp_path / "srv", host="0.0.0.0")
+        try:
+            key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
+            s = WebSession(browser, tmp_path, "phone")
+            s.login(server.url + "/", key)
+            page = s.page
+            page.click("#menu summary")
+            page.click("#menu-keys")
+            expect(page.locator("#mcp-url")).to_have_value(server.url + "/api/v1/mcp")
+            expect(page.locator("#mcp-steps")).to_contain_text("Add custom connector")
+            expect(page.locator("#mcp-steps")).to_contain_text("ChatGPT")
+            expect(page.locator("#mcp-reach")).to_contain_text("Away from home: the relay")
+            page.locator("#mcp-url").scroll_into_view_if_needed()
+            s.shot("connect-assistant")
+            page.click("#add-device")
+            page.fill("#device-name", "Second phone")
+            s.dialog_choose("make")
+            qr = page.locator("#pair-qr")
+            expect(qr).to_be_visible()
+            shot = tmp_path / "pair-qr-lan.png"
+            qr.screenshot(path=str(shot))
+            url = decode_qr(shot) if ZBARIMG else page.input_value("#pair-url")
+            assert url == page.input_value("#pair-url")
+            drawn = urllib.parse.urlsplit(url)
+            assert drawn.port == server.port
+            assert drawn.fragment.startswith("pair=")
+            reach = page.locator("#pair-reach")
+            if machine_address():
+                assert drawn.hostname not in ("127.0.0.1", "localhost", "::1")
+                assert not ipaddress.ip_address(socket.gethostbyname(drawn.hostname)).is_loopback
+                origin = f"{drawn.scheme}://{drawn.netloc}"
+                expect(reach).to_have_text(f"It opens this server on your home network: {origin}")
+            else:  # the documented fallback (docs/api.md: Devices)
+                assert drawn.hostname == "127.0.0.1"
+                expect(reach).to_contain_text("which only this computer reaches")
+            s.shot("pairing-lan")
+            assert unexpected(s.close()) == []
+        finally:
+            server.stop()
+
     def test_a_folder_pairing_lands_in_its_folder(self, browser, tmp_path):
         root = tmp_path / "srv"
         (root / "notes" / "family").mkdir(parents=True)
@@ -14623,6 +14714,10 @@ class TestWebClientGrants:
         expect(page.locator("#share-url")).to_have_value(re.compile(r"/s/[A-Za-z0-9_-]{22}$"))
         url = page.input_value("#share-url")
         expect(page.locator("#share-links")).to_contain_text("pancakes · expires")
+        # made on 127.0.0.1: the dialog says where it opens, and how to get a public one
+        note = page.locator("#share-home-only")
+        expect(note).to_contain_text("This link opens only at home: it names 127.0.0.1:")
+        expect(note).to_contain_text("Away from home: the relay")
         s.shot("share")
         stranger = browser.new_context()  # no key, nothing stored
         try:

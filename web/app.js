@@ -1402,7 +1402,7 @@ const app = (() => {
     const words = paths.queryWords(q);
     $("search-hint").hidden = true;
     $("results-info").textContent =
-      (data.total === 1 ? "1 note" : data.total + " notes") +
+      core.counted(data.total, "note") +
       " · " +
       (data.tookMs < 10 ? data.tookMs.toFixed(1) : Math.round(data.tookMs)) +
       " ms";
@@ -1519,6 +1519,7 @@ const app = (() => {
     const input = $("chat-input");
     const message = input.value.trim();
     if (!message) return;
+    core.setSide(true); // asked (from a phone's tab, or after Ask in the bar): in view
     const log = $("chat-log");
     const about = $("about").checked && state.path;
     log.appendChild(
@@ -1575,7 +1576,7 @@ const app = (() => {
   // -- start: wire the controls, connect with what this tab (or device) remembers ------------
 
   async function start() {
-    core.setSide(core.getItem("local", "notesvc.ui.side") !== "closed");
+    core.setSide(false); // the Ask pane is empty: it opens when used
     offline.offlineMenu();
     const moves = state.moves;
     if (offline.offlineOn()) await offline.loadOutboxOrSay();
@@ -1740,9 +1741,11 @@ const app = (() => {
     $("chat-input").addEventListener("keydown", (e) => {
       if (e.key === "Enter") core.act(ask)();
     });
-    $("toggle-ask").addEventListener("click", () =>
-      core.setSide($("main").classList.contains("side-closed")),
-    );
+    $("toggle-ask").addEventListener("click", () => {
+      const open = $("main").classList.contains("side-closed");
+      core.setSide(open);
+      if (open) $("chat-input").focus();
+    });
     for (const b of document.querySelectorAll(".tabs button")) {
       b.addEventListener("click", () => {
         core.showPane(b.dataset.pane);

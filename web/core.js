@@ -66,6 +66,11 @@ const core = (() => {
 
   // -- small DOM helpers -------------------------------------------------------------------
 
+  // "1 note", "3 notes": a count and its noun, the plural given when it is not noun + "s".
+  function counted(n, one, many) {
+    return n + " " + (n === 1 ? one : many || one + "s");
+  }
+
   function ago(iso) {
     const t = Date.parse(iso);
     if (!t) return "";
@@ -400,10 +405,12 @@ const core = (() => {
     if (vv) document.documentElement.style.setProperty("--app-h", Math.round(vv.height) + "px");
   }
 
+  // The Ask pane beside the note on a wide screen. Its answers live in the page only, so it
+  // starts empty, and closed (an empty pane takes no room): Ask in the bar, or a question
+  // asked, opens it.
   function setSide(open) {
     $("main").classList.toggle("side-closed", !open);
     $("toggle-ask").setAttribute("aria-expanded", String(open));
-    setItem("local", "notesvc.ui.side", open ? "open" : "closed");
   }
 
   // -- the tree: folders load lazily, one level at a time -------------------------------------
@@ -462,7 +469,7 @@ const core = (() => {
       node.count === undefined ? null : markdown.el("span", {class: "count"}, String(node.count)),
     );
     if (node.count !== undefined)
-      b.setAttribute("aria-label", node.name + ", folder, " + node.count + " notes");
+      b.setAttribute("aria-label", node.name + ", folder, " + counted(node.count, "note"));
     const sub = markdown.el("ul");
     sub.hidden = true;
     li.append(b, sub);
@@ -587,6 +594,7 @@ const core = (() => {
     ago,
     api,
     connect,
+    counted,
     enc,
     features,
     fitViewport,

@@ -266,8 +266,35 @@ const devices = (() => {
     }
   }
 
+  // Which address a pairing's link opens, in words (the server chose it: see its `via`).
+  function reachText(made) {
+    const origin = made.origin || new URL(made.url).origin;
+    switch (made.via) {
+      case "home":
+        return "It opens this server on your home network: " + origin;
+      case "relay":
+        return "It opens this server through your relay: " + origin;
+      case "public":
+        return "It opens this server at its public address: " + origin;
+      case "local":
+        return (
+          "It opens " +
+          origin +
+          ", which only this computer reaches: a phone needs the server started with " +
+          "--host 0.0.0.0 (then its home-network address is shown here), or a relay."
+        );
+      default:
+        return "It opens this server at this page's address: " + origin;
+    }
+  }
+
   async function showPairing(made) {
     const until = new Date(made.expiresAt);
+    const reach = el(
+      "p",
+      {id: "pair-reach", class: made.via === "local" ? "warn" : "muted"},
+      reachText(made),
+    );
     const status = el(
       "p",
       {id: "pair-status", role: "status"},
@@ -277,7 +304,7 @@ const devices = (() => {
     );
     const shown = app.dialog(
       "Scan to join",
-      [...pairingView(made, "join this server"), status],
+      [...pairingView(made, "join this server"), reach, status],
       [["cancel", "Done"]],
     );
     let watching = true;

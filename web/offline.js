@@ -356,8 +356,8 @@ const offline = (() => {
     };
     await Promise.all(Array.from({length: 6}, worker));
     await flush();
-    box.textContent = done + " notes kept";
-    box.title = done + " notes kept on this device";
+    box.textContent = core.counted(done, "note") + " kept";
+    box.title = core.counted(done, "note") + " kept on this device";
     box.className = "ready";
     performance.mark("notesvc:offline-copied");
     setTimeout(showWaiting, 5000);
@@ -472,7 +472,13 @@ const offline = (() => {
       if (files.length) body.push(el("p", {}, "With " + files.join(", ")));
       if (item.dropped) {
         body.push(
-          el("p", {class: "muted"}, item.dropped + " more file(s) were too large to keep."),
+          el(
+            "p",
+            {class: "muted"},
+            core.counted(item.dropped, "more file") +
+              (item.dropped === 1 ? " was" : " were") +
+              " too large to keep.",
+          ),
         );
       }
       const yes =

@@ -920,11 +920,8 @@ def get_addresses(svc: Service) -> dict:
     origin, via = pairing_origin(cfg, svc.state.read(), env)
     relayed = bool(cfg.relay_url) and cfg.pairing == "relay"
     mcp = (svc.relay_base(env) if relayed else svc.issuer(env)) + API + "/mcp"
-    return {
-        "phone": {"origin": origin, "via": via},
-        "mcpUrl": mcp,
-        "mcpVia": ("relay" if relayed else "page"),
-    }
+    mcp_via = "relay" if relayed else "public" if cfg.public_url else "page"
+    return {"phone": {"origin": origin, "via": via}, "mcpUrl": mcp, "mcpVia": mcp_via}
 
 
 def claim_device(svc: Service) -> dict:
