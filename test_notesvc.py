@@ -20823,6 +20823,26 @@ class TestImportInChromium:
         assert "attachments/imported/keep/1a2b3c4d.png" in names
         assert s.errors == []
 
+    def test_one_note_is_counted_as_one(self, web, tmp_path):
+        """Counts on the page go through one helper: "Import 1 note", not "1 notes"."""
+        s = web("phone")
+        page = s.page
+        one = tmp_path / "shopping.md"
+        one.write_text("# Shopping\n\n- bread\n")
+        page.click("#menu summary")
+        page.click("#menu-import")
+        page.set_input_files("#import-file", str(one))
+        s.dialog_choose("check")
+        expect(page.locator("#import-summary")).to_contain_text("Would bring in 1 note and 0 files")
+        expect(page.locator('#dlg button[data-value="import"]')).to_have_text("Import 1 note")
+        s.shot("import-one")
+        assert page.evaluate("[0, 1, 2].map((n) => core.counted(n, 'file'))") == [
+            "0 files",
+            "1 file",
+            "2 files",
+        ]
+        assert unexpected(s.close()) == []
+
 
 class TestFolderCounts:
     def test_counts_follow_single_changes_and_match_a_recount(self):
