@@ -26594,23 +26594,24 @@ def pairing_origin(config: Config, state: dict, environ: dict | None) -> tuple:
     origin on its relay ("relay"); else the request's ("page"). Outside a request: the
     banner's address. "local" is a loopback address that only this machine opens (a
     server listening on loopback only, with no relay)."""
-    if config.public_url:
-        url, via = config.public_url, "public"
-    elif environ is None:
-        url, via = phone_url(config), "home"
-    else:
-        url, via = "", ""
-        if page_on_loopback(config, environ):
-            port = int(environ.get("SERVER_PORT") or 0) or config.port
-            url, via = phone_url(config, port), "home"
-        if not url or is_loopback(urllib.parse.urlsplit(url).hostname or ""):
-            url, via = relay_origin_of(config, state), "relay"
-        if not url:
-            url, via = base_url_of(config, environ), "page"
+    url, via = _pairing_url(config, state, environ)
     parts = urllib.parse.urlsplit(url)
     if via in ("home", "page") and is_loopback(parts.hostname or ""):
         via = "local"
     return f"{parts.scheme}://{parts.netloc}", via
+
+
+def _pairing_url(config: Config, state: dict, environ: dict | None) -> tuple:
+    if config.public_url:
+        return config.public_url, "public"
+    if environ is None:
+        return phone_url(config), "home"
+    if page_on_loopback(config, environ):
+        home = phone_url(config, int(environ.get("SERVER_PORT") or 0) or config.port)
+        if not is_loopback(urllib.parse.urlsplit(home).hostname or ""):
+            return home, "home"
+    relayed = relay_origin_of(config, state)
+    return (relayed, "relay") if relayed else (base_url_of(config, environ), "page")
 
 
 def new_pairing(
