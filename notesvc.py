@@ -17576,7 +17576,7 @@ const core = (() => {
 
   // -- small DOM helpers -------------------------------------------------------------------
 
-  // "1 note", "3 notes": a count and its noun, the plural given when it is not noun + "s".
+  // "1 note", "3 notes"
   function counted(n, one, many) {
     return n + " " + (n === 1 ? one : many || one + "s");
   }
@@ -17915,9 +17915,7 @@ const core = (() => {
     if (vv) document.documentElement.style.setProperty("--app-h", Math.round(vv.height) + "px");
   }
 
-  // The Ask pane beside the note on a wide screen. Its answers live in the page only, so it
-  // starts empty, and closed (an empty pane takes no room): Ask in the bar, or a question
-  // asked, opens it.
+  // The Ask pane (wide screens): closed while empty; Ask in the bar opens it.
   function setSide(open) {
     $("main").classList.toggle("side-closed", !open);
     $("toggle-ask").setAttribute("aria-expanded", String(open));
@@ -20667,7 +20665,7 @@ const app = (() => {
     const input = $("chat-input");
     const message = input.value.trim();
     if (!message) return;
-    core.setSide(true); // asked (from a phone's tab, or after Ask in the bar): in view
+    core.setSide(true);
     const log = $("chat-log");
     const about = $("about").checked && state.path;
     log.appendChild(
@@ -20724,7 +20722,7 @@ const app = (() => {
   // -- start: wire the controls, connect with what this tab (or device) remembers ------------
 
   async function start() {
-    core.setSide(false); // the Ask pane is empty: it opens when used
+    core.setSide(false);
     offline.offlineMenu();
     const moves = state.moves;
     if (offline.offlineOn()) await offline.loadOutboxOrSay();
@@ -21151,50 +21149,22 @@ const grants = (() => {
     );
   }
 
-  // *Connect an AI assistant*: the MCP URL (the server's choice: its relay's when it has one)
-  // and where Claude and ChatGPT take it.
+  const RELAY_HINT = "pair a relay (README: “Away from home: the relay”).";
   function assistantSection(where) {
-    const steps = el(
-      "ol",
-      {id: "mcp-steps"},
-      el(
-        "li",
-        {},
-        el("strong", {}, "Claude"),
-        " (claude.ai and its apps): Settings → Connectors → Add custom connector; paste the " +
-          "URL, Add, then Connect.",
-      ),
-      el(
-        "li",
-        {},
-        el("strong", {}, "ChatGPT"),
-        ": Settings → Connectors (turn on developer mode under Advanced) → Create; paste the " +
-          "URL, authentication OAuth.",
-      ),
-      el(
-        "li",
-        {},
-        "This server's page then asks you to allow it: read only, or read and write " +
-          "(SERVICE_MCP_WRITE=true on the server), all notes or one folder. It is listed " +
-          "above under Connected apps, where Revoke disconnects it.",
-      ),
-    );
+    const li = (who, text) => el("li", {}, el("strong", {}, who), text);
     const parts = [
       el("h3", {}, "Connect an AI assistant"),
       shownOnce("MCP URL", where.mcpUrl, "mcp-url"),
-      steps,
+      el(
+        "ol",
+        {id: "mcp-steps"},
+        li("Claude", ": Settings → Connectors → Add custom connector, paste, Add, Connect."),
+        li("ChatGPT", ": Settings → Connectors (developer mode) → Create, paste, OAuth."),
+        li("", "Allow it on this server's page (writing needs SERVICE_MCP_WRITE=true)."),
+      ),
     ];
-    if (where.mcpVia === "page") {
-      parts.push(
-        el(
-          "p",
-          {class: "muted", id: "mcp-reach"},
-          "Claude and ChatGPT connect from their own servers, so they reach this URL only " +
-            "if it is public. A relay gives this server a public address: see “Away from " +
-            "home: the relay” in README.",
-        ),
-      );
-    }
+    const hint = "They need a public URL: " + RELAY_HINT;
+    if (where.mcpVia === "page") parts.push(el("p", {class: "muted", id: "mcp-reach"}, hint));
     return parts;
   }
 
@@ -21327,25 +21297,6 @@ const grants = (() => {
     );
   }
 
-  // Whether a link's host is reached only at home: loopback, a private or link-local
-  // address, or a name only a home network knows (a single label, .local, .lan, .home.arpa).
-  function homeOnly(url) {
-    const host = new URL(url).hostname.toLowerCase().replace(/^\[|\]$/g, "");
-    if (/^(localhost|.*\.(localhost|local|lan|home\.arpa|internal))$/.test(host)) return true;
-    if (host.includes(":")) return /^(::1$|f[cd]|fe[89ab])/.test(host);
-    const ip = host.split(".").map(Number);
-    if (ip.length !== 4 || ip.some((n) => !(n >= 0 && n <= 255))) return !host.includes(".");
-    const [a, b] = ip;
-    return (
-      a === 10 ||
-      a === 127 ||
-      (a === 172 && b >= 16 && b < 32) ||
-      (a === 192 && b === 168) ||
-      (a === 169 && b === 254) ||
-      (a === 100 && b >= 64 && b < 128)
-    );
-  }
-
   async function shareNote(made) {
     if (!state.path) return;
     const path = state.path;
@@ -21374,18 +21325,10 @@ const grants = (() => {
       ),
     ];
     if (made) body.push(shownOnce("Link", made.url, "share-url"));
-    if (made && homeOnly(made.url)) {
-      body.push(
-        el(
-          "p",
-          {class: "warn", id: "share-home-only"},
-          "This link opens only at home: it names " +
-            new URL(made.url).host +
-            ", which the internet cannot reach. For a link that opens anywhere, connect " +
-            "this server to a relay (README: “Away from home: the relay”) and make the link " +
-            "from the relay's address.",
-        ),
-      );
+    if (made && made.homeOnly) {
+      const where = new URL(made.url).host;
+      const text = "It opens only at home (" + where + "). For one that opens anywhere, ";
+      body.push(el("p", {class: "warn", id: "share-home-only"}, text + RELAY_HINT));
     }
     body.push(
       el("label", {for: "share-days"}, "A new link expires"),
@@ -21894,15 +21837,8 @@ const offline = (() => {
       if (item.text) body.push(el("blockquote", {class: "shared-text"}, item.text.slice(0, 500)));
       if (files.length) body.push(el("p", {}, "With " + files.join(", ")));
       if (item.dropped) {
-        body.push(
-          el(
-            "p",
-            {class: "muted"},
-            core.counted(item.dropped, "more file") +
-              (item.dropped === 1 ? " was" : " were") +
-              " too large to keep.",
-          ),
-        );
+        const more = core.counted(item.dropped, "more file");
+        body.push(el("p", {class: "muted"}, "Too large to keep: " + more + "."));
       }
       const yes =
         (await app.dialog("Shared to notesvc", body, [
@@ -22341,26 +22277,16 @@ const devices = (() => {
     }
   }
 
-  // Which address a pairing's link opens, in words (the server chose it: see its `via`).
+  // Where the link opens (the server's choice)
+  const REACH = {
+    home: "on your home network",
+    relay: "through your relay",
+    public: "at its public address",
+    page: "at this page's address",
+  };
   function reachText(made) {
-    const origin = made.origin || new URL(made.url).origin;
-    switch (made.via) {
-      case "home":
-        return "It opens this server on your home network: " + origin;
-      case "relay":
-        return "It opens this server through your relay: " + origin;
-      case "public":
-        return "It opens this server at its public address: " + origin;
-      case "local":
-        return (
-          "It opens " +
-          origin +
-          ", which only this computer reaches: a phone needs the server started with " +
-          "--host 0.0.0.0 (then its home-network address is shown here), or a relay."
-        );
-      default:
-        return "It opens this server at this page's address: " + origin;
-    }
+    if (made.via !== "local") return "It opens this server " + REACH[made.via] + ": " + made.origin;
+    return "Only this computer opens " + made.origin + ": start the server with --host 0.0.0.0.";
   }
 
   async function showPairing(made) {
@@ -26718,7 +26644,20 @@ def create_share(svc: Service) -> dict:
         raise not_found(f"no note at {path}")
     record, token = svc.grants.create_share(path, days, request_principal())
     log.info("share link %s created for a note", record["id"])
-    return {**record, "url": share_url(svc, bottle.request.environ, token)}
+    url = share_url(svc, bottle.request.environ, token)
+    return {**record, "url": url, "homeOnly": opens_only_at_home(url)}
+
+
+HOME_NAME_RE = re.compile(r"(?:[^.]+|.+\.(?:local|lan|home\.arpa|internal|localhost))")
+
+
+def opens_only_at_home(url: str) -> bool:
+    """Return whether a link names a host only this machine or its network reaches: a
+    loopback, private or link-local address, localhost, a single label, .local, .lan."""
+    host = (urllib.parse.urlsplit(url).hostname or "").lower().rstrip(".")
+    if ip_of(host) is not None:
+        return is_home_network(host)
+    return bool(HOME_NAME_RE.fullmatch(host))
 
 
 def list_shares(svc: Service) -> dict:

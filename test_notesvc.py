@@ -7638,12 +7638,35 @@ class TestShareLinks:
 
     def test_create_gives_a_link_that_expires_in_seven_days(self, shared, root):
         client, d = shared
-        assert set(d) == {"id", "path", "url", "createdAt", "expiresAt", "createdBy"}
+        assert set(d) == {"id", "path", "url", "createdAt", "expiresAt", "createdBy", "homeOnly"}
+        assert d["homeOnly"] is True  # localhost: it opens at home only (the dialog says so)
         sid = client.app.service.state.read()["serverId"]
         assert re.fullmatch(rf"http://localhost:80/r/{sid}/s/[A-Za-z0-9_-]{{22}}", d["url"])
         days = (notesvc._epoch(d["expiresAt"]) - notesvc._epoch(d["createdAt"])) / 86400
         assert round(days) == 7
         assert self.token(d) not in (root / ".notesvc" / "state.json").read_text()
+
+    @pytest.mark.parametrize(
+        ("host", "home"),
+        [
+            ("127.0.0.1:3000", True),
+            ("192.168.1.20:3000", True),
+            ("[fd00::20]:3000", True),
+            ("raspberrypi:3000", True),
+            ("pi.local:3000", True),
+            ("100.101.102.103", True),  # a tailnet's
+            ("notes.example.org", False),
+            ("203.0.113.7:3000", False),
+            ("[2001:db8::7]", False),
+        ],
+    )
+    def test_a_link_says_whether_it_opens_only_at_home(self, make_app, host, home):
+        client = with_key(make_app(SERVICE_PAIRING_MODE="open-port"))
+        put_note(client, "notes/x.md", "x")
+        body = {"path": "notes/x.md"}
+        d = data(client.post_json(f"{API}/shares", body, extra_environ={"HTTP_HOST": host}))
+        assert d["url"].startswith(f"http://{host}/s/")
+        assert d["homeOnly"] is home
 
     def test_open_port_mode_links_to_the_server_itself(self, make_app):
         client = with_key(make_app(SERVICE_PAIRING_MODE="open-port"))
@@ -14478,7 +14501,7 @@ class TestDevicesInChromium:
         """Opened on http://127.0.0.1:<port> (the server's own browser), Add a device draws
         the address the banner gives phones, and says so; Keys and devices shows the MCP URL.
         A machine with no address but loopback gets the documented fallback: 127.0.0.1,
-        with the page saying that only this computer reaches it."""
+        with the page saying that only this computer opens it."""
         server = Server(tmp_path / "srv", host="0.0.0.0")
         try:
             key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
@@ -14513,7 +14536,7 @@ class TestDevicesInChromium:
                 expect(reach).to_have_text(f"It opens this server on your home network: {origin}")
             else:  # the documented fallback (docs/api.md: Devices)
                 assert drawn.hostname == "127.0.0.1"
-                expect(reach).to_contain_text("which only this computer reaches")
+                expect(reach).to_contain_text("Only this computer opens http://127.0.0.1:")
             s.shot("pairing-lan")
             assert unexpected(s.close()) == []
         finally:
@@ -14716,7 +14739,7 @@ class TestWebClientGrants:
         expect(page.locator("#share-links")).to_contain_text("pancakes · expires")
         # made on 127.0.0.1: the dialog says where it opens, and how to get a public one
         note = page.locator("#share-home-only")
-        expect(note).to_contain_text("This link opens only at home: it names 127.0.0.1:")
+        expect(note).to_contain_text("It opens only at home (127.0.0.1:")
         expect(note).to_contain_text("Away from home: the relay")
         s.shot("share")
         stranger = browser.new_context()  # no key, nothing stored

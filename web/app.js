@@ -1519,7 +1519,7 @@ const app = (() => {
     const input = $("chat-input");
     const message = input.value.trim();
     if (!message) return;
-    core.setSide(true); // asked (from a phone's tab, or after Ask in the bar): in view
+    core.setSide(true);
     const log = $("chat-log");
     const about = $("about").checked && state.path;
     log.appendChild(
@@ -1576,7 +1576,7 @@ const app = (() => {
   // -- start: wire the controls, connect with what this tab (or device) remembers ------------
 
   async function start() {
-    core.setSide(false); // the Ask pane is empty: it opens when used
+    core.setSide(false);
     offline.offlineMenu();
     const moves = state.moves;
     if (offline.offlineOn()) await offline.loadOutboxOrSay();

@@ -66,7 +66,7 @@ const core = (() => {
 
   // -- small DOM helpers -------------------------------------------------------------------
 
-  // "1 note", "3 notes": a count and its noun, the plural given when it is not noun + "s".
+  // "1 note", "3 notes"
   function counted(n, one, many) {
     return n + " " + (n === 1 ? one : many || one + "s");
   }
@@ -405,9 +405,7 @@ const core = (() => {
     if (vv) document.documentElement.style.setProperty("--app-h", Math.round(vv.height) + "px");
   }
 
-  // The Ask pane beside the note on a wide screen. Its answers live in the page only, so it
-  // starts empty, and closed (an empty pane takes no room): Ask in the bar, or a question
-  // asked, opens it.
+  // The Ask pane (wide screens): closed while empty; Ask in the bar opens it.
   function setSide(open) {
     $("main").classList.toggle("side-closed", !open);
     $("toggle-ask").setAttribute("aria-expanded", String(open));

@@ -266,26 +266,16 @@ const devices = (() => {
     }
   }
 
-  // Which address a pairing's link opens, in words (the server chose it: see its `via`).
+  // Where the link opens (the server's choice)
+  const REACH = {
+    home: "on your home network",
+    relay: "through your relay",
+    public: "at its public address",
+    page: "at this page's address",
+  };
   function reachText(made) {
-    const origin = made.origin || new URL(made.url).origin;
-    switch (made.via) {
-      case "home":
-        return "It opens this server on your home network: " + origin;
-      case "relay":
-        return "It opens this server through your relay: " + origin;
-      case "public":
-        return "It opens this server at its public address: " + origin;
-      case "local":
-        return (
-          "It opens " +
-          origin +
-          ", which only this computer reaches: a phone needs the server started with " +
-          "--host 0.0.0.0 (then its home-network address is shown here), or a relay."
-        );
-      default:
-        return "It opens this server at this page's address: " + origin;
-    }
+    if (made.via !== "local") return "It opens this server " + REACH[made.via] + ": " + made.origin;
+    return "Only this computer opens " + made.origin + ": start the server with --host 0.0.0.0.";
   }
 
   async function showPairing(made) {

@@ -169,50 +169,22 @@ const grants = (() => {
     );
   }
 
-  // *Connect an AI assistant*: the MCP URL (the server's choice: its relay's when it has one)
-  // and where Claude and ChatGPT take it.
+  const RELAY_HINT = "pair a relay (README: “Away from home: the relay”).";
   function assistantSection(where) {
-    const steps = el(
-      "ol",
-      {id: "mcp-steps"},
-      el(
-        "li",
-        {},
-        el("strong", {}, "Claude"),
-        " (claude.ai and its apps): Settings → Connectors → Add custom connector; paste the " +
-          "URL, Add, then Connect.",
-      ),
-      el(
-        "li",
-        {},
-        el("strong", {}, "ChatGPT"),
-        ": Settings → Connectors (turn on developer mode under Advanced) → Create; paste the " +
-          "URL, authentication OAuth.",
-      ),
-      el(
-        "li",
-        {},
-        "This server's page then asks you to allow it: read only, or read and write " +
-          "(SERVICE_MCP_WRITE=true on the server), all notes or one folder. It is listed " +
-          "above under Connected apps, where Revoke disconnects it.",
-      ),
-    );
+    const li = (who, text) => el("li", {}, el("strong", {}, who), text);
     const parts = [
       el("h3", {}, "Connect an AI assistant"),
       shownOnce("MCP URL", where.mcpUrl, "mcp-url"),
-      steps,
+      el(
+        "ol",
+        {id: "mcp-steps"},
+        li("Claude", ": Settings → Connectors → Add custom connector, paste, Add, Connect."),
+        li("ChatGPT", ": Settings → Connectors (developer mode) → Create, paste, OAuth."),
+        li("", "Allow it on this server's page (writing needs SERVICE_MCP_WRITE=true)."),
+      ),
     ];
-    if (where.mcpVia === "page") {
-      parts.push(
-        el(
-          "p",
-          {class: "muted", id: "mcp-reach"},
-          "Claude and ChatGPT connect from their own servers, so they reach this URL only " +
-            "if it is public. A relay gives this server a public address: see “Away from " +
-            "home: the relay” in README.",
-        ),
-      );
-    }
+    const hint = "They need a public URL: " + RELAY_HINT;
+    if (where.mcpVia === "page") parts.push(el("p", {class: "muted", id: "mcp-reach"}, hint));
     return parts;
   }
 
@@ -345,25 +317,6 @@ const grants = (() => {
     );
   }
 
-  // Whether a link's host is reached only at home: loopback, a private or link-local
-  // address, or a name only a home network knows (a single label, .local, .lan, .home.arpa).
-  function homeOnly(url) {
-    const host = new URL(url).hostname.toLowerCase().replace(/^\[|\]$/g, "");
-    if (/^(localhost|.*\.(localhost|local|lan|home\.arpa|internal))$/.test(host)) return true;
-    if (host.includes(":")) return /^(::1$|f[cd]|fe[89ab])/.test(host);
-    const ip = host.split(".").map(Number);
-    if (ip.length !== 4 || ip.some((n) => !(n >= 0 && n <= 255))) return !host.includes(".");
-    const [a, b] = ip;
-    return (
-      a === 10 ||
-      a === 127 ||
-      (a === 172 && b >= 16 && b < 32) ||
-      (a === 192 && b === 168) ||
-      (a === 169 && b === 254) ||
-      (a === 100 && b >= 64 && b < 128)
-    );
-  }
-
   async function shareNote(made) {
     if (!state.path) return;
     const path = state.path;
@@ -392,18 +345,10 @@ const grants = (() => {
       ),
     ];
     if (made) body.push(shownOnce("Link", made.url, "share-url"));
-    if (made && homeOnly(made.url)) {
-      body.push(
-        el(
-          "p",
-          {class: "warn", id: "share-home-only"},
-          "This link opens only at home: it names " +
-            new URL(made.url).host +
-            ", which the internet cannot reach. For a link that opens anywhere, connect " +
-            "this server to a relay (README: “Away from home: the relay”) and make the link " +
-            "from the relay's address.",
-        ),
-      );
+    if (made && made.homeOnly) {
+      const where = new URL(made.url).host;
+      const text = "It opens only at home (" + where + "). For one that opens anywhere, ";
+      body.push(el("p", {class: "warn", id: "share-home-only"}, text + RELAY_HINT));
     }
     body.push(
       el("label", {for: "share-days"}, "A new link expires"),

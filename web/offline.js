@@ -471,15 +471,8 @@ const offline = (() => {
       if (item.text) body.push(el("blockquote", {class: "shared-text"}, item.text.slice(0, 500)));
       if (files.length) body.push(el("p", {}, "With " + files.join(", ")));
       if (item.dropped) {
-        body.push(
-          el(
-            "p",
-            {class: "muted"},
-            core.counted(item.dropped, "more file") +
-              (item.dropped === 1 ? " was" : " were") +
-              " too large to keep.",
-          ),
-        );
+        const more = core.counted(item.dropped, "more file");
+        body.push(el("p", {class: "muted"}, "Too large to keep: " + more + "."));
       }
       const yes =
         (await app.dialog("Shared to notesvc", body, [

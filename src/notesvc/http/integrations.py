@@ -43,7 +43,9 @@ from notesvc.helpers import (
     behind_trusted_proxy,
     disk_writes,
     field,
+    ip_of,
     is_blank,
+    is_home_network,
     is_loopback,
     iso,
     log_safe,
@@ -980,7 +982,20 @@ def create_share(svc: Service) -> dict:
         raise not_found(f"no note at {path}")
     record, token = svc.grants.create_share(path, days, request_principal())
     log.info("share link %s created for a note", record["id"])
-    return {**record, "url": share_url(svc, bottle.request.environ, token)}
+    url = share_url(svc, bottle.request.environ, token)
+    return {**record, "url": url, "homeOnly": opens_only_at_home(url)}
+
+
+HOME_NAME_RE = re.compile(r"(?:[^.]+|.+\.(?:local|lan|home\.arpa|internal|localhost))")
+
+
+def opens_only_at_home(url: str) -> bool:
+    """Return whether a link names a host only this machine or its network reaches: a
+    loopback, private or link-local address, localhost, a single label, .local, .lan."""
+    host = (urllib.parse.urlsplit(url).hostname or "").lower().rstrip(".")
+    if ip_of(host) is not None:
+        return is_home_network(host)
+    return bool(HOME_NAME_RE.fullmatch(host))
 
 
 def list_shares(svc: Service) -> dict:
