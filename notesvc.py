@@ -17713,6 +17713,11 @@ const core = (() => {
 
   // -- small DOM helpers -------------------------------------------------------------------
 
+  // "1 note", "3 notes"
+  function counted(n, one, many) {
+    return n + " " + (n === 1 ? one : many || one + "s");
+  }
+
   function ago(iso) {
     const t = Date.parse(iso);
     if (!t) return "";
@@ -18047,10 +18052,10 @@ const core = (() => {
     if (vv) document.documentElement.style.setProperty("--app-h", Math.round(vv.height) + "px");
   }
 
+  // The Ask pane (wide screens): closed while empty; Ask in the bar opens it.
   function setSide(open) {
     $("main").classList.toggle("side-closed", !open);
     $("toggle-ask").setAttribute("aria-expanded", String(open));
-    setItem("local", "notesvc.ui.side", open ? "open" : "closed");
   }
 
   // -- the tree: folders load lazily, one level at a time -------------------------------------
@@ -18109,7 +18114,7 @@ const core = (() => {
       node.count === undefined ? null : markdown.el("span", {class: "count"}, String(node.count)),
     );
     if (node.count !== undefined)
-      b.setAttribute("aria-label", node.name + ", folder, " + node.count + " notes");
+      b.setAttribute("aria-label", node.name + ", folder, " + counted(node.count, "note"));
     const sub = markdown.el("ul");
     sub.hidden = true;
     li.append(b, sub);
@@ -18234,6 +18239,7 @@ const core = (() => {
     ago,
     api,
     connect,
+    counted,
     enc,
     features,
     fitViewport,
@@ -20838,7 +20844,7 @@ const app = (() => {
     const words = paths.queryWords(q);
     $("search-hint").hidden = true;
     $("results-info").textContent =
-      (data.total === 1 ? "1 note" : data.total + " notes") +
+      core.counted(data.total, "note") +
       " · " +
       (data.tookMs < 10 ? data.tookMs.toFixed(1) : Math.round(data.tookMs)) +
       " ms";
@@ -20955,6 +20961,7 @@ const app = (() => {
     const input = $("chat-input");
     const message = input.value.trim();
     if (!message) return;
+    core.setSide(true);
     const log = $("chat-log");
     const about = $("about").checked && state.path;
     log.appendChild(
@@ -21011,7 +21018,7 @@ const app = (() => {
   // -- start: wire the controls, connect with what this tab (or device) remembers ------------
 
   async function start() {
-    core.setSide(core.getItem("local", "notesvc.ui.side") !== "closed");
+    core.setSide(false);
     offline.offlineMenu();
     const moves = state.moves;
     if (offline.offlineOn()) await offline.loadOutboxOrSay();
@@ -21177,9 +21184,11 @@ const app = (() => {
     $("chat-input").addEventListener("keydown", (e) => {
       if (e.key === "Enter") core.act(ask)();
     });
-    $("toggle-ask").addEventListener("click", () =>
-      core.setSide($("main").classList.contains("side-closed")),
-    );
+    $("toggle-ask").addEventListener("click", () => {
+      const open = $("main").classList.contains("side-closed");
+      core.setSide(open);
+      if (open) $("chat-input").focus();
+    });
     for (const b of document.querySelectorAll(".tabs button")) {
       b.addEventListener("click", () => {
         core.showPane(b.dataset.pane);
@@ -21403,8 +21412,7 @@ const grants = (() => {
             "p",
             {id: "revoke-made"},
             "It made " +
-              made.length +
-              (made.length === 1 ? " key, device or app" : " keys, devices or apps") +
+              core.counted(made.length, "key, device or app", "keys, devices or apps") +
               " that keep working unless you revoke them too: " +
               made.map((m) => "“" + m.name + "”").join(", ") +
               ".",
@@ -21437,10 +21445,30 @@ const grants = (() => {
     );
   }
 
+  const RELAY_HINT = "pair a relay (README: “Away from home: the relay”).";
+  function assistantSection(where) {
+    const li = (who, text) => el("li", {}, el("strong", {}, who), text);
+    const parts = [
+      el("h3", {}, "Connect an AI assistant"),
+      shownOnce("MCP URL", where.mcpUrl, "mcp-url"),
+      el(
+        "ol",
+        {id: "mcp-steps"},
+        li("Claude", ": Settings → Connectors → Add custom connector, paste, Add, Connect."),
+        li("ChatGPT", ": Settings → Connectors (developer mode) → Create, paste, OAuth."),
+        li("", "Allow it on this server's page (writing needs SERVICE_MCP_WRITE=true)."),
+      ),
+    ];
+    const hint = "They need a public URL: " + RELAY_HINT;
+    if (where.mcpVia === "page") parts.push(el("p", {class: "muted", id: "mcp-reach"}, hint));
+    return parts;
+  }
+
   async function showKeys(made) {
-    const [{data}, shares] = await Promise.all([
+    const [{data}, shares, where] = await Promise.all([
       core.api("GET", "/auth/keys"),
       core.api("GET", "/shares"),
+      core.api("GET", "/auth/devices/addresses"),
     ]);
     const keyList = el("ul", {class: "list", id: "keys-list"});
     const apps = el("ul", {class: "list", id: "connections-list"});
@@ -21529,6 +21557,7 @@ const grants = (() => {
       keyList,
       el("h3", {}, "Connected apps"),
       apps,
+      ...assistantSection(where.data),
       el("h3", {}, "Share links"),
       links,
       form,
@@ -21592,6 +21621,11 @@ const grants = (() => {
       ),
     ];
     if (made) body.push(shownOnce("Link", made.url, "share-url"));
+    if (made && made.homeOnly) {
+      const where = new URL(made.url).host;
+      const text = "It opens only at home (" + where + "). For one that opens anywhere, ";
+      body.push(el("p", {class: "warn", id: "share-home-only"}, text + RELAY_HINT));
+    }
     body.push(
       el("label", {for: "share-days"}, "A new link expires"),
       days,
@@ -22005,8 +22039,8 @@ const offline = (() => {
     };
     await Promise.all(Array.from({length: 6}, worker));
     await flush();
-    box.textContent = done + " notes kept";
-    box.title = done + " notes kept on this device";
+    box.textContent = core.counted(done, "note") + " kept";
+    box.title = core.counted(done, "note") + " kept on this device";
     box.className = "ready";
     performance.mark("notesvc:offline-copied");
     setTimeout(showWaiting, 5000);
@@ -22121,9 +22155,8 @@ const offline = (() => {
       if (item.text) body.push(el("blockquote", {class: "shared-text"}, item.text.slice(0, 500)));
       if (files.length) body.push(el("p", {}, "With " + files.join(", ")));
       if (item.dropped) {
-        body.push(
-          el("p", {class: "muted"}, item.dropped + " more file(s) were too large to keep."),
-        );
+        const more = core.counted(item.dropped, "more file");
+        body.push(el("p", {class: "muted"}, "Too large to keep: " + more + "."));
       }
       const yes =
         (await app.dialog("Shared to notesvc", body, [
@@ -22568,8 +22601,25 @@ const devices = (() => {
     }
   }
 
+  // Where the link opens (the server's choice)
+  const REACH = {
+    home: "on your home network",
+    relay: "through your relay",
+    public: "at its public address",
+    page: "at this page's address",
+  };
+  function reachText(made) {
+    if (made.via !== "local") return "It opens this server " + REACH[made.via] + ": " + made.origin;
+    return "Only this computer opens " + made.origin + ": start the server with --host 0.0.0.0.";
+  }
+
   async function showPairing(made) {
     const until = new Date(made.expiresAt);
+    const reach = el(
+      "p",
+      {id: "pair-reach", class: made.via === "local" ? "warn" : "muted"},
+      reachText(made),
+    );
     const status = el(
       "p",
       {id: "pair-status", role: "status"},
@@ -22579,7 +22629,7 @@ const devices = (() => {
     );
     const shown = app.dialog(
       "Scan to join",
-      [...pairingView(made, "join this server"), status],
+      [...pairingView(made, "join this server"), reach, status],
       [["cancel", "Done"]],
     );
     let watching = true;
@@ -22854,18 +22904,19 @@ WEB_TRANSFER_JS = r"""
         "p",
         {id: "import-summary"},
         verb +
-          r.created +
-          (r.created === 1 ? " note" : " notes") +
+          core.counted(r.created, "note") +
           " and " +
-          r.attachments +
-          (r.attachments === 1 ? " file" : " files") +
+          core.counted(r.attachments, "file") +
           " into " +
           r.into +
           ".",
       ),
     ];
     if (r.renamed) {
-      lines.push(el("p", {}, r.renamed + " get a free name (“ 2”): nothing is ever overwritten."));
+      const get = r.renamed === 1 ? " gets" : " get";
+      lines.push(
+        el("p", {}, r.renamed + get + " a free name (“ 2”): nothing is ever overwritten."),
+      );
     }
     if (r.skipped.length) {
       const list = el("ul", {id: "import-skipped", class: "skipped"});
@@ -22923,7 +22974,7 @@ WEB_TRANSFER_JS = r"""
       }
       const yes = await app.dialog("Import notes", importSummary(report), [
         ["cancel", "Cancel"],
-        ["import", "Import " + report.created + " notes", "primary"],
+        ["import", "Import " + core.counted(report.created, "note"), "primary"],
       ]);
       if (yes !== "import") return;
       const doing = el("p", {id: "import-progress", role: "status"}, "Sending…");
@@ -26901,15 +26952,45 @@ def qr_svg(text: str) -> str | None:
     return out.getvalue().decode("utf-8")
 
 
-def pairing_origin(config: Config, state: dict, environ: dict | None) -> str:
-    """Return the origin a pairing's link opens: SERVICE_PUBLIC_URL's, else the server's
-    own origin on its relay, else the request's (outside a request: the address the
-    banner gives phones)."""
-    url = config.public_url or relay_origin_of(config, state)
-    if not url:
-        url = base_url_of(config, environ) if environ is not None else phone_url(config)
+def page_on_loopback(config: Config, environ: dict) -> bool:
+    """Return whether the page asking was opened by a loopback name (127.0.0.1, ::1,
+    localhost) on this machine itself: never a relayed request, nor a proxied one."""
+    if environ.get("notesvc.relayed") or behind_trusted_proxy(config, environ):
+        return False
+    host = request_host(config, environ)
+    if not valid_host(host) or not is_loopback(environ.get("REMOTE_ADDR", "")):
+        return False
+    name = host[1 : host.index("]")] if host.startswith("[") else host.rsplit(":", 1)[0]
+    name = name.lower().rstrip(".")
+    return name == "localhost" or name.endswith(".localhost") or is_loopback(name)
+
+
+def pairing_origin(config: Config, state: dict, environ: dict | None) -> tuple:
+    """Return (origin, via): the origin a pairing's link opens and which one it is.
+
+    SERVICE_PUBLIC_URL's ("public"); on a page opened by a loopback name, the address the
+    banner gives phones ("home": a phone can't open 127.0.0.1); else the server's own
+    origin on its relay ("relay"); else the request's ("page"). Outside a request: the
+    banner's address. "local" is a loopback address that only this machine opens (a
+    server listening on loopback only, with no relay)."""
+    url, via = _pairing_url(config, state, environ)
     parts = urllib.parse.urlsplit(url)
-    return f"{parts.scheme}://{parts.netloc}"
+    if via in ("home", "page") and is_loopback(parts.hostname or ""):
+        via = "local"
+    return f"{parts.scheme}://{parts.netloc}", via
+
+
+def _pairing_url(config: Config, state: dict, environ: dict | None) -> tuple:
+    if config.public_url:
+        return config.public_url, "public"
+    if environ is None:
+        return phone_url(config), "home"
+    if page_on_loopback(config, environ):
+        home = phone_url(config, int(environ.get("SERVER_PORT") or 0) or config.port)
+        if not is_loopback(urllib.parse.urlsplit(home).hostname or ""):
+            return home, "home"
+    relayed = relay_origin_of(config, state)
+    return (relayed, "relay") if relayed else (base_url_of(config, environ), "page")
 
 
 def new_pairing(
@@ -26922,7 +27003,7 @@ def new_pairing(
     created_by: str,
 ) -> dict:
     """Make a pairing; return {id, name, scope, folder, createdAt, expiresAt, createdBy,
-    secret, url[, qrSvg]}: the secret travels only in the link's fragment."""
+    secret, url, origin, via[, qrSvg]}: the secret travels only in the link's fragment."""
     if scope not in SCOPES:
         raise bad_request("'scope' must be read, write or admin")
     if scope == "admin" and folder:
@@ -26930,8 +27011,9 @@ def new_pairing(
     record, secret = grants.create_pairing(
         name, scope, folder, config.pairing_ttl, created_by=created_by
     )
-    url = f"{pairing_origin(config, grants.state.read(), environ)}/#pair={secret}"
-    answer = {**record, "secret": secret, "url": url}
+    origin, via = pairing_origin(config, grants.state.read(), environ)
+    url = f"{origin}/#pair={secret}"
+    answer = {**record, "secret": secret, "url": url, "origin": origin, "via": via}
     svg = qr_svg(url)
     if svg:
         answer["qrSvg"] = svg
@@ -26946,6 +27028,18 @@ def create_pairing(svc: Service) -> dict:
     env = bottle.request.environ
     made = made_by(request_principal())
     return new_pairing(svc.config, svc.grants, name, scope, folder, env, made)
+
+
+def get_addresses(svc: Service) -> dict:
+    """GET /auth/devices/addresses (admin): where a phone and an AI assistant reach this
+    server, as Add a device and Connect an AI assistant show them. The LAN address is
+    offered only here and in a pairing, both admin: never to a folder key or a stranger."""
+    env, cfg = bottle.request.environ, svc.config
+    origin, via = pairing_origin(cfg, svc.state.read(), env)
+    relayed = bool(cfg.relay_url) and cfg.pairing == "relay"
+    mcp = (svc.relay_base(env) if relayed else svc.issuer(env)) + API + "/mcp"
+    mcp_via = "relay" if relayed else "public" if cfg.public_url else "page"
+    return {"phone": {"origin": origin, "via": via}, "mcpUrl": mcp, "mcpVia": mcp_via}
 
 
 def claim_device(svc: Service) -> dict:
@@ -27003,7 +27097,20 @@ def create_share(svc: Service) -> dict:
         raise not_found(f"no note at {path}")
     record, token = svc.grants.create_share(path, days, request_principal())
     log.info("share link %s created for a note", record["id"])
-    return {**record, "url": share_url(svc, bottle.request.environ, token)}
+    url = share_url(svc, bottle.request.environ, token)
+    return {**record, "url": url, "homeOnly": opens_only_at_home(url)}
+
+
+HOME_NAME_RE = re.compile(r"(?:[^.]+|.+\.(?:local|lan|home\.arpa|internal|localhost))")
+
+
+def opens_only_at_home(url: str) -> bool:
+    """Return whether a link names a host only this machine or its network reaches: a
+    loopback, private or link-local address, localhost, a single label, .local, .lan."""
+    host = (urllib.parse.urlsplit(url).hostname or "").lower().rstrip(".")
+    if ip_of(host) is not None:
+        return is_home_network(host)
+    return bool(HOME_NAME_RE.fullmatch(host))
 
 
 def list_shares(svc: Service) -> dict:
@@ -29483,6 +29590,15 @@ ROUTES = (
         tag="auth",
         scope="admin",
         secret=True,
+    ),
+    Route(
+        "GET",
+        "/auth/devices/addresses",
+        get_addresses,
+        summary="Where a phone (the link Add a device draws) and an AI assistant (the MCP "
+        "URL) reach this server",
+        tag="auth",
+        scope="admin",
     ),
     Route(
         "POST",

@@ -18,6 +18,7 @@ import http.client
 import http.server
 import importlib.util
 import io
+import ipaddress
 import itertools
 import json
 import logging
@@ -201,9 +202,10 @@ class Server:
         port: int = 0,
         program: tuple = (NOTESVC,),
         cwd: Path | None = None,
+        host: str = "127.0.0.1",  # 0.0.0.0: also on this machine's network (as phones need)
     ):
         must_be_marked("real_server")
-        cmd = [sys.executable, *program, *args, "--host", "127.0.0.1", "--port", str(port)]
+        cmd = [sys.executable, *program, *args, "--host", host, "--port", str(port)]
         cmd += [] if args[:1] == ("relay",) else ["--root", str(root)]  # a relay has no root
         full_env = {
             **os.environ,
@@ -7058,6 +7060,73 @@ class TestDevices:
         writer = with_key(anon, claim(anon, pair(client, scope="write")["secret"])["key"])
         writer.post_json(f"{API}/auth/devices/pairings", {"scope": "read"}, status=403)
 
+    # -- which address Add a device draws (the phone issue, 42 item 6) --------------------
+
+    ON_THIS_MACHINE = {
+        "REMOTE_ADDR": "127.0.0.1",
+        "HTTP_HOST": "127.0.0.1:3000",
+        "SERVER_PORT": "3000",
+    }
+
+    def where(self, app, environ: dict) -> tuple:
+        """(a pairing's link origin, via, the addresses answer) as environ's request sees them."""
+        key = with_key(app)
+        made = key.post_json(f"{API}/auth/devices/pairings", {}, extra_environ=environ)
+        got = data(key.get(f"{API}/auth/devices/addresses", extra_environ=environ))
+        assert made.json["data"]["url"].startswith(made.json["data"]["origin"] + "/#pair=")
+        assert got["phone"] == {k: made.json["data"][k] for k in ("origin", "via")}
+        return made.json["data"]["origin"], made.json["data"]["via"], got
+
+    @pytest.mark.parametrize("host", ["127.0.0.1:3000", "localhost:3000", "[::1]:3000"])
+    def test_a_page_on_loopback_draws_the_address_the_banner_gives_phones(self, make_app, host):
+        app = make_app(SERVICE_HOST="192.168.1.20", SERVICE_PORT="3000")
+        env = {**self.ON_THIS_MACHINE, "HTTP_HOST": host}
+        origin, via, _ = self.where(app, env)
+        assert (origin, via) == ("http://192.168.1.20:3000", "home")
+        # the same server opened by its LAN address: that address, as before
+        lan = {"REMOTE_ADDR": "192.168.1.30", "HTTP_HOST": "192.168.1.20:3000"}
+        assert self.where(app, lan)[:2] == ("http://192.168.1.20:3000", "page")
+
+    def test_listening_on_loopback_only_the_page_says_so(self, make_app):
+        app = make_app(SERVICE_HOST="127.0.0.1", SERVICE_PORT="3000")
+        origin, via, _ = self.where(app, self.ON_THIS_MACHINE)
+        assert (origin, via) == ("http://127.0.0.1:3000", "local")
+
+    def test_with_a_relay_a_loopback_page_draws_the_lan_else_the_relay(self, make_app):
+        relay, mine = "https://relay.example.org", "https://k3xq7.relay.example.org"
+        app = make_app(SERVICE_HOST="192.168.1.20", SERVICE_RELAY_URL=relay)
+        known = {"relay": relay, "origin": mine}
+        app.app.service.state.update(lambda d: d.update(relayOrigin=known))
+        assert self.where(app, self.ON_THIS_MACHINE)[:2] == ("http://192.168.1.20:3000", "home")
+        origin, via, got = self.where(app, {"REMOTE_ADDR": "192.168.1.30"})
+        assert (origin, via) == (mine, "relay")
+        assert got["mcpUrl"] == mine + "/api/v1/mcp"
+        only_here = make_app(SERVICE_HOST="127.0.0.1", SERVICE_RELAY_URL=relay)
+        only_here.app.service.state.update(lambda d: d.update(relayOrigin=known))
+        assert self.where(only_here, self.ON_THIS_MACHINE)[:2] == (mine, "relay")
+
+    def test_the_lan_address_goes_to_no_stranger(self, make_app, anon):
+        """A loopback Host from elsewhere (a forged header) or through the relay is no page
+        on this machine; a key that is not admin reads no address at all."""
+        app = make_app(SERVICE_HOST="192.168.1.20")
+        forged = {"REMOTE_ADDR": "203.0.113.5", "HTTP_HOST": "127.0.0.1:3000"}
+        assert self.where(app, forged)[:2] == ("http://127.0.0.1:3000", "local")
+        relayed = {**self.ON_THIS_MACHINE, "notesvc.relayed": True}
+        assert "192.168.1.20" not in json.dumps(self.where(app, relayed))
+        for scope in ("read", "write"):
+            other = with_key(app, new_grant(with_key(app), scope)["key"])
+            got = other.get(
+                f"{API}/auth/devices/addresses", extra_environ=self.ON_THIS_MACHINE, status=403
+            )
+            assert "192.168.1.20" not in got.text
+        anon_got = app.get(f"{API}/auth/devices/addresses", status=401)
+        assert "192.168.1.20" not in anon_got.text
+
+    def test_the_mcp_url_is_this_origins_without_a_relay(self, client):
+        got = data(client.get(f"{API}/auth/devices/addresses"))
+        assert got["mcpUrl"] == "http://localhost:80/api/v1/mcp"
+        assert got["mcpVia"] == "page"
+
     def test_an_expired_secret_is_404(self, client, anon):
         made = pair(client)
         grants = client.app.service.grants
@@ -7569,12 +7638,35 @@ class TestShareLinks:
 
     def test_create_gives_a_link_that_expires_in_seven_days(self, shared, root):
         client, d = shared
-        assert set(d) == {"id", "path", "url", "createdAt", "expiresAt", "createdBy"}
+        assert set(d) == {"id", "path", "url", "createdAt", "expiresAt", "createdBy", "homeOnly"}
+        assert d["homeOnly"] is True  # localhost: it opens at home only (the dialog says so)
         sid = client.app.service.state.read()["serverId"]
         assert re.fullmatch(rf"http://localhost:80/r/{sid}/s/[A-Za-z0-9_-]{{22}}", d["url"])
         days = (notesvc._epoch(d["expiresAt"]) - notesvc._epoch(d["createdAt"])) / 86400
         assert round(days) == 7
         assert self.token(d) not in (root / ".notesvc" / "state.json").read_text()
+
+    @pytest.mark.parametrize(
+        ("host", "home"),
+        [
+            ("127.0.0.1:3000", True),
+            ("192.168.1.20:3000", True),
+            ("[fd00::20]:3000", True),
+            ("raspberrypi:3000", True),
+            ("pi.local:3000", True),
+            ("100.101.102.103", True),  # a tailnet's
+            ("notes.example.org", False),
+            ("203.0.113.7:3000", False),
+            ("[2001:db8::7]", False),
+        ],
+    )
+    def test_a_link_says_whether_it_opens_only_at_home(self, make_app, host, home):
+        client = with_key(make_app(SERVICE_PAIRING_MODE="open-port"))
+        put_note(client, "notes/x.md", "x")
+        body = {"path": "notes/x.md"}
+        d = data(client.post_json(f"{API}/shares", body, extra_environ={"HTTP_HOST": host}))
+        assert d["url"].startswith(f"http://{host}/s/")
+        assert d["homeOnly"] is home
 
     def test_open_port_mode_links_to_the_server_itself(self, make_app):
         client = with_key(make_app(SERVICE_PAIRING_MODE="open-port"))
@@ -12933,6 +13025,30 @@ class TestWebClient:
         assert web.server.request("GET", f"{API}/system/setup")[2]["data"]["setupComplete"]
         assert unexpected(s.close()) == []
 
+    def test_on_a_desktop_the_empty_ask_pane_takes_no_room_until_used(self, web):
+        s = web("desktop")  # 1280x800
+        page = s.page
+        s.tree_open("notes/kitchen/pancakes.md")
+
+        def width(sel: str) -> float:
+            return page.locator(sel).evaluate("e => e.getBoundingClientRect().width")
+
+        assert page.is_hidden("#pane-ask")
+        assert page.get_attribute("#toggle-ask", "aria-expanded") == "false"
+        assert width("#pane-note") >= 1280 - 320 - 2  # all but the tree's column
+        s.shot("ask-closed")
+        page.click("#toggle-ask")  # Ask in the bar: the pane opens, ready to type
+        expect(page.locator("#chat-input")).to_be_focused()
+        assert 280 <= width("#pane-ask") <= 384
+        page.fill("#chat-input", "where are the spare keys?")
+        page.keyboard.press("Enter")
+        expect(page.locator("#chat-log .msg:not(.me) ul.sources")).to_be_visible()
+        s.shot("ask-open")
+        page.reload()  # answers live in the page: it comes back empty, and closed
+        page.wait_for_selector("#tree button")
+        assert page.is_hidden("#pane-ask")
+        assert unexpected(s.close()) == []
+
     def test_phone_shows_one_pane_at_a_time_and_keeps_save_above_the_keyboard(self, web):
         s = web("phone")
         page = s.page
@@ -13150,6 +13266,9 @@ class TestWebClient:
         page = s.page
         s.tree_open("notes/kitchen/pancakes.md")
         assert not page.is_checked("#about")
+        assert page.is_hidden("#pane-ask")  # empty, it takes no room: Ask in the bar opens it
+        page.click("#toggle-ask")
+        expect(page.locator("#chat-input")).to_be_focused()
         page.fill("#chat-input", "where are the spare keys?")
         page.keyboard.press("Enter")
         answer = page.locator("#chat-log .msg:not(.me)").first
@@ -13478,8 +13597,7 @@ class TestWebClient:
                 page.keyboard.press("Enter")
                 page.wait_for_selector("#results mark")
                 problems += page.evaluate(A11Y_AUDIT)
-                if device == "phone":
-                    s.tap(".tabs button[data-pane=ask]")
+                s.tap(".tabs button[data-pane=ask]" if device == "phone" else "#toggle-ask")
                 page.fill("#chat-input", "spare keys?")
                 page.click("#chat-send")
                 page.wait_for_selector("#chat-log ul.sources")
@@ -14086,6 +14204,21 @@ def post_oauth_form(url: str, form: dict) -> tuple:
 ZBARIMG = shutil.which("zbarimg")
 
 
+def machine_address() -> str:
+    """This machine's address on its network (where its default route leaves), or "" when
+    it has none but loopback: what a test of the address given to phones expects."""
+    for family, probe in ((socket.AF_INET, "192.0.2.1"), (socket.AF_INET6, "2001:db8::1")):
+        try:
+            with socket.socket(family, socket.SOCK_DGRAM) as sock:
+                sock.connect((probe, 9))
+                found = sock.getsockname()[0]
+        except OSError:
+            continue
+        if not ipaddress.ip_address(found).is_loopback:
+            return found
+    return ""
+
+
 def decode_qr(png: Path) -> str:
     """Return the text of the QR code in a picture (Debian's zbarimg: a real decoder)."""
     done = subprocess.run(
@@ -14522,6 +14655,53 @@ class TestDevicesInChromium:
         finally:
             server.stop()
 
+    def test_add_a_device_on_the_servers_own_browser_draws_an_address_a_phone_opens(
+        self, browser, tmp_path
+    ):
+        """Opened on http://127.0.0.1:<port> (the server's own browser), Add a device draws
+        the address the banner gives phones, and says so; Keys and devices shows the MCP URL.
+        A machine with no address but loopback gets the documented fallback: 127.0.0.1,
+        with the page saying that only this computer opens it."""
+        server = Server(tmp_path / "srv", host="0.0.0.0")
+        try:
+            key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
+            s = WebSession(browser, tmp_path, "phone")
+            s.login(server.url + "/", key)
+            page = s.page
+            page.click("#menu summary")
+            page.click("#menu-keys")
+            expect(page.locator("#mcp-url")).to_have_value(server.url + "/api/v1/mcp")
+            expect(page.locator("#mcp-steps")).to_contain_text("Add custom connector")
+            expect(page.locator("#mcp-steps")).to_contain_text("ChatGPT")
+            expect(page.locator("#mcp-reach")).to_contain_text("Away from home: the relay")
+            page.locator("#mcp-url").scroll_into_view_if_needed()
+            s.shot("connect-assistant")
+            page.click("#add-device")
+            page.fill("#device-name", "Second phone")
+            s.dialog_choose("make")
+            qr = page.locator("#pair-qr")
+            expect(qr).to_be_visible()
+            shot = tmp_path / "pair-qr-lan.png"
+            qr.screenshot(path=str(shot))
+            url = decode_qr(shot) if ZBARIMG else page.input_value("#pair-url")
+            assert url == page.input_value("#pair-url")
+            drawn = urllib.parse.urlsplit(url)
+            assert drawn.port == server.port
+            assert drawn.fragment.startswith("pair=")
+            reach = page.locator("#pair-reach")
+            if machine_address():
+                assert drawn.hostname not in ("127.0.0.1", "localhost", "::1")
+                assert not ipaddress.ip_address(socket.gethostbyname(drawn.hostname)).is_loopback
+                origin = f"{drawn.scheme}://{drawn.netloc}"
+                expect(reach).to_have_text(f"It opens this server on your home network: {origin}")
+            else:  # the documented fallback (docs/api.md: Devices)
+                assert drawn.hostname == "127.0.0.1"
+                expect(reach).to_contain_text("Only this computer opens http://127.0.0.1:")
+            s.shot("pairing-lan")
+            assert unexpected(s.close()) == []
+        finally:
+            server.stop()
+
     def test_a_folder_pairing_lands_in_its_folder(self, browser, tmp_path):
         root = tmp_path / "srv"
         (root / "notes" / "family").mkdir(parents=True)
@@ -14717,6 +14897,10 @@ class TestWebClientGrants:
         expect(page.locator("#share-url")).to_have_value(re.compile(r"/s/[A-Za-z0-9_-]{22}$"))
         url = page.input_value("#share-url")
         expect(page.locator("#share-links")).to_contain_text("pancakes · expires")
+        # made on 127.0.0.1: the dialog says where it opens, and how to get a public one
+        note = page.locator("#share-home-only")
+        expect(note).to_contain_text("It opens only at home (127.0.0.1:")
+        expect(note).to_contain_text("Away from home: the relay")
         s.shot("share")
         stranger = browser.new_context()  # no key, nothing stored
         try:
@@ -21233,6 +21417,26 @@ class TestImportInChromium:
         assert "notes/imported/keep/Groceries.md" in names
         assert "attachments/imported/keep/1a2b3c4d.png" in names
         assert s.errors == []
+
+    def test_one_note_is_counted_as_one(self, web, tmp_path):
+        """Counts on the page go through one helper: "Import 1 note", not "1 notes"."""
+        s = web("phone")
+        page = s.page
+        one = tmp_path / "shopping.md"
+        one.write_text("# Shopping\n\n- bread\n")
+        page.click("#menu summary")
+        page.click("#menu-import")
+        page.set_input_files("#import-file", str(one))
+        s.dialog_choose("check")
+        expect(page.locator("#import-summary")).to_contain_text("Would bring in 1 note and 0 files")
+        expect(page.locator('#dlg button[data-value="import"]')).to_have_text("Import 1 note")
+        s.shot("import-one")
+        assert page.evaluate("[0, 1, 2].map((n) => core.counted(n, 'file'))") == [
+            "0 files",
+            "1 file",
+            "2 files",
+        ]
+        assert unexpected(s.close()) == []
 
 
 class TestFolderCounts:

@@ -1508,7 +1508,7 @@ const app = (() => {
     const words = paths.queryWords(q);
     $("search-hint").hidden = true;
     $("results-info").textContent =
-      (data.total === 1 ? "1 note" : data.total + " notes") +
+      core.counted(data.total, "note") +
       " · " +
       (data.tookMs < 10 ? data.tookMs.toFixed(1) : Math.round(data.tookMs)) +
       " ms";
@@ -1625,6 +1625,7 @@ const app = (() => {
     const input = $("chat-input");
     const message = input.value.trim();
     if (!message) return;
+    core.setSide(true);
     const log = $("chat-log");
     const about = $("about").checked && state.path;
     log.appendChild(
@@ -1681,7 +1682,7 @@ const app = (() => {
   // -- start: wire the controls, connect with what this tab (or device) remembers ------------
 
   async function start() {
-    core.setSide(core.getItem("local", "notesvc.ui.side") !== "closed");
+    core.setSide(false);
     offline.offlineMenu();
     const moves = state.moves;
     if (offline.offlineOn()) await offline.loadOutboxOrSay();
@@ -1847,9 +1848,11 @@ const app = (() => {
     $("chat-input").addEventListener("keydown", (e) => {
       if (e.key === "Enter") core.act(ask)();
     });
-    $("toggle-ask").addEventListener("click", () =>
-      core.setSide($("main").classList.contains("side-closed")),
-    );
+    $("toggle-ask").addEventListener("click", () => {
+      const open = $("main").classList.contains("side-closed");
+      core.setSide(open);
+      if (open) $("chat-input").focus();
+    });
     for (const b of document.querySelectorAll(".tabs button")) {
       b.addEventListener("click", () => {
         core.showPane(b.dataset.pane);

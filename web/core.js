@@ -75,6 +75,11 @@ const core = (() => {
 
   // -- small DOM helpers -------------------------------------------------------------------
 
+  // "1 note", "3 notes"
+  function counted(n, one, many) {
+    return n + " " + (n === 1 ? one : many || one + "s");
+  }
+
   function ago(iso) {
     const t = Date.parse(iso);
     if (!t) return "";
@@ -409,10 +414,10 @@ const core = (() => {
     if (vv) document.documentElement.style.setProperty("--app-h", Math.round(vv.height) + "px");
   }
 
+  // The Ask pane (wide screens): closed while empty; Ask in the bar opens it.
   function setSide(open) {
     $("main").classList.toggle("side-closed", !open);
     $("toggle-ask").setAttribute("aria-expanded", String(open));
-    setItem("local", "notesvc.ui.side", open ? "open" : "closed");
   }
 
   // -- the tree: folders load lazily, one level at a time -------------------------------------
@@ -471,7 +476,7 @@ const core = (() => {
       node.count === undefined ? null : markdown.el("span", {class: "count"}, String(node.count)),
     );
     if (node.count !== undefined)
-      b.setAttribute("aria-label", node.name + ", folder, " + node.count + " notes");
+      b.setAttribute("aria-label", node.name + ", folder, " + counted(node.count, "note"));
     const sub = markdown.el("ul");
     sub.hidden = true;
     li.append(b, sub);
@@ -596,6 +601,7 @@ const core = (() => {
     ago,
     api,
     connect,
+    counted,
     enc,
     features,
     fitViewport,

@@ -266,8 +266,25 @@ const devices = (() => {
     }
   }
 
+  // Where the link opens (the server's choice)
+  const REACH = {
+    home: "on your home network",
+    relay: "through your relay",
+    public: "at its public address",
+    page: "at this page's address",
+  };
+  function reachText(made) {
+    if (made.via !== "local") return "It opens this server " + REACH[made.via] + ": " + made.origin;
+    return "Only this computer opens " + made.origin + ": start the server with --host 0.0.0.0.";
+  }
+
   async function showPairing(made) {
     const until = new Date(made.expiresAt);
+    const reach = el(
+      "p",
+      {id: "pair-reach", class: made.via === "local" ? "warn" : "muted"},
+      reachText(made),
+    );
     const status = el(
       "p",
       {id: "pair-status", role: "status"},
@@ -277,7 +294,7 @@ const devices = (() => {
     );
     const shown = app.dialog(
       "Scan to join",
-      [...pairingView(made, "join this server"), status],
+      [...pairingView(made, "join this server"), reach, status],
       [["cancel", "Done"]],
     );
     let watching = true;

@@ -136,8 +136,7 @@ const grants = (() => {
             "p",
             {id: "revoke-made"},
             "It made " +
-              made.length +
-              (made.length === 1 ? " key, device or app" : " keys, devices or apps") +
+              core.counted(made.length, "key, device or app", "keys, devices or apps") +
               " that keep working unless you revoke them too: " +
               made.map((m) => "“" + m.name + "”").join(", ") +
               ".",
@@ -170,10 +169,30 @@ const grants = (() => {
     );
   }
 
+  const RELAY_HINT = "pair a relay (README: “Away from home: the relay”).";
+  function assistantSection(where) {
+    const li = (who, text) => el("li", {}, el("strong", {}, who), text);
+    const parts = [
+      el("h3", {}, "Connect an AI assistant"),
+      shownOnce("MCP URL", where.mcpUrl, "mcp-url"),
+      el(
+        "ol",
+        {id: "mcp-steps"},
+        li("Claude", ": Settings → Connectors → Add custom connector, paste, Add, Connect."),
+        li("ChatGPT", ": Settings → Connectors (developer mode) → Create, paste, OAuth."),
+        li("", "Allow it on this server's page (writing needs SERVICE_MCP_WRITE=true)."),
+      ),
+    ];
+    const hint = "They need a public URL: " + RELAY_HINT;
+    if (where.mcpVia === "page") parts.push(el("p", {class: "muted", id: "mcp-reach"}, hint));
+    return parts;
+  }
+
   async function showKeys(made) {
-    const [{data}, shares] = await Promise.all([
+    const [{data}, shares, where] = await Promise.all([
       core.api("GET", "/auth/keys"),
       core.api("GET", "/shares"),
+      core.api("GET", "/auth/devices/addresses"),
     ]);
     const keyList = el("ul", {class: "list", id: "keys-list"});
     const apps = el("ul", {class: "list", id: "connections-list"});
@@ -262,6 +281,7 @@ const grants = (() => {
       keyList,
       el("h3", {}, "Connected apps"),
       apps,
+      ...assistantSection(where.data),
       el("h3", {}, "Share links"),
       links,
       form,
@@ -325,6 +345,11 @@ const grants = (() => {
       ),
     ];
     if (made) body.push(shownOnce("Link", made.url, "share-url"));
+    if (made && made.homeOnly) {
+      const where = new URL(made.url).host;
+      const text = "It opens only at home (" + where + "). For one that opens anywhere, ";
+      body.push(el("p", {class: "warn", id: "share-home-only"}, text + RELAY_HINT));
+    }
     body.push(
       el("label", {for: "share-days"}, "A new link expires"),
       days,

@@ -377,8 +377,8 @@ const offline = (() => {
     };
     await Promise.all(Array.from({length: 6}, worker));
     await flush();
-    box.textContent = done + " notes kept";
-    box.title = done + " notes kept on this device";
+    box.textContent = core.counted(done, "note") + " kept";
+    box.title = core.counted(done, "note") + " kept on this device";
     box.className = "ready";
     performance.mark("notesvc:offline-copied");
     setTimeout(showWaiting, 5000);
@@ -493,9 +493,8 @@ const offline = (() => {
       if (item.text) body.push(el("blockquote", {class: "shared-text"}, item.text.slice(0, 500)));
       if (files.length) body.push(el("p", {}, "With " + files.join(", ")));
       if (item.dropped) {
-        body.push(
-          el("p", {class: "muted"}, item.dropped + " more file(s) were too large to keep."),
-        );
+        const more = core.counted(item.dropped, "more file");
+        body.push(el("p", {class: "muted"}, "Too large to keep: " + more + "."));
       }
       const yes =
         (await app.dialog("Shared to notesvc", body, [

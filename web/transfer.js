@@ -63,18 +63,19 @@
         "p",
         {id: "import-summary"},
         verb +
-          r.created +
-          (r.created === 1 ? " note" : " notes") +
+          core.counted(r.created, "note") +
           " and " +
-          r.attachments +
-          (r.attachments === 1 ? " file" : " files") +
+          core.counted(r.attachments, "file") +
           " into " +
           r.into +
           ".",
       ),
     ];
     if (r.renamed) {
-      lines.push(el("p", {}, r.renamed + " get a free name (“ 2”): nothing is ever overwritten."));
+      const get = r.renamed === 1 ? " gets" : " get";
+      lines.push(
+        el("p", {}, r.renamed + get + " a free name (“ 2”): nothing is ever overwritten."),
+      );
     }
     if (r.skipped.length) {
       const list = el("ul", {id: "import-skipped", class: "skipped"});
@@ -132,7 +133,7 @@
       }
       const yes = await app.dialog("Import notes", importSummary(report), [
         ["cancel", "Cancel"],
-        ["import", "Import " + report.created + " notes", "primary"],
+        ["import", "Import " + core.counted(report.created, "note"), "primary"],
       ]);
       if (yes !== "import") return;
       const doing = el("p", {id: "import-progress", role: "status"}, "Sending…");

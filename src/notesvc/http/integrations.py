@@ -40,9 +40,13 @@ from notesvc.helpers import (
     MultipartReader,
     _no_constant,
     base_url_of,
+    behind_trusted_proxy,
     disk_writes,
     field,
+    ip_of,
     is_blank,
+    is_home_network,
+    is_loopback,
     iso,
     log_safe,
     phone_url,
@@ -52,8 +56,10 @@ from notesvc.helpers import (
     read_json,
     request_body_reader,
     request_header,
+    request_host,
     too_large,
     utcnow,
+    valid_host,
 )
 from notesvc.http.api import (
     MULTIPART_SLACK,
@@ -832,15 +838,45 @@ def qr_svg(text: str) -> str | None:
     return out.getvalue().decode("utf-8")
 
 
-def pairing_origin(config: Config, state: dict, environ: dict | None) -> str:
-    """Return the origin a pairing's link opens: SERVICE_PUBLIC_URL's, else the server's
-    own origin on its relay, else the request's (outside a request: the address the
-    banner gives phones)."""
-    url = config.public_url or relay_origin_of(config, state)
-    if not url:
-        url = base_url_of(config, environ) if environ is not None else phone_url(config)
+def page_on_loopback(config: Config, environ: dict) -> bool:
+    """Return whether the page asking was opened by a loopback name (127.0.0.1, ::1,
+    localhost) on this machine itself: never a relayed request, nor a proxied one."""
+    if environ.get("notesvc.relayed") or behind_trusted_proxy(config, environ):
+        return False
+    host = request_host(config, environ)
+    if not valid_host(host) or not is_loopback(environ.get("REMOTE_ADDR", "")):
+        return False
+    name = host[1 : host.index("]")] if host.startswith("[") else host.rsplit(":", 1)[0]
+    name = name.lower().rstrip(".")
+    return name == "localhost" or name.endswith(".localhost") or is_loopback(name)
+
+
+def pairing_origin(config: Config, state: dict, environ: dict | None) -> tuple:
+    """Return (origin, via): the origin a pairing's link opens and which one it is.
+
+    SERVICE_PUBLIC_URL's ("public"); on a page opened by a loopback name, the address the
+    banner gives phones ("home": a phone can't open 127.0.0.1); else the server's own
+    origin on its relay ("relay"); else the request's ("page"). Outside a request: the
+    banner's address. "local" is a loopback address that only this machine opens (a
+    server listening on loopback only, with no relay)."""
+    url, via = _pairing_url(config, state, environ)
     parts = urllib.parse.urlsplit(url)
-    return f"{parts.scheme}://{parts.netloc}"
+    if via in ("home", "page") and is_loopback(parts.hostname or ""):
+        via = "local"
+    return f"{parts.scheme}://{parts.netloc}", via
+
+
+def _pairing_url(config: Config, state: dict, environ: dict | None) -> tuple:
+    if config.public_url:
+        return config.public_url, "public"
+    if environ is None:
+        return phone_url(config), "home"
+    if page_on_loopback(config, environ):
+        home = phone_url(config, int(environ.get("SERVER_PORT") or 0) or config.port)
+        if not is_loopback(urllib.parse.urlsplit(home).hostname or ""):
+            return home, "home"
+    relayed = relay_origin_of(config, state)
+    return (relayed, "relay") if relayed else (base_url_of(config, environ), "page")
 
 
 def new_pairing(
@@ -853,7 +889,7 @@ def new_pairing(
     created_by: str,
 ) -> dict:
     """Make a pairing; return {id, name, scope, folder, createdAt, expiresAt, createdBy,
-    secret, url[, qrSvg]}: the secret travels only in the link's fragment."""
+    secret, url, origin, via[, qrSvg]}: the secret travels only in the link's fragment."""
     if scope not in SCOPES:
         raise bad_request("'scope' must be read, write or admin")
     if scope == "admin" and folder:
@@ -861,8 +897,9 @@ def new_pairing(
     record, secret = grants.create_pairing(
         name, scope, folder, config.pairing_ttl, created_by=created_by
     )
-    url = f"{pairing_origin(config, grants.state.read(), environ)}/#pair={secret}"
-    answer = {**record, "secret": secret, "url": url}
+    origin, via = pairing_origin(config, grants.state.read(), environ)
+    url = f"{origin}/#pair={secret}"
+    answer = {**record, "secret": secret, "url": url, "origin": origin, "via": via}
     svg = qr_svg(url)
     if svg:
         answer["qrSvg"] = svg
@@ -877,6 +914,18 @@ def create_pairing(svc: Service) -> dict:
     env = bottle.request.environ
     made = made_by(request_principal())
     return new_pairing(svc.config, svc.grants, name, scope, folder, env, made)
+
+
+def get_addresses(svc: Service) -> dict:
+    """GET /auth/devices/addresses (admin): where a phone and an AI assistant reach this
+    server, as Add a device and Connect an AI assistant show them. The LAN address is
+    offered only here and in a pairing, both admin: never to a folder key or a stranger."""
+    env, cfg = bottle.request.environ, svc.config
+    origin, via = pairing_origin(cfg, svc.state.read(), env)
+    relayed = bool(cfg.relay_url) and cfg.pairing == "relay"
+    mcp = (svc.relay_base(env) if relayed else svc.issuer(env)) + API + "/mcp"
+    mcp_via = "relay" if relayed else "public" if cfg.public_url else "page"
+    return {"phone": {"origin": origin, "via": via}, "mcpUrl": mcp, "mcpVia": mcp_via}
 
 
 def claim_device(svc: Service) -> dict:
@@ -934,7 +983,20 @@ def create_share(svc: Service) -> dict:
         raise not_found(f"no note at {path}")
     record, token = svc.grants.create_share(path, days, request_principal())
     log.info("share link %s created for a note", record["id"])
-    return {**record, "url": share_url(svc, bottle.request.environ, token)}
+    url = share_url(svc, bottle.request.environ, token)
+    return {**record, "url": url, "homeOnly": opens_only_at_home(url)}
+
+
+HOME_NAME_RE = re.compile(r"(?:[^.]+|.+\.(?:local|lan|home\.arpa|internal|localhost))")
+
+
+def opens_only_at_home(url: str) -> bool:
+    """Return whether a link names a host only this machine or its network reaches: a
+    loopback, private or link-local address, localhost, a single label, .local, .lan."""
+    host = (urllib.parse.urlsplit(url).hostname or "").lower().rstrip(".")
+    if ip_of(host) is not None:
+        return is_home_network(host)
+    return bool(HOME_NAME_RE.fullmatch(host))
 
 
 def list_shares(svc: Service) -> dict:

@@ -61,6 +61,7 @@ from notesvc.http.integrations import (
     create_scoped_key,
     create_share,
     delete_channel,
+    get_addresses,
     get_channel,
     get_consent_page,
     get_export,
@@ -827,6 +828,15 @@ ROUTES = (
         tag="auth",
         scope="admin",
         secret=True,
+    ),
+    Route(
+        "GET",
+        "/auth/devices/addresses",
+        get_addresses,
+        summary="Where a phone (the link Add a device draws) and an AI assistant (the MCP "
+        "URL) reach this server",
+        tag="auth",
+        scope="admin",
     ),
     Route(
         "POST",
