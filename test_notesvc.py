@@ -14248,6 +14248,8 @@ class TestOfflineInChromium:
             "only opening the app with no connection needs HTTPS", timeout=20_000
         )
         expect(page.locator("#offline-state")).to_have_text("3 notes kept")
+        # (the app cannot open without the server here: the key is not kept for it)
+        assert page.evaluate("localStorage.getItem('notesvc.key')") is None
         # The connection drops; a new note is typed (and autosaved) meanwhile.
         s.context.set_offline(True)
         s.tap("#new")

@@ -390,9 +390,10 @@ const offline = (() => {
     if (appKeepable()) await navigator.serviceWorker.register("sw.js");
     if (navigator.storage && navigator.storage.persist) navigator.storage.persist().catch(() => {});
     core.setItem("local", "notesvc.offline", state.base);
-    if (core.getItem("local", "notesvc.key") === null) {
+    if (appKeepable() && core.getItem("local", "notesvc.key") === null) {
       // the app opens without the server (and from the share sheet): this device keeps the
-      // key, as "Remember" would, until the option is turned off
+      // key, as "Remember" would, until the option is turned off (on plain HTTP the app
+      // cannot open without the server: the key stays where the person put it)
       core.setItem("local", "notesvc.key", state.key);
       core.setItem("local", "notesvc.keyFor", state.base);
       core.setItem("local", "notesvc.offlineKey", "1");
