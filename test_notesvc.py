@@ -14485,17 +14485,51 @@ class TestOfflineInChromium:
         offline_noise = "ERR_INTERNET_DISCONNECTED"
         assert [e for e in unexpected(s.close(), 401) if offline_noise not in e] == []
 
-    def test_on_plain_http_elsewhere_the_option_says_why_it_stays_off(self, web):
+    def test_on_plain_http_an_open_page_keeps_what_is_typed_offline_and_sends_it(self, web):
+        """A LAN address on plain HTTP is no secure context: no service worker, but the copy
+        (IndexedDB) and the outbox work in an open page; the option says that only opening
+        the app with no connection needs HTTPS."""
         s = web("phone", login=False)
         page = s.page
         # the same server by another name than 127.0.0.1 or localhost: not a secure context
         url = web.setup["links"]["connect"]["hosted"].replace("127.0.0.1", PLAIN_HTTP_HOST)
         s.login(url, web.setup["apiKey"])
-        page.click("#menu summary")
-        page.click("#menu-offline")
-        expect(page.locator("#dlg")).to_contain_text("needs a secure connection")
         assert page.evaluate("window.isSecureContext") is False
-        assert unexpected(s.close()) == []
+        assert page.evaluate("'serviceWorker' in navigator") is False
+        page.click("#menu summary")
+        option = page.locator("#menu-offline")
+        expect(option).to_contain_text("Keep notes on this device")
+        said = "Works in an open page; only opening the app with no connection needs HTTPS"
+        expect(option.locator("small")).to_have_text(said)
+        s.shot("offline-option-plain-http")
+        option.click()
+        expect(page.locator("#toast")).to_contain_text(
+            "only opening the app with no connection needs HTTPS", timeout=20_000
+        )
+        expect(page.locator("#offline-state")).to_have_text("3 notes kept")
+        # (the app cannot open without the server here: the key is not kept for it)
+        assert page.evaluate("localStorage.getItem('notesvc.key')") is None
+        # The connection drops; a new note is typed (and autosaved) meanwhile.
+        s.context.set_offline(True)
+        s.tap("#new")
+        expect(page.locator("#editor")).to_be_focused()
+        page.keyboard.insert_text("Typed on the train\n")  # (its name, at once: see write_new)
+        page.keyboard.type("\nwhile the wifi was down")
+        expect(page.locator("#status")).to_have_text("Kept on this device", timeout=15_000)
+        expect(page.locator("#offline-state")).to_have_text("Offline · 1 to send")
+        s.shot("offline-plain-http")
+        assert not (web.root / "notes/inbox").exists()
+        # Back: it is sent within a few seconds, once, with nothing else done in the page.
+        s.context.set_offline(False)
+        expect(page.locator("#offline-state")).to_be_hidden(timeout=8_000)
+        (made,) = (web.root / "notes/inbox").iterdir()
+        assert made.name == "Typed on the train.md"
+        assert made.read_text() == "Typed on the train\n\nwhile the wifi was down"
+        page.click("#menu summary")
+        expect(option).to_contain_text("Stop keeping notes on this device")
+        expect(option.locator("small")).to_have_text(said)
+        offline_noise = ("ERR_INTERNET_DISCONNECTED", "ERR_FAILED", "status of 0")
+        assert [e for e in s.close() if not any(n in e for n in offline_noise)] == []
 
 
 class TestDevicesInChromium:

@@ -1,9 +1,11 @@
 // -- offline: the notes kept on this device (opt-in, per device) ---------------------------
-// "Keep notes on this device" mirrors the notes this key sees into IndexedDB, keeps the app
-// in a service worker, and queues what is written while the server cannot be reached (the
-// outbox, sent through merge when it can be). It needs a secure context (HTTPS, a relay's
-// per-server origin, or localhost): elsewhere the option says so and stays off. Turning
-// it off deletes the copy. A key that stops working wipes it.
+// "Keep notes on this device" mirrors the notes this key sees into IndexedDB and queues what
+// is written while the server cannot be reached (the outbox, sent through merge when it can
+// be): both work on plain HTTP too, in a page left open. In a secure context (HTTPS, a
+// relay's per-server origin, or localhost) a service worker also keeps the app itself, so it
+// opens with no connection; elsewhere the option says that only this needs HTTPS. A relay's
+// shared origin keeps nothing. Turning it off deletes the copy. A key that stops working
+// wipes it.
 
 const offline = (() => {
   const {$, state} = core;
@@ -20,14 +22,17 @@ const offline = (() => {
     return e.status === 0 || e.status === 502 || e.status === 503 || e.status === 504;
   }
 
+  // The copy and the outbox need IndexedDB only (no secure context); on a relay's shared
+  // origin every server would share them.
   function offlinePossible() {
-    return (
-      window.isSecureContext &&
-      "serviceWorker" in navigator &&
-      "indexedDB" in window &&
-      !core.SHARED_ORIGIN
-    );
+    return "indexedDB" in window && !core.SHARED_ORIGIN;
   }
+  // The app itself, kept for opening with no connection: a service worker, which only a
+  // secure context has.
+  function appKeepable() {
+    return window.isSecureContext && "serviceWorker" in navigator;
+  }
+  const NEEDS_HTTPS = "only opening the app with no connection needs HTTPS";
 
   function idb() {
     if (store.db) return Promise.resolve(store.db);
@@ -394,9 +399,7 @@ const offline = (() => {
             {},
             core.SHARED_ORIGIN
               ? "This relay gives all its servers one address, where nothing can be kept."
-              : "This needs a secure connection: open the notes by HTTPS (a relay's own " +
-                  "address for this server, or a proxy with a certificate), or on this " +
-                  "computer as http://localhost.",
+              : "This browser cannot keep notes (IndexedDB is off here).",
           ),
         ],
         [["cancel", "Close"]],
@@ -405,19 +408,26 @@ const offline = (() => {
     }
     await idb(); // a browser that refuses IndexedDB says so here, before anything is kept
     await wipeOffline(); // whatever another key left on this device is not this key's
-    await navigator.serviceWorker.register("sw.js");
+    if (appKeepable()) await navigator.serviceWorker.register("sw.js");
     if (navigator.storage && navigator.storage.persist) navigator.storage.persist().catch(() => {});
     core.setItem("local", "notesvc.offline", state.base);
-    if (core.getItem("local", "notesvc.key") === null) {
+    if (appKeepable() && core.getItem("local", "notesvc.key") === null) {
       // the app opens without the server (and from the share sheet): this device keeps the
-      // key, as "Remember" would, until the option is turned off
+      // key, as "Remember" would, until the option is turned off (on plain HTTP the app
+      // cannot open without the server: the key stays where the person put it)
       core.setItem("local", "notesvc.key", state.key);
       core.setItem("local", "notesvc.keyFor", state.base);
       core.setItem("local", "notesvc.offlineKey", "1");
     }
     offlineMenu();
     await copyAll();
-    core.toast("Your notes are kept on this device: they open without a connection");
+    core.toast(
+      appKeepable()
+        ? "Your notes are kept on this device: they open without a connection"
+        : "Your notes are kept on this device: what you write offline in an open page " +
+            "is sent later; " +
+            NEEDS_HTTPS,
+    );
   }
 
   async function disableOffline() {
@@ -510,11 +520,17 @@ const offline = (() => {
     sendOutbox().catch(() => {});
   }
 
+  // The option; on plain HTTP it says what works there (the copy and the outbox, in an open
+  // page) and what does not (opening with no connection).
   function offlineMenu() {
-    $("menu-offline").hidden = false;
-    $("menu-offline").textContent = offlineOn()
-      ? "Stop keeping notes on this device"
-      : "Keep notes on this device";
+    const item = $("menu-offline");
+    item.hidden = false;
+    const label = offlineOn() ? "Stop keeping notes on this device" : "Keep notes on this device";
+    const plain = !appKeepable() && !core.SHARED_ORIGIN;
+    item.replaceChildren(
+      label,
+      ...(plain ? [el("small", {}, "Works in an open page; " + NEEDS_HTTPS)] : []),
+    );
   }
 
   function wireOffline() {
