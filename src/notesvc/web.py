@@ -40,6 +40,7 @@ MARKDOWN_JS = web_source("markdown.js")
 ORDER_JS = web_source("order.js")
 AUTOSAVE_JS = web_source("autosave.js")
 DRAFTS_JS = web_source("drafts.js")
+LISTS_JS = web_source("lists.js")
 
 WEB_JS_REST = web_source("app.js")
 
@@ -52,8 +53,9 @@ WEB_MAIN_JS = web_source("main.js")
 
 # One script, in this order: core.js ("use strict", the page's state, storage and API),
 # the pure modules (paths.js, keys.js, merge.js, outbox.js, markdown.js, order.js,
-# autosave.js, drafts.js; node --test web/), app.js, grants.js, devices.js, transfer.js,
-# offline.js, and last main.js, where the page starts (the files before it only define).
+# autosave.js, drafts.js, lists.js; node --test web/), app.js, grants.js, devices.js,
+# transfer.js, offline.js, and last main.js, where the page starts (the files before it
+# only define).
 WEB_JS = "".join(
     (
         WEB_JS_START,
@@ -65,6 +67,7 @@ WEB_JS = "".join(
         ORDER_JS,
         AUTOSAVE_JS,
         DRAFTS_JS,
+        LISTS_JS,
         WEB_JS_REST,
         WEB_GRANTS_JS,
         WEB_DEVICES_JS,
