@@ -12632,6 +12632,17 @@ class TestWebClientPage:
         done = subprocess.run([node, "--check", str(script)], capture_output=True, timeout=60)
         assert done.returncode == 0, done.stderr.decode()
 
+    def test_script_is_served_without_comment_lines_line_for_line(self):
+        # the sources' comments stay in web/; the page keeps every line where it was
+        parts = [notesvc.WEB_JS_START, notesvc.LISTS_JS, notesvc.WEB_JS_REST]
+        assert all(re.search(r"^\s*//", p, re.M) for p in parts)
+        assert not re.search(r"^\s*//", notesvc.WEB_JS, re.M)
+        assert notesvc.lean_script("a\n  // why\nb // kept") == "a\n\nb // kept"
+        lines = notesvc.WEB_JS.split("\n")
+        start = lines.index(notesvc.LISTS_JS.split("\n")[5])  # const lists = (() => {
+        assert lines[start - 5 : start] == ["", "", "", "", ""]
+        assert lines[start + 2] == notesvc.LISTS_JS.split("\n")[7]
+
     def test_manifest_is_public_cacheable_and_points_at_served_icons(self, anon):
         resp = anon.get("/manifest.webmanifest")
         assert resp.headers["Content-Type"].startswith("application/manifest+json")
