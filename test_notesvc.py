@@ -2832,7 +2832,7 @@ class WebSession:
         self.page.keyboard.type(rest)
         self.page.keyboard.press("Control+s")
         expect(self.page.locator("#status")).to_have_text("Saved")
-        return self.page.inner_text("#path").split(" · ")[0]
+        return self.page.text_content("#path").split(" · ")[0]  # (in the note's menu)
 
     def dialog_choose(self, value: str) -> None:
         """Answer the open dialog, then wait until it is answered: closed, or (a question
@@ -12762,6 +12762,17 @@ class TestWebClientPage:
         done = subprocess.run([node, "--check", str(script)], capture_output=True, timeout=60)
         assert done.returncode == 0, done.stderr.decode()
 
+    def test_script_is_served_without_comment_lines_line_for_line(self):
+        # the sources' comments stay in web/; the page keeps every line where it was
+        parts = [notesvc.WEB_JS_START, notesvc.LISTS_JS, notesvc.WEB_JS_REST]
+        assert all(re.search(r"^\s*//", p, re.M) for p in parts)
+        assert not re.search(r"^\s*//", notesvc.WEB_JS, re.M)
+        assert notesvc.lean_script("a\n  // why\nb // kept") == "a\n\nb // kept"
+        lines = notesvc.WEB_JS.split("\n")
+        start = lines.index(notesvc.LISTS_JS.split("\n")[5])  # const lists = (() => {
+        assert lines[start - 5 : start] == ["", "", "", "", ""]
+        assert lines[start + 2] == notesvc.LISTS_JS.split("\n")[7]
+
     def test_manifest_is_public_cacheable_and_points_at_served_icons(self, anon):
         resp = anon.get("/manifest.webmanifest")
         assert resp.headers["Content-Type"].startswith("application/manifest+json")
@@ -13012,7 +13023,7 @@ class TestWebClient:
         page.fill("#editor", "# Spare keys\n\nThe spare keys moved to the *red* box.\n")
         expect(page.locator("#status")).to_have_text(re.compile("Unsaved"))
         s.shot("editing")
-        page.click("#save")
+        page.keyboard.press("Control+s")  # (no button: autosave, or the shortcut)
         expect(page.locator("#status")).to_have_text("Saved")
         on_disk = web.root / "notes/home/keys.md"
         assert on_disk.read_text() == "# Spare keys\n\nThe spare keys moved to the *red* box.\n"
@@ -13049,7 +13060,7 @@ class TestWebClient:
         assert page.is_hidden("#pane-ask")
         assert unexpected(s.close()) == []
 
-    def test_phone_shows_one_pane_at_a_time_and_keeps_save_above_the_keyboard(self, web):
+    def test_phone_shows_one_pane_at_a_time_and_keeps_the_tools_above_the_keyboard(self, web):
         s = web("phone")
         page = s.page
         panes = ["#pane-notes", "#pane-search", "#pane-note", "#pane-ask"]
@@ -13069,12 +13080,14 @@ class TestWebClient:
         assert visible() == ["#pane-note"]
         page.click("#edit")
         page.focus("#editor")
-        # The keyboard takes the lower half: the page fits what is left, Save stays in view.
+        # The keyboard takes the lower half: the page fits what is left, Done and the
+        # editor's toolbar stay in view.
         page.set_viewport_size({"width": 390, "height": 420})
         page.evaluate("window.dispatchEvent(new Event('resize'))")
-        save = page.locator("#save").bounding_box()
-        assert save["y"] >= 0
-        assert save["y"] + save["height"] <= 420
+        for sel in ("#edit", "#checklist"):
+            box = page.locator(sel).bounding_box()
+            assert box["y"] >= 0, sel
+            assert box["y"] + box["height"] <= 420, sel
         assert page.is_hidden(".tabs")  # the tabs step aside while typing
         editor = page.locator("#editor").bounding_box()
         assert editor["height"] > 200
@@ -13091,7 +13104,7 @@ class TestWebClient:
         s = web("desktop")
         page = s.page
         assert page.is_hidden("#editor")
-        assert page.is_hidden("#save")
+        assert page.is_hidden("#note-bar")
         expect(page.locator("#empty")).to_contain_text("No note is open")
         page.click("#empty-new")
         # Write first: no path is asked for; the first line is the title.
@@ -13114,7 +13127,7 @@ class TestWebClient:
         # Page one types at the end and leaves it: on the server within 3 s, no button.
         one.page.focus("#editor")
         one.page.keyboard.press("Control+End")
-        one.page.keyboard.type("- from page one\n")
+        one.page.keyboard.type("- from page one\n\n")  # (Enter twice: the list ends)
         typed = time.monotonic()
         wait_for(lambda: "from page one" in on_disk.read_text(), timeout=3)
         print(f"on the server {time.monotonic() - typed:.2f} s after the last keystroke")
@@ -13303,7 +13316,7 @@ class TestWebClient:
         # Edited in vim meanwhile, on other lines: both edits are kept, no question asked.
         on_disk.write_text("# Todo\n\n- buy oat milk\n\nand then\n\n- call the electrician\n")
         page.fill("#editor", "# Todo\n\n- buy rice milk\n\nand then\n\n- call the plumber\n")
-        page.click("#save")
+        page.keyboard.press("Control+s")
         expect(page.locator("#status")).to_have_text("Saved")
         both = "# Todo\n\n- buy rice milk\n\nand then\n\n- call the electrician\n"
         assert on_disk.read_text() == both
@@ -13313,7 +13326,7 @@ class TestWebClient:
         # beside it, and the page says where.
         on_disk.write_text(both.replace("rice", "soy"))
         page.fill("#editor", both.replace("rice", "oat"))
-        page.click("#save")
+        page.keyboard.press("Control+s")
         expect(page.locator("#conflict")).to_be_visible()
         expect(page.locator("#conflict")).to_contain_text("yours is kept, whole, as")
         s.shot("conflict")
@@ -13341,7 +13354,7 @@ class TestWebClient:
         page.click("#edit")
         page.fill("#editor", "# Todo\n\n- mine\n")
         on_disk.unlink()
-        page.click("#save")
+        page.keyboard.press("Control+s")
         expect(page.locator("#conflict")).to_contain_text("deleted or moved elsewhere")
         page.click("#overwrite")
         expect(page.locator("#status")).to_have_text("Saved")
@@ -13349,7 +13362,7 @@ class TestWebClient:
         # Deleted again, and this time theirs wins: the note closes.
         on_disk.unlink()
         page.fill("#editor", "# Todo\n\n- mine again\n")
-        page.click("#save")
+        page.keyboard.press("Control+s")
         page.click("#reload")
         expect(page.locator("#empty")).to_be_visible()
         assert not on_disk.exists()
@@ -13383,6 +13396,141 @@ class TestWebClient:
         text = path.read_text()
         assert "red tin" in text
         assert "- [x] copy the garage key" in text
+        assert unexpected(s.close()) == []
+
+    def test_enter_continues_a_checklist_and_ends_it_on_an_empty_item(self, web):
+        s = web("phone")
+        page = s.page
+        s.tree_open("notes/todo.md")
+        s.tap("#edit")
+        page.focus("#editor")
+        page.keyboard.press("Control+End")
+        page.keyboard.type("- [ ] passport")
+        page.keyboard.press("Enter")
+        base = "# Todo\n\n- buy oat milk\n"
+        expect(page.locator("#editor")).to_have_value(base + "- [ ] passport\n- [ ] ")
+        s.shot("checklist-enter")
+        page.keyboard.type("socks")
+        page.keyboard.press("Enter")
+        two = base + "- [ ] passport\n- [ ] socks\n"
+        expect(page.locator("#editor")).to_have_value(two + "- [ ] ")
+        # what Enter made is undone (and redone) like typing
+        page.keyboard.press("Control+z")
+        expect(page.locator("#editor")).to_have_value(two[:-1])
+        page.keyboard.press("Control+y")
+        expect(page.locator("#editor")).to_have_value(two + "- [ ] ")
+        page.keyboard.press("Enter")  # on the empty item: the list ends, a blank line stays
+        expect(page.locator("#editor")).to_have_value(two)
+        page.keyboard.type("Done.")
+        want = two + "Done."
+        expect(page.locator("#editor")).to_have_value(want)
+        # a bullet and a number go on too, and autosave sends what Enter made
+        page.keyboard.press("Enter")
+        page.keyboard.type("1. one\ntwo\n\n* a\nb")  # (Enter twice: the numbers end)
+        want += "\n1. one\n2. two\n* a\n* b"
+        expect(page.locator("#editor")).to_have_value(want)
+        wait_for(lambda: (web.root / "notes/todo.md").read_text() == want)
+        assert unexpected(s.close()) == []
+
+    def test_the_checklist_button_toggles_the_line_or_the_selected_lines(self, web):
+        s = web("phone")
+        page = s.page
+        s.tree_open("notes/todo.md")
+        expect(page.locator("#checklist")).to_be_hidden()  # reading: no toolbar
+        s.tap("#edit")
+        editor = page.locator("#editor")
+        editor.evaluate("e => { e.focus(); e.setSelectionRange(12, 12); }")  # in "buy oat milk"
+        # The keyboard takes the lower half: the toolbar stays over it.
+        page.set_viewport_size({"width": 390, "height": 420})
+        page.evaluate("window.dispatchEvent(new Event('resize'))")
+        box = page.locator("#checklist").bounding_box()
+        assert box["y"] >= 0
+        assert box["y"] + box["height"] <= 420
+        assert box["height"] >= 40
+        s.shot("checklist-toolbar-keyboard")
+        s.tap("#checklist")
+        expect(editor).to_have_value("# Todo\n\n- [ ] buy oat milk\n")
+        expect(editor).to_be_focused()  # the keyboard stays up
+        assert editor.evaluate("e => [e.selectionStart, e.selectionEnd]") == [16, 16]
+        page.keyboard.type("X")
+        expect(editor).to_have_value("# Todo\n\n- [ ] buXy oat milk\n")
+        s.tap("#checklist")  # a task loses its box
+        expect(editor).to_have_value("# Todo\n\nbuXy oat milk\n")
+        page.set_viewport_size({"width": 390, "height": 844})
+        editor.fill("Trip\npassport\nsocks\n")
+        editor.evaluate("e => { e.focus(); e.setSelectionRange(5, 19); }")  # the two lines
+        s.tap("#checklist")
+        expect(editor).to_have_value("Trip\n- [ ] passport\n- [ ] socks\n")
+        s.shot("checklist-button")
+        wait_for(lambda: (web.root / "notes/todo.md").read_text() == editor.input_value())
+        assert unexpected(s.close()) == []
+
+    def test_no_save_button_and_the_path_only_in_the_notes_menu(self, web):
+        s = web("phone")
+        page = s.page
+        s.tree_open("notes/home/keys.md")
+        save = page.get_by_role("button", name=re.compile(r"^\s*Save\s*$"))
+        assert page.locator("#save").count() == 0
+        expect(save).to_have_count(0)
+        expect(page.locator("#path")).to_be_hidden()  # not under the title
+        expect(page.locator(".note-title")).not_to_contain_text("notes/home/keys.md")
+        s.shot("note-view")
+        s.tap("#edit")
+        expect(save).to_have_count(0)
+        expect(page.locator("#edit")).to_have_text("Done")
+        page.focus("#editor")
+        page.keyboard.press("Control+End")
+        page.keyboard.type("more")
+        expect(page.locator("#status")).to_have_text("Saved")  # by itself
+        s.shot("editing-saved")
+        s.tap("#note-menu summary")
+        expect(page.locator("#note-menu .path-item")).to_be_visible()
+        expect(page.locator("#note-menu .path-item")).to_contain_text("Path")
+        expect(page.locator("#path")).to_contain_text("notes/home/keys.md")
+        s.shot("note-menu-path")
+        assert unexpected(s.close()) == []
+
+    def test_a_tap_on_the_text_edits_there_and_a_tap_on_a_box_ticks_it(self, web):
+        text = (
+            "# Trip\n\nFirst paragraph about the beach.\n\n"
+            "Second paragraph: the **mountains** and\nthe lakes after.\n\n- [ ] passport\n"
+        )
+        key = {"X-Service-Key": web.setup["apiKey"]}
+        web.server.request("POST", f"{API}/notes", {"path": "notes/trip.md", "content": text}, key)
+        s = web("phone")
+        page = s.page
+        s.tree_open("notes/trip.md")
+        # A tap on the box ticks it: saved, and the note stays as it is shown.
+        page.locator("#view li.task input").tap()
+        expect(page.locator("#status")).to_have_text("Saved")
+        assert "- [x] passport" in (web.root / "notes/trip.md").read_text()
+        assert page.is_hidden("#editor")
+        expect(page.locator("#view")).to_be_visible()
+        # A tap on the second paragraph's word "lakes": the editor, the caret at that word.
+        spot = (
+            page.locator("#view p")
+            .nth(1)
+            .evaluate(
+                """p => {
+              const t = [...p.childNodes].find(n => n.nodeType === 3 && n.data.includes("lakes"));
+              const r = document.createRange();
+              const i = t.data.indexOf("lakes") + 2;
+              r.setStart(t, i); r.setEnd(t, i + 1);
+              const b = r.getBoundingClientRect();
+              return {x: b.left, y: b.top + b.height / 2};
+            }"""
+            )
+        )
+        page.touchscreen.tap(spot["x"], spot["y"])
+        editor = page.locator("#editor")
+        expect(editor).to_be_visible()
+        expect(editor).to_be_focused()
+        caret = editor.evaluate("e => e.selectionStart")
+        lakes = text.index("lakes")
+        assert lakes <= caret <= lakes + 5, (caret, lakes)
+        s.shot("tap-to-edit")
+        page.keyboard.type("big ")
+        assert text.replace("- [ ]", "- [x]")[:lakes] in editor.input_value()
         assert unexpected(s.close()) == []
 
     def test_links_open_notes_and_html_in_a_note_stays_text(self, web):
@@ -13593,7 +13741,7 @@ class TestWebClient:
                 page.click("#edit")
                 page.fill("#editor", page.input_value("#editor") + "\nmore")
                 problems += page.evaluate(A11Y_AUDIT)
-                page.click("#save")
+                page.keyboard.press("Control+s")
                 page.fill("#search", "kumquat")
                 page.keyboard.press("Enter")
                 page.wait_for_selector("#results mark")
@@ -13824,7 +13972,7 @@ class TestWebClient:
         expect(page.locator("#path")).to_contain_text("notes/archive/todo.md")
         expect(page.locator('#tree button[data-path="notes/archive/todo.md"]')).to_be_visible()
         page.fill("#editor", "# Todo\n\n- typed after the move\n")  # still editing
-        page.click("#save")  # saved where it is now
+        page.keyboard.press("Control+s")  # saved where it is now
         expect(page.locator("#status")).to_have_text("Saved")
         archived = web.root / "notes/archive/todo.md"
         assert archived.read_text() == "# Todo\n\n- typed after the move\n"
@@ -13906,7 +14054,7 @@ class TestWebClient:
             list(png),
         )
         expect(page.locator("#editor")).to_have_value(re.compile(r"-image\.png\)"))
-        page.click("#save")
+        page.keyboard.press("Control+s")
         expect(page.locator("#status")).to_have_text("Saved")
         page.click("#edit")
         expect(page.locator("#view img")).to_have_count(3)
@@ -14287,19 +14435,19 @@ class TestOfflineInChromium:
         s.tree_open("notes/todo.md")
         page.click("#edit")
         page.fill("#editor", "# Todo\n\n- buy oat milk\n- written offline\n")
-        page.click("#save")
+        page.keyboard.press("Control+s")
         expect(page.locator("#status")).to_have_text("Kept on this device")
         s.tap("#back")
         s.tree_open("notes/kitchen/pancakes.md")
         page.click("#edit")
         page.fill("#editor", "# Pancakes\n\nOffline batter.\n")
-        page.click("#save")
+        page.keyboard.press("Control+s")
         expect(page.locator("#status")).to_have_text("Kept on this device")
         s.tap("#back")
         s.tap("#new")
         page.keyboard.insert_text("Made offline\n")  # (its name, at once: see write_new)
         page.keyboard.type("\non the train")
-        page.click("#save")
+        page.keyboard.press("Control+s")
         expect(page.locator("#status")).to_have_text("Kept on this device")
         expect(page.locator("#offline-state")).to_have_text("Offline · 3 to send")
         title = page.get_attribute("#offline-state", "title")
@@ -14458,7 +14606,7 @@ class TestOfflineInChromium:
         s.tree_open("notes/todo.md")
         page.click("#edit")
         page.fill("#editor", "# Todo\n\n- written on the train\n")
-        page.click("#save")
+        page.keyboard.press("Control+s")
         expect(page.locator("#status")).to_have_text("Kept on this device")
         gone = web.server.request("DELETE", f"{API}/auth/keys/{grant['id']}", headers=key)
         assert gone[0] == 200
@@ -14966,7 +15114,7 @@ class TestWebClientGrants:
             assert page.locator(hidden).is_hidden(), hidden
         s.tree_open("notes/home/keys.md")
         expect(page.locator("#view h1")).to_have_text("Spare keys")
-        for hidden in ("#edit", "#save", "#share", "#move", "#delete", "#attach"):
+        for hidden in ("#edit", "#share", "#move", "#delete", "#attach"):
             assert page.locator(hidden).is_hidden(), hidden
         assert all(
             page.locator("#view input[type=checkbox]").evaluate_all("bs => bs.map(b => b.disabled)")

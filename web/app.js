@@ -284,8 +284,6 @@ const app = (() => {
       s.textContent = "";
       s.className = "";
     }
-    $("save").disabled = !state.path && !state.blank;
-    $("save").classList.toggle("clean", !dirty());
   }
 
   // Drafts on this device (web/drafts.js): each belongs to one note; a note not created yet
@@ -378,8 +376,8 @@ const app = (() => {
     if (again) replaceText(state.saved);
     else editor().value = state.saved;
     $("title").textContent = state.title;
-    $("path").textContent = rec.path + " · " + core.ago(rec.modified);
-    $("path").title = rec.path;
+    $("path").textContent = rec.path; // in the note's menu, not under the title
+    $("modified").textContent = "Edited " + core.ago(rec.modified);
     $("empty").hidden = true;
     $("note-bar").hidden = false;
     $("conflict").hidden = true;
@@ -434,9 +432,11 @@ const app = (() => {
     $("note-bar").hidden = true;
     $("title").textContent = "";
     $("path").textContent = "";
+    $("modified").textContent = "";
     $("view").replaceChildren();
     $("view").hidden = true;
     editor().hidden = true;
+    $("editor-tools").hidden = true;
     $("backlinks").hidden = true;
     $("conflict").hidden = true;
     $("draft").hidden = true;
@@ -450,11 +450,13 @@ const app = (() => {
     core.markCurrent();
   }
 
+  // Editing or reading: no Save anywhere (typing is saved by itself; the status says so).
   function setEditing(on) {
     state.editing = on;
     editor().hidden = !on;
+    $("editor-tools").hidden = !on || !grants.writable();
     $("view").hidden = on;
-    $("edit").textContent = on ? "View" : "Edit";
+    $("edit").textContent = on ? "Done" : "Edit";
     $("edit").setAttribute("aria-pressed", String(on));
     if (!on) renderView();
   }
@@ -467,8 +469,106 @@ const app = (() => {
       link,
       wikiLink,
       image,
+      lines: true, // each block's source lines: a tap opens the editor there
     });
     $("view").replaceChildren(...view.childNodes);
+  }
+
+  // -- lists in the editor and taps on the view (the text logic is web/lists.js) -------------
+
+  // Make `edit` ({from, to, insert, start, end}) with the browser's own editing, so Undo
+  // takes it back and its input event reaches autosave; where that is refused, by hand.
+  function applyEdit(edit) {
+    const ed = editor();
+    const want = lists.apply(ed.value, edit);
+    ed.focus();
+    ed.setSelectionRange(edit.from, edit.to);
+    let done = edit.from === edit.to && !edit.insert;
+    try {
+      if (!done && edit.insert) done = document.execCommand("insertText", false, edit.insert);
+      else if (!done) done = document.execCommand("delete");
+    } catch (e) {
+      done = false;
+    }
+    if (ed.value !== want) {
+      if (done) ed.value = want;
+      else ed.setRangeText(edit.insert, edit.from, edit.to);
+      ed.dispatchEvent(new Event("input"));
+    }
+    ed.setSelectionRange(edit.start, edit.end);
+  }
+
+  function toggleChecklist() {
+    const ed = editor();
+    applyEdit(lists.toggleTask(ed.value, ed.selectionStart, ed.selectionEnd));
+  }
+
+  // Enter on a list line continues the list; on an empty item it ends it. (keydown, and for
+  // keyboards that send no key, beforeinput: one of them, as the first one prevents the other.)
+  function enterInList(e) {
+    if (e.isComposing) return;
+    const ed = editor();
+    const edit = lists.onEnter(ed.value, ed.selectionStart, ed.selectionEnd);
+    if (!edit) return;
+    e.preventDefault();
+    applyEdit(edit);
+  }
+  function editorKey(e) {
+    if (e.key === "Enter" && !e.shiftKey && !e.ctrlKey && !e.metaKey && !e.altKey) {
+      enterInList(e);
+    } else if ((e.ctrlKey || e.metaKey) && e.shiftKey && e.code === "Digit9") {
+      e.preventDefault();
+      toggleChecklist();
+    }
+  }
+
+  // What the block shows before the point (x, y): its text, a line break as "\n".
+  function textBefore(block, x, y) {
+    let node = null;
+    let offset = 0;
+    if (document.caretPositionFromPoint) {
+      const p = document.caretPositionFromPoint(x, y);
+      if (p) [node, offset] = [p.offsetNode, p.offset];
+    } else if (document.caretRangeFromPoint) {
+      const r = document.caretRangeFromPoint(x, y);
+      if (r) [node, offset] = [r.startContainer, r.startOffset];
+    }
+    if (!node || !block.contains(node)) return "";
+    const range = document.createRange();
+    range.setStart(block, 0);
+    range.setEnd(node, offset);
+    const part = range.cloneContents();
+    for (const br of part.querySelectorAll("br")) br.replaceWith("\n");
+    return part.textContent;
+  }
+
+  // A tap on a note's text opens the editor with the caret at that place (Keep, Apple Notes:
+  // tap and type). A box stays a tick; links, pictures and a selection being made are theirs.
+  function editAtTap(e) {
+    if (!state.path || state.editing || !grants.writable() || e.button) return;
+    if (e.target.closest("a, button, input, label, img, summary, audio, video")) return;
+    const sel = window.getSelection();
+    if (sel && !sel.isCollapsed && $("view").contains(sel.anchorNode)) return;
+    const text = editor().value;
+    const block = e.target.closest("[data-line]");
+    const at =
+      block && $("view").contains(block)
+        ? lists.caretFor(
+            text,
+            Number(block.dataset.line),
+            Number(block.dataset.end),
+            textBefore(block, e.clientX, e.clientY),
+          )
+        : text.length; // below the last block: at the end
+    setEditing(true);
+    const ed = editor();
+    // near the caret's line first (a guess: wrapped lines count as one), then the browser
+    // brings the caret itself into view
+    const lineHeight = parseFloat(getComputedStyle(ed).lineHeight) || 22;
+    const line = text.slice(0, at).split("\n").length - 1;
+    ed.scrollTop = Math.max(0, line * lineHeight - ed.clientHeight / 3);
+    ed.focus();
+    ed.setSelectionRange(at, at);
   }
 
   // A checkbox ticked in the formatted view changes its line; saved at once (with If-Match)
@@ -601,7 +701,8 @@ const app = (() => {
     state.saved = theirs;
     state.title = note.title || state.title;
     $("title").textContent = state.title;
-    $("path").textContent = note.path + " · " + core.ago(note.modified);
+    $("path").textContent = note.path;
+    $("modified").textContent = "Edited " + core.ago(note.modified);
     offline.mirrorPut(note);
     if (editor().value === state.saved) dropDraft();
     $("conflict").hidden = true;
@@ -878,7 +979,8 @@ const app = (() => {
     $("empty").hidden = true;
     $("note-bar").hidden = false;
     $("title").textContent = "New note";
-    $("path").textContent = "The first line is its title";
+    $("path").textContent = ""; // (the editor's placeholder: the first line is its title)
+    $("modified").textContent = "";
     // Always blank: a new note's draft is its own (sent at the start, or by the outbox).
     // Only the one draft an older page kept for every new note comes back, once, as this
     // note's own.
@@ -1744,10 +1846,6 @@ const app = (() => {
         if (state.path && !dirty()) await openNote(state.path);
       }),
     );
-    $("save").addEventListener(
-      "click",
-      core.act(() => save(false)),
-    );
     $("overwrite").addEventListener(
       "click",
       core.act(() => save(true)),
@@ -1772,6 +1870,14 @@ const app = (() => {
       setEditing(!state.editing);
       if (state.editing) editor().focus();
     });
+    $("view").addEventListener("click", editAtTap);
+    editor().addEventListener("keydown", editorKey);
+    editor().addEventListener("beforeinput", (e) => {
+      if (e.inputType === "insertLineBreak" || e.inputType === "insertParagraph") enterInList(e);
+    });
+    // the toolbar takes no focus: the keyboard stays up, the selection stays as it was
+    $("editor-tools").addEventListener("mousedown", (e) => e.preventDefault());
+    $("checklist").addEventListener("click", toggleChecklist);
     $("back").addEventListener("click", () => core.showPane("notes"));
     $("move").addEventListener("click", core.act(moveNote));
     $("history").addEventListener("click", core.act(showHistory));
@@ -1874,7 +1980,7 @@ const app = (() => {
       const typing = /^(INPUT|TEXTAREA|SELECT)$/.test(document.activeElement.tagName);
       if ((e.ctrlKey || e.metaKey) && e.key.toLowerCase() === "s") {
         e.preventDefault();
-        if (state.path) core.act(() => save(false))();
+        if (state.path || state.blank) core.act(() => save(false))();
       } else if (e.key === "/" && !typing && !$("app").hidden && !$("dlg").open) {
         e.preventDefault();
         $("search").focus();

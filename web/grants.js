@@ -19,7 +19,7 @@ const grants = (() => {
     state.grant = grant || null;
     const owner = ownerLike();
     const write = writable();
-    for (const id of ["edit", "save", "new", "empty-new", "menu-new", "move", "delete"]) {
+    for (const id of ["edit", "new", "empty-new", "menu-new", "move", "delete"]) {
       $(id).hidden = !write;
     }
     const daily = owner || !state.grant.folder || state.grant.folder === "notes/daily";

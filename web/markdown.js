@@ -80,6 +80,14 @@ const markdown = (() => {
     );
   }
 
+  // ctx.lines: each block (and list item) says which source lines it was drawn from, in
+  // data-line and data-end (the page opens the editor at the place a tap lands on).
+  function mark(node, ctx, first, last) {
+    if (!ctx.lines || !node || node.nodeType === 3) return;
+    node.setAttribute("data-line", String(first));
+    node.setAttribute("data-end", String(last));
+  }
+
   function blocks(lines, out, ctx) {
     let i = 0;
     while (i < lines.length) {
@@ -89,6 +97,8 @@ const markdown = (() => {
         i++;
         continue;
       }
+      const at = i;
+      const count = out.children ? out.children.length : 0;
       if ((m = FENCE_RE.exec(t))) {
         const close = new RegExp("^ {0,3}" + m[1][0] + "{" + m[1].length + ",}\\s*$");
         const body = [];
@@ -138,6 +148,10 @@ const markdown = (() => {
         inline(para.join("\n"), p, ctx);
         out.appendChild(p);
       }
+      const made = out.children ? out.children[count] : null;
+      if (made && !/^(ul|ol|blockquote)$/i.test(made.tagName || "")) {
+        mark(made, ctx, lines[at].n, lines[Math.min(i, lines.length) - 1].n);
+      }
     }
   }
 
@@ -177,6 +191,7 @@ const markdown = (() => {
         }
         if (/\d/.test(m[2]) !== ordered) return i;
         li = el("li");
+        mark(li, ctx, lines[i].n, lines[i].n);
         body = li;
         let content = m[3] || "";
         const task = /^\[([ xX])\](?:\s+|$)/.exec(content);
@@ -202,6 +217,7 @@ const markdown = (() => {
         // the item's text goes on
         body.appendChild(el("br"));
         inline(t.trim(), body, ctx);
+        if (ctx.lines) mark(li, ctx, Number(li.getAttribute("data-line")), lines[i].n);
         i++;
       } else {
         return i;

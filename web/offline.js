@@ -79,7 +79,7 @@ const offline = (() => {
     const all = noteOrder.newestFirst(await mirrorAll());
     return all.slice(0, limit).map((n) => ({
       ...n,
-      preview: paths.plainSnippet((n.content || "").split("\n").slice(1).join(" ")).slice(0, 160),
+      preview: paths.notePreview(n.content || ""),
     }));
   }
 

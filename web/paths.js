@@ -51,15 +51,38 @@ const paths = (() => {
       .map((w) => (w.length > 4 ? w.replace(/(es|s)$/, "") : w));
   }
 
-  // A snippet's Markdown as plain text.
+  // Markdown as plain text, for every preview and snippet the page shows: pictures go, links
+  // keep their words, marks of headings, lists, tasks, quotes, emphasis and code go (as the
+  // server's note_preview does); then what a cut snippet leaves half of. (No lookbehind:
+  // older Safari refuses the whole script for one.)
   function plainSnippet(text) {
     return text
-      .replace(/\]\([^)\s]*\)/g, "]")
+      .replace(/!\[[^\]\n]*\]\([^)\n]*\)/g, "")
+      .replace(/!?\[\[(?:[^\]|\n]*\|)?([^\]\n]*)\]\]/g, "$1")
+      .replace(/\[([^\]\n]*)\]\([^)\n]*\)/g, "$1")
+      .replace(
+        /^[ \t]{0,3}(?:#{1,6}[ \t]+|>[ \t]?|[-*+][ \t]+(?:\[[ xX]\][ \t]+)?|\d{1,9}[.)][ \t]+)/gm,
+        "",
+      )
+      .replace(/^\s*(?:```|~~~).*$|^\s*\|?[-:| ]{3,}\|?\s*$/gm, "")
+      .replace(/(\*\*|__|~~|==|`+|\*|_)(?=\S)([^\n]*?\S)\1/g, "$2")
+      .replace(/\]\([^)\s]*\)?/g, "]")
       .replace(/\[[ xX]\]/g, "")
-      .replace(/\[\[|\]\]|[[\]]|\*\*|__|`+|~~|==/g, "")
+      .replace(/!?\[\[|\]\]|!\[|[[\]]|\*\*|__|`+|~~|==/g, "")
       .replace(/(^|\s)(#{1,6}|>|[-*+]|\|[-:| ]*\|?)(?=\s)/g, "$1")
+      .replace(/\|/g, " ")
       .replace(/\s+/g, " ")
       .trim();
+  }
+
+  // A note's preview in a list: the text after its title (a heading, else the first line),
+  // without front matter or marks, at most 160 characters: what the server's listing gives.
+  function notePreview(content) {
+    const text = content.slice(0, 160 * 8).replace(/\r\n?/g, "\n");
+    const fm = /^---\n[\s\S]*?\n(?:---|\.\.\.)[ \t]*(?:\n|$)/.exec(text);
+    const lines = (fm ? text.slice(fm[0].length) : text).split("\n");
+    const first = lines.findIndex((l) => l.trim());
+    return plainSnippet(first < 0 ? "" : lines.slice(first + 1).join("\n")).slice(0, 160);
   }
 
   function sizeText(n) {
@@ -75,6 +98,7 @@ const paths = (() => {
     fold,
     isAttachmentName,
     nameOf,
+    notePreview,
     plainSnippet,
     queryWords,
     relativeTo,

@@ -41,6 +41,7 @@ MARKDOWN_JS = web_source("markdown.js")
 ORDER_JS = web_source("order.js")
 AUTOSAVE_JS = web_source("autosave.js")
 DRAFTS_JS = web_source("drafts.js")
+LISTS_JS = web_source("lists.js")
 
 WEB_JS_REST = web_source("app.js")
 
@@ -51,10 +52,21 @@ WEB_DEVICES_JS = web_source("devices.js")
 WEB_TRANSFER_JS = web_source("transfer.js")
 WEB_MAIN_JS = web_source("main.js")
 
+
+def lean_script(js: str) -> str:
+    """Return the script with each line that is only a // comment left empty: the comments
+    are for whoever reads web/, and the phone gets the page a sixth smaller gzipped. Lines
+    stay where they were, so an error's line in the page is a line of the sources' order.
+    (The web/ scripts hold no template literal across lines, where a // line would be text;
+    node --check and the no-undef lint run on the result.)"""
+    return "\n".join("" if line.lstrip().startswith("//") else line for line in js.split("\n"))
+
+
 # One script, in this order: core.js ("use strict", the page's state, storage and API),
 # the pure modules (paths.js, keys.js, merge.js, outbox.js, markdown.js, order.js,
-# autosave.js, drafts.js; node --test web/), app.js, grants.js, devices.js, transfer.js,
-# offline.js, and last main.js, where the page starts (the files before it only define).
+# autosave.js, drafts.js, lists.js; node --test web/), app.js, grants.js, devices.js,
+# transfer.js, offline.js, and last main.js, where the page starts (the files before it
+# only define).
 WEB_JS = "".join(
     (
         WEB_JS_START,
@@ -66,6 +78,7 @@ WEB_JS = "".join(
         ORDER_JS,
         AUTOSAVE_JS,
         DRAFTS_JS,
+        LISTS_JS,
         WEB_JS_REST,
         WEB_GRANTS_JS,
         WEB_DEVICES_JS,
@@ -74,6 +87,7 @@ WEB_JS = "".join(
         WEB_MAIN_JS,
     )
 )
+WEB_JS = lean_script(WEB_JS)  # as served: without the comment lines
 
 WEB_PAGE = web_source("app.html")
 

@@ -16,6 +16,9 @@ class Node {
   setAttribute(k, v) {
     this.attrs[k] = String(v);
   }
+  getAttribute(k) {
+    return k in this.attrs ? this.attrs[k] : null;
+  }
   appendChild(c) {
     this.children.push(c);
     return c;
@@ -132,6 +135,20 @@ test("lists and tasks: each box knows its line", () => {
   const shown = renderMarkdown("- [x] done", {});
   walk(shown);
   assert.equal(boxes[2].disabled, true);
+});
+
+test("ctx.lines: each block and list item names the source lines it was drawn from", () => {
+  const text = "---\na: 1\n---\n# T\n\none\ntwo\n\n- [ ] x\n  more\n- y\n\n> q\n\n```\nc\n```";
+  const spans = [];
+  const walk = (n) => {
+    if (n.attrs && "data-end" in n.attrs)
+      spans.push(n.tagName + " " + n.attrs["data-line"] + "-" + n.attrs["data-end"]);
+    (n.children || []).forEach(walk);
+  };
+  walk(renderMarkdown(text, {...hooks, lines: true}));
+  assert.deepEqual(spans, ["h1 3-3", "p 5-6", "li 8-9", "li 10-10", "p 12-12", "pre 14-16"]);
+  walk(renderMarkdown(text, hooks)); // without it (the share page): nothing added
+  assert.equal(spans.length, 6);
 });
 
 test("tables keep their alignment", () => {

@@ -64,6 +64,32 @@ test("plainSnippet: Markdown marks dropped", () => {
   );
 });
 
+test("plainSnippet: pictures, links and marks as the server's previews drop them", () => {
+  for (const [text, want] of [
+    ["![beach](beach.png) at **noon**", "at noon"],
+    ["see ![[beach.png]] and [[Pie crust|the crust]]", "see beach.png and the crust"],
+    ["# Packing\n1. socks\n> quoted _here_\n```js\nx\n```", "Packing socks quoted here x"],
+    ["| a | b |\n|---|---|\n| 1 | 2 |", "a b 1 2"],
+    ["…ch.png) cut ![be", "…ch.png) cut be"],
+    ["snake_case stays", "snake_case stays"],
+  ]) {
+    assert.equal(paths.plainSnippet(text), want, text);
+  }
+});
+
+test("notePreview: the text after the title, without front matter or markup", () => {
+  assert.equal(
+    paths.notePreview("---\ntags: [a]\n---\n# Pie\n\n- [ ] **2** eggs, see [the shop](s.md)"),
+    "2 eggs, see the shop",
+  );
+  assert.equal(
+    paths.notePreview("\nBeach day\n![beach](../attachments/b.png)\n#sea ~~no~~"),
+    "#sea no",
+  );
+  assert.equal(paths.notePreview("Only a title"), "");
+  assert.equal(paths.notePreview("T\n" + "word ".repeat(100)).length, 160);
+});
+
 test("sizeText", () => {
   assert.deepEqual([0, 1023, 1024, 1536, 1048576 * 3].map(paths.sizeText), [
     "0 B",
