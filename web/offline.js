@@ -180,6 +180,7 @@ const offline = (() => {
   }
   async function sendWaiting() {
     store.sending = true;
+    let sent = 0;
     try {
       await loadOutbox();
       for (let item = outbox.nextItem(store.items); item && offlineOn();) {
@@ -208,6 +209,7 @@ const offline = (() => {
           $("path").textContent = answer.path;
         }
         if (item.kind === "create" && answer) await mirrorDrop(item.local);
+        sent++;
         if (!offlineOn()) break; // the key stopped working meanwhile: what waits became drafts
         item = outbox.nextItem(
           await updateOutbox((items) => outbox.settle(items, item, answer || {})),
@@ -217,7 +219,8 @@ const offline = (() => {
       store.sending = false;
       showWaiting();
     }
-    if (!store.items.length) core.loadTree().catch(() => {});
+    // what was sent has its place on the server now (nothing sent: the tree is as it was)
+    if (sent && !store.items.length) core.loadTree().catch(() => {});
   }
 
   async function sendItem(item) {
