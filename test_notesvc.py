@@ -14243,6 +14243,21 @@ class TestOfflineInChromium:
         errors = [e for e in s.close() if not any(n in e for n in offline_noise)]
         assert errors == []
 
+    def test_a_start_with_nothing_to_send_asks_for_the_list_and_the_tree_once(self, web):
+        # (the phone issue: with the copy kept, a start sent the empty outbox and then asked
+        # for the tree, and the list with it, a second time)
+        s = web("phone")
+        self.keep_offline(s)
+        s.requests.clear()
+        wire = WireMeter(s.page)
+        s.page.reload()
+        expect(s.page.locator("#recent .recent-note")).to_have_count(3)
+        asked = [urllib.parse.urlsplit(r["url"]) for r in wire.settled()]  # (the relay's /r/…)
+        lists = [u for u in asked if u.path.endswith(f"{API}/notes") and "sort=" in u.query]
+        trees = [u for u in asked if u.path.endswith(f"{API}/folders/tree")]
+        assert (len(lists), len(trees)) == (1, 1), asked
+        assert unexpected(s.close()) == []
+
     def test_the_share_sheet_puts_text_and_an_image_in_todays_note(self, web):
         s = web("phone")
         self.keep_offline(s)
