@@ -17863,6 +17863,8 @@ const core = (() => {
       };
     }
     if (opts.raw && r.ok) return {json: await r.json(), status: r.status};
+    // asked with If-None-Match: the copy kept is still good (no body)
+    if (r.status === 304) return {data: null, etag: r.headers.get("ETag"), status: 304};
     let j = null;
     try {
       j = await r.json();
@@ -21088,17 +21090,42 @@ const app = (() => {
     }
   }
 
-  // What this server offers, from its OpenAPI document (an older one has the core only).
-  // The features, read once at start; a note opened before their answer waits for it.
+  // What this server offers: its features document, kept with its ETag (a later start costs
+  // a 304); a server from before it (behind a relay) answers 404, then its OpenAPI paths say.
+  // Read once at start; a note opened before the answer waits for it.
   let featuresRead = Promise.resolve();
+  const FEATURES_KEPT = "notesvc.features";
+  async function fetchFeatures() {
+    const kept = JSON.parse(core.getItem("local", FEATURES_KEPT) || "null");
+    const mine = kept && kept.base === state.base && kept.etag ? kept : null;
+    const ask = mine ? {"If-None-Match": mine.etag} : undefined;
+    try {
+      const r = await core.api("GET", "/system/features", undefined, ask);
+      if (r.status === 304) return mine.data;
+      core.setItem(
+        "local",
+        FEATURES_KEPT,
+        JSON.stringify({base: state.base, etag: r.etag, data: r.data}),
+      );
+      return r.data;
+    } catch (e) {
+      if (e.status !== 404) throw e;
+    }
+    const {json} = await core.api("GET", "/openapi.json", undefined, undefined, {raw: true});
+    const routes = Object.keys((json && json.paths) || {});
+    const has = (end) => routes.some((p) => p.endsWith(end));
+    return {
+      history: has("/trash") && has("/versions"),
+      attachments: has("/attachments"),
+      changes: has("/changes"),
+    };
+  }
   async function readFeatures() {
     try {
-      const {json} = await core.api("GET", "/openapi.json", undefined, undefined, {raw: true});
-      const routes = Object.keys((json && json.paths) || {});
-      const has = (end) => routes.some((p) => p.endsWith(end));
-      core.features.history = has("/trash") && has("/versions");
-      core.features.attachments = has("/attachments");
-      core.features.changes = has("/changes");
+      const offered = await fetchFeatures();
+      core.features.history = !!offered.history;
+      core.features.attachments = !!offered.attachments;
+      core.features.changes = !!offered.changes;
     } catch (e) {
       /* the core only */
     }
@@ -22168,6 +22195,7 @@ const offline = (() => {
   }
   async function sendWaiting() {
     store.sending = true;
+    let sent = 0;
     try {
       await loadOutbox();
       for (let item = outbox.nextItem(store.items); item && offlineOn();) {
@@ -22198,6 +22226,7 @@ const offline = (() => {
         }
         if (answer && answer.path) sent(item, answer);
         if (item.kind === "create" && answer) await mirrorDrop(item.local);
+        sent++;
         if (!offlineOn()) break; // the key stopped working meanwhile: what waits became drafts
         item = outbox.nextItem(
           await updateOutbox((items) => outbox.settle(items, item, answer || {})),
@@ -22207,7 +22236,8 @@ const offline = (() => {
       store.sending = false;
       showWaiting();
     }
-    if (!store.items.length) core.loadTree().catch(() => {});
+    // what was sent has its place on the server now (nothing sent: the tree is as it was)
+    if (sent && !store.items.length) core.loadTree().catch(() => {});
   }
 
   // The note's text is on the server: its draft dies when it holds that text; a new note's

@@ -12923,6 +12923,72 @@ def unexpected(errors: list, *allowed: str) -> list:
     return [e for e in errors if not any(f"status of {a}" in e for a in allowed)]
 
 
+class WireMeter:
+    """What a page's requests move on the wire, from Chrome's own count (CDP Network): for
+    each request `received`, loadingFinished's encodedDataLength (the answer's status line,
+    headers and body as sent, gzipped or not), `headers` (of it, the answer's status line and
+    headers) and `sent` (the request's headers as Chrome sent them, about)."""
+
+    def __init__(self, page):
+        self.page = page
+        self.rows: dict = {}
+        cdp = page.context.new_cdp_session(page)
+        cdp.on("Network.requestWillBeSent", self._asked)
+        cdp.on("Network.requestWillBeSentExtraInfo", self._asked_with)
+        cdp.on("Network.responseReceived", self._answered)
+        cdp.on("Network.responseReceivedExtraInfo", self._answered_with)
+        cdp.on("Network.loadingFinished", self._finished)
+        cdp.on("Network.loadingFailed", self._finished)
+        cdp.send("Network.enable")
+
+    def _row(self, e: dict) -> dict:
+        empty = {"url": "", "method": "", "status": 0, "encoding": "", "done": False}
+        return self.rows.setdefault(e["requestId"], {**empty, "sent": 0, "headers": 0})
+
+    def _asked(self, e: dict) -> None:
+        self._row(e).update(url=e["request"]["url"], method=e["request"]["method"])
+
+    def _asked_with(self, e: dict) -> None:
+        self._row(e)["sent"] = sum(len(k) + len(v) + 4 for k, v in e["headers"].items())
+
+    def _answered(self, e: dict) -> None:
+        headers = {k.lower(): v for k, v in e["response"]["headers"].items()}
+        self._row(e).update(
+            status=e["response"]["status"], encoding=headers.get("content-encoding", "")
+        )
+
+    def _answered_with(self, e: dict) -> None:
+        self._row(e)["headers"] = len(e.get("headersText", ""))
+
+    def _finished(self, e: dict) -> None:
+        self._row(e).update(received=int(e.get("encodedDataLength", 0)), done=True)
+
+    def settled(self, quiet: float = 1.0) -> list:
+        """The requests made, once for `quiet` seconds none but the change feed's long poll
+        (`wait=` above 0, which answers only when a change comes) has been in flight."""
+        polls = lambda r: re.search(r"[?&]wait=[1-9]", r["url"])  # noqa: E731
+        seen, since = None, time.monotonic()
+        while time.monotonic() - since < quiet:
+            self.page.wait_for_timeout(100)
+            busy = [r for r in self.rows.values() if not r["done"] and not polls(r)]
+            if busy or len(self.rows) != seen:
+                seen, since = len(self.rows), time.monotonic()
+        return [r for r in self.rows.values() if r["done"]]
+
+    @staticmethod
+    def table(rows: list) -> str:
+        """One line a request: bytes received (of them headers), sent, status, encoding."""
+        lines = [
+            f"{r['received']:>7} {r['headers']:>5} {r['sent']:>5} {r['status']} "
+            f"{r['encoding'] or '-':<5} {r['method']} {urllib.parse.urlsplit(r['url']).path}"
+            f"{'?' + urllib.parse.urlsplit(r['url']).query if '?' in r['url'] else ''}"
+            for r in rows
+        ]
+        total = [sum(r[k] for r in rows) for k in ("received", "headers", "sent")]
+        lines.append("{:>7} {:>5} {:>5} in all: received, of it headers; sent".format(*total))
+        return "\n".join(["received hdrs  sent", *lines])
+
+
 class EvilRelay:
     """A loopback stand-in for a hostile relay: records every request, answers any pairing
     with an API base of its own, and allows any origin (so only the page can refuse it)."""
@@ -14163,13 +14229,13 @@ class TestWebClient:
         s = web("phone", login=False)
         page = s.page
         held = []
-        page.route("**/openapi.json", lambda route: held.append(route))  # the features answer waits
+        page.route("**/system/features", lambda route: held.append(route))  # the features wait
         s.login(web.server.url + "/", web.setup["apiKey"])
         wait_for(lambda: held or page.wait_for_timeout(50))
         s.tap("#new")
         expect(page.locator("#editor")).to_be_focused()
         held[0].continue_()
-        page.unroute("**/openapi.json")
+        page.unroute("**/system/features")
         wait_for(lambda: page.evaluate("!document.getElementById('history').hidden"))
         assert page.get_attribute("#app", "data-pane") == "note"
         expect(page.locator("#editor")).to_be_focused()
@@ -14195,16 +14261,73 @@ class TestWebClient:
         s = web("desktop", login=False)
         page = s.page
         held = []
-        page.route("**/openapi.json", lambda route: held.append(route))  # the answer waits
+        page.route("**/system/features", lambda route: held.append(route))  # the answer waits
         s.login(web.server.url + "/", web.setup["apiKey"])
         wait_for(lambda: held or page.wait_for_timeout(50))
         with page.expect_response(lambda r: r.url.endswith("photo.md")):  # it is not held
             page.click('#tree button.note[data-path="notes/photo.md"]')
         held[0].continue_()
-        page.unroute("**/openapi.json")
+        page.unroute("**/system/features")
         expect(page.locator("#path")).to_contain_text("notes/photo.md")
         expect(page.locator("#view img[alt='it']")).to_have_js_property("naturalWidth", 192)
         assert unexpected(s.close()) == []
+
+    def test_a_cold_signed_in_load_moves_at_most_80_kb(self, browser, tmp_path):
+        """CONTRACT (the phone issue): a fresh server with 50 notes in 5 folders, a phone
+        signed in as an admin device (set up from the page itself: the browser keeps its
+        device key), opened again with an empty cache: <= 80 KB received on the wire,
+        openapi.json never fetched, the list and the tree fetched once each."""
+        root = tmp_path / "srv"
+        for f in range(5):
+            for n in range(10):
+                note = root / "notes" / f"folder {f}" / f"note {n}.md"
+                note.parent.mkdir(parents=True, exist_ok=True)
+                note.write_text(f"# Note {f}.{n}\n\nA line of text about {n} things in {f}.\n" * 3)
+        server = Server(root)
+        try:
+            first = WebSession(browser, tmp_path, "phone")
+            first.page.goto(server.url + "/")
+            first.page.fill("#setup-name", "Ada's phone")
+            first.page.click("#setup")
+            first.dialog_choose("done")
+            expect(first.page.locator("#app")).to_be_visible()
+            assert first.page.evaluate("localStorage.getItem('notesvc.key')").startswith("nsd_")
+            kept = first.context.storage_state()
+            assert unexpected(first.close()) == []
+            for origin in kept["origins"]:  # as on a device that never read the features
+                origin["localStorage"] = [
+                    i for i in origin["localStorage"] if i["name"] != "notesvc.features"
+                ]
+            s = WebSession(browser, tmp_path, "phone", storage_state=kept)
+            wire = WireMeter(s.page)
+            s.page.goto(server.url + "/")
+            expect(s.page.locator("#recent .recent-note")).to_have_count(30)
+            expect(s.page.locator("#tree button.dir")).to_have_count(5)
+            grant = json.loads(s.page.evaluate("localStorage.getItem('notesvc.grant')"))
+            assert (grant["kind"], grant["scope"]) == ("device", "admin")
+            rows = wire.settled()
+            print(f"\ncold signed-in load (Chromium's count, CDP):\n{wire.table(rows)}")
+            s.shot("cold-load")
+            asked = [urllib.parse.urlsplit(r["url"]).path for r in rows]
+            assert f"{API}/openapi.json" not in asked
+            assert asked.count(f"{API}/notes") == asked.count(f"{API}/folders/tree") == 1, asked
+            (features,) = [r for r in rows if r["url"].endswith("/system/features")]
+            assert features["status"] == 200
+            assert sum(r["received"] for r in rows) <= 80_000, wire.table(rows)
+            # opened again: the features kept with their ETag cost a 304, the list and the
+            # tree are asked once again
+            again = WireMeter(s.page)
+            s.page.reload()
+            expect(s.page.locator("#recent .recent-note")).to_have_count(30)
+            rows = again.settled()
+            (features,) = [r for r in rows if r["url"].endswith("/system/features")]
+            assert features["status"] == 304
+            asked = [urllib.parse.urlsplit(r["url"]).path for r in rows]
+            assert asked.count(f"{API}/notes") == asked.count(f"{API}/folders/tree") == 1, asked
+            assert f"{API}/openapi.json" not in asked
+            assert unexpected(s.close()) == []
+        finally:
+            server.stop()
 
     def test_foreign_relay_url_never_gets_a_request(self, web):
         evil = EvilRelay()
@@ -14526,6 +14649,21 @@ class TestOfflineInChromium:
         assert drafts == []
         offline_noise = ("ERR_INTERNET_DISCONNECTED", "ERR_FAILED", "status of 0")
         assert [e for e in s.close() if not any(n in e for n in offline_noise)] == []
+
+    def test_a_start_with_nothing_to_send_asks_for_the_list_and_the_tree_once(self, web):
+        # (the phone issue: with the copy kept, a start sent the empty outbox and then asked
+        # for the tree, and the list with it, a second time)
+        s = web("phone")
+        self.keep_offline(s)
+        s.requests.clear()
+        wire = WireMeter(s.page)
+        s.page.reload()
+        expect(s.page.locator("#recent .recent-note")).to_have_count(3)
+        asked = [urllib.parse.urlsplit(r["url"]) for r in wire.settled()]  # (the relay's /r/…)
+        lists = [u for u in asked if u.path.endswith(f"{API}/notes") and "sort=" in u.query]
+        trees = [u for u in asked if u.path.endswith(f"{API}/folders/tree")]
+        assert (len(lists), len(trees)) == (1, 1), asked
+        assert unexpected(s.close()) == []
 
     def test_the_share_sheet_puts_text_and_an_image_in_todays_note(self, web):
         s = web("phone")

@@ -191,6 +191,8 @@ const core = (() => {
       };
     }
     if (opts.raw && r.ok) return {json: await r.json(), status: r.status};
+    // asked with If-None-Match: the copy kept is still good (no body)
+    if (r.status === 304) return {data: null, etag: r.headers.get("ETag"), status: 304};
     let j = null;
     try {
       j = await r.json();

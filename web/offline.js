@@ -190,6 +190,7 @@ const offline = (() => {
   }
   async function sendWaiting() {
     store.sending = true;
+    let sent = 0;
     try {
       await loadOutbox();
       for (let item = outbox.nextItem(store.items); item && offlineOn();) {
@@ -220,6 +221,7 @@ const offline = (() => {
         }
         if (answer && answer.path) sent(item, answer);
         if (item.kind === "create" && answer) await mirrorDrop(item.local);
+        sent++;
         if (!offlineOn()) break; // the key stopped working meanwhile: what waits became drafts
         item = outbox.nextItem(
           await updateOutbox((items) => outbox.settle(items, item, answer || {})),
@@ -229,7 +231,8 @@ const offline = (() => {
       store.sending = false;
       showWaiting();
     }
-    if (!store.items.length) core.loadTree().catch(() => {});
+    // what was sent has its place on the server now (nothing sent: the tree is as it was)
+    if (sent && !store.items.length) core.loadTree().catch(() => {});
   }
 
   // The note's text is on the server: its draft dies when it holds that text; a new note's
