@@ -869,7 +869,13 @@ MERGE_CASES = [
     ("both append", "a\n", "a\nb\n", "a\nc\n", None),
     ("one appends, one prepends", "a\n", "a\nz\n", "0\na\n", "0\na\nz\n"),
     ("CRLF against LF", "a\nb\nc\n", "a\r\nb\r\nc\r\n", "a\nb\nC\n", "a\r\nb\r\nC\n"),
-    ("no newline at the end", "a\nb", "a\nb\nc", "A\nb", "A\nb\nc\n"),
+    ("no newline at the end", "a\nb", "a\nb\nc", "A\nb", "A\nb\nc"),
+    # a note that ends without a newline keeps it so (issue 42): merge3 gives each side's
+    # last line one to compare, and takes it back unless a side changed that ending
+    ("different lines, no newline at the end", "a\nb\nc", "A\nb\nc", "a\nb\nC", "A\nb\nC"),
+    ("the edit ends the note with a newline", "a\nb", "A\nb", "a\nb\n", "A\nb\n"),
+    ("current ends it with a newline", "a\nb", "a\nb\n", "A\nb", "A\nb\n"),
+    ("the edit drops the last CRLF", "a\r\nb\r\n", "A\r\nb\r\n", "a\r\nb", "A\r\nb"),
     ("an empty base", "", "x\n", "x\n", "x\n"),
     ("nothing changed", "a\n", "a\n", "a\n", "a\n"),
     ("an applied edit sent again", "a\nb\n", "a\nB\nc\n", "a\nb\nc\n", "a\nB\nc\n"),

@@ -149,7 +149,7 @@ def merge3(base: str, current: str, edit: str) -> tuple:
     True
     """
     b, c, e = (t.splitlines(keepends=True) for t in (base, current, edit))
-    for side in (c, e):  # a last line without its newline, followed by more: add it
+    for side in (b, c, e):  # a last line without its newline, followed by more: add it
         if side and not side[-1].endswith(("\n", "\r")):
             side[-1] += "\n"
     to_current = _diff(b, c)
@@ -186,7 +186,26 @@ def merge3(base: str, current: str, edit: str) -> tuple:
             out += _apply(b, lo, hi, ours or edited)
         at = hi
     out += kept[at:]
-    return "".join(out), conflict
+    return _last_ending("".join(out), base, current, edit), conflict
+
+
+def _ends_line(text: str) -> bool:
+    return not text or text.endswith(("\n", "\r"))
+
+
+def _last_ending(merged: str, base: str, current: str, edit: str) -> str:
+    """Return merged with the note's last-line ending: current's, unless only the edit
+    changed whether the note ends with a newline (merge3 gave every last line one).
+
+    >>> merge3("a\\nb\\nc", "A\\nb\\nc", "a\\nb\\nC")
+    ('A\\nb\\nC', False)
+    """
+    ends = _ends_line(current)
+    if _ends_line(edit) != _ends_line(base) and ends == _ends_line(base):
+        ends = _ends_line(edit)
+    if ends or not merged:
+        return merged
+    return merged[:-2] if merged.endswith("\r\n") else merged[:-1]
 
 
 _NAME_DROP_RE = re.compile(
