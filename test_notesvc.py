@@ -5968,6 +5968,34 @@ class TestSetup:
             assert bool(state.read()["setupComplete"]) is done, scope
         assert "apiKey" not in state.read()
 
+    @pytest.mark.parametrize("scope", ["admin", "write"])
+    def test_a_setup_made_as_readme_says_audits_clean_but_for_plain_http(
+        self, make_app, root, scope
+    ):
+        # README's first run: start (defaults), open the page on the server (setup: an admin
+        # pairing made with the setup key, claimed as this browser's device, linked), then
+        # Add a device for a phone, which scans the code (issue 42: that made a write key
+        # that never expires, and the notes folder was created readable by all)
+        app = make_app()
+        key = data(app.get(f"{API}/system/setup", extra_environ=LOCAL))["apiKey"]
+        made = data(
+            with_key(app, key).post_json(
+                f"{API}/auth/devices/pairings", {"name": "laptop", "scope": "admin"}
+            )
+        )
+        device_key = claim(app, made["secret"], name="laptop", **LOCAL)["key"]
+        browser = webtest.TestApp(
+            app.app, extra_environ={"HTTP_X_SERVICE_KEY": device_key, **LOCAL}
+        )
+        browser.post_json(f"{API}/auth/link", {"clientName": "web client on laptop"})
+        phone = data(browser.post_json(f"{API}/auth/devices/pairings", {"scope": scope}))
+        claim(app, phone["secret"], name="phone", REMOTE_ADDR="192.168.1.30")
+        report = data(browser.get(f"{API}/security/audit"))
+        assert ids(report) == {"plain-http-all-interfaces"}, report["findings"]
+        assert report["score"] == 90
+        listed = data(browser.get(f"{API}/auth/keys"))["keys"]
+        assert all(k["expiresAt"] for k in listed if k["kind"] == "device")  # idle: 90 days
+
     @pytest.mark.real_server
     @pytest.mark.slow
     @pytest.mark.parametrize(
@@ -6803,6 +6831,37 @@ class TestDevices:
             assert made["qrSvg"].startswith("<svg")
         state = json.dumps(client.app.service.state.read())
         assert made["secret"] not in state  # only its SHA-256 is kept
+
+    @pytest.mark.parametrize("days", [2, 0])
+    def test_a_paired_device_expires_when_unused_for_device_idle_days(self, make_app, days):
+        client = with_key(make_app(SERVICE_DEVICE_IDLE_DAYS=str(days)))
+        grants, day = client.app.service.grants, 86400
+        key = claim(client, pair(client, name="phone")["secret"])["key"]
+        phone = with_key(client, key)
+
+        def listed() -> dict:
+            found = [k for k in data(client.get(f"{API}/auth/keys"))["keys"]]
+            return next(k for k in found if k["kind"] == "device")
+
+        def expires_in() -> float:
+            at = dt.datetime.fromisoformat(listed()["expiresAt"].replace("Z", "+00:00"))
+            return at.timestamp() - grants.clock()
+
+        if not days:  # 0: never
+            assert listed()["expiresAt"] is None
+            grants.clock = lambda: time.time() + 3650 * day
+            data(phone.post(f"{API}/auth/verify"))
+            return
+        assert 2 * day - 60 < expires_in() <= 2 * day  # its last use (the claim) + 2 days
+        grants.clock = lambda: time.time() + 1.5 * day
+        data(phone.post(f"{API}/auth/verify"))  # a use 1.5 days on: 2 more days from now
+        assert 2 * day - 60 < expires_in() <= 2 * day
+        grants.clock = lambda: time.time() + 3.4 * day
+        data(phone.post(f"{API}/auth/verify"))
+        grants.clock = lambda: time.time() + 5.5 * day  # unused for 2.1 days: expired
+        assert_error(phone.post(f"{API}/auth/verify", status=401), 401, "UNAUTHORIZED")
+        assert expires_in() < 0  # listed, with the time it stopped working (revocable)
+        assert "grant-write-forever" not in ids(data(client.get(f"{API}/security/audit")))
 
     def test_claiming_gives_a_device_key_with_the_pairings_scope_and_folder(self, client, anon):
         put_note(client, "notes/family/list.md", "# List")

@@ -201,7 +201,8 @@ class Service:
         if readonly:
             self.state = StateStore.open_existing(config.state_dir, readonly=True)
         else:
-            config.notes_dir.mkdir(parents=True, exist_ok=True)
+            config.notes_dir.parent.mkdir(parents=True, exist_ok=True)
+            config.notes_dir.mkdir(mode=0o700, exist_ok=True)  # a new one: private (the audit)
             self.state = StateStore(config.state_dir)
         state = config.state_dir  # history, trash and the change feed live with the notes:
         self.history = HistoryStore(
@@ -215,7 +216,9 @@ class Service:
         self.note_files = AttachmentStore(
             config.notes_dir, config.state_dir / "trash", nfd_names=True
         )
-        self.grants = GrantStore(self.state)  # scoped keys, OAuth grants, share links
+        self.grants = GrantStore(  # scoped keys, OAuth grants, share links
+            self.state, idle_days=config.device_idle_days
+        )
         # Background components of later sections, composed by build_service():
         self.pollers: Any = None  # ChannelPollers: a thread per channel in polling mode
         self.reminders: Any = None  # ReminderScheduler: ⏰ lines sent through the channels

@@ -1169,6 +1169,7 @@ class AttachmentStore:
         try:
             with disk_writes():
                 try:
+                    self.root.mkdir(mode=0o700, parents=True, exist_ok=True)  # new: private
                     target.parent.mkdir(parents=True, exist_ok=True)
                 except (FileExistsError, NotADirectoryError):
                     raise ApiError(
