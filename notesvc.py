@@ -3738,14 +3738,18 @@ def _change_of(line: bytes, after: int) -> tuple | None:
         or not isinstance(d.get("path"), str)
     ):
         return None
-    return (d["seq"], d["kind"], d["path"], d.get("from"), d.get("etag"), d.get("at", ""))
+    origin = d.get("from") if d["kind"] == "moved" else d.get("conflictOf")
+    return (d["seq"], d["kind"], d["path"], origin, d.get("etag"), d.get("at", ""))
 
 
 def change_record(entry: tuple) -> dict:
+    """Return a journal entry (seq, kind, path, origin, etag, at) as the feed gives it: the
+    origin is a move's `from`, a created conflict copy's `conflictOf` (the note it keeps an
+    edit of)."""
     seq, kind, path, origin, etag, at = entry
     rec = {"seq": seq, "kind": kind, "path": path}
     if origin is not None:
-        rec["from"] = origin
+        rec["from" if kind == "moved" else "conflictOf"] = origin
     if etag is not None:
         rec["etag"] = etag
     rec["at"] = at
@@ -3776,7 +3780,7 @@ class ChangeJournal:
         self.fresh = False  # this run created it: the first rescan is its starting point
         self._cond = threading.Condition()
         self._seqs: list = []
-        self._entries: list = []  # (seq, kind, path, from, etag, at), oldest first
+        self._entries: list = []  # (seq, kind, path, from or conflictOf, etag, at), oldest first
         self._open = False  # open() found or made the file: entries are stored
         self._end = 0  # where the next line goes
         self._allocated = 0  # the file's bytes (zeros past _end)
@@ -4144,6 +4148,71 @@ class ReadCache:
 _PROC_FD = os.path.isdir("/proc/self/fd")  # Linux: where a descriptor leads
 
 
+class ConflictCopies:
+    """The notes that are conflict copies (a merge's edit kept beside its note, 24), as
+    {copy's path: the note's path}, kept in <state>/conflicts.json. A copy is known by this
+    record, not by its name: a note named like one is not one, and a copy whose name was
+    shortened to fit still is. It stops being one when it is moved, renamed or deleted
+    (keeping it under a name of one's own makes it a note like any other); when its note
+    moves, the record follows. Small (a few entries); read once, written on each change."""
+
+    NAME = "conflicts.json"
+
+    def __init__(self, file: Path):
+        self.file = file
+        self._lock = threading.Lock()
+        self._copies: dict | None = None
+
+    def _load(self) -> dict:
+        if self._copies is None:
+            try:
+                raw = json.loads(self.file.read_text("utf-8"))
+            except FileNotFoundError:
+                raw = {}
+            except (OSError, ValueError) as e:
+                log.warning(
+                    "%s cannot be read (%s): no note counts as a conflict copy", self.file, e
+                )
+                raw = {}
+            pairs = raw.items() if isinstance(raw, dict) else ()
+            self._copies = {k: v for k, v in pairs if isinstance(k, str) and isinstance(v, str)}
+        return self._copies
+
+    def of(self, path: str) -> str | None:
+        """Return the path of the note the note at path is a conflict copy of (None: not one)."""
+        with self._lock:
+            return self._load().get(path)
+
+    def _store(self, copies: dict) -> None:
+        try:
+            with disk_writes():
+                atomic_write(self.file, to_json(copies), mode=0o600)
+        except OSError as e:  # kept in memory: the ranking is a nicety, never worth a failure
+            log.warning("%s not written (%s)", self.file, e)
+        self._copies = copies
+
+    def mark(self, path: str, original: str | None) -> None:
+        """Record that the note at path is a copy of `original` (None: it is not one)."""
+        with self._lock:
+            copies = self._load()
+            if copies.get(path) == original:
+                return
+            copies = dict(copies)
+            if original is None:
+                del copies[path]
+            else:
+                copies[path] = original
+            self._store(copies)
+
+    def moved(self, old: str, new: str) -> None:
+        """A note moved: as a copy it is one no more; as a note with copies they follow."""
+        with self._lock:
+            copies = self._load()
+            if old not in copies and old not in copies.values():
+                return
+            self._store({c: (new if o == old else o) for c, o in copies.items() if c != old})
+
+
 class NoteStore:
     """Markdown files under <root>/notes: the source of truth, looked at on disk every time.
 
@@ -4172,6 +4241,7 @@ class NoteStore:
         self.trash = trash
         self.history = history  # what each change replaced (None: nothing kept)
         self.journal = journal  # the change feed (None: nothing recorded)
+        self.copies = ConflictCopies(trash.parent / ConflictCopies.NAME)  # conflict copies
         self._recent: dict = {}  # folder -> (journal's last entry, paths newest first)
         self._observed = False  # the rescan has run once (observe())
         self._tree = threading.RLock()
@@ -4491,7 +4561,9 @@ class NoteStore:
                 "read it again and retry"
             )
 
-    def create(self, path: str, content: str) -> dict:
+    def create(self, path: str, content: str, conflict_of: str | None = None) -> dict:
+        """Create a note (409 when one is there); `conflict_of`: it is a conflict copy of
+        that note (ConflictCopies; the change feed's entry says so)."""
         data = self.encode(content)
         with self.locked(path, tree=True):
             target = self.file_of(path)
@@ -4499,9 +4571,10 @@ class NoteStore:
                 raise ApiError(409, "CONFLICT", f"a note already exists at {path}; use PUT")
             with self._changing(path), self._new_parents(target):
                 atomic_write(target, data)
+            self.copies.mark(path, conflict_of)  # before the index and the feed learn of it
             st = os.stat(target)
             self._notify("saved", path, (content, st))
-            self._record("created", path, data)
+            self._record("created", path, data, conflict_of=conflict_of)
             return self.record(path, data, st)
 
     @contextlib.contextmanager
@@ -4588,7 +4661,7 @@ class NoteStore:
             with contextlib.suppress(PreconditionFailed):
                 rec = self.update(path, merged, make_etag(raw), reason="merged")
                 return {"note": rec, "merged": True}
-        copy = self.create_beside(path, conflict_name, content)
+        copy = self.create_beside(path, conflict_name, content, conflict=True)
         err = ApiError(
             409,
             "CONFLICT",
@@ -4598,22 +4671,25 @@ class NoteStore:
         err.extra = {"path": path, "conflictPath": copy["path"]}
         raise err
 
-    def create_beside(self, path: str, note: str, content: str) -> dict:
+    def create_beside(self, path: str, note: str, content: str, conflict: bool = False) -> dict:
         """Create `<name> (<note>).md` beside path (` 2`, ` 3`... when taken); a long name
-        is shortened to leave room, so the copy always fits the 255-byte rule."""
+        is shortened to leave room, so the copy always fits the 255-byte rule. `conflict`:
+        it is a conflict copy of path (see create)."""
         folder, name = path.rsplit("/", 1)
         tail = f" ({note})"
         room = MAX_SEGMENT_BYTES - len(".md 999") - len(tail.encode())
         short = name[:-3].encode()[: max(room, 1)].decode("utf-8", "ignore").rstrip() or "note"
-        return self.create_named(folder, short + tail, content)
+        return self.create_named(folder, short + tail, content, path if conflict else None)
 
-    def create_named(self, folder: str, name: str, content: str) -> dict:
+    def create_named(
+        self, folder: str, name: str, content: str, conflict_of: str | None = None
+    ) -> dict:
         """Create the note `<folder>/<name>.md`, or `<name> 2.md`, `<name> 3.md`... when
         taken (never overwriting: each try is an exclusive create)."""
         for n in range(1, 1000):
             candidate = name if n == 1 else f"{name} {n}"
             try:
-                return self.create(note_path(f"{folder}/{candidate}.md"), content)
+                return self.create(note_path(f"{folder}/{candidate}.md"), content, conflict_of)
             except ApiError as e:
                 if e.status_code != 409:
                     raise
@@ -4674,6 +4750,7 @@ class NoteStore:
             fsync_dir(src.parent)
             self._prune(src.parent)
             self._relocate_history(path, new)
+            self.copies.moved(path, new)
             st = os.stat(dst)
             self._notify("moved", path, (new, st))
             self._record("moved", new, data, origin=path)
@@ -4685,6 +4762,7 @@ class NoteStore:
             self.check_match(if_match, data)
             src = self.file_of(path)
             trashed = move_to_trash(src, self.trash, path, self._changing(path, data, "deleted"))
+            self.copies.mark(path, None)
             self._prune(src.parent)
             self._notify("deleted", path)
             self._record("deleted", path, None)
@@ -4726,13 +4804,21 @@ class NoteStore:
         if vid:
             history.settle(path, vid)
 
-    def _record(self, kind: str, path: str, data: bytes | None, origin: str | None = None):
-        """After a change, under the note's lock: its journal entry, then the history's copy
-        of the note (in this order: a crash in between leaves the rescan a change to report
-        twice, never one to miss)."""
+    def _record(
+        self,
+        kind: str,
+        path: str,
+        data: bytes | None,
+        origin: str | None = None,
+        conflict_of: str | None = None,
+    ):
+        """After a change, under the note's lock: its journal entry (`from` a move's
+        origin; a conflict copy's `conflictOf`), then the history's copy of the note (in
+        this order: a crash in between leaves the rescan a change to report twice, never
+        one to miss)."""
         etag = None if data is None else make_etag(data)
         if self.journal is not None:
-            self.journal.append(kind, path, etag, origin)
+            self.journal.append(kind, path, etag, origin or conflict_of)
         if self.history is not None:
             if data is None:
                 self.history.drop_head(path)
@@ -4816,6 +4902,7 @@ class NoteStore:
                     continue
                 self._keep_external(path, history.read_head(path) if history.enabled else None)
                 history.drop_head(path)
+                self.copies.mark(path, None)
                 if not quiet:
                     journal.append("deleted", path, reserved=False)
         if first and history.enabled:
@@ -4879,6 +4966,7 @@ class NoteStore:
                 raise not_found(f"no item {item.id} in the trash") from None
             with self._changing(target), self._new_parents(dst), disk_writes():
                 os.replace(item.file, dst)
+            self.copies.mark(target, None)
             fsync_dir(dst.parent)
             fsync_dir(item.file.parent)
             _remove_empty_folders(item.file.parent, self.trash)  # as Trash.emptied()
@@ -7502,6 +7590,9 @@ class SearchIndex:
 
     PAIR_REWRITE_NOTES = 10_000  # a file this big without pair lists is written again with them
     PAIR_REWRITE_RETRY = 3600.0  # seconds before a file whose rewrite failed is tried again
+    # a conflict copy's score is scaled by this: it ranks below the note it came from (whose
+    # text it shares), yet is found by what only it holds
+    CONFLICT_COPY_WEIGHT = 0.5
 
     def __init__(self, folder: Path | None = None, notes: NoteStore | None = None):
         self._lock = threading.RLock()
@@ -8163,9 +8254,18 @@ class SearchIndex:
                     matches.append(mt)
         return matches, keys
 
+    def _weight(self, path: str) -> float:
+        """Return what a note's score is scaled by: CONFLICT_COPY_WEIGHT for a conflict
+        copy (the store's record says which notes are), else 1."""
+        notes = self.notes
+        if notes is not None and notes.copies.of(path) is not None:
+            return self.CONFLICT_COPY_WEIGHT
+        return 1.0
+
     @staticmethod
-    def _rank(matches: list, k: int, avg: tuple) -> list:
-        """Return the k best [(exact score, path, segment, id)], best first (then by path).
+    def _rank(matches: list, k: int, avg: tuple, weigh: Callable | None = None) -> list:
+        """Return the k best [(exact score, path, segment, id)], best first (then by path);
+        weigh(path), at most 1, scales a note's exact score.
 
         Candidates are rescored in the order of their approximate scores until no other one
         can reach the k-th exact score (exact <= approx * hi).
@@ -8187,7 +8287,8 @@ class SearchIndex:
                     break
                 score = cache.get((id(mt), d))
                 if score is None:
-                    score = cache[(id(mt), d)] = mt.exact(d, avg)
+                    score = mt.exact(d, avg) * (weigh(mt.seg.path(d)) if weigh else 1.0)
+                    cache[(id(mt), d)] = score
                 found.append((score, mt, d))
                 if len(heap) < k:
                     heapq.heappush(heap, score)
@@ -8215,7 +8316,7 @@ class SearchIndex:
             excludes = [self._resolve(segs, n, alt) for alt in query.excludes]
             matches, keys = self._matches(segs, n, avg, clauses, excludes, prefix)
             total = sum(mt.total for mt in matches)
-            ranked = self._rank(matches, offset + limit, avg)[offset:]
+            ranked = self._rank(matches, offset + limit, avg, self._weight)[offset:]
             needles: dict = {}
             hits = []
             for score, path, seg, d in ranked:
@@ -8309,7 +8410,7 @@ class SearchIndex:
                     del scores[d]
                 if scores:
                     matches.append(_Match(seg, comps, self._hi(seg, avg), scores))
-            ranked = self._rank(matches, limit, avg)
+            ranked = self._rank(matches, limit, avg, self._weight)
             hits = [(path, seg.title(d), score) for score, path, seg, d in ranked]
         return [(path, title, self._read(path) or "", score) for path, title, score in hits]
 
@@ -25131,7 +25232,7 @@ def merge_note(svc: Service, path: str) -> dict:
     base = base if base.startswith('"') else f'"{base}"'
     name = _clean_name(field(body, "clientName", required=False, max_len=100), "")
     who = title_filename(name or principal_name(svc, request_principal()))
-    when = utcnow().strftime("%Y-%m-%d %H-%M UTC")
+    when = local_time(time.time(), time_zone(svc.config.timezone)).strftime("%Y-%m-%d %H-%M")
     principal = request_principal()  # a folder grant merges from versions it may read
     sees = principal.sees if principal.folder else None
     done = svc.notes.merge(path, base, content, f"conflict {who} {when}", sees)

@@ -915,7 +915,7 @@ class TestMerge:
             err = assert_error(resp, 409, "CONFLICT")
             assert err["path"] == "notes/m.md"
             assert re.fullmatch(
-                r"notes/m \(conflict owner \d{4}-\d\d-\d\d \d\d-\d\d UTC\)\.md", err["conflictPath"]
+                r"notes/m \(conflict owner \d{4}-\d\d-\d\d \d\d-\d\d\)\.md", err["conflictPath"]
             )
             assert (root / err["conflictPath"]).read_text() == edit  # the edit is safe
             assert (root / "notes" / "m.md").read_text() == current  # and nothing else changed
@@ -973,6 +973,49 @@ class TestMerge:
         assert len(copy.rsplit("/", 1)[1].encode()) <= 255
         assert "(conflict owner" in copy
         assert (root / copy).read_text() == "c\n"
+
+    def conflict(self, client, path: str, current: str, edit: str) -> dict:
+        """Make `edit` clash with `current` on the note at path; return the 409's error."""
+        start = self.etag_after(client, path, "x\n")
+        client.put_json(note_url(path), {"content": current})
+        resp = client.post_json(
+            f"{note_url(path)}/merge", {"base": start, "content": edit}, status=409
+        )
+        return assert_error(resp, 409, "CONFLICT")
+
+    def test_a_conflict_copy_is_named_in_the_servers_time_zone_by_the_device(self, make_app, root):
+        zone = "Pacific/Kiritimati"  # UTC+14: never the same day and hour as UTC
+        client = with_key(make_app(SERVICE_TIMEZONE=zone))
+        phone = with_key(client, claim(client, pair(client)["secret"], name="Anna's phone")["key"])
+        now = notesvc.local_time(time.time(), notesvc.time_zone(zone))
+        copy = self.conflict(phone, "notes/m.md", "a\n", "b\n")["conflictPath"]
+        stamps = {(now + dt.timedelta(minutes=m)).strftime("%Y-%m-%d %H-%M") for m in (0, 1)}
+        assert copy in {f"notes/m (conflict Anna's phone {s}).md" for s in stamps}
+
+    def test_the_change_feed_tells_every_device_a_copy_was_made(self, client, root):
+        # the device whose edit won never sees the 409: the feed's `created` entry of the
+        # copy names the note it is a copy of
+        since = feed(client)["last"]
+        copy = self.conflict(client, "notes/m.md", "a\n", "b\n")["conflictPath"]
+        put_note(client, "notes/plain (conflict owner 2026-01-01 10-00).md", "only named so")
+        created = [c for c in feed(client, since)["changes"] if c["kind"] == "created"]
+        assert [(c["path"], c.get("conflictOf")) for c in created] == [
+            ("notes/m.md", None),
+            (copy, "notes/m.md"),
+            ("notes/plain (conflict owner 2026-01-01 10-00).md", None),
+        ]
+
+    def test_a_conflict_copy_ranks_below_its_note_as_long_as_it_is_one(self, make_app, root):
+        client = with_key(make_app())
+        copy = self.conflict(client, "notes/m.md", "kiwi one\n", "kiwi kiwi two\n")
+        copy = copy["conflictPath"]
+        lookalike = "notes/n (conflict owner 2026-01-01 10-00).md"  # named like one: not one
+        put_note(client, lookalike, "kiwi kiwi three\n")
+        assert hits(client, "kiwi") == [lookalike, "notes/m.md", copy]
+        assert hits(with_key(make_app()), "kiwi")[-1] == copy  # kept
+        client.patch_json(f"{note_url(copy)}/move", {"path": "notes/kept.md"})  # adopted
+        assert hits(client, "kiwi")[0] in ("notes/kept.md", lookalike)
+        assert hits(client, "kiwi")[-1] == "notes/m.md"
 
     def test_an_edit_by_another_program_not_yet_rescanned_is_merged(self, client, root):
         # vim replaced the note on disk; the server still knows what was there (its copy)

@@ -35,12 +35,14 @@ from notesvc.helpers import (
     is_home_network,
     iso,
     lan_address,
+    local_time,
     query_int,
     query_str,
     read_json,
     request_body_reader,
     request_header,
     setup_client_ip,
+    time_zone,
     too_large,
     utcnow,
 )
@@ -437,7 +439,7 @@ def merge_note(svc: Service, path: str) -> dict:
     base = base if base.startswith('"') else f'"{base}"'
     name = _clean_name(field(body, "clientName", required=False, max_len=100), "")
     who = title_filename(name or principal_name(svc, request_principal()))
-    when = utcnow().strftime("%Y-%m-%d %H-%M UTC")
+    when = local_time(time.time(), time_zone(svc.config.timezone)).strftime("%Y-%m-%d %H-%M")
     principal = request_principal()  # a folder grant merges from versions it may read
     sees = principal.sees if principal.folder else None
     done = svc.notes.merge(path, base, content, f"conflict {who} {when}", sees)

@@ -1229,14 +1229,18 @@ def _change_of(line: bytes, after: int) -> tuple | None:
         or not isinstance(d.get("path"), str)
     ):
         return None
-    return (d["seq"], d["kind"], d["path"], d.get("from"), d.get("etag"), d.get("at", ""))
+    origin = d.get("from") if d["kind"] == "moved" else d.get("conflictOf")
+    return (d["seq"], d["kind"], d["path"], origin, d.get("etag"), d.get("at", ""))
 
 
 def change_record(entry: tuple) -> dict:
+    """Return a journal entry (seq, kind, path, origin, etag, at) as the feed gives it: the
+    origin is a move's `from`, a created conflict copy's `conflictOf` (the note it keeps an
+    edit of)."""
     seq, kind, path, origin, etag, at = entry
     rec = {"seq": seq, "kind": kind, "path": path}
     if origin is not None:
-        rec["from"] = origin
+        rec["from" if kind == "moved" else "conflictOf"] = origin
     if etag is not None:
         rec["etag"] = etag
     rec["at"] = at
@@ -1267,7 +1271,7 @@ class ChangeJournal:
         self.fresh = False  # this run created it: the first rescan is its starting point
         self._cond = threading.Condition()
         self._seqs: list = []
-        self._entries: list = []  # (seq, kind, path, from, etag, at), oldest first
+        self._entries: list = []  # (seq, kind, path, from or conflictOf, etag, at), oldest first
         self._open = False  # open() found or made the file: entries are stored
         self._end = 0  # where the next line goes
         self._allocated = 0  # the file's bytes (zeros past _end)
