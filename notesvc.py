@@ -2568,6 +2568,45 @@ VERSION_REASONS = (
 VERSION_ID_RE = re.compile(r"^([0-9]{16})-(" + "|".join(VERSION_REASONS) + r")-([0-9a-f]{32})\Z")
 
 
+SUMMARY_DIFF_CELLS = 250_000  # past this many (old lines x new lines) changed, lines are counted
+
+
+def _plural(n: int, what: str) -> str:
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"
+
+
+def change_summary(old: bytes, new: bytes) -> str:
+    """Return what a change of a note's text did, in a few words ("+2 lines, 1 changed").
+    Cheap: the lines both keep at the start and the end are set aside, and the rest is
+    compared line-wise (counted only, past SUMMARY_DIFF_CELLS).
+
+    >>> change_summary(b"a\\nb\\n", b"a\\nB\\nc\\nd\\n"), change_summary(b"a\\nb\\n", b"b\\n")
+    ('+2 lines, 1 changed', '-1 line')
+    """
+    a, b = old.splitlines(keepends=True), new.splitlines(keepends=True)  # UTF-8: line-safe
+    both = min(len(a), len(b))
+    start = next((i for i in range(both) if a[i] != b[i]), both)
+    end = next((i for i in range(both - start) if a[-1 - i] != b[-1 - i]), both - start)
+    a, b = a[start : len(a) - end], b[start : len(b) - end]
+    # counted: past SUMMARY_DIFF_CELLS, and one line typed (the common case: difflib 10 µs)
+    if len(a) * len(b) > SUMMARY_DIFF_CELLS or (len(a) <= 1 and len(b) <= 1):
+        blocks = [("replace", 0, len(a), 0, len(b))]
+    else:
+        blocks = difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes()
+    added = removed = changed = 0
+    for tag, i1, i2, j1, j2 in blocks:
+        if tag != "equal":
+            both = min(i2 - i1, j2 - j1)
+            changed += both
+            added += j2 - j1 - both
+            removed += i2 - i1 - both
+    parts = [f"+{_plural(added, 'line')}"] if added else []
+    parts += [f"-{_plural(removed, 'line')}"] if removed else []
+    if changed:
+        parts.append(f"{changed} changed" if parts else f"{_plural(changed, 'line')} changed")
+    return ", ".join(parts) or "no change in its lines"
+
+
 def json_pattern(rx: re.Pattern) -> str:
     """Return an id's pattern as JSON Schema writes it: `$` for Python's `\\Z` (an id's
     patterns end in `\\Z`: `$` would also match before a final newline)."""
@@ -3051,6 +3090,11 @@ class HistoryStore:
     # grant sees only those saved inside its folder. A version not named was saved at the
     # path the history folder belongs to.
     ORIGINS = "origins"
+    # Who made the change each version was kept for and what it did (lines "<version id>
+    # <JSON {savedBy, summary}>", appended as changes are made, tidied by the sweep): best
+    # effort, not fsynced (a version without its line lists them as null, as versions kept
+    # before they were recorded do).
+    META = "meta"
     PACK_AFTER = 3600  # seconds a version stays a loose file before a sweep packs it
 
     def __init__(self, folder: Path, max_versions: int, days: int, clock: Callable = time.time):
@@ -3228,12 +3272,60 @@ class HistoryStore:
         """Make the versions kept for a note durable (fsync its history folder)."""
         fsync_dir(self.dir_of(path))
 
-    def settle(self, path: str, vid: str) -> None:
-        """After the change a version was kept for: make it private, apply the retention."""
+    def settle(self, path: str, vid: str, meta: dict | None = None) -> None:
+        """After the change a version was kept for: make it private, record who made the
+        change and what it did (`meta`: {savedBy, summary}), apply the retention."""
         folder = self.dir_of(path)
         with contextlib.suppress(OSError):  # a linked version had the note's mode
             os.chmod(folder / vid, 0o600)
+        if meta:
+            self._add_meta(folder, {vid: meta})
         self.prune(folder)
+
+    def _add_meta(self, folder: Path, metas: dict) -> None:
+        """Append {version id: {savedBy, summary}} to a history folder's META (best effort)."""
+        lines = "".join(f"{vid} {json.dumps(m, ensure_ascii=False)}\n" for vid, m in metas.items())
+        try:
+            fd = os.open(folder / self.META, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                os.write(fd, lines.encode("utf-8"))
+            finally:
+                os.close(fd)
+        except OSError as e:
+            log.warning("history: who saved a version of %s is not kept (%s)", folder.name, e)
+
+    def _meta(self, folder: Path) -> dict:
+        """Return {version id: {savedBy, summary}} of a history folder (what can be read)."""
+        try:
+            text = (folder / self.META).read_text("utf-8", "replace")
+        except OSError:
+            return {}
+        found = {}
+        for line in text.split("\n"):
+            vid, _, raw = line.partition(" ")
+            if VERSION_ID_RE.match(vid):
+                with contextlib.suppress(ValueError):
+                    m = json.loads(raw)
+                    if isinstance(m, dict):
+                        found[vid] = m
+        return found
+
+    def meta_of(self, path: str, vid: str) -> dict | None:
+        """Return {savedBy, summary} of one version of the note at path (None: unknown)."""
+        return self._meta(self.dir_of(path)).get(vid)
+
+    def _tidy_meta(self, folder: Path, present: Iterable[str]) -> None:
+        """Drop the META lines of versions no longer kept (the sweep's)."""
+        meta = self._meta(folder)
+        kept = {vid: m for vid, m in meta.items() if vid in set(present)}
+        if len(kept) == len(meta) and (folder / self.META).exists() == bool(meta or kept):
+            return
+        with contextlib.suppress(OSError):
+            if not kept:
+                os.unlink(folder / self.META)
+                return
+            lines = "".join(f"{v} {json.dumps(m, ensure_ascii=False)}\n" for v, m in kept.items())
+            atomic_write(folder / self.META, lines.encode("utf-8"), mode=0o600)
 
     def discard(self, path: str, vid: str) -> None:
         """Drop a version kept for a change that then failed."""
@@ -3296,6 +3388,8 @@ class HistoryStore:
         # the origins before the versions land (a crash in between: the versions stay in
         # src with theirs); the packed ones first, the files after (src's origins stay)
         self._write_origins(dst, {**self._origins(dst), **came}, landing=ids)
+        meta = self._meta(src)
+        self._add_meta(dst, {vid: meta[vid] for vid in ids if vid in meta})
         self.packs.move(src.name, dst.name, [v for v in ids if v in packed], copy)
         for vid in ids:
             if vid in packed and not (src / vid).exists():
@@ -3409,14 +3503,19 @@ class HistoryStore:
     # -- reading ------------------------------------------------------------------
 
     @staticmethod
-    def describe(vid: str, size: int) -> dict:
-        m = VERSION_ID_RE.match(vid)
+    def describe(vid: str, size: int, meta: dict | None = None) -> dict:
+        """Return a version as listed: savedAt, reason, savedBy and summary say when, why,
+        by whom and how the note changed from this content (meta: what META holds)."""
+        m, meta = VERSION_ID_RE.match(vid), meta or {}
+        by, summary = meta.get("savedBy"), meta.get("summary")
         return {
             "id": vid,
             "savedAt": iso(int(m.group(1)) / 1_000_000),
             "size": size,
             "etag": f'"{m.group(3)}"',
             "reason": m.group(2),
+            "savedBy": by if isinstance(by, str) else None,
+            "summary": summary if isinstance(summary, str) else None,
         }
 
     def versions(self, path: str, sees: Callable | None = None) -> list:
@@ -3432,6 +3531,7 @@ class HistoryStore:
                 "history: where the versions of %s were saved is unknown (%s)", log_safe(path), e
             )
             return []
+        meta = self._meta(folder)
         for vid in reversed(ids):
             if sees and not sees(origins.get(vid, path)):
                 continue
@@ -3442,7 +3542,7 @@ class HistoryStore:
                 if vid not in packed:
                     continue
                 size = packed[vid]
-            found.append(self.describe(vid, size))
+            found.append(self.describe(vid, size, meta.get(vid)))
         return found
 
     def read(self, path: str, vid: str) -> bytes:
@@ -3471,7 +3571,9 @@ class HistoryStore:
         self._changed(folder)  # what the disk says from now on
         self.pack(folder)
         with self._pack_lock, contextlib.suppress(HeadStoreError):  # no move lands meanwhile
-            if not self._loose(folder) and not self._packed(folder, strict=True):
+            present = {*self._loose(folder), *self._packed(folder, strict=True)}
+            self._tidy_meta(folder, present)
+            if not present:
                 with contextlib.suppress(OSError):
                     os.unlink(folder / self.ORIGINS)
         for vid in self.ids(folder) if fix_modes else ():
@@ -4148,6 +4250,14 @@ class ReadCache:
 _PROC_FD = os.path.isdir("/proc/self/fd")  # Linux: where a descriptor leads
 
 
+def _moved_from(old: str, new: str) -> str:
+    """Return a move's summary, as the note's history shows it at its new path."""
+    folder, name = old.rsplit("/", 1)
+    if new.rsplit("/", 1)[0] == folder:
+        return f"renamed from {name[:-3]}"
+    return f"moved from {old}"
+
+
 class ConflictCopies:
     """The notes that are conflict copies (a merge's edit kept beside its note, 24), as
     {copy's path: the note's path}, kept in <state>/conflicts.json. A copy is known by this
@@ -4242,6 +4352,9 @@ class NoteStore:
         self.history = history  # what each change replaced (None: nothing kept)
         self.journal = journal  # the change feed (None: nothing recorded)
         self.copies = ConflictCopies(trash.parent / ConflictCopies.NAME)  # conflict copies
+        # who makes the change in progress, as its versions name it (savedBy): the Service
+        # sets it to the request's grant's name; None: the owner, the server itself
+        self.actor: Callable[[], str | None] = lambda: None
         self._recent: dict = {}  # folder -> (journal's last entry, paths newest first)
         self._observed = False  # the rescan has run once (observe())
         self._tree = threading.RLock()
@@ -4607,7 +4720,7 @@ class NoteStore:
             old, seen = self._read(path)
             self.check_match(if_match, old)
             target = self.file_of(path)
-            with self._changing(path, old, reason, (target, seen)) as first:
+            with self._changing(path, old, reason, (target, seen), data) as first:
                 atomic_write(target, data, before_replace=first)
             st = os.stat(target)
             self._notify("saved", path, (content, st))
@@ -4711,7 +4824,7 @@ class NoteStore:
             content = old + ("" if old.endswith("\n") else "\n") + line + "\n"
             data = self.encode(content)
             inode = (target, seen) if raw is not None else None
-            with self._changing(path, raw, "updated", inode) as first, parents:
+            with self._changing(path, raw, "updated", inode, data) as first, parents:
                 atomic_write(target, data, before_replace=first)
             st = os.stat(target)
             self._notify("saved", path, (content, st))
@@ -4728,7 +4841,7 @@ class NoteStore:
                 return False
             raw = self.encode(new)
             target = self.file_of(path)
-            with self._changing(path, data, "linksRewritten", (target, seen)) as first:
+            with self._changing(path, data, "linksRewritten", (target, seen), raw) as first:
                 atomic_write(target, raw, before_replace=first)
             self._notify("saved", path, (new, os.stat(target)))
             self._record("updated", path, raw)
@@ -4744,7 +4857,12 @@ class NoteStore:
             src, dst = self.file_of(path), self.file_of(new)
             if os.path.lexists(dst):
                 raise ApiError(409, "CONFLICT", f"a note already exists at {new}")
-            with self._changing(path, data, "moved"), self._new_parents(dst), disk_writes():
+            was = _moved_from(path, new)
+            with (
+                self._changing(path, data, "moved", new=was),
+                self._new_parents(dst),
+                disk_writes(),
+            ):
                 os.replace(src, dst)
             fsync_dir(dst.parent)
             fsync_dir(src.parent)
@@ -4761,7 +4879,8 @@ class NoteStore:
             data, _ = self._read(path)
             self.check_match(if_match, data)
             src = self.file_of(path)
-            trashed = move_to_trash(src, self.trash, path, self._changing(path, data, "deleted"))
+            changing = self._changing(path, data, "deleted", new="deleted")
+            trashed = move_to_trash(src, self.trash, path, changing)
             self.copies.mark(path, None)
             self._prune(src.parent)
             self._notify("deleted", path)
@@ -4777,12 +4896,14 @@ class NoteStore:
         old: bytes | None = None,
         reason: str = "updated",
         inode: tuple | None = None,
+        new: bytes | str | None = None,
     ):
         """Around one change of a note: room for its journal entry, then the content it
         replaces kept as a version (a full disk stops the change here, 507, with nothing
         changed); both are undone when the change itself fails. `inode` (see
         HistoryStore.keep) when the change replaces the note's file by a rename: then it
-        gives what atomic_write must run before that rename."""
+        gives what atomic_write must run before that rename. `new`: the content written
+        (the version's summary counts the lines it changed), or a summary in words."""
         journal, history = self.journal, self.history
         if journal is not None:
             journal.reserve()
@@ -4802,7 +4923,20 @@ class NoteStore:
                 journal.release()
             raise
         if vid:
-            history.settle(path, vid)
+            history.settle(path, vid, self._version_meta(old, new))
+
+    def _version_meta(self, old: bytes | None, new: bytes | str | None) -> dict:
+        """Return {savedBy, summary} of the change a version is kept for."""
+        if isinstance(new, bytes) and old is not None:
+            summary = change_summary(old, new)
+        else:
+            summary = new if isinstance(new, str) else None
+        try:
+            by = self.actor()
+        except Exception as e:  # a name is never worth a failed write
+            log.warning("history: who saved this is unknown (%s)", e)
+            by = None
+        return {"savedBy": by, "summary": summary}
 
     def _record(
         self,
@@ -4842,7 +4976,7 @@ class NoteStore:
         try:
             vid = self.history.keep(path, head, "external")
             if vid:
-                self.history.settle(path, vid)
+                self.history.settle(path, vid, {"savedBy": None, "summary": "changed outside"})
         except OSError as e:
             log.warning("history: could not keep %s as it was (%s)", log_safe(path), e)
 
@@ -4941,7 +5075,7 @@ class NoteStore:
             self.check_match(if_match, old)
             parents = self._new_parents(target) if old is None else contextlib.nullcontext()
             inode = (target, seen) if old is not None else None
-            with self._changing(path, old, "restored", inode) as first, parents:
+            with self._changing(path, old, "restored", inode, data) as first, parents:
                 atomic_write(target, data, before_replace=first)
             st = os.stat(target)
             self._notify("restored", path, (data.decode("utf-8", "replace"), st))
@@ -10364,6 +10498,7 @@ class Service:
         self.trash = Trash(state / "trash", config.trash_days)
         self.journal = ChangeJournal(state / "changes.log")
         self.notes = NoteStore(config.notes_dir, state / "trash", self.history, self.journal)
+        self.notes.actor = self.saved_by  # versions name who saved them
         self.attachments = AttachmentStore(config.root / ATTACHMENTS, config.state_dir / "trash")
         # the other files beside the notes (an image in a vault, put there over WebDAV)
         self.note_files = AttachmentStore(
@@ -10375,6 +10510,17 @@ class Service:
         # Background components of later sections, composed by build_service():
         self.pollers: Any = None  # ChannelPollers: a thread per channel in polling mode
         self.reminders: Any = None  # ReminderScheduler: ⏰ lines sent through the channels
+
+    def saved_by(self) -> str | None:
+        """Return the name of the grant the current request acts for (a device's or a
+        key's, an app's), as versions record it; None for the owner or outside a request."""
+        grant_id = request_principal().grant_id
+        if not grant_id:
+            return None
+        for g in self.state.read().get("grants", []):
+            if g["id"] == grant_id:
+                return (g.get("client") or {}).get("name") or g["name"]
+        return None
 
     def start(self) -> Service:
         """Sweep crash leftovers, bring the index up to date, start the background work."""
@@ -25470,7 +25616,7 @@ def get_version(svc: Service, path: str, version_id: str) -> dict:
     path = visible_note(svc.notes, path)
     data = _read_version(svc, path, version_id)
     return {
-        **svc.history.describe(version_id, len(data)),
+        **svc.history.describe(version_id, len(data), svc.history.meta_of(path, version_id)),
         "path": path,
         "content": data.decode("utf-8", "replace"),
     }

@@ -2936,7 +2936,7 @@ class TestHistory:
         assert listing["total"] == 2
         assert (listing["limit"], listing["offset"]) == (100, 0)
         first, second = listing["versions"]
-        assert set(first) == {"id", "savedAt", "size", "etag", "reason"}
+        assert set(first) == {"id", "savedAt", "size", "etag", "reason", "savedBy", "summary"}
         assert re.fullmatch(r"[A-Za-z0-9_-]+", first["id"])
         assert "/" not in first["id"]
         assert "notes" not in first["id"]
@@ -2954,6 +2954,73 @@ class TestHistory:
         assert stat.S_IMODE(history.stat().st_mode) == 0o700
         for path in history.rglob("*"):
             assert stat.S_IMODE(path.stat().st_mode) == (0o700 if path.is_dir() else 0o600), path
+
+    def test_versions_say_who_saved_them_and_what_changed(self, client, root):
+        # issue 42: rows told apart by the device and a few words of what changed, kept
+        # at write time; `reason`, `savedAt`, `savedBy` and `summary` are the change made
+        # at savedAt (the one that replaced the version's content)
+        got = claim(client, pair(client, name="phone")["secret"], name="Anna's Pixel")
+        phone = with_key(client, got["key"])
+        put_note(client, "notes/h.md", "one\ntwo\n")
+        update(phone, "notes/h.md", "one\nTWO\nthree\nfour\n")
+        update(client, "notes/h.md", "one\n")
+        phone.patch_json(f"{note_url('notes/h.md')}/move", {"path": "notes/sub/k.md"})
+        update(client, "notes/sub/k.md", "one\nx\n")
+        phone.patch_json(f"{note_url('notes/sub/k.md')}/move", {"path": "notes/sub/m.md"})
+        listing = versions_of(client, "notes/sub/m.md")["versions"]
+        assert [(v["reason"], v["savedBy"], v["summary"]) for v in listing] == [
+            ("moved", "Anna's Pixel", "renamed from k"),
+            # (the update to one\nx\n replaced what the move had kept: stored once)
+            ("moved", "Anna's Pixel", "moved from notes/h.md"),
+            ("updated", None, "-3 lines"),  # the API key: no grant
+            ("updated", "Anna's Pixel", "+2 lines, 1 changed"),
+        ]
+        one = data(client.get(f"{note_url('notes/sub/m.md')}/versions/{listing[-1]['id']}"))
+        assert (one["savedBy"], one["summary"]) == ("Anna's Pixel", "+2 lines, 1 changed")
+        # versions kept before this was recorded (no record of theirs) list null
+        for meta in (root / ".notesvc" / "history").rglob("meta"):
+            meta.unlink()
+        listing = versions_of(client, "notes/sub/m.md")["versions"]
+        assert {(v["savedBy"], v["summary"]) for v in listing} == {(None, None)}
+        assert len(version_contents(client, "notes/sub/m.md")) == 4  # and all still read
+
+    def test_the_summary_of_a_change(self):
+        assert [
+            notesvc.change_summary(a.encode(), b.encode())
+            for a, b in [
+                ("a\nb\n", "a\nB\nc\nd\n"),
+                ("a\nb\nc\n", "a\nc\n"),
+                ("a\nb\n", "a\nB\n"),
+                ("a\nb", "a\nb\n"),  # the last line's ending
+                ("a\nb\nc\nd\n", "A\nb\nc\nD\n"),
+                ("", "x\ny\n"),
+                ("x\n" * 2000, "y\n" * 3000),  # long: counted, not compared
+            ]
+        ] == [
+            "+2 lines, 1 changed",
+            "-1 line",
+            "1 line changed",
+            "1 line changed",
+            "2 lines changed",
+            "+2 lines",
+            "+1000 lines, 2000 changed",
+        ]
+
+    def test_versions_kept_by_the_sweep_keep_who_saved_them(self, client, root):
+        put_note(client, "notes/p.md", "a\n")
+        update(client, "notes/p.md", "a\nb\n")
+        update(client, "notes/p.md", "a\nb\nc\n")
+        history = client.app.service.history
+        history.PACK_AFTER = -1  # pack everything now
+        client.app.service.notes.sweep_history()
+        folder = history.dir_of("notes/p.md")
+        assert not [n for n in os.listdir(folder) if notesvc.VERSION_ID_RE.match(n)]  # packed
+        listing = versions_of(client, "notes/p.md")["versions"]
+        assert [v["summary"] for v in listing] == ["+1 line", "+1 line"]
+        history.max_versions, history.days = 1, 0
+        client.app.service.notes.sweep_history()
+        assert len((folder / "meta").read_text().splitlines()) == 1  # tidied with them
+        assert [v["summary"] for v in versions_of(client, "notes/p.md")["versions"]] == ["+1 line"]
 
     def test_identical_consecutive_contents_are_stored_once(self, client):
         put_note(client, "notes/same.md", "a")

@@ -16,7 +16,7 @@ from typing import Any, Callable
 from notesvc.auth import Lockout, StateStore, jwt_decode, relay_origin_of
 from notesvc.boot import API, KEY_HEADER, bottle, log
 from notesvc.errors import ApiError, bad_request
-from notesvc.grants import OWNER, GrantStore, Principal, mcp_challenge
+from notesvc.grants import OWNER, GrantStore, Principal, mcp_challenge, request_principal
 from notesvc.helpers import (
     base_url_of,
     client_address,
@@ -211,6 +211,7 @@ class Service:
         self.trash = Trash(state / "trash", config.trash_days)
         self.journal = ChangeJournal(state / "changes.log")
         self.notes = NoteStore(config.notes_dir, state / "trash", self.history, self.journal)
+        self.notes.actor = self.saved_by  # versions name who saved them
         self.attachments = AttachmentStore(config.root / ATTACHMENTS, config.state_dir / "trash")
         # the other files beside the notes (an image in a vault, put there over WebDAV)
         self.note_files = AttachmentStore(
@@ -222,6 +223,17 @@ class Service:
         # Background components of later sections, composed by build_service():
         self.pollers: Any = None  # ChannelPollers: a thread per channel in polling mode
         self.reminders: Any = None  # ReminderScheduler: ⏰ lines sent through the channels
+
+    def saved_by(self) -> str | None:
+        """Return the name of the grant the current request acts for (a device's or a
+        key's, an app's), as versions record it; None for the owner or outside a request."""
+        grant_id = request_principal().grant_id
+        if not grant_id:
+            return None
+        for g in self.state.read().get("grants", []):
+            if g["id"] == grant_id:
+                return (g.get("client") or {}).get("name") or g["name"]
+        return None
 
     def start(self) -> Service:
         """Sweep crash leftovers, bring the index up to date, start the background work."""

@@ -677,7 +677,7 @@ def get_version(svc: Service, path: str, version_id: str) -> dict:
     path = visible_note(svc.notes, path)
     data = _read_version(svc, path, version_id)
     return {
-        **svc.history.describe(version_id, len(data)),
+        **svc.history.describe(version_id, len(data), svc.history.meta_of(path, version_id)),
         "path": path,
         "content": data.decode("utf-8", "replace"),
     }

@@ -59,6 +59,45 @@ VERSION_REASONS = (
 VERSION_ID_RE = re.compile(r"^([0-9]{16})-(" + "|".join(VERSION_REASONS) + r")-([0-9a-f]{32})\Z")
 
 
+SUMMARY_DIFF_CELLS = 250_000  # past this many (old lines x new lines) changed, lines are counted
+
+
+def _plural(n: int, what: str) -> str:
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"
+
+
+def change_summary(old: bytes, new: bytes) -> str:
+    """Return what a change of a note's text did, in a few words ("+2 lines, 1 changed").
+    Cheap: the lines both keep at the start and the end are set aside, and the rest is
+    compared line-wise (counted only, past SUMMARY_DIFF_CELLS).
+
+    >>> change_summary(b"a\\nb\\n", b"a\\nB\\nc\\nd\\n"), change_summary(b"a\\nb\\n", b"b\\n")
+    ('+2 lines, 1 changed', '-1 line')
+    """
+    a, b = old.splitlines(keepends=True), new.splitlines(keepends=True)  # UTF-8: line-safe
+    both = min(len(a), len(b))
+    start = next((i for i in range(both) if a[i] != b[i]), both)
+    end = next((i for i in range(both - start) if a[-1 - i] != b[-1 - i]), both - start)
+    a, b = a[start : len(a) - end], b[start : len(b) - end]
+    # counted: past SUMMARY_DIFF_CELLS, and one line typed (the common case: difflib 10 µs)
+    if len(a) * len(b) > SUMMARY_DIFF_CELLS or (len(a) <= 1 and len(b) <= 1):
+        blocks = [("replace", 0, len(a), 0, len(b))]
+    else:
+        blocks = difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes()
+    added = removed = changed = 0
+    for tag, i1, i2, j1, j2 in blocks:
+        if tag != "equal":
+            both = min(i2 - i1, j2 - j1)
+            changed += both
+            added += j2 - j1 - both
+            removed += i2 - i1 - both
+    parts = [f"+{_plural(added, 'line')}"] if added else []
+    parts += [f"-{_plural(removed, 'line')}"] if removed else []
+    if changed:
+        parts.append(f"{changed} changed" if parts else f"{_plural(changed, 'line')} changed")
+    return ", ".join(parts) or "no change in its lines"
+
+
 def json_pattern(rx: re.Pattern) -> str:
     """Return an id's pattern as JSON Schema writes it: `$` for Python's `\\Z` (an id's
     patterns end in `\\Z`: `$` would also match before a final newline)."""
@@ -542,6 +581,11 @@ class HistoryStore:
     # grant sees only those saved inside its folder. A version not named was saved at the
     # path the history folder belongs to.
     ORIGINS = "origins"
+    # Who made the change each version was kept for and what it did (lines "<version id>
+    # <JSON {savedBy, summary}>", appended as changes are made, tidied by the sweep): best
+    # effort, not fsynced (a version without its line lists them as null, as versions kept
+    # before they were recorded do).
+    META = "meta"
     PACK_AFTER = 3600  # seconds a version stays a loose file before a sweep packs it
 
     def __init__(self, folder: Path, max_versions: int, days: int, clock: Callable = time.time):
@@ -719,12 +763,60 @@ class HistoryStore:
         """Make the versions kept for a note durable (fsync its history folder)."""
         fsync_dir(self.dir_of(path))
 
-    def settle(self, path: str, vid: str) -> None:
-        """After the change a version was kept for: make it private, apply the retention."""
+    def settle(self, path: str, vid: str, meta: dict | None = None) -> None:
+        """After the change a version was kept for: make it private, record who made the
+        change and what it did (`meta`: {savedBy, summary}), apply the retention."""
         folder = self.dir_of(path)
         with contextlib.suppress(OSError):  # a linked version had the note's mode
             os.chmod(folder / vid, 0o600)
+        if meta:
+            self._add_meta(folder, {vid: meta})
         self.prune(folder)
+
+    def _add_meta(self, folder: Path, metas: dict) -> None:
+        """Append {version id: {savedBy, summary}} to a history folder's META (best effort)."""
+        lines = "".join(f"{vid} {json.dumps(m, ensure_ascii=False)}\n" for vid, m in metas.items())
+        try:
+            fd = os.open(folder / self.META, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                os.write(fd, lines.encode("utf-8"))
+            finally:
+                os.close(fd)
+        except OSError as e:
+            log.warning("history: who saved a version of %s is not kept (%s)", folder.name, e)
+
+    def _meta(self, folder: Path) -> dict:
+        """Return {version id: {savedBy, summary}} of a history folder (what can be read)."""
+        try:
+            text = (folder / self.META).read_text("utf-8", "replace")
+        except OSError:
+            return {}
+        found = {}
+        for line in text.split("\n"):
+            vid, _, raw = line.partition(" ")
+            if VERSION_ID_RE.match(vid):
+                with contextlib.suppress(ValueError):
+                    m = json.loads(raw)
+                    if isinstance(m, dict):
+                        found[vid] = m
+        return found
+
+    def meta_of(self, path: str, vid: str) -> dict | None:
+        """Return {savedBy, summary} of one version of the note at path (None: unknown)."""
+        return self._meta(self.dir_of(path)).get(vid)
+
+    def _tidy_meta(self, folder: Path, present: Iterable[str]) -> None:
+        """Drop the META lines of versions no longer kept (the sweep's)."""
+        meta = self._meta(folder)
+        kept = {vid: m for vid, m in meta.items() if vid in set(present)}
+        if len(kept) == len(meta) and (folder / self.META).exists() == bool(meta or kept):
+            return
+        with contextlib.suppress(OSError):
+            if not kept:
+                os.unlink(folder / self.META)
+                return
+            lines = "".join(f"{v} {json.dumps(m, ensure_ascii=False)}\n" for v, m in kept.items())
+            atomic_write(folder / self.META, lines.encode("utf-8"), mode=0o600)
 
     def discard(self, path: str, vid: str) -> None:
         """Drop a version kept for a change that then failed."""
@@ -787,6 +879,8 @@ class HistoryStore:
         # the origins before the versions land (a crash in between: the versions stay in
         # src with theirs); the packed ones first, the files after (src's origins stay)
         self._write_origins(dst, {**self._origins(dst), **came}, landing=ids)
+        meta = self._meta(src)
+        self._add_meta(dst, {vid: meta[vid] for vid in ids if vid in meta})
         self.packs.move(src.name, dst.name, [v for v in ids if v in packed], copy)
         for vid in ids:
             if vid in packed and not (src / vid).exists():
@@ -900,14 +994,19 @@ class HistoryStore:
     # -- reading ------------------------------------------------------------------
 
     @staticmethod
-    def describe(vid: str, size: int) -> dict:
-        m = VERSION_ID_RE.match(vid)
+    def describe(vid: str, size: int, meta: dict | None = None) -> dict:
+        """Return a version as listed: savedAt, reason, savedBy and summary say when, why,
+        by whom and how the note changed from this content (meta: what META holds)."""
+        m, meta = VERSION_ID_RE.match(vid), meta or {}
+        by, summary = meta.get("savedBy"), meta.get("summary")
         return {
             "id": vid,
             "savedAt": iso(int(m.group(1)) / 1_000_000),
             "size": size,
             "etag": f'"{m.group(3)}"',
             "reason": m.group(2),
+            "savedBy": by if isinstance(by, str) else None,
+            "summary": summary if isinstance(summary, str) else None,
         }
 
     def versions(self, path: str, sees: Callable | None = None) -> list:
@@ -923,6 +1022,7 @@ class HistoryStore:
                 "history: where the versions of %s were saved is unknown (%s)", log_safe(path), e
             )
             return []
+        meta = self._meta(folder)
         for vid in reversed(ids):
             if sees and not sees(origins.get(vid, path)):
                 continue
@@ -933,7 +1033,7 @@ class HistoryStore:
                 if vid not in packed:
                     continue
                 size = packed[vid]
-            found.append(self.describe(vid, size))
+            found.append(self.describe(vid, size, meta.get(vid)))
         return found
 
     def read(self, path: str, vid: str) -> bytes:
@@ -962,7 +1062,9 @@ class HistoryStore:
         self._changed(folder)  # what the disk says from now on
         self.pack(folder)
         with self._pack_lock, contextlib.suppress(HeadStoreError):  # no move lands meanwhile
-            if not self._loose(folder) and not self._packed(folder, strict=True):
+            present = {*self._loose(folder), *self._packed(folder, strict=True)}
+            self._tidy_meta(folder, present)
+            if not present:
                 with contextlib.suppress(OSError):
                     os.unlink(folder / self.ORIGINS)
         for vid in self.ids(folder) if fix_modes else ():

@@ -47,6 +47,7 @@ from notesvc.notes.history import (
     HeadStoreError,
     HistoryStore,
     TrashItem,
+    change_summary,
     move_to_trash,
 )
 from notesvc.notes.merge import _sort_key, merge3
@@ -184,6 +185,14 @@ class ReadCache:
 _PROC_FD = os.path.isdir("/proc/self/fd")  # Linux: where a descriptor leads
 
 
+def _moved_from(old: str, new: str) -> str:
+    """Return a move's summary, as the note's history shows it at its new path."""
+    folder, name = old.rsplit("/", 1)
+    if new.rsplit("/", 1)[0] == folder:
+        return f"renamed from {name[:-3]}"
+    return f"moved from {old}"
+
+
 class ConflictCopies:
     """The notes that are conflict copies (a merge's edit kept beside its note, 24), as
     {copy's path: the note's path}, kept in <state>/conflicts.json. A copy is known by this
@@ -278,6 +287,9 @@ class NoteStore:
         self.history = history  # what each change replaced (None: nothing kept)
         self.journal = journal  # the change feed (None: nothing recorded)
         self.copies = ConflictCopies(trash.parent / ConflictCopies.NAME)  # conflict copies
+        # who makes the change in progress, as its versions name it (savedBy): the Service
+        # sets it to the request's grant's name; None: the owner, the server itself
+        self.actor: Callable[[], str | None] = lambda: None
         self._recent: dict = {}  # folder -> (journal's last entry, paths newest first)
         self._observed = False  # the rescan has run once (observe())
         self._tree = threading.RLock()
@@ -643,7 +655,7 @@ class NoteStore:
             old, seen = self._read(path)
             self.check_match(if_match, old)
             target = self.file_of(path)
-            with self._changing(path, old, reason, (target, seen)) as first:
+            with self._changing(path, old, reason, (target, seen), data) as first:
                 atomic_write(target, data, before_replace=first)
             st = os.stat(target)
             self._notify("saved", path, (content, st))
@@ -747,7 +759,7 @@ class NoteStore:
             content = old + ("" if old.endswith("\n") else "\n") + line + "\n"
             data = self.encode(content)
             inode = (target, seen) if raw is not None else None
-            with self._changing(path, raw, "updated", inode) as first, parents:
+            with self._changing(path, raw, "updated", inode, data) as first, parents:
                 atomic_write(target, data, before_replace=first)
             st = os.stat(target)
             self._notify("saved", path, (content, st))
@@ -764,7 +776,7 @@ class NoteStore:
                 return False
             raw = self.encode(new)
             target = self.file_of(path)
-            with self._changing(path, data, "linksRewritten", (target, seen)) as first:
+            with self._changing(path, data, "linksRewritten", (target, seen), raw) as first:
                 atomic_write(target, raw, before_replace=first)
             self._notify("saved", path, (new, os.stat(target)))
             self._record("updated", path, raw)
@@ -780,7 +792,12 @@ class NoteStore:
             src, dst = self.file_of(path), self.file_of(new)
             if os.path.lexists(dst):
                 raise ApiError(409, "CONFLICT", f"a note already exists at {new}")
-            with self._changing(path, data, "moved"), self._new_parents(dst), disk_writes():
+            was = _moved_from(path, new)
+            with (
+                self._changing(path, data, "moved", new=was),
+                self._new_parents(dst),
+                disk_writes(),
+            ):
                 os.replace(src, dst)
             fsync_dir(dst.parent)
             fsync_dir(src.parent)
@@ -797,7 +814,8 @@ class NoteStore:
             data, _ = self._read(path)
             self.check_match(if_match, data)
             src = self.file_of(path)
-            trashed = move_to_trash(src, self.trash, path, self._changing(path, data, "deleted"))
+            changing = self._changing(path, data, "deleted", new="deleted")
+            trashed = move_to_trash(src, self.trash, path, changing)
             self.copies.mark(path, None)
             self._prune(src.parent)
             self._notify("deleted", path)
@@ -813,12 +831,14 @@ class NoteStore:
         old: bytes | None = None,
         reason: str = "updated",
         inode: tuple | None = None,
+        new: bytes | str | None = None,
     ):
         """Around one change of a note: room for its journal entry, then the content it
         replaces kept as a version (a full disk stops the change here, 507, with nothing
         changed); both are undone when the change itself fails. `inode` (see
         HistoryStore.keep) when the change replaces the note's file by a rename: then it
-        gives what atomic_write must run before that rename."""
+        gives what atomic_write must run before that rename. `new`: the content written
+        (the version's summary counts the lines it changed), or a summary in words."""
         journal, history = self.journal, self.history
         if journal is not None:
             journal.reserve()
@@ -838,7 +858,20 @@ class NoteStore:
                 journal.release()
             raise
         if vid:
-            history.settle(path, vid)
+            history.settle(path, vid, self._version_meta(old, new))
+
+    def _version_meta(self, old: bytes | None, new: bytes | str | None) -> dict:
+        """Return {savedBy, summary} of the change a version is kept for."""
+        if isinstance(new, bytes) and old is not None:
+            summary = change_summary(old, new)
+        else:
+            summary = new if isinstance(new, str) else None
+        try:
+            by = self.actor()
+        except Exception as e:  # a name is never worth a failed write
+            log.warning("history: who saved this is unknown (%s)", e)
+            by = None
+        return {"savedBy": by, "summary": summary}
 
     def _record(
         self,
@@ -878,7 +911,7 @@ class NoteStore:
         try:
             vid = self.history.keep(path, head, "external")
             if vid:
-                self.history.settle(path, vid)
+                self.history.settle(path, vid, {"savedBy": None, "summary": "changed outside"})
         except OSError as e:
             log.warning("history: could not keep %s as it was (%s)", log_safe(path), e)
 
@@ -977,7 +1010,7 @@ class NoteStore:
             self.check_match(if_match, old)
             parents = self._new_parents(target) if old is None else contextlib.nullcontext()
             inode = (target, seen) if old is not None else None
-            with self._changing(path, old, "restored", inode) as first, parents:
+            with self._changing(path, old, "restored", inode, data) as first, parents:
                 atomic_write(target, data, before_replace=first)
             st = os.stat(target)
             self._notify("restored", path, (data.decode("utf-8", "replace"), st))
