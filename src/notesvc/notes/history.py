@@ -7,7 +7,6 @@ import collections
 import contextlib
 import dataclasses
 import datetime as dt
-import difflib
 import errno
 import hashlib
 import json
@@ -57,45 +56,6 @@ VERSION_REASONS = (
     "dav",
 )
 VERSION_ID_RE = re.compile(r"^([0-9]{16})-(" + "|".join(VERSION_REASONS) + r")-([0-9a-f]{32})\Z")
-
-
-SUMMARY_DIFF_CELLS = 250_000  # past this many (old lines x new lines) changed, lines are counted
-
-
-def _plural(n: int, what: str) -> str:
-    return f"{n} {what}" if n == 1 else f"{n} {what}s"
-
-
-def change_summary(old: bytes, new: bytes) -> str:
-    """Return what a change of a note's text did, in a few words ("+2 lines, 1 changed").
-    Cheap: the lines both keep at the start and the end are set aside, and the rest is
-    compared line-wise (counted only, past SUMMARY_DIFF_CELLS).
-
-    >>> change_summary(b"a\\nb\\n", b"a\\nB\\nc\\nd\\n"), change_summary(b"a\\nb\\n", b"b\\n")
-    ('+2 lines, 1 changed', '-1 line')
-    """
-    a, b = old.splitlines(keepends=True), new.splitlines(keepends=True)  # UTF-8: line-safe
-    both = min(len(a), len(b))
-    start = next((i for i in range(both) if a[i] != b[i]), both)
-    end = next((i for i in range(both - start) if a[-1 - i] != b[-1 - i]), both - start)
-    a, b = a[start : len(a) - end], b[start : len(b) - end]
-    # counted: past SUMMARY_DIFF_CELLS, and one line typed (the common case: difflib 10 µs)
-    if len(a) * len(b) > SUMMARY_DIFF_CELLS or (len(a) <= 1 and len(b) <= 1):
-        blocks = [("replace", 0, len(a), 0, len(b))]
-    else:
-        blocks = difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes()
-    added = removed = changed = 0
-    for tag, i1, i2, j1, j2 in blocks:
-        if tag != "equal":
-            both = min(i2 - i1, j2 - j1)
-            changed += both
-            added += j2 - j1 - both
-            removed += i2 - i1 - both
-    parts = [f"+{_plural(added, 'line')}"] if added else []
-    parts += [f"-{_plural(removed, 'line')}"] if removed else []
-    if changed:
-        parts.append(f"{changed} changed" if parts else f"{_plural(changed, 'line')} changed")
-    return ", ".join(parts) or "no change in its lines"
 
 
 def json_pattern(rx: re.Pattern) -> str:
@@ -368,6 +328,11 @@ class VersionPacks(_SqliteStore):
         "CREATE TABLE IF NOT EXISTS object (id BLOB PRIMARY KEY, pack INTEGER, "
         "start INTEGER, size INTEGER) WITHOUT ROWID",
         "CREATE TABLE IF NOT EXISTS pack (id INTEGER PRIMARY KEY, size INTEGER, data BLOB)",
+        # who saved a packed version and what the change did (HistoryStore.META's lines,
+        # moved in with it); by `at` and `object`, so that it follows moves and copies
+        # untouched (a table older files gain when opened: their format stays)
+        "CREATE TABLE IF NOT EXISTS meta (at INTEGER, object BLOB, data TEXT, "
+        "PRIMARY KEY (at, object)) WITHOUT ROWID",
     )
     _OBJECTS = (
         "SELECT v.at, v.reason, o.id, o.pack, o.start, o.size FROM version v "
@@ -439,6 +404,34 @@ class VersionPacks(_SqliteStore):
             if len(data) == size and hashlib.sha256(data).digest()[:16] == oid:
                 found[oid] = data
         return found
+
+    def metas(self, folder: str) -> dict:
+        """Return {version id: {savedBy, summary}} of the packed versions of a folder."""
+        sql = (
+            "SELECT v.at, v.reason, v.object, m.data FROM version v "
+            "JOIN meta m ON m.at = v.at AND m.object = v.object WHERE v.folder = ?"
+        )
+        found = {}
+        for vid, _, data in self._vids(self._run(sql, (bytes.fromhex(folder),))):
+            with contextlib.suppress(ValueError, TypeError):
+                meta = json.loads(data)
+                if isinstance(meta, dict):
+                    found[vid] = meta
+        return found
+
+    def add_metas(self, metas: dict) -> None:
+        """Keep {version id: {savedBy, summary}} of versions packed (or being packed)."""
+        if not metas:
+            return
+        with self._transaction() as db:
+            db.executemany(
+                "INSERT OR REPLACE INTO meta (at, object, data) VALUES (?, ?, ?)",
+                [
+                    (at, oid, json.dumps(m, ensure_ascii=False))
+                    for vid, m in metas.items()
+                    for at, _, oid in [self._parts(vid)]
+                ],
+            )
 
     def add(self, folder: str, versions: list) -> None:
         """Keep versions [(version id, content)] of one history folder in one transaction:
@@ -530,6 +523,7 @@ class VersionPacks(_SqliteStore):
             return
         with self._transaction() as db:
             db.execute("DELETE FROM object WHERE id NOT IN (SELECT object FROM version)")
+            db.execute("DELETE FROM meta WHERE at NOT IN (SELECT at FROM version)")
             db.execute("DELETE FROM pack WHERE id NOT IN (SELECT pack FROM object)")
             thin = {
                 pack
@@ -775,6 +769,8 @@ class HistoryStore:
 
     def _add_meta(self, folder: Path, metas: dict) -> None:
         """Append {version id: {savedBy, summary}} to a history folder's META (best effort)."""
+        if not metas:
+            return
         lines = "".join(f"{vid} {json.dumps(m, ensure_ascii=False)}\n" for vid, m in metas.items())
         try:
             fd = os.open(folder / self.META, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
@@ -784,6 +780,11 @@ class HistoryStore:
                 os.close(fd)
         except OSError as e:
             log.warning("history: who saved a version of %s is not kept (%s)", folder.name, e)
+
+    def _copy_meta(self, src: Path, dst: Path, vids: Iterable[str]) -> None:
+        """Give the versions vids, landing in dst, their META lines from src."""
+        meta = self._meta(src)
+        self._add_meta(dst, {vid: meta[vid] for vid in vids if vid in meta})
 
     def _meta(self, folder: Path) -> dict:
         """Return {version id: {savedBy, summary}} of a history folder (what can be read)."""
@@ -803,7 +804,15 @@ class HistoryStore:
 
     def meta_of(self, path: str, vid: str) -> dict | None:
         """Return {savedBy, summary} of one version of the note at path (None: unknown)."""
-        return self._meta(self.dir_of(path)).get(vid)
+        folder = self.dir_of(path)
+        return self._meta(folder).get(vid) or self._packed_metas(folder).get(vid)
+
+    def _packed_metas(self, folder: Path) -> dict:
+        try:
+            return self.packs.metas(folder.name)
+        except HeadStoreError as e:
+            log.error("history: the packed versions cannot be read (%s)", e)
+            return {}
 
     def _tidy_meta(self, folder: Path, present: Iterable[str]) -> None:
         """Drop the META lines of versions no longer kept (the sweep's)."""
@@ -879,8 +888,7 @@ class HistoryStore:
         # the origins before the versions land (a crash in between: the versions stay in
         # src with theirs); the packed ones first, the files after (src's origins stay)
         self._write_origins(dst, {**self._origins(dst), **came}, landing=ids)
-        meta = self._meta(src)
-        self._add_meta(dst, {vid: meta[vid] for vid in ids if vid in meta})
+        self._copy_meta(src, dst, ids)
         self.packs.move(src.name, dst.name, [v for v in ids if v in packed], copy)
         for vid in ids:
             if vid in packed and not (src / vid).exists():
@@ -1022,7 +1030,7 @@ class HistoryStore:
                 "history: where the versions of %s were saved is unknown (%s)", log_safe(path), e
             )
             return []
-        meta = self._meta(folder)
+        meta = {**(self._packed_metas(folder) if packed else {}), **self._meta(folder)}
         for vid in reversed(ids):
             if sees and not sees(origins.get(vid, path)):
                 continue
@@ -1062,9 +1070,8 @@ class HistoryStore:
         self._changed(folder)  # what the disk says from now on
         self.pack(folder)
         with self._pack_lock, contextlib.suppress(HeadStoreError):  # no move lands meanwhile
-            present = {*self._loose(folder), *self._packed(folder, strict=True)}
-            self._tidy_meta(folder, present)
-            if not present:
+            self._tidy_meta(folder, self._loose(folder))  # (a crash may have left lines)
+            if not self._loose(folder) and not self._packed(folder, strict=True):
                 with contextlib.suppress(OSError):
                     os.unlink(folder / self.ORIGINS)
         for vid in self.ids(folder) if fix_modes else ():
@@ -1094,7 +1101,10 @@ class HistoryStore:
                             size += len(data)
                 if not versions:
                     continue
+                meta = self._meta(folder)
+                metas = {vid: meta[vid] for vid, _ in versions if vid in meta}
                 try:
+                    self.packs.add_metas(metas)  # first: a crash leaves the files, again
                     self.packs.add(folder.name, versions)
                 except HeadStoreError as e:  # a full disk: they stay files, nothing lost
                     log.warning("history: versions not packed (%s)", e)
@@ -1109,6 +1119,7 @@ class HistoryStore:
                         pass
                 with contextlib.suppress(HeadStoreError):
                     self.packs.drop(folder.name, gone)
+                self._tidy_meta(folder, self._loose(folder))  # the packed ones' are packed
                 done += len(versions) - len(gone)
         return done
 
@@ -1559,50 +1570,6 @@ class ChangeJournal:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-
-
-MAX_DIFF_LINES = 5000  # difflib is quadratic on some inputs: past this, one plain hunk
-
-
-def _diff_range(start: int, length: int) -> str:
-    """Return a unified diff's range (as difflib writes it) of `length` lines from `start`."""
-    if length == 1:
-        return str(start + 1)
-    return f"{start + 1 if length else start},{length}"
-
-
-def unified_diff(a: str, b: str, from_name: str, to_name: str) -> str:
-    """Return the unified diff from text a to text b, in time linear in their size past
-    MAX_DIFF_LINES changed lines (the changed middle is then one hunk, not minimal)."""
-    x, y = a.splitlines(keepends=True), b.splitlines(keepends=True)
-    head = 0
-    while head < min(len(x), len(y)) and x[head] == y[head]:
-        head += 1
-    tail = 0
-    while tail < min(len(x), len(y)) - head and x[-1 - tail] == y[-1 - tail]:
-        tail += 1
-    if max(len(x), len(y)) - head - tail > MAX_DIFF_LINES:
-        old, new = x[head : len(x) - tail], y[head : len(y) - tail]
-        lines = [
-            f"--- {from_name}\n",
-            f"+++ {to_name}\n",
-            f"@@ -{_diff_range(head, len(old))} +{_diff_range(head, len(new))} @@\n",
-            *("-" + line for line in old),
-            *("+" + line for line in new),
-        ]
-    else:  # only the changed middle, with its context, goes through difflib
-        lo = max(0, head - 3)
-        x_end, y_end = len(x) - max(0, tail - 3), len(y) - max(0, tail - 3)
-        lines = []
-        for line in difflib.unified_diff(x[lo:x_end], y[lo:y_end], from_name, to_name):
-            if line.startswith("@@"):
-                line = re.sub(
-                    r"([-+])(\d+)", lambda m: f"{m.group(1)}{int(m.group(2)) + lo}", line, count=2
-                )
-            lines.append(line)
-    return "".join(
-        line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in lines
-    )
 
 
 def expire_loop(notes: NoteStore, trash: Trash, stop: threading.Event, every: float = 3600) -> None:

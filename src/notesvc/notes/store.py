@@ -47,10 +47,9 @@ from notesvc.notes.history import (
     HeadStoreError,
     HistoryStore,
     TrashItem,
-    change_summary,
     move_to_trash,
 )
-from notesvc.notes.merge import _sort_key, merge3
+from notesvc.notes.merge import _sort_key, change_summary, merge3
 from notesvc.notes.paths import (
     ATTACHMENT_TYPES,
     ATTACHMENTS,
