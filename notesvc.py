@@ -19083,7 +19083,8 @@ OUTBOX_JS = r"""
 // (its answer lost) is done once. Kinds: "save" {path, base, content} (through merge, from
 // the version it started from), "create" {local, folder, content} (a new note, named by
 // the server; `local` stands for its path until then), "capture" {text, files, at} (today's
-// note: the capture box, the share sheet).
+// note: the capture box, the share sheet), "upload" {path, note, file} (a photo or file put
+// into a note offline: sent before the edit that links it, named `path` unless taken).
 
 // Queue a save; an unsent save of the same note takes the new text (it keeps the version
 // the edits started from), and so does the unsent create of a note not sent yet.
@@ -19095,8 +19096,13 @@ const outbox = (() => {
       out[create] = {...out[create], content, key: newId()};
       return out;
     }
-    const at = out.findIndex((i) => i.kind === "save" && i.path === path && !i.sent);
-    if (at >= 0) out[at] = {...out[at], content, key: newId()};
+    let at = -1; // the last unsent save of it
+    out.forEach((i, n) => {
+      if (i.kind === "save" && i.path === path && !i.sent) at = n;
+    });
+    // (an upload queued after that save stays before the edit that links it: a save of its own)
+    const linked = out.some((i, n) => n > at && i.kind === "upload" && i.note === path);
+    if (at >= 0 && !linked) out[at] = {...out[at], content, key: newId()};
     else out.push({id: newId(), kind: "save", key: newId(), path, base, content});
     return out;
   }
@@ -19111,6 +19117,33 @@ const outbox = (() => {
   function queueCapture(items, text, files, newId, at) {
     const item = {id: newId(), kind: "capture", key: newId(), text, files: files || [], at};
     return [...items, item];
+  }
+
+  // A file for the note `note` (its path, or a new note's local name), to be kept as `path`.
+  function queueUpload(items, path, note, file, newId) {
+    return [...items, {id: newId(), kind: "upload", key: newId(), path, note, file}];
+  }
+
+  // The upload was kept under another path (its name was taken meanwhile): the note's queued
+  // text links the path it got. `from`, `to`: the links as the note writes them.
+  function relink(items, note, from, to) {
+    const fix = (text) => text.split("](" + from + ")").join("](" + to + ")");
+    return items.map((i) =>
+      (i.kind === "save" && i.path === note) || (i.kind === "create" && i.local === note)
+        ? {...i, content: fix(i.content)}
+        : i,
+    );
+  }
+
+  // The files that wait to be sent, by the path they will have.
+  function pendingFile(items, path) {
+    const item = items.find((i) => i.kind === "upload" && i.path === path);
+    return item ? item.file : null;
+  }
+
+  // What waits in uploads, in bytes.
+  function uploadBytes(items) {
+    return items.reduce((n, i) => n + (i.kind === "upload" ? i.file.size || 0 : 0), 0);
   }
 
   // The item sent: gone from the queue. A create's answer gives the note its path: later
@@ -19150,7 +19183,19 @@ const outbox = (() => {
     return n === 1 ? "1 change waits to be sent" : n + " changes wait to be sent";
   }
 
-  return {markSent, nextItem, queueCapture, queueCreate, queueSave, settle, waiting};
+  return {
+    markSent,
+    nextItem,
+    pendingFile,
+    queueCapture,
+    queueCreate,
+    queueSave,
+    queueUpload,
+    relink,
+    settle,
+    uploadBytes,
+    waiting,
+  };
 })();
 
 if (typeof module !== "undefined") module.exports = outbox;
@@ -20066,9 +20111,12 @@ const app = (() => {
   const attachmentUrls = new Map();
   function attachmentUrl(path) {
     if (!attachmentUrls.has(path)) {
-      const url = core
-        .api("GET", "/attachments/" + core.enc(path), undefined, undefined, {blob: true})
-        .then((r) => inertUrl(r.blob, path));
+      const kept = offline.pendingFile(path); // put in offline: shown from this device
+      const url = kept
+        ? Promise.resolve(inertUrl(kept, path))
+        : core
+            .api("GET", "/attachments/" + core.enc(path), undefined, undefined, {blob: true})
+            .then((r) => inertUrl(r.blob, path));
       url.catch(() => attachmentUrls.delete(path));
       attachmentUrls.set(path, url);
     }
@@ -21248,9 +21296,9 @@ const app = (() => {
 
   // PUT the file's bytes; never over another file (If-None-Match: *): a taken name gets -2, -3…
   // `once`: an Idempotency-Key (the outbox's): sent again after a lost answer, the upload is
-  // made once.
-  async function upload(file, once) {
-    const path = attachmentPath(file);
+  // made once. `path`: the name chosen before (a file kept offline: its link is in the note).
+  async function upload(file, once, path) {
+    path = path || attachmentPath(file);
     for (let n = 1; ; n++) {
       const tried = n === 1 ? path : path.replace(/(\.\w+)$/, "-" + n + "$1");
       const headers = {
@@ -21268,9 +21316,10 @@ const app = (() => {
   }
 
   // A photo or file is an edit like typing: uploaded, its link put at the cursor, and the
-  // note autosaved on the same schedule (through the outbox when the connection goes after
-  // the upload). The upload itself needs the server: without it nothing is inserted and the
-  // page says so (the text typed meanwhile is kept as always).
+  // note autosaved on the same schedule. With no connection and the notes kept on this device,
+  // the file waits in the outbox (up to OFFLINE_FILE_BYTES) and its link, to the path it will
+  // have, goes in at once: the upload is sent before the edit that links it. Otherwise nothing
+  // is inserted and the page says so (the text typed meanwhile is kept as always).
   async function attach(files) {
     if (!files.length) return;
     if (state.blank && !(await save(false).catch(() => false))) return;
@@ -21295,6 +21344,12 @@ const app = (() => {
           data = await upload(file);
         } catch (e) {
           if (!offline.unreachable(e)) throw e;
+          if (offline.offlineOn()) {
+            data = await offline.keepFile(file, attachmentPath(file), path, label);
+            if (!data) return;
+          }
+        }
+        if (!data) {
           core.toast(
             "No connection: “" +
               label +
@@ -21317,7 +21372,11 @@ const app = (() => {
         const insert = (before && !before.endsWith("\n") ? "\n" : "") + md + "\n";
         ed.value = before + insert + ed.value.slice(at);
         ed.setSelectionRange(at + insert.length, at + insert.length);
-        core.toast("Attached " + data.path);
+        core.toast(
+          data.kept
+            ? "No connection: “" + label + "” is kept on this device and sent when it is back"
+            : "Attached " + data.path,
+        );
       }
     } finally {
       updateDirty();
@@ -22391,6 +22450,9 @@ const offline = (() => {
     return window.isSecureContext && "serviceWorker" in navigator;
   }
   const NEEDS_HTTPS = "only opening the app with no connection needs HTTPS";
+  // What a photo or file put in offline may weigh (kept in IndexedDB until it is sent).
+  const OFFLINE_FILE_BYTES = 10 * 1024 * 1024;
+  const OFFLINE_FILES_BYTES = 50 * 1024 * 1024;
 
   function idb() {
     if (store.db) return Promise.resolve(store.db);
@@ -22537,6 +22599,51 @@ const offline = (() => {
     return true;
   }
 
+  // A photo or file put into the note `note` with no connection: kept in the outbox, to be
+  // uploaded as `path` before the edit that links it. Bounded: a file up to
+  // OFFLINE_FILE_BYTES, all waiting files up to OFFLINE_FILES_BYTES (the page says why not).
+  // Resolves to what the upload will answer, or null (refused, and said).
+  async function keepFile(file, path, note, label) {
+    const size = file.size || 0;
+    const room = OFFLINE_FILES_BYTES - outbox.uploadBytes(store.items);
+    if (size > OFFLINE_FILE_BYTES || size > room) {
+      core.toast(
+        "No connection: “" +
+          label +
+          "” (" +
+          paths.sizeText(size) +
+          ") was not added. " +
+          (size > OFFLINE_FILE_BYTES
+            ? "This device keeps files up to " + paths.sizeText(OFFLINE_FILE_BYTES)
+            : "This device already keeps " + paths.sizeText(OFFLINE_FILES_BYTES - room)) +
+          " to send; add it again once you are online.",
+        true,
+      );
+      return null;
+    }
+    await updateOutbox((items) => outbox.queueUpload(items, path, note, file, app.newId));
+    return {path, contentType: file.type || "application/octet-stream", kept: true};
+  }
+
+  // The file waiting to be sent as `path`, if one does.
+  function pendingFile(path) {
+    return outbox.pendingFile(store.items, path);
+  }
+
+  // An upload kept under another path than its link names (that name was taken meanwhile):
+  // the note's queued edits, and the open editor, link the path it got.
+  async function relinked(item, got) {
+    const from = paths.relativeTo(item.note, item.path);
+    const to = paths.relativeTo(item.note, got);
+    await updateOutbox((items) => outbox.relink(items, item.note, from, to));
+    const ed = app.editor();
+    if (state.path !== item.note || !ed.value.includes("](" + from + ")")) return;
+    const fix = (text) => text.split("](" + from + ")").join("](" + to + ")");
+    if (state.saved === ed.value) state.saved = fix(state.saved);
+    ed.value = fix(ed.value);
+    app.updateDirty();
+  }
+
   // Send what waits, in order, once each (the idempotency keys make a resend harmless); one
   // tab at a time (the others find the outbox done).
   async function sendOutbox() {
@@ -22548,7 +22655,7 @@ const offline = (() => {
   }
   async function sendWaiting() {
     store.sending = true;
-    let sent = 0;
+    let done = 0;
     try {
       await loadOutbox();
       for (let item = outbox.nextItem(store.items); item && offlineOn();) {
@@ -22568,7 +22675,12 @@ const offline = (() => {
               drafts.record(item.content, item.base, Date.now()),
             );
           }
-          core.toast("Could not send a change kept on this device: " + e.message, true);
+          core.toast(
+            item.kind === "upload"
+              ? "Could not send “" + paths.nameOf(item.path) + "” kept on this device: " + e.message
+              : "Could not send a change kept on this device: " + e.message,
+            true,
+          );
           answer = null;
         }
         if (item.kind === "create" && answer && state.path === item.local) {
@@ -22579,7 +22691,7 @@ const offline = (() => {
         }
         if (answer && answer.path) sent(item, answer);
         if (item.kind === "create" && answer) await mirrorDrop(item.local);
-        sent++;
+        done++;
         if (!offlineOn()) break; // the key stopped working meanwhile: what waits became drafts
         item = outbox.nextItem(
           await updateOutbox((items) => outbox.settle(items, item, answer || {})),
@@ -22590,7 +22702,7 @@ const offline = (() => {
       showWaiting();
     }
     // what was sent has its place on the server now (nothing sent: the tree is as it was)
-    if (sent && !store.items.length) core.loadTree().catch(() => {});
+    if (done && !store.items.length) core.loadTree().catch(() => {});
   }
 
   // The note's text is on the server: its draft dies when it holds that text; a new note's
@@ -22609,6 +22721,11 @@ const offline = (() => {
 
   async function sendItem(item) {
     const once = {"Idempotency-Key": item.key};
+    if (item.kind === "upload") {
+      const data = await app.upload(item.file, item.key, item.path);
+      if (data.path !== item.path) await relinked(item, data.path);
+      return data;
+    }
     if (item.kind === "create") {
       const body = {content: item.content};
       if (item.folder) body.folder = item.folder;
@@ -22921,6 +23038,7 @@ const offline = (() => {
     askShared,
     canSend,
     forgetOffline,
+    keepFile,
     keepOffline,
     letWaitingGo,
     loadOutboxOrSay,
@@ -22931,6 +23049,7 @@ const offline = (() => {
     mirrorTree,
     offlineMenu,
     offlineOn,
+    pendingFile,
     sendOutbox,
     unreachable,
     updateOutbox,

@@ -14827,6 +14827,74 @@ class TestOfflineInChromium:
         offline_noise = ("ERR_INTERNET_DISCONNECTED", "ERR_FAILED", "status of 0")
         assert [e for e in s.close() if not any(n in e for n in offline_noise)] == []
 
+    def test_a_photo_put_in_offline_is_kept_linked_at_once_and_sent_before_the_note(self, web):
+        """Issue 42: a photo is an edit like typing offline too: kept on the device, its link
+        in the note at once, uploaded before the edit that links it, once; a name taken
+        meanwhile gets -2 and the note links that."""
+        needs(web.server, "/attachments", "attachments (issue 17)")
+        s = web("phone")
+        page = s.page
+        self.keep_offline(s)
+        s.tree_open("notes/todo.md")
+        s.context.set_offline(True)
+        icon = notesvc.web_icon_png(192)
+        page.set_input_files(
+            "#attach-photo", files=[{"name": "shelf.png", "mimeType": "image/png", "buffer": icon}]
+        )
+        expect(page.locator("#toast")).to_contain_text("“shelf.png” is kept on this device")
+        page.set_input_files(
+            "#attach-photo", files=[{"name": "taken.png", "mimeType": "image/png", "buffer": PNG}]
+        )
+        expect(page.locator("#editor")).to_have_value(re.compile(r"!\[taken\.png\]"))
+        expect(page.locator("#status")).to_have_text("Kept on this device", timeout=10_000)
+        expect(page.locator("#offline-state")).to_have_text("Offline · 3 to send")
+        typed = page.input_value("#editor")
+        shelf, taken = re.findall(r"!\[\w+\.png\]\(\.\./(attachments/[^)]+)\)", typed)
+        assert re.fullmatch(r"attachments/\d{8}-\d{6}-shelf\.png", shelf)
+        page.click("#edit")  # the picture shows from the file kept on this device
+        expect(page.locator("#view img[alt='shelf.png']")).to_have_js_property("naturalWidth", 192)
+        s.shot("photo-kept-offline")
+        page.click("#edit")
+        # meanwhile another device took the second one's name
+        key = {"X-Service-Key": web.setup["apiKey"], "Content-Type": "image/png"}
+        req = urllib.request.Request(
+            web.server.url + f"{API}/attachments/" + urllib.parse.quote(taken, safe=""),
+            b"\x89PNG other",
+            key,
+            method="PUT",
+        )
+        with urllib.request.urlopen(req, timeout=10) as resp:
+            assert resp.status == 201
+        assert not (web.root / shelf).exists()
+        s.context.set_offline(False)
+        page.evaluate("window.dispatchEvent(new Event('online'))")
+        expect(page.locator("#offline-state")).to_be_hidden(timeout=15_000)
+        url = f"{API}/notes/notes%2Ftodo.md"
+        note = web.server.request("GET", url, headers=key)[2]["data"]["content"]
+        renamed = taken.replace(".png", "-2.png")
+        assert f"![shelf.png](../{shelf})" in note
+        assert f"![taken.png](../{renamed})" in note
+        assert (web.root / shelf).read_bytes() == icon
+        assert (web.root / renamed).read_bytes() == PNG
+        assert (web.root / taken).read_bytes() == b"\x89PNG other"  # never over it
+        expect(page.locator("#editor")).to_have_value(re.compile(re.escape(renamed)))
+        expect(page.locator("#status")).to_have_text("Saved")
+        page.wait_for_timeout(1000)
+        sent = [r for r in s.requests if r.method == "PUT" and "/attachments/" in r.url]
+        answered = [r for r in sent if r.response() and r.response().status == 201]
+        assert len(answered) == 2  # each once
+        merges = [r for r in s.requests if r.url.endswith("/merge") and r.response()]
+        assert merges
+        assert all(r.response().status == 200 for r in merges)
+        assert sorted(p.name for p in (web.root / "attachments").iterdir()) == sorted(
+            [shelf.split("/")[-1], taken.split("/")[-1], renamed.split("/")[-1]]
+        )
+        page.click("#edit")
+        expect(page.locator("#view img[alt='shelf.png']")).to_have_js_property("naturalWidth", 192)
+        s.shot("photo-sent")
+        offline_noise = ("ERR_INTERNET_DISCONNECTED", "ERR_FAILED", "status of 0", "412")
+        assert [e for e in s.close() if not any(n in e for n in offline_noise)] == []
+
     def test_a_start_with_nothing_to_send_asks_for_the_list_and_the_tree_once(self, web):
         # (the phone issue: with the copy kept, a start sent the empty outbox and then asked
         # for the tree, and the list with it, a second time)

@@ -165,9 +165,12 @@ const app = (() => {
   const attachmentUrls = new Map();
   function attachmentUrl(path) {
     if (!attachmentUrls.has(path)) {
-      const url = core
-        .api("GET", "/attachments/" + core.enc(path), undefined, undefined, {blob: true})
-        .then((r) => inertUrl(r.blob, path));
+      const kept = offline.pendingFile(path); // put in offline: shown from this device
+      const url = kept
+        ? Promise.resolve(inertUrl(kept, path))
+        : core
+            .api("GET", "/attachments/" + core.enc(path), undefined, undefined, {blob: true})
+            .then((r) => inertUrl(r.blob, path));
       url.catch(() => attachmentUrls.delete(path));
       attachmentUrls.set(path, url);
     }
@@ -1347,9 +1350,9 @@ const app = (() => {
 
   // PUT the file's bytes; never over another file (If-None-Match: *): a taken name gets -2, -3…
   // `once`: an Idempotency-Key (the outbox's): sent again after a lost answer, the upload is
-  // made once.
-  async function upload(file, once) {
-    const path = attachmentPath(file);
+  // made once. `path`: the name chosen before (a file kept offline: its link is in the note).
+  async function upload(file, once, path) {
+    path = path || attachmentPath(file);
     for (let n = 1; ; n++) {
       const tried = n === 1 ? path : path.replace(/(\.\w+)$/, "-" + n + "$1");
       const headers = {
@@ -1367,9 +1370,10 @@ const app = (() => {
   }
 
   // A photo or file is an edit like typing: uploaded, its link put at the cursor, and the
-  // note autosaved on the same schedule (through the outbox when the connection goes after
-  // the upload). The upload itself needs the server: without it nothing is inserted and the
-  // page says so (the text typed meanwhile is kept as always).
+  // note autosaved on the same schedule. With no connection and the notes kept on this device,
+  // the file waits in the outbox (up to OFFLINE_FILE_BYTES) and its link, to the path it will
+  // have, goes in at once: the upload is sent before the edit that links it. Otherwise nothing
+  // is inserted and the page says so (the text typed meanwhile is kept as always).
   async function attach(files) {
     if (!files.length) return;
     if (state.blank && !(await save(false).catch(() => false))) return;
@@ -1394,6 +1398,12 @@ const app = (() => {
           data = await upload(file);
         } catch (e) {
           if (!offline.unreachable(e)) throw e;
+          if (offline.offlineOn()) {
+            data = await offline.keepFile(file, attachmentPath(file), path, label);
+            if (!data) return;
+          }
+        }
+        if (!data) {
           core.toast(
             "No connection: “" +
               label +
@@ -1416,7 +1426,11 @@ const app = (() => {
         const insert = (before && !before.endsWith("\n") ? "\n" : "") + md + "\n";
         ed.value = before + insert + ed.value.slice(at);
         ed.setSelectionRange(at + insert.length, at + insert.length);
-        core.toast("Attached " + data.path);
+        core.toast(
+          data.kept
+            ? "No connection: “" + label + "” is kept on this device and sent when it is back"
+            : "Attached " + data.path,
+        );
       }
     } finally {
       updateDirty();

@@ -33,6 +33,9 @@ const offline = (() => {
     return window.isSecureContext && "serviceWorker" in navigator;
   }
   const NEEDS_HTTPS = "only opening the app with no connection needs HTTPS";
+  // What a photo or file put in offline may weigh (kept in IndexedDB until it is sent).
+  const OFFLINE_FILE_BYTES = 10 * 1024 * 1024;
+  const OFFLINE_FILES_BYTES = 50 * 1024 * 1024;
 
   function idb() {
     if (store.db) return Promise.resolve(store.db);
@@ -179,6 +182,51 @@ const offline = (() => {
     return true;
   }
 
+  // A photo or file put into the note `note` with no connection: kept in the outbox, to be
+  // uploaded as `path` before the edit that links it. Bounded: a file up to
+  // OFFLINE_FILE_BYTES, all waiting files up to OFFLINE_FILES_BYTES (the page says why not).
+  // Resolves to what the upload will answer, or null (refused, and said).
+  async function keepFile(file, path, note, label) {
+    const size = file.size || 0;
+    const room = OFFLINE_FILES_BYTES - outbox.uploadBytes(store.items);
+    if (size > OFFLINE_FILE_BYTES || size > room) {
+      core.toast(
+        "No connection: “" +
+          label +
+          "” (" +
+          paths.sizeText(size) +
+          ") was not added. " +
+          (size > OFFLINE_FILE_BYTES
+            ? "This device keeps files up to " + paths.sizeText(OFFLINE_FILE_BYTES)
+            : "This device already keeps " + paths.sizeText(OFFLINE_FILES_BYTES - room)) +
+          " to send; add it again once you are online.",
+        true,
+      );
+      return null;
+    }
+    await updateOutbox((items) => outbox.queueUpload(items, path, note, file, app.newId));
+    return {path, contentType: file.type || "application/octet-stream", kept: true};
+  }
+
+  // The file waiting to be sent as `path`, if one does.
+  function pendingFile(path) {
+    return outbox.pendingFile(store.items, path);
+  }
+
+  // An upload kept under another path than its link names (that name was taken meanwhile):
+  // the note's queued edits, and the open editor, link the path it got.
+  async function relinked(item, got) {
+    const from = paths.relativeTo(item.note, item.path);
+    const to = paths.relativeTo(item.note, got);
+    await updateOutbox((items) => outbox.relink(items, item.note, from, to));
+    const ed = app.editor();
+    if (state.path !== item.note || !ed.value.includes("](" + from + ")")) return;
+    const fix = (text) => text.split("](" + from + ")").join("](" + to + ")");
+    if (state.saved === ed.value) state.saved = fix(state.saved);
+    ed.value = fix(ed.value);
+    app.updateDirty();
+  }
+
   // Send what waits, in order, once each (the idempotency keys make a resend harmless); one
   // tab at a time (the others find the outbox done).
   async function sendOutbox() {
@@ -190,7 +238,7 @@ const offline = (() => {
   }
   async function sendWaiting() {
     store.sending = true;
-    let sent = 0;
+    let done = 0;
     try {
       await loadOutbox();
       for (let item = outbox.nextItem(store.items); item && offlineOn();) {
@@ -210,7 +258,12 @@ const offline = (() => {
               drafts.record(item.content, item.base, Date.now()),
             );
           }
-          core.toast("Could not send a change kept on this device: " + e.message, true);
+          core.toast(
+            item.kind === "upload"
+              ? "Could not send “" + paths.nameOf(item.path) + "” kept on this device: " + e.message
+              : "Could not send a change kept on this device: " + e.message,
+            true,
+          );
           answer = null;
         }
         if (item.kind === "create" && answer && state.path === item.local) {
@@ -221,7 +274,7 @@ const offline = (() => {
         }
         if (answer && answer.path) sent(item, answer);
         if (item.kind === "create" && answer) await mirrorDrop(item.local);
-        sent++;
+        done++;
         if (!offlineOn()) break; // the key stopped working meanwhile: what waits became drafts
         item = outbox.nextItem(
           await updateOutbox((items) => outbox.settle(items, item, answer || {})),
@@ -232,7 +285,7 @@ const offline = (() => {
       showWaiting();
     }
     // what was sent has its place on the server now (nothing sent: the tree is as it was)
-    if (sent && !store.items.length) core.loadTree().catch(() => {});
+    if (done && !store.items.length) core.loadTree().catch(() => {});
   }
 
   // The note's text is on the server: its draft dies when it holds that text; a new note's
@@ -251,6 +304,11 @@ const offline = (() => {
 
   async function sendItem(item) {
     const once = {"Idempotency-Key": item.key};
+    if (item.kind === "upload") {
+      const data = await app.upload(item.file, item.key, item.path);
+      if (data.path !== item.path) await relinked(item, data.path);
+      return data;
+    }
     if (item.kind === "create") {
       const body = {content: item.content};
       if (item.folder) body.folder = item.folder;
@@ -563,6 +621,7 @@ const offline = (() => {
     askShared,
     canSend,
     forgetOffline,
+    keepFile,
     keepOffline,
     letWaitingGo,
     loadOutboxOrSay,
@@ -573,6 +632,7 @@ const offline = (() => {
     mirrorTree,
     offlineMenu,
     offlineOn,
+    pendingFile,
     sendOutbox,
     unreachable,
     updateOutbox,

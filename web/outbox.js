@@ -4,7 +4,8 @@
 // (its answer lost) is done once. Kinds: "save" {path, base, content} (through merge, from
 // the version it started from), "create" {local, folder, content} (a new note, named by
 // the server; `local` stands for its path until then), "capture" {text, files, at} (today's
-// note: the capture box, the share sheet).
+// note: the capture box, the share sheet), "upload" {path, note, file} (a photo or file put
+// into a note offline: sent before the edit that links it, named `path` unless taken).
 
 // Queue a save; an unsent save of the same note takes the new text (it keeps the version
 // the edits started from), and so does the unsent create of a note not sent yet.
@@ -16,8 +17,13 @@ const outbox = (() => {
       out[create] = {...out[create], content, key: newId()};
       return out;
     }
-    const at = out.findIndex((i) => i.kind === "save" && i.path === path && !i.sent);
-    if (at >= 0) out[at] = {...out[at], content, key: newId()};
+    let at = -1; // the last unsent save of it
+    out.forEach((i, n) => {
+      if (i.kind === "save" && i.path === path && !i.sent) at = n;
+    });
+    // (an upload queued after that save stays before the edit that links it: a save of its own)
+    const linked = out.some((i, n) => n > at && i.kind === "upload" && i.note === path);
+    if (at >= 0 && !linked) out[at] = {...out[at], content, key: newId()};
     else out.push({id: newId(), kind: "save", key: newId(), path, base, content});
     return out;
   }
@@ -32,6 +38,33 @@ const outbox = (() => {
   function queueCapture(items, text, files, newId, at) {
     const item = {id: newId(), kind: "capture", key: newId(), text, files: files || [], at};
     return [...items, item];
+  }
+
+  // A file for the note `note` (its path, or a new note's local name), to be kept as `path`.
+  function queueUpload(items, path, note, file, newId) {
+    return [...items, {id: newId(), kind: "upload", key: newId(), path, note, file}];
+  }
+
+  // The upload was kept under another path (its name was taken meanwhile): the note's queued
+  // text links the path it got. `from`, `to`: the links as the note writes them.
+  function relink(items, note, from, to) {
+    const fix = (text) => text.split("](" + from + ")").join("](" + to + ")");
+    return items.map((i) =>
+      (i.kind === "save" && i.path === note) || (i.kind === "create" && i.local === note)
+        ? {...i, content: fix(i.content)}
+        : i,
+    );
+  }
+
+  // The files that wait to be sent, by the path they will have.
+  function pendingFile(items, path) {
+    const item = items.find((i) => i.kind === "upload" && i.path === path);
+    return item ? item.file : null;
+  }
+
+  // What waits in uploads, in bytes.
+  function uploadBytes(items) {
+    return items.reduce((n, i) => n + (i.kind === "upload" ? i.file.size || 0 : 0), 0);
   }
 
   // The item sent: gone from the queue. A create's answer gives the note its path: later
@@ -71,7 +104,19 @@ const outbox = (() => {
     return n === 1 ? "1 change waits to be sent" : n + " changes wait to be sent";
   }
 
-  return {markSent, nextItem, queueCapture, queueCreate, queueSave, settle, waiting};
+  return {
+    markSent,
+    nextItem,
+    pendingFile,
+    queueCapture,
+    queueCreate,
+    queueSave,
+    queueUpload,
+    relink,
+    settle,
+    uploadBytes,
+    waiting,
+  };
 })();
 
 if (typeof module !== "undefined") module.exports = outbox;

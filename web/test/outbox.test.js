@@ -6,6 +6,10 @@ const {
   queueSave,
   queueCreate,
   queueCapture,
+  queueUpload,
+  relink,
+  pendingFile,
+  uploadBytes,
   settle,
   markSent,
   nextItem,
@@ -96,4 +100,37 @@ test("the share sheet's items wait for a yes; the others go past them", () => {
   const q = queueSave([held], "notes/a.md", '"v1"', "one", id);
   assert.equal(nextItem(q).path, "notes/a.md");
   assert.equal(nextItem([held]), null);
+});
+
+test("a file put into a note offline goes before the edit that links it", () => {
+  const id = ids();
+  const file = {name: "shelf.png", size: 67};
+  let q = queueSave([], "notes/a.md", '"v1"', "typed", id);
+  q = queueUpload(q, "attachments/1-shelf.png", "notes/a.md", file, id);
+  q = queueSave(q, "notes/a.md", '"v1"', "typed\n![shelf.png](../attachments/1-shelf.png)", id);
+  q = queueSave(
+    q,
+    "notes/a.md",
+    '"v1"',
+    "typed\n![shelf.png](../attachments/1-shelf.png)\nmore",
+    id,
+  );
+  assert.deepEqual(
+    q.map((i) => [i.kind, i.content]),
+    [
+      ["save", "typed"],
+      ["upload", undefined],
+      ["save", "typed\n![shelf.png](../attachments/1-shelf.png)\nmore"],
+    ],
+  );
+  assert.equal(pendingFile(q, "attachments/1-shelf.png"), file);
+  assert.equal(uploadBytes(q), 67);
+  // kept under another name (the first was taken): the queued edit links that one
+  q = settle(q, q[0], {path: "notes/a.md", etag: '"v2"'});
+  q = relink(q, "notes/a.md", "../attachments/1-shelf.png", "../attachments/1-shelf-2.png");
+  q = settle(q, q[0], {path: "attachments/1-shelf-2.png"});
+  assert.deepEqual(
+    q.map((i) => [i.kind, i.base, i.content]),
+    [["save", '"v2"', "typed\n![shelf.png](../attachments/1-shelf-2.png)\nmore"]],
+  );
 });
