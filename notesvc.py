@@ -548,6 +548,14 @@ SETTINGS = (
         "seconds a device pairing's one-time secret lives",
     ),
     Setting(
+        "device_idle_days",
+        "SERVICE_DEVICE_IDLE_DAYS",
+        "",
+        "90",
+        _int_range(0, 36500),
+        "days a device key made by pairing keeps working unused (0 = never expires)",
+    ),
+    Setting(
         "max_attachment_bytes",
         "SERVICE_MAX_ATTACHMENT_BYTES",
         "",
@@ -685,6 +693,7 @@ class Config:
     relay_domain: str
     relay_max_idle_per_address: int
     pairing_ttl: int
+    device_idle_days: int
     max_attachment_bytes: int
     transcribe_url: str
     transcribe_model: str
@@ -2461,7 +2470,7 @@ def merge3(base: str, current: str, edit: str) -> tuple:
     True
     """
     b, c, e = (t.splitlines(keepends=True) for t in (base, current, edit))
-    for side in (c, e):  # a last line without its newline, followed by more: add it
+    for side in (b, c, e):  # a last line without its newline, followed by more: add it
         if side and not side[-1].endswith(("\n", "\r")):
             side[-1] += "\n"
     to_current = _diff(b, c)
@@ -2498,7 +2507,109 @@ def merge3(base: str, current: str, edit: str) -> tuple:
             out += _apply(b, lo, hi, ours or edited)
         at = hi
     out += kept[at:]
-    return "".join(out), conflict
+    return _last_ending("".join(out), base, current, edit), conflict
+
+
+def _ends_line(text: str) -> bool:
+    return not text or text.endswith(("\n", "\r"))
+
+
+def _last_ending(merged: str, base: str, current: str, edit: str) -> str:
+    """Return merged with the note's last-line ending: current's, unless only the edit
+    changed whether the note ends with a newline (merge3 gave every last line one).
+
+    >>> merge3("a\\nb\\nc", "A\\nb\\nc", "a\\nb\\nC")
+    ('A\\nb\\nC', False)
+    """
+    ends = _ends_line(current)
+    if _ends_line(edit) != _ends_line(base) and ends == _ends_line(base):
+        ends = _ends_line(edit)
+    if ends or not merged:
+        return merged
+    return merged[:-2] if merged.endswith("\r\n") else merged[:-1]
+
+
+SUMMARY_DIFF_CELLS = 250_000  # past this many (old lines x new lines) changed, lines are counted
+
+
+def _plural(n: int, what: str) -> str:
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"
+
+
+def change_summary(old: bytes, new: bytes) -> str:
+    """Return what a change of a note's text did, in a few words ("+2 lines, 1 changed").
+    Cheap: the lines both keep at the start and the end are set aside, and the rest is
+    compared line-wise (counted only, past SUMMARY_DIFF_CELLS).
+
+    >>> change_summary(b"a\\nb\\n", b"a\\nB\\nc\\nd\\n"), change_summary(b"a\\nb\\n", b"b\\n")
+    ('+2 lines, 1 changed', '-1 line')
+    """
+    a, b = old.splitlines(keepends=True), new.splitlines(keepends=True)  # UTF-8: line-safe
+    both = min(len(a), len(b))
+    start = next((i for i in range(both) if a[i] != b[i]), both)
+    end = next((i for i in range(both - start) if a[-1 - i] != b[-1 - i]), both - start)
+    a, b = a[start : len(a) - end], b[start : len(b) - end]
+    # counted: past SUMMARY_DIFF_CELLS, and one line typed (the common case: difflib 10 µs)
+    if len(a) * len(b) > SUMMARY_DIFF_CELLS or (len(a) <= 1 and len(b) <= 1):
+        blocks = [("replace", 0, len(a), 0, len(b))]
+    else:
+        blocks = difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes()
+    added = removed = changed = 0
+    for tag, i1, i2, j1, j2 in blocks:
+        if tag != "equal":
+            both = min(i2 - i1, j2 - j1)
+            changed += both
+            added += j2 - j1 - both
+            removed += i2 - i1 - both
+    parts = [f"+{_plural(added, 'line')}"] if added else []
+    parts += [f"-{_plural(removed, 'line')}"] if removed else []
+    if changed:
+        parts.append(f"{changed} changed" if parts else f"{_plural(changed, 'line')} changed")
+    return ", ".join(parts) or "no change in its lines"
+
+
+MAX_DIFF_LINES = 5000  # difflib is quadratic on some inputs: past this, one plain hunk
+
+
+def _diff_range(start: int, length: int) -> str:
+    """Return a unified diff's range (as difflib writes it) of `length` lines from `start`."""
+    if length == 1:
+        return str(start + 1)
+    return f"{start + 1 if length else start},{length}"
+
+
+def unified_diff(a: str, b: str, from_name: str, to_name: str) -> str:
+    """Return the unified diff from text a to text b, in time linear in their size past
+    MAX_DIFF_LINES changed lines (the changed middle is then one hunk, not minimal)."""
+    x, y = a.splitlines(keepends=True), b.splitlines(keepends=True)
+    head = 0
+    while head < min(len(x), len(y)) and x[head] == y[head]:
+        head += 1
+    tail = 0
+    while tail < min(len(x), len(y)) - head and x[-1 - tail] == y[-1 - tail]:
+        tail += 1
+    if max(len(x), len(y)) - head - tail > MAX_DIFF_LINES:
+        old, new = x[head : len(x) - tail], y[head : len(y) - tail]
+        lines = [
+            f"--- {from_name}\n",
+            f"+++ {to_name}\n",
+            f"@@ -{_diff_range(head, len(old))} +{_diff_range(head, len(new))} @@\n",
+            *("-" + line for line in old),
+            *("+" + line for line in new),
+        ]
+    else:  # only the changed middle, with its context, goes through difflib
+        lo = max(0, head - 3)
+        x_end, y_end = len(x) - max(0, tail - 3), len(y) - max(0, tail - 3)
+        lines = []
+        for line in difflib.unified_diff(x[lo:x_end], y[lo:y_end], from_name, to_name):
+            if line.startswith("@@"):
+                line = re.sub(
+                    r"([-+])(\d+)", lambda m: f"{m.group(1)}{int(m.group(2)) + lo}", line, count=2
+                )
+            lines.append(line)
+    return "".join(
+        line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in lines
+    )
 
 
 _NAME_DROP_RE = re.compile(
@@ -2821,6 +2932,11 @@ class VersionPacks(_SqliteStore):
         "CREATE TABLE IF NOT EXISTS object (id BLOB PRIMARY KEY, pack INTEGER, "
         "start INTEGER, size INTEGER) WITHOUT ROWID",
         "CREATE TABLE IF NOT EXISTS pack (id INTEGER PRIMARY KEY, size INTEGER, data BLOB)",
+        # who saved a packed version and what the change did (HistoryStore.META's lines,
+        # moved in with it); by `at` and `object`, so that it follows moves and copies
+        # untouched (a table older files gain when opened: their format stays)
+        "CREATE TABLE IF NOT EXISTS meta (at INTEGER, object BLOB, data TEXT, "
+        "PRIMARY KEY (at, object)) WITHOUT ROWID",
     )
     _OBJECTS = (
         "SELECT v.at, v.reason, o.id, o.pack, o.start, o.size FROM version v "
@@ -2892,6 +3008,34 @@ class VersionPacks(_SqliteStore):
             if len(data) == size and hashlib.sha256(data).digest()[:16] == oid:
                 found[oid] = data
         return found
+
+    def metas(self, folder: str) -> dict:
+        """Return {version id: {savedBy, summary}} of the packed versions of a folder."""
+        sql = (
+            "SELECT v.at, v.reason, v.object, m.data FROM version v "
+            "JOIN meta m ON m.at = v.at AND m.object = v.object WHERE v.folder = ?"
+        )
+        found = {}
+        for vid, _, data in self._vids(self._run(sql, (bytes.fromhex(folder),))):
+            with contextlib.suppress(ValueError, TypeError):
+                meta = json.loads(data)
+                if isinstance(meta, dict):
+                    found[vid] = meta
+        return found
+
+    def add_metas(self, metas: dict) -> None:
+        """Keep {version id: {savedBy, summary}} of versions packed (or being packed)."""
+        if not metas:
+            return
+        with self._transaction() as db:
+            db.executemany(
+                "INSERT OR REPLACE INTO meta (at, object, data) VALUES (?, ?, ?)",
+                [
+                    (at, oid, json.dumps(m, ensure_ascii=False))
+                    for vid, m in metas.items()
+                    for at, _, oid in [self._parts(vid)]
+                ],
+            )
 
     def add(self, folder: str, versions: list) -> None:
         """Keep versions [(version id, content)] of one history folder in one transaction:
@@ -2983,6 +3127,7 @@ class VersionPacks(_SqliteStore):
             return
         with self._transaction() as db:
             db.execute("DELETE FROM object WHERE id NOT IN (SELECT object FROM version)")
+            db.execute("DELETE FROM meta WHERE at NOT IN (SELECT at FROM version)")
             db.execute("DELETE FROM pack WHERE id NOT IN (SELECT pack FROM object)")
             thin = {
                 pack
@@ -3034,6 +3179,11 @@ class HistoryStore:
     # grant sees only those saved inside its folder. A version not named was saved at the
     # path the history folder belongs to.
     ORIGINS = "origins"
+    # Who made the change each version was kept for and what it did (lines "<version id>
+    # <JSON {savedBy, summary}>", appended as changes are made, tidied by the sweep): best
+    # effort, not fsynced (a version without its line lists them as null, as versions kept
+    # before they were recorded do).
+    META = "meta"
     PACK_AFTER = 3600  # seconds a version stays a loose file before a sweep packs it
 
     def __init__(self, folder: Path, max_versions: int, days: int, clock: Callable = time.time):
@@ -3211,12 +3361,75 @@ class HistoryStore:
         """Make the versions kept for a note durable (fsync its history folder)."""
         fsync_dir(self.dir_of(path))
 
-    def settle(self, path: str, vid: str) -> None:
-        """After the change a version was kept for: make it private, apply the retention."""
+    def settle(self, path: str, vid: str, meta: dict | None = None) -> None:
+        """After the change a version was kept for: make it private, record who made the
+        change and what it did (`meta`: {savedBy, summary}), apply the retention."""
         folder = self.dir_of(path)
         with contextlib.suppress(OSError):  # a linked version had the note's mode
             os.chmod(folder / vid, 0o600)
+        if meta:
+            self._add_meta(folder, {vid: meta})
         self.prune(folder)
+
+    def _add_meta(self, folder: Path, metas: dict) -> None:
+        """Append {version id: {savedBy, summary}} to a history folder's META (best effort)."""
+        if not metas:
+            return
+        lines = "".join(f"{vid} {json.dumps(m, ensure_ascii=False)}\n" for vid, m in metas.items())
+        try:
+            fd = os.open(folder / self.META, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                os.write(fd, lines.encode("utf-8"))
+            finally:
+                os.close(fd)
+        except OSError as e:
+            log.warning("history: who saved a version of %s is not kept (%s)", folder.name, e)
+
+    def _copy_meta(self, src: Path, dst: Path, vids: Iterable[str]) -> None:
+        """Give the versions vids, landing in dst, their META lines from src."""
+        meta = self._meta(src)
+        self._add_meta(dst, {vid: meta[vid] for vid in vids if vid in meta})
+
+    def _meta(self, folder: Path) -> dict:
+        """Return {version id: {savedBy, summary}} of a history folder (what can be read)."""
+        try:
+            text = (folder / self.META).read_text("utf-8", "replace")
+        except OSError:
+            return {}
+        found = {}
+        for line in text.split("\n"):
+            vid, _, raw = line.partition(" ")
+            if VERSION_ID_RE.match(vid):
+                with contextlib.suppress(ValueError):
+                    m = json.loads(raw)
+                    if isinstance(m, dict):
+                        found[vid] = m
+        return found
+
+    def meta_of(self, path: str, vid: str) -> dict | None:
+        """Return {savedBy, summary} of one version of the note at path (None: unknown)."""
+        folder = self.dir_of(path)
+        return self._meta(folder).get(vid) or self._packed_metas(folder).get(vid)
+
+    def _packed_metas(self, folder: Path) -> dict:
+        try:
+            return self.packs.metas(folder.name)
+        except HeadStoreError as e:
+            log.error("history: the packed versions cannot be read (%s)", e)
+            return {}
+
+    def _tidy_meta(self, folder: Path, present: Iterable[str]) -> None:
+        """Drop the META lines of versions no longer kept (the sweep's)."""
+        meta = self._meta(folder)
+        kept = {vid: m for vid, m in meta.items() if vid in set(present)}
+        if len(kept) == len(meta) and (folder / self.META).exists() == bool(meta or kept):
+            return
+        with contextlib.suppress(OSError):
+            if not kept:
+                os.unlink(folder / self.META)
+                return
+            lines = "".join(f"{v} {json.dumps(m, ensure_ascii=False)}\n" for v, m in kept.items())
+            atomic_write(folder / self.META, lines.encode("utf-8"), mode=0o600)
 
     def discard(self, path: str, vid: str) -> None:
         """Drop a version kept for a change that then failed."""
@@ -3279,6 +3492,7 @@ class HistoryStore:
         # the origins before the versions land (a crash in between: the versions stay in
         # src with theirs); the packed ones first, the files after (src's origins stay)
         self._write_origins(dst, {**self._origins(dst), **came}, landing=ids)
+        self._copy_meta(src, dst, ids)
         self.packs.move(src.name, dst.name, [v for v in ids if v in packed], copy)
         for vid in ids:
             if vid in packed and not (src / vid).exists():
@@ -3392,14 +3606,19 @@ class HistoryStore:
     # -- reading ------------------------------------------------------------------
 
     @staticmethod
-    def describe(vid: str, size: int) -> dict:
-        m = VERSION_ID_RE.match(vid)
+    def describe(vid: str, size: int, meta: dict | None = None) -> dict:
+        """Return a version as listed: savedAt, reason, savedBy and summary say when, why,
+        by whom and how the note changed from this content (meta: what META holds)."""
+        m, meta = VERSION_ID_RE.match(vid), meta or {}
+        by, summary = meta.get("savedBy"), meta.get("summary")
         return {
             "id": vid,
             "savedAt": iso(int(m.group(1)) / 1_000_000),
             "size": size,
             "etag": f'"{m.group(3)}"',
             "reason": m.group(2),
+            "savedBy": by if isinstance(by, str) else None,
+            "summary": summary if isinstance(summary, str) else None,
         }
 
     def versions(self, path: str, sees: Callable | None = None) -> list:
@@ -3415,6 +3634,7 @@ class HistoryStore:
                 "history: where the versions of %s were saved is unknown (%s)", log_safe(path), e
             )
             return []
+        meta = {**(self._packed_metas(folder) if packed else {}), **self._meta(folder)}
         for vid in reversed(ids):
             if sees and not sees(origins.get(vid, path)):
                 continue
@@ -3425,7 +3645,7 @@ class HistoryStore:
                 if vid not in packed:
                     continue
                 size = packed[vid]
-            found.append(self.describe(vid, size))
+            found.append(self.describe(vid, size, meta.get(vid)))
         return found
 
     def read(self, path: str, vid: str) -> bytes:
@@ -3454,6 +3674,7 @@ class HistoryStore:
         self._changed(folder)  # what the disk says from now on
         self.pack(folder)
         with self._pack_lock, contextlib.suppress(HeadStoreError):  # no move lands meanwhile
+            self._tidy_meta(folder, self._loose(folder))  # (a crash may have left lines)
             if not self._loose(folder) and not self._packed(folder, strict=True):
                 with contextlib.suppress(OSError):
                     os.unlink(folder / self.ORIGINS)
@@ -3484,7 +3705,10 @@ class HistoryStore:
                             size += len(data)
                 if not versions:
                     continue
+                meta = self._meta(folder)
+                metas = {vid: meta[vid] for vid, _ in versions if vid in meta}
                 try:
+                    self.packs.add_metas(metas)  # first: a crash leaves the files, again
                     self.packs.add(folder.name, versions)
                 except HeadStoreError as e:  # a full disk: they stay files, nothing lost
                     log.warning("history: versions not packed (%s)", e)
@@ -3499,6 +3723,7 @@ class HistoryStore:
                         pass
                 with contextlib.suppress(HeadStoreError):
                     self.packs.drop(folder.name, gone)
+                self._tidy_meta(folder, self._loose(folder))  # the packed ones' are packed
                 done += len(versions) - len(gone)
         return done
 
@@ -3721,14 +3946,18 @@ def _change_of(line: bytes, after: int) -> tuple | None:
         or not isinstance(d.get("path"), str)
     ):
         return None
-    return (d["seq"], d["kind"], d["path"], d.get("from"), d.get("etag"), d.get("at", ""))
+    origin = d.get("from") if d["kind"] == "moved" else d.get("conflictOf")
+    return (d["seq"], d["kind"], d["path"], origin, d.get("etag"), d.get("at", ""))
 
 
 def change_record(entry: tuple) -> dict:
+    """Return a journal entry (seq, kind, path, origin, etag, at) as the feed gives it: the
+    origin is a move's `from`, a created conflict copy's `conflictOf` (the note it keeps an
+    edit of)."""
     seq, kind, path, origin, etag, at = entry
     rec = {"seq": seq, "kind": kind, "path": path}
     if origin is not None:
-        rec["from"] = origin
+        rec["from" if kind == "moved" else "conflictOf"] = origin
     if etag is not None:
         rec["etag"] = etag
     rec["at"] = at
@@ -3759,7 +3988,7 @@ class ChangeJournal:
         self.fresh = False  # this run created it: the first rescan is its starting point
         self._cond = threading.Condition()
         self._seqs: list = []
-        self._entries: list = []  # (seq, kind, path, from, etag, at), oldest first
+        self._entries: list = []  # (seq, kind, path, from or conflictOf, etag, at), oldest first
         self._open = False  # open() found or made the file: entries are stored
         self._end = 0  # where the next line goes
         self._allocated = 0  # the file's bytes (zeros past _end)
@@ -3947,50 +4176,6 @@ class ChangeJournal:
             self._cond.notify_all()
 
 
-MAX_DIFF_LINES = 5000  # difflib is quadratic on some inputs: past this, one plain hunk
-
-
-def _diff_range(start: int, length: int) -> str:
-    """Return a unified diff's range (as difflib writes it) of `length` lines from `start`."""
-    if length == 1:
-        return str(start + 1)
-    return f"{start + 1 if length else start},{length}"
-
-
-def unified_diff(a: str, b: str, from_name: str, to_name: str) -> str:
-    """Return the unified diff from text a to text b, in time linear in their size past
-    MAX_DIFF_LINES changed lines (the changed middle is then one hunk, not minimal)."""
-    x, y = a.splitlines(keepends=True), b.splitlines(keepends=True)
-    head = 0
-    while head < min(len(x), len(y)) and x[head] == y[head]:
-        head += 1
-    tail = 0
-    while tail < min(len(x), len(y)) - head and x[-1 - tail] == y[-1 - tail]:
-        tail += 1
-    if max(len(x), len(y)) - head - tail > MAX_DIFF_LINES:
-        old, new = x[head : len(x) - tail], y[head : len(y) - tail]
-        lines = [
-            f"--- {from_name}\n",
-            f"+++ {to_name}\n",
-            f"@@ -{_diff_range(head, len(old))} +{_diff_range(head, len(new))} @@\n",
-            *("-" + line for line in old),
-            *("+" + line for line in new),
-        ]
-    else:  # only the changed middle, with its context, goes through difflib
-        lo = max(0, head - 3)
-        x_end, y_end = len(x) - max(0, tail - 3), len(y) - max(0, tail - 3)
-        lines = []
-        for line in difflib.unified_diff(x[lo:x_end], y[lo:y_end], from_name, to_name):
-            if line.startswith("@@"):
-                line = re.sub(
-                    r"([-+])(\d+)", lambda m: f"{m.group(1)}{int(m.group(2)) + lo}", line, count=2
-                )
-            lines.append(line)
-    return "".join(
-        line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in lines
-    )
-
-
 def expire_loop(notes: NoteStore, trash: Trash, stop: threading.Event, every: float = 3600) -> None:
     """Apply the retention of history and trash now, then every `every` s until stop."""
     first = True
@@ -4127,6 +4312,79 @@ class ReadCache:
 _PROC_FD = os.path.isdir("/proc/self/fd")  # Linux: where a descriptor leads
 
 
+def _moved_from(old: str, new: str) -> str:
+    """Return a move's summary, as the note's history shows it at its new path."""
+    folder, name = old.rsplit("/", 1)
+    if new.rsplit("/", 1)[0] == folder:
+        return f"renamed from {name[:-3]}"
+    return f"moved from {old}"
+
+
+class ConflictCopies:
+    """The notes that are conflict copies (a merge's edit kept beside its note, 24), as
+    {copy's path: the note's path}, kept in <state>/conflicts.json. A copy is known by this
+    record, not by its name: a note named like one is not one, and a copy whose name was
+    shortened to fit still is. It stops being one when it is moved, renamed or deleted
+    (keeping it under a name of one's own makes it a note like any other); when its note
+    moves, the record follows. Small (a few entries); read once, written on each change."""
+
+    NAME = "conflicts.json"
+
+    def __init__(self, file: Path):
+        self.file = file
+        self._lock = threading.Lock()
+        self._copies: dict | None = None
+
+    def _load(self) -> dict:
+        if self._copies is None:
+            try:
+                raw = json.loads(self.file.read_text("utf-8"))
+            except FileNotFoundError:
+                raw = {}
+            except (OSError, ValueError) as e:
+                log.warning(
+                    "%s cannot be read (%s): no note counts as a conflict copy", self.file, e
+                )
+                raw = {}
+            pairs = raw.items() if isinstance(raw, dict) else ()
+            self._copies = {k: v for k, v in pairs if isinstance(k, str) and isinstance(v, str)}
+        return self._copies
+
+    def of(self, path: str) -> str | None:
+        """Return the path of the note the note at path is a conflict copy of (None: not one)."""
+        with self._lock:
+            return self._load().get(path)
+
+    def _store(self, copies: dict) -> None:
+        try:
+            with disk_writes():
+                atomic_write(self.file, to_json(copies), mode=0o600)
+        except OSError as e:  # kept in memory: the ranking is a nicety, never worth a failure
+            log.warning("%s not written (%s)", self.file, e)
+        self._copies = copies
+
+    def mark(self, path: str, original: str | None) -> None:
+        """Record that the note at path is a copy of `original` (None: it is not one)."""
+        with self._lock:
+            copies = self._load()
+            if copies.get(path) == original:
+                return
+            copies = dict(copies)
+            if original is None:
+                del copies[path]
+            else:
+                copies[path] = original
+            self._store(copies)
+
+    def moved(self, old: str, new: str) -> None:
+        """A note moved: as a copy it is one no more; as a note with copies they follow."""
+        with self._lock:
+            copies = self._load()
+            if old not in copies and old not in copies.values():
+                return
+            self._store({c: (new if o == old else o) for c, o in copies.items() if c != old})
+
+
 class NoteStore:
     """Markdown files under <root>/notes: the source of truth, looked at on disk every time.
 
@@ -4155,6 +4413,10 @@ class NoteStore:
         self.trash = trash
         self.history = history  # what each change replaced (None: nothing kept)
         self.journal = journal  # the change feed (None: nothing recorded)
+        self.copies = ConflictCopies(trash.parent / ConflictCopies.NAME)  # conflict copies
+        # who makes the change in progress, as its versions name it (savedBy): the Service
+        # sets it to the request's grant's name; None: the owner, the server itself
+        self.actor: Callable[[], str | None] = lambda: None
         self._recent: dict = {}  # folder -> (journal's last entry, paths newest first)
         self._observed = False  # the rescan has run once (observe())
         self._tree = threading.RLock()
@@ -4474,7 +4736,9 @@ class NoteStore:
                 "read it again and retry"
             )
 
-    def create(self, path: str, content: str) -> dict:
+    def create(self, path: str, content: str, conflict_of: str | None = None) -> dict:
+        """Create a note (409 when one is there); `conflict_of`: it is a conflict copy of
+        that note (ConflictCopies; the change feed's entry says so)."""
         data = self.encode(content)
         with self.locked(path, tree=True):
             target = self.file_of(path)
@@ -4482,9 +4746,10 @@ class NoteStore:
                 raise ApiError(409, "CONFLICT", f"a note already exists at {path}; use PUT")
             with self._changing(path), self._new_parents(target):
                 atomic_write(target, data)
+            self.copies.mark(path, conflict_of)  # before the index and the feed learn of it
             st = os.stat(target)
             self._notify("saved", path, (content, st))
-            self._record("created", path, data)
+            self._record("created", path, data, conflict_of=conflict_of)
             return self.record(path, data, st)
 
     @contextlib.contextmanager
@@ -4517,7 +4782,7 @@ class NoteStore:
             old, seen = self._read(path)
             self.check_match(if_match, old)
             target = self.file_of(path)
-            with self._changing(path, old, reason, (target, seen)) as first:
+            with self._changing(path, old, reason, (target, seen), data) as first:
                 atomic_write(target, data, before_replace=first)
             st = os.stat(target)
             self._notify("saved", path, (content, st))
@@ -4571,7 +4836,7 @@ class NoteStore:
             with contextlib.suppress(PreconditionFailed):
                 rec = self.update(path, merged, make_etag(raw), reason="merged")
                 return {"note": rec, "merged": True}
-        copy = self.create_beside(path, conflict_name, content)
+        copy = self.create_beside(path, conflict_name, content, conflict=True)
         err = ApiError(
             409,
             "CONFLICT",
@@ -4581,22 +4846,25 @@ class NoteStore:
         err.extra = {"path": path, "conflictPath": copy["path"]}
         raise err
 
-    def create_beside(self, path: str, note: str, content: str) -> dict:
+    def create_beside(self, path: str, note: str, content: str, conflict: bool = False) -> dict:
         """Create `<name> (<note>).md` beside path (` 2`, ` 3`... when taken); a long name
-        is shortened to leave room, so the copy always fits the 255-byte rule."""
+        is shortened to leave room, so the copy always fits the 255-byte rule. `conflict`:
+        it is a conflict copy of path (see create)."""
         folder, name = path.rsplit("/", 1)
         tail = f" ({note})"
         room = MAX_SEGMENT_BYTES - len(".md 999") - len(tail.encode())
         short = name[:-3].encode()[: max(room, 1)].decode("utf-8", "ignore").rstrip() or "note"
-        return self.create_named(folder, short + tail, content)
+        return self.create_named(folder, short + tail, content, path if conflict else None)
 
-    def create_named(self, folder: str, name: str, content: str) -> dict:
+    def create_named(
+        self, folder: str, name: str, content: str, conflict_of: str | None = None
+    ) -> dict:
         """Create the note `<folder>/<name>.md`, or `<name> 2.md`, `<name> 3.md`... when
         taken (never overwriting: each try is an exclusive create)."""
         for n in range(1, 1000):
             candidate = name if n == 1 else f"{name} {n}"
             try:
-                return self.create(note_path(f"{folder}/{candidate}.md"), content)
+                return self.create(note_path(f"{folder}/{candidate}.md"), content, conflict_of)
             except ApiError as e:
                 if e.status_code != 409:
                     raise
@@ -4618,7 +4886,7 @@ class NoteStore:
             content = old + ("" if old.endswith("\n") else "\n") + line + "\n"
             data = self.encode(content)
             inode = (target, seen) if raw is not None else None
-            with self._changing(path, raw, "updated", inode) as first, parents:
+            with self._changing(path, raw, "updated", inode, data) as first, parents:
                 atomic_write(target, data, before_replace=first)
             st = os.stat(target)
             self._notify("saved", path, (content, st))
@@ -4635,7 +4903,7 @@ class NoteStore:
                 return False
             raw = self.encode(new)
             target = self.file_of(path)
-            with self._changing(path, data, "linksRewritten", (target, seen)) as first:
+            with self._changing(path, data, "linksRewritten", (target, seen), raw) as first:
                 atomic_write(target, raw, before_replace=first)
             self._notify("saved", path, (new, os.stat(target)))
             self._record("updated", path, raw)
@@ -4651,12 +4919,18 @@ class NoteStore:
             src, dst = self.file_of(path), self.file_of(new)
             if os.path.lexists(dst):
                 raise ApiError(409, "CONFLICT", f"a note already exists at {new}")
-            with self._changing(path, data, "moved"), self._new_parents(dst), disk_writes():
+            was = _moved_from(path, new)
+            with (
+                self._changing(path, data, "moved", new=was),
+                self._new_parents(dst),
+                disk_writes(),
+            ):
                 os.replace(src, dst)
             fsync_dir(dst.parent)
             fsync_dir(src.parent)
             self._prune(src.parent)
             self._relocate_history(path, new)
+            self.copies.moved(path, new)
             st = os.stat(dst)
             self._notify("moved", path, (new, st))
             self._record("moved", new, data, origin=path)
@@ -4667,7 +4941,9 @@ class NoteStore:
             data, _ = self._read(path)
             self.check_match(if_match, data)
             src = self.file_of(path)
-            trashed = move_to_trash(src, self.trash, path, self._changing(path, data, "deleted"))
+            changing = self._changing(path, data, "deleted", new="deleted")
+            trashed = move_to_trash(src, self.trash, path, changing)
+            self.copies.mark(path, None)
             self._prune(src.parent)
             self._notify("deleted", path)
             self._record("deleted", path, None)
@@ -4682,12 +4958,14 @@ class NoteStore:
         old: bytes | None = None,
         reason: str = "updated",
         inode: tuple | None = None,
+        new: bytes | str | None = None,
     ):
         """Around one change of a note: room for its journal entry, then the content it
         replaces kept as a version (a full disk stops the change here, 507, with nothing
         changed); both are undone when the change itself fails. `inode` (see
         HistoryStore.keep) when the change replaces the note's file by a rename: then it
-        gives what atomic_write must run before that rename."""
+        gives what atomic_write must run before that rename. `new`: the content written
+        (the version's summary counts the lines it changed), or a summary in words."""
         journal, history = self.journal, self.history
         if journal is not None:
             journal.reserve()
@@ -4707,15 +4985,36 @@ class NoteStore:
                 journal.release()
             raise
         if vid:
-            history.settle(path, vid)
+            history.settle(path, vid, self._version_meta(old, new))
 
-    def _record(self, kind: str, path: str, data: bytes | None, origin: str | None = None):
-        """After a change, under the note's lock: its journal entry, then the history's copy
-        of the note (in this order: a crash in between leaves the rescan a change to report
-        twice, never one to miss)."""
+    def _version_meta(self, old: bytes | None, new: bytes | str | None) -> dict:
+        """Return {savedBy, summary} of the change a version is kept for."""
+        if isinstance(new, bytes) and old is not None:
+            summary = change_summary(old, new)
+        else:
+            summary = new if isinstance(new, str) else None
+        try:
+            by = self.actor()
+        except Exception as e:  # a name is never worth a failed write
+            log.warning("history: who saved this is unknown (%s)", e)
+            by = None
+        return {"savedBy": by, "summary": summary}
+
+    def _record(
+        self,
+        kind: str,
+        path: str,
+        data: bytes | None,
+        origin: str | None = None,
+        conflict_of: str | None = None,
+    ):
+        """After a change, under the note's lock: its journal entry (`from` a move's
+        origin; a conflict copy's `conflictOf`), then the history's copy of the note (in
+        this order: a crash in between leaves the rescan a change to report twice, never
+        one to miss)."""
         etag = None if data is None else make_etag(data)
         if self.journal is not None:
-            self.journal.append(kind, path, etag, origin)
+            self.journal.append(kind, path, etag, origin or conflict_of)
         if self.history is not None:
             if data is None:
                 self.history.drop_head(path)
@@ -4739,7 +5038,7 @@ class NoteStore:
         try:
             vid = self.history.keep(path, head, "external")
             if vid:
-                self.history.settle(path, vid)
+                self.history.settle(path, vid, {"savedBy": None, "summary": "changed outside"})
         except OSError as e:
             log.warning("history: could not keep %s as it was (%s)", log_safe(path), e)
 
@@ -4799,6 +5098,7 @@ class NoteStore:
                     continue
                 self._keep_external(path, history.read_head(path) if history.enabled else None)
                 history.drop_head(path)
+                self.copies.mark(path, None)
                 if not quiet:
                     journal.append("deleted", path, reserved=False)
         if first and history.enabled:
@@ -4837,7 +5137,7 @@ class NoteStore:
             self.check_match(if_match, old)
             parents = self._new_parents(target) if old is None else contextlib.nullcontext()
             inode = (target, seen) if old is not None else None
-            with self._changing(path, old, "restored", inode) as first, parents:
+            with self._changing(path, old, "restored", inode, data) as first, parents:
                 atomic_write(target, data, before_replace=first)
             st = os.stat(target)
             self._notify("restored", path, (data.decode("utf-8", "replace"), st))
@@ -4862,6 +5162,7 @@ class NoteStore:
                 raise not_found(f"no item {item.id} in the trash") from None
             with self._changing(target), self._new_parents(dst), disk_writes():
                 os.replace(item.file, dst)
+            self.copies.mark(target, None)
             fsync_dir(dst.parent)
             fsync_dir(item.file.parent)
             _remove_empty_folders(item.file.parent, self.trash)  # as Trash.emptied()
@@ -5120,6 +5421,7 @@ class AttachmentStore:
         try:
             with disk_writes():
                 try:
+                    self.root.mkdir(mode=0o700, parents=True, exist_ok=True)  # new: private
                     target.parent.mkdir(parents=True, exist_ok=True)
                 except (FileExistsError, NotADirectoryError):
                     raise ApiError(
@@ -7484,6 +7786,9 @@ class SearchIndex:
 
     PAIR_REWRITE_NOTES = 10_000  # a file this big without pair lists is written again with them
     PAIR_REWRITE_RETRY = 3600.0  # seconds before a file whose rewrite failed is tried again
+    # a conflict copy's score is scaled by this: it ranks below the note it came from (whose
+    # text it shares), yet is found by what only it holds
+    CONFLICT_COPY_WEIGHT = 0.5
 
     def __init__(self, folder: Path | None = None, notes: NoteStore | None = None):
         self._lock = threading.RLock()
@@ -8155,9 +8460,18 @@ class SearchIndex:
                     matches.append(mt)
         return matches, keys
 
+    def _weight(self, path: str) -> float:
+        """Return what a note's score is scaled by: CONFLICT_COPY_WEIGHT for a conflict
+        copy (the store's record says which notes are), else 1."""
+        notes = self.notes
+        if notes is not None and notes.copies.of(path) is not None:
+            return self.CONFLICT_COPY_WEIGHT
+        return 1.0
+
     @staticmethod
-    def _rank(matches: list, k: int, avg: tuple) -> list:
-        """Return the k best [(exact score, path, segment, id)], best first (then by path).
+    def _rank(matches: list, k: int, avg: tuple, weigh: Callable | None = None) -> list:
+        """Return the k best [(exact score, path, segment, id)], best first (then by path);
+        weigh(path), at most 1, scales a note's exact score.
 
         Candidates are rescored in the order of their approximate scores until no other one
         can reach the k-th exact score (exact <= approx * hi).
@@ -8179,7 +8493,8 @@ class SearchIndex:
                     break
                 score = cache.get((id(mt), d))
                 if score is None:
-                    score = cache[(id(mt), d)] = mt.exact(d, avg)
+                    score = mt.exact(d, avg) * (weigh(mt.seg.path(d)) if weigh else 1.0)
+                    cache[(id(mt), d)] = score
                 found.append((score, mt, d))
                 if len(heap) < k:
                     heapq.heappush(heap, score)
@@ -8207,7 +8522,7 @@ class SearchIndex:
             excludes = [self._resolve(segs, n, alt) for alt in query.excludes]
             matches, keys = self._matches(segs, n, avg, clauses, excludes, prefix)
             total = sum(mt.total for mt in matches)
-            ranked = self._rank(matches, offset + limit, avg)[offset:]
+            ranked = self._rank(matches, offset + limit, avg, self._weight)[offset:]
             needles: dict = {}
             hits = []
             for score, path, seg, d in ranked:
@@ -8301,7 +8616,7 @@ class SearchIndex:
                     del scores[d]
                 if scores:
                     matches.append(_Match(seg, comps, self._hi(seg, avg), scores))
-            ranked = self._rank(matches, limit, avg)
+            ranked = self._rank(matches, limit, avg, self._weight)
             hits = [(path, seg.title(d), score) for score, path, seg, d in ranked]
         return [(path, title, self._read(path) or "", score) for path, title, score in hits]
 
@@ -9382,13 +9697,14 @@ class GrantStore:
     secret hashes rebuilt whenever the state changes.
     """
 
-    def __init__(self, state: StateStore, clock: Callable = time.time):
+    def __init__(self, state: StateStore, clock: Callable = time.time, idle_days: int = 0):
         self.state, self.clock = state, clock
+        self.idle = idle_days * 86400  # a paired device's key ends this long after its last use
         self._lock = threading.Lock()
         self._cache: tuple = (
             None,
             {},
-        )  # (state it was built from, hash -> (kind, principal, expires))
+        )  # (state it was built from, hash -> (kind, principal, expires, idle since))
         self._used: dict = {}  # grant id -> when it was last used, not yet written
         self._flushed = clock()
         self.codes: dict = {}  # code hash -> what the owner approved (memory only)
@@ -9411,12 +9727,28 @@ class GrantStore:
             )
             expires = _epoch(g.get("expiresAt"))
             if g.get("keyHash"):
-                index[g["keyHash"]] = ("key", p, expires)
+                index[g["keyHash"]] = ("key", p, expires, self._idle_since(g))
             if g.get("accessHash"):
                 until = min(expires, _epoch(g.get("accessExpiresAt")))
-                index[g["accessHash"]] = ("access", p, until)
+                index[g["accessHash"]] = ("access", p, until, None)
         self._cache = (data, index)
         return index
+
+    def _idle_since(self, g: dict) -> float | None:
+        """Return when a paired device without an expiry of its own was last used, as
+        stored (None: its key does not expire for want of use: another kind of grant, or
+        SERVICE_DEVICE_IDLE_DAYS=0)."""
+        if not self.idle or g.get("kind") != "device" or g.get("expiresAt"):
+            return None
+        return _epoch(g.get("lastUsedAt") or g.get("createdAt"))
+
+    def expires(self, g: dict) -> float:
+        """Return when a grant stops working: its expiresAt, or for a paired device its
+        last use plus SERVICE_DEVICE_IDLE_DAYS (infinity: never)."""
+        since = self._idle_since(g)
+        if since is None:
+            return _epoch(g.get("expiresAt"))
+        return max(since, self._used.get(g["id"], 0.0)) + self.idle
 
     def principal(self, secret: str) -> Principal | None:
         """Return the grant a scoped key, a device key or an access token stands for (None:
@@ -9427,7 +9759,11 @@ class GrantStore:
         entry = self._index().get(key_hash(secret))
         if entry is None or self.clock() >= entry[2]:
             return None
-        kind, principal, _ = entry
+        kind, principal, _, since = entry
+        if since is not None:  # a paired device: unused for too long, it has expired
+            last = max(since, self._used.get(principal.grant_id, 0.0))
+            if self.clock() >= last + self.idle:
+                return None
         if (kind == "key") != secret.startswith(keys):
             return None
         self._used[principal.grant_id] = self.clock()
@@ -9465,7 +9801,9 @@ class GrantStore:
             "scope": g["scope"],
             "folder": g.get("folder"),
             "createdAt": g["createdAt"],
-            "expiresAt": g.get("expiresAt"),
+            "expiresAt": g.get("expiresAt")
+            if self._idle_since(g) is None
+            else iso(self.expires(g)),
             "lastUsedAt": iso(last) if last else g.get("lastUsedAt"),
             "createdBy": g.get("createdBy"),  # null: made before it was recorded
         }
@@ -9477,12 +9815,11 @@ class GrantStore:
         """Return every grant without its secrets (keys and OAuth grants)."""
         return [self._public(g) for g in self.state.read().get("grants", [])]
 
-    @staticmethod
-    def _check_maker(data: dict, maker: Any, now: float) -> None:
+    def _check_maker(self, data: dict, maker: Any, now: float) -> None:
         """Refuse (401) to record what a grant made once that grant is gone: a request that
         passed its key check just before its key was revoked writes after the revoke."""
         if made_by_grant(maker) and not any(
-            g["id"] == maker and _epoch(g.get("expiresAt")) > now for g in data.get("grants", [])
+            g["id"] == maker and self.expires(g) > now for g in data.get("grants", [])
         ):
             raise ApiError(401, "UNAUTHORIZED", "the key this request came with was revoked")
 
@@ -9491,7 +9828,7 @@ class GrantStore:
 
         def change(data: dict) -> None:
             self._check_maker(data, grant.get("createdBy"), now)
-            live = [g for g in data.get("grants", []) if _epoch(g.get("expiresAt")) > now]
+            live = [g for g in data.get("grants", []) if self.expires(g) > now]
             if len(live) >= MAX_GRANTS:
                 raise ApiError(
                     409, "CONFLICT", f"{MAX_GRANTS} grants exist already; revoke some first"
@@ -9571,7 +9908,7 @@ class GrantStore:
             data["pairings"] = [p for p in pairings if p is not found]
             if found is None:
                 return None
-            grants = [g for g in data.get("grants", []) if _epoch(g.get("expiresAt")) > now]
+            grants = [g for g in data.get("grants", []) if self.expires(g) > now]
             maker = found.get("createdBy")  # absent: a pairing made before it was recorded
             if made_by_grant(maker) and not any(g["id"] == maker for g in grants):
                 return None  # the device that made it is revoked (or expired): used up
@@ -9656,7 +9993,7 @@ class GrantStore:
     def counts(self) -> dict:
         """Return how many grants there are of each kind, and registered OAuth clients."""
         data, now = self.state.read(), self.clock()
-        live = [g for g in data.get("grants", []) if _epoch(g.get("expiresAt")) > now]
+        live = [g for g in data.get("grants", []) if self.expires(g) > now]
         kinds = collections.Counter(g["kind"] for g in live)
         return {
             "key": kinds["key"],
@@ -10042,7 +10379,7 @@ class GrantStore:
                 if not s.get("grantId"):
                     return s, OWNER
                 for g in data.get("grants", []):
-                    if g["id"] == s["grantId"] and _epoch(g.get("expiresAt")) > now:
+                    if g["id"] == s["grantId"] and self.expires(g) > now:
                         return s, Principal(g["kind"], g["scope"], g.get("folder") or "", g["id"])
                 return None
         return None
@@ -10223,7 +10560,8 @@ class Service:
         if readonly:
             self.state = StateStore.open_existing(config.state_dir, readonly=True)
         else:
-            config.notes_dir.mkdir(parents=True, exist_ok=True)
+            config.notes_dir.parent.mkdir(parents=True, exist_ok=True)
+            config.notes_dir.mkdir(mode=0o700, exist_ok=True)  # a new one: private (the audit)
             self.state = StateStore(config.state_dir)
         state = config.state_dir  # history, trash and the change feed live with the notes:
         self.history = HistoryStore(
@@ -10232,15 +10570,29 @@ class Service:
         self.trash = Trash(state / "trash", config.trash_days)
         self.journal = ChangeJournal(state / "changes.log")
         self.notes = NoteStore(config.notes_dir, state / "trash", self.history, self.journal)
+        self.notes.actor = self.saved_by  # versions name who saved them
         self.attachments = AttachmentStore(config.root / ATTACHMENTS, config.state_dir / "trash")
         # the other files beside the notes (an image in a vault, put there over WebDAV)
         self.note_files = AttachmentStore(
             config.notes_dir, config.state_dir / "trash", nfd_names=True
         )
-        self.grants = GrantStore(self.state)  # scoped keys, OAuth grants, share links
+        self.grants = GrantStore(  # scoped keys, OAuth grants, share links
+            self.state, idle_days=config.device_idle_days
+        )
         # Background components of later sections, composed by build_service():
         self.pollers: Any = None  # ChannelPollers: a thread per channel in polling mode
         self.reminders: Any = None  # ReminderScheduler: ⏰ lines sent through the channels
+
+    def saved_by(self) -> str | None:
+        """Return the name of the grant the current request acts for (a device's or a
+        key's, an app's), as versions record it; None for the owner or outside a request."""
+        grant_id = request_principal().grant_id
+        if not grant_id:
+            return None
+        for g in self.state.read().get("grants", []):
+            if g["id"] == grant_id:
+                return (g.get("client") or {}).get("name") or g["name"]
+        return None
 
     def start(self) -> Service:
         """Sweep crash leftovers, bring the index up to date, start the background work."""
@@ -16334,11 +16686,12 @@ MANY_OAUTH_CLIENTS = 20
 
 @audit_check
 def check_grants(svc: Service) -> list:
-    """Scoped keys and OAuth grants that may write and never expire."""
+    """Scoped keys and OAuth grants that may write and never expire (a paired device
+    expires when unused for SERVICE_DEVICE_IDLE_DAYS: not forever)."""
     forever = [
         g
         for g in svc.state.read().get("grants", [])
-        if g.get("scope") == "write" and not g.get("expiresAt")
+        if g.get("scope") == "write" and svc.grants.expires(g) == math.inf
     ]
     if not forever:
         return []
@@ -26201,7 +26554,7 @@ def merge_note(svc: Service, path: str) -> dict:
     base = base if base.startswith('"') else f'"{base}"'
     name = _clean_name(field(body, "clientName", required=False, max_len=100), "")
     who = title_filename(name or principal_name(svc, request_principal()))
-    when = utcnow().strftime("%Y-%m-%d %H-%M UTC")
+    when = local_time(time.time(), time_zone(svc.config.timezone)).strftime("%Y-%m-%d %H-%M")
     principal = request_principal()  # a folder grant merges from versions it may read
     sees = principal.sees if principal.folder else None
     done = svc.notes.merge(path, base, content, f"conflict {who} {when}", sees)
@@ -26439,7 +26792,7 @@ def get_version(svc: Service, path: str, version_id: str) -> dict:
     path = visible_note(svc.notes, path)
     data = _read_version(svc, path, version_id)
     return {
-        **svc.history.describe(version_id, len(data)),
+        **svc.history.describe(version_id, len(data), svc.history.meta_of(path, version_id)),
         "path": path,
         "content": data.decode("utf-8", "replace"),
     }

@@ -871,7 +871,13 @@ MERGE_CASES = [
     ("both append", "a\n", "a\nb\n", "a\nc\n", None),
     ("one appends, one prepends", "a\n", "a\nz\n", "0\na\n", "0\na\nz\n"),
     ("CRLF against LF", "a\nb\nc\n", "a\r\nb\r\nc\r\n", "a\nb\nC\n", "a\r\nb\r\nC\n"),
-    ("no newline at the end", "a\nb", "a\nb\nc", "A\nb", "A\nb\nc\n"),
+    ("no newline at the end", "a\nb", "a\nb\nc", "A\nb", "A\nb\nc"),
+    # a note that ends without a newline keeps it so (issue 42): merge3 gives each side's
+    # last line one to compare, and takes it back unless a side changed that ending
+    ("different lines, no newline at the end", "a\nb\nc", "A\nb\nc", "a\nb\nC", "A\nb\nC"),
+    ("the edit ends the note with a newline", "a\nb", "A\nb", "a\nb\n", "A\nb\n"),
+    ("current ends it with a newline", "a\nb", "a\nb\n", "A\nb", "A\nb\n"),
+    ("the edit drops the last CRLF", "a\r\nb\r\n", "A\r\nb\r\n", "a\r\nb", "A\r\nb"),
     ("an empty base", "", "x\n", "x\n", "x\n"),
     ("nothing changed", "a\n", "a\n", "a\n", "a\n"),
     ("an applied edit sent again", "a\nb\n", "a\nB\nc\n", "a\nb\nc\n", "a\nB\nc\n"),
@@ -911,7 +917,7 @@ class TestMerge:
             err = assert_error(resp, 409, "CONFLICT")
             assert err["path"] == "notes/m.md"
             assert re.fullmatch(
-                r"notes/m \(conflict owner \d{4}-\d\d-\d\d \d\d-\d\d UTC\)\.md", err["conflictPath"]
+                r"notes/m \(conflict owner \d{4}-\d\d-\d\d \d\d-\d\d\)\.md", err["conflictPath"]
             )
             assert (root / err["conflictPath"]).read_text() == edit  # the edit is safe
             assert (root / "notes" / "m.md").read_text() == current  # and nothing else changed
@@ -969,6 +975,49 @@ class TestMerge:
         assert len(copy.rsplit("/", 1)[1].encode()) <= 255
         assert "(conflict owner" in copy
         assert (root / copy).read_text() == "c\n"
+
+    def conflict(self, client, path: str, current: str, edit: str) -> dict:
+        """Make `edit` clash with `current` on the note at path; return the 409's error."""
+        start = self.etag_after(client, path, "x\n")
+        client.put_json(note_url(path), {"content": current})
+        resp = client.post_json(
+            f"{note_url(path)}/merge", {"base": start, "content": edit}, status=409
+        )
+        return assert_error(resp, 409, "CONFLICT")
+
+    def test_a_conflict_copy_is_named_in_the_servers_time_zone_by_the_device(self, make_app, root):
+        zone = "Pacific/Kiritimati"  # UTC+14: never the same day and hour as UTC
+        client = with_key(make_app(SERVICE_TIMEZONE=zone))
+        phone = with_key(client, claim(client, pair(client)["secret"], name="Anna's phone")["key"])
+        now = notesvc.local_time(time.time(), notesvc.time_zone(zone))
+        copy = self.conflict(phone, "notes/m.md", "a\n", "b\n")["conflictPath"]
+        stamps = {(now + dt.timedelta(minutes=m)).strftime("%Y-%m-%d %H-%M") for m in (0, 1)}
+        assert copy in {f"notes/m (conflict Anna's phone {s}).md" for s in stamps}
+
+    def test_the_change_feed_tells_every_device_a_copy_was_made(self, client, root):
+        # the device whose edit won never sees the 409: the feed's `created` entry of the
+        # copy names the note it is a copy of
+        since = feed(client)["last"]
+        copy = self.conflict(client, "notes/m.md", "a\n", "b\n")["conflictPath"]
+        put_note(client, "notes/plain (conflict owner 2026-01-01 10-00).md", "only named so")
+        created = [c for c in feed(client, since)["changes"] if c["kind"] == "created"]
+        assert [(c["path"], c.get("conflictOf")) for c in created] == [
+            ("notes/m.md", None),
+            (copy, "notes/m.md"),
+            ("notes/plain (conflict owner 2026-01-01 10-00).md", None),
+        ]
+
+    def test_a_conflict_copy_ranks_below_its_note_as_long_as_it_is_one(self, make_app, root):
+        client = with_key(make_app())
+        copy = self.conflict(client, "notes/m.md", "kiwi one\n", "kiwi kiwi two\n")
+        copy = copy["conflictPath"]
+        lookalike = "notes/n (conflict owner 2026-01-01 10-00).md"  # named like one: not one
+        put_note(client, lookalike, "kiwi kiwi three\n")
+        assert hits(client, "kiwi") == [lookalike, "notes/m.md", copy]
+        assert hits(with_key(make_app()), "kiwi")[-1] == copy  # kept
+        client.patch_json(f"{note_url(copy)}/move", {"path": "notes/kept.md"})  # adopted
+        assert hits(client, "kiwi")[0] in ("notes/kept.md", lookalike)
+        assert hits(client, "kiwi")[-1] == "notes/m.md"
 
     def test_an_edit_by_another_program_not_yet_rescanned_is_merged(self, client, root):
         # vim replaced the note on disk; the server still knows what was there (its copy)
@@ -2889,7 +2938,7 @@ class TestHistory:
         assert listing["total"] == 2
         assert (listing["limit"], listing["offset"]) == (100, 0)
         first, second = listing["versions"]
-        assert set(first) == {"id", "savedAt", "size", "etag", "reason"}
+        assert set(first) == {"id", "savedAt", "size", "etag", "reason", "savedBy", "summary"}
         assert re.fullmatch(r"[A-Za-z0-9_-]+", first["id"])
         assert "/" not in first["id"]
         assert "notes" not in first["id"]
@@ -2907,6 +2956,75 @@ class TestHistory:
         assert stat.S_IMODE(history.stat().st_mode) == 0o700
         for path in history.rglob("*"):
             assert stat.S_IMODE(path.stat().st_mode) == (0o700 if path.is_dir() else 0o600), path
+
+    def test_versions_say_who_saved_them_and_what_changed(self, client, root):
+        # issue 42: rows told apart by the device and a few words of what changed, kept
+        # at write time; `reason`, `savedAt`, `savedBy` and `summary` are the change made
+        # at savedAt (the one that replaced the version's content)
+        got = claim(client, pair(client, name="phone")["secret"], name="Anna's Pixel")
+        phone = with_key(client, got["key"])
+        put_note(client, "notes/h.md", "one\ntwo\n")
+        update(phone, "notes/h.md", "one\nTWO\nthree\nfour\n")
+        update(client, "notes/h.md", "one\n")
+        phone.patch_json(f"{note_url('notes/h.md')}/move", {"path": "notes/sub/k.md"})
+        update(client, "notes/sub/k.md", "one\nx\n")
+        phone.patch_json(f"{note_url('notes/sub/k.md')}/move", {"path": "notes/sub/m.md"})
+        listing = versions_of(client, "notes/sub/m.md")["versions"]
+        assert [(v["reason"], v["savedBy"], v["summary"]) for v in listing] == [
+            ("moved", "Anna's Pixel", "renamed from k"),
+            # (the update to one\nx\n replaced what the move had kept: stored once)
+            ("moved", "Anna's Pixel", "moved from notes/h.md"),
+            ("updated", None, "-3 lines"),  # the API key: no grant
+            ("updated", "Anna's Pixel", "+2 lines, 1 changed"),
+        ]
+        one = data(client.get(f"{note_url('notes/sub/m.md')}/versions/{listing[-1]['id']}"))
+        assert (one["savedBy"], one["summary"]) == ("Anna's Pixel", "+2 lines, 1 changed")
+        # versions kept before this was recorded (no record of theirs) list null
+        for meta in (root / ".notesvc" / "history").rglob("meta"):
+            meta.unlink()
+        listing = versions_of(client, "notes/sub/m.md")["versions"]
+        assert {(v["savedBy"], v["summary"]) for v in listing} == {(None, None)}
+        assert len(version_contents(client, "notes/sub/m.md")) == 4  # and all still read
+
+    def test_the_summary_of_a_change(self):
+        assert [
+            notesvc.change_summary(a.encode(), b.encode())
+            for a, b in [
+                ("a\nb\n", "a\nB\nc\nd\n"),
+                ("a\nb\nc\n", "a\nc\n"),
+                ("a\nb\n", "a\nB\n"),
+                ("a\nb", "a\nb\n"),  # the last line's ending
+                ("a\nb\nc\nd\n", "A\nb\nc\nD\n"),
+                ("", "x\ny\n"),
+                ("x\n" * 2000, "y\n" * 3000),  # long: counted, not compared
+            ]
+        ] == [
+            "+2 lines, 1 changed",
+            "-1 line",
+            "1 line changed",
+            "1 line changed",
+            "2 lines changed",
+            "+2 lines",
+            "+1000 lines, 2000 changed",
+        ]
+
+    def test_versions_kept_by_the_sweep_keep_who_saved_them(self, client, root):
+        put_note(client, "notes/p.md", "a\n")
+        update(client, "notes/p.md", "a\nb\n")
+        update(client, "notes/p.md", "a\nb\nc\n")
+        history = client.app.service.history
+        history.PACK_AFTER = -1  # pack everything now
+        client.app.service.notes.sweep_history()
+        # all packed: no folder and no file each (the records are packed with them)
+        assert not history.dir_of("notes/p.md").exists()
+        listing = versions_of(client, "notes/p.md")["versions"]
+        assert [v["summary"] for v in listing] == ["+1 line", "+1 line"]
+        one = data(client.get(f"{note_url('notes/p.md')}/versions/{listing[0]['id']}"))
+        assert one["summary"] == "+1 line"
+        history.max_versions, history.days = 1, 0
+        client.app.service.notes.sweep_history()
+        assert [v["summary"] for v in versions_of(client, "notes/p.md")["versions"]] == ["+1 line"]
+        assert history.packs._run("SELECT count(*) FROM meta")[0][0] == 1  # collected
 
     def test_identical_consecutive_contents_are_stored_once(self, client):
         put_note(client, "notes/same.md", "a")
@@ -5961,6 +6079,34 @@ class TestSetup:
             assert bool(state.read()["setupComplete"]) is done, scope
         assert "apiKey" not in state.read()
 
+    @pytest.mark.parametrize("scope", ["admin", "write"])
+    def test_a_setup_made_as_readme_says_audits_clean_but_for_plain_http(
+        self, make_app, root, scope
+    ):
+        # README's first run: start (defaults), open the page on the server (setup: an admin
+        # pairing made with the setup key, claimed as this browser's device, linked), then
+        # Add a device for a phone, which scans the code (issue 42: that made a write key
+        # that never expires, and the notes folder was created readable by all)
+        app = make_app()
+        key = data(app.get(f"{API}/system/setup", extra_environ=LOCAL))["apiKey"]
+        made = data(
+            with_key(app, key).post_json(
+                f"{API}/auth/devices/pairings", {"name": "laptop", "scope": "admin"}
+            )
+        )
+        device_key = claim(app, made["secret"], name="laptop", **LOCAL)["key"]
+        browser = webtest.TestApp(
+            app.app, extra_environ={"HTTP_X_SERVICE_KEY": device_key, **LOCAL}
+        )
+        browser.post_json(f"{API}/auth/link", {"clientName": "web client on laptop"})
+        phone = data(browser.post_json(f"{API}/auth/devices/pairings", {"scope": scope}))
+        claim(app, phone["secret"], name="phone", REMOTE_ADDR="192.168.1.30")
+        report = data(browser.get(f"{API}/security/audit"))
+        assert ids(report) == {"plain-http-all-interfaces"}, report["findings"]
+        assert report["score"] == 90
+        listed = data(browser.get(f"{API}/auth/keys"))["keys"]
+        assert all(k["expiresAt"] for k in listed if k["kind"] == "device")  # idle: 90 days
+
     @pytest.mark.real_server
     @pytest.mark.slow
     @pytest.mark.parametrize(
@@ -6796,6 +6942,37 @@ class TestDevices:
             assert made["qrSvg"].startswith("<svg")
         state = json.dumps(client.app.service.state.read())
         assert made["secret"] not in state  # only its SHA-256 is kept
+
+    @pytest.mark.parametrize("days", [2, 0])
+    def test_a_paired_device_expires_when_unused_for_device_idle_days(self, make_app, days):
+        client = with_key(make_app(SERVICE_DEVICE_IDLE_DAYS=str(days)))
+        grants, day = client.app.service.grants, 86400
+        key = claim(client, pair(client, name="phone")["secret"])["key"]
+        phone = with_key(client, key)
+
+        def listed() -> dict:
+            found = [k for k in data(client.get(f"{API}/auth/keys"))["keys"]]
+            return next(k for k in found if k["kind"] == "device")
+
+        def expires_in() -> float:
+            at = dt.datetime.fromisoformat(listed()["expiresAt"].replace("Z", "+00:00"))
+            return at.timestamp() - grants.clock()
+
+        if not days:  # 0: never
+            assert listed()["expiresAt"] is None
+            grants.clock = lambda: time.time() + 3650 * day
+            data(phone.post(f"{API}/auth/verify"))
+            return
+        assert 2 * day - 60 < expires_in() <= 2 * day  # its last use (the claim) + 2 days
+        grants.clock = lambda: time.time() + 1.5 * day
+        data(phone.post(f"{API}/auth/verify"))  # a use 1.5 days on: 2 more days from now
+        assert 2 * day - 60 < expires_in() <= 2 * day
+        grants.clock = lambda: time.time() + 3.4 * day
+        data(phone.post(f"{API}/auth/verify"))
+        grants.clock = lambda: time.time() + 5.5 * day  # unused for 2.1 days: expired
+        assert_error(phone.post(f"{API}/auth/verify", status=401), 401, "UNAUTHORIZED")
+        assert expires_in() < 0  # listed, with the time it stopped working (revocable)
+        assert "grant-write-forever" not in ids(data(client.get(f"{API}/security/audit")))
 
     def test_claiming_gives_a_device_key_with_the_pairings_scope_and_folder(self, client, anon):
         put_note(client, "notes/family/list.md", "# List")

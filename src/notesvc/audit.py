@@ -618,11 +618,12 @@ MANY_OAUTH_CLIENTS = 20
 
 @audit_check
 def check_grants(svc: Service) -> list:
-    """Scoped keys and OAuth grants that may write and never expire."""
+    """Scoped keys and OAuth grants that may write and never expire (a paired device
+    expires when unused for SERVICE_DEVICE_IDLE_DAYS: not forever)."""
     forever = [
         g
         for g in svc.state.read().get("grants", [])
-        if g.get("scope") == "write" and not g.get("expiresAt")
+        if g.get("scope") == "write" and svc.grants.expires(g) == math.inf
     ]
     if not forever:
         return []

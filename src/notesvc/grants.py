@@ -456,13 +456,14 @@ class GrantStore:
     secret hashes rebuilt whenever the state changes.
     """
 
-    def __init__(self, state: StateStore, clock: Callable = time.time):
+    def __init__(self, state: StateStore, clock: Callable = time.time, idle_days: int = 0):
         self.state, self.clock = state, clock
+        self.idle = idle_days * 86400  # a paired device's key ends this long after its last use
         self._lock = threading.Lock()
         self._cache: tuple = (
             None,
             {},
-        )  # (state it was built from, hash -> (kind, principal, expires))
+        )  # (state it was built from, hash -> (kind, principal, expires, idle since))
         self._used: dict = {}  # grant id -> when it was last used, not yet written
         self._flushed = clock()
         self.codes: dict = {}  # code hash -> what the owner approved (memory only)
@@ -485,12 +486,28 @@ class GrantStore:
             )
             expires = _epoch(g.get("expiresAt"))
             if g.get("keyHash"):
-                index[g["keyHash"]] = ("key", p, expires)
+                index[g["keyHash"]] = ("key", p, expires, self._idle_since(g))
             if g.get("accessHash"):
                 until = min(expires, _epoch(g.get("accessExpiresAt")))
-                index[g["accessHash"]] = ("access", p, until)
+                index[g["accessHash"]] = ("access", p, until, None)
         self._cache = (data, index)
         return index
+
+    def _idle_since(self, g: dict) -> float | None:
+        """Return when a paired device without an expiry of its own was last used, as
+        stored (None: its key does not expire for want of use: another kind of grant, or
+        SERVICE_DEVICE_IDLE_DAYS=0)."""
+        if not self.idle or g.get("kind") != "device" or g.get("expiresAt"):
+            return None
+        return _epoch(g.get("lastUsedAt") or g.get("createdAt"))
+
+    def expires(self, g: dict) -> float:
+        """Return when a grant stops working: its expiresAt, or for a paired device its
+        last use plus SERVICE_DEVICE_IDLE_DAYS (infinity: never)."""
+        since = self._idle_since(g)
+        if since is None:
+            return _epoch(g.get("expiresAt"))
+        return max(since, self._used.get(g["id"], 0.0)) + self.idle
 
     def principal(self, secret: str) -> Principal | None:
         """Return the grant a scoped key, a device key or an access token stands for (None:
@@ -501,7 +518,11 @@ class GrantStore:
         entry = self._index().get(key_hash(secret))
         if entry is None or self.clock() >= entry[2]:
             return None
-        kind, principal, _ = entry
+        kind, principal, _, since = entry
+        if since is not None:  # a paired device: unused for too long, it has expired
+            last = max(since, self._used.get(principal.grant_id, 0.0))
+            if self.clock() >= last + self.idle:
+                return None
         if (kind == "key") != secret.startswith(keys):
             return None
         self._used[principal.grant_id] = self.clock()
@@ -539,7 +560,9 @@ class GrantStore:
             "scope": g["scope"],
             "folder": g.get("folder"),
             "createdAt": g["createdAt"],
-            "expiresAt": g.get("expiresAt"),
+            "expiresAt": g.get("expiresAt")
+            if self._idle_since(g) is None
+            else iso(self.expires(g)),
             "lastUsedAt": iso(last) if last else g.get("lastUsedAt"),
             "createdBy": g.get("createdBy"),  # null: made before it was recorded
         }
@@ -551,12 +574,11 @@ class GrantStore:
         """Return every grant without its secrets (keys and OAuth grants)."""
         return [self._public(g) for g in self.state.read().get("grants", [])]
 
-    @staticmethod
-    def _check_maker(data: dict, maker: Any, now: float) -> None:
+    def _check_maker(self, data: dict, maker: Any, now: float) -> None:
         """Refuse (401) to record what a grant made once that grant is gone: a request that
         passed its key check just before its key was revoked writes after the revoke."""
         if made_by_grant(maker) and not any(
-            g["id"] == maker and _epoch(g.get("expiresAt")) > now for g in data.get("grants", [])
+            g["id"] == maker and self.expires(g) > now for g in data.get("grants", [])
         ):
             raise ApiError(401, "UNAUTHORIZED", "the key this request came with was revoked")
 
@@ -565,7 +587,7 @@ class GrantStore:
 
         def change(data: dict) -> None:
             self._check_maker(data, grant.get("createdBy"), now)
-            live = [g for g in data.get("grants", []) if _epoch(g.get("expiresAt")) > now]
+            live = [g for g in data.get("grants", []) if self.expires(g) > now]
             if len(live) >= MAX_GRANTS:
                 raise ApiError(
                     409, "CONFLICT", f"{MAX_GRANTS} grants exist already; revoke some first"
@@ -645,7 +667,7 @@ class GrantStore:
             data["pairings"] = [p for p in pairings if p is not found]
             if found is None:
                 return None
-            grants = [g for g in data.get("grants", []) if _epoch(g.get("expiresAt")) > now]
+            grants = [g for g in data.get("grants", []) if self.expires(g) > now]
             maker = found.get("createdBy")  # absent: a pairing made before it was recorded
             if made_by_grant(maker) and not any(g["id"] == maker for g in grants):
                 return None  # the device that made it is revoked (or expired): used up
@@ -730,7 +752,7 @@ class GrantStore:
     def counts(self) -> dict:
         """Return how many grants there are of each kind, and registered OAuth clients."""
         data, now = self.state.read(), self.clock()
-        live = [g for g in data.get("grants", []) if _epoch(g.get("expiresAt")) > now]
+        live = [g for g in data.get("grants", []) if self.expires(g) > now]
         kinds = collections.Counter(g["kind"] for g in live)
         return {
             "key": kinds["key"],
@@ -1116,7 +1138,7 @@ class GrantStore:
                 if not s.get("grantId"):
                     return s, OWNER
                 for g in data.get("grants", []):
-                    if g["id"] == s["grantId"] and _epoch(g.get("expiresAt")) > now:
+                    if g["id"] == s["grantId"] and self.expires(g) > now:
                         return s, Principal(g["kind"], g["scope"], g.get("folder") or "", g["id"])
                 return None
         return None

@@ -16,7 +16,7 @@ from typing import Any, Callable
 from notesvc.auth import Lockout, StateStore, jwt_decode, relay_origin_of
 from notesvc.boot import API, KEY_HEADER, bottle, log
 from notesvc.errors import ApiError, bad_request
-from notesvc.grants import OWNER, GrantStore, Principal, mcp_challenge
+from notesvc.grants import OWNER, GrantStore, Principal, mcp_challenge, request_principal
 from notesvc.helpers import (
     base_url_of,
     client_address,
@@ -201,7 +201,8 @@ class Service:
         if readonly:
             self.state = StateStore.open_existing(config.state_dir, readonly=True)
         else:
-            config.notes_dir.mkdir(parents=True, exist_ok=True)
+            config.notes_dir.parent.mkdir(parents=True, exist_ok=True)
+            config.notes_dir.mkdir(mode=0o700, exist_ok=True)  # a new one: private (the audit)
             self.state = StateStore(config.state_dir)
         state = config.state_dir  # history, trash and the change feed live with the notes:
         self.history = HistoryStore(
@@ -210,15 +211,29 @@ class Service:
         self.trash = Trash(state / "trash", config.trash_days)
         self.journal = ChangeJournal(state / "changes.log")
         self.notes = NoteStore(config.notes_dir, state / "trash", self.history, self.journal)
+        self.notes.actor = self.saved_by  # versions name who saved them
         self.attachments = AttachmentStore(config.root / ATTACHMENTS, config.state_dir / "trash")
         # the other files beside the notes (an image in a vault, put there over WebDAV)
         self.note_files = AttachmentStore(
             config.notes_dir, config.state_dir / "trash", nfd_names=True
         )
-        self.grants = GrantStore(self.state)  # scoped keys, OAuth grants, share links
+        self.grants = GrantStore(  # scoped keys, OAuth grants, share links
+            self.state, idle_days=config.device_idle_days
+        )
         # Background components of later sections, composed by build_service():
         self.pollers: Any = None  # ChannelPollers: a thread per channel in polling mode
         self.reminders: Any = None  # ReminderScheduler: ⏰ lines sent through the channels
+
+    def saved_by(self) -> str | None:
+        """Return the name of the grant the current request acts for (a device's or a
+        key's, an app's), as versions record it; None for the owner or outside a request."""
+        grant_id = request_principal().grant_id
+        if not grant_id:
+            return None
+        for g in self.state.read().get("grants", []):
+            if g["id"] == grant_id:
+                return (g.get("client") or {}).get("name") or g["name"]
+        return None
 
     def start(self) -> Service:
         """Sweep crash leftovers, bring the index up to date, start the background work."""

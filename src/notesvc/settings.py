@@ -398,6 +398,14 @@ SETTINGS = (
         "seconds a device pairing's one-time secret lives",
     ),
     Setting(
+        "device_idle_days",
+        "SERVICE_DEVICE_IDLE_DAYS",
+        "",
+        "90",
+        _int_range(0, 36500),
+        "days a device key made by pairing keeps working unused (0 = never expires)",
+    ),
+    Setting(
         "max_attachment_bytes",
         "SERVICE_MAX_ATTACHMENT_BYTES",
         "",
@@ -535,6 +543,7 @@ class Config:
     relay_domain: str
     relay_max_idle_per_address: int
     pairing_ttl: int
+    device_idle_days: int
     max_attachment_bytes: int
     transcribe_url: str
     transcribe_model: str

@@ -36,18 +36,20 @@ from notesvc.helpers import (
     is_home_network,
     iso,
     lan_address,
+    local_time,
     query_int,
     query_str,
     read_json,
     request_body_reader,
     request_header,
     setup_client_ip,
+    time_zone,
     too_large,
     utcnow,
 )
 from notesvc.http.route import _file_chunks, _none_match, conditional_download
-from notesvc.notes.history import VERSION_ID_RE, attachment_or_note_path, unified_diff
-from notesvc.notes.merge import title_filename
+from notesvc.notes.history import VERSION_ID_RE, attachment_or_note_path
+from notesvc.notes.merge import title_filename, unified_diff
 from notesvc.notes.paths import ATTACHMENTS, NOTES, attachment_folder, folder_path, note_path
 from notesvc.plugins import attachment_linkers, move_and_relink, update_links
 from notesvc.providers.agent import ask_agent
@@ -467,7 +469,7 @@ def merge_note(svc: Service, path: str) -> dict:
     base = base if base.startswith('"') else f'"{base}"'
     name = _clean_name(field(body, "clientName", required=False, max_len=100), "")
     who = title_filename(name or principal_name(svc, request_principal()))
-    when = utcnow().strftime("%Y-%m-%d %H-%M UTC")
+    when = local_time(time.time(), time_zone(svc.config.timezone)).strftime("%Y-%m-%d %H-%M")
     principal = request_principal()  # a folder grant merges from versions it may read
     sees = principal.sees if principal.folder else None
     done = svc.notes.merge(path, base, content, f"conflict {who} {when}", sees)
@@ -705,7 +707,7 @@ def get_version(svc: Service, path: str, version_id: str) -> dict:
     path = visible_note(svc.notes, path)
     data = _read_version(svc, path, version_id)
     return {
-        **svc.history.describe(version_id, len(data)),
+        **svc.history.describe(version_id, len(data), svc.history.meta_of(path, version_id)),
         "path": path,
         "content": data.decode("utf-8", "replace"),
     }

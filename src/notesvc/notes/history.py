@@ -7,7 +7,6 @@ import collections
 import contextlib
 import dataclasses
 import datetime as dt
-import difflib
 import errno
 import hashlib
 import json
@@ -329,6 +328,11 @@ class VersionPacks(_SqliteStore):
         "CREATE TABLE IF NOT EXISTS object (id BLOB PRIMARY KEY, pack INTEGER, "
         "start INTEGER, size INTEGER) WITHOUT ROWID",
         "CREATE TABLE IF NOT EXISTS pack (id INTEGER PRIMARY KEY, size INTEGER, data BLOB)",
+        # who saved a packed version and what the change did (HistoryStore.META's lines,
+        # moved in with it); by `at` and `object`, so that it follows moves and copies
+        # untouched (a table older files gain when opened: their format stays)
+        "CREATE TABLE IF NOT EXISTS meta (at INTEGER, object BLOB, data TEXT, "
+        "PRIMARY KEY (at, object)) WITHOUT ROWID",
     )
     _OBJECTS = (
         "SELECT v.at, v.reason, o.id, o.pack, o.start, o.size FROM version v "
@@ -400,6 +404,34 @@ class VersionPacks(_SqliteStore):
             if len(data) == size and hashlib.sha256(data).digest()[:16] == oid:
                 found[oid] = data
         return found
+
+    def metas(self, folder: str) -> dict:
+        """Return {version id: {savedBy, summary}} of the packed versions of a folder."""
+        sql = (
+            "SELECT v.at, v.reason, v.object, m.data FROM version v "
+            "JOIN meta m ON m.at = v.at AND m.object = v.object WHERE v.folder = ?"
+        )
+        found = {}
+        for vid, _, data in self._vids(self._run(sql, (bytes.fromhex(folder),))):
+            with contextlib.suppress(ValueError, TypeError):
+                meta = json.loads(data)
+                if isinstance(meta, dict):
+                    found[vid] = meta
+        return found
+
+    def add_metas(self, metas: dict) -> None:
+        """Keep {version id: {savedBy, summary}} of versions packed (or being packed)."""
+        if not metas:
+            return
+        with self._transaction() as db:
+            db.executemany(
+                "INSERT OR REPLACE INTO meta (at, object, data) VALUES (?, ?, ?)",
+                [
+                    (at, oid, json.dumps(m, ensure_ascii=False))
+                    for vid, m in metas.items()
+                    for at, _, oid in [self._parts(vid)]
+                ],
+            )
 
     def add(self, folder: str, versions: list) -> None:
         """Keep versions [(version id, content)] of one history folder in one transaction:
@@ -491,6 +523,7 @@ class VersionPacks(_SqliteStore):
             return
         with self._transaction() as db:
             db.execute("DELETE FROM object WHERE id NOT IN (SELECT object FROM version)")
+            db.execute("DELETE FROM meta WHERE at NOT IN (SELECT at FROM version)")
             db.execute("DELETE FROM pack WHERE id NOT IN (SELECT pack FROM object)")
             thin = {
                 pack
@@ -542,6 +575,11 @@ class HistoryStore:
     # grant sees only those saved inside its folder. A version not named was saved at the
     # path the history folder belongs to.
     ORIGINS = "origins"
+    # Who made the change each version was kept for and what it did (lines "<version id>
+    # <JSON {savedBy, summary}>", appended as changes are made, tidied by the sweep): best
+    # effort, not fsynced (a version without its line lists them as null, as versions kept
+    # before they were recorded do).
+    META = "meta"
     PACK_AFTER = 3600  # seconds a version stays a loose file before a sweep packs it
 
     def __init__(self, folder: Path, max_versions: int, days: int, clock: Callable = time.time):
@@ -719,12 +757,75 @@ class HistoryStore:
         """Make the versions kept for a note durable (fsync its history folder)."""
         fsync_dir(self.dir_of(path))
 
-    def settle(self, path: str, vid: str) -> None:
-        """After the change a version was kept for: make it private, apply the retention."""
+    def settle(self, path: str, vid: str, meta: dict | None = None) -> None:
+        """After the change a version was kept for: make it private, record who made the
+        change and what it did (`meta`: {savedBy, summary}), apply the retention."""
         folder = self.dir_of(path)
         with contextlib.suppress(OSError):  # a linked version had the note's mode
             os.chmod(folder / vid, 0o600)
+        if meta:
+            self._add_meta(folder, {vid: meta})
         self.prune(folder)
+
+    def _add_meta(self, folder: Path, metas: dict) -> None:
+        """Append {version id: {savedBy, summary}} to a history folder's META (best effort)."""
+        if not metas:
+            return
+        lines = "".join(f"{vid} {json.dumps(m, ensure_ascii=False)}\n" for vid, m in metas.items())
+        try:
+            fd = os.open(folder / self.META, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o600)
+            try:
+                os.write(fd, lines.encode("utf-8"))
+            finally:
+                os.close(fd)
+        except OSError as e:
+            log.warning("history: who saved a version of %s is not kept (%s)", folder.name, e)
+
+    def _copy_meta(self, src: Path, dst: Path, vids: Iterable[str]) -> None:
+        """Give the versions vids, landing in dst, their META lines from src."""
+        meta = self._meta(src)
+        self._add_meta(dst, {vid: meta[vid] for vid in vids if vid in meta})
+
+    def _meta(self, folder: Path) -> dict:
+        """Return {version id: {savedBy, summary}} of a history folder (what can be read)."""
+        try:
+            text = (folder / self.META).read_text("utf-8", "replace")
+        except OSError:
+            return {}
+        found = {}
+        for line in text.split("\n"):
+            vid, _, raw = line.partition(" ")
+            if VERSION_ID_RE.match(vid):
+                with contextlib.suppress(ValueError):
+                    m = json.loads(raw)
+                    if isinstance(m, dict):
+                        found[vid] = m
+        return found
+
+    def meta_of(self, path: str, vid: str) -> dict | None:
+        """Return {savedBy, summary} of one version of the note at path (None: unknown)."""
+        folder = self.dir_of(path)
+        return self._meta(folder).get(vid) or self._packed_metas(folder).get(vid)
+
+    def _packed_metas(self, folder: Path) -> dict:
+        try:
+            return self.packs.metas(folder.name)
+        except HeadStoreError as e:
+            log.error("history: the packed versions cannot be read (%s)", e)
+            return {}
+
+    def _tidy_meta(self, folder: Path, present: Iterable[str]) -> None:
+        """Drop the META lines of versions no longer kept (the sweep's)."""
+        meta = self._meta(folder)
+        kept = {vid: m for vid, m in meta.items() if vid in set(present)}
+        if len(kept) == len(meta) and (folder / self.META).exists() == bool(meta or kept):
+            return
+        with contextlib.suppress(OSError):
+            if not kept:
+                os.unlink(folder / self.META)
+                return
+            lines = "".join(f"{v} {json.dumps(m, ensure_ascii=False)}\n" for v, m in kept.items())
+            atomic_write(folder / self.META, lines.encode("utf-8"), mode=0o600)
 
     def discard(self, path: str, vid: str) -> None:
         """Drop a version kept for a change that then failed."""
@@ -787,6 +888,7 @@ class HistoryStore:
         # the origins before the versions land (a crash in between: the versions stay in
         # src with theirs); the packed ones first, the files after (src's origins stay)
         self._write_origins(dst, {**self._origins(dst), **came}, landing=ids)
+        self._copy_meta(src, dst, ids)
         self.packs.move(src.name, dst.name, [v for v in ids if v in packed], copy)
         for vid in ids:
             if vid in packed and not (src / vid).exists():
@@ -900,14 +1002,19 @@ class HistoryStore:
     # -- reading ------------------------------------------------------------------
 
     @staticmethod
-    def describe(vid: str, size: int) -> dict:
-        m = VERSION_ID_RE.match(vid)
+    def describe(vid: str, size: int, meta: dict | None = None) -> dict:
+        """Return a version as listed: savedAt, reason, savedBy and summary say when, why,
+        by whom and how the note changed from this content (meta: what META holds)."""
+        m, meta = VERSION_ID_RE.match(vid), meta or {}
+        by, summary = meta.get("savedBy"), meta.get("summary")
         return {
             "id": vid,
             "savedAt": iso(int(m.group(1)) / 1_000_000),
             "size": size,
             "etag": f'"{m.group(3)}"',
             "reason": m.group(2),
+            "savedBy": by if isinstance(by, str) else None,
+            "summary": summary if isinstance(summary, str) else None,
         }
 
     def versions(self, path: str, sees: Callable | None = None) -> list:
@@ -923,6 +1030,7 @@ class HistoryStore:
                 "history: where the versions of %s were saved is unknown (%s)", log_safe(path), e
             )
             return []
+        meta = {**(self._packed_metas(folder) if packed else {}), **self._meta(folder)}
         for vid in reversed(ids):
             if sees and not sees(origins.get(vid, path)):
                 continue
@@ -933,7 +1041,7 @@ class HistoryStore:
                 if vid not in packed:
                     continue
                 size = packed[vid]
-            found.append(self.describe(vid, size))
+            found.append(self.describe(vid, size, meta.get(vid)))
         return found
 
     def read(self, path: str, vid: str) -> bytes:
@@ -962,6 +1070,7 @@ class HistoryStore:
         self._changed(folder)  # what the disk says from now on
         self.pack(folder)
         with self._pack_lock, contextlib.suppress(HeadStoreError):  # no move lands meanwhile
+            self._tidy_meta(folder, self._loose(folder))  # (a crash may have left lines)
             if not self._loose(folder) and not self._packed(folder, strict=True):
                 with contextlib.suppress(OSError):
                     os.unlink(folder / self.ORIGINS)
@@ -992,7 +1101,10 @@ class HistoryStore:
                             size += len(data)
                 if not versions:
                     continue
+                meta = self._meta(folder)
+                metas = {vid: meta[vid] for vid, _ in versions if vid in meta}
                 try:
+                    self.packs.add_metas(metas)  # first: a crash leaves the files, again
                     self.packs.add(folder.name, versions)
                 except HeadStoreError as e:  # a full disk: they stay files, nothing lost
                     log.warning("history: versions not packed (%s)", e)
@@ -1007,6 +1119,7 @@ class HistoryStore:
                         pass
                 with contextlib.suppress(HeadStoreError):
                     self.packs.drop(folder.name, gone)
+                self._tidy_meta(folder, self._loose(folder))  # the packed ones' are packed
                 done += len(versions) - len(gone)
         return done
 
@@ -1229,14 +1342,18 @@ def _change_of(line: bytes, after: int) -> tuple | None:
         or not isinstance(d.get("path"), str)
     ):
         return None
-    return (d["seq"], d["kind"], d["path"], d.get("from"), d.get("etag"), d.get("at", ""))
+    origin = d.get("from") if d["kind"] == "moved" else d.get("conflictOf")
+    return (d["seq"], d["kind"], d["path"], origin, d.get("etag"), d.get("at", ""))
 
 
 def change_record(entry: tuple) -> dict:
+    """Return a journal entry (seq, kind, path, origin, etag, at) as the feed gives it: the
+    origin is a move's `from`, a created conflict copy's `conflictOf` (the note it keeps an
+    edit of)."""
     seq, kind, path, origin, etag, at = entry
     rec = {"seq": seq, "kind": kind, "path": path}
     if origin is not None:
-        rec["from"] = origin
+        rec["from" if kind == "moved" else "conflictOf"] = origin
     if etag is not None:
         rec["etag"] = etag
     rec["at"] = at
@@ -1267,7 +1384,7 @@ class ChangeJournal:
         self.fresh = False  # this run created it: the first rescan is its starting point
         self._cond = threading.Condition()
         self._seqs: list = []
-        self._entries: list = []  # (seq, kind, path, from, etag, at), oldest first
+        self._entries: list = []  # (seq, kind, path, from or conflictOf, etag, at), oldest first
         self._open = False  # open() found or made the file: entries are stored
         self._end = 0  # where the next line goes
         self._allocated = 0  # the file's bytes (zeros past _end)
@@ -1453,50 +1570,6 @@ class ChangeJournal:
         with self._cond:
             self._closed = True
             self._cond.notify_all()
-
-
-MAX_DIFF_LINES = 5000  # difflib is quadratic on some inputs: past this, one plain hunk
-
-
-def _diff_range(start: int, length: int) -> str:
-    """Return a unified diff's range (as difflib writes it) of `length` lines from `start`."""
-    if length == 1:
-        return str(start + 1)
-    return f"{start + 1 if length else start},{length}"
-
-
-def unified_diff(a: str, b: str, from_name: str, to_name: str) -> str:
-    """Return the unified diff from text a to text b, in time linear in their size past
-    MAX_DIFF_LINES changed lines (the changed middle is then one hunk, not minimal)."""
-    x, y = a.splitlines(keepends=True), b.splitlines(keepends=True)
-    head = 0
-    while head < min(len(x), len(y)) and x[head] == y[head]:
-        head += 1
-    tail = 0
-    while tail < min(len(x), len(y)) - head and x[-1 - tail] == y[-1 - tail]:
-        tail += 1
-    if max(len(x), len(y)) - head - tail > MAX_DIFF_LINES:
-        old, new = x[head : len(x) - tail], y[head : len(y) - tail]
-        lines = [
-            f"--- {from_name}\n",
-            f"+++ {to_name}\n",
-            f"@@ -{_diff_range(head, len(old))} +{_diff_range(head, len(new))} @@\n",
-            *("-" + line for line in old),
-            *("+" + line for line in new),
-        ]
-    else:  # only the changed middle, with its context, goes through difflib
-        lo = max(0, head - 3)
-        x_end, y_end = len(x) - max(0, tail - 3), len(y) - max(0, tail - 3)
-        lines = []
-        for line in difflib.unified_diff(x[lo:x_end], y[lo:y_end], from_name, to_name):
-            if line.startswith("@@"):
-                line = re.sub(
-                    r"([-+])(\d+)", lambda m: f"{m.group(1)}{int(m.group(2)) + lo}", line, count=2
-                )
-            lines.append(line)
-    return "".join(
-        line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in lines
-    )
 
 
 def expire_loop(notes: NoteStore, trash: Trash, stop: threading.Event, every: float = 3600) -> None:

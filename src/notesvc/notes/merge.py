@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import difflib
 import re
 import unicodedata
 
@@ -149,7 +150,7 @@ def merge3(base: str, current: str, edit: str) -> tuple:
     True
     """
     b, c, e = (t.splitlines(keepends=True) for t in (base, current, edit))
-    for side in (c, e):  # a last line without its newline, followed by more: add it
+    for side in (b, c, e):  # a last line without its newline, followed by more: add it
         if side and not side[-1].endswith(("\n", "\r")):
             side[-1] += "\n"
     to_current = _diff(b, c)
@@ -186,7 +187,109 @@ def merge3(base: str, current: str, edit: str) -> tuple:
             out += _apply(b, lo, hi, ours or edited)
         at = hi
     out += kept[at:]
-    return "".join(out), conflict
+    return _last_ending("".join(out), base, current, edit), conflict
+
+
+def _ends_line(text: str) -> bool:
+    return not text or text.endswith(("\n", "\r"))
+
+
+def _last_ending(merged: str, base: str, current: str, edit: str) -> str:
+    """Return merged with the note's last-line ending: current's, unless only the edit
+    changed whether the note ends with a newline (merge3 gave every last line one).
+
+    >>> merge3("a\\nb\\nc", "A\\nb\\nc", "a\\nb\\nC")
+    ('A\\nb\\nC', False)
+    """
+    ends = _ends_line(current)
+    if _ends_line(edit) != _ends_line(base) and ends == _ends_line(base):
+        ends = _ends_line(edit)
+    if ends or not merged:
+        return merged
+    return merged[:-2] if merged.endswith("\r\n") else merged[:-1]
+
+
+SUMMARY_DIFF_CELLS = 250_000  # past this many (old lines x new lines) changed, lines are counted
+
+
+def _plural(n: int, what: str) -> str:
+    return f"{n} {what}" if n == 1 else f"{n} {what}s"
+
+
+def change_summary(old: bytes, new: bytes) -> str:
+    """Return what a change of a note's text did, in a few words ("+2 lines, 1 changed").
+    Cheap: the lines both keep at the start and the end are set aside, and the rest is
+    compared line-wise (counted only, past SUMMARY_DIFF_CELLS).
+
+    >>> change_summary(b"a\\nb\\n", b"a\\nB\\nc\\nd\\n"), change_summary(b"a\\nb\\n", b"b\\n")
+    ('+2 lines, 1 changed', '-1 line')
+    """
+    a, b = old.splitlines(keepends=True), new.splitlines(keepends=True)  # UTF-8: line-safe
+    both = min(len(a), len(b))
+    start = next((i for i in range(both) if a[i] != b[i]), both)
+    end = next((i for i in range(both - start) if a[-1 - i] != b[-1 - i]), both - start)
+    a, b = a[start : len(a) - end], b[start : len(b) - end]
+    # counted: past SUMMARY_DIFF_CELLS, and one line typed (the common case: difflib 10 µs)
+    if len(a) * len(b) > SUMMARY_DIFF_CELLS or (len(a) <= 1 and len(b) <= 1):
+        blocks = [("replace", 0, len(a), 0, len(b))]
+    else:
+        blocks = difflib.SequenceMatcher(None, a, b, autojunk=False).get_opcodes()
+    added = removed = changed = 0
+    for tag, i1, i2, j1, j2 in blocks:
+        if tag != "equal":
+            both = min(i2 - i1, j2 - j1)
+            changed += both
+            added += j2 - j1 - both
+            removed += i2 - i1 - both
+    parts = [f"+{_plural(added, 'line')}"] if added else []
+    parts += [f"-{_plural(removed, 'line')}"] if removed else []
+    if changed:
+        parts.append(f"{changed} changed" if parts else f"{_plural(changed, 'line')} changed")
+    return ", ".join(parts) or "no change in its lines"
+
+
+MAX_DIFF_LINES = 5000  # difflib is quadratic on some inputs: past this, one plain hunk
+
+
+def _diff_range(start: int, length: int) -> str:
+    """Return a unified diff's range (as difflib writes it) of `length` lines from `start`."""
+    if length == 1:
+        return str(start + 1)
+    return f"{start + 1 if length else start},{length}"
+
+
+def unified_diff(a: str, b: str, from_name: str, to_name: str) -> str:
+    """Return the unified diff from text a to text b, in time linear in their size past
+    MAX_DIFF_LINES changed lines (the changed middle is then one hunk, not minimal)."""
+    x, y = a.splitlines(keepends=True), b.splitlines(keepends=True)
+    head = 0
+    while head < min(len(x), len(y)) and x[head] == y[head]:
+        head += 1
+    tail = 0
+    while tail < min(len(x), len(y)) - head and x[-1 - tail] == y[-1 - tail]:
+        tail += 1
+    if max(len(x), len(y)) - head - tail > MAX_DIFF_LINES:
+        old, new = x[head : len(x) - tail], y[head : len(y) - tail]
+        lines = [
+            f"--- {from_name}\n",
+            f"+++ {to_name}\n",
+            f"@@ -{_diff_range(head, len(old))} +{_diff_range(head, len(new))} @@\n",
+            *("-" + line for line in old),
+            *("+" + line for line in new),
+        ]
+    else:  # only the changed middle, with its context, goes through difflib
+        lo = max(0, head - 3)
+        x_end, y_end = len(x) - max(0, tail - 3), len(y) - max(0, tail - 3)
+        lines = []
+        for line in difflib.unified_diff(x[lo:x_end], y[lo:y_end], from_name, to_name):
+            if line.startswith("@@"):
+                line = re.sub(
+                    r"([-+])(\d+)", lambda m: f"{m.group(1)}{int(m.group(2)) + lo}", line, count=2
+                )
+            lines.append(line)
+    return "".join(
+        line if line.endswith("\n") else line + "\n\\ No newline at end of file\n" for line in lines
+    )
 
 
 _NAME_DROP_RE = re.compile(

@@ -6,6 +6,7 @@ import collections
 import contextlib
 import errno
 import hashlib
+import json
 import os
 import re
 import stat
@@ -18,7 +19,14 @@ from pathlib import Path
 from typing import Any, Callable
 
 from notesvc.boot import log
-from notesvc.errors import ApiError, PreconditionFailed, bad_request, not_found, success_body
+from notesvc.errors import (
+    ApiError,
+    PreconditionFailed,
+    bad_request,
+    not_found,
+    success_body,
+    to_json,
+)
 from notesvc.helpers import (
     _UMASK,
     BODY_CHUNK,
@@ -41,7 +49,7 @@ from notesvc.notes.history import (
     TrashItem,
     move_to_trash,
 )
-from notesvc.notes.merge import _sort_key, merge3
+from notesvc.notes.merge import _sort_key, change_summary, merge3
 from notesvc.notes.paths import (
     ATTACHMENT_TYPES,
     ATTACHMENTS,
@@ -176,6 +184,79 @@ class ReadCache:
 _PROC_FD = os.path.isdir("/proc/self/fd")  # Linux: where a descriptor leads
 
 
+def _moved_from(old: str, new: str) -> str:
+    """Return a move's summary, as the note's history shows it at its new path."""
+    folder, name = old.rsplit("/", 1)
+    if new.rsplit("/", 1)[0] == folder:
+        return f"renamed from {name[:-3]}"
+    return f"moved from {old}"
+
+
+class ConflictCopies:
+    """The notes that are conflict copies (a merge's edit kept beside its note, 24), as
+    {copy's path: the note's path}, kept in <state>/conflicts.json. A copy is known by this
+    record, not by its name: a note named like one is not one, and a copy whose name was
+    shortened to fit still is. It stops being one when it is moved, renamed or deleted
+    (keeping it under a name of one's own makes it a note like any other); when its note
+    moves, the record follows. Small (a few entries); read once, written on each change."""
+
+    NAME = "conflicts.json"
+
+    def __init__(self, file: Path):
+        self.file = file
+        self._lock = threading.Lock()
+        self._copies: dict | None = None
+
+    def _load(self) -> dict:
+        if self._copies is None:
+            try:
+                raw = json.loads(self.file.read_text("utf-8"))
+            except FileNotFoundError:
+                raw = {}
+            except (OSError, ValueError) as e:
+                log.warning(
+                    "%s cannot be read (%s): no note counts as a conflict copy", self.file, e
+                )
+                raw = {}
+            pairs = raw.items() if isinstance(raw, dict) else ()
+            self._copies = {k: v for k, v in pairs if isinstance(k, str) and isinstance(v, str)}
+        return self._copies
+
+    def of(self, path: str) -> str | None:
+        """Return the path of the note the note at path is a conflict copy of (None: not one)."""
+        with self._lock:
+            return self._load().get(path)
+
+    def _store(self, copies: dict) -> None:
+        try:
+            with disk_writes():
+                atomic_write(self.file, to_json(copies), mode=0o600)
+        except OSError as e:  # kept in memory: the ranking is a nicety, never worth a failure
+            log.warning("%s not written (%s)", self.file, e)
+        self._copies = copies
+
+    def mark(self, path: str, original: str | None) -> None:
+        """Record that the note at path is a copy of `original` (None: it is not one)."""
+        with self._lock:
+            copies = self._load()
+            if copies.get(path) == original:
+                return
+            copies = dict(copies)
+            if original is None:
+                del copies[path]
+            else:
+                copies[path] = original
+            self._store(copies)
+
+    def moved(self, old: str, new: str) -> None:
+        """A note moved: as a copy it is one no more; as a note with copies they follow."""
+        with self._lock:
+            copies = self._load()
+            if old not in copies and old not in copies.values():
+                return
+            self._store({c: (new if o == old else o) for c, o in copies.items() if c != old})
+
+
 class NoteStore:
     """Markdown files under <root>/notes: the source of truth, looked at on disk every time.
 
@@ -204,6 +285,10 @@ class NoteStore:
         self.trash = trash
         self.history = history  # what each change replaced (None: nothing kept)
         self.journal = journal  # the change feed (None: nothing recorded)
+        self.copies = ConflictCopies(trash.parent / ConflictCopies.NAME)  # conflict copies
+        # who makes the change in progress, as its versions name it (savedBy): the Service
+        # sets it to the request's grant's name; None: the owner, the server itself
+        self.actor: Callable[[], str | None] = lambda: None
         self._recent: dict = {}  # folder -> (journal's last entry, paths newest first)
         self._observed = False  # the rescan has run once (observe())
         self._tree = threading.RLock()
@@ -523,7 +608,9 @@ class NoteStore:
                 "read it again and retry"
             )
 
-    def create(self, path: str, content: str) -> dict:
+    def create(self, path: str, content: str, conflict_of: str | None = None) -> dict:
+        """Create a note (409 when one is there); `conflict_of`: it is a conflict copy of
+        that note (ConflictCopies; the change feed's entry says so)."""
         data = self.encode(content)
         with self.locked(path, tree=True):
             target = self.file_of(path)
@@ -531,9 +618,10 @@ class NoteStore:
                 raise ApiError(409, "CONFLICT", f"a note already exists at {path}; use PUT")
             with self._changing(path), self._new_parents(target):
                 atomic_write(target, data)
+            self.copies.mark(path, conflict_of)  # before the index and the feed learn of it
             st = os.stat(target)
             self._notify("saved", path, (content, st))
-            self._record("created", path, data)
+            self._record("created", path, data, conflict_of=conflict_of)
             return self.record(path, data, st)
 
     @contextlib.contextmanager
@@ -566,7 +654,7 @@ class NoteStore:
             old, seen = self._read(path)
             self.check_match(if_match, old)
             target = self.file_of(path)
-            with self._changing(path, old, reason, (target, seen)) as first:
+            with self._changing(path, old, reason, (target, seen), data) as first:
                 atomic_write(target, data, before_replace=first)
             st = os.stat(target)
             self._notify("saved", path, (content, st))
@@ -620,7 +708,7 @@ class NoteStore:
             with contextlib.suppress(PreconditionFailed):
                 rec = self.update(path, merged, make_etag(raw), reason="merged")
                 return {"note": rec, "merged": True}
-        copy = self.create_beside(path, conflict_name, content)
+        copy = self.create_beside(path, conflict_name, content, conflict=True)
         err = ApiError(
             409,
             "CONFLICT",
@@ -630,22 +718,25 @@ class NoteStore:
         err.extra = {"path": path, "conflictPath": copy["path"]}
         raise err
 
-    def create_beside(self, path: str, note: str, content: str) -> dict:
+    def create_beside(self, path: str, note: str, content: str, conflict: bool = False) -> dict:
         """Create `<name> (<note>).md` beside path (` 2`, ` 3`... when taken); a long name
-        is shortened to leave room, so the copy always fits the 255-byte rule."""
+        is shortened to leave room, so the copy always fits the 255-byte rule. `conflict`:
+        it is a conflict copy of path (see create)."""
         folder, name = path.rsplit("/", 1)
         tail = f" ({note})"
         room = MAX_SEGMENT_BYTES - len(".md 999") - len(tail.encode())
         short = name[:-3].encode()[: max(room, 1)].decode("utf-8", "ignore").rstrip() or "note"
-        return self.create_named(folder, short + tail, content)
+        return self.create_named(folder, short + tail, content, path if conflict else None)
 
-    def create_named(self, folder: str, name: str, content: str) -> dict:
+    def create_named(
+        self, folder: str, name: str, content: str, conflict_of: str | None = None
+    ) -> dict:
         """Create the note `<folder>/<name>.md`, or `<name> 2.md`, `<name> 3.md`... when
         taken (never overwriting: each try is an exclusive create)."""
         for n in range(1, 1000):
             candidate = name if n == 1 else f"{name} {n}"
             try:
-                return self.create(note_path(f"{folder}/{candidate}.md"), content)
+                return self.create(note_path(f"{folder}/{candidate}.md"), content, conflict_of)
             except ApiError as e:
                 if e.status_code != 409:
                     raise
@@ -667,7 +758,7 @@ class NoteStore:
             content = old + ("" if old.endswith("\n") else "\n") + line + "\n"
             data = self.encode(content)
             inode = (target, seen) if raw is not None else None
-            with self._changing(path, raw, "updated", inode) as first, parents:
+            with self._changing(path, raw, "updated", inode, data) as first, parents:
                 atomic_write(target, data, before_replace=first)
             st = os.stat(target)
             self._notify("saved", path, (content, st))
@@ -684,7 +775,7 @@ class NoteStore:
                 return False
             raw = self.encode(new)
             target = self.file_of(path)
-            with self._changing(path, data, "linksRewritten", (target, seen)) as first:
+            with self._changing(path, data, "linksRewritten", (target, seen), raw) as first:
                 atomic_write(target, raw, before_replace=first)
             self._notify("saved", path, (new, os.stat(target)))
             self._record("updated", path, raw)
@@ -700,12 +791,18 @@ class NoteStore:
             src, dst = self.file_of(path), self.file_of(new)
             if os.path.lexists(dst):
                 raise ApiError(409, "CONFLICT", f"a note already exists at {new}")
-            with self._changing(path, data, "moved"), self._new_parents(dst), disk_writes():
+            was = _moved_from(path, new)
+            with (
+                self._changing(path, data, "moved", new=was),
+                self._new_parents(dst),
+                disk_writes(),
+            ):
                 os.replace(src, dst)
             fsync_dir(dst.parent)
             fsync_dir(src.parent)
             self._prune(src.parent)
             self._relocate_history(path, new)
+            self.copies.moved(path, new)
             st = os.stat(dst)
             self._notify("moved", path, (new, st))
             self._record("moved", new, data, origin=path)
@@ -716,7 +813,9 @@ class NoteStore:
             data, _ = self._read(path)
             self.check_match(if_match, data)
             src = self.file_of(path)
-            trashed = move_to_trash(src, self.trash, path, self._changing(path, data, "deleted"))
+            changing = self._changing(path, data, "deleted", new="deleted")
+            trashed = move_to_trash(src, self.trash, path, changing)
+            self.copies.mark(path, None)
             self._prune(src.parent)
             self._notify("deleted", path)
             self._record("deleted", path, None)
@@ -731,12 +830,14 @@ class NoteStore:
         old: bytes | None = None,
         reason: str = "updated",
         inode: tuple | None = None,
+        new: bytes | str | None = None,
     ):
         """Around one change of a note: room for its journal entry, then the content it
         replaces kept as a version (a full disk stops the change here, 507, with nothing
         changed); both are undone when the change itself fails. `inode` (see
         HistoryStore.keep) when the change replaces the note's file by a rename: then it
-        gives what atomic_write must run before that rename."""
+        gives what atomic_write must run before that rename. `new`: the content written
+        (the version's summary counts the lines it changed), or a summary in words."""
         journal, history = self.journal, self.history
         if journal is not None:
             journal.reserve()
@@ -756,15 +857,36 @@ class NoteStore:
                 journal.release()
             raise
         if vid:
-            history.settle(path, vid)
+            history.settle(path, vid, self._version_meta(old, new))
 
-    def _record(self, kind: str, path: str, data: bytes | None, origin: str | None = None):
-        """After a change, under the note's lock: its journal entry, then the history's copy
-        of the note (in this order: a crash in between leaves the rescan a change to report
-        twice, never one to miss)."""
+    def _version_meta(self, old: bytes | None, new: bytes | str | None) -> dict:
+        """Return {savedBy, summary} of the change a version is kept for."""
+        if isinstance(new, bytes) and old is not None:
+            summary = change_summary(old, new)
+        else:
+            summary = new if isinstance(new, str) else None
+        try:
+            by = self.actor()
+        except Exception as e:  # a name is never worth a failed write
+            log.warning("history: who saved this is unknown (%s)", e)
+            by = None
+        return {"savedBy": by, "summary": summary}
+
+    def _record(
+        self,
+        kind: str,
+        path: str,
+        data: bytes | None,
+        origin: str | None = None,
+        conflict_of: str | None = None,
+    ):
+        """After a change, under the note's lock: its journal entry (`from` a move's
+        origin; a conflict copy's `conflictOf`), then the history's copy of the note (in
+        this order: a crash in between leaves the rescan a change to report twice, never
+        one to miss)."""
         etag = None if data is None else make_etag(data)
         if self.journal is not None:
-            self.journal.append(kind, path, etag, origin)
+            self.journal.append(kind, path, etag, origin or conflict_of)
         if self.history is not None:
             if data is None:
                 self.history.drop_head(path)
@@ -788,7 +910,7 @@ class NoteStore:
         try:
             vid = self.history.keep(path, head, "external")
             if vid:
-                self.history.settle(path, vid)
+                self.history.settle(path, vid, {"savedBy": None, "summary": "changed outside"})
         except OSError as e:
             log.warning("history: could not keep %s as it was (%s)", log_safe(path), e)
 
@@ -848,6 +970,7 @@ class NoteStore:
                     continue
                 self._keep_external(path, history.read_head(path) if history.enabled else None)
                 history.drop_head(path)
+                self.copies.mark(path, None)
                 if not quiet:
                     journal.append("deleted", path, reserved=False)
         if first and history.enabled:
@@ -886,7 +1009,7 @@ class NoteStore:
             self.check_match(if_match, old)
             parents = self._new_parents(target) if old is None else contextlib.nullcontext()
             inode = (target, seen) if old is not None else None
-            with self._changing(path, old, "restored", inode) as first, parents:
+            with self._changing(path, old, "restored", inode, data) as first, parents:
                 atomic_write(target, data, before_replace=first)
             st = os.stat(target)
             self._notify("restored", path, (data.decode("utf-8", "replace"), st))
@@ -911,6 +1034,7 @@ class NoteStore:
                 raise not_found(f"no item {item.id} in the trash") from None
             with self._changing(target), self._new_parents(dst), disk_writes():
                 os.replace(item.file, dst)
+            self.copies.mark(target, None)
             fsync_dir(dst.parent)
             fsync_dir(item.file.parent)
             _remove_empty_folders(item.file.parent, self.trash)  # as Trash.emptied()
@@ -1169,6 +1293,7 @@ class AttachmentStore:
         try:
             with disk_writes():
                 try:
+                    self.root.mkdir(mode=0o700, parents=True, exist_ok=True)  # new: private
                     target.parent.mkdir(parents=True, exist_ok=True)
                 except (FileExistsError, NotADirectoryError):
                     raise ApiError(

@@ -371,6 +371,9 @@ class SearchIndex:
 
     PAIR_REWRITE_NOTES = 10_000  # a file this big without pair lists is written again with them
     PAIR_REWRITE_RETRY = 3600.0  # seconds before a file whose rewrite failed is tried again
+    # a conflict copy's score is scaled by this: it ranks below the note it came from (whose
+    # text it shares), yet is found by what only it holds
+    CONFLICT_COPY_WEIGHT = 0.5
 
     def __init__(self, folder: Path | None = None, notes: NoteStore | None = None):
         self._lock = threading.RLock()
@@ -1042,9 +1045,18 @@ class SearchIndex:
                     matches.append(mt)
         return matches, keys
 
+    def _weight(self, path: str) -> float:
+        """Return what a note's score is scaled by: CONFLICT_COPY_WEIGHT for a conflict
+        copy (the store's record says which notes are), else 1."""
+        notes = self.notes
+        if notes is not None and notes.copies.of(path) is not None:
+            return self.CONFLICT_COPY_WEIGHT
+        return 1.0
+
     @staticmethod
-    def _rank(matches: list, k: int, avg: tuple) -> list:
-        """Return the k best [(exact score, path, segment, id)], best first (then by path).
+    def _rank(matches: list, k: int, avg: tuple, weigh: Callable | None = None) -> list:
+        """Return the k best [(exact score, path, segment, id)], best first (then by path);
+        weigh(path), at most 1, scales a note's exact score.
 
         Candidates are rescored in the order of their approximate scores until no other one
         can reach the k-th exact score (exact <= approx * hi).
@@ -1066,7 +1078,8 @@ class SearchIndex:
                     break
                 score = cache.get((id(mt), d))
                 if score is None:
-                    score = cache[(id(mt), d)] = mt.exact(d, avg)
+                    score = mt.exact(d, avg) * (weigh(mt.seg.path(d)) if weigh else 1.0)
+                    cache[(id(mt), d)] = score
                 found.append((score, mt, d))
                 if len(heap) < k:
                     heapq.heappush(heap, score)
@@ -1094,7 +1107,7 @@ class SearchIndex:
             excludes = [self._resolve(segs, n, alt) for alt in query.excludes]
             matches, keys = self._matches(segs, n, avg, clauses, excludes, prefix)
             total = sum(mt.total for mt in matches)
-            ranked = self._rank(matches, offset + limit, avg)[offset:]
+            ranked = self._rank(matches, offset + limit, avg, self._weight)[offset:]
             needles: dict = {}
             hits = []
             for score, path, seg, d in ranked:
@@ -1188,7 +1201,7 @@ class SearchIndex:
                     del scores[d]
                 if scores:
                     matches.append(_Match(seg, comps, self._hi(seg, avg), scores))
-            ranked = self._rank(matches, limit, avg)
+            ranked = self._rank(matches, limit, avg, self._weight)
             hits = [(path, seg.title(d), score) for score, path, seg, d in ranked]
         return [(path, title, self._read(path) or "", score) for path, title, score in hits]
 
