@@ -17899,6 +17899,11 @@ dialog h3 {
   display: flex;
   align-items: center;
   gap: 0.5rem;
+  width: max-content; /* not the half of the screen right of its left edge */
+}
+#toast button {
+  flex: none;
+  white-space: nowrap;
 }
 #toast[hidden] {
   display: none;
@@ -18088,6 +18093,7 @@ const core = (() => {
     keyBase: "", // the API base the key was given for: it is sent nowhere else
     path: null, // the open note
     etag: null, // the ETag the editor's text was loaded from (sent as If-Match)
+    known: null, // the ETag of the open note on the server as last seen (a draft's may be older)
     saved: "", // the note's text as last loaded or saved
     title: "",
     editing: false,
@@ -20319,6 +20325,7 @@ const app = (() => {
     const again = rec.path === state.path; // the same note, newer: the cursor stays
     state.path = rec.path;
     state.etag = rec.etag;
+    state.known = rec.etag; // the server's, whatever a draft's base (state.etag) says
     state.crlf = rec.content.includes("\r\n");
     state.saved = toEditor(rec.content);
     state.title = rec.title || paths.nameOf(rec.path);
@@ -20375,6 +20382,7 @@ const app = (() => {
     state.path = null;
     state.blank = false;
     state.etag = null;
+    state.known = null;
     state.saved = "";
     state.crlf = false;
     editor().value = "";
@@ -20647,6 +20655,8 @@ const app = (() => {
     // kept: the next save starts from the version this one started from, so the server
     // merges the other change in again (or keeps a copy), never writes over it
     if (!kept) state.etag = note.etag;
+    state.known = note.etag;
+    savedHere.set(note.path, Date.now());
     state.saved = theirs;
     state.title = note.title || state.title;
     $("title").textContent = state.title;
@@ -20665,6 +20675,7 @@ const app = (() => {
   // Both changed the same lines: the note keeps the other change; this edit is kept whole
   // beside it. Show the note as it is, and say where this edit went.
   async function clashed(err, path, sent) {
+    ownCopy(err.conflictPath);
     const now = editor().value;
     if (path === state.path) {
       dropDraft();
@@ -21099,8 +21110,81 @@ const app = (() => {
     return out;
   }
 
-  // The history as a timeline: when, why, and what changed since, word by word; restore in
-  // one tap.
+  // Neighbouring versions a person cannot tell apart fold into one row: the same content
+  // (ETag), or the same reason, size, summary and saver within a minute (autosaves of one
+  // burst of typing). Each fold: {v: its newest version, n: how many, from: its oldest}.
+  function foldVersions(versions) {
+    const like = (a, b) =>
+      a.etag === b.etag ||
+      (a.reason === b.reason &&
+        a.size === b.size &&
+        a.summary === b.summary &&
+        a.savedBy === b.savedBy &&
+        Math.abs(Date.parse(a.savedAt) - Date.parse(b.savedAt)) <= 60000);
+    const folds = [];
+    for (const v of versions) {
+      const last = folds[folds.length - 1];
+      if (last && like(last.from, v)) {
+        last.n++;
+        last.from = v;
+      } else folds.push({v, n: 1, from: v});
+    }
+    return folds;
+  }
+
+  // A version's row, under its time: why, who, what changed in a few words, and by how
+  // much the change made then (to the next newer version, or to the note) changed its size.
+  function versionLine(fold, after) {
+    const {v, n} = fold;
+    const d = after - fold.from.size;
+    const size = (d > 0 ? "+" : d < 0 ? "−" : "±") + paths.sizeText(Math.abs(d));
+    const words = [REASONS[v.reason] || v.reason, v.savedBy, v.summary, size];
+    if (n > 1) words.unshift(n + " saves");
+    return words.filter(Boolean).join(" · ");
+  }
+
+  // Restoring writes the version whatever this device holds of the note: text not sent yet
+  // (in the editor, or a draft from an earlier visit) is dropped first, asking when there is
+  // some; never saved (or merged, or kept as a conflict copy) on the way.
+  async function dropUnsent(when) {
+    clearTimeout(saveTimer);
+    await saveChain;
+    if (dirty()) {
+      const choice = await choose(
+        "Restore this version?",
+        "What you wrote in “" +
+          state.title +
+          "” on this device and did not send yet is dropped, and the note becomes as it was " +
+          when +
+          ".",
+        [
+          ["restore", "Drop it and restore", "primary"],
+          ["cancel", "Keep writing"],
+        ],
+      );
+      if (choice !== "restore") return false;
+    }
+    dropDraft();
+    editor().value = state.saved;
+    state.etag = state.known || state.etag; // a draft's older base goes with it
+    updateDirty();
+    return true;
+  }
+
+  async function restoreVersion(path, id) {
+    const url = "/notes/" + core.enc(path) + "/versions/" + core.enc(id) + "/restore";
+    try {
+      return await core.api("POST", url, undefined, {"If-Match": state.etag});
+    } catch (e) {
+      if (e.status !== 412) throw e;
+      // changed elsewhere meanwhile (that text is kept as a version too): restore over it
+      const now = await core.api("GET", "/notes/" + core.enc(path));
+      return core.api("POST", url, undefined, {"If-Match": now.data.etag});
+    }
+  }
+
+  // The history as a timeline: when, why, who, and what changed since, word by word; restore
+  // in one tap.
   async function showHistory() {
     if (!state.path) return;
     const path = state.path;
@@ -21108,7 +21192,9 @@ const app = (() => {
     const base = "/notes/" + core.enc(path) + "/versions/";
     const list = el("ol", {class: "timeline", id: "versions"});
     const detail = el("div", {id: "version-detail"});
-    for (const v of data.versions) {
+    let after = new Blob([fromEditor(state.saved)]).size; // the note's size now
+    for (const fold of foldVersions(data.versions)) {
+      const v = fold.v;
       const changes = core.act(async () => {
         const r = await core.api("GET", base + core.enc(v.id));
         const now = editor().value;
@@ -21130,11 +21216,9 @@ const app = (() => {
       });
       const restore = core.act(async () => {
         dialogDone("cancel");
-        if (!(await confirmLeave())) return;
+        if (path !== state.path || !(await dropUnsent(dayAndTime(v.savedAt)))) return;
         await writing(async () => {
-          const r = await core.api("POST", base + core.enc(v.id) + "/restore", undefined, {
-            "If-Match": state.etag,
-          });
+          const r = await restoreVersion(path, v.id);
           dropDraft();
           showNote(r.data);
           setEditing(false);
@@ -21145,16 +21229,12 @@ const app = (() => {
       list.append(
         el(
           "li",
-          {"data-version": v.id},
+          {"data-version": v.id, "data-count": String(fold.n)},
           el(
             "span",
             {class: "when"},
             el("strong", {}, dayAndTime(v.savedAt)),
-            el(
-              "small",
-              {class: "muted"},
-              (REASONS[v.reason] || v.reason) + " · " + paths.sizeText(v.size),
-            ),
+            el("small", {class: "muted", title: paths.sizeText(v.size)}, versionLine(fold, after)),
           ),
           el(
             "span",
@@ -21165,6 +21245,7 @@ const app = (() => {
           ),
         ),
       );
+      after = fold.from.size;
     }
     if (!data.versions.length) list.append(el("li", {class: "muted"}, "No earlier versions yet."));
     await dialog("History of " + state.title, [list, detail], [["cancel", "Close"]]);
@@ -21435,8 +21516,34 @@ const app = (() => {
     return since;
   }
 
+  // Conflict copies this page's own losing edits were kept as: it said so when it made them.
+  const ownCopies = new Set();
+  function ownCopy(path) {
+    ownCopies.add(path);
+  }
+  // When this page last saved each note: a conflict copy of one is an edit that lost to ours.
+  const savedHere = new Map();
+
+  // A conflict copy was made of the open note, or of one saved here lately: the edit that won
+  // was this device's, which the server's answer did not say. A quiet word, and the copy.
+  function copyMade(c) {
+    const lately = Date.now() - (savedHere.get(c.conflictOf) || 0) < 10 * 60000;
+    if (c.conflictOf !== state.path && !lately) return;
+    // the answer to a losing write of this page's own may still be on its way: wait for it
+    const look = () => {
+      if (state.writes) return setTimeout(look, 300);
+      if (ownCopies.has(c.path)) return;
+      core.toast("A conflicting edit was kept as a copy", false, [
+        "Open the copy",
+        () => openNote(c.path),
+      ]);
+    };
+    setTimeout(look, 300);
+  }
+
   function applyChange(c) {
     if (offline.offlineOn()) offline.mirrorChange(c).catch(() => {});
+    if (c.kind === "created" && c.conflictOf) copyMade(c);
     if (c.kind === "updated" || c.kind === "modified")
       recentSoon(); // the recent list's order; the tree is the same
     else treeSoon(); // the tree's names (and the recent list)
@@ -22012,6 +22119,7 @@ const app = (() => {
     keepDraft,
     newId,
     openNote,
+    ownCopy,
     readDraft,
     saved,
     sleep,
@@ -22787,6 +22895,7 @@ const offline = (() => {
       return data.note;
     } catch (e) {
       if (e.status === 409 && e.error && e.error.conflictPath) {
+        app.ownCopy(e.error.conflictPath);
         core.toast(
           "“" +
             paths.nameOf(item.path) +

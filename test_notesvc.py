@@ -13582,6 +13582,39 @@ class TestWebClient:
         assert "oat milk" in page.input_value("#editor")
         assert unexpected(s.close(), 409) == []
 
+    def test_the_device_whose_edit_won_hears_of_the_conflict_copy(self, web):
+        """Issue 42: the phone whose edit lost gets the banner; the one whose edit won gets a
+        quiet notice from the change feed, with *Open the copy*."""
+        needs(web.server, "/changes", "the change feed (issue 13)")
+        a, b = web("phone"), web("phone")
+        for s in (a, b):
+            s.tree_open("notes/todo.md")
+            s.page.click("#edit")
+        b.page.fill("#editor", "# Todo\n\n- buy soy milk\n")  # typed, not sent yet
+        a.page.bring_to_front()
+        a.page.fill("#editor", "# Todo\n\n- buy rice milk\n")
+        a.page.keyboard.press("Control+s")
+        expect(a.page.locator("#status")).to_have_text("Saved")
+        b.page.bring_to_front()
+        b.page.keyboard.press("Control+s")
+        # (or the feed's news of a's save merged it first: the same clash)
+        expect(b.page.locator("#conflict")).to_be_visible()
+        on_disk = web.root / "notes/todo.md"
+        assert on_disk.read_text() == "# Todo\n\n- buy rice milk\n"
+        (copy,) = on_disk.parent.glob("todo (conflict*).md")
+        notice = a.page.locator("#toast")
+        expect(notice).to_contain_text("A conflicting edit was kept as a copy")
+        assert notice.get_attribute("role") == "status"  # quiet: not an alert
+        a.page.bring_to_front()
+        a.shot("conflict-winner-notice")
+        b.shot("conflict-loser-banner")
+        expect(b.page.locator("#toast")).not_to_contain_text("A conflicting edit")
+        notice.locator("button", has_text="Open the copy").click()
+        expect(a.page.locator("#path")).to_contain_text(copy.name)
+        assert "soy milk" in a.page.input_value("#editor")
+        assert unexpected(a.close()) == []
+        assert unexpected(b.close(), 409) == []
+
     def test_coming_back_to_the_page_picks_up_changes_and_a_deletion(self, web):
         s = web("desktop")
         page = s.page
@@ -14119,6 +14152,82 @@ class TestWebClient:
         assert (web.root / "notes/todo.md").read_text() == SEED_NOTES["todo.md"]
         (restore,) = [r for r in s.requests if r.url.endswith("/restore")]
         assert restore.headers["if-match"].startswith('"')
+        assert unexpected(s.close()) == []
+
+    def test_history_rows_say_who_and_what_changed_and_fold_alike_neighbours(self, web):
+        """Issue 42: rows told apart by who saved, a few words and the size change; saves
+        alike (same reason, size, summary and saver) within a minute fold into one row."""
+        needs(web.server, "/notes/{path}/versions", "history (issue 13)")
+        owner = {"X-Service-Key": web.setup["apiKey"]}
+        body = {"name": "Anna's Pixel", "scope": "write"}
+        made = web.server.request("POST", f"{API}/auth/keys", body, owner)[2]["data"]
+        pixel = {"X-Service-Key": made["key"]}
+        url = f"{API}/notes/notes%2Ftodo.md"
+        seed = SEED_NOTES["todo.md"]
+        steps = [(owner, seed + "- bread\n")]  # +8 B, by the API key: no name
+        steps += [(pixel, seed + "- bread\n- " + w + "\n") for w in ("jam", "ham", "yam", "pam")]
+        for who, text in steps:
+            assert web.server.request("PUT", url, {"content": text}, who)[0] == 200
+        s = web("phone")
+        page = s.page
+        s.tree_open("notes/todo.md")
+        page.click("#note-menu summary")
+        page.click("#history")
+        rows = page.locator("#versions li")
+        expect(rows).to_have_count(3)  # five versions: three alike, folded
+        expect(rows.nth(0)).to_contain_text("3 saves · edited · Anna's Pixel · 1 line changed")
+        expect(rows.nth(0)).to_contain_text("±0 B")
+        assert rows.nth(0).get_attribute("data-count") == "3"
+        expect(rows.nth(1)).to_contain_text("edited · Anna's Pixel · +1 line · +6 B")
+        expect(rows.nth(2)).to_contain_text("edited · +1 line · +8 B")
+        expect(rows.nth(2)).not_to_contain_text("Pixel")
+        assert page.locator("#dlg").evaluate("el => el.scrollWidth <= el.clientWidth")
+        s.shot("history-rows")
+        # The folded row acts on its newest version: as it was before the last save.
+        rows.nth(0).locator("button", has_text="View").click()
+        expect(page.locator("#version-detail pre")).to_have_text(seed + "- bread\n- yam\n")
+        assert unexpected(s.close()) == []
+
+    def test_restore_with_a_stale_draft_restores_and_makes_no_copy(self, web):
+        """Issue 42: a Restore on a phone holding a stale draft of the note wrote a conflict
+        copy instead; now the draft is dropped (after asking) and the version restored."""
+        needs(web.server, "/notes/{path}/versions", "history (issue 13)")
+        key = {"X-Service-Key": web.setup["apiKey"]}
+        url = f"{API}/notes/notes%2Ftodo.md"
+        seed = SEED_NOTES["todo.md"]
+        old = web.server.request("GET", url, headers=key)[2]["data"]["etag"]
+        assert (
+            web.server.request("PUT", url, {"content": "# Todo\n\n- bread only\n"}, key)[0] == 200
+        )
+        s = web("phone")
+        page = s.page
+        # Left by an earlier visit, from the older text: the same line, changed otherwise.
+        stale = json.dumps({"content": "# Todo\n\n- buy soy milk\n", "etag": old, "at": 1})
+        (tree, *_) = s.api_calls("/folders/tree")  # the page's API base (the relay's /r/…)
+        base = urllib.parse.urlsplit(tree.url).path[: -len("/folders/tree")]
+        draft = f"notesvc.draft:{base}|notes/todo.md"
+        page.evaluate("([k, v]) => localStorage.setItem(k, v)", [draft, stale])
+        s.tree_open("notes/todo.md")
+        expect(page.locator("#draft")).to_be_visible()
+        page.click("#note-menu summary")
+        page.click("#history")
+        rows = page.locator("#versions li")
+        expect(rows).to_have_count(1)
+        rows.nth(0).locator("button", has_text="Restore").click()
+        expect(page.locator("#dlg-title")).to_have_text("Restore this version?")
+        s.shot("restore-drop-draft")
+        s.dialog_choose("restore")
+        expect(page.locator("#toast")).to_contain_text("Restored the version of")
+        expect(page.locator("#view")).to_contain_text("buy oat milk")
+        assert (web.root / "notes/todo.md").read_text() == seed
+        assert list((web.root / "notes").glob("todo (conflict*")) == []
+        assert not s.api_calls("/merge")  # the draft was never sent
+        drafts = page.evaluate(
+            "() => Object.keys(localStorage).filter(k => k.startsWith('notesvc.draft:'))"
+        )
+        assert drafts == []
+        expect(page.locator("#draft")).to_be_hidden()
+        s.shot("restore-with-stale-draft")
         assert unexpected(s.close()) == []
 
     def test_trash_restores_and_a_delete_can_be_undone(self, web):

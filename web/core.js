@@ -63,6 +63,7 @@ const core = (() => {
     keyBase: "", // the API base the key was given for: it is sent nowhere else
     path: null, // the open note
     etag: null, // the ETag the editor's text was loaded from (sent as If-Match)
+    known: null, // the ETag of the open note on the server as last seen (a draft's may be older)
     saved: "", // the note's text as last loaded or saved
     title: "",
     editing: false,

@@ -370,6 +370,7 @@ const offline = (() => {
       return data.note;
     } catch (e) {
       if (e.status === 409 && e.error && e.error.conflictPath) {
+        app.ownCopy(e.error.conflictPath);
         core.toast(
           "“" +
             paths.nameOf(item.path) +
