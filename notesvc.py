@@ -2645,8 +2645,9 @@ def _sort_key(name: str) -> tuple:
 # == src/notesvc/notes/history.py =============================================
 # -- history, trash and the change journal ------------------------------------------------
 #
-# What NoteStore keeps of every change: the content it replaced (HistoryStore), the note
-# itself when deleted (Trash), and a numbered entry in the change feed (ChangeJournal).
+# What NoteStore keeps of every change: the content it replaced (HistoryStore, here), the
+# note itself when deleted (Trash), and a numbered entry in the change feed (ChangeJournal):
+# those two in notes/trash.py.
 
 DAY_SECONDS = 86400
 VERSION_REASONS = (
@@ -3750,6 +3751,12 @@ class HistoryStore:
             versions, size = versions + packed, size + packed_bytes
         return {"notes": notes, "versions": versions, "bytes": size}
 
+
+# == src/notesvc/notes/trash.py ===============================================
+# -- the trash and the change journal --------------------------------------------------------
+#
+# The note itself when deleted (Trash), and a numbered entry in the change feed for every
+# change (ChangeJournal); expire_loop applies the retention of history and trash.
 
 TRASH_TOPS = (NOTES, ATTACHMENTS)  # what a trash folder holds: notes and attachments
 TRASH_STAMP = "%Y%m%dT%H%M%S.%fZ"  # a trash folder's name: when its item was deleted (UTC)

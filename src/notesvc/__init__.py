@@ -21,6 +21,7 @@ MODULES = (
     "notes.paths",
     "notes.merge",
     "notes.history",
+    "notes.trash",
     "notes.store",
     "search.text",
     "search.segments",

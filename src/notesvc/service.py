@@ -32,16 +32,10 @@ from notesvc.helpers import (
     setup_client_ip,
     setup_loopback_only,
 )
-from notesvc.notes.history import (
-    DAY_SECONDS,
-    ChangeJournal,
-    HeadStoreError,
-    HistoryStore,
-    Trash,
-    expire_loop,
-)
+from notesvc.notes.history import DAY_SECONDS, HeadStoreError, HistoryStore
 from notesvc.notes.paths import ATTACHMENTS
 from notesvc.notes.store import AttachmentStore, NoteStore
+from notesvc.notes.trash import ChangeJournal, Trash, expire_loop
 from notesvc.search.index import SearchIndex
 from notesvc.settings import SETTINGS, Config, ConfigError
 

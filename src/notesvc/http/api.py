@@ -48,9 +48,10 @@ from notesvc.helpers import (
     utcnow,
 )
 from notesvc.http.route import _file_chunks, _none_match, conditional_download
-from notesvc.notes.history import VERSION_ID_RE, attachment_or_note_path
+from notesvc.notes.history import VERSION_ID_RE
 from notesvc.notes.merge import title_filename, unified_diff
 from notesvc.notes.paths import ATTACHMENTS, NOTES, attachment_folder, folder_path, note_path
+from notesvc.notes.trash import attachment_or_note_path
 from notesvc.plugins import attachment_linkers, move_and_relink, update_links
 from notesvc.providers.agent import ask_agent
 from notesvc.providers.base import MAX_MESSAGE_CHARS, MCP_VERSIONS

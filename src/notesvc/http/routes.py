@@ -96,7 +96,7 @@ from notesvc.http.integrations import (
     verify_webhook,
 )
 from notesvc.http.route import Route
-from notesvc.notes.history import TRASH_ID_RE, VERSION_ID_RE, json_pattern
+from notesvc.notes.history import VERSION_ID_RE, json_pattern
 from notesvc.notes.paths import (
     ATTACHMENT_FOLDER_SCHEMA,
     ATTACHMENT_PATH_PARAM,
@@ -107,6 +107,7 @@ from notesvc.notes.paths import (
     NOTE_PATH_PARAM,
     NOTE_PATH_SCHEMA,
 )
+from notesvc.notes.trash import TRASH_ID_RE
 from notesvc.providers.base import MAX_MESSAGE_CHARS
 from notesvc.providers.channels import MAX_CONFIG_CHARS, ChannelProvider, ConfigField
 from notesvc.search.text import MAX_QUERY_CHARS

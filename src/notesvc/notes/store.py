@@ -41,14 +41,7 @@ from notesvc.helpers import (
     log_safe,
     sweep_temp_files,
 )
-from notesvc.notes.history import (
-    ChangeJournal,
-    HeadStore,
-    HeadStoreError,
-    HistoryStore,
-    TrashItem,
-    move_to_trash,
-)
+from notesvc.notes.history import HeadStore, HeadStoreError, HistoryStore
 from notesvc.notes.merge import _sort_key, change_summary, merge3
 from notesvc.notes.paths import (
     ATTACHMENT_TYPES,
@@ -68,6 +61,7 @@ from notesvc.notes.paths import (
     note_title,
     walk_entries,
 )
+from notesvc.notes.trash import ChangeJournal, TrashItem, move_to_trash
 
 # -- the store: notes on disk, their locks and the records read lately ---------------
 
