@@ -9037,7 +9037,9 @@ class TestHouse:
         assert len(sources) >= 30
         for path in sources:
             assert path.stat().st_size < 1 << 20, path
-            assert len(path.read_text().splitlines()) <= 1600, path
+            assert len(path.read_text().splitlines()) <= 1550, (
+                path
+            )  # "about 1,500": split a module before it grows past
 
     @pytest.mark.slow
     @pytest.mark.parametrize(
