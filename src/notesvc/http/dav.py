@@ -938,7 +938,7 @@ def dav_get(svc: Service, dav: DavState, item: DavItem, ctx: dict):
         etag, size = attachment_etag(item.st), item.st.st_size
     kind = NOTE_TYPE if item.path.endswith(".md") else content_type_of(item.path)
     modified = (("Last-Modified", _http_date(item.st.st_mtime)),)
-    span = conditional_download(etag, size, kind, item.path, modified, star_anywhere=True)
+    span = conditional_download(etag, size, kind, item.path, modified)
     if span is None or ctx["method"] == "HEAD":
         return b""
     first, length = span

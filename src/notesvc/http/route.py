@@ -129,13 +129,13 @@ def _file_chunks(f: Any, length: int):
         f.close()
 
 
-def _none_match(header: str | None, etag: str, star_anywhere: bool = False) -> bool:
-    """Return whether an If-None-Match names `etag` (weakly or not) or is `*`; with
-    `star_anywhere`, a `*` anywhere in it matches too (as WebDAV's GET has always had it)."""
+def _none_match(header: str | None, etag: str) -> bool:
+    """Return whether an If-None-Match names `etag` (weakly or not) or is `*` (RFC 9110: a
+    `*` inside a tag, `"a*b"` or `W/"*"`, is that tag, not a match)."""
     if not header:
         return False
     tags = {t.strip().removeprefix("W/") for t in header.split(",")}
-    return "*" in tags or etag in tags or (star_anywhere and "*" in header)
+    return "*" in tags or etag in tags
 
 
 def conditional_download(
@@ -144,7 +144,6 @@ def conditional_download(
     content_type: str,
     path: str,
     headers: tuple = (),
-    star_anywhere: bool = False,
 ) -> tuple | None:
     """Set the status and headers of a file's download (`size` bytes, `etag`); return
     (first, length) of the bytes to send, or None for a 304 (no body).
@@ -157,7 +156,7 @@ def conditional_download(
     sandbox policy. If-Modified-Since is not looked at.
     """
     resp = bottle.response
-    if _none_match(request_header("If-None-Match"), etag, star_anywhere):
+    if _none_match(request_header("If-None-Match"), etag):
         resp.status = 304
         resp.set_header("ETag", etag)
         return None
