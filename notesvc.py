@@ -4160,6 +4160,11 @@ class ChangeJournal:
             "more": more,
         }
 
+    def latest(self) -> int:
+        """Return the number of the newest change: the cursor a new follower starts from."""
+        with self._cond:
+            return self.last
+
     def wait_after(self, since: int, timeout: float, pool: str, cap: int) -> bool | None:
         """Wait up to timeout s for a change after `since`; return whether one came, or
         None at once when `pool` already has `cap` waiters (each holds a worker thread)."""
@@ -21508,6 +21513,13 @@ const app = (() => {
   }
 
   async function changeCursor() {
+    // A server that knows `since=latest` answers the cursor alone; an older one (behind a
+    // relay, say) says 400, and its feed is paged through to its end as before.
+    try {
+      return (await core.api("GET", "/changes?since=latest")).data.last;
+    } catch (e) {
+      if (e.status !== 400) throw e;
+    }
     let since = 0;
     for (let page = 0; page < 20; page++) {
       let r;
@@ -27120,6 +27132,8 @@ def _granted_changes(page: dict) -> dict:
 
 
 def list_changes(svc: Service) -> dict:
+    if query_str("since") == "latest":  # where to follow from, without reading the journal
+        return {"changes": [], "last": svc.journal.latest(), "more": False}
     since = query_int("since", 0, 0, MAX_SEQ)
     wait = query_int("wait", 0, 0, MAX_WAIT_SECONDS)
     limit = query_int("limit", 100, 1, 1000)
@@ -30526,7 +30540,8 @@ ROUTES = (
         summary="The change feed: changes after `since`, or a wait of up to `wait` s for the "
         "next (410 GONE with resetRequired when the journal no longer has `since`)",
         params={
-            "since": _int(0, MAX_SEQ, 0),
+            # `latest`: no changes, only the cursor to follow from (a client's first read)
+            "since": {"anyOf": [_int(0, MAX_SEQ, 0), {"type": "string", "enum": ["latest"]}]},
             "wait": _int(0, MAX_WAIT_SECONDS, 0),
             "limit": _int(1, 1000, 100),
         },

@@ -3567,6 +3567,17 @@ class TestChanges:
         assert err["resetRequired"] is True
         assert "since=1" in err["message"]
 
+    def test_since_latest_gives_the_cursor_alone(self, client):
+        for name in ("a", "b", "c"):
+            put_note(client, f"notes/{name}.md", name)
+        latest = data(client.get(f"{API}/changes?since=latest"))
+        assert latest == {"changes": [], "last": 3, "more": False}
+        assert data(client.get(f"{API}/changes?since=3"))["changes"] == []
+        put_note(client, "notes/d.md", "d")  # followed from there: the next change only
+        assert [c["path"] for c in feed(client, 3)["changes"]] == ["notes/d.md"]
+        for bad in ("since=Latest", "since=latest1", "since=-1"):
+            assert_error(client.get(f"{API}/changes?{bad}", status=400), 400, "VALIDATION_ERROR")
+
     def test_410_after_compaction_and_the_journal_survives_a_restart(self, make_app, root):
         client = with_key(make_app())
         client.app.service.journal.keep = 3  # injectable, as the clocks

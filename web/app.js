@@ -1549,6 +1549,13 @@ const app = (() => {
   }
 
   async function changeCursor() {
+    // A server that knows `since=latest` answers the cursor alone; an older one (behind a
+    // relay, say) says 400, and its feed is paged through to its end as before.
+    try {
+      return (await core.api("GET", "/changes?since=latest")).data.last;
+    } catch (e) {
+      if (e.status !== 400) throw e;
+    }
     let since = 0;
     for (let page = 0; page < 20; page++) {
       let r;

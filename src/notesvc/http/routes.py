@@ -793,7 +793,8 @@ ROUTES = (
         summary="The change feed: changes after `since`, or a wait of up to `wait` s for the "
         "next (410 GONE with resetRequired when the journal no longer has `since`)",
         params={
-            "since": _int(0, MAX_SEQ, 0),
+            # `latest`: no changes, only the cursor to follow from (a client's first read)
+            "since": {"anyOf": [_int(0, MAX_SEQ, 0), {"type": "string", "enum": ["latest"]}]},
             "wait": _int(0, MAX_WAIT_SECONDS, 0),
             "limit": _int(1, 1000, 100),
         },

@@ -442,6 +442,11 @@ class ChangeJournal:
             "more": more,
         }
 
+    def latest(self) -> int:
+        """Return the number of the newest change: the cursor a new follower starts from."""
+        with self._cond:
+            return self.last
+
     def wait_after(self, since: int, timeout: float, pool: str, cap: int) -> bool | None:
         """Wait up to timeout s for a change after `since`; return whether one came, or
         None at once when `pool` already has `cap` waiters (each holds a worker thread)."""
