@@ -32,12 +32,17 @@ Real text, over HTTP (item 6 of the issue on measuring again):
 
 --corpus real takes the notes of ../shared/bench/corpus.py (built into ~/corpus/<n> when
 missing, or --corpus-dir; never inside the repository) and queries drawn from its real
-vocabulary (make_real_queries); the in-process mode above works on it too. --http copies the
-notes into a work folder and measures: a real server's first start on them (no .notesvc/)
-until a search finds the last note, minus an empty root's start to /health, against FTS5's
-build of the same notes; once that server's background merges are done (its index folder
-unchanged for 5 s; a server merging answers several times slower), the restarted server's
-RssAnon 5 s after its first search and after
+vocabulary (make_real_queries); the in-process mode above works on it too. --http runs every
+server with the default settings (rescans on) unless --setting NAME=VALUE (repeatable) says
+otherwise; the header and every figure name corpus, size, settings changed and commit. It
+copies the notes into a work folder and measures: a real server's first start on them (no
+.notesvc/) until every note of a seeded random sample of 100 (--sample, --sample-seed) is
+found by a search for its three rarest words, raw wall time from process start and CPU
+(user+sys of the server, its reaped children and its live ones, from /proc; nothing
+subtracted), against FTS5's build of the same notes in a child process (wall from its start
+to its exit, CPU from getrusage); once that server's background merges are done (its index
+folder unchanged for 5 s; a server merging answers several times slower), the restarted
+server's RssAnon 5 s after its first search and after
 800 queries; query latency per kind over keep-alive HTTP (one client, best of --repeat, the
 two servers' passes taking turns; then again with each query's tries taking turns, reported
 as "in turn": measure_paired) against
