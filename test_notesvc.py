@@ -13472,8 +13472,9 @@ class TestWebClient:
             page.wait_for_timeout(50)
         assert held
         page.close()  # ...and the tab is closed as it goes
+        # (the page may also send it as it hides, with keepalive, past the held route: then
+        # it is there already, and the next open must not make it twice)
         inbox = web.root / "notes" / "inbox"
-        assert not inbox.exists() or not list(inbox.iterdir())
         again = s.context.new_page()  # opened again (a new tab: the key is asked again)
         again.on("pageerror", lambda e: s.errors.append(str(e)))
         again.on("console", lambda m: m.type == "error" and s.errors.append(m.text))
