@@ -13990,6 +13990,14 @@ class EmbedClient:
         self.key = key
         path = urllib.parse.urlsplit(url).path
         self.ollama = path.endswith("/api/embed")
+        self._calls: set = set()  # the Outbounds in flight (close() ends them)
+        self._closed = False
+
+    def close(self) -> None:
+        """End every call in flight at once (a stopping server waits for none)."""
+        self._closed = True
+        for out in list(self._calls):
+            out.abort()
 
     def scrub(self, text: str) -> str:
         """Return text (an answer or an error) without the key or the URL's query, cut to
@@ -14012,7 +14020,10 @@ class EmbedClient:
             fired.append(True)
             out.abort()
 
+        if self._closed:
+            raise EmbedError("connection", "stopped")
         with Outbound() as out:
+            self._calls.add(out)
             timer = threading.Timer(timeout, time_up)
             timer.daemon = True
             timer.start()
@@ -14026,6 +14037,7 @@ class EmbedClient:
                 fired.append(True)
             finally:
                 timer.cancel()
+                self._calls.discard(out)
         if fired:  # a slow trickle too: each read was quick, the whole was not
             raise EmbedError("timeout", f"no answer in {timeout:g} s")
         if not 200 <= status < 300:  # a 3xx too: never follow (it would carry the key)
@@ -14100,6 +14112,8 @@ class Embedder:
         self._thread: threading.Thread | None = None
         self._paused_until = 0.0  # queries: keyword only until then (a failed query)
         self._saved_at = 0.0
+        self._opened = False  # the store on disk was looked for
+        self._checked = False  # the endpoint's probe matched the store
 
     # -- life -----------------------------------------------------------------------------
 
@@ -14112,6 +14126,7 @@ class Embedder:
     def close(self) -> None:
         self._stop.set()
         self._wake.set()
+        self.client.close()
         if self._thread is not None:
             self._thread.join(30)
         store = self.store
@@ -14140,7 +14155,7 @@ class Embedder:
         pause = BACKOFF[0]
         while not self._stop.is_set():
             try:
-                if self.store is None:
+                if not self._checked:
                     self._connect()
                 self._catch_up()
                 pause = BACKOFF[0]
@@ -14169,8 +14184,9 @@ class Embedder:
             "at": iso(time.time()),
         }
         log.warning("embeddings: %s (%s); trying again later", self.last_error["message"], e.kind)
-        if e.kind == "dimension":
-            self.store = None  # the model changed under us: probe it again
+        if e.kind == "dimension":  # the model changed under us: probe it again
+            self._checked = False
+            self._wake.set()
 
     def _idle(self) -> None:
         store = self.store
@@ -14183,20 +14199,30 @@ class Embedder:
         store.forget_hashes()
 
     def _connect(self) -> None:
-        """Ask for the probe's vector; open the store of this model or start a new one."""
-        probe = self.client.embed([PROBE], REQUEST_SECONDS)[0]
+        """Open the store kept on disk (searches and related notes use it at once), ask for
+        the probe's vector, and start a new store when the model is not the store's."""
         model = self.client.model
-        store = VectorStore.open(self.folder)
+        if self.store is None and not self._opened:
+            self._opened = True
+            store = VectorStore.open(self.folder)
+            if store is not None and store.model == model:
+                self.store, self.fingerprint = store, store.fingerprint
+            elif store is not None:
+                store.close()
+        probe = self.client.embed([PROBE], REQUEST_SECONDS)[0]
+        store = self.store
         if store is None or not _same_model(store, model, probe):
             if store is not None:
-                store.close()
                 log.info("embeddings: the model changed: embedding every note again")
+                self.store = None
+                store.close()
             extra = {"probe": [round(x, 6) for x in probe]}
             store = VectorStore.create(
                 self.folder, len(probe), fingerprint(model, probe), model, extra
             )
         self.fingerprint = store.fingerprint
         self.store = store
+        self._checked = True
         self._walk = True
 
     def _catch_up(self) -> None:
@@ -14214,7 +14240,9 @@ class Embedder:
                 seen.add(path)
                 if key is None or store.key_of(path) != key or not store.holds(path):
                     todo.append(path)
-            for path in [p for p in list(store.notes) if p not in seen]:
+            with store.lock:
+                gone = [p for p in store.notes if p not in seen]
+            for path in gone:
                 store.drop(path)
         else:
             with self._lock:
@@ -14362,32 +14390,38 @@ def find_notes(
     """Search as `mode` asks (hybrid by default when embeddings are on): {total, results:
     [(path, title, score, snippet)], mode, fallback}. Never fails because the endpoint
     does: it answers in keyword mode with fallback true."""
-    embedder = getattr(svc, "embedder", None)
+    embedder = svc.embedder
     if mode and mode not in MODES:
         raise bad_request(f"'mode' must be one of {', '.join(MODES)}")
     mode = mode or ("hybrid" if embedder is not None else "keyword")
-    if mode == "keyword":
-        total, hits = svc.index.search(query, folder, limit, offset)
-        return {"total": total, "results": hits, "mode": mode, "fallback": False}
-    vector = None
-    if embedder is not None and not _lexical_only(query):
+    if mode != "keyword" and embedder is not None and not _lexical_only(query):
         vector = embedder.query_vector(_embedding_text(query))
-    if vector is None:
-        total, hits = svc.index.search(query, folder, limit, offset)
-        return {"total": total, "results": hits, "mode": "keyword", "fallback": True}
-    near = embedder.nearest(vector, folder)
+        if vector is not None:
+            return _by_meaning(svc, query, folder, (limit, offset), mode, vector)
+    total, hits = svc.index.search(query, folder, limit, offset)
+    return {"total": total, "results": hits, "mode": "keyword", "fallback": mode != "keyword"}
+
+
+def _by_meaning(svc: Service, query: Query, folder: str, page: tuple, mode: str, vector) -> dict:
+    near = svc.embedder.nearest(vector, folder)
     if query.excludes:
         out = svc.index.excluded(query.excludes, [p for p, _, _ in near])
         near = [n for n in near if n[0] not in out]
     chunk_of = {p: c for p, _, c in near}
     if mode == "semantic":
         ranked = [(p, round(s, 4)) for p, s, _ in near]
-        keyword_hits: dict = {}
     else:
         _, hits = svc.index.search(query, folder, MAX_SEMANTIC_NOTES, 0, snippets=False)
-        keyword_hits = {p: i for i, (p, *_) in enumerate(hits)}
-        ranked = [(p, round(s, 6)) for p, s in fuse(list(keyword_hits), list(chunk_of))]
-    page = ranked[offset : offset + limit]
+        words = [p for p, *_ in hits]
+        ranked = [(p, round(s, 6)) for p, s in fuse(words, list(chunk_of))]
+    limit, offset = page
+    results = _with_snippets(svc, query, ranked[offset : offset + limit], chunk_of)
+    return {"total": len(ranked), "results": results, "mode": mode, "fallback": False}
+
+
+def _with_snippets(svc: Service, query: Query, page: list, chunk_of: dict) -> list:
+    """Return [(path, title, score, snippet)]: the best chunk's start for a note the
+    meaning found, the words' snippet for one only the words found."""
     titles = svc.index.titles(p for p, _ in page)
     lexical = [p for p, _ in page if p not in chunk_of]
     snippets = svc.index.snippets(query, lexical) if lexical else {}
@@ -14398,12 +14432,12 @@ def find_notes(
         else:
             snippet = snippets.get(path, "")
         results.append((path, titles.get(path) or "", score, snippet))
-    return {"total": len(ranked), "results": results, "mode": mode, "fallback": False}
+    return results
 
 
 def related_notes(svc: Service, path: str, folder: str, limit: int) -> list:
     """Return [(path, title, score)] of the notes nearest a note (its chunks' mean)."""
-    embedder = getattr(svc, "embedder", None)
+    embedder = svc.embedder
     store = None if embedder is None else embedder.store
     if store is None:
         return []
@@ -14413,11 +14447,6 @@ def related_notes(svc: Service, path: str, folder: str, limit: int) -> list:
     near = [n for n in store.nearest(vector, folder, limit + 1) if n[0] != path][:limit]
     titles = svc.index.titles(p for p, _, _ in near)
     return [(p, titles.get(p) or "", round(s, 4)) for p, s, _ in near]
-
-
-def embedding_status(svc: Service) -> dict | None:
-    embedder = getattr(svc, "embedder", None)
-    return None if embedder is None else embedder.status()
 
 
 # == src/notesvc/plugins.py ===================================================
