@@ -9191,12 +9191,9 @@ def normalised(vec: Any, dim: int = 0) -> list:
         raise VectorError("a vector is not a non-empty list of numbers")
     if dim and len(vec) != dim:
         raise VectorError(f"a vector has {len(vec)} dimensions, not {dim}")
-    try:
-        values = [float(x) for x in vec if not isinstance(x, bool)]
-    except (TypeError, ValueError):
-        raise VectorError("a vector holds something that is not a number") from None
-    if len(values) != len(vec):
+    if not all(type(x) in (float, int) for x in vec):  # not bool, not "1"
         raise VectorError("a vector holds something that is not a number")
+    values = [float(x) for x in vec]
     norm = math.sqrt(math.fsum(x * x for x in values))
     if not math.isfinite(norm):
         raise VectorError("a vector holds NaN or an infinite value")

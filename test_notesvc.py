@@ -4635,6 +4635,143 @@ MEANING_NOTES = {
 }
 
 
+def clustered_vectors(n: int, dim: int, seed: int = 7) -> list:
+    """Normalised vectors around a few centres, as real embeddings cluster."""
+    rnd = random.Random(seed)
+    centres = [[rnd.gauss(0, 1) for _ in range(dim)] for _ in range(40)]
+    out = []
+    for _ in range(n):
+        c = rnd.choice(centres)
+        out.append(notesvc.normalised([x + rnd.gauss(0, 0.8) for x in c]))
+    return out
+
+
+class TestVectorStore:
+    """The vector store alone: both scans, the file's crash safety, compaction."""
+
+    def filled(self, folder: Path, vectors: list, per_note: int = 5, **kw):
+        store = notesvc.VectorStore.create(folder, len(vectors[0]), "fp", "m", {}, **kw)
+        recs = store.append(list(enumerate(vectors)))
+        for i in range(0, len(recs), per_note):
+            store.assign(f"notes/n{i // per_note}.md", i, recs[i : i + per_note])
+        return store
+
+    @staticmethod
+    def exact(vectors: list, query: list, per_note: int = 5) -> list:
+        best: dict = {}
+        for i, v in enumerate(vectors):
+            path = f"notes/n{i // per_note}.md"
+            best[path] = max(best.get(path, -2.0), sum(map(operator.mul, v, query)))
+        return sorted(best, key=lambda p: -best[p])
+
+    @pytest.mark.parametrize("vectorised", [False, True])
+    def test_the_nearest_notes_match_exact_search(self, tmp_path, vectorised):
+        if vectorised:
+            pytest.importorskip("numpy")
+        drawn = clustered_vectors(3020, 384)  # the queries near the notes, as real ones are
+        vectors, queries = drawn[:3000], drawn[3000:]
+        store = self.filled(tmp_path / "v", vectors, vectorised=vectorised)
+        assert (store.np is None) is not vectorised
+        recall = []
+        for q in queries:
+            got = [p for p, _, _ in store.nearest(q, limit=10)]
+            recall.append(len(set(got) & set(self.exact(vectors, q)[:10])) / 10)
+        assert statistics.mean(recall) >= 0.95
+        path, score, chunk = store.nearest(vectors[42])[0]
+        assert (path, chunk) == ("notes/n8.md", 2)
+        assert score == pytest.approx(1.0, abs=0.01)
+        store.assign("notes/sub/x.md", "k", [7])
+        assert [p for p, _, _ in store.nearest(vectors[42], folder="notes/sub")] == [
+            "notes/sub/x.md"
+        ]
+        assert store.nearest(vectors[42], folder="notes/none") == []
+        store.close()
+
+    def test_both_scans_give_the_same_answer_and_numpy_without_bitwise_count(self, tmp_path):
+        np = pytest.importorskip("numpy")
+        drawn = clustered_vectors(1505, 64)
+        plain = self.filled(tmp_path / "a", drawn[:1500], vectorised=False)
+        fast = self.filled(tmp_path / "b", drawn[:1500], vectorised=True)
+        for q in drawn[1500:]:
+            a = [(p, c) for p, _, c in plain.nearest(q, limit=5)]
+            b = [(p, c) for p, _, c in fast.nearest(q, limit=5)]
+            assert a == b
+        bits = np.array([[0, 1, 255, 128]], "uint8")
+        no_bitwise_count = types.SimpleNamespace(array=np.array)  # Debian 12's NumPy 1.24
+        assert notesvc._popcount(no_bitwise_count, bits).tolist() == [[0, 1, 8, 1]]
+        plain.close()
+        fast.close()
+
+    def test_a_damaged_record_cuts_the_file_there_and_its_notes_are_forgotten(self, tmp_path):
+        vectors = clustered_vectors(50, 32)
+        store = self.filled(tmp_path / "v", vectors)
+        store.save()
+        store.close()
+        (vec,) = (tmp_path / "v").glob("vectors.*.bin")
+        raw = bytearray(vec.read_bytes())
+        size = (len(raw) - 12) // 50
+        raw[12 + 30 * size + 20] ^= 0xFF  # record 30: a flipped byte
+        vec.write_bytes(bytes(raw))
+        again = notesvc.VectorStore.open(tmp_path / "v")
+        assert vec.stat().st_size == 12 + 30 * size
+        assert sorted(again.notes) == sorted(f"notes/n{i}.md" for i in range(6))  # 0..29
+        assert again.find(29) == 29
+        assert again.find(30) == -1
+        again.close()
+
+    def test_records_past_the_map_are_found_by_hash_and_compaction_keeps_the_notes(self, tmp_path):
+        vectors = clustered_vectors(40, 32)
+        store = self.filled(tmp_path / "v", vectors)
+        store.save()
+        late = store.append([(1000, vectors[0])])  # appended, the map not saved: a crash
+        os.close(store._fd)  # as a crash leaves it
+        store._fd = -1
+        again = notesvc.VectorStore.open(tmp_path / "v")
+        assert again.find(1000) == late[0]  # found, not asked for again
+        for i in range(4):
+            again.drop(f"notes/n{i}.md")
+        assert again.dead() == 21
+        before = again.nearest(vectors[33])
+        again.compact()
+        assert again.dead() == 0
+        assert again.stats() == {"notes": 4, "chunks": 20}
+        assert again.nearest(vectors[33]) == before
+        assert len(list((tmp_path / "v").glob("vectors.*.bin"))) == 1
+        again.close()
+        reopened = notesvc.VectorStore.open(tmp_path / "v")
+        assert reopened.nearest(vectors[33]) == before
+        reopened.close()
+
+    @pytest.mark.parametrize(
+        ("title", "text", "chunks"),
+        [
+            ("T", "", ["T"]),
+            ("", "", []),
+            ("T", "---\nsecret: front matter\n---\nbody", ["T\n\nbody"]),
+            ("T", "# A\none\n## B\ntwo", ["T\nA\n\none", "T\nA › B\n\ntwo"]),
+            ("T", "```\ncode\n\n# not a heading\n```", ["T\n\n```\ncode\n\n# not a heading\n```"]),
+        ],
+    )
+    def test_chunks(self, title, text, chunks):
+        assert notesvc.chunk_note(title, text) == chunks
+
+    def test_long_text_is_cut_between_words_and_a_huge_note_is_capped(self):
+        words = [f"w{i}" for i in range(1000)]
+        chunks = notesvc.chunk_note("T", " ".join(words))
+        assert all(len(notesvc.chunk_body(c).split()) <= notesvc.CHUNK_MAX_WORDS for c in chunks)
+        assert " ".join(notesvc.chunk_body(c) for c in chunks).split() == words
+        huge = "\n\n".join("para " * 200 for _ in range(3000))
+        assert len(notesvc.chunk_note("T", huge)) == notesvc.MAX_NOTE_CHUNKS
+
+    @pytest.mark.parametrize(
+        "vec",
+        [[], [0.0, 0.0], [1.0, float("nan")], [float("inf"), 1.0], ["1", 2], [True, 1.0], "x"],
+    )
+    def test_bad_vectors_are_refused(self, vec):
+        with pytest.raises(notesvc.VectorError):
+            notesvc.normalised(vec)
+
+
 class TestEmbeddings:
     """Hybrid search through an embeddings endpoint: the plumbing, with a stand-in model."""
 
