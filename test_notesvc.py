@@ -5112,6 +5112,44 @@ class TestEmbeddingsServer:
             assert self.status(server, owner)["embedded"] == 0
         assert "sk-never-logged-77" not in "".join(server.lines)
 
+    def test_a_real_small_model_finds_notes_by_meaning(self, tmp_path):
+        for module in ("numpy", "safetensors", "tokenizers", "all_minilm_l6_v2"):
+            pytest.importorskip(module)
+        spec = importlib.util.spec_from_file_location("minilm", HERE / "bench" / "minilm.py")
+        minilm = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(minilm)
+        model = minilm.serve(minilm.MiniLM.load())
+        notes = {
+            **MEANING_NOTES,
+            "notes/garden.md": "# Tomatoes\n\nWater the seedlings every morning in June.",
+            "notes/flight.md": "# Trip to Lisbon\n\nBoarding at 7:40, gate B12, seat 14C.",
+        }
+        write_notes(tmp_path, notes)
+        owner = {"X-Service-Key": make_state(tmp_path)["apiKey"]}
+        url = f"http://127.0.0.1:{model.server_address[1]}/v1/embeddings"
+        env = {"SERVICE_EMBED_URL": url, "SERVICE_EMBED_MODEL": "all-minilm"}
+        try:
+            with running(tmp_path, env=env) as server:
+                info = self.wait_embedded(server, owner, 6)
+                assert info["dimensions"] == 384
+                for q, want in [
+                    ("car repair", {"notes/garage.md", "notes/work/car.md"}),
+                    ("looking after my dog", {"notes/pets.md"}),
+                    ("growing vegetables", {"notes/garden.md"}),
+                    ("airplane travel", {"notes/flight.md"}),
+                ]:
+                    mode, fallback, paths = self.found(server, owner, q, "semantic")
+                    assert (mode, fallback) == ("semantic", False)
+                    assert paths[0] in want, (q, paths)
+                assert self.found(server, owner, "car repair", "keyword")[2] == []
+                assert self.found(server, owner, "car repair")[2][0] in {
+                    "notes/garage.md",
+                    "notes/work/car.md",
+                }
+        finally:
+            model.shutdown()
+            model.server_close()
+
     def test_a_folder_grant_sees_its_folder_only(self, tmp_path, embed_endpoint):
         write_notes(tmp_path, MEANING_NOTES)
         owner = {"X-Service-Key": make_state(tmp_path)["apiKey"]}
