@@ -20022,7 +20022,7 @@ const paths = (() => {
     if (!e) return "";
     if (answer.fallback) {
       return lexicalOnly(q)
-        ? 'By words only: "quotes" and * search the words as typed'
+        ? 'By words only, as "quotes" and * ask'
         : "By words only: the model is not answering";
     }
     if (answer.mode === "keyword") return "By words only";
@@ -21823,7 +21823,7 @@ const app = (() => {
   }
 
   // A tap on a note's text opens the editor with the caret at that place (Keep, Apple Notes:
-  // tap and type). A box stays a tick; links, pictures and a selection being made are theirs.
+  // tap and type). A box stays a tick; links, pictures, Related and a selection are theirs.
   function editAtTap(e) {
     if (!state.path || state.editing || !grants.writable() || e.button) return;
     if (e.target.closest("a, button, input, label, img, summary, audio, video, .related")) return;

@@ -550,7 +550,7 @@ const app = (() => {
   }
 
   // A tap on a note's text opens the editor with the caret at that place (Keep, Apple Notes:
-  // tap and type). A box stays a tick; links, pictures and a selection being made are theirs.
+  // tap and type). A box stays a tick; links, pictures, Related and a selection are theirs.
   function editAtTap(e) {
     if (!state.path || state.editing || !grants.writable() || e.button) return;
     if (e.target.closest("a, button, input, label, img, summary, audio, video, .related")) return;

@@ -71,7 +71,7 @@ const paths = (() => {
     if (!e) return "";
     if (answer.fallback) {
       return lexicalOnly(q)
-        ? 'By words only: "quotes" and * search the words as typed'
+        ? 'By words only, as "quotes" and * ask'
         : "By words only: the model is not answering";
     }
     if (answer.mode === "keyword") return "By words only";

@@ -76,10 +76,7 @@ test("meaningLine: the line under the search box, from the answer's embeddings",
   );
   const down = on(4, 4, {mode: "keyword", fallback: true});
   assert.equal(paths.meaningLine(down, "car repair"), "By words only: the model is not answering");
-  assert.equal(
-    paths.meaningLine(down, '"car repair"'),
-    'By words only: "quotes" and * search the words as typed',
-  );
+  assert.equal(paths.meaningLine(down, '"car repair"'), 'By words only, as "quotes" and * ask');
   assert.equal(paths.meaningLine(on(4, 4, {mode: "keyword"}), "car"), "By words only");
 });
 
