@@ -18741,6 +18741,34 @@ details > summary.list-head {
   margin: 0.25rem 0 0;
   padding-left: 1.2rem;
 }
+#search-mode {
+  margin: 0 0 0.3rem;
+  color: var(--muted);
+  font-size: 0.8rem;
+}
+/* Related, at the end of a note's formatted text: a few quiet links */
+.md .related {
+  margin-top: 2.5rem;
+  padding-top: 0.5rem;
+  border-top: 1px solid var(--line);
+  font-size: 0.9rem;
+}
+.md .related h2 {
+  margin: 0 0 0.2rem;
+  font-size: 0.8rem;
+  color: var(--muted);
+}
+.md .related ul {
+  list-style: none;
+  margin: 0;
+  padding: 0;
+}
+.md .related .link {
+  display: block;
+  padding: 0.3rem 0;
+  text-align: left;
+  text-decoration: none;
+}
 
 /* -- Markdown -- */
 .md {
@@ -20000,6 +20028,36 @@ const paths = (() => {
       .map((w) => (w.length > 4 ? w.replace(/(es|s)$/, "") : w));
   }
 
+  // Whether a query runs by words only whatever the server offers, as the server decides it:
+  // a "phrase" (two words or more in quotes, or joined as in e-mail) or a prefix*, unless
+  // -excluded. (Such a query answers fallback: true without the model being at fault.)
+  function lexicalOnly(q) {
+    const items = q.match(/-?"[^"]*"|\S+/g) || [];
+    return items.some((item) => {
+      if (item.startsWith("-") && item.length > 1) return false;
+      const quoted = item.startsWith('"');
+      if (!quoted && item.endsWith("*")) return true;
+      return (item.match(/[\p{L}\p{N}]+/gu) || []).length > 1;
+    });
+  }
+
+  // The quiet line under the search box, from a search answer (docs/api.md: "Search by
+  // meaning"): nothing while embeddings are off (the answer has no `embeddings`).
+  function meaningLine(answer, q) {
+    const e = answer.embeddings;
+    if (!e) return "";
+    if (answer.fallback) {
+      return lexicalOnly(q)
+        ? 'By words only, as "quotes" and * ask'
+        : "By words only: the model is not answering";
+    }
+    if (answer.mode === "keyword") return "By words only";
+    const line = "Searching by words and meaning";
+    if (e.embedded >= e.total) return line;
+    const n = (x) => Number(x).toLocaleString("en");
+    return line + " · " + n(e.embedded) + " of " + n(e.total) + " notes ready";
+  }
+
   // Markdown as plain text, for every preview and snippet the page shows: pictures go, links
   // keep their words, marks of headings, lists, tasks, quotes, emphasis and code go (as the
   // server's note_preview does); then what a cut snippet leaves half of. (No lookbehind:
@@ -20046,6 +20104,8 @@ const paths = (() => {
     fileName,
     fold,
     isAttachmentName,
+    lexicalOnly,
+    meaningLine,
     nameOf,
     notePreview,
     plainSnippet,
@@ -21661,6 +21721,7 @@ const app = (() => {
     updateDirty();
     core.showPane("note");
     loadBacklinks(data.path);
+    loadRelated(data.path); // after the note shows, never before it
     core.reveal(data.path).catch(() => {});
     return true;
   }
@@ -21716,6 +21777,7 @@ const app = (() => {
       lines: true, // each block's source lines: a tap opens the editor there
     });
     $("view").replaceChildren(...view.childNodes);
+    if (related && related.path === state.path) $("view").append(related.box);
   }
 
   // -- lists in the editor and taps on the view (the text logic is web/lists.js) -------------
@@ -21787,10 +21849,10 @@ const app = (() => {
   }
 
   // A tap on a note's text opens the editor with the caret at that place (Keep, Apple Notes:
-  // tap and type). A box stays a tick; links, pictures and a selection being made are theirs.
+  // tap and type). A box stays a tick; links, pictures, Related and a selection are theirs.
   function editAtTap(e) {
     if (!state.path || state.editing || !grants.writable() || e.button) return;
-    if (e.target.closest("a, button, input, label, img, summary, audio, video")) return;
+    if (e.target.closest("a, button, input, label, img, summary, audio, video, .related")) return;
     const sel = window.getSelection();
     if (sel && !sel.isCollapsed && $("view").contains(sel.anchorNode)) return;
     const text = editor().value;
@@ -22344,6 +22406,48 @@ const app = (() => {
     );
     box.replaceChildren(el("strong", {}, "Linked from"), el("ul", {}, ...items));
     box.hidden = false;
+  }
+
+  // Related: the notes nearest the open one in meaning (embeddings on), at the end of its
+  // formatted text, where it scrolls with it (a phone keeps its room for the note); kept
+  // across renders of the same note. Off, failing or empty: nothing shows.
+  let related = null; // {path, box}
+  async function loadRelated(path) {
+    related = null;
+    for (const old of $("view").querySelectorAll(".related")) old.remove();
+    let r;
+    try {
+      r = await core.api("GET", "/notes/" + core.enc(path) + "/related?limit=5");
+    } catch (e) {
+      return;
+    }
+    if (path !== state.path) return;
+    const list = (r.data.results || []).filter((n) => n.path !== path).slice(0, 5);
+    if (!list.length) return;
+    const items = list.map((n) =>
+      el(
+        "li",
+        {},
+        el(
+          "button",
+          {
+            type: "button",
+            class: "link",
+            "data-path": n.path,
+            onclick: core.act(() => openNote(n.path)),
+          },
+          n.title || paths.nameOf(n.path),
+        ),
+      ),
+    );
+    const box = el(
+      "aside",
+      {class: "related", "aria-label": "Related notes"},
+      el("h2", {}, "Related"),
+      el("ul", {}, ...items),
+    );
+    related = {path, box};
+    $("view").append(box);
   }
 
   // -- history and the trash (where the server keeps them) ----------------------------------
@@ -23000,6 +23104,9 @@ const app = (() => {
       " · " +
       (data.tookMs < 10 ? data.tookMs.toFixed(1) : Math.round(data.tookMs)) +
       " ms";
+    const line = paths.meaningLine(data, q); // nothing while embeddings are off
+    $("search-mode").textContent = line;
+    $("search-mode").hidden = !line;
     $("results").replaceChildren(
       ...data.results.map((hit, i) =>
         el(
@@ -23032,6 +23139,7 @@ const app = (() => {
     $("app").classList.remove("searching");
     $("results").replaceChildren();
     $("results-info").textContent = "";
+    $("search-mode").hidden = true;
     $("search-hint").hidden = false;
     if (core.NARROW.matches) core.showPane("notes");
     if (focusTree) {
@@ -25499,6 +25607,7 @@ WEB_PAGE = r"""
     <section id="pane-search" class="pane" aria-label="Search results">
       <div id="results-head"><span id="results-info" role="status"></span>
         <button id="results-close" type="button" class="plain">Back to notes</button></div>
+      <p id="search-mode" hidden></p>
       <p id="search-hint" class="hint">Type in the search box above: words, "a phrase", pre*,
         -without, this OR that. Press / to search from anywhere, Esc to go back.</p>
       <ul id="results"></ul>

@@ -2905,11 +2905,18 @@ class WebSession:
 @pytest.fixture
 def web(browser, tmp_path):
     """A real server with a few notes, and a function opening a logged-in browser session."""
+    with web_server(browser, tmp_path) as open_session:
+        yield open_session
+
+
+@contextlib.contextmanager
+def web_server(browser, tmp_path, notes: dict = SEED_NOTES, env: dict | None = None):
+    """The `web` fixture's server, with these notes (paths under notes/) and settings."""
     root = tmp_path / "root"
-    for rel, text in SEED_NOTES.items():
+    for rel, text in notes.items():
         (root / "notes" / rel).parent.mkdir(parents=True, exist_ok=True)
         (root / "notes" / rel).write_text(text)
-    server = Server(root)
+    server = Server(root, env=env)
     setup = server.request("GET", f"{API}/system/setup")[2]["data"]
     sessions = []
 
@@ -14226,6 +14233,69 @@ class TestWebClient:
         expect(page.locator("#pane-notes")).to_be_visible()
         assert page.is_hidden("#pane-search")
         assert page.input_value("#search") == ""
+        assert unexpected(s.close()) == []
+
+    @pytest.mark.parametrize("device", ["phone", "desktop"])
+    def test_search_by_meaning_says_so_and_related_notes_open(
+        self, browser, tmp_path, embed_endpoint, device
+    ):
+        notes = {**SEED_NOTES, **{p[len("notes/") :]: t for p, t in MEANING_NOTES.items()}}
+        with web_server(browser, tmp_path, notes, embed_env(embed_endpoint)) as web:
+            key = {"X-Service-Key": web.setup["apiKey"]}
+
+            def status() -> dict:
+                return web.server.request("GET", f"{API}/system/info", None, key)[2]["data"]
+
+            wait_for(lambda: (lambda e: e["embedded"] == e["total"] > 0)(status()["embeddings"]))
+            s = web(device)
+            page = s.page
+            page.fill("#search", "car repair")  # no note holds both words
+            page.keyboard.press("Enter")
+            expect(page.locator("#results button").first).to_be_visible()
+            found = [b.get_attribute("data-path") for b in page.locator("#results button").all()]
+            assert "notes/garage.md" in found[:2]
+            expect(page.locator("#search-mode")).to_have_text("Searching by words and meaning")
+            s.shot("meaning-search")
+            page.click('#results button[data-path="notes/garage.md"]')
+            expect(page.locator("#view h1")).to_have_text("Fixing the automobile")
+            related = page.locator("#view aside.related")
+            expect(related.locator("h2")).to_have_text("Related")
+            near = related.locator('button[data-path="notes/work/car.md"]')
+            expect(near).to_have_text("Company vehicle")
+            assert related.locator("button").count() <= 5
+            assert "notes/garage.md" not in related.inner_text()
+            s.shot("related")
+            near.click()  # opens that note, and its own Related list
+            expect(page.locator("#view h1")).to_have_text("Company vehicle")
+            expect(related.locator('button[data-path="notes/garage.md"]')).to_be_visible()
+            assert related.locator('button[data-path="notes/work/car.md"]').count() == 0
+            page.click("#edit")  # writing: the list is not in the way
+            expect(related).to_be_hidden()
+            page.click("#edit")
+            expect(related).to_be_visible()  # and back with the text
+            # The model stops answering: the words still find, and the line says so.
+            embed_endpoint.how = "500"
+            page.fill("#search", "brake pads")
+            page.keyboard.press("Enter")
+            expect(page.locator("#search-mode")).to_have_text(
+                "By words only: the model is not answering"
+            )
+            expect(page.locator("#results button").first).to_contain_text("Fixing the automobile")
+            assert unexpected(s.close()) == []
+
+    def test_with_embeddings_off_search_and_a_note_look_as_before(self, web):
+        s = web("phone")
+        page = s.page
+        page.fill("#search", "kumquat")
+        page.keyboard.press("Enter")
+        expect(page.locator("#results button")).to_have_count(1)
+        assert page.is_hidden("#search-mode")
+        with page.expect_response(lambda r: "/related" in r.url) as answer:
+            page.click("#results button")
+        assert answer.value.json()["data"]["results"] == []
+        expect(page.locator("#view h1")).to_have_text("Spare keys")
+        page.wait_for_timeout(200)  # (the answer, handled)
+        assert page.locator("#view .related").count() == 0
         assert unexpected(s.close()) == []
 
     def test_chat_asks_all_notes_unless_about_this_note_is_on(self, web):

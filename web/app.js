@@ -422,6 +422,7 @@ const app = (() => {
     updateDirty();
     core.showPane("note");
     loadBacklinks(data.path);
+    loadRelated(data.path); // after the note shows, never before it
     core.reveal(data.path).catch(() => {});
     return true;
   }
@@ -477,6 +478,7 @@ const app = (() => {
       lines: true, // each block's source lines: a tap opens the editor there
     });
     $("view").replaceChildren(...view.childNodes);
+    if (related && related.path === state.path) $("view").append(related.box);
   }
 
   // -- lists in the editor and taps on the view (the text logic is web/lists.js) -------------
@@ -548,10 +550,10 @@ const app = (() => {
   }
 
   // A tap on a note's text opens the editor with the caret at that place (Keep, Apple Notes:
-  // tap and type). A box stays a tick; links, pictures and a selection being made are theirs.
+  // tap and type). A box stays a tick; links, pictures, Related and a selection are theirs.
   function editAtTap(e) {
     if (!state.path || state.editing || !grants.writable() || e.button) return;
-    if (e.target.closest("a, button, input, label, img, summary, audio, video")) return;
+    if (e.target.closest("a, button, input, label, img, summary, audio, video, .related")) return;
     const sel = window.getSelection();
     if (sel && !sel.isCollapsed && $("view").contains(sel.anchorNode)) return;
     const text = editor().value;
@@ -1105,6 +1107,48 @@ const app = (() => {
     );
     box.replaceChildren(el("strong", {}, "Linked from"), el("ul", {}, ...items));
     box.hidden = false;
+  }
+
+  // Related: the notes nearest the open one in meaning (embeddings on), at the end of its
+  // formatted text, where it scrolls with it (a phone keeps its room for the note); kept
+  // across renders of the same note. Off, failing or empty: nothing shows.
+  let related = null; // {path, box}
+  async function loadRelated(path) {
+    related = null;
+    for (const old of $("view").querySelectorAll(".related")) old.remove();
+    let r;
+    try {
+      r = await core.api("GET", "/notes/" + core.enc(path) + "/related?limit=5");
+    } catch (e) {
+      return;
+    }
+    if (path !== state.path) return;
+    const list = (r.data.results || []).filter((n) => n.path !== path).slice(0, 5);
+    if (!list.length) return;
+    const items = list.map((n) =>
+      el(
+        "li",
+        {},
+        el(
+          "button",
+          {
+            type: "button",
+            class: "link",
+            "data-path": n.path,
+            onclick: core.act(() => openNote(n.path)),
+          },
+          n.title || paths.nameOf(n.path),
+        ),
+      ),
+    );
+    const box = el(
+      "aside",
+      {class: "related", "aria-label": "Related notes"},
+      el("h2", {}, "Related"),
+      el("ul", {}, ...items),
+    );
+    related = {path, box};
+    $("view").append(box);
   }
 
   // -- history and the trash (where the server keeps them) ----------------------------------
@@ -1761,6 +1805,9 @@ const app = (() => {
       " · " +
       (data.tookMs < 10 ? data.tookMs.toFixed(1) : Math.round(data.tookMs)) +
       " ms";
+    const line = paths.meaningLine(data, q); // nothing while embeddings are off
+    $("search-mode").textContent = line;
+    $("search-mode").hidden = !line;
     $("results").replaceChildren(
       ...data.results.map((hit, i) =>
         el(
@@ -1793,6 +1840,7 @@ const app = (() => {
     $("app").classList.remove("searching");
     $("results").replaceChildren();
     $("results-info").textContent = "";
+    $("search-mode").hidden = true;
     $("search-hint").hidden = false;
     if (core.NARROW.matches) core.showPane("notes");
     if (focusTree) {

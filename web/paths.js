@@ -51,6 +51,36 @@ const paths = (() => {
       .map((w) => (w.length > 4 ? w.replace(/(es|s)$/, "") : w));
   }
 
+  // Whether a query runs by words only whatever the server offers, as the server decides it:
+  // a "phrase" (two words or more in quotes, or joined as in e-mail) or a prefix*, unless
+  // -excluded. (Such a query answers fallback: true without the model being at fault.)
+  function lexicalOnly(q) {
+    const items = q.match(/-?"[^"]*"|\S+/g) || [];
+    return items.some((item) => {
+      if (item.startsWith("-") && item.length > 1) return false;
+      const quoted = item.startsWith('"');
+      if (!quoted && item.endsWith("*")) return true;
+      return (item.match(/[\p{L}\p{N}]+/gu) || []).length > 1;
+    });
+  }
+
+  // The quiet line under the search box, from a search answer (docs/api.md: "Search by
+  // meaning"): nothing while embeddings are off (the answer has no `embeddings`).
+  function meaningLine(answer, q) {
+    const e = answer.embeddings;
+    if (!e) return "";
+    if (answer.fallback) {
+      return lexicalOnly(q)
+        ? 'By words only, as "quotes" and * ask'
+        : "By words only: the model is not answering";
+    }
+    if (answer.mode === "keyword") return "By words only";
+    const line = "Searching by words and meaning";
+    if (e.embedded >= e.total) return line;
+    const n = (x) => Number(x).toLocaleString("en");
+    return line + " · " + n(e.embedded) + " of " + n(e.total) + " notes ready";
+  }
+
   // Markdown as plain text, for every preview and snippet the page shows: pictures go, links
   // keep their words, marks of headings, lists, tasks, quotes, emphasis and code go (as the
   // server's note_preview does); then what a cut snippet leaves half of. (No lookbehind:
@@ -97,6 +127,8 @@ const paths = (() => {
     fileName,
     fold,
     isAttachmentName,
+    lexicalOnly,
+    meaningLine,
     nameOf,
     notePreview,
     plainSnippet,

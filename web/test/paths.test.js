@@ -57,6 +57,29 @@ test("queryWords: what search highlights; excluded words and OR left out", () =>
   ]);
 });
 
+test("lexicalOnly: phrases and prefixes are searched by words, as the server decides", () => {
+  for (const q of ['"car repair"', "car rep*", "e-mail setup", 'fix "brake pads" -"old car"'])
+    assert.equal(paths.lexicalOnly(q), true, q);
+  for (const q of ["car repair", '"car" repair', 'car -"old car"', "car -rep*", "a OR b", "- car"])
+    assert.equal(paths.lexicalOnly(q), false, q);
+});
+
+test("meaningLine: the line under the search box, from the answer's embeddings", () => {
+  const on = (embedded, total, more) =>
+    Object.assign({mode: "hybrid", fallback: false, embeddings: {embedded, total}}, more);
+  assert.equal(paths.meaningLine({mode: "keyword", fallback: false}, "car"), ""); // off
+  assert.equal(paths.meaningLine({mode: "keyword", fallback: true}, "car"), "");
+  assert.equal(paths.meaningLine(on(4, 4), "car"), "Searching by words and meaning");
+  assert.equal(
+    paths.meaningLine(on(1234, 1250), "car"),
+    "Searching by words and meaning · 1,234 of 1,250 notes ready",
+  );
+  const down = on(4, 4, {mode: "keyword", fallback: true});
+  assert.equal(paths.meaningLine(down, "car repair"), "By words only: the model is not answering");
+  assert.equal(paths.meaningLine(down, '"car repair"'), 'By words only, as "quotes" and * ask');
+  assert.equal(paths.meaningLine(on(4, 4, {mode: "keyword"}), "car"), "By words only");
+});
+
 test("plainSnippet: Markdown marks dropped", () => {
   assert.equal(
     paths.plainSnippet("## Keys\n- [x] give **one** to [Anna](notes/a.md) `now`"),
