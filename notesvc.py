@@ -19417,7 +19417,7 @@ const core = (() => {
   };
 
   // What this server offers beyond the core API (read from its OpenAPI document at start).
-  const features = {history: false, attachments: false, changes: false};
+  const features = {history: false, attachments: false, changes: false, related: false};
 
   // -- small DOM helpers -------------------------------------------------------------------
 
@@ -22415,6 +22415,8 @@ const app = (() => {
   async function loadRelated(path) {
     related = null;
     for (const old of $("view").querySelectorAll(".related")) old.remove();
+    await featuresRead.catch(() => {});
+    if (!core.features.related) return; // embeddings off: nothing to ask for
     let r;
     try {
       r = await core.api("GET", "/notes/" + core.enc(path) + "/related?limit=5");
@@ -23043,6 +23045,7 @@ const app = (() => {
       core.features.history = !!offered.history;
       core.features.attachments = !!offered.attachments;
       core.features.changes = !!offered.changes;
+      core.features.related = !!offered.related;
     } catch (e) {
       /* the core only */
     }
@@ -27794,6 +27797,7 @@ def server_features(svc: Service) -> dict:
         "history": has("/trash") and has("/versions"),
         "attachments": has("/attachments"),
         "changes": has("/changes"),
+        "related": svc.embedder is not None,  # search by meaning: /related has answers
     }
 
 

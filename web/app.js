@@ -1116,6 +1116,8 @@ const app = (() => {
   async function loadRelated(path) {
     related = null;
     for (const old of $("view").querySelectorAll(".related")) old.remove();
+    await featuresRead.catch(() => {});
+    if (!core.features.related) return; // embeddings off: nothing to ask for
     let r;
     try {
       r = await core.api("GET", "/notes/" + core.enc(path) + "/related?limit=5");
@@ -1744,6 +1746,7 @@ const app = (() => {
       core.features.history = !!offered.history;
       core.features.attachments = !!offered.attachments;
       core.features.changes = !!offered.changes;
+      core.features.related = !!offered.related;
     } catch (e) {
       /* the core only */
     }

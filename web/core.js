@@ -72,7 +72,7 @@ const core = (() => {
   };
 
   // What this server offers beyond the core API (read from its OpenAPI document at start).
-  const features = {history: false, attachments: false, changes: false};
+  const features = {history: false, attachments: false, changes: false, related: false};
 
   // -- small DOM helpers -------------------------------------------------------------------
 

@@ -81,6 +81,7 @@ def server_features(svc: Service) -> dict:
         "history": has("/trash") and has("/versions"),
         "attachments": has("/attachments"),
         "changes": has("/changes"),
+        "related": svc.embedder is not None,  # search by meaning: /related has answers
     }
 
 
