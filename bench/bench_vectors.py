@@ -349,18 +349,7 @@ def memory(args) -> None:
         build_store(np, folder, chunks, owner)
         print(f"disk: {disk_line(folder, len(chunks))}")
         for mode in ("python", "numpy"):
-            cmd = [
-                sys.executable,
-                __file__,
-                "memory-child",
-                "--folder",
-                str(folder),
-                "--mode",
-                mode,
-                "--dim",
-                str(chunks.shape[1]),
-            ]
-            res = json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
+            res = memory_of(folder, mode, chunks.shape[1])
             grow = (res["after"] - res["before"]) / 1024
             print(
                 f"{mode:>6}: RssAnon {res['before'] / 1024:.1f} -> {res['after'] / 1024:.1f} MB"
@@ -368,6 +357,13 @@ def memory(args) -> None:
                 f"({grow * 100000 / len(chunks):.2f} MB per 100k); just after open "
                 f"+{(res['opened'] - res['before']) / 1024:.2f} MB"
             )
+
+
+def memory_of(folder: Path, mode: str, dim: int) -> dict:
+    """RssAnon of a new process before and after it opens the store (memory_child)."""
+    cmd = [sys.executable, __file__, "memory-child", "--folder", str(folder), "--mode", mode]
+    cmd += ["--dim", str(dim)]
+    return json.loads(subprocess.run(cmd, capture_output=True, text=True, check=True).stdout)
 
 
 def memory_child(args) -> None:
@@ -671,6 +667,14 @@ def http_bench(args) -> None:
             + f"; load average "
             f"{os.getloadavg()[0]:.1f}"
         )
+        print(f"disk: {disk_line(root / '.notesvc' / 'vectors', chunks)}")
+        for mode in ("python", "numpy"):
+            res = memory_of(copy, mode, args.dim)
+            grow = (res["after"] - res["before"]) / 1024
+            print(
+                f"{mode:>6}: this store's RssAnon +{grow:.2f} MB for {chunks:,} chunks "
+                f"({grow * 100000 / chunks:.2f} MB per 100k chunks)"
+            )
         if args.keep:
             print(f"kept: {root}")
     finally:
