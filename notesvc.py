@@ -7859,10 +7859,11 @@ class _Match:
         return score
 
 
-def _note_key(path: str, sig: tuple) -> int:
+def _note_key(path: str, sig: tuple, stable: bool = False) -> int:
     """Hash a note's path and (size, mtime) into 64 bits (blake2b where str hashes have 32:
-    100,000 notes would hold a pair of paths whose hashes collide)."""
-    if sys.hash_info.width >= 64:
+    100,000 notes would hold a pair of paths whose hashes collide; and when the key is
+    kept on disk: str hashes differ from one process to the next)."""
+    if sys.hash_info.width >= 64 and not stable:
         return hash((path, *sig))
     text = f"{path}\0{sig[0]}\0{sig[1]}".encode("utf-8", "surrogatepass")
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little", signed=True)
@@ -8130,9 +8131,10 @@ class SearchIndex:
         """Whether many notes are being read in at once (a first build, a restart's check)."""
         return self._bulks > 0
 
-    def note_keys(self) -> tuple:
+    def note_keys(self, stable: bool = False) -> tuple:
         """Return (generation, an iterator of (key, path, read) over every indexed note): the
-        key an int that changes with the note's file (its path, size and mtime hashed), read()
+        key an int that changes with the note's file (its path, size and mtime hashed; the
+        same in every process when `stable`, for a key kept on disk), read()
         its (path, title, text) as documents() gives it, or None when the file cannot be read
         now. For callers that keep what they made of each note and read again only what
         changed: they keep nothing under a key of None (a note changed in the last
@@ -8144,7 +8146,7 @@ class SearchIndex:
 
         def keyed(path: str, seg, d: int) -> tuple:
             sig = seg.sig(d)
-            key = _note_key(path, sig) if sig[1] < settled else None
+            key = _note_key(path, sig, stable) if sig[1] < settled else None
             return key, path, functools.partial(self._document, path, seg, d, None)
 
         return generation, (keyed(*entry) for entry in self._entries(snapshot))
@@ -8636,14 +8638,15 @@ class SearchIndex:
         return out
 
     def note_key(self, path: str) -> int | None:
-        """Return a note's key as note_keys() gives it (None: unknown or changed just now)."""
+        """Return a note's stable key as note_keys(stable=True) gives it (None: unknown or
+        changed just now)."""
         with self._lock:
             found = self._locate(path)
         if found is None:
             return None
         sig = found[0].sig(found[1])
         settled = time.time_ns() - int(ReadCache.RACY_SECONDS * 1e9)
-        return _note_key(path, sig) if sig[1] < settled else None
+        return _note_key(path, sig, stable=True) if sig[1] < settled else None
 
     def _snippet(self, path: str, toks: str, needles: dict) -> str:
         text = self._read(path)
@@ -9266,10 +9269,14 @@ class VectorStore:
         self.generation = 0  # n of vectors.<n>.bin
         self.size = _REC.size + dim + 4
         self.lock = threading.RLock()
-        self.notes: dict = {}  # path -> (key, array('I') of records in chunk order)
+        # The notes, in flat arrays by note number (no object per note but its path):
         self.owner = array.array("I")  # record -> note number (DEAD: a tombstone)
         self._paths: list = []  # note number -> path (None: free)
         self._numbers: dict = {}  # path -> note number
+        self._keys = array.array("q")  # note number -> its file key (_NO_KEY: none)
+        self._start = array.array("I")  # note number -> where its run in _recs starts
+        self._len = array.array("I")  # note number -> its records (chunks)
+        self._recs = array.array("I")  # each note's records in chunk order, a run a note
         self._codes: Any = [] if self.np is None else self.np.zeros((0, (dim + 7) // 8), "uint8")
         self._count = 0  # records in the file
         self._hashes: dict | None = None  # chunk hash -> record, built while embedding
@@ -9385,44 +9392,76 @@ class VectorStore:
 
     # -- notes and records ------------------------------------------------------------
 
-    def _claim(self, path: str, key: Any, recs: array.array) -> None:
+    def _claim(self, path: str, key: Any, recs: Any) -> None:
         number = self._numbers.get(path)
         if number is None:
             number = len(self._paths)
             self._paths.append(path)
             self._numbers[path] = number
+            self._keys.append(_NO_KEY)
+            self._start.append(0)
+            self._len.append(0)
         for r in recs:
             self.owner[r] = number
-        self.notes[path] = (key, recs)
+        if len(self._recs) > 2 * self._count + 1024:  # mostly runs of old versions: repack
+            self._repack()
+        self._keys[number] = _NO_KEY if key is None else key
+        self._start[number], self._len[number] = len(self._recs), len(recs)
+        self._recs.extend(recs)
+
+    def _repack(self) -> None:
+        runs = [self.records(p) for p in self._paths if p is not None]
+        self._recs = array.array("I")
+        for p, recs in zip((p for p in self._paths if p is not None), runs):
+            n = self._numbers[p]
+            self._start[n] = len(self._recs)
+            self._recs.extend(recs)
+
+    def records(self, path: str) -> array.array:
+        """Return a note's records in chunk order (empty for a note not held)."""
+        n = self._numbers.get(path)
+        if n is None:
+            return array.array("I")
+        return self._recs[self._start[n] : self._start[n] + self._len[n]]
+
+    def paths(self) -> list:
+        """Return the paths of the notes held."""
+        with self.lock:
+            return [p for p in self._paths if p is not None]
 
     def drop(self, path: str) -> None:
         """Forget a note: its records become tombstones."""
         with self.lock:
-            found = self.notes.pop(path, None)
-            if found is None:
+            n = self._numbers.pop(path, None)
+            if n is None:
                 return
-            for r in found[1]:
+            for r in self._recs[self._start[n] : self._start[n] + self._len[n]]:
                 self.owner[r] = DEAD
-            self._paths[self._numbers.pop(path)] = None
+            self._paths[n] = None
+            self._len[n] = 0
             self.dirty = True
 
     def move(self, old: str, new: str, key: Any = None) -> bool:
         """Give a moved note's chunks to its new path (nothing is embedded again)."""
         with self.lock:
-            found = self.notes.get(old)
-            if found is None or new in self.notes:
+            n = self._numbers.get(old)
+            if n is None or new in self._numbers:
                 return False
-            self.drop(old)
-            self._claim(new, key, found[1])
+            del self._numbers[old]
+            self._numbers[new] = n
+            self._paths[n] = new
+            self._keys[n] = _NO_KEY if key is None else key
             self.dirty = True
             return True
 
     def key_of(self, path: str) -> Any:
-        found = self.notes.get(path)
-        return None if found is None else found[0]
+        n = self._numbers.get(path)
+        if n is None or self._keys[n] == _NO_KEY:
+            return None
+        return self._keys[n]
 
     def holds(self, path: str) -> bool:
-        return path in self.notes
+        return path in self._numbers
 
     def find(self, h: int) -> int:
         """Return the record of a chunk hash (a note's or a tombstone), -1 when none."""
@@ -9480,16 +9519,14 @@ class VectorStore:
     def assign(self, path: str, key: Any, recs: list) -> None:
         """Give a note its records, in chunk order; a record another note holds is copied."""
         with self.lock:
-            old = self.notes.get(path)
             number = self._numbers.get(path)
             copies = [r for r in recs if self.owner[r] != DEAD and self.owner[r] != number]
             if copies:
                 moved = dict(zip(copies, self._copy(copies)))
                 recs = [moved.get(r, r) for r in recs]
-            if old is not None:
-                for r in old[1]:
-                    self.owner[r] = DEAD
-            self._claim(path, key, array.array("I", recs))
+            for r in self.records(path):
+                self.owner[r] = DEAD
+            self._claim(path, key, recs)
             self.dirty = True
 
     def _copy(self, recs: list) -> list:
@@ -9515,7 +9552,7 @@ class VectorStore:
                 "fingerprint": self.fingerprint,
                 "generation": self.generation,
                 "extra": self.extra,
-                "notes": {p: [k, list(recs)] for p, (k, recs) in self.notes.items()},
+                "notes": {p: [self.key_of(p), self.records(p).tolist()] for p in self._numbers},
             }
             data = json.dumps(meta, separators=(",", ":")).encode()
             self.dirty = False
@@ -9523,12 +9560,12 @@ class VectorStore:
             atomic_write(self.folder / "meta.json", data, 0o600)
 
     def dead(self) -> int:
-        return self._count - sum(len(recs) for _, recs in self.notes.values())
+        return self._count - sum(self._len)
 
     def compact(self) -> None:
         """Rewrite the vector file with the notes' records only; then meta.json names it."""
         with self.lock:
-            order = [(p, k, recs) for p, (k, recs) in self.notes.items()]
+            order = [(p, self.key_of(p), self.records(p)) for p in self._numbers]
             new_gen = self.generation + 1
             target = self.folder / f"vectors.{new_gen}.bin"
             mapping: dict = {}
@@ -9552,10 +9589,16 @@ class VectorStore:
             self._open_file()
             self._count = len(keep)
             self._hashes = None
-            self.notes, self._paths, self._numbers = {}, [], {}
+            self._paths, self._numbers = [], {}
+            self._keys, self._start, self._len = (
+                array.array("q"),
+                array.array("I"),
+                array.array("I"),
+            )
+            self._recs = array.array("I")
             self.owner = array.array("I", [DEAD]) * len(keep)
             for path, key, recs in order:
-                self._claim(path, key, array.array("I", [mapping[r] for r in recs]))
+                self._claim(path, key, [mapping[r] for r in recs])
             self._set_codes(vectors)
             self.save()
             old_file.unlink(missing_ok=True)
@@ -9564,11 +9607,11 @@ class VectorStore:
     def note_vector(self, path: str) -> list | None:
         """Return the normalised mean of a note's chunk vectors, None for a note without."""
         with self.lock:
-            found = self.notes.get(path)
-            if not found or not found[1]:
+            recs = self.records(path)
+            if not recs:
                 return None
             total = [0.0] * self.dim
-            for r in found[1][:64]:
+            for r in recs[:64]:
                 raw = os.pread(self._fd, self.size, _HEAD.size + r * self.size)
                 scale = _REC.unpack_from(raw)[1]
                 for i, x in enumerate(array.array("b", raw[_REC.size : _REC.size + self.dim])):
@@ -9580,7 +9623,7 @@ class VectorStore:
 
     def stats(self) -> dict:
         with self.lock:
-            return {"notes": len(self.notes), "chunks": self._count - self.dead()}
+            return {"notes": len(self._numbers), "chunks": sum(self._len)}
 
     # -- the semantic pass ----------------------------------------------------------------
 
@@ -9640,9 +9683,8 @@ class VectorStore:
             within = None
             if folder:
                 prefix = folder.rstrip("/") + "/"
-                within = [
-                    r for p, (_, recs) in self.notes.items() if p.startswith(prefix) for r in recs
-                ]
+                held = [p for p in self._numbers if p.startswith(prefix)]
+                within = [r for p in held for r in self.records(p)]
                 if not within:
                     return []
             np = self.np
@@ -9655,7 +9697,7 @@ class VectorStore:
                 if path is not None and path not in best:
                     best[path] = (score, r)
             ranked = sorted(best.items(), key=lambda x: (-x[1][0], x[0]))[:limit]
-            return [(path, score, self.notes[path][1].index(r)) for path, (score, r) in ranked]
+            return [(path, score, self.records(path).index(r)) for path, (score, r) in ranked]
 
 
 _NO_KEY = -1  # a note kept without a key (hash() never gives -1)
@@ -14251,15 +14293,14 @@ class Embedder:
             self._walk = False
             with self._lock:
                 self._dirty.clear()
-            _, keyed = index.note_keys()
+            _, keyed = index.note_keys(stable=True)  # kept on disk: the same after a restart
             seen: set = set()
             todo = []
             for key, path, _ in keyed:
                 seen.add(path)
                 if key is None or store.key_of(path) != key or not store.holds(path):
                     todo.append(path)
-            with store.lock:
-                gone = [p for p in store.notes if p not in seen]
+            gone = [p for p in store.paths() if p not in seen]
             for path in gone:
                 store.drop(path)
         else:
@@ -14317,7 +14358,7 @@ class Embedder:
         """Return {embedded, total, model}: notes whose chunks are all embedded, of all."""
         store = self.store
         total = self.svc.index.stats().get("documents", 0)
-        embedded = min(total, len(store.notes)) if store is not None else 0
+        embedded = min(total, store.stats()["notes"]) if store is not None else 0
         return {"embedded": embedded, "total": total, "model": self.client.model}
 
     def info(self) -> dict:

@@ -4687,7 +4687,7 @@ class TestVectorStore:
         path, score, chunk = store.nearest(vectors[42])[0]
         assert (path, chunk) == ("notes/n8.md", 2)
         assert score == pytest.approx(1.0, abs=0.01)
-        store.assign("notes/sub/x.md", "k", [7])
+        store.assign("notes/sub/x.md", 99, [7])
         assert [p for p, _, _ in store.nearest(vectors[42], folder="notes/sub")] == [
             "notes/sub/x.md"
         ]
@@ -4721,7 +4721,7 @@ class TestVectorStore:
         vec.write_bytes(bytes(raw))
         again = notesvc.VectorStore.open(tmp_path / "v")
         assert vec.stat().st_size == 12 + 30 * size
-        assert sorted(again.notes) == sorted(f"notes/n{i}.md" for i in range(6))  # 0..29
+        assert sorted(again.paths()) == sorted(f"notes/n{i}.md" for i in range(6))  # 0..29
         assert again.find(29) == 29
         assert again.find(30) == -1
         again.close()

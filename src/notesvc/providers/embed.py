@@ -310,15 +310,14 @@ class Embedder:
             self._walk = False
             with self._lock:
                 self._dirty.clear()
-            _, keyed = index.note_keys()
+            _, keyed = index.note_keys(stable=True)  # kept on disk: the same after a restart
             seen: set = set()
             todo = []
             for key, path, _ in keyed:
                 seen.add(path)
                 if key is None or store.key_of(path) != key or not store.holds(path):
                     todo.append(path)
-            with store.lock:
-                gone = [p for p in store.notes if p not in seen]
+            gone = [p for p in store.paths() if p not in seen]
             for path in gone:
                 store.drop(path)
         else:
@@ -376,7 +375,7 @@ class Embedder:
         """Return {embedded, total, model}: notes whose chunks are all embedded, of all."""
         store = self.store
         total = self.svc.index.stats().get("documents", 0)
-        embedded = min(total, len(store.notes)) if store is not None else 0
+        embedded = min(total, store.stats()["notes"]) if store is not None else 0
         return {"embedded": embedded, "total": total, "model": self.client.model}
 
     def info(self) -> dict:

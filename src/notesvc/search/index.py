@@ -339,10 +339,11 @@ class _Match:
         return score
 
 
-def _note_key(path: str, sig: tuple) -> int:
+def _note_key(path: str, sig: tuple, stable: bool = False) -> int:
     """Hash a note's path and (size, mtime) into 64 bits (blake2b where str hashes have 32:
-    100,000 notes would hold a pair of paths whose hashes collide)."""
-    if sys.hash_info.width >= 64:
+    100,000 notes would hold a pair of paths whose hashes collide; and when the key is
+    kept on disk: str hashes differ from one process to the next)."""
+    if sys.hash_info.width >= 64 and not stable:
         return hash((path, *sig))
     text = f"{path}\0{sig[0]}\0{sig[1]}".encode("utf-8", "surrogatepass")
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little", signed=True)
@@ -610,9 +611,10 @@ class SearchIndex:
         """Whether many notes are being read in at once (a first build, a restart's check)."""
         return self._bulks > 0
 
-    def note_keys(self) -> tuple:
+    def note_keys(self, stable: bool = False) -> tuple:
         """Return (generation, an iterator of (key, path, read) over every indexed note): the
-        key an int that changes with the note's file (its path, size and mtime hashed), read()
+        key an int that changes with the note's file (its path, size and mtime hashed; the
+        same in every process when `stable`, for a key kept on disk), read()
         its (path, title, text) as documents() gives it, or None when the file cannot be read
         now. For callers that keep what they made of each note and read again only what
         changed: they keep nothing under a key of None (a note changed in the last
@@ -624,7 +626,7 @@ class SearchIndex:
 
         def keyed(path: str, seg, d: int) -> tuple:
             sig = seg.sig(d)
-            key = _note_key(path, sig) if sig[1] < settled else None
+            key = _note_key(path, sig, stable) if sig[1] < settled else None
             return key, path, functools.partial(self._document, path, seg, d, None)
 
         return generation, (keyed(*entry) for entry in self._entries(snapshot))
@@ -1116,14 +1118,15 @@ class SearchIndex:
         return out
 
     def note_key(self, path: str) -> int | None:
-        """Return a note's key as note_keys() gives it (None: unknown or changed just now)."""
+        """Return a note's stable key as note_keys(stable=True) gives it (None: unknown or
+        changed just now)."""
         with self._lock:
             found = self._locate(path)
         if found is None:
             return None
         sig = found[0].sig(found[1])
         settled = time.time_ns() - int(ReadCache.RACY_SECONDS * 1e9)
-        return _note_key(path, sig) if sig[1] < settled else None
+        return _note_key(path, sig, stable=True) if sig[1] < settled else None
 
     def _snippet(self, path: str, toks: str, needles: dict) -> str:
         text = self._read(path)

@@ -240,10 +240,14 @@ class VectorStore:
         self.generation = 0  # n of vectors.<n>.bin
         self.size = _REC.size + dim + 4
         self.lock = threading.RLock()
-        self.notes: dict = {}  # path -> (key, array('I') of records in chunk order)
+        # The notes, in flat arrays by note number (no object per note but its path):
         self.owner = array.array("I")  # record -> note number (DEAD: a tombstone)
         self._paths: list = []  # note number -> path (None: free)
         self._numbers: dict = {}  # path -> note number
+        self._keys = array.array("q")  # note number -> its file key (_NO_KEY: none)
+        self._start = array.array("I")  # note number -> where its run in _recs starts
+        self._len = array.array("I")  # note number -> its records (chunks)
+        self._recs = array.array("I")  # each note's records in chunk order, a run a note
         self._codes: Any = [] if self.np is None else self.np.zeros((0, (dim + 7) // 8), "uint8")
         self._count = 0  # records in the file
         self._hashes: dict | None = None  # chunk hash -> record, built while embedding
@@ -359,44 +363,76 @@ class VectorStore:
 
     # -- notes and records ------------------------------------------------------------
 
-    def _claim(self, path: str, key: Any, recs: array.array) -> None:
+    def _claim(self, path: str, key: Any, recs: Any) -> None:
         number = self._numbers.get(path)
         if number is None:
             number = len(self._paths)
             self._paths.append(path)
             self._numbers[path] = number
+            self._keys.append(_NO_KEY)
+            self._start.append(0)
+            self._len.append(0)
         for r in recs:
             self.owner[r] = number
-        self.notes[path] = (key, recs)
+        if len(self._recs) > 2 * self._count + 1024:  # mostly runs of old versions: repack
+            self._repack()
+        self._keys[number] = _NO_KEY if key is None else key
+        self._start[number], self._len[number] = len(self._recs), len(recs)
+        self._recs.extend(recs)
+
+    def _repack(self) -> None:
+        runs = [self.records(p) for p in self._paths if p is not None]
+        self._recs = array.array("I")
+        for p, recs in zip((p for p in self._paths if p is not None), runs):
+            n = self._numbers[p]
+            self._start[n] = len(self._recs)
+            self._recs.extend(recs)
+
+    def records(self, path: str) -> array.array:
+        """Return a note's records in chunk order (empty for a note not held)."""
+        n = self._numbers.get(path)
+        if n is None:
+            return array.array("I")
+        return self._recs[self._start[n] : self._start[n] + self._len[n]]
+
+    def paths(self) -> list:
+        """Return the paths of the notes held."""
+        with self.lock:
+            return [p for p in self._paths if p is not None]
 
     def drop(self, path: str) -> None:
         """Forget a note: its records become tombstones."""
         with self.lock:
-            found = self.notes.pop(path, None)
-            if found is None:
+            n = self._numbers.pop(path, None)
+            if n is None:
                 return
-            for r in found[1]:
+            for r in self._recs[self._start[n] : self._start[n] + self._len[n]]:
                 self.owner[r] = DEAD
-            self._paths[self._numbers.pop(path)] = None
+            self._paths[n] = None
+            self._len[n] = 0
             self.dirty = True
 
     def move(self, old: str, new: str, key: Any = None) -> bool:
         """Give a moved note's chunks to its new path (nothing is embedded again)."""
         with self.lock:
-            found = self.notes.get(old)
-            if found is None or new in self.notes:
+            n = self._numbers.get(old)
+            if n is None or new in self._numbers:
                 return False
-            self.drop(old)
-            self._claim(new, key, found[1])
+            del self._numbers[old]
+            self._numbers[new] = n
+            self._paths[n] = new
+            self._keys[n] = _NO_KEY if key is None else key
             self.dirty = True
             return True
 
     def key_of(self, path: str) -> Any:
-        found = self.notes.get(path)
-        return None if found is None else found[0]
+        n = self._numbers.get(path)
+        if n is None or self._keys[n] == _NO_KEY:
+            return None
+        return self._keys[n]
 
     def holds(self, path: str) -> bool:
-        return path in self.notes
+        return path in self._numbers
 
     def find(self, h: int) -> int:
         """Return the record of a chunk hash (a note's or a tombstone), -1 when none."""
@@ -454,16 +490,14 @@ class VectorStore:
     def assign(self, path: str, key: Any, recs: list) -> None:
         """Give a note its records, in chunk order; a record another note holds is copied."""
         with self.lock:
-            old = self.notes.get(path)
             number = self._numbers.get(path)
             copies = [r for r in recs if self.owner[r] != DEAD and self.owner[r] != number]
             if copies:
                 moved = dict(zip(copies, self._copy(copies)))
                 recs = [moved.get(r, r) for r in recs]
-            if old is not None:
-                for r in old[1]:
-                    self.owner[r] = DEAD
-            self._claim(path, key, array.array("I", recs))
+            for r in self.records(path):
+                self.owner[r] = DEAD
+            self._claim(path, key, recs)
             self.dirty = True
 
     def _copy(self, recs: list) -> list:
@@ -489,7 +523,7 @@ class VectorStore:
                 "fingerprint": self.fingerprint,
                 "generation": self.generation,
                 "extra": self.extra,
-                "notes": {p: [k, list(recs)] for p, (k, recs) in self.notes.items()},
+                "notes": {p: [self.key_of(p), self.records(p).tolist()] for p in self._numbers},
             }
             data = json.dumps(meta, separators=(",", ":")).encode()
             self.dirty = False
@@ -497,12 +531,12 @@ class VectorStore:
             atomic_write(self.folder / "meta.json", data, 0o600)
 
     def dead(self) -> int:
-        return self._count - sum(len(recs) for _, recs in self.notes.values())
+        return self._count - sum(self._len)
 
     def compact(self) -> None:
         """Rewrite the vector file with the notes' records only; then meta.json names it."""
         with self.lock:
-            order = [(p, k, recs) for p, (k, recs) in self.notes.items()]
+            order = [(p, self.key_of(p), self.records(p)) for p in self._numbers]
             new_gen = self.generation + 1
             target = self.folder / f"vectors.{new_gen}.bin"
             mapping: dict = {}
@@ -526,10 +560,16 @@ class VectorStore:
             self._open_file()
             self._count = len(keep)
             self._hashes = None
-            self.notes, self._paths, self._numbers = {}, [], {}
+            self._paths, self._numbers = [], {}
+            self._keys, self._start, self._len = (
+                array.array("q"),
+                array.array("I"),
+                array.array("I"),
+            )
+            self._recs = array.array("I")
             self.owner = array.array("I", [DEAD]) * len(keep)
             for path, key, recs in order:
-                self._claim(path, key, array.array("I", [mapping[r] for r in recs]))
+                self._claim(path, key, [mapping[r] for r in recs])
             self._set_codes(vectors)
             self.save()
             old_file.unlink(missing_ok=True)
@@ -538,11 +578,11 @@ class VectorStore:
     def note_vector(self, path: str) -> list | None:
         """Return the normalised mean of a note's chunk vectors, None for a note without."""
         with self.lock:
-            found = self.notes.get(path)
-            if not found or not found[1]:
+            recs = self.records(path)
+            if not recs:
                 return None
             total = [0.0] * self.dim
-            for r in found[1][:64]:
+            for r in recs[:64]:
                 raw = os.pread(self._fd, self.size, _HEAD.size + r * self.size)
                 scale = _REC.unpack_from(raw)[1]
                 for i, x in enumerate(array.array("b", raw[_REC.size : _REC.size + self.dim])):
@@ -554,7 +594,7 @@ class VectorStore:
 
     def stats(self) -> dict:
         with self.lock:
-            return {"notes": len(self.notes), "chunks": self._count - self.dead()}
+            return {"notes": len(self._numbers), "chunks": sum(self._len)}
 
     # -- the semantic pass ----------------------------------------------------------------
 
@@ -614,9 +654,8 @@ class VectorStore:
             within = None
             if folder:
                 prefix = folder.rstrip("/") + "/"
-                within = [
-                    r for p, (_, recs) in self.notes.items() if p.startswith(prefix) for r in recs
-                ]
+                held = [p for p in self._numbers if p.startswith(prefix)]
+                within = [r for p in held for r in self.records(p)]
                 if not within:
                     return []
             np = self.np
@@ -629,7 +668,7 @@ class VectorStore:
                 if path is not None and path not in best:
                     best[path] = (score, r)
             ranked = sorted(best.items(), key=lambda x: (-x[1][0], x[0]))[:limit]
-            return [(path, score, self.notes[path][1].index(r)) for path, (score, r) in ranked]
+            return [(path, score, self.records(path).index(r)) for path, (score, r) in ranked]
 
 
 _NO_KEY = -1  # a note kept without a key (hash() never gives -1)
