@@ -14,6 +14,7 @@ import errno
 import gzip
 import hashlib
 import heapq
+import html
 import http.client
 import http.server
 import importlib.util
@@ -21062,6 +21063,382 @@ class TestDavMisuse:
             b"PROPFIND http://abc.relay.test:8/dav/notes/ HTTP/1.1\r\nHost: x\r\n\r\n", "127.0.0.1"
         )
         assert (method, path) == ("PROPFIND", "/dav/notes/")
+
+
+# -- CalDAV: task lines as task lists (docs/api.md: CalDAV) -------------------------------------
+
+TASKS_NOTE = (
+    "# Home\n\n"
+    "- [ ] call the plumber ⏰ 2026-12-02 09:00\n"
+    "  - [x] find the number #phone\n"
+    "* [ ] buy milk 📅 2026-12-03 #shop\n"
+    "1. [ ] pay rent; twice, now due:2026-12-01\n"
+    "+ [X] water the plants\n"
+    "```\n- [ ] not a task: fenced code\n```\n"
+    "text with [ ] a box but no list marker\n"
+)
+CAL = "urn:ietf:params:xml:ns:caldav"
+QUERY_TODOS = (
+    '<c:calendar-query xmlns:d="DAV:" xmlns:c="urn:ietf:params:xml:ns:caldav">'
+    "<d:prop><d:getetag/><c:calendar-data/></d:prop><c:filter>"
+    '<c:comp-filter name="VCALENDAR"><c:comp-filter name="VTODO">{}</c:comp-filter>'
+    "</c:comp-filter></c:filter></c:calendar-query>"
+)
+
+
+def sync_body(token: str = "") -> bytes:
+    return (
+        '<d:sync-collection xmlns:d="DAV:" xmlns:c="urn:ietf:params:xml:ns:caldav">'
+        f"<d:sync-token>{token}</d:sync-token><d:sync-level>1</d:sync-level>"
+        "<d:prop><d:getetag/></d:prop></d:sync-collection>"
+    ).encode()
+
+
+def vtodo(uid: str, *props: str) -> bytes:
+    lines = ["BEGIN:VCALENDAR", "VERSION:2.0", "PRODID:-//test//EN", "BEGIN:VTODO"]
+    lines += [f"UID:{uid}", "DTSTAMP:20261128T100000Z", *props, "END:VTODO", "END:VCALENDAR"]
+    return ("\r\n".join(lines) + "\r\n").encode()
+
+
+def cal_items(resp) -> dict:
+    """{href: calendar data} of a REPORT's answer."""
+    found = re.findall(
+        r"<D:href>([^<]*)</D:href>.*?(?:<C:calendar-data>([^<]*)</C:calendar-data>|</D:response>)",
+        resp.text,
+        re.S,
+    )
+    return {href: html.unescape(body) for href, body in found}
+
+
+def list_ids(dav: Dav) -> dict:
+    """{display name: list path} of the task lists a key sees."""
+    listed = dav("PROPFIND", "calendars/", b"", status=207, Depth="1").text
+    pairs = re.findall(
+        r"<D:href>/dav/(calendars/[^<]+/)</D:href>.*?<D:displayname>([^<]*)</D:displayname>",
+        listed,
+        re.S,
+    )
+    return {html.unescape(name): path for path, name in pairs}
+
+
+class TestCalDAV:
+    """/dav/calendars/: the task lines of the notes as task lists for Reminders, DAVx5 and
+    Thunderbird; writes from them edit one line of a note."""
+
+    def test_task_lines_are_list_items_with_a_box_outside_code_and_front_matter(self):
+        text = "---\ntags: [a]\n- [ ] in front matter\n---\n" + TASKS_NOTE
+        tasks = notesvc.task_lines(text)
+        assert [t["summary"] for t in tasks] == [
+            "call the plumber",
+            "find the number",
+            "buy milk",
+            "pay rent; twice, now",
+            "water the plants",
+        ]
+        assert [t["done"] for t in tasks] == [False, True, False, False, True]
+        assert tasks[1]["parent"] == 0  # nesting
+        assert tasks[2]["parent"] is None
+        assert tasks[0]["wall"] == dt.datetime(2026, 12, 2, 9, 0)
+        assert tasks[0]["due"] is None
+        assert tasks[2]["due"] == dt.date(2026, 12, 3)
+        assert tasks[2]["categories"] == ["shop"]
+        assert tasks[3]["due"] == dt.date(2026, 12, 1)
+        assert tasks[1]["categories"] == ["phone"]
+        assert notesvc.task_lines("- [ ]x not a box\n-[ ] no space\n- [y] other\n") == []
+
+    def test_the_vtodo_is_rfc_5545_folded_escaped_utf8_and_in_utc(self, make_app, root):
+        icalendar = pytest.importorskip("icalendar")
+        app = make_app(SERVICE_TIMEZONE="Europe/Paris")
+        long = "é" * 60 + ", a; b\\c"
+        put_note(with_key(app), "notes/home/todo.md", f"- [ ] {long} ⏰ 2026-12-02 09:00 #x\n")
+        dav = Dav(app, key_of(app))
+        home = list_ids(dav)["home"]
+        items = cal_items(dav("REPORT", home, QUERY_TODOS.format("").encode(), status=207))
+        (data_,) = items.values()
+        raw = data_.encode("utf-8")
+        assert all(len(line) <= 75 for line in raw.split(b"\r\n")), raw
+        raw.decode("utf-8")  # (no character cut in two by the folding)
+        assert b"\\, a\\; b\\\\c" in raw.replace(b"\r\n ", b"")
+        cal = icalendar.Calendar.from_ical(raw)
+        (todo,) = cal.walk("VTODO")
+        assert str(todo["SUMMARY"]) == long
+        assert todo["DUE"].dt == dt.datetime(2026, 12, 2, 8, 0, tzinfo=dt.timezone.utc)
+        (alarm,) = todo.walk("VALARM")
+        assert alarm["TRIGGER"].dt == dt.datetime(2026, 12, 2, 8, 0, tzinfo=dt.timezone.utc)
+        assert [str(c) for c in todo["CATEGORIES"].cats] == ["x"]
+        assert str(todo["STATUS"]) == "NEEDS-ACTION"
+        assert str(todo["DESCRIPTION"]).startswith("todo\nhttp://")
+        assert "/#task=" in str(todo["DESCRIPTION"])
+
+    def test_a_task_keeps_its_uid_across_edits_small_edits_and_a_move(self, client, dav, root):
+        put_note(client, "notes/home/todo.md", TASKS_NOTE)
+        home = list_ids(dav)["home"]
+
+        def uids() -> dict:
+            items = cal_items(dav("REPORT", "calendars/all/", QUERY_TODOS.format("").encode()))
+            out = {}
+            for body in items.values():
+                uid = re.search(r"UID:(\S+)", body).group(1)
+                summary = re.search(r"SUMMARY:([^\r\n]*)", body).group(1)
+                out[summary] = uid
+            return out
+
+        before = uids()
+        assert len(before) == 5
+        assert all(re.fullmatch(r"[A-Za-z0-9-]+", u) for u in before.values())
+        text = TASKS_NOTE.replace("# Home\n", "# Home\n\nA new first paragraph.\n")
+        text = text.replace("buy milk", "buy oat milk")
+        update(client, "notes/home/todo.md", text)
+        after = uids()
+        assert after["buy oat milk"] == before["buy milk"]
+        assert after["call the plumber"] == before["call the plumber"]
+        client.patch_json(f"{note_url('notes/home/todo.md')}/move", {"path": "notes/work/todo.md"})
+        moved = uids()
+        assert moved == after
+        # the folder's list followed the note (the id of a folder that holds no tasks now)
+        assert list_ids(dav)["work"] == home
+
+    def test_discovery_from_the_well_known_url(self, anon, dav):
+        plain = webtest.TestApp(anon.app, lint=False)
+        resp = plain.request("/.well-known/caldav", method="PROPFIND", status=301)
+        assert resp.headers["Location"] == "/dav/"
+        body = (
+            b'<d:propfind xmlns:d="DAV:"><d:prop><d:current-user-principal/></d:prop></d:propfind>'
+        )
+        root_ = dav("PROPFIND", "", body, status=207, Depth="0").text
+        assert "<D:current-user-principal><D:href>/dav/principal/</D:href>" in root_
+        listed = dav.hrefs("")
+        assert listed == ["/dav/", "/dav/notes/", "/dav/attachments/"]  # no .ics for rclone
+        home = dav(
+            "PROPFIND",
+            "principal/",
+            b'<d:propfind xmlns:d="DAV:" xmlns:c="urn:ietf:params:xml:ns:caldav"><d:prop>'
+            b"<c:calendar-home-set/></d:prop></d:propfind>",
+            status=207,
+            Depth="0",
+        ).text
+        assert "<C:calendar-home-set><D:href>/dav/calendars/</D:href>" in home
+        lists = dav("PROPFIND", "calendars/", b"", status=207, Depth="1").text
+        assert "<D:displayname>All tasks</D:displayname>" in lists
+        assert '<C:comp name="VTODO"/>' in lists
+        assert (
+            "calendar-access" in plain.request("/dav/calendars/", method="OPTIONS").headers["DAV"]
+        )
+        dav("MKCALENDAR", "calendars/new/", status=403)
+        dav("PROPFIND", "calendars/f-nothing/", status=404, Depth="0")
+
+    def test_sync_collection_after_one_change_returns_that_item_and_a_delete_a_404(
+        self, client, dav
+    ):
+        put_note(client, "notes/home/todo.md", TASKS_NOTE)
+        home = list_ids(dav)["home"]
+        first = dav("REPORT", home, sync_body(), status=207).text
+        assert first.count("<D:response>") == 5
+        token = re.search(r"<D:sync-token>([^<]+)</D:sync-token>", first).group(1)
+        ctag = re.search(r"<CS:getctag>([^<]+)<", dav("PROPFIND", home, b"", Depth="0").text)
+        ticked = TASKS_NOTE.replace("[ ] buy milk", "[x] buy milk")
+        update(client, "notes/home/todo.md", ticked)
+        again = dav("REPORT", home, sync_body(token), status=207).text
+        assert again.count("<D:response>") == 1
+        new_token = re.search(r"<D:sync-token>([^<]+)</D:sync-token>", again).group(1)
+        assert new_token != token
+        assert ctag.group(1) not in dav("PROPFIND", home, b"", Depth="0").text
+        update(client, "notes/home/todo.md", ticked.replace("+ [X] water the plants\n", ""))
+        gone = dav("REPORT", home, sync_body(new_token), status=207).text
+        assert gone.count("<D:response>") == 1
+        assert "404 Not Found" in gone
+        bad = dav("REPORT", home, sync_body("urn:notesvc:sync:999999"), status=403)
+        assert "valid-sync-token" in bad.text
+
+    def test_calendar_query_filters_and_others_are_403_supported_filter(self, client, dav):
+        put_note(client, "notes/home/todo.md", TASKS_NOTE)
+        home = list_ids(dav)["home"]
+
+        def count(inner: str) -> int:
+            return len(cal_items(dav("REPORT", home, QUERY_TODOS.format(inner).encode())))
+
+        open_ = '<c:prop-filter name="STATUS"><c:text-match negate-condition="yes">COMPLETED'
+        assert count(open_ + "</c:text-match></c:prop-filter>") == 3
+        assert count('<c:prop-filter name="COMPLETED"><c:is-not-defined/></c:prop-filter>') == 3
+        milk = '<c:prop-filter name="SUMMARY"><c:text-match>MILK</c:text-match></c:prop-filter>'
+        assert count(milk) == 1
+        assert count('<c:time-range start="20261202T000000Z" end="20261202T120000Z"/>') == 1
+        resp = dav(
+            "REPORT",
+            home,
+            QUERY_TODOS.format(
+                '<c:prop-filter name="DESCRIPTION"><c:text-match>x</c:text-match></c:prop-filter>'
+            ).encode(),
+            status=403,
+        )
+        assert "<C:supported-filter>" in resp.text
+
+    def test_writes_edit_one_line_as_a_versioned_write(self, client, dav, root):
+        put_note(client, "notes/home/todo.md", TASKS_NOTE)
+        home = list_ids(dav)["home"]
+        items = cal_items(dav("REPORT", home, QUERY_TODOS.format("").encode()))
+        href, body = next((h, b) for h, b in items.items() if "buy milk" in b)
+        uid = re.search(r"UID:(\S+)", body).group(1)
+        item = urllib.parse.unquote(href)[len("/dav/") :]
+        etag = dav("GET", item).headers["ETag"]
+        done = vtodo(
+            uid,
+            "SUMMARY:buy milk",
+            "STATUS:COMPLETED",
+            "DUE;VALUE=DATE:20261203",
+            "CATEGORIES:shop",
+            "PERCENT-COMPLETE:100",
+            "X-APPLE-SORT-ORDER:3",
+        )
+        resp = dav("PUT", item, done, status=204, If_Match=etag)
+        assert resp.headers["ETag"] != etag
+        text = (root / "notes/home/todo.md").read_text()
+        assert text == TASKS_NOTE.replace("* [ ] buy milk", "* [x] buy milk")  # that line only
+        versions = data(client.get(f"{note_url('notes/home/todo.md')}/versions"))["versions"]
+        assert versions[0]["reason"] == "caldav"
+        dav("PUT", item, done, status=412, If_Match=etag)  # stale
+        moved = vtodo(uid, "SUMMARY:buy oat milk", "STATUS:COMPLETED", "DUE:20261204T090000Z")
+        dav("PUT", item, moved, status=204)
+        line = (root / "notes/home/todo.md").read_text().split("\n")[4]
+        assert line == "* [x] buy oat milk 📅 2026-12-04"
+        dav("DELETE", item, status=204)
+        assert "oat milk" not in (root / "notes/home/todo.md").read_text()
+        dav("GET", item, status=404)
+        # a new task goes to the folder's Tasks.md, with the href and UID it was PUT with
+        made = vtodo("client-made-1", "SUMMARY:new\\nlines joined", "DUE:20261210T080000Z")
+        dav("PUT", f"{home}client-made-1.ics", made, status=201)
+        assert "- [ ] new lines joined ⏰ 2026-12-10 " in (root / "notes/home/Tasks.md").read_text()
+        got = dav("GET", f"{home}client-made-1.ics").text
+        assert "UID:client-made-1" in got
+        dav(
+            "PUT",
+            "calendars/all/inbox-1.ics",
+            vtodo("inbox-1", "SUMMARY:for the inbox"),
+            status=201,
+        )
+        assert "- [ ] for the inbox" in (root / "notes/inbox/Tasks.md").read_text()
+
+    def test_bad_calendar_objects_are_refused_with_their_precondition(self, client, dav, root):
+        put_note(client, "notes/home/todo.md", TASKS_NOTE)
+        home = list_ids(dav)["home"]
+        item = f"{home}x.ics"
+        for body, condition in (
+            (b"BEGIN:VCALENDAR\r\nthis is not\r\n", "valid-calendar-data"),
+            (b"\xff\xfe", "valid-calendar-data"),
+            (vtodo("x", "SUMMARY:weekly", "RRULE:FREQ=WEEKLY"), "valid-calendar-object-resource"),
+            (vtodo("x", "SUMMARY:a", "ATTENDEE:mailto:a@b.c"), "valid-calendar-object-resource"),
+            (vtodo("x", "STATUS:CANCELLED"), "valid-calendar-object-resource"),
+            (
+                b"BEGIN:VCALENDAR\r\nBEGIN:VEVENT\r\nUID:e\r\nEND:VEVENT\r\nEND:VCALENDAR\r\n",
+                "supported-calendar-component",
+            ),
+        ):
+            resp = dav("PUT", item, body, status=403)
+            assert f"<C:{condition}>" in resp.text, (body, resp.text)
+            assert "Traceback" not in resp.text
+        huge = vtodo("x", "SUMMARY:" + "a" * (10 << 20))
+        dav("PUT", item, huge, status=413)
+        xxe = (
+            b'<?xml version="1.0"?><!DOCTYPE r [<!ENTITY x SYSTEM "file:///etc/passwd">]>'
+            b'<d:sync-collection xmlns:d="DAV:">&x;</d:sync-collection>'
+        )
+        dav("REPORT", home, xxe, status=400)
+        dav("REPORT", home, b"<not-xml", status=400)
+        # If-Match from another task
+        items = cal_items(dav("REPORT", home, QUERY_TODOS.format("").encode()))
+        (h1, b1), (h2, _b2) = list(items.items())[:2]
+        other = dav("GET", urllib.parse.unquote(h2)[5:]).headers["ETag"]
+        uid = re.search(r"UID:(\S+)", b1).group(1)
+        dav(
+            "PUT", urllib.parse.unquote(h1)[5:], vtodo(uid, "SUMMARY:x"), status=412, If_Match=other
+        )
+        assert (root / "notes/home/todo.md").read_text() == TASKS_NOTE
+
+    def test_folder_grants_see_their_folders_tasks_and_read_keys_write_nothing(
+        self, client, dav, root
+    ):
+        put_note(client, "notes/home/todo.md", TASKS_NOTE)
+        put_note(client, "notes/work/todo.md", "- [ ] ship it\n")
+        work_key = new_grant(client, "write", folder="notes/work")["key"]
+        work = Dav(client, work_key)
+        assert set(list_ids(work)) == {"All tasks", "work"}
+        home = list_ids(dav)["home"]
+        work("PROPFIND", home, status=404, Depth="0")
+        work("PUT", f"{home}new.ics", vtodo("n1", "SUMMARY:x"), status=404)
+        every = cal_items(work("REPORT", "calendars/all/", QUERY_TODOS.format("").encode()))
+        assert len(every) == 1
+        # a UID of another folder's task: 403 no-uid-conflict, naming nothing there
+        theirs = cal_items(dav("REPORT", home, QUERY_TODOS.format("").encode()))
+        uid = re.search(r"UID:(\S+)", next(iter(theirs.values()))).group(1)
+        resp = work("PUT", "calendars/all/mine.ics", vtodo(uid, "SUMMARY:x"), status=403)
+        assert "<C:no-uid-conflict></C:no-uid-conflict>" in resp.text
+        assert "<D:href>" not in resp.text
+        work("PUT", "calendars/all/mine.ics", vtodo("mine-1", "SUMMARY:from work"), status=201)
+        assert "- [ ] from work" in (root / "notes/work/Tasks.md").read_text()
+        reader = Dav(client, new_grant(client, "read")["key"])
+        reader("PUT", "calendars/all/r.ics", vtodo("r-1", "SUMMARY:x"), status=403)
+        assert reader("REPORT", "calendars/all/", sync_body(), status=207)
+
+
+class TestCalDAVClients:
+    """The task lists judged by a real CalDAV client against a real server."""
+
+    pytestmark = [pytest.mark.real_server, pytest.mark.slow]
+
+    def test_the_caldav_library_discovers_reads_completes_creates_edits_deletes_and_syncs(
+        self, tmp_path
+    ):
+        caldav = pytest.importorskip("caldav")
+        root = tmp_path / "root"
+        with running(root) as server:
+            key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
+            name = new_grant_on(server, key, "phone")
+            body = {"path": "notes/home/todo.md", "content": TASKS_NOTE}
+            assert server.request("POST", f"{API}/notes", body, {KEY: key})[0] == 201
+            client = caldav.DAVClient(
+                url=f"{server.url}/.well-known/caldav", username="me", password=name["key"]
+            )
+            lists = {c.get_display_name(): c for c in client.principal().calendars()}
+            assert set(lists) == {"All tasks", "home"}
+            home = lists["home"]
+            todos = home.todos(include_completed=True)
+            assert sorted(str(t.icalendar_component["SUMMARY"]) for t in todos) == [
+                "buy milk",
+                "call the plumber",
+                "find the number",
+                "pay rent; twice, now",
+                "water the plants",
+            ]
+            assert len(home.todos()) == 3
+            token = home.objects_by_sync_token(load_objects=False).sync_token
+            milk = next(t for t in home.todos() if "milk" in str(t.icalendar_component["SUMMARY"]))
+            milk.complete()
+            text = (root / "notes/home/todo.md").read_text()
+            assert text == TASKS_NOTE.replace("* [ ] buy milk", "* [x] buy milk")
+            path = urllib.parse.quote("notes/home/todo.md", safe="")
+            versions = server.request("GET", f"{API}/notes/{path}/versions", None, {KEY: key})
+            assert versions[2]["data"]["versions"][0]["savedBy"] == "phone"
+            changed = list(home.objects_by_sync_token(sync_token=token, load_objects=True))
+            assert len(changed) == 1
+            made = home.save_todo(summary="water the fern", due=dt.date(2026, 12, 5))
+            assert (
+                "- [ ] water the fern 📅 2026-12-05" in (root / "notes/home/Tasks.md").read_text()
+            )
+            again = home.todo_by_uid(str(made.icalendar_component["UID"]))
+            again.icalendar_component.pop("DUE")
+            again.icalendar_component.add("DUE", dt.date(2026, 12, 9))
+            again.save()
+            assert "water the fern 📅 2026-12-09" in (root / "notes/home/Tasks.md").read_text()
+            again.delete()
+            assert "fern" not in (root / "notes/home/Tasks.md").read_text()
+            assert not any("Traceback" in line for line in server.lines)
+
+
+def new_grant_on(server: Server, key: str, name: str) -> dict:
+    body = {"name": name, "scope": "write"}
+    status, _, answer = server.request("POST", f"{API}/auth/keys", body, {KEY: key})
+    assert status == 201
+    return answer["data"]
 
 
 # -- import and export (docs/api.md: Import) -------------------------------------------------------

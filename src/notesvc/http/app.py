@@ -17,7 +17,8 @@ from notesvc.boot import API, bottle, log
 from notesvc.errors import JSON_TYPE, ApiError, error_body, jsonrpc_error_body, ok, render_error
 from notesvc.grants import SCOPES
 from notesvc.helpers import log_safe, quick_info
-from notesvc.http.dav import DAV_METHODS, DAV_PREFIX, dav_callback
+from notesvc.http.caldav import CAL_METHODS, caldav_callback, well_known_caldav
+from notesvc.http.dav import DAV_METHODS, DAV_PREFIX
 from notesvc.http.integrations import authenticate_mcp, cors_allows, plugin_routes
 from notesvc.http.route import GZIP_MIN_BYTES, Route, compressible_type
 from notesvc.http.routes import ROUTES, channel_routes
@@ -126,10 +127,11 @@ class NotesApp:
             )
         for r in service.routes:
             self.bottle.route(r.rule, r.method, _callback(service, r))
-        dav = dav_callback(service)  # WebDAV: its own methods, answers and errors
-        for method in DAV_METHODS:
+        dav = caldav_callback(service)  # WebDAV and CalDAV: their own methods and answers
+        for method in DAV_METHODS + CAL_METHODS:
             for rule in (DAV_PREFIX, DAV_PREFIX + "/", DAV_PREFIX + "/<path:path>"):
                 self.bottle.route(rule, method, dav)
+        self.bottle.route("/.well-known/caldav", "ANY", lambda: well_known_caldav(service))
         self._jsonrpc_rules = frozenset(r.rule for r in service.routes if r.jsonrpc)
 
     def answers_jsonrpc(self, path: str) -> bool:
