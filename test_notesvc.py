@@ -21379,6 +21379,59 @@ class TestCalDAV:
         reader("PUT", "calendars/all/r.ics", vtodo("r-1", "SUMMARY:x"), status=403)
         assert reader("REPORT", "calendars/all/", sync_body(), status=207)
 
+    def test_a_feed_serves_the_tasks_as_icalendar_behind_its_own_secret(
+        self, client, anon, root, caplog
+    ):
+        icalendar = pytest.importorskip("icalendar")
+        put_note(client, "notes/home/todo.md", TASKS_NOTE)
+        put_note(client, "notes/work/todo.md", "- [ ] ship it 📅 2026-12-07\n")
+        made = data(client.post_json(f"{API}/auth/feeds", {"name": "Phone"}, status=201))
+        secret = re.search(r"/ics/([^/]+)\.ics$", made["url"]).group(1)
+        assert made["url"].startswith("http://")
+        assert made["hint"] == secret[-4:]
+        listed = data(client.get(f"{API}/auth/feeds"))["feeds"]
+        assert [f["id"] for f in listed] == [made["id"]]
+        assert secret not in json.dumps(listed)
+        assert secret not in (root / ".notesvc/state.json").read_text()
+        plain = webtest.TestApp(anon.app)
+        with caplog.at_level(logging.INFO, logger="notesvc"):
+            resp = plain.get(f"/ics/{secret}.ics")
+        assert secret not in caplog.text
+        assert f"/ics/…{secret[-4:]}" in caplog.text
+        assert resp.headers["Content-Type"] == "text/calendar; charset=utf-8"
+        assert resp.headers["Cache-Control"].startswith("private")
+        assert resp.headers["X-Robots-Tag"].startswith("noindex")
+        assert resp.headers["Referrer-Policy"] == "no-referrer"
+        cal = icalendar.Calendar.from_ical(resp.body)
+        assert len(cal.walk("VTODO")) == 6
+        events = {str(e["UID"]): e for e in cal.walk("VEVENT")}
+        at = [e for u, e in events.items() if u.endswith("-at")]
+        assert [str(e["SUMMARY"]) for e in at] == ["call the plumber"]
+        days = sorted(str(e["SUMMARY"]) for u, e in events.items() if u.endswith("-day"))
+        assert days == ["buy milk", "pay rent; twice, now", "ship it"]  # open and dated
+        assert data(client.get(f"{API}/auth/feeds"))["feeds"][0]["lastUsedAt"]
+        # a folder's feed holds that folder's tasks; the secret opens nothing else
+        work = data(client.post_json(f"{API}/auth/feeds", {"name": "W", "folder": "notes/work"}))
+        work_secret = re.search(r"/ics/([^/]+)\.ics$", work["url"]).group(1)
+        only = icalendar.Calendar.from_ical(plain.get(f"/ics/{work_secret}.ics").body)
+        assert [str(t["SUMMARY"]) for t in only.walk("VTODO")] == ["ship it"]
+        plain.get(f"{API}/notes", headers={KEY: secret}, status=401)
+        Dav(anon, secret)("PROPFIND", "calendars/", status=401, Depth="0")
+        # deleted: the link is gone; a read key may not make one
+        client.delete(f"{API}/auth/feeds/{made['id']}")
+        plain.get(f"/ics/{secret}.ics", status=404)
+        reader = as_key(client, new_grant(client, "read")["key"])
+        reader.post_json(f"{API}/auth/feeds", {"name": "x"}, status=403)
+
+    def test_unknown_feed_secrets_are_404_under_the_per_address_limit(self, anon):
+        plain = webtest.TestApp(anon.app)
+        statuses = [
+            plain.get(f"/ics/{'a' * 31}{i % 10}.ics", expect_errors=True).status_int
+            for i in range(12)
+        ]
+        assert statuses[0] == 404
+        assert statuses[-1] == 429
+
 
 class TestCalDAVClients:
     """The task lists judged by a real CalDAV client against a real server."""
