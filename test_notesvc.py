@@ -15393,6 +15393,36 @@ class TestDevicesInChromium:
         finally:
             server.stop()
 
+    def test_keys_and_devices_shows_the_caldav_address_and_makes_a_feed(self, browser, tmp_path):
+        """Tasks on your phone (README): the CalDAV address with the steps, and a calendar
+        feed made here whose link (shown once) serves the tasks."""
+        server = Server(tmp_path / "srv")
+        try:
+            key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
+            note = {"path": "notes/home/todo.md", "content": "- [ ] call the plumber\n"}
+            assert server.request("POST", f"{API}/notes", note, {KEY: key})[0] == 201
+            s = WebSession(browser, tmp_path, "phone")
+            s.login(server.url + "/", key)
+            page = s.page
+            page.click("#menu summary")
+            page.click("#menu-keys")
+            expect(page.locator("#caldav-url")).to_have_value(re.compile(r"^http://.*/dav/$"))
+            expect(page.locator("#caldav-steps")).to_contain_text("DAVx5")
+            expect(page.locator("#caldav-steps")).to_contain_text("Reminders")
+            expect(page.locator("#caldav-steps")).to_contain_text("Thunderbird")
+            page.fill("#feed-name", "Google")
+            page.click("#feed-create")
+            expect(page.locator("#feed-url")).to_have_value(re.compile(r"/ics/[\w-]{32}\.ics$"))
+            expect(page.locator("#feeds-list")).to_contain_text("Google")
+            path = urllib.parse.urlsplit(page.input_value("#feed-url")).path
+            with urllib.request.urlopen(server.url + path, timeout=10) as resp:
+                assert b"SUMMARY:call the plumber" in resp.read()
+            page.locator("#caldav-url").scroll_into_view_if_needed()
+            s.shot("tasks-on-your-phone")
+            assert unexpected(s.close()) == []
+        finally:
+            server.stop()
+
     def test_a_folder_pairing_lands_in_its_folder(self, browser, tmp_path):
         root = tmp_path / "srv"
         (root / "notes" / "family").mkdir(parents=True)
