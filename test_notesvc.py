@@ -21516,6 +21516,34 @@ class TestCalDAVClients:
             assert "fern" not in (root / "notes/home/Tasks.md").read_text()
             assert not any("Traceback" in line for line in server.lines)
 
+    def test_the_caldav_library_and_a_feed_through_a_relays_per_server_origin(
+        self, origins, tmp_path
+    ):
+        caldav = pytest.importorskip("caldav")
+        relay, server, setup, origin = origins
+        key = setup["apiKey"]
+        body = {"path": "notes/home/todo.md", "content": TASKS_NOTE}
+        assert server.request("POST", f"{API}/notes", body, {KEY: key})[0] == 201
+        client = caldav.DAVClient(
+            url=f"{origin}/.well-known/caldav", username="me", password=key, proxy=relay.url
+        )
+        lists = {c.get_display_name(): c for c in client.principal().calendars()}
+        home = lists["home"]
+        token = home.objects_by_sync_token(load_objects=False).sync_token
+        assert len(home.todos()) == 3  # a REPORT through the relay
+        milk = next(t for t in home.todos() if "milk" in str(t.icalendar_component["SUMMARY"]))
+        milk.complete()
+        assert "* [x] buy milk" in (tmp_path / "srv/notes/home/todo.md").read_text()
+        assert len(list(home.objects_by_sync_token(sync_token=token, load_objects=True))) == 1
+        feed = server.request("POST", f"{API}/auth/feeds", {"name": "G"}, {KEY: key})[2]["data"]
+        assert feed["url"].startswith(origin + "/ics/")
+        opener = urllib.request.build_opener(urllib.request.ProxyHandler({"http": relay.url}))
+        with opener.open(feed["url"], timeout=20) as resp:
+            assert resp.headers["Content-Type"] == "text/calendar; charset=utf-8"
+            assert b"SUMMARY:buy milk" in resp.read()
+        secret = feed["url"].rsplit("/", 1)[1][: -len(".ics")]
+        assert not any(secret in line for line in relay.lines + server.lines)
+
 
 def new_grant_on(server: Server, key: str, name: str) -> dict:
     body = {"name": name, "scope": "write"}
