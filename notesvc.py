@@ -5864,57 +5864,26 @@ class TaskBook:
         return note_title(text, path), task_lines(text)
 
     def _reconcile(self, scan: dict, changed: list, removed: list) -> None:
-        dirty = False
+        for p in scan:
+            if p not in self.parsed or p in changed:
+                self.parsed[p] = self._parse(p)
+        for p in removed:
+            self.parsed.pop(p, None)
         by_path: dict = {}
         for uid, rec in self.ids.items():
             by_path.setdefault(rec["path"], []).append(uid)
-        for p in list(scan):
-            if p not in self.parsed or p in changed:
-                title, found = self._parse(p)
-                self.parsed[p] = (title, found)
-        for p in removed:
-            self.parsed.pop(p, None)
-        orphans = []  # uids whose note is gone: a moved note finds them again
-        for p in removed:
-            orphans += by_path.get(p, [])
-        pending: list = []  # (path, task) without a UID yet
+        orphans = [u for p in removed for u in by_path.get(p, [])]  # a moved note's, maybe
         assigned: dict = {}  # path -> [uid per task]
         for p in changed:
-            title, found = self.parsed[p]
-            olds = list(by_path.get(p, []))
-            uids = self._match(olds, found)
-            orphans += [u for u in olds if u not in uids]
-            assigned[p] = uids
-            pending += [(p, i) for i, u in enumerate(uids) if u is None]
-        left = {}
-        for u in orphans:
-            left.setdefault(self.ids[u]["key"], []).append(u)
-        for p, i in pending:
-            task = self.parsed[p][1][i]
-            key = task_key(task["text"])
-            claim = self.claims.pop((p, key), None)
-            if claim is not None:
-                uid, href = claim
-                self.ids[uid] = {"path": p, "key": key, "href": href}
-            elif left.get(key):
-                uid = left[key].pop(0)
-                orphans.remove(uid)
-            else:
-                uid = new_uid()
-                self.ids[uid] = {"path": p, "key": key, "href": f"{uid}.ics"}
-            assigned[p][i] = uid
-        for u in orphans:  # removed
-            rec = self.ids.pop(u)
-            self.seq += 1
-            self.gone.append([self.seq, u, rec.get("href", f"{u}.ics"), rec.get("folder"), None])
-            dirty = True
-        if len(self.gone) > TOMBSTONES:
-            self.floor = self.gone[-TOMBSTONES - 1][0]
-            self.gone = self.gone[-TOMBSTONES:]
+            olds = by_path.get(p, [])
+            assigned[p] = self._match(olds, self.parsed[p][1])
+            orphans += [u for u in olds if u not in assigned[p]]
+        self._place(assigned, orphans)
+        dirty = self._bury(orphans)
         for p, uids in assigned.items():
             for i, uid in enumerate(uids):
-                rec = self.ids[uid]
-                rec["path"], rec["key"], rec["line"] = p, task_key(self.parsed[p][1][i]["text"]), i
+                key = task_key(self.parsed[p][1][i]["text"])
+                self.ids[uid].update(path=p, key=key, line=i)
         for p in removed:
             self.sigs.pop(p, None)
         for p in changed:
@@ -5922,6 +5891,40 @@ class TaskBook:
         dirty = self._settle(assigned) or dirty or bool(changed or removed)
         if dirty:
             self.save()
+
+    def _place(self, assigned: dict, orphans: list) -> None:
+        """Give each task still without a UID one: a client's claim on its line, else a
+        task of a vanished note with the same text (the note moved), else a new one."""
+        left: dict = {}
+        for u in orphans:
+            left.setdefault(self.ids[u]["key"], []).append(u)
+        for p, uids in assigned.items():
+            for i, uid in enumerate(uids):
+                if uid is not None:
+                    continue
+                key = task_key(self.parsed[p][1][i]["text"])
+                claim = self.claims.pop((p, key), None)
+                if claim is not None:
+                    uid, href = claim
+                    self.ids[uid] = {"path": p, "key": key, "href": href}
+                elif left.get(key):
+                    uid = left[key].pop(0)
+                    orphans.remove(uid)
+                else:
+                    uid = new_uid()
+                    self.ids[uid] = {"path": p, "key": key, "href": f"{uid}.ics"}
+                uids[i] = uid
+
+    def _bury(self, gone: list) -> bool:
+        """Forget removed tasks, keeping a tombstone of each for sync-collection."""
+        for u in gone:
+            rec = self.ids.pop(u)
+            self.seq += 1
+            self.gone.append([self.seq, u, rec.get("href", f"{u}.ics"), rec.get("folder"), None])
+        if len(self.gone) > TOMBSTONES:
+            self.floor = self.gone[-TOMBSTONES - 1][0]
+            self.gone = self.gone[-TOMBSTONES:]
+        return bool(gone)
 
     def _match(self, olds: list, found: list) -> list:
         """Pair a note's tasks with the UIDs its tasks had: the same text, then the nearest."""
@@ -31008,28 +31011,28 @@ def cal_sync(svc, book, lst: dict, items: list, root, ctx: dict, mode: str, want
         for i in items
         if i["task"]["seq"] > since
     ]
-    if since:
-        here = {i["task"]["uid"] for i in items}
-        folder = lst["folder"]
-        principal = ctx["principal"]
-        gone_hrefs = {}
-        for seq, uid, href, old, _path in book.gone:
-            if seq <= since or uid in here:
-                continue
-            if folder is not None and old != folder:
-                continue
-            if old and not _sees(principal, old + "/x"):
-                continue
-            gone_hrefs[href] = True
-        for href in gone_hrefs:
-            out.append(
-                _response(
-                    cal_href(ctx, f"{lst['path']}/{href}", False),
-                    "<D:status>HTTP/1.1 404 Not Found</D:status>",
-                )
+    for href in cal_gone(book, lst, items, since, ctx["principal"]) if since else ():
+        out.append(
+            _response(
+                cal_href(ctx, f"{lst['path']}/{href}", False),
+                "<D:status>HTTP/1.1 404 Not Found</D:status>",
             )
+        )
     token = cal_sync_token(book, ctx["principal"], lst["folder"])
     return cal_multistatus(out, f"<D:sync-token>{SYNC_PREFIX}{max(token, since)}</D:sync-token>")
+
+
+def cal_gone(book: TaskBook, lst: dict, items: list, since: int, principal: Principal) -> list:
+    """The names of the items a list lost since a sync token (removed, or moved away)."""
+    here = {i["task"]["uid"] for i in items}
+    folder = lst["folder"]
+    gone: dict = {}
+    for seq, uid, href, old, _path in book.gone:
+        if seq <= since or uid in here or (folder is not None and old != folder):
+            continue
+        if old is None or _sees(principal, old + "/x"):
+            gone[href] = True
+    return list(gone)
 
 
 # -- calendar-query filters (RFC 4791 9.7) ---------------------------------------------------
@@ -31172,51 +31175,21 @@ def cal_time_range(tr, svc: Service) -> Callable:
 
 
 def cal_read_object(svc: Service) -> dict:
-    """The VTODO of a PUT body: {uid, summary, status, due, categories, related}; 403 for
-    what a line cannot hold, 415/403 for what is not one VTODO."""
+    """The VTODO of a PUT body: {uid, summary, done, due, categories}; 403 for what a line
+    cannot hold, 415/403 for what is not one VTODO."""
     kind = (request_header("Content-Type") or "text/calendar").split(";")[0].strip().lower()
     if kind not in ("text/calendar", "application/octet-stream", ""):
         raise CalError(415, "a task is PUT as text/calendar", "C:supported-calendar-data")
     read, _ = request_body_reader(
         CAL_MAX_OBJECT, f"the calendar object limit ({CAL_MAX_OBJECT // 1024} KiB)"
     )
-    data = b"".join(iter(lambda: read(65536), b""))
-    try:
-        comps = ical_parse(data)
-    except ICalError as e:
-        raise CalError(403, f"not iCalendar: {e}", "C:valid-calendar-data") from None
-    if len(comps) != 1 or comps[0]["name"] != "VCALENDAR":
-        raise CalError(403, "a calendar object is one VCALENDAR", "C:valid-calendar-data")
-    todos = [c for c in comps[0]["subs"] if c["name"] == "VTODO"]
-    others = [c for c in comps[0]["subs"] if c["name"] not in ("VTODO", "VTIMEZONE")]
-    if others or len(todos) != 1:
-        raise CalError(403, "task lists hold one VTODO per item", "C:supported-calendar-component")
-    todo = todos[0]
-    props: dict = {}
-    for name, params, value in todo["props"]:
-        if name in CAL_REFUSED:
-            raise CalError(
-                403, f"a task line cannot hold {name}", "C:valid-calendar-object-resource"
-            )
-        props.setdefault(name, []).append((params, value))
-    for sub in todo["subs"]:
-        if sub["name"] != "VALARM":
-            raise CalError(
-                403,
-                f"a task line cannot hold a {sub['name'][:20]}",
-                "C:valid-calendar-object-resource",
-            )
-    uid = (props.get("UID") or [({}, "")])[0][1].strip()
+    props = cal_todo_props(b"".join(iter(lambda: read(65536), b"")))
+    uid = _first(props, "UID").strip()
     if not uid or len(uid) > 255 or any(ord(c) < 32 for c in uid):
-        raise CalError(403, "a VTODO needs a UID", "C:valid-calendar-object-resource")
-    status = (props.get("STATUS") or [({}, "NEEDS-ACTION")])[0][1].strip().upper()
+        raise _unfit("a VTODO needs a UID")
+    status = _first(props, "STATUS", "NEEDS-ACTION").strip().upper()
     if status not in ("NEEDS-ACTION", "COMPLETED"):
-        raise CalError(
-            403,
-            f"a task line is open or done, not {status[:20]}",
-            "C:valid-calendar-object-resource",
-        )
-    summary = " ".join(ical_unescape((props.get("SUMMARY") or [({}, "")])[0][1]).split())
+        raise _unfit(f"a task line is open or done, not {status[:20]}")
     due: Any = None
     if props.get("DUE"):
         params, value = props["DUE"][0]
@@ -31229,11 +31202,43 @@ def cal_read_object(svc: Service) -> dict:
         categories += [c.strip() for c in ical_split(value) if c.strip()]
     return {
         "uid": uid,
-        "summary": summary,
+        "summary": " ".join(ical_unescape(_first(props, "SUMMARY")).split()),
         "done": status == "COMPLETED",
         "due": due,
         "categories": list(dict.fromkeys(categories)),
     }
+
+
+def _first(props: dict, name: str, default: str = "") -> str:
+    return (props.get(name) or [({}, default)])[0][1]
+
+
+def _unfit(message: str) -> CalError:
+    return CalError(403, message, "C:valid-calendar-object-resource")
+
+
+def cal_todo_props(data: bytes) -> dict:
+    """{NAME: [(params, value)]} of the one VTODO of a calendar object; 403 for anything
+    else, and for what a task line cannot hold."""
+    try:
+        comps = ical_parse(data)
+    except ICalError as e:
+        raise CalError(403, f"not iCalendar: {e}", "C:valid-calendar-data") from None
+    if len(comps) != 1 or comps[0]["name"] != "VCALENDAR":
+        raise CalError(403, "a calendar object is one VCALENDAR", "C:valid-calendar-data")
+    todos = [c for c in comps[0]["subs"] if c["name"] == "VTODO"]
+    others = [c for c in comps[0]["subs"] if c["name"] not in ("VTODO", "VTIMEZONE")]
+    if others or len(todos) != 1:
+        raise CalError(403, "task lists hold one VTODO per item", "C:supported-calendar-component")
+    props: dict = {}
+    for name, params, value in todos[0]["props"]:
+        if name in CAL_REFUSED:
+            raise _unfit(f"a task line cannot hold {name}")
+        props.setdefault(name, []).append((params, value))
+    for sub in todos[0]["subs"]:
+        if sub["name"] != "VALARM":
+            raise _unfit(f"a task line cannot hold a {sub['name'][:20]}")
+    return props
 
 
 def cal_wall(svc: Service, due: Any) -> Any:
@@ -32766,9 +32771,8 @@ _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{8,64}\Z")
 # Request ids name a request in the log, they guard nothing: a seeded generator, not a
 # system call for each (os.urandom hands the GIL to another thread every time).
 _REQUEST_IDS = random.Random(os.urandom(16))  # noqa: S311 - not a secret
-_SHARE_PATH_RE = re.compile(r"(/s/|/shared/)[^/]+")  # share tokens never reach the log
-# nor feed secrets: /ics/…<the secret's last 4> (the hint GET /auth/feeds shows)
-_FEED_PATH_RE = re.compile(r"(/ics/)[^/]*?([^/]{0,4}?)(?:\.ics)?$")
+# share tokens and feed secrets never reach the log: /s/…<last 4>, /ics/…<last 4>
+_SHARE_PATH_RE = re.compile(r"(/s/|/shared/|/ics/)[^/]*?([^/]{0,4}?)(?:\.ics)?(?=/|$)")
 _RELAY_PREFIX_RE = re.compile(r"^/r/[^/]+(?=/)")
 _RELAYED_RE = re.compile(r"^/r/([^/]+)(/.*)?$")
 CORS_HEADERS = (
@@ -32874,7 +32878,7 @@ class NotesApp:
                 quick_info(
                     "%s %s %s %.1fms %s",
                     log_safe(method, 32),
-                    log_safe(_FEED_PATH_RE.sub(r"\1…\2", _SHARE_PATH_RE.sub(r"\1…", shown))),
+                    log_safe(_SHARE_PATH_RE.sub(r"\1…\2", shown)),
                     (status_seen or ["-"])[0].split(" ")[0],
                     (time.perf_counter() - started) * 1000,
                     rid,

@@ -97,9 +97,8 @@ _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{8,64}\Z")
 # Request ids name a request in the log, they guard nothing: a seeded generator, not a
 # system call for each (os.urandom hands the GIL to another thread every time).
 _REQUEST_IDS = random.Random(os.urandom(16))  # noqa: S311 - not a secret
-_SHARE_PATH_RE = re.compile(r"(/s/|/shared/)[^/]+")  # share tokens never reach the log
-# nor feed secrets: /ics/…<the secret's last 4> (the hint GET /auth/feeds shows)
-_FEED_PATH_RE = re.compile(r"(/ics/)[^/]*?([^/]{0,4}?)(?:\.ics)?$")
+# share tokens and feed secrets never reach the log: /s/…<last 4>, /ics/…<last 4>
+_SHARE_PATH_RE = re.compile(r"(/s/|/shared/|/ics/)[^/]*?([^/]{0,4}?)(?:\.ics)?(?=/|$)")
 _RELAY_PREFIX_RE = re.compile(r"^/r/[^/]+(?=/)")
 _RELAYED_RE = re.compile(r"^/r/([^/]+)(/.*)?$")
 CORS_HEADERS = (
@@ -205,7 +204,7 @@ class NotesApp:
                 quick_info(
                     "%s %s %s %.1fms %s",
                     log_safe(method, 32),
-                    log_safe(_FEED_PATH_RE.sub(r"\1…\2", _SHARE_PATH_RE.sub(r"\1…", shown))),
+                    log_safe(_SHARE_PATH_RE.sub(r"\1…\2", shown)),
                     (status_seen or ["-"])[0].split(" ")[0],
                     (time.perf_counter() - started) * 1000,
                     rid,

@@ -576,28 +576,28 @@ def cal_sync(svc, book, lst: dict, items: list, root, ctx: dict, mode: str, want
         for i in items
         if i["task"]["seq"] > since
     ]
-    if since:
-        here = {i["task"]["uid"] for i in items}
-        folder = lst["folder"]
-        principal = ctx["principal"]
-        gone_hrefs = {}
-        for seq, uid, href, old, _path in book.gone:
-            if seq <= since or uid in here:
-                continue
-            if folder is not None and old != folder:
-                continue
-            if old and not _sees(principal, old + "/x"):
-                continue
-            gone_hrefs[href] = True
-        for href in gone_hrefs:
-            out.append(
-                _response(
-                    cal_href(ctx, f"{lst['path']}/{href}", False),
-                    "<D:status>HTTP/1.1 404 Not Found</D:status>",
-                )
+    for href in cal_gone(book, lst, items, since, ctx["principal"]) if since else ():
+        out.append(
+            _response(
+                cal_href(ctx, f"{lst['path']}/{href}", False),
+                "<D:status>HTTP/1.1 404 Not Found</D:status>",
             )
+        )
     token = cal_sync_token(book, ctx["principal"], lst["folder"])
     return cal_multistatus(out, f"<D:sync-token>{SYNC_PREFIX}{max(token, since)}</D:sync-token>")
+
+
+def cal_gone(book: TaskBook, lst: dict, items: list, since: int, principal: Principal) -> list:
+    """The names of the items a list lost since a sync token (removed, or moved away)."""
+    here = {i["task"]["uid"] for i in items}
+    folder = lst["folder"]
+    gone: dict = {}
+    for seq, uid, href, old, _path in book.gone:
+        if seq <= since or uid in here or (folder is not None and old != folder):
+            continue
+        if old is None or _sees(principal, old + "/x"):
+            gone[href] = True
+    return list(gone)
 
 
 # -- calendar-query filters (RFC 4791 9.7) ---------------------------------------------------
@@ -740,51 +740,21 @@ def cal_time_range(tr, svc: Service) -> Callable:
 
 
 def cal_read_object(svc: Service) -> dict:
-    """The VTODO of a PUT body: {uid, summary, status, due, categories, related}; 403 for
-    what a line cannot hold, 415/403 for what is not one VTODO."""
+    """The VTODO of a PUT body: {uid, summary, done, due, categories}; 403 for what a line
+    cannot hold, 415/403 for what is not one VTODO."""
     kind = (request_header("Content-Type") or "text/calendar").split(";")[0].strip().lower()
     if kind not in ("text/calendar", "application/octet-stream", ""):
         raise CalError(415, "a task is PUT as text/calendar", "C:supported-calendar-data")
     read, _ = request_body_reader(
         CAL_MAX_OBJECT, f"the calendar object limit ({CAL_MAX_OBJECT // 1024} KiB)"
     )
-    data = b"".join(iter(lambda: read(65536), b""))
-    try:
-        comps = ical_parse(data)
-    except ICalError as e:
-        raise CalError(403, f"not iCalendar: {e}", "C:valid-calendar-data") from None
-    if len(comps) != 1 or comps[0]["name"] != "VCALENDAR":
-        raise CalError(403, "a calendar object is one VCALENDAR", "C:valid-calendar-data")
-    todos = [c for c in comps[0]["subs"] if c["name"] == "VTODO"]
-    others = [c for c in comps[0]["subs"] if c["name"] not in ("VTODO", "VTIMEZONE")]
-    if others or len(todos) != 1:
-        raise CalError(403, "task lists hold one VTODO per item", "C:supported-calendar-component")
-    todo = todos[0]
-    props: dict = {}
-    for name, params, value in todo["props"]:
-        if name in CAL_REFUSED:
-            raise CalError(
-                403, f"a task line cannot hold {name}", "C:valid-calendar-object-resource"
-            )
-        props.setdefault(name, []).append((params, value))
-    for sub in todo["subs"]:
-        if sub["name"] != "VALARM":
-            raise CalError(
-                403,
-                f"a task line cannot hold a {sub['name'][:20]}",
-                "C:valid-calendar-object-resource",
-            )
-    uid = (props.get("UID") or [({}, "")])[0][1].strip()
+    props = cal_todo_props(b"".join(iter(lambda: read(65536), b"")))
+    uid = _first(props, "UID").strip()
     if not uid or len(uid) > 255 or any(ord(c) < 32 for c in uid):
-        raise CalError(403, "a VTODO needs a UID", "C:valid-calendar-object-resource")
-    status = (props.get("STATUS") or [({}, "NEEDS-ACTION")])[0][1].strip().upper()
+        raise _unfit("a VTODO needs a UID")
+    status = _first(props, "STATUS", "NEEDS-ACTION").strip().upper()
     if status not in ("NEEDS-ACTION", "COMPLETED"):
-        raise CalError(
-            403,
-            f"a task line is open or done, not {status[:20]}",
-            "C:valid-calendar-object-resource",
-        )
-    summary = " ".join(ical_unescape((props.get("SUMMARY") or [({}, "")])[0][1]).split())
+        raise _unfit(f"a task line is open or done, not {status[:20]}")
     due: Any = None
     if props.get("DUE"):
         params, value = props["DUE"][0]
@@ -797,11 +767,43 @@ def cal_read_object(svc: Service) -> dict:
         categories += [c.strip() for c in ical_split(value) if c.strip()]
     return {
         "uid": uid,
-        "summary": summary,
+        "summary": " ".join(ical_unescape(_first(props, "SUMMARY")).split()),
         "done": status == "COMPLETED",
         "due": due,
         "categories": list(dict.fromkeys(categories)),
     }
+
+
+def _first(props: dict, name: str, default: str = "") -> str:
+    return (props.get(name) or [({}, default)])[0][1]
+
+
+def _unfit(message: str) -> CalError:
+    return CalError(403, message, "C:valid-calendar-object-resource")
+
+
+def cal_todo_props(data: bytes) -> dict:
+    """{NAME: [(params, value)]} of the one VTODO of a calendar object; 403 for anything
+    else, and for what a task line cannot hold."""
+    try:
+        comps = ical_parse(data)
+    except ICalError as e:
+        raise CalError(403, f"not iCalendar: {e}", "C:valid-calendar-data") from None
+    if len(comps) != 1 or comps[0]["name"] != "VCALENDAR":
+        raise CalError(403, "a calendar object is one VCALENDAR", "C:valid-calendar-data")
+    todos = [c for c in comps[0]["subs"] if c["name"] == "VTODO"]
+    others = [c for c in comps[0]["subs"] if c["name"] not in ("VTODO", "VTIMEZONE")]
+    if others or len(todos) != 1:
+        raise CalError(403, "task lists hold one VTODO per item", "C:supported-calendar-component")
+    props: dict = {}
+    for name, params, value in todos[0]["props"]:
+        if name in CAL_REFUSED:
+            raise _unfit(f"a task line cannot hold {name}")
+        props.setdefault(name, []).append((params, value))
+    for sub in todos[0]["subs"]:
+        if sub["name"] != "VALARM":
+            raise _unfit(f"a task line cannot hold a {sub['name'][:20]}")
+    return props
 
 
 def cal_wall(svc: Service, due: Any) -> Any:

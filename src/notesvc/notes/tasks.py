@@ -366,57 +366,26 @@ class TaskBook:
         return note_title(text, path), task_lines(text)
 
     def _reconcile(self, scan: dict, changed: list, removed: list) -> None:
-        dirty = False
+        for p in scan:
+            if p not in self.parsed or p in changed:
+                self.parsed[p] = self._parse(p)
+        for p in removed:
+            self.parsed.pop(p, None)
         by_path: dict = {}
         for uid, rec in self.ids.items():
             by_path.setdefault(rec["path"], []).append(uid)
-        for p in list(scan):
-            if p not in self.parsed or p in changed:
-                title, found = self._parse(p)
-                self.parsed[p] = (title, found)
-        for p in removed:
-            self.parsed.pop(p, None)
-        orphans = []  # uids whose note is gone: a moved note finds them again
-        for p in removed:
-            orphans += by_path.get(p, [])
-        pending: list = []  # (path, task) without a UID yet
+        orphans = [u for p in removed for u in by_path.get(p, [])]  # a moved note's, maybe
         assigned: dict = {}  # path -> [uid per task]
         for p in changed:
-            title, found = self.parsed[p]
-            olds = list(by_path.get(p, []))
-            uids = self._match(olds, found)
-            orphans += [u for u in olds if u not in uids]
-            assigned[p] = uids
-            pending += [(p, i) for i, u in enumerate(uids) if u is None]
-        left = {}
-        for u in orphans:
-            left.setdefault(self.ids[u]["key"], []).append(u)
-        for p, i in pending:
-            task = self.parsed[p][1][i]
-            key = task_key(task["text"])
-            claim = self.claims.pop((p, key), None)
-            if claim is not None:
-                uid, href = claim
-                self.ids[uid] = {"path": p, "key": key, "href": href}
-            elif left.get(key):
-                uid = left[key].pop(0)
-                orphans.remove(uid)
-            else:
-                uid = new_uid()
-                self.ids[uid] = {"path": p, "key": key, "href": f"{uid}.ics"}
-            assigned[p][i] = uid
-        for u in orphans:  # removed
-            rec = self.ids.pop(u)
-            self.seq += 1
-            self.gone.append([self.seq, u, rec.get("href", f"{u}.ics"), rec.get("folder"), None])
-            dirty = True
-        if len(self.gone) > TOMBSTONES:
-            self.floor = self.gone[-TOMBSTONES - 1][0]
-            self.gone = self.gone[-TOMBSTONES:]
+            olds = by_path.get(p, [])
+            assigned[p] = self._match(olds, self.parsed[p][1])
+            orphans += [u for u in olds if u not in assigned[p]]
+        self._place(assigned, orphans)
+        dirty = self._bury(orphans)
         for p, uids in assigned.items():
             for i, uid in enumerate(uids):
-                rec = self.ids[uid]
-                rec["path"], rec["key"], rec["line"] = p, task_key(self.parsed[p][1][i]["text"]), i
+                key = task_key(self.parsed[p][1][i]["text"])
+                self.ids[uid].update(path=p, key=key, line=i)
         for p in removed:
             self.sigs.pop(p, None)
         for p in changed:
@@ -424,6 +393,40 @@ class TaskBook:
         dirty = self._settle(assigned) or dirty or bool(changed or removed)
         if dirty:
             self.save()
+
+    def _place(self, assigned: dict, orphans: list) -> None:
+        """Give each task still without a UID one: a client's claim on its line, else a
+        task of a vanished note with the same text (the note moved), else a new one."""
+        left: dict = {}
+        for u in orphans:
+            left.setdefault(self.ids[u]["key"], []).append(u)
+        for p, uids in assigned.items():
+            for i, uid in enumerate(uids):
+                if uid is not None:
+                    continue
+                key = task_key(self.parsed[p][1][i]["text"])
+                claim = self.claims.pop((p, key), None)
+                if claim is not None:
+                    uid, href = claim
+                    self.ids[uid] = {"path": p, "key": key, "href": href}
+                elif left.get(key):
+                    uid = left[key].pop(0)
+                    orphans.remove(uid)
+                else:
+                    uid = new_uid()
+                    self.ids[uid] = {"path": p, "key": key, "href": f"{uid}.ics"}
+                uids[i] = uid
+
+    def _bury(self, gone: list) -> bool:
+        """Forget removed tasks, keeping a tombstone of each for sync-collection."""
+        for u in gone:
+            rec = self.ids.pop(u)
+            self.seq += 1
+            self.gone.append([self.seq, u, rec.get("href", f"{u}.ics"), rec.get("folder"), None])
+        if len(self.gone) > TOMBSTONES:
+            self.floor = self.gone[-TOMBSTONES - 1][0]
+            self.gone = self.gone[-TOMBSTONES:]
+        return bool(gone)
 
     def _match(self, olds: list, found: list) -> list:
         """Pair a note's tasks with the UIDs its tasks had: the same text, then the nearest."""
