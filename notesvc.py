@@ -5888,7 +5888,7 @@ class TaskBook:
             self.sigs.pop(p, None)
         for p in changed:
             self.sigs[p] = list(scan[p])
-        dirty = self._settle(assigned) or dirty or bool(changed or removed)
+        dirty = self._settle(set(changed) | set(removed)) or dirty or bool(changed or removed)
         if dirty:
             self.save()
 
@@ -5950,18 +5950,21 @@ class TaskBook:
                 free.remove(best)
         return uids
 
-    def _settle(self, assigned: dict) -> bool:
-        """Rebuild the served tasks; each whose properties changed takes the next seq."""
+    def _settle(self, touched: set) -> bool:
+        """Rebuild the served tasks of the notes touched (all at the first look); each task
+        whose properties changed takes the next seq."""
         now = time.time()
         dirty = False
-        tasks: dict = {}
+        every = not self.tasks
+        tasks = {u: t for u, t in self.tasks.items() if t["path"] not in touched and u in self.ids}
         places: dict = {}  # (path, index) -> uid
         for uid, rec in self.ids.items():
+            if not every and rec["path"] not in touched:
+                continue
             title, found = self.parsed.get(rec["path"], ("", []))
             i = rec.get("line", 0)
-            if i >= len(found):
-                continue
-            places[(rec["path"], i)] = uid
+            if i < len(found):
+                places[(rec["path"], i)] = uid
         for (path, i), uid in places.items():
             title, found = self.parsed[path]
             t = found[i]

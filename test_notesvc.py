@@ -21473,7 +21473,7 @@ class TestCalDAVClients:
     ):
         caldav = pytest.importorskip("caldav")
         root = tmp_path / "root"
-        with running(root) as server:
+        with running(root) as server, contextlib.ExitStack() as stack:
             key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
             name = new_grant_on(server, key, "phone")
             body = {"path": "notes/home/todo.md", "content": TASKS_NOTE}
@@ -21481,6 +21481,7 @@ class TestCalDAVClients:
             client = caldav.DAVClient(
                 url=f"{server.url}/.well-known/caldav", username="me", password=name["key"]
             )
+            stack.enter_context(client)  # (its connections closed at the end)
             lists = {c.get_display_name(): c for c in client.principal().calendars()}
             assert set(lists) == {"All tasks", "home"}
             home = lists["home"]
@@ -21520,6 +21521,11 @@ class TestCalDAVClients:
         self, origins, tmp_path
     ):
         caldav = pytest.importorskip("caldav")
+        with contextlib.ExitStack() as stack:
+            self.through_a_relay(caldav, stack, origins, tmp_path)
+
+    @staticmethod
+    def through_a_relay(caldav, stack, origins, tmp_path) -> None:
         relay, server, setup, origin = origins
         key = setup["apiKey"]
         body = {"path": "notes/home/todo.md", "content": TASKS_NOTE}
@@ -21527,6 +21533,7 @@ class TestCalDAVClients:
         client = caldav.DAVClient(
             url=f"{origin}/.well-known/caldav", username="me", password=key, proxy=relay.url
         )
+        stack.enter_context(client)  # (its connections closed at the end)
         lists = {c.get_display_name(): c for c in client.principal().calendars()}
         home = lists["home"]
         token = home.objects_by_sync_token(load_objects=False).sync_token
