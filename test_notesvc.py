@@ -20611,6 +20611,8 @@ class TestDav:
 LITMUS = shutil.which("litmus")
 RCLONE = shutil.which("rclone")
 CADAVER = shutil.which("cadaver")
+VDIRSYNCER = shutil.which("vdirsyncer")
+KHAL = shutil.which("khal")
 
 
 def rclone_env(url: str, key: str, proxy: str = "") -> dict:
@@ -21550,6 +21552,94 @@ class TestCalDAVClients:
             assert b"SUMMARY:buy milk" in resp.read()
         secret = feed["url"].rsplit("/", 1)[1][: -len(".ics")]
         assert not any(secret in line for line in relay.lines + server.lines)
+
+    def test_vdirsyncer_syncs_a_task_list_both_ways_and_a_second_sync_converges(self, tmp_path):
+        if not VDIRSYNCER:
+            pytest.skip("no vdirsyncer on this machine (Debian: apt install vdirsyncer)")
+        root = tmp_path / "root"
+        with running(root) as server:
+            key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
+            content = "# Home\n\n- [ ] call the plumber 📅 2026-12-02\n- [ ] buy milk\n"
+            body = {"path": "notes/home/todo.md", "content": content}
+            assert server.request("POST", f"{API}/notes", body, {KEY: key})[0] == 201
+            req = urllib.request.Request(
+                f"{server.url}/dav/calendars/",
+                method="PROPFIND",
+                headers={"Authorization": basic(key), "Depth": "1"},
+            )
+            with urllib.request.urlopen(req, timeout=10) as resp:
+                (list_id,) = re.findall(r"/dav/calendars/(f-[0-9a-f]+)/<", resp.read().decode())
+            local = tmp_path / "cal"
+            config = tmp_path / "vdirsyncer.conf"
+            config.write_text(
+                f'[general]\nstatus_path = "{tmp_path}/status/"\n\n'
+                f'[pair tasks]\na = "mine"\nb = "server"\ncollections = ["{list_id}"]\n\n'
+                f'[storage mine]\ntype = "filesystem"\npath = "{local}/"\nfileext = ".ics"\n\n'
+                f'[storage server]\ntype = "caldav"\nurl = "{server.url}/"\n'
+                f'username = "me"\npassword = "{key}"\nitem_types = ["VTODO"]\n'
+            )
+
+            def vdirsyncer(*args: str) -> str:
+                done = subprocess.run(
+                    [VDIRSYNCER, "-c", str(config), *args],
+                    input="y\n" * 5,
+                    capture_output=True,
+                    text=True,
+                    timeout=120,
+                )
+                assert done.returncode == 0, done.stdout + done.stderr
+                return done.stdout + done.stderr
+
+            vdirsyncer("discover")
+            vdirsyncer("sync")
+            files = {f.read_text(): f for f in (local / list_id).glob("*.ics")}
+            assert len(files) == 2
+            milk = next(f for text, f in files.items() if "SUMMARY:buy milk" in text)
+            plumber = next(f for text, f in files.items() if "plumber" in text)
+            # an edit on each side: ticked here, a new date on the server
+            milk.write_text(milk.read_text().replace("NEEDS-ACTION", "COMPLETED"))
+            path = urllib.parse.quote("notes/home/todo.md", safe="")
+            edit = {"content": content.replace("2026-12-02", "2026-12-09")}
+            assert server.request("PUT", f"{API}/notes/{path}", edit, {KEY: key})[0] == 200
+            vdirsyncer("sync")
+            text = (root / "notes/home/todo.md").read_text()
+            assert text == "# Home\n\n- [ ] call the plumber 📅 2026-12-09\n- [x] buy milk\n"
+            assert "DUE;VALUE=DATE:20261209" in plumber.read_text()
+            quiet = vdirsyncer("sync")  # converged: nothing to copy either way
+            assert not re.search(r"Copying|Updating|Deleting", quiet), quiet
+            assert not any("Traceback" in line for line in server.lines)
+
+    def test_khal_imports_the_feed(self, tmp_path):
+        if not KHAL:
+            pytest.skip("no khal on this machine (Debian: apt install khal)")
+        with running(tmp_path / "root", env={"SERVICE_TIMEZONE": "UTC"}) as server:
+            key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
+            body = {"path": "notes/home/todo.md", "content": TASKS_NOTE}
+            assert server.request("POST", f"{API}/notes", body, {KEY: key})[0] == 201
+            made = server.request("POST", f"{API}/auth/feeds", {"name": "Phone"}, {KEY: key})
+            with urllib.request.urlopen(made[2]["data"]["url"], timeout=10) as resp:
+                (tmp_path / "feed.ics").write_bytes(resp.read())
+        (tmp_path / "cal").mkdir()
+        (tmp_path / "khal.conf").write_text(
+            f"[calendars]\n[[tasks]]\npath = {tmp_path}/cal/\n"
+            "[locale]\ntimeformat = %H:%M\ndateformat = %Y-%m-%d\n"
+            "longdateformat = %Y-%m-%d\ndatetimeformat = %Y-%m-%d %H:%M\n"
+            "longdatetimeformat = %Y-%m-%d %H:%M\ndefault_timezone = UTC\nlocal_timezone = UTC\n"
+            f"[sqlite]\npath = {tmp_path}/khal.db\n"
+        )
+
+        def khal(*args: str) -> str:
+            cmd = [KHAL, "-c", str(tmp_path / "khal.conf"), *args]
+            done = subprocess.run(cmd, capture_output=True, text=True, timeout=60)
+            assert done.returncode == 0, done.stdout + done.stderr
+            return done.stdout
+
+        khal("import", "--batch", "-a", "tasks", str(tmp_path / "feed.ics"))
+        listed = khal("list", "2026-12-01", "2026-12-10")
+        assert "09:00-09:15 call the plumber" in listed  # the ⏰ time (SERVICE_TIMEZONE: UTC)
+        assert "buy milk" in listed
+        assert "pay rent; twice, now" in listed
+        assert "water the plants" not in listed  # done: no all-day event
 
 
 def new_grant_on(server: Server, key: str, name: str) -> dict:
