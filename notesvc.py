@@ -6039,7 +6039,7 @@ class TaskBook:
     # -- asking ---------------------------------------------------------------------------
 
     def folder_of_list(self, list_id: str) -> str | None:
-        for folder, i in self.folders.items():
+        for folder, i in list(self.folders.items()):  # (a refresh may add one meanwhile)
             if i == list_id:
                 return folder
         return None
