@@ -21350,6 +21350,24 @@ class TestCalDAV:
         )
         assert "- [ ] for the inbox" in (root / "notes/inbox/Tasks.md").read_text()
 
+    def test_a_new_subtask_goes_under_its_parent(self, client, dav, root):
+        put_note(client, "notes/home/todo.md", TASKS_NOTE)
+        home = list_ids(dav)["home"]
+        items = cal_items(dav("REPORT", home, QUERY_TODOS.format("").encode()))
+        parent = next(b for b in items.values() if "SUMMARY:call the plumber" in b)
+        uid = re.search(r"UID:(\S+)", parent).group(1)
+        child = vtodo("sub-1", "SUMMARY:ask about the boiler", f"RELATED-TO;RELTYPE=PARENT:{uid}")
+        dav("PUT", f"{home}sub-1.ics", child, status=201)
+        lines = (root / "notes/home/todo.md").read_text().split("\n")
+        assert lines[2:5] == [
+            "- [ ] call the plumber ⏰ 2026-12-02 09:00",
+            "  - [x] find the number #phone",
+            "  - [ ] ask about the boiler",
+        ]
+        got = dav("GET", f"{home}sub-1.ics").text
+        assert f"RELATED-TO;RELTYPE=PARENT:{uid}" in got
+        assert not (root / "notes/home/Tasks.md").exists()
+
     def test_bad_calendar_objects_are_refused_with_their_precondition(self, client, dav, root):
         put_note(client, "notes/home/todo.md", TASKS_NOTE)
         home = list_ids(dav)["home"]

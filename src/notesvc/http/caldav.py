@@ -765,7 +765,13 @@ def cal_read_object(svc: Service) -> dict:
     categories: list = []
     for _params, value in props.get("CATEGORIES", []):
         categories += [c.strip() for c in ical_split(value) if c.strip()]
+    parents = [
+        v.strip()
+        for params, v in props.get("RELATED-TO", [])
+        if params.get("RELTYPE", "PARENT").upper() == "PARENT"
+    ]
     return {
+        "parent": parents[0] if parents else None,
         "uid": uid,
         "summary": " ".join(ical_unescape(_first(props, "SUMMARY")).split()),
         "done": status == "COMPLETED",
@@ -875,9 +881,10 @@ def _check_if_match(task: dict | None) -> None:
         raise DavError(412, "a task is already there (If-None-Match: *)")
 
 
-def cal_edit_line(svc: Service, book: TaskBook, task: dict, change: Callable) -> None:
-    """Replace the task's line by change(line) (None: remove it), as a versioned write
-    on the note as it is now; 412 when the line is not there exactly once."""
+def cal_edit_line(svc: Service, task: dict, change: Callable) -> None:
+    """Edit the note around the task's line: change(lines, at) alters the list of lines
+    (the note split on "\n"; `at` the task's line), written as a versioned write on the
+    note as it is now; 412 when the line is not there exactly once."""
     path = task["path"]
     for _ in range(5):
         try:
@@ -891,13 +898,10 @@ def cal_edit_line(svc: Service, book: TaskBook, task: dict, change: Callable) ->
             if len(spots) != 1:
                 raise DavError(412, "the task's line changed in the note: sync again")
             at = spots[0]
-        new = change(lines[at])
-        if new is None:
-            del lines[at]
-        elif new == lines[at]:
+        before = list(lines)
+        change(lines, at)
+        if lines == before:
             return
-        else:
-            lines[at] = new
         with contextlib.suppress(PreconditionFailed):
             svc.notes.update(path, "\n".join(lines), make_etag(raw), reason="caldav")
             return
@@ -928,18 +932,14 @@ def cal_put(svc: Service, book: TaskBook, res: dict, ctx: dict):
             f"<D:href>{_xesc(href)}</D:href>",
         )
     if task is not None:
-        cal_edit_line(svc, book, task, lambda line: cal_rewrite(svc, {**task, "text": line}, new))
+
+        def edit(lines: list, at: int) -> None:
+            lines[at] = cal_rewrite(svc, {**task, "text": lines[at]}, new)
+
+        cal_edit_line(svc, task, edit)
         status = 204
     else:
-        folder = res["list"]["folder"] or principal.folder or INBOX
-        path = f"{folder}/{TASKS_NOTE}"
-        if not _sees(principal, path):
-            raise DavError(404, f"no task list {res['list']['id']}")
-        line = task_line_of(
-            new["done"], new["summary"], cal_wall(svc, new["due"]), new["categories"]
-        )
-        book.claim(path, line, uid, res["href"])
-        cal_append(svc, path, line)
+        cal_put_new(svc, book, res, principal, new)
         status = 201
     book.refresh(force=True)
     done = book.tasks.get(uid)
@@ -947,6 +947,39 @@ def cal_put(svc: Service, book: TaskBook, res: dict, ctx: dict):
     if done is not None:
         bottle.response.set_header("ETag", done["etag"])
     return b""
+
+
+def cal_put_new(svc: Service, book: TaskBook, res: dict, principal: Principal, new: dict):
+    """A client's new task: a line under its parent task (RELATED-TO) when that is in
+    this list, else a line at the end of the list's <folder>/Tasks.md."""
+    parent = book.tasks.get(new["parent"] or "")
+    folder = res["list"]["folder"]
+    if parent and _sees(principal, parent["path"]) and folder in (None, parent["folder"]):
+        m = TASK_LINE_RE.match(parent["text"])
+        indent = m.group(1) + " " * len(m.group(2) + m.group(3))
+        line = task_line_of(
+            new["done"], new["summary"], cal_wall(svc, new["due"]), new["categories"], indent
+        )
+        book.claim(parent["path"], line, new["uid"], res["href"])
+
+        def insert(lines: list, at: int) -> None:
+            width = len(m.group(1).expandtabs(4))
+            end = at + 1
+            while end < len(lines) and lines[end].strip():
+                shown = lines[end].expandtabs(4)
+                if len(shown) - len(shown.lstrip()) <= width:
+                    break
+                end += 1
+            lines.insert(end, line)
+
+        cal_edit_line(svc, parent, insert)
+        return
+    path = f"{folder or principal.folder or INBOX}/{TASKS_NOTE}"
+    if not _sees(principal, path):
+        raise DavError(404, f"no task list {res['list']['id']}")
+    line = task_line_of(new["done"], new["summary"], cal_wall(svc, new["due"]), new["categories"])
+    book.claim(path, line, new["uid"], res["href"])
+    cal_append(svc, path, line)
 
 
 def cal_append(svc: Service, path: str, line: str) -> None:
@@ -975,7 +1008,11 @@ def cal_delete(svc: Service, book: TaskBook, res: dict, ctx: dict):
     if task is None:
         raise DavError(404, f"nothing at /dav/{res['path']}")
     _check_if_match(task)
-    cal_edit_line(svc, book, task, lambda line: None)
+
+    def drop(lines: list, at: int) -> None:
+        del lines[at]
+
+    cal_edit_line(svc, task, drop)
     book.refresh(force=True)
     bottle.response.status = 204
     return b""
