@@ -21659,6 +21659,45 @@ class TestCalDAVClients:
         assert "pay rent; twice, now" in listed
         assert "water the plants" not in listed  # done: no all-day event
 
+    def test_a_flood_of_reports_from_one_key_leaves_the_owner_answered_within_a_second(
+        self, tmp_path
+    ):
+        with running(tmp_path / "root") as server:
+            key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
+            for n in range(20):
+                tasks = "".join(f"- [ ] task {n}.{i}\n" for i in range(10))
+                body = {"path": f"notes/home/t{n}.md", "content": tasks}
+                assert server.request("POST", f"{API}/notes", body, {KEY: key})[0] == 201
+            phone = basic(new_grant_on(server, key, "phone")["key"])
+            report = sync_body("urn:notesvc:sync:150")
+            until = time.monotonic() + 3
+            answered: list = []
+
+            def flood() -> None:
+                conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+                headers = {"Authorization": phone, "Content-Type": "application/xml"}
+                while time.monotonic() < until:
+                    conn.request("REPORT", "/dav/calendars/all/", report, headers)
+                    resp = conn.getresponse()
+                    resp.read()
+                    answered.append(resp.status)
+                conn.close()
+
+            threads = [threading.Thread(target=flood) for _ in range(8)]
+            for t in threads:
+                t.start()
+            waits = []
+            while time.monotonic() < until:
+                started = time.monotonic()
+                assert server.request("GET", f"{API}/notes", None, {KEY: key})[0] == 200
+                waits.append(time.monotonic() - started)
+                time.sleep(0.1)
+            for t in threads:
+                t.join()
+            assert set(answered) == {207}
+            assert len(answered) > 300  # (about 1,200 a second on a CI machine)
+            assert max(waits) < 1.0, waits
+
 
 def new_grant_on(server: Server, key: str, name: str) -> dict:
     body = {"name": name, "scope": "write"}
