@@ -21230,6 +21230,14 @@ class TestCalDAV:
         # the folder's list followed the note (the id of a folder that holds no tasks now)
         assert list_ids(dav)["work"] == home
 
+    def test_wrong_passwords_on_task_lists_count_toward_the_lockout(self, anon):
+        wrong = Dav(anon, "nsk_wrong")
+        for _ in range(10):
+            resp = wrong("REPORT", "calendars/all/", sync_body(), status=401)
+            assert resp.headers["WWW-Authenticate"].startswith('Basic realm="notesvc"')
+        wrong("PROPFIND", "calendars/", status=429, Depth="0")
+        Dav(anon, key_of(anon))("PROPFIND", "calendars/", status=429, Depth="0")
+
     def test_discovery_from_the_well_known_url(self, anon, dav):
         plain = webtest.TestApp(anon.app, lint=False)
         resp = plain.request("/.well-known/caldav", method="PROPFIND", status=301)
@@ -21329,6 +21337,10 @@ class TestCalDAV:
         versions = data(client.get(f"{note_url('notes/home/todo.md')}/versions"))["versions"]
         assert versions[0]["reason"] == "caldav"
         dav("PUT", item, done, status=412, If_Match=etag)  # stale
+        reopened = done.replace(b"STATUS:COMPLETED", b"STATUS:NEEDS-ACTION")
+        dav("PUT", item, reopened, status=204)  # unticked: that line only, as it was
+        assert (root / "notes/home/todo.md").read_text() == TASKS_NOTE
+        dav("PUT", item, done, status=204)
         moved = vtodo(uid, "SUMMARY:buy oat milk", "STATUS:COMPLETED", "DUE:20261204T090000Z")
         dav("PUT", item, moved, status=204)
         line = (root / "notes/home/todo.md").read_text().split("\n")[4]
