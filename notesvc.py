@@ -5821,6 +5821,7 @@ class TaskBook:
         self.sigs: dict = dict(kept.get("sigs", {}))  # note path -> [size, mtime_ns]
         self.claims: dict = {}  # (path, key) -> (uid, href): a client's new task
         self.tasks: dict = {}  # uid -> the task as served (after refresh)
+        self.by_href: dict = {}  # an item's name -> its uid
 
     def save(self) -> None:
         atomic_write(
@@ -6012,6 +6013,7 @@ class TaskBook:
             tasks[uid] = task
         dirty = self._name_folders({t["folder"] for t in tasks.values()}, tasks) or dirty
         self.tasks = tasks
+        self.by_href = {t["href"]: u for u, t in tasks.items()}
         return dirty
 
     def _name_folders(self, holding: set, tasks: dict) -> bool:
@@ -30729,8 +30731,9 @@ def cal_sync_token(book: TaskBook, principal: Principal, folder: str | None) -> 
     return max(seqs, default=0)
 
 
-def cal_props(svc: Service, book: TaskBook, res: dict, ctx: dict) -> dict:
-    """{(ns, local): xml} of a resource's properties."""
+def cal_props(svc: Service, book: TaskBook, res: dict, ctx: dict, names=None) -> dict:
+    """{(ns, local): xml} of a resource's properties (of an item, its calendar data only
+    when `names`, the local names asked for, holds it or its length; None: all)."""
     principal = ctx["principal"]
     me = _prop("DAV:", "href", _xesc(cal_href(ctx, "principal", True)))
     home = _prop("DAV:", "href", _xesc(cal_href(ctx, "calendars", True)))
@@ -30783,14 +30786,15 @@ def cal_props(svc: Service, book: TaskBook, res: dict, ctx: dict) -> dict:
         )
     elif kind == "item":
         task = res["task"]
-        data = cal_item_data(svc, task, ctx)
         out[("DAV:", "resourcetype")] = "<D:resourcetype/>"
         out[("DAV:", "getetag")] = _prop("DAV:", "getetag", _xesc(task["etag"]))
         out[("DAV:", "getcontenttype")] = _prop("DAV:", "getcontenttype", CAL_ITEM_TYPE)
-        out[("DAV:", "getcontentlength")] = _prop("DAV:", "getcontentlength", str(len(data)))
-        out[(CAL_NS, "calendar-data")] = _prop(
-            CAL_NS, "calendar-data", _xesc(data.decode("utf-8")).replace("\r", "&#13;")
-        )
+        if names is None or {"calendar-data", "getcontentlength"} & names:
+            data = cal_item_data(svc, task, ctx)
+            out[("DAV:", "getcontentlength")] = _prop("DAV:", "getcontentlength", str(len(data)))
+            out[(CAL_NS, "calendar-data")] = _prop(
+                CAL_NS, "calendar-data", _xesc(data.decode("utf-8")).replace("\r", "&#13;")
+            )
     return out
 
 
@@ -30966,6 +30970,16 @@ def cal_report(svc: Service, book: TaskBook, res: dict, ctx: dict):
     lst = res["list"] if res["kind"] == "item" else res
     principal = ctx["principal"]
     mode, wanted = cal_wanted(root)
+    if root.tag == f"{{{CAL_NS}}}calendar-multiget":
+        out = []
+        for h in root.findall("{DAV:}href"):
+            path = urllib.parse.urlsplit(urllib.parse.unquote((h.text or "").strip())).path
+            found = cal_find_item(book, principal, lst, ctx, path)
+            if found is None:
+                out.append(_response(path, "<D:status>HTTP/1.1 404 Not Found</D:status>"))
+            else:
+                out.append(cal_item_response(svc, book, found, ctx, mode, wanted))
+        return cal_multistatus(out)
     items = [cal_item_of(lst, t) for t in cal_list_tasks(book, principal, lst["folder"])]
     if root.tag == f"{{{CAL_NS}}}calendar-query":
         flt = root.find(f"{{{CAL_NS}}}filter")
@@ -30973,25 +30987,31 @@ def cal_report(svc: Service, book: TaskBook, res: dict, ctx: dict):
         return cal_multistatus(
             [cal_item_response(svc, book, i, ctx, mode, wanted) for i in items if test(i["task"])]
         )
-    if root.tag == f"{{{CAL_NS}}}calendar-multiget":
-        by_href = {cal_href(ctx, i["path"], False): i for i in items}
-        out = []
-        for h in root.findall("{DAV:}href"):
-            href = urllib.parse.unquote((h.text or "").strip())
-            path = urllib.parse.urlsplit(href).path
-            found = by_href.get(urllib.parse.quote(path))
-            if found is None:
-                out.append(_response(path, "<D:status>HTTP/1.1 404 Not Found</D:status>"))
-            else:
-                out.append(cal_item_response(svc, book, found, ctx, mode, wanted))
-        return cal_multistatus(out)
     if root.tag == "{DAV:}sync-collection":
         return cal_sync(svc, book, lst, items, root, ctx, mode, wanted)
     raise CalError(403, "this REPORT is not served", "D:supported-report")
 
 
+def cal_find_item(book: TaskBook, principal: Principal, lst: dict, ctx: dict, path: str):
+    """The item a multiget's href names in this list (None: none the key sees)."""
+    prefix = f"{ctx['base']}/{lst['path']}/"
+    name = path[len(prefix) :] if path.startswith(prefix) else ""
+    if not name or "/" in name:
+        return None
+    task = book.tasks.get(book.by_href.get(name, ""))
+
+    def fits(t: dict) -> bool:
+        folder = lst["folder"]
+        return t["href"] == name and _sees(principal, t["path"]) and folder in (None, t["folder"])
+
+    if task is None or not fits(task):  # (two lists may hold an href of the same name)
+        task = next((t for t in book.tasks.values() if fits(t)), None)
+    return cal_item_of(lst, task) if task is not None else None
+
+
 def cal_item_response(svc, book, item: dict, ctx: dict, mode: str, wanted: list) -> str:
-    props = cal_props(svc, book, item, ctx)
+    names = {local for _ns, local, _tag in wanted} if mode == "prop" else None
+    props = cal_props(svc, book, item, ctx, names)
     return _response(cal_href(ctx, item["path"], False), cal_propstat(props, mode, wanted))
 
 

@@ -323,6 +323,7 @@ class TaskBook:
         self.sigs: dict = dict(kept.get("sigs", {}))  # note path -> [size, mtime_ns]
         self.claims: dict = {}  # (path, key) -> (uid, href): a client's new task
         self.tasks: dict = {}  # uid -> the task as served (after refresh)
+        self.by_href: dict = {}  # an item's name -> its uid
 
     def save(self) -> None:
         atomic_write(
@@ -514,6 +515,7 @@ class TaskBook:
             tasks[uid] = task
         dirty = self._name_folders({t["folder"] for t in tasks.values()}, tasks) or dirty
         self.tasks = tasks
+        self.by_href = {t["href"]: u for u, t in tasks.items()}
         return dirty
 
     def _name_folders(self, holding: set, tasks: dict) -> bool:
