@@ -5822,6 +5822,7 @@ class TaskBook:
         self.claims: dict = {}  # (path, key) -> (uid, href): a client's new task
         self.tasks: dict = {}  # uid -> the task as served (after refresh)
         self.by_href: dict = {}  # an item's name -> its uid
+        self.holding: set = set()  # the folders that hold tasks
 
     def save(self) -> None:
         atomic_write(
@@ -6014,6 +6015,7 @@ class TaskBook:
         dirty = self._name_folders({t["folder"] for t in tasks.values()}, tasks) or dirty
         self.tasks = tasks
         self.by_href = {t["href"]: u for u, t in tasks.items()}
+        self.holding = {t["folder"] for t in tasks.values()}
         return dirty
 
     def _name_folders(self, holding: set, tasks: dict) -> bool:
@@ -30656,7 +30658,7 @@ def _sees(principal: Principal, path: str) -> bool:
 def cal_lists(book: TaskBook, principal: Principal) -> list:
     """The task lists a key sees: (list id, folder or None, display name)."""
     out = [(ALL_LIST, None, "All tasks")]
-    holding = {t["folder"] for t in book.tasks.values() if _sees(principal, t["path"])}
+    holding = {f for f in book.holding if _sees(principal, f + "/")}
     for folder in sorted(holding):
         fid = book.folders.get(folder)
         if fid:
@@ -30734,6 +30736,8 @@ def cal_sync_token(book: TaskBook, principal: Principal, folder: str | None) -> 
 def cal_props(svc: Service, book: TaskBook, res: dict, ctx: dict, names=None) -> dict:
     """{(ns, local): xml} of a resource's properties (of an item, its calendar data only
     when `names`, the local names asked for, holds it or its length; None: all)."""
+    if res["kind"] == "item":
+        return cal_item_props(svc, res["task"], ctx, names)
     principal = ctx["principal"]
     me = _prop("DAV:", "href", _xesc(cal_href(ctx, "principal", True)))
     home = _prop("DAV:", "href", _xesc(cal_href(ctx, "calendars", True)))
@@ -30784,17 +30788,6 @@ def cal_props(svc: Service, book: TaskBook, res: dict, ctx: dict, names=None) ->
                 for r in ("<C:calendar-query/>", "<C:calendar-multiget/>", "<D:sync-collection/>")
             ),
         )
-    elif kind == "item":
-        task = res["task"]
-        out[("DAV:", "resourcetype")] = "<D:resourcetype/>"
-        out[("DAV:", "getetag")] = _prop("DAV:", "getetag", _xesc(task["etag"]))
-        out[("DAV:", "getcontenttype")] = _prop("DAV:", "getcontenttype", CAL_ITEM_TYPE)
-        if names is None or {"calendar-data", "getcontentlength"} & names:
-            data = cal_item_data(svc, task, ctx)
-            out[("DAV:", "getcontentlength")] = _prop("DAV:", "getcontentlength", str(len(data)))
-            out[(CAL_NS, "calendar-data")] = _prop(
-                CAL_NS, "calendar-data", _xesc(data.decode("utf-8")).replace("\r", "&#13;")
-            )
     return out
 
 
@@ -30808,6 +30801,21 @@ def cal_wanted(root) -> tuple:
         if child.tag == "{DAV:}prop":
             return "prop", [(*_dav_name(c.tag), c.tag) for c in child]
     return "allprop", []
+
+
+def cal_item_props(svc: Service, task: dict, ctx: dict, names) -> dict:
+    out = {
+        ("DAV:", "resourcetype"): "<D:resourcetype/>",
+        ("DAV:", "getetag"): _prop("DAV:", "getetag", _xesc(task["etag"])),
+        ("DAV:", "getcontenttype"): _prop("DAV:", "getcontenttype", CAL_ITEM_TYPE),
+    }
+    if names is None or {"calendar-data", "getcontentlength"} & names:
+        data = cal_item_data(svc, task, ctx)
+        out[("DAV:", "getcontentlength")] = _prop("DAV:", "getcontentlength", str(len(data)))
+        out[(CAL_NS, "calendar-data")] = _prop(
+            CAL_NS, "calendar-data", _xesc(data.decode("utf-8")).replace("\r", "&#13;")
+        )
+    return out
 
 
 def cal_propstat(props: dict, mode: str, wanted: list) -> str:

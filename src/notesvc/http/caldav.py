@@ -216,7 +216,7 @@ def _sees(principal: Principal, path: str) -> bool:
 def cal_lists(book: TaskBook, principal: Principal) -> list:
     """The task lists a key sees: (list id, folder or None, display name)."""
     out = [(ALL_LIST, None, "All tasks")]
-    holding = {t["folder"] for t in book.tasks.values() if _sees(principal, t["path"])}
+    holding = {f for f in book.holding if _sees(principal, f + "/")}
     for folder in sorted(holding):
         fid = book.folders.get(folder)
         if fid:
@@ -294,6 +294,8 @@ def cal_sync_token(book: TaskBook, principal: Principal, folder: str | None) -> 
 def cal_props(svc: Service, book: TaskBook, res: dict, ctx: dict, names=None) -> dict:
     """{(ns, local): xml} of a resource's properties (of an item, its calendar data only
     when `names`, the local names asked for, holds it or its length; None: all)."""
+    if res["kind"] == "item":
+        return cal_item_props(svc, res["task"], ctx, names)
     principal = ctx["principal"]
     me = _prop("DAV:", "href", _xesc(cal_href(ctx, "principal", True)))
     home = _prop("DAV:", "href", _xesc(cal_href(ctx, "calendars", True)))
@@ -344,17 +346,6 @@ def cal_props(svc: Service, book: TaskBook, res: dict, ctx: dict, names=None) ->
                 for r in ("<C:calendar-query/>", "<C:calendar-multiget/>", "<D:sync-collection/>")
             ),
         )
-    elif kind == "item":
-        task = res["task"]
-        out[("DAV:", "resourcetype")] = "<D:resourcetype/>"
-        out[("DAV:", "getetag")] = _prop("DAV:", "getetag", _xesc(task["etag"]))
-        out[("DAV:", "getcontenttype")] = _prop("DAV:", "getcontenttype", CAL_ITEM_TYPE)
-        if names is None or {"calendar-data", "getcontentlength"} & names:
-            data = cal_item_data(svc, task, ctx)
-            out[("DAV:", "getcontentlength")] = _prop("DAV:", "getcontentlength", str(len(data)))
-            out[(CAL_NS, "calendar-data")] = _prop(
-                CAL_NS, "calendar-data", _xesc(data.decode("utf-8")).replace("\r", "&#13;")
-            )
     return out
 
 
@@ -368,6 +359,21 @@ def cal_wanted(root) -> tuple:
         if child.tag == "{DAV:}prop":
             return "prop", [(*_dav_name(c.tag), c.tag) for c in child]
     return "allprop", []
+
+
+def cal_item_props(svc: Service, task: dict, ctx: dict, names) -> dict:
+    out = {
+        ("DAV:", "resourcetype"): "<D:resourcetype/>",
+        ("DAV:", "getetag"): _prop("DAV:", "getetag", _xesc(task["etag"])),
+        ("DAV:", "getcontenttype"): _prop("DAV:", "getcontenttype", CAL_ITEM_TYPE),
+    }
+    if names is None or {"calendar-data", "getcontentlength"} & names:
+        data = cal_item_data(svc, task, ctx)
+        out[("DAV:", "getcontentlength")] = _prop("DAV:", "getcontentlength", str(len(data)))
+        out[(CAL_NS, "calendar-data")] = _prop(
+            CAL_NS, "calendar-data", _xesc(data.decode("utf-8")).replace("\r", "&#13;")
+        )
+    return out
 
 
 def cal_propstat(props: dict, mode: str, wanted: list) -> str:

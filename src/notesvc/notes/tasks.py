@@ -324,6 +324,7 @@ class TaskBook:
         self.claims: dict = {}  # (path, key) -> (uid, href): a client's new task
         self.tasks: dict = {}  # uid -> the task as served (after refresh)
         self.by_href: dict = {}  # an item's name -> its uid
+        self.holding: set = set()  # the folders that hold tasks
 
     def save(self) -> None:
         atomic_write(
@@ -516,6 +517,7 @@ class TaskBook:
         dirty = self._name_folders({t["folder"] for t in tasks.values()}, tasks) or dirty
         self.tasks = tasks
         self.by_href = {t["href"]: u for u, t in tasks.items()}
+        self.holding = {t["folder"] for t in tasks.values()}
         return dirty
 
     def _name_folders(self, holding: set, tasks: dict) -> bool:
