@@ -21238,6 +21238,46 @@ class TestCalDAV:
         wrong("PROPFIND", "calendars/", status=429, Depth="0")
         Dav(anon, key_of(anon))("PROPFIND", "calendars/", status=429, Depth="0")
 
+    def test_identities_and_sync_tokens_survive_a_restart(self, make_app, root):
+        app = make_app()
+        client, dav = with_key(app), Dav(app, key_of(app))
+        put_note(client, "notes/home/todo.md", TASKS_NOTE)
+
+        def uids(dav: Dav) -> set:
+            items = cal_items(dav("REPORT", "calendars/all/", QUERY_TODOS.format("").encode()))
+            return {re.search(r"UID:(\S+)", b).group(1) for b in items.values()}
+
+        before = uids(dav)
+        update(client, "notes/home/todo.md", TASKS_NOTE.replace("buy milk", "buy oat milk"))
+        after_edit = uids(dav)  # (written to the log, not the snapshot)
+        assert after_edit == before
+        first = dav("REPORT", "calendars/all/", sync_body(), status=207).text
+        token = re.search(r"<D:sync-token>([^<]+)</D:sync-token>", first).group(1)
+        app.app.service.close()
+        assert (root / ".notesvc/caldav.log").stat().st_size > 0
+        again = make_app()
+        dav2 = Dav(again, key_of(app))
+        assert uids(dav2) == before
+        quiet = dav2("REPORT", "calendars/all/", sync_body(token), status=207).text
+        assert "<D:response>" not in quiet  # the same token: nothing changed
+
+    def test_the_log_of_identities_is_folded_into_the_snapshot(self, make_app, root, monkeypatch):
+        monkeypatch.setattr(notesvc.TaskBook, "LOG_LINES", 2)
+        app = make_app()
+        client, dav = with_key(app), Dav(app, key_of(app))
+        put_note(client, "notes/home/todo.md", TASKS_NOTE)
+        seen = []
+        for n in range(5):
+            update(client, "notes/home/todo.md", TASKS_NOTE + f"- [ ] extra {n}\n")
+            items = cal_items(dav("REPORT", "calendars/all/", QUERY_TODOS.format("").encode()))
+            seen.append(sorted(re.findall(r"UID:(\S+)", "".join(items.values()))))
+        log = (root / ".notesvc/caldav.log").read_bytes()
+        assert log.count(b"\n") <= 2  # folded every 2 lines
+        app.app.service.close()
+        again = Dav(make_app(), key_of(app))
+        items = cal_items(again("REPORT", "calendars/all/", QUERY_TODOS.format("").encode()))
+        assert sorted(re.findall(r"UID:(\S+)", "".join(items.values()))) == seen[-1]
+
     def test_discovery_from_the_well_known_url(self, anon, dav):
         plain = webtest.TestApp(anon.app, lint=False)
         resp = plain.request("/.well-known/caldav", method="PROPFIND", status=301)

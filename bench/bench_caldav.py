@@ -227,8 +227,28 @@ def sync(peer: Peer, token: str = "") -> tuple:
     return _TOKEN_RE.search(body).group(1).decode(), got, gone
 
 
-def upload(peer: Peer, items: dict) -> None:
-    """PUT every {name: iCalendar} into the peer's list, 8 at a time."""
+def upload(peer: Peer, items: dict, folder: Path) -> None:
+    """Load every {name: iCalendar} into the peer's list the quickest way it takes: one PUT
+    of the whole calendar into Radicale's collection (a PUT an item costs Radicale and
+    Xandikos 60-80 ms, and more as the list grows), one commit into Xandikos' git folder."""
+    if peer.name == "Radicale":
+        todos = [
+            re.search(rb"BEGIN:VTODO.*END:VTODO\r\n", d, re.S).group(0) for d in items.values()
+        ]
+        whole = b"BEGIN:VCALENDAR\r\nVERSION:2.0\r\nPRODID:-//bench//EN\r\n"
+        whole += b"".join(todos) + b"END:VCALENDAR\r\n"
+        hdrs = peer.headers(**{"Content-Type": "text/calendar; charset=utf-8"})
+        status, _, body = request(peer.conn(), "PUT", peer.collection, whole, hdrs)
+        assert status in (201, 204), (peer.name, status, body[:300])
+        return
+    if peer.name == "Xandikos":
+        repo = folder / "dav" / peer.collection.strip("/")
+        for name, data in items.items():
+            (repo / name).write_bytes(data)
+        git = ["git", "-C", str(repo), "-c", "user.name=bench", "-c", "user.email=bench@x"]
+        subprocess.run([*git, "add", "-A"], check=True)
+        subprocess.run([*git, "commit", "-qm", "tasks"], check=True)
+        return
 
     def put(chunk: list) -> None:
         conn = peer.conn()
@@ -318,14 +338,16 @@ def main() -> None:
     for name, starter in (("radicale", start_radicale), ("xandikos", start_xandikos)):
         (work / name).mkdir()
         peer = starter(work / name)
-        upload(peer, items)
+        upload(peer, items, work / name)
         peers.append(peer)
     figures: dict = {p.name: {"full": [], "ten": [], "cpu_full": [], "cpu_ten": []} for p in peers}
-    changes = sorted(items)[:: max(1, len(items) // 10)][:10]
+    changes: dict = {}
     try:
         for p in peers:  # warm up, and check that each holds every task
             _, got, _ = sync(p)
             assert len(got) == len(items), (p.name, len(got))
+            names = sorted(h.rsplit("/", 1)[1] for h in got)
+            changes[p.name] = names[:: max(1, len(names) // 10)][:10]
         for _ in range(args.rounds):
             for p in peers:
                 cpu = proc_figures(p.proc.pid)["cpu_s"]
@@ -334,7 +356,7 @@ def main() -> None:
                 figures[p.name]["full"].append(time.perf_counter() - started)
                 figures[p.name]["cpu_full"].append(proc_figures(p.proc.pid)["cpu_s"] - cpu)
                 assert len(got) == len(items), (p.name, len(got))
-                toggle(p, changes)
+                toggle(p, changes[p.name])
                 cpu = proc_figures(p.proc.pid)["cpu_s"]
                 started = time.perf_counter()
                 _, got, _ = sync(p, token)

@@ -257,7 +257,7 @@ def cal_resource(book: TaskBook, principal: Principal, parts: list) -> dict:
     if len(parts) == 2:
         return lst
     href = parts[2]
-    task = next((t for t in cal_list_tasks(book, principal, folder) if t["href"] == href), None)
+    task = cal_task_named(book, principal, folder, href)
     return {
         "kind": "item",
         "path": f"calendars/{lid}/{href}",
@@ -564,15 +564,20 @@ def cal_find_item(book: TaskBook, principal: Principal, lst: dict, ctx: dict, pa
     name = path[len(prefix) :] if path.startswith(prefix) else ""
     if not name or "/" in name:
         return None
-    task = book.tasks.get(book.by_href.get(name, ""))
+    task = cal_task_named(book, principal, lst["folder"], name)
+    return cal_item_of(lst, task) if task is not None else None
+
+
+def cal_task_named(book: TaskBook, principal: Principal, folder: str | None, name: str):
+    """The task of a list (a folder's, or None: all) whose item is named `name`."""
 
     def fits(t: dict) -> bool:
-        folder = lst["folder"]
         return t["href"] == name and _sees(principal, t["path"]) and folder in (None, t["folder"])
 
-    if task is None or not fits(task):  # (two lists may hold an href of the same name)
+    task = book.tasks.get(book.by_href.get(name, ""))
+    if task is None or not fits(task):  # (two lists may hold an item of the same name)
         task = next((t for t in book.tasks.values() if fits(t)), None)
-    return cal_item_of(lst, task) if task is not None else None
+    return task
 
 
 def cal_item_response(svc, book, item: dict, ctx: dict, mode: str, wanted: list) -> str:
@@ -965,7 +970,7 @@ def cal_put(svc: Service, book: TaskBook, res: dict, ctx: dict):
     else:
         cal_put_new(svc, book, res, principal, new)
         status = 201
-    book.refresh(force=True)
+    book.refresh()
     done = book.tasks.get(uid)
     bottle.response.status = status
     if done is not None:
@@ -1037,7 +1042,7 @@ def cal_delete(svc: Service, book: TaskBook, res: dict, ctx: dict):
         del lines[at]
 
     cal_edit_line(svc, task, drop)
-    book.refresh(force=True)
+    book.refresh()
     bottle.response.status = 204
     return b""
 

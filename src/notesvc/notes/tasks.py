@@ -6,13 +6,16 @@ import datetime as dt
 import difflib
 import hashlib
 import json
+import os
 import re
 import secrets
+import stat
 import threading
 import time
 from typing import Any
 
-from notesvc.helpers import atomic_write, time_zone, timestamp_of
+from notesvc.errors import ApiError
+from notesvc.helpers import atomic_write, disk_writes, flush_each, time_zone, timestamp_of
 from notesvc.notes.paths import note_title
 
 # == task lines ===============================================================
@@ -310,54 +313,139 @@ class TaskBook:
         self.zone = zone_name
         self.lock = threading.RLock()
         self.parsed: dict = {}  # note path -> (signature, title, [task dicts])
-        self.seen_journal: Any = object()
+        self.seen_journal: Any = None
+        self.loaded = False  # every note looked at once
+        self.log_file = state_dir / "caldav.log"
         try:
             kept = json.loads(self.file.read_text(encoding="utf-8"))
         except (OSError, ValueError):
             kept = {}
+        self.gen = int(kept.get("gen", 0))  # the snapshot's generation: its log's lines
+        self.logged = 0  # lines in the log since the snapshot
+        self.tombstones = 0  # tombstones made by this run (what a log line carries)
         self.seq = int(kept.get("seq", 0))
         self.floor = int(kept.get("floor", 0))
         self.folders: dict = dict(kept.get("folders", {}))  # folder path -> list id
         self.ids: dict = dict(kept.get("tasks", {}))  # uid -> record
         self.gone: list = list(kept.get("gone", []))  # [seq, uid, href, folder, path]
         self.sigs: dict = dict(kept.get("sigs", {}))  # note path -> [size, mtime_ns]
+        self._replay()
         self.claims: dict = {}  # (path, key) -> (uid, href): a client's new task
         self.tasks: dict = {}  # uid -> the task as served (after refresh)
         self.by_href: dict = {}  # an item's name -> its uid
         self.holding: set = set()  # the folders that hold tasks
 
-    def save(self) -> None:
-        atomic_write(
-            self.file,
-            json.dumps(
-                {
-                    "seq": self.seq,
-                    "floor": self.floor,
-                    "folders": self.folders,
-                    "tasks": self.ids,
-                    "gone": self.gone,
-                    "sigs": self.sigs,
-                },
-                ensure_ascii=False,
-            ).encode("utf-8"),
-        )
+    # -- on disk: a snapshot (caldav.json) and the changes since (caldav.log) --------------
+    #
+    # A change appends one line naming what it changed (fsync'ed: a few hundred bytes, not
+    # the whole snapshot); every LOG_LINES lines the snapshot is written again (atomically,
+    # with the next generation) and the log starts over. Lines of another generation (a
+    # crash between the two) and a torn last line are ignored when read back.
+
+    LOG_LINES = 500
+
+    def _replay(self) -> None:
+        try:
+            with open(self.log_file, "rb") as f:
+                lines = f.read().split(b"\n")
+        except OSError:
+            return
+        for raw in lines:
+            try:
+                change = json.loads(raw)
+            except ValueError:
+                break  # a torn last line
+            if not isinstance(change, dict) or change.get("gen") != self.gen:
+                continue
+            self.seq, self.floor = change["seq"], change["floor"]
+            self.folders = change["folders"]
+            for uid, rec in change["tasks"].items():
+                if rec is None:
+                    self.ids.pop(uid, None)
+                else:
+                    self.ids[uid] = rec
+            for path, sig in change["sigs"].items():
+                if sig is None:
+                    self.sigs.pop(path, None)
+                else:
+                    self.sigs[path] = sig
+            self.gone = (self.gone + change["gone"])[-TOMBSTONES:]
+            self.logged += 1
+
+    def save(self, uids: Any = None, paths: Any = (), buried: int = 0) -> None:
+        """Keep what changed: the records of `uids`, the signatures of `paths`, the last
+        `buried` tombstones (uids None: everything, as a new snapshot)."""
+        if uids is None or self.logged >= self.LOG_LINES:
+            self.gen += 1
+            whole = {"gen": self.gen, "seq": self.seq, "floor": self.floor}
+            whole.update(folders=self.folders, tasks=self.ids, gone=self.gone, sigs=self.sigs)
+            atomic_write(self.file, json.dumps(whole, ensure_ascii=False).encode("utf-8"))
+            atomic_write(self.log_file, b"")
+            self.logged = 0
+            return
+        change = {"gen": self.gen, "seq": self.seq, "floor": self.floor, "folders": self.folders}
+        change["tasks"] = {u: self.ids.get(u) for u in uids}
+        change["sigs"] = {p: self.sigs.get(p) for p in paths}
+        change["gone"] = self.gone[len(self.gone) - buried :] if buried else []
+        line = json.dumps(change, ensure_ascii=False).encode("utf-8") + b"\n"
+        with disk_writes(), open(self.log_file, "ab") as f:
+            f.write(line)
+            f.flush()
+            if flush_each():
+                os.fsync(f.fileno())
+        self.logged += 1
 
     # -- reading the notes ------------------------------------------------------------
 
     def refresh(self, force: bool = False) -> dict:
-        """Bring the tasks up to date with the notes; return {uid: task}."""
+        """Bring the tasks up to date with the notes; return {uid: task}. After the first
+        look (every note), only the notes the change journal names since the last look
+        are looked at again (all of them again when it no longer holds those changes)."""
         with self.lock:
             journal = getattr(self.notes, "journal", None)
             last = journal.last if journal is not None else None
-            if not force and last is not None and last == self.seen_journal and self.tasks:
+            if not force and last is not None and last == self.seen_journal and self.loaded:
                 return self.tasks
-            scan = self.notes.scan()
+            paths = self._journal_paths(journal, last) if self.loaded and not force else None
+            if paths is None:
+                scan = self.notes.scan()
+                removed = [p for p in self.sigs if p not in scan]
+            else:
+                scan = {p: sig for p in paths if (sig := self._stat(p)) is not None}
+                removed = [p for p in paths if p not in scan and p in self.sigs]
             changed = [p for p, sig in scan.items() if self.sigs.get(p) != list(sig)]
-            removed = [p for p in self.sigs if p not in scan]
-            if changed or removed or not self.tasks:
+            if changed or removed or not self.loaded:
                 self._reconcile(scan, changed, removed)
+            self.loaded = True
             self.seen_journal = last
             return self.tasks
+
+    def _journal_paths(self, journal: Any, last: Any) -> set | None:
+        """The notes changed since the last look, as the journal has them (None: unknown)."""
+        since = self.seen_journal
+        if journal is None or not isinstance(since, int) or not isinstance(last, int):
+            return None
+        paths: set = set()
+        try:
+            while since < last:
+                got = journal.read(since, 1000)
+                for c in got["changes"]:
+                    paths.add(c["path"])
+                    if c.get("from"):
+                        paths.add(c["from"])
+                if got["last"] == since:
+                    break
+                since = got["last"]
+        except ApiError:  # compacted away, or reset: look at every note
+            return None
+        return paths
+
+    def _stat(self, path: str) -> tuple | None:
+        try:
+            st = os.stat(self.notes.on_disk(path))
+        except (OSError, ApiError):
+            return None
+        return (st.st_size, st.st_mtime_ns) if stat.S_ISREG(st.st_mode) else None
 
     def _parse(self, path: str) -> tuple:
         try:
@@ -383,6 +471,7 @@ class TaskBook:
             assigned[p] = self._match(olds, self.parsed[p][1])
             orphans += [u for u in olds if u not in assigned[p]]
         self._place(assigned, orphans)
+        before = self.tombstones
         dirty = self._bury(orphans)
         for p, uids in assigned.items():
             for i, uid in enumerate(uids):
@@ -394,7 +483,8 @@ class TaskBook:
             self.sigs[p] = list(scan[p])
         dirty = self._settle(set(changed) | set(removed)) or dirty or bool(changed or removed)
         if dirty:
-            self.save()
+            uids = {u for found in assigned.values() for u in found} | set(orphans)
+            self.save(uids if self.loaded else None, [*changed, *removed], self.tombstones - before)
 
     def _place(self, assigned: dict, orphans: list) -> None:
         """Give each task still without a UID one: a client's claim on its line, else a
@@ -425,6 +515,7 @@ class TaskBook:
             rec = self.ids.pop(u)
             self.seq += 1
             self.gone.append([self.seq, u, rec.get("href", f"{u}.ics"), rec.get("folder"), None])
+            self.tombstones += 1
         if len(self.gone) > TOMBSTONES:
             self.floor = self.gone[-TOMBSTONES - 1][0]
             self.gone = self.gone[-TOMBSTONES:]
@@ -500,6 +591,7 @@ class TaskBook:
                 if rec.get("folder") and rec["folder"] != folder:
                     self.seq += 1  # it left its old folder's list
                     self.gone.append([self.seq, uid, task["href"], rec["folder"], path])
+                    self.tombstones += 1
                 self.seq += 1
                 rec.update(shape=digest, folder=folder, seq=self.seq, stamp=now)
                 dirty = True
