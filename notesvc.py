@@ -5901,19 +5901,26 @@ class TaskBook:
             last = journal.last if journal is not None else None
             if not force and last is not None and last == self.seen_journal and self.loaded:
                 return self.tasks
-            paths = self._journal_paths(journal, last) if self.loaded and not force else None
-            if paths is None:
-                scan = self.notes.scan()
-                removed = [p for p in self.sigs if p not in scan]
-            else:
-                scan = {p: sig for p in paths if (sig := self._stat(p)) is not None}
-                removed = [p for p in paths if p not in scan and p in self.sigs]
+            scan, removed = self._look(journal, last, force)
             changed = [p for p, sig in scan.items() if self.sigs.get(p) != list(sig)]
             if changed or removed or not self.loaded:
                 self._reconcile(scan, changed, removed)
             self.loaded = True
             self.seen_journal = last
             return self.tasks
+
+    def _look(self, journal: Any, last: Any, force: bool) -> tuple:
+        """({note: signature}, [notes gone]) of every note, or of those the journal names."""
+        paths = self._journal_paths(journal, last) if self.loaded and not force else None
+        if paths is None:
+            scan = self.notes.scan()
+            return scan, [p for p in self.sigs if p not in scan]
+        scan = {}
+        for p in paths:
+            sig = self._stat(p)
+            if sig is not None:
+                scan[p] = sig
+        return scan, [p for p in paths if p not in scan and p in self.sigs]
 
     def _journal_paths(self, journal: Any, last: Any) -> set | None:
         """The notes changed since the last look, as the journal has them (None: unknown)."""
@@ -5968,18 +5975,21 @@ class TaskBook:
         self._place(assigned, orphans)
         before = self.tombstones
         dirty = self._bury(orphans)
-        for p, uids in assigned.items():
-            for i, uid in enumerate(uids):
-                key = task_key(self.parsed[p][1][i]["text"])
-                self.ids[uid].update(path=p, key=key, line=i)
-        for p in removed:
-            self.sigs.pop(p, None)
-        for p in changed:
-            self.sigs[p] = list(scan[p])
+        self._keep_places(assigned, scan, removed)
         dirty = self._settle(set(changed) | set(removed)) or dirty or bool(changed or removed)
         if dirty:
             uids = {u for found in assigned.values() for u in found} | set(orphans)
             self.save(uids if self.loaded else None, [*changed, *removed], self.tombstones - before)
+
+    def _keep_places(self, assigned: dict, scan: dict, removed: list) -> None:
+        """Record where each task of the changed notes is now, and the notes' signatures."""
+        for p, uids in assigned.items():
+            for i, uid in enumerate(uids):
+                key = task_key(self.parsed[p][1][i]["text"])
+                self.ids[uid].update(path=p, key=key, line=i)
+            self.sigs[p] = list(scan[p])
+        for p in removed:
+            self.sigs.pop(p, None)
 
     def _place(self, assigned: dict, orphans: list) -> None:
         """Give each task still without a UID one: a client's claim on its line, else a
@@ -6051,60 +6061,66 @@ class TaskBook:
         for uid, rec in self.ids.items():
             if not every and rec["path"] not in touched:
                 continue
-            title, found = self.parsed.get(rec["path"], ("", []))
+            _title, found = self.parsed.get(rec["path"], ("", []))
             i = rec.get("line", 0)
             if i < len(found):
                 places[(rec["path"], i)] = uid
         for (path, i), uid in places.items():
-            title, found = self.parsed[path]
-            t = found[i]
-            rec = self.ids[uid]
-            folder = path.rsplit("/", 1)[0]
-            parent = places.get((path, t["parent"])) if t["parent"] is not None else None
-            task = {
-                "uid": uid,
-                "path": path,
-                "folder": folder,
-                "href": rec.get("href", f"{uid}.ics"),
-                "title": title,
-                "summary": t["summary"],
-                "done": t["done"],
-                "due": t["due"],
-                "alarm": alarm_utc(t["wall"], self.zone),
-                "categories": t["categories"],
-                "parent_uid": parent,
-                "text": t["text"],
-                "line": t["line"],
-            }
-            shape = json.dumps(
-                [task[k] for k in ("title", "summary", "done", "categories", "parent_uid")]
-                + [str(task["due"]), str(task["alarm"])],
-                ensure_ascii=False,
-            )
-            digest = hashlib.sha256(shape.encode()).hexdigest()[:24]
-            if rec.get("shape") != digest or rec.get("folder") != folder:
-                if rec.get("folder") and rec["folder"] != folder:
-                    self.seq += 1  # it left its old folder's list
-                    self.gone.append([self.seq, uid, task["href"], rec["folder"], path])
-                    self.tombstones += 1
-                self.seq += 1
-                rec.update(shape=digest, folder=folder, seq=self.seq, stamp=now)
-                dirty = True
-            if task["done"] and not rec.get("completed"):
-                rec["completed"] = rec.get("stamp", now)
-                dirty = True
-            elif not task["done"] and rec.get("completed"):
-                rec["completed"] = None
-                dirty = True
-            task.update(seq=rec["seq"], stamp=rec["stamp"], completed=rec.get("completed"))
-            task["etag"] = (
-                '"' + hashlib.sha256(f"{digest}{rec['stamp']}".encode()).hexdigest()[:32] + '"'
-            )
-            tasks[uid] = task
+            tasks[uid] = task = self._served(uid, path, i, places)
+            dirty = self._stamp(self.ids[uid], task, now) or dirty
         dirty = self._name_folders({t["folder"] for t in tasks.values()}, tasks) or dirty
         self.tasks = tasks
         self.by_href = {t["href"]: u for u, t in tasks.items()}
         self.holding = {t["folder"] for t in tasks.values()}
+        return dirty
+
+    def _served(self, uid: str, path: str, i: int, places: dict) -> dict:
+        """The task as served, from its line (the i-th task line of its note)."""
+        title, found = self.parsed[path]
+        t = found[i]
+        parent = places.get((path, t["parent"])) if t["parent"] is not None else None
+        return {
+            "uid": uid,
+            "path": path,
+            "folder": path.rsplit("/", 1)[0],
+            "href": self.ids[uid].get("href", f"{uid}.ics"),
+            "title": title,
+            "summary": t["summary"],
+            "done": t["done"],
+            "due": t["due"],
+            "alarm": alarm_utc(t["wall"], self.zone),
+            "categories": t["categories"],
+            "parent_uid": parent,
+            "text": t["text"],
+            "line": t["line"],
+        }
+
+    def _stamp(self, rec: dict, task: dict, now: float) -> bool:
+        """Give a task whose properties (or list) changed the next seq and a new stamp,
+        its COMPLETED time the first time it is seen ticked; then its seq, stamp and ETag.
+        Return whether its record changed."""
+        shape = json.dumps(
+            [task[k] for k in ("title", "summary", "done", "categories", "parent_uid")]
+            + [str(task["due"]), str(task["alarm"])],
+            ensure_ascii=False,
+        )
+        digest = hashlib.sha256(shape.encode()).hexdigest()[:24]
+        folder, dirty = task["folder"], False
+        if rec.get("shape") != digest or rec.get("folder") != folder:
+            if rec.get("folder") and rec["folder"] != folder:
+                self.seq += 1  # it left its old folder's list
+                self.gone.append([self.seq, task["uid"], task["href"], rec["folder"], task["path"]])
+                self.tombstones += 1
+            self.seq += 1
+            rec.update(shape=digest, folder=folder, seq=self.seq, stamp=now)
+            dirty = True
+        if task["done"] != bool(rec.get("completed")):
+            rec["completed"] = rec["stamp"] if task["done"] else None
+            dirty = True
+        task.update(seq=rec["seq"], stamp=rec["stamp"], completed=rec.get("completed"))
+        task["etag"] = (
+            '"' + hashlib.sha256(f"{digest}{rec['stamp']}".encode()).hexdigest()[:32] + '"'
+        )
         return dirty
 
     def _name_folders(self, holding: set, tasks: dict) -> bool:
