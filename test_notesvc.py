@@ -21621,6 +21621,11 @@ class TestCalDAVClients:
             assert resp.headers["Content-Type"] == "text/calendar; charset=utf-8"
             assert b"SUMMARY:buy milk" in resp.read()
         secret = feed["url"].rsplit("/", 1)[1][: -len(".ics")]
+        # and on the relay's own host, under /r/<serverId>/
+        path_based = f"{relay.url}/r/{setup['serverId']}/ics/{secret}.ics"
+        with urllib.request.urlopen(path_based, timeout=20) as resp:
+            assert resp.headers["Content-Type"] == "text/calendar; charset=utf-8"
+            assert b"SUMMARY:buy milk" in resp.read()
         assert not any(secret in line for line in relay.lines + server.lines)
 
     def test_vdirsyncer_syncs_a_task_list_both_ways_and_a_second_sync_converges(self, tmp_path):
