@@ -21305,6 +21305,9 @@ class TestCalDAV:
             "calendar-access" in plain.request("/dav/calendars/", method="OPTIONS").headers["DAV"]
         )
         dav("MKCALENDAR", "calendars/new/", status=403)
+        dav("MKCALENDAR", "notes/new/", status=403)
+        assert "supported-report" in dav("REPORT", "notes/", sync_body(), status=403).text
+        Dav(anon, "nsk_wrong")("REPORT", "notes/", sync_body(), status=401)
         dav("PROPFIND", "calendars/f-nothing/", status=404, Depth="0")
 
     def test_sync_collection_after_one_change_returns_that_item_and_a_delete_a_404(

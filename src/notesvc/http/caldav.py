@@ -129,11 +129,8 @@ def caldav_callback(svc: Service) -> Callable:
         env = bottle.request.environ
         method = env.get("REQUEST_METHOD", "GET").upper()
         parts = [p for p in path.split("/") if p]
-        if (parts and parts[0] in CAL_TOPS) or (not parts and method in ("PROPFIND", "REPORT")):
-            pass
-        elif method in CAL_METHODS:
-            return cal_error(CalError(403, f"{method} is only served under /dav/calendars/"))
-        else:
+        ours = (parts and parts[0] in CAL_TOPS) or (not parts and method == "PROPFIND")
+        if not ours and method not in CAL_METHODS:
             return dav(path)
         try:
             return cal_answer(svc, env, method, parts)
@@ -165,6 +162,8 @@ def cal_answer(svc: Service, env: dict, method: str, parts: list):
         raise DavError(400, "the URL holds a fragment (#): send the path alone")
     if method == "MKCALENDAR":
         raise CalError(403, "task lists are the folders of notes: make a folder instead")
+    if method == "REPORT" and parts[:1] != ["calendars"]:
+        raise CalError(403, "REPORTs are served on task lists", "D:supported-report")
     write = method in ("PUT", "DELETE", "PROPPATCH")
     if write and not principal.allows("write"):
         raise DavError(403, f"this key is {principal.scope}-only")
