@@ -22576,6 +22576,22 @@ const app = (() => {
 
   // -- start: wire the controls, connect with what this tab (or device) remembers ------------
 
+  // A task's link in a phone's Reminders or calendar (its DESCRIPTION): /#task=<uid> opens
+  // the note that holds the task's line.
+  async function openTaskLink() {
+    const m = /^#task=([^#&]{1,255})$/.exec(location.hash);
+    if (!m) return false;
+    history.replaceState(history.state, "", location.pathname + location.search);
+    try {
+      const {data} = await core.api("GET", "/tasks/" + core.enc(decodeURIComponent(m[1])));
+      await openNote(data.path);
+      return true;
+    } catch (e) {
+      core.toast("That task is no longer in the notes.");
+      return false;
+    }
+  }
+
   async function start() {
     core.setSide(false);
     offline.offlineMenu();
@@ -22595,6 +22611,8 @@ const app = (() => {
       }
       core.act(offline.askShared)(); // the share sheet's items, once the person says yes
     }
+    addEventListener("hashchange", core.act(openTaskLink)); // (a link opened in this tab)
+    if (await openTaskLink()) return;
     // What this tab had open comes back, unless the person already went somewhere while the
     // tree and the features loaded (a tap on New note is not undone by the restore).
     if (state.moves !== moves || state.path || state.blank) return;
@@ -31726,6 +31744,18 @@ def feed_events(task: dict) -> list:
     return out
 
 
+def get_task(svc: Service, uid: str) -> dict:
+    """GET /tasks/<uid>: where a task's line is (the web client opens `#task=<uid>`, the
+    link in each task's DESCRIPTION)."""
+    book = task_book(svc)
+    book.refresh()
+    task = book.tasks.get(uid)
+    if task is None or not _sees(request_principal(), task["path"]):
+        raise not_found("no such task (it may have been deleted, or its line changed a lot)")
+    keys = ("uid", "path", "line", "summary", "done")
+    return {k: task[k] for k in keys}
+
+
 # == src/notesvc/http/routes.py ===============================================
 # == Routes and app ===========================================================
 
@@ -32558,6 +32588,14 @@ ROUTES = (
         tag="grants",
         media="application/octet-stream",
         enveloped=False,
+    ),
+    Route(
+        "GET",
+        "/tasks/<uid>",
+        get_task,
+        summary="Where a task line is: {uid, path, line, summary, done} (the CalDAV UID)",
+        tag="notes",
+        scope="read",
     ),
     Route(
         "POST",

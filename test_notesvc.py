@@ -15416,7 +15416,12 @@ class TestDevicesInChromium:
             expect(page.locator("#feeds-list")).to_contain_text("Google")
             path = urllib.parse.urlsplit(page.input_value("#feed-url")).path
             with urllib.request.urlopen(server.url + path, timeout=10) as resp:
-                assert b"SUMMARY:call the plumber" in resp.read()
+                feed = resp.read().decode()
+            assert "SUMMARY:call the plumber" in feed
+            # the link in a task's DESCRIPTION opens its note
+            link = re.search(r"(http://\S+/#task=[\w-]+)", feed.replace("\r\n ", "")).group(1)
+            page.goto(link.replace(urllib.parse.urlsplit(link).netloc, f"127.0.0.1:{server.port}"))
+            expect(page.locator("#path")).to_contain_text("notes/home/todo.md")
             page.locator("#caldav-url").scroll_into_view_if_needed()
             s.shot("tasks-on-your-phone")
             assert unexpected(s.close()) == []
@@ -21478,6 +21483,12 @@ class TestCalDAV:
         resp = work("PUT", "calendars/all/mine.ics", vtodo(uid, "SUMMARY:x"), status=403)
         assert "<C:no-uid-conflict></C:no-uid-conflict>" in resp.text
         assert "<D:href>" not in resp.text
+        work_client = as_key(client, work_key)
+        work_client.get(f"{API}/tasks/{uid}", status=404)  # (another folder's task)
+        found = data(client.get(f"{API}/tasks/{uid}"))
+        assert found["path"] == "notes/home/todo.md"
+        assert found["uid"] == uid
+        client.get(f"{API}/tasks/nothing-here", status=404)
         work("PUT", "calendars/all/mine.ics", vtodo("mine-1", "SUMMARY:from work"), status=201)
         assert "- [ ] from work" in (root / "notes/work/Tasks.md").read_text()
         reader = Dav(client, new_grant(client, "read")["key"])

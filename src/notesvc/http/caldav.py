@@ -1177,3 +1177,15 @@ def feed_events(task: dict) -> list:
         out += [f"DTSTART;VALUE=DATE:{task['due']:%Y%m%d}", f"DTEND;VALUE=DATE:{after:%Y%m%d}"]
         out += ["TRANSP:TRANSPARENT", "END:VEVENT"]
     return out
+
+
+def get_task(svc: Service, uid: str) -> dict:
+    """GET /tasks/<uid>: where a task's line is (the web client opens `#task=<uid>`, the
+    link in each task's DESCRIPTION)."""
+    book = task_book(svc)
+    book.refresh()
+    task = book.tasks.get(uid)
+    if task is None or not _sees(request_principal(), task["path"]):
+        raise not_found("no such task (it may have been deleted, or its line changed a lot)")
+    keys = ("uid", "path", "line", "summary", "done")
+    return {k: task[k] for k in keys}

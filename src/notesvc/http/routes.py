@@ -49,7 +49,7 @@ from notesvc.http.api import (
     update_note,
     verify_key,
 )
-from notesvc.http.caldav import create_feed, delete_feed, get_feed, list_feeds
+from notesvc.http.caldav import create_feed, delete_feed, get_feed, get_task, list_feeds
 from notesvc.http.integrations import (
     TELEGRAM_TOKEN_RE,
     approve_oauth,
@@ -946,6 +946,14 @@ ROUTES = (
         tag="grants",
         media="application/octet-stream",
         enveloped=False,
+    ),
+    Route(
+        "GET",
+        "/tasks/<uid>",
+        get_task,
+        summary="Where a task line is: {uid, path, line, summary, done} (the CalDAV UID)",
+        tag="notes",
+        scope="read",
     ),
     Route(
         "POST",
