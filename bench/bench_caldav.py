@@ -38,6 +38,7 @@ import http.client
 import importlib.metadata
 import json
 import re
+import shutil
 import socket
 import statistics
 import subprocess
@@ -369,6 +370,7 @@ def main() -> None:
         for p in peers:
             p.proc.terminate()
             p.proc.wait()
+        shutil.rmtree(work, ignore_errors=True)
     report(args, peers, figures, ticks, rss, len(items))
 
 
