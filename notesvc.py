@@ -2686,6 +2686,7 @@ VERSION_REASONS = (
     "linksRewritten",
     "merged",
     "dav",
+    "caldav",
 )
 VERSION_ID_RE = re.compile(r"^([0-9]{16})-(" + "|".join(VERSION_REASONS) + r")-([0-9a-f]{32})\Z")
 
@@ -5536,6 +5537,687 @@ class AttachmentStore:
     def sweep_temp_files(self) -> int:
         """Remove the temp files an interrupted upload left; return how many."""
         return sweep_temp_files(self.root, skip_hidden=True) if self.root.is_dir() else 0
+
+
+# == src/notesvc/notes/tasks.py ===============================================
+# == task lines ===============================================================
+#
+# docs/api.md (CalDAV): a task line is a list item (`-`, `*`, `+`, `1.`, `1)`, any
+# indentation) whose text starts with `[ ]` or `[x]`, outside fenced code and front matter.
+# Its dates (`📅 2026-12-02`, `due:2026-12-02`, `⏰ 2026-12-02 09:00`) and `#tags` are parsed
+# out of its SUMMARY; the tags stay in the text. Nesting (a task indented under another) is
+# RELATED-TO. Lines split on "\n" only, so a line edit never touches the others.
+
+TASK_LINE_RE = re.compile(r"^([ \t]*)([-*+]|\d{1,9}[.)])([ \t]+)\[([ xX])\](?=[ \t]|$)(.*)$")
+_TASK_FENCE_RE = re.compile(r"^[ \t]*(`{3,}|~{3,})")
+DUE_DATE_RE = re.compile(r"(?:📅\ufe0f?[ \t]*|(?<!\S)due:[ \t]*)(\d{4})-(\d{2})-(\d{2})(?!\d)")
+# the reminder syntax of providers/reminders.py (REMINDER_RE), read here too
+ALARM_RE = re.compile(
+    r"⏰\ufe0f?[ \t]*(\d{4})-(\d{2})-(\d{2})[ \tT]+([01]?\d|2[0-3]):([0-5]\d)(?!\d)"
+)
+TAG_RE = re.compile(r"(?<![^\s(\[])#([^\W\d_][\w/-]*|\d+[^\W\d][\w/-]*)")
+_DONE_DATE_RE = re.compile(r"✅\ufe0f?[ \t]*\d{4}-\d{2}-\d{2}")
+TASKS_NOTE = "Tasks.md"  # where a folder's new tasks from a client go
+
+
+def _width(indent: str) -> int:
+    return sum(4 if c == "\t" else 1 for c in indent)
+
+
+def task_lines(text: str) -> list:
+    """Return the task lines of a note, each a dict: line (its index), indent, done, text
+    (the line as written), summary, due (date or UTC datetime or None), alarm (UTC datetime
+    or None), categories, parent (the index in this list of the task it nests under).
+
+    >>> [t["summary"] for t in task_lines("- [ ] a #x\\n```\\n- [ ] b\\n```\\n  1. [x] c")]
+    ['a', 'c']
+    """
+    lines = text.split("\n")
+    start = 0
+    if lines and lines[0].rstrip() == "---":  # front matter: up to the next --- or ...
+        for i in range(1, len(lines)):
+            if lines[i].rstrip() in ("---", "..."):
+                start = i + 1
+                break
+    found: list = []
+    stack: list = []  # (indent width, index in found) of the open task lines
+    fence = ""
+    for i in range(start, len(lines)):
+        line = lines[i]
+        m = _TASK_FENCE_RE.match(line)
+        if fence:
+            if m and m.group(1)[0] == fence[0] and len(m.group(1)) >= len(fence):
+                fence = ""
+            continue
+        if m:
+            fence = m.group(1)
+            continue
+        t = TASK_LINE_RE.match(line)
+        if t is None:
+            if line.strip() and not line[:1].isspace():
+                stack = []  # a paragraph at the margin ends the list
+            continue
+        width = _width(t.group(1))
+        while stack and stack[-1][0] >= width:
+            stack.pop()
+        task = parse_task(t.group(5))
+        task.update(line=i, indent=width, done=t.group(4) != " ", text=line)
+        task["parent"] = stack[-1][1] if stack else None
+        stack.append((width, len(found)))
+        found.append(task)
+    return found
+
+
+def parse_task(rest: str) -> dict:
+    """Return summary, due, alarm (naive wall time) and categories of a task's text."""
+    due: Any = None
+    m = DUE_DATE_RE.search(rest)
+    if m:
+        try:
+            due = dt.date(*(int(g) for g in m.groups()))
+        except ValueError:
+            due = None
+    alarm = None
+    a = ALARM_RE.search(rest)
+    if a:
+        try:
+            alarm = dt.datetime(*(int(g) for g in a.groups()))
+        except ValueError:
+            alarm = None
+    tags = list(dict.fromkeys(TAG_RE.findall(rest)))
+    summary = _DONE_DATE_RE.sub("", ALARM_RE.sub("", DUE_DATE_RE.sub("", rest)))
+    summary = TAG_RE.sub("", summary)
+    summary = " ".join(summary.split())
+    return {"summary": summary, "due": due, "wall": alarm, "categories": tags}
+
+
+def task_key(text: str) -> str:
+    """What identifies a task's line across edits: the line without indentation, marker
+    or box state."""
+    m = TASK_LINE_RE.match(text)
+    return " ".join(m.group(5).split()) if m else text.strip()
+
+
+def alarm_utc(wall: dt.datetime | None, zone_name: str) -> dt.datetime | None:
+    if wall is None:
+        return None
+    ts = timestamp_of(wall, time_zone(zone_name))
+    return dt.datetime.fromtimestamp(ts, dt.timezone.utc).replace(tzinfo=None)
+
+
+# == iCalendar (RFC 5545) =====================================================
+
+
+def ical_escape(value: str) -> str:
+    return (
+        value.replace("\\", "\\\\")
+        .replace(";", "\\;")
+        .replace(",", "\\,")
+        .replace("\r\n", "\\n")
+        .replace("\n", "\\n")
+        .replace("\r", "\\n")
+    )
+
+
+def ical_fold(line: str) -> str:
+    """Fold a content line at 75 octets (never inside a UTF-8 character), CRLF-ended."""
+    data = line.encode("utf-8")
+    if len(data) <= 75:
+        return line + "\r\n"
+    parts, start, room = [], 0, 75
+    while start < len(data):
+        end = min(start + room, len(data))
+        while end < len(data) and (data[end] & 0xC0) == 0x80:
+            end -= 1
+        parts.append(data[start:end].decode("utf-8"))
+        start, room = end, 74
+    return "\r\n ".join(parts) + "\r\n"
+
+
+def ical_utc(when: dt.datetime) -> str:
+    return when.strftime("%Y%m%dT%H%M%SZ")
+
+
+def ical_stamp(ts: float) -> str:
+    return ical_utc(dt.datetime.fromtimestamp(ts, dt.timezone.utc))
+
+
+def vtodo_lines(task: dict, link: str = "") -> list:
+    """The content lines of one task's VTODO (without the calendar around it)."""
+    out = ["BEGIN:VTODO", f"UID:{task['uid']}", f"DTSTAMP:{ical_stamp(task['stamp'])}"]
+    out.append(f"SUMMARY:{ical_escape(task['summary'])}")
+    if task["done"]:
+        out.append("STATUS:COMPLETED")
+        if task.get("completed"):
+            out.append(f"COMPLETED:{ical_stamp(task['completed'])}")
+    else:
+        out.append("STATUS:NEEDS-ACTION")
+    due, alarm = task["due"], task.get("alarm")
+    if isinstance(due, dt.date):
+        out.append(f"DUE;VALUE=DATE:{due:%Y%m%d}")
+    elif alarm is not None:
+        out.append(f"DUE:{ical_utc(alarm)}")
+    if task["categories"]:
+        out.append("CATEGORIES:" + ",".join(ical_escape(c) for c in task["categories"]))
+    if task.get("parent_uid"):
+        out.append(f"RELATED-TO;RELTYPE=PARENT:{task['parent_uid']}")
+    description = task["title"] + (f"\n{link}" if link else "")
+    out.append(f"DESCRIPTION:{ical_escape(description)}")
+    if alarm is not None:
+        out += [
+            "BEGIN:VALARM",
+            "ACTION:DISPLAY",
+            f"DESCRIPTION:{ical_escape(task['summary'] or 'Task')}",
+            f"TRIGGER;VALUE=DATE-TIME:{ical_utc(alarm)}",
+            "END:VALARM",
+        ]
+    out.append("END:VTODO")
+    return out
+
+
+def ical_calendar(components: list, name: str = "") -> bytes:
+    """A VCALENDAR around content lines, folded, CRLF, UTF-8."""
+    lines = ["BEGIN:VCALENDAR", "VERSION:2.0", "PRODID:-//notesvc//tasks//EN", "CALSCALE:GREGORIAN"]
+    if name:
+        lines.append(f"X-WR-CALNAME:{ical_escape(name)}")
+    lines += [*components, "END:VCALENDAR"]
+    return "".join(ical_fold(line) for line in lines).encode("utf-8")
+
+
+class ICalError(ValueError):
+    """iCalendar that cannot be read."""
+
+
+def ical_parse(data: bytes) -> list:
+    """Parse iCalendar into components: each {"name", "props": [(NAME, params, value)],
+    "subs": [...]}. Raises ICalError for anything that is not well formed."""
+    try:
+        text = data.decode("utf-8")
+    except UnicodeDecodeError:
+        raise ICalError("the calendar object is not UTF-8") from None
+    text = re.sub(r"\r?\n[ \t]", "", text.replace("\r\n", "\n"))  # unfold
+    root: dict = {"name": "", "props": [], "subs": []}
+    stack = [root]
+    for raw in text.split("\n"):
+        if not raw.strip():
+            continue
+        name, params, value = _content_line(raw)
+        if name == "BEGIN":
+            comp = {"name": value.upper(), "props": [], "subs": []}
+            stack[-1]["subs"].append(comp)
+            stack.append(comp)
+            if len(stack) > 8:
+                raise ICalError("components nested too deep")
+        elif name == "END":
+            if len(stack) == 1 or stack[-1]["name"] != value.upper():
+                raise ICalError(f"END:{value[:40]} does not close what is open")
+            stack.pop()
+        else:
+            if len(stack) == 1:
+                raise ICalError("a property outside any component")
+            stack[-1]["props"].append((name, params, value))
+    if len(stack) != 1 or not root["subs"]:
+        raise ICalError("the calendar object is not closed (BEGIN without END)")
+    return root["subs"]
+
+
+_NAME_RE = re.compile(r"[A-Za-z0-9-]+")
+
+
+def _content_line(raw: str) -> tuple:
+    m = _NAME_RE.match(raw)
+    if not m:
+        raise ICalError(f"not a content line: {raw[:40]!r}")
+    name, rest, params = m.group(0).upper(), raw[m.end() :], {}
+    while rest.startswith(";"):
+        pm = re.match(r';([A-Za-z0-9-]+)=("[^"]*"|[^;:,"]*(?:,[^;:,"]*)*)', rest)
+        if not pm:
+            raise ICalError(f"a parameter of {name} is not well formed")
+        params[pm.group(1).upper()] = pm.group(2).strip('"')
+        rest = rest[pm.end() :]
+    if not rest.startswith(":"):
+        raise ICalError(f"{name} has no value")
+    return name, params, rest[1:]
+
+
+def ical_unescape(value: str) -> str:
+    return re.sub(r"\\([\\;,nN])", lambda m: "\n" if m.group(1) in "nN" else m.group(1), value)
+
+
+def ical_split(value: str) -> list:
+    """A list value (CATEGORIES) split on unescaped commas, unescaped."""
+    return [ical_unescape(p) for p in re.split(r"(?<!\\),", value) if p]
+
+
+def ical_when(value: str, params: dict) -> Any:
+    """Return a date, or a UTC datetime (naive), of a DATE / DATE-TIME value."""
+    value = value.strip()
+    try:
+        if params.get("VALUE", "").upper() == "DATE" or re.fullmatch(r"\d{8}", value):
+            return dt.datetime.strptime(value, "%Y%m%d").date()
+        utc = value.endswith("Z")
+        wall = dt.datetime.strptime(value.rstrip("Z"), "%Y%m%dT%H%M%S")
+    except ValueError:
+        raise ICalError(f"not a date or time: {value[:40]!r}") from None
+    if utc:
+        return wall
+    zone = time_zone(params["TZID"]) if params.get("TZID") else None
+    if params.get("TZID") and zone is None:
+        raise ICalError(f"unknown time zone {params['TZID'][:60]}")
+    ts = timestamp_of(wall, zone)
+    return dt.datetime.fromtimestamp(ts, dt.timezone.utc).replace(tzinfo=None)
+
+
+# == identities ===============================================================
+#
+# A task's UID and the state around it (when it was first seen ticked, its last change,
+# the href a client gave it) live in <state>/caldav.json, never in the note. On each look
+# the notes that changed are parsed again and their tasks matched to the UIDs they had:
+# the same line text first, then the closest (a small edit of its own text, by difflib's
+# ratio), then a task whose note is gone (a moved note), then a new UID. Each change takes
+# the next sequence number: a list's sync-token is the highest, and tombstones of removed
+# tasks answer sync-collection with 404s.
+
+MATCH_RATIO = 0.6  # how alike a task's text must stay to keep its UID through an edit
+TOMBSTONES = 5000  # removed tasks remembered for sync-collection
+
+
+def new_uid() -> str:
+    return secrets.token_hex(8) + "-" + secrets.token_hex(4)
+
+
+class TaskBook:
+    """The tasks of every note and their identities (one per Service: `task_book`)."""
+
+    def __init__(self, notes: Any, state_dir: Any, zone_name: str = ""):
+        self.notes = notes
+        self.file = state_dir / "caldav.json"
+        self.zone = zone_name
+        self.lock = threading.RLock()
+        self.parsed: dict = {}  # note path -> (signature, title, [task dicts])
+        self.seen_journal: Any = None
+        self.loaded = False  # every note looked at once
+        self.log_file = state_dir / "caldav.log"
+        try:
+            kept = json.loads(self.file.read_text(encoding="utf-8"))
+        except (OSError, ValueError):
+            kept = {}
+        self.gen = int(kept.get("gen", 0))  # the snapshot's generation: its log's lines
+        self.logged = 0  # lines in the log since the snapshot
+        self.tombstones = 0  # tombstones made by this run (what a log line carries)
+        self.seq = int(kept.get("seq", 0))
+        self.floor = int(kept.get("floor", 0))
+        self.folders: dict = dict(kept.get("folders", {}))  # folder path -> list id
+        self.ids: dict = dict(kept.get("tasks", {}))  # uid -> record
+        self.gone: list = list(kept.get("gone", []))  # [seq, uid, href, folder, path]
+        self.sigs: dict = dict(kept.get("sigs", {}))  # note path -> [size, mtime_ns]
+        self._replay()
+        self.claims: dict = {}  # (path, key) -> (uid, href): a client's new task
+        self.tasks: dict = {}  # uid -> the task as served (after refresh)
+        self.by_href: dict = {}  # an item's name -> its uid
+        self.holding: set = set()  # the folders that hold tasks
+
+    # -- on disk: a snapshot (caldav.json) and the changes since (caldav.log) --------------
+    #
+    # A change appends one line naming what it changed (fsync'ed: a few hundred bytes, not
+    # the whole snapshot); every LOG_LINES lines the snapshot is written again (atomically,
+    # with the next generation) and the log starts over. Lines of another generation (a
+    # crash between the two) and a torn last line are ignored when read back.
+
+    LOG_LINES = 500
+
+    def _replay(self) -> None:
+        try:
+            with open(self.log_file, "rb") as f:
+                lines = f.read().split(b"\n")
+        except OSError:
+            return
+        for raw in lines:
+            try:
+                change = json.loads(raw)
+            except ValueError:
+                break  # a torn last line
+            if not isinstance(change, dict) or change.get("gen") != self.gen:
+                continue
+            self.seq, self.floor = change["seq"], change["floor"]
+            self.folders = change["folders"]
+            for uid, rec in change["tasks"].items():
+                if rec is None:
+                    self.ids.pop(uid, None)
+                else:
+                    self.ids[uid] = rec
+            for path, sig in change["sigs"].items():
+                if sig is None:
+                    self.sigs.pop(path, None)
+                else:
+                    self.sigs[path] = sig
+            self.gone = (self.gone + change["gone"])[-TOMBSTONES:]
+            self.logged += 1
+
+    def save(self, uids: Any = None, paths: Any = (), buried: int = 0) -> None:
+        """Keep what changed: the records of `uids`, the signatures of `paths`, the last
+        `buried` tombstones (uids None: everything, as a new snapshot)."""
+        if uids is None or self.logged >= self.LOG_LINES:
+            self.gen += 1
+            whole = {"gen": self.gen, "seq": self.seq, "floor": self.floor}
+            whole.update(folders=self.folders, tasks=self.ids, gone=self.gone, sigs=self.sigs)
+            atomic_write(self.file, json.dumps(whole, ensure_ascii=False).encode("utf-8"))
+            atomic_write(self.log_file, b"")
+            self.logged = 0
+            return
+        change = {"gen": self.gen, "seq": self.seq, "floor": self.floor, "folders": self.folders}
+        change["tasks"] = {u: self.ids.get(u) for u in uids}
+        change["sigs"] = {p: self.sigs.get(p) for p in paths}
+        change["gone"] = self.gone[len(self.gone) - buried :] if buried else []
+        line = json.dumps(change, ensure_ascii=False).encode("utf-8") + b"\n"
+        with disk_writes(), open(self.log_file, "ab") as f:
+            f.write(line)
+            f.flush()
+            if flush_each():
+                os.fsync(f.fileno())
+        self.logged += 1
+
+    # -- reading the notes ------------------------------------------------------------
+
+    def refresh(self, force: bool = False) -> dict:
+        """Bring the tasks up to date with the notes; return {uid: task}. After the first
+        look (every note), only the notes the change journal names since the last look
+        are looked at again (all of them again when it no longer holds those changes)."""
+        with self.lock:
+            journal = getattr(self.notes, "journal", None)
+            last = journal.last if journal is not None else None
+            if not force and last is not None and last == self.seen_journal and self.loaded:
+                return self.tasks
+            scan, removed = self._look(journal, last, force)
+            changed = [p for p, sig in scan.items() if self.sigs.get(p) != list(sig)]
+            if changed or removed or not self.loaded:
+                self._reconcile(scan, changed, removed)
+            self.loaded = True
+            self.seen_journal = last
+            return self.tasks
+
+    def _look(self, journal: Any, last: Any, force: bool) -> tuple:
+        """({note: signature}, [notes gone]) of every note, or of those the journal names."""
+        paths = self._journal_paths(journal, last) if self.loaded and not force else None
+        if paths is None:
+            scan = self.notes.scan()
+            return scan, [p for p in self.sigs if p not in scan]
+        scan = {}
+        for p in paths:
+            sig = self._stat(p)
+            if sig is not None:
+                scan[p] = sig
+        return scan, [p for p in paths if p not in scan and p in self.sigs]
+
+    def _journal_paths(self, journal: Any, last: Any) -> set | None:
+        """The notes changed since the last look, as the journal has them (None: unknown)."""
+        since = self.seen_journal
+        if journal is None or not isinstance(since, int) or not isinstance(last, int):
+            return None
+        paths: set = set()
+        try:
+            while since < last:
+                got = journal.read(since, 1000)
+                for c in got["changes"]:
+                    paths.add(c["path"])
+                    if c.get("from"):
+                        paths.add(c["from"])
+                if got["last"] == since:
+                    break
+                since = got["last"]
+        except ApiError:  # compacted away, or reset: look at every note
+            return None
+        return paths
+
+    def _stat(self, path: str) -> tuple | None:
+        try:
+            st = os.stat(self.notes.on_disk(path))
+        except (OSError, ApiError):
+            return None
+        return (st.st_size, st.st_mtime_ns) if stat.S_ISREG(st.st_mode) else None
+
+    def _parse(self, path: str) -> tuple:
+        try:
+            data, _st = self.notes.read_raw(path)
+            text = data.decode("utf-8", "replace")
+        except Exception:  # gone or unreadable meanwhile: no tasks
+            return "", []
+        return note_title(text, path), task_lines(text)
+
+    def _reconcile(self, scan: dict, changed: list, removed: list) -> None:
+        for p in scan:
+            if p not in self.parsed or p in changed:
+                self.parsed[p] = self._parse(p)
+        for p in removed:
+            self.parsed.pop(p, None)
+        by_path: dict = {}
+        for uid, rec in self.ids.items():
+            by_path.setdefault(rec["path"], []).append(uid)
+        orphans = [u for p in removed for u in by_path.get(p, [])]  # a moved note's, maybe
+        assigned: dict = {}  # path -> [uid per task]
+        for p in changed:
+            olds = by_path.get(p, [])
+            assigned[p] = self._match(olds, self.parsed[p][1])
+            orphans += [u for u in olds if u not in assigned[p]]
+        self._place(assigned, orphans)
+        before = self.tombstones
+        dirty = self._bury(orphans)
+        self._keep_places(assigned, scan, removed)
+        dirty = self._settle(set(changed) | set(removed)) or dirty or bool(changed or removed)
+        if dirty:
+            uids = {u for found in assigned.values() for u in found} | set(orphans)
+            self.save(uids if self.loaded else None, [*changed, *removed], self.tombstones - before)
+
+    def _keep_places(self, assigned: dict, scan: dict, removed: list) -> None:
+        """Record where each task of the changed notes is now, and the notes' signatures."""
+        for p, uids in assigned.items():
+            for i, uid in enumerate(uids):
+                key = task_key(self.parsed[p][1][i]["text"])
+                self.ids[uid].update(path=p, key=key, line=i)
+            self.sigs[p] = list(scan[p])
+        for p in removed:
+            self.sigs.pop(p, None)
+
+    def _place(self, assigned: dict, orphans: list) -> None:
+        """Give each task still without a UID one: a client's claim on its line, else a
+        task of a vanished note with the same text (the note moved), else a new one."""
+        left: dict = {}
+        for u in orphans:
+            left.setdefault(self.ids[u]["key"], []).append(u)
+        for p, uids in assigned.items():
+            for i, uid in enumerate(uids):
+                if uid is not None:
+                    continue
+                key = task_key(self.parsed[p][1][i]["text"])
+                claim = self.claims.pop((p, key), None)
+                if claim is not None:
+                    uid, href = claim
+                    self.ids[uid] = {"path": p, "key": key, "href": href}
+                elif left.get(key):
+                    uid = left[key].pop(0)
+                    orphans.remove(uid)
+                else:
+                    uid = new_uid()
+                    self.ids[uid] = {"path": p, "key": key, "href": f"{uid}.ics"}
+                uids[i] = uid
+
+    def _bury(self, gone: list) -> bool:
+        """Forget removed tasks, keeping a tombstone of each for sync-collection."""
+        for u in gone:
+            rec = self.ids.pop(u)
+            self.seq += 1
+            self.gone.append([self.seq, u, rec.get("href", f"{u}.ics"), rec.get("folder"), None])
+            self.tombstones += 1
+        if len(self.gone) > TOMBSTONES:
+            self.floor = self.gone[-TOMBSTONES - 1][0]
+            self.gone = self.gone[-TOMBSTONES:]
+        return bool(gone)
+
+    def _match(self, olds: list, found: list) -> list:
+        """Pair a note's tasks with the UIDs its tasks had: the same text, then the nearest."""
+        uids: list = [None] * len(found)
+        free = list(olds)
+        keys = [task_key(t["text"]) for t in found]
+        for i, key in enumerate(keys):
+            for u in free:
+                if self.ids[u]["key"] == key:
+                    uids[i] = u
+                    free.remove(u)
+                    break
+        for i, key in enumerate(keys):
+            if uids[i] is not None or not free:
+                continue
+            best, score = None, MATCH_RATIO
+            for u in free:
+                r = difflib.SequenceMatcher(None, self.ids[u]["key"], key).ratio()
+                if r >= score:
+                    best, score = u, r
+            if best is not None:
+                uids[i] = best
+                free.remove(best)
+        return uids
+
+    def _settle(self, touched: set) -> bool:
+        """Rebuild the served tasks of the notes touched (all at the first look); each task
+        whose properties changed takes the next seq."""
+        now = time.time()
+        dirty = False
+        every = not self.tasks
+        tasks = {u: t for u, t in self.tasks.items() if t["path"] not in touched and u in self.ids}
+        places: dict = {}  # (path, index) -> uid
+        for uid, rec in self.ids.items():
+            if not every and rec["path"] not in touched:
+                continue
+            _title, found = self.parsed.get(rec["path"], ("", []))
+            i = rec.get("line", 0)
+            if i < len(found):
+                places[(rec["path"], i)] = uid
+        for (path, i), uid in places.items():
+            tasks[uid] = task = self._served(uid, path, i, places)
+            dirty = self._stamp(self.ids[uid], task, now) or dirty
+        dirty = self._name_folders({t["folder"] for t in tasks.values()}, tasks) or dirty
+        self.tasks = tasks
+        self.by_href = {t["href"]: u for u, t in tasks.items()}
+        self.holding = {t["folder"] for t in tasks.values()}
+        return dirty
+
+    def _served(self, uid: str, path: str, i: int, places: dict) -> dict:
+        """The task as served, from its line (the i-th task line of its note)."""
+        title, found = self.parsed[path]
+        t = found[i]
+        parent = places.get((path, t["parent"])) if t["parent"] is not None else None
+        return {
+            "uid": uid,
+            "path": path,
+            "folder": path.rsplit("/", 1)[0],
+            "href": self.ids[uid].get("href", f"{uid}.ics"),
+            "title": title,
+            "summary": t["summary"],
+            "done": t["done"],
+            "due": t["due"],
+            "alarm": alarm_utc(t["wall"], self.zone),
+            "categories": t["categories"],
+            "parent_uid": parent,
+            "text": t["text"],
+            "line": t["line"],
+        }
+
+    def _stamp(self, rec: dict, task: dict, now: float) -> bool:
+        """Give a task whose properties (or list) changed the next seq and a new stamp,
+        its COMPLETED time the first time it is seen ticked; then its seq, stamp and ETag.
+        Return whether its record changed."""
+        shape = json.dumps(
+            [task[k] for k in ("title", "summary", "done", "categories", "parent_uid")]
+            + [str(task["due"]), str(task["alarm"])],
+            ensure_ascii=False,
+        )
+        digest = hashlib.sha256(shape.encode()).hexdigest()[:24]
+        folder, dirty = task["folder"], False
+        if rec.get("shape") != digest or rec.get("folder") != folder:
+            if rec.get("folder") and rec["folder"] != folder:
+                self.seq += 1  # it left its old folder's list
+                self.gone.append([self.seq, task["uid"], task["href"], rec["folder"], task["path"]])
+                self.tombstones += 1
+            self.seq += 1
+            rec.update(shape=digest, folder=folder, seq=self.seq, stamp=now)
+            dirty = True
+        if task["done"] != bool(rec.get("completed")):
+            rec["completed"] = rec["stamp"] if task["done"] else None
+            dirty = True
+        task.update(seq=rec["seq"], stamp=rec["stamp"], completed=rec.get("completed"))
+        task["etag"] = (
+            '"' + hashlib.sha256(f"{digest}{rec['stamp']}".encode()).hexdigest()[:32] + '"'
+        )
+        return dirty
+
+    def _name_folders(self, holding: set, tasks: dict) -> bool:
+        """Give each folder holding tasks a list id; a moved folder keeps its own (the id
+        whose folder holds no tasks now and whose tasks are now here)."""
+        dirty = False
+        vacant = {f: i for f, i in self.folders.items() if f not in holding}
+        for folder in sorted(holding - set(self.folders)):
+            came = {}
+            for uid, t in tasks.items():
+                if t["folder"] == folder:
+                    for _seq, u, _href, old, _p in reversed(self.gone[-200:]):
+                        if u == uid and old in vacant:
+                            came[old] = came.get(old, 0) + 1
+                            break
+            if came:
+                old = max(came, key=came.get)
+                self.folders[folder] = self.folders.pop(old)
+                vacant.pop(old)
+            else:
+                self.folders[folder] = secrets.token_hex(6)
+            dirty = True
+        return dirty
+
+    # -- asking ---------------------------------------------------------------------------
+
+    def folder_of_list(self, list_id: str) -> str | None:
+        for folder, i in list(self.folders.items()):  # (a refresh may add one meanwhile)
+            if i == list_id:
+                return folder
+        return None
+
+    def claim(self, path: str, text: str, uid: str, href: str) -> None:
+        """A client's new task is being written as `text` into path: it gets that UID."""
+        with self.lock:
+            self.claims[(path, task_key(text))] = (uid, href)
+
+    def seq_of(self, uid: str) -> int:
+        rec = self.ids.get(uid)
+        return rec.get("seq", 0) if rec else 0
+
+
+def task_book(svc: Any) -> TaskBook:
+    book = getattr(svc, "_task_book", None)
+    if book is None:
+        with _BOOK_START:
+            book = getattr(svc, "_task_book", None)
+            if book is None:
+                book = TaskBook(svc.notes, svc.config.state_dir, svc.config.timezone)
+                svc._task_book = book
+    return book
+
+
+_BOOK_START = threading.Lock()
+
+
+def task_line_of(done: bool, summary: str, due: Any, categories: list, indent: str = "") -> str:
+    """A new task line as a person would write it."""
+    text = " ".join(summary.split()) or "Task"
+    tags = [c for c in categories if f"#{c}" not in text.split()]
+    line = f"{indent}- [{'x' if done else ' '}] {text}"
+    if isinstance(due, dt.datetime):
+        line += f" ⏰ {due:%Y-%m-%d %H:%M}"
+    elif isinstance(due, dt.date):
+        line += f" 📅 {due:%Y-%m-%d}"
+    for tag in tags:
+        clean = re.sub(r"[^\w/-]", "", tag.replace(" ", "-"))
+        if clean:
+            line += f" #{clean}"
+    return line
 
 
 # == src/notesvc/search/text.py ===============================================
@@ -23342,6 +24024,22 @@ const app = (() => {
 
   // -- start: wire the controls, connect with what this tab (or device) remembers ------------
 
+  // A task's link in a phone's Reminders or calendar (its DESCRIPTION): /#task=<uid> opens
+  // the note that holds the task's line.
+  async function openTaskLink() {
+    const m = /^#task=([^#&]{1,255})$/.exec(location.hash);
+    if (!m) return false;
+    history.replaceState(history.state, "", location.pathname + location.search);
+    try {
+      const {data} = await core.api("GET", "/tasks/" + core.enc(decodeURIComponent(m[1])));
+      await openNote(data.path);
+      return true;
+    } catch (e) {
+      core.toast("That task is no longer in the notes.");
+      return false;
+    }
+  }
+
   async function start() {
     core.setSide(false);
     offline.offlineMenu();
@@ -23361,6 +24059,8 @@ const app = (() => {
       }
       core.act(offline.askShared)(); // the share sheet's items, once the person says yes
     }
+    addEventListener("hashchange", core.act(openTaskLink)); // (a link opened in this tab)
+    if (await openTaskLink()) return;
     // What this tab had open comes back, unless the person already went somewhere while the
     // tree and the features loaded (a tap on New note is not undone by the restore).
     if (state.moves !== moves || state.path || state.blank) return;
@@ -23794,11 +24494,70 @@ const grants = (() => {
     return parts;
   }
 
-  async function showKeys(made) {
-    const [{data}, shares, where] = await Promise.all([
+  // Tasks on your phone (README): the CalDAV address for Reminders, DAVx5 and Thunderbird,
+  // and read-only calendar feeds for apps that subscribe to a URL (a secret shown once).
+  function tasksSection(where, feeds, after, madeFeed) {
+    const li = (who, text) => el("li", {}, el("strong", {}, who), text);
+    const list = el("ul", {class: "list", id: "feeds-list"});
+    for (const f of feeds) {
+      const drop = core.act(async () => {
+        await core.api("DELETE", "/auth/feeds/" + core.enc(f.id));
+        await after();
+      });
+      const used = f.lastUsedAt ? " · used " + app.when(f.lastUsedAt) : " · not used yet";
+      const info = (f.folder ? " · " + f.folder : "") + " · …" + f.hint + used;
+      list.append(
+        el(
+          "li",
+          {"data-feed": f.id},
+          el("span", {}, el("strong", {}, f.name), el("small", {class: "muted"}, info)),
+          el("button", {type: "button", class: "danger", onclick: drop}, "Delete"),
+        ),
+      );
+    }
+    if (!list.children.length) list.append(el("li", {class: "muted"}, "No calendar feed."));
+    const name = el("input", {type: "text", id: "feed-name", placeholder: "Google Calendar"});
+    const make = core.act(async () => {
+      const r = await core.api("POST", "/auth/feeds", {name: name.value.trim() || "feed"});
+      await after(undefined, r.data);
+    });
+    const parts = [
+      el("h3", {}, "Tasks on your phone"),
+      shownOnce("CalDAV address", where.phone.origin + "/dav/", "caldav-url"),
+      el(
+        "ol",
+        {id: "caldav-steps"},
+        li("iPhone", ": Settings → Apps → Reminders → Accounts → Add Account → Other → CalDAV."),
+        li("Android", ": DAVx5 → + → Login with URL, then Tasks.org or jtx Board."),
+        li("Thunderbird", ": New Calendar → On the Network, paste the address."),
+        li("", "Any user name; the password is a key (Add a device or New key)."),
+      ),
+    ];
+    if (madeFeed) {
+      parts.push(
+        el("p", {class: "warn"}, "Copy the feed's link now: it is shown this once."),
+        shownOnce("Feed “" + madeFeed.name + "”", madeFeed.url, "feed-url"),
+      );
+    }
+    parts.push(
+      el("p", {class: "muted"}, "A feed: subscribe by URL (Google Calendar, Outlook). Read only."),
+      list,
+      el(
+        "div",
+        {class: "row"},
+        name,
+        el("button", {type: "button", id: "feed-create", onclick: make}, "New calendar feed"),
+      ),
+    );
+    return parts;
+  }
+
+  async function showKeys(made, madeFeed) {
+    const [{data}, shares, where, feeds] = await Promise.all([
       core.api("GET", "/auth/keys"),
       core.api("GET", "/shares"),
       core.api("GET", "/auth/devices/addresses"),
+      core.api("GET", "/auth/feeds"),
     ]);
     const keyList = el("ul", {class: "list", id: "keys-list"});
     const apps = el("ul", {class: "list", id: "connections-list"});
@@ -23888,6 +24647,7 @@ const grants = (() => {
       el("h3", {}, "Connected apps"),
       apps,
       ...assistantSection(where.data),
+      ...tasksSection(where.data, feeds.data.feeds, showKeys, madeFeed),
       el("h3", {}, "Share links"),
       links,
       form,
@@ -26840,6 +27600,7 @@ class RelayServer:
             ("GET", re.compile(r"^/$"), self.landing if self.domain else self.web_client),
             ("GET", re.compile(prefixed + r"(/oauth/authorize)$"), self.consent_page),
             ("GET", re.compile(prefixed + r"(/s/[A-Za-z0-9_-]{1,64})$"), self.share_page),
+            ("GET", re.compile(prefixed + r"(/ics/[A-Za-z0-9_-]{1,64}\.ics)$"), self.forward),
             ("GET", re.compile(prefixed + r"(/)$"), self.to_origin),
         )
         # A server's own origin, <serverId>.<domain>: its pages (the relay's copies), and its
@@ -26848,7 +27609,9 @@ class RelayServer:
             ("*", re.compile(r"^(/api/v1(?:/.*)?)$", re.S), self.forward_origin),
             ("*", re.compile(r"^(/dav(?:/.*)?)$", re.S), self.forward_origin),
             ("POST", re.compile(r"^(/oauth/(?:token|register|revoke))$"), self.forward_origin),
+            ("*", re.compile(r"^(/\.well-known/caldav)$"), self.forward_origin),  # (PROPFIND too)
             ("GET", re.compile(r"^(/\.well-known/[a-z-]+(?:/.*)?)$"), self.forward_origin),
+            ("GET", re.compile(r"^(/ics/[A-Za-z0-9_-]{1,64}\.ics)$"), self.forward_origin),
             ("GET", re.compile(r"^/relay/v1/pair/([^/]+)$"), self.pair),
             ("GET", assets, self.web_asset),
             ("GET", re.compile(r"^/$"), self.web_client),
@@ -27393,6 +28156,8 @@ def _relayed_type(path: str, given: str, download: bool) -> str:
         return f"{media}; charset=utf-8"
     if media == "application/zip" and path == f"{API}/export.zip":
         return media
+    if media == "text/calendar" and re.match(r"^/ics/[^/]+\.ics$", path):
+        return "text/calendar; charset=utf-8"  # a calendar feed
     return JSON_TYPE
 
 
@@ -27402,6 +28167,7 @@ def _download_type(media: str) -> str:
     passive = media.split("/")[0] in ("image", "audio", "video") or media in (
         "application/pdf",
         "text/plain",
+        "text/calendar",  # a task over CalDAV
     )
     safe = (
         passive and media not in ACTIVE_TYPES and re.fullmatch(r"[a-z0-9.+-]+/[a-z0-9.+-]+", media)
@@ -27428,7 +28194,12 @@ def _private_path(path: str) -> str:
     m = re.match(r"^/r/[^/]+/api/v1(/[^/]*)?", path)
     if m:
         return f"/r/…/api/v1{m.group(1) or ''}…"
+    if path.startswith(("/ics/", "/s/")):  # a server's own origin: the secret's last 4
+        return _SECRET_PATH_RE.sub(r"\1…\2", path)
     return re.sub(r"/r/[^/]+(/s/)?.*", lambda m: f"/r/…{m.group(1) or '/'}…", path)
+
+
+_SECRET_PATH_RE = re.compile(r"^(/ics/|/s/)[^/]*?([^/]{0,4}?)(?:\.ics)?$")
 
 
 RELAY_WORKERS = 4  # relayed requests a server answers at once (change-feed waits: half)
@@ -31333,6 +32104,1131 @@ def dav_error(e: ApiError) -> bottle.HTTPResponse:
     return bottle.HTTPResponse(body.encode("utf-8"), e.status_code, headers)
 
 
+# == src/notesvc/http/caldav.py ===============================================
+# == CalDAV ===================================================================
+#
+# docs/api.md (CalDAV): /dav/principal/ and /dav/calendars/ beside the WebDAV of notes/ and
+# attachments/ (a PROPFIND of /dav/ still lists only those two, so file sync never sees
+# .ics files). /dav/calendars/all/ holds every task a key sees, /dav/calendars/f-<id>/ the
+# tasks of one folder's own notes. A write from a client edits the task's one line of its
+# note (a versioned write, reason "caldav"); a new task is a new line of <folder>/Tasks.md.
+
+CAL_NS = "urn:ietf:params:xml:ns:caldav"
+CS_NS = "http://calendarserver.org/ns/"
+CAL_TOPS = ("principal", "calendars")
+CAL_METHODS = ("REPORT", "MKCALENDAR")
+CAL_TYPE = "text/calendar; charset=utf-8"
+CAL_ITEM_TYPE = "text/calendar; charset=utf-8; component=VTODO"
+CAL_XML_TYPE = "application/xml; charset=utf-8"
+CAL_MAX_OBJECT = 256 * 1024  # one VTODO from a client
+CAL_REFUSED = ("RRULE", "RDATE", "EXDATE", "ATTACH", "ATTENDEE", "ORGANIZER")
+CAL_TEXT_MATCH = ("STATUS", "SUMMARY", "UID", "CATEGORIES")
+ALL_LIST = "all"
+_NS_DECL = f'xmlns:D="DAV:" xmlns:C="{CAL_NS}" xmlns:CS="{CS_NS}"'
+_PREFIX = {"DAV:": "D", CAL_NS: "C", CS_NS: "CS"}
+SYNC_PREFIX = "urn:notesvc:sync:"
+
+
+class CalError(DavError):
+    """A CalDAV failure; `condition` is a prefixed element (`C:supported-filter`)."""
+
+    def __init__(self, status: int, message: str, condition: str = "", inner: str = ""):
+        super().__init__(status, message, condition)
+        self.inner = inner
+
+
+def cal_error(e: ApiError) -> bottle.HTTPResponse:
+    condition = getattr(e, "condition", "")
+    headers = {k: v for k, v in e.headers.items() if k.lower() != "content-type"}
+    if condition:
+        tag = condition if ":" in condition else f"D:{condition}"
+        inner = getattr(e, "inner", "")
+        body = (
+            f'<?xml version="1.0" encoding="utf-8"?>\n<D:error {_NS_DECL}>'
+            f"<{tag}>{inner}</{tag}><D:responsedescription>{_xesc(e.message)}"
+            "</D:responsedescription></D:error>"
+        )
+        headers["Content-Type"] = CAL_XML_TYPE
+    else:
+        body = e.message + "\n"
+        headers["Content-Type"] = "text/plain; charset=utf-8"
+    return bottle.HTTPResponse(body.encode("utf-8"), e.status_code, headers)
+
+
+# -- the entry: /dav/ with CalDAV beside WebDAV -------------------------------------------
+
+
+def caldav_callback(svc: Service) -> Callable:
+    """The one entry of /dav/: principal/ and calendars/ (and a PROPFIND of /dav/ itself,
+    which names the principal) here; everything else to WebDAV."""
+    dav = dav_callback(svc)
+
+    def callback(path: str = ""):
+        env = bottle.request.environ
+        method = env.get("REQUEST_METHOD", "GET").upper()
+        parts = [p for p in path.split("/") if p]
+        ours = (parts and parts[0] in CAL_TOPS) or (not parts and method == "PROPFIND")
+        if not ours and method not in CAL_METHODS:
+            return dav(path)
+        try:
+            return cal_answer(svc, env, method, parts)
+        except DavError as e:
+            return cal_error(e)
+        except ApiError as e:
+            return cal_error(e)
+        except bottle.HTTPResponse:
+            raise
+        except Exception:
+            rid = env.get("notesvc.request_id", "-")
+            log.exception("request %s failed in CalDAV %s", rid, method)
+            return cal_error(DavError(500, f"internal error; request id {rid}"))
+
+    return callback
+
+
+def well_known_caldav(svc: Service):
+    """/.well-known/caldav: 301 to /dav/ (RFC 6764)."""
+    return bottle.HTTPResponse(b"", 301, {"Location": f"{DAV_PREFIX}/"})
+
+
+def cal_answer(svc: Service, env: dict, method: str, parts: list):
+    if method == "OPTIONS":
+        return cal_options()
+    principal = dav_authenticate(svc, env)
+    env["notesvc.principal"] = principal
+    if "#" in env.get("REQUEST_URI", ""):
+        raise DavError(400, "the URL holds a fragment (#): send the path alone")
+    if method == "MKCALENDAR":
+        raise CalError(403, "task lists are the folders of notes: make a folder instead")
+    if method == "REPORT" and parts[:1] != ["calendars"]:
+        raise CalError(403, "REPORTs are served on task lists", "D:supported-report")
+    write = method in ("PUT", "DELETE", "PROPPATCH")
+    if write and not principal.allows("write"):
+        raise DavError(403, f"this key is {principal.scope}-only")
+    ctx = {"script": env.get("SCRIPT_NAME", ""), "principal": principal, "method": method}
+    ctx["base"] = f"{ctx['script']}{DAV_PREFIX}"
+    ctx["origin"] = svc.base_url(env).rstrip("/")
+    book = task_book(svc)
+    book.refresh()
+    res = cal_resource(book, principal, parts)
+    if method == "PROPFIND":
+        return cal_propfind(svc, book, res, ctx)
+    if method == "REPORT":
+        return cal_report(svc, book, res, ctx)
+    if method in ("GET", "HEAD"):
+        return cal_get(svc, res, ctx)
+    if method == "PUT":
+        return cal_put(svc, book, res, ctx)
+    if method == "DELETE":
+        return cal_delete(svc, book, res, ctx)
+    if method == "PROPPATCH":
+        raise CalError(
+            403,
+            "the properties of task lists are the server's",
+            "D:cannot-modify-protected-property",
+        )
+    raise DavError(405, f"{method} is not served on task lists", headers={"Allow": cal_allow()})
+
+
+def cal_allow() -> str:
+    return "OPTIONS, PROPFIND, REPORT, GET, HEAD, PUT, DELETE"
+
+
+def cal_options():
+    resp = bottle.response
+    resp.set_header("DAV", "1, 2, 3, calendar-access")
+    resp.set_header("Allow", ", ".join(DAV_METHODS + CAL_METHODS))
+    resp.set_header("Content-Length", "0")
+    resp.content_type = "text/plain; charset=utf-8"
+    return b""
+
+
+# -- what a path names ----------------------------------------------------------------------
+
+
+def _sees(principal: Principal, path: str) -> bool:
+    return not principal.folder or path.startswith(principal.folder + "/")
+
+
+def cal_lists(book: TaskBook, principal: Principal) -> list:
+    """The task lists a key sees: (list id, folder or None, display name)."""
+    out = [(ALL_LIST, None, "All tasks")]
+    holding = {f for f in book.holding if _sees(principal, f + "/")}
+    for folder in sorted(holding):
+        fid = book.folders.get(folder)
+        if fid:
+            out.append((f"f-{fid}", folder, folder[len(NOTES) + 1 :] or "notes"))
+    return out
+
+
+def cal_list_tasks(book: TaskBook, principal: Principal, folder: str | None) -> list:
+    return sorted(
+        (
+            t
+            for t in book.tasks.values()
+            if _sees(principal, t["path"]) and (folder is None or t["folder"] == folder)
+        ),
+        key=lambda t: (t["path"], t["line"]),
+    )
+
+
+def cal_resource(book: TaskBook, principal: Principal, parts: list) -> dict:
+    """{kind: root|principal|home|list|item, ...} of a path; 404 for nothing there."""
+    if not parts:
+        return {"kind": "root", "path": ""}
+    if parts == ["principal"]:
+        return {"kind": "principal", "path": "principal"}
+    if parts[0] == "principal" or len(parts) > 3:
+        raise DavError(404, f"nothing at /dav/{'/'.join(parts)}")
+    if len(parts) == 1:
+        return {"kind": "home", "path": "calendars"}
+    lid = parts[1]
+    found = [entry for entry in cal_lists(book, principal) if entry[0] == lid]
+    if not found:
+        folder = book.folder_of_list(lid[2:]) if lid.startswith("f-") else None
+        if folder is None or not _sees(principal, folder + "/x"):
+            raise DavError(404, f"no task list {lid}")
+        found = [(lid, folder, folder[len(NOTES) + 1 :] or "notes")]  # (no tasks now)
+    lid, folder, name = found[0]
+    lst = {"kind": "list", "path": f"calendars/{lid}", "id": lid, "folder": folder, "name": name}
+    if len(parts) == 2:
+        return lst
+    href = parts[2]
+    task = cal_task_named(book, principal, folder, href)
+    return {
+        "kind": "item",
+        "path": f"calendars/{lid}/{href}",
+        "list": lst,
+        "href": href,
+        "task": task,
+    }
+
+
+def cal_href(ctx: dict, path: str, folder: bool) -> str:
+    href = f"{ctx['base']}/{urllib.parse.quote(path)}" if path else f"{ctx['base']}"
+    return href + "/" if folder else href
+
+
+# -- properties -------------------------------------------------------------------------------
+
+
+def _prop(ns: str, local: str, inner: str = "") -> str:
+    p = _PREFIX[ns]
+    return f"<{p}:{local}>{inner}</{p}:{local}>" if inner else f"<{p}:{local}/>"
+
+
+def cal_item_data(svc: Service, task: dict, ctx: dict) -> bytes:
+    link = f"{ctx['origin']}/#task={task['uid']}"
+    return ical_calendar(vtodo_lines(task, link))
+
+
+def cal_sync_token(book: TaskBook, principal: Principal, folder: str | None) -> int:
+    seqs = [t["seq"] for t in cal_list_tasks(book, principal, folder)]
+    seqs += [g[0] for g in book.gone if folder is None or g[3] == folder]
+    return max(seqs, default=0)
+
+
+def cal_props(svc: Service, book: TaskBook, res: dict, ctx: dict, names=None) -> dict:
+    """{(ns, local): xml} of a resource's properties (of an item, its calendar data only
+    when `names`, the local names asked for, holds it or its length; None: all)."""
+    if res["kind"] == "item":
+        return cal_item_props(svc, res["task"], ctx, names)
+    principal = ctx["principal"]
+    me = _prop("DAV:", "href", _xesc(cal_href(ctx, "principal", True)))
+    home = _prop("DAV:", "href", _xesc(cal_href(ctx, "calendars", True)))
+    privs = "<D:privilege><D:read/></D:privilege>"
+    if principal.allows("write"):
+        privs += "".join(
+            f"<D:privilege><D:{p}/></D:privilege>"
+            for p in ("write", "write-content", "bind", "unbind")
+        )
+    out = {
+        ("DAV:", "current-user-principal"): _prop("DAV:", "current-user-principal", me),
+        ("DAV:", "current-user-privilege-set"): _prop("DAV:", "current-user-privilege-set", privs),
+    }
+    kind = res["kind"]
+    collection = "<D:collection/>"
+    if kind == "root":
+        out[("DAV:", "resourcetype")] = _prop("DAV:", "resourcetype", collection)
+        out[("DAV:", "principal-URL")] = _prop("DAV:", "principal-URL", me)
+        out[(CAL_NS, "calendar-home-set")] = _prop(CAL_NS, "calendar-home-set", home)
+    elif kind == "principal":
+        out[("DAV:", "resourcetype")] = _prop("DAV:", "resourcetype", collection + "<D:principal/>")
+        out[("DAV:", "displayname")] = _prop("DAV:", "displayname", "notesvc")
+        out[("DAV:", "principal-URL")] = _prop("DAV:", "principal-URL", me)
+        out[(CAL_NS, "calendar-home-set")] = _prop(CAL_NS, "calendar-home-set", home)
+    elif kind == "home":
+        out[("DAV:", "resourcetype")] = _prop("DAV:", "resourcetype", collection)
+        out[("DAV:", "displayname")] = _prop("DAV:", "displayname", "Task lists")
+    elif kind == "list":
+        token = cal_sync_token(book, principal, res["folder"])
+        out[("DAV:", "resourcetype")] = _prop("DAV:", "resourcetype", collection + "<C:calendar/>")
+        out[("DAV:", "displayname")] = _prop("DAV:", "displayname", _xesc(res["name"]))
+        out[(CAL_NS, "supported-calendar-component-set")] = _prop(
+            CAL_NS, "supported-calendar-component-set", '<C:comp name="VTODO"/>'
+        )
+        out[(CAL_NS, "supported-calendar-data")] = _prop(
+            CAL_NS,
+            "supported-calendar-data",
+            '<C:calendar-data content-type="text/calendar" version="2.0"/>',
+        )
+        out[(CAL_NS, "max-resource-size")] = _prop(CAL_NS, "max-resource-size", str(CAL_MAX_OBJECT))
+        out[(CS_NS, "getctag")] = _prop(CS_NS, "getctag", f"{SYNC_PREFIX}{token}")
+        out[("DAV:", "sync-token")] = _prop("DAV:", "sync-token", f"{SYNC_PREFIX}{token}")
+        out[("DAV:", "supported-report-set")] = _prop(
+            "DAV:",
+            "supported-report-set",
+            "".join(
+                f"<D:supported-report><D:report>{r}</D:report></D:supported-report>"
+                for r in ("<C:calendar-query/>", "<C:calendar-multiget/>", "<D:sync-collection/>")
+            ),
+        )
+    return out
+
+
+def cal_wanted(root) -> tuple:
+    """(mode, [(ns, local, tag)]) of a PROPFIND or REPORT body's prop/allprop/propname."""
+    if root is None:
+        return "allprop", []
+    for child in root:
+        if child.tag == "{DAV:}propname":
+            return "propname", []
+        if child.tag == "{DAV:}prop":
+            return "prop", [(*_dav_name(c.tag), c.tag) for c in child]
+    return "allprop", []
+
+
+def cal_item_props(svc: Service, task: dict, ctx: dict, names) -> dict:
+    out = {
+        ("DAV:", "resourcetype"): "<D:resourcetype/>",
+        ("DAV:", "getetag"): _prop("DAV:", "getetag", _xesc(task["etag"])),
+        ("DAV:", "getcontenttype"): _prop("DAV:", "getcontenttype", CAL_ITEM_TYPE),
+    }
+    if names is None or {"calendar-data", "getcontentlength"} & names:
+        data = cal_item_data(svc, task, ctx)
+        out[("DAV:", "getcontentlength")] = _prop("DAV:", "getcontentlength", str(len(data)))
+        out[(CAL_NS, "calendar-data")] = _prop(
+            CAL_NS, "calendar-data", _xesc(data.decode("utf-8")).replace("\r", "&#13;")
+        )
+    return out
+
+
+def cal_propstat(props: dict, mode: str, wanted: list) -> str:
+    if mode == "propname":
+        found = [_prop(ns, local) for ns, local in props]
+        missing: list = []
+    elif mode == "allprop":
+        found = [x for (ns, local), x in props.items() if local != "calendar-data"]
+        missing = []
+    else:
+        found, missing = [], []
+        for ns, local, tag in wanted:
+            value = props.get((ns, local))
+            if value is None:
+                missing.append(_empty_prop(tag))
+            else:
+                found.append(value)
+    out = ""
+    if found:
+        out += (
+            "<D:propstat><D:prop>" + "".join(found) + "</D:prop>"
+            "<D:status>HTTP/1.1 200 OK</D:status></D:propstat>"
+        )
+    if missing:
+        out += (
+            "<D:propstat><D:prop>" + "".join(missing) + "</D:prop>"
+            "<D:status>HTTP/1.1 404 Not Found</D:status></D:propstat>"
+        )
+    return out
+
+
+def cal_multistatus(parts: list, tail: str = "") -> bytes:
+    body = (
+        f'<?xml version="1.0" encoding="utf-8"?>\n<D:multistatus {_NS_DECL}>'
+        + "".join(parts)
+        + tail
+        + "</D:multistatus>"
+    )
+    bottle.response.status = 207
+    bottle.response.content_type = CAL_XML_TYPE
+    return body.encode("utf-8")
+
+
+def _response(href: str, inner: str) -> str:
+    return f"<D:response><D:href>{_xesc(href)}</D:href>{inner}</D:response>"
+
+
+def cal_body():
+    """The XML body of a PROPFIND or REPORT, parsed the way WebDAV parses (no DTD)."""
+    return dav_xml(dav_body())
+
+
+def cal_propfind(svc: Service, book: TaskBook, res: dict, ctx: dict):
+    depth = (request_header("Depth") or "infinity").strip().lower()
+    if depth not in ("0", "1"):
+        raise DavError(
+            403, "PROPFIND with Depth: infinity is not served: ask Depth 1", "propfind-finite-depth"
+        )
+    root = cal_body()
+    if root is not None and root.tag != "{DAV:}propfind":
+        raise DavError(400, "a PROPFIND body is a DAV:propfind element")
+    mode, wanted = cal_wanted(root)
+    if res["kind"] == "item" and res["task"] is None:
+        raise DavError(404, f"nothing at /dav/{res['path']}")
+    principal = ctx["principal"]
+    out = []
+    if res["kind"] == "root":  # WebDAV's root, with the principal named
+        out.append(cal_root_response(svc, book, res, ctx, mode, wanted))
+        if depth == "1":
+            dav = dav_state(svc)
+            root_item = dav_item(svc, "")
+            for child in dav_children(svc, root_item, principal):
+                inner = dav_props(dav, child, mode, [(t, ns, lo) for ns, lo, t in wanted])
+                out.append(_response(dav_href(ctx["script"], child.path, True), inner))
+        return cal_multistatus(out)
+    kind = res["kind"]
+    is_dir = kind != "item"
+    out.append(
+        _response(
+            cal_href(ctx, res["path"], is_dir),
+            cal_propstat(cal_props(svc, book, res, ctx), mode, wanted),
+        )
+    )
+    if depth == "1":
+        for child in cal_children(book, res, principal):
+            props = cal_props(svc, book, child, ctx)
+            out.append(
+                _response(
+                    cal_href(ctx, child["path"], child["kind"] != "item"),
+                    cal_propstat(props, mode, wanted),
+                )
+            )
+    return cal_multistatus(out)
+
+
+def cal_root_response(svc, book, res, ctx, mode, wanted) -> str:
+    """/dav/ itself: WebDAV's properties of the root and the principal's names."""
+    dav = dav_state(svc)
+    item = dav_item(svc, "")
+    props = cal_props(svc, book, res, ctx)
+    for name in ("displayname", "resourcetype", "supportedlock", "lockdiscovery"):
+        value = dav_live(dav, item, name)
+        if value is not None and ("DAV:", name) not in props:
+            props[("DAV:", name)] = value
+    return _response(cal_href(ctx, "", True), cal_propstat(props, mode, wanted))
+
+
+def cal_children(book: TaskBook, res: dict, principal: Principal) -> list:
+    if res["kind"] == "home":
+        return [
+            {"kind": "list", "path": f"calendars/{lid}", "id": lid, "folder": folder, "name": name}
+            for lid, folder, name in cal_lists(book, principal)
+        ]
+    if res["kind"] == "list":
+        return [cal_item_of(res, t) for t in cal_list_tasks(book, principal, res["folder"])]
+    return []
+
+
+def cal_item_of(lst: dict, task: dict) -> dict:
+    return {
+        "kind": "item",
+        "path": f"{lst['path']}/{task['href']}",
+        "list": lst,
+        "href": task["href"],
+        "task": task,
+    }
+
+
+def cal_get(svc: Service, res: dict, ctx: dict):
+    if res["kind"] != "item":
+        raise DavError(
+            405,
+            "a collection has no content: list it with PROPFIND",
+            headers={"Allow": "OPTIONS, PROPFIND, REPORT"},
+        )
+    task = res["task"]
+    if task is None:
+        raise DavError(404, f"nothing at /dav/{res['path']}")
+    data = cal_item_data(svc, task, ctx)
+    resp = bottle.response
+    resp.set_header("ETag", task["etag"])
+    resp.content_type = CAL_TYPE
+    resp.set_header("Content-Length", str(len(data)))
+    inm = request_header("If-None-Match")
+    if inm and task["etag"] in [t.strip() for t in inm.split(",")]:
+        resp.status = 304
+        return b""
+    return b"" if ctx["method"] == "HEAD" else data
+
+
+# -- REPORT: calendar-query, calendar-multiget, sync-collection --------------------------------
+
+
+def cal_report(svc: Service, book: TaskBook, res: dict, ctx: dict):
+    root = cal_body()
+    if root is None:
+        raise DavError(400, "a REPORT needs a body")
+    if res["kind"] not in ("list", "item"):
+        raise CalError(403, "REPORTs are served on task lists", "D:supported-report")
+    lst = res["list"] if res["kind"] == "item" else res
+    principal = ctx["principal"]
+    mode, wanted = cal_wanted(root)
+    if root.tag == f"{{{CAL_NS}}}calendar-multiget":
+        out = []
+        for h in root.findall("{DAV:}href"):
+            path = urllib.parse.urlsplit(urllib.parse.unquote((h.text or "").strip())).path
+            found = cal_find_item(book, principal, lst, ctx, path)
+            if found is None:
+                out.append(_response(path, "<D:status>HTTP/1.1 404 Not Found</D:status>"))
+            else:
+                out.append(cal_item_response(svc, book, found, ctx, mode, wanted))
+        return cal_multistatus(out)
+    items = [cal_item_of(lst, t) for t in cal_list_tasks(book, principal, lst["folder"])]
+    if root.tag == f"{{{CAL_NS}}}calendar-query":
+        flt = root.find(f"{{{CAL_NS}}}filter")
+        test = cal_filter(flt, svc) if flt is not None else (lambda t: True)
+        return cal_multistatus(
+            [cal_item_response(svc, book, i, ctx, mode, wanted) for i in items if test(i["task"])]
+        )
+    if root.tag == "{DAV:}sync-collection":
+        return cal_sync(svc, book, lst, items, root, ctx, mode, wanted)
+    raise CalError(403, "this REPORT is not served", "D:supported-report")
+
+
+def cal_find_item(book: TaskBook, principal: Principal, lst: dict, ctx: dict, path: str):
+    """The item a multiget's href names in this list (None: none the key sees)."""
+    prefix = f"{ctx['base']}/{lst['path']}/"
+    name = path[len(prefix) :] if path.startswith(prefix) else ""
+    if not name or "/" in name:
+        return None
+    task = cal_task_named(book, principal, lst["folder"], name)
+    return cal_item_of(lst, task) if task is not None else None
+
+
+def cal_task_named(book: TaskBook, principal: Principal, folder: str | None, name: str):
+    """The task of a list (a folder's, or None: all) whose item is named `name`."""
+
+    def fits(t: dict) -> bool:
+        return t["href"] == name and _sees(principal, t["path"]) and folder in (None, t["folder"])
+
+    task = book.tasks.get(book.by_href.get(name, ""))
+    if task is None or not fits(task):  # (two lists may hold an item of the same name)
+        task = next((t for t in book.tasks.values() if fits(t)), None)
+    return task
+
+
+def cal_item_response(svc, book, item: dict, ctx: dict, mode: str, wanted: list) -> str:
+    names = {local for _ns, local, _tag in wanted} if mode == "prop" else None
+    props = cal_props(svc, book, item, ctx, names)
+    return _response(cal_href(ctx, item["path"], False), cal_propstat(props, mode, wanted))
+
+
+def cal_sync(svc, book, lst: dict, items: list, root, ctx: dict, mode: str, wanted: list):
+    raw = (root.findtext("{DAV:}sync-token") or "").strip()
+    since = 0
+    if raw:
+        if not raw.startswith(SYNC_PREFIX) or not raw[len(SYNC_PREFIX) :].isdigit():
+            raise CalError(403, "this sync-token is not one of this server's", "D:valid-sync-token")
+        since = int(raw[len(SYNC_PREFIX) :])
+        if since < book.floor or since > book.seq:
+            raise CalError(
+                403, "this sync-token is too old: sync again from none", "D:valid-sync-token"
+            )
+    level = (root.findtext("{DAV:}sync-level") or "1").strip()
+    if level not in ("1", "infinite"):
+        raise DavError(400, "sync-level is 1")
+    out = [
+        cal_item_response(svc, book, i, ctx, mode, wanted)
+        for i in items
+        if i["task"]["seq"] > since
+    ]
+    for href in cal_gone(book, lst, items, since, ctx["principal"]) if since else ():
+        out.append(
+            _response(
+                cal_href(ctx, f"{lst['path']}/{href}", False),
+                "<D:status>HTTP/1.1 404 Not Found</D:status>",
+            )
+        )
+    token = cal_sync_token(book, ctx["principal"], lst["folder"])
+    return cal_multistatus(out, f"<D:sync-token>{SYNC_PREFIX}{max(token, since)}</D:sync-token>")
+
+
+def cal_gone(book: TaskBook, lst: dict, items: list, since: int, principal: Principal) -> list:
+    """The names of the items a list lost since a sync token (removed, or moved away)."""
+    here = {i["task"]["uid"] for i in items}
+    folder = lst["folder"]
+    gone: dict = {}
+    for seq, uid, href, old, _path in book.gone:
+        if seq <= since or uid in here or (folder is not None and old != folder):
+            continue
+        if old is None or _sees(principal, old + "/x"):
+            gone[href] = True
+    return list(gone)
+
+
+# -- calendar-query filters (RFC 4791 9.7) ---------------------------------------------------
+
+
+def _unsupported(what: str) -> CalError:
+    return CalError(403, f"this filter is not supported: {what}", "C:supported-filter")
+
+
+def cal_filter(flt, svc: Service) -> Callable:
+    comps = list(flt)
+    if len(comps) != 1 or comps[0].tag != f"{{{CAL_NS}}}comp-filter":
+        raise _unsupported("a filter holds one comp-filter")
+    cal = comps[0]
+    if cal.get("name", "").upper() != "VCALENDAR":
+        return lambda t: False
+    tests = []
+    for child in cal:
+        if child.tag == f"{{{CAL_NS}}}is-not-defined":
+            return lambda t: False
+        if child.tag != f"{{{CAL_NS}}}comp-filter":
+            raise _unsupported(_dav_name(child.tag)[1])
+        name = child.get("name", "").upper()
+        if name != "VTODO":
+            negated = child.find(f"{{{CAL_NS}}}is-not-defined") is not None
+            tests.append(lambda t, n=negated: n)  # no VEVENT, VJOURNAL here
+            continue
+        tests.append(cal_todo_filter(child, svc))
+    return lambda t: all(test(t) for test in tests)
+
+
+def cal_todo_filter(comp, svc: Service) -> Callable:
+    tests: list = []
+    for child in comp:
+        ns, local = _dav_name(child.tag)
+        if ns != CAL_NS:
+            raise _unsupported(local)
+        if local == "is-not-defined":
+            return lambda t: False
+        if local == "time-range":
+            tests.append(cal_time_range(child, svc))
+        elif local == "prop-filter":
+            tests.append(cal_prop_filter(child))
+        else:
+            raise _unsupported(local)
+    return lambda t: all(test(t) for test in tests)
+
+
+def _task_values(task: dict, name: str) -> list:
+    """The values a task's VTODO has for a property ([] when it has none)."""
+    if name == "UID":
+        return [task["uid"]]
+    if name == "SUMMARY":
+        return [task["summary"]]
+    if name == "STATUS":
+        return ["COMPLETED" if task["done"] else "NEEDS-ACTION"]
+    if name == "CATEGORIES":
+        return list(task["categories"])
+    if name in ("DTSTAMP", "DESCRIPTION"):
+        return ["x"]
+    if name == "DUE":
+        return ["x"] if task["due"] or task["alarm"] else []
+    if name == "COMPLETED":
+        return ["x"] if task["done"] and task.get("completed") else []
+    if name == "RELATED-TO":
+        return [task["parent_uid"]] if task.get("parent_uid") else []
+    return []
+
+
+def cal_prop_filter(pf) -> Callable:
+    name = pf.get("name", "").upper()
+    children = list(pf)
+    if not children:
+        return lambda t: bool(_task_values(t, name))
+    if len(children) != 1:
+        raise _unsupported(f"prop-filter {name} with several tests")
+    child = children[0]
+    ns, local = _dav_name(child.tag)
+    if ns == CAL_NS and local == "is-not-defined":
+        return lambda t: not _task_values(t, name)
+    if ns == CAL_NS and local == "text-match" and name in CAL_TEXT_MATCH:
+        needle = child.text or ""
+        collation = child.get("collation", "i;ascii-casemap")
+        if collation not in ("i;ascii-casemap", "i;octet", "i;unicode-casemap"):
+            raise CalError(
+                403, f"collation {collation[:40]} is not supported", "C:supported-collation"
+            )
+        negate = child.get("negate-condition", "no") == "yes"
+        fold = collation != "i;octet"
+        if fold:
+            needle = needle.casefold()
+
+        def match(t: dict) -> bool:
+            values = _task_values(t, name)
+            if not values:
+                return False
+            hit = any(needle in (v.casefold() if fold else v) for v in values)
+            return hit != negate
+
+        return match
+    raise _unsupported(f"prop-filter {name} {local}")
+
+
+def _utc_of(raw: str | None) -> dt.datetime | None:
+    if not raw:
+        return None
+    try:
+        return dt.datetime.strptime(raw.strip(), "%Y%m%dT%H%M%SZ")
+    except ValueError:
+        raise CalError(
+            400, f"a time-range time is YYYYMMDDTHHMMSSZ, not {raw[:30]!r}", "C:valid-filter"
+        ) from None
+
+
+def cal_time_range(tr, svc: Service) -> Callable:
+    start = _utc_of(tr.get("start")) or dt.datetime(1, 1, 1)
+    end = _utc_of(tr.get("end")) or dt.datetime(9999, 12, 31)
+    zone = time_zone(svc.config.timezone)
+
+    def due_of(t: dict) -> dt.datetime | None:
+        if isinstance(t["due"], dt.date):
+            wall = dt.datetime.combine(t["due"], dt.time())
+            ts = wall.replace(tzinfo=zone).timestamp() if zone else wall.timestamp()
+            return dt.datetime.fromtimestamp(ts, dt.timezone.utc).replace(tzinfo=None)
+        return t["alarm"]
+
+    def test(t: dict) -> bool:  # RFC 4791 9.9, a VTODO without DTSTART or DURATION
+        due = due_of(t)
+        if due is not None:
+            return start < due <= end
+        if t["done"] and t.get("completed"):
+            done = dt.datetime.fromtimestamp(t["completed"], dt.timezone.utc).replace(tzinfo=None)
+            return start <= done <= end
+        return True
+
+    return test
+
+
+# -- writes: a line of a note ---------------------------------------------------------------
+
+
+def cal_read_object(svc: Service) -> dict:
+    """The VTODO of a PUT body: {uid, summary, done, due, categories}; 403 for what a line
+    cannot hold, 415/403 for what is not one VTODO."""
+    kind = (request_header("Content-Type") or "text/calendar").split(";")[0].strip().lower()
+    if kind not in ("text/calendar", "application/octet-stream", ""):
+        raise CalError(415, "a task is PUT as text/calendar", "C:supported-calendar-data")
+    read, _ = request_body_reader(
+        CAL_MAX_OBJECT, f"the calendar object limit ({CAL_MAX_OBJECT // 1024} KiB)"
+    )
+    props = cal_todo_props(b"".join(iter(lambda: read(65536), b"")))
+    uid = _first(props, "UID").strip()
+    if not uid or len(uid) > 255 or any(ord(c) < 32 for c in uid):
+        raise _unfit("a VTODO needs a UID")
+    status = _first(props, "STATUS", "NEEDS-ACTION").strip().upper()
+    if status not in ("NEEDS-ACTION", "COMPLETED"):
+        raise _unfit(f"a task line is open or done, not {status[:20]}")
+    due: Any = None
+    if props.get("DUE"):
+        params, value = props["DUE"][0]
+        try:
+            due = ical_when(value, params)
+        except ICalError as e:
+            raise CalError(403, str(e), "C:valid-calendar-data") from None
+    categories: list = []
+    for _params, value in props.get("CATEGORIES", []):
+        categories += [c.strip() for c in ical_split(value) if c.strip()]
+    parents = [
+        v.strip()
+        for params, v in props.get("RELATED-TO", [])
+        if params.get("RELTYPE", "PARENT").upper() == "PARENT"
+    ]
+    return {
+        "parent": parents[0] if parents else None,
+        "uid": uid,
+        "summary": " ".join(ical_unescape(_first(props, "SUMMARY")).split()),
+        "done": status == "COMPLETED",
+        "due": due,
+        "categories": list(dict.fromkeys(categories)),
+    }
+
+
+def _first(props: dict, name: str, default: str = "") -> str:
+    return (props.get(name) or [({}, default)])[0][1]
+
+
+def _unfit(message: str) -> CalError:
+    return CalError(403, message, "C:valid-calendar-object-resource")
+
+
+def cal_todo_props(data: bytes) -> dict:
+    """{NAME: [(params, value)]} of the one VTODO of a calendar object; 403 for anything
+    else, and for what a task line cannot hold."""
+    try:
+        comps = ical_parse(data)
+    except ICalError as e:
+        raise CalError(403, f"not iCalendar: {e}", "C:valid-calendar-data") from None
+    if len(comps) != 1 or comps[0]["name"] != "VCALENDAR":
+        raise CalError(403, "a calendar object is one VCALENDAR", "C:valid-calendar-data")
+    todos = [c for c in comps[0]["subs"] if c["name"] == "VTODO"]
+    others = [c for c in comps[0]["subs"] if c["name"] not in ("VTODO", "VTIMEZONE")]
+    if others or len(todos) != 1:
+        raise CalError(403, "task lists hold one VTODO per item", "C:supported-calendar-component")
+    props: dict = {}
+    for name, params, value in todos[0]["props"]:
+        if name in CAL_REFUSED:
+            raise _unfit(f"a task line cannot hold {name}")
+        props.setdefault(name, []).append((params, value))
+    for sub in todos[0]["subs"]:
+        if sub["name"] != "VALARM":
+            raise _unfit(f"a task line cannot hold a {sub['name'][:20]}")
+    return props
+
+
+def cal_wall(svc: Service, due: Any) -> Any:
+    """A client's DUE as the note writes it: a date, or a wall time in SERVICE_TIMEZONE."""
+    if isinstance(due, dt.datetime):
+        ts = due.replace(tzinfo=dt.timezone.utc).timestamp()
+        return local_time(ts, time_zone(svc.config.timezone))
+    return due
+
+
+def cal_rewrite(svc: Service, task: dict, new: dict) -> str:
+    """The task's line with what the client changed, the rest byte for byte."""
+    line = task["text"]
+    m = TASK_LINE_RE.match(line)
+    head, rest = line[: m.start(4)], line[m.end(4) + 1 :]
+    box = "x" if new["done"] else " "
+    if new["done"] == task["done"]:
+        box = m.group(4)
+    if new["summary"] and new["summary"] != task["summary"]:
+        markers = [
+            x.group(0)
+            for x in re.finditer(f"{DUE_DATE_RE.pattern}|{ALARM_RE.pattern}|{TAG_RE.pattern}", rest)
+        ]
+        rest = " " + " ".join([new["summary"], *markers])
+    current = task["due"] if task["due"] is not None else task["alarm"]
+    if new["due"] != current:
+        rest = cal_set_due(svc, rest, cal_wall(svc, new["due"]))
+    if sorted(new["categories"]) != sorted(task["categories"]):
+        for tag in task["categories"]:
+            if tag not in new["categories"]:
+                rest = re.sub(rf"(?<![^\s(\[])#{re.escape(tag)}(?![\w/-])", "", rest)
+        for tag in new["categories"]:
+            if tag not in task["categories"]:
+                clean = re.sub(r"[^\w/-]", "", tag.replace(" ", "-"))
+                if clean:
+                    rest = rest.rstrip() + f" #{clean}"
+        rest = re.sub(r"[ \t]{2,}", " ", rest).rstrip()
+    return f"{head}{box}]{rest}"
+
+
+def cal_set_due(svc: Service, rest: str, due: Any) -> str:
+    dated = DUE_DATE_RE.search(rest)
+    alarm = ALARM_RE.search(rest)
+    if due is None:
+        rest = ALARM_RE.sub("", DUE_DATE_RE.sub("", rest))
+        return re.sub(r"[ \t]{2,}", " ", rest).rstrip()
+    day = due.date() if isinstance(due, dt.datetime) else due
+    if dated:
+        marker = dated.group(0)
+        new = marker[: marker.rfind(dated.group(1))] + f"{day:%Y-%m-%d}"
+        return rest[: dated.start()] + new + rest[dated.end() :]
+    if alarm and isinstance(due, dt.datetime):
+        return rest[: alarm.start()] + f"⏰ {due:%Y-%m-%d %H:%M}" + rest[alarm.end() :]
+    if alarm:
+        return rest[: alarm.start()] + f"📅 {day:%Y-%m-%d}" + rest[alarm.end() :]
+    if isinstance(due, dt.datetime):
+        return rest.rstrip() + f" ⏰ {due:%Y-%m-%d %H:%M}"
+    return rest.rstrip() + f" 📅 {day:%Y-%m-%d}"
+
+
+def _check_if_match(task: dict | None) -> None:
+    im = request_header("If-Match")
+    if im is not None:
+        tags = [t.strip() for t in im.split(",")]
+        if task is None or ("*" not in tags and task["etag"] not in tags):
+            raise DavError(412, "the task changed since it was read (If-Match): read it again")
+    inm = request_header("If-None-Match")
+    if inm is not None and inm.strip() == "*" and task is not None:
+        raise DavError(412, "a task is already there (If-None-Match: *)")
+
+
+def cal_edit_line(svc: Service, task: dict, change: Callable) -> None:
+    """Edit the note around the task's line: change(lines, at) alters the list of lines
+    (the note split on "\n"; `at` the task's line), written as a versioned write on the
+    note as it is now; 412 when the line is not there exactly once."""
+    path = task["path"]
+    for _ in range(5):
+        try:
+            raw, _st = svc.notes._read(path)
+        except ApiError:
+            raise DavError(412, "the task's note is gone: sync again") from None
+        lines = raw.decode("utf-8").split("\n")
+        at = task["line"]
+        if not (at < len(lines) and lines[at] == task["text"]):
+            spots = [i for i, x in enumerate(lines) if x == task["text"]]
+            if len(spots) != 1:
+                raise DavError(412, "the task's line changed in the note: sync again")
+            at = spots[0]
+        before = list(lines)
+        change(lines, at)
+        if lines == before:
+            return
+        with contextlib.suppress(PreconditionFailed):
+            svc.notes.update(path, "\n".join(lines), make_etag(raw), reason="caldav")
+            return
+    raise DavError(412, "the note kept changing: try again")
+
+
+def cal_put(svc: Service, book: TaskBook, res: dict, ctx: dict):
+    if res["kind"] != "item":
+        raise DavError(405, "PUT a task into a task list: /dav/calendars/<list>/<name>.ics")
+    if not res["href"].endswith(".ics") or "/" in res["href"]:
+        raise DavError(403, "an item's name ends in .ics")
+    principal = ctx["principal"]
+    task = res["task"]
+    _check_if_match(task)
+    new = cal_read_object(svc)
+    uid = new["uid"]
+    if task is not None and task["uid"] != uid:
+        raise CalError(403, "an item keeps its UID", "C:no-uid-conflict")
+    other = book.tasks.get(uid)
+    if task is None and other is not None:
+        if not _sees(principal, other["path"]):
+            raise CalError(403, "this UID belongs to another task", "C:no-uid-conflict")
+        href = cal_href(ctx, f"calendars/{ALL_LIST}/{other['href']}", False)
+        raise CalError(
+            403,
+            "this UID belongs to another task",
+            "C:no-uid-conflict",
+            f"<D:href>{_xesc(href)}</D:href>",
+        )
+    if task is not None:
+
+        def edit(lines: list, at: int) -> None:
+            lines[at] = cal_rewrite(svc, {**task, "text": lines[at]}, new)
+
+        cal_edit_line(svc, task, edit)
+        status = 204
+    else:
+        cal_put_new(svc, book, res, principal, new)
+        status = 201
+    book.refresh()
+    done = book.tasks.get(uid)
+    bottle.response.status = status
+    if done is not None:
+        bottle.response.set_header("ETag", done["etag"])
+    return b""
+
+
+def cal_put_new(svc: Service, book: TaskBook, res: dict, principal: Principal, new: dict):
+    """A client's new task: a line under its parent task (RELATED-TO) when that is in
+    this list, else a line at the end of the list's <folder>/Tasks.md."""
+    parent = book.tasks.get(new["parent"] or "")
+    folder = res["list"]["folder"]
+    if parent and _sees(principal, parent["path"]) and folder in (None, parent["folder"]):
+        m = TASK_LINE_RE.match(parent["text"])
+        indent = m.group(1) + " " * len(m.group(2) + m.group(3))
+        line = task_line_of(
+            new["done"], new["summary"], cal_wall(svc, new["due"]), new["categories"], indent
+        )
+        book.claim(parent["path"], line, new["uid"], res["href"])
+
+        def insert(lines: list, at: int) -> None:
+            width = len(m.group(1).expandtabs(4))
+            end = at + 1
+            while end < len(lines) and lines[end].strip():
+                shown = lines[end].expandtabs(4)
+                if len(shown) - len(shown.lstrip()) <= width:
+                    break
+                end += 1
+            lines.insert(end, line)
+
+        cal_edit_line(svc, parent, insert)
+        return
+    path = f"{folder or principal.folder or INBOX}/{TASKS_NOTE}"
+    if not _sees(principal, path):
+        raise DavError(404, f"no task list {res['list']['id']}")
+    line = task_line_of(new["done"], new["summary"], cal_wall(svc, new["due"]), new["categories"])
+    book.claim(path, line, new["uid"], res["href"])
+    cal_append(svc, path, line)
+
+
+def cal_append(svc: Service, path: str, line: str) -> None:
+    for _ in range(5):
+        try:
+            raw, _st = svc.notes._read(path)
+        except ApiError as e:
+            if e.status_code != 404:
+                raise
+            with contextlib.suppress(ApiError):
+                svc.notes.create(path, f"# Tasks\n\n{line}\n")
+                return
+            continue
+        text = raw.decode("utf-8")
+        content = text + ("" if text.endswith("\n") or not text else "\n") + line + "\n"
+        with contextlib.suppress(PreconditionFailed):
+            svc.notes.update(path, content, make_etag(raw), reason="caldav")
+            return
+    raise DavError(409, "the task note kept changing: try again")
+
+
+def cal_delete(svc: Service, book: TaskBook, res: dict, ctx: dict):
+    if res["kind"] != "item":
+        raise DavError(403, "task lists are folders of notes: they are not deleted here")
+    task = res["task"]
+    if task is None:
+        raise DavError(404, f"nothing at /dav/{res['path']}")
+    _check_if_match(task)
+
+    def drop(lines: list, at: int) -> None:
+        del lines[at]
+
+    cal_edit_line(svc, task, drop)
+    book.refresh()
+    bottle.response.status = 204
+    return b""
+
+
+# == the calendar feed: /ics/<secret>.ics =======================================================
+#
+# A read-only iCalendar file for apps that subscribe to a URL (Google Calendar, Outlook):
+# the tasks as VTODOs, a VEVENT at each ⏰ time and an all-day VEVENT for each open dated
+# task (those apps ignore VTODO). Its secret opens /ics/ only, is shown once and kept
+# hashed in state.json (`feeds`); unknown secrets count toward the per-address lockout of
+# share links.
+
+FEED_SECRET_RE = re.compile(r"^[A-Za-z0-9_-]{32}\Z")
+MAX_FEEDS = 50
+FEED_USE_SECONDS = 300  # lastUsedAt is written at most this often
+
+
+def feed_record(feed: dict) -> dict:
+    keys = ("id", "name", "folder", "createdAt", "lastUsedAt", "hint")
+    return {**{k: feed.get(k) for k in keys}, "createdBy": feed.get("createdBy", "owner")}
+
+
+def feed_url(svc: Service, environ: dict, secret: str) -> str:
+    """<base>/ics/<secret>.ics, <base> as share links have it (the relay origin in relay
+    mode)."""
+    return share_url(svc, environ, "")[: -len("/s/")] + f"/ics/{secret}.ics"
+
+
+def create_feed(svc: Service) -> dict:
+    body = read_json(svc.config.max_body_bytes)
+    name = " ".join(str(field(body, "name", max_len=100)).split())
+    if not name:
+        raise bad_request("'name' is empty")
+    raw = field(body, "folder", required=False)
+    folder = visible_folder(svc, raw) if raw else request_principal().folder or None
+    secret, now = secrets.token_urlsafe(24), time.time()
+    feed = {
+        "id": "fd_" + secrets.token_hex(6),
+        "name": name,
+        "folder": folder if folder != NOTES else None,
+        "createdAt": iso(now),
+        "lastUsedAt": None,
+        "hint": secret[-4:],
+        "secretHash": key_hash(secret),
+        "createdBy": request_principal().grant_id or "owner",
+    }
+
+    def change(data: dict) -> None:
+        feeds = data.get("feeds", [])
+        if len(feeds) >= MAX_FEEDS:
+            raise ApiError(409, "CONFLICT", f"{MAX_FEEDS} calendar feeds exist; delete some")
+        data["feeds"] = [*feeds, feed]
+
+    svc.state.update(change)
+    log.info("calendar feed %s created", feed["id"])
+    bottle.response.status = 201
+    return {**feed_record(feed), "url": feed_url(svc, bottle.request.environ, secret)}
+
+
+def list_feeds(svc: Service) -> dict:
+    return {"feeds": [feed_record(f) for f in svc.state.read().get("feeds", [])]}
+
+
+def delete_feed(svc: Service, feed_id: str) -> dict:
+    if not any(f["id"] == feed_id for f in svc.state.read().get("feeds", [])):
+        raise not_found(f"no calendar feed {feed_id}")
+
+    def change(data: dict) -> None:
+        data["feeds"] = [f for f in data.get("feeds", []) if f["id"] != feed_id]
+
+    svc.state.update(change)
+    return {"id": feed_id, "deleted": True}
+
+
+def _feed_of(svc: Service, secret: str) -> dict | None:
+    if not FEED_SECRET_RE.match(secret):
+        return None
+    h = key_hash(secret)
+    for f in svc.state.read().get("feeds", []):
+        if hmac.compare_digest(f["secretHash"], h):
+            return f
+    return None
+
+
+def get_feed(svc: Service, name: str):
+    """GET /ics/<secret>.ics: the feed's calendar."""
+    addr = _public_limit(svc)
+    resp = bottle.response
+    for header, value in (
+        ("Cache-Control", "private, max-age=300"),
+        ("X-Robots-Tag", "noindex, nofollow"),
+        ("Referrer-Policy", "no-referrer"),
+    ):
+        resp.set_header(header, value)
+    feed = _feed_of(svc, name[:-4] if name.endswith(".ics") else "")
+    if feed is None:
+        svc.grants.share_misses.fail(addr)
+        raise not_found("no calendar feed at this link (it may have been deleted)")
+    now = time.time()
+    used = feed.get("lastUsedAt")
+    if used is None or now - _epoch(used) > FEED_USE_SECONDS:
+
+        def change(data: dict) -> None:
+            for f in data.get("feeds", []):
+                if f["id"] == feed["id"]:
+                    f["lastUsedAt"] = iso(now)
+
+        svc.state.update(change)
+    book = task_book(svc)
+    book.refresh()
+    reader = Principal("key", "read", feed.get("folder") or "")
+    origin = svc.base_url(bottle.request.environ).rstrip("/")
+    parts: list = []
+    for task in cal_list_tasks(book, reader, None):
+        parts += vtodo_lines(task, f"{origin}/#task={task['uid']}")
+        parts += feed_events(task)
+    resp.content_type = CAL_TYPE
+    return ical_calendar(parts, feed["name"])
+
+
+def feed_events(task: dict) -> list:
+    """The VEVENTs of a task in the feed: at its ⏰ time, and all day on its open date."""
+    out: list = []
+    stamp = f"DTSTAMP:{ical_stamp(task['stamp'])}"
+    summary = f"SUMMARY:{ical_escape(task['summary'] or 'Task')}"
+    if task["alarm"] is not None:
+        end = task["alarm"] + dt.timedelta(minutes=15)
+        out += ["BEGIN:VEVENT", f"UID:{task['uid']}-at", stamp, summary]
+        out += [f"DTSTART:{ical_utc(task['alarm'])}", f"DTEND:{ical_utc(end)}", "END:VEVENT"]
+    if isinstance(task["due"], dt.date) and not task["done"]:
+        after = task["due"] + dt.timedelta(days=1)
+        out += ["BEGIN:VEVENT", f"UID:{task['uid']}-day", stamp, summary]
+        out += [f"DTSTART;VALUE=DATE:{task['due']:%Y%m%d}", f"DTEND;VALUE=DATE:{after:%Y%m%d}"]
+        out += ["TRANSP:TRANSPARENT", "END:VEVENT"]
+    return out
+
+
+def get_task(svc: Service, uid: str) -> dict:
+    """GET /tasks/<uid>: where a task's line is (the web client opens `#task=<uid>`, the
+    link in each task's DESCRIPTION)."""
+    book = task_book(svc)
+    book.refresh()
+    task = book.tasks.get(uid)
+    if task is None or not _sees(request_principal(), task["path"]):
+        raise not_found("no such task (it may have been deleted, or its line changed a lot)")
+    keys = ("uid", "path", "line", "summary", "done")
+    return {k: task[k] for k in keys}
+
+
 # == src/notesvc/http/routes.py ===============================================
 # == Routes and app ===========================================================
 
@@ -32183,6 +34079,45 @@ ROUTES = (
     ),
     Route(
         "GET",
+        "/tasks/<uid>",
+        get_task,
+        summary="Where a task line is: {uid, path, line, summary, done} (the CalDAV UID)",
+        tag="notes",
+        scope="read",
+    ),
+    Route(
+        "POST",
+        "/auth/feeds",
+        create_feed,
+        summary="A read-only calendar feed of the tasks: its URL (with its secret) once",
+        body=_obj(["name"], name={**_STR, "minLength": 1, "maxLength": 100}, folder=_FOLDER_PATH),
+        status=201,
+        tag="grants",
+        scope="admin",
+        secret=True,
+    ),
+    Route("GET", "/auth/feeds", list_feeds, summary="Calendar feeds", tag="grants", scope="admin"),
+    Route(
+        "DELETE",
+        "/auth/feeds/<feed_id>",
+        delete_feed,
+        summary="Delete a calendar feed: its URL stops working",
+        tag="grants",
+        scope="admin",
+    ),
+    Route(
+        "GET",
+        "/ics/<name>",
+        get_feed,
+        public=True,
+        api=False,
+        summary="A calendar feed: the tasks as iCalendar (rate-limited per address)",
+        tag="grants",
+        media="text/calendar",
+        enveloped=False,
+    ),
+    Route(
+        "GET",
         "/oauth/consent",
         oauth_consent,
         public=True,
@@ -32539,7 +34474,8 @@ _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{8,64}\Z")
 # Request ids name a request in the log, they guard nothing: a seeded generator, not a
 # system call for each (os.urandom hands the GIL to another thread every time).
 _REQUEST_IDS = random.Random(os.urandom(16))  # noqa: S311 - not a secret
-_SHARE_PATH_RE = re.compile(r"(/s/|/shared/)[^/]+")  # share tokens never reach the log
+# share tokens and feed secrets never reach the log: /s/…<last 4>, /ics/…<last 4>
+_SHARE_PATH_RE = re.compile(r"(/s/|/shared/|/ics/)[^/]*?([^/]{0,4}?)(?:\.ics)?(?=/|$)")
 _RELAY_PREFIX_RE = re.compile(r"^/r/[^/]+(?=/)")
 _RELAYED_RE = re.compile(r"^/r/([^/]+)(/.*)?$")
 CORS_HEADERS = (
@@ -32569,10 +34505,11 @@ class NotesApp:
             )
         for r in service.routes:
             self.bottle.route(r.rule, r.method, _callback(service, r))
-        dav = dav_callback(service)  # WebDAV: its own methods, answers and errors
-        for method in DAV_METHODS:
+        dav = caldav_callback(service)  # WebDAV and CalDAV: their own methods and answers
+        for method in DAV_METHODS + CAL_METHODS:
             for rule in (DAV_PREFIX, DAV_PREFIX + "/", DAV_PREFIX + "/<path:path>"):
                 self.bottle.route(rule, method, dav)
+        self.bottle.route("/.well-known/caldav", "ANY", lambda: well_known_caldav(service))
         self._jsonrpc_rules = frozenset(r.rule for r in service.routes if r.jsonrpc)
 
     def answers_jsonrpc(self, path: str) -> bool:
@@ -32644,7 +34581,7 @@ class NotesApp:
                 quick_info(
                     "%s %s %s %.1fms %s",
                     log_safe(method, 32),
-                    log_safe(_SHARE_PATH_RE.sub(r"\1…", shown)),
+                    log_safe(_SHARE_PATH_RE.sub(r"\1…\2", shown)),
                     (status_seen or ["-"])[0].split(" ")[0],
                     (time.perf_counter() - started) * 1000,
                     rid,

@@ -1981,6 +1981,22 @@ const app = (() => {
 
   // -- start: wire the controls, connect with what this tab (or device) remembers ------------
 
+  // A task's link in a phone's Reminders or calendar (its DESCRIPTION): /#task=<uid> opens
+  // the note that holds the task's line.
+  async function openTaskLink() {
+    const m = /^#task=([^#&]{1,255})$/.exec(location.hash);
+    if (!m) return false;
+    history.replaceState(history.state, "", location.pathname + location.search);
+    try {
+      const {data} = await core.api("GET", "/tasks/" + core.enc(decodeURIComponent(m[1])));
+      await openNote(data.path);
+      return true;
+    } catch (e) {
+      core.toast("That task is no longer in the notes.");
+      return false;
+    }
+  }
+
   async function start() {
     core.setSide(false);
     offline.offlineMenu();
@@ -2000,6 +2016,8 @@ const app = (() => {
       }
       core.act(offline.askShared)(); // the share sheet's items, once the person says yes
     }
+    addEventListener("hashchange", core.act(openTaskLink)); // (a link opened in this tab)
+    if (await openTaskLink()) return;
     // What this tab had open comes back, unless the person already went somewhere while the
     // tree and the features loaded (a tap on New note is not undone by the restore).
     if (state.moves !== moves || state.path || state.blank) return;

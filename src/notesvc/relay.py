@@ -553,6 +553,7 @@ class RelayServer:
             ("GET", re.compile(r"^/$"), self.landing if self.domain else self.web_client),
             ("GET", re.compile(prefixed + r"(/oauth/authorize)$"), self.consent_page),
             ("GET", re.compile(prefixed + r"(/s/[A-Za-z0-9_-]{1,64})$"), self.share_page),
+            ("GET", re.compile(prefixed + r"(/ics/[A-Za-z0-9_-]{1,64}\.ics)$"), self.forward),
             ("GET", re.compile(prefixed + r"(/)$"), self.to_origin),
         )
         # A server's own origin, <serverId>.<domain>: its pages (the relay's copies), and its
@@ -561,7 +562,9 @@ class RelayServer:
             ("*", re.compile(r"^(/api/v1(?:/.*)?)$", re.S), self.forward_origin),
             ("*", re.compile(r"^(/dav(?:/.*)?)$", re.S), self.forward_origin),
             ("POST", re.compile(r"^(/oauth/(?:token|register|revoke))$"), self.forward_origin),
+            ("*", re.compile(r"^(/\.well-known/caldav)$"), self.forward_origin),  # (PROPFIND too)
             ("GET", re.compile(r"^(/\.well-known/[a-z-]+(?:/.*)?)$"), self.forward_origin),
+            ("GET", re.compile(r"^(/ics/[A-Za-z0-9_-]{1,64}\.ics)$"), self.forward_origin),
             ("GET", re.compile(r"^/relay/v1/pair/([^/]+)$"), self.pair),
             ("GET", assets, self.web_asset),
             ("GET", re.compile(r"^/$"), self.web_client),
@@ -1106,6 +1109,8 @@ def _relayed_type(path: str, given: str, download: bool) -> str:
         return f"{media}; charset=utf-8"
     if media == "application/zip" and path == f"{API}/export.zip":
         return media
+    if media == "text/calendar" and re.match(r"^/ics/[^/]+\.ics$", path):
+        return "text/calendar; charset=utf-8"  # a calendar feed
     return JSON_TYPE
 
 
@@ -1115,6 +1120,7 @@ def _download_type(media: str) -> str:
     passive = media.split("/")[0] in ("image", "audio", "video") or media in (
         "application/pdf",
         "text/plain",
+        "text/calendar",  # a task over CalDAV
     )
     safe = (
         passive and media not in ACTIVE_TYPES and re.fullmatch(r"[a-z0-9.+-]+/[a-z0-9.+-]+", media)
@@ -1141,7 +1147,12 @@ def _private_path(path: str) -> str:
     m = re.match(r"^/r/[^/]+/api/v1(/[^/]*)?", path)
     if m:
         return f"/r/…/api/v1{m.group(1) or ''}…"
+    if path.startswith(("/ics/", "/s/")):  # a server's own origin: the secret's last 4
+        return _SECRET_PATH_RE.sub(r"\1…\2", path)
     return re.sub(r"/r/[^/]+(/s/)?.*", lambda m: f"/r/…{m.group(1) or '/'}…", path)
+
+
+_SECRET_PATH_RE = re.compile(r"^(/ics/|/s/)[^/]*?([^/]{0,4}?)(?:\.ics)?$")
 
 
 RELAY_WORKERS = 4  # relayed requests a server answers at once (change-feed waits: half)

@@ -17,7 +17,8 @@ from notesvc.boot import API, bottle, log
 from notesvc.errors import JSON_TYPE, ApiError, error_body, jsonrpc_error_body, ok, render_error
 from notesvc.grants import SCOPES
 from notesvc.helpers import log_safe, quick_info
-from notesvc.http.dav import DAV_METHODS, DAV_PREFIX, dav_callback
+from notesvc.http.caldav import CAL_METHODS, caldav_callback, well_known_caldav
+from notesvc.http.dav import DAV_METHODS, DAV_PREFIX
 from notesvc.http.integrations import authenticate_mcp, cors_allows, plugin_routes
 from notesvc.http.route import GZIP_MIN_BYTES, Route, compressible_type
 from notesvc.http.routes import ROUTES, channel_routes
@@ -96,7 +97,8 @@ _REQUEST_ID_RE = re.compile(r"^[A-Za-z0-9._-]{8,64}\Z")
 # Request ids name a request in the log, they guard nothing: a seeded generator, not a
 # system call for each (os.urandom hands the GIL to another thread every time).
 _REQUEST_IDS = random.Random(os.urandom(16))  # noqa: S311 - not a secret
-_SHARE_PATH_RE = re.compile(r"(/s/|/shared/)[^/]+")  # share tokens never reach the log
+# share tokens and feed secrets never reach the log: /s/…<last 4>, /ics/…<last 4>
+_SHARE_PATH_RE = re.compile(r"(/s/|/shared/|/ics/)[^/]*?([^/]{0,4}?)(?:\.ics)?(?=/|$)")
 _RELAY_PREFIX_RE = re.compile(r"^/r/[^/]+(?=/)")
 _RELAYED_RE = re.compile(r"^/r/([^/]+)(/.*)?$")
 CORS_HEADERS = (
@@ -126,10 +128,11 @@ class NotesApp:
             )
         for r in service.routes:
             self.bottle.route(r.rule, r.method, _callback(service, r))
-        dav = dav_callback(service)  # WebDAV: its own methods, answers and errors
-        for method in DAV_METHODS:
+        dav = caldav_callback(service)  # WebDAV and CalDAV: their own methods and answers
+        for method in DAV_METHODS + CAL_METHODS:
             for rule in (DAV_PREFIX, DAV_PREFIX + "/", DAV_PREFIX + "/<path:path>"):
                 self.bottle.route(rule, method, dav)
+        self.bottle.route("/.well-known/caldav", "ANY", lambda: well_known_caldav(service))
         self._jsonrpc_rules = frozenset(r.rule for r in service.routes if r.jsonrpc)
 
     def answers_jsonrpc(self, path: str) -> bool:
@@ -201,7 +204,7 @@ class NotesApp:
                 quick_info(
                     "%s %s %s %.1fms %s",
                     log_safe(method, 32),
-                    log_safe(_SHARE_PATH_RE.sub(r"\1…", shown)),
+                    log_safe(_SHARE_PATH_RE.sub(r"\1…\2", shown)),
                     (status_seen or ["-"])[0].split(" ")[0],
                     (time.perf_counter() - started) * 1000,
                     rid,

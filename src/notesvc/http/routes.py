@@ -50,6 +50,7 @@ from notesvc.http.api import (
     update_note,
     verify_key,
 )
+from notesvc.http.caldav import create_feed, delete_feed, get_feed, get_task, list_feeds
 from notesvc.http.integrations import (
     TELEGRAM_TOKEN_RE,
     approve_oauth,
@@ -960,6 +961,45 @@ ROUTES = (
         params={"path": ATTACHMENT_PATH_PARAM},
         tag="grants",
         media="application/octet-stream",
+        enveloped=False,
+    ),
+    Route(
+        "GET",
+        "/tasks/<uid>",
+        get_task,
+        summary="Where a task line is: {uid, path, line, summary, done} (the CalDAV UID)",
+        tag="notes",
+        scope="read",
+    ),
+    Route(
+        "POST",
+        "/auth/feeds",
+        create_feed,
+        summary="A read-only calendar feed of the tasks: its URL (with its secret) once",
+        body=_obj(["name"], name={**_STR, "minLength": 1, "maxLength": 100}, folder=_FOLDER_PATH),
+        status=201,
+        tag="grants",
+        scope="admin",
+        secret=True,
+    ),
+    Route("GET", "/auth/feeds", list_feeds, summary="Calendar feeds", tag="grants", scope="admin"),
+    Route(
+        "DELETE",
+        "/auth/feeds/<feed_id>",
+        delete_feed,
+        summary="Delete a calendar feed: its URL stops working",
+        tag="grants",
+        scope="admin",
+    ),
+    Route(
+        "GET",
+        "/ics/<name>",
+        get_feed,
+        public=True,
+        api=False,
+        summary="A calendar feed: the tasks as iCalendar (rate-limited per address)",
+        tag="grants",
+        media="text/calendar",
         enveloped=False,
     ),
     Route(

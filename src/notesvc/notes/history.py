@@ -42,6 +42,7 @@ VERSION_REASONS = (
     "linksRewritten",
     "merged",
     "dav",
+    "caldav",
 )
 VERSION_ID_RE = re.compile(r"^([0-9]{16})-(" + "|".join(VERSION_REASONS) + r")-([0-9a-f]{32})\Z")
 
