@@ -9929,6 +9929,95 @@ RESCORE = 400  # chunks the sign-code pass hands to the int8 rescoring
 MAX_SEMANTIC_NOTES = 100  # notes a semantic pass returns at most
 
 
+class _PathTable:
+    """Note paths by number, off the heap of small objects: the paths' UTF-8 in one
+    bytearray (each ended by NUL), an offset a number, and an open-addressing table of
+    numbers by the path's hash. 50,000 paths cost ~3 MB here, ~10 MB as a dict of str."""
+
+    FREE = 0xFFFFFFFF
+
+    def __init__(self):
+        self._blob = bytearray()
+        self._off = array.array("I")  # number -> where its path starts (FREE: none)
+        self._slots = array.array("i", [-1]) * 16  # -1 empty, -2 removed, else a number
+        self._used = 0  # slots not empty
+        self.count = 0  # numbers held
+
+    def path(self, n: int) -> str | None:
+        off = self._off[n]
+        if off == self.FREE:
+            return None
+        return self._blob[off : self._blob.index(0, off)].decode("utf-8", "surrogatepass")
+
+    def _slot(self, raw: bytes) -> int:
+        """Return the slot holding raw's number, else the first empty slot of its probe."""
+        mask = len(self._slots) - 1
+        i = hash(raw) & mask
+        blob, end = self._blob, len(raw)
+        while True:
+            n = self._slots[i]
+            if n == -1:
+                return i
+            if n >= 0:
+                off = self._off[n]
+                if blob[off : off + end] == raw and blob[off + end] == 0:
+                    return i
+            i = (i + 1) & mask
+
+    def find(self, path: str) -> int | None:
+        n = self._slots[self._slot(path.encode("utf-8", "surrogatepass"))]
+        return None if n < 0 else n
+
+    def add(self, path: str) -> int:
+        """Return the number of a path, given one if it has none."""
+        raw = path.encode("utf-8", "surrogatepass")
+        i = self._slot(raw)
+        if self._slots[i] >= 0:
+            return self._slots[i]
+        n = len(self._off)
+        self._off.append(len(self._blob))
+        self._blob += raw + b"\0"
+        self._slots[i] = n
+        self._used += 1
+        self.count += 1
+        if 3 * self._used > 2 * len(self._slots):
+            self._rehash()
+        return n
+
+    def remove(self, n: int) -> None:
+        i = self._slot(self.path(n).encode("utf-8", "surrogatepass"))
+        self._slots[i] = -2
+        self._off[n] = self.FREE
+        self.count -= 1
+
+    def rename(self, n: int, new: str) -> None:
+        self.remove(n)
+        raw = new.encode("utf-8", "surrogatepass")
+        self._off[n] = len(self._blob)
+        self._blob += raw + b"\0"
+        self._slots[self._slot(raw)] = n
+        self._used += 1
+        self.count += 1
+        if 3 * self._used > 2 * len(self._slots):
+            self._rehash()
+
+    def _rehash(self) -> None:
+        size = 16
+        while size < 2 * self.count:  # at most half full after, two thirds before the next
+            size *= 2
+        self._slots = array.array("i", [-1]) * size
+        self._used = 0
+        for n, path in self.held():
+            self._slots[self._slot(path.encode("utf-8", "surrogatepass"))] = n
+            self._used += 1
+
+    def held(self):
+        """Yield (number, path) of every path held."""
+        for n in range(len(self._off)):
+            if self._off[n] != self.FREE:
+                yield n, self.path(n)
+
+
 class VectorStore:
     """The chunks' vectors of one (model, dimensions): `<state>/vectors/`.
 
@@ -9953,8 +10042,7 @@ class VectorStore:
         self.lock = threading.RLock()
         # The notes, in flat arrays by note number (no object per note but its path):
         self.owner = array.array("I")  # record -> note number (DEAD: a tombstone)
-        self._paths: list = []  # note number -> path (None: free)
-        self._numbers: dict = {}  # path -> note number
+        self._names = _PathTable()  # note number <-> path
         self._keys = array.array("q")  # note number -> its file key (_NO_KEY: none)
         self._start = array.array("I")  # note number -> where its run in _recs starts
         self._len = array.array("I")  # note number -> its records (chunks)
@@ -10027,36 +10115,48 @@ class VectorStore:
             at += count
 
     def _read_records(self, f) -> int:
-        """Read the records up to the first torn or damaged one; return how many are good."""
-        dim, size = self.dim, self.size
+        """Read the records up to the first torn or damaged one; return how many are good.
+        The sign codes are made as the file is read (no object a record meanwhile: those
+        would pin the heap's pages the codes end up among)."""
+        dim, size, np = self.dim, self.size, self.np
         codes: list = []
+        vectors = bytearray()  # NumPy: every int8 vector in one buffer, packed at the end
+        good = 0
         while True:
             block = f.read(size * 4096)
             for at in range(0, len(block) - size + 1, size):
                 rec = block[at : at + size]
                 if zlib.crc32(rec[:-4]) != int.from_bytes(rec[-4:], "little"):
                     break
-                codes.append(rec[_REC.size : _REC.size + dim])
+                if np is None:
+                    codes.append(sign_code(rec[_REC.size : _REC.size + dim]))
+                else:
+                    vectors += rec[_REC.size : _REC.size + dim]
+                good += 1
             else:
                 if len(block) == size * 4096:
                     continue
             break
-        good = len(codes)
         self.owner = array.array("I", [DEAD]) * good
         self._count = good
-        self._set_codes(codes)
+        if np is None:
+            self._codes = codes
+        else:
+            self._set_codes([bytes(vectors)] if good else [], good)
         return good
 
-    def _set_codes(self, vectors: list) -> None:
+    def _set_codes(self, vectors: list, count: int = -1) -> None:
+        """Set the sign codes of int8 vectors: a list of them, or `count` in one bytes."""
         np = self.np
         if np is None:
             self._codes = [sign_code(v) for v in vectors]
             return
+        count = len(vectors) if count < 0 else count
         nb = (self.dim + 7) // 8
-        rows = np.zeros((max(16, len(vectors) * 5 // 4), nb), "uint8")
-        if vectors:
-            q = np.frombuffer(b"".join(vectors), "int8").reshape(len(vectors), self.dim)
-            rows[: len(vectors)] = np.packbits(q > 0, axis=1)
+        rows = np.zeros((max(16, count), nb), "uint8")  # appends grow it by half
+        if count:
+            q = np.frombuffer(b"".join(vectors), "int8").reshape(count, self.dim)
+            rows[:count] = np.packbits(q > 0, axis=1)
         self._codes = rows
 
     def _open_file(self) -> None:
@@ -10075,11 +10175,9 @@ class VectorStore:
     # -- notes and records ------------------------------------------------------------
 
     def _claim(self, path: str, key: Any, recs: Any) -> None:
-        number = self._numbers.get(path)
+        number = self._names.find(path)
         if number is None:
-            number = len(self._paths)
-            self._paths.append(path)
-            self._numbers[path] = number
+            number = self._names.add(path)
             self._keys.append(_NO_KEY)
             self._start.append(0)
             self._len.append(0)
@@ -10092,58 +10190,59 @@ class VectorStore:
         self._recs.extend(recs)
 
     def _repack(self) -> None:
-        runs = [self.records(p) for p in self._paths if p is not None]
+        runs = [(n, self._run(n)) for n, _ in self._names.held()]
         self._recs = array.array("I")
-        for p, recs in zip((p for p in self._paths if p is not None), runs):
-            n = self._numbers[p]
+        for n, recs in runs:
             self._start[n] = len(self._recs)
             self._recs.extend(recs)
 
+    def _run(self, n: int) -> array.array:
+        return self._recs[self._start[n] : self._start[n] + self._len[n]]
+
     def records(self, path: str) -> array.array:
         """Return a note's records in chunk order (empty for a note not held)."""
-        n = self._numbers.get(path)
-        if n is None:
-            return array.array("I")
-        return self._recs[self._start[n] : self._start[n] + self._len[n]]
+        n = self._names.find(path)
+        return array.array("I") if n is None else self._run(n)
 
     def paths(self) -> list:
         """Return the paths of the notes held."""
         with self.lock:
-            return [p for p in self._paths if p is not None]
+            return [p for _, p in self._names.held()]
 
     def drop(self, path: str) -> None:
         """Forget a note: its records become tombstones."""
         with self.lock:
-            n = self._numbers.pop(path, None)
+            n = self._names.find(path)
             if n is None:
                 return
-            for r in self._recs[self._start[n] : self._start[n] + self._len[n]]:
+            for r in self._run(n):
                 self.owner[r] = DEAD
-            self._paths[n] = None
+            self._names.remove(n)
             self._len[n] = 0
             self.dirty = True
 
     def move(self, old: str, new: str, key: Any = None) -> bool:
         """Give a moved note's chunks to its new path (nothing is embedded again)."""
         with self.lock:
-            n = self._numbers.get(old)
-            if n is None or new in self._numbers:
+            n = self._names.find(old)
+            if n is None or self._names.find(new) is not None:
                 return False
-            del self._numbers[old]
-            self._numbers[new] = n
-            self._paths[n] = new
+            self._names.rename(n, new)
             self._keys[n] = _NO_KEY if key is None else key
             self.dirty = True
             return True
 
+    def _key(self, n: int) -> Any:
+        return None if self._keys[n] == _NO_KEY else self._keys[n]
+
     def key_of(self, path: str) -> Any:
-        n = self._numbers.get(path)
+        n = self._names.find(path)
         if n is None or self._keys[n] == _NO_KEY:
             return None
         return self._keys[n]
 
     def holds(self, path: str) -> bool:
-        return path in self._numbers
+        return self._names.find(path) is not None
 
     def find(self, h: int) -> int:
         """Return the record of a chunk hash (a note's or a tombstone), -1 when none."""
@@ -10201,7 +10300,7 @@ class VectorStore:
     def assign(self, path: str, key: Any, recs: list) -> None:
         """Give a note its records, in chunk order; a record another note holds is copied."""
         with self.lock:
-            number = self._numbers.get(path)
+            number = self._names.find(path)
             copies = [r for r in recs if self.owner[r] != DEAD and self.owner[r] != number]
             if copies:
                 moved = dict(zip(copies, self._copy(copies)))
@@ -10234,7 +10333,7 @@ class VectorStore:
                 "fingerprint": self.fingerprint,
                 "generation": self.generation,
                 "extra": self.extra,
-                "notes": {p: [self.key_of(p), self.records(p).tolist()] for p in self._numbers},
+                "notes": {p: [self._key(n), self._run(n).tolist()] for n, p in self._names.held()},
             }
             data = json.dumps(meta, separators=(",", ":")).encode()
             self.dirty = False
@@ -10247,7 +10346,7 @@ class VectorStore:
     def compact(self) -> None:
         """Rewrite the vector file with the notes' records only; then meta.json names it."""
         with self.lock:
-            order = [(p, self.key_of(p), self.records(p)) for p in self._numbers]
+            order = [(p, self._key(n), self._run(n)) for n, p in self._names.held()]
             new_gen = self.generation + 1
             target = self.folder / f"vectors.{new_gen}.bin"
             mapping: dict = {}
@@ -10271,7 +10370,7 @@ class VectorStore:
             self._open_file()
             self._count = len(keep)
             self._hashes = None
-            self._paths, self._numbers = [], {}
+            self._names = _PathTable()
             self._keys, self._start, self._len = (
                 array.array("q"),
                 array.array("I"),
@@ -10305,7 +10404,7 @@ class VectorStore:
 
     def stats(self) -> dict:
         with self.lock:
-            return {"notes": len(self._numbers), "chunks": sum(self._len)}
+            return {"notes": self._names.count, "chunks": sum(self._len)}
 
     # -- the semantic pass ----------------------------------------------------------------
 
@@ -10365,8 +10464,8 @@ class VectorStore:
             within = None
             if folder:
                 prefix = folder.rstrip("/") + "/"
-                held = [p for p in self._numbers if p.startswith(prefix)]
-                within = [r for p in held for r in self.records(p)]
+                held = [n for n, p in self._names.held() if p.startswith(prefix)]
+                within = [r for n in held for r in self._run(n)]
                 if not within:
                     return []
             np = self.np
@@ -10375,7 +10474,7 @@ class VectorStore:
             scored = self._rescore(recs, query)
             best: dict = {}
             for score, r in sorted(scored, reverse=True):
-                path = self._paths[self.owner[r]]
+                path = self._names.path(self.owner[r])
                 if path is not None and path not in best:
                     best[path] = (score, r)
             ranked = sorted(best.items(), key=lambda x: (-x[1][0], x[0]))[:limit]

@@ -4750,6 +4750,28 @@ class TestVectorStore:
         assert reopened.nearest(vectors[33]) == before
         reopened.close()
 
+    def test_the_path_table_finds_adds_renames_and_removes(self):
+        table = notesvc._PathTable()
+        paths = [f"notes/dossier {i % 7}/note é{i}.md" for i in range(3000)]
+        numbers = [table.add(p) for p in paths]
+        assert numbers == list(range(3000))
+        assert table.add(paths[5]) == 5  # known: the same number
+        for i in range(0, 3000, 3):
+            table.remove(i)
+        for i in range(1, 3000, 3):
+            table.rename(i, paths[i].replace("notes/", "notes/moved/"))
+        assert table.count == 2000
+        assert table.find(paths[0]) is None
+        assert table.find(paths[1]) is None
+        assert table.find(paths[1].replace("notes/", "notes/moved/")) == 1
+        assert table.find(paths[2]) == 2
+        assert table.path(0) is None
+        assert table.path(4) == paths[4].replace("notes/", "notes/moved/")
+        held = dict(table.held())
+        assert len(held) == 2000
+        assert all(table.find(p) == n for n, p in held.items())
+        assert table.find("notes/dossier 1/note é1") is None  # a prefix of a path held
+
     @pytest.mark.parametrize(
         ("title", "text", "chunks"),
         [
