@@ -153,7 +153,7 @@ class EmbedClient:
         return out
 
 
-def fingerprint(model: str, probe: list) -> str:
+def model_fingerprint(model: str, probe: list) -> str:
     """Return the digest of (model, dimensions, the probe's vector rounded)."""
     text = json.dumps([model, len(probe), [round(x, 2) for x in probe]])
     return hashlib.sha256(text.encode()).hexdigest()[:16]
@@ -295,7 +295,7 @@ class Embedder:
                 store.close()
             extra = {"probe": [round(x, 6) for x in probe]}
             store = VectorStore.create(
-                self.folder, len(probe), fingerprint(model, probe), model, extra
+                self.folder, len(probe), model_fingerprint(model, probe), model, extra
             )
         self.fingerprint = store.fingerprint
         self.store = store
