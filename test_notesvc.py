@@ -14067,9 +14067,8 @@ class TestWebClient:
         # editor's toolbar stay in view.
         page.set_viewport_size({"width": 390, "height": 420})
         page.evaluate("window.dispatchEvent(new Event('resize'))")
-        page.wait_for_function(  # the page lays itself out again on the resize: wait for it
-            "document.querySelector('#checklist').getBoundingClientRect().bottom <= 420"
-        )
+        # the page lays itself out again on the resize: wait for that, not a fixed time
+        expect(page.locator("#checklist")).to_be_in_viewport(ratio=1)
         for sel in ("#edit", "#checklist"):
             box = page.locator(sel).bounding_box()
             assert box["y"] >= 0, sel
