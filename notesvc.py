@@ -88,6 +88,7 @@ import uuid
 import zlib
 from collections import deque
 from collections.abc import Container, Iterable, Mapping, Sequence, Sized
+from operator import mul
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
@@ -261,6 +262,24 @@ def _url(raw: str) -> str:
     return raw
 
 
+def _embed_url(raw: str) -> str:
+    """Parse SERVICE_EMBED_URL: Ollama's .../api/embed or an OpenAI-compatible
+    .../embeddings, told apart by the path (the message never repeats a query string: it
+    may hold a key)."""
+    raw = raw.strip().rstrip("/")
+    if not raw:
+        return ""
+    parts = urllib.parse.urlsplit(raw)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError("it is not an http(s) URL")
+    if not (parts.path.endswith("/api/embed") or parts.path.endswith("/embeddings")):
+        raise ValueError(
+            f"the path {parts.path or '/'!r} is neither Ollama's /api/embed nor an "
+            "OpenAI-compatible /v1/embeddings"
+        )
+    return raw
+
+
 def _domain(raw: str) -> str:
     """Parse a DNS name (SERVICE_RELAY_DOMAIN): lower-case labels, at least two of them."""
     name = raw.strip().lower().rstrip(".")
@@ -407,6 +426,9 @@ SETTINGS = (
         _int_range(1, 20),
         "model calls per question in the agent's tool loop",
     ),
+    Setting("embed_url", "SERVICE_EMBED_URL", "--embed-url", "", _embed_url, "embeddings URL"),
+    Setting("embed_model", "SERVICE_EMBED_MODEL", "--embed-model", "", _text, "embeddings model"),
+    Setting("embed_key", "SERVICE_EMBED_KEY", "", "", _text, "embeddings API key (a secret)"),
     Setting("agent_write", "SERVICE_AGENT_WRITE", "", "false", _bool, "the agent may change notes"),
     Setting("mcp_write", "SERVICE_MCP_WRITE", "", "false", _bool, "MCP clients may change notes"),
     Setting(
@@ -670,6 +692,9 @@ class Config:
     agent_base_url: str
     agent_model: str
     agent_api_key: str
+    embed_url: str
+    embed_model: str
+    embed_key: str
     agent_timeout: float
     agent_max_steps: int
     agent_write: bool
@@ -733,6 +758,8 @@ def load_config(env: Mapping[str, str] | None = None, **flags: Any) -> Config:
             raise ConfigError(f"{source}: {e}") from None
     if values["auth_mode"] == "jwt" and len(values["jwt_secret"].encode()) < 32:
         raise ConfigError("SERVICE_JWT_SECRET: jwt mode needs a secret of at least 32 bytes")
+    if values["embed_url"] and not values["embed_model"]:
+        raise ConfigError("SERVICE_EMBED_MODEL: SERVICE_EMBED_URL is set: name its model too")
     if values["max_waiters"] < 0:
         values["max_waiters"] = values["threads"] // 2
     if values["max_waiters"] >= values["threads"]:
@@ -6461,6 +6488,75 @@ class MemorySegment:
         return sorted(range(len(docs)), key=lambda d: docs[d].path)
 
 
+# -- what a query finds in a segment ----------------------------------------------
+
+
+def phrase_docs(seg, ks: list, within: set | None) -> set:
+    """Return the notes of a segment holding the words of keys ks in a row, in the body
+    or the title (among `within`)."""
+    found: set = set()
+    chars = list(map(seg.char, ks))
+    for f in (0, 1):
+        lists = [seg.postings(k, f) for k in ks]
+        if not all(lists):
+            continue
+        lists = sorted((p[0] for p in lists), key=len)
+        pairs = seg.pair_ids(ks, f)
+        if pairs is not None and (len(ks) == 2 or len(min(pairs, key=len)) < len(lists[0])):
+            lists = [min(pairs, key=len)]  # common words: the notes holding a pair
+        cands = lists[0]
+        if within is not None:  # (the notes of the clauses before)
+            if len(cands) > 4 * len(within):
+                cands = [d for d in within if _has(cands, d) >= 0]
+            else:
+                cands = within.intersection(cands)
+        elif len(lists) > 1 and len(lists[1]) <= 16 * len(cands):  # holding both terms
+            cands = set(cands).intersection(lists[1])
+        exact = len(ks) == 2 and pairs is not None  # a pair's list is the phrase's
+        found.update(cands if exact else seg.phrase(cands, chars, f))
+    return found
+
+
+def word_docs(seg, ks: list, within: set | None) -> set:
+    """Return the notes of a segment holding any of the keys ks (None: a word it lacks),
+    in the body or the title (among `within`)."""
+    found: set = set()
+    for k in ks:
+        if k is None:
+            continue
+        for f in (0, 1):
+            p = seg.postings(k, f)
+            if not p:
+                continue
+            ids = p[0]
+            if within is None:
+                found.update(ids)
+            elif len(ids) > 4 * len(within):
+                found.update(d for d in within if _has(ids, d) >= 0)
+            else:
+                found.update(within.intersection(ids))
+    return found
+
+
+def query_needles(seg, si: int, clauses: list, keys: dict, typed: dict) -> dict:
+    """Return the query's term strings in a segment, phrases and rarest words first,
+    each with the word as typed ("" for a phrase or a prefix)."""
+    found = []
+    for kind, stems in (alt for clause in clauses for alt in clause):
+        groups = [[s] for s in stems[:8]] if kind == "prefix" else [stems]
+        for group in groups:
+            ks = [keys[s][si] for s in group]
+            if None not in ks:
+                p = seg.postings(ks[0], 0)
+                word = typed.get(group[0], "") if kind == "word" else ""
+                found.append(("".join(map(seg.char, ks)), len(p[0]) if p else 0, word))
+    found.sort(key=lambda x: (-len(x[0]), x[1]))
+    needles: dict = {}
+    for needle, _, word in found:
+        needles.setdefault(needle, word)
+    return needles
+
+
 # == src/notesvc/search/persistence.py ========================================
 # -- persistence --------------------------------------------------------------
 #
@@ -8336,55 +8432,8 @@ class SearchIndex:
         kind, stems = alt
         ks = [keys[s][si] for s in stems]
         if kind == "phrase":
-            return set() if None in ks else self._phrase_docs(seg, ks, within)
-        return self._word_docs(seg, ks, within)
-
-    @staticmethod
-    def _phrase_docs(seg, ks: list, within: set | None) -> set:
-        """Return the notes of a segment holding the words of keys ks in a row, in the body
-        or the title (among `within`)."""
-        found: set = set()
-        chars = list(map(seg.char, ks))
-        for f in (0, 1):
-            lists = [seg.postings(k, f) for k in ks]
-            if not all(lists):
-                continue
-            lists = sorted((p[0] for p in lists), key=len)
-            pairs = seg.pair_ids(ks, f)
-            if pairs is not None and (len(ks) == 2 or len(min(pairs, key=len)) < len(lists[0])):
-                lists = [min(pairs, key=len)]  # common words: the notes holding a pair
-            cands = lists[0]
-            if within is not None:  # (the notes of the clauses before)
-                if len(cands) > 4 * len(within):
-                    cands = [d for d in within if _has(cands, d) >= 0]
-                else:
-                    cands = within.intersection(cands)
-            elif len(lists) > 1 and len(lists[1]) <= 16 * len(cands):  # holding both terms
-                cands = set(cands).intersection(lists[1])
-            exact = len(ks) == 2 and pairs is not None  # a pair's list is the phrase's
-            found.update(cands if exact else seg.phrase(cands, chars, f))
-        return found
-
-    @staticmethod
-    def _word_docs(seg, ks: list, within: set | None) -> set:
-        """Return the notes of a segment holding any of the keys ks (None: a word it lacks),
-        in the body or the title (among `within`)."""
-        found: set = set()
-        for k in ks:
-            if k is None:
-                continue
-            for f in (0, 1):
-                p = seg.postings(k, f)
-                if not p:
-                    continue
-                ids = p[0]
-                if within is None:
-                    found.update(ids)
-                elif len(ids) > 4 * len(within):
-                    found.update(d for d in within if _has(ids, d) >= 0)
-                else:
-                    found.update(within.intersection(ids))
-        return found
+            return set() if None in ks else phrase_docs(seg, ks, within)
+        return word_docs(seg, ks, within)
 
     @staticmethod
     def _estimate(seg, si: int, clause: list, keys: dict) -> int:
@@ -8524,8 +8573,11 @@ class SearchIndex:
             ranked.sort(key=lambda x: (-x[0], x[1]))
             return ranked[:k]
 
-    def search(self, query: Query, folder: str = "", limit: int = 20, offset: int = 0) -> tuple:
-        """Return (total, [(path, title, score, snippet)]) best first."""
+    def search(
+        self, query: Query, folder: str = "", limit: int = 20, offset: int = 0, snippets=True
+    ) -> tuple:
+        """Return (total, [(path, title, score, snippet)]) best first (snippets "" when
+        not asked for)."""
         prefix = folder.rstrip("/") + "/" if folder else ""
         with self._lock:
             segs = self._all()
@@ -8535,32 +8587,63 @@ class SearchIndex:
             matches, keys = self._matches(segs, n, avg, clauses, excludes, prefix)
             total = sum(mt.total for mt in matches)
             ranked = self._rank(matches, offset + limit, avg, self._weight)[offset:]
-            needles: dict = {}
-            hits = []
-            for score, path, seg, d in ranked:
-                if seg not in needles:
-                    needles[seg] = self._needles(seg, segs.index(seg), clauses, keys, query.typed)
-                hits.append((path, seg.title(d), round(score, 4), seg.toks(d, 0), needles[seg]))
+            if not snippets:
+                return total, [
+                    (path, seg.title(d), round(sc, 4), "") for sc, path, seg, d in ranked
+                ]
+            hits = self._snippet_parts(
+                segs, [(sc, p, seg, d) for sc, p, seg, d in ranked], clauses, keys, query
+            )
         return total, [(p, t, s, self._snippet(p, toks, nd)) for p, t, s, toks, nd in hits]
 
-    @staticmethod
-    def _needles(seg, si: int, clauses: list, keys: dict, typed: dict) -> dict:
-        """Return the query's term strings in a segment, phrases and rarest words first,
-        each with the word as typed ("" for a phrase or a prefix)."""
-        found = []
-        for kind, stems in (alt for clause in clauses for alt in clause):
-            groups = [[s] for s in stems[:8]] if kind == "prefix" else [stems]
-            for group in groups:
-                ks = [keys[s][si] for s in group]
-                if None not in ks:
-                    p = seg.postings(ks[0], 0)
-                    word = typed.get(group[0], "") if kind == "word" else ""
-                    found.append(("".join(map(seg.char, ks)), len(p[0]) if p else 0, word))
-        found.sort(key=lambda x: (-len(x[0]), x[1]))
+    def _snippet_parts(self, segs: list, ranked: list, clauses: list, keys: dict, query) -> list:
         needles: dict = {}
-        for needle, _, word in found:
-            needles.setdefault(needle, word)
-        return needles
+        hits = []
+        for score, path, seg, d in ranked:
+            if seg not in needles:
+                needles[seg] = query_needles(seg, segs.index(seg), clauses, keys, query.typed)
+            hits.append((path, seg.title(d), round(score, 4), seg.toks(d, 0), needles[seg]))
+        return hits
+
+    def snippets(self, query: Query, paths: list) -> dict:
+        """Return {path: snippet} of the query's words in notes (hybrid search's hits that
+        came from the words)."""
+        with self._lock:
+            segs = self._all()
+            n = self._count(segs)
+            clauses = [[self._resolve(segs, n, alt) for alt in c] for c in query.clauses]
+            stems = sorted({s for clause in clauses for _, ss in clause for s in ss})
+            keys, _, _ = self._terms(segs, n, stems)
+            found = [(0.0, p, *self._locate(p)) for p in paths if self._locate(p) is not None]
+            hits = self._snippet_parts(segs, found, clauses, keys, query)
+        return {p: self._snippet(p, toks, nd) for p, _, _, toks, nd in hits}
+
+    def excluded(self, excludes: list, paths: list) -> set:
+        """Return the paths among `paths` holding any of a query's -exclusions."""
+        out: set = set()
+        with self._lock:
+            segs = self._all()
+            n = self._count(segs)
+            alts = [self._resolve(segs, n, alt) for alt in excludes]
+            keys, _, _ = self._terms(segs, n, sorted({s for _, ss in alts for s in ss}))
+            for path in paths:
+                found = self._locate(path)
+                if found is not None:
+                    seg, d = found
+                    si = segs.index(seg)
+                    if any(self._alt_docs(seg, si, alt, keys, {d}) for alt in alts):
+                        out.add(path)
+        return out
+
+    def note_key(self, path: str) -> int | None:
+        """Return a note's key as note_keys() gives it (None: unknown or changed just now)."""
+        with self._lock:
+            found = self._locate(path)
+        if found is None:
+            return None
+        sig = found[0].sig(found[1])
+        settled = time.time_ns() - int(ReadCache.RACY_SECONDS * 1e9)
+        return _note_key(path, sig) if sig[1] < settled else None
 
     def _snippet(self, path: str, toks: str, needles: dict) -> str:
         text = self._read(path)
@@ -8968,6 +9051,643 @@ class SearchIndex:
         if self.folder is not None:
             self.flush()
             self._commit()
+
+
+# == src/notesvc/search/vectors.py ============================================
+_NUMPY: list = []  # [numpy or None], looked for once embeddings are on (never at start)
+
+
+def numpy_module() -> Any:
+    """Return NumPy when it is installed (optional, like segno: the same passes,
+    vectorised), else None. Imported only when a store opens: it costs ~15 MB."""
+    if not _NUMPY:
+        try:
+            import numpy
+        except ImportError:  # pragma: no cover - depends on the machine
+            numpy = None
+        _NUMPY.append(numpy)
+    return _NUMPY[0]
+
+
+# -- chunks ---------------------------------------------------------------------------------
+
+CHUNK_WORDS = 160  # a chunk closes at a block boundary past this many words (~210 tokens)
+CHUNK_MAX_WORDS = 280  # and a block longer than this is cut between words (~370 tokens)
+MAX_NOTE_CHUNKS = 1000  # of a huge note, the first 1,000 chunks (~200k words) are embedded
+_CHUNK_HEADING_RE = re.compile(r"^ {0,3}(#{1,6})[ \t]+(.*?)[ \t#]*$")
+_CHUNK_FENCE_RE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
+
+
+def _blocks(text: str) -> list:
+    """Return the note's blocks in order: ("h", level, heading) or ("p", text), a
+    paragraph or a whole fenced code block (never cut at a blank line inside it)."""
+    out: list = []
+    para: list = []
+    fence = ""
+
+    def close() -> None:
+        if para:
+            out.append(("p", "\n".join(para)))
+            para.clear()
+
+    for line in text.split("\n"):
+        if fence:
+            para.append(line)
+            if line.lstrip().startswith(fence):
+                fence = ""
+                close()
+            continue
+        m = _CHUNK_FENCE_RE.match(line)
+        if m:
+            close()
+            fence = m.group(1)[:3]
+            para.append(line)
+            continue
+        h = _CHUNK_HEADING_RE.match(line)
+        if h:
+            close()
+            out.append(("h", len(h.group(1)), h.group(2).strip()))
+        elif line.strip():
+            para.append(line)
+        else:
+            close()
+    close()
+    return out
+
+
+def _pieces(words: list, size: int) -> list:
+    return [" ".join(words[i : i + size]) for i in range(0, len(words), size)]
+
+
+def chunk_note(title: str, text: str) -> list:
+    """Return the texts to embed for a note: its body cut at headings and between
+    paragraphs into chunks of about CHUNK_WORDS words (never mid-word), each starting with
+    the note's title and its heading path. Front matter is left out; fenced code is kept
+    as a paragraph of its own. A note with no body is its title alone."""
+    text = _FRONT_MATTER_RE.sub("", text.replace("\r\n", "\n"), count=1)
+    chunks: list = []
+    path: list = []  # [(level, heading)]
+    body: list = []  # the paragraphs of the chunk being filled
+    count = 0
+
+    def emit() -> None:
+        nonlocal count
+        if body:
+            trail = " › ".join(h for _, h in path if h and h != title)
+            head = f"{title}\n{trail}" if trail else title
+            chunks.append(f"{head}\n\n" + "\n\n".join(body))
+            body.clear()
+        count = 0
+
+    for block in _blocks(text):
+        if block[0] == "h":
+            emit()
+            level = block[1]
+            path = [p for p in path if p[0] < level] + [(level, block[2])]
+            continue
+        words = block[1].split()
+        if count and count + len(words) > CHUNK_MAX_WORDS:
+            emit()
+        if len(words) > CHUNK_MAX_WORDS:
+            *full, rest = _pieces(words, CHUNK_WORDS)
+            for piece in full:
+                body.append(piece)
+                emit()
+            body.append(rest)
+            count = len(rest.split())
+        else:
+            body.append(block[1])
+            count += len(words)
+        if count >= CHUNK_WORDS:
+            emit()
+        if len(chunks) >= MAX_NOTE_CHUNKS:
+            break
+    emit()
+    if not chunks and title.strip():
+        chunks.append(title)
+    return chunks[:MAX_NOTE_CHUNKS]
+
+
+def chunk_body(chunk: str) -> str:
+    """Return a chunk's text without the title and heading lines it starts with."""
+    return chunk.partition("\n\n")[2] or chunk
+
+
+def chunk_hash(text: str) -> int:
+    """Return a chunk's identity: 64 bits of BLAKE2b of its text."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+# -- vectors: checked, normalised, quantised -----------------------------------------------
+
+
+class VectorError(ValueError):
+    """An answer that is not a usable vector (NaN, infinite, empty, the wrong size)."""
+
+
+def normalised(vec: Any, dim: int = 0) -> list:
+    """Return vec as a list of floats of length 1; VectorError for anything else."""
+    if not isinstance(vec, list) or not vec:
+        raise VectorError("a vector is not a non-empty list of numbers")
+    if dim and len(vec) != dim:
+        raise VectorError(f"a vector has {len(vec)} dimensions, not {dim}")
+    if not all(type(x) in (float, int) for x in vec):  # not bool, not "1"
+        raise VectorError("a vector holds something that is not a number")
+    values = [float(x) for x in vec]
+    norm = math.sqrt(math.fsum(x * x for x in values))
+    if not math.isfinite(norm):
+        raise VectorError("a vector holds NaN or an infinite value")
+    if norm == 0:
+        raise VectorError("a vector is all zeros")
+    return [x / norm for x in values]
+
+
+def quantised(vec: list) -> tuple:
+    """Return (scale, int8 bytes) of a normalised vector: vec[i] ≈ scale * q[i]."""
+    top = max(map(abs, vec))
+    scale = top / 127.0
+    q = array.array("b", [round(x / scale) for x in vec])
+    return scale, q.tobytes()
+
+
+# bit i of a chunk's sign code is set when its dimension i is positive
+_SIGN = bytes(49 if 0 < b < 128 else 48 for b in range(256))  # "1" or "0"
+
+
+def sign_code(qbytes: bytes) -> int:
+    """Return the sign bits of an int8 vector as an int (first dimension highest)."""
+    return int(qbytes.translate(_SIGN), 2)
+
+
+if hasattr(int, "bit_count"):  # Python 3.10+
+
+    def _distances(q: int, codes: list, shift: int) -> list:
+        return [(q ^ c).bit_count() >> shift for c in codes]
+
+else:  # pragma: no cover - Python 3.9
+
+    def _distances(q: int, codes: list, shift: int) -> list:
+        return [bin(q ^ c).count("1") >> shift for c in codes]
+
+
+def float_sign_code(vec: list) -> int:
+    return int("".join("1" if x > 0 else "0" for x in vec), 2)
+
+
+# -- the store on disk -------------------------------------------------------------------------
+
+_MAGIC = b"NSVEC\x00\x01\x00"
+_HEAD = struct.Struct("<8sHH")  # magic, dimensions, reserved
+_REC = struct.Struct("<Qf")  # chunk hash, scale; then the int8 vector, then its CRC-32
+DEAD = 0xFFFFFFFF  # a record no note holds (a tombstone until compaction)
+RESCORE = 400  # chunks the sign-code pass hands to the int8 rescoring
+MAX_SEMANTIC_NOTES = 100  # notes a semantic pass returns at most
+
+
+class VectorStore:
+    """The chunks' vectors of one (model, dimensions): `<state>/vectors/`.
+
+    meta.json (written atomically) names the vector file, the fingerprint, and each note's
+    file key (SearchIndex.note_keys) with its records in chunk order. The vector file is a
+    header and fixed-size records appended in order; a record is checked by its CRC when
+    the store opens, and a torn or damaged tail is cut off (its chunks are embedded again).
+    Records past what meta.json names are kept as tombstones: their chunks are found by
+    hash instead of asked for again. compact() rewrites the file without tombstones.
+    """
+
+    def __init__(
+        self, folder: Path, dim: int, fingerprint: str, model: str, vectorised: bool = True
+    ):
+        self.np = numpy_module() if vectorised else None
+        self.folder = folder
+        self.dim = dim
+        self.fingerprint = fingerprint
+        self.model = model
+        self.generation = 0  # n of vectors.<n>.bin
+        self.size = _REC.size + dim + 4
+        self.lock = threading.RLock()
+        self.notes: dict = {}  # path -> (key, array('I') of records in chunk order)
+        self.owner = array.array("I")  # record -> note number (DEAD: a tombstone)
+        self._paths: list = []  # note number -> path (None: free)
+        self._numbers: dict = {}  # path -> note number
+        self._codes: Any = [] if self.np is None else self.np.zeros((0, (dim + 7) // 8), "uint8")
+        self._count = 0  # records in the file
+        self._hashes: dict | None = None  # chunk hash -> record, built while embedding
+        self._fd = -1
+        self.dirty = False  # meta.json is behind
+        self.extra: dict = {}  # what the embedder keeps with it (the probe)
+
+    # -- opening -----------------------------------------------------------------------
+
+    @property
+    def file(self) -> Path:
+        return self.folder / f"vectors.{self.generation}.bin"
+
+    @classmethod
+    def create(
+        cls, folder: Path, dim: int, fingerprint: str, model: str, extra: dict, **kw: Any
+    ) -> VectorStore:
+        """Start an empty store (what was in folder is removed)."""
+        remove_store(folder)
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        store = cls(folder, dim, fingerprint, model, **kw)
+        store.extra = dict(extra)
+        with disk_writes():
+            atomic_write(store.file, _HEAD.pack(_MAGIC, dim, 0))
+        store._open_file()
+        store.save()
+        return store
+
+    @classmethod
+    def open(cls, folder: Path, **kw: Any) -> VectorStore | None:
+        """Return the store in folder, None when there is none or it cannot be read."""
+        if not (folder / "meta.json").exists():
+            return None
+        try:
+            meta = json.loads((folder / "meta.json").read_text("utf-8"))
+            dim, model = int(meta["dim"]), str(meta["model"])
+            store = cls(folder, dim, str(meta["fingerprint"]), model, **kw)
+            store.generation = int(meta["generation"])
+            store.extra = dict(meta.get("extra") or {})
+            store._load(meta)
+        except (OSError, ValueError, KeyError, TypeError, VectorError) as e:
+            log.warning("vectors: the store cannot be read (%s): embedding again", e)
+            return None
+        for stale in folder.glob("vectors.*.bin"):  # a compaction's leftovers
+            if stale != store.file:
+                stale.unlink(missing_ok=True)
+        return store
+
+    def _load(self, meta: dict) -> None:
+        with open(self.file, "rb") as f:
+            head = f.read(_HEAD.size)
+            if len(head) < _HEAD.size or _HEAD.unpack(head)[:2] != (_MAGIC, self.dim):
+                raise VectorError("not a vector file of these dimensions")
+            good = self._read_records(f)
+        self._open_file()
+        end = _HEAD.size + good * self.size
+        if os.fstat(self._fd).st_size != end:
+            log.warning("vectors: cut a torn or damaged tail after %d records", good)
+            os.ftruncate(self._fd, end)
+        for path, (key, recs) in meta["notes"].items():
+            if recs and max(recs) >= good:
+                continue  # its chunks were in the lost tail: embedded again
+            self._claim(path, key, array.array("I", recs))
+
+    def _read_records(self, f) -> int:
+        """Read the records up to the first torn or damaged one; return how many are good."""
+        dim, size = self.dim, self.size
+        codes: list = []
+        while True:
+            block = f.read(size * 4096)
+            for at in range(0, len(block) - size + 1, size):
+                rec = block[at : at + size]
+                if zlib.crc32(rec[:-4]) != int.from_bytes(rec[-4:], "little"):
+                    break
+                codes.append(rec[_REC.size : _REC.size + dim])
+            else:
+                if len(block) == size * 4096:
+                    continue
+            break
+        good = len(codes)
+        self.owner = array.array("I", [DEAD]) * good
+        self._count = good
+        self._set_codes(codes)
+        return good
+
+    def _set_codes(self, vectors: list) -> None:
+        np = self.np
+        if np is None:
+            self._codes = [sign_code(v) for v in vectors]
+            return
+        nb = (self.dim + 7) // 8
+        rows = np.zeros((max(16, len(vectors) * 5 // 4), nb), "uint8")
+        if vectors:
+            q = np.frombuffer(b"".join(vectors), "int8").reshape(len(vectors), self.dim)
+            rows[: len(vectors)] = np.packbits(q > 0, axis=1)
+        self._codes = rows
+
+    def _open_file(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+        self._fd = os.open(self.file, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+
+    def close(self) -> None:
+        with self.lock:
+            if self.dirty:
+                self.save()
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+    # -- notes and records ------------------------------------------------------------
+
+    def _claim(self, path: str, key: Any, recs: array.array) -> None:
+        number = self._numbers.get(path)
+        if number is None:
+            number = len(self._paths)
+            self._paths.append(path)
+            self._numbers[path] = number
+        for r in recs:
+            self.owner[r] = number
+        self.notes[path] = (key, recs)
+
+    def drop(self, path: str) -> None:
+        """Forget a note: its records become tombstones."""
+        with self.lock:
+            found = self.notes.pop(path, None)
+            if found is None:
+                return
+            for r in found[1]:
+                self.owner[r] = DEAD
+            self._paths[self._numbers.pop(path)] = None
+            self.dirty = True
+
+    def move(self, old: str, new: str, key: Any = None) -> bool:
+        """Give a moved note's chunks to its new path (nothing is embedded again)."""
+        with self.lock:
+            found = self.notes.get(old)
+            if found is None or new in self.notes:
+                return False
+            self.drop(old)
+            self._claim(new, key, found[1])
+            self.dirty = True
+            return True
+
+    def key_of(self, path: str) -> Any:
+        found = self.notes.get(path)
+        return None if found is None else found[0]
+
+    def holds(self, path: str) -> bool:
+        return path in self.notes
+
+    def find(self, h: int) -> int:
+        """Return the record of a chunk hash (a note's or a tombstone), -1 when none."""
+        with self.lock:
+            if self._hashes is None:
+                self._hashes = {}
+                for r in range(self._count):
+                    self._hashes.setdefault(self._hash_at(r), r)
+            return self._hashes.get(h, -1)
+
+    def forget_hashes(self) -> None:
+        """Drop the hash lookup (rebuilt when next needed): the embedder is idle."""
+        with self.lock:
+            self._hashes = None
+
+    def _hash_at(self, r: int) -> int:
+        rec = os.pread(self._fd, 8, _HEAD.size + r * self.size)
+        return int.from_bytes(rec, "little")
+
+    def append(self, pairs: list) -> list:
+        """Append [(chunk hash, normalised vector)]; return their records."""
+        data = bytearray()
+        vectors = []
+        for h, vec in pairs:
+            scale, q = quantised(vec)
+            rec = _REC.pack(h, scale) + q
+            data += rec + zlib.crc32(rec).to_bytes(4, "little")
+            vectors.append(q)
+        with self.lock:
+            first = self._count
+            with disk_writes():
+                os.pwrite(self._fd, bytes(data), _HEAD.size + first * self.size)
+            self._count += len(pairs)
+            self.owner.extend([DEAD] * len(pairs))
+            self._add_codes(vectors)
+            recs = list(range(first, self._count))
+            if self._hashes is not None:
+                for (h, _), r in zip(pairs, recs):
+                    self._hashes[h] = r
+            return recs
+
+    def _add_codes(self, vectors: list) -> None:
+        np = self.np
+        if np is None:
+            self._codes.extend(sign_code(v) for v in vectors)
+            return
+        n = self._count
+        if n > len(self._codes):
+            grown = np.zeros((n * 3 // 2 + 16, self._codes.shape[1]), "uint8")
+            grown[: n - len(vectors)] = self._codes[: n - len(vectors)]
+            self._codes = grown
+        q = np.frombuffer(b"".join(vectors), "int8").reshape(len(vectors), self.dim)
+        self._codes[n - len(vectors) : n] = np.packbits(q > 0, axis=1)
+
+    def assign(self, path: str, key: Any, recs: list) -> None:
+        """Give a note its records, in chunk order; a record another note holds is copied."""
+        with self.lock:
+            old = self.notes.get(path)
+            number = self._numbers.get(path)
+            copies = [r for r in recs if self.owner[r] != DEAD and self.owner[r] != number]
+            if copies:
+                moved = dict(zip(copies, self._copy(copies)))
+                recs = [moved.get(r, r) for r in recs]
+            if old is not None:
+                for r in old[1]:
+                    self.owner[r] = DEAD
+            self._claim(path, key, array.array("I", recs))
+            self.dirty = True
+
+    def _copy(self, recs: list) -> list:
+        pairs = []
+        for r in recs:
+            raw = os.pread(self._fd, self.size, _HEAD.size + r * self.size)
+            h, scale = _REC.unpack_from(raw)
+            q = array.array("b", raw[_REC.size : -4])
+            pairs.append((h, [scale * x for x in q]))
+        return self.append(pairs)
+
+    # -- persistence --------------------------------------------------------------------
+
+    def save(self) -> None:
+        """Write meta.json (atomically); the vector file is already on disk."""
+        with self.lock:
+            if self._fd >= 0:
+                os.fsync(self._fd)
+            meta = {
+                "version": 1,
+                "model": self.model,
+                "dim": self.dim,
+                "fingerprint": self.fingerprint,
+                "generation": self.generation,
+                "extra": self.extra,
+                "notes": {p: [k, list(recs)] for p, (k, recs) in self.notes.items()},
+            }
+            data = json.dumps(meta, separators=(",", ":")).encode()
+            self.dirty = False
+        with disk_writes():
+            atomic_write(self.folder / "meta.json", data, 0o600)
+
+    def dead(self) -> int:
+        return self._count - sum(len(recs) for _, recs in self.notes.values())
+
+    def compact(self) -> None:
+        """Rewrite the vector file with the notes' records only; then meta.json names it."""
+        with self.lock:
+            order = [(p, k, recs) for p, (k, recs) in self.notes.items()]
+            new_gen = self.generation + 1
+            target = self.folder / f"vectors.{new_gen}.bin"
+            mapping: dict = {}
+
+            def write(f) -> None:
+                f.write(_HEAD.pack(_MAGIC, self.dim, 0))
+                for _, _, recs in order:
+                    for r in recs:
+                        if r not in mapping:
+                            mapping[r] = len(mapping)
+                            f.write(os.pread(self._fd, self.size, _HEAD.size + r * self.size))
+
+            with disk_writes():
+                atomic_write(target, write, 0o600)
+            old_file = self.file
+            keep = sorted(mapping, key=mapping.get)
+            vectors = [
+                os.pread(self._fd, self.dim, _HEAD.size + r * self.size + _REC.size) for r in keep
+            ]
+            self.generation = new_gen
+            self._open_file()
+            self._count = len(keep)
+            self._hashes = None
+            self.notes, self._paths, self._numbers = {}, [], {}
+            self.owner = array.array("I", [DEAD]) * len(keep)
+            for path, key, recs in order:
+                self._claim(path, key, array.array("I", [mapping[r] for r in recs]))
+            self._set_codes(vectors)
+            self.save()
+            old_file.unlink(missing_ok=True)
+        release_memory()
+
+    def note_vector(self, path: str) -> list | None:
+        """Return the normalised mean of a note's chunk vectors, None for a note without."""
+        with self.lock:
+            found = self.notes.get(path)
+            if not found or not found[1]:
+                return None
+            total = [0.0] * self.dim
+            for r in found[1][:64]:
+                raw = os.pread(self._fd, self.size, _HEAD.size + r * self.size)
+                scale = _REC.unpack_from(raw)[1]
+                for i, x in enumerate(array.array("b", raw[_REC.size : _REC.size + self.dim])):
+                    total[i] += scale * x
+        try:
+            return normalised(total)
+        except VectorError:
+            return None
+
+    def stats(self) -> dict:
+        with self.lock:
+            return {"notes": len(self.notes), "chunks": self._count - self.dead()}
+
+    # -- the semantic pass ----------------------------------------------------------------
+
+    def _candidates(self, qcode: Any, within: list | None, k: int) -> list:
+        """Return up to about k records nearest the query's sign code (Hamming)."""
+        np = self.np
+        if np is not None:
+            codes = self._codes[: self._count]
+            rows = np.asarray(within, "int64") if within is not None else None
+            if rows is not None:
+                codes = codes[rows]
+            dist = _popcount(np, np.bitwise_xor(codes, qcode)).sum(axis=1, dtype="int32")
+            best = np.argpartition(dist, k)[:k] if len(dist) > k else np.arange(len(dist))
+            return (rows[best] if rows is not None else best).tolist()
+        codes, shift = self._codes, max(0, self.dim.bit_length() - 8)  # a distance: a byte
+        if within is not None:
+            codes = [codes[r] for r in within]
+        dist = bytes(_distances(qcode, codes, shift))
+        if len(dist) <= k:
+            picked: Any = range(len(dist))
+        else:
+            seen, cut = 0, 0
+            for cut in range(256):
+                seen += dist.count(cut)
+                if seen >= k:
+                    break
+            nearer = re.compile(b"[\\x00-" + re.escape(bytes([cut])) + b"]")
+            picked = [m.start() for m in nearer.finditer(dist)]
+        return list(picked) if within is None else [within[i] for i in picked]
+
+    def _rescore(self, recs: list, query: list) -> list:
+        """Return [(cosine, record)] of live records, their int8 vectors read from the file."""
+        size, fd, base, dim = self.size, self._fd, _HEAD.size, self.dim
+        owner, np = self.owner, self.np
+        live = [r for r in recs if owner[r] != DEAD]
+        if np is not None and live:
+            raw = b"".join(os.pread(fd, size, base + r * size) for r in live)
+            rows = np.frombuffer(raw, "uint8").reshape(len(live), size)
+            scales = rows[:, 8:12].copy().view("<f4")[:, 0]
+            q = rows[:, _REC.size : _REC.size + dim].view("int8").astype("float32")
+            scores = (q @ np.asarray(query, "float32")) * scales
+            return list(zip(scores.tolist(), live))
+        out = []
+        for r in live:
+            raw = os.pread(fd, size, base + r * size)
+            scale = _REC.unpack_from(raw)[1]
+            vec = array.array("b", raw[_REC.size : _REC.size + dim])
+            out.append((scale * sum(map(mul, vec, query)), r))
+        return out
+
+    def nearest(self, query: list, folder: str = "", limit: int = MAX_SEMANTIC_NOTES) -> list:
+        """Return [(path, cosine, chunk number)] of the notes nearest a normalised query
+        vector, best first: each note's best chunk; only notes under `folder` are scanned."""
+        with self.lock:
+            if not self._count:
+                return []
+            within = None
+            if folder:
+                prefix = folder.rstrip("/") + "/"
+                within = [
+                    r for p, (_, recs) in self.notes.items() if p.startswith(prefix) for r in recs
+                ]
+                if not within:
+                    return []
+            np = self.np
+            qcode = float_sign_code(query) if np is None else np.packbits(np.asarray(query) > 0)
+            recs = self._candidates(qcode, within, RESCORE)
+            scored = self._rescore(recs, query)
+            best: dict = {}
+            for score, r in sorted(scored, reverse=True):
+                path = self._paths[self.owner[r]]
+                if path is not None and path not in best:
+                    best[path] = (score, r)
+            ranked = sorted(best.items(), key=lambda x: (-x[1][0], x[0]))[:limit]
+            return [(path, score, self.notes[path][1].index(r)) for path, (score, r) in ranked]
+
+
+def _popcount(np: Any, a: Any) -> Any:
+    """Per-byte bit counts of a uint8 array (NumPy's bitwise_count where it has one)."""
+    count = getattr(np, "bitwise_count", None)
+    if count is not None:
+        return count(a)
+    return np.array([bin(i).count("1") for i in range(256)], "uint8")[a]
+
+
+def remove_store(folder: Path, keep_folder: bool = False) -> None:
+    """Delete a vector store (embeddings switched off, or a new model)."""
+    if not folder.is_dir():
+        return
+    for child in folder.iterdir():
+        if child.is_file() or child.is_symlink():
+            child.unlink(missing_ok=True)
+    if not keep_folder:
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+
+
+# -- fusion ----------------------------------------------------------------------------------
+
+RRF_K = 60
+
+
+def fuse(*rankings: list, k: int = RRF_K) -> list:
+    """Return [(path, score)] of several best-first lists of paths, fused by reciprocal
+    rank (each list adds 1 / (k + rank)); ties by path."""
+    scores: dict = {}
+    for ranking in rankings:
+        for rank, path in enumerate(ranking, 1):
+            scores[path] = scores.get(path, 0.0) + 1.0 / (k + rank)
+    return sorted(scores.items(), key=lambda x: (-x[1], x[0]))
 
 
 # == src/notesvc/auth.py ======================================================
@@ -10594,6 +11314,7 @@ class Service:
         # Background components of later sections, composed by build_service():
         self.pollers: Any = None  # ChannelPollers: a thread per channel in polling mode
         self.reminders: Any = None  # ReminderScheduler: ⏰ lines sent through the channels
+        self.embedder: Any = None  # Embedder: the notes' vectors, when embeddings are on
 
     def saved_by(self) -> str | None:
         """Return the name of the grant the current request acts for (a device's or a
@@ -10629,7 +11350,7 @@ class Service:
         self._spawn(lambda: expire_loop(self.notes, self.trash, self._stop), "notesvc-expire")
         if self.config.rescan_seconds:  # its first check runs at once: searches need not wait
             self._spawn(self._rescan_loop, "notesvc-rescan")
-        for component in (self.pollers, self.reminders):
+        for component in (self.pollers, self.reminders, self.embedder):
             if component is not None:
                 component.start()
         return self
@@ -10686,8 +11407,10 @@ class Service:
         """Bring the index in line with the files; what other programs changed goes into the
         history and the change feed on the way, and the reminders look again."""
         found = self.index.sync(self.notes, observe=self.notes.observe)
-        if (found["read"] or found["removed"]) and self.reminders is not None:
-            self.reminders.look_again()
+        if found["read"] or found["removed"]:
+            for component in (self.reminders, self.embedder):
+                if component is not None:
+                    component.look_again()
         return found
 
     def _rescan_loop(self) -> None:
@@ -10712,7 +11435,7 @@ class Service:
     def close(self) -> None:
         """Stop background work and persist the index (once; a read-only service has none)."""
         self._stop.set()
-        for component in (self.pollers, self.reminders):
+        for component in (self.pollers, self.reminders, self.embedder):
             if component is not None:
                 component.close()
         self.journal.close()  # long-polls answer now
@@ -10947,8 +11670,21 @@ class UpstreamError(Exception):
         return ApiError(502, "UPSTREAM_ERROR", f"{what} failed: {self}")
 
 
+def _no_redirects() -> Any:
+    """Return a urllib opener that follows no redirect: a 3xx is an HTTPError (urllib would
+    send the Authorization header on to wherever the 3xx points)."""
+    import urllib.request
+
+    class Refuse(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+            return None
+
+    return urllib.request.build_opener(Refuse)
+
+
 def post_json(url: str, body: dict, headers: dict | None = None, timeout: float = 30) -> dict:
-    """POST body as JSON and return the JSON answer; UpstreamError on any failure.
+    """POST body as JSON and return the JSON answer; UpstreamError on any failure (a
+    redirect included: never followed).
 
     Messages never include the URL (it may carry a bot token) or the headers.
     """
@@ -10961,7 +11697,7 @@ def post_json(url: str, body: dict, headers: dict | None = None, timeout: float 
         url, data, {"Content-Type": "application/json", **(headers or {})}, method="POST"
     )
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with _no_redirects().open(req, timeout=timeout) as resp:
             raw = resp.read(4 << 20)
     except urllib.error.HTTPError as e:
         e.close()  # it holds the response (and its socket) open
@@ -11224,6 +11960,8 @@ def retrieve(
         hits = _hits_in_folder(svc, question, folder, limit)
     else:
         hits = index.search_any(list(weights), limit)  # the passages are cut without the lock
+    if svc.embedder is not None:  # and by meaning: the two rankings fused
+        hits = svc.embedder.fuse_hits(question, folder, hits, limit)
     found = [(p, title, best_passages(weights, text)) for p, title, text, _ in hits if p != note]
     if note:
         rec = svc.notes.get(note)
@@ -13216,6 +13954,498 @@ class ReminderScheduler:
         return sorted(pending, key=lambda r: (r["due"], r["path"]))
 
 
+# == src/notesvc/providers/embed.py ===========================================
+# == Embeddings ================================================================
+
+BATCH = 64  # chunks a request
+MAX_ANSWER_BYTES = 16 << 20
+MAX_DIMENSIONS = 4096
+QUERY_BUDGET = 1.5  # seconds a search waits for its query's vector
+QUERY_PAUSE = 30.0  # after a failed query, keyword answers without asking for this long
+REQUEST_SECONDS = 120.0  # a batch that takes longer (a slow trickle) is a failure
+BACKOFF = (2.0, 300.0)  # the embedder's wait after a failure: doubling from 2 s to 5 min
+SAVE_SECONDS = 10.0  # meta.json at most this often while embedding
+PROBE = "notesvc: the fingerprint of an embedding model"
+MODES = ("hybrid", "semantic", "keyword")
+
+
+class EmbedError(Exception):
+    """A failed call to the endpoint: kind (http, timeout, connection, answer), status."""
+
+    def __init__(self, kind: str, message: str, status: int = 0):
+        super().__init__(message)
+        self.kind = kind
+        self.status = status
+
+
+class EmbedClient:
+    """One endpoint: which wire format its path says, the model, the key (a Bearer token)."""
+
+    def __init__(self, url: str, model: str, key: str = ""):
+        self.url = url
+        self.model = model
+        self.key = key
+        path = urllib.parse.urlsplit(url).path
+        self.ollama = path.endswith("/api/embed")
+        self._calls: set = set()  # the Outbounds in flight (close() ends them)
+        self._closed = False
+
+    def close(self) -> None:
+        """End every call in flight at once (a stopping server waits for none)."""
+        self._closed = True
+        for out in list(self._calls):
+            out.abort()
+
+    def scrub(self, text: str) -> str:
+        """Return text (an answer or an error) without the key or the URL's query, cut to
+        200 bytes."""
+        for secret in (self.key, urllib.parse.urlsplit(self.url).query):
+            if secret:
+                text = text.replace(secret, "…")
+        return text.encode()[:200].decode("utf-8", "ignore")
+
+    def embed(self, texts: list, timeout: float, dim: int = 0) -> list:
+        """Return the normalised vectors of texts; EmbedError on any failure. The call is
+        cut off after `timeout` seconds in all (a slow trickle included)."""
+        body = json.dumps({"model": self.model, "input": texts}).encode()
+        headers = {"Content-Type": "application/json", "Accept": "application/json"}
+        if self.key:
+            headers["Authorization"] = f"Bearer {self.key}"
+        fired: list = []
+
+        def time_up() -> None:
+            fired.append(True)
+            out.abort()
+
+        if self._closed:
+            raise EmbedError("connection", "stopped")
+        with Outbound() as out:
+            self._calls.add(out)
+            timer = threading.Timer(timeout, time_up)
+            timer.daemon = True
+            timer.start()
+            try:
+                status, _, raw = out.request(
+                    "POST", self.url, body, headers, timeout, MAX_ANSWER_BYTES
+                )
+            except UpstreamError as e:
+                if not (e.timeout or fired):
+                    raise EmbedError("connection", self.scrub(str(e))) from None
+                fired.append(True)
+            finally:
+                timer.cancel()
+                self._calls.discard(out)
+        if fired:  # a slow trickle too: each read was quick, the whole was not
+            raise EmbedError("timeout", f"no answer in {timeout:g} s")
+        if not 200 <= status < 300:  # a 3xx too: never follow (it would carry the key)
+            text = raw.decode("utf-8", "replace")
+            raise EmbedError("http", self.scrub(f"HTTP {status}: {text}"), status)
+        return self._vectors(raw, len(texts), dim)
+
+    def _vectors(self, raw: bytes, count: int, dim: int) -> list:
+        try:
+            answer = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, ValueError):
+            raise EmbedError("answer", "the answer is not JSON") from None
+        if not isinstance(answer, dict):
+            raise EmbedError("answer", "the answer is not a JSON object")
+        if self.ollama:
+            vectors = answer.get("embeddings")
+        else:
+            data = answer.get("data")
+            if not isinstance(data, list) or not all(isinstance(d, dict) for d in data):
+                raise EmbedError("answer", "the answer has no 'data' list")
+            data = sorted(data, key=lambda d: d["index"] if isinstance(d.get("index"), int) else 0)
+            vectors = [d.get("embedding") for d in data]
+        if not isinstance(vectors, list) or len(vectors) != count:
+            raise EmbedError("answer", f"the answer holds no list of {count} vectors")
+        out = []
+        for vec in vectors:
+            if isinstance(vec, list) and len(vec) > MAX_DIMENSIONS:
+                raise EmbedError("answer", f"a vector has over {MAX_DIMENSIONS} dimensions")
+            try:
+                out.append(normalised(vec, dim))
+            except VectorError as e:
+                kind = "dimension" if "dimensions" in str(e) else "answer"
+                raise EmbedError(kind, str(e)) from None
+        if len({len(v) for v in out}) > 1:
+            raise EmbedError("answer", "the vectors differ in size")
+        return out
+
+
+def fingerprint(model: str, probe: list) -> str:
+    """Return the digest of (model, dimensions, the probe's vector rounded)."""
+    text = json.dumps([model, len(probe), [round(x, 2) for x in probe]])
+    return hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+def _same_model(store: VectorStore, model: str, probe: list) -> bool:
+    old = store.extra.get("probe") or []
+    if store.model != model or store.dim != len(probe) or len(old) != len(probe):
+        return False
+    return math.fsum(a * b for a, b in zip(old, probe)) >= 0.99  # the same model's noise
+
+
+class Embedder:
+    """Keeps the vector store in line with the notes, in a thread of its own.
+
+    What to embed comes from the search index: at start and after a rescan found changes,
+    every note's file key (SearchIndex.note_keys) is compared with the one stored with its
+    chunks; between those, the notes' own save, move and delete events name the note.
+    """
+
+    def __init__(self, svc: Service, client: EmbedClient):
+        self.svc = svc
+        self.client = client
+        self.folder = svc.config.state_dir / "vectors"
+        self.store: VectorStore | None = None
+        self.last_error: dict | None = None
+        self.fingerprint = ""
+        self._lock = threading.Lock()
+        self._dirty: set = set()
+        self._walk = True
+        self._wake = threading.Event()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+        self._paused_until = 0.0  # queries: keyword only until then (a failed query)
+        self._saved_at = 0.0
+        self._opened = False  # the store on disk was looked for
+        self._checked = False  # the endpoint's probe matched the store
+
+    # -- life -----------------------------------------------------------------------------
+
+    def start(self) -> None:
+        if self._thread is None:
+            self.svc.notes.listeners.append(self.on_note_event)
+            self._thread = threading.Thread(target=self._run, name="notesvc-embed", daemon=True)
+            self._thread.start()
+
+    def close(self) -> None:
+        self._stop.set()
+        self._wake.set()
+        self.client.close()
+        if self._thread is not None:
+            self._thread.join(30)
+        store = self.store
+        if store is not None:
+            store.close()
+
+    def on_note_event(self, event: str, path: str, detail: Any) -> None:
+        store = self.store
+        if event == "moved" and store is not None:
+            new = detail[0]
+            if store.move(path, new):
+                return
+            path = new
+        with self._lock:
+            self._dirty.add(path)
+        self._wake.set()
+
+    def look_again(self) -> None:
+        """Compare every note with what is stored (a rescan found files changed)."""
+        self._walk = True
+        self._wake.set()
+
+    # -- the loop --------------------------------------------------------------------------
+
+    def _run(self) -> None:
+        pause = BACKOFF[0]
+        while not self._stop.is_set():
+            try:
+                if not self._checked:
+                    self._connect()
+                self._catch_up()
+                pause = BACKOFF[0]
+            except EmbedError as e:
+                self._failed(e)
+                self._walk = True  # what was not done is found again by the next walk
+                if self._stop.wait(pause):
+                    break
+                pause = min(pause * 2, BACKOFF[1])
+                continue
+            except Exception:  # a bug must not stop the notes from being embedded later
+                log.exception("embeddings: the embedder failed; trying again in 60 s")
+                self._walk = True
+                if self._stop.wait(60):
+                    break
+                continue
+            self._idle()
+            self._wake.wait(60)
+            self._wake.clear()
+
+    def _failed(self, e: EmbedError) -> None:
+        self.last_error = {
+            "class": e.kind,
+            "status": e.status or None,
+            "message": self.client.scrub(str(e)),
+            "at": iso(time.time()),
+        }
+        log.warning("embeddings: %s (%s); trying again later", self.last_error["message"], e.kind)
+        if e.kind == "dimension":  # the model changed under us: probe it again
+            self._checked = False
+            self._wake.set()
+
+    def _idle(self) -> None:
+        store = self.store
+        if store is None:
+            return
+        if store.dirty:
+            store.save()
+        if store.dead() > max(1000, store.stats()["chunks"] // 4):
+            store.compact()
+        store.forget_hashes()
+
+    def _connect(self) -> None:
+        """Open the store kept on disk (searches and related notes use it at once), ask for
+        the probe's vector, and start a new store when the model is not the store's."""
+        model = self.client.model
+        if self.store is None and not self._opened:
+            self._opened = True
+            store = VectorStore.open(self.folder)
+            if store is not None and store.model == model:
+                self.store, self.fingerprint = store, store.fingerprint
+            elif store is not None:
+                store.close()
+        probe = self.client.embed([PROBE], REQUEST_SECONDS)[0]
+        store = self.store
+        if store is None or not _same_model(store, model, probe):
+            if store is not None:
+                log.info("embeddings: the model changed: embedding every note again")
+                self.store = None
+                store.close()
+            extra = {"probe": [round(x, 6) for x in probe]}
+            store = VectorStore.create(
+                self.folder, len(probe), fingerprint(model, probe), model, extra
+            )
+        self.fingerprint = store.fingerprint
+        self.store = store
+        self._checked = True
+        self._walk = True
+
+    def _catch_up(self) -> None:
+        """Embed what changed: every note when a walk is due, else the notes named."""
+        store = self.store
+        index = self.svc.index
+        if self._walk:
+            self._walk = False
+            with self._lock:
+                self._dirty.clear()
+            _, keyed = index.note_keys()
+            seen: set = set()
+            todo = []
+            for key, path, _ in keyed:
+                seen.add(path)
+                if key is None or store.key_of(path) != key or not store.holds(path):
+                    todo.append(path)
+            with store.lock:
+                gone = [p for p in store.notes if p not in seen]
+            for path in gone:
+                store.drop(path)
+        else:
+            with self._lock:
+                todo, self._dirty = sorted(self._dirty), set()
+        self._embed_notes(todo)
+
+    def _embed_notes(self, paths: list) -> None:
+        store, index = self.store, self.svc.index
+        pending: list = []  # (path, key, hashes)
+        wanted: dict = {}  # chunk hash -> text, not in the store yet
+        for path in paths:
+            if self._stop.is_set():
+                return
+            doc = index.document(path)
+            if doc is None:
+                store.drop(path)
+                continue
+            key = index.note_key(path)
+            chunks = chunk_note(doc[1], doc[2])
+            hashes = [chunk_hash(c) for c in chunks]
+            for h, c in zip(hashes, chunks):
+                if h not in wanted and store.find(h) < 0:
+                    wanted[h] = c
+            pending.append((path, key, hashes))
+            if len(wanted) >= BATCH or len(pending) >= 256:
+                self._flush(pending, wanted)
+                pending, wanted = [], {}
+        self._flush(pending, wanted)
+
+    def _flush(self, pending: list, wanted: dict) -> None:
+        store = self.store
+        items = list(wanted.items())
+        for at in range(0, len(items), BATCH):
+            part = items[at : at + BATCH]
+            vectors = self.client.embed([c for _, c in part], REQUEST_SECONDS, store.dim)
+            store.append([(h, v) for (h, _), v in zip(part, vectors)])
+            if self._stop.is_set():
+                return
+        for path, key, hashes in pending:
+            if self.svc.index.document(path) is None:
+                store.drop(path)
+                continue
+            recs = [store.find(h) for h in hashes]
+            if all(r >= 0 for r in recs):
+                store.assign(path, key, recs)
+        self.last_error = None
+        if store.dirty and time.monotonic() - self._saved_at > SAVE_SECONDS:
+            store.save()
+            self._saved_at = time.monotonic()
+
+    # -- what searches ask ---------------------------------------------------------------
+
+    def status(self) -> dict:
+        """Return {embedded, total, model}: notes whose chunks are all embedded, of all."""
+        store = self.store
+        total = self.svc.index.stats().get("documents", 0)
+        embedded = min(total, len(store.notes)) if store is not None else 0
+        return {"embedded": embedded, "total": total, "model": self.client.model}
+
+    def info(self) -> dict:
+        store = self.store
+        return {
+            **self.status(),
+            "dimensions": store.dim if store is not None else None,
+            "lastError": self.last_error,
+            "fingerprint": self.fingerprint or None,
+        }
+
+    def query_vector(self, text: str) -> list | None:
+        """Return the query's normalised vector, None when the endpoint failed now or a
+        moment ago (then searches answer in keyword mode for QUERY_PAUSE seconds)."""
+        store = self.store
+        if store is None or time.monotonic() < self._paused_until:
+            return None
+        try:
+            return self.client.embed([text], QUERY_BUDGET, store.dim)[0]
+        except EmbedError as e:
+            self._paused_until = time.monotonic() + QUERY_PAUSE
+            self._failed(e)
+            return None
+
+    def fuse_hits(self, question: str, folder: str, hits: list, limit: int) -> list:
+        """Return the agent's sources: keyword hits [(path, title, text, score)] fused with
+        the notes nearest the question in meaning (the keyword hits alone when the
+        endpoint fails)."""
+        vector = self.query_vector(question[:2000])
+        if vector is None:
+            return hits
+        near = [p for p, _, _ in self.nearest(vector, folder, limit)]
+        known = {h[0]: h for h in hits}
+        out = []
+        for path, score in fuse([h[0] for h in hits], near)[:limit]:
+            if path in known:
+                out.append(known[path])
+                continue
+            doc = self.svc.index.document(path)
+            if doc is not None:
+                out.append((path, doc[1], doc[2], score))
+        return out
+
+    def nearest(self, vector: list, folder: str, limit: int = MAX_SEMANTIC_NOTES) -> list:
+        store = self.store
+        return [] if store is None else store.nearest(vector, folder, limit)
+
+
+def build_embedder(svc: Service) -> Embedder | None:
+    """Return the embedder of the config, None when embeddings are off (a leftover store
+    is then deleted: nothing of it stays on disk or in memory)."""
+    cfg = svc.config
+    if not cfg.embed_url:
+        if not svc.readonly:
+            remove_store(cfg.state_dir / "vectors")
+        return None
+    return Embedder(svc, EmbedClient(cfg.embed_url, cfg.embed_model, cfg.embed_key))
+
+
+# -- searching by meaning and by words ---------------------------------------------------
+
+
+def _lexical_only(query: Query) -> bool:
+    """Phrases and prefixes are about the words as typed: those queries stay keyword."""
+    return any(alt[0] != "word" for clause in query.clauses for alt in clause)
+
+
+def _embedding_text(query: Query) -> str:
+    """Return what to embed: the words asked for, without OR and -exclusions."""
+    words = [w for w in query.text.split() if w != "OR" and not w.startswith("-")]
+    return " ".join(words) or query.text
+
+
+def _chunk_snippet(svc: Service, path: str, chunk: int) -> str:
+    doc = svc.index.document(path)
+    if doc is None:
+        return ""
+    chunks = chunk_note(doc[1], doc[2])
+    if chunk >= len(chunks):
+        return ""
+    text = " ".join(chunk_body(chunks[chunk]).split())
+    return text if len(text) <= 200 else text[:199].rsplit(" ", 1)[0] + "…"
+
+
+def find_notes(
+    svc: Service, query: Query, folder: str, limit: int, offset: int, mode: str = ""
+) -> dict:
+    """Search as `mode` asks (hybrid by default when embeddings are on): {total, results:
+    [(path, title, score, snippet)], mode, fallback}. Never fails because the endpoint
+    does: it answers in keyword mode with fallback true."""
+    embedder = svc.embedder
+    if mode and mode not in MODES:
+        raise bad_request(f"'mode' must be one of {', '.join(MODES)}")
+    mode = mode or ("hybrid" if embedder is not None else "keyword")
+    if mode != "keyword" and embedder is not None and not _lexical_only(query):
+        vector = embedder.query_vector(_embedding_text(query))
+        if vector is not None:
+            return _by_meaning(svc, query, folder, (limit, offset), mode, vector)
+    total, hits = svc.index.search(query, folder, limit, offset)
+    return {"total": total, "results": hits, "mode": "keyword", "fallback": mode != "keyword"}
+
+
+def _by_meaning(svc: Service, query: Query, folder: str, page: tuple, mode: str, vector) -> dict:
+    near = svc.embedder.nearest(vector, folder)
+    if query.excludes:
+        out = svc.index.excluded(query.excludes, [p for p, _, _ in near])
+        near = [n for n in near if n[0] not in out]
+    chunk_of = {p: c for p, _, c in near}
+    if mode == "semantic":
+        ranked = [(p, round(s, 4)) for p, s, _ in near]
+    else:
+        _, hits = svc.index.search(query, folder, MAX_SEMANTIC_NOTES, 0, snippets=False)
+        words = [p for p, *_ in hits]
+        ranked = [(p, round(s, 6)) for p, s in fuse(words, list(chunk_of))]
+    limit, offset = page
+    results = _with_snippets(svc, query, ranked[offset : offset + limit], chunk_of)
+    return {"total": len(ranked), "results": results, "mode": mode, "fallback": False}
+
+
+def _with_snippets(svc: Service, query: Query, page: list, chunk_of: dict) -> list:
+    """Return [(path, title, score, snippet)]: the best chunk's start for a note the
+    meaning found, the words' snippet for one only the words found."""
+    titles = svc.index.titles(p for p, _ in page)
+    lexical = [p for p, _ in page if p not in chunk_of]
+    snippets = svc.index.snippets(query, lexical) if lexical else {}
+    results = []
+    for path, score in page:
+        if path in chunk_of:
+            snippet = _chunk_snippet(svc, path, chunk_of[path])
+        else:
+            snippet = snippets.get(path, "")
+        results.append((path, titles.get(path) or "", score, snippet))
+    return results
+
+
+def related_notes(svc: Service, path: str, folder: str, limit: int) -> list:
+    """Return [(path, title, score)] of the notes nearest a note (its chunks' mean)."""
+    embedder = svc.embedder
+    store = None if embedder is None else embedder.store
+    if store is None:
+        return []
+    vector = store.note_vector(path)
+    if vector is None:
+        return []
+    near = [n for n in store.nearest(vector, folder, limit + 1) if n[0] != path][:limit]
+    titles = svc.index.titles(p for p, _, _ in near)
+    return [(p, titles.get(p) or "", round(s, 4)) for p, s, _ in near]
+
+
 # == src/notesvc/plugins.py ===================================================
 # == Plugins ==================================================================
 #
@@ -13324,6 +14554,7 @@ def build_service(config: Config, readonly: bool = False) -> Service:
     svc = Service(config, plugins, *provider_registries(plugins), readonly=readonly)
     svc.pollers = ChannelPollers(svc)
     svc.reminders = ReminderScheduler(svc)
+    svc.embedder = build_embedder(svc)
     return svc
 
 
@@ -13829,23 +15060,57 @@ def _hit_lines(data: dict) -> str:
 
 @tool(
     "search_notes",
-    "Search the user's notes (full text, best match first). Returns each hit's path, title "
-    "and a snippet; open a note with read_note.",
+    "Search the user's notes, best match first: by words and, when embeddings are on, by "
+    "meaning (mode hybrid, the default then; semantic; keyword). Returns each hit's path, "
+    "title and a snippet; open a note with read_note.",
     {
         "query": _QUERY_ARG,
         "limit": {"type": "integer", "minimum": 1, "maximum": 50, "default": 10},
         "folder": {**_FOLDER_ARG, "description": "search only this folder (and below)"},
+        "mode": {
+            "type": "string",
+            "enum": ["hybrid", "semantic", "keyword"],
+            "description": "hybrid (default when embeddings are on), semantic or keyword",
+        },
     },
     ("query",),
     title="Search notes",
     text=_hit_lines,
 )
-def tool_search_notes(svc: Service, query: str, limit: int = 10, folder: str = "") -> dict:
+def tool_search_notes(
+    svc: Service, query: str, limit: int = 10, folder: str = "", mode: str = ""
+) -> dict:
     parsed = Query(query)
     folder = visible_folder(svc, folder or NOTES)  # a folder grant's by default
-    total, hits = svc.index.search(parsed, "" if folder == NOTES else folder, limit, 0)
-    results = [{"path": p, "title": t, "snippet": sn, "score": sc} for p, t, sc, sn in hits]
-    return {"results": results, "total": total}
+    found = find_notes(svc, parsed, "" if folder == NOTES else folder, limit, 0, mode)
+    results = [
+        {"path": p, "title": t, "snippet": sn, "score": sc} for p, t, sc, sn in found["results"]
+    ]
+    return {"results": results, "total": found["total"], "mode": found["mode"]}
+
+
+def _related_lines(data: dict) -> str:
+    lines = [f"{r['path']} — {r['title']}" for r in data["results"]]
+    return "\n".join(lines) or "No related note (embeddings are off or not ready)."
+
+
+@tool(
+    "related_notes",
+    "Notes near one note in meaning (needs embeddings on the server; else empty).",
+    {
+        "path": _PATH_ARG,
+        "limit": {"type": "integer", "minimum": 1, "maximum": 50, "default": 10},
+    },
+    ("path",),
+    title="Related notes",
+    text=_related_lines,
+)
+def tool_related_notes(svc: Service, path: str, limit: int = 10) -> dict:
+    path = visible_note(svc.notes, path)
+    if not svc.notes.exists(path):
+        raise not_found(f"no note at {path}")
+    near = related_notes(svc, path, request_principal().folder, limit)
+    return {"path": path, "results": [{"path": p, "title": t, "score": s} for p, t, s in near]}
 
 
 def _note_text(data: dict) -> str:
@@ -14116,7 +15381,7 @@ def tool_delete_note(svc: Service, path: str, etag: str | None = None) -> dict:
 )
 def tool_search(svc: Service, query: str) -> dict:
     folder = request_principal().folder  # a folder grant searches its folder
-    _, hits = svc.index.search(Query(query), folder, 10, 0)
+    hits = find_notes(svc, Query(query), folder, 10, 0)["results"]
     return {"results": [{"id": p, "title": t, "url": note_url(svc, p)} for p, t, _, _ in hits]}
 
 
@@ -16616,6 +17881,16 @@ def check_plain_http_upstreams(svc: Service) -> list:
                 "The model endpoint is plain HTTP",
                 "Questions and note passages (and the model key) travel unencrypted.",
                 "Use an https:// SERVICE_AGENT_BASE_URL or a model on this machine.",
+            )
+        )
+    if _off_loopback_http(cfg.embed_url):
+        out.append(
+            finding(
+                "embed-plain-http",
+                "high" if cfg.embed_key else "medium",
+                "The embeddings endpoint is plain HTTP",
+                "Every note's text, every search (and the embeddings key) travel unencrypted.",
+                "Use an https:// SERVICE_EMBED_URL or run the model on this machine.",
             )
         )
     return out
@@ -26531,6 +27806,7 @@ def get_info(svc: Service) -> dict:
             "waiting": svc.journal.waiting(),
         },
         "index": {**svc.index.stats(), "lastSync": svc.last_sync},
+        "embeddings": svc.embedder.info() if svc.embedder is not None else None,
         "connection": svc.relay_client.status()
         if svc.relay_client
         else {
@@ -26603,7 +27879,13 @@ def get_config(svc: Service) -> dict:
             "write": cfg.agent_write,
         },
         "mcp": {"path": f"{API}/mcp", "write": cfg.mcp_write, "protocolVersions": MCP_VERSIONS},
-        "search": {"engine": "notesvc-bm25", "maxQueryLength": MAX_QUERY_CHARS},
+        "search": {
+            "engine": "notesvc-bm25",
+            "maxQueryLength": MAX_QUERY_CHARS,
+            "embedUrl": _redact_url(cfg.embed_url),
+            "embedModel": cfg.embed_model,
+            "embedKeySet": bool(cfg.embed_key),
+        },
         "sync": {
             "rescanSeconds": cfg.rescan_seconds,
             "notesRoot": "notes/",
@@ -27169,16 +28451,32 @@ def search_notes(svc: Service) -> dict:
     folder = "" if folder == NOTES else folder
     limit = query_int("limit", 20, 1, 100)
     offset = query_int("offset", 0, 0, 10000)
-    total, hits = svc.index.search(query, folder, limit, offset)
-    results = [{"path": p, "title": t, "score": sc, "snippet": sn} for p, t, sc, sn in hits]
-    return {
+    found = find_notes(svc, query, folder, limit, offset, query_str("mode"))
+    results = [
+        {"path": p, "title": t, "score": sc, "snippet": sn} for p, t, sc, sn in found["results"]
+    ]
+    answer = {
         "query": query.text,
-        "total": total,
+        "total": found["total"],
         "limit": limit,
         "offset": offset,
         "results": results,
-        "tookMs": round((time.perf_counter() - started) * 1000, 3),
+        "mode": found["mode"],
+        "fallback": found["fallback"],
     }
+    if svc.embedder is not None:
+        answer["embeddings"] = svc.embedder.status()
+    answer["tookMs"] = round((time.perf_counter() - started) * 1000, 3)
+    return answer
+
+
+def note_related(svc: Service, path: str) -> dict:
+    path = visible_note(svc.notes, path)
+    if not svc.notes.exists(path):
+        raise not_found(f"no note at {path}")
+    limit = query_int("limit", 10, 1, 50)
+    near = related_notes(svc, path, request_principal().folder, limit)
+    return {"path": path, "results": [{"path": p, "title": t, "score": s} for p, t, s in near]}
 
 
 # -- agent ---------------------------------------------------------------------------------
@@ -30054,6 +31352,15 @@ ROUTES = (
     # before GET /notes/<path:path>, which would take ".../versions" as part of a path
     Route(
         "GET",
+        "/notes/<path:path>/related",
+        note_related,
+        summary="Notes near this one in meaning (empty while embeddings are off)",
+        params={"path": NOTE_PATH_PARAM, "limit": _int(1, 50, 10)},
+        tag="search",
+        scope="read",
+    ),
+    Route(
+        "GET",
         "/notes/<path:path>/versions",
         list_versions,
         summary="A note's versions, newest first (also of a deleted note)",
@@ -30177,6 +31484,12 @@ ROUTES = (
             "limit": _int(1, 100, 20),
             "offset": _int(0, 10000, 0),
             "folder": _FOLDER_PATH,
+            "mode": {
+                "type": "string",
+                "enum": ["hybrid", "semantic", "keyword"],
+                "description": "hybrid (the default when embeddings are on), semantic, or "
+                "keyword (the default otherwise); phrases and prefix* stay keyword",
+            },
         },
         tag="search",
         scope="read",

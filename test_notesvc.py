@@ -11,6 +11,7 @@ import contextlib
 import dataclasses
 import datetime as dt
 import errno
+import functools
 import gzip
 import hashlib
 import heapq
@@ -4177,8 +4178,11 @@ class TestSearch:
 
     def test_response_shape(self, corpus):
         d = search(corpus, "flowerpot", limit=5)
-        assert set(d) == {"query", "total", "limit", "offset", "results", "tookMs"}
+        assert set(d) == {
+            *("query", "total", "limit", "offset", "results", "tookMs", "mode", "fallback")
+        }
         assert (d["query"], d["total"], d["limit"], d["offset"]) == ("flowerpot", 2, 5, 0)
+        assert (d["mode"], d["fallback"]) == ("keyword", False)
         assert set(d["results"][0]) == {"path", "title", "score", "snippet"}
         assert d["results"][0]["score"] >= d["results"][1]["score"] > 0
         assert d["tookMs"] >= 0
@@ -4479,6 +4483,690 @@ REF_WORDS = (
     "recipe recipes the a of and to in note notes meeting meetings plan plans zebra yak "
     "xylophone quokka narwhal pelican otter heron café crème brûlée"
 ).split()
+
+
+# -- search by meaning: a loopback embeddings endpoint -------------------------------------
+
+# Words a stand-in model takes as one meaning: "car repair" is near "Fixing the automobile".
+MEANINGS = {
+    "automobile": "car",
+    "vehicle": "car",
+    "fixing": "repair",
+    "fix": "repair",
+    "mend": "repair",
+    "mending": "repair",
+    "puppy": "dog",
+    "canine": "dog",
+    "hound": "dog",
+}
+EMBED_STOPWORDS = {"the", "a", "an", "of", "and", "to", "in", "my", "is", "for", "on"}
+
+
+@functools.lru_cache(maxsize=65536)
+def _meaning_vector(word: str, dim: int) -> tuple:
+    rnd = random.Random(f"{MEANINGS.get(word, word)}/{dim}")
+    return tuple(rnd.gauss(0, 1) for _ in range(dim))
+
+
+def stand_in_vector(text: str, dim: int) -> list:
+    """A deterministic embedding: the sum of one random vector per meaning."""
+    vec = [0.0] * dim
+    for word in re.findall(r"[a-z0-9]+", text.lower()):
+        if word not in EMBED_STOPWORDS:
+            vec = list(map(operator.add, vec, _meaning_vector(word, dim)))
+    if not any(vec):
+        vec[0] = 1.0
+    return vec
+
+
+class EmbedStandIn:
+    """An embeddings endpoint on 127.0.0.1 speaking Ollama's /api/embed and OpenAI's
+    /v1/embeddings, deterministic; `how` makes it misbehave the ways real ones do."""
+
+    def __init__(self, dim: int = 48):
+        self.dim = dim
+        self.how = "ok"
+        self.calls: list = []  # (path, number of inputs, Authorization header)
+        self.inputs: list = []
+        stand_in = self
+
+        class Handler(http.server.BaseHTTPRequestHandler):
+            protocol_version = "HTTP/1.1"
+
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                body = json.loads(self.rfile.read(int(self.headers["Content-Length"])))
+                texts = body["input"]
+                stand_in.calls.append((self.path, len(texts), self.headers.get("Authorization")))
+                stand_in.inputs.extend(texts)
+                stand_in.answer(self, texts)
+
+        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.port = self.server.server_address[1]
+        threading.Thread(target=self.server.serve_forever, daemon=True).start()
+
+    def url(self, kind: str = "ollama", query: str = "") -> str:
+        path = "/api/embed" if kind == "ollama" else "/v1/embeddings"
+        return f"http://127.0.0.1:{self.port}{path}{query}"
+
+    def answer(self, handler, texts: list) -> None:
+        how = self.how
+        vectors = [stand_in_vector(t, self.dim) for t in texts]
+        if how == "nan":
+            vectors[0][3] = float("nan")
+        elif how == "count":
+            vectors = vectors[:-1] or [[1.0] * self.dim, [1.0] * self.dim]
+        elif how == "huge":
+            vectors = [[0.5] * 5000 for _ in texts]
+        elif how == "empty":
+            vectors = [[] for _ in texts]
+        if how == "500":
+            return self.send(handler, 500, b'{"error": "model crashed, key=sk-secret-123"}')
+        if how == "html":
+            return self.send(handler, 200, b"<html>Bad gateway</html>", "text/html")
+        if how == "redirect":
+            return self.send(handler, 307, b"", headers={"Location": "http://127.0.0.1:9/x"})
+        if how == "slow":
+            time.sleep(3)
+        if handler.path.startswith("/api/embed"):
+            body = {"model": "stand-in", "embeddings": vectors}
+        else:
+            data = [
+                {"object": "embedding", "index": i, "embedding": v} for i, v in enumerate(vectors)
+            ]
+            body = {"object": "list", "data": data[::-1], "model": "stand-in"}  # any order
+        raw = json.dumps(body, allow_nan=True).encode()
+        if how == "trickle":  # a byte a quarter second: each read is quick, the whole is not
+            handler.send_response(200)
+            handler.send_header("Content-Length", str(len(raw)))
+            handler.end_headers()
+            for i in range(len(raw)):
+                handler.wfile.write(raw[i : i + 1])
+                handler.wfile.flush()
+                time.sleep(0.25)
+            return None
+        return self.send(handler, 200, raw)
+
+    @staticmethod
+    def send(handler, status: int, raw: bytes, ctype: str = "application/json", headers=None):
+        handler.send_response(status)
+        handler.send_header("Content-Type", ctype)
+        handler.send_header("Content-Length", str(len(raw)))
+        for k, v in (headers or {}).items():
+            handler.send_header(k, v)
+        handler.end_headers()
+        handler.wfile.write(raw)
+
+    def close(self) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+@pytest.fixture
+def embed_endpoint():
+    stand_in = EmbedStandIn()
+    yield stand_in
+    stand_in.close()
+
+
+def embed_env(endpoint: EmbedStandIn, kind: str = "ollama", **env: str) -> dict:
+    return {"SERVICE_EMBED_URL": endpoint.url(kind), "SERVICE_EMBED_MODEL": "stand-in", **env}
+
+
+def embedded(client) -> dict:
+    return data(client.get(f"{API}/system/info"))["embeddings"]
+
+
+def all_embedded(client) -> dict:
+    """Wait until every note is embedded; return the status."""
+    return wait_for(
+        lambda: (lambda e: e["total"] and e["embedded"] == e["total"] and e)(embedded(client))
+    )
+
+
+MEANING_NOTES = {
+    "notes/garage.md": "# Fixing the automobile\n\nThe mechanic changed the brake pads.",
+    "notes/pets.md": "# Walking the puppy\n\nTwice a day around the park, with treats.",
+    "notes/work/budget.md": "# Budget\n\nSpreadsheet of quarterly costs: rent, salaries, travel.",
+    "notes/work/car.md": "# Company vehicle\n\nMend the dent before the inspection in March.",
+}
+
+
+def clustered_vectors(n: int, dim: int, seed: int = 7) -> list:
+    """Normalised vectors around a few centres, as real embeddings cluster."""
+    rnd = random.Random(seed)
+    centres = [[rnd.gauss(0, 1) for _ in range(dim)] for _ in range(40)]
+    out = []
+    for _ in range(n):
+        c = rnd.choice(centres)
+        out.append(notesvc.normalised([x + rnd.gauss(0, 0.8) for x in c]))
+    return out
+
+
+class TestVectorStore:
+    """The vector store alone: both scans, the file's crash safety, compaction."""
+
+    def filled(self, folder: Path, vectors: list, per_note: int = 5, **kw):
+        store = notesvc.VectorStore.create(folder, len(vectors[0]), "fp", "m", {}, **kw)
+        recs = store.append(list(enumerate(vectors)))
+        for i in range(0, len(recs), per_note):
+            store.assign(f"notes/n{i // per_note}.md", i, recs[i : i + per_note])
+        return store
+
+    @staticmethod
+    def exact(vectors: list, query: list, per_note: int = 5) -> list:
+        best: dict = {}
+        for i, v in enumerate(vectors):
+            path = f"notes/n{i // per_note}.md"
+            best[path] = max(best.get(path, -2.0), sum(map(operator.mul, v, query)))
+        return sorted(best, key=lambda p: -best[p])
+
+    @pytest.mark.parametrize("vectorised", [False, True])
+    def test_the_nearest_notes_match_exact_search(self, tmp_path, vectorised):
+        if vectorised:
+            pytest.importorskip("numpy")
+        drawn = clustered_vectors(3020, 384)  # the queries near the notes, as real ones are
+        vectors, queries = drawn[:3000], drawn[3000:]
+        store = self.filled(tmp_path / "v", vectors, vectorised=vectorised)
+        assert (store.np is None) is not vectorised
+        recall = []
+        for q in queries:
+            got = [p for p, _, _ in store.nearest(q, limit=10)]
+            recall.append(len(set(got) & set(self.exact(vectors, q)[:10])) / 10)
+        assert statistics.mean(recall) >= 0.95
+        path, score, chunk = store.nearest(vectors[42])[0]
+        assert (path, chunk) == ("notes/n8.md", 2)
+        assert score == pytest.approx(1.0, abs=0.01)
+        store.assign("notes/sub/x.md", "k", [7])
+        assert [p for p, _, _ in store.nearest(vectors[42], folder="notes/sub")] == [
+            "notes/sub/x.md"
+        ]
+        assert store.nearest(vectors[42], folder="notes/none") == []
+        store.close()
+
+    def test_both_scans_give_the_same_answer_and_numpy_without_bitwise_count(self, tmp_path):
+        np = pytest.importorskip("numpy")
+        drawn = clustered_vectors(1505, 64)
+        plain = self.filled(tmp_path / "a", drawn[:1500], vectorised=False)
+        fast = self.filled(tmp_path / "b", drawn[:1500], vectorised=True)
+        for q in drawn[1500:]:
+            a = [(p, c) for p, _, c in plain.nearest(q, limit=5)]
+            b = [(p, c) for p, _, c in fast.nearest(q, limit=5)]
+            assert a == b
+        bits = np.array([[0, 1, 255, 128]], "uint8")
+        no_bitwise_count = types.SimpleNamespace(array=np.array)  # Debian 12's NumPy 1.24
+        assert notesvc._popcount(no_bitwise_count, bits).tolist() == [[0, 1, 8, 1]]
+        plain.close()
+        fast.close()
+
+    def test_a_damaged_record_cuts_the_file_there_and_its_notes_are_forgotten(self, tmp_path):
+        vectors = clustered_vectors(50, 32)
+        store = self.filled(tmp_path / "v", vectors)
+        store.save()
+        store.close()
+        (vec,) = (tmp_path / "v").glob("vectors.*.bin")
+        raw = bytearray(vec.read_bytes())
+        size = (len(raw) - 12) // 50
+        raw[12 + 30 * size + 20] ^= 0xFF  # record 30: a flipped byte
+        vec.write_bytes(bytes(raw))
+        again = notesvc.VectorStore.open(tmp_path / "v")
+        assert vec.stat().st_size == 12 + 30 * size
+        assert sorted(again.notes) == sorted(f"notes/n{i}.md" for i in range(6))  # 0..29
+        assert again.find(29) == 29
+        assert again.find(30) == -1
+        again.close()
+
+    def test_records_past_the_map_are_found_by_hash_and_compaction_keeps_the_notes(self, tmp_path):
+        vectors = clustered_vectors(40, 32)
+        store = self.filled(tmp_path / "v", vectors)
+        store.save()
+        late = store.append([(1000, vectors[0])])  # appended, the map not saved: a crash
+        os.close(store._fd)  # as a crash leaves it
+        store._fd = -1
+        again = notesvc.VectorStore.open(tmp_path / "v")
+        assert again.find(1000) == late[0]  # found, not asked for again
+        for i in range(4):
+            again.drop(f"notes/n{i}.md")
+        assert again.dead() == 21
+        before = again.nearest(vectors[33])
+        again.compact()
+        assert again.dead() == 0
+        assert again.stats() == {"notes": 4, "chunks": 20}
+        assert again.nearest(vectors[33]) == before
+        assert len(list((tmp_path / "v").glob("vectors.*.bin"))) == 1
+        again.close()
+        reopened = notesvc.VectorStore.open(tmp_path / "v")
+        assert reopened.nearest(vectors[33]) == before
+        reopened.close()
+
+    @pytest.mark.parametrize(
+        ("title", "text", "chunks"),
+        [
+            ("T", "", ["T"]),
+            ("", "", []),
+            ("T", "---\nsecret: front matter\n---\nbody", ["T\n\nbody"]),
+            ("T", "# A\none\n## B\ntwo", ["T\nA\n\none", "T\nA › B\n\ntwo"]),
+            ("T", "```\ncode\n\n# not a heading\n```", ["T\n\n```\ncode\n\n# not a heading\n```"]),
+        ],
+    )
+    def test_chunks(self, title, text, chunks):
+        assert notesvc.chunk_note(title, text) == chunks
+
+    def test_long_text_is_cut_between_words_and_a_huge_note_is_capped(self):
+        words = [f"w{i}" for i in range(1000)]
+        chunks = notesvc.chunk_note("T", " ".join(words))
+        assert all(len(notesvc.chunk_body(c).split()) <= notesvc.CHUNK_MAX_WORDS for c in chunks)
+        assert " ".join(notesvc.chunk_body(c) for c in chunks).split() == words
+        huge = "\n\n".join("para " * 200 for _ in range(3000))
+        assert len(notesvc.chunk_note("T", huge)) == notesvc.MAX_NOTE_CHUNKS
+
+    @pytest.mark.parametrize(
+        "vec",
+        [[], [0.0, 0.0], [1.0, float("nan")], [float("inf"), 1.0], ["1", 2], [True, 1.0], "x"],
+    )
+    def test_bad_vectors_are_refused(self, vec):
+        with pytest.raises(notesvc.VectorError):
+            notesvc.normalised(vec)
+
+
+class TestEmbeddings:
+    """Hybrid search through an embeddings endpoint: the plumbing, with a stand-in model."""
+
+    @pytest.fixture
+    def meaning(self, make_app, embed_endpoint):
+        client = with_key(make_app(**embed_env(embed_endpoint)))
+        for path, text in MEANING_NOTES.items():
+            put_note(client, path, text)
+        all_embedded(client)
+        return client
+
+    def test_off_changes_nothing_and_removes_a_leftover_store(self, make_app, root):
+        leftover = root / ".notesvc" / "vectors"
+        leftover.mkdir(parents=True)
+        (leftover / "meta.json").write_text("{}")
+        client = with_key(make_app())
+        assert not leftover.exists()
+        svc = client.app.service
+        assert svc.embedder is None
+        assert not [t for t in threading.enumerate() if t.name == "notesvc-embed"]
+        put_note(client, "notes/a.md", "# Car\n\nrepair")
+        d = search(client, "car repair")
+        assert (d["mode"], d["fallback"]) == ("keyword", False)
+        assert "embeddings" not in d
+        assert data(client.get(f"{API}/system/info"))["embeddings"] is None
+        d = search(client, "car", mode="hybrid")  # asked for, but off: words, and it says so
+        assert (d["mode"], d["fallback"]) == ("keyword", True)
+
+    def test_settings_are_checked_at_start(self, root):
+        with pytest.raises(notesvc.ConfigError, match=r"SERVICE_EMBED_URL.*neither"):
+            notesvc.load_config(env=make_env(root, SERVICE_EMBED_URL="http://h/v1/chat?key=s3cr3t"))
+        with pytest.raises(notesvc.ConfigError) as refused:
+            notesvc.load_config(env=make_env(root, SERVICE_EMBED_URL="http://h/x?key=s3cr3t"))
+        assert "s3cr3t" not in str(refused.value)
+        with pytest.raises(notesvc.ConfigError, match="SERVICE_EMBED_MODEL"):
+            notesvc.load_config(env=make_env(root, SERVICE_EMBED_URL="http://h/api/embed"))
+        with pytest.raises(notesvc.ConfigError, match="SERVICE_EMBED_URL"):
+            notesvc.load_config(env=make_env(root, SERVICE_EMBED_URL="ftp://h/api/embed"))
+        cfg = notesvc.load_config(
+            env=make_env(root, SERVICE_EMBED_URL="https://h/v1/embeddings", SERVICE_EMBED_MODEL="m")
+        )
+        assert (cfg.embed_url, cfg.embed_model) == ("https://h/v1/embeddings", "m")
+
+    @pytest.mark.parametrize("kind", ["ollama", "openai"])
+    def test_both_wire_formats_find_a_note_by_meaning(self, make_app, embed_endpoint, kind):
+        client = with_key(make_app(**embed_env(embed_endpoint, kind, SERVICE_EMBED_KEY="sk-abc")))
+        for path, text in MEANING_NOTES.items():
+            put_note(client, path, text)
+        status = all_embedded(client)
+        assert status["model"] == "stand-in"
+        assert hits(client, "car repair", mode="keyword") == []  # no note has both words
+        d = search(client, "car repair")
+        assert (d["mode"], d["fallback"]) == ("hybrid", False)
+        assert d["results"][0]["path"] in ("notes/garage.md", "notes/work/car.md")
+        assert {"notes/garage.md", "notes/work/car.md"} <= {r["path"] for r in d["results"][:2]}
+        assert d["embeddings"] == {"embedded": 4, "total": 4, "model": "stand-in"}
+        sem = search(client, "car repair", mode="semantic")
+        assert sem["mode"] == "semantic"
+        assert sem["results"][0]["path"] in d["results"][0]["path"]
+        assert set(sem["results"][0]) == {"path", "title", "score", "snippet"}
+        assert {c[2] for c in embed_endpoint.calls} == {"Bearer sk-abc"}
+        assert {c[0] for c in embed_endpoint.calls} == {
+            urllib.parse.urlsplit(embed_endpoint.url(kind)).path
+        }
+        info = embedded(client)
+        assert info["dimensions"] == 48
+        assert info["lastError"] is None
+        assert re.fullmatch(r"[0-9a-f]{16}", info["fingerprint"])
+        config = data(client.get(f"{API}/system/config"))["search"]
+        assert config["embedKeySet"] is True
+        assert "sk-abc" not in json.dumps(config)
+
+    def test_snippet_comes_from_the_best_chunk(self, make_app, embed_endpoint):
+        client = with_key(make_app(**embed_env(embed_endpoint)))
+        body = "# Trip\n\n## Packing\n\nSocks, a jumper, the charger.\n\n## The puppy\n\n" + (
+            "The hound stays with the neighbours, who feed him at noon. " * 40
+        )
+        put_note(client, "notes/trip.md", body)
+        put_note(client, "notes/other.md", "# Other\n\nNothing about animals here at all.")
+        all_embedded(client)
+        top = search(client, "canine", mode="semantic")["results"][0]
+        assert top["path"] == "notes/trip.md"
+        assert "neighbours" in top["snippet"]
+        assert "Socks" not in top["snippet"]
+        assert len(top["snippet"]) <= 200
+
+    def test_batches_hold_at_most_64_chunks(self, make_app, embed_endpoint, root):
+        write_notes(root, {f"notes/n{i:03}.md": f"# Note {i}\n\nword{i} text" for i in range(150)})
+        client = with_key(make_app(**embed_env(embed_endpoint)))
+        assert all_embedded(client)["embedded"] == 150
+        sizes = [c[1] for c in embed_endpoint.calls]
+        assert max(sizes) == 64
+        assert sum(sizes) == 150 + 1
+
+    def test_an_edit_embeds_only_its_changed_chunk_and_a_move_nothing(
+        self, meaning, embed_endpoint
+    ):
+        client = meaning
+        long = "# Long\n\n" + "\n\n".join(
+            f"Paragraph {i}. " + "filler words here " * 60 for i in range(4)
+        )
+        put_note(client, "notes/long.md", long)
+        all_embedded(client)
+        before = len(embed_endpoint.inputs)
+        update(client, "notes/long.md", long.replace("Paragraph 3.", "Paragraph three."))
+        wait_for(lambda: len(embed_endpoint.inputs) > before)
+        all_embedded(client)
+        time.sleep(0.3)
+        assert len(embed_endpoint.inputs) - before == 1  # one chunk of four
+        before = len(embed_endpoint.inputs)
+        client.patch_json(note_url("notes/long.md") + "/move", {"path": "notes/work/long.md"})
+        client.patch_json(note_url("notes/garage.md") + "/move", {"path": "notes/cars/garage.md"})
+        all_embedded(client)
+        assert search(client, "car repair", mode="semantic")["results"][0]["path"].startswith(
+            ("notes/cars/garage.md", "notes/work/car.md")
+        )
+        time.sleep(0.3)
+        assert [x[:60] for x in embed_endpoint.inputs[before:] if x != "car repair"] == []
+
+    def test_a_deleted_note_leaves_the_results(self, meaning):
+        meaning.delete(note_url("notes/garage.md"))
+        wait_for(lambda: "notes/garage.md" not in hits(meaning, "car repair", mode="semantic"))
+        assert embedded(meaning)["total"] == 3
+
+    @pytest.mark.parametrize("how", ["500", "html", "nan", "count", "huge", "empty", "redirect"])
+    def test_a_failing_endpoint_never_fails_a_search(self, meaning, embed_endpoint, how):
+        embed_endpoint.how = how
+        d = search(meaning, "car repair")
+        assert (d["mode"], d["fallback"]) == ("keyword", True)
+        assert d["results"] == []  # the words alone: no note has both
+        assert search(meaning, "brake")["results"][0]["path"] == "notes/garage.md"
+        err = embedded(meaning)["lastError"]
+        assert err["class"] in ("http", "answer", "dimension")
+        assert len(err["message"].encode()) <= 200
+        if how in ("500", "redirect"):
+            assert err["status"] == int(how.replace("redirect", "307"))
+        # paused: the next searches do not ask the endpoint for 30 s
+        calls = len(embed_endpoint.calls)
+        search(meaning, "car repair")
+        assert len(embed_endpoint.calls) == calls
+
+    def test_a_slow_or_trickling_endpoint_costs_a_search_at_most_the_budget(
+        self, meaning, embed_endpoint
+    ):
+        for how in ("slow", "trickle"):
+            embed_endpoint.how = how
+            meaning.app.service.embedder._paused_until = 0
+            started = time.monotonic()
+            d = search(meaning, "car repair")
+            assert time.monotonic() - started < 2.5
+            assert (d["mode"], d["fallback"]) == ("keyword", True)
+            assert embedded(meaning)["lastError"]["class"] == "timeout"
+
+    def test_the_key_in_an_error_is_scrubbed(self, make_app, embed_endpoint, caplog):
+        env = embed_env(embed_endpoint, SERVICE_EMBED_KEY="sk-secret-123")
+        env["SERVICE_EMBED_URL"] = embed_endpoint.url("ollama", "?token=urltok42")
+        embed_endpoint.how = "500"
+        client = with_key(make_app(**env))
+        put_note(client, "notes/a.md", "# A\n\ntext")
+        err = wait_for(lambda: embedded(client)["lastError"])
+        assert err["status"] == 500
+        assert "model crashed" in err["message"]
+        assert "sk-secret-123" not in err["message"]
+        everything = json.dumps(data(client.get(f"{API}/system/info"))) + caplog.text
+        everything += json.dumps(data(client.get(f"{API}/system/config")))
+        assert "sk-secret-123" not in everything
+        assert "urltok42" not in everything
+
+    def test_phrase_and_prefix_stay_keyword_and_exclusions_apply(self, meaning):
+        for q in ('"brake pads"', "brak*"):
+            d = search(meaning, q)
+            assert (d["mode"], d["fallback"]) == ("keyword", True)
+            assert [r["path"] for r in d["results"]] == ["notes/garage.md"]
+        assert "notes/work/car.md" in hits(meaning, "car repair")
+        assert "notes/work/car.md" not in hits(meaning, "car repair -inspection")
+        assert "notes/work/car.md" not in hits(meaning, "car repair -inspection", mode="semantic")
+
+    def test_bad_mode_is_a_400(self, meaning):
+        resp = meaning.get(f"{API}/search", {"q": "car", "mode": "vibes"}, status=400)
+        assert_error(resp, 400, "VALIDATION_ERROR")
+
+    def test_a_folder_grant_finds_by_meaning_in_its_folder_only(self, meaning):
+        grant = new_grant(meaning, "read", folder="notes/work")
+        scoped = as_key(meaning, grant["key"])
+        for mode in ("semantic", "hybrid"):
+            found = hits(scoped, "car repair", mode=mode)
+            assert found
+            assert all(p.startswith("notes/work/") for p in found)
+        related = data(scoped.get(note_url("notes/work/car.md") + "/related"))["results"]
+        assert all(r["path"].startswith("notes/work/") for r in related)
+        scoped.get(note_url("notes/garage.md") + "/related", status=404)
+
+    def test_related_notes(self, meaning):
+        d = data(meaning.get(note_url("notes/garage.md") + "/related", {"limit": 2}))
+        assert d["path"] == "notes/garage.md"
+        assert len(d["results"]) == 2
+        assert d["results"][0]["path"] == "notes/work/car.md"
+        assert set(d["results"][0]) == {"path", "title", "score"}
+        assert_error(
+            meaning.get(note_url("notes/nope.md") + "/related", status=404), 404, "NOT_FOUND"
+        )
+        meaning.get(note_url("notes/garage.md") + "/related", {"limit": 0}, status=400)
+        meaning.get(note_url("notes/garage.md") + "/related", {"limit": "x"}, status=400)
+
+    def test_related_is_empty_while_embeddings_are_off(self, client):
+        put_note(client, "notes/a.md", "# A\n\ntext")
+        assert data(client.get(note_url("notes/a.md") + "/related"))["results"] == []
+
+    def test_mcp_search_takes_a_mode_and_related_notes_is_a_tool(self, meaning):
+        found = ok_tool(meaning, "search_notes", query="car repair", mode="semantic")
+        assert found["mode"] == "semantic"
+        assert found["results"][0]["path"] in (
+            "notes/garage.md",
+            "notes/work/car.md",
+        )
+        assert ok_tool(meaning, "search_notes", query="car repair", mode="keyword")["results"] == []
+        near = ok_tool(meaning, "related_notes", path="notes/garage.md", limit=1)
+        assert near["results"][0]["path"] == "notes/work/car.md"
+        bad = call_tool(meaning, "search_notes", query="car", mode="vibes")
+        assert bad["isError"] is True
+
+    def test_the_agent_retrieves_by_meaning(self, meaning):
+        found = notesvc.retrieve(meaning.app.service, "how do I mend my automobile?", None)
+        assert found
+        assert found[0][0] in ("notes/garage.md", "notes/work/car.md")
+
+    def test_a_new_dimension_rebuilds_in_the_background_while_search_answers(
+        self, meaning, embed_endpoint
+    ):
+        svc = meaning.app.service
+        old = embedded(meaning)["fingerprint"]
+        embed_endpoint.dim = 32
+        svc.embedder._paused_until = 0
+        d = search(meaning, "car repair")  # the query's vector no longer fits: keyword
+        assert (d["mode"], d["fallback"]) == ("keyword", True)
+        svc.embedder.look_again()
+        info = wait_for(
+            lambda: (lambda e: e["dimensions"] == 32 and e["embedded"] == 4 and e)(
+                embedded(meaning)
+            )
+        )
+        assert info["fingerprint"] != old
+        svc.embedder._paused_until = 0
+        assert search(meaning, "car repair")["mode"] == "hybrid"
+
+    def test_a_torn_tail_is_cut_and_embedded_again(self, make_app, embed_endpoint, root):
+        client = with_key(make_app(**embed_env(embed_endpoint)))
+        for path, text in MEANING_NOTES.items():
+            put_note(client, path, text)
+        all_embedded(client)
+        client.app.service.close()
+        folder = root / ".notesvc" / "vectors"
+        (vec,) = folder.glob("vectors.*.bin")
+        size = vec.stat().st_size
+        with open(vec, "r+b") as f:
+            f.truncate(size - 7)  # the last record torn
+        again = with_key(make_app(**embed_env(embed_endpoint)))
+        calls = len(embed_endpoint.inputs)
+        assert all_embedded(again)["embedded"] == 4
+        assert 1 <= len(embed_endpoint.inputs) - calls <= 2  # the probe and the torn chunk
+        assert search(again, "car repair", mode="semantic")["results"]
+
+    @pytest.mark.slow
+    def test_a_huge_note_and_many_notes_at_once(self, make_app, embed_endpoint, root):
+        words = " ".join(f"w{i % 5000}" for i in range(900_000))  # ~5 MB
+        write_notes(root, {"notes/huge.md": "# Huge\n\n" + words})
+        write_notes(root, {f"notes/m/{i}.md": f"# M {i}\n\nmend car {i}" for i in range(2000)})
+        client = with_key(make_app(**embed_env(embed_endpoint)))
+        assert all_embedded(client)["embedded"] == 2001
+        assert max(c[1] for c in embed_endpoint.calls) <= 64
+        assert search(client, "repair automobile", mode="semantic")["results"]
+
+
+class TestEmbeddingsServer:
+    """Embeddings in the real `python notesvc.py`: restart, a new model, the endpoint down,
+    folder grants."""
+
+    pytestmark = [pytest.mark.real_server, pytest.mark.slow]
+
+    @staticmethod
+    def status(server: Server, owner: dict) -> dict:
+        return server.request("GET", f"{API}/system/info", None, owner)[2]["data"]["embeddings"]
+
+    def wait_embedded(self, server: Server, owner: dict, total: int) -> dict:
+        def done():
+            e = self.status(server, owner)
+            return e["embedded"] == e["total"] == total and e
+
+        return wait_for(done, timeout=30)
+
+    @staticmethod
+    def found(server: Server, headers: dict, q: str, mode: str = "") -> tuple:
+        query = urllib.parse.urlencode({"q": q, **({"mode": mode} if mode else {})})
+        d = server.request("GET", f"{API}/search?{query}", None, headers)[2]["data"]
+        return d["mode"], d["fallback"], [r["path"] for r in d["results"]]
+
+    def test_a_restart_resumes_and_a_new_model_rebuilds(self, tmp_path, embed_endpoint):
+        write_notes(tmp_path, MEANING_NOTES)
+        owner = {"X-Service-Key": make_state(tmp_path)["apiKey"]}
+        env = embed_env(embed_endpoint)
+        with running(tmp_path, env=env) as server:
+            first = self.wait_embedded(server, owner, 4)
+            assert self.found(server, owner, "car repair")[0] == "hybrid"
+        asked = len(embed_endpoint.inputs)
+        write_notes(tmp_path, {"notes/new.md": "# Canine\n\nA hound."})  # while it was down
+        with running(tmp_path, env={**env, "SERVICE_RESCAN_SECONDS": "60"}) as server:
+            again = self.wait_embedded(server, owner, 5)
+            time.sleep(0.5)
+            # the probe, then the one new note: nothing embedded twice
+            assert embed_endpoint.inputs[asked:] == [notesvc.PROBE, "Canine\n\nA hound."]
+            assert again["fingerprint"] == first["fingerprint"]
+            assert self.found(server, owner, "puppy", "semantic")[2][0] in (
+                "notes/new.md",
+                "notes/pets.md",
+            )
+        with running(tmp_path, env={**env, "SERVICE_EMBED_MODEL": "another"}) as server:
+            other = self.wait_embedded(server, owner, 5)
+            assert other["fingerprint"] != first["fingerprint"]
+            assert other["model"] == "another"
+        assert len(list((tmp_path / ".notesvc" / "vectors").glob("vectors.*.bin"))) == 1
+
+    def test_the_endpoint_down_at_start_then_up(self, tmp_path):
+        write_notes(tmp_path, MEANING_NOTES)
+        owner = {"X-Service-Key": make_state(tmp_path)["apiKey"]}
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            port = s.getsockname()[1]
+        env = {
+            "SERVICE_EMBED_URL": f"http://127.0.0.1:{port}/api/embed",
+            "SERVICE_EMBED_MODEL": "stand-in",
+            "SERVICE_EMBED_KEY": "sk-never-logged-77",
+        }
+        with running(tmp_path, env=env) as server:
+            err = wait_for(lambda: self.status(server, owner)["lastError"], timeout=20)
+            assert err["class"] == "connection"
+            mode, fallback, paths = self.found(server, owner, "brake")
+            assert (mode, fallback, paths) == ("keyword", True, ["notes/garage.md"])
+            assert self.status(server, owner)["embedded"] == 0
+        assert "sk-never-logged-77" not in "".join(server.lines)
+
+    def test_a_real_small_model_finds_notes_by_meaning(self, tmp_path):
+        for module in ("numpy", "safetensors", "tokenizers", "all_minilm_l6_v2"):
+            pytest.importorskip(module)
+        spec = importlib.util.spec_from_file_location("minilm", HERE / "bench" / "minilm.py")
+        minilm = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(minilm)
+        model = minilm.serve(minilm.MiniLM.load())
+        notes = {
+            **MEANING_NOTES,
+            "notes/garden.md": "# Tomatoes\n\nWater the seedlings every morning in June.",
+            "notes/flight.md": "# Trip to Lisbon\n\nBoarding at 7:40, gate B12, seat 14C.",
+        }
+        write_notes(tmp_path, notes)
+        owner = {"X-Service-Key": make_state(tmp_path)["apiKey"]}
+        url = f"http://127.0.0.1:{model.server_address[1]}/v1/embeddings"
+        env = {"SERVICE_EMBED_URL": url, "SERVICE_EMBED_MODEL": "all-minilm"}
+        try:
+            with running(tmp_path, env=env) as server:
+                info = self.wait_embedded(server, owner, 6)
+                assert info["dimensions"] == 384
+                for q, want in [
+                    ("car repair", {"notes/garage.md", "notes/work/car.md"}),
+                    ("looking after my dog", {"notes/pets.md"}),
+                    ("growing vegetables", {"notes/garden.md"}),
+                    ("airplane travel", {"notes/flight.md"}),
+                ]:
+                    mode, fallback, paths = self.found(server, owner, q, "semantic")
+                    assert (mode, fallback) == ("semantic", False)
+                    assert paths[0] in want, (q, paths)
+                assert self.found(server, owner, "car repair", "keyword")[2] == []
+                assert self.found(server, owner, "car repair")[2][0] in {
+                    "notes/garage.md",
+                    "notes/work/car.md",
+                }
+        finally:
+            model.shutdown()
+            model.server_close()
+
+    def test_a_folder_grant_sees_its_folder_only(self, tmp_path, embed_endpoint):
+        write_notes(tmp_path, MEANING_NOTES)
+        owner = {"X-Service-Key": make_state(tmp_path)["apiKey"]}
+        with running(tmp_path, env=embed_env(embed_endpoint)) as server:
+            self.wait_embedded(server, owner, 4)
+            grant = {"name": "work", "scope": "read", "folder": "notes/work"}
+            made = server.request("POST", f"{API}/auth/keys", grant, owner)[2]["data"]
+            work = {"X-Service-Key": made["key"]}
+            for mode in ("hybrid", "semantic"):
+                paths = self.found(server, work, "car repair", mode)[2]
+                assert paths == ["notes/work/car.md"] or set(paths) <= {
+                    "notes/work/car.md",
+                    "notes/work/budget.md",
+                }
+                assert "notes/garage.md" in self.found(server, owner, "car repair", mode)[2]
+            url = note_url("notes/garage.md") + "/related"
+            assert server.request("GET", url, None, work)[0] == 404
 
 
 def make_ref_notes(rnd: random.Random, n: int, start: int = 0) -> dict:
@@ -11425,10 +12113,19 @@ class TestTools:
             ({"query": "keys", "limit": 51}, "'limit' must be from 1 to 50"),
             ({"query": "keys", "folder": "../etc"}, "must start with notes/"),
             ({"query": ["keys"]}, "'query' must be a string"),
+            ({"query": "keys", "mode": "vibes"}, "'mode' must be one of"),
         ],
     )
     def test_tool_search_notes_explains_a_bad_query(self, tools, arguments, says):
         assert says in tool_refused(tools, "search_notes", "VALIDATION_ERROR", **arguments)
+
+    def test_tool_related_notes_is_empty_while_embeddings_are_off(self, tools):
+        found = ok_tool(tools, "related_notes", path="notes/home/keys.md")
+        assert found == {"path": "notes/home/keys.md", "results": []}
+        text = call_tool(tools, "related_notes", path="notes/home/keys.md")["content"][0]["text"]
+        assert "embeddings are off" in text
+        tool_refused(tools, "related_notes", "NOT_FOUND", path="notes/nope.md")
+        tool_refused(tools, "related_notes", "VALIDATION_ERROR", path="../etc/passwd")
 
     def test_tool_read_note_gives_the_record_and_pages(self, tools):
         note = ok_tool(tools, "read_note", path="notes/home/keys.md")

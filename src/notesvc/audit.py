@@ -538,6 +538,16 @@ def check_plain_http_upstreams(svc: Service) -> list:
                 "Use an https:// SERVICE_AGENT_BASE_URL or a model on this machine.",
             )
         )
+    if _off_loopback_http(cfg.embed_url):
+        out.append(
+            finding(
+                "embed-plain-http",
+                "high" if cfg.embed_key else "medium",
+                "The embeddings endpoint is plain HTTP",
+                "Every note's text, every search (and the embeddings key) travel unencrypted.",
+                "Use an https:// SERVICE_EMBED_URL or run the model on this machine.",
+            )
+        )
     return out
 
 

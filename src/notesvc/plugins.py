@@ -29,6 +29,7 @@ from notesvc.providers.agent import AGENT_PROVIDERS
 from notesvc.providers.base import TOOLS, collecting_registrations
 from notesvc.providers.capture import local_now
 from notesvc.providers.channels import CHANNEL_PROVIDERS
+from notesvc.providers.embed import build_embedder
 from notesvc.providers.polling import ChannelPollers
 from notesvc.providers.reminders import ReminderScheduler
 from notesvc.service import Service, plugins_dir
@@ -141,6 +142,7 @@ def build_service(config: Config, readonly: bool = False) -> Service:
     svc = Service(config, plugins, *provider_registries(plugins), readonly=readonly)
     svc.pollers = ChannelPollers(svc)
     svc.reminders = ReminderScheduler(svc)
+    svc.embedder = build_embedder(svc)
     return svc
 
 

@@ -217,6 +217,7 @@ class Service:
         # Background components of later sections, composed by build_service():
         self.pollers: Any = None  # ChannelPollers: a thread per channel in polling mode
         self.reminders: Any = None  # ReminderScheduler: ⏰ lines sent through the channels
+        self.embedder: Any = None  # Embedder: the notes' vectors, when embeddings are on
 
     def saved_by(self) -> str | None:
         """Return the name of the grant the current request acts for (a device's or a
@@ -252,7 +253,7 @@ class Service:
         self._spawn(lambda: expire_loop(self.notes, self.trash, self._stop), "notesvc-expire")
         if self.config.rescan_seconds:  # its first check runs at once: searches need not wait
             self._spawn(self._rescan_loop, "notesvc-rescan")
-        for component in (self.pollers, self.reminders):
+        for component in (self.pollers, self.reminders, self.embedder):
             if component is not None:
                 component.start()
         return self
@@ -309,8 +310,10 @@ class Service:
         """Bring the index in line with the files; what other programs changed goes into the
         history and the change feed on the way, and the reminders look again."""
         found = self.index.sync(self.notes, observe=self.notes.observe)
-        if (found["read"] or found["removed"]) and self.reminders is not None:
-            self.reminders.look_again()
+        if found["read"] or found["removed"]:
+            for component in (self.reminders, self.embedder):
+                if component is not None:
+                    component.look_again()
         return found
 
     def _rescan_loop(self) -> None:
@@ -335,7 +338,7 @@ class Service:
     def close(self) -> None:
         """Stop background work and persist the index (once; a read-only service has none)."""
         self._stop.set()
-        for component in (self.pollers, self.reminders):
+        for component in (self.pollers, self.reminders, self.embedder):
             if component is not None:
                 component.close()
         self.journal.close()  # long-polls answer now

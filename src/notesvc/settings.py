@@ -111,6 +111,24 @@ def _url(raw: str) -> str:
     return raw
 
 
+def _embed_url(raw: str) -> str:
+    """Parse SERVICE_EMBED_URL: Ollama's .../api/embed or an OpenAI-compatible
+    .../embeddings, told apart by the path (the message never repeats a query string: it
+    may hold a key)."""
+    raw = raw.strip().rstrip("/")
+    if not raw:
+        return ""
+    parts = urllib.parse.urlsplit(raw)
+    if parts.scheme not in ("http", "https") or not parts.netloc:
+        raise ValueError("it is not an http(s) URL")
+    if not (parts.path.endswith("/api/embed") or parts.path.endswith("/embeddings")):
+        raise ValueError(
+            f"the path {parts.path or '/'!r} is neither Ollama's /api/embed nor an "
+            "OpenAI-compatible /v1/embeddings"
+        )
+    return raw
+
+
 def _domain(raw: str) -> str:
     """Parse a DNS name (SERVICE_RELAY_DOMAIN): lower-case labels, at least two of them."""
     name = raw.strip().lower().rstrip(".")
@@ -257,6 +275,9 @@ SETTINGS = (
         _int_range(1, 20),
         "model calls per question in the agent's tool loop",
     ),
+    Setting("embed_url", "SERVICE_EMBED_URL", "--embed-url", "", _embed_url, "embeddings URL"),
+    Setting("embed_model", "SERVICE_EMBED_MODEL", "--embed-model", "", _text, "embeddings model"),
+    Setting("embed_key", "SERVICE_EMBED_KEY", "", "", _text, "embeddings API key (a secret)"),
     Setting("agent_write", "SERVICE_AGENT_WRITE", "", "false", _bool, "the agent may change notes"),
     Setting("mcp_write", "SERVICE_MCP_WRITE", "", "false", _bool, "MCP clients may change notes"),
     Setting(
@@ -520,6 +541,9 @@ class Config:
     agent_base_url: str
     agent_model: str
     agent_api_key: str
+    embed_url: str
+    embed_model: str
+    embed_key: str
     agent_timeout: float
     agent_max_steps: int
     agent_write: bool
@@ -583,6 +607,8 @@ def load_config(env: Mapping[str, str] | None = None, **flags: Any) -> Config:
             raise ConfigError(f"{source}: {e}") from None
     if values["auth_mode"] == "jwt" and len(values["jwt_secret"].encode()) < 32:
         raise ConfigError("SERVICE_JWT_SECRET: jwt mode needs a secret of at least 32 bytes")
+    if values["embed_url"] and not values["embed_model"]:
+        raise ConfigError("SERVICE_EMBED_MODEL: SERVICE_EMBED_URL is set: name its model too")
     if values["max_waiters"] < 0:
         values["max_waiters"] = values["threads"] // 2
     if values["max_waiters"] >= values["threads"]:

@@ -6,12 +6,13 @@ import datetime as dt
 import urllib.parse
 
 from notesvc.boot import API, bottle
-from notesvc.errors import ApiError, bad_request
+from notesvc.errors import ApiError, bad_request, not_found
 from notesvc.grants import granted_tree, request_principal, visible_folder, visible_note
 from notesvc.helpers import iso
 from notesvc.notes.paths import MAX_PATH_CHARS, NOTES, note_title
 from notesvc.plugins import list_tags, move_and_relink
 from notesvc.providers.base import tool
+from notesvc.providers.embed import find_notes, related_notes
 from notesvc.search.text import MAX_QUERY_CHARS, Query
 from notesvc.service import Service
 
@@ -68,23 +69,57 @@ def _hit_lines(data: dict) -> str:
 
 @tool(
     "search_notes",
-    "Search the user's notes (full text, best match first). Returns each hit's path, title "
-    "and a snippet; open a note with read_note.",
+    "Search the user's notes, best match first: by words and, when embeddings are on, by "
+    "meaning (mode hybrid, the default then; semantic; keyword). Returns each hit's path, "
+    "title and a snippet; open a note with read_note.",
     {
         "query": _QUERY_ARG,
         "limit": {"type": "integer", "minimum": 1, "maximum": 50, "default": 10},
         "folder": {**_FOLDER_ARG, "description": "search only this folder (and below)"},
+        "mode": {
+            "type": "string",
+            "enum": ["hybrid", "semantic", "keyword"],
+            "description": "hybrid (default when embeddings are on), semantic or keyword",
+        },
     },
     ("query",),
     title="Search notes",
     text=_hit_lines,
 )
-def tool_search_notes(svc: Service, query: str, limit: int = 10, folder: str = "") -> dict:
+def tool_search_notes(
+    svc: Service, query: str, limit: int = 10, folder: str = "", mode: str = ""
+) -> dict:
     parsed = Query(query)
     folder = visible_folder(svc, folder or NOTES)  # a folder grant's by default
-    total, hits = svc.index.search(parsed, "" if folder == NOTES else folder, limit, 0)
-    results = [{"path": p, "title": t, "snippet": sn, "score": sc} for p, t, sc, sn in hits]
-    return {"results": results, "total": total}
+    found = find_notes(svc, parsed, "" if folder == NOTES else folder, limit, 0, mode)
+    results = [
+        {"path": p, "title": t, "snippet": sn, "score": sc} for p, t, sc, sn in found["results"]
+    ]
+    return {"results": results, "total": found["total"], "mode": found["mode"]}
+
+
+def _related_lines(data: dict) -> str:
+    lines = [f"{r['path']} — {r['title']}" for r in data["results"]]
+    return "\n".join(lines) or "No related note (embeddings are off or not ready)."
+
+
+@tool(
+    "related_notes",
+    "Notes near one note in meaning (needs embeddings on the server; else empty).",
+    {
+        "path": _PATH_ARG,
+        "limit": {"type": "integer", "minimum": 1, "maximum": 50, "default": 10},
+    },
+    ("path",),
+    title="Related notes",
+    text=_related_lines,
+)
+def tool_related_notes(svc: Service, path: str, limit: int = 10) -> dict:
+    path = visible_note(svc.notes, path)
+    if not svc.notes.exists(path):
+        raise not_found(f"no note at {path}")
+    near = related_notes(svc, path, request_principal().folder, limit)
+    return {"path": path, "results": [{"path": p, "title": t, "score": s} for p, t, s in near]}
 
 
 def _note_text(data: dict) -> str:
@@ -355,7 +390,7 @@ def tool_delete_note(svc: Service, path: str, etag: str | None = None) -> dict:
 )
 def tool_search(svc: Service, query: str) -> dict:
     folder = request_principal().folder  # a folder grant searches its folder
-    _, hits = svc.index.search(Query(query), folder, 10, 0)
+    hits = find_notes(svc, Query(query), folder, 10, 0)["results"]
     return {"results": [{"id": p, "title": t, "url": note_url(svc, p)} for p, t, _, _ in hits]}
 
 

@@ -55,6 +55,7 @@ from notesvc.notes.trash import attachment_or_note_path
 from notesvc.plugins import attachment_linkers, move_and_relink, update_links
 from notesvc.providers.agent import ask_agent
 from notesvc.providers.base import MAX_MESSAGE_CHARS, MCP_VERSIONS
+from notesvc.providers.embed import find_notes, related_notes
 from notesvc.relay import RELAY_WORKERS
 from notesvc.search.text import MAX_QUERY_CHARS, Query
 from notesvc.service import Service
@@ -201,6 +202,7 @@ def get_info(svc: Service) -> dict:
             "waiting": svc.journal.waiting(),
         },
         "index": {**svc.index.stats(), "lastSync": svc.last_sync},
+        "embeddings": svc.embedder.info() if svc.embedder is not None else None,
         "connection": svc.relay_client.status()
         if svc.relay_client
         else {
@@ -273,7 +275,13 @@ def get_config(svc: Service) -> dict:
             "write": cfg.agent_write,
         },
         "mcp": {"path": f"{API}/mcp", "write": cfg.mcp_write, "protocolVersions": MCP_VERSIONS},
-        "search": {"engine": "notesvc-bm25", "maxQueryLength": MAX_QUERY_CHARS},
+        "search": {
+            "engine": "notesvc-bm25",
+            "maxQueryLength": MAX_QUERY_CHARS,
+            "embedUrl": _redact_url(cfg.embed_url),
+            "embedModel": cfg.embed_model,
+            "embedKeySet": bool(cfg.embed_key),
+        },
         "sync": {
             "rescanSeconds": cfg.rescan_seconds,
             "notesRoot": "notes/",
@@ -839,16 +847,32 @@ def search_notes(svc: Service) -> dict:
     folder = "" if folder == NOTES else folder
     limit = query_int("limit", 20, 1, 100)
     offset = query_int("offset", 0, 0, 10000)
-    total, hits = svc.index.search(query, folder, limit, offset)
-    results = [{"path": p, "title": t, "score": sc, "snippet": sn} for p, t, sc, sn in hits]
-    return {
+    found = find_notes(svc, query, folder, limit, offset, query_str("mode"))
+    results = [
+        {"path": p, "title": t, "score": sc, "snippet": sn} for p, t, sc, sn in found["results"]
+    ]
+    answer = {
         "query": query.text,
-        "total": total,
+        "total": found["total"],
         "limit": limit,
         "offset": offset,
         "results": results,
-        "tookMs": round((time.perf_counter() - started) * 1000, 3),
+        "mode": found["mode"],
+        "fallback": found["fallback"],
     }
+    if svc.embedder is not None:
+        answer["embeddings"] = svc.embedder.status()
+    answer["tookMs"] = round((time.perf_counter() - started) * 1000, 3)
+    return answer
+
+
+def note_related(svc: Service, path: str) -> dict:
+    path = visible_note(svc.notes, path)
+    if not svc.notes.exists(path):
+        raise not_found(f"no note at {path}")
+    limit = query_int("limit", 10, 1, 50)
+    near = related_notes(svc, path, request_principal().folder, limit)
+    return {"path": path, "results": [{"path": p, "title": t, "score": s} for p, t, s in near]}
 
 
 # -- agent ---------------------------------------------------------------------------------

@@ -39,6 +39,7 @@ from notesvc.http.api import (
     merge_note,
     move_attachment,
     move_note,
+    note_related,
     post_attachment,
     purge_trash_item,
     put_attachment,
@@ -307,6 +308,15 @@ ROUTES = (
     # before GET /notes/<path:path>, which would take ".../versions" as part of a path
     Route(
         "GET",
+        "/notes/<path:path>/related",
+        note_related,
+        summary="Notes near this one in meaning (empty while embeddings are off)",
+        params={"path": NOTE_PATH_PARAM, "limit": _int(1, 50, 10)},
+        tag="search",
+        scope="read",
+    ),
+    Route(
+        "GET",
         "/notes/<path:path>/versions",
         list_versions,
         summary="A note's versions, newest first (also of a deleted note)",
@@ -430,6 +440,12 @@ ROUTES = (
             "limit": _int(1, 100, 20),
             "offset": _int(0, 10000, 0),
             "folder": _FOLDER_PATH,
+            "mode": {
+                "type": "string",
+                "enum": ["hybrid", "semantic", "keyword"],
+                "description": "hybrid (the default when embeddings are on), semantic, or "
+                "keyword (the default otherwise); phrases and prefix* stay keyword",
+            },
         },
         tag="search",
         scope="read",

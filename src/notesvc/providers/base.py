@@ -73,8 +73,21 @@ class UpstreamError(Exception):
         return ApiError(502, "UPSTREAM_ERROR", f"{what} failed: {self}")
 
 
+def _no_redirects() -> Any:
+    """Return a urllib opener that follows no redirect: a 3xx is an HTTPError (urllib would
+    send the Authorization header on to wherever the 3xx points)."""
+    import urllib.request
+
+    class Refuse(urllib.request.HTTPRedirectHandler):
+        def redirect_request(self, *args: Any, **kwargs: Any) -> None:
+            return None
+
+    return urllib.request.build_opener(Refuse)
+
+
 def post_json(url: str, body: dict, headers: dict | None = None, timeout: float = 30) -> dict:
-    """POST body as JSON and return the JSON answer; UpstreamError on any failure.
+    """POST body as JSON and return the JSON answer; UpstreamError on any failure (a
+    redirect included: never followed).
 
     Messages never include the URL (it may carry a bot token) or the headers.
     """
@@ -87,7 +100,7 @@ def post_json(url: str, body: dict, headers: dict | None = None, timeout: float 
         url, data, {"Content-Type": "application/json", **(headers or {})}, method="POST"
     )
     try:
-        with urllib.request.urlopen(req, timeout=timeout) as resp:
+        with _no_redirects().open(req, timeout=timeout) as resp:
             raw = resp.read(4 << 20)
     except urllib.error.HTTPError as e:
         e.close()  # it holds the response (and its socket) open
@@ -350,6 +363,8 @@ def retrieve(
         hits = _hits_in_folder(svc, question, folder, limit)
     else:
         hits = index.search_any(list(weights), limit)  # the passages are cut without the lock
+    if svc.embedder is not None:  # and by meaning: the two rankings fused
+        hits = svc.embedder.fuse_hits(question, folder, hits, limit)
     found = [(p, title, best_passages(weights, text)) for p, title, text, _ in hits if p != note]
     if note:
         rec = svc.notes.get(note)

@@ -67,6 +67,9 @@ from notesvc.search.segments import (
     _exact_tf,
     _has,
     _Vocab,
+    phrase_docs,
+    query_needles,
+    word_docs,
 )
 from notesvc.search.text import MAX_PREFIX_TERMS, Query, _snippet, bm25_idf, bm25_weight
 
@@ -909,55 +912,8 @@ class SearchIndex:
         kind, stems = alt
         ks = [keys[s][si] for s in stems]
         if kind == "phrase":
-            return set() if None in ks else self._phrase_docs(seg, ks, within)
-        return self._word_docs(seg, ks, within)
-
-    @staticmethod
-    def _phrase_docs(seg, ks: list, within: set | None) -> set:
-        """Return the notes of a segment holding the words of keys ks in a row, in the body
-        or the title (among `within`)."""
-        found: set = set()
-        chars = list(map(seg.char, ks))
-        for f in (0, 1):
-            lists = [seg.postings(k, f) for k in ks]
-            if not all(lists):
-                continue
-            lists = sorted((p[0] for p in lists), key=len)
-            pairs = seg.pair_ids(ks, f)
-            if pairs is not None and (len(ks) == 2 or len(min(pairs, key=len)) < len(lists[0])):
-                lists = [min(pairs, key=len)]  # common words: the notes holding a pair
-            cands = lists[0]
-            if within is not None:  # (the notes of the clauses before)
-                if len(cands) > 4 * len(within):
-                    cands = [d for d in within if _has(cands, d) >= 0]
-                else:
-                    cands = within.intersection(cands)
-            elif len(lists) > 1 and len(lists[1]) <= 16 * len(cands):  # holding both terms
-                cands = set(cands).intersection(lists[1])
-            exact = len(ks) == 2 and pairs is not None  # a pair's list is the phrase's
-            found.update(cands if exact else seg.phrase(cands, chars, f))
-        return found
-
-    @staticmethod
-    def _word_docs(seg, ks: list, within: set | None) -> set:
-        """Return the notes of a segment holding any of the keys ks (None: a word it lacks),
-        in the body or the title (among `within`)."""
-        found: set = set()
-        for k in ks:
-            if k is None:
-                continue
-            for f in (0, 1):
-                p = seg.postings(k, f)
-                if not p:
-                    continue
-                ids = p[0]
-                if within is None:
-                    found.update(ids)
-                elif len(ids) > 4 * len(within):
-                    found.update(d for d in within if _has(ids, d) >= 0)
-                else:
-                    found.update(within.intersection(ids))
-        return found
+            return set() if None in ks else phrase_docs(seg, ks, within)
+        return word_docs(seg, ks, within)
 
     @staticmethod
     def _estimate(seg, si: int, clause: list, keys: dict) -> int:
@@ -1097,8 +1053,11 @@ class SearchIndex:
             ranked.sort(key=lambda x: (-x[0], x[1]))
             return ranked[:k]
 
-    def search(self, query: Query, folder: str = "", limit: int = 20, offset: int = 0) -> tuple:
-        """Return (total, [(path, title, score, snippet)]) best first."""
+    def search(
+        self, query: Query, folder: str = "", limit: int = 20, offset: int = 0, snippets=True
+    ) -> tuple:
+        """Return (total, [(path, title, score, snippet)]) best first (snippets "" when
+        not asked for)."""
         prefix = folder.rstrip("/") + "/" if folder else ""
         with self._lock:
             segs = self._all()
@@ -1108,32 +1067,63 @@ class SearchIndex:
             matches, keys = self._matches(segs, n, avg, clauses, excludes, prefix)
             total = sum(mt.total for mt in matches)
             ranked = self._rank(matches, offset + limit, avg, self._weight)[offset:]
-            needles: dict = {}
-            hits = []
-            for score, path, seg, d in ranked:
-                if seg not in needles:
-                    needles[seg] = self._needles(seg, segs.index(seg), clauses, keys, query.typed)
-                hits.append((path, seg.title(d), round(score, 4), seg.toks(d, 0), needles[seg]))
+            if not snippets:
+                return total, [
+                    (path, seg.title(d), round(sc, 4), "") for sc, path, seg, d in ranked
+                ]
+            hits = self._snippet_parts(
+                segs, [(sc, p, seg, d) for sc, p, seg, d in ranked], clauses, keys, query
+            )
         return total, [(p, t, s, self._snippet(p, toks, nd)) for p, t, s, toks, nd in hits]
 
-    @staticmethod
-    def _needles(seg, si: int, clauses: list, keys: dict, typed: dict) -> dict:
-        """Return the query's term strings in a segment, phrases and rarest words first,
-        each with the word as typed ("" for a phrase or a prefix)."""
-        found = []
-        for kind, stems in (alt for clause in clauses for alt in clause):
-            groups = [[s] for s in stems[:8]] if kind == "prefix" else [stems]
-            for group in groups:
-                ks = [keys[s][si] for s in group]
-                if None not in ks:
-                    p = seg.postings(ks[0], 0)
-                    word = typed.get(group[0], "") if kind == "word" else ""
-                    found.append(("".join(map(seg.char, ks)), len(p[0]) if p else 0, word))
-        found.sort(key=lambda x: (-len(x[0]), x[1]))
+    def _snippet_parts(self, segs: list, ranked: list, clauses: list, keys: dict, query) -> list:
         needles: dict = {}
-        for needle, _, word in found:
-            needles.setdefault(needle, word)
-        return needles
+        hits = []
+        for score, path, seg, d in ranked:
+            if seg not in needles:
+                needles[seg] = query_needles(seg, segs.index(seg), clauses, keys, query.typed)
+            hits.append((path, seg.title(d), round(score, 4), seg.toks(d, 0), needles[seg]))
+        return hits
+
+    def snippets(self, query: Query, paths: list) -> dict:
+        """Return {path: snippet} of the query's words in notes (hybrid search's hits that
+        came from the words)."""
+        with self._lock:
+            segs = self._all()
+            n = self._count(segs)
+            clauses = [[self._resolve(segs, n, alt) for alt in c] for c in query.clauses]
+            stems = sorted({s for clause in clauses for _, ss in clause for s in ss})
+            keys, _, _ = self._terms(segs, n, stems)
+            found = [(0.0, p, *self._locate(p)) for p in paths if self._locate(p) is not None]
+            hits = self._snippet_parts(segs, found, clauses, keys, query)
+        return {p: self._snippet(p, toks, nd) for p, _, _, toks, nd in hits}
+
+    def excluded(self, excludes: list, paths: list) -> set:
+        """Return the paths among `paths` holding any of a query's -exclusions."""
+        out: set = set()
+        with self._lock:
+            segs = self._all()
+            n = self._count(segs)
+            alts = [self._resolve(segs, n, alt) for alt in excludes]
+            keys, _, _ = self._terms(segs, n, sorted({s for _, ss in alts for s in ss}))
+            for path in paths:
+                found = self._locate(path)
+                if found is not None:
+                    seg, d = found
+                    si = segs.index(seg)
+                    if any(self._alt_docs(seg, si, alt, keys, {d}) for alt in alts):
+                        out.add(path)
+        return out
+
+    def note_key(self, path: str) -> int | None:
+        """Return a note's key as note_keys() gives it (None: unknown or changed just now)."""
+        with self._lock:
+            found = self._locate(path)
+        if found is None:
+            return None
+        sig = found[0].sig(found[1])
+        settled = time.time_ns() - int(ReadCache.RACY_SECONDS * 1e9)
+        return _note_key(path, sig) if sig[1] < settled else None
 
     def _snippet(self, path: str, toks: str, needles: dict) -> str:
         text = self._read(path)

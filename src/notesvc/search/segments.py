@@ -394,3 +394,72 @@ class MemorySegment:
     def by_path(self) -> list:
         docs = self.docs
         return sorted(range(len(docs)), key=lambda d: docs[d].path)
+
+
+# -- what a query finds in a segment ----------------------------------------------
+
+
+def phrase_docs(seg, ks: list, within: set | None) -> set:
+    """Return the notes of a segment holding the words of keys ks in a row, in the body
+    or the title (among `within`)."""
+    found: set = set()
+    chars = list(map(seg.char, ks))
+    for f in (0, 1):
+        lists = [seg.postings(k, f) for k in ks]
+        if not all(lists):
+            continue
+        lists = sorted((p[0] for p in lists), key=len)
+        pairs = seg.pair_ids(ks, f)
+        if pairs is not None and (len(ks) == 2 or len(min(pairs, key=len)) < len(lists[0])):
+            lists = [min(pairs, key=len)]  # common words: the notes holding a pair
+        cands = lists[0]
+        if within is not None:  # (the notes of the clauses before)
+            if len(cands) > 4 * len(within):
+                cands = [d for d in within if _has(cands, d) >= 0]
+            else:
+                cands = within.intersection(cands)
+        elif len(lists) > 1 and len(lists[1]) <= 16 * len(cands):  # holding both terms
+            cands = set(cands).intersection(lists[1])
+        exact = len(ks) == 2 and pairs is not None  # a pair's list is the phrase's
+        found.update(cands if exact else seg.phrase(cands, chars, f))
+    return found
+
+
+def word_docs(seg, ks: list, within: set | None) -> set:
+    """Return the notes of a segment holding any of the keys ks (None: a word it lacks),
+    in the body or the title (among `within`)."""
+    found: set = set()
+    for k in ks:
+        if k is None:
+            continue
+        for f in (0, 1):
+            p = seg.postings(k, f)
+            if not p:
+                continue
+            ids = p[0]
+            if within is None:
+                found.update(ids)
+            elif len(ids) > 4 * len(within):
+                found.update(d for d in within if _has(ids, d) >= 0)
+            else:
+                found.update(within.intersection(ids))
+    return found
+
+
+def query_needles(seg, si: int, clauses: list, keys: dict, typed: dict) -> dict:
+    """Return the query's term strings in a segment, phrases and rarest words first,
+    each with the word as typed ("" for a phrase or a prefix)."""
+    found = []
+    for kind, stems in (alt for clause in clauses for alt in clause):
+        groups = [[s] for s in stems[:8]] if kind == "prefix" else [stems]
+        for group in groups:
+            ks = [keys[s][si] for s in group]
+            if None not in ks:
+                p = seg.postings(ks[0], 0)
+                word = typed.get(group[0], "") if kind == "word" else ""
+                found.append(("".join(map(seg.char, ks)), len(p[0]) if p else 0, word))
+    found.sort(key=lambda x: (-len(x[0]), x[1]))
+    needles: dict = {}
+    for needle, _, word in found:
+        needles.setdefault(needle, word)
+    return needles

@@ -1,0 +1,664 @@
+"""Search by meaning: notes cut into chunks, the vectors of the chunks, the semantic pass.
+
+The model is elsewhere (an embeddings endpoint, `providers/embed.py`); this module keeps
+what it answered. Each chunk's vector is stored as int8 with one scale, appended to
+`<state>/vectors/vectors.<n>.bin` with a CRC; its sign bits (one bit a dimension) are held
+in memory for the first pass, a Hamming scan of every chunk; the best few hundred are
+rescored with their int8 vectors read from the file. A chunk is known by the hash of its
+text, so an edit re-embeds only the chunks it changed and a move re-embeds nothing.
+"""
+
+from __future__ import annotations
+
+import array
+import contextlib
+import hashlib
+import json
+import math
+import os
+import re
+import struct
+import threading
+import zlib
+from operator import mul
+from pathlib import Path
+from typing import Any
+
+from notesvc.boot import log
+from notesvc.helpers import atomic_write, disk_writes, release_memory
+from notesvc.notes.paths import _FRONT_MATTER_RE
+
+_NUMPY: list = []  # [numpy or None], looked for once embeddings are on (never at start)
+
+
+def numpy_module() -> Any:
+    """Return NumPy when it is installed (optional, like segno: the same passes,
+    vectorised), else None. Imported only when a store opens: it costs ~15 MB."""
+    if not _NUMPY:
+        try:
+            import numpy
+        except ImportError:  # pragma: no cover - depends on the machine
+            numpy = None
+        _NUMPY.append(numpy)
+    return _NUMPY[0]
+
+
+# -- chunks ---------------------------------------------------------------------------------
+
+CHUNK_WORDS = 160  # a chunk closes at a block boundary past this many words (~210 tokens)
+CHUNK_MAX_WORDS = 280  # and a block longer than this is cut between words (~370 tokens)
+MAX_NOTE_CHUNKS = 1000  # of a huge note, the first 1,000 chunks (~200k words) are embedded
+_CHUNK_HEADING_RE = re.compile(r"^ {0,3}(#{1,6})[ \t]+(.*?)[ \t#]*$")
+_CHUNK_FENCE_RE = re.compile(r"^ {0,3}(`{3,}|~{3,})")
+
+
+def _blocks(text: str) -> list:
+    """Return the note's blocks in order: ("h", level, heading) or ("p", text), a
+    paragraph or a whole fenced code block (never cut at a blank line inside it)."""
+    out: list = []
+    para: list = []
+    fence = ""
+
+    def close() -> None:
+        if para:
+            out.append(("p", "\n".join(para)))
+            para.clear()
+
+    for line in text.split("\n"):
+        if fence:
+            para.append(line)
+            if line.lstrip().startswith(fence):
+                fence = ""
+                close()
+            continue
+        m = _CHUNK_FENCE_RE.match(line)
+        if m:
+            close()
+            fence = m.group(1)[:3]
+            para.append(line)
+            continue
+        h = _CHUNK_HEADING_RE.match(line)
+        if h:
+            close()
+            out.append(("h", len(h.group(1)), h.group(2).strip()))
+        elif line.strip():
+            para.append(line)
+        else:
+            close()
+    close()
+    return out
+
+
+def _pieces(words: list, size: int) -> list:
+    return [" ".join(words[i : i + size]) for i in range(0, len(words), size)]
+
+
+def chunk_note(title: str, text: str) -> list:
+    """Return the texts to embed for a note: its body cut at headings and between
+    paragraphs into chunks of about CHUNK_WORDS words (never mid-word), each starting with
+    the note's title and its heading path. Front matter is left out; fenced code is kept
+    as a paragraph of its own. A note with no body is its title alone."""
+    text = _FRONT_MATTER_RE.sub("", text.replace("\r\n", "\n"), count=1)
+    chunks: list = []
+    path: list = []  # [(level, heading)]
+    body: list = []  # the paragraphs of the chunk being filled
+    count = 0
+
+    def emit() -> None:
+        nonlocal count
+        if body:
+            trail = " › ".join(h for _, h in path if h and h != title)
+            head = f"{title}\n{trail}" if trail else title
+            chunks.append(f"{head}\n\n" + "\n\n".join(body))
+            body.clear()
+        count = 0
+
+    for block in _blocks(text):
+        if block[0] == "h":
+            emit()
+            level = block[1]
+            path = [p for p in path if p[0] < level] + [(level, block[2])]
+            continue
+        words = block[1].split()
+        if count and count + len(words) > CHUNK_MAX_WORDS:
+            emit()
+        if len(words) > CHUNK_MAX_WORDS:
+            *full, rest = _pieces(words, CHUNK_WORDS)
+            for piece in full:
+                body.append(piece)
+                emit()
+            body.append(rest)
+            count = len(rest.split())
+        else:
+            body.append(block[1])
+            count += len(words)
+        if count >= CHUNK_WORDS:
+            emit()
+        if len(chunks) >= MAX_NOTE_CHUNKS:
+            break
+    emit()
+    if not chunks and title.strip():
+        chunks.append(title)
+    return chunks[:MAX_NOTE_CHUNKS]
+
+
+def chunk_body(chunk: str) -> str:
+    """Return a chunk's text without the title and heading lines it starts with."""
+    return chunk.partition("\n\n")[2] or chunk
+
+
+def chunk_hash(text: str) -> int:
+    """Return a chunk's identity: 64 bits of BLAKE2b of its text."""
+    return int.from_bytes(hashlib.blake2b(text.encode(), digest_size=8).digest(), "little")
+
+
+# -- vectors: checked, normalised, quantised -----------------------------------------------
+
+
+class VectorError(ValueError):
+    """An answer that is not a usable vector (NaN, infinite, empty, the wrong size)."""
+
+
+def normalised(vec: Any, dim: int = 0) -> list:
+    """Return vec as a list of floats of length 1; VectorError for anything else."""
+    if not isinstance(vec, list) or not vec:
+        raise VectorError("a vector is not a non-empty list of numbers")
+    if dim and len(vec) != dim:
+        raise VectorError(f"a vector has {len(vec)} dimensions, not {dim}")
+    if not all(type(x) in (float, int) for x in vec):  # not bool, not "1"
+        raise VectorError("a vector holds something that is not a number")
+    values = [float(x) for x in vec]
+    norm = math.sqrt(math.fsum(x * x for x in values))
+    if not math.isfinite(norm):
+        raise VectorError("a vector holds NaN or an infinite value")
+    if norm == 0:
+        raise VectorError("a vector is all zeros")
+    return [x / norm for x in values]
+
+
+def quantised(vec: list) -> tuple:
+    """Return (scale, int8 bytes) of a normalised vector: vec[i] ≈ scale * q[i]."""
+    top = max(map(abs, vec))
+    scale = top / 127.0
+    q = array.array("b", [round(x / scale) for x in vec])
+    return scale, q.tobytes()
+
+
+# bit i of a chunk's sign code is set when its dimension i is positive
+_SIGN = bytes(49 if 0 < b < 128 else 48 for b in range(256))  # "1" or "0"
+
+
+def sign_code(qbytes: bytes) -> int:
+    """Return the sign bits of an int8 vector as an int (first dimension highest)."""
+    return int(qbytes.translate(_SIGN), 2)
+
+
+if hasattr(int, "bit_count"):  # Python 3.10+
+
+    def _distances(q: int, codes: list, shift: int) -> list:
+        return [(q ^ c).bit_count() >> shift for c in codes]
+
+else:  # pragma: no cover - Python 3.9
+
+    def _distances(q: int, codes: list, shift: int) -> list:
+        return [bin(q ^ c).count("1") >> shift for c in codes]
+
+
+def float_sign_code(vec: list) -> int:
+    return int("".join("1" if x > 0 else "0" for x in vec), 2)
+
+
+# -- the store on disk -------------------------------------------------------------------------
+
+_MAGIC = b"NSVEC\x00\x01\x00"
+_HEAD = struct.Struct("<8sHH")  # magic, dimensions, reserved
+_REC = struct.Struct("<Qf")  # chunk hash, scale; then the int8 vector, then its CRC-32
+DEAD = 0xFFFFFFFF  # a record no note holds (a tombstone until compaction)
+RESCORE = 400  # chunks the sign-code pass hands to the int8 rescoring
+MAX_SEMANTIC_NOTES = 100  # notes a semantic pass returns at most
+
+
+class VectorStore:
+    """The chunks' vectors of one (model, dimensions): `<state>/vectors/`.
+
+    meta.json (written atomically) names the vector file, the fingerprint, and each note's
+    file key (SearchIndex.note_keys) with its records in chunk order. The vector file is a
+    header and fixed-size records appended in order; a record is checked by its CRC when
+    the store opens, and a torn or damaged tail is cut off (its chunks are embedded again).
+    Records past what meta.json names are kept as tombstones: their chunks are found by
+    hash instead of asked for again. compact() rewrites the file without tombstones.
+    """
+
+    def __init__(
+        self, folder: Path, dim: int, fingerprint: str, model: str, vectorised: bool = True
+    ):
+        self.np = numpy_module() if vectorised else None
+        self.folder = folder
+        self.dim = dim
+        self.fingerprint = fingerprint
+        self.model = model
+        self.generation = 0  # n of vectors.<n>.bin
+        self.size = _REC.size + dim + 4
+        self.lock = threading.RLock()
+        self.notes: dict = {}  # path -> (key, array('I') of records in chunk order)
+        self.owner = array.array("I")  # record -> note number (DEAD: a tombstone)
+        self._paths: list = []  # note number -> path (None: free)
+        self._numbers: dict = {}  # path -> note number
+        self._codes: Any = [] if self.np is None else self.np.zeros((0, (dim + 7) // 8), "uint8")
+        self._count = 0  # records in the file
+        self._hashes: dict | None = None  # chunk hash -> record, built while embedding
+        self._fd = -1
+        self.dirty = False  # meta.json is behind
+        self.extra: dict = {}  # what the embedder keeps with it (the probe)
+
+    # -- opening -----------------------------------------------------------------------
+
+    @property
+    def file(self) -> Path:
+        return self.folder / f"vectors.{self.generation}.bin"
+
+    @classmethod
+    def create(
+        cls, folder: Path, dim: int, fingerprint: str, model: str, extra: dict, **kw: Any
+    ) -> VectorStore:
+        """Start an empty store (what was in folder is removed)."""
+        remove_store(folder)
+        folder.mkdir(mode=0o700, parents=True, exist_ok=True)
+        store = cls(folder, dim, fingerprint, model, **kw)
+        store.extra = dict(extra)
+        with disk_writes():
+            atomic_write(store.file, _HEAD.pack(_MAGIC, dim, 0))
+        store._open_file()
+        store.save()
+        return store
+
+    @classmethod
+    def open(cls, folder: Path, **kw: Any) -> VectorStore | None:
+        """Return the store in folder, None when there is none or it cannot be read."""
+        if not (folder / "meta.json").exists():
+            return None
+        try:
+            meta = json.loads((folder / "meta.json").read_text("utf-8"))
+            dim, model = int(meta["dim"]), str(meta["model"])
+            store = cls(folder, dim, str(meta["fingerprint"]), model, **kw)
+            store.generation = int(meta["generation"])
+            store.extra = dict(meta.get("extra") or {})
+            store._load(meta)
+        except (OSError, ValueError, KeyError, TypeError, VectorError) as e:
+            log.warning("vectors: the store cannot be read (%s): embedding again", e)
+            return None
+        for stale in folder.glob("vectors.*.bin"):  # a compaction's leftovers
+            if stale != store.file:
+                stale.unlink(missing_ok=True)
+        return store
+
+    def _load(self, meta: dict) -> None:
+        with open(self.file, "rb") as f:
+            head = f.read(_HEAD.size)
+            if len(head) < _HEAD.size or _HEAD.unpack(head)[:2] != (_MAGIC, self.dim):
+                raise VectorError("not a vector file of these dimensions")
+            good = self._read_records(f)
+        self._open_file()
+        end = _HEAD.size + good * self.size
+        if os.fstat(self._fd).st_size != end:
+            log.warning("vectors: cut a torn or damaged tail after %d records", good)
+            os.ftruncate(self._fd, end)
+        for path, (key, recs) in meta["notes"].items():
+            if recs and max(recs) >= good:
+                continue  # its chunks were in the lost tail: embedded again
+            self._claim(path, key, array.array("I", recs))
+
+    def _read_records(self, f) -> int:
+        """Read the records up to the first torn or damaged one; return how many are good."""
+        dim, size = self.dim, self.size
+        codes: list = []
+        while True:
+            block = f.read(size * 4096)
+            for at in range(0, len(block) - size + 1, size):
+                rec = block[at : at + size]
+                if zlib.crc32(rec[:-4]) != int.from_bytes(rec[-4:], "little"):
+                    break
+                codes.append(rec[_REC.size : _REC.size + dim])
+            else:
+                if len(block) == size * 4096:
+                    continue
+            break
+        good = len(codes)
+        self.owner = array.array("I", [DEAD]) * good
+        self._count = good
+        self._set_codes(codes)
+        return good
+
+    def _set_codes(self, vectors: list) -> None:
+        np = self.np
+        if np is None:
+            self._codes = [sign_code(v) for v in vectors]
+            return
+        nb = (self.dim + 7) // 8
+        rows = np.zeros((max(16, len(vectors) * 5 // 4), nb), "uint8")
+        if vectors:
+            q = np.frombuffer(b"".join(vectors), "int8").reshape(len(vectors), self.dim)
+            rows[: len(vectors)] = np.packbits(q > 0, axis=1)
+        self._codes = rows
+
+    def _open_file(self) -> None:
+        if self._fd >= 0:
+            os.close(self._fd)
+        self._fd = os.open(self.file, os.O_RDWR | getattr(os, "O_CLOEXEC", 0))
+
+    def close(self) -> None:
+        with self.lock:
+            if self.dirty:
+                self.save()
+            if self._fd >= 0:
+                os.close(self._fd)
+                self._fd = -1
+
+    # -- notes and records ------------------------------------------------------------
+
+    def _claim(self, path: str, key: Any, recs: array.array) -> None:
+        number = self._numbers.get(path)
+        if number is None:
+            number = len(self._paths)
+            self._paths.append(path)
+            self._numbers[path] = number
+        for r in recs:
+            self.owner[r] = number
+        self.notes[path] = (key, recs)
+
+    def drop(self, path: str) -> None:
+        """Forget a note: its records become tombstones."""
+        with self.lock:
+            found = self.notes.pop(path, None)
+            if found is None:
+                return
+            for r in found[1]:
+                self.owner[r] = DEAD
+            self._paths[self._numbers.pop(path)] = None
+            self.dirty = True
+
+    def move(self, old: str, new: str, key: Any = None) -> bool:
+        """Give a moved note's chunks to its new path (nothing is embedded again)."""
+        with self.lock:
+            found = self.notes.get(old)
+            if found is None or new in self.notes:
+                return False
+            self.drop(old)
+            self._claim(new, key, found[1])
+            self.dirty = True
+            return True
+
+    def key_of(self, path: str) -> Any:
+        found = self.notes.get(path)
+        return None if found is None else found[0]
+
+    def holds(self, path: str) -> bool:
+        return path in self.notes
+
+    def find(self, h: int) -> int:
+        """Return the record of a chunk hash (a note's or a tombstone), -1 when none."""
+        with self.lock:
+            if self._hashes is None:
+                self._hashes = {}
+                for r in range(self._count):
+                    self._hashes.setdefault(self._hash_at(r), r)
+            return self._hashes.get(h, -1)
+
+    def forget_hashes(self) -> None:
+        """Drop the hash lookup (rebuilt when next needed): the embedder is idle."""
+        with self.lock:
+            self._hashes = None
+
+    def _hash_at(self, r: int) -> int:
+        rec = os.pread(self._fd, 8, _HEAD.size + r * self.size)
+        return int.from_bytes(rec, "little")
+
+    def append(self, pairs: list) -> list:
+        """Append [(chunk hash, normalised vector)]; return their records."""
+        data = bytearray()
+        vectors = []
+        for h, vec in pairs:
+            scale, q = quantised(vec)
+            rec = _REC.pack(h, scale) + q
+            data += rec + zlib.crc32(rec).to_bytes(4, "little")
+            vectors.append(q)
+        with self.lock:
+            first = self._count
+            with disk_writes():
+                os.pwrite(self._fd, bytes(data), _HEAD.size + first * self.size)
+            self._count += len(pairs)
+            self.owner.extend([DEAD] * len(pairs))
+            self._add_codes(vectors)
+            recs = list(range(first, self._count))
+            if self._hashes is not None:
+                for (h, _), r in zip(pairs, recs):
+                    self._hashes[h] = r
+            return recs
+
+    def _add_codes(self, vectors: list) -> None:
+        np = self.np
+        if np is None:
+            self._codes.extend(sign_code(v) for v in vectors)
+            return
+        n = self._count
+        if n > len(self._codes):
+            grown = np.zeros((n * 3 // 2 + 16, self._codes.shape[1]), "uint8")
+            grown[: n - len(vectors)] = self._codes[: n - len(vectors)]
+            self._codes = grown
+        q = np.frombuffer(b"".join(vectors), "int8").reshape(len(vectors), self.dim)
+        self._codes[n - len(vectors) : n] = np.packbits(q > 0, axis=1)
+
+    def assign(self, path: str, key: Any, recs: list) -> None:
+        """Give a note its records, in chunk order; a record another note holds is copied."""
+        with self.lock:
+            old = self.notes.get(path)
+            number = self._numbers.get(path)
+            copies = [r for r in recs if self.owner[r] != DEAD and self.owner[r] != number]
+            if copies:
+                moved = dict(zip(copies, self._copy(copies)))
+                recs = [moved.get(r, r) for r in recs]
+            if old is not None:
+                for r in old[1]:
+                    self.owner[r] = DEAD
+            self._claim(path, key, array.array("I", recs))
+            self.dirty = True
+
+    def _copy(self, recs: list) -> list:
+        pairs = []
+        for r in recs:
+            raw = os.pread(self._fd, self.size, _HEAD.size + r * self.size)
+            h, scale = _REC.unpack_from(raw)
+            q = array.array("b", raw[_REC.size : -4])
+            pairs.append((h, [scale * x for x in q]))
+        return self.append(pairs)
+
+    # -- persistence --------------------------------------------------------------------
+
+    def save(self) -> None:
+        """Write meta.json (atomically); the vector file is already on disk."""
+        with self.lock:
+            if self._fd >= 0:
+                os.fsync(self._fd)
+            meta = {
+                "version": 1,
+                "model": self.model,
+                "dim": self.dim,
+                "fingerprint": self.fingerprint,
+                "generation": self.generation,
+                "extra": self.extra,
+                "notes": {p: [k, list(recs)] for p, (k, recs) in self.notes.items()},
+            }
+            data = json.dumps(meta, separators=(",", ":")).encode()
+            self.dirty = False
+        with disk_writes():
+            atomic_write(self.folder / "meta.json", data, 0o600)
+
+    def dead(self) -> int:
+        return self._count - sum(len(recs) for _, recs in self.notes.values())
+
+    def compact(self) -> None:
+        """Rewrite the vector file with the notes' records only; then meta.json names it."""
+        with self.lock:
+            order = [(p, k, recs) for p, (k, recs) in self.notes.items()]
+            new_gen = self.generation + 1
+            target = self.folder / f"vectors.{new_gen}.bin"
+            mapping: dict = {}
+
+            def write(f) -> None:
+                f.write(_HEAD.pack(_MAGIC, self.dim, 0))
+                for _, _, recs in order:
+                    for r in recs:
+                        if r not in mapping:
+                            mapping[r] = len(mapping)
+                            f.write(os.pread(self._fd, self.size, _HEAD.size + r * self.size))
+
+            with disk_writes():
+                atomic_write(target, write, 0o600)
+            old_file = self.file
+            keep = sorted(mapping, key=mapping.get)
+            vectors = [
+                os.pread(self._fd, self.dim, _HEAD.size + r * self.size + _REC.size) for r in keep
+            ]
+            self.generation = new_gen
+            self._open_file()
+            self._count = len(keep)
+            self._hashes = None
+            self.notes, self._paths, self._numbers = {}, [], {}
+            self.owner = array.array("I", [DEAD]) * len(keep)
+            for path, key, recs in order:
+                self._claim(path, key, array.array("I", [mapping[r] for r in recs]))
+            self._set_codes(vectors)
+            self.save()
+            old_file.unlink(missing_ok=True)
+        release_memory()
+
+    def note_vector(self, path: str) -> list | None:
+        """Return the normalised mean of a note's chunk vectors, None for a note without."""
+        with self.lock:
+            found = self.notes.get(path)
+            if not found or not found[1]:
+                return None
+            total = [0.0] * self.dim
+            for r in found[1][:64]:
+                raw = os.pread(self._fd, self.size, _HEAD.size + r * self.size)
+                scale = _REC.unpack_from(raw)[1]
+                for i, x in enumerate(array.array("b", raw[_REC.size : _REC.size + self.dim])):
+                    total[i] += scale * x
+        try:
+            return normalised(total)
+        except VectorError:
+            return None
+
+    def stats(self) -> dict:
+        with self.lock:
+            return {"notes": len(self.notes), "chunks": self._count - self.dead()}
+
+    # -- the semantic pass ----------------------------------------------------------------
+
+    def _candidates(self, qcode: Any, within: list | None, k: int) -> list:
+        """Return up to about k records nearest the query's sign code (Hamming)."""
+        np = self.np
+        if np is not None:
+            codes = self._codes[: self._count]
+            rows = np.asarray(within, "int64") if within is not None else None
+            if rows is not None:
+                codes = codes[rows]
+            dist = _popcount(np, np.bitwise_xor(codes, qcode)).sum(axis=1, dtype="int32")
+            best = np.argpartition(dist, k)[:k] if len(dist) > k else np.arange(len(dist))
+            return (rows[best] if rows is not None else best).tolist()
+        codes, shift = self._codes, max(0, self.dim.bit_length() - 8)  # a distance: a byte
+        if within is not None:
+            codes = [codes[r] for r in within]
+        dist = bytes(_distances(qcode, codes, shift))
+        if len(dist) <= k:
+            picked: Any = range(len(dist))
+        else:
+            seen, cut = 0, 0
+            for cut in range(256):
+                seen += dist.count(cut)
+                if seen >= k:
+                    break
+            nearer = re.compile(b"[\\x00-" + re.escape(bytes([cut])) + b"]")
+            picked = [m.start() for m in nearer.finditer(dist)]
+        return list(picked) if within is None else [within[i] for i in picked]
+
+    def _rescore(self, recs: list, query: list) -> list:
+        """Return [(cosine, record)] of live records, their int8 vectors read from the file."""
+        size, fd, base, dim = self.size, self._fd, _HEAD.size, self.dim
+        owner, np = self.owner, self.np
+        live = [r for r in recs if owner[r] != DEAD]
+        if np is not None and live:
+            raw = b"".join(os.pread(fd, size, base + r * size) for r in live)
+            rows = np.frombuffer(raw, "uint8").reshape(len(live), size)
+            scales = rows[:, 8:12].copy().view("<f4")[:, 0]
+            q = rows[:, _REC.size : _REC.size + dim].view("int8").astype("float32")
+            scores = (q @ np.asarray(query, "float32")) * scales
+            return list(zip(scores.tolist(), live))
+        out = []
+        for r in live:
+            raw = os.pread(fd, size, base + r * size)
+            scale = _REC.unpack_from(raw)[1]
+            vec = array.array("b", raw[_REC.size : _REC.size + dim])
+            out.append((scale * sum(map(mul, vec, query)), r))
+        return out
+
+    def nearest(self, query: list, folder: str = "", limit: int = MAX_SEMANTIC_NOTES) -> list:
+        """Return [(path, cosine, chunk number)] of the notes nearest a normalised query
+        vector, best first: each note's best chunk; only notes under `folder` are scanned."""
+        with self.lock:
+            if not self._count:
+                return []
+            within = None
+            if folder:
+                prefix = folder.rstrip("/") + "/"
+                within = [
+                    r for p, (_, recs) in self.notes.items() if p.startswith(prefix) for r in recs
+                ]
+                if not within:
+                    return []
+            np = self.np
+            qcode = float_sign_code(query) if np is None else np.packbits(np.asarray(query) > 0)
+            recs = self._candidates(qcode, within, RESCORE)
+            scored = self._rescore(recs, query)
+            best: dict = {}
+            for score, r in sorted(scored, reverse=True):
+                path = self._paths[self.owner[r]]
+                if path is not None and path not in best:
+                    best[path] = (score, r)
+            ranked = sorted(best.items(), key=lambda x: (-x[1][0], x[0]))[:limit]
+            return [(path, score, self.notes[path][1].index(r)) for path, (score, r) in ranked]
+
+
+def _popcount(np: Any, a: Any) -> Any:
+    """Per-byte bit counts of a uint8 array (NumPy's bitwise_count where it has one)."""
+    count = getattr(np, "bitwise_count", None)
+    if count is not None:
+        return count(a)
+    return np.array([bin(i).count("1") for i in range(256)], "uint8")[a]
+
+
+def remove_store(folder: Path, keep_folder: bool = False) -> None:
+    """Delete a vector store (embeddings switched off, or a new model)."""
+    if not folder.is_dir():
+        return
+    for child in folder.iterdir():
+        if child.is_file() or child.is_symlink():
+            child.unlink(missing_ok=True)
+    if not keep_folder:
+        with contextlib.suppress(OSError):
+            folder.rmdir()
+
+
+# -- fusion ----------------------------------------------------------------------------------
+
+RRF_K = 60
+
+
+def fuse(*rankings: list, k: int = RRF_K) -> list:
+    """Return [(path, score)] of several best-first lists of paths, fused by reciprocal
+    rank (each list adds 1 / (k + rank)); ties by path."""
+    scores: dict = {}
+    for ranking in rankings:
+        for rank, path in enumerate(ranking, 1):
+            scores[path] = scores.get(path, 0.0) + 1.0 / (k + rank)
+    return sorted(scores.items(), key=lambda x: (-x[1], x[0]))
