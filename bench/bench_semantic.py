@@ -82,7 +82,7 @@ MAN_ROOT = Path("/usr/share/man")
 MAN_SECTIONS = ("man1", "man3", "man5", "man7", "man8")
 WORDNET = Path("/usr/share/wordnet")
 CACHE = Path.home() / ".cache" / "notesvc-bench"
-COLLECTION_VERSION = 1  # change when the way pages become notes changes
+COLLECTION_VERSION = 2  # change when the way pages become notes changes
 MAX_NOTE_CHARS = 6000
 TITLE_WORDS = 12
 MODES = ("keyword", "semantic", "hybrid")
@@ -299,7 +299,7 @@ def sections(text: str) -> list:
 
 def names_regex(names: list) -> re.Pattern:
     alts = "|".join(re.escape(n) for n in sorted(set(names), key=len, reverse=True))
-    return re.compile(rf"(?<![\w.-])(?:{alts})(?![\w-])", re.I)
+    return re.compile(rf"(?<![\w.])(?<!\w-)(?:{alts})(?![\w]|-\w)", re.I)  # not in git-add
 
 
 def first_sentence(lines: list, strip: re.Pattern) -> str:
@@ -620,10 +620,10 @@ def embed_texts(port: int, texts: list, batch: int = 64):
 
 
 def note_chunks(note: dict) -> tuple:
-    """(texts to embed for the note, how): notesvc's own chunking when notesvc.py has it."""
-    return [
-        note["text"]
-    ], "one embedding per note (whole text; the model reads its first 256 tokens)"
+    """(texts to embed for the note, how): notesvc's own chunking, as its embedder calls it
+    (the note's title as the index gives it, the text as read from the file)."""
+    title = notesvc.note_title(note["text"], api_path(note))
+    return notesvc.chunk_note(title, note["text"]), "notesvc.chunk_note (the same chunks)"
 
 
 def exact_top(port: int, notes: list, sets: dict, k: int = 10) -> tuple:
