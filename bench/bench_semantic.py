@@ -648,10 +648,15 @@ def exact_top(port: int, notes: list, sets: dict, k: int = 10) -> tuple:
     return out, how, len(texts)
 
 
-def overlap_at_k(got: list, exact: list, k: int = 10) -> float:
-    if not exact:
-        return float("nan")
-    return sum(len(set(g[:k]) & set(e[:k])) / len(e[:k]) for g, e in zip(got, exact)) / len(exact)
+def overlap_at_k(answers: list, exact: list, k: int = 10) -> tuple:
+    """(mean share of the exact top k in notesvc's top k, queries counted): only the queries
+    that semantic mode answered by meaning (not a keyword fallback)."""
+    shares = [
+        len(set(a[0][:k]) & set(e[:k])) / len(e[:k])
+        for a, e in zip(answers, exact)
+        if a[1] == "semantic" and e
+    ]
+    return (sum(shares) / len(shares) if shares else float("nan")), len(shares)
 
 
 # == The run ===================================================================
@@ -691,6 +696,11 @@ def report(res: dict) -> list:
                 f"| {name} ({r['queries']}) | {mode} | {r['mrr']:.3f} | {r['ndcg']:.3f} | "
                 f"{r['recall']:.3f} | {ran} | {r['fallbacks']} | {r['p50_ms']:.1f} |"
             )
+    for name in SETS:
+        r = res["results"].get(name, {}).get("semantic")
+        if r and r["fallback_examples"]:
+            shown = "; ".join(repr(q) for q in r["fallback_examples"][:3])
+            lines.append(f"\n{name}: {r['fallbacks']} semantic queries fell back, e.g. {shown}")
     goals = res.get("goals", [])
     if goals:
         lines += ["", "| goal | figure | wanted | |", "|---|---|---|---|"]
@@ -721,7 +731,8 @@ def goals(res: dict) -> list:
         )
     if "exact" in res:
         worst = min(v for v in res["exact"]["recall"].values())
-        fig = ", ".join(f"{k} {v:.3f}" for k, v in res["exact"]["recall"].items())
+        counted = res["exact"]["counted"]
+        fig = ", ".join(f"{k} {v:.3f} ({counted[k]} q)" for k, v in res["exact"]["recall"].items())
         out.append(
             {
                 "goal": "semantic top 10 ∩ exact top 10",
@@ -806,7 +817,8 @@ def run(args) -> dict:
                     seconds=time.perf_counter() - t0,
                 )
                 res["results"][name][mode] = m
-                res["results"][name][mode]["_answers"] = [a[0] for a in answers]
+                m["_answers"] = answers
+                m["fallback_examples"] = [q for (q, _), a in zip(queries, answers) if a[2]][:5]
                 print(
                     f"  {name:8s} {mode:8s} MRR@10 {m['mrr']:.3f} ({m['seconds']:.0f} s)",
                     file=sys.stderr,
@@ -814,17 +826,22 @@ def run(args) -> dict:
         if embed_port and not args.no_exact:
             t0 = time.perf_counter()
             exact, how, n_chunks = exact_top(embed_port, notes, sets)
-            recall = {
-                name: overlap_at_k(res["results"][name]["semantic"]["_answers"], exact[name])
-                for name in sets
-            }
+            recall, counted = {}, {}
+            for name in sets:
+                answers = res["results"][name]["semantic"]["_answers"]
+                recall[name], counted[name] = overlap_at_k(answers, exact[name])
             res["exact"] = {
                 "recall": recall,
+                "counted": counted,
                 "chunks": how,
                 "n_chunks": n_chunks,
                 "seconds": time.perf_counter() - t0,
             }
             res["embed_stats"] = Client(embed_port).json("GET", "/stats")
+        if embed_port:
+            res["embeddings_after"] = client.json("GET", "/api/v1/system/info")["data"][
+                "embeddings"
+            ]
     finally:
         if client:
             client.close()
@@ -878,6 +895,9 @@ def main() -> None:
     if "exact" in res:
         e = res["exact"]
         head.append(f"exact search: {e['n_chunks']} chunks; {e['chunks']}")
+    after = res.get("embeddings_after")
+    if after:
+        head.append(f"embeddings after the queries: lastError {after.get('lastError')!r}")
     head.append(f"time taken: {res['seconds']:.0f} s")
     print("\n".join(head + report(res)))
     if args.json:
