@@ -686,10 +686,60 @@ def commit_label() -> str:
 
 
 def write_notes(root: Path, notes: list) -> None:
+    """Write the notes (a note already there as written is left alone: a root kept with
+    --root keeps its index and vectors)."""
     for note in notes:
         path = root / api_path(note)
+        if path.is_file() and path.read_text(encoding="utf-8") == note["text"]:
+            continue
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(note["text"], encoding="utf-8")
+
+
+def split_inner(query: str) -> str:
+    """The query with punctuation inside a word made a space ("read-only" -> "read only")."""
+    return re.sub(r"(?<=\w)[^\w\s]+(?=\w)", " ", query)
+
+
+def fused_mrr(lists: list, k: float, w: float) -> float:
+    """MRR@10 of reciprocal-rank fusion of (keyword, semantic, relevant) lists, the
+    semantic list weighted w: score = 1/(k + rank_kw) + w/(k + rank_sem); ties by path."""
+    total = 0.0
+    for kw, sem, relevant in lists:
+        scores: dict = {}
+        for weight, ranking in ((1.0, kw), (w, sem)):
+            for rank, path in enumerate(ranking, 1):
+                scores[path] = scores.get(path, 0.0) + weight / (k + rank)
+        top = [p for p, _ in sorted(scores.items(), key=lambda x: (-x[1], x[0]))[:10]]
+        total += 1.0 / (top.index(relevant) + 1) if relevant in top else 0.0
+    return total / len(lists) if lists else float("nan")
+
+
+def fusion_study(client: Client, sets: dict) -> dict:
+    """Other fusions, from each query's keyword and semantic top 100 (what hybrid fuses),
+    over the queries semantic mode answers; and hybrid with inner punctuation split."""
+    out: dict = {}
+    for name, queries in sets.items():
+        lists = []
+        for q, relevant in queries:
+            sem = search(client, q, "semantic", 100)
+            if sem.get("mode") != "semantic":
+                continue
+            kw = search(client, q, "keyword", 100)
+            lists.append(
+                ([r["path"] for r in kw["results"]], [r["path"] for r in sem["results"]], relevant)
+            )
+        rows = {"keyword alone": fused_mrr([(a, [], r) for a, _, r in lists], 60, 1.0)}
+        rows["semantic alone"] = fused_mrr([([], b, r) for _, b, r in lists], 60, 1.0)
+        for k in (10, 30, 60, 120):
+            for w in (1.0, 1.5, 2.0):
+                rows[f"RRF k={k} w={w:g}"] = fused_mrr(lists, k, w)
+        split = [(split_inner(q), rel) for q, rel in queries]
+        answers = run_set(client, split, "hybrid")
+        m = metrics(split, answers)
+        m["fallbacks"] = sum(1 for a in answers if a[2])
+        out[name] = {"queries": len(lists), "mrr": rows, "split_hybrid": m}
+    return out
 
 
 def sample(queries: list, n: int | None) -> list:
@@ -718,6 +768,29 @@ def report(res: dict) -> list:
         if r and r["fallback_examples"]:
             shown = "; ".join(repr(q) for q in r["fallback_examples"][:3])
             lines.append(f"\n{name}: {r['fallbacks']} semantic queries fell back, e.g. {shown}")
+    fusion = res.get("fusion")
+    if fusion:
+        names = list(fusion)
+        lines += [
+            "",
+            "Other fusions, MRR@10 over the queries semantic mode answers ("
+            + ", ".join(f"{n} {fusion[n]['queries']}" for n in names)
+            + "):",
+            "",
+        ]
+        lines += ["| fusion | " + " | ".join(names) + " |", "|---" * (len(names) + 1) + "|"]
+        for row in fusion[names[0]]["mrr"]:
+            lines.append(
+                f"| {row} | " + " | ".join(f"{fusion[n]['mrr'][row]:.3f}" for n in names) + " |"
+            )
+        lines.append(
+            "| hybrid as shipped, all queries, inner punctuation made a space | "
+            + " | ".join(
+                f"{sh['mrr']:.3f} ({sh['fallbacks']} fell back)"
+                for sh in (fusion[n]["split_hybrid"] for n in names)
+            )
+            + " |"
+        )
     goals = res.get("goals", [])
     if goals:
         lines += ["", "| goal | figure | wanted | |", "|---|---|---|---|"]
@@ -792,7 +865,7 @@ def run(args) -> dict:
     work = Path(tempfile.mkdtemp(prefix="bench-semantic-", dir=args.workdir))
     embed_proc = server = client = None
     try:
-        root = work / "root"
+        root = Path(args.root).expanduser() if args.root else work / "root"
         write_notes(root, notes)
         embed_url, embed_port = None, None
         if not args.keyword_only:
@@ -854,6 +927,8 @@ def run(args) -> dict:
                 "seconds": time.perf_counter() - t0,
             }
             res["embed_stats"] = Client(embed_port).json("GET", "/stats")
+        if embed_port and args.fusion_study:
+            res["fusion"] = fusion_study(client, sets)
         if embed_port:
             res["embeddings_after"] = client.json("GET", "/api/v1/system/info")["data"][
                 "embeddings"
@@ -888,6 +963,11 @@ def main() -> None:
     ap.add_argument("--wait", type=float, default=1800, help="seconds to wait for the backfill")
     ap.add_argument("--workdir", help="where the temporary root goes (default: the temp folder)")
     ap.add_argument("--keep", action="store_true", help="keep the work folder")
+    ap.add_argument(
+        "--root",
+        help="a root to keep and reuse (outside the repository): a rerun skips the backfill",
+    )
+    ap.add_argument("--fusion-study", action="store_true", help="also MRR of other fusions")
     ap.add_argument("--json", help="write the results here as JSON")
     args = ap.parse_args()
     res = run(args)
