@@ -10521,16 +10521,18 @@ def remove_store(folder: Path, keep_folder: bool = False) -> None:
 
 # -- fusion ----------------------------------------------------------------------------------
 
-RRF_K = 60
+RRF_K = 10  # measured: see bench/README.md, "Search quality with a real model"
+MEANING_WEIGHT = 1.5  # the semantic ranking counts 1.5 times the keyword one
 
 
-def fuse(*rankings: list, k: int = RRF_K) -> list:
-    """Return [(path, score)] of several best-first lists of paths, fused by reciprocal
-    rank (each list adds 1 / (k + rank)); ties by path."""
+def fuse(words: list, meaning: list, k: int = RRF_K, weight: float = MEANING_WEIGHT) -> list:
+    """Return [(path, score)] of two best-first lists of paths fused by weighted reciprocal
+    rank: the keyword list adds 1 / (k + rank), the semantic one weight / (k + rank); ties
+    by path."""
     scores: dict = {}
-    for ranking in rankings:
+    for ranking, w in ((words, 1.0), (meaning, weight)):
         for rank, path in enumerate(ranking, 1):
-            scores[path] = scores.get(path, 0.0) + 1.0 / (k + rank)
+            scores[path] = scores.get(path, 0.0) + w / (k + rank)
     return sorted(scores.items(), key=lambda x: (-x[1], x[0]))
 
 
@@ -15202,9 +15204,16 @@ def build_embedder(svc: Service) -> Embedder | None:
 # -- searching by meaning and by words ---------------------------------------------------
 
 
+_QUOTED_RE = re.compile(r'(?:^|\s)"([^"]*)"')  # a "quoted phrase", not a -"exclusion"
+
+
 def _lexical_only(query: Query) -> bool:
-    """Phrases and prefixes are about the words as typed: those queries stay keyword."""
-    return any(alt[0] != "word" for clause in query.clauses for alt in clause)
+    """A "quoted phrase" or a prefix* is about the words as typed: those queries stay
+    keyword. A word with inner punctuation (command-line, e-mail) is a phrase to the index
+    but not to the person typing it: it is searched by meaning too."""
+    if any(alt[0] == "prefix" for clause in query.clauses for alt in clause):
+        return True
+    return any(len(tokenize(p)) > 1 for p in _QUOTED_RE.findall(query.text))
 
 
 def _embedding_text(query: Query) -> str:
@@ -20880,7 +20889,8 @@ const paths = (() => {
       if (item.startsWith("-") && item.length > 1) return false;
       const quoted = item.startsWith('"');
       if (!quoted && item.endsWith("*")) return true;
-      return (item.match(/[\p{L}\p{N}]+/gu) || []).length > 1;
+      // a quoted phrase; a word with inner punctuation (e-mail) is searched by meaning too
+      return quoted && (item.match(/[\p{L}\p{N}]+/gu) || []).length > 1;
     });
   }
 

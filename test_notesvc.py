@@ -4975,6 +4975,9 @@ class TestEmbeddings:
             d = search(meaning, q)
             assert (d["mode"], d["fallback"]) == ("keyword", True)
             assert [r["path"] for r in d["results"]] == ["notes/garage.md"]
+        d = search(meaning, "car-repair")  # a phrase to the index, meaning to a person
+        assert (d["mode"], d["fallback"]) == ("hybrid", False)
+        assert d["results"][0]["path"] in ("notes/garage.md", "notes/work/car.md")
         assert "notes/work/car.md" in hits(meaning, "car repair")
         assert "notes/work/car.md" not in hits(meaning, "car repair -inspection")
         assert "notes/work/car.md" not in hits(meaning, "car repair -inspection", mode="semantic")

@@ -60,7 +60,8 @@ const paths = (() => {
       if (item.startsWith("-") && item.length > 1) return false;
       const quoted = item.startsWith('"');
       if (!quoted && item.endsWith("*")) return true;
-      return (item.match(/[\p{L}\p{N}]+/gu) || []).length > 1;
+      // a quoted phrase; a word with inner punctuation (e-mail) is searched by meaning too
+      return quoted && (item.match(/[\p{L}\p{N}]+/gu) || []).length > 1;
     });
   }
 

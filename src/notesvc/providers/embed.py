@@ -12,6 +12,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import re
 import threading
 import time
 import urllib.parse
@@ -21,7 +22,7 @@ from notesvc.boot import log
 from notesvc.errors import bad_request
 from notesvc.helpers import iso
 from notesvc.providers.base import Outbound, UpstreamError
-from notesvc.search.text import Query
+from notesvc.search.text import Query, tokenize
 from notesvc.search.vectors import (
     MAX_SEMANTIC_NOTES,
     VectorError,
@@ -438,9 +439,16 @@ def build_embedder(svc: Service) -> Embedder | None:
 # -- searching by meaning and by words ---------------------------------------------------
 
 
+_QUOTED_RE = re.compile(r'(?:^|\s)"([^"]*)"')  # a "quoted phrase", not a -"exclusion"
+
+
 def _lexical_only(query: Query) -> bool:
-    """Phrases and prefixes are about the words as typed: those queries stay keyword."""
-    return any(alt[0] != "word" for clause in query.clauses for alt in clause)
+    """A "quoted phrase" or a prefix* is about the words as typed: those queries stay
+    keyword. A word with inner punctuation (command-line, e-mail) is a phrase to the index
+    but not to the person typing it: it is searched by meaning too."""
+    if any(alt[0] == "prefix" for clause in query.clauses for alt in clause):
+        return True
+    return any(len(tokenize(p)) > 1 for p in _QUOTED_RE.findall(query.text))
 
 
 def _embedding_text(query: Query) -> str:

@@ -810,14 +810,16 @@ def remove_store(folder: Path, keep_folder: bool = False) -> None:
 
 # -- fusion ----------------------------------------------------------------------------------
 
-RRF_K = 60
+RRF_K = 10  # measured: see bench/README.md, "Search quality with a real model"
+MEANING_WEIGHT = 1.5  # the semantic ranking counts 1.5 times the keyword one
 
 
-def fuse(*rankings: list, k: int = RRF_K) -> list:
-    """Return [(path, score)] of several best-first lists of paths, fused by reciprocal
-    rank (each list adds 1 / (k + rank)); ties by path."""
+def fuse(words: list, meaning: list, k: int = RRF_K, weight: float = MEANING_WEIGHT) -> list:
+    """Return [(path, score)] of two best-first lists of paths fused by weighted reciprocal
+    rank: the keyword list adds 1 / (k + rank), the semantic one weight / (k + rank); ties
+    by path."""
     scores: dict = {}
-    for ranking in rankings:
+    for ranking, w in ((words, 1.0), (meaning, weight)):
         for rank, path in enumerate(ranking, 1):
-            scores[path] = scores.get(path, 0.0) + 1.0 / (k + rank)
+            scores[path] = scores.get(path, 0.0) + w / (k + rank)
     return sorted(scores.items(), key=lambda x: (-x[1], x[0]))
