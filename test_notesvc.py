@@ -4695,6 +4695,11 @@ class TestVectorStore:
         assert (path, chunk) == ("notes/n8.md", 2)
         assert score == pytest.approx(1.0, abs=0.01)
         store.assign("notes/sub/x.md", 99, [7])
+        store.drop("notes/n0.md")
+        store.assign("notes/mixed.md", 98, [4, 0, 2])  # records not in a row: kept as a list
+        assert store.records("notes/mixed.md").tolist() == [4, 0, 2]
+        path, _, chunk = store.nearest(vectors[0])[0]
+        assert (path, chunk) == ("notes/mixed.md", 1)
         assert [p for p, _, _ in store.nearest(vectors[42], folder="notes/sub")] == [
             "notes/sub/x.md"
         ]

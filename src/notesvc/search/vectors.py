@@ -224,6 +224,19 @@ class _PathTable:
     numbers by the path's hash. 50,000 paths cost ~3 MB here, ~10 MB as a dict of str."""
 
     FREE = 0xFFFFFFFF
+    TOP = "notes/"  # every note's path starts so: kept once, not 50,000 times
+
+    @classmethod
+    def _raw(cls, path: str) -> bytes:
+        if path.startswith(cls.TOP):
+            return path[len(cls.TOP) :].encode("utf-8", "surrogatepass")
+        return b"\x01" + path.encode("utf-8", "surrogatepass")
+
+    @classmethod
+    def _text(cls, raw: bytes) -> str:
+        if raw[:1] == b"\x01":
+            return raw[1:].decode("utf-8", "surrogatepass")
+        return cls.TOP + raw.decode("utf-8", "surrogatepass")
 
     def __init__(self):
         self._blob = bytearray()
@@ -236,7 +249,7 @@ class _PathTable:
         off = self._off[n]
         if off == self.FREE:
             return None
-        return self._blob[off : self._blob.index(0, off)].decode("utf-8", "surrogatepass")
+        return self._text(bytes(self._blob[off : self._blob.index(0, off)]))
 
     def _slot(self, raw: bytes) -> int:
         """Return the slot holding raw's number, else the first empty slot of its probe."""
@@ -254,12 +267,12 @@ class _PathTable:
             i = (i + 1) & mask
 
     def find(self, path: str) -> int | None:
-        n = self._slots[self._slot(path.encode("utf-8", "surrogatepass"))]
+        n = self._slots[self._slot(self._raw(path))]
         return None if n < 0 else n
 
     def add(self, path: str) -> int:
         """Return the number of a path, given one if it has none."""
-        raw = path.encode("utf-8", "surrogatepass")
+        raw = self._raw(path)
         i = self._slot(raw)
         if self._slots[i] >= 0:
             return self._slots[i]
@@ -274,14 +287,14 @@ class _PathTable:
         return n
 
     def remove(self, n: int) -> None:
-        i = self._slot(self.path(n).encode("utf-8", "surrogatepass"))
+        i = self._slot(self._raw(self.path(n)))
         self._slots[i] = -2
         self._off[n] = self.FREE
         self.count -= 1
 
     def rename(self, n: int, new: str) -> None:
         self.remove(n)
-        raw = new.encode("utf-8", "surrogatepass")
+        raw = self._raw(new)
         self._off[n] = len(self._blob)
         self._blob += raw + b"\0"
         self._slots[self._slot(raw)] = n
@@ -297,7 +310,7 @@ class _PathTable:
         self._slots = array.array("i", [-1]) * size
         self._used = 0
         for n, path in self.held():
-            self._slots[self._slot(path.encode("utf-8", "surrogatepass"))] = n
+            self._slots[self._slot(self._raw(path))] = n
             self._used += 1
 
     def held(self):
@@ -334,7 +347,7 @@ class VectorStore:
         self._names = _PathTable()  # note number <-> path
         self._keys = array.array("q")  # note number -> its file key (_NO_KEY: none)
         self._start = array.array("I")  # note number -> where its run in _recs starts
-        self._len = array.array("I")  # note number -> its records (chunks)
+        self._len = array.array("H")  # note number -> its records (MAX_NOTE_CHUNKS at most)
         self._recs = array.array("I")  # each note's records in chunk order, a run a note
         self._codes: Any = [] if self.np is None else self.np.zeros((0, (dim + 7) // 8), "uint8")
         self._count = 0  # records in the file
@@ -472,21 +485,28 @@ class VectorStore:
             self._len.append(0)
         for r in recs:
             self.owner[r] = number
+        self._keys[number] = _NO_KEY if key is None else key
+        self._len[number] = len(recs)
+        if recs and recs[-1] - recs[0] == len(recs) - 1 and _consecutive(recs):
+            self._start[number] = _RUN | recs[0]  # the usual case: records in a row, no copy
+            return
         if len(self._recs) > 2 * self._count + 1024:  # mostly runs of old versions: repack
             self._repack()
-        self._keys[number] = _NO_KEY if key is None else key
-        self._start[number], self._len[number] = len(self._recs), len(recs)
+        self._start[number] = len(self._recs)
         self._recs.extend(recs)
 
     def _repack(self) -> None:
-        runs = [(n, self._run(n)) for n, _ in self._names.held()]
+        runs = [(n, self._run(n)) for n, _ in self._names.held() if not self._start[n] & _RUN]
         self._recs = array.array("I")
         for n, recs in runs:
             self._start[n] = len(self._recs)
             self._recs.extend(recs)
 
     def _run(self, n: int) -> array.array:
-        return self._recs[self._start[n] : self._start[n] + self._len[n]]
+        start, count = self._start[n], self._len[n]
+        if start & _RUN:
+            return array.array("I", range(start & ~_RUN, (start & ~_RUN) + count))
+        return self._recs[start : start + count]
 
     def records(self, path: str) -> array.array:
         """Return a note's records in chunk order (empty for a note not held)."""
@@ -663,7 +683,7 @@ class VectorStore:
             self._keys, self._start, self._len = (
                 array.array("q"),
                 array.array("I"),
-                array.array("I"),
+                array.array("H"),
             )
             self._recs = array.array("I")
             self.owner = array.array("I", [DEAD]) * len(keep)
@@ -768,6 +788,13 @@ class VectorStore:
                     best[path] = (score, r)
             ranked = sorted(best.items(), key=lambda x: (-x[1][0], x[0]))[:limit]
             return [(path, score, self.records(path).index(r)) for path, (score, r) in ranked]
+
+
+_RUN = 0x80000000  # a note's start that is its first record: its records are in a row
+
+
+def _consecutive(recs: Any) -> bool:
+    return all(b - a == 1 for a, b in zip(recs, recs[1:]))
 
 
 _NO_KEY = -1  # a note kept without a key (hash() never gives -1)
