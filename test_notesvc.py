@@ -4256,6 +4256,39 @@ class TestSearch:
         assert len(result["snippet"]) <= 240
         assert result["snippet"].startswith("…")
 
+    def test_a_snippet_comes_from_the_note_as_it_is_now(self, client):
+        """Snippets are cut from texts kept for the version the index holds: a note
+        changed through the API or on disk gives its new text at once, even with the same
+        size (a kept text of the old version is never given again)."""
+        put_note(client, "notes/kept.md", "# Kept\n\nalpha needle gamma")
+        assert "gamma" in search(client, "needle")["results"][0]["snippet"]
+        assert "gamma" in search(client, "needle")["results"][0]["snippet"]  # from the kept text
+        client.put_json(note_url("notes/kept.md"), {"content": "# Kept\n\nalpha needle delta"})
+        assert "delta" in search(client, "needle")["results"][0]["snippet"]
+        service = client.app.service
+        file = service.notes.base / "notes/kept.md"
+        st = file.stat()
+        file.write_text("# Kept\n\nalpha needle omega")  # the same size, the same mtime
+        os.utime(file, ns=(st.st_atime_ns, st.st_mtime_ns))
+        service.index.add("notes/kept.md", file.read_text(), st.st_size, st.st_mtime_ns)
+        assert "omega" in search(client, "needle")["results"][0]["snippet"]
+
+    def test_the_kept_snippet_texts_stay_within_their_bound(self):
+        cache = notesvc._TextCache()
+        cache.put("a.md", (5, 1), "aaaaa")
+        assert cache.get("a.md", (5, 1)) == "aaaaa"
+        assert cache.get("a.md", (5, 2)) is None  # another version: read again
+        cache.put("huge.md", (1, 1), "x" * (cache.MAX_NOTE_CHARS + 1))
+        assert cache.get("huge.md", (1, 1)) is None  # too big to keep
+        text = "y" * (cache.MAX_NOTE_CHARS // 2)
+        for i in range(2 * cache.MAX_CHARS // len(text)):
+            cache.put(f"{i}.md", (1, i), text)
+        assert cache._chars <= cache.MAX_CHARS
+        assert cache.get("a.md", (5, 1)) is None  # the least recent went first
+        assert cache.get(f"{i}.md", (1, i)) == text
+        cache.drop(f"{i}.md")
+        assert cache.get(f"{i}.md", (1, i)) is None
+
     def test_a_snippet_shows_the_word_as_typed_else_its_first_form(self, client):
         """A word's snippet is around where it stands as typed (case aside, whole, `_`
         separating), else around the first word of the same stem; a text whose lowercase

@@ -349,6 +349,48 @@ def _note_key(path: str, sig: tuple, stable: bool = False) -> int:
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little", signed=True)
 
 
+class _TextCache:
+    """The texts of the notes snippets were cut from lately, each kept with the signature
+    (size, mtime) the index holds for it, so it is given again only for that version;
+    at most MAX_CHARS characters, notes up to MAX_NOTE_CHARS, least recent out first.
+    A search typed letter by letter, or asked again, cuts its snippets from the same notes:
+    reading each one's file again cost a rare word's search a fifth of its time."""
+
+    MAX_CHARS = 1 << 20
+    MAX_NOTE_CHARS = 32 << 10
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._items: collections.OrderedDict = collections.OrderedDict()  # path -> (sig, text)
+        self._chars = 0
+
+    def get(self, path: str, sig: tuple) -> str | None:
+        with self._lock:
+            entry = self._items.get(path)
+            if entry is None or entry[0] != sig:
+                return None
+            self._items.move_to_end(path)
+            return entry[1]
+
+    def put(self, path: str, sig: tuple, text: str) -> None:
+        if len(text) > self.MAX_NOTE_CHARS:
+            return
+        with self._lock:
+            old = self._items.pop(path, None)
+            if old is not None:
+                self._chars -= len(old[1])
+            self._items[path] = (sig, text)
+            self._chars += len(text)
+            while self._chars > self.MAX_CHARS:
+                self._chars -= len(self._items.popitem(last=False)[1][1])
+
+    def drop(self, path: str) -> None:
+        with self._lock:
+            old = self._items.pop(path, None)
+            if old is not None:
+                self._chars -= len(old[1])
+
+
 class _NoteTexts(Sequence):
     """The indexed notes as (path, title, text), each text read from its file when asked
     (its first MAX_SCAN_CHARS characters)."""
@@ -390,6 +432,7 @@ class SearchIndex:
         self._merger_lock = threading.RLock()  # one merge at a time (and through it)
         self._pair_rewrites: dict = {}  # file name -> when it was last picked to get pair lists
         self._live = MemorySegment()
+        self._texts = _TextCache()  # the texts snippets were cut from lately
         self.generation = 0  # bumps on every change
         # (generation it holds for, {folder: notes beneath it}): rebuilt after bulk changes,
         # kept up to date by single adds and removals (folder_counts)
@@ -419,6 +462,7 @@ class SearchIndex:
         return tuple(max(sum(s.lens[f] - s.del_lens[f] for s in segs) / n, 1.0) for f in (0, 1))
 
     def _changed(self, path: str) -> None:
+        self._texts.drop(path)
         self.generation += 1
         if len(self._touched) > 10_000 and not self._bulks:
             self._touched.clear()
@@ -1084,7 +1128,8 @@ class SearchIndex:
         for score, path, seg, d in ranked:
             if seg not in needles:
                 needles[seg] = query_needles(seg, segs.index(seg), clauses, keys, query.typed)
-            hits.append((path, seg.title(d), round(score, 4), seg.toks(d, 0), needles[seg]))
+            toks = (seg.toks(d, 0), seg.sig(d))
+            hits.append((path, seg.title(d), round(score, 4), toks, needles[seg]))
         return hits
 
     def snippets(self, query: Query, paths: list) -> dict:
@@ -1128,11 +1173,17 @@ class SearchIndex:
         settled = time.time_ns() - int(ReadCache.RACY_SECONDS * 1e9)
         return _note_key(path, sig, stable=True) if sig[1] < settled else None
 
-    def _snippet(self, path: str, toks: str, needles: dict) -> str:
-        text = self._read(path)
+    def _snippet(self, path: str, toks: tuple, needles: dict) -> str:
+        """Cut a note's snippet; toks: (its term chars, its (size, mtime)) as indexed."""
+        toks, sig = toks
+        text = self._texts.get(path, sig)
         if text is None:
-            return ""
-        return _snippet(unicodedata.normalize("NFC", text), toks, needles)
+            text = self._read(path)
+            if text is None:
+                return ""
+            text = unicodedata.normalize("NFC", text)
+            self._texts.put(path, sig, text)
+        return _snippet(text, toks, needles)
 
     def _read(self, path: str, limit: int = -1) -> str | None:
         """Return a note's text from its file (up to limit bytes), None when unreadable."""
