@@ -34673,6 +34673,25 @@ CORS_EXPOSE = "ETag, Location, X-Request-Id, Retry-After, Content-Range, Content
 CORS_METHODS = "GET, POST, PUT, PATCH, DELETE, OPTIONS"
 
 
+@contextlib.contextmanager
+def _compiled_once(router):
+    """Let Bottle's router compile each method's combined pattern once, after the last
+    route is added: it compiles it again at every route added (bottle 0.12 and 0.13), a
+    tenth of a start's CPU time with this app's routes."""
+    compile_method = getattr(router, "_compile", None)
+    if compile_method is None:  # another Bottle: its own way
+        yield
+        return
+    methods: set = set()
+    router._compile = methods.add
+    try:
+        yield
+    finally:
+        del router._compile
+        for method in sorted(methods):
+            compile_method(method)
+
+
 class NotesApp:
     """The WSGI application: request ids, CORS, the self-relay prefix, then Bottle."""
 
@@ -34690,13 +34709,14 @@ class NotesApp:
             raise ConfigError(
                 f"routes without a scope (read, write or admin): {', '.join(unscoped)}"
             )
-        for r in service.routes:
-            self.bottle.route(r.rule, r.method, _callback(service, r))
-        dav = caldav_callback(service)  # WebDAV and CalDAV: their own methods and answers
-        for method in DAV_METHODS + CAL_METHODS:
-            for rule in (DAV_PREFIX, DAV_PREFIX + "/", DAV_PREFIX + "/<path:path>"):
-                self.bottle.route(rule, method, dav)
-        self.bottle.route("/.well-known/caldav", "ANY", lambda: well_known_caldav(service))
+        with _compiled_once(self.bottle.router):
+            for r in service.routes:
+                self.bottle.route(r.rule, r.method, _callback(service, r))
+            dav = caldav_callback(service)  # WebDAV and CalDAV: their own methods and answers
+            for method in DAV_METHODS + CAL_METHODS:
+                for rule in (DAV_PREFIX, DAV_PREFIX + "/", DAV_PREFIX + "/<path:path>"):
+                    self.bottle.route(rule, method, dav)
+            self.bottle.route("/.well-known/caldav", "ANY", lambda: well_known_caldav(service))
         self._jsonrpc_rules = frozenset(r.rule for r in service.routes if r.jsonrpc)
 
     def answers_jsonrpc(self, path: str) -> bool:
