@@ -352,7 +352,16 @@ def dav_item(svc: Service, path: str, kept: DavNotes | None = None) -> DavItem:
         return DavItem("", None, None)
     base = str(svc.notes.base)
     file = str(svc.notes.on_disk(path)) if path.startswith(NOTES) else f"{base}/{path}"
-    top = f"{base}/{path.split('/', 1)[0]}"
+    st = _dav_walk(path, file, f"{base}/{path.split('/', 1)[0]}")
+    if st is not None and not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+        raise DavError(403, f"/dav/{path} is neither a file nor a folder")
+    found = kept.kept(path, st) if kept is not None and st is not None else None
+    return DavItem(path, file, st, found)
+
+
+def _dav_walk(path: str, file: str, top: str) -> os.stat_result | None:
+    """Return the lstat of file below top (None: nothing there), 403 when a folder on the
+    way or the file itself is a symbolic link: an lstat a segment (os.stat for a top)."""
     at = top
     below = file[len(top) + 1 :].split("/") if len(file) > len(top) else ()
     for part in below[:-1]:
@@ -362,13 +371,10 @@ def dav_item(svc: Service, path: str, kept: DavNotes | None = None) -> DavItem:
     try:  # (attachments/ before the first upload: None, a folder all the same)
         st = os.lstat(file) if below else os.stat(file)
     except (FileNotFoundError, NotADirectoryError):
-        st = None
-    if st is not None and stat.S_ISLNK(st.st_mode):
+        return None
+    if stat.S_ISLNK(st.st_mode):
         raise DavError(403, f"/dav/{path} leads through a symbolic link")
-    if st is not None and not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
-        raise DavError(403, f"/dav/{path} is neither a file nor a folder")
-    found = kept.kept(path, st) if kept is not None and st is not None else None
-    return DavItem(path, file, st, found)
+    return st
 
 
 def dav_grant_sees(principal: Principal, path: str, write: bool = False) -> bool:
