@@ -4312,15 +4312,24 @@ class ReadCache:
                     self._trim()
         return rec["etag"], body
 
+    def kept(self, path: str, st: os.stat_result) -> dict | None:
+        """Return the kept record itself (not to be changed) of path while `st`, the stat
+        of its file the caller made, is the one it was kept with; else None."""
+        entry = self._same(path, st)
+        return None if entry is None else entry[1]
+
     def _fresh(self, path: str, target: Path | str) -> tuple | None:
-        entry = self._items.get(path)
-        if entry is None:
+        if path not in self._items:
             return None
         try:
             st = os.stat(target)
         except (OSError, ValueError):
             return None
-        if self.signature(st) != entry[0]:
+        return self._same(path, st)
+
+    def _same(self, path: str, st: os.stat_result) -> tuple | None:
+        entry = self._items.get(path)
+        if entry is None or self.signature(st) != entry[0]:
             return None
         with contextlib.suppress(KeyError):  # one C call: no lock (put may have dropped it)
             self._items.move_to_end(path)
@@ -31140,12 +31149,26 @@ class DavLock:
         )
 
 
+class DavNotes(ReadCache):
+    """The bytes and ETag of the notes GET lately, each kept with its file's signature
+    (device, inode, size, mtime, ctime; ReadCache's rules) and given again only while the
+    walk for links (dav_item) finds none and the same signature: a GET of a note read
+    before costs the walk's lstat calls, where the open and the reads added seven more
+    system calls, each handing the GIL to another of waitress's threads. Filled by a GET
+    that found no link on the way only: never by the API, which follows links inside the
+    root where WebDAV answers 403."""
+
+    MAX_BYTES = 2 << 20
+
+
 class DavState:
     """What WebDAV keeps beside the stores: locks (in memory), dead properties (a JSON file
-    in the state folder), the store of other files under notes/, and an ETag cache of notes
-    (by their stat, so a listing reads each note once until it changes)."""
+    in the state folder), the store of other files under notes/, an ETag cache of notes
+    (by their stat, so a listing reads each note once until it changes) and the bytes of
+    the notes GET lately (DavNotes)."""
 
     def __init__(self, svc: Service):
+        self.notes = DavNotes()
         self.files = svc.note_files  # the other files under notes/, with the notes' trash
         self.grants = svc.grants  # a revoked key's locks end with it
         self.props_file = svc.config.state_dir / "dav-properties.json"
@@ -31289,6 +31312,7 @@ class DavItem:
     path: str  # "" (the root), "notes", "notes/a/b.md", "attachments/x.png"
     file: str | None  # on disk (None: the root)
     st: os.stat_result | None  # None: nothing there
+    kept: dict | None = None  # a note's {"etag", "data"} while its file is as GET read it
 
     @property
     def top(self) -> str:
@@ -31344,25 +31368,36 @@ def dav_checked(raw: str) -> str:
     return path
 
 
-def dav_item(svc: Service, path: str) -> DavItem:
-    """Return what is at a checked path; a symbolic link anywhere on the way is 403."""
+def dav_item(svc: Service, path: str, kept: DavNotes | None = None) -> DavItem:
+    """Return what is at a checked path; a symbolic link anywhere on the way is 403.
+    With `kept` (a GET's), a note kept there and unchanged is not read again."""
     if not path:
         return DavItem("", None, None)
     base = str(svc.notes.base)
     file = str(svc.notes.on_disk(path)) if path.startswith(NOTES) else f"{base}/{path}"
-    top = f"{base}/{path.split('/', 1)[0]}"
+    st = _dav_walk(path, file, f"{base}/{path.split('/', 1)[0]}")
+    if st is not None and not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
+        raise DavError(403, f"/dav/{path} is neither a file nor a folder")
+    found = kept.kept(path, st) if kept is not None and st is not None else None
+    return DavItem(path, file, st, found)
+
+
+def _dav_walk(path: str, file: str, top: str) -> os.stat_result | None:
+    """Return the lstat of file below top (None: nothing there), 403 when a folder on the
+    way or the file itself is a symbolic link: an lstat a segment (os.stat for a top)."""
     at = top
-    for part in file[len(top) + 1 :].split("/") if len(file) > len(top) else ():
+    below = file[len(top) + 1 :].split("/") if len(file) > len(top) else ()
+    for part in below[:-1]:
         at = f"{at}/{part}"
         if os.path.islink(at):
             raise DavError(403, f"/dav/{path} leads through a symbolic link")
-    try:
-        st = os.stat(file)  # (attachments/ before the first upload: None, a folder all the same)
+    try:  # (attachments/ before the first upload: None, a folder all the same)
+        st = os.lstat(file) if below else os.stat(file)
     except (FileNotFoundError, NotADirectoryError):
-        st = None
-    if st is not None and not (stat.S_ISDIR(st.st_mode) or stat.S_ISREG(st.st_mode)):
-        raise DavError(403, f"/dav/{path} is neither a file nor a folder")
-    return DavItem(path, file, st)
+        return None
+    if stat.S_ISLNK(st.st_mode):
+        raise DavError(403, f"/dav/{path} leads through a symbolic link")
+    return st
 
 
 def dav_grant_sees(principal: Principal, path: str, write: bool = False) -> bool:
@@ -31944,10 +31979,13 @@ def dav_get(svc: Service, dav: DavState, item: DavItem, ctx: dict):
             },
         )
     data = None
-    if item.is_note:  # read once: its ETag and its bytes are of the same version
-        with open(item.file, "rb") as f:
-            data = f.read()
+    if item.kept is not None:  # unchanged since a GET read it (DavNotes)
+        data = item.kept["data"]
+        etag, size = item.kept["etag"], len(data)
+    elif item.is_note:  # read once: its ETag and its bytes are of the same version
+        data, st = dav_read(item)
         etag, size = make_etag(data), len(data)
+        dav.notes.put(item.path, st, {"etag": etag, "data": data})
     else:
         etag, size = attachment_etag(item.st), item.st.st_size
     kind = NOTE_TYPE if item.path.endswith(".md") else content_type_of(item.path)
@@ -31961,6 +31999,32 @@ def dav_get(svc: Service, dav: DavState, item: DavItem, ctx: dict):
     f = open(item.file, "rb")  # noqa: SIM115 - closed by _file_chunks
     f.seek(first)
     return _file_chunks(f, length)
+
+
+def dav_read(item: DavItem) -> tuple:
+    """Return (bytes, stat) of a note by its descriptor (no buffered file's isatty and seek
+    calls), the stat of what was read; 404 when it went, 403 when it is a link now (the
+    walk found none) or no longer a plain file."""
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_NOFOLLOW", 0)
+    try:
+        fd = os.open(item.file, flags)  # O_NONBLOCK: a named pipe is never waited on
+    except (FileNotFoundError, NotADirectoryError):
+        raise DavError(404, f"nothing at /dav/{item.path}") from None
+    except OSError:  # ELOOP: it became a link
+        raise DavError(403, f"/dav/{item.path} leads through a symbolic link") from None
+    try:
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise DavError(403, f"/dav/{item.path} is neither a file nor a folder")
+        data = os.read(fd, st.st_size + 1)
+        if len(data) > st.st_size:  # it grew meanwhile
+            parts = [data]
+            while chunk := os.read(fd, BODY_CHUNK):
+                parts.append(chunk)
+            data = b"".join(parts)
+        return data, st
+    finally:
+        os.close(fd)
 
 
 def dav_put(svc: Service, dav: DavState, item: DavItem, ctx: dict):
@@ -32258,7 +32322,7 @@ def dav_answer(svc: Service, env: dict, method: str, raw: str):
             raise DavError(403, "this key may not write here")
         raise DavError(404, f"nothing at /dav/{path}")
     dav = dav_state(svc)
-    item = dav_item(svc, path)
+    item = dav_item(svc, path, dav.notes if method in ("GET", "HEAD") else None)
     script = env.get("SCRIPT_NAME", "")
     ctx = {"method": method, "principal": principal, "script": script}
     ctx["holder"] = dav_holder(principal)

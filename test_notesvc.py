@@ -21251,6 +21251,44 @@ class TestDav:
         assert f"<D:getetag>{etag.replace(chr(34), '&quot;')}</D:getetag>" in listed
         assert dav("GET", "notes/trip/plan.md").headers["ETag"] == etag
 
+    def test_a_note_kept_by_get_is_served_as_its_file_is_now(self, dav, root):
+        """GET keeps a note's bytes while its file is unchanged (DavNotes, for speed): an
+        edit of the same size with its mtime set back is seen at once, and a link put on
+        the way later is 403 as it was, though the file behind it is the one kept."""
+        folder = root / "notes" / "kept"
+        folder.mkdir(parents=True)
+        (folder / "a.md").write_bytes(b"# A\n\nfirst\n")
+        (folder / "b.md").write_bytes(b"# B\n")
+        time.sleep(notesvc.DavNotes.RACY_SECONDS + 0.1)  # settled: a GET keeps them
+        assert dav("GET", "notes/kept/a.md", status=200).body == b"# A\n\nfirst\n"
+        assert dav("GET", "notes/kept/b.md", status=200).body == b"# B\n"
+        kept = dav.app.app.service._dav.notes
+        assert kept.get("notes/kept/a.md", folder / "a.md")["data"] == b"# A\n\nfirst\n"
+        st = (folder / "a.md").stat()
+        with open(folder / "a.md", "r+b") as f:
+            f.write(b"# Z")  # same size, same mtime: only ctime tells
+        os.utime(folder / "a.md", ns=(st.st_atime_ns, st.st_mtime_ns))
+        assert dav("GET", "notes/kept/a.md", status=200).body == b"# Z\n\nfirst\n"
+        assert dav("HEAD", "notes/kept/a.md", status=200).headers["Content-Length"] == "11"
+        folder.rename(root / "notes" / "real")  # b.md's own stat does not change
+        (root / "notes" / "kept").symlink_to(root / "notes" / "real", target_is_directory=True)
+        resp = dav("GET", "notes/kept/b.md", status=403)
+        assert "symbolic link" in resp.text
+        (root / "notes" / "real" / "c.md").symlink_to(root / "notes" / "real" / "b.md")
+        dav("GET", "notes/real/c.md", status=403)
+
+    def test_a_revoked_or_rotated_key_is_refused_at_once(self, client, dav):
+        dav("PUT", "notes/x.md", b"# X\n", status=201)
+        grant = new_grant(client, "read")
+        scoped = Dav(client, grant["key"])
+        assert scoped("GET", "notes/x.md", status=200).body == b"# X\n"
+        client.delete(f"{API}/auth/keys/{grant['id']}")
+        scoped("GET", "notes/x.md", status=401)
+        assert dav("GET", "notes/x.md", status=200).body == b"# X\n"
+        new = data(client.post(f"{API}/auth/rotate"))["apiKey"]
+        dav("GET", "notes/x.md", status=401)
+        assert Dav(client, new)("GET", "notes/x.md", status=200).body == b"# X\n"
+
     def test_a_vaults_other_files_are_kept_byte_for_byte_out_of_the_apis_sight(
         self, client, dav, root
     ):

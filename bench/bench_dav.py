@@ -10,8 +10,11 @@ in folder i % 50) plus every one of them again in notes/big/ (the folder of --no
 notesvc gets it in its root; each peer gets a copy of that notes/ subtree, so all three
 serve the same bytes. All three run at once, on loopback, in the same run:
 
-- notesvc: `notesvc.py --root <root>` (SERVICE_RESCAN_SECONDS=0, as the other benches),
-  at /dav/, HTTP Basic with the API key as password, checked on every request;
+- notesvc: `notesvc.py --root <root> --host 127.0.0.1 --port 0` with default settings
+  (every SERVICE_* variable of the bench's environment is taken out, and the header says
+  so: rescans on, log level info, its line a request written to a file as a service
+  manager's journal would take it), at /dav/, HTTP Basic with the API key as password,
+  checked on every request;
 - WsgiDAV (the Python peer; pip install wsgidav cheroot): its filesystem provider on
   cheroot under the same interpreter, `--auth anonymous --no-config -q` (no request log);
 - rclone (the Go peer): `rclone serve webdav <dir>` with its defaults (no auth; it keeps
@@ -34,13 +37,20 @@ Each row is measured twice: one client, sequential (--rounds requests, PROPFIND 
 that; the three servers asked in turn, request by request, so noise hits all alike) for
 p50/p99; then 8 concurrent clients (threads, a keep-alive http.client connection each) for
 --seconds per server and row, one server at a time, for req/s (with the server's CPU ms a
-request: the clients are Python on the same cores). Before any of it, each server is warmed
-up and checked: the PROPFIND lists --notes + 1 entries, a GET gives the file's bytes, a PUT
-is read back. After the run, each server's RssAnon.
+request: the clients are Python on the same cores). Every row, of every server, is asked
+by the same 8 clients. Before any of it, each server is warmed up and checked: the PROPFIND
+lists --notes + 1 entries, a GET gives the file's bytes, a PUT is read back. After the run,
+each server's RssAnon. The header names the commit, Python and the settings of the run.
+
+--where adds where a notesvc GET's time goes: the same GET through the WSGI app in this
+process (Bottle and the app, no socket; authentication alone; an OPTIONS that asks for no
+key) against the server's CPU a request over HTTP, one client and 8 (the rest: waitress,
+the socket and the GIL handoffs among its threads).
 
 Goals (issue text): ahead of WsgiDAV on every row (here: lower p50 and higher req/s); within
 2x of rclone's server on PROPFIND and GET (p50 at most 2x, req/s at least half); PUT may pay
-for history and fsync, and states that price against a PUT to the API.
+for history and fsync, and states that price against a PUT to the API. Issue 45: GET and
+PROPFIND at or above WsgiDAV's req/s (8 clients, same run), PUT within 2x of the API's PUT.
 """
 
 from __future__ import annotations
@@ -69,7 +79,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 from bench_offline import corpus_notes  # noqa: E402
-from bench_relay import pct, proc_figures, start  # noqa: E402
+from bench_relay import NOTESVC, pct, proc_figures  # noqa: E402
 
 FOLDERS = 50
 CLIENTS = 8
@@ -109,6 +119,7 @@ def seed_tree(root: Path, notes: list) -> dict:
             elif folder == "f01":
                 tree["put"].append(path)
     tree["text"] = {p: (root / p).read_bytes() for p in tree["get"] + tree["put"]}
+    tree["root"] = root
     return tree
 
 
@@ -190,9 +201,33 @@ def stop(server: Server) -> None:
 # -- notesvc: its /dav/ and, for PUT's price, the API's PUT ----------------------------------
 
 
+def defaults_env() -> dict:
+    """This environment without any SERVICE_* variable: notesvc at its default settings."""
+    return {k: v for k, v in os.environ.items() if not k.startswith("SERVICE_")}
+
+
+def start_defaults(root: Path) -> tuple:
+    """`notesvc.py --root root` with default settings, its log (info: a line a request)
+    to a file beside root; return (process, port)."""
+    log_file = open(root.parent / "notesvc.log", "w+", encoding="utf-8")  # noqa: SIM115
+    cmd = [sys.executable, NOTESVC, "--root", str(root), "--host", "127.0.0.1", "--port", "0"]
+    proc = subprocess.Popen(
+        cmd, stdout=subprocess.DEVNULL, stderr=log_file, env=defaults_env(), text=True
+    )
+    deadline = time.monotonic() + 60
+    while time.monotonic() < deadline and proc.poll() is None:
+        log_file.seek(0)
+        m = re.search(r"listening on http://127\.0\.0\.1:(\d+)", log_file.read())
+        if m:
+            return proc, int(m.group(1))
+        time.sleep(0.05)
+    proc.kill()
+    raise SystemExit(f"notesvc did not start (see {log_file.name})")
+
+
 def start_notesvc(root: Path) -> Server:
     """A real notesvc server on `root`; WebDAV by Basic auth with the key (any user name)."""
-    proc, port = start("--root", str(root), env={"SERVICE_RESCAN_SECONDS": "0"})
+    proc, port = start_defaults(root)
     url = f"http://127.0.0.1:{port}/api/v1/system/setup"
     with urllib.request.urlopen(url, timeout=60) as resp:
         key = json.loads(resp.read())["data"]["apiKey"]
@@ -370,6 +405,148 @@ def under_load(target: dict, seconds: float) -> dict:
     }
 
 
+# -- where a notesvc GET's time goes (--where) -----------------------------------------------
+
+
+def wsgi_caller(app, path: str, headers: dict, method: str = "GET"):
+    """Return call() -> status of one request to a WSGI app in this process."""
+    env = {
+        "REQUEST_METHOD": method,
+        "PATH_INFO": path.encode("utf-8").decode("latin-1"),
+        "SCRIPT_NAME": "",
+        "QUERY_STRING": "",
+        "SERVER_NAME": "127.0.0.1",
+        "SERVER_PORT": "80",
+        "SERVER_PROTOCOL": "HTTP/1.1",
+        "REMOTE_ADDR": "127.0.0.1",
+        "HTTP_HOST": "127.0.0.1",
+        "wsgi.url_scheme": "http",
+        "wsgi.errors": sys.stderr,
+        "wsgi.multithread": True,
+        "wsgi.multiprocess": False,
+        "wsgi.run_once": False,
+        **{"HTTP_" + k.upper().replace("-", "_"): v for k, v in headers.items()},
+    }
+    import io
+
+    def call() -> str:
+        seen: list = []
+        body = app({**env, "wsgi.input": io.BytesIO()}, lambda s, h, e=None: seen.append(s))
+        b"".join(body)
+        if hasattr(body, "close"):
+            body.close()
+        return seen[0]
+
+    return call
+
+
+def cpu_ms(calls: list, count: int) -> float:
+    """This process's CPU ms a call, best of three blocks of `count` (the calls in turn)."""
+    best = float("inf")
+    for _ in range(3):
+        began = time.process_time()
+        for i in range(count):
+            calls[i % len(calls)]()
+        best = min(best, (time.process_time() - began) * 1000 / count)
+    return best
+
+
+def in_process(tree: dict, root: Path, count: int) -> dict:
+    """A DAV GET, an API GET and an OPTIONS /dav/ through notesvc's WSGI app in this process
+    (its own copy of the tree; default settings, the request log to a file as main() sets
+    it up), and authentication alone; CPU ms each."""
+    import logging
+
+    sys.path.insert(0, str(HERE.parent))
+    import notesvc
+
+    shutil.copytree(tree["root"] / "notes", root / "notes")
+    log_file = open(root.parent / "in-process.log", "w", encoding="utf-8")  # noqa: SIM115
+    notesvc.BatchedLogHandler.installed = notesvc.BatchedLogHandler(log_file)
+    logging.basicConfig(
+        level=logging.INFO,
+        format=notesvc.LOG_FORMAT,
+        handlers=[notesvc.BatchedLogHandler.installed],
+    )
+    env = {**defaults_env(), "SERVICE_NOTES_ROOT": str(root)}
+    app = notesvc.create_app(notesvc.load_config(env=env))
+    try:
+        svc = app.service
+        key = svc.state.read()["apiKey"]
+        basic = "Basic " + base64.b64encode(f"bench:{key}".encode()).decode()
+        time.sleep(2.5)  # the files settled (ReadCache's racy rule) before anything is kept
+        dav = [wsgi_caller(app, "/dav/" + p, {"Authorization": basic}) for p in tree["get"]]
+        api = [wsgi_caller(app, "/api/v1/notes/" + p, {"X-Service-Key": key}) for p in tree["get"]]
+        options = [wsgi_caller(app, "/dav/", {}, "OPTIONS")]
+        for calls in (dav, api, options):
+            assert {c() for c in calls} == {"200 OK"}, "in process: not 200"
+        envs = [{"HTTP_AUTHORIZATION": basic, "REMOTE_ADDR": "127.0.0.1"}]
+        auth = [lambda: notesvc.dav_authenticate(svc, dict(envs[0]))]
+        api_env = {"HTTP_X_SERVICE_KEY": key, "REMOTE_ADDR": "127.0.0.1"}
+        api_auth = [lambda: svc.authenticate(dict(api_env))]
+        return {
+            "dav": cpu_ms(dav, count),
+            "api": cpu_ms(api, count),
+            "options": cpu_ms(options, count),
+            "dav_auth": cpu_ms(auth, count),
+            "api_auth": cpu_ms(api_auth, count),
+        }
+    finally:
+        app.service.close()
+        logging.shutdown()
+
+
+def where(server: Server, tree: dict, args) -> dict:
+    """The server's CPU ms a request over HTTP (1 client: --rounds requests; 8 clients:
+    --seconds) for a DAV GET, an API GET and OPTIONS /dav/; then in this process."""
+
+    def api_get(client: int, i: int) -> tuple:
+        path = pick(tree["get"], client, i)
+        headers = {"X-Service-Key": server.key}
+        return "GET", "/api/v1/notes/" + urllib.parse.quote(path, safe=""), None, headers
+
+    def options(client: int, i: int) -> tuple:
+        return "OPTIONS", "/dav/", None, {}
+
+    makes = {"dav": dav_request(server, "get", tree), "api": api_get, "options": options}
+    out: dict = {}
+    for name, make in makes.items():
+        conn, pid = server.connect(), server.proc.pid
+        before = proc_figures(pid)["cpu_s"]
+        count = max(args.rounds, 1000)
+        for i in range(count):
+            ask(conn, make(0, i))
+        conn.close()
+        one = (proc_figures(pid)["cpu_s"] - before) * 1000 / count
+        load = under_load({"server": server, "row": "get", "make": make}, args.seconds)
+        out[name] = {"one": one, "eight": load["cpu_ms"], "rate": load["rate"]}
+    with tempfile.TemporaryDirectory() as tmp:
+        out["in"] = in_process(tree, Path(tmp) / "root", max(args.rounds, 1000))
+    return out
+
+
+def print_where(w: dict) -> None:
+    inside = w["in"]
+    print(f"\nwhere a notesvc GET's time goes: CPU ms a request ({CLIENTS} clients: req/s too)")
+    print(f"{'':38}{'WebDAV GET':>12}{'API GET':>12}{'OPTIONS /dav/':>15}")
+    rows = (
+        ("in process: Bottle + the app", inside["dav"], inside["api"], inside["options"]),
+        ("  of which authentication", inside["dav_auth"], inside["api_auth"], None),
+        ("over HTTP, 1 client", w["dav"]["one"], w["api"]["one"], w["options"]["one"]),
+        (f"over HTTP, {CLIENTS} clients", *(w[k]["eight"] for k in ("dav", "api", "options"))),
+        (f"  req/s, {CLIENTS} clients", *(w[k]["rate"] for k in ("dav", "api", "options"))),
+    )
+    for label, *cells in rows:
+        shown = [
+            "-" if c is None else f"{c:.0f}" if "req/s" in label else f"{c:.3f}" for c in cells
+        ]
+        print(f"{label:38}{shown[0]:>12}{shown[1]:>12}{shown[2]:>15}")
+    print(
+        "(over HTTP less in process: waitress, its parsing, the socket's system calls and the"
+        " GIL handed among its threads; OPTIONS asks for no key and reads no file)"
+    )
+
+
 # -- the report -----------------------------------------------------------------------------
 
 
@@ -385,8 +562,38 @@ def verdict(ok: bool) -> str:
     return "met" if ok else "MISSED"
 
 
+def run_header() -> list:
+    """The commit, Python and the settings of the run, as lines."""
+    repo = str(HERE.parent)
+    git = ["git", "-C", repo]
+    commit = subprocess.run([*git, "rev-parse", "--short", "HEAD"], capture_output=True, text=True)
+    changed = subprocess.run(
+        [*git, "status", "--porcelain", "--", "notesvc.py", "src", "bench"],
+        capture_output=True,
+        text=True,
+    )
+    dirty = " (with changes not committed)" if changed.stdout.strip() else ""
+    taken = sorted(k for k in os.environ if k.startswith("SERVICE_"))
+    versions = ", ".join(
+        f"{m} {importlib.metadata.version(m)}"
+        for m in ("bottle", "waitress", "wsgidav", "cheroot")
+        if importlib.util.find_spec(m) is not None
+    )
+    python = sys.version.split()[0]
+    return [
+        f"commit {commit.stdout.strip() or '?'}{dirty}; Python {python}; {versions}",
+        "notesvc: default settings (no SERVICE_* variable, no flag but --root/--host/--port;"
+        " rescans every 5 s, log level info with its line a request to a file)"
+        + (f"; taken out of the environment: {', '.join(taken)}" if taken else ""),
+        "WsgiDAV: --auth anonymous --no-config -q (no request log); rclone: its defaults",
+    ]
+
+
 def print_table(results: dict, servers: list, tree: dict, args) -> None:
     names = [s.name for s in servers]
+    print()
+    for line in run_header():
+        print(line)
     print(
         f"\n{tree['n']} notes of real text ({args.corpus}) in {FOLDERS} folders, and all of them"
         f" again in notes/big/; {args.rounds} sequential requests a row ({args.rounds // 4}"
@@ -455,6 +662,16 @@ def print_verdicts(results: dict, peers: list) -> None:
             ok = ours[0] <= 2 * theirs[0] and ours[2] >= theirs[2] / 2
             print(f"  {ROWS[row][0]:30} {verdict(ok)}")
     dav, api = figures(results, "notesvc", "put"), figures(results, "notesvc", "api_put")
+    print(f"goal (issue 45): GET and PROPFIND at or above WsgiDAV's req/s ({CLIENTS} clients),")
+    print("  PUT within 2x of the API's PUT (req/s at least half, p50 at most twice)")
+    if "WsgiDAV" in peers:
+        for row in ("propfind", "get"):
+            ours, theirs = figures(results, "notesvc", row), figures(results, "WsgiDAV", row)
+            print(
+                f"  {ROWS[row][0]:30} {ours[2] / theirs[2]:5.2f}x  {verdict(ours[2] >= theirs[2])}"
+            )
+    ok = dav[2] >= api[2] / 2 and dav[0] <= 2 * api[0]
+    print(f"  {ROWS['put'][0]:30} {dav[2] / api[2]:5.2f}x  {verdict(ok)}")
     print(
         f"PUT's price (history and fsync), reported: WebDAV PUT p50 {dav[0]:.2f} ms,"
         f" {dav[0] / api[0]:.2f}x the API's PUT ({api[0]:.2f} ms); req/s {dav[2]:.0f}"
@@ -462,8 +679,10 @@ def print_verdicts(results: dict, peers: list) -> None:
     )
 
 
-def report(results: dict, servers: list, memory: dict, tree: dict, args) -> None:
+def report(results: dict, servers: list, memory: dict, tree: dict, args, spent=None) -> None:
     print_table(results, servers, tree, args)
+    if spent:
+        print_where(spent)
     names = [s.name for s in servers]
     peers = [n for n in names if n != "notesvc"]
     if "notesvc" in names:
@@ -544,18 +763,26 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=5, help="each row under load, a server")
     ap.add_argument("--rounds", type=int, default=200, help="sequential requests a row")
     ap.add_argument("--only", choices=("all", "peers", "notesvc"), default="all")
+    ap.add_argument("--where", action="store_true", help="where a notesvc GET's time goes")
     args = ap.parse_args()
     notes = corpus_notes(args.corpus, args.notes)
+    spent = None
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp) / "notesvc"
         tree = seed_tree(root, notes)
         servers = start_servers(root, args.only)
         try:
             results, memory = measure(servers, tree, args)
+            ours = [s for s in servers if s.name == "notesvc"]
+            if args.where and ours:
+                for s in servers:
+                    if s.name != "notesvc":
+                        stop(s)  # idle, but out of the way
+                spent = where(ours[0], tree, args)
         finally:
             for s in servers:
                 stop(s)
-    report(results, servers, memory, tree, args)
+    report(results, servers, memory, tree, args, spent)
 
 
 if __name__ == "__main__":

@@ -138,15 +138,24 @@ class ReadCache:
                     self._trim()
         return rec["etag"], body
 
+    def kept(self, path: str, st: os.stat_result) -> dict | None:
+        """Return the kept record itself (not to be changed) of path while `st`, the stat
+        of its file the caller made, is the one it was kept with; else None."""
+        entry = self._same(path, st)
+        return None if entry is None else entry[1]
+
     def _fresh(self, path: str, target: Path | str) -> tuple | None:
-        entry = self._items.get(path)
-        if entry is None:
+        if path not in self._items:
             return None
         try:
             st = os.stat(target)
         except (OSError, ValueError):
             return None
-        if self.signature(st) != entry[0]:
+        return self._same(path, st)
+
+    def _same(self, path: str, st: os.stat_result) -> tuple | None:
+        entry = self._items.get(path)
+        if entry is None or self.signature(st) != entry[0]:
             return None
         with contextlib.suppress(KeyError):  # one C call: no lock (put may have dropped it)
             self._items.move_to_end(path)
