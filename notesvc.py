@@ -109,6 +109,7 @@ import binascii
 import bisect
 import collections
 import contextlib
+import copy
 import dataclasses
 import datetime as dt
 import difflib
@@ -35174,8 +35175,7 @@ def _hardened(listener_class: type) -> type:
             super().parse_header(header_plus)
             limits = getattr(self.adj, "notesvc_limits", None)
             if limits:
-                size, setting = limits[upload_kind(self.command, self.path)]
-                self.adj = _BodyLimit(self.adj, size, setting)
+                self.adj = limits[upload_kind(self.command, self.path)]
 
     class Channel(waitress.channel.HTTPChannel):
         """Closes after an early error like nginx's lingering_close: the answer sent and the
@@ -35274,14 +35274,14 @@ def _hardened(listener_class: type) -> type:
     return Listener
 
 
-class _BodyLimit:
-    """waitress's settings with another largest body (per request; see _hardened)."""
-
-    def __init__(self, adj: Any, size: int, setting: str):
-        self._adj, self.max_request_body_size, self.setting = adj, size, setting
-
-    def __getattr__(self, name: str) -> Any:
-        return getattr(self._adj, name)
+def _body_limited(adj: Any, size: int, setting: str) -> Any:
+    """Return a copy of waitress's settings with another largest body, made once: a
+    request's parser takes the one its kind of body has (see _hardened). (A wrapper that
+    looked each setting up in the listener's cost every request a Python call each time
+    waitress read one.)"""
+    limited = copy.copy(adj)
+    limited.max_request_body_size, limited.setting = size, setting
+    return limited
 
 
 _UPLOAD_RE = re.compile(rf"^(?:/r/[^/]+)?{API}/attachments(?:/.*)?$", re.S)
@@ -35484,13 +35484,16 @@ def make_server(app: Callable, config: Config):
             if isinstance(listener, waitress.server.BaseWSGIServer):
                 listener.__class__ = _hardened(type(listener))
                 # the limit of every body but an attachment's (Parser, in _hardened)
+                adj = listener.adj
                 listener.adj.notesvc_limits = {
-                    "": (config.max_body_bytes + 1, "SERVICE_MAX_BODY_BYTES"),
-                    "attachment": (
+                    "": _body_limited(adj, config.max_body_bytes + 1, "SERVICE_MAX_BODY_BYTES"),
+                    "attachment": _body_limited(
+                        adj,
                         config.max_attachment_bytes + MULTIPART_SLACK + 1,
                         "SERVICE_MAX_ATTACHMENT_BYTES",
                     ),
-                    "import": (
+                    "import": _body_limited(
+                        adj,
                         config.max_import_bytes + MULTIPART_SLACK + 1,
                         "SERVICE_MAX_IMPORT_BYTES",
                     ),
