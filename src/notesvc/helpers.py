@@ -16,6 +16,7 @@ import os
 import platform
 import re
 import secrets
+import select
 import socket
 import sys
 import tempfile
@@ -1000,3 +1001,25 @@ class MultipartReader:
                 del self.buf[: len(self.delimiter)]  # last line end was the delimiter's
                 continue
             self._until(b"\r\n" + self.delimiter, sink, limit, over)
+
+
+def _readable(f, timeout: float) -> bool:
+    """Return whether f has something to read within timeout seconds (poll: a descriptor
+    past 1024, as a busy server has, is out of select()'s range)."""
+    if hasattr(select, "poll"):
+        watch = select.poll()
+        watch.register(f, select.POLLIN)
+        return bool(watch.poll(timeout * 1000))
+    return bool(select.select([f], [], [], timeout)[0])
+
+
+def _stop_helper(helper) -> None:
+    with contextlib.suppress(OSError):
+        helper.stdin.close()
+    try:
+        helper.wait(30)
+    except Exception:
+        helper.kill()
+        helper.wait()
+    with contextlib.suppress(OSError):
+        helper.stdout.close()

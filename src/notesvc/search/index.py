@@ -16,7 +16,6 @@ import json
 import math
 import os
 import re
-import select
 import stat
 import sys
 import tempfile
@@ -33,6 +32,8 @@ from notesvc.errors import ApiError
 from notesvc.helpers import (
     TEMP_PREFIX,
     TEMP_SUFFIX,
+    _readable,
+    _stop_helper,
     atomic_write,
     deferred_sync,
     fsync_dir,
@@ -66,6 +67,7 @@ from notesvc.search.segments import (
     _DeletedCounts,
     _exact_tf,
     _has,
+    _TextCache,
     _Vocab,
     phrase_docs,
     query_needles,
@@ -227,28 +229,6 @@ def _merge_for_server(job: dict, folder: Path) -> tuple:
     return name, {"file": name, "remaps": maps}
 
 
-def _readable(f, timeout: float) -> bool:
-    """Return whether f has something to read within timeout seconds (poll: a descriptor
-    past 1024, as a busy server has, is out of select()'s range)."""
-    if hasattr(select, "poll"):
-        watch = select.poll()
-        watch.register(f, select.POLLIN)
-        return bool(watch.poll(timeout * 1000))
-    return bool(select.select([f], [], [], timeout)[0])
-
-
-def _stop_helper(helper) -> None:
-    with contextlib.suppress(OSError):
-        helper.stdin.close()
-    try:
-        helper.wait(30)
-    except Exception:
-        helper.kill()
-        helper.wait()
-    with contextlib.suppress(OSError):
-        helper.stdout.close()
-
-
 SORT_UP_TO = 512  # fewer items: sorted() in C beats heapq.nlargest's Python loop (3x at 20)
 
 
@@ -348,48 +328,6 @@ def _note_key(path: str, sig: tuple, stable: bool = False) -> int:
         return hash((path, *sig))
     text = f"{path}\0{sig[0]}\0{sig[1]}".encode("utf-8", "surrogatepass")
     return int.from_bytes(hashlib.blake2b(text, digest_size=8).digest(), "little", signed=True)
-
-
-class _TextCache:
-    """The texts of the notes snippets were cut from lately, each kept with the signature
-    (size, mtime) the index holds for it, so it is given again only for that version;
-    at most MAX_CHARS characters, notes up to MAX_NOTE_CHARS, least recent out first.
-    A search typed letter by letter, or asked again, cuts its snippets from the same notes:
-    reading each one's file again cost a rare word's search a fifth of its time."""
-
-    MAX_CHARS = 1 << 20
-    MAX_NOTE_CHARS = 32 << 10
-
-    def __init__(self):
-        self._lock = threading.Lock()
-        self._items: collections.OrderedDict = collections.OrderedDict()  # path -> (sig, text)
-        self._chars = 0
-
-    def get(self, path: str, sig: tuple) -> str | None:
-        with self._lock:
-            entry = self._items.get(path)
-            if entry is None or entry[0] != sig:
-                return None
-            self._items.move_to_end(path)
-            return entry[1]
-
-    def put(self, path: str, sig: tuple, text: str) -> None:
-        if len(text) > self.MAX_NOTE_CHARS:
-            return
-        with self._lock:
-            old = self._items.pop(path, None)
-            if old is not None:
-                self._chars -= len(old[1])
-            self._items[path] = (sig, text)
-            self._chars += len(text)
-            while self._chars > self.MAX_CHARS:
-                self._chars -= len(self._items.popitem(last=False)[1][1])
-
-    def drop(self, path: str) -> None:
-        with self._lock:
-            old = self._items.pop(path, None)
-            if old is not None:
-                self._chars -= len(old[1])
 
 
 class _NoteTexts(Sequence):

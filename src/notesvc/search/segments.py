@@ -9,6 +9,7 @@ import itertools
 import math
 import operator
 import re
+import threading
 import unicodedata
 from collections import deque
 from collections.abc import Iterable
@@ -463,3 +464,45 @@ def query_needles(seg, si: int, clauses: list, keys: dict, typed: dict) -> dict:
     for needle, _, word in found:
         needles.setdefault(needle, word)
     return needles
+
+
+class _TextCache:
+    """The texts of the notes snippets were cut from lately, each kept with the signature
+    (size, mtime) the index holds for it, so it is given again only for that version;
+    at most MAX_CHARS characters, notes up to MAX_NOTE_CHARS, least recent out first.
+    A search typed letter by letter, or asked again, cuts its snippets from the same notes:
+    reading each one's file again cost a rare word's search a fifth of its time."""
+
+    MAX_CHARS = 1 << 20
+    MAX_NOTE_CHARS = 32 << 10
+
+    def __init__(self):
+        self._lock = threading.Lock()
+        self._items: collections.OrderedDict = collections.OrderedDict()  # path -> (sig, text)
+        self._chars = 0
+
+    def get(self, path: str, sig: tuple) -> str | None:
+        with self._lock:
+            entry = self._items.get(path)
+            if entry is None or entry[0] != sig:
+                return None
+            self._items.move_to_end(path)
+            return entry[1]
+
+    def put(self, path: str, sig: tuple, text: str) -> None:
+        if len(text) > self.MAX_NOTE_CHARS:
+            return
+        with self._lock:
+            old = self._items.pop(path, None)
+            if old is not None:
+                self._chars -= len(old[1])
+            self._items[path] = (sig, text)
+            self._chars += len(text)
+            while self._chars > self.MAX_CHARS:
+                self._chars -= len(self._items.popitem(last=False)[1][1])
+
+    def drop(self, path: str) -> None:
+        with self._lock:
+            old = self._items.pop(path, None)
+            if old is not None:
+                self._chars -= len(old[1])
