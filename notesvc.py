@@ -1939,6 +1939,23 @@ def _stop_helper(helper) -> None:
         helper.stdout.close()
 
 
+class _EarlyHelper:
+    """A helper process a sync may start before its bulk read (start(), once), then hand
+    to it (take())."""
+
+    def __init__(self, start: Callable):
+        self._start, self._helper, self._started = start, None, False
+
+    def start(self) -> None:
+        if not self._started:
+            self._started = True
+            self._helper = self._start()
+
+    def take(self) -> Any:
+        helper, self._helper = self._helper, None
+        return helper
+
+
 # == src/notesvc/notes/paths.py ===============================================
 # == Notes ====================================================================
 
@@ -4713,8 +4730,9 @@ class NoteStore:
             self._recent[folder] = (seen, paths)
         return paths
 
-    def scan(self) -> dict:
-        """Return {note path: (size, mtime_ns)} for every note (the rescan's view)."""
+    def scan(self, on_many: Callable | None = None, many: int = 0) -> dict:
+        """Return {note path: (size, mtime_ns)} for every note (the rescan's view); call
+        on_many() once it has found `many` notes (the index starts its helper then)."""
         out = {}
         for path, e in self._entries():
             try:
@@ -4722,6 +4740,8 @@ class NoteStore:
             except OSError:
                 continue
             out[path] = (st.st_size, st.st_mtime_ns)
+            if on_many is not None and len(out) == many:
+                on_many()
         return out
 
     def read_raw(self, path: str) -> tuple:
@@ -5585,6 +5605,37 @@ class AttachmentStore:
     def sweep_temp_files(self) -> int:
         """Remove the temp files an interrupted upload left; return how many."""
         return sweep_temp_files(self.root, skip_hidden=True) if self.root.is_dir() else 0
+
+
+# Opening a note to read it: never through a symbolic link, never waiting on a FIFO (a
+# named pipe called x.md is seen as a file and then skipped).
+_NOFOLLOW_NONBLOCK = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+
+
+def _read_items(notes: NoteStore, paths: list) -> list:
+    """Return (path, text, size, mtime_ns) of the notes still there (paths from a scan)."""
+    items, base = [], str(notes.base)
+    flags = os.O_RDONLY | _NOFOLLOW_NONBLOCK
+    for path in paths:
+        try:  # the common case without pathlib: the name on disk is the path
+            fd = os.open(os.path.join(base, path), flags)
+        except FileNotFoundError:
+            if path.isascii():
+                continue
+            try:  # an NFD name on disk
+                data, st = notes.read_raw(path)
+            except ApiError:
+                continue
+        except OSError:
+            continue
+        else:
+            with open(fd, "rb") as f:
+                st = os.fstat(f.fileno())
+                if not stat.S_ISREG(st.st_mode):
+                    continue
+                data = f.read()
+        items.append((path, data.decode("utf-8", "replace"), st.st_size, st.st_mtime_ns))
+    return items
 
 
 # == src/notesvc/notes/tasks.py ===============================================
@@ -8383,37 +8434,6 @@ def _memory_segment(vocab: _Vocab, docs: list, avg: tuple) -> MemorySegment:
     return seg
 
 
-# Opening a note to read it: never through a symbolic link, never waiting on a FIFO (a
-# named pipe called x.md is seen as a file and then skipped).
-_NOFOLLOW_NONBLOCK = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-
-
-def _read_items(notes: NoteStore, paths: list) -> list:
-    """Return (path, text, size, mtime_ns) of the notes still there (paths from a scan)."""
-    items, base = [], str(notes.base)
-    flags = os.O_RDONLY | _NOFOLLOW_NONBLOCK
-    for path in paths:
-        try:  # the common case without pathlib: the name on disk is the path
-            fd = os.open(os.path.join(base, path), flags)
-        except FileNotFoundError:
-            if path.isascii():
-                continue
-            try:  # an NFD name on disk
-                data, st = notes.read_raw(path)
-            except ApiError:
-                continue
-        except OSError:
-            continue
-        else:
-            with open(fd, "rb") as f:
-                st = os.fstat(f.fileno())
-                if not stat.S_ISREG(st.st_mode):
-                    continue
-                data = f.read()
-        items.append((path, data.decode("utf-8", "replace"), st.st_size, st.st_mtime_ns))
-    return items
-
-
 class _Progress:
     """Counts the notes a bulk has indexed; a thread logs the count every 2 s."""
 
@@ -8973,11 +8993,14 @@ class SearchIndex:
         hears what changed before the index takes it (history and the change feed).
         """
         notes = notes or self.notes
-        with self._sync_lock:
+        with self._sync_lock, self._early_helper(notes) as early:
             started = time.perf_counter()
             self.verify()
-            files = notes.scan()
-            present, had_notes = list(files), bool(self.stats().get("documents"))
+            had_notes = bool(self.stats().get("documents"))
+            # a first build's helper process starts while the scan goes on, once it has
+            # found more than a batch of notes (it takes a fifth of a second to start)
+            files = notes.scan(None if had_notes else early.start, BULK_CHUNK_NOTES + 1)
+            present = list(files)
             changed, removed, known = self._check(files)
             # `known` empty means "the index was rebuilt" to observe(); a None entry keeps it
             # truthy when the index held notes but none of these changed ones. Many changes:
@@ -8998,7 +9021,7 @@ class SearchIndex:
                     if not notes.exists(path):
                         gone += self.remove(path)
             if len(changed) > 50:
-                self._bulk_read(notes, changed, known, files, aside=had_notes)
+                self._bulk_read(notes, changed, known, files, had_notes, early.take())
             else:
                 for path in changed:
                     with notes.locked(path):  # no API write can slip in between
@@ -9012,8 +9035,26 @@ class SearchIndex:
                 log.info("index: %d notes read, %d removed in %.2f s", len(changed), gone, took)
             return {"read": len(changed), "removed": gone, "seconds": round(took, 3)}
 
+    @contextlib.contextmanager
+    def _early_helper(self, notes: NoteStore):
+        """Yield an _EarlyHelper for a sync; a helper it started that no bulk took is
+        stopped at the end."""
+        early = _EarlyHelper(lambda: self._start_helper(notes))
+        try:
+            yield early
+        finally:
+            helper = early.take()
+            if helper is not None:
+                _stop_helper(helper)
+
     def _bulk_read(
-        self, notes: NoteStore, paths: list, known: set, sigs: dict, aside: bool = False
+        self,
+        notes: NoteStore,
+        paths: list,
+        known: set,
+        sigs: dict,
+        aside: bool = False,
+        helper: Any = None,
     ) -> None:
         """Read and index many notes, a segment file per batch (BULK_CHUNK_NOTES notes or
         BULK_CHUNK_CHARS bytes, by their (size, ...) in sigs); with two cores or more, a
@@ -9021,7 +9062,8 @@ class SearchIndex:
         two cores. `aside`: the index answers meanwhile (a restart's check found many notes
         changed: a restored backup, a `touch` of everything), so the helper analyses every
         batch and this process only installs its files: analysing a batch here took 25 MB
-        more at its peak, and searches shared the GIL with it (100,000 notes: 34 -> 46 s)."""
+        more at its peak, and searches shared the GIL with it (100,000 notes: 34 -> 46 s).
+        `helper`: one started already (_EarlyHelper), used instead of a new one."""
         batches: deque = deque([[]])
         chars = 0
         for path in paths:
@@ -9033,7 +9075,11 @@ class SearchIndex:
         with self._lock:
             self._bulks += 1
         self._stems = {}
-        helper = self._start_helper(notes) if len(batches) > 1 else None
+        if helper is not None and len(batches) < 2:
+            _stop_helper(helper)
+            helper = None
+        elif helper is None and len(batches) > 1:
+            helper = self._start_helper(notes)
         progress = _Progress(len(paths))
         try:
             with progress:

@@ -6088,6 +6088,33 @@ class TestSearchSegments:
         assert (bytes(made[0]), made[1], bytes(made[2])) == listed
         assert notesvc._text_table(notesvc._StringTable())[1].tolist() == [0]
 
+    def test_a_first_build_starts_its_helper_during_the_scan_and_a_small_one_none(
+        self, root, tmp_path, caplog
+    ):
+        """A first build of more than a batch of notes starts its helper process once the
+        scan has found that many (one process for the bulk, kept for its merges); a
+        folder of one batch starts none."""
+        caplog.set_level("INFO", logger="notesvc")
+        store = notesvc.NoteStore(root / "notes", tmp_path / "trash")
+        write_notes(root, make_ref_notes(random.Random(3), 300))
+        (tmp_path / "small").mkdir()
+        small = notesvc.SearchIndex(tmp_path / "small", store)
+        assert small.sync(store)["read"] == 300
+        assert "a helper process" not in caplog.text
+        small.close()
+        if (os.cpu_count() or 1) < 2:
+            return
+        write_notes(root, make_ref_notes(random.Random(4), notesvc.BULK_CHUNK_NOTES + 200))
+        (tmp_path / "big").mkdir()
+        big = notesvc.SearchIndex(tmp_path / "big", store)
+        try:
+            assert big.sync(store)["read"] > notesvc.BULK_CHUNK_NOTES
+            assert caplog.text.count("a helper process (pid") == 1
+            assert big._merger is not None  # kept for the merges that follow
+        finally:
+            big.close()
+        assert big._merger is None
+
     def test_a_merge_the_helper_cannot_write_is_written_by_the_server(self, root, tmp_path, caplog):
         """The helper opens the segment files by name; one gone from the folder (the index
         still has it mapped) makes it fail: the index merges it itself, nothing lost."""

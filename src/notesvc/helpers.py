@@ -1023,3 +1023,20 @@ def _stop_helper(helper) -> None:
         helper.wait()
     with contextlib.suppress(OSError):
         helper.stdout.close()
+
+
+class _EarlyHelper:
+    """A helper process a sync may start before its bulk read (start(), once), then hand
+    to it (take())."""
+
+    def __init__(self, start: Callable):
+        self._start, self._helper, self._started = start, None, False
+
+    def start(self) -> None:
+        if not self._started:
+            self._started = True
+            self._helper = self._start()
+
+    def take(self) -> Any:
+        helper, self._helper = self._helper, None
+        return helper

@@ -500,8 +500,9 @@ class NoteStore:
             self._recent[folder] = (seen, paths)
         return paths
 
-    def scan(self) -> dict:
-        """Return {note path: (size, mtime_ns)} for every note (the rescan's view)."""
+    def scan(self, on_many: Callable | None = None, many: int = 0) -> dict:
+        """Return {note path: (size, mtime_ns)} for every note (the rescan's view); call
+        on_many() once it has found `many` notes (the index starts its helper then)."""
         out = {}
         for path, e in self._entries():
             try:
@@ -509,6 +510,8 @@ class NoteStore:
             except OSError:
                 continue
             out[path] = (st.st_size, st.st_mtime_ns)
+            if on_many is not None and len(out) == many:
+                on_many()
         return out
 
     def read_raw(self, path: str) -> tuple:
@@ -1372,3 +1375,34 @@ class AttachmentStore:
     def sweep_temp_files(self) -> int:
         """Remove the temp files an interrupted upload left; return how many."""
         return sweep_temp_files(self.root, skip_hidden=True) if self.root.is_dir() else 0
+
+
+# Opening a note to read it: never through a symbolic link, never waiting on a FIFO (a
+# named pipe called x.md is seen as a file and then skipped).
+_NOFOLLOW_NONBLOCK = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+
+
+def _read_items(notes: NoteStore, paths: list) -> list:
+    """Return (path, text, size, mtime_ns) of the notes still there (paths from a scan)."""
+    items, base = [], str(notes.base)
+    flags = os.O_RDONLY | _NOFOLLOW_NONBLOCK
+    for path in paths:
+        try:  # the common case without pathlib: the name on disk is the path
+            fd = os.open(os.path.join(base, path), flags)
+        except FileNotFoundError:
+            if path.isascii():
+                continue
+            try:  # an NFD name on disk
+                data, st = notes.read_raw(path)
+            except ApiError:
+                continue
+        except OSError:
+            continue
+        else:
+            with open(fd, "rb") as f:
+                st = os.fstat(f.fileno())
+                if not stat.S_ISREG(st.st_mode):
+                    continue
+                data = f.read()
+        items.append((path, data.decode("utf-8", "replace"), st.st_size, st.st_mtime_ns))
+    return items
