@@ -16,9 +16,17 @@ serve the same bytes. All three run at once, on loopback, in the same run:
   manager's journal would take it), at /dav/, HTTP Basic with the API key as password,
   checked on every request;
 - WsgiDAV (the Python peer; pip install wsgidav cheroot): its filesystem provider on
-  cheroot under the same interpreter, `--auth anonymous --no-config -q` (no request log);
-- rclone (the Go peer): `rclone serve webdav <dir>` with its defaults (no auth; it keeps
-  directory listings 5 min, --dir-cache-time).
+  cheroot (its default server) under the same interpreter, `--config <tmp>/wsgidav.json`:
+  HTTP Basic for one user of its simple_dc (accept_basic true, accept_digest false,
+  default_to_digest false), its default verbosity (3: a line a request, INFO), to a file;
+- rclone (the Go peer): `rclone serve webdav <dir> --user bench --pass <random>` (Basic, one
+  user) with its other defaults: log level NOTICE, which writes no line a request (its log
+  to a file), directory listings kept 5 min (--dir-cache-time).
+
+So all three check Basic auth on every request, serve copies of the same tree in the same
+temp folder and write their logs to files there; the contract's "the same log level" as far
+as the peers have one: WsgiDAV's default logs a line a request as notesvc's info does,
+rclone has no level that logs requests short of DEBUG, so it runs at its default.
 
 The rows, each checked for its status (PROPFIND 207, GET 200, PUT 200/201/204 — RFC 9110
 allows 200 or 204 for an overwrite; the API's PUT 200), and every other answer counted as
@@ -63,6 +71,7 @@ import importlib.util
 import json
 import os
 import re
+import secrets
 import shutil
 import socket
 import subprocess
@@ -159,33 +168,65 @@ def wait_listening(proc: subprocess.Popen, port: int, name: str, seconds: float 
     raise SystemExit(f"{name} did not listen on {port} within {seconds:.0f} s")
 
 
+USER = "bench"  # the peers' one user (Basic auth); the password is made at each run
+WSGIDAV_SETTINGS = (
+    "--config <tmp>/wsgidav.json --root <dir> (simple_dc, one user; accept_basic true,"
+    " accept_digest false, default_to_digest false), cheroot (its default server), its"
+    " default verbosity 3 (a line a request, to a file)"
+)
+RCLONE_SETTINGS = (
+    "--user/--pass (Basic, one user), its default log level NOTICE (no line a request;"
+    " its log to a file), listings kept 5 min (--dir-cache-time)"
+)
+
+
+def basic_headers(password: str) -> dict:
+    return {"Authorization": "Basic " + base64.b64encode(f"{USER}:{password}".encode()).decode()}
+
+
 def start_wsgidav(folder: Path) -> Server:
-    """WsgiDAV's filesystem provider over `folder`, on cheroot, under this interpreter."""
+    """WsgiDAV's filesystem provider over `folder`, on cheroot (its default server), under
+    this interpreter: HTTP Basic, one user of its simple_dc, from a config file beside
+    `folder`; its default verbosity logs a line a request (to stdout: a file here)."""
     if importlib.util.find_spec("wsgidav") is None:
         raise SystemExit("no WsgiDAV here: pip install wsgidav cheroot")
+    password = secrets.token_urlsafe(24)
+    config = {
+        "http_authenticator": {
+            "domain_controller": None,  # its SimpleDomainController
+            "accept_basic": True,
+            "accept_digest": False,
+            "default_to_digest": False,
+        },
+        "simple_dc": {"user_mapping": {"*": {USER: {"password": password}}}},
+    }
+    config_file = folder.parent / "wsgidav.json"
+    config_file.write_text(json.dumps(config), encoding="utf-8")
     port = free_port()
     cmd = [sys.executable, "-m", "wsgidav.server.server_cli", "--host", "127.0.0.1"]
-    cmd += ["--port", str(port), "--root", str(folder), "--auth", "anonymous", "--no-config"]
-    proc = subprocess.Popen(
-        [*cmd, "-q"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL, cwd=folder
-    )
+    cmd += ["--port", str(port), "--root", str(folder), "--config", str(config_file)]
+    with open(folder.parent / "wsgidav.log", "w", encoding="utf-8") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT, cwd=folder)
     wait_listening(proc, port, "WsgiDAV")
-    return Server("WsgiDAV", proc, port, version=importlib.metadata.version("wsgidav"))
+    version = importlib.metadata.version("wsgidav")
+    return Server("WsgiDAV", proc, port, headers=basic_headers(password), version=version)
 
 
 def start_rclone(folder: Path) -> Server:
-    """`rclone serve webdav` over `folder`, with its defaults."""
+    """`rclone serve webdav` over `folder`: HTTP Basic with one user (--user/--pass), its
+    other defaults (log level NOTICE: no line a request; its log to a file)."""
     if not Path(RCLONE).exists():
         raise SystemExit("no rclone here: apt-get install rclone")
+    password = secrets.token_urlsafe(24)
     port = free_port()
-    proc = subprocess.Popen(
-        [RCLONE, "serve", "webdav", str(folder), "--addr", f"127.0.0.1:{port}"],
-        stdout=subprocess.DEVNULL,
-        stderr=subprocess.DEVNULL,
-    )
+    cmd = [RCLONE, "serve", "webdav", str(folder), "--addr", f"127.0.0.1:{port}"]
+    cmd += ["--user", USER, "--pass", password]
+    with open(folder.parent / "rclone.log", "w", encoding="utf-8") as log:
+        proc = subprocess.Popen(cmd, stdout=log, stderr=subprocess.STDOUT)
     wait_listening(proc, port, "rclone")
     out = subprocess.run([RCLONE, "version"], capture_output=True, text=True, check=False)
-    return Server("rclone", proc, port, version=out.stdout.split("\n", 1)[0].split()[-1])
+    version = out.stdout.split("\n", 1)[0].split()[-1]
+    return Server("rclone", proc, port, headers=basic_headers(password), version=version)
 
 
 def stop(server: Server) -> None:
@@ -585,7 +626,8 @@ def run_header() -> list:
         "notesvc: default settings (no SERVICE_* variable, no flag but --root/--host/--port;"
         " rescans every 5 s, log level info with its line a request to a file)"
         + (f"; taken out of the environment: {', '.join(taken)}" if taken else ""),
-        "WsgiDAV: --auth anonymous --no-config -q (no request log); rclone: its defaults",
+        f"WsgiDAV: {WSGIDAV_SETTINGS}",
+        f"rclone: {RCLONE_SETTINGS}",
     ]
 
 
@@ -692,9 +734,11 @@ def report(results: dict, servers: list, memory: dict, tree: dict, args, spent=N
     else:
         print("\nnotesvc not run (--only peers): no ratios, no verdicts")
     print("\nRssAnon after the run: " + ", ".join(f"{n} {mb} MB" for n, mb in memory.items()))
-    auth = "; notesvc checks Basic auth on every request" if "notesvc" in names else ""
     if peers:
-        print(f"the peers serve without auth{auth}; rclone keeps listings 5 min (its default)")
+        print(
+            "every server checks Basic auth on every request; notesvc (info) and WsgiDAV"
+            " (verbosity 3) write a line a request to a file, rclone (NOTICE) none"
+        )
     errors = {k: r["seq"]["errors"] + r["load"]["errors"] for k, r in results.items()}
     print(f"errors: {sum(sum(c.values()) for c in errors.values())}")
     for (name, row), counts in errors.items():
