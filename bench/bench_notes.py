@@ -13,6 +13,9 @@ History and the change feed (issue 13), each against a reference from the same r
 - change-feed delivery: from sending a PUT to a real server until a long-poll waiting on
   it has its answer, p50 (goal: 20 ms), beside a GET /health round trip;
 - disk used by history after 10,000 edits of 100 notes, beside the notes' own size.
+
+Settings: notesvc's defaults (rescans on) but SERVICE_AUTH_MODE=none, as the references
+have no authentication; in process, each app's first check of the files is waited out.
 """
 
 from __future__ import annotations
