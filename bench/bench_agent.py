@@ -21,6 +21,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 import bench_search  # noqa: E402
+from _common import print_header, wait_first_check  # noqa: E402
 
 import notesvc  # noqa: E402
 
@@ -30,6 +31,7 @@ def main() -> None:
     ap.add_argument("--notes", type=int, default=10000)
     ap.add_argument("--questions", type=int, default=200)
     args = ap.parse_args()
+    print_header()
     rnd = random.Random(5)
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -38,9 +40,9 @@ def main() -> None:
         (root / "notes" / "home" / "keys.md").write_text(
             "# Keys\n\nSpare keys are under the blue flowerpot.\n"
         )
-        notesvc.log.setLevel("WARNING")
-        cfg = notesvc.load_config(env={"SERVICE_NOTES_ROOT": tmp, "SERVICE_RESCAN_SECONDS": "0"})
+        cfg = notesvc.load_config(env={"SERVICE_NOTES_ROOT": tmp})  # the default settings
         svc = notesvc.build_service(cfg).start()
+        wait_first_check(svc)
         vocab = info["vocab"]
         questions = [
             f"where did I write about {rnd.choice(vocab[200:5000])} and "

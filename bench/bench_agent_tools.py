@@ -26,6 +26,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 sys.path.insert(0, str(HERE.parent))
 import bench_search  # noqa: E402
+from _common import print_header, wait_first_check  # noqa: E402
 
 import notesvc  # noqa: E402
 
@@ -103,13 +104,22 @@ def pct(xs: list, p: float) -> float:
     return xs[min(len(xs) - 1, round(p / 100 * (len(xs) - 1)))]
 
 
+def agent_settings(url: str) -> dict:
+    """What the bench cannot run without: the agent, on the stand-in model."""
+    return {
+        "SERVICE_AGENT_PROVIDER": "openai",
+        "SERVICE_AGENT_BASE_URL": url,
+        "SERVICE_AGENT_MODEL": "stand-in",
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--notes", type=int, default=2000)
     ap.add_argument("--questions", type=int, default=100)
     args = ap.parse_args()
+    print_header(agent_settings("(the stand-in's URL)"))
     rnd = random.Random(5)
-    notesvc.log.setLevel("WARNING")
     with tempfile.TemporaryDirectory() as tmp:
         info = bench_search.make_corpus(Path(tmp), args.notes)
         vocab = info["vocab"]
@@ -120,14 +130,9 @@ def main() -> None:
         results = {}
         for name, use_tools in (("reference: single call", False), ("tool loop", True)):
             model = StandIn(use_tools)
-            env = {
-                "SERVICE_NOTES_ROOT": tmp,
-                "SERVICE_RESCAN_SECONDS": "0",
-                "SERVICE_AGENT_PROVIDER": "openai",
-                "SERVICE_AGENT_BASE_URL": model.url,
-                "SERVICE_AGENT_MODEL": "stand-in",
-            }
+            env = {"SERVICE_NOTES_ROOT": tmp, **agent_settings(model.url)}
             svc = notesvc.build_service(notesvc.load_config(env=env)).start()
+            wait_first_check(svc)
             try:
                 for q in questions[:10]:  # warm up
                     notesvc.ask_agent(svc, q)

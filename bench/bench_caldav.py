@@ -9,7 +9,7 @@ notes/f<N>/n<i>.md (10 folders) before notesvc starts. notesvc serves them from 
 (its "All tasks" list); the peers get the very VTODOs notesvc serves, PUT one by one into
 one calendar each, so all three hold the same tasks. All three run at once, on loopback:
 
-- notesvc: `notesvc.py --root <root>` (SERVICE_RESCAN_SECONDS=0), HTTP Basic with a
+- notesvc: `notesvc.py --root <root>` (default settings), HTTP Basic with a
   device-style scoped key (write), checked on every request;
 - Radicale (pip install radicale): its default server, `--auth-type htpasswd` (one user,
   plain), a filesystem storage in a temporary folder, no request log;
@@ -52,6 +52,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from _common import print_header  # noqa: E402
 from bench_relay import pct, proc_figures, start  # noqa: E402
 
 FOLDERS = 10
@@ -135,7 +136,7 @@ def request(conn, method: str, path: str, body: bytes = b"", headers=None) -> tu
 
 
 def start_notesvc(root: Path) -> Peer:
-    proc, port = start("--root", str(root), env={"SERVICE_RESCAN_SECONDS": "0"})
+    proc, port = start("--root", str(root), env={})  # notesvc's defaults
     conn = http.client.HTTPConnection("127.0.0.1", port, timeout=60)
     _, _, body = request(conn, "GET", "/api/v1/system/setup")
     key = json.loads(body)["data"]["apiKey"]
@@ -328,6 +329,7 @@ def main() -> None:
     ap.add_argument("--rounds", type=int, default=5)
     ap.add_argument("--ticks", type=int, default=50)
     args = ap.parse_args()
+    print_header()
     work = Path(tempfile.mkdtemp(prefix="bench-caldav-"))
     seed(work / "notesvc", args.notes)
     peers = [start_notesvc(work / "notesvc")]

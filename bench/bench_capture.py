@@ -19,7 +19,6 @@ import argparse
 import contextlib
 import http.server
 import json
-import os
 import re
 import statistics
 import subprocess
@@ -32,6 +31,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 NOTESVC = str(HERE.parent / "notesvc.py")
+sys.path.insert(0, str(HERE))
+from _common import print_header, server_env  # noqa: E402
+
 TOKEN = "123456:bench-token"  # noqa: S105 - the stand-in takes any token
 
 
@@ -133,18 +135,11 @@ def main() -> None:
     args = ap.parse_args()
     bot = BotApi()
     with tempfile.TemporaryDirectory() as tmp:
-        env = {
-            **os.environ,
-            "SERVICE_TELEGRAM_API_BASE": bot.url,
-            "SERVICE_RESCAN_SECONDS": "0",
-            "SERVICE_LOG_LEVEL": "warning",
-        }
+        settings = {"SERVICE_TELEGRAM_API_BASE": bot.url}  # the stand-in, not Telegram
+        print_header(settings)
         command = [sys.executable, NOTESVC, "--root", tmp, "--host", "127.0.0.1", "--port", "0"]
         proc = subprocess.Popen(
-            [*command, "--auth-mode", "none"],
-            stderr=subprocess.PIPE,
-            text=True,
-            env=env,
+            command, stderr=subprocess.PIPE, text=True, env=server_env(settings)
         )
         try:
             for line in proc.stderr:
@@ -153,15 +148,18 @@ def main() -> None:
                     base = f"http://127.0.0.1:{m.group(1)}"
                     break
             threading.Thread(target=proc.stderr.read, daemon=True).start()
+            state = json.loads((Path(tmp) / ".notesvc" / "state.json").read_text())
+            auth = {"X-Service-Key": state["apiKey"]}  # the default auth mode
             config = {"botToken": TOKEN, "allowedChatIds": [42]}
             polling = call(
-                base, "POST", "/api/v1/channels", {"provider": "telegram", "config": config}
+                base, "POST", "/api/v1/channels", {"provider": "telegram", "config": config}, auth
             )
             webhook = call(
                 base,
                 "POST",
                 "/api/v1/channels",
                 {"provider": "telegram", "config": {**config, "mode": "webhook"}},
+                auth,
             )["data"]
             polling = polling["data"]
             time.sleep(1.0)  # the poller is up and holding a poll
@@ -191,7 +189,7 @@ def main() -> None:
             time.sleep(args.idle)
             polling_cpu = cpu_seconds(proc.pid) - cpu_before
             polls = bot.polls - polls_before
-            call(base, "POST", f"/api/v1/channels/{polling['id']}/toggle")
+            call(base, "POST", f"/api/v1/channels/{polling['id']}/toggle", None, auth)
             time.sleep(1.0)
             cpu_before = cpu_seconds(proc.pid)
             time.sleep(args.idle)

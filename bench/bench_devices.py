@@ -14,7 +14,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
 import re
 import statistics
 import subprocess
@@ -25,6 +24,9 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from _common import print_header, server_env  # noqa: E402
+
 NOTESVC = str(HERE.parent / "notesvc.py")
 
 
@@ -34,7 +36,7 @@ def start(root: str) -> tuple:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "SERVICE_LOG_LEVEL": "warning", "SERVICE_RESCAN_SECONDS": "0"},
+        env=server_env(),  # notesvc's defaults
     )
     ready, port = threading.Event(), []
 
@@ -55,6 +57,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--rounds", type=int, default=300)
     args = ap.parse_args()
+    print_header()
     with tempfile.TemporaryDirectory() as root:
         proc, port = start(root)
         conn = http.client.HTTPConnection("127.0.0.1", port, timeout=30)

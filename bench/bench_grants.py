@@ -25,6 +25,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+from _common import print_header, wait_first_check
 from bench_search import make_corpus, make_queries
 
 import notesvc
@@ -67,19 +68,14 @@ def main() -> None:
     ap.add_argument("--runs", type=int, default=2000, help="requests per key")
     ap.add_argument("--queries", type=int, default=100, help="queries per kind")
     args = ap.parse_args()
+    print_header()
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         started = time.perf_counter()
         info = make_corpus(root, args.notes)
-        cfg = notesvc.load_config(
-            env={
-                "SERVICE_NOTES_ROOT": tmp,
-                "SERVICE_RESCAN_SECONDS": "0",
-                "SERVICE_LOG_LEVEL": "warning",
-            }
-        )
+        cfg = notesvc.load_config(env={"SERVICE_NOTES_ROOT": tmp})  # the default settings
         app = notesvc.create_app(cfg)
-        notesvc.log.setLevel("WARNING")
+        wait_first_check(app.service)  # every note indexed (rescans on: in the background)
         print(f"{args.notes} notes built and indexed in {time.perf_counter() - started:.1f} s")
         key = app.service.state.read()["apiKey"]
         folder = "notes/area-03"

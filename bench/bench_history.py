@@ -41,6 +41,7 @@ HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE.parent))
 sys.path.insert(0, str(HERE))
 
+from _common import print_header  # noqa: E402
 from bench_merge import start  # noqa: E402
 from bench_search import SHARED_BENCH, note_paths, real_corpus  # noqa: E402
 
@@ -118,6 +119,7 @@ def main() -> None:
     ap.add_argument("--json", help="write the results here")
     ap.add_argument("--keep", help="work in this (empty) folder and keep it")
     args = ap.parse_args()
+    print_header()
     corpus = real_corpus(10000, args.corpus_dir, SHARED_BENCH / "corpus.py")
     paths = note_paths(corpus)[: args.notes]
     rnd = random.Random(5)

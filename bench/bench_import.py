@@ -14,7 +14,7 @@ The issue's goals, one run each, everything in a temp dir under /tmp (removed af
    --images of them attaching one image each (Takeout/Keep/<hex>.jpg|png, 20-200 KB of
    random bytes behind a JPEG/PNG signature). Imported in <= 60 s with the search index
    caught up: POSTed raw (application/zip) to a real `notesvc.py` server
-   (SERVICE_RESCAN_SECONDS=0, key from .notesvc/state.json, header X-Service-Key), timed
+   (default settings, key from .notesvc/state.json, header X-Service-Key), timed
    from the request to its 201 (the upload included); then a search for a rare word of the
    last note written must find it (polled when it does not at once: that wait is reported).
    And the command line on its own, `notesvc.py import takeout.zip --root <fresh>`, timed
@@ -58,9 +58,10 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 NOTESVC = str(HERE.parent / "notesvc.py")
 sys.path.insert(0, str(HERE))
+from _common import print_header, server_env  # noqa: E402
 from bench_offline import corpus_notes  # noqa: E402
 
-ENV = {**os.environ, "SERVICE_RESCAN_SECONDS": "0", "SERVICE_LOG_LEVEL": "warning"}
+ENV = server_env()  # notesvc's defaults, for the servers and the command line alike
 LABELS = ["work", "home", "ideas", "reading", "travel", "recipes", "to do", "later"]
 COLOURS = ["DEFAULT", "DEFAULT", "DEFAULT", "RED", "YELLOW", "BLUE", "GREEN", "GRAY"]
 WORD_RE = re.compile(r"[A-Za-z]{6,}")
@@ -149,7 +150,7 @@ class Server:
             stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE,
             text=True,
-            env={**ENV, "SERVICE_LOG_LEVEL": "info"},
+            env=ENV,
         )
         ready, port = threading.Event(), []
 
@@ -218,7 +219,7 @@ def run_cli(args: list, sample_rss: bool = False) -> dict:
         stdout=subprocess.PIPE,
         stderr=subprocess.PIPE,
         text=True,
-        env={**ENV, "SERVICE_LOG_LEVEL": "info"},
+        env=ENV,
     )
     lines: list = []
     out: list = []
@@ -679,6 +680,7 @@ def main() -> None:
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--keep-tmp", action="store_true", help="leave the temp dir behind")
     args = ap.parse_args()
+    print_header()
     if args.quick:
         args.notes, args.images, args.enex_mb = 500, 50, 10
     only = set(args.only.split(","))

@@ -17,7 +17,6 @@ from __future__ import annotations
 import argparse
 import http.client
 import json
-import os
 import random
 import re
 import statistics
@@ -30,6 +29,9 @@ import urllib.parse
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
+sys.path.insert(0, str(HERE))
+from _common import print_header, server_env  # noqa: E402
+
 NOTESVC = str(HERE.parent / "notesvc.py")
 WORDS = "apple river stone quiet market garden letter window silver morning paper".split()
 
@@ -40,7 +42,7 @@ def start(root: str) -> tuple:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "SERVICE_LOG_LEVEL": "warning", "SERVICE_RESCAN_SECONDS": "0"},
+        env=server_env(),  # notesvc's defaults
     )
     ready, port = threading.Event(), []
 
@@ -66,6 +68,7 @@ def main() -> None:
     ap.add_argument("--notes", type=int, default=10000)
     ap.add_argument("--rounds", type=int, default=200)
     args = ap.parse_args()
+    print_header()
     rnd = random.Random(7)
     with tempfile.TemporaryDirectory() as root:
         for i in range(args.notes):

@@ -13,6 +13,9 @@ History and the change feed (issue 13), each against a reference from the same r
 - change-feed delivery: from sending a PUT to a real server until a long-poll waiting on
   it has its answer, p50 (goal: 20 ms), beside a GET /health round trip;
 - disk used by history after 10,000 edits of 100 notes, beside the notes' own size.
+
+Settings: notesvc's defaults (rescans on) but SERVICE_AUTH_MODE=none, as the references
+have no authentication; in process, each app's first check of the files is waited out.
 """
 
 from __future__ import annotations
@@ -33,6 +36,8 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+from _common import print_header, server_env, wait_first_check
+
 import notesvc
 
 
@@ -65,18 +70,17 @@ def timed(fn, runs: int) -> float:
     return statistics.median(times) * 1000
 
 
+# The one setting every part changes: no authentication, as the references (a bare os.walk,
+# GET /health) have none; a key check would be the bench's difference, not the route's work.
+SETTINGS = {"SERVICE_AUTH_MODE": "none"}
+
+
 def make_app(root: str, **env: str):
-    cfg = notesvc.load_config(
-        env={
-            "SERVICE_NOTES_ROOT": root,
-            "SERVICE_AUTH_MODE": "none",
-            "SERVICE_LOG_LEVEL": "warning",
-            "SERVICE_RESCAN_SECONDS": "0",
-            **env,
-        }
-    )
+    """An in-process app on root at the default settings but SETTINGS and env, once its
+    first check of the files (in the background: rescans on) is done."""
+    cfg = notesvc.load_config(env={"SERVICE_NOTES_ROOT": root, **SETTINGS, **env})
     app = notesvc.create_app(cfg)
-    notesvc.log.setLevel("WARNING")
+    wait_first_check(app.service)
     return app
 
 
@@ -124,9 +128,9 @@ def bench_history_put(notes: int, rounds: int) -> tuple:
 
 def start_server(root: str) -> tuple:
     """Start `python notesvc.py` on a free port; return (process, port)."""
-    env = {**os.environ, "SERVICE_RESCAN_SECONDS": "0", "SERVICE_LOG_LEVEL": "warning"}
+    env = server_env(SETTINGS)  # the default settings but SETTINGS
     command = [sys.executable, str(Path(notesvc.__file__)), "--root", root]
-    command += ["--auth-mode", "none", "--host", "127.0.0.1", "--port", "0"]
+    command += ["--host", "127.0.0.1", "--port", "0"]
     proc = subprocess.Popen(
         command,
         stdout=subprocess.DEVNULL,
@@ -262,6 +266,7 @@ def main() -> None:
     ap.add_argument("--edits", type=int, default=10000, help="edits of 100 notes (disk)")
     ap.add_argument("--only", choices=("listing", "history"), help="run one part")
     args = ap.parse_args()
+    print_header({**SETTINGS, "SERVICE_HISTORY_MAX_VERSIONS": "0 (the history-off app only)"})
     if args.only != "history":
         report_listing(args)
     if args.only != "listing":
@@ -281,15 +286,7 @@ def report_listing(args) -> None:
         for i in range(args.notes):
             folder = rnd.choice(folders)
             (folder / f"note-{i:05d}.md").write_text(f"# Note {i}\n\n" + "text " * 100)
-        cfg = notesvc.load_config(
-            env={
-                "SERVICE_NOTES_ROOT": tmp,
-                "SERVICE_AUTH_MODE": "none",
-                "SERVICE_LOG_LEVEL": "warning",
-            }
-        )
-        app = notesvc.create_app(cfg)
-        notesvc.log.setLevel("WARNING")
+        app = make_app(tmp)
 
         def walk():
             n = 0

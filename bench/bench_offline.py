@@ -50,6 +50,7 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
+from _common import print_header  # noqa: E402
 from bench_relay import DOMAIN, pct, proc_figures, start  # noqa: E402
 
 CORPUS_PY = Path("/work/shared/bench/corpus.py")
@@ -173,11 +174,10 @@ def get_json(url: str, key: str = "") -> dict:
 def start_pair(root: Path) -> dict:
     """Start a relay with per-server origins and a server registered with it; return both,
     the key, the server's origin and its connect link (once the server knows its origin)."""
+    # What the bench cannot run without: per-server origins on the relay, the server on it.
     relay, relay_port = start("relay", env={"SERVICE_RELAY_DOMAIN": DOMAIN})
     relay_url = f"http://127.0.0.1:{relay_port}"
-    server, port = start(
-        "--root", str(root), env={"SERVICE_RELAY_URL": relay_url, "SERVICE_RESCAN_SECONDS": "0"}
-    )
+    server, port = start("--root", str(root), env={"SERVICE_RELAY_URL": relay_url})
     pair = {"relay": relay, "server": server, "relay_port": relay_port, "port": port}
     deadline = time.monotonic() + 30
     while time.monotonic() < deadline:
@@ -595,6 +595,9 @@ def main() -> None:
     ap.add_argument("--corpus", type=Path, default=Path("~/corpus/1k").expanduser())
     ap.add_argument("--type-seconds", type=float, default=10)
     args = ap.parse_args()
+    print_header(
+        {"SERVICE_RELAY_DOMAIN": f"{DOMAIN} (the relay)", "SERVICE_RELAY_URL": "the relay"}
+    )
     if not CHROMIUM:
         raise SystemExit("no Chromium on this machine")
     notes = corpus_notes(args.corpus, args.notes)

@@ -45,13 +45,18 @@ def child(notesvc_file: str, root: str) -> None:
     """Measure one notesvc.py in this process; print one JSON line of results."""
     import importlib.util
 
+    from _common import wait_first_check
+
     spec = importlib.util.spec_from_file_location("ns", notesvc_file)
     ns = importlib.util.module_from_spec(spec)
     sys.modules["ns"] = ns
     spec.loader.exec_module(ns)
-    env = {"SERVICE_RESCAN_SECONDS": "3600", "SERVICE_LOG_LEVEL": "warning"}
-    app = ns.create_app(ns.load_config({**env, "SERVICE_AUTH_MODE": "none"}, root=root))
-    app.service.index.sync(app.service.notes)
+    app = ns.create_app(ns.load_config({}, root=root))  # the default settings
+    if hasattr(app.service, "last_sync"):
+        wait_first_check(app.service)  # the first check runs in the background (rescans on)
+    else:  # an older notesvc.py
+        app.service.index.sync(app.service.notes)
+    key = app.service.state.read()["apiKey"]
     while True:  # idle: the background work of a first start (history, reminders) is done
         before = sum(os.times()[:2])
         time.sleep(2)
@@ -69,6 +74,7 @@ def child(notesvc_file: str, root: str) -> None:
             "SERVER_PROTOCOL": "HTTP/1.1",
             "HTTP_HOST": "127.0.0.1:8080",
             "REMOTE_ADDR": "127.0.0.1",
+            "HTTP_X_SERVICE_KEY": key,
             "CONTENT_TYPE": "application/json",
             "CONTENT_LENGTH": str(len(raw)),
             "wsgi.input": io.BytesIO(raw),
@@ -131,10 +137,13 @@ def main() -> None:
     ap.add_argument("--baseline", help="an older notesvc.py to measure the same way")
     ap.add_argument("--child", nargs=2, help=argparse.SUPPRESS)
     args = ap.parse_args()
+    sys.path.insert(0, str(HERE))
     if args.child:
         child(*args.child)
         return
-    sys.path.insert(0, str(HERE))
+    from _common import print_header, server_env
+
+    print_header()
     from bench_search import SHARED_BENCH, real_corpus
 
     corpus = real_corpus(args.notes, args.corpus_dir, SHARED_BENCH / "corpus.py")
@@ -151,6 +160,7 @@ def main() -> None:
             capture_output=True,
             text=True,
             check=True,
+            env=server_env(),
         )
         rows[name] = json.loads(out.stdout.strip().splitlines()[-1])
         shutil.rmtree(root)

@@ -44,6 +44,8 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 NOTESVC = str(HERE.parent / "notesvc.py")
 sys.path.insert(0, str(HERE.parent))
+sys.path.insert(0, str(HERE))
+from _common import print_header, server_env  # noqa: E402
 
 
 def start(*args: str, env: dict) -> tuple:
@@ -52,7 +54,7 @@ def start(*args: str, env: dict) -> tuple:
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
-        env={**os.environ, "SERVICE_LOG_LEVEL": "warning", **env},
+        env=server_env(env),  # notesvc's defaults, but for the settings given
     )
     ready, port = threading.Event(), []
 
@@ -364,16 +366,15 @@ def main() -> None:
     _soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
     with tempfile.TemporaryDirectory() as tmp:
-        relay_env = {
-            "SERVICE_RELAY_MAX_SERVERS": str(args.servers + 100),
-            "SERVICE_RELAY_TIMEOUT": "30",
-            "SERVICE_RELAY_DOMAIN": DOMAIN,
+        relay_env = {  # what the bench cannot run without:
+            "SERVICE_RELAY_MAX_SERVERS": str(args.servers + 100),  # room for every server
+            "SERVICE_RELAY_DOMAIN": DOMAIN,  # the rows by Host (each server's own origin)
         }
         relay, relay_port = start("relay", env=relay_env)
         relay_url = f"http://127.0.0.1:{relay_port}"
-        server, direct_port = start(
-            "--root", tmp, env={"SERVICE_RELAY_URL": relay_url, "SERVICE_RESCAN_SECONDS": "0"}
-        )
+        server_settings = {"SERVICE_RELAY_URL": relay_url}  # the real server, on the relay
+        print_header({**relay_env, **server_settings})  # the relay's, the server's
+        server, direct_port = start("--root", tmp, env=server_settings)
         sim = None
         try:
             import urllib.request

@@ -34,6 +34,7 @@ from pathlib import Path
 HERE = Path(__file__).resolve().parent
 sys.path.insert(0, str(HERE))
 import bench_search  # noqa: E402 (the corpus)
+from _common import print_header, server_env  # noqa: E402
 
 LOG_PHASES = (  # a log line that ends a phase -> the phase that follows it
     (re.compile(r"listening on http"), "checking"),  # start-up: compiling this module
@@ -69,7 +70,7 @@ def run(notesvc: str, root: Path, seconds: float, settle: bool = False) -> dict:
     """Start a server on root; sample until `seconds` passed (settle: until the index
     folder stayed unchanged for 5 s after its check); return the peaks per phase."""
     cmd = [sys.executable, notesvc, "--root", str(root), "--host", "127.0.0.1", "--port", "0"]
-    env = dict(os.environ, SERVICE_LOG_LEVEL="info")
+    env = server_env()  # the defaults: its log (level info) names the phases
     proc = subprocess.Popen(
         cmd, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True, env=env
     )
@@ -130,6 +131,7 @@ def main() -> None:
     ap.add_argument("--seconds", type=float, default=0, help="per restart (0: by size)")
     ap.add_argument("--json", help="write the results here")
     args = ap.parse_args()
+    print_header()
     seconds = args.seconds or 60 + args.notes / 500
     corpus = bench_search.real_corpus(
         args.notes, args.corpus_dir, bench_search.SHARED_BENCH / "corpus.py"

@@ -25,6 +25,8 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(HERE / "bench"))
+from _common import print_header, server_env  # noqa: E402
 
 
 def rss_anon(pid: int) -> float:
@@ -40,7 +42,9 @@ def start_once(program: Path, root: Path) -> tuple:
     """Return (seconds to listening, RssAnon MB 3 s later) of one start of program."""
     cmd = [sys.executable, str(program), "--host", "127.0.0.1", "--port", "0", "--root", str(root)]
     began = time.perf_counter()
-    proc = subprocess.Popen(cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True)
+    proc = subprocess.Popen(
+        cmd, stderr=subprocess.PIPE, stdout=subprocess.DEVNULL, text=True, env=server_env()
+    )  # without PYTHONDONTWRITEBYTECODE, or no bytecode cache would be written
     try:
         for line in proc.stderr:
             if re.search(r"listening on http", line):
@@ -60,6 +64,7 @@ def main() -> int:
     parser.add_argument("--base", default="HEAD~1", help="the revision to compare with")
     parser.add_argument("--runs", type=int, default=11, help="starts of each file")
     args = parser.parse_args()
+    print_header()
     with tempfile.TemporaryDirectory(prefix="notesvc-start-") as tmp:
         files = {}
         for name in ("base", "new"):

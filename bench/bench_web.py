@@ -18,7 +18,6 @@ import argparse
 import concurrent.futures
 import gzip
 import json
-import os
 import shutil
 import statistics
 import subprocess
@@ -31,6 +30,9 @@ from pathlib import Path
 
 HERE = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(HERE))
+sys.path.insert(0, str(HERE / "bench"))
+from _common import print_header, server_env  # noqa: E402
+
 import notesvc  # noqa: E402 (the checkout, not an installed copy)
 
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
@@ -38,7 +40,7 @@ CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
 
 class Server:
     def __init__(self, root: Path):
-        env = {**os.environ, "SERVICE_RESCAN_SECONDS": "0"}
+        env = server_env()  # notesvc's defaults
         cmd = [sys.executable, str(HERE / "notesvc.py"), "--root", str(root)]
         cmd += ["--host", "127.0.0.1", "--port", "0"]
         self.proc = subprocess.Popen(cmd, env=env, stderr=subprocess.PIPE, text=True)
@@ -53,6 +55,11 @@ class Server:
         threading.Thread(target=lambda: [None for _ in self.proc.stderr], daemon=True).start()
         setup = self.get("/api/v1/system/setup")
         self.key, self.link = setup["apiKey"], setup["links"]["connect"]["hosted"]
+        deadline = time.monotonic() + 300  # the first check of the files (in the background)
+        while not self.get("/api/v1/system/info", self.key)["index"]["lastSync"]:
+            if time.monotonic() > deadline:
+                raise RuntimeError("the server's first check of the files did not end")
+            time.sleep(0.1)
 
     def get(self, path: str, key: str | None = None) -> dict:
         req = urllib.request.Request(self.url + path, headers={"X-Service-Key": key or ""})
@@ -167,6 +174,7 @@ def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--runs", type=int, default=5)
     args = ap.parse_args()
+    print_header()
     page_figures()
     tree_figures(args.runs)
     if CHROMIUM:
