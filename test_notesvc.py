@@ -6001,7 +6001,9 @@ class TestSearchSegments:
             assert "a helper process" in caplog.text
             assert "one core" not in caplog.text
         files = [s for s in svc.index._segs if isinstance(s, notesvc.DiskSegment)]
-        assert len(files) == 3  # one per BULK_CHUNK_NOTES
+        # one per BULK_CHUNK_NOTES, or already merged into a fourth by the background
+        # thread (the bulk's helper process goes on to write the merge at once)
+        assert len(files) in (3, 1)
         ref = ReferenceBM25(notes)
         for q in ("apple", "the keys", '"spare blue"', "gard*", "zebra -apple", "yak OR heron"):
             assert_answers_like(svc.index, ref, q)
