@@ -21279,8 +21279,9 @@ class TestDav:
     def test_options_need_no_key_and_the_rest_asks_for_basic(self, anon, dav):
         anon = webtest.TestApp(anon.app, lint=False)
         resp = anon.request("/dav/", method="OPTIONS")
-        assert resp.headers["DAV"] == "1, 2"
+        assert resp.headers["DAV"] == "1, 2, calendar-access"  # (/dav/ is CalDAV's root too)
         assert "PROPFIND" in resp.headers["Allow"]
+        assert anon.request("/dav/notes/", method="OPTIONS").headers["DAV"] == "1, 2"
         resp = anon.request("/dav/notes/", method="PROPFIND", headers={"Depth": "1"}, status=401)
         assert resp.headers["WWW-Authenticate"].startswith('Basic realm="notesvc"')
         assert "Traceback" not in resp.text
