@@ -26,7 +26,6 @@ from notesvc.helpers import (
 )
 from notesvc.http.api import INBOX
 from notesvc.http.dav import (
-    DAV_METHODS,
     DAV_PREFIX,
     DavError,
     _dav_name,
@@ -53,7 +52,9 @@ from notesvc.notes.tasks import (
     TASKS_NOTE,
     ICalError,
     TaskBook,
+    UnusableDate,
     ical_calendar,
+    ical_date,
     ical_escape,
     ical_parse,
     ical_split,
@@ -63,7 +64,9 @@ from notesvc.notes.tasks import (
     ical_when,
     task_book,
     task_line_of,
+    utc_of_timestamp,
     vtodo_lines,
+    wall_timestamp,
 )
 from notesvc.service import Service
 
@@ -89,6 +92,12 @@ ALL_LIST = "all"
 _NS_DECL = f'xmlns:D="DAV:" xmlns:C="{CAL_NS}" xmlns:CS="{CS_NS}"'
 _PREFIX = {"DAV:": "D", CAL_NS: "C", CS_NS: "CS"}
 SYNC_PREFIX = "urn:notesvc:sync:"
+SYNC_TOKEN_RE = re.compile(r"([0-9]{1,18})-([0-9a-f]{16})\Z")  # ASCII digits only
+CAL_DAV_CLASSES = "1, 2, calendar-access"
+CAL_MAX_HREFS = 1000  # hrefs one calendar-multiget may name
+CAL_MAX_NAME = 255  # characters of an item's name (<name>.ics)
+CAL_MAX_SUMMARY = 1000  # characters of a SUMMARY: a task is one line of a note
+CAL_MAX_CATEGORIES = 32  # CATEGORIES of one task, each at most CAL_MAX_NAME characters
 
 
 class CalError(DavError):
@@ -131,7 +140,10 @@ def caldav_callback(svc: Service) -> Callable:
         parts = [p for p in path.split("/") if p]
         ours = (parts and parts[0] in CAL_TOPS) or (not parts and method == "PROPFIND")
         if not ours and method not in CAL_METHODS:
-            return dav(path)
+            answer = dav(path)
+            if not parts and method == "OPTIONS":  # /dav/ itself: the root of both
+                bottle.response.set_header("DAV", CAL_DAV_CLASSES)
+            return answer
         try:
             return cal_answer(svc, env, method, parts)
         except DavError as e:
@@ -198,8 +210,8 @@ def cal_allow() -> str:
 
 def cal_options():
     resp = bottle.response
-    resp.set_header("DAV", "1, 2, 3, calendar-access")
-    resp.set_header("Allow", ", ".join(DAV_METHODS + CAL_METHODS))
+    resp.set_header("DAV", CAL_DAV_CLASSES)
+    resp.set_header("Allow", f"{cal_allow()}, PROPPATCH, MKCALENDAR")
     resp.set_header("Content-Length", "0")
     resp.content_type = "text/plain; charset=utf-8"
     return b""
@@ -284,10 +296,50 @@ def cal_item_data(svc: Service, task: dict, ctx: dict) -> bytes:
     return ical_calendar(vtodo_lines(task, link))
 
 
-def cal_sync_token(book: TaskBook, principal: Principal, folder: str | None) -> int:
+def _sees_gone(principal: Principal, folder: str | None, old: str | None) -> bool:
+    """Whether a tombstone (of a task that was in the folder `old`) is in a list a
+    principal reads (a folder's, or None: all); one of no known folder was never served."""
+    return bool(old) and (folder is None or old == folder) and _sees(principal, old + "/x")
+
+
+def cal_sync_seq(book: TaskBook, principal: Principal, folder: str | None) -> int:
+    """The newest change a principal sees in a list: its tasks' and its tombstones'
+    sequence numbers, and the newest forgotten tombstone of its reach (changes elsewhere
+    never move it)."""
     seqs = [t["seq"] for t in cal_list_tasks(book, principal, folder)]
-    seqs += [g[0] for g in book.gone if folder is None or g[3] == folder]
-    return max(seqs, default=0)
+    seqs += [g[0] for g in list(book.gone) if _sees_gone(principal, folder, g[3])]
+    seqs.append(book.floor_within(lambda old: _sees_gone(principal, folder, old)))
+    return max(seqs)
+
+
+def _token_text(principal: Principal, list_id: str, seq: int) -> str:
+    return f"{principal.folder}\n{list_id}\n{seq}"
+
+
+def cal_sync_token(book: TaskBook, principal: Principal, lst: dict, seq: int | None = None) -> str:
+    """A list's sync token (and CTag) for a principal: the newest change it sees there,
+    signed for its reach and that list (RFC 6578: opaque to clients). Another reach's
+    token, or a number made up, is no token: it tells nothing of what others see."""
+    if seq is None:
+        seq = cal_sync_seq(book, principal, lst["folder"])
+    mac = book.sync_mac(_token_text(principal, lst["id"], seq))
+    return f"{SYNC_PREFIX}{seq}-{mac}"
+
+
+def cal_token_seq(book: TaskBook, principal: Principal, lst: dict, raw: str) -> int:
+    """The sequence number of a sync token this principal was given for this list; 403
+    valid-sync-token for any other text, and for one too old to answer."""
+    m = SYNC_TOKEN_RE.match(raw[len(SYNC_PREFIX) :]) if raw.startswith(SYNC_PREFIX) else None
+    mac = book.sync_mac(_token_text(principal, lst["id"], int(m.group(1)))) if m else ""
+    if m is None or not hmac.compare_digest(m.group(2), mac):
+        raise CalError(403, "this sync-token is not one of this list's", "D:valid-sync-token")
+    since = int(m.group(1))
+    floor = book.floor_within(lambda old: _sees_gone(principal, lst["folder"], old))
+    if since < floor or since > cal_sync_seq(book, principal, lst["folder"]):
+        raise CalError(
+            403, "this sync-token is too old: sync again from none", "D:valid-sync-token"
+        )
+    return since
 
 
 def cal_props(svc: Service, book: TaskBook, res: dict, ctx: dict, names=None) -> dict:
@@ -323,7 +375,7 @@ def cal_props(svc: Service, book: TaskBook, res: dict, ctx: dict, names=None) ->
         out[("DAV:", "resourcetype")] = _prop("DAV:", "resourcetype", collection)
         out[("DAV:", "displayname")] = _prop("DAV:", "displayname", "Task lists")
     elif kind == "list":
-        token = cal_sync_token(book, principal, res["folder"])
+        token = cal_sync_token(book, principal, res)
         out[("DAV:", "resourcetype")] = _prop("DAV:", "resourcetype", collection + "<C:calendar/>")
         out[("DAV:", "displayname")] = _prop("DAV:", "displayname", _xesc(res["name"]))
         out[(CAL_NS, "supported-calendar-component-set")] = _prop(
@@ -335,8 +387,8 @@ def cal_props(svc: Service, book: TaskBook, res: dict, ctx: dict, names=None) ->
             '<C:calendar-data content-type="text/calendar" version="2.0"/>',
         )
         out[(CAL_NS, "max-resource-size")] = _prop(CAL_NS, "max-resource-size", str(CAL_MAX_OBJECT))
-        out[(CS_NS, "getctag")] = _prop(CS_NS, "getctag", f"{SYNC_PREFIX}{token}")
-        out[("DAV:", "sync-token")] = _prop("DAV:", "sync-token", f"{SYNC_PREFIX}{token}")
+        out[(CS_NS, "getctag")] = _prop(CS_NS, "getctag", token)
+        out[("DAV:", "sync-token")] = _prop("DAV:", "sync-token", token)
         out[("DAV:", "supported-report-set")] = _prop(
             "DAV:",
             "supported-report-set",
@@ -536,8 +588,15 @@ def cal_report(svc: Service, book: TaskBook, res: dict, ctx: dict):
     principal = ctx["principal"]
     mode, wanted = cal_wanted(root)
     if root.tag == f"{{{CAL_NS}}}calendar-multiget":
+        hrefs = root.findall("{DAV:}href")
+        if len(hrefs) > CAL_MAX_HREFS:
+            raise CalError(
+                403,
+                f"a calendar-multiget names at most {CAL_MAX_HREFS} items: ask in parts",
+                "D:number-of-matches-within-limits",
+            )
         out = []
-        for h in root.findall("{DAV:}href"):
+        for h in hrefs:
             path = urllib.parse.urlsplit(urllib.parse.unquote((h.text or "").strip())).path
             found = cal_find_item(book, principal, lst, ctx, path)
             if found is None:
@@ -570,13 +629,11 @@ def cal_find_item(book: TaskBook, principal: Principal, lst: dict, ctx: dict, pa
 def cal_task_named(book: TaskBook, principal: Principal, folder: str | None, name: str):
     """The task of a list (a folder's, or None: all) whose item is named `name`."""
 
-    def fits(t: dict) -> bool:
-        return t["href"] == name and _sees(principal, t["path"]) and folder in (None, t["folder"])
-
-    task = book.tasks.get(book.by_href.get(name, ""))
-    if task is None or not fits(task):  # (two lists may hold an item of the same name)
-        task = next((t for t in book.tasks.values() if fits(t)), None)
-    return task
+    for uid in book.by_href.get(name, ()):  # (two lists may hold an item of the same name)
+        t = book.tasks.get(uid)
+        if t and _sees(principal, t["path"]) and folder in (None, t["folder"]):
+            return t
+    return None
 
 
 def cal_item_response(svc, book, item: dict, ctx: dict, mode: str, wanted: list) -> str:
@@ -587,15 +644,7 @@ def cal_item_response(svc, book, item: dict, ctx: dict, mode: str, wanted: list)
 
 def cal_sync(svc, book, lst: dict, items: list, root, ctx: dict, mode: str, wanted: list):
     raw = (root.findtext("{DAV:}sync-token") or "").strip()
-    since = 0
-    if raw:
-        if not raw.startswith(SYNC_PREFIX) or not raw[len(SYNC_PREFIX) :].isdigit():
-            raise CalError(403, "this sync-token is not one of this server's", "D:valid-sync-token")
-        since = int(raw[len(SYNC_PREFIX) :])
-        if since < book.floor or since > book.seq:
-            raise CalError(
-                403, "this sync-token is too old: sync again from none", "D:valid-sync-token"
-            )
+    since = cal_token_seq(book, ctx["principal"], lst, raw) if raw else 0
     level = (root.findtext("{DAV:}sync-level") or "1").strip()
     if level not in ("1", "infinite"):
         raise DavError(400, "sync-level is 1")
@@ -611,8 +660,9 @@ def cal_sync(svc, book, lst: dict, items: list, root, ctx: dict, mode: str, want
                 "<D:status>HTTP/1.1 404 Not Found</D:status>",
             )
         )
-    token = cal_sync_token(book, ctx["principal"], lst["folder"])
-    return cal_multistatus(out, f"<D:sync-token>{SYNC_PREFIX}{max(token, since)}</D:sync-token>")
+    seq = max(cal_sync_seq(book, ctx["principal"], lst["folder"]), since)
+    token = cal_sync_token(book, ctx["principal"], lst, seq)
+    return cal_multistatus(out, f"<D:sync-token>{token}</D:sync-token>")
 
 
 def cal_gone(book: TaskBook, lst: dict, items: list, since: int, principal: Principal) -> list:
@@ -620,10 +670,8 @@ def cal_gone(book: TaskBook, lst: dict, items: list, since: int, principal: Prin
     here = {i["task"]["uid"] for i in items}
     folder = lst["folder"]
     gone: dict = {}
-    for seq, uid, href, old, _path in book.gone:
-        if seq <= since or uid in here or (folder is not None and old != folder):
-            continue
-        if old is None or _sees(principal, old + "/x"):
+    for seq, uid, href, old, _path in list(book.gone):
+        if seq > since and uid not in here and _sees_gone(principal, folder, old):
             gone[href] = True
     return list(gone)
 
@@ -747,9 +795,8 @@ def cal_time_range(tr, svc: Service) -> Callable:
 
     def due_of(t: dict) -> dt.datetime | None:
         if isinstance(t["due"], dt.date):
-            wall = dt.datetime.combine(t["due"], dt.time())
-            ts = wall.replace(tzinfo=zone).timestamp() if zone else wall.timestamp()
-            return dt.datetime.fromtimestamp(ts, dt.timezone.utc).replace(tzinfo=None)
+            ts = wall_timestamp(dt.datetime.combine(t["due"], dt.time()), zone)
+            return None if ts is None else utc_of_timestamp(ts)
         return t["alarm"]
 
     def test(t: dict) -> bool:  # RFC 4791 9.9, a VTODO without DTSTART or DURATION
@@ -787,24 +834,34 @@ def cal_read_object(svc: Service) -> dict:
     if props.get("DUE"):
         params, value = props["DUE"][0]
         try:
-            due = ical_when(value, params)
+            due = ical_when(value, params, time_zone(svc.config.timezone))
+        except UnusableDate as e:
+            raise _unfit(f"DUE {e}") from None
         except ICalError as e:
             raise CalError(403, str(e), "C:valid-calendar-data") from None
     categories: list = []
     for _params, value in props.get("CATEGORIES", []):
         categories += [c.strip() for c in ical_split(value) if c.strip()]
+    categories = list(dict.fromkeys(categories))
+    if len(categories) > CAL_MAX_CATEGORIES or any(len(c) > CAL_MAX_NAME for c in categories):
+        raise _unfit(
+            f"a task has at most {CAL_MAX_CATEGORIES} CATEGORIES of {CAL_MAX_NAME} characters"
+        )
     parents = [
         v.strip()
         for params, v in props.get("RELATED-TO", [])
         if params.get("RELTYPE", "PARENT").upper() == "PARENT"
     ]
+    summary = " ".join(ical_unescape(_first(props, "SUMMARY")).split())
+    if len(summary) > CAL_MAX_SUMMARY:
+        raise _unfit(f"a SUMMARY is at most {CAL_MAX_SUMMARY} characters: a task is one line")
     return {
-        "parent": parents[0] if parents else None,
+        "parent": parents[0][:CAL_MAX_NAME] if parents else None,
         "uid": uid,
-        "summary": " ".join(ical_unescape(_first(props, "SUMMARY")).split()),
+        "summary": summary,
         "done": status == "COMPLETED",
         "due": due,
-        "categories": list(dict.fromkeys(categories)),
+        "categories": categories,
     }
 
 
@@ -930,10 +987,27 @@ def cal_edit_line(svc: Service, task: dict, change: Callable) -> None:
         change(lines, at)
         if lines == before:
             return
+        content = "\n".join(lines)
+        cal_fits(svc, path, len(raw), content)
         with contextlib.suppress(PreconditionFailed):
-            svc.notes.update(path, "\n".join(lines), make_etag(raw), reason="caldav")
+            svc.notes.update(path, content, make_etag(raw), reason="caldav")
             return
     raise DavError(412, "the note kept changing: try again")
+
+
+def cal_fits(svc: Service, path: str, before: int, content: str) -> None:
+    """507 (DAV:quota-not-exceeded, RFC 4331) when a write would grow a note past the
+    size the API takes for a note's content (SERVICE_MAX_BODY_BYTES); a note already
+    larger (written by another program) may still be edited in place, never grown."""
+    limit = svc.config.max_body_bytes
+    size = len(content.encode("utf-8"))
+    if size > limit and size > before:
+        raise CalError(
+            507,
+            f"{path[len(NOTES) + 1 :]} would be {size} bytes, over the {limit} a note may hold "
+            "(SERVICE_MAX_BODY_BYTES): make room in it or start another list",
+            "D:quota-not-exceeded",
+        )
 
 
 def cal_put(svc: Service, book: TaskBook, res: dict, ctx: dict):
@@ -941,6 +1015,8 @@ def cal_put(svc: Service, book: TaskBook, res: dict, ctx: dict):
         raise DavError(405, "PUT a task into a task list: /dav/calendars/<list>/<name>.ics")
     if not res["href"].endswith(".ics") or "/" in res["href"]:
         raise DavError(403, "an item's name ends in .ics")
+    if len(res["href"]) > CAL_MAX_NAME:
+        raise DavError(403, f"an item's name is at most {CAL_MAX_NAME} characters")
     principal = ctx["principal"]
     task = res["task"]
     _check_if_match(task)
@@ -963,6 +1039,9 @@ def cal_put(svc: Service, book: TaskBook, res: dict, ctx: dict):
 
         def edit(lines: list, at: int) -> None:
             lines[at] = cal_rewrite(svc, {**task, "text": lines[at]}, new)
+            # the line stays this item whatever its text became (a new DUE on `milk`, a
+            # rename): the next look gives it this UID, not the nearest text's
+            book.claim(task["path"], lines[at], task["uid"], task["href"])
 
         cal_edit_line(svc, task, edit)
         status = 204
@@ -1017,12 +1096,15 @@ def cal_append(svc: Service, path: str, line: str) -> None:
         except ApiError as e:
             if e.status_code != 404:
                 raise
+            content = f"# Tasks\n\n{line}\n"
+            cal_fits(svc, path, 0, content)
             with contextlib.suppress(ApiError):
-                svc.notes.create(path, f"# Tasks\n\n{line}\n")
+                svc.notes.create(path, content)
                 return
             continue
         text = raw.decode("utf-8")
         content = text + ("" if text.endswith("\n") or not text else "\n") + line + "\n"
+        cal_fits(svc, path, len(raw), content)
         with contextlib.suppress(PreconditionFailed):
             svc.notes.update(path, content, make_etag(raw), reason="caldav")
             return
@@ -1167,14 +1249,19 @@ def feed_events(task: dict) -> list:
     out: list = []
     stamp = f"DTSTAMP:{ical_stamp(task['stamp'])}"
     summary = f"SUMMARY:{ical_escape(task['summary'] or 'Task')}"
-    if task["alarm"] is not None:
+    if task["alarm"] is not None:  # it rings: an alarm at its start (README: ⏰ also rings)
         end = task["alarm"] + dt.timedelta(minutes=15)
         out += ["BEGIN:VEVENT", f"UID:{task['uid']}-at", stamp, summary]
-        out += [f"DTSTART:{ical_utc(task['alarm'])}", f"DTEND:{ical_utc(end)}", "END:VEVENT"]
+        out += [f"DTSTART:{ical_utc(task['alarm'])}", f"DTEND:{ical_utc(end)}"]
+        out += ["BEGIN:VALARM", "ACTION:DISPLAY", summary.replace("SUMMARY:", "DESCRIPTION:", 1)]
+        out += ["TRIGGER;RELATED=START:PT0S", "END:VALARM", "END:VEVENT"]
     if isinstance(task["due"], dt.date) and not task["done"]:
         after = task["due"] + dt.timedelta(days=1)
         out += ["BEGIN:VEVENT", f"UID:{task['uid']}-day", stamp, summary]
-        out += [f"DTSTART;VALUE=DATE:{task['due']:%Y%m%d}", f"DTEND;VALUE=DATE:{after:%Y%m%d}"]
+        out += [
+            f"DTSTART;VALUE=DATE:{ical_date(task['due'])}",
+            f"DTEND;VALUE=DATE:{ical_date(after)}",
+        ]
         out += ["TRANSP:TRANSPARENT", "END:VEVENT"]
     return out
 

@@ -12,8 +12,9 @@ import time
 from typing import Any, Callable
 
 from notesvc.boot import log
-from notesvc.helpers import atomic_write, iso, time_zone, timestamp_of
+from notesvc.helpers import atomic_write, iso, time_zone
 from notesvc.notes.paths import MAX_SCAN_CHARS
+from notesvc.notes.tasks import usable_wall, wall_timestamp
 from notesvc.providers.base import UpstreamError
 from notesvc.providers.capture import _one_line
 from notesvc.providers.channels import _channels
@@ -52,9 +53,9 @@ def note_reminders(path: str, title: str, text: str, zone: dt.tzinfo | None) -> 
         start = text.rfind("\n", 0, m.start()) + 1
         stop = text.find("\n", m.end())
         line = _one_line(text[start : stop if stop >= 0 else len(text)], 300)
-        try:
-            wall = dt.datetime(*(int(g) for g in m.groups()))
-        except ValueError:  # 2026-02-30
+        wall = usable_wall(*(int(g) for g in m.groups()))  # (None: 2026-02-30, 0001-01-01)
+        due = wall_timestamp(wall, zone) if wall is not None else None
+        if due is None:  # an unusable time: that line only is no reminder
             continue
         text_id = f"{path}\n{wall:%Y-%m-%d %H:%M}\n{line}".encode()
         found.append(
@@ -64,7 +65,7 @@ def note_reminders(path: str, title: str, text: str, zone: dt.tzinfo | None) -> 
                 "title": title,
                 "line": line,
                 "wall": f"{wall:%Y-%m-%d %H:%M}",
-                "due": timestamp_of(wall, zone),
+                "due": due,
             }
         )
     return found
