@@ -5707,22 +5707,54 @@ def task_lines(text: str) -> list:
     return found
 
 
+# A date a line may use: years FIRST_YEAR to LAST_YEAR, so that iCalendar's four digits,
+# the day after (an all-day event's end), a zone's offset and a quarter of an hour (an
+# event at a ⏰ time) all stay dates. Outside them, or where the platform cannot convert one
+# (a 32-bit time_t), the date is ignored for its line only: the line stays a task without
+# it, and no feed, list or reminder tick stops over it.
+FIRST_YEAR, LAST_YEAR = 1000, 9998
+
+
+def usable_day(year: int, month: int, day: int) -> dt.date | None:
+    """Return the date, or None when it doesn't exist or lies outside the usable years."""
+    if not FIRST_YEAR <= year <= LAST_YEAR:
+        return None
+    try:
+        return dt.date(year, month, day)
+    except ValueError:  # 2026-02-30
+        return None
+
+
+def usable_wall(year: int, month: int, day: int, hour: int = 0, minute: int = 0):
+    """Return the naive wall time, or None as usable_day does."""
+    return dt.datetime(year, month, day, hour, minute) if usable_day(year, month, day) else None
+
+
+def wall_timestamp(wall: dt.datetime, zone: dt.tzinfo | None) -> float | None:
+    """Return the timestamp of a wall time in a zone (None: the system's), or None when
+    the wall time is unusable there (outside the usable years, or beyond the platform)."""
+    if not FIRST_YEAR <= wall.year <= LAST_YEAR:
+        return None
+    try:
+        ts = timestamp_of(wall, zone)
+        utc_of_timestamp(ts)
+    except (ValueError, OverflowError, OSError):
+        return None
+    return ts
+
+
+def utc_of_timestamp(ts: float) -> dt.datetime:
+    """A timestamp as a naive UTC datetime, by arithmetic (no platform time_t)."""
+    return dt.datetime(1970, 1, 1) + dt.timedelta(seconds=ts)
+
+
 def parse_task(rest: str) -> dict:
-    """Return summary, due, alarm (naive wall time) and categories of a task's text."""
-    due: Any = None
+    """Return summary, due, wall (the ⏰ time, naive) and categories of a task's text; an
+    unusable date is None (usable_day)."""
     m = DUE_DATE_RE.search(rest)
-    if m:
-        try:
-            due = dt.date(*(int(g) for g in m.groups()))
-        except ValueError:
-            due = None
-    alarm = None
+    due: Any = usable_day(*(int(g) for g in m.groups())) if m else None
     a = ALARM_RE.search(rest)
-    if a:
-        try:
-            alarm = dt.datetime(*(int(g) for g in a.groups()))
-        except ValueError:
-            alarm = None
+    alarm = usable_wall(*(int(g) for g in a.groups())) if a else None
     tags = list(dict.fromkeys(TAG_RE.findall(rest)))
     summary = _DONE_DATE_RE.sub("", ALARM_RE.sub("", DUE_DATE_RE.sub("", rest)))
     summary = TAG_RE.sub("", summary)
@@ -5737,11 +5769,18 @@ def task_key(text: str) -> str:
     return " ".join(m.group(5).split()) if m else text.strip()
 
 
+def task_core(key: str) -> str:
+    """What a task says (its key without dates, tags and box), case-folded: a task dated,
+    tagged or re-dated keeps it."""
+    return parse_task(key)["summary"].casefold()
+
+
 def alarm_utc(wall: dt.datetime | None, zone_name: str) -> dt.datetime | None:
+    """Return a ⏰ wall time in UTC (naive), or None when it has none or an unusable one."""
     if wall is None:
         return None
-    ts = timestamp_of(wall, time_zone(zone_name))
-    return dt.datetime.fromtimestamp(ts, dt.timezone.utc).replace(tzinfo=None)
+    ts = wall_timestamp(wall, time_zone(zone_name))
+    return None if ts is None else utc_of_timestamp(ts)
 
 
 # == iCalendar (RFC 5545) =====================================================
@@ -5773,8 +5812,12 @@ def ical_fold(line: str) -> str:
     return "\r\n ".join(parts) + "\r\n"
 
 
+def ical_date(day: dt.date) -> str:
+    return f"{day.year:04d}{day.month:02d}{day.day:02d}"  # (strftime's %Y may drop zeros)
+
+
 def ical_utc(when: dt.datetime) -> str:
-    return when.strftime("%Y%m%dT%H%M%SZ")
+    return f"{ical_date(when)}T{when.hour:02d}{when.minute:02d}{when.second:02d}Z"
 
 
 def ical_stamp(ts: float) -> str:
@@ -5793,7 +5836,7 @@ def vtodo_lines(task: dict, link: str = "") -> list:
         out.append("STATUS:NEEDS-ACTION")
     due, alarm = task["due"], task.get("alarm")
     if isinstance(due, dt.date):
-        out.append(f"DUE;VALUE=DATE:{due:%Y%m%d}")
+        out.append(f"DUE;VALUE=DATE:{ical_date(due)}")
     elif alarm is not None:
         out.append(f"DUE:{ical_utc(alarm)}")
     if task["categories"]:
@@ -5825,6 +5868,10 @@ def ical_calendar(components: list, name: str = "") -> bytes:
 
 class ICalError(ValueError):
     """iCalendar that cannot be read."""
+
+
+class UnusableDate(ICalError):
+    """A date or time outside the usable years (usable_day)."""
 
 
 def ical_parse(data: bytes) -> list:
@@ -5888,41 +5935,170 @@ def ical_split(value: str) -> list:
     return [ical_unescape(p) for p in re.split(r"(?<!\\),", value) if p]
 
 
-def ical_when(value: str, params: dict) -> Any:
-    """Return a date, or a UTC datetime (naive), of a DATE / DATE-TIME value."""
-    value = value.strip()
+_ZONE_NAME_RE = re.compile(r"[A-Za-z0-9_+-]+(?:/[A-Za-z0-9_+-]+)*")
+
+
+def client_zone(name: str) -> dt.tzinfo | None:
+    """A client's TZID as a zone, or None when none is known by that name (never logged:
+    a client's text is not the server's configuration)."""
+    if len(name) > 64 or not _ZONE_NAME_RE.fullmatch(name):
+        return None
+    if name.upper() == "UTC":
+        return dt.timezone.utc
     try:
-        if params.get("VALUE", "").upper() == "DATE" or re.fullmatch(r"\d{8}", value):
-            return dt.datetime.strptime(value, "%Y%m%d").date()
-        utc = value.endswith("Z")
-        wall = dt.datetime.strptime(value.rstrip("Z"), "%Y%m%dT%H%M%S")
+        import zoneinfo
+
+        return zoneinfo.ZoneInfo(name)
+    except (ImportError, ValueError, OSError, KeyError):  # ZoneInfoNotFoundError: a KeyError
+        return None
+
+
+def ical_when(value: str, params: dict, zone: dt.tzinfo | None = None) -> Any:
+    """Return a date, or a UTC datetime (naive), of a DATE / DATE-TIME value; a floating
+    time is read in `zone` (None: the system's). Raises ICalError for what is not one, and
+    for a date outside the usable years (usable_day)."""
+    value = value.strip()
+    day = params.get("VALUE", "").upper() == "DATE" or re.fullmatch(r"\d{8}", value)
+    try:
+        wall = dt.datetime.strptime(value.rstrip("Z"), "%Y%m%d" if day else "%Y%m%dT%H%M%S")
     except ValueError:
-        raise ICalError(f"not a date or time: {value[:40]!r}") from None
-    if utc:
-        return wall
-    zone = time_zone(params["TZID"]) if params.get("TZID") else None
-    if params.get("TZID") and zone is None:
-        raise ICalError(f"unknown time zone {params['TZID'][:60]}")
-    ts = timestamp_of(wall, zone)
-    return dt.datetime.fromtimestamp(ts, dt.timezone.utc).replace(tzinfo=None)
+        raise ICalError(f"not a date or time: '{log_safe(value, 40)}'") from None
+    unusable = UnusableDate(f"{value[:20]} is outside the years {FIRST_YEAR}-{LAST_YEAR}")
+    if day:
+        if usable_day(wall.year, wall.month, wall.day) is None:
+            raise unusable
+        return wall.date()
+    if params.get("TZID") and not value.endswith("Z"):
+        zone = client_zone(params["TZID"])
+        if zone is None:
+            raise ICalError(f"unknown time zone '{log_safe(params['TZID'], 60)}'")
+    ts = wall_timestamp(wall, dt.timezone.utc if value.endswith("Z") else zone)
+    if ts is None or usable_wall(*utc_of_timestamp(ts).timetuple()[:3]) is None:
+        raise unusable
+    return utc_of_timestamp(ts)
 
 
 # == identities ===============================================================
 #
 # A task's UID and the state around it (when it was first seen ticked, its last change,
 # the href a client gave it) live in <state>/caldav.json, never in the note. On each look
-# the notes that changed are parsed again and their tasks matched to the UIDs they had:
-# the same line text first, then the closest (a small edit of its own text, by difflib's
-# ratio), then a task whose note is gone (a moved note), then a new UID. Each change takes
-# the next sequence number: a list's sync-token is the highest, and tombstones of removed
-# tasks answer sync-collection with 404s.
+# the notes that changed are parsed again and their tasks matched to the UIDs they had
+# (match_tasks): the line a client's write named, the same text, the same words without
+# dates and tags, then the nearest (a small edit of its own text, by difflib's ratio, among
+# a few candidates and within a budget); then a task whose note is gone (a moved note),
+# then a new UID. One thread looks at a time, reading and matching outside the book's lock
+# (held only to take what a look starts from and to keep what it found). Each change takes
+# the next sequence number: a list's sync-token names the highest its reader sees, and
+# tombstones of removed tasks answer sync-collection with 404s.
 
 MATCH_RATIO = 0.6  # how alike a task's text must stay to keep its UID through an edit
+MATCH_SURE = 0.8  # as alike as this: that one (the others are not compared)
+MATCH_CHARS = 200  # of a long task's words, the first 200 characters are compared
+MATCH_CANDIDATES = 8  # old tasks sharing its words a changed line is compared with, at most
+MATCH_COMMON = 32  # a word more old tasks hold than this picks no candidates
+# difflib comparisons one look makes at most: past them a changed line gets a new UID. A
+# note of 600 task lines all replaced took 40 s of CPU when each was compared with each.
+MATCH_COMPARISONS = 2000
+CLAIM_SECONDS = 600  # how long the line a client's write named is held for it
 TOMBSTONES = 5000  # removed tasks remembered for sync-collection
+_MATCH_WORD_RE = re.compile(r"\w+")
 
 
 def new_uid() -> str:
     return secrets.token_hex(8) + "-" + secrets.token_hex(4)
+
+
+def match_tasks(olds: list, found: list, claims: dict, known: Callable, budget: list) -> tuple:
+    """Pair a note's task lines with the UIDs its tasks had; return ([a UID or None per
+    line], [the keys of the claims used]).
+
+    olds: [(uid, key, line)] of the note's tasks as last seen; claims: {key: uid} of the
+    lines clients wrote; known(uid): whether a task has that UID; budget: [comparisons
+    left], shared by the notes of a look."""
+    keys = [task_key(t["text"]) for t in found]
+    uids: list = [None] * len(found)
+    free = {uid: (key, line) for uid, key, line in olds}
+    used: list = []
+    for i, key in enumerate(keys):  # the line a client's write named
+        uid = claims.get(key)
+        if uid is None or key in used or uid in uids:
+            continue
+        if uid in free or not known(uid):
+            uids[i] = uid
+            free.pop(uid, None)
+            used.append(key)
+    by_key: dict = {}
+    for uid, (key, _line) in free.items():
+        by_key.setdefault(key, []).append(uid)
+    for i, key in enumerate(keys):  # the same text
+        if uids[i] is None and by_key.get(key):
+            uids[i] = _nearest_place(by_key[key], free, i)
+            del free[uids[i]]
+    olds_core = {uid: task_core(key)[:MATCH_CHARS] for uid, (key, _line) in free.items()}
+    cores = [task_core(key)[:MATCH_CHARS] if uids[i] is None else "" for i, key in enumerate(keys)]
+    by_core: dict = {}
+    for uid, core in olds_core.items():
+        if core:
+            by_core.setdefault(core, []).append(uid)
+    for i, core in enumerate(cores):  # the same words, dated, tagged or re-dated
+        if core and uids[i] is None and by_core.get(core):
+            uids[i] = _nearest_place(by_core[core], free, i)
+            del free[uids[i]]
+    if free and None in uids:
+        _match_nearest(uids, cores, free, olds_core, budget)
+    return uids, used
+
+
+def _nearest_place(same: list, free: dict, i: int) -> str:
+    """Take from `same` (UIDs of tasks alike) the one that was nearest the i-th line (of
+    a few; of many, the first)."""
+    if len(same) == 1 or len(same) > 16:
+        return same.pop(0)
+    lines = [free[uid][1] for uid in same]
+    at = min(range(len(same)), key=lambda k: abs(i - lines[k]) if lines[k] is not None else 1 << 30)
+    return same.pop(at)
+
+
+def _match_nearest(uids: list, cores: list, free: dict, olds_core: dict, budget: list) -> None:
+    """Give the lines still without a UID the free one nearest in words (MATCH_RATIO or
+    more), compared only with the tasks at about the same place and those sharing the most
+    words with it (not a common one), while the budget lasts."""
+    by_word: dict = {}
+    for uid in free:
+        for word in set(_MATCH_WORD_RE.findall(olds_core[uid])):
+            by_word.setdefault(word, []).append(uid)
+    by_line = {line: uid for uid, (_key, line) in free.items() if line is not None}
+    for i, core in enumerate(cores):
+        if uids[i] is not None or not core or not free:
+            continue
+        shared: dict = {}
+        for word in set(_MATCH_WORD_RE.findall(core)):
+            near = by_word.get(word, ())
+            if len(near) <= MATCH_COMMON:
+                for uid in near:
+                    shared[uid] = shared.get(uid, 0) + 1
+        ranked = sorted(shared, key=shared.__getitem__, reverse=True)[:MATCH_CANDIDATES]
+        around = [by_line.get(i + d) for d in (0, -1, 1, -2, 2)]
+        best, score = None, MATCH_RATIO
+        matcher = difflib.SequenceMatcher(None)
+        matcher.set_seq2(core)
+        for uid in dict.fromkeys([u for u in around[:1] + ranked + around[1:] if u is not None]):
+            if score >= MATCH_SURE:
+                break
+            other = olds_core.get(uid, "") if uid in free else ""
+            if not other or 2 * min(len(other), len(core)) < score * (len(other) + len(core)):
+                continue  # (difflib's ratio is at most this)
+            if budget[0] <= 0:
+                return
+            budget[0] -= 1
+            matcher.set_seq1(other)
+            if matcher.quick_ratio() >= score:
+                r = matcher.ratio()
+                if r >= score:
+                    best, score = uid, r
+        if best is not None:
+            uids[i] = best
+            del free[best]
 
 
 class TaskBook:
@@ -5933,7 +6109,9 @@ class TaskBook:
         self.file = state_dir / "caldav.json"
         self.zone = zone_name
         self.lock = threading.RLock()
-        self.parsed: dict = {}  # note path -> (signature, title, [task dicts])
+        self._looked = threading.Condition(self.lock)  # a look ended
+        self._looking = False  # a thread is looking (one at a time, outside the lock)
+        self.parsed: dict = {}  # note path -> (title, [task dicts])
         self.seen_journal: Any = None
         self.loaded = False  # every note looked at once
         self.log_file = state_dir / "caldav.log"
@@ -5946,15 +6124,26 @@ class TaskBook:
         self.tombstones = 0  # tombstones made by this run (what a log line carries)
         self.seq = int(kept.get("seq", 0))
         self.floor = int(kept.get("floor", 0))
+        # folder -> the newest of its tombstones forgotten ("*": of any folder, as kept by
+        # a version that did not keep them per folder)
+        self.floors: dict = dict(kept.get("floors") or ({"*": self.floor} if self.floor else {}))
         self.folders: dict = dict(kept.get("folders", {}))  # folder path -> list id
         self.ids: dict = dict(kept.get("tasks", {}))  # uid -> record
         self.gone: list = list(kept.get("gone", []))  # [seq, uid, href, folder, path]
         self.sigs: dict = dict(kept.get("sigs", {}))  # note path -> [size, mtime_ns]
         self._replay()
-        self.claims: dict = {}  # (path, key) -> (uid, href): a client's new task
+        self.claims: dict = {}  # (path, key) -> (uid, href, when): the line a client wrote
         self.tasks: dict = {}  # uid -> the task as served (after refresh)
-        self.by_href: dict = {}  # an item's name -> its uid
+        self.by_href: dict = {}  # an item's name -> the uids of the items so named
         self.holding: set = set()  # the folders that hold tasks
+        secret = kept.get("secret")  # signs the sync tokens (sync_mac)
+        self.secret = bytes.fromhex(secret) if isinstance(secret, str) else b""
+        if len(self.secret) < 16:
+            self.secret = secrets.token_bytes(32)
+            try:
+                self.save()
+            except OSError as e:  # (tokens then last until a restart)
+                log.warning("tasks: could not keep their state: %s", e)
 
     # -- on disk: a snapshot (caldav.json) and the changes since (caldav.log) --------------
     #
@@ -5979,6 +6168,7 @@ class TaskBook:
             if not isinstance(change, dict) or change.get("gen") != self.gen:
                 continue
             self.seq, self.floor = change["seq"], change["floor"]
+            self.floors = change.get("floors", self.floors)
             self.folders = change["folders"]
             for uid, rec in change["tasks"].items():
                 if rec is None:
@@ -5998,13 +6188,15 @@ class TaskBook:
         `buried` tombstones (uids None: everything, as a new snapshot)."""
         if uids is None or self.logged >= self.LOG_LINES:
             self.gen += 1
-            whole = {"gen": self.gen, "seq": self.seq, "floor": self.floor}
+            whole = {"gen": self.gen, "seq": self.seq, "floor": self.floor, "floors": self.floors}
             whole.update(folders=self.folders, tasks=self.ids, gone=self.gone, sigs=self.sigs)
+            whole["secret"] = self.secret.hex()
             atomic_write(self.file, json.dumps(whole, ensure_ascii=False).encode("utf-8"))
             atomic_write(self.log_file, b"")
             self.logged = 0
             return
-        change = {"gen": self.gen, "seq": self.seq, "floor": self.floor, "folders": self.folders}
+        change = {"gen": self.gen, "seq": self.seq, "floor": self.floor, "floors": self.floors}
+        change["folders"] = self.folders
         change["tasks"] = {u: self.ids.get(u) for u in uids}
         change["sigs"] = {p: self.sigs.get(p) for p in paths}
         change["gone"] = self.gone[len(self.gone) - buried :] if buried else []
@@ -6021,36 +6213,74 @@ class TaskBook:
     def refresh(self, force: bool = False) -> dict:
         """Bring the tasks up to date with the notes; return {uid: task}. After the first
         look (every note), only the notes the change journal names since the last look
-        are looked at again (all of them again when it no longer holds those changes)."""
-        with self.lock:
-            journal = getattr(self.notes, "journal", None)
-            last = journal.last if journal is not None else None
-            if not force and last is not None and last == self.seen_journal and self.loaded:
+        are looked at again (all of them again when it no longer holds those changes).
+        One thread looks at a time; the others wait for its look, then look again if the
+        notes changed since it began."""
+        while True:
+            with self.lock:
+                journal = getattr(self.notes, "journal", None)
+                last = journal.last if journal is not None else None
+                if not force and last is not None and last == self.seen_journal and self.loaded:
+                    return self.tasks
+                if self._looking:
+                    self._looked.wait(30)
+                    continue
+                self._looking = True
+                since, full = self.seen_journal, force or not self.loaded
+            try:
+                self._look(journal, since, last, full)
                 return self.tasks
-            scan, removed = self._look(journal, last, force)
-            changed = [p for p, sig in scan.items() if self.sigs.get(p) != list(sig)]
-            if changed or removed or not self.loaded:
-                self._reconcile(scan, changed, removed)
-            self.loaded = True
-            self.seen_journal = last
-            return self.tasks
+            finally:
+                with self.lock:
+                    self._looking = False
+                    self._looked.notify_all()
 
-    def _look(self, journal: Any, last: Any, force: bool) -> tuple:
-        """({note: signature}, [notes gone]) of every note, or of those the journal names."""
-        paths = self._journal_paths(journal, last) if self.loaded and not force else None
+    def _look(self, journal: Any, since: Any, last: Any, full: bool) -> None:
+        """One look at the notes (only the looking thread runs it, and only it changes
+        parsed, ids and sigs): read and match outside the lock, keep what was found under
+        it. A note's signature is kept only with the work done for it."""
+        paths = None if full else self._journal_paths(journal, since, last)
         if paths is None:
             scan = self.notes.scan()
-            return scan, [p for p in self.sigs if p not in scan]
-        scan = {}
-        for p in paths:
-            sig = self._stat(p)
-            if sig is not None:
-                scan[p] = sig
-        return scan, [p for p in paths if p not in scan and p in self.sigs]
+            removed = [p for p in list(self.sigs) if p not in scan]
+        else:
+            scan = {}
+            for p in paths:
+                sig = self._stat(p)
+                if sig is not None:
+                    scan[p] = sig
+            removed = [p for p in paths if p not in scan and p in self.sigs]
+        read = {}
+        for p, sig in scan.items():
+            if p not in self.parsed or self.sigs.get(p) != list(sig):
+                got = self._parse(p)
+                if got is not None:  # (unreadable now: looked at again when it changes)
+                    read[p] = got
+        changed = [p for p, got in read.items() if self.sigs.get(p) != list(got[2])]
+        with self.lock:
+            claims = dict(self.claims)
+        wanted = set(changed) | set(removed)
+        by_path: dict = {}
+        for uid, rec in self.ids.items():
+            if rec["path"] in wanted:
+                by_path.setdefault(rec["path"], []).append(uid)
+        assigned, used, hrefs = {}, [], {}
+        budget = [MATCH_COMPARISONS]
+        for p in changed:
+            mine = {key: c[0] for (cp, key), c in claims.items() if cp == p}
+            olds = [(u, self.ids[u]["key"], self.ids[u].get("line")) for u in by_path.get(p, [])]
+            assigned[p], took = match_tasks(olds, read[p][1], mine, self.ids.__contains__, budget)
+            used += [(p, key) for key in took]
+            hrefs.update({claims[(p, key)][0]: claims[(p, key)][1] for key in took})
+        with self.lock:
+            for claimed in used:
+                self.claims.pop(claimed, None)
+            self._keep(read, changed, removed, by_path, assigned, hrefs)
+            self.loaded = True
+            self.seen_journal = last
 
-    def _journal_paths(self, journal: Any, last: Any) -> set | None:
+    def _journal_paths(self, journal: Any, since: Any, last: Any) -> set | None:
         """The notes changed since the last look, as the journal has them (None: unknown)."""
-        since = self.seen_journal
         if journal is None or not isinstance(since, int) or not isinstance(last, int):
             return None
         paths: set = set()
@@ -6075,106 +6305,83 @@ class TaskBook:
             return None
         return (st.st_size, st.st_mtime_ns) if stat.S_ISREG(st.st_mode) else None
 
-    def _parse(self, path: str) -> tuple:
+    def _parse(self, path: str) -> tuple | None:
+        """(title, task lines, signature) of a note as read now; None when it can't be."""
         try:
-            data, _st = self.notes.read_raw(path)
+            data, st = self.notes.read_raw(path)
             text = data.decode("utf-8", "replace")
-        except Exception:  # gone or unreadable meanwhile: no tasks
-            return "", []
-        return note_title(text, path), task_lines(text)
+        except Exception:  # gone or unreadable meanwhile
+            return None
+        return note_title(text, path), task_lines(text), (st.st_size, st.st_mtime_ns)
 
-    def _reconcile(self, scan: dict, changed: list, removed: list) -> None:
-        for p in scan:
-            if p not in self.parsed or p in changed:
-                self.parsed[p] = self._parse(p)
+    def _keep(
+        self, read: dict, changed: list, removed: list, by_path: dict, assigned: dict, hrefs: dict
+    ) -> None:
+        """Take a look's findings (under the lock); the notes' signatures last."""
+        for p, (title, found, _sig) in read.items():
+            self.parsed[p] = (title, found)
         for p in removed:
             self.parsed.pop(p, None)
-        by_path: dict = {}
-        for uid, rec in self.ids.items():
-            by_path.setdefault(rec["path"], []).append(uid)
-        orphans = [u for p in removed for u in by_path.get(p, [])]  # a moved note's, maybe
-        assigned: dict = {}  # path -> [uid per task]
-        for p in changed:
-            olds = by_path.get(p, [])
-            assigned[p] = self._match(olds, self.parsed[p][1])
-            orphans += [u for u in olds if u not in assigned[p]]
-        self._place(assigned, orphans)
+        orphans = dict.fromkeys(u for p in removed for u in by_path.get(p, []))
+        for p in changed:  # a changed note's tasks that no line kept
+            kept = set(assigned[p])
+            orphans.update(dict.fromkeys(u for u in by_path.get(p, []) if u not in kept))
+        self._place(assigned, orphans, hrefs)
         before = self.tombstones
-        dirty = self._bury(orphans)
-        self._keep_places(assigned, scan, removed)
+        dirty = self._bury(list(orphans))
+        self._keep_places(assigned)
         dirty = self._settle(set(changed) | set(removed)) or dirty or bool(changed or removed)
+        for p in changed:
+            self.sigs[p] = list(read[p][2])
+        for p in removed:
+            self.sigs.pop(p, None)
         if dirty:
             uids = {u for found in assigned.values() for u in found} | set(orphans)
             self.save(uids if self.loaded else None, [*changed, *removed], self.tombstones - before)
 
-    def _keep_places(self, assigned: dict, scan: dict, removed: list) -> None:
-        """Record where each task of the changed notes is now, and the notes' signatures."""
+    def _keep_places(self, assigned: dict) -> None:
+        """Record where each task of the changed notes is now."""
         for p, uids in assigned.items():
             for i, uid in enumerate(uids):
                 key = task_key(self.parsed[p][1][i]["text"])
                 self.ids[uid].update(path=p, key=key, line=i)
-            self.sigs[p] = list(scan[p])
-        for p in removed:
-            self.sigs.pop(p, None)
 
-    def _place(self, assigned: dict, orphans: list) -> None:
-        """Give each task still without a UID one: a client's claim on its line, else a
-        task of a vanished note with the same text (the note moved), else a new one."""
+    def _place(self, assigned: dict, orphans: dict, hrefs: dict) -> None:
+        """Give each task still without a UID one: a task of a vanished note with the same
+        text (the note moved), else a new one; make the records of clients' new tasks."""
         left: dict = {}
         for u in orphans:
             left.setdefault(self.ids[u]["key"], []).append(u)
         for p, uids in assigned.items():
             for i, uid in enumerate(uids):
-                if uid is not None:
-                    continue
                 key = task_key(self.parsed[p][1][i]["text"])
-                claim = self.claims.pop((p, key), None)
-                if claim is not None:
-                    uid, href = claim
-                    self.ids[uid] = {"path": p, "key": key, "href": href}
-                elif left.get(key):
+                if uid is not None:
+                    if uid not in self.ids:  # a client's new task, with the href it was PUT at
+                        self.ids[uid] = {"path": p, "key": key, "href": hrefs[uid]}
+                    continue
+                if left.get(key):
                     uid = left[key].pop(0)
-                    orphans.remove(uid)
+                    del orphans[uid]
                 else:
                     uid = new_uid()
                     self.ids[uid] = {"path": p, "key": key, "href": f"{uid}.ics"}
                 uids[i] = uid
 
     def _bury(self, gone: list) -> bool:
-        """Forget removed tasks, keeping a tombstone of each for sync-collection."""
+        """Forget removed tasks, keeping a tombstone of each for sync-collection (and, of
+        those past TOMBSTONES, the newest per folder: a token under it can't be answered)."""
         for u in gone:
             rec = self.ids.pop(u)
             self.seq += 1
             self.gone.append([self.seq, u, rec.get("href", f"{u}.ics"), rec.get("folder"), None])
             self.tombstones += 1
         if len(self.gone) > TOMBSTONES:
+            for seq, _uid, _href, folder, _path in self.gone[:-TOMBSTONES]:
+                if folder:
+                    self.floors[folder] = max(self.floors.get(folder, 0), seq)
             self.floor = self.gone[-TOMBSTONES - 1][0]
             self.gone = self.gone[-TOMBSTONES:]
         return bool(gone)
-
-    def _match(self, olds: list, found: list) -> list:
-        """Pair a note's tasks with the UIDs its tasks had: the same text, then the nearest."""
-        uids: list = [None] * len(found)
-        free = list(olds)
-        keys = [task_key(t["text"]) for t in found]
-        for i, key in enumerate(keys):
-            for u in free:
-                if self.ids[u]["key"] == key:
-                    uids[i] = u
-                    free.remove(u)
-                    break
-        for i, key in enumerate(keys):
-            if uids[i] is not None or not free:
-                continue
-            best, score = None, MATCH_RATIO
-            for u in free:
-                r = difflib.SequenceMatcher(None, self.ids[u]["key"], key).ratio()
-                if r >= score:
-                    best, score = u, r
-            if best is not None:
-                uids[i] = best
-                free.remove(best)
-        return uids
 
     def _settle(self, touched: set) -> bool:
         """Rebuild the served tasks of the notes touched (all at the first look); each task
@@ -6196,7 +6403,10 @@ class TaskBook:
             dirty = self._stamp(self.ids[uid], task, now) or dirty
         dirty = self._name_folders({t["folder"] for t in tasks.values()}, tasks) or dirty
         self.tasks = tasks
-        self.by_href = {t["href"]: u for u, t in tasks.items()}
+        by_href: dict = {}
+        for u, t in tasks.items():
+            by_href.setdefault(t["href"], []).append(u)
+        self.by_href = by_href
         self.holding = {t["folder"] for t in tasks.values()}
         return dirty
 
@@ -6254,14 +6464,15 @@ class TaskBook:
         whose folder holds no tasks now and whose tasks are now here)."""
         dirty = False
         vacant = {f: i for f, i in self.folders.items() if f not in holding}
-        for folder in sorted(holding - set(self.folders)):
-            came = {}
+        new = holding - set(self.folders)
+        left: dict = {}  # uid -> the folder it left lately (the newest such tombstone)
+        for _seq, u, _href, old, _p in self.gone[-200:] if new else ():
+            left[u] = old
+        for folder in sorted(new):
+            came: dict = {}
             for uid, t in tasks.items():
-                if t["folder"] == folder:
-                    for _seq, u, _href, old, _p in reversed(self.gone[-200:]):
-                        if u == uid and old in vacant:
-                            came[old] = came.get(old, 0) + 1
-                            break
+                if t["folder"] == folder and left.get(uid) in vacant:
+                    came[left[uid]] = came.get(left[uid], 0) + 1
             if came:
                 old = max(came, key=came.get)
                 self.folders[folder] = self.folders.pop(old)
@@ -6280,9 +6491,23 @@ class TaskBook:
         return None
 
     def claim(self, path: str, text: str, uid: str, href: str) -> None:
-        """A client's new task is being written as `text` into path: it gets that UID."""
+        """A client's write is putting the line `text` into path (a new task, or one of its
+        own rewritten): that line is the task `uid`, however much its text changed."""
+        now = time.monotonic()
         with self.lock:
-            self.claims[(path, task_key(text))] = (uid, href)
+            for old in [k for k, c in self.claims.items() if now - c[2] > CLAIM_SECONDS]:
+                del self.claims[old]
+            self.claims[(path, task_key(text))] = (uid, href, now)
+
+    def sync_mac(self, text: str) -> str:
+        """The signature of a sync token's text: only tokens this server gave are taken."""
+        return hmac.new(self.secret, text.encode("utf-8"), hashlib.sha256).hexdigest()[:16]
+
+    def floor_within(self, within: Callable) -> int:
+        """The newest tombstone forgotten in the folders `within` accepts (a sync token
+        older than it can't be answered: it would miss that removal)."""
+        floors = list(self.floors.items())
+        return max((seq for f, seq in floors if f == "*" or within(f)), default=0)
 
     def seq_of(self, uid: str) -> int:
         rec = self.ids.get(uid)
@@ -14701,9 +14926,9 @@ def note_reminders(path: str, title: str, text: str, zone: dt.tzinfo | None) -> 
         start = text.rfind("\n", 0, m.start()) + 1
         stop = text.find("\n", m.end())
         line = _one_line(text[start : stop if stop >= 0 else len(text)], 300)
-        try:
-            wall = dt.datetime(*(int(g) for g in m.groups()))
-        except ValueError:  # 2026-02-30
+        wall = usable_wall(*(int(g) for g in m.groups()))  # (None: 2026-02-30, 0001-01-01)
+        due = wall_timestamp(wall, zone) if wall is not None else None
+        if due is None:  # an unusable time: that line only is no reminder
             continue
         text_id = f"{path}\n{wall:%Y-%m-%d %H:%M}\n{line}".encode()
         found.append(
@@ -14713,7 +14938,7 @@ def note_reminders(path: str, title: str, text: str, zone: dt.tzinfo | None) -> 
                 "title": title,
                 "line": line,
                 "wall": f"{wall:%Y-%m-%d %H:%M}",
-                "due": timestamp_of(wall, zone),
+                "due": due,
             }
         )
     return found
@@ -32457,6 +32682,12 @@ ALL_LIST = "all"
 _NS_DECL = f'xmlns:D="DAV:" xmlns:C="{CAL_NS}" xmlns:CS="{CS_NS}"'
 _PREFIX = {"DAV:": "D", CAL_NS: "C", CS_NS: "CS"}
 SYNC_PREFIX = "urn:notesvc:sync:"
+SYNC_TOKEN_RE = re.compile(r"([0-9]{1,18})-([0-9a-f]{16})\Z")  # ASCII digits only
+CAL_DAV_CLASSES = "1, 2, calendar-access"
+CAL_MAX_HREFS = 1000  # hrefs one calendar-multiget may name
+CAL_MAX_NAME = 255  # characters of an item's name (<name>.ics)
+CAL_MAX_SUMMARY = 1000  # characters of a SUMMARY: a task is one line of a note
+CAL_MAX_CATEGORIES = 32  # CATEGORIES of one task, each at most CAL_MAX_NAME characters
 
 
 class CalError(DavError):
@@ -32499,7 +32730,10 @@ def caldav_callback(svc: Service) -> Callable:
         parts = [p for p in path.split("/") if p]
         ours = (parts and parts[0] in CAL_TOPS) or (not parts and method == "PROPFIND")
         if not ours and method not in CAL_METHODS:
-            return dav(path)
+            answer = dav(path)
+            if not parts and method == "OPTIONS":  # /dav/ itself: the root of both
+                bottle.response.set_header("DAV", CAL_DAV_CLASSES)
+            return answer
         try:
             return cal_answer(svc, env, method, parts)
         except DavError as e:
@@ -32566,8 +32800,8 @@ def cal_allow() -> str:
 
 def cal_options():
     resp = bottle.response
-    resp.set_header("DAV", "1, 2, 3, calendar-access")
-    resp.set_header("Allow", ", ".join(DAV_METHODS + CAL_METHODS))
+    resp.set_header("DAV", CAL_DAV_CLASSES)
+    resp.set_header("Allow", f"{cal_allow()}, PROPPATCH, MKCALENDAR")
     resp.set_header("Content-Length", "0")
     resp.content_type = "text/plain; charset=utf-8"
     return b""
@@ -32652,10 +32886,50 @@ def cal_item_data(svc: Service, task: dict, ctx: dict) -> bytes:
     return ical_calendar(vtodo_lines(task, link))
 
 
-def cal_sync_token(book: TaskBook, principal: Principal, folder: str | None) -> int:
+def _sees_gone(principal: Principal, folder: str | None, old: str | None) -> bool:
+    """Whether a tombstone (of a task that was in the folder `old`) is in a list a
+    principal reads (a folder's, or None: all); one of no known folder was never served."""
+    return bool(old) and (folder is None or old == folder) and _sees(principal, old + "/x")
+
+
+def cal_sync_seq(book: TaskBook, principal: Principal, folder: str | None) -> int:
+    """The newest change a principal sees in a list: its tasks' and its tombstones'
+    sequence numbers, and the newest forgotten tombstone of its reach (changes elsewhere
+    never move it)."""
     seqs = [t["seq"] for t in cal_list_tasks(book, principal, folder)]
-    seqs += [g[0] for g in book.gone if folder is None or g[3] == folder]
-    return max(seqs, default=0)
+    seqs += [g[0] for g in list(book.gone) if _sees_gone(principal, folder, g[3])]
+    seqs.append(book.floor_within(lambda old: _sees_gone(principal, folder, old)))
+    return max(seqs)
+
+
+def _token_text(principal: Principal, list_id: str, seq: int) -> str:
+    return f"{principal.folder}\n{list_id}\n{seq}"
+
+
+def cal_sync_token(book: TaskBook, principal: Principal, lst: dict, seq: int | None = None) -> str:
+    """A list's sync token (and CTag) for a principal: the newest change it sees there,
+    signed for its reach and that list (RFC 6578: opaque to clients). Another reach's
+    token, or a number made up, is no token: it tells nothing of what others see."""
+    if seq is None:
+        seq = cal_sync_seq(book, principal, lst["folder"])
+    mac = book.sync_mac(_token_text(principal, lst["id"], seq))
+    return f"{SYNC_PREFIX}{seq}-{mac}"
+
+
+def cal_token_seq(book: TaskBook, principal: Principal, lst: dict, raw: str) -> int:
+    """The sequence number of a sync token this principal was given for this list; 403
+    valid-sync-token for any other text, and for one too old to answer."""
+    m = SYNC_TOKEN_RE.match(raw[len(SYNC_PREFIX) :]) if raw.startswith(SYNC_PREFIX) else None
+    mac = book.sync_mac(_token_text(principal, lst["id"], int(m.group(1)))) if m else ""
+    if m is None or not hmac.compare_digest(m.group(2), mac):
+        raise CalError(403, "this sync-token is not one of this list's", "D:valid-sync-token")
+    since = int(m.group(1))
+    floor = book.floor_within(lambda old: _sees_gone(principal, lst["folder"], old))
+    if since < floor or since > cal_sync_seq(book, principal, lst["folder"]):
+        raise CalError(
+            403, "this sync-token is too old: sync again from none", "D:valid-sync-token"
+        )
+    return since
 
 
 def cal_props(svc: Service, book: TaskBook, res: dict, ctx: dict, names=None) -> dict:
@@ -32691,7 +32965,7 @@ def cal_props(svc: Service, book: TaskBook, res: dict, ctx: dict, names=None) ->
         out[("DAV:", "resourcetype")] = _prop("DAV:", "resourcetype", collection)
         out[("DAV:", "displayname")] = _prop("DAV:", "displayname", "Task lists")
     elif kind == "list":
-        token = cal_sync_token(book, principal, res["folder"])
+        token = cal_sync_token(book, principal, res)
         out[("DAV:", "resourcetype")] = _prop("DAV:", "resourcetype", collection + "<C:calendar/>")
         out[("DAV:", "displayname")] = _prop("DAV:", "displayname", _xesc(res["name"]))
         out[(CAL_NS, "supported-calendar-component-set")] = _prop(
@@ -32703,8 +32977,8 @@ def cal_props(svc: Service, book: TaskBook, res: dict, ctx: dict, names=None) ->
             '<C:calendar-data content-type="text/calendar" version="2.0"/>',
         )
         out[(CAL_NS, "max-resource-size")] = _prop(CAL_NS, "max-resource-size", str(CAL_MAX_OBJECT))
-        out[(CS_NS, "getctag")] = _prop(CS_NS, "getctag", f"{SYNC_PREFIX}{token}")
-        out[("DAV:", "sync-token")] = _prop("DAV:", "sync-token", f"{SYNC_PREFIX}{token}")
+        out[(CS_NS, "getctag")] = _prop(CS_NS, "getctag", token)
+        out[("DAV:", "sync-token")] = _prop("DAV:", "sync-token", token)
         out[("DAV:", "supported-report-set")] = _prop(
             "DAV:",
             "supported-report-set",
@@ -32904,8 +33178,15 @@ def cal_report(svc: Service, book: TaskBook, res: dict, ctx: dict):
     principal = ctx["principal"]
     mode, wanted = cal_wanted(root)
     if root.tag == f"{{{CAL_NS}}}calendar-multiget":
+        hrefs = root.findall("{DAV:}href")
+        if len(hrefs) > CAL_MAX_HREFS:
+            raise CalError(
+                403,
+                f"a calendar-multiget names at most {CAL_MAX_HREFS} items: ask in parts",
+                "D:number-of-matches-within-limits",
+            )
         out = []
-        for h in root.findall("{DAV:}href"):
+        for h in hrefs:
             path = urllib.parse.urlsplit(urllib.parse.unquote((h.text or "").strip())).path
             found = cal_find_item(book, principal, lst, ctx, path)
             if found is None:
@@ -32938,13 +33219,11 @@ def cal_find_item(book: TaskBook, principal: Principal, lst: dict, ctx: dict, pa
 def cal_task_named(book: TaskBook, principal: Principal, folder: str | None, name: str):
     """The task of a list (a folder's, or None: all) whose item is named `name`."""
 
-    def fits(t: dict) -> bool:
-        return t["href"] == name and _sees(principal, t["path"]) and folder in (None, t["folder"])
-
-    task = book.tasks.get(book.by_href.get(name, ""))
-    if task is None or not fits(task):  # (two lists may hold an item of the same name)
-        task = next((t for t in book.tasks.values() if fits(t)), None)
-    return task
+    for uid in book.by_href.get(name, ()):  # (two lists may hold an item of the same name)
+        t = book.tasks.get(uid)
+        if t and _sees(principal, t["path"]) and folder in (None, t["folder"]):
+            return t
+    return None
 
 
 def cal_item_response(svc, book, item: dict, ctx: dict, mode: str, wanted: list) -> str:
@@ -32955,15 +33234,7 @@ def cal_item_response(svc, book, item: dict, ctx: dict, mode: str, wanted: list)
 
 def cal_sync(svc, book, lst: dict, items: list, root, ctx: dict, mode: str, wanted: list):
     raw = (root.findtext("{DAV:}sync-token") or "").strip()
-    since = 0
-    if raw:
-        if not raw.startswith(SYNC_PREFIX) or not raw[len(SYNC_PREFIX) :].isdigit():
-            raise CalError(403, "this sync-token is not one of this server's", "D:valid-sync-token")
-        since = int(raw[len(SYNC_PREFIX) :])
-        if since < book.floor or since > book.seq:
-            raise CalError(
-                403, "this sync-token is too old: sync again from none", "D:valid-sync-token"
-            )
+    since = cal_token_seq(book, ctx["principal"], lst, raw) if raw else 0
     level = (root.findtext("{DAV:}sync-level") or "1").strip()
     if level not in ("1", "infinite"):
         raise DavError(400, "sync-level is 1")
@@ -32979,8 +33250,9 @@ def cal_sync(svc, book, lst: dict, items: list, root, ctx: dict, mode: str, want
                 "<D:status>HTTP/1.1 404 Not Found</D:status>",
             )
         )
-    token = cal_sync_token(book, ctx["principal"], lst["folder"])
-    return cal_multistatus(out, f"<D:sync-token>{SYNC_PREFIX}{max(token, since)}</D:sync-token>")
+    seq = max(cal_sync_seq(book, ctx["principal"], lst["folder"]), since)
+    token = cal_sync_token(book, ctx["principal"], lst, seq)
+    return cal_multistatus(out, f"<D:sync-token>{token}</D:sync-token>")
 
 
 def cal_gone(book: TaskBook, lst: dict, items: list, since: int, principal: Principal) -> list:
@@ -32988,10 +33260,8 @@ def cal_gone(book: TaskBook, lst: dict, items: list, since: int, principal: Prin
     here = {i["task"]["uid"] for i in items}
     folder = lst["folder"]
     gone: dict = {}
-    for seq, uid, href, old, _path in book.gone:
-        if seq <= since or uid in here or (folder is not None and old != folder):
-            continue
-        if old is None or _sees(principal, old + "/x"):
+    for seq, uid, href, old, _path in list(book.gone):
+        if seq > since and uid not in here and _sees_gone(principal, folder, old):
             gone[href] = True
     return list(gone)
 
@@ -33115,9 +33385,8 @@ def cal_time_range(tr, svc: Service) -> Callable:
 
     def due_of(t: dict) -> dt.datetime | None:
         if isinstance(t["due"], dt.date):
-            wall = dt.datetime.combine(t["due"], dt.time())
-            ts = wall.replace(tzinfo=zone).timestamp() if zone else wall.timestamp()
-            return dt.datetime.fromtimestamp(ts, dt.timezone.utc).replace(tzinfo=None)
+            ts = wall_timestamp(dt.datetime.combine(t["due"], dt.time()), zone)
+            return None if ts is None else utc_of_timestamp(ts)
         return t["alarm"]
 
     def test(t: dict) -> bool:  # RFC 4791 9.9, a VTODO without DTSTART or DURATION
@@ -33155,24 +33424,34 @@ def cal_read_object(svc: Service) -> dict:
     if props.get("DUE"):
         params, value = props["DUE"][0]
         try:
-            due = ical_when(value, params)
+            due = ical_when(value, params, time_zone(svc.config.timezone))
+        except UnusableDate as e:
+            raise _unfit(f"DUE {e}") from None
         except ICalError as e:
             raise CalError(403, str(e), "C:valid-calendar-data") from None
     categories: list = []
     for _params, value in props.get("CATEGORIES", []):
         categories += [c.strip() for c in ical_split(value) if c.strip()]
+    categories = list(dict.fromkeys(categories))
+    if len(categories) > CAL_MAX_CATEGORIES or any(len(c) > CAL_MAX_NAME for c in categories):
+        raise _unfit(
+            f"a task has at most {CAL_MAX_CATEGORIES} CATEGORIES of {CAL_MAX_NAME} characters"
+        )
     parents = [
         v.strip()
         for params, v in props.get("RELATED-TO", [])
         if params.get("RELTYPE", "PARENT").upper() == "PARENT"
     ]
+    summary = " ".join(ical_unescape(_first(props, "SUMMARY")).split())
+    if len(summary) > CAL_MAX_SUMMARY:
+        raise _unfit(f"a SUMMARY is at most {CAL_MAX_SUMMARY} characters: a task is one line")
     return {
-        "parent": parents[0] if parents else None,
+        "parent": parents[0][:CAL_MAX_NAME] if parents else None,
         "uid": uid,
-        "summary": " ".join(ical_unescape(_first(props, "SUMMARY")).split()),
+        "summary": summary,
         "done": status == "COMPLETED",
         "due": due,
-        "categories": list(dict.fromkeys(categories)),
+        "categories": categories,
     }
 
 
@@ -33298,10 +33577,27 @@ def cal_edit_line(svc: Service, task: dict, change: Callable) -> None:
         change(lines, at)
         if lines == before:
             return
+        content = "\n".join(lines)
+        cal_fits(svc, path, len(raw), content)
         with contextlib.suppress(PreconditionFailed):
-            svc.notes.update(path, "\n".join(lines), make_etag(raw), reason="caldav")
+            svc.notes.update(path, content, make_etag(raw), reason="caldav")
             return
     raise DavError(412, "the note kept changing: try again")
+
+
+def cal_fits(svc: Service, path: str, before: int, content: str) -> None:
+    """507 (DAV:quota-not-exceeded, RFC 4331) when a write would grow a note past the
+    size the API takes for a note's content (SERVICE_MAX_BODY_BYTES); a note already
+    larger (written by another program) may still be edited in place, never grown."""
+    limit = svc.config.max_body_bytes
+    size = len(content.encode("utf-8"))
+    if size > limit and size > before:
+        raise CalError(
+            507,
+            f"{path[len(NOTES) + 1 :]} would be {size} bytes, over the {limit} a note may hold "
+            "(SERVICE_MAX_BODY_BYTES): make room in it or start another list",
+            "D:quota-not-exceeded",
+        )
 
 
 def cal_put(svc: Service, book: TaskBook, res: dict, ctx: dict):
@@ -33309,6 +33605,8 @@ def cal_put(svc: Service, book: TaskBook, res: dict, ctx: dict):
         raise DavError(405, "PUT a task into a task list: /dav/calendars/<list>/<name>.ics")
     if not res["href"].endswith(".ics") or "/" in res["href"]:
         raise DavError(403, "an item's name ends in .ics")
+    if len(res["href"]) > CAL_MAX_NAME:
+        raise DavError(403, f"an item's name is at most {CAL_MAX_NAME} characters")
     principal = ctx["principal"]
     task = res["task"]
     _check_if_match(task)
@@ -33331,6 +33629,9 @@ def cal_put(svc: Service, book: TaskBook, res: dict, ctx: dict):
 
         def edit(lines: list, at: int) -> None:
             lines[at] = cal_rewrite(svc, {**task, "text": lines[at]}, new)
+            # the line stays this item whatever its text became (a new DUE on `milk`, a
+            # rename): the next look gives it this UID, not the nearest text's
+            book.claim(task["path"], lines[at], task["uid"], task["href"])
 
         cal_edit_line(svc, task, edit)
         status = 204
@@ -33385,12 +33686,15 @@ def cal_append(svc: Service, path: str, line: str) -> None:
         except ApiError as e:
             if e.status_code != 404:
                 raise
+            content = f"# Tasks\n\n{line}\n"
+            cal_fits(svc, path, 0, content)
             with contextlib.suppress(ApiError):
-                svc.notes.create(path, f"# Tasks\n\n{line}\n")
+                svc.notes.create(path, content)
                 return
             continue
         text = raw.decode("utf-8")
         content = text + ("" if text.endswith("\n") or not text else "\n") + line + "\n"
+        cal_fits(svc, path, len(raw), content)
         with contextlib.suppress(PreconditionFailed):
             svc.notes.update(path, content, make_etag(raw), reason="caldav")
             return
@@ -33535,14 +33839,19 @@ def feed_events(task: dict) -> list:
     out: list = []
     stamp = f"DTSTAMP:{ical_stamp(task['stamp'])}"
     summary = f"SUMMARY:{ical_escape(task['summary'] or 'Task')}"
-    if task["alarm"] is not None:
+    if task["alarm"] is not None:  # it rings: an alarm at its start (README: ⏰ also rings)
         end = task["alarm"] + dt.timedelta(minutes=15)
         out += ["BEGIN:VEVENT", f"UID:{task['uid']}-at", stamp, summary]
-        out += [f"DTSTART:{ical_utc(task['alarm'])}", f"DTEND:{ical_utc(end)}", "END:VEVENT"]
+        out += [f"DTSTART:{ical_utc(task['alarm'])}", f"DTEND:{ical_utc(end)}"]
+        out += ["BEGIN:VALARM", "ACTION:DISPLAY", summary.replace("SUMMARY:", "DESCRIPTION:", 1)]
+        out += ["TRIGGER;RELATED=START:PT0S", "END:VALARM", "END:VEVENT"]
     if isinstance(task["due"], dt.date) and not task["done"]:
         after = task["due"] + dt.timedelta(days=1)
         out += ["BEGIN:VEVENT", f"UID:{task['uid']}-day", stamp, summary]
-        out += [f"DTSTART;VALUE=DATE:{task['due']:%Y%m%d}", f"DTEND;VALUE=DATE:{after:%Y%m%d}"]
+        out += [
+            f"DTSTART;VALUE=DATE:{ical_date(task['due'])}",
+            f"DTEND;VALUE=DATE:{ical_date(after)}",
+        ]
         out += ["TRANSP:TRANSPARENT", "END:VEVENT"]
     return out
 
