@@ -14581,17 +14581,31 @@ class TestWebClient:
         expect(page.locator("#editor")).to_have_value(two[:-1])
         page.keyboard.press("Control+y")
         expect(page.locator("#editor")).to_have_value(two + "- [ ] ")
-        page.keyboard.press("Enter")  # on the empty item: the list ends, a blank line stays
-        expect(page.locator("#editor")).to_have_value(two)
+        # on the empty item: the list ends, a blank line stays between it and what follows
+        page.keyboard.press("Enter")
+        expect(page.locator("#editor")).to_have_value(two + "\n")
         page.keyboard.type("Done.")
-        want = two + "Done."
+        want = two + "\nDone."
         expect(page.locator("#editor")).to_have_value(want)
         # a bullet and a number go on too, and autosave sends what Enter made
         page.keyboard.press("Enter")
         page.keyboard.type("1. one\ntwo\n\n* a\nb")  # (Enter twice: the numbers end)
-        want += "\n1. one\n2. two\n* a\n* b"
+        want += "\n1. one\n2. two\n\n* a\n* b"
         expect(page.locator("#editor")).to_have_value(want)
         wait_for(lambda: (web.root / "notes/todo.md").read_text() == want)
+        # read: the words after the checklist are a paragraph of their own, and a tick greys
+        # the task only
+        s.tap("#edit")
+        done = page.locator("#view > p", has_text="Done.")
+        expect(done).to_be_visible()
+        expect(page.locator("#view li.task", has_text="Done.")).to_have_count(0)
+        before = done.evaluate("p => getComputedStyle(p).color")
+        page.locator("#view li.task label", has_text="socks").click()
+        wait_for(lambda: "- [x] socks" in (web.root / "notes/todo.md").read_text())
+        ticked = page.locator("#view li.task label", has_text="socks")
+        assert ticked.evaluate("l => getComputedStyle(l).color") != before  # greyed
+        assert done.evaluate("p => getComputedStyle(p).color") == before
+        s.shot("checklist-ended")
         assert unexpected(s.close()) == []
 
     def test_the_checklist_button_toggles_the_line_or_the_selected_lines(self, web):
