@@ -15236,6 +15236,38 @@ class TestWebClient:
         # 404: the page's own reads (backlinks, a look at the note) may meet the deletion
         assert unexpected(s.close(), 404) == []
 
+    def test_a_note_made_here_shows_another_devices_edit_within_two_seconds(self, web):
+        """The device that made a note keeps it open; another device edits it: the edit shows
+        here as fast as on a note opened from the list (it once waited out 30 s)."""
+        needs(web.server, "/changes", "the change feed (issue 13)")
+        a = web("phone")
+        path = a.write_new("Packing\n- passport")  # made here, open and in the editor
+        b = web("desktop")
+        b.tree_open(path)
+        b.tap("#edit")
+        edited = "Packing\n- passport\n- socks, from the laptop"
+        b.page.fill("#editor", edited)
+        sent = time.monotonic()
+        b.page.keyboard.press("Control+s")
+        expect(a.page.locator("#editor")).to_have_value(edited, timeout=5_000)
+        took = time.monotonic() - sent
+        print(f"the edit showed on the device that made the note {took:.2f} s after Save")
+        assert took < 2.5
+        expect(b.page.locator("#status")).to_have_text("Saved")
+        # and the next edit too, after the page's own save
+        a.page.bring_to_front()
+        a.page.keyboard.press("Control+End")
+        a.page.keyboard.type("\n- charger")
+        expect(a.page.locator("#status")).to_have_text("Saved")
+        again = {"content": edited + "\n- charger\n- book, from the laptop"}
+        key = {"X-Service-Key": web.setup["apiKey"]}
+        url = f"{API}/notes/{urllib.parse.quote(path, safe='')}"
+        assert web.server.request("PUT", url, again, key)[0] == 200
+        expect(a.page.locator("#editor")).to_have_value(again["content"], timeout=5_000)
+        a.shot("made-here-edited-there")
+        assert unexpected(a.close()) == []
+        assert unexpected(b.close()) == []
+
     # -- with the attachments of docs/api.md: Attachments (issue 17) -------------------------------
 
     def test_a_vaults_images_beside_its_notes_show_in_the_note(self, web):
