@@ -15464,6 +15464,30 @@ class TestWebClient:
         assert (web.root / "notes/inbox/Quick one.md").read_text().endswith("typed at once")
         assert unexpected(s.close()) == []
 
+    def test_reloading_the_list_on_a_phone_stays_on_the_list(self, web):
+        s = web("phone")
+        page = s.page
+        s.tree_open("notes/todo.md")
+        page.reload()  # on the note: it comes back
+        expect(page.locator("#path")).to_contain_text("notes/todo.md")
+        assert page.get_attribute("#app", "data-pane") == "note"
+        s.tap("#back")
+        wait_for(lambda: page.get_attribute("#app", "data-pane") == "notes")
+        s.requests.clear()
+        page.reload()  # on the list: the list, not the note last open
+        page.wait_for_selector("#tree button")
+        # (the note would be read right after the tree: a bounded wait for that read)
+        with contextlib.suppress(Exception):
+            page.wait_for_request(lambda r: "/notes/notes%2Ftodo.md" in r.url, timeout=3_000)
+        assert s.api_calls("/notes/notes%2Ftodo.md") == []
+        assert page.get_attribute("#app", "data-pane") == "notes"
+        expect(page.locator("#pane-notes")).to_be_visible()
+        assert page.text_content("#path") == ""
+        s.shot("reloaded-list")
+        s.tree_open("notes/home/keys.md")  # and a tap opens a note as before
+        expect(page.locator("#view")).to_contain_text("blue kumquat jar")
+        assert unexpected(s.close()) == []
+
     def test_a_note_opened_before_the_features_are_read_shows_its_embeds(self, web):
         # (a CI-like run under load opened a note before the server's features were read:
         # its embedded photo was rendered as if the server had no attachments)

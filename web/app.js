@@ -2024,9 +2024,13 @@ const app = (() => {
     // tree and the features loaded (a tap on New note is not undone by the restore).
     if (state.moves !== moves || state.path || state.blank) return;
     const last = core.getItem("session", "notesvc.open");
+    // (read before a note opens: opening one shows its pane, and that is kept as the pane)
+    const pane = core.getItem("session", "notesvc.pane");
+    // a phone reloaded on the list (or search, or ask) stays there: the note waits for a tap
+    const onList = core.NARROW.matches && pane && pane !== "note";
     if (last) {
       try {
-        await openNote(last);
+        if (!onList) await openNote(last);
       } catch (e) {
         closeNote();
       }
@@ -2034,7 +2038,6 @@ const app = (() => {
       await newNote(); // an older page's new note that was never saved: its text is back
     }
     if (core.NARROW.matches) {
-      const pane = core.getItem("session", "notesvc.pane");
       core.showPane(
         pane && (pane !== "note" || state.path) ? pane : state.path ? "note" : "notes",
         true,
