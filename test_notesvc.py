@@ -8112,6 +8112,49 @@ class TestDevices:
         assert got["mcpUrl"] == "http://localhost:80/api/v1/mcp"
         assert got["mcpVia"] == "page"
 
+    def test_a_page_on_loopback_shows_the_phones_address_in_every_link(self, make_app):
+        """The rule of Add a device (the findings issue): the server's own browser, on
+        127.0.0.1, gets the MCP URL, share links and calendar feeds at the address phones
+        open, as the CalDAV address; opened by its LAN address or from elsewhere, as before."""
+        app = make_app(SERVICE_HOST="192.168.1.20", SERVICE_PORT="3000")
+        key = with_key(app)
+        put_note(key, "notes/a.md", "- [ ] milk\n")
+
+        def links(environ: dict) -> dict:
+            got = data(key.get(f"{API}/auth/devices/addresses", extra_environ=environ))
+            share = key.post_json(f"{API}/shares", {"path": "notes/a.md"}, extra_environ=environ)
+            feed = key.post_json(f"{API}/auth/feeds", {"name": "Phone"}, extra_environ=environ)
+            origin = lambda url: "{0}://{1}".format(*urllib.parse.urlsplit(url))  # noqa: E731
+            return {
+                "phone": got["phone"]["origin"],
+                "mcp": (got["mcpUrl"], got["mcpVia"]),
+                "share": (origin(data(share)["url"]), data(share)["homeOnly"]),
+                "feed": origin(data(feed)["url"]),
+            }
+
+        lan = "http://192.168.1.20:3000"
+        assert links(self.ON_THIS_MACHINE) == {
+            "phone": lan,
+            "mcp": (lan + "/api/v1/mcp", "home"),
+            "share": (lan, True),  # the page says it opens only at home
+            "feed": lan,
+        }
+        home_only = key.post_json(f"{API}/auth/feeds", {"name": "y"}, extra_environ=self.ON_THIS_MACHINE)
+        assert data(home_only)["homeOnly"] is True  # a feed says so too
+        on_lan = {"REMOTE_ADDR": "192.168.1.30", "HTTP_HOST": "192.168.1.20:3000"}
+        assert links(on_lan)["mcp"] == (lan + "/api/v1/mcp", "page")
+        forged = {"REMOTE_ADDR": "203.0.113.5", "HTTP_HOST": "127.0.0.1:3000"}
+        assert "192.168.1.20" not in json.dumps(links(forged))
+        relayed = {**self.ON_THIS_MACHINE, "notesvc.relayed": True}
+        assert "192.168.1.20" not in json.dumps(links(relayed))
+        # a feed link drawn so opens (the secret works at any address of this server)
+        feed = data(key.post_json(f"{API}/auth/feeds", {"name": "x"}, extra_environ=self.ON_THIS_MACHINE))
+        assert "SUMMARY:milk" in app.get(urllib.parse.urlsplit(feed["url"]).path).text
+        # on loopback only, nothing better to draw: this machine's own address
+        alone = with_key(make_app(SERVICE_HOST="127.0.0.1", SERVICE_PORT="3000"))
+        got = data(alone.get(f"{API}/auth/devices/addresses", extra_environ=self.ON_THIS_MACHINE))
+        assert (got["mcpUrl"], got["mcpVia"]) == ("http://127.0.0.1:3000/api/v1/mcp", "page")
+
     def test_an_expired_secret_is_404(self, client, anon):
         made = pair(client)
         grants = client.app.service.grants

@@ -871,12 +871,29 @@ def _pairing_url(config: Config, state: dict, environ: dict | None) -> tuple:
         return config.public_url, "public"
     if environ is None:
         return phone_url(config), "home"
-    if page_on_loopback(config, environ):
-        home = phone_url(config, int(environ.get("SERVER_PORT") or 0) or config.port)
-        if not is_loopback(urllib.parse.urlsplit(home).hostname or ""):
-            return home, "home"
+    home = home_origin(config, environ)
+    if home:
+        return home, "home"
     relayed = relay_origin_of(config, state)
     return (relayed, "relay") if relayed else (base_url_of(config, environ), "page")
+
+
+def home_origin(config: Config, environ: dict) -> str:
+    """Return, for a page opened by a loopback name, the address the banner gives phones
+    (a phone can't open 127.0.0.1); "" elsewhere, with SERVICE_PUBLIC_URL, or when that
+    address is loopback too (a server listening on loopback only)."""
+    if config.public_url or not page_on_loopback(config, environ):
+        return ""
+    home = phone_url(config, int(environ.get("SERVER_PORT") or 0) or config.port)
+    return "" if is_loopback(urllib.parse.urlsplit(home).hostname or "") else home
+
+
+def link_base(svc: Service, environ: dict) -> str:
+    """Return the base of what the page shows to be opened elsewhere (share links, calendar
+    feeds, the MCP URL): the request's (svc.issuer), except that a page on loopback draws
+    the address phones open, as Add a device does."""
+    home = home_origin(svc.config, environ)
+    return home + environ.get("SCRIPT_NAME", "") if home else svc.issuer(environ)
 
 
 def new_pairing(
@@ -923,8 +940,9 @@ def get_addresses(svc: Service) -> dict:
     env, cfg = bottle.request.environ, svc.config
     origin, via = pairing_origin(cfg, svc.state.read(), env)
     relayed = bool(cfg.relay_url) and cfg.pairing == "relay"
-    mcp = (svc.relay_base(env) if relayed else svc.issuer(env)) + API + "/mcp"
-    mcp_via = "relay" if relayed else "public" if cfg.public_url else "page"
+    mcp = (svc.relay_base(env) if relayed else link_base(svc, env)) + API + "/mcp"
+    home = home_origin(cfg, env)
+    mcp_via = "relay" if relayed else "public" if cfg.public_url else "home" if home else "page"
     return {"phone": {"origin": origin, "via": via}, "mcpUrl": mcp, "mcpVia": mcp_via}
 
 
@@ -969,10 +987,13 @@ def revoke_scoped_key(svc: Service, grant_id: str) -> dict:
 
 def share_url(svc: Service, environ: dict, token: str) -> str:
     """Return a share link: in relay mode on the server's relay origin (or {relay}/r/<id>),
-    else <base>/s/<token>."""
-    if svc.config.pairing == "relay":
-        return f"{svc.relay_base(environ)}/s/{token}"
-    return f"{svc.issuer(environ)}/s/{token}"
+    else <base>/s/<token> (link_base: from the server's own browser, the phones' address)."""
+    if svc.config.pairing != "relay":
+        return f"{link_base(svc, environ)}/s/{token}"
+    # no relay yet: this server's own /r/<id> path, at the phones' address from its browser
+    home = "" if svc.config.relay_url else home_origin(svc.config, environ)
+    base = f"{home}/r/{svc.state.read()['serverId']}" if home else svc.relay_base(environ)
+    return f"{base}/s/{token}"
 
 
 def create_share(svc: Service) -> dict:
