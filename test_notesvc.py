@@ -16345,7 +16345,12 @@ class TestDevicesInChromium:
             page = s.page
             page.click("#menu summary")
             page.click("#menu-keys")
-            expect(page.locator("#mcp-url")).to_have_value(server.url + "/api/v1/mcp")
+            # the MCP URL follows the rule of Add a device (the findings issue): the address
+            # phones open, as the CalDAV address (checked below, with the pairing's)
+            mcp = urllib.parse.urlsplit(page.input_value("#mcp-url"))
+            assert mcp.path == "/api/v1/mcp"
+            if machine_address():
+                assert mcp.hostname not in ("127.0.0.1", "localhost", "::1")
             expect(page.locator("#mcp-steps")).to_contain_text("Add custom connector")
             expect(page.locator("#mcp-steps")).to_contain_text("ChatGPT")
             expect(page.locator("#mcp-reach")).to_contain_text("Away from home: the relay")
@@ -16364,6 +16369,7 @@ class TestDevicesInChromium:
             assert drawn.port == server.port
             assert drawn.fragment.startswith("pair=")
             reach = page.locator("#pair-reach")
+            assert f"{drawn.scheme}://{drawn.netloc}" == f"{mcp.scheme}://{mcp.netloc}"
             if machine_address():
                 assert drawn.hostname not in ("127.0.0.1", "localhost", "::1")
                 assert not ipaddress.ip_address(socket.gethostbyname(drawn.hostname)).is_loopback
@@ -16377,9 +16383,63 @@ class TestDevicesInChromium:
         finally:
             server.stop()
 
+    def test_the_servers_own_browser_draws_the_phones_address_in_every_link(
+        self, browser, tmp_path
+    ):
+        """Opened on http://127.0.0.1:<port>: the calendar feed's link, a share link, the MCP
+        URL and the CalDAV address all name the address phones open, as Add a device does
+        (the findings issue); each says when it opens only at home."""
+        if not machine_address():
+            pytest.skip("this machine has no address but loopback: nothing else to draw")
+        server = Server(tmp_path / "srv", host="0.0.0.0")
+        try:
+            key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
+            note = {"path": "notes/todo.md", "content": "# Todo\n\n- [ ] milk\n"}
+            assert server.request("POST", f"{API}/notes", note, {KEY: key})[0] == 201
+            s = WebSession(browser, tmp_path, "desktop")
+            s.login(server.url + "/", key)
+            page = s.page
+            origin = lambda url: "{0}://{1}".format(*urllib.parse.urlsplit(url))  # noqa: E731
+            page.click("#menu summary")
+            page.click("#menu-tasks")
+            home = origin(page.input_value("#caldav-url"))
+            assert urllib.parse.urlsplit(home).hostname not in ("127.0.0.1", "localhost")
+            assert urllib.parse.urlsplit(home).port == server.port
+            page.fill("#feed-name", "Calendar")
+            page.click("#feed-create")
+            assert origin(page.input_value("#feed-url")) == home
+            # (said for a home network's address: this machine's may be another kind)
+            name = urllib.parse.urlsplit(home).hostname
+            at_home = name.endswith(".local") or any(
+                ipaddress.ip_address(name) in ipaddress.ip_network(net)
+                for net in ("10.0.0.0/8", "172.16.0.0/12", "192.168.0.0/16")
+            )
+            said = expect(page.locator("#feed-home-only"))
+            said.to_contain_text("opens only at home") if at_home else said.to_have_count(0)
+            s.shot("feed-from-the-servers-browser")
+            page.keyboard.press("Escape")
+            page.click("#menu summary")
+            page.click("#menu-keys")
+            assert origin(page.input_value("#mcp-url")) == home
+            expect(page.locator("#mcp-reach")).to_contain_text("public URL")
+            page.keyboard.press("Escape")
+            s.tree_open("notes/todo.md")
+            page.click("#note-menu summary")
+            page.click("#share")
+            page.click("#share-create")
+            assert origin(page.input_value("#share-url")) == home
+            said = expect(page.locator("#share-home-only"))
+            said.to_be_visible() if at_home else said.to_have_count(0)
+            with urllib.request.urlopen(page.input_value("#share-url"), timeout=10) as resp:
+                assert resp.status == 200  # it opens there
+            assert unexpected(s.close()) == []
+        finally:
+            server.stop()
+
     def test_keys_and_devices_shows_the_caldav_address_and_makes_a_feed(self, browser, tmp_path):
-        """Tasks on your phone (README): the CalDAV address with the steps, and a calendar
-        feed made here whose link (shown once) serves the tasks."""
+        """Tasks on your phone (README), one tap from the top of Keys and devices and in the
+        menu: the CalDAV address with the apps' steps, and a calendar feed made there whose
+        link (shown once) stays in view, focused and selected, until dismissed."""
         server = Server(tmp_path / "srv")
         try:
             key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
@@ -16390,24 +16450,96 @@ class TestDevicesInChromium:
             page = s.page
             page.click("#menu summary")
             page.click("#menu-keys")
+            expect(page.locator("#keys-tasks")).to_be_in_viewport()  # not 1.5 screens down
+            page.click("#keys-tasks")
+            expect(page.locator("#dlg-title")).to_have_text("Tasks on your phone")
             expect(page.locator("#caldav-url")).to_have_value(re.compile(r"^http://.*/dav/$"))
-            expect(page.locator("#caldav-steps")).to_contain_text("DAVx5")
-            expect(page.locator("#caldav-steps")).to_contain_text("Reminders")
-            expect(page.locator("#caldav-steps")).to_contain_text("Thunderbird")
+            apps = page.locator("#tasks-app option").all_text_contents()
+            assert apps == ["Reminders on iPhone", "Tasks on Android", "Thunderbird", "Tasks app"]
+            expect(page.locator("#tasks-connect")).to_be_focused()
+            s.shot("tasks-on-your-phone")
             page.fill("#feed-name", "Google")
             page.click("#feed-create")
-            expect(page.locator("#feed-url")).to_have_value(re.compile(r"/ics/[\w-]{32}\.ics$"))
+            link = page.locator("#feed-url")
+            expect(link).to_have_value(re.compile(r"/ics/[\w-]{32}\.ics$"))
+            # the once-shown link keeps the focus, selected, in view: nothing jumps away
+            expect(link).to_be_focused()
+            expect(link).to_be_in_viewport()
+            assert link.evaluate("i => i.selectionStart === 0 && i.selectionEnd === i.value.length")
             expect(page.locator("#feeds-list")).to_contain_text("Google")
+            s.shot("feed-made")
             path = urllib.parse.urlsplit(page.input_value("#feed-url")).path
             with urllib.request.urlopen(server.url + path, timeout=10) as resp:
                 feed = resp.read().decode()
             assert "SUMMARY:call the plumber" in feed
+            page.click("#feed-done")  # dismissed: gone for good, the feed listed
+            expect(page.locator("#feed-url")).to_have_count(0)
+            expect(page.locator("#feeds-list")).to_contain_text("Google")
+            page.keyboard.press("Escape")
+            # the menu has it too
+            page.click("#menu summary")
+            page.click("#menu-tasks")
+            expect(page.locator("#caldav-url")).to_be_visible()
+            s.dialog_choose("cancel")
             # the link in a task's DESCRIPTION opens its note
             link = re.search(r"(http://\S+/#task=[\w-]+)", feed.replace("\r\n ", "")).group(1)
             page.goto(link.replace(urllib.parse.urlsplit(link).netloc, f"127.0.0.1:{server.port}"))
             expect(page.locator("#path")).to_contain_text("notes/home/todo.md")
-            page.locator("#caldav-url").scroll_into_view_if_needed()
-            s.shot("tasks-on-your-phone")
+            assert unexpected(s.close()) == []
+        finally:
+            server.stop()
+
+    def test_connect_a_tasks_app_gives_an_address_a_user_name_and_a_password_that_work(
+        self, browser, tmp_path
+    ):
+        """What the help names is what the page gives: the address, a user name and a
+        password (a device key made for the app, shown once), which a CalDAV client signs in
+        with; the app is then a device, listed and revocable, and no audit finding."""
+        server = Server(tmp_path / "srv")
+        try:
+            key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
+            note = {"path": "notes/home/todo.md", "content": "- [ ] call the plumber\n"}
+            assert server.request("POST", f"{API}/notes", note, {KEY: key})[0] == 201
+            s = WebSession(browser, tmp_path, "phone")
+            s.login(server.url + "/", key)
+            page = s.page
+            page.click("#menu summary")
+            page.click("#menu-tasks")
+            page.select_option("#tasks-app", "iphone")
+            page.click("#tasks-connect")
+            password = page.locator("#tasks-password")
+            expect(password).to_have_value(re.compile(r"^nsd_[\w-]{43}$"))
+            expect(password).to_be_focused()
+            expect(page.locator("#tasks-steps")).to_contain_text("Add CalDAV Account")
+            expect(page.locator("#dlg-body")).to_contain_text("shown this once")
+            s.shot("tasks-app-connected")
+            address = urllib.parse.urlsplit(page.input_value("#caldav-url"))
+            user, secret = page.input_value("#tasks-user"), page.input_value("#tasks-password")
+            assert user
+            auth = "Basic " + base64.b64encode(f"{user}:{secret}".encode()).decode()
+            conn = http.client.HTTPConnection(address.hostname, address.port, timeout=10)
+            try:
+                conn.request("PROPFIND", address.path, b"", {"Authorization": auth, "Depth": "0"})
+                found = conn.getresponse()
+                assert found.status == 207, found.read()
+                assert "/dav/principal/" in found.read().decode()
+                query = QUERY_TODOS.format("").encode()
+                headers = {"Authorization": auth, "Depth": "1", "Content-Type": "application/xml"}
+                conn.request("REPORT", "/dav/calendars/all/", query, headers)
+                listed = conn.getresponse()
+                assert listed.status == 207
+                assert "SUMMARY:call the plumber" in listed.read().decode()
+            finally:
+                conn.close()
+            page.click("#tasks-done")  # the password is gone from the page
+            expect(page.locator("#tasks-password")).to_have_count(0)
+            keys = server.request("GET", f"{API}/auth/keys", headers={KEY: key})[2]["data"]
+            made = [g for g in keys["keys"] if g["name"] == "Reminders on iPhone"]
+            assert [(g["kind"], g["scope"], g["folder"]) for g in made] == [
+                ("device", "write", None)
+            ]
+            audit = server.request("GET", f"{API}/security/audit", headers={KEY: key})[2]
+            assert "grant-write-forever" not in json.dumps(audit)
             assert unexpected(s.close()) == []
         finally:
             server.stop()
