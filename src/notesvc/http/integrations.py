@@ -879,9 +879,8 @@ def _pairing_url(config: Config, state: dict, environ: dict | None) -> tuple:
 
 
 def home_origin(config: Config, environ: dict) -> str:
-    """Return, for a page opened by a loopback name, the address the banner gives phones
-    (a phone can't open 127.0.0.1); "" elsewhere, with SERVICE_PUBLIC_URL, or when that
-    address is loopback too (a server listening on loopback only)."""
+    """Return the address the banner gives phones for a page opened by a loopback name ("":
+    another page, SERVICE_PUBLIC_URL, or that address is loopback too)."""
     if config.public_url or not page_on_loopback(config, environ):
         return ""
     home = phone_url(config, int(environ.get("SERVER_PORT") or 0) or config.port)
@@ -889,9 +888,8 @@ def home_origin(config: Config, environ: dict) -> str:
 
 
 def link_base(svc: Service, environ: dict) -> str:
-    """Return the base of what the page shows to be opened elsewhere (share links, calendar
-    feeds, the MCP URL): the request's (svc.issuer), except that a page on loopback draws
-    the address phones open, as Add a device does."""
+    """Return the base of links the page shows (shares, feeds, MCP): svc.issuer's, but the
+    phones' address on a page on loopback, as Add a device draws it."""
     home = home_origin(svc.config, environ)
     return home + environ.get("SCRIPT_NAME", "") if home else svc.issuer(environ)
 
@@ -941,8 +939,7 @@ def get_addresses(svc: Service) -> dict:
     origin, via = pairing_origin(cfg, svc.state.read(), env)
     relayed = bool(cfg.relay_url) and cfg.pairing == "relay"
     mcp = (svc.relay_base(env) if relayed else link_base(svc, env)) + API + "/mcp"
-    home = home_origin(cfg, env)
-    mcp_via = "relay" if relayed else "public" if cfg.public_url else "home" if home else "page"
+    mcp_via = "relay" if relayed else via if via in ("public", "home") else "page"
     return {"phone": {"origin": origin, "via": via}, "mcpUrl": mcp, "mcpVia": mcp_via}
 
 
@@ -986,11 +983,10 @@ def revoke_scoped_key(svc: Service, grant_id: str) -> dict:
 
 
 def share_url(svc: Service, environ: dict, token: str) -> str:
-    """Return a share link: in relay mode on the server's relay origin (or {relay}/r/<id>),
-    else <base>/s/<token> (link_base: from the server's own browser, the phones' address)."""
+    """Return a share link: in relay mode on the server's relay origin (or {relay}/r/<id>;
+    with no relay, its own /r/<id>), else <base>/s/<token>; bases as link_base has them."""
     if svc.config.pairing != "relay":
         return f"{link_base(svc, environ)}/s/{token}"
-    # no relay yet: this server's own /r/<id> path, at the phones' address from its browser
     home = "" if svc.config.relay_url else home_origin(svc.config, environ)
     base = f"{home}/r/{svc.state.read()['serverId']}" if home else svc.relay_base(environ)
     return f"{base}/s/{token}"
