@@ -2995,6 +2995,44 @@ class TestHistory:
         assert {(v["savedBy"], v["summary"]) for v in listing} == {(None, None)}
         assert len(version_contents(client, "notes/sub/m.md")) == 4  # and all still read
 
+    def test_the_versions_list_tells_when_and_by_whom_a_note_was_created(self, make_app):
+        """A creation keeps no version (it replaced nothing): the list's `created` tells it
+        from the change journal, followed through moves, to whoever sees where it was made,
+        while the journal holds it; the feed itself names no one."""
+        client = with_key(make_app())
+        got = claim(client, pair(client, name="phone")["secret"], name="Anna's Pixel")
+        phone = with_key(client, got["key"])
+        before = notesvc.iso(time.time() - 1)
+        put_note(phone, "notes/trip.md", "# Trip\n")
+        update(client, "notes/trip.md", "# Trip\n\n- passport\n")
+        client.patch_json(f"{note_url('notes/trip.md')}/move", {"path": "notes/family/trip.md"})
+        listing = versions_of(client, "notes/family/trip.md")
+        assert listing["total"] == 2  # the update and the move: still no version for it
+        made = listing["created"]
+        assert made["by"] == "Anna's Pixel"
+        assert before <= made["at"] <= notesvc.iso(time.time() + 1)
+        assert versions_of(client, "notes/family/trip.md", limit=1, offset=1)["created"] == made
+        put_note(client, "notes/own.md", "by the API key")
+        assert versions_of(client, "notes/own.md")["created"]["by"] is None
+        assert "by" not in json.dumps(feed(client)["changes"])  # (the feed: as before)
+        # a folder grant sees no creation made outside its folder (nor where that was)
+        family = with_key(client, new_grant(client, "read", folder="notes/family")["key"])
+        assert versions_of(family, "notes/family/trip.md")["created"] is None
+        put_note(phone, "notes/family/list.md", "- bread\n")
+        assert versions_of(family, "notes/family/list.md")["created"]["by"] == "Anna's Pixel"
+        # deleted and made again: the new one's creation
+        client.delete(note_url("notes/own.md"))
+        put_note(phone, "notes/own.md", "again")
+        assert versions_of(client, "notes/own.md")["created"]["by"] == "Anna's Pixel"
+        # kept in the journal's file: the same after a restart
+        again = with_key(make_app())
+        assert versions_of(again, "notes/family/trip.md")["created"] == made
+        # once the journal no longer holds it: null, never a guess
+        again.app.service.journal.keep = 2
+        for i in range(6):
+            put_note(again, f"notes/c{i}.md", "x")
+        assert versions_of(again, "notes/family/trip.md")["created"] is None
+
     def test_the_summary_of_a_change(self):
         assert [
             notesvc.change_summary(a.encode(), b.encode())
@@ -15129,6 +15167,37 @@ class TestWebClient:
         # The folded row acts on its newest version: as it was before the last save.
         rows.nth(0).locator("button", has_text="View").click()
         expect(page.locator("#version-detail pre")).to_have_text(seed + "- bread\n- yam\n")
+        assert unexpected(s.close()) == []
+
+    def test_history_ends_with_the_notes_creation_when_and_by_which_device(self, web):
+        """The new user's point 7a: a note's history shows its creation (no version: it
+        replaced nothing), when and by which device, under the versions its edits kept."""
+        owner = {"X-Service-Key": web.setup["apiKey"]}
+        status, _, made = web.server.request(
+            "POST", f"{API}/auth/devices/pairings", {"name": "phone", "scope": "write"}, owner
+        )
+        claim = {"secret": made["data"]["secret"], "deviceName": "Anna's Pixel"}
+        pixel = web.server.request("POST", f"{API}/auth/devices/claim", claim)[2]["data"]
+        body = {"path": "notes/trip.md", "content": "# Trip\n\n- passport\n"}
+        assert web.server.request("POST", f"{API}/notes", body, {KEY: pixel["key"]})[0] == 201
+        s = web("phone")
+        page = s.page
+        s.tree_open("notes/trip.md")
+        page.click("#edit")
+        page.locator("#editor").press("Control+End")
+        page.keyboard.type("- socks")
+        page.keyboard.press("Control+s")
+        expect(page.locator("#status")).to_have_text("Saved")
+        page.click("#note-menu summary")
+        page.click("#history")
+        rows = page.locator("#versions li")
+        expect(rows).to_have_count(2)
+        expect(rows.nth(0)).to_contain_text("edited")
+        created = page.locator("#version-created")
+        expect(created).to_contain_text("created · Anna's Pixel")
+        expect(created).to_contain_text("Today, ")
+        expect(created.locator("button")).to_have_count(0)  # nothing to view or restore
+        s.shot("history-created")
         assert unexpected(s.close()) == []
 
     def test_restore_with_a_stale_draft_restores_and_makes_no_copy(self, web):

@@ -1342,6 +1342,22 @@ const app = (() => {
       after = fold.from.size;
     }
     if (!data.versions.length) list.append(el("li", {class: "muted"}, "No earlier versions yet."));
+    // its creation, last (as the server still knows it, and when no older row is left out)
+    const made = data.created;
+    if (made && data.versions.length === data.total) {
+      list.append(
+        el(
+          "li",
+          {id: "version-created"},
+          el(
+            "span",
+            {class: "when"},
+            el("strong", {}, dayAndTime(made.at)),
+            el("small", {class: "muted"}, ["created", made.by].filter(Boolean).join(" · ")),
+          ),
+        ),
+      );
+    }
     await dialog("History of " + state.title, [list, detail], [["cancel", "Close"]]);
   }
 

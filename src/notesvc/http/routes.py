@@ -320,7 +320,8 @@ ROUTES = (
         "GET",
         "/notes/<path:path>/versions",
         list_versions,
-        summary="A note's versions, newest first (also of a deleted note)",
+        summary="A note's versions, newest first (also of a deleted note), and `created`: "
+        "when and by whom it was made, {at, by}, while the change journal holds that (else null)",
         params={"path": NOTE_PATH_PARAM, "limit": _int(1, 1000, 100), "offset": _int(0, 10**9, 0)},
         tag="history",
         scope="read",
