@@ -15587,7 +15587,7 @@ class TestWebClient:
         wait_for(lambda: page.get_attribute("#app", "data-pane") == "notes")
         s.requests.clear()
         page.reload()  # on the list: the list, not the note last open
-        page.wait_for_selector("#tree button")
+        page.wait_for_selector("#tree button", state="attached")
         # (the note would be read right after the tree: a bounded wait for that read)
         with contextlib.suppress(Exception):
             page.wait_for_request(lambda r: "/notes/notes%2Ftodo.md" in r.url, timeout=3_000)
