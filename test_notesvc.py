@@ -8158,11 +8158,14 @@ class TestDevices:
         key = with_key(app)
         put_note(key, "notes/a.md", "- [ ] milk\n")
 
+        def origin(url: str) -> str:
+            parts = urllib.parse.urlsplit(url)
+            return f"{parts.scheme}://{parts.netloc}"
+
         def links(environ: dict) -> dict:
             got = data(key.get(f"{API}/auth/devices/addresses", extra_environ=environ))
             share = key.post_json(f"{API}/shares", {"path": "notes/a.md"}, extra_environ=environ)
             feed = key.post_json(f"{API}/auth/feeds", {"name": "Phone"}, extra_environ=environ)
-            origin = lambda url: "{0}://{1}".format(*urllib.parse.urlsplit(url))  # noqa: E731
             return {
                 "phone": got["phone"]["origin"],
                 "mcp": (got["mcpUrl"], got["mcpVia"]),
@@ -8177,7 +8180,9 @@ class TestDevices:
             "share": (lan, True),  # the page says it opens only at home
             "feed": lan,
         }
-        home_only = key.post_json(f"{API}/auth/feeds", {"name": "y"}, extra_environ=self.ON_THIS_MACHINE)
+        home_only = key.post_json(
+            f"{API}/auth/feeds", {"name": "y"}, extra_environ=self.ON_THIS_MACHINE
+        )
         assert data(home_only)["homeOnly"] is True  # a feed says so too
         on_lan = {"REMOTE_ADDR": "192.168.1.30", "HTTP_HOST": "192.168.1.20:3000"}
         assert links(on_lan)["mcp"] == (lan + "/api/v1/mcp", "page")
@@ -8186,7 +8191,9 @@ class TestDevices:
         relayed = {**self.ON_THIS_MACHINE, "notesvc.relayed": True}
         assert "192.168.1.20" not in json.dumps(links(relayed))
         # a feed link drawn so opens (the secret works at any address of this server)
-        feed = data(key.post_json(f"{API}/auth/feeds", {"name": "x"}, extra_environ=self.ON_THIS_MACHINE))
+        feed = data(
+            key.post_json(f"{API}/auth/feeds", {"name": "x"}, extra_environ=self.ON_THIS_MACHINE)
+        )
         assert "SUMMARY:milk" in app.get(urllib.parse.urlsplit(feed["url"]).path).text
         # on loopback only, nothing better to draw: this machine's own address
         alone = with_key(make_app(SERVICE_HOST="127.0.0.1", SERVICE_PORT="3000"))
@@ -15173,9 +15180,9 @@ class TestWebClient:
         """The new user's point 7a: a note's history shows its creation (no version: it
         replaced nothing), when and by which device, under the versions its edits kept."""
         owner = {"X-Service-Key": web.setup["apiKey"]}
-        status, _, made = web.server.request(
+        made = web.server.request(
             "POST", f"{API}/auth/devices/pairings", {"name": "phone", "scope": "write"}, owner
-        )
+        )[2]
         claim = {"secret": made["data"]["secret"], "deviceName": "Anna's Pixel"}
         pixel = web.server.request("POST", f"{API}/auth/devices/claim", claim)[2]["data"]
         body = {"path": "notes/trip.md", "content": "# Trip\n\n- passport\n"}
@@ -16468,7 +16475,7 @@ class TestDevicesInChromium:
             s = WebSession(browser, tmp_path, "desktop")
             s.login(server.url + "/", key)
             page = s.page
-            origin = lambda url: "{0}://{1}".format(*urllib.parse.urlsplit(url))  # noqa: E731
+            origin = lambda url: "://".join(urllib.parse.urlsplit(url)[:2])  # noqa: E731
             page.click("#menu summary")
             page.click("#menu-tasks")
             home = origin(page.input_value("#caldav-url"))

@@ -281,7 +281,7 @@ class ChangeJournal:
         self.fresh = False  # this run created it: the first rescan is its starting point
         self._cond = threading.Condition()
         self._seqs: list = []
-        self._entries: list = []  # (seq, kind, path, from or conflictOf, etag, at, by), oldest first
+        self._entries: list = []  # (seq, kind, path, origin, etag, at, by), oldest first
         self._open = False  # open() found or made the file: entries are stored
         self._end = 0  # where the next line goes
         self._allocated = 0  # the file's bytes (zeros past _end)
