@@ -14279,7 +14279,8 @@ class TestWebClient:
         # Page one types at the end and leaves it: on the server within 3 s, no button.
         one.page.focus("#editor")
         one.page.keyboard.press("Control+End")
-        one.page.keyboard.type("- from page one\n\n")  # (Enter twice: the list ends)
+        # (Enter twice: the list ends, with a blank line after it)
+        one.page.keyboard.type("- from page one\n\n")
         typed = time.monotonic()
         wait_for(lambda: "from page one" in on_disk.read_text(), timeout=3)
         print(f"on the server {time.monotonic() - typed:.2f} s after the last keystroke")
@@ -14288,7 +14289,7 @@ class TestWebClient:
         two.page.keyboard.press("Control+Home")
         two.page.keyboard.press("End")
         two.page.keyboard.type(" list")
-        both = "# Todo list\n\n- buy oat milk\n- from page one\n"
+        both = "# Todo list\n\n- buy oat milk\n- from page one\n\n"
         wait_for(lambda: on_disk.read_text() == both, timeout=5)
         expect(two.page.locator("#editor")).to_have_value(both)  # merged in as it saved
         expect(one.page.locator("#editor")).to_have_value(both)  # the change feed
