@@ -16522,12 +16522,18 @@ class TestDevicesInChromium:
             key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
             note = {"path": "notes/home/todo.md", "content": "- [ ] call the plumber\n"}
             assert server.request("POST", f"{API}/notes", note, {KEY: key})[0] == 201
+            for name in ("Anna's Pixel", "Ben's iPhone", "Kitchen tablet"):  # a family's list
+                made = server.request("POST", f"{API}/auth/devices/pairings", {}, {KEY: key})[2]
+                claim = {"secret": made["data"]["secret"], "deviceName": name}
+                assert server.request("POST", f"{API}/auth/devices/claim", claim)[0] == 201
             s = WebSession(browser, tmp_path, "phone")
             s.login(server.url + "/", key)
             page = s.page
             page.click("#menu summary")
             page.click("#menu-keys")
-            expect(page.locator("#keys-tasks")).to_be_in_viewport()  # not 1.5 screens down
+            # opened at its top, the tasks first: not 1.5 screens down, nor scrolled to the MCP URL
+            expect(page.locator("#keys-tasks")).to_be_focused()
+            expect(page.locator("#keys-tasks")).to_be_in_viewport()
             page.click("#keys-tasks")
             expect(page.locator("#dlg-title")).to_have_text("Tasks on your phone")
             expect(page.locator("#caldav-url")).to_have_value(re.compile(r"^http://.*/dav/$"))

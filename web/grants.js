@@ -258,16 +258,17 @@ const grants = (() => {
         shownOnce("Key “" + made.name + "”", made.key, "new-key"),
       );
     }
+    // a tasks app's address, user name and password are one tap away, not sections down
+    const tasks = el(
+      "button",
+      {type: "button", id: "keys-tasks", onclick: core.act(() => devices.showTasks())},
+      "Tasks on your phone",
+    );
     body.push(
-      // a tasks app's address, user name and password are one tap away, not sections down
       el(
         "div",
         {class: "row"},
-        el(
-          "button",
-          {type: "button", id: "keys-tasks", onclick: core.act(() => devices.showTasks())},
-          "Tasks on your phone",
-        ),
+        tasks,
         el("small", {class: "muted"}, "Reminders, DAVx5, Thunderbird; calendar feeds"),
       ),
       el("h3", {}, "Devices"),
@@ -300,7 +301,9 @@ const grants = (() => {
       links,
       form,
     );
-    await app.dialog("Keys and devices", body, [["cancel", "Close"]]);
+    // opened at its top (the first field, the MCP URL, is sections down), or a new key's field
+    const first = made ? body[1].querySelector("input") : tasks;
+    await app.dialog("Keys and devices", body, [["cancel", "Close"]], first);
   }
 
   function shareRow(s, after, names) {
