@@ -854,7 +854,7 @@ ROUTES = (
         "/auth/devices/addresses",
         get_addresses,
         summary="Where a phone (the link Add a device draws) and an AI assistant (the MCP "
-        "URL) reach this server",
+        "URL; mcpVia relay, public, home or page) reach this server",
         tag="auth",
         scope="admin",
     ),
@@ -976,7 +976,8 @@ ROUTES = (
         "POST",
         "/auth/feeds",
         create_feed,
-        summary="A read-only calendar feed of the tasks: its URL (with its secret) once",
+        summary="A read-only calendar feed of the tasks: its URL (with its secret) once, and "
+        "homeOnly (the URL names a host only this machine or its network reaches)",
         body=_obj(["name"], name={**_STR, "minLength": 1, "maxLength": 100}, folder=_FOLDER_PATH),
         status=201,
         tag="grants",
