@@ -768,7 +768,7 @@ const app = (() => {
     }
     core.removeItem("local", draftKey(drafts.newName(state.newKey))); // the note is made
     state.blank = false;
-    mine(r.data.path);
+    mine(r.data.path, "created");
     state.path = r.data.path;
     core.setItem("session", "notesvc.open", state.path);
     // the answer may be an earlier try's (the same key, its answer lost): the editor keeps
@@ -820,7 +820,7 @@ const app = (() => {
     if (state.grant && state.grant.folder) body.folder = state.grant.folder;
     const once = {"Idempotency-Key": drafts.createKey(name)};
     let note = (await core.api("POST", "/notes", body, once)).data;
-    mine(note.path);
+    mine(note.path, "created");
     if (toEditor(note.content) !== draft.content) {
       // the answer of an earlier try (the tab closed as it went): what was typed since
       // goes through merge
@@ -974,7 +974,7 @@ const app = (() => {
       path,
       content: "# " + paths.nameOf(path) + "\n\n",
     });
-    mine(data.path);
+    mine(data.path, "created");
     await core.loadTree();
     await openNote(data.path, {edit: true});
   }
@@ -1039,7 +1039,7 @@ const app = (() => {
     if (v !== "move") return;
     const to = paths.toNotePath(input.value);
     if (to === state.path) return;
-    mine(state.path);
+    mine(state.path, "moved");
     const {data} = await core.api(
       "PATCH",
       "/notes/" + core.enc(state.path) + "/move",
@@ -1064,7 +1064,7 @@ const app = (() => {
     );
     if (v !== "delete") return;
     const path = state.path;
-    mine(path);
+    mine(path, "deleted");
     try {
       await core.api("DELETE", "/notes/" + core.enc(path), undefined, {"If-Match": state.etag});
     } catch (e) {
@@ -1342,6 +1342,22 @@ const app = (() => {
       after = fold.from.size;
     }
     if (!data.versions.length) list.append(el("li", {class: "muted"}, "No earlier versions yet."));
+    // its creation, last (as the server still knows it, and when no older row is left out)
+    const made = data.created;
+    if (made && data.versions.length === data.total) {
+      list.append(
+        el(
+          "li",
+          {id: "version-created"},
+          el(
+            "span",
+            {class: "when"},
+            el("strong", {}, dayAndTime(made.at)),
+            el("small", {class: "muted"}, ["created", made.by].filter(Boolean).join(" · ")),
+          ),
+        ),
+      );
+    }
     await dialog("History of " + state.title, [list, detail], [["cancel", "Close"]]);
   }
 
@@ -1568,11 +1584,13 @@ const app = (() => {
   function stopFeed() {
     feedRun++;
   }
-  // Notes this page is moving or deleting itself: the feed's report of it is no news.
-  const own = new Set();
-  function mine(path) {
-    own.add(path);
-    setTimeout(() => own.delete(path), 30000);
+  // Notes this page is creating, moving or deleting itself: the feed's report of that very
+  // change is no news. Only that kind of change: another device's edit of a note made here
+  // a moment ago is news (it once waited out these 30 s).
+  const own = new Map();
+  function mine(path, kind) {
+    own.set(path, kind);
+    setTimeout(() => own.get(path) === kind && own.delete(path), 30000);
   }
   const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
   let treeTimer = 0;
@@ -1648,7 +1666,7 @@ const app = (() => {
     if (c.kind === "updated" || c.kind === "modified")
       recentSoon(); // the recent list's order; the tree is the same
     else treeSoon(); // the tree's names (and the recent list)
-    if (!state.path || own.has(c.from || c.path)) return;
+    if (!state.path || own.get(c.from || c.path) === c.kind) return;
     if (c.kind === "moved" && c.from === state.path) {
       // Follow it at once (a later change in the same batch may name the new path); unsaved
       // text stays and will be saved there.
@@ -2022,9 +2040,13 @@ const app = (() => {
     // tree and the features loaded (a tap on New note is not undone by the restore).
     if (state.moves !== moves || state.path || state.blank) return;
     const last = core.getItem("session", "notesvc.open");
+    // (read before a note opens: opening one shows its pane, and that is kept as the pane)
+    const pane = core.getItem("session", "notesvc.pane");
+    // a phone reloaded on the list (or search, or ask) stays there: the note waits for a tap
+    const onList = core.NARROW.matches && pane && pane !== "note";
     if (last) {
       try {
-        await openNote(last);
+        if (!onList) await openNote(last);
       } catch (e) {
         closeNote();
       }
@@ -2032,7 +2054,6 @@ const app = (() => {
       await newNote(); // an older page's new note that was never saved: its text is back
     }
     if (core.NARROW.matches) {
-      const pane = core.getItem("session", "notesvc.pane");
       core.showPane(
         pane && (pane !== "note" || state.path) ? pane : state.path ? "note" : "notes",
         true,

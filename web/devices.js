@@ -314,6 +314,134 @@ const devices = (() => {
     return grants.showKeys();
   }
 
+  // -- tasks on a phone: everything a tasks app asks for, in one place ------------------------
+  // The CalDAV address a phone opens, a user name, and a password: a device key made for the
+  // app (a pairing claimed here at once), shown once, revoked like any device. And the
+  // read-only calendar feeds, whose link stays in view, selected, until dismissed.
+
+  const TASK_APPS = {
+    iphone: [
+      "Reminders on iPhone",
+      "Settings → Apps → Reminders → Accounts → Add Account → Other → Add CalDAV Account. " +
+        "Asked about SSL on a home address: Continue.",
+    ],
+    android: [
+      "Tasks on Android",
+      "DAVx5 → + → Login with URL and user name; then open the list in Tasks.org or jtx Board.",
+    ],
+    thunderbird: ["Thunderbird", "New Calendar → On the Network: user name and address."],
+    other: ["Tasks app", "Add a CalDAV account with these."],
+  };
+
+  async function showTasks(made, feed) {
+    const [where, feeds] = await Promise.all([
+      core.api("GET", "/auth/devices/addresses"),
+      core.api("GET", "/auth/feeds"),
+    ]);
+    const again = core.act(() => showTasks());
+    const body = [
+      el("p", {}, "Checklists in your notes (- [ ] lines) are tasks in a phone's tasks app."),
+      grants.shownOnce("Server address (CalDAV)", where.data.phone.origin + "/dav/", "caldav-url"),
+    ];
+    if (where.data.phone.via === "local")
+      body.push(el("p", {class: "warn"}, reachText(where.data.phone)));
+    let first = null;
+    if (made) {
+      const [name, steps] = TASK_APPS[made.app];
+      const password = grants.shownOnce("Password", made.key, "tasks-password");
+      body.push(
+        grants.shownOnce("User name", "tasks", "tasks-user"),
+        password,
+        el("p", {class: "warn"}, "The password is shown this once: copy it into " + name + "."),
+        el("p", {id: "tasks-steps"}, steps),
+        el("p", {class: "muted"}, "“" + name + "” is listed under Devices: revoke it there."),
+        el(
+          "div",
+          {class: "row"},
+          el("button", {type: "button", id: "tasks-done", onclick: again}, "Done"),
+        ),
+      );
+      first = password.querySelector("input");
+    } else {
+      const which = el(
+        "select",
+        {id: "tasks-app"},
+        ...Object.entries(TASK_APPS).map(([k, [name]]) => el("option", {value: k}, name)),
+      );
+      const connect = core.act(async () => {
+        const name = TASK_APPS[which.value][0];
+        const pairing = await core.api("POST", "/auth/devices/pairings", {name, scope: "write"});
+        const {claimed} = await claim(pairing.data.secret, name);
+        await showTasks({app: which.value, key: claimed.key});
+      });
+      const button = el(
+        "button",
+        {type: "button", id: "tasks-connect", class: "primary", onclick: connect},
+        "Connect a tasks app",
+      );
+      body.push(
+        el("label", {for: "tasks-app"}, "Your tasks app"),
+        which,
+        el("div", {class: "row"}, button),
+      );
+      first = button;
+    }
+    const list = el("ul", {class: "list", id: "feeds-list"});
+    for (const f of feeds.data.feeds) {
+      const drop = core.act(async () => {
+        await core.api("DELETE", "/auth/feeds/" + core.enc(f.id));
+        await showTasks();
+      });
+      const used = f.lastUsedAt ? " · used " + app.when(f.lastUsedAt) : " · not used yet";
+      const info = (f.folder ? " · " + f.folder : "") + " · …" + f.hint + used;
+      list.append(
+        el(
+          "li",
+          {"data-feed": f.id},
+          el("span", {}, el("strong", {}, f.name), el("small", {class: "muted"}, info)),
+          el("button", {type: "button", class: "danger", onclick: drop}, "Delete"),
+        ),
+      );
+    }
+    if (!list.children.length) list.append(el("li", {class: "muted"}, "No calendar feed."));
+    body.push(
+      el("h3", {}, "Calendar feed"),
+      el("p", {class: "muted"}, "For apps that subscribe to a link (Google Calendar, Outlook)."),
+    );
+    if (feed) {
+      const link = grants.shownOnce("Feed “" + feed.name + "”", feed.url, "feed-url");
+      body.push(el("p", {class: "warn"}, "Copy the feed's link now: it is shown this once."), link);
+      if (feed.homeOnly) {
+        const host = new URL(feed.url).host;
+        const text = "It opens only at home (" + host + "): for Google or Outlook, ";
+        body.push(el("p", {class: "warn", id: "feed-home-only"}, text + grants.RELAY_HINT));
+      }
+      body.push(
+        el(
+          "div",
+          {class: "row"},
+          el("button", {type: "button", id: "feed-done", onclick: again}, "Done"),
+        ),
+      );
+      first = link.querySelector("input"); // focused and selected: nothing takes the focus away
+    }
+    const feedName = el("input", {type: "text", id: "feed-name", placeholder: "Google Calendar"});
+    const make = core.act(async () => {
+      const r = await core.api("POST", "/auth/feeds", {name: feedName.value.trim() || "feed"});
+      await showTasks(null, r.data);
+    });
+    body.push(
+      list,
+      el(
+        "div",
+        {class: "row"},
+        feedName,
+        el("button", {type: "button", id: "feed-create", onclick: make}, "New calendar feed"),
+      ),
+    );
+    return app.dialog("Tasks on your phone", body, [["cancel", "Close"]], first);
+  }
+
   // -- Telegram: paste the bot's token, send it a code, connected ---------------------------
 
   async function telegramChannels() {
@@ -496,6 +624,7 @@ const devices = (() => {
     dialogProblem,
     offerSetup,
     pairingInUrl,
+    showTasks,
     showTelegram,
     wireDevices,
   };

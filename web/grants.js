@@ -26,6 +26,7 @@ const grants = (() => {
     $("app").querySelector(".capture").hidden = !write || !daily; // today's note is notes/daily
     $("menu-keys").hidden = !owner;
     $("menu-telegram").hidden = !owner;
+    $("menu-tasks").hidden = !owner;
     $("menu-import").hidden = !write;
     $("share").hidden = !write;
     if (!write) {
@@ -184,74 +185,17 @@ const grants = (() => {
       ),
     ];
     const hint = "They need a public URL: " + RELAY_HINT;
-    if (where.mcpVia === "page") parts.push(el("p", {class: "muted", id: "mcp-reach"}, hint));
+    // (a home address, as on this machine's own page, is no nearer to them)
+    if (where.mcpVia === "page" || where.mcpVia === "home")
+      parts.push(el("p", {class: "muted", id: "mcp-reach"}, hint));
     return parts;
   }
 
-  // Tasks on your phone (README): the CalDAV address for Reminders, DAVx5 and Thunderbird,
-  // and read-only calendar feeds for apps that subscribe to a URL (a secret shown once).
-  function tasksSection(where, feeds, after, madeFeed) {
-    const li = (who, text) => el("li", {}, el("strong", {}, who), text);
-    const list = el("ul", {class: "list", id: "feeds-list"});
-    for (const f of feeds) {
-      const drop = core.act(async () => {
-        await core.api("DELETE", "/auth/feeds/" + core.enc(f.id));
-        await after();
-      });
-      const used = f.lastUsedAt ? " · used " + app.when(f.lastUsedAt) : " · not used yet";
-      const info = (f.folder ? " · " + f.folder : "") + " · …" + f.hint + used;
-      list.append(
-        el(
-          "li",
-          {"data-feed": f.id},
-          el("span", {}, el("strong", {}, f.name), el("small", {class: "muted"}, info)),
-          el("button", {type: "button", class: "danger", onclick: drop}, "Delete"),
-        ),
-      );
-    }
-    if (!list.children.length) list.append(el("li", {class: "muted"}, "No calendar feed."));
-    const name = el("input", {type: "text", id: "feed-name", placeholder: "Google Calendar"});
-    const make = core.act(async () => {
-      const r = await core.api("POST", "/auth/feeds", {name: name.value.trim() || "feed"});
-      await after(undefined, r.data);
-    });
-    const parts = [
-      el("h3", {}, "Tasks on your phone"),
-      shownOnce("CalDAV address", where.phone.origin + "/dav/", "caldav-url"),
-      el(
-        "ol",
-        {id: "caldav-steps"},
-        li("iPhone", ": Settings → Apps → Reminders → Accounts → Add Account → Other → CalDAV."),
-        li("Android", ": DAVx5 → + → Login with URL, then Tasks.org or jtx Board."),
-        li("Thunderbird", ": New Calendar → On the Network, paste the address."),
-        li("", "Any user name; the password is a key (Add a device or New key)."),
-      ),
-    ];
-    if (madeFeed) {
-      parts.push(
-        el("p", {class: "warn"}, "Copy the feed's link now: it is shown this once."),
-        shownOnce("Feed “" + madeFeed.name + "”", madeFeed.url, "feed-url"),
-      );
-    }
-    parts.push(
-      el("p", {class: "muted"}, "A feed: subscribe by URL (Google Calendar, Outlook). Read only."),
-      list,
-      el(
-        "div",
-        {class: "row"},
-        name,
-        el("button", {type: "button", id: "feed-create", onclick: make}, "New calendar feed"),
-      ),
-    );
-    return parts;
-  }
-
-  async function showKeys(made, madeFeed) {
-    const [{data}, shares, where, feeds] = await Promise.all([
+  async function showKeys(made) {
+    const [{data}, shares, where] = await Promise.all([
       core.api("GET", "/auth/keys"),
       core.api("GET", "/shares"),
       core.api("GET", "/auth/devices/addresses"),
-      core.api("GET", "/auth/feeds"),
     ]);
     const keyList = el("ul", {class: "list", id: "keys-list"});
     const apps = el("ul", {class: "list", id: "connections-list"});
@@ -314,7 +258,19 @@ const grants = (() => {
         shownOnce("Key “" + made.name + "”", made.key, "new-key"),
       );
     }
+    // a tasks app's address, user name and password are one tap away, not sections down
+    const tasks = el(
+      "button",
+      {type: "button", id: "keys-tasks", onclick: core.act(() => devices.showTasks())},
+      "Tasks on your phone",
+    );
     body.push(
+      el(
+        "div",
+        {class: "row"},
+        tasks,
+        el("small", {class: "muted"}, "Reminders, DAVx5, Thunderbird; calendar feeds"),
+      ),
       el("h3", {}, "Devices"),
       deviceList,
       el(
@@ -341,12 +297,13 @@ const grants = (() => {
       el("h3", {}, "Connected apps"),
       apps,
       ...assistantSection(where.data),
-      ...tasksSection(where.data, feeds.data.feeds, showKeys, madeFeed),
       el("h3", {}, "Share links"),
       links,
       form,
     );
-    await app.dialog("Keys and devices", body, [["cancel", "Close"]]);
+    // opened at its top (the first field, the MCP URL, is sections down), or a new key's field
+    const first = made ? body[1].querySelector("input") : tasks;
+    await app.dialog("Keys and devices", body, [["cancel", "Close"]], first);
   }
 
   function shareRow(s, after, names) {
@@ -433,10 +390,14 @@ const grants = (() => {
       "click",
       core.act(() => devices.showTelegram()),
     );
+    $("menu-tasks").addEventListener(
+      "click",
+      core.act(() => devices.showTasks()),
+    );
     $("share").addEventListener(
       "click",
       core.act(() => shareNote()),
     );
   }
-  return {writable, applyGrant, shownOnce, showKeys, wireGrants};
+  return {RELAY_HINT, writable, applyGrant, shownOnce, showKeys, wireGrants};
 })();

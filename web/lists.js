@@ -34,15 +34,20 @@ const lists = (() => {
   }
 
   // Enter at `start`..`end`: the edit that continues the list (a new item after the caret's,
-  // the rest of the line in it) or ends it (an empty item loses its marker: a blank line);
-  // null when the line is not a list item (Enter does what it always does).
+  // the rest of the line in it) or ends it (an empty item loses its marker and stays as a
+  // blank line, the caret on a new line below it: what is typed there is a paragraph of its
+  // own, never a lazy continuation of the last item); null when the line is not a list
+  // item (Enter does what it always does).
   function onEnter(text, start, end) {
     const [ls, le] = lineAt(text, start);
     if (end > le) return null; // a selection over lines: a plain Enter replaces it
     const m = ITEM_RE.exec(text.slice(ls, le));
     if (!m || start - ls < m[0].length) return null; // in the marker: a line goes in above
     if (!text.slice(ls + m[0].length, le).trim()) {
-      return {from: ls, to: le, insert: "", start: ls, end: ls};
+      // no item above (the text's start, or a blank line): nothing to keep apart
+      const alone = ls === 0 || !text.slice(lineAt(text, ls - 1)[0], ls - 1).trim();
+      const insert = alone ? "" : "\n";
+      return {from: ls, to: le, insert, start: ls + insert.length, end: ls + insert.length};
     }
     const insert = "\n" + nextMarker(m);
     return {from: start, to: end, insert, start: start + insert.length, end: start + insert.length};

@@ -213,8 +213,9 @@ const markdown = (() => {
         inline(content, body, ctx);
         listEl.appendChild(li);
         i++;
-      } else if (li && (/^\s/.test(t) || !startsBlock(t))) {
-        // the item's text goes on
+      } else if (li && (/^\s/.test(t) || (!startsBlock(t) && li.className !== "task"))) {
+        // the item's text goes on (a task is its one line, as CalDAV reads it: an unindented
+        // line after it is a paragraph of its own, never greyed with the ticked box)
         body.appendChild(el("br"));
         inline(t.trim(), body, ctx);
         if (ctx.lines) mark(li, ctx, Number(li.getAttribute("data-line")), lines[i].n);

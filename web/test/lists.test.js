@@ -42,13 +42,23 @@ test("Enter continues a list, keeping its indent; a task goes on open", () => {
 
 test("Enter on an empty item ends the list: its marker goes, a blank line stays", () => {
   for (const [before, after] of [
-    ["- [ ] passport\n- [ ] |", "- [ ] passport\n|"],
-    ["- a\n- |\n\nnext", "- a\n|\n\nnext"],
-    ["1. a\n2. |", "1. a\n|"],
+    // the blank line ends the list: what is typed next is a paragraph, not the last task's
+    ["- [ ] passport\n- [ ] |", "- [ ] passport\n\n|"],
+    ["- a\n- |\n\nnext", "- a\n\n|\n\nnext"],
+    ["1. a\n2. |", "1. a\n\n|"],
+    ["# Trip\n  - [ ] socks\n  - [ ] |", "# Trip\n  - [ ] socks\n\n|"],
+    // nothing above to keep apart: the marker goes, the caret stays on its line
     ["  - [x] |", "|"],
+    ["intro\n\n- |", "intro\n\n|"],
   ]) {
     assert.equal(run(lists.onEnter, before), after, before);
   }
+  // typed after the list ends, a line is a paragraph of its own (web/markdown.js)
+  const ended = lists.apply(
+    "- [x] passport\n- [ ] ",
+    lists.onEnter("- [x] passport\n- [ ] ", 21, 21),
+  );
+  assert.equal(ended + "Done.", "- [x] passport\n\nDone.");
 });
 
 test("Enter elsewhere is a plain Enter", () => {

@@ -131,6 +131,17 @@ test("lists and tasks: each box knows its line", () => {
   );
   boxes[1].listeners.change();
   assert.deepEqual(ticked, [1]);
+  // a task is one line: an unindented line after it is a paragraph, not part of the
+  // (ticked, greyed) item; an indented one stays with it, and a plain item goes on lazily
+  assert.equal(
+    md("- [x] passport\nDone."),
+    'ul(li.task(label(input[type=checkbox]() span("passport")))) p("Done.")',
+  );
+  assert.equal(
+    md("- [x] passport\n\nDone."),
+    'ul(li.task(label(input[type=checkbox]() span("passport")))) p("Done.")',
+  );
+  assert.equal(md("- milk\nand eggs"), 'ul(li("milk" br() "and eggs"))');
   // without a handler (the share page) the boxes are read-only
   const shown = renderMarkdown("- [x] done", {});
   walk(shown);

@@ -707,7 +707,12 @@ def list_versions(svc: Service, path: str) -> dict:
     if not versions and not svc.notes.exists(path):
         raise not_found(f"no note and no history at {path}")
     page = versions[offset : offset + limit]
-    return {"versions": page, "total": len(versions), "limit": limit, "offset": offset}
+    # the creation: no version (it replaced nothing), told by the change journal while it
+    # holds it, to a grant that sees where the note was made
+    made = svc.journal.creation(path)
+    created = {"at": made[0], "by": made[1]} if made and principal.sees(made[2]) else None
+    answer = {"versions": page, "total": len(versions), "limit": limit, "offset": offset}
+    return {**answer, "created": created}
 
 
 def get_version(svc: Service, path: str, version_id: str) -> dict:

@@ -42,7 +42,7 @@ from notesvc.http.dav import (
     dav_state,
     dav_xml,
 )
-from notesvc.http.integrations import _public_limit, share_url
+from notesvc.http.integrations import _public_limit, opens_only_at_home, share_url
 from notesvc.notes.paths import NOTES, make_etag
 from notesvc.notes.tasks import (
     ALARM_RE,
@@ -1180,7 +1180,8 @@ def create_feed(svc: Service) -> dict:
     svc.state.update(change)
     log.info("calendar feed %s created", feed["id"])
     bottle.response.status = 201
-    return {**feed_record(feed), "url": feed_url(svc, bottle.request.environ, secret)}
+    url = feed_url(svc, bottle.request.environ, secret)
+    return {**feed_record(feed), "url": url, "homeOnly": opens_only_at_home(url)}
 
 
 def list_feeds(svc: Service) -> dict:

@@ -871,12 +871,27 @@ def _pairing_url(config: Config, state: dict, environ: dict | None) -> tuple:
         return config.public_url, "public"
     if environ is None:
         return phone_url(config), "home"
-    if page_on_loopback(config, environ):
-        home = phone_url(config, int(environ.get("SERVER_PORT") or 0) or config.port)
-        if not is_loopback(urllib.parse.urlsplit(home).hostname or ""):
-            return home, "home"
+    home = home_origin(config, environ)
+    if home:
+        return home, "home"
     relayed = relay_origin_of(config, state)
     return (relayed, "relay") if relayed else (base_url_of(config, environ), "page")
+
+
+def home_origin(config: Config, environ: dict) -> str:
+    """Return the address the banner gives phones for a page opened by a loopback name ("":
+    another page, SERVICE_PUBLIC_URL, or that address is loopback too)."""
+    if config.public_url or not page_on_loopback(config, environ):
+        return ""
+    home = phone_url(config, int(environ.get("SERVER_PORT") or 0) or config.port)
+    return "" if is_loopback(urllib.parse.urlsplit(home).hostname or "") else home
+
+
+def link_base(svc: Service, environ: dict) -> str:
+    """Return the base of links the page shows (shares, feeds, MCP): svc.issuer's, but the
+    phones' address on a page on loopback, as Add a device draws it."""
+    home = home_origin(svc.config, environ)
+    return home + environ.get("SCRIPT_NAME", "") if home else svc.issuer(environ)
 
 
 def new_pairing(
@@ -923,8 +938,8 @@ def get_addresses(svc: Service) -> dict:
     env, cfg = bottle.request.environ, svc.config
     origin, via = pairing_origin(cfg, svc.state.read(), env)
     relayed = bool(cfg.relay_url) and cfg.pairing == "relay"
-    mcp = (svc.relay_base(env) if relayed else svc.issuer(env)) + API + "/mcp"
-    mcp_via = "relay" if relayed else "public" if cfg.public_url else "page"
+    mcp = (svc.relay_base(env) if relayed else link_base(svc, env)) + API + "/mcp"
+    mcp_via = "relay" if relayed else via if via in ("public", "home") else "page"
     return {"phone": {"origin": origin, "via": via}, "mcpUrl": mcp, "mcpVia": mcp_via}
 
 
@@ -968,11 +983,13 @@ def revoke_scoped_key(svc: Service, grant_id: str) -> dict:
 
 
 def share_url(svc: Service, environ: dict, token: str) -> str:
-    """Return a share link: in relay mode on the server's relay origin (or {relay}/r/<id>),
-    else <base>/s/<token>."""
-    if svc.config.pairing == "relay":
-        return f"{svc.relay_base(environ)}/s/{token}"
-    return f"{svc.issuer(environ)}/s/{token}"
+    """Return a share link: in relay mode on the server's relay origin (or {relay}/r/<id>;
+    with no relay, its own /r/<id>), else <base>/s/<token>; bases as link_base has them."""
+    if svc.config.pairing != "relay":
+        return f"{link_base(svc, environ)}/s/{token}"
+    home = "" if svc.config.relay_url else home_origin(svc.config, environ)
+    base = f"{home}/r/{svc.state.read()['serverId']}" if home else svc.relay_base(environ)
+    return f"{base}/s/{token}"
 
 
 def create_share(svc: Service) -> dict:

@@ -320,7 +320,8 @@ ROUTES = (
         "GET",
         "/notes/<path:path>/versions",
         list_versions,
-        summary="A note's versions, newest first (also of a deleted note)",
+        summary="A note's versions, newest first (also of a deleted note), and `created`: "
+        "when and by whom it was made, {at, by}, while the change journal holds that (else null)",
         params={"path": NOTE_PATH_PARAM, "limit": _int(1, 1000, 100), "offset": _int(0, 10**9, 0)},
         tag="history",
         scope="read",
@@ -853,7 +854,7 @@ ROUTES = (
         "/auth/devices/addresses",
         get_addresses,
         summary="Where a phone (the link Add a device draws) and an AI assistant (the MCP "
-        "URL) reach this server",
+        "URL; mcpVia relay, public, home or page) reach this server",
         tag="auth",
         scope="admin",
     ),
@@ -975,7 +976,8 @@ ROUTES = (
         "POST",
         "/auth/feeds",
         create_feed,
-        summary="A read-only calendar feed of the tasks: its URL (with its secret) once",
+        summary="A read-only calendar feed of the tasks: its URL (with its secret) once, and "
+        "homeOnly (the URL names a host only this machine or its network reaches)",
         body=_obj(["name"], name={**_STR, "minLength": 1, "maxLength": 100}, folder=_FOLDER_PATH),
         status=201,
         tag="grants",

@@ -871,12 +871,15 @@ class NoteStore:
             summary = change_summary(old, new)
         else:
             summary = new if isinstance(new, str) else None
+        return {"savedBy": self._who(), "summary": summary}
+
+    def _who(self) -> str | None:
+        """Return who makes the change under way (history's savedBy), None when unknown."""
         try:
-            by = self.actor()
+            return self.actor()
         except Exception as e:  # a name is never worth a failed write
             log.warning("history: who saved this is unknown (%s)", e)
-            by = None
-        return {"savedBy": by, "summary": summary}
+            return None
 
     def _record(
         self,
@@ -892,7 +895,8 @@ class NoteStore:
         one to miss)."""
         etag = None if data is None else make_etag(data)
         if self.journal is not None:
-            self.journal.append(kind, path, etag, origin or conflict_of)
+            by = self._who() if kind == "created" else None  # the note's history shows it
+            self.journal.append(kind, path, etag, origin or conflict_of, by=by)
         if self.history is not None:
             if data is None:
                 self.history.drop_head(path)

@@ -236,20 +236,24 @@ def _change_of(line: bytes, after: int) -> tuple | None:
     ):
         return None
     origin = d.get("from") if d["kind"] == "moved" else d.get("conflictOf")
-    return (d["seq"], d["kind"], d["path"], origin, d.get("etag"), d.get("at", ""))
+    by = d.get("by") if isinstance(d.get("by"), str) else None
+    return (d["seq"], d["kind"], d["path"], origin, d.get("etag"), d.get("at", ""), by)
 
 
-def change_record(entry: tuple) -> dict:
-    """Return a journal entry (seq, kind, path, origin, etag, at) as the feed gives it: the
-    origin is a move's `from`, a created conflict copy's `conflictOf` (the note it keeps an
-    edit of)."""
-    seq, kind, path, origin, etag, at = entry
+def change_record(entry: tuple, stored: bool = False) -> dict:
+    """Return a journal entry (seq, kind, path, origin, etag, at, by) as the feed gives it:
+    the origin is a move's `from`, a created conflict copy's `conflictOf` (the note it keeps
+    an edit of). `stored`: as the journal's file keeps it, with `by` (who created a note, as
+    history's savedBy: the note's history shows it, the feed does not)."""
+    seq, kind, path, origin, etag, at, by = entry
     rec = {"seq": seq, "kind": kind, "path": path}
     if origin is not None:
         rec["from" if kind == "moved" else "conflictOf"] = origin
     if etag is not None:
         rec["etag"] = etag
     rec["at"] = at
+    if stored and by is not None:
+        rec["by"] = by
     return rec
 
 
@@ -277,7 +281,7 @@ class ChangeJournal:
         self.fresh = False  # this run created it: the first rescan is its starting point
         self._cond = threading.Condition()
         self._seqs: list = []
-        self._entries: list = []  # (seq, kind, path, from or conflictOf, etag, at), oldest first
+        self._entries: list = []  # (seq, kind, path, origin, etag, at, by), oldest first
         self._open = False  # open() found or made the file: entries are stored
         self._end = 0  # where the next line goes
         self._allocated = 0  # the file's bytes (zeros past _end)
@@ -326,7 +330,7 @@ class ChangeJournal:
     def _rewrite(self, entries: list, floor: int) -> None:
         """Write the journal anew (atomically) with these entries above floor."""
         lines = [to_json({"notesvc": "changes", "floor": floor}) + b"\n"]
-        lines += [to_json(change_record(e)) + b"\n" for e in entries]
+        lines += [to_json(change_record(e, stored=True)) + b"\n" for e in entries]
         content = b"".join(lines)
         room = self.RESERVE + self._promised * self.ENTRY_MAX
 
@@ -381,15 +385,17 @@ class ChangeJournal:
         etag: str | None = None,
         origin: str | None = None,
         reserved: bool = True,
+        by: str | None = None,
     ) -> int:
-        """Record a change that was made, wake the waiting feeds; return its number."""
+        """Record a change that was made, wake the waiting feeds; return its number. `by`:
+        who made a note (a `created` entry's), as history's savedBy."""
         with self._cond:
             if reserved:
                 self._promised = max(0, self._promised - 1)
             seq = self.last + 1
-            entry = (seq, kind, path, origin, etag, iso(self.clock()))
+            entry = (seq, kind, path, origin, etag, iso(self.clock()), by)
             if self._open:
-                line = to_json(change_record(entry)) + b"\n"
+                line = to_json(change_record(entry, stored=True)) + b"\n"
                 try:
                     with self._file() as fd:
                         if self._end + len(line) > self._allocated:  # not reserved: the rescan
@@ -441,6 +447,22 @@ class ChangeJournal:
             "last": chunk[-1][0] if chunk else since,
             "more": more,
         }
+
+    def creation(self, path: str) -> tuple | None:
+        """Return (at, by, the path it was made at) of the note now at path, its `created`
+        entry followed back through its moves, while the journal holds it; None otherwise
+        (compacted away, made unseen, or a deletion in between)."""
+        with self._cond:
+            for _, kind, at_path, origin, _, at, by in reversed(self._entries):
+                if at_path != path:
+                    continue
+                if kind == "created":
+                    return at, by, path
+                if kind == "deleted":
+                    return None  # the note now there came after it, unseen
+                if kind == "moved":
+                    path = origin
+        return None
 
     def latest(self) -> int:
         """Return the number of the newest change: the cursor a new follower starts from."""
