@@ -4038,20 +4038,24 @@ def _change_of(line: bytes, after: int) -> tuple | None:
     ):
         return None
     origin = d.get("from") if d["kind"] == "moved" else d.get("conflictOf")
-    return (d["seq"], d["kind"], d["path"], origin, d.get("etag"), d.get("at", ""))
+    by = d.get("by") if isinstance(d.get("by"), str) else None
+    return (d["seq"], d["kind"], d["path"], origin, d.get("etag"), d.get("at", ""), by)
 
 
-def change_record(entry: tuple) -> dict:
-    """Return a journal entry (seq, kind, path, origin, etag, at) as the feed gives it: the
-    origin is a move's `from`, a created conflict copy's `conflictOf` (the note it keeps an
-    edit of)."""
-    seq, kind, path, origin, etag, at = entry
+def change_record(entry: tuple, stored: bool = False) -> dict:
+    """Return a journal entry (seq, kind, path, origin, etag, at, by) as the feed gives it:
+    the origin is a move's `from`, a created conflict copy's `conflictOf` (the note it keeps
+    an edit of). `stored`: as the journal's file keeps it, with `by` (who created a note, as
+    history's savedBy: the note's history shows it, the feed does not)."""
+    seq, kind, path, origin, etag, at, by = entry
     rec = {"seq": seq, "kind": kind, "path": path}
     if origin is not None:
         rec["from" if kind == "moved" else "conflictOf"] = origin
     if etag is not None:
         rec["etag"] = etag
     rec["at"] = at
+    if stored and by is not None:
+        rec["by"] = by
     return rec
 
 
@@ -4079,7 +4083,7 @@ class ChangeJournal:
         self.fresh = False  # this run created it: the first rescan is its starting point
         self._cond = threading.Condition()
         self._seqs: list = []
-        self._entries: list = []  # (seq, kind, path, from or conflictOf, etag, at), oldest first
+        self._entries: list = []  # (seq, kind, path, origin, etag, at, by), oldest first
         self._open = False  # open() found or made the file: entries are stored
         self._end = 0  # where the next line goes
         self._allocated = 0  # the file's bytes (zeros past _end)
@@ -4128,7 +4132,7 @@ class ChangeJournal:
     def _rewrite(self, entries: list, floor: int) -> None:
         """Write the journal anew (atomically) with these entries above floor."""
         lines = [to_json({"notesvc": "changes", "floor": floor}) + b"\n"]
-        lines += [to_json(change_record(e)) + b"\n" for e in entries]
+        lines += [to_json(change_record(e, stored=True)) + b"\n" for e in entries]
         content = b"".join(lines)
         room = self.RESERVE + self._promised * self.ENTRY_MAX
 
@@ -4183,15 +4187,17 @@ class ChangeJournal:
         etag: str | None = None,
         origin: str | None = None,
         reserved: bool = True,
+        by: str | None = None,
     ) -> int:
-        """Record a change that was made, wake the waiting feeds; return its number."""
+        """Record a change that was made, wake the waiting feeds; return its number. `by`:
+        who made a note (a `created` entry's), as history's savedBy."""
         with self._cond:
             if reserved:
                 self._promised = max(0, self._promised - 1)
             seq = self.last + 1
-            entry = (seq, kind, path, origin, etag, iso(self.clock()))
+            entry = (seq, kind, path, origin, etag, iso(self.clock()), by)
             if self._open:
-                line = to_json(change_record(entry)) + b"\n"
+                line = to_json(change_record(entry, stored=True)) + b"\n"
                 try:
                     with self._file() as fd:
                         if self._end + len(line) > self._allocated:  # not reserved: the rescan
@@ -4243,6 +4249,22 @@ class ChangeJournal:
             "last": chunk[-1][0] if chunk else since,
             "more": more,
         }
+
+    def creation(self, path: str) -> tuple | None:
+        """Return (at, by, the path it was made at) of the note now at path, its `created`
+        entry followed back through its moves, while the journal holds it; None otherwise
+        (compacted away, made unseen, or a deletion in between)."""
+        with self._cond:
+            for _, kind, at_path, origin, _, at, by in reversed(self._entries):
+                if at_path != path:
+                    continue
+                if kind == "created":
+                    return at, by, path
+                if kind == "deleted":
+                    return None  # the note now there came after it, unseen
+                if kind == "moved":
+                    path = origin
+        return None
 
     def latest(self) -> int:
         """Return the number of the newest change: the cursor a new follower starts from."""
@@ -5101,12 +5123,15 @@ class NoteStore:
             summary = change_summary(old, new)
         else:
             summary = new if isinstance(new, str) else None
+        return {"savedBy": self._who(), "summary": summary}
+
+    def _who(self) -> str | None:
+        """Return who makes the change under way (history's savedBy), None when unknown."""
         try:
-            by = self.actor()
+            return self.actor()
         except Exception as e:  # a name is never worth a failed write
             log.warning("history: who saved this is unknown (%s)", e)
-            by = None
-        return {"savedBy": by, "summary": summary}
+            return None
 
     def _record(
         self,
@@ -5122,7 +5147,8 @@ class NoteStore:
         one to miss)."""
         etag = None if data is None else make_etag(data)
         if self.journal is not None:
-            self.journal.append(kind, path, etag, origin or conflict_of)
+            by = self._who() if kind == "created" else None  # the note's history shows it
+            self.journal.append(kind, path, etag, origin or conflict_of, by=by)
         if self.history is not None:
             if data is None:
                 self.history.drop_head(path)
@@ -22015,8 +22041,9 @@ const markdown = (() => {
         inline(content, body, ctx);
         listEl.appendChild(li);
         i++;
-      } else if (li && (/^\s/.test(t) || !startsBlock(t))) {
-        // the item's text goes on
+      } else if (li && (/^\s/.test(t) || (!startsBlock(t) && li.className !== "task"))) {
+        // the item's text goes on (a task is its one line, as CalDAV reads it: an unindented
+        // line after it is a paragraph of its own, never greyed with the ticked box)
         body.appendChild(el("br"));
         inline(t.trim(), body, ctx);
         if (ctx.lines) mark(li, ctx, Number(li.getAttribute("data-line")), lines[i].n);
@@ -22440,15 +22467,20 @@ const lists = (() => {
   }
 
   // Enter at `start`..`end`: the edit that continues the list (a new item after the caret's,
-  // the rest of the line in it) or ends it (an empty item loses its marker: a blank line);
-  // null when the line is not a list item (Enter does what it always does).
+  // the rest of the line in it) or ends it (an empty item loses its marker and stays as a
+  // blank line, the caret on a new line below it: what is typed there is a paragraph of its
+  // own, never a lazy continuation of the last item); null when the line is not a list
+  // item (Enter does what it always does).
   function onEnter(text, start, end) {
     const [ls, le] = lineAt(text, start);
     if (end > le) return null; // a selection over lines: a plain Enter replaces it
     const m = ITEM_RE.exec(text.slice(ls, le));
     if (!m || start - ls < m[0].length) return null; // in the marker: a line goes in above
     if (!text.slice(ls + m[0].length, le).trim()) {
-      return {from: ls, to: le, insert: "", start: ls, end: ls};
+      // no item above (the text's start, or a blank line): nothing to keep apart
+      const alone = ls === 0 || !text.slice(lineAt(text, ls - 1)[0], ls - 1).trim();
+      const insert = alone ? "" : "\n";
+      return {from: ls, to: le, insert, start: ls + insert.length, end: ls + insert.length};
     }
     const insert = "\n" + nextMarker(m);
     return {from: start, to: end, insert, start: start + insert.length, end: start + insert.length};
@@ -23311,7 +23343,7 @@ const app = (() => {
     }
     core.removeItem("local", draftKey(drafts.newName(state.newKey))); // the note is made
     state.blank = false;
-    mine(r.data.path);
+    mine(r.data.path, "created");
     state.path = r.data.path;
     core.setItem("session", "notesvc.open", state.path);
     // the answer may be an earlier try's (the same key, its answer lost): the editor keeps
@@ -23363,7 +23395,7 @@ const app = (() => {
     if (state.grant && state.grant.folder) body.folder = state.grant.folder;
     const once = {"Idempotency-Key": drafts.createKey(name)};
     let note = (await core.api("POST", "/notes", body, once)).data;
-    mine(note.path);
+    mine(note.path, "created");
     if (toEditor(note.content) !== draft.content) {
       // the answer of an earlier try (the tab closed as it went): what was typed since
       // goes through merge
@@ -23517,7 +23549,7 @@ const app = (() => {
       path,
       content: "# " + paths.nameOf(path) + "\n\n",
     });
-    mine(data.path);
+    mine(data.path, "created");
     await core.loadTree();
     await openNote(data.path, {edit: true});
   }
@@ -23582,7 +23614,7 @@ const app = (() => {
     if (v !== "move") return;
     const to = paths.toNotePath(input.value);
     if (to === state.path) return;
-    mine(state.path);
+    mine(state.path, "moved");
     const {data} = await core.api(
       "PATCH",
       "/notes/" + core.enc(state.path) + "/move",
@@ -23607,7 +23639,7 @@ const app = (() => {
     );
     if (v !== "delete") return;
     const path = state.path;
-    mine(path);
+    mine(path, "deleted");
     try {
       await core.api("DELETE", "/notes/" + core.enc(path), undefined, {"If-Match": state.etag});
     } catch (e) {
@@ -23885,6 +23917,22 @@ const app = (() => {
       after = fold.from.size;
     }
     if (!data.versions.length) list.append(el("li", {class: "muted"}, "No earlier versions yet."));
+    // its creation, last (as the server still knows it, and when no older row is left out)
+    const made = data.created;
+    if (made && data.versions.length === data.total) {
+      list.append(
+        el(
+          "li",
+          {id: "version-created"},
+          el(
+            "span",
+            {class: "when"},
+            el("strong", {}, dayAndTime(made.at)),
+            el("small", {class: "muted"}, ["created", made.by].filter(Boolean).join(" · ")),
+          ),
+        ),
+      );
+    }
     await dialog("History of " + state.title, [list, detail], [["cancel", "Close"]]);
   }
 
@@ -24111,11 +24159,13 @@ const app = (() => {
   function stopFeed() {
     feedRun++;
   }
-  // Notes this page is moving or deleting itself: the feed's report of it is no news.
-  const own = new Set();
-  function mine(path) {
-    own.add(path);
-    setTimeout(() => own.delete(path), 30000);
+  // Notes this page is creating, moving or deleting itself: the feed's report of that very
+  // change is no news. Only that kind of change: another device's edit of a note made here
+  // a moment ago is news (it once waited out these 30 s).
+  const own = new Map();
+  function mine(path, kind) {
+    own.set(path, kind);
+    setTimeout(() => own.get(path) === kind && own.delete(path), 30000);
   }
   const sleep = (ms) => new Promise((resolve) => setTimeout(resolve, ms));
   let treeTimer = 0;
@@ -24191,7 +24241,7 @@ const app = (() => {
     if (c.kind === "updated" || c.kind === "modified")
       recentSoon(); // the recent list's order; the tree is the same
     else treeSoon(); // the tree's names (and the recent list)
-    if (!state.path || own.has(c.from || c.path)) return;
+    if (!state.path || own.get(c.from || c.path) === c.kind) return;
     if (c.kind === "moved" && c.from === state.path) {
       // Follow it at once (a later change in the same batch may name the new path); unsaved
       // text stays and will be saved there.
@@ -24565,9 +24615,13 @@ const app = (() => {
     // tree and the features loaded (a tap on New note is not undone by the restore).
     if (state.moves !== moves || state.path || state.blank) return;
     const last = core.getItem("session", "notesvc.open");
+    // (read before a note opens: opening one shows its pane, and that is kept as the pane)
+    const pane = core.getItem("session", "notesvc.pane");
+    // a phone reloaded on the list (or search, or ask) stays there: the note waits for a tap
+    const onList = core.NARROW.matches && pane && pane !== "note";
     if (last) {
       try {
-        await openNote(last);
+        if (!onList) await openNote(last);
       } catch (e) {
         closeNote();
       }
@@ -24575,7 +24629,6 @@ const app = (() => {
       await newNote(); // an older page's new note that was never saved: its text is back
     }
     if (core.NARROW.matches) {
-      const pane = core.getItem("session", "notesvc.pane");
       core.showPane(
         pane && (pane !== "note" || state.path) ? pane : state.path ? "note" : "notes",
         true,
@@ -24832,6 +24885,7 @@ const grants = (() => {
     $("app").querySelector(".capture").hidden = !write || !daily; // today's note is notes/daily
     $("menu-keys").hidden = !owner;
     $("menu-telegram").hidden = !owner;
+    $("menu-tasks").hidden = !owner;
     $("menu-import").hidden = !write;
     $("share").hidden = !write;
     if (!write) {
@@ -24990,74 +25044,17 @@ const grants = (() => {
       ),
     ];
     const hint = "They need a public URL: " + RELAY_HINT;
-    if (where.mcpVia === "page") parts.push(el("p", {class: "muted", id: "mcp-reach"}, hint));
+    // (a home address, as on this machine's own page, is no nearer to them)
+    if (where.mcpVia === "page" || where.mcpVia === "home")
+      parts.push(el("p", {class: "muted", id: "mcp-reach"}, hint));
     return parts;
   }
 
-  // Tasks on your phone (README): the CalDAV address for Reminders, DAVx5 and Thunderbird,
-  // and read-only calendar feeds for apps that subscribe to a URL (a secret shown once).
-  function tasksSection(where, feeds, after, madeFeed) {
-    const li = (who, text) => el("li", {}, el("strong", {}, who), text);
-    const list = el("ul", {class: "list", id: "feeds-list"});
-    for (const f of feeds) {
-      const drop = core.act(async () => {
-        await core.api("DELETE", "/auth/feeds/" + core.enc(f.id));
-        await after();
-      });
-      const used = f.lastUsedAt ? " · used " + app.when(f.lastUsedAt) : " · not used yet";
-      const info = (f.folder ? " · " + f.folder : "") + " · …" + f.hint + used;
-      list.append(
-        el(
-          "li",
-          {"data-feed": f.id},
-          el("span", {}, el("strong", {}, f.name), el("small", {class: "muted"}, info)),
-          el("button", {type: "button", class: "danger", onclick: drop}, "Delete"),
-        ),
-      );
-    }
-    if (!list.children.length) list.append(el("li", {class: "muted"}, "No calendar feed."));
-    const name = el("input", {type: "text", id: "feed-name", placeholder: "Google Calendar"});
-    const make = core.act(async () => {
-      const r = await core.api("POST", "/auth/feeds", {name: name.value.trim() || "feed"});
-      await after(undefined, r.data);
-    });
-    const parts = [
-      el("h3", {}, "Tasks on your phone"),
-      shownOnce("CalDAV address", where.phone.origin + "/dav/", "caldav-url"),
-      el(
-        "ol",
-        {id: "caldav-steps"},
-        li("iPhone", ": Settings → Apps → Reminders → Accounts → Add Account → Other → CalDAV."),
-        li("Android", ": DAVx5 → + → Login with URL, then Tasks.org or jtx Board."),
-        li("Thunderbird", ": New Calendar → On the Network, paste the address."),
-        li("", "Any user name; the password is a key (Add a device or New key)."),
-      ),
-    ];
-    if (madeFeed) {
-      parts.push(
-        el("p", {class: "warn"}, "Copy the feed's link now: it is shown this once."),
-        shownOnce("Feed “" + madeFeed.name + "”", madeFeed.url, "feed-url"),
-      );
-    }
-    parts.push(
-      el("p", {class: "muted"}, "A feed: subscribe by URL (Google Calendar, Outlook). Read only."),
-      list,
-      el(
-        "div",
-        {class: "row"},
-        name,
-        el("button", {type: "button", id: "feed-create", onclick: make}, "New calendar feed"),
-      ),
-    );
-    return parts;
-  }
-
-  async function showKeys(made, madeFeed) {
-    const [{data}, shares, where, feeds] = await Promise.all([
+  async function showKeys(made) {
+    const [{data}, shares, where] = await Promise.all([
       core.api("GET", "/auth/keys"),
       core.api("GET", "/shares"),
       core.api("GET", "/auth/devices/addresses"),
-      core.api("GET", "/auth/feeds"),
     ]);
     const keyList = el("ul", {class: "list", id: "keys-list"});
     const apps = el("ul", {class: "list", id: "connections-list"});
@@ -25120,7 +25117,19 @@ const grants = (() => {
         shownOnce("Key “" + made.name + "”", made.key, "new-key"),
       );
     }
+    // a tasks app's address, user name and password are one tap away, not sections down
+    const tasks = el(
+      "button",
+      {type: "button", id: "keys-tasks", onclick: core.act(() => devices.showTasks())},
+      "Tasks on your phone",
+    );
     body.push(
+      el(
+        "div",
+        {class: "row"},
+        tasks,
+        el("small", {class: "muted"}, "Reminders, DAVx5, Thunderbird; calendar feeds"),
+      ),
       el("h3", {}, "Devices"),
       deviceList,
       el(
@@ -25147,12 +25156,13 @@ const grants = (() => {
       el("h3", {}, "Connected apps"),
       apps,
       ...assistantSection(where.data),
-      ...tasksSection(where.data, feeds.data.feeds, showKeys, madeFeed),
       el("h3", {}, "Share links"),
       links,
       form,
     );
-    await app.dialog("Keys and devices", body, [["cancel", "Close"]]);
+    // opened at its top (the first field, the MCP URL, is sections down), or a new key's field
+    const first = made ? body[1].querySelector("input") : tasks;
+    await app.dialog("Keys and devices", body, [["cancel", "Close"]], first);
   }
 
   function shareRow(s, after, names) {
@@ -25239,12 +25249,16 @@ const grants = (() => {
       "click",
       core.act(() => devices.showTelegram()),
     );
+    $("menu-tasks").addEventListener(
+      "click",
+      core.act(() => devices.showTasks()),
+    );
     $("share").addEventListener(
       "click",
       core.act(() => shareNote()),
     );
   }
-  return {writable, applyGrant, shownOnce, showKeys, wireGrants};
+  return {RELAY_HINT, writable, applyGrant, shownOnce, showKeys, wireGrants};
 })();
 """[1:]
 # --- end web/grants.js ---
@@ -26319,6 +26333,134 @@ const devices = (() => {
     return grants.showKeys();
   }
 
+  // -- tasks on a phone: everything a tasks app asks for, in one place ------------------------
+  // The CalDAV address a phone opens, a user name, and a password: a device key made for the
+  // app (a pairing claimed here at once), shown once, revoked like any device. And the
+  // read-only calendar feeds, whose link stays in view, selected, until dismissed.
+
+  const TASK_APPS = {
+    iphone: [
+      "Reminders on iPhone",
+      "Settings → Apps → Reminders → Accounts → Add Account → Other → Add CalDAV Account. " +
+        "Asked about SSL on a home address: Continue.",
+    ],
+    android: [
+      "Tasks on Android",
+      "DAVx5 → + → Login with URL and user name; then open the list in Tasks.org or jtx Board.",
+    ],
+    thunderbird: ["Thunderbird", "New Calendar → On the Network: user name and address."],
+    other: ["Tasks app", "Add a CalDAV account with these."],
+  };
+
+  async function showTasks(made, feed) {
+    const [where, feeds] = await Promise.all([
+      core.api("GET", "/auth/devices/addresses"),
+      core.api("GET", "/auth/feeds"),
+    ]);
+    const again = core.act(() => showTasks());
+    const body = [
+      el("p", {}, "Checklists in your notes (- [ ] lines) are tasks in a phone's tasks app."),
+      grants.shownOnce("Server address (CalDAV)", where.data.phone.origin + "/dav/", "caldav-url"),
+    ];
+    if (where.data.phone.via === "local")
+      body.push(el("p", {class: "warn"}, reachText(where.data.phone)));
+    let first = null;
+    if (made) {
+      const [name, steps] = TASK_APPS[made.app];
+      const password = grants.shownOnce("Password", made.key, "tasks-password");
+      body.push(
+        grants.shownOnce("User name", "tasks", "tasks-user"),
+        password,
+        el("p", {class: "warn"}, "The password is shown this once: copy it into " + name + "."),
+        el("p", {id: "tasks-steps"}, steps),
+        el("p", {class: "muted"}, "“" + name + "” is listed under Devices: revoke it there."),
+        el(
+          "div",
+          {class: "row"},
+          el("button", {type: "button", id: "tasks-done", onclick: again}, "Done"),
+        ),
+      );
+      first = password.querySelector("input");
+    } else {
+      const which = el(
+        "select",
+        {id: "tasks-app"},
+        ...Object.entries(TASK_APPS).map(([k, [name]]) => el("option", {value: k}, name)),
+      );
+      const connect = core.act(async () => {
+        const name = TASK_APPS[which.value][0];
+        const pairing = await core.api("POST", "/auth/devices/pairings", {name, scope: "write"});
+        const {claimed} = await claim(pairing.data.secret, name);
+        await showTasks({app: which.value, key: claimed.key});
+      });
+      const button = el(
+        "button",
+        {type: "button", id: "tasks-connect", class: "primary", onclick: connect},
+        "Connect a tasks app",
+      );
+      body.push(
+        el("label", {for: "tasks-app"}, "Your tasks app"),
+        which,
+        el("div", {class: "row"}, button),
+      );
+      first = button;
+    }
+    const list = el("ul", {class: "list", id: "feeds-list"});
+    for (const f of feeds.data.feeds) {
+      const drop = core.act(async () => {
+        await core.api("DELETE", "/auth/feeds/" + core.enc(f.id));
+        await showTasks();
+      });
+      const used = f.lastUsedAt ? " · used " + app.when(f.lastUsedAt) : " · not used yet";
+      const info = (f.folder ? " · " + f.folder : "") + " · …" + f.hint + used;
+      list.append(
+        el(
+          "li",
+          {"data-feed": f.id},
+          el("span", {}, el("strong", {}, f.name), el("small", {class: "muted"}, info)),
+          el("button", {type: "button", class: "danger", onclick: drop}, "Delete"),
+        ),
+      );
+    }
+    if (!list.children.length) list.append(el("li", {class: "muted"}, "No calendar feed."));
+    body.push(
+      el("h3", {}, "Calendar feed"),
+      el("p", {class: "muted"}, "For apps that subscribe to a link (Google Calendar, Outlook)."),
+    );
+    if (feed) {
+      const link = grants.shownOnce("Feed “" + feed.name + "”", feed.url, "feed-url");
+      body.push(el("p", {class: "warn"}, "Copy the feed's link now: it is shown this once."), link);
+      if (feed.homeOnly) {
+        const host = new URL(feed.url).host;
+        const text = "It opens only at home (" + host + "): for Google or Outlook, ";
+        body.push(el("p", {class: "warn", id: "feed-home-only"}, text + grants.RELAY_HINT));
+      }
+      body.push(
+        el(
+          "div",
+          {class: "row"},
+          el("button", {type: "button", id: "feed-done", onclick: again}, "Done"),
+        ),
+      );
+      first = link.querySelector("input"); // focused and selected: nothing takes the focus away
+    }
+    const feedName = el("input", {type: "text", id: "feed-name", placeholder: "Google Calendar"});
+    const make = core.act(async () => {
+      const r = await core.api("POST", "/auth/feeds", {name: feedName.value.trim() || "feed"});
+      await showTasks(null, r.data);
+    });
+    body.push(
+      list,
+      el(
+        "div",
+        {class: "row"},
+        feedName,
+        el("button", {type: "button", id: "feed-create", onclick: make}, "New calendar feed"),
+      ),
+    );
+    return app.dialog("Tasks on your phone", body, [["cancel", "Close"]], first);
+  }
+
   // -- Telegram: paste the bot's token, send it a code, connected ---------------------------
 
   async function telegramChannels() {
@@ -26501,6 +26643,7 @@ const devices = (() => {
     dialogProblem,
     offerSetup,
     pairingInUrl,
+    showTasks,
     showTelegram,
     wireDevices,
   };
@@ -26905,6 +27048,7 @@ WEB_PAGE = r"""
         <button id="menu-trash" type="button" hidden>Trash</button>
         <button id="menu-offline" type="button" hidden>Keep notes on this device</button>
         <button id="menu-keys" type="button" hidden>Keys and devices</button>
+        <button id="menu-tasks" type="button" hidden>Tasks on your phone</button>
         <button id="menu-telegram" type="button" hidden>Telegram</button>
         <button id="menu-import" type="button">Import notes…</button>
         <button id="menu-export" type="button">Export all notes</button>
@@ -29756,7 +29900,12 @@ def list_versions(svc: Service, path: str) -> dict:
     if not versions and not svc.notes.exists(path):
         raise not_found(f"no note and no history at {path}")
     page = versions[offset : offset + limit]
-    return {"versions": page, "total": len(versions), "limit": limit, "offset": offset}
+    # the creation: no version (it replaced nothing), told by the change journal while it
+    # holds it, to a grant that sees where the note was made
+    made = svc.journal.creation(path)
+    created = {"at": made[0], "by": made[1]} if made and principal.sees(made[2]) else None
+    answer = {"versions": page, "total": len(versions), "limit": limit, "offset": offset}
+    return {**answer, "created": created}
 
 
 def get_version(svc: Service, path: str, version_id: str) -> dict:
@@ -30715,12 +30864,27 @@ def _pairing_url(config: Config, state: dict, environ: dict | None) -> tuple:
         return config.public_url, "public"
     if environ is None:
         return phone_url(config), "home"
-    if page_on_loopback(config, environ):
-        home = phone_url(config, int(environ.get("SERVER_PORT") or 0) or config.port)
-        if not is_loopback(urllib.parse.urlsplit(home).hostname or ""):
-            return home, "home"
+    home = home_origin(config, environ)
+    if home:
+        return home, "home"
     relayed = relay_origin_of(config, state)
     return (relayed, "relay") if relayed else (base_url_of(config, environ), "page")
+
+
+def home_origin(config: Config, environ: dict) -> str:
+    """Return the address the banner gives phones for a page opened by a loopback name ("":
+    another page, SERVICE_PUBLIC_URL, or that address is loopback too)."""
+    if config.public_url or not page_on_loopback(config, environ):
+        return ""
+    home = phone_url(config, int(environ.get("SERVER_PORT") or 0) or config.port)
+    return "" if is_loopback(urllib.parse.urlsplit(home).hostname or "") else home
+
+
+def link_base(svc: Service, environ: dict) -> str:
+    """Return the base of links the page shows (shares, feeds, MCP): svc.issuer's, but the
+    phones' address on a page on loopback, as Add a device draws it."""
+    home = home_origin(svc.config, environ)
+    return home + environ.get("SCRIPT_NAME", "") if home else svc.issuer(environ)
 
 
 def new_pairing(
@@ -30767,8 +30931,8 @@ def get_addresses(svc: Service) -> dict:
     env, cfg = bottle.request.environ, svc.config
     origin, via = pairing_origin(cfg, svc.state.read(), env)
     relayed = bool(cfg.relay_url) and cfg.pairing == "relay"
-    mcp = (svc.relay_base(env) if relayed else svc.issuer(env)) + API + "/mcp"
-    mcp_via = "relay" if relayed else "public" if cfg.public_url else "page"
+    mcp = (svc.relay_base(env) if relayed else link_base(svc, env)) + API + "/mcp"
+    mcp_via = "relay" if relayed else via if via in ("public", "home") else "page"
     return {"phone": {"origin": origin, "via": via}, "mcpUrl": mcp, "mcpVia": mcp_via}
 
 
@@ -30812,11 +30976,13 @@ def revoke_scoped_key(svc: Service, grant_id: str) -> dict:
 
 
 def share_url(svc: Service, environ: dict, token: str) -> str:
-    """Return a share link: in relay mode on the server's relay origin (or {relay}/r/<id>),
-    else <base>/s/<token>."""
-    if svc.config.pairing == "relay":
-        return f"{svc.relay_base(environ)}/s/{token}"
-    return f"{svc.issuer(environ)}/s/{token}"
+    """Return a share link: in relay mode on the server's relay origin (or {relay}/r/<id>;
+    with no relay, its own /r/<id>), else <base>/s/<token>; bases as link_base has them."""
+    if svc.config.pairing != "relay":
+        return f"{link_base(svc, environ)}/s/{token}"
+    home = "" if svc.config.relay_url else home_origin(svc.config, environ)
+    base = f"{home}/r/{svc.state.read()['serverId']}" if home else svc.relay_base(environ)
+    return f"{base}/s/{token}"
 
 
 def create_share(svc: Service) -> dict:
@@ -33770,7 +33936,8 @@ def create_feed(svc: Service) -> dict:
     svc.state.update(change)
     log.info("calendar feed %s created", feed["id"])
     bottle.response.status = 201
-    return {**feed_record(feed), "url": feed_url(svc, bottle.request.environ, secret)}
+    url = feed_url(svc, bottle.request.environ, secret)
+    return {**feed_record(feed), "url": url, "homeOnly": opens_only_at_home(url)}
 
 
 def list_feeds(svc: Service) -> dict:
@@ -34073,7 +34240,8 @@ ROUTES = (
         "GET",
         "/notes/<path:path>/versions",
         list_versions,
-        summary="A note's versions, newest first (also of a deleted note)",
+        summary="A note's versions, newest first (also of a deleted note), and `created`: "
+        "when and by whom it was made, {at, by}, while the change journal holds that (else null)",
         params={"path": NOTE_PATH_PARAM, "limit": _int(1, 1000, 100), "offset": _int(0, 10**9, 0)},
         tag="history",
         scope="read",
@@ -34606,7 +34774,7 @@ ROUTES = (
         "/auth/devices/addresses",
         get_addresses,
         summary="Where a phone (the link Add a device draws) and an AI assistant (the MCP "
-        "URL) reach this server",
+        "URL; mcpVia relay, public, home or page) reach this server",
         tag="auth",
         scope="admin",
     ),
@@ -34728,7 +34896,8 @@ ROUTES = (
         "POST",
         "/auth/feeds",
         create_feed,
-        summary="A read-only calendar feed of the tasks: its URL (with its secret) once",
+        summary="A read-only calendar feed of the tasks: its URL (with its secret) once, and "
+        "homeOnly (the URL names a host only this machine or its network reaches)",
         body=_obj(["name"], name={**_STR, "minLength": 1, "maxLength": 100}, folder=_FOLDER_PATH),
         status=201,
         tag="grants",
