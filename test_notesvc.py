@@ -7060,10 +7060,9 @@ class TestAuth:
         assert data(with_key(anon, new["apiKey"]).post(f"{API}/auth/verify"))["valid"]
 
     def test_lockout_after_ten_failures(self, anon):
-        wrong = with_key(anon, "nsk_wrong")
-        for _ in range(10):
-            wrong.post(f"{API}/auth/verify", status=401)
-        resp = wrong.post(f"{API}/auth/verify", status=429)
+        for i in range(10):  # ten different wrong keys (the same one again counts once)
+            with_key(anon, f"nsk_wrong{i}").post(f"{API}/auth/verify", status=401)
+        resp = with_key(anon, "nsk_wrong").post(f"{API}/auth/verify", status=429)
         assert_error(resp, 429, "RATE_LIMITED")
         assert 1 <= int(resp.headers["Retry-After"]) <= 60
         # Locked out means locked out, even with the right key ...
@@ -7096,16 +7095,16 @@ class TestAuth:
         wrong.post(f"{API}/auth/verify", status=401)
 
     def test_locked_out_address_gets_401_without_a_credential(self, anon):
-        for _ in range(10):
-            with_key(anon, "nsk_wrong").post(f"{API}/auth/verify", status=401)
+        for i in range(10):
+            with_key(anon, f"nsk_wrong{i}").post(f"{API}/auth/verify", status=401)
         assert_error(anon.post(f"{API}/auth/verify", status=401), 401, "UNAUTHORIZED")
         resp = with_key(anon).post(f"{API}/auth/verify", status=429)
         assert 1 <= int(resp.headers["Retry-After"]) <= 60
 
     def test_relayed_clients_have_their_own_buckets(self, anon):
         relayed = {"notesvc.relayed": True, "REMOTE_ADDR": ""}
-        for _ in range(10):
-            with_key(anon, "nsk_wrong").post(
+        for i in range(10):
+            with_key(anon, f"nsk_wrong{i}").post(
                 f"{API}/auth/verify", status=401, extra_environ=relayed
             )
         with_key(anon).post(f"{API}/auth/verify", status=429, extra_environ=relayed)
@@ -7123,7 +7122,7 @@ class TestAuth:
             ("10.0.0.2", "203.0.113.4:5555", "203.0.113.4"),
             ("10.0.0.2", "10.0.0.9, 10.0.0.3", "10.0.0.9"),  # only proxies: the farthest
             ("10.0.0.2", "", "10.0.0.2"),
-            ("10.0.0.2", "unknown", "10.0.0.2"),
+            ("10.0.0.2", "unknown", "via:10.0.0.2"),  # no client named: the proxy's bucket
             ("10.0.0.2", "[2001:db8::7]:80", "2001:db8::7"),
             ("192.0.2.1", "203.0.113.4", "192.0.2.1"),  # an untrusted peer's claim counts nothing
         ],
@@ -7133,6 +7132,40 @@ class TestAuth:
         assert cfg.trust_proxy == ("10.0.0.0/8", "::1/128")
         environ = {"REMOTE_ADDR": peer, "HTTP_X_FORWARDED_FOR": forwarded}
         assert notesvc.client_address(cfg, environ) == client
+
+    @pytest.mark.parametrize(
+        ("headers", "client"),
+        [
+            ({"HTTP_X_REAL_IP": "203.0.113.4"}, "203.0.113.4"),
+            ({"HTTP_FORWARDED": "for=203.0.113.4"}, "203.0.113.4"),
+            ({"HTTP_X_REAL_IP": "203.0.113.4", "HTTP_X_FORWARDED_FOR": "203.0.113.4"}, "203.0.113.4"),
+            # nginx's $proxy_add_x_forwarded_for beside X-Real-IP: they agree
+            ({"HTTP_X_REAL_IP": "203.0.113.4", "HTTP_X_FORWARDED_FOR": "1.2.3.4, 203.0.113.4"}, "203.0.113.4"),
+            # a proxy hop in one header (every hop trusted) names no client beside another
+            ({"HTTP_X_REAL_IP": "10.0.0.3", "HTTP_X_FORWARDED_FOR": "203.0.113.4, 10.0.0.3"}, "203.0.113.4"),
+            # which one the proxy wrote cannot be told: one bucket for all such, the proxy's
+            ({"HTTP_X_REAL_IP": "203.0.113.4", "HTTP_X_FORWARDED_FOR": "198.51.100.9"}, "via:10.0.0.2"),
+            ({"HTTP_FORWARDED": "for=203.0.113.4", "HTTP_X_REAL_IP": "198.51.100.9"}, "via:10.0.0.2"),
+            ({"HTTP_X_REAL_IP": "203.0.113.4", "HTTP_X_FORWARDED_FOR": "unknown"}, "via:10.0.0.2"),
+        ],
+    )
+    def test_client_address_when_the_forwarding_headers_disagree(self, headers, client):
+        cfg = notesvc.load_config(env={"SERVICE_TRUST_PROXY": "10.0.0.0/8"})
+        assert notesvc.client_address(cfg, {"REMOTE_ADDR": "10.0.0.2", **headers}) == client
+        untrusted = {"REMOTE_ADDR": "192.0.2.1", **headers}  # a peer nobody named: its own
+        assert notesvc.client_address(cfg, untrusted) == "192.0.2.1"
+
+    def test_the_same_wrong_credential_again_counts_once(self):
+        now = [0.0]
+        lock = notesvc.Lockout(limit=3, window=60, clock=lambda: now[0])
+        for _ in range(50):  # a revoked device retrying its key
+            lock.fail("a", "nsd_revoked")
+            now[0] += 1
+        assert lock.retry_after("a") == 0
+        lock.fail("a", "nsk_guess1")
+        lock.fail("a", "nsk_guess2")  # three different ones in the window: locked
+        assert lock.retry_after("a") == 60
+        assert lock.retry_after("b") == 0
 
     def test_trust_proxy_setting_forms(self, make_app):
         load = notesvc.load_config
@@ -7555,8 +7588,10 @@ class TestScopedKeys:
         state["grants"][0]["expiresAt"] = "2020-01-01T00:00:00.000Z"
         state_file.write_text(json.dumps(state))  # another process may edit it too
         expired = as_key(client, key, REMOTE_ADDR="192.0.2.7")
-        for _ in range(10):
+        for _ in range(12):  # the same expired key again and again: one failure
             assert_error(expired.get(f"{API}/notes", status=401), 401, "UNAUTHORIZED")
+        for i in range(9):  # ... which counts like any wrong key: nine more lock it out
+            as_key(client, f"nsg_wrong{i}", REMOTE_ADDR="192.0.2.7").get(f"{API}/notes", status=401)
         assert_error(expired.get(f"{API}/notes", status=429), 429, "RATE_LIMITED")
 
     def test_last_use_is_recorded(self, client):
@@ -8137,8 +8172,8 @@ class TestDevices:
     def test_guessing_secrets_locks_the_address_out(self, client, anon):
         made = pair(client)
         guesser = {"REMOTE_ADDR": "203.0.113.9"}
-        for _ in range(10):
-            claim(anon, "a" * 26, status=404, **guesser)
+        for i in range(10):  # ten different guesses (the same one again counts once)
+            claim(anon, "a" * 25 + "abcdefghij"[i], status=404, **guesser)
         resp = anon.post_json(
             f"{API}/auth/devices/claim",
             {"secret": made["secret"]},
@@ -9670,6 +9705,34 @@ class TestGrantsLive:
             assert grant["id"] not in state
             assert grant["key"] not in "".join(server.lines)
 
+    def test_a_revoked_device_retrying_never_locks_its_owner_out(self, tmp_path):
+        """A phone left with a revoked key retries it from the owner's own address (the same
+        Wi-Fi, the same NAT): the same wrong key again counts once, so the owner is never
+        locked out by it, while ten different wrong keys still lock a guesser out."""
+        with running(tmp_path) as server:
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            owner = owner_headers(setup)
+            body = {"name": "old phone", "scope": "write"}
+            made = server.request("POST", f"{API}/auth/devices/pairings", body, owner)[2]["data"]
+            claim = {"secret": made["secret"], "deviceName": "old phone"}
+            device = server.request("POST", f"{API}/auth/devices/claim", claim)[2]["data"]
+            phone = {KEY: device["key"]}
+            assert server.request("GET", f"{API}/notes", headers=phone)[0] == 200
+            gone = f"{API}/auth/keys/{device['deviceId']}"
+            assert server.request("DELETE", gone, headers=owner)[0] == 200
+            for _ in range(30):  # the phone's page polls on with its key
+                assert server.request("GET", f"{API}/changes", headers=phone)[0] == 401
+                assert server.request("GET", f"{API}/notes", headers=owner)[0] == 200
+            for _ in range(3):  # (the owner's success above cleared this address)
+                assert server.request("GET", f"{API}/changes", headers=phone)[0] == 401
+            for i in range(9):  # a revoked key counts like any wrong key: nine more lock out
+                status = server.request("GET", f"{API}/notes", headers={KEY: f"nsk_guess{i}"})[0]
+                assert status == 401
+            status, headers, _ = server.request("GET", f"{API}/notes", headers=owner)
+            assert status == 429
+            assert int(headers["Retry-After"]) > 0
+            assert device["key"] not in "".join(server.lines)
+
     def test_a_key_revoked_by_another_process_is_refused(self, tmp_path):
         with running(tmp_path) as server:
             setup = server.request("GET", f"{API}/system/setup")[2]["data"]
@@ -10687,8 +10750,8 @@ class TestChannels:
 
     def test_webhook_failures_count_toward_lockout(self, client):
         self.create(client, "web")
-        for _ in range(10):
-            self.hook(client, "web", web_update("hi"), "wrong", 401)
+        for i in range(10):
+            self.hook(client, "web", web_update("hi"), f"wrong{i}", 401)
         resp = self.hook(client, "web", web_update("hi"), "wrong", 429)
         assert_error(resp, 429, "RATE_LIMITED")
 
@@ -11406,8 +11469,8 @@ class TestCapture:
         other = whatsapp_signature(body, "")
         assert_error(post({"X-Hub-Signature-256": other}, 401), 401, "UNAUTHORIZED")
         # Bad signatures count toward the lockout.
-        for _ in range(10):
-            post({"X-Hub-Signature-256": wrong}, [401, 429])
+        for i in range(10):  # ten different wrong ones (the same one again counts once)
+            post({"X-Hub-Signature-256": "sha256=" + f"{i:x}" * 64}, [401, 429])
         assert_error(post({"X-Hub-Signature-256": good}, 429), 429, "RATE_LIMITED")
 
     def test_the_audit_flags_unsigned_whatsapp_and_query_secrets(self, client, upstream):
@@ -14879,8 +14942,8 @@ class TestWebClient:
         assert page.evaluate("sessionStorage.getItem('notesvc.key')") is None
         s.shot("key-rotated")
         # Wrong keys until this address is locked out: the wait is shown.
-        for _ in range(10):
-            web.server.request("POST", f"{API}/auth/verify", headers={"X-Service-Key": "nsk_wrong"})
+        for i in range(10):  # different ones: the old key the page retries counts once
+            web.server.request("POST", f"{API}/auth/verify", headers={KEY: f"nsk_wrong{i}"})
         page.fill("#key", body["data"]["apiKey"])
         page.click("#connect")
         expect(page.locator("#login-msg")).to_have_text(re.compile(r"try again in \d+ s"))
@@ -18983,9 +19046,9 @@ class TestEdge:
             remote = call(proxy.url, "GET", setup, source="127.0.0.5")[1]["data"]
             assert remote["apiKey"] == "nsk_…" + key[-4:]
             # One remote client's failures lock out that client only.
-            for _ in range(10):
+            for i in range(10):
                 status, _ = call(
-                    proxy.url, "POST", f"{API}/auth/verify", {"X-Service-Key": "nsk_x"}, "127.0.0.5"
+                    proxy.url, "POST", f"{API}/auth/verify", {KEY: f"nsk_x{i}"}, "127.0.0.5"
                 )
                 assert status == 401
             right = {"X-Service-Key": key}
@@ -19010,7 +19073,7 @@ class TestEdge:
             key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
             assert setup["apiKey"] == "nsk_…" + key[-4:]
             for i in range(10):  # forged addresses do not spread the failures
-                hdrs = {"X-Service-Key": "nsk_x", "X-Forwarded-For": f"203.0.113.{i}"}
+                hdrs = {"X-Service-Key": f"nsk_x{i}", "X-Forwarded-For": f"203.0.113.{i}"}
                 assert server.request("POST", f"{API}/auth/verify", headers=hdrs)[0] == 401
             hdrs = {"X-Service-Key": key, "X-Forwarded-For": "203.0.113.77"}
             assert server.request("POST", f"{API}/auth/verify", headers=hdrs)[0] == 429
@@ -19025,6 +19088,43 @@ class TestEdge:
 
     @pytest.mark.real_server
     @pytest.mark.slow
+    @pytest.mark.parametrize(
+        "proxys", [{"X-Real-IP": "203.0.113.50"}, {"Forwarded": "for=203.0.113.50;proto=https"}]
+    )
+    def test_a_forged_forwarded_for_behind_a_trusted_proxy_dodges_no_limit(self, tmp_path, proxys):
+        """T6: a trusted proxy that writes only X-Real-IP (or Forwarded) passes on whatever
+        X-Forwarded-For its client sends: rotating it must not spread the failures (nor the
+        rate limits), and naming someone else's address must not lock them out."""
+        with running(tmp_path, env={"SERVICE_TRUST_PROXY": "127.0.0.1"}) as server:
+            key = json.loads((tmp_path / ".notesvc" / "state.json").read_text())["apiKey"]
+            verify = f"{API}/auth/verify"
+            victim = {"X-Real-IP": "198.51.100.7"}  # (as the proxy writes it for the victim)
+            for i in range(10):  # the attacker names the victim, then anyone at all
+                forged = {**proxys, "X-Forwarded-For": "198.51.100.7" if i < 5 else f"10.9.{i}.1"}
+                status = server.request("POST", verify, headers={**forged, KEY: f"nsk_x{i}"})[0]
+                assert status == 401
+            forged = {**proxys, "X-Forwarded-For": "192.0.2.200"}
+            status, headers, body = server.request("POST", verify, headers={**forged, KEY: key})
+            assert status == 429  # locked out, whatever it forges next
+            assert body["error"]["code"] == "RATE_LIMITED"
+            assert int(headers["Retry-After"]) > 0
+            assert server.request("POST", verify, headers={**victim, KEY: key})[0] == 200
+            same = {**victim, "X-Forwarded-For": "198.51.100.7"}  # headers that agree: the client
+            assert server.request("POST", verify, headers={**same, KEY: key})[0] == 200
+            # every rate limit keys on the same client: ten registrations a minute
+            form = {"redirect_uris": [CALLBACK], "client_name": "Pocket assistant"}
+            statuses = []
+            for i in range(11):
+                forged = {**proxys, "X-Forwarded-For": f"10.8.{i}.1"}
+                statuses.append(server.request("POST", "/oauth/register", form, forged)[0])
+            assert statuses == [201] * 10 + [429]
+            assert server.request("POST", "/oauth/register", form, victim)[0] == 201
+            logged = "".join(server.lines)
+            assert "via:127.0.0.1 is locked out for 60 s" in logged
+            assert "198.51.100.7 is locked out" not in logged
+
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_relayed_failures_never_lock_out_a_loopback_client(self, tmp_path):
         relay = Server(tmp_path / "relay", "relay", env={"SERVICE_RELAY_TIMEOUT": "5"})
         server = Server(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url})
@@ -19032,8 +19132,8 @@ class TestEdge:
             wait_for(lambda: relay_servers(relay) == 1)
             setup = server.request("GET", f"{API}/system/setup")[2]["data"]
             verify = f"/r/{setup['serverId']}{API}/auth/verify"
-            for _ in range(10):
-                assert relay.request("POST", verify, headers={"X-Service-Key": "nsk_x"})[0] == 401
+            for i in range(10):
+                assert relay.request("POST", verify, headers={KEY: f"nsk_x{i}"})[0] == 401
             right = {"X-Service-Key": setup["apiKey"]}
             assert relay.request("POST", verify, headers=right)[0] == 429  # that client is out
             # ... but the owner on the server's own machine is not,
@@ -19842,7 +19942,7 @@ class TestMcp:
     def test_wrong_keys_on_mcp_count_toward_the_lockout(self, anon):
         key = key_of(anon)
         for i in range(10):
-            headers = [{"Authorization": "Bearer nsk_x"}, {"X-API-Key": "nsk_y"}][i % 2]
+            headers = [{"Authorization": f"Bearer nsk_x{i}"}, {"X-API-Key": f"nsk_y{i}"}][i % 2]
             rpc_error(raw_mcp(anon, "{}", **headers), 401, -32000)
         resp = raw_mcp(
             anon, '{"jsonrpc": "2.0", "id": 1, "method": "ping"}', Authorization=f"Bearer {key}"
@@ -21261,8 +21361,8 @@ class TestDav:
 
     def test_wrong_passwords_count_toward_the_lockout(self, anon):
         wrong = Dav(anon, "nsk_wrong")
-        for _ in range(10):
-            wrong("PROPFIND", "notes", status=401, Depth="0")
+        for i in range(10):  # ten different wrong passwords (the same one again counts once)
+            Dav(anon, f"nsk_wrong{i}")("PROPFIND", "notes", status=401, Depth="0")
         wrong("PROPFIND", "notes", status=429, Depth="0")
         Dav(anon, key_of(anon))("PROPFIND", "notes", status=429, Depth="0")  # locked out
 
@@ -22147,8 +22247,8 @@ class TestCalDAV:
 
     def test_wrong_passwords_on_task_lists_count_toward_the_lockout(self, anon):
         wrong = Dav(anon, "nsk_wrong")
-        for _ in range(10):
-            resp = wrong("REPORT", "calendars/all/", sync_body(), status=401)
+        for i in range(10):
+            resp = Dav(anon, f"nsk_wrong{i}")("REPORT", "calendars/all/", sync_body(), status=401)
             assert resp.headers["WWW-Authenticate"].startswith('Basic realm="notesvc"')
         wrong("PROPFIND", "calendars/", status=429, Depth="0")
         Dav(anon, key_of(anon))("PROPFIND", "calendars/", status=429, Depth="0")

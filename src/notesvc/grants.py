@@ -470,7 +470,7 @@ class GrantStore:
         self.metadata: dict = {}  # client_id URL -> (fetched at, document)
         self.registrations = RateLimit(REGISTRATIONS_PER_MINUTE)
         self.public_hits = RateLimit(60)  # shared notes and consent facts, per address
-        self.share_misses = Lockout()  # unknown share tokens, per address
+        self.share_misses = Lockout(what="unknown links")  # share and feed tokens, per address
 
     # -- authenticating -------------------------------------------------------------
 

@@ -523,31 +523,6 @@ def behind_trusted_proxy(config: Config, environ: dict) -> bool:
     )
 
 
-def client_address(config: Config, environ: dict) -> str:
-    """Return the client's address: the peer's, or the one a trusted proxy or the relay reports.
-
-    Behind trusted proxies it is the right-most X-Forwarded-For entry that is not itself
-    a trusted proxy (entries further left are whatever the client claimed). Relayed
-    clients are "relay:<addr>", so they never share a lockout bucket with loopback ones.
-    """
-    peer = environ.get("REMOTE_ADDR", "")
-    if environ.get("notesvc.relayed"):
-        return f"relay:{peer or '?'}"
-    if not behind_trusted_proxy(config, environ):
-        return peer
-    found = peer
-    for hop in reversed(environ.get("HTTP_X_FORWARDED_FOR", "").split(",")):
-        if not hop.strip():
-            continue
-        ip = ip_of(hop)
-        if ip is None:  # not written by a proxy we trust: stop at the last good hop
-            break
-        found = str(ip)
-        if not is_trusted_proxy(config, found):
-            break
-    return found
-
-
 # Headers by which a proxy or a tunnel says whom it forwards for: from a peer that is not a
 # trusted proxy, any of them means the peer is not the client (docs/design.md: Security).
 FORWARDING_HEADERS = (
@@ -596,29 +571,54 @@ def _client_of_hops(config: Config, hops: list) -> Any:
     return ip  # else every hop a trusted proxy: the first one's client is theirs to say
 
 
-def setup_client_ip(config: Config, environ: dict) -> Any:
-    """Return the client's address as setup judges it, or None when it cannot be known.
+def client_of(config: Config, environ: dict) -> tuple:
+    """Return (the client's address as setup judges it, or None when it cannot be known;
+    the name its lockout and rate limits count under, which the logs show): the one place
+    that decides who the client is (docs/design.md: Security).
 
     The TCP peer decides; a forwarded address counts only from a proxy SERVICE_TRUST_PROXY
-    names (the right-most hop that is not itself such a proxy). None: a relayed request,
-    a trusted proxy that names no parseable client, or any forwarding header from a peer
-    that is not a trusted proxy (a tunnel or proxy we were not told about).
+    names (the right-most hop that is not itself such a proxy). For setup, None: a relayed
+    request, a trusted proxy that names no parseable client, or any forwarding header from
+    a peer that is not a trusted proxy (a tunnel or proxy we were not told about).
 
     A proxy that writes only X-Real-IP or Forwarded passes the client's own
-    X-Forwarded-For on, so every one of the three headers present is judged and the
-    farthest from home wins (outside the home ranges, then not loopback).
+    X-Forwarded-For on (and one that writes only X-Forwarded-For passes a forged
+    X-Real-IP), so every one of the three headers present is judged. Setup takes the
+    farthest from home (outside the home ranges, then not loopback). The lockout's name is
+    the client they all agree on; when they disagree, or one names nothing parseable, which
+    one the proxy wrote cannot be told, so every such request through that proxy counts
+    under one name, "via:<proxy>": a client rotating a forged header dodges no limit, and
+    naming someone else's address locks nobody else out. Relayed clients count as
+    "relay:<addr>", never in a bucket of loopback clients.
     """
+    peer_text = environ.get("REMOTE_ADDR") or ""
     if environ.get("notesvc.relayed"):
-        return None
-    peer = ip_of(environ.get("REMOTE_ADDR") or "")
-    if peer is None:
-        return None
-    if not is_trusted_proxy(config, str(peer)):
-        return None if any(environ.get(h) for h in FORWARDING_HEADERS) else peer
+        return None, f"relay:{peer_text or '?'}"
+    peer = ip_of(peer_text)
+    if peer is None or not is_trusted_proxy(config, str(peer)):
+        forwarded = any(environ.get(h) for h in FORWARDING_HEADERS)
+        return (None if forwarded else peer), peer_text
     clients = [_client_of_hops(config, hops) for hops in _forwarded_hops(environ)]
-    if not clients or None in clients:
-        return None
-    return max(clients, key=lambda ip: (not is_home_network(str(ip)), not ip.is_loopback))
+    if not clients:  # the proxy's own request, or one that adds no header: the peer
+        return None, peer_text
+    if None in clients:
+        return None, f"via:{peer}"
+    judged = max(clients, key=lambda ip: (not is_home_network(str(ip)), not ip.is_loopback))
+    # a header whose every hop is a trusted proxy names no client while another one does
+    named = {ip for ip in clients if not is_trusted_proxy(config, str(ip))} or set(clients)
+    return judged, str(next(iter(named))) if len(named) == 1 else f"via:{peer}"
+
+
+def setup_client_ip(config: Config, environ: dict) -> Any:
+    """Return the client's address as setup judges it, or None when it cannot be known
+    (client_of)."""
+    return client_of(config, environ)[0]
+
+
+def client_address(config: Config, environ: dict) -> str:
+    """Return the name a client's failed credentials and rate limits count under, and the
+    logs show: its address, "relay:<addr>" or "via:<proxy>" (client_of)."""
+    return client_of(config, environ)[1]
 
 
 def in_container() -> bool:

@@ -34,7 +34,16 @@ from notesvc.errors import (
     success_body,
     to_json,
 )
-from notesvc.helpers import base_url_of, client_address, field, iso, log_safe, utcnow, valid_host
+from notesvc.helpers import (
+    FORWARDING_HEADERS,
+    base_url_of,
+    client_address,
+    field,
+    iso,
+    log_safe,
+    utcnow,
+    valid_host,
+)
 from notesvc.notes.paths import ACTIVE_TYPES
 from notesvc.providers.base import UpstreamError
 from notesvc.settings import Config
@@ -831,9 +840,10 @@ class RelayServer:
     def client_addr(self, req: RelayRequest) -> str:
         """Return the client's address: the peer's, or the one a trusted proxy reports."""
         environ = {"REMOTE_ADDR": req.peer}
-        forwarded = req.header("X-Forwarded-For")
-        if forwarded:
-            environ["HTTP_X_FORWARDED_FOR"] = forwarded
+        for name in FORWARDING_HEADERS:  # every one is judged (client_of)
+            value = req.header(name[5:].replace("_", "-"))
+            if value:
+                environ[name] = value
         return client_address(self.config, environ)
 
     def base_url(self, req: RelayRequest) -> str:

@@ -475,7 +475,7 @@ class Service:
                             403, "FORBIDDEN", f"this needs the API key itself ({KEY_HEADER})"
                         )
                     return grant
-            self.lockout.fail(addr)
+            self.lockout.fail(addr, f"{key}\n{bearer}")  # the same one again: once
         headers = f"{KEY_HEADER}, Authorization: Bearer or X-API-Key" if mcp else KEY_HEADER
         challenge = {"WWW-Authenticate": mcp_challenge(mcp_url, "invalid_token" if bearer else "")}
         raise ApiError(

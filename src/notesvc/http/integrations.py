@@ -944,7 +944,7 @@ def claim_device(svc: Service) -> dict:
     name = _clean_name(field(body, "deviceName", required=False, max_len=100), "")
     found = svc.grants.claim(secret, name) if len(secret) <= 64 else None
     if found is None:
-        svc.lockout.fail(addr)
+        svc.lockout.fail(addr, secret)
         raise not_found("this pairing code is unknown, used or expired: make a new one")
     svc.lockout.succeed(addr)
     record, key = found
@@ -1031,7 +1031,7 @@ def _shared_note(svc: Service, token: str) -> tuple:
     bottle.response.set_header("Referrer-Policy", "no-referrer")
     found = svc.grants.shared(token)
     if found is None:
-        svc.grants.share_misses.fail(addr)
+        svc.grants.share_misses.fail(addr, token)
         raise not_found("nothing is shared at this link (it may have expired or been revoked)")
     share, reader = found
     try:

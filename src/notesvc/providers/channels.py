@@ -548,7 +548,7 @@ def verify_whatsapp(svc: Service) -> str:
     mine = [c["config"] for c in _channels(svc) if c["provider"] == "whatsapp" and c["enabled"]]
     if mode != "subscribe" or not token or not _match_secret(mine, "verifyToken", token):
         if token:
-            svc.lockout.fail(addr)
+            svc.lockout.fail(addr, token)
         raise ApiError(403, "FORBIDDEN", "hub.verify_token does not match a WhatsApp channel")
     bottle.response.content_type = "text/plain; charset=utf-8"
     return challenge[:200]
@@ -642,7 +642,7 @@ def _authenticate_channel(
         channel = _signed_by(signature, raw(), mine, key)
     if channel is None:
         if presented or signed:
-            svc.lockout.fail(addr)
+            svc.lockout.fail(addr, f"{presented}\n{signature}")
         raise ApiError(401, "UNAUTHORIZED", "missing or wrong channel secret or signature")
     svc.lockout.succeed(addr)
     if not channel["enabled"]:
