@@ -18637,6 +18637,92 @@ def assert_gzipped(headers, body: bytes) -> bytes:
     return gzip.decompress(body)
 
 
+# What a secret looks like in an answer (T10): a field named for one, holding more than a
+# redacted hint, or a value shaped like one anywhere: a key or an OAuth token or code, a
+# link that holds a code, a pairing, a share or a feed, a JWT.
+SECRET_FIELDS = {"key", "apikey", "secret", "token", "access_token", "refresh_token", "code"}
+SECRET_FIELDS |= {"bindcode"}
+SECRET_SHAPE_RE = re.compile(
+    r"\bns[kgdarc]_[A-Za-z0-9_-]{20,}"
+    r"|[?&#](?:code|start|pair)=[A-Za-z0-9_-]{8,}"
+    r"|/s/[A-Za-z0-9_-]{22}(?![A-Za-z0-9_-])|/ics/[A-Za-z0-9_-]{32}\.ics"
+    r"|\beyJ[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+"
+)
+
+
+def carries_secret(answer) -> bool:
+    """Return whether a JSON answer holds a secret or a code (SECRET_FIELDS, SECRET_SHAPE_RE)."""
+    if isinstance(answer, dict):
+        for name, value in answer.items():
+            named = name.lower() in SECRET_FIELDS and isinstance(value, str)
+            if named and len(value) >= 8 and "…" not in value and not value.isupper():
+                return True
+            if carries_secret(value):
+                return True
+        return False
+    if isinstance(answer, list):
+        return any(map(carries_secret, answer))
+    return isinstance(answer, str) and bool(SECRET_SHAPE_RE.search(answer))
+
+
+def secret_answers(ask, key: str, note: str = "notes/shared.md") -> dict:
+    """Ask every route that answers a secret or a code, each as a client would, its answer
+    made longer than gzip's threshold where the request can (a long name, the client's own
+    `state`); return {(method, rule): (status, headers, raw answer)}. `ask(method, path,
+    body=None, headers=None, form=None)` sends it (WebTest or the wire) with gzip asked.
+    The rotate comes last: it ends `key`."""
+    owner, long = {KEY: key}, "n" * 100
+    got: dict = {}
+
+    def call(method: str, rule: str, path: str = "", **how) -> dict:
+        status, headers, raw = ask(method, path or rule, **how)
+        got[(method, rule)] = (status, headers, raw)
+        assert "Content-Encoding" not in headers, f"{method} {rule} was compressed"
+        assert 200 <= status < 300, (rule, status, raw[:300])
+        return json.loads(raw)
+
+    call("GET", f"{API}/system/setup")
+    call("POST", f"{API}/auth/keys", body={"name": long, "scope": "write"}, headers=owner)
+    body = {"name": long, "scope": "write"}
+    made = call("POST", f"{API}/auth/devices/pairings", body=body, headers=owner)["data"]
+    claim = {"secret": made["secret"], "deviceName": long}
+    call("POST", f"{API}/auth/devices/claim", body=claim)
+    call("POST", f"{API}/auth/feeds", body={"name": long}, headers=owner)
+    ask("POST", f"{API}/notes", body={"path": note, "content": "x"}, headers=owner)
+    call("POST", f"{API}/shares", body={"path": note}, headers=owner)
+    call("POST", f"{API}/channels", body={"provider": "web", "name": long}, headers=owner)
+    body = {"botToken": "123456:ABC-good", "name": long}
+    connected = call("POST", f"{API}/channels/connect/telegram", body=body, headers=owner)
+    bind = f"{API}/channels/{connected['data']['channel']['id']}/bind"
+    call("POST", f"{API}/channels/<channel_id>/bind", bind, headers=owner)
+    client = {"redirect_uris": [CALLBACK], "client_name": "Pocket assistant"}
+    cid = json.loads(ask("POST", "/oauth/register", body=client)[2])["client_id"]
+    verifier, challenge = pkce_pair()
+    body = {
+        "clientId": cid,
+        "redirectUri": CALLBACK,
+        "state": "s" * 1024,  # the client's own text, beside the code
+        "codeChallenge": challenge,
+        "scope": "notes:read",
+    }
+    redirect = call("POST", f"{API}/oauth/approve", body=body, headers=owner)["data"]["redirect"]
+    code = urllib.parse.parse_qs(urllib.parse.urlsplit(redirect).query)["code"][0]
+    form = {
+        "grant_type": "authorization_code",
+        "code": code,
+        "client_id": cid,
+        "redirect_uri": CALLBACK,
+        "code_verifier": verifier,
+    }
+    call("POST", "/oauth/token", form=form)
+    call("POST", f"{API}/auth/token", headers=owner)
+    call("POST", f"{API}/auth/rotate", headers=owner)
+    return got
+
+
+SECRET_APP_ENV = {"SERVICE_AUTH_MODE": "jwt", "SERVICE_JWT_SECRET": "j" * 40}
+
+
 class TestCompression:
     """gzip for pages, scripts and JSON over ~1 KB when asked (docs/api.md: Compression)."""
 
@@ -18665,12 +18751,86 @@ class TestCompression:
             ("POST", f"{API}/channels"),
             ("POST", f"{API}/channels/connect/telegram"),
             ("POST", f"{API}/channels/<channel_id>/bind"),
+            ("POST", f"{API}/auth/feeds"),
+            ("POST", f"{API}/oauth/approve"),
             ("POST", "/oauth/token"),
         ):
             assert (method, rule) in secret, rule
         files = [r for r in anon.app.service.routes if r.media in ("*/*", "application/zip")]
         assert files
         assert not any(r.gzip for r in files)
+        mine = notesvc.PluginRoute("POST", "/token", lambda svc: {}, secret=True)
+        (route,) = notesvc.plugin_routes([notesvc.Plugin("p", routes=(mine,))])
+        assert route.secret
+        assert not route.gzip
+
+    def test_every_answer_with_a_secret_comes_from_a_secret_route(self, make_app, upstream):
+        """T10, derived from the answers themselves: every route is asked (the ones that
+        make a secret as a client would, the rest with sample values), and an answer that
+        carries a key, a token, a secret, a code or a link holding one must come from a
+        route marked secret; each route marked secret shows one."""
+        env = {**SECRET_APP_ENV, "SERVICE_TELEGRAM_API_BASE": upstream.url}
+        app = webtest.TestApp(make_app(**env).app, extra_environ=LOCAL)
+        key = key_of(app)
+        routes = {(r.method, r.rule): r for r in app.app.service.routes}
+        carried: set = set()
+
+        def ask(method, path, body=None, headers=None, form=None):
+            hdrs = {"Accept-Encoding": "gzip", **(headers or {})}
+            if form is not None:
+                resp = app.post(path, form, headers=hdrs, status="*")
+            elif body is not None:
+                payload = json.dumps(body).encode()
+                hdrs["Content-Type"] = "application/json"
+                resp = app.request(path, method=method, body=payload, headers=hdrs, status="*")
+            else:
+                resp = app.request(path, method=method, headers=hdrs, status="*")
+            return resp.status_int, resp.headers, resp.body
+
+        made = secret_answers(ask, key)
+        key = key_of(app)  # rotated last
+        rotate = ("POST", f"{API}/auth/rotate")
+        for (method, rule), route in routes.items():  # the rest, with sample values
+            if (method, rule) not in made and (method, rule) != rotate:
+                made[(method, rule)] = ask(method, sample_url(rule), headers={KEY: key})
+        for where, (status, headers, raw) in made.items():
+            is_json = headers.get("Content-Type", "").startswith("application/json")
+            if 200 <= status < 300 and is_json and carries_secret(json.loads(raw)):
+                carried.add(where)
+        unmarked = sorted(f"{m} {r}" for m, r in carried if not routes[(m, r)].secret)
+        assert unmarked == []
+        assert {w for w, r in routes.items() if r.secret} == carried
+        assert not any(routes[w].gzip for w in carried)
+
+    @pytest.mark.real_server
+    @pytest.mark.slow
+    def test_no_answer_with_a_secret_or_a_code_is_gzipped_on_the_wire(self, tmp_path, upstream):
+        """T10 on a real server: every route that answers a secret or a code, asked with
+        `Accept-Encoding: gzip`, answers without Content-Encoding (BREACH) — the OAuth
+        approval's code beside 1 KB of the client's own `state` included."""
+        env = {**SECRET_APP_ENV, "SERVICE_TELEGRAM_API_BASE": upstream.url}
+        with running(tmp_path / "root", env=env) as server:
+
+            def ask(method, path, body=None, headers=None, form=None):
+                hdrs = {"Accept-Encoding": "gzip", **(headers or {})}
+                if form is None:
+                    return raw_answer(server, method, path, hdrs, body)
+                conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+                try:
+                    hdrs["Content-Type"] = "application/x-www-form-urlencoded"
+                    conn.request(method, path, urllib.parse.urlencode(form), hdrs)
+                    resp = conn.getresponse()
+                    return resp.status, resp.headers, resp.read()
+                finally:
+                    conn.close()
+
+            key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
+            made = secret_answers(ask, key)
+            assert set(made) == {(r.method, r.rule) for r in notesvc.ROUTES if r.secret}
+            for (method, rule), (status, headers, raw) in made.items():
+                assert "Content-Encoding" not in headers, f"{method} {rule}"
+                assert carries_secret(json.loads(raw)), f"{method} {rule}"
+            assert len(made[("POST", f"{API}/oauth/approve")][2]) > 1024  # gzip's threshold
 
     def test_a_webtest_answer_says_vary_and_what_it_was_before(self, client):
         """(WebTest decodes gzip itself: here only what it keeps; the wire is below.)"""

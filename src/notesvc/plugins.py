@@ -60,6 +60,7 @@ class PluginRoute:
     params: dict | None = None  # JSON schemas of path/query parameters (OpenAPI), by name
     scope: str = "admin"  # what a grant needs to call it; a read or write route must keep
     # a folder grant inside its folder (request_principal())
+    secret: bool = False  # its answer can carry a secret or a code: never gzipped
 
 
 @dataclasses.dataclass(frozen=True)

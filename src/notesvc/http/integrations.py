@@ -706,6 +706,7 @@ def plugin_routes(plugins: Iterable[Plugin]) -> tuple:
                     params=r.params,
                     tag="plugins",
                     scope=r.scope,
+                    secret=r.secret,
                 )
             )
     return tuple(routes)
