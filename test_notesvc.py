@@ -6752,6 +6752,97 @@ class TestSetup:
         assert notesvc.setup_loopback_only(mode, own, container) is loopback_only
 
     @pytest.mark.parametrize(
+        ("own", "cloud", "loopback_only"),
+        [
+            ("10.0.0.4", "a cloud VM (sys_vendor 'Amazon EC2')", True),  # a VPC's neighbours
+            ("192.168.1.20", "a Kubernetes pod", True),
+            ("10.0.0.4", None, True),  # no firmware names to tell: a cloud's or a cluster's range
+            ("172.20.0.5", None, True),
+            ("192.168.1.20", None, False),  # a Pi at home (no DMI on ARM): its router's range
+            ("100.101.102.103", None, False),
+            ("10.0.0.4", "", False),  # the firmware names a maker, and no cloud
+        ],
+    )
+    def test_auto_mode_is_loopback_only_on_clouds_and_in_pods(self, own, cloud, loopback_only):
+        """T13: a cloud VM's VPC address or a pod's cluster address is no home network."""
+        assert notesvc.setup_loopback_only("auto", own, False, cloud) is loopback_only
+        why = notesvc.setup_loopback_reason("auto", own, False, cloud)
+        assert bool(why) is loopback_only
+        if cloud is None and loopback_only:
+            assert "10.0.0.0/8, 172.16.0.0/12" in why
+        assert not notesvc.setup_loopback_only("false", own, False, cloud)
+
+    @pytest.mark.parametrize(
+        ("files", "seen"),
+        [
+            ({"sys_vendor": "Amazon EC2", "product_name": "m6g.large"}, "Amazon EC2"),
+            ({"sys_vendor": "Google", "product_name": "Google Compute Engine"}, "Google"),
+            ({"sys_vendor": "Microsoft Corporation", "product_name": "Virtual Machine"}, "Virtual"),
+            ({"sys_vendor": "DigitalOcean", "product_name": "Droplet"}, "DigitalOcean"),
+            ({"sys_vendor": "Hetzner", "product_name": "vServer"}, "Hetzner"),
+            ({"sys_vendor": "OpenStack Foundation", "product_name": "OpenStack Nova"}, "Nova"),
+            ({"sys_vendor": "Xen", "hypervisor": "ec2e1916-9099-7caf-fd21-012345abcdef"}, "EC2"),
+            ({"sys_vendor": "QEMU", "product_name": "Standard PC (Q35 + ICH9, 2009)"}, ""),
+            ({"sys_vendor": "Dell Inc.", "product_name": "OptiPlex 7050"}, ""),
+            ({"sys_vendor": "Microsoft Corporation", "product_name": "Surface Laptop 5"}, ""),
+            ({}, None),  # nothing to read: cannot tell
+        ],
+    )
+    def test_the_machine_names_its_cloud(self, tmp_path, monkeypatch, files, seen):
+        dmi = tmp_path / "dmi"
+        dmi.mkdir()
+        hypervisor = tmp_path / "uuid"
+        for name, value in files.items():
+            (hypervisor if name == "hypervisor" else dmi / name).write_text(value + "\n")
+        if not any(dmi.iterdir()):
+            dmi.rmdir()
+        monkeypatch.setattr(notesvc.Machine, "DMI", str(dmi))
+        monkeypatch.setattr(notesvc.Machine, "HYPERVISOR_UUID", str(hypervisor))
+        found = notesvc.Machine.cloud({})
+        if seen is None or seen == "":
+            assert found == seen
+        else:
+            assert seen in found
+        pod = notesvc.Machine.cloud({"KUBERNETES_SERVICE_HOST": "10.96.0.1"})
+        assert "Kubernetes" in pod
+
+    def test_auto_mode_on_a_cloud_vm_shows_the_key_to_loopback_only(self, make_app, tmp_path, monkeypatch, caplog):
+        dmi = tmp_path / "dmi"
+        dmi.mkdir()
+        (dmi / "sys_vendor").write_text("DigitalOcean\n")
+        (dmi / "product_name").write_text("Droplet\n")
+        monkeypatch.setattr(notesvc.Machine, "DMI", str(dmi))
+        monkeypatch.setattr(notesvc.Machine, "CONTAINER_MARKS", (str(tmp_path / "none"),))
+        app = make_app(SERVICE_SETUP_LOCAL_ONLY="auto")
+        key = key_of(app)
+        vpc = {"REMOTE_ADDR": "10.114.0.3"}  # a neighbour in the droplet's VPC
+        p = data(app.get(f"{API}/system/setup", extra_environ=vpc))
+        assert p["setupHere"] == {"allowed": False, "reason": "loopback-only"}
+        assert key not in json.dumps(p)
+        assert data(app.get(f"{API}/system/setup", extra_environ=LOCAL))["apiKey"] == key
+        said = [r.getMessage() for r in caplog.records if "SERVICE_SETUP_LOCAL_ONLY" in r.getMessage()]
+        assert said
+        assert "DigitalOcean" in said[0]
+        assert "SERVICE_SETUP_LOCAL_ONLY=false" in said[0]
+
+    @pytest.mark.real_server
+    @pytest.mark.slow
+    def test_a_real_server_in_a_pod_lets_only_loopback_set_up(self, tmp_path):
+        """T13 on a real server: with KUBERNETES_SERVICE_HOST set, `auto` is loopback only,
+        and the log says why and how to widen it."""
+        env = {"SERVICE_SETUP_LOCAL_ONLY": "auto", "KUBERNETES_SERVICE_HOST": "10.96.0.1"}
+        with running(tmp_path / "root", env=env) as server:
+            key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
+            assert re.fullmatch(r"nsk_[A-Za-z0-9_-]{43}", key)  # this machine itself: yes
+            status, _, body = server.request(
+                "GET", f"{API}/security/config", headers={KEY: key}
+            )
+            assert status == 200
+            assert body["data"]["setup"]["localOnly"] is True
+            said = wait_for(lambda: [line for line in server.lines if "Kubernetes pod" in line])
+            assert "SERVICE_SETUP_LOCAL_ONLY=false" in said[0]
+
+    @pytest.mark.parametrize(
         ("raw", "mode"), [("", "false"), ("auto", "auto"), ("AUTO", "auto"), ("yes", "true")]
     )
     def test_setup_local_only_values(self, root, raw, mode):

@@ -621,21 +621,99 @@ def client_address(config: Config, environ: dict) -> str:
     return client_of(config, environ)[1]
 
 
+# What names a cloud in the firmware's own words (sys_vendor, product_name,
+# chassis_asset_tag): Amazon EC2, Google Compute Engine, Microsoft's Virtual Machine (Azure,
+# with the vendor), DigitalOcean's Droplet, Hetzner's vServer, OpenStack Nova (OVH, and
+# many more), Alibaba, Oracle, Linode/Akamai, Vultr, Scaleway, Exoscale, UpCloud, Tencent.
+_CLOUD_RE = re.compile(
+    r"amazon|\bec2\b|google|digitalocean|droplet|hetzner|openstack|alibaba|aliyun|oracle ?cloud"
+    r"|linode|akamai|vultr|scaleway|exoscale|upcloud|tencent|huawei cloud|outscale",
+    re.I,
+)
+CLOUD_RANGES = ("10.0.0.0/8", "172.16.0.0/12")  # what VPCs and clusters hand out
+
+
+class Machine:
+    """Where this process runs, as SERVICE_SETUP_LOCAL_ONLY=auto judges it (docs/design.md:
+    Security). The files it reads are class attributes, so a test points them at a folder
+    of its own."""
+
+    DMI = "/sys/class/dmi/id"  # sys_vendor, product_name, chassis_asset_tag: world-readable
+    HYPERVISOR_UUID = "/sys/hypervisor/uuid"  # Xen-based EC2: starts "ec2"
+    CONTAINER_MARKS = ("/.dockerenv", "/run/.containerenv")
+
+    @classmethod
+    def in_container(cls) -> bool:
+        return any(os.path.exists(mark) for mark in cls.CONTAINER_MARKS)
+
+    @classmethod
+    def cloud(cls, environ: Any = None) -> str | None:
+        """Return what says this machine is a cloud VM or a Kubernetes pod ("" when nothing
+        does), or None when it cannot tell: its firmware's names cannot be read (no DMI,
+        as on a Raspberry Pi, or no /sys at all)."""
+        environ = os.environ if environ is None else environ
+        if environ.get("KUBERNETES_SERVICE_HOST"):
+            return "a Kubernetes pod (KUBERNETES_SERVICE_HOST is set)"
+        with contextlib.suppress(OSError, UnicodeError):
+            with open(cls.HYPERVISOR_UUID, encoding="ascii") as f:
+                if f.read(64).strip().lower().startswith("ec2"):
+                    return f"an Amazon EC2 instance ({cls.HYPERVISOR_UUID})"
+        names: dict = {}
+        for name in ("sys_vendor", "product_name", "chassis_asset_tag"):
+            with contextlib.suppress(OSError, UnicodeError):
+                with open(os.path.join(cls.DMI, name), encoding="utf-8") as f:
+                    names[name] = " ".join(f.read(200).split())
+        if not names:
+            return None
+        said = " ".join(names.values())
+        microsoft = "microsoft" in names.get("sys_vendor", "").lower()
+        if _CLOUD_RE.search(said) or (microsoft and "virtual machine" in said.lower()):
+            shown = ", ".join(f"{k} {log_safe(v, 60)!r}" for k, v in names.items() if v)
+            return f"a cloud VM ({shown})"
+        return ""
+
+
 def in_container() -> bool:
     """Return whether this process runs in a Docker or Podman container."""
-    return os.path.exists("/.dockerenv") or os.path.exists("/run/.containerenv")
+    return Machine.in_container()
 
 
-def setup_loopback_only(mode: str, own_address: str, container: bool) -> bool:
-    """Return whether only loopback clients may set up (SERVICE_SETUP_LOCAL_ONLY).
+def setup_loopback_reason(
+    mode: str, own_address: str, container: bool, cloud: str | None = ""
+) -> str:
+    """Return why only loopback clients may set up (SERVICE_SETUP_LOCAL_ONLY), "" when
+    clients on a home network may too.
 
-    auto: loopback only when this machine's own default-route address is outside the
-    home ranges (a VPS: its "neighbours" are strangers) or it runs in a container (every
-    client then arrives from the container network's private gateway); else home networks.
+    auto: loopback only when this machine runs in a container (every client then arrives
+    from the container network's private gateway), looks like a cloud VM or a pod (`cloud`,
+    from Machine.cloud(): its "home network" is a VPC or a cluster), or its own
+    default-route address is outside the home ranges (a VPS: its "neighbours" are
+    strangers); and when it cannot tell whether it is a cloud VM (cloud None) while its
+    address is in a range clouds and clusters hand out (10/8, 172.16/12).
     """
     if mode in ("true", "false"):
-        return mode == "true"
-    return container or not is_home_network(own_address)
+        return "SERVICE_SETUP_LOCAL_ONLY=true" if mode == "true" else ""
+    if cloud:
+        return f"this machine looks like {cloud}"
+    if container:
+        return "this server runs in a container"
+    if not is_home_network(own_address):
+        return f"this machine's own address ({own_address or 'none'}) is outside the home ranges"
+    ip = ip_of(own_address)
+    if cloud is None and ip is not None and any(ip in n for n in _networks(CLOUD_RANGES)):
+        return (
+            f"this machine's address {ip} is in a range clouds and clusters use "
+            f"({', '.join(CLOUD_RANGES)}) and its firmware names no maker to tell a home "
+            "from a cloud"
+        )
+    return ""
+
+
+def setup_loopback_only(
+    mode: str, own_address: str, container: bool, cloud: str | None = ""
+) -> bool:
+    """Return whether only loopback clients may set up (setup_loopback_reason)."""
+    return bool(setup_loopback_reason(mode, own_address, container, cloud))
 
 
 def request_host(config: Config, environ: dict) -> str:
