@@ -4612,6 +4612,18 @@ class EmbedStandIn:
             vectors = [[] for _ in texts]
         if how == "500":
             return self.send(handler, 500, b'{"error": "model crashed, key=sk-secret-123"}')
+        if how.startswith("echo-"):  # an endpoint that says back the key it was sent, spelt anew
+            auth = handler.headers.get("Authorization", "")
+            key = auth.partition(" ")[2]
+            said = {
+                "echo-lower": key.lower(),
+                "echo-upper": key.upper(),
+                "echo-base64": base64.b64encode(auth.encode()).decode(),
+                "echo-url": urllib.parse.quote(key, safe="").lower(),
+                "echo-cut": key[:20] + "...",
+            }[how]
+            raw = json.dumps({"error": {"message": f"Incorrect API key provided: {said}"}})
+            return self.send(handler, 401, raw.encode())
         if how == "html":
             return self.send(handler, 200, b"<html>Bad gateway</html>", "text/html")
         if how == "redirect":
@@ -5014,6 +5026,25 @@ class TestEmbeddings:
         assert "sk-secret-123" not in everything
         assert "urltok42" not in everything
 
+    @pytest.mark.parametrize("how", ["echo-lower", "echo-upper", "echo-base64", "echo-url", "echo-cut"])
+    def test_a_key_the_endpoint_echoes_in_any_spelling_is_scrubbed(
+        self, make_app, embed_endpoint, caplog, how
+    ):
+        """T14: an endpoint that says the key back lower-cased, upper-cased, in base64,
+        URL-encoded or cut short puts it neither into /system/info nor into the log."""
+        key = "sk-Proj-AbCdEf:0123456789_ghIJ-klMN"
+        embed_endpoint.how = how
+        client = with_key(make_app(**embed_env(embed_endpoint, "openai", SERVICE_EMBED_KEY=key)))
+        put_note(client, "notes/a.md", "# A\n\ntext")
+        err = wait_for(lambda: embedded(client)["lastError"])
+        assert err["status"] == 401
+        assert "Incorrect API key provided" in err["message"]
+        everything = json.dumps(data(client.get(f"{API}/system/info"))) + caplog.text
+        spellings = [key, key.lower(), key.upper(), urllib.parse.quote(key, safe="")]
+        spellings += [base64.b64encode(f"Bearer {key}".encode()).decode()[8:-4], key[:20]]
+        for spelt in spellings:
+            assert spelt.lower() not in everything.lower(), spelt
+
     def test_phrase_and_prefix_stay_keyword_and_exclusions_apply(self, meaning):
         for q in ('"brake pads"', "brak*"):
             d = search(meaning, q)
@@ -5188,6 +5219,23 @@ class TestEmbeddingsServer:
             assert (mode, fallback, paths) == ("keyword", True, ["notes/garage.md"])
             assert self.status(server, owner)["embedded"] == 0
         assert "sk-never-logged-77" not in "".join(server.lines)
+
+    def test_a_key_echoed_lower_cased_reaches_neither_the_info_nor_the_log(
+        self, tmp_path, embed_endpoint
+    ):
+        """T14 as the attack found it: the endpoint answers 401 with the key lower-cased."""
+        write_notes(tmp_path, MEANING_NOTES)
+        owner = {"X-Service-Key": make_state(tmp_path)["apiKey"]}
+        key = "sk-Never-Logged-AbCdEfGh-77"
+        embed_endpoint.how = "echo-lower"
+        env = {**embed_env(embed_endpoint, "openai"), "SERVICE_EMBED_KEY": key}
+        with running(tmp_path, env=env) as server:
+            err = wait_for(lambda: self.status(server, owner)["lastError"], timeout=20)
+            assert err["status"] == 401
+            info = server.request("GET", f"{API}/system/info", headers=owner)[2]
+            wait_for(lambda: any("Incorrect API key" in line for line in server.lines))
+        for text in (json.dumps(info), "".join(server.lines)):
+            assert key.lower() not in text.lower()
 
     def test_a_real_small_model_finds_notes_by_meaning(self, tmp_path):
         for module in ("numpy", "safetensors", "tokenizers", "all_minilm_l6_v2"):
@@ -10531,6 +10579,21 @@ class TestAgent:
         assert "notes/home/keys.md" in system["content"]
         assert user == {"role": "user", "content": "where are the spare keys?"}
 
+    def test_a_model_that_echoes_its_key_never_hands_it_on(self, app, upstream):
+        """T14 for the agent: what the model endpoint was sent (its key) is scrubbed from
+        what it answers, however it spells it."""
+        key = "sk-Test-Agent-Key-0123456789AbCd"
+        client = app(
+            SERVICE_AGENT_PROVIDER="openai",
+            SERVICE_AGENT_BASE_URL=upstream.url + "/v1",
+            SERVICE_AGENT_MODEL="llama3.2",
+            SERVICE_AGENT_API_KEY=key,
+        )
+        upstream.reply = f"Your key is {key.upper()} ({urllib.parse.quote(key.lower())})."
+        d = data(client.post_json(f"{API}/agent/chat", {"message": "what is my key?"}))
+        assert d["reply"].startswith("Your key is …")
+        assert key.lower() not in json.dumps(d).lower()
+
     def test_openai_without_key_sends_no_authorization(self, app, upstream):
         client = app(
             SERVICE_AGENT_PROVIDER="openai",
@@ -11294,6 +11357,18 @@ class TestCapture:
             str(today_note(client).relative_to(client.app.service.config.root))
         ]
 
+    def test_a_transcription_that_echoes_its_key_keeps_it_out_of_the_note(self, client, upstream):
+        """T14 for the transcription key: the transcript is text a service wrote."""
+        ch = self.create(client)
+        upstream.add_file("vc1", "voice/file_3.oga", OGG)
+        upstream.transcript = "Authorization: Bearer TR-KEY-123, and call the plumber."
+        voice = {"file_id": "vc1", "file_unique_id": "v", "duration": 4, "mime_type": "audio/ogg"}
+        self.hook(client, "telegram", telegram_update(None, voice=voice), ch["secret"])
+        text = today_note(client).read_text()
+        assert "> Authorization: Bearer …, and call the plumber." in text
+        assert "tr-key-123" not in text.lower()
+        assert "tr-key-123" not in upstream.sent()[-1].lower()
+
     def test_without_a_transcription_service_the_audio_is_kept_and_said_so(
         self, make_app, upstream
     ):
@@ -11690,6 +11765,18 @@ class TestPolling:
         assert "Unauthorized" in status["error"]
         logged = "\n".join(r.getMessage() for r in caplog.records)
         assert "ABC-telegram-token" not in logged + json.dumps(status)
+
+    def test_a_token_telegram_says_back_is_not_shown_or_logged(self, client, upstream, caplog):
+        """T14 for bot tokens: a Bot API that puts the token, lower-cased, in its description."""
+        upstream.poll_status = 401
+        upstream.poll_error = "Unauthorized: bot 123456:abc-telegram-token is not known"
+        ch = self.create(client)
+        url = f"{API}/channels/{ch['id']}"
+        wait_for(lambda: "status" in data(client.get(url)))
+        status = data(client.get(url))["status"]
+        assert "Unauthorized: bot … is not known" in status["error"]
+        logged = "\n".join(r.getMessage() for r in caplog.records)
+        assert "abc-telegram-token" not in (logged + json.dumps(status)).lower()
 
     @pytest.mark.slow
     def test_another_poller_of_the_same_bot_is_not_fought(self, client, upstream):

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import datetime as dt
 import errno
@@ -351,6 +352,64 @@ def _redact_url(url: str) -> str:
         if pair
     )
     return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=query, fragment=""))
+
+
+SCRUB_FRAGMENT = 12  # a run this long of a secret's own characters is a piece of it
+
+
+def url_secrets(url: str) -> list:
+    """Return what in an endpoint's URL may be a secret: its userinfo's password, its
+    query string and each query value of 8 characters or more."""
+    parts = urllib.parse.urlsplit(url)
+    found = [parts.password or "", parts.query]
+    found += [v for _, v in urllib.parse.parse_qsl(parts.query) if len(v) >= 8]
+    return [s for s in found if s]
+
+
+@functools.lru_cache(maxsize=64)
+def _scrubber(secrets: tuple) -> tuple:
+    """Return (a pattern of every spelling of the secrets, their lower-case forms)."""
+    spellings: set = set()
+    for secret in secrets:
+        raw = secret.encode("utf-8")
+        spellings |= {
+            secret,
+            urllib.parse.quote(secret, safe=""),
+            urllib.parse.quote_plus(secret, safe=""),
+        }
+        for shift in range(3):  # base64 at each alignment: the groups the secret alone decides
+            for encode in (base64.b64encode, base64.urlsafe_b64encode):
+                text = encode(b"\0" * shift + raw).decode("ascii").rstrip("=")
+                core = text[4 if shift else 0 : len(text) - len(text) % 4 or None]
+                if len(core) >= SCRUB_FRAGMENT:
+                    spellings.add(core)
+    ordered = sorted(spellings, key=len, reverse=True)
+    pattern = re.compile("|".join(map(re.escape, ordered)), re.I)
+    return pattern, tuple(s.lower() for s in secrets)
+
+
+def scrub(text: str, secrets: Any, limit: int = 0) -> str:
+    """Return text (an answer, an error, a log line from an outbound call) without any of
+    the secrets this server sends out (embeddings, agent and transcription keys, bot
+    tokens, a URL's password or query), each replaced by "…": as sent, in any case,
+    URL-encoded, in base64 (standard or URL-safe, at any alignment), and any run of
+    SCRUB_FRAGMENT or more of a secret's own characters (an endpoint that echoes it cut
+    short, or lower-cased); cut to `limit` bytes when given. The one scrub of notesvc.
+
+    >>> scrub("bad token 123456%3aabc-defghijklmn, ABC-DEFGHIJKLM", ["123456:ABC-defghijklmn"])
+    'bad token …, …'
+    """
+    found = tuple(sorted({s for s in secrets if isinstance(s, str) and len(s) >= 4}))
+    if found and text:
+        pattern, lowered = _scrubber(found)
+        text = pattern.sub("…", text)
+
+        def piece(m: Any) -> str:
+            run = m.group().lower()
+            return "…" if any(run in secret for secret in lowered) else m.group()
+
+        text = re.sub(r"[A-Za-z0-9_-]{%d,}" % SCRUB_FRAGMENT, piece, text)
+    return text.encode("utf-8")[:limit].decode("utf-8", "ignore") if limit else text
 
 
 def _self_command() -> str:

@@ -18,7 +18,7 @@ from typing import Any, Callable
 from notesvc.boot import bottle, log
 from notesvc.errors import ApiError, bad_request, not_found, to_json
 from notesvc.grants import _epoch
-from notesvc.helpers import is_blank, iso, key_hash, query_str, redact, utcnow
+from notesvc.helpers import is_blank, iso, key_hash, query_str, redact, scrub, utcnow
 from notesvc.notes.paths import DAILY_FOLDER, NOTES, folder_path
 from notesvc.providers.agent import ask_agent
 from notesvc.providers.base import REPLY_LIMIT, Outbound, UpstreamError, _clip, _registry, post_json
@@ -291,8 +291,9 @@ def telegram_call(
     if not isinstance(answer, dict) or answer.get("ok") is not True:
         answer = answer if isinstance(answer, dict) else {}
         wait = (answer.get("parameters") or {}).get("retry_after") or 0
+        said = scrub(str(answer.get("description") or f"HTTP {status}"), [config["botToken"]])
         raise TelegramError(
-            f"Telegram {method}: " + _printable(answer.get("description") or f"HTTP {status}", 200),
+            f"Telegram {method}: " + _printable(said, 200),
             int(answer.get("error_code") or status),
             float(wait) if isinstance(wait, (int, float)) else 0.0,
         )
@@ -371,7 +372,8 @@ def send_telegram(svc: Service, config: dict, chat_id: str, text: str) -> None:
     url = f"{base}/bot{config['botToken']}/sendMessage"
     answer = post_json(url, {"chat_id": chat_id, "text": text[:REPLY_LIMIT]}, timeout=15)
     if answer.get("ok") is not True:
-        raise UpstreamError(f"Telegram refused: {str(answer.get('description'))[:100]}")
+        said = scrub(str(answer.get("description")), [config["botToken"]])
+        raise UpstreamError(f"Telegram refused: {_printable(said)}")
 
 
 @channel_poller("telegram")
@@ -827,11 +829,22 @@ def process_update(svc: Service, channel: dict, prov: ChannelProvider, update: d
     return {"handled": any(r["handled"] for r in results), "results": results}
 
 
+def channel_secrets(svc: Service, channel_id: str) -> list:
+    """Return what a channel sends out that is secret: its config's secret fields (a bot
+    token, an access token), for scrub()."""
+    for channel in _channels(svc):
+        prov = svc.channel_providers.get(channel["provider"])
+        if channel["id"] == channel_id and prov is not None:
+            return [str(channel["config"].get(f.name) or "") for f in prov.fields if f.secret]
+    return []
+
+
 def set_channel_status(svc: Service, channel_id: str, ok: bool, error: str = "") -> dict | None:
-    """Record the outcome of the last call to the channel's provider as its `status`."""
+    """Record the outcome of the last call to the channel's provider as its `status` (no
+    secret of the channel in it, whatever its provider said)."""
     status: dict = {"ok": ok, "at": iso(utcnow())}
     if error:
-        status["error"] = _printable(error, 300)
+        status["error"] = _printable(scrub(error, channel_secrets(svc, channel_id)), 300)
 
     def record(channels: list, i: int) -> dict:
         channels[i]["status"] = status
@@ -853,8 +866,9 @@ def configure_channel(svc: Service, channel: dict) -> dict:
     try:
         done = prov.configure(svc, channel)
     except UpstreamError as e:
-        log.warning("channel %s: %s", channel["id"], e)
-        return set_channel_status(svc, channel["id"], False, str(e)) or channel
+        said = scrub(str(e), channel_secrets(svc, channel["id"]))
+        log.warning("channel %s: %s", channel["id"], said)
+        return set_channel_status(svc, channel["id"], False, said) or channel
     if done is None:
         return channel
     log.info("channel %s: %s", channel["id"], done)
