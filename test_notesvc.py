@@ -17510,6 +17510,39 @@ class TestRelay:
 
     @pytest.mark.real_server
     @pytest.mark.slow
+    def test_a_header_outside_latin_1_is_left_out_and_the_answer_arrives(self, tmp_path):
+        """T9: a registered server answering with a header value outside Latin-1 (an `é`
+        in a file name, an emoji in an ETag) gets its answer through without that header,
+        and the relay logs no traceback; the connection serves on."""
+        with running(tmp_path, "relay") as relay:
+            fake = FakeRelayServer(relay)
+            assert fake.register() == 200
+            for value in ('"caf\u00e9 \u2615"', "attachment; filename=\"r\u00e9sum\u00e9 \U0001f4c4.pdf\""):
+                out = []
+                path = f"/r/{fake.server_id}{API}/x"
+                t = threading.Thread(target=lambda p=path: out.append(relay_raw_get(relay, p)))
+                t.start()
+                _status, _, body = fake.poll()
+                headers = [
+                    ["Content-Type", "application/json"],
+                    ["ETag" if value.startswith('"') else "Content-Disposition", value],
+                    ["X-Request-Id", "r-1"],
+                ]
+                assert fake.reply(body["data"]["id"], 200, headers, b'{"ok": true}') == 200
+                t.join(10)
+                head, got = out[0]
+                assert head.startswith("HTTP/1.1 200 ")
+                assert got == b'{"ok": true}'
+                lines = head.lower().split("\r\n")
+                assert "x-request-id: r-1" in lines
+                assert not any(h.startswith(("etag", "content-disposition")) for h in lines)
+            assert relay.request("GET", "/health")[0] == 200
+        logged = "".join(relay.lines)
+        assert "Traceback" not in logged
+        assert "UnicodeEncodeError" not in logged
+
+    @pytest.mark.real_server
+    @pytest.mark.slow
     @pytest.mark.parametrize(
         ("head", "status"),
         [

@@ -297,10 +297,16 @@ def _expects_continue(headers: list, head: bytes) -> bool:
 
 
 def http_response(status: int, headers: list, body: bytes, keep_alive: bool) -> bytes:
-    """Return an HTTP/1.1 response (head and body) as bytes."""
+    """Return an HTTP/1.1 response (head and body) as bytes; a header that cannot go on
+    the wire (outside Latin-1) is left out, never the whole answer."""
     reason = bottle.HTTP_CODES.get(status, "Status")
     lines = [f"HTTP/1.1 {status} {reason}"]
-    lines += [f"{k}: {v}" for k, v in headers]
+    for k, v in headers:
+        line = f"{k}: {v}"
+        if all(ord(c) < 256 for c in line):
+            lines.append(line)
+        else:
+            log.warning("relay: a %s header outside Latin-1 was left out", log_safe(k, 40))
     lines.append(f"Content-Length: {len(body)}")
     lines.append("Connection: " + ("keep-alive" if keep_alive else "close"))
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
@@ -1095,7 +1101,7 @@ def relay_answer_headers(path: str, headers: list, download: bool = False) -> li
             or (name.lower() == "content-encoding" and value == "gzip" and not download)
         )
         and _TOKEN_CHARS_RE.match(name)
-        and not re.search(r"[\x00-\x1f\x7f]", value)
+        and _header_value_ok(value)
     ]
     ctype = _relayed_type(path, given, download)
     if download:
@@ -1108,6 +1114,13 @@ def relay_answer_headers(path: str, headers: list, download: bool = False) -> li
         ("Content-Security-Policy", RELAY_ANSWER_CSP),
         *keep,
     ]
+
+
+def _header_value_ok(value: str) -> bool:
+    """Return whether a header value may go out on the wire as it is: no control bytes,
+    nothing outside Latin-1 (HTTP/1.1's octets; a registered server's `é` or emoji would
+    not encode, and its answer would be lost with the connection)."""
+    return not re.search(r"[\x00-\x1f\x7f]", value) and all(ord(c) < 256 for c in value)
 
 
 def _relayed_type(path: str, given: str, download: bool) -> str:
