@@ -8425,6 +8425,53 @@ class TestTelegramConnect:
         wait_for(lambda: "boundChat" in data(client.get(url)))
         assert data(client.get(url))["config"]["allowedChatIds"] == ["43"]
 
+    def test_a_chat_a_device_allowed_ends_with_the_device(self, tg, root):
+        """T5 for chats put on an allowlist by a config (not a code): the device's chat is
+        refused once the device has expired, and unbound when it is revoked; the owner's
+        chat stays, and the channel never opens to anyone."""
+        client, upstream = tg
+        made = claim(webtest.TestApp(client.app), pair(client, scope="admin")["secret"])
+        phone = as_key(client, made["key"])
+        body = {
+            "provider": "telegram",
+            "config": {**MINIMAL_CONFIG["telegram"], "allowedChatIds": [42]},
+        }
+        ch = data(phone.post_json(f"{API}/channels", body, status=201))
+        url = f"{API}/channels/{ch['id']}"
+        client.patch_json(url, {"config": {"allowedChatIds": [42, 7]}})  # the owner's chat 7
+        assert data(client.get(url))["chatMakers"] == {"42": made["deviceId"]}
+        upstream.push(telegram_update("/save from the phone's chat", chat_id=42))
+        wait_for(lambda: today_note(client).exists())
+        svc = client.app.service
+
+        def expire(state: dict) -> None:
+            for g in state["grants"]:
+                g["expiresAt"] = "2000-01-01T00:00:00.000Z"
+
+        svc.state.update(expire)
+        upstream.push(telegram_update("/save after it expired", chat_id=42))
+        wait_for(lambda: "42" in [r["sender"] for r in data(client.get(url))["refusedSenders"]])
+        upstream.push(telegram_update("/save the owner's own", chat_id=7))
+        wait_for(lambda: "the owner's own" in today_note(client).read_text())
+        assert "after it expired" not in today_note(client).read_text()
+        client.delete(f"{API}/auth/keys/{made['deviceId']}")
+        shown = data(client.get(url))
+        assert shown["config"]["allowedChatIds"] == ["7"]
+        assert "chatMakers" not in shown
+        client.patch_json(url, {"config": {"allowedChatIds": [7]}})
+        revoked = claim(webtest.TestApp(client.app), pair(client, scope="admin")["secret"])
+        tablet = as_key(client, revoked["key"])
+        tablet.patch_json(url, {"config": {"allowedChatIds": [7, 9]}})
+        client.patch_json(url, {"config": {"allowedChatIds": [9]}})  # the owner drops 7
+        client.delete(f"{API}/auth/keys/{revoked['deviceId']}")
+        shown = data(client.get(url))
+        assert shown["config"]["allowedChatIds"] == []
+        assert set(shown["binding"]) == {"until"}  # closed: nobody, not anyone
+        assert not any(f["id"] == f"channel-open-{ch['id']}" for f in audit(client)["findings"])
+        upstream.push(telegram_update("/save anyone?", chat_id=99))
+        wait_for(lambda: "99" in [r["sender"] for r in data(client.get(url))["refusedSenders"]])
+        assert "anyone?" not in today_note(client).read_text()
+
     def test_bind_refuses_other_channels(self, client):
         web = data(client.post_json(f"{API}/channels", {"provider": "web"}, status=201))
         resp = client.post(f"{API}/channels/{web['id']}/bind", status=400)
@@ -9843,6 +9890,91 @@ class TestGrantsLive:
             assert grant["key"] not in state
             assert grant["id"] not in state
             assert grant["key"] not in "".join(server.lines)
+
+    def test_revoking_a_device_ends_its_feeds_and_unbinds_the_chat_it_connected(
+        self, tmp_path, upstream
+    ):
+        """T5: a device's own secrets end with it on any revoke (its calendar feeds, the
+        Telegram chat it connected with a bind code), and with cascade those of the devices
+        it made too; the chat becomes a refused sender and gets no passage of any note."""
+        env = {"SERVICE_TELEGRAM_API_BASE": upstream.url}
+        with running(tmp_path, env=env) as server:
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            owner = owner_headers(setup)
+
+            def device(maker: dict, name: str) -> tuple:
+                body = {"name": name, "scope": "admin"}
+                made = server.request("POST", f"{API}/auth/devices/pairings", body, maker)[2]
+                claim = {"secret": made["data"]["secret"], "deviceName": name}
+                got = server.request("POST", f"{API}/auth/devices/claim", claim)[2]["data"]
+                return got["deviceId"], {KEY: got["key"]}
+
+            def feed(maker: dict, name: str) -> str:
+                made = server.request("POST", f"{API}/auth/feeds", {"name": name}, maker)[2]
+                return urllib.parse.urlsplit(made["data"]["url"]).path
+
+            def feed_status(path: str) -> int:
+                return raw_answer(server, "GET", path)[0]
+
+            def sent_to(chat: str) -> list:
+                return [
+                    r["json"]["text"]
+                    for r in upstream.requests
+                    if "/sendMessage" in r["path"] and r["json"]["chat_id"] == chat
+                ]
+
+            phone, phone_key = device(owner, "phone")
+            tablet, tablet_key = device(phone_key, "tablet")  # made by the phone
+            laptop, laptop_key = device(phone_key, "laptop")
+            feeds = {
+                "owner": feed(owner, "mine"),
+                "phone": feed(phone_key, "phone's"),
+                "tablet": feed(tablet_key, "tablet's"),
+                "laptop": feed(laptop_key, "laptop's"),
+            }
+            assert {feed_status(f) for f in feeds.values()} == {200}
+            body = {"path": "notes/home/keys.md", "content": "# Keys\n\nUnder the flowerpot."}
+            assert server.request("POST", f"{API}/notes", body, owner)[0] == 201
+            body = {"botToken": "123456:ABC-telegram-token"}
+            made = server.request("POST", f"{API}/channels/connect/telegram", body, phone_key)[2]
+            channel = f"{API}/channels/{made['data']['channel']['id']}"
+            upstream.push(telegram_update(f"/start {made['data']['bindCode']}", chat_id=42))
+            wait_for(lambda: "boundChat" in server.request("GET", channel, headers=owner)[2]["data"])
+            upstream.push(telegram_update("/search flowerpot", chat_id=42))
+            wait_for(lambda: any("notes/home/keys.md" in t for t in sent_to("42")))
+            # A plain revoke: the device's own feed ends, and no other.
+            assert server.request("DELETE", f"{API}/auth/keys/{tablet}", headers=owner)[0] == 200
+            assert feed_status(feeds["tablet"]) == 404
+            assert feed_status(feeds["laptop"]) == feed_status(feeds["phone"]) == 200
+            # The phone with cascade: its feed, the laptop's, and the chat it connected.
+            gone = f"{API}/auth/keys/{phone}?cascade=true"
+            status, _, answer = server.request("DELETE", gone, headers=owner)
+            assert status == 200
+            assert answer["data"]["alsoRevoked"] == [laptop]
+            assert [feed_status(feeds[k]) for k in ("phone", "laptop", "owner")] == [404, 404, 200]
+            listed = server.request("GET", f"{API}/auth/feeds", headers=owner)[2]["data"]["feeds"]
+            assert [f["name"] for f in listed] == ["mine"]
+            shown = server.request("GET", channel, headers=owner)[2]["data"]
+            assert "boundChat" not in shown
+            assert shown["config"]["allowedChatIds"] == []
+            assert set(shown["binding"]) == {"until"}  # nobody, until a new code (never anyone)
+            answered = len(sent_to("42"))
+            upstream.push(telegram_update("/search flowerpot", chat_id=42))
+            refused = lambda: server.request("GET", channel, headers=owner)[2]["data"]  # noqa: E731
+            wait_for(lambda: "42" in [r["sender"] for r in refused()["refusedSenders"]])
+            upstream.push(telegram_update("/ask where are the keys?", chat_id=7))  # a stranger
+            wait_for(lambda: "7" in [r["sender"] for r in refused()["refusedSenders"]])
+            assert len(sent_to("42")) == answered
+            assert sent_to("7") == []
+            # The owner connects a chat of their own again: the channel itself stays.
+            code = server.request("POST", f"{channel}/bind", headers=owner)[2]["data"]["bindCode"]
+            upstream.push(telegram_update(code, chat_id=43))
+            wait_for(lambda: refused().get("boundChat", {}).get("id") == "43")
+            upstream.push(telegram_update("/search flowerpot", chat_id=43))
+            wait_for(lambda: any("notes/home/keys.md" in t for t in sent_to("43")))
+            logged = "".join(server.lines)
+            assert "chat 42 unbound" in logged
+            assert not any(path.split("/")[-1][:-4] in logged for path in feeds.values())
 
     def test_a_revoked_device_retrying_never_locks_its_owner_out(self, tmp_path):
         """A phone left with a revoked key retries it from the owner's own address (the same

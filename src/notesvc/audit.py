@@ -456,7 +456,9 @@ def check_channel_allowlists(svc: Service) -> list:
                     "delete the channel and create it again.",
                 )
             )
-        elif provider.allow and not channel["config"].get(provider.allow):
+        elif (  # (a channel waiting for a bind code, or closed by one revoked, takes nobody)
+            provider.allow and not channel["config"].get(provider.allow) and not channel.get("binding")
+        ):
             out.append(
                 finding(
                     f"channel-open-{channel['id']}",

@@ -17,7 +17,7 @@ from typing import Any, Callable
 
 from notesvc.boot import bottle, log
 from notesvc.errors import ApiError, bad_request, not_found, to_json
-from notesvc.grants import _epoch
+from notesvc.grants import MADE_BY_OWNER, _epoch, made_by_grant
 from notesvc.helpers import is_blank, iso, key_hash, query_str, redact, scrub, utcnow
 from notesvc.notes.paths import DAILY_FOLDER, NOTES, folder_path
 from notesvc.providers.agent import ask_agent
@@ -686,10 +686,79 @@ BOUND_TEXT = (
 )
 
 
-def new_binding() -> tuple:
-    """Return (a bind code to send to the bot, the record kept of it: its hash, its time)."""
+def new_binding(created_by: str = MADE_BY_OWNER) -> tuple:
+    """Return (a bind code to send to the bot, the record kept of it: its hash, its time,
+    who asked for it: the chat it connects is theirs, and ends with their grant)."""
     code = base64.b32encode(secrets.token_bytes(10)).decode("ascii").lower()[:12]
-    return code, {"codeHash": key_hash(code), "until": iso(time.time() + BIND_SECONDS)}
+    binding = {"codeHash": key_hash(code), "until": iso(time.time() + BIND_SECONDS)}
+    return code, {**binding, "createdBy": created_by}
+
+
+# -- who connected which chat: a chat a grant connected ends with that grant ------------
+#
+# A channel's `chatMakers` maps each chat (sender) on its allowlist that a grant put there
+# (by a bind code it asked for, or in a config it sent) to that grant's id; chats the owner
+# put there have no entry. Revoking the grant unbinds them (GrantStore.on_revoke:
+# unbind_chats), and while its grant is expired or gone a chat is refused (allowed_senders).
+
+
+def note_chat_makers(channel: dict, prov: ChannelProvider | None, before: list, maker: str):
+    """Record `maker` (a `createdBy`) for the chats a change put on the channel's
+    allowlist, and forget the chats it took off."""
+    if prov is None or not prov.allow:
+        return
+    now = channel["config"].get(prov.allow) or []
+    makers = {c: m for c, m in (channel.get("chatMakers") or {}).items() if c in now}
+    if made_by_grant(maker):
+        makers.update(dict.fromkeys((c for c in now if c not in before), maker))
+    if makers:
+        channel["chatMakers"] = makers
+    else:
+        channel.pop("chatMakers", None)
+
+
+def unbind_chats(providers: Mapping[str, ChannelProvider]) -> Callable:
+    """Return the GrantStore.on_revoke hook that unbinds the chats the revoked grants
+    connected: off the allowlist, `boundChat` gone, their bind codes that wait ended. A
+    channel left with no allowed chat is closed (a binding without a code: nobody, until
+    a new code connects one), never opened to anyone."""
+
+    def unbind(data: dict, gone: list) -> None:
+        for channel in data.get("channels", []):
+            prov = providers.get(channel["provider"])
+            binding = channel.get("binding")
+            waiting = binding is not None and binding.get("createdBy") in gone
+            if prov is None or not prov.allow:
+                continue
+            makers = channel.get("chatMakers") or {}
+            dropped = [c for c, m in makers.items() if m in gone]
+            if not dropped and not waiting:
+                continue
+            allowed = channel["config"].get(prov.allow) or []
+            kept = [c for c in allowed if c not in dropped]
+            channel["config"][prov.allow] = kept
+            note_chat_makers(channel, prov, kept, MADE_BY_OWNER)
+            if (channel.get("boundChat") or {}).get("id") in dropped:
+                channel.pop("boundChat")
+            if waiting:
+                channel.pop("binding")
+            if (allowed or waiting) and not kept:  # nobody now, never anybody
+                channel["binding"] = {"until": iso(time.time())}
+            for chat in dropped:
+                log.info("channel %s: chat %s unbound (%s was revoked)", channel["id"], chat, makers[chat])
+
+    return unbind
+
+
+def allowed_senders(svc: Service, channel: dict, prov: ChannelProvider) -> list | None:
+    """Return the senders a channel answers: its allowlist without the chats a grant
+    connected that is no longer live (revoked, expired); None when it has no allowlist
+    (anyone: the audit says so)."""
+    allowed = channel["config"].get(prov.allow) if prov.allow else None
+    if not allowed:
+        return None
+    makers = channel.get("chatMakers") or {}
+    return [c for c in allowed if c not in makers or svc.grants.live_maker(makers[c])]
 
 
 def binds(binding: dict, text: str) -> bool:
@@ -705,12 +774,15 @@ def binds(binding: dict, text: str) -> bool:
 
 def bind_chat(svc: Service, channel: dict, prov: ChannelProvider, sender: str, name: str):
     """Make the chat that sent the bind code the channel's only allowed one (the code is
-    used up: a second chat sending it is a refused sender)."""
+    used up: a second chat sending it is a refused sender); it is the chat of whoever asked
+    for the code."""
     bound = {"id": _printable(sender), "name": _printable(name or ""), "at": iso(utcnow())}
 
     def apply(channels: list, i: int) -> None:
-        channels[i].pop("binding", None)
+        maker = (channels[i].pop("binding", None) or {}).get("createdBy", MADE_BY_OWNER)
         channels[i]["config"][prov.allow] = [bound["id"]]
+        channels[i].pop("chatMakers", None)
+        note_chat_makers(channels[i], prov, [], maker)
         channels[i]["boundChat"] = bound
 
     _change_channel(svc, channel["id"], apply)
@@ -806,8 +878,8 @@ def process_update(svc: Service, channel: dict, prov: ChannelProvider, update: d
             messages.append((m[0], text, m[2] if len(m) > 2 else "", media))
     if not messages:
         return {"handled": False, "reason": "the update holds no text message"}
-    allowed = channel["config"].get(prov.allow) if prov.allow else None
-    binding = channel.get("binding")  # a code waits for the chat it connects
+    allowed = allowed_senders(svc, channel, prov)  # None: no allowlist
+    binding = channel.get("binding")  # a code waits for the chat it connects (or none may)
     results = []
     for sender, text, name, media in messages[:5]:
         if binding and binds(binding, text):
@@ -815,7 +887,7 @@ def process_update(svc: Service, channel: dict, prov: ChannelProvider, update: d
             results.append(_deliver(svc, channel, prov, sender, BOUND_TEXT))
             binding = allowed = None
             continue
-        if (binding and not allowed) or (allowed and sender not in allowed):
+        if (binding and not allowed) or (allowed is not None and sender not in allowed):
             refuse_sender(svc, channel, prov, sender, name)
             results.append({"handled": False, "reason": "sender not allowed"})
             continue
