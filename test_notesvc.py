@@ -13836,6 +13836,28 @@ class TestSecurity:
         assert "pair" in found["setup-exposed"]["recommendation"]
         assert report["summary"]["critical"] >= 1
 
+    def test_an_incomplete_setup_behind_a_trusted_proxy_says_who_is_offered_the_key(
+        self, make_app
+    ):
+        """The audit's words hold: behind a trusted proxy on this machine, a request from
+        this machine straight to the port is not offered the key (it names no client);
+        one the proxy reports at home is."""
+        app = make_app(SERVICE_HOST="127.0.0.1", SERVICE_TRUST_PROXY="true")
+        found = {f["id"]: f for f in audit(app)["findings"]}
+        said = found["setup-incomplete"]["detail"]
+        assert found["setup-incomplete"]["severity"] == "low"
+        assert "offered by GET /system/setup to this machine" not in said
+        assert "a client that proxy reports" in said
+        assert "a request straight to the port from this machine" in said
+        assert "is not offered the key" in said
+        assert "through the proxy" in found["setup-incomplete"]["recommendation"]
+        key = key_of(app)
+        direct = data(app.get(f"{API}/system/setup", extra_environ=LOCAL))
+        assert direct["apiKey"] != key  # what the audit says: not to this machine itself
+        forwarded = {"X-Forwarded-For": "192.168.1.5", "Host": "127.0.0.1"}
+        named = data(app.get(f"{API}/system/setup", headers=forwarded, extra_environ=LOCAL))
+        assert named["apiKey"] == key  # ... but to a client the proxy names at home
+
     def test_an_incomplete_setup_on_loopback_alone_is_low(self, make_app):
         found = {
             f["id"]: f["severity"] for f in audit(make_app(SERVICE_HOST="127.0.0.1"))["findings"]
