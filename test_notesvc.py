@@ -13888,6 +13888,38 @@ class TestSecurity:
         os.chmod(root / "notes", 0o755)
         assert "notes-readable" in ids(audit(safe))
 
+    @pytest.mark.real_server
+    @pytest.mark.slow
+    def test_a_fresh_servers_own_files_give_the_audit_nothing_to_say(self, tmp_path):
+        """New user's point 7: on a fresh server (a usual umask, 022) the first upload, a
+        capture's photo or a WebDAV folder makes attachments/ private like notes/, so the
+        audit finds nothing notesvc itself did."""
+        old = os.umask(0o022)
+        try:
+            servers = [running(tmp_path / f"root{i}") for i in range(2)]
+            with servers[0] as upload, servers[1] as dav:
+                for server, make in ((upload, "upload"), (dav, "dav")):
+                    setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+                    key = {KEY: setup["apiKey"]}
+                    assert server.request("POST", f"{API}/auth/link", headers=key)[0] == 200
+                    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+                    if make == "upload":
+                        path = att_url("attachments/inbox/a.png")
+                        conn.request("PUT", path, PNG, {**key, "Content-Type": "image/png"})
+                    else:
+                        auth = {"Authorization": basic(setup["apiKey"])}
+                        conn.request("MKCOL", "/dav/attachments/photos/", headers=auth)
+                    assert conn.getresponse().status == 201
+                    conn.close()
+                    found = server.request("GET", f"{API}/security/audit", headers=key)[2]["data"]
+                    mine = [f["id"] for f in found["findings"] if f["severity"] != "info"]
+                    assert mine == [], found["findings"]
+                    made = tmp_path / f"root{0 if make == 'upload' else 1}"
+                    assert stat.S_IMODE(os.stat(made / "attachments").st_mode) == 0o700
+                    assert stat.S_IMODE(os.stat(made / "notes").st_mode) == 0o700
+        finally:
+            os.umask(old)
+
     def test_key_age(self, safe, root):
         state_file = root / ".notesvc" / "state.json"
         state = json.loads(state_file.read_text())
