@@ -5026,7 +5026,9 @@ class TestEmbeddings:
         assert "sk-secret-123" not in everything
         assert "urltok42" not in everything
 
-    @pytest.mark.parametrize("how", ["echo-lower", "echo-upper", "echo-base64", "echo-url", "echo-cut"])
+    @pytest.mark.parametrize(
+        "how", ["echo-lower", "echo-upper", "echo-base64", "echo-url", "echo-cut"]
+    )
     def test_a_key_the_endpoint_echoes_in_any_spelling_is_scrubbed(
         self, make_app, embed_endpoint, caplog, how
     ):
@@ -6854,7 +6856,9 @@ class TestSetup:
         pod = notesvc.Machine.cloud({"KUBERNETES_SERVICE_HOST": "10.96.0.1"})
         assert "Kubernetes" in pod
 
-    def test_auto_mode_on_a_cloud_vm_shows_the_key_to_loopback_only(self, make_app, tmp_path, monkeypatch, caplog):
+    def test_auto_mode_on_a_cloud_vm_shows_the_key_to_loopback_only(
+        self, make_app, tmp_path, monkeypatch, caplog
+    ):
         dmi = tmp_path / "dmi"
         dmi.mkdir()
         (dmi / "sys_vendor").write_text("DigitalOcean\n")
@@ -6868,7 +6872,9 @@ class TestSetup:
         assert p["setupHere"] == {"allowed": False, "reason": "loopback-only"}
         assert key not in json.dumps(p)
         assert data(app.get(f"{API}/system/setup", extra_environ=LOCAL))["apiKey"] == key
-        said = [r.getMessage() for r in caplog.records if "SERVICE_SETUP_LOCAL_ONLY" in r.getMessage()]
+        said = [
+            r.getMessage() for r in caplog.records if "SERVICE_SETUP_LOCAL_ONLY" in r.getMessage()
+        ]
         assert said
         assert "DigitalOcean" in said[0]
         assert "SERVICE_SETUP_LOCAL_ONLY=false" in said[0]
@@ -6882,9 +6888,7 @@ class TestSetup:
         with running(tmp_path / "root", env=env) as server:
             key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
             assert re.fullmatch(r"nsk_[A-Za-z0-9_-]{43}", key)  # this machine itself: yes
-            status, _, body = server.request(
-                "GET", f"{API}/security/config", headers={KEY: key}
-            )
+            status, _, body = server.request("GET", f"{API}/security/config", headers={KEY: key})
             assert status == 200
             assert body["data"]["setup"]["localOnly"] is True
             said = wait_for(lambda: [line for line in server.lines if "Kubernetes pod" in line])
@@ -7277,14 +7281,29 @@ class TestAuth:
         [
             ({"HTTP_X_REAL_IP": "203.0.113.4"}, "203.0.113.4"),
             ({"HTTP_FORWARDED": "for=203.0.113.4"}, "203.0.113.4"),
-            ({"HTTP_X_REAL_IP": "203.0.113.4", "HTTP_X_FORWARDED_FOR": "203.0.113.4"}, "203.0.113.4"),
+            (
+                {"HTTP_X_REAL_IP": "203.0.113.4", "HTTP_X_FORWARDED_FOR": "203.0.113.4"},
+                "203.0.113.4",
+            ),
             # nginx's $proxy_add_x_forwarded_for beside X-Real-IP: they agree
-            ({"HTTP_X_REAL_IP": "203.0.113.4", "HTTP_X_FORWARDED_FOR": "1.2.3.4, 203.0.113.4"}, "203.0.113.4"),
+            (
+                {"HTTP_X_REAL_IP": "203.0.113.4", "HTTP_X_FORWARDED_FOR": "1.2.3.4, 203.0.113.4"},
+                "203.0.113.4",
+            ),
             # a proxy hop in one header (every hop trusted) names no client beside another
-            ({"HTTP_X_REAL_IP": "10.0.0.3", "HTTP_X_FORWARDED_FOR": "203.0.113.4, 10.0.0.3"}, "203.0.113.4"),
+            (
+                {"HTTP_X_REAL_IP": "10.0.0.3", "HTTP_X_FORWARDED_FOR": "203.0.113.4, 10.0.0.3"},
+                "203.0.113.4",
+            ),
             # which one the proxy wrote cannot be told: one bucket for all such, the proxy's
-            ({"HTTP_X_REAL_IP": "203.0.113.4", "HTTP_X_FORWARDED_FOR": "198.51.100.9"}, "via:10.0.0.2"),
-            ({"HTTP_FORWARDED": "for=203.0.113.4", "HTTP_X_REAL_IP": "198.51.100.9"}, "via:10.0.0.2"),
+            (
+                {"HTTP_X_REAL_IP": "203.0.113.4", "HTTP_X_FORWARDED_FOR": "198.51.100.9"},
+                "via:10.0.0.2",
+            ),
+            (
+                {"HTTP_FORWARDED": "for=203.0.113.4", "HTTP_X_REAL_IP": "198.51.100.9"},
+                "via:10.0.0.2",
+            ),
             ({"HTTP_X_REAL_IP": "203.0.113.4", "HTTP_X_FORWARDED_FOR": "unknown"}, "via:10.0.0.2"),
         ],
     )
@@ -9939,7 +9958,9 @@ class TestGrantsLive:
             made = server.request("POST", f"{API}/channels/connect/telegram", body, phone_key)[2]
             channel = f"{API}/channels/{made['data']['channel']['id']}"
             upstream.push(telegram_update(f"/start {made['data']['bindCode']}", chat_id=42))
-            wait_for(lambda: "boundChat" in server.request("GET", channel, headers=owner)[2]["data"])
+            wait_for(
+                lambda: "boundChat" in server.request("GET", channel, headers=owner)[2]["data"]
+            )
             upstream.push(telegram_update("/search flowerpot", chat_id=42))
             wait_for(lambda: any("notes/home/keys.md" in t for t in sent_to("42")))
             # A plain revoke: the device's own feed ends, and no other.
@@ -13836,9 +13857,7 @@ class TestSecurity:
         assert "pair" in found["setup-exposed"]["recommendation"]
         assert report["summary"]["critical"] >= 1
 
-    def test_an_incomplete_setup_behind_a_trusted_proxy_says_who_is_offered_the_key(
-        self, make_app
-    ):
+    def test_an_incomplete_setup_behind_a_trusted_proxy_says_who_is_offered_the_key(self, make_app):
         """The audit's words hold: behind a trusted proxy on this machine, a request from
         this machine straight to the port is not offered the key (it names no client);
         one the proxy reports at home is."""
@@ -17703,10 +17722,15 @@ class TestRelay:
         with running(tmp_path, "relay") as relay:
             fake = FakeRelayServer(relay)
             assert fake.register() == 200
-            for value in ('"caf\u00e9 \u2615"', "attachment; filename=\"r\u00e9sum\u00e9 \U0001f4c4.pdf\""):
-                out = []
+            for value in (
+                '"caf\u00e9 \u2615"',
+                'attachment; filename="r\u00e9sum\u00e9 \U0001f4c4.pdf"',
+            ):
+                out: list = []
                 path = f"/r/{fake.server_id}{API}/x"
-                t = threading.Thread(target=lambda p=path: out.append(relay_raw_get(relay, p)))
+                t = threading.Thread(
+                    target=lambda p=path, got=out: got.append(relay_raw_get(relay, p))
+                )
                 t.start()
                 _status, _, body = fake.poll()
                 headers = [
@@ -19187,7 +19211,7 @@ class TestCompression:
         made = secret_answers(ask, key)
         key = key_of(app)  # rotated last
         rotate = ("POST", f"{API}/auth/rotate")
-        for (method, rule), route in routes.items():  # the rest, with sample values
+        for method, rule in routes:  # the rest, with sample values
             if (method, rule) not in made and (method, rule) != rotate:
                 made[(method, rule)] = ask(method, sample_url(rule), headers={KEY: key})
         for where, (status, headers, raw) in made.items():
@@ -19224,7 +19248,7 @@ class TestCompression:
             key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
             made = secret_answers(ask, key)
             assert set(made) == {(r.method, r.rule) for r in notesvc.ROUTES if r.secret}
-            for (method, rule), (status, headers, raw) in made.items():
+            for (method, rule), (_, headers, raw) in made.items():
                 assert "Content-Encoding" not in headers, f"{method} {rule}"
                 assert carries_secret(json.loads(raw)), f"{method} {rule}"
             assert len(made[("POST", f"{API}/oauth/approve")][2]) > 1024  # gzip's threshold

@@ -498,7 +498,9 @@ def check_channel_allowlists(svc: Service) -> list:
                 )
             )
         elif (  # (a channel waiting for a bind code, or closed by one revoked, takes nobody)
-            provider.allow and not channel["config"].get(provider.allow) and not channel.get("binding")
+            provider.allow
+            and not channel["config"].get(provider.allow)
+            and not channel.get("binding")
         ):
             out.append(
                 finding(

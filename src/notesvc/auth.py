@@ -303,7 +303,9 @@ class Lockout:
         if credential is None:
             seen: Any = next(self._unnamed)
         else:
-            raw = credential.encode("utf-8", "replace") if isinstance(credential, str) else credential
+            raw = (
+                credential.encode("utf-8", "replace") if isinstance(credential, str) else credential
+            )
             seen = hashlib.sha256(raw).digest()[:8]
         now = self.clock()
         with self._lock:

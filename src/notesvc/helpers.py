@@ -408,7 +408,7 @@ def scrub(text: str, secrets: Any, limit: int = 0) -> str:
             run = m.group().lower()
             return "…" if any(run in secret for secret in lowered) else m.group()
 
-        text = re.sub(r"[A-Za-z0-9_-]{%d,}" % SCRUB_FRAGMENT, piece, text)
+        text = re.sub(f"[A-Za-z0-9_-]{{{SCRUB_FRAGMENT},}}", piece, text)
     return text.encode("utf-8")[:limit].decode("utf-8", "ignore") if limit else text
 
 
@@ -713,15 +713,14 @@ class Machine:
         environ = os.environ if environ is None else environ
         if environ.get("KUBERNETES_SERVICE_HOST"):
             return "a Kubernetes pod (KUBERNETES_SERVICE_HOST is set)"
-        with contextlib.suppress(OSError, UnicodeError):
-            with open(cls.HYPERVISOR_UUID, encoding="ascii") as f:
-                if f.read(64).strip().lower().startswith("ec2"):
-                    return f"an Amazon EC2 instance ({cls.HYPERVISOR_UUID})"
+        with contextlib.suppress(OSError, UnicodeError), open(cls.HYPERVISOR_UUID, "rb") as f:
+            if f.read(64).strip().lower().startswith(b"ec2"):
+                return f"an Amazon EC2 instance ({cls.HYPERVISOR_UUID})"
         names: dict = {}
         for name in ("sys_vendor", "product_name", "chassis_asset_tag"):
-            with contextlib.suppress(OSError, UnicodeError):
-                with open(os.path.join(cls.DMI, name), encoding="utf-8") as f:
-                    names[name] = " ".join(f.read(200).split())
+            path = os.path.join(cls.DMI, name)
+            with contextlib.suppress(OSError, UnicodeError), open(path, encoding="utf-8") as f:
+                names[name] = " ".join(f.read(200).split())
         if not names:
             return None
         said = " ".join(names.values())

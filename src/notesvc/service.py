@@ -18,9 +18,9 @@ from notesvc.boot import API, KEY_HEADER, bottle, log
 from notesvc.errors import ApiError, bad_request
 from notesvc.grants import OWNER, GrantStore, Principal, mcp_challenge, request_principal
 from notesvc.helpers import (
+    Machine,
     base_url_of,
     client_address,
-    Machine,
     ip_of,
     is_home_network,
     is_trusted_proxy,

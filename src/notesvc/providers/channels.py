@@ -745,7 +745,12 @@ def unbind_chats(providers: Mapping[str, ChannelProvider]) -> Callable:
             if (allowed or waiting) and not kept:  # nobody now, never anybody
                 channel["binding"] = {"until": iso(time.time())}
             for chat in dropped:
-                log.info("channel %s: chat %s unbound (%s was revoked)", channel["id"], chat, makers[chat])
+                log.info(
+                    "channel %s: chat %s unbound (%s was revoked)",
+                    channel["id"],
+                    chat,
+                    makers[chat],
+                )
 
     return unbind
 
