@@ -17617,6 +17617,51 @@ class TestRelay:
 
     @pytest.mark.real_server
     @pytest.mark.slow
+    def test_a_relay_that_says_the_token_back_gets_it_scrubbed(self, tmp_path):
+        """T14 for the relay token: a hostile relay refusing with the token it was sent
+        (upper-cased) in its message puts it neither in /system/info nor in the log."""
+        said: list = []
+
+        class Refusing(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                token = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["token"]
+                said.append(token)
+                message = f"token {token.upper()} is banned here"
+                body = json.dumps(
+                    {"success": False, "error": {"code": "FORBIDDEN", "message": message}}
+                ).encode()
+                self.send_response(403)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        relay = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refusing)
+        threading.Thread(target=relay.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{relay.server_address[1]}"
+        try:
+            with running(tmp_path, env={"SERVICE_RELAY_URL": url}) as server:
+                key = {KEY: server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]}
+
+                def refused():
+                    info = server.request("GET", f"{API}/system/info", headers=key)[2]["data"]
+                    return info["connection"]["state"] == "refused" and info["connection"]
+
+                shown = wait_for(refused)
+                wait_for(lambda: any("refused this server" in line for line in server.lines))
+        finally:
+            relay.shutdown()
+            relay.server_close()
+        assert "is banned here" in shown["lastError"]
+        token = said[0].lower()
+        assert token not in json.dumps(shown).lower()
+        assert token not in "".join(server.lines).lower()
+
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_two_hundred_long_polls_do_not_block_a_client(self, pair):
         relay, _, setup = pair
         fakes = [FakeRelayServer(relay, source=f"127.0.1.{i % 200 + 1}") for i in range(200)]

@@ -41,6 +41,7 @@ from notesvc.helpers import (
     field,
     iso,
     log_safe,
+    scrub,
     utcnow,
     valid_host,
 )
@@ -1264,13 +1265,14 @@ class RelayClient:
         status, answer = self._call(
             "POST", f"/relay/v1/register/{sid}", {"token": st["relayToken"], "relayCode": code}
         )
+        said = [st["relayToken"]]  # a relay that says it back: never into the log or the info
         if status != 200:
-            raise RelayRefused(status, _relay_message(answer, status))
+            raise RelayRefused(status, scrub(_relay_message(answer, status), said))
         status, answer = self._call(
             "POST", f"/relay/v1/code/{code}", {"serverId": sid, "token": st["relayToken"]}
         )
         if status != 200:
-            raise RelayRefused(status, _relay_message(answer, status))
+            raise RelayRefused(status, scrub(_relay_message(answer, status), said))
         self._registered_code, self._code_sent_at = code, time.monotonic()
         self._learn_origin(sid)
 
