@@ -4650,6 +4650,18 @@ class EmbedStandIn:
             vectors = [[] for _ in texts]
         if how == "500":
             return self.send(handler, 500, b'{"error": "model crashed, key=sk-secret-123"}')
+        if how.startswith("echo-"):  # an endpoint that says back the key it was sent, spelt anew
+            auth = handler.headers.get("Authorization", "")
+            key = auth.partition(" ")[2]
+            said = {
+                "echo-lower": key.lower(),
+                "echo-upper": key.upper(),
+                "echo-base64": base64.b64encode(auth.encode()).decode(),
+                "echo-url": urllib.parse.quote(key, safe="").lower(),
+                "echo-cut": key[:20] + "...",
+            }[how]
+            raw = json.dumps({"error": {"message": f"Incorrect API key provided: {said}"}})
+            return self.send(handler, 401, raw.encode())
         if how == "html":
             return self.send(handler, 200, b"<html>Bad gateway</html>", "text/html")
         if how == "redirect":
@@ -5052,6 +5064,27 @@ class TestEmbeddings:
         assert "sk-secret-123" not in everything
         assert "urltok42" not in everything
 
+    @pytest.mark.parametrize(
+        "how", ["echo-lower", "echo-upper", "echo-base64", "echo-url", "echo-cut"]
+    )
+    def test_a_key_the_endpoint_echoes_in_any_spelling_is_scrubbed(
+        self, make_app, embed_endpoint, caplog, how
+    ):
+        """T14: an endpoint that says the key back lower-cased, upper-cased, in base64,
+        URL-encoded or cut short puts it neither into /system/info nor into the log."""
+        key = "sk-Proj-AbCdEf:0123456789_ghIJ-klMN"
+        embed_endpoint.how = how
+        client = with_key(make_app(**embed_env(embed_endpoint, "openai", SERVICE_EMBED_KEY=key)))
+        put_note(client, "notes/a.md", "# A\n\ntext")
+        err = wait_for(lambda: embedded(client)["lastError"])
+        assert err["status"] == 401
+        assert "Incorrect API key provided" in err["message"]
+        everything = json.dumps(data(client.get(f"{API}/system/info"))) + caplog.text
+        spellings = [key, key.lower(), key.upper(), urllib.parse.quote(key, safe="")]
+        spellings += [base64.b64encode(f"Bearer {key}".encode()).decode()[8:-4], key[:20]]
+        for spelt in spellings:
+            assert spelt.lower() not in everything.lower(), spelt
+
     def test_phrase_and_prefix_stay_keyword_and_exclusions_apply(self, meaning):
         for q in ('"brake pads"', "brak*"):
             d = search(meaning, q)
@@ -5226,6 +5259,23 @@ class TestEmbeddingsServer:
             assert (mode, fallback, paths) == ("keyword", True, ["notes/garage.md"])
             assert self.status(server, owner)["embedded"] == 0
         assert "sk-never-logged-77" not in "".join(server.lines)
+
+    def test_a_key_echoed_lower_cased_reaches_neither_the_info_nor_the_log(
+        self, tmp_path, embed_endpoint
+    ):
+        """T14 as the attack found it: the endpoint answers 401 with the key lower-cased."""
+        write_notes(tmp_path, MEANING_NOTES)
+        owner = {"X-Service-Key": make_state(tmp_path)["apiKey"]}
+        key = "sk-Never-Logged-AbCdEfGh-77"
+        embed_endpoint.how = "echo-lower"
+        env = {**embed_env(embed_endpoint, "openai"), "SERVICE_EMBED_KEY": key}
+        with running(tmp_path, env=env) as server:
+            err = wait_for(lambda: self.status(server, owner)["lastError"], timeout=20)
+            assert err["status"] == 401
+            info = server.request("GET", f"{API}/system/info", headers=owner)[2]
+            wait_for(lambda: any("Incorrect API key" in line for line in server.lines))
+        for text in (json.dumps(info), "".join(server.lines)):
+            assert key.lower() not in text.lower()
 
     def test_a_real_small_model_finds_notes_by_meaning(self, tmp_path):
         for module in ("numpy", "safetensors", "tokenizers", "all_minilm_l6_v2"):
@@ -6790,6 +6840,99 @@ class TestSetup:
         assert notesvc.setup_loopback_only(mode, own, container) is loopback_only
 
     @pytest.mark.parametrize(
+        ("own", "cloud", "loopback_only"),
+        [
+            ("10.0.0.4", "a cloud VM (sys_vendor 'Amazon EC2')", True),  # a VPC's neighbours
+            ("192.168.1.20", "a Kubernetes pod", True),
+            ("10.0.0.4", None, True),  # no firmware names to tell: a cloud's or a cluster's range
+            ("172.20.0.5", None, True),
+            ("192.168.1.20", None, False),  # a Pi at home (no DMI on ARM): its router's range
+            ("100.101.102.103", None, False),
+            ("10.0.0.4", "", False),  # the firmware names a maker, and no cloud
+        ],
+    )
+    def test_auto_mode_is_loopback_only_on_clouds_and_in_pods(self, own, cloud, loopback_only):
+        """T13: a cloud VM's VPC address or a pod's cluster address is no home network."""
+        assert notesvc.setup_loopback_only("auto", own, False, cloud) is loopback_only
+        why = notesvc.setup_loopback_reason("auto", own, False, cloud)
+        assert bool(why) is loopback_only
+        if cloud is None and loopback_only:
+            assert "10.0.0.0/8, 172.16.0.0/12" in why
+        assert not notesvc.setup_loopback_only("false", own, False, cloud)
+
+    @pytest.mark.parametrize(
+        ("files", "seen"),
+        [
+            ({"sys_vendor": "Amazon EC2", "product_name": "m6g.large"}, "Amazon EC2"),
+            ({"sys_vendor": "Google", "product_name": "Google Compute Engine"}, "Google"),
+            ({"sys_vendor": "Microsoft Corporation", "product_name": "Virtual Machine"}, "Virtual"),
+            ({"sys_vendor": "DigitalOcean", "product_name": "Droplet"}, "DigitalOcean"),
+            ({"sys_vendor": "Hetzner", "product_name": "vServer"}, "Hetzner"),
+            ({"sys_vendor": "OpenStack Foundation", "product_name": "OpenStack Nova"}, "Nova"),
+            ({"sys_vendor": "Xen", "hypervisor": "ec2e1916-9099-7caf-fd21-012345abcdef"}, "EC2"),
+            ({"sys_vendor": "QEMU", "product_name": "Standard PC (Q35 + ICH9, 2009)"}, ""),
+            ({"sys_vendor": "Dell Inc.", "product_name": "OptiPlex 7050"}, ""),
+            ({"sys_vendor": "Microsoft Corporation", "product_name": "Surface Laptop 5"}, ""),
+            ({}, None),  # nothing to read: cannot tell
+        ],
+    )
+    def test_the_machine_names_its_cloud(self, tmp_path, monkeypatch, files, seen):
+        dmi = tmp_path / "dmi"
+        dmi.mkdir()
+        hypervisor = tmp_path / "uuid"
+        for name, value in files.items():
+            (hypervisor if name == "hypervisor" else dmi / name).write_text(value + "\n")
+        if not any(dmi.iterdir()):
+            dmi.rmdir()
+        monkeypatch.setattr(notesvc.Machine, "DMI", str(dmi))
+        monkeypatch.setattr(notesvc.Machine, "HYPERVISOR_UUID", str(hypervisor))
+        found = notesvc.Machine.cloud({})
+        if seen is None or seen == "":
+            assert found == seen
+        else:
+            assert seen in found
+        pod = notesvc.Machine.cloud({"KUBERNETES_SERVICE_HOST": "10.96.0.1"})
+        assert "Kubernetes" in pod
+
+    def test_auto_mode_on_a_cloud_vm_shows_the_key_to_loopback_only(
+        self, make_app, tmp_path, monkeypatch, caplog
+    ):
+        dmi = tmp_path / "dmi"
+        dmi.mkdir()
+        (dmi / "sys_vendor").write_text("DigitalOcean\n")
+        (dmi / "product_name").write_text("Droplet\n")
+        monkeypatch.setattr(notesvc.Machine, "DMI", str(dmi))
+        monkeypatch.setattr(notesvc.Machine, "CONTAINER_MARKS", (str(tmp_path / "none"),))
+        app = make_app(SERVICE_SETUP_LOCAL_ONLY="auto")
+        key = key_of(app)
+        vpc = {"REMOTE_ADDR": "10.114.0.3"}  # a neighbour in the droplet's VPC
+        p = data(app.get(f"{API}/system/setup", extra_environ=vpc))
+        assert p["setupHere"] == {"allowed": False, "reason": "loopback-only"}
+        assert key not in json.dumps(p)
+        assert data(app.get(f"{API}/system/setup", extra_environ=LOCAL))["apiKey"] == key
+        said = [
+            r.getMessage() for r in caplog.records if "SERVICE_SETUP_LOCAL_ONLY" in r.getMessage()
+        ]
+        assert said
+        assert "DigitalOcean" in said[0]
+        assert "SERVICE_SETUP_LOCAL_ONLY=false" in said[0]
+
+    @pytest.mark.real_server
+    @pytest.mark.slow
+    def test_a_real_server_in_a_pod_lets_only_loopback_set_up(self, tmp_path):
+        """T13 on a real server: with KUBERNETES_SERVICE_HOST set, `auto` is loopback only,
+        and the log says why and how to widen it."""
+        env = {"SERVICE_SETUP_LOCAL_ONLY": "auto", "KUBERNETES_SERVICE_HOST": "10.96.0.1"}
+        with running(tmp_path / "root", env=env) as server:
+            key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
+            assert re.fullmatch(r"nsk_[A-Za-z0-9_-]{43}", key)  # this machine itself: yes
+            status, _, body = server.request("GET", f"{API}/security/config", headers={KEY: key})
+            assert status == 200
+            assert body["data"]["setup"]["localOnly"] is True
+            said = wait_for(lambda: [line for line in server.lines if "Kubernetes pod" in line])
+            assert "SERVICE_SETUP_LOCAL_ONLY=false" in said[0]
+
+    @pytest.mark.parametrize(
         ("raw", "mode"), [("", "false"), ("auto", "auto"), ("AUTO", "auto"), ("yes", "true")]
     )
     def test_setup_local_only_values(self, root, raw, mode):
@@ -7098,10 +7241,9 @@ class TestAuth:
         assert data(with_key(anon, new["apiKey"]).post(f"{API}/auth/verify"))["valid"]
 
     def test_lockout_after_ten_failures(self, anon):
-        wrong = with_key(anon, "nsk_wrong")
-        for _ in range(10):
-            wrong.post(f"{API}/auth/verify", status=401)
-        resp = wrong.post(f"{API}/auth/verify", status=429)
+        for i in range(10):  # ten different wrong keys (the same one again counts once)
+            with_key(anon, f"nsk_wrong{i}").post(f"{API}/auth/verify", status=401)
+        resp = with_key(anon, "nsk_wrong").post(f"{API}/auth/verify", status=429)
         assert_error(resp, 429, "RATE_LIMITED")
         assert 1 <= int(resp.headers["Retry-After"]) <= 60
         # Locked out means locked out, even with the right key ...
@@ -7134,16 +7276,16 @@ class TestAuth:
         wrong.post(f"{API}/auth/verify", status=401)
 
     def test_locked_out_address_gets_401_without_a_credential(self, anon):
-        for _ in range(10):
-            with_key(anon, "nsk_wrong").post(f"{API}/auth/verify", status=401)
+        for i in range(10):
+            with_key(anon, f"nsk_wrong{i}").post(f"{API}/auth/verify", status=401)
         assert_error(anon.post(f"{API}/auth/verify", status=401), 401, "UNAUTHORIZED")
         resp = with_key(anon).post(f"{API}/auth/verify", status=429)
         assert 1 <= int(resp.headers["Retry-After"]) <= 60
 
     def test_relayed_clients_have_their_own_buckets(self, anon):
         relayed = {"notesvc.relayed": True, "REMOTE_ADDR": ""}
-        for _ in range(10):
-            with_key(anon, "nsk_wrong").post(
+        for i in range(10):
+            with_key(anon, f"nsk_wrong{i}").post(
                 f"{API}/auth/verify", status=401, extra_environ=relayed
             )
         with_key(anon).post(f"{API}/auth/verify", status=429, extra_environ=relayed)
@@ -7161,7 +7303,7 @@ class TestAuth:
             ("10.0.0.2", "203.0.113.4:5555", "203.0.113.4"),
             ("10.0.0.2", "10.0.0.9, 10.0.0.3", "10.0.0.9"),  # only proxies: the farthest
             ("10.0.0.2", "", "10.0.0.2"),
-            ("10.0.0.2", "unknown", "10.0.0.2"),
+            ("10.0.0.2", "unknown", "via:10.0.0.2"),  # no client named: the proxy's bucket
             ("10.0.0.2", "[2001:db8::7]:80", "2001:db8::7"),
             ("192.0.2.1", "203.0.113.4", "192.0.2.1"),  # an untrusted peer's claim counts nothing
         ],
@@ -7171,6 +7313,55 @@ class TestAuth:
         assert cfg.trust_proxy == ("10.0.0.0/8", "::1/128")
         environ = {"REMOTE_ADDR": peer, "HTTP_X_FORWARDED_FOR": forwarded}
         assert notesvc.client_address(cfg, environ) == client
+
+    @pytest.mark.parametrize(
+        ("headers", "client"),
+        [
+            ({"HTTP_X_REAL_IP": "203.0.113.4"}, "203.0.113.4"),
+            ({"HTTP_FORWARDED": "for=203.0.113.4"}, "203.0.113.4"),
+            (
+                {"HTTP_X_REAL_IP": "203.0.113.4", "HTTP_X_FORWARDED_FOR": "203.0.113.4"},
+                "203.0.113.4",
+            ),
+            # nginx's $proxy_add_x_forwarded_for beside X-Real-IP: they agree
+            (
+                {"HTTP_X_REAL_IP": "203.0.113.4", "HTTP_X_FORWARDED_FOR": "1.2.3.4, 203.0.113.4"},
+                "203.0.113.4",
+            ),
+            # a proxy hop in one header (every hop trusted) names no client beside another
+            (
+                {"HTTP_X_REAL_IP": "10.0.0.3", "HTTP_X_FORWARDED_FOR": "203.0.113.4, 10.0.0.3"},
+                "203.0.113.4",
+            ),
+            # which one the proxy wrote cannot be told: one bucket for all such, the proxy's
+            (
+                {"HTTP_X_REAL_IP": "203.0.113.4", "HTTP_X_FORWARDED_FOR": "198.51.100.9"},
+                "via:10.0.0.2",
+            ),
+            (
+                {"HTTP_FORWARDED": "for=203.0.113.4", "HTTP_X_REAL_IP": "198.51.100.9"},
+                "via:10.0.0.2",
+            ),
+            ({"HTTP_X_REAL_IP": "203.0.113.4", "HTTP_X_FORWARDED_FOR": "unknown"}, "via:10.0.0.2"),
+        ],
+    )
+    def test_client_address_when_the_forwarding_headers_disagree(self, headers, client):
+        cfg = notesvc.load_config(env={"SERVICE_TRUST_PROXY": "10.0.0.0/8"})
+        assert notesvc.client_address(cfg, {"REMOTE_ADDR": "10.0.0.2", **headers}) == client
+        untrusted = {"REMOTE_ADDR": "192.0.2.1", **headers}  # a peer nobody named: its own
+        assert notesvc.client_address(cfg, untrusted) == "192.0.2.1"
+
+    def test_the_same_wrong_credential_again_counts_once(self):
+        now = [0.0]
+        lock = notesvc.Lockout(limit=3, window=60, clock=lambda: now[0])
+        for _ in range(50):  # a revoked device retrying its key
+            lock.fail("a", "nsd_revoked")
+            now[0] += 1
+        assert lock.retry_after("a") == 0
+        lock.fail("a", "nsk_guess1")
+        lock.fail("a", "nsk_guess2")  # three different ones in the window: locked
+        assert lock.retry_after("a") == 60
+        assert lock.retry_after("b") == 0
 
     def test_trust_proxy_setting_forms(self, make_app):
         load = notesvc.load_config
@@ -7593,8 +7784,10 @@ class TestScopedKeys:
         state["grants"][0]["expiresAt"] = "2020-01-01T00:00:00.000Z"
         state_file.write_text(json.dumps(state))  # another process may edit it too
         expired = as_key(client, key, REMOTE_ADDR="192.0.2.7")
-        for _ in range(10):
+        for _ in range(12):  # the same expired key again and again: one failure
             assert_error(expired.get(f"{API}/notes", status=401), 401, "UNAUTHORIZED")
+        for i in range(9):  # ... which counts like any wrong key: nine more lock it out
+            as_key(client, f"nsg_wrong{i}", REMOTE_ADDR="192.0.2.7").get(f"{API}/notes", status=401)
         assert_error(expired.get(f"{API}/notes", status=429), 429, "RATE_LIMITED")
 
     def test_last_use_is_recorded(self, client):
@@ -8225,8 +8418,8 @@ class TestDevices:
     def test_guessing_secrets_locks_the_address_out(self, client, anon):
         made = pair(client)
         guesser = {"REMOTE_ADDR": "203.0.113.9"}
-        for _ in range(10):
-            claim(anon, "a" * 26, status=404, **guesser)
+        for i in range(10):  # ten different guesses (the same one again counts once)
+            claim(anon, "a" * 25 + "abcdefghij"[i], status=404, **guesser)
         resp = anon.post_json(
             f"{API}/auth/devices/claim",
             {"secret": made["secret"]},
@@ -8338,6 +8531,53 @@ class TestTelegramConnect:
         upstream.push(telegram_update(fresh["bindCode"], chat_id=43))
         wait_for(lambda: "boundChat" in data(client.get(url)))
         assert data(client.get(url))["config"]["allowedChatIds"] == ["43"]
+
+    def test_a_chat_a_device_allowed_ends_with_the_device(self, tg, root):
+        """T5 for chats put on an allowlist by a config (not a code): the device's chat is
+        refused once the device has expired, and unbound when it is revoked; the owner's
+        chat stays, and the channel never opens to anyone."""
+        client, upstream = tg
+        made = claim(webtest.TestApp(client.app), pair(client, scope="admin")["secret"])
+        phone = as_key(client, made["key"])
+        body = {
+            "provider": "telegram",
+            "config": {**MINIMAL_CONFIG["telegram"], "allowedChatIds": [42]},
+        }
+        ch = data(phone.post_json(f"{API}/channels", body, status=201))
+        url = f"{API}/channels/{ch['id']}"
+        client.patch_json(url, {"config": {"allowedChatIds": [42, 7]}})  # the owner's chat 7
+        assert data(client.get(url))["chatMakers"] == {"42": made["deviceId"]}
+        upstream.push(telegram_update("/save from the phone's chat", chat_id=42))
+        wait_for(lambda: today_note(client).exists())
+        svc = client.app.service
+
+        def expire(state: dict) -> None:
+            for g in state["grants"]:
+                g["expiresAt"] = "2000-01-01T00:00:00.000Z"
+
+        svc.state.update(expire)
+        upstream.push(telegram_update("/save after it expired", chat_id=42))
+        wait_for(lambda: "42" in [r["sender"] for r in data(client.get(url))["refusedSenders"]])
+        upstream.push(telegram_update("/save the owner's own", chat_id=7))
+        wait_for(lambda: "the owner's own" in today_note(client).read_text())
+        assert "after it expired" not in today_note(client).read_text()
+        client.delete(f"{API}/auth/keys/{made['deviceId']}")
+        shown = data(client.get(url))
+        assert shown["config"]["allowedChatIds"] == ["7"]
+        assert "chatMakers" not in shown
+        client.patch_json(url, {"config": {"allowedChatIds": [7]}})
+        revoked = claim(webtest.TestApp(client.app), pair(client, scope="admin")["secret"])
+        tablet = as_key(client, revoked["key"])
+        tablet.patch_json(url, {"config": {"allowedChatIds": [7, 9]}})
+        client.patch_json(url, {"config": {"allowedChatIds": [9]}})  # the owner drops 7
+        client.delete(f"{API}/auth/keys/{revoked['deviceId']}")
+        shown = data(client.get(url))
+        assert shown["config"]["allowedChatIds"] == []
+        assert set(shown["binding"]) == {"until"}  # closed: nobody, not anyone
+        assert not any(f["id"] == f"channel-open-{ch['id']}" for f in audit(client)["findings"])
+        upstream.push(telegram_update("/save anyone?", chat_id=99))
+        wait_for(lambda: "99" in [r["sender"] for r in data(client.get(url))["refusedSenders"]])
+        assert "anyone?" not in today_note(client).read_text()
 
     def test_bind_refuses_other_channels(self, client):
         web = data(client.post_json(f"{API}/channels", {"provider": "web"}, status=201))
@@ -9758,6 +9998,121 @@ class TestGrantsLive:
             assert grant["id"] not in state
             assert grant["key"] not in "".join(server.lines)
 
+    def test_revoking_a_device_ends_its_feeds_and_unbinds_the_chat_it_connected(
+        self, tmp_path, upstream
+    ):
+        """T5: a device's own secrets end with it on any revoke (its calendar feeds, the
+        Telegram chat it connected with a bind code), and with cascade those of the devices
+        it made too; the chat becomes a refused sender and gets no passage of any note."""
+        env = {"SERVICE_TELEGRAM_API_BASE": upstream.url}
+        with running(tmp_path, env=env) as server:
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            owner = owner_headers(setup)
+
+            def device(maker: dict, name: str) -> tuple:
+                body = {"name": name, "scope": "admin"}
+                made = server.request("POST", f"{API}/auth/devices/pairings", body, maker)[2]
+                claim = {"secret": made["data"]["secret"], "deviceName": name}
+                got = server.request("POST", f"{API}/auth/devices/claim", claim)[2]["data"]
+                return got["deviceId"], {KEY: got["key"]}
+
+            def feed(maker: dict, name: str) -> str:
+                made = server.request("POST", f"{API}/auth/feeds", {"name": name}, maker)[2]
+                return urllib.parse.urlsplit(made["data"]["url"]).path
+
+            def feed_status(path: str) -> int:
+                return raw_answer(server, "GET", path)[0]
+
+            def sent_to(chat: str) -> list:
+                return [
+                    r["json"]["text"]
+                    for r in upstream.requests
+                    if "/sendMessage" in r["path"] and r["json"]["chat_id"] == chat
+                ]
+
+            phone, phone_key = device(owner, "phone")
+            tablet, tablet_key = device(phone_key, "tablet")  # made by the phone
+            laptop, laptop_key = device(phone_key, "laptop")
+            feeds = {
+                "owner": feed(owner, "mine"),
+                "phone": feed(phone_key, "phone's"),
+                "tablet": feed(tablet_key, "tablet's"),
+                "laptop": feed(laptop_key, "laptop's"),
+            }
+            assert {feed_status(f) for f in feeds.values()} == {200}
+            body = {"path": "notes/home/keys.md", "content": "# Keys\n\nUnder the flowerpot."}
+            assert server.request("POST", f"{API}/notes", body, owner)[0] == 201
+            body = {"botToken": "123456:ABC-telegram-token"}
+            made = server.request("POST", f"{API}/channels/connect/telegram", body, phone_key)[2]
+            channel = f"{API}/channels/{made['data']['channel']['id']}"
+            upstream.push(telegram_update(f"/start {made['data']['bindCode']}", chat_id=42))
+            wait_for(
+                lambda: "boundChat" in server.request("GET", channel, headers=owner)[2]["data"]
+            )
+            upstream.push(telegram_update("/search flowerpot", chat_id=42))
+            wait_for(lambda: any("notes/home/keys.md" in t for t in sent_to("42")))
+            # A plain revoke: the device's own feed ends, and no other.
+            assert server.request("DELETE", f"{API}/auth/keys/{tablet}", headers=owner)[0] == 200
+            assert feed_status(feeds["tablet"]) == 404
+            assert feed_status(feeds["laptop"]) == feed_status(feeds["phone"]) == 200
+            # The phone with cascade: its feed, the laptop's, and the chat it connected.
+            gone = f"{API}/auth/keys/{phone}?cascade=true"
+            status, _, answer = server.request("DELETE", gone, headers=owner)
+            assert status == 200
+            assert answer["data"]["alsoRevoked"] == [laptop]
+            assert [feed_status(feeds[k]) for k in ("phone", "laptop", "owner")] == [404, 404, 200]
+            listed = server.request("GET", f"{API}/auth/feeds", headers=owner)[2]["data"]["feeds"]
+            assert [f["name"] for f in listed] == ["mine"]
+            shown = server.request("GET", channel, headers=owner)[2]["data"]
+            assert "boundChat" not in shown
+            assert shown["config"]["allowedChatIds"] == []
+            assert set(shown["binding"]) == {"until"}  # nobody, until a new code (never anyone)
+            answered = len(sent_to("42"))
+            upstream.push(telegram_update("/search flowerpot", chat_id=42))
+            refused = lambda: server.request("GET", channel, headers=owner)[2]["data"]  # noqa: E731
+            wait_for(lambda: "42" in [r["sender"] for r in refused()["refusedSenders"]])
+            upstream.push(telegram_update("/ask where are the keys?", chat_id=7))  # a stranger
+            wait_for(lambda: "7" in [r["sender"] for r in refused()["refusedSenders"]])
+            assert len(sent_to("42")) == answered
+            assert sent_to("7") == []
+            # The owner connects a chat of their own again: the channel itself stays.
+            code = server.request("POST", f"{channel}/bind", headers=owner)[2]["data"]["bindCode"]
+            upstream.push(telegram_update(code, chat_id=43))
+            wait_for(lambda: refused().get("boundChat", {}).get("id") == "43")
+            upstream.push(telegram_update("/search flowerpot", chat_id=43))
+            wait_for(lambda: any("notes/home/keys.md" in t for t in sent_to("43")))
+            logged = "".join(server.lines)
+            assert "chat 42 unbound" in logged
+            assert not any(path.split("/")[-1][:-4] in logged for path in feeds.values())
+
+    def test_a_revoked_device_retrying_never_locks_its_owner_out(self, tmp_path):
+        """A phone left with a revoked key retries it from the owner's own address (the same
+        Wi-Fi, the same NAT): the same wrong key again counts once, so the owner is never
+        locked out by it, while ten different wrong keys still lock a guesser out."""
+        with running(tmp_path) as server:
+            setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+            owner = owner_headers(setup)
+            body = {"name": "old phone", "scope": "write"}
+            made = server.request("POST", f"{API}/auth/devices/pairings", body, owner)[2]["data"]
+            claim = {"secret": made["secret"], "deviceName": "old phone"}
+            device = server.request("POST", f"{API}/auth/devices/claim", claim)[2]["data"]
+            phone = {KEY: device["key"]}
+            assert server.request("GET", f"{API}/notes", headers=phone)[0] == 200
+            gone = f"{API}/auth/keys/{device['deviceId']}"
+            assert server.request("DELETE", gone, headers=owner)[0] == 200
+            for _ in range(30):  # the phone's page polls on with its key
+                assert server.request("GET", f"{API}/changes", headers=phone)[0] == 401
+                assert server.request("GET", f"{API}/notes", headers=owner)[0] == 200
+            for _ in range(3):  # (the owner's success above cleared this address)
+                assert server.request("GET", f"{API}/changes", headers=phone)[0] == 401
+            for i in range(9):  # a revoked key counts like any wrong key: nine more lock out
+                status = server.request("GET", f"{API}/notes", headers={KEY: f"nsk_guess{i}"})[0]
+                assert status == 401
+            status, headers, _ = server.request("GET", f"{API}/notes", headers=owner)
+            assert status == 429
+            assert int(headers["Retry-After"]) > 0
+            assert device["key"] not in "".join(server.lines)
+
     def test_a_key_revoked_by_another_process_is_refused(self, tmp_path):
         with running(tmp_path) as server:
             setup = server.request("GET", f"{API}/system/setup")[2]["data"]
@@ -10465,6 +10820,21 @@ class TestAgent:
         assert "notes/home/keys.md" in system["content"]
         assert user == {"role": "user", "content": "where are the spare keys?"}
 
+    def test_a_model_that_echoes_its_key_never_hands_it_on(self, app, upstream):
+        """T14 for the agent: what the model endpoint was sent (its key) is scrubbed from
+        what it answers, however it spells it."""
+        key = "sk-Test-Agent-Key-0123456789AbCd"
+        client = app(
+            SERVICE_AGENT_PROVIDER="openai",
+            SERVICE_AGENT_BASE_URL=upstream.url + "/v1",
+            SERVICE_AGENT_MODEL="llama3.2",
+            SERVICE_AGENT_API_KEY=key,
+        )
+        upstream.reply = f"Your key is {key.upper()} ({urllib.parse.quote(key.lower())})."
+        d = data(client.post_json(f"{API}/agent/chat", {"message": "what is my key?"}))
+        assert d["reply"].startswith("Your key is …")
+        assert key.lower() not in json.dumps(d).lower()
+
     def test_openai_without_key_sends_no_authorization(self, app, upstream):
         client = app(
             SERVICE_AGENT_PROVIDER="openai",
@@ -10775,8 +11145,8 @@ class TestChannels:
 
     def test_webhook_failures_count_toward_lockout(self, client):
         self.create(client, "web")
-        for _ in range(10):
-            self.hook(client, "web", web_update("hi"), "wrong", 401)
+        for i in range(10):
+            self.hook(client, "web", web_update("hi"), f"wrong{i}", 401)
         resp = self.hook(client, "web", web_update("hi"), "wrong", 429)
         assert_error(resp, 429, "RATE_LIMITED")
 
@@ -11228,6 +11598,18 @@ class TestCapture:
             str(today_note(client).relative_to(client.app.service.config.root))
         ]
 
+    def test_a_transcription_that_echoes_its_key_keeps_it_out_of_the_note(self, client, upstream):
+        """T14 for the transcription key: the transcript is text a service wrote."""
+        ch = self.create(client)
+        upstream.add_file("vc1", "voice/file_3.oga", OGG)
+        upstream.transcript = "Authorization: Bearer TR-KEY-123, and call the plumber."
+        voice = {"file_id": "vc1", "file_unique_id": "v", "duration": 4, "mime_type": "audio/ogg"}
+        self.hook(client, "telegram", telegram_update(None, voice=voice), ch["secret"])
+        text = today_note(client).read_text()
+        assert "> Authorization: Bearer …, and call the plumber." in text
+        assert "tr-key-123" not in text.lower()
+        assert "tr-key-123" not in upstream.sent()[-1].lower()
+
     def test_without_a_transcription_service_the_audio_is_kept_and_said_so(
         self, make_app, upstream
     ):
@@ -11494,8 +11876,8 @@ class TestCapture:
         other = whatsapp_signature(body, "")
         assert_error(post({"X-Hub-Signature-256": other}, 401), 401, "UNAUTHORIZED")
         # Bad signatures count toward the lockout.
-        for _ in range(10):
-            post({"X-Hub-Signature-256": wrong}, [401, 429])
+        for i in range(10):  # ten different wrong ones (the same one again counts once)
+            post({"X-Hub-Signature-256": "sha256=" + f"{i:x}" * 64}, [401, 429])
         assert_error(post({"X-Hub-Signature-256": good}, 429), 429, "RATE_LIMITED")
 
     def test_the_audit_flags_unsigned_whatsapp_and_query_secrets(self, client, upstream):
@@ -11624,6 +12006,18 @@ class TestPolling:
         assert "Unauthorized" in status["error"]
         logged = "\n".join(r.getMessage() for r in caplog.records)
         assert "ABC-telegram-token" not in logged + json.dumps(status)
+
+    def test_a_token_telegram_says_back_is_not_shown_or_logged(self, client, upstream, caplog):
+        """T14 for bot tokens: a Bot API that puts the token, lower-cased, in its description."""
+        upstream.poll_status = 401
+        upstream.poll_error = "Unauthorized: bot 123456:abc-telegram-token is not known"
+        ch = self.create(client)
+        url = f"{API}/channels/{ch['id']}"
+        wait_for(lambda: "status" in data(client.get(url)))
+        status = data(client.get(url))["status"]
+        assert "Unauthorized: bot … is not known" in status["error"]
+        logged = "\n".join(r.getMessage() for r in caplog.records)
+        assert "abc-telegram-token" not in (logged + json.dumps(status)).lower()
 
     @pytest.mark.slow
     def test_another_poller_of_the_same_bot_is_not_fought(self, client, upstream):
@@ -13579,6 +13973,26 @@ class TestSecurity:
         assert "pair" in found["setup-exposed"]["recommendation"]
         assert report["summary"]["critical"] >= 1
 
+    def test_an_incomplete_setup_behind_a_trusted_proxy_says_who_is_offered_the_key(self, make_app):
+        """The audit's words hold: behind a trusted proxy on this machine, a request from
+        this machine straight to the port is not offered the key (it names no client);
+        one the proxy reports at home is."""
+        app = make_app(SERVICE_HOST="127.0.0.1", SERVICE_TRUST_PROXY="true")
+        found = {f["id"]: f for f in audit(app)["findings"]}
+        said = found["setup-incomplete"]["detail"]
+        assert found["setup-incomplete"]["severity"] == "low"
+        assert "offered by GET /system/setup to this machine" not in said
+        assert "a client that proxy reports" in said
+        assert "a request straight to the port from this machine" in said
+        assert "is not offered the key" in said
+        assert "through the proxy" in found["setup-incomplete"]["recommendation"]
+        key = key_of(app)
+        direct = data(app.get(f"{API}/system/setup", extra_environ=LOCAL))
+        assert direct["apiKey"] != key  # what the audit says: not to this machine itself
+        forwarded = {"X-Forwarded-For": "192.168.1.5", "Host": "127.0.0.1"}
+        named = data(app.get(f"{API}/system/setup", headers=forwarded, extra_environ=LOCAL))
+        assert named["apiKey"] == key  # ... but to a client the proxy names at home
+
     def test_an_incomplete_setup_on_loopback_alone_is_low(self, make_app):
         found = {
             f["id"]: f["severity"] for f in audit(make_app(SERVICE_HOST="127.0.0.1"))["findings"]
@@ -13608,6 +14022,38 @@ class TestSecurity:
         } <= found
         os.chmod(root / "notes", 0o755)
         assert "notes-readable" in ids(audit(safe))
+
+    @pytest.mark.real_server
+    @pytest.mark.slow
+    def test_a_fresh_servers_own_files_give_the_audit_nothing_to_say(self, tmp_path):
+        """New user's point 7: on a fresh server (a usual umask, 022) the first upload, a
+        capture's photo or a WebDAV folder makes attachments/ private like notes/, so the
+        audit finds nothing notesvc itself did."""
+        old = os.umask(0o022)
+        try:
+            servers = [running(tmp_path / f"root{i}") for i in range(2)]
+            with servers[0] as upload, servers[1] as dav:
+                for server, make in ((upload, "upload"), (dav, "dav")):
+                    setup = server.request("GET", f"{API}/system/setup")[2]["data"]
+                    key = {KEY: setup["apiKey"]}
+                    assert server.request("POST", f"{API}/auth/link", headers=key)[0] == 200
+                    conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=10)
+                    if make == "upload":
+                        path = att_url("attachments/inbox/a.png")
+                        conn.request("PUT", path, PNG, {**key, "Content-Type": "image/png"})
+                    else:
+                        auth = {"Authorization": basic(setup["apiKey"])}
+                        conn.request("MKCOL", "/dav/attachments/photos/", headers=auth)
+                    assert conn.getresponse().status == 201
+                    conn.close()
+                    found = server.request("GET", f"{API}/security/audit", headers=key)[2]["data"]
+                    mine = [f["id"] for f in found["findings"] if f["severity"] != "info"]
+                    assert mine == [], found["findings"]
+                    made = tmp_path / f"root{0 if make == 'upload' else 1}"
+                    assert stat.S_IMODE(os.stat(made / "attachments").st_mode) == 0o700
+                    assert stat.S_IMODE(os.stat(made / "notes").st_mode) == 0o700
+        finally:
+            os.umask(old)
 
     def test_key_age(self, safe, root):
         state_file = root / ".notesvc" / "state.json"
@@ -15010,8 +15456,8 @@ class TestWebClient:
         assert page.evaluate("sessionStorage.getItem('notesvc.key')") is None
         s.shot("key-rotated")
         # Wrong keys until this address is locked out: the wait is shown.
-        for _ in range(10):
-            web.server.request("POST", f"{API}/auth/verify", headers={"X-Service-Key": "nsk_wrong"})
+        for i in range(10):  # different ones: the old key the page retries counts once
+            web.server.request("POST", f"{API}/auth/verify", headers={KEY: f"nsk_wrong{i}"})
         page.fill("#key", body["data"]["apiKey"])
         page.click("#connect")
         expect(page.locator("#login-msg")).to_have_text(re.compile(r"try again in \d+ s"))
@@ -17527,6 +17973,51 @@ class TestRelay:
 
     @pytest.mark.real_server
     @pytest.mark.slow
+    def test_a_relay_that_says_the_token_back_gets_it_scrubbed(self, tmp_path):
+        """T14 for the relay token: a hostile relay refusing with the token it was sent
+        (upper-cased) in its message puts it neither in /system/info nor in the log."""
+        said: list = []
+
+        class Refusing(http.server.BaseHTTPRequestHandler):
+            def log_message(self, *args):
+                pass
+
+            def do_POST(self):
+                token = json.loads(self.rfile.read(int(self.headers["Content-Length"])))["token"]
+                said.append(token)
+                message = f"token {token.upper()} is banned here"
+                body = json.dumps(
+                    {"success": False, "error": {"code": "FORBIDDEN", "message": message}}
+                ).encode()
+                self.send_response(403)
+                self.send_header("Content-Type", "application/json")
+                self.send_header("Content-Length", str(len(body)))
+                self.end_headers()
+                self.wfile.write(body)
+
+        relay = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Refusing)
+        threading.Thread(target=relay.serve_forever, daemon=True).start()
+        url = f"http://127.0.0.1:{relay.server_address[1]}"
+        try:
+            with running(tmp_path, env={"SERVICE_RELAY_URL": url}) as server:
+                key = {KEY: server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]}
+
+                def refused():
+                    info = server.request("GET", f"{API}/system/info", headers=key)[2]["data"]
+                    return info["connection"]["state"] == "refused" and info["connection"]
+
+                shown = wait_for(refused)
+                wait_for(lambda: any("refused this server" in line for line in server.lines))
+        finally:
+            relay.shutdown()
+            relay.server_close()
+        assert "is banned here" in shown["lastError"]
+        token = said[0].lower()
+        assert token not in json.dumps(shown).lower()
+        assert token not in "".join(server.lines).lower()
+
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_two_hundred_long_polls_do_not_block_a_client(self, pair):
         relay, _, setup = pair
         fakes = [FakeRelayServer(relay, source=f"127.0.1.{i % 200 + 1}") for i in range(200)]
@@ -17622,6 +18113,44 @@ class TestRelay:
         assert 'etag: "abc"' in lines
         assert not any(h.startswith(("set-cookie", "access-control-")) for h in lines)
         assert got == page
+
+    @pytest.mark.real_server
+    @pytest.mark.slow
+    def test_a_header_outside_latin_1_is_left_out_and_the_answer_arrives(self, tmp_path):
+        """T9: a registered server answering with a header value outside Latin-1 (an `é`
+        in a file name, an emoji in an ETag) gets its answer through without that header,
+        and the relay logs no traceback; the connection serves on."""
+        with running(tmp_path, "relay") as relay:
+            fake = FakeRelayServer(relay)
+            assert fake.register() == 200
+            for value in (
+                '"caf\u00e9 \u2615"',
+                'attachment; filename="r\u00e9sum\u00e9 \U0001f4c4.pdf"',
+            ):
+                out: list = []
+                path = f"/r/{fake.server_id}{API}/x"
+                t = threading.Thread(
+                    target=lambda p=path, got=out: got.append(relay_raw_get(relay, p))
+                )
+                t.start()
+                _status, _, body = fake.poll()
+                headers = [
+                    ["Content-Type", "application/json"],
+                    ["ETag" if value.startswith('"') else "Content-Disposition", value],
+                    ["X-Request-Id", "r-1"],
+                ]
+                assert fake.reply(body["data"]["id"], 200, headers, b'{"ok": true}') == 200
+                t.join(10)
+                head, got = out[0]
+                assert head.startswith("HTTP/1.1 200 ")
+                assert got == b'{"ok": true}'
+                lines = head.lower().split("\r\n")
+                assert "x-request-id: r-1" in lines
+                assert not any(h.startswith(("etag", "content-disposition")) for h in lines)
+            assert relay.request("GET", "/health")[0] == 200
+        logged = "".join(relay.lines)
+        assert "Traceback" not in logged
+        assert "UnicodeEncodeError" not in logged
 
     @pytest.mark.real_server
     @pytest.mark.slow
@@ -18930,6 +19459,92 @@ def assert_gzipped(headers, body: bytes) -> bytes:
     return gzip.decompress(body)
 
 
+# What a secret looks like in an answer (T10): a field named for one, holding more than a
+# redacted hint, or a value shaped like one anywhere: a key or an OAuth token or code, a
+# link that holds a code, a pairing, a share or a feed, a JWT.
+SECRET_FIELDS = {"key", "apikey", "secret", "token", "access_token", "refresh_token", "code"}
+SECRET_FIELDS |= {"bindcode"}
+SECRET_SHAPE_RE = re.compile(
+    r"\bns[kgdarc]_[A-Za-z0-9_-]{20,}"
+    r"|[?&#](?:code|start|pair)=[A-Za-z0-9_-]{8,}"
+    r"|/s/[A-Za-z0-9_-]{22}(?![A-Za-z0-9_-])|/ics/[A-Za-z0-9_-]{32}\.ics"
+    r"|\beyJ[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+\.[A-Za-z0-9_-]+"
+)
+
+
+def carries_secret(answer) -> bool:
+    """Return whether a JSON answer holds a secret or a code (SECRET_FIELDS, SECRET_SHAPE_RE)."""
+    if isinstance(answer, dict):
+        for name, value in answer.items():
+            named = name.lower() in SECRET_FIELDS and isinstance(value, str)
+            if named and len(value) >= 8 and "…" not in value and not value.isupper():
+                return True
+            if carries_secret(value):
+                return True
+        return False
+    if isinstance(answer, list):
+        return any(map(carries_secret, answer))
+    return isinstance(answer, str) and bool(SECRET_SHAPE_RE.search(answer))
+
+
+def secret_answers(ask, key: str, note: str = "notes/shared.md") -> dict:
+    """Ask every route that answers a secret or a code, each as a client would, its answer
+    made longer than gzip's threshold where the request can (a long name, the client's own
+    `state`); return {(method, rule): (status, headers, raw answer)}. `ask(method, path,
+    body=None, headers=None, form=None)` sends it (WebTest or the wire) with gzip asked.
+    The rotate comes last: it ends `key`."""
+    owner, long = {KEY: key}, "n" * 100
+    got: dict = {}
+
+    def call(method: str, rule: str, path: str = "", **how) -> dict:
+        status, headers, raw = ask(method, path or rule, **how)
+        got[(method, rule)] = (status, headers, raw)
+        assert "Content-Encoding" not in headers, f"{method} {rule} was compressed"
+        assert 200 <= status < 300, (rule, status, raw[:300])
+        return json.loads(raw)
+
+    call("GET", f"{API}/system/setup")
+    call("POST", f"{API}/auth/keys", body={"name": long, "scope": "write"}, headers=owner)
+    body = {"name": long, "scope": "write"}
+    made = call("POST", f"{API}/auth/devices/pairings", body=body, headers=owner)["data"]
+    claim = {"secret": made["secret"], "deviceName": long}
+    call("POST", f"{API}/auth/devices/claim", body=claim)
+    call("POST", f"{API}/auth/feeds", body={"name": long}, headers=owner)
+    ask("POST", f"{API}/notes", body={"path": note, "content": "x"}, headers=owner)
+    call("POST", f"{API}/shares", body={"path": note}, headers=owner)
+    call("POST", f"{API}/channels", body={"provider": "web", "name": long}, headers=owner)
+    body = {"botToken": "123456:ABC-good", "name": long}
+    connected = call("POST", f"{API}/channels/connect/telegram", body=body, headers=owner)
+    bind = f"{API}/channels/{connected['data']['channel']['id']}/bind"
+    call("POST", f"{API}/channels/<channel_id>/bind", bind, headers=owner)
+    client = {"redirect_uris": [CALLBACK], "client_name": "Pocket assistant"}
+    cid = json.loads(ask("POST", "/oauth/register", body=client)[2])["client_id"]
+    verifier, challenge = pkce_pair()
+    body = {
+        "clientId": cid,
+        "redirectUri": CALLBACK,
+        "state": "s" * 1024,  # the client's own text, beside the code
+        "codeChallenge": challenge,
+        "scope": "notes:read",
+    }
+    redirect = call("POST", f"{API}/oauth/approve", body=body, headers=owner)["data"]["redirect"]
+    code = urllib.parse.parse_qs(urllib.parse.urlsplit(redirect).query)["code"][0]
+    form = {
+        "grant_type": "authorization_code",
+        "code": code,
+        "client_id": cid,
+        "redirect_uri": CALLBACK,
+        "code_verifier": verifier,
+    }
+    call("POST", "/oauth/token", form=form)
+    call("POST", f"{API}/auth/token", headers=owner)
+    call("POST", f"{API}/auth/rotate", headers=owner)
+    return got
+
+
+SECRET_APP_ENV = {"SERVICE_AUTH_MODE": "jwt", "SERVICE_JWT_SECRET": "j" * 40}
+
+
 class TestCompression:
     """gzip for pages, scripts and JSON over ~1 KB when asked (docs/api.md: Compression)."""
 
@@ -18958,12 +19573,86 @@ class TestCompression:
             ("POST", f"{API}/channels"),
             ("POST", f"{API}/channels/connect/telegram"),
             ("POST", f"{API}/channels/<channel_id>/bind"),
+            ("POST", f"{API}/auth/feeds"),
+            ("POST", f"{API}/oauth/approve"),
             ("POST", "/oauth/token"),
         ):
             assert (method, rule) in secret, rule
         files = [r for r in anon.app.service.routes if r.media in ("*/*", "application/zip")]
         assert files
         assert not any(r.gzip for r in files)
+        mine = notesvc.PluginRoute("POST", "/token", lambda svc: {}, secret=True)
+        (route,) = notesvc.plugin_routes([notesvc.Plugin("p", routes=(mine,))])
+        assert route.secret
+        assert not route.gzip
+
+    def test_every_answer_with_a_secret_comes_from_a_secret_route(self, make_app, upstream):
+        """T10, derived from the answers themselves: every route is asked (the ones that
+        make a secret as a client would, the rest with sample values), and an answer that
+        carries a key, a token, a secret, a code or a link holding one must come from a
+        route marked secret; each route marked secret shows one."""
+        env = {**SECRET_APP_ENV, "SERVICE_TELEGRAM_API_BASE": upstream.url}
+        app = webtest.TestApp(make_app(**env).app, extra_environ=LOCAL)
+        key = key_of(app)
+        routes = {(r.method, r.rule): r for r in app.app.service.routes}
+        carried: set = set()
+
+        def ask(method, path, body=None, headers=None, form=None):
+            hdrs = {"Accept-Encoding": "gzip", **(headers or {})}
+            if form is not None:
+                resp = app.post(path, form, headers=hdrs, status="*")
+            elif body is not None:
+                payload = json.dumps(body).encode()
+                hdrs["Content-Type"] = "application/json"
+                resp = app.request(path, method=method, body=payload, headers=hdrs, status="*")
+            else:
+                resp = app.request(path, method=method, headers=hdrs, status="*")
+            return resp.status_int, resp.headers, resp.body
+
+        made = secret_answers(ask, key)
+        key = key_of(app)  # rotated last
+        rotate = ("POST", f"{API}/auth/rotate")
+        for method, rule in routes:  # the rest, with sample values
+            if (method, rule) not in made and (method, rule) != rotate:
+                made[(method, rule)] = ask(method, sample_url(rule), headers={KEY: key})
+        for where, (status, headers, raw) in made.items():
+            is_json = headers.get("Content-Type", "").startswith("application/json")
+            if 200 <= status < 300 and is_json and carries_secret(json.loads(raw)):
+                carried.add(where)
+        unmarked = sorted(f"{m} {r}" for m, r in carried if not routes[(m, r)].secret)
+        assert unmarked == []
+        assert {w for w, r in routes.items() if r.secret} == carried
+        assert not any(routes[w].gzip for w in carried)
+
+    @pytest.mark.real_server
+    @pytest.mark.slow
+    def test_no_answer_with_a_secret_or_a_code_is_gzipped_on_the_wire(self, tmp_path, upstream):
+        """T10 on a real server: every route that answers a secret or a code, asked with
+        `Accept-Encoding: gzip`, answers without Content-Encoding (BREACH) — the OAuth
+        approval's code beside 1 KB of the client's own `state` included."""
+        env = {**SECRET_APP_ENV, "SERVICE_TELEGRAM_API_BASE": upstream.url}
+        with running(tmp_path / "root", env=env) as server:
+
+            def ask(method, path, body=None, headers=None, form=None):
+                hdrs = {"Accept-Encoding": "gzip", **(headers or {})}
+                if form is None:
+                    return raw_answer(server, method, path, hdrs, body)
+                conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=30)
+                try:
+                    hdrs["Content-Type"] = "application/x-www-form-urlencoded"
+                    conn.request(method, path, urllib.parse.urlencode(form), hdrs)
+                    resp = conn.getresponse()
+                    return resp.status, resp.headers, resp.read()
+                finally:
+                    conn.close()
+
+            key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
+            made = secret_answers(ask, key)
+            assert set(made) == {(r.method, r.rule) for r in notesvc.ROUTES if r.secret}
+            for (method, rule), (_, headers, raw) in made.items():
+                assert "Content-Encoding" not in headers, f"{method} {rule}"
+                assert carries_secret(json.loads(raw)), f"{method} {rule}"
+            assert len(made[("POST", f"{API}/oauth/approve")][2]) > 1024  # gzip's threshold
 
     def test_a_webtest_answer_says_vary_and_what_it_was_before(self, client):
         """(WebTest decodes gzip itself: here only what it keeps; the wire is below.)"""
@@ -19339,9 +20028,9 @@ class TestEdge:
             remote = call(proxy.url, "GET", setup, source="127.0.0.5")[1]["data"]
             assert remote["apiKey"] == "nsk_…" + key[-4:]
             # One remote client's failures lock out that client only.
-            for _ in range(10):
+            for i in range(10):
                 status, _ = call(
-                    proxy.url, "POST", f"{API}/auth/verify", {"X-Service-Key": "nsk_x"}, "127.0.0.5"
+                    proxy.url, "POST", f"{API}/auth/verify", {KEY: f"nsk_x{i}"}, "127.0.0.5"
                 )
                 assert status == 401
             right = {"X-Service-Key": key}
@@ -19366,7 +20055,7 @@ class TestEdge:
             key = server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
             assert setup["apiKey"] == "nsk_…" + key[-4:]
             for i in range(10):  # forged addresses do not spread the failures
-                hdrs = {"X-Service-Key": "nsk_x", "X-Forwarded-For": f"203.0.113.{i}"}
+                hdrs = {"X-Service-Key": f"nsk_x{i}", "X-Forwarded-For": f"203.0.113.{i}"}
                 assert server.request("POST", f"{API}/auth/verify", headers=hdrs)[0] == 401
             hdrs = {"X-Service-Key": key, "X-Forwarded-For": "203.0.113.77"}
             assert server.request("POST", f"{API}/auth/verify", headers=hdrs)[0] == 429
@@ -19381,6 +20070,43 @@ class TestEdge:
 
     @pytest.mark.real_server
     @pytest.mark.slow
+    @pytest.mark.parametrize(
+        "proxys", [{"X-Real-IP": "203.0.113.50"}, {"Forwarded": "for=203.0.113.50;proto=https"}]
+    )
+    def test_a_forged_forwarded_for_behind_a_trusted_proxy_dodges_no_limit(self, tmp_path, proxys):
+        """T6: a trusted proxy that writes only X-Real-IP (or Forwarded) passes on whatever
+        X-Forwarded-For its client sends: rotating it must not spread the failures (nor the
+        rate limits), and naming someone else's address must not lock them out."""
+        with running(tmp_path, env={"SERVICE_TRUST_PROXY": "127.0.0.1"}) as server:
+            key = json.loads((tmp_path / ".notesvc" / "state.json").read_text())["apiKey"]
+            verify = f"{API}/auth/verify"
+            victim = {"X-Real-IP": "198.51.100.7"}  # (as the proxy writes it for the victim)
+            for i in range(10):  # the attacker names the victim, then anyone at all
+                forged = {**proxys, "X-Forwarded-For": "198.51.100.7" if i < 5 else f"10.9.{i}.1"}
+                status = server.request("POST", verify, headers={**forged, KEY: f"nsk_x{i}"})[0]
+                assert status == 401
+            forged = {**proxys, "X-Forwarded-For": "192.0.2.200"}
+            status, headers, body = server.request("POST", verify, headers={**forged, KEY: key})
+            assert status == 429  # locked out, whatever it forges next
+            assert body["error"]["code"] == "RATE_LIMITED"
+            assert int(headers["Retry-After"]) > 0
+            assert server.request("POST", verify, headers={**victim, KEY: key})[0] == 200
+            same = {**victim, "X-Forwarded-For": "198.51.100.7"}  # headers that agree: the client
+            assert server.request("POST", verify, headers={**same, KEY: key})[0] == 200
+            # every rate limit keys on the same client: ten registrations a minute
+            form = {"redirect_uris": [CALLBACK], "client_name": "Pocket assistant"}
+            statuses = []
+            for i in range(11):
+                forged = {**proxys, "X-Forwarded-For": f"10.8.{i}.1"}
+                statuses.append(server.request("POST", "/oauth/register", form, forged)[0])
+            assert statuses == [201] * 10 + [429]
+            assert server.request("POST", "/oauth/register", form, victim)[0] == 201
+            logged = "".join(server.lines)
+            assert "via:127.0.0.1 is locked out for 60 s" in logged
+            assert "198.51.100.7 is locked out" not in logged
+
+    @pytest.mark.real_server
+    @pytest.mark.slow
     def test_relayed_failures_never_lock_out_a_loopback_client(self, tmp_path):
         relay = Server(tmp_path / "relay", "relay", env={"SERVICE_RELAY_TIMEOUT": "5"})
         server = Server(tmp_path / "srv", env={"SERVICE_RELAY_URL": relay.url})
@@ -19388,8 +20114,8 @@ class TestEdge:
             wait_for(lambda: relay_servers(relay) == 1)
             setup = server.request("GET", f"{API}/system/setup")[2]["data"]
             verify = f"/r/{setup['serverId']}{API}/auth/verify"
-            for _ in range(10):
-                assert relay.request("POST", verify, headers={"X-Service-Key": "nsk_x"})[0] == 401
+            for i in range(10):
+                assert relay.request("POST", verify, headers={KEY: f"nsk_x{i}"})[0] == 401
             right = {"X-Service-Key": setup["apiKey"]}
             assert relay.request("POST", verify, headers=right)[0] == 429  # that client is out
             # ... but the owner on the server's own machine is not,
@@ -20198,7 +20924,7 @@ class TestMcp:
     def test_wrong_keys_on_mcp_count_toward_the_lockout(self, anon):
         key = key_of(anon)
         for i in range(10):
-            headers = [{"Authorization": "Bearer nsk_x"}, {"X-API-Key": "nsk_y"}][i % 2]
+            headers = [{"Authorization": f"Bearer nsk_x{i}"}, {"X-API-Key": f"nsk_y{i}"}][i % 2]
             rpc_error(raw_mcp(anon, "{}", **headers), 401, -32000)
         resp = raw_mcp(
             anon, '{"jsonrpc": "2.0", "id": 1, "method": "ping"}', Authorization=f"Bearer {key}"
@@ -21618,8 +22344,8 @@ class TestDav:
 
     def test_wrong_passwords_count_toward_the_lockout(self, anon):
         wrong = Dav(anon, "nsk_wrong")
-        for _ in range(10):
-            wrong("PROPFIND", "notes", status=401, Depth="0")
+        for i in range(10):  # ten different wrong passwords (the same one again counts once)
+            Dav(anon, f"nsk_wrong{i}")("PROPFIND", "notes", status=401, Depth="0")
         wrong("PROPFIND", "notes", status=429, Depth="0")
         Dav(anon, key_of(anon))("PROPFIND", "notes", status=429, Depth="0")  # locked out
 
@@ -22504,8 +23230,8 @@ class TestCalDAV:
 
     def test_wrong_passwords_on_task_lists_count_toward_the_lockout(self, anon):
         wrong = Dav(anon, "nsk_wrong")
-        for _ in range(10):
-            resp = wrong("REPORT", "calendars/all/", sync_body(), status=401)
+        for i in range(10):
+            resp = Dav(anon, f"nsk_wrong{i}")("REPORT", "calendars/all/", sync_body(), status=401)
             assert resp.headers["WWW-Authenticate"].startswith('Basic realm="notesvc"')
         wrong("PROPFIND", "calendars/", status=429, Depth="0")
         Dav(anon, key_of(anon))("PROPFIND", "calendars/", status=429, Depth="0")

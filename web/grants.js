@@ -123,9 +123,9 @@ const grants = (() => {
         g.kind === "oauth"
           ? "This app is disconnected at once; it must ask you again to come back."
           : g.kind === "device"
-            ? "This device is signed out at once, and the share links and unused pairing " +
-              "codes it made end."
-            : "This key stops working at once, and the share links it made end.",
+            ? "This device is signed out at once, and the share links, calendar feeds, " +
+              "unused pairing codes and Telegram chats it made or connected end."
+            : "This key stops working at once, and the share links and feeds it made end.",
       ];
       const buttons = [
         ["cancel", "Cancel"],

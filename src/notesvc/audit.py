@@ -15,7 +15,15 @@ from typing import Callable
 
 from notesvc.boot import log
 from notesvc.grants import MAX_OAUTH_CLIENTS, OAUTH_CLIENT_UNUSED_DAYS, _clean_name, _epoch
-from notesvc.helpers import _minutes, _redact_url, _self_command, is_loopback, iso, utcnow
+from notesvc.helpers import (
+    _minutes,
+    _redact_url,
+    _self_command,
+    is_loopback,
+    is_trusted_proxy,
+    iso,
+    utcnow,
+)
 from notesvc.notes.paths import ATTACHMENTS, NOTES
 from notesvc.service import Service, plugins_dir
 from notesvc.settings import Config
@@ -134,14 +142,43 @@ def check_setup_exposed(svc: Service) -> list:
         f"Set it up now from a browser on this machine or its home network, or run "
         f"`{_self_command()} pair` (or rotate-key) on the server: either completes setup."
     )
+    window = _minutes(cfg.setup_window)
+    home = "loopback" if svc.setup_loopback_only else "loopback or its home network"
+    if not _reachable_beyond_loopback(cfg) and not relayed and cfg.trust_proxy:
+        # Behind the proxy the forwarded address decides (client_of): what the key is
+        # offered to is what the proxy reports, and a loopback peer may be the proxy itself.
+        itself = any(is_trusted_proxy(cfg, a) for a in ("127.0.0.1", "::1"))
+        return [
+            finding(
+                "setup-incomplete",
+                "low",
+                "Setup is not complete",
+                "The service listens on loopback only, behind the proxy SERVICE_TRUST_PROXY "
+                "names: GET /system/setup offers the key only to a client that proxy reports "
+                f"(X-Forwarded-For, Forwarded, X-Real-IP) as on {home}, for {window} after a "
+                "start, until setup completes"
+                + (
+                    "; a request straight to the port from this machine comes from a "
+                    "trusted proxy's address and names no client, so it is not offered "
+                    "the key"
+                    if itself
+                    else ""
+                )
+                + ".",
+                "Set it up through the proxy from a browser "
+                + ("on this machine" if svc.setup_loopback_only else "at home")
+                + f", or run `{_self_command()} pair` (or rotate-key) on the server: either "
+                "completes setup.",
+            )
+        ]
     if not _reachable_beyond_loopback(cfg) and not relayed:
         return [
             finding(
                 "setup-incomplete",
                 "low",
                 "Setup is not complete",
-                "The key is offered by GET /system/setup to this machine until setup "
-                "completes; the service listens on loopback only.",
+                f"The key is offered by GET /system/setup to this machine, for {window} "
+                "after a start, until setup completes; the service listens on loopback only.",
                 finish,
             )
         ]
@@ -154,13 +191,17 @@ def check_setup_exposed(svc: Service) -> list:
         if part
     )
     who = "loopback" if svc.setup_loopback_only else "loopback and home-network"
+    if cfg.trust_proxy:
+        who += " clients (behind the proxy SERVICE_TRUST_PROXY names: as it reports them)"
+    else:
+        who += " clients"
     return [
         finding(
             "setup-exposed",
             "critical",
             "Setup is not complete on a reachable server",
             f"Setup is incomplete and the service {where}: whoever sets it up first owns "
-            f"it. The key is offered only to {who} clients, for "
+            f"it. The key is offered only to {who}, for "
             f"{_minutes(cfg.setup_window)} after a start, and never through a relay; a "
             "proxy or tunnel in front that adds no forwarding header makes every client "
             "look local.",
@@ -456,7 +497,11 @@ def check_channel_allowlists(svc: Service) -> list:
                     "delete the channel and create it again.",
                 )
             )
-        elif provider.allow and not channel["config"].get(provider.allow):
+        elif (  # (a channel waiting for a bind code, or closed by one revoked, takes nobody)
+            provider.allow
+            and not channel["config"].get(provider.allow)
+            and not channel.get("binding")
+        ):
             out.append(
                 finding(
                     f"channel-open-{channel['id']}",

@@ -7,6 +7,7 @@ import contextlib
 import hashlib
 import heapq
 import hmac
+import itertools
 import json
 import os
 import re
@@ -18,7 +19,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from notesvc.boot import log
-from notesvc.helpers import atomic_write, file_lock, iso, key_hash, new_key, utcnow
+from notesvc.helpers import atomic_write, file_lock, iso, key_hash, log_safe, new_key, utcnow
 from notesvc.settings import Config
 
 # == State and auth ===========================================================
@@ -262,15 +263,29 @@ def jwt_decode(token: str, secret: str, now: float | None = None) -> dict:
 
 
 class Lockout:
-    """Failed credentials per client address: `limit` in `window` s lock it out for `window` s."""
+    """Failed credentials per client address: `limit` distinct wrong credentials in
+    `window` s lock it out for `window` s.
+
+    The same wrong credential presented again within the window counts once (each is
+    remembered by a short hash of it, never itself): a revoked device that keeps retrying
+    its key from the owner's address locks nobody out, while a guesser, whose every try is
+    a new credential, still is. Callers that pass no credential count every failure.
+    """
 
     def __init__(
-        self, limit: int = 10, window: float = 60.0, clock=time.monotonic, tracked: int = 10000
+        self,
+        limit: int = 10,
+        window: float = 60.0,
+        clock=time.monotonic,
+        tracked: int = 10000,
+        what: str = "wrong credentials",
     ):
         self.limit, self.window, self.clock = limit, window, clock
         self.tracked = tracked  # addresses remembered at most (memory under a spray)
-        self._fails: dict[str, deque] = {}
+        self.what = what  # what failed, as the log says it
+        self._fails: dict[str, dict] = {}  # addr -> {credential's hash: last seen}, oldest first
         self._until: dict[str, float] = {}
+        self._unnamed = itertools.count()  # failures without a credential: each its own
         self._lock = threading.Lock()
 
     def retry_after(self, addr: str) -> int:
@@ -283,18 +298,36 @@ class Lockout:
                 return 0
             return max(1, int(left + 0.999))
 
-    def fail(self, addr: str) -> None:
+    def fail(self, addr: str, credential: str | bytes | None = None) -> None:
+        """Count a wrong credential from addr (once per distinct credential in the window)."""
+        if credential is None:
+            seen: Any = next(self._unnamed)
+        else:
+            raw = (
+                credential.encode("utf-8", "replace") if isinstance(credential, str) else credential
+            )
+            seen = hashlib.sha256(raw).digest()[:8]
         now = self.clock()
         with self._lock:
             if len(self._fails) >= self.tracked:  # bound memory under a spray of addresses
                 self._prune(now)
-            q = self._fails.setdefault(addr, deque())
-            q.append(now)
-            while q and q[0] <= now - self.window:
-                q.popleft()
-            if len(q) >= self.limit:
-                self._until[addr] = now + self.window
-                q.clear()
+            tries = self._fails.setdefault(addr, {})
+            for old in [c for c, at in tries.items() if at <= now - self.window]:
+                del tries[old]
+            tries.pop(seen, None)  # seen again: it moves to the end, still one
+            tries[seen] = now
+            if len(tries) < self.limit:
+                return
+            self._until[addr] = now + self.window
+            tries.clear()
+        log.warning(
+            "%s is locked out for %d s: %d %s in %d s",
+            log_safe(addr, 80),
+            self.window,
+            self.limit,
+            self.what,
+            self.window,
+        )
 
     def succeed(self, addr: str) -> None:
         """Forget addr's failures: a right credential from it (a lockout still runs out)."""
@@ -306,15 +339,20 @@ class Lockout:
 
         Pruning makes room for `tracked // 2` new addresses, so its cost is spread thin.
         """
-        for addr in [a for a, q in self._fails.items() if not q or q[-1] <= now - self.window]:
+        for addr in [a for a, q in self._fails.items() if _last(q) <= now - self.window]:
             del self._fails[addr]
         for addr in [a for a, until in self._until.items() if until <= now]:
             del self._until[addr]
         excess = len(self._fails) - self.tracked // 2
         if excess > 0:
-            last = {a: q[-1] for a, q in self._fails.items()}
+            last = {a: _last(q) for a, q in self._fails.items()}
             for addr in heapq.nsmallest(excess, last, key=last.__getitem__):
                 del self._fails[addr]
+
+
+def _last(tries: dict) -> float:
+    """Return when an address last failed (its newest entry; -inf: none)."""
+    return next(reversed(tries.values()), float("-inf"))
 
 
 class RateLimit:

@@ -468,9 +468,12 @@ class GrantStore:
         self._flushed = clock()
         self.codes: dict = {}  # code hash -> what the owner approved (memory only)
         self.metadata: dict = {}  # client_id URL -> (fetched at, document)
+        # (data, the ids revoked) -> None, run inside a revocation's state update: what a
+        # grant made beyond this store ends with it in the same write (the chats it bound)
+        self.on_revoke: list = []
         self.registrations = RateLimit(REGISTRATIONS_PER_MINUTE)
         self.public_hits = RateLimit(60)  # shared notes and consent facts, per address
-        self.share_misses = Lockout()  # unknown share tokens, per address
+        self.share_misses = Lockout(what="unknown links")  # share and feed tokens, per address
 
     # -- authenticating -------------------------------------------------------------
 
@@ -717,9 +720,11 @@ class GrantStore:
             found.update(more)
 
     def revoke(self, grant_id: str, cascade: bool = False) -> list:
-        """Revoke a key or an OAuth grant, the share links it made and the pairings it made
-        that wait to be claimed; with cascade also the grants it made (devices, keys, OAuth
-        grants, and theirs in turn). Return the ids revoked, grant_id first ([]: unknown)."""
+        """Revoke a key or an OAuth grant and the secrets it made: its share links, its
+        calendar feeds, the pairings it made that wait to be claimed, and (on_revoke) the
+        chats it connected to a channel; with cascade also the grants it made (devices,
+        keys, OAuth grants, and theirs in turn), and theirs. Return the ids revoked,
+        grant_id first ([]: unknown)."""
 
         def change(data: dict) -> list:
             grants = data.get("grants", [])
@@ -728,14 +733,14 @@ class GrantStore:
             gone = [grant_id, *(self._made_by(grants, grant_id) if cascade else [])]
             data["grants"] = [g for g in grants if g["id"] not in gone]
             data["shares"] = [s for s in data.get("shares", []) if s.get("grantId") not in gone]
-            pairings = data.get("pairings", [])
-            data["pairings"] = [p for p in pairings if p.get("createdBy") not in gone]
-            if len(data["pairings"]) < len(pairings):
-                log.info(
-                    "%d pairing(s) made by %s ended",
-                    len(pairings) - len(data["pairings"]),
-                    grant_id,
-                )
+            for name, what in (("pairings", "pairing"), ("feeds", "calendar feed")):
+                kept = [x for x in data.get(name, []) if x.get("createdBy") not in gone]
+                if len(kept) < len(data.get(name, [])):
+                    ended = len(data[name]) - len(kept)
+                    log.info("%d %s(s) made by %s ended", ended, what, grant_id)
+                    data[name] = kept
+            for hook in self.on_revoke:
+                hook(data, gone)
             return gone
 
         if not any(g["id"] == grant_id for g in self.state.read().get("grants", [])):
@@ -748,6 +753,18 @@ class GrantStore:
             self._used.pop(g, None)
             log.info("grant %s revoked", g)
         return gone
+
+    def live_maker(self, created_by: Any) -> bool:
+        """Return whether what `created_by` made may still be used: made by the owner or
+        the CLI (or before it was recorded), or by a grant that is live (not revoked, not
+        expired)."""
+        if not made_by_grant(created_by):
+            return True
+        now = self.clock()
+        return any(
+            g["id"] == created_by and self.expires(g) > now
+            for g in self.state.read().get("grants", [])
+        )
 
     def counts(self) -> dict:
         """Return how many grants there are of each kind, and registered OAuth clients."""

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import datetime as dt
 import errno
@@ -353,6 +354,64 @@ def _redact_url(url: str) -> str:
     return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=query, fragment=""))
 
 
+SCRUB_FRAGMENT = 12  # a run this long of a secret's own characters is a piece of it
+
+
+def url_secrets(url: str) -> list:
+    """Return what in an endpoint's URL may be a secret: its userinfo's password, its
+    query string and each query value of 8 characters or more."""
+    parts = urllib.parse.urlsplit(url)
+    found = [parts.password or "", parts.query]
+    found += [v for _, v in urllib.parse.parse_qsl(parts.query) if len(v) >= 8]
+    return [s for s in found if s]
+
+
+@functools.lru_cache(maxsize=64)
+def _scrubber(secrets: tuple) -> tuple:
+    """Return (a pattern of every spelling of the secrets, their lower-case forms)."""
+    spellings: set = set()
+    for secret in secrets:
+        raw = secret.encode("utf-8")
+        spellings |= {
+            secret,
+            urllib.parse.quote(secret, safe=""),
+            urllib.parse.quote_plus(secret, safe=""),
+        }
+        for shift in range(3):  # base64 at each alignment: the groups the secret alone decides
+            for encode in (base64.b64encode, base64.urlsafe_b64encode):
+                text = encode(b"\0" * shift + raw).decode("ascii").rstrip("=")
+                core = text[4 if shift else 0 : len(text) - len(text) % 4 or None]
+                if len(core) >= SCRUB_FRAGMENT:
+                    spellings.add(core)
+    ordered = sorted(spellings, key=len, reverse=True)
+    pattern = re.compile("|".join(map(re.escape, ordered)), re.I)
+    return pattern, tuple(s.lower() for s in secrets)
+
+
+def scrub(text: str, secrets: Any, limit: int = 0) -> str:
+    """Return text (an answer, an error, a log line from an outbound call) without any of
+    the secrets this server sends out (embeddings, agent and transcription keys, bot
+    tokens, a URL's password or query), each replaced by "…": as sent, in any case,
+    URL-encoded, in base64 (standard or URL-safe, at any alignment), and any run of
+    SCRUB_FRAGMENT or more of a secret's own characters (an endpoint that echoes it cut
+    short, or lower-cased); cut to `limit` bytes when given. The one scrub of notesvc.
+
+    >>> scrub("bad token 123456%3aabc-defghijklmn, ABC-DEFGHIJKLM", ["123456:ABC-defghijklmn"])
+    'bad token …, …'
+    """
+    found = tuple(sorted({s for s in secrets if isinstance(s, str) and len(s) >= 4}))
+    if found and text:
+        pattern, lowered = _scrubber(found)
+        text = pattern.sub("…", text)
+
+        def piece(m: Any) -> str:
+            run = m.group().lower()
+            return "…" if any(run in secret for secret in lowered) else m.group()
+
+        text = re.sub(f"[A-Za-z0-9_-]{{{SCRUB_FRAGMENT},}}", piece, text)
+    return text.encode("utf-8")[:limit].decode("utf-8", "ignore") if limit else text
+
+
 def _self_command() -> str:
     """Return how the owner runs this program: the `notesvc` entry point, `python3 -m
     notesvc` (the package) or the file."""
@@ -523,31 +582,6 @@ def behind_trusted_proxy(config: Config, environ: dict) -> bool:
     )
 
 
-def client_address(config: Config, environ: dict) -> str:
-    """Return the client's address: the peer's, or the one a trusted proxy or the relay reports.
-
-    Behind trusted proxies it is the right-most X-Forwarded-For entry that is not itself
-    a trusted proxy (entries further left are whatever the client claimed). Relayed
-    clients are "relay:<addr>", so they never share a lockout bucket with loopback ones.
-    """
-    peer = environ.get("REMOTE_ADDR", "")
-    if environ.get("notesvc.relayed"):
-        return f"relay:{peer or '?'}"
-    if not behind_trusted_proxy(config, environ):
-        return peer
-    found = peer
-    for hop in reversed(environ.get("HTTP_X_FORWARDED_FOR", "").split(",")):
-        if not hop.strip():
-            continue
-        ip = ip_of(hop)
-        if ip is None:  # not written by a proxy we trust: stop at the last good hop
-            break
-        found = str(ip)
-        if not is_trusted_proxy(config, found):
-            break
-    return found
-
-
 # Headers by which a proxy or a tunnel says whom it forwards for: from a peer that is not a
 # trusted proxy, any of them means the peer is not the client (docs/design.md: Security).
 FORWARDING_HEADERS = (
@@ -596,46 +630,148 @@ def _client_of_hops(config: Config, hops: list) -> Any:
     return ip  # else every hop a trusted proxy: the first one's client is theirs to say
 
 
-def setup_client_ip(config: Config, environ: dict) -> Any:
-    """Return the client's address as setup judges it, or None when it cannot be known.
+def client_of(config: Config, environ: dict) -> tuple:
+    """Return (the client's address as setup judges it, or None when it cannot be known;
+    the name its lockout and rate limits count under, which the logs show): the one place
+    that decides who the client is (docs/design.md: Security).
 
     The TCP peer decides; a forwarded address counts only from a proxy SERVICE_TRUST_PROXY
-    names (the right-most hop that is not itself such a proxy). None: a relayed request,
-    a trusted proxy that names no parseable client, or any forwarding header from a peer
-    that is not a trusted proxy (a tunnel or proxy we were not told about).
+    names (the right-most hop that is not itself such a proxy). For setup, None: a relayed
+    request, a trusted proxy that names no parseable client, or any forwarding header from
+    a peer that is not a trusted proxy (a tunnel or proxy we were not told about).
 
     A proxy that writes only X-Real-IP or Forwarded passes the client's own
-    X-Forwarded-For on, so every one of the three headers present is judged and the
-    farthest from home wins (outside the home ranges, then not loopback).
+    X-Forwarded-For on (and one that writes only X-Forwarded-For passes a forged
+    X-Real-IP), so every one of the three headers present is judged. Setup takes the
+    farthest from home (outside the home ranges, then not loopback). The lockout's name is
+    the client they all agree on; when they disagree, or one names nothing parseable, which
+    one the proxy wrote cannot be told, so every such request through that proxy counts
+    under one name, "via:<proxy>": a client rotating a forged header dodges no limit, and
+    naming someone else's address locks nobody else out. Relayed clients count as
+    "relay:<addr>", never in a bucket of loopback clients.
     """
+    peer_text = environ.get("REMOTE_ADDR") or ""
     if environ.get("notesvc.relayed"):
-        return None
-    peer = ip_of(environ.get("REMOTE_ADDR") or "")
-    if peer is None:
-        return None
-    if not is_trusted_proxy(config, str(peer)):
-        return None if any(environ.get(h) for h in FORWARDING_HEADERS) else peer
+        return None, f"relay:{peer_text or '?'}"
+    peer = ip_of(peer_text)
+    if peer is None or not is_trusted_proxy(config, str(peer)):
+        forwarded = any(environ.get(h) for h in FORWARDING_HEADERS)
+        return (None if forwarded else peer), peer_text
     clients = [_client_of_hops(config, hops) for hops in _forwarded_hops(environ)]
-    if not clients or None in clients:
-        return None
-    return max(clients, key=lambda ip: (not is_home_network(str(ip)), not ip.is_loopback))
+    if not clients:  # the proxy's own request, or one that adds no header: the peer
+        return None, peer_text
+    if None in clients:
+        return None, f"via:{peer}"
+    judged = max(clients, key=lambda ip: (not is_home_network(str(ip)), not ip.is_loopback))
+    # a header whose every hop is a trusted proxy names no client while another one does
+    named = {ip for ip in clients if not is_trusted_proxy(config, str(ip))} or set(clients)
+    return judged, str(next(iter(named))) if len(named) == 1 else f"via:{peer}"
+
+
+def setup_client_ip(config: Config, environ: dict) -> Any:
+    """Return the client's address as setup judges it, or None when it cannot be known
+    (client_of)."""
+    return client_of(config, environ)[0]
+
+
+def client_address(config: Config, environ: dict) -> str:
+    """Return the name a client's failed credentials and rate limits count under, and the
+    logs show: its address, "relay:<addr>" or "via:<proxy>" (client_of)."""
+    return client_of(config, environ)[1]
+
+
+# What names a cloud in the firmware's own words (sys_vendor, product_name,
+# chassis_asset_tag): Amazon EC2, Google Compute Engine, Microsoft's Virtual Machine (Azure,
+# with the vendor), DigitalOcean's Droplet, Hetzner's vServer, OpenStack Nova (OVH, and
+# many more), Alibaba, Oracle, Linode/Akamai, Vultr, Scaleway, Exoscale, UpCloud, Tencent.
+_CLOUD_RE = re.compile(
+    r"amazon|\bec2\b|google|digitalocean|droplet|hetzner|openstack|alibaba|aliyun|oracle ?cloud"
+    r"|linode|akamai|vultr|scaleway|exoscale|upcloud|tencent|huawei cloud|outscale",
+    re.I,
+)
+CLOUD_RANGES = ("10.0.0.0/8", "172.16.0.0/12")  # what VPCs and clusters hand out
+
+
+class Machine:
+    """Where this process runs, as SERVICE_SETUP_LOCAL_ONLY=auto judges it (docs/design.md:
+    Security). The files it reads are class attributes, so a test points them at a folder
+    of its own."""
+
+    DMI = "/sys/class/dmi/id"  # sys_vendor, product_name, chassis_asset_tag: world-readable
+    HYPERVISOR_UUID = "/sys/hypervisor/uuid"  # Xen-based EC2: starts "ec2"
+    CONTAINER_MARKS = ("/.dockerenv", "/run/.containerenv")
+
+    @classmethod
+    def in_container(cls) -> bool:
+        return any(os.path.exists(mark) for mark in cls.CONTAINER_MARKS)
+
+    @classmethod
+    def cloud(cls, environ: Any = None) -> str | None:
+        """Return what says this machine is a cloud VM or a Kubernetes pod ("" when nothing
+        does), or None when it cannot tell: its firmware's names cannot be read (no DMI,
+        as on a Raspberry Pi, or no /sys at all)."""
+        environ = os.environ if environ is None else environ
+        if environ.get("KUBERNETES_SERVICE_HOST"):
+            return "a Kubernetes pod (KUBERNETES_SERVICE_HOST is set)"
+        with contextlib.suppress(OSError, UnicodeError), open(cls.HYPERVISOR_UUID, "rb") as f:
+            if f.read(64).strip().lower().startswith(b"ec2"):
+                return f"an Amazon EC2 instance ({cls.HYPERVISOR_UUID})"
+        names: dict = {}
+        for name in ("sys_vendor", "product_name", "chassis_asset_tag"):
+            path = os.path.join(cls.DMI, name)
+            with contextlib.suppress(OSError, UnicodeError), open(path, encoding="utf-8") as f:
+                names[name] = " ".join(f.read(200).split())
+        if not names:
+            return None
+        said = " ".join(names.values())
+        microsoft = "microsoft" in names.get("sys_vendor", "").lower()
+        if _CLOUD_RE.search(said) or (microsoft and "virtual machine" in said.lower()):
+            shown = ", ".join(f"{k} {log_safe(v, 60)!r}" for k, v in names.items() if v)
+            return f"a cloud VM ({shown})"
+        return ""
 
 
 def in_container() -> bool:
     """Return whether this process runs in a Docker or Podman container."""
-    return os.path.exists("/.dockerenv") or os.path.exists("/run/.containerenv")
+    return Machine.in_container()
 
 
-def setup_loopback_only(mode: str, own_address: str, container: bool) -> bool:
-    """Return whether only loopback clients may set up (SERVICE_SETUP_LOCAL_ONLY).
+def setup_loopback_reason(
+    mode: str, own_address: str, container: bool, cloud: str | None = ""
+) -> str:
+    """Return why only loopback clients may set up (SERVICE_SETUP_LOCAL_ONLY), "" when
+    clients on a home network may too.
 
-    auto: loopback only when this machine's own default-route address is outside the
-    home ranges (a VPS: its "neighbours" are strangers) or it runs in a container (every
-    client then arrives from the container network's private gateway); else home networks.
+    auto: loopback only when this machine runs in a container (every client then arrives
+    from the container network's private gateway), looks like a cloud VM or a pod (`cloud`,
+    from Machine.cloud(): its "home network" is a VPC or a cluster), or its own
+    default-route address is outside the home ranges (a VPS: its "neighbours" are
+    strangers); and when it cannot tell whether it is a cloud VM (cloud None) while its
+    address is in a range clouds and clusters hand out (10/8, 172.16/12).
     """
     if mode in ("true", "false"):
-        return mode == "true"
-    return container or not is_home_network(own_address)
+        return "SERVICE_SETUP_LOCAL_ONLY=true" if mode == "true" else ""
+    if cloud:
+        return f"this machine looks like {cloud}"
+    if container:
+        return "this server runs in a container"
+    if not is_home_network(own_address):
+        return f"this machine's own address ({own_address or 'none'}) is outside the home ranges"
+    ip = ip_of(own_address)
+    if cloud is None and ip is not None and any(ip in n for n in _networks(CLOUD_RANGES)):
+        return (
+            f"this machine's address {ip} is in a range clouds and clusters use "
+            f"({', '.join(CLOUD_RANGES)}) and its firmware names no maker to tell a home "
+            "from a cloud"
+        )
+    return ""
+
+
+def setup_loopback_only(
+    mode: str, own_address: str, container: bool, cloud: str | None = ""
+) -> bool:
+    """Return whether only loopback clients may set up (setup_loopback_reason)."""
+    return bool(setup_loopback_reason(mode, own_address, container, cloud))
 
 
 def request_host(config: Config, environ: dict) -> str:

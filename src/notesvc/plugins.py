@@ -28,7 +28,7 @@ from notesvc.notes.paths import (
 from notesvc.providers.agent import AGENT_PROVIDERS
 from notesvc.providers.base import TOOLS, collecting_registrations
 from notesvc.providers.capture import local_now
-from notesvc.providers.channels import CHANNEL_PROVIDERS
+from notesvc.providers.channels import CHANNEL_PROVIDERS, unbind_chats
 from notesvc.providers.embed import build_embedder
 from notesvc.providers.polling import ChannelPollers
 from notesvc.providers.reminders import ReminderScheduler
@@ -60,6 +60,7 @@ class PluginRoute:
     params: dict | None = None  # JSON schemas of path/query parameters (OpenAPI), by name
     scope: str = "admin"  # what a grant needs to call it; a read or write route must keep
     # a folder grant inside its folder (request_principal())
+    secret: bool = False  # its answer can carry a secret or a code: never gzipped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -140,6 +141,7 @@ def build_service(config: Config, readonly: bool = False) -> Service:
     """
     plugins = PLUGINS if readonly else load_plugins(plugins_dir(config))
     svc = Service(config, plugins, *provider_registries(plugins), readonly=readonly)
+    svc.grants.on_revoke.append(unbind_chats(svc.channel_providers))  # its chats go with it
     svc.pollers = ChannelPollers(svc)
     svc.reminders = ReminderScheduler(svc)
     svc.embedder = build_embedder(svc)

@@ -34,7 +34,17 @@ from notesvc.errors import (
     success_body,
     to_json,
 )
-from notesvc.helpers import base_url_of, client_address, field, iso, log_safe, utcnow, valid_host
+from notesvc.helpers import (
+    FORWARDING_HEADERS,
+    base_url_of,
+    client_address,
+    field,
+    iso,
+    log_safe,
+    scrub,
+    utcnow,
+    valid_host,
+)
 from notesvc.notes.paths import ACTIVE_TYPES
 from notesvc.providers.base import UpstreamError
 from notesvc.settings import Config
@@ -288,10 +298,16 @@ def _expects_continue(headers: list, head: bytes) -> bool:
 
 
 def http_response(status: int, headers: list, body: bytes, keep_alive: bool) -> bytes:
-    """Return an HTTP/1.1 response (head and body) as bytes."""
+    """Return an HTTP/1.1 response (head and body) as bytes; a header that cannot go on
+    the wire (outside Latin-1) is left out, never the whole answer."""
     reason = bottle.HTTP_CODES.get(status, "Status")
     lines = [f"HTTP/1.1 {status} {reason}"]
-    lines += [f"{k}: {v}" for k, v in headers]
+    for k, v in headers:
+        line = f"{k}: {v}"
+        if all(ord(c) < 256 for c in line):
+            lines.append(line)
+        else:
+            log.warning("relay: a %s header outside Latin-1 was left out", log_safe(k, 40))
     lines.append(f"Content-Length: {len(body)}")
     lines.append("Connection: " + ("keep-alive" if keep_alive else "close"))
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
@@ -831,9 +847,10 @@ class RelayServer:
     def client_addr(self, req: RelayRequest) -> str:
         """Return the client's address: the peer's, or the one a trusted proxy reports."""
         environ = {"REMOTE_ADDR": req.peer}
-        forwarded = req.header("X-Forwarded-For")
-        if forwarded:
-            environ["HTTP_X_FORWARDED_FOR"] = forwarded
+        for name in FORWARDING_HEADERS:  # every one is judged (client_of)
+            value = req.header(name[5:].replace("_", "-"))
+            if value:
+                environ[name] = value
         return client_address(self.config, environ)
 
     def base_url(self, req: RelayRequest) -> str:
@@ -1085,7 +1102,7 @@ def relay_answer_headers(path: str, headers: list, download: bool = False) -> li
             or (name.lower() == "content-encoding" and value == "gzip" and not download)
         )
         and _TOKEN_CHARS_RE.match(name)
-        and not re.search(r"[\x00-\x1f\x7f]", value)
+        and _header_value_ok(value)
     ]
     ctype = _relayed_type(path, given, download)
     if download:
@@ -1098,6 +1115,13 @@ def relay_answer_headers(path: str, headers: list, download: bool = False) -> li
         ("Content-Security-Policy", RELAY_ANSWER_CSP),
         *keep,
     ]
+
+
+def _header_value_ok(value: str) -> bool:
+    """Return whether a header value may go out on the wire as it is: no control bytes,
+    nothing outside Latin-1 (HTTP/1.1's octets; a registered server's `é` or emoji would
+    not encode, and its answer would be lost with the connection)."""
+    return not re.search(r"[\x00-\x1f\x7f]", value) and all(ord(c) < 256 for c in value)
 
 
 def _relayed_type(path: str, given: str, download: bool) -> str:
@@ -1241,13 +1265,14 @@ class RelayClient:
         status, answer = self._call(
             "POST", f"/relay/v1/register/{sid}", {"token": st["relayToken"], "relayCode": code}
         )
+        said = [st["relayToken"]]  # a relay that says it back: never into the log or the info
         if status != 200:
-            raise RelayRefused(status, _relay_message(answer, status))
+            raise RelayRefused(status, scrub(_relay_message(answer, status), said))
         status, answer = self._call(
             "POST", f"/relay/v1/code/{code}", {"serverId": sid, "token": st["relayToken"]}
         )
         if status != 200:
-            raise RelayRefused(status, _relay_message(answer, status))
+            raise RelayRefused(status, scrub(_relay_message(answer, status), said))
         self._registered_code, self._code_sent_at = code, time.monotonic()
         self._learn_origin(sid)
 

@@ -18,9 +18,9 @@ from notesvc.boot import API, KEY_HEADER, bottle, log
 from notesvc.errors import ApiError, bad_request
 from notesvc.grants import OWNER, GrantStore, Principal, mcp_challenge, request_principal
 from notesvc.helpers import (
+    Machine,
     base_url_of,
     client_address,
-    in_container,
     ip_of,
     is_home_network,
     is_trusted_proxy,
@@ -30,7 +30,7 @@ from notesvc.helpers import (
     release_memory,
     request_host,
     setup_client_ip,
-    setup_loopback_only,
+    setup_loopback_reason,
 )
 from notesvc.notes.history import DAY_SECONDS, HeadStoreError, HistoryStore
 from notesvc.notes.paths import ATTACHMENTS
@@ -234,6 +234,7 @@ class Service:
         """Sweep crash leftovers, bring the index up to date, start the background work."""
         if self.readonly or self._threads:
             return self
+        _ = self.setup_loopback_only  # decided (and said in the log) at start, not later
         swept = self.notes.sweep_temp_files() + self.attachments.sweep_temp_files()
         if swept:
             log.info("removed %d temp files left by an interrupted write", swept)
@@ -359,13 +360,22 @@ class Service:
     @property
     def setup_loopback_only(self) -> bool:
         """Whether only loopback clients may set up (SERVICE_SETUP_LOCAL_ONLY, auto decided
-        once from this machine's own address)."""
+        once from this machine's own address and what it runs on: setup_loopback_reason)."""
         if self._setup_loopback_only is None:
             mode = self.config.setup_local_only
             auto = mode == "auto"
-            self._setup_loopback_only = setup_loopback_only(
-                mode, lan_address() if auto else "", auto and in_container()
+            own = lan_address() if auto else ""
+            why = setup_loopback_reason(
+                mode, own, auto and Machine.in_container(), Machine.cloud() if auto else ""
             )
+            self._setup_loopback_only = bool(why)
+            if auto and why and not self.state.read().get("setupComplete"):
+                log.warning(
+                    "setup: only this machine itself may set up (SERVICE_SETUP_LOCAL_ONLY=auto):"
+                    " %s. On a home network, SERVICE_SETUP_LOCAL_ONLY=false lets its other"
+                    " machines set up too; or run `pair` here and scan its code",
+                    why,
+                )
         return self._setup_loopback_only
 
     def setup_here(self, environ: dict, check_host: bool = True) -> tuple:
@@ -475,7 +485,7 @@ class Service:
                             403, "FORBIDDEN", f"this needs the API key itself ({KEY_HEADER})"
                         )
                     return grant
-            self.lockout.fail(addr)
+            self.lockout.fail(addr, f"{key}\n{bearer}")  # the same one again: once
         headers = f"{KEY_HEADER}, Authorization: Bearer or X-API-Key" if mcp else KEY_HEADER
         challenge = {"WWW-Authenticate": mcp_challenge(mcp_url, "invalid_token" if bearer else "")}
         raise ApiError(

@@ -1220,8 +1220,10 @@ def get_feed(svc: Service, name: str):
     ):
         resp.set_header(header, value)
     feed = _feed_of(svc, name[:-4] if name.endswith(".ics") else "")
+    if feed is not None and not svc.grants.live_maker(feed.get("createdBy")):
+        feed = None  # its device was revoked (the feed went with it) or has expired
     if feed is None:
-        svc.grants.share_misses.fail(addr)
+        svc.grants.share_misses.fail(addr, name)
         raise not_found("no calendar feed at this link (it may have been deleted)")
     now = time.time()
     used = feed.get("lastUsedAt")

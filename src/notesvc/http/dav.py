@@ -1049,9 +1049,13 @@ def dav_mkcol(svc: Service, dav: DavState, item: DavItem, ctx: dict):
         raise DavError(405, f"/dav/{item.path} already exists")
     dav_parent_ready(svc, item.path)
     dav_unlocked(dav, item.path.rsplit("/", 1)[0], ctx["tokens"])
+    folder, root = Path(item.file).resolve(), svc.attachments.root
     with disk_writes():
-        os.makedirs(os.path.dirname(item.file), exist_ok=True)  # attachments/ itself, at first
-        os.mkdir(item.file)
+        if folder == root or root in folder.parents:
+            svc.attachments.make_root()  # attachments/ itself, at first: private
+        if folder != root:
+            os.makedirs(os.path.dirname(item.file), exist_ok=True)
+            os.mkdir(item.file)
     fsync_dir(Path(os.path.dirname(item.file)))
     bottle.response.status = 201
     return b""

@@ -92,6 +92,7 @@ from notesvc.providers.channels import (
     configure_channel,
     handle_channel_update,
     new_binding,
+    note_chat_makers,
     redact_channel,
     telegram_call,
     validate_channel_config,
@@ -438,6 +439,8 @@ def add_channel(svc: Service, name: str, config: dict, title: str, **extra) -> d
         "config": config,
         **extra,
     }
+    maker = made_by(request_principal())  # the chats it allows are theirs (unbind_chats)
+    note_chat_makers(channel, svc.channel_providers.get(name), [], maker)
     svc.state.update(lambda data: data.setdefault("channels", []).append(channel))
     log.info("channel %s (%s) created", channel["id"], name)
     channel = configure_channel(svc, channel)  # Telegram webhook mode: setWebhook
@@ -472,7 +475,7 @@ def connect_telegram(svc: Service) -> dict:
         svc.channel_providers["telegram"],
         {"botToken": token, "mode": "polling", "notify": True},
     )
-    code, binding = new_binding()
+    code, binding = new_binding(made_by(request_principal()))
     channel = add_channel(svc, "telegram", config, title, binding=binding, bot=username)
     return bind_answer(svc, channel, code, binding)
 
@@ -498,7 +501,7 @@ def bind_answer(svc: Service, channel: dict, code: str, binding: dict) -> dict:
 def bind_channel(svc: Service, channel_id: str) -> dict:
     """POST /channels/:id/bind: a new bind code; the next chat to send it replaces the
     allowed chats (the ones allowed now keep working until then)."""
-    code, binding = new_binding()
+    code, binding = new_binding(made_by(request_principal()))
 
     def apply(channels: list, i: int) -> dict:
         if channels[i]["provider"] != "telegram":
@@ -533,6 +536,7 @@ def patch_channel(svc: Service, channel_id: str) -> dict:
     if title is not None and is_blank(title):
         raise bad_request("'name' must not be empty")
     changes = field(body, "config", dict, required=False)
+    maker = made_by(request_principal())
 
     def merge(channels: list, i: int) -> dict:
         channel = channels[i]
@@ -541,9 +545,11 @@ def patch_channel(svc: Service, channel_id: str) -> dict:
             if provider is None:
                 raise bad_request(f"channel provider {channel['provider']!r} is not loaded")
             stored = channel["config"]
+            before = list(stored.get(provider.allow) or []) if provider.allow else []
             if "mode" not in stored and any(f.name == "mode" for f in provider.fields):
                 stored = {**stored, "mode": "webhook"}  # stored before modes: a webhook
             channel["config"] = validate_channel_config(provider, {**stored, **changes})
+            note_chat_makers(channel, provider, before, maker)
         if title is not None:  # only invisible characters: the name it had stays
             channel["name"] = _printable(title) or channel["name"]
         return channel
@@ -706,6 +712,7 @@ def plugin_routes(plugins: Iterable[Plugin]) -> tuple:
                     params=r.params,
                     tag="plugins",
                     scope=r.scope,
+                    secret=r.secret,
                 )
             )
     return tuple(routes)
@@ -959,7 +966,7 @@ def claim_device(svc: Service) -> dict:
     name = _clean_name(field(body, "deviceName", required=False, max_len=100), "")
     found = svc.grants.claim(secret, name) if len(secret) <= 64 else None
     if found is None:
-        svc.lockout.fail(addr)
+        svc.lockout.fail(addr, secret)
         raise not_found("this pairing code is unknown, used or expired: make a new one")
     svc.lockout.succeed(addr)
     record, key = found
@@ -1048,7 +1055,7 @@ def _shared_note(svc: Service, token: str) -> tuple:
     bottle.response.set_header("Referrer-Policy", "no-referrer")
     found = svc.grants.shared(token)
     if found is None:
-        svc.grants.share_misses.fail(addr)
+        svc.grants.share_misses.fail(addr, token)
         raise not_found("nothing is shared at this link (it may have expired or been revoked)")
     share, reader = found
     try:

@@ -40,8 +40,9 @@ class Route:
     jsonrpc: bool = False  # answers JSON-RPC 2.0, errors too; callers checked by
     # authenticate_mcp, which also takes OAuth access tokens (the MCP endpoint only)
     idempotent: bool = False  # an Idempotency-Key header makes a repeat answer as the first
-    secret: bool = False  # its answer can carry a secret (a key, a token, a pairing's
-    # secret): never gzipped (docs/api.md: Compression)
+    secret: bool = False  # its answer can carry a secret or a code (a key, a token, a
+    # pairing's secret, a share or feed link, an authorisation code): never gzipped
+    # (docs/api.md: Compression; a test derives it from the answers of every route)
 
     @property
     def rule(self) -> str:

@@ -1039,6 +1039,7 @@ ROUTES = (
         ),
         tag="grants",
         scope="admin",
+        secret=True,  # the authorisation code, beside the client's own `state`
     ),
     Route("GET", "/relay/v1/pair/<code>", pair_relay_code, public=True, api=False, tag="relay"),
     Route("GET", "/", get_web_client, public=True, api=False, tag="pages", media="text/html"),

@@ -1140,6 +1140,12 @@ class AttachmentStore:
         self.nfd_names = nfd_names  # names on disk matched as the notes' are (see on_disk)
         self._lock = threading.RLock()  # one change of the tree at a time
 
+    def make_root(self) -> None:
+        """Create the attachments folder when it is missing: private (0700, as the notes
+        folder), so the audit finds nothing notesvc itself did (an existing folder keeps
+        the mode its owner gave it)."""
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+
     # -- reading -------------------------------------------------------------------
 
     def file_of(self, path: str) -> Path:
@@ -1232,7 +1238,7 @@ class AttachmentStore:
         """Return a temp file in the attachments folder holding what write(file) wrote,
         flushed and fsynced; 507 on a full disk (and no temp file left)."""
         with disk_writes():
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.make_root()
             fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX, dir=self.root)
             try:
                 with os.fdopen(fd, "wb") as f:
@@ -1303,7 +1309,7 @@ class AttachmentStore:
         try:
             with disk_writes():
                 try:
-                    self.root.mkdir(mode=0o700, parents=True, exist_ok=True)  # new: private
+                    self.make_root()
                     target.parent.mkdir(parents=True, exist_ok=True)
                 except (FileExistsError, NotADirectoryError):
                     raise ApiError(

@@ -10,6 +10,7 @@ from typing import Any, Callable
 
 from notesvc.boot import log
 from notesvc.errors import ApiError
+from notesvc.helpers import scrub, url_secrets
 from notesvc.providers.base import (
     CONTEXT_BUDGET,
     Tool,
@@ -280,7 +281,9 @@ def ask_agent(svc: Service, question: str, note: str | None = None, folder: str 
         answer = provider.answer(svc, question, found)
     except UpstreamError as e:
         raise e.api_error("the model endpoint") from None
-    reply, model = answer[0], answer[1]
+    cfg = svc.config  # what the model was sent never comes back out (an echoing endpoint)
+    sent = [cfg.agent_api_key, *url_secrets(cfg.agent_base_url)]
+    reply, model = scrub(answer[0], sent), scrub(str(answer[1]), sent)
     titles = {path: title for path, title, _ in found}
     if len(answer) > 2:  # the provider names its sources (notes that may be gone since)
         paths = [p for p in dict.fromkeys(answer[2]) if p in titles or svc.notes.exists(p)]

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING
 
 from notesvc.boot import log
 from notesvc.errors import ApiError
-from notesvc.helpers import BODY_CHUNK, local_time, time_zone
+from notesvc.helpers import BODY_CHUNK, local_time, scrub, time_zone, url_secrets
 from notesvc.notes.paths import (
     ATTACHMENT_TYPES,
     ATTACHMENTS,
@@ -207,4 +207,4 @@ def transcribe(svc: Service, path: str) -> str:
         raise UpstreamError("the transcription answer had no text") from None
     if not isinstance(text, str):
         raise UpstreamError("the transcription answer had no text")
-    return text.strip()
+    return scrub(text, [cfg.transcribe_api_key, *url_secrets(cfg.transcribe_url)]).strip()

@@ -17,8 +17,8 @@ from typing import Any, Callable
 
 from notesvc.boot import bottle, log
 from notesvc.errors import ApiError, bad_request, not_found, to_json
-from notesvc.grants import _epoch
-from notesvc.helpers import is_blank, iso, key_hash, query_str, redact, utcnow
+from notesvc.grants import MADE_BY_OWNER, _epoch, made_by_grant
+from notesvc.helpers import is_blank, iso, key_hash, query_str, redact, scrub, utcnow
 from notesvc.notes.paths import DAILY_FOLDER, NOTES, folder_path
 from notesvc.providers.agent import ask_agent
 from notesvc.providers.base import REPLY_LIMIT, Outbound, UpstreamError, _clip, _registry, post_json
@@ -291,8 +291,9 @@ def telegram_call(
     if not isinstance(answer, dict) or answer.get("ok") is not True:
         answer = answer if isinstance(answer, dict) else {}
         wait = (answer.get("parameters") or {}).get("retry_after") or 0
+        said = scrub(str(answer.get("description") or f"HTTP {status}"), [config["botToken"]])
         raise TelegramError(
-            f"Telegram {method}: " + _printable(answer.get("description") or f"HTTP {status}", 200),
+            f"Telegram {method}: " + _printable(said, 200),
             int(answer.get("error_code") or status),
             float(wait) if isinstance(wait, (int, float)) else 0.0,
         )
@@ -371,7 +372,8 @@ def send_telegram(svc: Service, config: dict, chat_id: str, text: str) -> None:
     url = f"{base}/bot{config['botToken']}/sendMessage"
     answer = post_json(url, {"chat_id": chat_id, "text": text[:REPLY_LIMIT]}, timeout=15)
     if answer.get("ok") is not True:
-        raise UpstreamError(f"Telegram refused: {str(answer.get('description'))[:100]}")
+        said = scrub(str(answer.get("description")), [config["botToken"]])
+        raise UpstreamError(f"Telegram refused: {_printable(said)}")
 
 
 @channel_poller("telegram")
@@ -548,7 +550,7 @@ def verify_whatsapp(svc: Service) -> str:
     mine = [c["config"] for c in _channels(svc) if c["provider"] == "whatsapp" and c["enabled"]]
     if mode != "subscribe" or not token or not _match_secret(mine, "verifyToken", token):
         if token:
-            svc.lockout.fail(addr)
+            svc.lockout.fail(addr, token)
         raise ApiError(403, "FORBIDDEN", "hub.verify_token does not match a WhatsApp channel")
     bottle.response.content_type = "text/plain; charset=utf-8"
     return challenge[:200]
@@ -642,7 +644,7 @@ def _authenticate_channel(
         channel = _signed_by(signature, raw(), mine, key)
     if channel is None:
         if presented or signed:
-            svc.lockout.fail(addr)
+            svc.lockout.fail(addr, f"{presented}\n{signature}")
         raise ApiError(401, "UNAUTHORIZED", "missing or wrong channel secret or signature")
     svc.lockout.succeed(addr)
     if not channel["enabled"]:
@@ -684,10 +686,84 @@ BOUND_TEXT = (
 )
 
 
-def new_binding() -> tuple:
-    """Return (a bind code to send to the bot, the record kept of it: its hash, its time)."""
+def new_binding(created_by: str = MADE_BY_OWNER) -> tuple:
+    """Return (a bind code to send to the bot, the record kept of it: its hash, its time,
+    who asked for it: the chat it connects is theirs, and ends with their grant)."""
     code = base64.b32encode(secrets.token_bytes(10)).decode("ascii").lower()[:12]
-    return code, {"codeHash": key_hash(code), "until": iso(time.time() + BIND_SECONDS)}
+    binding = {"codeHash": key_hash(code), "until": iso(time.time() + BIND_SECONDS)}
+    return code, {**binding, "createdBy": created_by}
+
+
+# -- who connected which chat: a chat a grant connected ends with that grant ------------
+#
+# A channel's `chatMakers` maps each chat (sender) on its allowlist that a grant put there
+# (by a bind code it asked for, or in a config it sent) to that grant's id; chats the owner
+# put there have no entry. Revoking the grant unbinds them (GrantStore.on_revoke:
+# unbind_chats), and while its grant is expired or gone a chat is refused (allowed_senders).
+
+
+def note_chat_makers(channel: dict, prov: ChannelProvider | None, before: list, maker: str):
+    """Record `maker` (a `createdBy`) for the chats a change put on the channel's
+    allowlist, and forget the chats it took off."""
+    if prov is None or not prov.allow:
+        return
+    now = channel["config"].get(prov.allow) or []
+    makers = {c: m for c, m in (channel.get("chatMakers") or {}).items() if c in now}
+    if made_by_grant(maker):
+        makers.update(dict.fromkeys((c for c in now if c not in before), maker))
+    if makers:
+        channel["chatMakers"] = makers
+    else:
+        channel.pop("chatMakers", None)
+
+
+def unbind_chats(providers: Mapping[str, ChannelProvider]) -> Callable:
+    """Return the GrantStore.on_revoke hook that unbinds the chats the revoked grants
+    connected: off the allowlist, `boundChat` gone, their bind codes that wait ended. A
+    channel left with no allowed chat is closed (a binding without a code: nobody, until
+    a new code connects one), never opened to anyone."""
+
+    def unbind(data: dict, gone: list) -> None:
+        for channel in data.get("channels", []):
+            prov = providers.get(channel["provider"])
+            binding = channel.get("binding")
+            waiting = binding is not None and binding.get("createdBy") in gone
+            if prov is None or not prov.allow:
+                continue
+            makers = channel.get("chatMakers") or {}
+            dropped = [c for c, m in makers.items() if m in gone]
+            if not dropped and not waiting:
+                continue
+            allowed = channel["config"].get(prov.allow) or []
+            kept = [c for c in allowed if c not in dropped]
+            channel["config"][prov.allow] = kept
+            note_chat_makers(channel, prov, kept, MADE_BY_OWNER)
+            if (channel.get("boundChat") or {}).get("id") in dropped:
+                channel.pop("boundChat")
+            if waiting:
+                channel.pop("binding")
+            if (allowed or waiting) and not kept:  # nobody now, never anybody
+                channel["binding"] = {"until": iso(time.time())}
+            for chat in dropped:
+                log.info(
+                    "channel %s: chat %s unbound (%s was revoked)",
+                    channel["id"],
+                    chat,
+                    makers[chat],
+                )
+
+    return unbind
+
+
+def allowed_senders(svc: Service, channel: dict, prov: ChannelProvider) -> list | None:
+    """Return the senders a channel answers: its allowlist without the chats a grant
+    connected that is no longer live (revoked, expired); None when it has no allowlist
+    (anyone: the audit says so)."""
+    allowed = channel["config"].get(prov.allow) if prov.allow else None
+    if not allowed:
+        return None
+    makers = channel.get("chatMakers") or {}
+    return [c for c in allowed if c not in makers or svc.grants.live_maker(makers[c])]
 
 
 def binds(binding: dict, text: str) -> bool:
@@ -703,12 +779,15 @@ def binds(binding: dict, text: str) -> bool:
 
 def bind_chat(svc: Service, channel: dict, prov: ChannelProvider, sender: str, name: str):
     """Make the chat that sent the bind code the channel's only allowed one (the code is
-    used up: a second chat sending it is a refused sender)."""
+    used up: a second chat sending it is a refused sender); it is the chat of whoever asked
+    for the code."""
     bound = {"id": _printable(sender), "name": _printable(name or ""), "at": iso(utcnow())}
 
     def apply(channels: list, i: int) -> None:
-        channels[i].pop("binding", None)
+        maker = (channels[i].pop("binding", None) or {}).get("createdBy", MADE_BY_OWNER)
         channels[i]["config"][prov.allow] = [bound["id"]]
+        channels[i].pop("chatMakers", None)
+        note_chat_makers(channels[i], prov, [], maker)
         channels[i]["boundChat"] = bound
 
     _change_channel(svc, channel["id"], apply)
@@ -804,8 +883,8 @@ def process_update(svc: Service, channel: dict, prov: ChannelProvider, update: d
             messages.append((m[0], text, m[2] if len(m) > 2 else "", media))
     if not messages:
         return {"handled": False, "reason": "the update holds no text message"}
-    allowed = channel["config"].get(prov.allow) if prov.allow else None
-    binding = channel.get("binding")  # a code waits for the chat it connects
+    allowed = allowed_senders(svc, channel, prov)  # None: no allowlist
+    binding = channel.get("binding")  # a code waits for the chat it connects (or none may)
     results = []
     for sender, text, name, media in messages[:5]:
         if binding and binds(binding, text):
@@ -813,7 +892,7 @@ def process_update(svc: Service, channel: dict, prov: ChannelProvider, update: d
             results.append(_deliver(svc, channel, prov, sender, BOUND_TEXT))
             binding = allowed = None
             continue
-        if (binding and not allowed) or (allowed and sender not in allowed):
+        if (binding and not allowed) or (allowed is not None and sender not in allowed):
             refuse_sender(svc, channel, prov, sender, name)
             results.append({"handled": False, "reason": "sender not allowed"})
             continue
@@ -827,11 +906,22 @@ def process_update(svc: Service, channel: dict, prov: ChannelProvider, update: d
     return {"handled": any(r["handled"] for r in results), "results": results}
 
 
+def channel_secrets(svc: Service, channel_id: str) -> list:
+    """Return what a channel sends out that is secret: its config's secret fields (a bot
+    token, an access token), for scrub()."""
+    for channel in _channels(svc):
+        prov = svc.channel_providers.get(channel["provider"])
+        if channel["id"] == channel_id and prov is not None:
+            return [str(channel["config"].get(f.name) or "") for f in prov.fields if f.secret]
+    return []
+
+
 def set_channel_status(svc: Service, channel_id: str, ok: bool, error: str = "") -> dict | None:
-    """Record the outcome of the last call to the channel's provider as its `status`."""
+    """Record the outcome of the last call to the channel's provider as its `status` (no
+    secret of the channel in it, whatever its provider said)."""
     status: dict = {"ok": ok, "at": iso(utcnow())}
     if error:
-        status["error"] = _printable(error, 300)
+        status["error"] = _printable(scrub(error, channel_secrets(svc, channel_id)), 300)
 
     def record(channels: list, i: int) -> dict:
         channels[i]["status"] = status
@@ -853,8 +943,9 @@ def configure_channel(svc: Service, channel: dict) -> dict:
     try:
         done = prov.configure(svc, channel)
     except UpstreamError as e:
-        log.warning("channel %s: %s", channel["id"], e)
-        return set_channel_status(svc, channel["id"], False, str(e)) or channel
+        said = scrub(str(e), channel_secrets(svc, channel["id"]))
+        log.warning("channel %s: %s", channel["id"], said)
+        return set_channel_status(svc, channel["id"], False, said) or channel
     if done is None:
         return channel
     log.info("channel %s: %s", channel["id"], done)

@@ -20,7 +20,7 @@ from typing import Any
 
 from notesvc.boot import log
 from notesvc.errors import bad_request
-from notesvc.helpers import iso
+from notesvc.helpers import iso, scrub, url_secrets
 from notesvc.providers.base import Outbound, UpstreamError
 from notesvc.search.text import Query, tokenize
 from notesvc.search.vectors import (
@@ -78,12 +78,9 @@ class EmbedClient:
             out.abort()
 
     def scrub(self, text: str) -> str:
-        """Return text (an answer or an error) without the key or the URL's query, cut to
-        200 bytes."""
-        for secret in (self.key, urllib.parse.urlsplit(self.url).query):
-            if secret:
-                text = text.replace(secret, "…")
-        return text.encode()[:200].decode("utf-8", "ignore")
+        """Return text (an answer or an error) without the key or the URL's secrets, in any
+        spelling an endpoint may echo them (scrub), cut to 200 bytes."""
+        return scrub(text, [self.key, *url_secrets(self.url)], 200)
 
     def embed(self, texts: list, timeout: float, dim: int = 0) -> list:
         """Return the normalised vectors of texts; EmbedError on any failure. The call is

@@ -7,12 +7,13 @@ import threading
 import time
 
 from notesvc.boot import log
-from notesvc.helpers import atomic_write
+from notesvc.helpers import atomic_write, scrub
 from notesvc.providers.base import Outbound, UpstreamError
 from notesvc.providers.channels import (
     TelegramError,
     _channels,
     channel_mode,
+    channel_secrets,
     process_update,
     set_channel_status,
 )
@@ -206,8 +207,8 @@ class ChannelPoller:
 
     def _failed(self, e: Exception, backoff: float) -> float:
         """Log and record a failure; return the pause before the next try."""
-        if isinstance(e, UpstreamError):
-            reason = str(e)
+        if isinstance(e, UpstreamError):  # what the provider said, without the channel's secrets
+            reason = scrub(str(e), channel_secrets(self.owner.svc, self.channel_id))
         else:
             reason = type(e).__name__
             log.exception("channel %s: polling failed", self.channel_id)

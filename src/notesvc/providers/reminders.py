@@ -17,7 +17,7 @@ from notesvc.notes.paths import MAX_SCAN_CHARS
 from notesvc.notes.tasks import usable_wall, wall_timestamp
 from notesvc.providers.base import UpstreamError
 from notesvc.providers.capture import _one_line
-from notesvc.providers.channels import _channels
+from notesvc.providers.channels import _channels, allowed_senders
 from notesvc.search.index import SearchIndex
 from notesvc.search.segments import IndexedNote
 from notesvc.service import Service
@@ -288,7 +288,7 @@ class ReminderScheduler:
             prov = svc.channel_providers.get(channel["provider"])
             if not (prov and prov.send and channel["enabled"] and channel["config"].get("notify")):
                 continue
-            for to in channel["config"].get(prov.allow, []) if prov.allow else []:
+            for to in allowed_senders(svc, channel, prov) or []:  # live chats only
                 tried += 1
                 try:
                     prov.send(svc, channel["config"], to, text)
