@@ -1267,6 +1267,64 @@ def _redact_url(url: str) -> str:
     return urllib.parse.urlunsplit(parts._replace(netloc=netloc, query=query, fragment=""))
 
 
+SCRUB_FRAGMENT = 12  # a run this long of a secret's own characters is a piece of it
+
+
+def url_secrets(url: str) -> list:
+    """Return what in an endpoint's URL may be a secret: its userinfo's password, its
+    query string and each query value of 8 characters or more."""
+    parts = urllib.parse.urlsplit(url)
+    found = [parts.password or "", parts.query]
+    found += [v for _, v in urllib.parse.parse_qsl(parts.query) if len(v) >= 8]
+    return [s for s in found if s]
+
+
+@functools.lru_cache(maxsize=64)
+def _scrubber(secrets: tuple) -> tuple:
+    """Return (a pattern of every spelling of the secrets, their lower-case forms)."""
+    spellings: set = set()
+    for secret in secrets:
+        raw = secret.encode("utf-8")
+        spellings |= {
+            secret,
+            urllib.parse.quote(secret, safe=""),
+            urllib.parse.quote_plus(secret, safe=""),
+        }
+        for shift in range(3):  # base64 at each alignment: the groups the secret alone decides
+            for encode in (base64.b64encode, base64.urlsafe_b64encode):
+                text = encode(b"\0" * shift + raw).decode("ascii").rstrip("=")
+                core = text[4 if shift else 0 : len(text) - len(text) % 4 or None]
+                if len(core) >= SCRUB_FRAGMENT:
+                    spellings.add(core)
+    ordered = sorted(spellings, key=len, reverse=True)
+    pattern = re.compile("|".join(map(re.escape, ordered)), re.I)
+    return pattern, tuple(s.lower() for s in secrets)
+
+
+def scrub(text: str, secrets: Any, limit: int = 0) -> str:
+    """Return text (an answer, an error, a log line from an outbound call) without any of
+    the secrets this server sends out (embeddings, agent and transcription keys, bot
+    tokens, a URL's password or query), each replaced by "…": as sent, in any case,
+    URL-encoded, in base64 (standard or URL-safe, at any alignment), and any run of
+    SCRUB_FRAGMENT or more of a secret's own characters (an endpoint that echoes it cut
+    short, or lower-cased); cut to `limit` bytes when given. The one scrub of notesvc.
+
+    >>> scrub("bad token 123456%3aabc-defghijklmn, ABC-DEFGHIJKLM", ["123456:ABC-defghijklmn"])
+    'bad token …, …'
+    """
+    found = tuple(sorted({s for s in secrets if isinstance(s, str) and len(s) >= 4}))
+    if found and text:
+        pattern, lowered = _scrubber(found)
+        text = pattern.sub("…", text)
+
+        def piece(m: Any) -> str:
+            run = m.group().lower()
+            return "…" if any(run in secret for secret in lowered) else m.group()
+
+        text = re.sub(f"[A-Za-z0-9_-]{{{SCRUB_FRAGMENT},}}", piece, text)
+    return text.encode("utf-8")[:limit].decode("utf-8", "ignore") if limit else text
+
+
 def _self_command() -> str:
     """Return how the owner runs this program: the `notesvc` entry point, `python3 -m
     notesvc` (the package) or the file."""
@@ -1437,31 +1495,6 @@ def behind_trusted_proxy(config: Config, environ: dict) -> bool:
     )
 
 
-def client_address(config: Config, environ: dict) -> str:
-    """Return the client's address: the peer's, or the one a trusted proxy or the relay reports.
-
-    Behind trusted proxies it is the right-most X-Forwarded-For entry that is not itself
-    a trusted proxy (entries further left are whatever the client claimed). Relayed
-    clients are "relay:<addr>", so they never share a lockout bucket with loopback ones.
-    """
-    peer = environ.get("REMOTE_ADDR", "")
-    if environ.get("notesvc.relayed"):
-        return f"relay:{peer or '?'}"
-    if not behind_trusted_proxy(config, environ):
-        return peer
-    found = peer
-    for hop in reversed(environ.get("HTTP_X_FORWARDED_FOR", "").split(",")):
-        if not hop.strip():
-            continue
-        ip = ip_of(hop)
-        if ip is None:  # not written by a proxy we trust: stop at the last good hop
-            break
-        found = str(ip)
-        if not is_trusted_proxy(config, found):
-            break
-    return found
-
-
 # Headers by which a proxy or a tunnel says whom it forwards for: from a peer that is not a
 # trusted proxy, any of them means the peer is not the client (docs/design.md: Security).
 FORWARDING_HEADERS = (
@@ -1510,46 +1543,148 @@ def _client_of_hops(config: Config, hops: list) -> Any:
     return ip  # else every hop a trusted proxy: the first one's client is theirs to say
 
 
-def setup_client_ip(config: Config, environ: dict) -> Any:
-    """Return the client's address as setup judges it, or None when it cannot be known.
+def client_of(config: Config, environ: dict) -> tuple:
+    """Return (the client's address as setup judges it, or None when it cannot be known;
+    the name its lockout and rate limits count under, which the logs show): the one place
+    that decides who the client is (docs/design.md: Security).
 
     The TCP peer decides; a forwarded address counts only from a proxy SERVICE_TRUST_PROXY
-    names (the right-most hop that is not itself such a proxy). None: a relayed request,
-    a trusted proxy that names no parseable client, or any forwarding header from a peer
-    that is not a trusted proxy (a tunnel or proxy we were not told about).
+    names (the right-most hop that is not itself such a proxy). For setup, None: a relayed
+    request, a trusted proxy that names no parseable client, or any forwarding header from
+    a peer that is not a trusted proxy (a tunnel or proxy we were not told about).
 
     A proxy that writes only X-Real-IP or Forwarded passes the client's own
-    X-Forwarded-For on, so every one of the three headers present is judged and the
-    farthest from home wins (outside the home ranges, then not loopback).
+    X-Forwarded-For on (and one that writes only X-Forwarded-For passes a forged
+    X-Real-IP), so every one of the three headers present is judged. Setup takes the
+    farthest from home (outside the home ranges, then not loopback). The lockout's name is
+    the client they all agree on; when they disagree, or one names nothing parseable, which
+    one the proxy wrote cannot be told, so every such request through that proxy counts
+    under one name, "via:<proxy>": a client rotating a forged header dodges no limit, and
+    naming someone else's address locks nobody else out. Relayed clients count as
+    "relay:<addr>", never in a bucket of loopback clients.
     """
+    peer_text = environ.get("REMOTE_ADDR") or ""
     if environ.get("notesvc.relayed"):
-        return None
-    peer = ip_of(environ.get("REMOTE_ADDR") or "")
-    if peer is None:
-        return None
-    if not is_trusted_proxy(config, str(peer)):
-        return None if any(environ.get(h) for h in FORWARDING_HEADERS) else peer
+        return None, f"relay:{peer_text or '?'}"
+    peer = ip_of(peer_text)
+    if peer is None or not is_trusted_proxy(config, str(peer)):
+        forwarded = any(environ.get(h) for h in FORWARDING_HEADERS)
+        return (None if forwarded else peer), peer_text
     clients = [_client_of_hops(config, hops) for hops in _forwarded_hops(environ)]
-    if not clients or None in clients:
-        return None
-    return max(clients, key=lambda ip: (not is_home_network(str(ip)), not ip.is_loopback))
+    if not clients:  # the proxy's own request, or one that adds no header: the peer
+        return None, peer_text
+    if None in clients:
+        return None, f"via:{peer}"
+    judged = max(clients, key=lambda ip: (not is_home_network(str(ip)), not ip.is_loopback))
+    # a header whose every hop is a trusted proxy names no client while another one does
+    named = {ip for ip in clients if not is_trusted_proxy(config, str(ip))} or set(clients)
+    return judged, str(next(iter(named))) if len(named) == 1 else f"via:{peer}"
+
+
+def setup_client_ip(config: Config, environ: dict) -> Any:
+    """Return the client's address as setup judges it, or None when it cannot be known
+    (client_of)."""
+    return client_of(config, environ)[0]
+
+
+def client_address(config: Config, environ: dict) -> str:
+    """Return the name a client's failed credentials and rate limits count under, and the
+    logs show: its address, "relay:<addr>" or "via:<proxy>" (client_of)."""
+    return client_of(config, environ)[1]
+
+
+# What names a cloud in the firmware's own words (sys_vendor, product_name,
+# chassis_asset_tag): Amazon EC2, Google Compute Engine, Microsoft's Virtual Machine (Azure,
+# with the vendor), DigitalOcean's Droplet, Hetzner's vServer, OpenStack Nova (OVH, and
+# many more), Alibaba, Oracle, Linode/Akamai, Vultr, Scaleway, Exoscale, UpCloud, Tencent.
+_CLOUD_RE = re.compile(
+    r"amazon|\bec2\b|google|digitalocean|droplet|hetzner|openstack|alibaba|aliyun|oracle ?cloud"
+    r"|linode|akamai|vultr|scaleway|exoscale|upcloud|tencent|huawei cloud|outscale",
+    re.I,
+)
+CLOUD_RANGES = ("10.0.0.0/8", "172.16.0.0/12")  # what VPCs and clusters hand out
+
+
+class Machine:
+    """Where this process runs, as SERVICE_SETUP_LOCAL_ONLY=auto judges it (docs/design.md:
+    Security). The files it reads are class attributes, so a test points them at a folder
+    of its own."""
+
+    DMI = "/sys/class/dmi/id"  # sys_vendor, product_name, chassis_asset_tag: world-readable
+    HYPERVISOR_UUID = "/sys/hypervisor/uuid"  # Xen-based EC2: starts "ec2"
+    CONTAINER_MARKS = ("/.dockerenv", "/run/.containerenv")
+
+    @classmethod
+    def in_container(cls) -> bool:
+        return any(os.path.exists(mark) for mark in cls.CONTAINER_MARKS)
+
+    @classmethod
+    def cloud(cls, environ: Any = None) -> str | None:
+        """Return what says this machine is a cloud VM or a Kubernetes pod ("" when nothing
+        does), or None when it cannot tell: its firmware's names cannot be read (no DMI,
+        as on a Raspberry Pi, or no /sys at all)."""
+        environ = os.environ if environ is None else environ
+        if environ.get("KUBERNETES_SERVICE_HOST"):
+            return "a Kubernetes pod (KUBERNETES_SERVICE_HOST is set)"
+        with contextlib.suppress(OSError, UnicodeError), open(cls.HYPERVISOR_UUID, "rb") as f:
+            if f.read(64).strip().lower().startswith(b"ec2"):
+                return f"an Amazon EC2 instance ({cls.HYPERVISOR_UUID})"
+        names: dict = {}
+        for name in ("sys_vendor", "product_name", "chassis_asset_tag"):
+            path = os.path.join(cls.DMI, name)
+            with contextlib.suppress(OSError, UnicodeError), open(path, encoding="utf-8") as f:
+                names[name] = " ".join(f.read(200).split())
+        if not names:
+            return None
+        said = " ".join(names.values())
+        microsoft = "microsoft" in names.get("sys_vendor", "").lower()
+        if _CLOUD_RE.search(said) or (microsoft and "virtual machine" in said.lower()):
+            shown = ", ".join(f"{k} {log_safe(v, 60)!r}" for k, v in names.items() if v)
+            return f"a cloud VM ({shown})"
+        return ""
 
 
 def in_container() -> bool:
     """Return whether this process runs in a Docker or Podman container."""
-    return os.path.exists("/.dockerenv") or os.path.exists("/run/.containerenv")
+    return Machine.in_container()
 
 
-def setup_loopback_only(mode: str, own_address: str, container: bool) -> bool:
-    """Return whether only loopback clients may set up (SERVICE_SETUP_LOCAL_ONLY).
+def setup_loopback_reason(
+    mode: str, own_address: str, container: bool, cloud: str | None = ""
+) -> str:
+    """Return why only loopback clients may set up (SERVICE_SETUP_LOCAL_ONLY), "" when
+    clients on a home network may too.
 
-    auto: loopback only when this machine's own default-route address is outside the
-    home ranges (a VPS: its "neighbours" are strangers) or it runs in a container (every
-    client then arrives from the container network's private gateway); else home networks.
+    auto: loopback only when this machine runs in a container (every client then arrives
+    from the container network's private gateway), looks like a cloud VM or a pod (`cloud`,
+    from Machine.cloud(): its "home network" is a VPC or a cluster), or its own
+    default-route address is outside the home ranges (a VPS: its "neighbours" are
+    strangers); and when it cannot tell whether it is a cloud VM (cloud None) while its
+    address is in a range clouds and clusters hand out (10/8, 172.16/12).
     """
     if mode in ("true", "false"):
-        return mode == "true"
-    return container or not is_home_network(own_address)
+        return "SERVICE_SETUP_LOCAL_ONLY=true" if mode == "true" else ""
+    if cloud:
+        return f"this machine looks like {cloud}"
+    if container:
+        return "this server runs in a container"
+    if not is_home_network(own_address):
+        return f"this machine's own address ({own_address or 'none'}) is outside the home ranges"
+    ip = ip_of(own_address)
+    if cloud is None and ip is not None and any(ip in n for n in _networks(CLOUD_RANGES)):
+        return (
+            f"this machine's address {ip} is in a range clouds and clusters use "
+            f"({', '.join(CLOUD_RANGES)}) and its firmware names no maker to tell a home "
+            "from a cloud"
+        )
+    return ""
+
+
+def setup_loopback_only(
+    mode: str, own_address: str, container: bool, cloud: str | None = ""
+) -> bool:
+    """Return whether only loopback clients may set up (setup_loopback_reason)."""
+    return bool(setup_loopback_reason(mode, own_address, container, cloud))
 
 
 def request_host(config: Config, environ: dict) -> str:
@@ -5392,6 +5527,12 @@ class AttachmentStore:
         self.nfd_names = nfd_names  # names on disk matched as the notes' are (see on_disk)
         self._lock = threading.RLock()  # one change of the tree at a time
 
+    def make_root(self) -> None:
+        """Create the attachments folder when it is missing: private (0700, as the notes
+        folder), so the audit finds nothing notesvc itself did (an existing folder keeps
+        the mode its owner gave it)."""
+        self.root.mkdir(mode=0o700, parents=True, exist_ok=True)
+
     # -- reading -------------------------------------------------------------------
 
     def file_of(self, path: str) -> Path:
@@ -5484,7 +5625,7 @@ class AttachmentStore:
         """Return a temp file in the attachments folder holding what write(file) wrote,
         flushed and fsynced; 507 on a full disk (and no temp file left)."""
         with disk_writes():
-            self.root.mkdir(parents=True, exist_ok=True)
+            self.make_root()
             fd, tmp = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX, dir=self.root)
             try:
                 with os.fdopen(fd, "wb") as f:
@@ -5555,7 +5696,7 @@ class AttachmentStore:
         try:
             with disk_writes():
                 try:
-                    self.root.mkdir(mode=0o700, parents=True, exist_ok=True)  # new: private
+                    self.make_root()
                     target.parent.mkdir(parents=True, exist_ok=True)
                 except (FileExistsError, NotADirectoryError):
                     raise ApiError(
@@ -11195,15 +11336,29 @@ def jwt_decode(token: str, secret: str, now: float | None = None) -> dict:
 
 
 class Lockout:
-    """Failed credentials per client address: `limit` in `window` s lock it out for `window` s."""
+    """Failed credentials per client address: `limit` distinct wrong credentials in
+    `window` s lock it out for `window` s.
+
+    The same wrong credential presented again within the window counts once (each is
+    remembered by a short hash of it, never itself): a revoked device that keeps retrying
+    its key from the owner's address locks nobody out, while a guesser, whose every try is
+    a new credential, still is. Callers that pass no credential count every failure.
+    """
 
     def __init__(
-        self, limit: int = 10, window: float = 60.0, clock=time.monotonic, tracked: int = 10000
+        self,
+        limit: int = 10,
+        window: float = 60.0,
+        clock=time.monotonic,
+        tracked: int = 10000,
+        what: str = "wrong credentials",
     ):
         self.limit, self.window, self.clock = limit, window, clock
         self.tracked = tracked  # addresses remembered at most (memory under a spray)
-        self._fails: dict[str, deque] = {}
+        self.what = what  # what failed, as the log says it
+        self._fails: dict[str, dict] = {}  # addr -> {credential's hash: last seen}, oldest first
         self._until: dict[str, float] = {}
+        self._unnamed = itertools.count()  # failures without a credential: each its own
         self._lock = threading.Lock()
 
     def retry_after(self, addr: str) -> int:
@@ -11216,18 +11371,36 @@ class Lockout:
                 return 0
             return max(1, int(left + 0.999))
 
-    def fail(self, addr: str) -> None:
+    def fail(self, addr: str, credential: str | bytes | None = None) -> None:
+        """Count a wrong credential from addr (once per distinct credential in the window)."""
+        if credential is None:
+            seen: Any = next(self._unnamed)
+        else:
+            raw = (
+                credential.encode("utf-8", "replace") if isinstance(credential, str) else credential
+            )
+            seen = hashlib.sha256(raw).digest()[:8]
         now = self.clock()
         with self._lock:
             if len(self._fails) >= self.tracked:  # bound memory under a spray of addresses
                 self._prune(now)
-            q = self._fails.setdefault(addr, deque())
-            q.append(now)
-            while q and q[0] <= now - self.window:
-                q.popleft()
-            if len(q) >= self.limit:
-                self._until[addr] = now + self.window
-                q.clear()
+            tries = self._fails.setdefault(addr, {})
+            for old in [c for c, at in tries.items() if at <= now - self.window]:
+                del tries[old]
+            tries.pop(seen, None)  # seen again: it moves to the end, still one
+            tries[seen] = now
+            if len(tries) < self.limit:
+                return
+            self._until[addr] = now + self.window
+            tries.clear()
+        log.warning(
+            "%s is locked out for %d s: %d %s in %d s",
+            log_safe(addr, 80),
+            self.window,
+            self.limit,
+            self.what,
+            self.window,
+        )
 
     def succeed(self, addr: str) -> None:
         """Forget addr's failures: a right credential from it (a lockout still runs out)."""
@@ -11239,15 +11412,20 @@ class Lockout:
 
         Pruning makes room for `tracked // 2` new addresses, so its cost is spread thin.
         """
-        for addr in [a for a, q in self._fails.items() if not q or q[-1] <= now - self.window]:
+        for addr in [a for a, q in self._fails.items() if _last(q) <= now - self.window]:
             del self._fails[addr]
         for addr in [a for a, until in self._until.items() if until <= now]:
             del self._until[addr]
         excess = len(self._fails) - self.tracked // 2
         if excess > 0:
-            last = {a: q[-1] for a, q in self._fails.items()}
+            last = {a: _last(q) for a, q in self._fails.items()}
             for addr in heapq.nsmallest(excess, last, key=last.__getitem__):
                 del self._fails[addr]
+
+
+def _last(tries: dict) -> float:
+    """Return when an address last failed (its newest entry; -inf: none)."""
+    return next(reversed(tries.values()), float("-inf"))
 
 
 class RateLimit:
@@ -11704,9 +11882,12 @@ class GrantStore:
         self._flushed = clock()
         self.codes: dict = {}  # code hash -> what the owner approved (memory only)
         self.metadata: dict = {}  # client_id URL -> (fetched at, document)
+        # (data, the ids revoked) -> None, run inside a revocation's state update: what a
+        # grant made beyond this store ends with it in the same write (the chats it bound)
+        self.on_revoke: list = []
         self.registrations = RateLimit(REGISTRATIONS_PER_MINUTE)
         self.public_hits = RateLimit(60)  # shared notes and consent facts, per address
-        self.share_misses = Lockout()  # unknown share tokens, per address
+        self.share_misses = Lockout(what="unknown links")  # share and feed tokens, per address
 
     # -- authenticating -------------------------------------------------------------
 
@@ -11953,9 +12134,11 @@ class GrantStore:
             found.update(more)
 
     def revoke(self, grant_id: str, cascade: bool = False) -> list:
-        """Revoke a key or an OAuth grant, the share links it made and the pairings it made
-        that wait to be claimed; with cascade also the grants it made (devices, keys, OAuth
-        grants, and theirs in turn). Return the ids revoked, grant_id first ([]: unknown)."""
+        """Revoke a key or an OAuth grant and the secrets it made: its share links, its
+        calendar feeds, the pairings it made that wait to be claimed, and (on_revoke) the
+        chats it connected to a channel; with cascade also the grants it made (devices,
+        keys, OAuth grants, and theirs in turn), and theirs. Return the ids revoked,
+        grant_id first ([]: unknown)."""
 
         def change(data: dict) -> list:
             grants = data.get("grants", [])
@@ -11964,14 +12147,14 @@ class GrantStore:
             gone = [grant_id, *(self._made_by(grants, grant_id) if cascade else [])]
             data["grants"] = [g for g in grants if g["id"] not in gone]
             data["shares"] = [s for s in data.get("shares", []) if s.get("grantId") not in gone]
-            pairings = data.get("pairings", [])
-            data["pairings"] = [p for p in pairings if p.get("createdBy") not in gone]
-            if len(data["pairings"]) < len(pairings):
-                log.info(
-                    "%d pairing(s) made by %s ended",
-                    len(pairings) - len(data["pairings"]),
-                    grant_id,
-                )
+            for name, what in (("pairings", "pairing"), ("feeds", "calendar feed")):
+                kept = [x for x in data.get(name, []) if x.get("createdBy") not in gone]
+                if len(kept) < len(data.get(name, [])):
+                    ended = len(data[name]) - len(kept)
+                    log.info("%d %s(s) made by %s ended", ended, what, grant_id)
+                    data[name] = kept
+            for hook in self.on_revoke:
+                hook(data, gone)
             return gone
 
         if not any(g["id"] == grant_id for g in self.state.read().get("grants", [])):
@@ -11984,6 +12167,18 @@ class GrantStore:
             self._used.pop(g, None)
             log.info("grant %s revoked", g)
         return gone
+
+    def live_maker(self, created_by: Any) -> bool:
+        """Return whether what `created_by` made may still be used: made by the owner or
+        the CLI (or before it was recorded), or by a grant that is live (not revoked, not
+        expired)."""
+        if not made_by_grant(created_by):
+            return True
+        now = self.clock()
+        return any(
+            g["id"] == created_by and self.expires(g) > now
+            for g in self.state.read().get("grants", [])
+        )
 
     def counts(self) -> dict:
         """Return how many grants there are of each kind, and registered OAuth clients."""
@@ -12594,6 +12789,7 @@ class Service:
         """Sweep crash leftovers, bring the index up to date, start the background work."""
         if self.readonly or self._threads:
             return self
+        _ = self.setup_loopback_only  # decided (and said in the log) at start, not later
         swept = self.notes.sweep_temp_files() + self.attachments.sweep_temp_files()
         if swept:
             log.info("removed %d temp files left by an interrupted write", swept)
@@ -12719,13 +12915,22 @@ class Service:
     @property
     def setup_loopback_only(self) -> bool:
         """Whether only loopback clients may set up (SERVICE_SETUP_LOCAL_ONLY, auto decided
-        once from this machine's own address)."""
+        once from this machine's own address and what it runs on: setup_loopback_reason)."""
         if self._setup_loopback_only is None:
             mode = self.config.setup_local_only
             auto = mode == "auto"
-            self._setup_loopback_only = setup_loopback_only(
-                mode, lan_address() if auto else "", auto and in_container()
+            own = lan_address() if auto else ""
+            why = setup_loopback_reason(
+                mode, own, auto and Machine.in_container(), Machine.cloud() if auto else ""
             )
+            self._setup_loopback_only = bool(why)
+            if auto and why and not self.state.read().get("setupComplete"):
+                log.warning(
+                    "setup: only this machine itself may set up (SERVICE_SETUP_LOCAL_ONLY=auto):"
+                    " %s. On a home network, SERVICE_SETUP_LOCAL_ONLY=false lets its other"
+                    " machines set up too; or run `pair` here and scan its code",
+                    why,
+                )
         return self._setup_loopback_only
 
     def setup_here(self, environ: dict, check_host: bool = True) -> tuple:
@@ -12835,7 +13040,7 @@ class Service:
                             403, "FORBIDDEN", f"this needs the API key itself ({KEY_HEADER})"
                         )
                     return grant
-            self.lockout.fail(addr)
+            self.lockout.fail(addr, f"{key}\n{bearer}")  # the same one again: once
         headers = f"{KEY_HEADER}, Authorization: Bearer or X-API-Key" if mcp else KEY_HEADER
         challenge = {"WWW-Authenticate": mcp_challenge(mcp_url, "invalid_token" if bearer else "")}
         raise ApiError(
@@ -13687,7 +13892,9 @@ def ask_agent(svc: Service, question: str, note: str | None = None, folder: str 
         answer = provider.answer(svc, question, found)
     except UpstreamError as e:
         raise e.api_error("the model endpoint") from None
-    reply, model = answer[0], answer[1]
+    cfg = svc.config  # what the model was sent never comes back out (an echoing endpoint)
+    sent = [cfg.agent_api_key, *url_secrets(cfg.agent_base_url)]
+    reply, model = scrub(answer[0], sent), scrub(str(answer[1]), sent)
     titles = {path: title for path, title, _ in found}
     if len(answer) > 2:  # the provider names its sources (notes that may be gone since)
         paths = [p for p in dict.fromkeys(answer[2]) if p in titles or svc.notes.exists(p)]
@@ -13874,7 +14081,7 @@ def transcribe(svc: Service, path: str) -> str:
         raise UpstreamError("the transcription answer had no text") from None
     if not isinstance(text, str):
         raise UpstreamError("the transcription answer had no text")
-    return text.strip()
+    return scrub(text, [cfg.transcribe_api_key, *url_secrets(cfg.transcribe_url)]).strip()
 
 
 # == src/notesvc/providers/channels.py ========================================
@@ -14143,8 +14350,9 @@ def telegram_call(
     if not isinstance(answer, dict) or answer.get("ok") is not True:
         answer = answer if isinstance(answer, dict) else {}
         wait = (answer.get("parameters") or {}).get("retry_after") or 0
+        said = scrub(str(answer.get("description") or f"HTTP {status}"), [config["botToken"]])
         raise TelegramError(
-            f"Telegram {method}: " + _printable(answer.get("description") or f"HTTP {status}", 200),
+            f"Telegram {method}: " + _printable(said, 200),
             int(answer.get("error_code") or status),
             float(wait) if isinstance(wait, (int, float)) else 0.0,
         )
@@ -14223,7 +14431,8 @@ def send_telegram(svc: Service, config: dict, chat_id: str, text: str) -> None:
     url = f"{base}/bot{config['botToken']}/sendMessage"
     answer = post_json(url, {"chat_id": chat_id, "text": text[:REPLY_LIMIT]}, timeout=15)
     if answer.get("ok") is not True:
-        raise UpstreamError(f"Telegram refused: {str(answer.get('description'))[:100]}")
+        said = scrub(str(answer.get("description")), [config["botToken"]])
+        raise UpstreamError(f"Telegram refused: {_printable(said)}")
 
 
 @channel_poller("telegram")
@@ -14400,7 +14609,7 @@ def verify_whatsapp(svc: Service) -> str:
     mine = [c["config"] for c in _channels(svc) if c["provider"] == "whatsapp" and c["enabled"]]
     if mode != "subscribe" or not token or not _match_secret(mine, "verifyToken", token):
         if token:
-            svc.lockout.fail(addr)
+            svc.lockout.fail(addr, token)
         raise ApiError(403, "FORBIDDEN", "hub.verify_token does not match a WhatsApp channel")
     bottle.response.content_type = "text/plain; charset=utf-8"
     return challenge[:200]
@@ -14494,7 +14703,7 @@ def _authenticate_channel(
         channel = _signed_by(signature, raw(), mine, key)
     if channel is None:
         if presented or signed:
-            svc.lockout.fail(addr)
+            svc.lockout.fail(addr, f"{presented}\n{signature}")
         raise ApiError(401, "UNAUTHORIZED", "missing or wrong channel secret or signature")
     svc.lockout.succeed(addr)
     if not channel["enabled"]:
@@ -14536,10 +14745,84 @@ BOUND_TEXT = (
 )
 
 
-def new_binding() -> tuple:
-    """Return (a bind code to send to the bot, the record kept of it: its hash, its time)."""
+def new_binding(created_by: str = MADE_BY_OWNER) -> tuple:
+    """Return (a bind code to send to the bot, the record kept of it: its hash, its time,
+    who asked for it: the chat it connects is theirs, and ends with their grant)."""
     code = base64.b32encode(secrets.token_bytes(10)).decode("ascii").lower()[:12]
-    return code, {"codeHash": key_hash(code), "until": iso(time.time() + BIND_SECONDS)}
+    binding = {"codeHash": key_hash(code), "until": iso(time.time() + BIND_SECONDS)}
+    return code, {**binding, "createdBy": created_by}
+
+
+# -- who connected which chat: a chat a grant connected ends with that grant ------------
+#
+# A channel's `chatMakers` maps each chat (sender) on its allowlist that a grant put there
+# (by a bind code it asked for, or in a config it sent) to that grant's id; chats the owner
+# put there have no entry. Revoking the grant unbinds them (GrantStore.on_revoke:
+# unbind_chats), and while its grant is expired or gone a chat is refused (allowed_senders).
+
+
+def note_chat_makers(channel: dict, prov: ChannelProvider | None, before: list, maker: str):
+    """Record `maker` (a `createdBy`) for the chats a change put on the channel's
+    allowlist, and forget the chats it took off."""
+    if prov is None or not prov.allow:
+        return
+    now = channel["config"].get(prov.allow) or []
+    makers = {c: m for c, m in (channel.get("chatMakers") or {}).items() if c in now}
+    if made_by_grant(maker):
+        makers.update(dict.fromkeys((c for c in now if c not in before), maker))
+    if makers:
+        channel["chatMakers"] = makers
+    else:
+        channel.pop("chatMakers", None)
+
+
+def unbind_chats(providers: Mapping[str, ChannelProvider]) -> Callable:
+    """Return the GrantStore.on_revoke hook that unbinds the chats the revoked grants
+    connected: off the allowlist, `boundChat` gone, their bind codes that wait ended. A
+    channel left with no allowed chat is closed (a binding without a code: nobody, until
+    a new code connects one), never opened to anyone."""
+
+    def unbind(data: dict, gone: list) -> None:
+        for channel in data.get("channels", []):
+            prov = providers.get(channel["provider"])
+            binding = channel.get("binding")
+            waiting = binding is not None and binding.get("createdBy") in gone
+            if prov is None or not prov.allow:
+                continue
+            makers = channel.get("chatMakers") or {}
+            dropped = [c for c, m in makers.items() if m in gone]
+            if not dropped and not waiting:
+                continue
+            allowed = channel["config"].get(prov.allow) or []
+            kept = [c for c in allowed if c not in dropped]
+            channel["config"][prov.allow] = kept
+            note_chat_makers(channel, prov, kept, MADE_BY_OWNER)
+            if (channel.get("boundChat") or {}).get("id") in dropped:
+                channel.pop("boundChat")
+            if waiting:
+                channel.pop("binding")
+            if (allowed or waiting) and not kept:  # nobody now, never anybody
+                channel["binding"] = {"until": iso(time.time())}
+            for chat in dropped:
+                log.info(
+                    "channel %s: chat %s unbound (%s was revoked)",
+                    channel["id"],
+                    chat,
+                    makers[chat],
+                )
+
+    return unbind
+
+
+def allowed_senders(svc: Service, channel: dict, prov: ChannelProvider) -> list | None:
+    """Return the senders a channel answers: its allowlist without the chats a grant
+    connected that is no longer live (revoked, expired); None when it has no allowlist
+    (anyone: the audit says so)."""
+    allowed = channel["config"].get(prov.allow) if prov.allow else None
+    if not allowed:
+        return None
+    makers = channel.get("chatMakers") or {}
+    return [c for c in allowed if c not in makers or svc.grants.live_maker(makers[c])]
 
 
 def binds(binding: dict, text: str) -> bool:
@@ -14555,12 +14838,15 @@ def binds(binding: dict, text: str) -> bool:
 
 def bind_chat(svc: Service, channel: dict, prov: ChannelProvider, sender: str, name: str):
     """Make the chat that sent the bind code the channel's only allowed one (the code is
-    used up: a second chat sending it is a refused sender)."""
+    used up: a second chat sending it is a refused sender); it is the chat of whoever asked
+    for the code."""
     bound = {"id": _printable(sender), "name": _printable(name or ""), "at": iso(utcnow())}
 
     def apply(channels: list, i: int) -> None:
-        channels[i].pop("binding", None)
+        maker = (channels[i].pop("binding", None) or {}).get("createdBy", MADE_BY_OWNER)
         channels[i]["config"][prov.allow] = [bound["id"]]
+        channels[i].pop("chatMakers", None)
+        note_chat_makers(channels[i], prov, [], maker)
         channels[i]["boundChat"] = bound
 
     _change_channel(svc, channel["id"], apply)
@@ -14656,8 +14942,8 @@ def process_update(svc: Service, channel: dict, prov: ChannelProvider, update: d
             messages.append((m[0], text, m[2] if len(m) > 2 else "", media))
     if not messages:
         return {"handled": False, "reason": "the update holds no text message"}
-    allowed = channel["config"].get(prov.allow) if prov.allow else None
-    binding = channel.get("binding")  # a code waits for the chat it connects
+    allowed = allowed_senders(svc, channel, prov)  # None: no allowlist
+    binding = channel.get("binding")  # a code waits for the chat it connects (or none may)
     results = []
     for sender, text, name, media in messages[:5]:
         if binding and binds(binding, text):
@@ -14665,7 +14951,7 @@ def process_update(svc: Service, channel: dict, prov: ChannelProvider, update: d
             results.append(_deliver(svc, channel, prov, sender, BOUND_TEXT))
             binding = allowed = None
             continue
-        if (binding and not allowed) or (allowed and sender not in allowed):
+        if (binding and not allowed) or (allowed is not None and sender not in allowed):
             refuse_sender(svc, channel, prov, sender, name)
             results.append({"handled": False, "reason": "sender not allowed"})
             continue
@@ -14679,11 +14965,22 @@ def process_update(svc: Service, channel: dict, prov: ChannelProvider, update: d
     return {"handled": any(r["handled"] for r in results), "results": results}
 
 
+def channel_secrets(svc: Service, channel_id: str) -> list:
+    """Return what a channel sends out that is secret: its config's secret fields (a bot
+    token, an access token), for scrub()."""
+    for channel in _channels(svc):
+        prov = svc.channel_providers.get(channel["provider"])
+        if channel["id"] == channel_id and prov is not None:
+            return [str(channel["config"].get(f.name) or "") for f in prov.fields if f.secret]
+    return []
+
+
 def set_channel_status(svc: Service, channel_id: str, ok: bool, error: str = "") -> dict | None:
-    """Record the outcome of the last call to the channel's provider as its `status`."""
+    """Record the outcome of the last call to the channel's provider as its `status` (no
+    secret of the channel in it, whatever its provider said)."""
     status: dict = {"ok": ok, "at": iso(utcnow())}
     if error:
-        status["error"] = _printable(error, 300)
+        status["error"] = _printable(scrub(error, channel_secrets(svc, channel_id)), 300)
 
     def record(channels: list, i: int) -> dict:
         channels[i]["status"] = status
@@ -14705,8 +15002,9 @@ def configure_channel(svc: Service, channel: dict) -> dict:
     try:
         done = prov.configure(svc, channel)
     except UpstreamError as e:
-        log.warning("channel %s: %s", channel["id"], e)
-        return set_channel_status(svc, channel["id"], False, str(e)) or channel
+        said = scrub(str(e), channel_secrets(svc, channel["id"]))
+        log.warning("channel %s: %s", channel["id"], said)
+        return set_channel_status(svc, channel["id"], False, said) or channel
     if done is None:
         return channel
     log.info("channel %s: %s", channel["id"], done)
@@ -14902,8 +15200,8 @@ class ChannelPoller:
 
     def _failed(self, e: Exception, backoff: float) -> float:
         """Log and record a failure; return the pause before the next try."""
-        if isinstance(e, UpstreamError):
-            reason = str(e)
+        if isinstance(e, UpstreamError):  # what the provider said, without the channel's secrets
+            reason = scrub(str(e), channel_secrets(self.owner.svc, self.channel_id))
         else:
             reason = type(e).__name__
             log.exception("channel %s: polling failed", self.channel_id)
@@ -15187,7 +15485,7 @@ class ReminderScheduler:
             prov = svc.channel_providers.get(channel["provider"])
             if not (prov and prov.send and channel["enabled"] and channel["config"].get("notify")):
                 continue
-            for to in channel["config"].get(prov.allow, []) if prov.allow else []:
+            for to in allowed_senders(svc, channel, prov) or []:  # live chats only
                 tried += 1
                 try:
                     prov.send(svc, channel["config"], to, text)
@@ -15260,12 +15558,9 @@ class EmbedClient:
             out.abort()
 
     def scrub(self, text: str) -> str:
-        """Return text (an answer or an error) without the key or the URL's query, cut to
-        200 bytes."""
-        for secret in (self.key, urllib.parse.urlsplit(self.url).query):
-            if secret:
-                text = text.replace(secret, "…")
-        return text.encode()[:200].decode("utf-8", "ignore")
+        """Return text (an answer or an error) without the key or the URL's secrets, in any
+        spelling an endpoint may echo them (scrub), cut to 200 bytes."""
+        return scrub(text, [self.key, *url_secrets(self.url)], 200)
 
     def embed(self, texts: list, timeout: float, dim: int = 0) -> list:
         """Return the normalised vectors of texts; EmbedError on any failure. The call is
@@ -15741,6 +16036,7 @@ class PluginRoute:
     params: dict | None = None  # JSON schemas of path/query parameters (OpenAPI), by name
     scope: str = "admin"  # what a grant needs to call it; a read or write route must keep
     # a folder grant inside its folder (request_principal())
+    secret: bool = False  # its answer can carry a secret or a code: never gzipped
 
 
 @dataclasses.dataclass(frozen=True)
@@ -15821,6 +16117,7 @@ def build_service(config: Config, readonly: bool = False) -> Service:
     """
     plugins = PLUGINS if readonly else load_plugins(plugins_dir(config))
     svc = Service(config, plugins, *provider_registries(plugins), readonly=readonly)
+    svc.grants.on_revoke.append(unbind_chats(svc.channel_providers))  # its chats go with it
     svc.pollers = ChannelPollers(svc)
     svc.reminders = ReminderScheduler(svc)
     svc.embedder = build_embedder(svc)
@@ -18748,14 +19045,43 @@ def check_setup_exposed(svc: Service) -> list:
         f"Set it up now from a browser on this machine or its home network, or run "
         f"`{_self_command()} pair` (or rotate-key) on the server: either completes setup."
     )
+    window = _minutes(cfg.setup_window)
+    home = "loopback" if svc.setup_loopback_only else "loopback or its home network"
+    if not _reachable_beyond_loopback(cfg) and not relayed and cfg.trust_proxy:
+        # Behind the proxy the forwarded address decides (client_of): what the key is
+        # offered to is what the proxy reports, and a loopback peer may be the proxy itself.
+        itself = any(is_trusted_proxy(cfg, a) for a in ("127.0.0.1", "::1"))
+        return [
+            finding(
+                "setup-incomplete",
+                "low",
+                "Setup is not complete",
+                "The service listens on loopback only, behind the proxy SERVICE_TRUST_PROXY "
+                "names: GET /system/setup offers the key only to a client that proxy reports "
+                f"(X-Forwarded-For, Forwarded, X-Real-IP) as on {home}, for {window} after a "
+                "start, until setup completes"
+                + (
+                    "; a request straight to the port from this machine comes from a "
+                    "trusted proxy's address and names no client, so it is not offered "
+                    "the key"
+                    if itself
+                    else ""
+                )
+                + ".",
+                "Set it up through the proxy from a browser "
+                + ("on this machine" if svc.setup_loopback_only else "at home")
+                + f", or run `{_self_command()} pair` (or rotate-key) on the server: either "
+                "completes setup.",
+            )
+        ]
     if not _reachable_beyond_loopback(cfg) and not relayed:
         return [
             finding(
                 "setup-incomplete",
                 "low",
                 "Setup is not complete",
-                "The key is offered by GET /system/setup to this machine until setup "
-                "completes; the service listens on loopback only.",
+                f"The key is offered by GET /system/setup to this machine, for {window} "
+                "after a start, until setup completes; the service listens on loopback only.",
                 finish,
             )
         ]
@@ -18768,13 +19094,17 @@ def check_setup_exposed(svc: Service) -> list:
         if part
     )
     who = "loopback" if svc.setup_loopback_only else "loopback and home-network"
+    if cfg.trust_proxy:
+        who += " clients (behind the proxy SERVICE_TRUST_PROXY names: as it reports them)"
+    else:
+        who += " clients"
     return [
         finding(
             "setup-exposed",
             "critical",
             "Setup is not complete on a reachable server",
             f"Setup is incomplete and the service {where}: whoever sets it up first owns "
-            f"it. The key is offered only to {who} clients, for "
+            f"it. The key is offered only to {who}, for "
             f"{_minutes(cfg.setup_window)} after a start, and never through a relay; a "
             "proxy or tunnel in front that adds no forwarding header makes every client "
             "look local.",
@@ -19070,7 +19400,11 @@ def check_channel_allowlists(svc: Service) -> list:
                     "delete the channel and create it again.",
                 )
             )
-        elif provider.allow and not channel["config"].get(provider.allow):
+        elif (  # (a channel waiting for a bind code, or closed by one revoked, takes nobody)
+            provider.allow
+            and not channel["config"].get(provider.allow)
+            and not channel.get("binding")
+        ):
             out.append(
                 finding(
                     f"channel-open-{channel['id']}",
@@ -24982,9 +25316,9 @@ const grants = (() => {
         g.kind === "oauth"
           ? "This app is disconnected at once; it must ask you again to come back."
           : g.kind === "device"
-            ? "This device is signed out at once, and the share links and unused pairing " +
-              "codes it made end."
-            : "This key stops working at once, and the share links it made end.",
+            ? "This device is signed out at once, and the share links, calendar feeds, " +
+              "unused pairing codes and Telegram chats it made or connected end."
+            : "This key stops working at once, and the share links and feeds it made end.",
       ];
       const buttons = [
         ["cancel", "Cancel"],
@@ -27979,10 +28313,16 @@ def _expects_continue(headers: list, head: bytes) -> bool:
 
 
 def http_response(status: int, headers: list, body: bytes, keep_alive: bool) -> bytes:
-    """Return an HTTP/1.1 response (head and body) as bytes."""
+    """Return an HTTP/1.1 response (head and body) as bytes; a header that cannot go on
+    the wire (outside Latin-1) is left out, never the whole answer."""
     reason = bottle.HTTP_CODES.get(status, "Status")
     lines = [f"HTTP/1.1 {status} {reason}"]
-    lines += [f"{k}: {v}" for k, v in headers]
+    for k, v in headers:
+        line = f"{k}: {v}"
+        if all(ord(c) < 256 for c in line):
+            lines.append(line)
+        else:
+            log.warning("relay: a %s header outside Latin-1 was left out", log_safe(k, 40))
     lines.append(f"Content-Length: {len(body)}")
     lines.append("Connection: " + ("keep-alive" if keep_alive else "close"))
     return ("\r\n".join(lines) + "\r\n\r\n").encode("latin-1") + body
@@ -28522,9 +28862,10 @@ class RelayServer:
     def client_addr(self, req: RelayRequest) -> str:
         """Return the client's address: the peer's, or the one a trusted proxy reports."""
         environ = {"REMOTE_ADDR": req.peer}
-        forwarded = req.header("X-Forwarded-For")
-        if forwarded:
-            environ["HTTP_X_FORWARDED_FOR"] = forwarded
+        for name in FORWARDING_HEADERS:  # every one is judged (client_of)
+            value = req.header(name[5:].replace("_", "-"))
+            if value:
+                environ[name] = value
         return client_address(self.config, environ)
 
     def base_url(self, req: RelayRequest) -> str:
@@ -28776,7 +29117,7 @@ def relay_answer_headers(path: str, headers: list, download: bool = False) -> li
             or (name.lower() == "content-encoding" and value == "gzip" and not download)
         )
         and _TOKEN_CHARS_RE.match(name)
-        and not re.search(r"[\x00-\x1f\x7f]", value)
+        and _header_value_ok(value)
     ]
     ctype = _relayed_type(path, given, download)
     if download:
@@ -28789,6 +29130,13 @@ def relay_answer_headers(path: str, headers: list, download: bool = False) -> li
         ("Content-Security-Policy", RELAY_ANSWER_CSP),
         *keep,
     ]
+
+
+def _header_value_ok(value: str) -> bool:
+    """Return whether a header value may go out on the wire as it is: no control bytes,
+    nothing outside Latin-1 (HTTP/1.1's octets; a registered server's `é` or emoji would
+    not encode, and its answer would be lost with the connection)."""
+    return not re.search(r"[\x00-\x1f\x7f]", value) and all(ord(c) < 256 for c in value)
 
 
 def _relayed_type(path: str, given: str, download: bool) -> str:
@@ -28932,13 +29280,14 @@ class RelayClient:
         status, answer = self._call(
             "POST", f"/relay/v1/register/{sid}", {"token": st["relayToken"], "relayCode": code}
         )
+        said = [st["relayToken"]]  # a relay that says it back: never into the log or the info
         if status != 200:
-            raise RelayRefused(status, _relay_message(answer, status))
+            raise RelayRefused(status, scrub(_relay_message(answer, status), said))
         status, answer = self._call(
             "POST", f"/relay/v1/code/{code}", {"serverId": sid, "token": st["relayToken"]}
         )
         if status != 200:
-            raise RelayRefused(status, _relay_message(answer, status))
+            raise RelayRefused(status, scrub(_relay_message(answer, status), said))
         self._registered_code, self._code_sent_at = code, time.monotonic()
         self._learn_origin(sid)
 
@@ -29111,8 +29460,9 @@ class Route:
     jsonrpc: bool = False  # answers JSON-RPC 2.0, errors too; callers checked by
     # authenticate_mcp, which also takes OAuth access tokens (the MCP endpoint only)
     idempotent: bool = False  # an Idempotency-Key header makes a repeat answer as the first
-    secret: bool = False  # its answer can carry a secret (a key, a token, a pairing's
-    # secret): never gzipped (docs/api.md: Compression)
+    secret: bool = False  # its answer can carry a secret or a code (a key, a token, a
+    # pairing's secret, a share or feed link, an authorisation code): never gzipped
+    # (docs/api.md: Compression; a test derives it from the answers of every route)
 
     @property
     def rule(self) -> str:
@@ -30431,6 +30781,8 @@ def add_channel(svc: Service, name: str, config: dict, title: str, **extra) -> d
         "config": config,
         **extra,
     }
+    maker = made_by(request_principal())  # the chats it allows are theirs (unbind_chats)
+    note_chat_makers(channel, svc.channel_providers.get(name), [], maker)
     svc.state.update(lambda data: data.setdefault("channels", []).append(channel))
     log.info("channel %s (%s) created", channel["id"], name)
     channel = configure_channel(svc, channel)  # Telegram webhook mode: setWebhook
@@ -30465,7 +30817,7 @@ def connect_telegram(svc: Service) -> dict:
         svc.channel_providers["telegram"],
         {"botToken": token, "mode": "polling", "notify": True},
     )
-    code, binding = new_binding()
+    code, binding = new_binding(made_by(request_principal()))
     channel = add_channel(svc, "telegram", config, title, binding=binding, bot=username)
     return bind_answer(svc, channel, code, binding)
 
@@ -30491,7 +30843,7 @@ def bind_answer(svc: Service, channel: dict, code: str, binding: dict) -> dict:
 def bind_channel(svc: Service, channel_id: str) -> dict:
     """POST /channels/:id/bind: a new bind code; the next chat to send it replaces the
     allowed chats (the ones allowed now keep working until then)."""
-    code, binding = new_binding()
+    code, binding = new_binding(made_by(request_principal()))
 
     def apply(channels: list, i: int) -> dict:
         if channels[i]["provider"] != "telegram":
@@ -30526,6 +30878,7 @@ def patch_channel(svc: Service, channel_id: str) -> dict:
     if title is not None and is_blank(title):
         raise bad_request("'name' must not be empty")
     changes = field(body, "config", dict, required=False)
+    maker = made_by(request_principal())
 
     def merge(channels: list, i: int) -> dict:
         channel = channels[i]
@@ -30534,9 +30887,11 @@ def patch_channel(svc: Service, channel_id: str) -> dict:
             if provider is None:
                 raise bad_request(f"channel provider {channel['provider']!r} is not loaded")
             stored = channel["config"]
+            before = list(stored.get(provider.allow) or []) if provider.allow else []
             if "mode" not in stored and any(f.name == "mode" for f in provider.fields):
                 stored = {**stored, "mode": "webhook"}  # stored before modes: a webhook
             channel["config"] = validate_channel_config(provider, {**stored, **changes})
+            note_chat_makers(channel, provider, before, maker)
         if title is not None:  # only invisible characters: the name it had stays
             channel["name"] = _printable(title) or channel["name"]
         return channel
@@ -30699,6 +31054,7 @@ def plugin_routes(plugins: Iterable[Plugin]) -> tuple:
                     params=r.params,
                     tag="plugins",
                     scope=r.scope,
+                    secret=r.secret,
                 )
             )
     return tuple(routes)
@@ -30952,7 +31308,7 @@ def claim_device(svc: Service) -> dict:
     name = _clean_name(field(body, "deviceName", required=False, max_len=100), "")
     found = svc.grants.claim(secret, name) if len(secret) <= 64 else None
     if found is None:
-        svc.lockout.fail(addr)
+        svc.lockout.fail(addr, secret)
         raise not_found("this pairing code is unknown, used or expired: make a new one")
     svc.lockout.succeed(addr)
     record, key = found
@@ -31041,7 +31397,7 @@ def _shared_note(svc: Service, token: str) -> tuple:
     bottle.response.set_header("Referrer-Policy", "no-referrer")
     found = svc.grants.shared(token)
     if found is None:
-        svc.grants.share_misses.fail(addr)
+        svc.grants.share_misses.fail(addr, token)
         raise not_found("nothing is shared at this link (it may have expired or been revoked)")
     share, reader = found
     try:
@@ -32542,9 +32898,13 @@ def dav_mkcol(svc: Service, dav: DavState, item: DavItem, ctx: dict):
         raise DavError(405, f"/dav/{item.path} already exists")
     dav_parent_ready(svc, item.path)
     dav_unlocked(dav, item.path.rsplit("/", 1)[0], ctx["tokens"])
+    folder, root = Path(item.file).resolve(), svc.attachments.root
     with disk_writes():
-        os.makedirs(os.path.dirname(item.file), exist_ok=True)  # attachments/ itself, at first
-        os.mkdir(item.file)
+        if folder == root or root in folder.parents:
+            svc.attachments.make_root()  # attachments/ itself, at first: private
+        if folder != root:
+            os.makedirs(os.path.dirname(item.file), exist_ok=True)
+            os.mkdir(item.file)
     fsync_dir(Path(os.path.dirname(item.file)))
     bottle.response.status = 201
     return b""
@@ -33976,8 +34336,10 @@ def get_feed(svc: Service, name: str):
     ):
         resp.set_header(header, value)
     feed = _feed_of(svc, name[:-4] if name.endswith(".ics") else "")
+    if feed is not None and not svc.grants.live_maker(feed.get("createdBy")):
+        feed = None  # its device was revoked (the feed went with it) or has expired
     if feed is None:
-        svc.grants.share_misses.fail(addr)
+        svc.grants.share_misses.fail(addr, name)
         raise not_found("no calendar feed at this link (it may have been deleted)")
     now = time.time()
     used = feed.get("lastUsedAt")
@@ -34959,6 +35321,7 @@ ROUTES = (
         ),
         tag="grants",
         scope="admin",
+        secret=True,  # the authorisation code, beside the client's own `state`
     ),
     Route("GET", "/relay/v1/pair/<code>", pair_relay_code, public=True, api=False, tag="relay"),
     Route("GET", "/", get_web_client, public=True, api=False, tag="pages", media="text/html"),
