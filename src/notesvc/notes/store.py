@@ -849,10 +849,10 @@ class NoteStore:
             try:
                 if self.journal is not None:
                     self.journal.reserve()
-            except ApiError:  # still no room: the rescan records it (its copy says it was)
-                log.warning(
-                    "%s removed; the change feed learns of it at the next rescan", log_safe(path)
-                )
+            except ApiError:  # still no room: the feed has it all the same (the log says so)
+                self.journal.append("deleted", path, reserved=False)
+                if self.history is not None:
+                    self.history.drop_head(path)
                 return True
             self._record("deleted", path, None)
         return True
