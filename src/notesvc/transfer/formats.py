@@ -814,12 +814,14 @@ class EnexSurvey(_EnexStream):
             decoded = (self.parser.CurrentByteIndex - self.at) * 3 // 4
             self.need += note_need(decoded) - 2 * decoded  # a file: its blocks only
 
-    def survey(self, read: Callable[[int], bytes]) -> EnexSurvey:
-        """Read it all; where it stops being well-formed (or declares a DTD), stop there:
-        the import's own reading says so, at that place."""
+    def survey(self, read: Callable[[int], bytes], tick: Callable = lambda: None) -> EnexSurvey:
+        """Read it all (tick() after each chunk: the command's progress lines); where it
+        stops being well-formed (or declares a DTD), stop there: the import's own reading
+        says so, at that place."""
         try:
             while chunk := read(BODY_CHUNK):
                 self.feed(chunk)
+                tick()
             self.feed(b"", final=True)
         except ApiError as e:
             if e.status_code != 400:
@@ -1356,7 +1358,7 @@ def _import_enex(svc, files: list, into, dry_run, principal, progress) -> dict:
     counted, need = 0, IMPORT_DISK_SLACK
     for _, opener in files:
         with opener() as f:
-            survey = EnexSurvey(plan.most, counted).survey(f.read)
+            survey = EnexSurvey(plan.most, counted).survey(f.read, lambda: plan.progress(plan))
         counted, need = survey.count, need + survey.need
     import_room(svc, need)
     for name, opener in files:
