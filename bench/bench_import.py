@@ -3,7 +3,7 @@
     python bench/bench_import.py                 # 10,000 notes, 1,000 images, 200 MB .enex
     python bench/bench_import.py --quick         # 500 notes, 50 images, 10 MB .enex
     python bench/bench_import.py --only keep     # or enex, export, bounds (comma-separated)
-    python bench/bench_import.py --only bounds   # the fourth attack's T4: memory under hostile imports
+    python bench/bench_import.py --only bounds   # the fourth attack's T4: memory, hostile imports
 
 The issue's goals, one run each, everything in a temp dir under /tmp (removed after):
 
@@ -33,10 +33,10 @@ The issue's goals, one run each, everything in a temp dir under /tmp (removed af
    `GET /api/v1/export.zip` from a real server (streamed to a file; the server started
    first, and its indexing of the root waited out) each within 1.5x of Info-ZIP's
    `zip -qr ref.zip notes attachments` in the root (apt-get install zip), same run.
-4. Bounds (the fourth attack's T4; not in the default run): a real server's RssAnon (sampled every
-   20 ms) over its idle just before each upload, at the peak and 3 s after the answer,
-   each case on a fresh server at default settings, by a folder key as the attack sent
-   them: the 19 MB zip of 200,000 empty entries (dry run: refused by
+4. Bounds (the fourth attack's T4; not in the default run): a real server's RssAnon
+   (sampled every 20 ms) over its idle just before each upload, at the peak and 3 s after
+   the answer, each case on a fresh server at default settings, by a folder key as the
+   attack sent them: the 19 MB zip of 200,000 empty entries (dry run: refused by
    SERVICE_MAX_IMPORT_ENTRIES), a zip of 49,000 (dry run, and imported; then the same
    root's idle after a restart, for what 49,000 more notes cost a server), one 63 MB
    .enex note (63 MB of text: dry run and imported) and one .enex note with a 47 MB
