@@ -123,14 +123,14 @@ def zip_entries(file: Any, most: int) -> int:
     declared, size, start = end
     if declared > most:
         raise import_too_many(most, count=declared)
+    if start < 0:  # a directory said to begin before the file: zipfile refuses it (400)
+        return declared
     if size > most * ZIP_DIRECTORY_BYTES:
         raise import_refused(
             f"the zip's directory takes {size:,} bytes, more than {ZIP_DIRECTORY_BYTES} for "
             f"each of the {most:,} entries an import may hold (SERVICE_MAX_IMPORT_ENTRIES)",
             413,
         )
-    if start < 0:  # a directory said to lie before the file: zipfile refuses it (400)
-        return declared
     file.seek(start)
     directory = file.read(size)
     count = at = 0
