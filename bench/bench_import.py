@@ -2,7 +2,8 @@
 
     python bench/bench_import.py                 # 10,000 notes, 1,000 images, 200 MB .enex
     python bench/bench_import.py --quick         # 500 notes, 50 images, 10 MB .enex
-    python bench/bench_import.py --only keep     # or enex, export (comma-separated)
+    python bench/bench_import.py --only keep     # or enex, export, bounds (comma-separated)
+    python bench/bench_import.py --only bounds   # the fourth attack's T4: memory, hostile imports
 
 The issue's goals, one run each, everything in a temp dir under /tmp (removed after):
 
@@ -32,6 +33,14 @@ The issue's goals, one run each, everything in a temp dir under /tmp (removed af
    `GET /api/v1/export.zip` from a real server (streamed to a file; the server started
    first, and its indexing of the root waited out) each within 1.5x of Info-ZIP's
    `zip -qr ref.zip notes attachments` in the root (apt-get install zip), same run.
+4. Bounds (the fourth attack's T4; not in the default run): a real server's RssAnon
+   (sampled every 20 ms) over its idle just before each upload, at the peak and 3 s after
+   the answer, each case on a fresh server at default settings, by a folder key as the
+   attack sent them: the 19 MB zip of 200,000 empty entries (dry run: refused by
+   SERVICE_MAX_IMPORT_ENTRIES), a zip of 49,000 (dry run, and imported; then the same
+   root's idle after a restart, for what 49,000 more notes cost a server), one 63 MB
+   .enex note (63 MB of text: dry run and imported) and one .enex note with a 47 MB
+   picture (imported). Goal: peak <= 100 MB over idle, <= 50 MB over idle 3 s after.
 """
 
 from __future__ import annotations
@@ -185,12 +194,23 @@ class Server:
         finally:
             c.close()
 
-    def post_file(self, path: str, file: Path, ctype: str) -> tuple:
+    def folder_key(self, folder: str) -> str:
+        """Return a new write key for one folder (as the attack's imports were sent)."""
+        c = self.conn()
+        try:
+            grant = {"name": "bench", "scope": "write", "folder": folder}
+            headers = {"X-Service-Key": self.key, "Content-Type": "application/json"}
+            c.request("POST", "/api/v1/auth/keys", body=json.dumps(grant), headers=headers)
+            return json.loads(c.getresponse().read())["data"]["key"]
+        finally:
+            c.close()
+
+    def post_file(self, path: str, file: Path, ctype: str, key: str = "") -> tuple:
         c = self.conn()
         try:
             with open(file, "rb") as f:
                 headers = {
-                    "X-Service-Key": self.key,
+                    "X-Service-Key": key or self.key,
                     "Content-Type": ctype,
                     "Content-Length": str(file.stat().st_size),
                 }
@@ -659,6 +679,157 @@ def bench_export(tmp: Path, corpus: Path, notes: list, images: Path, rows: list)
         )
 
 
+def empty_entries_zip(out: Path, count: int) -> None:
+    """Write a zip of `count` empty notes byte by byte, as the attack's (19 MB for 200,000),
+    with a Zip64 end record past 65,535 entries, as zipfile writes one."""
+    import struct
+
+    local, central, at = [], [], 0
+    for i in range(count):
+        name = b"n%06d.md" % i
+        head = (0, 0, 0, 0x21, 0, 0, 0)
+        local.append(struct.pack("<4sHHHHHLLLHH", b"PK\x03\x04", 20, *head, len(name), 0) + name)
+        central.append(
+            struct.pack(
+                "<4sHHHHHHLLLHHHHHLL", b"PK\x01\x02", 20, 20, *head, len(name), 0, 0, 0, 0, 0, at
+            )
+            + name
+        )
+        at += 30 + len(name)
+    directory = b"".join(central)
+    tail = b""
+    if count > 0xFFFF:
+        end64 = at + len(directory)
+        tail = struct.pack(
+            "<4sQHHLLQQQQ", b"PK\x06\x06", 44, 45, 45, 0, 0, count, count, len(directory), at
+        ) + struct.pack("<4sLQL", b"PK\x06\x07", 0, end64, 1)
+    short = min(count, 0xFFFF)
+    end = struct.pack("<4sHHHHLLH", b"PK\x05\x06", 0, 0, short, short, len(directory), at, 0)
+    out.write_bytes(b"".join(local) + directory + tail + end)
+
+
+def big_enex_note(out: Path, text_mb: int = 0, picture_mb: int = 0) -> None:
+    """Write an .enex of one note: `text_mb` MB of ENML text, or a picture of `picture_mb` MB
+    of random bytes (base64 in 76 columns, shown by its hash)."""
+    head = '<?xml version="1.0" encoding="UTF-8"?>\n<en-export><note><title>Big</title>'
+    with open(out, "wb") as f:
+        f.write(head.encode())
+        f.write(b"<content><![CDATA[<en-note>")
+        if text_mb:
+            para = b"<div>" + b"lorem ipsum dolor sit amet " * 30 + b"</div>\n"
+            f.write(para * (text_mb * 1_000_000 // len(para)))
+        if picture_mb:
+            data = os.urandom(picture_mb * 1_000_000)
+            digest = hashlib.md5(data, usedforsecurity=False).hexdigest()
+            f.write(f'<en-media hash="{digest}" type="image/png"/>'.encode())
+        f.write(b"</en-note>]]></content>")
+        if picture_mb:
+            f.write(b'<resource><data encoding="base64">')
+            f.write(base64.encodebytes(data))
+            f.write(b"</data><mime>image/png</mime></resource>")
+        f.write(b"</note></en-export>\n")
+
+
+def bounds_case(tmp: Path, name: str, upload: Path, ctype: str, dry: bool, restart=False) -> dict:
+    """Import `upload` by a folder key into a fresh server; return its RssAnon figures."""
+    root = tmp / f"bounds-{name}"
+    server = Server(root)
+    try:
+        key = server.folder_key("notes/family")
+        wait_quiet(server.pid, 1.0, 60)
+        idle = rss_anon_mb(server.pid)
+        with RssSampler(server.pid, every=0.02) as sampler:
+            started = time.monotonic()
+            status, body = server.post_file(
+                f"/api/v1/import?dryRun={str(dry).lower()}", upload, ctype, key
+            )
+            took = time.monotonic() - started
+        time.sleep(3.0)
+        after = rss_anon_mb(server.pid)
+    finally:
+        server.stop()
+    figures = {"idle": idle, "peak": sampler.peak, "after": after, "took": took}
+    figures.update(status=status, answer=body.get("data") or body.get("error"))
+    if restart:  # what the same notes cost a server that starts with them
+        server = Server(root)
+        try:
+            time.sleep(2.0)
+            wait_quiet(server.pid, 1.5, 300)
+            figures["restarted"] = rss_anon_mb(server.pid)
+        finally:
+            server.stop()
+    shutil.rmtree(root, ignore_errors=True)
+    return figures
+
+
+def bench_bounds(tmp: Path, rows: list) -> None:
+    many, under = tmp / "200k.zip", tmp / "49k.zip"
+    text, picture = tmp / "text-63mb.enex", tmp / "picture-47mb.enex"
+    empty_entries_zip(many, 200_000)
+    empty_entries_zip(under, 49_000)
+    big_enex_note(text, text_mb=63)
+    big_enex_note(picture, picture_mb=47)
+    for f in (many, under, text, picture):
+        print(f"  {f.name}: {f.stat().st_size / 1e6:.1f} MB", flush=True)
+    cases = [
+        ("200,000 empty entries, dry run", many, "application/zip", True, False),
+        ("49,000 empty entries, dry run", under, "application/zip", True, False),
+        ("49,000 empty entries, imported", under, "application/zip", False, True),
+        ("one 63 MB .enex note (text), dry run", text, "application/xml", True, False),
+        ("one 63 MB .enex note (text), imported", text, "application/xml", False, False),
+        (
+            "one .enex note, 47 MB picture (64 MB), imported",
+            picture,
+            "application/xml",
+            False,
+            False,
+        ),
+    ]
+    for label, upload, ctype, dry, restart in cases:
+        name = re.sub(r"\W+", "-", label)
+        f = bounds_case(tmp, name, upload, ctype, dry, restart)
+        answer = f["answer"]
+        said = (
+            answer.get("message", "")[:90]
+            if f["status"] >= 400
+            else (
+                f"{answer['created']} notes, {answer['attachments']} files, "
+                f"{len(answer['skipped'])} skipped"
+            )
+        )
+        print(
+            f"  {label}: {f['status']} in {f['took']:.1f} s ({said}); RssAnon idle "
+            f"{f['idle']:.1f}, peak {f['peak']:.1f}, 3 s after {f['after']:.1f} MB"
+            + (f"; the same root restarted: {f['restarted']:.1f} MB" if restart else ""),
+            flush=True,
+        )
+        growth, left = f["peak"] - f["idle"], f["after"] - f["idle"]
+        rows.append(
+            (
+                label,
+                f"+{growth:.1f} MB peak",
+                f"{f['idle']:.1f} MB idle",
+                "",
+                "<= 100 MB",
+                growth <= 100,
+            )
+        )
+        rows.append(
+            ("  ... 3 s after the answer", f"+{left:.1f} MB", "", "", "<= 50 MB", left <= 50)
+        )
+        if restart:
+            rows.append(
+                (
+                    "  ... the same root, restarted, idle",
+                    f"{f['restarted']:.1f} MB",
+                    "",
+                    "",
+                    "reported",
+                    None,
+                )
+            )
+
+
 def print_table(rows: list) -> None:
     head = ("measure", "value", "reference", "ratio", "goal", "met?")
     table = [head] + [(*r[:5], "" if r[5] is None else ("yes" if r[5] else "NO")) for r in rows]
@@ -676,7 +847,7 @@ def main() -> None:
     ap.add_argument("--enex-mb", type=int, default=200)
     ap.add_argument("--quick", action="store_true", help="500 notes, 50 images, 10 MB .enex")
     ap.add_argument("--corpus", type=Path, default=Path("~/corpus/10k").expanduser())
-    ap.add_argument("--only", default="keep,enex,export", help="keep, enex, export")
+    ap.add_argument("--only", default="keep,enex,export", help="keep, enex, export, bounds")
     ap.add_argument("--seed", type=int, default=1)
     ap.add_argument("--keep-tmp", action="store_true", help="leave the temp dir behind")
     args = ap.parse_args()
@@ -684,7 +855,7 @@ def main() -> None:
     if args.quick:
         args.notes, args.images, args.enex_mb = 500, 50, 10
     only = set(args.only.split(","))
-    notes = corpus_notes(args.corpus, args.notes)
+    notes = corpus_notes(args.corpus, args.notes) if only - {"bounds"} else []
     rng = random.Random(args.seed)
     tmp = Path(tempfile.mkdtemp(prefix="bench_import_", dir="/tmp"))
     rows: list = []
@@ -702,6 +873,9 @@ def main() -> None:
         if "export" in only:
             print("Export", flush=True)
             bench_export(tmp, args.corpus, notes, images, rows)
+        if "bounds" in only:
+            print("Bounds: RssAnon under the attack's imports (T4)", flush=True)
+            bench_bounds(tmp, rows)
         print()
         print_table(rows)
     finally:

@@ -57,7 +57,7 @@ from notesvc.service import Service
 from notesvc.settings import SETTINGS, Config, ConfigError, load_config, setting_commands
 from notesvc.transfer.export import export_zip
 from notesvc.transfer.formats import import_path
-from notesvc.transfer.plan import ImportPlan, sniff_import
+from notesvc.transfer.plan import ImportPlan, import_too_many, sniff_import
 
 # == CLI ======================================================================
 
@@ -972,7 +972,7 @@ def _import_through_server(
         with contextlib.ExitStack() as stack:
             if source.is_dir():
                 body = stack.enter_context(tempfile.TemporaryFile())
-                _zip_folder(source, body, tick)
+                _zip_folder(source, body, tick, served.max_import_entries)
                 ctype = "application/zip"
             else:
                 body = stack.enter_context(open(source, "rb"))
@@ -1030,11 +1030,14 @@ def _import_through_server(
     return answer.get("data", answer)
 
 
-def _zip_folder(source: Path, out: BinaryIO, tick: Progress) -> None:
+def _zip_folder(source: Path, out: BinaryIO, tick: Progress, most: int = 1 << 62) -> None:
     """Write the files under source to out as a zip (stored, not compressed), their paths
-    relative to it; symlinks and hidden files and folders are left out, .obsidian kept."""
+    relative to it; symlinks and hidden files and folders are left out, .obsidian kept.
+    More than `most` files (the server's SERVICE_MAX_IMPORT_ENTRIES) stop it at the one
+    past: the server would refuse the zip, so it is not made."""
     import zipfile
 
+    count = 0
     with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
         for path in sorted(source.rglob("*")):
             rel = path.relative_to(source).as_posix()
@@ -1042,6 +1045,9 @@ def _zip_folder(source: Path, out: BinaryIO, tick: Progress) -> None:
                 continue
             if any(p.startswith(".") and p != ".obsidian" for p in rel.split("/")):
                 continue
+            count += 1
+            if count > most:
+                raise ConfigError(import_too_many(most, "the folder holds").message)
             zf.write(path, rel)
             tick(functools.partial("  packing {}...".format, rel[:60]))
 

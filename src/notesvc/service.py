@@ -191,6 +191,8 @@ class Service:
         self.index = SearchIndex()  # in memory until start() opens <state>/index
         self._stop = threading.Event()
         self._threads: list = []
+        self._imports = 0  # imports writing now (see importing())
+        self._imports_lock = threading.Lock()
         check_agent_config(config, self.agent_providers)
         if readonly:
             self.state = StateStore.open_existing(config.state_dir, readonly=True)
@@ -317,6 +319,19 @@ class Service:
                     component.look_again()
         return found
 
+    @contextlib.contextmanager
+    def importing(self):
+        """Within: an import writes notes. The rescans wait until it is done: the store
+        tells the index of each note it writes, and a check of a tree growing by thousands
+        of files meanwhile costs memory and time for nothing."""
+        with self._imports_lock:
+            self._imports += 1
+        try:
+            yield
+        finally:
+            with self._imports_lock:
+                self._imports -= 1
+
     def _rescan_loop(self) -> None:
         # The first check starts a second after start: the first searches of a restarted
         # server need not share the interpreter with it. A first start (nothing indexed
@@ -326,6 +341,10 @@ class Service:
             return
         first = True
         while True:
+            if self._imports and not first:  # see importing()
+                if self._stop.wait(self.config.rescan_seconds):
+                    return
+                continue
             try:
                 self.last_sync = self.sync_index()
                 if first or self.last_sync.get("read") or self.last_sync.get("removed"):

@@ -469,6 +469,15 @@ SETTINGS = (
         "the most an imported archive may expand to (bytes)",
     ),
     Setting(
+        "max_import_entries",
+        "SERVICE_MAX_IMPORT_ENTRIES",
+        "",
+        "50000",
+        _int_range(1, 10_000_000),
+        "the most entries an import may hold: files of an archive or folder, notes and "
+        "resources of an .enex",
+    ),
+    Setting(
         "import_min_free_bytes",
         "SERVICE_IMPORT_MIN_FREE_BYTES",
         "",
@@ -489,7 +498,12 @@ COMMANDS_OF_SETTING = {
     "root": ("serve", "audit", "rotate-key", "pair", "import", "export"),
     "log_level": ("serve", "audit", "rotate-key", "pair", "relay", "import", "export"),
     **dict.fromkeys(
-        ("max_import_bytes", "max_import_expanded_bytes", "import_min_free_bytes"),
+        (
+            "max_import_bytes",
+            "max_import_expanded_bytes",
+            "max_import_entries",
+            "import_min_free_bytes",
+        ),
         (*SERVER_COMMANDS, "import"),
     ),
     # `pair` names the address a phone opens, as the banner does
@@ -575,6 +589,7 @@ class Config:
     timezone: str
     max_import_bytes: int
     max_import_expanded_bytes: int
+    max_import_entries: int
     import_min_free_bytes: int
     log_level: str
 

@@ -102,6 +102,7 @@ from notesvc.service import Service, _rid
 from notesvc.settings import Config
 from notesvc.transfer.export import export_files, export_zip
 from notesvc.transfer.formats import run_import
+from notesvc.transfer.plan import import_settled
 from notesvc.web import (
     consent_page,
     consent_page_headers,
@@ -1472,6 +1473,7 @@ def post_import(svc: Service) -> bytes:
         report = run_import(svc, spool, filename, into, dry, request_principal())
     finally:
         spool.close()
+        import_settled()
     log.info(
         "request %s: import%s of %s and %s into %s (%d skipped)",
         _rid(),

@@ -827,6 +827,36 @@ class NoteStore:
             self._record("deleted", path, None)
         return {"path": path, "deleted": True, **trashed}
 
+    def discard_created(self, path: str, etag: str) -> bool:
+        """Remove a note just created, as an import that cannot finish takes its notes back:
+        no trash and no version (nothing was there before it), a `deleted` change in the
+        feed. Return False, leaving it, when it is not `etag` any more (edited since)."""
+        with self.locked(path, tree=True):
+            try:
+                data, _ = self._read(path)
+            except ApiError as e:
+                if e.status_code == 404:  # gone already
+                    return True
+                raise
+            if make_etag(data) != etag:
+                return False
+            src = self.file_of(path)
+            with disk_writes():
+                os.unlink(src)  # first: on a full disk, what it frees is the journal's room
+            self.copies.mark(path, None)
+            self._prune(src.parent)
+            self._notify("deleted", path)
+            try:
+                if self.journal is not None:
+                    self.journal.reserve()
+            except ApiError:  # still no room: the feed has it all the same (the log says so)
+                self.journal.append("deleted", path, reserved=False)
+                if self.history is not None:
+                    self.history.drop_head(path)
+                return True
+            self._record("deleted", path, None)
+        return True
+
     # -- what a change leaves behind: history, the journal, the trash -------------------
 
     @contextlib.contextmanager
@@ -1360,6 +1390,23 @@ class AttachmentStore:
             trashed = move_to_trash(src, self.trash, path)
             self._prune(src.parent)
         return {"path": path, "deleted": True, **trashed}
+
+    def discard_created(self, path: str, etag: str) -> bool:
+        """Remove a file just written, as an import that cannot finish takes its files back
+        (no trash: nothing was there before it). Return False, leaving it, when it is not
+        `etag` any more (replaced since)."""
+        with self._lock:
+            src = self.file_of(path)
+            try:
+                st = os.stat(src)
+            except (FileNotFoundError, NotADirectoryError):  # gone already
+                return True
+            if attachment_etag(st) != etag:
+                return False
+            with disk_writes():
+                os.unlink(src)
+            self._prune(src.parent)
+        return True
 
     def restore(self, src: Path, path: str) -> dict:
         """Move a file back from the trash to path; 409 when an attachment is there."""

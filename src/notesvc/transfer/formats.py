@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import base64
-import contextlib
 import datetime as dt
 import functools
 import hashlib
@@ -34,7 +33,9 @@ from notesvc.notes.paths import (
 from notesvc.plugins import _MDLINK_RE, _WIKILINK_RE, _md_target
 from notesvc.transfer.plan import (
     _NOTION_ID_RE,
+    DISK_BLOCK,
     EXPORT_MANIFEST,
+    IMPORT_DISK_SLACK,
     IMPORT_TEXT_TYPES,
     Draft,
     ImportEntry,
@@ -49,7 +50,9 @@ from notesvc.transfer.plan import (
     import_room,
     import_segment,
     import_too_big,
+    import_too_many,
     link_token,
+    note_need,
     sniff_import,
 )
 
@@ -105,11 +108,13 @@ def plan_tree(plan: ImportPlan, source: ImportSource, kind: str) -> None:
         notes = _without_csv_twins(notes)
     drafts = [Draft(e.name, want, open=e.open, size=e.size) for e, want in files]
     links: list = []  # (the sources imported, renamed notes' names): known once all are named
-    drafts += _tree_note_drafts(plan, source, notes, None if kind == "notesvc" else links)
+    links_or_none = None if kind == "notesvc" else links
+    plan.load = functools.partial(_tree_text, source, csv_title=None, links=links_or_none)
+    drafts += _tree_note_drafts(plan, source, notes, links_or_none)
     for d in drafts:
         plan.name(d)
         plan.looked()
-    links.extend([{d.source for d in drafts}, _renamed_notes(plan) if kind == "obsidian" else {}])
+    links.extend([plan.by_source, _renamed_notes(plan) if kind == "obsidian" else {}])
     plan.add_all(drafts)
 
 
@@ -175,25 +180,26 @@ def _without_csv_twins(notes: list) -> list:
 
 
 def _tree_note_drafts(plan: ImportPlan, source: ImportSource, notes: list, links) -> list:
-    """Return the drafts of a tree's (entry, path) notes, each read when written (a Notion
-    database's CSV named by its title); one over the size limit is skipped."""
+    """Return the drafts of a tree's (entry, path) notes, each read when written (the
+    plan's `load`; a Notion database's CSV named by its title); one over the size limit is
+    skipped."""
     drafts = []
     for entry, want in notes:
         if entry.size > plan.max_note * 4:
             plan.skip(entry.name, "over SERVICE_MAX_BODY_BYTES")
             continue
-        title = None
+        text: Any = entry  # read by plan.load when written
         if want is None:  # a Notion database
             stem = _note_name_of(entry.name.rsplit("/", 1)[-1])[0]
             title = _NOTION_ID_RE.sub("", stem.removesuffix("_all")) or stem
             segs = _target_segments(entry.name, True)[:-1]
             want = "/".join([plan.into, *segs, import_segment(title) + ".md"])
-        load = functools.partial(_tree_text, source, entry, title, links)
-        drafts.append(Draft(entry.name, want, text=load))
+            text = functools.partial(_tree_text, source, entry, csv_title=title, links=links)
+        drafts.append(Draft(entry.name, want, text=text))
     return drafts
 
 
-def _tree_text(source: ImportSource, entry: ImportEntry, csv_title, links) -> str:
+def _tree_text(source: ImportSource, entry: ImportEntry, csv_title: Any, links: Any) -> str:
     """Return a note of a tree as it is imported: its text (a database's CSV as a table),
     its links to what the import holds as tokens, wikilinks to renamed notes renamed."""
     text = _decode_text(source.read(entry))
@@ -401,7 +407,9 @@ def plan_keep(plan: ImportPlan, source: ImportSource) -> None:
     # every file of the archive by name: whether it is imported (a note links only to those)
     held = {e.name.rsplit("/", 1)[-1]: False for e in source.entries}
     held.update({d.source: True for d in drafts})
+    plan.load = functools.partial(_keep_text, source, held=held)
     drafts += filter(None, map(functools.partial(_keep_note_draft, plan, source, held=held), jsons))
+    plan.named()
     with plan.writing():
         for d in drafts:
             (plan.add_file if d.open else plan.add_note)(d)
@@ -423,8 +431,7 @@ def _keep_note_draft(
         return None
     _keep_missing(plan, entry, data, held)
     name = import_segment(title_filename(title or text.split("---\n", 2)[-1]))
-    load = functools.partial(_keep_text, source, entry, held)  # read again when written
-    d = Draft(entry.name, f"{plan.into}/{name}.md", text=load)
+    d = Draft(entry.name, f"{plan.into}/{name}.md", text=entry)  # read again when written
     plan.name(d)
     plan.looked()
     return d
@@ -441,6 +448,7 @@ def _keep_missing(plan: ImportPlan, entry: ImportEntry, data: dict, held: Mappin
 
 
 def _keep_text(source: ImportSource, entry: ImportEntry, held: Mapping) -> str:
+    """Return a Keep note's Markdown, its .json read again (the plan holds no texts)."""
     return keep_note(json.loads(source.read(entry)), held)[1]
 
 
@@ -721,32 +729,32 @@ def _enex_time(text: str) -> str | None:
         return None
 
 
-class EnexReader:
-    """Reads an .enex as a stream (expat, fed in chunks): one note at a time, each
-    resource decoded from base64 into a spooled file as it arrives, so a 200 MB export
-    never sits in memory. The external DOCTYPE is accepted and never fetched; an internal
-    DTD subset (where entity bombs live) refuses the file; HTML entities are mapped."""
+ENEX_NOTE_FIELDS = frozenset(
+    ("title", "content", "created", "updated", "tag", "source-url", "author")
+)
+ENEX_RESOURCE_FIELDS = frozenset(("mime", "file-name"))
+ENEX_FIELD_CHARS = 4096  # a title, tag, date, link, author, type or file name: cut there
+ENEX_QUIET_BYTES = 4 << 20  # the most expat may hold back in one token (a tag, a comment)
 
-    def __init__(self, on_note: Callable[[dict], None], spool: Callable[[], Any]):
+
+class _EnexStream:
+    """An .enex fed to expat in chunks, what both of its readings share: the external
+    DOCTYPE accepted and never fetched, an internal DTD subset (where entity bombs live)
+    refused, and no token of over ENEX_QUIET_BYTES (expat holds a tag, an attribute, a
+    comment or a declaration whole, while text and CDATA flow in pieces): past that with
+    no element or text seen, 413. Handlers set `quiet` to 0."""
+
+    def __init__(self):
         import xml.parsers.expat
 
-        self.on_note, self.spool = on_note, spool
         p = xml.parsers.expat.ParserCreate()
         p.SetParamEntityParsing(xml.parsers.expat.XML_PARAM_ENTITY_PARSING_NEVER)
         p.UseForeignDTD(False)
         p.StartDoctypeDeclHandler = self._doctype
         p.EntityDeclHandler = self._entity
-        p.SkippedEntityHandler = self._skipped_entity
-        p.StartElementHandler = self._start
-        p.EndElementHandler = self._end
-        p.CharacterDataHandler = self._text
         p.buffer_text = True
         self.parser, self.error = p, xml.parsers.expat.ExpatError
-        self.path: list = []
-        self.note: dict | None = None
-        self.text: list = []
-        self.res: dict | None = None
-        self.b64 = b""
+        self.quiet = 0  # bytes fed since expat last gave an element or text
 
     def _doctype(self, name, system_id, public_id, has_internal_subset) -> None:
         if has_internal_subset:
@@ -755,6 +763,104 @@ class EnexReader:
     def _entity(self, *args) -> None:
         raise import_refused("the .enex declares entities (not accepted)")
 
+    def feed(self, data: bytes, final: bool = False) -> None:
+        self.quiet += len(data)
+        try:
+            self.parser.Parse(data, final)
+        except self.error as e:
+            raise import_refused(f"the .enex is not well-formed XML ({e})") from None
+        if self.quiet > ENEX_QUIET_BYTES:
+            raise import_refused(
+                f"the .enex holds a tag, comment or declaration of over "
+                f"{ENEX_QUIET_BYTES >> 20} MiB (not what Evernote writes)",
+                413,
+            )
+
+
+class EnexSurvey(_EnexStream):
+    """The first reading of an .enex, before anything is written: its notes and resources
+    counted (one past `most`, SERVICE_MAX_IMPORT_ENTRIES, with `counted` before it: 413
+    at once) and the disk their import may take (import_need's rule, from the bytes each
+    note's content and each resource's base64 take in the file). Only elements and their
+    offsets are looked at: nothing is kept."""
+
+    def __init__(self, most: int, counted: int = 0):
+        super().__init__()
+        p = self.parser
+        p.buffer_size = BODY_CHUNK  # text is not read: the fewer calls, the better
+        p.StartElementHandler, p.EndElementHandler = self._start, self._end
+        p.CharacterDataHandler = self._text
+        self.most, self.count, self.need = most, counted, 0
+        self.at = 0  # where the content or data being read began
+
+    def _text(self, data: str) -> None:
+        self.quiet = 0
+
+    def _start(self, tag: str, attrs: dict) -> None:
+        self.quiet = 0
+        if tag in ("note", "resource"):
+            self.count += 1
+            if self.count > self.most:
+                raise import_too_many(self.most, "the .enex holds")
+            self.need += DISK_BLOCK
+        elif tag in ("content", "data"):
+            self.at = self.parser.CurrentByteIndex
+
+    def _end(self, tag: str) -> None:
+        self.quiet = 0
+        if tag == "content":
+            self.need += note_need(self.parser.CurrentByteIndex - self.at)
+        elif tag == "data":
+            decoded = (self.parser.CurrentByteIndex - self.at) * 3 // 4
+            self.need += note_need(decoded) - 2 * decoded  # a file: its blocks only
+
+    def survey(self, read: Callable[[int], bytes], tick: Callable = lambda: None) -> EnexSurvey:
+        """Read it all (tick() after each chunk: the command's progress lines); where it
+        stops being well-formed (or declares a DTD), stop there: the import's own reading
+        says so, at that place."""
+        try:
+            while chunk := read(BODY_CHUNK):
+                self.feed(chunk)
+                tick()
+            self.feed(b"", final=True)
+        except ApiError as e:
+            if e.status_code != 400:
+                raise
+        return self
+
+
+class EnexReader(_EnexStream):
+    """Reads an .enex as a stream (expat, fed in chunks): one note at a time. Only what a
+    note keeps is gathered (title, content, dates, tags, source, author; a resource's type
+    and name), each bounded: a note's text at `note_limit` characters (past it the note
+    is skipped, its text no more kept), any other field cut at ENEX_FIELD_CHARS. Each
+    resource is decoded from base64 as it arrives into one spooled file per note, so
+    neither a 200 MB export nor a 63 MB note sits in memory. HTML entities are mapped; a
+    note or resource past `most` entries is 413 (EnexSurvey said so before, normally)."""
+
+    def __init__(
+        self,
+        on_note: Callable[[dict], None],
+        spool: Callable[[], Any],
+        note_limit: int,
+        most: int = 1 << 62,
+        counted: int = 0,
+    ):
+        super().__init__()
+        p = self.parser
+        p.SkippedEntityHandler = self._skipped_entity
+        p.StartElementHandler = self._start
+        p.EndElementHandler = self._end
+        p.CharacterDataHandler = self._text
+        self.on_note, self.spool, self.note_limit = on_note, spool, note_limit
+        self.most, self.count = most, counted
+        self.path: list = []
+        self.note: dict | None = None
+        self.text: list = []
+        self.kept = 0  # characters of the element being read kept so far; -1: none kept
+        self.res: dict | None = None
+        self.b64 = b""
+
     def _skipped_entity(self, name: str, is_parameter: bool) -> None:
         import html.entities
 
@@ -762,41 +868,75 @@ class EnexReader:
         if code is not None and not is_parameter:
             self._text(chr(code))
 
+    def _counted(self) -> None:
+        self.count += 1
+        if self.count > self.most:
+            raise import_too_many(self.most, "the .enex holds")
+
     def _start(self, tag: str, attrs: dict) -> None:
+        self.quiet = 0
         self.path.append(tag)
+        note = self.note
         if tag == "note":
+            self._counted()
             self.note = {"title": "", "tags": [], "resources": [], "content": ""}
-        elif tag == "resource" and self.note is not None:
-            self.res = {
-                "mime": "",
-                "name": "",
-                "md5": hashlib.md5(usedforsecurity=False),
-                "size": 0,
-            }
-            self.res["file"] = self.spool()
+            self.note.update(over=None, chars=0, spool=None)
+        elif tag == "resource" and note is not None:
+            self._counted()
+            md5 = hashlib.md5(usedforsecurity=False)
+            self.res = {"mime": "", "name": "", "md5": md5, "size": 0, "start": 0}
         elif tag == "data" and self.res is not None:
             self.b64 = b""
+            if note["spool"] is None and not note["over"]:
+                note["spool"] = self.spool()  # None in a dry run: nothing is written
+            if note["spool"] is not None:
+                self.res["start"] = note["spool"].seek(0, io.SEEK_END)
         self.text = []
+        fields = ENEX_RESOURCE_FIELDS if self.res is not None else ENEX_NOTE_FIELDS
+        self.kept = 0 if note is not None and tag in fields and not note["over"] else -1
 
     def _text(self, data: str) -> None:
+        self.quiet = 0
         if self.path[-1:] == ["data"] and self.res is not None:
-            raw = self.b64 + "".join(data.split()).encode("ascii", "ignore")
-            cut = len(raw) - len(raw) % 4
-            self.b64 = raw[cut:]
-            try:
-                chunk = base64.b64decode(raw[:cut])
-            except ValueError:
-                chunk = b""
-            self.res["md5"].update(chunk)
-            self.res["size"] += len(chunk)
-            if self.res["file"] is not None:
-                self.res["file"].write(chunk)
-        else:
-            self.text.append(data)
+            self._data(data)
+        elif self.kept >= 0:
+            self._keep(data)
+
+    def _data(self, data: str) -> None:
+        """A piece of a resource's base64: decoded, hashed, spooled."""
+        raw = self.b64 + "".join(data.split()).encode("ascii", "ignore")
+        cut = len(raw) - len(raw) % 4
+        self.b64 = raw[cut:]
+        try:
+            chunk = base64.b64decode(raw[:cut])
+        except ValueError:
+            chunk = b""
+        self.res["md5"].update(chunk)
+        self.res["size"] += len(chunk)
+        spool = self.note["spool"]
+        if spool is not None and not self.note["over"]:
+            spool.write(chunk)
+
+    def _keep(self, data: str) -> None:
+        """A piece of a field's text, kept within its bounds."""
+        note, tag = self.note, self.path[-1]
+        if tag == "content" or self.res is None:
+            note["chars"] += len(data)
+            if note["chars"] > self.note_limit:
+                note["over"] = "over SERVICE_MAX_BODY_BYTES"
+                self.kept, self.text = -1, []
+                return
+        if tag != "content":
+            data = data[: ENEX_FIELD_CHARS - self.kept]
+            if not data:
+                return
+        self.kept += len(data)
+        self.text.append(data)
 
     def _end(self, tag: str) -> None:
-        text = "".join(self.text)
-        self.text = []
+        self.quiet = 0
+        text = "".join(self.text) if self.kept > 0 else ""
+        self.text, self.kept = [], -1
         self.path.pop()
         note, res = self.note, self.res
         if note is None:
@@ -821,19 +961,13 @@ class EnexReader:
             self.note = None
             self.on_note(note)
 
-    def feed(self, data: bytes, final: bool = False) -> None:
-        try:
-            self.parser.Parse(data, final)
-        except self.error as e:
-            raise import_refused(f"the .enex is not well-formed XML ({e})") from None
-
 
 MIME_EXTENSIONS = {v: k for k, v in ATTACHMENT_TYPES.items()}
 
 
 def plan_enex(plan: ImportPlan, read: Callable[[int], bytes], name: str) -> None:
     """Import an .enex read from read(n) as it arrives: each note written when its end
-    tag is read."""
+    tag is read, its resources (spooled into one temp file) first."""
     spool_dir = plan.svc.config.state_dir
 
     def spool():
@@ -846,76 +980,105 @@ def plan_enex(plan: ImportPlan, read: Callable[[int], bytes], name: str) -> None
     def on_note(note: dict) -> None:
         count[0] += 1
         seen[1] += len(note["content"]) + sum(r["size"] for r in note["resources"])
-        if seen[1] > import_budget(seen[0], limit):
-            raise import_too_big(seen[1], seen[0], limit)
-        title = " ".join(note["title"].split())
-        label = f"{name}: {title or 'note ' + str(count[0])}"
-        by_hash = {}
-        drafts = []
-        for r in note["resources"]:
-            leaf = import_segment(r["name"] or r["hash"])
-            ext = _note_name_of(leaf)[1]
-            if ext not in ATTACHMENT_TYPES:
-                guess = MIME_EXTENSIONS.get(r["mime"])
-                if guess is None:
-                    plan.skip(
-                        f"{label}: {leaf}", f"files of type {r['mime'] or '?'} are not imported"
-                    )
-                    by_hash[r["hash"]] = (leaf, None, r)
-                    continue
-                leaf = f"{leaf}.{guess}"
-            f = r["file"]
-
-            def opener(f=f):
-                f.seek(0)
-                return contextlib.nullcontext(f) if False else _NoClose(f)
-
-            d = Draft(f"{label}: {leaf}#{r['hash']}", f"{plan.files_into}/{leaf}", open=opener)
-            plan.name(d)
-            by_hash[r["hash"]] = (leaf, d, r)
-            drafts.append(d)
-
-        def media(attrs: dict) -> str:
-            found = by_hash.get((attrs.get("hash") or "").lower())
-            if found is None:
-                return ""
-            leaf, d, r = found
-            if d is None:
-                return f"({leaf}: not imported)"
-            bang = "!" if r["mime"].startswith("image/") else ""
-            return f"{bang}[{leaf}]({link_token(d.source, leaf)})"
-
         try:
-            body = enml_to_markdown(note["content"], media)
-        except Exception as e:  # a broken note is skipped, the rest come in
-            plan.skip(label, f"its content could not be read ({type(e).__name__})")
-            body = None
-        if body is not None:
-            meta = {
-                "tags": [t for t in note["tags"] if t],
-                "created": _enex_time(note.get("created", "")),
-                "updated": _enex_time(note.get("updated", "")),
-                "source_url": note.get("source-url"),
-                "author": note.get("author"),
-                "source": "Evernote",
-            }
-            text = _front_matter(meta) + (f"# {title}\n\n" if title else "") + body
-            stem = import_segment(title_filename(title or body))
-            d = Draft(label, f"{plan.into}/{stem}.md", text=text)
-            plan.name(d)
-            for f in drafts:
-                plan.add_file(f)
-            plan.add_note(d)
-        for r in note["resources"]:
-            if r["file"] is not None:
-                r["file"].close()
+            if seen[1] > import_budget(seen[0], limit):
+                raise import_too_big(seen[1], seen[0], limit)
+            _enex_note(plan, note, f"{name}: {_enex_title(note) or 'note ' + str(count[0])}")
+        finally:
+            if note["spool"] is not None:
+                note["spool"].close()
 
-    reader = EnexReader(on_note, spool)
+    reader = EnexReader(on_note, spool, plan.max_note * 4, plan.most, plan.entries)
     with plan.writing():
         while chunk := read(BODY_CHUNK):
             seen[0] += len(chunk)
             reader.feed(chunk)
         reader.feed(b"", final=True)
+    plan.entries = reader.count
+
+
+def _enex_title(note: dict) -> str:
+    """Return an .enex note's title, its spaces folded."""
+    return " ".join(note["title"].split())
+
+
+def _enex_note(plan: ImportPlan, note: dict, label: str) -> None:
+    """Write one note of an .enex (its resources first), or skip it saying why."""
+    if note["over"]:
+        plan.skip(label, note["over"])
+        return
+    by_hash: dict = {}
+    drafts = []
+    for r in note["resources"]:
+        leaf = import_segment(r["name"] or r["hash"])
+        ext = _note_name_of(leaf)[1]
+        if ext not in ATTACHMENT_TYPES:
+            guess = MIME_EXTENSIONS.get(r["mime"])
+            if guess is None:
+                plan.skip(f"{label}: {leaf}", f"files of type {r['mime'] or '?'} are not imported")
+                by_hash[r["hash"]] = (leaf, None, r)
+                continue
+            leaf = f"{leaf}.{guess}"
+        opener = functools.partial(_Region, note["spool"], r["start"], r["size"])
+        d = Draft(f"{label}: {leaf}#{r['hash']}", f"{plan.files_into}/{leaf}", open=opener)
+        plan.name(d)
+        by_hash[r["hash"]] = (leaf, d, r)
+        drafts.append(d)
+
+    def media(attrs: dict) -> str:
+        found = by_hash.get((attrs.get("hash") or "").lower())
+        if found is None:
+            return ""
+        leaf, d, r = found
+        if d is None:
+            return f"({leaf}: not imported)"
+        bang = "!" if r["mime"].startswith("image/") else ""
+        return f"{bang}[{leaf}]({link_token(d.source, leaf)})"
+
+    try:
+        body = enml_to_markdown(note["content"], media)
+    except Exception as e:  # a broken note is skipped, the rest come in
+        plan.skip(label, f"its content could not be read ({type(e).__name__})")
+        return
+    title = _enex_title(note)
+    meta = {
+        "tags": [t for t in note["tags"] if t],
+        "created": _enex_time(note.get("created", "")),
+        "updated": _enex_time(note.get("updated", "")),
+        "source_url": note.get("source-url"),
+        "author": note.get("author"),
+        "source": "Evernote",
+    }
+    text = _front_matter(meta) + (f"# {title}\n\n" if title else "") + body
+    stem = import_segment(title_filename(title or body))
+    d = Draft(label, f"{plan.into}/{stem}.md", text=text)
+    plan.name(d)
+    for f in drafts:
+        plan.add_file(f)
+    plan.add_note(d)
+
+
+class _Region:
+    """A note's resource: `size` bytes from `start` of the note's spooled file, handed to a
+    `with` (the file stays open for the note's other resources, and is closed after)."""
+
+    def __init__(self, f: Any, start: int, size: int):
+        self.f, self.left = f, size
+        f.seek(start)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.f.read(self.left if n is None or n < 0 else min(n, self.left))
+        self.left -= len(data)
+        return data
+
+    def close(self) -> None:
+        pass
 
 
 class _NoClose:
@@ -964,17 +1127,30 @@ def joplin_item(text: str) -> tuple:
 
 
 def plan_joplin(plan: ImportPlan, source: ImportSource) -> None:
-    """Import a Joplin export: notebooks as folders, tags, to-dos, resources, dates."""
+    """Import a Joplin export: notebooks as folders, tags, to-dos, resources, dates. The
+    plan keeps of each item what naming needs (its kind, title, notebook); a note's text
+    is read again when it is written."""
     items, files = _joplin_items(plan, source)
-    kind = {i: int(p.get("type_", "0") or 0) for i, (_, _, p, _) in items.items()}
-    drafts = _joplin_resource_drafts(plan, items, kind, files)
-    drafts += _joplin_note_drafts(plan, items, kind)
+    drafts = _joplin_resource_drafts(plan, items, files)
+    plan.load = functools.partial(_joplin_note_text, source, tags=_joplin_note_tags(items))
+    drafts += _joplin_note_drafts(plan, items)
     plan.add_all(drafts)
 
 
+# what the plan keeps of a Joplin item's properties, by its type (the rest is read again)
+_JOPLIN_KEPT = {
+    JOPLIN_NOTE: ("parent_id", "is_conflict"),
+    JOPLIN_FOLDER: ("parent_id",),
+    JOPLIN_RESOURCE: ("file_extension", "mime"),
+    JOPLIN_NOTE_TAG: ("note_id", "tag_id"),
+}
+
+
 def _joplin_items(plan: ImportPlan, source: ImportSource) -> tuple:
-    """Return ({id: (title, body, properties, source name)} of the export's items, {id: the
-    entry} of its resources' files); a file that is neither is skipped."""
+    """Return ({id: (type, label, kept properties, entry)} of the export's items, {id: the
+    entry} of its resources' files); a file that is neither is skipped. The label is a
+    note's file stem (from its title, else its first line; its text is read again when it
+    is written), any other item's title; the properties kept are _JOPLIN_KEPT's, in order."""
     items: dict = {}
     files: dict = {}
     for entry in source.entries:
@@ -990,25 +1166,28 @@ def _joplin_items(plan: ImportPlan, source: ImportSource) -> tuple:
         except ValueError:
             plan.skip(name, "over SERVICE_MAX_BODY_BYTES")
             continue
-        items[props.get("id", name[:-3])] = (title, body, props, name)
+        kind = int(props["type_"]) if props.get("type_", "").isdigit() else 0
+        kept = tuple(props.get(k, "") for k in _JOPLIN_KEPT.get(kind, ()))
+        label = import_segment(title_filename(title or body)) if kind == JOPLIN_NOTE else title
+        items[props.get("id", name[:-3])] = (kind, label, kept, entry)
+        plan.looked()
     return items, files
 
 
-def _joplin_resource_drafts(plan: ImportPlan, items: dict, kind: dict, files: dict) -> list:
+def _joplin_resource_drafts(plan: ImportPlan, items: dict, files: dict) -> list:
     """Return the named drafts of the export's resources (its attached files)."""
     drafts = []
-    for rid, (title, _, props, name) in items.items():
-        if kind[rid] != JOPLIN_RESOURCE:
+    for rid, (kind, title, kept, item) in items.items():
+        if kind != JOPLIN_RESOURCE:
             continue
+        extension, mime = kept
         entry = files.get(rid)
-        ext = (props.get("file_extension") or "").lower() or MIME_EXTENSIONS.get(
-            props.get("mime", ""), ""
-        )
+        ext = extension.lower() or MIME_EXTENSIONS.get(mime, "")
         if entry is None:
-            plan.skip(name, "its file is missing from the export")
+            plan.skip(item.name, "its file is missing from the export")
             continue
         if ext not in ATTACHMENT_TYPES:
-            plan.skip(name, f"files ending .{ext or '(none)'} are not imported")
+            plan.skip(item.name, f"files ending .{ext or '(none)'} are not imported")
             continue
         stem = import_segment(_note_name_of(title)[0] if title else rid)
         d = Draft(rid, f"{plan.files_into}/{stem}.{ext}", open=entry.open, size=entry.size)
@@ -1017,34 +1196,34 @@ def _joplin_resource_drafts(plan: ImportPlan, items: dict, kind: dict, files: di
     return drafts
 
 
-def _joplin_note_drafts(plan: ImportPlan, items: dict, kind: dict) -> list:
-    """Return the named drafts of the export's notes and to-dos; other items (settings,
-    revisions, conflict copies) are skipped."""
-    folders = {i: v for i, v in items.items() if kind[i] == JOPLIN_FOLDER}
-    note_tags = _joplin_note_tags(items, kind)
+def _joplin_note_drafts(plan: ImportPlan, items: dict) -> list:
+    """Return the named drafts of the export's notes and to-dos (their entries, read when
+    written); other items (settings, revisions, conflict copies) are skipped."""
+    folders = {i: v for i, v in items.items() if v[0] == JOPLIN_FOLDER}
     drafts = []
-    for nid, item in items.items():
-        _, _, props, name = item
-        if kind[nid] != JOPLIN_NOTE:
-            if kind[nid] not in (JOPLIN_FOLDER, JOPLIN_RESOURCE, JOPLIN_TAG, JOPLIN_NOTE_TAG):
-                plan.skip(name, "a Joplin item that is not a note (settings, revisions...)")
+    for nid, (kind, stem, kept, entry) in items.items():
+        if kind != JOPLIN_NOTE:
+            if kind not in (JOPLIN_FOLDER, JOPLIN_RESOURCE, JOPLIN_TAG, JOPLIN_NOTE_TAG):
+                plan.skip(entry.name, "a Joplin item that is not a note (settings, revisions...)")
             continue
-        if props.get("is_conflict") == "1":
-            plan.skip(name, "a Joplin conflict copy")
+        parent, conflict = kept
+        if conflict == "1":
+            plan.skip(entry.name, "a Joplin conflict copy")
             continue
-        d = _joplin_note_draft(plan, nid, item, folders, sorted(note_tags.get(nid, [])))
+        segs = _joplin_folder(folders, parent)
+        d = Draft(nid, "/".join([plan.into, *segs, stem + ".md"]), text=entry)
         plan.name(d)
         drafts.append(d)
     return drafts
 
 
-def _joplin_note_tags(items: dict, kind: dict) -> dict:
+def _joplin_note_tags(items: dict) -> dict:
     """Return {note id: the titles of its tags} of the export's note-tag items."""
-    tags = {i: v[0] for i, v in items.items() if kind[i] == JOPLIN_TAG}
+    tags = {i: v[1] for i, v in items.items() if v[0] == JOPLIN_TAG}
     note_tags: dict = {}
-    for i, (_, _, props, _) in items.items():
-        if kind[i] == JOPLIN_NOTE_TAG and props.get("tag_id") in tags:
-            note_tags.setdefault(props.get("note_id"), []).append(tags[props["tag_id"]])
+    for kind, _, kept, _ in items.values():
+        if kind == JOPLIN_NOTE_TAG and kept[1] in tags:
+            note_tags.setdefault(kept[0], []).append(tags[kept[1]])
     return note_tags
 
 
@@ -1052,18 +1231,19 @@ def _joplin_folder(folders: dict, pid: str, depth: int = 0) -> list:
     """Return the folder segments of a notebook and the notebooks above it (32 at most)."""
     if pid not in folders or depth > 32:
         return []
-    title, _, props, _ = folders[pid]
-    return [*_joplin_folder(folders, props.get("parent_id", ""), depth + 1), import_segment(title)]
+    _, title, (parent,), _ = folders[pid]
+    return [*_joplin_folder(folders, parent, depth + 1), import_segment(title)]
 
 
-def _joplin_note_draft(plan: ImportPlan, nid: str, item: tuple, folders: dict, tags: list) -> Draft:
-    """Return the draft of a Joplin note in its notebook's folder: its properties as front
-    matter, a to-do's title as a task, links to resources as link tokens."""
-    title, body, props, _ = item
+def _joplin_note_text(source: ImportSource, entry: ImportEntry, tags: Mapping) -> str:
+    """Return a Joplin note as it is written, read again: its properties as front matter,
+    a to-do's title as a task, links to resources as link tokens (their ids: the
+    resources' drafts are named by them)."""
+    title, body, props = joplin_item(_decode_text(source.read(entry)))
     todo = props.get("is_todo") == "1"
     done = todo and props.get("todo_completed", "0") not in ("", "0")
     meta = {
-        "tags": tags,
+        "tags": sorted(tags.get(props.get("id", entry.name[:-3]), [])),
         "created": props.get("user_created_time") or props.get("created_time"),
         "updated": props.get("user_updated_time") or props.get("updated_time"),
         "source_url": props.get("source_url"),
@@ -1072,10 +1252,7 @@ def _joplin_note_draft(plan: ImportPlan, nid: str, item: tuple, folders: dict, t
     }
     body = _JOPLIN_LINK_RE.sub(lambda m: f"({link_token(m.group(1), ':/' + m.group(1))})", body)
     heading = f"- [{'x' if done else ' '}] {title}" if todo else f"# {title}"
-    text = _front_matter(meta) + (heading + "\n\n" if title else "") + body + "\n"
-    segs = _joplin_folder(folders, props.get("parent_id", ""))
-    stem = import_segment(title_filename(title or body))
-    return Draft(nid, "/".join([plan.into, *segs, stem + ".md"]), text=text)
+    return _front_matter(meta) + (heading + "\n\n" if title else "") + body + "\n"
 
 
 IMPORT_PLANNERS = {
@@ -1113,29 +1290,31 @@ def run_import(
 ) -> dict:
     """Import one file (a zip, a tar/.jex, an .enex, a Keep .json or a note); return the
     report. Refusals (400, 413, 415, 507) come before anything is written, in a dry run too:
-    an archive is opened (its entries' declared sizes bounded, together), the disk is asked
-    for room, then every entry is read once (a lying or unreadable one refuses it)."""
+    an archive is opened (its entries counted and their declared sizes bounded, together),
+    the disk is asked for room, then every entry is read once (a lying or unreadable one
+    refuses it); an .enex is read once through (its notes and resources counted, the
+    room they need asked for) before it is read again to be written."""
     head = file.read(512)
     size = file.seek(0, io.SEEK_END)
     file.seek(0)
     form = sniff_import(head, filename)
-    limit = svc.config.max_import_expanded_bytes
+    limit, most = svc.config.max_import_expanded_bytes, svc.config.max_import_entries
     leaf = import_segment(filename.replace("\\", "/").rsplit("/", 1)[-1] or "import")
     if form == "enex":
-        import_room(svc, size)
-        return _import_enex(svc, [(leaf, file.read)], into, dry_run, principal, progress)
+        opener = functools.partial(_from_start, file)
+        return _import_enex(svc, [(leaf, opener)], into, dry_run, principal, progress)
     if form in ("keep", "text"):
         name = leaf if "." in leaf else f"{leaf}.{'json' if form == 'keep' else 'md'}"
-        opener = functools.partial(_NoClose, file)
-        source = ImportSource([ImportEntry(name, size, opener)], "keep" if form == "keep" else "")
-        import_room(svc, size)
+        entry = ImportEntry(name, size, _from_start, ref=file)
+        source = ImportSource([entry], "keep" if form == "keep" else "")
+        import_room(svc, source.need())
     else:
         if form == "tar":
-            source = ImportSource.from_tar(file, limit, size or 1)
+            source = ImportSource.from_tar(file, limit, size or 1, most)
         else:
-            source = ImportSource.from_zip(file, limit, size or 1)
+            source = ImportSource.from_zip(file, limit, size or 1, most)
         try:
-            import_room(svc, source.declared())
+            import_room(svc, source.need())
             source.verify(form, progress)
         except ApiError:
             source.close()
@@ -1144,6 +1323,12 @@ def run_import(
         return import_source(svc, source, into, dry_run, principal, progress)
     finally:
         source.close()
+
+
+def _from_start(file: Any) -> _NoClose:
+    """Return an uploaded file from its start, for a `with` that must not close it."""
+    file.seek(0)
+    return _NoClose(file)
 
 
 def import_source(
@@ -1157,9 +1342,8 @@ def import_source(
     """Import the files of a checked source (see run_import)."""
     kind = import_kind(source)
     if kind == "evernote":
-        files = [(e.name, e) for e in source.entries if e.name.endswith(".enex")]
-        readers = [(n, _ChunkReader(e)) for n, e in files]
-        return _import_enex(svc, readers, into, dry_run, principal, progress)
+        files = [(e.name, e.open) for e in source.entries if e.name.endswith(".enex")]
+        return _import_enex(svc, files, into, dry_run, principal, progress)
     where = NOTES if kind == "notesvc" else import_into(svc, into, kind, principal)
     plan = ImportPlan(svc, where, dry_run, progress)
     plan.grant_folder = principal.folder
@@ -1167,26 +1351,20 @@ def import_source(
     return plan.report(kind)
 
 
-class _ChunkReader:
-    """read(n) over an entry opened on first use (an .enex inside a zip)."""
-
-    def __init__(self, entry: ImportEntry):
-        self.entry, self.f = entry, None
-
-    def __call__(self, n: int) -> bytes:
-        if self.f is None:
-            self.f = self.entry.open()
-        data = self.f.read(n)
-        if not data:
-            self.f.close()
-        return data
-
-
-def _import_enex(svc, readers: list, into, dry_run, principal, progress) -> dict:
+def _import_enex(svc, files: list, into, dry_run, principal, progress) -> dict:
+    """Import .enex files [(name, opener)], each opened twice: surveyed (counted, the disk
+    asked for room) all before the first note is written, then read to be written."""
     plan = ImportPlan(svc, import_into(svc, into, "evernote", principal), dry_run, progress)
-    for name, read in readers:
+    counted, need = 0, IMPORT_DISK_SLACK
+    for _, opener in files:
+        with opener() as f:
+            survey = EnexSurvey(plan.most, counted).survey(f.read, lambda: plan.progress(plan))
+        counted, need = survey.count, need + survey.need
+    import_room(svc, need)
+    for name, opener in files:
         try:
-            plan_enex(plan, read, name)
+            with opener() as f:
+                plan_enex(plan, f.read, name)
         except ApiError as e:
             if not (plan.created or plan.attachments) or e.status_code != 400:
                 raise
@@ -1195,10 +1373,11 @@ def _import_enex(svc, readers: list, into, dry_run, principal, progress) -> dict
 
 
 def import_path(svc: Any, path: Path, into: Any, dry_run: bool, progress=None) -> dict:
-    """Import a folder or a file on this machine (the command line, on its own)."""
+    """Import a folder or a file on this machine (the command line, on its own), bounded
+    as an upload is."""
     if path.is_dir():
         skipped: list = []
-        source = ImportSource.from_folder(path, skipped)
+        source = ImportSource.from_folder(path, skipped, svc.config.max_import_entries)
         total = source.declared()
         if total > svc.config.max_import_expanded_bytes:
             raise import_refused(
@@ -1206,7 +1385,7 @@ def import_path(svc: Any, path: Path, into: Any, dry_run: bool, progress=None) -
                 "(SERVICE_MAX_IMPORT_EXPANDED_BYTES)",
                 413,
             )
-        import_room(svc, total)
+        import_room(svc, source.need())
         report = import_source(svc, source, into, dry_run, OWNER, progress)
         report["skipped"] = skipped + report["skipped"]
         return report
