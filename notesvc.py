@@ -637,6 +637,15 @@ SETTINGS = (
         "the most an imported archive may expand to (bytes)",
     ),
     Setting(
+        "max_import_entries",
+        "SERVICE_MAX_IMPORT_ENTRIES",
+        "",
+        "50000",
+        _int_range(1, 10_000_000),
+        "the most entries an import may hold: files of an archive or folder, notes and "
+        "resources of an .enex",
+    ),
+    Setting(
         "import_min_free_bytes",
         "SERVICE_IMPORT_MIN_FREE_BYTES",
         "",
@@ -657,7 +666,12 @@ COMMANDS_OF_SETTING = {
     "root": ("serve", "audit", "rotate-key", "pair", "import", "export"),
     "log_level": ("serve", "audit", "rotate-key", "pair", "relay", "import", "export"),
     **dict.fromkeys(
-        ("max_import_bytes", "max_import_expanded_bytes", "import_min_free_bytes"),
+        (
+            "max_import_bytes",
+            "max_import_expanded_bytes",
+            "max_import_entries",
+            "import_min_free_bytes",
+        ),
         (*SERVER_COMMANDS, "import"),
     ),
     # `pair` names the address a phone opens, as the banner does
@@ -743,6 +757,7 @@ class Config:
     timezone: str
     max_import_bytes: int
     max_import_expanded_bytes: int
+    max_import_entries: int
     import_min_free_bytes: int
     log_level: str
 
@@ -5214,6 +5229,36 @@ class NoteStore:
             self._record("deleted", path, None)
         return {"path": path, "deleted": True, **trashed}
 
+    def discard_created(self, path: str, etag: str) -> bool:
+        """Remove a note just created, as an import that cannot finish takes its notes back:
+        no trash and no version (nothing was there before it), a `deleted` change in the
+        feed. Return False, leaving it, when it is not `etag` any more (edited since)."""
+        with self.locked(path, tree=True):
+            try:
+                data, _ = self._read(path)
+            except ApiError as e:
+                if e.status_code == 404:  # gone already
+                    return True
+                raise
+            if make_etag(data) != etag:
+                return False
+            src = self.file_of(path)
+            with disk_writes():
+                os.unlink(src)  # first: on a full disk, what it frees is the journal's room
+            self.copies.mark(path, None)
+            self._prune(src.parent)
+            self._notify("deleted", path)
+            try:
+                if self.journal is not None:
+                    self.journal.reserve()
+            except ApiError:  # still no room: the feed has it all the same (the log says so)
+                self.journal.append("deleted", path, reserved=False)
+                if self.history is not None:
+                    self.history.drop_head(path)
+                return True
+            self._record("deleted", path, None)
+        return True
+
     # -- what a change leaves behind: history, the journal, the trash -------------------
 
     @contextlib.contextmanager
@@ -5747,6 +5792,23 @@ class AttachmentStore:
             trashed = move_to_trash(src, self.trash, path)
             self._prune(src.parent)
         return {"path": path, "deleted": True, **trashed}
+
+    def discard_created(self, path: str, etag: str) -> bool:
+        """Remove a file just written, as an import that cannot finish takes its files back
+        (no trash: nothing was there before it). Return False, leaving it, when it is not
+        `etag` any more (replaced since)."""
+        with self._lock:
+            src = self.file_of(path)
+            try:
+                st = os.stat(src)
+            except (FileNotFoundError, NotADirectoryError):  # gone already
+                return True
+            if attachment_etag(st) != etag:
+                return False
+            with disk_writes():
+                os.unlink(src)
+            self._prune(src.parent)
+        return True
 
     def restore(self, src: Path, path: str) -> dict:
         """Move a file back from the trash to path; 409 when an attachment is there."""
@@ -12746,6 +12808,8 @@ class Service:
         self.index = SearchIndex()  # in memory until start() opens <state>/index
         self._stop = threading.Event()
         self._threads: list = []
+        self._imports = 0  # imports writing now (see importing())
+        self._imports_lock = threading.Lock()
         check_agent_config(config, self.agent_providers)
         if readonly:
             self.state = StateStore.open_existing(config.state_dir, readonly=True)
@@ -12872,6 +12936,19 @@ class Service:
                     component.look_again()
         return found
 
+    @contextlib.contextmanager
+    def importing(self):
+        """Within: an import writes notes. The rescans wait until it is done: the store
+        tells the index of each note it writes, and a check of a tree growing by thousands
+        of files meanwhile costs memory and time for nothing."""
+        with self._imports_lock:
+            self._imports += 1
+        try:
+            yield
+        finally:
+            with self._imports_lock:
+                self._imports -= 1
+
     def _rescan_loop(self) -> None:
         # The first check starts a second after start: the first searches of a restarted
         # server need not share the interpreter with it. A first start (nothing indexed
@@ -12881,6 +12958,10 @@ class Service:
             return
         first = True
         while True:
+            if self._imports and not first:  # see importing()
+                if self._stop.wait(self.config.rescan_seconds):
+                    return
+                continue
             try:
                 self.last_sync = self.sync_index()
                 if first or self.last_sync.get("read") or self.last_sync.get("removed"):
@@ -16986,6 +17067,13 @@ BOMB_RATIO = 100  # an entry may expand to at most this many times its compresse
 BOMB_MIN_BYTES = 1 << 20  # ...once it expands past a mebibyte (smaller ones cannot harm)
 IMPORT_TEXT_TYPES = ("md", "markdown", "txt", "text")
 IMPORT_SYNC_NOTES = 500  # writes between two syncs of an import (and at least each second)
+# a zip's central directory may take this many bytes for each entry SERVICE_MAX_IMPORT_ENTRIES
+# allows (16 MB at 50,000: names of 270 bytes on average); zipfile holds it all, twice
+ZIP_DIRECTORY_BYTES = 320
+DISK_BLOCK = 4096  # what a small file takes on the disk, at least (see import_need)
+IMPORT_DISK_SLACK = 8 << 20  # the SQLite files' journals and the index's merges, meanwhile
+# entries that become notes (their disk counts three times: see import_need)
+IMPORT_NOTE_TYPES = frozenset((*IMPORT_TEXT_TYPES, "json", "csv", "html", "htm", "enex"))
 _WINDOWS_NAMES = frozenset(
     ["con", "prn", "aux", "nul"] + [f"{p}{n}" for p in ("com", "lpt") for n in range(1, 10)]
 )
@@ -17020,6 +17108,117 @@ def import_too_big(total: int, packed: int, limit: int) -> ApiError:
     )
 
 
+def import_too_many(most: int, what: str = "the archive holds", count: int = 0) -> ApiError:
+    """413 for a source of more than `most` entries (SERVICE_MAX_IMPORT_ENTRIES): `count`
+    when it declares how many (a zip's end record), else as soon as one more is seen."""
+    many = f"{count:,}" if count else f"more than {most:,}"
+    return import_refused(
+        f"{what} {many} entries; an import takes at most {most:,} "
+        "(SERVICE_MAX_IMPORT_ENTRIES): split it, or raise the setting",
+        413,
+    )
+
+
+def zip_entries(file: Any, most: int) -> int:
+    """Return how many entries a zip's central directory holds, counted before zipfile
+    reads it (zipfile builds an object of some 500 bytes for each): more than `most` refuse
+    it (413) from its end record's count alone, and, since zipfile reads the directory by
+    its size and not by that count, from the directory itself, whose size may not pass
+    ZIP_DIRECTORY_BYTES for each entry allowed and whose records are counted. A file with
+    no end record (not a zip) is left to zipfile to say so."""
+    end = _zip_end_record(file)
+    if end is None:
+        return 0
+    declared, size, start = end
+    if declared > most:
+        raise import_too_many(most, count=declared)
+    if start < 0:  # a directory said to begin before the file: zipfile refuses it (400)
+        return declared
+    if size > most * ZIP_DIRECTORY_BYTES:
+        raise import_refused(
+            f"the zip's directory takes {size:,} bytes, more than {ZIP_DIRECTORY_BYTES} for "
+            f"each of the {most:,} entries an import may hold (SERVICE_MAX_IMPORT_ENTRIES)",
+            413,
+        )
+    file.seek(start)
+    directory = file.read(size)
+    count = at = 0
+    while at + 46 <= len(directory) and directory[at : at + 4] == b"PK\x01\x02":
+        count += 1
+        if count > most:
+            raise import_too_many(most)
+        name, extra, comment = struct.unpack_from("<HHH", directory, at + 28)
+        at += 46 + name + extra + comment
+    return count
+
+
+def _zip_end_record(file: Any) -> tuple | None:
+    """Return (entries, directory size, directory start) as zipfile finds them: the end
+    of central directory record (the last 22 bytes, else the last one in the 64 KiB a
+    comment may take), Zip64's when its locator stands before it; None when there is none."""
+    size = file.seek(0, io.SEEK_END)
+    if size < 22:
+        return None
+    file.seek(size - 22)
+    tail = file.read(22)
+    if tail[:4] == b"PK\x05\x06" and tail[-2:] == b"\x00\x00":
+        at, record = size - 22, tail
+    else:
+        window = max(size - 22 - 0xFFFF, 0)
+        file.seek(window)
+        data = file.read()
+        found = data.rfind(b"PK\x05\x06")
+        record = data[found : found + 22] if found >= 0 else b""
+        if len(record) != 22:
+            return None
+        at = window + found
+    entries, dir_size = struct.unpack("<10xHL6x", record)
+    extra = 0
+    if at >= 20:
+        file.seek(at - 20)
+        locator = file.read(20)
+        if locator[:4] == b"PK\x06\x07" and at >= 76:
+            file.seek(at - 76)
+            record64 = file.read(56)
+            if record64[:4] == b"PK\x06\x06":
+                entries, dir_size = struct.unpack("<32xQQ8x", record64)
+                extra = 76
+    return entries, dir_size, at - dir_size - extra
+
+
+def import_need(entries: Iterable) -> int:
+    """Return the disk an import of these entries may take (the 507 check): each file in
+    whole blocks and a block more (its folder's entry, its journal line and index row);
+    a note (a text entry) twice its size again, for the history's copy and the index's
+    postings (neither compressed, to be safe); and IMPORT_DISK_SLACK for the journals of
+    the SQLite files. Declared sizes, so a file the import will skip counts too."""
+    need = IMPORT_DISK_SLACK
+    for e in entries:
+        need += _disk_blocks(e.size) + DISK_BLOCK
+        if e.name.rpartition(".")[2].lower() in IMPORT_NOTE_TYPES:
+            need += 2 * e.size
+    return need
+
+
+def note_need(size: int) -> int:
+    """Return the disk one note of `size` bytes may take (see import_need)."""
+    return _disk_blocks(size) + DISK_BLOCK + 2 * size
+
+
+def _disk_blocks(size: int) -> int:
+    return -(-size // DISK_BLOCK) * DISK_BLOCK
+
+
+def import_settled() -> None:
+    """After an import, answered or refused: collect what it left in cycles and give the
+    freed heap back to the system (glibc's malloc_trim), so that a server is back near its
+    idle memory once the answer is out, not at the import's peak."""
+    import gc
+
+    gc.collect()
+    release_memory()
+
+
 def unreadable_archive_errors() -> tuple:
     """What zipfile, tarfile and their decompressors raise on a damaged or hostile archive
     (a name that differs from its local header, a bad CRC, truncated or undecodable data,
@@ -17038,7 +17237,8 @@ def unreadable_archive_errors() -> tuple:
 
 def import_room(svc: Any, need: int) -> None:
     """Refuse (507) an import that would leave the notes' disk with less free than
-    min(5 % of it, SERVICE_IMPORT_MIN_FREE_BYTES) once its `need` bytes are written."""
+    min(5 % of it, SERVICE_IMPORT_MIN_FREE_BYTES) once its `need` bytes are written
+    (import_need: the notes, their history's copies and index, the files)."""
     try:
         disk = shutil.disk_usage(svc.config.root)
     except OSError:
@@ -17046,8 +17246,9 @@ def import_room(svc: Any, need: int) -> None:
     margin = min(disk.total * 5 // 100, svc.config.import_min_free_bytes)
     if disk.free - need < margin:
         raise import_refused(
-            f"it would write up to {need} bytes and leave less than {margin} bytes free on the "
-            f"notes' disk ({disk.free} free now; the margin is 5 % of the disk or "
+            f"it may take up to {need} bytes of the notes' disk (the notes, their history's "
+            f"copies and search index, the files) and leave less than {margin} bytes free "
+            f"({disk.free} free now; the margin is 5 % of the disk or "
             "SERVICE_IMPORT_MIN_FREE_BYTES, whichever is less): free some space first",
             507,
         )
@@ -17082,15 +17283,22 @@ def link_token(target: str, fallback: str) -> str:
     return f"\x00{target}\x01{fallback}\x00"
 
 
-@dataclasses.dataclass
 class ImportEntry:
-    """One file of an import's source."""
+    """One file of an import's source: its name, its declared size, and how to open it
+    (`opener(ref)`, one function shared by a source's entries, `ref` the entry's own zip or
+    tar header, or its file's path). Slotted: 50,000 entries cost little more than their
+    names."""
 
-    name: str  # its path inside the source, `/`-separated, NFC
-    size: int  # as its header declares it: never more is read (see ImportSource)
-    open: Callable[[], Any]  # -> a binary file object
-    mtime: float | None = None
-    check: Callable[[], Any] | None = None  # -> its bytes and more, if it holds more (a zip's)
+    __slots__ = ("name", "opener", "ref", "size")
+
+    def __init__(self, name: str, size: int, opener: Callable, ref: Any = None):
+        self.name = name  # its path inside the source, `/`-separated, NFC
+        self.size = size  # as its header declares it: never more is read (see _CountedRead)
+        self.opener, self.ref = opener, ref
+
+    def open(self) -> _CountedRead:
+        """Return its bytes as a file object giving no more than its declared size."""
+        return _CountedRead(self, self.opener(self.ref))
 
 
 class _CountedRead:
@@ -17181,24 +17389,30 @@ class _UnpackedTar:
 
 class ImportSource:
     """The files of a source (a folder, a zip or a tar), checked whole when opened: zip
-    slip, absolute names, drive letters, links and zip bombs refuse it (400 / 413) before
-    anything is read further, let alone written."""
+    slip, absolute names, drive letters, links, zip bombs and more than
+    SERVICE_MAX_IMPORT_ENTRIES entries refuse it (400 / 413) before anything is read
+    further, let alone written."""
 
-    def __init__(self, entries: list, kind_hint: str = "", closer: Callable | None = None):
-        for e in entries:
-            e.open = functools.partial(self._counted, e, e.open)
+    def __init__(
+        self,
+        entries: list,
+        kind_hint: str = "",
+        closer: Callable | None = None,
+        check: Callable | None = None,
+    ):
         self.entries = entries
         self.by_name = {e.name: e for e in entries}
         self.kind_hint = kind_hint
         self._closer = closer
-
-    @staticmethod
-    def _counted(entry: ImportEntry, opener: Callable) -> _CountedRead:
-        return _CountedRead(entry, opener())
+        self._check = check  # entry -> its bytes and more, if it holds more (a zip's)
 
     def declared(self) -> int:
         """Return the bytes its entries declare, together."""
         return sum(e.size for e in self.entries)
+
+    def need(self) -> int:
+        """Return the disk its import may take (see import_need)."""
+        return import_need(self.entries)
 
     def verify(self, what: str, progress: Callable | None = None) -> None:
         """Read every entry once, to its end, before anything is written: an entry that is
@@ -17211,7 +17425,8 @@ class ImportSource:
         done = types.SimpleNamespace(read=0, created=0, attachments=0)
         for e in self.entries:
             try:
-                with _CountedRead(e, (e.check or e.open)()) as f:
+                raw = self._check(e) if self._check else e.opener(e.ref)
+                with _CountedRead(e, raw) as f:
                     while f.read(BODY_CHUNK):
                         if progress:
                             progress(done)
@@ -17235,7 +17450,8 @@ class ImportSource:
 
     @staticmethod
     def clean_name(raw: str) -> str | None:
-        """Return an entry's name, None for a folder entry; raise when it leaves the source."""
+        """Return an entry's name, None for a folder entry; raise when it leaves the source.
+        A name that needs no change is returned as it is (one string, not two)."""
         name = unicodedata.normalize("NFC", raw.replace("\\", "/"))
         if name.endswith("/"):
             return None
@@ -17244,71 +17460,78 @@ class ImportSource:
         parts = [p for p in name.split("/") if p not in ("", ".")]
         if ".." in parts:
             raise import_refused(f"the archive names a file outside itself: {log_safe(raw, 120)}")
-        return "/".join(parts) or None
+        clean = "/".join(parts)
+        return (name if clean == name else clean) or None
 
     @classmethod
-    def from_zip(cls, file: Any, expanded_limit: int, packed: int) -> ImportSource:
-        """Open a zip of `packed` bytes: refused whole when an entry leaves it or is a link,
-        when two entries share bytes (one local file named by many central-directory
-        entries: a zip bomb), when an entry expands more than 100 times, or when all of
-        them together declare more than import_budget()."""
+    def from_zip(
+        cls, file: Any, expanded_limit: int, packed: int, most: int = 1 << 62
+    ) -> ImportSource:
+        """Open a zip of `packed` bytes: refused whole when its end record or its directory
+        counts more than `most` entries (before zipfile reads the directory), when an entry
+        leaves it or is a link, when two entries share bytes (one local file named by many
+        central-directory entries: a zip bomb), when an entry expands more than 100 times,
+        or when all of them together declare more than import_budget()."""
         import copy
         import zipfile
 
+        zip_entries(file, most)
         try:
             zf = zipfile.ZipFile(file)
             infos = zf.infolist()
         except unreadable_archive_errors() as e:
             raise import_refused(f"the file is not a readable zip ({e})") from None
-        entries, total = [], 0
-        for info in infos:
-            name = cls.clean_name(info.filename)
-            mode = info.external_attr >> 16
-            if stat.S_ISLNK(mode):
-                raise import_refused(
-                    f"the archive holds a symbolic link: {log_safe(info.filename, 120)}"
-                )
-            total += info.file_size
-            if total > expanded_limit:
+        if len(infos) > most:  # zip_entries counted these: never, but the cap is the cap
+            zf.close()
+            raise import_too_many(most, count=len(infos))
+        entries, total, opener = [], 0, zf.open  # one bound method for all
+        try:
+            for info in infos:
+                name = cls.clean_name(info.filename)
+                mode = info.external_attr >> 16
+                if stat.S_ISLNK(mode):
+                    raise import_refused(
+                        f"the archive holds a symbolic link: {log_safe(info.filename, 120)}"
+                    )
+                total += info.file_size
+                if total > expanded_limit:
+                    raise import_too_big(total, packed, expanded_limit)
+                if info.file_size > BOMB_MIN_BYTES and info.file_size > BOMB_RATIO * max(
+                    1, info.compress_size
+                ):
+                    raise import_refused(
+                        f"{log_safe(info.filename, 120)} expands more than {BOMB_RATIO} times "
+                        "(a zip bomb?)",
+                        413,
+                    )
+                if name is None or info.is_dir():
+                    continue
+                entries.append(ImportEntry(name, info.file_size, opener, info))
+            if total > import_budget(packed, expanded_limit):
                 raise import_too_big(total, packed, expanded_limit)
-            if info.file_size > BOMB_MIN_BYTES and info.file_size > BOMB_RATIO * max(
-                1, info.compress_size
-            ):
-                raise import_refused(
-                    f"{log_safe(info.filename, 120)} expands more than {BOMB_RATIO} times "
-                    "(a zip bomb?)",
-                    413,
-                )
-            if name is None or info.is_dir():
-                continue
-            mtime = None
-            with contextlib.suppress(ValueError, OverflowError):
-                mtime = time.mktime((*info.date_time, 0, 0, -1))
+            cls._no_shared_bytes(file, infos)
+        except ApiError:
+            zf.close()
+            raise
+
+        def wider(entry: ImportEntry) -> Any:
             # verify() reads through a copy declaring a mebibyte more, so that zipfile (which
             # stops at the declared size, then checks the CRC) gives the byte past it: a
             # size that lies is then seen as what it is
-            wider = copy.copy(info)
-            wider.file_size += BOMB_MIN_BYTES
-            entries.append(
-                ImportEntry(
-                    name,
-                    info.file_size,
-                    functools.partial(zf.open, info),
-                    mtime,
-                    functools.partial(zf.open, wider),
-                )
-            )
-        if total > import_budget(packed, expanded_limit):
-            raise import_too_big(total, packed, expanded_limit)
-        cls._no_shared_bytes(file, infos)
-        return cls(entries, closer=zf.close)
+            info = copy.copy(entry.ref)
+            info.file_size += BOMB_MIN_BYTES
+            return zf.open(info)
+
+        return cls(entries, closer=zf.close, check=wider)
 
     @staticmethod
     def _no_shared_bytes(file: Any, infos: list) -> None:
         """Refuse a zip whose entries share bytes: each entry's local header and data,
         [header_offset, end of its compressed data), read from the local header itself,
         must overlap no other's."""
-        spans = []
+        import array
+
+        starts, ends = array.array("q"), array.array("q")  # 16 bytes an entry, not a tuple
         for info in infos:
             head = b""
             if info.header_offset >= 0:  # < 0: a directory placed past where it is
@@ -17320,22 +17543,26 @@ class ImportSource:
                     "local header where its directory entry points)"
                 )
             name_len, extra_len = struct.unpack("<HH", head[26:30])
-            end = info.header_offset + 30 + name_len + extra_len + info.compress_size
-            spans.append((info.header_offset, end, info.filename))
-        spans.sort()
-        for (_, end, first), (start, _, second) in zip(spans, spans[1:]):
-            if start < end:
+            starts.append(info.header_offset)
+            ends.append(info.header_offset + 30 + name_len + extra_len + info.compress_size)
+        order = sorted(range(len(starts)), key=starts.__getitem__)
+        for first, second in zip(order, order[1:]):
+            if starts[second] < ends[first]:
                 raise import_refused(
-                    f"entries {log_safe(first, 80)} and {log_safe(second, 80)} share their "
-                    "bytes in the archive (a zip bomb?)",
+                    f"entries {log_safe(infos[first].filename, 80)} and "
+                    f"{log_safe(infos[second].filename, 80)} share their bytes in the archive "
+                    "(a zip bomb?)",
                     413,
                 )
 
     @classmethod
-    def from_tar(cls, file: Any, expanded_limit: int, packed: int) -> ImportSource:
+    def from_tar(
+        cls, file: Any, expanded_limit: int, packed: int, most: int = 1 << 62
+    ) -> ImportSource:
         """Open a tar (a .jex; compressed ones too) of `packed` bytes, one header at a
         time: its members' declared sizes (a sparse member's full size) together may not
-        pass import_budget(), checked before the next header is looked for."""
+        pass import_budget(), nor their number `most`, checked before the next header is
+        looked for."""
         import tarfile
 
         budget = import_budget(packed, expanded_limit)
@@ -17344,9 +17571,12 @@ class ImportSource:
             tf = tarfile.open(fileobj=unpacked, mode="r:")  # noqa: SIM115 (closed by close())
         except unreadable_archive_errors() as e:
             raise import_refused(f"the file is not a readable tar ({e})") from None
-        entries, total = [], 0
+        entries, total, count, opener = [], 0, 0, tf.extractfile
         try:
             for m in tf:
+                count += 1
+                if count > most:
+                    raise import_too_many(most)
                 name = cls.clean_name(m.name)
                 if m.issym() or m.islnk():
                     raise import_refused(f"the archive holds a link: {log_safe(m.name, 120)}")
@@ -17359,9 +17589,7 @@ class ImportSource:
                     raise import_refused(
                         f"the archive holds a device or a pipe: {log_safe(m.name, 120)}"
                     )
-                entries.append(
-                    ImportEntry(name, m.size, functools.partial(tf.extractfile, m), m.mtime)
-                )
+                entries.append(ImportEntry(name, m.size, opener, m))
         except unreadable_archive_errors() as e:
             tf.close()
             raise import_refused(f"the file is not a readable tar ({e})") from None
@@ -17377,8 +17605,11 @@ class ImportSource:
         return cls(entries, kind_hint="joplin", closer=close)
 
     @classmethod
-    def from_folder(cls, folder: Path, skipped: list) -> ImportSource:
-        entries = []
+    def from_folder(cls, folder: Path, skipped: list, most: int = 1 << 62) -> ImportSource:
+        """Return the files of a folder (hidden ones and links left out, the links named in
+        `skipped`); more than `most` of them refuse it (413) as soon as the walk finds one
+        more."""
+        entries, count = [], 0
         for top, dirs, files in os.walk(folder):
             dirs[:] = sorted(d for d in dirs if not d.startswith("."))
             for d in list(dirs):
@@ -17386,18 +17617,24 @@ class ImportSource:
                     dirs.remove(d)
                     skipped.append(_skip(_rel(folder, top, d), "a symbolic link (not followed)"))
             for f in sorted(files):
-                full = os.path.join(top, f)
-                rel = _rel(folder, top, f)
                 if f.startswith("."):
                     continue
+                count += 1
+                if count > most:
+                    raise import_too_many(most, "the folder holds")
+                full = os.path.join(top, f)
+                rel = _rel(folder, top, f)
                 if os.path.islink(full):
                     skipped.append(_skip(rel, "a symbolic link (not followed)"))
                     continue
                 st = os.stat(full)
                 if stat.S_ISREG(st.st_mode):
-                    opener = functools.partial(open, full, "rb")
-                    entries.append(ImportEntry(rel, st.st_size, opener, st.st_mtime))
+                    entries.append(ImportEntry(rel, st.st_size, _open_file, full))
         return cls(entries, "obsidian" if (folder / ".obsidian").is_dir() else "")
+
+
+def _open_file(path: str) -> Any:
+    return open(path, "rb")
 
 
 def _rel(folder: Path, top: str, name: str) -> str:
@@ -17454,21 +17691,35 @@ def import_kind(source: ImportSource) -> str:
     return "files"
 
 
-@dataclasses.dataclass
 class Draft:
-    """A note or a file on its way in."""
+    """A note or a file on its way in. Slotted, and its path the very string it wanted
+    when that one is free: a plan of 50,000 drafts keeps about their paths and no more."""
 
-    source: str  # its name in the source (the report's `source`)
-    want: str  # the path it would like (its final one, but for " 2")
-    text: Any = ""  # a note's Markdown (or a function reading it); links as link_token()s
-    open: Callable | None = None  # a file's bytes (None: a note)
-    size: int = 0
-    path: str = ""  # the path it gets
+    __slots__ = ("open", "path", "size", "source", "text", "want")
+
+    def __init__(
+        self,
+        source: str,
+        want: str,
+        text: Any = "",
+        open: Callable | None = None,
+        size: int = 0,
+    ):
+        self.source = source  # its name in the source (the report's `source`)
+        self.want = want  # the path it would like (its final one, but for " 2")
+        # a note's Markdown, links as link_token()s; or what reads it when it is written: a
+        # function, or an ImportEntry that the plan's `load` reads
+        self.text = text
+        self.open = open  # a file's bytes (None: a note)
+        self.size = size
+        self.path = ""  # the path it gets
 
 
 class ImportPlan:
     """Names the drafts (never over a note or file, nor over another draft), resolves the
-    links between them, and writes them (or, in a dry run, only counts)."""
+    links between them, and writes them (or, in a dry run, only counts). When a write fails
+    midway (a full disk: 507), what this import wrote is removed again, so that its answer,
+    "nothing was changed", is true (see writing())."""
 
     def __init__(self, svc: Any, into: str, dry_run: bool, progress: Callable | None = None):
         self.svc, self.into, self.dry_run = svc, into, dry_run
@@ -17480,16 +17731,80 @@ class ImportPlan:
         self.skipped: list = []
         self.progress = progress or (lambda plan: None)
         self.max_note = svc.config.max_body_bytes
+        self.max_file = svc.config.max_attachment_bytes
+        self.most = svc.config.max_import_entries
+        self.entries = 0  # entries of a stream (an .enex's notes and resources) read so far
         self.read = 0  # source files looked at so far (for progress lines)
+        self.load: Callable = lambda entry: ""  # reads a note whose draft holds its entry
+        self.written: list = []  # (store, path, etag) of each note and file written
         self._synced, self._unsynced = time.monotonic(), 0
 
+    @contextlib.contextmanager
     def writing(self):
         """The context the writes happen in: flushed per batch, not per note (see
-        deferred_sync); a dry run writes nothing."""
-        return contextlib.nullcontext() if self.dry_run else deferred_sync()
+        deferred_sync); a dry run writes nothing. A failure within (a full disk, or any
+        other but an .enex that breaks off, 400: the notes before stay, as documented)
+        removes what the import wrote so far and says so."""
+        if self.dry_run:
+            yield
+            return
+        try:
+            with self.svc.importing(), deferred_sync():
+                yield
+        except Exception as e:
+            if not self.written or (isinstance(e, ApiError) and e.status_code == 400):
+                raise
+            raise self.undo(e) from None
 
-    def _wrote(self) -> None:
-        """Count one write; sync the batch every IMPORT_SYNC_NOTES writes or second."""
+    def undo(self, failure: Exception) -> ApiError:
+        """Remove the notes and files this import wrote (newest first; one changed since is
+        left as it is), and return the error that says so."""
+        notes = files = 0
+        kept = []
+        for store, path, etag in reversed(self.written):
+            try:
+                gone = store.discard_created(path, etag)
+            except Exception as e:  # one that cannot be removed is named; the rest go
+                log.warning("import: could not remove %s again (%s)", log_safe(path), e)
+                gone = False
+            if not gone:
+                kept.append(path)
+            elif store is self.svc.notes:
+                notes += 1
+            else:
+                files += 1
+        self.written = []
+        sync_batch()
+        what = f"{plural(notes, 'note')} and {plural(files, 'file')}"
+        if kept:
+            left = ", ".join(log_safe(p, 120) for p in kept[:5])
+            undone = (
+                f"the import removed the {what} it had written; it left {len(kept)} that "
+                f"changed since (or could not be removed: see the log): "
+                f"{left}{' ...' if len(kept) > 5 else ''}"
+            )
+        else:
+            undone = f"the import removed the {what} it had written, so nothing was changed"
+        if isinstance(failure, ApiError) and failure.status_code == 507:
+            return ApiError(
+                507,
+                "INSUFFICIENT_STORAGE",
+                f"the notes' disk filled up during the import: {undone}; free some space and "
+                "import again",
+            )
+        if isinstance(failure, ApiError):
+            reason = failure.message.removeprefix("nothing was imported: ")
+            err = ApiError(failure.status_code, failure.code, f"{reason} ({undone})")
+            if hasattr(failure, "extra"):
+                err.extra = failure.extra
+            return err
+        log.error("import: failed midway (%s: %s); %s", type(failure).__name__, failure, undone)
+        return ApiError(500, "INTERNAL_ERROR", f"the import failed midway: {undone}")
+
+    def _wrote(self, store: Any, rec: dict) -> None:
+        """Count one write (undo() can take it back); sync the batch every
+        IMPORT_SYNC_NOTES writes or second."""
+        self.written.append((store, rec["path"], rec["etag"]))
         self._unsynced += 1
         now = time.monotonic()
         if self._unsynced >= IMPORT_SYNC_NOTES or now - self._synced >= 1.0:
@@ -17530,11 +17845,14 @@ class ImportPlan:
             while len(f"{short}{tail}{dot}{ext}".encode()) > MAX_SEGMENT_BYTES:
                 short = short[:-1]
             path = f"{folder}/{short}{tail}{dot}{ext}"
-            if path.casefold() not in self.taken and not self._exists(path):
+            key = path.casefold()
+            if key not in self.taken and not self._exists(path):
                 break
         else:
             raise ApiError(409, "CONFLICT", f"too many files named {leaf} in {folder}")
-        self.taken.add(path.casefold())
+        if path == draft.want:
+            path = draft.want  # one string for the draft, the set and the map, not three
+        self.taken.add(path if key == path else key)
         draft.path = path
         self.by_source[draft.source] = path
         if path != draft.want:
@@ -17575,12 +17893,14 @@ class ImportPlan:
             rec, _ = store.place(store.spool(copy), path, unique=True)
             if rec["path"] != path:
                 self.by_source[draft.source] = rec["path"]
-            self._wrote()
+            self._wrote(store, rec)
         self.progress(self)
 
     def add_note(self, draft: Draft) -> None:
         """Write a named note draft, its links resolved."""
-        if callable(draft.text):  # read only now: the plan holds names, not texts
+        if isinstance(draft.text, ImportEntry):  # read only now: the plan holds names
+            draft.text = self.load(draft.text)
+        elif callable(draft.text):
             draft.text = draft.text()
         text = self.render(draft)
         draft.text = ""
@@ -17593,17 +17913,22 @@ class ImportPlan:
         self.created += 1
         if not self.dry_run:
             try:
-                self.svc.notes.create(draft.path, text)
+                rec = self.svc.notes.create(draft.path, text)
             except ApiError as e:  # taken since it was named: the next free name
                 if e.status_code != 409:
                     raise
                 folder, leaf = draft.path.rsplit("/", 1)
-                self.svc.notes.create_named(folder, leaf[:-3], text)
-            self._wrote()
+                rec = self.svc.notes.create_named(folder, leaf[:-3], text)
+            self._wrote(self.svc.notes, rec)
         self.progress(self)
+
+    def named(self) -> None:
+        """Every draft has its path: forget the casefolded ones (only naming asks them)."""
+        self.taken = set()
 
     def add_all(self, drafts: list) -> None:
         """Write named drafts in one batch: the files first, then the notes."""
+        self.named()
         with self.writing():
             for d in drafts:
                 if d.open is not None:
@@ -17712,11 +18037,13 @@ def plan_tree(plan: ImportPlan, source: ImportSource, kind: str) -> None:
         notes = _without_csv_twins(notes)
     drafts = [Draft(e.name, want, open=e.open, size=e.size) for e, want in files]
     links: list = []  # (the sources imported, renamed notes' names): known once all are named
-    drafts += _tree_note_drafts(plan, source, notes, None if kind == "notesvc" else links)
+    links_or_none = None if kind == "notesvc" else links
+    plan.load = functools.partial(_tree_text, source, csv_title=None, links=links_or_none)
+    drafts += _tree_note_drafts(plan, source, notes, links_or_none)
     for d in drafts:
         plan.name(d)
         plan.looked()
-    links.extend([{d.source for d in drafts}, _renamed_notes(plan) if kind == "obsidian" else {}])
+    links.extend([plan.by_source, _renamed_notes(plan) if kind == "obsidian" else {}])
     plan.add_all(drafts)
 
 
@@ -17782,25 +18109,26 @@ def _without_csv_twins(notes: list) -> list:
 
 
 def _tree_note_drafts(plan: ImportPlan, source: ImportSource, notes: list, links) -> list:
-    """Return the drafts of a tree's (entry, path) notes, each read when written (a Notion
-    database's CSV named by its title); one over the size limit is skipped."""
+    """Return the drafts of a tree's (entry, path) notes, each read when written (the
+    plan's `load`; a Notion database's CSV named by its title); one over the size limit is
+    skipped."""
     drafts = []
     for entry, want in notes:
         if entry.size > plan.max_note * 4:
             plan.skip(entry.name, "over SERVICE_MAX_BODY_BYTES")
             continue
-        title = None
+        text: Any = entry  # read by plan.load when written
         if want is None:  # a Notion database
             stem = _note_name_of(entry.name.rsplit("/", 1)[-1])[0]
             title = _NOTION_ID_RE.sub("", stem.removesuffix("_all")) or stem
             segs = _target_segments(entry.name, True)[:-1]
             want = "/".join([plan.into, *segs, import_segment(title) + ".md"])
-        load = functools.partial(_tree_text, source, entry, title, links)
-        drafts.append(Draft(entry.name, want, text=load))
+            text = functools.partial(_tree_text, source, entry, csv_title=title, links=links)
+        drafts.append(Draft(entry.name, want, text=text))
     return drafts
 
 
-def _tree_text(source: ImportSource, entry: ImportEntry, csv_title, links) -> str:
+def _tree_text(source: ImportSource, entry: ImportEntry, csv_title: Any, links: Any) -> str:
     """Return a note of a tree as it is imported: its text (a database's CSV as a table),
     its links to what the import holds as tokens, wikilinks to renamed notes renamed."""
     text = _decode_text(source.read(entry))
@@ -18008,7 +18336,9 @@ def plan_keep(plan: ImportPlan, source: ImportSource) -> None:
     # every file of the archive by name: whether it is imported (a note links only to those)
     held = {e.name.rsplit("/", 1)[-1]: False for e in source.entries}
     held.update({d.source: True for d in drafts})
+    plan.load = functools.partial(_keep_text, source, held=held)
     drafts += filter(None, map(functools.partial(_keep_note_draft, plan, source, held=held), jsons))
+    plan.named()
     with plan.writing():
         for d in drafts:
             (plan.add_file if d.open else plan.add_note)(d)
@@ -18030,8 +18360,7 @@ def _keep_note_draft(
         return None
     _keep_missing(plan, entry, data, held)
     name = import_segment(title_filename(title or text.split("---\n", 2)[-1]))
-    load = functools.partial(_keep_text, source, entry, held)  # read again when written
-    d = Draft(entry.name, f"{plan.into}/{name}.md", text=load)
+    d = Draft(entry.name, f"{plan.into}/{name}.md", text=entry)  # read again when written
     plan.name(d)
     plan.looked()
     return d
@@ -18048,6 +18377,7 @@ def _keep_missing(plan: ImportPlan, entry: ImportEntry, data: dict, held: Mappin
 
 
 def _keep_text(source: ImportSource, entry: ImportEntry, held: Mapping) -> str:
+    """Return a Keep note's Markdown, its .json read again (the plan holds no texts)."""
     return keep_note(json.loads(source.read(entry)), held)[1]
 
 
@@ -18328,32 +18658,32 @@ def _enex_time(text: str) -> str | None:
         return None
 
 
-class EnexReader:
-    """Reads an .enex as a stream (expat, fed in chunks): one note at a time, each
-    resource decoded from base64 into a spooled file as it arrives, so a 200 MB export
-    never sits in memory. The external DOCTYPE is accepted and never fetched; an internal
-    DTD subset (where entity bombs live) refuses the file; HTML entities are mapped."""
+ENEX_NOTE_FIELDS = frozenset(
+    ("title", "content", "created", "updated", "tag", "source-url", "author")
+)
+ENEX_RESOURCE_FIELDS = frozenset(("mime", "file-name"))
+ENEX_FIELD_CHARS = 4096  # a title, tag, date, link, author, type or file name: cut there
+ENEX_QUIET_BYTES = 4 << 20  # the most expat may hold back in one token (a tag, a comment)
 
-    def __init__(self, on_note: Callable[[dict], None], spool: Callable[[], Any]):
+
+class _EnexStream:
+    """An .enex fed to expat in chunks, what both of its readings share: the external
+    DOCTYPE accepted and never fetched, an internal DTD subset (where entity bombs live)
+    refused, and no token of over ENEX_QUIET_BYTES (expat holds a tag, an attribute, a
+    comment or a declaration whole, while text and CDATA flow in pieces): past that with
+    no element or text seen, 413. Handlers set `quiet` to 0."""
+
+    def __init__(self):
         import xml.parsers.expat
 
-        self.on_note, self.spool = on_note, spool
         p = xml.parsers.expat.ParserCreate()
         p.SetParamEntityParsing(xml.parsers.expat.XML_PARAM_ENTITY_PARSING_NEVER)
         p.UseForeignDTD(False)
         p.StartDoctypeDeclHandler = self._doctype
         p.EntityDeclHandler = self._entity
-        p.SkippedEntityHandler = self._skipped_entity
-        p.StartElementHandler = self._start
-        p.EndElementHandler = self._end
-        p.CharacterDataHandler = self._text
         p.buffer_text = True
         self.parser, self.error = p, xml.parsers.expat.ExpatError
-        self.path: list = []
-        self.note: dict | None = None
-        self.text: list = []
-        self.res: dict | None = None
-        self.b64 = b""
+        self.quiet = 0  # bytes fed since expat last gave an element or text
 
     def _doctype(self, name, system_id, public_id, has_internal_subset) -> None:
         if has_internal_subset:
@@ -18362,6 +18692,104 @@ class EnexReader:
     def _entity(self, *args) -> None:
         raise import_refused("the .enex declares entities (not accepted)")
 
+    def feed(self, data: bytes, final: bool = False) -> None:
+        self.quiet += len(data)
+        try:
+            self.parser.Parse(data, final)
+        except self.error as e:
+            raise import_refused(f"the .enex is not well-formed XML ({e})") from None
+        if self.quiet > ENEX_QUIET_BYTES:
+            raise import_refused(
+                f"the .enex holds a tag, comment or declaration of over "
+                f"{ENEX_QUIET_BYTES >> 20} MiB (not what Evernote writes)",
+                413,
+            )
+
+
+class EnexSurvey(_EnexStream):
+    """The first reading of an .enex, before anything is written: its notes and resources
+    counted (one past `most`, SERVICE_MAX_IMPORT_ENTRIES, with `counted` before it: 413
+    at once) and the disk their import may take (import_need's rule, from the bytes each
+    note's content and each resource's base64 take in the file). Only elements and their
+    offsets are looked at: nothing is kept."""
+
+    def __init__(self, most: int, counted: int = 0):
+        super().__init__()
+        p = self.parser
+        p.buffer_size = BODY_CHUNK  # text is not read: the fewer calls, the better
+        p.StartElementHandler, p.EndElementHandler = self._start, self._end
+        p.CharacterDataHandler = self._text
+        self.most, self.count, self.need = most, counted, 0
+        self.at = 0  # where the content or data being read began
+
+    def _text(self, data: str) -> None:
+        self.quiet = 0
+
+    def _start(self, tag: str, attrs: dict) -> None:
+        self.quiet = 0
+        if tag in ("note", "resource"):
+            self.count += 1
+            if self.count > self.most:
+                raise import_too_many(self.most, "the .enex holds")
+            self.need += DISK_BLOCK
+        elif tag in ("content", "data"):
+            self.at = self.parser.CurrentByteIndex
+
+    def _end(self, tag: str) -> None:
+        self.quiet = 0
+        if tag == "content":
+            self.need += note_need(self.parser.CurrentByteIndex - self.at)
+        elif tag == "data":
+            decoded = (self.parser.CurrentByteIndex - self.at) * 3 // 4
+            self.need += note_need(decoded) - 2 * decoded  # a file: its blocks only
+
+    def survey(self, read: Callable[[int], bytes], tick: Callable = lambda: None) -> EnexSurvey:
+        """Read it all (tick() after each chunk: the command's progress lines); where it
+        stops being well-formed (or declares a DTD), stop there: the import's own reading
+        says so, at that place."""
+        try:
+            while chunk := read(BODY_CHUNK):
+                self.feed(chunk)
+                tick()
+            self.feed(b"", final=True)
+        except ApiError as e:
+            if e.status_code != 400:
+                raise
+        return self
+
+
+class EnexReader(_EnexStream):
+    """Reads an .enex as a stream (expat, fed in chunks): one note at a time. Only what a
+    note keeps is gathered (title, content, dates, tags, source, author; a resource's type
+    and name), each bounded: a note's text at `note_limit` characters (past it the note
+    is skipped, its text no more kept), any other field cut at ENEX_FIELD_CHARS. Each
+    resource is decoded from base64 as it arrives into one spooled file per note, so
+    neither a 200 MB export nor a 63 MB note sits in memory. HTML entities are mapped; a
+    note or resource past `most` entries is 413 (EnexSurvey said so before, normally)."""
+
+    def __init__(
+        self,
+        on_note: Callable[[dict], None],
+        spool: Callable[[], Any],
+        note_limit: int,
+        most: int = 1 << 62,
+        counted: int = 0,
+    ):
+        super().__init__()
+        p = self.parser
+        p.SkippedEntityHandler = self._skipped_entity
+        p.StartElementHandler = self._start
+        p.EndElementHandler = self._end
+        p.CharacterDataHandler = self._text
+        self.on_note, self.spool, self.note_limit = on_note, spool, note_limit
+        self.most, self.count = most, counted
+        self.path: list = []
+        self.note: dict | None = None
+        self.text: list = []
+        self.kept = 0  # characters of the element being read kept so far; -1: none kept
+        self.res: dict | None = None
+        self.b64 = b""
+
     def _skipped_entity(self, name: str, is_parameter: bool) -> None:
         import html.entities
 
@@ -18369,41 +18797,75 @@ class EnexReader:
         if code is not None and not is_parameter:
             self._text(chr(code))
 
+    def _counted(self) -> None:
+        self.count += 1
+        if self.count > self.most:
+            raise import_too_many(self.most, "the .enex holds")
+
     def _start(self, tag: str, attrs: dict) -> None:
+        self.quiet = 0
         self.path.append(tag)
+        note = self.note
         if tag == "note":
+            self._counted()
             self.note = {"title": "", "tags": [], "resources": [], "content": ""}
-        elif tag == "resource" and self.note is not None:
-            self.res = {
-                "mime": "",
-                "name": "",
-                "md5": hashlib.md5(usedforsecurity=False),
-                "size": 0,
-            }
-            self.res["file"] = self.spool()
+            self.note.update(over=None, chars=0, spool=None)
+        elif tag == "resource" and note is not None:
+            self._counted()
+            md5 = hashlib.md5(usedforsecurity=False)
+            self.res = {"mime": "", "name": "", "md5": md5, "size": 0, "start": 0}
         elif tag == "data" and self.res is not None:
             self.b64 = b""
+            if note["spool"] is None and not note["over"]:
+                note["spool"] = self.spool()  # None in a dry run: nothing is written
+            if note["spool"] is not None:
+                self.res["start"] = note["spool"].seek(0, io.SEEK_END)
         self.text = []
+        fields = ENEX_RESOURCE_FIELDS if self.res is not None else ENEX_NOTE_FIELDS
+        self.kept = 0 if note is not None and tag in fields and not note["over"] else -1
 
     def _text(self, data: str) -> None:
+        self.quiet = 0
         if self.path[-1:] == ["data"] and self.res is not None:
-            raw = self.b64 + "".join(data.split()).encode("ascii", "ignore")
-            cut = len(raw) - len(raw) % 4
-            self.b64 = raw[cut:]
-            try:
-                chunk = base64.b64decode(raw[:cut])
-            except ValueError:
-                chunk = b""
-            self.res["md5"].update(chunk)
-            self.res["size"] += len(chunk)
-            if self.res["file"] is not None:
-                self.res["file"].write(chunk)
-        else:
-            self.text.append(data)
+            self._data(data)
+        elif self.kept >= 0:
+            self._keep(data)
+
+    def _data(self, data: str) -> None:
+        """A piece of a resource's base64: decoded, hashed, spooled."""
+        raw = self.b64 + "".join(data.split()).encode("ascii", "ignore")
+        cut = len(raw) - len(raw) % 4
+        self.b64 = raw[cut:]
+        try:
+            chunk = base64.b64decode(raw[:cut])
+        except ValueError:
+            chunk = b""
+        self.res["md5"].update(chunk)
+        self.res["size"] += len(chunk)
+        spool = self.note["spool"]
+        if spool is not None and not self.note["over"]:
+            spool.write(chunk)
+
+    def _keep(self, data: str) -> None:
+        """A piece of a field's text, kept within its bounds."""
+        note, tag = self.note, self.path[-1]
+        if tag == "content" or self.res is None:
+            note["chars"] += len(data)
+            if note["chars"] > self.note_limit:
+                note["over"] = "over SERVICE_MAX_BODY_BYTES"
+                self.kept, self.text = -1, []
+                return
+        if tag != "content":
+            data = data[: ENEX_FIELD_CHARS - self.kept]
+            if not data:
+                return
+        self.kept += len(data)
+        self.text.append(data)
 
     def _end(self, tag: str) -> None:
-        text = "".join(self.text)
-        self.text = []
+        self.quiet = 0
+        text = "".join(self.text) if self.kept > 0 else ""
+        self.text, self.kept = [], -1
         self.path.pop()
         note, res = self.note, self.res
         if note is None:
@@ -18428,19 +18890,13 @@ class EnexReader:
             self.note = None
             self.on_note(note)
 
-    def feed(self, data: bytes, final: bool = False) -> None:
-        try:
-            self.parser.Parse(data, final)
-        except self.error as e:
-            raise import_refused(f"the .enex is not well-formed XML ({e})") from None
-
 
 MIME_EXTENSIONS = {v: k for k, v in ATTACHMENT_TYPES.items()}
 
 
 def plan_enex(plan: ImportPlan, read: Callable[[int], bytes], name: str) -> None:
     """Import an .enex read from read(n) as it arrives: each note written when its end
-    tag is read."""
+    tag is read, its resources (spooled into one temp file) first."""
     spool_dir = plan.svc.config.state_dir
 
     def spool():
@@ -18453,76 +18909,105 @@ def plan_enex(plan: ImportPlan, read: Callable[[int], bytes], name: str) -> None
     def on_note(note: dict) -> None:
         count[0] += 1
         seen[1] += len(note["content"]) + sum(r["size"] for r in note["resources"])
-        if seen[1] > import_budget(seen[0], limit):
-            raise import_too_big(seen[1], seen[0], limit)
-        title = " ".join(note["title"].split())
-        label = f"{name}: {title or 'note ' + str(count[0])}"
-        by_hash = {}
-        drafts = []
-        for r in note["resources"]:
-            leaf = import_segment(r["name"] or r["hash"])
-            ext = _note_name_of(leaf)[1]
-            if ext not in ATTACHMENT_TYPES:
-                guess = MIME_EXTENSIONS.get(r["mime"])
-                if guess is None:
-                    plan.skip(
-                        f"{label}: {leaf}", f"files of type {r['mime'] or '?'} are not imported"
-                    )
-                    by_hash[r["hash"]] = (leaf, None, r)
-                    continue
-                leaf = f"{leaf}.{guess}"
-            f = r["file"]
-
-            def opener(f=f):
-                f.seek(0)
-                return contextlib.nullcontext(f) if False else _NoClose(f)
-
-            d = Draft(f"{label}: {leaf}#{r['hash']}", f"{plan.files_into}/{leaf}", open=opener)
-            plan.name(d)
-            by_hash[r["hash"]] = (leaf, d, r)
-            drafts.append(d)
-
-        def media(attrs: dict) -> str:
-            found = by_hash.get((attrs.get("hash") or "").lower())
-            if found is None:
-                return ""
-            leaf, d, r = found
-            if d is None:
-                return f"({leaf}: not imported)"
-            bang = "!" if r["mime"].startswith("image/") else ""
-            return f"{bang}[{leaf}]({link_token(d.source, leaf)})"
-
         try:
-            body = enml_to_markdown(note["content"], media)
-        except Exception as e:  # a broken note is skipped, the rest come in
-            plan.skip(label, f"its content could not be read ({type(e).__name__})")
-            body = None
-        if body is not None:
-            meta = {
-                "tags": [t for t in note["tags"] if t],
-                "created": _enex_time(note.get("created", "")),
-                "updated": _enex_time(note.get("updated", "")),
-                "source_url": note.get("source-url"),
-                "author": note.get("author"),
-                "source": "Evernote",
-            }
-            text = _front_matter(meta) + (f"# {title}\n\n" if title else "") + body
-            stem = import_segment(title_filename(title or body))
-            d = Draft(label, f"{plan.into}/{stem}.md", text=text)
-            plan.name(d)
-            for f in drafts:
-                plan.add_file(f)
-            plan.add_note(d)
-        for r in note["resources"]:
-            if r["file"] is not None:
-                r["file"].close()
+            if seen[1] > import_budget(seen[0], limit):
+                raise import_too_big(seen[1], seen[0], limit)
+            _enex_note(plan, note, f"{name}: {_enex_title(note) or 'note ' + str(count[0])}")
+        finally:
+            if note["spool"] is not None:
+                note["spool"].close()
 
-    reader = EnexReader(on_note, spool)
+    reader = EnexReader(on_note, spool, plan.max_note * 4, plan.most, plan.entries)
     with plan.writing():
         while chunk := read(BODY_CHUNK):
             seen[0] += len(chunk)
             reader.feed(chunk)
         reader.feed(b"", final=True)
+    plan.entries = reader.count
+
+
+def _enex_title(note: dict) -> str:
+    """Return an .enex note's title, its spaces folded."""
+    return " ".join(note["title"].split())
+
+
+def _enex_note(plan: ImportPlan, note: dict, label: str) -> None:
+    """Write one note of an .enex (its resources first), or skip it saying why."""
+    if note["over"]:
+        plan.skip(label, note["over"])
+        return
+    by_hash: dict = {}
+    drafts = []
+    for r in note["resources"]:
+        leaf = import_segment(r["name"] or r["hash"])
+        ext = _note_name_of(leaf)[1]
+        if ext not in ATTACHMENT_TYPES:
+            guess = MIME_EXTENSIONS.get(r["mime"])
+            if guess is None:
+                plan.skip(f"{label}: {leaf}", f"files of type {r['mime'] or '?'} are not imported")
+                by_hash[r["hash"]] = (leaf, None, r)
+                continue
+            leaf = f"{leaf}.{guess}"
+        opener = functools.partial(_Region, note["spool"], r["start"], r["size"])
+        d = Draft(f"{label}: {leaf}#{r['hash']}", f"{plan.files_into}/{leaf}", open=opener)
+        plan.name(d)
+        by_hash[r["hash"]] = (leaf, d, r)
+        drafts.append(d)
+
+    def media(attrs: dict) -> str:
+        found = by_hash.get((attrs.get("hash") or "").lower())
+        if found is None:
+            return ""
+        leaf, d, r = found
+        if d is None:
+            return f"({leaf}: not imported)"
+        bang = "!" if r["mime"].startswith("image/") else ""
+        return f"{bang}[{leaf}]({link_token(d.source, leaf)})"
+
+    try:
+        body = enml_to_markdown(note["content"], media)
+    except Exception as e:  # a broken note is skipped, the rest come in
+        plan.skip(label, f"its content could not be read ({type(e).__name__})")
+        return
+    title = _enex_title(note)
+    meta = {
+        "tags": [t for t in note["tags"] if t],
+        "created": _enex_time(note.get("created", "")),
+        "updated": _enex_time(note.get("updated", "")),
+        "source_url": note.get("source-url"),
+        "author": note.get("author"),
+        "source": "Evernote",
+    }
+    text = _front_matter(meta) + (f"# {title}\n\n" if title else "") + body
+    stem = import_segment(title_filename(title or body))
+    d = Draft(label, f"{plan.into}/{stem}.md", text=text)
+    plan.name(d)
+    for f in drafts:
+        plan.add_file(f)
+    plan.add_note(d)
+
+
+class _Region:
+    """A note's resource: `size` bytes from `start` of the note's spooled file, handed to a
+    `with` (the file stays open for the note's other resources, and is closed after)."""
+
+    def __init__(self, f: Any, start: int, size: int):
+        self.f, self.left = f, size
+        f.seek(start)
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc) -> None:
+        pass
+
+    def read(self, n: int = -1) -> bytes:
+        data = self.f.read(self.left if n is None or n < 0 else min(n, self.left))
+        self.left -= len(data)
+        return data
+
+    def close(self) -> None:
+        pass
 
 
 class _NoClose:
@@ -18571,17 +19056,30 @@ def joplin_item(text: str) -> tuple:
 
 
 def plan_joplin(plan: ImportPlan, source: ImportSource) -> None:
-    """Import a Joplin export: notebooks as folders, tags, to-dos, resources, dates."""
+    """Import a Joplin export: notebooks as folders, tags, to-dos, resources, dates. The
+    plan keeps of each item what naming needs (its kind, title, notebook); a note's text
+    is read again when it is written."""
     items, files = _joplin_items(plan, source)
-    kind = {i: int(p.get("type_", "0") or 0) for i, (_, _, p, _) in items.items()}
-    drafts = _joplin_resource_drafts(plan, items, kind, files)
-    drafts += _joplin_note_drafts(plan, items, kind)
+    drafts = _joplin_resource_drafts(plan, items, files)
+    plan.load = functools.partial(_joplin_note_text, source, tags=_joplin_note_tags(items))
+    drafts += _joplin_note_drafts(plan, items)
     plan.add_all(drafts)
 
 
+# what the plan keeps of a Joplin item's properties, by its type (the rest is read again)
+_JOPLIN_KEPT = {
+    JOPLIN_NOTE: ("parent_id", "is_conflict"),
+    JOPLIN_FOLDER: ("parent_id",),
+    JOPLIN_RESOURCE: ("file_extension", "mime"),
+    JOPLIN_NOTE_TAG: ("note_id", "tag_id"),
+}
+
+
 def _joplin_items(plan: ImportPlan, source: ImportSource) -> tuple:
-    """Return ({id: (title, body, properties, source name)} of the export's items, {id: the
-    entry} of its resources' files); a file that is neither is skipped."""
+    """Return ({id: (type, label, kept properties, entry)} of the export's items, {id: the
+    entry} of its resources' files); a file that is neither is skipped. The label is a
+    note's file stem (from its title, else its first line; its text is read again when it
+    is written), any other item's title; the properties kept are _JOPLIN_KEPT's, in order."""
     items: dict = {}
     files: dict = {}
     for entry in source.entries:
@@ -18597,25 +19095,28 @@ def _joplin_items(plan: ImportPlan, source: ImportSource) -> tuple:
         except ValueError:
             plan.skip(name, "over SERVICE_MAX_BODY_BYTES")
             continue
-        items[props.get("id", name[:-3])] = (title, body, props, name)
+        kind = int(props["type_"]) if props.get("type_", "").isdigit() else 0
+        kept = tuple(props.get(k, "") for k in _JOPLIN_KEPT.get(kind, ()))
+        label = import_segment(title_filename(title or body)) if kind == JOPLIN_NOTE else title
+        items[props.get("id", name[:-3])] = (kind, label, kept, entry)
+        plan.looked()
     return items, files
 
 
-def _joplin_resource_drafts(plan: ImportPlan, items: dict, kind: dict, files: dict) -> list:
+def _joplin_resource_drafts(plan: ImportPlan, items: dict, files: dict) -> list:
     """Return the named drafts of the export's resources (its attached files)."""
     drafts = []
-    for rid, (title, _, props, name) in items.items():
-        if kind[rid] != JOPLIN_RESOURCE:
+    for rid, (kind, title, kept, item) in items.items():
+        if kind != JOPLIN_RESOURCE:
             continue
+        extension, mime = kept
         entry = files.get(rid)
-        ext = (props.get("file_extension") or "").lower() or MIME_EXTENSIONS.get(
-            props.get("mime", ""), ""
-        )
+        ext = extension.lower() or MIME_EXTENSIONS.get(mime, "")
         if entry is None:
-            plan.skip(name, "its file is missing from the export")
+            plan.skip(item.name, "its file is missing from the export")
             continue
         if ext not in ATTACHMENT_TYPES:
-            plan.skip(name, f"files ending .{ext or '(none)'} are not imported")
+            plan.skip(item.name, f"files ending .{ext or '(none)'} are not imported")
             continue
         stem = import_segment(_note_name_of(title)[0] if title else rid)
         d = Draft(rid, f"{plan.files_into}/{stem}.{ext}", open=entry.open, size=entry.size)
@@ -18624,34 +19125,34 @@ def _joplin_resource_drafts(plan: ImportPlan, items: dict, kind: dict, files: di
     return drafts
 
 
-def _joplin_note_drafts(plan: ImportPlan, items: dict, kind: dict) -> list:
-    """Return the named drafts of the export's notes and to-dos; other items (settings,
-    revisions, conflict copies) are skipped."""
-    folders = {i: v for i, v in items.items() if kind[i] == JOPLIN_FOLDER}
-    note_tags = _joplin_note_tags(items, kind)
+def _joplin_note_drafts(plan: ImportPlan, items: dict) -> list:
+    """Return the named drafts of the export's notes and to-dos (their entries, read when
+    written); other items (settings, revisions, conflict copies) are skipped."""
+    folders = {i: v for i, v in items.items() if v[0] == JOPLIN_FOLDER}
     drafts = []
-    for nid, item in items.items():
-        _, _, props, name = item
-        if kind[nid] != JOPLIN_NOTE:
-            if kind[nid] not in (JOPLIN_FOLDER, JOPLIN_RESOURCE, JOPLIN_TAG, JOPLIN_NOTE_TAG):
-                plan.skip(name, "a Joplin item that is not a note (settings, revisions...)")
+    for nid, (kind, stem, kept, entry) in items.items():
+        if kind != JOPLIN_NOTE:
+            if kind not in (JOPLIN_FOLDER, JOPLIN_RESOURCE, JOPLIN_TAG, JOPLIN_NOTE_TAG):
+                plan.skip(entry.name, "a Joplin item that is not a note (settings, revisions...)")
             continue
-        if props.get("is_conflict") == "1":
-            plan.skip(name, "a Joplin conflict copy")
+        parent, conflict = kept
+        if conflict == "1":
+            plan.skip(entry.name, "a Joplin conflict copy")
             continue
-        d = _joplin_note_draft(plan, nid, item, folders, sorted(note_tags.get(nid, [])))
+        segs = _joplin_folder(folders, parent)
+        d = Draft(nid, "/".join([plan.into, *segs, stem + ".md"]), text=entry)
         plan.name(d)
         drafts.append(d)
     return drafts
 
 
-def _joplin_note_tags(items: dict, kind: dict) -> dict:
+def _joplin_note_tags(items: dict) -> dict:
     """Return {note id: the titles of its tags} of the export's note-tag items."""
-    tags = {i: v[0] for i, v in items.items() if kind[i] == JOPLIN_TAG}
+    tags = {i: v[1] for i, v in items.items() if v[0] == JOPLIN_TAG}
     note_tags: dict = {}
-    for i, (_, _, props, _) in items.items():
-        if kind[i] == JOPLIN_NOTE_TAG and props.get("tag_id") in tags:
-            note_tags.setdefault(props.get("note_id"), []).append(tags[props["tag_id"]])
+    for kind, _, kept, _ in items.values():
+        if kind == JOPLIN_NOTE_TAG and kept[1] in tags:
+            note_tags.setdefault(kept[0], []).append(tags[kept[1]])
     return note_tags
 
 
@@ -18659,18 +19160,19 @@ def _joplin_folder(folders: dict, pid: str, depth: int = 0) -> list:
     """Return the folder segments of a notebook and the notebooks above it (32 at most)."""
     if pid not in folders or depth > 32:
         return []
-    title, _, props, _ = folders[pid]
-    return [*_joplin_folder(folders, props.get("parent_id", ""), depth + 1), import_segment(title)]
+    _, title, (parent,), _ = folders[pid]
+    return [*_joplin_folder(folders, parent, depth + 1), import_segment(title)]
 
 
-def _joplin_note_draft(plan: ImportPlan, nid: str, item: tuple, folders: dict, tags: list) -> Draft:
-    """Return the draft of a Joplin note in its notebook's folder: its properties as front
-    matter, a to-do's title as a task, links to resources as link tokens."""
-    title, body, props, _ = item
+def _joplin_note_text(source: ImportSource, entry: ImportEntry, tags: Mapping) -> str:
+    """Return a Joplin note as it is written, read again: its properties as front matter,
+    a to-do's title as a task, links to resources as link tokens (their ids: the
+    resources' drafts are named by them)."""
+    title, body, props = joplin_item(_decode_text(source.read(entry)))
     todo = props.get("is_todo") == "1"
     done = todo and props.get("todo_completed", "0") not in ("", "0")
     meta = {
-        "tags": tags,
+        "tags": sorted(tags.get(props.get("id", entry.name[:-3]), [])),
         "created": props.get("user_created_time") or props.get("created_time"),
         "updated": props.get("user_updated_time") or props.get("updated_time"),
         "source_url": props.get("source_url"),
@@ -18679,10 +19181,7 @@ def _joplin_note_draft(plan: ImportPlan, nid: str, item: tuple, folders: dict, t
     }
     body = _JOPLIN_LINK_RE.sub(lambda m: f"({link_token(m.group(1), ':/' + m.group(1))})", body)
     heading = f"- [{'x' if done else ' '}] {title}" if todo else f"# {title}"
-    text = _front_matter(meta) + (heading + "\n\n" if title else "") + body + "\n"
-    segs = _joplin_folder(folders, props.get("parent_id", ""))
-    stem = import_segment(title_filename(title or body))
-    return Draft(nid, "/".join([plan.into, *segs, stem + ".md"]), text=text)
+    return _front_matter(meta) + (heading + "\n\n" if title else "") + body + "\n"
 
 
 IMPORT_PLANNERS = {
@@ -18720,29 +19219,31 @@ def run_import(
 ) -> dict:
     """Import one file (a zip, a tar/.jex, an .enex, a Keep .json or a note); return the
     report. Refusals (400, 413, 415, 507) come before anything is written, in a dry run too:
-    an archive is opened (its entries' declared sizes bounded, together), the disk is asked
-    for room, then every entry is read once (a lying or unreadable one refuses it)."""
+    an archive is opened (its entries counted and their declared sizes bounded, together),
+    the disk is asked for room, then every entry is read once (a lying or unreadable one
+    refuses it); an .enex is read once through (its notes and resources counted, the
+    room they need asked for) before it is read again to be written."""
     head = file.read(512)
     size = file.seek(0, io.SEEK_END)
     file.seek(0)
     form = sniff_import(head, filename)
-    limit = svc.config.max_import_expanded_bytes
+    limit, most = svc.config.max_import_expanded_bytes, svc.config.max_import_entries
     leaf = import_segment(filename.replace("\\", "/").rsplit("/", 1)[-1] or "import")
     if form == "enex":
-        import_room(svc, size)
-        return _import_enex(svc, [(leaf, file.read)], into, dry_run, principal, progress)
+        opener = functools.partial(_from_start, file)
+        return _import_enex(svc, [(leaf, opener)], into, dry_run, principal, progress)
     if form in ("keep", "text"):
         name = leaf if "." in leaf else f"{leaf}.{'json' if form == 'keep' else 'md'}"
-        opener = functools.partial(_NoClose, file)
-        source = ImportSource([ImportEntry(name, size, opener)], "keep" if form == "keep" else "")
-        import_room(svc, size)
+        entry = ImportEntry(name, size, _from_start, ref=file)
+        source = ImportSource([entry], "keep" if form == "keep" else "")
+        import_room(svc, source.need())
     else:
         if form == "tar":
-            source = ImportSource.from_tar(file, limit, size or 1)
+            source = ImportSource.from_tar(file, limit, size or 1, most)
         else:
-            source = ImportSource.from_zip(file, limit, size or 1)
+            source = ImportSource.from_zip(file, limit, size or 1, most)
         try:
-            import_room(svc, source.declared())
+            import_room(svc, source.need())
             source.verify(form, progress)
         except ApiError:
             source.close()
@@ -18751,6 +19252,12 @@ def run_import(
         return import_source(svc, source, into, dry_run, principal, progress)
     finally:
         source.close()
+
+
+def _from_start(file: Any) -> _NoClose:
+    """Return an uploaded file from its start, for a `with` that must not close it."""
+    file.seek(0)
+    return _NoClose(file)
 
 
 def import_source(
@@ -18764,9 +19271,8 @@ def import_source(
     """Import the files of a checked source (see run_import)."""
     kind = import_kind(source)
     if kind == "evernote":
-        files = [(e.name, e) for e in source.entries if e.name.endswith(".enex")]
-        readers = [(n, _ChunkReader(e)) for n, e in files]
-        return _import_enex(svc, readers, into, dry_run, principal, progress)
+        files = [(e.name, e.open) for e in source.entries if e.name.endswith(".enex")]
+        return _import_enex(svc, files, into, dry_run, principal, progress)
     where = NOTES if kind == "notesvc" else import_into(svc, into, kind, principal)
     plan = ImportPlan(svc, where, dry_run, progress)
     plan.grant_folder = principal.folder
@@ -18774,26 +19280,20 @@ def import_source(
     return plan.report(kind)
 
 
-class _ChunkReader:
-    """read(n) over an entry opened on first use (an .enex inside a zip)."""
-
-    def __init__(self, entry: ImportEntry):
-        self.entry, self.f = entry, None
-
-    def __call__(self, n: int) -> bytes:
-        if self.f is None:
-            self.f = self.entry.open()
-        data = self.f.read(n)
-        if not data:
-            self.f.close()
-        return data
-
-
-def _import_enex(svc, readers: list, into, dry_run, principal, progress) -> dict:
+def _import_enex(svc, files: list, into, dry_run, principal, progress) -> dict:
+    """Import .enex files [(name, opener)], each opened twice: surveyed (counted, the disk
+    asked for room) all before the first note is written, then read to be written."""
     plan = ImportPlan(svc, import_into(svc, into, "evernote", principal), dry_run, progress)
-    for name, read in readers:
+    counted, need = 0, IMPORT_DISK_SLACK
+    for _, opener in files:
+        with opener() as f:
+            survey = EnexSurvey(plan.most, counted).survey(f.read, lambda: plan.progress(plan))
+        counted, need = survey.count, need + survey.need
+    import_room(svc, need)
+    for name, opener in files:
         try:
-            plan_enex(plan, read, name)
+            with opener() as f:
+                plan_enex(plan, f.read, name)
         except ApiError as e:
             if not (plan.created or plan.attachments) or e.status_code != 400:
                 raise
@@ -18802,10 +19302,11 @@ def _import_enex(svc, readers: list, into, dry_run, principal, progress) -> dict
 
 
 def import_path(svc: Any, path: Path, into: Any, dry_run: bool, progress=None) -> dict:
-    """Import a folder or a file on this machine (the command line, on its own)."""
+    """Import a folder or a file on this machine (the command line, on its own), bounded
+    as an upload is."""
     if path.is_dir():
         skipped: list = []
-        source = ImportSource.from_folder(path, skipped)
+        source = ImportSource.from_folder(path, skipped, svc.config.max_import_entries)
         total = source.declared()
         if total > svc.config.max_import_expanded_bytes:
             raise import_refused(
@@ -18813,7 +19314,7 @@ def import_path(svc: Any, path: Path, into: Any, dry_run: bool, progress=None) -
                 "(SERVICE_MAX_IMPORT_EXPANDED_BYTES)",
                 413,
             )
-        import_room(svc, total)
+        import_room(svc, source.need())
         report = import_source(svc, source, into, dry_run, OWNER, progress)
         report["skipped"] = skipped + report["skipped"]
         return report
@@ -31814,6 +32315,7 @@ def post_import(svc: Service) -> bytes:
         report = run_import(svc, spool, filename, into, dry, request_principal())
     finally:
         spool.close()
+        import_settled()
     log.info(
         "request %s: import%s of %s and %s into %s (%d skipped)",
         _rid(),
@@ -36788,7 +37290,7 @@ def _import_through_server(
         with contextlib.ExitStack() as stack:
             if source.is_dir():
                 body = stack.enter_context(tempfile.TemporaryFile())
-                _zip_folder(source, body, tick)
+                _zip_folder(source, body, tick, served.max_import_entries)
                 ctype = "application/zip"
             else:
                 body = stack.enter_context(open(source, "rb"))
@@ -36846,11 +37348,14 @@ def _import_through_server(
     return answer.get("data", answer)
 
 
-def _zip_folder(source: Path, out: BinaryIO, tick: Progress) -> None:
+def _zip_folder(source: Path, out: BinaryIO, tick: Progress, most: int = 1 << 62) -> None:
     """Write the files under source to out as a zip (stored, not compressed), their paths
-    relative to it; symlinks and hidden files and folders are left out, .obsidian kept."""
+    relative to it; symlinks and hidden files and folders are left out, .obsidian kept.
+    More than `most` files (the server's SERVICE_MAX_IMPORT_ENTRIES) stop it at the one
+    past: the server would refuse the zip, so it is not made."""
     import zipfile
 
+    count = 0
     with zipfile.ZipFile(out, "w", zipfile.ZIP_STORED, allowZip64=True) as zf:
         for path in sorted(source.rglob("*")):
             rel = path.relative_to(source).as_posix()
@@ -36858,6 +37363,9 @@ def _zip_folder(source: Path, out: BinaryIO, tick: Progress) -> None:
                 continue
             if any(p.startswith(".") and p != ".obsidian" for p in rel.split("/")):
                 continue
+            count += 1
+            if count > most:
+                raise ConfigError(import_too_many(most, "the folder holds").message)
             zf.write(path, rel)
             tick(functools.partial("  packing {}...".format, rel[:60]))
 
