@@ -48,6 +48,7 @@ REQUEST_SECONDS = 120.0  # a batch that takes longer (a slow trickle) is a failu
 BACKOFF = (2.0, 300.0)  # the embedder's wait after a failure: doubling from 2 s to 5 min
 SAVE_SECONDS = 10.0  # meta.json at most this often while embedding
 FLOOR_SECONDS = 60.0  # while a long backfill runs, the floor is made again at most this often
+FLOOR_EVERY_CHANGE = 200  # below this many notes the floor is made again after any change
 PROBE = "notesvc: the fingerprint of an embedding model"
 MODES = ("hybrid", "semantic", "keyword")
 
@@ -197,6 +198,7 @@ class Embedder:
         self._floor_lock = threading.Lock()
         self._floor_mark = -1  # store.changes when the floor was made (-1: not this run)
         self._floor_at = 0.0
+        self._floor_settled = True  # the floor was made while nothing was left to embed
 
     # -- life -----------------------------------------------------------------------------
 
@@ -275,8 +277,8 @@ class Embedder:
         store = self.store
         if store is None:
             return
-        if self._floor_due(store):
-            self._calibrate(store)
+        if self._floor_due(store, idle=True):
+            self._calibrate(store, idle=True)
         if store.dirty:
             store.save()
         if store.dead() > max(1000, store.stats()["chunks"] // 4):
@@ -409,17 +411,23 @@ class Embedder:
 
     # -- the floor -------------------------------------------------------------------------
 
-    def _floor_due(self, store: VectorStore) -> bool:
-        """Whether the floor is missing or the notes changed by a tenth since it was made
-        (every change while there are fewer than 20: then it costs next to nothing)."""
+    def _floor_due(self, store: VectorStore, idle: bool = False) -> bool:
+        """Whether the floor is missing or out of date: the notes changed by a tenth since it
+        was made; while few notes are held (FLOOR_EVERY_CHANGE, a few milliseconds' work)
+        any change; and, once the embedder is idle, any change since a floor made during
+        a backfill (so the floor of a finished backfill counts every note)."""
         floor = store.extra.get("floor")
         if not isinstance(floor, dict) or not isinstance(floor.get("cosine"), (int, float)):
             return bool(store.stats()["notes"])
         if self._floor_mark < 0:
             return True
-        return store.changes - self._floor_mark >= max(1, int(floor.get("notes") or 0) // 10)
+        changed = store.changes - self._floor_mark
+        notes = int(floor.get("notes") or 0)
+        if changed >= max(1, notes // 10):
+            return True
+        return changed > 0 and (notes < FLOOR_EVERY_CHANGE or (idle and not self._floor_settled))
 
-    def _calibrate(self, store: VectorStore) -> dict | None:
+    def _calibrate(self, store: VectorStore, idle: bool = False) -> dict | None:
         """Make the floor again from the notes held (calibrate_floor) and keep it with the
         store: it belongs to this model's vectors and goes when they do."""
         probe = store.extra.get("probe")
@@ -433,6 +441,7 @@ class Embedder:
                 store.dirty = True
             self._floor_mark = mark
             self._floor_at = time.monotonic()
+            self._floor_settled = idle
         log.info(
             "embeddings: the floor is a cosine of %.3f (%d notes)", floor["cosine"], floor["notes"]
         )

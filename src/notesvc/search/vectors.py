@@ -853,11 +853,10 @@ FLOOR_Z = 3.25  # spreads above what an unrelated text scores against a typical 
 FLOOR_SAMPLE = 512  # notes whose cosine to the probe text is measured (all, when fewer)
 FLOOR_NEIGHBOURS = 128  # of those, notes whose nearest other note is looked up
 FLOOR_PRIOR = 8  # the weight, in notes, of a random direction's spread (1/sqrt(dimensions))
-FLOOR_CAP_FROM = 16  # from this many neighbours on, the floor stays under their 90th percentile
 FLOOR_METHOD = (
-    "the probe text's median cosine to the notes plus {z} robust spreads (its median absolute"
-    " deviation, weighted with a random direction's 1/sqrt(dimensions) while there are few"
-    " notes), never above the 90th percentile of the notes' best other-note cosines"
+    "the probe text's median cosine to the notes plus {z} robust spreads of those cosines"
+    " (1.4826 x their median absolute deviation, weighted with a random direction's"
+    " 1/sqrt(dimensions) while there are few notes)"
 )
 
 
@@ -867,24 +866,15 @@ def _median(values: list) -> float:
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
-def _quantile(values: list, q: float) -> float:
-    ordered = sorted(values)
-    at = q * (len(ordered) - 1)
-    low = int(at)
-    high = min(low + 1, len(ordered) - 1)
-    return ordered[low] + (ordered[high] - ordered[low]) * (at - low)
-
-
 def calibrate_floor(store: VectorStore, probe: list) -> dict:
     """Return the floor of the semantic pass for this store's model and notes, and how it
     was found. The probe text is about none of the notes: its cosines to them are what a
-    query about nothing scores, so the floor sits FLOOR_Z robust spreads above their median
-    (a spread that leans on 1/sqrt(dimensions), a random direction's, while few notes are
-    held: two notes still give a floor). The notes' best other-note cosines say how near
-    the nearest notes come in this collection: the floor never rises above their 90th
-    percentile (from FLOOR_CAP_FROM notes on), so it never hides nearly every note's
-    neighbours. Costs at most FLOOR_SAMPLE rescorings and FLOOR_NEIGHBOURS semantic passes,
-    whatever the collection's size."""
+    query about nothing scores against each, so the floor sits FLOOR_Z robust spreads
+    above their median (a spread that leans on 1/sqrt(dimensions), a random direction's,
+    while few notes are held: two notes still give a floor). The notes' best other-note
+    cosines (what /related would show first) are measured beside it: how near the nearest
+    notes come, and the share of notes that keep a related note over the floor. Costs at
+    most FLOOR_SAMPLE rescorings and FLOOR_NEIGHBOURS semantic passes at any size."""
     probe = normalised(list(probe))
     paths = store.sample(FLOOR_SAMPLE)
     scores = store.best_cosines(probe, paths)
@@ -895,21 +885,16 @@ def calibrate_floor(store: VectorStore, probe: list) -> dict:
     middle = _median(scores) if scores else 0.0
     mad = 1.4826 * _median([abs(x - middle) for x in scores]) if scores else prior
     spread = math.sqrt((n * mad * mad + FLOOR_PRIOR * prior * prior) / (n + FLOOR_PRIOR))
-    cosine = middle + FLOOR_Z * spread
-    cap = _quantile(near, 0.9) if len(near) >= FLOOR_CAP_FROM else None
-    capped = cap is not None and cap < cosine
-    if capped:
-        cosine = max(cap, middle + spread)
+    cosine = round(middle + FLOOR_Z * spread, 4)
     return {
-        "cosine": round(cosine, 4),
+        "cosine": cosine,
         "notes": store.stats()["notes"],
         "probe": {"notes": n, "median": round(middle, 4), "spread": round(spread, 4)},
         "neighbours": {
             "notes": len(near),
             "median": round(_median(near), 4) if near else None,
-            "p90": round(_quantile(near, 0.9), 4) if near else None,
+            "withRelated": round(sum(x >= cosine for x in near) / len(near), 3) if near else 0,
         },
-        "capped": capped,
         "method": FLOOR_METHOD.format(z=FLOOR_Z),
     }
 
