@@ -5352,6 +5352,61 @@ class TestEmbeddingsServer:
             model.shutdown()
             model.server_close()
 
+    def test_a_real_small_model_says_nothing_about_what_no_note_holds(self, tmp_path):
+        for module in ("numpy", "safetensors", "tokenizers", "all_minilm_l6_v2"):
+            pytest.importorskip(module)
+        spec = importlib.util.spec_from_file_location("minilm", HERE / "bench" / "minilm.py")
+        minilm = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(minilm)
+        model = minilm.serve(minilm.MiniLM.load())
+        write_notes(tmp_path, PERSONAL_NOTES)
+        owner = {"X-Service-Key": make_state(tmp_path)["apiKey"]}
+        url = f"http://127.0.0.1:{model.server_address[1]}/v1/embeddings"
+        env = {"SERVICE_EMBED_URL": url, "SERVICE_EMBED_MODEL": "all-minilm"}
+
+        def answer(q: str, mode: str) -> dict:
+            query = urllib.parse.urlencode({"q": q, "mode": mode})
+            return server.request("GET", f"{API}/search?{query}", None, owner)[2]["data"]
+
+        def related(path: str) -> list:
+            at = note_url(path) + "/related?limit=5"
+            return server.request("GET", at, None, owner)[2]["data"]["results"]
+
+        try:
+            with running(tmp_path, env=env) as server:
+                self.wait_embedded(server, owner, 29)
+                floor = wait_for(
+                    lambda: (lambda f: f and f["notes"] == 29 and f)(
+                        self.status(server, owner)["floor"]
+                    ),
+                    timeout=30,
+                )
+                assert floor["probe"]["median"] < floor["cosine"] < 0.5
+                for q in ("spare keys", "quantum physics lecture", "chess opening theory"):
+                    for mode in ("hybrid", "semantic"):
+                        d = answer(q, mode)
+                        assert (d["mode"], d["total"], d["results"]) == (mode, 0, []), q
+                for q, want in [
+                    ("looking after my dog", "notes/dog.md"),
+                    ("growing vegetables", "notes/garden.md"),
+                    ("broadband is slow", "notes/home/internet.md"),
+                    ("back up my pictures", "notes/photos.md"),
+                    ("airplane travel", "notes/travel/lisbon.md"),
+                ]:
+                    for mode in ("semantic", "hybrid"):
+                        d = answer(q, mode)
+                        assert d["results"][0]["path"] == want, (q, mode, d["results"])
+                        assert d["total"] <= 5, (q, mode)  # not 29 of 29
+                near = {p: related(p) for p in PERSONAL_NOTES}
+                assert all(r["score"] >= floor["cosine"] for n in near.values() for r in n)
+                assert "notes/plants.md" in [r["path"] for r in near["notes/garden.md"]]
+                for alone in ("notes/dog.md", "notes/health.md", "notes/home/internet.md"):
+                    assert near[alone] == [], alone
+                assert sum(not n for n in near.values()) >= 10  # no longer 5 links each
+        finally:
+            model.shutdown()
+            model.server_close()
+
     def test_a_folder_grant_sees_its_folder_only(self, tmp_path, embed_endpoint):
         write_notes(tmp_path, MEANING_NOTES)
         owner = {"X-Service-Key": make_state(tmp_path)["apiKey"]}
