@@ -14557,6 +14557,21 @@ class TestWebClient:
             expect(related).to_be_hidden()
             page.click("#edit")
             expect(related).to_be_visible()  # and back with the text
+            # A search about nothing in the notes says so, and a note near no other note
+            # shows no Related list (the server answers none over the floor).
+            page.fill("#search", "quantum physics lecture")
+            page.keyboard.press("Enter")
+            expect(page.locator("#results li.muted")).to_have_text(
+                "Nothing found by words or by meaning."
+            )
+            expect(page.locator("#results-info")).to_have_text(re.compile(r"^0 notes · "))
+            page.fill("#search", "puppy")
+            page.keyboard.press("Enter")
+            with page.expect_response(lambda r: "/related" in r.url) as asked:
+                page.click('#results button[data-path="notes/pets.md"]')
+            assert asked.value.json()["data"]["results"] == []
+            expect(page.locator("#view h1")).to_have_text("Walking the puppy")
+            expect(page.locator("#view aside.related")).to_have_count(0)
             # The model stops answering: the words still find, and the line says so.
             embed_endpoint.how = "500"
             page.fill("#search", "brake pads")
