@@ -4688,35 +4688,122 @@ MEANING_NOTES = {
 
 # A person's first month of notes (29): what "search never says nothing" was found on.
 PERSONAL_NOTES = {
-    "notes/groceries.md": "# Groceries\n\n- [ ] oat milk\n- [ ] eggs\n- [ ] sourdough bread\n- [ ] bananas\n- [ ] coffee beans",
-    "notes/recipes/lasagne.md": "# Lasagne\n\nBrown the minced beef with onion and garlic, add tomato passata and simmer 40 minutes. Layer with pasta sheets and béchamel, bake at 180 °C for 45 minutes.",
-    "notes/recipes/pancakes.md": "# Sunday pancakes\n\n200 g flour, 2 eggs, 300 ml milk, a pinch of salt. Rest the batter for half an hour; fry in butter.",
-    "notes/car.md": "# Car\n\nThe mechanic changed the brake pads in May. Next service at 60,000 km: oil, filters, tyre rotation. Winter tyres are in the garage.",
-    "notes/dog.md": "# Biscuit the dog\n\nWalk twice a day, around the park. Vet check-up and vaccinations every spring. He gets a dental chew at night.",
-    "notes/garden.md": "# Vegetable garden\n\nSow tomatoes and courgettes indoors in March, plant out after the last frost. Water the seedlings every morning in June.",
-    "notes/travel/lisbon.md": "# Trip to Lisbon\n\nFlight TP 1351, boarding at 7:40, gate B12, seat 14C. Hotel near Alfama, two nights. Try the pastéis de nata in Belém.",
-    "notes/travel/packing.md": "# Packing list\n\nPassport, phone charger, adapter, sunscreen, swimsuit, a light jumper for the evenings.",
-    "notes/work/standup.md": "# Team stand-up\n\nMaria finishes the invoice export this week. Tom is blocked on the database migration. Release moved to Thursday.",
-    "notes/work/budget.md": "# Budget 2025\n\nSpreadsheet of the quarterly costs: rent, salaries, software licences and travel. Marketing asks for 10 % more.",
-    "notes/work/onboarding.md": "# Onboarding the new hire\n\nLaptop ordered, accounts for email and the code repository, a buddy for the first two weeks.",
-    "notes/health.md": "# Doctor\n\nAppointment with Dr Okafor on the 14th at 9:30 about the knee. Bring the X-ray and the list of medicines.",
-    "notes/books.md": "# Books to read\n\n- The Left Hand of Darkness\n- Middlemarch\n- Thinking, Fast and Slow\n- A Gentleman in Moscow",
-    "notes/gifts.md": "# Birthday presents\n\nMum: a scarf or a pottery class. Sam: the new Zelda game. Grandad: a photo book of the summer.",
-    "notes/home/boiler.md": "# Boiler\n\nThe heating engineer services the boiler every October. Pressure should read 1.5 bar; top it up with the valve under the tank.",
-    "notes/home/internet.md": "# Home internet\n\nRouter in the hallway cupboard. Restart it when the video calls stutter; the provider's support line is open until 8 pm.",
-    "notes/home/bills.md": "# Household bills\n\nElectricity by direct debit on the 3rd, water quarterly, council tax in ten instalments.",
-    "notes/running.md": "# Running plan\n\nThree runs a week: an easy 5 km, intervals on Wednesday, a long run on Sunday. Half marathon in October.",
-    "notes/ideas.md": "# Blog ideas\n\nWhy I switched to plain-text notes. A year of sourdough. What I learned from fixing my bike.",
-    "notes/bike.md": "# Bike\n\nThe chain skips in the highest gear: adjust the derailleur. Pump the tyres to 4 bar before long rides.",
-    "notes/movies.md": "# Films to watch\n\nPerfect Days, Past Lives, the new Miyazaki, and the documentary about the Apollo missions.",
-    "notes/insurance.md": "# Home insurance\n\nPolicy renews in September. The contents cover was raised after the new sofa; the excess is 250 euros.",
-    "notes/meeting-school.md": "# Parents' evening\n\nMs Patel says Lily reads well above her level but should practise times tables. Next term: the school trip to the museum.",
-    "notes/wifi-guests.md": "# Party on Saturday\n\nTwelve guests. Order the cake by Thursday, borrow folding chairs from the neighbours, make a playlist.",
-    "notes/language.md": "# Learning Spanish\n\nTen minutes a day on the app. Irregular verbs: ser, ir, tener. Conversation class on Tuesdays at the library.",
-    "notes/plants.md": "# House plants\n\nThe monstera wants indirect light and water once a week; the cactus once a month. Repot the fern in spring.",
-    "notes/photos.md": "# Photo backup\n\nCopy the phone's pictures to the external drive on the first of the month; keep a second copy at my sister's.",
-    "notes/daily/2025-03-02.md": "# 2 March\n\nRainy. Finished the quarterly report, called Mum, made soup with the leftover vegetables.",
-    "notes/cleaning.md": "# Cleaning rota\n\nMonday bathroom, Wednesday kitchen floor, Friday hoover the stairs, Sunday change the bed sheets.",
+    "notes/groceries.md": (
+        "# Groceries\n\n- [ ] oat milk\n- [ ] eggs\n- [ ] sourdough bread\n- [ ] bananas\n- [ ] "
+        "coffee beans"
+    ),
+    "notes/recipes/lasagne.md": (
+        "# Lasagne\n\nBrown the minced beef with onion and garlic, add tomato passata and simmer "
+        "40 minutes. Layer with pasta sheets and béchamel, bake at 180 °C for 45 minutes."
+    ),
+    "notes/recipes/pancakes.md": (
+        "# Sunday pancakes\n\n200 g flour, 2 eggs, 300 ml milk, a pinch of salt. Rest the batter "
+        "for half an hour; fry in butter."
+    ),
+    "notes/car.md": (
+        "# Car\n\nThe mechanic changed the brake pads in May. Next service at 60,000 km: oil, "
+        "filters, tyre rotation. Winter tyres are in the garage."
+    ),
+    "notes/dog.md": (
+        "# Biscuit the dog\n\nWalk twice a day, around the park. Vet check-up and vaccinations "
+        "every spring. He gets a dental chew at night."
+    ),
+    "notes/garden.md": (
+        "# Vegetable garden\n\nSow tomatoes and courgettes indoors in March, plant out after the "
+        "last frost. Water the seedlings every morning in June."
+    ),
+    "notes/travel/lisbon.md": (
+        "# Trip to Lisbon\n\nFlight TP 1351, boarding at 7:40, gate B12, seat 14C. Hotel near "
+        "Alfama, two nights. Try the pastéis de nata in Belém."
+    ),
+    "notes/travel/packing.md": (
+        "# Packing list\n\nPassport, phone charger, adapter, sunscreen, swimsuit, a light jumper "
+        "for the evenings."
+    ),
+    "notes/work/standup.md": (
+        "# Team stand-up\n\nMaria finishes the invoice export this week. Tom is blocked on the "
+        "database migration. Release moved to Thursday."
+    ),
+    "notes/work/budget.md": (
+        "# Budget 2025\n\nSpreadsheet of the quarterly costs: rent, salaries, software licences "
+        "and travel. Marketing asks for 10 % more."
+    ),
+    "notes/work/onboarding.md": (
+        "# Onboarding the new hire\n\nLaptop ordered, accounts for email and the code "
+        "repository, a buddy for the first two weeks."
+    ),
+    "notes/health.md": (
+        "# Doctor\n\nAppointment with Dr Okafor on the 14th at 9:30 about the knee. Bring the "
+        "X-ray and the list of medicines."
+    ),
+    "notes/books.md": (
+        "# Books to read\n\n- The Left Hand of Darkness\n- Middlemarch\n- Thinking, Fast and "
+        "Slow\n- A Gentleman in Moscow"
+    ),
+    "notes/gifts.md": (
+        "# Birthday presents\n\nMum: a scarf or a pottery class. Sam: the new Zelda game. "
+        "Grandad: a photo book of the summer."
+    ),
+    "notes/home/boiler.md": (
+        "# Boiler\n\nThe heating engineer services the boiler every October. Pressure should "
+        "read 1.5 bar; top it up with the valve under the tank."
+    ),
+    "notes/home/internet.md": (
+        "# Home internet\n\nRouter in the hallway cupboard. Restart it when the video calls "
+        "stutter; the provider's support line is open until 8 pm."
+    ),
+    "notes/home/bills.md": (
+        "# Household bills\n\nElectricity by direct debit on the 3rd, water quarterly, council "
+        "tax in ten instalments."
+    ),
+    "notes/running.md": (
+        "# Running plan\n\nThree runs a week: an easy 5 km, intervals on Wednesday, a long run "
+        "on Sunday. Half marathon in October."
+    ),
+    "notes/ideas.md": (
+        "# Blog ideas\n\nWhy I switched to plain-text notes. A year of sourdough. What I learned "
+        "from fixing my bike."
+    ),
+    "notes/bike.md": (
+        "# Bike\n\nThe chain skips in the highest gear: adjust the derailleur. Pump the tyres to "
+        "4 bar before long rides."
+    ),
+    "notes/movies.md": (
+        "# Films to watch\n\nPerfect Days, Past Lives, the new Miyazaki, and the documentary "
+        "about the Apollo missions."
+    ),
+    "notes/insurance.md": (
+        "# Home insurance\n\nPolicy renews in September. The contents cover was raised after the "
+        "new sofa; the excess is 250 euros."
+    ),
+    "notes/meeting-school.md": (
+        "# Parents' evening\n\nMs Patel says Lily reads well above her level but should practise "
+        "times tables. Next term: the school trip to the museum."
+    ),
+    "notes/wifi-guests.md": (
+        "# Party on Saturday\n\nTwelve guests. Order the cake by Thursday, borrow folding chairs "
+        "from the neighbours, make a playlist."
+    ),
+    "notes/language.md": (
+        "# Learning Spanish\n\nTen minutes a day on the app. Irregular verbs: ser, ir, tener. "
+        "Conversation class on Tuesdays at the library."
+    ),
+    "notes/plants.md": (
+        "# House plants\n\nThe monstera wants indirect light and water once a week; the cactus "
+        "once a month. Repot the fern in spring."
+    ),
+    "notes/photos.md": (
+        "# Photo backup\n\nCopy the phone's pictures to the external drive on the first of the "
+        "month; keep a second copy at my sister's."
+    ),
+    "notes/daily/2025-03-02.md": (
+        "# 2 March\n\nRainy. Finished the quarterly report, called Mum, made soup with the "
+        "leftover vegetables."
+    ),
+    "notes/cleaning.md": (
+        "# Cleaning rota\n\nMonday bathroom, Wednesday kitchen floor, Friday hoover the stairs, "
+        "Sunday change the bed sheets."
+    ),
 }
 
 
@@ -5206,7 +5293,9 @@ class TestSearchFloor:
         assert max(lengths) < 5  # noise no longer fills the list
 
     def test_the_floor_is_stated_and_made_again_as_the_notes_change(self, personal):
-        floor = embedded(personal)["floor"]
+        floor = wait_for(
+            lambda: (lambda f: f["neighbours"]["notes"] and f)(embedded(personal)["floor"])
+        )
         assert floor["notes"] == floor["probe"]["notes"] == 29
         assert 0 < floor["cosine"] < 0.5
         assert floor["probe"]["median"] < floor["cosine"]

@@ -24,6 +24,7 @@ from notesvc.helpers import iso
 from notesvc.providers.base import Outbound, UpstreamError
 from notesvc.search.text import Query, tokenize
 from notesvc.search.vectors import (
+    FLOOR_NEIGHBOURS,
     MAX_SEMANTIC_NOTES,
     VectorError,
     VectorStore,
@@ -423,11 +424,15 @@ class Embedder:
             return True
         changed = store.changes - self._floor_mark
         notes = int(floor.get("notes") or 0)
+        if notes > 1 and not (floor.get("neighbours") or {}).get("notes"):
+            return True  # made in a request, without the neighbours: measure them now
         if changed >= max(1, notes // 10):
             return True
         return changed > 0 and (notes < FLOOR_EVERY_CHANGE or (idle and not self._floor_settled))
 
-    def _calibrate(self, store: VectorStore, idle: bool = False) -> dict | None:
+    def _calibrate(
+        self, store: VectorStore, idle: bool = False, neighbours: int = FLOOR_NEIGHBOURS
+    ) -> dict | None:
         """Make the floor again from the notes held (calibrate_floor) and keep it with the
         store: it belongs to this model's vectors and goes when they do."""
         probe = store.extra.get("probe")
@@ -435,7 +440,7 @@ class Embedder:
             return None
         with self._floor_lock:
             mark = store.changes
-            floor = {**calibrate_floor(store, probe), "at": iso(time.time())}
+            floor = {**calibrate_floor(store, probe, neighbours), "at": iso(time.time())}
             with store.lock:
                 store.extra["floor"] = floor
                 store.dirty = True
@@ -455,7 +460,9 @@ class Embedder:
             return None
         floor = store.extra.get("floor")
         if not isinstance(floor, dict) and store.stats()["notes"]:
-            floor = self._calibrate(store)
+            # in a request: the probe's part only (a fraction of a second at any size); the
+            # embedder measures the neighbours next
+            floor = self._calibrate(store, neighbours=0)
         return floor if isinstance(floor, dict) else None
 
     def floor_cosine(self) -> float:

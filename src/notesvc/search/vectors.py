@@ -866,7 +866,7 @@ def _median(values: list) -> float:
     return ordered[mid] if len(ordered) % 2 else (ordered[mid - 1] + ordered[mid]) / 2
 
 
-def calibrate_floor(store: VectorStore, probe: list) -> dict:
+def calibrate_floor(store: VectorStore, probe: list, neighbours: int = FLOOR_NEIGHBOURS) -> dict:
     """Return the floor of the semantic pass for this store's model and notes, and how it
     was found. The probe text is about none of the notes: its cosines to them are what a
     query about nothing scores against each, so the floor sits FLOOR_Z robust spreads
@@ -878,8 +878,8 @@ def calibrate_floor(store: VectorStore, probe: list) -> dict:
     probe = normalised(list(probe))
     paths = store.sample(FLOOR_SAMPLE)
     scores = store.best_cosines(probe, paths)
-    step = max(1, -(-len(paths) // FLOOR_NEIGHBOURS))
-    near = [x for x in map(store.nearest_other, paths[::step]) if x is not None]
+    step = max(1, -(-len(paths) // neighbours)) if neighbours else 0
+    near = [x for x in map(store.nearest_other, paths[::step]) if x is not None] if step else []
     prior = 1 / math.sqrt(store.dim)
     n = len(scores)
     middle = _median(scores) if scores else 0.0
