@@ -4602,7 +4602,7 @@ class EmbedStandIn:
     """An embeddings endpoint on 127.0.0.1 speaking Ollama's /api/embed and OpenAI's
     /v1/embeddings, deterministic; `how` makes it misbehave the ways real ones do."""
 
-    def __init__(self, dim: int = 48):
+    def __init__(self, dim: int = 384):
         self.dim = dim
         self.how = "ok"
         self.calls: list = []  # (path, number of inputs, Authorization header)
@@ -4718,10 +4718,14 @@ def embedded(client) -> dict:
 
 
 def all_embedded(client) -> dict:
-    """Wait until every note is embedded; return the status."""
-    return wait_for(
-        lambda: (lambda e: e["total"] and e["embedded"] == e["total"] and e)(embedded(client))
-    )
+    """Wait until every note is embedded and the floor is made from all of them; return
+    the status."""
+
+    def done(e: dict) -> typing.Any:
+        made = "floor" not in e or (e["floor"] or {}).get("notes") == e["total"]
+        return e["total"] and e["embedded"] == e["total"] and made and e
+
+    return wait_for(lambda: done(embedded(client)))
 
 
 MEANING_NOTES = {
@@ -4729,6 +4733,127 @@ MEANING_NOTES = {
     "notes/pets.md": "# Walking the puppy\n\nTwice a day around the park, with treats.",
     "notes/work/budget.md": "# Budget\n\nSpreadsheet of quarterly costs: rent, salaries, travel.",
     "notes/work/car.md": "# Company vehicle\n\nMend the dent before the inspection in March.",
+}
+
+
+# A person's first month of notes (29): what "search never says nothing" was found on.
+PERSONAL_NOTES = {
+    "notes/groceries.md": (
+        "# Groceries\n\n- [ ] oat milk\n- [ ] eggs\n- [ ] sourdough bread\n- [ ] bananas\n- [ ] "
+        "coffee beans"
+    ),
+    "notes/recipes/lasagne.md": (
+        "# Lasagne\n\nBrown the minced beef with onion and garlic, add tomato passata and simmer "
+        "40 minutes. Layer with pasta sheets and béchamel, bake at 180 °C for 45 minutes."
+    ),
+    "notes/recipes/pancakes.md": (
+        "# Sunday pancakes\n\n200 g flour, 2 eggs, 300 ml milk, a pinch of salt. Rest the batter "
+        "for half an hour; fry in butter."
+    ),
+    "notes/car.md": (
+        "# Car\n\nThe mechanic changed the brake pads in May. Next service at 60,000 km: oil, "
+        "filters, tyre rotation. Winter tyres are in the garage."
+    ),
+    "notes/dog.md": (
+        "# Biscuit the dog\n\nWalk twice a day, around the park. Vet check-up and vaccinations "
+        "every spring. He gets a dental chew at night."
+    ),
+    "notes/garden.md": (
+        "# Vegetable garden\n\nSow tomatoes and courgettes indoors in March, plant out after the "
+        "last frost. Water the seedlings every morning in June."
+    ),
+    "notes/travel/lisbon.md": (
+        "# Trip to Lisbon\n\nFlight TP 1351, boarding at 7:40, gate B12, seat 14C. Hotel near "
+        "Alfama, two nights. Try the pastéis de nata in Belém."
+    ),
+    "notes/travel/packing.md": (
+        "# Packing list\n\nPassport, phone charger, adapter, sunscreen, swimsuit, a light jumper "
+        "for the evenings."
+    ),
+    "notes/work/standup.md": (
+        "# Team stand-up\n\nMaria finishes the invoice export this week. Tom is blocked on the "
+        "database migration. Release moved to Thursday."
+    ),
+    "notes/work/budget.md": (
+        "# Budget 2025\n\nSpreadsheet of the quarterly costs: rent, salaries, software licences "
+        "and travel. Marketing asks for 10 % more."
+    ),
+    "notes/work/onboarding.md": (
+        "# Onboarding the new hire\n\nLaptop ordered, accounts for email and the code "
+        "repository, a buddy for the first two weeks."
+    ),
+    "notes/health.md": (
+        "# Doctor\n\nAppointment with Dr Okafor on the 14th at 9:30 about the knee. Bring the "
+        "X-ray and the list of medicines."
+    ),
+    "notes/books.md": (
+        "# Books to read\n\n- The Left Hand of Darkness\n- Middlemarch\n- Thinking, Fast and "
+        "Slow\n- A Gentleman in Moscow"
+    ),
+    "notes/gifts.md": (
+        "# Birthday presents\n\nMum: a scarf or a pottery class. Sam: the new Zelda game. "
+        "Grandad: a photo book of the summer."
+    ),
+    "notes/home/boiler.md": (
+        "# Boiler\n\nThe heating engineer services the boiler every October. Pressure should "
+        "read 1.5 bar; top it up with the valve under the tank."
+    ),
+    "notes/home/internet.md": (
+        "# Home internet\n\nRouter in the hallway cupboard. Restart it when the video calls "
+        "stutter; the provider's support line is open until 8 pm."
+    ),
+    "notes/home/bills.md": (
+        "# Household bills\n\nElectricity by direct debit on the 3rd, water quarterly, council "
+        "tax in ten instalments."
+    ),
+    "notes/running.md": (
+        "# Running plan\n\nThree runs a week: an easy 5 km, intervals on Wednesday, a long run "
+        "on Sunday. Half marathon in October."
+    ),
+    "notes/ideas.md": (
+        "# Blog ideas\n\nWhy I switched to plain-text notes. A year of sourdough. What I learned "
+        "from fixing my bike."
+    ),
+    "notes/bike.md": (
+        "# Bike\n\nThe chain skips in the highest gear: adjust the derailleur. Pump the tyres to "
+        "4 bar before long rides."
+    ),
+    "notes/movies.md": (
+        "# Films to watch\n\nPerfect Days, Past Lives, the new Miyazaki, and the documentary "
+        "about the Apollo missions."
+    ),
+    "notes/insurance.md": (
+        "# Home insurance\n\nPolicy renews in September. The contents cover was raised after the "
+        "new sofa; the excess is 250 euros."
+    ),
+    "notes/meeting-school.md": (
+        "# Parents' evening\n\nMs Patel says Lily reads well above her level but should practise "
+        "times tables. Next term: the school trip to the museum."
+    ),
+    "notes/wifi-guests.md": (
+        "# Party on Saturday\n\nTwelve guests. Order the cake by Thursday, borrow folding chairs "
+        "from the neighbours, make a playlist."
+    ),
+    "notes/language.md": (
+        "# Learning Spanish\n\nTen minutes a day on the app. Irregular verbs: ser, ir, tener. "
+        "Conversation class on Tuesdays at the library."
+    ),
+    "notes/plants.md": (
+        "# House plants\n\nThe monstera wants indirect light and water once a week; the cactus "
+        "once a month. Repot the fern in spring."
+    ),
+    "notes/photos.md": (
+        "# Photo backup\n\nCopy the phone's pictures to the external drive on the first of the "
+        "month; keep a second copy at my sister's."
+    ),
+    "notes/daily/2025-03-02.md": (
+        "# 2 March\n\nRainy. Finished the quarterly report, called Mum, made soup with the "
+        "leftover vegetables."
+    ),
+    "notes/cleaning.md": (
+        "# Cleaning rota\n\nMonday bathroom, Wednesday kitchen floor, Friday hoover the stairs, "
+        "Sunday change the bed sheets."
+    ),
 }
 
 
@@ -4961,7 +5086,7 @@ class TestEmbeddings:
             urllib.parse.urlsplit(embed_endpoint.url(kind)).path
         }
         info = embedded(client)
-        assert info["dimensions"] == 48
+        assert info["dimensions"] == 384
         assert info["lastError"] is None
         assert re.fullmatch(r"[0-9a-f]{16}", info["fingerprint"])
         config = data(client.get(f"{API}/system/config"))["search"]
@@ -5115,8 +5240,9 @@ class TestEmbeddings:
     def test_related_notes(self, meaning):
         d = data(meaning.get(note_url("notes/garage.md") + "/related", {"limit": 2}))
         assert d["path"] == "notes/garage.md"
-        assert len(d["results"]) == 2
-        assert d["results"][0]["path"] == "notes/work/car.md"
+        # only the note about the same thing: the others are under the floor (fewer than 2)
+        assert [r["path"] for r in d["results"]] == ["notes/work/car.md"]
+        assert d["results"][0]["score"] >= embedded(meaning)["floor"]["cosine"]
         assert set(d["results"][0]) == {"path", "title", "score"}
         assert_error(
             meaning.get(note_url("notes/nope.md") + "/related", status=404), 404, "NOT_FOUND"
@@ -5191,6 +5317,94 @@ class TestEmbeddings:
         assert all_embedded(client)["embedded"] == 2001
         assert max(c[1] for c in embed_endpoint.calls) <= 64
         assert search(client, "repair automobile", mode="semantic")["results"]
+
+
+class TestSearchFloor:
+    """Search by meaning says "nothing": only notes whose cosine clears the floor calibrated
+    from the notes' own scores are found by meaning (stand-in model, 29 personal notes)."""
+
+    @pytest.fixture
+    def personal(self, make_app, embed_endpoint, root):
+        write_notes(root, PERSONAL_NOTES)
+        client = with_key(make_app(**embed_env(embed_endpoint)))
+        assert all_embedded(client)["embedded"] == 29
+        return client
+
+    def test_search_about_nothing_in_the_notes_finds_nothing(self, personal):
+        for q in ("spare keys", "quantum physics lecture"):
+            for mode in ("hybrid", "semantic"):
+                d = search(personal, q, mode=mode)
+                assert (d["mode"], d["fallback"]) == (mode, False)
+                assert (d["total"], d["results"]) == (0, []), (q, mode)
+
+    def test_search_by_meaning_still_finds_its_note_and_keeps_keyword_hits(self, personal):
+        floor = embedded(personal)["floor"]["cosine"]
+        for q, want in (
+            ("vehicle brake pads", "notes/car.md"),
+            ("canine vet vaccinations", "notes/dog.md"),
+        ):
+            assert hits(personal, q, mode="keyword") == []  # no note has every word
+            for mode in ("hybrid", "semantic"):
+                d = search(personal, q, mode=mode)
+                assert [r["path"] for r in d["results"]] == [want], (q, mode)
+                assert d["total"] == 1
+            assert search(personal, q, mode="semantic")["results"][0]["score"] >= floor
+        words = set(hits(personal, "Thursday", mode="keyword"))
+        assert words == {"notes/work/standup.md", "notes/wifi-guests.md"}
+        assert set(hits(personal, "Thursday")) == words  # meaning adds nothing unrelated
+
+    def test_related_lists_only_notes_over_the_floor_possibly_none(self, personal):
+        floor = embedded(personal)["floor"]["cosine"]
+        lengths = []
+        for path in PERSONAL_NOTES:
+            near = data(personal.get(note_url(path) + "/related", {"limit": 5}))["results"]
+            assert all(r["score"] >= floor for r in near), (path, near)
+            lengths.append(len(near))
+        assert data(personal.get(note_url("notes/work/budget.md") + "/related"))["results"] == []
+        assert max(lengths) < 5  # noise no longer fills the list
+
+    def test_the_floor_is_stated_and_made_again_as_the_notes_change(self, personal):
+        floor = wait_for(
+            lambda: (lambda f: f["neighbours"]["notes"] and f)(embedded(personal)["floor"])
+        )
+        assert floor["notes"] == floor["probe"]["notes"] == 29
+        assert 0 < floor["cosine"] < 0.5
+        assert floor["probe"]["median"] < floor["cosine"]
+        assert floor["neighbours"]["notes"] == 29
+        assert "probe text" in floor["method"]
+        for i in range(3):  # a small collection: made again after each change
+            put_note(personal, f"notes/new{i}.md", f"# New {i}\n\nA puppy called Rex {i}.")
+        again = wait_for(lambda: (lambda f: f["notes"] == 32 and f)(embedded(personal)["floor"]))
+        assert again["at"] >= floor["at"]
+        svc = personal.app.service
+        svc.close()  # the floor is kept with the vectors: a restart has it at once
+        store = notesvc.VectorStore.open(svc.config.state_dir / "vectors")
+        assert store.extra["floor"]["notes"] == 32
+        store.close()
+
+    def test_two_notes_have_a_floor_too(self, make_app, embed_endpoint):
+        client = with_key(make_app(**embed_env(embed_endpoint)))
+        put_note(client, "notes/garage.md", MEANING_NOTES["notes/garage.md"])
+        put_note(client, "notes/pets.md", MEANING_NOTES["notes/pets.md"])
+        floor = all_embedded(client)["floor"]
+        assert floor["notes"] == 2
+        assert floor["cosine"] > floor["probe"]["median"]
+        assert search(client, "quantum physics lecture")["total"] == 0
+        assert hits(client, "car repair", mode="semantic") == ["notes/garage.md"]
+
+    def test_search_counts_embeddings_within_a_folder_grant(self, personal):
+        owner = search(personal, "car")["embeddings"]
+        assert (owner["embedded"], owner["total"]) == (29, 29)
+        for folder, count in (("notes/work", 3), ("notes/recipes", 2)):
+            scoped = as_key(personal, new_grant(personal, "read", folder=folder)["key"])
+            for mode in ("hybrid", "keyword"):
+                e = search(scoped, "car", mode=mode)["embeddings"]
+                assert (e["embedded"], e["total"]) == (count, count), folder
+        # a note moved out of the folder leaves its counts at once
+        personal.patch_json(note_url("notes/work/budget.md") + "/move", {"path": "notes/budget.md"})
+        work = as_key(personal, new_grant(personal, "read", folder="notes/work")["key"])
+        e = wait_for(lambda: (lambda e: e["total"] == 2 and e)(search(work, "car")["embeddings"]))
+        assert e["embedded"] == 2
 
 
 class TestEmbeddingsServer:
@@ -5311,6 +5525,61 @@ class TestEmbeddingsServer:
                     "notes/garage.md",
                     "notes/work/car.md",
                 }
+        finally:
+            model.shutdown()
+            model.server_close()
+
+    def test_a_real_small_model_says_nothing_about_what_no_note_holds(self, tmp_path):
+        for module in ("numpy", "safetensors", "tokenizers", "all_minilm_l6_v2"):
+            pytest.importorskip(module)
+        spec = importlib.util.spec_from_file_location("minilm", HERE / "bench" / "minilm.py")
+        minilm = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(minilm)
+        model = minilm.serve(minilm.MiniLM.load())
+        write_notes(tmp_path, PERSONAL_NOTES)
+        owner = {"X-Service-Key": make_state(tmp_path)["apiKey"]}
+        url = f"http://127.0.0.1:{model.server_address[1]}/v1/embeddings"
+        env = {"SERVICE_EMBED_URL": url, "SERVICE_EMBED_MODEL": "all-minilm"}
+
+        def answer(q: str, mode: str) -> dict:
+            query = urllib.parse.urlencode({"q": q, "mode": mode})
+            return server.request("GET", f"{API}/search?{query}", None, owner)[2]["data"]
+
+        def related(path: str) -> list:
+            at = note_url(path) + "/related?limit=5"
+            return server.request("GET", at, None, owner)[2]["data"]["results"]
+
+        try:
+            with running(tmp_path, env=env) as server:
+                self.wait_embedded(server, owner, 29)
+                floor = wait_for(
+                    lambda: (lambda f: f and f["notes"] == 29 and f)(
+                        self.status(server, owner)["floor"]
+                    ),
+                    timeout=30,
+                )
+                assert floor["probe"]["median"] < floor["cosine"] < 0.5
+                for q in ("spare keys", "quantum physics lecture", "chess opening theory"):
+                    for mode in ("hybrid", "semantic"):
+                        d = answer(q, mode)
+                        assert (d["mode"], d["total"], d["results"]) == (mode, 0, []), q
+                for q, want in [
+                    ("looking after my dog", "notes/dog.md"),
+                    ("growing vegetables", "notes/garden.md"),
+                    ("broadband is slow", "notes/home/internet.md"),
+                    ("back up my pictures", "notes/photos.md"),
+                    ("airplane travel", "notes/travel/lisbon.md"),
+                ]:
+                    for mode in ("semantic", "hybrid"):
+                        d = answer(q, mode)
+                        assert d["results"][0]["path"] == want, (q, mode, d["results"])
+                        assert d["total"] <= 5, (q, mode)  # not 29 of 29
+                near = {p: related(p) for p in PERSONAL_NOTES}
+                assert all(r["score"] >= floor["cosine"] for n in near.values() for r in n)
+                assert "notes/plants.md" in [r["path"] for r in near["notes/garden.md"]]
+                for alone in ("notes/dog.md", "notes/health.md", "notes/home/internet.md"):
+                    assert near[alone] == [], alone
+                assert sum(not n for n in near.values()) >= 10  # no longer 5 links each
         finally:
             model.shutdown()
             model.server_close()
@@ -14940,6 +15209,21 @@ class TestWebClient:
             expect(related).to_be_hidden()
             page.click("#edit")
             expect(related).to_be_visible()  # and back with the text
+            # A search about nothing in the notes says so, and a note near no other note
+            # shows no Related list (the server answers none over the floor).
+            page.fill("#search", "quantum physics lecture")
+            page.keyboard.press("Enter")
+            expect(page.locator("#results li.muted")).to_have_text(
+                "Nothing found by words or by meaning."
+            )
+            expect(page.locator("#results-info")).to_have_text(re.compile(r"^0 notes · "))
+            page.fill("#search", "puppy")
+            page.keyboard.press("Enter")
+            with page.expect_response(lambda r: "/related" in r.url) as asked:
+                page.click('#results button[data-path="notes/pets.md"]')
+            assert asked.value.json()["data"]["results"] == []
+            expect(page.locator("#view h1")).to_have_text("Walking the puppy")
+            expect(page.locator("#view aside.related")).to_have_count(0)
             # The model stops answering: the words still find, and the line says so.
             embed_endpoint.how = "500"
             page.fill("#search", "brake pads")

@@ -849,6 +849,54 @@ def wait_for_merges(folder: Path, quiet: float = 5.0, limit: float = 300.0) -> f
     return time.perf_counter() - t0
 
 
+def busy_core() -> subprocess.Popen:
+    """A process that keeps one core busy (a Python busy loop at normal priority): the
+    other work a Pi or a shared machine runs while notesvc starts."""
+    return subprocess.Popen([sys.executable, "-c", "while True: pass"])
+
+
+def first_starts(args, root: Path, probes: dict, settings: dict, work: Path) -> list:
+    """--first-start-only: the first start against FTS5's build, --first-start-runs times,
+    each on a fresh .notesvc/, with the second core idle (as far as the machine allows) and
+    then kept busy by busy_core(), in turns; each run's load average is recorded."""
+    warm_bytecode()
+    runs = []
+    for i in range(args.first_start_runs):
+        for busy in (False, True):
+            shutil.rmtree(root / ".notesvc", ignore_errors=True)
+            (work / "fts.db").unlink(missing_ok=True)
+            os.sync()
+            loop = busy_core() if busy else None
+            try:
+                time.sleep(1.0 if busy else 0)  # the loop running before the server starts
+                load = os.getloadavg()[0]
+                fst = measure_first_start(root, probes, settings)
+                build = measure_fts5_build(root, work / "fts.db")
+            finally:
+                if loop is not None:
+                    loop.kill()
+                    loop.wait()
+            run = {
+                "run": i + 1,
+                "second_core": "busy" if busy else "idle",
+                "load": load,
+                "wall": fst["complete"],
+                "cpu": fst["cpu"],
+                "fts5_wall": build["wall"],
+                "fts5_cpu": build["cpu"],
+            }
+            runs.append(run)
+            print(
+                f"first start, run {run['run']}, the other core {run['second_core']} (load "
+                f"{load:.1f}): {fst['complete']:.2f} s wall, {fst['cpu']:.2f} s CPU; FTS5 build "
+                f"{build['wall']:.2f} s wall, {build['cpu']:.2f} s CPU: "
+                f"{fst['complete'] / build['wall']:.2f}x wall, "
+                f"{fst['cpu'] / build['cpu']:.2f}x CPU",
+                flush=True,
+            )
+    return runs
+
+
 def timed_requests(client: Client, paths: list) -> list:
     out = []
     for p in paths:
@@ -1051,6 +1099,10 @@ def run_http(args, corpus: Path | None, work: Path) -> dict:
         f"(notesvc.py's bytecode cached, as after any earlier run)\n{res['label']}",
         flush=True,
     )
+
+    if args.first_start_only:
+        res["first_starts"] = first_starts(args, root, probes, settings, work)
+        return res
 
     # first start on a folder without .notesvc/, against FTS5's build of the same notes
     warm_bytecode()
@@ -1298,6 +1350,13 @@ def main() -> None:
         "--sample", type=int, default=100, help="--http: notes that first start must find"
     )
     ap.add_argument("--sample-seed", type=int, default=45, help="--http: the sample's seed")
+    ap.add_argument(
+        "--first-start-only",
+        action="store_true",
+        help="--http: only the first start against FTS5's build, with the other core idle "
+        "and then busy (a busy loop), --first-start-runs times",
+    )
+    ap.add_argument("--first-start-runs", type=int, default=2, help="--first-start-only")
     ap.add_argument("--json", help="write the results (and the table) as JSON to this file")
     ap.add_argument("--child", help=argparse.SUPPRESS)
     ap.add_argument("--queries", help=argparse.SUPPRESS)
@@ -1336,6 +1395,8 @@ def main() -> None:
             res = run_http(args, corpus, work)
         if args.json:  # before the report, which could fail
             Path(args.json).write_text(json.dumps({"results": res}, indent=1))
+        if args.first_start_only:
+            return
         rows = report_http(res)
         if args.json:
             Path(args.json).write_text(json.dumps({"results": res, "table": rows}, indent=1))

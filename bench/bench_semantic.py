@@ -761,7 +761,8 @@ def report(res: dict) -> list:
             )
     lines.append(
         "\n*over HTTP, one client; the embed server caches vectors by text, so a query's vector"
-        " is computed in semantic mode (run first) and reused by hybrid"
+        " is computed in semantic mode (run first) and reused by hybrid: hybrid's p50 is not"
+        " a person's (bench_vectors.py http --model minilm measures it with no cache)"
     )
     for name in SETS:
         r = res["results"].get(name, {}).get("semantic")

@@ -5,6 +5,7 @@
     nice python bench/bench_vectors.py speed --vectors real             # those real vectors
     nice python bench/bench_vectors.py memory --chunks 100000
     nice python bench/bench_vectors.py http --notes 10000
+    nice python bench/bench_vectors.py http --notes 10000 --model minilm   # a model that computes
     nice python bench/bench_vectors.py backfill --notes 10000
 
 - speed: a VectorStore of --chunks chunks (two a note) at --dim dimensions is written in a
@@ -27,7 +28,13 @@
   each text the normalised sum of one seeded random vector per word); once every note is
   embedded: keyword, semantic and hybrid p50 over keep-alive HTTP, the endpoint's time for
   one query's vector as notesvc asks it (a new connection a call), and the semantic pass
-  in process on a copy of the server's vector store.
+  in process on a copy of the server's vector store. With --model minilm the endpoint is
+  bench/embed_server.py --no-cache instead (all-MiniLM-L6-v2, --backend torch or numpy,
+  --model-threads threads, texts cut to --max-tokens word pieces; --model-python names an
+  interpreter that has PyTorch and sentence-transformers): every query's vector is computed
+  by the model when notesvc asks for it, nothing is answered from a cache, so hybrid's and
+  semantic's latency include the model's time, as they do for a person. Reported: each
+  mode's p50 and its ratio to keyword's.
 - backfill: the same server and notes (the keyword index built beforehand by a start
   without embeddings), the stand-in sleeping 5 ms a chunk + 20 ms a request: wall time
   from the server's start until embedded == total, and the server's CPU (user+sys of the
@@ -574,29 +581,51 @@ def real_queries(notes: list, count: int, seed: int) -> list:
     return out
 
 
+def start_model(args):
+    """bench/embed_server.py serving all-MiniLM-L6-v2 with no cache: each text computed."""
+    cmd = [args.model_python or sys.executable, str(HERE / "embed_server.py"), "--no-cache"]
+    cmd += ["--backend", args.backend, "--threads", str(args.model_threads)]
+    cmd += ["--max-tokens", str(args.max_tokens)]
+    return start(cmd)
+
+
+def model_stats(port: int, path: str) -> dict:
+    return json.loads(urllib.request.urlopen(f"http://127.0.0.1:{port}{path}").read())
+
+
 def http_bench(args) -> None:
     import notesvc
 
     folder = corpus_dir(args.notes, args.corpus_dir)
     notes = corpus_notes(folder)
     queries = real_queries(notes, args.queries, 11)
+    minilm = args.model == "minilm"
+    if minilm:
+        endpoint = (
+            f"bench/embed_server.py --no-cache (all-MiniLM-L6-v2, {args.backend}, "
+            f"{args.model_threads} thread(s), first {args.max_tokens} word pieces; every query's "
+            "vector computed when asked)"
+        )
+    else:
+        endpoint = f"stand-in endpoint ({args.dim} dims, bag of seeded word vectors)"
     print(
-        f"# hybrid over HTTP: {len(notes)} real-text notes ({folder}), stand-in endpoint "
-        f"(Ollama /api/embed, {args.dim} dims, bag of seeded word vectors), default settings, "
-        f"auth-mode none; {len(queries)} queries of 2-3 corpus words; {versions()}"
+        f"# hybrid over HTTP: {len(notes)} real-text notes ({folder}), {endpoint}, Ollama "
+        f"/api/embed, default settings, auth-mode none; {len(queries)} queries of 2-3 corpus "
+        f"words; commit {commit()}; {versions()}; load average {os.getloadavg()[0]:.1f}"
     )
-    sp, sport = start_stand_in(args.dim, 0, 0)
+    sp, sport = start_model(args) if minilm else start_stand_in(args.dim, 0, 0)
     work = Path(tempfile.mkdtemp(prefix="bvec-"))
     proc = None
     try:
         root = copy_notes(folder, args.notes, work)
         url = f"http://127.0.0.1:{sport}/api/embed"
+        model = "all-minilm" if minilm else "stand-in"
         proc, port, _ = start_notesvc(
-            root, {"SERVICE_EMBED_URL": url, "SERVICE_EMBED_MODEL": "stand-in"}
+            root, {"SERVICE_EMBED_URL": url, "SERVICE_EMBED_MODEL": model}
         )
         c = Client(port)
         t = time.perf_counter()
-        e = wait_embedded(c, 1800)
+        e = wait_embedded(c, 14400 if minilm else 1800, 5 if minilm else 1)
         print(f"embedded {e} in {time.perf_counter() - t:.0f} s")
         time.sleep(12)  # meta.json is saved at most every 10 s
         lat: dict = {m: [] for m in ("keyword", "semantic", "hybrid")}
@@ -616,6 +645,14 @@ def http_bench(args) -> None:
                         raise RuntimeError(f"{m} answered as {r['mode']} (fallback)")
                     lat[m].append(took)
                 cpu[m] += cpu_seconds(proc.pid) - before
+        if minilm:
+            st = model_stats(sport, "/stats")
+            print(
+                f"model server: {st['requests']} requests, {st['inputs']} texts, "
+                f"{st['cached']} answered from a cache, {st['model_seconds']:.1f} s in the model"
+            )
+            floor = c.get("/api/v1/system/info")["embeddings"]["floor"]
+            print(f"the floor: cosine {floor['cosine']} ({floor['notes']} notes)")
         # the endpoint as notesvc asks it: a new connection for each query's vector
         ep, vectors = [], []
         for q in queries:
@@ -627,7 +664,7 @@ def http_bench(args) -> None:
                 json.dumps({"model": "stand-in", "input": [q]}),
                 {"Content-Type": "application/json"},
             )
-            vec = json.loads(conn.getresponse().read())["embeddings"][0]
+            vec = notesvc.normalised(json.loads(conn.getresponse().read())["embeddings"][0])
             conn.close()
             ep.append((time.perf_counter() - t) * 1000)
             vectors.append(vec)
@@ -659,6 +696,11 @@ def http_bench(args) -> None:
         print(
             f"keyword + semantic pass + endpoint = {total:.2f} ms; hybrid / that = "
             f"{p['hybrid'] / total:.2f}"
+        )
+        print(
+            f"p50 x keyword's: semantic {p['semantic'] / p['keyword']:.2f}, hybrid "
+            f"{p['hybrid'] / p['keyword']:.2f}; the endpoint's p50 is "
+            f"{100 * epp / p['hybrid']:.0f} % of hybrid's"
         )
         n = len(queries) * args.repeat
         print(
@@ -749,6 +791,10 @@ def main() -> None:
     ap.add_argument("--mode")
     ap.add_argument("--max-tokens", type=int, default=128, help="embed-real: word pieces")
     ap.add_argument("--keep", action="store_true", help="http: keep the server's root")
+    ap.add_argument("--model", choices=["stand-in", "minilm"], default="stand-in", help="http")
+    ap.add_argument("--backend", choices=["torch", "numpy"], default="torch", help="--model minilm")
+    ap.add_argument("--model-threads", type=int, default=1, help="--model minilm: torch threads")
+    ap.add_argument("--model-python", help="--model minilm: an interpreter with PyTorch")
     args = ap.parse_args()
     if args.part in ("http",):
         args.chunk_ms = args.request_ms = 0

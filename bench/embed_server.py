@@ -25,8 +25,11 @@ GET /health answers {"ok": true, "model", "dimensions"}; GET /stats the counters
 inputs, inputs answered from the cache, seconds spent in the model). A request's inputs are
 encoded in batches of 64 (--batch); at most --max-inputs (2048) a request. Vectors of texts
 seen before come from an in-memory cache, so a client (the benchmark) that asks again for a
-text notesvc sent gets the very vector notesvc got. It listens on 127.0.0.1 only and prints
-"listening on http://127.0.0.1:PORT" on stderr once the model is loaded.
+text notesvc sent gets the very vector notesvc got; with --no-cache every text is computed
+each time it is asked for, as a real model server does (what a search's latency must be
+measured against: a cached query vector hides the model's time). --max-tokens cuts each
+text to its first N word pieces (the model's own limit is 256). It listens on 127.0.0.1
+only and prints "listening on http://127.0.0.1:PORT" on stderr once the model is loaded.
 """
 
 from __future__ import annotations
@@ -69,22 +72,32 @@ def model_dir(given: str | None) -> Path:
 class Embedder:
     """The model behind a lock (one forward pass at a time), with a cache by text."""
 
-    def __init__(self, path: Path, threads: int, batch: int, backend: str = "torch"):
+    def __init__(
+        self,
+        path: Path,
+        threads: int,
+        batch: int,
+        backend: str = "torch",
+        cache: bool = True,
+        max_tokens: int = 256,
+    ):
         os.environ.setdefault("HF_HUB_OFFLINE", "1")
         os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
         os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
-        self.backend, self.batch = backend, batch
+        self.backend, self.batch, self.use_cache = backend, batch, cache
         if backend == "numpy":  # bench/minilm.py: the same model in NumPy, no PyTorch
             sys.path.insert(0, str(Path(__file__).resolve().parent))
             from minilm import MiniLM
 
             self.model, self.dimensions = MiniLM.load(), 384
+            self.model.tok.enable_truncation(max_tokens)
         else:
             import torch
             from sentence_transformers import SentenceTransformer
 
             torch.set_num_threads(threads)
             self.model = SentenceTransformer(str(path), device="cpu")
+            self.model.max_seq_length = max_tokens
             dims = getattr(self.model, "get_embedding_dimension", None)  # the newer name
             dims = dims or self.model.get_sentence_embedding_dimension
             self.dimensions = int(dims())
@@ -96,6 +109,8 @@ class Embedder:
         with self.lock:
             self.stats["requests"] += 1
             self.stats["inputs"] += len(texts)
+            if not self.use_cache:
+                self.cache.clear()  # every text computed again: nothing answered from memory
             todo = sorted({t for t in texts if t not in self.cache})
             self.stats["cached"] += sum(1 for t in texts if t in self.cache)
             if todo:
@@ -190,9 +205,17 @@ def main() -> None:
     )
     ap.add_argument("--batch", type=int, default=64, help="inputs per forward pass")
     ap.add_argument("--max-inputs", type=int, default=2048, help="inputs per request at most")
+    ap.add_argument(
+        "--no-cache",
+        action="store_true",
+        help="compute every text each time it is asked for (a real model server's latency)",
+    )
+    ap.add_argument("--max-tokens", type=int, default=256, help="word pieces a text (<= 256)")
     args = ap.parse_args()
     path = model_dir(args.model_dir)
-    embedder = Embedder(path, args.threads, args.batch, args.backend)
+    embedder = Embedder(
+        path, args.threads, args.batch, args.backend, not args.no_cache, args.max_tokens
+    )
     embedder.embed(["warm up"])  # the first pass is slow; not a request's
     embedder.stats.update(requests=0, inputs=0, cached=0, model_seconds=0.0)
     embedder.cache.clear()

@@ -1850,9 +1850,7 @@ const app = (() => {
       ),
     );
     if (!data.results.length)
-      $("results").appendChild(
-        el("li", {class: "muted"}, "Nothing found. Try fewer words, or pre* for a prefix."),
-      );
+      $("results").appendChild(el("li", {class: "muted"}, paths.nothingLine(data)));
   }
 
   function endSearch(focusTree) {

@@ -82,6 +82,16 @@ const paths = (() => {
     return line + " · " + n(e.embedded) + " of " + n(e.total) + " notes ready";
   }
 
+  // What an empty result list says: a search by meaning that found nothing says so (the
+  // server keeps only notes over its floor, so "nothing" is an answer, not a failure).
+  function nothingLine(answer) {
+    if (!answer.fallback && answer.mode === "semantic")
+      return "Nothing found near this in meaning.";
+    if (!answer.fallback && answer.mode === "hybrid")
+      return "Nothing found by words or by meaning.";
+    return "Nothing found. Try fewer words, or pre* for a prefix.";
+  }
+
   // Markdown as plain text, for every preview and snippet the page shows: pictures go, links
   // keep their words, marks of headings, lists, tasks, quotes, emphasis and code go (as the
   // server's note_preview does); then what a cut snippet leaves half of. (No lookbehind:
@@ -131,6 +141,7 @@ const paths = (() => {
     lexicalOnly,
     meaningLine,
     nameOf,
+    nothingLine,
     notePreview,
     plainSnippet,
     queryWords,

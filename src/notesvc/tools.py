@@ -100,7 +100,9 @@ def tool_search_notes(
 
 def _related_lines(data: dict) -> str:
     lines = [f"{r['path']} — {r['title']}" for r in data["results"]]
-    return "\n".join(lines) or "No related note (embeddings are off or not ready)."
+    return "\n".join(lines) or (
+        "No related note: none is near enough in meaning (or embeddings are off or not ready)."
+    )
 
 
 @tool(

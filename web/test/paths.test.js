@@ -81,6 +81,15 @@ test("meaningLine: the line under the search box, from the answer's embeddings",
   assert.equal(paths.meaningLine(on(4, 4, {mode: "keyword"}), "car"), "By words only");
 });
 
+test("nothingLine: an empty answer by meaning says so", () => {
+  const answer = (mode, fallback) => ({mode, fallback, total: 0, results: []});
+  assert.equal(paths.nothingLine(answer("hybrid", false)), "Nothing found by words or by meaning.");
+  assert.equal(paths.nothingLine(answer("semantic", false)), "Nothing found near this in meaning.");
+  const words = "Nothing found. Try fewer words, or pre* for a prefix.";
+  assert.equal(paths.nothingLine(answer("keyword", false)), words);
+  assert.equal(paths.nothingLine(answer("keyword", true)), words); // the model not answering
+});
+
 test("plainSnippet: Markdown marks dropped", () => {
   assert.equal(
     paths.plainSnippet("## Keys\n- [x] give **one** to [Anna](notes/a.md) `now`"),

@@ -866,8 +866,8 @@ def search_notes(svc: Service) -> dict:
         "mode": found["mode"],
         "fallback": found["fallback"],
     }
-    if svc.embedder is not None:
-        answer["embeddings"] = svc.embedder.status()
+    if svc.embedder is not None:  # counted within the caller's reach (a grant: its folder)
+        answer["embeddings"] = svc.embedder.status(request_principal().folder)
     answer["tookMs"] = round((time.perf_counter() - started) * 1000, 3)
     return answer
 

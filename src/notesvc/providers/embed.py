@@ -24,9 +24,11 @@ from notesvc.helpers import iso, scrub, url_secrets
 from notesvc.providers.base import Outbound, UpstreamError
 from notesvc.search.text import Query, tokenize
 from notesvc.search.vectors import (
+    FLOOR_NEIGHBOURS,
     MAX_SEMANTIC_NOTES,
     VectorError,
     VectorStore,
+    calibrate_floor,
     chunk_body,
     chunk_hash,
     chunk_note,
@@ -46,6 +48,8 @@ QUERY_PAUSE = 30.0  # after a failed query, keyword answers without asking for t
 REQUEST_SECONDS = 120.0  # a batch that takes longer (a slow trickle) is a failure
 BACKOFF = (2.0, 300.0)  # the embedder's wait after a failure: doubling from 2 s to 5 min
 SAVE_SECONDS = 10.0  # meta.json at most this often while embedding
+FLOOR_SECONDS = 60.0  # while a long backfill runs, the floor is made again at most this often
+FLOOR_EVERY_CHANGE = 200  # below this many notes the floor is made again after any change
 PROBE = "notesvc: the fingerprint of an embedding model"
 MODES = ("hybrid", "semantic", "keyword")
 
@@ -189,6 +193,10 @@ class Embedder:
         self._saved_at = 0.0
         self._opened = False  # the store on disk was looked for
         self._checked = False  # the endpoint's probe matched the store
+        self._floor_lock = threading.Lock()
+        self._floor_mark = -1  # store.changes when the floor was made (-1: not this run)
+        self._floor_at = 0.0
+        self._floor_settled = True  # the floor was made while nothing was left to embed
 
     # -- life -----------------------------------------------------------------------------
 
@@ -267,6 +275,8 @@ class Embedder:
         store = self.store
         if store is None:
             return
+        if self._floor_due(store, idle=True):
+            self._calibrate(store, idle=True)
         if store.dirty:
             store.save()
         if store.dead() > max(1000, store.stats()["chunks"] // 4):
@@ -282,6 +292,9 @@ class Embedder:
             store = VectorStore.open(self.folder)
             if store is not None and store.model == model:
                 self.store, self.fingerprint = store, store.fingerprint
+                self._floor_mark = store.changes  # the floor kept with it holds
+                if self._floor_due(store):  # a store of an older version: none kept
+                    self._calibrate(store)
             elif store is not None:
                 store.close()
         probe = self.client.embed([PROBE], REQUEST_SECONDS)[0]
@@ -363,17 +376,25 @@ class Embedder:
             if all(r >= 0 for r in recs):
                 store.assign(path, key, recs)
         self.last_error = None
+        if time.monotonic() - self._floor_at > FLOOR_SECONDS and self._floor_due(store):
+            self._calibrate(store)  # a long backfill: searches meanwhile get a fitting floor
         if store.dirty and time.monotonic() - self._saved_at > SAVE_SECONDS:
             store.save()
             self._saved_at = time.monotonic()
 
     # -- what searches ask ---------------------------------------------------------------
 
-    def status(self) -> dict:
-        """Return {embedded, total, model}: notes whose chunks are all embedded, of all."""
+    def status(self, folder: str = "") -> dict:
+        """Return {embedded, total, model}: notes whose chunks are all embedded, of all the
+        notes beneath `folder` ("" every note): a folder grant's count is its folder's.
+        Both counts are kept as notes change: a look-up each, no walk of the notes."""
         store = self.store
-        total = self.svc.index.stats().get("documents", 0)
-        embedded = min(total, store.stats()["notes"]) if store is not None else 0
+        index = self.svc.index
+        if folder:
+            total = index.folder_counts().get(folder.rstrip("/"), 0)
+        else:
+            total = index.stats().get("documents", 0)
+        embedded = min(total, store.count_under(folder)) if store is not None else 0
         return {"embedded": embedded, "total": total, "model": self.client.model}
 
     def info(self) -> dict:
@@ -383,7 +404,67 @@ class Embedder:
             "dimensions": store.dim if store is not None else None,
             "lastError": self.last_error,
             "fingerprint": self.fingerprint or None,
+            "floor": self.floor(),
         }
+
+    # -- the floor -------------------------------------------------------------------------
+
+    def _floor_due(self, store: VectorStore, idle: bool = False) -> bool:
+        """Whether the floor is missing or out of date: the notes changed by a tenth since it
+        was made; while few notes are held (FLOOR_EVERY_CHANGE, a few milliseconds' work)
+        any change; and, once the embedder is idle, any change since a floor made during
+        a backfill (so the floor of a finished backfill counts every note)."""
+        floor = store.extra.get("floor")
+        if not isinstance(floor, dict) or not isinstance(floor.get("cosine"), (int, float)):
+            return bool(store.stats()["notes"])
+        if self._floor_mark < 0:
+            return True
+        changed = store.changes - self._floor_mark
+        notes = int(floor.get("notes") or 0)
+        if notes > 1 and not (floor.get("neighbours") or {}).get("notes"):
+            return True  # made in a request, without the neighbours: measure them now
+        if changed >= max(1, notes // 10):
+            return True
+        return changed > 0 and (notes < FLOOR_EVERY_CHANGE or (idle and not self._floor_settled))
+
+    def _calibrate(
+        self, store: VectorStore, idle: bool = False, neighbours: int = FLOOR_NEIGHBOURS
+    ) -> dict | None:
+        """Make the floor again from the notes held (calibrate_floor) and keep it with the
+        store: it belongs to this model's vectors and goes when they do."""
+        probe = store.extra.get("probe")
+        if not probe:
+            return None
+        with self._floor_lock:
+            mark = store.changes
+            floor = {**calibrate_floor(store, probe, neighbours), "at": iso(time.time())}
+            with store.lock:
+                store.extra["floor"] = floor
+                store.dirty = True
+            self._floor_mark = mark
+            self._floor_at = time.monotonic()
+            self._floor_settled = idle
+        log.info(
+            "embeddings: the floor is a cosine of %.3f (%d notes)", floor["cosine"], floor["notes"]
+        )
+        return floor
+
+    def floor(self) -> dict | None:
+        """Return the floor in force ({cosine, notes, probe, neighbours, ...}), None while
+        no note is embedded. A store that holds notes but no floor yet gets one now."""
+        store = self.store
+        if store is None:
+            return None
+        floor = store.extra.get("floor")
+        if not isinstance(floor, dict) and store.stats()["notes"]:
+            # in a request: the probe's part only (a fraction of a second at any size); the
+            # embedder measures the neighbours next
+            floor = self._calibrate(store, neighbours=0)
+        return floor if isinstance(floor, dict) else None
+
+    def floor_cosine(self) -> float:
+        floor = self.floor()
+        return float(floor["cosine"]) if floor else -1.0
 
     def query_vector(self, text: str) -> list | None:
         """Return the query's normalised vector, None when the endpoint failed now or a
@@ -418,8 +499,13 @@ class Embedder:
         return out
 
     def nearest(self, vector: list, folder: str, limit: int = MAX_SEMANTIC_NOTES) -> list:
+        """Return [(path, cosine, chunk)] of the notes nearest a vector that clear the floor:
+        a query about nothing in the notes finds nothing by meaning."""
         store = self.store
-        return [] if store is None else store.nearest(vector, folder, limit)
+        if store is None:
+            return []
+        floor = self.floor_cosine()
+        return [n for n in store.nearest(vector, folder, limit) if n[1] >= floor]
 
 
 def build_embedder(svc: Service) -> Embedder | None:
@@ -517,7 +603,8 @@ def _with_snippets(svc: Service, query: Query, page: list, chunk_of: dict) -> li
 
 
 def related_notes(svc: Service, path: str, folder: str, limit: int) -> list:
-    """Return [(path, title, score)] of the notes nearest a note (its chunks' mean)."""
+    """Return [(path, title, score)] of the notes nearest a note (its chunks' mean) that
+    clear the floor: fewer than `limit`, or none, when no other note is near."""
     embedder = svc.embedder
     store = None if embedder is None else embedder.store
     if store is None:
@@ -525,6 +612,6 @@ def related_notes(svc: Service, path: str, folder: str, limit: int) -> list:
     vector = store.note_vector(path)
     if vector is None:
         return []
-    near = [n for n in store.nearest(vector, folder, limit + 1) if n[0] != path][:limit]
+    near = [n for n in embedder.nearest(vector, folder, limit + 1) if n[0] != path][:limit]
     titles = svc.index.titles(p for p, _, _ in near)
     return [(p, titles.get(p) or "", round(s, 4)) for p, s, _ in near]
