@@ -6015,9 +6015,15 @@ def alarm_utc(wall: dt.datetime | None, zone_name: str) -> dt.datetime | None:
 # == iCalendar (RFC 5545) =====================================================
 
 
+# RFC 5545 3.1 allows no control character in a value but HTAB (and XML 1.0 none but tab and
+# line ends): a task line holding one (any writer may put one there) is sent as U+FFFD.
+ICAL_CONTROL_RE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
 def ical_escape(value: str) -> str:
     return (
-        value.replace("\\", "\\\\")
+        ICAL_CONTROL_RE.sub("\ufffd", value)
+        .replace("\\", "\\\\")
         .replace(";", "\\;")
         .replace(",", "\\,")
         .replace("\r\n", "\\n")
@@ -33027,10 +33033,18 @@ def _xml_of(elem) -> str:
     return ET.tostring(elem, encoding="unicode")
 
 
+# characters XML 1.0 cannot carry at all, not even as references (its Char production)
+XML_NON_CHAR_RE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
+
+
 def _xesc(text: str) -> str:
-    """Text as XML character data or an attribute value."""
+    """Text as XML character data or an attribute value (what XML cannot hold as U+FFFD)."""
     return (
-        text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
+        XML_NON_CHAR_RE.sub("\ufffd", text)
+        .replace("&", "&amp;")
+        .replace("<", "&lt;")
+        .replace(">", "&gt;")
+        .replace('"', "&quot;")
     )
 
 

@@ -23460,6 +23460,18 @@ class TestCalDAV:
         assert tasks[1]["categories"] == ["phone"]
         assert notesvc.task_lines("- [ ]x not a box\n-[ ] no space\n- [y] other\n") == []
 
+    def test_a_task_line_with_a_control_character_is_answered_as_well_formed_xml(self, client):
+        icalendar = pytest.importorskip("icalendar")
+        import xml.etree.ElementTree as ET
+
+        put_note(client, "notes/home/todo.md", "- [ ] pay\x01 the\x1b rent\n")  # kept as written
+        dav = Dav(client, key_of(client))
+        answer = dav("REPORT", list_ids(dav)["home"], QUERY_TODOS.format("").encode(), status=207)
+        ET.fromstring(answer.body)  # well-formed: no character XML 1.0 cannot hold
+        (data_,) = cal_items(answer).values()
+        (todo,) = icalendar.Calendar.from_ical(data_).walk("VTODO")
+        assert str(todo["SUMMARY"]) == "pay\ufffd the\ufffd rent"
+
     def test_the_vtodo_is_rfc_5545_folded_escaped_utf8_and_in_utc(self, make_app, root):
         icalendar = pytest.importorskip("icalendar")
         app = make_app(SERVICE_TIMEZONE="Europe/Paris")

@@ -470,10 +470,18 @@ def _xml_of(elem) -> str:
     return ET.tostring(elem, encoding="unicode")
 
 
+# characters XML 1.0 cannot carry at all, not even as references (its Char production)
+XML_NON_CHAR_RE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
+
+
 def _xesc(text: str) -> str:
-    """Text as XML character data or an attribute value."""
+    """Text as XML character data or an attribute value (what XML cannot hold as U+FFFD)."""
     return (
-        text.replace("&", "&amp;").replace("<", "&lt;").replace(">", "&gt;").replace('"', "&quot;")
+        XML_NON_CHAR_RE.sub("\ufffd", text)
+        .replace("&", "&amp;")
+        .replace("<", "&lt;")
+        .replace(">", "&gt;")
+        .replace('"', "&quot;")
     )
 
 

@@ -174,9 +174,15 @@ def alarm_utc(wall: dt.datetime | None, zone_name: str) -> dt.datetime | None:
 # == iCalendar (RFC 5545) =====================================================
 
 
+# RFC 5545 3.1 allows no control character in a value but HTAB (and XML 1.0 none but tab and
+# line ends): a task line holding one (any writer may put one there) is sent as U+FFFD.
+ICAL_CONTROL_RE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\x7f]")
+
+
 def ical_escape(value: str) -> str:
     return (
-        value.replace("\\", "\\\\")
+        ICAL_CONTROL_RE.sub("\ufffd", value)
+        .replace("\\", "\\\\")
         .replace(";", "\\;")
         .replace(",", "\\,")
         .replace("\r\n", "\\n")
