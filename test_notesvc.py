@@ -4717,6 +4717,16 @@ def embedded(client) -> dict:
     return data(client.get(f"{API}/system/info"))["embeddings"]
 
 
+def embedder_settled(client, endpoint, tag: str) -> list:
+    """Write a note and wait until it is embedded: the embedder takes its changes in passes,
+    so what it was given before is done too (a wait on the event, not on the clock). Return
+    what the endpoint was asked, the note's own text left out."""
+    put_note(client, f"notes/zz-settled-{tag}.md", f"# Settled {tag}\n\nnow.")
+    wait_for(lambda: any(f"Settled {tag}" in x for x in endpoint.inputs))
+    all_embedded(client)
+    return [x for x in endpoint.inputs if not x.startswith("Settled ")]
+
+
 def all_embedded(client) -> dict:
     """Wait until every note is embedded and the floor is made from all of them; return
     the status."""
@@ -5124,21 +5134,21 @@ class TestEmbeddings:
         )
         put_note(client, "notes/long.md", long)
         all_embedded(client)
-        before = len(embed_endpoint.inputs)
+        before = len(embed_endpoint.inputs)  # (no note settled yet)
         update(client, "notes/long.md", long.replace("Paragraph 3.", "Paragraph three."))
         wait_for(lambda: len(embed_endpoint.inputs) > before)
         all_embedded(client)
-        time.sleep(0.3)
-        assert len(embed_endpoint.inputs) - before == 1  # one chunk of four
-        before = len(embed_endpoint.inputs)
+        asked = embedder_settled(client, embed_endpoint, "edit")
+        assert len(asked) - before == 1  # one chunk of four
+        before = len(asked)
         client.patch_json(note_url("notes/long.md") + "/move", {"path": "notes/work/long.md"})
         client.patch_json(note_url("notes/garage.md") + "/move", {"path": "notes/cars/garage.md"})
         all_embedded(client)
         assert search(client, "car repair", mode="semantic")["results"][0]["path"].startswith(
             ("notes/cars/garage.md", "notes/work/car.md")
         )
-        time.sleep(0.3)
-        assert [x[:60] for x in embed_endpoint.inputs[before:] if x != "car repair"] == []
+        asked = embedder_settled(client, embed_endpoint, "moves")
+        assert [x[:60] for x in asked[before:] if x != "car repair"] == []
 
     def test_a_deleted_note_leaves_the_results(self, meaning):
         meaning.delete(note_url("notes/garage.md"))
@@ -5441,16 +5451,23 @@ class TestEmbeddingsServer:
         write_notes(tmp_path, {"notes/new.md": "# Canine\n\nA hound."})  # while it was down
         with running(tmp_path, env={**env, "SERVICE_RESCAN_SECONDS": "60"}) as server:
             again = self.wait_embedded(server, owner, 5)
-            time.sleep(0.5)
+            # a note written now is embedded after all it had to do before
+            body = {"path": "notes/zz.md", "content": "# Settled\n\nnow."}
+            assert server.request("POST", f"{API}/notes", body, owner)[0] == 201
+            self.wait_embedded(server, owner, 6)
             # the probe, then the one new note: nothing embedded twice
-            assert embed_endpoint.inputs[asked:] == [notesvc.PROBE, "Canine\n\nA hound."]
+            assert embed_endpoint.inputs[asked:] == [
+                notesvc.PROBE,
+                "Canine\n\nA hound.",
+                "Settled\n\nnow.",
+            ]
             assert again["fingerprint"] == first["fingerprint"]
             assert self.found(server, owner, "puppy", "semantic")[2][0] in (
                 "notes/new.md",
                 "notes/pets.md",
             )
         with running(tmp_path, env={**env, "SERVICE_EMBED_MODEL": "another"}) as server:
-            other = self.wait_embedded(server, owner, 5)
+            other = self.wait_embedded(server, owner, 6)
             assert other["fingerprint"] != first["fingerprint"]
             assert other["model"] == "another"
         assert len(list((tmp_path / ".notesvc" / "vectors").glob("vectors.*.bin"))) == 1
@@ -10811,7 +10828,19 @@ class FakeUpstream:
                     return self._send(200, data, mime)
                 self._send(404, b'{"error": "unknown path"}')
 
-        self.server = http.server.ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        class Counting(http.server.ThreadingHTTPServer):
+            def process_request(self, request, client_address):
+                with fake.cond:
+                    fake.connections += 1
+                super().process_request(request, client_address)
+
+            def shutdown_request(self, request):
+                super().shutdown_request(request)
+                with fake.cond:
+                    fake.connections -= 1
+
+        self.connections = 0  # accepted and not yet closed: requests on their way or answered
+        self.server = Counting(("127.0.0.1", 0), Handler)
         self.server.daemon_threads = True
         self.url = f"http://127.0.0.1:{self.server.server_address[1]}"
         threading.Thread(
@@ -12258,7 +12287,8 @@ class TestPolling:
             assert client.app.service.pollers.running() == []
             calls = [c["path"].rsplit("/", 1)[-1] for c in upstream.bot_calls]
             assert calls[-1] == "setWebhook"
-            time.sleep(0.2)  # nothing comes after it
+            # a getUpdates sent before the poller stopped is answered (or dropped) by now
+            wait_for(lambda: upstream.connections == 0)
             assert [c["path"].rsplit("/", 1)[-1] for c in upstream.bot_calls] == calls
             assert upstream.webhook["secret_token"] == ch["secret"]
             assert data(client.get(url))["status"]["ok"] is True
@@ -20637,12 +20667,13 @@ class TestServer:
 
             with concurrent.futures.ThreadPoolExecutor(16) as pool:
                 list(pool.map(burst, range(16)))
-            said = wait_for(lambda: [x for x in server.lines if "waited for a free thread" in x])
-            time.sleep(0.5)  # a second line would be written at once too
-            assert len([x for x in server.lines if "waited for a free thread" in x]) == 1
+            # every request's line is logged after any warning its wait made: once all are
+            # in, a second warning would be too
+            wait_for(lambda: sum(f"GET {API}/health 200" in x for x in server.lines) == 16 * 15)
+            said = [x for x in server.lines if "waited for a free thread" in x]
+            assert len(said) == 1
             assert "SERVICE_THREADS=1" in said[0]
             assert not [x for x in server.lines if "Task queue depth" in x]
-            wait_for(lambda: sum(f"GET {API}/health 200" in x for x in server.lines) == 16 * 15)
 
     def test_queue_notice_counts_what_it_kept_quiet(self, caplog):
         notice = notesvc.QueueNotice(8)
@@ -22658,9 +22689,14 @@ class TestDav:
         folder.mkdir(parents=True)
         (folder / "a.md").write_bytes(b"# A\n\nfirst\n")
         (folder / "b.md").write_bytes(b"# B\n")
-        time.sleep(notesvc.DavNotes.RACY_SECONDS + 0.1)  # settled: a GET keeps them
-        assert dav("GET", "notes/kept/a.md", status=200).body == b"# A\n\nfirst\n"
-        assert dav("GET", "notes/kept/b.md", status=200).body == b"# B\n"
+
+        def kept_by_get(name: str, body: bytes) -> bool:  # (once its ctime is settled)
+            assert dav("GET", f"notes/kept/{name}", status=200).body == body
+            kept = dav.app.app.service._dav.notes
+            return kept.get(f"notes/kept/{name}", folder / name) is not None
+
+        wait_for(lambda: kept_by_get("a.md", b"# A\n\nfirst\n"), step=0.2)
+        wait_for(lambda: kept_by_get("b.md", b"# B\n"), step=0.2)
         kept = dav.app.app.service._dav.notes
         assert kept.get("notes/kept/a.md", folder / "a.md")["data"] == b"# A\n\nfirst\n"
         st = (folder / "a.md").stat()
