@@ -1851,6 +1851,17 @@ def query_int(name: str, default: int, lo: int, hi: int) -> int:
     return int(raw)
 
 
+def yes_or_no(raw: Any, name: str) -> bool:
+    """Return a flag of a query or a form (true/false, yes/no, 1/0; empty: false); 400
+    otherwise."""
+    value = str(raw or "").strip().lower()
+    if value in ("", "0", "false", "no"):
+        return False
+    if value in ("1", "true", "yes"):
+        return True
+    raise bad_request(f"'{name}' must be true or false")
+
+
 _MALLOC_TRIM: list = []  # glibc's malloc_trim, looked up once ([None] where there is none)
 
 
@@ -11272,6 +11283,106 @@ def fuse(words: list, meaning: list, k: int = RRF_K, weight: float = MEANING_WEI
     return sorted(scores.items(), key=lambda x: (-x[1], x[0]))
 
 
+# == src/notesvc/search/hybrid.py =============================================
+# -- searching by meaning and by words ---------------------------------------------------
+
+MODES = ("hybrid", "semantic", "keyword")
+
+_QUOTED_RE = re.compile(r'(?:^|\s)"([^"]*)"')  # a "quoted phrase", not a -"exclusion"
+
+
+def _lexical_only(query: Query) -> bool:
+    """A "quoted phrase" or a prefix* is about the words as typed: those queries stay
+    keyword. A word with inner punctuation (command-line, e-mail) is a phrase to the index
+    but not to the person typing it: it is searched by meaning too."""
+    if any(alt[0] == "prefix" for clause in query.clauses for alt in clause):
+        return True
+    return any(len(tokenize(p)) > 1 for p in _QUOTED_RE.findall(query.text))
+
+
+def _embedding_text(query: Query) -> str:
+    """Return what to embed: the words asked for, without OR and -exclusions."""
+    words = [w for w in query.text.split() if w != "OR" and not w.startswith("-")]
+    return " ".join(words) or query.text
+
+
+def _chunk_snippet(svc: Service, path: str, chunk: int) -> str:
+    doc = svc.index.document(path)
+    if doc is None:
+        return ""
+    chunks = chunk_note(doc[1], doc[2])
+    if chunk >= len(chunks):
+        return ""
+    text = " ".join(chunk_body(chunks[chunk]).split())
+    return text if len(text) <= 200 else text[:199].rsplit(" ", 1)[0] + "…"
+
+
+def find_notes(
+    svc: Service, query: Query, folder: str, limit: int, offset: int, mode: str = ""
+) -> dict:
+    """Search as `mode` asks (hybrid by default when embeddings are on): {total, results:
+    [(path, title, score, snippet)], mode, fallback}. Never fails because the endpoint
+    does: it answers in keyword mode with fallback true."""
+    embedder = svc.embedder
+    if mode and mode not in MODES:
+        raise bad_request(f"'mode' must be one of {', '.join(MODES)}")
+    mode = mode or ("hybrid" if embedder is not None else "keyword")
+    if mode != "keyword" and embedder is not None and not _lexical_only(query):
+        vector = embedder.query_vector(_embedding_text(query))
+        if vector is not None:
+            return _by_meaning(svc, query, folder, (limit, offset), mode, vector)
+    total, hits = svc.index.search(query, folder, limit, offset)
+    return {"total": total, "results": hits, "mode": "keyword", "fallback": mode != "keyword"}
+
+
+def _by_meaning(svc: Service, query: Query, folder: str, page: tuple, mode: str, vector) -> dict:
+    near = svc.embedder.nearest(vector, folder)
+    if query.excludes:
+        out = svc.index.excluded(query.excludes, [p for p, _, _ in near])
+        near = [n for n in near if n[0] not in out]
+    chunk_of = {p: c for p, _, c in near}
+    if mode == "semantic":
+        ranked = [(p, round(s, 4)) for p, s, _ in near]
+    else:
+        _, hits = svc.index.search(query, folder, MAX_SEMANTIC_NOTES, 0, snippets=False)
+        words = [p for p, *_ in hits]
+        ranked = [(p, round(s, 6)) for p, s in fuse(words, list(chunk_of))]
+    limit, offset = page
+    results = _with_snippets(svc, query, ranked[offset : offset + limit], chunk_of)
+    return {"total": len(ranked), "results": results, "mode": mode, "fallback": False}
+
+
+def _with_snippets(svc: Service, query: Query, page: list, chunk_of: dict) -> list:
+    """Return [(path, title, score, snippet)]: the best chunk's start for a note the
+    meaning found, the words' snippet for one only the words found."""
+    titles = svc.index.titles(p for p, _ in page)
+    lexical = [p for p, _ in page if p not in chunk_of]
+    snippets = svc.index.snippets(query, lexical) if lexical else {}
+    results = []
+    for path, score in page:
+        if path in chunk_of:
+            snippet = _chunk_snippet(svc, path, chunk_of[path])
+        else:
+            snippet = snippets.get(path, "")
+        results.append((path, titles.get(path) or "", score, snippet))
+    return results
+
+
+def related_notes(svc: Service, path: str, folder: str, limit: int) -> list:
+    """Return [(path, title, score)] of the notes nearest a note (its chunks' mean) that
+    clear the floor: fewer than `limit`, or none, when no other note is near."""
+    embedder = svc.embedder
+    store = None if embedder is None else embedder.store
+    if store is None:
+        return []
+    vector = store.note_vector(path)
+    if vector is None:
+        return []
+    near = [n for n in embedder.nearest(vector, folder, limit + 1) if n[0] != path][:limit]
+    titles = svc.index.titles(p for p, _, _ in near)
+    return [(p, titles.get(p) or "", round(s, 4)) for p, s, _ in near]
+
+
 # == src/notesvc/auth.py ======================================================
 # == State and auth ===========================================================
 
@@ -15726,7 +15837,6 @@ SAVE_SECONDS = 10.0  # meta.json at most this often while embedding
 FLOOR_SECONDS = 60.0  # while a long backfill runs, the floor is made again at most this often
 FLOOR_EVERY_CHANGE = 200  # below this many notes the floor is made again after any change
 PROBE = "notesvc: the fingerprint of an embedding model"
-MODES = ("hybrid", "semantic", "keyword")
 
 
 class EmbedError(Exception):
@@ -16192,104 +16302,6 @@ def build_embedder(svc: Service) -> Embedder | None:
             remove_store(cfg.state_dir / "vectors")
         return None
     return Embedder(svc, EmbedClient(cfg.embed_url, cfg.embed_model, cfg.embed_key))
-
-
-# -- searching by meaning and by words ---------------------------------------------------
-
-
-_QUOTED_RE = re.compile(r'(?:^|\s)"([^"]*)"')  # a "quoted phrase", not a -"exclusion"
-
-
-def _lexical_only(query: Query) -> bool:
-    """A "quoted phrase" or a prefix* is about the words as typed: those queries stay
-    keyword. A word with inner punctuation (command-line, e-mail) is a phrase to the index
-    but not to the person typing it: it is searched by meaning too."""
-    if any(alt[0] == "prefix" for clause in query.clauses for alt in clause):
-        return True
-    return any(len(tokenize(p)) > 1 for p in _QUOTED_RE.findall(query.text))
-
-
-def _embedding_text(query: Query) -> str:
-    """Return what to embed: the words asked for, without OR and -exclusions."""
-    words = [w for w in query.text.split() if w != "OR" and not w.startswith("-")]
-    return " ".join(words) or query.text
-
-
-def _chunk_snippet(svc: Service, path: str, chunk: int) -> str:
-    doc = svc.index.document(path)
-    if doc is None:
-        return ""
-    chunks = chunk_note(doc[1], doc[2])
-    if chunk >= len(chunks):
-        return ""
-    text = " ".join(chunk_body(chunks[chunk]).split())
-    return text if len(text) <= 200 else text[:199].rsplit(" ", 1)[0] + "…"
-
-
-def find_notes(
-    svc: Service, query: Query, folder: str, limit: int, offset: int, mode: str = ""
-) -> dict:
-    """Search as `mode` asks (hybrid by default when embeddings are on): {total, results:
-    [(path, title, score, snippet)], mode, fallback}. Never fails because the endpoint
-    does: it answers in keyword mode with fallback true."""
-    embedder = svc.embedder
-    if mode and mode not in MODES:
-        raise bad_request(f"'mode' must be one of {', '.join(MODES)}")
-    mode = mode or ("hybrid" if embedder is not None else "keyword")
-    if mode != "keyword" and embedder is not None and not _lexical_only(query):
-        vector = embedder.query_vector(_embedding_text(query))
-        if vector is not None:
-            return _by_meaning(svc, query, folder, (limit, offset), mode, vector)
-    total, hits = svc.index.search(query, folder, limit, offset)
-    return {"total": total, "results": hits, "mode": "keyword", "fallback": mode != "keyword"}
-
-
-def _by_meaning(svc: Service, query: Query, folder: str, page: tuple, mode: str, vector) -> dict:
-    near = svc.embedder.nearest(vector, folder)
-    if query.excludes:
-        out = svc.index.excluded(query.excludes, [p for p, _, _ in near])
-        near = [n for n in near if n[0] not in out]
-    chunk_of = {p: c for p, _, c in near}
-    if mode == "semantic":
-        ranked = [(p, round(s, 4)) for p, s, _ in near]
-    else:
-        _, hits = svc.index.search(query, folder, MAX_SEMANTIC_NOTES, 0, snippets=False)
-        words = [p for p, *_ in hits]
-        ranked = [(p, round(s, 6)) for p, s in fuse(words, list(chunk_of))]
-    limit, offset = page
-    results = _with_snippets(svc, query, ranked[offset : offset + limit], chunk_of)
-    return {"total": len(ranked), "results": results, "mode": mode, "fallback": False}
-
-
-def _with_snippets(svc: Service, query: Query, page: list, chunk_of: dict) -> list:
-    """Return [(path, title, score, snippet)]: the best chunk's start for a note the
-    meaning found, the words' snippet for one only the words found."""
-    titles = svc.index.titles(p for p, _ in page)
-    lexical = [p for p, _ in page if p not in chunk_of]
-    snippets = svc.index.snippets(query, lexical) if lexical else {}
-    results = []
-    for path, score in page:
-        if path in chunk_of:
-            snippet = _chunk_snippet(svc, path, chunk_of[path])
-        else:
-            snippet = snippets.get(path, "")
-        results.append((path, titles.get(path) or "", score, snippet))
-    return results
-
-
-def related_notes(svc: Service, path: str, folder: str, limit: int) -> list:
-    """Return [(path, title, score)] of the notes nearest a note (its chunks' mean) that
-    clear the floor: fewer than `limit`, or none, when no other note is near."""
-    embedder = svc.embedder
-    store = None if embedder is None else embedder.store
-    if store is None:
-        return []
-    vector = store.note_vector(path)
-    if vector is None:
-        return []
-    near = [n for n in embedder.nearest(vector, folder, limit + 1) if n[0] != path][:limit]
-    titles = svc.index.titles(p for p, _, _ in near)
-    return [(p, titles.get(p) or "", round(s, 4)) for p, s, _ in near]
 
 
 # == src/notesvc/plugins.py ===================================================
@@ -31165,680 +31177,7 @@ def agent_status(svc: Service) -> dict:
     }
 
 
-# == src/notesvc/http/integrations.py =========================================
-# -- MCP: the tools over JSON-RPC 2.0 (Streamable HTTP, answered as JSON) -------------------
-#
-# POST /api/v1/mcp takes one JSON-RPC message and answers it with one JSON object (no SSE,
-# no sessions). Two eras share it, told apart the way the official SDKs route them: by the
-# MCP-Protocol-Version header (none, or a handshake-era version: the handshake era).
-#   2025-06-18, 2025-11-25: `initialize` (nothing is kept: every request stands alone),
-#     `notifications/initialized` (202), `ping`, `tools/list`, `tools/call`.
-#   2026-07-28 (stateless): no handshake; each request carries its version and capabilities
-#     in `params._meta`, and the MCP-Protocol-Version, Mcp-Method and Mcp-Name headers must
-#     repeat the body (-32020 when they do not); an unknown version is -32022 with the list.
-#     `server/discover`, `tools/list`, `tools/call`; results carry `resultType: "complete"`.
-
-_HANDSHAKE_ERA = ("2024-11-05", "2025-03-26", *MCP_HANDSHAKE_VERSIONS)
-META_VERSION = "io.modelcontextprotocol/protocolVersion"
-META_CAPABILITIES = "io.modelcontextprotocol/clientCapabilities"
-META_SERVER_INFO = "io.modelcontextprotocol/serverInfo"
-PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, INVALID_PARAMS = -32700, -32600, -32601, -32602
-HEADER_MISMATCH, UNSUPPORTED_VERSION = -32020, -32022
-# The HTTP status of a stateless-era error (the SDKs' table); in the handshake era a body
-# that cannot be taken is 400 and every other error 200.
-_STATELESS_STATUS = {METHOD_NOT_FOUND: 404}
-_HANDSHAKE_400 = (PARSE_ERROR, INVALID_REQUEST, UNSUPPORTED_VERSION)
-MCP_LIST_TTL_MS = 60000  # how long a stateless client may cache the tool list
-MCP_INSTRUCTIONS = (
-    "The user's Markdown notes, paths like notes/<folders>/<name>.md. Find notes with "
-    "search_notes (or list_folder, recent_changes) and read them with read_note before "
-    "answering from them; name the paths you used. To change a note, read it first and pass "
-    "its etag to update_note or move_note."
-)
-
-
-def server_info() -> dict:
-    return {"name": "notesvc", "title": "notesvc notes", "version": __version__}
-
-
-class RpcError(Exception):
-    """A JSON-RPC error answer (its HTTP status follows from the code and the era)."""
-
-    def __init__(self, code: int, message: str, data: Any = None):
-        super().__init__(message)
-        self.code, self.message, self.data = code, message, data
-
-    def answer(self, request_id: Any) -> dict:
-        error = {"code": self.code, "message": self.message}
-        if self.data is not None:
-            error["data"] = self.data
-        return {"jsonrpc": "2.0", "id": request_id, "error": error}
-
-    def http_status(self, stateless: bool) -> int:
-        if stateless:
-            return _STATELESS_STATUS.get(self.code, 400)
-        return 400 if self.code in _HANDSHAKE_400 else 200
-
-
-def cors_allows(config: Config, origin: str) -> bool:
-    """Return whether SERVICE_CORS_ORIGINS lets pages of this origin call the API."""
-    return "*" in config.cors or origin.rstrip("/") in config.cors
-
-
-def authenticate_mcp(svc: Service, environ: dict) -> Principal:
-    """Let a request to /mcp through or raise 403, 401 or 429: the one place /mcp's callers
-    are checked. A page's Origin must be one SERVICE_CORS_ORIGINS allows (so a site that
-    rebinds its name to this machine gets nowhere), then the key, which may come as
-    X-Service-Key, `Authorization: Bearer` or X-API-Key (docs/api.md), or an OAuth access
-    token issued for this URL (docs/api.md: Let others in). Returns who the request acts for."""
-    origin = environ.get("HTTP_ORIGIN", "")
-    if origin and not cors_allows(svc.config, origin):
-        raise ApiError(
-            403,
-            "FORBIDDEN",
-            "requests from web pages are refused unless their origin is listed in "
-            "SERVICE_CORS_ORIGINS",
-        )
-    return svc.authenticate(environ, mcp=True)
-
-
-def mcp_endpoint(svc: Service) -> bytes:
-    """POST /mcp: one JSON-RPC message in; its answer out, or 202 for a notification."""
-    env = bottle.request.environ
-    stateless = _stateless_era(env, None)
-    request_id = None
-    try:
-        message = _rpc_message(svc.config.max_body_bytes)
-        stateless = _stateless_era(env, message)
-        request_id = message.get("id")  # answered with errors too, when it is a usable id
-        if not isinstance(request_id, (str, int)) or isinstance(request_id, bool):
-            request_id = None
-        method, params = _rpc_request(message, request_id)
-        if method is None:  # a notification or a response: nothing to answer
-            if stateless:
-                _check_version(env.get("HTTP_MCP_PROTOCOL_VERSION"), MCP_STATELESS_VERSIONS)
-            bottle.response.status = 202
-            bottle.response.content_type = JSON_TYPE
-            return b""
-        if stateless:
-            result = _stateless_request(svc, env, method, params)
-        else:
-            result = _handshake_request(svc, env, method, params)
-        answer, status = {"jsonrpc": "2.0", "id": request_id, "result": result}, 200
-    except RpcError as e:
-        answer, status = e.answer(request_id), e.http_status(stateless)
-    bottle.response.status = status
-    bottle.response.content_type = JSON_TYPE
-    return to_json(answer)
-
-
-def _stateless_era(env: dict, message: Any) -> bool:
-    """Return whether a request speaks the 2026-07-28 era: a header naming another version
-    than the handshake era's, or (its header missing) a body carrying its version."""
-    header = env.get("HTTP_MCP_PROTOCOL_VERSION")
-    if header is not None:
-        return header not in _HANDSHAKE_ERA
-    params = message.get("params") if isinstance(message, dict) else None
-    meta = params.get("_meta") if isinstance(params, dict) else None
-    return isinstance(meta, dict) and META_VERSION in meta
-
-
-def _rpc_message(max_bytes: int) -> Any:
-    """Return the request's JSON-RPC message; 413 / 415 as ApiErrors, -32700 / -32600."""
-    req = bottle.request
-    if req.content_type.split(";")[0].strip().lower() != "application/json":
-        raise ApiError(
-            415, "UNSUPPORTED_MEDIA_TYPE", "send JSON-RPC with Content-Type: application/json"
-        )
-    if req.content_length > max_bytes:
-        raise ApiError(413, "PAYLOAD_TOO_LARGE", f"the body is over {max_bytes} bytes")
-    raw = req.body.read(max_bytes + 1)
-    if len(raw) > max_bytes:
-        raise ApiError(413, "PAYLOAD_TOO_LARGE", f"the body is over {max_bytes} bytes")
-    try:
-        message = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise RpcError(PARSE_ERROR, "the body is not valid JSON (UTF-8)") from None
-    if isinstance(message, list):
-        raise RpcError(INVALID_REQUEST, "batches are not supported: one message per request")
-    if not isinstance(message, dict):
-        raise RpcError(INVALID_REQUEST, "the body must be one JSON-RPC message (an object)")
-    return message
-
-
-def _rpc_request(message: dict, request_id: Any) -> tuple:
-    """Return (method, params) of a request; method None for a notification or a response
-    (both are only acknowledged); -32600 / -32602 for a malformed message."""
-    if message.get("jsonrpc") != "2.0":
-        raise RpcError(INVALID_REQUEST, 'a JSON-RPC 2.0 message needs "jsonrpc": "2.0"')
-    method = message.get("method")
-    if method is None and "id" in message and ("result" in message or "error" in message):
-        return None, {}  # a response: this server never asks, so it is dropped
-    if not isinstance(method, str) or not method:
-        raise RpcError(INVALID_REQUEST, "'method' must be a non-empty string")
-    if "id" in message and request_id is None:
-        raise RpcError(INVALID_REQUEST, "'id' must be a string or a whole number")
-    params = message.get("params")
-    if params is not None and not isinstance(params, dict):
-        raise RpcError(INVALID_PARAMS, "'params' must be an object")
-    return method if "id" in message else None, params or {}
-
-
-def _check_version(version: Any, served: tuple) -> None:
-    if version not in served:
-        requested = version[:64] if isinstance(version, str) else None
-        raise RpcError(
-            UNSUPPORTED_VERSION,
-            f"protocol version {str(version)[:40]!r} is not supported",
-            {"supported": list(MCP_VERSIONS), "requested": requested},
-        )
-
-
-def _handshake_request(svc: Service, env: dict, method: str, params: dict) -> dict:
-    if method == "initialize":  # the client's version when served, else the newest
-        asked = params.get("protocolVersion")
-        version = asked if asked in MCP_HANDSHAKE_VERSIONS else MCP_HANDSHAKE_VERSIONS[-1]
-        return {
-            "protocolVersion": version,
-            "capabilities": {"tools": {"listChanged": False}},
-            "serverInfo": server_info(),
-            "instructions": MCP_INSTRUCTIONS,
-        }
-    header = env.get("HTTP_MCP_PROTOCOL_VERSION")
-    if header is not None:
-        _check_version(header, MCP_HANDSHAKE_VERSIONS)
-    if method == "ping":
-        return {}
-    return _tools_method(svc, method, params)
-
-
-def _header_text(value: str | None) -> str | None:
-    """Return a header's text; a value the client wrapped as =?base64?...?= is unwrapped."""
-    m = re.fullmatch(r"=\?base64\?([A-Za-z0-9+/=]*)\?=", value or "")
-    if not m:
-        return value
-    try:
-        return base64.b64decode(m.group(1), validate=True).decode("utf-8")
-    except (ValueError, UnicodeDecodeError):
-        return None
-
-
-def _stateless_request(svc: Service, env: dict, method: str, params: dict) -> dict:
-    meta = params.get("_meta")
-    if not isinstance(meta, dict) or META_VERSION not in meta or META_CAPABILITIES not in meta:
-        raise RpcError(
-            INVALID_PARAMS,
-            f"params._meta must carry {META_VERSION!r} and {META_CAPABILITIES!r} "
-            "(protocol 2026-07-28)",
-        )
-    version = meta[META_VERSION]
-    if env.get("HTTP_MCP_PROTOCOL_VERSION") != version:
-        raise RpcError(
-            HEADER_MISMATCH, "the MCP-Protocol-Version header does not match params._meta"
-        )
-    if env.get("HTTP_MCP_METHOD") != method:
-        raise RpcError(HEADER_MISMATCH, "the Mcp-Method header does not match the method")
-    name = params.get("name")
-    if (
-        method == "tools/call"
-        and name is not None
-        and _header_text(env.get("HTTP_MCP_NAME")) != name
-    ):
-        raise RpcError(HEADER_MISMATCH, "the Mcp-Name header does not match params.name")
-    _check_version(version, MCP_STATELESS_VERSIONS)
-    if method == "server/discover":
-        result = {
-            "supportedVersions": list(MCP_VERSIONS),
-            "capabilities": {"tools": {"listChanged": False}},
-            "instructions": MCP_INSTRUCTIONS,
-            "cacheScope": "private",
-            "ttlMs": MCP_LIST_TTL_MS,
-        }
-    else:
-        result = _tools_method(svc, method, params)
-    if method == "tools/list":
-        result.update(cacheScope="private", ttlMs=MCP_LIST_TTL_MS)
-    return {**result, "resultType": "complete", "_meta": {META_SERVER_INFO: server_info()}}
-
-
-def _tools_method(svc: Service, method: str, params: dict) -> dict:
-    if method == "tools/list":
-        if params.get("cursor") is not None:
-            raise RpcError(INVALID_PARAMS, "unknown cursor: the tool list has a single page")
-        tools = available_tools(svc, svc.config.mcp_write)
-        return {"tools": [mcp_tool(t) for t in tools]}
-    if method == "tools/call":
-        return _tools_call(svc, params.get("name"), params.get("arguments"))
-    raise RpcError(METHOD_NOT_FOUND, f"method {method[:64]!r} is not served here")
-
-
-def mcp_tool(tool: Tool) -> dict:
-    """Return a tool as MCP's tools/list describes it."""
-    return {
-        "name": tool.name,
-        "title": tool.annotations()["title"],
-        "description": tool.description,
-        "inputSchema": tool.schema,
-        "annotations": tool.annotations(),
-    }
-
-
-def _tools_call(svc: Service, name: Any, arguments: Any) -> dict:
-    if not isinstance(name, str):
-        raise RpcError(INVALID_PARAMS, "params.name must name a tool (see tools/list)")
-    if arguments is not None and not isinstance(arguments, dict):
-        raise RpcError(INVALID_PARAMS, "params.arguments must be an object")
-    offered = {t.name: t for t in available_tools(svc, svc.config.mcp_write)}
-    if name not in offered:
-        known = svc.tools.get(name)
-        if known is not None and request_principal().folder and TOOLS.get(name) is not known:
-            why = f"{name} is a plugin's tool: a connection to one folder gets the built-in tools"
-        elif known is not None and not known.read_only and not svc.config.mcp_write:
-            why = f"{name} changes notes: the owner has not allowed that (SERVICE_MCP_WRITE)"
-        elif known is not None and not known.read_only:
-            why = f"{name} changes notes: this connection was granted reading only"
-        elif known is not None:
-            why = f"{name} needs the {known.plugin} plugin, which is switched off"
-        else:
-            why = f"unknown tool {name[:64]!r} (see tools/list)"
-        raise RpcError(INVALID_PARAMS, why)
-    log.debug("request %s: MCP tool %s", _rid(), name)
-    return call_tool(svc, offered[name], arguments or {})
-
-
-# -- channels ----------------------------------------------------------------------------------
-
-
-def list_channel_providers(svc: Service) -> dict:
-    return {
-        "providers": [
-            {
-                "name": p.name,
-                "description": p.description,
-                "fields": [dataclasses.asdict(f) for f in p.fields],
-                "allowlistField": p.allow,
-                "webhookPath": f"{API}/channels/webhook/{p.name}",
-            }
-            for p in svc.channel_providers.values()
-        ]
-    }
-
-
-def list_channels(svc: Service) -> dict:
-    return {"channels": [redact_channel(c, svc.channel_providers) for c in _channels(svc)]}
-
-
-def create_channel(svc: Service) -> dict:
-    body = read_json(svc.config.max_body_bytes)
-    name = field(body, "provider")
-    provider = svc.channel_providers.get(name)
-    if provider is None:
-        raise bad_request(f"'provider' must be one of {', '.join(svc.channel_providers)}")
-    config = validate_channel_config(provider, body.get("config", {}))
-    title = field(body, "name", required=False, max_len=100) or f"{name} channel"
-    return add_channel(svc, name, config, title)
-
-
-def add_channel(svc: Service, name: str, config: dict, title: str, **extra) -> dict:
-    """Store a new channel (config already checked) and start what it needs; return it."""
-    # Through a relay (or this server's own /r/<id> prefix) the hook must go that way too.
-    base = svc.issuer(bottle.request.environ)
-    channel = {
-        "id": "ch_" + secrets.token_hex(6),
-        "provider": name,
-        "name": _printable(title),
-        "enabled": True,
-        "createdAt": iso(utcnow()),
-        "webhookUrl": f"{base}{API}/channels/webhook/{name}",
-        "secret": secrets.token_urlsafe(24),
-        "config": config,
-        **extra,
-    }
-    maker = made_by(request_principal())  # the chats it allows are theirs (unbind_chats)
-    note_chat_makers(channel, svc.channel_providers.get(name), [], maker)
-    svc.state.update(lambda data: data.setdefault("channels", []).append(channel))
-    log.info("channel %s (%s) created", channel["id"], name)
-    channel = configure_channel(svc, channel)  # Telegram webhook mode: setWebhook
-    svc.pollers.sync()
-    return channel
-
-
-TELEGRAM_TOKEN_RE = re.compile(r"^[0-9]{1,20}:[A-Za-z0-9_-]{1,200}\Z")  # BotFather's shape
-
-
-def connect_telegram(svc: Service) -> dict:
-    """POST /channels/connect/telegram {botToken, name?}: the web client's "Connect
-    Telegram". The token is checked with getMe first (refused: 400, Telegram unreachable:
-    502; nothing is stored either way); then a polling channel that no chat may use until
-    one sends the bind code (10 minutes), which connects that chat alone."""
-    body = read_json(svc.config.max_body_bytes)
-    token = field(body, "botToken", max_len=MAX_CONFIG_CHARS).strip()
-    if not TELEGRAM_TOKEN_RE.match(token):
-        raise bad_request("'botToken' must be the token BotFather gave you (123456:ABC...)")
-    try:
-        bot = telegram_call(svc, {"botToken": token}, "getMe", {}, timeout=15)
-    except TelegramError as e:
-        raise bad_request(
-            f"Telegram refused this token ({e}); copy it again from @BotFather"
-        ) from None
-    except UpstreamError as e:
-        raise ApiError(502, "UPSTREAM_ERROR", f"Telegram cannot be reached: {e}") from None
-    bot = bot if isinstance(bot, dict) else {}
-    username = _printable(str(bot.get("username") or ""), 64)
-    title = field(body, "name", required=False, max_len=100) or f"@{username or 'telegram'}"
-    config = validate_channel_config(
-        svc.channel_providers["telegram"],
-        {"botToken": token, "mode": "polling", "notify": True},
-    )
-    code, binding = new_binding(made_by(request_principal()))
-    channel = add_channel(svc, "telegram", config, title, binding=binding, bot=username)
-    return bind_answer(svc, channel, code, binding)
-
-
-def bind_answer(svc: Service, channel: dict, code: str, binding: dict) -> dict:
-    """Return what the web client shows to connect a chat: the code, the bot's t.me link
-    that sends it (and its QR code), until when it works."""
-    username = channel.get("bot") or ""
-    link = f"https://t.me/{username}?start={code}" if username else ""
-    answer = {
-        "channel": redact_channel(channel, svc.channel_providers),
-        "bindCode": code,
-        "bindUntil": binding["until"],
-        "bot": username,
-        "link": link,
-    }
-    svg = qr_svg(link) if link else None
-    if svg:
-        answer["qrSvg"] = svg
-    return answer
-
-
-def bind_channel(svc: Service, channel_id: str) -> dict:
-    """POST /channels/:id/bind: a new bind code; the next chat to send it replaces the
-    allowed chats (the ones allowed now keep working until then)."""
-    code, binding = new_binding(made_by(request_principal()))
-
-    def apply(channels: list, i: int) -> dict:
-        if channels[i]["provider"] != "telegram":
-            raise bad_request("only a Telegram channel is connected by a code")
-        channels[i]["binding"] = binding
-        return channels[i]
-
-    channel = _change_channel(svc, channel_id, apply)
-    return bind_answer(svc, channel, code, binding)
-
-
-def get_channel(svc: Service, channel_id: str) -> dict:
-    """Return one channel, redacted, with the last senders its allowlist refused."""
-    for channel in _channels(svc):
-        if channel["id"] == channel_id:
-            refused = channel.get("refusedSenders", [])
-            return {**redact_channel(channel, svc.channel_providers), "refusedSenders": refused}
-    raise not_found(f"no channel {channel_id}")
-
-
-def patch_channel(svc: Service, channel_id: str) -> dict:
-    """Merge {name?, config?} into a channel (validated as on create; the secret stays)."""
-    if not any(c["id"] == channel_id for c in _channels(svc)):  # 404 before the body's 400
-        raise not_found(f"no channel {channel_id}")
-    body = read_json(svc.config.max_body_bytes)
-    unknown = sorted(set(body) - {"name", "config"})
-    if unknown:
-        raise bad_request(f"unknown field(s): {', '.join(unknown)}; send name and/or config")
-    if not body:
-        raise bad_request("nothing to change: send name and/or config")
-    title = field(body, "name", required=False, max_len=100)
-    if title is not None and is_blank(title):
-        raise bad_request("'name' must not be empty")
-    changes = field(body, "config", dict, required=False)
-    maker = made_by(request_principal())
-
-    def merge(channels: list, i: int) -> dict:
-        channel = channels[i]
-        if changes is not None:
-            provider = svc.channel_providers.get(channel["provider"])
-            if provider is None:
-                raise bad_request(f"channel provider {channel['provider']!r} is not loaded")
-            stored = channel["config"]
-            before = list(stored.get(provider.allow) or []) if provider.allow else []
-            if "mode" not in stored and any(f.name == "mode" for f in provider.fields):
-                stored = {**stored, "mode": "webhook"}  # stored before modes: a webhook
-            channel["config"] = validate_channel_config(provider, {**stored, **changes})
-            note_chat_makers(channel, provider, before, maker)
-        if title is not None:  # only invisible characters: the name it had stays
-            channel["name"] = _printable(title) or channel["name"]
-        return channel
-
-    channel = _change_channel(svc, channel_id, merge)
-    log.info("channel %s changed", channel_id)
-    svc.pollers.sync(join=15)  # a poller that goes is done before a webhook is set
-    if changes is not None:
-        channel = configure_channel(svc, channel)  # webhook mode: setWebhook again
-    return redact_channel(channel, svc.channel_providers)
-
-
-def toggle_channel(svc: Service, channel_id: str) -> dict:
-    def flip(channels: list, i: int) -> dict:
-        channels[i]["enabled"] = not channels[i]["enabled"]
-        return channels[i]
-
-    channel = _change_channel(svc, channel_id, flip)
-    svc.pollers.sync()
-    return redact_channel(channel, svc.channel_providers)
-
-
-def delete_channel(svc: Service, channel_id: str) -> dict:
-    _change_channel(svc, channel_id, lambda channels, i: channels.pop(i))
-    svc.pollers.sync()
-    return {"id": channel_id, "deleted": True}
-
-
-def receive_webhook(svc: Service, provider: str) -> dict:
-    prov = svc.channel_providers.get(provider)
-    if prov is None:
-        raise not_found(f"no channel provider {provider!r}")
-    env = bottle.request.environ
-    limit = svc.config.max_body_bytes
-    signature = ""
-    if prov.signature_header:
-        signature = env.get("HTTP_" + prov.signature_header.upper().replace("-", "_"), "")
-
-    def raw() -> bytes:  # the body as signed: read (and checked) as JSON, then as bytes
-        read_json(limit)
-        return bottle.request.body.read(limit + 1)
-
-    return handle_channel_update(
-        svc,
-        prov,
-        channel_secret(svc, prov, env),
-        svc.client_addr(env),
-        lambda: read_json(limit),
-        signature,
-        raw,
-    )
-
-
-def verify_webhook(svc: Service, provider: str):
-    """GET /channels/webhook/<provider>: the provider's own subscription check."""
-    prov = svc.channel_providers.get(provider)
-    if prov is None or prov.verify is None:
-        raise not_found(f"channel provider {provider!r} has no subscription check")
-    return prov.verify(svc)
-
-
-# -- reminders -----------------------------------------------------------------------------
-
-
-def list_reminders(svc: Service) -> dict:
-    """The reminders not sent yet (⏰ lines and `remind:`), soonest first."""
-    limit = query_int("limit", 100, 1, 1000)
-    offset = query_int("offset", 0, 0, 10**9)
-    sees = request_principal().sees  # a folder grant: its folder's reminders
-    pending = [r for r in svc.reminders.upcoming() if sees(r["path"])]
-    return {
-        "reminders": [
-            {
-                "id": r["id"],
-                "path": r["path"],
-                "title": r["title"],
-                "line": r["line"],
-                "due": iso(r["due"]),
-                "local": r["wall"],
-            }
-            for r in pending[offset : offset + limit]
-        ],
-        "total": len(pending),
-        "limit": limit,
-        "offset": offset,
-        "timeZone": svc.config.timezone or "system",
-    }
-
-
-# -- plugins -------------------------------------------------------------------------------
-
-
-def plugin_info(svc: Service, plugin: Plugin) -> dict:
-    return {
-        "name": plugin.name,
-        "version": plugin.version,
-        "description": plugin.description,
-        "enabled": svc.plugin_enabled(plugin.name),
-        "builtin": plugin.builtin,
-        "error": plugin.error or svc.plugin_errors.get(plugin.name),
-        "hooks": sorted(plugin.hooks),
-        "routes": [f"{r.method} {API}/plugins/{plugin.name}{r.path}" for r in plugin.routes],
-    }
-
-
-def _plugin(svc: Service, name: str) -> Plugin:
-    plugin = svc.plugins.get(name)
-    if plugin is None:
-        raise not_found(f"no plugin {name!r}")
-    return plugin
-
-
-def list_plugins(svc: Service) -> dict:
-    return {"plugins": [plugin_info(svc, p) for p in svc.plugins.values()]}
-
-
-def get_plugin(svc: Service, name: str) -> dict:
-    """The plugin's record; a plugin's own page (route "") adds its data when it is on."""
-    plugin = _plugin(svc, name)
-    info = plugin_info(svc, plugin)
-    page = next((r for r in plugin.routes if r.method == "GET" and r.path == ""), None)
-    who = request_principal()  # a grant sees a page its scope allows, a folder grant a built-in's
-    allowed = page and who.allows(page.scope) and (plugin.builtin or not who.folder)
-    if allowed and info["enabled"]:
-        info.update(page.handler(svc))
-    return info
-
-
-def toggle_plugin(svc: Service, name: str) -> dict:
-    plugin = _plugin(svc, name)
-    if plugin.error and plugin.name not in svc.plugin_errors:
-        raise ApiError(409, "CONFLICT", f"plugin {name} did not load: {plugin.error}")
-    enabled = not svc.plugin_enabled(name)
-    svc.state.update(lambda data: data.setdefault("plugins", {}).__setitem__(name, enabled))
-    svc.plugin_errors.pop(name, None)
-    return plugin_info(svc, plugin)
-
-
-def plugin_routes(plugins: Iterable[Plugin]) -> tuple:
-    """Return the Routes of the plugins' own endpoints, each refusing while it is off."""
-    routes = []
-    for plugin in plugins:
-        for r in plugin.routes:
-            if r.method == "GET" and r.path == "":
-                continue  # served by get_plugin
-
-            def guarded(svc: Service, _name=plugin.name, _handler=r.handler, **kwargs):
-                if not svc.plugin_enabled(_name):
-                    raise ApiError(403, "PLUGIN_DISABLED", f"plugin {_name} is switched off")
-                return _handler(svc, **kwargs)
-
-            guarded.__name__ = re.sub(r"\W+", "_", f"{plugin.name}_{r.handler.__name__}")
-            routes.append(
-                Route(
-                    r.method,
-                    f"/plugins/{plugin.name}{r.path}",
-                    guarded,
-                    summary=r.summary,
-                    status=r.status,
-                    params=r.params,
-                    tag="plugins",
-                    scope=r.scope,
-                    secret=r.secret,
-                )
-            )
-    return tuple(routes)
-
-
-# -- security ------------------------------------------------------------------------------
-
-
-def security_audit(svc: Service) -> dict:
-    return run_audit(svc)
-
-
-def security_config(svc: Service) -> dict:
-    cfg, st = svc.config, svc.state.read()
-    channels = st.get("channels", [])
-    return {
-        "auth": {
-            "mode": cfg.auth_mode,
-            "header": KEY_HEADER,
-            "jwt": {"enabled": cfg.auth_mode == "jwt", "tokenLifetimeSeconds": JWT_LIFETIME},
-            "keyCreatedAt": st.get("keyCreatedAt", ""),
-            "keyAgeDays": key_age_days(st),
-            "keyComparison": "constant-time (SHA-256 digests, hmac.compare_digest)",
-        },
-        "setup": {
-            "complete": bool(st.get("setupComplete")),
-            "localOnly": svc.setup_loopback_only,
-            "windowSeconds": cfg.setup_window,
-            "linkedClients": len(st.get("linkedClients", [])),
-        },
-        "network": {"bindHost": cfg.host, **_network_facts(cfg), "pairingMode": cfg.pairing},
-        "limits": {
-            **_limit_facts(svc),
-            "maxQueryChars": MAX_QUERY_CHARS,
-            "maxMessageChars": MAX_MESSAGE_CHARS,
-        },
-        "channels": {
-            "count": len(channels),
-            "enabled": sum(bool(c["enabled"]) for c in channels),
-            "withoutAllowlist": sum(
-                1
-                for c in channels
-                if c["provider"] in svc.channel_providers
-                and not c["config"].get(svc.channel_providers[c["provider"]].allow)
-            ),
-        },
-        "plugins": {
-            "count": len(svc.plugins),
-            "thirdParty": sum(not p.builtin for p in svc.plugins.values()),
-            "enabled": sum(svc.plugin_enabled(n) for n in svc.plugins),
-        },
-        "agent": _agent_facts(cfg),
-        "grants": svc.grants.counts(),
-    }
-
-
-def security_recommendations(svc: Service) -> dict:
-    return {
-        "recommendations": [
-            {
-                "id": f["id"],
-                "severity": f["severity"],
-                "title": f["title"],
-                "action": f["recommendation"],
-            }
-            for f in run_audit(svc)["findings"]
-            if f["severity"] != "info"
-        ]
-    }
-
-
+# == src/notesvc/http/access.py ===============================================
 # -- grants: scoped keys and share links ------------------------------------------------
 
 
@@ -32036,7 +31375,7 @@ def claim_device(svc: Service) -> dict:
 def revoke_scoped_key(svc: Service, grant_id: str) -> dict:
     """DELETE /auth/keys/<id>[?cascade=true]: the grant, its share links and the pairings it
     made that wait; with cascade also every grant it made (by `createdBy`, and theirs)."""
-    cascade = _yes(bottle.request.query.get("cascade"), "cascade")
+    cascade = yes_or_no(bottle.request.query.get("cascade"), "cascade")
     gone = svc.grants.revoke(grant_id, cascade=cascade)
     if not gone:
         raise not_found(f"no key or OAuth grant {grant_id}")
@@ -32467,6 +31806,681 @@ def pair_relay_code(svc: Service, code: str) -> dict:
     return {"serverId": st["serverId"], "relayApiBase": f"{relay}{API}"}
 
 
+# == src/notesvc/http/mcp.py ==================================================
+# -- MCP: the tools over JSON-RPC 2.0 (Streamable HTTP, answered as JSON) -------------------
+#
+# POST /api/v1/mcp takes one JSON-RPC message and answers it with one JSON object (no SSE,
+# no sessions). Two eras share it, told apart the way the official SDKs route them: by the
+# MCP-Protocol-Version header (none, or a handshake-era version: the handshake era).
+#   2025-06-18, 2025-11-25: `initialize` (nothing is kept: every request stands alone),
+#     `notifications/initialized` (202), `ping`, `tools/list`, `tools/call`.
+#   2026-07-28 (stateless): no handshake; each request carries its version and capabilities
+#     in `params._meta`, and the MCP-Protocol-Version, Mcp-Method and Mcp-Name headers must
+#     repeat the body (-32020 when they do not); an unknown version is -32022 with the list.
+#     `server/discover`, `tools/list`, `tools/call`; results carry `resultType: "complete"`.
+
+_HANDSHAKE_ERA = ("2024-11-05", "2025-03-26", *MCP_HANDSHAKE_VERSIONS)
+META_VERSION = "io.modelcontextprotocol/protocolVersion"
+META_CAPABILITIES = "io.modelcontextprotocol/clientCapabilities"
+META_SERVER_INFO = "io.modelcontextprotocol/serverInfo"
+PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, INVALID_PARAMS = -32700, -32600, -32601, -32602
+HEADER_MISMATCH, UNSUPPORTED_VERSION = -32020, -32022
+# The HTTP status of a stateless-era error (the SDKs' table); in the handshake era a body
+# that cannot be taken is 400 and every other error 200.
+_STATELESS_STATUS = {METHOD_NOT_FOUND: 404}
+_HANDSHAKE_400 = (PARSE_ERROR, INVALID_REQUEST, UNSUPPORTED_VERSION)
+MCP_LIST_TTL_MS = 60000  # how long a stateless client may cache the tool list
+MCP_INSTRUCTIONS = (
+    "The user's Markdown notes, paths like notes/<folders>/<name>.md. Find notes with "
+    "search_notes (or list_folder, recent_changes) and read them with read_note before "
+    "answering from them; name the paths you used. To change a note, read it first and pass "
+    "its etag to update_note or move_note."
+)
+
+
+def server_info() -> dict:
+    return {"name": "notesvc", "title": "notesvc notes", "version": __version__}
+
+
+class RpcError(Exception):
+    """A JSON-RPC error answer (its HTTP status follows from the code and the era)."""
+
+    def __init__(self, code: int, message: str, data: Any = None):
+        super().__init__(message)
+        self.code, self.message, self.data = code, message, data
+
+    def answer(self, request_id: Any) -> dict:
+        error = {"code": self.code, "message": self.message}
+        if self.data is not None:
+            error["data"] = self.data
+        return {"jsonrpc": "2.0", "id": request_id, "error": error}
+
+    def http_status(self, stateless: bool) -> int:
+        if stateless:
+            return _STATELESS_STATUS.get(self.code, 400)
+        return 400 if self.code in _HANDSHAKE_400 else 200
+
+
+def cors_allows(config: Config, origin: str) -> bool:
+    """Return whether SERVICE_CORS_ORIGINS lets pages of this origin call the API."""
+    return "*" in config.cors or origin.rstrip("/") in config.cors
+
+
+def authenticate_mcp(svc: Service, environ: dict) -> Principal:
+    """Let a request to /mcp through or raise 403, 401 or 429: the one place /mcp's callers
+    are checked. A page's Origin must be one SERVICE_CORS_ORIGINS allows (so a site that
+    rebinds its name to this machine gets nowhere), then the key, which may come as
+    X-Service-Key, `Authorization: Bearer` or X-API-Key (docs/api.md), or an OAuth access
+    token issued for this URL (docs/api.md: Let others in). Returns who the request acts for."""
+    origin = environ.get("HTTP_ORIGIN", "")
+    if origin and not cors_allows(svc.config, origin):
+        raise ApiError(
+            403,
+            "FORBIDDEN",
+            "requests from web pages are refused unless their origin is listed in "
+            "SERVICE_CORS_ORIGINS",
+        )
+    return svc.authenticate(environ, mcp=True)
+
+
+def mcp_endpoint(svc: Service) -> bytes:
+    """POST /mcp: one JSON-RPC message in; its answer out, or 202 for a notification."""
+    env = bottle.request.environ
+    stateless = _stateless_era(env, None)
+    request_id = None
+    try:
+        message = _rpc_message(svc.config.max_body_bytes)
+        stateless = _stateless_era(env, message)
+        request_id = message.get("id")  # answered with errors too, when it is a usable id
+        if not isinstance(request_id, (str, int)) or isinstance(request_id, bool):
+            request_id = None
+        method, params = _rpc_request(message, request_id)
+        if method is None:  # a notification or a response: nothing to answer
+            if stateless:
+                _check_version(env.get("HTTP_MCP_PROTOCOL_VERSION"), MCP_STATELESS_VERSIONS)
+            bottle.response.status = 202
+            bottle.response.content_type = JSON_TYPE
+            return b""
+        if stateless:
+            result = _stateless_request(svc, env, method, params)
+        else:
+            result = _handshake_request(svc, env, method, params)
+        answer, status = {"jsonrpc": "2.0", "id": request_id, "result": result}, 200
+    except RpcError as e:
+        answer, status = e.answer(request_id), e.http_status(stateless)
+    bottle.response.status = status
+    bottle.response.content_type = JSON_TYPE
+    return to_json(answer)
+
+
+def _stateless_era(env: dict, message: Any) -> bool:
+    """Return whether a request speaks the 2026-07-28 era: a header naming another version
+    than the handshake era's, or (its header missing) a body carrying its version."""
+    header = env.get("HTTP_MCP_PROTOCOL_VERSION")
+    if header is not None:
+        return header not in _HANDSHAKE_ERA
+    params = message.get("params") if isinstance(message, dict) else None
+    meta = params.get("_meta") if isinstance(params, dict) else None
+    return isinstance(meta, dict) and META_VERSION in meta
+
+
+def _rpc_message(max_bytes: int) -> Any:
+    """Return the request's JSON-RPC message; 413 / 415 as ApiErrors, -32700 / -32600."""
+    req = bottle.request
+    if req.content_type.split(";")[0].strip().lower() != "application/json":
+        raise ApiError(
+            415, "UNSUPPORTED_MEDIA_TYPE", "send JSON-RPC with Content-Type: application/json"
+        )
+    if req.content_length > max_bytes:
+        raise ApiError(413, "PAYLOAD_TOO_LARGE", f"the body is over {max_bytes} bytes")
+    raw = req.body.read(max_bytes + 1)
+    if len(raw) > max_bytes:
+        raise ApiError(413, "PAYLOAD_TOO_LARGE", f"the body is over {max_bytes} bytes")
+    try:
+        message = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise RpcError(PARSE_ERROR, "the body is not valid JSON (UTF-8)") from None
+    if isinstance(message, list):
+        raise RpcError(INVALID_REQUEST, "batches are not supported: one message per request")
+    if not isinstance(message, dict):
+        raise RpcError(INVALID_REQUEST, "the body must be one JSON-RPC message (an object)")
+    return message
+
+
+def _rpc_request(message: dict, request_id: Any) -> tuple:
+    """Return (method, params) of a request; method None for a notification or a response
+    (both are only acknowledged); -32600 / -32602 for a malformed message."""
+    if message.get("jsonrpc") != "2.0":
+        raise RpcError(INVALID_REQUEST, 'a JSON-RPC 2.0 message needs "jsonrpc": "2.0"')
+    method = message.get("method")
+    if method is None and "id" in message and ("result" in message or "error" in message):
+        return None, {}  # a response: this server never asks, so it is dropped
+    if not isinstance(method, str) or not method:
+        raise RpcError(INVALID_REQUEST, "'method' must be a non-empty string")
+    if "id" in message and request_id is None:
+        raise RpcError(INVALID_REQUEST, "'id' must be a string or a whole number")
+    params = message.get("params")
+    if params is not None and not isinstance(params, dict):
+        raise RpcError(INVALID_PARAMS, "'params' must be an object")
+    return method if "id" in message else None, params or {}
+
+
+def _check_version(version: Any, served: tuple) -> None:
+    if version not in served:
+        requested = version[:64] if isinstance(version, str) else None
+        raise RpcError(
+            UNSUPPORTED_VERSION,
+            f"protocol version {str(version)[:40]!r} is not supported",
+            {"supported": list(MCP_VERSIONS), "requested": requested},
+        )
+
+
+def _handshake_request(svc: Service, env: dict, method: str, params: dict) -> dict:
+    if method == "initialize":  # the client's version when served, else the newest
+        asked = params.get("protocolVersion")
+        version = asked if asked in MCP_HANDSHAKE_VERSIONS else MCP_HANDSHAKE_VERSIONS[-1]
+        return {
+            "protocolVersion": version,
+            "capabilities": {"tools": {"listChanged": False}},
+            "serverInfo": server_info(),
+            "instructions": MCP_INSTRUCTIONS,
+        }
+    header = env.get("HTTP_MCP_PROTOCOL_VERSION")
+    if header is not None:
+        _check_version(header, MCP_HANDSHAKE_VERSIONS)
+    if method == "ping":
+        return {}
+    return _tools_method(svc, method, params)
+
+
+def _header_text(value: str | None) -> str | None:
+    """Return a header's text; a value the client wrapped as =?base64?...?= is unwrapped."""
+    m = re.fullmatch(r"=\?base64\?([A-Za-z0-9+/=]*)\?=", value or "")
+    if not m:
+        return value
+    try:
+        return base64.b64decode(m.group(1), validate=True).decode("utf-8")
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def _stateless_request(svc: Service, env: dict, method: str, params: dict) -> dict:
+    meta = params.get("_meta")
+    if not isinstance(meta, dict) or META_VERSION not in meta or META_CAPABILITIES not in meta:
+        raise RpcError(
+            INVALID_PARAMS,
+            f"params._meta must carry {META_VERSION!r} and {META_CAPABILITIES!r} "
+            "(protocol 2026-07-28)",
+        )
+    version = meta[META_VERSION]
+    if env.get("HTTP_MCP_PROTOCOL_VERSION") != version:
+        raise RpcError(
+            HEADER_MISMATCH, "the MCP-Protocol-Version header does not match params._meta"
+        )
+    if env.get("HTTP_MCP_METHOD") != method:
+        raise RpcError(HEADER_MISMATCH, "the Mcp-Method header does not match the method")
+    name = params.get("name")
+    if (
+        method == "tools/call"
+        and name is not None
+        and _header_text(env.get("HTTP_MCP_NAME")) != name
+    ):
+        raise RpcError(HEADER_MISMATCH, "the Mcp-Name header does not match params.name")
+    _check_version(version, MCP_STATELESS_VERSIONS)
+    if method == "server/discover":
+        result = {
+            "supportedVersions": list(MCP_VERSIONS),
+            "capabilities": {"tools": {"listChanged": False}},
+            "instructions": MCP_INSTRUCTIONS,
+            "cacheScope": "private",
+            "ttlMs": MCP_LIST_TTL_MS,
+        }
+    else:
+        result = _tools_method(svc, method, params)
+    if method == "tools/list":
+        result.update(cacheScope="private", ttlMs=MCP_LIST_TTL_MS)
+    return {**result, "resultType": "complete", "_meta": {META_SERVER_INFO: server_info()}}
+
+
+def _tools_method(svc: Service, method: str, params: dict) -> dict:
+    if method == "tools/list":
+        if params.get("cursor") is not None:
+            raise RpcError(INVALID_PARAMS, "unknown cursor: the tool list has a single page")
+        tools = available_tools(svc, svc.config.mcp_write)
+        return {"tools": [mcp_tool(t) for t in tools]}
+    if method == "tools/call":
+        return _tools_call(svc, params.get("name"), params.get("arguments"))
+    raise RpcError(METHOD_NOT_FOUND, f"method {method[:64]!r} is not served here")
+
+
+def mcp_tool(tool: Tool) -> dict:
+    """Return a tool as MCP's tools/list describes it."""
+    return {
+        "name": tool.name,
+        "title": tool.annotations()["title"],
+        "description": tool.description,
+        "inputSchema": tool.schema,
+        "annotations": tool.annotations(),
+    }
+
+
+def _tools_call(svc: Service, name: Any, arguments: Any) -> dict:
+    if not isinstance(name, str):
+        raise RpcError(INVALID_PARAMS, "params.name must name a tool (see tools/list)")
+    if arguments is not None and not isinstance(arguments, dict):
+        raise RpcError(INVALID_PARAMS, "params.arguments must be an object")
+    offered = {t.name: t for t in available_tools(svc, svc.config.mcp_write)}
+    if name not in offered:
+        known = svc.tools.get(name)
+        if known is not None and request_principal().folder and TOOLS.get(name) is not known:
+            why = f"{name} is a plugin's tool: a connection to one folder gets the built-in tools"
+        elif known is not None and not known.read_only and not svc.config.mcp_write:
+            why = f"{name} changes notes: the owner has not allowed that (SERVICE_MCP_WRITE)"
+        elif known is not None and not known.read_only:
+            why = f"{name} changes notes: this connection was granted reading only"
+        elif known is not None:
+            why = f"{name} needs the {known.plugin} plugin, which is switched off"
+        else:
+            why = f"unknown tool {name[:64]!r} (see tools/list)"
+        raise RpcError(INVALID_PARAMS, why)
+    log.debug("request %s: MCP tool %s", _rid(), name)
+    return call_tool(svc, offered[name], arguments or {})
+
+
+# == src/notesvc/http/integrations.py =========================================
+# -- channels ----------------------------------------------------------------------------------
+
+
+def list_channel_providers(svc: Service) -> dict:
+    return {
+        "providers": [
+            {
+                "name": p.name,
+                "description": p.description,
+                "fields": [dataclasses.asdict(f) for f in p.fields],
+                "allowlistField": p.allow,
+                "webhookPath": f"{API}/channels/webhook/{p.name}",
+            }
+            for p in svc.channel_providers.values()
+        ]
+    }
+
+
+def list_channels(svc: Service) -> dict:
+    return {"channels": [redact_channel(c, svc.channel_providers) for c in _channels(svc)]}
+
+
+def create_channel(svc: Service) -> dict:
+    body = read_json(svc.config.max_body_bytes)
+    name = field(body, "provider")
+    provider = svc.channel_providers.get(name)
+    if provider is None:
+        raise bad_request(f"'provider' must be one of {', '.join(svc.channel_providers)}")
+    config = validate_channel_config(provider, body.get("config", {}))
+    title = field(body, "name", required=False, max_len=100) or f"{name} channel"
+    return add_channel(svc, name, config, title)
+
+
+def add_channel(svc: Service, name: str, config: dict, title: str, **extra) -> dict:
+    """Store a new channel (config already checked) and start what it needs; return it."""
+    # Through a relay (or this server's own /r/<id> prefix) the hook must go that way too.
+    base = svc.issuer(bottle.request.environ)
+    channel = {
+        "id": "ch_" + secrets.token_hex(6),
+        "provider": name,
+        "name": _printable(title),
+        "enabled": True,
+        "createdAt": iso(utcnow()),
+        "webhookUrl": f"{base}{API}/channels/webhook/{name}",
+        "secret": secrets.token_urlsafe(24),
+        "config": config,
+        **extra,
+    }
+    maker = made_by(request_principal())  # the chats it allows are theirs (unbind_chats)
+    note_chat_makers(channel, svc.channel_providers.get(name), [], maker)
+    svc.state.update(lambda data: data.setdefault("channels", []).append(channel))
+    log.info("channel %s (%s) created", channel["id"], name)
+    channel = configure_channel(svc, channel)  # Telegram webhook mode: setWebhook
+    svc.pollers.sync()
+    return channel
+
+
+TELEGRAM_TOKEN_RE = re.compile(r"^[0-9]{1,20}:[A-Za-z0-9_-]{1,200}\Z")  # BotFather's shape
+
+
+def connect_telegram(svc: Service) -> dict:
+    """POST /channels/connect/telegram {botToken, name?}: the web client's "Connect
+    Telegram". The token is checked with getMe first (refused: 400, Telegram unreachable:
+    502; nothing is stored either way); then a polling channel that no chat may use until
+    one sends the bind code (10 minutes), which connects that chat alone."""
+    body = read_json(svc.config.max_body_bytes)
+    token = field(body, "botToken", max_len=MAX_CONFIG_CHARS).strip()
+    if not TELEGRAM_TOKEN_RE.match(token):
+        raise bad_request("'botToken' must be the token BotFather gave you (123456:ABC...)")
+    try:
+        bot = telegram_call(svc, {"botToken": token}, "getMe", {}, timeout=15)
+    except TelegramError as e:
+        raise bad_request(
+            f"Telegram refused this token ({e}); copy it again from @BotFather"
+        ) from None
+    except UpstreamError as e:
+        raise ApiError(502, "UPSTREAM_ERROR", f"Telegram cannot be reached: {e}") from None
+    bot = bot if isinstance(bot, dict) else {}
+    username = _printable(str(bot.get("username") or ""), 64)
+    title = field(body, "name", required=False, max_len=100) or f"@{username or 'telegram'}"
+    config = validate_channel_config(
+        svc.channel_providers["telegram"],
+        {"botToken": token, "mode": "polling", "notify": True},
+    )
+    code, binding = new_binding(made_by(request_principal()))
+    channel = add_channel(svc, "telegram", config, title, binding=binding, bot=username)
+    return bind_answer(svc, channel, code, binding)
+
+
+def bind_answer(svc: Service, channel: dict, code: str, binding: dict) -> dict:
+    """Return what the web client shows to connect a chat: the code, the bot's t.me link
+    that sends it (and its QR code), until when it works."""
+    username = channel.get("bot") or ""
+    link = f"https://t.me/{username}?start={code}" if username else ""
+    answer = {
+        "channel": redact_channel(channel, svc.channel_providers),
+        "bindCode": code,
+        "bindUntil": binding["until"],
+        "bot": username,
+        "link": link,
+    }
+    svg = qr_svg(link) if link else None
+    if svg:
+        answer["qrSvg"] = svg
+    return answer
+
+
+def bind_channel(svc: Service, channel_id: str) -> dict:
+    """POST /channels/:id/bind: a new bind code; the next chat to send it replaces the
+    allowed chats (the ones allowed now keep working until then)."""
+    code, binding = new_binding(made_by(request_principal()))
+
+    def apply(channels: list, i: int) -> dict:
+        if channels[i]["provider"] != "telegram":
+            raise bad_request("only a Telegram channel is connected by a code")
+        channels[i]["binding"] = binding
+        return channels[i]
+
+    channel = _change_channel(svc, channel_id, apply)
+    return bind_answer(svc, channel, code, binding)
+
+
+def get_channel(svc: Service, channel_id: str) -> dict:
+    """Return one channel, redacted, with the last senders its allowlist refused."""
+    for channel in _channels(svc):
+        if channel["id"] == channel_id:
+            refused = channel.get("refusedSenders", [])
+            return {**redact_channel(channel, svc.channel_providers), "refusedSenders": refused}
+    raise not_found(f"no channel {channel_id}")
+
+
+def patch_channel(svc: Service, channel_id: str) -> dict:
+    """Merge {name?, config?} into a channel (validated as on create; the secret stays)."""
+    if not any(c["id"] == channel_id for c in _channels(svc)):  # 404 before the body's 400
+        raise not_found(f"no channel {channel_id}")
+    body = read_json(svc.config.max_body_bytes)
+    unknown = sorted(set(body) - {"name", "config"})
+    if unknown:
+        raise bad_request(f"unknown field(s): {', '.join(unknown)}; send name and/or config")
+    if not body:
+        raise bad_request("nothing to change: send name and/or config")
+    title = field(body, "name", required=False, max_len=100)
+    if title is not None and is_blank(title):
+        raise bad_request("'name' must not be empty")
+    changes = field(body, "config", dict, required=False)
+    maker = made_by(request_principal())
+
+    def merge(channels: list, i: int) -> dict:
+        channel = channels[i]
+        if changes is not None:
+            provider = svc.channel_providers.get(channel["provider"])
+            if provider is None:
+                raise bad_request(f"channel provider {channel['provider']!r} is not loaded")
+            stored = channel["config"]
+            before = list(stored.get(provider.allow) or []) if provider.allow else []
+            if "mode" not in stored and any(f.name == "mode" for f in provider.fields):
+                stored = {**stored, "mode": "webhook"}  # stored before modes: a webhook
+            channel["config"] = validate_channel_config(provider, {**stored, **changes})
+            note_chat_makers(channel, provider, before, maker)
+        if title is not None:  # only invisible characters: the name it had stays
+            channel["name"] = _printable(title) or channel["name"]
+        return channel
+
+    channel = _change_channel(svc, channel_id, merge)
+    log.info("channel %s changed", channel_id)
+    svc.pollers.sync(join=15)  # a poller that goes is done before a webhook is set
+    if changes is not None:
+        channel = configure_channel(svc, channel)  # webhook mode: setWebhook again
+    return redact_channel(channel, svc.channel_providers)
+
+
+def toggle_channel(svc: Service, channel_id: str) -> dict:
+    def flip(channels: list, i: int) -> dict:
+        channels[i]["enabled"] = not channels[i]["enabled"]
+        return channels[i]
+
+    channel = _change_channel(svc, channel_id, flip)
+    svc.pollers.sync()
+    return redact_channel(channel, svc.channel_providers)
+
+
+def delete_channel(svc: Service, channel_id: str) -> dict:
+    _change_channel(svc, channel_id, lambda channels, i: channels.pop(i))
+    svc.pollers.sync()
+    return {"id": channel_id, "deleted": True}
+
+
+def receive_webhook(svc: Service, provider: str) -> dict:
+    prov = svc.channel_providers.get(provider)
+    if prov is None:
+        raise not_found(f"no channel provider {provider!r}")
+    env = bottle.request.environ
+    limit = svc.config.max_body_bytes
+    signature = ""
+    if prov.signature_header:
+        signature = env.get("HTTP_" + prov.signature_header.upper().replace("-", "_"), "")
+
+    def raw() -> bytes:  # the body as signed: read (and checked) as JSON, then as bytes
+        read_json(limit)
+        return bottle.request.body.read(limit + 1)
+
+    return handle_channel_update(
+        svc,
+        prov,
+        channel_secret(svc, prov, env),
+        svc.client_addr(env),
+        lambda: read_json(limit),
+        signature,
+        raw,
+    )
+
+
+def verify_webhook(svc: Service, provider: str):
+    """GET /channels/webhook/<provider>: the provider's own subscription check."""
+    prov = svc.channel_providers.get(provider)
+    if prov is None or prov.verify is None:
+        raise not_found(f"channel provider {provider!r} has no subscription check")
+    return prov.verify(svc)
+
+
+# -- reminders -----------------------------------------------------------------------------
+
+
+def list_reminders(svc: Service) -> dict:
+    """The reminders not sent yet (⏰ lines and `remind:`), soonest first."""
+    limit = query_int("limit", 100, 1, 1000)
+    offset = query_int("offset", 0, 0, 10**9)
+    sees = request_principal().sees  # a folder grant: its folder's reminders
+    pending = [r for r in svc.reminders.upcoming() if sees(r["path"])]
+    return {
+        "reminders": [
+            {
+                "id": r["id"],
+                "path": r["path"],
+                "title": r["title"],
+                "line": r["line"],
+                "due": iso(r["due"]),
+                "local": r["wall"],
+            }
+            for r in pending[offset : offset + limit]
+        ],
+        "total": len(pending),
+        "limit": limit,
+        "offset": offset,
+        "timeZone": svc.config.timezone or "system",
+    }
+
+
+# -- plugins -------------------------------------------------------------------------------
+
+
+def plugin_info(svc: Service, plugin: Plugin) -> dict:
+    return {
+        "name": plugin.name,
+        "version": plugin.version,
+        "description": plugin.description,
+        "enabled": svc.plugin_enabled(plugin.name),
+        "builtin": plugin.builtin,
+        "error": plugin.error or svc.plugin_errors.get(plugin.name),
+        "hooks": sorted(plugin.hooks),
+        "routes": [f"{r.method} {API}/plugins/{plugin.name}{r.path}" for r in plugin.routes],
+    }
+
+
+def _plugin(svc: Service, name: str) -> Plugin:
+    plugin = svc.plugins.get(name)
+    if plugin is None:
+        raise not_found(f"no plugin {name!r}")
+    return plugin
+
+
+def list_plugins(svc: Service) -> dict:
+    return {"plugins": [plugin_info(svc, p) for p in svc.plugins.values()]}
+
+
+def get_plugin(svc: Service, name: str) -> dict:
+    """The plugin's record; a plugin's own page (route "") adds its data when it is on."""
+    plugin = _plugin(svc, name)
+    info = plugin_info(svc, plugin)
+    page = next((r for r in plugin.routes if r.method == "GET" and r.path == ""), None)
+    who = request_principal()  # a grant sees a page its scope allows, a folder grant a built-in's
+    allowed = page and who.allows(page.scope) and (plugin.builtin or not who.folder)
+    if allowed and info["enabled"]:
+        info.update(page.handler(svc))
+    return info
+
+
+def toggle_plugin(svc: Service, name: str) -> dict:
+    plugin = _plugin(svc, name)
+    if plugin.error and plugin.name not in svc.plugin_errors:
+        raise ApiError(409, "CONFLICT", f"plugin {name} did not load: {plugin.error}")
+    enabled = not svc.plugin_enabled(name)
+    svc.state.update(lambda data: data.setdefault("plugins", {}).__setitem__(name, enabled))
+    svc.plugin_errors.pop(name, None)
+    return plugin_info(svc, plugin)
+
+
+def plugin_routes(plugins: Iterable[Plugin]) -> tuple:
+    """Return the Routes of the plugins' own endpoints, each refusing while it is off."""
+    routes = []
+    for plugin in plugins:
+        for r in plugin.routes:
+            if r.method == "GET" and r.path == "":
+                continue  # served by get_plugin
+
+            def guarded(svc: Service, _name=plugin.name, _handler=r.handler, **kwargs):
+                if not svc.plugin_enabled(_name):
+                    raise ApiError(403, "PLUGIN_DISABLED", f"plugin {_name} is switched off")
+                return _handler(svc, **kwargs)
+
+            guarded.__name__ = re.sub(r"\W+", "_", f"{plugin.name}_{r.handler.__name__}")
+            routes.append(
+                Route(
+                    r.method,
+                    f"/plugins/{plugin.name}{r.path}",
+                    guarded,
+                    summary=r.summary,
+                    status=r.status,
+                    params=r.params,
+                    tag="plugins",
+                    scope=r.scope,
+                    secret=r.secret,
+                )
+            )
+    return tuple(routes)
+
+
+# -- security ------------------------------------------------------------------------------
+
+
+def security_audit(svc: Service) -> dict:
+    return run_audit(svc)
+
+
+def security_config(svc: Service) -> dict:
+    cfg, st = svc.config, svc.state.read()
+    channels = st.get("channels", [])
+    return {
+        "auth": {
+            "mode": cfg.auth_mode,
+            "header": KEY_HEADER,
+            "jwt": {"enabled": cfg.auth_mode == "jwt", "tokenLifetimeSeconds": JWT_LIFETIME},
+            "keyCreatedAt": st.get("keyCreatedAt", ""),
+            "keyAgeDays": key_age_days(st),
+            "keyComparison": "constant-time (SHA-256 digests, hmac.compare_digest)",
+        },
+        "setup": {
+            "complete": bool(st.get("setupComplete")),
+            "localOnly": svc.setup_loopback_only,
+            "windowSeconds": cfg.setup_window,
+            "linkedClients": len(st.get("linkedClients", [])),
+        },
+        "network": {"bindHost": cfg.host, **_network_facts(cfg), "pairingMode": cfg.pairing},
+        "limits": {
+            **_limit_facts(svc),
+            "maxQueryChars": MAX_QUERY_CHARS,
+            "maxMessageChars": MAX_MESSAGE_CHARS,
+        },
+        "channels": {
+            "count": len(channels),
+            "enabled": sum(bool(c["enabled"]) for c in channels),
+            "withoutAllowlist": sum(
+                1
+                for c in channels
+                if c["provider"] in svc.channel_providers
+                and not c["config"].get(svc.channel_providers[c["provider"]].allow)
+            ),
+        },
+        "plugins": {
+            "count": len(svc.plugins),
+            "thirdParty": sum(not p.builtin for p in svc.plugins.values()),
+            "enabled": sum(svc.plugin_enabled(n) for n in svc.plugins),
+        },
+        "agent": _agent_facts(cfg),
+        "grants": svc.grants.counts(),
+    }
+
+
+def security_recommendations(svc: Service) -> dict:
+    return {
+        "recommendations": [
+            {
+                "id": f["id"],
+                "severity": f["severity"],
+                "title": f["title"],
+                "action": f["recommendation"],
+            }
+            for f in run_audit(svc)["findings"]
+            if f["severity"] != "info"
+        ]
+    }
+
+
 # -- import and export (docs/api.md: Import) -------------------------------------------------------
 
 IMPORT_BODY_TYPES = {  # a raw body's type -> the file name it stands for
@@ -32481,15 +32495,6 @@ IMPORT_BODY_TYPES = {  # a raw body's type -> the file name it stands for
     "text/plain": "import.txt",
     "application/octet-stream": "",
 }
-
-
-def _yes(raw: Any, name: str) -> bool:
-    value = str(raw or "").strip().lower()
-    if value in ("", "0", "false", "no"):
-        return False
-    if value in ("1", "true", "yes"):
-        return True
-    raise bad_request(f"'{name}' must be true or false")
 
 
 def post_import(svc: Service) -> bytes:
@@ -32522,7 +32527,7 @@ def post_import(svc: Service) -> bytes:
                     spool.write(chunk)
             spool.flush()
         spool.seek(0)
-        dry = _yes(fields["dryRun"], "dryRun")
+        dry = yes_or_no(fields["dryRun"], "dryRun")
         into = fields["into"] or None
         report = run_import(svc, spool, filename, into, dry, request_principal())
     finally:
@@ -34966,7 +34971,20 @@ def cal_delete(svc: Service, book: TaskBook, res: dict, ctx: dict):
     return b""
 
 
-# == the calendar feed: /ics/<secret>.ics =======================================================
+def get_task(svc: Service, uid: str) -> dict:
+    """GET /tasks/<uid>: where a task's line is (the web client opens `#task=<uid>`, the
+    link in each task's DESCRIPTION)."""
+    book = task_book(svc)
+    book.refresh()
+    task = book.tasks.get(uid)
+    if task is None or not _sees(request_principal(), task["path"]):
+        raise not_found("no such task (it may have been deleted, or its line changed a lot)")
+    keys = ("uid", "path", "line", "summary", "done")
+    return {k: task[k] for k in keys}
+
+
+# == src/notesvc/http/feed.py =================================================
+# -- the calendar feed: /ics/<secret>.ics -------------------------------------------------
 #
 # A read-only iCalendar file for apps that subscribe to a URL (Google Calendar, Outlook):
 # the tasks as VTODOs, a VEVENT at each ⏰ time and an all-day VEVENT for each open dated
@@ -35105,18 +35123,6 @@ def feed_events(task: dict) -> list:
         ]
         out += ["TRANSP:TRANSPARENT", "END:VEVENT"]
     return out
-
-
-def get_task(svc: Service, uid: str) -> dict:
-    """GET /tasks/<uid>: where a task's line is (the web client opens `#task=<uid>`, the
-    link in each task's DESCRIPTION)."""
-    book = task_book(svc)
-    book.refresh()
-    task = book.tasks.get(uid)
-    if task is None or not _sees(request_principal(), task["path"]):
-        raise not_found("no such task (it may have been deleted, or its line changed a lot)")
-    keys = ("uid", "path", "line", "summary", "done")
-    return {k: task[k] for k in keys}
 
 
 # == src/notesvc/http/routes.py ===============================================

@@ -40,10 +40,10 @@ from notesvc.helpers import (
     settle_after_start,
     utcnow,
 )
+from notesvc.http.access import new_pairing
 from notesvc.http.api import MULTIPART_SLACK
 from notesvc.http.app import create_app
 from notesvc.http.dav import DAV_PREFIX
-from notesvc.http.integrations import new_pairing
 from notesvc.notes.paths import NOTES, folder_path
 from notesvc.plugins import PLUGINS, build_service, provider_registries
 from notesvc.relay import (

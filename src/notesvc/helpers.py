@@ -923,6 +923,17 @@ def query_int(name: str, default: int, lo: int, hi: int) -> int:
     return int(raw)
 
 
+def yes_or_no(raw: Any, name: str) -> bool:
+    """Return a flag of a query or a form (true/false, yes/no, 1/0; empty: false); 400
+    otherwise."""
+    value = str(raw or "").strip().lower()
+    if value in ("", "0", "false", "no"):
+        return False
+    if value in ("1", "true", "yes"):
+        return True
+    raise bad_request(f"'{name}' must be true or false")
+
+
 _MALLOC_TRIM: list = []  # glibc's malloc_trim, looked up once ([None] where there is none)
 
 
