@@ -105,7 +105,6 @@ import argparse
 import array
 import asyncio
 import base64
-import binascii
 import bisect
 import collections
 import contextlib
@@ -2076,45 +2075,6 @@ class MultipartReader:
                 del self.buf[: len(self.delimiter)]  # last line end was the delimiter's
                 continue
             self._until(b"\r\n" + self.delimiter, sink, limit, over)
-
-
-def _readable(f, timeout: float) -> bool:
-    """Return whether f has something to read within timeout seconds (poll: a descriptor
-    past 1024, as a busy server has, is out of select()'s range)."""
-    if hasattr(select, "poll"):
-        watch = select.poll()
-        watch.register(f, select.POLLIN)
-        return bool(watch.poll(timeout * 1000))
-    return bool(select.select([f], [], [], timeout)[0])
-
-
-def _stop_helper(helper) -> None:
-    with contextlib.suppress(OSError):
-        helper.stdin.close()
-    try:
-        helper.wait(30)
-    except Exception:
-        helper.kill()
-        helper.wait()
-    with contextlib.suppress(OSError):
-        helper.stdout.close()
-
-
-class _EarlyHelper:
-    """A helper process a sync may start before its bulk read (start(), once), then hand
-    to it (take())."""
-
-    def __init__(self, start: Callable):
-        self._start, self._helper, self._started = start, None, False
-
-    def start(self) -> None:
-        if not self._started:
-            self._started = True
-            self._helper = self._start()
-
-    def take(self) -> Any:
-        helper, self._helper = self._helper, None
-        return helper
 
 
 # == src/notesvc/notes/paths.py ===============================================
@@ -5849,33 +5809,7 @@ class AttachmentStore:
 
 # Opening a note to read it: never through a symbolic link, never waiting on a FIFO (a
 # named pipe called x.md is seen as a file and then skipped).
-_NOFOLLOW_NONBLOCK = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-
-
-def _read_items(notes: NoteStore, paths: list) -> list:
-    """Return (path, text, size, mtime_ns) of the notes still there (paths from a scan)."""
-    items, base = [], str(notes.base)
-    flags = os.O_RDONLY | _NOFOLLOW_NONBLOCK
-    for path in paths:
-        try:  # the common case without pathlib: the name on disk is the path
-            fd = os.open(os.path.join(base, path), flags)
-        except FileNotFoundError:
-            if path.isascii():
-                continue
-            try:  # an NFD name on disk
-                data, st = notes.read_raw(path)
-            except ApiError:
-                continue
-        except OSError:
-            continue
-        else:
-            with open(fd, "rb") as f:
-                st = os.fstat(f.fileno())
-                if not stat.S_ISREG(st.st_mode):
-                    continue
-                data = f.read()
-        items.append((path, data.decode("utf-8", "replace"), st.st_size, st.st_mtime_ns))
-    return items
+NOFOLLOW_NONBLOCK = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 
 
 # == src/notesvc/notes/tasks.py ===============================================
@@ -7395,7 +7329,6 @@ COMMIT_SECONDS = 30.0  # other changes reach the disk within this
 BULK_CHUNK_NOTES = 2000  # notes analysed per segment file when many are (re)read...
 BULK_CHUNK_CHARS = 8_000_000  # ...or this much text
 MERGE_FACTOR = 3  # segments of one size class merged at once
-MERGE_HELPER_NOTES = 2000  # a merge of this many notes or more: in the helper process
 MAX_DELETED = 0.3  # a segment with this share of deleted notes is rewritten
 STEM_CACHE = 20_000  # words whose stems one bulk remembers (the common ones come first)
 _OVERFLOW = "\xff"  # the term char of stems past the last code point (not indexed)
@@ -8886,55 +8819,53 @@ def write_commit(path: Path, entries: list, seq: int) -> None:
     atomic_write(path, write, mode=0o600)
 
 
-# == src/notesvc/search/index.py ==============================================
-# -- the index ----------------------------------------------------------------
+# == src/notesvc/search/helper.py =============================================
+# -- the helper process ------------------------------------------------------------------
+#
+# A bulk build (the first start, a restored backup) and the merges of big segment files run
+# in a second process of this interpreter and this file: they take a second core, and keep
+# their work off the server's GIL and out of its heap. The index talks to it through an
+# IndexHelper, one JSON line each way on its stdin and stdout:
+#   {"paths": [...]}  ->  {"file": a temp segment file of those notes, or null} | {"error"}
+#   {"merge": {"files", "skips", "dels", "avg"}}  ->  {"file", "remaps"} | {"error"}
+# The index renames each file it gets into place; a helper that outlives a crashed server
+# leaves nothing but temp files, which the next start sweeps away.
+
+MERGE_HELPER_NOTES = 2000  # a merge of this many notes or more: in the helper process
 
 
-def _analyse_batch(items: list, stems: dict) -> tuple:
+def read_items(notes: NoteStore, paths: list) -> list:
+    """Return (path, text, size, mtime_ns) of the notes still there (paths from a scan)."""
+    items, base = [], str(notes.base)
+    flags = os.O_RDONLY | NOFOLLOW_NONBLOCK
+    for path in paths:
+        try:  # the common case without pathlib: the name on disk is the path
+            fd = os.open(os.path.join(base, path), flags)
+        except FileNotFoundError:
+            if path.isascii():
+                continue
+            try:  # an NFD name on disk
+                data, st = notes.read_raw(path)
+            except ApiError:
+                continue
+        except OSError:
+            continue
+        else:
+            with open(fd, "rb") as f:
+                st = os.fstat(f.fileno())
+                if not stat.S_ISREG(st.st_mode):
+                    continue
+                data = f.read()
+        items.append((path, data.decode("utf-8", "replace"), st.st_size, st.st_mtime_ns))
+    return items
+
+
+def analyse_batch(items: list, stems: dict) -> tuple:
     """Return (vocabulary, [Doc], average lengths) of (path, text, size, mtime) items."""
     vocab = _Vocab(stems)
     docs = [vocab.analyse(*item) for item in items]
     avg = tuple(max(sum(len(d[4 + f]) for d in docs) / max(len(docs), 1), 1.0) for f in (0, 1))
     return vocab, docs, avg
-
-
-def _memory_segment(vocab: _Vocab, docs: list, avg: tuple) -> MemorySegment:
-    seg = MemorySegment(vocab)
-    for doc in docs:
-        seg.add(doc, avg)
-    return seg
-
-
-class _Progress:
-    """Counts the notes a bulk has indexed; a thread logs the count every 2 s."""
-
-    def __init__(self, total: int):
-        self.total, self.done, self.helped = total, 0, 0
-        self.helper_failed = False
-        self.started = time.monotonic()
-        self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="notesvc-progress", daemon=True)
-
-    def __enter__(self) -> _Progress:
-        self._thread.start()
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self._stop.set()
-        self._thread.join()
-        log.info(
-            "indexing: %d notes in %.1f s (%d batches by the helper process)",
-            self.done,
-            time.monotonic() - self.started,
-            self.helped,
-        )
-
-    def add(self, count: int) -> None:
-        self.done += count
-
-    def _run(self) -> None:
-        while not self._stop.wait(2):
-            log.info("indexing: %d of %d notes indexed", self.done, self.total)
 
 
 _HELPER_CODE = (  # loads this file as a module (its cached bytecode) and runs index_helper
@@ -8945,7 +8876,7 @@ _HELPER_CODE = (  # loads this file as a module (its cached bytecode) and runs i
 # the same from the package (src/notesvc/): by module name, from the folder that holds it
 _HELPER_PACKAGE_CODE = (
     "import sys; sys.path.insert(0, sys.argv[1]); "
-    "from notesvc.search.index import index_helper; index_helper(*sys.argv[2:])"
+    "from notesvc.search.helper import index_helper; index_helper(*sys.argv[2:])"
 )
 
 
@@ -8967,7 +8898,7 @@ def index_helper(notes_root: str, folder: str) -> None:
                 name, reply = _merge_for_server(request["merge"], Path(folder))
                 print(json.dumps(reply), flush=True)
                 continue
-            vocab, docs, avg = _analyse_batch(_read_items(notes, request["paths"]), stems)
+            vocab, docs, avg = analyse_batch(read_items(notes, request["paths"]), stems)
             if docs:
                 fd, name = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX, dir=folder)
                 with os.fdopen(fd, "wb") as f:
@@ -9008,6 +8939,187 @@ def _merge_for_server(job: dict, folder: Path) -> tuple:
         raise
     maps = [base64.b64encode(remap.tobytes()).decode() for remap in remaps]
     return name, {"file": name, "remaps": maps}
+
+
+def _readable(f, timeout: float) -> bool:
+    """Return whether f has something to read within timeout seconds (poll: a descriptor
+    past 1024, as a busy server has, is out of select()'s range)."""
+    if hasattr(select, "poll"):
+        watch = select.poll()
+        watch.register(f, select.POLLIN)
+        return bool(watch.poll(timeout * 1000))
+    return bool(select.select([f], [], [], timeout)[0])
+
+
+def discard_temp(folder: Path, name: Any) -> None:
+    """Remove a temp file the helper wrote in folder (and nothing else)."""
+    tmp = Path(str(name))
+    if tmp.parent == folder and tmp.name.startswith(TEMP_PREFIX):
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+
+class IndexHelper:
+    """A running helper process of one index folder: what the index hands it, what it
+    answers (ValueError, OSError, KeyError or TypeError when it fails; the index then does
+    the work itself)."""
+
+    def __init__(self, proc: Any, folder: Path):
+        self.proc, self.folder = proc, folder
+
+    @classmethod
+    def start(cls, notes_root: Path, folder: Path, merging: bool = False) -> IndexHelper | None:
+        """Start an index_helper process; None where it cannot help (no file; one core,
+        except for merges, which it takes off this process's GIL even there)."""
+        module = globals().get("__file__")
+        one_core = (os.cpu_count() or 1) < 2 and not merging
+        if one_core or not module or not sys.executable:
+            return None
+        import subprocess
+
+        code = _HELPER_CODE  # notesvc.py: this file, by its path
+        if __name__.startswith("notesvc."):  # the package: src/notesvc/search/helper.py
+            code, module = _HELPER_PACKAGE_CODE, str(Path(module).resolve().parents[2])
+        cmd = [sys.executable, "-c", code, module, str(notes_root), str(folder)]
+        try:
+            proc = subprocess.Popen(  # noqa: S603 (this interpreter and this file)
+                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, close_fds=True
+            )
+        except OSError as e:
+            log.warning("index: no helper process (%s); indexing on one core", e)
+            return None
+        what = "merges segment files" if merging else "analyses every other batch"
+        log.info("index: a helper process (pid %d) %s", proc.pid, what)
+        return cls(proc, folder)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def analyse(self, paths: list) -> str | None:
+        """Have it read and analyse these notes into a temp segment file; return the file's
+        name (None: none of the notes was left to read)."""
+        self.proc.stdin.write(json.dumps({"paths": paths}) + "\n")
+        self.proc.stdin.flush()
+        reply = json.loads(self.proc.stdout.readline() or '{"error": "it stopped"}')
+        if reply.get("error"):
+            raise ValueError(reply["error"])
+        return reply.get("file")
+
+    def merge(self, sources: list, skips: list, dels: list, avg: tuple, stop: Any) -> tuple:
+        """Have it merge segment files of its folder as SearchIndex.merge took them (each
+        source's skipped notes and deleted counts): return (the temp file it wrote, each
+        source's note id map). Waiting for it ends when stop (an Event) is set."""
+        job = {
+            "files": [s.name for s in sources],
+            "skips": [sorted(skip) for skip in skips],
+            "dels": [[c.pairs().tolist() for c in pair] for pair in dels],
+            "avg": list(avg),
+        }
+        self.proc.stdin.write(json.dumps({"merge": job}) + "\n")
+        self.proc.stdin.flush()
+        while not _readable(self.proc.stdout, 0.5):
+            if stop.is_set() or not self.alive():  # closing: not now
+                raise ValueError("stopped")
+        reply = json.loads(self.proc.stdout.readline() or '{"error": "it stopped"}')
+        try:
+            if reply.get("error") or not reply.get("file"):
+                raise ValueError(reply.get("error") or "no file")
+            remaps = []
+            for src, text in zip(sources, reply["remaps"]):
+                remap = array.array("i")
+                remap.frombytes(base64.b64decode(text))
+                if len(remap) != src.n:
+                    raise ValueError("a note id map does not add up")
+                remaps.append(remap)
+            if len(remaps) != len(sources):
+                raise ValueError("a note id map is missing")
+        except (ValueError, KeyError, TypeError):
+            if reply.get("file"):
+                discard_temp(self.folder, reply["file"])
+            raise
+        return reply["file"], remaps
+
+    def stop(self, kill: bool = False) -> None:
+        """End it: its stdin closed, it finishes what it does and exits (kill: at once)."""
+        if kill:
+            self.proc.kill()
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except Exception:
+            self.proc.kill()
+            self.proc.wait()
+        with contextlib.suppress(OSError):
+            self.proc.stdout.close()
+
+
+class EarlyHelper:
+    """A helper process a sync may start before its bulk read (start(), once), then hand
+    to it (take()); as a context, the end stops one that no bulk took."""
+
+    def __init__(self, start: Callable):
+        self._start, self._helper, self._started = start, None, False
+
+    def __enter__(self) -> EarlyHelper:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        helper = self.take()
+        if helper is not None:
+            helper.stop()
+
+    def start(self) -> None:
+        if not self._started:
+            self._started = True
+            self._helper = self._start()
+
+    def take(self) -> IndexHelper | None:
+        helper, self._helper = self._helper, None
+        return helper
+
+
+# == src/notesvc/search/index.py ==============================================
+# -- the index ----------------------------------------------------------------
+
+
+def _memory_segment(vocab: _Vocab, docs: list, avg: tuple) -> MemorySegment:
+    seg = MemorySegment(vocab)
+    for doc in docs:
+        seg.add(doc, avg)
+    return seg
+
+
+class _Progress:
+    """Counts the notes a bulk has indexed; a thread logs the count every 2 s."""
+
+    def __init__(self, total: int):
+        self.total, self.done, self.helped = total, 0, 0
+        self.helper_failed = False
+        self.started = time.monotonic()
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="notesvc-progress", daemon=True)
+
+    def __enter__(self) -> _Progress:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._stop.set()
+        self._thread.join()
+        log.info(
+            "indexing: %d notes in %.1f s (%d batches by the helper process)",
+            self.done,
+            time.monotonic() - self.started,
+            self.helped,
+        )
+
+    def add(self, count: int) -> None:
+        self.done += count
+
+    def _run(self) -> None:
+        while not self._stop.wait(2):
+            log.info("indexing: %d of %d notes indexed", self.done, self.total)
 
 
 SORT_UP_TO = 512  # fewer items: sorted() in C beats heapq.nlargest's Python loop (3x at 20)
@@ -9284,7 +9396,7 @@ class SearchIndex:
                             self.add(*item)
                             count += 1
                 return count
-            batch = _analyse_batch(items, self._stems if self._stems is not None else {})
+            batch = analyse_batch(items, self._stems if self._stems is not None else {})
             new = None
             if self.folder is not None:
                 new = self._write(
@@ -9464,7 +9576,7 @@ class SearchIndex:
         hears what changed before the index takes it (history and the change feed).
         """
         notes = notes or self.notes
-        with self._sync_lock, self._early_helper(notes) as early:
+        with self._sync_lock, EarlyHelper(lambda: self._start_helper(notes)) as early:
             started = time.perf_counter()
             self.verify()
             had_notes = bool(self.stats().get("documents"))
@@ -9496,7 +9608,7 @@ class SearchIndex:
             else:
                 for path in changed:
                     with notes.locked(path):  # no API write can slip in between
-                        for item in _read_items(notes, [path]):
+                        for item in read_items(notes, [path]):
                             self.add(*item)
             took = time.perf_counter() - started
             if observe is not None and late:
@@ -9505,18 +9617,6 @@ class SearchIndex:
             if changed or gone:
                 log.info("index: %d notes read, %d removed in %.2f s", len(changed), gone, took)
             return {"read": len(changed), "removed": gone, "seconds": round(took, 3)}
-
-    @contextlib.contextmanager
-    def _early_helper(self, notes: NoteStore):
-        """Yield an _EarlyHelper for a sync; a helper it started that no bulk took is
-        stopped at the end."""
-        early = _EarlyHelper(lambda: self._start_helper(notes))
-        try:
-            yield early
-        finally:
-            helper = early.take()
-            if helper is not None:
-                _stop_helper(helper)
 
     def _bulk_read(
         self,
@@ -9534,7 +9634,7 @@ class SearchIndex:
         changed: a restored backup, a `touch` of everything), so the helper analyses every
         batch and this process only installs its files: analysing a batch here took 25 MB
         more at its peak, and searches shared the GIL with it (100,000 notes: 34 -> 46 s).
-        `helper`: one started already (_EarlyHelper), used instead of a new one."""
+        `helper`: one started already (EarlyHelper), used instead of a new one."""
         batches: deque = deque([[]])
         chars = 0
         for path in paths:
@@ -9547,7 +9647,7 @@ class SearchIndex:
             self._bulks += 1
         self._stems = {}
         if helper is not None and len(batches) < 2:
-            _stop_helper(helper)
+            helper.stop()
             helper = None
         elif helper is None and len(batches) > 1:
             helper = self._start_helper(notes)
@@ -9570,7 +9670,7 @@ class SearchIndex:
                         except IndexError:  # the helper took the last one
                             break
                         since = self.generation
-                        progress.add(self.bulk_add(_read_items(notes, batch), since, known))
+                        progress.add(self.bulk_add(read_items(notes, batch), since, known))
                     if pumping and pump is not None:
                         pump.join()  # batches it gave back are done on the second pass
         finally:
@@ -9581,44 +9681,26 @@ class SearchIndex:
                 self._bulks -= 1
             self._wake.set()
 
-    def _keep_for_merges(self, helper, usable: bool) -> None:
+    def _keep_for_merges(self, helper: IndexHelper, usable: bool) -> None:
         """Hand a bulk's helper process on to the merges that follow it (the next maintain
         stops it when none is due), or stop it: a process start less (a tenth of a 10k
         first start's CPU)."""
-        if usable and helper.poll() is None and self._merger_lock.acquire(blocking=False):
+        if usable and helper.alive() and self._merger_lock.acquire(blocking=False):
             try:
                 if self._merger is None and not self._stop.is_set():
                     self._merger = helper
                     return
             finally:
                 self._merger_lock.release()
-        _stop_helper(helper)
+        helper.stop()
 
-    def _start_helper(self, notes: NoteStore, merging: bool = False):
-        """Start an index_helper process; None where it cannot help (no file; one core,
-        except for merges, which it takes off this process's GIL even there)."""
-        module = globals().get("__file__")
-        one_core = (os.cpu_count() or 1) < 2 and not merging
-        if self.folder is None or one_core or not module or not sys.executable:
+    def _start_helper(self, notes: NoteStore, merging: bool = False) -> IndexHelper | None:
+        """Start a helper process (search/helper.py); None where it cannot help."""
+        if self.folder is None:
             return None
-        import subprocess
+        return IndexHelper.start(notes.root, self.folder, merging)
 
-        code = _HELPER_CODE  # notesvc.py: this file, by its path
-        if __name__.startswith("notesvc."):  # the package: src/notesvc/search/index.py
-            code, module = _HELPER_PACKAGE_CODE, str(Path(module).resolve().parents[2])
-        cmd = [sys.executable, "-c", code, module, str(notes.root), str(self.folder)]
-        try:
-            helper = subprocess.Popen(  # noqa: S603 (this interpreter and this file)
-                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, close_fds=True
-            )
-            what = "merges segment files" if merging else "analyses every other batch"
-            log.info("index: a helper process (pid %d) %s", helper.pid, what)
-            return helper
-        except OSError as e:
-            log.warning("index: no helper process (%s); indexing on one core", e)
-            return None
-
-    def _pump(self, helper, batches: deque, known: set, progress: _Progress) -> None:
+    def _pump(self, helper: IndexHelper, batches: deque, known: set, progress: _Progress) -> None:
         """Hand batches to the helper process and add the segment files it writes; on any
         trouble give the batch back (the caller indexes it) and stop."""
         while not self._stop.is_set():
@@ -9628,12 +9710,10 @@ class SearchIndex:
                 return
             since = self.generation
             try:
-                helper.stdin.write(json.dumps({"paths": batch}) + "\n")
-                helper.stdin.flush()
-                reply = json.loads(helper.stdout.readline() or '{"error": "it stopped"}')
-                seg = self._install(reply["file"]) if reply.get("file") else None
-                if reply.get("error") or (reply.get("file") and seg is None):
-                    raise ValueError(reply.get("error") or "its file is unusable")
+                name = helper.analyse(batch)
+                seg = self._install(name) if name else None
+                if name and seg is None:
+                    raise ValueError("its file is unusable")
             except (OSError, ValueError, KeyError, TypeError) as e:
                 log.warning("index helper process: %s; indexing on one core", e)
                 batches.appendleft(batch)
@@ -9950,7 +10030,7 @@ class SearchIndex:
         """Return a note's text from its file (up to limit bytes), None when unreadable."""
         if self.notes is None:
             return None
-        flags = os.O_RDONLY | _NOFOLLOW_NONBLOCK
+        flags = os.O_RDONLY | NOFOLLOW_NONBLOCK
         try:
             try:  # the common case without pathlib: the name on disk is the path
                 fd = os.open(self._base + path, flags)
@@ -10222,45 +10302,23 @@ class SearchIndex:
         if sum(s.n for s in sources) < MERGE_HELPER_NOTES:  # quicker here than a process
             return None, None
         helper = self._merger
-        if helper is None or helper.poll() is not None:
+        if helper is None or not helper.alive():
             helper = self._merger = self._start_helper(self.notes, merging=True)
             if helper is None:
                 return None, None
-        reply: dict = {}
-        job = {
-            "files": [s.name for s in sources],
-            "skips": [sorted(skip) for skip in skips],
-            "dels": [[c.pairs().tolist() for c in pair] for pair in dels],
-            "avg": list(avg),
-        }
+        name = None
         try:
-            helper.stdin.write(json.dumps({"merge": job}) + "\n")
-            helper.stdin.flush()
-            while not _readable(helper.stdout, 0.5):
-                if self._stop.is_set() or helper.poll() is not None:  # closing: not now
-                    raise ValueError("stopped")
-            reply = json.loads(helper.stdout.readline() or '{"error": "it stopped"}')
-            if reply.get("error") or not reply.get("file"):
-                raise ValueError(reply.get("error") or "no file")
-            remaps = []
-            for src, text in zip(sources, reply["remaps"]):
-                remap = array.array("i")
-                remap.frombytes(base64.b64decode(text))
-                if len(remap) != src.n:
-                    raise ValueError("a note id map does not add up")
-                remaps.append(remap)
-            if len(remaps) != len(sources):
-                raise ValueError("a note id map is missing")
-            new = self._install(reply["file"])
+            name, remaps = helper.merge(sources, skips, dels, avg, self._stop)
+            new = self._install(name)
             if new is None:
                 raise ValueError("its file is unusable")
             return new, remaps
-        except (OSError, ValueError, KeyError, TypeError, binascii.Error) as e:
+        except (OSError, ValueError, KeyError, TypeError) as e:
             if not self._stop.is_set():
                 log.warning("index helper process: %s; merging in this process", e)
             self._stop_merger()
-            if isinstance(reply, dict) and reply.get("file"):
-                self._discard_temp(reply["file"])
+            if name:
+                discard_temp(self.folder, name)
             return None, None
 
     def _stop_merger(self) -> None:
@@ -10268,15 +10326,7 @@ class SearchIndex:
         with self._merger_lock if not self._stop.is_set() else contextlib.nullcontext():
             helper, self._merger = self._merger, None
         if helper is not None:
-            if self._stop.is_set():
-                helper.kill()
-            _stop_helper(helper)
-
-    def _discard_temp(self, name) -> None:
-        tmp = Path(str(name))
-        if tmp.parent == self.folder and tmp.name.startswith(TEMP_PREFIX):
-            with contextlib.suppress(OSError):
-                tmp.unlink()
+            helper.stop(kill=self._stop.is_set())
 
     def verify(self) -> None:
         """Check the segment files opened at start against their checksums; a damaged one

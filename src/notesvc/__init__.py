@@ -27,6 +27,7 @@ MODULES = (
     "search.text",
     "search.segments",
     "search.persistence",
+    "search.helper",
     "search.index",
     "search.vectors",
     "search.hybrid",

@@ -17,7 +17,6 @@ import os
 import platform
 import re
 import secrets
-import select
 import socket
 import sys
 import tempfile
@@ -1148,42 +1147,3 @@ class MultipartReader:
                 del self.buf[: len(self.delimiter)]  # last line end was the delimiter's
                 continue
             self._until(b"\r\n" + self.delimiter, sink, limit, over)
-
-
-def _readable(f, timeout: float) -> bool:
-    """Return whether f has something to read within timeout seconds (poll: a descriptor
-    past 1024, as a busy server has, is out of select()'s range)."""
-    if hasattr(select, "poll"):
-        watch = select.poll()
-        watch.register(f, select.POLLIN)
-        return bool(watch.poll(timeout * 1000))
-    return bool(select.select([f], [], [], timeout)[0])
-
-
-def _stop_helper(helper) -> None:
-    with contextlib.suppress(OSError):
-        helper.stdin.close()
-    try:
-        helper.wait(30)
-    except Exception:
-        helper.kill()
-        helper.wait()
-    with contextlib.suppress(OSError):
-        helper.stdout.close()
-
-
-class _EarlyHelper:
-    """A helper process a sync may start before its bulk read (start(), once), then hand
-    to it (take())."""
-
-    def __init__(self, start: Callable):
-        self._start, self._helper, self._started = start, None, False
-
-    def start(self) -> None:
-        if not self._started:
-            self._started = True
-            self._helper = self._start()
-
-    def take(self) -> Any:
-        helper, self._helper = self._helper, None
-        return helper

@@ -1436,30 +1436,4 @@ class AttachmentStore:
 
 # Opening a note to read it: never through a symbolic link, never waiting on a FIFO (a
 # named pipe called x.md is seen as a file and then skipped).
-_NOFOLLOW_NONBLOCK = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-
-
-def _read_items(notes: NoteStore, paths: list) -> list:
-    """Return (path, text, size, mtime_ns) of the notes still there (paths from a scan)."""
-    items, base = [], str(notes.base)
-    flags = os.O_RDONLY | _NOFOLLOW_NONBLOCK
-    for path in paths:
-        try:  # the common case without pathlib: the name on disk is the path
-            fd = os.open(os.path.join(base, path), flags)
-        except FileNotFoundError:
-            if path.isascii():
-                continue
-            try:  # an NFD name on disk
-                data, st = notes.read_raw(path)
-            except ApiError:
-                continue
-        except OSError:
-            continue
-        else:
-            with open(fd, "rb") as f:
-                st = os.fstat(f.fileno())
-                if not stat.S_ISREG(st.st_mode):
-                    continue
-                data = f.read()
-        items.append((path, data.decode("utf-8", "replace"), st.st_size, st.st_mtime_ns))
-    return items
+NOFOLLOW_NONBLOCK = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)

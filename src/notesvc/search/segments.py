@@ -52,7 +52,6 @@ COMMIT_SECONDS = 30.0  # other changes reach the disk within this
 BULK_CHUNK_NOTES = 2000  # notes analysed per segment file when many are (re)read...
 BULK_CHUNK_CHARS = 8_000_000  # ...or this much text
 MERGE_FACTOR = 3  # segments of one size class merged at once
-MERGE_HELPER_NOTES = 2000  # a merge of this many notes or more: in the helper process
 MAX_DELETED = 0.3  # a segment with this share of deleted notes is rewritten
 STEM_CACHE = 20_000  # words whose stems one bulk remembers (the common ones come first)
 _OVERFLOW = "\xff"  # the term char of stems past the last code point (not indexed)
