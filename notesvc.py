@@ -1811,6 +1811,18 @@ def field(body: dict, name: str, kind: type = str, required: bool = True, max_le
 _TYPE_NAMES = {str: "string", int: "whole number", bool: "boolean", dict: "object", list: "list"}
 
 
+def if_match_allows(if_match: str | None, current: str | None) -> bool:
+    """Return whether a write may go on under an If-Match header (the one reading of it):
+    absent (None), `*` while something is there, or a list of ETags, quoted or not, that
+    names current, the ETag of what is there (None: nothing is)."""
+    if if_match is None:
+        return True
+    tags = [t.strip() for t in if_match.split(",") if t.strip()]
+    if current is not None and "*" in tags:
+        return True
+    return current is not None and current in {t if t[0] == '"' else f'"{t}"' for t in tags}
+
+
 def request_header(name: str, default: Any = None) -> Any:
     """Return a request header's text: its UTF-8 reading, else the bytes as Latin-1 text.
 
@@ -4633,7 +4645,48 @@ class ConflictCopies:
             self._store({c: (new if o == old else o) for c, o in copies.items() if c != old})
 
 
-class NoteStore:
+class FileTree:
+    """What NoteStore and AttachmentStore share: files in a folder tree under root (below
+    base) whose missing folders a write makes, and whose emptied folders go again."""
+
+    root: Path
+    base: Path
+
+    def make_root(self) -> None:
+        """Create root when a first write needs it (notes/ is there from the start)."""
+
+    def file_of(self, path: str) -> Path:
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def _new_parents(self, target: Path, path: str | None = None):
+        """Create the missing folders of target (the file of path) for the block; remove
+        them again when the block fails (a full disk changes nothing)."""
+        missing = _missing_folders(target.parent, self.root)
+        try:
+            with disk_writes():
+                try:
+                    self.make_root()
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                except (FileExistsError, NotADirectoryError):
+                    raise ApiError(
+                        409, "CONFLICT", "a file stands where a folder of this path should be"
+                    ) from None
+            # re-check containment now that the folders exist
+            self.file_of(path if path is not None else str(target.relative_to(self.base)))
+            yield
+        except BaseException:
+            for folder in missing:  # deepest first
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+            raise
+
+    def _prune(self, folder: Path) -> None:
+        """Remove folder and its parents while they are empty (never root itself)."""
+        _remove_empty_folders(folder, self.root)
+
+
+class NoteStore(FileTree):
     """Markdown files under <root>/notes: the source of truth, looked at on disk every time.
 
     A read of a note that has not changed on disk (the same inode, size, mtime and ctime,
@@ -4974,18 +5027,7 @@ class NoteStore:
     @staticmethod
     def check_match(if_match: str | None, data: bytes | None) -> None:
         """Raise 412 unless If-Match (absent, `*`, or a list of ETags) matches data."""
-        if if_match is None:
-            return
-        tags = [t.strip() for t in if_match.split(",") if t.strip()]
-        if data is not None and "*" in tags:
-            return
-        current = make_etag(data) if data is not None else None
-        wanted = {t if t.startswith('"') else f'"{t}"' for t in tags}
-        if current is None or current not in wanted:
-            raise PreconditionFailed(
-                "the note changed since you read it (If-Match does not match its ETag); "
-                "read it again and retry"
-            )
+        check_etag(if_match, make_etag(data) if data is not None else None, "note")
 
     def create(self, path: str, content: str, conflict_of: str | None = None) -> dict:
         """Create a note (409 when one is there); `conflict_of`: it is a conflict copy of
@@ -5002,28 +5044,6 @@ class NoteStore:
             self._notify("saved", path, (content, st))
             self._record("created", path, data, conflict_of=conflict_of)
             return self.record(path, data, st)
-
-    @contextlib.contextmanager
-    def _new_parents(self, target: Path):
-        """Create the missing folders of target for the block; remove them again when the
-        block fails (a full disk changes nothing)."""
-        parent = target.parent
-        missing = _missing_folders(parent, self.root)
-        try:
-            with disk_writes():
-                try:
-                    parent.mkdir(parents=True, exist_ok=True)
-                except (FileExistsError, NotADirectoryError):
-                    raise ApiError(
-                        409, "CONFLICT", "a file stands where a folder of this path should be"
-                    ) from None
-            self.file_of(str(target.relative_to(self.base)))  # re-check containment
-            yield
-        except BaseException:
-            for folder in missing:  # deepest first
-                with contextlib.suppress(OSError):
-                    folder.rmdir()
-            raise
 
     def update(
         self, path: str, content: str, if_match: str | None = None, reason: str = "updated"
@@ -5484,10 +5504,6 @@ class NoteStore:
         history.collect()
         return removed
 
-    def _prune(self, folder: Path) -> None:
-        """Remove folder and its parents while they are empty (never notes/ itself)."""
-        _remove_empty_folders(folder, self.root)
-
     def sweep_temp_files(self) -> int:
         """Remove the temp files a crash left in the notes and in the state folder (its
         trash and every subfolder); return how many."""
@@ -5504,19 +5520,13 @@ def attachment_etag(st: os.stat_result) -> str:
     return '"' + hashlib.sha256(seed).hexdigest()[:32] + '"'
 
 
-def _check_etag(if_match: str | None, current: str | None, what: str) -> None:
-    """Raise 412 unless If-Match (absent, `*`, or a list of ETags) matches current."""
-    if if_match is None:
-        return
-    tags = [t.strip() for t in if_match.split(",") if t.strip()]
-    if current is not None and "*" in tags:
-        return
-    wanted = {t if t.startswith('"') else f'"{t}"' for t in tags}
-    if current is None or current not in wanted:
-        raise ApiError(
-            412,
-            "PRECONDITION_FAILED",
-            f"the {what} changed since you read it (If-Match does not match its ETag)",
+def check_etag(if_match: str | None, current: str | None, what: str) -> None:
+    """Raise 412 unless If-Match (absent, `*`, or a list of ETags) matches current, the ETag
+    of the {what} there (None: nothing is)."""
+    if not if_match_allows(if_match, current):
+        raise PreconditionFailed(
+            f"the {what} changed since you read it (If-Match does not match its ETag); "
+            "read it again and retry"
         )
 
 
@@ -5524,7 +5534,7 @@ def _is_attachment_name(name: str) -> bool:
     return name.rpartition(".")[2].lower() in ATTACHMENT_TYPES and "." in name[1:]
 
 
-class AttachmentStore:
+class AttachmentStore(FileTree):
     """Files under <root>/attachments: uploads, and photos, voice and files from channels.
 
     Paths follow the note rules (prefix attachments/) with an allowlist of extensions.
@@ -5634,7 +5644,7 @@ class AttachmentStore:
             raise ApiError(
                 412, "PRECONDITION_FAILED", f"an attachment exists at {path} (If-None-Match: *)"
             )
-        _check_etag(if_match, attachment_etag(os.stat(target)) if exists else None, "attachment")
+        check_etag(if_match, attachment_etag(os.stat(target)) if exists else None, "attachment")
         return exists
 
     def spool(self, write: Callable) -> Path:
@@ -5705,27 +5715,6 @@ class AttachmentStore:
 
                 _atomic_write(dst, copy, None)
 
-    @contextlib.contextmanager
-    def _new_parents(self, target: Path, path: str):
-        """Create target's missing folders for the block; remove them if the block fails."""
-        missing = _missing_folders(target.parent, self.root)
-        try:
-            with disk_writes():
-                try:
-                    self.make_root()
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                except (FileExistsError, NotADirectoryError):
-                    raise ApiError(
-                        409, "CONFLICT", "a file stands where a folder of this path should be"
-                    ) from None
-            self.file_of(path)  # re-check containment now that the folders exist
-            yield
-        except BaseException:
-            for folder in missing:  # deepest first
-                with contextlib.suppress(OSError):
-                    folder.rmdir()
-            raise
-
     def _free(self, path: str, target: Path) -> tuple:
         """Return (path, file) of the first name not taken: path, name-2.ext, name-3.ext..."""
         if not os.path.lexists(target):
@@ -5742,7 +5731,7 @@ class AttachmentStore:
         with self._lock:
             src = self.file_of(path)
             rec = self.get(path)
-            _check_etag(if_match, rec["etag"], "attachment")
+            check_etag(if_match, rec["etag"], "attachment")
             if new == path:
                 return {**rec, "from": path}
             dst = self.file_of(new)
@@ -5759,7 +5748,7 @@ class AttachmentStore:
         """Move an attachment into the trash: <state>/trash/<UTC stamp>/attachments/..."""
         with self._lock:
             src = self.file_of(path)
-            _check_etag(if_match, self.get(path)["etag"], "attachment")
+            check_etag(if_match, self.get(path)["etag"], "attachment")
             trashed = move_to_trash(src, self.trash, path)
             self._prune(src.parent)
         return {"path": path, "deleted": True, **trashed}
@@ -5792,16 +5781,6 @@ class AttachmentStore:
             fsync_dir(dst.parent)
             return self.record(path, os.stat(dst))
 
-    def _prune(self, folder: Path) -> None:
-        """Remove folder and its parents while they are empty (never attachments/ itself)."""
-        folder = Path(os.path.abspath(folder))
-        while folder != self.root and self.root in folder.parents:
-            try:
-                folder.rmdir()
-            except OSError:
-                return
-            folder = folder.parent
-
     def sweep_temp_files(self) -> int:
         """Remove the temp files an interrupted upload left; return how many."""
         return sweep_temp_files(self.root, skip_hidden=True) if self.root.is_dir() else 0
@@ -5824,7 +5803,8 @@ NOFOLLOW_NONBLOCK = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 TASK_LINE_RE = re.compile(r"^([ \t]*)([-*+]|\d{1,9}[.)])([ \t]+)\[([ xX])\](?=[ \t]|$)(.*)$")
 _TASK_FENCE_RE = re.compile(r"^[ \t]*(`{3,}|~{3,})")
 DUE_DATE_RE = re.compile(r"(?:📅\ufe0f?[ \t]*|(?<!\S)due:[ \t]*)(\d{4})-(\d{2})-(\d{2})(?!\d)")
-# the reminder syntax of providers/reminders.py (REMINDER_RE), read here too
+# ⏰ YYYY-MM-DD HH:MM: a task's alarm here, a reminder sent through the channels in
+# providers/reminders.py (one syntax, one pattern)
 ALARM_RE = re.compile(
     r"⏰\ufe0f?[ \t]*(\d{4})-(\d{2})-(\d{2})[ \tT]+([01]?\d|2[0-3]):([0-5]\d)(?!\d)"
 )
@@ -6695,13 +6675,14 @@ class TaskBook:
 
 
 def task_book(svc: Any) -> TaskBook:
-    book = getattr(svc, "_task_book", None)
+    """Return the Service's TaskBook (`svc.task_book`), made on first use."""
+    book = svc.task_book
     if book is None:
         with _BOOK_START:
-            book = getattr(svc, "_task_book", None)
+            book = svc.task_book
             if book is None:
                 book = TaskBook(svc.notes, svc.config.state_dir, svc.config.timezone)
-                svc._task_book = book
+                svc.task_book = book
     return book
 
 
@@ -13114,6 +13095,9 @@ class Service:
         self.pollers: Any = None  # ChannelPollers: a thread per channel in polling mode
         self.reminders: Any = None  # ReminderScheduler: ⏰ lines sent through the channels
         self.embedder: Any = None  # Embedder: the notes' vectors, when embeddings are on
+        # ... and made on first use, by the function named (a request of theirs):
+        self.task_book: Any = None  # TaskBook: the tasks' UIDs and sync tokens (task_book)
+        self.dav: Any = None  # DavState: WebDAV's locks, properties, ETags (dav_state)
 
     def saved_by(self) -> str | None:
         """Return the name of the grant the current request acts for (a device's or a
@@ -15579,9 +15563,6 @@ class ChannelPoller:
 # == src/notesvc/providers/reminders.py =======================================
 # -- reminders: ⏰ lines sent through the channels ------------------------------------
 
-REMINDER_RE = re.compile(
-    r"⏰\ufe0f?[ \t]*(\d{4})-(\d{2})-(\d{2})[ \tT]+([01]?\d|2[0-3]):([0-5]\d)(?!\d)"
-)
 _REMIND_FIELD_RE = re.compile(
     r"^remind:[ \t]*[\"']?(\d{4})-(\d{2})-(\d{2})[ \tT]+([01]?\d|2[0-3]):([0-5]\d)", re.M
 )
@@ -15598,7 +15579,7 @@ def note_reminders(path: str, title: str, text: str, zone: dt.tzinfo | None) -> 
     ['2026-12-01 09:00']
     """
     text = text[:MAX_SCAN_CHARS]
-    matches = list(REMINDER_RE.finditer(text))
+    matches = list(ALARM_RE.finditer(text))
     if text.startswith("---"):
         end = text.find("\n---", 3)
         if end > 0:
@@ -32888,11 +32869,12 @@ class DavState:
 
 
 def dav_state(svc: Service) -> DavState:
-    state = getattr(svc, "_dav", None)
+    """Return the Service's DavState (`svc.dav`), made on first use."""
+    state = svc.dav
     if state is None:
         with _DAV_START:
-            state = getattr(svc, "_dav", None) or DavState(svc)
-            svc._dav = state
+            state = svc.dav or DavState(svc)
+            svc.dav = state
     return state
 
 
@@ -33657,7 +33639,7 @@ def dav_delete_method(svc: Service, dav: DavState, item: DavItem, ctx: dict):
     if item.is_dir and (request_header("Depth") or "infinity").lower() != "infinity":
         raise DavError(400, "a folder is deleted whole: Depth: infinity")
     if request_header("If-Match") and not item.is_dir:
-        _check_etag(_if_match(), dav_etag(dav, item), "file")
+        check_etag(_if_match(), dav_etag(dav, item), "file")
     dav_unlocked(dav, item.path, ctx["tokens"], below=True)
     dav_delete(svc, dav, item)
     dav.drop_locks(item.path)  # (RFC 4918 9.6.1)
@@ -34849,11 +34831,8 @@ def cal_set_due(svc: Service, rest: str, due: Any) -> str:
 
 
 def _check_if_match(task: dict | None) -> None:
-    im = request_header("If-Match")
-    if im is not None:
-        tags = [t.strip() for t in im.split(",")]
-        if task is None or ("*" not in tags and task["etag"] not in tags):
-            raise DavError(412, "the task changed since it was read (If-Match): read it again")
+    if not if_match_allows(request_header("If-Match"), task["etag"] if task else None):
+        raise DavError(412, "the task changed since it was read (If-Match): read it again")
     inm = request_header("If-None-Match")
     if inm is not None and inm.strip() == "*" and task is not None:
         raise DavError(412, "a task is already there (If-None-Match: *)")

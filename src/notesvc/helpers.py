@@ -883,6 +883,18 @@ def field(body: dict, name: str, kind: type = str, required: bool = True, max_le
 _TYPE_NAMES = {str: "string", int: "whole number", bool: "boolean", dict: "object", list: "list"}
 
 
+def if_match_allows(if_match: str | None, current: str | None) -> bool:
+    """Return whether a write may go on under an If-Match header (the one reading of it):
+    absent (None), `*` while something is there, or a list of ETags, quoted or not, that
+    names current, the ETag of what is there (None: nothing is)."""
+    if if_match is None:
+        return True
+    tags = [t.strip() for t in if_match.split(",") if t.strip()]
+    if current is not None and "*" in tags:
+        return True
+    return current is not None and current in {t if t[0] == '"' else f'"{t}"' for t in tags}
+
+
 def request_header(name: str, default: Any = None) -> Any:
     """Return a request header's text: its UTF-8 reading, else the bytes as Latin-1 text.
 

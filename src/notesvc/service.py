@@ -220,6 +220,9 @@ class Service:
         self.pollers: Any = None  # ChannelPollers: a thread per channel in polling mode
         self.reminders: Any = None  # ReminderScheduler: ⏰ lines sent through the channels
         self.embedder: Any = None  # Embedder: the notes' vectors, when embeddings are on
+        # ... and made on first use, by the function named (a request of theirs):
+        self.task_book: Any = None  # TaskBook: the tasks' UIDs and sync tokens (task_book)
+        self.dav: Any = None  # DavState: WebDAV's locks, properties, ETags (dav_state)
 
     def saved_by(self) -> str | None:
         """Return the name of the grant the current request acts for (a device's or a

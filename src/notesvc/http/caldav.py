@@ -12,7 +12,13 @@ from typing import Any, Callable
 from notesvc.boot import bottle, log
 from notesvc.errors import ApiError, PreconditionFailed, not_found
 from notesvc.grants import Principal, request_principal
-from notesvc.helpers import local_time, request_body_reader, request_header, time_zone
+from notesvc.helpers import (
+    if_match_allows,
+    local_time,
+    request_body_reader,
+    request_header,
+    time_zone,
+)
 from notesvc.http.api import INBOX
 from notesvc.http.dav import (
     DAV_PREFIX,
@@ -940,11 +946,8 @@ def cal_set_due(svc: Service, rest: str, due: Any) -> str:
 
 
 def _check_if_match(task: dict | None) -> None:
-    im = request_header("If-Match")
-    if im is not None:
-        tags = [t.strip() for t in im.split(",")]
-        if task is None or ("*" not in tags and task["etag"] not in tags):
-            raise DavError(412, "the task changed since it was read (If-Match): read it again")
+    if not if_match_allows(request_header("If-Match"), task["etag"] if task else None):
+        raise DavError(412, "the task changed since it was read (If-Match): read it again")
     inm = request_header("If-None-Match")
     if inm is not None and inm.strip() == "*" and task is not None:
         raise DavError(412, "a task is already there (If-None-Match: *)")

@@ -45,7 +45,7 @@ from notesvc.notes.paths import (
     content_type_of,
     make_etag,
 )
-from notesvc.notes.store import ReadCache, _check_etag, attachment_etag
+from notesvc.notes.store import ReadCache, attachment_etag, check_etag
 from notesvc.service import Service
 
 # == WebDAV ===================================================================
@@ -270,11 +270,12 @@ class DavState:
 
 
 def dav_state(svc: Service) -> DavState:
-    state = getattr(svc, "_dav", None)
+    """Return the Service's DavState (`svc.dav`), made on first use."""
+    state = svc.dav
     if state is None:
         with _DAV_START:
-            state = getattr(svc, "_dav", None) or DavState(svc)
-            svc._dav = state
+            state = svc.dav or DavState(svc)
+            svc.dav = state
     return state
 
 
@@ -1039,7 +1040,7 @@ def dav_delete_method(svc: Service, dav: DavState, item: DavItem, ctx: dict):
     if item.is_dir and (request_header("Depth") or "infinity").lower() != "infinity":
         raise DavError(400, "a folder is deleted whole: Depth: infinity")
     if request_header("If-Match") and not item.is_dir:
-        _check_etag(_if_match(), dav_etag(dav, item), "file")
+        check_etag(_if_match(), dav_etag(dav, item), "file")
     dav_unlocked(dav, item.path, ctx["tokens"], below=True)
     dav_delete(svc, dav, item)
     dav.drop_locks(item.path)  # (RFC 4918 9.6.1)

@@ -38,7 +38,8 @@ from notesvc.notes.paths import note_title
 TASK_LINE_RE = re.compile(r"^([ \t]*)([-*+]|\d{1,9}[.)])([ \t]+)\[([ xX])\](?=[ \t]|$)(.*)$")
 _TASK_FENCE_RE = re.compile(r"^[ \t]*(`{3,}|~{3,})")
 DUE_DATE_RE = re.compile(r"(?:📅\ufe0f?[ \t]*|(?<!\S)due:[ \t]*)(\d{4})-(\d{2})-(\d{2})(?!\d)")
-# the reminder syntax of providers/reminders.py (REMINDER_RE), read here too
+# ⏰ YYYY-MM-DD HH:MM: a task's alarm here, a reminder sent through the channels in
+# providers/reminders.py (one syntax, one pattern)
 ALARM_RE = re.compile(
     r"⏰\ufe0f?[ \t]*(\d{4})-(\d{2})-(\d{2})[ \tT]+([01]?\d|2[0-3]):([0-5]\d)(?!\d)"
 )
@@ -909,13 +910,14 @@ class TaskBook:
 
 
 def task_book(svc: Any) -> TaskBook:
-    book = getattr(svc, "_task_book", None)
+    """Return the Service's TaskBook (`svc.task_book`), made on first use."""
+    book = svc.task_book
     if book is None:
         with _BOOK_START:
-            book = getattr(svc, "_task_book", None)
+            book = svc.task_book
             if book is None:
                 book = TaskBook(svc.notes, svc.config.state_dir, svc.config.timezone)
-                svc._task_book = book
+                svc.task_book = book
     return book
 
 

@@ -14,7 +14,7 @@ from typing import Any, Callable
 from notesvc.boot import log
 from notesvc.helpers import atomic_write, iso, time_zone
 from notesvc.notes.paths import MAX_SCAN_CHARS
-from notesvc.notes.tasks import usable_wall, wall_timestamp
+from notesvc.notes.tasks import ALARM_RE, usable_wall, wall_timestamp
 from notesvc.providers.base import UpstreamError
 from notesvc.providers.capture import _one_line
 from notesvc.providers.channels import _channels, allowed_senders
@@ -24,9 +24,6 @@ from notesvc.service import Service
 
 # -- reminders: ⏰ lines sent through the channels ------------------------------------
 
-REMINDER_RE = re.compile(
-    r"⏰\ufe0f?[ \t]*(\d{4})-(\d{2})-(\d{2})[ \tT]+([01]?\d|2[0-3]):([0-5]\d)(?!\d)"
-)
 _REMIND_FIELD_RE = re.compile(
     r"^remind:[ \t]*[\"']?(\d{4})-(\d{2})-(\d{2})[ \tT]+([01]?\d|2[0-3]):([0-5]\d)", re.M
 )
@@ -43,7 +40,7 @@ def note_reminders(path: str, title: str, text: str, zone: dt.tzinfo | None) -> 
     ['2026-12-01 09:00']
     """
     text = text[:MAX_SCAN_CHARS]
-    matches = list(REMINDER_RE.finditer(text))
+    matches = list(ALARM_RE.finditer(text))
     if text.startswith("---"):
         end = text.find("\n---", 3)
         if end > 0:
