@@ -56,7 +56,7 @@ _MAIN_CODE = (
 )
 
 
-def _interpreter_options() -> list:
+def interpreter_options() -> list:
     """Return the command-line options this interpreter runs with (-I, -E, -s, -S, -P,
     -B, -O, -u, -W and -X), for the interpreter that takes over from the script."""
     import sys
@@ -92,7 +92,7 @@ def _hand_over() -> None:
     if os.name == "posix" and sys.executable:
         sys.stdout.flush()
         here = os.path.abspath(__file__)
-        options = _interpreter_options()
+        options = interpreter_options()
         os.environ.setdefault("MALLOC_ARENA_MAX", MALLOC_ARENAS)
         argv = [sys.executable, *options, "-c", _MAIN_CODE, here, *sys.argv[1:]]
         os.execv(sys.executable, argv)  # noqa: S606 - this interpreter, this file
@@ -1042,8 +1042,8 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-_UMASK = os.umask(0)
-os.umask(_UMASK)
+UMASK = os.umask(0)
+os.umask(UMASK)
 
 
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)})
@@ -1082,10 +1082,10 @@ def atomic_write(
     before_replace(): what must be durable before the new content is in place.
     """
     with disk_writes():
-        _atomic_write(path, data, mode, before_replace)
+        replace_atomically(path, data, mode, before_replace)
 
 
-def _atomic_write(
+def replace_atomically(
     path: Path, data: bytes | Callable, mode: int | None, before_replace: Callable | None
 ) -> None:
     folder = path.parent
@@ -1103,7 +1103,7 @@ def _atomic_write(
             try:
                 mode = os.stat(path).st_mode & 0o777
             except FileNotFoundError:
-                mode = 0o666 & ~_UMASK
+                mode = 0o666 & ~UMASK
         os.chmod(tmp, mode)
         if before_replace is not None:
             before_replace()
@@ -1263,13 +1263,13 @@ def names_this_machine(config: Config, host: str) -> bool:
     return name in names
 
 
-def _minutes(seconds: int) -> str:
+def minutes_text(seconds: int) -> str:
     if seconds % 60:
         return f"{seconds} seconds"
     return "1 minute" if seconds == 60 else f"{seconds // 60} minutes"
 
 
-def _redact_url(url: str) -> str:
+def redact_url(url: str) -> str:
     """Return url for display: userinfo dropped, query values (which may be keys) hidden."""
     parts = urllib.parse.urlsplit(url)
     netloc = parts.netloc.rpartition("@")[2]
@@ -1339,7 +1339,7 @@ def scrub(text: str, secrets: Any, limit: int = 0) -> str:
     return text.encode("utf-8")[:limit].decode("utf-8", "ignore") if limit else text
 
 
-def _self_command() -> str:
+def self_command() -> str:
     """Return how the owner runs this program: the `notesvc` entry point, `python3 -m
     notesvc` (the package) or the file."""
     argv0 = sys.argv[0] if sys.argv else ""
@@ -1763,7 +1763,7 @@ def read_json(max_bytes: int, required: bool = True) -> dict:
             raise bad_request("a JSON object body is required")
         return {}
     try:
-        body = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+        body = json.loads(raw.decode("utf-8"), parse_constant=no_constant)
     except UnicodeDecodeError:
         raise bad_request("the body is not valid UTF-8") from None
     except (ValueError, RecursionError) as e:
@@ -1773,7 +1773,7 @@ def read_json(max_bytes: int, required: bool = True) -> dict:
     return body
 
 
-def _no_constant(name: str) -> None:
+def no_constant(name: str) -> None:
     raise ValueError(f"{name} is not allowed in JSON")
 
 
@@ -2095,17 +2095,17 @@ class MultipartReader:
 NOTES = "notes"
 MAX_PATH_CHARS = 512
 MAX_SEGMENT_BYTES = 255
-_FORBIDDEN = set('\\:*?"<>|')
+FORBIDDEN_CHARS = set('\\:*?"<>|')
 # Invisible characters that make a path read as another one (docs/api.md: Notes).
-_BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
-_ZERO_WIDTH = frozenset("\u200b\u200c\u200d\u2060\ufeff")
+BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+ZERO_WIDTH = frozenset("\u200b\u200c\u200d\u2060\ufeff")
 _CONTROL_RE = re.compile("[\x00-\x1f\x7f-\x9f]")
 # Scans of a note's text for links, tags and passages read at most this much of it (in
 # characters), so one huge note cannot make every such scan slow; the scans are linear.
 MAX_SCAN_CHARS = 256 * 1024
 
 
-def _check_segments(path: str, what: str, top: str = NOTES) -> list:
+def check_segments(path: str, what: str, top: str = NOTES) -> list:
     """Return the segments of a relative path under `top`, or raise 400 naming the broken rule."""
     if not isinstance(path, str) or not path:
         raise bad_request(f"the {what} path is empty")
@@ -2117,11 +2117,11 @@ def _check_segments(path: str, what: str, top: str = NOTES) -> list:
         raise bad_request(f"the {what} path is not valid Unicode") from None
     if _CONTROL_RE.search(path):
         raise bad_request(f"the {what} path holds a control character")
-    if not _BIDI_CONTROLS.isdisjoint(path):
+    if not BIDI_CONTROLS.isdisjoint(path):
         raise bad_request(
             f"the {what} path holds a bidi control character (U+202A-202E, U+2066-2069)"
         )
-    if not _ZERO_WIDTH.isdisjoint(path):
+    if not ZERO_WIDTH.isdisjoint(path):
         raise bad_request(
             f"the {what} path holds a zero-width character (U+200B-200D, U+2060, U+FEFF)"
         )
@@ -2141,7 +2141,7 @@ def _check_segments(path: str, what: str, top: str = NOTES) -> list:
             raise bad_request(f"the {what} path may not contain hidden segments (starting '.')")
         if len(seg.encode("utf-8")) > MAX_SEGMENT_BYTES:
             raise bad_request(f"a segment of the {what} path is over {MAX_SEGMENT_BYTES} bytes")
-        bad = sorted(set(seg) & _FORBIDDEN)
+        bad = sorted(set(seg) & FORBIDDEN_CHARS)
         if bad:
             raise bad_request(f"the {what} path holds a forbidden character: {' '.join(bad)}")
     return segments
@@ -2164,7 +2164,7 @@ def _note_path(raw: str) -> str:
     paths of 60 characters), a refused one raises again each time (lru_cache keeps no
     exception)."""
     path = unicodedata.normalize("NFC", raw)
-    segments = _check_segments(path, "note")
+    segments = check_segments(path, "note")
     if len(segments) < 2 or not path.endswith(".md") or segments[-1] == ".md":
         raise bad_request(f"the note path must look like {NOTES}/<name>.md")
     return path
@@ -2175,7 +2175,7 @@ def folder_path(raw: Any) -> str:
     if not isinstance(raw, str):
         raise bad_request("the folder path must be a string")
     path = unicodedata.normalize("NFC", raw).rstrip("/")
-    _check_segments(path, "folder")
+    check_segments(path, "folder")
     return path
 
 
@@ -2241,7 +2241,7 @@ NOTE_PATH_PARAM = {
 FOLDER_PATH_PARAM = {**FOLDER_PATH_SCHEMA, "pattern": f"^{NOTES}(?:/{_segment(0, True)})*/?$"}
 
 
-def _missing_folders(folder: Path, top: Path) -> list:
+def missing_folders(folder: Path, top: Path) -> list:
     """Return folder and its parents below top that do not exist yet, deepest first."""
     missing = []
     while folder != top and top in folder.parents and not folder.exists():
@@ -2250,7 +2250,7 @@ def _missing_folders(folder: Path, top: Path) -> list:
     return missing
 
 
-def _remove_empty_folders(folder: Path, top: Path) -> None:
+def remove_empty_folders(folder: Path, top: Path) -> None:
     """Remove folder and its parents while they are empty, up to (not including) top."""
     folder = Path(os.path.abspath(folder))
     while folder != top and top in folder.parents:
@@ -2261,7 +2261,7 @@ def _remove_empty_folders(folder: Path, top: Path) -> None:
         folder = folder.parent
 
 
-def _nfc(name: str) -> str:
+def nfc(name: str) -> str:
     return name if name.isascii() else unicodedata.normalize("NFC", name)
 
 
@@ -2279,14 +2279,14 @@ def walk_entries(real: str, rel: str, keep: Callable[[str], bool]) -> Iterable:
         for e in entries:
             if e.name.startswith(".") or e.is_symlink():
                 continue
-            name = _nfc(e.name)
+            name = nfc(e.name)
             if e.is_dir():
                 stack.append((e.path, f"{rel}/{name}"))
             elif keep(name):
                 yield f"{rel}/{name}", e
 
 
-def _is_note_name(name: str) -> bool:
+def is_note_name(name: str) -> bool:
     return name.endswith(".md") and len(name) > 3
 
 
@@ -2371,7 +2371,7 @@ def _file_path(raw: Any, what: str, top: str) -> tuple:
     if not isinstance(raw, str):
         raise bad_request(f"the {what} path must be a string")
     path = unicodedata.normalize("NFC", raw)
-    segments = _check_segments(path, what, top)
+    segments = check_segments(path, what, top)
     base, dot, ext = segments[-1].rpartition(".")
     if len(segments) < 2 or not dot or not base:
         raise bad_request(f"the {what} path must look like {top}/<name>.<extension>")
@@ -2413,7 +2413,7 @@ def attachment_folder(raw: Any) -> str:
     if not isinstance(raw, str):
         raise bad_request("the folder path must be a string")
     path = unicodedata.normalize("NFC", raw).rstrip("/")
-    _check_segments(path, "attachment folder", ATTACHMENTS)
+    check_segments(path, "attachment folder", ATTACHMENTS)
     return path
 
 
@@ -2480,7 +2480,7 @@ def note_title(text: str, path: str) -> str:
 _FENCE_RE = re.compile(r"^(```|~~~)[^\n]*\n.*?^\1[^\n]*$", re.M | re.S)
 _CODE_SPAN_RE = re.compile(r"`[^`\n]*`")
 _TAG_RE = re.compile(r"(?<![\w#&/\[])#((?:\d*[^\W\d_])[\w/-]*)")
-_FRONT_MATTER_RE = re.compile(r"\A---[ \t]*\n(.*?)\n---[ \t]*(?:\n|\Z)", re.S)
+FRONT_MATTER_RE = re.compile(r"\A---[ \t]*\n(.*?)\n---[ \t]*(?:\n|\Z)", re.S)
 
 
 def note_tags(text: str) -> set:
@@ -2492,7 +2492,7 @@ def note_tags(text: str) -> set:
     """
     tags = set()
     text = text[:MAX_SCAN_CHARS]
-    fm = _FRONT_MATTER_RE.match(text)
+    fm = FRONT_MATTER_RE.match(text)
     if fm:
         text = text[fm.end() :]
         lines = fm.group(1).splitlines()
@@ -2532,7 +2532,7 @@ def note_preview(text: str) -> str:
     '2 eggs, see the shop'
     """
     text = text[: PREVIEW_CHARS * 8]
-    fm = _FRONT_MATTER_RE.match(text)
+    fm = FRONT_MATTER_RE.match(text)
     if fm:
         text = text[fm.end() :]
     lines = text.split("\n")
@@ -2842,7 +2842,7 @@ def title_filename(text: str) -> str:
     >>> title_filename("\\n  Buy milk: 2 l / 3 eggs?  \\n"), title_filename("## ...\\n")
     ('Buy milk 2 l 3 eggs', 'untitled')
     """
-    fm = _FRONT_MATTER_RE.match(text)
+    fm = FRONT_MATTER_RE.match(text)
     body = text[fm.end() :] if fm else text
     heading = _ANY_HEADING_RE.search(body[: PREVIEW_CHARS * 64])
     first = next((line for line in body.splitlines() if line.strip()), "")
@@ -2854,7 +2854,7 @@ def title_filename(text: str) -> str:
     return name.rstrip(". ") or "untitled"
 
 
-def _sort_key(name: str) -> tuple:
+def sort_key(name: str) -> tuple:
     return (name.casefold(), name)
 
 
@@ -3986,7 +3986,7 @@ def move_to_trash(src: Path, trash: Path, path: str, guard: Any = None) -> dict:
     full disk) leaves the trash as it was."""
     stamp = utcnow().strftime(TRASH_STAMP)
     dst = trash / stamp / path
-    made = _missing_folders(dst.parent, trash.parent)
+    made = missing_folders(dst.parent, trash.parent)
     try:
         with guard or contextlib.nullcontext(), disk_writes():
             for folder in reversed(made):  # private, as all of the state folder
@@ -4076,7 +4076,7 @@ class Trash:
                 for e in children:
                     if e.name.startswith(".") or e.is_symlink():
                         continue
-                    name = f"{rel}/{_nfc(e.name)}"
+                    name = f"{rel}/{nfc(e.name)}"
                     if e.is_dir():
                         stack.append((e.path, name))
                     else:
@@ -4124,7 +4124,7 @@ class Trash:
 
     def emptied(self, item: TrashItem) -> None:
         """After an item left: remove the folders it leaves empty."""
-        _remove_empty_folders(item.file.parent, self.folder)
+        remove_empty_folders(item.file.parent, self.folder)
 
     def usage(self) -> dict:
         items = [item for entry in self._stamps() for item in self._items_in(entry)]
@@ -4662,7 +4662,7 @@ class FileTree:
     def _new_parents(self, target: Path, path: str | None = None):
         """Create the missing folders of target (the file of path) for the block; remove
         them again when the block fails (a full disk changes nothing)."""
-        missing = _missing_folders(target.parent, self.root)
+        missing = missing_folders(target.parent, self.root)
         try:
             with disk_writes():
                 try:
@@ -4683,7 +4683,7 @@ class FileTree:
 
     def _prune(self, folder: Path) -> None:
         """Remove folder and its parents while they are empty (never root itself)."""
-        _remove_empty_folders(folder, self.root)
+        remove_empty_folders(folder, self.root)
 
 
 class NoteStore(FileTree):
@@ -4901,7 +4901,7 @@ class NoteStore(FileTree):
 
         Paths are NFC whatever the names on disk.
         """
-        return walk_entries(str(self.on_disk(folder)), folder, _is_note_name)
+        return walk_entries(str(self.on_disk(folder)), folder, is_note_name)
 
     def walk(self, folder: str = NOTES) -> list:
         """Return every note path under a folder path, sorted."""
@@ -4996,18 +4996,18 @@ class NoteStore(FileTree):
             elif e.name.endswith(".md") and len(e.name) > 3:
                 notes.append(e)
         children = [
-            self._node(e.path, f"{rel}/{_nfc(e.name)}", below, count)
-            for e in sorted(folders, key=lambda e: _sort_key(_nfc(e.name)))
+            self._node(e.path, f"{rel}/{nfc(e.name)}", below, count)
+            for e in sorted(folders, key=lambda e: sort_key(nfc(e.name)))
         ]
-        for e in sorted(notes, key=lambda e: _sort_key(_nfc(e.name))):
+        for e in sorted(notes, key=lambda e: sort_key(nfc(e.name))):
             try:
                 st = e.stat()
             except OSError:
                 continue
             children.append(
                 {
-                    "name": _nfc(e.name),
-                    "path": f"{rel}/{_nfc(e.name)}",
+                    "name": nfc(e.name),
+                    "path": f"{rel}/{nfc(e.name)}",
                     "type": "note",
                     "size": st.st_size,
                     "modified": iso(st.st_mtime_ns / 1e9),
@@ -5470,7 +5470,7 @@ class NoteStore(FileTree):
             self.copies.mark(target, None)
             fsync_dir(dst.parent)
             fsync_dir(item.file.parent)
-            _remove_empty_folders(item.file.parent, self.trash)  # as Trash.emptied()
+            remove_empty_folders(item.file.parent, self.trash)  # as Trash.emptied()
             if target != item.path:  # the versions it had when deleted (a second's slack)
                 live = os.path.isfile(self.on_disk(item.path))
                 until = int((item.deleted + 1) * 1_000_000)
@@ -5685,7 +5685,7 @@ class AttachmentStore(FileTree):
                     path, target = self._free(path, target)
                 exists = self.check(path, if_match, if_none_match)
                 with self._new_parents(target, path):
-                    os.chmod(tmp, 0o666 & ~_UMASK)
+                    os.chmod(tmp, 0o666 & ~UMASK)
                     self._rename(tmp, target)
                 fsync_dir(target.parent)
                 if target.parent != self.root:
@@ -5713,7 +5713,7 @@ class AttachmentStore(FileTree):
                         while chunk := source.read(BODY_CHUNK):
                             f.write(chunk)
 
-                _atomic_write(dst, copy, None)
+                replace_atomically(dst, copy, None)
 
     def _free(self, path: str, target: Path) -> tuple:
         """Return (path, file) of the first name not taken: path, name-2.ext, name-3.ext..."""
@@ -6723,7 +6723,7 @@ SNIPPET_CHARS = 240
 # -- text analysis ------------------------------------------------------------
 
 # Words: letters and digits; `_` separates (snake_case is two words, as for FTS5's unicode61)
-_WORD_RE = re.compile(r"[^\W_]+")
+WORD_RE = re.compile(r"[^\W_]+")
 _ASCII_WORD_RE = re.compile(r"[^\W_]+", re.ASCII)  # the same tokens on ASCII text, faster
 _MARKS_RE = re.compile("[\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe2f]")
 
@@ -7034,7 +7034,7 @@ def tokenize(text: str) -> list:
     >>> tokenize("Running shoes & the spare KEYS, café")
     ['run', 'shoe', 'the', 'spare', 'key', 'cafe']
     """
-    return [stem(w) for w in _WORD_RE.findall(fold(text))]
+    return [stem(w) for w in WORD_RE.findall(fold(text))]
 
 
 # -- BM25 ---------------------------------------------------------------------
@@ -7104,7 +7104,7 @@ class Query:
             alt = self._alternative(raw, quoted=not word)
             if alt is None:
                 continue
-            words = _WORD_RE.findall(raw) if alt[0] == "word" else ()
+            words = WORD_RE.findall(raw) if alt[0] == "word" else ()
             if len(words) == 1 and tokenize(words[0]) == [alt[1]]:  # the word is its term
                 self.typed.setdefault(alt[1], words[0].lower())
             if negative:
@@ -7127,7 +7127,7 @@ class Query:
     def _alternative(raw: str, quoted: bool):
         if not quoted and raw.endswith("*"):
             prefix = fold(raw.rstrip("*"))
-            if len(prefix) < 2 or not _WORD_RE.fullmatch(prefix):
+            if len(prefix) < 2 or not WORD_RE.fullmatch(prefix):
                 raise bad_request("a prefix* needs at least 2 letters or digits before the *")
             return ("prefix", prefix)
         stems = tokenize(raw)
@@ -7186,7 +7186,7 @@ def _token_offset(text: str, k: int) -> int | None:
         if m is None:
             return None
         pos, k = m.end(), k - n
-    m = _WORD_RE.search(text, pos)
+    m = WORD_RE.search(text, pos)
     return m.start() if m else None
 
 
@@ -7244,7 +7244,7 @@ def _typed_offset(text: str, word: str) -> int | None:
     return None
 
 
-def _snippet(text: str, toks: str, needles: dict) -> str:
+def body_snippet(text: str, toks: str, needles: dict) -> str:
     """Return up to SNIPPET_CHARS of the body around the first match of the best needle:
     where the word stands as it was typed (one find in C), else its first token of any
     form (the tokens counted)."""
@@ -7312,37 +7312,37 @@ BULK_CHUNK_CHARS = 8_000_000  # ...or this much text
 MERGE_FACTOR = 3  # segments of one size class merged at once
 MAX_DELETED = 0.3  # a segment with this share of deleted notes is rewritten
 STEM_CACHE = 20_000  # words whose stems one bulk remembers (the common ones come first)
-_OVERFLOW = "\xff"  # the term char of stems past the last code point (not indexed)
+OVERFLOW_CHAR = "\xff"  # the term char of stems past the last code point (not indexed)
 # Phrases of common words: a segment file keeps, for each adjacent pair of terms among its
 # first PAIR_TERMS (numbered commonest first by a merge) of which one is among the first
 # PAIR_COMMON, the notes holding that pair in a field: "the file" is a list read, not a
 # substring search in 40 % of the notes. Their term chars are U+0100-02FF, and U+0100-017F:
 # in UTF-8 a lead byte C4-CB, and C4-C5, then a continuation byte.
 PAIR_COMMON, PAIR_TERMS = 128, 512
-_PAIR_RE = re.compile(
+PAIR_RE = re.compile(
     rb"(?=((?:[\xc4\xc5][\x80-\xbf])(?:[\xc4-\xcb][\x80-\xbf])"
     rb"|(?:[\xc6-\xcb][\x80-\xbf])(?:[\xc4\xc5][\x80-\xbf])))"
 )
 _APPEND = array.array.append
-_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
-_NOT_MINUS_ONE = (-1).__ne__
-_EPS = 1e-6  # float32 impacts against float64 scores
+FIRST_ITEM, SECOND_ITEM = operator.itemgetter(0), operator.itemgetter(1)
+NOT_MINUS_ONE = (-1).__ne__
+SCORE_EPS = 1e-6  # float32 impacts against float64 scores
 
 
-def _term_char_of(n: int) -> str:
+def term_char_of(n: int) -> str:
     """Return the term char of term number n (U+0100 upward, surrogates skipped)."""
     cp = 0x100 + n
     if cp >= 0xD800:
         cp += 0x800
-    return chr(cp) if cp <= 0x10FFFF else _OVERFLOW
+    return chr(cp) if cp <= 0x10FFFF else OVERFLOW_CHAR
 
 
-def _term_number(ch: str) -> int:
+def term_number(ch: str) -> int:
     cp = ord(ch)
     return cp - (0x900 if cp >= 0xE000 else 0x100)
 
 
-def _exact_tf(imp: float, dl: int, avg_then: float, avg_now: float) -> float:
+def exact_tf(imp: float, dl: int, avg_then: float, avg_now: float) -> float:
     """Return bm25_tf with today's average from an impact computed with avg_then."""
     room = K1 + 1.0 - imp
     if room <= 1e-5:  # saturated: a term this frequent scores the same with any average
@@ -7351,7 +7351,7 @@ def _exact_tf(imp: float, dl: int, avg_then: float, avg_now: float) -> float:
     return bm25_tf(tf, dl, avg_now)
 
 
-def _has(ids, d: int) -> int:
+def sorted_position(ids, d: int) -> int:
     """Return the position of d in the sorted sequence ids, or -1."""
     i = bisect.bisect_left(ids, d)
     return i if i < len(ids) and ids[i] == d else -1
@@ -7360,7 +7360,7 @@ def _has(ids, d: int) -> int:
 _ASCII_SPACES = bytes(c if chr(c).isalnum() and c < 128 else 32 for c in range(256))
 
 
-class _Vocab:
+class Vocab:
     """The term numbers of one segment being built, and the folded words that map to them
     (the prefix* vocabulary). encode() turns text into a string of term chars."""
 
@@ -7371,8 +7371,8 @@ class _Vocab:
         self.stems: list = []  # by term number
         self._cache = stem_cache
 
-    def copy(self) -> _Vocab:
-        new = _Vocab()
+    def copy(self) -> Vocab:
+        new = Vocab()
         new.ascii, new.surfaces = dict(self.ascii), dict(self.surfaces)
         new.chars, new.stems = dict(self.chars), [*self.stems]
         return new
@@ -7389,8 +7389,8 @@ class _Vocab:
                 cache[word] = term
         ch = self.chars.get(term)
         if ch is None:
-            ch = _term_char_of(len(self.stems))
-            if ch == _OVERFLOW:
+            ch = term_char_of(len(self.stems))
+            if ch == OVERFLOW_CHAR:
                 return ch
             self.chars[term] = ch
             self.stems.append(term)
@@ -7402,7 +7402,7 @@ class _Vocab:
         if text.isascii():  # the same tokens as _ASCII_WORD_RE, split at C speed
             words, chars = text.encode().translate(_ASCII_SPACES).split(), self.ascii
         else:
-            words, chars = _WORD_RE.findall(text), self.surfaces
+            words, chars = WORD_RE.findall(text), self.surfaces
         try:
             return "".join(map(chars.__getitem__, words))
         except KeyError:  # new words: give them term chars, then encode again
@@ -7419,13 +7419,13 @@ class _Vocab:
         """Return [(folded word as UTF-8, term char)] sorted (overflowing stems left out)."""
         found = dict(self.ascii)
         found.update((w.encode(), ch) for w, ch in self.surfaces.items())
-        return sorted(item for item in found.items() if item[1] != _OVERFLOW)
+        return sorted(item for item in found.items() if item[1] != OVERFLOW_CHAR)
 
     def words(self) -> list:
         """Return [(folded word, term char)] sorted by word (overflowing stems left out)."""
         found = {w.decode(): ch for w, ch in self.ascii.items()}
         found.update(self.surfaces)
-        return sorted(item for item in found.items() if item[1] != _OVERFLOW)
+        return sorted(item for item in found.items() if item[1] != OVERFLOW_CHAR)
 
 
 def _count_terms(counter: dict, keys: Iterable) -> None:
@@ -7433,7 +7433,7 @@ def _count_terms(counter: dict, keys: Iterable) -> None:
         counter[key] = counter.get(key, 0) + 1
 
 
-class _DeletedCounts:
+class DeletedCounts:
     """A segment file's per-term counts of its deleted notes (live document frequencies
     are its own less these): 4 bytes a term, in an array made at the first deletion. A
     dict of them cost about 100 bytes a term, 112 MB when every note of a 100k-note
@@ -7486,8 +7486,8 @@ class _DeletedCounts:
         out[1::2] = array.array("I", filter(None, counts))
         return out
 
-    def copy(self) -> _DeletedCounts:
-        new = _DeletedCounts(self.size)
+    def copy(self) -> DeletedCounts:
+        new = DeletedCounts(self.size)
         new.counts = None if self.counts is None else array.array("I", self.counts)
         return new
 
@@ -7498,8 +7498,8 @@ class MemorySegment:
 
     name = "memory"
 
-    def __init__(self, vocab: _Vocab | None = None):
-        self.vocab = vocab or _Vocab()
+    def __init__(self, vocab: Vocab | None = None):
+        self.vocab = vocab or Vocab()
         self.docs: list = []  # Doc by id
         self.avgs: list = []  # the (body, title) averages each note's impacts were computed with
         self.ids: dict = {}  # path -> id of its live entry
@@ -7530,7 +7530,7 @@ class MemorySegment:
             span = self.avg_range[f]
             span[0], span[1] = min(span[0], a), max(span[1], a)
             counts = collections.Counter(toks)
-            counts.pop(_OVERFLOW, None)
+            counts.pop(OVERFLOW_CHAR, None)
             if not counts:
                 continue
             table = self.post[f]
@@ -7543,8 +7543,8 @@ class MemorySegment:
                 for i, entry in enumerate(entries):
                     if entry is None:
                         entries[i] = table[cps[i]] = (array.array("I"), array.array("f"))
-            deque(map(_APPEND, map(_FIRST, entries), itertools.repeat(d)), 0)
-            deque(map(_APPEND, map(_SECOND, entries), map(by_tf.__getitem__, tfs)), 0)
+            deque(map(_APPEND, map(FIRST_ITEM, entries), itertools.repeat(d)), 0)
+            deque(map(_APPEND, map(SECOND_ITEM, entries), map(by_tf.__getitem__, tfs)), 0)
         return d
 
     def delete(self, d: int) -> None:
@@ -7556,7 +7556,7 @@ class MemorySegment:
             del self.ids[doc.path]
         for f, toks in enumerate((doc.toks, doc.title_toks)):
             self.del_lens[f] += len(toks)
-            _count_terms(self.del_df[f], set(toks).difference(_OVERFLOW))
+            _count_terms(self.del_df[f], set(toks).difference(OVERFLOW_CHAR))
 
     # -- what searching asks of every segment -------------------------------------------
 
@@ -7618,7 +7618,7 @@ class MemorySegment:
         i = bisect.bisect_left(words, (prefix,))
         out = []
         while i < len(words) and words[i][0].startswith(prefix) and len(out) < cap:
-            out.append((words[i][0], vocab.stems[_term_number(words[i][1])]))
+            out.append((words[i][0], vocab.stems[term_number(words[i][1])]))
             i += 1
         return out
 
@@ -7638,7 +7638,7 @@ class MemorySegment:
         return len(self.vocab.stems)
 
     def key_number(self, key) -> int:
-        return _term_number(key)
+        return term_number(key)
 
     def tok_text(self, d: int, f: int) -> str:
         return self.docs[d][4 + f]
@@ -7673,7 +7673,7 @@ def phrase_docs(seg, ks: list, within: set | None) -> set:
         cands = lists[0]
         if within is not None:  # (the notes of the clauses before)
             if len(cands) > 4 * len(within):
-                cands = [d for d in within if _has(cands, d) >= 0]
+                cands = [d for d in within if sorted_position(cands, d) >= 0]
             else:
                 cands = within.intersection(cands)
         elif len(lists) > 1 and len(lists[1]) <= 16 * len(cands):  # holding both terms
@@ -7698,7 +7698,7 @@ def word_docs(seg, ks: list, within: set | None) -> set:
             if within is None:
                 found.update(ids)
             elif len(ids) > 4 * len(within):
-                found.update(d for d in within if _has(ids, d) >= 0)
+                found.update(d for d in within if sorted_position(ids, d) >= 0)
             else:
                 found.update(within.intersection(ids))
     return found
@@ -7723,7 +7723,7 @@ def query_needles(seg, si: int, clauses: list, keys: dict, typed: dict) -> dict:
     return needles
 
 
-class _TextCache:
+class TextCache:
     """The texts of the notes snippets were cut from lately, each kept with the signature
     (size, mtime) the index holds for it, so it is given again only for that version;
     at most MAX_CHARS characters, notes up to MAX_NOTE_CHARS, least recent out first.
@@ -7854,7 +7854,7 @@ class DiskSegment:
             for kind in ("dict", "surf")
         }
         self.deleted: set = set()
-        self.del_df: tuple = (_DeletedCounts(self.nt), _DeletedCounts(self.nt))
+        self.del_df: tuple = (DeletedCounts(self.nt), DeletedCounts(self.nt))
         self.del_lens = [0, 0]
 
     def _pair_lists(self, meta: dict, bounds: dict, view: memoryview) -> tuple | None:
@@ -7885,7 +7885,7 @@ class DiskSegment:
         out = []
         for a, b in zip(keys, keys[1:]):
             if max(a, b) < PAIR_TERMS and min(a, b) < PAIR_COMMON:
-                i = _has(listed, _pair_key(a, b, f))
+                i = sorted_position(listed, _pair_key(a, b, f))
                 found = ids[off[i] : off[i + 1]] if i >= 0 else ids[0:0]
                 if len(found) and found[-1] >= self.n:  # ascending: a damaged list
                     return None  # (the substring search instead)
@@ -7912,7 +7912,7 @@ class DiskSegment:
         for f in (0, 1):
             toks = self.tok_text(d, f)
             self.del_lens[f] += len(toks)
-            self.del_df[f].add(map(_term_number, set(toks).difference(_OVERFLOW)))
+            self.del_df[f].add(map(term_number, set(toks).difference(OVERFLOW_CHAR)))
 
     # -- sorted string tables: the dictionary, the surfaces, the paths -----------------------
 
@@ -7959,7 +7959,7 @@ class DiskSegment:
         return self._ids[start : start + n], self._imps[start : start + n]
 
     def char(self, key: int) -> str:
-        return _term_char_of(key)
+        return term_char_of(key)
 
     def _tok_span(self, d: int, f: int) -> tuple:
         base, off = self.text["tokens"], self._tok_off
@@ -8028,7 +8028,7 @@ class DiskSegment:
         starts = map(base.__add__, map(first.__getitem__, cands))
         ends = map(base.__add__, map(last.__getitem__, cands))
         found = map(mm.find, itertools.repeat("".join(chars).encode()), starts, ends)
-        return list(itertools.compress(cands, map(_NOT_MINUS_ONE, found)))
+        return list(itertools.compress(cands, map(NOT_MINUS_ONE, found)))
 
     @functools.cached_property
     def _tok_spans(self) -> tuple:
@@ -8159,7 +8159,7 @@ class _FileWriter:
         self.f.write(raw + _TRAILER.pack(len(raw), zlib.crc32(raw), self.magic))
 
 
-class _Cancelled(Exception):
+class MergeCancelled(Exception):
     """A merge stopped because the index is closing."""
 
 
@@ -8179,7 +8179,7 @@ def _path_order(src, remap) -> Iterable:
 def _merged_terms(sources: list) -> Iterable:
     """Yield (stem, [(source number, key)]) over the sources' dictionaries, in stem order."""
     streams = [_tagged(src.sorted_terms(), i) for i, src in enumerate(sources)]
-    for stem_, parts in itertools.groupby(heapq.merge(*streams), key=_FIRST):
+    for stem_, parts in itertools.groupby(heapq.merge(*streams), key=FIRST_ITEM):
         yield stem_, [(i, k) for _, i, k in parts]
 
 
@@ -8251,7 +8251,7 @@ def _write_postings(out, spill, sources, skips, remaps, norms, parts: list, f: i
         ids, imps = p
         if skips[i]:
             mapped = list(map(remaps[i].__getitem__, ids))
-            keep = list(map(_NOT_MINUS_ONE, mapped))
+            keep = list(map(NOT_MINUS_ONE, mapped))
             ids_out.extend(itertools.compress(mapped, keep))
             imps_out.extend(itertools.compress(imps, keep))
             continue
@@ -8339,7 +8339,7 @@ class _PairPostings:
         if len(raw) < 4:
             return
         found = self.found[fld]
-        pairs = set(_PAIR_RE.findall(raw))
+        pairs = set(PAIR_RE.findall(raw))
         for pair in pairs:
             ids = found.get(pair)
             if ids is None:
@@ -8357,7 +8357,7 @@ class _PairPostings:
                 a = ((pair[0] & 0x1F) << 6 | (pair[1] & 0x3F)) - 0x100  # _term_number
                 b = ((pair[2] & 0x1F) << 6 | (pair[3] & 0x3F)) - 0x100
                 lists.append((_pair_key(a, b, fld), ids))
-        lists.sort(key=_FIRST)
+        lists.sort(key=FIRST_ITEM)
         return lists
 
     def _spill(self) -> None:
@@ -8395,7 +8395,7 @@ class _PairPostings:
         (where each list starts, and the end) and "pair_ids" (the lists)."""
         if not self.runs:
             lists = self._sorted()
-            out.section("pair_keys", array.array("I", map(_FIRST, lists)))
+            out.section("pair_keys", array.array("I", map(FIRST_ITEM, lists)))
             sizes = (len(ids) for _, ids in lists)
             out.section("pair_off", array.array("I", itertools.accumulate(sizes, initial=0)))
             out.section("pair_ids", *(ids for _, ids in lists))
@@ -8405,7 +8405,7 @@ class _PairPostings:
         keys, off = array.array("I"), array.array("I", [0])
         runs = [self._run(*span) for span in self.runs]
         out.begin("pair_ids")  # a key's lists, run after run: its ids ascending
-        for key, lists in itertools.groupby(heapq.merge(*runs, key=_FIRST), key=_FIRST):
+        for key, lists in itertools.groupby(heapq.merge(*runs, key=FIRST_ITEM), key=FIRST_ITEM):
             n = 0
             for _, ids in lists:
                 out.write(ids)
@@ -8422,7 +8422,7 @@ class _PairPostings:
             self.spill = None
 
 
-def write_batch(f, docs: list, vocab: _Vocab, avg: tuple) -> None:
+def write_batch(f, docs: list, vocab: Vocab, avg: tuple) -> None:
     """Write analysed notes (Doc, in this order) as one segment file to f: the bulk build's
     fast path, with no Python work per posting beyond C-level maps and one sort per field.
 
@@ -8437,7 +8437,7 @@ def write_batch(f, docs: list, vocab: _Vocab, avg: tuple) -> None:
         for d, doc in enumerate(docs):
             toks = doc[4 + fld]
             counts = collections.Counter(toks)
-            counts.pop(_OVERFLOW, None)
+            counts.pop(OVERFLOW_CHAR, None)
             if counts:
                 tfs = list(counts.values())
                 by_tf = {tf: bm25_tf(tf, len(toks), avg[fld]) for tf in set(tfs)}
@@ -8479,7 +8479,7 @@ def write_batch(f, docs: list, vocab: _Vocab, avg: tuple) -> None:
         [stems[t] for t in by_stem],
         by_stem,
         [w for w, _ in words],
-        [_term_number(ch) for _, ch in words],
+        [term_number(ch) for _, ch in words],
     )
     toks = [t.encode() for doc in docs for t in (doc.toks, doc.title_toks)]
     out.section("tokens", *toks)
@@ -8545,7 +8545,7 @@ def write_segment(
         pairs.close()
     del pairs
     _write_paths_and_titles(out, sources, remaps)
-    by_path = array.array("I", map(_SECOND, heapq.merge(*map(_path_order, sources, remaps))))
+    by_path = array.array("I", map(SECOND_ITEM, heapq.merge(*map(_path_order, sources, remaps))))
     dls, avgs = columns["dl"], columns["avg"]
     for name, arr in (("by_path", by_path), *columns.items()):
         out.section(name, arr.tobytes())
@@ -8609,7 +8609,7 @@ class _TermPlan:
             rank[g] = r
         trans = [array.array("I", bytes(4 * (src.term_count() + 0x900))) for src in sources]
         for table in trans:
-            table[ord(_OVERFLOW)] = ord(_OVERFLOW)
+            table[ord(OVERFLOW_CHAR)] = ord(OVERFLOW_CHAR)
         return cls(False, len(kept), rank, trans)
 
 
@@ -8626,7 +8626,7 @@ def _write_postings_of_terms(out, plan, sources, skips, dels, remaps, norms, can
         start = 0
         for g, (stem_, parts) in enumerate(_merged_terms(sources)):
             if cancel is not None and not g % 1024 and cancel.is_set():
-                raise _Cancelled
+                raise MergeCancelled
             if plan.single:
                 if not any(_live_df(sources, dels, parts)):
                     continue
@@ -8635,7 +8635,7 @@ def _write_postings_of_terms(out, plan, sources, skips, dels, remaps, norms, can
                 tid = plan.rank[g]
                 if tid < 0:
                     continue
-                cp = ord(_term_char_of(tid))
+                cp = ord(term_char_of(tid))
                 for i, k in parts:
                     plan.trans[i][ord(sources[i].char(k))] = cp
             tid_rank[tid] = len(stems)
@@ -8670,7 +8670,7 @@ def _write_dictionary(out, plan, sources, terms, stems, tids) -> int:
             alive = tid < plan.nt and (terms[4 * tid + 1] or terms[4 * tid + 3])
         else:
             cp = plan.trans[i][ord(sources[i].char(k))]
-            alive, tid = cp != 0, _term_number(chr(cp)) if cp else 0
+            alive, tid = cp != 0, term_number(chr(cp)) if cp else 0
         if alive:
             last = w
             words.append(w)
@@ -8688,7 +8688,7 @@ def _write_tokens(out, plan, sources, remaps, avg, cancel, pairs: _PairPostings)
     out.begin("tokens")
     for src, remap, table in zip(sources, remaps, plan.trans):
         if cancel is not None and cancel.is_set():
-            raise _Cancelled
+            raise MergeCancelled
         raw_tokens = table is None and isinstance(src, DiskSegment)
         for d in range(src.n):
             if remap[d] < 0:
@@ -8843,7 +8843,7 @@ def read_items(notes: NoteStore, paths: list) -> list:
 
 def analyse_batch(items: list, stems: dict) -> tuple:
     """Return (vocabulary, [Doc], average lengths) of (path, text, size, mtime) items."""
-    vocab = _Vocab(stems)
+    vocab = Vocab(stems)
     docs = [vocab.analyse(*item) for item in items]
     avg = tuple(max(sum(len(d[4 + f]) for d in docs) / max(len(docs), 1), 1.0) for f in (0, 1))
     return vocab, docs, avg
@@ -8903,7 +8903,7 @@ def _merge_for_server(job: dict, folder: Path) -> tuple:
         if not re.fullmatch(r"\d{8}\.seg", name):
             raise ValueError(f"not a segment file: {name!r}")
         sources.append(DiskSegment(folder / name))
-        counts = (_DeletedCounts(sources[-1].nt), _DeletedCounts(sources[-1].nt))
+        counts = (DeletedCounts(sources[-1].nt), DeletedCounts(sources[-1].nt))
         for c, flat in zip(counts, pairs):
             c.load(array.array("I", flat))
         dels.append(counts)
@@ -9064,7 +9064,7 @@ class EarlyHelper:
 # -- the index ----------------------------------------------------------------
 
 
-def _memory_segment(vocab: _Vocab, docs: list, avg: tuple) -> MemorySegment:
+def _memory_segment(vocab: Vocab, docs: list, avg: tuple) -> MemorySegment:
     seg = MemorySegment(vocab)
     for doc in docs:
         seg.add(doc, avg)
@@ -9118,7 +9118,7 @@ def _best(scores: dict, m: int) -> tuple:
     out or 0.0). All of them, unsorted, when they are m or fewer."""
     if len(scores) <= m:
         return [(a, d) for d, a in scores.items()], 0.0
-    items = _largest(m + 1, scores.items(), _SECOND)
+    items = _largest(m + 1, scores.items(), SECOND_ITEM)
     return [(a, d) for d, a in items[:m]], items[m][1]
 
 
@@ -9156,7 +9156,7 @@ class _Match:
                 if d in deleted:
                     continue
                 self.title_scores[d] = w * imp
-                if body is None or _has(body[1], d) < 0:
+                if body is None or sorted_position(body[1], d) < 0:
                     total += 1
         self.total = total
 
@@ -9179,7 +9179,7 @@ class _Match:
                     scores[d] = scores.get(d, 0.0) + w * imps[i]
             for d in self.title_scores:
                 if d not in taken:
-                    i = _has(ids, d)
+                    i = sorted_position(ids, d)
                     if i >= 0:
                         scores[d] += w * imps[i]
         top, beyond = _best(scores, m)
@@ -9188,9 +9188,9 @@ class _Match:
     def exact(self, d: int, avg: tuple) -> float:
         seg, score = self.seg, 0.0
         for w, ids, imps, f, *_ in self.comps:
-            i = _has(ids, d)
+            i = sorted_position(ids, d)
             if i >= 0:
-                score += w * _exact_tf(imps[i], seg.dl(d, f), seg.avg_then(d, f), avg[f])
+                score += w * exact_tf(imps[i], seg.dl(d, f), seg.avg_then(d, f), avg[f])
         return score
 
 
@@ -9245,7 +9245,7 @@ class SearchIndex:
         self._merger_lock = threading.RLock()  # one merge at a time (and through it)
         self._pair_rewrites: dict = {}  # file name -> when it was last picked to get pair lists
         self._live = MemorySegment()
-        self._texts = _TextCache()  # the texts snippets were cut from lately
+        self._texts = TextCache()  # the texts snippets were cut from lately
         self.generation = 0  # bumps on every change
         # (generation it holds for, {folder: notes beneath it}): rebuilt after bulk changes,
         # kept up to date by single adds and removals (folder_counts)
@@ -9843,7 +9843,7 @@ class SearchIndex:
     @staticmethod
     def _hi(seg, avg: tuple) -> float:
         """Return the most a segment's stored impacts can rise with today's averages."""
-        return max(1.0, *(avg[f] / max(seg.avg_range[f][0], 1.0) for f in (0, 1))) * (1 + _EPS)
+        return max(1.0, *(avg[f] / max(seg.avg_range[f][0], 1.0) for f in (0, 1))) * (1 + SCORE_EPS)
 
     def _matches(self, segs, n, avg, clauses, excludes, folder) -> list:
         stems = sorted({s for clause in [*clauses, excludes] for _, ss in clause for s in ss})
@@ -9895,7 +9895,7 @@ class SearchIndex:
                 top, bound = mt.top(m)
                 pool += [(a, mt, d) for a, d in top]
                 outside = max(outside, bound * mt.hi)
-            pool.sort(key=_FIRST, reverse=True)
+            pool.sort(key=FIRST_ITEM, reverse=True)
             found, heap = [], []
             for a, mt, d in pool:
                 if len(heap) >= k and a * hi < heap[0]:
@@ -9914,7 +9914,7 @@ class SearchIndex:
                 continue
             if not found:
                 return []
-            found.sort(key=_FIRST, reverse=True)
+            found.sort(key=FIRST_ITEM, reverse=True)
             last = found[min(k, len(found)) - 1][0]  # equal scores are ordered by path
             best = [x for x in found if x[0] >= last]
             ranked = [(score, mt.seg.path(d), mt.seg, d) for score, mt, d in best]
@@ -10005,7 +10005,7 @@ class SearchIndex:
                 return ""
             text = unicodedata.normalize("NFC", text)
             self._texts.put(path, sig, text)
-        return _snippet(text, toks, needles)
+        return body_snippet(text, toks, needles)
 
     def _read(self, path: str, limit: int = -1) -> str | None:
         """Return a note's text from its file (up to limit bytes), None when unreadable."""
@@ -10112,7 +10112,7 @@ class SearchIndex:
         try:
             atomic_write(path, write, mode=0o600)
             return DiskSegment(path)
-        except _Cancelled:
+        except MergeCancelled:
             return None
         except (OSError, IndexFileError) as e:
             log.warning("index: could not write segment %s (%s); serving from memory", path.name, e)
@@ -10450,7 +10450,7 @@ def chunk_note(title: str, text: str) -> list:
     paragraphs into chunks of about CHUNK_WORDS words (never mid-word), each starting with
     the note's title and its heading path. Front matter is left out; fenced code is kept
     as a paragraph of its own. A note with no body is its title alone."""
-    text = _FRONT_MATTER_RE.sub("", text.replace("\r\n", "\n"), count=1)
+    text = FRONT_MATTER_RE.sub("", text.replace("\r\n", "\n"), count=1)
     chunks: list = []
     path: list = []  # [(level, heading)]
     body: list = []  # the paragraphs of the chunk being filled
@@ -11871,7 +11871,7 @@ def _escapes(raw: Any, top: str) -> bool:
     return not text.startswith(top + "/") or "." in segments or ".." in segments
 
 
-def _no_link_below(on_disk: Callable, top: str, path: str, what: str) -> None:
+def no_link_below(on_disk: Callable, top: str, path: str, what: str) -> None:
     """Raise 404 when a symbolic link lies between folder `top` and `path` (on disk)."""
     at = on_disk(top)
     try:
@@ -11897,7 +11897,7 @@ def _visible(raw: Any, check_path: Callable, top: str, on_disk: Callable, what: 
     if _escapes(raw, top):
         raise not_found(f"no {what} at {str(raw)[:MAX_PATH_CHARS]}")
     path = check_path(raw)
-    _no_link_below(on_disk, top, path, what)
+    no_link_below(on_disk, top, path, what)
     return path
 
 
@@ -11937,7 +11937,7 @@ def visible_folder(
     if folder.startswith(own + "/"):
         base = svc.attachments.base
         on_disk = svc.notes.on_disk if top == NOTES else (lambda p: base / p)
-        _no_link_below(on_disk, own, folder, "folder")
+        no_link_below(on_disk, own, folder, "folder")
         return folder
     if folder == top or own.startswith(folder + "/"):
         return own
@@ -11978,7 +11978,7 @@ def granted_tree(
     return node
 
 
-def _epoch(text: Any) -> float:
+def epoch_of(text: Any) -> float:
     """Return the time an ISO 8601 UTC stamp names; infinity for none (never expires)."""
     if not text:
         return math.inf
@@ -11989,7 +11989,7 @@ def _epoch(text: Any) -> float:
     return when.replace(tzinfo=dt.timezone.utc).timestamp()
 
 
-def _clean_name(text: Any, fallback: str, limit: int = 100) -> str:
+def clean_name(text: Any, fallback: str, limit: int = 100) -> str:
     """Return a display name: printable characters only, trimmed, at most limit long."""
     name = "".join(ch for ch in str(text or "") if ch.isprintable()).strip()[:limit]
     return name or fallback
@@ -12221,11 +12221,11 @@ class GrantStore:
             p = Principal(
                 g["kind"], g["scope"], g.get("folder") or "", g["id"], g.get("resource", "")
             )
-            expires = _epoch(g.get("expiresAt"))
+            expires = epoch_of(g.get("expiresAt"))
             if g.get("keyHash"):
                 index[g["keyHash"]] = ("key", p, expires, self._idle_since(g))
             if g.get("accessHash"):
-                until = min(expires, _epoch(g.get("accessExpiresAt")))
+                until = min(expires, epoch_of(g.get("accessExpiresAt")))
                 index[g["accessHash"]] = ("access", p, until, None)
         self._cache = (data, index)
         return index
@@ -12236,14 +12236,14 @@ class GrantStore:
         SERVICE_DEVICE_IDLE_DAYS=0)."""
         if not self.idle or g.get("kind") != "device" or g.get("expiresAt"):
             return None
-        return _epoch(g.get("lastUsedAt") or g.get("createdAt"))
+        return epoch_of(g.get("lastUsedAt") or g.get("createdAt"))
 
     def expires(self, g: dict) -> float:
         """Return when a grant stops working: its expiresAt, or for a paired device its
         last use plus SERVICE_DEVICE_IDLE_DAYS (infinity: never)."""
         since = self._idle_since(g)
         if since is None:
-            return _epoch(g.get("expiresAt"))
+            return epoch_of(g.get("expiresAt"))
         return max(since, self._used.get(g["id"], 0.0)) + self.idle
 
     def principal(self, secret: str) -> Principal | None:
@@ -12378,7 +12378,7 @@ class GrantStore:
 
         def change(data: dict) -> None:
             self._check_maker(data, created_by, now)
-            live = [p for p in data.get("pairings", []) if _epoch(p["expiresAt"]) > now]
+            live = [p for p in data.get("pairings", []) if epoch_of(p["expiresAt"]) > now]
             if len(live) >= MAX_PAIRINGS:
                 raise ApiError(
                     409, "CONFLICT", f"{MAX_PAIRINGS} pairings wait already; let them expire"
@@ -12397,7 +12397,7 @@ class GrantStore:
         key = DEVICE_KEY_PREFIX + secrets.token_urlsafe(32)
 
         def change(data: dict) -> dict | None:
-            pairings = [p for p in data.get("pairings", []) if _epoch(p["expiresAt"]) > now]
+            pairings = [p for p in data.get("pairings", []) if epoch_of(p["expiresAt"]) > now]
             found = next(
                 (p for p in pairings if hmac.compare_digest(p["secretHash"], wanted)), None
             )
@@ -12508,7 +12508,7 @@ class GrantStore:
         return {
             "key": kinds["key"],
             "oauth": kinds["oauth"],
-            "share": sum(_epoch(s["expiresAt"]) > now for s in data.get("shares", [])),
+            "share": sum(epoch_of(s["expiresAt"]) > now for s in data.get("shares", [])),
             "oauthClients": len(data.get("oauthClients", {})),
         }
 
@@ -12547,7 +12547,7 @@ class GrantStore:
         now = self.clock()
         client_id = "mcp_" + secrets.token_urlsafe(16)
         record = {
-            "name": _clean_name(meta.get("client_name"), "unnamed client"),
+            "name": clean_name(meta.get("client_name"), "unnamed client"),
             "redirectUris": uris,
             "uri": uri,
             "createdAt": iso(now),
@@ -12561,14 +12561,14 @@ class GrantStore:
             for cid in [
                 c
                 for c, r in clients.items()
-                if _epoch(r.get("lastUsedAt") or r["createdAt"]) < stale and c not in holding
+                if epoch_of(r.get("lastUsedAt") or r["createdAt"]) < stale and c not in holding
             ]:
                 del clients[cid]
             unused = sorted(
                 (r["createdAt"], c)
                 for c, r in clients.items()
                 if not r.get("lastUsedAt")
-                and _epoch(r["createdAt"]) < now - OAUTH_FRESH_CLIENT_SECONDS
+                and epoch_of(r["createdAt"]) < now - OAUTH_FRESH_CLIENT_SECONDS
             )
             while len(clients) >= MAX_OAUTH_CLIENTS and unused:
                 del clients[unused.pop(0)[1]]
@@ -12634,7 +12634,7 @@ class GrantStore:
         host = urllib.parse.urlsplit(client_id).hostname
         client = {
             "id": client_id,
-            "name": _clean_name(doc.get("client_name"), host),
+            "name": clean_name(doc.get("client_name"), host),
             "redirectUris": uris,
             "uri": doc.get("client_uri") if isinstance(doc.get("client_uri"), str) else "",
         }
@@ -12781,7 +12781,7 @@ class GrantStore:
                     continue
                 if g["client"]["id"] != client_id:
                     return "client", g
-                if _epoch(g.get("expiresAt")) <= now:
+                if epoch_of(g.get("expiresAt")) <= now:
                     return "expired", g
                 if resource and resource != g.get("resource"):
                     return "resource", g
@@ -12835,7 +12835,7 @@ class GrantStore:
 
         def change(data: dict) -> None:
             self._check_maker(data, share["grantId"], now)
-            live = [s for s in data.get("shares", []) if _epoch(s["expiresAt"]) > now]
+            live = [s for s in data.get("shares", []) if epoch_of(s["expiresAt"]) > now]
             if len(live) >= MAX_SHARES:
                 raise ApiError(409, "CONFLICT", f"{MAX_SHARES} share links exist; revoke some")
             data["shares"] = [*live, share]
@@ -12855,7 +12855,7 @@ class GrantStore:
         return [
             self.share_record(s)
             for s in self.state.read().get("shares", [])
-            if _epoch(s["expiresAt"]) > now
+            if epoch_of(s["expiresAt"]) > now
             and (
                 principal.allows("admin")
                 or (s.get("grantId") == principal.grant_id and principal.sees(s["path"]))
@@ -12885,7 +12885,7 @@ class GrantStore:
         h, now = key_hash(token), self.clock()
         data = self.state.read()
         for s in data.get("shares", []):
-            if hmac.compare_digest(s["tokenHash"], h) and _epoch(s["expiresAt"]) > now:
+            if hmac.compare_digest(s["tokenHash"], h) and epoch_of(s["expiresAt"]) > now:
                 if not s.get("grantId"):
                     return s, OWNER
                 for g in data.get("grants", []):
@@ -12945,7 +12945,7 @@ def check_agent_config(config: Config, providers: Mapping[str, Any]) -> None:
             raise ConfigError(f"{env_of[name]}: required by the {provider.name} agent provider")
 
 
-def _rid() -> str:
+def current_request_id() -> str:
     """Return the current request's id (for log lines written below a handler)."""
     try:
         return bottle.request.environ.get("notesvc.request_id", "-")
@@ -13150,7 +13150,11 @@ class Service:
         try:
             self._index_event(event, path, detail)
         except Exception:  # the write happened; the rescan sees the file differ and re-reads
-            log.exception("request %s: indexing %s failed; the next rescan retries", _rid(), path)
+            log.exception(
+                "request %s: indexing %s failed; the next rescan retries",
+                current_request_id(),
+                path,
+            )
 
     def _index_event(self, event: str, path: str, detail: Any) -> None:
         if event in ("saved", "restored"):
@@ -13450,7 +13454,7 @@ MAX_MESSAGE_CHARS = 8000  # of a question to the agent
 _COLLECTING = threading.local()
 
 
-def _registry(kind: str, builtin: dict) -> dict:
+def registry_of(kind: str, builtin: dict) -> dict:
     target = getattr(_COLLECTING, "registries", None)
     return builtin if target is None else target.setdefault(kind, {})
 
@@ -13669,7 +13673,7 @@ def _upstream_error(e: BaseException) -> UpstreamError:
 
 def question_stems(question: str) -> list:
     """Return the stems of a natural-language question, stopwords dropped."""
-    words = [w for w in _WORD_RE.findall(fold(question)) if w not in STOPWORDS]
+    words = [w for w in WORD_RE.findall(fold(question)) if w not in STOPWORDS]
     return [stem(w) for w in dict.fromkeys(words)]
 
 
@@ -13719,7 +13723,7 @@ def best_passages(weights: dict, text: str, keep: int = 2) -> list:
             continue
         if _MD_INLINE_RE.search(sentence):
             sentence = plain_text(sentence)
-        words = set(_WORD_RE.findall(fold(sentence)))
+        words = set(WORD_RE.findall(fold(sentence)))
         for w in words.difference(stems):
             stems[w] = stem(w)
         present = set(map(stems.__getitem__, words)) & weights.keys()
@@ -13728,17 +13732,17 @@ def best_passages(weights: dict, text: str, keep: int = 2) -> list:
     scored.sort()
     if scored and not scored[0][0]:
         scored = [item for item in scored if not item[0]]
-    return [_clip(item[3], 400) for item in scored[:keep]]
+    return [clip(item[3], 400) for item in scored[:keep]]
 
 
-def _clip(text: str, limit: int) -> str:
+def clip(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1].rsplit(" ", 1)[0] + "…"
 
 
 def _hits_in_folder(svc: Service, question: str, folder: str, limit: int) -> list:
     """Return the top (path, title, text, score) inside a folder (a folder grant's sources):
     the question's words as one OR query of the index, restricted to the folder."""
-    words = list(dict.fromkeys(w for w in _WORD_RE.findall(fold(question)) if w not in STOPWORDS))
+    words = list(dict.fromkeys(w for w in WORD_RE.findall(fold(question)) if w not in STOPWORDS))
     text = ""
     for word in words:
         if len(text) + len(word) + 4 > MAX_QUERY_CHARS:
@@ -13779,7 +13783,7 @@ def retrieve(
         if passages:
             found.insert(0, (note, rec["title"], passages))
         else:
-            opening = _clip(" ".join(rec["content"][:MAX_SCAN_CHARS].split()), 600)
+            opening = clip(" ".join(rec["content"][:MAX_SCAN_CHARS].split()), 600)
             found.append((note, rec["title"], [opening]))
     return found
 
@@ -13862,7 +13866,7 @@ def tool(
     }
 
     def register(fn: Callable) -> Callable:
-        _registry("tool", TOOLS)[name] = Tool(
+        registry_of("tool", TOOLS)[name] = Tool(
             name,
             fn,
             description,
@@ -13969,7 +13973,7 @@ def call_tool(svc: Service, tool: Tool, arguments: Any) -> dict:
     except ApiError as e:
         return tool_error(e.code, e.message)
     except Exception:
-        rid = _rid()
+        rid = current_request_id()
         log.exception("request %s: tool %s failed", rid, tool.name)
         return tool_error("INTERNAL_ERROR", f"internal error; request id {rid}")
     text = tool.text(data) if tool.text else to_json(data).decode("utf-8")
@@ -14013,7 +14017,7 @@ def agent_provider(
 
     def register(fn: AnswerFn) -> AnswerFn:
         provider = AgentProvider(name, fn, model, enabled, description, requires)
-        _registry("agent", AGENT_PROVIDERS)[name] = provider
+        registry_of("agent", AGENT_PROVIDERS)[name] = provider
         return fn
 
     return register
@@ -14032,7 +14036,7 @@ def answer_locally(svc: Service, question: str, found: list) -> tuple:
         if best:
             quoted.append((path, " ".join(best)))
     if not quoted:
-        return f"Nothing in your notes matches “{_clip(question, 80)}”.", "notesvc-local", []
+        return f"Nothing in your notes matches “{clip(question, 80)}”.", "notesvc-local", []
     lines = ["From your notes:", *(f"• {passage} — {path}" for path, passage in quoted[:4])]
     return "\n".join(lines), "notesvc-local", [path for path, _ in quoted[:4]]
 
@@ -14125,7 +14129,11 @@ def answer_with_model(svc: Service, question: str, found: list) -> tuple:
         except UpstreamError as e:
             if not (step == 0 and specs and e.status in (400, 422)):
                 raise
-            log.info("request %s: the model refused tools (%s); asking without them", _rid(), e)
+            log.info(
+                "request %s: the model refused tools (%s); asking without them",
+                current_request_id(),
+                e,
+            )
             specs = []
             body.pop("tools")
             body.pop("tool_choice", None)
@@ -14146,7 +14154,12 @@ def answer_with_model(svc: Service, question: str, found: list) -> tuple:
                 messages.append(
                     _tool_message(call, f"skipped: at most {MAX_TOOL_CALLS_PER_STEP} calls at once")
                 )
-        log.debug("request %s: agent step %d ran %d tool calls", _rid(), step + 1, len(calls))
+        log.debug(
+            "request %s: agent step %d ran %d tool calls",
+            current_request_id(),
+            step + 1,
+            len(calls),
+        )
     reply = (
         f"I stopped after {cfg.agent_max_steps} model calls (SERVICE_AGENT_MAX_STEPS) without "
         "an answer; the notes I looked at are listed as sources."
@@ -14215,7 +14228,7 @@ def run_tool_call(svc: Service, tools: list, call: Any, touched: list) -> dict:
 
 def _tool_message(call: Any, text: str) -> dict:
     call_id = str(call.get("id", "")) if isinstance(call, dict) else ""
-    return {"role": "tool", "tool_call_id": call_id, "content": _clip(text, MAX_TOOL_TEXT)}
+    return {"role": "tool", "tool_call_id": call_id, "content": clip(text, MAX_TOOL_TEXT)}
 
 
 @agent_provider("none", model=lambda cfg: "", enabled=False, description="agent switched off")
@@ -14279,8 +14292,8 @@ def local_now(svc: Service) -> dt.datetime:
     return local_time(time.time(), time_zone(svc.config.timezone))
 
 
-def _one_line(text: str, limit: int = 1000) -> str:
-    return _clip(" ".join(text.split()), limit)
+def one_line(text: str, limit: int = 1000) -> str:
+    return clip(" ".join(text.split()), limit)
 
 
 def _media_extension(media: dict) -> str | None:
@@ -14320,7 +14333,7 @@ def capture_media(svc: Service, channel: dict, prov: ChannelProvider, media: lis
             log.warning("channel %s: a %s was not saved: %s", channel["id"], label, reason)
             problems.append(f"The {label} was not saved: {reason}.")
             continue
-        text = _one_line(caption) if caption and i == 0 else ""
+        text = one_line(caption) if caption and i == 0 else ""
         lines.append(f"- {now:%H:%M} {entry}" + (f" {text}" if text else ""))
         if transcript is not None:
             lines.append(f"  > {transcript}" if transcript else "  > (nothing was heard)")
@@ -14329,7 +14342,7 @@ def capture_media(svc: Service, channel: dict, prov: ChannelProvider, media: lis
         svc.notes.append(note, "\n".join(lines), heading)
     replies = []
     for label, transcript in saved:
-        said = f": “{_clip(transcript, 300)}”" if transcript else ""
+        said = f": “{clip(transcript, 300)}”" if transcript else ""
         replies.append(f"Saved the {label} to {note}{said}.")
     unheard = [label for label, t in saved if t is None and label in ("voice message", "audio")]
     if unheard and not svc.config.transcribe_url:
@@ -14358,12 +14371,12 @@ def _capture_one(svc: Service, channel: dict, prov: ChannelProvider, item, note,
     if rec["contentType"].startswith("image/"):
         entry = f"![{label}]({href})"
     else:
-        text = _one_line(item.get("name") or label, 100).replace("[", "(").replace("]", ")")
+        text = one_line(item.get("name") or label, 100).replace("[", "(").replace("]", ")")
         entry = f"[{text}]({href})"
     transcript = None
     if item.get("kind") in ("voice", "audio") and svc.config.transcribe_url:
         try:
-            transcript = _one_line(transcribe(svc, rec["path"]), 4000)
+            transcript = one_line(transcribe(svc, rec["path"]), 4000)
         except UpstreamError as e:
             log.warning("channel %s: transcription failed: %s", channel["id"], e)
             entry += f" (transcription failed: {e})"
@@ -14514,14 +14527,14 @@ def channel_provider(
             signature_header=signature_header,
             signing_field=signing_field,
         )
-        _registry("channel", CHANNEL_PROVIDERS)[name] = provider
+        registry_of("channel", CHANNEL_PROVIDERS)[name] = provider
         return parse
 
     return register
 
 
 def _registered_channel(name: str) -> tuple:
-    registry = _registry("channel", CHANNEL_PROVIDERS)
+    registry = registry_of("channel", CHANNEL_PROVIDERS)
     if name not in registry:
         raise KeyError(f"register channel provider {name!r} before its sender or check")
     return registry, registry[name]
@@ -14619,16 +14632,16 @@ def validate_channel_config(provider: ChannelProvider, config: Any) -> dict:
 # -- channels' state: what providers and the pipeline share ---------------------------
 
 
-def _channels(svc: Service) -> list:
+def channels_of(svc: Service) -> list:
     return svc.state.read().get("channels", [])
 
 
-def _printable(text: str, limit: int = 100) -> str:
+def printable(text: str, limit: int = 100) -> str:
     """Return text without control characters, at most limit characters (names, log lines)."""
     return "".join(ch for ch in str(text) if ch.isprintable())[:limit]
 
 
-def _change_channel(svc: Service, channel_id: str, change: Callable) -> dict:
+def change_channel(svc: Service, channel_id: str, change: Callable) -> dict:
     def apply(data: dict) -> dict:
         for i, channel in enumerate(data.get("channels", [])):
             if channel["id"] == channel_id:
@@ -14694,7 +14707,7 @@ def telegram_call(
         wait = (answer.get("parameters") or {}).get("retry_after") or 0
         said = scrub(str(answer.get("description") or f"HTTP {status}"), [config["botToken"]])
         raise TelegramError(
-            f"Telegram {method}: " + _printable(said, 200),
+            f"Telegram {method}: " + printable(said, 200),
             int(answer.get("error_code") or status),
             float(wait) if isinstance(wait, (int, float)) else 0.0,
         )
@@ -14774,7 +14787,7 @@ def send_telegram(svc: Service, config: dict, chat_id: str, text: str) -> None:
     answer = post_json(url, {"chat_id": chat_id, "text": text[:REPLY_LIMIT]}, timeout=15)
     if answer.get("ok") is not True:
         said = scrub(str(answer.get("description")), [config["botToken"]])
-        raise UpstreamError(f"Telegram refused: {_printable(said)}")
+        raise UpstreamError(f"Telegram refused: {printable(said)}")
 
 
 @channel_poller("telegram")
@@ -14948,7 +14961,7 @@ def verify_whatsapp(svc: Service) -> str:
     if token:
         svc.check_lockout(addr)
     challenge = query_str("hub.challenge")
-    mine = [c["config"] for c in _channels(svc) if c["provider"] == "whatsapp" and c["enabled"]]
+    mine = [c["config"] for c in channels_of(svc) if c["provider"] == "whatsapp" and c["enabled"]]
     if mode != "subscribe" or not token or not _match_secret(mine, "verifyToken", token):
         if token:
             svc.lockout.fail(addr, token)
@@ -15035,7 +15048,7 @@ def _authenticate_channel(
     signed = bool(signature and prov.signing_field and raw is not None)
     if presented or signed:  # only a presented credential counts toward (or meets) the lockout
         svc.check_lockout(addr)
-    mine = [c for c in _channels(svc) if c["provider"] == prov.name]
+    mine = [c for c in channels_of(svc) if c["provider"] == prov.name]
     channel = _match_secret(mine, "secret", presented) if presented else None
     key = prov.signing_field
     if channel is not None and key and channel["config"].get(key):
@@ -15173,7 +15186,7 @@ def binds(binding: dict, text: str) -> bool:
     m = re.fullmatch(r"\s*(?:/start(?:@\w+)?\s+)?([a-z2-7]{12})\s*", text or "", re.I)
     return (
         m is not None
-        and _epoch(binding.get("until")) > time.time()
+        and epoch_of(binding.get("until")) > time.time()
         and hmac.compare_digest(key_hash(m.group(1).lower()), binding.get("codeHash", ""))
     )
 
@@ -15182,7 +15195,7 @@ def bind_chat(svc: Service, channel: dict, prov: ChannelProvider, sender: str, n
     """Make the chat that sent the bind code the channel's only allowed one (the code is
     used up: a second chat sending it is a refused sender); it is the chat of whoever asked
     for the code."""
-    bound = {"id": _printable(sender), "name": _printable(name or ""), "at": iso(utcnow())}
+    bound = {"id": printable(sender), "name": printable(name or ""), "at": iso(utcnow())}
 
     def apply(channels: list, i: int) -> None:
         maker = (channels[i].pop("binding", None) or {}).get("createdBy", MADE_BY_OWNER)
@@ -15191,13 +15204,13 @@ def bind_chat(svc: Service, channel: dict, prov: ChannelProvider, sender: str, n
         note_chat_makers(channels[i], prov, [], maker)
         channels[i]["boundChat"] = bound
 
-    _change_channel(svc, channel["id"], apply)
+    change_channel(svc, channel["id"], apply)
     log.info("channel %s: bound to chat %s", channel["id"], bound["id"])
 
 
 def refuse_sender(svc: Service, channel: dict, prov: ChannelProvider, sender, name) -> None:
     """Log and remember a sender the allowlist refused (never the message text)."""
-    sender, name = _printable(sender), _printable(name or "")
+    sender, name = printable(sender), printable(name or "")
     log.info(
         "channel %s: refused sender %s%s — add it to config.%s to allow",
         channel["id"],
@@ -15212,7 +15225,7 @@ def refuse_sender(svc: Service, channel: dict, prov: ChannelProvider, sender, na
         channels[i]["refusedSenders"] = [*kept, entry][-REFUSED_KEPT:]
 
     with contextlib.suppress(ApiError):  # the channel was deleted meanwhile
-        _change_channel(svc, channel["id"], remember)
+        change_channel(svc, channel["id"], remember)
 
 
 _COMMAND_RE = re.compile(r"^/([A-Za-z]\w{0,31})(?:@\w+)?(?:\s+(.*))?$", re.S)
@@ -15247,7 +15260,7 @@ def run_command(svc: Service, text: str, channel: dict | None = None) -> str:
         except ApiError as e:
             return f"Search: {e.message}"
         if not total:
-            return f"No note matches “{_clip(arg, 80)}”."
+            return f"No note matches “{clip(arg, 80)}”."
         lines = [f"{total} note{'s' if total != 1 else ''} match; the best:"]
         lines += [f"• {title} — {path}" for path, title, _, _ in hits]
         return "\n".join(lines)
@@ -15257,7 +15270,7 @@ def run_command(svc: Service, text: str, channel: dict | None = None) -> str:
             content = svc.notes.get(path)["content"]
         except ApiError:
             return f"Nothing in {path} yet."
-        return _clip(f"{path}\n\n{content.strip()}", REPLY_LIMIT)
+        return clip(f"{path}\n\n{content.strip()}", REPLY_LIMIT)
     if command in ("help", "start"):
         return HELP_TEXT
     if command == "ask":
@@ -15310,7 +15323,7 @@ def process_update(svc: Service, channel: dict, prov: ChannelProvider, update: d
 def channel_secrets(svc: Service, channel_id: str) -> list:
     """Return what a channel sends out that is secret: its config's secret fields (a bot
     token, an access token), for scrub()."""
-    for channel in _channels(svc):
+    for channel in channels_of(svc):
         prov = svc.channel_providers.get(channel["provider"])
         if channel["id"] == channel_id and prov is not None:
             return [str(channel["config"].get(f.name) or "") for f in prov.fields if f.secret]
@@ -15322,14 +15335,14 @@ def set_channel_status(svc: Service, channel_id: str, ok: bool, error: str = "")
     secret of the channel in it, whatever its provider said)."""
     status: dict = {"ok": ok, "at": iso(utcnow())}
     if error:
-        status["error"] = _printable(scrub(error, channel_secrets(svc, channel_id)), 300)
+        status["error"] = printable(scrub(error, channel_secrets(svc, channel_id)), 300)
 
     def record(channels: list, i: int) -> dict:
         channels[i]["status"] = status
         return channels[i]
 
     try:
-        return _change_channel(svc, channel_id, record)
+        return change_channel(svc, channel_id, record)
     except ApiError:  # deleted meanwhile
         return None
 
@@ -15362,7 +15375,7 @@ POLL_REFUSED_PAUSE = 300.0  # after the provider refused the credentials
 
 
 def _channel(svc: Service, channel_id: str) -> dict | None:
-    return next((c for c in _channels(svc) if c["id"] == channel_id), None)
+    return next((c for c in channels_of(svc) if c["id"] == channel_id), None)
 
 
 class ChannelPollers:
@@ -15398,7 +15411,7 @@ class ChannelPollers:
             return
         stopped = []
         wanted = {}
-        for c in _channels(svc):
+        for c in channels_of(svc):
             prov = svc.channel_providers.get(c["provider"])
             if prov and prov.poll and c["enabled"] and channel_mode(c) == "polling":
                 secret = {f.name for f in prov.fields if f.secret}
@@ -15421,7 +15434,7 @@ class ChannelPollers:
         deadline = time.monotonic() + join
         for poller in stopped if join > 0 else ():
             poller.thread.join(max(0.0, deadline - time.monotonic()))
-        known = {c["id"] for c in _channels(svc)}
+        known = {c["id"] for c in channels_of(svc)}
         with self._offsets_lock:  # a deleted channel's offset goes with it
             offsets = self._read_offsets()
             if any(cid not in known for cid in offsets):
@@ -15588,7 +15601,7 @@ def note_reminders(path: str, title: str, text: str, zone: dt.tzinfo | None) -> 
     for m in matches:
         start = text.rfind("\n", 0, m.start()) + 1
         stop = text.find("\n", m.end())
-        line = _one_line(text[start : stop if stop >= 0 else len(text)], 300)
+        line = one_line(text[start : stop if stop >= 0 else len(text)], 300)
         wall = usable_wall(*(int(g) for g in m.groups()))  # (None: 2026-02-30, 0001-01-01)
         due = wall_timestamp(wall, zone) if wall is not None else None
         if due is None:  # an unusable time: that line only is no reminder
@@ -15820,7 +15833,7 @@ class ReminderScheduler:
             f"{r['line']}\n{r['path']}"
         )
         sent = tried = 0
-        for channel in _channels(svc):
+        for channel in channels_of(svc):
             prov = svc.channel_providers.get(channel["provider"])
             if not (prov and prov.send and channel["enabled"] and channel["config"].get("notify")):
                 continue
@@ -16467,13 +16480,13 @@ def provider_registries(plugins: Mapping[str, Plugin]) -> tuple:
 # fails at once at each one), and no repeat nests in another. Whether a Markdown link
 # points at a .md note (or an attachment) is decided afterwards (_md_target), not by
 # backtracking.
-_WIKILINK_RE = re.compile(r"\[\[([^\[\]|#\n]+)((?:#[^\[\]|\n]*)?(?:\|[^\[\]\n]*)?)\]\]")
-_MDLINK_RE = re.compile(
+WIKILINK_RE = re.compile(r"\[\[([^\[\]|#\n]+)((?:#[^\[\]|\n]*)?(?:\|[^\[\]\n]*)?)\]\]")
+MDLINK_RE = re.compile(
     r"(\[[^\[\]\n]*\]\()(<[^<>\n]*>[^)\s<>\[\]]*|[^)\s<>\[\]]+)((?:\s+\"[^\"\n]*\")?\))"
 )
 
 
-def _md_target(href: str) -> str | None:
+def md_target(href: str) -> str | None:
     """Return the file part of a Markdown link's href (`<...>` kept), or None when it does not
     point at a .md file or an attachment's type; what follows it is a #fragment."""
     if href.startswith("<"):
@@ -16556,8 +16569,8 @@ def link_refs(text: str) -> tuple:
     """Return a note's links as written: ([[wikilink]] targets, Markdown link targets), each
     once, in its first MAX_SCAN_CHARS; LinkResolver.resolve says where they lead."""
     text = text[:MAX_SCAN_CHARS]
-    wikis = dict.fromkeys(m.group(1) for m in _WIKILINK_RE.finditer(text))
-    targets = map(_md_target, (m.group(2) for m in _MDLINK_RE.finditer(text)))
+    wikis = dict.fromkeys(m.group(1) for m in WIKILINK_RE.finditer(text))
+    targets = map(md_target, (m.group(2) for m in MDLINK_RE.finditer(text)))
     return tuple(wikis), tuple(dict.fromkeys(t for t in targets if t))
 
 
@@ -16691,7 +16704,7 @@ def rewrite_links(
         return f"[[{replacement}{m.group(2)}]]"
 
     def markdown(m: re.Match) -> str:
-        href = _md_target(m.group(2))
+        href = md_target(m.group(2))
         if href is None:
             return m.group(0)
         fragment = m.group(2)[len(href) :]
@@ -16715,7 +16728,7 @@ def rewrite_links(
             replacement = f"<{urllib.parse.unquote(replacement)}>"
         return f"{m.group(1)}{replacement}{fragment}{m.group(3)}"
 
-    return _MDLINK_RE.sub(markdown, _WIKILINK_RE.sub(wiki, text))
+    return MDLINK_RE.sub(markdown, WIKILINK_RE.sub(wiki, text))
 
 
 def update_links(svc: Service, old: str, new: str, linking: set) -> list:
@@ -17323,7 +17336,7 @@ IMPORT_NOTE_TYPES = frozenset((*IMPORT_TEXT_TYPES, "json", "csv", "html", "htm",
 _WINDOWS_NAMES = frozenset(
     ["con", "prn", "aux", "nul"] + [f"{p}{n}" for p in ("com", "lpt") for n in range(1, 10)]
 )
-_NOTION_ID_RE = re.compile(r"\s+[0-9a-f]{32}$|\s+[0-9a-f]{8}(?:-[0-9a-f]{4}){3}-[0-9a-f]{12}$")
+NOTION_ID_RE = re.compile(r"\s+[0-9a-f]{32}$|\s+[0-9a-f]{8}(?:-[0-9a-f]{4}){3}-[0-9a-f]{12}$")
 _LINK_TOKEN_RE = re.compile("\x00([^\x00\x01]*)\x01([^\x00]*)\x00")
 _DRIVE_RE = re.compile(r"^[A-Za-z]:")
 
@@ -17510,9 +17523,9 @@ def import_segment(name: str, fallback: str = "untitled") -> str:
     """
     name = unicodedata.normalize("NFC", name)
     name = "".join(
-        " " if ord(ch) < 32 or 0x7F <= ord(ch) < 0xA0 or ch in _FORBIDDEN or ch == "/" else ch
+        " " if ord(ch) < 32 or 0x7F <= ord(ch) < 0xA0 or ch in FORBIDDEN_CHARS or ch == "/" else ch
         for ch in name
-        if ch not in _BIDI_CONTROLS and ch not in _ZERO_WIDTH
+        if ch not in BIDI_CONTROLS and ch not in ZERO_WIDTH
     )
     name = " ".join(name.split()).lstrip(".").rstrip(". ")
     while len(name.encode("utf-8")) > 200:
@@ -17925,7 +17938,7 @@ def import_kind(source: ImportSource) -> str:
     if any("/Keep/" in f"/{n}" for n in jsons):
         return "keep"
     notion = sum(
-        1 for n in names if _NOTION_ID_RE.search(posixpath.splitext(n.rsplit("/", 1)[-1])[0])
+        1 for n in names if NOTION_ID_RE.search(posixpath.splitext(n.rsplit("/", 1)[-1])[0])
     )
     if notion and notion * 2 >= sum(1 for n in names if n.endswith((".md", ".csv"))):
         return "notion"
@@ -18199,7 +18212,7 @@ class ImportPlan:
         }
 
 
-def _decode_text(data: bytes) -> str:
+def decode_text(data: bytes) -> str:
     """Return a text file's text: UTF-8 (a BOM kept, as the bytes say), else Windows-1252."""
     try:
         return data.decode("utf-8")
@@ -18207,7 +18220,7 @@ def _decode_text(data: bytes) -> str:
         return data.decode("cp1252", "replace")
 
 
-def _front_matter(fields: dict) -> str:
+def front_matter(fields: dict) -> str:
     """Return YAML front matter for what Markdown can't say ('' when there is nothing)."""
     lines = []
     for key, value in fields.items():
@@ -18223,7 +18236,7 @@ def _front_matter(fields: dict) -> str:
     return "---\n" + "\n".join(lines) + "\n---\n" if lines else ""
 
 
-def _iso_or_none(seconds: Any) -> str | None:
+def iso_or_none(seconds: Any) -> str | None:
     try:
         return iso(float(seconds)) if seconds else None
     except (TypeError, ValueError, OverflowError, OSError):
@@ -18245,7 +18258,7 @@ def _target_segments(name: str, strip_ids: bool) -> list:
     for seg in name.split("/"):
         if strip_ids:
             stem, ext = _note_name_of(seg)
-            stem = _NOTION_ID_RE.sub("", stem) or stem
+            stem = NOTION_ID_RE.sub("", stem) or stem
             seg = f"{stem}.{ext}" if ext else stem
         segments.append(import_segment(seg))
     return segments
@@ -18257,7 +18270,7 @@ def _relink(text: str, source: str, known: Mapping) -> str:
 
     def md(m: re.Match) -> str:
         href = m.group(2)
-        target = _md_target(href)
+        target = md_target(href)
         if target is None or "://" in target:
             return m.group(0)
         inner = urllib.parse.unquote(target.strip("<>"))
@@ -18268,7 +18281,7 @@ def _relink(text: str, source: str, known: Mapping) -> str:
         rest = href[len(target) :]
         return f"{m.group(1)}{link_token(resolved, target)}{rest}{m.group(3)}"
 
-    return _MDLINK_RE.sub(md, text)
+    return MDLINK_RE.sub(md, text)
 
 
 def plan_tree(plan: ImportPlan, source: ImportSource, kind: str) -> None:
@@ -18366,7 +18379,7 @@ def _tree_note_drafts(plan: ImportPlan, source: ImportSource, notes: list, links
         text: Any = entry  # read by plan.load when written
         if want is None:  # a Notion database
             stem = _note_name_of(entry.name.rsplit("/", 1)[-1])[0]
-            title = _NOTION_ID_RE.sub("", stem.removesuffix("_all")) or stem
+            title = NOTION_ID_RE.sub("", stem.removesuffix("_all")) or stem
             segs = _target_segments(entry.name, True)[:-1]
             want = "/".join([plan.into, *segs, import_segment(title) + ".md"])
             text = functools.partial(_tree_text, source, entry, csv_title=title, links=links)
@@ -18377,7 +18390,7 @@ def _tree_note_drafts(plan: ImportPlan, source: ImportSource, notes: list, links
 def _tree_text(source: ImportSource, entry: ImportEntry, csv_title: Any, links: Any) -> str:
     """Return a note of a tree as it is imported: its text (a database's CSV as a table),
     its links to what the import holds as tokens, wikilinks to renamed notes renamed."""
-    text = _decode_text(source.read(entry))
+    text = decode_text(source.read(entry))
     if csv_title is not None:
         text = csv_to_markdown(csv_title, text)
     if links:
@@ -18410,7 +18423,7 @@ def _rename_wikilinks(text: str, renamed: Mapping) -> str:
         rest = m.group(2) or ""
         return f"[[{new}{rest if '|' in rest else rest + '|' + target}]]"
 
-    return _WIKILINK_RE.sub(fix, text)
+    return WIKILINK_RE.sub(fix, text)
 
 
 def csv_to_markdown(title: str, text: str) -> str:
@@ -18461,7 +18474,7 @@ def keep_note(data: Any, files: Mapping | None = None) -> tuple:
     if links:
         parts.append("\n".join(links))
     md = "\n\n".join(p for p in parts if p).strip("\n") + "\n"
-    return title, _front_matter(meta) + md, None
+    return title, front_matter(meta) + md, None
 
 
 def _keep_str(data: dict, key: str) -> str:
@@ -18492,7 +18505,7 @@ def _keep_meta(data: dict) -> dict:
 
     def usec(key: str) -> str | None:
         v = data.get(key)
-        return _iso_or_none(v / 1e6) if isinstance(v, (int, float)) and v > 0 else None
+        return iso_or_none(v / 1e6) if isinstance(v, (int, float)) and v > 0 else None
 
     colour = _keep_str(data, "color").upper()
     return {
@@ -19224,7 +19237,7 @@ def _enex_note(plan: ImportPlan, note: dict, label: str) -> None:
         "author": note.get("author"),
         "source": "Evernote",
     }
-    text = _front_matter(meta) + (f"# {title}\n\n" if title else "") + body
+    text = front_matter(meta) + (f"# {title}\n\n" if title else "") + body
     stem = import_segment(title_filename(title or body))
     d = Draft(label, f"{plan.into}/{stem}.md", text=text)
     plan.name(d)
@@ -19337,7 +19350,7 @@ def _joplin_items(plan: ImportPlan, source: ImportSource) -> tuple:
             plan.skip(name, "not a Joplin item")
             continue
         try:
-            title, body, props = joplin_item(_decode_text(source.read(entry, plan.max_note * 4)))
+            title, body, props = joplin_item(decode_text(source.read(entry, plan.max_note * 4)))
         except ValueError:
             plan.skip(name, "over SERVICE_MAX_BODY_BYTES")
             continue
@@ -19414,7 +19427,7 @@ def _joplin_note_text(source: ImportSource, entry: ImportEntry, tags: Mapping) -
     """Return a Joplin note as it is written, read again: its properties as front matter,
     a to-do's title as a task, links to resources as link tokens (their ids: the
     resources' drafts are named by them)."""
-    title, body, props = joplin_item(_decode_text(source.read(entry)))
+    title, body, props = joplin_item(decode_text(source.read(entry)))
     todo = props.get("is_todo") == "1"
     done = todo and props.get("todo_completed", "0") not in ("", "0")
     meta = {
@@ -19427,7 +19440,7 @@ def _joplin_note_text(source: ImportSource, entry: ImportEntry, tags: Mapping) -
     }
     body = _JOPLIN_LINK_RE.sub(lambda m: f"({link_token(m.group(1), ':/' + m.group(1))})", body)
     heading = f"- [{'x' if done else ' '}] {title}" if todo else f"# {title}"
-    return _front_matter(meta) + (heading + "\n\n" if title else "") + body + "\n"
+    return front_matter(meta) + (heading + "\n\n" if title else "") + body + "\n"
 
 
 IMPORT_PLANNERS = {
@@ -19450,7 +19463,7 @@ def import_into(svc: Any, raw: Any, kind: str, principal: Principal) -> str:
     if own and folder != own and not folder.startswith(own + "/"):
         raise not_found(f"no folder at {folder} (this key writes in {own} only)")
     if own:
-        _no_link_below(svc.notes.on_disk, own, folder, "folder")
+        no_link_below(svc.notes.on_disk, own, folder, "folder")
     return folder
 
 
@@ -19790,9 +19803,9 @@ def check_setup_exposed(svc: Service) -> list:
     relayed = bool(cfg.relay_url) and cfg.pairing == "relay"
     finish = (
         f"Set it up now from a browser on this machine or its home network, or run "
-        f"`{_self_command()} pair` (or rotate-key) on the server: either completes setup."
+        f"`{self_command()} pair` (or rotate-key) on the server: either completes setup."
     )
-    window = _minutes(cfg.setup_window)
+    window = minutes_text(cfg.setup_window)
     home = "loopback" if svc.setup_loopback_only else "loopback or its home network"
     if not _reachable_beyond_loopback(cfg) and not relayed and cfg.trust_proxy:
         # Behind the proxy the forwarded address decides (client_of): what the key is
@@ -19817,7 +19830,7 @@ def check_setup_exposed(svc: Service) -> list:
                 + ".",
                 "Set it up through the proxy from a browser "
                 + ("on this machine" if svc.setup_loopback_only else "at home")
-                + f", or run `{_self_command()} pair` (or rotate-key) on the server: either "
+                + f", or run `{self_command()} pair` (or rotate-key) on the server: either "
                 "completes setup.",
             )
         ]
@@ -19836,7 +19849,7 @@ def check_setup_exposed(svc: Service) -> list:
         part
         for part in (
             f"listens on {cfg.host or '*'}" if _reachable_beyond_loopback(cfg) else "",
-            f"is registered with the relay {_redact_url(cfg.relay_url)}" if relayed else "",
+            f"is registered with the relay {redact_url(cfg.relay_url)}" if relayed else "",
         )
         if part
     )
@@ -19852,7 +19865,7 @@ def check_setup_exposed(svc: Service) -> list:
             "Setup is not complete on a reachable server",
             f"Setup is incomplete and the service {where}: whoever sets it up first owns "
             f"it. The key is offered only to {who}, for "
-            f"{_minutes(cfg.setup_window)} after a start, and never through a relay; a "
+            f"{minutes_text(cfg.setup_window)} after a start, and never through a relay; a "
             "proxy or tunnel in front that adds no forwarding header makes every client "
             "look local.",
             finish,
@@ -19876,7 +19889,7 @@ def check_cors_wildcard(svc: Service) -> list:
     ]
 
 
-def _entropy_bits_per_char(text: str) -> float:
+def entropy_bits_per_char(text: str) -> float:
     counts = collections.Counter(text)
     return -sum(c / len(text) * math.log2(c / len(text)) for c in counts.values()) if text else 0
 
@@ -19892,7 +19905,7 @@ def _secret_strength(svc: Service, name: str) -> tuple:
         facts = recorded.get(name) or {}
         return int(facts.get("bytes", 0)), float(facts.get("bitsPerChar", 0.0))
     secret = getattr(svc.config, name)
-    return len(secret.encode()), _entropy_bits_per_char(secret)
+    return len(secret.encode()), entropy_bits_per_char(secret)
 
 
 @audit_check
@@ -20332,7 +20345,7 @@ def check_grants(svc: Service) -> list:
     ]
     if not forever:
         return []
-    names = ", ".join(sorted(_clean_name(g.get("name"), g["id"], 40) for g in forever)[:5])
+    names = ", ".join(sorted(clean_name(g.get("name"), g["id"], 40) for g in forever)[:5])
     return [
         finding(
             "grant-write-forever",
@@ -20352,8 +20365,8 @@ def check_share_links(svc: Service) -> list:
     old = [
         s
         for s in svc.state.read().get("shares", [])
-        if _epoch(s.get("expiresAt")) > now
-        and _epoch(s.get("createdAt")) < now - SHARE_OLD_DAYS * 86400
+        if epoch_of(s.get("expiresAt")) > now
+        and epoch_of(s.get("createdAt")) < now - SHARE_OLD_DAYS * 86400
     ]
     if not old:
         return []
@@ -30294,7 +30307,7 @@ def content_disposition(path: str, content_type: str) -> str:
     return f"{kind}; filename=\"{plain}\"; filename*=UTF-8''{urllib.parse.quote(name)}"
 
 
-def _file_chunks(f: Any, length: int):
+def file_chunks(f: Any, length: int):
     try:
         while length > 0:
             chunk = f.read(min(BODY_CHUNK, length))
@@ -30306,7 +30319,7 @@ def _file_chunks(f: Any, length: int):
         f.close()
 
 
-def _none_match(header: str | None, etag: str) -> bool:
+def none_match(header: str | None, etag: str) -> bool:
     """Return whether an If-None-Match names `etag` (weakly or not) or is `*` (RFC 9110: a
     `*` inside a tag, `"a*b"` or `W/"*"`, is that tag, not a match)."""
     if not header:
@@ -30333,7 +30346,7 @@ def conditional_download(
     sandbox policy. If-Modified-Since is not looked at.
     """
     resp = bottle.response
-    if _none_match(request_header("If-None-Match"), etag):
+    if none_match(request_header("If-None-Match"), etag):
         resp.status = 304
         resp.set_header("ETag", etag)
         return None
@@ -30391,7 +30404,7 @@ def get_features(svc: Service):
     etag = '"' + hashlib.sha256(to_json(doc)).hexdigest()[:20] + '"'
     bottle.response.set_header("ETag", etag)
     bottle.response.set_header("Cache-Control", "no-cache")  # kept, asked again each time
-    if _none_match(bottle.request.get_header("If-None-Match"), etag):
+    if none_match(bottle.request.get_header("If-None-Match"), etag):
         bottle.response.status = 304
         return b""
     return doc
@@ -30463,7 +30476,7 @@ def get_setup(svc: Service) -> dict:
         payload["instructions"] = [
             "Copy apiKey: it is shown only to this machine"
             + ("" if svc.setup_loopback_only else " and its home network")
-            + f", for {_minutes(cfg.setup_window)} after a start, until setup completes.",
+            + f", for {minutes_text(cfg.setup_window)} after a start, until setup completes.",
             "Open links.connect.hosted (or testHosted) on your device: it fills in this server.",
             f"If prefill is unavailable, paste links.apiBase and the key into your client "
             f"(header {KEY_HEADER}).",
@@ -30512,7 +30525,7 @@ def get_info(svc: Service) -> dict:
     }
 
 
-def _network_facts(cfg: Config) -> dict:
+def network_facts(cfg: Config) -> dict:
     """The network settings /system/config and /security/config both report."""
     return {
         "port": cfg.port,
@@ -30522,7 +30535,7 @@ def _network_facts(cfg: Config) -> dict:
     }
 
 
-def _limit_facts(svc: Service) -> dict:
+def limit_facts(svc: Service) -> dict:
     cfg = svc.config
     return {
         "maxBodyBytes": cfg.max_body_bytes,
@@ -30537,20 +30550,20 @@ def _limit_facts(svc: Service) -> dict:
     }
 
 
-def _agent_facts(cfg: Config) -> dict:
+def agent_facts(cfg: Config) -> dict:
     return {
         "provider": cfg.agent_provider,
-        "baseUrl": _redact_url(cfg.agent_base_url),
+        "baseUrl": redact_url(cfg.agent_base_url),
         "apiKeySet": bool(cfg.agent_api_key),
     }
 
 
 def get_config(svc: Service) -> dict:
-    cfg, limits = svc.config, _limit_facts(svc)
+    cfg, limits = svc.config, limit_facts(svc)
     return {
         "server": {
             "host": cfg.host,
-            **_network_facts(cfg),
+            **network_facts(cfg),
             "threads": cfg.threads,
             **{k: v for k, v in limits.items() if k != "lockout"},
         },
@@ -30568,7 +30581,7 @@ def get_config(svc: Service) -> dict:
             "testClientUrl": cfg.test_client_url or "(built-in client)",
         },
         "agent": {
-            **_agent_facts(cfg),
+            **agent_facts(cfg),
             "model": cfg.agent_model,
             "timeoutSeconds": cfg.agent_timeout,
             "maxSteps": cfg.agent_max_steps,
@@ -30578,7 +30591,7 @@ def get_config(svc: Service) -> dict:
         "search": {
             "engine": "notesvc-bm25",
             "maxQueryLength": MAX_QUERY_CHARS,
-            "embedUrl": _redact_url(cfg.embed_url),
+            "embedUrl": redact_url(cfg.embed_url),
             "embedModel": cfg.embed_model,
             "embedKeySet": bool(cfg.embed_key),
         },
@@ -30592,7 +30605,7 @@ def get_config(svc: Service) -> dict:
         },
         "plugins": {"dir": cfg.plugins_dir or ".notesvc/plugins"},
         "capture": {
-            "transcribeUrl": _redact_url(cfg.transcribe_url),
+            "transcribeUrl": redact_url(cfg.transcribe_url),
             "transcribeModel": cfg.transcribe_model,
             "transcribeApiKeySet": bool(cfg.transcribe_api_key),
             "timeZone": cfg.timezone or "system",
@@ -30684,7 +30697,7 @@ def rotate_api_key(svc: Service) -> dict:
 # -- notes ---------------------------------------------------------------------------
 
 
-def _if_match() -> str | None:
+def if_match_header() -> str | None:
     return request_header("If-Match")
 
 
@@ -30757,7 +30770,7 @@ def update_note(svc: Service, path: str) -> dict:
         raise bad_request(
             f"PUT changes content only; to move or rename use PATCH {API}/notes/:path/move"
         )
-    return _note_response(svc.notes.update(path, content, _if_match()))
+    return _note_response(svc.notes.update(path, content, if_match_header()))
 
 
 def move_note(svc: Service, path: str) -> dict:
@@ -30765,7 +30778,7 @@ def move_note(svc: Service, path: str) -> dict:
     body = read_json(svc.config.max_body_bytes)
     new = visible_note(svc.notes, field(body, "path"))  # a folder grant moves within its folder
     relink = bool(field(body, "updateLinks", bool, required=False))
-    return _note_response(move_and_relink(svc, path, new, _if_match(), relink))
+    return _note_response(move_and_relink(svc, path, new, if_match_header(), relink))
 
 
 def merge_note(svc: Service, path: str) -> dict:
@@ -30776,7 +30789,7 @@ def merge_note(svc: Service, path: str) -> dict:
     base = field(body, "base", max_len=100)
     content = field(body, "content")
     base = base if base.startswith('"') else f'"{base}"'
-    name = _clean_name(field(body, "clientName", required=False, max_len=100), "")
+    name = clean_name(field(body, "clientName", required=False, max_len=100), "")
     who = title_filename(name or principal_name(svc, request_principal()))
     when = local_time(time.time(), time_zone(svc.config.timezone)).strftime("%Y-%m-%d %H-%M")
     principal = request_principal()  # a folder grant merges from versions it may read
@@ -30798,7 +30811,7 @@ def principal_name(svc: Service, principal: Principal) -> str:
 
 
 def delete_note(svc: Service, path: str) -> dict:
-    return svc.notes.delete(visible_note(svc.notes, path), _if_match())
+    return svc.notes.delete(visible_note(svc.notes, path), if_match_header())
 
 
 # -- attachments -------------------------------------------------------------------------
@@ -30824,7 +30837,7 @@ def put_attachment(svc: Service, path: str) -> bytes:
             "UNSUPPORTED_MEDIA_TYPE",
             f"PUT takes the file's own bytes; send a multipart form to POST {API}/attachments",
         )
-    if_match, if_none_match = _if_match(), request_header("If-None-Match")
+    if_match, if_none_match = if_match_header(), request_header("If-None-Match")
     svc.attachments.check(path, if_match, if_none_match)  # before the body is read
     limit = svc.config.max_attachment_bytes
     read, _ = request_body_reader(limit, "SERVICE_MAX_ATTACHMENT_BYTES")
@@ -30912,7 +30925,7 @@ def get_attachment(svc: Service, path: str):
             return b""
         first, length = span
         f.seek(first)
-        return _file_chunks(f, length)
+        return file_chunks(f, length)
     except BaseException:
         f.close()
         raise
@@ -30940,7 +30953,7 @@ def move_attachment(svc: Service, path: str) -> dict:
     linking = (
         set(filter(request_principal().sees, attachment_linkers(svc, path))) if relink else set()
     )
-    rec = svc.attachments.move(path, new, _if_match())
+    rec = svc.attachments.move(path, new, if_match_header())
     if relink and new != path:
         rec["linksUpdated"] = update_links(svc, path, new, linking)
     bottle.response.set_header("ETag", rec["etag"])
@@ -30948,7 +30961,7 @@ def move_attachment(svc: Service, path: str) -> dict:
 
 
 def delete_attachment(svc: Service, path: str) -> dict:
-    return svc.attachments.delete(visible_attachment(svc.attachments, path), _if_match())
+    return svc.attachments.delete(visible_attachment(svc.attachments, path), if_match_header())
 
 
 # -- folders ---------------------------------------------------------------------------
@@ -31042,7 +31055,7 @@ def diff_version(svc: Service, path: str, version_id: str) -> dict:
 def restore_version(svc: Service, path: str, version_id: str) -> dict:
     path = visible_note(svc.notes, path)
     seen = functools.partial(_version_seen, svc, path, version_id)
-    return _note_response(svc.notes.restore_version(path, version_id, _if_match(), seen))
+    return _note_response(svc.notes.restore_version(path, version_id, if_match_header(), seen))
 
 
 def _trashed(svc: Service, item_id: str) -> Any:
@@ -31235,7 +31248,7 @@ def create_scoped_key(svc: Service) -> dict:
     raw = field(body, "name", max_len=100)
     if is_blank(raw):
         raise bad_request("'name' must not be empty")
-    name = _clean_name(raw, "unnamed key")  # control characters never reach a listing
+    name = clean_name(raw, "unnamed key")  # control characters never reach a listing
     scope = field(body, "scope")
     if scope not in ("read", "write"):
         raise bad_request("'scope' must be read or write (the API key itself holds admin)")
@@ -31355,7 +31368,7 @@ def new_pairing(
 
 def create_pairing(svc: Service) -> dict:
     body = read_json(svc.config.max_body_bytes, required=False)  # every field has a default
-    name = _clean_name(field(body, "name", required=False, max_len=100), "device")
+    name = clean_name(field(body, "name", required=False, max_len=100), "device")
     scope = field(body, "scope", required=False) or "write"
     folder = _grant_folder(body)
     env = bottle.request.environ
@@ -31388,7 +31401,7 @@ def claim_device(svc: Service) -> dict:
     svc.check_lockout(addr)
     body = read_json(svc.config.max_body_bytes)
     secret = field(body, "secret", max_len=64)
-    name = _clean_name(field(body, "deviceName", required=False, max_len=100), "")
+    name = clean_name(field(body, "deviceName", required=False, max_len=100), "")
     found = svc.grants.claim(secret, name) if len(secret) <= 64 else None
     if found is None:
         svc.lockout.fail(addr, secret)
@@ -31458,7 +31471,7 @@ def revoke_share(svc: Service, share_id: str) -> dict:
     return {"id": share_id, "revoked": True}
 
 
-def _public_limit(svc: Service) -> str:
+def public_limit(svc: Service) -> str:
     """Count one public grant request from its address; 429 over the limits."""
     addr = svc.client_addr(bottle.request.environ)
     wait = svc.grants.share_misses.retry_after(addr) or svc.grants.public_hits.hit(addr)
@@ -31475,7 +31488,7 @@ def _public_limit(svc: Service) -> str:
 def _shared_note(svc: Service, token: str) -> tuple:
     """Return (the shared note's record, whom the link reads as). A link made by a grant
     reads as that grant: only while the note is in its folder, only what it may see."""
-    addr = _public_limit(svc)
+    addr = public_limit(svc)
     bottle.response.set_header("X-Robots-Tag", "noindex, nofollow")
     bottle.response.set_header("Referrer-Policy", "no-referrer")
     found = svc.grants.shared(token)
@@ -31505,8 +31518,8 @@ def shared_attachments(path: str, text: str) -> dict:
     """Return {href as written: attachment path} of the attachments a note at `path` links
     by Markdown link or image: all a share link of it may load."""
     found = {}
-    for m in _MDLINK_RE.finditer(text[:MAX_SCAN_CHARS]):
-        target = _md_target(m.group(2))
+    for m in MDLINK_RE.finditer(text[:MAX_SCAN_CHARS]):
+        target = md_target(m.group(2))
         href = urllib.parse.unquote(target.strip("<>")) if target else ""
         if not href or "://" in href or href.startswith("mailto:"):
             continue
@@ -31739,7 +31752,7 @@ def _error_redirect(
 
 def oauth_consent(svc: Service) -> dict:
     """GET /api/v1/oauth/consent: what the consent page shows for an authorisation request."""
-    _public_limit(svc)
+    public_limit(svc)
     env = bottle.request.environ
     q = {
         name: query_str(name)
@@ -31968,7 +31981,7 @@ def _rpc_message(max_bytes: int) -> Any:
     if len(raw) > max_bytes:
         raise ApiError(413, "PAYLOAD_TOO_LARGE", f"the body is over {max_bytes} bytes")
     try:
-        message = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+        message = json.loads(raw.decode("utf-8"), parse_constant=no_constant)
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise RpcError(PARSE_ERROR, "the body is not valid JSON (UTF-8)") from None
     if isinstance(message, list):
@@ -32114,7 +32127,7 @@ def _tools_call(svc: Service, name: Any, arguments: Any) -> dict:
         else:
             why = f"unknown tool {name[:64]!r} (see tools/list)"
         raise RpcError(INVALID_PARAMS, why)
-    log.debug("request %s: MCP tool %s", _rid(), name)
+    log.debug("request %s: MCP tool %s", current_request_id(), name)
     return call_tool(svc, offered[name], arguments or {})
 
 
@@ -32138,7 +32151,7 @@ def list_channel_providers(svc: Service) -> dict:
 
 
 def list_channels(svc: Service) -> dict:
-    return {"channels": [redact_channel(c, svc.channel_providers) for c in _channels(svc)]}
+    return {"channels": [redact_channel(c, svc.channel_providers) for c in channels_of(svc)]}
 
 
 def create_channel(svc: Service) -> dict:
@@ -32159,7 +32172,7 @@ def add_channel(svc: Service, name: str, config: dict, title: str, **extra) -> d
     channel = {
         "id": "ch_" + secrets.token_hex(6),
         "provider": name,
-        "name": _printable(title),
+        "name": printable(title),
         "enabled": True,
         "createdAt": iso(utcnow()),
         "webhookUrl": f"{base}{API}/channels/webhook/{name}",
@@ -32197,7 +32210,7 @@ def connect_telegram(svc: Service) -> dict:
     except UpstreamError as e:
         raise ApiError(502, "UPSTREAM_ERROR", f"Telegram cannot be reached: {e}") from None
     bot = bot if isinstance(bot, dict) else {}
-    username = _printable(str(bot.get("username") or ""), 64)
+    username = printable(str(bot.get("username") or ""), 64)
     title = field(body, "name", required=False, max_len=100) or f"@{username or 'telegram'}"
     config = validate_channel_config(
         svc.channel_providers["telegram"],
@@ -32237,13 +32250,13 @@ def bind_channel(svc: Service, channel_id: str) -> dict:
         channels[i]["binding"] = binding
         return channels[i]
 
-    channel = _change_channel(svc, channel_id, apply)
+    channel = change_channel(svc, channel_id, apply)
     return bind_answer(svc, channel, code, binding)
 
 
 def get_channel(svc: Service, channel_id: str) -> dict:
     """Return one channel, redacted, with the last senders its allowlist refused."""
-    for channel in _channels(svc):
+    for channel in channels_of(svc):
         if channel["id"] == channel_id:
             refused = channel.get("refusedSenders", [])
             return {**redact_channel(channel, svc.channel_providers), "refusedSenders": refused}
@@ -32252,7 +32265,7 @@ def get_channel(svc: Service, channel_id: str) -> dict:
 
 def patch_channel(svc: Service, channel_id: str) -> dict:
     """Merge {name?, config?} into a channel (validated as on create; the secret stays)."""
-    if not any(c["id"] == channel_id for c in _channels(svc)):  # 404 before the body's 400
+    if not any(c["id"] == channel_id for c in channels_of(svc)):  # 404 before the body's 400
         raise not_found(f"no channel {channel_id}")
     body = read_json(svc.config.max_body_bytes)
     unknown = sorted(set(body) - {"name", "config"})
@@ -32279,10 +32292,10 @@ def patch_channel(svc: Service, channel_id: str) -> dict:
             channel["config"] = validate_channel_config(provider, {**stored, **changes})
             note_chat_makers(channel, provider, before, maker)
         if title is not None:  # only invisible characters: the name it had stays
-            channel["name"] = _printable(title) or channel["name"]
+            channel["name"] = printable(title) or channel["name"]
         return channel
 
-    channel = _change_channel(svc, channel_id, merge)
+    channel = change_channel(svc, channel_id, merge)
     log.info("channel %s changed", channel_id)
     svc.pollers.sync(join=15)  # a poller that goes is done before a webhook is set
     if changes is not None:
@@ -32295,13 +32308,13 @@ def toggle_channel(svc: Service, channel_id: str) -> dict:
         channels[i]["enabled"] = not channels[i]["enabled"]
         return channels[i]
 
-    channel = _change_channel(svc, channel_id, flip)
+    channel = change_channel(svc, channel_id, flip)
     svc.pollers.sync()
     return redact_channel(channel, svc.channel_providers)
 
 
 def delete_channel(svc: Service, channel_id: str) -> dict:
-    _change_channel(svc, channel_id, lambda channels, i: channels.pop(i))
+    change_channel(svc, channel_id, lambda channels, i: channels.pop(i))
     svc.pollers.sync()
     return {"id": channel_id, "deleted": True}
 
@@ -32471,9 +32484,9 @@ def security_config(svc: Service) -> dict:
             "windowSeconds": cfg.setup_window,
             "linkedClients": len(st.get("linkedClients", [])),
         },
-        "network": {"bindHost": cfg.host, **_network_facts(cfg), "pairingMode": cfg.pairing},
+        "network": {"bindHost": cfg.host, **network_facts(cfg), "pairingMode": cfg.pairing},
         "limits": {
-            **_limit_facts(svc),
+            **limit_facts(svc),
             "maxQueryChars": MAX_QUERY_CHARS,
             "maxMessageChars": MAX_MESSAGE_CHARS,
         },
@@ -32492,7 +32505,7 @@ def security_config(svc: Service) -> dict:
             "thirdParty": sum(not p.builtin for p in svc.plugins.values()),
             "enabled": sum(svc.plugin_enabled(n) for n in svc.plugins),
         },
-        "agent": _agent_facts(cfg),
+        "agent": agent_facts(cfg),
         "grants": svc.grants.counts(),
     }
 
@@ -32566,7 +32579,7 @@ def post_import(svc: Service) -> bytes:
         import_settled()
     log.info(
         "request %s: import%s of %s and %s into %s (%d skipped)",
-        _rid(),
+        current_request_id(),
         " (dry run)" if dry else "",
         plural(report["created"], "note"),
         plural(report["attachments"], "file"),
@@ -32618,7 +32631,7 @@ def get_export(svc: Service):
     resp.content_type = "application/zip"
     resp.set_header("Content-Disposition", f'attachment; filename="notesvc-export-{stamp}.zip"')
     resp.set_header("Cache-Control", "no-store")
-    log.info("request %s: export of %s", _rid(), principal.folder or "every note")
+    log.info("request %s: export of %s", current_request_id(), principal.folder or "every note")
     return export_zip(svc.config.root, principal)
 
 
@@ -32939,7 +32952,7 @@ def dav_checked(raw: str) -> str:
         "_" + s[1:] if s.startswith(".") and s not in (".", "..") else s for s in segments
     )
     try:
-        _check_segments(shown, "WebDAV", segments[0])
+        check_segments(shown, "WebDAV", segments[0])
     except ApiError as e:
         raise DavError(403, e.message) from None
     return path
@@ -33055,7 +33068,7 @@ def dav_xml(body: bytes):
     return root
 
 
-def _dav_name(tag: str) -> tuple:
+def dav_name(tag: str) -> tuple:
     """('DAV:', 'getetag') from '{DAV:}getetag'; ('', 'x') for an element in no namespace."""
     if tag.startswith("{"):
         ns, _, local = tag[1:].partition("}")
@@ -33074,7 +33087,7 @@ def _xml_of(elem) -> str:
 XML_NON_CHAR_RE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
 
 
-def _xesc(text: str) -> str:
+def xesc(text: str) -> str:
     """Text as XML character data or an attribute value (what XML cannot hold as U+FFFD)."""
     return (
         XML_NON_CHAR_RE.sub("\ufffd", text)
@@ -33085,13 +33098,13 @@ def _xesc(text: str) -> str:
     )
 
 
-def _empty_prop(tag: str) -> str:
-    ns, local = _dav_name(tag)
+def empty_prop(tag: str) -> str:
+    ns, local = dav_name(tag)
     if ns == "DAV:":
         return f"<D:{local}/>"
     if not ns:
         return f'<{local} xmlns=""/>'
-    quoted = _xesc(ns).replace("\n", "&#10;").replace("\r", "&#13;").replace("\t", "&#9;")
+    quoted = xesc(ns).replace("\n", "&#10;").replace("\r", "&#13;").replace("\t", "&#9;")
     return f'<X:{local} xmlns:X="{quoted}"/>'
 
 
@@ -33121,7 +33134,7 @@ def dav_live(dav: DavState, item: DavItem, name: str) -> str | None:
     st = item.st
     folder = st is None or stat.S_ISDIR(st.st_mode) if item.path not in DAV_TOPS else True
     if name == "displayname":
-        return f"<D:displayname>{_xesc(item.path.rsplit('/', 1)[-1])}</D:displayname>"
+        return f"<D:displayname>{xesc(item.path.rsplit('/', 1)[-1])}</D:displayname>"
     if name == "resourcetype":
         return "<D:resourcetype><D:collection/></D:resourcetype>" if folder else "<D:resourcetype/>"
     if name == "supportedlock":
@@ -33143,7 +33156,7 @@ def dav_live(dav: DavState, item: DavItem, name: str) -> str | None:
         return f"<D:getcontenttype>{kind}</D:getcontenttype>"
     if name == "getetag":
         try:
-            return f"<D:getetag>{_xesc(dav_etag(dav, item))}</D:getetag>"
+            return f"<D:getetag>{xesc(dav_etag(dav, item))}</D:getetag>"
         except OSError:  # deleted while the listing was made
             return None
     return None
@@ -33172,7 +33185,7 @@ def dav_propstat(found: list, missing: list) -> str:
 
 
 def dav_response(href: str, inner: str) -> str:
-    return f"<D:response><D:href>{_xesc(href)}</D:href>{inner}</D:response>"
+    return f"<D:response><D:href>{xesc(href)}</D:href>{inner}</D:response>"
 
 
 def dav_multistatus(parts: Iterable[str]) -> bytes:
@@ -33215,7 +33228,7 @@ def dav_children(svc: Service, item: DavItem, principal: Principal) -> list:
             continue  # a write under way
         if not dav_shown_name(name):
             continue  # a name no path may hold (control characters, bytes that are not UTF-8)
-        path = f"{item.path}/{_nfc(name)}"
+        path = f"{item.path}/{nfc(name)}"
         if not dav_grant_sees(principal, path):
             continue
         try:
@@ -33313,7 +33326,7 @@ def dav_activelock(lk: DavLock) -> str:
         f"<D:depth>{lk.depth}</D:depth>{lk.owner}"
         f"<D:timeout>Second-{left}</D:timeout>"
         f"<D:locktoken><D:href>{lk.token}</D:href></D:locktoken>"
-        f"<D:lockroot><D:href>{_xesc(root)}</D:href></D:lockroot>"
+        f"<D:lockroot><D:href>{xesc(root)}</D:href></D:lockroot>"
         "</D:activelock>"
     )
 
@@ -33484,7 +33497,7 @@ def dav_propfind(svc: Service, dav: DavState, item: DavItem, ctx: dict):
             if child.tag == "{DAV:}propname":
                 mode = "propname"
             elif child.tag == "{DAV:}prop":
-                mode, wanted = "prop", [(c.tag, *_dav_name(c.tag)) for c in child]
+                mode, wanted = "prop", [(c.tag, *dav_name(c.tag)) for c in child]
     if not item.exists:
         raise DavError(404, f"nothing at /dav/{item.path}")
     items = [item]
@@ -33501,7 +33514,7 @@ def dav_props(dav: DavState, item: DavItem, mode: str, wanted: list) -> str:
     dead = dav.props_of(item.path) if dav.props else {}
     if mode == "propname":
         names = [f"<D:{n}/>" for n in _DAV_LIVE if dav_live(dav, item, n) is not None]
-        return dav_propstat(names + [_empty_prop(t) for t in dead], [])
+        return dav_propstat(names + [empty_prop(t) for t in dead], [])
     if mode == "allprop":
         found = [x for n in _DAV_LIVE if (x := dav_live(dav, item, n)) is not None]
         return dav_propstat(found + list(dead.values()), [])
@@ -33510,7 +33523,7 @@ def dav_props(dav: DavState, item: DavItem, mode: str, wanted: list) -> str:
         value = dav_live(dav, item, local) if ns == "DAV:" else None
         if value is None:
             value = dead.get(tag)
-        (found if value is not None else missing).append(value or _empty_prop(tag))
+        (found if value is not None else missing).append(value or empty_prop(tag))
     return dav_propstat(found, missing)
 
 
@@ -33527,7 +33540,7 @@ def dav_proppatch(svc: Service, dav: DavState, item: DavItem, ctx: dict):
             continue
         for prop in op.findall("{DAV:}prop"):
             for elem in prop:
-                if _dav_name(elem.tag)[0] == "DAV:":
+                if dav_name(elem.tag)[0] == "DAV:":
                     refused.append(elem.tag)  # the live properties are the server's
                 elif op.tag == "{DAV:}set":
                     changes.append((elem.tag, _xml_of(elem)))
@@ -33536,19 +33549,19 @@ def dav_proppatch(svc: Service, dav: DavState, item: DavItem, ctx: dict):
     names = [t for t, _ in changes] + refused
     if refused:  # all or nothing (RFC 4918 9.2)
         inner = (
-            "<D:propstat><D:prop>" + "".join(_empty_prop(t) for t in refused) + "</D:prop>"
+            "<D:propstat><D:prop>" + "".join(empty_prop(t) for t in refused) + "</D:prop>"
             "<D:status>HTTP/1.1 403 Forbidden</D:status>"
             "<D:error><D:cannot-modify-protected-property/></D:error></D:propstat>"
         )
         others = [t for t, _ in changes]
         if others:
             inner += (
-                "<D:propstat><D:prop>" + "".join(_empty_prop(t) for t in others) + "</D:prop>"
+                "<D:propstat><D:prop>" + "".join(empty_prop(t) for t in others) + "</D:prop>"
                 "<D:status>HTTP/1.1 424 Failed Dependency</D:status></D:propstat>"
             )
     else:
         dav.set_props(item.path, changes)
-        inner = dav_propstat([_empty_prop(t) for t in dict.fromkeys(names)], [])
+        inner = dav_propstat([empty_prop(t) for t in dict.fromkeys(names)], [])
     return dav_multistatus([dav_response(dav_href(ctx["script"], item.path, item.is_dir), inner)])
 
 
@@ -33583,7 +33596,7 @@ def dav_get(svc: Service, dav: DavState, item: DavItem, ctx: dict):
         return data[first : first + length]
     f = open(item.file, "rb")  # noqa: SIM115 - closed by _file_chunks
     f.seek(first)
-    return _file_chunks(f, length)
+    return file_chunks(f, length)
 
 
 def dav_read(item: DavItem) -> tuple:
@@ -33624,7 +33637,7 @@ def dav_put(svc: Service, dav: DavState, item: DavItem, ctx: dict):
     setting = "SERVICE_MAX_BODY_BYTES" if note else "SERVICE_MAX_ATTACHMENT_BYTES"
     read, _ = request_body_reader(limit, setting)
     etag, created = dav_write_file(
-        svc, dav, item.path, read, _if_match(), request_header("If-None-Match")
+        svc, dav, item.path, read, if_match_header(), request_header("If-None-Match")
     )
     bottle.response.status = 201 if created else 204
     bottle.response.set_header("ETag", etag)
@@ -33639,7 +33652,7 @@ def dav_delete_method(svc: Service, dav: DavState, item: DavItem, ctx: dict):
     if item.is_dir and (request_header("Depth") or "infinity").lower() != "infinity":
         raise DavError(400, "a folder is deleted whole: Depth: infinity")
     if request_header("If-Match") and not item.is_dir:
-        check_etag(_if_match(), dav_etag(dav, item), "file")
+        check_etag(if_match_header(), dav_etag(dav, item), "file")
     dav_unlocked(dav, item.path, ctx["tokens"], below=True)
     dav_delete(svc, dav, item)
     dav.drop_locks(item.path)  # (RFC 4918 9.6.1)
@@ -33796,7 +33809,7 @@ def dav_owner(owner) -> str:
     """The <D:owner> a client gave, as XML (its inside kept as sent)."""
     import xml.etree.ElementTree as ET
 
-    inner = _xesc(owner.text or "") + "".join(ET.tostring(c, encoding="unicode") for c in owner)
+    inner = xesc(owner.text or "") + "".join(ET.tostring(c, encoding="unicode") for c in owner)
     return f"<D:owner>{inner}</D:owner>"
 
 
@@ -33934,7 +33947,7 @@ def dav_error(e: ApiError) -> bottle.HTTPResponse:
     if condition:
         body = (
             f'<?xml version="1.0" encoding="utf-8"?>\n<D:error xmlns:D="DAV:">'
-            f"<D:{condition}/><D:responsedescription>{_xesc(e.message)}"
+            f"<D:{condition}/><D:responsedescription>{xesc(e.message)}"
             "</D:responsedescription></D:error>"
         )
         headers["Content-Type"] = XML_TYPE
@@ -33991,7 +34004,7 @@ def cal_error(e: ApiError) -> bottle.HTTPResponse:
         inner = getattr(e, "inner", "")
         body = (
             f'<?xml version="1.0" encoding="utf-8"?>\n<D:error {_NS_DECL}>'
-            f"<{tag}>{inner}</{tag}><D:responsedescription>{_xesc(e.message)}"
+            f"<{tag}>{inner}</{tag}><D:responsedescription>{xesc(e.message)}"
             "</D:responsedescription></D:error>"
         )
         headers["Content-Type"] = CAL_XML_TYPE
@@ -34223,8 +34236,8 @@ def cal_props(svc: Service, book: TaskBook, res: dict, ctx: dict, names=None) ->
     if res["kind"] == "item":
         return cal_item_props(svc, res["task"], ctx, names)
     principal = ctx["principal"]
-    me = _prop("DAV:", "href", _xesc(cal_href(ctx, "principal", True)))
-    home = _prop("DAV:", "href", _xesc(cal_href(ctx, "calendars", True)))
+    me = _prop("DAV:", "href", xesc(cal_href(ctx, "principal", True)))
+    home = _prop("DAV:", "href", xesc(cal_href(ctx, "calendars", True)))
     privs = "<D:privilege><D:read/></D:privilege>"
     if principal.allows("write"):
         privs += "".join(
@@ -34252,7 +34265,7 @@ def cal_props(svc: Service, book: TaskBook, res: dict, ctx: dict, names=None) ->
     elif kind == "list":
         token = cal_sync_token(book, principal, res)
         out[("DAV:", "resourcetype")] = _prop("DAV:", "resourcetype", collection + "<C:calendar/>")
-        out[("DAV:", "displayname")] = _prop("DAV:", "displayname", _xesc(res["name"]))
+        out[("DAV:", "displayname")] = _prop("DAV:", "displayname", xesc(res["name"]))
         out[(CAL_NS, "supported-calendar-component-set")] = _prop(
             CAL_NS, "supported-calendar-component-set", '<C:comp name="VTODO"/>'
         )
@@ -34283,21 +34296,21 @@ def cal_wanted(root) -> tuple:
         if child.tag == "{DAV:}propname":
             return "propname", []
         if child.tag == "{DAV:}prop":
-            return "prop", [(*_dav_name(c.tag), c.tag) for c in child]
+            return "prop", [(*dav_name(c.tag), c.tag) for c in child]
     return "allprop", []
 
 
 def cal_item_props(svc: Service, task: dict, ctx: dict, names) -> dict:
     out = {
         ("DAV:", "resourcetype"): "<D:resourcetype/>",
-        ("DAV:", "getetag"): _prop("DAV:", "getetag", _xesc(task["etag"])),
+        ("DAV:", "getetag"): _prop("DAV:", "getetag", xesc(task["etag"])),
         ("DAV:", "getcontenttype"): _prop("DAV:", "getcontenttype", CAL_ITEM_TYPE),
     }
     if names is None or {"calendar-data", "getcontentlength"} & names:
         data = cal_item_data(svc, task, ctx)
         out[("DAV:", "getcontentlength")] = _prop("DAV:", "getcontentlength", str(len(data)))
         out[(CAL_NS, "calendar-data")] = _prop(
-            CAL_NS, "calendar-data", _xesc(data.decode("utf-8")).replace("\r", "&#13;")
+            CAL_NS, "calendar-data", xesc(data.decode("utf-8")).replace("\r", "&#13;")
         )
     return out
 
@@ -34314,7 +34327,7 @@ def cal_propstat(props: dict, mode: str, wanted: list) -> str:
         for ns, local, tag in wanted:
             value = props.get((ns, local))
             if value is None:
-                missing.append(_empty_prop(tag))
+                missing.append(empty_prop(tag))
             else:
                 found.append(value)
     out = ""
@@ -34344,7 +34357,7 @@ def cal_multistatus(parts: list, tail: str = "") -> bytes:
 
 
 def _response(href: str, inner: str) -> str:
-    return f"<D:response><D:href>{_xesc(href)}</D:href>{inner}</D:response>"
+    return f"<D:response><D:href>{xesc(href)}</D:href>{inner}</D:response>"
 
 
 def cal_body():
@@ -34570,7 +34583,7 @@ def cal_filter(flt, svc: Service) -> Callable:
         if child.tag == f"{{{CAL_NS}}}is-not-defined":
             return lambda t: False
         if child.tag != f"{{{CAL_NS}}}comp-filter":
-            raise _unsupported(_dav_name(child.tag)[1])
+            raise _unsupported(dav_name(child.tag)[1])
         name = child.get("name", "").upper()
         if name != "VTODO":
             negated = child.find(f"{{{CAL_NS}}}is-not-defined") is not None
@@ -34583,7 +34596,7 @@ def cal_filter(flt, svc: Service) -> Callable:
 def cal_todo_filter(comp, svc: Service) -> Callable:
     tests: list = []
     for child in comp:
-        ns, local = _dav_name(child.tag)
+        ns, local = dav_name(child.tag)
         if ns != CAL_NS:
             raise _unsupported(local)
         if local == "is-not-defined":
@@ -34626,7 +34639,7 @@ def cal_prop_filter(pf) -> Callable:
     if len(children) != 1:
         raise _unsupported(f"prop-filter {name} with several tests")
     child = children[0]
-    ns, local = _dav_name(child.tag)
+    ns, local = dav_name(child.tag)
     if ns == CAL_NS and local == "is-not-defined":
         return lambda t: not _task_values(t, name)
     if ns == CAL_NS and local == "text-match" and name in CAL_TEXT_MATCH:
@@ -34905,7 +34918,7 @@ def cal_put(svc: Service, book: TaskBook, res: dict, ctx: dict):
             403,
             "this UID belongs to another task",
             "C:no-uid-conflict",
-            f"<D:href>{_xesc(href)}</D:href>",
+            f"<D:href>{xesc(href)}</D:href>",
         )
     if task is not None:
 
@@ -35096,7 +35109,7 @@ def _feed_of(svc: Service, secret: str) -> dict | None:
 
 def get_feed(svc: Service, name: str):
     """GET /ics/<secret>.ics: the feed's calendar."""
-    addr = _public_limit(svc)
+    addr = public_limit(svc)
     resp = bottle.response
     for header, value in (
         ("Cache-Control", "private, max-age=300"),
@@ -35112,7 +35125,7 @@ def get_feed(svc: Service, name: str):
         raise not_found("no calendar feed at this link (it may have been deleted)")
     now = time.time()
     used = feed.get("lastUsedAt")
-    if used is None or now - _epoch(used) > FEED_USE_SECONDS:
+    if used is None or now - epoch_of(used) > FEED_USE_SECONDS:
 
         def change(data: dict) -> None:
             for f in data.get("feeds", []):
@@ -36998,7 +37011,7 @@ def effective_record(config: Config, port: int) -> dict:
             hidden[s.name] = {
                 "set": bool(text),
                 "bytes": len(text.encode()),
-                "bitsPerChar": max(0.0, _entropy_bits_per_char(text)),
+                "bitsPerChar": max(0.0, entropy_bits_per_char(text)),
             }
         else:
             settings[s.name] = _plain(value)
@@ -37201,8 +37214,8 @@ def print_banner(config: Config, state: dict, port: int) -> None:
         f"  setup:  {url}{API}/system/setup",
     ]
     if state.get("setupComplete"):
-        lines.append(f"  add a device: {_self_command()} pair")
-        lines.append(f"  lost the key? run: {_self_command()} rotate-key")
+        lines.append(f"  add a device: {self_command()} pair")
+        lines.append(f"  lost the key? run: {self_command()} rotate-key")
     elif terminal:
         lines.append("  first:  open that address in a browser: it sets this server up")
         lines.append(f"  key:    {state.get('apiKey', '')}  (shown until setup completes)")
@@ -37210,7 +37223,7 @@ def print_banner(config: Config, state: dict, port: int) -> None:
         lines.append("  first:  open that address in a browser: it sets this server up")
         lines.append(
             "  key:    not logged; open the setup URL on this machine, "
-            f"or run: {_self_command()} rotate-key"
+            f"or run: {self_command()} rotate-key"
         )
     print("\n".join(lines), file=sys.stderr, flush=True)
     if terminal:  # a journal keeps text, not pictures
@@ -37333,7 +37346,7 @@ def _owned_state(config: Config, command: str) -> StateStore:
     name = _user_name(folder.st_uid)
     hint = (
         f"the state at {config.state_dir} belongs to {name}; run: "
-        f"sudo -u {name} {_self_command()} {command} --root {config.root}"
+        f"sudo -u {name} {self_command()} {command} --root {config.root}"
     )
     owner = None
     if euid != folder.st_uid:
@@ -37374,7 +37387,7 @@ def cmd_pair(config: Config, args: argparse.Namespace) -> int:
     running = running_server(config)
     if running and running[1]:  # the address the running server's banner gives phones
         config = config_from_record(running[1], config.root)
-    name = _clean_name(args.name, "device")
+    name = clean_name(args.name, "device")
     raw = (args.folder or "").strip().strip("/")
     try:
         folder = folder_path(raw if raw.startswith(NOTES) else f"{NOTES}/{raw}") if raw else None

@@ -4312,7 +4312,7 @@ class TestSearch:
         assert "omega" in search(client, "needle")["results"][0]["snippet"]
 
     def test_the_kept_snippet_texts_stay_within_their_bound(self):
-        cache = notesvc._TextCache()
+        cache = notesvc.TextCache()
         cache.put("a.md", (5, 1), "aaaaa")
         assert cache.get("a.md", (5, 1)) == "aaaaa"
         assert cache.get("a.md", (5, 2)) is None  # another version: read again
@@ -4376,9 +4376,9 @@ class TestSearch:
             text = "".join(rnd.choice(words) + rnd.choice(["", " "]) for _ in range(60))
             text += " needle and the rest"
             at = text.index("needle")
-            toks = "".join(chr(0x100 + (w == "needle")) for w in notesvc._WORD_RE.findall(text))
-            snippet = notesvc._snippet(text, toks, {chr(0x101): ""})  # the tokens counted
-            assert notesvc._snippet(text, toks, {chr(0x101): "needle"}) == snippet  # as typed
+            toks = "".join(chr(0x100 + (w == "needle")) for w in notesvc.WORD_RE.findall(text))
+            snippet = notesvc.body_snippet(text, toks, {chr(0x101): ""})  # the tokens counted
+            assert notesvc.body_snippet(text, toks, {chr(0x101): "needle"}) == snippet  # as typed
             start, body = expected(text, at), snippet.removeprefix("…").removesuffix("…")
             assert snippet.startswith("…") == (start > 0)
             assert len(body) > 20
@@ -4392,7 +4392,7 @@ class TestSearch:
         started = time.thread_time()
         at = notesvc._token_offset(text, 1500)
         took = time.thread_time() - started
-        assert at == [m.start() for m in notesvc._WORD_RE.finditer(text)][1500]
+        assert at == [m.start() for m in notesvc.WORD_RE.finditer(text)][1500]
         assert took < 0.05, f"{took:.3f} s"  # 0.9 s with one pass per separator
 
     @pytest.mark.parametrize("small", [False, True])  # the split looks 200 characters in
@@ -4416,7 +4416,7 @@ class TestSearch:
             words += ["\u00a0", "\u2028", "«»", "x\ud800y", "\x85", "café…"]
         for _ in range(300):
             text = " ".join(rnd.choice(words) for _ in range(rnd.randint(0, 260)))
-            starts = [m.start() for m in notesvc._WORD_RE.finditer(text)]
+            starts = [m.start() for m in notesvc.WORD_RE.finditer(text)]
             for k in {0, 1, 5, 99, 100, 101, 250, len(starts) - 1, len(starts), len(starts) + 3}:
                 if k >= 0:
                     want = starts[k] if k < len(starts) else None
@@ -5852,7 +5852,7 @@ def damage_index(root: Path, damage: str) -> None:
     elif damage == "segment missing":
         segment.unlink()
     elif damage == "segment of another index":
-        vocab = notesvc._Vocab()
+        vocab = notesvc.Vocab()
         seg = notesvc.MemorySegment(vocab)
         seg.add(vocab.analyse("notes/zz.md", "unrelated words only", 20, 1), (3.0, 1.0))
         with open(segment, "wb") as f:
@@ -6427,7 +6427,7 @@ class TestSearchSegments:
             assert_answers_like(svc.index, ref, q)
         # A commit file naming a term past the segment's (only a damaged or forged one):
         # left out, never an array of that size.
-        counts = notesvc._DeletedCounts(10)
+        counts = notesvc.DeletedCounts(10)
         counts.load(array.array("I", [3, 2, 4_000_000_000, 7, 9, 1]))
         assert counts.pairs().tolist() == [3, 2, 9, 1]
         counts.add([1, 9, 4_000_000_000])
@@ -8011,7 +8011,7 @@ class TestScopedKeys:
             "createdBy",
         }
         assert (rec["scope"], rec["folder"], rec["kind"]) == ("write", "notes/family", "key")
-        days = (notesvc._epoch(rec["expiresAt"]) - notesvc._epoch(rec["createdAt"])) / 86400
+        days = (notesvc.epoch_of(rec["expiresAt"]) - notesvc.epoch_of(rec["createdAt"])) / 86400
         assert round(days) == 30
         state = (root / ".notesvc" / "state.json").read_text()
         assert rec["key"] not in state
@@ -9224,7 +9224,7 @@ class TestShareLinks:
         assert d["homeOnly"] is True  # localhost: it opens at home only (the dialog says so)
         sid = client.app.service.state.read()["serverId"]
         assert re.fullmatch(rf"http://localhost:80/r/{sid}/s/[A-Za-z0-9_-]{{22}}", d["url"])
-        days = (notesvc._epoch(d["expiresAt"]) - notesvc._epoch(d["createdAt"])) / 86400
+        days = (notesvc.epoch_of(d["expiresAt"]) - notesvc.epoch_of(d["createdAt"])) / 86400
         assert round(days) == 7
         assert self.token(d) not in (root / ".notesvc" / "state.json").read_text()
 

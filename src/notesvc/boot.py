@@ -53,7 +53,7 @@ _MAIN_CODE = (
 )
 
 
-def _interpreter_options() -> list:
+def interpreter_options() -> list:
     """Return the command-line options this interpreter runs with (-I, -E, -s, -S, -P,
     -B, -O, -u, -W and -X), for the interpreter that takes over from the script."""
     import sys
@@ -89,7 +89,7 @@ def _hand_over() -> None:
     if os.name == "posix" and sys.executable:
         sys.stdout.flush()
         here = os.path.abspath(__file__)
-        options = _interpreter_options()
+        options = interpreter_options()
         os.environ.setdefault("MALLOC_ARENA_MAX", MALLOC_ARENAS)
         argv = [sys.executable, *options, "-c", _MAIN_CODE, here, *sys.argv[1:]]
         os.execv(sys.executable, argv)  # noqa: S606 - this interpreter, this file

@@ -114,8 +114,8 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-_UMASK = os.umask(0)
-os.umask(_UMASK)
+UMASK = os.umask(0)
+os.umask(UMASK)
 
 
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)})
@@ -154,10 +154,10 @@ def atomic_write(
     before_replace(): what must be durable before the new content is in place.
     """
     with disk_writes():
-        _atomic_write(path, data, mode, before_replace)
+        replace_atomically(path, data, mode, before_replace)
 
 
-def _atomic_write(
+def replace_atomically(
     path: Path, data: bytes | Callable, mode: int | None, before_replace: Callable | None
 ) -> None:
     folder = path.parent
@@ -175,7 +175,7 @@ def _atomic_write(
             try:
                 mode = os.stat(path).st_mode & 0o777
             except FileNotFoundError:
-                mode = 0o666 & ~_UMASK
+                mode = 0o666 & ~UMASK
         os.chmod(tmp, mode)
         if before_replace is not None:
             before_replace()
@@ -335,13 +335,13 @@ def names_this_machine(config: Config, host: str) -> bool:
     return name in names
 
 
-def _minutes(seconds: int) -> str:
+def minutes_text(seconds: int) -> str:
     if seconds % 60:
         return f"{seconds} seconds"
     return "1 minute" if seconds == 60 else f"{seconds // 60} minutes"
 
 
-def _redact_url(url: str) -> str:
+def redact_url(url: str) -> str:
     """Return url for display: userinfo dropped, query values (which may be keys) hidden."""
     parts = urllib.parse.urlsplit(url)
     netloc = parts.netloc.rpartition("@")[2]
@@ -411,7 +411,7 @@ def scrub(text: str, secrets: Any, limit: int = 0) -> str:
     return text.encode("utf-8")[:limit].decode("utf-8", "ignore") if limit else text
 
 
-def _self_command() -> str:
+def self_command() -> str:
     """Return how the owner runs this program: the `notesvc` entry point, `python3 -m
     notesvc` (the package) or the file."""
     argv0 = sys.argv[0] if sys.argv else ""
@@ -835,7 +835,7 @@ def read_json(max_bytes: int, required: bool = True) -> dict:
             raise bad_request("a JSON object body is required")
         return {}
     try:
-        body = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+        body = json.loads(raw.decode("utf-8"), parse_constant=no_constant)
     except UnicodeDecodeError:
         raise bad_request("the body is not valid UTF-8") from None
     except (ValueError, RecursionError) as e:
@@ -845,7 +845,7 @@ def read_json(max_bytes: int, required: bool = True) -> dict:
     return body
 
 
-def _no_constant(name: str) -> None:
+def no_constant(name: str) -> None:
     raise ValueError(f"{name} is not allowed in JSON")
 
 

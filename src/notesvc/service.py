@@ -70,7 +70,7 @@ def check_agent_config(config: Config, providers: Mapping[str, Any]) -> None:
             raise ConfigError(f"{env_of[name]}: required by the {provider.name} agent provider")
 
 
-def _rid() -> str:
+def current_request_id() -> str:
     """Return the current request's id (for log lines written below a handler)."""
     try:
         return bottle.request.environ.get("notesvc.request_id", "-")
@@ -275,7 +275,11 @@ class Service:
         try:
             self._index_event(event, path, detail)
         except Exception:  # the write happened; the rescan sees the file differ and re-reads
-            log.exception("request %s: indexing %s failed; the next rescan retries", _rid(), path)
+            log.exception(
+                "request %s: indexing %s failed; the next rescan retries",
+                current_request_id(),
+                path,
+            )
 
     def _index_event(self, event: str, path: str, detail: Any) -> None:
         if event in ("saved", "restored"):

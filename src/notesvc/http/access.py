@@ -21,7 +21,7 @@ from notesvc.grants import (
     GrantStore,
     OAuthError,
     Principal,
-    _clean_name,
+    clean_name,
     made_by,
     parse_oauth_scope,
     request_principal,
@@ -47,7 +47,7 @@ from notesvc.helpers import (
 )
 from notesvc.http.api import get_attachment
 from notesvc.notes.paths import ATTACHMENTS, MAX_SCAN_CHARS, NOTES, attachment_path, folder_path
-from notesvc.plugins import _MDLINK_RE, _md_target
+from notesvc.plugins import MDLINK_RE, md_target
 from notesvc.service import Service
 from notesvc.settings import Config
 from notesvc.web import consent_page, consent_page_headers, share_page, share_page_headers
@@ -78,7 +78,7 @@ def create_scoped_key(svc: Service) -> dict:
     raw = field(body, "name", max_len=100)
     if is_blank(raw):
         raise bad_request("'name' must not be empty")
-    name = _clean_name(raw, "unnamed key")  # control characters never reach a listing
+    name = clean_name(raw, "unnamed key")  # control characters never reach a listing
     scope = field(body, "scope")
     if scope not in ("read", "write"):
         raise bad_request("'scope' must be read or write (the API key itself holds admin)")
@@ -198,7 +198,7 @@ def new_pairing(
 
 def create_pairing(svc: Service) -> dict:
     body = read_json(svc.config.max_body_bytes, required=False)  # every field has a default
-    name = _clean_name(field(body, "name", required=False, max_len=100), "device")
+    name = clean_name(field(body, "name", required=False, max_len=100), "device")
     scope = field(body, "scope", required=False) or "write"
     folder = _grant_folder(body)
     env = bottle.request.environ
@@ -231,7 +231,7 @@ def claim_device(svc: Service) -> dict:
     svc.check_lockout(addr)
     body = read_json(svc.config.max_body_bytes)
     secret = field(body, "secret", max_len=64)
-    name = _clean_name(field(body, "deviceName", required=False, max_len=100), "")
+    name = clean_name(field(body, "deviceName", required=False, max_len=100), "")
     found = svc.grants.claim(secret, name) if len(secret) <= 64 else None
     if found is None:
         svc.lockout.fail(addr, secret)
@@ -301,7 +301,7 @@ def revoke_share(svc: Service, share_id: str) -> dict:
     return {"id": share_id, "revoked": True}
 
 
-def _public_limit(svc: Service) -> str:
+def public_limit(svc: Service) -> str:
     """Count one public grant request from its address; 429 over the limits."""
     addr = svc.client_addr(bottle.request.environ)
     wait = svc.grants.share_misses.retry_after(addr) or svc.grants.public_hits.hit(addr)
@@ -318,7 +318,7 @@ def _public_limit(svc: Service) -> str:
 def _shared_note(svc: Service, token: str) -> tuple:
     """Return (the shared note's record, whom the link reads as). A link made by a grant
     reads as that grant: only while the note is in its folder, only what it may see."""
-    addr = _public_limit(svc)
+    addr = public_limit(svc)
     bottle.response.set_header("X-Robots-Tag", "noindex, nofollow")
     bottle.response.set_header("Referrer-Policy", "no-referrer")
     found = svc.grants.shared(token)
@@ -348,8 +348,8 @@ def shared_attachments(path: str, text: str) -> dict:
     """Return {href as written: attachment path} of the attachments a note at `path` links
     by Markdown link or image: all a share link of it may load."""
     found = {}
-    for m in _MDLINK_RE.finditer(text[:MAX_SCAN_CHARS]):
-        target = _md_target(m.group(2))
+    for m in MDLINK_RE.finditer(text[:MAX_SCAN_CHARS]):
+        target = md_target(m.group(2))
         href = urllib.parse.unquote(target.strip("<>")) if target else ""
         if not href or "://" in href or href.startswith("mailto:"):
             continue
@@ -582,7 +582,7 @@ def _error_redirect(
 
 def oauth_consent(svc: Service) -> dict:
     """GET /api/v1/oauth/consent: what the consent page shows for an authorisation request."""
-    _public_limit(svc)
+    public_limit(svc)
     env = bottle.request.environ
     q = {
         name: query_str(name)

@@ -23,9 +23,6 @@ from notesvc.http.api import INBOX
 from notesvc.http.dav import (
     DAV_PREFIX,
     DavError,
-    _dav_name,
-    _empty_prop,
-    _xesc,
     dav_authenticate,
     dav_body,
     dav_callback,
@@ -33,9 +30,12 @@ from notesvc.http.dav import (
     dav_href,
     dav_item,
     dav_live,
+    dav_name,
     dav_props,
     dav_state,
     dav_xml,
+    empty_prop,
+    xesc,
 )
 from notesvc.notes.paths import NOTES, make_etag
 from notesvc.notes.tasks import (
@@ -106,7 +106,7 @@ def cal_error(e: ApiError) -> bottle.HTTPResponse:
         inner = getattr(e, "inner", "")
         body = (
             f'<?xml version="1.0" encoding="utf-8"?>\n<D:error {_NS_DECL}>'
-            f"<{tag}>{inner}</{tag}><D:responsedescription>{_xesc(e.message)}"
+            f"<{tag}>{inner}</{tag}><D:responsedescription>{xesc(e.message)}"
             "</D:responsedescription></D:error>"
         )
         headers["Content-Type"] = CAL_XML_TYPE
@@ -338,8 +338,8 @@ def cal_props(svc: Service, book: TaskBook, res: dict, ctx: dict, names=None) ->
     if res["kind"] == "item":
         return cal_item_props(svc, res["task"], ctx, names)
     principal = ctx["principal"]
-    me = _prop("DAV:", "href", _xesc(cal_href(ctx, "principal", True)))
-    home = _prop("DAV:", "href", _xesc(cal_href(ctx, "calendars", True)))
+    me = _prop("DAV:", "href", xesc(cal_href(ctx, "principal", True)))
+    home = _prop("DAV:", "href", xesc(cal_href(ctx, "calendars", True)))
     privs = "<D:privilege><D:read/></D:privilege>"
     if principal.allows("write"):
         privs += "".join(
@@ -367,7 +367,7 @@ def cal_props(svc: Service, book: TaskBook, res: dict, ctx: dict, names=None) ->
     elif kind == "list":
         token = cal_sync_token(book, principal, res)
         out[("DAV:", "resourcetype")] = _prop("DAV:", "resourcetype", collection + "<C:calendar/>")
-        out[("DAV:", "displayname")] = _prop("DAV:", "displayname", _xesc(res["name"]))
+        out[("DAV:", "displayname")] = _prop("DAV:", "displayname", xesc(res["name"]))
         out[(CAL_NS, "supported-calendar-component-set")] = _prop(
             CAL_NS, "supported-calendar-component-set", '<C:comp name="VTODO"/>'
         )
@@ -398,21 +398,21 @@ def cal_wanted(root) -> tuple:
         if child.tag == "{DAV:}propname":
             return "propname", []
         if child.tag == "{DAV:}prop":
-            return "prop", [(*_dav_name(c.tag), c.tag) for c in child]
+            return "prop", [(*dav_name(c.tag), c.tag) for c in child]
     return "allprop", []
 
 
 def cal_item_props(svc: Service, task: dict, ctx: dict, names) -> dict:
     out = {
         ("DAV:", "resourcetype"): "<D:resourcetype/>",
-        ("DAV:", "getetag"): _prop("DAV:", "getetag", _xesc(task["etag"])),
+        ("DAV:", "getetag"): _prop("DAV:", "getetag", xesc(task["etag"])),
         ("DAV:", "getcontenttype"): _prop("DAV:", "getcontenttype", CAL_ITEM_TYPE),
     }
     if names is None or {"calendar-data", "getcontentlength"} & names:
         data = cal_item_data(svc, task, ctx)
         out[("DAV:", "getcontentlength")] = _prop("DAV:", "getcontentlength", str(len(data)))
         out[(CAL_NS, "calendar-data")] = _prop(
-            CAL_NS, "calendar-data", _xesc(data.decode("utf-8")).replace("\r", "&#13;")
+            CAL_NS, "calendar-data", xesc(data.decode("utf-8")).replace("\r", "&#13;")
         )
     return out
 
@@ -429,7 +429,7 @@ def cal_propstat(props: dict, mode: str, wanted: list) -> str:
         for ns, local, tag in wanted:
             value = props.get((ns, local))
             if value is None:
-                missing.append(_empty_prop(tag))
+                missing.append(empty_prop(tag))
             else:
                 found.append(value)
     out = ""
@@ -459,7 +459,7 @@ def cal_multistatus(parts: list, tail: str = "") -> bytes:
 
 
 def _response(href: str, inner: str) -> str:
-    return f"<D:response><D:href>{_xesc(href)}</D:href>{inner}</D:response>"
+    return f"<D:response><D:href>{xesc(href)}</D:href>{inner}</D:response>"
 
 
 def cal_body():
@@ -685,7 +685,7 @@ def cal_filter(flt, svc: Service) -> Callable:
         if child.tag == f"{{{CAL_NS}}}is-not-defined":
             return lambda t: False
         if child.tag != f"{{{CAL_NS}}}comp-filter":
-            raise _unsupported(_dav_name(child.tag)[1])
+            raise _unsupported(dav_name(child.tag)[1])
         name = child.get("name", "").upper()
         if name != "VTODO":
             negated = child.find(f"{{{CAL_NS}}}is-not-defined") is not None
@@ -698,7 +698,7 @@ def cal_filter(flt, svc: Service) -> Callable:
 def cal_todo_filter(comp, svc: Service) -> Callable:
     tests: list = []
     for child in comp:
-        ns, local = _dav_name(child.tag)
+        ns, local = dav_name(child.tag)
         if ns != CAL_NS:
             raise _unsupported(local)
         if local == "is-not-defined":
@@ -741,7 +741,7 @@ def cal_prop_filter(pf) -> Callable:
     if len(children) != 1:
         raise _unsupported(f"prop-filter {name} with several tests")
     child = children[0]
-    ns, local = _dav_name(child.tag)
+    ns, local = dav_name(child.tag)
     if ns == CAL_NS and local == "is-not-defined":
         return lambda t: not _task_values(t, name)
     if ns == CAL_NS and local == "text-match" and name in CAL_TEXT_MATCH:
@@ -1020,7 +1020,7 @@ def cal_put(svc: Service, book: TaskBook, res: dict, ctx: dict):
             403,
             "this UID belongs to another task",
             "C:no-uid-conflict",
-            f"<D:href>{_xesc(href)}</D:href>",
+            f"<D:href>{xesc(href)}</D:href>",
         )
     if task is not None:
 

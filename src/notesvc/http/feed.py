@@ -10,9 +10,9 @@ import time
 
 from notesvc.boot import bottle, log
 from notesvc.errors import ApiError, bad_request, not_found
-from notesvc.grants import Principal, _epoch, request_principal, visible_folder
+from notesvc.grants import Principal, epoch_of, request_principal, visible_folder
 from notesvc.helpers import field, iso, key_hash, read_json
-from notesvc.http.access import _public_limit, opens_only_at_home, share_url
+from notesvc.http.access import opens_only_at_home, public_limit, share_url
 from notesvc.http.caldav import CAL_TYPE, cal_list_tasks
 from notesvc.notes.paths import NOTES
 from notesvc.notes.tasks import (
@@ -109,7 +109,7 @@ def _feed_of(svc: Service, secret: str) -> dict | None:
 
 def get_feed(svc: Service, name: str):
     """GET /ics/<secret>.ics: the feed's calendar."""
-    addr = _public_limit(svc)
+    addr = public_limit(svc)
     resp = bottle.response
     for header, value in (
         ("Cache-Control", "private, max-age=300"),
@@ -125,7 +125,7 @@ def get_feed(svc: Service, name: str):
         raise not_found("no calendar feed at this link (it may have been deleted)")
     now = time.time()
     used = feed.get("lastUsedAt")
-    if used is None or now - _epoch(used) > FEED_USE_SECONDS:
+    if used is None or now - epoch_of(used) > FEED_USE_SECONDS:
 
         def change(data: dict) -> None:
             for f in data.get("feeds", []):

@@ -32,27 +32,27 @@ from notesvc.helpers import (
     yes_or_no,
 )
 from notesvc.http.access import qr_svg
-from notesvc.http.api import MULTIPART_SLACK, _agent_facts, _limit_facts, _network_facts
+from notesvc.http.api import MULTIPART_SLACK, agent_facts, limit_facts, network_facts
 from notesvc.http.route import Route
 from notesvc.plugins import Plugin
 from notesvc.providers.base import MAX_MESSAGE_CHARS, UpstreamError
 from notesvc.providers.channels import (
     MAX_CONFIG_CHARS,
     TelegramError,
-    _change_channel,
-    _channels,
-    _printable,
+    change_channel,
     channel_secret,
+    channels_of,
     configure_channel,
     handle_channel_update,
     new_binding,
     note_chat_makers,
+    printable,
     redact_channel,
     telegram_call,
     validate_channel_config,
 )
 from notesvc.search.text import MAX_QUERY_CHARS
-from notesvc.service import Service, _rid
+from notesvc.service import Service, current_request_id
 from notesvc.transfer.export import export_files, export_zip
 from notesvc.transfer.formats import run_import
 from notesvc.transfer.plan import import_settled
@@ -77,7 +77,7 @@ def list_channel_providers(svc: Service) -> dict:
 
 
 def list_channels(svc: Service) -> dict:
-    return {"channels": [redact_channel(c, svc.channel_providers) for c in _channels(svc)]}
+    return {"channels": [redact_channel(c, svc.channel_providers) for c in channels_of(svc)]}
 
 
 def create_channel(svc: Service) -> dict:
@@ -98,7 +98,7 @@ def add_channel(svc: Service, name: str, config: dict, title: str, **extra) -> d
     channel = {
         "id": "ch_" + secrets.token_hex(6),
         "provider": name,
-        "name": _printable(title),
+        "name": printable(title),
         "enabled": True,
         "createdAt": iso(utcnow()),
         "webhookUrl": f"{base}{API}/channels/webhook/{name}",
@@ -136,7 +136,7 @@ def connect_telegram(svc: Service) -> dict:
     except UpstreamError as e:
         raise ApiError(502, "UPSTREAM_ERROR", f"Telegram cannot be reached: {e}") from None
     bot = bot if isinstance(bot, dict) else {}
-    username = _printable(str(bot.get("username") or ""), 64)
+    username = printable(str(bot.get("username") or ""), 64)
     title = field(body, "name", required=False, max_len=100) or f"@{username or 'telegram'}"
     config = validate_channel_config(
         svc.channel_providers["telegram"],
@@ -176,13 +176,13 @@ def bind_channel(svc: Service, channel_id: str) -> dict:
         channels[i]["binding"] = binding
         return channels[i]
 
-    channel = _change_channel(svc, channel_id, apply)
+    channel = change_channel(svc, channel_id, apply)
     return bind_answer(svc, channel, code, binding)
 
 
 def get_channel(svc: Service, channel_id: str) -> dict:
     """Return one channel, redacted, with the last senders its allowlist refused."""
-    for channel in _channels(svc):
+    for channel in channels_of(svc):
         if channel["id"] == channel_id:
             refused = channel.get("refusedSenders", [])
             return {**redact_channel(channel, svc.channel_providers), "refusedSenders": refused}
@@ -191,7 +191,7 @@ def get_channel(svc: Service, channel_id: str) -> dict:
 
 def patch_channel(svc: Service, channel_id: str) -> dict:
     """Merge {name?, config?} into a channel (validated as on create; the secret stays)."""
-    if not any(c["id"] == channel_id for c in _channels(svc)):  # 404 before the body's 400
+    if not any(c["id"] == channel_id for c in channels_of(svc)):  # 404 before the body's 400
         raise not_found(f"no channel {channel_id}")
     body = read_json(svc.config.max_body_bytes)
     unknown = sorted(set(body) - {"name", "config"})
@@ -218,10 +218,10 @@ def patch_channel(svc: Service, channel_id: str) -> dict:
             channel["config"] = validate_channel_config(provider, {**stored, **changes})
             note_chat_makers(channel, provider, before, maker)
         if title is not None:  # only invisible characters: the name it had stays
-            channel["name"] = _printable(title) or channel["name"]
+            channel["name"] = printable(title) or channel["name"]
         return channel
 
-    channel = _change_channel(svc, channel_id, merge)
+    channel = change_channel(svc, channel_id, merge)
     log.info("channel %s changed", channel_id)
     svc.pollers.sync(join=15)  # a poller that goes is done before a webhook is set
     if changes is not None:
@@ -234,13 +234,13 @@ def toggle_channel(svc: Service, channel_id: str) -> dict:
         channels[i]["enabled"] = not channels[i]["enabled"]
         return channels[i]
 
-    channel = _change_channel(svc, channel_id, flip)
+    channel = change_channel(svc, channel_id, flip)
     svc.pollers.sync()
     return redact_channel(channel, svc.channel_providers)
 
 
 def delete_channel(svc: Service, channel_id: str) -> dict:
-    _change_channel(svc, channel_id, lambda channels, i: channels.pop(i))
+    change_channel(svc, channel_id, lambda channels, i: channels.pop(i))
     svc.pollers.sync()
     return {"id": channel_id, "deleted": True}
 
@@ -410,9 +410,9 @@ def security_config(svc: Service) -> dict:
             "windowSeconds": cfg.setup_window,
             "linkedClients": len(st.get("linkedClients", [])),
         },
-        "network": {"bindHost": cfg.host, **_network_facts(cfg), "pairingMode": cfg.pairing},
+        "network": {"bindHost": cfg.host, **network_facts(cfg), "pairingMode": cfg.pairing},
         "limits": {
-            **_limit_facts(svc),
+            **limit_facts(svc),
             "maxQueryChars": MAX_QUERY_CHARS,
             "maxMessageChars": MAX_MESSAGE_CHARS,
         },
@@ -431,7 +431,7 @@ def security_config(svc: Service) -> dict:
             "thirdParty": sum(not p.builtin for p in svc.plugins.values()),
             "enabled": sum(svc.plugin_enabled(n) for n in svc.plugins),
         },
-        "agent": _agent_facts(cfg),
+        "agent": agent_facts(cfg),
         "grants": svc.grants.counts(),
     }
 
@@ -505,7 +505,7 @@ def post_import(svc: Service) -> bytes:
         import_settled()
     log.info(
         "request %s: import%s of %s and %s into %s (%d skipped)",
-        _rid(),
+        current_request_id(),
         " (dry run)" if dry else "",
         plural(report["created"], "note"),
         plural(report["attachments"], "file"),
@@ -557,7 +557,7 @@ def get_export(svc: Service):
     resp.content_type = "application/zip"
     resp.set_header("Content-Disposition", f'attachment; filename="notesvc-export-{stamp}.zip"')
     resp.set_header("Cache-Control", "no-store")
-    log.info("request %s: export of %s", _rid(), principal.folder or "every note")
+    log.info("request %s: export of %s", current_request_id(), principal.folder or "every note")
     return export_zip(svc.config.root, principal)
 
 

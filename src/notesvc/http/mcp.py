@@ -10,7 +10,7 @@ from typing import Any
 from notesvc.boot import __version__, bottle, log
 from notesvc.errors import JSON_TYPE, ApiError, to_json
 from notesvc.grants import Principal, request_principal
-from notesvc.helpers import _no_constant
+from notesvc.helpers import no_constant
 from notesvc.providers.base import (
     MCP_HANDSHAKE_VERSIONS,
     MCP_STATELESS_VERSIONS,
@@ -20,7 +20,7 @@ from notesvc.providers.base import (
     available_tools,
     call_tool,
 )
-from notesvc.service import Service, _rid
+from notesvc.service import Service, current_request_id
 from notesvc.settings import Config
 
 # -- MCP: the tools over JSON-RPC 2.0 (Streamable HTTP, answered as JSON) -------------------
@@ -153,7 +153,7 @@ def _rpc_message(max_bytes: int) -> Any:
     if len(raw) > max_bytes:
         raise ApiError(413, "PAYLOAD_TOO_LARGE", f"the body is over {max_bytes} bytes")
     try:
-        message = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+        message = json.loads(raw.decode("utf-8"), parse_constant=no_constant)
     except (UnicodeDecodeError, ValueError, RecursionError):
         raise RpcError(PARSE_ERROR, "the body is not valid JSON (UTF-8)") from None
     if isinstance(message, list):
@@ -299,5 +299,5 @@ def _tools_call(svc: Service, name: Any, arguments: Any) -> dict:
         else:
             why = f"unknown tool {name[:64]!r} (see tools/list)"
         raise RpcError(INVALID_PARAMS, why)
-    log.debug("request %s: MCP tool %s", _rid(), name)
+    log.debug("request %s: MCP tool %s", current_request_id(), name)
     return call_tool(svc, offered[name], arguments or {})

@@ -118,7 +118,7 @@ def content_disposition(path: str, content_type: str) -> str:
     return f"{kind}; filename=\"{plain}\"; filename*=UTF-8''{urllib.parse.quote(name)}"
 
 
-def _file_chunks(f: Any, length: int):
+def file_chunks(f: Any, length: int):
     try:
         while length > 0:
             chunk = f.read(min(BODY_CHUNK, length))
@@ -130,7 +130,7 @@ def _file_chunks(f: Any, length: int):
         f.close()
 
 
-def _none_match(header: str | None, etag: str) -> bool:
+def none_match(header: str | None, etag: str) -> bool:
     """Return whether an If-None-Match names `etag` (weakly or not) or is `*` (RFC 9110: a
     `*` inside a tag, `"a*b"` or `W/"*"`, is that tag, not a match)."""
     if not header:
@@ -157,7 +157,7 @@ def conditional_download(
     sandbox policy. If-Modified-Since is not looked at.
     """
     resp = bottle.response
-    if _none_match(request_header("If-None-Match"), etag):
+    if none_match(request_header("If-None-Match"), etag):
         resp.status = 304
         resp.set_header("ETag", etag)
         return None

@@ -28,11 +28,10 @@ from notesvc.errors import (
     to_json,
 )
 from notesvc.helpers import (
-    _UMASK,
     BODY_CHUNK,
     TEMP_PREFIX,
     TEMP_SUFFIX,
-    _atomic_write,
+    UMASK,
     atomic_write,
     disk_writes,
     flush_each,
@@ -40,26 +39,27 @@ from notesvc.helpers import (
     if_match_allows,
     iso,
     log_safe,
+    replace_atomically,
     sweep_temp_files,
 )
 from notesvc.notes.history import HeadStore, HeadStoreError, HistoryStore
-from notesvc.notes.merge import _sort_key, change_summary, merge3
+from notesvc.notes.merge import change_summary, merge3, sort_key
 from notesvc.notes.paths import (
     ATTACHMENT_TYPES,
     ATTACHMENTS,
     MAX_SEGMENT_BYTES,
     NOTES,
-    _is_note_name,
-    _missing_folders,
-    _nfc,
-    _remove_empty_folders,
     attachment_path,
     content_type_of,
+    is_note_name,
     make_etag,
+    missing_folders,
+    nfc,
     note_path,
     note_preview,
     note_tags,
     note_title,
+    remove_empty_folders,
     walk_entries,
 )
 from notesvc.notes.trash import ChangeJournal, TrashItem, move_to_trash
@@ -278,7 +278,7 @@ class FileTree:
     def _new_parents(self, target: Path, path: str | None = None):
         """Create the missing folders of target (the file of path) for the block; remove
         them again when the block fails (a full disk changes nothing)."""
-        missing = _missing_folders(target.parent, self.root)
+        missing = missing_folders(target.parent, self.root)
         try:
             with disk_writes():
                 try:
@@ -299,7 +299,7 @@ class FileTree:
 
     def _prune(self, folder: Path) -> None:
         """Remove folder and its parents while they are empty (never root itself)."""
-        _remove_empty_folders(folder, self.root)
+        remove_empty_folders(folder, self.root)
 
 
 class NoteStore(FileTree):
@@ -517,7 +517,7 @@ class NoteStore(FileTree):
 
         Paths are NFC whatever the names on disk.
         """
-        return walk_entries(str(self.on_disk(folder)), folder, _is_note_name)
+        return walk_entries(str(self.on_disk(folder)), folder, is_note_name)
 
     def walk(self, folder: str = NOTES) -> list:
         """Return every note path under a folder path, sorted."""
@@ -612,18 +612,18 @@ class NoteStore(FileTree):
             elif e.name.endswith(".md") and len(e.name) > 3:
                 notes.append(e)
         children = [
-            self._node(e.path, f"{rel}/{_nfc(e.name)}", below, count)
-            for e in sorted(folders, key=lambda e: _sort_key(_nfc(e.name)))
+            self._node(e.path, f"{rel}/{nfc(e.name)}", below, count)
+            for e in sorted(folders, key=lambda e: sort_key(nfc(e.name)))
         ]
-        for e in sorted(notes, key=lambda e: _sort_key(_nfc(e.name))):
+        for e in sorted(notes, key=lambda e: sort_key(nfc(e.name))):
             try:
                 st = e.stat()
             except OSError:
                 continue
             children.append(
                 {
-                    "name": _nfc(e.name),
-                    "path": f"{rel}/{_nfc(e.name)}",
+                    "name": nfc(e.name),
+                    "path": f"{rel}/{nfc(e.name)}",
                     "type": "note",
                     "size": st.st_size,
                     "modified": iso(st.st_mtime_ns / 1e9),
@@ -1086,7 +1086,7 @@ class NoteStore(FileTree):
             self.copies.mark(target, None)
             fsync_dir(dst.parent)
             fsync_dir(item.file.parent)
-            _remove_empty_folders(item.file.parent, self.trash)  # as Trash.emptied()
+            remove_empty_folders(item.file.parent, self.trash)  # as Trash.emptied()
             if target != item.path:  # the versions it had when deleted (a second's slack)
                 live = os.path.isfile(self.on_disk(item.path))
                 until = int((item.deleted + 1) * 1_000_000)
@@ -1301,7 +1301,7 @@ class AttachmentStore(FileTree):
                     path, target = self._free(path, target)
                 exists = self.check(path, if_match, if_none_match)
                 with self._new_parents(target, path):
-                    os.chmod(tmp, 0o666 & ~_UMASK)
+                    os.chmod(tmp, 0o666 & ~UMASK)
                     self._rename(tmp, target)
                 fsync_dir(target.parent)
                 if target.parent != self.root:
@@ -1329,7 +1329,7 @@ class AttachmentStore(FileTree):
                         while chunk := source.read(BODY_CHUNK):
                             f.write(chunk)
 
-                _atomic_write(dst, copy, None)
+                replace_atomically(dst, copy, None)
 
     def _free(self, path: str, target: Path) -> tuple:
         """Return (path, file) of the first name not taken: path, name-2.ext, name-3.ext..."""

@@ -20,7 +20,7 @@ from notesvc.errors import ApiError
 from notesvc.helpers import TEMP_PREFIX, TEMP_SUFFIX
 from notesvc.notes.store import NOFOLLOW_NONBLOCK, NoteStore
 from notesvc.search.persistence import DiskSegment, write_batch, write_segment
-from notesvc.search.segments import _DeletedCounts, _Vocab
+from notesvc.search.segments import DeletedCounts, Vocab
 
 # -- the helper process ------------------------------------------------------------------
 #
@@ -64,7 +64,7 @@ def read_items(notes: NoteStore, paths: list) -> list:
 
 def analyse_batch(items: list, stems: dict) -> tuple:
     """Return (vocabulary, [Doc], average lengths) of (path, text, size, mtime) items."""
-    vocab = _Vocab(stems)
+    vocab = Vocab(stems)
     docs = [vocab.analyse(*item) for item in items]
     avg = tuple(max(sum(len(d[4 + f]) for d in docs) / max(len(docs), 1), 1.0) for f in (0, 1))
     return vocab, docs, avg
@@ -124,7 +124,7 @@ def _merge_for_server(job: dict, folder: Path) -> tuple:
         if not re.fullmatch(r"\d{8}\.seg", name):
             raise ValueError(f"not a segment file: {name!r}")
         sources.append(DiskSegment(folder / name))
-        counts = (_DeletedCounts(sources[-1].nt), _DeletedCounts(sources[-1].nt))
+        counts = (DeletedCounts(sources[-1].nt), DeletedCounts(sources[-1].nt))
         for c, flat in zip(counts, pairs):
             c.load(array.array("I", flat))
         dels.append(counts)

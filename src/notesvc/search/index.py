@@ -43,39 +43,39 @@ from notesvc.search.helper import (
 from notesvc.search.persistence import (
     DiskSegment,
     IndexFileError,
-    _Cancelled,
+    MergeCancelled,
     read_commit,
     write_batch,
     write_commit,
     write_segment,
 )
 from notesvc.search.segments import (
-    _EPS,
-    _FIRST,
-    _SECOND,
     BULK_CHUNK_CHARS,
     BULK_CHUNK_NOTES,
     COMMIT_SECONDS,
+    FIRST_ITEM,
     FLUSH_DOCS,
     FLUSH_TOKENS,
     MAX_DELETED,
     MERGE_FACTOR,
+    SCORE_EPS,
+    SECOND_ITEM,
     IndexedNote,
     MemorySegment,
-    _exact_tf,
-    _has,
-    _TextCache,
-    _Vocab,
+    TextCache,
+    Vocab,
+    exact_tf,
     phrase_docs,
     query_needles,
+    sorted_position,
     word_docs,
 )
-from notesvc.search.text import MAX_PREFIX_TERMS, Query, _snippet, bm25_idf, bm25_weight
+from notesvc.search.text import MAX_PREFIX_TERMS, Query, bm25_idf, bm25_weight, body_snippet
 
 # -- the index ----------------------------------------------------------------
 
 
-def _memory_segment(vocab: _Vocab, docs: list, avg: tuple) -> MemorySegment:
+def _memory_segment(vocab: Vocab, docs: list, avg: tuple) -> MemorySegment:
     seg = MemorySegment(vocab)
     for doc in docs:
         seg.add(doc, avg)
@@ -129,7 +129,7 @@ def _best(scores: dict, m: int) -> tuple:
     out or 0.0). All of them, unsorted, when they are m or fewer."""
     if len(scores) <= m:
         return [(a, d) for d, a in scores.items()], 0.0
-    items = _largest(m + 1, scores.items(), _SECOND)
+    items = _largest(m + 1, scores.items(), SECOND_ITEM)
     return [(a, d) for d, a in items[:m]], items[m][1]
 
 
@@ -167,7 +167,7 @@ class _Match:
                 if d in deleted:
                     continue
                 self.title_scores[d] = w * imp
-                if body is None or _has(body[1], d) < 0:
+                if body is None or sorted_position(body[1], d) < 0:
                     total += 1
         self.total = total
 
@@ -190,7 +190,7 @@ class _Match:
                     scores[d] = scores.get(d, 0.0) + w * imps[i]
             for d in self.title_scores:
                 if d not in taken:
-                    i = _has(ids, d)
+                    i = sorted_position(ids, d)
                     if i >= 0:
                         scores[d] += w * imps[i]
         top, beyond = _best(scores, m)
@@ -199,9 +199,9 @@ class _Match:
     def exact(self, d: int, avg: tuple) -> float:
         seg, score = self.seg, 0.0
         for w, ids, imps, f, *_ in self.comps:
-            i = _has(ids, d)
+            i = sorted_position(ids, d)
             if i >= 0:
-                score += w * _exact_tf(imps[i], seg.dl(d, f), seg.avg_then(d, f), avg[f])
+                score += w * exact_tf(imps[i], seg.dl(d, f), seg.avg_then(d, f), avg[f])
         return score
 
 
@@ -256,7 +256,7 @@ class SearchIndex:
         self._merger_lock = threading.RLock()  # one merge at a time (and through it)
         self._pair_rewrites: dict = {}  # file name -> when it was last picked to get pair lists
         self._live = MemorySegment()
-        self._texts = _TextCache()  # the texts snippets were cut from lately
+        self._texts = TextCache()  # the texts snippets were cut from lately
         self.generation = 0  # bumps on every change
         # (generation it holds for, {folder: notes beneath it}): rebuilt after bulk changes,
         # kept up to date by single adds and removals (folder_counts)
@@ -854,7 +854,7 @@ class SearchIndex:
     @staticmethod
     def _hi(seg, avg: tuple) -> float:
         """Return the most a segment's stored impacts can rise with today's averages."""
-        return max(1.0, *(avg[f] / max(seg.avg_range[f][0], 1.0) for f in (0, 1))) * (1 + _EPS)
+        return max(1.0, *(avg[f] / max(seg.avg_range[f][0], 1.0) for f in (0, 1))) * (1 + SCORE_EPS)
 
     def _matches(self, segs, n, avg, clauses, excludes, folder) -> list:
         stems = sorted({s for clause in [*clauses, excludes] for _, ss in clause for s in ss})
@@ -906,7 +906,7 @@ class SearchIndex:
                 top, bound = mt.top(m)
                 pool += [(a, mt, d) for a, d in top]
                 outside = max(outside, bound * mt.hi)
-            pool.sort(key=_FIRST, reverse=True)
+            pool.sort(key=FIRST_ITEM, reverse=True)
             found, heap = [], []
             for a, mt, d in pool:
                 if len(heap) >= k and a * hi < heap[0]:
@@ -925,7 +925,7 @@ class SearchIndex:
                 continue
             if not found:
                 return []
-            found.sort(key=_FIRST, reverse=True)
+            found.sort(key=FIRST_ITEM, reverse=True)
             last = found[min(k, len(found)) - 1][0]  # equal scores are ordered by path
             best = [x for x in found if x[0] >= last]
             ranked = [(score, mt.seg.path(d), mt.seg, d) for score, mt, d in best]
@@ -1016,7 +1016,7 @@ class SearchIndex:
                 return ""
             text = unicodedata.normalize("NFC", text)
             self._texts.put(path, sig, text)
-        return _snippet(text, toks, needles)
+        return body_snippet(text, toks, needles)
 
     def _read(self, path: str, limit: int = -1) -> str | None:
         """Return a note's text from its file (up to limit bytes), None when unreadable."""
@@ -1123,7 +1123,7 @@ class SearchIndex:
         try:
             atomic_write(path, write, mode=0o600)
             return DiskSegment(path)
-        except _Cancelled:
+        except MergeCancelled:
             return None
         except (OSError, IndexFileError) as e:
             log.warning("index: could not write segment %s (%s); serving from memory", path.name, e)
