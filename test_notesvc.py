@@ -10616,6 +10616,8 @@ class TestHouse:
             ("errors.py", "\nimport notesvc.settings\n", "write `from notesvc.<module>"),
             ("errors.py", "\nfrom notesvc.settings import nothing_here\n", "defines no"),
             ("settings.py", "\n\ndef f():\n    global log\n    log = None\n", "global log"),
+            ("settings.py", "\nfrom notesvc.boot import _hand_over\n", "_hand_over is private"),
+            ("__main__.py", "\nfrom notesvc.boot import _hand_over\n", "_hand_over is private"),
         ],
     )
     def test_the_build_refuses_what_would_split_the_two_forms(

@@ -21,7 +21,8 @@ Like SQLite's amalgamation, that file is made by this script and tested as shipp
 
 It refuses a top-level name defined in two modules, an import of a later module (outside
 `if TYPE_CHECKING:`), an aliased intra-package import, an import of a module object
-(`from notesvc import x`, `import notesvc.x`), and a `global` statement rebinding a name
+(`from notesvc import x`, `import notesvc.x`), an import of another module's `_private`
+name (a name another module imports is public), and a `global` statement rebinding a name
 that another module imports (the package would see the old value). Standard library only.
 """
 
@@ -87,6 +88,11 @@ def intra(node: ast.stmt) -> bool:
     return isinstance(node, ast.Import) and any(
         a.name.split(".")[0] == "notesvc" for a in node.names
     )
+
+
+def is_private(name: str) -> bool:
+    """Is name a module's own (`_name`, not a `__dunder__`)?"""
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
 
 
 def bound_names(tree: ast.Module) -> set:
@@ -199,12 +205,29 @@ def check(modules: list) -> None:
             for alias in node.names:
                 if alias.asname:
                     raise BuildError(f"{m.where(node)}: no `as` in imports between modules")
+                if is_private(alias.name):
+                    raise BuildError(
+                        f"{m.where(node)}: {alias.name} is private to {target.name}: a name "
+                        "another module imports is public (name it without the underscore)"
+                    )
                 if alias.name not in target.names:
                     raise BuildError(
                         f"{m.where(node)}: {target.name} defines no {alias.name} "
                         "(modules are not imported as objects)"
                     )
                 imported_elsewhere.setdefault(alias.name, m.name)
+    built = {m.path for m in modules}
+    for path in sorted(SRC.rglob("*.py")):  # __init__.py, __main__.py: the package's own
+        if path in built:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and intra(node):
+                for alias in node.names:
+                    if is_private(alias.name):
+                        raise BuildError(
+                            f"{rel(path)}:{node.lineno}: {alias.name} is private to its "
+                            "module: a name another module imports is public"
+                        )
     for m in modules:
         for node in ast.walk(m.tree):
             if isinstance(node, ast.Global):
