@@ -10,31 +10,68 @@ Embed:    notesvc.create_app(load_config(...)) is a WSGI application.
 This file is written by .ci/build.py from the modules in src/notesvc/ (one `# ==
 src/notesvc/<module>.py` line starts each) and the pages in web/; docs/contributing.md says
 what lives where, and `python .ci/build.py --where LINE` maps a line here to its source.
+The build ends this docstring with the outline: the modules, each with its summary.
 
-Outline (``grep -n '^# ==' notesvc.py``), in the order the data flows:
-  Settings        the option table, the loader, the frozen Config
-  Errors          ApiError, the envelope, the one renderer of every failure
-  Helpers         clock, ids, atomic writes, host validation, JSON bodies
-  Notes           path rules, attachments' rules, three-way merges and names from titles;
-                  history, trash and the change journal (what every change leaves
-                  behind); the store and its locks
-  Search          text analysis, BM25, the query language, snippets, segments, persistence,
-                  the inverted index
-  State and auth  state.json, keys, JWT, lockout; grants (scoped keys, devices, OAuth)
-  Service         the object every handler gets as `svc`: state, notes, index, registries
-  Providers       retrieval, TOOLS, AGENT_PROVIDERS and CHANNEL_PROVIDERS (registries of
-                  small functions), the channel pipeline, captures, polling, reminders
-  Plugins         the Plugin record, loading, links, the built-ins (backlinks, tags, daily)
-                  and the built-in tools
-  Import and export  Keep, Evernote, Notion, Obsidian, Joplin and folders in; a zip out
-  Security audit  AUDIT_CHECKS and the score
-  Web client      the one self-contained page, served by servers and relays alike
-  Relay           `notesvc relay` on asyncio (RelayHub, RelayServer) and the server's
-                  RelayClient
-  HTTP            the Route record, then handlers per endpoint group
-  WebDAV          /dav/: the notes folder in other apps
-  Routes and app  the route table, OpenAPI, NotesApp (middleware) and create_app
-  CLI             parser, cmd_* functions, main()
+Outline (``grep -n '^# ==' notesvc.py`` lists the seams), the modules in the order the
+data flows, each with the first line of its docstring:
+  settings.py             The option table, the loader and the frozen Config.
+  errors.py               ApiError, the envelope, and the one renderer of every failure.
+  helpers.py              Clock, ids, atomic writes, host validation, JSON bodies, logging.
+  notes/paths.py          Path rules for notes, folders and attachments.
+  notes/merge.py          Three-way merges and names from titles.
+  notes/history.py        History: the content every change replaced (loose versions, packs, heads).
+  notes/trash.py          The trash and the change journal: what a deletion keeps, and the feed of
+                          every change.
+  notes/store.py          NoteStore and AttachmentStore: notes on disk, their locks, the records
+                          read lately.
+  notes/tasks.py          Task lines: the `- [ ]` lines of the notes as iCalendar VTODOs, and their
+                          identities.
+  search/text.py          Text analysis (Porter2), BM25, the query language and snippets.
+  search/segments.py      Index segments: postings in memory and on disk.
+  search/persistence.py   The index on disk: segment files, the manifest, crash safety.
+  search/helper.py        The index's helper process: its entry point, its protocol, starting and
+                          stopping it.
+  search/index.py         SearchIndex: building, updating and querying the inverted index.
+  search/vectors.py       Search by meaning: notes cut into chunks, the vectors of the chunks, the
+                          semantic pass.
+  search/hybrid.py        Hybrid search: by meaning and by words, fused; a note's related notes.
+  auth.py                 state.json, keys, JWT and the lockout.
+  grants.py               Grants: who a request acts for (scoped keys, devices, OAuth) and how far
+                          it may go.
+  service.py              Service: the object every handler gets as `svc`.
+  providers/base.py       Provider records, outbound HTTP, retrieval and the TOOLS registry.
+  providers/agent.py      Agent providers: answering with a model.
+  providers/capture.py    Captures: /save, photos, voice and files into the day's note.
+  providers/channels.py   Channel providers, the channels' state and the channel pipeline.
+  providers/polling.py    Channels that fetch their own updates.
+  providers/reminders.py  Reminders: ⏰ lines sent through the channels.
+  providers/embed.py      Embeddings: the endpoint's two wire formats and the background embedder.
+  plugins.py              The Plugin record, loading, links and the built-in plugins.
+  tools.py                The built-in tools MCP clients and the agent may call.
+  transfer/plan.py        Imports: the plan, its bounds, and writing it through the stores.
+  transfer/formats.py     The importers: folders (Obsidian, Notion), Keep, Evernote, Joplin.
+  transfer/export.py      Export: a zip of everything a key sees.
+  audit.py                The security audit: AUDIT_CHECKS and the score.
+  web.py                  The web client: one self-contained page, served by servers and relays
+                          alike.
+  relay.py                The relay (`notesvc relay`, on asyncio) and the server's RelayClient.
+  http/route.py           The Route record; conditional GET and byte ranges (attachments and WebDAV
+                          share them).
+  http/api.py             Handlers of the notes API: system, auth, notes, attachments, folders,
+                          history, search.
+  http/access.py          Handlers for who else gets in: scoped keys, devices, share links, OAuth,
+                          relay pairing.
+  http/mcp.py             MCP over JSON-RPC 2.0: /mcp's tools for assistants, in both protocol eras.
+  http/integrations.py    Handlers for channels, reminders, plugins, the security audit, import,
+                          export, the page.
+  http/dav.py             WebDAV under /dav/: the notes folder in other apps.
+  http/caldav.py          CalDAV under /dav/: the notes' task lines as task lists (RFC 4791, RFC
+                          6578).
+  http/feed.py            The calendar feed: /ics/<secret>.ics, the tasks as a read-only iCalendar
+                          file.
+  http/routes.py          The route table and OpenAPI.
+  http/app.py             NotesApp (the middleware) and create_app.
+  cli.py                  The command line: parser, cmd_* functions, main().
 """
 
 from __future__ import annotations
@@ -178,8 +215,7 @@ KEY_HEADER = "X-Service-Key"
 
 
 # == src/notesvc/settings.py ==================================================
-# == Settings =================================================================
-
+# The option table, the loader and the frozen Config.
 
 class ConfigError(Exception):
     """A bad option or value; the CLI prints it as one line and exits 2."""
@@ -804,7 +840,7 @@ def load_config(env: Mapping[str, str] | None = None, **flags: Any) -> Config:
 
 
 # == src/notesvc/errors.py ====================================================
-# == Errors and envelope ======================================================
+# ApiError, the envelope, and the one renderer of every failure.
 
 ERROR_CODES = (  # every error.code the API answers with
     "VALIDATION_ERROR",
@@ -958,8 +994,7 @@ def render_error(err: bottle.HTTPError) -> bytes:
 
 
 # == src/notesvc/helpers.py ===================================================
-# == Helpers ==================================================================
-
+# Clock, ids, atomic writes, host validation, JSON bodies, logging.
 
 def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
@@ -2090,7 +2125,7 @@ class MultipartReader:
 
 
 # == src/notesvc/notes/paths.py ===============================================
-# == Notes ====================================================================
+# Path rules for notes, folders and attachments.
 
 NOTES = "notes"
 MAX_PATH_CHARS = 512
@@ -2544,6 +2579,8 @@ def note_preview(text: str) -> str:
 
 
 # == src/notesvc/notes/merge.py ===============================================
+# Three-way merges and names from titles.
+
 # -- three-way merges and names from titles (docs/api.md: phone) ------------------------------
 
 
@@ -2859,6 +2896,8 @@ def sort_key(name: str) -> tuple:
 
 
 # == src/notesvc/notes/history.py =============================================
+# History: the content every change replaced (loose versions, packs, heads).
+
 # -- history, trash and the change journal ------------------------------------------------
 #
 # What NoteStore keeps of every change: the content it replaced (HistoryStore, here), the
@@ -3970,6 +4009,8 @@ class HistoryStore:
 
 
 # == src/notesvc/notes/trash.py ===============================================
+# The trash and the change journal: what a deletion keeps, and the feed of every change.
+
 # -- the trash and the change journal --------------------------------------------------------
 #
 # The note itself when deleted (Trash), and a numbered entry in the change feed for every
@@ -4448,6 +4489,8 @@ def expire_loop(notes: NoteStore, trash: Trash, stop: threading.Event, every: fl
 
 
 # == src/notesvc/notes/store.py ===============================================
+# NoteStore and AttachmentStore: notes on disk, their locks, the records read lately.
+
 # -- the store: notes on disk, their locks and the records read lately ---------------
 
 
@@ -5792,7 +5835,9 @@ NOFOLLOW_NONBLOCK = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 
 
 # == src/notesvc/notes/tasks.py ===============================================
-# == task lines ===============================================================
+# Task lines: the `- [ ]` lines of the notes as iCalendar VTODOs, and their identities.
+
+# -- task lines ----------------------------------------------------------------------------
 #
 # docs/api.md (CalDAV): a task line is a list item (`-`, `*`, `+`, `1.`, `1)`, any
 # indentation) whose text starts with `[ ]` or `[x]`, outside fenced code and front matter.
@@ -5937,7 +5982,7 @@ def alarm_utc(wall: dt.datetime | None, zone_name: str) -> dt.datetime | None:
     return None if ts is None else utc_of_timestamp(ts)
 
 
-# == iCalendar (RFC 5545) =====================================================
+# -- iCalendar (RFC 5545) ------------------------------------------------------------------
 
 
 # RFC 5545 3.1 allows no control character in a value but HTAB (and XML 1.0 none but tab and
@@ -6138,7 +6183,7 @@ def ical_when(value: str, params: dict, zone: dt.tzinfo | None = None) -> Any:
     return utc_of_timestamp(ts)
 
 
-# == identities ===============================================================
+# -- identities ----------------------------------------------------------------------------
 #
 # A task's UID and the state around it (when it was first seen ticked, its last change,
 # the href a client gave it) live in <state>/caldav.json, never in the note. On each look
@@ -6706,7 +6751,9 @@ def task_line_of(done: bool, summary: str, due: Any, categories: list, indent: s
 
 
 # == src/notesvc/search/text.py ===============================================
-# == Search ===================================================================
+# Text analysis (Porter2), BM25, the query language and snippets.
+
+# -- Search --------------------------------------------------------------------------------
 #
 # An inverted index of the notes that lives on disk and is read in place: memory grows
 # with what is being used, not with the size of the archive. Chapters: text analysis,
@@ -7275,6 +7322,8 @@ def body_snippet(text: str, toks: str, needles: dict) -> str:
 
 
 # == src/notesvc/search/segments.py ===========================================
+# Index segments: postings in memory and on disk.
+
 # -- segments ---------------------------------------------------------------------
 #
 # The index is a list of segments, each a small inverted index of some notes: immutable
@@ -7766,6 +7815,8 @@ class TextCache:
 
 
 # == src/notesvc/search/persistence.py ========================================
+# The index on disk: segment files, the manifest, crash safety.
+
 # -- persistence --------------------------------------------------------------
 #
 # A segment file: an 8-byte magic, 8-aligned sections (arrays in native byte order,
@@ -8801,6 +8852,8 @@ def write_commit(path: Path, entries: list, seq: int) -> None:
 
 
 # == src/notesvc/search/helper.py =============================================
+# The index's helper process: its entry point, its protocol, starting and stopping it.
+
 # -- the helper process ------------------------------------------------------------------
 #
 # A bulk build (the first start, a restored backup) and the merges of big segment files run
@@ -9061,6 +9114,8 @@ class EarlyHelper:
 
 
 # == src/notesvc/search/index.py ==============================================
+# SearchIndex: building, updating and querying the inverted index.
+
 # -- the index ----------------------------------------------------------------
 
 
@@ -10380,6 +10435,8 @@ class SearchIndex:
 
 
 # == src/notesvc/search/vectors.py ============================================
+# Search by meaning: notes cut into chunks, the vectors of the chunks, the semantic pass.
+
 _NUMPY: list = []  # [numpy or None], looked for once embeddings are on (never at start)
 
 
@@ -11315,6 +11372,8 @@ def fuse(words: list, meaning: list, k: int = RRF_K, weight: float = MEANING_WEI
 
 
 # == src/notesvc/search/hybrid.py =============================================
+# Hybrid search: by meaning and by words, fused; a note's related notes.
+
 # -- searching by meaning and by words ---------------------------------------------------
 
 MODES = ("hybrid", "semantic", "keyword")
@@ -11415,8 +11474,7 @@ def related_notes(svc: Service, path: str, folder: str, limit: int) -> list:
 
 
 # == src/notesvc/auth.py ======================================================
-# == State and auth ===========================================================
-
+# state.json, keys, JWT and the lockout.
 
 def relay_server_id(token: str) -> str:
     """Return the server id a relay token certifies (docs/design.md: relay).
@@ -11777,6 +11835,8 @@ class RateLimit:
 
 
 # == src/notesvc/grants.py ====================================================
+# Grants: who a request acts for (scoped keys, devices, OAuth) and how far it may go.
+
 # -- grants: who a request acts for, and how far it may go ---------------------------
 #
 # One mechanism lets others in exactly as far as the owner allows (docs/api.md: Let others
@@ -12914,7 +12974,9 @@ class GrantStore:
 
 
 # == src/notesvc/service.py ===================================================
-# == Service ==================================================================
+# Service: the object every handler gets as `svc`.
+
+# -- Service -------------------------------------------------------------------------------
 #
 # The one object every handler, provider, plugin and audit check gets as `svc`: the
 # configuration, the state, the notes, the index, the lockout and the app's own
@@ -13430,7 +13492,9 @@ class Service:
 
 
 # == src/notesvc/providers/base.py ============================================
-# == Providers ================================================================
+# Provider records, outbound HTTP, retrieval and the TOOLS registry.
+
+# -- Providers -----------------------------------------------------------------------------
 #
 # Agents answer questions from the notes; channels carry messages in and replies
 # out. Both are registries of small records filled by decorators, so a plugin adds
@@ -13985,6 +14049,8 @@ def call_tool(svc: Service, tool: Tool, arguments: Any) -> dict:
 
 
 # == src/notesvc/providers/agent.py ===========================================
+# Agent providers: answering with a model.
+
 # -- agent providers ------------------------------------------------------------------
 
 
@@ -14260,6 +14326,8 @@ def ask_agent(svc: Service, question: str, note: str | None = None, folder: str 
 
 
 # == src/notesvc/providers/capture.py =========================================
+# Captures: /save, photos, voice and files into the day's note.
+
 # -- captures: /save, photos, voice and files into the day's note --------------------
 
 TRANSCRIBE_TIMEOUT = 120.0
@@ -14440,6 +14508,8 @@ def transcribe(svc: Service, path: str) -> str:
 
 
 # == src/notesvc/providers/channels.py ========================================
+# Channel providers, the channels' state and the channel pipeline.
+
 # -- channel providers ----------------------------------------------------------------
 
 
@@ -15367,6 +15437,8 @@ def configure_channel(svc: Service, channel: dict) -> dict:
 
 
 # == src/notesvc/providers/polling.py =========================================
+# Channels that fetch their own updates.
+
 # -- polling: channels that fetch their own updates ------------------------------------
 
 POLL_WAIT = 25.0  # seconds the provider holds a long poll open (Telegram allows up to 50)
@@ -15574,6 +15646,8 @@ class ChannelPoller:
 
 
 # == src/notesvc/providers/reminders.py =======================================
+# Reminders: ⏰ lines sent through the channels.
+
 # -- reminders: ⏰ lines sent through the channels ------------------------------------
 
 _REMIND_FIELD_RE = re.compile(
@@ -15868,7 +15942,7 @@ class ReminderScheduler:
 
 
 # == src/notesvc/providers/embed.py ===========================================
-# == Embeddings ================================================================
+# Embeddings: the endpoint's two wire formats and the background embedder.
 
 BATCH = 64  # chunks a request
 MAX_ANSWER_BYTES = 16 << 20
@@ -16349,7 +16423,9 @@ def build_embedder(svc: Service) -> Embedder | None:
 
 
 # == src/notesvc/plugins.py ===================================================
-# == Plugins ==================================================================
+# The Plugin record, loading, links and the built-in plugins.
+
+# -- Plugins -------------------------------------------------------------------------------
 #
 # A plugin is a small record: hooks called after notes change, routes under
 # /api/v1/plugins/<name>/..., and (through the registries above) agent or channel
@@ -16911,6 +16987,8 @@ builtin_plugin(
 
 
 # == src/notesvc/tools.py =====================================================
+# The built-in tools MCP clients and the agent may call.
+
 # -- built-in tools (the TOOLS registry: see Providers) --------------------------------------
 
 _PATH_ARG = {
@@ -17311,7 +17389,9 @@ def tool_fetch(svc: Service, id: str) -> dict:
 
 
 # == src/notesvc/transfer/plan.py =============================================
-# == Import and export ==========================================================
+# Imports: the plan, its bounds, and writing it through the stores.
+
+# -- Import and export ---------------------------------------------------------------------
 #
 # Bring every note you have, take them all with you (docs/api.md: Import). An import reads a
 # source (a folder, a zip, a tar, an .enex stream), refuses a hostile one before anything
@@ -18244,6 +18324,8 @@ def iso_or_none(seconds: Any) -> str | None:
 
 
 # == src/notesvc/transfer/formats.py ==========================================
+# The importers: folders (Obsidian, Notion), Keep, Evernote, Joplin.
+
 # -- folders of Markdown: Obsidian, Notion, plain files, notesvc's own export ---------------
 
 
@@ -19582,6 +19664,8 @@ def import_path(svc: Any, path: Path, into: Any, dry_run: bool, progress=None) -
 
 
 # == src/notesvc/transfer/export.py ===========================================
+# Export: a zip of everything a key sees.
+
 # -- export: a zip of everything a key sees -----------------------------------------------------
 
 STORED_TYPES = frozenset(  # already compressed: stored as they are
@@ -19691,7 +19775,9 @@ def export_zip(root: Path, principal: Principal = OWNER, progress: Callable | No
 
 
 # == src/notesvc/audit.py =====================================================
-# == Security audit ===========================================================
+# The security audit: AUDIT_CHECKS and the score.
+
+# -- Security audit ------------------------------------------------------------------------
 #
 # Each check is a small function of the service returning findings; the score is
 # 100 - 40 per critical - 20 per high - 10 per medium - 3 per low, never below 0.
@@ -20426,7 +20512,9 @@ def run_audit(svc: Service) -> dict:
 
 
 # == src/notesvc/web.py =======================================================
-# == Web client =================================================================
+# The web client: one self-contained page, served by servers and relays alike.
+
+# -- Web client ----------------------------------------------------------------------------
 #
 # One self-contained page: inline CSS and JS (allowed by their hashes in the CSP), no
 # CDN, no build step. It uses only the public API. Data goes in as text nodes only.
@@ -28846,7 +28934,9 @@ def negotiated_page(name: str, accept_encoding: str, shared: bool = False) -> tu
 
 
 # == src/notesvc/relay.py =====================================================
-# == Relay ====================================================================
+# The relay (`notesvc relay`, on asyncio) and the server's RelayClient.
+
+# -- Relay ---------------------------------------------------------------------------------
 #
 # A relay lets a server behind NAT be reached without an open port. The server
 # registers and keeps a long-poll open; the relay hands it each client request and
@@ -30202,8 +30292,7 @@ def _relay_message(answer: Any, status: int) -> str:
 
 
 # == src/notesvc/http/route.py ================================================
-# == HTTP =====================================================================
-
+# The Route record; conditional GET and byte ranges (attachments and WebDAV share them).
 
 # -- the route record: one row of the route table (at the end of this section) -------
 
@@ -30373,6 +30462,8 @@ def conditional_download(
 
 
 # == src/notesvc/http/api.py ==================================================
+# Handlers of the notes API: system, auth, notes, attachments, folders, history, search.
+
 # -- system ---------------------------------------------------------------------
 
 
@@ -31222,6 +31313,8 @@ def agent_status(svc: Service) -> dict:
 
 
 # == src/notesvc/http/access.py ===============================================
+# Handlers for who else gets in: scoped keys, devices, share links, OAuth, relay pairing.
+
 # -- grants: scoped keys and share links ------------------------------------------------
 
 
@@ -31851,6 +31944,8 @@ def pair_relay_code(svc: Service, code: str) -> dict:
 
 
 # == src/notesvc/http/mcp.py ==================================================
+# MCP over JSON-RPC 2.0: /mcp's tools for assistants, in both protocol eras.
+
 # -- MCP: the tools over JSON-RPC 2.0 (Streamable HTTP, answered as JSON) -------------------
 #
 # POST /api/v1/mcp takes one JSON-RPC message and answers it with one JSON object (no SSE,
@@ -32132,6 +32227,8 @@ def _tools_call(svc: Service, name: Any, arguments: Any) -> dict:
 
 
 # == src/notesvc/http/integrations.py =========================================
+# Handlers for channels, reminders, plugins, the security audit, import, export, the page.
+
 # -- channels ----------------------------------------------------------------------------------
 
 
@@ -32660,7 +32757,9 @@ def get_web_client(svc: Service):
 
 
 # == src/notesvc/http/dav.py ==================================================
-# == WebDAV ===================================================================
+# WebDAV under /dav/: the notes folder in other apps.
+
+# -- WebDAV --------------------------------------------------------------------------------
 #
 # The notes folder in other apps (docs/api.md: WebDAV): Finder, Windows, rclone, Obsidian.
 # /dav/notes/... and /dav/attachments/... for Obsidian (Remotely Save), Markor, Joplin,
@@ -33958,7 +34057,9 @@ def dav_error(e: ApiError) -> bottle.HTTPResponse:
 
 
 # == src/notesvc/http/caldav.py ===============================================
-# == CalDAV ===================================================================
+# CalDAV under /dav/: the notes' task lines as task lists (RFC 4791, RFC 6578).
+
+# -- CalDAV --------------------------------------------------------------------------------
 #
 # docs/api.md (CalDAV): /dav/principal/ and /dav/calendars/ beside the WebDAV of notes/ and
 # attachments/ (a PROPFIND of /dav/ still lists only those two, so file sync never sees
@@ -35026,6 +35127,8 @@ def get_task(svc: Service, uid: str) -> dict:
 
 
 # == src/notesvc/http/feed.py =================================================
+# The calendar feed: /ics/<secret>.ics, the tasks as a read-only iCalendar file.
+
 # -- the calendar feed: /ics/<secret>.ics -------------------------------------------------
 #
 # A read-only iCalendar file for apps that subscribe to a URL (Google Calendar, Outlook):
@@ -35168,8 +35271,7 @@ def feed_events(task: dict) -> list:
 
 
 # == src/notesvc/http/routes.py ===============================================
-# == Routes and app ===========================================================
-
+# The route table and OpenAPI.
 
 # -- route table --------------------------------------------------------------------
 
@@ -36346,6 +36448,8 @@ def _json_content(schema: str) -> dict:
 
 
 # == src/notesvc/http/app.py ==================================================
+# NotesApp (the middleware) and create_app.
+
 # -- the application ------------------------------------------------------------------
 
 
@@ -36645,8 +36749,7 @@ def __getattr__(name: str):
 
 
 # == src/notesvc/cli.py =======================================================
-# == CLI ======================================================================
-
+# The command line: parser, cmd_* functions, main().
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one clear line, exit 2

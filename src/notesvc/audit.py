@@ -28,7 +28,7 @@ from notesvc.notes.paths import ATTACHMENTS, NOTES
 from notesvc.service import Service, plugins_dir
 from notesvc.settings import Config
 
-# == Security audit ===========================================================
+# -- Security audit ------------------------------------------------------------------------
 #
 # Each check is a small function of the service returning findings; the score is
 # 100 - 40 per critical - 20 per high - 10 per medium - 3 per low, never below 0.

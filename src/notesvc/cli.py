@@ -59,8 +59,6 @@ from notesvc.transfer.export import export_zip
 from notesvc.transfer.formats import import_path
 from notesvc.transfer.plan import ImportPlan, import_too_many, sniff_import
 
-# == CLI ======================================================================
-
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one clear line, exit 2

@@ -30,8 +30,6 @@ from notesvc.boot import KEY_PREFIX, bottle, fcntl, log
 from notesvc.errors import ApiError, DiskFull, bad_request
 from notesvc.settings import Config
 
-# == Helpers ==================================================================
-
 
 def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)

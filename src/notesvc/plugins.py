@@ -35,7 +35,7 @@ from notesvc.providers.reminders import ReminderScheduler
 from notesvc.service import Service, plugins_dir
 from notesvc.settings import Config
 
-# == Plugins ==================================================================
+# -- Plugins -------------------------------------------------------------------------------
 #
 # A plugin is a small record: hooks called after notes change, routes under
 # /api/v1/plugins/<name>/..., and (through the registries above) agent or channel

@@ -39,7 +39,7 @@ from notesvc.notes.trash import ChangeJournal, Trash, expire_loop
 from notesvc.search.index import SearchIndex
 from notesvc.settings import SETTINGS, Config, ConfigError
 
-# == Service ==================================================================
+# -- Service -------------------------------------------------------------------------------
 #
 # The one object every handler, provider, plugin and audit check gets as `svc`: the
 # configuration, the state, the notes, the index, the lockout and the app's own

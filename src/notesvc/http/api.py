@@ -1,5 +1,7 @@
-"""Handlers of the notes API: system, auth, notes, attachments, folders, history, search,
-agent."""
+"""Handlers of the notes API: system, auth, notes, attachments, folders, history, search.
+
+And the agent's two routes (/agent/chat, /agent/status).
+"""
 
 from __future__ import annotations
 

@@ -60,7 +60,7 @@ from notesvc.notes.tasks import (
 )
 from notesvc.service import Service
 
-# == CalDAV ===================================================================
+# -- CalDAV --------------------------------------------------------------------------------
 #
 # docs/api.md (CalDAV): /dav/principal/ and /dav/calendars/ beside the WebDAV of notes/ and
 # attachments/ (a PROPFIND of /dav/ still lists only those two, so file sync never sees

@@ -48,7 +48,7 @@ from notesvc.notes.paths import (
 from notesvc.notes.store import ReadCache, attachment_etag, check_etag
 from notesvc.service import Service
 
-# == WebDAV ===================================================================
+# -- WebDAV --------------------------------------------------------------------------------
 #
 # The notes folder in other apps (docs/api.md: WebDAV): Finder, Windows, rclone, Obsidian.
 # /dav/notes/... and /dav/attachments/... for Obsidian (Remotely Save), Markor, Joplin,

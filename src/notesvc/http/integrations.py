@@ -1,4 +1,4 @@
-"""Handlers for what plugs in: channels, reminders, plugins, security, import, export, the page."""
+"""Handlers for channels, reminders, plugins, the security audit, import, export, the page."""
 
 from __future__ import annotations
 

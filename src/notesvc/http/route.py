@@ -1,5 +1,7 @@
-"""The Route record (one row of the route table), and conditional GET and byte ranges for
-attachments and WebDAV."""
+"""The Route record; conditional GET and byte ranges (attachments and WebDAV share them).
+
+A Route is one row of the route table (http/routes.py).
+"""
 
 from __future__ import annotations
 
@@ -12,9 +14,6 @@ from notesvc.boot import API, bottle
 from notesvc.errors import ApiError
 from notesvc.helpers import BODY_CHUNK, request_header
 from notesvc.notes.paths import ATTACHMENT_CSP, shown_inline
-
-# == HTTP =====================================================================
-
 
 # -- the route record: one row of the route table (at the end of this section) -------
 

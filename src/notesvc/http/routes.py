@@ -119,9 +119,6 @@ from notesvc.search.text import MAX_QUERY_CHARS
 from notesvc.service import Service
 from notesvc.web import WEB_ASSETS, web_asset_headers
 
-# == Routes and app ===========================================================
-
-
 # -- route table --------------------------------------------------------------------
 
 

@@ -14,8 +14,6 @@ from typing import Any, Callable
 
 from notesvc.errors import bad_request
 
-# == Notes ====================================================================
-
 NOTES = "notes"
 MAX_PATH_CHARS = 512
 MAX_SEGMENT_BYTES = 255

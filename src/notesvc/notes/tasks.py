@@ -27,7 +27,7 @@ from notesvc.helpers import (
 )
 from notesvc.notes.paths import note_title
 
-# == task lines ===============================================================
+# -- task lines ----------------------------------------------------------------------------
 #
 # docs/api.md (CalDAV): a task line is a list item (`-`, `*`, `+`, `1.`, `1)`, any
 # indentation) whose text starts with `[ ]` or `[x]`, outside fenced code and front matter.
@@ -172,7 +172,7 @@ def alarm_utc(wall: dt.datetime | None, zone_name: str) -> dt.datetime | None:
     return None if ts is None else utc_of_timestamp(ts)
 
 
-# == iCalendar (RFC 5545) =====================================================
+# -- iCalendar (RFC 5545) ------------------------------------------------------------------
 
 
 # RFC 5545 3.1 allows no control character in a value but HTAB (and XML 1.0 none but tab and
@@ -373,7 +373,7 @@ def ical_when(value: str, params: dict, zone: dt.tzinfo | None = None) -> Any:
     return utc_of_timestamp(ts)
 
 
-# == identities ===============================================================
+# -- identities ----------------------------------------------------------------------------
 #
 # A task's UID and the state around it (when it was first seen ticked, its last change,
 # the href a client gave it) live in <state>/caldav.json, never in the note. On each look

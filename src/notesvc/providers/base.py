@@ -19,7 +19,7 @@ from notesvc.notes.paths import MAX_SCAN_CHARS
 from notesvc.search.text import MAX_QUERY_CHARS, WORD_RE, Query, fold, stem, tokenize
 from notesvc.service import Service, current_request_id
 
-# == Providers ================================================================
+# -- Providers -----------------------------------------------------------------------------
 #
 # Agents answer questions from the notes; channels carry messages in and replies
 # out. Both are registries of small records filled by decorators, so a plugin adds

@@ -34,8 +34,6 @@ from notesvc.search.vectors import (
 )
 from notesvc.service import Service
 
-# == Embeddings ================================================================
-
 BATCH = 64  # chunks a request
 MAX_ANSWER_BYTES = 16 << 20
 MAX_DIMENSIONS = 4096

@@ -10,7 +10,7 @@ import unicodedata
 
 from notesvc.errors import bad_request
 
-# == Search ===================================================================
+# -- Search --------------------------------------------------------------------------------
 #
 # An inverted index of the notes that lives on disk and is read in place: memory grows
 # with what is being used, not with the size of the archive. Chapters: text analysis,

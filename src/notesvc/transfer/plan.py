@@ -43,7 +43,7 @@ from notesvc.notes.paths import (
 )
 from notesvc.notes.store import disk_path
 
-# == Import and export ==========================================================
+# -- Import and export ---------------------------------------------------------------------
 #
 # Bring every note you have, take them all with you (docs/api.md: Import). An import reads a
 # source (a folder, a zip, a tar, an .enex stream), refuses a hostile one before anything
