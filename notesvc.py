@@ -217,6 +217,7 @@ KEY_HEADER = "X-Service-Key"
 # == src/notesvc/settings.py ==================================================
 # The option table, the loader and the frozen Config.
 
+
 class ConfigError(Exception):
     """A bad option or value; the CLI prints it as one line and exits 2."""
 
@@ -995,6 +996,7 @@ def render_error(err: bottle.HTTPError) -> bytes:
 
 # == src/notesvc/helpers.py ===================================================
 # Clock, ids, atomic writes, host validation, JSON bodies, logging.
+
 
 def utcnow() -> dt.datetime:
     return dt.datetime.now(dt.timezone.utc)
@@ -11475,6 +11477,7 @@ def related_notes(svc: Service, path: str, folder: str, limit: int) -> list:
 
 # == src/notesvc/auth.py ======================================================
 # state.json, keys, JWT and the lockout.
+
 
 def relay_server_id(token: str) -> str:
     """Return the server id a relay token certifies (docs/design.md: relay).
@@ -36750,6 +36753,7 @@ def __getattr__(name: str):
 
 # == src/notesvc/cli.py =======================================================
 # The command line: parser, cmd_* functions, main().
+
 
 class _Parser(argparse.ArgumentParser):
     def error(self, message: str):  # one clear line, exit 2

@@ -385,8 +385,9 @@ def build() -> tuple:
         out += [("\n", ("(build)", 0)), ("\n", ("(build)", 0))]
         out.append((seam.ljust(79, "=") + "\n", (rel(m.path), 1)))
         out.append((f"# {m.summary()}\n", (rel(m.path), 1)))
-        if kept and kept[0][0].strip():
-            out.append(("\n", ("(build)", 0)))
+        if kept and kept[0][0].strip():  # as ruff format has it: two before a def or class
+            first = kept[0][0].startswith(("def ", "class ", "async def ", "@"))
+            out += [("\n", ("(build)", 0))] * (2 if first else 1)
         for line, origin in kept:
             web = web_constant(line) if m.name == "web" else None
             if web is None:
