@@ -10603,6 +10603,29 @@ class TestHouse:
                 "each thing it holds, named for it), not by moving pieces to where there is room"
             )
 
+    def test_each_job_has_a_module_of_its_own(self):
+        """Code placed by job, not by budget: the index's helper process, MCP, who else gets
+        in, the calendar feed and hybrid search each have their module, and the package's
+        helper process is started by that module's name."""
+        rooms = {
+            "search/helper.py": ("index_helper", "IndexHelper", "EarlyHelper", "read_items"),
+            "search/hybrid.py": ("find_notes", "related_notes", "MODES"),
+            "http/mcp.py": ("mcp_endpoint", "authenticate_mcp", "RpcError"),
+            "http/access.py": ("create_scoped_key", "claim_device", "create_share", "oauth_token"),
+            "http/feed.py": ("create_feed", "get_feed", "feed_events"),
+        }
+        src = HERE / "src" / "notesvc"
+        owner = {}
+        for path in src.rglob("*.py"):
+            for node in ast.parse(path.read_text()).body:
+                for name in [getattr(node, "name", None)] + [
+                    t.id for t in getattr(node, "targets", []) if isinstance(t, ast.Name)
+                ]:
+                    owner[name] = path.relative_to(src).as_posix()
+        for room, names in rooms.items():
+            assert {owner.get(n) for n in names} == {room}, room
+        assert "from notesvc.search.helper import index_helper" in notesvc._HELPER_PACKAGE_CODE
+
     def test_one_syntax_is_compiled_into_one_pattern(self):
         """⏰ lines are a task's alarm and a reminder alike: one regex (ALARM_RE, where
         REMINDER_RE was a copy); no two names of the package hold the same pattern."""
