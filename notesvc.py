@@ -10,31 +10,68 @@ Embed:    notesvc.create_app(load_config(...)) is a WSGI application.
 This file is written by .ci/build.py from the modules in src/notesvc/ (one `# ==
 src/notesvc/<module>.py` line starts each) and the pages in web/; docs/contributing.md says
 what lives where, and `python .ci/build.py --where LINE` maps a line here to its source.
+The build ends this docstring with the outline: the modules, each with its summary.
 
-Outline (``grep -n '^# ==' notesvc.py``), in the order the data flows:
-  Settings        the option table, the loader, the frozen Config
-  Errors          ApiError, the envelope, the one renderer of every failure
-  Helpers         clock, ids, atomic writes, host validation, JSON bodies
-  Notes           path rules, attachments' rules, three-way merges and names from titles;
-                  history, trash and the change journal (what every change leaves
-                  behind); the store and its locks
-  Search          text analysis, BM25, the query language, snippets, segments, persistence,
-                  the inverted index
-  State and auth  state.json, keys, JWT, lockout; grants (scoped keys, devices, OAuth)
-  Service         the object every handler gets as `svc`: state, notes, index, registries
-  Providers       retrieval, TOOLS, AGENT_PROVIDERS and CHANNEL_PROVIDERS (registries of
-                  small functions), the channel pipeline, captures, polling, reminders
-  Plugins         the Plugin record, loading, links, the built-ins (backlinks, tags, daily)
-                  and the built-in tools
-  Import and export  Keep, Evernote, Notion, Obsidian, Joplin and folders in; a zip out
-  Security audit  AUDIT_CHECKS and the score
-  Web client      the one self-contained page, served by servers and relays alike
-  Relay           `notesvc relay` on asyncio (RelayHub, RelayServer) and the server's
-                  RelayClient
-  HTTP            the Route record, then handlers per endpoint group
-  WebDAV          /dav/: the notes folder in other apps
-  Routes and app  the route table, OpenAPI, NotesApp (middleware) and create_app
-  CLI             parser, cmd_* functions, main()
+Outline (``grep -n '^# ==' notesvc.py`` lists the seams), the modules in the order the
+data flows, each with the first line of its docstring:
+  settings.py             The option table, the loader and the frozen Config.
+  errors.py               ApiError, the envelope, and the one renderer of every failure.
+  helpers.py              Clock, ids, atomic writes, host validation, JSON bodies, logging.
+  notes/paths.py          Path rules for notes, folders and attachments.
+  notes/merge.py          Three-way merges and names from titles.
+  notes/history.py        History: the content every change replaced (loose versions, packs, heads).
+  notes/trash.py          The trash and the change journal: what a deletion keeps, and the feed of
+                          every change.
+  notes/store.py          NoteStore and AttachmentStore: notes on disk, their locks, the records
+                          read lately.
+  notes/tasks.py          Task lines: the `- [ ]` lines of the notes as iCalendar VTODOs, and their
+                          identities.
+  search/text.py          Text analysis (Porter2), BM25, the query language and snippets.
+  search/segments.py      Index segments: postings in memory and on disk.
+  search/persistence.py   The index on disk: segment files, the manifest, crash safety.
+  search/helper.py        The index's helper process: its entry point, its protocol, starting and
+                          stopping it.
+  search/index.py         SearchIndex: building, updating and querying the inverted index.
+  search/vectors.py       Search by meaning: notes cut into chunks, the vectors of the chunks, the
+                          semantic pass.
+  search/hybrid.py        Hybrid search: by meaning and by words, fused; a note's related notes.
+  auth.py                 state.json, keys, JWT and the lockout.
+  grants.py               Grants: who a request acts for (scoped keys, devices, OAuth) and how far
+                          it may go.
+  service.py              Service: the object every handler gets as `svc`.
+  providers/base.py       Provider records, outbound HTTP, retrieval and the TOOLS registry.
+  providers/agent.py      Agent providers: answering with a model.
+  providers/capture.py    Captures: /save, photos, voice and files into the day's note.
+  providers/channels.py   Channel providers, the channels' state and the channel pipeline.
+  providers/polling.py    Channels that fetch their own updates.
+  providers/reminders.py  Reminders: ⏰ lines sent through the channels.
+  providers/embed.py      Embeddings: the endpoint's two wire formats and the background embedder.
+  plugins.py              The Plugin record, loading, links and the built-in plugins.
+  tools.py                The built-in tools MCP clients and the agent may call.
+  transfer/plan.py        Imports: the plan, its bounds, and writing it through the stores.
+  transfer/formats.py     The importers: folders (Obsidian, Notion), Keep, Evernote, Joplin.
+  transfer/export.py      Export: a zip of everything a key sees.
+  audit.py                The security audit: AUDIT_CHECKS and the score.
+  web.py                  The web client: one self-contained page, served by servers and relays
+                          alike.
+  relay.py                The relay (`notesvc relay`, on asyncio) and the server's RelayClient.
+  http/route.py           The Route record; conditional GET and byte ranges (attachments and WebDAV
+                          share them).
+  http/api.py             Handlers of the notes API: system, auth, notes, attachments, folders,
+                          history, search.
+  http/access.py          Handlers for who else gets in: scoped keys, devices, share links, OAuth,
+                          relay pairing.
+  http/mcp.py             MCP over JSON-RPC 2.0: /mcp's tools for assistants, in both protocol eras.
+  http/integrations.py    Handlers for channels, reminders, plugins, the security audit, import,
+                          export, the page.
+  http/dav.py             WebDAV under /dav/: the notes folder in other apps.
+  http/caldav.py          CalDAV under /dav/: the notes' task lines as task lists (RFC 4791, RFC
+                          6578).
+  http/feed.py            The calendar feed: /ics/<secret>.ics, the tasks as a read-only iCalendar
+                          file.
+  http/routes.py          The route table and OpenAPI.
+  http/app.py             NotesApp (the middleware) and create_app.
+  cli.py                  The command line: parser, cmd_* functions, main().
 """
 
 from __future__ import annotations
@@ -56,7 +93,7 @@ _MAIN_CODE = (
 )
 
 
-def _interpreter_options() -> list:
+def interpreter_options() -> list:
     """Return the command-line options this interpreter runs with (-I, -E, -s, -S, -P,
     -B, -O, -u, -W and -X), for the interpreter that takes over from the script."""
     import sys
@@ -92,7 +129,7 @@ def _hand_over() -> None:
     if os.name == "posix" and sys.executable:
         sys.stdout.flush()
         here = os.path.abspath(__file__)
-        options = _interpreter_options()
+        options = interpreter_options()
         os.environ.setdefault("MALLOC_ARENA_MAX", MALLOC_ARENAS)
         argv = [sys.executable, *options, "-c", _MAIN_CODE, here, *sys.argv[1:]]
         os.execv(sys.executable, argv)  # noqa: S606 - this interpreter, this file
@@ -105,7 +142,6 @@ import argparse
 import array
 import asyncio
 import base64
-import binascii
 import bisect
 import collections
 import contextlib
@@ -179,7 +215,7 @@ KEY_HEADER = "X-Service-Key"
 
 
 # == src/notesvc/settings.py ==================================================
-# == Settings =================================================================
+# The option table, the loader and the frozen Config.
 
 
 class ConfigError(Exception):
@@ -805,7 +841,7 @@ def load_config(env: Mapping[str, str] | None = None, **flags: Any) -> Config:
 
 
 # == src/notesvc/errors.py ====================================================
-# == Errors and envelope ======================================================
+# ApiError, the envelope, and the one renderer of every failure.
 
 ERROR_CODES = (  # every error.code the API answers with
     "VALIDATION_ERROR",
@@ -959,7 +995,7 @@ def render_error(err: bottle.HTTPError) -> bytes:
 
 
 # == src/notesvc/helpers.py ===================================================
-# == Helpers ==================================================================
+# Clock, ids, atomic writes, host validation, JSON bodies, logging.
 
 
 def utcnow() -> dt.datetime:
@@ -1043,8 +1079,8 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-_UMASK = os.umask(0)
-os.umask(_UMASK)
+UMASK = os.umask(0)
+os.umask(UMASK)
 
 
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)})
@@ -1083,10 +1119,10 @@ def atomic_write(
     before_replace(): what must be durable before the new content is in place.
     """
     with disk_writes():
-        _atomic_write(path, data, mode, before_replace)
+        replace_atomically(path, data, mode, before_replace)
 
 
-def _atomic_write(
+def replace_atomically(
     path: Path, data: bytes | Callable, mode: int | None, before_replace: Callable | None
 ) -> None:
     folder = path.parent
@@ -1104,7 +1140,7 @@ def _atomic_write(
             try:
                 mode = os.stat(path).st_mode & 0o777
             except FileNotFoundError:
-                mode = 0o666 & ~_UMASK
+                mode = 0o666 & ~UMASK
         os.chmod(tmp, mode)
         if before_replace is not None:
             before_replace()
@@ -1264,13 +1300,13 @@ def names_this_machine(config: Config, host: str) -> bool:
     return name in names
 
 
-def _minutes(seconds: int) -> str:
+def minutes_text(seconds: int) -> str:
     if seconds % 60:
         return f"{seconds} seconds"
     return "1 minute" if seconds == 60 else f"{seconds // 60} minutes"
 
 
-def _redact_url(url: str) -> str:
+def redact_url(url: str) -> str:
     """Return url for display: userinfo dropped, query values (which may be keys) hidden."""
     parts = urllib.parse.urlsplit(url)
     netloc = parts.netloc.rpartition("@")[2]
@@ -1340,7 +1376,7 @@ def scrub(text: str, secrets: Any, limit: int = 0) -> str:
     return text.encode("utf-8")[:limit].decode("utf-8", "ignore") if limit else text
 
 
-def _self_command() -> str:
+def self_command() -> str:
     """Return how the owner runs this program: the `notesvc` entry point, `python3 -m
     notesvc` (the package) or the file."""
     argv0 = sys.argv[0] if sys.argv else ""
@@ -1764,7 +1800,7 @@ def read_json(max_bytes: int, required: bool = True) -> dict:
             raise bad_request("a JSON object body is required")
         return {}
     try:
-        body = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+        body = json.loads(raw.decode("utf-8"), parse_constant=no_constant)
     except UnicodeDecodeError:
         raise bad_request("the body is not valid UTF-8") from None
     except (ValueError, RecursionError) as e:
@@ -1774,7 +1810,7 @@ def read_json(max_bytes: int, required: bool = True) -> dict:
     return body
 
 
-def _no_constant(name: str) -> None:
+def no_constant(name: str) -> None:
     raise ValueError(f"{name} is not allowed in JSON")
 
 
@@ -1810,6 +1846,18 @@ def field(body: dict, name: str, kind: type = str, required: bool = True, max_le
 
 
 _TYPE_NAMES = {str: "string", int: "whole number", bool: "boolean", dict: "object", list: "list"}
+
+
+def if_match_allows(if_match: str | None, current: str | None) -> bool:
+    """Return whether a write may go on under an If-Match header (the one reading of it):
+    absent (None), `*` while something is there, or a list of ETags, quoted or not, that
+    names current, the ETag of what is there (None: nothing is)."""
+    if if_match is None:
+        return True
+    tags = [t.strip() for t in if_match.split(",") if t.strip()]
+    if current is not None and "*" in tags:
+        return True
+    return current is not None and current in {t if t[0] == '"' else f'"{t}"' for t in tags}
 
 
 def request_header(name: str, default: Any = None) -> Any:
@@ -1849,6 +1897,17 @@ def query_int(name: str, default: int, lo: int, hi: int) -> int:
     if not re.fullmatch(r"-?\d{1,10}", raw) or not lo <= int(raw) <= hi:
         raise bad_request(f"'{name}' must be a whole number from {lo} to {hi}")
     return int(raw)
+
+
+def yes_or_no(raw: Any, name: str) -> bool:
+    """Return a flag of a query or a form (true/false, yes/no, 1/0; empty: false); 400
+    otherwise."""
+    value = str(raw or "").strip().lower()
+    if value in ("", "0", "false", "no"):
+        return False
+    if value in ("1", "true", "yes"):
+        return True
+    raise bad_request(f"'{name}' must be true or false")
 
 
 _MALLOC_TRIM: list = []  # glibc's malloc_trim, looked up once ([None] where there is none)
@@ -2067,62 +2126,23 @@ class MultipartReader:
             self._until(b"\r\n" + self.delimiter, sink, limit, over)
 
 
-def _readable(f, timeout: float) -> bool:
-    """Return whether f has something to read within timeout seconds (poll: a descriptor
-    past 1024, as a busy server has, is out of select()'s range)."""
-    if hasattr(select, "poll"):
-        watch = select.poll()
-        watch.register(f, select.POLLIN)
-        return bool(watch.poll(timeout * 1000))
-    return bool(select.select([f], [], [], timeout)[0])
-
-
-def _stop_helper(helper) -> None:
-    with contextlib.suppress(OSError):
-        helper.stdin.close()
-    try:
-        helper.wait(30)
-    except Exception:
-        helper.kill()
-        helper.wait()
-    with contextlib.suppress(OSError):
-        helper.stdout.close()
-
-
-class _EarlyHelper:
-    """A helper process a sync may start before its bulk read (start(), once), then hand
-    to it (take())."""
-
-    def __init__(self, start: Callable):
-        self._start, self._helper, self._started = start, None, False
-
-    def start(self) -> None:
-        if not self._started:
-            self._started = True
-            self._helper = self._start()
-
-    def take(self) -> Any:
-        helper, self._helper = self._helper, None
-        return helper
-
-
 # == src/notesvc/notes/paths.py ===============================================
-# == Notes ====================================================================
+# Path rules for notes, folders and attachments.
 
 NOTES = "notes"
 MAX_PATH_CHARS = 512
 MAX_SEGMENT_BYTES = 255
-_FORBIDDEN = set('\\:*?"<>|')
+FORBIDDEN_CHARS = set('\\:*?"<>|')
 # Invisible characters that make a path read as another one (docs/api.md: Notes).
-_BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
-_ZERO_WIDTH = frozenset("\u200b\u200c\u200d\u2060\ufeff")
+BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+ZERO_WIDTH = frozenset("\u200b\u200c\u200d\u2060\ufeff")
 _CONTROL_RE = re.compile("[\x00-\x1f\x7f-\x9f]")
 # Scans of a note's text for links, tags and passages read at most this much of it (in
 # characters), so one huge note cannot make every such scan slow; the scans are linear.
 MAX_SCAN_CHARS = 256 * 1024
 
 
-def _check_segments(path: str, what: str, top: str = NOTES) -> list:
+def check_segments(path: str, what: str, top: str = NOTES) -> list:
     """Return the segments of a relative path under `top`, or raise 400 naming the broken rule."""
     if not isinstance(path, str) or not path:
         raise bad_request(f"the {what} path is empty")
@@ -2134,11 +2154,11 @@ def _check_segments(path: str, what: str, top: str = NOTES) -> list:
         raise bad_request(f"the {what} path is not valid Unicode") from None
     if _CONTROL_RE.search(path):
         raise bad_request(f"the {what} path holds a control character")
-    if not _BIDI_CONTROLS.isdisjoint(path):
+    if not BIDI_CONTROLS.isdisjoint(path):
         raise bad_request(
             f"the {what} path holds a bidi control character (U+202A-202E, U+2066-2069)"
         )
-    if not _ZERO_WIDTH.isdisjoint(path):
+    if not ZERO_WIDTH.isdisjoint(path):
         raise bad_request(
             f"the {what} path holds a zero-width character (U+200B-200D, U+2060, U+FEFF)"
         )
@@ -2158,7 +2178,7 @@ def _check_segments(path: str, what: str, top: str = NOTES) -> list:
             raise bad_request(f"the {what} path may not contain hidden segments (starting '.')")
         if len(seg.encode("utf-8")) > MAX_SEGMENT_BYTES:
             raise bad_request(f"a segment of the {what} path is over {MAX_SEGMENT_BYTES} bytes")
-        bad = sorted(set(seg) & _FORBIDDEN)
+        bad = sorted(set(seg) & FORBIDDEN_CHARS)
         if bad:
             raise bad_request(f"the {what} path holds a forbidden character: {' '.join(bad)}")
     return segments
@@ -2181,7 +2201,7 @@ def _note_path(raw: str) -> str:
     paths of 60 characters), a refused one raises again each time (lru_cache keeps no
     exception)."""
     path = unicodedata.normalize("NFC", raw)
-    segments = _check_segments(path, "note")
+    segments = check_segments(path, "note")
     if len(segments) < 2 or not path.endswith(".md") or segments[-1] == ".md":
         raise bad_request(f"the note path must look like {NOTES}/<name>.md")
     return path
@@ -2192,7 +2212,7 @@ def folder_path(raw: Any) -> str:
     if not isinstance(raw, str):
         raise bad_request("the folder path must be a string")
     path = unicodedata.normalize("NFC", raw).rstrip("/")
-    _check_segments(path, "folder")
+    check_segments(path, "folder")
     return path
 
 
@@ -2258,7 +2278,7 @@ NOTE_PATH_PARAM = {
 FOLDER_PATH_PARAM = {**FOLDER_PATH_SCHEMA, "pattern": f"^{NOTES}(?:/{_segment(0, True)})*/?$"}
 
 
-def _missing_folders(folder: Path, top: Path) -> list:
+def missing_folders(folder: Path, top: Path) -> list:
     """Return folder and its parents below top that do not exist yet, deepest first."""
     missing = []
     while folder != top and top in folder.parents and not folder.exists():
@@ -2267,7 +2287,7 @@ def _missing_folders(folder: Path, top: Path) -> list:
     return missing
 
 
-def _remove_empty_folders(folder: Path, top: Path) -> None:
+def remove_empty_folders(folder: Path, top: Path) -> None:
     """Remove folder and its parents while they are empty, up to (not including) top."""
     folder = Path(os.path.abspath(folder))
     while folder != top and top in folder.parents:
@@ -2278,7 +2298,7 @@ def _remove_empty_folders(folder: Path, top: Path) -> None:
         folder = folder.parent
 
 
-def _nfc(name: str) -> str:
+def nfc(name: str) -> str:
     return name if name.isascii() else unicodedata.normalize("NFC", name)
 
 
@@ -2296,14 +2316,14 @@ def walk_entries(real: str, rel: str, keep: Callable[[str], bool]) -> Iterable:
         for e in entries:
             if e.name.startswith(".") or e.is_symlink():
                 continue
-            name = _nfc(e.name)
+            name = nfc(e.name)
             if e.is_dir():
                 stack.append((e.path, f"{rel}/{name}"))
             elif keep(name):
                 yield f"{rel}/{name}", e
 
 
-def _is_note_name(name: str) -> bool:
+def is_note_name(name: str) -> bool:
     return name.endswith(".md") and len(name) > 3
 
 
@@ -2388,7 +2408,7 @@ def _file_path(raw: Any, what: str, top: str) -> tuple:
     if not isinstance(raw, str):
         raise bad_request(f"the {what} path must be a string")
     path = unicodedata.normalize("NFC", raw)
-    segments = _check_segments(path, what, top)
+    segments = check_segments(path, what, top)
     base, dot, ext = segments[-1].rpartition(".")
     if len(segments) < 2 or not dot or not base:
         raise bad_request(f"the {what} path must look like {top}/<name>.<extension>")
@@ -2430,7 +2450,7 @@ def attachment_folder(raw: Any) -> str:
     if not isinstance(raw, str):
         raise bad_request("the folder path must be a string")
     path = unicodedata.normalize("NFC", raw).rstrip("/")
-    _check_segments(path, "attachment folder", ATTACHMENTS)
+    check_segments(path, "attachment folder", ATTACHMENTS)
     return path
 
 
@@ -2497,7 +2517,7 @@ def note_title(text: str, path: str) -> str:
 _FENCE_RE = re.compile(r"^(```|~~~)[^\n]*\n.*?^\1[^\n]*$", re.M | re.S)
 _CODE_SPAN_RE = re.compile(r"`[^`\n]*`")
 _TAG_RE = re.compile(r"(?<![\w#&/\[])#((?:\d*[^\W\d_])[\w/-]*)")
-_FRONT_MATTER_RE = re.compile(r"\A---[ \t]*\n(.*?)\n---[ \t]*(?:\n|\Z)", re.S)
+FRONT_MATTER_RE = re.compile(r"\A---[ \t]*\n(.*?)\n---[ \t]*(?:\n|\Z)", re.S)
 
 
 def note_tags(text: str) -> set:
@@ -2509,7 +2529,7 @@ def note_tags(text: str) -> set:
     """
     tags = set()
     text = text[:MAX_SCAN_CHARS]
-    fm = _FRONT_MATTER_RE.match(text)
+    fm = FRONT_MATTER_RE.match(text)
     if fm:
         text = text[fm.end() :]
         lines = fm.group(1).splitlines()
@@ -2549,7 +2569,7 @@ def note_preview(text: str) -> str:
     '2 eggs, see the shop'
     """
     text = text[: PREVIEW_CHARS * 8]
-    fm = _FRONT_MATTER_RE.match(text)
+    fm = FRONT_MATTER_RE.match(text)
     if fm:
         text = text[fm.end() :]
     lines = text.split("\n")
@@ -2561,6 +2581,8 @@ def note_preview(text: str) -> str:
 
 
 # == src/notesvc/notes/merge.py ===============================================
+# Three-way merges and names from titles.
+
 # -- three-way merges and names from titles (docs/api.md: phone) ------------------------------
 
 
@@ -2859,7 +2881,7 @@ def title_filename(text: str) -> str:
     >>> title_filename("\\n  Buy milk: 2 l / 3 eggs?  \\n"), title_filename("## ...\\n")
     ('Buy milk 2 l 3 eggs', 'untitled')
     """
-    fm = _FRONT_MATTER_RE.match(text)
+    fm = FRONT_MATTER_RE.match(text)
     body = text[fm.end() :] if fm else text
     heading = _ANY_HEADING_RE.search(body[: PREVIEW_CHARS * 64])
     first = next((line for line in body.splitlines() if line.strip()), "")
@@ -2871,11 +2893,13 @@ def title_filename(text: str) -> str:
     return name.rstrip(". ") or "untitled"
 
 
-def _sort_key(name: str) -> tuple:
+def sort_key(name: str) -> tuple:
     return (name.casefold(), name)
 
 
 # == src/notesvc/notes/history.py =============================================
+# History: the content every change replaced (loose versions, packs, heads).
+
 # -- history, trash and the change journal ------------------------------------------------
 #
 # What NoteStore keeps of every change: the content it replaced (HistoryStore, here), the
@@ -3987,6 +4011,8 @@ class HistoryStore:
 
 
 # == src/notesvc/notes/trash.py ===============================================
+# The trash and the change journal: what a deletion keeps, and the feed of every change.
+
 # -- the trash and the change journal --------------------------------------------------------
 #
 # The note itself when deleted (Trash), and a numbered entry in the change feed for every
@@ -4003,7 +4029,7 @@ def move_to_trash(src: Path, trash: Path, path: str, guard: Any = None) -> dict:
     full disk) leaves the trash as it was."""
     stamp = utcnow().strftime(TRASH_STAMP)
     dst = trash / stamp / path
-    made = _missing_folders(dst.parent, trash.parent)
+    made = missing_folders(dst.parent, trash.parent)
     try:
         with guard or contextlib.nullcontext(), disk_writes():
             for folder in reversed(made):  # private, as all of the state folder
@@ -4093,7 +4119,7 @@ class Trash:
                 for e in children:
                     if e.name.startswith(".") or e.is_symlink():
                         continue
-                    name = f"{rel}/{_nfc(e.name)}"
+                    name = f"{rel}/{nfc(e.name)}"
                     if e.is_dir():
                         stack.append((e.path, name))
                     else:
@@ -4141,7 +4167,7 @@ class Trash:
 
     def emptied(self, item: TrashItem) -> None:
         """After an item left: remove the folders it leaves empty."""
-        _remove_empty_folders(item.file.parent, self.folder)
+        remove_empty_folders(item.file.parent, self.folder)
 
     def usage(self) -> dict:
         items = [item for entry in self._stamps() for item in self._items_in(entry)]
@@ -4465,6 +4491,8 @@ def expire_loop(notes: NoteStore, trash: Trash, stop: threading.Event, every: fl
 
 
 # == src/notesvc/notes/store.py ===============================================
+# NoteStore and AttachmentStore: notes on disk, their locks, the records read lately.
+
 # -- the store: notes on disk, their locks and the records read lately ---------------
 
 
@@ -4662,7 +4690,48 @@ class ConflictCopies:
             self._store({c: (new if o == old else o) for c, o in copies.items() if c != old})
 
 
-class NoteStore:
+class FileTree:
+    """What NoteStore and AttachmentStore share: files in a folder tree under root (below
+    base) whose missing folders a write makes, and whose emptied folders go again."""
+
+    root: Path
+    base: Path
+
+    def make_root(self) -> None:
+        """Create root when a first write needs it (notes/ is there from the start)."""
+
+    def file_of(self, path: str) -> Path:
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def _new_parents(self, target: Path, path: str | None = None):
+        """Create the missing folders of target (the file of path) for the block; remove
+        them again when the block fails (a full disk changes nothing)."""
+        missing = missing_folders(target.parent, self.root)
+        try:
+            with disk_writes():
+                try:
+                    self.make_root()
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                except (FileExistsError, NotADirectoryError):
+                    raise ApiError(
+                        409, "CONFLICT", "a file stands where a folder of this path should be"
+                    ) from None
+            # re-check containment now that the folders exist
+            self.file_of(path if path is not None else str(target.relative_to(self.base)))
+            yield
+        except BaseException:
+            for folder in missing:  # deepest first
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+            raise
+
+    def _prune(self, folder: Path) -> None:
+        """Remove folder and its parents while they are empty (never root itself)."""
+        remove_empty_folders(folder, self.root)
+
+
+class NoteStore(FileTree):
     """Markdown files under <root>/notes: the source of truth, looked at on disk every time.
 
     A read of a note that has not changed on disk (the same inode, size, mtime and ctime,
@@ -4877,7 +4946,7 @@ class NoteStore:
 
         Paths are NFC whatever the names on disk.
         """
-        return walk_entries(str(self.on_disk(folder)), folder, _is_note_name)
+        return walk_entries(str(self.on_disk(folder)), folder, is_note_name)
 
     def walk(self, folder: str = NOTES) -> list:
         """Return every note path under a folder path, sorted."""
@@ -4972,18 +5041,18 @@ class NoteStore:
             elif e.name.endswith(".md") and len(e.name) > 3:
                 notes.append(e)
         children = [
-            self._node(e.path, f"{rel}/{_nfc(e.name)}", below, count)
-            for e in sorted(folders, key=lambda e: _sort_key(_nfc(e.name)))
+            self._node(e.path, f"{rel}/{nfc(e.name)}", below, count)
+            for e in sorted(folders, key=lambda e: sort_key(nfc(e.name)))
         ]
-        for e in sorted(notes, key=lambda e: _sort_key(_nfc(e.name))):
+        for e in sorted(notes, key=lambda e: sort_key(nfc(e.name))):
             try:
                 st = e.stat()
             except OSError:
                 continue
             children.append(
                 {
-                    "name": _nfc(e.name),
-                    "path": f"{rel}/{_nfc(e.name)}",
+                    "name": nfc(e.name),
+                    "path": f"{rel}/{nfc(e.name)}",
                     "type": "note",
                     "size": st.st_size,
                     "modified": iso(st.st_mtime_ns / 1e9),
@@ -5003,18 +5072,7 @@ class NoteStore:
     @staticmethod
     def check_match(if_match: str | None, data: bytes | None) -> None:
         """Raise 412 unless If-Match (absent, `*`, or a list of ETags) matches data."""
-        if if_match is None:
-            return
-        tags = [t.strip() for t in if_match.split(",") if t.strip()]
-        if data is not None and "*" in tags:
-            return
-        current = make_etag(data) if data is not None else None
-        wanted = {t if t.startswith('"') else f'"{t}"' for t in tags}
-        if current is None or current not in wanted:
-            raise PreconditionFailed(
-                "the note changed since you read it (If-Match does not match its ETag); "
-                "read it again and retry"
-            )
+        check_etag(if_match, make_etag(data) if data is not None else None, "note")
 
     def create(self, path: str, content: str, conflict_of: str | None = None) -> dict:
         """Create a note (409 when one is there); `conflict_of`: it is a conflict copy of
@@ -5031,28 +5089,6 @@ class NoteStore:
             self._notify("saved", path, (content, st))
             self._record("created", path, data, conflict_of=conflict_of)
             return self.record(path, data, st)
-
-    @contextlib.contextmanager
-    def _new_parents(self, target: Path):
-        """Create the missing folders of target for the block; remove them again when the
-        block fails (a full disk changes nothing)."""
-        parent = target.parent
-        missing = _missing_folders(parent, self.root)
-        try:
-            with disk_writes():
-                try:
-                    parent.mkdir(parents=True, exist_ok=True)
-                except (FileExistsError, NotADirectoryError):
-                    raise ApiError(
-                        409, "CONFLICT", "a file stands where a folder of this path should be"
-                    ) from None
-            self.file_of(str(target.relative_to(self.base)))  # re-check containment
-            yield
-        except BaseException:
-            for folder in missing:  # deepest first
-                with contextlib.suppress(OSError):
-                    folder.rmdir()
-            raise
 
     def update(
         self, path: str, content: str, if_match: str | None = None, reason: str = "updated"
@@ -5479,7 +5515,7 @@ class NoteStore:
             self.copies.mark(target, None)
             fsync_dir(dst.parent)
             fsync_dir(item.file.parent)
-            _remove_empty_folders(item.file.parent, self.trash)  # as Trash.emptied()
+            remove_empty_folders(item.file.parent, self.trash)  # as Trash.emptied()
             if target != item.path:  # the versions it had when deleted (a second's slack)
                 live = os.path.isfile(self.on_disk(item.path))
                 until = int((item.deleted + 1) * 1_000_000)
@@ -5513,10 +5549,6 @@ class NoteStore:
         history.collect()
         return removed
 
-    def _prune(self, folder: Path) -> None:
-        """Remove folder and its parents while they are empty (never notes/ itself)."""
-        _remove_empty_folders(folder, self.root)
-
     def sweep_temp_files(self) -> int:
         """Remove the temp files a crash left in the notes and in the state folder (its
         trash and every subfolder); return how many."""
@@ -5533,19 +5565,13 @@ def attachment_etag(st: os.stat_result) -> str:
     return '"' + hashlib.sha256(seed).hexdigest()[:32] + '"'
 
 
-def _check_etag(if_match: str | None, current: str | None, what: str) -> None:
-    """Raise 412 unless If-Match (absent, `*`, or a list of ETags) matches current."""
-    if if_match is None:
-        return
-    tags = [t.strip() for t in if_match.split(",") if t.strip()]
-    if current is not None and "*" in tags:
-        return
-    wanted = {t if t.startswith('"') else f'"{t}"' for t in tags}
-    if current is None or current not in wanted:
-        raise ApiError(
-            412,
-            "PRECONDITION_FAILED",
-            f"the {what} changed since you read it (If-Match does not match its ETag)",
+def check_etag(if_match: str | None, current: str | None, what: str) -> None:
+    """Raise 412 unless If-Match (absent, `*`, or a list of ETags) matches current, the ETag
+    of the {what} there (None: nothing is)."""
+    if not if_match_allows(if_match, current):
+        raise PreconditionFailed(
+            f"the {what} changed since you read it (If-Match does not match its ETag); "
+            "read it again and retry"
         )
 
 
@@ -5553,7 +5579,7 @@ def _is_attachment_name(name: str) -> bool:
     return name.rpartition(".")[2].lower() in ATTACHMENT_TYPES and "." in name[1:]
 
 
-class AttachmentStore:
+class AttachmentStore(FileTree):
     """Files under <root>/attachments: uploads, and photos, voice and files from channels.
 
     Paths follow the note rules (prefix attachments/) with an allowlist of extensions.
@@ -5663,7 +5689,7 @@ class AttachmentStore:
             raise ApiError(
                 412, "PRECONDITION_FAILED", f"an attachment exists at {path} (If-None-Match: *)"
             )
-        _check_etag(if_match, attachment_etag(os.stat(target)) if exists else None, "attachment")
+        check_etag(if_match, attachment_etag(os.stat(target)) if exists else None, "attachment")
         return exists
 
     def spool(self, write: Callable) -> Path:
@@ -5704,7 +5730,7 @@ class AttachmentStore:
                     path, target = self._free(path, target)
                 exists = self.check(path, if_match, if_none_match)
                 with self._new_parents(target, path):
-                    os.chmod(tmp, 0o666 & ~_UMASK)
+                    os.chmod(tmp, 0o666 & ~UMASK)
                     self._rename(tmp, target)
                 fsync_dir(target.parent)
                 if target.parent != self.root:
@@ -5732,28 +5758,7 @@ class AttachmentStore:
                         while chunk := source.read(BODY_CHUNK):
                             f.write(chunk)
 
-                _atomic_write(dst, copy, None)
-
-    @contextlib.contextmanager
-    def _new_parents(self, target: Path, path: str):
-        """Create target's missing folders for the block; remove them if the block fails."""
-        missing = _missing_folders(target.parent, self.root)
-        try:
-            with disk_writes():
-                try:
-                    self.make_root()
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                except (FileExistsError, NotADirectoryError):
-                    raise ApiError(
-                        409, "CONFLICT", "a file stands where a folder of this path should be"
-                    ) from None
-            self.file_of(path)  # re-check containment now that the folders exist
-            yield
-        except BaseException:
-            for folder in missing:  # deepest first
-                with contextlib.suppress(OSError):
-                    folder.rmdir()
-            raise
+                replace_atomically(dst, copy, None)
 
     def _free(self, path: str, target: Path) -> tuple:
         """Return (path, file) of the first name not taken: path, name-2.ext, name-3.ext..."""
@@ -5771,7 +5776,7 @@ class AttachmentStore:
         with self._lock:
             src = self.file_of(path)
             rec = self.get(path)
-            _check_etag(if_match, rec["etag"], "attachment")
+            check_etag(if_match, rec["etag"], "attachment")
             if new == path:
                 return {**rec, "from": path}
             dst = self.file_of(new)
@@ -5788,7 +5793,7 @@ class AttachmentStore:
         """Move an attachment into the trash: <state>/trash/<UTC stamp>/attachments/..."""
         with self._lock:
             src = self.file_of(path)
-            _check_etag(if_match, self.get(path)["etag"], "attachment")
+            check_etag(if_match, self.get(path)["etag"], "attachment")
             trashed = move_to_trash(src, self.trash, path)
             self._prune(src.parent)
         return {"path": path, "deleted": True, **trashed}
@@ -5821,16 +5826,6 @@ class AttachmentStore:
             fsync_dir(dst.parent)
             return self.record(path, os.stat(dst))
 
-    def _prune(self, folder: Path) -> None:
-        """Remove folder and its parents while they are empty (never attachments/ itself)."""
-        folder = Path(os.path.abspath(folder))
-        while folder != self.root and self.root in folder.parents:
-            try:
-                folder.rmdir()
-            except OSError:
-                return
-            folder = folder.parent
-
     def sweep_temp_files(self) -> int:
         """Remove the temp files an interrupted upload left; return how many."""
         return sweep_temp_files(self.root, skip_hidden=True) if self.root.is_dir() else 0
@@ -5838,37 +5833,13 @@ class AttachmentStore:
 
 # Opening a note to read it: never through a symbolic link, never waiting on a FIFO (a
 # named pipe called x.md is seen as a file and then skipped).
-_NOFOLLOW_NONBLOCK = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-
-
-def _read_items(notes: NoteStore, paths: list) -> list:
-    """Return (path, text, size, mtime_ns) of the notes still there (paths from a scan)."""
-    items, base = [], str(notes.base)
-    flags = os.O_RDONLY | _NOFOLLOW_NONBLOCK
-    for path in paths:
-        try:  # the common case without pathlib: the name on disk is the path
-            fd = os.open(os.path.join(base, path), flags)
-        except FileNotFoundError:
-            if path.isascii():
-                continue
-            try:  # an NFD name on disk
-                data, st = notes.read_raw(path)
-            except ApiError:
-                continue
-        except OSError:
-            continue
-        else:
-            with open(fd, "rb") as f:
-                st = os.fstat(f.fileno())
-                if not stat.S_ISREG(st.st_mode):
-                    continue
-                data = f.read()
-        items.append((path, data.decode("utf-8", "replace"), st.st_size, st.st_mtime_ns))
-    return items
+NOFOLLOW_NONBLOCK = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
 
 
 # == src/notesvc/notes/tasks.py ===============================================
-# == task lines ===============================================================
+# Task lines: the `- [ ]` lines of the notes as iCalendar VTODOs, and their identities.
+
+# -- task lines ----------------------------------------------------------------------------
 #
 # docs/api.md (CalDAV): a task line is a list item (`-`, `*`, `+`, `1.`, `1)`, any
 # indentation) whose text starts with `[ ]` or `[x]`, outside fenced code and front matter.
@@ -5879,7 +5850,8 @@ def _read_items(notes: NoteStore, paths: list) -> list:
 TASK_LINE_RE = re.compile(r"^([ \t]*)([-*+]|\d{1,9}[.)])([ \t]+)\[([ xX])\](?=[ \t]|$)(.*)$")
 _TASK_FENCE_RE = re.compile(r"^[ \t]*(`{3,}|~{3,})")
 DUE_DATE_RE = re.compile(r"(?:📅\ufe0f?[ \t]*|(?<!\S)due:[ \t]*)(\d{4})-(\d{2})-(\d{2})(?!\d)")
-# the reminder syntax of providers/reminders.py (REMINDER_RE), read here too
+# ⏰ YYYY-MM-DD HH:MM: a task's alarm here, a reminder sent through the channels in
+# providers/reminders.py (one syntax, one pattern)
 ALARM_RE = re.compile(
     r"⏰\ufe0f?[ \t]*(\d{4})-(\d{2})-(\d{2})[ \tT]+([01]?\d|2[0-3]):([0-5]\d)(?!\d)"
 )
@@ -6012,7 +5984,7 @@ def alarm_utc(wall: dt.datetime | None, zone_name: str) -> dt.datetime | None:
     return None if ts is None else utc_of_timestamp(ts)
 
 
-# == iCalendar (RFC 5545) =====================================================
+# -- iCalendar (RFC 5545) ------------------------------------------------------------------
 
 
 # RFC 5545 3.1 allows no control character in a value but HTAB (and XML 1.0 none but tab and
@@ -6213,7 +6185,7 @@ def ical_when(value: str, params: dict, zone: dt.tzinfo | None = None) -> Any:
     return utc_of_timestamp(ts)
 
 
-# == identities ===============================================================
+# -- identities ----------------------------------------------------------------------------
 #
 # A task's UID and the state around it (when it was first seen ticked, its last change,
 # the href a client gave it) live in <state>/caldav.json, never in the note. On each look
@@ -6750,13 +6722,14 @@ class TaskBook:
 
 
 def task_book(svc: Any) -> TaskBook:
-    book = getattr(svc, "_task_book", None)
+    """Return the Service's TaskBook (`svc.task_book`), made on first use."""
+    book = svc.task_book
     if book is None:
         with _BOOK_START:
-            book = getattr(svc, "_task_book", None)
+            book = svc.task_book
             if book is None:
                 book = TaskBook(svc.notes, svc.config.state_dir, svc.config.timezone)
-                svc._task_book = book
+                svc.task_book = book
     return book
 
 
@@ -6780,7 +6753,9 @@ def task_line_of(done: bool, summary: str, due: Any, categories: list, indent: s
 
 
 # == src/notesvc/search/text.py ===============================================
-# == Search ===================================================================
+# Text analysis (Porter2), BM25, the query language and snippets.
+
+# -- Search --------------------------------------------------------------------------------
 #
 # An inverted index of the notes that lives on disk and is read in place: memory grows
 # with what is being used, not with the size of the archive. Chapters: text analysis,
@@ -6797,7 +6772,7 @@ SNIPPET_CHARS = 240
 # -- text analysis ------------------------------------------------------------
 
 # Words: letters and digits; `_` separates (snake_case is two words, as for FTS5's unicode61)
-_WORD_RE = re.compile(r"[^\W_]+")
+WORD_RE = re.compile(r"[^\W_]+")
 _ASCII_WORD_RE = re.compile(r"[^\W_]+", re.ASCII)  # the same tokens on ASCII text, faster
 _MARKS_RE = re.compile("[\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe2f]")
 
@@ -7108,7 +7083,7 @@ def tokenize(text: str) -> list:
     >>> tokenize("Running shoes & the spare KEYS, café")
     ['run', 'shoe', 'the', 'spare', 'key', 'cafe']
     """
-    return [stem(w) for w in _WORD_RE.findall(fold(text))]
+    return [stem(w) for w in WORD_RE.findall(fold(text))]
 
 
 # -- BM25 ---------------------------------------------------------------------
@@ -7178,7 +7153,7 @@ class Query:
             alt = self._alternative(raw, quoted=not word)
             if alt is None:
                 continue
-            words = _WORD_RE.findall(raw) if alt[0] == "word" else ()
+            words = WORD_RE.findall(raw) if alt[0] == "word" else ()
             if len(words) == 1 and tokenize(words[0]) == [alt[1]]:  # the word is its term
                 self.typed.setdefault(alt[1], words[0].lower())
             if negative:
@@ -7201,7 +7176,7 @@ class Query:
     def _alternative(raw: str, quoted: bool):
         if not quoted and raw.endswith("*"):
             prefix = fold(raw.rstrip("*"))
-            if len(prefix) < 2 or not _WORD_RE.fullmatch(prefix):
+            if len(prefix) < 2 or not WORD_RE.fullmatch(prefix):
                 raise bad_request("a prefix* needs at least 2 letters or digits before the *")
             return ("prefix", prefix)
         stems = tokenize(raw)
@@ -7260,7 +7235,7 @@ def _token_offset(text: str, k: int) -> int | None:
         if m is None:
             return None
         pos, k = m.end(), k - n
-    m = _WORD_RE.search(text, pos)
+    m = WORD_RE.search(text, pos)
     return m.start() if m else None
 
 
@@ -7318,7 +7293,7 @@ def _typed_offset(text: str, word: str) -> int | None:
     return None
 
 
-def _snippet(text: str, toks: str, needles: dict) -> str:
+def body_snippet(text: str, toks: str, needles: dict) -> str:
     """Return up to SNIPPET_CHARS of the body around the first match of the best needle:
     where the word stands as it was typed (one find in C), else its first token of any
     form (the tokens counted)."""
@@ -7349,6 +7324,8 @@ def _snippet(text: str, toks: str, needles: dict) -> str:
 
 
 # == src/notesvc/search/segments.py ===========================================
+# Index segments: postings in memory and on disk.
+
 # -- segments ---------------------------------------------------------------------
 #
 # The index is a list of segments, each a small inverted index of some notes: immutable
@@ -7384,40 +7361,39 @@ COMMIT_SECONDS = 30.0  # other changes reach the disk within this
 BULK_CHUNK_NOTES = 2000  # notes analysed per segment file when many are (re)read...
 BULK_CHUNK_CHARS = 8_000_000  # ...or this much text
 MERGE_FACTOR = 3  # segments of one size class merged at once
-MERGE_HELPER_NOTES = 2000  # a merge of this many notes or more: in the helper process
 MAX_DELETED = 0.3  # a segment with this share of deleted notes is rewritten
 STEM_CACHE = 20_000  # words whose stems one bulk remembers (the common ones come first)
-_OVERFLOW = "\xff"  # the term char of stems past the last code point (not indexed)
+OVERFLOW_CHAR = "\xff"  # the term char of stems past the last code point (not indexed)
 # Phrases of common words: a segment file keeps, for each adjacent pair of terms among its
 # first PAIR_TERMS (numbered commonest first by a merge) of which one is among the first
 # PAIR_COMMON, the notes holding that pair in a field: "the file" is a list read, not a
 # substring search in 40 % of the notes. Their term chars are U+0100-02FF, and U+0100-017F:
 # in UTF-8 a lead byte C4-CB, and C4-C5, then a continuation byte.
 PAIR_COMMON, PAIR_TERMS = 128, 512
-_PAIR_RE = re.compile(
+PAIR_RE = re.compile(
     rb"(?=((?:[\xc4\xc5][\x80-\xbf])(?:[\xc4-\xcb][\x80-\xbf])"
     rb"|(?:[\xc6-\xcb][\x80-\xbf])(?:[\xc4\xc5][\x80-\xbf])))"
 )
 _APPEND = array.array.append
-_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
-_NOT_MINUS_ONE = (-1).__ne__
-_EPS = 1e-6  # float32 impacts against float64 scores
+FIRST_ITEM, SECOND_ITEM = operator.itemgetter(0), operator.itemgetter(1)
+NOT_MINUS_ONE = (-1).__ne__
+SCORE_EPS = 1e-6  # float32 impacts against float64 scores
 
 
-def _term_char_of(n: int) -> str:
+def term_char_of(n: int) -> str:
     """Return the term char of term number n (U+0100 upward, surrogates skipped)."""
     cp = 0x100 + n
     if cp >= 0xD800:
         cp += 0x800
-    return chr(cp) if cp <= 0x10FFFF else _OVERFLOW
+    return chr(cp) if cp <= 0x10FFFF else OVERFLOW_CHAR
 
 
-def _term_number(ch: str) -> int:
+def term_number(ch: str) -> int:
     cp = ord(ch)
     return cp - (0x900 if cp >= 0xE000 else 0x100)
 
 
-def _exact_tf(imp: float, dl: int, avg_then: float, avg_now: float) -> float:
+def exact_tf(imp: float, dl: int, avg_then: float, avg_now: float) -> float:
     """Return bm25_tf with today's average from an impact computed with avg_then."""
     room = K1 + 1.0 - imp
     if room <= 1e-5:  # saturated: a term this frequent scores the same with any average
@@ -7426,7 +7402,7 @@ def _exact_tf(imp: float, dl: int, avg_then: float, avg_now: float) -> float:
     return bm25_tf(tf, dl, avg_now)
 
 
-def _has(ids, d: int) -> int:
+def sorted_position(ids, d: int) -> int:
     """Return the position of d in the sorted sequence ids, or -1."""
     i = bisect.bisect_left(ids, d)
     return i if i < len(ids) and ids[i] == d else -1
@@ -7435,7 +7411,7 @@ def _has(ids, d: int) -> int:
 _ASCII_SPACES = bytes(c if chr(c).isalnum() and c < 128 else 32 for c in range(256))
 
 
-class _Vocab:
+class Vocab:
     """The term numbers of one segment being built, and the folded words that map to them
     (the prefix* vocabulary). encode() turns text into a string of term chars."""
 
@@ -7446,8 +7422,8 @@ class _Vocab:
         self.stems: list = []  # by term number
         self._cache = stem_cache
 
-    def copy(self) -> _Vocab:
-        new = _Vocab()
+    def copy(self) -> Vocab:
+        new = Vocab()
         new.ascii, new.surfaces = dict(self.ascii), dict(self.surfaces)
         new.chars, new.stems = dict(self.chars), [*self.stems]
         return new
@@ -7464,8 +7440,8 @@ class _Vocab:
                 cache[word] = term
         ch = self.chars.get(term)
         if ch is None:
-            ch = _term_char_of(len(self.stems))
-            if ch == _OVERFLOW:
+            ch = term_char_of(len(self.stems))
+            if ch == OVERFLOW_CHAR:
                 return ch
             self.chars[term] = ch
             self.stems.append(term)
@@ -7477,7 +7453,7 @@ class _Vocab:
         if text.isascii():  # the same tokens as _ASCII_WORD_RE, split at C speed
             words, chars = text.encode().translate(_ASCII_SPACES).split(), self.ascii
         else:
-            words, chars = _WORD_RE.findall(text), self.surfaces
+            words, chars = WORD_RE.findall(text), self.surfaces
         try:
             return "".join(map(chars.__getitem__, words))
         except KeyError:  # new words: give them term chars, then encode again
@@ -7494,13 +7470,13 @@ class _Vocab:
         """Return [(folded word as UTF-8, term char)] sorted (overflowing stems left out)."""
         found = dict(self.ascii)
         found.update((w.encode(), ch) for w, ch in self.surfaces.items())
-        return sorted(item for item in found.items() if item[1] != _OVERFLOW)
+        return sorted(item for item in found.items() if item[1] != OVERFLOW_CHAR)
 
     def words(self) -> list:
         """Return [(folded word, term char)] sorted by word (overflowing stems left out)."""
         found = {w.decode(): ch for w, ch in self.ascii.items()}
         found.update(self.surfaces)
-        return sorted(item for item in found.items() if item[1] != _OVERFLOW)
+        return sorted(item for item in found.items() if item[1] != OVERFLOW_CHAR)
 
 
 def _count_terms(counter: dict, keys: Iterable) -> None:
@@ -7508,7 +7484,7 @@ def _count_terms(counter: dict, keys: Iterable) -> None:
         counter[key] = counter.get(key, 0) + 1
 
 
-class _DeletedCounts:
+class DeletedCounts:
     """A segment file's per-term counts of its deleted notes (live document frequencies
     are its own less these): 4 bytes a term, in an array made at the first deletion. A
     dict of them cost about 100 bytes a term, 112 MB when every note of a 100k-note
@@ -7561,8 +7537,8 @@ class _DeletedCounts:
         out[1::2] = array.array("I", filter(None, counts))
         return out
 
-    def copy(self) -> _DeletedCounts:
-        new = _DeletedCounts(self.size)
+    def copy(self) -> DeletedCounts:
+        new = DeletedCounts(self.size)
         new.counts = None if self.counts is None else array.array("I", self.counts)
         return new
 
@@ -7573,8 +7549,8 @@ class MemorySegment:
 
     name = "memory"
 
-    def __init__(self, vocab: _Vocab | None = None):
-        self.vocab = vocab or _Vocab()
+    def __init__(self, vocab: Vocab | None = None):
+        self.vocab = vocab or Vocab()
         self.docs: list = []  # Doc by id
         self.avgs: list = []  # the (body, title) averages each note's impacts were computed with
         self.ids: dict = {}  # path -> id of its live entry
@@ -7605,7 +7581,7 @@ class MemorySegment:
             span = self.avg_range[f]
             span[0], span[1] = min(span[0], a), max(span[1], a)
             counts = collections.Counter(toks)
-            counts.pop(_OVERFLOW, None)
+            counts.pop(OVERFLOW_CHAR, None)
             if not counts:
                 continue
             table = self.post[f]
@@ -7618,8 +7594,8 @@ class MemorySegment:
                 for i, entry in enumerate(entries):
                     if entry is None:
                         entries[i] = table[cps[i]] = (array.array("I"), array.array("f"))
-            deque(map(_APPEND, map(_FIRST, entries), itertools.repeat(d)), 0)
-            deque(map(_APPEND, map(_SECOND, entries), map(by_tf.__getitem__, tfs)), 0)
+            deque(map(_APPEND, map(FIRST_ITEM, entries), itertools.repeat(d)), 0)
+            deque(map(_APPEND, map(SECOND_ITEM, entries), map(by_tf.__getitem__, tfs)), 0)
         return d
 
     def delete(self, d: int) -> None:
@@ -7631,7 +7607,7 @@ class MemorySegment:
             del self.ids[doc.path]
         for f, toks in enumerate((doc.toks, doc.title_toks)):
             self.del_lens[f] += len(toks)
-            _count_terms(self.del_df[f], set(toks).difference(_OVERFLOW))
+            _count_terms(self.del_df[f], set(toks).difference(OVERFLOW_CHAR))
 
     # -- what searching asks of every segment -------------------------------------------
 
@@ -7693,7 +7669,7 @@ class MemorySegment:
         i = bisect.bisect_left(words, (prefix,))
         out = []
         while i < len(words) and words[i][0].startswith(prefix) and len(out) < cap:
-            out.append((words[i][0], vocab.stems[_term_number(words[i][1])]))
+            out.append((words[i][0], vocab.stems[term_number(words[i][1])]))
             i += 1
         return out
 
@@ -7713,7 +7689,7 @@ class MemorySegment:
         return len(self.vocab.stems)
 
     def key_number(self, key) -> int:
-        return _term_number(key)
+        return term_number(key)
 
     def tok_text(self, d: int, f: int) -> str:
         return self.docs[d][4 + f]
@@ -7748,7 +7724,7 @@ def phrase_docs(seg, ks: list, within: set | None) -> set:
         cands = lists[0]
         if within is not None:  # (the notes of the clauses before)
             if len(cands) > 4 * len(within):
-                cands = [d for d in within if _has(cands, d) >= 0]
+                cands = [d for d in within if sorted_position(cands, d) >= 0]
             else:
                 cands = within.intersection(cands)
         elif len(lists) > 1 and len(lists[1]) <= 16 * len(cands):  # holding both terms
@@ -7773,7 +7749,7 @@ def word_docs(seg, ks: list, within: set | None) -> set:
             if within is None:
                 found.update(ids)
             elif len(ids) > 4 * len(within):
-                found.update(d for d in within if _has(ids, d) >= 0)
+                found.update(d for d in within if sorted_position(ids, d) >= 0)
             else:
                 found.update(within.intersection(ids))
     return found
@@ -7798,7 +7774,7 @@ def query_needles(seg, si: int, clauses: list, keys: dict, typed: dict) -> dict:
     return needles
 
 
-class _TextCache:
+class TextCache:
     """The texts of the notes snippets were cut from lately, each kept with the signature
     (size, mtime) the index holds for it, so it is given again only for that version;
     at most MAX_CHARS characters, notes up to MAX_NOTE_CHARS, least recent out first.
@@ -7841,6 +7817,8 @@ class _TextCache:
 
 
 # == src/notesvc/search/persistence.py ========================================
+# The index on disk: segment files, the manifest, crash safety.
+
 # -- persistence --------------------------------------------------------------
 #
 # A segment file: an 8-byte magic, 8-aligned sections (arrays in native byte order,
@@ -7929,7 +7907,7 @@ class DiskSegment:
             for kind in ("dict", "surf")
         }
         self.deleted: set = set()
-        self.del_df: tuple = (_DeletedCounts(self.nt), _DeletedCounts(self.nt))
+        self.del_df: tuple = (DeletedCounts(self.nt), DeletedCounts(self.nt))
         self.del_lens = [0, 0]
 
     def _pair_lists(self, meta: dict, bounds: dict, view: memoryview) -> tuple | None:
@@ -7960,7 +7938,7 @@ class DiskSegment:
         out = []
         for a, b in zip(keys, keys[1:]):
             if max(a, b) < PAIR_TERMS and min(a, b) < PAIR_COMMON:
-                i = _has(listed, _pair_key(a, b, f))
+                i = sorted_position(listed, _pair_key(a, b, f))
                 found = ids[off[i] : off[i + 1]] if i >= 0 else ids[0:0]
                 if len(found) and found[-1] >= self.n:  # ascending: a damaged list
                     return None  # (the substring search instead)
@@ -7987,7 +7965,7 @@ class DiskSegment:
         for f in (0, 1):
             toks = self.tok_text(d, f)
             self.del_lens[f] += len(toks)
-            self.del_df[f].add(map(_term_number, set(toks).difference(_OVERFLOW)))
+            self.del_df[f].add(map(term_number, set(toks).difference(OVERFLOW_CHAR)))
 
     # -- sorted string tables: the dictionary, the surfaces, the paths -----------------------
 
@@ -8034,7 +8012,7 @@ class DiskSegment:
         return self._ids[start : start + n], self._imps[start : start + n]
 
     def char(self, key: int) -> str:
-        return _term_char_of(key)
+        return term_char_of(key)
 
     def _tok_span(self, d: int, f: int) -> tuple:
         base, off = self.text["tokens"], self._tok_off
@@ -8103,7 +8081,7 @@ class DiskSegment:
         starts = map(base.__add__, map(first.__getitem__, cands))
         ends = map(base.__add__, map(last.__getitem__, cands))
         found = map(mm.find, itertools.repeat("".join(chars).encode()), starts, ends)
-        return list(itertools.compress(cands, map(_NOT_MINUS_ONE, found)))
+        return list(itertools.compress(cands, map(NOT_MINUS_ONE, found)))
 
     @functools.cached_property
     def _tok_spans(self) -> tuple:
@@ -8234,7 +8212,7 @@ class _FileWriter:
         self.f.write(raw + _TRAILER.pack(len(raw), zlib.crc32(raw), self.magic))
 
 
-class _Cancelled(Exception):
+class MergeCancelled(Exception):
     """A merge stopped because the index is closing."""
 
 
@@ -8254,7 +8232,7 @@ def _path_order(src, remap) -> Iterable:
 def _merged_terms(sources: list) -> Iterable:
     """Yield (stem, [(source number, key)]) over the sources' dictionaries, in stem order."""
     streams = [_tagged(src.sorted_terms(), i) for i, src in enumerate(sources)]
-    for stem_, parts in itertools.groupby(heapq.merge(*streams), key=_FIRST):
+    for stem_, parts in itertools.groupby(heapq.merge(*streams), key=FIRST_ITEM):
         yield stem_, [(i, k) for _, i, k in parts]
 
 
@@ -8326,7 +8304,7 @@ def _write_postings(out, spill, sources, skips, remaps, norms, parts: list, f: i
         ids, imps = p
         if skips[i]:
             mapped = list(map(remaps[i].__getitem__, ids))
-            keep = list(map(_NOT_MINUS_ONE, mapped))
+            keep = list(map(NOT_MINUS_ONE, mapped))
             ids_out.extend(itertools.compress(mapped, keep))
             imps_out.extend(itertools.compress(imps, keep))
             continue
@@ -8414,7 +8392,7 @@ class _PairPostings:
         if len(raw) < 4:
             return
         found = self.found[fld]
-        pairs = set(_PAIR_RE.findall(raw))
+        pairs = set(PAIR_RE.findall(raw))
         for pair in pairs:
             ids = found.get(pair)
             if ids is None:
@@ -8432,7 +8410,7 @@ class _PairPostings:
                 a = ((pair[0] & 0x1F) << 6 | (pair[1] & 0x3F)) - 0x100  # _term_number
                 b = ((pair[2] & 0x1F) << 6 | (pair[3] & 0x3F)) - 0x100
                 lists.append((_pair_key(a, b, fld), ids))
-        lists.sort(key=_FIRST)
+        lists.sort(key=FIRST_ITEM)
         return lists
 
     def _spill(self) -> None:
@@ -8470,7 +8448,7 @@ class _PairPostings:
         (where each list starts, and the end) and "pair_ids" (the lists)."""
         if not self.runs:
             lists = self._sorted()
-            out.section("pair_keys", array.array("I", map(_FIRST, lists)))
+            out.section("pair_keys", array.array("I", map(FIRST_ITEM, lists)))
             sizes = (len(ids) for _, ids in lists)
             out.section("pair_off", array.array("I", itertools.accumulate(sizes, initial=0)))
             out.section("pair_ids", *(ids for _, ids in lists))
@@ -8480,7 +8458,7 @@ class _PairPostings:
         keys, off = array.array("I"), array.array("I", [0])
         runs = [self._run(*span) for span in self.runs]
         out.begin("pair_ids")  # a key's lists, run after run: its ids ascending
-        for key, lists in itertools.groupby(heapq.merge(*runs, key=_FIRST), key=_FIRST):
+        for key, lists in itertools.groupby(heapq.merge(*runs, key=FIRST_ITEM), key=FIRST_ITEM):
             n = 0
             for _, ids in lists:
                 out.write(ids)
@@ -8497,7 +8475,7 @@ class _PairPostings:
             self.spill = None
 
 
-def write_batch(f, docs: list, vocab: _Vocab, avg: tuple) -> None:
+def write_batch(f, docs: list, vocab: Vocab, avg: tuple) -> None:
     """Write analysed notes (Doc, in this order) as one segment file to f: the bulk build's
     fast path, with no Python work per posting beyond C-level maps and one sort per field.
 
@@ -8512,7 +8490,7 @@ def write_batch(f, docs: list, vocab: _Vocab, avg: tuple) -> None:
         for d, doc in enumerate(docs):
             toks = doc[4 + fld]
             counts = collections.Counter(toks)
-            counts.pop(_OVERFLOW, None)
+            counts.pop(OVERFLOW_CHAR, None)
             if counts:
                 tfs = list(counts.values())
                 by_tf = {tf: bm25_tf(tf, len(toks), avg[fld]) for tf in set(tfs)}
@@ -8554,7 +8532,7 @@ def write_batch(f, docs: list, vocab: _Vocab, avg: tuple) -> None:
         [stems[t] for t in by_stem],
         by_stem,
         [w for w, _ in words],
-        [_term_number(ch) for _, ch in words],
+        [term_number(ch) for _, ch in words],
     )
     toks = [t.encode() for doc in docs for t in (doc.toks, doc.title_toks)]
     out.section("tokens", *toks)
@@ -8620,7 +8598,7 @@ def write_segment(
         pairs.close()
     del pairs
     _write_paths_and_titles(out, sources, remaps)
-    by_path = array.array("I", map(_SECOND, heapq.merge(*map(_path_order, sources, remaps))))
+    by_path = array.array("I", map(SECOND_ITEM, heapq.merge(*map(_path_order, sources, remaps))))
     dls, avgs = columns["dl"], columns["avg"]
     for name, arr in (("by_path", by_path), *columns.items()):
         out.section(name, arr.tobytes())
@@ -8684,7 +8662,7 @@ class _TermPlan:
             rank[g] = r
         trans = [array.array("I", bytes(4 * (src.term_count() + 0x900))) for src in sources]
         for table in trans:
-            table[ord(_OVERFLOW)] = ord(_OVERFLOW)
+            table[ord(OVERFLOW_CHAR)] = ord(OVERFLOW_CHAR)
         return cls(False, len(kept), rank, trans)
 
 
@@ -8701,7 +8679,7 @@ def _write_postings_of_terms(out, plan, sources, skips, dels, remaps, norms, can
         start = 0
         for g, (stem_, parts) in enumerate(_merged_terms(sources)):
             if cancel is not None and not g % 1024 and cancel.is_set():
-                raise _Cancelled
+                raise MergeCancelled
             if plan.single:
                 if not any(_live_df(sources, dels, parts)):
                     continue
@@ -8710,7 +8688,7 @@ def _write_postings_of_terms(out, plan, sources, skips, dels, remaps, norms, can
                 tid = plan.rank[g]
                 if tid < 0:
                     continue
-                cp = ord(_term_char_of(tid))
+                cp = ord(term_char_of(tid))
                 for i, k in parts:
                     plan.trans[i][ord(sources[i].char(k))] = cp
             tid_rank[tid] = len(stems)
@@ -8745,7 +8723,7 @@ def _write_dictionary(out, plan, sources, terms, stems, tids) -> int:
             alive = tid < plan.nt and (terms[4 * tid + 1] or terms[4 * tid + 3])
         else:
             cp = plan.trans[i][ord(sources[i].char(k))]
-            alive, tid = cp != 0, _term_number(chr(cp)) if cp else 0
+            alive, tid = cp != 0, term_number(chr(cp)) if cp else 0
         if alive:
             last = w
             words.append(w)
@@ -8763,7 +8741,7 @@ def _write_tokens(out, plan, sources, remaps, avg, cancel, pairs: _PairPostings)
     out.begin("tokens")
     for src, remap, table in zip(sources, remaps, plan.trans):
         if cancel is not None and cancel.is_set():
-            raise _Cancelled
+            raise MergeCancelled
         raw_tokens = table is None and isinstance(src, DiskSegment)
         for d in range(src.n):
             if remap[d] < 0:
@@ -8875,19 +8853,275 @@ def write_commit(path: Path, entries: list, seq: int) -> None:
     atomic_write(path, write, mode=0o600)
 
 
-# == src/notesvc/search/index.py ==============================================
-# -- the index ----------------------------------------------------------------
+# == src/notesvc/search/helper.py =============================================
+# The index's helper process: its entry point, its protocol, starting and stopping it.
+
+# -- the helper process ------------------------------------------------------------------
+#
+# A bulk build (the first start, a restored backup) and the merges of big segment files run
+# in a second process of this interpreter and this file: they take a second core, and keep
+# their work off the server's GIL and out of its heap. The index talks to it through an
+# IndexHelper, one JSON line each way on its stdin and stdout:
+#   {"paths": [...]}  ->  {"file": a temp segment file of those notes, or null} | {"error"}
+#   {"merge": {"files", "skips", "dels", "avg"}}  ->  {"file", "remaps"} | {"error"}
+# The index renames each file it gets into place; a helper that outlives a crashed server
+# leaves nothing but temp files, which the next start sweeps away.
+
+MERGE_HELPER_NOTES = 2000  # a merge of this many notes or more: in the helper process
 
 
-def _analyse_batch(items: list, stems: dict) -> tuple:
+def read_items(notes: NoteStore, paths: list) -> list:
+    """Return (path, text, size, mtime_ns) of the notes still there (paths from a scan)."""
+    items, base = [], str(notes.base)
+    flags = os.O_RDONLY | NOFOLLOW_NONBLOCK
+    for path in paths:
+        try:  # the common case without pathlib: the name on disk is the path
+            fd = os.open(os.path.join(base, path), flags)
+        except FileNotFoundError:
+            if path.isascii():
+                continue
+            try:  # an NFD name on disk
+                data, st = notes.read_raw(path)
+            except ApiError:
+                continue
+        except OSError:
+            continue
+        else:
+            with open(fd, "rb") as f:
+                st = os.fstat(f.fileno())
+                if not stat.S_ISREG(st.st_mode):
+                    continue
+                data = f.read()
+        items.append((path, data.decode("utf-8", "replace"), st.st_size, st.st_mtime_ns))
+    return items
+
+
+def analyse_batch(items: list, stems: dict) -> tuple:
     """Return (vocabulary, [Doc], average lengths) of (path, text, size, mtime) items."""
-    vocab = _Vocab(stems)
+    vocab = Vocab(stems)
     docs = [vocab.analyse(*item) for item in items]
     avg = tuple(max(sum(len(d[4 + f]) for d in docs) / max(len(docs), 1), 1.0) for f in (0, 1))
     return vocab, docs, avg
 
 
-def _memory_segment(vocab: _Vocab, docs: list, avg: tuple) -> MemorySegment:
+_HELPER_CODE = (  # loads this file as a module (its cached bytecode) and runs index_helper
+    "import importlib.util as u, sys; s = u.spec_from_file_location('notesvc_index_helper', "
+    "sys.argv[1]); m = sys.modules[s.name] = u.module_from_spec(s); s.loader.exec_module(m); "
+    "m.index_helper(*sys.argv[2:])"
+)
+# the same from the package (src/notesvc/): by module name, from the folder that holds it
+_HELPER_PACKAGE_CODE = (
+    "import sys; sys.path.insert(0, sys.argv[1]); "
+    "from notesvc.search.helper import index_helper; index_helper(*sys.argv[2:])"
+)
+
+
+def index_helper(notes_root: str, folder: str) -> None:
+    """Run as the helper process of a bulk build: for each line {"paths": [...]} on stdin,
+    read those notes, write them as a segment to a temp file in folder and answer
+    {"file": its path} (or {"error": ...}) on stdout; stop at the end of stdin.
+
+    The server renames each file into place, so a helper that outlives a crashed server
+    leaves nothing but a temp file, which the next start sweeps away.
+    """
+    notes = NoteStore(Path(notes_root), Path(folder) / "trash")
+    stems: dict = {}
+    for line in sys.stdin:
+        name = None
+        try:
+            request = json.loads(line)
+            if "merge" in request:  # {"merge": {files, skips, dels, avg}}: see SearchIndex.merge
+                name, reply = _merge_for_server(request["merge"], Path(folder))
+                print(json.dumps(reply), flush=True)
+                continue
+            vocab, docs, avg = analyse_batch(read_items(notes, request["paths"]), stems)
+            if docs:
+                fd, name = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX, dir=folder)
+                with os.fdopen(fd, "wb") as f:
+                    write_batch(f, docs, vocab, avg)
+                    f.flush()
+                    os.fsync(f.fileno())
+            reply = {"file": name}
+        except Exception as e:  # the server indexes the batch itself
+            if name:
+                with contextlib.suppress(OSError):
+                    os.unlink(name)
+            reply = {"error": f"{type(e).__name__}: {e}"[:300]}
+        print(json.dumps(reply), flush=True)
+
+
+def _merge_for_server(job: dict, folder: Path) -> tuple:
+    """Merge segment files of folder as SearchIndex.merge asks (in the helper process);
+    return (the temp file written, the reply: its name and each source's note id map)."""
+    sources, dels = [], []
+    for name, pairs in zip(job["files"], job["dels"]):
+        if not re.fullmatch(r"\d{8}\.seg", name):
+            raise ValueError(f"not a segment file: {name!r}")
+        sources.append(DiskSegment(folder / name))
+        counts = (DeletedCounts(sources[-1].nt), DeletedCounts(sources[-1].nt))
+        for c, flat in zip(counts, pairs):
+            c.load(array.array("I", flat))
+        dels.append(counts)
+    skips = [set(skip) for skip in job["skips"]]
+    fd, name = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX, dir=folder)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            remaps = write_segment(f, sources, skips, dels, None, folder, tuple(job["avg"]))
+            f.flush()
+            os.fsync(f.fileno())
+    except BaseException:
+        with contextlib.suppress(OSError):
+            os.unlink(name)
+        raise
+    maps = [base64.b64encode(remap.tobytes()).decode() for remap in remaps]
+    return name, {"file": name, "remaps": maps}
+
+
+def _readable(f, timeout: float) -> bool:
+    """Return whether f has something to read within timeout seconds (poll: a descriptor
+    past 1024, as a busy server has, is out of select()'s range)."""
+    if hasattr(select, "poll"):
+        watch = select.poll()
+        watch.register(f, select.POLLIN)
+        return bool(watch.poll(timeout * 1000))
+    return bool(select.select([f], [], [], timeout)[0])
+
+
+def discard_temp(folder: Path, name: Any) -> None:
+    """Remove a temp file the helper wrote in folder (and nothing else)."""
+    tmp = Path(str(name))
+    if tmp.parent == folder and tmp.name.startswith(TEMP_PREFIX):
+        with contextlib.suppress(OSError):
+            tmp.unlink()
+
+
+class IndexHelper:
+    """A running helper process of one index folder: what the index hands it, what it
+    answers (ValueError, OSError, KeyError or TypeError when it fails; the index then does
+    the work itself)."""
+
+    def __init__(self, proc: Any, folder: Path):
+        self.proc, self.folder = proc, folder
+
+    @classmethod
+    def start(cls, notes_root: Path, folder: Path, merging: bool = False) -> IndexHelper | None:
+        """Start an index_helper process; None where it cannot help (no file; one core,
+        except for merges, which it takes off this process's GIL even there)."""
+        module = globals().get("__file__")
+        one_core = (os.cpu_count() or 1) < 2 and not merging
+        if one_core or not module or not sys.executable:
+            return None
+        import subprocess
+
+        code = _HELPER_CODE  # notesvc.py: this file, by its path
+        if __name__.startswith("notesvc."):  # the package: src/notesvc/search/helper.py
+            code, module = _HELPER_PACKAGE_CODE, str(Path(module).resolve().parents[2])
+        cmd = [sys.executable, "-c", code, module, str(notes_root), str(folder)]
+        try:
+            proc = subprocess.Popen(  # noqa: S603 (this interpreter and this file)
+                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, close_fds=True
+            )
+        except OSError as e:
+            log.warning("index: no helper process (%s); indexing on one core", e)
+            return None
+        what = "merges segment files" if merging else "analyses every other batch"
+        log.info("index: a helper process (pid %d) %s", proc.pid, what)
+        return cls(proc, folder)
+
+    def alive(self) -> bool:
+        return self.proc.poll() is None
+
+    def analyse(self, paths: list) -> str | None:
+        """Have it read and analyse these notes into a temp segment file; return the file's
+        name (None: none of the notes was left to read)."""
+        self.proc.stdin.write(json.dumps({"paths": paths}) + "\n")
+        self.proc.stdin.flush()
+        reply = json.loads(self.proc.stdout.readline() or '{"error": "it stopped"}')
+        if reply.get("error"):
+            raise ValueError(reply["error"])
+        return reply.get("file")
+
+    def merge(self, sources: list, skips: list, dels: list, avg: tuple, stop: Any) -> tuple:
+        """Have it merge segment files of its folder as SearchIndex.merge took them (each
+        source's skipped notes and deleted counts): return (the temp file it wrote, each
+        source's note id map). Waiting for it ends when stop (an Event) is set."""
+        job = {
+            "files": [s.name for s in sources],
+            "skips": [sorted(skip) for skip in skips],
+            "dels": [[c.pairs().tolist() for c in pair] for pair in dels],
+            "avg": list(avg),
+        }
+        self.proc.stdin.write(json.dumps({"merge": job}) + "\n")
+        self.proc.stdin.flush()
+        while not _readable(self.proc.stdout, 0.5):
+            if stop.is_set() or not self.alive():  # closing: not now
+                raise ValueError("stopped")
+        reply = json.loads(self.proc.stdout.readline() or '{"error": "it stopped"}')
+        try:
+            if reply.get("error") or not reply.get("file"):
+                raise ValueError(reply.get("error") or "no file")
+            remaps = []
+            for src, text in zip(sources, reply["remaps"]):
+                remap = array.array("i")
+                remap.frombytes(base64.b64decode(text))
+                if len(remap) != src.n:
+                    raise ValueError("a note id map does not add up")
+                remaps.append(remap)
+            if len(remaps) != len(sources):
+                raise ValueError("a note id map is missing")
+        except (ValueError, KeyError, TypeError):
+            if reply.get("file"):
+                discard_temp(self.folder, reply["file"])
+            raise
+        return reply["file"], remaps
+
+    def stop(self, kill: bool = False) -> None:
+        """End it: its stdin closed, it finishes what it does and exits (kill: at once)."""
+        if kill:
+            self.proc.kill()
+        with contextlib.suppress(OSError):
+            self.proc.stdin.close()
+        try:
+            self.proc.wait(30)
+        except Exception:
+            self.proc.kill()
+            self.proc.wait()
+        with contextlib.suppress(OSError):
+            self.proc.stdout.close()
+
+
+class EarlyHelper:
+    """A helper process a sync may start before its bulk read (start(), once), then hand
+    to it (take()); as a context, the end stops one that no bulk took."""
+
+    def __init__(self, start: Callable):
+        self._start, self._helper, self._started = start, None, False
+
+    def __enter__(self) -> EarlyHelper:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        helper = self.take()
+        if helper is not None:
+            helper.stop()
+
+    def start(self) -> None:
+        if not self._started:
+            self._started = True
+            self._helper = self._start()
+
+    def take(self) -> IndexHelper | None:
+        helper, self._helper = self._helper, None
+        return helper
+
+
+# == src/notesvc/search/index.py ==============================================
+# SearchIndex: building, updating and querying the inverted index.
+
+# -- the index ----------------------------------------------------------------
+
+
+def _memory_segment(vocab: Vocab, docs: list, avg: tuple) -> MemorySegment:
     seg = MemorySegment(vocab)
     for doc in docs:
         seg.add(doc, avg)
@@ -8926,79 +9160,6 @@ class _Progress:
             log.info("indexing: %d of %d notes indexed", self.done, self.total)
 
 
-_HELPER_CODE = (  # loads this file as a module (its cached bytecode) and runs index_helper
-    "import importlib.util as u, sys; s = u.spec_from_file_location('notesvc_index_helper', "
-    "sys.argv[1]); m = sys.modules[s.name] = u.module_from_spec(s); s.loader.exec_module(m); "
-    "m.index_helper(*sys.argv[2:])"
-)
-# the same from the package (src/notesvc/): by module name, from the folder that holds it
-_HELPER_PACKAGE_CODE = (
-    "import sys; sys.path.insert(0, sys.argv[1]); "
-    "from notesvc.search.index import index_helper; index_helper(*sys.argv[2:])"
-)
-
-
-def index_helper(notes_root: str, folder: str) -> None:
-    """Run as the helper process of a bulk build: for each line {"paths": [...]} on stdin,
-    read those notes, write them as a segment to a temp file in folder and answer
-    {"file": its path} (or {"error": ...}) on stdout; stop at the end of stdin.
-
-    The server renames each file into place, so a helper that outlives a crashed server
-    leaves nothing but a temp file, which the next start sweeps away.
-    """
-    notes = NoteStore(Path(notes_root), Path(folder) / "trash")
-    stems: dict = {}
-    for line in sys.stdin:
-        name = None
-        try:
-            request = json.loads(line)
-            if "merge" in request:  # {"merge": {files, skips, dels, avg}}: see SearchIndex.merge
-                name, reply = _merge_for_server(request["merge"], Path(folder))
-                print(json.dumps(reply), flush=True)
-                continue
-            vocab, docs, avg = _analyse_batch(_read_items(notes, request["paths"]), stems)
-            if docs:
-                fd, name = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX, dir=folder)
-                with os.fdopen(fd, "wb") as f:
-                    write_batch(f, docs, vocab, avg)
-                    f.flush()
-                    os.fsync(f.fileno())
-            reply = {"file": name}
-        except Exception as e:  # the server indexes the batch itself
-            if name:
-                with contextlib.suppress(OSError):
-                    os.unlink(name)
-            reply = {"error": f"{type(e).__name__}: {e}"[:300]}
-        print(json.dumps(reply), flush=True)
-
-
-def _merge_for_server(job: dict, folder: Path) -> tuple:
-    """Merge segment files of folder as SearchIndex.merge asks (in the helper process);
-    return (the temp file written, the reply: its name and each source's note id map)."""
-    sources, dels = [], []
-    for name, pairs in zip(job["files"], job["dels"]):
-        if not re.fullmatch(r"\d{8}\.seg", name):
-            raise ValueError(f"not a segment file: {name!r}")
-        sources.append(DiskSegment(folder / name))
-        counts = (_DeletedCounts(sources[-1].nt), _DeletedCounts(sources[-1].nt))
-        for c, flat in zip(counts, pairs):
-            c.load(array.array("I", flat))
-        dels.append(counts)
-    skips = [set(skip) for skip in job["skips"]]
-    fd, name = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX, dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            remaps = write_segment(f, sources, skips, dels, None, folder, tuple(job["avg"]))
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(name)
-        raise
-    maps = [base64.b64encode(remap.tobytes()).decode() for remap in remaps]
-    return name, {"file": name, "remaps": maps}
-
-
 SORT_UP_TO = 512  # fewer items: sorted() in C beats heapq.nlargest's Python loop (3x at 20)
 
 
@@ -9014,7 +9175,7 @@ def _best(scores: dict, m: int) -> tuple:
     out or 0.0). All of them, unsorted, when they are m or fewer."""
     if len(scores) <= m:
         return [(a, d) for d, a in scores.items()], 0.0
-    items = _largest(m + 1, scores.items(), _SECOND)
+    items = _largest(m + 1, scores.items(), SECOND_ITEM)
     return [(a, d) for d, a in items[:m]], items[m][1]
 
 
@@ -9052,7 +9213,7 @@ class _Match:
                 if d in deleted:
                     continue
                 self.title_scores[d] = w * imp
-                if body is None or _has(body[1], d) < 0:
+                if body is None or sorted_position(body[1], d) < 0:
                     total += 1
         self.total = total
 
@@ -9075,7 +9236,7 @@ class _Match:
                     scores[d] = scores.get(d, 0.0) + w * imps[i]
             for d in self.title_scores:
                 if d not in taken:
-                    i = _has(ids, d)
+                    i = sorted_position(ids, d)
                     if i >= 0:
                         scores[d] += w * imps[i]
         top, beyond = _best(scores, m)
@@ -9084,9 +9245,9 @@ class _Match:
     def exact(self, d: int, avg: tuple) -> float:
         seg, score = self.seg, 0.0
         for w, ids, imps, f, *_ in self.comps:
-            i = _has(ids, d)
+            i = sorted_position(ids, d)
             if i >= 0:
-                score += w * _exact_tf(imps[i], seg.dl(d, f), seg.avg_then(d, f), avg[f])
+                score += w * exact_tf(imps[i], seg.dl(d, f), seg.avg_then(d, f), avg[f])
         return score
 
 
@@ -9141,7 +9302,7 @@ class SearchIndex:
         self._merger_lock = threading.RLock()  # one merge at a time (and through it)
         self._pair_rewrites: dict = {}  # file name -> when it was last picked to get pair lists
         self._live = MemorySegment()
-        self._texts = _TextCache()  # the texts snippets were cut from lately
+        self._texts = TextCache()  # the texts snippets were cut from lately
         self.generation = 0  # bumps on every change
         # (generation it holds for, {folder: notes beneath it}): rebuilt after bulk changes,
         # kept up to date by single adds and removals (folder_counts)
@@ -9273,7 +9434,7 @@ class SearchIndex:
                             self.add(*item)
                             count += 1
                 return count
-            batch = _analyse_batch(items, self._stems if self._stems is not None else {})
+            batch = analyse_batch(items, self._stems if self._stems is not None else {})
             new = None
             if self.folder is not None:
                 new = self._write(
@@ -9453,7 +9614,7 @@ class SearchIndex:
         hears what changed before the index takes it (history and the change feed).
         """
         notes = notes or self.notes
-        with self._sync_lock, self._early_helper(notes) as early:
+        with self._sync_lock, EarlyHelper(lambda: self._start_helper(notes)) as early:
             started = time.perf_counter()
             self.verify()
             had_notes = bool(self.stats().get("documents"))
@@ -9485,7 +9646,7 @@ class SearchIndex:
             else:
                 for path in changed:
                     with notes.locked(path):  # no API write can slip in between
-                        for item in _read_items(notes, [path]):
+                        for item in read_items(notes, [path]):
                             self.add(*item)
             took = time.perf_counter() - started
             if observe is not None and late:
@@ -9494,18 +9655,6 @@ class SearchIndex:
             if changed or gone:
                 log.info("index: %d notes read, %d removed in %.2f s", len(changed), gone, took)
             return {"read": len(changed), "removed": gone, "seconds": round(took, 3)}
-
-    @contextlib.contextmanager
-    def _early_helper(self, notes: NoteStore):
-        """Yield an _EarlyHelper for a sync; a helper it started that no bulk took is
-        stopped at the end."""
-        early = _EarlyHelper(lambda: self._start_helper(notes))
-        try:
-            yield early
-        finally:
-            helper = early.take()
-            if helper is not None:
-                _stop_helper(helper)
 
     def _bulk_read(
         self,
@@ -9523,7 +9672,7 @@ class SearchIndex:
         changed: a restored backup, a `touch` of everything), so the helper analyses every
         batch and this process only installs its files: analysing a batch here took 25 MB
         more at its peak, and searches shared the GIL with it (100,000 notes: 34 -> 46 s).
-        `helper`: one started already (_EarlyHelper), used instead of a new one."""
+        `helper`: one started already (EarlyHelper), used instead of a new one."""
         batches: deque = deque([[]])
         chars = 0
         for path in paths:
@@ -9536,7 +9685,7 @@ class SearchIndex:
             self._bulks += 1
         self._stems = {}
         if helper is not None and len(batches) < 2:
-            _stop_helper(helper)
+            helper.stop()
             helper = None
         elif helper is None and len(batches) > 1:
             helper = self._start_helper(notes)
@@ -9559,7 +9708,7 @@ class SearchIndex:
                         except IndexError:  # the helper took the last one
                             break
                         since = self.generation
-                        progress.add(self.bulk_add(_read_items(notes, batch), since, known))
+                        progress.add(self.bulk_add(read_items(notes, batch), since, known))
                     if pumping and pump is not None:
                         pump.join()  # batches it gave back are done on the second pass
         finally:
@@ -9570,44 +9719,26 @@ class SearchIndex:
                 self._bulks -= 1
             self._wake.set()
 
-    def _keep_for_merges(self, helper, usable: bool) -> None:
+    def _keep_for_merges(self, helper: IndexHelper, usable: bool) -> None:
         """Hand a bulk's helper process on to the merges that follow it (the next maintain
         stops it when none is due), or stop it: a process start less (a tenth of a 10k
         first start's CPU)."""
-        if usable and helper.poll() is None and self._merger_lock.acquire(blocking=False):
+        if usable and helper.alive() and self._merger_lock.acquire(blocking=False):
             try:
                 if self._merger is None and not self._stop.is_set():
                     self._merger = helper
                     return
             finally:
                 self._merger_lock.release()
-        _stop_helper(helper)
+        helper.stop()
 
-    def _start_helper(self, notes: NoteStore, merging: bool = False):
-        """Start an index_helper process; None where it cannot help (no file; one core,
-        except for merges, which it takes off this process's GIL even there)."""
-        module = globals().get("__file__")
-        one_core = (os.cpu_count() or 1) < 2 and not merging
-        if self.folder is None or one_core or not module or not sys.executable:
+    def _start_helper(self, notes: NoteStore, merging: bool = False) -> IndexHelper | None:
+        """Start a helper process (search/helper.py); None where it cannot help."""
+        if self.folder is None:
             return None
-        import subprocess
+        return IndexHelper.start(notes.root, self.folder, merging)
 
-        code = _HELPER_CODE  # notesvc.py: this file, by its path
-        if __name__.startswith("notesvc."):  # the package: src/notesvc/search/index.py
-            code, module = _HELPER_PACKAGE_CODE, str(Path(module).resolve().parents[2])
-        cmd = [sys.executable, "-c", code, module, str(notes.root), str(self.folder)]
-        try:
-            helper = subprocess.Popen(  # noqa: S603 (this interpreter and this file)
-                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, close_fds=True
-            )
-            what = "merges segment files" if merging else "analyses every other batch"
-            log.info("index: a helper process (pid %d) %s", helper.pid, what)
-            return helper
-        except OSError as e:
-            log.warning("index: no helper process (%s); indexing on one core", e)
-            return None
-
-    def _pump(self, helper, batches: deque, known: set, progress: _Progress) -> None:
+    def _pump(self, helper: IndexHelper, batches: deque, known: set, progress: _Progress) -> None:
         """Hand batches to the helper process and add the segment files it writes; on any
         trouble give the batch back (the caller indexes it) and stop."""
         while not self._stop.is_set():
@@ -9617,12 +9748,10 @@ class SearchIndex:
                 return
             since = self.generation
             try:
-                helper.stdin.write(json.dumps({"paths": batch}) + "\n")
-                helper.stdin.flush()
-                reply = json.loads(helper.stdout.readline() or '{"error": "it stopped"}')
-                seg = self._install(reply["file"]) if reply.get("file") else None
-                if reply.get("error") or (reply.get("file") and seg is None):
-                    raise ValueError(reply.get("error") or "its file is unusable")
+                name = helper.analyse(batch)
+                seg = self._install(name) if name else None
+                if name and seg is None:
+                    raise ValueError("its file is unusable")
             except (OSError, ValueError, KeyError, TypeError) as e:
                 log.warning("index helper process: %s; indexing on one core", e)
                 batches.appendleft(batch)
@@ -9771,7 +9900,7 @@ class SearchIndex:
     @staticmethod
     def _hi(seg, avg: tuple) -> float:
         """Return the most a segment's stored impacts can rise with today's averages."""
-        return max(1.0, *(avg[f] / max(seg.avg_range[f][0], 1.0) for f in (0, 1))) * (1 + _EPS)
+        return max(1.0, *(avg[f] / max(seg.avg_range[f][0], 1.0) for f in (0, 1))) * (1 + SCORE_EPS)
 
     def _matches(self, segs, n, avg, clauses, excludes, folder) -> list:
         stems = sorted({s for clause in [*clauses, excludes] for _, ss in clause for s in ss})
@@ -9823,7 +9952,7 @@ class SearchIndex:
                 top, bound = mt.top(m)
                 pool += [(a, mt, d) for a, d in top]
                 outside = max(outside, bound * mt.hi)
-            pool.sort(key=_FIRST, reverse=True)
+            pool.sort(key=FIRST_ITEM, reverse=True)
             found, heap = [], []
             for a, mt, d in pool:
                 if len(heap) >= k and a * hi < heap[0]:
@@ -9842,7 +9971,7 @@ class SearchIndex:
                 continue
             if not found:
                 return []
-            found.sort(key=_FIRST, reverse=True)
+            found.sort(key=FIRST_ITEM, reverse=True)
             last = found[min(k, len(found)) - 1][0]  # equal scores are ordered by path
             best = [x for x in found if x[0] >= last]
             ranked = [(score, mt.seg.path(d), mt.seg, d) for score, mt, d in best]
@@ -9933,13 +10062,13 @@ class SearchIndex:
                 return ""
             text = unicodedata.normalize("NFC", text)
             self._texts.put(path, sig, text)
-        return _snippet(text, toks, needles)
+        return body_snippet(text, toks, needles)
 
     def _read(self, path: str, limit: int = -1) -> str | None:
         """Return a note's text from its file (up to limit bytes), None when unreadable."""
         if self.notes is None:
             return None
-        flags = os.O_RDONLY | _NOFOLLOW_NONBLOCK
+        flags = os.O_RDONLY | NOFOLLOW_NONBLOCK
         try:
             try:  # the common case without pathlib: the name on disk is the path
                 fd = os.open(self._base + path, flags)
@@ -10040,7 +10169,7 @@ class SearchIndex:
         try:
             atomic_write(path, write, mode=0o600)
             return DiskSegment(path)
-        except _Cancelled:
+        except MergeCancelled:
             return None
         except (OSError, IndexFileError) as e:
             log.warning("index: could not write segment %s (%s); serving from memory", path.name, e)
@@ -10211,45 +10340,23 @@ class SearchIndex:
         if sum(s.n for s in sources) < MERGE_HELPER_NOTES:  # quicker here than a process
             return None, None
         helper = self._merger
-        if helper is None or helper.poll() is not None:
+        if helper is None or not helper.alive():
             helper = self._merger = self._start_helper(self.notes, merging=True)
             if helper is None:
                 return None, None
-        reply: dict = {}
-        job = {
-            "files": [s.name for s in sources],
-            "skips": [sorted(skip) for skip in skips],
-            "dels": [[c.pairs().tolist() for c in pair] for pair in dels],
-            "avg": list(avg),
-        }
+        name = None
         try:
-            helper.stdin.write(json.dumps({"merge": job}) + "\n")
-            helper.stdin.flush()
-            while not _readable(helper.stdout, 0.5):
-                if self._stop.is_set() or helper.poll() is not None:  # closing: not now
-                    raise ValueError("stopped")
-            reply = json.loads(helper.stdout.readline() or '{"error": "it stopped"}')
-            if reply.get("error") or not reply.get("file"):
-                raise ValueError(reply.get("error") or "no file")
-            remaps = []
-            for src, text in zip(sources, reply["remaps"]):
-                remap = array.array("i")
-                remap.frombytes(base64.b64decode(text))
-                if len(remap) != src.n:
-                    raise ValueError("a note id map does not add up")
-                remaps.append(remap)
-            if len(remaps) != len(sources):
-                raise ValueError("a note id map is missing")
-            new = self._install(reply["file"])
+            name, remaps = helper.merge(sources, skips, dels, avg, self._stop)
+            new = self._install(name)
             if new is None:
                 raise ValueError("its file is unusable")
             return new, remaps
-        except (OSError, ValueError, KeyError, TypeError, binascii.Error) as e:
+        except (OSError, ValueError, KeyError, TypeError) as e:
             if not self._stop.is_set():
                 log.warning("index helper process: %s; merging in this process", e)
             self._stop_merger()
-            if isinstance(reply, dict) and reply.get("file"):
-                self._discard_temp(reply["file"])
+            if name:
+                discard_temp(self.folder, name)
             return None, None
 
     def _stop_merger(self) -> None:
@@ -10257,15 +10364,7 @@ class SearchIndex:
         with self._merger_lock if not self._stop.is_set() else contextlib.nullcontext():
             helper, self._merger = self._merger, None
         if helper is not None:
-            if self._stop.is_set():
-                helper.kill()
-            _stop_helper(helper)
-
-    def _discard_temp(self, name) -> None:
-        tmp = Path(str(name))
-        if tmp.parent == self.folder and tmp.name.startswith(TEMP_PREFIX):
-            with contextlib.suppress(OSError):
-                tmp.unlink()
+            helper.stop(kill=self._stop.is_set())
 
     def verify(self) -> None:
         """Check the segment files opened at start against their checksums; a damaged one
@@ -10338,6 +10437,8 @@ class SearchIndex:
 
 
 # == src/notesvc/search/vectors.py ============================================
+# Search by meaning: notes cut into chunks, the vectors of the chunks, the semantic pass.
+
 _NUMPY: list = []  # [numpy or None], looked for once embeddings are on (never at start)
 
 
@@ -10408,7 +10509,7 @@ def chunk_note(title: str, text: str) -> list:
     paragraphs into chunks of about CHUNK_WORDS words (never mid-word), each starting with
     the note's title and its heading path. Front matter is left out; fenced code is kept
     as a paragraph of its own. A note with no body is its title alone."""
-    text = _FRONT_MATTER_RE.sub("", text.replace("\r\n", "\n"), count=1)
+    text = FRONT_MATTER_RE.sub("", text.replace("\r\n", "\n"), count=1)
     chunks: list = []
     path: list = []  # [(level, heading)]
     body: list = []  # the paragraphs of the chunk being filled
@@ -11272,8 +11373,110 @@ def fuse(words: list, meaning: list, k: int = RRF_K, weight: float = MEANING_WEI
     return sorted(scores.items(), key=lambda x: (-x[1], x[0]))
 
 
+# == src/notesvc/search/hybrid.py =============================================
+# Hybrid search: by meaning and by words, fused; a note's related notes.
+
+# -- searching by meaning and by words ---------------------------------------------------
+
+MODES = ("hybrid", "semantic", "keyword")
+
+_QUOTED_RE = re.compile(r'(?:^|\s)"([^"]*)"')  # a "quoted phrase", not a -"exclusion"
+
+
+def _lexical_only(query: Query) -> bool:
+    """A "quoted phrase" or a prefix* is about the words as typed: those queries stay
+    keyword. A word with inner punctuation (command-line, e-mail) is a phrase to the index
+    but not to the person typing it: it is searched by meaning too."""
+    if any(alt[0] == "prefix" for clause in query.clauses for alt in clause):
+        return True
+    return any(len(tokenize(p)) > 1 for p in _QUOTED_RE.findall(query.text))
+
+
+def _embedding_text(query: Query) -> str:
+    """Return what to embed: the words asked for, without OR and -exclusions."""
+    words = [w for w in query.text.split() if w != "OR" and not w.startswith("-")]
+    return " ".join(words) or query.text
+
+
+def _chunk_snippet(svc: Service, path: str, chunk: int) -> str:
+    doc = svc.index.document(path)
+    if doc is None:
+        return ""
+    chunks = chunk_note(doc[1], doc[2])
+    if chunk >= len(chunks):
+        return ""
+    text = " ".join(chunk_body(chunks[chunk]).split())
+    return text if len(text) <= 200 else text[:199].rsplit(" ", 1)[0] + "…"
+
+
+def find_notes(
+    svc: Service, query: Query, folder: str, limit: int, offset: int, mode: str = ""
+) -> dict:
+    """Search as `mode` asks (hybrid by default when embeddings are on): {total, results:
+    [(path, title, score, snippet)], mode, fallback}. Never fails because the endpoint
+    does: it answers in keyword mode with fallback true."""
+    embedder = svc.embedder
+    if mode and mode not in MODES:
+        raise bad_request(f"'mode' must be one of {', '.join(MODES)}")
+    mode = mode or ("hybrid" if embedder is not None else "keyword")
+    if mode != "keyword" and embedder is not None and not _lexical_only(query):
+        vector = embedder.query_vector(_embedding_text(query))
+        if vector is not None:
+            return _by_meaning(svc, query, folder, (limit, offset), mode, vector)
+    total, hits = svc.index.search(query, folder, limit, offset)
+    return {"total": total, "results": hits, "mode": "keyword", "fallback": mode != "keyword"}
+
+
+def _by_meaning(svc: Service, query: Query, folder: str, page: tuple, mode: str, vector) -> dict:
+    near = svc.embedder.nearest(vector, folder)
+    if query.excludes:
+        out = svc.index.excluded(query.excludes, [p for p, _, _ in near])
+        near = [n for n in near if n[0] not in out]
+    chunk_of = {p: c for p, _, c in near}
+    if mode == "semantic":
+        ranked = [(p, round(s, 4)) for p, s, _ in near]
+    else:
+        _, hits = svc.index.search(query, folder, MAX_SEMANTIC_NOTES, 0, snippets=False)
+        words = [p for p, *_ in hits]
+        ranked = [(p, round(s, 6)) for p, s in fuse(words, list(chunk_of))]
+    limit, offset = page
+    results = _with_snippets(svc, query, ranked[offset : offset + limit], chunk_of)
+    return {"total": len(ranked), "results": results, "mode": mode, "fallback": False}
+
+
+def _with_snippets(svc: Service, query: Query, page: list, chunk_of: dict) -> list:
+    """Return [(path, title, score, snippet)]: the best chunk's start for a note the
+    meaning found, the words' snippet for one only the words found."""
+    titles = svc.index.titles(p for p, _ in page)
+    lexical = [p for p, _ in page if p not in chunk_of]
+    snippets = svc.index.snippets(query, lexical) if lexical else {}
+    results = []
+    for path, score in page:
+        if path in chunk_of:
+            snippet = _chunk_snippet(svc, path, chunk_of[path])
+        else:
+            snippet = snippets.get(path, "")
+        results.append((path, titles.get(path) or "", score, snippet))
+    return results
+
+
+def related_notes(svc: Service, path: str, folder: str, limit: int) -> list:
+    """Return [(path, title, score)] of the notes nearest a note (its chunks' mean) that
+    clear the floor: fewer than `limit`, or none, when no other note is near."""
+    embedder = svc.embedder
+    store = None if embedder is None else embedder.store
+    if store is None:
+        return []
+    vector = store.note_vector(path)
+    if vector is None:
+        return []
+    near = [n for n in embedder.nearest(vector, folder, limit + 1) if n[0] != path][:limit]
+    titles = svc.index.titles(p for p, _, _ in near)
+    return [(p, titles.get(p) or "", round(s, 4)) for p, s, _ in near]
+
+
 # == src/notesvc/auth.py ======================================================
-# == State and auth ===========================================================
+# state.json, keys, JWT and the lockout.
 
 
 def relay_server_id(token: str) -> str:
@@ -11635,6 +11838,8 @@ class RateLimit:
 
 
 # == src/notesvc/grants.py ====================================================
+# Grants: who a request acts for (scoped keys, devices, OAuth) and how far it may go.
+
 # -- grants: who a request acts for, and how far it may go ---------------------------
 #
 # One mechanism lets others in exactly as far as the owner allows (docs/api.md: Let others
@@ -11729,7 +11934,7 @@ def _escapes(raw: Any, top: str) -> bool:
     return not text.startswith(top + "/") or "." in segments or ".." in segments
 
 
-def _no_link_below(on_disk: Callable, top: str, path: str, what: str) -> None:
+def no_link_below(on_disk: Callable, top: str, path: str, what: str) -> None:
     """Raise 404 when a symbolic link lies between folder `top` and `path` (on disk)."""
     at = on_disk(top)
     try:
@@ -11755,7 +11960,7 @@ def _visible(raw: Any, check_path: Callable, top: str, on_disk: Callable, what: 
     if _escapes(raw, top):
         raise not_found(f"no {what} at {str(raw)[:MAX_PATH_CHARS]}")
     path = check_path(raw)
-    _no_link_below(on_disk, top, path, what)
+    no_link_below(on_disk, top, path, what)
     return path
 
 
@@ -11795,7 +12000,7 @@ def visible_folder(
     if folder.startswith(own + "/"):
         base = svc.attachments.base
         on_disk = svc.notes.on_disk if top == NOTES else (lambda p: base / p)
-        _no_link_below(on_disk, own, folder, "folder")
+        no_link_below(on_disk, own, folder, "folder")
         return folder
     if folder == top or own.startswith(folder + "/"):
         return own
@@ -11836,7 +12041,7 @@ def granted_tree(
     return node
 
 
-def _epoch(text: Any) -> float:
+def epoch_of(text: Any) -> float:
     """Return the time an ISO 8601 UTC stamp names; infinity for none (never expires)."""
     if not text:
         return math.inf
@@ -11847,7 +12052,7 @@ def _epoch(text: Any) -> float:
     return when.replace(tzinfo=dt.timezone.utc).timestamp()
 
 
-def _clean_name(text: Any, fallback: str, limit: int = 100) -> str:
+def clean_name(text: Any, fallback: str, limit: int = 100) -> str:
     """Return a display name: printable characters only, trimmed, at most limit long."""
     name = "".join(ch for ch in str(text or "") if ch.isprintable()).strip()[:limit]
     return name or fallback
@@ -12079,11 +12284,11 @@ class GrantStore:
             p = Principal(
                 g["kind"], g["scope"], g.get("folder") or "", g["id"], g.get("resource", "")
             )
-            expires = _epoch(g.get("expiresAt"))
+            expires = epoch_of(g.get("expiresAt"))
             if g.get("keyHash"):
                 index[g["keyHash"]] = ("key", p, expires, self._idle_since(g))
             if g.get("accessHash"):
-                until = min(expires, _epoch(g.get("accessExpiresAt")))
+                until = min(expires, epoch_of(g.get("accessExpiresAt")))
                 index[g["accessHash"]] = ("access", p, until, None)
         self._cache = (data, index)
         return index
@@ -12094,14 +12299,14 @@ class GrantStore:
         SERVICE_DEVICE_IDLE_DAYS=0)."""
         if not self.idle or g.get("kind") != "device" or g.get("expiresAt"):
             return None
-        return _epoch(g.get("lastUsedAt") or g.get("createdAt"))
+        return epoch_of(g.get("lastUsedAt") or g.get("createdAt"))
 
     def expires(self, g: dict) -> float:
         """Return when a grant stops working: its expiresAt, or for a paired device its
         last use plus SERVICE_DEVICE_IDLE_DAYS (infinity: never)."""
         since = self._idle_since(g)
         if since is None:
-            return _epoch(g.get("expiresAt"))
+            return epoch_of(g.get("expiresAt"))
         return max(since, self._used.get(g["id"], 0.0)) + self.idle
 
     def principal(self, secret: str) -> Principal | None:
@@ -12236,7 +12441,7 @@ class GrantStore:
 
         def change(data: dict) -> None:
             self._check_maker(data, created_by, now)
-            live = [p for p in data.get("pairings", []) if _epoch(p["expiresAt"]) > now]
+            live = [p for p in data.get("pairings", []) if epoch_of(p["expiresAt"]) > now]
             if len(live) >= MAX_PAIRINGS:
                 raise ApiError(
                     409, "CONFLICT", f"{MAX_PAIRINGS} pairings wait already; let them expire"
@@ -12255,7 +12460,7 @@ class GrantStore:
         key = DEVICE_KEY_PREFIX + secrets.token_urlsafe(32)
 
         def change(data: dict) -> dict | None:
-            pairings = [p for p in data.get("pairings", []) if _epoch(p["expiresAt"]) > now]
+            pairings = [p for p in data.get("pairings", []) if epoch_of(p["expiresAt"]) > now]
             found = next(
                 (p for p in pairings if hmac.compare_digest(p["secretHash"], wanted)), None
             )
@@ -12366,7 +12571,7 @@ class GrantStore:
         return {
             "key": kinds["key"],
             "oauth": kinds["oauth"],
-            "share": sum(_epoch(s["expiresAt"]) > now for s in data.get("shares", [])),
+            "share": sum(epoch_of(s["expiresAt"]) > now for s in data.get("shares", [])),
             "oauthClients": len(data.get("oauthClients", {})),
         }
 
@@ -12405,7 +12610,7 @@ class GrantStore:
         now = self.clock()
         client_id = "mcp_" + secrets.token_urlsafe(16)
         record = {
-            "name": _clean_name(meta.get("client_name"), "unnamed client"),
+            "name": clean_name(meta.get("client_name"), "unnamed client"),
             "redirectUris": uris,
             "uri": uri,
             "createdAt": iso(now),
@@ -12419,14 +12624,14 @@ class GrantStore:
             for cid in [
                 c
                 for c, r in clients.items()
-                if _epoch(r.get("lastUsedAt") or r["createdAt"]) < stale and c not in holding
+                if epoch_of(r.get("lastUsedAt") or r["createdAt"]) < stale and c not in holding
             ]:
                 del clients[cid]
             unused = sorted(
                 (r["createdAt"], c)
                 for c, r in clients.items()
                 if not r.get("lastUsedAt")
-                and _epoch(r["createdAt"]) < now - OAUTH_FRESH_CLIENT_SECONDS
+                and epoch_of(r["createdAt"]) < now - OAUTH_FRESH_CLIENT_SECONDS
             )
             while len(clients) >= MAX_OAUTH_CLIENTS and unused:
                 del clients[unused.pop(0)[1]]
@@ -12492,7 +12697,7 @@ class GrantStore:
         host = urllib.parse.urlsplit(client_id).hostname
         client = {
             "id": client_id,
-            "name": _clean_name(doc.get("client_name"), host),
+            "name": clean_name(doc.get("client_name"), host),
             "redirectUris": uris,
             "uri": doc.get("client_uri") if isinstance(doc.get("client_uri"), str) else "",
         }
@@ -12639,7 +12844,7 @@ class GrantStore:
                     continue
                 if g["client"]["id"] != client_id:
                     return "client", g
-                if _epoch(g.get("expiresAt")) <= now:
+                if epoch_of(g.get("expiresAt")) <= now:
                     return "expired", g
                 if resource and resource != g.get("resource"):
                     return "resource", g
@@ -12693,7 +12898,7 @@ class GrantStore:
 
         def change(data: dict) -> None:
             self._check_maker(data, share["grantId"], now)
-            live = [s for s in data.get("shares", []) if _epoch(s["expiresAt"]) > now]
+            live = [s for s in data.get("shares", []) if epoch_of(s["expiresAt"]) > now]
             if len(live) >= MAX_SHARES:
                 raise ApiError(409, "CONFLICT", f"{MAX_SHARES} share links exist; revoke some")
             data["shares"] = [*live, share]
@@ -12713,7 +12918,7 @@ class GrantStore:
         return [
             self.share_record(s)
             for s in self.state.read().get("shares", [])
-            if _epoch(s["expiresAt"]) > now
+            if epoch_of(s["expiresAt"]) > now
             and (
                 principal.allows("admin")
                 or (s.get("grantId") == principal.grant_id and principal.sees(s["path"]))
@@ -12743,7 +12948,7 @@ class GrantStore:
         h, now = key_hash(token), self.clock()
         data = self.state.read()
         for s in data.get("shares", []):
-            if hmac.compare_digest(s["tokenHash"], h) and _epoch(s["expiresAt"]) > now:
+            if hmac.compare_digest(s["tokenHash"], h) and epoch_of(s["expiresAt"]) > now:
                 if not s.get("grantId"):
                     return s, OWNER
                 for g in data.get("grants", []):
@@ -12772,7 +12977,9 @@ class GrantStore:
 
 
 # == src/notesvc/service.py ===================================================
-# == Service ==================================================================
+# Service: the object every handler gets as `svc`.
+
+# -- Service -------------------------------------------------------------------------------
 #
 # The one object every handler, provider, plugin and audit check gets as `svc`: the
 # configuration, the state, the notes, the index, the lockout and the app's own
@@ -12803,7 +13010,7 @@ def check_agent_config(config: Config, providers: Mapping[str, Any]) -> None:
             raise ConfigError(f"{env_of[name]}: required by the {provider.name} agent provider")
 
 
-def _rid() -> str:
+def current_request_id() -> str:
     """Return the current request's id (for log lines written below a handler)."""
     try:
         return bottle.request.environ.get("notesvc.request_id", "-")
@@ -12953,6 +13160,9 @@ class Service:
         self.pollers: Any = None  # ChannelPollers: a thread per channel in polling mode
         self.reminders: Any = None  # ReminderScheduler: ⏰ lines sent through the channels
         self.embedder: Any = None  # Embedder: the notes' vectors, when embeddings are on
+        # ... and made on first use, by the function named (a request of theirs):
+        self.task_book: Any = None  # TaskBook: the tasks' UIDs and sync tokens (task_book)
+        self.dav: Any = None  # DavState: WebDAV's locks, properties, ETags (dav_state)
 
     def saved_by(self) -> str | None:
         """Return the name of the grant the current request acts for (a device's or a
@@ -13005,7 +13215,11 @@ class Service:
         try:
             self._index_event(event, path, detail)
         except Exception:  # the write happened; the rescan sees the file differ and re-reads
-            log.exception("request %s: indexing %s failed; the next rescan retries", _rid(), path)
+            log.exception(
+                "request %s: indexing %s failed; the next rescan retries",
+                current_request_id(),
+                path,
+            )
 
     def _index_event(self, event: str, path: str, detail: Any) -> None:
         if event in ("saved", "restored"):
@@ -13281,7 +13495,9 @@ class Service:
 
 
 # == src/notesvc/providers/base.py ============================================
-# == Providers ================================================================
+# Provider records, outbound HTTP, retrieval and the TOOLS registry.
+
+# -- Providers -----------------------------------------------------------------------------
 #
 # Agents answer questions from the notes; channels carry messages in and replies
 # out. Both are registries of small records filled by decorators, so a plugin adds
@@ -13305,7 +13521,7 @@ MAX_MESSAGE_CHARS = 8000  # of a question to the agent
 _COLLECTING = threading.local()
 
 
-def _registry(kind: str, builtin: dict) -> dict:
+def registry_of(kind: str, builtin: dict) -> dict:
     target = getattr(_COLLECTING, "registries", None)
     return builtin if target is None else target.setdefault(kind, {})
 
@@ -13524,7 +13740,7 @@ def _upstream_error(e: BaseException) -> UpstreamError:
 
 def question_stems(question: str) -> list:
     """Return the stems of a natural-language question, stopwords dropped."""
-    words = [w for w in _WORD_RE.findall(fold(question)) if w not in STOPWORDS]
+    words = [w for w in WORD_RE.findall(fold(question)) if w not in STOPWORDS]
     return [stem(w) for w in dict.fromkeys(words)]
 
 
@@ -13574,7 +13790,7 @@ def best_passages(weights: dict, text: str, keep: int = 2) -> list:
             continue
         if _MD_INLINE_RE.search(sentence):
             sentence = plain_text(sentence)
-        words = set(_WORD_RE.findall(fold(sentence)))
+        words = set(WORD_RE.findall(fold(sentence)))
         for w in words.difference(stems):
             stems[w] = stem(w)
         present = set(map(stems.__getitem__, words)) & weights.keys()
@@ -13583,17 +13799,17 @@ def best_passages(weights: dict, text: str, keep: int = 2) -> list:
     scored.sort()
     if scored and not scored[0][0]:
         scored = [item for item in scored if not item[0]]
-    return [_clip(item[3], 400) for item in scored[:keep]]
+    return [clip(item[3], 400) for item in scored[:keep]]
 
 
-def _clip(text: str, limit: int) -> str:
+def clip(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1].rsplit(" ", 1)[0] + "…"
 
 
 def _hits_in_folder(svc: Service, question: str, folder: str, limit: int) -> list:
     """Return the top (path, title, text, score) inside a folder (a folder grant's sources):
     the question's words as one OR query of the index, restricted to the folder."""
-    words = list(dict.fromkeys(w for w in _WORD_RE.findall(fold(question)) if w not in STOPWORDS))
+    words = list(dict.fromkeys(w for w in WORD_RE.findall(fold(question)) if w not in STOPWORDS))
     text = ""
     for word in words:
         if len(text) + len(word) + 4 > MAX_QUERY_CHARS:
@@ -13634,7 +13850,7 @@ def retrieve(
         if passages:
             found.insert(0, (note, rec["title"], passages))
         else:
-            opening = _clip(" ".join(rec["content"][:MAX_SCAN_CHARS].split()), 600)
+            opening = clip(" ".join(rec["content"][:MAX_SCAN_CHARS].split()), 600)
             found.append((note, rec["title"], [opening]))
     return found
 
@@ -13717,7 +13933,7 @@ def tool(
     }
 
     def register(fn: Callable) -> Callable:
-        _registry("tool", TOOLS)[name] = Tool(
+        registry_of("tool", TOOLS)[name] = Tool(
             name,
             fn,
             description,
@@ -13824,7 +14040,7 @@ def call_tool(svc: Service, tool: Tool, arguments: Any) -> dict:
     except ApiError as e:
         return tool_error(e.code, e.message)
     except Exception:
-        rid = _rid()
+        rid = current_request_id()
         log.exception("request %s: tool %s failed", rid, tool.name)
         return tool_error("INTERNAL_ERROR", f"internal error; request id {rid}")
     text = tool.text(data) if tool.text else to_json(data).decode("utf-8")
@@ -13836,6 +14052,8 @@ def call_tool(svc: Service, tool: Tool, arguments: Any) -> dict:
 
 
 # == src/notesvc/providers/agent.py ===========================================
+# Agent providers: answering with a model.
+
 # -- agent providers ------------------------------------------------------------------
 
 
@@ -13868,7 +14086,7 @@ def agent_provider(
 
     def register(fn: AnswerFn) -> AnswerFn:
         provider = AgentProvider(name, fn, model, enabled, description, requires)
-        _registry("agent", AGENT_PROVIDERS)[name] = provider
+        registry_of("agent", AGENT_PROVIDERS)[name] = provider
         return fn
 
     return register
@@ -13887,7 +14105,7 @@ def answer_locally(svc: Service, question: str, found: list) -> tuple:
         if best:
             quoted.append((path, " ".join(best)))
     if not quoted:
-        return f"Nothing in your notes matches “{_clip(question, 80)}”.", "notesvc-local", []
+        return f"Nothing in your notes matches “{clip(question, 80)}”.", "notesvc-local", []
     lines = ["From your notes:", *(f"• {passage} — {path}" for path, passage in quoted[:4])]
     return "\n".join(lines), "notesvc-local", [path for path, _ in quoted[:4]]
 
@@ -13980,7 +14198,11 @@ def answer_with_model(svc: Service, question: str, found: list) -> tuple:
         except UpstreamError as e:
             if not (step == 0 and specs and e.status in (400, 422)):
                 raise
-            log.info("request %s: the model refused tools (%s); asking without them", _rid(), e)
+            log.info(
+                "request %s: the model refused tools (%s); asking without them",
+                current_request_id(),
+                e,
+            )
             specs = []
             body.pop("tools")
             body.pop("tool_choice", None)
@@ -14001,7 +14223,12 @@ def answer_with_model(svc: Service, question: str, found: list) -> tuple:
                 messages.append(
                     _tool_message(call, f"skipped: at most {MAX_TOOL_CALLS_PER_STEP} calls at once")
                 )
-        log.debug("request %s: agent step %d ran %d tool calls", _rid(), step + 1, len(calls))
+        log.debug(
+            "request %s: agent step %d ran %d tool calls",
+            current_request_id(),
+            step + 1,
+            len(calls),
+        )
     reply = (
         f"I stopped after {cfg.agent_max_steps} model calls (SERVICE_AGENT_MAX_STEPS) without "
         "an answer; the notes I looked at are listed as sources."
@@ -14070,7 +14297,7 @@ def run_tool_call(svc: Service, tools: list, call: Any, touched: list) -> dict:
 
 def _tool_message(call: Any, text: str) -> dict:
     call_id = str(call.get("id", "")) if isinstance(call, dict) else ""
-    return {"role": "tool", "tool_call_id": call_id, "content": _clip(text, MAX_TOOL_TEXT)}
+    return {"role": "tool", "tool_call_id": call_id, "content": clip(text, MAX_TOOL_TEXT)}
 
 
 @agent_provider("none", model=lambda cfg: "", enabled=False, description="agent switched off")
@@ -14102,6 +14329,8 @@ def ask_agent(svc: Service, question: str, note: str | None = None, folder: str 
 
 
 # == src/notesvc/providers/capture.py =========================================
+# Captures: /save, photos, voice and files into the day's note.
+
 # -- captures: /save, photos, voice and files into the day's note --------------------
 
 TRANSCRIBE_TIMEOUT = 120.0
@@ -14134,8 +14363,8 @@ def local_now(svc: Service) -> dt.datetime:
     return local_time(time.time(), time_zone(svc.config.timezone))
 
 
-def _one_line(text: str, limit: int = 1000) -> str:
-    return _clip(" ".join(text.split()), limit)
+def one_line(text: str, limit: int = 1000) -> str:
+    return clip(" ".join(text.split()), limit)
 
 
 def _media_extension(media: dict) -> str | None:
@@ -14175,7 +14404,7 @@ def capture_media(svc: Service, channel: dict, prov: ChannelProvider, media: lis
             log.warning("channel %s: a %s was not saved: %s", channel["id"], label, reason)
             problems.append(f"The {label} was not saved: {reason}.")
             continue
-        text = _one_line(caption) if caption and i == 0 else ""
+        text = one_line(caption) if caption and i == 0 else ""
         lines.append(f"- {now:%H:%M} {entry}" + (f" {text}" if text else ""))
         if transcript is not None:
             lines.append(f"  > {transcript}" if transcript else "  > (nothing was heard)")
@@ -14184,7 +14413,7 @@ def capture_media(svc: Service, channel: dict, prov: ChannelProvider, media: lis
         svc.notes.append(note, "\n".join(lines), heading)
     replies = []
     for label, transcript in saved:
-        said = f": “{_clip(transcript, 300)}”" if transcript else ""
+        said = f": “{clip(transcript, 300)}”" if transcript else ""
         replies.append(f"Saved the {label} to {note}{said}.")
     unheard = [label for label, t in saved if t is None and label in ("voice message", "audio")]
     if unheard and not svc.config.transcribe_url:
@@ -14213,12 +14442,12 @@ def _capture_one(svc: Service, channel: dict, prov: ChannelProvider, item, note,
     if rec["contentType"].startswith("image/"):
         entry = f"![{label}]({href})"
     else:
-        text = _one_line(item.get("name") or label, 100).replace("[", "(").replace("]", ")")
+        text = one_line(item.get("name") or label, 100).replace("[", "(").replace("]", ")")
         entry = f"[{text}]({href})"
     transcript = None
     if item.get("kind") in ("voice", "audio") and svc.config.transcribe_url:
         try:
-            transcript = _one_line(transcribe(svc, rec["path"]), 4000)
+            transcript = one_line(transcribe(svc, rec["path"]), 4000)
         except UpstreamError as e:
             log.warning("channel %s: transcription failed: %s", channel["id"], e)
             entry += f" (transcription failed: {e})"
@@ -14282,6 +14511,8 @@ def transcribe(svc: Service, path: str) -> str:
 
 
 # == src/notesvc/providers/channels.py ========================================
+# Channel providers, the channels' state and the channel pipeline.
+
 # -- channel providers ----------------------------------------------------------------
 
 
@@ -14369,14 +14600,14 @@ def channel_provider(
             signature_header=signature_header,
             signing_field=signing_field,
         )
-        _registry("channel", CHANNEL_PROVIDERS)[name] = provider
+        registry_of("channel", CHANNEL_PROVIDERS)[name] = provider
         return parse
 
     return register
 
 
 def _registered_channel(name: str) -> tuple:
-    registry = _registry("channel", CHANNEL_PROVIDERS)
+    registry = registry_of("channel", CHANNEL_PROVIDERS)
     if name not in registry:
         raise KeyError(f"register channel provider {name!r} before its sender or check")
     return registry, registry[name]
@@ -14474,16 +14705,16 @@ def validate_channel_config(provider: ChannelProvider, config: Any) -> dict:
 # -- channels' state: what providers and the pipeline share ---------------------------
 
 
-def _channels(svc: Service) -> list:
+def channels_of(svc: Service) -> list:
     return svc.state.read().get("channels", [])
 
 
-def _printable(text: str, limit: int = 100) -> str:
+def printable(text: str, limit: int = 100) -> str:
     """Return text without control characters, at most limit characters (names, log lines)."""
     return "".join(ch for ch in str(text) if ch.isprintable())[:limit]
 
 
-def _change_channel(svc: Service, channel_id: str, change: Callable) -> dict:
+def change_channel(svc: Service, channel_id: str, change: Callable) -> dict:
     def apply(data: dict) -> dict:
         for i, channel in enumerate(data.get("channels", [])):
             if channel["id"] == channel_id:
@@ -14549,7 +14780,7 @@ def telegram_call(
         wait = (answer.get("parameters") or {}).get("retry_after") or 0
         said = scrub(str(answer.get("description") or f"HTTP {status}"), [config["botToken"]])
         raise TelegramError(
-            f"Telegram {method}: " + _printable(said, 200),
+            f"Telegram {method}: " + printable(said, 200),
             int(answer.get("error_code") or status),
             float(wait) if isinstance(wait, (int, float)) else 0.0,
         )
@@ -14629,7 +14860,7 @@ def send_telegram(svc: Service, config: dict, chat_id: str, text: str) -> None:
     answer = post_json(url, {"chat_id": chat_id, "text": text[:REPLY_LIMIT]}, timeout=15)
     if answer.get("ok") is not True:
         said = scrub(str(answer.get("description")), [config["botToken"]])
-        raise UpstreamError(f"Telegram refused: {_printable(said)}")
+        raise UpstreamError(f"Telegram refused: {printable(said)}")
 
 
 @channel_poller("telegram")
@@ -14803,7 +15034,7 @@ def verify_whatsapp(svc: Service) -> str:
     if token:
         svc.check_lockout(addr)
     challenge = query_str("hub.challenge")
-    mine = [c["config"] for c in _channels(svc) if c["provider"] == "whatsapp" and c["enabled"]]
+    mine = [c["config"] for c in channels_of(svc) if c["provider"] == "whatsapp" and c["enabled"]]
     if mode != "subscribe" or not token or not _match_secret(mine, "verifyToken", token):
         if token:
             svc.lockout.fail(addr, token)
@@ -14890,7 +15121,7 @@ def _authenticate_channel(
     signed = bool(signature and prov.signing_field and raw is not None)
     if presented or signed:  # only a presented credential counts toward (or meets) the lockout
         svc.check_lockout(addr)
-    mine = [c for c in _channels(svc) if c["provider"] == prov.name]
+    mine = [c for c in channels_of(svc) if c["provider"] == prov.name]
     channel = _match_secret(mine, "secret", presented) if presented else None
     key = prov.signing_field
     if channel is not None and key and channel["config"].get(key):
@@ -15028,7 +15259,7 @@ def binds(binding: dict, text: str) -> bool:
     m = re.fullmatch(r"\s*(?:/start(?:@\w+)?\s+)?([a-z2-7]{12})\s*", text or "", re.I)
     return (
         m is not None
-        and _epoch(binding.get("until")) > time.time()
+        and epoch_of(binding.get("until")) > time.time()
         and hmac.compare_digest(key_hash(m.group(1).lower()), binding.get("codeHash", ""))
     )
 
@@ -15037,7 +15268,7 @@ def bind_chat(svc: Service, channel: dict, prov: ChannelProvider, sender: str, n
     """Make the chat that sent the bind code the channel's only allowed one (the code is
     used up: a second chat sending it is a refused sender); it is the chat of whoever asked
     for the code."""
-    bound = {"id": _printable(sender), "name": _printable(name or ""), "at": iso(utcnow())}
+    bound = {"id": printable(sender), "name": printable(name or ""), "at": iso(utcnow())}
 
     def apply(channels: list, i: int) -> None:
         maker = (channels[i].pop("binding", None) or {}).get("createdBy", MADE_BY_OWNER)
@@ -15046,13 +15277,13 @@ def bind_chat(svc: Service, channel: dict, prov: ChannelProvider, sender: str, n
         note_chat_makers(channels[i], prov, [], maker)
         channels[i]["boundChat"] = bound
 
-    _change_channel(svc, channel["id"], apply)
+    change_channel(svc, channel["id"], apply)
     log.info("channel %s: bound to chat %s", channel["id"], bound["id"])
 
 
 def refuse_sender(svc: Service, channel: dict, prov: ChannelProvider, sender, name) -> None:
     """Log and remember a sender the allowlist refused (never the message text)."""
-    sender, name = _printable(sender), _printable(name or "")
+    sender, name = printable(sender), printable(name or "")
     log.info(
         "channel %s: refused sender %s%s — add it to config.%s to allow",
         channel["id"],
@@ -15067,7 +15298,7 @@ def refuse_sender(svc: Service, channel: dict, prov: ChannelProvider, sender, na
         channels[i]["refusedSenders"] = [*kept, entry][-REFUSED_KEPT:]
 
     with contextlib.suppress(ApiError):  # the channel was deleted meanwhile
-        _change_channel(svc, channel["id"], remember)
+        change_channel(svc, channel["id"], remember)
 
 
 _COMMAND_RE = re.compile(r"^/([A-Za-z]\w{0,31})(?:@\w+)?(?:\s+(.*))?$", re.S)
@@ -15102,7 +15333,7 @@ def run_command(svc: Service, text: str, channel: dict | None = None) -> str:
         except ApiError as e:
             return f"Search: {e.message}"
         if not total:
-            return f"No note matches “{_clip(arg, 80)}”."
+            return f"No note matches “{clip(arg, 80)}”."
         lines = [f"{total} note{'s' if total != 1 else ''} match; the best:"]
         lines += [f"• {title} — {path}" for path, title, _, _ in hits]
         return "\n".join(lines)
@@ -15112,7 +15343,7 @@ def run_command(svc: Service, text: str, channel: dict | None = None) -> str:
             content = svc.notes.get(path)["content"]
         except ApiError:
             return f"Nothing in {path} yet."
-        return _clip(f"{path}\n\n{content.strip()}", REPLY_LIMIT)
+        return clip(f"{path}\n\n{content.strip()}", REPLY_LIMIT)
     if command in ("help", "start"):
         return HELP_TEXT
     if command == "ask":
@@ -15165,7 +15396,7 @@ def process_update(svc: Service, channel: dict, prov: ChannelProvider, update: d
 def channel_secrets(svc: Service, channel_id: str) -> list:
     """Return what a channel sends out that is secret: its config's secret fields (a bot
     token, an access token), for scrub()."""
-    for channel in _channels(svc):
+    for channel in channels_of(svc):
         prov = svc.channel_providers.get(channel["provider"])
         if channel["id"] == channel_id and prov is not None:
             return [str(channel["config"].get(f.name) or "") for f in prov.fields if f.secret]
@@ -15177,14 +15408,14 @@ def set_channel_status(svc: Service, channel_id: str, ok: bool, error: str = "")
     secret of the channel in it, whatever its provider said)."""
     status: dict = {"ok": ok, "at": iso(utcnow())}
     if error:
-        status["error"] = _printable(scrub(error, channel_secrets(svc, channel_id)), 300)
+        status["error"] = printable(scrub(error, channel_secrets(svc, channel_id)), 300)
 
     def record(channels: list, i: int) -> dict:
         channels[i]["status"] = status
         return channels[i]
 
     try:
-        return _change_channel(svc, channel_id, record)
+        return change_channel(svc, channel_id, record)
     except ApiError:  # deleted meanwhile
         return None
 
@@ -15209,6 +15440,8 @@ def configure_channel(svc: Service, channel: dict) -> dict:
 
 
 # == src/notesvc/providers/polling.py =========================================
+# Channels that fetch their own updates.
+
 # -- polling: channels that fetch their own updates ------------------------------------
 
 POLL_WAIT = 25.0  # seconds the provider holds a long poll open (Telegram allows up to 50)
@@ -15217,7 +15450,7 @@ POLL_REFUSED_PAUSE = 300.0  # after the provider refused the credentials
 
 
 def _channel(svc: Service, channel_id: str) -> dict | None:
-    return next((c for c in _channels(svc) if c["id"] == channel_id), None)
+    return next((c for c in channels_of(svc) if c["id"] == channel_id), None)
 
 
 class ChannelPollers:
@@ -15253,7 +15486,7 @@ class ChannelPollers:
             return
         stopped = []
         wanted = {}
-        for c in _channels(svc):
+        for c in channels_of(svc):
             prov = svc.channel_providers.get(c["provider"])
             if prov and prov.poll and c["enabled"] and channel_mode(c) == "polling":
                 secret = {f.name for f in prov.fields if f.secret}
@@ -15276,7 +15509,7 @@ class ChannelPollers:
         deadline = time.monotonic() + join
         for poller in stopped if join > 0 else ():
             poller.thread.join(max(0.0, deadline - time.monotonic()))
-        known = {c["id"] for c in _channels(svc)}
+        known = {c["id"] for c in channels_of(svc)}
         with self._offsets_lock:  # a deleted channel's offset goes with it
             offsets = self._read_offsets()
             if any(cid not in known for cid in offsets):
@@ -15416,11 +15649,10 @@ class ChannelPoller:
 
 
 # == src/notesvc/providers/reminders.py =======================================
+# Reminders: ⏰ lines sent through the channels.
+
 # -- reminders: ⏰ lines sent through the channels ------------------------------------
 
-REMINDER_RE = re.compile(
-    r"⏰\ufe0f?[ \t]*(\d{4})-(\d{2})-(\d{2})[ \tT]+([01]?\d|2[0-3]):([0-5]\d)(?!\d)"
-)
 _REMIND_FIELD_RE = re.compile(
     r"^remind:[ \t]*[\"']?(\d{4})-(\d{2})-(\d{2})[ \tT]+([01]?\d|2[0-3]):([0-5]\d)", re.M
 )
@@ -15437,7 +15669,7 @@ def note_reminders(path: str, title: str, text: str, zone: dt.tzinfo | None) -> 
     ['2026-12-01 09:00']
     """
     text = text[:MAX_SCAN_CHARS]
-    matches = list(REMINDER_RE.finditer(text))
+    matches = list(ALARM_RE.finditer(text))
     if text.startswith("---"):
         end = text.find("\n---", 3)
         if end > 0:
@@ -15446,7 +15678,7 @@ def note_reminders(path: str, title: str, text: str, zone: dt.tzinfo | None) -> 
     for m in matches:
         start = text.rfind("\n", 0, m.start()) + 1
         stop = text.find("\n", m.end())
-        line = _one_line(text[start : stop if stop >= 0 else len(text)], 300)
+        line = one_line(text[start : stop if stop >= 0 else len(text)], 300)
         wall = usable_wall(*(int(g) for g in m.groups()))  # (None: 2026-02-30, 0001-01-01)
         due = wall_timestamp(wall, zone) if wall is not None else None
         if due is None:  # an unusable time: that line only is no reminder
@@ -15678,7 +15910,7 @@ class ReminderScheduler:
             f"{r['line']}\n{r['path']}"
         )
         sent = tried = 0
-        for channel in _channels(svc):
+        for channel in channels_of(svc):
             prov = svc.channel_providers.get(channel["provider"])
             if not (prov and prov.send and channel["enabled"] and channel["config"].get("notify")):
                 continue
@@ -15713,7 +15945,7 @@ class ReminderScheduler:
 
 
 # == src/notesvc/providers/embed.py ===========================================
-# == Embeddings ================================================================
+# Embeddings: the endpoint's two wire formats and the background embedder.
 
 BATCH = 64  # chunks a request
 MAX_ANSWER_BYTES = 16 << 20
@@ -15726,7 +15958,6 @@ SAVE_SECONDS = 10.0  # meta.json at most this often while embedding
 FLOOR_SECONDS = 60.0  # while a long backfill runs, the floor is made again at most this often
 FLOOR_EVERY_CHANGE = 200  # below this many notes the floor is made again after any change
 PROBE = "notesvc: the fingerprint of an embedding model"
-MODES = ("hybrid", "semantic", "keyword")
 
 
 class EmbedError(Exception):
@@ -16194,106 +16425,10 @@ def build_embedder(svc: Service) -> Embedder | None:
     return Embedder(svc, EmbedClient(cfg.embed_url, cfg.embed_model, cfg.embed_key))
 
 
-# -- searching by meaning and by words ---------------------------------------------------
-
-
-_QUOTED_RE = re.compile(r'(?:^|\s)"([^"]*)"')  # a "quoted phrase", not a -"exclusion"
-
-
-def _lexical_only(query: Query) -> bool:
-    """A "quoted phrase" or a prefix* is about the words as typed: those queries stay
-    keyword. A word with inner punctuation (command-line, e-mail) is a phrase to the index
-    but not to the person typing it: it is searched by meaning too."""
-    if any(alt[0] == "prefix" for clause in query.clauses for alt in clause):
-        return True
-    return any(len(tokenize(p)) > 1 for p in _QUOTED_RE.findall(query.text))
-
-
-def _embedding_text(query: Query) -> str:
-    """Return what to embed: the words asked for, without OR and -exclusions."""
-    words = [w for w in query.text.split() if w != "OR" and not w.startswith("-")]
-    return " ".join(words) or query.text
-
-
-def _chunk_snippet(svc: Service, path: str, chunk: int) -> str:
-    doc = svc.index.document(path)
-    if doc is None:
-        return ""
-    chunks = chunk_note(doc[1], doc[2])
-    if chunk >= len(chunks):
-        return ""
-    text = " ".join(chunk_body(chunks[chunk]).split())
-    return text if len(text) <= 200 else text[:199].rsplit(" ", 1)[0] + "…"
-
-
-def find_notes(
-    svc: Service, query: Query, folder: str, limit: int, offset: int, mode: str = ""
-) -> dict:
-    """Search as `mode` asks (hybrid by default when embeddings are on): {total, results:
-    [(path, title, score, snippet)], mode, fallback}. Never fails because the endpoint
-    does: it answers in keyword mode with fallback true."""
-    embedder = svc.embedder
-    if mode and mode not in MODES:
-        raise bad_request(f"'mode' must be one of {', '.join(MODES)}")
-    mode = mode or ("hybrid" if embedder is not None else "keyword")
-    if mode != "keyword" and embedder is not None and not _lexical_only(query):
-        vector = embedder.query_vector(_embedding_text(query))
-        if vector is not None:
-            return _by_meaning(svc, query, folder, (limit, offset), mode, vector)
-    total, hits = svc.index.search(query, folder, limit, offset)
-    return {"total": total, "results": hits, "mode": "keyword", "fallback": mode != "keyword"}
-
-
-def _by_meaning(svc: Service, query: Query, folder: str, page: tuple, mode: str, vector) -> dict:
-    near = svc.embedder.nearest(vector, folder)
-    if query.excludes:
-        out = svc.index.excluded(query.excludes, [p for p, _, _ in near])
-        near = [n for n in near if n[0] not in out]
-    chunk_of = {p: c for p, _, c in near}
-    if mode == "semantic":
-        ranked = [(p, round(s, 4)) for p, s, _ in near]
-    else:
-        _, hits = svc.index.search(query, folder, MAX_SEMANTIC_NOTES, 0, snippets=False)
-        words = [p for p, *_ in hits]
-        ranked = [(p, round(s, 6)) for p, s in fuse(words, list(chunk_of))]
-    limit, offset = page
-    results = _with_snippets(svc, query, ranked[offset : offset + limit], chunk_of)
-    return {"total": len(ranked), "results": results, "mode": mode, "fallback": False}
-
-
-def _with_snippets(svc: Service, query: Query, page: list, chunk_of: dict) -> list:
-    """Return [(path, title, score, snippet)]: the best chunk's start for a note the
-    meaning found, the words' snippet for one only the words found."""
-    titles = svc.index.titles(p for p, _ in page)
-    lexical = [p for p, _ in page if p not in chunk_of]
-    snippets = svc.index.snippets(query, lexical) if lexical else {}
-    results = []
-    for path, score in page:
-        if path in chunk_of:
-            snippet = _chunk_snippet(svc, path, chunk_of[path])
-        else:
-            snippet = snippets.get(path, "")
-        results.append((path, titles.get(path) or "", score, snippet))
-    return results
-
-
-def related_notes(svc: Service, path: str, folder: str, limit: int) -> list:
-    """Return [(path, title, score)] of the notes nearest a note (its chunks' mean) that
-    clear the floor: fewer than `limit`, or none, when no other note is near."""
-    embedder = svc.embedder
-    store = None if embedder is None else embedder.store
-    if store is None:
-        return []
-    vector = store.note_vector(path)
-    if vector is None:
-        return []
-    near = [n for n in embedder.nearest(vector, folder, limit + 1) if n[0] != path][:limit]
-    titles = svc.index.titles(p for p, _, _ in near)
-    return [(p, titles.get(p) or "", round(s, 4)) for p, s, _ in near]
-
-
 # == src/notesvc/plugins.py ===================================================
-# == Plugins ==================================================================
+# The Plugin record, loading, links and the built-in plugins.
+
+# -- Plugins -------------------------------------------------------------------------------
 #
 # A plugin is a small record: hooks called after notes change, routes under
 # /api/v1/plugins/<name>/..., and (through the registries above) agent or channel
@@ -16424,13 +16559,13 @@ def provider_registries(plugins: Mapping[str, Plugin]) -> tuple:
 # fails at once at each one), and no repeat nests in another. Whether a Markdown link
 # points at a .md note (or an attachment) is decided afterwards (_md_target), not by
 # backtracking.
-_WIKILINK_RE = re.compile(r"\[\[([^\[\]|#\n]+)((?:#[^\[\]|\n]*)?(?:\|[^\[\]\n]*)?)\]\]")
-_MDLINK_RE = re.compile(
+WIKILINK_RE = re.compile(r"\[\[([^\[\]|#\n]+)((?:#[^\[\]|\n]*)?(?:\|[^\[\]\n]*)?)\]\]")
+MDLINK_RE = re.compile(
     r"(\[[^\[\]\n]*\]\()(<[^<>\n]*>[^)\s<>\[\]]*|[^)\s<>\[\]]+)((?:\s+\"[^\"\n]*\")?\))"
 )
 
 
-def _md_target(href: str) -> str | None:
+def md_target(href: str) -> str | None:
     """Return the file part of a Markdown link's href (`<...>` kept), or None when it does not
     point at a .md file or an attachment's type; what follows it is a #fragment."""
     if href.startswith("<"):
@@ -16513,8 +16648,8 @@ def link_refs(text: str) -> tuple:
     """Return a note's links as written: ([[wikilink]] targets, Markdown link targets), each
     once, in its first MAX_SCAN_CHARS; LinkResolver.resolve says where they lead."""
     text = text[:MAX_SCAN_CHARS]
-    wikis = dict.fromkeys(m.group(1) for m in _WIKILINK_RE.finditer(text))
-    targets = map(_md_target, (m.group(2) for m in _MDLINK_RE.finditer(text)))
+    wikis = dict.fromkeys(m.group(1) for m in WIKILINK_RE.finditer(text))
+    targets = map(md_target, (m.group(2) for m in MDLINK_RE.finditer(text)))
     return tuple(wikis), tuple(dict.fromkeys(t for t in targets if t))
 
 
@@ -16648,7 +16783,7 @@ def rewrite_links(
         return f"[[{replacement}{m.group(2)}]]"
 
     def markdown(m: re.Match) -> str:
-        href = _md_target(m.group(2))
+        href = md_target(m.group(2))
         if href is None:
             return m.group(0)
         fragment = m.group(2)[len(href) :]
@@ -16672,7 +16807,7 @@ def rewrite_links(
             replacement = f"<{urllib.parse.unquote(replacement)}>"
         return f"{m.group(1)}{replacement}{fragment}{m.group(3)}"
 
-    return _MDLINK_RE.sub(markdown, _WIKILINK_RE.sub(wiki, text))
+    return MDLINK_RE.sub(markdown, WIKILINK_RE.sub(wiki, text))
 
 
 def update_links(svc: Service, old: str, new: str, linking: set) -> list:
@@ -16855,6 +16990,8 @@ builtin_plugin(
 
 
 # == src/notesvc/tools.py =====================================================
+# The built-in tools MCP clients and the agent may call.
+
 # -- built-in tools (the TOOLS registry: see Providers) --------------------------------------
 
 _PATH_ARG = {
@@ -17255,7 +17392,9 @@ def tool_fetch(svc: Service, id: str) -> dict:
 
 
 # == src/notesvc/transfer/plan.py =============================================
-# == Import and export ==========================================================
+# Imports: the plan, its bounds, and writing it through the stores.
+
+# -- Import and export ---------------------------------------------------------------------
 #
 # Bring every note you have, take them all with you (docs/api.md: Import). An import reads a
 # source (a folder, a zip, a tar, an .enex stream), refuses a hostile one before anything
@@ -17280,7 +17419,7 @@ IMPORT_NOTE_TYPES = frozenset((*IMPORT_TEXT_TYPES, "json", "csv", "html", "htm",
 _WINDOWS_NAMES = frozenset(
     ["con", "prn", "aux", "nul"] + [f"{p}{n}" for p in ("com", "lpt") for n in range(1, 10)]
 )
-_NOTION_ID_RE = re.compile(r"\s+[0-9a-f]{32}$|\s+[0-9a-f]{8}(?:-[0-9a-f]{4}){3}-[0-9a-f]{12}$")
+NOTION_ID_RE = re.compile(r"\s+[0-9a-f]{32}$|\s+[0-9a-f]{8}(?:-[0-9a-f]{4}){3}-[0-9a-f]{12}$")
 _LINK_TOKEN_RE = re.compile("\x00([^\x00\x01]*)\x01([^\x00]*)\x00")
 _DRIVE_RE = re.compile(r"^[A-Za-z]:")
 
@@ -17467,9 +17606,9 @@ def import_segment(name: str, fallback: str = "untitled") -> str:
     """
     name = unicodedata.normalize("NFC", name)
     name = "".join(
-        " " if ord(ch) < 32 or 0x7F <= ord(ch) < 0xA0 or ch in _FORBIDDEN or ch == "/" else ch
+        " " if ord(ch) < 32 or 0x7F <= ord(ch) < 0xA0 or ch in FORBIDDEN_CHARS or ch == "/" else ch
         for ch in name
-        if ch not in _BIDI_CONTROLS and ch not in _ZERO_WIDTH
+        if ch not in BIDI_CONTROLS and ch not in ZERO_WIDTH
     )
     name = " ".join(name.split()).lstrip(".").rstrip(". ")
     while len(name.encode("utf-8")) > 200:
@@ -17882,7 +18021,7 @@ def import_kind(source: ImportSource) -> str:
     if any("/Keep/" in f"/{n}" for n in jsons):
         return "keep"
     notion = sum(
-        1 for n in names if _NOTION_ID_RE.search(posixpath.splitext(n.rsplit("/", 1)[-1])[0])
+        1 for n in names if NOTION_ID_RE.search(posixpath.splitext(n.rsplit("/", 1)[-1])[0])
     )
     if notion and notion * 2 >= sum(1 for n in names if n.endswith((".md", ".csv"))):
         return "notion"
@@ -18156,7 +18295,7 @@ class ImportPlan:
         }
 
 
-def _decode_text(data: bytes) -> str:
+def decode_text(data: bytes) -> str:
     """Return a text file's text: UTF-8 (a BOM kept, as the bytes say), else Windows-1252."""
     try:
         return data.decode("utf-8")
@@ -18164,7 +18303,7 @@ def _decode_text(data: bytes) -> str:
         return data.decode("cp1252", "replace")
 
 
-def _front_matter(fields: dict) -> str:
+def front_matter(fields: dict) -> str:
     """Return YAML front matter for what Markdown can't say ('' when there is nothing)."""
     lines = []
     for key, value in fields.items():
@@ -18180,7 +18319,7 @@ def _front_matter(fields: dict) -> str:
     return "---\n" + "\n".join(lines) + "\n---\n" if lines else ""
 
 
-def _iso_or_none(seconds: Any) -> str | None:
+def iso_or_none(seconds: Any) -> str | None:
     try:
         return iso(float(seconds)) if seconds else None
     except (TypeError, ValueError, OverflowError, OSError):
@@ -18188,6 +18327,8 @@ def _iso_or_none(seconds: Any) -> str | None:
 
 
 # == src/notesvc/transfer/formats.py ==========================================
+# The importers: folders (Obsidian, Notion), Keep, Evernote, Joplin.
+
 # -- folders of Markdown: Obsidian, Notion, plain files, notesvc's own export ---------------
 
 
@@ -18202,7 +18343,7 @@ def _target_segments(name: str, strip_ids: bool) -> list:
     for seg in name.split("/"):
         if strip_ids:
             stem, ext = _note_name_of(seg)
-            stem = _NOTION_ID_RE.sub("", stem) or stem
+            stem = NOTION_ID_RE.sub("", stem) or stem
             seg = f"{stem}.{ext}" if ext else stem
         segments.append(import_segment(seg))
     return segments
@@ -18214,7 +18355,7 @@ def _relink(text: str, source: str, known: Mapping) -> str:
 
     def md(m: re.Match) -> str:
         href = m.group(2)
-        target = _md_target(href)
+        target = md_target(href)
         if target is None or "://" in target:
             return m.group(0)
         inner = urllib.parse.unquote(target.strip("<>"))
@@ -18225,7 +18366,7 @@ def _relink(text: str, source: str, known: Mapping) -> str:
         rest = href[len(target) :]
         return f"{m.group(1)}{link_token(resolved, target)}{rest}{m.group(3)}"
 
-    return _MDLINK_RE.sub(md, text)
+    return MDLINK_RE.sub(md, text)
 
 
 def plan_tree(plan: ImportPlan, source: ImportSource, kind: str) -> None:
@@ -18323,7 +18464,7 @@ def _tree_note_drafts(plan: ImportPlan, source: ImportSource, notes: list, links
         text: Any = entry  # read by plan.load when written
         if want is None:  # a Notion database
             stem = _note_name_of(entry.name.rsplit("/", 1)[-1])[0]
-            title = _NOTION_ID_RE.sub("", stem.removesuffix("_all")) or stem
+            title = NOTION_ID_RE.sub("", stem.removesuffix("_all")) or stem
             segs = _target_segments(entry.name, True)[:-1]
             want = "/".join([plan.into, *segs, import_segment(title) + ".md"])
             text = functools.partial(_tree_text, source, entry, csv_title=title, links=links)
@@ -18334,7 +18475,7 @@ def _tree_note_drafts(plan: ImportPlan, source: ImportSource, notes: list, links
 def _tree_text(source: ImportSource, entry: ImportEntry, csv_title: Any, links: Any) -> str:
     """Return a note of a tree as it is imported: its text (a database's CSV as a table),
     its links to what the import holds as tokens, wikilinks to renamed notes renamed."""
-    text = _decode_text(source.read(entry))
+    text = decode_text(source.read(entry))
     if csv_title is not None:
         text = csv_to_markdown(csv_title, text)
     if links:
@@ -18367,7 +18508,7 @@ def _rename_wikilinks(text: str, renamed: Mapping) -> str:
         rest = m.group(2) or ""
         return f"[[{new}{rest if '|' in rest else rest + '|' + target}]]"
 
-    return _WIKILINK_RE.sub(fix, text)
+    return WIKILINK_RE.sub(fix, text)
 
 
 def csv_to_markdown(title: str, text: str) -> str:
@@ -18418,7 +18559,7 @@ def keep_note(data: Any, files: Mapping | None = None) -> tuple:
     if links:
         parts.append("\n".join(links))
     md = "\n\n".join(p for p in parts if p).strip("\n") + "\n"
-    return title, _front_matter(meta) + md, None
+    return title, front_matter(meta) + md, None
 
 
 def _keep_str(data: dict, key: str) -> str:
@@ -18449,7 +18590,7 @@ def _keep_meta(data: dict) -> dict:
 
     def usec(key: str) -> str | None:
         v = data.get(key)
-        return _iso_or_none(v / 1e6) if isinstance(v, (int, float)) and v > 0 else None
+        return iso_or_none(v / 1e6) if isinstance(v, (int, float)) and v > 0 else None
 
     colour = _keep_str(data, "color").upper()
     return {
@@ -19181,7 +19322,7 @@ def _enex_note(plan: ImportPlan, note: dict, label: str) -> None:
         "author": note.get("author"),
         "source": "Evernote",
     }
-    text = _front_matter(meta) + (f"# {title}\n\n" if title else "") + body
+    text = front_matter(meta) + (f"# {title}\n\n" if title else "") + body
     stem = import_segment(title_filename(title or body))
     d = Draft(label, f"{plan.into}/{stem}.md", text=text)
     plan.name(d)
@@ -19294,7 +19435,7 @@ def _joplin_items(plan: ImportPlan, source: ImportSource) -> tuple:
             plan.skip(name, "not a Joplin item")
             continue
         try:
-            title, body, props = joplin_item(_decode_text(source.read(entry, plan.max_note * 4)))
+            title, body, props = joplin_item(decode_text(source.read(entry, plan.max_note * 4)))
         except ValueError:
             plan.skip(name, "over SERVICE_MAX_BODY_BYTES")
             continue
@@ -19371,7 +19512,7 @@ def _joplin_note_text(source: ImportSource, entry: ImportEntry, tags: Mapping) -
     """Return a Joplin note as it is written, read again: its properties as front matter,
     a to-do's title as a task, links to resources as link tokens (their ids: the
     resources' drafts are named by them)."""
-    title, body, props = joplin_item(_decode_text(source.read(entry)))
+    title, body, props = joplin_item(decode_text(source.read(entry)))
     todo = props.get("is_todo") == "1"
     done = todo and props.get("todo_completed", "0") not in ("", "0")
     meta = {
@@ -19384,7 +19525,7 @@ def _joplin_note_text(source: ImportSource, entry: ImportEntry, tags: Mapping) -
     }
     body = _JOPLIN_LINK_RE.sub(lambda m: f"({link_token(m.group(1), ':/' + m.group(1))})", body)
     heading = f"- [{'x' if done else ' '}] {title}" if todo else f"# {title}"
-    return _front_matter(meta) + (heading + "\n\n" if title else "") + body + "\n"
+    return front_matter(meta) + (heading + "\n\n" if title else "") + body + "\n"
 
 
 IMPORT_PLANNERS = {
@@ -19407,7 +19548,7 @@ def import_into(svc: Any, raw: Any, kind: str, principal: Principal) -> str:
     if own and folder != own and not folder.startswith(own + "/"):
         raise not_found(f"no folder at {folder} (this key writes in {own} only)")
     if own:
-        _no_link_below(svc.notes.on_disk, own, folder, "folder")
+        no_link_below(svc.notes.on_disk, own, folder, "folder")
     return folder
 
 
@@ -19526,6 +19667,8 @@ def import_path(svc: Any, path: Path, into: Any, dry_run: bool, progress=None) -
 
 
 # == src/notesvc/transfer/export.py ===========================================
+# Export: a zip of everything a key sees.
+
 # -- export: a zip of everything a key sees -----------------------------------------------------
 
 STORED_TYPES = frozenset(  # already compressed: stored as they are
@@ -19635,7 +19778,9 @@ def export_zip(root: Path, principal: Principal = OWNER, progress: Callable | No
 
 
 # == src/notesvc/audit.py =====================================================
-# == Security audit ===========================================================
+# The security audit: AUDIT_CHECKS and the score.
+
+# -- Security audit ------------------------------------------------------------------------
 #
 # Each check is a small function of the service returning findings; the score is
 # 100 - 40 per critical - 20 per high - 10 per medium - 3 per low, never below 0.
@@ -19747,9 +19892,9 @@ def check_setup_exposed(svc: Service) -> list:
     relayed = bool(cfg.relay_url) and cfg.pairing == "relay"
     finish = (
         f"Set it up now from a browser on this machine or its home network, or run "
-        f"`{_self_command()} pair` (or rotate-key) on the server: either completes setup."
+        f"`{self_command()} pair` (or rotate-key) on the server: either completes setup."
     )
-    window = _minutes(cfg.setup_window)
+    window = minutes_text(cfg.setup_window)
     home = "loopback" if svc.setup_loopback_only else "loopback or its home network"
     if not _reachable_beyond_loopback(cfg) and not relayed and cfg.trust_proxy:
         # Behind the proxy the forwarded address decides (client_of): what the key is
@@ -19774,7 +19919,7 @@ def check_setup_exposed(svc: Service) -> list:
                 + ".",
                 "Set it up through the proxy from a browser "
                 + ("on this machine" if svc.setup_loopback_only else "at home")
-                + f", or run `{_self_command()} pair` (or rotate-key) on the server: either "
+                + f", or run `{self_command()} pair` (or rotate-key) on the server: either "
                 "completes setup.",
             )
         ]
@@ -19793,7 +19938,7 @@ def check_setup_exposed(svc: Service) -> list:
         part
         for part in (
             f"listens on {cfg.host or '*'}" if _reachable_beyond_loopback(cfg) else "",
-            f"is registered with the relay {_redact_url(cfg.relay_url)}" if relayed else "",
+            f"is registered with the relay {redact_url(cfg.relay_url)}" if relayed else "",
         )
         if part
     )
@@ -19809,7 +19954,7 @@ def check_setup_exposed(svc: Service) -> list:
             "Setup is not complete on a reachable server",
             f"Setup is incomplete and the service {where}: whoever sets it up first owns "
             f"it. The key is offered only to {who}, for "
-            f"{_minutes(cfg.setup_window)} after a start, and never through a relay; a "
+            f"{minutes_text(cfg.setup_window)} after a start, and never through a relay; a "
             "proxy or tunnel in front that adds no forwarding header makes every client "
             "look local.",
             finish,
@@ -19833,7 +19978,7 @@ def check_cors_wildcard(svc: Service) -> list:
     ]
 
 
-def _entropy_bits_per_char(text: str) -> float:
+def entropy_bits_per_char(text: str) -> float:
     counts = collections.Counter(text)
     return -sum(c / len(text) * math.log2(c / len(text)) for c in counts.values()) if text else 0
 
@@ -19849,7 +19994,7 @@ def _secret_strength(svc: Service, name: str) -> tuple:
         facts = recorded.get(name) or {}
         return int(facts.get("bytes", 0)), float(facts.get("bitsPerChar", 0.0))
     secret = getattr(svc.config, name)
-    return len(secret.encode()), _entropy_bits_per_char(secret)
+    return len(secret.encode()), entropy_bits_per_char(secret)
 
 
 @audit_check
@@ -20289,7 +20434,7 @@ def check_grants(svc: Service) -> list:
     ]
     if not forever:
         return []
-    names = ", ".join(sorted(_clean_name(g.get("name"), g["id"], 40) for g in forever)[:5])
+    names = ", ".join(sorted(clean_name(g.get("name"), g["id"], 40) for g in forever)[:5])
     return [
         finding(
             "grant-write-forever",
@@ -20309,8 +20454,8 @@ def check_share_links(svc: Service) -> list:
     old = [
         s
         for s in svc.state.read().get("shares", [])
-        if _epoch(s.get("expiresAt")) > now
-        and _epoch(s.get("createdAt")) < now - SHARE_OLD_DAYS * 86400
+        if epoch_of(s.get("expiresAt")) > now
+        and epoch_of(s.get("createdAt")) < now - SHARE_OLD_DAYS * 86400
     ]
     if not old:
         return []
@@ -20370,7 +20515,9 @@ def run_audit(svc: Service) -> dict:
 
 
 # == src/notesvc/web.py =======================================================
-# == Web client =================================================================
+# The web client: one self-contained page, served by servers and relays alike.
+
+# -- Web client ----------------------------------------------------------------------------
 #
 # One self-contained page: inline CSS and JS (allowed by their hashes in the CSP), no
 # CDN, no build step. It uses only the public API. Data goes in as text nodes only.
@@ -28790,7 +28937,9 @@ def negotiated_page(name: str, accept_encoding: str, shared: bool = False) -> tu
 
 
 # == src/notesvc/relay.py =====================================================
-# == Relay ====================================================================
+# The relay (`notesvc relay`, on asyncio) and the server's RelayClient.
+
+# -- Relay ---------------------------------------------------------------------------------
 #
 # A relay lets a server behind NAT be reached without an open port. The server
 # registers and keeps a long-poll open; the relay hands it each client request and
@@ -30146,8 +30295,7 @@ def _relay_message(answer: Any, status: int) -> str:
 
 
 # == src/notesvc/http/route.py ================================================
-# == HTTP =====================================================================
-
+# The Route record; conditional GET and byte ranges (attachments and WebDAV share them).
 
 # -- the route record: one row of the route table (at the end of this section) -------
 
@@ -30251,7 +30399,7 @@ def content_disposition(path: str, content_type: str) -> str:
     return f"{kind}; filename=\"{plain}\"; filename*=UTF-8''{urllib.parse.quote(name)}"
 
 
-def _file_chunks(f: Any, length: int):
+def file_chunks(f: Any, length: int):
     try:
         while length > 0:
             chunk = f.read(min(BODY_CHUNK, length))
@@ -30263,7 +30411,7 @@ def _file_chunks(f: Any, length: int):
         f.close()
 
 
-def _none_match(header: str | None, etag: str) -> bool:
+def none_match(header: str | None, etag: str) -> bool:
     """Return whether an If-None-Match names `etag` (weakly or not) or is `*` (RFC 9110: a
     `*` inside a tag, `"a*b"` or `W/"*"`, is that tag, not a match)."""
     if not header:
@@ -30290,7 +30438,7 @@ def conditional_download(
     sandbox policy. If-Modified-Since is not looked at.
     """
     resp = bottle.response
-    if _none_match(request_header("If-None-Match"), etag):
+    if none_match(request_header("If-None-Match"), etag):
         resp.status = 304
         resp.set_header("ETag", etag)
         return None
@@ -30317,6 +30465,8 @@ def conditional_download(
 
 
 # == src/notesvc/http/api.py ==================================================
+# Handlers of the notes API: system, auth, notes, attachments, folders, history, search.
+
 # -- system ---------------------------------------------------------------------
 
 
@@ -30348,7 +30498,7 @@ def get_features(svc: Service):
     etag = '"' + hashlib.sha256(to_json(doc)).hexdigest()[:20] + '"'
     bottle.response.set_header("ETag", etag)
     bottle.response.set_header("Cache-Control", "no-cache")  # kept, asked again each time
-    if _none_match(bottle.request.get_header("If-None-Match"), etag):
+    if none_match(bottle.request.get_header("If-None-Match"), etag):
         bottle.response.status = 304
         return b""
     return doc
@@ -30420,7 +30570,7 @@ def get_setup(svc: Service) -> dict:
         payload["instructions"] = [
             "Copy apiKey: it is shown only to this machine"
             + ("" if svc.setup_loopback_only else " and its home network")
-            + f", for {_minutes(cfg.setup_window)} after a start, until setup completes.",
+            + f", for {minutes_text(cfg.setup_window)} after a start, until setup completes.",
             "Open links.connect.hosted (or testHosted) on your device: it fills in this server.",
             f"If prefill is unavailable, paste links.apiBase and the key into your client "
             f"(header {KEY_HEADER}).",
@@ -30469,7 +30619,7 @@ def get_info(svc: Service) -> dict:
     }
 
 
-def _network_facts(cfg: Config) -> dict:
+def network_facts(cfg: Config) -> dict:
     """The network settings /system/config and /security/config both report."""
     return {
         "port": cfg.port,
@@ -30479,7 +30629,7 @@ def _network_facts(cfg: Config) -> dict:
     }
 
 
-def _limit_facts(svc: Service) -> dict:
+def limit_facts(svc: Service) -> dict:
     cfg = svc.config
     return {
         "maxBodyBytes": cfg.max_body_bytes,
@@ -30494,20 +30644,20 @@ def _limit_facts(svc: Service) -> dict:
     }
 
 
-def _agent_facts(cfg: Config) -> dict:
+def agent_facts(cfg: Config) -> dict:
     return {
         "provider": cfg.agent_provider,
-        "baseUrl": _redact_url(cfg.agent_base_url),
+        "baseUrl": redact_url(cfg.agent_base_url),
         "apiKeySet": bool(cfg.agent_api_key),
     }
 
 
 def get_config(svc: Service) -> dict:
-    cfg, limits = svc.config, _limit_facts(svc)
+    cfg, limits = svc.config, limit_facts(svc)
     return {
         "server": {
             "host": cfg.host,
-            **_network_facts(cfg),
+            **network_facts(cfg),
             "threads": cfg.threads,
             **{k: v for k, v in limits.items() if k != "lockout"},
         },
@@ -30525,7 +30675,7 @@ def get_config(svc: Service) -> dict:
             "testClientUrl": cfg.test_client_url or "(built-in client)",
         },
         "agent": {
-            **_agent_facts(cfg),
+            **agent_facts(cfg),
             "model": cfg.agent_model,
             "timeoutSeconds": cfg.agent_timeout,
             "maxSteps": cfg.agent_max_steps,
@@ -30535,7 +30685,7 @@ def get_config(svc: Service) -> dict:
         "search": {
             "engine": "notesvc-bm25",
             "maxQueryLength": MAX_QUERY_CHARS,
-            "embedUrl": _redact_url(cfg.embed_url),
+            "embedUrl": redact_url(cfg.embed_url),
             "embedModel": cfg.embed_model,
             "embedKeySet": bool(cfg.embed_key),
         },
@@ -30549,7 +30699,7 @@ def get_config(svc: Service) -> dict:
         },
         "plugins": {"dir": cfg.plugins_dir or ".notesvc/plugins"},
         "capture": {
-            "transcribeUrl": _redact_url(cfg.transcribe_url),
+            "transcribeUrl": redact_url(cfg.transcribe_url),
             "transcribeModel": cfg.transcribe_model,
             "transcribeApiKeySet": bool(cfg.transcribe_api_key),
             "timeZone": cfg.timezone or "system",
@@ -30641,7 +30791,7 @@ def rotate_api_key(svc: Service) -> dict:
 # -- notes ---------------------------------------------------------------------------
 
 
-def _if_match() -> str | None:
+def if_match_header() -> str | None:
     return request_header("If-Match")
 
 
@@ -30714,7 +30864,7 @@ def update_note(svc: Service, path: str) -> dict:
         raise bad_request(
             f"PUT changes content only; to move or rename use PATCH {API}/notes/:path/move"
         )
-    return _note_response(svc.notes.update(path, content, _if_match()))
+    return _note_response(svc.notes.update(path, content, if_match_header()))
 
 
 def move_note(svc: Service, path: str) -> dict:
@@ -30722,7 +30872,7 @@ def move_note(svc: Service, path: str) -> dict:
     body = read_json(svc.config.max_body_bytes)
     new = visible_note(svc.notes, field(body, "path"))  # a folder grant moves within its folder
     relink = bool(field(body, "updateLinks", bool, required=False))
-    return _note_response(move_and_relink(svc, path, new, _if_match(), relink))
+    return _note_response(move_and_relink(svc, path, new, if_match_header(), relink))
 
 
 def merge_note(svc: Service, path: str) -> dict:
@@ -30733,7 +30883,7 @@ def merge_note(svc: Service, path: str) -> dict:
     base = field(body, "base", max_len=100)
     content = field(body, "content")
     base = base if base.startswith('"') else f'"{base}"'
-    name = _clean_name(field(body, "clientName", required=False, max_len=100), "")
+    name = clean_name(field(body, "clientName", required=False, max_len=100), "")
     who = title_filename(name or principal_name(svc, request_principal()))
     when = local_time(time.time(), time_zone(svc.config.timezone)).strftime("%Y-%m-%d %H-%M")
     principal = request_principal()  # a folder grant merges from versions it may read
@@ -30755,7 +30905,7 @@ def principal_name(svc: Service, principal: Principal) -> str:
 
 
 def delete_note(svc: Service, path: str) -> dict:
-    return svc.notes.delete(visible_note(svc.notes, path), _if_match())
+    return svc.notes.delete(visible_note(svc.notes, path), if_match_header())
 
 
 # -- attachments -------------------------------------------------------------------------
@@ -30781,7 +30931,7 @@ def put_attachment(svc: Service, path: str) -> bytes:
             "UNSUPPORTED_MEDIA_TYPE",
             f"PUT takes the file's own bytes; send a multipart form to POST {API}/attachments",
         )
-    if_match, if_none_match = _if_match(), request_header("If-None-Match")
+    if_match, if_none_match = if_match_header(), request_header("If-None-Match")
     svc.attachments.check(path, if_match, if_none_match)  # before the body is read
     limit = svc.config.max_attachment_bytes
     read, _ = request_body_reader(limit, "SERVICE_MAX_ATTACHMENT_BYTES")
@@ -30869,7 +31019,7 @@ def get_attachment(svc: Service, path: str):
             return b""
         first, length = span
         f.seek(first)
-        return _file_chunks(f, length)
+        return file_chunks(f, length)
     except BaseException:
         f.close()
         raise
@@ -30897,7 +31047,7 @@ def move_attachment(svc: Service, path: str) -> dict:
     linking = (
         set(filter(request_principal().sees, attachment_linkers(svc, path))) if relink else set()
     )
-    rec = svc.attachments.move(path, new, _if_match())
+    rec = svc.attachments.move(path, new, if_match_header())
     if relink and new != path:
         rec["linksUpdated"] = update_links(svc, path, new, linking)
     bottle.response.set_header("ETag", rec["etag"])
@@ -30905,7 +31055,7 @@ def move_attachment(svc: Service, path: str) -> dict:
 
 
 def delete_attachment(svc: Service, path: str) -> dict:
-    return svc.attachments.delete(visible_attachment(svc.attachments, path), _if_match())
+    return svc.attachments.delete(visible_attachment(svc.attachments, path), if_match_header())
 
 
 # -- folders ---------------------------------------------------------------------------
@@ -30999,7 +31149,7 @@ def diff_version(svc: Service, path: str, version_id: str) -> dict:
 def restore_version(svc: Service, path: str, version_id: str) -> dict:
     path = visible_note(svc.notes, path)
     seen = functools.partial(_version_seen, svc, path, version_id)
-    return _note_response(svc.notes.restore_version(path, version_id, _if_match(), seen))
+    return _note_response(svc.notes.restore_version(path, version_id, if_match_header(), seen))
 
 
 def _trashed(svc: Service, item_id: str) -> Any:
@@ -31165,679 +31315,8 @@ def agent_status(svc: Service) -> dict:
     }
 
 
-# == src/notesvc/http/integrations.py =========================================
-# -- MCP: the tools over JSON-RPC 2.0 (Streamable HTTP, answered as JSON) -------------------
-#
-# POST /api/v1/mcp takes one JSON-RPC message and answers it with one JSON object (no SSE,
-# no sessions). Two eras share it, told apart the way the official SDKs route them: by the
-# MCP-Protocol-Version header (none, or a handshake-era version: the handshake era).
-#   2025-06-18, 2025-11-25: `initialize` (nothing is kept: every request stands alone),
-#     `notifications/initialized` (202), `ping`, `tools/list`, `tools/call`.
-#   2026-07-28 (stateless): no handshake; each request carries its version and capabilities
-#     in `params._meta`, and the MCP-Protocol-Version, Mcp-Method and Mcp-Name headers must
-#     repeat the body (-32020 when they do not); an unknown version is -32022 with the list.
-#     `server/discover`, `tools/list`, `tools/call`; results carry `resultType: "complete"`.
-
-_HANDSHAKE_ERA = ("2024-11-05", "2025-03-26", *MCP_HANDSHAKE_VERSIONS)
-META_VERSION = "io.modelcontextprotocol/protocolVersion"
-META_CAPABILITIES = "io.modelcontextprotocol/clientCapabilities"
-META_SERVER_INFO = "io.modelcontextprotocol/serverInfo"
-PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, INVALID_PARAMS = -32700, -32600, -32601, -32602
-HEADER_MISMATCH, UNSUPPORTED_VERSION = -32020, -32022
-# The HTTP status of a stateless-era error (the SDKs' table); in the handshake era a body
-# that cannot be taken is 400 and every other error 200.
-_STATELESS_STATUS = {METHOD_NOT_FOUND: 404}
-_HANDSHAKE_400 = (PARSE_ERROR, INVALID_REQUEST, UNSUPPORTED_VERSION)
-MCP_LIST_TTL_MS = 60000  # how long a stateless client may cache the tool list
-MCP_INSTRUCTIONS = (
-    "The user's Markdown notes, paths like notes/<folders>/<name>.md. Find notes with "
-    "search_notes (or list_folder, recent_changes) and read them with read_note before "
-    "answering from them; name the paths you used. To change a note, read it first and pass "
-    "its etag to update_note or move_note."
-)
-
-
-def server_info() -> dict:
-    return {"name": "notesvc", "title": "notesvc notes", "version": __version__}
-
-
-class RpcError(Exception):
-    """A JSON-RPC error answer (its HTTP status follows from the code and the era)."""
-
-    def __init__(self, code: int, message: str, data: Any = None):
-        super().__init__(message)
-        self.code, self.message, self.data = code, message, data
-
-    def answer(self, request_id: Any) -> dict:
-        error = {"code": self.code, "message": self.message}
-        if self.data is not None:
-            error["data"] = self.data
-        return {"jsonrpc": "2.0", "id": request_id, "error": error}
-
-    def http_status(self, stateless: bool) -> int:
-        if stateless:
-            return _STATELESS_STATUS.get(self.code, 400)
-        return 400 if self.code in _HANDSHAKE_400 else 200
-
-
-def cors_allows(config: Config, origin: str) -> bool:
-    """Return whether SERVICE_CORS_ORIGINS lets pages of this origin call the API."""
-    return "*" in config.cors or origin.rstrip("/") in config.cors
-
-
-def authenticate_mcp(svc: Service, environ: dict) -> Principal:
-    """Let a request to /mcp through or raise 403, 401 or 429: the one place /mcp's callers
-    are checked. A page's Origin must be one SERVICE_CORS_ORIGINS allows (so a site that
-    rebinds its name to this machine gets nowhere), then the key, which may come as
-    X-Service-Key, `Authorization: Bearer` or X-API-Key (docs/api.md), or an OAuth access
-    token issued for this URL (docs/api.md: Let others in). Returns who the request acts for."""
-    origin = environ.get("HTTP_ORIGIN", "")
-    if origin and not cors_allows(svc.config, origin):
-        raise ApiError(
-            403,
-            "FORBIDDEN",
-            "requests from web pages are refused unless their origin is listed in "
-            "SERVICE_CORS_ORIGINS",
-        )
-    return svc.authenticate(environ, mcp=True)
-
-
-def mcp_endpoint(svc: Service) -> bytes:
-    """POST /mcp: one JSON-RPC message in; its answer out, or 202 for a notification."""
-    env = bottle.request.environ
-    stateless = _stateless_era(env, None)
-    request_id = None
-    try:
-        message = _rpc_message(svc.config.max_body_bytes)
-        stateless = _stateless_era(env, message)
-        request_id = message.get("id")  # answered with errors too, when it is a usable id
-        if not isinstance(request_id, (str, int)) or isinstance(request_id, bool):
-            request_id = None
-        method, params = _rpc_request(message, request_id)
-        if method is None:  # a notification or a response: nothing to answer
-            if stateless:
-                _check_version(env.get("HTTP_MCP_PROTOCOL_VERSION"), MCP_STATELESS_VERSIONS)
-            bottle.response.status = 202
-            bottle.response.content_type = JSON_TYPE
-            return b""
-        if stateless:
-            result = _stateless_request(svc, env, method, params)
-        else:
-            result = _handshake_request(svc, env, method, params)
-        answer, status = {"jsonrpc": "2.0", "id": request_id, "result": result}, 200
-    except RpcError as e:
-        answer, status = e.answer(request_id), e.http_status(stateless)
-    bottle.response.status = status
-    bottle.response.content_type = JSON_TYPE
-    return to_json(answer)
-
-
-def _stateless_era(env: dict, message: Any) -> bool:
-    """Return whether a request speaks the 2026-07-28 era: a header naming another version
-    than the handshake era's, or (its header missing) a body carrying its version."""
-    header = env.get("HTTP_MCP_PROTOCOL_VERSION")
-    if header is not None:
-        return header not in _HANDSHAKE_ERA
-    params = message.get("params") if isinstance(message, dict) else None
-    meta = params.get("_meta") if isinstance(params, dict) else None
-    return isinstance(meta, dict) and META_VERSION in meta
-
-
-def _rpc_message(max_bytes: int) -> Any:
-    """Return the request's JSON-RPC message; 413 / 415 as ApiErrors, -32700 / -32600."""
-    req = bottle.request
-    if req.content_type.split(";")[0].strip().lower() != "application/json":
-        raise ApiError(
-            415, "UNSUPPORTED_MEDIA_TYPE", "send JSON-RPC with Content-Type: application/json"
-        )
-    if req.content_length > max_bytes:
-        raise ApiError(413, "PAYLOAD_TOO_LARGE", f"the body is over {max_bytes} bytes")
-    raw = req.body.read(max_bytes + 1)
-    if len(raw) > max_bytes:
-        raise ApiError(413, "PAYLOAD_TOO_LARGE", f"the body is over {max_bytes} bytes")
-    try:
-        message = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
-    except (UnicodeDecodeError, ValueError, RecursionError):
-        raise RpcError(PARSE_ERROR, "the body is not valid JSON (UTF-8)") from None
-    if isinstance(message, list):
-        raise RpcError(INVALID_REQUEST, "batches are not supported: one message per request")
-    if not isinstance(message, dict):
-        raise RpcError(INVALID_REQUEST, "the body must be one JSON-RPC message (an object)")
-    return message
-
-
-def _rpc_request(message: dict, request_id: Any) -> tuple:
-    """Return (method, params) of a request; method None for a notification or a response
-    (both are only acknowledged); -32600 / -32602 for a malformed message."""
-    if message.get("jsonrpc") != "2.0":
-        raise RpcError(INVALID_REQUEST, 'a JSON-RPC 2.0 message needs "jsonrpc": "2.0"')
-    method = message.get("method")
-    if method is None and "id" in message and ("result" in message or "error" in message):
-        return None, {}  # a response: this server never asks, so it is dropped
-    if not isinstance(method, str) or not method:
-        raise RpcError(INVALID_REQUEST, "'method' must be a non-empty string")
-    if "id" in message and request_id is None:
-        raise RpcError(INVALID_REQUEST, "'id' must be a string or a whole number")
-    params = message.get("params")
-    if params is not None and not isinstance(params, dict):
-        raise RpcError(INVALID_PARAMS, "'params' must be an object")
-    return method if "id" in message else None, params or {}
-
-
-def _check_version(version: Any, served: tuple) -> None:
-    if version not in served:
-        requested = version[:64] if isinstance(version, str) else None
-        raise RpcError(
-            UNSUPPORTED_VERSION,
-            f"protocol version {str(version)[:40]!r} is not supported",
-            {"supported": list(MCP_VERSIONS), "requested": requested},
-        )
-
-
-def _handshake_request(svc: Service, env: dict, method: str, params: dict) -> dict:
-    if method == "initialize":  # the client's version when served, else the newest
-        asked = params.get("protocolVersion")
-        version = asked if asked in MCP_HANDSHAKE_VERSIONS else MCP_HANDSHAKE_VERSIONS[-1]
-        return {
-            "protocolVersion": version,
-            "capabilities": {"tools": {"listChanged": False}},
-            "serverInfo": server_info(),
-            "instructions": MCP_INSTRUCTIONS,
-        }
-    header = env.get("HTTP_MCP_PROTOCOL_VERSION")
-    if header is not None:
-        _check_version(header, MCP_HANDSHAKE_VERSIONS)
-    if method == "ping":
-        return {}
-    return _tools_method(svc, method, params)
-
-
-def _header_text(value: str | None) -> str | None:
-    """Return a header's text; a value the client wrapped as =?base64?...?= is unwrapped."""
-    m = re.fullmatch(r"=\?base64\?([A-Za-z0-9+/=]*)\?=", value or "")
-    if not m:
-        return value
-    try:
-        return base64.b64decode(m.group(1), validate=True).decode("utf-8")
-    except (ValueError, UnicodeDecodeError):
-        return None
-
-
-def _stateless_request(svc: Service, env: dict, method: str, params: dict) -> dict:
-    meta = params.get("_meta")
-    if not isinstance(meta, dict) or META_VERSION not in meta or META_CAPABILITIES not in meta:
-        raise RpcError(
-            INVALID_PARAMS,
-            f"params._meta must carry {META_VERSION!r} and {META_CAPABILITIES!r} "
-            "(protocol 2026-07-28)",
-        )
-    version = meta[META_VERSION]
-    if env.get("HTTP_MCP_PROTOCOL_VERSION") != version:
-        raise RpcError(
-            HEADER_MISMATCH, "the MCP-Protocol-Version header does not match params._meta"
-        )
-    if env.get("HTTP_MCP_METHOD") != method:
-        raise RpcError(HEADER_MISMATCH, "the Mcp-Method header does not match the method")
-    name = params.get("name")
-    if (
-        method == "tools/call"
-        and name is not None
-        and _header_text(env.get("HTTP_MCP_NAME")) != name
-    ):
-        raise RpcError(HEADER_MISMATCH, "the Mcp-Name header does not match params.name")
-    _check_version(version, MCP_STATELESS_VERSIONS)
-    if method == "server/discover":
-        result = {
-            "supportedVersions": list(MCP_VERSIONS),
-            "capabilities": {"tools": {"listChanged": False}},
-            "instructions": MCP_INSTRUCTIONS,
-            "cacheScope": "private",
-            "ttlMs": MCP_LIST_TTL_MS,
-        }
-    else:
-        result = _tools_method(svc, method, params)
-    if method == "tools/list":
-        result.update(cacheScope="private", ttlMs=MCP_LIST_TTL_MS)
-    return {**result, "resultType": "complete", "_meta": {META_SERVER_INFO: server_info()}}
-
-
-def _tools_method(svc: Service, method: str, params: dict) -> dict:
-    if method == "tools/list":
-        if params.get("cursor") is not None:
-            raise RpcError(INVALID_PARAMS, "unknown cursor: the tool list has a single page")
-        tools = available_tools(svc, svc.config.mcp_write)
-        return {"tools": [mcp_tool(t) for t in tools]}
-    if method == "tools/call":
-        return _tools_call(svc, params.get("name"), params.get("arguments"))
-    raise RpcError(METHOD_NOT_FOUND, f"method {method[:64]!r} is not served here")
-
-
-def mcp_tool(tool: Tool) -> dict:
-    """Return a tool as MCP's tools/list describes it."""
-    return {
-        "name": tool.name,
-        "title": tool.annotations()["title"],
-        "description": tool.description,
-        "inputSchema": tool.schema,
-        "annotations": tool.annotations(),
-    }
-
-
-def _tools_call(svc: Service, name: Any, arguments: Any) -> dict:
-    if not isinstance(name, str):
-        raise RpcError(INVALID_PARAMS, "params.name must name a tool (see tools/list)")
-    if arguments is not None and not isinstance(arguments, dict):
-        raise RpcError(INVALID_PARAMS, "params.arguments must be an object")
-    offered = {t.name: t for t in available_tools(svc, svc.config.mcp_write)}
-    if name not in offered:
-        known = svc.tools.get(name)
-        if known is not None and request_principal().folder and TOOLS.get(name) is not known:
-            why = f"{name} is a plugin's tool: a connection to one folder gets the built-in tools"
-        elif known is not None and not known.read_only and not svc.config.mcp_write:
-            why = f"{name} changes notes: the owner has not allowed that (SERVICE_MCP_WRITE)"
-        elif known is not None and not known.read_only:
-            why = f"{name} changes notes: this connection was granted reading only"
-        elif known is not None:
-            why = f"{name} needs the {known.plugin} plugin, which is switched off"
-        else:
-            why = f"unknown tool {name[:64]!r} (see tools/list)"
-        raise RpcError(INVALID_PARAMS, why)
-    log.debug("request %s: MCP tool %s", _rid(), name)
-    return call_tool(svc, offered[name], arguments or {})
-
-
-# -- channels ----------------------------------------------------------------------------------
-
-
-def list_channel_providers(svc: Service) -> dict:
-    return {
-        "providers": [
-            {
-                "name": p.name,
-                "description": p.description,
-                "fields": [dataclasses.asdict(f) for f in p.fields],
-                "allowlistField": p.allow,
-                "webhookPath": f"{API}/channels/webhook/{p.name}",
-            }
-            for p in svc.channel_providers.values()
-        ]
-    }
-
-
-def list_channels(svc: Service) -> dict:
-    return {"channels": [redact_channel(c, svc.channel_providers) for c in _channels(svc)]}
-
-
-def create_channel(svc: Service) -> dict:
-    body = read_json(svc.config.max_body_bytes)
-    name = field(body, "provider")
-    provider = svc.channel_providers.get(name)
-    if provider is None:
-        raise bad_request(f"'provider' must be one of {', '.join(svc.channel_providers)}")
-    config = validate_channel_config(provider, body.get("config", {}))
-    title = field(body, "name", required=False, max_len=100) or f"{name} channel"
-    return add_channel(svc, name, config, title)
-
-
-def add_channel(svc: Service, name: str, config: dict, title: str, **extra) -> dict:
-    """Store a new channel (config already checked) and start what it needs; return it."""
-    # Through a relay (or this server's own /r/<id> prefix) the hook must go that way too.
-    base = svc.issuer(bottle.request.environ)
-    channel = {
-        "id": "ch_" + secrets.token_hex(6),
-        "provider": name,
-        "name": _printable(title),
-        "enabled": True,
-        "createdAt": iso(utcnow()),
-        "webhookUrl": f"{base}{API}/channels/webhook/{name}",
-        "secret": secrets.token_urlsafe(24),
-        "config": config,
-        **extra,
-    }
-    maker = made_by(request_principal())  # the chats it allows are theirs (unbind_chats)
-    note_chat_makers(channel, svc.channel_providers.get(name), [], maker)
-    svc.state.update(lambda data: data.setdefault("channels", []).append(channel))
-    log.info("channel %s (%s) created", channel["id"], name)
-    channel = configure_channel(svc, channel)  # Telegram webhook mode: setWebhook
-    svc.pollers.sync()
-    return channel
-
-
-TELEGRAM_TOKEN_RE = re.compile(r"^[0-9]{1,20}:[A-Za-z0-9_-]{1,200}\Z")  # BotFather's shape
-
-
-def connect_telegram(svc: Service) -> dict:
-    """POST /channels/connect/telegram {botToken, name?}: the web client's "Connect
-    Telegram". The token is checked with getMe first (refused: 400, Telegram unreachable:
-    502; nothing is stored either way); then a polling channel that no chat may use until
-    one sends the bind code (10 minutes), which connects that chat alone."""
-    body = read_json(svc.config.max_body_bytes)
-    token = field(body, "botToken", max_len=MAX_CONFIG_CHARS).strip()
-    if not TELEGRAM_TOKEN_RE.match(token):
-        raise bad_request("'botToken' must be the token BotFather gave you (123456:ABC...)")
-    try:
-        bot = telegram_call(svc, {"botToken": token}, "getMe", {}, timeout=15)
-    except TelegramError as e:
-        raise bad_request(
-            f"Telegram refused this token ({e}); copy it again from @BotFather"
-        ) from None
-    except UpstreamError as e:
-        raise ApiError(502, "UPSTREAM_ERROR", f"Telegram cannot be reached: {e}") from None
-    bot = bot if isinstance(bot, dict) else {}
-    username = _printable(str(bot.get("username") or ""), 64)
-    title = field(body, "name", required=False, max_len=100) or f"@{username or 'telegram'}"
-    config = validate_channel_config(
-        svc.channel_providers["telegram"],
-        {"botToken": token, "mode": "polling", "notify": True},
-    )
-    code, binding = new_binding(made_by(request_principal()))
-    channel = add_channel(svc, "telegram", config, title, binding=binding, bot=username)
-    return bind_answer(svc, channel, code, binding)
-
-
-def bind_answer(svc: Service, channel: dict, code: str, binding: dict) -> dict:
-    """Return what the web client shows to connect a chat: the code, the bot's t.me link
-    that sends it (and its QR code), until when it works."""
-    username = channel.get("bot") or ""
-    link = f"https://t.me/{username}?start={code}" if username else ""
-    answer = {
-        "channel": redact_channel(channel, svc.channel_providers),
-        "bindCode": code,
-        "bindUntil": binding["until"],
-        "bot": username,
-        "link": link,
-    }
-    svg = qr_svg(link) if link else None
-    if svg:
-        answer["qrSvg"] = svg
-    return answer
-
-
-def bind_channel(svc: Service, channel_id: str) -> dict:
-    """POST /channels/:id/bind: a new bind code; the next chat to send it replaces the
-    allowed chats (the ones allowed now keep working until then)."""
-    code, binding = new_binding(made_by(request_principal()))
-
-    def apply(channels: list, i: int) -> dict:
-        if channels[i]["provider"] != "telegram":
-            raise bad_request("only a Telegram channel is connected by a code")
-        channels[i]["binding"] = binding
-        return channels[i]
-
-    channel = _change_channel(svc, channel_id, apply)
-    return bind_answer(svc, channel, code, binding)
-
-
-def get_channel(svc: Service, channel_id: str) -> dict:
-    """Return one channel, redacted, with the last senders its allowlist refused."""
-    for channel in _channels(svc):
-        if channel["id"] == channel_id:
-            refused = channel.get("refusedSenders", [])
-            return {**redact_channel(channel, svc.channel_providers), "refusedSenders": refused}
-    raise not_found(f"no channel {channel_id}")
-
-
-def patch_channel(svc: Service, channel_id: str) -> dict:
-    """Merge {name?, config?} into a channel (validated as on create; the secret stays)."""
-    if not any(c["id"] == channel_id for c in _channels(svc)):  # 404 before the body's 400
-        raise not_found(f"no channel {channel_id}")
-    body = read_json(svc.config.max_body_bytes)
-    unknown = sorted(set(body) - {"name", "config"})
-    if unknown:
-        raise bad_request(f"unknown field(s): {', '.join(unknown)}; send name and/or config")
-    if not body:
-        raise bad_request("nothing to change: send name and/or config")
-    title = field(body, "name", required=False, max_len=100)
-    if title is not None and is_blank(title):
-        raise bad_request("'name' must not be empty")
-    changes = field(body, "config", dict, required=False)
-    maker = made_by(request_principal())
-
-    def merge(channels: list, i: int) -> dict:
-        channel = channels[i]
-        if changes is not None:
-            provider = svc.channel_providers.get(channel["provider"])
-            if provider is None:
-                raise bad_request(f"channel provider {channel['provider']!r} is not loaded")
-            stored = channel["config"]
-            before = list(stored.get(provider.allow) or []) if provider.allow else []
-            if "mode" not in stored and any(f.name == "mode" for f in provider.fields):
-                stored = {**stored, "mode": "webhook"}  # stored before modes: a webhook
-            channel["config"] = validate_channel_config(provider, {**stored, **changes})
-            note_chat_makers(channel, provider, before, maker)
-        if title is not None:  # only invisible characters: the name it had stays
-            channel["name"] = _printable(title) or channel["name"]
-        return channel
-
-    channel = _change_channel(svc, channel_id, merge)
-    log.info("channel %s changed", channel_id)
-    svc.pollers.sync(join=15)  # a poller that goes is done before a webhook is set
-    if changes is not None:
-        channel = configure_channel(svc, channel)  # webhook mode: setWebhook again
-    return redact_channel(channel, svc.channel_providers)
-
-
-def toggle_channel(svc: Service, channel_id: str) -> dict:
-    def flip(channels: list, i: int) -> dict:
-        channels[i]["enabled"] = not channels[i]["enabled"]
-        return channels[i]
-
-    channel = _change_channel(svc, channel_id, flip)
-    svc.pollers.sync()
-    return redact_channel(channel, svc.channel_providers)
-
-
-def delete_channel(svc: Service, channel_id: str) -> dict:
-    _change_channel(svc, channel_id, lambda channels, i: channels.pop(i))
-    svc.pollers.sync()
-    return {"id": channel_id, "deleted": True}
-
-
-def receive_webhook(svc: Service, provider: str) -> dict:
-    prov = svc.channel_providers.get(provider)
-    if prov is None:
-        raise not_found(f"no channel provider {provider!r}")
-    env = bottle.request.environ
-    limit = svc.config.max_body_bytes
-    signature = ""
-    if prov.signature_header:
-        signature = env.get("HTTP_" + prov.signature_header.upper().replace("-", "_"), "")
-
-    def raw() -> bytes:  # the body as signed: read (and checked) as JSON, then as bytes
-        read_json(limit)
-        return bottle.request.body.read(limit + 1)
-
-    return handle_channel_update(
-        svc,
-        prov,
-        channel_secret(svc, prov, env),
-        svc.client_addr(env),
-        lambda: read_json(limit),
-        signature,
-        raw,
-    )
-
-
-def verify_webhook(svc: Service, provider: str):
-    """GET /channels/webhook/<provider>: the provider's own subscription check."""
-    prov = svc.channel_providers.get(provider)
-    if prov is None or prov.verify is None:
-        raise not_found(f"channel provider {provider!r} has no subscription check")
-    return prov.verify(svc)
-
-
-# -- reminders -----------------------------------------------------------------------------
-
-
-def list_reminders(svc: Service) -> dict:
-    """The reminders not sent yet (⏰ lines and `remind:`), soonest first."""
-    limit = query_int("limit", 100, 1, 1000)
-    offset = query_int("offset", 0, 0, 10**9)
-    sees = request_principal().sees  # a folder grant: its folder's reminders
-    pending = [r for r in svc.reminders.upcoming() if sees(r["path"])]
-    return {
-        "reminders": [
-            {
-                "id": r["id"],
-                "path": r["path"],
-                "title": r["title"],
-                "line": r["line"],
-                "due": iso(r["due"]),
-                "local": r["wall"],
-            }
-            for r in pending[offset : offset + limit]
-        ],
-        "total": len(pending),
-        "limit": limit,
-        "offset": offset,
-        "timeZone": svc.config.timezone or "system",
-    }
-
-
-# -- plugins -------------------------------------------------------------------------------
-
-
-def plugin_info(svc: Service, plugin: Plugin) -> dict:
-    return {
-        "name": plugin.name,
-        "version": plugin.version,
-        "description": plugin.description,
-        "enabled": svc.plugin_enabled(plugin.name),
-        "builtin": plugin.builtin,
-        "error": plugin.error or svc.plugin_errors.get(plugin.name),
-        "hooks": sorted(plugin.hooks),
-        "routes": [f"{r.method} {API}/plugins/{plugin.name}{r.path}" for r in plugin.routes],
-    }
-
-
-def _plugin(svc: Service, name: str) -> Plugin:
-    plugin = svc.plugins.get(name)
-    if plugin is None:
-        raise not_found(f"no plugin {name!r}")
-    return plugin
-
-
-def list_plugins(svc: Service) -> dict:
-    return {"plugins": [plugin_info(svc, p) for p in svc.plugins.values()]}
-
-
-def get_plugin(svc: Service, name: str) -> dict:
-    """The plugin's record; a plugin's own page (route "") adds its data when it is on."""
-    plugin = _plugin(svc, name)
-    info = plugin_info(svc, plugin)
-    page = next((r for r in plugin.routes if r.method == "GET" and r.path == ""), None)
-    who = request_principal()  # a grant sees a page its scope allows, a folder grant a built-in's
-    allowed = page and who.allows(page.scope) and (plugin.builtin or not who.folder)
-    if allowed and info["enabled"]:
-        info.update(page.handler(svc))
-    return info
-
-
-def toggle_plugin(svc: Service, name: str) -> dict:
-    plugin = _plugin(svc, name)
-    if plugin.error and plugin.name not in svc.plugin_errors:
-        raise ApiError(409, "CONFLICT", f"plugin {name} did not load: {plugin.error}")
-    enabled = not svc.plugin_enabled(name)
-    svc.state.update(lambda data: data.setdefault("plugins", {}).__setitem__(name, enabled))
-    svc.plugin_errors.pop(name, None)
-    return plugin_info(svc, plugin)
-
-
-def plugin_routes(plugins: Iterable[Plugin]) -> tuple:
-    """Return the Routes of the plugins' own endpoints, each refusing while it is off."""
-    routes = []
-    for plugin in plugins:
-        for r in plugin.routes:
-            if r.method == "GET" and r.path == "":
-                continue  # served by get_plugin
-
-            def guarded(svc: Service, _name=plugin.name, _handler=r.handler, **kwargs):
-                if not svc.plugin_enabled(_name):
-                    raise ApiError(403, "PLUGIN_DISABLED", f"plugin {_name} is switched off")
-                return _handler(svc, **kwargs)
-
-            guarded.__name__ = re.sub(r"\W+", "_", f"{plugin.name}_{r.handler.__name__}")
-            routes.append(
-                Route(
-                    r.method,
-                    f"/plugins/{plugin.name}{r.path}",
-                    guarded,
-                    summary=r.summary,
-                    status=r.status,
-                    params=r.params,
-                    tag="plugins",
-                    scope=r.scope,
-                    secret=r.secret,
-                )
-            )
-    return tuple(routes)
-
-
-# -- security ------------------------------------------------------------------------------
-
-
-def security_audit(svc: Service) -> dict:
-    return run_audit(svc)
-
-
-def security_config(svc: Service) -> dict:
-    cfg, st = svc.config, svc.state.read()
-    channels = st.get("channels", [])
-    return {
-        "auth": {
-            "mode": cfg.auth_mode,
-            "header": KEY_HEADER,
-            "jwt": {"enabled": cfg.auth_mode == "jwt", "tokenLifetimeSeconds": JWT_LIFETIME},
-            "keyCreatedAt": st.get("keyCreatedAt", ""),
-            "keyAgeDays": key_age_days(st),
-            "keyComparison": "constant-time (SHA-256 digests, hmac.compare_digest)",
-        },
-        "setup": {
-            "complete": bool(st.get("setupComplete")),
-            "localOnly": svc.setup_loopback_only,
-            "windowSeconds": cfg.setup_window,
-            "linkedClients": len(st.get("linkedClients", [])),
-        },
-        "network": {"bindHost": cfg.host, **_network_facts(cfg), "pairingMode": cfg.pairing},
-        "limits": {
-            **_limit_facts(svc),
-            "maxQueryChars": MAX_QUERY_CHARS,
-            "maxMessageChars": MAX_MESSAGE_CHARS,
-        },
-        "channels": {
-            "count": len(channels),
-            "enabled": sum(bool(c["enabled"]) for c in channels),
-            "withoutAllowlist": sum(
-                1
-                for c in channels
-                if c["provider"] in svc.channel_providers
-                and not c["config"].get(svc.channel_providers[c["provider"]].allow)
-            ),
-        },
-        "plugins": {
-            "count": len(svc.plugins),
-            "thirdParty": sum(not p.builtin for p in svc.plugins.values()),
-            "enabled": sum(svc.plugin_enabled(n) for n in svc.plugins),
-        },
-        "agent": _agent_facts(cfg),
-        "grants": svc.grants.counts(),
-    }
-
-
-def security_recommendations(svc: Service) -> dict:
-    return {
-        "recommendations": [
-            {
-                "id": f["id"],
-                "severity": f["severity"],
-                "title": f["title"],
-                "action": f["recommendation"],
-            }
-            for f in run_audit(svc)["findings"]
-            if f["severity"] != "info"
-        ]
-    }
-
+# == src/notesvc/http/access.py ===============================================
+# Handlers for who else gets in: scoped keys, devices, share links, OAuth, relay pairing.
 
 # -- grants: scoped keys and share links ------------------------------------------------
 
@@ -31865,7 +31344,7 @@ def create_scoped_key(svc: Service) -> dict:
     raw = field(body, "name", max_len=100)
     if is_blank(raw):
         raise bad_request("'name' must not be empty")
-    name = _clean_name(raw, "unnamed key")  # control characters never reach a listing
+    name = clean_name(raw, "unnamed key")  # control characters never reach a listing
     scope = field(body, "scope")
     if scope not in ("read", "write"):
         raise bad_request("'scope' must be read or write (the API key itself holds admin)")
@@ -31985,7 +31464,7 @@ def new_pairing(
 
 def create_pairing(svc: Service) -> dict:
     body = read_json(svc.config.max_body_bytes, required=False)  # every field has a default
-    name = _clean_name(field(body, "name", required=False, max_len=100), "device")
+    name = clean_name(field(body, "name", required=False, max_len=100), "device")
     scope = field(body, "scope", required=False) or "write"
     folder = _grant_folder(body)
     env = bottle.request.environ
@@ -32018,7 +31497,7 @@ def claim_device(svc: Service) -> dict:
     svc.check_lockout(addr)
     body = read_json(svc.config.max_body_bytes)
     secret = field(body, "secret", max_len=64)
-    name = _clean_name(field(body, "deviceName", required=False, max_len=100), "")
+    name = clean_name(field(body, "deviceName", required=False, max_len=100), "")
     found = svc.grants.claim(secret, name) if len(secret) <= 64 else None
     if found is None:
         svc.lockout.fail(addr, secret)
@@ -32036,7 +31515,7 @@ def claim_device(svc: Service) -> dict:
 def revoke_scoped_key(svc: Service, grant_id: str) -> dict:
     """DELETE /auth/keys/<id>[?cascade=true]: the grant, its share links and the pairings it
     made that wait; with cascade also every grant it made (by `createdBy`, and theirs)."""
-    cascade = _yes(bottle.request.query.get("cascade"), "cascade")
+    cascade = yes_or_no(bottle.request.query.get("cascade"), "cascade")
     gone = svc.grants.revoke(grant_id, cascade=cascade)
     if not gone:
         raise not_found(f"no key or OAuth grant {grant_id}")
@@ -32088,7 +31567,7 @@ def revoke_share(svc: Service, share_id: str) -> dict:
     return {"id": share_id, "revoked": True}
 
 
-def _public_limit(svc: Service) -> str:
+def public_limit(svc: Service) -> str:
     """Count one public grant request from its address; 429 over the limits."""
     addr = svc.client_addr(bottle.request.environ)
     wait = svc.grants.share_misses.retry_after(addr) or svc.grants.public_hits.hit(addr)
@@ -32105,7 +31584,7 @@ def _public_limit(svc: Service) -> str:
 def _shared_note(svc: Service, token: str) -> tuple:
     """Return (the shared note's record, whom the link reads as). A link made by a grant
     reads as that grant: only while the note is in its folder, only what it may see."""
-    addr = _public_limit(svc)
+    addr = public_limit(svc)
     bottle.response.set_header("X-Robots-Tag", "noindex, nofollow")
     bottle.response.set_header("Referrer-Policy", "no-referrer")
     found = svc.grants.shared(token)
@@ -32135,8 +31614,8 @@ def shared_attachments(path: str, text: str) -> dict:
     """Return {href as written: attachment path} of the attachments a note at `path` links
     by Markdown link or image: all a share link of it may load."""
     found = {}
-    for m in _MDLINK_RE.finditer(text[:MAX_SCAN_CHARS]):
-        target = _md_target(m.group(2))
+    for m in MDLINK_RE.finditer(text[:MAX_SCAN_CHARS]):
+        target = md_target(m.group(2))
         href = urllib.parse.unquote(target.strip("<>")) if target else ""
         if not href or "://" in href or href.startswith("mailto:"):
             continue
@@ -32369,7 +31848,7 @@ def _error_redirect(
 
 def oauth_consent(svc: Service) -> dict:
     """GET /api/v1/oauth/consent: what the consent page shows for an authorisation request."""
-    _public_limit(svc)
+    public_limit(svc)
     env = bottle.request.environ
     q = {
         name: query_str(name)
@@ -32467,6 +31946,685 @@ def pair_relay_code(svc: Service, code: str) -> dict:
     return {"serverId": st["serverId"], "relayApiBase": f"{relay}{API}"}
 
 
+# == src/notesvc/http/mcp.py ==================================================
+# MCP over JSON-RPC 2.0: /mcp's tools for assistants, in both protocol eras.
+
+# -- MCP: the tools over JSON-RPC 2.0 (Streamable HTTP, answered as JSON) -------------------
+#
+# POST /api/v1/mcp takes one JSON-RPC message and answers it with one JSON object (no SSE,
+# no sessions). Two eras share it, told apart the way the official SDKs route them: by the
+# MCP-Protocol-Version header (none, or a handshake-era version: the handshake era).
+#   2025-06-18, 2025-11-25: `initialize` (nothing is kept: every request stands alone),
+#     `notifications/initialized` (202), `ping`, `tools/list`, `tools/call`.
+#   2026-07-28 (stateless): no handshake; each request carries its version and capabilities
+#     in `params._meta`, and the MCP-Protocol-Version, Mcp-Method and Mcp-Name headers must
+#     repeat the body (-32020 when they do not); an unknown version is -32022 with the list.
+#     `server/discover`, `tools/list`, `tools/call`; results carry `resultType: "complete"`.
+
+_HANDSHAKE_ERA = ("2024-11-05", "2025-03-26", *MCP_HANDSHAKE_VERSIONS)
+META_VERSION = "io.modelcontextprotocol/protocolVersion"
+META_CAPABILITIES = "io.modelcontextprotocol/clientCapabilities"
+META_SERVER_INFO = "io.modelcontextprotocol/serverInfo"
+PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, INVALID_PARAMS = -32700, -32600, -32601, -32602
+HEADER_MISMATCH, UNSUPPORTED_VERSION = -32020, -32022
+# The HTTP status of a stateless-era error (the SDKs' table); in the handshake era a body
+# that cannot be taken is 400 and every other error 200.
+_STATELESS_STATUS = {METHOD_NOT_FOUND: 404}
+_HANDSHAKE_400 = (PARSE_ERROR, INVALID_REQUEST, UNSUPPORTED_VERSION)
+MCP_LIST_TTL_MS = 60000  # how long a stateless client may cache the tool list
+MCP_INSTRUCTIONS = (
+    "The user's Markdown notes, paths like notes/<folders>/<name>.md. Find notes with "
+    "search_notes (or list_folder, recent_changes) and read them with read_note before "
+    "answering from them; name the paths you used. To change a note, read it first and pass "
+    "its etag to update_note or move_note."
+)
+
+
+def server_info() -> dict:
+    return {"name": "notesvc", "title": "notesvc notes", "version": __version__}
+
+
+class RpcError(Exception):
+    """A JSON-RPC error answer (its HTTP status follows from the code and the era)."""
+
+    def __init__(self, code: int, message: str, data: Any = None):
+        super().__init__(message)
+        self.code, self.message, self.data = code, message, data
+
+    def answer(self, request_id: Any) -> dict:
+        error = {"code": self.code, "message": self.message}
+        if self.data is not None:
+            error["data"] = self.data
+        return {"jsonrpc": "2.0", "id": request_id, "error": error}
+
+    def http_status(self, stateless: bool) -> int:
+        if stateless:
+            return _STATELESS_STATUS.get(self.code, 400)
+        return 400 if self.code in _HANDSHAKE_400 else 200
+
+
+def cors_allows(config: Config, origin: str) -> bool:
+    """Return whether SERVICE_CORS_ORIGINS lets pages of this origin call the API."""
+    return "*" in config.cors or origin.rstrip("/") in config.cors
+
+
+def authenticate_mcp(svc: Service, environ: dict) -> Principal:
+    """Let a request to /mcp through or raise 403, 401 or 429: the one place /mcp's callers
+    are checked. A page's Origin must be one SERVICE_CORS_ORIGINS allows (so a site that
+    rebinds its name to this machine gets nowhere), then the key, which may come as
+    X-Service-Key, `Authorization: Bearer` or X-API-Key (docs/api.md), or an OAuth access
+    token issued for this URL (docs/api.md: Let others in). Returns who the request acts for."""
+    origin = environ.get("HTTP_ORIGIN", "")
+    if origin and not cors_allows(svc.config, origin):
+        raise ApiError(
+            403,
+            "FORBIDDEN",
+            "requests from web pages are refused unless their origin is listed in "
+            "SERVICE_CORS_ORIGINS",
+        )
+    return svc.authenticate(environ, mcp=True)
+
+
+def mcp_endpoint(svc: Service) -> bytes:
+    """POST /mcp: one JSON-RPC message in; its answer out, or 202 for a notification."""
+    env = bottle.request.environ
+    stateless = _stateless_era(env, None)
+    request_id = None
+    try:
+        message = _rpc_message(svc.config.max_body_bytes)
+        stateless = _stateless_era(env, message)
+        request_id = message.get("id")  # answered with errors too, when it is a usable id
+        if not isinstance(request_id, (str, int)) or isinstance(request_id, bool):
+            request_id = None
+        method, params = _rpc_request(message, request_id)
+        if method is None:  # a notification or a response: nothing to answer
+            if stateless:
+                _check_version(env.get("HTTP_MCP_PROTOCOL_VERSION"), MCP_STATELESS_VERSIONS)
+            bottle.response.status = 202
+            bottle.response.content_type = JSON_TYPE
+            return b""
+        if stateless:
+            result = _stateless_request(svc, env, method, params)
+        else:
+            result = _handshake_request(svc, env, method, params)
+        answer, status = {"jsonrpc": "2.0", "id": request_id, "result": result}, 200
+    except RpcError as e:
+        answer, status = e.answer(request_id), e.http_status(stateless)
+    bottle.response.status = status
+    bottle.response.content_type = JSON_TYPE
+    return to_json(answer)
+
+
+def _stateless_era(env: dict, message: Any) -> bool:
+    """Return whether a request speaks the 2026-07-28 era: a header naming another version
+    than the handshake era's, or (its header missing) a body carrying its version."""
+    header = env.get("HTTP_MCP_PROTOCOL_VERSION")
+    if header is not None:
+        return header not in _HANDSHAKE_ERA
+    params = message.get("params") if isinstance(message, dict) else None
+    meta = params.get("_meta") if isinstance(params, dict) else None
+    return isinstance(meta, dict) and META_VERSION in meta
+
+
+def _rpc_message(max_bytes: int) -> Any:
+    """Return the request's JSON-RPC message; 413 / 415 as ApiErrors, -32700 / -32600."""
+    req = bottle.request
+    if req.content_type.split(";")[0].strip().lower() != "application/json":
+        raise ApiError(
+            415, "UNSUPPORTED_MEDIA_TYPE", "send JSON-RPC with Content-Type: application/json"
+        )
+    if req.content_length > max_bytes:
+        raise ApiError(413, "PAYLOAD_TOO_LARGE", f"the body is over {max_bytes} bytes")
+    raw = req.body.read(max_bytes + 1)
+    if len(raw) > max_bytes:
+        raise ApiError(413, "PAYLOAD_TOO_LARGE", f"the body is over {max_bytes} bytes")
+    try:
+        message = json.loads(raw.decode("utf-8"), parse_constant=no_constant)
+    except (UnicodeDecodeError, ValueError, RecursionError):
+        raise RpcError(PARSE_ERROR, "the body is not valid JSON (UTF-8)") from None
+    if isinstance(message, list):
+        raise RpcError(INVALID_REQUEST, "batches are not supported: one message per request")
+    if not isinstance(message, dict):
+        raise RpcError(INVALID_REQUEST, "the body must be one JSON-RPC message (an object)")
+    return message
+
+
+def _rpc_request(message: dict, request_id: Any) -> tuple:
+    """Return (method, params) of a request; method None for a notification or a response
+    (both are only acknowledged); -32600 / -32602 for a malformed message."""
+    if message.get("jsonrpc") != "2.0":
+        raise RpcError(INVALID_REQUEST, 'a JSON-RPC 2.0 message needs "jsonrpc": "2.0"')
+    method = message.get("method")
+    if method is None and "id" in message and ("result" in message or "error" in message):
+        return None, {}  # a response: this server never asks, so it is dropped
+    if not isinstance(method, str) or not method:
+        raise RpcError(INVALID_REQUEST, "'method' must be a non-empty string")
+    if "id" in message and request_id is None:
+        raise RpcError(INVALID_REQUEST, "'id' must be a string or a whole number")
+    params = message.get("params")
+    if params is not None and not isinstance(params, dict):
+        raise RpcError(INVALID_PARAMS, "'params' must be an object")
+    return method if "id" in message else None, params or {}
+
+
+def _check_version(version: Any, served: tuple) -> None:
+    if version not in served:
+        requested = version[:64] if isinstance(version, str) else None
+        raise RpcError(
+            UNSUPPORTED_VERSION,
+            f"protocol version {str(version)[:40]!r} is not supported",
+            {"supported": list(MCP_VERSIONS), "requested": requested},
+        )
+
+
+def _handshake_request(svc: Service, env: dict, method: str, params: dict) -> dict:
+    if method == "initialize":  # the client's version when served, else the newest
+        asked = params.get("protocolVersion")
+        version = asked if asked in MCP_HANDSHAKE_VERSIONS else MCP_HANDSHAKE_VERSIONS[-1]
+        return {
+            "protocolVersion": version,
+            "capabilities": {"tools": {"listChanged": False}},
+            "serverInfo": server_info(),
+            "instructions": MCP_INSTRUCTIONS,
+        }
+    header = env.get("HTTP_MCP_PROTOCOL_VERSION")
+    if header is not None:
+        _check_version(header, MCP_HANDSHAKE_VERSIONS)
+    if method == "ping":
+        return {}
+    return _tools_method(svc, method, params)
+
+
+def _header_text(value: str | None) -> str | None:
+    """Return a header's text; a value the client wrapped as =?base64?...?= is unwrapped."""
+    m = re.fullmatch(r"=\?base64\?([A-Za-z0-9+/=]*)\?=", value or "")
+    if not m:
+        return value
+    try:
+        return base64.b64decode(m.group(1), validate=True).decode("utf-8")
+    except (ValueError, UnicodeDecodeError):
+        return None
+
+
+def _stateless_request(svc: Service, env: dict, method: str, params: dict) -> dict:
+    meta = params.get("_meta")
+    if not isinstance(meta, dict) or META_VERSION not in meta or META_CAPABILITIES not in meta:
+        raise RpcError(
+            INVALID_PARAMS,
+            f"params._meta must carry {META_VERSION!r} and {META_CAPABILITIES!r} "
+            "(protocol 2026-07-28)",
+        )
+    version = meta[META_VERSION]
+    if env.get("HTTP_MCP_PROTOCOL_VERSION") != version:
+        raise RpcError(
+            HEADER_MISMATCH, "the MCP-Protocol-Version header does not match params._meta"
+        )
+    if env.get("HTTP_MCP_METHOD") != method:
+        raise RpcError(HEADER_MISMATCH, "the Mcp-Method header does not match the method")
+    name = params.get("name")
+    if (
+        method == "tools/call"
+        and name is not None
+        and _header_text(env.get("HTTP_MCP_NAME")) != name
+    ):
+        raise RpcError(HEADER_MISMATCH, "the Mcp-Name header does not match params.name")
+    _check_version(version, MCP_STATELESS_VERSIONS)
+    if method == "server/discover":
+        result = {
+            "supportedVersions": list(MCP_VERSIONS),
+            "capabilities": {"tools": {"listChanged": False}},
+            "instructions": MCP_INSTRUCTIONS,
+            "cacheScope": "private",
+            "ttlMs": MCP_LIST_TTL_MS,
+        }
+    else:
+        result = _tools_method(svc, method, params)
+    if method == "tools/list":
+        result.update(cacheScope="private", ttlMs=MCP_LIST_TTL_MS)
+    return {**result, "resultType": "complete", "_meta": {META_SERVER_INFO: server_info()}}
+
+
+def _tools_method(svc: Service, method: str, params: dict) -> dict:
+    if method == "tools/list":
+        if params.get("cursor") is not None:
+            raise RpcError(INVALID_PARAMS, "unknown cursor: the tool list has a single page")
+        tools = available_tools(svc, svc.config.mcp_write)
+        return {"tools": [mcp_tool(t) for t in tools]}
+    if method == "tools/call":
+        return _tools_call(svc, params.get("name"), params.get("arguments"))
+    raise RpcError(METHOD_NOT_FOUND, f"method {method[:64]!r} is not served here")
+
+
+def mcp_tool(tool: Tool) -> dict:
+    """Return a tool as MCP's tools/list describes it."""
+    return {
+        "name": tool.name,
+        "title": tool.annotations()["title"],
+        "description": tool.description,
+        "inputSchema": tool.schema,
+        "annotations": tool.annotations(),
+    }
+
+
+def _tools_call(svc: Service, name: Any, arguments: Any) -> dict:
+    if not isinstance(name, str):
+        raise RpcError(INVALID_PARAMS, "params.name must name a tool (see tools/list)")
+    if arguments is not None and not isinstance(arguments, dict):
+        raise RpcError(INVALID_PARAMS, "params.arguments must be an object")
+    offered = {t.name: t for t in available_tools(svc, svc.config.mcp_write)}
+    if name not in offered:
+        known = svc.tools.get(name)
+        if known is not None and request_principal().folder and TOOLS.get(name) is not known:
+            why = f"{name} is a plugin's tool: a connection to one folder gets the built-in tools"
+        elif known is not None and not known.read_only and not svc.config.mcp_write:
+            why = f"{name} changes notes: the owner has not allowed that (SERVICE_MCP_WRITE)"
+        elif known is not None and not known.read_only:
+            why = f"{name} changes notes: this connection was granted reading only"
+        elif known is not None:
+            why = f"{name} needs the {known.plugin} plugin, which is switched off"
+        else:
+            why = f"unknown tool {name[:64]!r} (see tools/list)"
+        raise RpcError(INVALID_PARAMS, why)
+    log.debug("request %s: MCP tool %s", current_request_id(), name)
+    return call_tool(svc, offered[name], arguments or {})
+
+
+# == src/notesvc/http/integrations.py =========================================
+# Handlers for channels, reminders, plugins, the security audit, import, export, the page.
+
+# -- channels ----------------------------------------------------------------------------------
+
+
+def list_channel_providers(svc: Service) -> dict:
+    return {
+        "providers": [
+            {
+                "name": p.name,
+                "description": p.description,
+                "fields": [dataclasses.asdict(f) for f in p.fields],
+                "allowlistField": p.allow,
+                "webhookPath": f"{API}/channels/webhook/{p.name}",
+            }
+            for p in svc.channel_providers.values()
+        ]
+    }
+
+
+def list_channels(svc: Service) -> dict:
+    return {"channels": [redact_channel(c, svc.channel_providers) for c in channels_of(svc)]}
+
+
+def create_channel(svc: Service) -> dict:
+    body = read_json(svc.config.max_body_bytes)
+    name = field(body, "provider")
+    provider = svc.channel_providers.get(name)
+    if provider is None:
+        raise bad_request(f"'provider' must be one of {', '.join(svc.channel_providers)}")
+    config = validate_channel_config(provider, body.get("config", {}))
+    title = field(body, "name", required=False, max_len=100) or f"{name} channel"
+    return add_channel(svc, name, config, title)
+
+
+def add_channel(svc: Service, name: str, config: dict, title: str, **extra) -> dict:
+    """Store a new channel (config already checked) and start what it needs; return it."""
+    # Through a relay (or this server's own /r/<id> prefix) the hook must go that way too.
+    base = svc.issuer(bottle.request.environ)
+    channel = {
+        "id": "ch_" + secrets.token_hex(6),
+        "provider": name,
+        "name": printable(title),
+        "enabled": True,
+        "createdAt": iso(utcnow()),
+        "webhookUrl": f"{base}{API}/channels/webhook/{name}",
+        "secret": secrets.token_urlsafe(24),
+        "config": config,
+        **extra,
+    }
+    maker = made_by(request_principal())  # the chats it allows are theirs (unbind_chats)
+    note_chat_makers(channel, svc.channel_providers.get(name), [], maker)
+    svc.state.update(lambda data: data.setdefault("channels", []).append(channel))
+    log.info("channel %s (%s) created", channel["id"], name)
+    channel = configure_channel(svc, channel)  # Telegram webhook mode: setWebhook
+    svc.pollers.sync()
+    return channel
+
+
+TELEGRAM_TOKEN_RE = re.compile(r"^[0-9]{1,20}:[A-Za-z0-9_-]{1,200}\Z")  # BotFather's shape
+
+
+def connect_telegram(svc: Service) -> dict:
+    """POST /channels/connect/telegram {botToken, name?}: the web client's "Connect
+    Telegram". The token is checked with getMe first (refused: 400, Telegram unreachable:
+    502; nothing is stored either way); then a polling channel that no chat may use until
+    one sends the bind code (10 minutes), which connects that chat alone."""
+    body = read_json(svc.config.max_body_bytes)
+    token = field(body, "botToken", max_len=MAX_CONFIG_CHARS).strip()
+    if not TELEGRAM_TOKEN_RE.match(token):
+        raise bad_request("'botToken' must be the token BotFather gave you (123456:ABC...)")
+    try:
+        bot = telegram_call(svc, {"botToken": token}, "getMe", {}, timeout=15)
+    except TelegramError as e:
+        raise bad_request(
+            f"Telegram refused this token ({e}); copy it again from @BotFather"
+        ) from None
+    except UpstreamError as e:
+        raise ApiError(502, "UPSTREAM_ERROR", f"Telegram cannot be reached: {e}") from None
+    bot = bot if isinstance(bot, dict) else {}
+    username = printable(str(bot.get("username") or ""), 64)
+    title = field(body, "name", required=False, max_len=100) or f"@{username or 'telegram'}"
+    config = validate_channel_config(
+        svc.channel_providers["telegram"],
+        {"botToken": token, "mode": "polling", "notify": True},
+    )
+    code, binding = new_binding(made_by(request_principal()))
+    channel = add_channel(svc, "telegram", config, title, binding=binding, bot=username)
+    return bind_answer(svc, channel, code, binding)
+
+
+def bind_answer(svc: Service, channel: dict, code: str, binding: dict) -> dict:
+    """Return what the web client shows to connect a chat: the code, the bot's t.me link
+    that sends it (and its QR code), until when it works."""
+    username = channel.get("bot") or ""
+    link = f"https://t.me/{username}?start={code}" if username else ""
+    answer = {
+        "channel": redact_channel(channel, svc.channel_providers),
+        "bindCode": code,
+        "bindUntil": binding["until"],
+        "bot": username,
+        "link": link,
+    }
+    svg = qr_svg(link) if link else None
+    if svg:
+        answer["qrSvg"] = svg
+    return answer
+
+
+def bind_channel(svc: Service, channel_id: str) -> dict:
+    """POST /channels/:id/bind: a new bind code; the next chat to send it replaces the
+    allowed chats (the ones allowed now keep working until then)."""
+    code, binding = new_binding(made_by(request_principal()))
+
+    def apply(channels: list, i: int) -> dict:
+        if channels[i]["provider"] != "telegram":
+            raise bad_request("only a Telegram channel is connected by a code")
+        channels[i]["binding"] = binding
+        return channels[i]
+
+    channel = change_channel(svc, channel_id, apply)
+    return bind_answer(svc, channel, code, binding)
+
+
+def get_channel(svc: Service, channel_id: str) -> dict:
+    """Return one channel, redacted, with the last senders its allowlist refused."""
+    for channel in channels_of(svc):
+        if channel["id"] == channel_id:
+            refused = channel.get("refusedSenders", [])
+            return {**redact_channel(channel, svc.channel_providers), "refusedSenders": refused}
+    raise not_found(f"no channel {channel_id}")
+
+
+def patch_channel(svc: Service, channel_id: str) -> dict:
+    """Merge {name?, config?} into a channel (validated as on create; the secret stays)."""
+    if not any(c["id"] == channel_id for c in channels_of(svc)):  # 404 before the body's 400
+        raise not_found(f"no channel {channel_id}")
+    body = read_json(svc.config.max_body_bytes)
+    unknown = sorted(set(body) - {"name", "config"})
+    if unknown:
+        raise bad_request(f"unknown field(s): {', '.join(unknown)}; send name and/or config")
+    if not body:
+        raise bad_request("nothing to change: send name and/or config")
+    title = field(body, "name", required=False, max_len=100)
+    if title is not None and is_blank(title):
+        raise bad_request("'name' must not be empty")
+    changes = field(body, "config", dict, required=False)
+    maker = made_by(request_principal())
+
+    def merge(channels: list, i: int) -> dict:
+        channel = channels[i]
+        if changes is not None:
+            provider = svc.channel_providers.get(channel["provider"])
+            if provider is None:
+                raise bad_request(f"channel provider {channel['provider']!r} is not loaded")
+            stored = channel["config"]
+            before = list(stored.get(provider.allow) or []) if provider.allow else []
+            if "mode" not in stored and any(f.name == "mode" for f in provider.fields):
+                stored = {**stored, "mode": "webhook"}  # stored before modes: a webhook
+            channel["config"] = validate_channel_config(provider, {**stored, **changes})
+            note_chat_makers(channel, provider, before, maker)
+        if title is not None:  # only invisible characters: the name it had stays
+            channel["name"] = printable(title) or channel["name"]
+        return channel
+
+    channel = change_channel(svc, channel_id, merge)
+    log.info("channel %s changed", channel_id)
+    svc.pollers.sync(join=15)  # a poller that goes is done before a webhook is set
+    if changes is not None:
+        channel = configure_channel(svc, channel)  # webhook mode: setWebhook again
+    return redact_channel(channel, svc.channel_providers)
+
+
+def toggle_channel(svc: Service, channel_id: str) -> dict:
+    def flip(channels: list, i: int) -> dict:
+        channels[i]["enabled"] = not channels[i]["enabled"]
+        return channels[i]
+
+    channel = change_channel(svc, channel_id, flip)
+    svc.pollers.sync()
+    return redact_channel(channel, svc.channel_providers)
+
+
+def delete_channel(svc: Service, channel_id: str) -> dict:
+    change_channel(svc, channel_id, lambda channels, i: channels.pop(i))
+    svc.pollers.sync()
+    return {"id": channel_id, "deleted": True}
+
+
+def receive_webhook(svc: Service, provider: str) -> dict:
+    prov = svc.channel_providers.get(provider)
+    if prov is None:
+        raise not_found(f"no channel provider {provider!r}")
+    env = bottle.request.environ
+    limit = svc.config.max_body_bytes
+    signature = ""
+    if prov.signature_header:
+        signature = env.get("HTTP_" + prov.signature_header.upper().replace("-", "_"), "")
+
+    def raw() -> bytes:  # the body as signed: read (and checked) as JSON, then as bytes
+        read_json(limit)
+        return bottle.request.body.read(limit + 1)
+
+    return handle_channel_update(
+        svc,
+        prov,
+        channel_secret(svc, prov, env),
+        svc.client_addr(env),
+        lambda: read_json(limit),
+        signature,
+        raw,
+    )
+
+
+def verify_webhook(svc: Service, provider: str):
+    """GET /channels/webhook/<provider>: the provider's own subscription check."""
+    prov = svc.channel_providers.get(provider)
+    if prov is None or prov.verify is None:
+        raise not_found(f"channel provider {provider!r} has no subscription check")
+    return prov.verify(svc)
+
+
+# -- reminders -----------------------------------------------------------------------------
+
+
+def list_reminders(svc: Service) -> dict:
+    """The reminders not sent yet (⏰ lines and `remind:`), soonest first."""
+    limit = query_int("limit", 100, 1, 1000)
+    offset = query_int("offset", 0, 0, 10**9)
+    sees = request_principal().sees  # a folder grant: its folder's reminders
+    pending = [r for r in svc.reminders.upcoming() if sees(r["path"])]
+    return {
+        "reminders": [
+            {
+                "id": r["id"],
+                "path": r["path"],
+                "title": r["title"],
+                "line": r["line"],
+                "due": iso(r["due"]),
+                "local": r["wall"],
+            }
+            for r in pending[offset : offset + limit]
+        ],
+        "total": len(pending),
+        "limit": limit,
+        "offset": offset,
+        "timeZone": svc.config.timezone or "system",
+    }
+
+
+# -- plugins -------------------------------------------------------------------------------
+
+
+def plugin_info(svc: Service, plugin: Plugin) -> dict:
+    return {
+        "name": plugin.name,
+        "version": plugin.version,
+        "description": plugin.description,
+        "enabled": svc.plugin_enabled(plugin.name),
+        "builtin": plugin.builtin,
+        "error": plugin.error or svc.plugin_errors.get(plugin.name),
+        "hooks": sorted(plugin.hooks),
+        "routes": [f"{r.method} {API}/plugins/{plugin.name}{r.path}" for r in plugin.routes],
+    }
+
+
+def _plugin(svc: Service, name: str) -> Plugin:
+    plugin = svc.plugins.get(name)
+    if plugin is None:
+        raise not_found(f"no plugin {name!r}")
+    return plugin
+
+
+def list_plugins(svc: Service) -> dict:
+    return {"plugins": [plugin_info(svc, p) for p in svc.plugins.values()]}
+
+
+def get_plugin(svc: Service, name: str) -> dict:
+    """The plugin's record; a plugin's own page (route "") adds its data when it is on."""
+    plugin = _plugin(svc, name)
+    info = plugin_info(svc, plugin)
+    page = next((r for r in plugin.routes if r.method == "GET" and r.path == ""), None)
+    who = request_principal()  # a grant sees a page its scope allows, a folder grant a built-in's
+    allowed = page and who.allows(page.scope) and (plugin.builtin or not who.folder)
+    if allowed and info["enabled"]:
+        info.update(page.handler(svc))
+    return info
+
+
+def toggle_plugin(svc: Service, name: str) -> dict:
+    plugin = _plugin(svc, name)
+    if plugin.error and plugin.name not in svc.plugin_errors:
+        raise ApiError(409, "CONFLICT", f"plugin {name} did not load: {plugin.error}")
+    enabled = not svc.plugin_enabled(name)
+    svc.state.update(lambda data: data.setdefault("plugins", {}).__setitem__(name, enabled))
+    svc.plugin_errors.pop(name, None)
+    return plugin_info(svc, plugin)
+
+
+def plugin_routes(plugins: Iterable[Plugin]) -> tuple:
+    """Return the Routes of the plugins' own endpoints, each refusing while it is off."""
+    routes = []
+    for plugin in plugins:
+        for r in plugin.routes:
+            if r.method == "GET" and r.path == "":
+                continue  # served by get_plugin
+
+            def guarded(svc: Service, _name=plugin.name, _handler=r.handler, **kwargs):
+                if not svc.plugin_enabled(_name):
+                    raise ApiError(403, "PLUGIN_DISABLED", f"plugin {_name} is switched off")
+                return _handler(svc, **kwargs)
+
+            guarded.__name__ = re.sub(r"\W+", "_", f"{plugin.name}_{r.handler.__name__}")
+            routes.append(
+                Route(
+                    r.method,
+                    f"/plugins/{plugin.name}{r.path}",
+                    guarded,
+                    summary=r.summary,
+                    status=r.status,
+                    params=r.params,
+                    tag="plugins",
+                    scope=r.scope,
+                    secret=r.secret,
+                )
+            )
+    return tuple(routes)
+
+
+# -- security ------------------------------------------------------------------------------
+
+
+def security_audit(svc: Service) -> dict:
+    return run_audit(svc)
+
+
+def security_config(svc: Service) -> dict:
+    cfg, st = svc.config, svc.state.read()
+    channels = st.get("channels", [])
+    return {
+        "auth": {
+            "mode": cfg.auth_mode,
+            "header": KEY_HEADER,
+            "jwt": {"enabled": cfg.auth_mode == "jwt", "tokenLifetimeSeconds": JWT_LIFETIME},
+            "keyCreatedAt": st.get("keyCreatedAt", ""),
+            "keyAgeDays": key_age_days(st),
+            "keyComparison": "constant-time (SHA-256 digests, hmac.compare_digest)",
+        },
+        "setup": {
+            "complete": bool(st.get("setupComplete")),
+            "localOnly": svc.setup_loopback_only,
+            "windowSeconds": cfg.setup_window,
+            "linkedClients": len(st.get("linkedClients", [])),
+        },
+        "network": {"bindHost": cfg.host, **network_facts(cfg), "pairingMode": cfg.pairing},
+        "limits": {
+            **limit_facts(svc),
+            "maxQueryChars": MAX_QUERY_CHARS,
+            "maxMessageChars": MAX_MESSAGE_CHARS,
+        },
+        "channels": {
+            "count": len(channels),
+            "enabled": sum(bool(c["enabled"]) for c in channels),
+            "withoutAllowlist": sum(
+                1
+                for c in channels
+                if c["provider"] in svc.channel_providers
+                and not c["config"].get(svc.channel_providers[c["provider"]].allow)
+            ),
+        },
+        "plugins": {
+            "count": len(svc.plugins),
+            "thirdParty": sum(not p.builtin for p in svc.plugins.values()),
+            "enabled": sum(svc.plugin_enabled(n) for n in svc.plugins),
+        },
+        "agent": agent_facts(cfg),
+        "grants": svc.grants.counts(),
+    }
+
+
+def security_recommendations(svc: Service) -> dict:
+    return {
+        "recommendations": [
+            {
+                "id": f["id"],
+                "severity": f["severity"],
+                "title": f["title"],
+                "action": f["recommendation"],
+            }
+            for f in run_audit(svc)["findings"]
+            if f["severity"] != "info"
+        ]
+    }
+
+
 # -- import and export (docs/api.md: Import) -------------------------------------------------------
 
 IMPORT_BODY_TYPES = {  # a raw body's type -> the file name it stands for
@@ -32481,15 +32639,6 @@ IMPORT_BODY_TYPES = {  # a raw body's type -> the file name it stands for
     "text/plain": "import.txt",
     "application/octet-stream": "",
 }
-
-
-def _yes(raw: Any, name: str) -> bool:
-    value = str(raw or "").strip().lower()
-    if value in ("", "0", "false", "no"):
-        return False
-    if value in ("1", "true", "yes"):
-        return True
-    raise bad_request(f"'{name}' must be true or false")
 
 
 def post_import(svc: Service) -> bytes:
@@ -32522,7 +32671,7 @@ def post_import(svc: Service) -> bytes:
                     spool.write(chunk)
             spool.flush()
         spool.seek(0)
-        dry = _yes(fields["dryRun"], "dryRun")
+        dry = yes_or_no(fields["dryRun"], "dryRun")
         into = fields["into"] or None
         report = run_import(svc, spool, filename, into, dry, request_principal())
     finally:
@@ -32530,7 +32679,7 @@ def post_import(svc: Service) -> bytes:
         import_settled()
     log.info(
         "request %s: import%s of %s and %s into %s (%d skipped)",
-        _rid(),
+        current_request_id(),
         " (dry run)" if dry else "",
         plural(report["created"], "note"),
         plural(report["attachments"], "file"),
@@ -32582,7 +32731,7 @@ def get_export(svc: Service):
     resp.content_type = "application/zip"
     resp.set_header("Content-Disposition", f'attachment; filename="notesvc-export-{stamp}.zip"')
     resp.set_header("Cache-Control", "no-store")
-    log.info("request %s: export of %s", _rid(), principal.folder or "every note")
+    log.info("request %s: export of %s", current_request_id(), principal.folder or "every note")
     return export_zip(svc.config.root, principal)
 
 
@@ -32611,7 +32760,9 @@ def get_web_client(svc: Service):
 
 
 # == src/notesvc/http/dav.py ==================================================
-# == WebDAV ===================================================================
+# WebDAV under /dav/: the notes folder in other apps.
+
+# -- WebDAV --------------------------------------------------------------------------------
 #
 # The notes folder in other apps (docs/api.md: WebDAV): Finder, Windows, rclone, Obsidian.
 # /dav/notes/... and /dav/attachments/... for Obsidian (Remotely Save), Markor, Joplin,
@@ -32833,11 +32984,12 @@ class DavState:
 
 
 def dav_state(svc: Service) -> DavState:
-    state = getattr(svc, "_dav", None)
+    """Return the Service's DavState (`svc.dav`), made on first use."""
+    state = svc.dav
     if state is None:
         with _DAV_START:
-            state = getattr(svc, "_dav", None) or DavState(svc)
-            svc._dav = state
+            state = svc.dav or DavState(svc)
+            svc.dav = state
     return state
 
 
@@ -32902,7 +33054,7 @@ def dav_checked(raw: str) -> str:
         "_" + s[1:] if s.startswith(".") and s not in (".", "..") else s for s in segments
     )
     try:
-        _check_segments(shown, "WebDAV", segments[0])
+        check_segments(shown, "WebDAV", segments[0])
     except ApiError as e:
         raise DavError(403, e.message) from None
     return path
@@ -33018,7 +33170,7 @@ def dav_xml(body: bytes):
     return root
 
 
-def _dav_name(tag: str) -> tuple:
+def dav_name(tag: str) -> tuple:
     """('DAV:', 'getetag') from '{DAV:}getetag'; ('', 'x') for an element in no namespace."""
     if tag.startswith("{"):
         ns, _, local = tag[1:].partition("}")
@@ -33037,7 +33189,7 @@ def _xml_of(elem) -> str:
 XML_NON_CHAR_RE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
 
 
-def _xesc(text: str) -> str:
+def xesc(text: str) -> str:
     """Text as XML character data or an attribute value (what XML cannot hold as U+FFFD)."""
     return (
         XML_NON_CHAR_RE.sub("\ufffd", text)
@@ -33048,13 +33200,13 @@ def _xesc(text: str) -> str:
     )
 
 
-def _empty_prop(tag: str) -> str:
-    ns, local = _dav_name(tag)
+def empty_prop(tag: str) -> str:
+    ns, local = dav_name(tag)
     if ns == "DAV:":
         return f"<D:{local}/>"
     if not ns:
         return f'<{local} xmlns=""/>'
-    quoted = _xesc(ns).replace("\n", "&#10;").replace("\r", "&#13;").replace("\t", "&#9;")
+    quoted = xesc(ns).replace("\n", "&#10;").replace("\r", "&#13;").replace("\t", "&#9;")
     return f'<X:{local} xmlns:X="{quoted}"/>'
 
 
@@ -33084,7 +33236,7 @@ def dav_live(dav: DavState, item: DavItem, name: str) -> str | None:
     st = item.st
     folder = st is None or stat.S_ISDIR(st.st_mode) if item.path not in DAV_TOPS else True
     if name == "displayname":
-        return f"<D:displayname>{_xesc(item.path.rsplit('/', 1)[-1])}</D:displayname>"
+        return f"<D:displayname>{xesc(item.path.rsplit('/', 1)[-1])}</D:displayname>"
     if name == "resourcetype":
         return "<D:resourcetype><D:collection/></D:resourcetype>" if folder else "<D:resourcetype/>"
     if name == "supportedlock":
@@ -33106,7 +33258,7 @@ def dav_live(dav: DavState, item: DavItem, name: str) -> str | None:
         return f"<D:getcontenttype>{kind}</D:getcontenttype>"
     if name == "getetag":
         try:
-            return f"<D:getetag>{_xesc(dav_etag(dav, item))}</D:getetag>"
+            return f"<D:getetag>{xesc(dav_etag(dav, item))}</D:getetag>"
         except OSError:  # deleted while the listing was made
             return None
     return None
@@ -33135,7 +33287,7 @@ def dav_propstat(found: list, missing: list) -> str:
 
 
 def dav_response(href: str, inner: str) -> str:
-    return f"<D:response><D:href>{_xesc(href)}</D:href>{inner}</D:response>"
+    return f"<D:response><D:href>{xesc(href)}</D:href>{inner}</D:response>"
 
 
 def dav_multistatus(parts: Iterable[str]) -> bytes:
@@ -33178,7 +33330,7 @@ def dav_children(svc: Service, item: DavItem, principal: Principal) -> list:
             continue  # a write under way
         if not dav_shown_name(name):
             continue  # a name no path may hold (control characters, bytes that are not UTF-8)
-        path = f"{item.path}/{_nfc(name)}"
+        path = f"{item.path}/{nfc(name)}"
         if not dav_grant_sees(principal, path):
             continue
         try:
@@ -33276,7 +33428,7 @@ def dav_activelock(lk: DavLock) -> str:
         f"<D:depth>{lk.depth}</D:depth>{lk.owner}"
         f"<D:timeout>Second-{left}</D:timeout>"
         f"<D:locktoken><D:href>{lk.token}</D:href></D:locktoken>"
-        f"<D:lockroot><D:href>{_xesc(root)}</D:href></D:lockroot>"
+        f"<D:lockroot><D:href>{xesc(root)}</D:href></D:lockroot>"
         "</D:activelock>"
     )
 
@@ -33447,7 +33599,7 @@ def dav_propfind(svc: Service, dav: DavState, item: DavItem, ctx: dict):
             if child.tag == "{DAV:}propname":
                 mode = "propname"
             elif child.tag == "{DAV:}prop":
-                mode, wanted = "prop", [(c.tag, *_dav_name(c.tag)) for c in child]
+                mode, wanted = "prop", [(c.tag, *dav_name(c.tag)) for c in child]
     if not item.exists:
         raise DavError(404, f"nothing at /dav/{item.path}")
     items = [item]
@@ -33464,7 +33616,7 @@ def dav_props(dav: DavState, item: DavItem, mode: str, wanted: list) -> str:
     dead = dav.props_of(item.path) if dav.props else {}
     if mode == "propname":
         names = [f"<D:{n}/>" for n in _DAV_LIVE if dav_live(dav, item, n) is not None]
-        return dav_propstat(names + [_empty_prop(t) for t in dead], [])
+        return dav_propstat(names + [empty_prop(t) for t in dead], [])
     if mode == "allprop":
         found = [x for n in _DAV_LIVE if (x := dav_live(dav, item, n)) is not None]
         return dav_propstat(found + list(dead.values()), [])
@@ -33473,7 +33625,7 @@ def dav_props(dav: DavState, item: DavItem, mode: str, wanted: list) -> str:
         value = dav_live(dav, item, local) if ns == "DAV:" else None
         if value is None:
             value = dead.get(tag)
-        (found if value is not None else missing).append(value or _empty_prop(tag))
+        (found if value is not None else missing).append(value or empty_prop(tag))
     return dav_propstat(found, missing)
 
 
@@ -33490,7 +33642,7 @@ def dav_proppatch(svc: Service, dav: DavState, item: DavItem, ctx: dict):
             continue
         for prop in op.findall("{DAV:}prop"):
             for elem in prop:
-                if _dav_name(elem.tag)[0] == "DAV:":
+                if dav_name(elem.tag)[0] == "DAV:":
                     refused.append(elem.tag)  # the live properties are the server's
                 elif op.tag == "{DAV:}set":
                     changes.append((elem.tag, _xml_of(elem)))
@@ -33499,19 +33651,19 @@ def dav_proppatch(svc: Service, dav: DavState, item: DavItem, ctx: dict):
     names = [t for t, _ in changes] + refused
     if refused:  # all or nothing (RFC 4918 9.2)
         inner = (
-            "<D:propstat><D:prop>" + "".join(_empty_prop(t) for t in refused) + "</D:prop>"
+            "<D:propstat><D:prop>" + "".join(empty_prop(t) for t in refused) + "</D:prop>"
             "<D:status>HTTP/1.1 403 Forbidden</D:status>"
             "<D:error><D:cannot-modify-protected-property/></D:error></D:propstat>"
         )
         others = [t for t, _ in changes]
         if others:
             inner += (
-                "<D:propstat><D:prop>" + "".join(_empty_prop(t) for t in others) + "</D:prop>"
+                "<D:propstat><D:prop>" + "".join(empty_prop(t) for t in others) + "</D:prop>"
                 "<D:status>HTTP/1.1 424 Failed Dependency</D:status></D:propstat>"
             )
     else:
         dav.set_props(item.path, changes)
-        inner = dav_propstat([_empty_prop(t) for t in dict.fromkeys(names)], [])
+        inner = dav_propstat([empty_prop(t) for t in dict.fromkeys(names)], [])
     return dav_multistatus([dav_response(dav_href(ctx["script"], item.path, item.is_dir), inner)])
 
 
@@ -33546,7 +33698,7 @@ def dav_get(svc: Service, dav: DavState, item: DavItem, ctx: dict):
         return data[first : first + length]
     f = open(item.file, "rb")  # noqa: SIM115 - closed by _file_chunks
     f.seek(first)
-    return _file_chunks(f, length)
+    return file_chunks(f, length)
 
 
 def dav_read(item: DavItem) -> tuple:
@@ -33587,7 +33739,7 @@ def dav_put(svc: Service, dav: DavState, item: DavItem, ctx: dict):
     setting = "SERVICE_MAX_BODY_BYTES" if note else "SERVICE_MAX_ATTACHMENT_BYTES"
     read, _ = request_body_reader(limit, setting)
     etag, created = dav_write_file(
-        svc, dav, item.path, read, _if_match(), request_header("If-None-Match")
+        svc, dav, item.path, read, if_match_header(), request_header("If-None-Match")
     )
     bottle.response.status = 201 if created else 204
     bottle.response.set_header("ETag", etag)
@@ -33602,7 +33754,7 @@ def dav_delete_method(svc: Service, dav: DavState, item: DavItem, ctx: dict):
     if item.is_dir and (request_header("Depth") or "infinity").lower() != "infinity":
         raise DavError(400, "a folder is deleted whole: Depth: infinity")
     if request_header("If-Match") and not item.is_dir:
-        _check_etag(_if_match(), dav_etag(dav, item), "file")
+        check_etag(if_match_header(), dav_etag(dav, item), "file")
     dav_unlocked(dav, item.path, ctx["tokens"], below=True)
     dav_delete(svc, dav, item)
     dav.drop_locks(item.path)  # (RFC 4918 9.6.1)
@@ -33759,7 +33911,7 @@ def dav_owner(owner) -> str:
     """The <D:owner> a client gave, as XML (its inside kept as sent)."""
     import xml.etree.ElementTree as ET
 
-    inner = _xesc(owner.text or "") + "".join(ET.tostring(c, encoding="unicode") for c in owner)
+    inner = xesc(owner.text or "") + "".join(ET.tostring(c, encoding="unicode") for c in owner)
     return f"<D:owner>{inner}</D:owner>"
 
 
@@ -33897,7 +34049,7 @@ def dav_error(e: ApiError) -> bottle.HTTPResponse:
     if condition:
         body = (
             f'<?xml version="1.0" encoding="utf-8"?>\n<D:error xmlns:D="DAV:">'
-            f"<D:{condition}/><D:responsedescription>{_xesc(e.message)}"
+            f"<D:{condition}/><D:responsedescription>{xesc(e.message)}"
             "</D:responsedescription></D:error>"
         )
         headers["Content-Type"] = XML_TYPE
@@ -33908,7 +34060,9 @@ def dav_error(e: ApiError) -> bottle.HTTPResponse:
 
 
 # == src/notesvc/http/caldav.py ===============================================
-# == CalDAV ===================================================================
+# CalDAV under /dav/: the notes' task lines as task lists (RFC 4791, RFC 6578).
+
+# -- CalDAV --------------------------------------------------------------------------------
 #
 # docs/api.md (CalDAV): /dav/principal/ and /dav/calendars/ beside the WebDAV of notes/ and
 # attachments/ (a PROPFIND of /dav/ still lists only those two, so file sync never sees
@@ -33954,7 +34108,7 @@ def cal_error(e: ApiError) -> bottle.HTTPResponse:
         inner = getattr(e, "inner", "")
         body = (
             f'<?xml version="1.0" encoding="utf-8"?>\n<D:error {_NS_DECL}>'
-            f"<{tag}>{inner}</{tag}><D:responsedescription>{_xesc(e.message)}"
+            f"<{tag}>{inner}</{tag}><D:responsedescription>{xesc(e.message)}"
             "</D:responsedescription></D:error>"
         )
         headers["Content-Type"] = CAL_XML_TYPE
@@ -34186,8 +34340,8 @@ def cal_props(svc: Service, book: TaskBook, res: dict, ctx: dict, names=None) ->
     if res["kind"] == "item":
         return cal_item_props(svc, res["task"], ctx, names)
     principal = ctx["principal"]
-    me = _prop("DAV:", "href", _xesc(cal_href(ctx, "principal", True)))
-    home = _prop("DAV:", "href", _xesc(cal_href(ctx, "calendars", True)))
+    me = _prop("DAV:", "href", xesc(cal_href(ctx, "principal", True)))
+    home = _prop("DAV:", "href", xesc(cal_href(ctx, "calendars", True)))
     privs = "<D:privilege><D:read/></D:privilege>"
     if principal.allows("write"):
         privs += "".join(
@@ -34215,7 +34369,7 @@ def cal_props(svc: Service, book: TaskBook, res: dict, ctx: dict, names=None) ->
     elif kind == "list":
         token = cal_sync_token(book, principal, res)
         out[("DAV:", "resourcetype")] = _prop("DAV:", "resourcetype", collection + "<C:calendar/>")
-        out[("DAV:", "displayname")] = _prop("DAV:", "displayname", _xesc(res["name"]))
+        out[("DAV:", "displayname")] = _prop("DAV:", "displayname", xesc(res["name"]))
         out[(CAL_NS, "supported-calendar-component-set")] = _prop(
             CAL_NS, "supported-calendar-component-set", '<C:comp name="VTODO"/>'
         )
@@ -34246,21 +34400,21 @@ def cal_wanted(root) -> tuple:
         if child.tag == "{DAV:}propname":
             return "propname", []
         if child.tag == "{DAV:}prop":
-            return "prop", [(*_dav_name(c.tag), c.tag) for c in child]
+            return "prop", [(*dav_name(c.tag), c.tag) for c in child]
     return "allprop", []
 
 
 def cal_item_props(svc: Service, task: dict, ctx: dict, names) -> dict:
     out = {
         ("DAV:", "resourcetype"): "<D:resourcetype/>",
-        ("DAV:", "getetag"): _prop("DAV:", "getetag", _xesc(task["etag"])),
+        ("DAV:", "getetag"): _prop("DAV:", "getetag", xesc(task["etag"])),
         ("DAV:", "getcontenttype"): _prop("DAV:", "getcontenttype", CAL_ITEM_TYPE),
     }
     if names is None or {"calendar-data", "getcontentlength"} & names:
         data = cal_item_data(svc, task, ctx)
         out[("DAV:", "getcontentlength")] = _prop("DAV:", "getcontentlength", str(len(data)))
         out[(CAL_NS, "calendar-data")] = _prop(
-            CAL_NS, "calendar-data", _xesc(data.decode("utf-8")).replace("\r", "&#13;")
+            CAL_NS, "calendar-data", xesc(data.decode("utf-8")).replace("\r", "&#13;")
         )
     return out
 
@@ -34277,7 +34431,7 @@ def cal_propstat(props: dict, mode: str, wanted: list) -> str:
         for ns, local, tag in wanted:
             value = props.get((ns, local))
             if value is None:
-                missing.append(_empty_prop(tag))
+                missing.append(empty_prop(tag))
             else:
                 found.append(value)
     out = ""
@@ -34307,7 +34461,7 @@ def cal_multistatus(parts: list, tail: str = "") -> bytes:
 
 
 def _response(href: str, inner: str) -> str:
-    return f"<D:response><D:href>{_xesc(href)}</D:href>{inner}</D:response>"
+    return f"<D:response><D:href>{xesc(href)}</D:href>{inner}</D:response>"
 
 
 def cal_body():
@@ -34533,7 +34687,7 @@ def cal_filter(flt, svc: Service) -> Callable:
         if child.tag == f"{{{CAL_NS}}}is-not-defined":
             return lambda t: False
         if child.tag != f"{{{CAL_NS}}}comp-filter":
-            raise _unsupported(_dav_name(child.tag)[1])
+            raise _unsupported(dav_name(child.tag)[1])
         name = child.get("name", "").upper()
         if name != "VTODO":
             negated = child.find(f"{{{CAL_NS}}}is-not-defined") is not None
@@ -34546,7 +34700,7 @@ def cal_filter(flt, svc: Service) -> Callable:
 def cal_todo_filter(comp, svc: Service) -> Callable:
     tests: list = []
     for child in comp:
-        ns, local = _dav_name(child.tag)
+        ns, local = dav_name(child.tag)
         if ns != CAL_NS:
             raise _unsupported(local)
         if local == "is-not-defined":
@@ -34589,7 +34743,7 @@ def cal_prop_filter(pf) -> Callable:
     if len(children) != 1:
         raise _unsupported(f"prop-filter {name} with several tests")
     child = children[0]
-    ns, local = _dav_name(child.tag)
+    ns, local = dav_name(child.tag)
     if ns == CAL_NS and local == "is-not-defined":
         return lambda t: not _task_values(t, name)
     if ns == CAL_NS and local == "text-match" and name in CAL_TEXT_MATCH:
@@ -34794,11 +34948,8 @@ def cal_set_due(svc: Service, rest: str, due: Any) -> str:
 
 
 def _check_if_match(task: dict | None) -> None:
-    im = request_header("If-Match")
-    if im is not None:
-        tags = [t.strip() for t in im.split(",")]
-        if task is None or ("*" not in tags and task["etag"] not in tags):
-            raise DavError(412, "the task changed since it was read (If-Match): read it again")
+    if not if_match_allows(request_header("If-Match"), task["etag"] if task else None):
+        raise DavError(412, "the task changed since it was read (If-Match): read it again")
     inm = request_header("If-None-Match")
     if inm is not None and inm.strip() == "*" and task is not None:
         raise DavError(412, "a task is already there (If-None-Match: *)")
@@ -34871,7 +35022,7 @@ def cal_put(svc: Service, book: TaskBook, res: dict, ctx: dict):
             403,
             "this UID belongs to another task",
             "C:no-uid-conflict",
-            f"<D:href>{_xesc(href)}</D:href>",
+            f"<D:href>{xesc(href)}</D:href>",
         )
     if task is not None:
 
@@ -34966,7 +35117,22 @@ def cal_delete(svc: Service, book: TaskBook, res: dict, ctx: dict):
     return b""
 
 
-# == the calendar feed: /ics/<secret>.ics =======================================================
+def get_task(svc: Service, uid: str) -> dict:
+    """GET /tasks/<uid>: where a task's line is (the web client opens `#task=<uid>`, the
+    link in each task's DESCRIPTION)."""
+    book = task_book(svc)
+    book.refresh()
+    task = book.tasks.get(uid)
+    if task is None or not _sees(request_principal(), task["path"]):
+        raise not_found("no such task (it may have been deleted, or its line changed a lot)")
+    keys = ("uid", "path", "line", "summary", "done")
+    return {k: task[k] for k in keys}
+
+
+# == src/notesvc/http/feed.py =================================================
+# The calendar feed: /ics/<secret>.ics, the tasks as a read-only iCalendar file.
+
+# -- the calendar feed: /ics/<secret>.ics -------------------------------------------------
 #
 # A read-only iCalendar file for apps that subscribe to a URL (Google Calendar, Outlook):
 # the tasks as VTODOs, a VEVENT at each ⏰ time and an all-day VEVENT for each open dated
@@ -35049,7 +35215,7 @@ def _feed_of(svc: Service, secret: str) -> dict | None:
 
 def get_feed(svc: Service, name: str):
     """GET /ics/<secret>.ics: the feed's calendar."""
-    addr = _public_limit(svc)
+    addr = public_limit(svc)
     resp = bottle.response
     for header, value in (
         ("Cache-Control", "private, max-age=300"),
@@ -35065,7 +35231,7 @@ def get_feed(svc: Service, name: str):
         raise not_found("no calendar feed at this link (it may have been deleted)")
     now = time.time()
     used = feed.get("lastUsedAt")
-    if used is None or now - _epoch(used) > FEED_USE_SECONDS:
+    if used is None or now - epoch_of(used) > FEED_USE_SECONDS:
 
         def change(data: dict) -> None:
             for f in data.get("feeds", []):
@@ -35107,21 +35273,8 @@ def feed_events(task: dict) -> list:
     return out
 
 
-def get_task(svc: Service, uid: str) -> dict:
-    """GET /tasks/<uid>: where a task's line is (the web client opens `#task=<uid>`, the
-    link in each task's DESCRIPTION)."""
-    book = task_book(svc)
-    book.refresh()
-    task = book.tasks.get(uid)
-    if task is None or not _sees(request_principal(), task["path"]):
-        raise not_found("no such task (it may have been deleted, or its line changed a lot)")
-    keys = ("uid", "path", "line", "summary", "done")
-    return {k: task[k] for k in keys}
-
-
 # == src/notesvc/http/routes.py ===============================================
-# == Routes and app ===========================================================
-
+# The route table and OpenAPI.
 
 # -- route table --------------------------------------------------------------------
 
@@ -36298,6 +36451,8 @@ def _json_content(schema: str) -> dict:
 
 
 # == src/notesvc/http/app.py ==================================================
+# NotesApp (the middleware) and create_app.
+
 # -- the application ------------------------------------------------------------------
 
 
@@ -36597,7 +36752,7 @@ def __getattr__(name: str):
 
 
 # == src/notesvc/cli.py =======================================================
-# == CLI ======================================================================
+# The command line: parser, cmd_* functions, main().
 
 
 class _Parser(argparse.ArgumentParser):
@@ -36963,7 +37118,7 @@ def effective_record(config: Config, port: int) -> dict:
             hidden[s.name] = {
                 "set": bool(text),
                 "bytes": len(text.encode()),
-                "bitsPerChar": max(0.0, _entropy_bits_per_char(text)),
+                "bitsPerChar": max(0.0, entropy_bits_per_char(text)),
             }
         else:
             settings[s.name] = _plain(value)
@@ -37166,8 +37321,8 @@ def print_banner(config: Config, state: dict, port: int) -> None:
         f"  setup:  {url}{API}/system/setup",
     ]
     if state.get("setupComplete"):
-        lines.append(f"  add a device: {_self_command()} pair")
-        lines.append(f"  lost the key? run: {_self_command()} rotate-key")
+        lines.append(f"  add a device: {self_command()} pair")
+        lines.append(f"  lost the key? run: {self_command()} rotate-key")
     elif terminal:
         lines.append("  first:  open that address in a browser: it sets this server up")
         lines.append(f"  key:    {state.get('apiKey', '')}  (shown until setup completes)")
@@ -37175,7 +37330,7 @@ def print_banner(config: Config, state: dict, port: int) -> None:
         lines.append("  first:  open that address in a browser: it sets this server up")
         lines.append(
             "  key:    not logged; open the setup URL on this machine, "
-            f"or run: {_self_command()} rotate-key"
+            f"or run: {self_command()} rotate-key"
         )
     print("\n".join(lines), file=sys.stderr, flush=True)
     if terminal:  # a journal keeps text, not pictures
@@ -37298,7 +37453,7 @@ def _owned_state(config: Config, command: str) -> StateStore:
     name = _user_name(folder.st_uid)
     hint = (
         f"the state at {config.state_dir} belongs to {name}; run: "
-        f"sudo -u {name} {_self_command()} {command} --root {config.root}"
+        f"sudo -u {name} {self_command()} {command} --root {config.root}"
     )
     owner = None
     if euid != folder.st_uid:
@@ -37339,7 +37494,7 @@ def cmd_pair(config: Config, args: argparse.Namespace) -> int:
     running = running_server(config)
     if running and running[1]:  # the address the running server's banner gives phones
         config = config_from_record(running[1], config.root)
-    name = _clean_name(args.name, "device")
+    name = clean_name(args.name, "device")
     raw = (args.folder or "").strip().strip("/")
     try:
         folder = folder_path(raw if raw.startswith(NOTES) else f"{NOTES}/{raw}") if raw else None

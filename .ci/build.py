@@ -10,7 +10,10 @@ Like SQLite's amalgamation, that file is made by this script and tested as shipp
 
 - the modules go in the order of `MODULES` in src/notesvc/__init__.py (the order the data
   flows: each module may use only the ones before it), each after a seam line
-  `# == src/notesvc/<module>.py ==`;
+  `# == src/notesvc/<module>.py ==` and a comment line carrying its summary (the first line
+  of its docstring: one line of at most SUMMARY_CHARS);
+- boot.py's docstring, the file's, ends with the outline made from the same: each module
+  with its summary (no one keeps a list of the modules by hand);
 - every module's own imports are hoisted into one block where boot.py has its imports; the
   imports between modules (`from notesvc.x import a, b`) are dropped, as are the imports
   under `if TYPE_CHECKING:` (annotations only) and each module's docstring (boot.py's is the
@@ -21,7 +24,8 @@ Like SQLite's amalgamation, that file is made by this script and tested as shipp
 
 It refuses a top-level name defined in two modules, an import of a later module (outside
 `if TYPE_CHECKING:`), an aliased intra-package import, an import of a module object
-(`from notesvc import x`, `import notesvc.x`), and a `global` statement rebinding a name
+(`from notesvc import x`, `import notesvc.x`), an import of another module's `_private`
+name (a name another module imports is public), and a `global` statement rebinding a name
 that another module imports (the package would see the old value). Standard library only.
 """
 
@@ -42,6 +46,11 @@ HEADER = (
     "# `python .ci/build.py --where LINE` names the source of a line of this file.\n"
 )
 WEB_LINE = 'NAME = web_source("FILE")'
+SUMMARY_CHARS = 90  # a module docstring's first line, carried by its seam and the outline
+OUTLINE_HEAD = (
+    "Outline (``grep -n '^# ==' notesvc.py`` lists the seams), the modules in the order the\n"
+    "data flows, each with the first line of its docstring:\n"
+)
 
 
 def use_root(root: Path) -> None:
@@ -89,6 +98,11 @@ def intra(node: ast.stmt) -> bool:
     )
 
 
+def is_private(name: str) -> bool:
+    """Is name a module's own (`_name`, not a `__dunder__`)?"""
+    return name.startswith("_") and not (name.startswith("__") and name.endswith("__"))
+
+
 def bound_names(tree: ast.Module) -> set:
     """Return the names a module binds at its top level, its imports left out."""
     out = set()
@@ -131,6 +145,22 @@ class Module:
 
     def where(self, node: ast.AST) -> str:
         return f"{rel(self.path)}:{node.lineno}"
+
+    def summary(self) -> str:
+        """Return the first line of the module's docstring: what the module holds, in one
+        line of at most SUMMARY_CHARS (its seam and the outline carry it)."""
+        doc = ast.get_docstring(self.tree, clean=False)
+        if not doc:
+            raise BuildError(f"{rel(self.path)}:1: a module starts with a docstring")
+        first, _, rest = doc.partition("\n")
+        if rest[:1] not in ("", "\n") or not first.strip() or len(first) > SUMMARY_CHARS:
+            raise BuildError(
+                f"{rel(self.path)}:1: a module's docstring starts with a one-line summary "
+                f"of at most {SUMMARY_CHARS} characters, then a blank line"
+            )
+        if "\\" in first or '"""' in first:
+            raise BuildError(f"{rel(self.path)}:1: its summary goes into a docstring: no \\")
+        return first.strip()
 
     def intra_imports(self):
         """Yield (node, under TYPE_CHECKING) for each import from this package."""
@@ -199,12 +229,29 @@ def check(modules: list) -> None:
             for alias in node.names:
                 if alias.asname:
                     raise BuildError(f"{m.where(node)}: no `as` in imports between modules")
+                if is_private(alias.name):
+                    raise BuildError(
+                        f"{m.where(node)}: {alias.name} is private to {target.name}: a name "
+                        "another module imports is public (name it without the underscore)"
+                    )
                 if alias.name not in target.names:
                     raise BuildError(
                         f"{m.where(node)}: {target.name} defines no {alias.name} "
                         "(modules are not imported as objects)"
                     )
                 imported_elsewhere.setdefault(alias.name, m.name)
+    built = {m.path for m in modules}
+    for path in sorted(SRC.rglob("*.py")):  # __init__.py, __main__.py: the package's own
+        if path in built:
+            continue
+        for node in ast.walk(ast.parse(path.read_text(encoding="utf-8"))):
+            if isinstance(node, ast.ImportFrom) and intra(node):
+                for alias in node.names:
+                    if is_private(alias.name):
+                        raise BuildError(
+                            f"{rel(path)}:{node.lineno}: {alias.name} is private to its "
+                            "module: a name another module imports is public"
+                        )
     for m in modules:
         for node in ast.walk(m.tree):
             if isinstance(node, ast.Global):
@@ -289,6 +336,21 @@ def web_constant(line: str):
     return None
 
 
+def outline(modules: list) -> list:
+    """Return the lines of the outline that ends the file's docstring: each module after
+    boot, by its path, with its summary (wrapped at 100 characters)."""
+    import textwrap
+
+    paths = [m.path.relative_to(SRC).as_posix() for m in modules[1:]]
+    width = max(map(len, paths)) + 4
+    out = ["\n", *OUTLINE_HEAD.splitlines(True)]
+    for path, m in zip(paths, modules[1:]):
+        text = textwrap.wrap(m.summary(), 100 - width)
+        out.append(f"  {path}".ljust(width) + text[0] + "\n")
+        out += [" " * width + more + "\n" for more in text[1:]]
+    return out
+
+
 def build() -> tuple:
     """Return (the text of notesvc.py, its line map: a (source, line) per line)."""
     modules = [Module(name, k) for k, name in enumerate(module_order())]
@@ -305,6 +367,11 @@ def build() -> tuple:
                 n.lineno for n in m.plain_imports() if getattr(n, "module", "") != "__future__"
             )
             kept = [x for x in lines[: first - 1] if x[1][1] not in drop]
+            end = m.tree.body[0].end_lineno  # the docstring's closing quotes, on their own
+            if m.lines[end - 1].strip() != '"""':
+                raise BuildError(f'{rel(m.path)}:{end}: end the docstring with a line of """')
+            at = kept.index((m.lines[end - 1], (rel(m.path), end)))
+            kept[at:at] = [(line, ("(build)", 0)) for line in outline(modules)]
             kept += [(line, ("(build)", 0)) for line in block.splitlines(True)]
             kept += [x for x in lines[first - 1 :] if x[1][1] not in drop]
             out += kept
@@ -317,6 +384,10 @@ def build() -> tuple:
         seam = f"# == src/notesvc/{m.path.relative_to(SRC).as_posix()} "
         out += [("\n", ("(build)", 0)), ("\n", ("(build)", 0))]
         out.append((seam.ljust(79, "=") + "\n", (rel(m.path), 1)))
+        out.append((f"# {m.summary()}\n", (rel(m.path), 1)))
+        if kept and kept[0][0].strip():  # as ruff format has it: two before a def or class
+            first = kept[0][0].startswith(("def ", "class ", "async def ", "@"))
+            out += [("\n", ("(build)", 0))] * (2 if first else 1)
         for line, origin in kept:
             web = web_constant(line) if m.name == "web" else None
             if web is None:

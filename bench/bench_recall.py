@@ -69,7 +69,7 @@ def pick_queries(notesvc, notes: list, count: int, seed: int) -> list:
     """Return count query words: seeded base words, each with one inflected form."""
     df: dict = {}
     for _, text in notes:
-        for w in set(notesvc._WORD_RE.findall(notesvc.fold(text))):
+        for w in set(notesvc.WORD_RE.findall(notesvc.fold(text))):
             df[w] = df.get(w, 0) + 1
     base = sorted(
         w for w, n in df.items() if len(w) >= 5 and w.isascii() and w.isalpha() and 3 <= n <= 500

@@ -6,7 +6,7 @@ import os
 import sys
 from pathlib import Path
 
-from notesvc.boot import MALLOC_ARENAS, _interpreter_options
+from notesvc.boot import MALLOC_ARENAS, interpreter_options
 
 # the interpreter that takes over: the package from the folder that holds it (not a
 # notesvc.py in the working folder), the arguments as given
@@ -24,7 +24,7 @@ def run() -> int:
         sys.stdout.flush()
         os.environ["MALLOC_ARENA_MAX"] = MALLOC_ARENAS
         folder = str(Path(__file__).resolve().parent.parent)
-        argv = [sys.executable, *_interpreter_options(), "-c", _PACKAGE_MAIN, folder, *sys.argv]
+        argv = [sys.executable, *interpreter_options(), "-c", _PACKAGE_MAIN, folder, *sys.argv]
         os.execv(sys.executable, argv)  # noqa: S606 - this interpreter, this package
     from notesvc.cli import main
 

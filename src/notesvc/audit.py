@@ -14,21 +14,21 @@ from pathlib import Path
 from typing import Callable
 
 from notesvc.boot import log
-from notesvc.grants import MAX_OAUTH_CLIENTS, OAUTH_CLIENT_UNUSED_DAYS, _clean_name, _epoch
+from notesvc.grants import MAX_OAUTH_CLIENTS, OAUTH_CLIENT_UNUSED_DAYS, clean_name, epoch_of
 from notesvc.helpers import (
-    _minutes,
-    _redact_url,
-    _self_command,
     is_loopback,
     is_trusted_proxy,
     iso,
+    minutes_text,
+    redact_url,
+    self_command,
     utcnow,
 )
 from notesvc.notes.paths import ATTACHMENTS, NOTES
 from notesvc.service import Service, plugins_dir
 from notesvc.settings import Config
 
-# == Security audit ===========================================================
+# -- Security audit ------------------------------------------------------------------------
 #
 # Each check is a small function of the service returning findings; the score is
 # 100 - 40 per critical - 20 per high - 10 per medium - 3 per low, never below 0.
@@ -140,9 +140,9 @@ def check_setup_exposed(svc: Service) -> list:
     relayed = bool(cfg.relay_url) and cfg.pairing == "relay"
     finish = (
         f"Set it up now from a browser on this machine or its home network, or run "
-        f"`{_self_command()} pair` (or rotate-key) on the server: either completes setup."
+        f"`{self_command()} pair` (or rotate-key) on the server: either completes setup."
     )
-    window = _minutes(cfg.setup_window)
+    window = minutes_text(cfg.setup_window)
     home = "loopback" if svc.setup_loopback_only else "loopback or its home network"
     if not _reachable_beyond_loopback(cfg) and not relayed and cfg.trust_proxy:
         # Behind the proxy the forwarded address decides (client_of): what the key is
@@ -167,7 +167,7 @@ def check_setup_exposed(svc: Service) -> list:
                 + ".",
                 "Set it up through the proxy from a browser "
                 + ("on this machine" if svc.setup_loopback_only else "at home")
-                + f", or run `{_self_command()} pair` (or rotate-key) on the server: either "
+                + f", or run `{self_command()} pair` (or rotate-key) on the server: either "
                 "completes setup.",
             )
         ]
@@ -186,7 +186,7 @@ def check_setup_exposed(svc: Service) -> list:
         part
         for part in (
             f"listens on {cfg.host or '*'}" if _reachable_beyond_loopback(cfg) else "",
-            f"is registered with the relay {_redact_url(cfg.relay_url)}" if relayed else "",
+            f"is registered with the relay {redact_url(cfg.relay_url)}" if relayed else "",
         )
         if part
     )
@@ -202,7 +202,7 @@ def check_setup_exposed(svc: Service) -> list:
             "Setup is not complete on a reachable server",
             f"Setup is incomplete and the service {where}: whoever sets it up first owns "
             f"it. The key is offered only to {who}, for "
-            f"{_minutes(cfg.setup_window)} after a start, and never through a relay; a "
+            f"{minutes_text(cfg.setup_window)} after a start, and never through a relay; a "
             "proxy or tunnel in front that adds no forwarding header makes every client "
             "look local.",
             finish,
@@ -226,7 +226,7 @@ def check_cors_wildcard(svc: Service) -> list:
     ]
 
 
-def _entropy_bits_per_char(text: str) -> float:
+def entropy_bits_per_char(text: str) -> float:
     counts = collections.Counter(text)
     return -sum(c / len(text) * math.log2(c / len(text)) for c in counts.values()) if text else 0
 
@@ -242,7 +242,7 @@ def _secret_strength(svc: Service, name: str) -> tuple:
         facts = recorded.get(name) or {}
         return int(facts.get("bytes", 0)), float(facts.get("bitsPerChar", 0.0))
     secret = getattr(svc.config, name)
-    return len(secret.encode()), _entropy_bits_per_char(secret)
+    return len(secret.encode()), entropy_bits_per_char(secret)
 
 
 @audit_check
@@ -682,7 +682,7 @@ def check_grants(svc: Service) -> list:
     ]
     if not forever:
         return []
-    names = ", ".join(sorted(_clean_name(g.get("name"), g["id"], 40) for g in forever)[:5])
+    names = ", ".join(sorted(clean_name(g.get("name"), g["id"], 40) for g in forever)[:5])
     return [
         finding(
             "grant-write-forever",
@@ -702,8 +702,8 @@ def check_share_links(svc: Service) -> list:
     old = [
         s
         for s in svc.state.read().get("shares", [])
-        if _epoch(s.get("expiresAt")) > now
-        and _epoch(s.get("createdAt")) < now - SHARE_OLD_DAYS * 86400
+        if epoch_of(s.get("expiresAt")) > now
+        and epoch_of(s.get("createdAt")) < now - SHARE_OLD_DAYS * 86400
     ]
     if not old:
         return []

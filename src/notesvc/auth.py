@@ -22,8 +22,6 @@ from notesvc.boot import log
 from notesvc.helpers import atomic_write, file_lock, iso, key_hash, log_safe, new_key, utcnow
 from notesvc.settings import Config
 
-# == State and auth ===========================================================
-
 
 def relay_server_id(token: str) -> str:
     """Return the server id a relay token certifies (docs/design.md: relay).

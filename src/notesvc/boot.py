@@ -7,31 +7,7 @@ Embed:    notesvc.create_app(load_config(...)) is a WSGI application.
 This file is written by .ci/build.py from the modules in src/notesvc/ (one `# ==
 src/notesvc/<module>.py` line starts each) and the pages in web/; docs/contributing.md says
 what lives where, and `python .ci/build.py --where LINE` maps a line here to its source.
-
-Outline (``grep -n '^# ==' notesvc.py``), in the order the data flows:
-  Settings        the option table, the loader, the frozen Config
-  Errors          ApiError, the envelope, the one renderer of every failure
-  Helpers         clock, ids, atomic writes, host validation, JSON bodies
-  Notes           path rules, attachments' rules, three-way merges and names from titles;
-                  history, trash and the change journal (what every change leaves
-                  behind); the store and its locks
-  Search          text analysis, BM25, the query language, snippets, segments, persistence,
-                  the inverted index
-  State and auth  state.json, keys, JWT, lockout; grants (scoped keys, devices, OAuth)
-  Service         the object every handler gets as `svc`: state, notes, index, registries
-  Providers       retrieval, TOOLS, AGENT_PROVIDERS and CHANNEL_PROVIDERS (registries of
-                  small functions), the channel pipeline, captures, polling, reminders
-  Plugins         the Plugin record, loading, links, the built-ins (backlinks, tags, daily)
-                  and the built-in tools
-  Import and export  Keep, Evernote, Notion, Obsidian, Joplin and folders in; a zip out
-  Security audit  AUDIT_CHECKS and the score
-  Web client      the one self-contained page, served by servers and relays alike
-  Relay           `notesvc relay` on asyncio (RelayHub, RelayServer) and the server's
-                  RelayClient
-  HTTP            the Route record, then handlers per endpoint group
-  WebDAV          /dav/: the notes folder in other apps
-  Routes and app  the route table, OpenAPI, NotesApp (middleware) and create_app
-  CLI             parser, cmd_* functions, main()
+The build ends this docstring with the outline: the modules, each with its summary.
 """
 
 from __future__ import annotations
@@ -53,7 +29,7 @@ _MAIN_CODE = (
 )
 
 
-def _interpreter_options() -> list:
+def interpreter_options() -> list:
     """Return the command-line options this interpreter runs with (-I, -E, -s, -S, -P,
     -B, -O, -u, -W and -X), for the interpreter that takes over from the script."""
     import sys
@@ -89,7 +65,7 @@ def _hand_over() -> None:
     if os.name == "posix" and sys.executable:
         sys.stdout.flush()
         here = os.path.abspath(__file__)
-        options = _interpreter_options()
+        options = interpreter_options()
         os.environ.setdefault("MALLOC_ARENA_MAX", MALLOC_ARENAS)
         argv = [sys.executable, *options, "-c", _MAIN_CODE, here, *sys.argv[1:]]
         os.execv(sys.executable, argv)  # noqa: S606 - this interpreter, this file

@@ -22,28 +22,28 @@ import uuid
 from pathlib import Path
 from typing import Any, BinaryIO, Callable
 
-from notesvc.audit import _entropy_bits_per_char, run_audit
+from notesvc.audit import entropy_bits_per_char, run_audit
 from notesvc.auth import StateError, StateStore, rotate_key
 from notesvc.boot import API, __version__, bottle, fcntl, log
 from notesvc.errors import JSON_TYPE, STATUS_CODES, ApiError, error_body, jsonrpc_error_body
-from notesvc.grants import MADE_BY_CLI, OWNER, SCOPES, GrantStore, _clean_name
+from notesvc.grants import MADE_BY_CLI, OWNER, SCOPES, GrantStore, clean_name
 from notesvc.helpers import (
     LOG_FORMAT,
     BatchedLogHandler,
-    _self_command,
     atomic_write,
     is_loopback,
     iso,
     log_safe,
     phone_url,
     plural,
+    self_command,
     settle_after_start,
     utcnow,
 )
+from notesvc.http.access import new_pairing
 from notesvc.http.api import MULTIPART_SLACK
 from notesvc.http.app import create_app
 from notesvc.http.dav import DAV_PREFIX
-from notesvc.http.integrations import new_pairing
 from notesvc.notes.paths import NOTES, folder_path
 from notesvc.plugins import PLUGINS, build_service, provider_registries
 from notesvc.relay import (
@@ -58,8 +58,6 @@ from notesvc.settings import SETTINGS, Config, ConfigError, load_config, setting
 from notesvc.transfer.export import export_zip
 from notesvc.transfer.formats import import_path
 from notesvc.transfer.plan import ImportPlan, import_too_many, sniff_import
-
-# == CLI ======================================================================
 
 
 class _Parser(argparse.ArgumentParser):
@@ -425,7 +423,7 @@ def effective_record(config: Config, port: int) -> dict:
             hidden[s.name] = {
                 "set": bool(text),
                 "bytes": len(text.encode()),
-                "bitsPerChar": max(0.0, _entropy_bits_per_char(text)),
+                "bitsPerChar": max(0.0, entropy_bits_per_char(text)),
             }
         else:
             settings[s.name] = _plain(value)
@@ -628,8 +626,8 @@ def print_banner(config: Config, state: dict, port: int) -> None:
         f"  setup:  {url}{API}/system/setup",
     ]
     if state.get("setupComplete"):
-        lines.append(f"  add a device: {_self_command()} pair")
-        lines.append(f"  lost the key? run: {_self_command()} rotate-key")
+        lines.append(f"  add a device: {self_command()} pair")
+        lines.append(f"  lost the key? run: {self_command()} rotate-key")
     elif terminal:
         lines.append("  first:  open that address in a browser: it sets this server up")
         lines.append(f"  key:    {state.get('apiKey', '')}  (shown until setup completes)")
@@ -637,7 +635,7 @@ def print_banner(config: Config, state: dict, port: int) -> None:
         lines.append("  first:  open that address in a browser: it sets this server up")
         lines.append(
             "  key:    not logged; open the setup URL on this machine, "
-            f"or run: {_self_command()} rotate-key"
+            f"or run: {self_command()} rotate-key"
         )
     print("\n".join(lines), file=sys.stderr, flush=True)
     if terminal:  # a journal keeps text, not pictures
@@ -760,7 +758,7 @@ def _owned_state(config: Config, command: str) -> StateStore:
     name = _user_name(folder.st_uid)
     hint = (
         f"the state at {config.state_dir} belongs to {name}; run: "
-        f"sudo -u {name} {_self_command()} {command} --root {config.root}"
+        f"sudo -u {name} {self_command()} {command} --root {config.root}"
     )
     owner = None
     if euid != folder.st_uid:
@@ -801,7 +799,7 @@ def cmd_pair(config: Config, args: argparse.Namespace) -> int:
     running = running_server(config)
     if running and running[1]:  # the address the running server's banner gives phones
         config = config_from_record(running[1], config.root)
-    name = _clean_name(args.name, "device")
+    name = clean_name(args.name, "device")
     raw = (args.folder or "").strip().strip("/")
     try:
         folder = folder_path(raw if raw.startswith(NOTES) else f"{NOTES}/{raw}") if raw else None

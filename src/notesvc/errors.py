@@ -7,8 +7,6 @@ from typing import Any
 
 from notesvc.boot import API, bottle
 
-# == Errors and envelope ======================================================
-
 ERROR_CODES = (  # every error.code the API answers with
     "VALIDATION_ERROR",
     "UNAUTHORIZED",

@@ -137,7 +137,7 @@ def _escapes(raw: Any, top: str) -> bool:
     return not text.startswith(top + "/") or "." in segments or ".." in segments
 
 
-def _no_link_below(on_disk: Callable, top: str, path: str, what: str) -> None:
+def no_link_below(on_disk: Callable, top: str, path: str, what: str) -> None:
     """Raise 404 when a symbolic link lies between folder `top` and `path` (on disk)."""
     at = on_disk(top)
     try:
@@ -163,7 +163,7 @@ def _visible(raw: Any, check_path: Callable, top: str, on_disk: Callable, what: 
     if _escapes(raw, top):
         raise not_found(f"no {what} at {str(raw)[:MAX_PATH_CHARS]}")
     path = check_path(raw)
-    _no_link_below(on_disk, top, path, what)
+    no_link_below(on_disk, top, path, what)
     return path
 
 
@@ -203,7 +203,7 @@ def visible_folder(
     if folder.startswith(own + "/"):
         base = svc.attachments.base
         on_disk = svc.notes.on_disk if top == NOTES else (lambda p: base / p)
-        _no_link_below(on_disk, own, folder, "folder")
+        no_link_below(on_disk, own, folder, "folder")
         return folder
     if folder == top or own.startswith(folder + "/"):
         return own
@@ -244,7 +244,7 @@ def granted_tree(
     return node
 
 
-def _epoch(text: Any) -> float:
+def epoch_of(text: Any) -> float:
     """Return the time an ISO 8601 UTC stamp names; infinity for none (never expires)."""
     if not text:
         return math.inf
@@ -255,7 +255,7 @@ def _epoch(text: Any) -> float:
     return when.replace(tzinfo=dt.timezone.utc).timestamp()
 
 
-def _clean_name(text: Any, fallback: str, limit: int = 100) -> str:
+def clean_name(text: Any, fallback: str, limit: int = 100) -> str:
     """Return a display name: printable characters only, trimmed, at most limit long."""
     name = "".join(ch for ch in str(text or "") if ch.isprintable()).strip()[:limit]
     return name or fallback
@@ -487,11 +487,11 @@ class GrantStore:
             p = Principal(
                 g["kind"], g["scope"], g.get("folder") or "", g["id"], g.get("resource", "")
             )
-            expires = _epoch(g.get("expiresAt"))
+            expires = epoch_of(g.get("expiresAt"))
             if g.get("keyHash"):
                 index[g["keyHash"]] = ("key", p, expires, self._idle_since(g))
             if g.get("accessHash"):
-                until = min(expires, _epoch(g.get("accessExpiresAt")))
+                until = min(expires, epoch_of(g.get("accessExpiresAt")))
                 index[g["accessHash"]] = ("access", p, until, None)
         self._cache = (data, index)
         return index
@@ -502,14 +502,14 @@ class GrantStore:
         SERVICE_DEVICE_IDLE_DAYS=0)."""
         if not self.idle or g.get("kind") != "device" or g.get("expiresAt"):
             return None
-        return _epoch(g.get("lastUsedAt") or g.get("createdAt"))
+        return epoch_of(g.get("lastUsedAt") or g.get("createdAt"))
 
     def expires(self, g: dict) -> float:
         """Return when a grant stops working: its expiresAt, or for a paired device its
         last use plus SERVICE_DEVICE_IDLE_DAYS (infinity: never)."""
         since = self._idle_since(g)
         if since is None:
-            return _epoch(g.get("expiresAt"))
+            return epoch_of(g.get("expiresAt"))
         return max(since, self._used.get(g["id"], 0.0)) + self.idle
 
     def principal(self, secret: str) -> Principal | None:
@@ -644,7 +644,7 @@ class GrantStore:
 
         def change(data: dict) -> None:
             self._check_maker(data, created_by, now)
-            live = [p for p in data.get("pairings", []) if _epoch(p["expiresAt"]) > now]
+            live = [p for p in data.get("pairings", []) if epoch_of(p["expiresAt"]) > now]
             if len(live) >= MAX_PAIRINGS:
                 raise ApiError(
                     409, "CONFLICT", f"{MAX_PAIRINGS} pairings wait already; let them expire"
@@ -663,7 +663,7 @@ class GrantStore:
         key = DEVICE_KEY_PREFIX + secrets.token_urlsafe(32)
 
         def change(data: dict) -> dict | None:
-            pairings = [p for p in data.get("pairings", []) if _epoch(p["expiresAt"]) > now]
+            pairings = [p for p in data.get("pairings", []) if epoch_of(p["expiresAt"]) > now]
             found = next(
                 (p for p in pairings if hmac.compare_digest(p["secretHash"], wanted)), None
             )
@@ -774,7 +774,7 @@ class GrantStore:
         return {
             "key": kinds["key"],
             "oauth": kinds["oauth"],
-            "share": sum(_epoch(s["expiresAt"]) > now for s in data.get("shares", [])),
+            "share": sum(epoch_of(s["expiresAt"]) > now for s in data.get("shares", [])),
             "oauthClients": len(data.get("oauthClients", {})),
         }
 
@@ -813,7 +813,7 @@ class GrantStore:
         now = self.clock()
         client_id = "mcp_" + secrets.token_urlsafe(16)
         record = {
-            "name": _clean_name(meta.get("client_name"), "unnamed client"),
+            "name": clean_name(meta.get("client_name"), "unnamed client"),
             "redirectUris": uris,
             "uri": uri,
             "createdAt": iso(now),
@@ -827,14 +827,14 @@ class GrantStore:
             for cid in [
                 c
                 for c, r in clients.items()
-                if _epoch(r.get("lastUsedAt") or r["createdAt"]) < stale and c not in holding
+                if epoch_of(r.get("lastUsedAt") or r["createdAt"]) < stale and c not in holding
             ]:
                 del clients[cid]
             unused = sorted(
                 (r["createdAt"], c)
                 for c, r in clients.items()
                 if not r.get("lastUsedAt")
-                and _epoch(r["createdAt"]) < now - OAUTH_FRESH_CLIENT_SECONDS
+                and epoch_of(r["createdAt"]) < now - OAUTH_FRESH_CLIENT_SECONDS
             )
             while len(clients) >= MAX_OAUTH_CLIENTS and unused:
                 del clients[unused.pop(0)[1]]
@@ -900,7 +900,7 @@ class GrantStore:
         host = urllib.parse.urlsplit(client_id).hostname
         client = {
             "id": client_id,
-            "name": _clean_name(doc.get("client_name"), host),
+            "name": clean_name(doc.get("client_name"), host),
             "redirectUris": uris,
             "uri": doc.get("client_uri") if isinstance(doc.get("client_uri"), str) else "",
         }
@@ -1047,7 +1047,7 @@ class GrantStore:
                     continue
                 if g["client"]["id"] != client_id:
                     return "client", g
-                if _epoch(g.get("expiresAt")) <= now:
+                if epoch_of(g.get("expiresAt")) <= now:
                     return "expired", g
                 if resource and resource != g.get("resource"):
                     return "resource", g
@@ -1101,7 +1101,7 @@ class GrantStore:
 
         def change(data: dict) -> None:
             self._check_maker(data, share["grantId"], now)
-            live = [s for s in data.get("shares", []) if _epoch(s["expiresAt"]) > now]
+            live = [s for s in data.get("shares", []) if epoch_of(s["expiresAt"]) > now]
             if len(live) >= MAX_SHARES:
                 raise ApiError(409, "CONFLICT", f"{MAX_SHARES} share links exist; revoke some")
             data["shares"] = [*live, share]
@@ -1121,7 +1121,7 @@ class GrantStore:
         return [
             self.share_record(s)
             for s in self.state.read().get("shares", [])
-            if _epoch(s["expiresAt"]) > now
+            if epoch_of(s["expiresAt"]) > now
             and (
                 principal.allows("admin")
                 or (s.get("grantId") == principal.grant_id and principal.sees(s["path"]))
@@ -1151,7 +1151,7 @@ class GrantStore:
         h, now = key_hash(token), self.clock()
         data = self.state.read()
         for s in data.get("shares", []):
-            if hmac.compare_digest(s["tokenHash"], h) and _epoch(s["expiresAt"]) > now:
+            if hmac.compare_digest(s["tokenHash"], h) and epoch_of(s["expiresAt"]) > now:
                 if not s.get("grantId"):
                     return s, OWNER
                 for g in data.get("grants", []):

@@ -17,7 +17,6 @@ import os
 import platform
 import re
 import secrets
-import select
 import socket
 import sys
 import tempfile
@@ -30,8 +29,6 @@ from typing import Any, Callable
 from notesvc.boot import KEY_PREFIX, bottle, fcntl, log
 from notesvc.errors import ApiError, DiskFull, bad_request
 from notesvc.settings import Config
-
-# == Helpers ==================================================================
 
 
 def utcnow() -> dt.datetime:
@@ -115,8 +112,8 @@ def fsync_dir(folder: Path) -> None:
         os.close(fd)
 
 
-_UMASK = os.umask(0)
-os.umask(_UMASK)
+UMASK = os.umask(0)
+os.umask(UMASK)
 
 
 DISK_FULL_ERRNOS = frozenset({errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)})
@@ -155,10 +152,10 @@ def atomic_write(
     before_replace(): what must be durable before the new content is in place.
     """
     with disk_writes():
-        _atomic_write(path, data, mode, before_replace)
+        replace_atomically(path, data, mode, before_replace)
 
 
-def _atomic_write(
+def replace_atomically(
     path: Path, data: bytes | Callable, mode: int | None, before_replace: Callable | None
 ) -> None:
     folder = path.parent
@@ -176,7 +173,7 @@ def _atomic_write(
             try:
                 mode = os.stat(path).st_mode & 0o777
             except FileNotFoundError:
-                mode = 0o666 & ~_UMASK
+                mode = 0o666 & ~UMASK
         os.chmod(tmp, mode)
         if before_replace is not None:
             before_replace()
@@ -336,13 +333,13 @@ def names_this_machine(config: Config, host: str) -> bool:
     return name in names
 
 
-def _minutes(seconds: int) -> str:
+def minutes_text(seconds: int) -> str:
     if seconds % 60:
         return f"{seconds} seconds"
     return "1 minute" if seconds == 60 else f"{seconds // 60} minutes"
 
 
-def _redact_url(url: str) -> str:
+def redact_url(url: str) -> str:
     """Return url for display: userinfo dropped, query values (which may be keys) hidden."""
     parts = urllib.parse.urlsplit(url)
     netloc = parts.netloc.rpartition("@")[2]
@@ -412,7 +409,7 @@ def scrub(text: str, secrets: Any, limit: int = 0) -> str:
     return text.encode("utf-8")[:limit].decode("utf-8", "ignore") if limit else text
 
 
-def _self_command() -> str:
+def self_command() -> str:
     """Return how the owner runs this program: the `notesvc` entry point, `python3 -m
     notesvc` (the package) or the file."""
     argv0 = sys.argv[0] if sys.argv else ""
@@ -836,7 +833,7 @@ def read_json(max_bytes: int, required: bool = True) -> dict:
             raise bad_request("a JSON object body is required")
         return {}
     try:
-        body = json.loads(raw.decode("utf-8"), parse_constant=_no_constant)
+        body = json.loads(raw.decode("utf-8"), parse_constant=no_constant)
     except UnicodeDecodeError:
         raise bad_request("the body is not valid UTF-8") from None
     except (ValueError, RecursionError) as e:
@@ -846,7 +843,7 @@ def read_json(max_bytes: int, required: bool = True) -> dict:
     return body
 
 
-def _no_constant(name: str) -> None:
+def no_constant(name: str) -> None:
     raise ValueError(f"{name} is not allowed in JSON")
 
 
@@ -882,6 +879,18 @@ def field(body: dict, name: str, kind: type = str, required: bool = True, max_le
 
 
 _TYPE_NAMES = {str: "string", int: "whole number", bool: "boolean", dict: "object", list: "list"}
+
+
+def if_match_allows(if_match: str | None, current: str | None) -> bool:
+    """Return whether a write may go on under an If-Match header (the one reading of it):
+    absent (None), `*` while something is there, or a list of ETags, quoted or not, that
+    names current, the ETag of what is there (None: nothing is)."""
+    if if_match is None:
+        return True
+    tags = [t.strip() for t in if_match.split(",") if t.strip()]
+    if current is not None and "*" in tags:
+        return True
+    return current is not None and current in {t if t[0] == '"' else f'"{t}"' for t in tags}
 
 
 def request_header(name: str, default: Any = None) -> Any:
@@ -921,6 +930,17 @@ def query_int(name: str, default: int, lo: int, hi: int) -> int:
     if not re.fullmatch(r"-?\d{1,10}", raw) or not lo <= int(raw) <= hi:
         raise bad_request(f"'{name}' must be a whole number from {lo} to {hi}")
     return int(raw)
+
+
+def yes_or_no(raw: Any, name: str) -> bool:
+    """Return a flag of a query or a form (true/false, yes/no, 1/0; empty: false); 400
+    otherwise."""
+    value = str(raw or "").strip().lower()
+    if value in ("", "0", "false", "no"):
+        return False
+    if value in ("1", "true", "yes"):
+        return True
+    raise bad_request(f"'{name}' must be true or false")
 
 
 _MALLOC_TRIM: list = []  # glibc's malloc_trim, looked up once ([None] where there is none)
@@ -1137,42 +1157,3 @@ class MultipartReader:
                 del self.buf[: len(self.delimiter)]  # last line end was the delimiter's
                 continue
             self._until(b"\r\n" + self.delimiter, sink, limit, over)
-
-
-def _readable(f, timeout: float) -> bool:
-    """Return whether f has something to read within timeout seconds (poll: a descriptor
-    past 1024, as a busy server has, is out of select()'s range)."""
-    if hasattr(select, "poll"):
-        watch = select.poll()
-        watch.register(f, select.POLLIN)
-        return bool(watch.poll(timeout * 1000))
-    return bool(select.select([f], [], [], timeout)[0])
-
-
-def _stop_helper(helper) -> None:
-    with contextlib.suppress(OSError):
-        helper.stdin.close()
-    try:
-        helper.wait(30)
-    except Exception:
-        helper.kill()
-        helper.wait()
-    with contextlib.suppress(OSError):
-        helper.stdout.close()
-
-
-class _EarlyHelper:
-    """A helper process a sync may start before its bulk read (start(), once), then hand
-    to it (take())."""
-
-    def __init__(self, start: Callable):
-        self._start, self._helper, self._started = start, None, False
-
-    def start(self) -> None:
-        if not self._started:
-            self._started = True
-            self._helper = self._start()
-
-    def take(self) -> Any:
-        helper, self._helper = self._helper, None
-        return helper

@@ -35,7 +35,7 @@ from notesvc.providers.reminders import ReminderScheduler
 from notesvc.service import Service, plugins_dir
 from notesvc.settings import Config
 
-# == Plugins ==================================================================
+# -- Plugins -------------------------------------------------------------------------------
 #
 # A plugin is a small record: hooks called after notes change, routes under
 # /api/v1/plugins/<name>/..., and (through the registries above) agent or channel
@@ -166,13 +166,13 @@ def provider_registries(plugins: Mapping[str, Plugin]) -> tuple:
 # fails at once at each one), and no repeat nests in another. Whether a Markdown link
 # points at a .md note (or an attachment) is decided afterwards (_md_target), not by
 # backtracking.
-_WIKILINK_RE = re.compile(r"\[\[([^\[\]|#\n]+)((?:#[^\[\]|\n]*)?(?:\|[^\[\]\n]*)?)\]\]")
-_MDLINK_RE = re.compile(
+WIKILINK_RE = re.compile(r"\[\[([^\[\]|#\n]+)((?:#[^\[\]|\n]*)?(?:\|[^\[\]\n]*)?)\]\]")
+MDLINK_RE = re.compile(
     r"(\[[^\[\]\n]*\]\()(<[^<>\n]*>[^)\s<>\[\]]*|[^)\s<>\[\]]+)((?:\s+\"[^\"\n]*\")?\))"
 )
 
 
-def _md_target(href: str) -> str | None:
+def md_target(href: str) -> str | None:
     """Return the file part of a Markdown link's href (`<...>` kept), or None when it does not
     point at a .md file or an attachment's type; what follows it is a #fragment."""
     if href.startswith("<"):
@@ -255,8 +255,8 @@ def link_refs(text: str) -> tuple:
     """Return a note's links as written: ([[wikilink]] targets, Markdown link targets), each
     once, in its first MAX_SCAN_CHARS; LinkResolver.resolve says where they lead."""
     text = text[:MAX_SCAN_CHARS]
-    wikis = dict.fromkeys(m.group(1) for m in _WIKILINK_RE.finditer(text))
-    targets = map(_md_target, (m.group(2) for m in _MDLINK_RE.finditer(text)))
+    wikis = dict.fromkeys(m.group(1) for m in WIKILINK_RE.finditer(text))
+    targets = map(md_target, (m.group(2) for m in MDLINK_RE.finditer(text)))
     return tuple(wikis), tuple(dict.fromkeys(t for t in targets if t))
 
 
@@ -390,7 +390,7 @@ def rewrite_links(
         return f"[[{replacement}{m.group(2)}]]"
 
     def markdown(m: re.Match) -> str:
-        href = _md_target(m.group(2))
+        href = md_target(m.group(2))
         if href is None:
             return m.group(0)
         fragment = m.group(2)[len(href) :]
@@ -414,7 +414,7 @@ def rewrite_links(
             replacement = f"<{urllib.parse.unquote(replacement)}>"
         return f"{m.group(1)}{replacement}{fragment}{m.group(3)}"
 
-    return _MDLINK_RE.sub(markdown, _WIKILINK_RE.sub(wiki, text))
+    return MDLINK_RE.sub(markdown, WIKILINK_RE.sub(wiki, text))
 
 
 def update_links(svc: Service, old: str, new: str, linking: set) -> list:

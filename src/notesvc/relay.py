@@ -62,7 +62,7 @@ if TYPE_CHECKING:  # annotations only: these modules come later
     from notesvc.http.app import NotesApp
 
 
-# == Relay ====================================================================
+# -- Relay ---------------------------------------------------------------------------------
 #
 # A relay lets a server behind NAT be reached without an open port. The server
 # registers and keeps a long-poll open; the relay hands it each client request and

@@ -39,7 +39,7 @@ from notesvc.notes.trash import ChangeJournal, Trash, expire_loop
 from notesvc.search.index import SearchIndex
 from notesvc.settings import SETTINGS, Config, ConfigError
 
-# == Service ==================================================================
+# -- Service -------------------------------------------------------------------------------
 #
 # The one object every handler, provider, plugin and audit check gets as `svc`: the
 # configuration, the state, the notes, the index, the lockout and the app's own
@@ -70,7 +70,7 @@ def check_agent_config(config: Config, providers: Mapping[str, Any]) -> None:
             raise ConfigError(f"{env_of[name]}: required by the {provider.name} agent provider")
 
 
-def _rid() -> str:
+def current_request_id() -> str:
     """Return the current request's id (for log lines written below a handler)."""
     try:
         return bottle.request.environ.get("notesvc.request_id", "-")
@@ -220,6 +220,9 @@ class Service:
         self.pollers: Any = None  # ChannelPollers: a thread per channel in polling mode
         self.reminders: Any = None  # ReminderScheduler: ⏰ lines sent through the channels
         self.embedder: Any = None  # Embedder: the notes' vectors, when embeddings are on
+        # ... and made on first use, by the function named (a request of theirs):
+        self.task_book: Any = None  # TaskBook: the tasks' UIDs and sync tokens (task_book)
+        self.dav: Any = None  # DavState: WebDAV's locks, properties, ETags (dav_state)
 
     def saved_by(self) -> str | None:
         """Return the name of the grant the current request acts for (a device's or a
@@ -272,7 +275,11 @@ class Service:
         try:
             self._index_event(event, path, detail)
         except Exception:  # the write happened; the rescan sees the file differ and re-reads
-            log.exception("request %s: indexing %s failed; the next rescan retries", _rid(), path)
+            log.exception(
+                "request %s: indexing %s failed; the next rescan retries",
+                current_request_id(),
+                path,
+            )
 
     def _index_event(self, event: str, path: str, detail: Any) -> None:
         if event in ("saved", "restored"):

@@ -11,8 +11,6 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Callable
 
-# == Settings =================================================================
-
 
 class ConfigError(Exception):
     """A bad option or value; the CLI prints it as one line and exits 2."""

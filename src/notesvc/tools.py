@@ -12,7 +12,7 @@ from notesvc.helpers import iso
 from notesvc.notes.paths import MAX_PATH_CHARS, NOTES, note_title
 from notesvc.plugins import list_tags, move_and_relink
 from notesvc.providers.base import tool
-from notesvc.providers.embed import find_notes, related_notes
+from notesvc.search.hybrid import find_notes, related_notes
 from notesvc.search.text import MAX_QUERY_CHARS, Query
 from notesvc.service import Service
 

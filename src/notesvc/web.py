@@ -12,7 +12,7 @@ from pathlib import Path
 
 from notesvc.errors import to_json
 
-# == Web client =================================================================
+# -- Web client ----------------------------------------------------------------------------
 #
 # One self-contained page: inline CSS and JS (allowed by their hashes in the CSP), no
 # CDN, no build step. It uses only the public API. Data goes in as text nodes only.

@@ -1,5 +1,7 @@
-"""Handlers of the notes API: system, auth, notes, attachments, folders, history, search,
-agent."""
+"""Handlers of the notes API: system, auth, notes, attachments, folders, history, search.
+
+And the agent's two routes (/agent/chat, /agent/status).
+"""
 
 from __future__ import annotations
 
@@ -18,7 +20,7 @@ from notesvc.boot import API, KEY_HEADER, KEY_PREFIX, __version__, bottle, log
 from notesvc.errors import JSON_TYPE, ApiError, bad_request, not_found, ok, to_json
 from notesvc.grants import (
     Principal,
-    _clean_name,
+    clean_name,
     granted_tree,
     request_principal,
     visible_attachment,
@@ -29,17 +31,17 @@ from notesvc.grants import (
 from notesvc.helpers import (
     BODY_CHUNK,
     MultipartReader,
-    _minutes,
-    _redact_url,
     field,
     is_blank,
     is_home_network,
     iso,
     lan_address,
     local_time,
+    minutes_text,
     query_int,
     query_str,
     read_json,
+    redact_url,
     request_body_reader,
     request_header,
     setup_client_ip,
@@ -47,7 +49,7 @@ from notesvc.helpers import (
     too_large,
     utcnow,
 )
-from notesvc.http.route import _file_chunks, _none_match, conditional_download
+from notesvc.http.route import conditional_download, file_chunks, none_match
 from notesvc.notes.history import VERSION_ID_RE
 from notesvc.notes.merge import title_filename, unified_diff
 from notesvc.notes.paths import ATTACHMENTS, NOTES, attachment_folder, folder_path, note_path
@@ -55,8 +57,8 @@ from notesvc.notes.trash import attachment_or_note_path
 from notesvc.plugins import attachment_linkers, move_and_relink, update_links
 from notesvc.providers.agent import ask_agent
 from notesvc.providers.base import MAX_MESSAGE_CHARS, MCP_VERSIONS
-from notesvc.providers.embed import find_notes, related_notes
 from notesvc.relay import RELAY_WORKERS
+from notesvc.search.hybrid import find_notes, related_notes
 from notesvc.search.text import MAX_QUERY_CHARS, Query
 from notesvc.service import Service
 from notesvc.settings import Config
@@ -92,7 +94,7 @@ def get_features(svc: Service):
     etag = '"' + hashlib.sha256(to_json(doc)).hexdigest()[:20] + '"'
     bottle.response.set_header("ETag", etag)
     bottle.response.set_header("Cache-Control", "no-cache")  # kept, asked again each time
-    if _none_match(bottle.request.get_header("If-None-Match"), etag):
+    if none_match(bottle.request.get_header("If-None-Match"), etag):
         bottle.response.status = 304
         return b""
     return doc
@@ -164,7 +166,7 @@ def get_setup(svc: Service) -> dict:
         payload["instructions"] = [
             "Copy apiKey: it is shown only to this machine"
             + ("" if svc.setup_loopback_only else " and its home network")
-            + f", for {_minutes(cfg.setup_window)} after a start, until setup completes.",
+            + f", for {minutes_text(cfg.setup_window)} after a start, until setup completes.",
             "Open links.connect.hosted (or testHosted) on your device: it fills in this server.",
             f"If prefill is unavailable, paste links.apiBase and the key into your client "
             f"(header {KEY_HEADER}).",
@@ -213,7 +215,7 @@ def get_info(svc: Service) -> dict:
     }
 
 
-def _network_facts(cfg: Config) -> dict:
+def network_facts(cfg: Config) -> dict:
     """The network settings /system/config and /security/config both report."""
     return {
         "port": cfg.port,
@@ -223,7 +225,7 @@ def _network_facts(cfg: Config) -> dict:
     }
 
 
-def _limit_facts(svc: Service) -> dict:
+def limit_facts(svc: Service) -> dict:
     cfg = svc.config
     return {
         "maxBodyBytes": cfg.max_body_bytes,
@@ -238,20 +240,20 @@ def _limit_facts(svc: Service) -> dict:
     }
 
 
-def _agent_facts(cfg: Config) -> dict:
+def agent_facts(cfg: Config) -> dict:
     return {
         "provider": cfg.agent_provider,
-        "baseUrl": _redact_url(cfg.agent_base_url),
+        "baseUrl": redact_url(cfg.agent_base_url),
         "apiKeySet": bool(cfg.agent_api_key),
     }
 
 
 def get_config(svc: Service) -> dict:
-    cfg, limits = svc.config, _limit_facts(svc)
+    cfg, limits = svc.config, limit_facts(svc)
     return {
         "server": {
             "host": cfg.host,
-            **_network_facts(cfg),
+            **network_facts(cfg),
             "threads": cfg.threads,
             **{k: v for k, v in limits.items() if k != "lockout"},
         },
@@ -269,7 +271,7 @@ def get_config(svc: Service) -> dict:
             "testClientUrl": cfg.test_client_url or "(built-in client)",
         },
         "agent": {
-            **_agent_facts(cfg),
+            **agent_facts(cfg),
             "model": cfg.agent_model,
             "timeoutSeconds": cfg.agent_timeout,
             "maxSteps": cfg.agent_max_steps,
@@ -279,7 +281,7 @@ def get_config(svc: Service) -> dict:
         "search": {
             "engine": "notesvc-bm25",
             "maxQueryLength": MAX_QUERY_CHARS,
-            "embedUrl": _redact_url(cfg.embed_url),
+            "embedUrl": redact_url(cfg.embed_url),
             "embedModel": cfg.embed_model,
             "embedKeySet": bool(cfg.embed_key),
         },
@@ -293,7 +295,7 @@ def get_config(svc: Service) -> dict:
         },
         "plugins": {"dir": cfg.plugins_dir or ".notesvc/plugins"},
         "capture": {
-            "transcribeUrl": _redact_url(cfg.transcribe_url),
+            "transcribeUrl": redact_url(cfg.transcribe_url),
             "transcribeModel": cfg.transcribe_model,
             "transcribeApiKeySet": bool(cfg.transcribe_api_key),
             "timeZone": cfg.timezone or "system",
@@ -385,7 +387,7 @@ def rotate_api_key(svc: Service) -> dict:
 # -- notes ---------------------------------------------------------------------------
 
 
-def _if_match() -> str | None:
+def if_match_header() -> str | None:
     return request_header("If-Match")
 
 
@@ -458,7 +460,7 @@ def update_note(svc: Service, path: str) -> dict:
         raise bad_request(
             f"PUT changes content only; to move or rename use PATCH {API}/notes/:path/move"
         )
-    return _note_response(svc.notes.update(path, content, _if_match()))
+    return _note_response(svc.notes.update(path, content, if_match_header()))
 
 
 def move_note(svc: Service, path: str) -> dict:
@@ -466,7 +468,7 @@ def move_note(svc: Service, path: str) -> dict:
     body = read_json(svc.config.max_body_bytes)
     new = visible_note(svc.notes, field(body, "path"))  # a folder grant moves within its folder
     relink = bool(field(body, "updateLinks", bool, required=False))
-    return _note_response(move_and_relink(svc, path, new, _if_match(), relink))
+    return _note_response(move_and_relink(svc, path, new, if_match_header(), relink))
 
 
 def merge_note(svc: Service, path: str) -> dict:
@@ -477,7 +479,7 @@ def merge_note(svc: Service, path: str) -> dict:
     base = field(body, "base", max_len=100)
     content = field(body, "content")
     base = base if base.startswith('"') else f'"{base}"'
-    name = _clean_name(field(body, "clientName", required=False, max_len=100), "")
+    name = clean_name(field(body, "clientName", required=False, max_len=100), "")
     who = title_filename(name or principal_name(svc, request_principal()))
     when = local_time(time.time(), time_zone(svc.config.timezone)).strftime("%Y-%m-%d %H-%M")
     principal = request_principal()  # a folder grant merges from versions it may read
@@ -499,7 +501,7 @@ def principal_name(svc: Service, principal: Principal) -> str:
 
 
 def delete_note(svc: Service, path: str) -> dict:
-    return svc.notes.delete(visible_note(svc.notes, path), _if_match())
+    return svc.notes.delete(visible_note(svc.notes, path), if_match_header())
 
 
 # -- attachments -------------------------------------------------------------------------
@@ -525,7 +527,7 @@ def put_attachment(svc: Service, path: str) -> bytes:
             "UNSUPPORTED_MEDIA_TYPE",
             f"PUT takes the file's own bytes; send a multipart form to POST {API}/attachments",
         )
-    if_match, if_none_match = _if_match(), request_header("If-None-Match")
+    if_match, if_none_match = if_match_header(), request_header("If-None-Match")
     svc.attachments.check(path, if_match, if_none_match)  # before the body is read
     limit = svc.config.max_attachment_bytes
     read, _ = request_body_reader(limit, "SERVICE_MAX_ATTACHMENT_BYTES")
@@ -613,7 +615,7 @@ def get_attachment(svc: Service, path: str):
             return b""
         first, length = span
         f.seek(first)
-        return _file_chunks(f, length)
+        return file_chunks(f, length)
     except BaseException:
         f.close()
         raise
@@ -641,7 +643,7 @@ def move_attachment(svc: Service, path: str) -> dict:
     linking = (
         set(filter(request_principal().sees, attachment_linkers(svc, path))) if relink else set()
     )
-    rec = svc.attachments.move(path, new, _if_match())
+    rec = svc.attachments.move(path, new, if_match_header())
     if relink and new != path:
         rec["linksUpdated"] = update_links(svc, path, new, linking)
     bottle.response.set_header("ETag", rec["etag"])
@@ -649,7 +651,7 @@ def move_attachment(svc: Service, path: str) -> dict:
 
 
 def delete_attachment(svc: Service, path: str) -> dict:
-    return svc.attachments.delete(visible_attachment(svc.attachments, path), _if_match())
+    return svc.attachments.delete(visible_attachment(svc.attachments, path), if_match_header())
 
 
 # -- folders ---------------------------------------------------------------------------
@@ -743,7 +745,7 @@ def diff_version(svc: Service, path: str, version_id: str) -> dict:
 def restore_version(svc: Service, path: str, version_id: str) -> dict:
     path = visible_note(svc.notes, path)
     seen = functools.partial(_version_seen, svc, path, version_id)
-    return _note_response(svc.notes.restore_version(path, version_id, _if_match(), seen))
+    return _note_response(svc.notes.restore_version(path, version_id, if_match_header(), seen))
 
 
 def _trashed(svc: Service, item_id: str) -> Any:

@@ -19,7 +19,8 @@ from notesvc.grants import SCOPES
 from notesvc.helpers import log_safe, quick_info
 from notesvc.http.caldav import CAL_METHODS, caldav_callback, well_known_caldav
 from notesvc.http.dav import DAV_METHODS, DAV_PREFIX
-from notesvc.http.integrations import authenticate_mcp, cors_allows, plugin_routes
+from notesvc.http.integrations import plugin_routes
+from notesvc.http.mcp import authenticate_mcp, cors_allows
 from notesvc.http.route import GZIP_MIN_BYTES, Route, compressible_type
 from notesvc.http.routes import ROUTES, channel_routes
 from notesvc.plugins import build_service

@@ -6,20 +6,15 @@ import contextlib
 import datetime as dt
 import hmac
 import re
-import secrets
-import time
 import urllib.parse
 from typing import Any, Callable
 
 from notesvc.boot import bottle, log
-from notesvc.errors import ApiError, PreconditionFailed, bad_request, not_found
-from notesvc.grants import Principal, _epoch, request_principal, visible_folder
+from notesvc.errors import ApiError, PreconditionFailed, not_found
+from notesvc.grants import Principal, request_principal
 from notesvc.helpers import (
-    field,
-    iso,
-    key_hash,
+    if_match_allows,
     local_time,
-    read_json,
     request_body_reader,
     request_header,
     time_zone,
@@ -28,9 +23,6 @@ from notesvc.http.api import INBOX
 from notesvc.http.dav import (
     DAV_PREFIX,
     DavError,
-    _dav_name,
-    _empty_prop,
-    _xesc,
     dav_authenticate,
     dav_body,
     dav_callback,
@@ -38,11 +30,13 @@ from notesvc.http.dav import (
     dav_href,
     dav_item,
     dav_live,
+    dav_name,
     dav_props,
     dav_state,
     dav_xml,
+    empty_prop,
+    xesc,
 )
-from notesvc.http.integrations import _public_limit, opens_only_at_home, share_url
 from notesvc.notes.paths import NOTES, make_etag
 from notesvc.notes.tasks import (
     ALARM_RE,
@@ -54,13 +48,9 @@ from notesvc.notes.tasks import (
     TaskBook,
     UnusableDate,
     ical_calendar,
-    ical_date,
-    ical_escape,
     ical_parse,
     ical_split,
-    ical_stamp,
     ical_unescape,
-    ical_utc,
     ical_when,
     task_book,
     task_line_of,
@@ -70,7 +60,7 @@ from notesvc.notes.tasks import (
 )
 from notesvc.service import Service
 
-# == CalDAV ===================================================================
+# -- CalDAV --------------------------------------------------------------------------------
 #
 # docs/api.md (CalDAV): /dav/principal/ and /dav/calendars/ beside the WebDAV of notes/ and
 # attachments/ (a PROPFIND of /dav/ still lists only those two, so file sync never sees
@@ -116,7 +106,7 @@ def cal_error(e: ApiError) -> bottle.HTTPResponse:
         inner = getattr(e, "inner", "")
         body = (
             f'<?xml version="1.0" encoding="utf-8"?>\n<D:error {_NS_DECL}>'
-            f"<{tag}>{inner}</{tag}><D:responsedescription>{_xesc(e.message)}"
+            f"<{tag}>{inner}</{tag}><D:responsedescription>{xesc(e.message)}"
             "</D:responsedescription></D:error>"
         )
         headers["Content-Type"] = CAL_XML_TYPE
@@ -348,8 +338,8 @@ def cal_props(svc: Service, book: TaskBook, res: dict, ctx: dict, names=None) ->
     if res["kind"] == "item":
         return cal_item_props(svc, res["task"], ctx, names)
     principal = ctx["principal"]
-    me = _prop("DAV:", "href", _xesc(cal_href(ctx, "principal", True)))
-    home = _prop("DAV:", "href", _xesc(cal_href(ctx, "calendars", True)))
+    me = _prop("DAV:", "href", xesc(cal_href(ctx, "principal", True)))
+    home = _prop("DAV:", "href", xesc(cal_href(ctx, "calendars", True)))
     privs = "<D:privilege><D:read/></D:privilege>"
     if principal.allows("write"):
         privs += "".join(
@@ -377,7 +367,7 @@ def cal_props(svc: Service, book: TaskBook, res: dict, ctx: dict, names=None) ->
     elif kind == "list":
         token = cal_sync_token(book, principal, res)
         out[("DAV:", "resourcetype")] = _prop("DAV:", "resourcetype", collection + "<C:calendar/>")
-        out[("DAV:", "displayname")] = _prop("DAV:", "displayname", _xesc(res["name"]))
+        out[("DAV:", "displayname")] = _prop("DAV:", "displayname", xesc(res["name"]))
         out[(CAL_NS, "supported-calendar-component-set")] = _prop(
             CAL_NS, "supported-calendar-component-set", '<C:comp name="VTODO"/>'
         )
@@ -408,21 +398,21 @@ def cal_wanted(root) -> tuple:
         if child.tag == "{DAV:}propname":
             return "propname", []
         if child.tag == "{DAV:}prop":
-            return "prop", [(*_dav_name(c.tag), c.tag) for c in child]
+            return "prop", [(*dav_name(c.tag), c.tag) for c in child]
     return "allprop", []
 
 
 def cal_item_props(svc: Service, task: dict, ctx: dict, names) -> dict:
     out = {
         ("DAV:", "resourcetype"): "<D:resourcetype/>",
-        ("DAV:", "getetag"): _prop("DAV:", "getetag", _xesc(task["etag"])),
+        ("DAV:", "getetag"): _prop("DAV:", "getetag", xesc(task["etag"])),
         ("DAV:", "getcontenttype"): _prop("DAV:", "getcontenttype", CAL_ITEM_TYPE),
     }
     if names is None or {"calendar-data", "getcontentlength"} & names:
         data = cal_item_data(svc, task, ctx)
         out[("DAV:", "getcontentlength")] = _prop("DAV:", "getcontentlength", str(len(data)))
         out[(CAL_NS, "calendar-data")] = _prop(
-            CAL_NS, "calendar-data", _xesc(data.decode("utf-8")).replace("\r", "&#13;")
+            CAL_NS, "calendar-data", xesc(data.decode("utf-8")).replace("\r", "&#13;")
         )
     return out
 
@@ -439,7 +429,7 @@ def cal_propstat(props: dict, mode: str, wanted: list) -> str:
         for ns, local, tag in wanted:
             value = props.get((ns, local))
             if value is None:
-                missing.append(_empty_prop(tag))
+                missing.append(empty_prop(tag))
             else:
                 found.append(value)
     out = ""
@@ -469,7 +459,7 @@ def cal_multistatus(parts: list, tail: str = "") -> bytes:
 
 
 def _response(href: str, inner: str) -> str:
-    return f"<D:response><D:href>{_xesc(href)}</D:href>{inner}</D:response>"
+    return f"<D:response><D:href>{xesc(href)}</D:href>{inner}</D:response>"
 
 
 def cal_body():
@@ -695,7 +685,7 @@ def cal_filter(flt, svc: Service) -> Callable:
         if child.tag == f"{{{CAL_NS}}}is-not-defined":
             return lambda t: False
         if child.tag != f"{{{CAL_NS}}}comp-filter":
-            raise _unsupported(_dav_name(child.tag)[1])
+            raise _unsupported(dav_name(child.tag)[1])
         name = child.get("name", "").upper()
         if name != "VTODO":
             negated = child.find(f"{{{CAL_NS}}}is-not-defined") is not None
@@ -708,7 +698,7 @@ def cal_filter(flt, svc: Service) -> Callable:
 def cal_todo_filter(comp, svc: Service) -> Callable:
     tests: list = []
     for child in comp:
-        ns, local = _dav_name(child.tag)
+        ns, local = dav_name(child.tag)
         if ns != CAL_NS:
             raise _unsupported(local)
         if local == "is-not-defined":
@@ -751,7 +741,7 @@ def cal_prop_filter(pf) -> Callable:
     if len(children) != 1:
         raise _unsupported(f"prop-filter {name} with several tests")
     child = children[0]
-    ns, local = _dav_name(child.tag)
+    ns, local = dav_name(child.tag)
     if ns == CAL_NS and local == "is-not-defined":
         return lambda t: not _task_values(t, name)
     if ns == CAL_NS and local == "text-match" and name in CAL_TEXT_MATCH:
@@ -956,11 +946,8 @@ def cal_set_due(svc: Service, rest: str, due: Any) -> str:
 
 
 def _check_if_match(task: dict | None) -> None:
-    im = request_header("If-Match")
-    if im is not None:
-        tags = [t.strip() for t in im.split(",")]
-        if task is None or ("*" not in tags and task["etag"] not in tags):
-            raise DavError(412, "the task changed since it was read (If-Match): read it again")
+    if not if_match_allows(request_header("If-Match"), task["etag"] if task else None):
+        raise DavError(412, "the task changed since it was read (If-Match): read it again")
     inm = request_header("If-None-Match")
     if inm is not None and inm.strip() == "*" and task is not None:
         raise DavError(412, "a task is already there (If-None-Match: *)")
@@ -1033,7 +1020,7 @@ def cal_put(svc: Service, book: TaskBook, res: dict, ctx: dict):
             403,
             "this UID belongs to another task",
             "C:no-uid-conflict",
-            f"<D:href>{_xesc(href)}</D:href>",
+            f"<D:href>{xesc(href)}</D:href>",
         )
     if task is not None:
 
@@ -1126,147 +1113,6 @@ def cal_delete(svc: Service, book: TaskBook, res: dict, ctx: dict):
     book.refresh()
     bottle.response.status = 204
     return b""
-
-
-# == the calendar feed: /ics/<secret>.ics =======================================================
-#
-# A read-only iCalendar file for apps that subscribe to a URL (Google Calendar, Outlook):
-# the tasks as VTODOs, a VEVENT at each ⏰ time and an all-day VEVENT for each open dated
-# task (those apps ignore VTODO). Its secret opens /ics/ only, is shown once and kept
-# hashed in state.json (`feeds`); unknown secrets count toward the per-address lockout of
-# share links.
-
-FEED_SECRET_RE = re.compile(r"^[A-Za-z0-9_-]{32}\Z")
-MAX_FEEDS = 50
-FEED_USE_SECONDS = 300  # lastUsedAt is written at most this often
-
-
-def feed_record(feed: dict) -> dict:
-    keys = ("id", "name", "folder", "createdAt", "lastUsedAt", "hint")
-    return {**{k: feed.get(k) for k in keys}, "createdBy": feed.get("createdBy", "owner")}
-
-
-def feed_url(svc: Service, environ: dict, secret: str) -> str:
-    """<base>/ics/<secret>.ics, <base> as share links have it (the relay origin in relay
-    mode)."""
-    return share_url(svc, environ, "")[: -len("/s/")] + f"/ics/{secret}.ics"
-
-
-def create_feed(svc: Service) -> dict:
-    body = read_json(svc.config.max_body_bytes)
-    name = " ".join(str(field(body, "name", max_len=100)).split())
-    if not name:
-        raise bad_request("'name' is empty")
-    raw = field(body, "folder", required=False)
-    folder = visible_folder(svc, raw) if raw else request_principal().folder or None
-    secret, now = secrets.token_urlsafe(24), time.time()
-    feed = {
-        "id": "fd_" + secrets.token_hex(6),
-        "name": name,
-        "folder": folder if folder != NOTES else None,
-        "createdAt": iso(now),
-        "lastUsedAt": None,
-        "hint": secret[-4:],
-        "secretHash": key_hash(secret),
-        "createdBy": request_principal().grant_id or "owner",
-    }
-
-    def change(data: dict) -> None:
-        feeds = data.get("feeds", [])
-        if len(feeds) >= MAX_FEEDS:
-            raise ApiError(409, "CONFLICT", f"{MAX_FEEDS} calendar feeds exist; delete some")
-        data["feeds"] = [*feeds, feed]
-
-    svc.state.update(change)
-    log.info("calendar feed %s created", feed["id"])
-    bottle.response.status = 201
-    url = feed_url(svc, bottle.request.environ, secret)
-    return {**feed_record(feed), "url": url, "homeOnly": opens_only_at_home(url)}
-
-
-def list_feeds(svc: Service) -> dict:
-    return {"feeds": [feed_record(f) for f in svc.state.read().get("feeds", [])]}
-
-
-def delete_feed(svc: Service, feed_id: str) -> dict:
-    if not any(f["id"] == feed_id for f in svc.state.read().get("feeds", [])):
-        raise not_found(f"no calendar feed {feed_id}")
-
-    def change(data: dict) -> None:
-        data["feeds"] = [f for f in data.get("feeds", []) if f["id"] != feed_id]
-
-    svc.state.update(change)
-    return {"id": feed_id, "deleted": True}
-
-
-def _feed_of(svc: Service, secret: str) -> dict | None:
-    if not FEED_SECRET_RE.match(secret):
-        return None
-    h = key_hash(secret)
-    for f in svc.state.read().get("feeds", []):
-        if hmac.compare_digest(f["secretHash"], h):
-            return f
-    return None
-
-
-def get_feed(svc: Service, name: str):
-    """GET /ics/<secret>.ics: the feed's calendar."""
-    addr = _public_limit(svc)
-    resp = bottle.response
-    for header, value in (
-        ("Cache-Control", "private, max-age=300"),
-        ("X-Robots-Tag", "noindex, nofollow"),
-        ("Referrer-Policy", "no-referrer"),
-    ):
-        resp.set_header(header, value)
-    feed = _feed_of(svc, name[:-4] if name.endswith(".ics") else "")
-    if feed is not None and not svc.grants.live_maker(feed.get("createdBy")):
-        feed = None  # its device was revoked (the feed went with it) or has expired
-    if feed is None:
-        svc.grants.share_misses.fail(addr, name)
-        raise not_found("no calendar feed at this link (it may have been deleted)")
-    now = time.time()
-    used = feed.get("lastUsedAt")
-    if used is None or now - _epoch(used) > FEED_USE_SECONDS:
-
-        def change(data: dict) -> None:
-            for f in data.get("feeds", []):
-                if f["id"] == feed["id"]:
-                    f["lastUsedAt"] = iso(now)
-
-        svc.state.update(change)
-    book = task_book(svc)
-    book.refresh()
-    reader = Principal("key", "read", feed.get("folder") or "")
-    origin = svc.base_url(bottle.request.environ).rstrip("/")
-    parts: list = []
-    for task in cal_list_tasks(book, reader, None):
-        parts += vtodo_lines(task, f"{origin}/#task={task['uid']}")
-        parts += feed_events(task)
-    resp.content_type = CAL_TYPE
-    return ical_calendar(parts, feed["name"])
-
-
-def feed_events(task: dict) -> list:
-    """The VEVENTs of a task in the feed: at its ⏰ time, and all day on its open date."""
-    out: list = []
-    stamp = f"DTSTAMP:{ical_stamp(task['stamp'])}"
-    summary = f"SUMMARY:{ical_escape(task['summary'] or 'Task')}"
-    if task["alarm"] is not None:  # it rings: an alarm at its start (README: ⏰ also rings)
-        end = task["alarm"] + dt.timedelta(minutes=15)
-        out += ["BEGIN:VEVENT", f"UID:{task['uid']}-at", stamp, summary]
-        out += [f"DTSTART:{ical_utc(task['alarm'])}", f"DTEND:{ical_utc(end)}"]
-        out += ["BEGIN:VALARM", "ACTION:DISPLAY", summary.replace("SUMMARY:", "DESCRIPTION:", 1)]
-        out += ["TRIGGER;RELATED=START:PT0S", "END:VALARM", "END:VEVENT"]
-    if isinstance(task["due"], dt.date) and not task["done"]:
-        after = task["due"] + dt.timedelta(days=1)
-        out += ["BEGIN:VEVENT", f"UID:{task['uid']}-day", stamp, summary]
-        out += [
-            f"DTSTART;VALUE=DATE:{ical_date(task['due'])}",
-            f"DTEND;VALUE=DATE:{ical_date(after)}",
-        ]
-        out += ["TRANSP:TRANSPARENT", "END:VEVENT"]
-    return out
 
 
 def get_task(svc: Service, uid: str) -> dict:

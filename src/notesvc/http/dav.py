@@ -33,22 +33,22 @@ from notesvc.helpers import (
     request_body_reader,
     request_header,
 )
-from notesvc.http.api import _if_match
-from notesvc.http.route import _file_chunks, conditional_download
+from notesvc.http.api import if_match_header
+from notesvc.http.route import conditional_download, file_chunks
 from notesvc.notes.paths import (
     ATTACHMENTS,
     MAX_PATH_CHARS,
     NOTES,
-    _check_segments,
-    _nfc,
     attachment_path,
+    check_segments,
     content_type_of,
     make_etag,
+    nfc,
 )
-from notesvc.notes.store import ReadCache, _check_etag, attachment_etag
+from notesvc.notes.store import ReadCache, attachment_etag, check_etag
 from notesvc.service import Service
 
-# == WebDAV ===================================================================
+# -- WebDAV --------------------------------------------------------------------------------
 #
 # The notes folder in other apps (docs/api.md: WebDAV): Finder, Windows, rclone, Obsidian.
 # /dav/notes/... and /dav/attachments/... for Obsidian (Remotely Save), Markor, Joplin,
@@ -270,11 +270,12 @@ class DavState:
 
 
 def dav_state(svc: Service) -> DavState:
-    state = getattr(svc, "_dav", None)
+    """Return the Service's DavState (`svc.dav`), made on first use."""
+    state = svc.dav
     if state is None:
         with _DAV_START:
-            state = getattr(svc, "_dav", None) or DavState(svc)
-            svc._dav = state
+            state = svc.dav or DavState(svc)
+            svc.dav = state
     return state
 
 
@@ -339,7 +340,7 @@ def dav_checked(raw: str) -> str:
         "_" + s[1:] if s.startswith(".") and s not in (".", "..") else s for s in segments
     )
     try:
-        _check_segments(shown, "WebDAV", segments[0])
+        check_segments(shown, "WebDAV", segments[0])
     except ApiError as e:
         raise DavError(403, e.message) from None
     return path
@@ -455,7 +456,7 @@ def dav_xml(body: bytes):
     return root
 
 
-def _dav_name(tag: str) -> tuple:
+def dav_name(tag: str) -> tuple:
     """('DAV:', 'getetag') from '{DAV:}getetag'; ('', 'x') for an element in no namespace."""
     if tag.startswith("{"):
         ns, _, local = tag[1:].partition("}")
@@ -474,7 +475,7 @@ def _xml_of(elem) -> str:
 XML_NON_CHAR_RE = re.compile("[\x00-\x08\x0b\x0c\x0e-\x1f\ud800-\udfff\ufffe\uffff]")
 
 
-def _xesc(text: str) -> str:
+def xesc(text: str) -> str:
     """Text as XML character data or an attribute value (what XML cannot hold as U+FFFD)."""
     return (
         XML_NON_CHAR_RE.sub("\ufffd", text)
@@ -485,13 +486,13 @@ def _xesc(text: str) -> str:
     )
 
 
-def _empty_prop(tag: str) -> str:
-    ns, local = _dav_name(tag)
+def empty_prop(tag: str) -> str:
+    ns, local = dav_name(tag)
     if ns == "DAV:":
         return f"<D:{local}/>"
     if not ns:
         return f'<{local} xmlns=""/>'
-    quoted = _xesc(ns).replace("\n", "&#10;").replace("\r", "&#13;").replace("\t", "&#9;")
+    quoted = xesc(ns).replace("\n", "&#10;").replace("\r", "&#13;").replace("\t", "&#9;")
     return f'<X:{local} xmlns:X="{quoted}"/>'
 
 
@@ -521,7 +522,7 @@ def dav_live(dav: DavState, item: DavItem, name: str) -> str | None:
     st = item.st
     folder = st is None or stat.S_ISDIR(st.st_mode) if item.path not in DAV_TOPS else True
     if name == "displayname":
-        return f"<D:displayname>{_xesc(item.path.rsplit('/', 1)[-1])}</D:displayname>"
+        return f"<D:displayname>{xesc(item.path.rsplit('/', 1)[-1])}</D:displayname>"
     if name == "resourcetype":
         return "<D:resourcetype><D:collection/></D:resourcetype>" if folder else "<D:resourcetype/>"
     if name == "supportedlock":
@@ -543,7 +544,7 @@ def dav_live(dav: DavState, item: DavItem, name: str) -> str | None:
         return f"<D:getcontenttype>{kind}</D:getcontenttype>"
     if name == "getetag":
         try:
-            return f"<D:getetag>{_xesc(dav_etag(dav, item))}</D:getetag>"
+            return f"<D:getetag>{xesc(dav_etag(dav, item))}</D:getetag>"
         except OSError:  # deleted while the listing was made
             return None
     return None
@@ -572,7 +573,7 @@ def dav_propstat(found: list, missing: list) -> str:
 
 
 def dav_response(href: str, inner: str) -> str:
-    return f"<D:response><D:href>{_xesc(href)}</D:href>{inner}</D:response>"
+    return f"<D:response><D:href>{xesc(href)}</D:href>{inner}</D:response>"
 
 
 def dav_multistatus(parts: Iterable[str]) -> bytes:
@@ -615,7 +616,7 @@ def dav_children(svc: Service, item: DavItem, principal: Principal) -> list:
             continue  # a write under way
         if not dav_shown_name(name):
             continue  # a name no path may hold (control characters, bytes that are not UTF-8)
-        path = f"{item.path}/{_nfc(name)}"
+        path = f"{item.path}/{nfc(name)}"
         if not dav_grant_sees(principal, path):
             continue
         try:
@@ -713,7 +714,7 @@ def dav_activelock(lk: DavLock) -> str:
         f"<D:depth>{lk.depth}</D:depth>{lk.owner}"
         f"<D:timeout>Second-{left}</D:timeout>"
         f"<D:locktoken><D:href>{lk.token}</D:href></D:locktoken>"
-        f"<D:lockroot><D:href>{_xesc(root)}</D:href></D:lockroot>"
+        f"<D:lockroot><D:href>{xesc(root)}</D:href></D:lockroot>"
         "</D:activelock>"
     )
 
@@ -884,7 +885,7 @@ def dav_propfind(svc: Service, dav: DavState, item: DavItem, ctx: dict):
             if child.tag == "{DAV:}propname":
                 mode = "propname"
             elif child.tag == "{DAV:}prop":
-                mode, wanted = "prop", [(c.tag, *_dav_name(c.tag)) for c in child]
+                mode, wanted = "prop", [(c.tag, *dav_name(c.tag)) for c in child]
     if not item.exists:
         raise DavError(404, f"nothing at /dav/{item.path}")
     items = [item]
@@ -901,7 +902,7 @@ def dav_props(dav: DavState, item: DavItem, mode: str, wanted: list) -> str:
     dead = dav.props_of(item.path) if dav.props else {}
     if mode == "propname":
         names = [f"<D:{n}/>" for n in _DAV_LIVE if dav_live(dav, item, n) is not None]
-        return dav_propstat(names + [_empty_prop(t) for t in dead], [])
+        return dav_propstat(names + [empty_prop(t) for t in dead], [])
     if mode == "allprop":
         found = [x for n in _DAV_LIVE if (x := dav_live(dav, item, n)) is not None]
         return dav_propstat(found + list(dead.values()), [])
@@ -910,7 +911,7 @@ def dav_props(dav: DavState, item: DavItem, mode: str, wanted: list) -> str:
         value = dav_live(dav, item, local) if ns == "DAV:" else None
         if value is None:
             value = dead.get(tag)
-        (found if value is not None else missing).append(value or _empty_prop(tag))
+        (found if value is not None else missing).append(value or empty_prop(tag))
     return dav_propstat(found, missing)
 
 
@@ -927,7 +928,7 @@ def dav_proppatch(svc: Service, dav: DavState, item: DavItem, ctx: dict):
             continue
         for prop in op.findall("{DAV:}prop"):
             for elem in prop:
-                if _dav_name(elem.tag)[0] == "DAV:":
+                if dav_name(elem.tag)[0] == "DAV:":
                     refused.append(elem.tag)  # the live properties are the server's
                 elif op.tag == "{DAV:}set":
                     changes.append((elem.tag, _xml_of(elem)))
@@ -936,19 +937,19 @@ def dav_proppatch(svc: Service, dav: DavState, item: DavItem, ctx: dict):
     names = [t for t, _ in changes] + refused
     if refused:  # all or nothing (RFC 4918 9.2)
         inner = (
-            "<D:propstat><D:prop>" + "".join(_empty_prop(t) for t in refused) + "</D:prop>"
+            "<D:propstat><D:prop>" + "".join(empty_prop(t) for t in refused) + "</D:prop>"
             "<D:status>HTTP/1.1 403 Forbidden</D:status>"
             "<D:error><D:cannot-modify-protected-property/></D:error></D:propstat>"
         )
         others = [t for t, _ in changes]
         if others:
             inner += (
-                "<D:propstat><D:prop>" + "".join(_empty_prop(t) for t in others) + "</D:prop>"
+                "<D:propstat><D:prop>" + "".join(empty_prop(t) for t in others) + "</D:prop>"
                 "<D:status>HTTP/1.1 424 Failed Dependency</D:status></D:propstat>"
             )
     else:
         dav.set_props(item.path, changes)
-        inner = dav_propstat([_empty_prop(t) for t in dict.fromkeys(names)], [])
+        inner = dav_propstat([empty_prop(t) for t in dict.fromkeys(names)], [])
     return dav_multistatus([dav_response(dav_href(ctx["script"], item.path, item.is_dir), inner)])
 
 
@@ -983,7 +984,7 @@ def dav_get(svc: Service, dav: DavState, item: DavItem, ctx: dict):
         return data[first : first + length]
     f = open(item.file, "rb")  # noqa: SIM115 - closed by _file_chunks
     f.seek(first)
-    return _file_chunks(f, length)
+    return file_chunks(f, length)
 
 
 def dav_read(item: DavItem) -> tuple:
@@ -1024,7 +1025,7 @@ def dav_put(svc: Service, dav: DavState, item: DavItem, ctx: dict):
     setting = "SERVICE_MAX_BODY_BYTES" if note else "SERVICE_MAX_ATTACHMENT_BYTES"
     read, _ = request_body_reader(limit, setting)
     etag, created = dav_write_file(
-        svc, dav, item.path, read, _if_match(), request_header("If-None-Match")
+        svc, dav, item.path, read, if_match_header(), request_header("If-None-Match")
     )
     bottle.response.status = 201 if created else 204
     bottle.response.set_header("ETag", etag)
@@ -1039,7 +1040,7 @@ def dav_delete_method(svc: Service, dav: DavState, item: DavItem, ctx: dict):
     if item.is_dir and (request_header("Depth") or "infinity").lower() != "infinity":
         raise DavError(400, "a folder is deleted whole: Depth: infinity")
     if request_header("If-Match") and not item.is_dir:
-        _check_etag(_if_match(), dav_etag(dav, item), "file")
+        check_etag(if_match_header(), dav_etag(dav, item), "file")
     dav_unlocked(dav, item.path, ctx["tokens"], below=True)
     dav_delete(svc, dav, item)
     dav.drop_locks(item.path)  # (RFC 4918 9.6.1)
@@ -1196,7 +1197,7 @@ def dav_owner(owner) -> str:
     """The <D:owner> a client gave, as XML (its inside kept as sent)."""
     import xml.etree.ElementTree as ET
 
-    inner = _xesc(owner.text or "") + "".join(ET.tostring(c, encoding="unicode") for c in owner)
+    inner = xesc(owner.text or "") + "".join(ET.tostring(c, encoding="unicode") for c in owner)
     return f"<D:owner>{inner}</D:owner>"
 
 
@@ -1334,7 +1335,7 @@ def dav_error(e: ApiError) -> bottle.HTTPResponse:
     if condition:
         body = (
             f'<?xml version="1.0" encoding="utf-8"?>\n<D:error xmlns:D="DAV:">'
-            f"<D:{condition}/><D:responsedescription>{_xesc(e.message)}"
+            f"<D:{condition}/><D:responsedescription>{xesc(e.message)}"
             "</D:responsedescription></D:error>"
         )
         headers["Content-Type"] = XML_TYPE

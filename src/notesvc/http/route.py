@@ -1,5 +1,7 @@
-"""The Route record (one row of the route table), and conditional GET and byte ranges for
-attachments and WebDAV."""
+"""The Route record; conditional GET and byte ranges (attachments and WebDAV share them).
+
+A Route is one row of the route table (http/routes.py).
+"""
 
 from __future__ import annotations
 
@@ -12,9 +14,6 @@ from notesvc.boot import API, bottle
 from notesvc.errors import ApiError
 from notesvc.helpers import BODY_CHUNK, request_header
 from notesvc.notes.paths import ATTACHMENT_CSP, shown_inline
-
-# == HTTP =====================================================================
-
 
 # -- the route record: one row of the route table (at the end of this section) -------
 
@@ -118,7 +117,7 @@ def content_disposition(path: str, content_type: str) -> str:
     return f"{kind}; filename=\"{plain}\"; filename*=UTF-8''{urllib.parse.quote(name)}"
 
 
-def _file_chunks(f: Any, length: int):
+def file_chunks(f: Any, length: int):
     try:
         while length > 0:
             chunk = f.read(min(BODY_CHUNK, length))
@@ -130,7 +129,7 @@ def _file_chunks(f: Any, length: int):
         f.close()
 
 
-def _none_match(header: str | None, etag: str) -> bool:
+def none_match(header: str | None, etag: str) -> bool:
     """Return whether an If-None-Match names `etag` (weakly or not) or is `*` (RFC 9110: a
     `*` inside a tag, `"a*b"` or `W/"*"`, is that tag, not a match)."""
     if not header:
@@ -157,7 +156,7 @@ def conditional_download(
     sandbox policy. If-Modified-Since is not looked at.
     """
     resp = bottle.response
-    if _none_match(request_header("If-None-Match"), etag):
+    if none_match(request_header("If-None-Match"), etag):
         resp.status = 304
         resp.set_header("ETag", etag)
         return None

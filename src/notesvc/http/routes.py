@@ -9,6 +9,29 @@ from notesvc.boot import KEY_HEADER, __version__, bottle
 from notesvc.errors import ERROR_CODES, JSON_TYPE, to_json
 from notesvc.grants import OAUTH_SCOPES, SCOPES
 from notesvc.helpers import NOT_BLANK_PATTERN
+from notesvc.http.access import (
+    approve_oauth,
+    authorization_server_metadata,
+    claim_device,
+    create_pairing,
+    create_scoped_key,
+    create_share,
+    get_addresses,
+    get_consent_page,
+    get_share_page,
+    get_shared,
+    get_shared_attachment,
+    list_scoped_keys,
+    list_shares,
+    oauth_consent,
+    oauth_register,
+    oauth_revoke,
+    oauth_token,
+    pair_relay_code,
+    protected_resource_metadata,
+    revoke_scoped_key,
+    revoke_share,
+)
 from notesvc.http.api import (
     MAX_SEQ,
     MAX_WAIT_SECONDS,
@@ -50,46 +73,25 @@ from notesvc.http.api import (
     update_note,
     verify_key,
 )
-from notesvc.http.caldav import create_feed, delete_feed, get_feed, get_task, list_feeds
+from notesvc.http.caldav import get_task
+from notesvc.http.feed import create_feed, delete_feed, get_feed, list_feeds
 from notesvc.http.integrations import (
     TELEGRAM_TOKEN_RE,
-    approve_oauth,
-    authorization_server_metadata,
     bind_channel,
-    claim_device,
     connect_telegram,
     create_channel,
-    create_pairing,
-    create_scoped_key,
-    create_share,
     delete_channel,
-    get_addresses,
     get_channel,
-    get_consent_page,
     get_export,
     get_plugin,
-    get_share_page,
-    get_shared,
-    get_shared_attachment,
     get_web_client,
     list_channel_providers,
     list_channels,
     list_plugins,
     list_reminders,
-    list_scoped_keys,
-    list_shares,
-    mcp_endpoint,
-    oauth_consent,
-    oauth_register,
-    oauth_revoke,
-    oauth_token,
-    pair_relay_code,
     patch_channel,
     post_import,
-    protected_resource_metadata,
     receive_webhook,
-    revoke_scoped_key,
-    revoke_share,
     security_audit,
     security_config,
     security_recommendations,
@@ -97,6 +99,7 @@ from notesvc.http.integrations import (
     toggle_plugin,
     verify_webhook,
 )
+from notesvc.http.mcp import mcp_endpoint
 from notesvc.http.route import Route
 from notesvc.notes.history import VERSION_ID_RE, json_pattern
 from notesvc.notes.paths import (
@@ -115,9 +118,6 @@ from notesvc.providers.channels import MAX_CONFIG_CHARS, ChannelProvider, Config
 from notesvc.search.text import MAX_QUERY_CHARS
 from notesvc.service import Service
 from notesvc.web import WEB_ASSETS, web_asset_headers
-
-# == Routes and app ===========================================================
-
 
 # -- route table --------------------------------------------------------------------
 

@@ -13,18 +13,12 @@ import time
 import zlib
 from collections.abc import Iterable
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Callable
+from typing import Any, Callable
 
 from notesvc.boot import log
 from notesvc.errors import DiskFull, bad_request, not_found
 from notesvc.helpers import atomic_write, disk_writes, fsync_dir, iso, log_safe
-from notesvc.notes.paths import (
-    make_etag,
-)
-
-if TYPE_CHECKING:  # annotations only: these modules come later
-    pass
-
+from notesvc.notes.paths import make_etag
 
 # -- history, trash and the change journal ------------------------------------------------
 #

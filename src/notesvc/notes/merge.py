@@ -6,7 +6,7 @@ import difflib
 import re
 import unicodedata
 
-from notesvc.notes.paths import _FRONT_MATTER_RE, PREVIEW_CHARS
+from notesvc.notes.paths import FRONT_MATTER_RE, PREVIEW_CHARS
 
 # -- three-way merges and names from titles (docs/api.md: phone) ------------------------------
 
@@ -306,7 +306,7 @@ def title_filename(text: str) -> str:
     >>> title_filename("\\n  Buy milk: 2 l / 3 eggs?  \\n"), title_filename("## ...\\n")
     ('Buy milk 2 l 3 eggs', 'untitled')
     """
-    fm = _FRONT_MATTER_RE.match(text)
+    fm = FRONT_MATTER_RE.match(text)
     body = text[fm.end() :] if fm else text
     heading = _ANY_HEADING_RE.search(body[: PREVIEW_CHARS * 64])
     first = next((line for line in body.splitlines() if line.strip()), "")
@@ -318,5 +318,5 @@ def title_filename(text: str) -> str:
     return name.rstrip(". ") or "untitled"
 
 
-def _sort_key(name: str) -> tuple:
+def sort_key(name: str) -> tuple:
     return (name.casefold(), name)

@@ -14,22 +14,20 @@ from typing import Any, Callable
 
 from notesvc.errors import bad_request
 
-# == Notes ====================================================================
-
 NOTES = "notes"
 MAX_PATH_CHARS = 512
 MAX_SEGMENT_BYTES = 255
-_FORBIDDEN = set('\\:*?"<>|')
+FORBIDDEN_CHARS = set('\\:*?"<>|')
 # Invisible characters that make a path read as another one (docs/api.md: Notes).
-_BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
-_ZERO_WIDTH = frozenset("\u200b\u200c\u200d\u2060\ufeff")
+BIDI_CONTROLS = frozenset("\u202a\u202b\u202c\u202d\u202e\u2066\u2067\u2068\u2069")
+ZERO_WIDTH = frozenset("\u200b\u200c\u200d\u2060\ufeff")
 _CONTROL_RE = re.compile("[\x00-\x1f\x7f-\x9f]")
 # Scans of a note's text for links, tags and passages read at most this much of it (in
 # characters), so one huge note cannot make every such scan slow; the scans are linear.
 MAX_SCAN_CHARS = 256 * 1024
 
 
-def _check_segments(path: str, what: str, top: str = NOTES) -> list:
+def check_segments(path: str, what: str, top: str = NOTES) -> list:
     """Return the segments of a relative path under `top`, or raise 400 naming the broken rule."""
     if not isinstance(path, str) or not path:
         raise bad_request(f"the {what} path is empty")
@@ -41,11 +39,11 @@ def _check_segments(path: str, what: str, top: str = NOTES) -> list:
         raise bad_request(f"the {what} path is not valid Unicode") from None
     if _CONTROL_RE.search(path):
         raise bad_request(f"the {what} path holds a control character")
-    if not _BIDI_CONTROLS.isdisjoint(path):
+    if not BIDI_CONTROLS.isdisjoint(path):
         raise bad_request(
             f"the {what} path holds a bidi control character (U+202A-202E, U+2066-2069)"
         )
-    if not _ZERO_WIDTH.isdisjoint(path):
+    if not ZERO_WIDTH.isdisjoint(path):
         raise bad_request(
             f"the {what} path holds a zero-width character (U+200B-200D, U+2060, U+FEFF)"
         )
@@ -65,7 +63,7 @@ def _check_segments(path: str, what: str, top: str = NOTES) -> list:
             raise bad_request(f"the {what} path may not contain hidden segments (starting '.')")
         if len(seg.encode("utf-8")) > MAX_SEGMENT_BYTES:
             raise bad_request(f"a segment of the {what} path is over {MAX_SEGMENT_BYTES} bytes")
-        bad = sorted(set(seg) & _FORBIDDEN)
+        bad = sorted(set(seg) & FORBIDDEN_CHARS)
         if bad:
             raise bad_request(f"the {what} path holds a forbidden character: {' '.join(bad)}")
     return segments
@@ -88,7 +86,7 @@ def _note_path(raw: str) -> str:
     paths of 60 characters), a refused one raises again each time (lru_cache keeps no
     exception)."""
     path = unicodedata.normalize("NFC", raw)
-    segments = _check_segments(path, "note")
+    segments = check_segments(path, "note")
     if len(segments) < 2 or not path.endswith(".md") or segments[-1] == ".md":
         raise bad_request(f"the note path must look like {NOTES}/<name>.md")
     return path
@@ -99,7 +97,7 @@ def folder_path(raw: Any) -> str:
     if not isinstance(raw, str):
         raise bad_request("the folder path must be a string")
     path = unicodedata.normalize("NFC", raw).rstrip("/")
-    _check_segments(path, "folder")
+    check_segments(path, "folder")
     return path
 
 
@@ -165,7 +163,7 @@ NOTE_PATH_PARAM = {
 FOLDER_PATH_PARAM = {**FOLDER_PATH_SCHEMA, "pattern": f"^{NOTES}(?:/{_segment(0, True)})*/?$"}
 
 
-def _missing_folders(folder: Path, top: Path) -> list:
+def missing_folders(folder: Path, top: Path) -> list:
     """Return folder and its parents below top that do not exist yet, deepest first."""
     missing = []
     while folder != top and top in folder.parents and not folder.exists():
@@ -174,7 +172,7 @@ def _missing_folders(folder: Path, top: Path) -> list:
     return missing
 
 
-def _remove_empty_folders(folder: Path, top: Path) -> None:
+def remove_empty_folders(folder: Path, top: Path) -> None:
     """Remove folder and its parents while they are empty, up to (not including) top."""
     folder = Path(os.path.abspath(folder))
     while folder != top and top in folder.parents:
@@ -185,7 +183,7 @@ def _remove_empty_folders(folder: Path, top: Path) -> None:
         folder = folder.parent
 
 
-def _nfc(name: str) -> str:
+def nfc(name: str) -> str:
     return name if name.isascii() else unicodedata.normalize("NFC", name)
 
 
@@ -203,14 +201,14 @@ def walk_entries(real: str, rel: str, keep: Callable[[str], bool]) -> Iterable:
         for e in entries:
             if e.name.startswith(".") or e.is_symlink():
                 continue
-            name = _nfc(e.name)
+            name = nfc(e.name)
             if e.is_dir():
                 stack.append((e.path, f"{rel}/{name}"))
             elif keep(name):
                 yield f"{rel}/{name}", e
 
 
-def _is_note_name(name: str) -> bool:
+def is_note_name(name: str) -> bool:
     return name.endswith(".md") and len(name) > 3
 
 
@@ -295,7 +293,7 @@ def _file_path(raw: Any, what: str, top: str) -> tuple:
     if not isinstance(raw, str):
         raise bad_request(f"the {what} path must be a string")
     path = unicodedata.normalize("NFC", raw)
-    segments = _check_segments(path, what, top)
+    segments = check_segments(path, what, top)
     base, dot, ext = segments[-1].rpartition(".")
     if len(segments) < 2 or not dot or not base:
         raise bad_request(f"the {what} path must look like {top}/<name>.<extension>")
@@ -337,7 +335,7 @@ def attachment_folder(raw: Any) -> str:
     if not isinstance(raw, str):
         raise bad_request("the folder path must be a string")
     path = unicodedata.normalize("NFC", raw).rstrip("/")
-    _check_segments(path, "attachment folder", ATTACHMENTS)
+    check_segments(path, "attachment folder", ATTACHMENTS)
     return path
 
 
@@ -404,7 +402,7 @@ def note_title(text: str, path: str) -> str:
 _FENCE_RE = re.compile(r"^(```|~~~)[^\n]*\n.*?^\1[^\n]*$", re.M | re.S)
 _CODE_SPAN_RE = re.compile(r"`[^`\n]*`")
 _TAG_RE = re.compile(r"(?<![\w#&/\[])#((?:\d*[^\W\d_])[\w/-]*)")
-_FRONT_MATTER_RE = re.compile(r"\A---[ \t]*\n(.*?)\n---[ \t]*(?:\n|\Z)", re.S)
+FRONT_MATTER_RE = re.compile(r"\A---[ \t]*\n(.*?)\n---[ \t]*(?:\n|\Z)", re.S)
 
 
 def note_tags(text: str) -> set:
@@ -416,7 +414,7 @@ def note_tags(text: str) -> set:
     """
     tags = set()
     text = text[:MAX_SCAN_CHARS]
-    fm = _FRONT_MATTER_RE.match(text)
+    fm = FRONT_MATTER_RE.match(text)
     if fm:
         text = text[fm.end() :]
         lines = fm.group(1).splitlines()
@@ -456,7 +454,7 @@ def note_preview(text: str) -> str:
     '2 eggs, see the shop'
     """
     text = text[: PREVIEW_CHARS * 8]
-    fm = _FRONT_MATTER_RE.match(text)
+    fm = FRONT_MATTER_RE.match(text)
     if fm:
         text = text[fm.end() :]
     lines = text.split("\n")

@@ -28,37 +28,38 @@ from notesvc.errors import (
     to_json,
 )
 from notesvc.helpers import (
-    _UMASK,
     BODY_CHUNK,
     TEMP_PREFIX,
     TEMP_SUFFIX,
-    _atomic_write,
+    UMASK,
     atomic_write,
     disk_writes,
     flush_each,
     fsync_dir,
+    if_match_allows,
     iso,
     log_safe,
+    replace_atomically,
     sweep_temp_files,
 )
 from notesvc.notes.history import HeadStore, HeadStoreError, HistoryStore
-from notesvc.notes.merge import _sort_key, change_summary, merge3
+from notesvc.notes.merge import change_summary, merge3, sort_key
 from notesvc.notes.paths import (
     ATTACHMENT_TYPES,
     ATTACHMENTS,
     MAX_SEGMENT_BYTES,
     NOTES,
-    _is_note_name,
-    _missing_folders,
-    _nfc,
-    _remove_empty_folders,
     attachment_path,
     content_type_of,
+    is_note_name,
     make_etag,
+    missing_folders,
+    nfc,
     note_path,
     note_preview,
     note_tags,
     note_title,
+    remove_empty_folders,
     walk_entries,
 )
 from notesvc.notes.trash import ChangeJournal, TrashItem, move_to_trash
@@ -260,7 +261,48 @@ class ConflictCopies:
             self._store({c: (new if o == old else o) for c, o in copies.items() if c != old})
 
 
-class NoteStore:
+class FileTree:
+    """What NoteStore and AttachmentStore share: files in a folder tree under root (below
+    base) whose missing folders a write makes, and whose emptied folders go again."""
+
+    root: Path
+    base: Path
+
+    def make_root(self) -> None:
+        """Create root when a first write needs it (notes/ is there from the start)."""
+
+    def file_of(self, path: str) -> Path:
+        raise NotImplementedError
+
+    @contextlib.contextmanager
+    def _new_parents(self, target: Path, path: str | None = None):
+        """Create the missing folders of target (the file of path) for the block; remove
+        them again when the block fails (a full disk changes nothing)."""
+        missing = missing_folders(target.parent, self.root)
+        try:
+            with disk_writes():
+                try:
+                    self.make_root()
+                    target.parent.mkdir(parents=True, exist_ok=True)
+                except (FileExistsError, NotADirectoryError):
+                    raise ApiError(
+                        409, "CONFLICT", "a file stands where a folder of this path should be"
+                    ) from None
+            # re-check containment now that the folders exist
+            self.file_of(path if path is not None else str(target.relative_to(self.base)))
+            yield
+        except BaseException:
+            for folder in missing:  # deepest first
+                with contextlib.suppress(OSError):
+                    folder.rmdir()
+            raise
+
+    def _prune(self, folder: Path) -> None:
+        """Remove folder and its parents while they are empty (never root itself)."""
+        remove_empty_folders(folder, self.root)
+
+
+class NoteStore(FileTree):
     """Markdown files under <root>/notes: the source of truth, looked at on disk every time.
 
     A read of a note that has not changed on disk (the same inode, size, mtime and ctime,
@@ -475,7 +517,7 @@ class NoteStore:
 
         Paths are NFC whatever the names on disk.
         """
-        return walk_entries(str(self.on_disk(folder)), folder, _is_note_name)
+        return walk_entries(str(self.on_disk(folder)), folder, is_note_name)
 
     def walk(self, folder: str = NOTES) -> list:
         """Return every note path under a folder path, sorted."""
@@ -570,18 +612,18 @@ class NoteStore:
             elif e.name.endswith(".md") and len(e.name) > 3:
                 notes.append(e)
         children = [
-            self._node(e.path, f"{rel}/{_nfc(e.name)}", below, count)
-            for e in sorted(folders, key=lambda e: _sort_key(_nfc(e.name)))
+            self._node(e.path, f"{rel}/{nfc(e.name)}", below, count)
+            for e in sorted(folders, key=lambda e: sort_key(nfc(e.name)))
         ]
-        for e in sorted(notes, key=lambda e: _sort_key(_nfc(e.name))):
+        for e in sorted(notes, key=lambda e: sort_key(nfc(e.name))):
             try:
                 st = e.stat()
             except OSError:
                 continue
             children.append(
                 {
-                    "name": _nfc(e.name),
-                    "path": f"{rel}/{_nfc(e.name)}",
+                    "name": nfc(e.name),
+                    "path": f"{rel}/{nfc(e.name)}",
                     "type": "note",
                     "size": st.st_size,
                     "modified": iso(st.st_mtime_ns / 1e9),
@@ -601,18 +643,7 @@ class NoteStore:
     @staticmethod
     def check_match(if_match: str | None, data: bytes | None) -> None:
         """Raise 412 unless If-Match (absent, `*`, or a list of ETags) matches data."""
-        if if_match is None:
-            return
-        tags = [t.strip() for t in if_match.split(",") if t.strip()]
-        if data is not None and "*" in tags:
-            return
-        current = make_etag(data) if data is not None else None
-        wanted = {t if t.startswith('"') else f'"{t}"' for t in tags}
-        if current is None or current not in wanted:
-            raise PreconditionFailed(
-                "the note changed since you read it (If-Match does not match its ETag); "
-                "read it again and retry"
-            )
+        check_etag(if_match, make_etag(data) if data is not None else None, "note")
 
     def create(self, path: str, content: str, conflict_of: str | None = None) -> dict:
         """Create a note (409 when one is there); `conflict_of`: it is a conflict copy of
@@ -629,28 +660,6 @@ class NoteStore:
             self._notify("saved", path, (content, st))
             self._record("created", path, data, conflict_of=conflict_of)
             return self.record(path, data, st)
-
-    @contextlib.contextmanager
-    def _new_parents(self, target: Path):
-        """Create the missing folders of target for the block; remove them again when the
-        block fails (a full disk changes nothing)."""
-        parent = target.parent
-        missing = _missing_folders(parent, self.root)
-        try:
-            with disk_writes():
-                try:
-                    parent.mkdir(parents=True, exist_ok=True)
-                except (FileExistsError, NotADirectoryError):
-                    raise ApiError(
-                        409, "CONFLICT", "a file stands where a folder of this path should be"
-                    ) from None
-            self.file_of(str(target.relative_to(self.base)))  # re-check containment
-            yield
-        except BaseException:
-            for folder in missing:  # deepest first
-                with contextlib.suppress(OSError):
-                    folder.rmdir()
-            raise
 
     def update(
         self, path: str, content: str, if_match: str | None = None, reason: str = "updated"
@@ -1077,7 +1086,7 @@ class NoteStore:
             self.copies.mark(target, None)
             fsync_dir(dst.parent)
             fsync_dir(item.file.parent)
-            _remove_empty_folders(item.file.parent, self.trash)  # as Trash.emptied()
+            remove_empty_folders(item.file.parent, self.trash)  # as Trash.emptied()
             if target != item.path:  # the versions it had when deleted (a second's slack)
                 live = os.path.isfile(self.on_disk(item.path))
                 until = int((item.deleted + 1) * 1_000_000)
@@ -1111,10 +1120,6 @@ class NoteStore:
         history.collect()
         return removed
 
-    def _prune(self, folder: Path) -> None:
-        """Remove folder and its parents while they are empty (never notes/ itself)."""
-        _remove_empty_folders(folder, self.root)
-
     def sweep_temp_files(self) -> int:
         """Remove the temp files a crash left in the notes and in the state folder (its
         trash and every subfolder); return how many."""
@@ -1131,19 +1136,13 @@ def attachment_etag(st: os.stat_result) -> str:
     return '"' + hashlib.sha256(seed).hexdigest()[:32] + '"'
 
 
-def _check_etag(if_match: str | None, current: str | None, what: str) -> None:
-    """Raise 412 unless If-Match (absent, `*`, or a list of ETags) matches current."""
-    if if_match is None:
-        return
-    tags = [t.strip() for t in if_match.split(",") if t.strip()]
-    if current is not None and "*" in tags:
-        return
-    wanted = {t if t.startswith('"') else f'"{t}"' for t in tags}
-    if current is None or current not in wanted:
-        raise ApiError(
-            412,
-            "PRECONDITION_FAILED",
-            f"the {what} changed since you read it (If-Match does not match its ETag)",
+def check_etag(if_match: str | None, current: str | None, what: str) -> None:
+    """Raise 412 unless If-Match (absent, `*`, or a list of ETags) matches current, the ETag
+    of the {what} there (None: nothing is)."""
+    if not if_match_allows(if_match, current):
+        raise PreconditionFailed(
+            f"the {what} changed since you read it (If-Match does not match its ETag); "
+            "read it again and retry"
         )
 
 
@@ -1151,7 +1150,7 @@ def _is_attachment_name(name: str) -> bool:
     return name.rpartition(".")[2].lower() in ATTACHMENT_TYPES and "." in name[1:]
 
 
-class AttachmentStore:
+class AttachmentStore(FileTree):
     """Files under <root>/attachments: uploads, and photos, voice and files from channels.
 
     Paths follow the note rules (prefix attachments/) with an allowlist of extensions.
@@ -1261,7 +1260,7 @@ class AttachmentStore:
             raise ApiError(
                 412, "PRECONDITION_FAILED", f"an attachment exists at {path} (If-None-Match: *)"
             )
-        _check_etag(if_match, attachment_etag(os.stat(target)) if exists else None, "attachment")
+        check_etag(if_match, attachment_etag(os.stat(target)) if exists else None, "attachment")
         return exists
 
     def spool(self, write: Callable) -> Path:
@@ -1302,7 +1301,7 @@ class AttachmentStore:
                     path, target = self._free(path, target)
                 exists = self.check(path, if_match, if_none_match)
                 with self._new_parents(target, path):
-                    os.chmod(tmp, 0o666 & ~_UMASK)
+                    os.chmod(tmp, 0o666 & ~UMASK)
                     self._rename(tmp, target)
                 fsync_dir(target.parent)
                 if target.parent != self.root:
@@ -1330,28 +1329,7 @@ class AttachmentStore:
                         while chunk := source.read(BODY_CHUNK):
                             f.write(chunk)
 
-                _atomic_write(dst, copy, None)
-
-    @contextlib.contextmanager
-    def _new_parents(self, target: Path, path: str):
-        """Create target's missing folders for the block; remove them if the block fails."""
-        missing = _missing_folders(target.parent, self.root)
-        try:
-            with disk_writes():
-                try:
-                    self.make_root()
-                    target.parent.mkdir(parents=True, exist_ok=True)
-                except (FileExistsError, NotADirectoryError):
-                    raise ApiError(
-                        409, "CONFLICT", "a file stands where a folder of this path should be"
-                    ) from None
-            self.file_of(path)  # re-check containment now that the folders exist
-            yield
-        except BaseException:
-            for folder in missing:  # deepest first
-                with contextlib.suppress(OSError):
-                    folder.rmdir()
-            raise
+                replace_atomically(dst, copy, None)
 
     def _free(self, path: str, target: Path) -> tuple:
         """Return (path, file) of the first name not taken: path, name-2.ext, name-3.ext..."""
@@ -1369,7 +1347,7 @@ class AttachmentStore:
         with self._lock:
             src = self.file_of(path)
             rec = self.get(path)
-            _check_etag(if_match, rec["etag"], "attachment")
+            check_etag(if_match, rec["etag"], "attachment")
             if new == path:
                 return {**rec, "from": path}
             dst = self.file_of(new)
@@ -1386,7 +1364,7 @@ class AttachmentStore:
         """Move an attachment into the trash: <state>/trash/<UTC stamp>/attachments/..."""
         with self._lock:
             src = self.file_of(path)
-            _check_etag(if_match, self.get(path)["etag"], "attachment")
+            check_etag(if_match, self.get(path)["etag"], "attachment")
             trashed = move_to_trash(src, self.trash, path)
             self._prune(src.parent)
         return {"path": path, "deleted": True, **trashed}
@@ -1419,16 +1397,6 @@ class AttachmentStore:
             fsync_dir(dst.parent)
             return self.record(path, os.stat(dst))
 
-    def _prune(self, folder: Path) -> None:
-        """Remove folder and its parents while they are empty (never attachments/ itself)."""
-        folder = Path(os.path.abspath(folder))
-        while folder != self.root and self.root in folder.parents:
-            try:
-                folder.rmdir()
-            except OSError:
-                return
-            folder = folder.parent
-
     def sweep_temp_files(self) -> int:
         """Remove the temp files an interrupted upload left; return how many."""
         return sweep_temp_files(self.root, skip_hidden=True) if self.root.is_dir() else 0
@@ -1436,30 +1404,4 @@ class AttachmentStore:
 
 # Opening a note to read it: never through a symbolic link, never waiting on a FIFO (a
 # named pipe called x.md is seen as a file and then skipped).
-_NOFOLLOW_NONBLOCK = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
-
-
-def _read_items(notes: NoteStore, paths: list) -> list:
-    """Return (path, text, size, mtime_ns) of the notes still there (paths from a scan)."""
-    items, base = [], str(notes.base)
-    flags = os.O_RDONLY | _NOFOLLOW_NONBLOCK
-    for path in paths:
-        try:  # the common case without pathlib: the name on disk is the path
-            fd = os.open(os.path.join(base, path), flags)
-        except FileNotFoundError:
-            if path.isascii():
-                continue
-            try:  # an NFD name on disk
-                data, st = notes.read_raw(path)
-            except ApiError:
-                continue
-        except OSError:
-            continue
-        else:
-            with open(fd, "rb") as f:
-                st = os.fstat(f.fileno())
-                if not stat.S_ISREG(st.st_mode):
-                    continue
-                data = f.read()
-        items.append((path, data.decode("utf-8", "replace"), st.st_size, st.st_mtime_ns))
-    return items
+NOFOLLOW_NONBLOCK = getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)

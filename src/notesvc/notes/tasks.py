@@ -27,7 +27,7 @@ from notesvc.helpers import (
 )
 from notesvc.notes.paths import note_title
 
-# == task lines ===============================================================
+# -- task lines ----------------------------------------------------------------------------
 #
 # docs/api.md (CalDAV): a task line is a list item (`-`, `*`, `+`, `1.`, `1)`, any
 # indentation) whose text starts with `[ ]` or `[x]`, outside fenced code and front matter.
@@ -38,7 +38,8 @@ from notesvc.notes.paths import note_title
 TASK_LINE_RE = re.compile(r"^([ \t]*)([-*+]|\d{1,9}[.)])([ \t]+)\[([ xX])\](?=[ \t]|$)(.*)$")
 _TASK_FENCE_RE = re.compile(r"^[ \t]*(`{3,}|~{3,})")
 DUE_DATE_RE = re.compile(r"(?:📅\ufe0f?[ \t]*|(?<!\S)due:[ \t]*)(\d{4})-(\d{2})-(\d{2})(?!\d)")
-# the reminder syntax of providers/reminders.py (REMINDER_RE), read here too
+# ⏰ YYYY-MM-DD HH:MM: a task's alarm here, a reminder sent through the channels in
+# providers/reminders.py (one syntax, one pattern)
 ALARM_RE = re.compile(
     r"⏰\ufe0f?[ \t]*(\d{4})-(\d{2})-(\d{2})[ \tT]+([01]?\d|2[0-3]):([0-5]\d)(?!\d)"
 )
@@ -171,7 +172,7 @@ def alarm_utc(wall: dt.datetime | None, zone_name: str) -> dt.datetime | None:
     return None if ts is None else utc_of_timestamp(ts)
 
 
-# == iCalendar (RFC 5545) =====================================================
+# -- iCalendar (RFC 5545) ------------------------------------------------------------------
 
 
 # RFC 5545 3.1 allows no control character in a value but HTAB (and XML 1.0 none but tab and
@@ -372,7 +373,7 @@ def ical_when(value: str, params: dict, zone: dt.tzinfo | None = None) -> Any:
     return utc_of_timestamp(ts)
 
 
-# == identities ===============================================================
+# -- identities ----------------------------------------------------------------------------
 #
 # A task's UID and the state around it (when it was first seen ticked, its last change,
 # the href a client gave it) live in <state>/caldav.json, never in the note. On each look
@@ -909,13 +910,14 @@ class TaskBook:
 
 
 def task_book(svc: Any) -> TaskBook:
-    book = getattr(svc, "_task_book", None)
+    """Return the Service's TaskBook (`svc.task_book`), made on first use."""
+    book = svc.task_book
     if book is None:
         with _BOOK_START:
-            book = getattr(svc, "_task_book", None)
+            book = svc.task_book
             if book is None:
                 book = TaskBook(svc.notes, svc.config.state_dir, svc.config.timezone)
-                svc._task_book = book
+                svc.task_book = book
     return book
 
 

@@ -25,11 +25,11 @@ from notesvc.notes.history import DAY_SECONDS
 from notesvc.notes.paths import (
     ATTACHMENTS,
     NOTES,
-    _missing_folders,
-    _nfc,
-    _remove_empty_folders,
     attachment_path,
+    missing_folders,
+    nfc,
     note_path,
+    remove_empty_folders,
 )
 
 if TYPE_CHECKING:  # annotations only: these modules come later
@@ -51,7 +51,7 @@ def move_to_trash(src: Path, trash: Path, path: str, guard: Any = None) -> dict:
     full disk) leaves the trash as it was."""
     stamp = utcnow().strftime(TRASH_STAMP)
     dst = trash / stamp / path
-    made = _missing_folders(dst.parent, trash.parent)
+    made = missing_folders(dst.parent, trash.parent)
     try:
         with guard or contextlib.nullcontext(), disk_writes():
             for folder in reversed(made):  # private, as all of the state folder
@@ -141,7 +141,7 @@ class Trash:
                 for e in children:
                     if e.name.startswith(".") or e.is_symlink():
                         continue
-                    name = f"{rel}/{_nfc(e.name)}"
+                    name = f"{rel}/{nfc(e.name)}"
                     if e.is_dir():
                         stack.append((e.path, name))
                     else:
@@ -189,7 +189,7 @@ class Trash:
 
     def emptied(self, item: TrashItem) -> None:
         """After an item left: remove the folders it leaves empty."""
-        _remove_empty_folders(item.file.parent, self.folder)
+        remove_empty_folders(item.file.parent, self.folder)
 
     def usage(self) -> dict:
         items = [item for entry in self._stamps() for item in self._items_in(entry)]

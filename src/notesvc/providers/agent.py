@@ -15,17 +15,17 @@ from notesvc.providers.base import (
     CONTEXT_BUDGET,
     Tool,
     UpstreamError,
-    _clip,
-    _registry,
     available_tools,
     call_tool,
+    clip,
     matching,
     post_json,
     question_stems,
+    registry_of,
     retrieve,
     tool_error,
 )
-from notesvc.service import Service, _rid
+from notesvc.service import Service, current_request_id
 from notesvc.settings import Config
 
 # -- agent providers ------------------------------------------------------------------
@@ -60,7 +60,7 @@ def agent_provider(
 
     def register(fn: AnswerFn) -> AnswerFn:
         provider = AgentProvider(name, fn, model, enabled, description, requires)
-        _registry("agent", AGENT_PROVIDERS)[name] = provider
+        registry_of("agent", AGENT_PROVIDERS)[name] = provider
         return fn
 
     return register
@@ -79,7 +79,7 @@ def answer_locally(svc: Service, question: str, found: list) -> tuple:
         if best:
             quoted.append((path, " ".join(best)))
     if not quoted:
-        return f"Nothing in your notes matches “{_clip(question, 80)}”.", "notesvc-local", []
+        return f"Nothing in your notes matches “{clip(question, 80)}”.", "notesvc-local", []
     lines = ["From your notes:", *(f"• {passage} — {path}" for path, passage in quoted[:4])]
     return "\n".join(lines), "notesvc-local", [path for path, _ in quoted[:4]]
 
@@ -172,7 +172,11 @@ def answer_with_model(svc: Service, question: str, found: list) -> tuple:
         except UpstreamError as e:
             if not (step == 0 and specs and e.status in (400, 422)):
                 raise
-            log.info("request %s: the model refused tools (%s); asking without them", _rid(), e)
+            log.info(
+                "request %s: the model refused tools (%s); asking without them",
+                current_request_id(),
+                e,
+            )
             specs = []
             body.pop("tools")
             body.pop("tool_choice", None)
@@ -193,7 +197,12 @@ def answer_with_model(svc: Service, question: str, found: list) -> tuple:
                 messages.append(
                     _tool_message(call, f"skipped: at most {MAX_TOOL_CALLS_PER_STEP} calls at once")
                 )
-        log.debug("request %s: agent step %d ran %d tool calls", _rid(), step + 1, len(calls))
+        log.debug(
+            "request %s: agent step %d ran %d tool calls",
+            current_request_id(),
+            step + 1,
+            len(calls),
+        )
     reply = (
         f"I stopped after {cfg.agent_max_steps} model calls (SERVICE_AGENT_MAX_STEPS) without "
         "an answer; the notes I looked at are listed as sources."
@@ -262,7 +271,7 @@ def run_tool_call(svc: Service, tools: list, call: Any, touched: list) -> dict:
 
 def _tool_message(call: Any, text: str) -> dict:
     call_id = str(call.get("id", "")) if isinstance(call, dict) else ""
-    return {"role": "tool", "tool_call_id": call_id, "content": _clip(text, MAX_TOOL_TEXT)}
+    return {"role": "tool", "tool_call_id": call_id, "content": clip(text, MAX_TOOL_TEXT)}
 
 
 @agent_provider("none", model=lambda cfg: "", enabled=False, description="agent switched off")

@@ -16,10 +16,10 @@ from notesvc.errors import ApiError, DiskFull, bad_request, to_json
 from notesvc.grants import request_principal
 from notesvc.helpers import BODY_CHUNK
 from notesvc.notes.paths import MAX_SCAN_CHARS
-from notesvc.search.text import _WORD_RE, MAX_QUERY_CHARS, Query, fold, stem, tokenize
-from notesvc.service import Service, _rid
+from notesvc.search.text import MAX_QUERY_CHARS, WORD_RE, Query, fold, stem, tokenize
+from notesvc.service import Service, current_request_id
 
-# == Providers ================================================================
+# -- Providers -----------------------------------------------------------------------------
 #
 # Agents answer questions from the notes; channels carry messages in and replies
 # out. Both are registries of small records filled by decorators, so a plugin adds
@@ -43,7 +43,7 @@ MAX_MESSAGE_CHARS = 8000  # of a question to the agent
 _COLLECTING = threading.local()
 
 
-def _registry(kind: str, builtin: dict) -> dict:
+def registry_of(kind: str, builtin: dict) -> dict:
     target = getattr(_COLLECTING, "registries", None)
     return builtin if target is None else target.setdefault(kind, {})
 
@@ -262,7 +262,7 @@ def _upstream_error(e: BaseException) -> UpstreamError:
 
 def question_stems(question: str) -> list:
     """Return the stems of a natural-language question, stopwords dropped."""
-    words = [w for w in _WORD_RE.findall(fold(question)) if w not in STOPWORDS]
+    words = [w for w in WORD_RE.findall(fold(question)) if w not in STOPWORDS]
     return [stem(w) for w in dict.fromkeys(words)]
 
 
@@ -312,7 +312,7 @@ def best_passages(weights: dict, text: str, keep: int = 2) -> list:
             continue
         if _MD_INLINE_RE.search(sentence):
             sentence = plain_text(sentence)
-        words = set(_WORD_RE.findall(fold(sentence)))
+        words = set(WORD_RE.findall(fold(sentence)))
         for w in words.difference(stems):
             stems[w] = stem(w)
         present = set(map(stems.__getitem__, words)) & weights.keys()
@@ -321,17 +321,17 @@ def best_passages(weights: dict, text: str, keep: int = 2) -> list:
     scored.sort()
     if scored and not scored[0][0]:
         scored = [item for item in scored if not item[0]]
-    return [_clip(item[3], 400) for item in scored[:keep]]
+    return [clip(item[3], 400) for item in scored[:keep]]
 
 
-def _clip(text: str, limit: int) -> str:
+def clip(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1].rsplit(" ", 1)[0] + "…"
 
 
 def _hits_in_folder(svc: Service, question: str, folder: str, limit: int) -> list:
     """Return the top (path, title, text, score) inside a folder (a folder grant's sources):
     the question's words as one OR query of the index, restricted to the folder."""
-    words = list(dict.fromkeys(w for w in _WORD_RE.findall(fold(question)) if w not in STOPWORDS))
+    words = list(dict.fromkeys(w for w in WORD_RE.findall(fold(question)) if w not in STOPWORDS))
     text = ""
     for word in words:
         if len(text) + len(word) + 4 > MAX_QUERY_CHARS:
@@ -372,7 +372,7 @@ def retrieve(
         if passages:
             found.insert(0, (note, rec["title"], passages))
         else:
-            opening = _clip(" ".join(rec["content"][:MAX_SCAN_CHARS].split()), 600)
+            opening = clip(" ".join(rec["content"][:MAX_SCAN_CHARS].split()), 600)
             found.append((note, rec["title"], [opening]))
     return found
 
@@ -455,7 +455,7 @@ def tool(
     }
 
     def register(fn: Callable) -> Callable:
-        _registry("tool", TOOLS)[name] = Tool(
+        registry_of("tool", TOOLS)[name] = Tool(
             name,
             fn,
             description,
@@ -562,7 +562,7 @@ def call_tool(svc: Service, tool: Tool, arguments: Any) -> dict:
     except ApiError as e:
         return tool_error(e.code, e.message)
     except Exception:
-        rid = _rid()
+        rid = current_request_id()
         log.exception("request %s: tool %s failed", rid, tool.name)
         return tool_error("INTERNAL_ERROR", f"internal error; request id {rid}")
     text = tool.text(data) if tool.text else to_json(data).decode("utf-8")

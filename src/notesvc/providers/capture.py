@@ -24,7 +24,7 @@ from notesvc.notes.paths import (
     day_note,
 )
 from notesvc.providers.agent import agent_endpoint
-from notesvc.providers.base import Outbound, UpstreamError, _clip
+from notesvc.providers.base import Outbound, UpstreamError, clip
 from notesvc.service import Service
 
 if TYPE_CHECKING:  # annotations only: these modules come later
@@ -63,8 +63,8 @@ def local_now(svc: Service) -> dt.datetime:
     return local_time(time.time(), time_zone(svc.config.timezone))
 
 
-def _one_line(text: str, limit: int = 1000) -> str:
-    return _clip(" ".join(text.split()), limit)
+def one_line(text: str, limit: int = 1000) -> str:
+    return clip(" ".join(text.split()), limit)
 
 
 def _media_extension(media: dict) -> str | None:
@@ -104,7 +104,7 @@ def capture_media(svc: Service, channel: dict, prov: ChannelProvider, media: lis
             log.warning("channel %s: a %s was not saved: %s", channel["id"], label, reason)
             problems.append(f"The {label} was not saved: {reason}.")
             continue
-        text = _one_line(caption) if caption and i == 0 else ""
+        text = one_line(caption) if caption and i == 0 else ""
         lines.append(f"- {now:%H:%M} {entry}" + (f" {text}" if text else ""))
         if transcript is not None:
             lines.append(f"  > {transcript}" if transcript else "  > (nothing was heard)")
@@ -113,7 +113,7 @@ def capture_media(svc: Service, channel: dict, prov: ChannelProvider, media: lis
         svc.notes.append(note, "\n".join(lines), heading)
     replies = []
     for label, transcript in saved:
-        said = f": “{_clip(transcript, 300)}”" if transcript else ""
+        said = f": “{clip(transcript, 300)}”" if transcript else ""
         replies.append(f"Saved the {label} to {note}{said}.")
     unheard = [label for label, t in saved if t is None and label in ("voice message", "audio")]
     if unheard and not svc.config.transcribe_url:
@@ -142,12 +142,12 @@ def _capture_one(svc: Service, channel: dict, prov: ChannelProvider, item, note,
     if rec["contentType"].startswith("image/"):
         entry = f"![{label}]({href})"
     else:
-        text = _one_line(item.get("name") or label, 100).replace("[", "(").replace("]", ")")
+        text = one_line(item.get("name") or label, 100).replace("[", "(").replace("]", ")")
         entry = f"[{text}]({href})"
     transcript = None
     if item.get("kind") in ("voice", "audio") and svc.config.transcribe_url:
         try:
-            transcript = _one_line(transcribe(svc, rec["path"]), 4000)
+            transcript = one_line(transcribe(svc, rec["path"]), 4000)
         except UpstreamError as e:
             log.warning("channel %s: transcription failed: %s", channel["id"], e)
             entry += f" (transcription failed: {e})"

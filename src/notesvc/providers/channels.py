@@ -17,11 +17,18 @@ from typing import Any, Callable
 
 from notesvc.boot import bottle, log
 from notesvc.errors import ApiError, bad_request, not_found, to_json
-from notesvc.grants import MADE_BY_OWNER, _epoch, made_by_grant
+from notesvc.grants import MADE_BY_OWNER, epoch_of, made_by_grant
 from notesvc.helpers import is_blank, iso, key_hash, query_str, redact, scrub, utcnow
 from notesvc.notes.paths import DAILY_FOLDER, NOTES, folder_path
 from notesvc.providers.agent import ask_agent
-from notesvc.providers.base import REPLY_LIMIT, Outbound, UpstreamError, _clip, _registry, post_json
+from notesvc.providers.base import (
+    REPLY_LIMIT,
+    Outbound,
+    UpstreamError,
+    clip,
+    post_json,
+    registry_of,
+)
 from notesvc.providers.capture import capture_media, capture_note, local_now
 from notesvc.search.text import Query
 from notesvc.service import Service
@@ -113,14 +120,14 @@ def channel_provider(
             signature_header=signature_header,
             signing_field=signing_field,
         )
-        _registry("channel", CHANNEL_PROVIDERS)[name] = provider
+        registry_of("channel", CHANNEL_PROVIDERS)[name] = provider
         return parse
 
     return register
 
 
 def _registered_channel(name: str) -> tuple:
-    registry = _registry("channel", CHANNEL_PROVIDERS)
+    registry = registry_of("channel", CHANNEL_PROVIDERS)
     if name not in registry:
         raise KeyError(f"register channel provider {name!r} before its sender or check")
     return registry, registry[name]
@@ -218,16 +225,16 @@ def validate_channel_config(provider: ChannelProvider, config: Any) -> dict:
 # -- channels' state: what providers and the pipeline share ---------------------------
 
 
-def _channels(svc: Service) -> list:
+def channels_of(svc: Service) -> list:
     return svc.state.read().get("channels", [])
 
 
-def _printable(text: str, limit: int = 100) -> str:
+def printable(text: str, limit: int = 100) -> str:
     """Return text without control characters, at most limit characters (names, log lines)."""
     return "".join(ch for ch in str(text) if ch.isprintable())[:limit]
 
 
-def _change_channel(svc: Service, channel_id: str, change: Callable) -> dict:
+def change_channel(svc: Service, channel_id: str, change: Callable) -> dict:
     def apply(data: dict) -> dict:
         for i, channel in enumerate(data.get("channels", [])):
             if channel["id"] == channel_id:
@@ -293,7 +300,7 @@ def telegram_call(
         wait = (answer.get("parameters") or {}).get("retry_after") or 0
         said = scrub(str(answer.get("description") or f"HTTP {status}"), [config["botToken"]])
         raise TelegramError(
-            f"Telegram {method}: " + _printable(said, 200),
+            f"Telegram {method}: " + printable(said, 200),
             int(answer.get("error_code") or status),
             float(wait) if isinstance(wait, (int, float)) else 0.0,
         )
@@ -373,7 +380,7 @@ def send_telegram(svc: Service, config: dict, chat_id: str, text: str) -> None:
     answer = post_json(url, {"chat_id": chat_id, "text": text[:REPLY_LIMIT]}, timeout=15)
     if answer.get("ok") is not True:
         said = scrub(str(answer.get("description")), [config["botToken"]])
-        raise UpstreamError(f"Telegram refused: {_printable(said)}")
+        raise UpstreamError(f"Telegram refused: {printable(said)}")
 
 
 @channel_poller("telegram")
@@ -547,7 +554,7 @@ def verify_whatsapp(svc: Service) -> str:
     if token:
         svc.check_lockout(addr)
     challenge = query_str("hub.challenge")
-    mine = [c["config"] for c in _channels(svc) if c["provider"] == "whatsapp" and c["enabled"]]
+    mine = [c["config"] for c in channels_of(svc) if c["provider"] == "whatsapp" and c["enabled"]]
     if mode != "subscribe" or not token or not _match_secret(mine, "verifyToken", token):
         if token:
             svc.lockout.fail(addr, token)
@@ -634,7 +641,7 @@ def _authenticate_channel(
     signed = bool(signature and prov.signing_field and raw is not None)
     if presented or signed:  # only a presented credential counts toward (or meets) the lockout
         svc.check_lockout(addr)
-    mine = [c for c in _channels(svc) if c["provider"] == prov.name]
+    mine = [c for c in channels_of(svc) if c["provider"] == prov.name]
     channel = _match_secret(mine, "secret", presented) if presented else None
     key = prov.signing_field
     if channel is not None and key and channel["config"].get(key):
@@ -772,7 +779,7 @@ def binds(binding: dict, text: str) -> bool:
     m = re.fullmatch(r"\s*(?:/start(?:@\w+)?\s+)?([a-z2-7]{12})\s*", text or "", re.I)
     return (
         m is not None
-        and _epoch(binding.get("until")) > time.time()
+        and epoch_of(binding.get("until")) > time.time()
         and hmac.compare_digest(key_hash(m.group(1).lower()), binding.get("codeHash", ""))
     )
 
@@ -781,7 +788,7 @@ def bind_chat(svc: Service, channel: dict, prov: ChannelProvider, sender: str, n
     """Make the chat that sent the bind code the channel's only allowed one (the code is
     used up: a second chat sending it is a refused sender); it is the chat of whoever asked
     for the code."""
-    bound = {"id": _printable(sender), "name": _printable(name or ""), "at": iso(utcnow())}
+    bound = {"id": printable(sender), "name": printable(name or ""), "at": iso(utcnow())}
 
     def apply(channels: list, i: int) -> None:
         maker = (channels[i].pop("binding", None) or {}).get("createdBy", MADE_BY_OWNER)
@@ -790,13 +797,13 @@ def bind_chat(svc: Service, channel: dict, prov: ChannelProvider, sender: str, n
         note_chat_makers(channels[i], prov, [], maker)
         channels[i]["boundChat"] = bound
 
-    _change_channel(svc, channel["id"], apply)
+    change_channel(svc, channel["id"], apply)
     log.info("channel %s: bound to chat %s", channel["id"], bound["id"])
 
 
 def refuse_sender(svc: Service, channel: dict, prov: ChannelProvider, sender, name) -> None:
     """Log and remember a sender the allowlist refused (never the message text)."""
-    sender, name = _printable(sender), _printable(name or "")
+    sender, name = printable(sender), printable(name or "")
     log.info(
         "channel %s: refused sender %s%s — add it to config.%s to allow",
         channel["id"],
@@ -811,7 +818,7 @@ def refuse_sender(svc: Service, channel: dict, prov: ChannelProvider, sender, na
         channels[i]["refusedSenders"] = [*kept, entry][-REFUSED_KEPT:]
 
     with contextlib.suppress(ApiError):  # the channel was deleted meanwhile
-        _change_channel(svc, channel["id"], remember)
+        change_channel(svc, channel["id"], remember)
 
 
 _COMMAND_RE = re.compile(r"^/([A-Za-z]\w{0,31})(?:@\w+)?(?:\s+(.*))?$", re.S)
@@ -846,7 +853,7 @@ def run_command(svc: Service, text: str, channel: dict | None = None) -> str:
         except ApiError as e:
             return f"Search: {e.message}"
         if not total:
-            return f"No note matches “{_clip(arg, 80)}”."
+            return f"No note matches “{clip(arg, 80)}”."
         lines = [f"{total} note{'s' if total != 1 else ''} match; the best:"]
         lines += [f"• {title} — {path}" for path, title, _, _ in hits]
         return "\n".join(lines)
@@ -856,7 +863,7 @@ def run_command(svc: Service, text: str, channel: dict | None = None) -> str:
             content = svc.notes.get(path)["content"]
         except ApiError:
             return f"Nothing in {path} yet."
-        return _clip(f"{path}\n\n{content.strip()}", REPLY_LIMIT)
+        return clip(f"{path}\n\n{content.strip()}", REPLY_LIMIT)
     if command in ("help", "start"):
         return HELP_TEXT
     if command == "ask":
@@ -909,7 +916,7 @@ def process_update(svc: Service, channel: dict, prov: ChannelProvider, update: d
 def channel_secrets(svc: Service, channel_id: str) -> list:
     """Return what a channel sends out that is secret: its config's secret fields (a bot
     token, an access token), for scrub()."""
-    for channel in _channels(svc):
+    for channel in channels_of(svc):
         prov = svc.channel_providers.get(channel["provider"])
         if channel["id"] == channel_id and prov is not None:
             return [str(channel["config"].get(f.name) or "") for f in prov.fields if f.secret]
@@ -921,14 +928,14 @@ def set_channel_status(svc: Service, channel_id: str, ok: bool, error: str = "")
     secret of the channel in it, whatever its provider said)."""
     status: dict = {"ok": ok, "at": iso(utcnow())}
     if error:
-        status["error"] = _printable(scrub(error, channel_secrets(svc, channel_id)), 300)
+        status["error"] = printable(scrub(error, channel_secrets(svc, channel_id)), 300)
 
     def record(channels: list, i: int) -> dict:
         channels[i]["status"] = status
         return channels[i]
 
     try:
-        return _change_channel(svc, channel_id, record)
+        return change_channel(svc, channel_id, record)
     except ApiError:  # deleted meanwhile
         return None
 

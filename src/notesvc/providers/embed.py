@@ -1,10 +1,10 @@
-"""Embeddings: the endpoint's two wire formats, the background embedder, hybrid search.
+"""Embeddings: the endpoint's two wire formats and the background embedder.
 
 SERVICE_EMBED_URL names an Ollama `/api/embed` or an OpenAI-compatible `/v1/embeddings`.
 The embedder follows the notes in a thread of its own, asks for at most 64 chunks a
 request, backs off while the endpoint fails, and keeps what it got in a VectorStore; a
-search asks the endpoint for the query's vector only (1.5 s at most) and answers in
-keyword mode, saying so, whenever that fails.
+search (search/hybrid.py) asks the endpoint for the query's vector only (1.5 s at most) and
+answers in keyword mode, saying so, whenever that fails.
 """
 
 from __future__ import annotations
@@ -12,24 +12,20 @@ from __future__ import annotations
 import hashlib
 import json
 import math
-import re
 import threading
 import time
 import urllib.parse
 from typing import Any
 
 from notesvc.boot import log
-from notesvc.errors import bad_request
 from notesvc.helpers import iso, scrub, url_secrets
 from notesvc.providers.base import Outbound, UpstreamError
-from notesvc.search.text import Query, tokenize
 from notesvc.search.vectors import (
     FLOOR_NEIGHBOURS,
     MAX_SEMANTIC_NOTES,
     VectorError,
     VectorStore,
     calibrate_floor,
-    chunk_body,
     chunk_hash,
     chunk_note,
     fuse,
@@ -37,8 +33,6 @@ from notesvc.search.vectors import (
     remove_store,
 )
 from notesvc.service import Service
-
-# == Embeddings ================================================================
 
 BATCH = 64  # chunks a request
 MAX_ANSWER_BYTES = 16 << 20
@@ -51,7 +45,6 @@ SAVE_SECONDS = 10.0  # meta.json at most this often while embedding
 FLOOR_SECONDS = 60.0  # while a long backfill runs, the floor is made again at most this often
 FLOOR_EVERY_CHANGE = 200  # below this many notes the floor is made again after any change
 PROBE = "notesvc: the fingerprint of an embedding model"
-MODES = ("hybrid", "semantic", "keyword")
 
 
 class EmbedError(Exception):
@@ -517,101 +510,3 @@ def build_embedder(svc: Service) -> Embedder | None:
             remove_store(cfg.state_dir / "vectors")
         return None
     return Embedder(svc, EmbedClient(cfg.embed_url, cfg.embed_model, cfg.embed_key))
-
-
-# -- searching by meaning and by words ---------------------------------------------------
-
-
-_QUOTED_RE = re.compile(r'(?:^|\s)"([^"]*)"')  # a "quoted phrase", not a -"exclusion"
-
-
-def _lexical_only(query: Query) -> bool:
-    """A "quoted phrase" or a prefix* is about the words as typed: those queries stay
-    keyword. A word with inner punctuation (command-line, e-mail) is a phrase to the index
-    but not to the person typing it: it is searched by meaning too."""
-    if any(alt[0] == "prefix" for clause in query.clauses for alt in clause):
-        return True
-    return any(len(tokenize(p)) > 1 for p in _QUOTED_RE.findall(query.text))
-
-
-def _embedding_text(query: Query) -> str:
-    """Return what to embed: the words asked for, without OR and -exclusions."""
-    words = [w for w in query.text.split() if w != "OR" and not w.startswith("-")]
-    return " ".join(words) or query.text
-
-
-def _chunk_snippet(svc: Service, path: str, chunk: int) -> str:
-    doc = svc.index.document(path)
-    if doc is None:
-        return ""
-    chunks = chunk_note(doc[1], doc[2])
-    if chunk >= len(chunks):
-        return ""
-    text = " ".join(chunk_body(chunks[chunk]).split())
-    return text if len(text) <= 200 else text[:199].rsplit(" ", 1)[0] + "…"
-
-
-def find_notes(
-    svc: Service, query: Query, folder: str, limit: int, offset: int, mode: str = ""
-) -> dict:
-    """Search as `mode` asks (hybrid by default when embeddings are on): {total, results:
-    [(path, title, score, snippet)], mode, fallback}. Never fails because the endpoint
-    does: it answers in keyword mode with fallback true."""
-    embedder = svc.embedder
-    if mode and mode not in MODES:
-        raise bad_request(f"'mode' must be one of {', '.join(MODES)}")
-    mode = mode or ("hybrid" if embedder is not None else "keyword")
-    if mode != "keyword" and embedder is not None and not _lexical_only(query):
-        vector = embedder.query_vector(_embedding_text(query))
-        if vector is not None:
-            return _by_meaning(svc, query, folder, (limit, offset), mode, vector)
-    total, hits = svc.index.search(query, folder, limit, offset)
-    return {"total": total, "results": hits, "mode": "keyword", "fallback": mode != "keyword"}
-
-
-def _by_meaning(svc: Service, query: Query, folder: str, page: tuple, mode: str, vector) -> dict:
-    near = svc.embedder.nearest(vector, folder)
-    if query.excludes:
-        out = svc.index.excluded(query.excludes, [p for p, _, _ in near])
-        near = [n for n in near if n[0] not in out]
-    chunk_of = {p: c for p, _, c in near}
-    if mode == "semantic":
-        ranked = [(p, round(s, 4)) for p, s, _ in near]
-    else:
-        _, hits = svc.index.search(query, folder, MAX_SEMANTIC_NOTES, 0, snippets=False)
-        words = [p for p, *_ in hits]
-        ranked = [(p, round(s, 6)) for p, s in fuse(words, list(chunk_of))]
-    limit, offset = page
-    results = _with_snippets(svc, query, ranked[offset : offset + limit], chunk_of)
-    return {"total": len(ranked), "results": results, "mode": mode, "fallback": False}
-
-
-def _with_snippets(svc: Service, query: Query, page: list, chunk_of: dict) -> list:
-    """Return [(path, title, score, snippet)]: the best chunk's start for a note the
-    meaning found, the words' snippet for one only the words found."""
-    titles = svc.index.titles(p for p, _ in page)
-    lexical = [p for p, _ in page if p not in chunk_of]
-    snippets = svc.index.snippets(query, lexical) if lexical else {}
-    results = []
-    for path, score in page:
-        if path in chunk_of:
-            snippet = _chunk_snippet(svc, path, chunk_of[path])
-        else:
-            snippet = snippets.get(path, "")
-        results.append((path, titles.get(path) or "", score, snippet))
-    return results
-
-
-def related_notes(svc: Service, path: str, folder: str, limit: int) -> list:
-    """Return [(path, title, score)] of the notes nearest a note (its chunks' mean) that
-    clear the floor: fewer than `limit`, or none, when no other note is near."""
-    embedder = svc.embedder
-    store = None if embedder is None else embedder.store
-    if store is None:
-        return []
-    vector = store.note_vector(path)
-    if vector is None:
-        return []
-    near = [n for n in embedder.nearest(vector, folder, limit + 1) if n[0] != path][:limit]
-    titles = svc.index.titles(p for p, _, _ in near)
-    return [(p, titles.get(p) or "", round(s, 4)) for p, s, _ in near]

@@ -11,9 +11,9 @@ from notesvc.helpers import atomic_write, scrub
 from notesvc.providers.base import Outbound, UpstreamError
 from notesvc.providers.channels import (
     TelegramError,
-    _channels,
     channel_mode,
     channel_secrets,
+    channels_of,
     process_update,
     set_channel_status,
 )
@@ -27,7 +27,7 @@ POLL_REFUSED_PAUSE = 300.0  # after the provider refused the credentials
 
 
 def _channel(svc: Service, channel_id: str) -> dict | None:
-    return next((c for c in _channels(svc) if c["id"] == channel_id), None)
+    return next((c for c in channels_of(svc) if c["id"] == channel_id), None)
 
 
 class ChannelPollers:
@@ -63,7 +63,7 @@ class ChannelPollers:
             return
         stopped = []
         wanted = {}
-        for c in _channels(svc):
+        for c in channels_of(svc):
             prov = svc.channel_providers.get(c["provider"])
             if prov and prov.poll and c["enabled"] and channel_mode(c) == "polling":
                 secret = {f.name for f in prov.fields if f.secret}
@@ -86,7 +86,7 @@ class ChannelPollers:
         deadline = time.monotonic() + join
         for poller in stopped if join > 0 else ():
             poller.thread.join(max(0.0, deadline - time.monotonic()))
-        known = {c["id"] for c in _channels(svc)}
+        known = {c["id"] for c in channels_of(svc)}
         with self._offsets_lock:  # a deleted channel's offset goes with it
             offsets = self._read_offsets()
             if any(cid not in known for cid in offsets):

@@ -14,19 +14,16 @@ from typing import Any, Callable
 from notesvc.boot import log
 from notesvc.helpers import atomic_write, iso, time_zone
 from notesvc.notes.paths import MAX_SCAN_CHARS
-from notesvc.notes.tasks import usable_wall, wall_timestamp
+from notesvc.notes.tasks import ALARM_RE, usable_wall, wall_timestamp
 from notesvc.providers.base import UpstreamError
-from notesvc.providers.capture import _one_line
-from notesvc.providers.channels import _channels, allowed_senders
+from notesvc.providers.capture import one_line
+from notesvc.providers.channels import allowed_senders, channels_of
 from notesvc.search.index import SearchIndex
 from notesvc.search.segments import IndexedNote
 from notesvc.service import Service
 
 # -- reminders: ⏰ lines sent through the channels ------------------------------------
 
-REMINDER_RE = re.compile(
-    r"⏰\ufe0f?[ \t]*(\d{4})-(\d{2})-(\d{2})[ \tT]+([01]?\d|2[0-3]):([0-5]\d)(?!\d)"
-)
 _REMIND_FIELD_RE = re.compile(
     r"^remind:[ \t]*[\"']?(\d{4})-(\d{2})-(\d{2})[ \tT]+([01]?\d|2[0-3]):([0-5]\d)", re.M
 )
@@ -43,7 +40,7 @@ def note_reminders(path: str, title: str, text: str, zone: dt.tzinfo | None) -> 
     ['2026-12-01 09:00']
     """
     text = text[:MAX_SCAN_CHARS]
-    matches = list(REMINDER_RE.finditer(text))
+    matches = list(ALARM_RE.finditer(text))
     if text.startswith("---"):
         end = text.find("\n---", 3)
         if end > 0:
@@ -52,7 +49,7 @@ def note_reminders(path: str, title: str, text: str, zone: dt.tzinfo | None) -> 
     for m in matches:
         start = text.rfind("\n", 0, m.start()) + 1
         stop = text.find("\n", m.end())
-        line = _one_line(text[start : stop if stop >= 0 else len(text)], 300)
+        line = one_line(text[start : stop if stop >= 0 else len(text)], 300)
         wall = usable_wall(*(int(g) for g in m.groups()))  # (None: 2026-02-30, 0001-01-01)
         due = wall_timestamp(wall, zone) if wall is not None else None
         if due is None:  # an unusable time: that line only is no reminder
@@ -284,7 +281,7 @@ class ReminderScheduler:
             f"{r['line']}\n{r['path']}"
         )
         sent = tried = 0
-        for channel in _channels(svc):
+        for channel in channels_of(svc):
             prov = svc.channel_providers.get(channel["provider"])
             if not (prov and prov.send and channel["enabled"] and channel["config"].get("notify")):
                 continue

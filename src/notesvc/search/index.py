@@ -3,8 +3,6 @@
 from __future__ import annotations
 
 import array
-import base64
-import binascii
 import bisect
 import collections
 import contextlib
@@ -12,13 +10,10 @@ import functools
 import hashlib
 import heapq
 import itertools
-import json
 import math
 import os
-import re
 import stat
 import sys
-import tempfile
 import threading
 import time
 import unicodedata
@@ -30,63 +25,57 @@ from typing import Any, Callable
 from notesvc.boot import log
 from notesvc.helpers import (
     TEMP_PREFIX,
-    TEMP_SUFFIX,
-    _EarlyHelper,
-    _readable,
-    _stop_helper,
     atomic_write,
     deferred_sync,
     fsync_dir,
     release_memory,
 )
 from notesvc.notes.paths import MAX_SCAN_CHARS
-from notesvc.notes.store import _NOFOLLOW_NONBLOCK, NoteStore, ReadCache, _read_items
+from notesvc.notes.store import NOFOLLOW_NONBLOCK, NoteStore, ReadCache
+from notesvc.search.helper import (
+    MERGE_HELPER_NOTES,
+    EarlyHelper,
+    IndexHelper,
+    analyse_batch,
+    discard_temp,
+    read_items,
+)
 from notesvc.search.persistence import (
     DiskSegment,
     IndexFileError,
-    _Cancelled,
+    MergeCancelled,
     read_commit,
     write_batch,
     write_commit,
     write_segment,
 )
 from notesvc.search.segments import (
-    _EPS,
-    _FIRST,
-    _SECOND,
     BULK_CHUNK_CHARS,
     BULK_CHUNK_NOTES,
     COMMIT_SECONDS,
+    FIRST_ITEM,
     FLUSH_DOCS,
     FLUSH_TOKENS,
     MAX_DELETED,
     MERGE_FACTOR,
-    MERGE_HELPER_NOTES,
+    SCORE_EPS,
+    SECOND_ITEM,
     IndexedNote,
     MemorySegment,
-    _DeletedCounts,
-    _exact_tf,
-    _has,
-    _TextCache,
-    _Vocab,
+    TextCache,
+    Vocab,
+    exact_tf,
     phrase_docs,
     query_needles,
+    sorted_position,
     word_docs,
 )
-from notesvc.search.text import MAX_PREFIX_TERMS, Query, _snippet, bm25_idf, bm25_weight
+from notesvc.search.text import MAX_PREFIX_TERMS, Query, bm25_idf, bm25_weight, body_snippet
 
 # -- the index ----------------------------------------------------------------
 
 
-def _analyse_batch(items: list, stems: dict) -> tuple:
-    """Return (vocabulary, [Doc], average lengths) of (path, text, size, mtime) items."""
-    vocab = _Vocab(stems)
-    docs = [vocab.analyse(*item) for item in items]
-    avg = tuple(max(sum(len(d[4 + f]) for d in docs) / max(len(docs), 1), 1.0) for f in (0, 1))
-    return vocab, docs, avg
-
-
-def _memory_segment(vocab: _Vocab, docs: list, avg: tuple) -> MemorySegment:
+def _memory_segment(vocab: Vocab, docs: list, avg: tuple) -> MemorySegment:
     seg = MemorySegment(vocab)
     for doc in docs:
         seg.add(doc, avg)
@@ -125,79 +114,6 @@ class _Progress:
             log.info("indexing: %d of %d notes indexed", self.done, self.total)
 
 
-_HELPER_CODE = (  # loads this file as a module (its cached bytecode) and runs index_helper
-    "import importlib.util as u, sys; s = u.spec_from_file_location('notesvc_index_helper', "
-    "sys.argv[1]); m = sys.modules[s.name] = u.module_from_spec(s); s.loader.exec_module(m); "
-    "m.index_helper(*sys.argv[2:])"
-)
-# the same from the package (src/notesvc/): by module name, from the folder that holds it
-_HELPER_PACKAGE_CODE = (
-    "import sys; sys.path.insert(0, sys.argv[1]); "
-    "from notesvc.search.index import index_helper; index_helper(*sys.argv[2:])"
-)
-
-
-def index_helper(notes_root: str, folder: str) -> None:
-    """Run as the helper process of a bulk build: for each line {"paths": [...]} on stdin,
-    read those notes, write them as a segment to a temp file in folder and answer
-    {"file": its path} (or {"error": ...}) on stdout; stop at the end of stdin.
-
-    The server renames each file into place, so a helper that outlives a crashed server
-    leaves nothing but a temp file, which the next start sweeps away.
-    """
-    notes = NoteStore(Path(notes_root), Path(folder) / "trash")
-    stems: dict = {}
-    for line in sys.stdin:
-        name = None
-        try:
-            request = json.loads(line)
-            if "merge" in request:  # {"merge": {files, skips, dels, avg}}: see SearchIndex.merge
-                name, reply = _merge_for_server(request["merge"], Path(folder))
-                print(json.dumps(reply), flush=True)
-                continue
-            vocab, docs, avg = _analyse_batch(_read_items(notes, request["paths"]), stems)
-            if docs:
-                fd, name = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX, dir=folder)
-                with os.fdopen(fd, "wb") as f:
-                    write_batch(f, docs, vocab, avg)
-                    f.flush()
-                    os.fsync(f.fileno())
-            reply = {"file": name}
-        except Exception as e:  # the server indexes the batch itself
-            if name:
-                with contextlib.suppress(OSError):
-                    os.unlink(name)
-            reply = {"error": f"{type(e).__name__}: {e}"[:300]}
-        print(json.dumps(reply), flush=True)
-
-
-def _merge_for_server(job: dict, folder: Path) -> tuple:
-    """Merge segment files of folder as SearchIndex.merge asks (in the helper process);
-    return (the temp file written, the reply: its name and each source's note id map)."""
-    sources, dels = [], []
-    for name, pairs in zip(job["files"], job["dels"]):
-        if not re.fullmatch(r"\d{8}\.seg", name):
-            raise ValueError(f"not a segment file: {name!r}")
-        sources.append(DiskSegment(folder / name))
-        counts = (_DeletedCounts(sources[-1].nt), _DeletedCounts(sources[-1].nt))
-        for c, flat in zip(counts, pairs):
-            c.load(array.array("I", flat))
-        dels.append(counts)
-    skips = [set(skip) for skip in job["skips"]]
-    fd, name = tempfile.mkstemp(prefix=TEMP_PREFIX, suffix=TEMP_SUFFIX, dir=folder)
-    try:
-        with os.fdopen(fd, "wb") as f:
-            remaps = write_segment(f, sources, skips, dels, None, folder, tuple(job["avg"]))
-            f.flush()
-            os.fsync(f.fileno())
-    except BaseException:
-        with contextlib.suppress(OSError):
-            os.unlink(name)
-        raise
-    maps = [base64.b64encode(remap.tobytes()).decode() for remap in remaps]
-    return name, {"file": name, "remaps": maps}
-
-
 SORT_UP_TO = 512  # fewer items: sorted() in C beats heapq.nlargest's Python loop (3x at 20)
 
 
@@ -213,7 +129,7 @@ def _best(scores: dict, m: int) -> tuple:
     out or 0.0). All of them, unsorted, when they are m or fewer."""
     if len(scores) <= m:
         return [(a, d) for d, a in scores.items()], 0.0
-    items = _largest(m + 1, scores.items(), _SECOND)
+    items = _largest(m + 1, scores.items(), SECOND_ITEM)
     return [(a, d) for d, a in items[:m]], items[m][1]
 
 
@@ -251,7 +167,7 @@ class _Match:
                 if d in deleted:
                     continue
                 self.title_scores[d] = w * imp
-                if body is None or _has(body[1], d) < 0:
+                if body is None or sorted_position(body[1], d) < 0:
                     total += 1
         self.total = total
 
@@ -274,7 +190,7 @@ class _Match:
                     scores[d] = scores.get(d, 0.0) + w * imps[i]
             for d in self.title_scores:
                 if d not in taken:
-                    i = _has(ids, d)
+                    i = sorted_position(ids, d)
                     if i >= 0:
                         scores[d] += w * imps[i]
         top, beyond = _best(scores, m)
@@ -283,9 +199,9 @@ class _Match:
     def exact(self, d: int, avg: tuple) -> float:
         seg, score = self.seg, 0.0
         for w, ids, imps, f, *_ in self.comps:
-            i = _has(ids, d)
+            i = sorted_position(ids, d)
             if i >= 0:
-                score += w * _exact_tf(imps[i], seg.dl(d, f), seg.avg_then(d, f), avg[f])
+                score += w * exact_tf(imps[i], seg.dl(d, f), seg.avg_then(d, f), avg[f])
         return score
 
 
@@ -340,7 +256,7 @@ class SearchIndex:
         self._merger_lock = threading.RLock()  # one merge at a time (and through it)
         self._pair_rewrites: dict = {}  # file name -> when it was last picked to get pair lists
         self._live = MemorySegment()
-        self._texts = _TextCache()  # the texts snippets were cut from lately
+        self._texts = TextCache()  # the texts snippets were cut from lately
         self.generation = 0  # bumps on every change
         # (generation it holds for, {folder: notes beneath it}): rebuilt after bulk changes,
         # kept up to date by single adds and removals (folder_counts)
@@ -472,7 +388,7 @@ class SearchIndex:
                             self.add(*item)
                             count += 1
                 return count
-            batch = _analyse_batch(items, self._stems if self._stems is not None else {})
+            batch = analyse_batch(items, self._stems if self._stems is not None else {})
             new = None
             if self.folder is not None:
                 new = self._write(
@@ -652,7 +568,7 @@ class SearchIndex:
         hears what changed before the index takes it (history and the change feed).
         """
         notes = notes or self.notes
-        with self._sync_lock, self._early_helper(notes) as early:
+        with self._sync_lock, EarlyHelper(lambda: self._start_helper(notes)) as early:
             started = time.perf_counter()
             self.verify()
             had_notes = bool(self.stats().get("documents"))
@@ -684,7 +600,7 @@ class SearchIndex:
             else:
                 for path in changed:
                     with notes.locked(path):  # no API write can slip in between
-                        for item in _read_items(notes, [path]):
+                        for item in read_items(notes, [path]):
                             self.add(*item)
             took = time.perf_counter() - started
             if observe is not None and late:
@@ -693,18 +609,6 @@ class SearchIndex:
             if changed or gone:
                 log.info("index: %d notes read, %d removed in %.2f s", len(changed), gone, took)
             return {"read": len(changed), "removed": gone, "seconds": round(took, 3)}
-
-    @contextlib.contextmanager
-    def _early_helper(self, notes: NoteStore):
-        """Yield an _EarlyHelper for a sync; a helper it started that no bulk took is
-        stopped at the end."""
-        early = _EarlyHelper(lambda: self._start_helper(notes))
-        try:
-            yield early
-        finally:
-            helper = early.take()
-            if helper is not None:
-                _stop_helper(helper)
 
     def _bulk_read(
         self,
@@ -722,7 +626,7 @@ class SearchIndex:
         changed: a restored backup, a `touch` of everything), so the helper analyses every
         batch and this process only installs its files: analysing a batch here took 25 MB
         more at its peak, and searches shared the GIL with it (100,000 notes: 34 -> 46 s).
-        `helper`: one started already (_EarlyHelper), used instead of a new one."""
+        `helper`: one started already (EarlyHelper), used instead of a new one."""
         batches: deque = deque([[]])
         chars = 0
         for path in paths:
@@ -735,7 +639,7 @@ class SearchIndex:
             self._bulks += 1
         self._stems = {}
         if helper is not None and len(batches) < 2:
-            _stop_helper(helper)
+            helper.stop()
             helper = None
         elif helper is None and len(batches) > 1:
             helper = self._start_helper(notes)
@@ -758,7 +662,7 @@ class SearchIndex:
                         except IndexError:  # the helper took the last one
                             break
                         since = self.generation
-                        progress.add(self.bulk_add(_read_items(notes, batch), since, known))
+                        progress.add(self.bulk_add(read_items(notes, batch), since, known))
                     if pumping and pump is not None:
                         pump.join()  # batches it gave back are done on the second pass
         finally:
@@ -769,44 +673,26 @@ class SearchIndex:
                 self._bulks -= 1
             self._wake.set()
 
-    def _keep_for_merges(self, helper, usable: bool) -> None:
+    def _keep_for_merges(self, helper: IndexHelper, usable: bool) -> None:
         """Hand a bulk's helper process on to the merges that follow it (the next maintain
         stops it when none is due), or stop it: a process start less (a tenth of a 10k
         first start's CPU)."""
-        if usable and helper.poll() is None and self._merger_lock.acquire(blocking=False):
+        if usable and helper.alive() and self._merger_lock.acquire(blocking=False):
             try:
                 if self._merger is None and not self._stop.is_set():
                     self._merger = helper
                     return
             finally:
                 self._merger_lock.release()
-        _stop_helper(helper)
+        helper.stop()
 
-    def _start_helper(self, notes: NoteStore, merging: bool = False):
-        """Start an index_helper process; None where it cannot help (no file; one core,
-        except for merges, which it takes off this process's GIL even there)."""
-        module = globals().get("__file__")
-        one_core = (os.cpu_count() or 1) < 2 and not merging
-        if self.folder is None or one_core or not module or not sys.executable:
+    def _start_helper(self, notes: NoteStore, merging: bool = False) -> IndexHelper | None:
+        """Start a helper process (search/helper.py); None where it cannot help."""
+        if self.folder is None:
             return None
-        import subprocess
+        return IndexHelper.start(notes.root, self.folder, merging)
 
-        code = _HELPER_CODE  # notesvc.py: this file, by its path
-        if __name__.startswith("notesvc."):  # the package: src/notesvc/search/index.py
-            code, module = _HELPER_PACKAGE_CODE, str(Path(module).resolve().parents[2])
-        cmd = [sys.executable, "-c", code, module, str(notes.root), str(self.folder)]
-        try:
-            helper = subprocess.Popen(  # noqa: S603 (this interpreter and this file)
-                cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, close_fds=True
-            )
-            what = "merges segment files" if merging else "analyses every other batch"
-            log.info("index: a helper process (pid %d) %s", helper.pid, what)
-            return helper
-        except OSError as e:
-            log.warning("index: no helper process (%s); indexing on one core", e)
-            return None
-
-    def _pump(self, helper, batches: deque, known: set, progress: _Progress) -> None:
+    def _pump(self, helper: IndexHelper, batches: deque, known: set, progress: _Progress) -> None:
         """Hand batches to the helper process and add the segment files it writes; on any
         trouble give the batch back (the caller indexes it) and stop."""
         while not self._stop.is_set():
@@ -816,12 +702,10 @@ class SearchIndex:
                 return
             since = self.generation
             try:
-                helper.stdin.write(json.dumps({"paths": batch}) + "\n")
-                helper.stdin.flush()
-                reply = json.loads(helper.stdout.readline() or '{"error": "it stopped"}')
-                seg = self._install(reply["file"]) if reply.get("file") else None
-                if reply.get("error") or (reply.get("file") and seg is None):
-                    raise ValueError(reply.get("error") or "its file is unusable")
+                name = helper.analyse(batch)
+                seg = self._install(name) if name else None
+                if name and seg is None:
+                    raise ValueError("its file is unusable")
             except (OSError, ValueError, KeyError, TypeError) as e:
                 log.warning("index helper process: %s; indexing on one core", e)
                 batches.appendleft(batch)
@@ -970,7 +854,7 @@ class SearchIndex:
     @staticmethod
     def _hi(seg, avg: tuple) -> float:
         """Return the most a segment's stored impacts can rise with today's averages."""
-        return max(1.0, *(avg[f] / max(seg.avg_range[f][0], 1.0) for f in (0, 1))) * (1 + _EPS)
+        return max(1.0, *(avg[f] / max(seg.avg_range[f][0], 1.0) for f in (0, 1))) * (1 + SCORE_EPS)
 
     def _matches(self, segs, n, avg, clauses, excludes, folder) -> list:
         stems = sorted({s for clause in [*clauses, excludes] for _, ss in clause for s in ss})
@@ -1022,7 +906,7 @@ class SearchIndex:
                 top, bound = mt.top(m)
                 pool += [(a, mt, d) for a, d in top]
                 outside = max(outside, bound * mt.hi)
-            pool.sort(key=_FIRST, reverse=True)
+            pool.sort(key=FIRST_ITEM, reverse=True)
             found, heap = [], []
             for a, mt, d in pool:
                 if len(heap) >= k and a * hi < heap[0]:
@@ -1041,7 +925,7 @@ class SearchIndex:
                 continue
             if not found:
                 return []
-            found.sort(key=_FIRST, reverse=True)
+            found.sort(key=FIRST_ITEM, reverse=True)
             last = found[min(k, len(found)) - 1][0]  # equal scores are ordered by path
             best = [x for x in found if x[0] >= last]
             ranked = [(score, mt.seg.path(d), mt.seg, d) for score, mt, d in best]
@@ -1132,13 +1016,13 @@ class SearchIndex:
                 return ""
             text = unicodedata.normalize("NFC", text)
             self._texts.put(path, sig, text)
-        return _snippet(text, toks, needles)
+        return body_snippet(text, toks, needles)
 
     def _read(self, path: str, limit: int = -1) -> str | None:
         """Return a note's text from its file (up to limit bytes), None when unreadable."""
         if self.notes is None:
             return None
-        flags = os.O_RDONLY | _NOFOLLOW_NONBLOCK
+        flags = os.O_RDONLY | NOFOLLOW_NONBLOCK
         try:
             try:  # the common case without pathlib: the name on disk is the path
                 fd = os.open(self._base + path, flags)
@@ -1239,7 +1123,7 @@ class SearchIndex:
         try:
             atomic_write(path, write, mode=0o600)
             return DiskSegment(path)
-        except _Cancelled:
+        except MergeCancelled:
             return None
         except (OSError, IndexFileError) as e:
             log.warning("index: could not write segment %s (%s); serving from memory", path.name, e)
@@ -1410,45 +1294,23 @@ class SearchIndex:
         if sum(s.n for s in sources) < MERGE_HELPER_NOTES:  # quicker here than a process
             return None, None
         helper = self._merger
-        if helper is None or helper.poll() is not None:
+        if helper is None or not helper.alive():
             helper = self._merger = self._start_helper(self.notes, merging=True)
             if helper is None:
                 return None, None
-        reply: dict = {}
-        job = {
-            "files": [s.name for s in sources],
-            "skips": [sorted(skip) for skip in skips],
-            "dels": [[c.pairs().tolist() for c in pair] for pair in dels],
-            "avg": list(avg),
-        }
+        name = None
         try:
-            helper.stdin.write(json.dumps({"merge": job}) + "\n")
-            helper.stdin.flush()
-            while not _readable(helper.stdout, 0.5):
-                if self._stop.is_set() or helper.poll() is not None:  # closing: not now
-                    raise ValueError("stopped")
-            reply = json.loads(helper.stdout.readline() or '{"error": "it stopped"}')
-            if reply.get("error") or not reply.get("file"):
-                raise ValueError(reply.get("error") or "no file")
-            remaps = []
-            for src, text in zip(sources, reply["remaps"]):
-                remap = array.array("i")
-                remap.frombytes(base64.b64decode(text))
-                if len(remap) != src.n:
-                    raise ValueError("a note id map does not add up")
-                remaps.append(remap)
-            if len(remaps) != len(sources):
-                raise ValueError("a note id map is missing")
-            new = self._install(reply["file"])
+            name, remaps = helper.merge(sources, skips, dels, avg, self._stop)
+            new = self._install(name)
             if new is None:
                 raise ValueError("its file is unusable")
             return new, remaps
-        except (OSError, ValueError, KeyError, TypeError, binascii.Error) as e:
+        except (OSError, ValueError, KeyError, TypeError) as e:
             if not self._stop.is_set():
                 log.warning("index helper process: %s; merging in this process", e)
             self._stop_merger()
-            if isinstance(reply, dict) and reply.get("file"):
-                self._discard_temp(reply["file"])
+            if name:
+                discard_temp(self.folder, name)
             return None, None
 
     def _stop_merger(self) -> None:
@@ -1456,15 +1318,7 @@ class SearchIndex:
         with self._merger_lock if not self._stop.is_set() else contextlib.nullcontext():
             helper, self._merger = self._merger, None
         if helper is not None:
-            if self._stop.is_set():
-                helper.kill()
-            _stop_helper(helper)
-
-    def _discard_temp(self, name) -> None:
-        tmp = Path(str(name))
-        if tmp.parent == self.folder and tmp.name.startswith(TEMP_PREFIX):
-            with contextlib.suppress(OSError):
-                tmp.unlink()
+            helper.stop(kill=self._stop.is_set())
 
     def verify(self) -> None:
         """Check the segment files opened at start against their checksums; a damaged one

@@ -25,19 +25,19 @@ from typing import Any
 from notesvc.boot import log
 from notesvc.helpers import atomic_write
 from notesvc.search.segments import (
-    _FIRST,
-    _NOT_MINUS_ONE,
-    _OVERFLOW,
-    _PAIR_RE,
-    _SECOND,
+    FIRST_ITEM,
+    NOT_MINUS_ONE,
+    OVERFLOW_CHAR,
     PAIR_COMMON,
+    PAIR_RE,
     PAIR_TERMS,
+    SECOND_ITEM,
     SPARSE_EVERY,
-    _DeletedCounts,
-    _has,
-    _term_char_of,
-    _term_number,
-    _Vocab,
+    DeletedCounts,
+    Vocab,
+    sorted_position,
+    term_char_of,
+    term_number,
 )
 from notesvc.search.text import INDEX_FORMAT, K1, B, bm25_tf
 
@@ -129,7 +129,7 @@ class DiskSegment:
             for kind in ("dict", "surf")
         }
         self.deleted: set = set()
-        self.del_df: tuple = (_DeletedCounts(self.nt), _DeletedCounts(self.nt))
+        self.del_df: tuple = (DeletedCounts(self.nt), DeletedCounts(self.nt))
         self.del_lens = [0, 0]
 
     def _pair_lists(self, meta: dict, bounds: dict, view: memoryview) -> tuple | None:
@@ -160,7 +160,7 @@ class DiskSegment:
         out = []
         for a, b in zip(keys, keys[1:]):
             if max(a, b) < PAIR_TERMS and min(a, b) < PAIR_COMMON:
-                i = _has(listed, _pair_key(a, b, f))
+                i = sorted_position(listed, _pair_key(a, b, f))
                 found = ids[off[i] : off[i + 1]] if i >= 0 else ids[0:0]
                 if len(found) and found[-1] >= self.n:  # ascending: a damaged list
                     return None  # (the substring search instead)
@@ -187,7 +187,7 @@ class DiskSegment:
         for f in (0, 1):
             toks = self.tok_text(d, f)
             self.del_lens[f] += len(toks)
-            self.del_df[f].add(map(_term_number, set(toks).difference(_OVERFLOW)))
+            self.del_df[f].add(map(term_number, set(toks).difference(OVERFLOW_CHAR)))
 
     # -- sorted string tables: the dictionary, the surfaces, the paths -----------------------
 
@@ -234,7 +234,7 @@ class DiskSegment:
         return self._ids[start : start + n], self._imps[start : start + n]
 
     def char(self, key: int) -> str:
-        return _term_char_of(key)
+        return term_char_of(key)
 
     def _tok_span(self, d: int, f: int) -> tuple:
         base, off = self.text["tokens"], self._tok_off
@@ -303,7 +303,7 @@ class DiskSegment:
         starts = map(base.__add__, map(first.__getitem__, cands))
         ends = map(base.__add__, map(last.__getitem__, cands))
         found = map(mm.find, itertools.repeat("".join(chars).encode()), starts, ends)
-        return list(itertools.compress(cands, map(_NOT_MINUS_ONE, found)))
+        return list(itertools.compress(cands, map(NOT_MINUS_ONE, found)))
 
     @functools.cached_property
     def _tok_spans(self) -> tuple:
@@ -434,7 +434,7 @@ class _FileWriter:
         self.f.write(raw + _TRAILER.pack(len(raw), zlib.crc32(raw), self.magic))
 
 
-class _Cancelled(Exception):
+class MergeCancelled(Exception):
     """A merge stopped because the index is closing."""
 
 
@@ -454,7 +454,7 @@ def _path_order(src, remap) -> Iterable:
 def _merged_terms(sources: list) -> Iterable:
     """Yield (stem, [(source number, key)]) over the sources' dictionaries, in stem order."""
     streams = [_tagged(src.sorted_terms(), i) for i, src in enumerate(sources)]
-    for stem_, parts in itertools.groupby(heapq.merge(*streams), key=_FIRST):
+    for stem_, parts in itertools.groupby(heapq.merge(*streams), key=FIRST_ITEM):
         yield stem_, [(i, k) for _, i, k in parts]
 
 
@@ -526,7 +526,7 @@ def _write_postings(out, spill, sources, skips, remaps, norms, parts: list, f: i
         ids, imps = p
         if skips[i]:
             mapped = list(map(remaps[i].__getitem__, ids))
-            keep = list(map(_NOT_MINUS_ONE, mapped))
+            keep = list(map(NOT_MINUS_ONE, mapped))
             ids_out.extend(itertools.compress(mapped, keep))
             imps_out.extend(itertools.compress(imps, keep))
             continue
@@ -614,7 +614,7 @@ class _PairPostings:
         if len(raw) < 4:
             return
         found = self.found[fld]
-        pairs = set(_PAIR_RE.findall(raw))
+        pairs = set(PAIR_RE.findall(raw))
         for pair in pairs:
             ids = found.get(pair)
             if ids is None:
@@ -632,7 +632,7 @@ class _PairPostings:
                 a = ((pair[0] & 0x1F) << 6 | (pair[1] & 0x3F)) - 0x100  # _term_number
                 b = ((pair[2] & 0x1F) << 6 | (pair[3] & 0x3F)) - 0x100
                 lists.append((_pair_key(a, b, fld), ids))
-        lists.sort(key=_FIRST)
+        lists.sort(key=FIRST_ITEM)
         return lists
 
     def _spill(self) -> None:
@@ -670,7 +670,7 @@ class _PairPostings:
         (where each list starts, and the end) and "pair_ids" (the lists)."""
         if not self.runs:
             lists = self._sorted()
-            out.section("pair_keys", array.array("I", map(_FIRST, lists)))
+            out.section("pair_keys", array.array("I", map(FIRST_ITEM, lists)))
             sizes = (len(ids) for _, ids in lists)
             out.section("pair_off", array.array("I", itertools.accumulate(sizes, initial=0)))
             out.section("pair_ids", *(ids for _, ids in lists))
@@ -680,7 +680,7 @@ class _PairPostings:
         keys, off = array.array("I"), array.array("I", [0])
         runs = [self._run(*span) for span in self.runs]
         out.begin("pair_ids")  # a key's lists, run after run: its ids ascending
-        for key, lists in itertools.groupby(heapq.merge(*runs, key=_FIRST), key=_FIRST):
+        for key, lists in itertools.groupby(heapq.merge(*runs, key=FIRST_ITEM), key=FIRST_ITEM):
             n = 0
             for _, ids in lists:
                 out.write(ids)
@@ -697,7 +697,7 @@ class _PairPostings:
             self.spill = None
 
 
-def write_batch(f, docs: list, vocab: _Vocab, avg: tuple) -> None:
+def write_batch(f, docs: list, vocab: Vocab, avg: tuple) -> None:
     """Write analysed notes (Doc, in this order) as one segment file to f: the bulk build's
     fast path, with no Python work per posting beyond C-level maps and one sort per field.
 
@@ -712,7 +712,7 @@ def write_batch(f, docs: list, vocab: _Vocab, avg: tuple) -> None:
         for d, doc in enumerate(docs):
             toks = doc[4 + fld]
             counts = collections.Counter(toks)
-            counts.pop(_OVERFLOW, None)
+            counts.pop(OVERFLOW_CHAR, None)
             if counts:
                 tfs = list(counts.values())
                 by_tf = {tf: bm25_tf(tf, len(toks), avg[fld]) for tf in set(tfs)}
@@ -754,7 +754,7 @@ def write_batch(f, docs: list, vocab: _Vocab, avg: tuple) -> None:
         [stems[t] for t in by_stem],
         by_stem,
         [w for w, _ in words],
-        [_term_number(ch) for _, ch in words],
+        [term_number(ch) for _, ch in words],
     )
     toks = [t.encode() for doc in docs for t in (doc.toks, doc.title_toks)]
     out.section("tokens", *toks)
@@ -820,7 +820,7 @@ def write_segment(
         pairs.close()
     del pairs
     _write_paths_and_titles(out, sources, remaps)
-    by_path = array.array("I", map(_SECOND, heapq.merge(*map(_path_order, sources, remaps))))
+    by_path = array.array("I", map(SECOND_ITEM, heapq.merge(*map(_path_order, sources, remaps))))
     dls, avgs = columns["dl"], columns["avg"]
     for name, arr in (("by_path", by_path), *columns.items()):
         out.section(name, arr.tobytes())
@@ -884,7 +884,7 @@ class _TermPlan:
             rank[g] = r
         trans = [array.array("I", bytes(4 * (src.term_count() + 0x900))) for src in sources]
         for table in trans:
-            table[ord(_OVERFLOW)] = ord(_OVERFLOW)
+            table[ord(OVERFLOW_CHAR)] = ord(OVERFLOW_CHAR)
         return cls(False, len(kept), rank, trans)
 
 
@@ -901,7 +901,7 @@ def _write_postings_of_terms(out, plan, sources, skips, dels, remaps, norms, can
         start = 0
         for g, (stem_, parts) in enumerate(_merged_terms(sources)):
             if cancel is not None and not g % 1024 and cancel.is_set():
-                raise _Cancelled
+                raise MergeCancelled
             if plan.single:
                 if not any(_live_df(sources, dels, parts)):
                     continue
@@ -910,7 +910,7 @@ def _write_postings_of_terms(out, plan, sources, skips, dels, remaps, norms, can
                 tid = plan.rank[g]
                 if tid < 0:
                     continue
-                cp = ord(_term_char_of(tid))
+                cp = ord(term_char_of(tid))
                 for i, k in parts:
                     plan.trans[i][ord(sources[i].char(k))] = cp
             tid_rank[tid] = len(stems)
@@ -945,7 +945,7 @@ def _write_dictionary(out, plan, sources, terms, stems, tids) -> int:
             alive = tid < plan.nt and (terms[4 * tid + 1] or terms[4 * tid + 3])
         else:
             cp = plan.trans[i][ord(sources[i].char(k))]
-            alive, tid = cp != 0, _term_number(chr(cp)) if cp else 0
+            alive, tid = cp != 0, term_number(chr(cp)) if cp else 0
         if alive:
             last = w
             words.append(w)
@@ -963,7 +963,7 @@ def _write_tokens(out, plan, sources, remaps, avg, cancel, pairs: _PairPostings)
     out.begin("tokens")
     for src, remap, table in zip(sources, remaps, plan.trans):
         if cancel is not None and cancel.is_set():
-            raise _Cancelled
+            raise MergeCancelled
         raw_tokens = table is None and isinstance(src, DiskSegment)
         for d in range(src.n):
             if remap[d] < 0:

@@ -15,7 +15,7 @@ from collections import deque
 from collections.abc import Iterable
 
 from notesvc.notes.paths import note_title
-from notesvc.search.text import _WORD_RE, K1, B, bm25_tf, fold, stem
+from notesvc.search.text import K1, WORD_RE, B, bm25_tf, fold, stem
 
 # -- segments ---------------------------------------------------------------------
 #
@@ -52,40 +52,39 @@ COMMIT_SECONDS = 30.0  # other changes reach the disk within this
 BULK_CHUNK_NOTES = 2000  # notes analysed per segment file when many are (re)read...
 BULK_CHUNK_CHARS = 8_000_000  # ...or this much text
 MERGE_FACTOR = 3  # segments of one size class merged at once
-MERGE_HELPER_NOTES = 2000  # a merge of this many notes or more: in the helper process
 MAX_DELETED = 0.3  # a segment with this share of deleted notes is rewritten
 STEM_CACHE = 20_000  # words whose stems one bulk remembers (the common ones come first)
-_OVERFLOW = "\xff"  # the term char of stems past the last code point (not indexed)
+OVERFLOW_CHAR = "\xff"  # the term char of stems past the last code point (not indexed)
 # Phrases of common words: a segment file keeps, for each adjacent pair of terms among its
 # first PAIR_TERMS (numbered commonest first by a merge) of which one is among the first
 # PAIR_COMMON, the notes holding that pair in a field: "the file" is a list read, not a
 # substring search in 40 % of the notes. Their term chars are U+0100-02FF, and U+0100-017F:
 # in UTF-8 a lead byte C4-CB, and C4-C5, then a continuation byte.
 PAIR_COMMON, PAIR_TERMS = 128, 512
-_PAIR_RE = re.compile(
+PAIR_RE = re.compile(
     rb"(?=((?:[\xc4\xc5][\x80-\xbf])(?:[\xc4-\xcb][\x80-\xbf])"
     rb"|(?:[\xc6-\xcb][\x80-\xbf])(?:[\xc4\xc5][\x80-\xbf])))"
 )
 _APPEND = array.array.append
-_FIRST, _SECOND = operator.itemgetter(0), operator.itemgetter(1)
-_NOT_MINUS_ONE = (-1).__ne__
-_EPS = 1e-6  # float32 impacts against float64 scores
+FIRST_ITEM, SECOND_ITEM = operator.itemgetter(0), operator.itemgetter(1)
+NOT_MINUS_ONE = (-1).__ne__
+SCORE_EPS = 1e-6  # float32 impacts against float64 scores
 
 
-def _term_char_of(n: int) -> str:
+def term_char_of(n: int) -> str:
     """Return the term char of term number n (U+0100 upward, surrogates skipped)."""
     cp = 0x100 + n
     if cp >= 0xD800:
         cp += 0x800
-    return chr(cp) if cp <= 0x10FFFF else _OVERFLOW
+    return chr(cp) if cp <= 0x10FFFF else OVERFLOW_CHAR
 
 
-def _term_number(ch: str) -> int:
+def term_number(ch: str) -> int:
     cp = ord(ch)
     return cp - (0x900 if cp >= 0xE000 else 0x100)
 
 
-def _exact_tf(imp: float, dl: int, avg_then: float, avg_now: float) -> float:
+def exact_tf(imp: float, dl: int, avg_then: float, avg_now: float) -> float:
     """Return bm25_tf with today's average from an impact computed with avg_then."""
     room = K1 + 1.0 - imp
     if room <= 1e-5:  # saturated: a term this frequent scores the same with any average
@@ -94,7 +93,7 @@ def _exact_tf(imp: float, dl: int, avg_then: float, avg_now: float) -> float:
     return bm25_tf(tf, dl, avg_now)
 
 
-def _has(ids, d: int) -> int:
+def sorted_position(ids, d: int) -> int:
     """Return the position of d in the sorted sequence ids, or -1."""
     i = bisect.bisect_left(ids, d)
     return i if i < len(ids) and ids[i] == d else -1
@@ -103,7 +102,7 @@ def _has(ids, d: int) -> int:
 _ASCII_SPACES = bytes(c if chr(c).isalnum() and c < 128 else 32 for c in range(256))
 
 
-class _Vocab:
+class Vocab:
     """The term numbers of one segment being built, and the folded words that map to them
     (the prefix* vocabulary). encode() turns text into a string of term chars."""
 
@@ -114,8 +113,8 @@ class _Vocab:
         self.stems: list = []  # by term number
         self._cache = stem_cache
 
-    def copy(self) -> _Vocab:
-        new = _Vocab()
+    def copy(self) -> Vocab:
+        new = Vocab()
         new.ascii, new.surfaces = dict(self.ascii), dict(self.surfaces)
         new.chars, new.stems = dict(self.chars), [*self.stems]
         return new
@@ -132,8 +131,8 @@ class _Vocab:
                 cache[word] = term
         ch = self.chars.get(term)
         if ch is None:
-            ch = _term_char_of(len(self.stems))
-            if ch == _OVERFLOW:
+            ch = term_char_of(len(self.stems))
+            if ch == OVERFLOW_CHAR:
                 return ch
             self.chars[term] = ch
             self.stems.append(term)
@@ -145,7 +144,7 @@ class _Vocab:
         if text.isascii():  # the same tokens as _ASCII_WORD_RE, split at C speed
             words, chars = text.encode().translate(_ASCII_SPACES).split(), self.ascii
         else:
-            words, chars = _WORD_RE.findall(text), self.surfaces
+            words, chars = WORD_RE.findall(text), self.surfaces
         try:
             return "".join(map(chars.__getitem__, words))
         except KeyError:  # new words: give them term chars, then encode again
@@ -162,13 +161,13 @@ class _Vocab:
         """Return [(folded word as UTF-8, term char)] sorted (overflowing stems left out)."""
         found = dict(self.ascii)
         found.update((w.encode(), ch) for w, ch in self.surfaces.items())
-        return sorted(item for item in found.items() if item[1] != _OVERFLOW)
+        return sorted(item for item in found.items() if item[1] != OVERFLOW_CHAR)
 
     def words(self) -> list:
         """Return [(folded word, term char)] sorted by word (overflowing stems left out)."""
         found = {w.decode(): ch for w, ch in self.ascii.items()}
         found.update(self.surfaces)
-        return sorted(item for item in found.items() if item[1] != _OVERFLOW)
+        return sorted(item for item in found.items() if item[1] != OVERFLOW_CHAR)
 
 
 def _count_terms(counter: dict, keys: Iterable) -> None:
@@ -176,7 +175,7 @@ def _count_terms(counter: dict, keys: Iterable) -> None:
         counter[key] = counter.get(key, 0) + 1
 
 
-class _DeletedCounts:
+class DeletedCounts:
     """A segment file's per-term counts of its deleted notes (live document frequencies
     are its own less these): 4 bytes a term, in an array made at the first deletion. A
     dict of them cost about 100 bytes a term, 112 MB when every note of a 100k-note
@@ -229,8 +228,8 @@ class _DeletedCounts:
         out[1::2] = array.array("I", filter(None, counts))
         return out
 
-    def copy(self) -> _DeletedCounts:
-        new = _DeletedCounts(self.size)
+    def copy(self) -> DeletedCounts:
+        new = DeletedCounts(self.size)
         new.counts = None if self.counts is None else array.array("I", self.counts)
         return new
 
@@ -241,8 +240,8 @@ class MemorySegment:
 
     name = "memory"
 
-    def __init__(self, vocab: _Vocab | None = None):
-        self.vocab = vocab or _Vocab()
+    def __init__(self, vocab: Vocab | None = None):
+        self.vocab = vocab or Vocab()
         self.docs: list = []  # Doc by id
         self.avgs: list = []  # the (body, title) averages each note's impacts were computed with
         self.ids: dict = {}  # path -> id of its live entry
@@ -273,7 +272,7 @@ class MemorySegment:
             span = self.avg_range[f]
             span[0], span[1] = min(span[0], a), max(span[1], a)
             counts = collections.Counter(toks)
-            counts.pop(_OVERFLOW, None)
+            counts.pop(OVERFLOW_CHAR, None)
             if not counts:
                 continue
             table = self.post[f]
@@ -286,8 +285,8 @@ class MemorySegment:
                 for i, entry in enumerate(entries):
                     if entry is None:
                         entries[i] = table[cps[i]] = (array.array("I"), array.array("f"))
-            deque(map(_APPEND, map(_FIRST, entries), itertools.repeat(d)), 0)
-            deque(map(_APPEND, map(_SECOND, entries), map(by_tf.__getitem__, tfs)), 0)
+            deque(map(_APPEND, map(FIRST_ITEM, entries), itertools.repeat(d)), 0)
+            deque(map(_APPEND, map(SECOND_ITEM, entries), map(by_tf.__getitem__, tfs)), 0)
         return d
 
     def delete(self, d: int) -> None:
@@ -299,7 +298,7 @@ class MemorySegment:
             del self.ids[doc.path]
         for f, toks in enumerate((doc.toks, doc.title_toks)):
             self.del_lens[f] += len(toks)
-            _count_terms(self.del_df[f], set(toks).difference(_OVERFLOW))
+            _count_terms(self.del_df[f], set(toks).difference(OVERFLOW_CHAR))
 
     # -- what searching asks of every segment -------------------------------------------
 
@@ -361,7 +360,7 @@ class MemorySegment:
         i = bisect.bisect_left(words, (prefix,))
         out = []
         while i < len(words) and words[i][0].startswith(prefix) and len(out) < cap:
-            out.append((words[i][0], vocab.stems[_term_number(words[i][1])]))
+            out.append((words[i][0], vocab.stems[term_number(words[i][1])]))
             i += 1
         return out
 
@@ -381,7 +380,7 @@ class MemorySegment:
         return len(self.vocab.stems)
 
     def key_number(self, key) -> int:
-        return _term_number(key)
+        return term_number(key)
 
     def tok_text(self, d: int, f: int) -> str:
         return self.docs[d][4 + f]
@@ -416,7 +415,7 @@ def phrase_docs(seg, ks: list, within: set | None) -> set:
         cands = lists[0]
         if within is not None:  # (the notes of the clauses before)
             if len(cands) > 4 * len(within):
-                cands = [d for d in within if _has(cands, d) >= 0]
+                cands = [d for d in within if sorted_position(cands, d) >= 0]
             else:
                 cands = within.intersection(cands)
         elif len(lists) > 1 and len(lists[1]) <= 16 * len(cands):  # holding both terms
@@ -441,7 +440,7 @@ def word_docs(seg, ks: list, within: set | None) -> set:
             if within is None:
                 found.update(ids)
             elif len(ids) > 4 * len(within):
-                found.update(d for d in within if _has(ids, d) >= 0)
+                found.update(d for d in within if sorted_position(ids, d) >= 0)
             else:
                 found.update(within.intersection(ids))
     return found
@@ -466,7 +465,7 @@ def query_needles(seg, si: int, clauses: list, keys: dict, typed: dict) -> dict:
     return needles
 
 
-class _TextCache:
+class TextCache:
     """The texts of the notes snippets were cut from lately, each kept with the signature
     (size, mtime) the index holds for it, so it is given again only for that version;
     at most MAX_CHARS characters, notes up to MAX_NOTE_CHARS, least recent out first.

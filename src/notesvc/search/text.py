@@ -10,7 +10,7 @@ import unicodedata
 
 from notesvc.errors import bad_request
 
-# == Search ===================================================================
+# -- Search --------------------------------------------------------------------------------
 #
 # An inverted index of the notes that lives on disk and is read in place: memory grows
 # with what is being used, not with the size of the archive. Chapters: text analysis,
@@ -27,7 +27,7 @@ SNIPPET_CHARS = 240
 # -- text analysis ------------------------------------------------------------
 
 # Words: letters and digits; `_` separates (snake_case is two words, as for FTS5's unicode61)
-_WORD_RE = re.compile(r"[^\W_]+")
+WORD_RE = re.compile(r"[^\W_]+")
 _ASCII_WORD_RE = re.compile(r"[^\W_]+", re.ASCII)  # the same tokens on ASCII text, faster
 _MARKS_RE = re.compile("[\u0300-\u036f\u1ab0-\u1aff\u1dc0-\u1dff\u20d0-\u20ff\ufe20-\ufe2f]")
 
@@ -338,7 +338,7 @@ def tokenize(text: str) -> list:
     >>> tokenize("Running shoes & the spare KEYS, café")
     ['run', 'shoe', 'the', 'spare', 'key', 'cafe']
     """
-    return [stem(w) for w in _WORD_RE.findall(fold(text))]
+    return [stem(w) for w in WORD_RE.findall(fold(text))]
 
 
 # -- BM25 ---------------------------------------------------------------------
@@ -408,7 +408,7 @@ class Query:
             alt = self._alternative(raw, quoted=not word)
             if alt is None:
                 continue
-            words = _WORD_RE.findall(raw) if alt[0] == "word" else ()
+            words = WORD_RE.findall(raw) if alt[0] == "word" else ()
             if len(words) == 1 and tokenize(words[0]) == [alt[1]]:  # the word is its term
                 self.typed.setdefault(alt[1], words[0].lower())
             if negative:
@@ -431,7 +431,7 @@ class Query:
     def _alternative(raw: str, quoted: bool):
         if not quoted and raw.endswith("*"):
             prefix = fold(raw.rstrip("*"))
-            if len(prefix) < 2 or not _WORD_RE.fullmatch(prefix):
+            if len(prefix) < 2 or not WORD_RE.fullmatch(prefix):
                 raise bad_request("a prefix* needs at least 2 letters or digits before the *")
             return ("prefix", prefix)
         stems = tokenize(raw)
@@ -490,7 +490,7 @@ def _token_offset(text: str, k: int) -> int | None:
         if m is None:
             return None
         pos, k = m.end(), k - n
-    m = _WORD_RE.search(text, pos)
+    m = WORD_RE.search(text, pos)
     return m.start() if m else None
 
 
@@ -548,7 +548,7 @@ def _typed_offset(text: str, word: str) -> int | None:
     return None
 
 
-def _snippet(text: str, toks: str, needles: dict) -> str:
+def body_snippet(text: str, toks: str, needles: dict) -> str:
     """Return up to SNIPPET_CHARS of the body around the first match of the best needle:
     where the word stands as it was typed (one find in C), else its first token of any
     form (the tokens counted)."""

@@ -28,7 +28,7 @@ from typing import Any
 
 from notesvc.boot import log
 from notesvc.helpers import atomic_write, disk_writes, release_memory
-from notesvc.notes.paths import _FRONT_MATTER_RE
+from notesvc.notes.paths import FRONT_MATTER_RE
 
 _NUMPY: list = []  # [numpy or None], looked for once embeddings are on (never at start)
 
@@ -100,7 +100,7 @@ def chunk_note(title: str, text: str) -> list:
     paragraphs into chunks of about CHUNK_WORDS words (never mid-word), each starting with
     the note's title and its heading path. Front matter is left out; fenced code is kept
     as a paragraph of its own. A note with no body is its title alone."""
-    text = _FRONT_MATTER_RE.sub("", text.replace("\r\n", "\n"), count=1)
+    text = FRONT_MATTER_RE.sub("", text.replace("\r\n", "\n"), count=1)
     chunks: list = []
     path: list = []  # [(level, heading)]
     body: list = []  # the paragraphs of the chunk being filled

@@ -18,7 +18,7 @@ from pathlib import Path
 from typing import Any, Callable
 
 from notesvc.errors import ApiError, not_found
-from notesvc.grants import OWNER, Principal, _no_link_below
+from notesvc.grants import OWNER, Principal, no_link_below
 from notesvc.helpers import BODY_CHUNK, iso
 from notesvc.notes.merge import title_filename
 from notesvc.notes.paths import (
@@ -30,20 +30,19 @@ from notesvc.notes.paths import (
     note_file_path,
     note_path,
 )
-from notesvc.plugins import _MDLINK_RE, _WIKILINK_RE, _md_target
+from notesvc.plugins import MDLINK_RE, WIKILINK_RE, md_target
 from notesvc.transfer.plan import (
-    _NOTION_ID_RE,
     DISK_BLOCK,
     EXPORT_MANIFEST,
     IMPORT_DISK_SLACK,
     IMPORT_TEXT_TYPES,
+    NOTION_ID_RE,
     Draft,
     ImportEntry,
     ImportPlan,
     ImportSource,
-    _decode_text,
-    _front_matter,
-    _iso_or_none,
+    decode_text,
+    front_matter,
     import_budget,
     import_kind,
     import_refused,
@@ -51,6 +50,7 @@ from notesvc.transfer.plan import (
     import_segment,
     import_too_big,
     import_too_many,
+    iso_or_none,
     link_token,
     note_need,
     sniff_import,
@@ -70,7 +70,7 @@ def _target_segments(name: str, strip_ids: bool) -> list:
     for seg in name.split("/"):
         if strip_ids:
             stem, ext = _note_name_of(seg)
-            stem = _NOTION_ID_RE.sub("", stem) or stem
+            stem = NOTION_ID_RE.sub("", stem) or stem
             seg = f"{stem}.{ext}" if ext else stem
         segments.append(import_segment(seg))
     return segments
@@ -82,7 +82,7 @@ def _relink(text: str, source: str, known: Mapping) -> str:
 
     def md(m: re.Match) -> str:
         href = m.group(2)
-        target = _md_target(href)
+        target = md_target(href)
         if target is None or "://" in target:
             return m.group(0)
         inner = urllib.parse.unquote(target.strip("<>"))
@@ -93,7 +93,7 @@ def _relink(text: str, source: str, known: Mapping) -> str:
         rest = href[len(target) :]
         return f"{m.group(1)}{link_token(resolved, target)}{rest}{m.group(3)}"
 
-    return _MDLINK_RE.sub(md, text)
+    return MDLINK_RE.sub(md, text)
 
 
 def plan_tree(plan: ImportPlan, source: ImportSource, kind: str) -> None:
@@ -191,7 +191,7 @@ def _tree_note_drafts(plan: ImportPlan, source: ImportSource, notes: list, links
         text: Any = entry  # read by plan.load when written
         if want is None:  # a Notion database
             stem = _note_name_of(entry.name.rsplit("/", 1)[-1])[0]
-            title = _NOTION_ID_RE.sub("", stem.removesuffix("_all")) or stem
+            title = NOTION_ID_RE.sub("", stem.removesuffix("_all")) or stem
             segs = _target_segments(entry.name, True)[:-1]
             want = "/".join([plan.into, *segs, import_segment(title) + ".md"])
             text = functools.partial(_tree_text, source, entry, csv_title=title, links=links)
@@ -202,7 +202,7 @@ def _tree_note_drafts(plan: ImportPlan, source: ImportSource, notes: list, links
 def _tree_text(source: ImportSource, entry: ImportEntry, csv_title: Any, links: Any) -> str:
     """Return a note of a tree as it is imported: its text (a database's CSV as a table),
     its links to what the import holds as tokens, wikilinks to renamed notes renamed."""
-    text = _decode_text(source.read(entry))
+    text = decode_text(source.read(entry))
     if csv_title is not None:
         text = csv_to_markdown(csv_title, text)
     if links:
@@ -235,7 +235,7 @@ def _rename_wikilinks(text: str, renamed: Mapping) -> str:
         rest = m.group(2) or ""
         return f"[[{new}{rest if '|' in rest else rest + '|' + target}]]"
 
-    return _WIKILINK_RE.sub(fix, text)
+    return WIKILINK_RE.sub(fix, text)
 
 
 def csv_to_markdown(title: str, text: str) -> str:
@@ -286,7 +286,7 @@ def keep_note(data: Any, files: Mapping | None = None) -> tuple:
     if links:
         parts.append("\n".join(links))
     md = "\n\n".join(p for p in parts if p).strip("\n") + "\n"
-    return title, _front_matter(meta) + md, None
+    return title, front_matter(meta) + md, None
 
 
 def _keep_str(data: dict, key: str) -> str:
@@ -317,7 +317,7 @@ def _keep_meta(data: dict) -> dict:
 
     def usec(key: str) -> str | None:
         v = data.get(key)
-        return _iso_or_none(v / 1e6) if isinstance(v, (int, float)) and v > 0 else None
+        return iso_or_none(v / 1e6) if isinstance(v, (int, float)) and v > 0 else None
 
     colour = _keep_str(data, "color").upper()
     return {
@@ -1049,7 +1049,7 @@ def _enex_note(plan: ImportPlan, note: dict, label: str) -> None:
         "author": note.get("author"),
         "source": "Evernote",
     }
-    text = _front_matter(meta) + (f"# {title}\n\n" if title else "") + body
+    text = front_matter(meta) + (f"# {title}\n\n" if title else "") + body
     stem = import_segment(title_filename(title or body))
     d = Draft(label, f"{plan.into}/{stem}.md", text=text)
     plan.name(d)
@@ -1162,7 +1162,7 @@ def _joplin_items(plan: ImportPlan, source: ImportSource) -> tuple:
             plan.skip(name, "not a Joplin item")
             continue
         try:
-            title, body, props = joplin_item(_decode_text(source.read(entry, plan.max_note * 4)))
+            title, body, props = joplin_item(decode_text(source.read(entry, plan.max_note * 4)))
         except ValueError:
             plan.skip(name, "over SERVICE_MAX_BODY_BYTES")
             continue
@@ -1239,7 +1239,7 @@ def _joplin_note_text(source: ImportSource, entry: ImportEntry, tags: Mapping) -
     """Return a Joplin note as it is written, read again: its properties as front matter,
     a to-do's title as a task, links to resources as link tokens (their ids: the
     resources' drafts are named by them)."""
-    title, body, props = joplin_item(_decode_text(source.read(entry)))
+    title, body, props = joplin_item(decode_text(source.read(entry)))
     todo = props.get("is_todo") == "1"
     done = todo and props.get("todo_completed", "0") not in ("", "0")
     meta = {
@@ -1252,7 +1252,7 @@ def _joplin_note_text(source: ImportSource, entry: ImportEntry, tags: Mapping) -
     }
     body = _JOPLIN_LINK_RE.sub(lambda m: f"({link_token(m.group(1), ':/' + m.group(1))})", body)
     heading = f"- [{'x' if done else ' '}] {title}" if todo else f"# {title}"
-    return _front_matter(meta) + (heading + "\n\n" if title else "") + body + "\n"
+    return front_matter(meta) + (heading + "\n\n" if title else "") + body + "\n"
 
 
 IMPORT_PLANNERS = {
@@ -1275,7 +1275,7 @@ def import_into(svc: Any, raw: Any, kind: str, principal: Principal) -> str:
     if own and folder != own and not folder.startswith(own + "/"):
         raise not_found(f"no folder at {folder} (this key writes in {own} only)")
     if own:
-        _no_link_below(svc.notes.on_disk, own, folder, "folder")
+        no_link_below(svc.notes.on_disk, own, folder, "folder")
     return folder
 
 

@@ -31,19 +31,19 @@ from notesvc.helpers import (
     sync_batch,
 )
 from notesvc.notes.paths import (
-    _BIDI_CONTROLS,
-    _FORBIDDEN,
-    _ZERO_WIDTH,
     ATTACHMENTS,
+    BIDI_CONTROLS,
+    FORBIDDEN_CHARS,
     MAX_SEGMENT_BYTES,
     NOTES,
+    ZERO_WIDTH,
     attachment_path,
     note_file_path,
     note_path,
 )
 from notesvc.notes.store import disk_path
 
-# == Import and export ==========================================================
+# -- Import and export ---------------------------------------------------------------------
 #
 # Bring every note you have, take them all with you (docs/api.md: Import). An import reads a
 # source (a folder, a zip, a tar, an .enex stream), refuses a hostile one before anything
@@ -68,7 +68,7 @@ IMPORT_NOTE_TYPES = frozenset((*IMPORT_TEXT_TYPES, "json", "csv", "html", "htm",
 _WINDOWS_NAMES = frozenset(
     ["con", "prn", "aux", "nul"] + [f"{p}{n}" for p in ("com", "lpt") for n in range(1, 10)]
 )
-_NOTION_ID_RE = re.compile(r"\s+[0-9a-f]{32}$|\s+[0-9a-f]{8}(?:-[0-9a-f]{4}){3}-[0-9a-f]{12}$")
+NOTION_ID_RE = re.compile(r"\s+[0-9a-f]{32}$|\s+[0-9a-f]{8}(?:-[0-9a-f]{4}){3}-[0-9a-f]{12}$")
 _LINK_TOKEN_RE = re.compile("\x00([^\x00\x01]*)\x01([^\x00]*)\x00")
 _DRIVE_RE = re.compile(r"^[A-Za-z]:")
 
@@ -255,9 +255,9 @@ def import_segment(name: str, fallback: str = "untitled") -> str:
     """
     name = unicodedata.normalize("NFC", name)
     name = "".join(
-        " " if ord(ch) < 32 or 0x7F <= ord(ch) < 0xA0 or ch in _FORBIDDEN or ch == "/" else ch
+        " " if ord(ch) < 32 or 0x7F <= ord(ch) < 0xA0 or ch in FORBIDDEN_CHARS or ch == "/" else ch
         for ch in name
-        if ch not in _BIDI_CONTROLS and ch not in _ZERO_WIDTH
+        if ch not in BIDI_CONTROLS and ch not in ZERO_WIDTH
     )
     name = " ".join(name.split()).lstrip(".").rstrip(". ")
     while len(name.encode("utf-8")) > 200:
@@ -670,7 +670,7 @@ def import_kind(source: ImportSource) -> str:
     if any("/Keep/" in f"/{n}" for n in jsons):
         return "keep"
     notion = sum(
-        1 for n in names if _NOTION_ID_RE.search(posixpath.splitext(n.rsplit("/", 1)[-1])[0])
+        1 for n in names if NOTION_ID_RE.search(posixpath.splitext(n.rsplit("/", 1)[-1])[0])
     )
     if notion and notion * 2 >= sum(1 for n in names if n.endswith((".md", ".csv"))):
         return "notion"
@@ -944,7 +944,7 @@ class ImportPlan:
         }
 
 
-def _decode_text(data: bytes) -> str:
+def decode_text(data: bytes) -> str:
     """Return a text file's text: UTF-8 (a BOM kept, as the bytes say), else Windows-1252."""
     try:
         return data.decode("utf-8")
@@ -952,7 +952,7 @@ def _decode_text(data: bytes) -> str:
         return data.decode("cp1252", "replace")
 
 
-def _front_matter(fields: dict) -> str:
+def front_matter(fields: dict) -> str:
     """Return YAML front matter for what Markdown can't say ('' when there is nothing)."""
     lines = []
     for key, value in fields.items():
@@ -968,7 +968,7 @@ def _front_matter(fields: dict) -> str:
     return "---\n" + "\n".join(lines) + "\n---\n" if lines else ""
 
 
-def _iso_or_none(seconds: Any) -> str | None:
+def iso_or_none(seconds: Any) -> str | None:
     try:
         return iso(float(seconds)) if seconds else None
     except (TypeError, ValueError, OverflowError, OSError):
