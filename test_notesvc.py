@@ -24829,6 +24829,13 @@ def all_files(root: Path) -> dict:
     return found
 
 
+def assert_nothing_imported(client, root: Path) -> None:
+    """An import refused wrote nothing: no file, no folder, no change in the feed."""
+    assert all_files(root) == {}
+    assert not (root / "notes/imported").exists()
+    assert feed(client)["changes"] == []
+
+
 class TestImport:
     """POST /import: each source's notes as Markdown, never over anything, refusals first."""
 
@@ -25130,12 +25137,6 @@ class TestImport:
     # S3 / S4 of the third attack (issue 40): an archive is bounded as a whole, and an entry
     # that cannot be read is 400, never 500; a refusal writes nothing, dry run or not.
 
-    @staticmethod
-    def assert_nothing_imported(client, root: Path) -> None:
-        assert all_files(root) == {}
-        assert not (root / "notes/imported").exists()
-        assert feed(client)["changes"] == []
-
     def test_entries_sharing_one_local_file_are_refused(self, client, root):
         body = ("a note of ordinary length\n" * 80).encode()
         one = {"name": "a.md", "data": body, "crc": zlib.crc32(body), "size": len(body)}
@@ -25146,7 +25147,7 @@ class TestImport:
             resp = import_file(client, bomb, "bomb.zip", status=413, dryRun=dry)
             assert resp["error"]["code"] == "PAYLOAD_TOO_LARGE"
             assert "share their bytes" in resp["error"]["message"]
-        self.assert_nothing_imported(client, root)
+        assert_nothing_imported(client, root)
 
     def test_many_small_entries_of_one_letter_are_refused_whole(self, client, root):
         bomb = letters_zip(300, 900 << 10)  # 300 KB expanding to 270 MB; no entry over 1 MiB
@@ -25156,7 +25157,7 @@ class TestImport:
             assert "more than 100 times its" in resp["error"]["message"]
         resp = client.post(f"{API}/import", bomb, content_type="application/zip", status=413)
         assert "zip bomb" in resp.json["error"]["message"]
-        self.assert_nothing_imported(client, root)
+        assert_nothing_imported(client, root)
         fine = letters_zip(3, 300 << 10)  # under a mebibyte in all: imported
         assert import_file(client, fine, "fine.zip")["created"] == 3
 
@@ -25169,7 +25170,7 @@ class TestImport:
         for dry in (True, False):
             resp = import_file(client, bomb, "lie.zip", status=413, dryRun=dry)
             assert "more than the 100 bytes its header declares" in resp["error"]["message"]
-        self.assert_nothing_imported(client, root)
+        assert_nothing_imported(client, root)
 
     @pytest.mark.parametrize(
         "member",
@@ -25197,7 +25198,7 @@ class TestImport:
             )
             err = assert_error(resp, 400, "VALIDATION_ERROR")
             assert err["message"].startswith("nothing was imported: the file is not a readable zip")
-        self.assert_nothing_imported(client, root)
+        assert_nothing_imported(client, root)
 
     def test_jex_tars_are_bounded_as_a_whole(self, client, root):
         import tarfile
@@ -25222,7 +25223,7 @@ class TestImport:
         cut = cut[: cut.index(b"IHDR")]
         resp = import_file(client, cut, "cut.jex", status=400)
         assert "not a readable tar" in resp["error"]["message"]
-        self.assert_nothing_imported(client, root)
+        assert_nothing_imported(client, root)
 
     def test_a_directory_pointing_before_the_archive_is_400(self, client, root):
         """A central directory whose recorded offset lies past where it is makes zipfile
@@ -25243,7 +25244,7 @@ class TestImport:
             )
             err = assert_error(resp, 400, "VALIDATION_ERROR")
             assert err["message"].startswith("nothing was imported: the file is not a readable zip")
-        self.assert_nothing_imported(client, root)
+        assert_nothing_imported(client, root)
 
     @pytest.mark.parametrize("pack", ["gz", "bz2", "xz"])
     def test_a_compressed_tars_headers_are_bounded_too(self, client, root, pack):
@@ -25264,7 +25265,7 @@ class TestImport:
             resp = import_file(client, bomb, "bomb.jex", status=413, dryRun=dry)
             assert resp["error"]["code"] == "PAYLOAD_TOO_LARGE"
             assert "more than 100 times its" in resp["error"]["message"]
-        self.assert_nothing_imported(client, root)
+        assert_nothing_imported(client, root)
 
     def test_an_import_leaving_the_disk_under_its_margin_is_507(self, make_app, root, monkeypatch):
         import collections
@@ -25285,7 +25286,7 @@ class TestImport:
             f"{API}/import", enex_export(), content_type="application/xml", status=507
         )
         assert_error(resp, 507, "INSUFFICIENT_STORAGE")
-        self.assert_nothing_imported(client, root)
+        assert_nothing_imported(client, root)
         lower = with_key(make_app(SERVICE_IMPORT_MIN_FREE_BYTES=str(100 * mib)))
         assert import_file(lower, body, "a.zip")["created"] == 1  # 150 MiB leave 100 MiB
         small = [usage(gib, gib - 50 * mib, 50 * mib)]  # a 1 GiB disk: 5 % of it is the margin
@@ -25448,7 +25449,7 @@ class TestImportBounds:
         garbled = body[: end - 300] + b"\xff" * 300 + body[end:]
         resp = client.post(f"{API}/import", garbled, content_type="application/zip", status=413)
         assert "101 entries" in assert_error(resp, 413, "PAYLOAD_TOO_LARGE")["message"]
-        TestImport.assert_nothing_imported(client, root)
+        assert_nothing_imported(client, root)
         assert import_file(client, empty_entries_zip(100), "n.zip")["created"] == 100
 
     def test_import_of_a_zip_whose_end_record_understates_its_entries_counts_its_directory(
@@ -25463,7 +25464,7 @@ class TestImportBounds:
             assert "holds more than 100 entries" in said
         said = self.message(import_file(client, zip64_ended(body), "n.zip", status=413), 413)
         assert "holds 101 entries" in said  # Zip64's count, not the end record's 0xFFFF
-        TestImport.assert_nothing_imported(client, root)
+        assert_nothing_imported(client, root)
         fine = import_file(
             client, zip64_ended(empty_entries_zip(60)), "n.zip", status=200, dryRun=True
         )
@@ -25493,7 +25494,7 @@ class TestImportBounds:
                 status=413,
             )
             assert "the .enex holds more than 6 entries" in resp.json["error"]["message"]
-        TestImport.assert_nothing_imported(client, root)
+        assert_nothing_imported(client, root)
         assert import_file(client, enex, "six.enex")["created"] == 3  # 6 entries: at the cap
         vault = tmp_path / "vault"
         for i in range(7):
@@ -25566,7 +25567,7 @@ class TestImportBounds:
             )
             said = assert_error(resp, 413, "PAYLOAD_TOO_LARGE")["message"]
             assert "a tag, comment or declaration of over 4 MiB" in said
-        TestImport.assert_nothing_imported(client, root)
+        assert_nothing_imported(client, root)
 
     def test_import_room_counts_the_history_copy_and_the_index(self, make_app, root, monkeypatch):
         """T11: on a 64 MB disk the check passed on the notes' declared sizes, then the
@@ -25593,7 +25594,7 @@ class TestImportBounds:
                 f"than 0 bytes free ({6 * mib} free now; the margin is 5 % of the disk or "
                 "SERVICE_IMPORT_MIN_FREE_BYTES, whichever is less): free some space first"
             )
-        TestImport.assert_nothing_imported(client, root)
+        assert_nothing_imported(client, root)
         disk[:] = [usage(100 << 30, (100 << 30) - 16 * mib, 16 * mib)]
         assert import_file(client, body, "n.zip")["created"] == 25
 
