@@ -330,6 +330,8 @@ def dav_checked(raw: str) -> str:
     if not path:
         return ""
     segments = path.split("/")
+    if "." in segments or ".." in segments:  # a name the path rules refuse, wherever it is
+        raise DavError(403, "a WebDAV path holds no . or .. segment")
     if segments[0] not in DAV_TOPS:
         raise DavError(
             404, f"nothing at /dav/{path[:MAX_PATH_CHARS]}: only notes/ and attachments/"
