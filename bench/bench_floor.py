@@ -49,7 +49,9 @@ def main() -> None:
     if args.personal:
         import importlib.util
 
-        spec = importlib.util.spec_from_file_location("t", HERE.parent / "test_notesvc.py")
+        spec = importlib.util.spec_from_file_location(
+            "t", HERE.parent / "tests" / "test_search_vectors.py"
+        )
         source = spec.loader.get_source("t")
         start = source.index("PERSONAL_NOTES = {")
         personal: dict = {}

@@ -56,7 +56,7 @@ from bench_relay import DOMAIN, pct, proc_figures, start  # noqa: E402
 CORPUS_PY = Path("/work/shared/bench/corpus.py")
 API = "/api/v1"
 CHROMIUM = shutil.which("chromium") or shutil.which("chromium-browser")
-CHROMIUM_ARGS = [  # as test_notesvc.py launches it
+CHROMIUM_ARGS = [  # as tests/browsers.py launches it
     "--no-sandbox",
     "--disable-gpu",
     "--disable-quic",
