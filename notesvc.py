@@ -38,6 +38,8 @@ data flows, each with the first line of its docstring:
   auth.py                 state.json, keys, JWT and the lockout.
   grants.py               Grants: who a request acts for (scoped keys, devices, OAuth) and how far
                           it may go.
+  people.py               People on one server: each with a home folder, and the folders shared
+                          between them.
   service.py              Service: the object every handler gets as `svc`.
   providers/base.py       Provider records, outbound HTTP, retrieval and the TOOLS registry.
   providers/agent.py      Agent providers: answering with a model.
@@ -69,6 +71,8 @@ data flows, each with the first line of its docstring:
                           6578).
   http/feed.py            The calendar feed: /ics/<secret>.ics, the tasks as a read-only iCalendar
                           file.
+  http/people.py          Handlers for people and shared folders: a household on one server
+                          (docs/api.md: People).
   http/routes.py          The route table and OpenAPI.
   http/app.py             NotesApp (the middleware) and create_app.
   cli.py                  The command line: parser, cmd_* functions, main().
@@ -4992,11 +4996,25 @@ class NoteStore(FileTree):
     def list_page(
         self, folder: str, limit: int, offset: int, sort: str = "path", fields: Iterable = ()
     ) -> dict:
-        """Return a page of note records (no content): by path, or newest first (`sort`
-        "modified"); `fields` may add each note's `preview` and `tags`."""
-        if folder != NOTES and not os.path.isdir(self.file_of(folder)):
-            raise not_found(f"no folder at {folder}")
-        paths = self.by_modified(folder) if sort == "modified" else self.walk(folder)
+        """Return a page of note records (no content) of a folder, or of several (the
+        folders a grant reaches beneath the one asked: those not there yet hold nothing):
+        by path, or newest first (`sort` "modified"); `fields` may add each note's `preview`
+        and `tags`."""
+        folders = (folder,) if isinstance(folder, str) else tuple(folder)
+        if len(folders) == 1:
+            folder = folders[0]
+            if folder != NOTES and not os.path.isdir(self.file_of(folder)):
+                raise not_found(f"no folder at {folder}")
+            paths = self.by_modified(folder) if sort == "modified" else self.walk(folder)
+        else:
+            found = []
+            for f in folders:
+                if not os.path.isdir(self.file_of(f)):
+                    continue  # a folder a grant reaches that is not there yet
+                for path, e in self._entries(f):
+                    with contextlib.suppress(OSError):  # removed meanwhile
+                        found.append((-e.stat().st_mtime_ns if sort == "modified" else 0, path))
+            paths = [path for _, path in sorted(found)]
         page = []
         for path in paths[offset : offset + limit]:
             try:
@@ -5664,10 +5682,17 @@ class AttachmentStore(FileTree):
                 count += 1
         return count, size
 
-    def list_page(self, folder: str, limit: int, offset: int) -> dict:
-        if folder != ATTACHMENTS and not os.path.isdir(self.file_of(folder)):
-            raise not_found(f"no folder at {folder}")
-        found = sorted(self._entries(folder), key=lambda item: item[0])
+    def list_page(self, folder: str | tuple, limit: int, offset: int) -> dict:
+        """Return a page of the files of a folder, or of several (those not there yet hold
+        nothing), by path."""
+        folders = (folder,) if isinstance(folder, str) else tuple(folder)
+        lone = folders[0] if len(folders) == 1 else ATTACHMENTS
+        if lone != ATTACHMENTS and not os.path.isdir(self.file_of(lone)):
+            raise not_found(f"no folder at {lone}")
+        found = sorted(
+            (item for f in folders if os.path.isdir(self.file_of(f)) for item in self._entries(f)),
+            key=lambda item: item[0],
+        )
         page = []
         for path, e in found[offset : offset + limit]:
             try:
@@ -9160,6 +9185,12 @@ class _Progress:
             log.info("indexing: %d of %d notes indexed", self.done, self.total)
 
 
+def folder_prefixes(folder: str | tuple) -> tuple:
+    """Return the path prefixes ("notes/a/") of a folder or of several (() for every note)."""
+    folders = (folder,) if isinstance(folder, str) else tuple(folder)
+    return tuple(f.rstrip("/") + "/" for f in folders if f)
+
+
 SORT_UP_TO = 512  # fewer items: sorted() in C beats heapq.nlargest's Python loop (3x at 20)
 
 
@@ -9869,8 +9900,8 @@ class SearchIndex:
         for alt in excludes:
             cands -= self._alt_docs(seg, si, alt, keys, cands)
         cands = cands - seg.deleted
-        if folder and cands:
-            cands = seg.in_folder(cands, folder)
+        if folder and cands:  # the folders of a reach (their prefixes): any of them
+            cands = set().union(*(seg.in_folder(cands, prefix) for prefix in folder))
         if not cands:
             return None
         comps = [
@@ -9979,11 +10010,17 @@ class SearchIndex:
             return ranked[:k]
 
     def search(
-        self, query: Query, folder: str = "", limit: int = 20, offset: int = 0, snippets=True
+        self,
+        query: Query,
+        folder: str | tuple = "",
+        limit: int = 20,
+        offset: int = 0,
+        snippets=True,
     ) -> tuple:
         """Return (total, [(path, title, score, snippet)]) best first (snippets "" when
-        not asked for)."""
-        prefix = folder.rstrip("/") + "/" if folder else ""
+        not asked for), among the notes of `folder` (a folder, or the folders of a reach:
+        () or "" every note)."""
+        prefix = folder_prefixes(folder)
         with self._lock:
             segs = self._all()
             n, avg = self._count(segs), self._averages(segs)
@@ -10974,11 +11011,15 @@ class VectorStore:
             folder = folder.rpartition("/")[0]
             self._folders[folder] += delta
 
-    def count_under(self, folder: str = "") -> int:
-        """Return how many notes are held beneath a folder ("" all): kept as notes come
-        and go, so a search's status costs a look-up, not a walk."""
+    def count_under(self, folder: str | tuple = "") -> int:
+        """Return how many notes are held beneath a folder, or the folders of a reach (""
+        or (): all): kept as notes come and go, so a search's status costs a look-up, not
+        a walk. (A reach's folders never hold one another.)"""
+        folders = (folder,) if isinstance(folder, str) else tuple(folder)
         with self.lock:
-            return self._folders.get(folder.rstrip("/"), 0) if folder else self._names.count
+            if not any(folders):
+                return self._names.count
+            return sum(self._folders.get(f.rstrip("/"), 0) for f in folders if f)
 
     def holds(self, path: str) -> bool:
         return self._names.find(path) is not None
@@ -11231,16 +11272,20 @@ class VectorStore:
             out.append((scale * sum(map(mul, vec, query)), r))
         return out
 
-    def nearest(self, query: list, folder: str = "", limit: int = MAX_SEMANTIC_NOTES) -> list:
+    def nearest(
+        self, query: list, folder: str | tuple = "", limit: int = MAX_SEMANTIC_NOTES
+    ) -> list:
         """Return [(path, cosine, chunk number)] of the notes nearest a normalised query
-        vector, best first: each note's best chunk; only notes under `folder` are scanned."""
+        vector, best first: each note's best chunk; only notes under `folder` (a folder,
+        or the folders of a reach) are scanned."""
         with self.lock:
             if not self._count:
                 return []
             within = None
-            if folder:
-                prefix = folder.rstrip("/") + "/"
-                held = [n for n, p in self._names.held() if p.startswith(prefix)]
+            folders = (folder,) if isinstance(folder, str) else tuple(folder)
+            prefixes = tuple(f.rstrip("/") + "/" for f in folders if f)
+            if prefixes:
+                held = [n for n, p in self._names.held() if p.startswith(prefixes)]
                 within = [r for n in held for r in self._run(n)]
                 if not within:
                     return []
@@ -11410,9 +11455,10 @@ def _chunk_snippet(svc: Service, path: str, chunk: int) -> str:
 
 
 def find_notes(
-    svc: Service, query: Query, folder: str, limit: int, offset: int, mode: str = ""
+    svc: Service, query: Query, folder: str | tuple, limit: int, offset: int, mode: str = ""
 ) -> dict:
-    """Search as `mode` asks (hybrid by default when embeddings are on): {total, results:
+    """Search as `mode` asks (hybrid by default when embeddings are on), among the notes of
+    `folder` (a folder, or the folders of a reach: "" or () every note): {total, results:
     [(path, title, score, snippet)], mode, fallback}. Never fails because the endpoint
     does: it answers in keyword mode with fallback true."""
     embedder = svc.embedder
@@ -11427,7 +11473,9 @@ def find_notes(
     return {"total": total, "results": hits, "mode": "keyword", "fallback": mode != "keyword"}
 
 
-def _by_meaning(svc: Service, query: Query, folder: str, page: tuple, mode: str, vector) -> dict:
+def _by_meaning(
+    svc: Service, query: Query, folder: str | tuple, page: tuple, mode: str, vector
+) -> dict:
     near = svc.embedder.nearest(vector, folder)
     if query.excludes:
         out = svc.index.excluded(query.excludes, [p for p, _, _ in near])
@@ -11460,7 +11508,7 @@ def _with_snippets(svc: Service, query: Query, page: list, chunk_of: dict) -> li
     return results
 
 
-def related_notes(svc: Service, path: str, folder: str, limit: int) -> list:
+def related_notes(svc: Service, path: str, folder: str | tuple, limit: int) -> list:
     """Return [(path, title, score)] of the notes nearest a note (its chunks' mean) that
     clear the floor: fewer than `limit`, or none, when no other note is near."""
     embedder = svc.embedder
@@ -11875,32 +11923,165 @@ CHALLENGE_RE = re.compile(r"^[A-Za-z0-9_-]{43}\Z")  # BASE64URL(SHA-256(verifier
 CIMD_TIMEOUT, CIMD_MAX_BYTES, CIMD_CACHE_SECONDS = 5.0, 65536, 3600.0
 
 
+def lower_scope(a: str, b: str) -> str:
+    """Return the lower of two scopes (a grant's own, and what a share gives)."""
+    return a if SCOPE_RANK[a] <= SCOPE_RANK[b] else b
+
+
+def inside(path: str, folder: str) -> bool:
+    """Return whether a path is `folder` itself or lies beneath it."""
+    return path == folder or path.startswith(folder + "/")
+
+
+def attachments_twin(folder: str) -> str:
+    """Return the attachments folder that goes with a notes folder (notes/x -> attachments/x)."""
+    return ATTACHMENTS + folder[len(NOTES) :]
+
+
+@dataclasses.dataclass(frozen=True)
+class Reach:
+    """The folders a principal sees, each with the scope it holds there: everything (the
+    owner's key, devices and connectors), or a list of folders under notes/ (a folder grant:
+    one; a person: their home and the folders shared with them). Attachments follow notes:
+    `attachments/x` is reached with `notes/x`. Built once per state by reach_of(), the one
+    place that decides who sees what; every surface asks a principal's reach."""
+
+    folders: tuple = ()  # ((folder, scope), ...) by folder; nothing when not everything
+    everything: bool = False
+    home: str = ""  # where what it makes goes by default: a folder grant's, a person's home
+
+    @property
+    def tops(self) -> tuple:
+        """Return the reached folders none of the others holds: what a filter needs."""
+        names = sorted({f for f, _ in self.folders})
+        return tuple(f for f in names if not any(inside(f, o) and f != o for o in names))
+
+    def folder_of(self, path: str) -> str:
+        """Return the notes folder a note, attachment or folder path stands for (its
+        attachments/ twin mapped back to notes/)."""
+        if path == ATTACHMENTS or path.startswith(ATTACHMENTS + "/"):
+            return NOTES + path[len(ATTACHMENTS) :]
+        return path
+
+    def scope_at(self, path: str) -> str | None:
+        """Return the scope held at a path (the highest of the reached folders holding it;
+        a deeper share may add to the one above, never take away); None: not reached."""
+        if self.everything:
+            return "admin"
+        where = self.folder_of(path)
+        held = [scope for folder, scope in self.folders if inside(where, folder)]
+        return max(held, key=SCOPE_RANK.__getitem__) if held else None
+
+    def sees(self, path: str) -> bool:
+        """Return whether a note, attachment or folder path lies inside a reached folder."""
+        return self.everything or self.scope_at(path) is not None
+
+    def way_down(self, folder: str) -> tuple:
+        """Return the reached folders beneath `folder` (an ancestor of them, not reached
+        itself): what a listing of it shows."""
+        return tuple(t for t in self.tops if t.startswith(folder + "/"))
+
+    def narrowed(self, folder: str, scope: str) -> Reach:
+        """Return this reach within one folder and at most one scope (a grant's own)."""
+        if self.everything:
+            return Reach(((folder, scope),), home=folder) if folder else self
+        kept = []
+        for f, s in self.folders:
+            if not folder or inside(f, folder):
+                kept.append((f, lower_scope(s, scope)))
+            elif inside(folder, f):
+                kept.append((folder, lower_scope(s, scope)))
+        home = folder or self.home
+        return Reach(tuple(sorted(set(kept))), home=home if kept else "")
+
+
+EVERYTHING = Reach(everything=True)
+
+
 @dataclasses.dataclass(frozen=True)
 class Principal:
-    """Who a request acts for: the owner (API key, JWT, auth off) or one grant."""
+    """Who a request acts for: the owner (API key, JWT, auth off) or one grant (of the owner
+    or of a person), with the reach it sees (Reach)."""
 
     kind: str  # "owner", "key" (a scoped key), "device" (a paired device) or "oauth"
     scope: str  # read, write or admin
-    folder: str = ""  # "notes/family": the grant sees that folder only; "" everything
+    folder: str = ""  # the grant's own folder ("notes/family"): it sees within it only
     grant_id: str = ""
     resource: str = ""  # an OAuth token's audience: the MCP URL it was issued for
+    person: str = ""  # the person whose grant this is ("": the owner's)
+    reach: Reach = EVERYTHING  # what it sees (reach_of); a folder alone: that folder
+
+    def __post_init__(self) -> None:
+        if self.folder and self.reach.everything:  # Principal(kind, scope, folder): as before
+            reach = Reach(((self.folder, self.scope),), home=self.folder)
+            object.__setattr__(self, "reach", reach)
 
     def allows(self, scope: str) -> bool:
         return SCOPE_RANK[self.scope] >= SCOPE_RANK[scope]
 
     @property
-    def attachments_folder(self) -> str:
-        """Return the attachments folder a folder grant sees (notes/x -> attachments/x)."""
-        return ATTACHMENTS + self.folder[len(NOTES) :] if self.folder else ""
+    def whole(self) -> bool:
+        """Return whether it sees every note (the owner's key and the owner's whole grants)."""
+        return self.reach.everything
+
+    @property
+    def folders(self) -> tuple:
+        """Return the folders it sees as a filter: () for everything."""
+        return () if self.reach.everything else self.reach.tops
+
+    @property
+    def home(self) -> str:
+        """Return where what it makes goes by default: its own folder, a person's home, else
+        "" (the owner's defaults, each in its place)."""
+        return self.reach.home
 
     def sees(self, path: str) -> bool:
-        """Return whether a note or attachment path lies inside the grant's folder."""
-        return not self.folder or path.startswith(
-            (self.folder + "/", self.attachments_folder + "/")
-        )
+        """Return whether a note, attachment or folder path lies inside its reach."""
+        return self.reach.sees(path)
+
+    def may_write(self, path: str) -> bool:
+        """Return whether it may write at a path: its scope and the reach's both say so."""
+        held = self.reach.scope_at(path)
+        return held is not None and self.allows("write") and SCOPE_RANK[held] >= 1
 
 
 OWNER = Principal("owner", "admin")
+
+
+def person_reach(data: dict, person_id: str) -> Reach:
+    """Return what a person reaches in the state `data`: their home (write) and each folder
+    shared with them at the share's scope; nothing for a person who is gone."""
+    person = next((p for p in data.get("people", []) if p["id"] == person_id), None)
+    if person is None:
+        return Reach()
+    folders = {(person["home"], "write")}
+    for folder, members in data.get("members", {}).items():
+        folders |= {(folder, m["scope"]) for m in members if m["person"] == person_id}
+    return Reach(tuple(sorted(folders)), home=person["home"])
+
+
+def reach_of(data: dict, grant: dict | None) -> Reach:
+    """Return the reach of a grant (None: the owner's own key) in the state `data`: the one
+    place that decides who sees what. The owner's grants see everything, or their folder;
+    a person's see the person's reach, within the grant's folder and at its scope at most."""
+    if grant is None:
+        return EVERYTHING
+    base = person_reach(data, grant["person"]) if grant.get("person") else EVERYTHING
+    return base.narrowed(grant.get("folder") or "", grant["scope"])
+
+
+def principal_of(data: dict, grant: dict) -> Principal:
+    """Return who a grant (a key, a device, an OAuth grant) acts as in the state `data`."""
+    return Principal(
+        grant["kind"],
+        grant["scope"],
+        grant.get("folder") or "",
+        grant["id"],
+        grant.get("resource", ""),
+        grant.get("person") or "",
+        reach_of(data, grant),
+    )
+
 
 # Who made a grant, a pairing or a share link (its `createdBy`): the owner's own key,
 # the command line on the server, or else the id of the grant (an admin device) that did.
@@ -11947,82 +12128,147 @@ def no_link_below(on_disk: Callable, top: str, path: str, what: str) -> None:
             raise not_found(f"no {what} at {path}")
 
 
-def _visible(raw: Any, check_path: Callable, top: str, on_disk: Callable, what: str) -> str:
-    """Return `check_path(raw)` for a grant that sees folder `top` ("" everything); 404
-    ("no <what> at ...") outside it.
+def reached_folders(principal: Principal, top: str = NOTES) -> tuple:
+    """Return the folders a principal sees under `top` (notes/ or attachments/, whose twins
+    they are): () for everything."""
+    folders = principal.folders
+    return folders if top == NOTES else tuple(attachments_twin(f) for f in folders)
+
+
+def _visible(raw: Any, check_path: Callable, folders: tuple, on_disk: Callable, what: str) -> str:
+    """Return `check_path(raw)` for a principal that sees `folders` (() everything); 404
+    ("no <what> at ...") outside them.
 
     The folder test comes first, so `..`, another folder's file by any encoding, or a
     symbolic link that leads out of the folder all answer as if nothing were there; then
-    the path's own rules (400), then no symbolic link below `top` on disk.
+    the path's own rules (400), then no symbolic link below the folder on disk.
     """
-    if not top:
+    if not folders:
         return check_path(raw)
-    if _escapes(raw, top):
+    holder = next((f for f in folders if not _escapes(raw, f)), None)
+    if holder is None:
         raise not_found(f"no {what} at {str(raw)[:MAX_PATH_CHARS]}")
     path = check_path(raw)
-    no_link_below(on_disk, top, path, what)
+    no_link_below(on_disk, holder, path, what)
     return path
 
 
-def visible_note(store: NoteStore, raw: Any, principal: Principal | None = None) -> str:
-    """Return a checked note path the request's grant may see: outside its folder 404."""
-    folder = (principal or request_principal()).folder
-    return _visible(raw, note_path, folder, store.on_disk, "note")
+def _writable(principal: Principal, path: str, what: str) -> str:
+    """Return path when the principal may write there; 403 naming the scope it holds."""
+    if principal.whole or principal.may_write(path):
+        return path
+    held = principal.reach.scope_at(path) or principal.scope
+    raise ApiError(
+        403,
+        "FORBIDDEN",
+        f"this needs the write scope at {path}: this key holds {held} there "
+        f"(a {what} in a folder shared for reading)",
+    )
 
 
-def visible_attachment(store: Any, raw: Any, principal: Principal | None = None) -> str:
-    """Return a checked attachment path the request's grant may see (its folder's match
-    under attachments/); 404 outside it, as for notes."""
-    top = (principal or request_principal()).attachments_folder
-    return _visible(raw, attachment_path, top, lambda p: store.base / p, "attachment")
+def visible_note(
+    store: NoteStore, raw: Any, principal: Principal | None = None, write: bool = False
+) -> str:
+    """Return a checked note path the request's principal may see (with write, may change):
+    outside its reach 404, in a part of it it may only read 403."""
+    principal = principal or request_principal()
+    path = _visible(raw, note_path, reached_folders(principal), store.on_disk, "note")
+    return _writable(principal, path, "note") if write else path
 
 
-def visible_note_file(store: Any, raw: Any, principal: Principal | None = None) -> str:
-    """Return a checked path of a file beside the notes that the grant may see; 404 outside
-    its folder, as for notes."""
-    folder = (principal or request_principal()).folder
-    return _visible(raw, note_file_path, folder, lambda p: store.base / p, "attachment")
+def visible_attachment(
+    store: Any, raw: Any, principal: Principal | None = None, write: bool = False
+) -> str:
+    """Return a checked attachment path the principal may see (its folders' twins under
+    attachments/); 404 outside them, as for notes (with write, 403 where it may only read)."""
+    principal = principal or request_principal()
+    folders = reached_folders(principal, ATTACHMENTS)
+    path = _visible(raw, attachment_path, folders, lambda p: store.base / p, "attachment")
+    return _writable(principal, path, "file") if write else path
+
+
+def visible_note_file(
+    store: Any, raw: Any, principal: Principal | None = None, write: bool = False
+) -> str:
+    """Return a checked path of a file beside the notes that the principal may see; 404
+    outside its reach, as for notes (with write, 403 where it may only read)."""
+    principal = principal or request_principal()
+    folders = reached_folders(principal)
+    path = _visible(raw, note_file_path, folders, lambda p: store.base / p, "attachment")
+    return _writable(principal, path, "file") if write else path
+
+
+def visible_folders(
+    svc: Service, raw: Any, principal: Principal | None = None, top: str = NOTES
+) -> tuple:
+    """Return (the folder asked, the folders a listing of it shows the principal): the
+    folder itself inside its reach (no symbolic link on the way), the reached folders
+    beneath an ancestor of them; 404 for any other folder. `top`: notes (or attachments)."""
+    principal = principal or request_principal()
+    own = reached_folders(principal, top)
+    if own and isinstance(raw, str) and {".", ".."} & set(raw.split("/")):
+        raise not_found(f"no folder at {raw[:MAX_PATH_CHARS]}")
+    folder = (folder_path if top == NOTES else attachment_folder)(raw or top)
+    if not own:
+        return folder, (folder,)
+    holder = next((f for f in own if inside(folder, f)), None)
+    if holder is not None:
+        base = svc.attachments.base
+        on_disk = svc.notes.on_disk if top == NOTES else (lambda p: base / p)
+        no_link_below(on_disk, holder, folder, "folder")
+        return folder, (folder,)
+    below = tuple(f for f in own if f.startswith(folder + "/"))
+    if below:
+        return folder, below
+    raise not_found(f"no folder at {folder}")
 
 
 def visible_folder(
     svc: Service, raw: Any, principal: Principal | None = None, top: str = NOTES
 ) -> str:
-    """Return the folder a listing of `raw` shows a grant: raw itself inside its folder (no
-    symbolic link on the way), the grant's folder for an ancestor of it; 404 for any other
-    folder. `top` (notes or attachments) by default."""
+    """Return the one folder a principal's listing of `raw` shows: raw itself inside its
+    reach, the one reached folder beneath an ancestor of it (404 otherwise; a principal that
+    reaches several folders beneath raw is asked visible_folders instead)."""
+    folder, shown = visible_folders(svc, raw, principal, top)
+    if len(shown) != 1:
+        return folder  # several: the caller filters by the principal's reach
+    return shown[0]
+
+
+def writable_folder(svc: Service, raw: Any, principal: Principal | None = None) -> str:
+    """Return a folder the principal may make notes in (inside its reach, at write); 404
+    outside it, 403 where it may only read."""
     principal = principal or request_principal()
-    own = principal.folder if top == NOTES else principal.attachments_folder
-    if own and isinstance(raw, str) and {".", ".."} & set(raw.split("/")):
-        raise not_found(f"no folder at {raw[:MAX_PATH_CHARS]}")
-    folder = (folder_path if top == NOTES else attachment_folder)(raw or top)
-    if not own or folder == own:
-        return folder
-    if folder.startswith(own + "/"):
-        base = svc.attachments.base
-        on_disk = svc.notes.on_disk if top == NOTES else (lambda p: base / p)
-        no_link_below(on_disk, own, folder, "folder")
-        return folder
-    if folder == top or own.startswith(folder + "/"):
-        return own
-    raise not_found(f"no folder at {folder}")
+    folder, shown = visible_folders(svc, raw, principal)
+    if shown != (folder,):
+        raise not_found(f"no folder at {folder}")
+    return _writable(principal, folder, "note")
 
 
 def granted_tree(
     svc: Service, raw: Any, depth: int | None = None, count: Callable | None = None
 ) -> dict:
-    """Return the tree of a folder as the request's grant sees it (`depth` and `count` as
-    NoteStore.tree takes them): a folder above the grant's own holds only the way down."""
-    folder = visible_folder(svc, raw)  # a folder grant's own, or 404
-    asked = folder_path(raw)
-    if folder == asked:
-        return svc.notes.tree(folder, depth, count)
-    way = folder.split("/")[asked.count("/") + 1 :]  # the folders from below asked to its own
-    left = None if depth is None else depth - len(way)
-    if left is not None and left < 0:  # the cut falls on the way down
-        path = "/".join([asked, *way[:depth]])
-        notes = count(folder) if count else len(svc.notes.walk(folder))
-        node = {"name": way[depth - 1], "path": path, "type": "folder", "count": notes}
-    else:
+    """Return the tree of a folder as the request's principal sees it (`depth` and `count`
+    as NoteStore.tree takes them): a folder above the ones it reaches holds only the ways
+    down to them."""
+    asked, shown = visible_folders(svc, raw)  # what it reaches of the folder, or 404
+    if shown == (asked,):
+        return svc.notes.tree(asked, depth, count)
+    root = {"name": asked.rsplit("/", 1)[-1], "path": asked, "type": "folder", "children": []}
+    for folder in shown:
+        way = folder.split("/")[asked.count("/") + 1 :]  # the folders from below asked to it
+        left = None if depth is None else depth - len(way)
+        if left is not None and left < 0:  # the cut falls on the way down
+            notes = count(folder) if count else len(svc.notes.walk(folder))
+            at = _way_node(root, way[: depth - 1])
+            cut = next((c for c in at["children"] if c["name"] == way[depth - 1]), None)
+            if cut is None:
+                cut = {"name": way[depth - 1], "path": f"{at['path']}/{way[depth - 1]}"}
+                cut.update({"type": "folder", "count": 0})
+                at["children"].append(cut)
+            cut["count"] += notes
+            at["children"].sort(key=lambda c: c["name"])
+            continue
         try:
             node = svc.notes.tree(folder, left, count)
         except ApiError as e:
@@ -12030,14 +12276,23 @@ def granted_tree(
                 raise
             node = {"name": way[-1], "path": folder, "type": "folder"}
             node.update({"count": 0} if left == 0 else {"children": []})
-    while node["path"] != asked:
-        parent = node["path"].rsplit("/", 1)[0]
-        node = {
-            "name": parent.rsplit("/", 1)[-1],
-            "path": parent,
-            "type": "folder",
-            "children": [node],
-        }
+        at = _way_node(root, way[:-1])
+        at["children"].append(node)
+        at["children"].sort(key=lambda c: c["name"])
+    return root
+
+
+def _way_node(root: dict, way: list) -> dict:
+    """Return the folder node at root/way, adding the folders on the way (in name order)."""
+    node = root
+    for name in way:
+        child = next((c for c in node["children"] if c["name"] == name), None)
+        if child is None:
+            path = f"{node['path']}/{name}"
+            child = {"name": name, "path": path, "type": "folder", "children": []}
+            node["children"].append(child)
+            node["children"].sort(key=lambda c: c["name"])
+        node = child
     return node
 
 
@@ -12281,9 +12536,7 @@ class GrantStore:
             return index
         index = {}
         for g in data.get("grants", []):
-            p = Principal(
-                g["kind"], g["scope"], g.get("folder") or "", g["id"], g.get("resource", "")
-            )
+            p = principal_of(data, g)
             expires = epoch_of(g.get("expiresAt"))
             if g.get("keyHash"):
                 index[g["keyHash"]] = ("key", p, expires, self._idle_since(g))
@@ -12366,13 +12619,20 @@ class GrantStore:
             "lastUsedAt": iso(last) if last else g.get("lastUsedAt"),
             "createdBy": g.get("createdBy"),  # null: made before it was recorded
         }
+        if g.get("person"):
+            rec["person"] = g["person"]
         if g["kind"] == "oauth":
             rec["client"] = dict(g["client"])
         return rec
 
-    def grants(self) -> list:
-        """Return every grant without its secrets (keys and OAuth grants)."""
-        return [self._public(g) for g in self.state.read().get("grants", [])]
+    def grants(self, person: str | None = None) -> list:
+        """Return every grant without its secrets (keys and OAuth grants); with `person`,
+        that person's only ("" the owner's)."""
+        return [
+            self._public(g)
+            for g in self.state.read().get("grants", [])
+            if person is None or (g.get("person") or "") == person
+        ]
 
     def _check_maker(self, data: dict, maker: Any, now: float) -> None:
         """Refuse (401) to record what a grant made once that grant is gone: a request that
@@ -12397,10 +12657,17 @@ class GrantStore:
         self.state.update(change)
 
     def create_key(
-        self, name: str, scope: str, folder: str | None, days: int | None, *, created_by: str
+        self,
+        name: str,
+        scope: str,
+        folder: str | None,
+        days: int | None,
+        *,
+        created_by: str,
+        person: str = "",
     ) -> tuple:
         """Return (the key's record, the key itself) of a new scoped key; created_by is
-        "owner", "cli" or the id of the grant that made it."""
+        "owner", "cli" or the id of the grant that made it; person: whose key it is."""
         key, now = GRANT_KEY_PREFIX + secrets.token_urlsafe(32), self.clock()
         grant = {
             "id": "gr_" + secrets.token_hex(6),
@@ -12414,6 +12681,8 @@ class GrantStore:
             "keyHash": key_hash(key),
             "createdBy": created_by,
         }
+        if person:
+            grant["person"] = person
         self._add_grant(grant)
         log.info("scoped key %s (%s%s) created", grant["id"], scope, f" {folder}" if folder else "")
         return self._public(grant), key
@@ -12421,7 +12690,14 @@ class GrantStore:
     # -- devices: a pairing's one-time secret, claimed for a device key ------------------
 
     def create_pairing(
-        self, name: str, scope: str, folder: str | None, ttl: int, *, created_by: str
+        self,
+        name: str,
+        scope: str,
+        folder: str | None,
+        ttl: int,
+        *,
+        created_by: str,
+        person: str = "",
     ) -> tuple:
         """Return (the pairing's record, its one-time secret): 128 random bits, kept only
         as their SHA-256, good once within ttl seconds, and only while the grant that made
@@ -12438,11 +12714,17 @@ class GrantStore:
             "expiresAt": iso(now + ttl),
             "createdBy": created_by,
         }
+        if person:
+            pairing["person"] = person
 
         def change(data: dict) -> None:
             self._check_maker(data, created_by, now)
             live = [p for p in data.get("pairings", []) if epoch_of(p["expiresAt"]) > now]
-            if len(live) >= MAX_PAIRINGS:
+            if person and not any(p["id"] == person for p in data.get("people", [])):
+                raise not_found(f"no person {person}")  # removed meanwhile
+            # the owner's and the people's wait apart: adding people never blocks the owner
+            mine = [p for p in live if bool(p.get("person")) == bool(person)]
+            if len(mine) >= MAX_PAIRINGS:
                 raise ApiError(
                     409, "CONFLICT", f"{MAX_PAIRINGS} pairings wait already; let them expire"
                 )
@@ -12488,6 +12770,10 @@ class GrantStore:
                 "pairing": found["id"],
                 "createdBy": maker,  # whoever made the pairing made the device
             }
+            if found.get("person"):
+                if not any(p["id"] == found["person"] for p in data.get("people", [])):
+                    return None  # the person was removed: the pairing went with them
+                device["person"] = found["person"]
             data["grants"] = [*grants, device]
             if found["scope"] == "admin" and found.get("createdBy") == MADE_BY_CLI:
                 data["setupComplete"] = True  # `pair` on the server: its owner set it up
@@ -12528,28 +12814,58 @@ class GrantStore:
             if not any(g["id"] == grant_id for g in grants):
                 return []
             gone = [grant_id, *(self._made_by(grants, grant_id) if cascade else [])]
-            data["grants"] = [g for g in grants if g["id"] not in gone]
-            data["shares"] = [s for s in data.get("shares", []) if s.get("grantId") not in gone]
-            for name, what in (("pairings", "pairing"), ("feeds", "calendar feed")):
-                kept = [x for x in data.get(name, []) if x.get("createdBy") not in gone]
-                if len(kept) < len(data.get(name, [])):
-                    ended = len(data[name]) - len(kept)
-                    log.info("%d %s(s) made by %s ended", ended, what, grant_id)
-                    data[name] = kept
-            for hook in self.on_revoke:
-                hook(data, gone)
+            self.end_grants(data, gone)
             return gone
 
         if not any(g["id"] == grant_id for g in self.state.read().get("grants", [])):
             return []
         gone = self.state.update(change)
+        self.ended(gone)
+        return gone
+
+    def end_grants(self, data: dict, gone: list) -> None:
+        """End the grants `gone` and the secrets they made, inside one state change."""
+        data["grants"] = [g for g in data.get("grants", []) if g["id"] not in gone]
+        data["shares"] = [s for s in data.get("shares", []) if s.get("grantId") not in gone]
+        for name, what in (("pairings", "pairing"), ("feeds", "calendar feed")):
+            kept = [x for x in data.get(name, []) if x.get("createdBy") not in gone]
+            if len(kept) < len(data.get(name, [])):
+                ended = len(data[name]) - len(kept)
+                log.info("%d %s(s) made by %s ended", ended, what, ", ".join(gone[:3]))
+                data[name] = kept
+        for hook in self.on_revoke:
+            hook(data, gone)
+
+    def ended(self, gone: list) -> None:
+        """Forget what lives in memory for grants just ended (after their state change)."""
         with self._lock:  # codes they approved are redeemed for nothing
             for h in [h for h, c in self.codes.items() if c.get("createdBy") in gone]:
                 del self.codes[h]
         for g in gone:
             self._used.pop(g, None)
             log.info("grant %s revoked", g)
-        return gone
+
+    def grants_of_person(self, data: dict, person_id: str) -> list:
+        """Return the ids of a person's grants and of all those they made, in `data`."""
+        grants = data.get("grants", [])
+        theirs = [g["id"] for g in grants if g.get("person") == person_id]
+        out = list(theirs)
+        for grant_id in theirs:
+            out += [g for g in self._made_by(grants, grant_id) if g not in out]
+        return out
+
+    def principal_by_id(self, grant_id: Any) -> Principal | None:
+        """Return who a grant acts as now: None when `grant_id` names no grant (the owner or
+        the CLI made the thing asked about); a principal reaching nothing for a grant gone."""
+        if not made_by_grant(grant_id):
+            return None
+        data = self.state.read()
+        g = next((g for g in data.get("grants", []) if g["id"] == grant_id), None)
+        return principal_of(data, g) if g else Principal("key", "read", reach=Reach())
+
+    def person_sees(self, person_id: str, path: str) -> bool:
+        """Return whether a person reaches a path (their home, a folder shared with them)."""
+        return person_reach(self.state.read(), person_id).sees(path)
 
     def live_maker(self, created_by: Any) -> bool:
         """Return whether what `created_by` made may still be used: made by the owner or
@@ -12806,6 +13122,8 @@ class GrantStore:
             "createdBy": entry.get("createdBy"),
             "usedRefresh": [],
         }
+        if entry.get("person"):  # a person's connector: their reach, never more
+            grant["person"] = entry["person"]
         answer = self._tokens(grant, now)
         try:
             self._add_grant(grant)
@@ -12914,21 +13232,33 @@ class GrantStore:
     def shares(self, principal: Principal) -> list:
         """Return the share links a principal sees: a grant its own (while their notes are
         in its folder), the owner (and an admin device) all."""
-        now = self.clock()
+        now, data = self.clock(), self.state.read()
         return [
             self.share_record(s)
-            for s in self.state.read().get("shares", [])
+            for s in data.get("shares", [])
             if epoch_of(s["expiresAt"]) > now
             and (
-                principal.allows("admin")
+                (principal.allows("admin") and self._owns_share(principal, s, data))
                 or (s.get("grantId") == principal.grant_id and principal.sees(s["path"]))
             )
         ]
 
+    @staticmethod
+    def _owns_share(principal: Principal, share: dict, data: dict) -> bool:
+        """Return whether an admin principal manages a share link: the owner's every one, a
+        person's admin device those made by the person's grants."""
+        if not principal.person:
+            return True
+        maker = next((g for g in data.get("grants", []) if g["id"] == share.get("grantId")), None)
+        return maker is not None and maker.get("person") == principal.person
+
     def revoke_share(self, share_id: str, principal: Principal) -> bool:
+        data = self.state.read()
+
         def mine(s: dict) -> bool:
             return s["id"] == share_id and (
-                principal.allows("admin") or s.get("grantId") == principal.grant_id
+                (principal.allows("admin") and self._owns_share(principal, s, data))
+                or s.get("grantId") == principal.grant_id
             )
 
         if not any(map(mine, self.state.read().get("shares", []))):
@@ -12953,7 +13283,7 @@ class GrantStore:
                     return s, OWNER
                 for g in data.get("grants", []):
                     if g["id"] == s["grantId"] and self.expires(g) > now:
-                        return s, Principal(g["kind"], g["scope"], g.get("folder") or "", g["id"])
+                        return s, principal_of(data, g)
                 return None
         return None
 
@@ -12974,6 +13304,291 @@ class GrantStore:
                         s["path"] = detail[0]
 
         self.state.update(change)
+
+
+# == src/notesvc/people.py ====================================================
+# People on one server: each with a home folder, and the folders shared between them.
+
+MAX_PEOPLE = 50
+MAX_NAME_CHARS = 64
+PERSON_ID_RE = re.compile(r"^p_[A-Za-z0-9_-]{10}\Z")
+SHARE_SCOPES = ("read", "write")
+OWNER_SHARER = {"id": "owner", "name": "Owner"}  # who shared, when the owner did
+
+
+def person_name(raw: Any) -> str:
+    """Return a person's name checked: 1-64 characters after NFC, and usable as the name
+    of their home folder (the path rules of notes: no /, no leading dot, no control, bidi
+    or zero-width character, none of \\ : * ? " < > |); 400 naming the rule otherwise."""
+    if not isinstance(raw, str):
+        raise bad_request("'name' must be a string")
+    if any(unicodedata.category(c) == "Cc" for c in raw):
+        raise bad_request("'name' holds a control character")
+    name = " ".join(unicodedata.normalize("NFC", raw).split())
+    if is_blank(name):
+        raise bad_request("'name' must not be empty")
+    if len(name) > MAX_NAME_CHARS:
+        raise bad_request(f"'name' is longer than {MAX_NAME_CHARS} characters")
+    if "/" in name:
+        raise bad_request("'name' holds a /: a person's name is one folder name")
+    try:
+        check_segments(f"{NOTES}/{name}", "home folder")
+    except ApiError as e:
+        raise bad_request(f"'name' cannot name a folder: {e.message}") from None
+    return name
+
+
+class PeopleStore:
+    """The people of this server and the members of its shared folders (state.json's
+    `people` and `members`); their grants live in the GrantStore beside it."""
+
+    def __init__(
+        self, state: StateStore, grants: GrantStore, notes: NoteStore, clock: Callable = time.time
+    ):
+        self.state, self.grants, self.notes, self.clock = state, grants, notes, clock
+        # (data, the person's id) -> None, run inside a removal's state change: what a
+        # person holds beyond grants (the chats bound to them) ends with them in one write
+        self.on_remove: list = []
+
+    # -- reading ------------------------------------------------------------------------
+
+    def people(self, data: dict | None = None) -> list:
+        return list((data or self.state.read()).get("people", []))
+
+    def get(self, person_id: Any, data: dict | None = None) -> dict | None:
+        if not isinstance(person_id, str):
+            return None
+        return next((p for p in self.people(data) if p["id"] == person_id), None)
+
+    def name_of(self, person_id: str, data: dict | None = None) -> str:
+        person = self.get(person_id, data)
+        return person["name"] if person else "someone"
+
+    def listed(self) -> list:
+        """Return the people with how many devices each has and when one was last used."""
+        data = self.state.read()
+        grants = {g["id"]: g for g in self.grants.grants()}
+        out = []
+        for p in self.people(data):
+            devices = [g for g in grants.values() if g.get("person") == p["id"]]
+            used = [g["lastUsedAt"] for g in devices if g.get("lastUsedAt")]
+            out.append(
+                {
+                    "id": p["id"],
+                    "name": p["name"],
+                    "home": p["home"],
+                    "createdAt": p["createdAt"],
+                    "devices": sum(g["kind"] == "device" for g in devices),
+                    "lastUsedAt": max(used, key=epoch_of) if used else None,
+                }
+            )
+        return out
+
+    @staticmethod
+    def public(person: dict) -> dict:
+        return {k: person.get(k) for k in ("id", "name", "home", "createdAt", "createdBy")}
+
+    # -- adding, renaming, removing -----------------------------------------------------
+
+    def add(self, raw_name: Any, raw_home: Any, *, created_by: str) -> dict:
+        """Add a person with a home folder (notes/<name>, or `raw_home` when given: a folder
+        under notes/ that does not exist and lies in no other home); return them. 409 for a
+        taken name or home, or at MAX_PEOPLE."""
+        name = person_name(raw_name)
+        home = f"{NOTES}/{name}" if raw_home is None else folder_path(raw_home)
+        if home == NOTES or not home.startswith(NOTES + "/"):
+            raise bad_request(f"'home' must be a folder under {NOTES}/")
+        now = self.clock()
+        person = {
+            "id": "p_" + secrets.token_urlsafe(8)[:10],
+            "name": name,
+            "home": home,
+            "createdAt": iso(now),
+            "createdBy": created_by,
+        }
+
+        def change(data: dict) -> dict:
+            people = data.setdefault("people", [])
+            if len(people) >= MAX_PEOPLE:
+                raise ApiError(409, "CONFLICT", f"{MAX_PEOPLE} people live here already")
+            self._check_name(people, name, None)
+            for p in people:
+                if inside(home, p["home"]) or inside(p["home"], home):
+                    raise ApiError(
+                        409, "CONFLICT", f"{home} lies in {p['name']}'s home, or holds it"
+                    )
+            if self.notes.on_disk(home).exists():
+                raise ApiError(
+                    409,
+                    "CONFLICT",
+                    f"a folder {home} exists already: pick another name, or give 'home' a "
+                    "free folder for them",
+                )
+            people.append(person)
+            return person
+
+        self.state.update(change)
+        try:
+            self.notes.on_disk(home).mkdir(mode=0o700, parents=True, exist_ok=True)
+        except OSError as e:  # the home appears with their first note anyway
+            log.warning("people: the home folder of %s was not made (%s)", person["id"], e)
+        log.info("person %s added (home %s)", person["id"], home)
+        return person
+
+    @staticmethod
+    def _check_name(people: list, name: str, but: str | None) -> None:
+        folded = name.casefold()
+        if any(p["name"].casefold() == folded and p["id"] != but for p in people):
+            raise ApiError(409, "CONFLICT", f"someone here is called {name} already")
+
+    def rename(self, person_id: str, raw_name: Any) -> dict:
+        """Rename a person (their home keeps its name); 404 for an unknown id."""
+        name = person_name(raw_name)
+
+        def change(data: dict) -> dict:
+            person = self.get(person_id, data)
+            if person is None:
+                raise not_found(f"no person {person_id[:40]}")
+            self._check_name(data.get("people", []), name, person_id)
+            person["name"] = name
+            return dict(person)
+
+        return self.state.update(change)
+
+    def remove(self, person_id: str) -> list:
+        """Remove a person: in one state change every grant they hold ends (devices, keys,
+        connectors, and what those made: share links, feeds, chat links), their pairings,
+        their memberships and the chats bound to them; their notes stay where they are.
+        Return the grant ids ended; 404 for an unknown id."""
+
+        def change(data: dict) -> list:
+            if self.get(person_id, data) is None:
+                raise not_found(f"no person {person_id[:40]}")
+            gone = self.grants.grants_of_person(data, person_id)
+            self.grants.end_grants(data, gone)
+            data["pairings"] = [p for p in data.get("pairings", []) if p.get("person") != person_id]
+            data["people"] = [p for p in data.get("people", []) if p["id"] != person_id]
+            members = data.get("members", {})
+            for folder in list(members):
+                members[folder] = [m for m in members[folder] if m["person"] != person_id]
+                if not members[folder]:
+                    del members[folder]
+            for hook in self.on_remove:
+                hook(data, person_id)
+            return gone
+
+        gone = self.state.update(change)
+        self.grants.ended(gone)
+        log.info("person %s removed (%d grants ended)", person_id, len(gone))
+        return gone
+
+    # -- sharing --------------------------------------------------------------------------
+
+    def members(self, folder: str) -> list:
+        """Return a folder's members: its own, then those it inherits from the folders above
+        it (`inherited: true`), each with the person's name and who shared."""
+        data = self.state.read()
+        out = []
+        for at, entries in sorted(data.get("members", {}).items()):
+            if not inside(folder, at):
+                continue
+            for m in entries:
+                row = self._member_row(m, data)
+                if at != folder:
+                    row.update({"inherited": True, "from": at})
+                out.append(row)
+        return out
+
+    def _member_row(self, m: dict, data: dict) -> dict:
+        return {
+            "person": m["person"],
+            "name": self.name_of(m["person"], data),
+            "scope": m["scope"],
+            "sharedBy": self.sharer(m.get("sharedBy"), data),
+        }
+
+    def sharer(self, by: Any, data: dict | None = None) -> dict:
+        """Return {id, name} of who shared: a person, or the owner."""
+        person = self.get(by, data) if by else None
+        return {"id": person["id"], "name": person["name"]} if person else dict(OWNER_SHARER)
+
+    def set_members(self, folder: str, raw: Any, principal: Principal) -> list:
+        """Replace a folder's own members with `raw` ([{person, scope}]); return them.
+
+        The owner shares any folder; a person a folder inside their home (403 elsewhere).
+        Each member is a person other than the one sharing and other than the folder's own
+        person (whose home holds it): 400 for an unknown id, oneself, a repeat or a bad
+        scope. Members of the folders above are kept (a deeper share adds, never takes)."""
+        if not isinstance(raw, list) or len(raw) > MAX_PEOPLE:
+            raise bad_request(f"'members' must be a list of at most {MAX_PEOPLE} people")
+        data = self.state.read()
+        sharer = principal.person
+        if sharer:
+            me = self.get(sharer, data)
+            if me is None or not inside(folder, me["home"]):
+                raise ApiError(403, "FORBIDDEN", "a person shares folders of their own home only")
+        owner_home = next((p for p in self.people(data) if inside(folder, p["home"])), None)
+        wanted, seen = [], set()
+        for item in raw:
+            if not isinstance(item, dict):
+                raise bad_request("each member is an object {person, scope}")
+            pid, scope = item.get("person"), item.get("scope", "read")
+            if not isinstance(pid, str) or self.get(pid, data) is None:
+                raise bad_request(f"no person {str(pid)[:40]!r} to share with")
+            if scope not in SHARE_SCOPES:
+                raise bad_request(f"a member's scope is one of {', '.join(SHARE_SCOPES)}")
+            if pid == sharer or (owner_home is not None and pid == owner_home["id"]):
+                raise bad_request("a folder is not shared with the person whose home holds it")
+            if pid in seen:
+                raise bad_request(f"{pid} is named twice")
+            seen.add(pid)
+            wanted.append({"person": pid, "scope": scope, "sharedBy": sharer or "owner"})
+        if not self.notes.on_disk(folder).is_dir():
+            raise not_found(f"no folder at {folder}")
+
+        def change(d: dict) -> None:
+            members = d.setdefault("members", {})
+            known = {p["id"] for p in d.get("people", [])}
+            kept = [m for m in wanted if m["person"] in known]  # (one removed meanwhile)
+            if kept:
+                members[folder] = kept
+            else:
+                members.pop(folder, None)
+
+        self.state.update(change)
+        log.info("folder %s shared with %d people", folder, len(wanted))
+        return [self._member_row(m, self.state.read()) for m in wanted]
+
+    def shared_with(self, person_id: str) -> list:
+        """Return the folders shared with a person: [{path, scope, sharedBy}]."""
+        data = self.state.read()
+        out = []
+        for folder, entries in sorted(data.get("members", {}).items()):
+            for m in entries:
+                if m["person"] == person_id:
+                    by = self.sharer(m.get("sharedBy"), data)
+                    out.append({"path": folder, "scope": m["scope"], "sharedBy": by})
+        return out
+
+    def folder_moved(self, old: str, new: str) -> None:
+        """Keep homes and members on a folder that moved (old -> new, under notes/)."""
+
+        def moved(path: str) -> str:
+            return new + path[len(old) :] if inside(path, old) else path
+
+        data = self.state.read()
+        if not any(inside(p["home"], old) for p in self.people(data)) and not any(
+            inside(f, old) for f in data.get("members", {})
+        ):
+            return
+
+        def change(d: dict) -> None:
+            for p in d.get("people", []):
+                p["home"] = moved(p["home"])
+            d["members"] = {moved(f): m for f, m in d.get("members", {}).items()}
+
+        self.state.update(change)
+        log.info("people: homes and shares follow %s to %s", old, new)
 
 
 # == src/notesvc/service.py ===================================================
@@ -13156,6 +13771,7 @@ class Service:
         self.grants = GrantStore(  # scoped keys, OAuth grants, share links
             self.state, idle_days=config.device_idle_days
         )
+        self.people = PeopleStore(self.state, self.grants, self.notes)  # and shared folders
         # Background components of later sections, composed by build_service():
         self.pollers: Any = None  # ChannelPollers: a thread per channel in polling mode
         self.reminders: Any = None  # ReminderScheduler: ⏰ lines sent through the channels
@@ -13166,13 +13782,17 @@ class Service:
 
     def saved_by(self) -> str | None:
         """Return the name of the grant the current request acts for (a device's or a
-        key's, an app's), as versions record it; None for the owner or outside a request."""
+        key's, an app's; a person's as `<person> · <device>`), as versions record it; None
+        for the owner or outside a request."""
         grant_id = request_principal().grant_id
         if not grant_id:
             return None
-        for g in self.state.read().get("grants", []):
+        data = self.state.read()
+        for g in data.get("grants", []):
             if g["id"] == grant_id:
-                return (g.get("client") or {}).get("name") or g["name"]
+                name = (g.get("client") or {}).get("name") or g["name"]
+                person = self.people.get(g.get("person"), data)
+                return f"{person['name']} · {name}" if person else name
         return None
 
     def start(self) -> Service:
@@ -13806,7 +14426,7 @@ def clip(text: str, limit: int) -> str:
     return text if len(text) <= limit else text[: limit - 1].rsplit(" ", 1)[0] + "…"
 
 
-def _hits_in_folder(svc: Service, question: str, folder: str, limit: int) -> list:
+def _hits_in_folder(svc: Service, question: str, folder: str | tuple, limit: int) -> list:
     """Return the top (path, title, text, score) inside a folder (a folder grant's sources):
     the question's words as one OR query of the index, restricted to the folder."""
     words = list(dict.fromkeys(w for w in WORD_RE.findall(fold(question)) if w not in STOPWORDS))
@@ -13827,7 +14447,7 @@ def _hits_in_folder(svc: Service, question: str, folder: str, limit: int) -> lis
 
 
 def retrieve(
-    svc: Service, question: str, note: str | None, limit: int = 3, folder: str = ""
+    svc: Service, question: str, note: str | None, limit: int = 3, folder: str | tuple = ""
 ) -> list:
     """Return [(path, title, [passages])]: the best hits, best first (inside `folder` only,
     when a folder grant asks).
@@ -13962,7 +14582,7 @@ def available_tools(svc: Service, writes: bool) -> list:
         for t in svc.tools.values()
         if (writes or t.read_only)
         and (not t.plugin or svc.plugin_enabled(t.plugin))
-        and (not who.folder or TOOLS.get(t.name) is t)
+        and (who.whole or TOOLS.get(t.name) is t)
     ]
 
 
@@ -14305,7 +14925,9 @@ def answer_nothing(svc: Service, question: str, found: list) -> tuple:
     raise ApiError(503, "AGENT_DISABLED", "the agent is off (SERVICE_AGENT_PROVIDER=none)")
 
 
-def ask_agent(svc: Service, question: str, note: str | None = None, folder: str = "") -> dict:
+def ask_agent(
+    svc: Service, question: str, note: str | None = None, folder: str | tuple = ""
+) -> dict:
     """Return the agent's {reply, provider, model, sources} for a question (its sources
     inside `folder` only, when a folder grant asks)."""
     provider = svc.agent_providers[svc.config.agent_provider]
@@ -16290,14 +16912,16 @@ class Embedder:
 
     # -- what searches ask ---------------------------------------------------------------
 
-    def status(self, folder: str = "") -> dict:
+    def status(self, folder: str | tuple = "") -> dict:
         """Return {embedded, total, model}: notes whose chunks are all embedded, of all the
-        notes beneath `folder` ("" every note): a folder grant's count is its folder's.
-        Both counts are kept as notes change: a look-up each, no walk of the notes."""
+        notes beneath `folder` (or the folders of a reach; "" or () every note): a grant's
+        count is its reach's. Both counts are kept as notes change: look-ups, no walk."""
         store = self.store
         index = self.svc.index
-        if folder:
-            total = index.folder_counts().get(folder.rstrip("/"), 0)
+        folders = (folder,) if isinstance(folder, str) else tuple(folder)
+        if any(folders):
+            counts = index.folder_counts()
+            total = sum(counts.get(f.rstrip("/"), 0) for f in folders if f)
         else:
             total = index.stats().get("documents", 0)
         embedded = min(total, store.count_under(folder)) if store is not None else 0
@@ -16385,7 +17009,7 @@ class Embedder:
             self._failed(e)
             return None
 
-    def fuse_hits(self, question: str, folder: str, hits: list, limit: int) -> list:
+    def fuse_hits(self, question: str, folder: str | tuple, hits: list, limit: int) -> list:
         """Return the agent's sources: keyword hits [(path, title, text, score)] fused with
         the notes nearest the question in meaning (the keyword hits alone when the
         endpoint fails)."""
@@ -16404,7 +17028,7 @@ class Embedder:
                 out.append((path, doc[1], doc[2], score))
         return out
 
-    def nearest(self, vector: list, folder: str, limit: int = MAX_SEMANTIC_NOTES) -> list:
+    def nearest(self, vector: list, folder: str | tuple, limit: int = MAX_SEMANTIC_NOTES) -> list:
         """Return [(path, cosine, chunk)] of the notes nearest a vector that clear the floor:
         a query about nothing in the notes finds nothing by meaning."""
         store = self.store
@@ -16927,7 +17551,7 @@ def _visible_tags(svc: Service) -> dict:
     """Return {tag: note paths} the request's grant sees (a folder grant: its folder's)."""
     who = request_principal()
     tags = tag_map(svc)
-    if not who.folder:
+    if who.whole:
         return tags
     seen = {t: [p for p in paths if who.sees(p)] for t, paths in tags.items()}
     return {t: paths for t, paths in seen.items() if paths}
@@ -17096,7 +17720,7 @@ def tool_related_notes(svc: Service, path: str, limit: int = 10) -> dict:
     path = visible_note(svc.notes, path)
     if not svc.notes.exists(path):
         raise not_found(f"no note at {path}")
-    near = related_notes(svc, path, request_principal().folder, limit)
+    near = related_notes(svc, path, request_principal().folders, limit)
     return {"path": path, "results": [{"path": p, "title": t, "score": s} for p, t, s in near]}
 
 
@@ -17367,8 +17991,8 @@ def tool_delete_note(svc: Service, path: str, etag: str | None = None) -> dict:
     alias_of="search_notes",
 )
 def tool_search(svc: Service, query: str) -> dict:
-    folder = request_principal().folder  # a folder grant searches its folder
-    hits = find_notes(svc, Query(query), folder, 10, 0)["results"]
+    folders = request_principal().folders  # a grant searches its reach
+    hits = find_notes(svc, Query(query), folders, 10, 0)["results"]
     return {"results": [{"id": p, "title": t, "url": note_url(svc, p)} for p, t, _, _ in hits]}
 
 
@@ -18432,9 +19056,9 @@ def _own_export_place(plan: ImportPlan, name: str, ext: str) -> tuple | None:
     except ApiError as e:
         plan.skip(name, e.message)
         return None
-    folder = getattr(plan, "grant_folder", "")
-    if folder and not Principal("key", "write", folder).sees(want):
-        plan.skip(name, "outside the folder this key may write")
+    grant = getattr(plan, "grant", None)
+    if grant is not None and not grant.whole and not grant.may_write(want):
+        plan.skip(name, "outside the folders this key may write")
         return None
     return ext == "md", want
 
@@ -19540,15 +20164,19 @@ IMPORT_PLANNERS = {
 
 def import_into(svc: Any, raw: Any, kind: str, principal: Principal) -> str:
     """Return the folder an import goes to: `into`, or notes/imported/<kind> (a folder
-    grant's: <its folder>/imported/<kind>); a folder outside a grant's own is 404."""
+    grant's: <its folder>/imported/<kind>; a person's: <home>/imported/<kind>); a folder
+    outside the principal's reach is 404, one it may only read 403."""
     if raw in (None, ""):
-        return f"{principal.folder or NOTES}/imported/{kind}"
+        return f"{principal.home or NOTES}/imported/{kind}"
     folder = folder_path(raw if str(raw).startswith(NOTES) else f"{NOTES}/{str(raw).strip('/')}")
-    own = principal.folder
-    if own and folder != own and not folder.startswith(own + "/"):
-        raise not_found(f"no folder at {folder} (this key writes in {own} only)")
-    if own:
-        no_link_below(svc.notes.on_disk, own, folder, "folder")
+    if principal.whole:
+        return folder
+    holder = next((f for f in principal.folders if inside(folder, f)), None)
+    if holder is None:
+        raise not_found(f"no folder at {folder} (this key writes in its own folders only)")
+    no_link_below(svc.notes.on_disk, holder, folder, "folder")
+    if not principal.may_write(folder):
+        raise ApiError(403, "FORBIDDEN", f"importing into {folder} needs the write scope there")
     return folder
 
 
@@ -19619,7 +20247,7 @@ def import_source(
         return _import_enex(svc, files, into, dry_run, principal, progress)
     where = NOTES if kind == "notesvc" else import_into(svc, into, kind, principal)
     plan = ImportPlan(svc, where, dry_run, progress)
-    plan.grant_folder = principal.folder
+    plan.grant = principal
     IMPORT_PLANNERS[kind](plan, source)
     return plan.report(kind)
 
@@ -19682,11 +20310,8 @@ STORED_TYPES = frozenset(  # already compressed: stored as they are
 def export_files(root: Path, principal: Principal = OWNER) -> Iterable:
     """Yield (name in the zip, file, stat) of every note, attachment and other file the
     grant sees (hidden files, temp files and symbolic links left out), in path order."""
-    tops = (
-        [principal.folder, principal.attachments_folder]
-        if principal.folder
-        else [NOTES, ATTACHMENTS]
-    )
+    folders = principal.folders  # a grant's reach, in path order: notes, then attachments
+    tops = [*folders, *(attachments_twin(f) for f in folders)] if folders else [NOTES, ATTACHMENTS]
     for top in tops:
         base = root / top
         for folder, dirs, files in os.walk(base):
@@ -19771,6 +20396,7 @@ def export_zip(root: Path, principal: Principal = OWNER, progress: Callable | No
             "notesvc": __version__,
             "exportedAt": iso(utcnow()),
             "folder": principal.folder or None,
+            "folders": list(principal.folders) or None,
             **counts,
         }
         zf.writestr(EXPORT_MANIFEST, json.dumps(manifest, indent=2) + "\n")
@@ -30321,6 +30947,9 @@ class Route:
     jsonrpc: bool = False  # answers JSON-RPC 2.0, errors too; callers checked by
     # authenticate_mcp, which also takes OAuth access tokens (the MCP endpoint only)
     idempotent: bool = False  # an Idempotency-Key header makes a repeat answer as the first
+    people: bool = False  # an admin route a person's admin device may call too, for what
+    # is their own (their devices, keys, connectors, feeds): every other admin route is the
+    # owner's (403 to a person)
     secret: bool = False  # its answer can carry a secret or a code (a key, a token, a
     # pairing's secret, a share or feed link, an authorisation code): never gzipped
     # (docs/api.md: Compression; a test derives it from the answers of every route)
@@ -30722,7 +31351,23 @@ def verify_key(svc: Service) -> dict:
         if who.kind == "device":  # "Signed in as <device>"
             mine = [g for g in svc.grants.grants() if g["id"] == who.grant_id]
             answer["grant"]["name"] = mine[0]["name"] if mine else "this device"
+    person = svc.people.get(who.person) if who.person else None
+    if person is not None:  # who is signed in, and what they reach (the owner: everything)
+        answer["person"] = {k: person[k] for k in ("id", "name", "home")}
+        answer["reach"] = reach_rows(svc, who)
     return answer
+
+
+def reach_rows(svc: Service, who: Principal) -> list:
+    """Return what a principal reaches, as the menu shows it: [{path, scope, sharedBy}]
+    (sharedBy null for a person's own home)."""
+    shared = {r["path"]: r["sharedBy"] for r in svc.people.shared_with(who.person)}
+    rows = []
+    for folder, scope in who.reach.folders:
+        own = folder == who.reach.home and who.person
+        by = None if own else shared.get(folder, svc.people.sharer(None))
+        rows.append({"path": folder, "scope": scope, "sharedBy": by})
+    return rows
 
 
 def link_client(svc: Service) -> dict:
@@ -30803,19 +31448,27 @@ def _note_response(rec: dict) -> dict:
 INBOX = f"{NOTES}/inbox"  # where a note without a path goes (a folder grant: its folder)
 
 
+def default_folder(principal: Principal) -> str:
+    """Return where a note without a path goes: the owner's notes/inbox, a folder grant's
+    folder, a person's <home>/inbox."""
+    if principal.person and not principal.folder:
+        return f"{principal.home}/inbox"
+    return principal.home or INBOX
+
+
 def create_note(svc: Service) -> dict:
     """POST /notes: {path, content}, or {content, folder?} named from its title."""
     body = read_json(svc.config.max_body_bytes)
     content = field(body, "content")
     if body.get("path") is None:
         principal = request_principal()
-        raw = field(body, "folder", required=False) or principal.folder or INBOX
-        if principal.folder and raw == NOTES:
-            raw = principal.folder
-        folder = visible_folder(svc, raw)
+        raw = field(body, "folder", required=False) or default_folder(principal)
+        if raw == NOTES and not principal.whole:
+            raw = default_folder(principal)
+        folder = writable_folder(svc, raw)
         rec = svc.notes.create_named(folder, title_filename(content), content)
     else:
-        rec = svc.notes.create(visible_note(svc.notes, field(body, "path")), content)
+        rec = svc.notes.create(visible_note(svc.notes, field(body, "path"), write=True), content)
     path = rec["path"]
     script = bottle.request.environ.get("SCRIPT_NAME", "")
     location = f"{script}{API}/notes/{urllib.parse.quote(path, safe='')}"
@@ -30828,8 +31481,7 @@ LIST_FIELDS = ("title", "preview", "modified", "tags")  # a listing's ?fields= (
 
 def list_notes(svc: Service) -> dict:
     raw = query_str("folder") or NOTES
-    folder = visible_folder(svc, raw)  # a folder grant's own, or 404
-    asked = folder_path(raw)
+    asked, folder = visible_folders(svc, raw)  # what a grant reaches of it, or 404
     limit = query_int("limit", 100, 1, 1000)
     offset = query_int("offset", 0, 0, 10**9)
     sort = query_str("sort", "path") or "path"
@@ -30844,7 +31496,7 @@ def list_notes(svc: Service) -> dict:
     try:
         return svc.notes.list_page(folder, limit, offset, sort, fields)
     except ApiError as e:  # the folder a grant sees from one of its ancestors is not there yet
-        if e.status_code != 404 or folder == asked:
+        if e.status_code != 404 or folder == (asked,):
             raise
         return {"notes": [], "total": 0, "limit": limit, "offset": offset}
 
@@ -30857,7 +31509,7 @@ def get_note(svc: Service, path: str) -> bytes:
 
 
 def update_note(svc: Service, path: str) -> dict:
-    path = visible_note(svc.notes, path)
+    path = visible_note(svc.notes, path, write=True)
     body = read_json(svc.config.max_body_bytes)
     content = field(body, "content")
     if body.get("path") is not None and note_path(field(body, "path")) != path:
@@ -30868,9 +31520,11 @@ def update_note(svc: Service, path: str) -> dict:
 
 
 def move_note(svc: Service, path: str) -> dict:
-    path = visible_note(svc.notes, path)
+    path = visible_note(svc.notes, path, write=True)
     body = read_json(svc.config.max_body_bytes)
-    new = visible_note(svc.notes, field(body, "path"))  # a folder grant moves within its folder
+    new = visible_note(
+        svc.notes, field(body, "path"), write=True
+    )  # a folder grant moves within its folder
     relink = bool(field(body, "updateLinks", bool, required=False))
     return _note_response(move_and_relink(svc, path, new, if_match_header(), relink))
 
@@ -30878,7 +31532,7 @@ def move_note(svc: Service, path: str) -> dict:
 def merge_note(svc: Service, path: str) -> dict:
     """POST /notes/:path/merge {base, content}: an edit that started from version `base`,
     merged with what changed since (docs/api.md: phone); 409 with `conflictPath` when it clashed."""
-    path = visible_note(svc.notes, path)
+    path = visible_note(svc.notes, path, write=True)
     body = read_json(svc.config.max_body_bytes)
     base = field(body, "base", max_len=100)
     content = field(body, "content")
@@ -30887,7 +31541,7 @@ def merge_note(svc: Service, path: str) -> dict:
     who = title_filename(name or principal_name(svc, request_principal()))
     when = local_time(time.time(), time_zone(svc.config.timezone)).strftime("%Y-%m-%d %H-%M")
     principal = request_principal()  # a folder grant merges from versions it may read
-    sees = principal.sees if principal.folder else None
+    sees = None if principal.whole else principal.sees
     done = svc.notes.merge(path, base, content, f"conflict {who} {when}", sees)
     bottle.response.set_header("ETag", done["note"]["etag"])
     return done
@@ -30905,7 +31559,7 @@ def principal_name(svc: Service, principal: Principal) -> str:
 
 
 def delete_note(svc: Service, path: str) -> dict:
-    return svc.notes.delete(visible_note(svc.notes, path), if_match_header())
+    return svc.notes.delete(visible_note(svc.notes, path, write=True), if_match_header())
 
 
 # -- attachments -------------------------------------------------------------------------
@@ -30923,7 +31577,7 @@ def _attachment_response(rec: dict, status: int) -> bytes:
 
 def put_attachment(svc: Service, path: str) -> bytes:
     """PUT the raw bytes: 201 when created, 200 when replaced (If-Match, If-None-Match: *)."""
-    path = visible_attachment(svc.attachments, path)
+    path = visible_attachment(svc.attachments, path, write=True)
     ctype = bottle.request.content_type.split(";")[0].strip().lower()
     if ctype.startswith("multipart/"):
         raise ApiError(
@@ -30971,7 +31625,7 @@ def post_attachment(svc: Service) -> bytes:
             raise bad_request("'path' is not valid UTF-8") from None
         if not raw:
             raise bad_request("'path' is required (attachments/<name>.<extension>)")
-        return visible_attachment(svc.attachments, raw)
+        return visible_attachment(svc.attachments, raw, write=True)
 
     def receive(f) -> None:
         def part(name: str, filename: Any, headers: Any):
@@ -31027,22 +31681,21 @@ def get_attachment(svc: Service, path: str):
 
 def list_attachments(svc: Service) -> dict:
     raw = query_str("folder") or ATTACHMENTS
-    folder = visible_folder(svc, raw, top=ATTACHMENTS)  # a folder grant's own, or 404
-    asked = attachment_folder(raw)
+    asked, folder = visible_folders(svc, raw, top=ATTACHMENTS)  # what a grant reaches of it
     limit = query_int("limit", 100, 1, 1000)
     offset = query_int("offset", 0, 0, 10**9)
     try:
         return svc.attachments.list_page(folder, limit, offset)
     except ApiError as e:  # the folder a grant sees from one of its ancestors is not there yet
-        if e.status_code != 404 or folder == asked:
+        if e.status_code != 404 or folder == (asked,):
             raise
         return {"attachments": [], "total": 0, "limit": limit, "offset": offset}
 
 
 def move_attachment(svc: Service, path: str) -> dict:
-    path = visible_attachment(svc.attachments, path)
+    path = visible_attachment(svc.attachments, path, write=True)
     body = read_json(svc.config.max_body_bytes)
-    new = visible_attachment(svc.attachments, field(body, "path"))
+    new = visible_attachment(svc.attachments, field(body, "path"), write=True)
     relink = field(body, "updateLinks", bool, required=False)
     linking = (
         set(filter(request_principal().sees, attachment_linkers(svc, path))) if relink else set()
@@ -31055,7 +31708,9 @@ def move_attachment(svc: Service, path: str) -> dict:
 
 
 def delete_attachment(svc: Service, path: str) -> dict:
-    return svc.attachments.delete(visible_attachment(svc.attachments, path), if_match_header())
+    return svc.attachments.delete(
+        visible_attachment(svc.attachments, path, write=True), if_match_header()
+    )
 
 
 # -- folders ---------------------------------------------------------------------------
@@ -31109,7 +31764,7 @@ def list_versions(svc: Service, path: str) -> dict:
     path = visible_note(svc.notes, path)
     limit, offset = _page()
     principal = request_principal()
-    versions = svc.history.versions(path, principal.sees if principal.folder else None)
+    versions = svc.history.versions(path, None if principal.whole else principal.sees)
     if not versions and not svc.notes.exists(path):
         raise not_found(f"no note and no history at {path}")
     page = versions[offset : offset + limit]
@@ -31147,7 +31802,7 @@ def diff_version(svc: Service, path: str, version_id: str) -> dict:
 
 
 def restore_version(svc: Service, path: str, version_id: str) -> dict:
-    path = visible_note(svc.notes, path)
+    path = visible_note(svc.notes, path, write=True)
     seen = functools.partial(_version_seen, svc, path, version_id)
     return _note_response(svc.notes.restore_version(path, version_id, if_match_header(), seen))
 
@@ -31184,8 +31839,11 @@ def restore_trash_item(svc: Service, item_id: str) -> dict:
     item = _trashed(svc, item_id)
     target = field(body, "path", required=False)
     target = attachment_or_note_path(item.path if target is None else target)
-    if not request_principal().sees(target):  # a folder grant restores into its folder
+    who = request_principal()
+    if not who.sees(target):  # a folder grant restores into its folder
         raise not_found(f"no folder for {target}")
+    if not who.whole and not who.may_write(target):
+        raise ApiError(403, "FORBIDDEN", f"restoring into {target} needs the write scope there")
     top = target.split("/", 1)[0]
     if top != item.path.split("/", 1)[0]:
         raise bad_request(f"a trashed {item.kind} is restored under {item.path.split('/')[0]}/")
@@ -31198,6 +31856,9 @@ def restore_trash_item(svc: Service, item_id: str) -> dict:
 
 def purge_trash_item(svc: Service, item_id: str) -> dict:
     item = _trashed(svc, item_id)
+    who = request_principal()
+    if not who.whole and not who.may_write(item.path):
+        raise ApiError(403, "FORBIDDEN", f"purging {item.path} needs the write scope there")
     svc.trash.purge(item)
     return {"id": item.id, "purged": True}
 
@@ -31206,7 +31867,7 @@ def _granted_changes(page: dict) -> dict:
     """Return a page of the change feed as the request's grant sees it: a folder grant gets
     its folder's changes, a move into it as a creation and a move out of it as a deletion."""
     who = request_principal()
-    if not who.folder:
+    if who.whole:
         return page
     seen = []
     for c in page["changes"]:
@@ -31255,8 +31916,8 @@ def list_changes(svc: Service) -> dict:
 def search_notes(svc: Service) -> dict:
     started = time.perf_counter()
     query = Query(query_str("q"))
-    folder = visible_folder(svc, query_str("folder") or NOTES)  # a folder grant's by default
-    folder = "" if folder == NOTES else folder
+    _, shown = visible_folders(svc, query_str("folder") or NOTES)  # the reach's by default
+    folder = () if shown == (NOTES,) else shown
     limit = query_int("limit", 20, 1, 100)
     offset = query_int("offset", 0, 0, 10000)
     found = find_notes(svc, query, folder, limit, offset, query_str("mode"))
@@ -31273,7 +31934,7 @@ def search_notes(svc: Service) -> dict:
         "fallback": found["fallback"],
     }
     if svc.embedder is not None:  # counted within the caller's reach (a grant: its folder)
-        answer["embeddings"] = svc.embedder.status(request_principal().folder)
+        answer["embeddings"] = svc.embedder.status(request_principal().folders)
     answer["tookMs"] = round((time.perf_counter() - started) * 1000, 3)
     return answer
 
@@ -31283,7 +31944,7 @@ def note_related(svc: Service, path: str) -> dict:
     if not svc.notes.exists(path):
         raise not_found(f"no note at {path}")
     limit = query_int("limit", 10, 1, 50)
-    near = related_notes(svc, path, request_principal().folder, limit)
+    near = related_notes(svc, path, request_principal().folders, limit)
     return {"path": path, "results": [{"path": p, "title": t, "score": s} for p, t, s in near]}
 
 
@@ -31303,7 +31964,7 @@ def agent_chat(svc: Service) -> dict:
     channel = field(body, "channel", required=False)
     if channel is not None and channel not in svc.channel_providers:
         raise bad_request(f"'channel' must be one of {', '.join(svc.channel_providers)}")
-    return ask_agent(svc, message, note, request_principal().folder)
+    return ask_agent(svc, message, note, request_principal().folders)
 
 
 def agent_status(svc: Service) -> dict:
@@ -31333,9 +31994,13 @@ def _days(body: dict, name: str, hi: int, default: int | None) -> int | None:
 
 
 def _grant_folder(body: dict) -> str | None:
-    """Return the folder of a grant's body (None: every note); `notes` itself is None."""
+    """Return the folder of a grant's body (None: every note it may see); `notes` itself
+    is None. A person's grant takes a folder of their reach only (404 for any other)."""
     raw = field(body, "folder", required=False)
     folder = folder_path(raw) if raw is not None else NOTES
+    principal = request_principal()
+    if folder != NOTES and not principal.whole and not principal.sees(folder):
+        raise not_found(f"no folder at {folder}")
     return None if folder == NOTES else folder
 
 
@@ -31355,12 +32020,15 @@ def create_scoped_key(svc: Service) -> dict:
         folder,
         _days(body, "expiresInDays", 3650, None),
         created_by=made_by(request_principal()),
+        person=request_principal().person,
     )
     return {**record, "key": key}
 
 
 def list_scoped_keys(svc: Service) -> dict:
-    return {"keys": svc.grants.grants()}
+    """GET /auth/keys: every grant for the owner; a person's own for a person."""
+    person = request_principal().person
+    return {"keys": svc.grants.grants(person or None)}
 
 
 # -- devices: a phone joins by scanning a code (docs/api.md: Devices) ---------------------------
@@ -31443,15 +32111,17 @@ def new_pairing(
     folder: str | None,
     environ,
     created_by: str,
+    person: str = "",
 ) -> dict:
-    """Make a pairing; return {id, name, scope, folder, createdAt, expiresAt, createdBy,
-    secret, url, origin, via[, qrSvg]}: the secret travels only in the link's fragment."""
+    """Make a pairing (a person's, with `person`); return {id, name, scope, folder,
+    createdAt, expiresAt, createdBy, secret, url, origin, via[, qrSvg]}: the secret travels
+    only in the link's fragment."""
     if scope not in SCOPES:
         raise bad_request("'scope' must be read, write or admin")
     if scope == "admin" and folder:
         raise bad_request("an admin device sees every note: leave out 'folder', or choose write")
     record, secret = grants.create_pairing(
-        name, scope, folder, config.pairing_ttl, created_by=created_by
+        name, scope, folder, config.pairing_ttl, created_by=created_by, person=person
     )
     origin, via = pairing_origin(config, grants.state.read(), environ)
     url = f"{origin}/#pair={secret}"
@@ -31467,9 +32137,8 @@ def create_pairing(svc: Service) -> dict:
     name = clean_name(field(body, "name", required=False, max_len=100), "device")
     scope = field(body, "scope", required=False) or "write"
     folder = _grant_folder(body)
-    env = bottle.request.environ
-    made = made_by(request_principal())
-    return new_pairing(svc.config, svc.grants, name, scope, folder, env, made)
+    env, who = bottle.request.environ, request_principal()
+    return new_pairing(svc.config, svc.grants, name, scope, folder, env, made_by(who), who.person)
 
 
 def get_addresses(svc: Service) -> dict:
@@ -31516,6 +32185,9 @@ def revoke_scoped_key(svc: Service, grant_id: str) -> dict:
     """DELETE /auth/keys/<id>[?cascade=true]: the grant, its share links and the pairings it
     made that wait; with cascade also every grant it made (by `createdBy`, and theirs)."""
     cascade = yes_or_no(bottle.request.query.get("cascade"), "cascade")
+    person = request_principal().person
+    if person and not any(g["id"] == grant_id for g in svc.grants.grants(person)):
+        raise not_found(f"no key or OAuth grant {grant_id}")  # (another's, to a person)
     gone = svc.grants.revoke(grant_id, cascade=cascade)
     if not gone:
         raise not_found(f"no key or OAuth grant {grant_id}")
@@ -31929,6 +32601,7 @@ def approve_oauth(svc: Service) -> dict:
         "folder": folder,
         "resource": resource,
         "createdBy": made_by(request_principal()),  # the owner, or the admin device
+        "person": request_principal().person,  # a person's admin device: their connector
     }
     redirect = svc.grants.approve(client, redirect_uri, grant, state, issuers[resource])
     log.info("OAuth request of %s approved (%s)", log_safe(client["name"], 100), wanted)
@@ -32214,7 +32887,7 @@ def _tools_call(svc: Service, name: Any, arguments: Any) -> dict:
     offered = {t.name: t for t in available_tools(svc, svc.config.mcp_write)}
     if name not in offered:
         known = svc.tools.get(name)
-        if known is not None and request_principal().folder and TOOLS.get(name) is not known:
+        if known is not None and not request_principal().whole and TOOLS.get(name) is not known:
             why = f"{name} is a plugin's tool: a connection to one folder gets the built-in tools"
         elif known is not None and not known.read_only and not svc.config.mcp_write:
             why = f"{name} changes notes: the owner has not allowed that (SERVICE_MCP_WRITE)"
@@ -32513,7 +33186,7 @@ def get_plugin(svc: Service, name: str) -> dict:
     info = plugin_info(svc, plugin)
     page = next((r for r in plugin.routes if r.method == "GET" and r.path == ""), None)
     who = request_principal()  # a grant sees a page its scope allows, a folder grant a built-in's
-    allowed = page and who.allows(page.scope) and (plugin.builtin or not who.folder)
+    allowed = page and who.allows(page.scope) and (plugin.builtin or who.whole)
     if allowed and info["enabled"]:
         info.update(page.handler(svc))
     return info
@@ -32731,7 +33404,8 @@ def get_export(svc: Service):
     resp.content_type = "application/zip"
     resp.set_header("Content-Disposition", f'attachment; filename="notesvc-export-{stamp}.zip"')
     resp.set_header("Cache-Control", "no-store")
-    log.info("request %s: export of %s", current_request_id(), principal.folder or "every note")
+    what = ", ".join(principal.folders) or "every note"
+    log.info("request %s: export of %s", current_request_id(), what)
     return export_zip(svc.config.root, principal)
 
 
@@ -33095,14 +33769,16 @@ def _dav_walk(path: str, file: str, top: str) -> os.stat_result | None:
 
 
 def dav_grant_sees(principal: Principal, path: str, write: bool = False) -> bool:
-    """A folder grant sees its folders (notes/<f>, attachments/<f>) and what is inside; the
-    folders above them only as the way there, and it writes nothing outside."""
-    if not principal.folder:
+    """A grant sees the folders of its reach (notes/<f>, attachments/<f>) and what is
+    inside; the folders above them only as the way there, and it writes nothing outside
+    them, nor where it may only read."""
+    if principal.whole:
         return True
-    own = (principal.folder, principal.attachments_folder)
-    inside = any(path.startswith(f + "/") for f in own)
+    folders = principal.folders
+    own = (*folders, *(attachments_twin(f) for f in folders))
     if write:  # (its folder itself too: a new folder key's first MKCOL makes it)
-        return inside or path in own
+        return principal.sees(path) and principal.may_write(path)
+    inside = any(path.startswith(f + "/") for f in own)
     return inside or path in own or any(not path or f.startswith(path + "/") for f in own)
 
 
@@ -34215,7 +34891,7 @@ def cal_options():
 
 
 def _sees(principal: Principal, path: str) -> bool:
-    return not principal.folder or path.startswith(principal.folder + "/")
+    return principal.sees(path)
 
 
 def cal_lists(book: TaskBook, principal: Principal) -> list:
@@ -34307,7 +34983,7 @@ def cal_sync_seq(book: TaskBook, principal: Principal, folder: str | None) -> in
 
 
 def _token_text(principal: Principal, list_id: str, seq: int) -> str:
-    return f"{principal.folder}\n{list_id}\n{seq}"
+    return f"{','.join(principal.folders)}\n{list_id}\n{seq}"
 
 
 def cal_sync_token(book: TaskBook, principal: Principal, lst: dict, seq: int | None = None) -> str:
@@ -35072,9 +35748,11 @@ def cal_put_new(svc: Service, book: TaskBook, res: dict, principal: Principal, n
 
         cal_edit_line(svc, parent, insert)
         return
-    path = f"{folder or principal.folder or INBOX}/{TASKS_NOTE}"
+    path = f"{folder or principal.home or INBOX}/{TASKS_NOTE}"
     if not _sees(principal, path):
         raise DavError(404, f"no task list {res['list']['id']}")
+    if not principal.whole and not principal.may_write(path):
+        raise DavError(403, f"this key may only read {path.rsplit('/', 1)[0]}")
     line = task_line_of(new["done"], new["summary"], cal_wall(svc, new["due"]), new["categories"])
     book.claim(path, line, new["uid"], res["href"])
     cal_append(svc, path, line)
@@ -35164,7 +35842,13 @@ def create_feed(svc: Service) -> dict:
     if not name:
         raise bad_request("'name' is empty")
     raw = field(body, "folder", required=False)
-    folder = visible_folder(svc, raw) if raw else request_principal().folder or None
+    who = request_principal()
+    folder = None
+    if raw:  # one folder of its reach (a folder above several of them: 404)
+        asked, shown = visible_folders(svc, raw)
+        if shown != (asked,):
+            raise not_found(f"no folder at {asked}")
+        folder = asked
     secret, now = secrets.token_urlsafe(24), time.time()
     feed = {
         "id": "fd_" + secrets.token_hex(6),
@@ -35174,8 +35858,10 @@ def create_feed(svc: Service) -> dict:
         "lastUsedAt": None,
         "hint": secret[-4:],
         "secretHash": key_hash(secret),
-        "createdBy": request_principal().grant_id or "owner",
+        "createdBy": who.grant_id or "owner",
     }
+    if who.person:  # a person's feed: listed to them, and it reads as much as they do
+        feed["person"] = who.person
 
     def change(data: dict) -> None:
         feeds = data.get("feeds", [])
@@ -35190,12 +35876,19 @@ def create_feed(svc: Service) -> dict:
     return {**feed_record(feed), "url": url, "homeOnly": opens_only_at_home(url)}
 
 
+def _feeds_seen(svc: Service) -> list:
+    """The feeds the request may list and delete: all for the owner, a person's own."""
+    person = request_principal().person
+    feeds = svc.state.read().get("feeds", [])
+    return [f for f in feeds if not person or f.get("person") == person]
+
+
 def list_feeds(svc: Service) -> dict:
-    return {"feeds": [feed_record(f) for f in svc.state.read().get("feeds", [])]}
+    return {"feeds": [feed_record(f) for f in _feeds_seen(svc)]}
 
 
 def delete_feed(svc: Service, feed_id: str) -> dict:
-    if not any(f["id"] == feed_id for f in svc.state.read().get("feeds", [])):
+    if not any(f["id"] == feed_id for f in _feeds_seen(svc)):
         raise not_found(f"no calendar feed {feed_id}")
 
     def change(data: dict) -> None:
@@ -35243,7 +35936,9 @@ def get_feed(svc: Service, name: str):
         svc.state.update(change)
     book = task_book(svc)
     book.refresh()
-    reader = Principal("key", "read", feed.get("folder") or "")
+    maker = svc.grants.principal_by_id(feed.get("createdBy"))  # (live: checked above)
+    reach = (maker or OWNER).reach.narrowed(feed.get("folder") or "", "read")
+    reader = Principal("key", "read", reach=reach)
     origin = svc.base_url(bottle.request.environ).rstrip("/")
     parts: list = []
     for task in cal_list_tasks(book, reader, None):
@@ -35273,6 +35968,106 @@ def feed_events(task: dict) -> list:
         ]
         out += ["TRANSP:TRANSPARENT", "END:VEVENT"]
     return out
+
+
+# == src/notesvc/http/people.py ===============================================
+# Handlers for people and shared folders: a household on one server (docs/api.md: People).
+
+
+def _person(svc: Service, person_id: str) -> dict:
+    person = svc.people.get(person_id)
+    if person is None:
+        raise not_found(f"no person {person_id[:40]}")
+    return person
+
+
+def add_person(svc: Service) -> dict:
+    """POST /people (the owner): a person, their home, and a pairing for their first
+    device (admin for their own things, ten minutes, once)."""
+    body = read_json(svc.config.max_body_bytes)
+    who = request_principal()
+    person = svc.people.add(body.get("name"), body.get("home"), created_by=made_by(who))
+    env = bottle.request.environ
+    name = clean_name(f"{person['name']}'s first device", "device")
+    pairing = new_pairing(
+        svc.config, svc.grants, name, "admin", None, env, made_by(who), person["id"]
+    )
+    bottle.response.status = 201
+    return {"person": PeopleStore.public(person), "pairing": pairing}
+
+
+def list_people(svc: Service) -> dict:
+    return {"people": svc.people.listed()}
+
+
+def rename_person(svc: Service, person_id: str) -> dict:
+    body = read_json(svc.config.max_body_bytes)
+    if "name" not in body:
+        raise bad_request("'name' is required")
+    return {"person": PeopleStore.public(svc.people.rename(person_id, body["name"]))}
+
+
+def remove_person(svc: Service, person_id: str) -> dict:
+    """DELETE /people/:id: everything the person holds ends at once; their notes stay."""
+    gone = svc.people.remove(person_id)
+    return {"id": person_id, "removed": True, "revoked": gone}
+
+
+def create_person_pairing(svc: Service, person_id: str) -> dict:
+    """POST /people/:id/pairings (the owner): a pairing for one more device of a person,
+    in their reach (a folder of it, when asked)."""
+    person = _person(svc, person_id)
+    body = read_json(svc.config.max_body_bytes, required=False)
+    name = clean_name(field(body, "name", required=False, max_len=100), "device")
+    scope = field(body, "scope", required=False) or "write"
+    raw = field(body, "folder", required=False)
+    folder = folder_path(raw) if raw is not None else NOTES
+    if folder != NOTES and not svc.grants.person_sees(person_id, folder):
+        raise not_found(f"no folder at {folder} in {person['name']}'s reach")
+    env, who = bottle.request.environ, request_principal()
+    folder_or_none = None if folder == NOTES else folder
+    answer = new_pairing(
+        svc.config, svc.grants, name, scope, folder_or_none, env, made_by(who), person_id
+    )
+    bottle.response.status = 201
+    return answer
+
+
+def _shared_folder(svc: Service, raw: str) -> str:
+    """Return a folder whose members the request may see: inside its reach (404 beyond)."""
+    folder, shown = visible_folders(svc, raw)
+    if shown != (folder,) or folder == NOTES:
+        raise (
+            not_found(f"no folder at {folder}")
+            if folder != NOTES
+            else bad_request(f"{NOTES} itself is not shared: share a folder in it")
+        )
+    return folder
+
+
+def get_members(svc: Service, path: str) -> dict:
+    folder = _shared_folder(svc, path)
+    return {"path": folder, "members": svc.people.members(folder)}
+
+
+def put_members(svc: Service, path: str) -> dict:
+    """PUT /folders/:path/members {members: [{person, scope}]}: replaces the folder's own
+    members (write on the folder; a person's, inside their home)."""
+    folder = _shared_folder(svc, path)
+    who = request_principal()
+    if not who.whole and not who.may_write(folder):
+        raise ApiError(403, "FORBIDDEN", f"sharing {folder} needs the write scope there")
+    body = read_json(svc.config.max_body_bytes)
+    if "members" not in body:
+        raise bad_request("'members' is required: a list of {person, scope}")
+    svc.people.set_members(folder, body["members"], who)
+    return {"path": folder, "members": svc.people.members(folder)}
+
+
+def list_shared_with_me(svc: Service) -> dict:
+    """GET /shared: the folders shared with the person asking (none for the owner)."""
+    person = request_principal().person
+    return {"folders": svc.people.shared_with(person) if person else []}
 
 
 # == src/notesvc/http/routes.py ===============================================
@@ -36006,6 +36801,7 @@ ROUTES = (
         status=201,
         tag="auth",
         scope="admin",
+        people=True,
         secret=True,
     ),
     Route(
@@ -36016,6 +36812,7 @@ ROUTES = (
         "URL; mcpVia relay, public, home or page) reach this server",
         tag="auth",
         scope="admin",
+        people=True,
     ),
     Route(
         "POST",
@@ -36053,6 +36850,7 @@ ROUTES = (
         status=201,
         tag="grants",
         scope="admin",
+        people=True,
         secret=True,
     ),
     Route(
@@ -36062,6 +36860,7 @@ ROUTES = (
         summary="Scoped keys and OAuth grants (no secrets)",
         tag="grants",
         scope="admin",
+        people=True,
     ),
     Route(
         "DELETE",
@@ -36072,6 +36871,7 @@ ROUTES = (
         params={"cascade": {"type": "boolean"}},
         tag="grants",
         scope="admin",
+        people=True,
     ),
     Route(
         "POST",
@@ -36141,9 +36941,18 @@ ROUTES = (
         status=201,
         tag="grants",
         scope="admin",
+        people=True,
         secret=True,
     ),
-    Route("GET", "/auth/feeds", list_feeds, summary="Calendar feeds", tag="grants", scope="admin"),
+    Route(
+        "GET",
+        "/auth/feeds",
+        list_feeds,
+        summary="Calendar feeds",
+        tag="grants",
+        scope="admin",
+        people=True,
+    ),
     Route(
         "DELETE",
         "/auth/feeds/<feed_id>",
@@ -36151,6 +36960,7 @@ ROUTES = (
         summary="Delete a calendar feed: its URL stops working",
         tag="grants",
         scope="admin",
+        people=True,
     ),
     Route(
         "GET",
@@ -36198,7 +37008,102 @@ ROUTES = (
         ),
         tag="grants",
         scope="admin",
+        people=True,
         secret=True,  # the authorisation code, beside the client's own `state`
+    ),
+    Route(
+        "POST",
+        "/people",
+        add_person,
+        summary="Add a person (the owner): their home folder, and a pairing for their first "
+        "device, shown once",
+        body=_obj(
+            ["name"],
+            name={**_STR, "minLength": 1, "maxLength": 64, "pattern": NOT_BLANK_PATTERN},
+            home=_FOLDER_PATH,
+        ),
+        status=201,
+        tag="people",
+        scope="admin",
+        secret=True,
+    ),
+    Route(
+        "GET",
+        "/people",
+        list_people,
+        summary="The people of this server, with their devices",
+        tag="people",
+        scope="admin",
+    ),
+    Route(
+        "PATCH",
+        "/people/<person_id>",
+        rename_person,
+        summary="Rename a person (their home keeps its name)",
+        body=_obj(["name"], name={**_STR, "minLength": 1, "maxLength": 64}),
+        tag="people",
+        scope="admin",
+    ),
+    Route(
+        "DELETE",
+        "/people/<person_id>",
+        remove_person,
+        summary="Remove a person: every device, key, connector, feed, share link, pairing "
+        "and chat link they hold ends at once; their notes stay",
+        tag="people",
+        scope="admin",
+    ),
+    Route(
+        "POST",
+        "/people/<person_id>/pairings",
+        create_person_pairing,
+        summary="A pairing for one more device of a person, in their reach; shown once",
+        body=_obj(
+            [],
+            name={**_STR, "maxLength": 100},
+            scope={"enum": list(SCOPES)},
+            folder=_FOLDER_PATH,
+        ),
+        status=201,
+        tag="people",
+        scope="admin",
+        secret=True,
+    ),
+    Route(
+        "GET",
+        "/folders/<path:path>/members",
+        get_members,
+        summary="Who a folder is shared with: its own members, then those of the folders "
+        "above it (inherited)",
+        params={"path": FOLDER_PATH_PARAM},
+        tag="people",
+        scope="read",
+    ),
+    Route(
+        "PUT",
+        "/folders/<path:path>/members",
+        put_members,
+        summary="Share a folder: replace its members (the owner any folder, a person one of "
+        "their home)",
+        params={"path": FOLDER_PATH_PARAM},
+        body=_obj(
+            ["members"],
+            members={
+                "type": "array",
+                "maxItems": 50,
+                "items": _obj(["person"], person=_STR, scope={"enum": ["read", "write"]}),
+            },
+        ),
+        tag="people",
+        scope="write",
+    ),
+    Route(
+        "GET",
+        "/shared",
+        list_shared_with_me,
+        summary="The folders shared with the person asking, with who shared them",
+        tag="people",
+        scope="read",
     ),
     Route("GET", "/relay/v1/pair/<code>", pair_relay_code, public=True, api=False, tag="relay"),
     Route("GET", "/", get_web_client, public=True, api=False, tag="pages", media="text/html"),
@@ -36474,6 +37379,13 @@ def _callback(svc: Service, route: Route) -> Callable:
                     403,
                     "FORBIDDEN",
                     f"this needs the {route.scope} scope; this key holds {principal.scope}",
+                )
+            if principal.person and route.scope == "admin" and not route.people:
+                raise ApiError(
+                    403,
+                    "FORBIDDEN",
+                    "this is the owner's: a person manages their own devices, keys, "
+                    "connectors and feeds only",
                 )
             env["notesvc.principal"] = principal
         once = svc.idempotency.key(route, env) if route.idempotent else None

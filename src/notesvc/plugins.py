@@ -534,7 +534,7 @@ def _visible_tags(svc: Service) -> dict:
     """Return {tag: note paths} the request's grant sees (a folder grant: its folder's)."""
     who = request_principal()
     tags = tag_map(svc)
-    if not who.folder:
+    if who.whole:
         return tags
     seen = {t: [p for p in paths if who.sees(p)] for t, paths in tags.items()}
     return {t: paths for t, paths in seen.items() if paths}

@@ -36,6 +36,7 @@ from notesvc.notes.history import DAY_SECONDS, HeadStoreError, HistoryStore
 from notesvc.notes.paths import ATTACHMENTS
 from notesvc.notes.store import AttachmentStore, NoteStore
 from notesvc.notes.trash import ChangeJournal, Trash, expire_loop
+from notesvc.people import PeopleStore
 from notesvc.search.index import SearchIndex
 from notesvc.settings import SETTINGS, Config, ConfigError
 
@@ -216,6 +217,7 @@ class Service:
         self.grants = GrantStore(  # scoped keys, OAuth grants, share links
             self.state, idle_days=config.device_idle_days
         )
+        self.people = PeopleStore(self.state, self.grants, self.notes)  # and shared folders
         # Background components of later sections, composed by build_service():
         self.pollers: Any = None  # ChannelPollers: a thread per channel in polling mode
         self.reminders: Any = None  # ReminderScheduler: ⏰ lines sent through the channels
@@ -226,13 +228,17 @@ class Service:
 
     def saved_by(self) -> str | None:
         """Return the name of the grant the current request acts for (a device's or a
-        key's, an app's), as versions record it; None for the owner or outside a request."""
+        key's, an app's; a person's as `<person> · <device>`), as versions record it; None
+        for the owner or outside a request."""
         grant_id = request_principal().grant_id
         if not grant_id:
             return None
-        for g in self.state.read().get("grants", []):
+        data = self.state.read()
+        for g in data.get("grants", []):
             if g["id"] == grant_id:
-                return (g.get("client") or {}).get("name") or g["name"]
+                name = (g.get("client") or {}).get("name") or g["name"]
+                person = self.people.get(g.get("person"), data)
+                return f"{person['name']} · {name}" if person else name
         return None
 
     def start(self) -> Service:

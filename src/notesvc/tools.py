@@ -120,7 +120,7 @@ def tool_related_notes(svc: Service, path: str, limit: int = 10) -> dict:
     path = visible_note(svc.notes, path)
     if not svc.notes.exists(path):
         raise not_found(f"no note at {path}")
-    near = related_notes(svc, path, request_principal().folder, limit)
+    near = related_notes(svc, path, request_principal().folders, limit)
     return {"path": path, "results": [{"path": p, "title": t, "score": s} for p, t, s in near]}
 
 
@@ -391,8 +391,8 @@ def tool_delete_note(svc: Service, path: str, etag: str | None = None) -> dict:
     alias_of="search_notes",
 )
 def tool_search(svc: Service, query: str) -> dict:
-    folder = request_principal().folder  # a folder grant searches its folder
-    hits = find_notes(svc, Query(query), folder, 10, 0)["results"]
+    folders = request_principal().folders  # a grant searches its reach
+    hits = find_notes(svc, Query(query), folders, 10, 0)["results"]
     return {"results": [{"id": p, "title": t, "url": note_url(svc, p)} for p, t, _, _ in hits]}
 
 

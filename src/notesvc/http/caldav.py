@@ -211,7 +211,7 @@ def cal_options():
 
 
 def _sees(principal: Principal, path: str) -> bool:
-    return not principal.folder or path.startswith(principal.folder + "/")
+    return principal.sees(path)
 
 
 def cal_lists(book: TaskBook, principal: Principal) -> list:
@@ -303,7 +303,7 @@ def cal_sync_seq(book: TaskBook, principal: Principal, folder: str | None) -> in
 
 
 def _token_text(principal: Principal, list_id: str, seq: int) -> str:
-    return f"{principal.folder}\n{list_id}\n{seq}"
+    return f"{','.join(principal.folders)}\n{list_id}\n{seq}"
 
 
 def cal_sync_token(book: TaskBook, principal: Principal, lst: dict, seq: int | None = None) -> str:
@@ -1068,9 +1068,11 @@ def cal_put_new(svc: Service, book: TaskBook, res: dict, principal: Principal, n
 
         cal_edit_line(svc, parent, insert)
         return
-    path = f"{folder or principal.folder or INBOX}/{TASKS_NOTE}"
+    path = f"{folder or principal.home or INBOX}/{TASKS_NOTE}"
     if not _sees(principal, path):
         raise DavError(404, f"no task list {res['list']['id']}")
+    if not principal.whole and not principal.may_write(path):
+        raise DavError(403, f"this key may only read {path.rsplit('/', 1)[0]}")
     line = task_line_of(new["done"], new["summary"], cal_wall(svc, new["due"]), new["categories"])
     book.claim(path, line, new["uid"], res["href"])
     cal_append(svc, path, line)

@@ -21,7 +21,7 @@ from typing import Callable
 
 from notesvc.boot import bottle, log
 from notesvc.errors import STATUS_CODES, ApiError, to_json
-from notesvc.grants import OWNER, Principal
+from notesvc.grants import OWNER, Principal, attachments_twin
 from notesvc.helpers import (
     BODY_CHUNK,
     TEMP_PREFIX,
@@ -381,14 +381,16 @@ def _dav_walk(path: str, file: str, top: str) -> os.stat_result | None:
 
 
 def dav_grant_sees(principal: Principal, path: str, write: bool = False) -> bool:
-    """A folder grant sees its folders (notes/<f>, attachments/<f>) and what is inside; the
-    folders above them only as the way there, and it writes nothing outside."""
-    if not principal.folder:
+    """A grant sees the folders of its reach (notes/<f>, attachments/<f>) and what is
+    inside; the folders above them only as the way there, and it writes nothing outside
+    them, nor where it may only read."""
+    if principal.whole:
         return True
-    own = (principal.folder, principal.attachments_folder)
-    inside = any(path.startswith(f + "/") for f in own)
+    folders = principal.folders
+    own = (*folders, *(attachments_twin(f) for f in folders))
     if write:  # (its folder itself too: a new folder key's first MKCOL makes it)
-        return inside or path in own
+        return principal.sees(path) and principal.may_write(path)
+    inside = any(path.startswith(f + "/") for f in own)
     return inside or path in own or any(not path or f.startswith(path + "/") for f in own)
 
 

@@ -339,7 +339,7 @@ def get_plugin(svc: Service, name: str) -> dict:
     info = plugin_info(svc, plugin)
     page = next((r for r in plugin.routes if r.method == "GET" and r.path == ""), None)
     who = request_principal()  # a grant sees a page its scope allows, a folder grant a built-in's
-    allowed = page and who.allows(page.scope) and (plugin.builtin or not who.folder)
+    allowed = page and who.allows(page.scope) and (plugin.builtin or who.whole)
     if allowed and info["enabled"]:
         info.update(page.handler(svc))
     return info
@@ -557,7 +557,8 @@ def get_export(svc: Service):
     resp.content_type = "application/zip"
     resp.set_header("Content-Disposition", f'attachment; filename="notesvc-export-{stamp}.zip"')
     resp.set_header("Cache-Control", "no-store")
-    log.info("request %s: export of %s", current_request_id(), principal.folder or "every note")
+    what = ", ".join(principal.folders) or "every note"
+    log.info("request %s: export of %s", current_request_id(), what)
     return export_zip(svc.config.root, principal)
 
 

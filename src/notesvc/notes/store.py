@@ -563,11 +563,25 @@ class NoteStore(FileTree):
     def list_page(
         self, folder: str, limit: int, offset: int, sort: str = "path", fields: Iterable = ()
     ) -> dict:
-        """Return a page of note records (no content): by path, or newest first (`sort`
-        "modified"); `fields` may add each note's `preview` and `tags`."""
-        if folder != NOTES and not os.path.isdir(self.file_of(folder)):
-            raise not_found(f"no folder at {folder}")
-        paths = self.by_modified(folder) if sort == "modified" else self.walk(folder)
+        """Return a page of note records (no content) of a folder, or of several (the
+        folders a grant reaches beneath the one asked: those not there yet hold nothing):
+        by path, or newest first (`sort` "modified"); `fields` may add each note's `preview`
+        and `tags`."""
+        folders = (folder,) if isinstance(folder, str) else tuple(folder)
+        if len(folders) == 1:
+            folder = folders[0]
+            if folder != NOTES and not os.path.isdir(self.file_of(folder)):
+                raise not_found(f"no folder at {folder}")
+            paths = self.by_modified(folder) if sort == "modified" else self.walk(folder)
+        else:
+            found = []
+            for f in folders:
+                if not os.path.isdir(self.file_of(f)):
+                    continue  # a folder a grant reaches that is not there yet
+                for path, e in self._entries(f):
+                    with contextlib.suppress(OSError):  # removed meanwhile
+                        found.append((-e.stat().st_mtime_ns if sort == "modified" else 0, path))
+            paths = [path for _, path in sorted(found)]
         page = []
         for path in paths[offset : offset + limit]:
             try:
@@ -1235,10 +1249,17 @@ class AttachmentStore(FileTree):
                 count += 1
         return count, size
 
-    def list_page(self, folder: str, limit: int, offset: int) -> dict:
-        if folder != ATTACHMENTS and not os.path.isdir(self.file_of(folder)):
-            raise not_found(f"no folder at {folder}")
-        found = sorted(self._entries(folder), key=lambda item: item[0])
+    def list_page(self, folder: str | tuple, limit: int, offset: int) -> dict:
+        """Return a page of the files of a folder, or of several (those not there yet hold
+        nothing), by path."""
+        folders = (folder,) if isinstance(folder, str) else tuple(folder)
+        lone = folders[0] if len(folders) == 1 else ATTACHMENTS
+        if lone != ATTACHMENTS and not os.path.isdir(self.file_of(lone)):
+            raise not_found(f"no folder at {lone}")
+        found = sorted(
+            (item for f in folders if os.path.isdir(self.file_of(f)) for item in self._entries(f)),
+            key=lambda item: item[0],
+        )
         page = []
         for path, e in found[offset : offset + limit]:
             try:

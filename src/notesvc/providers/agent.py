@@ -279,7 +279,9 @@ def answer_nothing(svc: Service, question: str, found: list) -> tuple:
     raise ApiError(503, "AGENT_DISABLED", "the agent is off (SERVICE_AGENT_PROVIDER=none)")
 
 
-def ask_agent(svc: Service, question: str, note: str | None = None, folder: str = "") -> dict:
+def ask_agent(
+    svc: Service, question: str, note: str | None = None, folder: str | tuple = ""
+) -> dict:
     """Return the agent's {reply, provider, model, sources} for a question (its sources
     inside `folder` only, when a folder grant asks)."""
     provider = svc.agent_providers[svc.config.agent_provider]

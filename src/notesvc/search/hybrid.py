@@ -46,9 +46,10 @@ def _chunk_snippet(svc: Service, path: str, chunk: int) -> str:
 
 
 def find_notes(
-    svc: Service, query: Query, folder: str, limit: int, offset: int, mode: str = ""
+    svc: Service, query: Query, folder: str | tuple, limit: int, offset: int, mode: str = ""
 ) -> dict:
-    """Search as `mode` asks (hybrid by default when embeddings are on): {total, results:
+    """Search as `mode` asks (hybrid by default when embeddings are on), among the notes of
+    `folder` (a folder, or the folders of a reach: "" or () every note): {total, results:
     [(path, title, score, snippet)], mode, fallback}. Never fails because the endpoint
     does: it answers in keyword mode with fallback true."""
     embedder = svc.embedder
@@ -63,7 +64,9 @@ def find_notes(
     return {"total": total, "results": hits, "mode": "keyword", "fallback": mode != "keyword"}
 
 
-def _by_meaning(svc: Service, query: Query, folder: str, page: tuple, mode: str, vector) -> dict:
+def _by_meaning(
+    svc: Service, query: Query, folder: str | tuple, page: tuple, mode: str, vector
+) -> dict:
     near = svc.embedder.nearest(vector, folder)
     if query.excludes:
         out = svc.index.excluded(query.excludes, [p for p, _, _ in near])
@@ -96,7 +99,7 @@ def _with_snippets(svc: Service, query: Query, page: list, chunk_of: dict) -> li
     return results
 
 
-def related_notes(svc: Service, path: str, folder: str, limit: int) -> list:
+def related_notes(svc: Service, path: str, folder: str | tuple, limit: int) -> list:
     """Return [(path, title, score)] of the notes nearest a note (its chunks' mean) that
     clear the floor: fewer than `limit`, or none, when no other note is near."""
     embedder = svc.embedder

@@ -114,6 +114,12 @@ class _Progress:
             log.info("indexing: %d of %d notes indexed", self.done, self.total)
 
 
+def folder_prefixes(folder: str | tuple) -> tuple:
+    """Return the path prefixes ("notes/a/") of a folder or of several (() for every note)."""
+    folders = (folder,) if isinstance(folder, str) else tuple(folder)
+    return tuple(f.rstrip("/") + "/" for f in folders if f)
+
+
 SORT_UP_TO = 512  # fewer items: sorted() in C beats heapq.nlargest's Python loop (3x at 20)
 
 
@@ -823,8 +829,8 @@ class SearchIndex:
         for alt in excludes:
             cands -= self._alt_docs(seg, si, alt, keys, cands)
         cands = cands - seg.deleted
-        if folder and cands:
-            cands = seg.in_folder(cands, folder)
+        if folder and cands:  # the folders of a reach (their prefixes): any of them
+            cands = set().union(*(seg.in_folder(cands, prefix) for prefix in folder))
         if not cands:
             return None
         comps = [
@@ -933,11 +939,17 @@ class SearchIndex:
             return ranked[:k]
 
     def search(
-        self, query: Query, folder: str = "", limit: int = 20, offset: int = 0, snippets=True
+        self,
+        query: Query,
+        folder: str | tuple = "",
+        limit: int = 20,
+        offset: int = 0,
+        snippets=True,
     ) -> tuple:
         """Return (total, [(path, title, score, snippet)]) best first (snippets "" when
-        not asked for)."""
-        prefix = folder.rstrip("/") + "/" if folder else ""
+        not asked for), among the notes of `folder` (a folder, or the folders of a reach:
+        () or "" every note)."""
+        prefix = folder_prefixes(folder)
         with self._lock:
             segs = self._all()
             n, avg = self._count(segs), self._averages(segs)

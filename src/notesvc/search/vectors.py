@@ -565,11 +565,15 @@ class VectorStore:
             folder = folder.rpartition("/")[0]
             self._folders[folder] += delta
 
-    def count_under(self, folder: str = "") -> int:
-        """Return how many notes are held beneath a folder ("" all): kept as notes come
-        and go, so a search's status costs a look-up, not a walk."""
+    def count_under(self, folder: str | tuple = "") -> int:
+        """Return how many notes are held beneath a folder, or the folders of a reach (""
+        or (): all): kept as notes come and go, so a search's status costs a look-up, not
+        a walk. (A reach's folders never hold one another.)"""
+        folders = (folder,) if isinstance(folder, str) else tuple(folder)
         with self.lock:
-            return self._folders.get(folder.rstrip("/"), 0) if folder else self._names.count
+            if not any(folders):
+                return self._names.count
+            return sum(self._folders.get(f.rstrip("/"), 0) for f in folders if f)
 
     def holds(self, path: str) -> bool:
         return self._names.find(path) is not None
@@ -822,16 +826,20 @@ class VectorStore:
             out.append((scale * sum(map(mul, vec, query)), r))
         return out
 
-    def nearest(self, query: list, folder: str = "", limit: int = MAX_SEMANTIC_NOTES) -> list:
+    def nearest(
+        self, query: list, folder: str | tuple = "", limit: int = MAX_SEMANTIC_NOTES
+    ) -> list:
         """Return [(path, cosine, chunk number)] of the notes nearest a normalised query
-        vector, best first: each note's best chunk; only notes under `folder` are scanned."""
+        vector, best first: each note's best chunk; only notes under `folder` (a folder,
+        or the folders of a reach) are scanned."""
         with self.lock:
             if not self._count:
                 return []
             within = None
-            if folder:
-                prefix = folder.rstrip("/") + "/"
-                held = [n for n, p in self._names.held() if p.startswith(prefix)]
+            folders = (folder,) if isinstance(folder, str) else tuple(folder)
+            prefixes = tuple(f.rstrip("/") + "/" for f in folders if f)
+            if prefixes:
+                held = [n for n, p in self._names.held() if p.startswith(prefixes)]
                 within = [r for n in held for r in self._run(n)]
                 if not within:
                     return []

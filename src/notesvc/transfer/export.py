@@ -13,7 +13,7 @@ from pathlib import Path
 from typing import Callable
 
 from notesvc.boot import __version__
-from notesvc.grants import OWNER, Principal
+from notesvc.grants import OWNER, Principal, attachments_twin
 from notesvc.helpers import BODY_CHUNK, iso, utcnow
 from notesvc.notes.paths import ATTACHMENTS, NOTES
 from notesvc.transfer.plan import EXPORT_MANIFEST
@@ -31,11 +31,8 @@ STORED_TYPES = frozenset(  # already compressed: stored as they are
 def export_files(root: Path, principal: Principal = OWNER) -> Iterable:
     """Yield (name in the zip, file, stat) of every note, attachment and other file the
     grant sees (hidden files, temp files and symbolic links left out), in path order."""
-    tops = (
-        [principal.folder, principal.attachments_folder]
-        if principal.folder
-        else [NOTES, ATTACHMENTS]
-    )
+    folders = principal.folders  # a grant's reach, in path order: notes, then attachments
+    tops = [*folders, *(attachments_twin(f) for f in folders)] if folders else [NOTES, ATTACHMENTS]
     for top in tops:
         base = root / top
         for folder, dirs, files in os.walk(base):
@@ -120,6 +117,7 @@ def export_zip(root: Path, principal: Principal = OWNER, progress: Callable | No
             "notesvc": __version__,
             "exportedAt": iso(utcnow()),
             "folder": principal.folder or None,
+            "folders": list(principal.folders) or None,
             **counts,
         }
         zf.writestr(EXPORT_MANIFEST, json.dumps(manifest, indent=2) + "\n")
