@@ -79,6 +79,17 @@ def raw_mcp(client, body: bytes | str, status="*", **headers):
     return with_status(client.post(f"{API}/mcp", body, headers=hdrs, expect_errors=True), status)
 
 
+def initialize(client, version: str = "2025-11-25", **headers):
+    """POST initialize (handshake era); return the response (its Mcp-Session-Id header)."""
+    params = {
+        "protocolVersion": version,
+        "capabilities": {},
+        "clientInfo": {"name": "t", "version": "1"},
+    }
+    body = {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": params}
+    return raw_mcp(client, json.dumps(body), 200, **headers)
+
+
 def rpc_error(resp, status: int, code: int) -> dict:
     """Assert a JSON-RPC error answer (no envelope, no traceback); return its error."""
     assert resp.status_int == status, resp.text
@@ -119,11 +130,15 @@ class TestMcp:
                 headers={"Content-Type": "application/json"},
             )
             assert resp.content_type == "application/json"
-            assert "Mcp-Session-Id" not in resp.headers  # nothing is kept between requests
+            assert re.fullmatch(r"[A-Za-z0-9_-]{22}", resp.headers["Mcp-Session-Id"])
             result = resp.json["result"]
             assert resp.json["id"] == 7
             assert result["protocolVersion"] == given
-            assert result["capabilities"] == {"tools": {"listChanged": False}}
+            assert result["capabilities"] == {
+                "tools": {"listChanged": False},
+                "resources": {"subscribe": True, "listChanged": True},
+                "prompts": {"listChanged": False},
+            }
             assert result["serverInfo"]["name"] == "notesvc"
             assert result["serverInfo"]["version"] == notesvc.__version__
             assert "search_notes" in result["instructions"]
@@ -140,7 +155,11 @@ class TestMcp:
         assert found["id"] == "m-1"
         result = found["result"]
         assert result["supportedVersions"] == ["2025-06-18", "2025-11-25", "2026-07-28"]
-        assert result["capabilities"] == {"tools": {"listChanged": False}}
+        assert result["capabilities"] == {  # no stream in this era: no subscriptions
+            "tools": {"listChanged": False},
+            "resources": {"subscribe": False, "listChanged": False},
+            "prompts": {"listChanged": False},
+        }
         assert result["resultType"] == "complete"
         assert result["cacheScope"] == "private"
         assert result["ttlMs"] >= 0
@@ -197,7 +216,7 @@ class TestMcp:
             ('{"jsonrpc": "2.0", "id": 1.5, "method": "ping"}', 400, -32600),
             ('{"jsonrpc": "2.0", "id": {"a": 1}, "method": "ping"}', 400, -32600),
             ('{"jsonrpc": "2.0", "id": null, "method": "ping"}', 400, -32600),
-            ('{"jsonrpc": "2.0", "id": 1, "method": "resources/list"}', 200, -32601),
+            ('{"jsonrpc": "2.0", "id": 1, "method": "sampling/createMessage"}', 200, -32601),
             ('{"jsonrpc": "2.0", "id": 1, "method": "' + "x" * 5000 + '"}', 200, -32601),
             ('{"jsonrpc": "2.0", "id": 1, "method": "tools/list", "params": [1]}', 200, -32602),
             (
@@ -237,7 +256,7 @@ class TestMcp:
         assert resp.json["id"] is None
 
     def test_stateless_methods_not_served_are_404(self, mcp):
-        for method in ("initialize", "ping", "resources/list"):
+        for method in ("initialize", "ping", "completion/complete"):
             rpc_error(modern(mcp, method), 404, -32601)
 
     def test_stateless_envelope_and_version_checks(self, mcp):
@@ -330,12 +349,27 @@ class TestMcp:
         old = {"MCP-Protocol-Version": "2025-11-25"}
         assert "resultType" not in raw_mcp(mcp, body, **old).json["result"]
 
-    def test_get_delete_put_are_405_in_json_rpc(self, mcp):
+    def test_get_delete_put_are_405_in_json_rpc(self, mcp, anon):
+        # GET and DELETE without a session, PUT and PATCH always: 405 in JSON-RPC
         for method in ("GET", "DELETE", "PUT", "PATCH"):
             resp = mcp.request(f"{API}/mcp", method=method, expect_errors=True)
             error = rpc_error(resp, 405, -32000)
             assert error["data"] == {"status": 405, "code": "METHOD_NOT_ALLOWED"}
-            assert resp.headers["Allow"] == "POST"
+            assert "POST" in resp.headers["Allow"]
+        # credentials first: whatever the session id, a missing key is 401
+        resp = anon.get(f"{API}/mcp", headers={"Mcp-Session-Id": "x" * 22}, expect_errors=True)
+        rpc_error(resp, 401, -32000)
+        # with a session: DELETE ends it (204); then it is unknown (404) to GET, POST, DELETE
+        sid = initialize(mcp).headers["Mcp-Session-Id"]
+        hdr = {"Mcp-Session-Id": sid}
+        assert mcp.delete(f"{API}/mcp", headers=hdr, status=204).body == b""
+        for method in ("GET", "DELETE"):
+            resp = mcp.request(f"{API}/mcp", method=method, headers=hdr, expect_errors=True)
+            rpc_error(resp, 404, -32000)
+        rpc_error(raw_mcp(mcp, '{"jsonrpc": "2.0", "id": 1, "method": "ping"}', **hdr), 404, -32000)
+        for method in ("PUT", "PATCH"):  # a session changes nothing for these
+            resp = mcp.request(f"{API}/mcp", method=method, headers=hdr, expect_errors=True)
+            rpc_error(resp, 405, -32000)
 
     def test_limits_are_json_rpc_errors(self, make_app):
         client = with_key(make_app(SERVICE_MAX_BODY_BYTES="2048"))

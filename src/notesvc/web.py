@@ -317,6 +317,24 @@ RELAY_LANDING_HEADERS = {
 }
 
 
+# -- MCP's review card (ui://notesvc/review): a page for an assistant's host --------------
+#
+# Self-contained: its style and script inline, allowed by their hashes in its own CSP (a
+# meta tag: the host serves it, not us), no other source, no connection, no frame.
+
+REVIEW_SOURCE = web_source("review.html")
+_REVIEW_CSS = REVIEW_SOURCE.split("<style>")[1].split("</style>")[0]
+_REVIEW_JS = REVIEW_SOURCE.split("<script>")[1].split("</script>")[0]
+REVIEW_CSP_META = (
+    f"default-src 'none'; script-src {_csp_hash(_REVIEW_JS)}; "
+    f"style-src {_csp_hash(_REVIEW_CSS)}; img-src 'none'; connect-src 'none'; "
+    "form-action 'none'; base-uri 'none'"
+)
+REVIEW_HTML = REVIEW_SOURCE.replace(
+    "<!--CSP-->", f'<meta http-equiv="Content-Security-Policy" content="{REVIEW_CSP_META}">', 1
+)
+
+
 # -- compression: each page gzipped once, at start (docs/api.md: Compression) --------------
 
 _PAGES = {

@@ -35,6 +35,7 @@ from notesvc.http.access import (
 from notesvc.http.api import (
     MAX_SEQ,
     MAX_WAIT_SECONDS,
+    accept_suggestion_route,
     agent_chat,
     agent_status,
     create_note,
@@ -57,6 +58,7 @@ from notesvc.http.api import (
     list_attachments,
     list_changes,
     list_notes,
+    list_suggestions,
     list_trash,
     list_versions,
     merge_note,
@@ -66,6 +68,7 @@ from notesvc.http.api import (
     post_attachment,
     purge_trash_item,
     put_attachment,
+    reject_suggestion_route,
     restore_trash_item,
     restore_version,
     rotate_api_key,
@@ -99,7 +102,7 @@ from notesvc.http.integrations import (
     toggle_plugin,
     verify_webhook,
 )
-from notesvc.http.mcp import mcp_endpoint
+from notesvc.http.mcp import mcp_end_session, mcp_endpoint, mcp_stream
 from notesvc.http.people import (
     add_person,
     create_person_pairing,
@@ -172,6 +175,12 @@ _VERSION_ID = {
     "description": "from .../versions",
 }
 _TRASH_ID = {"type": "string", "pattern": json_pattern(TRASH_ID_RE), "description": "from /trash"}
+_SUGGESTION_ID = {
+    "type": "string",
+    "minLength": 1,
+    "maxLength": 64,
+    "description": "from /suggestions",
+}
 
 
 def _int(lo: int, hi: int, default: int) -> dict:
@@ -512,6 +521,30 @@ ROUTES = (
     ),
     Route(
         "GET",
+        "/mcp",
+        mcp_stream,
+        summary="MCP: a session's stream of notifications (Server-Sent Events; needs "
+        "Mcp-Session-Id from initialize and Accept: text/event-stream; 405 without a "
+        "session or through the relay's link, 429 over the cap of open streams)",
+        tag="mcp",
+        media="text/event-stream",
+        enveloped=False,
+        jsonrpc=True,
+        scope="read",
+    ),
+    Route(
+        "DELETE",
+        "/mcp",
+        mcp_end_session,
+        summary="MCP: end a session (Mcp-Session-Id); 405 without one",
+        status=204,
+        tag="mcp",
+        enveloped=False,
+        jsonrpc=True,
+        scope="read",
+    ),
+    Route(
+        "GET",
         "/attachments",
         list_attachments,
         summary="List attachments by path",
@@ -813,6 +846,36 @@ ROUTES = (
         params={"item_id": _TRASH_ID},
         tag="trash",
         scope="admin",  # purging for good: the owner's alone
+    ),
+    Route(
+        "GET",
+        "/suggestions",
+        list_suggestions,
+        summary="An assistant's suggested edits waiting for approval (SERVICE_MCP_WRITE or "
+        "SERVICE_AGENT_WRITE=suggest), newest first, in the caller's reach",
+        params={"limit": _int(1, 200, 50), "offset": _int(0, 10**6, 0)},
+        tag="suggestions",
+        scope="read",
+    ),
+    Route(
+        "POST",
+        "/suggestions/<suggestion_id>/accept",
+        accept_suggestion_route,
+        summary="Apply a suggestion: an edit merged three ways with what changed since (409 "
+        "CONFLICT with conflictPath: kept as a conflict copy, closed); a move or delete only "
+        "while the note is its base (else 409, still open); 404 when not open",
+        params={"suggestion_id": _SUGGESTION_ID},
+        tag="suggestions",
+        scope="write",
+    ),
+    Route(
+        "POST",
+        "/suggestions/<suggestion_id>/reject",
+        reject_suggestion_route,
+        summary="Close a suggestion without applying it; 404 when not open",
+        params={"suggestion_id": _SUGGESTION_ID},
+        tag="suggestions",
+        scope="write",
     ),
     Route(
         "GET",

@@ -481,6 +481,36 @@ class ChangeJournal:
             finally:
                 self._waiting[pool] -= 1
 
+    def take_slot(self, pool: str, cap: int) -> bool:
+        """Hold one of `pool`'s `cap` waiting places for a follower that stays (an MCP
+        session's stream): False when they are all taken. give_slot() gives it back."""
+        with self._cond:
+            if self._waiting[pool] >= cap:
+                return False
+            self._waiting[pool] += 1
+            return True
+
+    def give_slot(self, pool: str) -> None:
+        with self._cond:
+            self._waiting[pool] -= 1
+
+    def wait_past(self, since: int, timeout: float, stop: Callable = lambda: False) -> bool:
+        """Wait up to timeout s for a change after `since` (or stop(), or the server
+        stopping), a place already held (take_slot); return whether a change came."""
+        with self._cond:
+            self._cond.wait_for(lambda: self.last > since or self._closed or stop(), timeout)
+            return self.last > since
+
+    @property
+    def closed(self) -> bool:
+        return self._closed
+
+    def nudge(self) -> None:
+        """Wake every follower to look at its stop() again (a stream replaced, a session
+        ended, a credential revoked)."""
+        with self._cond:
+            self._cond.notify_all()
+
     def waiting(self) -> int:
         with self._cond:
             return sum(self._waiting.values())
