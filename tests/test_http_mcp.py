@@ -138,6 +138,7 @@ class TestMcp:
                 "tools": {"listChanged": False},
                 "resources": {"subscribe": True, "listChanged": True},
                 "prompts": {"listChanged": False},
+                "completions": {},
             }
             assert result["serverInfo"]["name"] == "notesvc"
             assert result["serverInfo"]["version"] == notesvc.__version__
@@ -159,6 +160,7 @@ class TestMcp:
             "tools": {"listChanged": False},
             "resources": {"subscribe": False, "listChanged": False},
             "prompts": {"listChanged": False},
+            "completions": {},
         }
         assert result["resultType"] == "complete"
         assert result["cacheScope"] == "private"
@@ -256,7 +258,7 @@ class TestMcp:
         assert resp.json["id"] is None
 
     def test_stateless_methods_not_served_are_404(self, mcp):
-        for method in ("initialize", "ping", "completion/complete"):
+        for method in ("initialize", "ping", "logging/setLevel"):
             rpc_error(modern(mcp, method), 404, -32601)
 
     def test_stateless_envelope_and_version_checks(self, mcp):

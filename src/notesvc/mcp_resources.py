@@ -39,29 +39,14 @@ from notesvc.tools import seen_version
 PARSE_ERROR, INVALID_REQUEST, METHOD_NOT_FOUND, INVALID_PARAMS = -32700, -32600, -32601, -32602
 RESOURCE_NOT_FOUND = -32002  # MCP: resources/read of a URI that names nothing (or not for you)
 HEADER_MISMATCH, UNSUPPORTED_VERSION = -32020, -32022
-# The HTTP status of a stateless-era error (the SDKs' table); in the handshake era a body
-# that cannot be taken is 400 and every other error 200.
-_STATELESS_STATUS = {METHOD_NOT_FOUND: 404, RESOURCE_NOT_FOUND: 404}
-_HANDSHAKE_400 = (PARSE_ERROR, INVALID_REQUEST, UNSUPPORTED_VERSION)
 
 
-class RpcError(Exception):
-    """A JSON-RPC error answer (its HTTP status follows from the code and the era)."""
+class McpError(Exception):
+    """A JSON-RPC error of an MCP method (http/mcp.py's RpcError answers it)."""
 
     def __init__(self, code: int, message: str, data: Any = None):
         super().__init__(message)
         self.code, self.message, self.data = code, message, data
-
-    def answer(self, request_id: Any) -> dict:
-        error = {"code": self.code, "message": self.message}
-        if self.data is not None:
-            error["data"] = self.data
-        return {"jsonrpc": "2.0", "id": request_id, "error": error}
-
-    def http_status(self, stateless: bool) -> int:
-        if stateless:
-            return _STATELESS_STATUS.get(self.code, 400)
-        return 400 if self.code in _HANDSHAKE_400 else 200
 
 
 # -- URIs: notesvc://<kind>/<path>, each path segment percent-encoded -------------------------
@@ -91,12 +76,12 @@ def parse_uri(uri: Any) -> tuple:
     ('version', 'notes/a/b.md', 'v1')
     """
     if not isinstance(uri, str) or not uri:
-        raise RpcError(INVALID_PARAMS, "params.uri must be a resource URI (a string)")
+        raise McpError(INVALID_PARAMS, "params.uri must be a resource URI (a string)")
     if len(uri) > MAX_URI_CHARS:
-        raise RpcError(INVALID_PARAMS, f"the URI is longer than {MAX_URI_CHARS} characters")
+        raise McpError(INVALID_PARAMS, f"the URI is longer than {MAX_URI_CHARS} characters")
     m = _URI_RE.fullmatch(uri)
     if not m:
-        raise RpcError(
+        raise McpError(
             INVALID_PARAMS,
             "unknown resource URI: this server serves notesvc://note/<path>, "
             "notesvc://folder/<path>, notesvc://version/<path>@<id>, "
@@ -105,7 +90,7 @@ def parse_uri(uri: Any) -> tuple:
         )
     kind, raw = m.groups()
     if kind not in URI_KINDS:
-        raise RpcError(
+        raise McpError(
             INVALID_PARAMS,
             f"unknown resource kind {kind[:40]!r}: one of {', '.join(URI_KINDS)}",
             {"uri": uri[:200]},
@@ -114,23 +99,23 @@ def parse_uri(uri: Any) -> tuple:
     if kind == "version":
         raw, at, version = raw.rpartition("@")
         if not at or not version:
-            raise RpcError(INVALID_PARAMS, "a version URI ends @<versionId>", {"uri": uri[:200]})
+            raise McpError(INVALID_PARAMS, "a version URI ends @<versionId>", {"uri": uri[:200]})
         version = urllib.parse.unquote(version)
     try:
         path = "/".join(urllib.parse.unquote(seg, errors="strict") for seg in raw.split("/")).strip(
             "/"
         )
     except UnicodeDecodeError:
-        raise RpcError(INVALID_PARAMS, "the URI's path is not UTF-8", {"uri": uri[:200]}) from None
+        raise McpError(INVALID_PARAMS, "the URI's path is not UTF-8", {"uri": uri[:200]}) from None
     if not path or {".", ".."} & set(path.split("/")) or "" in path.split("/"):
-        raise RpcError(
+        raise McpError(
             INVALID_PARAMS, "a resource path has no empty, . or .. segments", {"uri": uri[:200]}
         )
     return kind, path, version
 
 
-def _not_found(uri: str) -> RpcError:
-    return RpcError(RESOURCE_NOT_FOUND, "Resource not found", {"uri": uri[:200]})
+def _not_found(uri: str) -> McpError:
+    return McpError(RESOURCE_NOT_FOUND, "Resource not found", {"uri": uri[:200]})
 
 
 def checked(uri: str, fn, *args):
@@ -141,7 +126,7 @@ def checked(uri: str, fn, *args):
     except ApiError as e:
         if e.status_code in (403, 404):
             raise _not_found(uri) from None
-        raise RpcError(INVALID_PARAMS, e.message, {"uri": uri[:200]}) from None
+        raise McpError(INVALID_PARAMS, e.message, {"uri": uri[:200]}) from None
 
 
 # -- resources/list: the notes in reach, newest first, 100 a page -----------------------------
@@ -177,7 +162,7 @@ def read_cursor(cursor: Any) -> int:
         if offset < 0 or not hmac.compare_digest(mac, want):
             raise ValueError
     except (ValueError, UnicodeDecodeError):
-        raise RpcError(
+        raise McpError(
             INVALID_PARAMS,
             "unknown cursor: list again without one (cursors last until the server restarts)",
         ) from None
@@ -410,12 +395,12 @@ def _argument(arguments: dict, name: str, required: bool = False) -> str:
     value = arguments.get(name)
     if value is None or value == "":
         if required:
-            raise RpcError(INVALID_PARAMS, f"missing required argument {name!r}")
+            raise McpError(INVALID_PARAMS, f"missing required argument {name!r}")
         return ""
     if not isinstance(value, str):
-        raise RpcError(INVALID_PARAMS, f"argument {name!r} must be a string")
+        raise McpError(INVALID_PARAMS, f"argument {name!r} must be a string")
     if len(value) > 100_000:
-        raise RpcError(INVALID_PARAMS, f"argument {name!r} is over 100,000 characters")
+        raise McpError(INVALID_PARAMS, f"argument {name!r} is over 100,000 characters")
     return value
 
 
@@ -423,17 +408,17 @@ def _guarded(fn, *args):
     try:
         return fn(*args)
     except ApiError as e:
-        raise RpcError(INVALID_PARAMS, e.message) from None
+        raise McpError(INVALID_PARAMS, e.message) from None
 
 
 def get_prompt(svc: Service, name: Any, arguments: Any) -> dict:
     """prompts/get: {description, messages}; -32602 for an unknown prompt or bad arguments."""
     if not isinstance(name, str) or name not in PROMPTS:
-        raise RpcError(INVALID_PARAMS, f"unknown prompt {str(name)[:64]!r} (see prompts/list)")
+        raise McpError(INVALID_PARAMS, f"unknown prompt {str(name)[:64]!r} (see prompts/list)")
     if arguments is None:
         arguments = {}
     if not isinstance(arguments, dict):
-        raise RpcError(INVALID_PARAMS, "params.arguments must be an object")
+        raise McpError(INVALID_PARAMS, "params.arguments must be an object")
     budget = _Budget()
     make = {
         "ingest": _ingest,
@@ -496,7 +481,7 @@ def _since_time(raw: str) -> float:
     try:
         when = dt.datetime.fromisoformat(raw.strip().replace("Z", "+00:00"))
     except ValueError:
-        raise RpcError(
+        raise McpError(
             INVALID_PARAMS, "'since' must be a date or time, such as 2025-05-01"
         ) from None
     if when.tzinfo is None:
@@ -613,3 +598,53 @@ def _tidy(svc: Service, args: dict, budget: _Budget) -> list:
     )
     first = [b[0] for b in bad[:5]] + [p for g in dupes[:3] for p in g[:2]] + orphans[:5]
     return [_say(intro, budget), *_embed(svc, list(dict.fromkeys(first)), budget, 15)]
+
+
+# -- completion/complete: the paths an argument may take ------------------------------------
+
+MAX_COMPLETIONS = 100  # MCP's most values in one answer
+_FOLDER_ARGUMENTS = {("summarize-folder", "path"), ("tidy", "folder"), ("ingest", "folder")}
+_NOTE_ARGUMENTS = {("ingest", "source")}
+
+
+def complete(svc: Service, ref: Any, argument: Any) -> dict:
+    """completion/complete: note or folder paths in the caller's reach that begin with what
+    was typed (or hold it), for a prompt's path arguments and the resource templates'
+    `path`; nothing for other arguments (their values are free text)."""
+    if not isinstance(ref, dict) or not isinstance(argument, dict):
+        raise McpError(INVALID_PARAMS, "params.ref and params.argument must be objects")
+    name, value = argument.get("name"), argument.get("value", "")
+    if not isinstance(name, str) or not isinstance(value, str):
+        raise McpError(INVALID_PARAMS, "argument.name and argument.value must be strings")
+    kind = ref.get("type")
+    if kind == "ref/prompt":
+        key = (ref.get("name"), name)
+        wants = "folder" if key in _FOLDER_ARGUMENTS else "note" if key in _NOTE_ARGUMENTS else ""
+    elif kind == "ref/resource":
+        template = str(ref.get("uri", ""))
+        wants = ""
+        if name == "path":
+            wants = "folder" if template.startswith(f"{SCHEME}folder/") else "note"
+    else:
+        raise McpError(INVALID_PARAMS, "params.ref.type must be ref/prompt or ref/resource")
+    values = _paths_like(svc, value[:500], wants) if wants else []
+    shown = values[:MAX_COMPLETIONS]
+    return {
+        "completion": {"values": shown, "total": len(values), "hasMore": len(values) > len(shown)}
+    }
+
+
+def _paths_like(svc: Service, typed: str, wants: str) -> list:
+    """Return the note (or folder) paths the caller sees that start with `typed`, then those
+    that hold it, each group sorted."""
+    sees = request_principal().sees
+    notes = [p for p in svc.notes.scan() if sees(p)]
+    if wants == "folder":
+        found = {p.rsplit("/", 1)[0] for p in notes}
+        found |= {"/".join(f.split("/")[:i]) for f in found for i in range(1, f.count("/") + 1)}
+        paths = sorted(f for f in found if sees(f))
+    else:
+        paths = sorted(notes)
+    low = typed.casefold()
+    first = [p for p in paths if p.casefold().startswith(low)]
+    return first + [p for p in paths if low in p.casefold() and p not in set(first)]

@@ -21,7 +21,8 @@ from notesvc.mcp_resources import (
     RESOURCE_NOT_FOUND,
     RESOURCE_TEMPLATES,
     UNSUPPORTED_VERSION,
-    RpcError,
+    McpError,
+    complete,
     get_prompt,
     list_prompts,
     list_resources,
@@ -62,6 +63,10 @@ _HANDSHAKE_ERA = ("2024-11-05", "2025-03-26", *MCP_HANDSHAKE_VERSIONS)
 META_VERSION = "io.modelcontextprotocol/protocolVersion"
 META_CAPABILITIES = "io.modelcontextprotocol/clientCapabilities"
 META_SERVER_INFO = "io.modelcontextprotocol/serverInfo"
+# The HTTP status of a stateless-era error (the SDKs' table); in the handshake era a body
+# that cannot be taken is 400 and every other error 200.
+_STATELESS_STATUS = {METHOD_NOT_FOUND: 404, RESOURCE_NOT_FOUND: 404}
+_HANDSHAKE_400 = (PARSE_ERROR, INVALID_REQUEST, UNSUPPORTED_VERSION)
 MCP_LIST_TTL_MS = 60000  # how long a stateless client may cache the tool list
 MCP_INSTRUCTIONS = (
     "The user's Markdown notes, paths like notes/<folders>/<name>.md. Find notes with "
@@ -85,6 +90,7 @@ def capabilities(subscribe: bool) -> dict:
         "tools": {"listChanged": False},
         "resources": {"subscribe": subscribe, "listChanged": subscribe},
         "prompts": {"listChanged": False},
+        "completions": {},
     }
 
 
@@ -95,6 +101,21 @@ def instructions(svc: Service) -> str:
 
 def server_info() -> dict:
     return {"name": "notesvc", "title": "notesvc notes", "version": __version__}
+
+
+class RpcError(McpError):
+    """A JSON-RPC error answer (its HTTP status follows from the code and the era)."""
+
+    def answer(self, request_id: Any) -> dict:
+        error = {"code": self.code, "message": self.message}
+        if self.data is not None:
+            error["data"] = self.data
+        return {"jsonrpc": "2.0", "id": request_id, "error": error}
+
+    def http_status(self, stateless: bool) -> int:
+        if stateless:
+            return _STATELESS_STATUS.get(self.code, 400)
+        return 400 if self.code in _HANDSHAKE_400 else 200
 
 
 def cors_allows(config: Config, origin: str) -> bool:
@@ -154,8 +175,9 @@ def mcp_endpoint(svc: Service) -> bytes:
         else:
             result = _handshake_request(svc, env, method, params)
         answer, status = {"jsonrpc": "2.0", "id": request_id, "result": result}, 200
-    except RpcError as e:
-        answer, status = e.answer(request_id), e.http_status(stateless)
+    except McpError as e:
+        rpc = e if isinstance(e, RpcError) else RpcError(e.code, e.message, e.data)
+        answer, status = rpc.answer(request_id), rpc.http_status(stateless)
     bottle.response.status = status
     bottle.response.content_type = JSON_TYPE
     return to_json(answer)
@@ -320,6 +342,8 @@ def _method(svc: Service, method: str, params: dict, session: McpSession | None)
         return list_prompts()
     if method == "prompts/get":
         return get_prompt(svc, params.get("name"), params.get("arguments"))
+    if method == "completion/complete":
+        return complete(svc, params.get("ref"), params.get("argument"))
     raise RpcError(METHOD_NOT_FOUND, f"method {method[:64]!r} is not served here")
 
 
