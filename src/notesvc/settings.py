@@ -367,7 +367,15 @@ SETTINGS = (
         "",
         "auto",
         _waiters,
-        "change-feed long-polls held at once (auto: half of SERVICE_THREADS)",
+        "change-feed long-polls and MCP streams held at once (auto: half of SERVICE_THREADS)",
+    ),
+    Setting(
+        "mcp_stream_seconds",
+        "SERVICE_MCP_STREAM_SECONDS",
+        "",
+        "10m",
+        _duration(1, 3600),
+        "how long one MCP notification stream (GET /mcp) lasts before the client opens another",
     ),
     Setting(
         "max_connections",
@@ -585,6 +593,7 @@ class Config:
     agent_max_steps: int
     agent_write: bool | str  # True, False or "suggest"
     mcp_write: bool | str
+    mcp_stream_seconds: int
     telegram_api_base: str
     whatsapp_api_base: str
     max_body_bytes: int

@@ -56,11 +56,11 @@ class McpSession:
 
 class McpSessions:
     """The sessions of this server, in memory: at most MAX_SESSIONS (the least recently used
-    dropped first), each dropped after IDLE_SECONDS unused."""
+    dropped first), each dropped after IDLE_SECONDS unused. A GET stream lasts
+    SERVICE_MCP_STREAM_SECONDS (10 minutes); the client then opens another."""
 
     MAX_SESSIONS = 256
     IDLE_SECONDS = 3600
-    STREAM_SECONDS = 600  # a GET stream ends after this; the client opens another
     COMMENT_SECONDS = 15.0  # a comment line this often keeps proxies from closing it
     CHECK_SECONDS = 1.0  # how often a stream asks whether its credential is still good
     DEBOUNCE_SECONDS = 1.0  # list_changed at most this often
@@ -171,7 +171,7 @@ class McpSessions:
     def open_stream(self, session: McpSession, principal: Principal, environ: dict) -> Iterator:
         """Return the body of a session's GET stream: `: ok` at once, then the notifications
         its principal may see, a comment every COMMENT_SECONDS; it ends after
-        STREAM_SECONDS, when another GET replaces it, when the session ends, or when its
+        SERVICE_MCP_STREAM_SECONDS, when another GET replaces it, when the session ends, or when its
         credential stops being valid. 429 when the waiting places are all taken."""
         journal = self.svc.journal
         cap = self.svc.config.max_waiters
@@ -197,6 +197,7 @@ class McpSessions:
             yield b": ok\n\n"
             clock = time.monotonic
             started = clock()
+            lasts = self.svc.config.mcp_stream_seconds
             next_comment = started + self.COMMENT_SECONDS
             next_check = started + self.CHECK_SECONDS
             list_due: float | None = None  # when the next list_changed goes
@@ -207,7 +208,7 @@ class McpSessions:
 
             while True:
                 now = clock()
-                if now - started >= self.STREAM_SECONDS or replaced() or journal.closed:
+                if now - started >= lasts or replaced() or journal.closed:
                     return
                 if now >= next_check:
                     fresh = self.principal_now(credential, principal)
@@ -237,7 +238,7 @@ class McpSessions:
                     next_comment = now + self.COMMENT_SECONDS
                 if page["more"]:
                     continue
-                due = min(next_comment, next_check, started + self.STREAM_SECONDS)
+                due = min(next_comment, next_check, started + lasts)
                 if list_due is not None:
                     due = min(due, list_due)
                 journal.wait_past(last, max(due - clock(), 0.005), replaced)
