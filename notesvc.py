@@ -19073,9 +19073,10 @@ class _Budget:
         if len(data) <= self.left:
             self.left -= len(data)
             return text
-        cut = data[: max(self.left - 40, 0)].decode("utf-8", "ignore")
+        mark = "\n\n[… cut: the prompt's 50 KB are used up]"
+        cut = data[: max(self.left - len(mark.encode()), 0)].decode("utf-8", "ignore")
         self.left = 0
-        return cut + "\n\n[… cut: the prompt's 50 KB are used up]"
+        return cut + mark
 
 
 def _say(text: str, budget: _Budget) -> dict:
