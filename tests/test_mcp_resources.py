@@ -186,7 +186,8 @@ class TestPrompts:
         prompts = {p["name"]: p for p in result(mcp, "prompts/list")["prompts"]}
         assert set(prompts) == {"ingest", "weekly-review", "summarize-folder", "tidy"}
         for p in prompts.values():
-            assert p["description"] and p["title"]
+            assert p["description"]
+            assert p["title"]
             assert all({"name", "description", "required"} <= set(a) for a in p["arguments"])
         assert [a["name"] for a in prompts["ingest"]["arguments"] if a["required"]] == ["source"]
 
