@@ -23761,6 +23761,14 @@ dialog ol {
   margin-top: 0.5rem;
   min-height: 44px;
 }
+/* suggestions (web/suggestions.js): the badge and each one's diff */
+.badge { background: #1f6feb; color: #fff; border: 0; border-radius: 999px; padding: 4px 12px; min-height: 32px; }
+pre.diff { font-size: 12px; max-height: 40vh; overflow: auto; margin: 6px 0; padding: 4px 0; border: 1px solid #8884; border-radius: 6px; }
+pre.diff span { display: block; padding: 0 8px; white-space: pre-wrap; overflow-wrap: anywhere; }
+pre.diff .add { color: #1a7f37; background: #1a7f3714; }
+pre.diff .del { color: #cf222e; background: #cf222e14; }
+pre.diff .hunk { opacity: .6; }
+ul.suggestions li { display: block; padding: 8px 0; }
 """[1:]
 # --- end web/app.css ---
 
@@ -27764,6 +27772,7 @@ const app = (() => {
       featuresRead.catch((e) => (offline.offlineOn() ? null : Promise.reject(e))),
     ]);
     if (core.features.changes) followChanges();
+    suggestions.start().catch(() => {}); // an assistant's edits waiting: the badge
     await sendNewDrafts().catch(() => {}); // what a closed tab was writing goes now
     if (offline.offlineOn()) {
       offline.sendOutbox().catch(() => {}); // what waits goes now
@@ -30009,6 +30018,133 @@ WEB_TRANSFER_JS = r"""
 })();
 """[1:]
 # --- end web/transfer.js ---
+# --- begin web/suggestions.js ---
+WEB_SUGGESTIONS_JS = r"""
+// -- suggestions: an assistant's edits waiting for approval (docs/api.md: Suggestions) ----
+// With SERVICE_MCP_WRITE=suggest (or SERVICE_AGENT_WRITE=suggest) an assistant's writes wait
+// here: a badge in the bar says how many, a dialog shows each as a diff with Accept and
+// Reject. `#suggestion=<id>` (the link an assistant gives) opens that one.
+
+const suggestions = (() => {
+  const {$} = core;
+  const el = markdown.el;
+  let timer = null;
+
+  const KIND = {create: "New note", edit: "Edit", move: "Move", delete: "Delete"};
+
+  function diffView(text) {
+    const pre = el("pre", {class: "diff"});
+    for (const line of (text || "").split("\n")) {
+      if (!line) continue;
+      let cls = null;
+      if (line.startsWith("+++") || line.startsWith("---") || line.startsWith("@@")) cls = "hunk";
+      else if (line.startsWith("+")) cls = "add";
+      else if (line.startsWith("-")) cls = "del";
+      pre.appendChild(el("span", {class: cls}, line));
+    }
+    return pre;
+  }
+
+  // How many wait: the badge (hidden when none, or on a server without suggestions).
+  async function refresh() {
+    let total = 0;
+    try {
+      total = (await core.api("GET", "/suggestions?limit=1")).data.total;
+    } catch (e) {
+      total = 0;
+    }
+    const badge = $("suggestions-badge");
+    badge.hidden = !total;
+    badge.textContent = total === 1 ? "1 suggestion" : total + " suggestions";
+  }
+
+  async function decide(s, verb, row) {
+    try {
+      const r = await core.api("POST", "/suggestions/" + core.enc(s.id) + "/" + verb);
+      if (verb === "reject") core.toast("Rejected.");
+      else core.toast(r.data.merged ? "Accepted, merged with later changes." : "Accepted.");
+      row.remove();
+    } catch (e) {
+      if (!(e instanceof core.Problem) || e.status !== 409) throw e;
+      if (e.error && e.error.conflictPath) {
+        core.toast("The note changed there too: the suggestion is kept as " + e.error.conflictPath);
+        row.remove();
+      } else {
+        core.toast(e.message, true); // a move or delete of a note changed since: still open
+      }
+    }
+    await core.loadTree();
+    await refresh();
+  }
+
+  async function show(only) {
+    const {data} = await core.api("GET", "/suggestions?limit=200");
+    const shown = data.suggestions.filter((s) => !only || s.id === only);
+    const list = el("ul", {class: "list suggestions", id: "suggestion-items"});
+    for (const s of shown) {
+      const where = s.newPath ? s.path + " → " + s.newPath : s.path;
+      const row = el(
+        "li",
+        {"data-suggestion": s.id},
+        el("strong", {}, (KIND[s.kind] || s.kind) + ": " + where),
+        el("small", {class: "muted"}, " · " + s.connector.name + " · " + app.when(s.createdAt)),
+        diffView(s.diff),
+      );
+      if (grants.writable()) {
+        row.appendChild(
+          el(
+            "span",
+            {class: "actions"},
+            el(
+              "button",
+              {type: "button", class: "primary", onclick: core.act(() => decide(s, "accept", row))},
+              "Accept",
+            ),
+            el(
+              "button",
+              {type: "button", onclick: core.act(() => decide(s, "reject", row))},
+              "Reject",
+            ),
+          ),
+        );
+      }
+      list.appendChild(row);
+    }
+    const none = only ? "This suggestion was accepted or rejected already." : "Nothing waits.";
+    await app.dialog("Suggestions", shown.length ? list : none, [["cancel", "Close"]]);
+  }
+
+  // A link to one suggestion (#suggestion=<id>): shown, and the address cleaned.
+  async function fromHash() {
+    const m = /^#suggestion=([A-Za-z0-9_-]{1,64})$/.exec(location.hash);
+    if (!m) return false;
+    history.replaceState(history.state, "", location.pathname + location.search);
+    await show(m[1]);
+    return true;
+  }
+
+  // Once connected: the badge now, and again every minute while the page is seen.
+  async function start() {
+    await refresh();
+    clearInterval(timer);
+    timer = setInterval(() => {
+      if (document.visibilityState === "visible") refresh();
+    }, 60000);
+    await fromHash();
+  }
+
+  function wireSuggestions() {
+    $("suggestions-badge").addEventListener(
+      "click",
+      core.act(() => show()),
+    );
+    addEventListener("hashchange", core.act(fromHash));
+  }
+
+  return {refresh, show, start, wireSuggestions};
+})();
+"""[1:]
+# --- end web/suggestions.js ---
 # --- begin web/main.js ---
 WEB_MAIN_JS = r"""
 // -- the page starts here: every file before this one only defines -------------------------
@@ -30021,6 +30157,7 @@ WEB_MAIN_JS = r"""
   grants.wireGrants();
   devices.wireDevices();
   offline.wireOffline();
+  suggestions.wireSuggestions();
   const code = new URLSearchParams(location.search).get("relayCode");
   if (new URLSearchParams(location.search).get("share") === "off") {
     // the share sheet reached the server itself: no worker here to keep what was shared
@@ -30077,7 +30214,7 @@ def lean_script(js: str) -> str:
 # One script, in this order: core.js ("use strict", the page's state, storage and API),
 # the pure modules (paths.js, keys.js, merge.js, outbox.js, markdown.js, order.js,
 # autosave.js, drafts.js, lists.js; node --test web/), app.js, grants.js, devices.js,
-# transfer.js, offline.js, and last main.js, where the page starts (the files before it
+# transfer.js, offline.js, suggestions.js, and last main.js, where the page starts (the files before it
 # only define).
 WEB_JS = "".join(
     (
@@ -30096,6 +30233,7 @@ WEB_JS = "".join(
         WEB_DEVICES_JS,
         WEB_TRANSFER_JS,
         WEB_OFFLINE_JS,
+        WEB_SUGGESTIONS_JS,
         WEB_MAIN_JS,
     )
 )
@@ -30200,6 +30338,7 @@ WEB_PAGE = r"""
     <input id="search" type="search" placeholder="Search  ( / )" autocomplete="off"
       enterkeyhint="search" aria-controls="results">
     <span id="offline-state" role="status" hidden></span>
+    <button id="suggestions-badge" type="button" class="badge" hidden></button>
     <button id="toggle-ask" type="button" class="plain" aria-expanded="true"
       aria-controls="pane-ask">Ask</button>
     <details class="menu" id="menu">

@@ -18,6 +18,7 @@ from pathlib import Path
 
 import pytest
 
+from browsers import BROWSER_TESTS, expect, web_server
 from conftest import API, HERE, running
 
 TOOLS = Path(os.environ.get("NOTESVC_NODE_TOOLS", HERE / ".ci" / "tools"))
@@ -320,3 +321,45 @@ class TestReviewCard:
                 context.close()
             finally:
                 host.close()
+
+
+@pytest.mark.usefixtures("browser")
+class TestSuggestionsInTheWebClient:
+    pytestmark = BROWSER_TESTS
+
+    def test_the_badge_the_diff_and_accept(self, browser, tmp_path):
+        notes = {"garden.md": "# Garden\n\nPlant tomatoes.\n"}
+        with web_server(browser, tmp_path, notes, {"SERVICE_MCP_WRITE": "suggest"}) as web:
+            key = web.setup["apiKey"]
+            call = {
+                "jsonrpc": "2.0",
+                "id": 1,
+                "method": "tools/call",
+                "params": {
+                    "name": "append_to_note",
+                    "arguments": {"path": "notes/garden.md", "text": "- basil"},
+                },
+            }
+            _, _, answer = web.server.request(
+                "POST", f"{API}/mcp", call, {"Authorization": f"Bearer {key}"}
+            )
+            sid = answer["result"]["structuredContent"]["suggestion"]["id"]
+            session = web("desktop")
+            page = session.page
+            badge = page.locator("#suggestions-badge")
+            expect(badge).to_have_text("1 suggestion")
+            badge.click()
+            row = page.locator(f"[data-suggestion='{sid}']")
+            expect(row).to_contain_text("Edit: notes/garden.md")
+            expect(row.locator("pre.diff .add")).to_have_text("+- basil")
+            session.shot("suggestion")
+            row.get_by_role("button", name="Accept").click()
+            expect(row).to_be_hidden()
+            expect(badge).to_be_hidden()
+            _, _, got = web.server.request(
+                "GET", f"{API}/notes/notes%2Fgarden.md", headers={"X-Service-Key": key}
+            )
+            assert got["data"]["content"] == "# Garden\n\nPlant tomatoes.\n- basil\n"
+            # a link to a suggestion opens it (#suggestion=<id>), here one closed already
+            page.goto(page.url.split("#")[0] + f"#suggestion={sid}")
+            expect(page.locator("#dlg-body")).to_contain_text("accepted or rejected already")

@@ -50,6 +50,7 @@ WEB_OFFLINE_JS = web_source("offline.js")
 SW_JS = web_source("sw.js")
 WEB_DEVICES_JS = web_source("devices.js")
 WEB_TRANSFER_JS = web_source("transfer.js")
+WEB_SUGGESTIONS_JS = web_source("suggestions.js")
 WEB_MAIN_JS = web_source("main.js")
 
 
@@ -65,7 +66,7 @@ def lean_script(js: str) -> str:
 # One script, in this order: core.js ("use strict", the page's state, storage and API),
 # the pure modules (paths.js, keys.js, merge.js, outbox.js, markdown.js, order.js,
 # autosave.js, drafts.js, lists.js; node --test web/), app.js, grants.js, devices.js,
-# transfer.js, offline.js, and last main.js, where the page starts (the files before it
+# transfer.js, offline.js, suggestions.js, and last main.js, where the page starts (the files before it
 # only define).
 WEB_JS = "".join(
     (
@@ -84,6 +85,7 @@ WEB_JS = "".join(
         WEB_DEVICES_JS,
         WEB_TRANSFER_JS,
         WEB_OFFLINE_JS,
+        WEB_SUGGESTIONS_JS,
         WEB_MAIN_JS,
     )
 )
