@@ -31,6 +31,8 @@ data flows, each with the first line of its docstring:
   search/persistence.py   The index on disk: segment files, the manifest, crash safety.
   search/helper.py        The index's helper process: its entry point, its protocol, starting and
                           stopping it.
+  search/masks.py         Reach masks: which notes of each index segment a reach holds, their counts
+                          and lengths.
   search/index.py         SearchIndex: building, updating and querying the inverted index.
   search/vectors.py       Search by meaning: notes cut into chunks, the vectors of the chunks, the
                           semantic pass.
@@ -186,6 +188,7 @@ import time
 import unicodedata
 import urllib.parse
 import uuid
+import weakref
 import zlib
 from collections import deque
 from collections.abc import Container, Iterable, Mapping, Sequence, Sized
@@ -7680,6 +7683,14 @@ class MemorySegment:
         docs, needle = self.docs, "".join(chars)
         return [d for d in cands if needle in docs[d][4 + f]]
 
+    def ids_under(self, prefix: str) -> list:
+        """Return the ids of the notes (deleted ones too) whose paths start with prefix."""
+        return [d for d, doc in enumerate(self.docs) if doc.path.startswith(prefix)]
+
+    def field_lengths(self, f: int) -> list:
+        """Return every note's length in a field (tokens), by id."""
+        return [len(doc[4 + f]) for doc in self.docs]
+
     def in_folder(self, cands: set, prefix: str) -> set:
         docs = self.docs
         return {d for d in cands if docs[d].path.startswith(prefix)}
@@ -8113,6 +8124,15 @@ class DiskSegment:
         """Per field: (start offsets, end offsets) of the notes' term strings, by note id."""
         off = self._tok_off
         return (off[0:-1:2], off[1::2]), (off[1::2], off[2::2])
+
+    def ids_under(self, prefix: str) -> memoryview:
+        """Return the ids of the notes (deleted ones too) whose paths start with prefix."""
+        target = prefix.encode()
+        return self._by_path[self._path_pos(target) : self._path_pos(target + b"\xff")]
+
+    def field_lengths(self, f: int) -> memoryview:
+        """Return every note's length in a field (tokens), by id."""
+        return self._dl[f::2]
 
     def in_folder(self, cands: set, prefix: str) -> set:
         target = prefix.encode()
@@ -9140,6 +9160,134 @@ class EarlyHelper:
         return helper
 
 
+# == src/notesvc/search/masks.py ==============================================
+# Reach masks: which notes of each index segment a reach holds, their counts and lengths.
+
+MAX_REACHES = 64  # reaches whose masks are kept (people, folder grants, their narrowings)
+MAX_MASK_BYTES = 8 << 20  # and at most this many bytes of masks in all
+MAX_FREQUENCIES = 4096  # document frequencies kept per segment mask
+
+
+class SegmentMask:
+    """One reach's view of one segment: a byte per note (1: live and reached), how many
+    notes that is, their summed field lengths, and the document frequencies asked lately."""
+
+    __slots__ = ("dfs", "lens", "live", "mask", "n_at", "zeroed")
+
+    def __init__(self, seg, prefixes: tuple):
+        self.mask = bytearray(seg.n)
+        for prefix in prefixes:
+            deque(map(self.mask.__setitem__, seg.ids_under(prefix), itertools.repeat(1)), 0)
+        self.n_at = seg.n
+        self.zeroed: set = set()
+        self.live = self.mask.count(1)
+        self.lens = [sum(itertools.compress(seg.field_lengths(f), self.mask)) for f in (0, 1)]
+        self.dfs: dict = {}
+        self.refresh(seg, prefixes)
+
+    def refresh(self, seg, prefixes: tuple) -> None:
+        """Fold in the notes a memory segment took since, and the deletions of any segment."""
+        mask = self.mask
+        if seg.n > self.n_at:
+            for d in range(self.n_at, seg.n):
+                held = seg.path(d).startswith(prefixes)
+                mask.append(held)
+                if held:
+                    self.live += 1
+                    self.lens[0] += seg.dl(d, 0)
+                    self.lens[1] += seg.dl(d, 1)
+            self.n_at = seg.n
+            self.dfs.clear()
+        if len(seg.deleted) != len(self.zeroed):
+            for d in seg.deleted.difference(self.zeroed):
+                if d < len(mask) and mask[d]:
+                    mask[d] = 0
+                    self.live -= 1
+                    self.lens[0] -= seg.dl(d, 0)
+                    self.lens[1] -= seg.dl(d, 1)
+            self.zeroed = set(seg.deleted)
+            self.dfs.clear()
+
+    def df(self, seg, key, f: int) -> int:
+        """Return how many reached live notes of the segment hold a term in a field."""
+        found = self.dfs.get((key, f))
+        if found is None:
+            p = seg.postings(key, f)
+            found = bytes(map(self.mask.__getitem__, p[0])).count(1) if p else 0
+            if len(self.dfs) >= MAX_FREQUENCIES:
+                self.dfs.clear()
+            self.dfs[(key, f)] = found
+        return found
+
+    def positions(self, ids) -> list:
+        """Return the positions in a posting list of the ids this mask holds."""
+        return list(itertools.compress(range(len(ids)), map(self.mask.__getitem__, ids)))
+
+
+class ReachMasks:
+    """The masks of one reach over a list of segments (as SearchIndex.search holds them)."""
+
+    __slots__ = ("masks", "segs")
+
+    def __init__(self, segs: list, masks: list):
+        self.segs, self.masks = segs, masks
+
+    def count(self) -> int:
+        return sum(m.live for m in self.masks)
+
+    def averages(self) -> tuple:
+        """Return the reached notes' average (body, title) lengths (1.0 with none)."""
+        n = self.count()
+        if not n:
+            return 1.0, 1.0
+        return tuple(max(sum(m.lens[f] for m in self.masks) / n, 1.0) for f in (0, 1))
+
+    def df(self, si: int, key, f: int) -> int:
+        return self.masks[si].df(self.segs[si], key, f) if key is not None else 0
+
+
+class MaskCache:
+    """The masks of the reaches searched lately, least recently used dropped first (at most
+    MAX_REACHES reaches and MAX_MASK_BYTES). Callers hold the index's lock."""
+
+    LIMITS = (MAX_REACHES, MAX_MASK_BYTES)
+
+    def __init__(self):
+        # prefixes -> {segment: its mask}, weakly: a segment merged away goes with its masks
+        self._reaches: collections.OrderedDict = collections.OrderedDict()
+
+    def of(self, segs: list, prefixes: tuple) -> ReachMasks:
+        """Return a reach's masks over `segs` (made or brought up to date)."""
+        kept = self._reaches.pop(prefixes, None)
+        if kept is None:
+            kept = weakref.WeakKeyDictionary()
+        self._reaches[prefixes] = kept
+        masks = []
+        for seg in segs:
+            mask = kept.get(seg)
+            if mask is None:
+                mask = kept[seg] = SegmentMask(seg, prefixes)
+            else:
+                mask.refresh(seg, prefixes)
+            masks.append(mask)
+        self._trim()
+        return ReachMasks(segs, masks)
+
+    def reaches(self) -> list:
+        """Return the reaches whose masks are kept, least recently used first."""
+        return list(self._reaches)
+
+    def _trim(self) -> None:
+        most, most_bytes = self.LIMITS
+        size = sum(len(m.mask) for kept in self._reaches.values() for m in list(kept.values()))
+        while len(self._reaches) > 1 and (len(self._reaches) > most or size > most_bytes):
+            _, gone = self._reaches.popitem(last=False)
+            size -= sum(len(m.mask) for m in list(gone.values()))
+
+    def clear(self) -> None:
+        self._reaches.clear()
+
+
 # == src/notesvc/search/index.py ==============================================
 # SearchIndex: building, updating and querying the inverted index.
 
@@ -9213,11 +9361,11 @@ def _best(scores: dict, m: int) -> tuple:
 class _Match:
     """One segment's candidates for a query, with approximate scores (stored impacts)."""
 
-    def __init__(self, seg, comps: list, hi: float, scores: dict | None = None):
+    def __init__(self, seg, comps: list, hi: float, scores: dict | None = None, mask=None):
         self.seg, self.comps, self.hi = seg, comps, hi
         self.scores = scores  # {id: approximate score}, or None: the one-word fast path
         self.total = len(scores) if scores is not None else 0
-        self._single: dict = {}
+        self.mask = mask  # the one-word fast path within a reach: its SegmentMask
 
     def top(self, m: int) -> tuple:
         """Return ([(approx, id)] of the m best, in no order, bound on the approx of every
@@ -9227,8 +9375,9 @@ class _Match:
         return self._top_single(m)
 
     def count_single(self) -> None:
-        """Count the notes holding the word (body or title), deleted ones aside."""
-        deleted = self.seg.deleted
+        """Count the notes holding the word (body or title), deleted ones aside (and, within
+        a reach, the ones outside it)."""
+        mask = self.mask
         body = title = None
         for comp in self.comps:
             if comp[3] == 0:
@@ -9237,11 +9386,20 @@ class _Match:
                 title = comp
         self.body, self.title = body, title
         self.title_scores: dict = {}
-        total = len(body[1]) - body[5] if body else 0
+        self.deleted = self.seg.deleted if mask is None else ()  # a mask holds live notes
+        if body is None:
+            self.body_at: Sequence = ()
+        elif mask is None:
+            self.body_at = range(len(body[1]))
+        else:
+            self.body_at = mask.positions(body[1])
+        total = len(self.body_at) - (body[5] if body and mask is None else 0)
+        held = mask.mask if mask is not None else None
+        deleted = self.deleted
         if title:
             w, ids, imps = title[:3]
             for d, imp in zip(ids, imps):
-                if d in deleted:
+                if d in deleted or (held is not None and not held[d]):
                     continue
                 self.title_scores[d] = w * imp
                 if body is None or sorted_position(body[1], d) < 0:
@@ -9253,10 +9411,10 @@ class _Match:
         bound = 0.0
         if self.body:
             w, ids, imps = self.body[:3]
-            deleted = self.seg.deleted
+            deleted = self.deleted
             want = m + len(scores) + len(deleted) + 1
-            idx = range(len(ids))
-            if want < len(ids):
+            idx = self.body_at
+            if want < len(idx):
                 idx = _largest(want, idx, imps.__getitem__)
                 bound = w * imps[idx[-1]]
             taken = set()
@@ -9334,6 +9492,7 @@ class SearchIndex:
         self._pair_rewrites: dict = {}  # file name -> when it was last picked to get pair lists
         self._live = MemorySegment()
         self._texts = TextCache()  # the texts snippets were cut from lately
+        self._masks = MaskCache()  # which notes of each segment the reaches searched hold
         self.generation = 0  # bumps on every change
         # (generation it holds for, {folder: notes beneath it}): rebuilt after bulk changes,
         # kept up to date by single adds and removals (folder_counts)
@@ -9810,16 +9969,22 @@ class SearchIndex:
 
     # -- searching -----------------------------------------------------------------------
 
-    def _terms(self, segs: list, n: int, stems: list) -> tuple:
+    def _terms(self, segs: list, n: int, stems: list, masks: ReachMasks | None = None) -> tuple:
         """Return ({stem: [key per segment]}, {stem: (body weight, title weight)},
-        {stem: [live body df, live title df]})."""
+        {stem: [live body df, live title df]}); within a reach (`masks`), its notes' df."""
         per_seg = [seg.keys(stems) for seg in segs]
         keys, weights, dfs = {}, {}, {}
         for j, s in enumerate(stems):
             ks = [found[j] for found in per_seg]
             df = [0, 0]
+            if masks is not None:
+                df = [sum(masks.df(si, k, f) for si, k in enumerate(ks)) for f in (0, 1)]
+                ks = [
+                    k if k is not None and (masks.df(si, k, 0) or masks.df(si, k, 1)) else None
+                    for si, k in enumerate(ks)
+                ]
             for seg, k in zip(segs, ks):
-                if k is not None:
+                if k is not None and masks is None:
                     for f in (0, 1):
                         p = seg.postings(k, f)
                         if p:
@@ -9828,24 +9993,24 @@ class SearchIndex:
             weights[s] = (bm25_weight(n, df[0], "body"), bm25_weight(n, df[1], "title"))
         return keys, weights, dfs
 
-    def _expand(self, segs: list, n: int, prefix: str) -> list:
+    def _expand(self, segs: list, n: int, prefix: str, masks: ReachMasks | None = None) -> list:
         """Return up to MAX_PREFIX_TERMS stems of words starting with prefix, commonest first
-        (of the first 16 * MAX_PREFIX_TERMS such words, in order)."""
+        (of the first 16 * MAX_PREFIX_TERMS such words, in order; within a reach, its)."""
         cap = 16 * MAX_PREFIX_TERMS
         words: dict = {}
         for seg in segs:
             for w, s in seg.prefix_words(prefix, cap):
                 words.setdefault(w, s)
         stems = sorted({words[w] for w in sorted(words)[:cap]})
-        _, _, dfs = self._terms(segs, n, stems)
+        _, _, dfs = self._terms(segs, n, stems, masks)
         alive = [s for s in stems if dfs[s][0] or dfs[s][1]]
         alive.sort(key=lambda s: (-dfs[s][0], s))
         return alive[:MAX_PREFIX_TERMS]
 
-    def _resolve(self, segs: list, n: int, alt: tuple) -> tuple:
+    def _resolve(self, segs: list, n: int, alt: tuple, masks: ReachMasks | None = None) -> tuple:
         kind = alt[0]
         if kind == "prefix":
-            return kind, self._expand(segs, n, alt[1])
+            return kind, self._expand(segs, n, alt[1], masks)
         return kind, [alt[1]] if kind == "word" else list(alt[1])
 
     @staticmethod
@@ -9887,7 +10052,7 @@ class SearchIndex:
             total += (min(sizes) if kind == "phrase" else sum(sizes)) if sizes else 0
         return total
 
-    def _match(self, seg, si, clauses, excludes, keys, weights, folder, hi) -> _Match | None:
+    def _match(self, seg, si, clauses, excludes, keys, weights, folder, hi, mask) -> _Match | None:
         order = sorted(clauses, key=lambda c: self._estimate(seg, si, c, keys))
         cands = None
         for clause in order:
@@ -9900,7 +10065,10 @@ class SearchIndex:
         for alt in excludes:
             cands -= self._alt_docs(seg, si, alt, keys, cands)
         cands = cands - seg.deleted
-        if folder and cands:  # the folders of a reach (their prefixes): any of them
+        if mask is not None and cands:  # the reach's notes only
+            held = mask.mask
+            cands = {d for d in cands if held[d]}
+        if folder and cands:  # the folders asked for (their prefixes): any of them
             cands = set().union(*(seg.in_folder(cands, prefix) for prefix in folder))
         if not cands:
             return None
@@ -9933,9 +10101,11 @@ class SearchIndex:
         """Return the most a segment's stored impacts can rise with today's averages."""
         return max(1.0, *(avg[f] / max(seg.avg_range[f][0], 1.0) for f in (0, 1))) * (1 + SCORE_EPS)
 
-    def _matches(self, segs, n, avg, clauses, excludes, folder) -> list:
+    def _matches(self, segs, n, avg, clauses, excludes, folder, masks=None) -> list:
+        """Return ([_Match] of the segments holding candidates, the query's keys): among the
+        notes of `folder` (prefixes; () every note) and, with `masks`, of a reach."""
         stems = sorted({s for clause in [*clauses, excludes] for _, ss in clause for s in ss})
-        keys, weights, _ = self._terms(segs, n, stems)
+        keys, weights, _ = self._terms(segs, n, stems, masks)
         single = (
             (len(clauses) == 1 and len(clauses[0]) == 1 and clauses[0][0][0] == "word")
             and not excludes
@@ -9944,15 +10114,16 @@ class SearchIndex:
         matches = []
         for si, seg in enumerate(segs):
             hi = self._hi(seg, avg)
+            mask = masks.masks[si] if masks is not None else None
             if single:
                 comps = self._comps(seg, si, clauses[0][0][1], keys, weights)
                 if comps:
-                    mt = _Match(seg, comps, hi)
+                    mt = _Match(seg, comps, hi, mask=mask)
                     mt.count_single()
                     if mt.total:
                         matches.append(mt)
             else:
-                mt = self._match(seg, si, clauses, excludes, keys, weights, folder, hi)
+                mt = self._match(seg, si, clauses, excludes, keys, weights, folder, hi, mask)
                 if mt:
                     matches.append(mt)
         return matches, keys
@@ -10016,17 +10187,27 @@ class SearchIndex:
         limit: int = 20,
         offset: int = 0,
         snippets=True,
+        reach: tuple = (),
     ) -> tuple:
         """Return (total, [(path, title, score, snippet)]) best first (snippets "" when
-        not asked for), among the notes of `folder` (a folder, or the folders of a reach:
-        () or "" every note)."""
+        not asked for), among the notes of `folder` (a folder, or several: () or "" every
+        note). `reach`: the folders a principal that sees part of the notes reaches (()
+        everything): only their notes are searched, and they alone give BM25 its statistics
+        (N, df, average lengths), so nothing outside them moves a score or a count."""
+        within = folder_prefixes(reach)
         prefix = folder_prefixes(folder)
+        if within and set(prefix) == set(within):
+            prefix = ()  # the reach itself: its masks filter
         with self._lock:
             segs = self._all()
-            n, avg = self._count(segs), self._averages(segs)
-            clauses = [[self._resolve(segs, n, alt) for alt in c] for c in query.clauses]
-            excludes = [self._resolve(segs, n, alt) for alt in query.excludes]
-            matches, keys = self._matches(segs, n, avg, clauses, excludes, prefix)
+            masks = self._masks.of(segs, within) if within else None
+            if masks is None:
+                n, avg = self._count(segs), self._averages(segs)
+            else:
+                n, avg = masks.count(), masks.averages()
+            clauses = [[self._resolve(segs, n, alt, masks) for alt in c] for c in query.clauses]
+            excludes = [self._resolve(segs, n, alt, masks) for alt in query.excludes]
+            matches, keys = self._matches(segs, n, avg, clauses, excludes, prefix, masks)
             total = sum(mt.total for mt in matches)
             ranked = self._rank(matches, offset + limit, avg, self._weight)[offset:]
             if not snippets:
@@ -11455,26 +11636,35 @@ def _chunk_snippet(svc: Service, path: str, chunk: int) -> str:
 
 
 def find_notes(
-    svc: Service, query: Query, folder: str | tuple, limit: int, offset: int, mode: str = ""
+    svc: Service,
+    query: Query,
+    folder: str | tuple,
+    limit: int,
+    offset: int,
+    mode: str = "",
+    reach: tuple = (),
 ) -> dict:
     """Search as `mode` asks (hybrid by default when embeddings are on), among the notes of
-    `folder` (a folder, or the folders of a reach: "" or () every note): {total, results:
-    [(path, title, score, snippet)], mode, fallback}. Never fails because the endpoint
-    does: it answers in keyword mode with fallback true."""
+    `folder` (a folder, or several: "" or () every note) within `reach` (the folders of a
+    principal that sees part of the notes, () everything: they alone give the words' scores
+    their statistics, SearchIndex.search): {total, results: [(path, title, score, snippet)],
+    mode, fallback}. Never fails because the endpoint does: it answers in keyword mode with
+    fallback true."""
     embedder = svc.embedder
+    folder = folder or reach  # never wider than the reach
     if mode and mode not in MODES:
         raise bad_request(f"'mode' must be one of {', '.join(MODES)}")
     mode = mode or ("hybrid" if embedder is not None else "keyword")
     if mode != "keyword" and embedder is not None and not _lexical_only(query):
         vector = embedder.query_vector(_embedding_text(query))
         if vector is not None:
-            return _by_meaning(svc, query, folder, (limit, offset), mode, vector)
-    total, hits = svc.index.search(query, folder, limit, offset)
+            return _by_meaning(svc, query, folder, (limit, offset), mode, vector, reach)
+    total, hits = svc.index.search(query, folder, limit, offset, reach=reach)
     return {"total": total, "results": hits, "mode": "keyword", "fallback": mode != "keyword"}
 
 
 def _by_meaning(
-    svc: Service, query: Query, folder: str | tuple, page: tuple, mode: str, vector
+    svc: Service, query: Query, folder: str | tuple, page: tuple, mode: str, vector, reach: tuple
 ) -> dict:
     near = svc.embedder.nearest(vector, folder)
     if query.excludes:
@@ -11484,7 +11674,9 @@ def _by_meaning(
     if mode == "semantic":
         ranked = [(p, round(s, 4)) for p, s, _ in near]
     else:
-        _, hits = svc.index.search(query, folder, MAX_SEMANTIC_NOTES, 0, snippets=False)
+        _, hits = svc.index.search(
+            query, folder, MAX_SEMANTIC_NOTES, 0, snippets=False, reach=reach
+        )
         words = [p for p, *_ in hits]
         ranked = [(p, round(s, 6)) for p, s in fuse(words, list(chunk_of))]
     limit, offset = page
