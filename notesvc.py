@@ -12164,9 +12164,19 @@ class Reach:
         held = [scope for folder, scope in self.folders if inside(where, folder)]
         return max(held, key=SCOPE_RANK.__getitem__) if held else None
 
+    @functools.cached_property
+    def _lookup(self) -> tuple:
+        """(the prefixes of the reached folders and their attachments twins, those folders)"""
+        folders = (*self.tops, *map(attachments_twin, self.tops))
+        return tuple(f + "/" for f in folders), frozenset(folders)
+
     def sees(self, path: str) -> bool:
-        """Return whether a note, attachment or folder path lies inside a reached folder."""
-        return self.everything or self.scope_at(path) is not None
+        """Return whether a note, attachment or folder path lies inside a reached folder
+        (what scope_at() holds somewhere; asked for every entry a listing or a feed filters)."""
+        if self.everything:
+            return True
+        prefixes, folders = self._lookup
+        return path.startswith(prefixes) or path in folders
 
     def way_down(self, folder: str) -> tuple:
         """Return the reached folders beneath `folder` (an ancestor of them, not reached
@@ -12415,16 +12425,13 @@ def visible_folders(
     raise not_found(f"no folder at {folder}")
 
 
-def visible_folder(
-    svc: Service, raw: Any, principal: Principal | None = None, top: str = NOTES
-) -> str:
-    """Return the one folder a principal's listing of `raw` shows: raw itself inside its
-    reach, the one reached folder beneath an ancestor of it (404 otherwise; a principal that
-    reaches several folders beneath raw is asked visible_folders instead)."""
-    folder, shown = visible_folders(svc, raw, principal, top)
-    if len(shown) != 1:
-        return folder  # several: the caller filters by the principal's reach
-    return shown[0]
+def searched_folders(svc: Service, raw: Any, principal: Principal | None = None) -> tuple:
+    """Return the folders a search of folder `raw` (None or "": the top) looks in, for the
+    request's principal: () every note (the owner at the top), else the folder itself inside
+    its reach or the reached folders beneath it; 404 for any other folder. Pass the
+    principal's `folders` beside it as the search's reach (SearchIndex.search)."""
+    _, shown = visible_folders(svc, raw or NOTES, principal)
+    return () if shown == (NOTES,) else shown
 
 
 def writable_folder(svc: Service, raw: Any, principal: Principal | None = None) -> str:
@@ -14628,7 +14635,7 @@ def _hits_in_folder(svc: Service, question: str, folder: str | tuple, limit: int
             break
         text = f"{text} OR {word}" if text else word
     try:
-        _, ranked = svc.index.search(Query(text), folder, limit)
+        _, ranked = svc.index.search(Query(text), folder, limit, reach=folder)
     except ApiError:  # no searchable word in the question
         return []
     hits = []
@@ -15138,6 +15145,11 @@ def ask_agent(
         paths = [p for p in dict.fromkeys(answer[2]) if p in titles or svc.notes.exists(p)]
     else:
         paths = list(titles)
+    if folder:  # a reach: whatever a provider names, no note outside it is a source
+        within = tuple(
+            f.rstrip("/") + "/" for f in ((folder,) if isinstance(folder, str) else folder)
+        )
+        paths = [p for p in paths if isinstance(p, str) and p.startswith(within)]
     sources = [{"path": p, "title": titles.get(p) or svc.index.title_of(p) or p} for p in paths]
     return {"reply": reply, "provider": provider.name, "model": model, "sources": sources}
 
@@ -17882,8 +17894,8 @@ def tool_search_notes(
     svc: Service, query: str, limit: int = 10, folder: str = "", mode: str = ""
 ) -> dict:
     parsed = Query(query)
-    folder = visible_folder(svc, folder or NOTES)  # a folder grant's by default
-    found = find_notes(svc, parsed, "" if folder == NOTES else folder, limit, 0, mode)
+    within = searched_folders(svc, folder)  # a person's or a folder grant's reach by default
+    found = find_notes(svc, parsed, within, limit, 0, mode, request_principal().folders)
     results = [
         {"path": p, "title": t, "snippet": sn, "score": sc} for p, t, sc, sn in found["results"]
     ]
@@ -18059,7 +18071,7 @@ def tool_list_tags(svc: Service) -> dict:
     read_only=False,
 )
 def tool_create_note(svc: Service, path: str, content: str) -> dict:
-    return _summary(svc.notes.create(visible_note(svc.notes, path), content))
+    return _summary(svc.notes.create(visible_note(svc.notes, path, write=True), content))
 
 
 @tool(
@@ -18071,7 +18083,7 @@ def tool_create_note(svc: Service, path: str, content: str) -> dict:
     read_only=False,
 )
 def tool_append_to_note(svc: Service, path: str, text: str) -> dict:
-    path = visible_note(svc.notes, path)
+    path = visible_note(svc.notes, path, write=True)
 
     def add(old: str) -> str:
         return old + ("\n" if old and not old.endswith("\n") else "") + text.rstrip("\n") + "\n"
@@ -18095,7 +18107,7 @@ def tool_append_to_note(svc: Service, path: str, text: str) -> dict:
     destructive=True,
 )
 def tool_replace_in_note(svc: Service, path: str, old: str, new: str) -> dict:
-    path = visible_note(svc.notes, path)
+    path = visible_note(svc.notes, path, write=True)
 
     def swap(text: str) -> str:
         count = text.count(old)
@@ -18131,7 +18143,7 @@ def tool_replace_in_note(svc: Service, path: str, old: str, new: str) -> dict:
     idempotent=True,
 )
 def tool_update_note(svc: Service, path: str, content: str, etag: str) -> dict:
-    return _summary(svc.notes.update(visible_note(svc.notes, path), content, etag))
+    return _summary(svc.notes.update(visible_note(svc.notes, path, write=True), content, etag))
 
 
 @tool(
@@ -18153,7 +18165,8 @@ def tool_update_note(svc: Service, path: str, content: str, etag: str) -> dict:
 def tool_move_note(
     svc: Service, path: str, newPath: str, etag: str, updateLinks: bool = False
 ) -> dict:
-    path, new = visible_note(svc.notes, path), visible_note(svc.notes, newPath)
+    path = visible_note(svc.notes, path, write=True)  # write on both sides (a read share: 403)
+    new = visible_note(svc.notes, newPath, write=True)
     rec = move_and_relink(svc, path, new, etag, updateLinks)
     return {**_summary(rec), **{k: rec[k] for k in ("from", "linksUpdated") if k in rec}}
 
@@ -18170,7 +18183,7 @@ def tool_move_note(
     idempotent=True,
 )
 def tool_delete_note(svc: Service, path: str, etag: str | None = None) -> dict:
-    done = svc.notes.delete(visible_note(svc.notes, path), etag)
+    done = svc.notes.delete(visible_note(svc.notes, path, write=True), etag)
     return {"path": done["path"], "deleted": True}
 
 
@@ -18184,7 +18197,7 @@ def tool_delete_note(svc: Service, path: str, etag: str | None = None) -> dict:
 )
 def tool_search(svc: Service, query: str) -> dict:
     folders = request_principal().folders  # a grant searches its reach
-    hits = find_notes(svc, Query(query), folders, 10, 0)["results"]
+    hits = find_notes(svc, Query(query), folders, 10, 0, reach=folders)["results"]
     return {"results": [{"id": p, "title": t, "url": note_url(svc, p)} for p, t, _, _ in hits]}
 
 
@@ -32108,11 +32121,11 @@ def list_changes(svc: Service) -> dict:
 def search_notes(svc: Service) -> dict:
     started = time.perf_counter()
     query = Query(query_str("q"))
-    _, shown = visible_folders(svc, query_str("folder") or NOTES)  # the reach's by default
-    folder = () if shown == (NOTES,) else shown
+    folder = searched_folders(svc, query_str("folder"))  # the reach's by default
     limit = query_int("limit", 20, 1, 100)
     offset = query_int("offset", 0, 0, 10000)
-    found = find_notes(svc, query, folder, limit, offset, query_str("mode"))
+    reach = request_principal().folders  # scored within it: nothing else moves a score
+    found = find_notes(svc, query, folder, limit, offset, query_str("mode"), reach)
     results = [
         {"path": p, "title": t, "score": sc, "snippet": sn} for p, t, sc, sn in found["results"]
     ]
