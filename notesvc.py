@@ -32778,7 +32778,8 @@ def oauth_consent(svc: Service) -> dict:
 
 
 def approve_oauth(svc: Service) -> dict:
-    """POST /api/v1/oauth/approve (the owner): an authorisation code for the client."""
+    """POST /api/v1/oauth/approve (the owner, or a person: their connector, within their
+    reach): an authorisation code for the client."""
     body = read_json(svc.config.max_body_bytes)
     env = bottle.request.environ
     client_id = field(body, "clientId", max_len=2000)
@@ -37200,7 +37201,7 @@ ROUTES = (
         "POST",
         "/oauth/approve",
         approve_oauth,
-        summary="The owner approves an OAuth request: the redirect with its code",
+        summary="The owner or a person approves an OAuth request: the redirect with its code",
         body=_obj(
             ["clientId", "redirectUri", "codeChallenge", "scope"],
             clientId={**_STR, "minLength": 1, "maxLength": 2000},

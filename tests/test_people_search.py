@@ -278,6 +278,7 @@ class TestMeaning:
             search(ann, "zucchini", status=404, mode=mode, folder="notes/owner")
 
     def test_the_embedding_counts_are_the_reachs(self, meaning_house):
+        meaning_house.as_ann.get(f"{API}/system/info", status=403)  # the server's counts
         mine = search(meaning_house.as_ann, "zucchini")["embeddings"]
         every = search(meaning_house.owner, "zucchini")["embeddings"]
         assert (mine["embedded"], mine["total"]) == (len(ANN_NOTES), len(ANN_NOTES))
@@ -605,6 +606,27 @@ class TestConnector:
         ok_tool(connector, "create_note", path="notes/Ann/from-ai.md", content="hello")
         tool_refused(connector, "create_note", "FORBIDDEN", path="notes/Family/ai.md", content="x")
         tool_refused(connector, "create_note", "NOT_FOUND", path="notes/owner/ai.md", content="x")
+
+    def test_a_code_approved_by_a_person_removed_since_is_worth_nothing(self, house):
+        anon = house.anon
+        cid = register_client(anon)["client_id"]
+        code, verifier = approve_as(house.as_ann, cid)
+        house.owner.delete(f"{API}/people/{house.ann['id']}")
+        resp = token_call(
+            anon,
+            "*",
+            grant_type="authorization_code",
+            code=code,
+            client_id=cid,
+            redirect_uri=CALLBACK,
+            code_verifier=verifier,
+            resource=mcp_url(anon),
+        )
+        assert resp.status_int in (400, 401)
+        assert resp.json["error"] == "invalid_grant"
+        assert not [
+            g for g in data(house.owner.get(f"{API}/auth/keys"))["keys"] if g["kind"] == "oauth"
+        ]
 
     def test_only_a_persons_admin_device_approves(self, house):
         cid = register_client(house.anon)["client_id"]
