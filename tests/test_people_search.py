@@ -636,6 +636,38 @@ class TestConnector:
         resp = approve_as(webtest.TestApp(house.anon.app), cid, status=401)
         assert_error(resp, 401, "UNAUTHORIZED")
 
+    @pytest.mark.parametrize(
+        ("body", "status"),
+        [
+            (b"{", 400),
+            (b"[1]", 400),
+            (b'{"clientId": 7}', 400),
+            (b'{"folder": ["notes/Ann"]}', 400),
+            (b'{"x": "' + b"y" * 2_000_000 + b'"}', 413),
+        ],
+    )
+    def test_a_bad_approval_is_a_clear_4xx(self, house, body, status):
+        resp = house.as_ann.post(
+            f"{API}/oauth/approve", body, {"Content-Type": "application/json"}, status="*"
+        )
+        assert resp.status_int == status
+        assert_error(resp, status, resp.json["error"]["code"])
+
+    def test_broken_json_rpc_from_a_person_is_a_json_rpc_error(self, house):
+        headers = {"Content-Type": "application/json", "MCP-Protocol-Version": "2025-11-25"}
+        resp = house.as_ann.post(f"{API}/mcp", b"{", headers, status="*")
+        assert resp.json["error"]["code"] == -32700
+        call = {
+            "jsonrpc": "2.0",
+            "id": 1,
+            "method": "tools/call",
+            "params": {"name": "read_note", "arguments": {"path": ["notes/owner"]}},
+        }
+        resp = house.as_ann.post(f"{API}/mcp", json.dumps(call), headers)
+        result = resp.json["result"]
+        assert result["isError"] is True
+        assert "Traceback" not in resp.text
+
 
 @pytest.mark.real_server
 @pytest.mark.slow
