@@ -129,3 +129,8 @@ class TestReachScoring:
             total, hits = disk_index.search(notesvc.Query("heron"), reach, 10, 0, reach=reach)
             assert (total, [h[0] for h in hits]) == (1, [f"notes/f{i}/n.md"])
         assert disk_index._masks.reaches() == [("notes/f3/",), ("notes/f4/",), ("notes/f5/",)]
+        monkeypatch.setattr(notesvc.MaskCache, "LIMITS", (64, 1))  # bytes: only the last kept
+        for i in (0, 1):
+            reach = (f"notes/f{i}",)
+            disk_index.search(notesvc.Query("heron"), reach, 10, 0, reach=reach)
+        assert disk_index._masks.reaches() == [("notes/f1/",)]

@@ -18,9 +18,10 @@ import itertools
 import weakref
 from collections import deque
 
-MAX_REACHES = 64  # reaches whose masks are kept (people, folder grants, their narrowings)
-MAX_MASK_BYTES = 8 << 20  # and at most this many bytes of masks in all
+MAX_REACHES = 64  # reaches whose masks are kept (a person's grants share one)
+MAX_MASK_BYTES = 8 << 20  # and about this many bytes of masks and frequencies in all
 MAX_FREQUENCIES = 4096  # document frequencies kept per segment mask
+FREQUENCY_BYTES = 160  # what one kept frequency costs (its dict slot, key tuple and ints)
 
 
 class SegmentMask:
@@ -110,6 +111,7 @@ class MaskCache:
     def __init__(self):
         # prefixes -> {segment: its mask}, weakly: a segment merged away goes with its masks
         self._reaches: collections.OrderedDict = collections.OrderedDict()
+        self._asked = 0  # searches since the sizes were last added up
 
     def of(self, segs: list, prefixes: tuple) -> ReachMasks:
         """Return a reach's masks over `segs` (made or brought up to date)."""
@@ -117,15 +119,19 @@ class MaskCache:
         if kept is None:
             kept = weakref.WeakKeyDictionary()
         self._reaches[prefixes] = kept
-        masks = []
+        masks, made = [], False
         for seg in segs:
             mask = kept.get(seg)
             if mask is None:
                 mask = kept[seg] = SegmentMask(seg, prefixes)
+                made = True
             else:
                 mask.refresh(seg, prefixes)
             masks.append(mask)
-        self._trim()
+        self._asked += 1
+        if made or self._asked >= 32:  # (the frequencies grow a little a search)
+            self._asked = 0
+            self._trim()
         return ReachMasks(segs, masks)
 
     def reaches(self) -> list:
@@ -134,10 +140,14 @@ class MaskCache:
 
     def _trim(self) -> None:
         most, most_bytes = self.LIMITS
-        size = sum(len(m.mask) for kept in self._reaches.values() for m in list(kept.values()))
+
+        def cost(kept) -> int:
+            return sum(len(m.mask) + FREQUENCY_BYTES * len(m.dfs) for m in list(kept.values()))
+
+        size = sum(map(cost, self._reaches.values()))
         while len(self._reaches) > 1 and (len(self._reaches) > most or size > most_bytes):
             _, gone = self._reaches.popitem(last=False)
-            size -= sum(len(m.mask) for m in list(gone.values()))
+            size -= cost(gone)
 
     def clear(self) -> None:
         self._reaches.clear()
