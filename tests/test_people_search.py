@@ -302,6 +302,22 @@ class TestMeaning:
         resp = ann.get(f"{note_url('notes/Ann/garden.md')}/related?limit=x", status=400)
         assert_error(resp, 400, "VALIDATION_ERROR")
 
+    def test_a_note_moved_into_or_out_of_the_reach_follows_at_once(self, meaning_house):
+        """The semantic pass keeps the records of a reach's notes between searches: a move
+        (nothing is embedded again) changes what it scans at once."""
+        owner, ann = meaning_house.owner, meaning_house.as_ann
+        url = f"{note_url('notes/Ann/garden.md')}/related"
+        assert "notes/owner/copy.md" not in [r["path"] for r in data(ann.get(url))["results"]]
+        body = {"path": "notes/Family/copy.md"}
+        owner.patch_json(f"{note_url('notes/owner/copy.md')}/move", body)
+        assert data(ann.get(url))["results"][0]["path"] == "notes/Family/copy.md"
+        assert "notes/Family/copy.md" in found(ann, "zucchini tomatoes", mode="semantic")
+        owner.patch_json(f"{note_url('notes/Family/copy.md')}/move", {"path": "notes/x/copy.md"})
+        near = data(ann.get(url))["results"]
+        assert "notes/x/copy.md" not in [r["path"] for r in near]
+        assert_nothing_unreached(near)
+        assert "notes/x/copy.md" not in found(ann, "zucchini tomatoes", mode="semantic")
+
     def test_mcp_search_and_related_by_meaning_stay_in_the_reach(self, meaning_house):
         ann = meaning_house.as_ann
         for mode in ("semantic", "hybrid", "keyword"):
