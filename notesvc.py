@@ -31,6 +31,8 @@ data flows, each with the first line of its docstring:
   search/persistence.py   The index on disk: segment files, the manifest, crash safety.
   search/helper.py        The index's helper process: its entry point, its protocol, starting and
                           stopping it.
+  search/masks.py         Reach masks: which notes of each index segment a reach holds, their counts
+                          and lengths.
   search/index.py         SearchIndex: building, updating and querying the inverted index.
   search/vectors.py       Search by meaning: notes cut into chunks, the vectors of the chunks, the
                           semantic pass.
@@ -186,6 +188,7 @@ import time
 import unicodedata
 import urllib.parse
 import uuid
+import weakref
 import zlib
 from collections import deque
 from collections.abc import Container, Iterable, Mapping, Sequence, Sized
@@ -7680,6 +7683,14 @@ class MemorySegment:
         docs, needle = self.docs, "".join(chars)
         return [d for d in cands if needle in docs[d][4 + f]]
 
+    def ids_under(self, prefix: str) -> list:
+        """Return the ids of the notes (deleted ones too) whose paths start with prefix."""
+        return [d for d, doc in enumerate(self.docs) if doc.path.startswith(prefix)]
+
+    def field_lengths(self, f: int) -> list:
+        """Return every note's length in a field (tokens), by id."""
+        return [len(doc[4 + f]) for doc in self.docs]
+
     def in_folder(self, cands: set, prefix: str) -> set:
         docs = self.docs
         return {d for d in cands if docs[d].path.startswith(prefix)}
@@ -8113,6 +8124,15 @@ class DiskSegment:
         """Per field: (start offsets, end offsets) of the notes' term strings, by note id."""
         off = self._tok_off
         return (off[0:-1:2], off[1::2]), (off[1::2], off[2::2])
+
+    def ids_under(self, prefix: str) -> memoryview:
+        """Return the ids of the notes (deleted ones too) whose paths start with prefix."""
+        target = prefix.encode()
+        return self._by_path[self._path_pos(target) : self._path_pos(target + b"\xff")]
+
+    def field_lengths(self, f: int) -> memoryview:
+        """Return every note's length in a field (tokens), by id."""
+        return self._dl[f::2]
 
     def in_folder(self, cands: set, prefix: str) -> set:
         target = prefix.encode()
@@ -9140,6 +9160,144 @@ class EarlyHelper:
         return helper
 
 
+# == src/notesvc/search/masks.py ==============================================
+# Reach masks: which notes of each index segment a reach holds, their counts and lengths.
+
+MAX_REACHES = 64  # reaches whose masks are kept (a person's grants share one)
+MAX_MASK_BYTES = 8 << 20  # and about this many bytes of masks and frequencies in all
+MAX_FREQUENCIES = 4096  # document frequencies kept per segment mask
+FREQUENCY_BYTES = 160  # what one kept frequency costs (its dict slot, key tuple and ints)
+
+
+class SegmentMask:
+    """One reach's view of one segment: a byte per note (1: live and reached), how many
+    notes that is, their summed field lengths, and the document frequencies asked lately."""
+
+    __slots__ = ("dfs", "lens", "live", "mask", "n_at", "zeroed")
+
+    def __init__(self, seg, prefixes: tuple):
+        self.mask = bytearray(seg.n)
+        for prefix in prefixes:
+            deque(map(self.mask.__setitem__, seg.ids_under(prefix), itertools.repeat(1)), 0)
+        self.n_at = seg.n
+        self.zeroed: set = set()
+        self.live = self.mask.count(1)
+        self.lens = [sum(itertools.compress(seg.field_lengths(f), self.mask)) for f in (0, 1)]
+        self.dfs: dict = {}
+        self.refresh(seg, prefixes)
+
+    def refresh(self, seg, prefixes: tuple) -> None:
+        """Fold in the notes a memory segment took since, and the deletions of any segment."""
+        mask = self.mask
+        if seg.n > self.n_at:
+            for d in range(self.n_at, seg.n):
+                held = seg.path(d).startswith(prefixes)
+                mask.append(held)
+                if held:
+                    self.live += 1
+                    self.lens[0] += seg.dl(d, 0)
+                    self.lens[1] += seg.dl(d, 1)
+            self.n_at = seg.n
+            self.dfs.clear()
+        if len(seg.deleted) != len(self.zeroed):
+            for d in seg.deleted.difference(self.zeroed):
+                if d < len(mask) and mask[d]:
+                    mask[d] = 0
+                    self.live -= 1
+                    self.lens[0] -= seg.dl(d, 0)
+                    self.lens[1] -= seg.dl(d, 1)
+            self.zeroed = set(seg.deleted)
+            self.dfs.clear()
+
+    def df(self, seg, key, f: int) -> int:
+        """Return how many reached live notes of the segment hold a term in a field."""
+        found = self.dfs.get((key, f))
+        if found is None:
+            p = seg.postings(key, f)
+            found = bytes(map(self.mask.__getitem__, p[0])).count(1) if p else 0
+            if len(self.dfs) >= MAX_FREQUENCIES:
+                self.dfs.clear()
+            self.dfs[(key, f)] = found
+        return found
+
+    def positions(self, ids) -> list:
+        """Return the positions in a posting list of the ids this mask holds."""
+        return list(itertools.compress(range(len(ids)), map(self.mask.__getitem__, ids)))
+
+
+class ReachMasks:
+    """The masks of one reach over a list of segments (as SearchIndex.search holds them)."""
+
+    __slots__ = ("masks", "segs")
+
+    def __init__(self, segs: list, masks: list):
+        self.segs, self.masks = segs, masks
+
+    def count(self) -> int:
+        return sum(m.live for m in self.masks)
+
+    def averages(self) -> tuple:
+        """Return the reached notes' average (body, title) lengths (1.0 with none)."""
+        n = self.count()
+        if not n:
+            return 1.0, 1.0
+        return tuple(max(sum(m.lens[f] for m in self.masks) / n, 1.0) for f in (0, 1))
+
+    def df(self, si: int, key, f: int) -> int:
+        return self.masks[si].df(self.segs[si], key, f) if key is not None else 0
+
+
+class MaskCache:
+    """The masks of the reaches searched lately, least recently used dropped first (at most
+    MAX_REACHES reaches and MAX_MASK_BYTES). Callers hold the index's lock."""
+
+    LIMITS = (MAX_REACHES, MAX_MASK_BYTES)
+
+    def __init__(self):
+        # prefixes -> {segment: its mask}, weakly: a segment merged away goes with its masks
+        self._reaches: collections.OrderedDict = collections.OrderedDict()
+        self._asked = 0  # searches since the sizes were last added up
+
+    def of(self, segs: list, prefixes: tuple) -> ReachMasks:
+        """Return a reach's masks over `segs` (made or brought up to date)."""
+        kept = self._reaches.pop(prefixes, None)
+        if kept is None:
+            kept = weakref.WeakKeyDictionary()
+        self._reaches[prefixes] = kept
+        masks, made = [], False
+        for seg in segs:
+            mask = kept.get(seg)
+            if mask is None:
+                mask = kept[seg] = SegmentMask(seg, prefixes)
+                made = True
+            else:
+                mask.refresh(seg, prefixes)
+            masks.append(mask)
+        self._asked += 1
+        if made or self._asked >= 32:  # (the frequencies grow a little a search)
+            self._asked = 0
+            self._trim()
+        return ReachMasks(segs, masks)
+
+    def reaches(self) -> list:
+        """Return the reaches whose masks are kept, least recently used first."""
+        return list(self._reaches)
+
+    def _trim(self) -> None:
+        most, most_bytes = self.LIMITS
+
+        def cost(kept) -> int:
+            return sum(len(m.mask) + FREQUENCY_BYTES * len(m.dfs) for m in list(kept.values()))
+
+        size = sum(map(cost, self._reaches.values()))
+        while len(self._reaches) > 1 and (len(self._reaches) > most or size > most_bytes):
+            _, gone = self._reaches.popitem(last=False)
+            size -= cost(gone)
+
+    def clear(self) -> None:
+        self._reaches.clear()
+
+
 # == src/notesvc/search/index.py ==============================================
 # SearchIndex: building, updating and querying the inverted index.
 
@@ -9213,11 +9371,11 @@ def _best(scores: dict, m: int) -> tuple:
 class _Match:
     """One segment's candidates for a query, with approximate scores (stored impacts)."""
 
-    def __init__(self, seg, comps: list, hi: float, scores: dict | None = None):
+    def __init__(self, seg, comps: list, hi: float, scores: dict | None = None, mask=None):
         self.seg, self.comps, self.hi = seg, comps, hi
         self.scores = scores  # {id: approximate score}, or None: the one-word fast path
         self.total = len(scores) if scores is not None else 0
-        self._single: dict = {}
+        self.mask = mask  # the one-word fast path within a reach: its SegmentMask
 
     def top(self, m: int) -> tuple:
         """Return ([(approx, id)] of the m best, in no order, bound on the approx of every
@@ -9227,8 +9385,9 @@ class _Match:
         return self._top_single(m)
 
     def count_single(self) -> None:
-        """Count the notes holding the word (body or title), deleted ones aside."""
-        deleted = self.seg.deleted
+        """Count the notes holding the word (body or title), deleted ones aside (and, within
+        a reach, the ones outside it)."""
+        mask = self.mask
         body = title = None
         for comp in self.comps:
             if comp[3] == 0:
@@ -9237,11 +9396,20 @@ class _Match:
                 title = comp
         self.body, self.title = body, title
         self.title_scores: dict = {}
-        total = len(body[1]) - body[5] if body else 0
+        self.deleted = self.seg.deleted if mask is None else ()  # a mask holds live notes
+        if body is None:
+            self.body_at: Sequence = ()
+        elif mask is None:
+            self.body_at = range(len(body[1]))
+        else:
+            self.body_at = mask.positions(body[1])
+        total = len(self.body_at) - (body[5] if body and mask is None else 0)
+        held = mask.mask if mask is not None else None
+        deleted = self.deleted
         if title:
             w, ids, imps = title[:3]
             for d, imp in zip(ids, imps):
-                if d in deleted:
+                if d in deleted or (held is not None and not held[d]):
                     continue
                 self.title_scores[d] = w * imp
                 if body is None or sorted_position(body[1], d) < 0:
@@ -9253,10 +9421,10 @@ class _Match:
         bound = 0.0
         if self.body:
             w, ids, imps = self.body[:3]
-            deleted = self.seg.deleted
+            deleted = self.deleted
             want = m + len(scores) + len(deleted) + 1
-            idx = range(len(ids))
-            if want < len(ids):
+            idx = self.body_at
+            if want < len(idx):
                 idx = _largest(want, idx, imps.__getitem__)
                 bound = w * imps[idx[-1]]
             taken = set()
@@ -9334,6 +9502,7 @@ class SearchIndex:
         self._pair_rewrites: dict = {}  # file name -> when it was last picked to get pair lists
         self._live = MemorySegment()
         self._texts = TextCache()  # the texts snippets were cut from lately
+        self._masks = MaskCache()  # which notes of each segment the reaches searched hold
         self.generation = 0  # bumps on every change
         # (generation it holds for, {folder: notes beneath it}): rebuilt after bulk changes,
         # kept up to date by single adds and removals (folder_counts)
@@ -9810,16 +9979,22 @@ class SearchIndex:
 
     # -- searching -----------------------------------------------------------------------
 
-    def _terms(self, segs: list, n: int, stems: list) -> tuple:
+    def _terms(self, segs: list, n: int, stems: list, masks: ReachMasks | None = None) -> tuple:
         """Return ({stem: [key per segment]}, {stem: (body weight, title weight)},
-        {stem: [live body df, live title df]})."""
+        {stem: [live body df, live title df]}); within a reach (`masks`), its notes' df."""
         per_seg = [seg.keys(stems) for seg in segs]
         keys, weights, dfs = {}, {}, {}
         for j, s in enumerate(stems):
             ks = [found[j] for found in per_seg]
             df = [0, 0]
+            if masks is not None:
+                df = [sum(masks.df(si, k, f) for si, k in enumerate(ks)) for f in (0, 1)]
+                ks = [
+                    k if k is not None and (masks.df(si, k, 0) or masks.df(si, k, 1)) else None
+                    for si, k in enumerate(ks)
+                ]
             for seg, k in zip(segs, ks):
-                if k is not None:
+                if k is not None and masks is None:
                     for f in (0, 1):
                         p = seg.postings(k, f)
                         if p:
@@ -9828,24 +10003,24 @@ class SearchIndex:
             weights[s] = (bm25_weight(n, df[0], "body"), bm25_weight(n, df[1], "title"))
         return keys, weights, dfs
 
-    def _expand(self, segs: list, n: int, prefix: str) -> list:
+    def _expand(self, segs: list, n: int, prefix: str, masks: ReachMasks | None = None) -> list:
         """Return up to MAX_PREFIX_TERMS stems of words starting with prefix, commonest first
-        (of the first 16 * MAX_PREFIX_TERMS such words, in order)."""
+        (of the first 16 * MAX_PREFIX_TERMS such words, in order; within a reach, its)."""
         cap = 16 * MAX_PREFIX_TERMS
         words: dict = {}
         for seg in segs:
             for w, s in seg.prefix_words(prefix, cap):
                 words.setdefault(w, s)
         stems = sorted({words[w] for w in sorted(words)[:cap]})
-        _, _, dfs = self._terms(segs, n, stems)
+        _, _, dfs = self._terms(segs, n, stems, masks)
         alive = [s for s in stems if dfs[s][0] or dfs[s][1]]
         alive.sort(key=lambda s: (-dfs[s][0], s))
         return alive[:MAX_PREFIX_TERMS]
 
-    def _resolve(self, segs: list, n: int, alt: tuple) -> tuple:
+    def _resolve(self, segs: list, n: int, alt: tuple, masks: ReachMasks | None = None) -> tuple:
         kind = alt[0]
         if kind == "prefix":
-            return kind, self._expand(segs, n, alt[1])
+            return kind, self._expand(segs, n, alt[1], masks)
         return kind, [alt[1]] if kind == "word" else list(alt[1])
 
     @staticmethod
@@ -9887,7 +10062,7 @@ class SearchIndex:
             total += (min(sizes) if kind == "phrase" else sum(sizes)) if sizes else 0
         return total
 
-    def _match(self, seg, si, clauses, excludes, keys, weights, folder, hi) -> _Match | None:
+    def _match(self, seg, si, clauses, excludes, keys, weights, folder, hi, mask) -> _Match | None:
         order = sorted(clauses, key=lambda c: self._estimate(seg, si, c, keys))
         cands = None
         for clause in order:
@@ -9900,7 +10075,10 @@ class SearchIndex:
         for alt in excludes:
             cands -= self._alt_docs(seg, si, alt, keys, cands)
         cands = cands - seg.deleted
-        if folder and cands:  # the folders of a reach (their prefixes): any of them
+        if mask is not None and cands:  # the reach's notes only
+            held = mask.mask
+            cands = {d for d in cands if held[d]}
+        if folder and cands:  # the folders asked for (their prefixes): any of them
             cands = set().union(*(seg.in_folder(cands, prefix) for prefix in folder))
         if not cands:
             return None
@@ -9933,9 +10111,11 @@ class SearchIndex:
         """Return the most a segment's stored impacts can rise with today's averages."""
         return max(1.0, *(avg[f] / max(seg.avg_range[f][0], 1.0) for f in (0, 1))) * (1 + SCORE_EPS)
 
-    def _matches(self, segs, n, avg, clauses, excludes, folder) -> list:
+    def _matches(self, segs, n, avg, clauses, excludes, folder, masks=None) -> list:
+        """Return ([_Match] of the segments holding candidates, the query's keys): among the
+        notes of `folder` (prefixes; () every note) and, with `masks`, of a reach."""
         stems = sorted({s for clause in [*clauses, excludes] for _, ss in clause for s in ss})
-        keys, weights, _ = self._terms(segs, n, stems)
+        keys, weights, _ = self._terms(segs, n, stems, masks)
         single = (
             (len(clauses) == 1 and len(clauses[0]) == 1 and clauses[0][0][0] == "word")
             and not excludes
@@ -9944,15 +10124,16 @@ class SearchIndex:
         matches = []
         for si, seg in enumerate(segs):
             hi = self._hi(seg, avg)
+            mask = masks.masks[si] if masks is not None else None
             if single:
                 comps = self._comps(seg, si, clauses[0][0][1], keys, weights)
                 if comps:
-                    mt = _Match(seg, comps, hi)
+                    mt = _Match(seg, comps, hi, mask=mask)
                     mt.count_single()
                     if mt.total:
                         matches.append(mt)
             else:
-                mt = self._match(seg, si, clauses, excludes, keys, weights, folder, hi)
+                mt = self._match(seg, si, clauses, excludes, keys, weights, folder, hi, mask)
                 if mt:
                     matches.append(mt)
         return matches, keys
@@ -10016,17 +10197,27 @@ class SearchIndex:
         limit: int = 20,
         offset: int = 0,
         snippets=True,
+        reach: tuple = (),
     ) -> tuple:
         """Return (total, [(path, title, score, snippet)]) best first (snippets "" when
-        not asked for), among the notes of `folder` (a folder, or the folders of a reach:
-        () or "" every note)."""
+        not asked for), among the notes of `folder` (a folder, or several: () or "" every
+        note). `reach`: the folders a principal that sees part of the notes reaches (()
+        everything): only their notes are searched, and they alone give BM25 its statistics
+        (N, df, average lengths), so nothing outside them moves a score or a count."""
+        within = folder_prefixes(reach)
         prefix = folder_prefixes(folder)
+        if within and set(prefix) == set(within):
+            prefix = ()  # the reach itself: its masks filter
         with self._lock:
             segs = self._all()
-            n, avg = self._count(segs), self._averages(segs)
-            clauses = [[self._resolve(segs, n, alt) for alt in c] for c in query.clauses]
-            excludes = [self._resolve(segs, n, alt) for alt in query.excludes]
-            matches, keys = self._matches(segs, n, avg, clauses, excludes, prefix)
+            masks = self._masks.of(segs, within) if within else None
+            if masks is None:
+                n, avg = self._count(segs), self._averages(segs)
+            else:
+                n, avg = masks.count(), masks.averages()
+            clauses = [[self._resolve(segs, n, alt, masks) for alt in c] for c in query.clauses]
+            excludes = [self._resolve(segs, n, alt, masks) for alt in query.excludes]
+            matches, keys = self._matches(segs, n, avg, clauses, excludes, prefix, masks)
             total = sum(mt.total for mt in matches)
             ranked = self._rank(matches, offset + limit, avg, self._weight)[offset:]
             if not snippets:
@@ -10664,6 +10855,7 @@ _REC = struct.Struct("<Qf")  # chunk hash, scale; then the int8 vector, then its
 DEAD = 0xFFFFFFFF  # a record no note holds (a tombstone until compaction)
 RESCORE = 400  # chunks the sign-code pass hands to the int8 rescoring
 MAX_SEMANTIC_NOTES = 100  # notes a semantic pass returns at most
+REACH_ROWS = 16  # reaches whose records the semantic pass keeps (a person's search by meaning)
 
 
 class _PathTable:
@@ -10805,6 +10997,10 @@ class VectorStore:
         self.dirty = False  # meta.json is behind
         self.changes = 0  # notes given records or dropped since the store opened
         self.extra: dict = {}  # what the embedder keeps with it (the probe, the floor)
+        self._edits = 0  # any change of which note holds which records, or of a path
+        # the records of the notes under a reach's folders, as the semantic pass scans them:
+        # prefixes -> (the edits it was made at, the records), the few searched lately
+        self._reach_rows: collections.OrderedDict = collections.OrderedDict()
 
     # -- opening -----------------------------------------------------------------------
 
@@ -10927,6 +11123,7 @@ class VectorStore:
     # -- notes and records ------------------------------------------------------------
 
     def _claim(self, path: str, key: Any, recs: Any) -> None:
+        self._edits += 1
         number = self._names.find(path)
         if number is None:
             number = self._names.add(path)
@@ -10980,6 +11177,7 @@ class VectorStore:
             self._names.remove(n)
             self._count_folders(path, -1)
             self._len[n] = 0
+            self._edits += 1
             self.changes += 1
             self.dirty = True
 
@@ -10990,6 +11188,7 @@ class VectorStore:
             if n is None or self._names.find(new) is not None:
                 return False
             self._names.rename(n, new)
+            self._edits += 1
             self._count_folders(old, -1)
             self._count_folders(new, 1)
             self._keys[n] = _NO_KEY if key is None else key
@@ -11225,7 +11424,26 @@ class VectorStore:
 
     # -- the semantic pass ----------------------------------------------------------------
 
-    def _candidates(self, qcode: Any, within: list | None, k: int) -> list:
+    def _rows_under(self, prefixes: tuple) -> Any:
+        """Return the records of the notes under these folder prefixes (a NumPy array of
+        them, or an array): kept for the few reaches searched lately until a note gets other
+        records, is dropped or moves, so a person's search by meaning costs no walk of
+        every path."""
+        kept = self._reach_rows.get(prefixes)
+        if kept is not None and kept[0] == self._edits:
+            self._reach_rows.move_to_end(prefixes)
+            return kept[1]
+        held = [n for n, p in self._names.held() if p.startswith(prefixes)]
+        rows: Any = array.array("I", [r for n in held for r in self._run(n)])
+        if self.np is not None:
+            rows = self.np.asarray(rows, "int64")
+        self._reach_rows[prefixes] = (self._edits, rows)
+        self._reach_rows.move_to_end(prefixes)
+        while len(self._reach_rows) > REACH_ROWS:
+            self._reach_rows.popitem(last=False)
+        return rows
+
+    def _candidates(self, qcode: Any, within: Any, k: int) -> list:
         """Return up to about k records nearest the query's sign code (Hamming)."""
         np = self.np
         if np is not None:
@@ -11285,9 +11503,8 @@ class VectorStore:
             folders = (folder,) if isinstance(folder, str) else tuple(folder)
             prefixes = tuple(f.rstrip("/") + "/" for f in folders if f)
             if prefixes:
-                held = [n for n, p in self._names.held() if p.startswith(prefixes)]
-                within = [r for n in held for r in self._run(n)]
-                if not within:
+                within = self._rows_under(prefixes)
+                if not len(within):
                     return []
             np = self.np
             qcode = float_sign_code(query) if np is None else np.packbits(np.asarray(query) > 0)
@@ -11455,26 +11672,35 @@ def _chunk_snippet(svc: Service, path: str, chunk: int) -> str:
 
 
 def find_notes(
-    svc: Service, query: Query, folder: str | tuple, limit: int, offset: int, mode: str = ""
+    svc: Service,
+    query: Query,
+    folder: str | tuple,
+    limit: int,
+    offset: int,
+    mode: str = "",
+    reach: tuple = (),
 ) -> dict:
     """Search as `mode` asks (hybrid by default when embeddings are on), among the notes of
-    `folder` (a folder, or the folders of a reach: "" or () every note): {total, results:
-    [(path, title, score, snippet)], mode, fallback}. Never fails because the endpoint
-    does: it answers in keyword mode with fallback true."""
+    `folder` (a folder, or several: "" or () every note) within `reach` (the folders of a
+    principal that sees part of the notes, () everything: they alone give the words' scores
+    their statistics, SearchIndex.search): {total, results: [(path, title, score, snippet)],
+    mode, fallback}. Never fails because the endpoint does: it answers in keyword mode with
+    fallback true."""
     embedder = svc.embedder
+    folder = folder or reach  # never wider than the reach
     if mode and mode not in MODES:
         raise bad_request(f"'mode' must be one of {', '.join(MODES)}")
     mode = mode or ("hybrid" if embedder is not None else "keyword")
     if mode != "keyword" and embedder is not None and not _lexical_only(query):
         vector = embedder.query_vector(_embedding_text(query))
         if vector is not None:
-            return _by_meaning(svc, query, folder, (limit, offset), mode, vector)
-    total, hits = svc.index.search(query, folder, limit, offset)
+            return _by_meaning(svc, query, folder, (limit, offset), mode, vector, reach)
+    total, hits = svc.index.search(query, folder, limit, offset, reach=reach)
     return {"total": total, "results": hits, "mode": "keyword", "fallback": mode != "keyword"}
 
 
 def _by_meaning(
-    svc: Service, query: Query, folder: str | tuple, page: tuple, mode: str, vector
+    svc: Service, query: Query, folder: str | tuple, page: tuple, mode: str, vector, reach: tuple
 ) -> dict:
     near = svc.embedder.nearest(vector, folder)
     if query.excludes:
@@ -11484,7 +11710,9 @@ def _by_meaning(
     if mode == "semantic":
         ranked = [(p, round(s, 4)) for p, s, _ in near]
     else:
-        _, hits = svc.index.search(query, folder, MAX_SEMANTIC_NOTES, 0, snippets=False)
+        _, hits = svc.index.search(
+            query, folder, MAX_SEMANTIC_NOTES, 0, snippets=False, reach=reach
+        )
         words = [p for p, *_ in hits]
         ranked = [(p, round(s, 6)) for p, s in fuse(words, list(chunk_of))]
     limit, offset = page
@@ -11972,9 +12200,19 @@ class Reach:
         held = [scope for folder, scope in self.folders if inside(where, folder)]
         return max(held, key=SCOPE_RANK.__getitem__) if held else None
 
+    @functools.cached_property
+    def _lookup(self) -> tuple:
+        """(the prefixes of the reached folders and their attachments twins, those folders)"""
+        folders = (*self.tops, *map(attachments_twin, self.tops))
+        return tuple(f + "/" for f in folders), frozenset(folders)
+
     def sees(self, path: str) -> bool:
-        """Return whether a note, attachment or folder path lies inside a reached folder."""
-        return self.everything or self.scope_at(path) is not None
+        """Return whether a note, attachment or folder path lies inside a reached folder
+        (what scope_at() holds somewhere; asked for every entry a listing or a feed filters)."""
+        if self.everything:
+            return True
+        prefixes, folders = self._lookup
+        return path.startswith(prefixes) or path in folders
 
     def way_down(self, folder: str) -> tuple:
         """Return the reached folders beneath `folder` (an ancestor of them, not reached
@@ -12223,16 +12461,13 @@ def visible_folders(
     raise not_found(f"no folder at {folder}")
 
 
-def visible_folder(
-    svc: Service, raw: Any, principal: Principal | None = None, top: str = NOTES
-) -> str:
-    """Return the one folder a principal's listing of `raw` shows: raw itself inside its
-    reach, the one reached folder beneath an ancestor of it (404 otherwise; a principal that
-    reaches several folders beneath raw is asked visible_folders instead)."""
-    folder, shown = visible_folders(svc, raw, principal, top)
-    if len(shown) != 1:
-        return folder  # several: the caller filters by the principal's reach
-    return shown[0]
+def searched_folders(svc: Service, raw: Any, principal: Principal | None = None) -> tuple:
+    """Return the folders a search of folder `raw` (None or "": the top) looks in, for the
+    request's principal: () every note (the owner at the top), else the folder itself inside
+    its reach or the reached folders beneath it; 404 for any other folder. Pass the
+    principal's `folders` beside it as the search's reach (SearchIndex.search)."""
+    _, shown = visible_folders(svc, raw or NOTES, principal)
+    return () if shown == (NOTES,) else shown
 
 
 def writable_folder(svc: Service, raw: Any, principal: Principal | None = None) -> str:
@@ -14436,7 +14671,7 @@ def _hits_in_folder(svc: Service, question: str, folder: str | tuple, limit: int
             break
         text = f"{text} OR {word}" if text else word
     try:
-        _, ranked = svc.index.search(Query(text), folder, limit)
+        _, ranked = svc.index.search(Query(text), folder, limit, reach=folder)
     except ApiError:  # no searchable word in the question
         return []
     hits = []
@@ -14946,6 +15181,11 @@ def ask_agent(
         paths = [p for p in dict.fromkeys(answer[2]) if p in titles or svc.notes.exists(p)]
     else:
         paths = list(titles)
+    if folder:  # a reach: whatever a provider names, no note outside it is a source
+        within = tuple(
+            f.rstrip("/") + "/" for f in ((folder,) if isinstance(folder, str) else folder)
+        )
+        paths = [p for p in paths if isinstance(p, str) and p.startswith(within)]
     sources = [{"path": p, "title": titles.get(p) or svc.index.title_of(p) or p} for p in paths]
     return {"reply": reply, "provider": provider.name, "model": model, "sources": sources}
 
@@ -17690,8 +17930,8 @@ def tool_search_notes(
     svc: Service, query: str, limit: int = 10, folder: str = "", mode: str = ""
 ) -> dict:
     parsed = Query(query)
-    folder = visible_folder(svc, folder or NOTES)  # a folder grant's by default
-    found = find_notes(svc, parsed, "" if folder == NOTES else folder, limit, 0, mode)
+    within = searched_folders(svc, folder)  # a person's or a folder grant's reach by default
+    found = find_notes(svc, parsed, within, limit, 0, mode, request_principal().folders)
     results = [
         {"path": p, "title": t, "snippet": sn, "score": sc} for p, t, sc, sn in found["results"]
     ]
@@ -17867,7 +18107,7 @@ def tool_list_tags(svc: Service) -> dict:
     read_only=False,
 )
 def tool_create_note(svc: Service, path: str, content: str) -> dict:
-    return _summary(svc.notes.create(visible_note(svc.notes, path), content))
+    return _summary(svc.notes.create(visible_note(svc.notes, path, write=True), content))
 
 
 @tool(
@@ -17879,7 +18119,7 @@ def tool_create_note(svc: Service, path: str, content: str) -> dict:
     read_only=False,
 )
 def tool_append_to_note(svc: Service, path: str, text: str) -> dict:
-    path = visible_note(svc.notes, path)
+    path = visible_note(svc.notes, path, write=True)
 
     def add(old: str) -> str:
         return old + ("\n" if old and not old.endswith("\n") else "") + text.rstrip("\n") + "\n"
@@ -17903,7 +18143,7 @@ def tool_append_to_note(svc: Service, path: str, text: str) -> dict:
     destructive=True,
 )
 def tool_replace_in_note(svc: Service, path: str, old: str, new: str) -> dict:
-    path = visible_note(svc.notes, path)
+    path = visible_note(svc.notes, path, write=True)
 
     def swap(text: str) -> str:
         count = text.count(old)
@@ -17939,7 +18179,7 @@ def tool_replace_in_note(svc: Service, path: str, old: str, new: str) -> dict:
     idempotent=True,
 )
 def tool_update_note(svc: Service, path: str, content: str, etag: str) -> dict:
-    return _summary(svc.notes.update(visible_note(svc.notes, path), content, etag))
+    return _summary(svc.notes.update(visible_note(svc.notes, path, write=True), content, etag))
 
 
 @tool(
@@ -17961,7 +18201,8 @@ def tool_update_note(svc: Service, path: str, content: str, etag: str) -> dict:
 def tool_move_note(
     svc: Service, path: str, newPath: str, etag: str, updateLinks: bool = False
 ) -> dict:
-    path, new = visible_note(svc.notes, path), visible_note(svc.notes, newPath)
+    path = visible_note(svc.notes, path, write=True)  # write on both sides (a read share: 403)
+    new = visible_note(svc.notes, newPath, write=True)
     rec = move_and_relink(svc, path, new, etag, updateLinks)
     return {**_summary(rec), **{k: rec[k] for k in ("from", "linksUpdated") if k in rec}}
 
@@ -17978,7 +18219,7 @@ def tool_move_note(
     idempotent=True,
 )
 def tool_delete_note(svc: Service, path: str, etag: str | None = None) -> dict:
-    done = svc.notes.delete(visible_note(svc.notes, path), etag)
+    done = svc.notes.delete(visible_note(svc.notes, path, write=True), etag)
     return {"path": done["path"], "deleted": True}
 
 
@@ -17992,7 +18233,7 @@ def tool_delete_note(svc: Service, path: str, etag: str | None = None) -> dict:
 )
 def tool_search(svc: Service, query: str) -> dict:
     folders = request_principal().folders  # a grant searches its reach
-    hits = find_notes(svc, Query(query), folders, 10, 0)["results"]
+    hits = find_notes(svc, Query(query), folders, 10, 0, reach=folders)["results"]
     return {"results": [{"id": p, "title": t, "url": note_url(svc, p)} for p, t, _, _ in hits]}
 
 
@@ -31916,11 +32157,11 @@ def list_changes(svc: Service) -> dict:
 def search_notes(svc: Service) -> dict:
     started = time.perf_counter()
     query = Query(query_str("q"))
-    _, shown = visible_folders(svc, query_str("folder") or NOTES)  # the reach's by default
-    folder = () if shown == (NOTES,) else shown
+    folder = searched_folders(svc, query_str("folder"))  # the reach's by default
     limit = query_int("limit", 20, 1, 100)
     offset = query_int("offset", 0, 0, 10000)
-    found = find_notes(svc, query, folder, limit, offset, query_str("mode"))
+    reach = request_principal().folders  # scored within it: nothing else moves a score
+    found = find_notes(svc, query, folder, limit, offset, query_str("mode"), reach)
     results = [
         {"path": p, "title": t, "score": sc, "snippet": sn} for p, t, sc, sn in found["results"]
     ]
@@ -32573,7 +32814,8 @@ def oauth_consent(svc: Service) -> dict:
 
 
 def approve_oauth(svc: Service) -> dict:
-    """POST /api/v1/oauth/approve (the owner): an authorisation code for the client."""
+    """POST /api/v1/oauth/approve (the owner, or a person: their connector, within their
+    reach): an authorisation code for the client."""
     body = read_json(svc.config.max_body_bytes)
     env = bottle.request.environ
     client_id = field(body, "clientId", max_len=2000)
@@ -36995,7 +37237,7 @@ ROUTES = (
         "POST",
         "/oauth/approve",
         approve_oauth,
-        summary="The owner approves an OAuth request: the redirect with its code",
+        summary="The owner or a person approves an OAuth request: the redirect with its code",
         body=_obj(
             ["clientId", "redirectUri", "codeChallenge", "scope"],
             clientId={**_STR, "minLength": 1, "maxLength": 2000},

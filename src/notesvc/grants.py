@@ -7,6 +7,7 @@ import collections
 import contextlib
 import dataclasses
 import datetime as dt
+import functools
 import hashlib
 import hmac
 import ipaddress
@@ -127,9 +128,19 @@ class Reach:
         held = [scope for folder, scope in self.folders if inside(where, folder)]
         return max(held, key=SCOPE_RANK.__getitem__) if held else None
 
+    @functools.cached_property
+    def _lookup(self) -> tuple:
+        """(the prefixes of the reached folders and their attachments twins, those folders)"""
+        folders = (*self.tops, *map(attachments_twin, self.tops))
+        return tuple(f + "/" for f in folders), frozenset(folders)
+
     def sees(self, path: str) -> bool:
-        """Return whether a note, attachment or folder path lies inside a reached folder."""
-        return self.everything or self.scope_at(path) is not None
+        """Return whether a note, attachment or folder path lies inside a reached folder
+        (what scope_at() holds somewhere; asked for every entry a listing or a feed filters)."""
+        if self.everything:
+            return True
+        prefixes, folders = self._lookup
+        return path.startswith(prefixes) or path in folders
 
     def way_down(self, folder: str) -> tuple:
         """Return the reached folders beneath `folder` (an ancestor of them, not reached
@@ -378,16 +389,13 @@ def visible_folders(
     raise not_found(f"no folder at {folder}")
 
 
-def visible_folder(
-    svc: Service, raw: Any, principal: Principal | None = None, top: str = NOTES
-) -> str:
-    """Return the one folder a principal's listing of `raw` shows: raw itself inside its
-    reach, the one reached folder beneath an ancestor of it (404 otherwise; a principal that
-    reaches several folders beneath raw is asked visible_folders instead)."""
-    folder, shown = visible_folders(svc, raw, principal, top)
-    if len(shown) != 1:
-        return folder  # several: the caller filters by the principal's reach
-    return shown[0]
+def searched_folders(svc: Service, raw: Any, principal: Principal | None = None) -> tuple:
+    """Return the folders a search of folder `raw` (None or "": the top) looks in, for the
+    request's principal: () every note (the owner at the top), else the folder itself inside
+    its reach or the reached folders beneath it; 404 for any other folder. Pass the
+    principal's `folders` beside it as the search's reach (SearchIndex.search)."""
+    _, shown = visible_folders(svc, raw or NOTES, principal)
+    return () if shown == (NOTES,) else shown
 
 
 def writable_folder(svc: Service, raw: Any, principal: Principal | None = None) -> str:

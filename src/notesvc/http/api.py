@@ -23,6 +23,7 @@ from notesvc.grants import (
     clean_name,
     granted_tree,
     request_principal,
+    searched_folders,
     visible_attachment,
     visible_folders,
     visible_note,
@@ -884,11 +885,11 @@ def list_changes(svc: Service) -> dict:
 def search_notes(svc: Service) -> dict:
     started = time.perf_counter()
     query = Query(query_str("q"))
-    _, shown = visible_folders(svc, query_str("folder") or NOTES)  # the reach's by default
-    folder = () if shown == (NOTES,) else shown
+    folder = searched_folders(svc, query_str("folder"))  # the reach's by default
     limit = query_int("limit", 20, 1, 100)
     offset = query_int("offset", 0, 0, 10000)
-    found = find_notes(svc, query, folder, limit, offset, query_str("mode"))
+    reach = request_principal().folders  # scored within it: nothing else moves a score
+    found = find_notes(svc, query, folder, limit, offset, query_str("mode"), reach)
     results = [
         {"path": p, "title": t, "score": sc, "snippet": sn} for p, t, sc, sn in found["results"]
     ]
