@@ -218,6 +218,8 @@ class Service:
             self.state, idle_days=config.device_idle_days
         )
         self.people = PeopleStore(self.state, self.grants, self.notes)  # and shared folders
+        for store in (self.notes, self.attachments, self.note_files):  # a key revoked (or a
+            store.guard = self.writing  # share removed) mid-request writes nothing after
         # Background components of later sections, composed by build_service():
         self.pollers: Any = None  # ChannelPollers: a thread per channel in polling mode
         self.reminders: Any = None  # ReminderScheduler: ⏰ lines sent through the channels
@@ -240,6 +242,12 @@ class Service:
                 person = self.people.get(g.get("person"), data)
                 return f"{person['name']} · {name}" if person else name
         return None
+
+    def writing(self, path: str):
+        """Return the context of one change of `path` by the current request
+        (GrantStore.writing: its key live, its person still reaching it, and a revocation
+        waiting for it)."""
+        return self.grants.writing(request_principal(), path)
 
     def start(self) -> Service:
         """Sweep crash leftovers, bring the index up to date, start the background work."""
