@@ -3,11 +3,15 @@ and links (issue 52, part 2; src/notesvc/http/dav.py, caldav.py, feed.py, people
 
 from __future__ import annotations
 
+import contextlib
 import io
 import json
 import re
+import subprocess
 import threading
+import urllib.error
 import urllib.parse
+import urllib.request
 import zipfile
 
 import pytest
@@ -26,11 +30,14 @@ from conftest import (
     note_url,
     notesvc,
     put_note,
+    running,
     upload,
+    wait_for,
     with_key,
     zip_of,
 )
 from test_http_caldav import cal_items, list_ids, sync_body, vtodo
+from test_http_dav import RCLONE, rclone, rclone_env
 from test_people import add_person
 
 # -- who is who -------------------------------------------------------------------------------
@@ -726,3 +733,194 @@ class TestPeopleInFlight:
         assert answers[0].status_int == 201
         assert (root / "attachments/Ann/a.png").read_bytes() == PNG
         ann.dav("PUT", "attachments/Ann/b.png", PNG, status=401)
+
+
+# -- the judges: rclone and the caldav library as a person, on a real server ------------------
+
+
+def owner_key_of(server) -> str:
+    return server.request("GET", f"{API}/system/setup")[2]["data"]["apiKey"]
+
+
+def real_person(server, owner: str, name: str) -> tuple:
+    """Add a person on a real server and claim their first device: (person, their key)."""
+    status, _, made = server.request("POST", f"{API}/people", {"name": name}, {KEY: owner})
+    assert status == 201, made
+    claim = {"secret": made["data"]["pairing"]["secret"], "deviceName": f"{name}'s laptop"}
+    status, _, got = server.request("POST", f"{API}/auth/devices/claim", claim)
+    assert status == 201, got
+    return made["data"]["person"], got["data"]["key"]
+
+
+def real_share(server, key: str, folder: str, **members: str) -> None:
+    body = {"members": [{"person": p, "scope": s} for p, s in members.items()]}
+    url = f"{API}/folders/{urllib.parse.quote(folder, safe='')}/members"
+    status, _, answer = server.request("PUT", url, body, {KEY: key})
+    assert status == 200, answer
+
+
+def real_note(server, key: str, path: str, content: str) -> None:
+    status, _, answer = server.request(
+        "POST", f"{API}/notes", {"path": path, "content": content}, {KEY: key}
+    )
+    assert status == 201, answer
+
+
+class TestPeopleJudges:
+    """A person's WebDAV judged by rclone, their CalDAV by the caldav library, and writes in
+    flight on a real server's threads."""
+
+    pytestmark = [pytest.mark.real_server, pytest.mark.slow]
+
+    def test_rclone_as_a_person_syncs_their_home_both_ways_and_sees_only_their_reach(
+        self, tmp_path
+    ):
+        if not RCLONE:
+            pytest.skip("no rclone on this machine (Debian: apt install rclone)")
+        root = tmp_path / "root"
+        with running(root) as server:
+            owner = owner_key_of(server)
+            real_note(server, owner, "notes/owner/diary.md", "# Diary\n\nsecret")
+            real_note(server, owner, "notes/Family/plan.md", "# Plan\n\nhills")
+            ann, key = real_person(server, owner, "Ann")
+            real_share(server, owner, "notes/Family", **{ann["id"]: "read"})
+            env = rclone_env(f"{server.url}/dav/", key)
+            listed = subprocess.run(
+                [RCLONE, "lsf", "-R", ":webdav:notes"], capture_output=True, text=True, env=env
+            )
+            assert listed.returncode == 0, listed.stderr[-2000:]
+            assert sorted(listed.stdout.split()) == ["Ann/", "Family/", "Family/plan.md"]
+            local = tmp_path / "vault"
+            files = {
+                f"area {i % 3}/note {i}.md": f"# Note {i}\n\nabout the garden {i}\n".encode()
+                for i in range(30)
+            }
+            files["area 0/photo.png"] = PNG
+            for rel, body in files.items():
+                (local / rel).parent.mkdir(parents=True, exist_ok=True)
+                (local / rel).write_bytes(body)
+            rclone(env, "sync", str(local), ":webdav:notes/Ann/vault")
+            for rel, body in files.items():
+                assert (root / "notes/Ann/vault" / rel).read_bytes() == body, rel
+            path = urllib.parse.quote("notes/Ann/vault/area 1/note 1.md", safe="")
+            edit = {"content": "# Note 1\n\nedited on the phone\n"}
+            assert server.request("PUT", f"{API}/notes/{path}", edit, {KEY: key})[0] == 200
+            rclone(env, "sync", ":webdav:notes/Ann/vault", str(local))
+            assert "edited on the phone" in (local / "area 1/note 1.md").read_text()
+            out = rclone(env, "check", "--download", str(local), ":webdav:notes/Ann/vault")
+            assert "0 differences found" in out
+            # a read share takes nothing, and nothing outside her reach shows
+            (tmp_path / "mine.md").write_text("# Mine\n")
+            done = subprocess.run(
+                [RCLONE, "copyto", str(tmp_path / "mine.md"), ":webdav:notes/Family/mine.md"],
+                capture_output=True,
+                text=True,
+                env=env,
+            )
+            assert done.returncode != 0
+            assert not (root / "notes/Family/mine.md").exists()
+            done = subprocess.run(
+                [RCLONE, "cat", ":webdav:notes/owner/diary.md"], capture_output=True, env=env
+            )
+            assert done.returncode != 0
+            assert b"secret" not in done.stdout
+            assert not any("Traceback" in line for line in server.lines)
+
+    def test_the_caldav_library_as_a_person(self, tmp_path):
+        caldav = pytest.importorskip("caldav")
+        root = tmp_path / "root"
+        with running(root) as server, contextlib.ExitStack() as stack:
+            owner = owner_key_of(server)
+            real_note(server, owner, "notes/owner/todo.md", TODO.format("hide the presents"))
+            real_note(server, owner, "notes/Family/todo.md", TODO.format("book the cabin"))
+            ann, key = real_person(server, owner, "Ann")
+            real_share(server, owner, "notes/Family", **{ann["id"]: "read"})
+            real_note(server, key, "notes/Ann/todo.md", TODO.format("call the dentist"))
+            client = caldav.DAVClient(
+                url=f"{server.url}/.well-known/caldav", username="ann", password=key
+            )
+            stack.enter_context(client)
+            lists = {c.get_display_name(): c for c in client.principal().calendars()}
+            assert set(lists) == {"All tasks", "Family", "Ann"}
+            every = lists["All tasks"]
+            assert sorted(str(t.icalendar_component["SUMMARY"]) for t in every.todos()) == [
+                "book the cabin",
+                "call the dentist",
+            ]
+            token = every.objects_by_sync_token(load_objects=False).sync_token
+            status = server.request(
+                "PUT",
+                f"{API}/notes/notes%2Fowner%2Ftodo.md",
+                {"content": TODO.format("wrap the presents")},
+                {KEY: owner},
+            )[0]
+            assert status == 200
+            assert list(every.objects_by_sync_token(sync_token=token, load_objects=True)) == []
+            dentist = lists["Ann"].todos()[0]
+            dentist.complete()
+            assert "- [x] call the dentist" in (root / "notes/Ann/todo.md").read_text()
+            every.save_todo(summary="water the fern")
+            assert "- [ ] water the fern" in (root / "notes/Ann/Tasks.md").read_text()
+            cabin = lists["Family"].todos()[0]
+            with pytest.raises(caldav.lib.error.DAVError):
+                cabin.complete()
+            assert (root / "notes/Family/todo.md").read_text() == TODO.format("book the cabin")
+            with pytest.raises(caldav.lib.error.DAVError):
+                lists["Family"].save_todo(summary="sneak in")
+            assert not (root / "notes/Family/Tasks.md").exists()
+            assert not any("Traceback" in line for line in server.lines)
+
+    def test_nothing_is_written_once_a_persons_removal_has_answered(self, tmp_path):
+        """Writers on waitress's threads with Ann's key, WebDAV and the API, while the owner
+        removes her: every write answered 2xx is on disk, and none lands after the DELETE
+        answered."""
+        root = tmp_path / "root"
+        with running(root, env={"SERVICE_THREADS": "8"}) as server:
+            owner = owner_key_of(server)
+            ann, key = real_person(server, owner, "Ann")
+            stop, answers = threading.Event(), []
+
+            def write(n: int) -> None:
+                i = 0
+                while not stop.is_set() and i < 400:
+                    i += 1
+                    path = f"notes/Ann/w{n}-{i}.md"
+                    if n % 2:
+                        status = server.request(
+                            "POST", f"{API}/notes", {"path": path, "content": "x"}, {KEY: key}
+                        )[0]
+                    else:
+                        req = urllib.request.Request(
+                            f"{server.url}/dav/{urllib.parse.quote(path)}",
+                            b"# x\n",
+                            {"Authorization": basic(key)},
+                            method="PUT",
+                        )
+                        try:
+                            with urllib.request.urlopen(req, timeout=30) as resp:
+                                status = resp.status
+                        except urllib.error.HTTPError as e:
+                            status = e.code
+                    answers.append((path, status))
+                    if status == 401:
+                        return
+
+            writers = [threading.Thread(target=write, args=(n,)) for n in range(4)]
+            for w in writers:
+                w.start()
+            wait_for(lambda: len(answers) >= 20)
+            status, _, gone = server.request(
+                "DELETE", f"{API}/people/{ann['id']}", None, {KEY: owner}
+            )
+            assert status == 200, gone
+            at_removal = {p.name for p in (root / "notes/Ann").glob("*.md")}
+            for w in writers:
+                w.join(60)
+            stop.set()
+            after = {p.name for p in (root / "notes/Ann").glob("*.md")}
+            assert after == at_removal  # nothing landed once the DELETE had answered
+            assert {s for _, s in answers} <= {200, 201, 401}
+            written = {p.rsplit("/", 1)[1] for p, s in answers if s == 201}
+            assert written == after
+            assert sum(s == 401 for _, s in answers) == 4  # each writer was cut
+            assert not any("Traceback" in line for line in server.lines)
