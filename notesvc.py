@@ -17855,8 +17855,8 @@ def tool_search_notes(
     svc: Service, query: str, limit: int = 10, folder: str = "", mode: str = ""
 ) -> dict:
     parsed = Query(query)
-    folder = visible_folder(svc, folder or NOTES)  # a folder grant's by default
-    found = find_notes(svc, parsed, "" if folder == NOTES else folder, limit, 0, mode)
+    _, shown = visible_folders(svc, folder or NOTES)  # the reach's by default
+    found = find_notes(svc, parsed, () if shown == (NOTES,) else shown, limit, 0, mode)
     results = [
         {"path": p, "title": t, "snippet": sn, "score": sc} for p, t, sc, sn in found["results"]
     ]

@@ -7,7 +7,7 @@ import urllib.parse
 
 from notesvc.boot import API, bottle
 from notesvc.errors import ApiError, bad_request, not_found
-from notesvc.grants import granted_tree, request_principal, visible_folder, visible_note
+from notesvc.grants import granted_tree, request_principal, visible_folders, visible_note
 from notesvc.helpers import iso
 from notesvc.notes.paths import MAX_PATH_CHARS, NOTES, note_title
 from notesvc.plugins import list_tags, move_and_relink
@@ -90,8 +90,8 @@ def tool_search_notes(
     svc: Service, query: str, limit: int = 10, folder: str = "", mode: str = ""
 ) -> dict:
     parsed = Query(query)
-    folder = visible_folder(svc, folder or NOTES)  # a folder grant's by default
-    found = find_notes(svc, parsed, "" if folder == NOTES else folder, limit, 0, mode)
+    _, shown = visible_folders(svc, folder or NOTES)  # the reach's by default
+    found = find_notes(svc, parsed, () if shown == (NOTES,) else shown, limit, 0, mode)
     results = [
         {"path": p, "title": t, "snippet": sn, "score": sc} for p, t, sc, sn in found["results"]
     ]
