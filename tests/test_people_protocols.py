@@ -6,6 +6,7 @@ from __future__ import annotations
 import contextlib
 import io
 import json
+import os
 import re
 import subprocess
 import threading
@@ -924,3 +925,43 @@ class TestPeopleJudges:
             assert written == after
             assert sum(s == 401 for _, s in answers) == 4  # each writer was cut
             assert not any("Traceback" in line for line in server.lines)
+
+
+class TestPeopleExportInFlight:
+    """An export streaming while its person is removed, or their share is, stops showing
+    what they lost: the files of a share removed are left out, and a revoked key's stream
+    ends without the zip's directory (no zip at all)."""
+
+    def stream(self, client, who):
+        for folder in ("Ann", "Family"):
+            for i in range(6):
+                upload(client, f"attachments/{folder}/{i}.png", PNG + os.urandom(200_000))
+        req = webob.Request.blank(f"{API}/export.zip", headers={KEY: who.key})
+        req.environ["REMOTE_ADDR"] = "127.0.0.1"
+        status, _headers, body = req.call_application(client.app)
+        assert status.startswith("200")
+        return iter(body)
+
+    def test_a_share_removed_mid_export_leaves_its_files_out(
+        self, client, house, root, monkeypatch
+    ):
+        ann, bob = house
+        chunks = self.stream(client, ann)
+        got = next(chunks)
+        assert b"attachments/Ann/0.png" in got
+        share(client, "notes/Family", **{bob.id: "write"})
+        got += b"".join(chunks)
+        names = zipfile.ZipFile(io.BytesIO(got)).namelist()
+        assert "attachments/Ann/5.png" in names
+        assert not [n for n in names if n.startswith("attachments/Family/")]
+        assert "notes/Family/plan.md" in names  # (sent before: a stream cannot take it back)
+
+    def test_a_removed_persons_export_ends_without_a_zip(self, client, house):
+        ann, _ = house
+        chunks = self.stream(client, ann)
+        got = next(chunks)
+        client.delete(f"{API}/people/{ann.id}")
+        got += b"".join(chunks)
+        with pytest.raises(zipfile.BadZipFile):
+            zipfile.ZipFile(io.BytesIO(got))
+        assert b"attachments/Family/" not in got
