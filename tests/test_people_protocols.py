@@ -942,9 +942,7 @@ class TestPeopleExportInFlight:
         assert status.startswith("200")
         return iter(body)
 
-    def test_a_share_removed_mid_export_leaves_its_files_out(
-        self, client, house, root, monkeypatch
-    ):
+    def test_a_share_removed_mid_export_leaves_its_files_out(self, client, house):
         ann, bob = house
         chunks = self.stream(client, ann)
         got = next(chunks)
