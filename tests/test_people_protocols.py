@@ -677,6 +677,8 @@ class TestPeopleInFlight:
         slow.go.set()
         thread.join(10)
         assert answer[0].status_int == 401, answer[0].text
+        if surface != "api":
+            assert answer[0].headers["WWW-Authenticate"].startswith("Basic ")
         assert not (root / "notes/Ann/late.md").exists()
         assert not (root / "attachments/Ann/late.png").exists()
         assert "Traceback" not in answer[0].text

@@ -21,6 +21,7 @@ from notesvc.helpers import (
 )
 from notesvc.http.api import INBOX
 from notesvc.http.dav import (
+    DAV_CHALLENGE,
     DAV_PREFIX,
     DavError,
     dav_authenticate,
@@ -101,6 +102,8 @@ class CalError(DavError):
 def cal_error(e: ApiError) -> bottle.HTTPResponse:
     condition = getattr(e, "condition", "")
     headers = {k: v for k, v in e.headers.items() if k.lower() != "content-type"}
+    if e.status_code == 401:
+        headers.setdefault("WWW-Authenticate", DAV_CHALLENGE)
     if condition:
         tag = condition if ":" in condition else f"D:{condition}"
         inner = getattr(e, "inner", "")

@@ -86,6 +86,7 @@ DAV_PROPS_BYTES_PER_PATH = 64 * 1024  # ...in how many characters...
 DAV_PROPS_PATHS = 10000  # ...on how many resources...
 DAV_PROPS_BYTES = 8 << 20  # ...and in how many characters in all
 XML_TYPE = "application/xml; charset=utf-8"
+DAV_CHALLENGE = 'Basic realm="notesvc", charset="UTF-8"'  # a 401's WWW-Authenticate
 NOTE_TYPE = "text/markdown; charset=utf-8"
 _DAV_LIVE = (
     "displayname",
@@ -1285,7 +1286,7 @@ def dav_authenticate(svc: Service, env: dict) -> Principal:
             raise DavError(
                 401,
                 "a key is needed: any user name, the key as the password",
-                headers={"WWW-Authenticate": 'Basic realm="notesvc", charset="UTF-8"'},
+                headers={"WWW-Authenticate": DAV_CHALLENGE},
             ) from None
         raise
 
@@ -1352,6 +1353,8 @@ def dav_holder(principal: Principal) -> str:
 def dav_error(e: ApiError) -> bottle.HTTPResponse:
     condition = getattr(e, "condition", "")
     headers = {k: v for k, v in e.headers.items() if k.lower() not in ("content-type",)}
+    if e.status_code == 401:  # (also a key revoked while its write was on its way)
+        headers.setdefault("WWW-Authenticate", DAV_CHALLENGE)
     if condition:
         body = (
             f'<?xml version="1.0" encoding="utf-8"?>\n<D:error xmlns:D="DAV:">'
