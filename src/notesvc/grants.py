@@ -668,7 +668,7 @@ class GrantStore:
         self.idle = idle_days * 86400  # a paired device's key ends this long after its last use
         self._lock = threading.Lock()
         # (state it was built from, hash -> (kind, principal, expires, idle since),
-        # grant id -> (grant, principal))
+        # grant id -> (principal, expires, idle since))
         self._cache: tuple = (None, {}, {})
         self._used: dict = {}  # grant id -> when it was last used, not yet written
         self._flushed = clock()
@@ -697,8 +697,8 @@ class GrantStore:
         index, by_id = {}, {}
         for g in data.get("grants", []):
             p = principal_of(data, g)
-            by_id[g["id"]] = (g, p)
             expires = epoch_of(g.get("expiresAt"))
+            by_id[g["id"]] = (p, expires, self._idle_since(g))
             if g.get("keyHash"):
                 index[g["keyHash"]] = ("key", p, expires, self._idle_since(g))
             if g.get("accessHash"):
@@ -711,9 +711,12 @@ class GrantStore:
         """Return who a grant acts as in the state now (its reach as it is now), None when
         it is gone: revoked, expired, or its person removed."""
         found = self._indexes()[1].get(grant_id)
-        if found is None or self.expires(found[0]) <= self.clock():
+        if found is None:
             return None
-        return found[1]
+        principal, expires, since = found
+        if since is not None:  # a paired device: its last use, as expires() counts it
+            expires = max(since, self._used.get(grant_id, 0.0)) + self.idle
+        return principal if expires > self.clock() else None
 
     @contextlib.contextmanager
     def writing(self, principal: Principal, path: str):
