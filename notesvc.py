@@ -12528,8 +12528,9 @@ class GrantStore:
         self._flushed = clock()
         self.codes: dict = {}  # code hash -> what the owner approved (memory only)
         self.metadata: dict = {}  # client_id URL -> (fetched at, document)
-        self._gate = threading.Condition()  # writes under way (writing) and their drain
-        self._writing: dict = {}  # grant id -> [changes under way, its person]
+        # (ids) -> None, run once a revocation's state change is written: the Service waits
+        # there for the writes the grants had begun (Service.drain)
+        self.on_ended: list = []
         # (data, the ids revoked) -> None, run inside a revocation's state update: what a
         # grant made beyond this store ends with it in the same write (the chats it bound)
         self.on_revoke: list = []
@@ -12571,42 +12572,6 @@ class GrantStore:
         if since is not None:  # a paired device: its last use, as expires() counts it
             expires = max(since, self._used.get(grant_id, 0.0)) + self.idle
         return principal if expires > self.clock() else None
-
-    @contextlib.contextmanager
-    def writing(self, principal: Principal, path: str):
-        """Around one change of `path` by a request's principal (the stores enter it under
-        the path's lock, before they change anything): it may still write there
-        (still_writes), and a revocation or a share's removal that ends that waits
-        (drain) until the change is done. So once `DELETE /people/:id` or a members PUT
-        answers, nothing more is written with what it took away, on any thread."""
-        grant_id = principal.grant_id
-        if not grant_id:  # the owner's own key (or no request): nothing to end
-            yield
-            return
-        with self._gate:
-            self.still_writes(principal, path)
-            entry = self._writing.setdefault(grant_id, [0, principal.person])
-            entry[0] += 1
-        try:
-            yield
-        finally:
-            with self._gate:
-                entry[0] -= 1
-                if not entry[0]:
-                    self._writing.pop(grant_id, None)
-                    self._gate.notify_all()
-
-    def drain(self, grants: Iterable = (), people: Iterable = (), timeout: float = 30.0) -> None:
-        """Wait until the changes under way by these grants, or by any grant of these
-        people, are done (after the state change that ended or narrowed them)."""
-        grants, people = set(grants), set(people) - {""}
-
-        def busy() -> bool:
-            return any(g in grants or e[1] in people for g, e in self._writing.items())
-
-        with self._gate:
-            if not self._gate.wait_for(lambda: not busy(), timeout):
-                log.warning("writes begun before a revocation were still under way")
 
     def still_writes(self, principal: Principal, path: str) -> None:
         """Raise unless a request's principal may still write at `path` now: its grant may
@@ -12916,7 +12881,8 @@ class GrantStore:
     def ended(self, gone: list) -> None:
         """Forget what lives in memory for grants just ended (after their state change),
         once the writes they had begun are done (nothing is written after this returns)."""
-        self.drain(gone)
+        for hook in self.on_ended:
+            hook(gone)
         with self._lock:  # codes they approved are redeemed for nothing
             for h in [h for h, c in self.codes.items() if c.get("createdBy") in gone]:
                 del self.codes[h]
@@ -13449,6 +13415,9 @@ class PeopleStore:
         # (data, the person's id) -> None, run inside a removal's state change: what a
         # person holds beyond grants (the chats bound to them) ends with them in one write
         self.on_remove: list = []
+        # drain(people=...): wait for the writes people had begun (the Service's), after a
+        # share that narrowed them is written
+        self.drain: Callable = lambda grants=(), people=(): None
 
     # -- reading ------------------------------------------------------------------------
 
@@ -13658,7 +13627,7 @@ class PeopleStore:
 
         before = {m["person"] for m in data.get("members", {}).get(folder, [])}
         self.state.update(change)
-        self.grants.drain(people=before)  # their writes begun before: done before we answer
+        self.drain(people=before)  # their writes begun before: done before we answer
         log.info("folder %s shared with %d people", folder, len(wanted))
         return [self._member_row(m, self.state.read()) for m in wanted]
 
@@ -13925,8 +13894,14 @@ class Service:
             self.state, idle_days=config.device_idle_days
         )
         self.people = PeopleStore(self.state, self.grants, self.notes)  # and shared folders
-        for store in (self.notes, self.attachments, self.note_files):  # a key revoked (or a
-            store.guard = self.writing  # share removed) mid-request writes nothing after
+        # A key revoked (or a share removed) mid-request writes nothing once that answered:
+        # each change is entered through writing(), and revocations drain() what it let in.
+        self._gate = threading.Condition()
+        self._writing: dict = {}  # grant id -> [changes under way, its person]
+        for store in (self.notes, self.attachments, self.note_files):
+            store.guard = self.writing
+        self.grants.on_ended.append(lambda gone: self.drain(grants=gone))
+        self.people.drain = self.drain
         # Background components of later sections, composed by build_service():
         self.pollers: Any = None  # ChannelPollers: a thread per channel in polling mode
         self.reminders: Any = None  # ReminderScheduler: ⏰ lines sent through the channels
@@ -13950,11 +13925,43 @@ class Service:
                 return f"{person['name']} · {name}" if person else name
         return None
 
+    @contextlib.contextmanager
     def writing(self, path: str):
-        """Return the context of one change of `path` by the current request
-        (GrantStore.writing: its key live, its person still reaching it, and a revocation
-        waiting for it)."""
-        return self.grants.writing(request_principal(), path)
+        """Around one change of `path` by the current request (the stores enter it under
+        the path's lock, before they change anything): its key may still write there
+        (GrantStore.still_writes: 401 revoked, 404/403 a person's share gone), and a
+        revocation or a share's removal that ends that waits (drain) until the change is
+        done. So once `DELETE /people/:id` or a members PUT answers, nothing more is
+        written with what it took away, on any thread."""
+        principal = request_principal()
+        grant_id = principal.grant_id
+        if not grant_id:  # the owner's own key (or no request): nothing to end
+            yield
+            return
+        with self._gate:
+            self.grants.still_writes(principal, path)
+            entry = self._writing.setdefault(grant_id, [0, principal.person])
+            entry[0] += 1
+        try:
+            yield
+        finally:
+            with self._gate:
+                entry[0] -= 1
+                if not entry[0]:
+                    self._writing.pop(grant_id, None)
+                    self._gate.notify_all()
+
+    def drain(self, grants: Any = (), people: Any = (), timeout: float = 30.0) -> None:
+        """Wait until the changes under way by these grants, or by any grant of these
+        people, are done (called after the state change that ended or narrowed them)."""
+        grants, people = set(grants), set(people) - {""}
+
+        def busy() -> bool:
+            return any(g in grants or e[1] in people for g, e in self._writing.items())
+
+        with self._gate:
+            if not self._gate.wait_for(lambda: not busy(), timeout):
+                log.warning("writes begun before a revocation were still under way")
 
     def start(self) -> Service:
         """Sweep crash leftovers, bring the index up to date, start the background work."""

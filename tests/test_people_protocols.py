@@ -207,6 +207,9 @@ class TestPeopleWebDav:
         ann.dav("DELETE", "notes/Ann", status=403)
         bob.dav("DELETE", "notes/Family", status=403)
         bob.dav("MOVE", "notes/Family", status=403, Destination="/dav/notes/Bob/Family")
+        bob.dav("MKCOL", "attachments/Family", status=201)  # (its attachments' twin: the same)
+        bob.dav("DELETE", "attachments/Family", status=403)
+        bob.dav("MOVE", "attachments/Family", status=403, Destination="/dav/attachments/Bob")
         assert data(client.get(f"{API}/folders/notes%2FFamily/members"))["members"]
 
     def test_nobody_moves_a_home_into_another_home_nor_a_shared_folder_out_of_notes(
@@ -710,14 +713,14 @@ class TestPeopleInFlight:
             rename(src, dst)
             order.append("written")
 
-        drain = notesvc.GrantStore.drain
+        drain = notesvc.Service.drain
 
         def watched_drain(self, *args, **kwargs):
             draining.set()
             return drain(self, *args, **kwargs)
 
         monkeypatch.setattr(notesvc.AttachmentStore, "_rename", staticmethod(slow_rename))
-        monkeypatch.setattr(notesvc.GrantStore, "drain", watched_drain)
+        monkeypatch.setattr(notesvc.Service, "drain", watched_drain)
         answers: list = []
         put = threading.Thread(
             target=lambda: answers.append(ann.dav("PUT", "attachments/Ann/a.png", PNG, status="*"))

@@ -674,8 +674,9 @@ class GrantStore:
         self._flushed = clock()
         self.codes: dict = {}  # code hash -> what the owner approved (memory only)
         self.metadata: dict = {}  # client_id URL -> (fetched at, document)
-        self._gate = threading.Condition()  # writes under way (writing) and their drain
-        self._writing: dict = {}  # grant id -> [changes under way, its person]
+        # (ids) -> None, run once a revocation's state change is written: the Service waits
+        # there for the writes the grants had begun (Service.drain)
+        self.on_ended: list = []
         # (data, the ids revoked) -> None, run inside a revocation's state update: what a
         # grant made beyond this store ends with it in the same write (the chats it bound)
         self.on_revoke: list = []
@@ -717,42 +718,6 @@ class GrantStore:
         if since is not None:  # a paired device: its last use, as expires() counts it
             expires = max(since, self._used.get(grant_id, 0.0)) + self.idle
         return principal if expires > self.clock() else None
-
-    @contextlib.contextmanager
-    def writing(self, principal: Principal, path: str):
-        """Around one change of `path` by a request's principal (the stores enter it under
-        the path's lock, before they change anything): it may still write there
-        (still_writes), and a revocation or a share's removal that ends that waits
-        (drain) until the change is done. So once `DELETE /people/:id` or a members PUT
-        answers, nothing more is written with what it took away, on any thread."""
-        grant_id = principal.grant_id
-        if not grant_id:  # the owner's own key (or no request): nothing to end
-            yield
-            return
-        with self._gate:
-            self.still_writes(principal, path)
-            entry = self._writing.setdefault(grant_id, [0, principal.person])
-            entry[0] += 1
-        try:
-            yield
-        finally:
-            with self._gate:
-                entry[0] -= 1
-                if not entry[0]:
-                    self._writing.pop(grant_id, None)
-                    self._gate.notify_all()
-
-    def drain(self, grants: Iterable = (), people: Iterable = (), timeout: float = 30.0) -> None:
-        """Wait until the changes under way by these grants, or by any grant of these
-        people, are done (after the state change that ended or narrowed them)."""
-        grants, people = set(grants), set(people) - {""}
-
-        def busy() -> bool:
-            return any(g in grants or e[1] in people for g, e in self._writing.items())
-
-        with self._gate:
-            if not self._gate.wait_for(lambda: not busy(), timeout):
-                log.warning("writes begun before a revocation were still under way")
 
     def still_writes(self, principal: Principal, path: str) -> None:
         """Raise unless a request's principal may still write at `path` now: its grant may
@@ -1062,7 +1027,8 @@ class GrantStore:
     def ended(self, gone: list) -> None:
         """Forget what lives in memory for grants just ended (after their state change),
         once the writes they had begun are done (nothing is written after this returns)."""
-        self.drain(gone)
+        for hook in self.on_ended:
+            hook(gone)
         with self._lock:  # codes they approved are redeemed for nothing
             for h in [h for h, c in self.codes.items() if c.get("createdBy") in gone]:
                 del self.codes[h]

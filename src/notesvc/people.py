@@ -63,6 +63,9 @@ class PeopleStore:
         # (data, the person's id) -> None, run inside a removal's state change: what a
         # person holds beyond grants (the chats bound to them) ends with them in one write
         self.on_remove: list = []
+        # drain(people=...): wait for the writes people had begun (the Service's), after a
+        # share that narrowed them is written
+        self.drain: Callable = lambda grants=(), people=(): None
 
     # -- reading ------------------------------------------------------------------------
 
@@ -272,7 +275,7 @@ class PeopleStore:
 
         before = {m["person"] for m in data.get("members", {}).get(folder, [])}
         self.state.update(change)
-        self.grants.drain(people=before)  # their writes begun before: done before we answer
+        self.drain(people=before)  # their writes begun before: done before we answer
         log.info("folder %s shared with %d people", folder, len(wanted))
         return [self._member_row(m, self.state.read()) for m in wanted]
 
