@@ -338,7 +338,7 @@ class NoteStore(FileTree):
         # before anything changes: it raises when the request under way may no longer
         # change path (its key revoked, its person's share removed since its key was
         # checked), and a revocation waits for the changes inside it (the Service sets it:
-        # GrantStore.writing; nothing by default)
+        # Service.writing; nothing by default)
         self.guard: Callable[[str], Any] = lambda path: contextlib.nullcontext()
         self._recent: dict = {}  # folder -> (journal's last entry, paths newest first)
         self._observed = False  # the rescan has run once (observe())
