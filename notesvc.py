@@ -4770,6 +4770,12 @@ class NoteStore(FileTree):
         # who makes the change in progress, as its versions name it (savedBy): the Service
         # sets it to the request's grant's name; None: the owner, the server itself
         self.actor: Callable[[], str | None] = lambda: None
+        # guard(path): a context around one change of path, entered under the note's lock
+        # before anything changes: it raises when the request under way may no longer
+        # change path (its key revoked, its person's share removed since its key was
+        # checked), and a revocation waits for the changes inside it (the Service sets it:
+        # Service.writing; nothing by default)
+        self.guard: Callable[[str], Any] = lambda path: contextlib.nullcontext()
         self._recent: dict = {}  # folder -> (journal's last entry, paths newest first)
         self._observed = False  # the rescan has run once (observe())
         self._tree = threading.RLock()
@@ -5258,6 +5264,7 @@ class NoteStore(FileTree):
                 raise ApiError(409, "CONFLICT", f"a note already exists at {new}")
             was = _moved_from(path, new)
             with (
+                self.guard(new),  # (and the path it leaves, in _changing)
                 self._changing(path, data, "moved", new=was),
                 self._new_parents(dst),
                 disk_writes(),
@@ -5333,26 +5340,27 @@ class NoteStore(FileTree):
         HistoryStore.keep) when the change replaces the note's file by a rename: then it
         gives what atomic_write must run before that rename. `new`: the content written
         (the version's summary counts the lines it changed), or a summary in words."""
-        journal, history = self.journal, self.history
-        if journal is not None:
-            journal.reserve()
-        try:
-            keep = history is not None and old is not None
-            vid = history.keep(path, old, reason, inode) if keep else None
-        except BaseException:
+        with self.guard(path):
+            journal, history = self.journal, self.history
             if journal is not None:
-                journal.release()
-            raise
-        try:
-            yield (lambda: history.durable(path)) if vid and inode else None
-        except BaseException:
+                journal.reserve()
+            try:
+                keep = history is not None and old is not None
+                vid = history.keep(path, old, reason, inode) if keep else None
+            except BaseException:
+                if journal is not None:
+                    journal.release()
+                raise
+            try:
+                yield (lambda: history.durable(path)) if vid and inode else None
+            except BaseException:
+                if vid:
+                    history.discard(path, vid)
+                if journal is not None:
+                    journal.release()
+                raise
             if vid:
-                history.discard(path, vid)
-            if journal is not None:
-                journal.release()
-            raise
-        if vid:
-            history.settle(path, vid, self._version_meta(old, new))
+                history.settle(path, vid, self._version_meta(old, new))
 
     def _version_meta(self, old: bytes | None, new: bytes | str | None) -> dict:
         """Return {savedBy, summary} of the change a version is kept for."""
@@ -5618,6 +5626,7 @@ class AttachmentStore(FileTree):
         self.trash = trash
         self.nfd_names = nfd_names  # names on disk matched as the notes' are (see on_disk)
         self._lock = threading.RLock()  # one change of the tree at a time
+        self.guard: Callable[[str], Any] = lambda path: contextlib.nullcontext()  # NoteStore's
 
     def make_root(self) -> None:
         """Create the attachments folder when it is missing: private (0700, as the notes
@@ -5757,7 +5766,7 @@ class AttachmentStore(FileTree):
                 if unique:
                     path, target = self._free(path, target)
                 exists = self.check(path, if_match, if_none_match)
-                with self._new_parents(target, path):
+                with self.guard(path), self._new_parents(target, path):
                     os.chmod(tmp, 0o666 & ~UMASK)
                     self._rename(tmp, target)
                 fsync_dir(target.parent)
@@ -5810,7 +5819,7 @@ class AttachmentStore(FileTree):
             dst = self.file_of(new)
             if os.path.lexists(dst):
                 raise ApiError(409, "CONFLICT", f"an attachment already exists at {new}")
-            with self._new_parents(dst, new), disk_writes():
+            with self.guard(path), self.guard(new), self._new_parents(dst, new), disk_writes():
                 os.replace(src, dst)
             fsync_dir(dst.parent)
             fsync_dir(src.parent)
@@ -5822,7 +5831,7 @@ class AttachmentStore(FileTree):
         with self._lock:
             src = self.file_of(path)
             check_etag(if_match, self.get(path)["etag"], "attachment")
-            trashed = move_to_trash(src, self.trash, path)
+            trashed = move_to_trash(src, self.trash, path, self.guard(path))
             self._prune(src.parent)
         return {"path": path, "deleted": True, **trashed}
 
@@ -5849,7 +5858,7 @@ class AttachmentStore(FileTree):
             dst = self.file_of(path)
             if os.path.lexists(dst):
                 raise ApiError(409, "CONFLICT", f"an attachment already exists at {path}")
-            with self._new_parents(dst, path), disk_writes():
+            with self.guard(path), self._new_parents(dst, path), disk_writes():
                 os.replace(src, dst)
             fsync_dir(dst.parent)
             return self.record(path, os.stat(dst))
@@ -12747,14 +12756,16 @@ class GrantStore:
         self.state, self.clock = state, clock
         self.idle = idle_days * 86400  # a paired device's key ends this long after its last use
         self._lock = threading.Lock()
-        self._cache: tuple = (
-            None,
-            {},
-        )  # (state it was built from, hash -> (kind, principal, expires, idle since))
+        # (state it was built from, hash -> (kind, principal, expires, idle since),
+        # grant id -> (principal, expires, idle since))
+        self._cache: tuple = (None, {}, {})
         self._used: dict = {}  # grant id -> when it was last used, not yet written
         self._flushed = clock()
         self.codes: dict = {}  # code hash -> what the owner approved (memory only)
         self.metadata: dict = {}  # client_id URL -> (fetched at, document)
+        # (ids) -> None, run once a revocation's state change is written: the Service waits
+        # there for the writes the grants had begun (Service.drain)
+        self.on_ended: list = []
         # (data, the ids revoked) -> None, run inside a revocation's state update: what a
         # grant made beyond this store ends with it in the same write (the chats it bound)
         self.on_revoke: list = []
@@ -12765,21 +12776,52 @@ class GrantStore:
     # -- authenticating -------------------------------------------------------------
 
     def _index(self) -> dict:
+        return self._indexes()[0]
+
+    def _indexes(self) -> tuple:
+        """Return (by secret hash, by grant id) of the grants in the state now."""
         data = self.state.read()
-        built_from, index = self._cache
+        built_from, index, by_id = self._cache
         if built_from is data:
-            return index
-        index = {}
+            return index, by_id
+        index, by_id = {}, {}
         for g in data.get("grants", []):
             p = principal_of(data, g)
             expires = epoch_of(g.get("expiresAt"))
+            by_id[g["id"]] = (p, expires, self._idle_since(g))
             if g.get("keyHash"):
                 index[g["keyHash"]] = ("key", p, expires, self._idle_since(g))
             if g.get("accessHash"):
                 until = min(expires, epoch_of(g.get("accessExpiresAt")))
                 index[g["accessHash"]] = ("access", p, until, None)
-        self._cache = (data, index)
-        return index
+        self._cache = (data, index, by_id)
+        return index, by_id
+
+    def current(self, grant_id: str) -> Principal | None:
+        """Return who a grant acts as in the state now (its reach as it is now), None when
+        it is gone: revoked, expired, or its person removed."""
+        found = self._indexes()[1].get(grant_id)
+        if found is None:
+            return None
+        principal, expires, since = found
+        if since is not None:  # a paired device: its last use, as expires() counts it
+            expires = max(since, self._used.get(grant_id, 0.0)) + self.idle
+        return principal if expires > self.clock() else None
+
+    def still_writes(self, principal: Principal, path: str) -> None:
+        """Raise unless a request's principal may still write at `path` now: its grant may
+        have ended (401), or a person's reach shrunk (404; 403 where they may only read)
+        on another thread since its key was checked."""
+        if not principal.grant_id:
+            return  # the owner's own key (or no request): nothing to end
+        now = self.current(principal.grant_id)
+        if now is None:
+            raise ApiError(401, "UNAUTHORIZED", "the key this request came with was revoked")
+        if not now.person or now.may_write(path):
+            return  # (a folder grant's reach is its folder: it never changes)
+        if now.sees(path):
+            raise ApiError(403, "FORBIDDEN", f"this needs the write scope at {path}")
+        raise not_found(f"nothing at {path[:MAX_PATH_CHARS]} in this key's reach")
 
     def _idle_since(self, g: dict) -> float | None:
         """Return when a paired device without an expiry of its own was last used, as
@@ -13072,7 +13114,10 @@ class GrantStore:
             hook(data, gone)
 
     def ended(self, gone: list) -> None:
-        """Forget what lives in memory for grants just ended (after their state change)."""
+        """Forget what lives in memory for grants just ended (after their state change),
+        once the writes they had begun are done (nothing is written after this returns)."""
+        for hook in self.on_ended:
+            hook(gone)
         with self._lock:  # codes they approved are redeemed for nothing
             for h in [h for h, c in self.codes.items() if c.get("createdBy") in gone]:
                 del self.codes[h]
@@ -13474,8 +13519,9 @@ class GrantStore:
             if epoch_of(s["expiresAt"]) > now
             and (
                 (principal.allows("admin") and self._owns_share(principal, s, data))
-                or (s.get("grantId") == principal.grant_id and principal.sees(s["path"]))
+                or s.get("grantId") == principal.grant_id
             )
+            and principal.sees(s["path"])  # (the owner's: everything)
         ]
 
     @staticmethod
@@ -13522,6 +13568,25 @@ class GrantStore:
                 return None
         return None
 
+    @staticmethod
+    def drop_unreached_shares(data: dict) -> None:
+        """Inside a state change: end the share links a person's grant made for a note the
+        person no longer reads (the folder's share removed, the note moved out of their
+        reach): a link dies when its maker loses the note."""
+        shares = data.get("shares", [])
+        if not shares or not any(g.get("person") for g in data.get("grants", [])):
+            return
+        grants = {g["id"]: g for g in data.get("grants", [])}
+        kept = []
+        for s in shares:
+            maker = grants.get(s.get("grantId"))
+            if maker and maker.get("person") and not reach_of(data, maker).sees(s["path"]):
+                log.info("share link %s ended: its maker no longer reads its note", s["id"])
+                continue
+            kept.append(s)
+        if len(kept) < len(shares):
+            data["shares"] = kept
+
     def on_note_event(self, event: str, path: str, detail: Any) -> None:
         """Keep share links on their note: a move takes them along, a delete ends them."""
         if event not in ("moved", "deleted") or self.state.readonly:
@@ -13537,6 +13602,7 @@ class GrantStore:
                 for s in shares:
                     if s["path"] == path:
                         s["path"] = detail[0]
+                self.drop_unreached_shares(data)  # (moved out of its maker's reach)
 
         self.state.update(change)
 
@@ -13584,6 +13650,9 @@ class PeopleStore:
         # (data, the person's id) -> None, run inside a removal's state change: what a
         # person holds beyond grants (the chats bound to them) ends with them in one write
         self.on_remove: list = []
+        # drain(people=...): wait for the writes people had begun (the Service's), after a
+        # share that narrowed them is written
+        self.drain: Callable = lambda grants=(), people=(): None
 
     # -- reading ------------------------------------------------------------------------
 
@@ -13789,8 +13858,11 @@ class PeopleStore:
                 members[folder] = kept
             else:
                 members.pop(folder, None)
+            self.grants.drop_unreached_shares(d)  # a member's links to what they lost die
 
+        before = {m["person"] for m in data.get("members", {}).get(folder, [])}
         self.state.update(change)
+        self.drain(people=before)  # their writes begun before: done before we answer
         log.info("folder %s shared with %d people", folder, len(wanted))
         return [self._member_row(m, self.state.read()) for m in wanted]
 
@@ -13805,8 +13877,56 @@ class PeopleStore:
                     out.append({"path": folder, "scope": m["scope"], "sharedBy": by})
         return out
 
+    def check_folder_change(self, principal: Principal, src: str, dst: str | None) -> None:
+        """Refuse a move of the folder `src` to `dst` (None: its deletion) that would tear a
+        household apart. A person (403) never moves or deletes a folder their reach starts
+        at (their home, a folder shared with them) nor one holding anyone's home, and moves
+        a folder that is shared (or holds one that is) only within their own home, where
+        they may share. Nobody (409) moves a home or a shared folder out of notes/, or a
+        home into another home (or around one). Homes and members then follow the move
+        (folder_moved)."""
+        data = self.state.read()
+        homes = [p["home"] for p in self.people(data)]
+        notes = src.startswith(NOTES + "/")
+        holds_home = [h for h in homes if inside(h, src)] if notes else []
+        holds_share = [f for f in data.get("members", {}) if inside(f, src)] if notes else []
+        if principal.person:
+            where = principal.reach.folder_of(src)
+            if any(where == folder for folder, _ in principal.reach.folders):
+                raise ApiError(
+                    403,
+                    "FORBIDDEN",
+                    f"{src} is where this key's reach starts (a home, or a folder shared "
+                    "with it): move or delete what is in it, not the folder itself",
+                )
+            if holds_home:
+                raise ApiError(
+                    403, "FORBIDDEN", f"{src} holds a person's home: only the owner moves it"
+                )
+            me = self.get(principal.person, data)
+            mine = me is not None and inside(src, me["home"])
+            if holds_share and dst is not None and not (mine and inside(dst, me["home"])):
+                raise ApiError(
+                    403,
+                    "FORBIDDEN",
+                    f"{src} is shared (or holds a shared folder): it moves within its "
+                    "sharer's home only; unshare it first, or ask the owner",
+                )
+        if dst is None or not (holds_home or holds_share):
+            return
+        if not dst.startswith(NOTES + "/"):
+            raise ApiError(409, "CONFLICT", "a home or a shared folder stays under notes/")
+        for home in holds_home:
+            there = dst + home[len(src) :]
+            if any(o not in holds_home and (inside(there, o) or inside(o, there)) for o in homes):
+                raise ApiError(
+                    409, "CONFLICT", f"{home} would lie in another person's home, or hold one"
+                )
+
     def folder_moved(self, old: str, new: str) -> None:
-        """Keep homes and members on a folder that moved (old -> new, under notes/)."""
+        """Keep homes and members on a folder that moves (old -> new, under notes/), and the
+        share links of the notes in it: called before its notes move, so a person's home
+        and their links never part (called back, new -> old, when the move fails)."""
 
         def moved(path: str) -> str:
             return new + path[len(old) :] if inside(path, old) else path
@@ -13821,6 +13941,8 @@ class PeopleStore:
             for p in d.get("people", []):
                 p["home"] = moved(p["home"])
             d["members"] = {moved(f): m for f, m in d.get("members", {}).items()}
+            for share in d.get("shares", []):  # (ahead of its note: it stays its maker's)
+                share["path"] = moved(share["path"])
 
         self.state.update(change)
         log.info("people: homes and shares follow %s to %s", old, new)
@@ -14007,6 +14129,14 @@ class Service:
             self.state, idle_days=config.device_idle_days
         )
         self.people = PeopleStore(self.state, self.grants, self.notes)  # and shared folders
+        # A key revoked (or a share removed) mid-request writes nothing once that answered:
+        # each change is entered through writing(), and revocations drain() what it let in.
+        self._gate = threading.Condition()
+        self._writing: dict = {}  # grant id -> [changes under way, its person]
+        for store in (self.notes, self.attachments, self.note_files):
+            store.guard = self.writing
+        self.grants.on_ended.append(lambda gone: self.drain(grants=gone))
+        self.people.drain = self.drain
         # Background components of later sections, composed by build_service():
         self.pollers: Any = None  # ChannelPollers: a thread per channel in polling mode
         self.reminders: Any = None  # ReminderScheduler: ⏰ lines sent through the channels
@@ -14029,6 +14159,44 @@ class Service:
                 person = self.people.get(g.get("person"), data)
                 return f"{person['name']} · {name}" if person else name
         return None
+
+    @contextlib.contextmanager
+    def writing(self, path: str):
+        """Around one change of `path` by the current request (the stores enter it under
+        the path's lock, before they change anything): its key may still write there
+        (GrantStore.still_writes: 401 revoked, 404/403 a person's share gone), and a
+        revocation or a share's removal that ends that waits (drain) until the change is
+        done. So once `DELETE /people/:id` or a members PUT answers, nothing more is
+        written with what it took away, on any thread."""
+        principal = request_principal()
+        grant_id = principal.grant_id
+        if not grant_id:  # the owner's own key (or no request): nothing to end
+            yield
+            return
+        with self._gate:
+            self.grants.still_writes(principal, path)
+            entry = self._writing.setdefault(grant_id, [0, principal.person])
+            entry[0] += 1
+        try:
+            yield
+        finally:
+            with self._gate:
+                entry[0] -= 1
+                if not entry[0]:
+                    self._writing.pop(grant_id, None)
+                    self._gate.notify_all()
+
+    def drain(self, grants: Any = (), people: Any = (), timeout: float = 30.0) -> None:
+        """Wait until the changes under way by these grants, or by any grant of these
+        people, are done (called after the state change that ended or narrowed them)."""
+        grants, people = set(grants), set(people) - {""}
+
+        def busy() -> bool:
+            return any(g in grants or e[1] in people for g, e in self._writing.items())
+
+        with self._gate:
+            if not self._gate.wait_for(lambda: not busy(), timeout):
+                log.warning("writes begun before a revocation were still under way")
 
     def start(self) -> Service:
         """Sweep crash leftovers, bring the index up to date, start the background work."""
@@ -17697,14 +17865,21 @@ def update_links(svc: Service, old: str, new: str, linking: set) -> list:
     return changed
 
 
+def relinkable(principal: Principal) -> Callable:
+    """Return test(path): whether a move by `principal` may rewrite the links of the note
+    at path (the notes it may write; the owner's: every one)."""
+    return (lambda _path: True) if principal.whole else principal.may_write
+
+
 def move_and_relink(
     svc: Service, path: str, new: str, if_match: str | None = None, relink: bool = False
 ) -> dict:
     """Move a note (If-Match honoured; never overwrites) and, with `relink`, point the links
     to it at its new path; return its record there with `from` (and `linksUpdated`).
-    A folder grant's move rewrites links inside its folder only."""
-    sees = request_principal().sees
-    linking = set(filter(sees, link_graph(svc).get(path, ()))) if relink else set()
+    Only notes the mover may write are rewritten: a folder grant's, inside its folder; a
+    person's, in their reach and never in a folder shared with them for reading."""
+    writes = relinkable(request_principal())
+    linking = set(filter(writes, link_graph(svc).get(path, ()))) if relink else set()
     rec = svc.notes.move(path, new, if_match)
     if relink and new != path:
         rec["linksUpdated"] = update_links(svc, path, new, linking - {path})
@@ -20601,15 +20776,37 @@ class _ZipOut(io.RawIOBase):
         return data
 
 
-def export_zip(root: Path, principal: Principal = OWNER, progress: Callable | None = None):
+class ExportCut(Exception):
+    """The key an export streams for was revoked (or its person removed) meanwhile."""
+
+
+def export_zip(
+    root: Path,
+    principal: Principal = OWNER,
+    progress: Callable | None = None,
+    still: Callable | None = None,
+):
     """Yield a zip of what export_files() lists, with each file's modification time and a
-    notesvc-export.json manifest, in chunks (nothing is held whole)."""
+    notesvc-export.json manifest, in chunks (nothing is held whole).
+
+    `still(name)`, asked before each file: whether the principal still sees it (a share
+    removed meanwhile: the file is left out); ExportCut from it (the key revoked) ends the
+    stream where it is, without the zip's directory, so the client holds no zip at all."""
     import zipfile
 
     out = _ZipOut()
+    try:
+        yield from _zip_chunks(zipfile, out, root, principal, progress, still)
+    except ExportCut:
+        return
+
+
+def _zip_chunks(zipfile, out, root, principal, progress, still):
     counts = {"notes": 0, "files": 0, "bytes": 0}
     with zipfile.ZipFile(out, "w", zipfile.ZIP_DEFLATED, compresslevel=6) as zf:
         for name, full, st in export_files(root, principal):
+            if still is not None and not still(name):
+                continue
             when = time.localtime(max(st.st_mtime, 315532800.0))[:6]  # zip's dates start 1980
             info = zipfile.ZipInfo(name, date_time=when)
             ext = name.rpartition(".")[2].lower()
@@ -31938,9 +32135,8 @@ def move_attachment(svc: Service, path: str) -> dict:
     body = read_json(svc.config.max_body_bytes)
     new = visible_attachment(svc.attachments, field(body, "path"), write=True)
     relink = field(body, "updateLinks", bool, required=False)
-    linking = (
-        set(filter(request_principal().sees, attachment_linkers(svc, path))) if relink else set()
-    )
+    writes = relinkable(request_principal())  # (the notes it may write, as for a note's move)
+    linking = set(filter(writes, attachment_linkers(svc, path))) if relink else set()
     rec = svc.attachments.move(path, new, if_match_header())
     if relink and new != path:
         rec["linksUpdated"] = update_links(svc, path, new, linking)
@@ -33648,7 +33844,15 @@ def get_export(svc: Service):
     resp.set_header("Cache-Control", "no-store")
     what = ", ".join(principal.folders) or "every note"
     log.info("request %s: export of %s", current_request_id(), what)
-    return export_zip(svc.config.root, principal)
+
+    def still(name: str) -> bool:  # a person removed, a share removed, while it streams
+        now = svc.grants.current(principal.grant_id) if principal.grant_id else principal
+        if now is None:
+            log.info("export ended: its key was revoked while it streamed")
+            raise ExportCut
+        return now.sees(name)
+
+    return export_zip(svc.config.root, principal, still=still)
 
 
 def too_large_for_relay(size: int, limit: int) -> ApiError:
@@ -33716,6 +33920,7 @@ DAV_PROPS_BYTES_PER_PATH = 64 * 1024  # ...in how many characters...
 DAV_PROPS_PATHS = 10000  # ...on how many resources...
 DAV_PROPS_BYTES = 8 << 20  # ...and in how many characters in all
 XML_TYPE = "application/xml; charset=utf-8"
+DAV_CHALLENGE = 'Basic realm="notesvc", charset="UTF-8"'  # a 401's WWW-Authenticate
 NOTE_TYPE = "text/markdown; charset=utf-8"
 _DAV_LIVE = (
     "displayname",
@@ -34675,6 +34880,8 @@ def dav_delete_method(svc: Service, dav: DavState, item: DavItem, ctx: dict):
         raise DavError(400, "a folder is deleted whole: Depth: infinity")
     if request_header("If-Match") and not item.is_dir:
         check_etag(if_match_header(), dav_etag(dav, item), "file")
+    if item.is_dir:  # a person's home, a shared folder: not by its members (403)
+        svc.people.check_folder_change(ctx["principal"], item.path, None)
     dav_unlocked(dav, item.path, ctx["tokens"], below=True)
     dav_delete(svc, dav, item)
     dav.drop_locks(item.path)  # (RFC 4918 9.6.1)
@@ -34748,12 +34955,25 @@ def dav_copy_move(svc: Service, dav: DavState, item: DavItem, ctx: dict):
     target = dav_item(svc, dst)
     if target.exists and overwrite == "F":
         raise DavError(412, f"/dav/{dst} exists and Overwrite is F")
+    folder_move = move and item.is_dir
+    if folder_move:  # a home or a shared folder: who may move it, and where (409/403)
+        svc.people.check_folder_change(principal, item.path, dst)
     dav_can_place(svc, item, dst, depth)  # before anything changes, the target included
+    if target.exists and target.is_dir:
+        svc.people.check_folder_change(principal, target.path, None)
     if not move:
         dav.props_room(item.path)
     if target.exists:
         dav_delete(svc, dav, target)
-    dav_copy(svc, dav, item, dst, move, depth)
+    if folder_move and item.top == NOTES and dst.startswith(NOTES + "/"):
+        svc.people.folder_moved(item.path, dst)  # homes, members and links follow it
+        try:
+            dav_copy(svc, dav, item, dst, move, depth)
+        except BaseException:
+            svc.people.folder_moved(dst, item.path)
+            raise
+    else:
+        dav_copy(svc, dav, item, dst, move, depth)
     if move:
         dav.drop_locks(item.path)  # (RFC 4918 9.9.4)
         dav_keep_folder(item)
@@ -34900,7 +35120,7 @@ def dav_authenticate(svc: Service, env: dict) -> Principal:
             raise DavError(
                 401,
                 "a key is needed: any user name, the key as the password",
-                headers={"WWW-Authenticate": 'Basic realm="notesvc", charset="UTF-8"'},
+                headers={"WWW-Authenticate": DAV_CHALLENGE},
             ) from None
         raise
 
@@ -34941,7 +35161,8 @@ def dav_answer(svc: Service, env: dict, method: str, raw: str):
     if write and not principal.allows("write"):
         raise DavError(403, f"this key is {principal.scope}-only")
     path = dav_checked(raw)
-    if not dav_grant_sees(principal, path, write=write and method != "UNLOCK"):
+    # (UNLOCK changes nothing; COPY reads its source and writes its Destination, checked there)
+    if not dav_grant_sees(principal, path, write=write and method not in ("UNLOCK", "COPY")):
         if write and dav_grant_sees(principal, path):
             raise DavError(403, "this key may not write here")
         raise DavError(404, f"nothing at /dav/{path}")
@@ -34966,6 +35187,8 @@ def dav_holder(principal: Principal) -> str:
 def dav_error(e: ApiError) -> bottle.HTTPResponse:
     condition = getattr(e, "condition", "")
     headers = {k: v for k, v in e.headers.items() if k.lower() not in ("content-type",)}
+    if e.status_code == 401:  # (also a key revoked while its write was on its way)
+        headers.setdefault("WWW-Authenticate", DAV_CHALLENGE)
     if condition:
         body = (
             f'<?xml version="1.0" encoding="utf-8"?>\n<D:error xmlns:D="DAV:">'
@@ -35023,6 +35246,8 @@ class CalError(DavError):
 def cal_error(e: ApiError) -> bottle.HTTPResponse:
     condition = getattr(e, "condition", "")
     headers = {k: v for k, v in e.headers.items() if k.lower() != "content-type"}
+    if e.status_code == 401:
+        headers.setdefault("WWW-Authenticate", DAV_CHALLENGE)
     if condition:
         tag = condition if ":" in condition else f"D:{condition}"
         inner = getattr(e, "inner", "")
@@ -35263,7 +35488,10 @@ def cal_props(svc: Service, book: TaskBook, res: dict, ctx: dict, names=None) ->
     me = _prop("DAV:", "href", xesc(cal_href(ctx, "principal", True)))
     home = _prop("DAV:", "href", xesc(cal_href(ctx, "calendars", True)))
     privs = "<D:privilege><D:read/></D:privilege>"
-    if principal.allows("write"):
+    writes = principal.allows("write")
+    if res["kind"] == "list" and res["folder"] and not principal.whole:
+        writes = principal.may_write(f"{res['folder']}/{TASKS_NOTE}")  # (a read share: no)
+    if writes:
         privs += "".join(
             f"<D:privilege><D:{p}/></D:privilege>"
             for p in ("write", "write-content", "bind", "unbind")
@@ -35945,6 +36173,7 @@ def cal_put(svc: Service, book: TaskBook, res: dict, ctx: dict):
             f"<D:href>{xesc(href)}</D:href>",
         )
     if task is not None:
+        cal_may_write(principal, task["path"])
 
         def edit(lines: list, at: int) -> None:
             lines[at] = cal_rewrite(svc, {**task, "text": lines[at]}, new)
@@ -35971,6 +36200,7 @@ def cal_put_new(svc: Service, book: TaskBook, res: dict, principal: Principal, n
     parent = book.tasks.get(new["parent"] or "")
     folder = res["list"]["folder"]
     if parent and _sees(principal, parent["path"]) and folder in (None, parent["folder"]):
+        cal_may_write(principal, parent["path"])
         m = TASK_LINE_RE.match(parent["text"])
         indent = m.group(1) + " " * len(m.group(2) + m.group(3))
         line = task_line_of(
@@ -35993,11 +36223,17 @@ def cal_put_new(svc: Service, book: TaskBook, res: dict, principal: Principal, n
     path = f"{folder or principal.home or INBOX}/{TASKS_NOTE}"
     if not _sees(principal, path):
         raise DavError(404, f"no task list {res['list']['id']}")
-    if not principal.whole and not principal.may_write(path):
-        raise DavError(403, f"this key may only read {path.rsplit('/', 1)[0]}")
+    cal_may_write(principal, path)
     line = task_line_of(new["done"], new["summary"], cal_wall(svc, new["due"]), new["categories"])
     book.claim(path, line, new["uid"], res["href"])
     cal_append(svc, path, line)
+
+
+def cal_may_write(principal: Principal, path: str) -> None:
+    """403 (DAV:need-privileges) where a principal may only read: a folder shared with a
+    person for reading."""
+    if not principal.whole and not principal.may_write(path):
+        raise CalError(403, f"this key may only read {path.rsplit('/', 1)[0]}", "D:need-privileges")
 
 
 def cal_append(svc: Service, path: str, line: str) -> None:
@@ -36029,6 +36265,7 @@ def cal_delete(svc: Service, book: TaskBook, res: dict, ctx: dict):
     if task is None:
         raise DavError(404, f"nothing at /dav/{res['path']}")
     _check_if_match(task)
+    cal_may_write(ctx["principal"], task["path"])
 
     def drop(lines: list, at: int) -> None:
         del lines[at]
@@ -36069,7 +36306,10 @@ FEED_USE_SECONDS = 300  # lastUsedAt is written at most this often
 
 def feed_record(feed: dict) -> dict:
     keys = ("id", "name", "folder", "createdAt", "lastUsedAt", "hint")
-    return {**{k: feed.get(k) for k in keys}, "createdBy": feed.get("createdBy", "owner")}
+    rec = {**{k: feed.get(k) for k in keys}, "createdBy": feed.get("createdBy", "owner")}
+    if feed.get("person"):  # whose it is (the owner lists everyone's)
+        rec["person"] = feed["person"]
+    return rec
 
 
 def feed_url(svc: Service, environ: dict, secret: str) -> str:
@@ -36289,6 +36529,8 @@ def _shared_folder(svc: Service, raw: str) -> str:
 
 def get_members(svc: Service, path: str) -> dict:
     folder = _shared_folder(svc, path)
+    if not svc.notes.on_disk(folder).is_dir():  # (moved away, or never made)
+        raise not_found(f"no folder at {folder}")
     return {"path": folder, "members": svc.people.members(folder)}
 
 

@@ -56,7 +56,7 @@ from notesvc.notes.history import VERSION_ID_RE
 from notesvc.notes.merge import title_filename, unified_diff
 from notesvc.notes.paths import ATTACHMENTS, NOTES, note_path
 from notesvc.notes.trash import attachment_or_note_path
-from notesvc.plugins import attachment_linkers, move_and_relink, update_links
+from notesvc.plugins import attachment_linkers, move_and_relink, relinkable, update_links
 from notesvc.providers.agent import ask_agent
 from notesvc.providers.base import MAX_MESSAGE_CHARS, MCP_VERSIONS
 from notesvc.relay import RELAY_WORKERS
@@ -666,9 +666,8 @@ def move_attachment(svc: Service, path: str) -> dict:
     body = read_json(svc.config.max_body_bytes)
     new = visible_attachment(svc.attachments, field(body, "path"), write=True)
     relink = field(body, "updateLinks", bool, required=False)
-    linking = (
-        set(filter(request_principal().sees, attachment_linkers(svc, path))) if relink else set()
-    )
+    writes = relinkable(request_principal())  # (the notes it may write, as for a note's move)
+    linking = set(filter(writes, attachment_linkers(svc, path))) if relink else set()
     rec = svc.attachments.move(path, new, if_match_header())
     if relink and new != path:
         rec["linksUpdated"] = update_links(svc, path, new, linking)
