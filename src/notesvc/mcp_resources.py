@@ -23,7 +23,7 @@ from notesvc.grants import (
     granted_tree,
     request_principal,
     visible_attachment,
-    visible_folder,
+    visible_folders,
     visible_note,
 )
 from notesvc.helpers import iso
@@ -405,6 +405,13 @@ def _argument(arguments: dict, name: str, required: bool = False) -> str:
     return value
 
 
+def _one_folder(svc: Service, raw: str) -> str:
+    """Return the folder a prompt's `folder` argument names as the caller sees it: the folder
+    itself inside its reach, or the one reached folder beneath it (404 outside the reach)."""
+    folder, shown = visible_folders(svc, raw)
+    return shown[0] if len(shown) == 1 else folder
+
+
 def _guarded(fn, *args):
     try:
         return fn(*args)
@@ -441,7 +448,7 @@ def _ingest(svc: Service, args: dict, budget: _Budget) -> list:
     folder = _argument(args, "folder") or ""
     principal = request_principal()
     home = principal.home or NOTES
-    folder = _guarded(visible_folder, svc, folder) if folder else f"{home}/wiki"
+    folder = _guarded(_one_folder, svc, folder) if folder else f"{home}/wiki"
     messages = []
     text, from_note = source, ""
     if re.fullmatch(r"notes/[^\n]+\.md", source.strip()):
@@ -560,7 +567,7 @@ def _tidy(svc: Service, args: dict, budget: _Budget) -> list:
     principal = request_principal()
     folder = _argument(args, "folder")
     if folder:
-        folder = _guarded(visible_folder, svc, folder.rstrip("/"))
+        folder = _guarded(_one_folder, svc, folder.rstrip("/"))
 
     def inside(p: str) -> bool:
         return principal.sees(p) and (not folder or p.startswith(folder + "/"))

@@ -7,7 +7,7 @@ import urllib.parse
 
 from notesvc.boot import API, bottle
 from notesvc.errors import ApiError, bad_request, not_found, to_json
-from notesvc.grants import granted_tree, request_principal, visible_folder, visible_note
+from notesvc.grants import granted_tree, request_principal, searched_folders, visible_note
 from notesvc.helpers import iso
 from notesvc.notes.history import VERSION_ID_RE
 from notesvc.notes.merge import unified_diff
@@ -159,8 +159,8 @@ def tool_search_notes(
     svc: Service, query: str, limit: int = 10, folder: str = "", mode: str = ""
 ) -> dict:
     parsed = Query(query)
-    folder = visible_folder(svc, folder or NOTES)  # a folder grant's by default
-    found = find_notes(svc, parsed, "" if folder == NOTES else folder, limit, 0, mode)
+    within = searched_folders(svc, folder)  # a person's or a folder grant's reach by default
+    found = find_notes(svc, parsed, within, limit, 0, mode, request_principal().folders)
     results = [
         {"path": p, "title": t, "snippet": sn, "score": sc} for p, t, sc, sn in found["results"]
     ]
@@ -709,7 +709,7 @@ def tool_reject_suggestion(svc: Service, id: str) -> dict:
 )
 def tool_search(svc: Service, query: str) -> dict:
     folders = request_principal().folders  # a grant searches its reach
-    hits = find_notes(svc, Query(query), folders, 10, 0)["results"]
+    hits = find_notes(svc, Query(query), folders, 10, 0, reach=folders)["results"]
     return {"results": [{"id": p, "title": t, "url": note_url(svc, p)} for p, t, _, _ in hits]}
 
 

@@ -66,8 +66,8 @@ def lean_script(js: str) -> str:
 # One script, in this order: core.js ("use strict", the page's state, storage and API),
 # the pure modules (paths.js, keys.js, merge.js, outbox.js, markdown.js, order.js,
 # autosave.js, drafts.js, lists.js; node --test web/), app.js, grants.js, devices.js,
-# transfer.js, offline.js, suggestions.js, and last main.js, where the page starts (the files before it
-# only define).
+# transfer.js, offline.js, suggestions.js, and last main.js, where the page starts (the
+# files before it only define).
 WEB_JS = "".join(
     (
         WEB_JS_START,
