@@ -35471,6 +35471,8 @@ def _no_session_here(method: str) -> ApiError:
 def mcp_stream(svc: Service):
     """GET /mcp with a session: its stream of notifications (text/event-stream)."""
     env = bottle.request.environ
+    if env.get("REQUEST_METHOD") == "HEAD":  # (Bottle's GET routes take HEAD): no stream
+        raise _no_session_here("HEAD")
     if env.get("HTTP_MCP_SESSION_ID") is None or terminated_relay(env):
         raise _no_session_here("GET")
     session = request_session(svc, env)

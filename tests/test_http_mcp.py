@@ -364,6 +364,9 @@ class TestMcp:
         # with a session: DELETE ends it (204); then it is unknown (404) to GET, POST, DELETE
         sid = initialize(mcp).headers["Mcp-Session-Id"]
         hdr = {"Mcp-Session-Id": sid}
+        # HEAD (Bottle routes it as GET) opens no stream: 405, whatever the session
+        head = mcp.request(f"{API}/mcp", method="HEAD", headers=hdr, expect_errors=True)
+        assert (head.status_int, head.headers["Allow"]) == (405, "POST, GET, DELETE")
         assert mcp.delete(f"{API}/mcp", headers=hdr, status=204).body == b""
         for method in ("GET", "DELETE"):
             resp = mcp.request(f"{API}/mcp", method=method, headers=hdr, expect_errors=True)
