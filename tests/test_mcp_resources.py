@@ -9,6 +9,7 @@ import json
 import pytest
 import webtest
 
+import notesvc
 from conftest import API, as_key, new_grant, put_note, rpc, with_key
 from test_people import device_of
 
@@ -179,6 +180,26 @@ class TestResources:
         for method in ("resources/subscribe", "resources/unsubscribe"):
             got = error(mcp, method, {"uri": "notesvc://note/notes/garden.md"}, -32600)
             assert "Mcp-Session-Id" in got["message"]
+
+    def test_a_sessions_subscriptions_are_bounded_and_said(self, mcp, monkeypatch):
+        monkeypatch.setattr(notesvc.McpSessions, "MAX_SUBSCRIPTIONS", 3)
+        init = {"protocolVersion": "2025-11-25", "capabilities": {}, "clientInfo": {"name": "t"}}
+        started = mcp.post_json(
+            f"{API}/mcp", {"jsonrpc": "2.0", "id": 1, "method": "initialize", "params": init}
+        )
+        sid = {"Mcp-Session-Id": started.headers["Mcp-Session-Id"]}
+        uris = [f"notesvc://note/notes/n{i}.md" for i in range(4)]
+        for i in range(4):
+            put_note(mcp, f"notes/n{i}.md", f"# N{i}\n")
+        for uri in uris[:3]:
+            assert rpc(mcp, "resources/subscribe", {"uri": uri}, **sid)["result"] == {}
+        assert rpc(mcp, "resources/subscribe", {"uri": uris[0]}, **sid)["result"] == {}  # held
+        over = rpc(mcp, "resources/subscribe", {"uri": uris[3]}, **sid)["error"]
+        assert over["code"] == -32602
+        assert "at most 3 subscriptions" in over["message"]
+        assert over["data"] == {"uri": uris[3]}
+        assert rpc(mcp, "resources/unsubscribe", {"uri": uris[1]}, **sid)["result"] == {}
+        assert rpc(mcp, "resources/subscribe", {"uri": uris[3]}, **sid)["result"] == {}
 
 
 class TestPrompts:
