@@ -31233,6 +31233,10 @@ async function load() {
   $("host").textContent = facts.redirectHost;
   if (!facts.writeAllowed) $("write-row").classList.add("hidden");
   else if (facts.scope === "write") $("scope-write").checked = true;
+  if (facts.writeAllowed === "suggest") {
+    // SERVICE_MCP_WRITE=suggest: its writes wait for you to accept them
+    $("write-text").textContent = "read your notes and suggest changes (you accept or reject each)";
+  }
   // The web client's key on this origin (session or device), offered only when it was kept
   // for this very server's API: on a relay, every server's consent page has this origin.
   let kept = "",
@@ -31329,7 +31333,7 @@ CONSENT_PAGE = r"""
 <label><input type="radio" name="scope" id="scope-read" value="read" checked>
 read and search your notes</label>
 <label id="write-row"><input type="radio" name="scope" id="scope-write" value="write">
-read, create and change your notes</label></fieldset>
+<span id="write-text">read, create and change your notes</span></label></fieldset>
 <label for="folder">Only this folder (leave empty for all notes)</label>
 <input id="folder" type="text" autocomplete="off" placeholder="notes/family">
 <p id="signed-in" class="hidden">Signed in as <span id="device" class="who"></span>.</p>

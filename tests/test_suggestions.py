@@ -10,6 +10,8 @@ import webtest
 
 from conftest import (
     API,
+    CALLBACK,
+    approve,
     as_key,
     assert_error,
     call_tool,
@@ -17,7 +19,9 @@ from conftest import (
     new_grant,
     notesvc,
     ok_tool,
+    pkce_pair,
     put_note,
+    register_client,
     rpc,
     tool_refused,
     with_key,
@@ -375,6 +379,34 @@ class TestAgentSuggests:
         data(accept(client, listed[0]["id"]))
         versions = data(client.get(f"{API}/notes/notes%2Fgarden.md/versions"))["versions"]
         assert versions[0]["savedBy"] == "Agent"
+
+    def test_the_consent_page_offers_write_as_suggestions(self, suggesting):
+        cid = register_client(suggesting)["client_id"]
+        _, challenge = pkce_pair()
+        q = {
+            "client_id": cid,
+            "redirect_uri": CALLBACK,
+            "response_type": "code",
+            "code_challenge": challenge,
+            "code_challenge_method": "S256",
+            "scope": "notes:read notes:write",
+        }
+        facts = data(suggesting.get(f"{API}/oauth/consent", q))
+        assert (facts["writeAllowed"], facts["scope"]) == ("suggest", "write")
+        code, verifier, _ = approve(suggesting, cid, "notes:read notes:write")
+        form = {
+            "grant_type": "authorization_code",
+            "code": code,
+            "client_id": cid,
+            "redirect_uri": CALLBACK,
+            "code_verifier": verifier,
+        }
+        tokens = suggesting.post("/oauth/token", form).json
+        assert tokens["scope"] == "notes:read notes:write"
+        connector = as_key(suggesting, tokens["access_token"])
+        made = suggested(connector, "create_note", path="notes/new.md", content="# New\n")
+        assert [s["id"] for s in suggestions(suggesting)["suggestions"]] == [made["id"]]
+        assert suggesting.get(f"{API}/notes/notes%2Fnew.md", expect_errors=True).status_int == 404
 
     def test_the_settings_take_suggest(self):
         cfg = notesvc.load_config(
