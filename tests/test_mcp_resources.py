@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import base64
 import json
+import sys
 
 import pytest
 import webtest
@@ -83,6 +84,18 @@ class TestResources:
         )
         for method in ("resources/templates/list", "prompts/list", "tools/list"):
             error(mcp, method, {"cursor": "x"})
+
+    def test_stale_cursors(self, mcp, monkeypatch):
+        for i in range(120):
+            put_note(mcp, f"notes/many/n{i:03d}.md", f"# N{i}\n")
+        cursor = result(mcp, "resources/list")["nextCursor"]
+        for i in range(100):  # the list shrinks under the cursor: a shorter (empty) page
+            mcp.delete(f"{API}/notes/notes%2Fmany%2Fn{i:03d}.md")
+        assert result(mcp, "resources/list", {"cursor": cursor}) == {"resources": []}
+        # a restart: the key cursors are signed with is new (the package's module or the file)
+        where = sys.modules.get("notesvc.mcp_resources", notesvc)
+        monkeypatch.setattr(where, "_CURSOR_KEY", b"another server run")
+        assert "restart" in error(mcp, "resources/list", {"cursor": cursor})["message"]
 
     def test_templates(self, mcp):
         templates = result(mcp, "resources/templates/list")["resourceTemplates"]
