@@ -14,12 +14,13 @@ import re
 import socket
 import subprocess
 import threading
+import urllib.parse
 from pathlib import Path
 
 import pytest
 
 from browsers import BROWSER_TESTS, expect, web_server
-from conftest import API, HERE, running
+from conftest import API, HERE, pkce_pair, running
 
 TOOLS = Path(os.environ.get("NOTESVC_NODE_TOOLS", HERE / ".ci" / "tools"))
 MODULES = TOOLS / "node_modules"
@@ -363,3 +364,19 @@ class TestSuggestionsInTheWebClient:
             # a link to a suggestion opens it (#suggestion=<id>), here one closed already
             page.goto(page.url.split("#")[0] + f"#suggestion={sid}")
             expect(page.locator("#dlg-body")).to_contain_text("accepted or rejected already")
+            # the consent page says what a write grant is in this mode
+            reg = {"redirect_uris": ["http://127.0.0.1:9/cb"], "client_name": "Assistant"}
+            status, _, client = web.server.request("POST", "/oauth/register", reg)
+            assert status == 201
+            ask = {
+                "response_type": "code",
+                "client_id": client["client_id"],
+                "redirect_uri": "http://127.0.0.1:9/cb",
+                "code_challenge": pkce_pair()[1],
+                "code_challenge_method": "S256",
+                "scope": "notes:read notes:write",
+            }
+            page.goto(f"{web.server.url}/oauth/authorize?{urllib.parse.urlencode(ask)}")
+            expect(page.locator("#client")).to_have_text("Assistant")
+            expect(page.locator("#scope-write")).to_be_checked()
+            expect(page.locator("#write-text")).to_contain_text("suggest changes")
