@@ -657,7 +657,8 @@ class TestMcpServer:
             server.url + f"{API}/mcp", {"Authorization": f"Bearer {server.key}"}, mode, steps
         )
         assert got == version
-        assert set(names) == set(notesvc.TOOLS)
+        # every tool but the review card's two (listed in suggest mode only)
+        assert set(names) == {n for n, t in notesvc.TOOLS.items() if not t.app_only}
         assert hits.is_error is False
         assert hits.content[0].text.startswith("notes/garden.md — Garden: ")
         assert hits.structured_content["results"][0]["path"] == "notes/garden.md"
