@@ -376,6 +376,23 @@ class TestMcp:
             resp = mcp.request(f"{API}/mcp", method=method, headers=hdr, expect_errors=True)
             rpc_error(resp, 405, -32000)
 
+    def test_the_stream_says_ok_then_a_comment_a_while_and_ends_at_its_time(
+        self, make_app, monkeypatch
+    ):
+        monkeypatch.setattr(notesvc.McpSessions, "COMMENT_SECONDS", 0.15)
+        client = with_key(make_app(SERVICE_MCP_STREAM_SECONDS="1"))
+        sid = initialize(client).headers["Mcp-Session-Id"]
+        hdr = {"Mcp-Session-Id": sid, "Accept": "text/event-stream"}
+        resp = client.get(f"{API}/mcp", headers=hdr)  # read to its end: 1 s
+        assert resp.content_type == "text/event-stream"
+        blocks = resp.body.decode().split("\n\n")
+        assert blocks[0] == ": ok"
+        assert blocks[-1] == ""
+        # nothing happened: only comments, about one each 0.15 s of the 1 s (a busy machine
+        # sends fewer, never more)
+        assert set(blocks[1:-1]) == {": keep-alive"}
+        assert 2 <= len(blocks[1:-1]) <= 7
+
     def test_limits_are_json_rpc_errors(self, make_app):
         client = with_key(make_app(SERVICE_MAX_BODY_BYTES="2048"))
         big = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "ping", "pad": "x" * 3000})
