@@ -393,6 +393,21 @@ class TestMcp:
         assert set(blocks[1:-1]) == {": keep-alive"}
         assert 2 <= len(blocks[1:-1]) <= 7
 
+    def test_sessions_are_capped_least_recently_used_first_and_dropped_when_idle(
+        self, mcp, monkeypatch
+    ):
+        monkeypatch.setattr(notesvc.McpSessions, "MAX_SESSIONS", 3)
+        ping = '{"jsonrpc": "2.0", "id": 1, "method": "ping"}'
+        sids = [initialize(mcp).headers["Mcp-Session-Id"] for _ in range(3)]
+        raw_mcp(mcp, ping, 200, **{"Mcp-Session-Id": sids[0]})  # the first is used again
+        sids.append(initialize(mcp).headers["Mcp-Session-Id"])  # over the cap: sids[1] goes
+        for sid, status in zip(sids, (200, 404, 200, 200)):
+            raw_mcp(mcp, ping, status, **{"Mcp-Session-Id": sid})
+        error = rpc_error(raw_mcp(mcp, ping, **{"Mcp-Session-Id": sids[1]}), 404, -32000)
+        assert "initialize again" in error["message"]
+        monkeypatch.setattr(notesvc.McpSessions, "IDLE_SECONDS", 0)  # all unused too long
+        raw_mcp(mcp, ping, 404, **{"Mcp-Session-Id": sids[3]})
+
     def test_limits_are_json_rpc_errors(self, make_app):
         client = with_key(make_app(SERVICE_MAX_BODY_BYTES="2048"))
         big = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "ping", "pad": "x" * 3000})
