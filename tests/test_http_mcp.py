@@ -408,6 +408,22 @@ class TestMcp:
         monkeypatch.setattr(notesvc.McpSessions, "IDLE_SECONDS", 0)  # all unused too long
         raw_mcp(mcp, ping, 404, **{"Mcp-Session-Id": sids[3]})
 
+    def test_a_browser_client_may_send_and_read_the_session_id(self, make_app):
+        client = with_key(make_app(SERVICE_CORS_ORIGINS="https://app.example"))
+        origin = {"Origin": "https://app.example"}
+        asked = client.options(
+            f"{API}/mcp",
+            headers={
+                **origin,
+                "Access-Control-Request-Method": "GET",
+                "Access-Control-Request-Headers": "mcp-session-id",
+            },
+        )
+        assert "Mcp-Session-Id" in asked.headers["Access-Control-Allow-Headers"]
+        started = initialize(client, **origin)
+        assert "Mcp-Session-Id" in started.headers["Access-Control-Expose-Headers"]
+        assert len(started.headers["Mcp-Session-Id"]) == 22
+
     def test_limits_are_json_rpc_errors(self, make_app):
         client = with_key(make_app(SERVICE_MAX_BODY_BYTES="2048"))
         big = json.dumps({"jsonrpc": "2.0", "id": 1, "method": "ping", "pad": "x" * 3000})
