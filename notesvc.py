@@ -2260,6 +2260,17 @@ def _segment(tail: int, in_url: bool = False) -> str:
     )
 
 
+# One folder name (a person's name is their home's): not blank, not hidden, at most 64
+# characters and 255 UTF-8 bytes, none of what no segment holds.
+FOLDER_NAME_SCHEMA = {
+    "type": "string",
+    "minLength": 1,
+    "maxLength": 64,
+    "pattern": f"^(?:{_ASCII_FIRST.replace('[ ', '[', 1)}{_ASCII_CH}{{0,63}}"
+    f"|[^.{BLANK_CLASS}{_SEG_NOT}]{_ANY_CH}{{0,62}})$",
+}
+
+
 NOTE_PATH_SCHEMA = {
     "type": "string",
     "minLength": 9,
@@ -13821,7 +13832,7 @@ class PeopleStore:
 
         The owner shares any folder; a person a folder inside their home (403 elsewhere).
         Each member is a person other than the one sharing and other than the folder's own
-        person (whose home holds it): 400 for an unknown id, oneself, a repeat or a bad
+        person (whose home holds it): 404 for an unknown id; 400 for oneself, a repeat or a bad
         scope. Members of the folders above are kept (a deeper share adds, never takes)."""
         if not isinstance(raw, list) or len(raw) > MAX_PEOPLE:
             raise bad_request(f"'members' must be a list of at most {MAX_PEOPLE} people")
@@ -13837,8 +13848,10 @@ class PeopleStore:
             if not isinstance(item, dict):
                 raise bad_request("each member is an object {person, scope}")
             pid, scope = item.get("person"), item.get("scope", "read")
-            if not isinstance(pid, str) or self.get(pid, data) is None:
-                raise bad_request(f"no person {str(pid)[:40]!r} to share with")
+            if not isinstance(pid, str):
+                raise bad_request("a member's 'person' is a person's id")
+            if self.get(pid, data) is None:
+                raise not_found(f"no person {pid[:40]!r} to share with")
             if scope not in SHARE_SCOPES:
                 raise bad_request(f"a member's scope is one of {', '.join(SHARE_SCOPES)}")
             if pid == sharer or (owner_home is not None and pid == owner_home["id"]):
@@ -36594,6 +36607,16 @@ def _obj(required: Iterable[str] = (), **props: dict) -> dict:
 
 _STR = {"type": "string"}
 _NOTE_PATH, _FOLDER_PATH = NOTE_PATH_SCHEMA, FOLDER_PATH_SCHEMA
+_HOME = {  # a folder below notes/, never notes/ itself
+    **_FOLDER_PATH,
+    "minLength": 7,
+    "pattern": _FOLDER_PATH["pattern"].replace(")*/?$", ")+/?$"),
+    "examples": ["notes/Ann"],
+}
+_SUBFOLDER_PARAM = {
+    **FOLDER_PATH_PARAM,
+    "pattern": FOLDER_PATH_PARAM["pattern"].replace(")*/?$", ")+/?$"),
+}
 _VERSION_ID = {
     "type": "string",
     "pattern": json_pattern(VERSION_ID_RE),
@@ -37503,8 +37526,8 @@ ROUTES = (
         "device, shown once",
         body=_obj(
             ["name"],
-            name={**_STR, "minLength": 1, "maxLength": 64, "pattern": NOT_BLANK_PATTERN},
-            home=_FOLDER_PATH,
+            name=FOLDER_NAME_SCHEMA,
+            home=_HOME,
         ),
         status=201,
         tag="people",
@@ -37524,7 +37547,7 @@ ROUTES = (
         "/people/<person_id>",
         rename_person,
         summary="Rename a person (their home keeps its name)",
-        body=_obj(["name"], name={**_STR, "minLength": 1, "maxLength": 64}),
+        body=_obj(["name"], name=FOLDER_NAME_SCHEMA),
         tag="people",
         scope="admin",
     ),
@@ -37559,7 +37582,7 @@ ROUTES = (
         get_members,
         summary="Who a folder is shared with: its own members, then those of the folders "
         "above it (inherited)",
-        params={"path": FOLDER_PATH_PARAM},
+        params={"path": _SUBFOLDER_PARAM},
         tag="people",
         scope="read",
     ),
@@ -37569,7 +37592,7 @@ ROUTES = (
         put_members,
         summary="Share a folder: replace its members (the owner any folder, a person one of "
         "their home)",
-        params={"path": FOLDER_PATH_PARAM},
+        params={"path": _SUBFOLDER_PARAM},
         body=_obj(
             ["members"],
             members={
