@@ -50,6 +50,7 @@ WEB_GRANTS_JS = web_source("grants.js")
 WEB_OFFLINE_JS = web_source("offline.js")
 SW_JS = web_source("sw.js")
 WEB_DEVICES_JS = web_source("devices.js")
+WEB_PEOPLE_JS = web_source("people.js")
 WEB_TRANSFER_JS = web_source("transfer.js")
 WEB_MAIN_JS = web_source("main.js")
 
@@ -174,7 +175,7 @@ def lean_css(css: str) -> str:
 # One script, in this order: core.js ("use strict", the page's state, storage and API),
 # the pure modules (paths.js, keys.js, merge.js, outbox.js, markdown.js, order.js,
 # autosave.js, drafts.js, lists.js; node --test web/), app.js, grants.js, devices.js,
-# transfer.js, offline.js, and last main.js, where the page starts (the files before it
+# people.js, transfer.js, offline.js, and last main.js, where the page starts (the files before it
 # only define).
 WEB_JS = "".join(
     (
@@ -191,6 +192,7 @@ WEB_JS = "".join(
         WEB_JS_REST,
         WEB_GRANTS_JS,
         WEB_DEVICES_JS,
+        WEB_PEOPLE_JS,
         WEB_TRANSFER_JS,
         WEB_OFFLINE_JS,
         WEB_MAIN_JS,
