@@ -22471,6 +22471,12 @@ dialog ol {
   font-weight: 700;
   font-size: 0.85rem;
 }
+.recent-note .avatar {
+  width: 1.3rem;
+  height: 1.3rem;
+  margin-right: 0.3rem;
+  font-size: 0.7rem;
+}
 .chips {
   list-style: none;
   display: flex;
@@ -23119,7 +23125,7 @@ const core = (() => {
           },
           markdown.el("strong", {}, n.title || paths.nameOf(n.path)),
           markdown.el("span", {class: "preview"}, n.preview || ""),
-          markdown.el("small", {class: "muted"}, ago(n.modified)),
+          markdown.el("small", {class: "muted"}, people.mark(n.path), ago(n.modified)),
         ),
       ),
     );
@@ -28772,6 +28778,15 @@ const people = (() => {
     line.hidden = !line.textContent;
   }
 
+  // In the recent list: the initial of who shared the note's folder with this person.
+  function mark(path) {
+    const f = state.shared.find((r) => inside(path, r.path));
+    if (!f) return null;
+    const by = "Shared by " + f.sharedBy.name;
+    const initial = [...f.sharedBy.name][0].toUpperCase();
+    return el("span", {class: "avatar", role: "img", title: by, "aria-label": by}, initial);
+  }
+
   // A round badge with a person's initial, before their name.
   function avatar(name) {
     return el("span", {class: "avatar", "aria-hidden": "true"}, [...name][0].toUpperCase());
@@ -29086,6 +29101,7 @@ const people = (() => {
     applyWho,
     fillTop,
     label,
+    mark,
     mayShare,
     noteLine,
     refresh,
@@ -29190,7 +29206,8 @@ WEB_TRANSFER_JS = r"""
 
   async function showImport() {
     const input = el("input", {type: "file", id: "import-file", accept: IMPORT_TYPES});
-    const into = el("input", {type: "text", id: "import-into", placeholder: "notes/imported/…"});
+    const home = state.person ? state.person.home : "notes"; // a person's go to their home
+    const into = el("input", {type: "text", id: "import-into", placeholder: home + "/imported/…"});
     const body = [
       el(
         "p",

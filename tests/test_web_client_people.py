@@ -169,6 +169,8 @@ class TestWebClientPeople:
             "SHARED WITH ME",  # (as shown: a heading)
             "kitchen Shared by Owner · can edit",
         ]
+        recent = as_ann.page.locator("#recent [data-path='notes/kitchen/pancakes.md'] .avatar")
+        expect(recent).to_have_attribute("aria-label", "Shared by Owner")  # and its initial
         as_ann.shot("shared-with-me")
         as_bob = web(device, login=False)
         as_bob.login(web.setup["links"]["connect"]["hosted"], bob_key)

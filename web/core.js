@@ -575,7 +575,7 @@ const core = (() => {
           },
           markdown.el("strong", {}, n.title || paths.nameOf(n.path)),
           markdown.el("span", {class: "preview"}, n.preview || ""),
-          markdown.el("small", {class: "muted"}, ago(n.modified)),
+          markdown.el("small", {class: "muted"}, people.mark(n.path), ago(n.modified)),
         ),
       ),
     );

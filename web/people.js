@@ -126,6 +126,15 @@ const people = (() => {
     line.hidden = !line.textContent;
   }
 
+  // In the recent list: the initial of who shared the note's folder with this person.
+  function mark(path) {
+    const f = state.shared.find((r) => inside(path, r.path));
+    if (!f) return null;
+    const by = "Shared by " + f.sharedBy.name;
+    const initial = [...f.sharedBy.name][0].toUpperCase();
+    return el("span", {class: "avatar", role: "img", title: by, "aria-label": by}, initial);
+  }
+
   // A round badge with a person's initial, before their name.
   function avatar(name) {
     return el("span", {class: "avatar", "aria-hidden": "true"}, [...name][0].toUpperCase());
@@ -440,6 +449,7 @@ const people = (() => {
     applyWho,
     fillTop,
     label,
+    mark,
     mayShare,
     noteLine,
     refresh,
