@@ -93,6 +93,8 @@ def get_members(svc: Service, path: str) -> dict:
     (everyone but the one sharing and the person whose home holds it), so a person's Share
     dialog can name them without the owner's list of people."""
     folder = _shared_folder(svc, path)
+    if not svc.notes.on_disk(folder).is_dir():  # (moved away, or never made)
+        raise not_found(f"no folder at {folder}")
     answer = {"path": folder, "members": svc.people.members(folder)}
     who = request_principal()
     data = svc.state.read()
