@@ -22943,9 +22943,10 @@ dialog .chips select {
   width: auto;
   margin: 0;
   min-height: 36px;
-  border: 1px solid var(--line);
-  border-radius: 999px;
-  background: var(--bg);
+  padding: 0 0.3rem;
+  border: 0;
+  background: none;
+  color: var(--muted);
 }
 dialog .row input[type="text"],
 dialog .row select {
@@ -22958,7 +22959,12 @@ dialog .row select {
 }
 #people-list > li {
   display: grid;
+  grid-template-columns: minmax(0, 1fr);
   gap: 0.3rem;
+}
+#people-list .actions button {
+  padding: 0.35rem 0.55rem;
+  font-size: 0.9rem;
 }
 #people-list .who {
   display: grid;
@@ -22975,7 +22981,8 @@ dialog .row select {
 }
 .held {
   list-style: none;
-  padding: 0;
+  padding: 0 0 0 2.3rem;
+  font-size: 0.9rem;
 }
 dialog .list .held li {
   border: 0;
@@ -29292,26 +29299,30 @@ const people = (() => {
           "devices and apps. Taking someone off cuts them off at once.",
       ),
       chips,
-      el("h3", {}, "Share with"),
-      free.length
-        ? el(
-            "div",
-            {class: "row"},
-            who,
-            scopeNew,
+      ...(free.length
+        ? [
+            el("h3", {}, "Share with"),
             el(
-              "button",
-              {type: "button", id: "share-add", class: "primary", onclick: add},
-              "Share",
+              "div",
+              {class: "row"},
+              who,
+              scopeNew,
+              el(
+                "button",
+                {type: "button", id: "share-add", class: "primary", onclick: add},
+                "Share",
+              ),
             ),
-          )
-        : el(
-            "p",
-            {class: "muted"},
-            (data.candidates || []).length
-              ? "Shared with everyone here."
-              : "No one else lives on this server yet.",
-          ),
+          ]
+        : [
+            el(
+              "p",
+              {class: "muted"},
+              (data.candidates || []).length
+                ? "Everyone here has it now."
+                : "No one else lives on this server yet.",
+            ),
+          ]),
     ];
     if (state.person)
       body.push(

@@ -151,7 +151,8 @@ class TestWebClientPeople:
         expect(chips.nth(0)).to_contain_text("Ann")
         assert chips.nth(0).locator("select").input_value() == "write"
         assert chips.nth(1).locator("select").input_value() == "read"
-        expect(page.locator("#dlg-body")).to_contain_text("Shared with everyone here.")
+        expect(page.locator("#dlg-body")).to_contain_text("Everyone here has it now.")
+        expect(page.locator("#dlg-body h3")).to_have_count(0)  # no "Share with": no one left
         owner.shot("share-dialog")
         members = call(server, "GET", "/folders/notes%2Fkitchen/members", key=key)["members"]
         assert [(m["name"], m["scope"]) for m in members] == [("Ann", "write"), ("Bob", "read")]

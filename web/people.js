@@ -202,26 +202,30 @@ const people = (() => {
           "devices and apps. Taking someone off cuts them off at once.",
       ),
       chips,
-      el("h3", {}, "Share with"),
-      free.length
-        ? el(
-            "div",
-            {class: "row"},
-            who,
-            scopeNew,
+      ...(free.length
+        ? [
+            el("h3", {}, "Share with"),
             el(
-              "button",
-              {type: "button", id: "share-add", class: "primary", onclick: add},
-              "Share",
+              "div",
+              {class: "row"},
+              who,
+              scopeNew,
+              el(
+                "button",
+                {type: "button", id: "share-add", class: "primary", onclick: add},
+                "Share",
+              ),
             ),
-          )
-        : el(
-            "p",
-            {class: "muted"},
-            (data.candidates || []).length
-              ? "Shared with everyone here."
-              : "No one else lives on this server yet.",
-          ),
+          ]
+        : [
+            el(
+              "p",
+              {class: "muted"},
+              (data.candidates || []).length
+                ? "Everyone here has it now."
+                : "No one else lives on this server yet.",
+            ),
+          ]),
     ];
     if (state.person)
       body.push(
