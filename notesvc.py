@@ -29221,6 +29221,12 @@ const people = (() => {
         ? "Shared with " + own.members.map((m) => m.name).join(", ")
         : "";
     line.hidden = !line.textContent;
+    // its folder's Share… in the note's menu too (as the tree's people icon)
+    const folder = path.slice(0, path.lastIndexOf("/"));
+    const item = $("share-folder");
+    item.hidden = !mayShare(folder);
+    item.textContent = "Share “" + paths.nameOf(folder) + "” with people…";
+    item.onclick = core.act(() => shareFolder(folder));
   }
 
   // In the recent list: the initial of who shared the note's folder with this person.
@@ -30132,7 +30138,8 @@ WEB_PAGE = r"""
               <small id="modified"></small></p>
             <button id="attach" type="button" hidden>Attach a file…</button>
             <button id="photo" type="button" hidden>Take a photo…</button>
-            <button id="share" type="button" hidden>Share…</button>
+            <button id="share-folder" type="button" hidden></button>
+            <button id="share" type="button" hidden>Share a link…</button>
             <button id="move" type="button">Move or rename…</button>
             <button id="history" type="button" hidden>History…</button>
             <button id="delete" type="button" class="danger">Move to trash</button>

@@ -178,6 +178,7 @@ class TestWebClientPeople:
         as_bob.tree_open("notes/kitchen/pancakes.md")
         expect(as_bob.page.locator("#note-shared")).to_have_text("Shared by Owner · view only")
         expect(as_bob.page.locator("#edit")).to_be_hidden()  # a read share: nothing to edit
+        expect(as_bob.page.locator("#share-folder")).to_be_hidden()  # nor to share on
         as_bob.shot("shared-note-read")
         as_ann.tree_open("notes/kitchen/pancakes.md")
         expect(as_ann.page.locator("#note-shared")).to_have_text("Shared by Owner")
@@ -231,6 +232,12 @@ class TestWebClientPeople:
         expect(trips).to_contain_text("Shared with Bob")
         as_ann.tree_open("notes/Ann/Trips/rome.md")
         expect(page.locator("#note-shared")).to_have_text("Shared with Bob")
+        # the note's menu offers its folder's Share… too, apart from a link to the note
+        page.click("#note-menu summary")
+        expect(page.locator("#share")).to_have_text("Share a link…")
+        page.click("#share-folder:has-text('Share “Trips” with people…')")
+        expect(page.locator("#dlg-title")).to_have_text("Share “Trips”")
+        as_ann.dialog_choose("cancel")
         as_bob = web(device, login=False)
         as_bob.login(web.setup["links"]["connect"]["hosted"], bob_key)
         assert top_level(as_bob)[1:] == ["SHARED WITH ME", "Trips Shared by Ann · view only"]

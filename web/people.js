@@ -124,6 +124,12 @@ const people = (() => {
         ? "Shared with " + own.members.map((m) => m.name).join(", ")
         : "";
     line.hidden = !line.textContent;
+    // its folder's Share… in the note's menu too (as the tree's people icon)
+    const folder = path.slice(0, path.lastIndexOf("/"));
+    const item = $("share-folder");
+    item.hidden = !mayShare(folder);
+    item.textContent = "Share “" + paths.nameOf(folder) + "” with people…";
+    item.onclick = core.act(() => shareFolder(folder));
   }
 
   // In the recent list: the initial of who shared the note's folder with this person.
