@@ -235,6 +235,7 @@ class TestWebClientPeople:
         # the note's menu offers its folder's Share… too, apart from a link to the note
         page.click("#note-menu summary")
         expect(page.locator("#share")).to_have_text("Share a link…")
+        as_ann.shot("note-menu")
         page.click("#share-folder:has-text('Share “Trips” with people…')")
         expect(page.locator("#dlg-title")).to_have_text("Share “Trips”")
         as_ann.dialog_choose("cancel")
