@@ -206,7 +206,8 @@ class PeopleStore:
         it (`inherited: true`), each with the person's name and who shared."""
         data = self.state.read()
         out = []
-        for at, entries in sorted(data.get("members", {}).items()):
+        shares = data.get("members", {}).items()
+        for at, entries in sorted(shares, key=lambda s: (s[0] != folder, s[0])):  # own first
             if not inside(folder, at):
                 continue
             for m in entries:
