@@ -216,6 +216,43 @@ class TestMcpSessions:
         finally:
             stream.close()
 
+    def test_a_person_is_told_of_their_home_and_their_shares_only(self, server):
+        owner = {"X-Service-Key": server.key}
+        for path in ("notes/family/list.md", "notes/work/plan.md"):
+            server.request("POST", f"{API}/notes", {"path": path, "content": "x"}, owner)
+        _, _, made = server.request("POST", f"{API}/people", {"name": "Ann"}, owner)
+        ann, secret = made["data"]["person"], made["data"]["pairing"]["secret"]
+        claim = {"secret": secret, "deviceName": "Ann's phone"}
+        key = server.request("POST", f"{API}/auth/devices/claim", claim)[2]["data"]["key"]
+        members = {"members": [{"person": ann["id"], "scope": "read"}]}
+        assert (
+            server.request("PUT", f"{API}/folders/notes%2Ffamily/members", members, owner)[0] == 200
+        )
+        sid = initialize(server, key)
+        stream = Stream(server, key, sid)
+        try:
+            assert stream.block() == ": ok"
+            shared = "notesvc://note/notes/family/list.md"
+            for uri, code in ((shared, None), ("notesvc://note/notes/work/plan.md", -32002)):
+                answer = post(server, key, "resources/subscribe", {"uri": uri}, sid)[2]
+                assert answer.get("error", {}).get("code") == code, answer
+            # the owner's writes: outside her reach (nothing), then her shared note (told)
+            assert put(server, server.key, "notes/work/plan.md", "# Plan\n\nsecret") == 200
+            assert put(server, server.key, "notes/family/list.md", "# List\n\nmilk") == 200
+            message = stream.message()
+            assert message["method"] == "notifications/resources/updated"
+            assert message["params"]["uri"] == shared
+            # a note made in her home: the list changed (made by the owner: she sees it)
+            home_note = {"path": f"{ann['home']}/mine.md", "content": "# Mine\n"}
+            assert server.request("POST", f"{API}/notes", home_note, owner)[0] == 201
+            assert stream.message()["method"] == "notifications/resources/list_changed"
+            listed = post(server, key, "resources/list", sid=sid)[2]["result"]["resources"]
+            assert sorted(r["name"] for r in listed) == sorted(
+                [f"{ann['home']}/mine.md", "notes/family/list.md"]
+            )
+        finally:
+            stream.close()
+
     def test_sessions_are_bound_to_their_principal_and_end_with_delete(self, server):
         sid = initialize(server, server.key)
         _, _, made = server.request(
