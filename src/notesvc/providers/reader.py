@@ -352,6 +352,10 @@ class FileTextReader:
     """The background reader and the index of what it read (svc.reader)."""
 
     FILE_TEXT_WEIGHT = 0.8  # a note's own words rank above the same words in a file it links
+    PAGE_SECONDS = PAGE_SECONDS
+    MAX_PAGES = MAX_PAGES
+    MAX_PIXELS = MAX_PIXELS
+    SCAN_SECONDS = SCAN_SECONDS
 
     def __init__(self, svc: Service, tools: Tools | None = None):
         self.svc = svc
@@ -371,6 +375,7 @@ class FileTextReader:
         self.current = ""
         self.counts = {"read": 0, "skipped": 0, "failed": 0, "pages": 0}
         self.notes: dict = {}  # digest -> what was said of it (skipped, cut short, failed)
+        self.said: collections.deque = collections.deque(maxlen=20)  # the latest, for info
         self.last_read = ""  # when the last file was done
         self._lock = threading.RLock()
         self._wake = threading.Event()
@@ -419,6 +424,7 @@ class FileTextReader:
                 "failed": self.counts["failed"],
                 "pages": self.counts["pages"],
                 "lastRead": self.last_read or None,
+                "said": list(self.said),
             }
         return answer
 
@@ -447,7 +453,7 @@ class FileTextReader:
         self._stop.set()
         self._wake.set()
         if self._thread is not None:
-            self._thread.join(PAGE_SECONDS + 5)
+            self._thread.join(self.PAGE_SECONDS + 5)
             self._thread = None
         self._save_files()
 
@@ -599,13 +605,13 @@ class FileTextReader:
     def _run(self) -> None:
         while not self._stop.is_set():
             try:
-                if time.monotonic() - self._scanned >= SCAN_SECONDS:
+                if time.monotonic() - self._scanned >= self.SCAN_SECONDS:
                     self.scan()
                     self._scanned = time.monotonic()
                 with self._lock:
                     item = self.queue.popleft() if self.queue else None
                 if item is None:
-                    self._wake.wait(SCAN_SECONDS)
+                    self._wake.wait(self.SCAN_SECONDS)
                     self._wake.clear()
                     continue
                 self._read_file(*item)
@@ -651,6 +657,7 @@ class FileTextReader:
         self._open.discard(digest)
         if note:
             self.notes[digest] = note
+            self.said.append(note)
             log.info("text inside files: %s", note)
 
     def _start(self, full: Path, digest: str) -> str | None:
@@ -690,11 +697,11 @@ class FileTextReader:
         if size is None:
             self._skip(digest, f"{name}: its header does not say its size")
             return None
-        if size[0] * size[1] > MAX_PIXELS:
+        if size[0] * size[1] > self.MAX_PIXELS:
             self._skip(
                 digest,
                 f"{name} was skipped: {size[0]} × {size[1]} pixels is over "
-                f"{MAX_PIXELS // 1_000_000} megapixels",
+                f"{self.MAX_PIXELS // 1_000_000} megapixels",
             )
             return None
         return "image"
@@ -708,7 +715,7 @@ class FileTextReader:
         self._finish(digest, why)
 
     def _pdf_pages(self, full: Path) -> int:
-        out = run_tool([self.tools.pdfinfo, str(full)], PAGE_SECONDS, 65536)
+        out = run_tool([self.tools.pdfinfo, str(full)], self.PAGE_SECONDS, 65536)
         m = re.search(r"^Pages:\s+(\d+)", out, re.MULTILINE)
         if re.search(r"^Encrypted:\s+yes", out, re.MULTILINE):
             # a PDF that only forbids copying still opens; one that needs a password fails
@@ -722,7 +729,7 @@ class FileTextReader:
         total = kept["pages"]
         texts = kept["texts"]
         size = sum(len(t.encode()) for t in texts.values())
-        last = min(total, MAX_PAGES)
+        last = min(total, self.MAX_PAGES)
         start = max(texts) + 1 if texts else 1
         for page in range(start, last + 1):
             if self._stop.is_set():
@@ -731,7 +738,7 @@ class FileTextReader:
                 if self.files.get(path, [0, 0, ""])[2] != digest:
                     return
             cpu, wall = children_cpu(), time.monotonic()
-            deadline = wall + PAGE_SECONDS
+            deadline = wall + self.PAGE_SECONDS
             try:
                 text = self._pdf_page(full, page, deadline)
             except ToolFailed as e:
@@ -755,8 +762,8 @@ class FileTextReader:
                 self.counts["read"] += 1
                 return
         note = ""
-        if total > MAX_PAGES:
-            note = f"{full.name}: the first {MAX_PAGES} of {total} pages were read"
+        if total > self.MAX_PAGES:
+            note = f"{full.name}: the first {self.MAX_PAGES} of {total} pages were read"
         self._finish(digest, note)
         self.counts["read"] += 1
 
@@ -785,7 +792,7 @@ class FileTextReader:
     def _read_image(self, path: str, full: Path, digest: str) -> None:
         cpu, wall = children_cpu(), time.monotonic()
         try:
-            text = self._ocr(full, wall + PAGE_SECONDS)
+            text = self._ocr(full, wall + self.PAGE_SECONDS)
         except ToolFailed as e:
             self._fail(digest, f"{full.name} could not be read: {e}")
             self._rest(cpu, wall)
