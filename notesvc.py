@@ -25176,7 +25176,10 @@ const outbox = (() => {
 
   // What waits in uploads, in bytes.
   function uploadBytes(items) {
-    return items.reduce((n, i) => n + (i.kind === "upload" || i.kind === "voice" ? i.file.size || 0 : 0), 0);
+    return items.reduce(
+      (n, i) => n + (i.kind === "upload" || i.kind === "voice" ? i.file.size || 0 : 0),
+      0,
+    );
   }
 
   // The item sent: gone from the queue. A create's answer gives the note its path: later
@@ -30409,7 +30412,12 @@ window.notesvcRecorder = (() => {
   function panel() {
     if ($("record-box")) return $("record-box");
     const el = markdown.el;
-    const stopSave = {id: "record-stop", type: "button", class: "primary", onclick: () => stop(true)};
+    const stopSave = {
+      id: "record-stop",
+      type: "button",
+      class: "primary",
+      onclick: () => stop(true),
+    };
     const box = el(
       "div",
       {id: "record-box", class: "record-box", role: "dialog"},
@@ -30432,7 +30440,9 @@ window.notesvcRecorder = (() => {
   async function open() {
     if (rec) return;
     panel().hidden = false;
+    $("record-stop").hidden = false;
     $("record-stop").disabled = true;
+    $("record-cancel").textContent = "Cancel";
     say("Asking for the microphone…");
     try {
       stream = await navigator.mediaDevices.getUserMedia({audio: true});
@@ -30482,6 +30492,8 @@ window.notesvcRecorder = (() => {
           ? "Saved to " + paths.nameOf(data.path) + ": “" + (data.transcript || "") + "”"
           : "Saved to " + paths.nameOf(data.path) + " (not transcribed).",
       );
+      $("record-stop").hidden = true;
+      $("record-cancel").textContent = "Close";
       core.loadRecent().catch(() => {});
     } catch (e) {
       if (!offline.unreachable(e)) {
@@ -38176,7 +38188,7 @@ def post_voice(svc: Service) -> dict:
         said = "(Not transcribed: this server has no SERVICE_TRANSCRIBE_URL.)"
     title = f"Voice note {now:%Y-%m-%d %H:%M}"
     href = urllib.parse.quote(posixpath.relpath(rec["path"], folder), safe="/")
-    body = f"# {title}\n\n[🎙 voice note]({href})\n\n"
+    body = f"# {title}\n\n[Voice note]({href})\n\n"
     if transcript:
         body += transcript + "\n"
     elif transcript is not None:

@@ -71,7 +71,10 @@ const outbox = (() => {
 
   // What waits in uploads, in bytes.
   function uploadBytes(items) {
-    return items.reduce((n, i) => n + (i.kind === "upload" || i.kind === "voice" ? i.file.size || 0 : 0), 0);
+    return items.reduce(
+      (n, i) => n + (i.kind === "upload" || i.kind === "voice" ? i.file.size || 0 : 0),
+      0,
+    );
   }
 
   // The item sent: gone from the queue. A create's answer gives the note its path: later

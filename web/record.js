@@ -22,7 +22,12 @@ window.notesvcRecorder = (() => {
   function panel() {
     if ($("record-box")) return $("record-box");
     const el = markdown.el;
-    const stopSave = {id: "record-stop", type: "button", class: "primary", onclick: () => stop(true)};
+    const stopSave = {
+      id: "record-stop",
+      type: "button",
+      class: "primary",
+      onclick: () => stop(true),
+    };
     const box = el(
       "div",
       {id: "record-box", class: "record-box", role: "dialog"},
@@ -45,7 +50,9 @@ window.notesvcRecorder = (() => {
   async function open() {
     if (rec) return;
     panel().hidden = false;
+    $("record-stop").hidden = false;
     $("record-stop").disabled = true;
+    $("record-cancel").textContent = "Cancel";
     say("Asking for the microphone…");
     try {
       stream = await navigator.mediaDevices.getUserMedia({audio: true});
@@ -95,6 +102,8 @@ window.notesvcRecorder = (() => {
           ? "Saved to " + paths.nameOf(data.path) + ": “" + (data.transcript || "") + "”"
           : "Saved to " + paths.nameOf(data.path) + " (not transcribed).",
       );
+      $("record-stop").hidden = true;
+      $("record-cancel").textContent = "Close";
       core.loadRecent().catch(() => {});
     } catch (e) {
       if (!offline.unreachable(e)) {

@@ -138,7 +138,7 @@ def post_voice(svc: Service) -> dict:
         said = "(Not transcribed: this server has no SERVICE_TRANSCRIBE_URL.)"
     title = f"Voice note {now:%Y-%m-%d %H:%M}"
     href = urllib.parse.quote(posixpath.relpath(rec["path"], folder), safe="/")
-    body = f"# {title}\n\n[🎙 voice note]({href})\n\n"
+    body = f"# {title}\n\n[Voice note]({href})\n\n"
     if transcript:
         body += transcript + "\n"
     elif transcript is not None:
