@@ -23977,28 +23977,6 @@ dialog ol {
   margin-top: 0.5rem;
   min-height: 44px;
 }
-/* Record: a bar at the bottom while the microphone is on (record.js) */
-.record-box {
-  position: fixed;
-  left: 0;
-  right: 0;
-  bottom: 0;
-  z-index: 30;
-  display: flex;
-  flex-wrap: wrap;
-  align-items: center;
-  gap: 0.6rem;
-  padding: 0.8rem 1rem;
-  background: var(--bg, #fff);
-  border-top: 1px solid #c8ced6;
-}
-.record-dot {
-  color: #c62828;
-}
-.record-box p {
-  flex-basis: 100%;
-  margin: 0;
-}
 """[1:]
 # --- end web/app.css ---
 
@@ -30271,7 +30249,7 @@ WEB_CAPTURE_JS = r"""
 // has one. record.js is fetched when Record is first pressed (the page stays under its
 // budget); the service worker keeps it for offline starts.
 
-const capture = (() => {
+const capturing = (() => {
   const {$} = core;
   let facts = null;
 
@@ -30287,7 +30265,7 @@ const capture = (() => {
       s.src = "record.js";
       s.integrity = $("record").dataset.sri;
       s.onload = () => resolve(window.notesvcRecorder);
-      s.onerror = () => reject(new Error("Recording could not be loaded: check the connection."));
+      s.onerror = () => reject(new Error("Record could not load: check the connection."));
       document.head.append(s);
     });
   }
@@ -30297,8 +30275,7 @@ const capture = (() => {
       const f = await capturedFacts().catch(() => ({record: {}}));
       const there = f.record.secureUrl;
       core.toast(
-        "Recording needs HTTPS (browsers give the microphone only to secure pages)" +
-          (there ? ": open " + there : ": this server has no HTTPS address yet (README: HTTPS)"),
+        "Recording needs HTTPS" + (there ? ": open " + there : " (this server has none yet)"),
         true,
       );
       return;
@@ -30310,14 +30287,10 @@ const capture = (() => {
   async function fileTextLine() {
     const t = (await capturedFacts()).attachmentText;
     const line = $("file-text");
-    line.textContent = !t.enabled
-      ? "Text inside files is off: " + t.reason
-      : "Text inside files: " +
-        t.read +
-        " of " +
-        t.files +
-        " PDFs and images read" +
-        (t.waiting ? ", " + t.waiting + " waiting" : "");
+    line.textContent =
+      "Text inside files: " +
+      (t.enabled ? t.read + " of " + t.files + " read" : "off, " + t.reason) +
+      (t.waiting ? ", " + t.waiting + " waiting" : "");
     line.hidden = false;
   }
 
@@ -30342,7 +30315,7 @@ WEB_MAIN_JS = r"""
   grants.wireGrants();
   devices.wireDevices();
   offline.wireOffline();
-  capture.wireCapture();
+  capturing.wireCapture();
   const code = new URLSearchParams(location.search).get("relayCode");
   if (new URLSearchParams(location.search).get("share") === "off") {
     // the share sheet reached the server itself: no worker here to keep what was shared
@@ -30428,6 +30401,23 @@ window.notesvcRecorder = (() => {
       el("p", {id: "record-msg", role: "status"}, ""),
     );
     box.setAttribute("aria-label", "Record a voice note");
+    // its look here, not in the page's CSS (the page keeps its budget; CSSOM, not markup)
+    Object.assign(box.style, {
+      position: "fixed",
+      left: "0",
+      right: "0",
+      bottom: "0",
+      zIndex: "30",
+      display: "flex",
+      flexWrap: "wrap",
+      alignItems: "center",
+      gap: "0.6rem",
+      padding: "0.8rem 1rem",
+      background: getComputedStyle(document.body).backgroundColor || "#fff",
+      borderTop: "1px solid #c8ced6",
+    });
+    box.firstChild.style.color = "#c62828";
+    box.lastChild.style.cssText = "flex-basis: 100%; margin: 0";
     document.body.append(box);
     return box;
   }

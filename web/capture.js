@@ -3,7 +3,7 @@
 // has one. record.js is fetched when Record is first pressed (the page stays under its
 // budget); the service worker keeps it for offline starts.
 
-const capture = (() => {
+const capturing = (() => {
   const {$} = core;
   let facts = null;
 
@@ -19,7 +19,7 @@ const capture = (() => {
       s.src = "record.js";
       s.integrity = $("record").dataset.sri;
       s.onload = () => resolve(window.notesvcRecorder);
-      s.onerror = () => reject(new Error("Recording could not be loaded: check the connection."));
+      s.onerror = () => reject(new Error("Record could not load: check the connection."));
       document.head.append(s);
     });
   }
@@ -29,8 +29,7 @@ const capture = (() => {
       const f = await capturedFacts().catch(() => ({record: {}}));
       const there = f.record.secureUrl;
       core.toast(
-        "Recording needs HTTPS (browsers give the microphone only to secure pages)" +
-          (there ? ": open " + there : ": this server has no HTTPS address yet (README: HTTPS)"),
+        "Recording needs HTTPS" + (there ? ": open " + there : " (this server has none yet)"),
         true,
       );
       return;
@@ -42,14 +41,10 @@ const capture = (() => {
   async function fileTextLine() {
     const t = (await capturedFacts()).attachmentText;
     const line = $("file-text");
-    line.textContent = !t.enabled
-      ? "Text inside files is off: " + t.reason
-      : "Text inside files: " +
-        t.read +
-        " of " +
-        t.files +
-        " PDFs and images read" +
-        (t.waiting ? ", " + t.waiting + " waiting" : "");
+    line.textContent =
+      "Text inside files: " +
+      (t.enabled ? t.read + " of " + t.files + " read" : "off, " + t.reason) +
+      (t.waiting ? ", " + t.waiting + " waiting" : "");
     line.hidden = false;
   }
 

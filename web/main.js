@@ -8,7 +8,7 @@
   grants.wireGrants();
   devices.wireDevices();
   offline.wireOffline();
-  capture.wireCapture();
+  capturing.wireCapture();
   const code = new URLSearchParams(location.search).get("relayCode");
   if (new URLSearchParams(location.search).get("share") === "off") {
     // the share sheet reached the server itself: no worker here to keep what was shared

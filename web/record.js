@@ -38,6 +38,23 @@ window.notesvcRecorder = (() => {
       el("p", {id: "record-msg", role: "status"}, ""),
     );
     box.setAttribute("aria-label", "Record a voice note");
+    // its look here, not in the page's CSS (the page keeps its budget; CSSOM, not markup)
+    Object.assign(box.style, {
+      position: "fixed",
+      left: "0",
+      right: "0",
+      bottom: "0",
+      zIndex: "30",
+      display: "flex",
+      flexWrap: "wrap",
+      alignItems: "center",
+      gap: "0.6rem",
+      padding: "0.8rem 1rem",
+      background: getComputedStyle(document.body).backgroundColor || "#fff",
+      borderTop: "1px solid #c8ced6",
+    });
+    box.firstChild.style.color = "#c62828";
+    box.lastChild.style.cssText = "flex-basis: 100%; margin: 0";
     document.body.append(box);
     return box;
   }
