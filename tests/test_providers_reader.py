@@ -78,6 +78,51 @@ def text_pdf(pages: list) -> bytes:
     return _pdf(objects)
 
 
+def encrypted_pdf() -> bytes:
+    """Return a PDF locked with a user password (its keys random: no password opens it)."""
+    raw = _pdf(
+        [
+            b"<< /Type /Catalog /Pages 2 0 R >>",
+            b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+            b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R >>",
+            b"<< /Length 3 >>\nstream\nabc\nendstream",
+            b"<< /Filter /Standard /V 1 /R 2 /O <"
+            + b"1f" * 32
+            + b"> /U <"
+            + b"2e" * 32
+            + b"> /P -4 >>",
+        ]
+    )
+    ids = b"<" + b"3d" * 16 + b">"
+    return raw.replace(
+        b"/Root 1 0 R >>", b"/Root 1 0 R /Encrypt 5 0 R /ID [" + ids + b" " + ids + b"] >>"
+    )
+
+
+def bomb_pdf(megabytes: int = 400) -> bytes:
+    """Return a PDF of under 1 MB whose one page's drawing inflates to `megabytes` MB: one
+    block deflated once and repeated (each block stands alone after a full flush)."""
+    block = b"0 0 m " * (1 << 18)
+    deflate = zlib.compressobj(9)
+    first = deflate.compress(block) + deflate.flush(zlib.Z_FULL_FLUSH)
+    again = deflate.compress(block) + deflate.flush(zlib.Z_FULL_FLUSH)
+    count = megabytes * (1 << 20) // len(block)
+    adler = 1
+    for _ in range(count):
+        adler = zlib.adler32(block, adler)
+    stream = first + again * (count - 1) + deflate.flush()[:-4] + adler.to_bytes(4, "big")
+    return _pdf(
+        [
+            b"<< /Type /Catalog /Pages 2 0 R >>",
+            b"<< /Type /Pages /Kids [3 0 R] /Count 1 >>",
+            b"<< /Type /Page /Parent 2 0 R /MediaBox [0 0 612 792] /Contents 4 0 R >>",
+            f"<< /Length {len(stream)} /Filter /FlateDecode >>\nstream\n".encode()
+            + stream
+            + b"\nendstream",
+        ]
+    )
+
+
 def rendered(pdf: bytes, tmp: Path, page: int = 1, fmt: str = "png") -> bytes:
     """Return a page of a PDF drawn by pdftoppm (150 dpi, grey): a picture of its text."""
     src = tmp / "src.pdf"
@@ -285,19 +330,51 @@ class TestPdfText:
         assert any(said in line for line in info["said"])
 
     @pytest.mark.slow
-    def test_a_pdf_of_many_pages_is_read_up_to_its_limit(self, make_app, monkeypatch):
+    def test_a_pdf_of_5000_pages_is_read_up_to_its_limit(self, make_app, monkeypatch):
         import notesvc
 
-        monkeypatch.setattr(notesvc.FileTextReader, "MAX_PAGES", 5)
+        monkeypatch.setattr(notesvc.FileTextReader, "MAX_PAGES", 5)  # (200: a long wait)
         client = with_key(make_app())
         put_file(
             client,
             "attachments/long.pdf",
-            text_pdf([f"page {i} of the long report about the tides" for i in range(1, 41)]),
+            text_pdf([f"page {i} of the long report about the tides" for i in range(1, 5001)]),
         )
+        put_note(client, "notes/n.md", "[long](../attachments/long.pdf)")
         info = settled(client, 1)
         assert info["pages"] == 5
-        assert any("the first 5 of 40 pages" in line for line in info["said"])
+        assert any("the first 5 of 5000 pages" in line for line in info["said"])
+        assert search(client, '"page 5 of"')["total"] == 1
+        assert search(client, '"page 6 of"')["total"] == 0
+
+    def test_an_encrypted_pdf_is_said_not_read(self, make_app):
+        client = with_key(make_app())
+        put_file(client, "attachments/locked.pdf", encrypted_pdf())
+        info = settled(client, 1)
+        assert info["failed"] == 1
+        said = "locked.pdf could not be read: it is encrypted and needs a password"
+        assert said in info["said"]
+
+    @pytest.mark.slow
+    def test_a_pdf_bomb_is_stopped_at_its_limit_and_the_next_file_is_read(
+        self, make_app, monkeypatch
+    ):
+        import notesvc
+
+        monkeypatch.setattr(notesvc.FileTextReader, "PAGE_SECONDS", 3)
+        client = with_key(make_app())
+        bomb = bomb_pdf()
+        assert len(bomb) < 1_000_000
+        put_file(client, "attachments/bomb.pdf", bomb)
+        put_file(client, "attachments/after.pdf", text_pdf(["pelicans nest on the breakwater"]))
+        put_note(client, "notes/n.md", "[a](../attachments/after.pdf) [b](../attachments/bomb.pdf)")
+        info = settled(client, 2)
+        assert info["failed"] == 1
+        assert any(
+            line.startswith("bomb.pdf could not be read: pdftotext ran over")
+            for line in info["said"]
+        ), info["said"]
+        assert search(client, "pelicans")["total"] == 1
 
     def test_file_names_with_shell_characters_are_only_names(self, make_app, root):
         client = with_key(make_app())

@@ -715,12 +715,13 @@ class FileTextReader:
         self._finish(digest, why)
 
     def _pdf_pages(self, full: Path) -> int:
-        out = run_tool([self.tools.pdfinfo, str(full)], self.PAGE_SECONDS, 65536)
+        try:  # (a PDF that only forbids copying opens; one that needs a password does not)
+            out = run_tool([self.tools.pdfinfo, str(full)], self.PAGE_SECONDS, 65536)
+        except ToolFailed as e:
+            if "password" in str(e).lower():
+                raise ToolFailed("it is encrypted and needs a password") from None
+            raise
         m = re.search(r"^Pages:\s+(\d+)", out, re.MULTILINE)
-        if re.search(r"^Encrypted:\s+yes", out, re.MULTILINE):
-            # a PDF that only forbids copying still opens; one that needs a password fails
-            # in pdftotext and is said so there
-            pass
         if not m:
             raise ToolFailed("pdfinfo found no pages")
         return int(m.group(1))
