@@ -472,7 +472,8 @@ class TestRecord:
             assert not list(notes.glob("Voice note *.md")) if notes.exists() else True
             s.context.set_offline(False)
             wait_for(lambda: notes.exists() and len(list(notes.glob("Voice note *.md"))) == 1)
-            assert "not transcribed" in s.page.inner_text("#record-msg")
+            expect(s.page.locator("#record-msg")).to_contain_text("not transcribed")  # (the
+            # note is on disk a moment before the page has the answer)
             s.close()
 
     def test_on_plain_http_record_says_it_needs_https_and_where(self, tmp_path, spoken_wav):

@@ -84,6 +84,7 @@ window.notesvcRecorder = (() => {
       if (e.data && e.data.size) chunks.push(e.data);
     };
     rec.start(1000);
+    $("record-box").firstChild.style.visibility = "visible"; // the red dot: recording now
     started = Date.now();
     tick();
     timer = setInterval(tick, 500);
@@ -95,6 +96,7 @@ window.notesvcRecorder = (() => {
     const r = rec;
     rec = null;
     clearInterval(timer);
+    $("record-box").firstChild.style.visibility = "hidden"; // no longer recording
     if (!r) {
       $("record-box").hidden = true;
       return;
