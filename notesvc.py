@@ -11744,7 +11744,9 @@ def find_notes(
         raise bad_request(f"'mode' must be one of {', '.join(MODES)}")
     mode = mode or ("hybrid" if embedder is not None else "keyword")
     reader = getattr(svc, "reader", None)
-    in_files = reader.find(query, folder) if reader is not None and mode != "semantic" else []
+    in_files = []
+    if reader is not None and mode != "semantic":
+        in_files = reader.find(query, folder, snippets=offset + limit)
     if in_files and query.excludes:  # a note whose own words the query excludes stays out
         out = svc.index.excluded(query.excludes, [n for n, _, _ in in_files])
         in_files = [hit for hit in in_files if hit[0] not in out]
@@ -17895,6 +17897,7 @@ class FileTextReader:
         self._dirty = False
         self._open: set = set()  # hashes begun and not done: read on at the next page
         self.generation = 0  # bumps whenever the texts searched change
+        self.files_generation = 0  # bumps whenever the files known (their paths) change
 
     # -- on, off, and why ---------------------------------------------------------------
 
@@ -17984,6 +17987,7 @@ class FileTextReader:
         try:
             kept = json.loads(self.files_file.read_text())
             self.files = {p: list(v) for p, v in kept.get("files", {}).items() if len(v) == 3}
+            self.files_generation += 1
         except (OSError, ValueError, AttributeError):
             self.files = {}
         for digest in self.store.digests():
@@ -18022,6 +18026,7 @@ class FileTextReader:
         with self._lock:
             for path in [p for p in self.files if p not in present]:
                 del self.files[path]
+                self.files_generation += 1
                 self._unindex(path)
                 self._dirty = True
         for path, (size, mtime) in sorted(present.items(), key=lambda kv: kv[1][1]):
@@ -18039,6 +18044,8 @@ class FileTextReader:
             if digest is None:
                 continue
             with self._lock:
+                if path not in self.files:
+                    self.files_generation += 1
                 self.files[path] = [size, mtime, digest]
                 self._dirty = True
             if digest in self.kinds and digest not in self._open:
@@ -18321,27 +18328,28 @@ class FileTextReader:
     def has_text(self) -> bool:
         return bool(self.indexed)
 
-    def find(self, query: Query, folder: str | tuple, limit: int = 200) -> list:
+    def find(self, query: Query, folder: str | tuple, limit: int = 200, snippets: int = 20) -> list:
         """Return [(note, score, snippet)] best first: the notes (within `folder`) that link
         a file whose text holds the query, each once with its best page, when every
-        principal reaching the note reaches the file too (grants.file_joins_note)."""
+        principal reaching the note reaches the file too (grants.file_joins_note). Only the
+        first `snippets` get their snippet (`scan.pdf, p. 3: ...`; the others the file's
+        name and page): no note after them can reach a page of results (each one before
+        it scores more), and a snippet reads the page's text back from the store."""
         if not self.indexed or self.linkers is None or not query.clauses:
             return []
-        _, hits = self.index.search(query, "", limit, 0)
+        _, hits = self.index.search(query, "", limit, 0, snippets=False)
         if not hits:
             return []
-        files = collections.OrderedDict()  # file -> (score, page, snippet), best first
-        for doc, _title, score, snippet in hits:
+        files = collections.OrderedDict()  # file -> (score, page), best first
+        for doc, _title, score, _ in hits:
             file, _, page = doc.rpartition("#")
             if file not in files:
-                files[file] = (score, int(page), snippet)
+                files[file] = (score, int(page))
         linked = self.linkers(set(files))
         data = self.svc.state.read()
         prefixes = folder_prefixes(folder)
         best: dict = {}
-        for file, (score, page, snippet) in files.items():
-            kind = self.kinds.get(self._digest_of(file) or "", "pdf")
-            label = f"{file_label(file, page, kind)}: {snippet}"
+        for file, (score, page) in files.items():
             for note in linked.get(file, ()):
                 if prefixes and not note.startswith(prefixes):
                     continue
@@ -18349,9 +18357,17 @@ class FileTextReader:
                     continue
                 weighted = round(score * self.FILE_TEXT_WEIGHT, 4)
                 if note not in best or best[note][0] < weighted:
-                    best[note] = (weighted, label)
+                    best[note] = (weighted, file, page)
         ranked = sorted(best.items(), key=lambda kv: (-kv[1][0], kv[0]))
-        return [(note, score, label) for note, (score, label) in ranked]
+        shown = {f"{file}#{page}" for _, (_, file, page) in ranked[:snippets]}
+        texts = self.index.snippets(query, sorted(shown)) if shown else {}
+        out = []
+        for note, (score, file, page) in ranked:
+            kind = self.kinds.get(self._digest_of(file) or "", "pdf")
+            label = file_label(file, page, kind)
+            snippet = texts.get(f"{file}#{page}")
+            out.append((note, score, f"{label}: {snippet}" if snippet else label))
+        return out
 
 
 def _readable_name(name: str) -> bool:
@@ -18819,7 +18835,7 @@ def file_linkers(svc: Service, files: set) -> dict:
     knows (their names resolved among those files: the reader's, every PDF and image);
     the whole map is kept until the notes or the reader's files change."""
     reader = svc.reader
-    key = (svc.index.generation, reader.generation, len(reader.files))
+    key = (svc.index.generation, reader.files_generation)  # (not the pages read meanwhile)
     kept = svc.plugin_cache.get("file linkers")
     if kept is None or kept[0] != key:
         refs = attachment_refs(svc)

@@ -6,8 +6,7 @@
    navigation and a footer of links, 400 paragraphs with links and emphasis, figures,
    tables) converted by notesvc.html_to_markdown, p50 of `--runs` (goal: <= 200 ms). The
    reference in the same run is the standard library's html.parser.HTMLParser reading the
-   same page and doing nothing (what any converter built on it costs at least); and the
-   whole POST /capture/clip on a real server, for the record.
+   same page and doing nothing (what any converter built on it costs at least).
 2. The reader: a real `python notesvc.py` over `--notes` notes and `--pdfs` PDFs linked from
    them (half with a text layer, half scans that need OCR). Search p50 (20 queries, each
    several times) with SERVICE_ATTACHMENT_TEXT=off is the reference; the same searches on

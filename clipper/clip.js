@@ -38,7 +38,13 @@ const clipper = (() => {
     }
     const j = await r.json().catch(() => ({}));
     if (!r.ok || !j.success) {
-      const e = new Error(j.error ? j.error.message : "The server answered " + r.status + ".");
+      const said = j.error ? j.error.message : "The server answered " + r.status + ".";
+      const e = new Error(
+        r.status === 401
+          ? "This clipper's key no longer works (revoked?): connect it again with a new " +
+              "link from Add a device. (" + said + ")"
+          : said,
+      );
       e.status = r.status;
       throw e;
     }

@@ -494,7 +494,7 @@ def file_linkers(svc: Service, files: set) -> dict:
     knows (their names resolved among those files: the reader's, every PDF and image);
     the whole map is kept until the notes or the reader's files change."""
     reader = svc.reader
-    key = (svc.index.generation, reader.generation, len(reader.files))
+    key = (svc.index.generation, reader.files_generation)  # (not the pages read meanwhile)
     kept = svc.plugin_cache.get("file linkers")
     if kept is None or kept[0] != key:
         refs = attachment_refs(svc)

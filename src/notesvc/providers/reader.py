@@ -385,6 +385,7 @@ class FileTextReader:
         self._dirty = False
         self._open: set = set()  # hashes begun and not done: read on at the next page
         self.generation = 0  # bumps whenever the texts searched change
+        self.files_generation = 0  # bumps whenever the files known (their paths) change
 
     # -- on, off, and why ---------------------------------------------------------------
 
@@ -474,6 +475,7 @@ class FileTextReader:
         try:
             kept = json.loads(self.files_file.read_text())
             self.files = {p: list(v) for p, v in kept.get("files", {}).items() if len(v) == 3}
+            self.files_generation += 1
         except (OSError, ValueError, AttributeError):
             self.files = {}
         for digest in self.store.digests():
@@ -512,6 +514,7 @@ class FileTextReader:
         with self._lock:
             for path in [p for p in self.files if p not in present]:
                 del self.files[path]
+                self.files_generation += 1
                 self._unindex(path)
                 self._dirty = True
         for path, (size, mtime) in sorted(present.items(), key=lambda kv: kv[1][1]):
@@ -529,6 +532,8 @@ class FileTextReader:
             if digest is None:
                 continue
             with self._lock:
+                if path not in self.files:
+                    self.files_generation += 1
                 self.files[path] = [size, mtime, digest]
                 self._dirty = True
             if digest in self.kinds and digest not in self._open:
@@ -811,27 +816,28 @@ class FileTextReader:
     def has_text(self) -> bool:
         return bool(self.indexed)
 
-    def find(self, query: Query, folder: str | tuple, limit: int = 200) -> list:
+    def find(self, query: Query, folder: str | tuple, limit: int = 200, snippets: int = 20) -> list:
         """Return [(note, score, snippet)] best first: the notes (within `folder`) that link
         a file whose text holds the query, each once with its best page, when every
-        principal reaching the note reaches the file too (grants.file_joins_note)."""
+        principal reaching the note reaches the file too (grants.file_joins_note). Only the
+        first `snippets` get their snippet (`scan.pdf, p. 3: ...`; the others the file's
+        name and page): no note after them can reach a page of results (each one before
+        it scores more), and a snippet reads the page's text back from the store."""
         if not self.indexed or self.linkers is None or not query.clauses:
             return []
-        _, hits = self.index.search(query, "", limit, 0)
+        _, hits = self.index.search(query, "", limit, 0, snippets=False)
         if not hits:
             return []
-        files = collections.OrderedDict()  # file -> (score, page, snippet), best first
-        for doc, _title, score, snippet in hits:
+        files = collections.OrderedDict()  # file -> (score, page), best first
+        for doc, _title, score, _ in hits:
             file, _, page = doc.rpartition("#")
             if file not in files:
-                files[file] = (score, int(page), snippet)
+                files[file] = (score, int(page))
         linked = self.linkers(set(files))
         data = self.svc.state.read()
         prefixes = folder_prefixes(folder)
         best: dict = {}
-        for file, (score, page, snippet) in files.items():
-            kind = self.kinds.get(self._digest_of(file) or "", "pdf")
-            label = f"{file_label(file, page, kind)}: {snippet}"
+        for file, (score, page) in files.items():
             for note in linked.get(file, ()):
                 if prefixes and not note.startswith(prefixes):
                     continue
@@ -839,9 +845,17 @@ class FileTextReader:
                     continue
                 weighted = round(score * self.FILE_TEXT_WEIGHT, 4)
                 if note not in best or best[note][0] < weighted:
-                    best[note] = (weighted, label)
+                    best[note] = (weighted, file, page)
         ranked = sorted(best.items(), key=lambda kv: (-kv[1][0], kv[0]))
-        return [(note, score, label) for note, (score, label) in ranked]
+        shown = {f"{file}#{page}" for _, (_, file, page) in ranked[:snippets]}
+        texts = self.index.snippets(query, sorted(shown)) if shown else {}
+        out = []
+        for note, (score, file, page) in ranked:
+            kind = self.kinds.get(self._digest_of(file) or "", "pdf")
+            label = file_label(file, page, kind)
+            snippet = texts.get(f"{file}#{page}")
+            out.append((note, score, f"{label}: {snippet}" if snippet else label))
+        return out
 
 
 def _readable_name(name: str) -> bool:

@@ -66,7 +66,9 @@ def find_notes(
         raise bad_request(f"'mode' must be one of {', '.join(MODES)}")
     mode = mode or ("hybrid" if embedder is not None else "keyword")
     reader = getattr(svc, "reader", None)
-    in_files = reader.find(query, folder) if reader is not None and mode != "semantic" else []
+    in_files = []
+    if reader is not None and mode != "semantic":
+        in_files = reader.find(query, folder, snippets=offset + limit)
     if in_files and query.excludes:  # a note whose own words the query excludes stays out
         out = svc.index.excluded(query.excludes, [n for n, _, _ in in_files])
         in_files = [hit for hit in in_files if hit[0] not in out]
