@@ -7,6 +7,7 @@
   app.wire();
   grants.wireGrants();
   devices.wireDevices();
+  people.wirePeople();
   offline.wireOffline();
   capturing.wireCapture();
   const code = new URLSearchParams(location.search).get("relayCode");
