@@ -453,6 +453,28 @@ class TestRecord:
             assert kept[0].read_bytes() == audio
             assert s.close() == []
 
+    def test_on_a_desktop_record_keeps_a_note_and_search_says_how_far_files_were_read(
+        self, tmp_path, spoken_wav, upstream
+    ):
+        env = {"SERVICE_TRANSCRIBE_URL": upstream.url + "/v1"}
+        with (
+            chromium_with_microphone(spoken_wav) as chromium,
+            web_server(chromium, tmp_path, env=env) as web,
+        ):
+            s = web("desktop")
+            s.context.grant_permissions(["microphone"])
+            s.tap("#record")
+            expect(s.page.locator("#record-time")).to_have_text("0:01", timeout=15_000)
+            s.tap("#record-stop")
+            expect(s.page.locator("#record-msg")).to_contain_text(upstream.transcript)
+            s.shot("record-saved")
+            assert len(list((web.root / "notes" / "inbox").glob("Voice note *.md"))) == 1
+            s.page.focus("#search")
+            tools = bool(shutil.which("pdftotext") or shutil.which("tesseract"))
+            said = "Text inside files: 0 of 0 read" if tools else "Text inside files: off, "
+            expect(s.page.locator("#file-text")).to_contain_text(said)
+            assert s.close() == []
+
     def test_with_no_connection_the_recording_waits_and_goes_when_it_is_back(
         self, tmp_path, spoken_wav
     ):
