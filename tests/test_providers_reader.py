@@ -506,8 +506,8 @@ class TestReaderServer:
             client.put_note("notes/s.md", "[scan](../attachments/scan.pdf)")
             started = time.monotonic()
             client.put_file("attachments/scan.pdf", scan)
-            picked = lambda: client.capture()["attachmentText"]["reading"]  # noqa: E731
-            wait_for(lambda: picked() == "attachments/scan.pdf", timeout=30)
+            reading = "attachments/scan.pdf"
+            wait_for(lambda: client.capture()["attachmentText"]["reading"] == reading, timeout=30)
             assert time.monotonic() - started < 10  # picked up (its OCR may take longer)
             wait_for(lambda: client.capture()["attachmentText"]["pages"] >= 1, timeout=60)
             os.kill(server.proc.pid, signal.SIGKILL)  # mid-file: a page or more is kept
