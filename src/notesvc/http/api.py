@@ -57,7 +57,7 @@ from notesvc.notes.trash import attachment_or_note_path
 from notesvc.plugins import attachment_linkers, move_and_relink, update_links
 from notesvc.providers.agent import ask_agent
 from notesvc.providers.base import MAX_MESSAGE_CHARS, MCP_VERSIONS
-from notesvc.relay import RELAY_WORKERS
+from notesvc.relay_client import RELAY_WORKERS
 from notesvc.search.hybrid import find_notes, related_notes
 from notesvc.search.text import MAX_QUERY_CHARS, Query
 from notesvc.service import Service
