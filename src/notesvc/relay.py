@@ -15,7 +15,7 @@ import time
 import urllib.parse
 import uuid
 from collections import deque
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from notesvc.auth import relay_code_of, relay_server_id
 from notesvc.boot import API, __version__, bottle, log
@@ -60,10 +60,6 @@ from notesvc.web import (
     web_asset_headers,
     web_client_headers,
 )
-
-if TYPE_CHECKING:  # annotations only: these modules come later
-    pass
-
 
 # -- Relay ---------------------------------------------------------------------------------
 #
