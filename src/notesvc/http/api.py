@@ -211,6 +211,7 @@ def get_info(svc: Service) -> dict:
         else {
             "url": svc.config.relay_url or "(this server)",
             "state": "self" if not svc.config.relay_url else "off",
+            "mode": "self" if not svc.config.relay_url else "off",
         },
     }
 
