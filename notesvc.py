@@ -21685,9 +21685,12 @@ class TlsFront:
         until = time.monotonic() + DIAL_SECONDS
         dial = Dial(server_id, sock, hello, client, local, until, loop.create_future())
         self.dials[token] = dial
-        if not self.hub.dial(server_id, {"kind": "dial", "token": token, "client": client[0]}):
+        queued = self.hub.dial(server_id, {"kind": "dial", "token": token, "client": client[0]})
+        if not queued:
             self.dials.pop(token, None)
-            raise HelloError("that server is not connected")
+            raise HelloError("that server is not connected, or its queue is full")
+        if isinstance(queued, str) and queued in self.dials:  # it took an older one's place
+            self._miss(self.dials[queued])
         try:
             return await asyncio.wait_for(dial.done, DIAL_SECONDS)
         except asyncio.TimeoutError:
@@ -21924,6 +21927,18 @@ def _pump(link, pair, tls, incoming, outgoing, aborted: Callable) -> None:
             sel.register(sock, events)
         interest[sock] = events
 
+    def decrypt() -> None:
+        nonlocal link_open
+        while True:
+            try:
+                to_pair.extend(tls.read(65536))
+            except ssl.SSLWantReadError:
+                break
+            except ssl.SSLZeroReturnError:  # the client's close_notify
+                link_open = False
+                break
+        to_link.extend(outgoing.read())  # (TLS 1.3 tickets, key updates)
+
     def from_link() -> None:
         nonlocal link_open
         while link_open:
@@ -21935,18 +21950,11 @@ def _pump(link, pair, tls, incoming, outgoing, aborted: Callable) -> None:
                 link_open = False
                 return
             incoming.write(data)
-            while True:
-                try:
-                    to_pair.extend(tls.read(65536))
-                except ssl.SSLWantReadError:
-                    break
-                except ssl.SSLZeroReturnError:  # the client's close_notify
-                    link_open = False
-                    break
-            to_link.extend(outgoing.read())  # (TLS 1.3 tickets, key updates)
+            decrypt()
             if not getattr(link, "pending", lambda: 0)():  # (an https link's own buffer)
                 return
 
+    decrypt()  # what came with the client's last handshake message (its first request)
     try:
         while not aborted():
             if not link_open and not to_pair and not shut:
@@ -31961,9 +31969,11 @@ class RelayHub:
             and time.monotonic() - slot.last_seen <= RELAY_EXPIRY
         )
 
-    def dial(self, server_id: str, message: dict) -> bool:
-        """Put a dial in a server's long-poll; return whether it could be (connected, its
-        queue not full)."""
+    def dial(self, server_id: str, message: dict):
+        """Put a dial in a server's long-poll; return True, or False when it cannot be (not
+        connected, its queue full of requests), or the token of the oldest dial it took the
+        place of (a queue full of dials: the newest client comes first, so a flood of
+        unfinished handshakes cannot keep the owner out)."""
         slot = self.servers.get(server_id)
         if slot is None:
             return False
@@ -31973,7 +31983,12 @@ class RelayHub:
                 poller.set_result(message)
                 return True
         if len(slot.queue) >= self.config.relay_max_queue:
-            return False
+            oldest = next((m for m in slot.queue if m.get("kind") == "dial"), None)
+            if oldest is None:
+                return False
+            slot.queue.remove(oldest)
+            slot.queue.append(message)
+            return oldest["token"]
         slot.queue.append(message)
         return True
 
@@ -33427,6 +33442,7 @@ def get_info(svc: Service) -> dict:
         else {
             "url": svc.config.relay_url or "(this server)",
             "state": "self" if not svc.config.relay_url else "off",
+            "mode": "self" if not svc.config.relay_url else "off",
         },
     }
 

@@ -220,10 +220,13 @@ def relay_ports(relay: Server) -> dict:
     return wait_for(found)
 
 
-def passthrough_relay(folder: Path, ca: TestCA, port: int = 0, **env: str) -> Server:
+def passthrough_relay(
+    folder: Path, ca: TestCA, port: int = 0, wildcard: bool = True, **env: str
+) -> Server:
     """A relay with SERVICE_RELAY_TLS=passthrough for relay.test, its own certificate for
     relay.test (and *.relay.test) from the test CA, TLS and DNS on free ports."""
-    cert, key = ca.files("relay", [DOMAIN, f"*.{DOMAIN}"])
+    names = [DOMAIN, f"*.{DOMAIN}"] if wildcard else [DOMAIN]
+    cert, key = ca.files(f"relay-{folder.parent.name}-{folder.name}", names)
     settings = {
         "SERVICE_RELAY_DOMAIN": DOMAIN,
         "SERVICE_RELAY_TLS": "passthrough",
@@ -235,7 +238,9 @@ def passthrough_relay(folder: Path, ca: TestCA, port: int = 0, **env: str) -> Se
         "SERVICE_RELAY_TIMEOUT": "5",
         **env,
     }
-    return Server(folder, "relay", env=settings, port=port)
+    relay = Server(folder, "relay", env=settings, port=port)
+    relay.cert_pem = cert.read_bytes()
+    return relay
 
 
 def server_with_certificate(root: Path, ca: TestCA, **leaf) -> str:

@@ -494,9 +494,11 @@ class RelayHub:
             and time.monotonic() - slot.last_seen <= RELAY_EXPIRY
         )
 
-    def dial(self, server_id: str, message: dict) -> bool:
-        """Put a dial in a server's long-poll; return whether it could be (connected, its
-        queue not full)."""
+    def dial(self, server_id: str, message: dict):
+        """Put a dial in a server's long-poll; return True, or False when it cannot be (not
+        connected, its queue full of requests), or the token of the oldest dial it took the
+        place of (a queue full of dials: the newest client comes first, so a flood of
+        unfinished handshakes cannot keep the owner out)."""
         slot = self.servers.get(server_id)
         if slot is None:
             return False
@@ -506,7 +508,12 @@ class RelayHub:
                 poller.set_result(message)
                 return True
         if len(slot.queue) >= self.config.relay_max_queue:
-            return False
+            oldest = next((m for m in slot.queue if m.get("kind") == "dial"), None)
+            if oldest is None:
+                return False
+            slot.queue.remove(oldest)
+            slot.queue.append(message)
+            return oldest["token"]
         slot.queue.append(message)
         return True
 

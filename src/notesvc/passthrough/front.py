@@ -398,9 +398,12 @@ class TlsFront:
         until = time.monotonic() + DIAL_SECONDS
         dial = Dial(server_id, sock, hello, client, local, until, loop.create_future())
         self.dials[token] = dial
-        if not self.hub.dial(server_id, {"kind": "dial", "token": token, "client": client[0]}):
+        queued = self.hub.dial(server_id, {"kind": "dial", "token": token, "client": client[0]})
+        if not queued:
             self.dials.pop(token, None)
-            raise HelloError("that server is not connected")
+            raise HelloError("that server is not connected, or its queue is full")
+        if isinstance(queued, str) and queued in self.dials:  # it took an older one's place
+            self._miss(self.dials[queued])
         try:
             return await asyncio.wait_for(dial.done, DIAL_SECONDS)
         except asyncio.TimeoutError:

@@ -177,6 +177,18 @@ def _pump(link, pair, tls, incoming, outgoing, aborted: Callable) -> None:
             sel.register(sock, events)
         interest[sock] = events
 
+    def decrypt() -> None:
+        nonlocal link_open
+        while True:
+            try:
+                to_pair.extend(tls.read(65536))
+            except ssl.SSLWantReadError:
+                break
+            except ssl.SSLZeroReturnError:  # the client's close_notify
+                link_open = False
+                break
+        to_link.extend(outgoing.read())  # (TLS 1.3 tickets, key updates)
+
     def from_link() -> None:
         nonlocal link_open
         while link_open:
@@ -188,18 +200,11 @@ def _pump(link, pair, tls, incoming, outgoing, aborted: Callable) -> None:
                 link_open = False
                 return
             incoming.write(data)
-            while True:
-                try:
-                    to_pair.extend(tls.read(65536))
-                except ssl.SSLWantReadError:
-                    break
-                except ssl.SSLZeroReturnError:  # the client's close_notify
-                    link_open = False
-                    break
-            to_link.extend(outgoing.read())  # (TLS 1.3 tickets, key updates)
+            decrypt()
             if not getattr(link, "pending", lambda: 0)():  # (an https link's own buffer)
                 return
 
+    decrypt()  # what came with the client's last handshake message (its first request)
     try:
         while not aborted():
             if not link_open and not to_pair and not shut:
