@@ -21409,11 +21409,14 @@ class _Splice:
         self.client.other, self.server.other = self.server, self.client
         self.last = time.monotonic()
         self.closed = False
+        self.writer: Any = None
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
+        if log.isEnabledFor(10):
+            log.debug("relay: a splice to %s closed", self.server_id)
         for pipe in (self.client, self.server):
             if pipe.transport is not None and not pipe.transport.is_closing():
                 pipe.transport.close()  # (what is buffered still goes out first)
@@ -21717,10 +21720,12 @@ class TlsFront:
             return None
         return dial
 
-    async def join(self, dial: Dial, transport: asyncio.Transport, early: bytes) -> None:
-        """Splice a dial's client to the data connection its server opened (`transport`,
+    async def join(self, dial: Dial, writer: asyncio.StreamWriter, early: bytes) -> None:
+        """Splice a dial's client to the data connection its server opened (`writer`'s,
         just answered 101; `early`: bytes the server sent after its request)."""
         splice = _Splice(self, dial.server_id)
+        splice.writer = writer  # (kept: a StreamWriter closes its transport when collected)
+        transport = writer.transport
         self.splices.setdefault(dial.server_id, {})[splice] = None
         transport.set_protocol(splice.server)
         splice.server.connection_made(transport)
@@ -21888,6 +21893,7 @@ class SplicedConnection:
             _pump(link, ours, tls, incoming, outgoing, lambda: self._aborted)
         finally:
             ours.close()
+            log.debug("passthrough: a spliced connection from %s closed", self.client[0])
 
 
 def _recv_by(sock: socket.socket, deadline: float) -> bytes:
@@ -22013,7 +22019,8 @@ class SpliceServer:
         self._lock = threading.Lock()
         self.live: list = []  # SplicedConnection, oldest first
         self.refused = 0
-        self.served = 0
+        self.dialed = 0  # dials answered (a data connection opened)
+        self.served = 0  # of them, handshakes done (a channel handed to waitress)
         self._refused_said = 0.0
 
     def context(self) -> ssl.SSLContext | None:
@@ -22041,6 +22048,7 @@ class SpliceServer:
                 )
             return
         conn.token = token
+        self.dialed += 1
         threading.Thread(target=conn.run, name="notesvc-spliced", daemon=True).start()
 
     def _room(self) -> SplicedConnection | None:
@@ -22140,6 +22148,7 @@ class SpliceServer:
             "open": len(live),
             "handshaking": sum(1 for c in live if not c.handshaken),
             "max": SPLICED_MAX,
+            "dialed": self.dialed,
             "served": self.served,
             "refused": self.refused,
         }
@@ -32309,7 +32318,7 @@ class RelayServer:
                     + f"Upgrade: {SPLICE_UPGRADE}\r\n\r\n".encode()
                 )
                 early = bytes(reader._buffer) if getattr(reader, "_buffer", None) else b""
-                await self.front.join(dial, writer.transport, early)
+                await self.front.join(dial, writer, early)
                 return UPGRADED
         await self._send(writer, *answer, False)
         return False

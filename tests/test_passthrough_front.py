@@ -14,12 +14,13 @@ from pathlib import Path
 
 import pytest
 
-from conftest import API, DOMAIN, Server, relay_servers, wait_for
+from conftest import API, DOMAIN, Server, notesvc, relay_servers, wait_for
 from passthrough_kit import (
     TestCA,
     TlsClient,
     client_hello,
     closed_without_answer,
+    connection_of,
     free_port,
     passthrough_relay,
     relay_ports,
@@ -27,6 +28,7 @@ from passthrough_kit import (
     tls_json,
     wait_passthrough,
 )
+from standins import FakeRelayServer
 
 REAL = [pytest.mark.real_server, pytest.mark.slow]
 NO_ACME = "https://127.0.0.1:9/dir"  # a closed port: these servers bring their certificate
@@ -290,3 +292,218 @@ class TestTheRelaysOwnTls:
             assert pt.ports["tls"] == pt.ports["http"] == port
             assert health(pt.relay)["status"] == "ok"  # plain HTTP on that port
             assert tls_json(port, pt.name, test_ca.path, "GET", f"{API}/health")[0] == 200
+
+
+def register_passthrough(fake: FakeRelayServer) -> dict:
+    body = {"token": fake.token, "relayCode": fake.code, "passthrough": True}
+    status, _h, answer = fake.call("POST", f"/relay/v1/register/{fake.server_id}", body)
+    assert status == 200
+    return answer["data"]
+
+
+def dial(relay: Server, server_id: str, token: str, relay_token: str, **headers) -> tuple:
+    """Open a data connection as a server does; return (socket, status, bytes after the head)."""
+    s = socket.create_connection(("127.0.0.1", relay.port), timeout=15)
+    fields = {
+        "Host": "relay",
+        "X-Relay-Token": relay_token,
+        "Connection": "Upgrade",
+        "Upgrade": "notesvc-splice",
+        "Content-Length": "0",
+        **headers,
+    }
+    head = f"POST /relay/v1/dial/{server_id}/{token} HTTP/1.1\r\n"
+    head += "".join(f"{k}: {v}\r\n" for k, v in fields.items() if v is not None)
+    s.sendall((head + "\r\n").encode())
+    got = b""
+    while b"\r\n\r\n" not in got:
+        chunk = s.recv(65536)
+        if not chunk:
+            break
+        got += chunk
+    answer, _, rest = got.partition(b"\r\n\r\n")
+    status = int(answer.split(b" ", 2)[1]) if answer else 0
+    return s, status, rest
+
+
+def read_until_closed(s: socket.socket) -> bytes:
+    data = b""
+    with contextlib.suppress(OSError):
+        while chunk := s.recv(65536):
+            data += chunk
+    return data
+
+
+class TestDials:
+    pytestmark = REAL
+
+    @pytest.fixture
+    def relay(self, tmp_path, test_ca):
+        relay = passthrough_relay(tmp_path / "relay", test_ca)
+        relay_ports(relay)
+        yield relay
+        relay.stop()
+
+    def test_a_dial_is_answered_101_with_the_proxy_header_and_the_clients_bytes(
+        self, relay, test_ca
+    ):
+        fake = FakeRelayServer(relay)
+        assert register_passthrough(fake)["passthrough"] is True
+        hello = client_hello(f"{fake.server_id}.{DOMAIN}")
+        client = socket.create_connection(("127.0.0.1", relay_ports(relay)["tls"]), timeout=15)
+        with client:
+            client.sendall(hello)
+            status, _h, answer = fake.poll()
+            assert status == 200
+            message = answer["data"]
+            assert set(message) == {"kind", "token", "client"}
+            assert (message["kind"], message["client"]) == ("dial", "127.0.0.1")
+            token = message["token"]
+            other = FakeRelayServer(relay)
+            refusals = [
+                dial(relay, fake.server_id, "x" * 32, fake.token),  # a wrong token
+                dial(relay, fake.server_id, token, other.token),  # another server's
+                dial(relay, other.server_id, token, other.token),  # for another id
+                dial(relay, fake.server_id, token, fake.token, Upgrade="websocket"),
+                dial(relay, fake.server_id, token, fake.token, Upgrade=None),
+            ]
+            statuses = []
+            for s, status, _rest in refusals:
+                statuses.append(status)
+                read_until_closed(s)  # (and closed)
+                s.close()
+            assert statuses == [403, 403, 403, 400, 400]
+            data, status, rest = dial(relay, fake.server_id, token, fake.token)
+            with data:
+                assert status == 101
+                while len(rest) < 28 + len(hello):
+                    rest += data.recv(65536)
+                size, said = notesvc.parse_proxy_header(rest)
+                assert said == client.getsockname()  # the client's address and port
+                assert rest[size:] == hello  # then its bytes, exactly
+                data.sendall(b"from the server")
+                assert client.recv(100) == b"from the server"
+                client.sendall(b"from the client")
+                assert data.recv(100) == b"from the client"
+                again, status, _rest = dial(relay, fake.server_id, token, fake.token)
+                again.close()
+                assert status == 403  # used up
+            assert client.recv(100) == b""  # the server's side closed: so is the client's
+        assert health(relay)["passthrough"]["spliced"] == 1
+
+    def test_a_server_that_never_dials_leaves_its_client_closed_after_ten_seconds(self, relay):
+        fake = FakeRelayServer(relay)
+        register_passthrough(fake)
+        started = time.monotonic()
+        with socket.create_connection(("127.0.0.1", relay_ports(relay)["tls"]), timeout=20) as c:
+            c.sendall(client_hello(f"{fake.server_id}.{DOMAIN}"))
+            token = fake.poll()[2]["data"]["token"]  # it hears, and does nothing
+            with contextlib.suppress(ConnectionResetError):
+                assert c.recv(1) == b""
+        assert 9.5 < time.monotonic() - started < 14
+        late, status, _rest = dial(relay, fake.server_id, token, fake.token)
+        late.close()
+        assert status == 403  # expired
+        assert health(relay)["passthrough"]["dialsMissed"] == 1
+
+    def test_a_server_registered_without_passthrough_gets_no_dial(self, relay, test_ca):
+        fake = FakeRelayServer(relay)
+        assert fake.register() == 200  # without passthrough: true
+        client = TlsClient(relay_ports(relay)["tls"], f"{fake.server_id}.{DOMAIN}", test_ca.path)
+        try:  # TLS ended at the relay (its *.D certificate), as 22's own origin over HTTP
+            assert client.peer_der == der_of(relay.cert_pem)
+        finally:
+            client.close()
+        assert health(relay)["passthrough"]["waitingForDial"] == 0
+
+
+def rss_anon_mb(pid: int) -> float:
+    status = Path(f"/proc/{pid}/status").read_text()
+    return int(re.search(r"RssAnon:\s+(\d+) kB", status).group(1)) / 1024
+
+
+def owner_answered(pt, test_ca, kept: TlsClient) -> None:
+    """The owner's kept-alive connection and a new one are both answered."""
+    headers = {"X-Service-Key": pt.key}
+    assert kept.request("GET", f"{API}/system/info", headers=headers)[0] == 200
+    fresh = TlsClient(pt.tls, pt.name, test_ca.path)
+    try:
+        assert fresh.request("GET", f"{API}/system/info", headers=headers)[0] == 200
+    finally:
+        fresh.close()
+
+
+class TestFloods:
+    pytestmark = REAL
+
+    def test_ten_thousand_half_open_handshakes_are_bounded_and_the_owner_is_served(
+        self, tmp_path, test_ca
+    ):
+        """10,000 connections that send a third of a ClientHello and wait, from 200
+        addresses: the relay holds at most 4,096 of them (the oldest closed first), its
+        memory stays bounded, and its owner is answered all along, on a kept connection
+        and on new ones."""
+        with spliced_pair(tmp_path, test_ca) as pt:
+            kept = TlsClient(pt.tls, pt.name, test_ca.path)
+            part = client_hello(pt.name)[:100]
+            held, idle_mb = [], rss_anon_mb(pt.relay.proc.pid)
+            most = 0
+            try:
+                for i in range(10_000):
+                    s = socket.socket()
+                    s.settimeout(10)
+                    s.bind((f"127.0.{10 + i // 50 // 250}.{i // 50 % 250 + 1}", 0))
+                    s.connect(("127.0.0.1", pt.tls))
+                    s.sendall(part)
+                    held.append(s)
+                    if i % 2000 == 1999:
+                        owner_answered(pt, test_ca, kept)
+                        waiting = health(pt.relay)["passthrough"]["waitingForHello"]
+                        most = max(most, waiting)
+                        assert waiting <= 4096
+                wait_for(lambda: health(pt.relay)["passthrough"]["waitingForHello"] <= 4096)
+                owner_answered(pt, test_ca, kept)
+                grown = rss_anon_mb(pt.relay.proc.pid) - idle_mb
+                assert grown < 48, f"the relay grew {grown:.1f} MB holding them"
+                assert most > 1000  # (they were really held)
+            finally:
+                for s in held:
+                    s.close()
+                kept.close()
+            wait_for(lambda: health(pt.relay)["passthrough"]["waitingForHello"] == 0)
+
+    def test_a_thousand_unfinished_handshakes_for_one_server_are_bounded_both_ends(
+        self, tmp_path, test_ca
+    ):
+        """1,000 whole ClientHellos for the server's name that never go on: the relay
+        keeps at most 64 waiting for a dial, the server at most 64 spliced connections
+        (the oldest in its handshake makes room), and the owner is still answered."""
+        with spliced_pair(tmp_path, test_ca) as pt:
+            kept = TlsClient(pt.tls, pt.name, test_ca.path)
+            hello = client_hello(pt.name)
+            held, most_dials, most_spliced = [], 0, 0
+            try:
+                for i in range(1000):
+                    s = socket.socket()
+                    s.settimeout(10)
+                    s.bind((f"127.0.{10 + i // 50}.{i % 50 + 1}", 0))
+                    s.connect(("127.0.0.1", pt.tls))
+                    s.sendall(hello)
+                    held.append(s)
+                    if i % 100 == 99:
+                        most_dials = max(
+                            most_dials, health(pt.relay)["passthrough"]["waitingForDial"]
+                        )
+                        spliced = connection_of(pt.server, pt.key)["passthrough"]["spliced"]
+                        most_spliced = max(most_spliced, spliced["open"])
+                        assert kept.request("GET", f"{API}/health")[0] == 200
+                assert most_dials <= 64
+                assert most_spliced <= 64
+                owner_answered(pt, test_ca, kept)
+            finally:
+                for s in held:
+                    s.close()
+                kept.close()
+            spliced = connection_of(pt.server, pt.key)["passthrough"]["spliced"]
+            assert spliced["dialed"] >= 64  # (the server did dial for them)
+            assert spliced["served"] < 10  # (only the owner's finished a handshake)

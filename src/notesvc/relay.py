@@ -834,7 +834,7 @@ class RelayServer:
                     + f"Upgrade: {SPLICE_UPGRADE}\r\n\r\n".encode()
                 )
                 early = bytes(reader._buffer) if getattr(reader, "_buffer", None) else b""
-                await self.front.join(dial, writer.transport, early)
+                await self.front.join(dial, writer, early)
                 return UPGRADED
         await self._send(writer, *answer, False)
         return False

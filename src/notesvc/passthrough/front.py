@@ -122,11 +122,14 @@ class _Splice:
         self.client.other, self.server.other = self.server, self.client
         self.last = time.monotonic()
         self.closed = False
+        self.writer: Any = None
 
     def close(self) -> None:
         if self.closed:
             return
         self.closed = True
+        if log.isEnabledFor(10):
+            log.debug("relay: a splice to %s closed", self.server_id)
         for pipe in (self.client, self.server):
             if pipe.transport is not None and not pipe.transport.is_closing():
                 pipe.transport.close()  # (what is buffered still goes out first)
@@ -430,10 +433,12 @@ class TlsFront:
             return None
         return dial
 
-    async def join(self, dial: Dial, transport: asyncio.Transport, early: bytes) -> None:
-        """Splice a dial's client to the data connection its server opened (`transport`,
+    async def join(self, dial: Dial, writer: asyncio.StreamWriter, early: bytes) -> None:
+        """Splice a dial's client to the data connection its server opened (`writer`'s,
         just answered 101; `early`: bytes the server sent after its request)."""
         splice = _Splice(self, dial.server_id)
+        splice.writer = writer  # (kept: a StreamWriter closes its transport when collected)
+        transport = writer.transport
         self.splices.setdefault(dial.server_id, {})[splice] = None
         transport.set_protocol(splice.server)
         splice.server.connection_made(transport)

@@ -138,6 +138,7 @@ class SplicedConnection:
             _pump(link, ours, tls, incoming, outgoing, lambda: self._aborted)
         finally:
             ours.close()
+            log.debug("passthrough: a spliced connection from %s closed", self.client[0])
 
 
 def _recv_by(sock: socket.socket, deadline: float) -> bytes:
@@ -263,7 +264,8 @@ class SpliceServer:
         self._lock = threading.Lock()
         self.live: list = []  # SplicedConnection, oldest first
         self.refused = 0
-        self.served = 0
+        self.dialed = 0  # dials answered (a data connection opened)
+        self.served = 0  # of them, handshakes done (a channel handed to waitress)
         self._refused_said = 0.0
 
     def context(self) -> ssl.SSLContext | None:
@@ -291,6 +293,7 @@ class SpliceServer:
                 )
             return
         conn.token = token
+        self.dialed += 1
         threading.Thread(target=conn.run, name="notesvc-spliced", daemon=True).start()
 
     def _room(self) -> SplicedConnection | None:
@@ -390,6 +393,7 @@ class SpliceServer:
             "open": len(live),
             "handshaking": sum(1 for c in live if not c.handshaken),
             "max": SPLICED_MAX,
+            "dialed": self.dialed,
             "served": self.served,
             "refused": self.refused,
         }
