@@ -20608,10 +20608,10 @@ class DnsServer:
                 # the whole message within DNS_TCP_SECONDS: a slow sender holds nothing long
                 try:
                     size = struct.unpack("!H", await asyncio.wait_for(reader.readexactly(2), 30))
+                    if size[0] > DNS_MAX_QUERY:  # no query is that long: not read at all
+                        return
                     data = await asyncio.wait_for(reader.readexactly(size[0]), DNS_TCP_SECONDS)
                 except (asyncio.TimeoutError, asyncio.IncompleteReadError):
-                    return
-                if len(data) > DNS_MAX_QUERY:
                     return
                 answer = dns_reply(self.zone, data, False)
                 if answer is None:

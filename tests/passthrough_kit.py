@@ -11,6 +11,7 @@ collecting the tests needs none of it.
 
 from __future__ import annotations
 
+import base64
 import contextlib
 import datetime as dt
 import ipaddress
@@ -536,3 +537,56 @@ def closed_without_answer(port: int, data: bytes, timeout: float = 15) -> bool:
             return True
         except socket.timeout:
             return False
+
+
+# -- Knot, an authoritative DNS server taking RFC 2136 updates --------------------------------
+
+
+class Knot:
+    """Debian's knotd on a free loopback port, authoritative for relay.test, taking RFC
+    2136 updates signed with one TSIG key (`tsig`: the SERVICE_RELAY_DNS_TSIG value)."""
+
+    ZONE = (
+        "$ORIGIN relay.test.\n$TTL 300\n@ SOA ns hostmaster 1 3600 600 604800 60\n"
+        "@ NS ns\nns A 127.0.0.1\n* A 127.0.0.1\n"
+    )
+
+    def __init__(self, folder: Path):
+        must_be_marked("real_server")
+        if not KNOTD:
+            pytest.skip("knot is not installed (sudo apt install knot)")
+        folder.mkdir(parents=True, exist_ok=True)
+        self.secret = base64.b64encode(os.urandom(32)).decode()
+        self.tsig = f"relay-key:{self.secret}"
+        self.port = free_port()
+        (folder / "relay.test.zone").write_text(self.ZONE)
+        (folder / "knot.conf").write_text(
+            f'server:\n    rundir: "{folder}"\n    listen: 127.0.0.1@{self.port}\n'
+            f'database:\n    storage: "{folder}"\n'
+            f"key:\n  - id: relay-key\n    algorithm: hmac-sha256\n    secret: {self.secret}\n"
+            "acl:\n  - id: relay-update\n    key: relay-key\n    action: update\n"
+            f'template:\n  - id: default\n    storage: "{folder}"\n    file: "%s.zone"\n'
+            "zone:\n  - domain: relay.test\n    acl: relay-update\n"
+            "log:\n  - target: stderr\n    any: info\n"
+        )
+        self.log = folder / "knot.log"
+        with open(self.log, "w") as out:
+            self.proc = subprocess.Popen(
+                [KNOTD, "-c", str(folder / "knot.conf")], stdout=out, stderr=subprocess.STDOUT
+            )
+
+        def up():
+            assert self.proc.poll() is None, self.log.read_text()
+            with contextlib.suppress(OSError):
+                return dns_answer(dns_query(self.port, DOMAIN, 6))["rcode"] == 0
+            return False
+
+        wait_for(up)
+
+    def txt(self, server_id: str) -> list:
+        return txt_values(dns_query(self.port, f"_acme-challenge.{server_id}.{DOMAIN}", 16))
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            self.proc.wait(10)
